@@ -1,0 +1,120 @@
+"""mha_rosetta.backends: one adapter per framework convention, registered by name.
+
+Importing this package imports no framework. `available_backends` asks
+`importlib.util.find_spec`, which looks for a module without importing it, and
+`get_backend` imports an adapter's module only when that backend is asked for.
+The registry is an explicit dict: adding a backend is one line here plus its module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+
+from .base import (
+    DIRECT_RESHAPE,
+    KNOWN_WRONG_STRATEGIES,
+    PER_HEAD,
+    SLICING,
+    STANDARD,
+    Backend,
+    BackendNotInstalled,
+    Prepared,
+    StageTensor,
+    UnsupportedCase,
+    check_device_name,
+)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    module: str  # relative to this package
+    cls: str
+    requires: tuple[str, ...]  # importable modules, checked without importing them
+    extra: str  # the pip extra that installs them
+    kwargs: dict = field(default_factory=dict)
+
+
+REGISTRY: dict[str, BackendEntry] = {}
+
+
+def register(name: str, entry: BackendEntry) -> None:
+    """Add a backend to the registry (used below, and by users with their own adapters)."""
+    if name in REGISTRY:
+        raise ValueError(f"a backend named {name!r} is already registered")
+    REGISTRY[name] = entry
+
+
+def _missing_modules(entry: BackendEntry) -> list[str]:
+    return [module for module in entry.requires if importlib.util.find_spec(module) is None]
+
+
+def available_backends(kind: str | None = None) -> list[str]:
+    """Names of the registered backends whose frameworks are installed (none imported)."""
+    names = [name for name, entry in REGISTRY.items() if not _missing_modules(entry)]
+    if kind is not None:
+        names = [name for name in names if get_backend(name).kind == kind]
+    return names
+
+
+def missing_backends() -> dict[str, str]:
+    """Registered backends that cannot load here, each with the reason and install command."""
+    return {name: _not_installed_message(name, entry) for name, entry in REGISTRY.items() if _missing_modules(entry)}
+
+
+def _not_installed_message(name: str, entry: BackendEntry) -> str:
+    missing = ", ".join(_missing_modules(entry))
+    return f"backend {name!r} needs {missing}, which is not installed: pip install 'mha-rosetta[{entry.extra}]'"
+
+
+_INSTANCES: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The adapter registered as ``name``; its framework is imported when it first runs."""
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(REGISTRY)}")
+    entry = REGISTRY[name]
+    if _missing_modules(entry):
+        raise BackendNotInstalled(_not_installed_message(name, entry))
+    if name not in _INSTANCES:
+        module = importlib.import_module(f"{__name__}.{entry.module}")
+        _INSTANCES[name] = getattr(module, entry.cls)(name=name, **entry.kwargs)
+    return _INSTANCES[name]
+
+
+# Implementations: the same MHA, each in the convention its library's users write.
+register("numpy", BackendEntry("numpy_backend", "NumpyBackend", ("numpy",), "test"))
+register("torch", BackendEntry("torch_backend", "TorchBackend", ("torch",), "torch"))
+register("jax", BackendEntry("jax_backend", "JaxBackend", ("jax",), "jax"))
+register("einops-numpy", BackendEntry("einops_backend", "EinopsBackend", ("einops",), "einops", {"array_library": "numpy"}))
+register("einops-torch", BackendEntry("einops_backend", "EinopsBackend", ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
+register("einops-jax", BackendEntry("einops_backend", "EinopsBackend", ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
+# Third-party oracles: the libraries' own attention, fed the canonical parameters.
+register("torch-mha", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}))
+register("torch-mha-seqfirst", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}))
+register("torch-sdpa", BackendEntry("torch_oracles", "TorchSDPAOracle", ("torch",), "torch"))
+register("jax-dpa", BackendEntry("jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax"))
+register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax"))
+register("equinox", BackendEntry("jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox"))
+
+__all__ = [
+    "DIRECT_RESHAPE",
+    "KNOWN_WRONG_STRATEGIES",
+    "PER_HEAD",
+    "REGISTRY",
+    "SLICING",
+    "STANDARD",
+    "Backend",
+    "BackendEntry",
+    "BackendNotInstalled",
+    "Prepared",
+    "StageTensor",
+    "UnsupportedCase",
+    "available_backends",
+    "check_device_name",
+    "get_backend",
+    "missing_backends",
+    "register",
+]

@@ -1,0 +1,215 @@
+"""What every backend adapter is: the interface, and the shared `run` built on it.
+
+Design rules (the checks and the benchmarks rely on each one):
+
+1. An adapter converts canonical NumPy parameters and inputs into its own convention
+   once, in `prepare`, outside any timed region. `Prepared.forward` is the timed region:
+   it runs the forward pass on already-converted, device-resident data and nothing else.
+2. Results come back as NumPy in the exchange layout, ``(batch, q_tokens, d_model)``.
+3. Stage tensors come back twice: ``native_stages()`` as the adapter holds them (with
+   the meaning of every axis, for the explainer) and ``stages()`` converted to the
+   canonical layout of `core.stages` (for the divergence report). An adapter that
+   cannot see inside a fused kernel exposes the stages it can (at least "output").
+4. The framework is imported inside the adapter's methods, never at module import.
+5. A configuration, dtype, device or strategy the adapter cannot run gives a reason
+   string from `unsupported_reason`, never a crash half-way through a check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mha_rosetta.core import (
+    DTYPE_NAMES,
+    STAGE_BY_NAME,
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    check_dtype_name,
+    prepare_inputs,
+    validate_params,
+)
+
+DEVICE_NAMES = ("cpu", "gpu")
+DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
+
+# The seed's head-split strategies. "direct_reshape" is the known mistake
+# (reshape (N, D) straight to (H, N, Dk)); it is kept to prove that the checks catch it.
+STANDARD = "standard"
+PER_HEAD = "per_head"
+SLICING = "slicing"
+DIRECT_RESHAPE = "direct_reshape"
+KNOWN_WRONG_STRATEGIES = frozenset({DIRECT_RESHAPE})
+
+
+class BackendNotInstalled(ImportError):
+    """A backend's framework is missing; the message carries the install command."""
+
+
+class UnsupportedCase(ValueError):
+    """The backend cannot run this (config, dtype, device, strategy); the message says why."""
+
+
+def check_device_name(device: object) -> str:
+    """Normalise a device name ("cpu", "gpu"; "cuda" is accepted for "gpu")."""
+    if not isinstance(device, str) or device.lower() not in DEVICE_ALIASES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_NAMES)} ('cuda' means 'gpu'); got {device!r}")
+    return DEVICE_ALIASES[device.lower()]
+
+
+@dataclass
+class StageTensor:
+    """One stage tensor as an adapter holds it, with the meaning of each axis.
+
+    ``axes`` uses the symbols of `core.stages` (B, Nq, Nk, H, Hkv, Dk, Dv, D and the
+    merged widths H*Dk, Hkv*Dk, Hkv*Dv, H*Dv), so the column-sample query projection
+    is ``axes=("B", "H*Dk", "Nq")`` and its canonical form follows by a transpose.
+    """
+
+    value: object  # a NumPy array, torch tensor or JAX array
+    axes: tuple[str, ...]
+    note: str = ""  # e.g. "view of q" or "copy (contiguous)", for the explainer
+
+
+@dataclass
+class Prepared:
+    """Everything needed to run and inspect one forward pass, already converted.
+
+    forward:      the timed region; returns the native result.
+    synchronize:  waits until a native result is computed (GPU, async dispatch).
+    to_numpy:     native result -> NumPy output (B, Nq, D); untimed.
+    native_stages: runs the pass again, untimed, and returns its stage tensors.
+    compile:      optional ahead-of-time compilation (JIT backends), timed apart.
+    """
+
+    forward: Callable[[], object]
+    to_numpy: Callable[[object], np.ndarray]
+    native_stages: Callable[[], dict[str, StageTensor]]
+    synchronize: Callable[[object], None] = lambda result: None
+    compile: Callable[[], None] | None = None
+    info: dict = field(default_factory=dict)  # e.g. {"tf32": False, "matmul_precision": "highest"}
+
+
+def tensor_to_numpy(value) -> np.ndarray:
+    """A NumPy array, torch tensor or JAX array -> NumPy, bfloat16 upcast to float32 (exactly)."""
+    if hasattr(value, "detach"):  # torch
+        value = value.detach()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        return value.cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype.name == "bfloat16":
+        array = array.astype(np.float32)
+    return array
+
+
+def canonical_stage(name: str, stage: StageTensor) -> np.ndarray:
+    """Transpose a native stage tensor into the canonical axis order of `core.stages`."""
+    canonical_axes = STAGE_BY_NAME[name].shape
+    if sorted(stage.axes) != sorted(canonical_axes):
+        raise ValueError(f"stage {name!r} has axes {stage.axes}, which are not a permutation of {canonical_axes}")
+    array = tensor_to_numpy(stage.value)
+    return np.transpose(array, [stage.axes.index(symbol) for symbol in canonical_axes])
+
+
+class Backend:
+    """Base class of every adapter. Subclasses set the class attributes and `_prepare`."""
+
+    name: str = ""
+    requires: tuple[str, ...] = ()  # importable modules this backend needs
+    install_hint: str = ""  # e.g. "pip install 'mha-rosetta[torch]'"
+    convention: str = ""  # one line: what this adapter embodies
+    kind: str = "implementation"  # or "oracle" (a third-party implementation)
+    strategies: tuple[str, ...] = (STANDARD,)
+    dtypes: tuple[str, ...] = DTYPE_NAMES
+
+    def __init__(self, name: str | None = None) -> None:
+        # The registry passes the name it holds the backend under, so one class can
+        # serve several entries (einops on NumPy, torch and JAX arrays).
+        if name is not None:
+            self.name = name
+
+    # -- what a subclass provides ---------------------------------------------------------
+    def devices(self) -> tuple[str, ...]:
+        """Devices present for this backend on this machine (always includes "cpu")."""
+        return ("cpu",)
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        """Why this backend cannot run the case, or None. Subclasses extend this."""
+        if strategy not in self.strategies:
+            return f"{self.name} has no strategy {strategy!r} (it has {', '.join(self.strategies)})"
+        if dtype not in self.dtypes:
+            return f"{self.name} does not support {dtype}"
+        if device not in self.devices():
+            return f"{self.name}: no {device} device present on this machine"
+        return None
+
+    def _prepare(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str) -> Prepared:
+        raise NotImplementedError
+
+    # -- shared by every backend ------------------------------------------------------
+    def prepare(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        query,
+        key=None,
+        value=None,
+        mask=None,
+        *,
+        dtype: str = "float64",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+    ) -> tuple[Prepared, MHAInputs]:
+        """Validate everything, then convert once into this backend's convention."""
+        dtype = check_dtype_name(dtype)
+        device = check_device_name(device)
+        validate_params(cfg, params)
+        inputs = prepare_inputs(cfg, query, key, value, mask)
+        reason = self.unsupported_reason(cfg, dtype, device, strategy)
+        if reason:
+            raise UnsupportedCase(reason)
+        return self._prepare(cfg, params, inputs, dtype, device, strategy), inputs
+
+    def run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        query,
+        key=None,
+        value=None,
+        mask=None,
+        return_weights: bool = False,
+        return_stages: bool = False,
+        *,
+        dtype: str = "float64",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+    ):
+        """Same arguments and results as `core.reference_mha`, plus dtype, device and strategy."""
+        prepared, inputs = self.prepare(cfg, params, query, key, value, mask, dtype=dtype, device=device, strategy=strategy)
+        result = prepared.forward()
+        prepared.synchronize(result)
+        output = inputs.unbatch(prepared.to_numpy(result))
+        if not (return_weights or return_stages):
+            return output
+        stages = self.canonical_stages(prepared)
+        extras = []
+        if return_weights:
+            if "weights" not in stages:
+                raise UnsupportedCase(f"{self.name} does not expose attention weights")
+            extras.append(inputs.unbatch(stages["weights"]))
+        if return_stages:
+            extras.append(stages)
+        return (output, *extras)
+
+    @staticmethod
+    def canonical_stages(prepared: Prepared) -> dict[str, np.ndarray]:
+        """The prepared pass's stage tensors in the canonical layout (batched)."""
+        return {name: canonical_stage(name, stage) for name, stage in prepared.native_stages().items()}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}: {self.convention}>"

@@ -1,0 +1,1 @@
+"""mha_rosetta.cli: the ``mha-rosetta`` command line (see `cli.main`)."""

@@ -1,0 +1,52 @@
+"""The ``mha-rosetta`` command line: ``check``, ``bench`` and ``explain``.
+
+Each subcommand lives in its own module (`cli.check`, `cli.bench`, `cli.explain`)
+exposing ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). The
+modules are imported only when their subcommand runs, so ``mha-rosetta --help``
+imports no framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "check": "agreement of every installed implementation with the float64 oracle and with each other",
+    "bench": "fair timings side by side (fresh process per cell, pinned threads)",
+    "explain": "shapes, strides and weight layouts of every convention; the seed's claims with verdicts",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mha-rosetta",
+        description="Multi-head attention written once; checked, timed and explained across NumPy, PyTorch, JAX and einops.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="{check,bench,explain}")
+    for name, help_text in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        _subcommand_module(name).add_arguments(sub)
+    return parser
+
+
+def _subcommand_module(name: str):
+    return importlib.import_module(f"mha_rosetta.cli.{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _subcommand_module(args.command).run(args)
+    except KeyboardInterrupt:
+        print("interrupted; finished results were kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

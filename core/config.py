@@ -1,0 +1,135 @@
+"""`MHAConfig`: a frozen, validated description of one multi-head attention layer.
+
+Every other part of the project (the oracle, the backends, the checks, the
+benchmarks and the explainer) reads its sizes from here, so the rules that make a
+configuration valid are stated once, in `__post_init__`, and every violation names
+the field, the value given and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    # bool is an int subclass; MHAConfig(d_model=True) is a typo, not a width.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"MHAConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"MHAConfig.{name} must be a positive int, got {value}")
+
+
+@dataclass(frozen=True)
+class MHAConfig:
+    """Sizes and switches of one attention layer.
+
+    Fields left as ``None`` take their conventional defaults:
+    ``d_k = d_model // n_heads``, ``d_v = d_k``, ``n_kv_heads = n_heads`` (plain MHA; fewer
+    kv heads give grouped-query attention, one gives multi-query attention),
+    ``kdim = vdim = d_model`` (self-attention widths) and ``scale = 1 / sqrt(d_k)``.
+
+    ``causal=True`` lets query ``i`` attend to key ``j`` only when ``j <= i``: the
+    top-left alignment of ``torch.nn.functional.scaled_dot_product_attention`` and
+    ``jax.nn.dot_product_attention`` (it matters only when q and kv token counts differ).
+    """
+
+    d_model: int
+    n_heads: int
+    d_k: int | None = None
+    d_v: int | None = None
+    n_kv_heads: int | None = None
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool = True
+    causal: bool = False
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        # Resolved defaults are written back with object.__setattr__ (the dataclass is
+        # frozen), so that after construction cfg.d_k and friends are always ints.
+        _require_positive_int("d_model", self.d_model)
+        _require_positive_int("n_heads", self.n_heads)
+        for name in ("d_k", "d_v", "n_kv_heads", "kdim", "vdim"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_positive_int(name, value)
+        for name in ("bias", "causal"):
+            if not isinstance(getattr(self, name), bool):
+                value = getattr(self, name)
+                raise TypeError(f"MHAConfig.{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+        if self.d_k is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"MHAConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pass d_k (and d_v) explicitly"
+            )
+        d_k = self.d_model // self.n_heads if self.d_k is None else self.d_k
+        d_v = d_k if self.d_v is None else self.d_v
+
+        n_kv_heads = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        if self.n_heads % n_kv_heads:
+            raise ValueError(
+                f"MHAConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={n_kv_heads}; "
+                "each kv head must serve the same number of query heads"
+            )
+
+        scale = 1.0 / math.sqrt(d_k) if self.scale is None else self.scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"MHAConfig.scale must be a finite positive number, got {self.scale!r}")
+
+        object.__setattr__(self, "d_k", d_k)
+        object.__setattr__(self, "d_v", d_v)
+        object.__setattr__(self, "n_kv_heads", n_kv_heads)
+        object.__setattr__(self, "kdim", self.d_model if self.kdim is None else self.kdim)
+        object.__setattr__(self, "vdim", self.d_model if self.vdim is None else self.vdim)
+        object.__setattr__(self, "scale", float(scale))
+
+    # Derived sizes, named once so that no module recomputes them differently.
+    @property
+    def q_width(self) -> int:
+        """Width of the merged query projection, ``n_heads * d_k``."""
+        return self.n_heads * self.d_k
+
+    @property
+    def k_width(self) -> int:
+        """Width of the merged key projection, ``n_kv_heads * d_k``."""
+        return self.n_kv_heads * self.d_k
+
+    @property
+    def v_width(self) -> int:
+        """Width of the merged value projection, ``n_kv_heads * d_v``."""
+        return self.n_kv_heads * self.d_v
+
+    @property
+    def context_width(self) -> int:
+        """Width of the merged heads before the output projection, ``n_heads * d_v``."""
+        return self.n_heads * self.d_v
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head: query head ``h`` reads kv head ``h // group_size``."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def is_self_attention_shaped(self) -> bool:
+        """True when key and value inputs have the query's width (kdim == vdim == d_model)."""
+        return self.kdim == self.d_model and self.vdim == self.d_model
+
+    def kv_head_of(self, head: int) -> int:
+        """The kv head that query head ``head`` reads (GQA grouping of torch and JAX)."""
+        return head // self.group_size
+
+    def describe(self) -> str:
+        """A one-line summary for reports, e.g. ``d_model=12 heads=3 (kv 3) d_k=4 d_v=4``."""
+        parts = [f"d_model={self.d_model}", f"heads={self.n_heads}"]
+        if self.n_kv_heads != self.n_heads:
+            parts.append(f"kv_heads={self.n_kv_heads}")
+        parts += [f"d_k={self.d_k}", f"d_v={self.d_v}"]
+        if not self.is_self_attention_shaped:
+            parts.append(f"kdim={self.kdim} vdim={self.vdim}")
+        if not self.bias:
+            parts.append("no-bias")
+        if self.causal:
+            parts.append("causal")
+        return " ".join(parts)

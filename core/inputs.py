@@ -1,0 +1,153 @@
+"""Validation and normalisation of the tensors a caller passes to an MHA forward pass.
+
+The exchange layout at the API boundary is row samples, ``(batch, tokens, features)``,
+as NumPy arrays; an unbatched call passes ``(tokens, features)`` and gets the same back.
+Every implementation calls `prepare_inputs` first, so every one rejects the same bad
+input with the same message.
+
+Zero-length axes (no batch, no tokens) are rejected: frameworks disagree on them
+(some raise, some return empty or NaN), and an attention over nothing has no value
+to check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import MHAConfig
+
+
+@dataclass(frozen=True)
+class MHAInputs:
+    """Inputs in batched form: ``query (B, Nq, D)``, ``key (B, Nk, kdim)``, ``value (B, Nk, vdim)``.
+
+    ``mask`` is None or a boolean array of 4 dims broadcastable to ``(B, H, Nq, Nk)``
+    (True = may attend), exactly as the caller gave it apart from leading unit axes.
+    ``batched`` says whether the caller's arrays had a batch axis, so results can be
+    returned in the caller's form.
+    """
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    mask: np.ndarray | None
+    batched: bool
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def q_tokens(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.key.shape[1]
+
+    def unbatch(self, array):
+        """Drop the batch axis again for callers that passed unbatched inputs."""
+        return array if self.batched else array[0]
+
+
+def _as_float_array(name: str, value) -> np.ndarray:
+    if value is None:
+        raise TypeError(f"{name} must be an array of shape (batch, tokens, features), got None")
+    array = np.asarray(value)
+    if array.dtype == np.bool_ or array.dtype.kind in "iub":
+        raise TypeError(
+            f"{name} must hold floating-point numbers, got dtype {array.dtype}; "
+            f"convert it first, e.g. {name}.astype(np.float32)"
+        )
+    if array.dtype.kind == "c":
+        raise TypeError(f"{name} must be real, got complex dtype {array.dtype}")
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        raise TypeError(f"{name} must be a floating-point array, got dtype {array.dtype}")
+    return array
+
+
+def _check_rank_and_width(name: str, array: np.ndarray, width: int, width_name: str, batched: bool) -> None:
+    expected = f"(batch, tokens, {width_name}={width})" if batched else f"(tokens, {width_name}={width})"
+    if array.ndim != (3 if batched else 2):
+        raise ValueError(f"{name} must have shape {expected}, got shape {array.shape}")
+    if array.shape[-1] != width:
+        raise ValueError(f"{name} must have shape {expected}, got last axis {array.shape[-1]} (shape {array.shape})")
+    if 0 in array.shape:
+        raise ValueError(f"{name} has a zero-length axis (shape {array.shape}); at least one batch item and token are required")
+
+
+def prepare_inputs(cfg: MHAConfig, query, key=None, value=None, mask=None) -> MHAInputs:
+    """Check the inputs against ``cfg`` and return them in batched form.
+
+    ``key`` defaults to ``query`` and ``value`` to ``key`` (self-attention).
+    """
+    if not isinstance(cfg, MHAConfig):
+        raise TypeError(f"cfg must be an MHAConfig, got {type(cfg).__name__}")
+    query = _as_float_array("query", query)
+    key = query if key is None else _as_float_array("key", key)
+    value = key if value is None else _as_float_array("value", value)
+    if query.ndim not in (2, 3):
+        raise ValueError(
+            f"query must have shape (batch, tokens, d_model={cfg.d_model}) or (tokens, d_model={cfg.d_model}), "
+            f"got shape {query.shape}"
+        )
+    batched = query.ndim == 3
+    _check_rank_and_width("query", query, cfg.d_model, "d_model", batched)
+    _check_rank_and_width("key", key, cfg.kdim, "kdim", batched)
+    _check_rank_and_width("value", value, cfg.vdim, "vdim", batched)
+    if not batched:
+        # (N, F) -> (1, N, F): one code path for batched and unbatched calls.
+        query, key, value = query[None], key[None], value[None]
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"key and value must have the same batch and token counts, got key {key.shape} and value {value.shape}"
+        )
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"query and key must have the same batch size, got {query.shape[0]} and {key.shape[0]}")
+    full_shape = (query.shape[0], cfg.n_heads, query.shape[1], key.shape[1])
+    return MHAInputs(query, key, value, _normalise_mask(mask, full_shape, batched), batched)
+
+
+def _normalise_mask(mask, full_shape: tuple[int, int, int, int], batched: bool) -> np.ndarray | None:
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(
+            f"mask must be boolean with True = may attend, got dtype {mask.dtype}. "
+            "(torch.nn.MultiheadAttention's masks use True = blocked; pass ~mask for those.)"
+        )
+    caller_shape = full_shape if batched else full_shape[1:]
+    names = "(batch, heads, q_tokens, kv_tokens)" if batched else "(heads, q_tokens, kv_tokens)"
+    if mask.ndim > len(caller_shape):
+        raise ValueError(f"mask must broadcast to {names} = {caller_shape}, got {mask.ndim} dims (shape {mask.shape})")
+    try:
+        np.broadcast_shapes(mask.shape, caller_shape)
+        fits = np.broadcast_shapes(mask.shape, caller_shape) == caller_shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"mask of shape {mask.shape} does not broadcast to {names} = {caller_shape}")
+    # Leading unit axes up to 4 dims, e.g. (Nq, Nk) -> (1, 1, Nq, Nk).
+    return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
+def causal_mask(q_tokens: int, kv_tokens: int) -> np.ndarray:
+    """(Nq, Nk) boolean, True where query i may attend key j: j <= i (top-left aligned).
+
+    Top-left is what torch's ``is_causal=True`` and ``jax.nn.dot_product_attention``'s
+    ``is_causal=True`` do. With more keys than queries (a KV cache) users often want
+    bottom-right alignment instead; pass that as an explicit mask.
+    """
+    return np.tril(np.ones((q_tokens, kv_tokens), dtype=bool))
+
+
+def allowed_positions(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
+    """The combined mask (user mask AND causal), 4 dims broadcastable to (B, H, Nq, Nk), or None."""
+    allowed = inputs.mask
+    if cfg.causal:
+        causal = causal_mask(inputs.q_tokens, inputs.kv_tokens)[None, None]  # (1, 1, Nq, Nk)
+        allowed = causal if allowed is None else allowed & causal
+    return allowed

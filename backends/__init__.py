@@ -34,6 +34,7 @@ class BackendEntry:
     requires: tuple[str, ...]  # importable modules, checked without importing them
     extra: str  # the pip extra that installs them
     kwargs: dict = field(default_factory=dict)
+    kind: str = "implementation"  # or "oracle": a library's own attention, fed our parameters
 
 
 REGISTRY: dict[str, BackendEntry] = {}
@@ -52,10 +53,7 @@ def _missing_modules(entry: BackendEntry) -> list[str]:
 
 def available_backends(kind: str | None = None) -> list[str]:
     """Names of the registered backends whose frameworks are installed (none imported)."""
-    names = [name for name, entry in REGISTRY.items() if not _missing_modules(entry)]
-    if kind is not None:
-        names = [name for name in names if get_backend(name).kind == kind]
-    return names
+    return [name for name, entry in REGISTRY.items() if not _missing_modules(entry) and kind in (None, entry.kind)]
 
 
 def missing_backends() -> dict[str, str]:
@@ -80,7 +78,9 @@ def get_backend(name: str) -> Backend:
         raise BackendNotInstalled(_not_installed_message(name, entry))
     if name not in _INSTANCES:
         module = importlib.import_module(f"{__name__}.{entry.module}")
-        _INSTANCES[name] = getattr(module, entry.cls)(name=name, **entry.kwargs)
+        backend = getattr(module, entry.cls)(name=name, **entry.kwargs)
+        backend.kind = entry.kind
+        _INSTANCES[name] = backend
     return _INSTANCES[name]
 
 
@@ -92,12 +92,12 @@ register("einops-numpy", BackendEntry("einops_backend", "EinopsBackend", ("einop
 register("einops-torch", BackendEntry("einops_backend", "EinopsBackend", ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
 register("einops-jax", BackendEntry("einops_backend", "EinopsBackend", ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
 # Third-party oracles: the libraries' own attention, fed the canonical parameters.
-register("torch-mha", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}))
-register("torch-mha-seqfirst", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}))
-register("torch-sdpa", BackendEntry("torch_oracles", "TorchSDPAOracle", ("torch",), "torch"))
-register("jax-dpa", BackendEntry("jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax"))
-register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax"))
-register("equinox", BackendEntry("jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox"))
+register("torch-mha", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}, kind="oracle"))
+register("torch-mha-seqfirst", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}, kind="oracle"))
+register("torch-sdpa", BackendEntry("torch_oracles", "TorchSDPAOracle", ("torch",), "torch", kind="oracle"))
+register("jax-dpa", BackendEntry("jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
+register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
+register("equinox", BackendEntry("jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
 
 __all__ = [
     "DIRECT_RESHAPE",

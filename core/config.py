@@ -133,3 +133,10 @@ class MHAConfig:
         if self.causal:
             parts.append("causal")
         return " ".join(parts)
+
+
+def require_config(cfg: object) -> MHAConfig:
+    """Return ``cfg`` if it is an MHAConfig, else raise a TypeError that says what was given."""
+    if not isinstance(cfg, MHAConfig):
+        raise TypeError(f"cfg must be an MHAConfig, got {type(cfg).__name__}")
+    return cfg

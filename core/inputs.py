@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MHAConfig
+from .config import MHAConfig, require_config
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,7 @@ def prepare_inputs(cfg: MHAConfig, query, key=None, value=None, mask=None) -> MH
 
     ``key`` defaults to ``query`` and ``value`` to ``key`` (self-attention).
     """
-    if not isinstance(cfg, MHAConfig):
-        raise TypeError(f"cfg must be an MHAConfig, got {type(cfg).__name__}")
+    require_config(cfg)
     query = _as_float_array("query", query)
     key = query if key is None else _as_float_array("key", key)
     value = key if value is None else _as_float_array("value", value)

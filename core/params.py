@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .config import MHAConfig
+from .config import MHAConfig, require_config
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
@@ -58,6 +58,7 @@ def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
 
 def validate_params(cfg: MHAConfig, params: MHAParams) -> None:
     """Raise if ``params`` does not fit ``cfg`` (e.g. parameters made for another config)."""
+    require_config(cfg)
     if not isinstance(params, MHAParams):
         raise TypeError(f"params must be MHAParams (from init_params or a converter), got {type(params).__name__}")
     for name, shape in expected_param_shapes(cfg).items():
@@ -87,8 +88,7 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
     misplaced bias is visible. With unit-variance inputs the scaled scores stay O(1),
     far from the float16 limit (65504) at every size the tests and benchmarks use.
     """
-    if not isinstance(cfg, MHAConfig):
-        raise TypeError(f"cfg must be an MHAConfig, got {type(cfg).__name__}")
+    require_config(cfg)
     rng = np.random.default_rng(seed)
     shapes = expected_param_shapes(cfg)
     arrays: dict[str, np.ndarray | None] = {}

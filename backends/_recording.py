@@ -1,0 +1,67 @@
+"""Collecting stage tensors during an untimed forward pass, for any array library.
+
+A forward function takes an optional `StageRecorder`. The timed pass gives None and
+records nothing; `native_stages()` runs the same function with a recorder. Recorded
+values are copies taken at the moment of recording (later in-place steps cannot change
+them) that keep the original's axis order and strides where the original is dense, so
+the explainer still sees the layout the adapter really had; the note says whether the
+live tensor was a view of its parent or a fresh copy.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.backends.base import StageTensor
+
+
+def snapshot(value):
+    """A copy of a NumPy array or torch tensor that keeps its memory order."""
+    if hasattr(value, "clone"):  # torch: clone() preserves strides of dense tensors
+        return value.detach().clone()
+    import numpy as np
+
+    return np.array(value, copy=True, order="K")
+
+
+def shares_memory(child, parent) -> bool:
+    """Whether ``child`` is a view into ``parent``'s memory (NumPy or torch)."""
+    if hasattr(child, "untyped_storage"):
+        return child.untyped_storage().data_ptr() == parent.untyped_storage().data_ptr()
+    import numpy as np
+
+    return bool(np.shares_memory(child, parent))
+
+
+def view_note(child, parent, parent_name: str, how: str) -> str:
+    """E.g. "view of q: reshape" or "copy of q: reshape", from the real tensors."""
+    kind = "view" if shares_memory(child, parent) else "copy"
+    return f"{kind} of {parent_name}: {how}"
+
+
+class StageRecorder:
+    """Stage tensors by canonical name, plus per-head pieces stacked at the end."""
+
+    def __init__(self) -> None:
+        self._stages: dict[str, StageTensor] = {}
+        self._heads: dict[str, dict[int, object]] = {}
+        self._head_meta: dict[str, tuple[tuple[str, ...], str, object]] = {}
+
+    def record(self, name: str, value, axes: tuple[str, ...], note: str = "") -> None:
+        self._stages[name] = StageTensor(snapshot(value), tuple(axes), note)
+
+    def record_head(self, name: str, head: int, value, axes: tuple[str, ...], note: str, stack) -> None:
+        """One head's slice of a stage; ``axes`` are the slice's axes (without the head axis).
+
+        ``stack(list_of_arrays, axis)`` joins the heads (np.stack or torch.stack); the
+        head axis goes right after the batch axis.
+        """
+        self._heads.setdefault(name, {})[head] = snapshot(value)
+        self._head_meta[name] = (tuple(axes), note, stack)
+
+    def stages(self) -> dict[str, StageTensor]:
+        result = dict(self._stages)
+        for name, pieces in self._heads.items():
+            axes, note, stack = self._head_meta[name]
+            head_axis = "Hkv" if name in ("k_heads", "v_heads") else "H"
+            value = stack([pieces[h] for h in sorted(pieces)], 1)
+            result[name] = StageTensor(value, (axes[0], head_axis, *axes[1:]), note)
+        return result

@@ -1,0 +1,116 @@
+"""Torch plumbing shared by the torch adapter and the torch oracles.
+
+Torch is imported inside each function: importing this module imports nothing heavy.
+
+TF32. On NVIDIA GPUs since Ampere, float32 matrix products may run on tensor cores in
+TF32 (10-bit mantissa): about 1e-3 relative error instead of float32's 1e-7. Whether
+torch does so is a process-wide switch, ``torch.backends.cuda.matmul.allow_tf32`` (and
+``torch.backends.cudnn.allow_tf32`` for cuDNN). A comparison must not depend on whatever
+another library set, so a GPU run sets both switches explicitly for the duration of each
+forward pass (`matmul_precision`) and restores them afterwards. The default is TF32
+off; an adapter built with ``allow_tf32=True`` turns it on, which is how a test or the
+check shows what TF32 does to the error. On the CPU the switches have no effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import numpy as np
+
+
+def torch_dtype(name: str):
+    """One of core.DTYPE_NAMES -> the torch dtype of the same name (torch has all four)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def torch_device(device: str):
+    """Our device name ("cpu", "gpu") -> torch.device."""
+    import torch
+
+    return torch.device("cuda" if device == "gpu" else "cpu")
+
+
+def torch_devices() -> tuple[str, ...]:
+    """("cpu",) plus "gpu" when torch sees a CUDA device."""
+    import torch
+
+    return ("cpu", "gpu") if torch.cuda.is_available() else ("cpu",)
+
+
+def to_tensor(array, dtype: str, device: str):
+    """A NumPy array (any float dtype, bfloat16 included) -> contiguous torch tensor.
+
+    Goes through float64, which holds every float16/bfloat16/float32 value exactly, so
+    the only rounding is the one to ``dtype``, the same as every other backend's.
+    """
+    import torch
+
+    host = torch.from_numpy(np.ascontiguousarray(np.asarray(array, dtype=np.float64)))
+    return host.to(device=torch_device(device), dtype=torch_dtype(dtype)).contiguous()
+
+
+def optional_tensor(array, dtype: str, device: str):
+    return None if array is None else to_tensor(array, dtype, device)
+
+
+def bool_tensor(array: np.ndarray | None, device: str):
+    import torch
+
+    return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(torch_device(device))
+
+
+def synchronizer(device: str) -> Callable[[object], None]:
+    """Waits for queued GPU work (the result is computed when it returns)."""
+    if device != "gpu":
+        return lambda result: None
+    import torch
+
+    return lambda result: torch.cuda.synchronize()
+
+
+@contextmanager
+def matmul_precision(allow_tf32: bool):
+    """Set torch's TF32 switches for the block, then restore what was there."""
+    import torch
+
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def with_matmul_precision(run: Callable, device: str, allow_tf32: bool) -> Callable:
+    """``run`` wrapped so that TF32 is set explicitly while it runs (GPU only)."""
+    if device != "gpu":
+        return run
+
+    def wrapped(*args, **kwargs):
+        with matmul_precision(allow_tf32):
+            return run(*args, **kwargs)
+
+    return wrapped
+
+
+def precision_info(device: str, dtype: str, allow_tf32: bool) -> dict:
+    """What `Prepared.info` records about float32 matmul precision."""
+    if device != "gpu":
+        return {"tf32": False, "matmul_precision": "ieee (CPU: TF32 does not apply)"}
+    used = allow_tf32 and dtype == "float32"
+    return {
+        "tf32": used,
+        "matmul_precision": "tf32" if used else "ieee",
+        "tf32_switches": f"torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = {allow_tf32} during forward",
+    }
+
+
+def no_gpu_reason(backend_name: str, device: str, devices: tuple[str, ...]) -> str | None:
+    if device not in devices:
+        return f"{backend_name}: torch sees no CUDA device on this machine (torch.cuda.is_available() is False)"
+    return None

@@ -1,0 +1,347 @@
+"""The PyTorch adapter: multi-head attention in row samples, the way ``nn.Linear`` code does it.
+
+Convention B of the seed, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
+Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
+``nn.Linear.weight`` layout ``(out, in)`` and a projection is ``F.linear(x, W, b)``,
+that is ``x @ W.T + b``: the *columns* of ``W.T`` are the scorers. Heads are split with
+``view(B, N, H, Dk).transpose(1, 2)`` (a strided view) and merged with
+``transpose(1, 2).contiguous().view(B, N, H*Dv)``.
+
+GQA: query head h reads kv head ``h // G`` (G = H / Hkv). Rather than repeating the kv
+heads G times (``repeat_interleave``, G copies of K and V), the G query heads of a group
+are folded into the token axis, ``(B, H, Nq, Dk) -> (B*Hkv, G*Nq, Dk)``, so one batched
+product per kv head serves the whole group. That reshape copies the queries, the same copy
+a batched product of the strided head view needs anyway; with G = 1 it is plain MHA.
+
+Strategies: STANDARD (merged projection, view + transpose); PER_HEAD (the seed's own
+matrices ``W_h`` (D, Dk) per head, ``Q_h = X @ W_h``, in a loop); SLICING (merged projection,
+then column slices ``q[:, :, h*Dk:(h+1)*Dk]`` one head at a time); DIRECT_RESHAPE (the
+known mistake: ``q.view(B, H, N, Dk)`` without the transpose).
+
+GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; see
+`_torch_common`.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
+
+from ._recording import StageRecorder, view_note
+from ._torch_common import (
+    bool_tensor,
+    no_gpu_reason,
+    optional_tensor,
+    precision_info,
+    synchronizer,
+    to_tensor,
+    torch_devices,
+    with_matmul_precision,
+)
+from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    requires = ("torch",)
+    install_hint = "pip install 'mha-rosetta[torch]'"
+    convention = (
+        "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
+    )
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE)
+
+    def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
+        super().__init__(name)
+        self.allow_tf32 = bool(allow_tf32)
+
+    def devices(self) -> tuple[str, ...]:
+        return torch_devices()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
+            cfg, dtype, device, strategy
+        )
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        import torch
+
+        layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
+        method = {
+            STANDARD: layer.standard,
+            PER_HEAD: layer.per_head,
+            SLICING: layer.slicing,
+            DIRECT_RESHAPE: layer.direct_reshape,
+        }[strategy]
+        run = with_matmul_precision(method, device, self.allow_tf32)
+
+        def forward():
+            # No tensor here requires grad; inference_mode also skips version counting.
+            with torch.inference_mode():
+                return run(None)
+
+        def native_stages():
+            recorder = StageRecorder()
+            with torch.inference_mode():
+                run(recorder)
+            return recorder.stages()
+
+        info = {
+            "layout": "row samples (B, tokens, features)",
+            "strategy": strategy,
+            "torch_dtype": dtype,
+            "device": str(layer.x_q.device),
+            "gqa": "query heads of a group folded into the token axis (no repeat_interleave)",
+            "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
+            **precision_info(device, dtype, self.allow_tf32),
+        }
+        return Prepared(forward, tensor_to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+
+
+class RowSampleMHA:
+    """One layer and one set of inputs, converted once to torch tensors on the device.
+
+    With ``batched=True`` the score and weight tensors ``(B*Hkv, G*Nq, Nk)`` get buffers
+    here that every call reuses (``out=``). Why: torch has no caching allocator on the
+    CPU, and at B=4, H=8, N=512 each of these is 32 MiB, a fresh ``mmap`` per call whose
+    page faults and zeroing cost more than the softmax itself (measured: 22 ms for
+    ``torch.softmax`` into a new tensor, 5 ms into a reused one). The forward never
+    returns a buffer, so results stay independent.
+    """
+
+    def __init__(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, batched: bool = True
+    ) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.torch, self.F, self.cfg = torch, F, cfg
+        self.sizes = (
+            inputs.batch,
+            inputs.q_tokens,
+            inputs.kv_tokens,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.group_size,
+            cfg.d_k,
+            cfg.d_v,
+        )
+
+        def tensor(array):
+            return optional_tensor(array, dtype, device)
+
+        # nn.Linear layout (out, in), used as is by F.linear.
+        self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
+        self.b_q, self.b_k, self.b_v, self.b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
+        # PER_HEAD: the seed's W_h (D, Dk) per head, Q_h = X @ W_h (row samples: columns are scorers).
+        self.w_q_heads = tensor(split_head_matrices(params.w_q, cfg.n_heads))  # (H, D, Dk)
+        self.w_k_heads = tensor(split_head_matrices(params.w_k, cfg.n_kv_heads))  # (Hkv, kdim, Dk)
+        self.w_v_heads = tensor(split_head_matrices(params.w_v, cfg.n_kv_heads))  # (Hkv, vdim, Dv)
+        self.b_q_heads = tensor(split_head_bias(params.b_q, cfg.n_heads))  # (H, Dk) or None
+        self.b_k_heads = tensor(split_head_bias(params.b_k, cfg.n_kv_heads))  # (Hkv, Dk) or None
+        self.b_v_heads = tensor(split_head_bias(params.b_v, cfg.n_kv_heads))  # (Hkv, Dv) or None
+
+        # Self-attention keeps one tensor for query, key and value, as a caller would.
+        self.x_q = to_tensor(inputs.query, dtype, device)  # (B, Nq, D)
+        self.x_k = self.x_q if inputs.key is inputs.query else to_tensor(inputs.key, dtype, device)  # (B, Nk, kdim)
+        self.x_v = self.x_k if inputs.value is inputs.key else to_tensor(inputs.value, dtype, device)  # (B, Nk, vdim)
+
+        allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk), True = may attend
+        self.blocked = None if allowed is None else bool_tensor(~allowed, device)
+        empty = None if allowed is None else ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
+        self.empty_rows = bool_tensor(empty, device) if empty is not None and empty.any() else None
+        # baddbmm with beta=0 ignores its first argument; a 0-dim zero broadcasts to any shape.
+        self.zero = torch.zeros((), dtype=self.x_q.dtype, device=self.x_q.device)
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        shape = (B * Hkv, G * Nq, Nk)
+        self.scores_buffer = self.x_q.new_empty(shape) if batched else None
+        self.weights_buffer = self.x_q.new_empty(shape) if batched else None
+
+    # -- building blocks ------------------------------------------------------------------
+    def _projections(self):
+        F = self.F
+        q = F.linear(self.x_q, self.w_q, self.b_q)  # (B, Nq, H*Dk)
+        k = F.linear(self.x_k, self.w_k, self.b_k)  # (B, Nk, Hkv*Dk)
+        v = F.linear(self.x_v, self.w_v, self.b_v)  # (B, Nk, Hkv*Dv)
+        return q, k, v
+
+    @staticmethod
+    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b") -> None:
+        rec.record("q", q, ("B", "Nq", "H*Dk"), note)
+        rec.record("k", k, ("B", "Nk", "Hkv*Dk"), note)
+        rec.record("v", v, ("B", "Nk", "Hkv*Dv"), note)
+
+    def _finish(self, merged, rec):
+        output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
+        if rec is not None:
+            rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
+        return output
+
+    def _mask_and_softmax(self, scores, blocked, empty_rows, rec, head: int | None, out=None):
+        """Mask in place, then softmax; rows with no allowed key get zeros, never NaN."""
+        torch = self.torch
+        axes = ("B", "H", "Nq", "Nk") if head is None else ("B", "Nq", "Nk")
+        self._record(
+            rec, "scores", head, scores, axes, "baddbmm(q, k^T, alpha=scale): the scale fused into the product"
+        )
+        if blocked is not None:
+            scores.masked_fill_(blocked, float("-inf"))
+            self._record(rec, "masked_scores", head, scores, axes, "masked_fill_(blocked, -inf), in place")
+        elif rec is not None:
+            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves")
+        if empty_rows is not None:
+            # softmax of an all -inf row is 0/0. Such rows are known from the mask, so
+            # give them finite logits first and zero their weights after: no NaN, ever.
+            scores.masked_fill_(empty_rows, 0.0)
+        weights = torch.softmax(scores, dim=-1) if out is None else torch.softmax(scores, dim=-1, out=out)
+        if empty_rows is not None:
+            weights.masked_fill_(empty_rows, 0.0)
+        self._record(rec, "weights", head, weights, axes, "torch.softmax over keys; empty rows set to zeros")
+        return weights
+
+    def _record(self, rec, name, head, value, axes, note) -> None:
+        if rec is None:
+            return
+        if head is None:
+            rec.record(name, value, axes, note)
+        else:
+            rec.record_head(
+                name, head, value, axes, note + " (one head at a time, stacked for inspection)", self.torch.stack
+            )
+
+    # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
+    def standard(self, rec: StageRecorder | None = None):
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q, k, v = self._projections()
+        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
+        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
+        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
+        if rec is not None:
+            self._record_projections(rec, q, k, v)
+            how = "view(B, N, H, d).transpose(1, 2)"
+            rec.record("q_heads", q_heads, ("B", "H", "Nq", "Dk"), view_note(q_heads, q, "q", how))
+            rec.record("k_heads", k_heads, ("B", "Hkv", "Nk", "Dk"), view_note(k_heads, k, "k", how))
+            rec.record("v_heads", v_heads, ("B", "Hkv", "Nk", "Dv"), view_note(v_heads, v, "v", how))
+        context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Nq, Dv)
+        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
+        if rec is not None:
+            note = view_note(merged, context, "context", "transpose(1, 2).contiguous().view(B, N, H*Dv)")
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), note)
+        return self._finish(merged, rec)
+
+    def direct_reshape(self, rec: StageRecorder | None = None):
+        """The known mistake: reshape (B, N, H*Dk) straight to (B, H, N, Dk), no transpose."""
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q, k, v = self._projections()
+        q_heads = q.view(B, H, Nq, Dk)  # (B, H, Nq, Dk): WRONG, head h gets tokens, not features
+        k_heads = k.view(B, Hkv, Nk, Dk)  # (B, Hkv, Nk, Dk): WRONG
+        v_heads = v.view(B, Hkv, Nk, Dv)  # (B, Hkv, Nk, Dv): WRONG
+        if rec is not None:
+            self._record_projections(rec, q, k, v)
+            how = "the direct-reshape MISTAKE view(B, H, N, d), no transpose"
+            rec.record("q_heads", q_heads, ("B", "H", "Nq", "Dk"), view_note(q_heads, q, "q", how))
+            rec.record("k_heads", k_heads, ("B", "Hkv", "Nk", "Dk"), view_note(k_heads, k, "k", how))
+            rec.record("v_heads", v_heads, ("B", "Hkv", "Nk", "Dv"), view_note(v_heads, v, "v", how))
+        context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Nq, Dv)
+        merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
+        if rec is not None:
+            rec.record(
+                "merged",
+                merged,
+                ("B", "Nq", "H*Dv"),
+                view_note(merged, context, "context", "the direct-reshape mistake undone"),
+            )
+        return self._finish(merged, rec)
+
+    def _attend_batched(self, q_heads, k_heads, v_heads, rec):
+        """Scores, mask, softmax, weighted sum for all heads -> context (B, H, Nq, Dv)."""
+        torch = self.torch
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
+        # Fold the G query heads of each kv head into the token axis (see the module docstring).
+        q_groups = q_heads.reshape(B * Hkv, G * Nq, Dk)  # (B*Hkv, G*Nq, Dk), copy
+        k_groups = k_heads.reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
+        v_groups = v_heads.reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
+        scores = torch.baddbmm(
+            self.zero, q_groups, k_groups.transpose(1, 2), beta=0.0, alpha=self.cfg.scale, out=self.scores_buffer
+        )  # (B*Hkv, G*Nq, Nk)
+        scores = scores.view(B, H, Nq, Nk)  # (B, H, Nq, Nk)
+        weights = self._mask_and_softmax(
+            scores, self.blocked, self.empty_rows, rec, head=None, out=self.weights_buffer.view(B, H, Nq, Nk)
+        )
+        context = torch.bmm(weights.view(B * Hkv, G * Nq, Nk), v_groups)  # (B*Hkv, G*Nq, Dv)
+        context = context.view(B, H, Nq, Dv)  # (B, H, Nq, Dv)
+        if rec is not None:
+            rec.record(
+                "context", context, ("B", "H", "Nq", "Dv"), "bmm(weights, v) with each group's queries folded together"
+            )
+        return context
+
+    # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
+    def _attend_one_head(self, h: int, q_h, k_g, v_g, rec):
+        """Attention of query head h: (B, Nq, Dk), (B, Nk, Dk), (B, Nk, Dv) -> (B, Nq, Dv)."""
+        torch = self.torch
+        scores = torch.baddbmm(self.zero, q_h, k_g.transpose(1, 2), beta=0.0, alpha=self.cfg.scale)  # (B, Nq, Nk)
+
+        def head_slice(mask):  # (1|B, 1|H, Nq, n) -> (1|B, Nq, n)
+            return None if mask is None else mask[:, 0 if mask.shape[1] == 1 else h]
+
+        weights = self._mask_and_softmax(scores, head_slice(self.blocked), head_slice(self.empty_rows), rec, head=h)
+        context = torch.bmm(weights, v_g)  # (B, Nq, Dv)
+        self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
+        return context
+
+    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
+        g = self.cfg.kv_head_of(h)
+        rec.record_head("q_heads", h, q_h, ("B", "Nq", "Dk"), note, self.torch.stack)
+        rec.record_head("k_heads", g, k_g, ("B", "Nk", "Dk"), note, self.torch.stack)
+        rec.record_head("v_heads", g, v_g, ("B", "Nk", "Dv"), note, self.torch.stack)
+
+    def slicing(self, rec: StageRecorder | None = None):
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q, k, v = self._projections()
+        if rec is not None:
+            self._record_projections(rec, q, k, v)
+        contexts = []
+        for h in range(H):
+            g = h // G
+            q_h = q[:, :, h * Dk : (h + 1) * Dk]  # (B, Nq, Dk): columns of head h, a strided view
+            k_g = k[:, :, g * Dk : (g + 1) * Dk]  # (B, Nk, Dk)
+            v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
+            if rec is not None:
+                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection, a view")
+            contexts.append(self._attend_one_head(h, q_h, k_g, v_g, rec))
+        merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
+        if rec is not None:
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
+        return self._finish(merged, rec)
+
+    def per_head(self, rec: StageRecorder | None = None):
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        k_heads = [
+            self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)
+        ]  # Hkv x (B, Nk, Dk)
+        v_heads = [
+            self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)
+        ]  # Hkv x (B, Nk, Dv)
+        q_heads, contexts = [], []
+        for h in range(H):
+            g = h // G
+            q_h = self._project_head(self.x_q, self.w_q_heads, self.b_q_heads, h)  # (B, Nq, Dk) = X @ W_h + b_h
+            if rec is not None:
+                q_heads.append(q_h)
+                self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "X @ W_h with the head's own matrix")
+            contexts.append(self._attend_one_head(h, q_h, k_heads[g], v_heads[g], rec))
+        merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
+        if rec is not None:
+            cat = self.torch.cat
+            note = "the per-head projections side by side, for inspection (the strategy never builds it)"
+            self._record_projections(rec, cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1), note)
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
+        return self._finish(merged, rec)
+
+    @staticmethod
+    def _project_head(x, w_heads, b_heads, head: int):
+        y = x @ w_heads[head]  # (B, N, d): (B, N, in) @ (in, d)
+        if b_heads is not None:
+            y += b_heads[head]  # in place, (d,) broadcast over tokens
+        return y

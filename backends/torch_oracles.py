@@ -1,0 +1,297 @@
+"""Third-party oracles from PyTorch: ``nn.MultiheadAttention`` and ``F.scaled_dot_product_attention``.
+
+Both are fed the canonical parameters (through `core.to_torch_mha_state_dict` for the
+module) and compared with the spec like any backend. Where torch's convention differs
+from the spec the adapter maps it (mask polarity, sequence-first layout) and says so in
+``known_differences``; where torch's *answer* differs (a query that may attend to no key)
+the adapter passes torch's raw result through, NaN included, so the check reports it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    allowed_positions,
+    to_torch_mha_state_dict,
+    torch_mha_unsupported_reason,
+)
+
+from ._recording import StageRecorder, view_note
+from ._torch_common import (
+    bool_tensor,
+    no_gpu_reason,
+    optional_tensor,
+    precision_info,
+    synchronizer,
+    to_tensor,
+    torch_device,
+    torch_devices,
+    torch_dtype,
+    with_matmul_precision,
+)
+from .base import Backend, Prepared, StageTensor, tensor_to_numpy
+
+
+class TorchMHAOracle(Backend):
+    """``torch.nn.MultiheadAttention`` in eval mode, loaded with the canonical parameters.
+
+    The timed pass calls the module as inference code does, ``need_weights=False``, which
+    lets torch pick its fused paths. `native_stages` calls it once more with
+    ``need_weights=True, average_attn_weights=False`` for the per-head weights.
+    """
+
+    kind = "oracle"
+    requires = ("torch",)
+    install_hint = "pip install 'mha-rosetta[torch]'"
+    known_differences = (
+        "mask polarity: attn_mask True = blocked (the spec: True = may attend); the adapter passes ~allowed",
+        "sequence-first by default: (N, B, E) unless batch_first=True; the seq-first adapter transposes in prepare and back in to_numpy",
+        "a 3-D attn_mask is (B*H, Nq, Nk), batch-major (index b*H + h); a 2-D one (Nq, Nk) is shared by all",
+        "a query that may attend to no key: NaN from the fused fast path (eval, batch_first=True, self-attention, "
+        "bias, even heads) and from need_weights=True (NaN weights too); zeros, so output b_o like the spec, from "
+        "the SDPA path it takes otherwise (torch 2.13, CPU)",
+        "need_weights=True averages the weights over heads unless average_attn_weights=False",
+        "no grouped kv heads, d_k = d_v = embed_dim / num_heads, scale fixed at 1/sqrt(d_k)",
+    )
+
+    def __init__(self, name: str | None = None, batch_first: bool = True, allow_tf32: bool = False) -> None:
+        super().__init__(name)
+        self.batch_first = bool(batch_first)
+        self.allow_tf32 = bool(allow_tf32)
+        layout = "(B, N, E), batch_first=True" if self.batch_first else "(N, B, E), the default batch_first=False"
+        self.convention = (
+            f"torch.nn.MultiheadAttention, {layout}; packed in_proj_weight (3E, E); attn_mask True = blocked"
+        )
+        if not self.name:
+            self.name = "torch-mha" if self.batch_first else "torch-mha-seqfirst"
+
+    def devices(self) -> tuple[str, ...]:
+        return torch_devices()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        return (
+            torch_mha_unsupported_reason(cfg)
+            or no_gpu_reason(self.name, device, self.devices())
+            or super().unsupported_reason(cfg, dtype, device, strategy)
+        )
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        import torch
+
+        module = torch.nn.MultiheadAttention(
+            cfg.d_model,
+            cfg.n_heads,
+            dropout=0.0,
+            bias=cfg.bias,
+            kdim=cfg.kdim,
+            vdim=cfg.vdim,
+            batch_first=self.batch_first,
+            device=torch_device(device),
+            dtype=torch_dtype(dtype),
+        )
+        state = {name: torch.from_numpy(array) for name, array in to_torch_mha_state_dict(cfg, params).items()}
+        module.load_state_dict(state)  # strict: every tensor torch expects, no more (copy_ casts the dtype)
+        module.eval()
+        module.requires_grad_(False)
+
+        def sequence_layout(x):  # (B, N, F) -> the module's layout
+            return x if self.batch_first else x.transpose(0, 1).contiguous()  # (N, B, F) when seq-first
+
+        # Self-attention passes one tensor three times: torch's fast path checks identity.
+        query = sequence_layout(to_tensor(inputs.query, dtype, device))
+        key = query if inputs.key is inputs.query else sequence_layout(to_tensor(inputs.key, dtype, device))
+        value = key if inputs.value is inputs.key else sequence_layout(to_tensor(inputs.value, dtype, device))
+        attn_mask = torch_blocked_mask(
+            allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
+        )
+
+        def call(need_weights: bool):
+            with torch.inference_mode():
+                return module(
+                    query, key, value, attn_mask=attn_mask, need_weights=need_weights, average_attn_weights=False
+                )
+
+        call = with_matmul_precision(call, device, self.allow_tf32)
+
+        def forward():
+            return call(False)[0]
+
+        def to_numpy(output) -> np.ndarray:
+            output = output if self.batch_first else output.transpose(0, 1)  # (B, Nq, D)
+            return tensor_to_numpy(output)
+
+        output_axes = ("B", "Nq", "D") if self.batch_first else ("Nq", "B", "D")
+
+        def native_stages():
+            output = forward()
+            _, weights = call(True)  # (B, H, Nq, Nk), per head
+            return {
+                "weights": StageTensor(
+                    weights, ("B", "H", "Nq", "Nk"), "need_weights=True, average_attn_weights=False (a second call)"
+                ),
+                "output": StageTensor(output, output_axes, "the timed call's output, need_weights=False"),
+            }
+
+        info = {
+            "batch_first": self.batch_first,
+            "attn_mask": None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = blocked",
+            "fast_path_expected": fast_path_expected(cfg, self.batch_first, query is key is value),
+            **precision_info(device, dtype, self.allow_tf32),
+        }
+        return Prepared(forward, to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+
+
+def torch_blocked_mask(allowed: np.ndarray | None, batch: int, heads: int, q_tokens: int, kv_tokens: int, device: str):
+    """Spec mask (True = may attend, broadcastable (1|B, 1|H, 1|Nq, Nk)) -> nn.MultiheadAttention attn_mask.
+
+    torch wants True = blocked, shaped (Nq, Nk) for one mask shared by every batch item
+    and head, else (B*H, Nq, Nk) with index b*H + h. (A pure key-padding mask could go
+    to key_padding_mask (B, Nk) instead; one attn_mask covers every case the spec allows.)
+    """
+    if allowed is None:
+        return None
+    if allowed.shape[:2] == (1, 1):
+        shared = np.broadcast_to(allowed[0, 0], (q_tokens, kv_tokens))  # (Nq, Nk)
+        return bool_tensor(~shared, device)
+    full = np.broadcast_to(allowed, (batch, heads, q_tokens, kv_tokens))  # (B, H, Nq, Nk)
+    return bool_tensor(~full.reshape(batch * heads, q_tokens, kv_tokens), device)  # (B*H, Nq, Nk), copy
+
+
+def fast_path_expected(cfg: MHAConfig, batch_first: bool, self_attention: bool) -> str:
+    """Whether torch's documented fast-path conditions hold (a description, not a probe)."""
+    reasons = []
+    if not batch_first:
+        reasons.append("batch_first=False")
+    if not self_attention:
+        reasons.append("query, key and value are not one tensor")
+    if not cfg.bias:
+        reasons.append("bias=False")
+    if cfg.n_heads % 2:
+        reasons.append("odd number of heads")
+    if not cfg.is_self_attention_shaped:
+        reasons.append("kdim/vdim differ from embed_dim")
+    return "yes" if not reasons else "no: " + ", ".join(reasons)
+
+
+class TorchSDPAOracle(Backend):
+    """``F.scaled_dot_product_attention`` on heads projected with ``F.linear``.
+
+    Projections, head split and merge are in the timed region, as in a model. The mask is
+    boolean with True = may attend (the spec's polarity); a causal configuration without
+    a user mask uses ``is_causal=True``, which torch aligns top-left (query i sees keys
+    j <= i), the spec's alignment. GQA uses ``enable_gqa=True`` (query head h reads kv
+    head h // G). The scores and weights live inside the fused kernel and are not exposed.
+    """
+
+    kind = "oracle"
+    requires = ("torch",)
+    install_hint = "pip install 'mha-rosetta[torch]'"
+    convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
+    known_differences = (
+        "mask polarity: bool attn_mask True = may attend, like the spec (the opposite of nn.MultiheadAttention)",
+        "is_causal=True is top-left aligned (query i sees keys j <= i), which matters when Nq != Nk",
+        "a query that may attend to no key: zeros (so output b_o, like the spec) on torch 2.13 CPU; "
+        "other kernels (GPU flash / memory-efficient) are not guaranteed to agree",
+        "attn_mask and is_causal cannot be combined: a causal mask with a user mask is passed as one boolean mask",
+        "scores and weights stay inside the fused kernel: only projections, heads, context, merged and output are stages",
+    )
+
+    def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
+        super().__init__(name)
+        self.allow_tf32 = bool(allow_tf32)
+        if not self.name:
+            self.name = "torch-sdpa"
+
+    def devices(self) -> tuple[str, ...]:
+        return torch_devices()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if cfg.n_kv_heads != cfg.n_heads and not sdpa_has_enable_gqa():
+            return "this torch's scaled_dot_product_attention has no enable_gqa (torch >= 2.5 has it)"
+        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
+            cfg, dtype, device, strategy
+        )
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        import torch
+        import torch.nn.functional as F
+
+        B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+        H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+
+        def tensor(array):
+            return optional_tensor(array, dtype, device)
+
+        w_q, w_k, w_v, w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
+        b_q, b_k, b_v, b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
+        x_q = to_tensor(inputs.query, dtype, device)  # (B, Nq, D)
+        x_k = x_q if inputs.key is inputs.query else to_tensor(inputs.key, dtype, device)  # (B, Nk, kdim)
+        x_v = x_k if inputs.value is inputs.key else to_tensor(inputs.value, dtype, device)  # (B, Nk, vdim)
+
+        # No user mask: is_causal says it all and lets torch pick its causal kernels.
+        use_is_causal = cfg.causal and inputs.mask is None
+        allowed = None if use_is_causal else allowed_positions(cfg, inputs)
+        attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
+        gqa = {"enable_gqa": True} if Hkv != H else {}
+
+        def run(rec: StageRecorder | None):
+            q = F.linear(x_q, w_q, b_q)  # (B, Nq, H*Dk)
+            k = F.linear(x_k, w_k, b_k)  # (B, Nk, Hkv*Dk)
+            v = F.linear(x_v, w_v, b_v)  # (B, Nk, Hkv*Dv)
+            q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk)
+            k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
+            v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
+            context = F.scaled_dot_product_attention(
+                q_heads, k_heads, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
+            )  # (B, H, Nq, Dv)
+            merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
+            output = F.linear(merged, w_o, b_o)  # (B, Nq, D)
+            if rec is not None:
+                how = "view(B, N, H, d).transpose(1, 2)"
+                rec.record("q", q, ("B", "Nq", "H*Dk"), "F.linear")
+                rec.record("k", k, ("B", "Nk", "Hkv*Dk"), "F.linear")
+                rec.record("v", v, ("B", "Nk", "Hkv*Dv"), "F.linear")
+                rec.record("q_heads", q_heads, ("B", "H", "Nq", "Dk"), view_note(q_heads, q, "q", how))
+                rec.record("k_heads", k_heads, ("B", "Hkv", "Nk", "Dk"), view_note(k_heads, k, "k", how))
+                rec.record("v_heads", v_heads, ("B", "Hkv", "Nk", "Dv"), view_note(v_heads, v, "v", how))
+                rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
+                rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
+                rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
+            return output
+
+        run = with_matmul_precision(run, device, self.allow_tf32)
+
+        def forward():
+            with torch.inference_mode():
+                return run(None)
+
+        def native_stages():
+            recorder = StageRecorder()
+            with torch.inference_mode():
+                run(recorder)
+            return recorder.stages()
+
+        info = {
+            "mask": "is_causal=True (top-left)"
+            if use_is_causal
+            else (None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"),
+            "enable_gqa": bool(gqa),
+            **precision_info(device, dtype, self.allow_tf32),
+        }
+        return Prepared(forward, tensor_to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+
+
+def sdpa_has_enable_gqa() -> bool:
+    """torch >= 2.5 accepts enable_gqa in scaled_dot_product_attention."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)

@@ -1,0 +1,219 @@
+"""The PyTorch row-sample adapter against the float64 oracle, stage by stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from adapter_cases import CASES, DTYPES, Case, assert_stages_close, first_differing_stage
+
+from conftest import requires
+from mha_rosetta.backends import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, UnsupportedCase, get_backend
+from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, init_params, reference_mha, reference_stages
+
+pytestmark = requires("torch")
+CORRECT_STRATEGIES = (STANDARD, PER_HEAD, SLICING)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+needs_gpu = pytest.mark.skipif(not _cuda_available(), reason="no CUDA device visible to torch")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("torch")
+
+
+def _run(backend, case: Case, dtype: str, strategy: str, device: str = "cpu", **kwargs):
+    query, key, value, mask = case.inputs()
+    return backend.run(
+        case.cfg, case.params(), query, key, value, mask, dtype=dtype, strategy=strategy, device=device, **kwargs
+    )
+
+
+def _reference(case: Case):
+    query, key, value, mask = case.inputs()
+    return reference_mha(case.cfg, case.params(), query, key, value, mask)
+
+
+@pytest.mark.parametrize("strategy", CORRECT_STRATEGIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_output_matches_reference(backend, case, dtype, strategy):
+    output = _run(backend, case, dtype, strategy)
+    expected = _reference(case)
+    assert output.shape == expected.shape
+    assert_close(output, expected, dtype, what=f"torch/{strategy}/{dtype} on {case}")
+
+
+@pytest.mark.parametrize("dtype", ("float64", "float16", "bfloat16"))
+@pytest.mark.parametrize("strategy", CORRECT_STRATEGIES)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_every_stage_matches_reference(backend, case, strategy, dtype):
+    query, key, value, mask = case.inputs()
+    _, stages = _run(backend, case, dtype, strategy, return_stages=True)
+    reference = reference_stages(case.cfg, case.params(), query, key, value, mask)
+    assert_stages_close(stages, reference, dtype, STAGE_NAMES)
+
+
+@pytest.mark.parametrize("dtype", ("float64", "float32", "bfloat16"))
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_direct_reshape_mistake_is_caught_at_q_heads(backend, case, dtype):
+    query, key, value, mask = case.inputs()
+    output, stages = _run(backend, case, dtype, DIRECT_RESHAPE, return_stages=True)
+    reference = reference_stages(case.cfg, case.params(), query, key, value, mask)
+    assert output.shape == _reference(case).shape and np.isfinite(output).all()  # shape-correct ...
+    with np.errstate(invalid="ignore"):
+        assert not compare(output, _reference(case), dtype).ok  # ... but wrong
+    assert first_differing_stage(stages, reference, dtype) == "q_heads"
+
+
+def test_direct_reshape_is_the_same_mistake_as_numpys(backend):
+    """Both adapters make the one mistake the seed describes, so they agree with each other."""
+    case = CASES[3]  # GQA, cross-attention, causal, custom scale
+    query, key, value, mask = case.inputs()
+    numpy_out = get_backend("numpy").run(case.cfg, case.params(), query, key, value, mask, strategy=DIRECT_RESHAPE)
+    torch_out = _run(backend, case, "float64", DIRECT_RESHAPE)
+    assert_close(torch_out, numpy_out, "float64")
+
+
+def test_row_layout_of_native_stages(backend):
+    """nn.Linear semantics, view + transpose to split (a view), contiguous().view to merge (a copy)."""
+    case = CASES[0]
+    query = case.inputs()[0]
+    params = case.params()
+    prepared, _ = backend.prepare(case.cfg, params, query)
+    native = prepared.native_stages()
+    q = native["q"]
+    assert q.axes == ("B", "Nq", "H*Dk")
+    np.testing.assert_allclose(q.value[0].numpy(), query[0] @ params.w_q.T + params.b_q, rtol=1e-12, atol=1e-12)
+    heads = native["q_heads"]
+    assert heads.axes == ("B", "H", "Nq", "Dk")
+    assert heads.note.startswith("view of q"), heads.note
+    assert not heads.value.is_contiguous()  # the transpose leaves a strided view
+    Dk = case.cfg.d_k
+    H, Nq = heads.value.shape[1:3]
+    assert heads.value.stride() == (Nq * H * Dk, Dk, H * Dk, 1)
+    merged = native["merged"]
+    assert merged.axes == ("B", "Nq", "H*Dv") and merged.note.startswith("copy of context")
+    assert native["scores"].axes == ("B", "H", "Nq", "Nk")
+    assert native["output"].axes == ("B", "Nq", "D")
+
+
+def test_empty_rows_give_b_o_without_nan(backend, monkeypatch):
+    import torch
+
+    softmax = torch.softmax
+
+    def softmax_that_must_not_make_nan(*args, **kwargs):
+        result = softmax(*args, **kwargs)
+        assert not torch.isnan(result).any(), "softmax produced NaN: an all -inf row reached it"
+        return result
+
+    monkeypatch.setattr(torch, "softmax", softmax_that_must_not_make_nan)
+    cfg = MHAConfig(d_model=15, n_heads=3, bias=True)
+    params = init_params(cfg, seed=5)
+    query, key, value, mask = Case("empty", cfg, cross=True, mask="empty_rows").inputs()
+    for strategy in CORRECT_STRATEGIES:
+        prepared, _ = backend.prepare(cfg, params, query, key, value, mask, dtype="float32", strategy=strategy)
+        stages = prepared.native_stages()
+        for name, stage in stages.items():
+            assert not torch.isnan(stage.value).any(), f"NaN in stage {name} ({strategy})"
+        output = prepared.to_numpy(prepared.forward())
+        np.testing.assert_allclose(output[1, 5], params.b_o, rtol=1e-6, atol=1e-7)
+        weights = backend.canonical_stages(prepared)["weights"]
+        np.testing.assert_array_equal(weights[0, 1, 3], 0.0)
+        assert np.isneginf(backend.canonical_stages(prepared)["masked_scores"][1, :, 5]).all()
+
+
+def test_results_do_not_share_the_workspace(backend):
+    case = CASES[0]
+    prepared, _ = backend.prepare(case.cfg, case.params(), case.inputs()[0], dtype="float32")
+    assert prepared.info["workspace"]
+    first = prepared.forward()
+    kept = first.clone()
+    second = prepared.forward()
+    assert first.data_ptr() != second.data_ptr()
+    assert (first == kept).all() and (first == second).all()
+
+
+def test_precision_info_on_cpu(backend):
+    case = CASES[0]
+    prepared, _ = backend.prepare(case.cfg, case.params(), case.inputs()[0], dtype="float32")
+    assert prepared.info["tf32"] is False
+    assert prepared.info["device"] == "cpu"
+    assert "folded" in prepared.info["gqa"]
+
+
+def test_matmul_precision_switches_are_set_and_restored():
+    import torch
+
+    from mha_rosetta.backends._torch_common import matmul_precision
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        with matmul_precision(False):
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_devices_and_unsupported(backend):
+    case = CASES[0]
+    assert backend.devices()[0] == "cpu"
+    assert ("gpu" in backend.devices()) == _cuda_available()
+    if not _cuda_available():
+        reason = backend.unsupported_reason(case.cfg, "float32", "gpu", STANDARD)
+        assert "no CUDA device" in reason
+        with pytest.raises(UnsupportedCase, match="no CUDA device"):
+            backend.prepare(case.cfg, case.params(), case.inputs()[0], device="gpu")
+    assert "no strategy" in backend.unsupported_reason(case.cfg, "float32", "cpu", "heads_first")
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("strategy", (STANDARD, SLICING))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=str)
+def test_gpu_output_matches_reference(backend, case, dtype, strategy):
+    prepared, _ = backend.prepare(case.cfg, case.params(), *case.inputs(), dtype=dtype, strategy=strategy, device="gpu")
+    assert prepared.info["tf32"] is False
+    result = prepared.forward()
+    prepared.synchronize(result)
+    assert_close(prepared.to_numpy(result), reference_mha(case.cfg, case.params(), *case.inputs()), dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_tf32_changes_float32_error():
+    """TF32 off: float32 accuracy. TF32 on (allow_tf32=True): errors of TF32's 10-bit mantissa."""
+    from mha_rosetta.backends.torch_backend import TorchBackend
+
+    cfg = MHAConfig(d_model=256, n_heads=4)
+    params = init_params(cfg, seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 128, 256))
+    expected = reference_mha(cfg, params, x)
+    errors = {}
+    for allow in (False, True):
+        prepared, _ = TorchBackend(name=f"torch-tf32-{allow}", allow_tf32=allow).prepare(
+            cfg, params, x, dtype="float32", device="gpu"
+        )
+        assert prepared.info["tf32"] is allow
+        result = prepared.forward()
+        prepared.synchronize(result)
+        errors[allow] = float(np.max(np.abs(prepared.to_numpy(result) - expected)))
+    assert errors[False] < 2e-5, errors
+    assert errors[True] > 10 * errors[False], errors  # TF32 rounds products to ~1e-3 relative

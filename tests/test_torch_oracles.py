@@ -1,0 +1,231 @@
+"""torch.nn.MultiheadAttention and F.scaled_dot_product_attention as oracles of the spec.
+
+Besides agreement where torch can express the configuration, these tests pin down what
+torch 2.13 actually returns where its convention differs from the spec (a query that
+may attend to no key), so a change in torch shows up here rather than as a mystery in
+the agreement matrix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from adapter_cases import CASE_BY_NAME, CASES, DTYPES, Case, assert_stages_close
+
+from conftest import requires
+from mha_rosetta.backends import UnsupportedCase, get_backend
+from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha, reference_stages
+
+pytestmark = requires("torch")
+MHA_ORACLES = ("torch-mha", "torch-mha-seqfirst")
+
+
+def _reference(case: Case):
+    return reference_mha(case.cfg, case.params(), *case.inputs())
+
+
+def _supported(name: str, case: Case) -> bool:
+    return get_backend(name).unsupported_reason(case.cfg, "float32", "cpu", "standard") is None
+
+
+# Cases the fused oracles can hold (the module: no GQA, d_v = d_k = d_model / h, default scale).
+EVEN_HEADS = Case("self-4-heads", MHAConfig(d_model=16, n_heads=4))
+MHA_CASES = [case for case in CASES if _supported("torch-mha", case) and case.mask != "empty_rows"] + [EVEN_HEADS]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MHA_CASES, ids=str)
+@pytest.mark.parametrize("name", MHA_ORACLES)
+def test_multihead_attention_matches_reference(name, case, dtype):
+    output = get_backend(name).run(case.cfg, case.params(), *case.inputs(), dtype=dtype)
+    assert_close(output, _reference(case), dtype, what=f"{name}/{dtype} on {case}")
+
+
+@pytest.mark.parametrize("case", MHA_CASES, ids=str)
+@pytest.mark.parametrize("name", MHA_ORACLES)
+def test_multihead_attention_exposes_output_and_per_head_weights(name, case):
+    _, stages = get_backend(name).run(case.cfg, case.params(), *case.inputs(), return_stages=True)
+    reference = reference_stages(case.cfg, case.params(), *case.inputs())
+    assert_stages_close(stages, reference, "float64", ("weights", "output"))
+
+
+def test_multihead_attention_covers_the_spec_cases_it_can():
+    names = {case.name for case in MHA_CASES}
+    assert {"self", "causal", "padding-mask", "unbatched-causal-padding", "self-4-heads"} <= names
+    assert "gqa-6q-2kv" not in names and "cross-kdim11-vdim9-dv4" not in names
+
+
+def test_cross_attention_with_kdim_vdim_uses_separate_projections():
+    cfg = MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9)
+    case = Case("cross-kdim-vdim", cfg, cross=True, mask="padding")
+    for name in MHA_ORACLES:
+        assert_close(
+            get_backend(name).run(cfg, case.params(), *case.inputs(), dtype="float32"), _reference(case), "float32"
+        )
+
+
+@pytest.mark.parametrize(
+    "cfg, words",
+    [
+        (MHAConfig(d_model=18, n_heads=6, n_kv_heads=2), "grouped kv heads"),
+        (MHAConfig(d_model=15, n_heads=3, d_v=4), "d_k = d_v"),
+        (MHAConfig(d_model=15, n_heads=3, d_k=4), "d_k = d_v"),
+        (MHAConfig(d_model=15, n_heads=3, scale=0.3), "1/sqrt(d_k)"),
+    ],
+    ids=["gqa", "d_v", "d_k", "scale"],
+)
+@pytest.mark.parametrize("name", MHA_ORACLES)
+def test_multihead_attention_refuses_what_it_cannot_hold(name, cfg, words):
+    backend = get_backend(name)
+    reason = backend.unsupported_reason(cfg, "float32", "cpu", "standard")
+    assert reason and words in reason
+    x = np.zeros((1, 2, cfg.d_model))
+    with pytest.raises(UnsupportedCase, match=r"nn\.MultiheadAttention"):
+        backend.prepare(cfg, init_params(cfg), x)
+
+
+def test_sequence_first_layout_is_real():
+    case = CASE_BY_NAME["causal"]
+    seqfirst = get_backend("torch-mha-seqfirst")
+    prepared, _ = seqfirst.prepare(case.cfg, case.params(), *case.inputs())
+    assert prepared.info["batch_first"] is False
+    result = prepared.forward()
+    assert tuple(result.shape) == (7, 2, 15)  # (Nq, B, D): what the module returns
+    stage = prepared.native_stages()["output"]
+    assert stage.axes == ("Nq", "B", "D")
+    np.testing.assert_allclose(prepared.to_numpy(result), _reference(case), atol=1e-12)
+    assert get_backend("torch-mha").prepare(case.cfg, case.params(), *case.inputs())[0].forward().shape == (2, 7, 15)
+
+
+def test_mask_polarity_is_inverted_for_the_module():
+    """attn_mask True = blocked; giving the module the spec's mask unchanged is wrong."""
+    import torch
+
+    from mha_rosetta.backends.torch_oracles import torch_blocked_mask
+
+    allowed = np.array([[[[True, False, True], [False, False, True]]]])  # (1, 1, Nq=2, Nk=3)
+    np.testing.assert_array_equal(torch_blocked_mask(allowed, 2, 4, 2, 3, "cpu").numpy(), ~allowed[0, 0])
+    per_item = np.zeros((2, 1, 2, 3), dtype=bool)
+    per_item[1, 0, :, 2] = True  # batch item 1 sees key 2 only
+    per_item[0] = True
+    blocked = torch_blocked_mask(per_item, 2, 4, 2, 3, "cpu").numpy()  # (B*H, Nq, Nk), index b*H + h
+    assert blocked.shape == (8, 2, 3)
+    assert not blocked[:4].any() and blocked[4:, :, :2].all() and not blocked[4:, :, 2].any()
+    padding = np.ones((2, 1, 1, 3), dtype=bool)
+    padding[1, ..., 0] = False  # a key-padding mask broadcast over queries
+    blocked = torch_blocked_mask(padding, 2, 4, 2, 3, "cpu").numpy()
+    assert blocked.shape == (8, 2, 3) and blocked[4:, :, 0].all() and blocked.sum() == 8
+
+    cfg = MHAConfig(d_model=16, n_heads=4, bias=False)
+    params = init_params(cfg, seed=2)
+    x = np.random.default_rng(4).standard_normal((1, 3, 16))
+    mask = np.tril(np.ones((3, 3), dtype=bool))
+    expected = reference_mha(cfg, params, x, mask=mask)
+    assert_close(get_backend("torch-mha").run(cfg, params, x, mask=mask), expected, "float64")
+    module = torch.nn.MultiheadAttention(16, 4, bias=False, batch_first=True, dtype=torch.float64).eval()
+    from mha_rosetta.core import to_torch_mha_state_dict
+
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in to_torch_mha_state_dict(cfg, params).items()})
+    xt = torch.from_numpy(x)
+    with torch.no_grad():
+        same_polarity, _ = module(xt, xt, xt, attn_mask=torch.from_numpy(mask), need_weights=False)
+        inverted, _ = module(xt, xt, xt, attn_mask=torch.from_numpy(~mask), need_weights=False)
+    np.testing.assert_allclose(inverted.numpy(), expected, atol=1e-12)
+    assert np.nanmax(np.abs(same_polarity.numpy() - expected)) > 0.1  # the spec's mask, unmapped, is wrong
+
+
+# -- what torch returns for a query that may attend to nothing --------------------------------
+
+
+def _empty_row_case(n_heads: int, cross: bool) -> Case:
+    d_model = 4 * n_heads
+    return Case("empty", MHAConfig(d_model=d_model, n_heads=n_heads), cross=cross, mask="empty_rows")
+
+
+def test_module_fast_path_returns_nan_for_an_empty_row():
+    """Eval, batch_first=True, self-attention, bias, even heads: torch's fused fast path."""
+    case = _empty_row_case(4, cross=False)
+    prepared, _ = get_backend("torch-mha").prepare(case.cfg, case.params(), *case.inputs())
+    assert prepared.info["fast_path_expected"] == "yes"
+    output = prepared.to_numpy(prepared.forward())
+    expected = _reference(case)
+    assert np.isnan(output[1, 5]).all()  # every head of query 5 in item 1 is empty: NaN, not b_o
+    assert np.isnan(output[0, 3]).all()  # one empty head (of four) is enough to poison the row
+    finite = np.ones(output.shape[:2], dtype=bool)
+    finite[1, 5] = finite[0, 3] = False
+    assert np.isfinite(output[finite]).all()
+    assert_close(output[finite], expected[finite], "float64")
+
+
+def test_module_python_path_returns_b_o_for_an_empty_row():
+    """Sequence-first (no fast path) goes through SDPA, which gives zero context: the spec's b_o."""
+    case = _empty_row_case(4, cross=False)
+    prepared, _ = get_backend("torch-mha-seqfirst").prepare(case.cfg, case.params(), *case.inputs())
+    assert prepared.info["fast_path_expected"].startswith("no")
+    output = prepared.to_numpy(prepared.forward())
+    assert np.isfinite(output).all()
+    assert_close(output, _reference(case), "float64")
+    np.testing.assert_allclose(output[1, 5], case.params().b_o, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", MHA_ORACLES)
+def test_module_weights_are_nan_for_an_empty_row(name):
+    """need_weights=True computes the softmax in Python: 0/0 = NaN for the empty row."""
+    case = _empty_row_case(4, cross=True)
+    prepared, _ = get_backend(name).prepare(case.cfg, case.params(), *case.inputs())
+    weights = get_backend(name).canonical_stages(prepared)["weights"]
+    assert np.isnan(weights[0, 1, 3]).all() and np.isnan(weights[1, :, 5]).all()
+    reference = reference_stages(case.cfg, case.params(), *case.inputs())["weights"]
+    usable = ~np.isnan(weights)
+    assert usable.sum() == weights.size - 5 * 5  # exactly the empty rows (5 keys each) are NaN
+    assert_close(weights[usable], reference[usable], "float64")
+
+
+def test_sdpa_returns_b_o_for_an_empty_row():
+    case = _empty_row_case(3, cross=True)
+    output = get_backend("torch-sdpa").run(case.cfg, case.params(), *case.inputs(), dtype="float32")
+    assert np.isfinite(output).all()
+    np.testing.assert_allclose(output[1, 5], case.params().b_o, atol=1e-6)
+    assert_close(output, _reference(case), "float32")
+
+
+# -- scaled_dot_product_attention ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sdpa_matches_reference_on_every_case(case, dtype):
+    output = get_backend("torch-sdpa").run(case.cfg, case.params(), *case.inputs(), dtype=dtype)
+    assert_close(output, _reference(case), dtype, what=f"torch-sdpa/{dtype} on {case}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sdpa_stages_outside_the_kernel_match_reference(case):
+    _, stages = get_backend("torch-sdpa").run(case.cfg, case.params(), *case.inputs(), return_stages=True)
+    reference = reference_stages(case.cfg, case.params(), *case.inputs())
+    assert "weights" not in stages and "scores" not in stages  # inside the fused kernel
+    assert_stages_close(
+        stages, reference, "float64", ("q", "k", "v", "q_heads", "k_heads", "v_heads", "context", "merged", "output")
+    )
+
+
+def test_sdpa_uses_is_causal_without_a_user_mask_and_a_bool_mask_with_one():
+    causal_cross = CASE_BY_NAME["gqa-6q-3kv-causal-cross-scale"]  # Nq=7 > Nk=5: top-left matters
+    prepared, _ = get_backend("torch-sdpa").prepare(causal_cross.cfg, causal_cross.params(), *causal_cross.inputs())
+    assert prepared.info["mask"] == "is_causal=True (top-left)"
+    assert prepared.info["enable_gqa"] is True
+    assert_close(prepared.to_numpy(prepared.forward()), _reference(causal_cross), "float64")
+    combined = CASE_BY_NAME["unbatched-causal-padding"]
+    prepared, _ = get_backend("torch-sdpa").prepare(combined.cfg, combined.params(), *combined.inputs())
+    assert "True = may attend" in prepared.info["mask"]
+
+
+def test_oracles_say_what_they_are():
+    for name in ("torch-mha", "torch-mha-seqfirst", "torch-sdpa"):
+        backend = get_backend(name)
+        assert backend.kind == "oracle"
+        assert backend.known_differences and all(isinstance(line, str) and line for line in backend.known_differences)
+        assert backend.strategies == ("standard",)
+    assert "True = blocked" in get_backend("torch-mha").known_differences[0]
+    assert "(N, B, E)" in get_backend("torch-mha-seqfirst").convention
+    assert "NaN" in " ".join(get_backend("torch-mha").known_differences)

@@ -125,6 +125,11 @@ class Backend:
     kind: str = "implementation"  # or "oracle" (a third-party implementation)
     strategies: tuple[str, ...] = (STANDARD,)
     dtypes: tuple[str, ...] = DTYPE_NAMES
+    # Where a third-party oracle's convention differs from the spec (mask polarity, what a
+    # row with nothing to attend to returns, layout defaults), one short sentence each.
+    # The check names these instead of hiding them. If the adapter maps an answer back to
+    # the spec's, it counts the rows in ``Prepared.info["empty_rows_mapped"]``.
+    known_differences: tuple[str, ...] = ()
 
     def __init__(self, name: str | None = None) -> None:
         # The registry passes the name it holds the backend under, so one class can

@@ -1,0 +1,164 @@
+"""What the JAX adapters and oracles share: float64, devices, matmul precision, compiling.
+
+Nothing here imports JAX at module import; every function imports it when called.
+
+Three JAX facts that every JAX-based adapter must handle the same way:
+
+* float64 needs ``jax_enable_x64``. Without it JAX silently turns float64 arrays into
+  float32. The switch is process-global (it changes the default dtype of every later
+  ``jnp.arange`` or ``jnp.zeros`` in this process), so it is turned on lazily, only
+  when a float64 case is prepared. Arrays created with an explicit dtype keep it, so
+  float32 runs stay float32 after the switch; the adapters never rely on defaults.
+* On a GPU, JAX's default float32 matmul precision may use TF32 (10-bit mantissa).
+  Comparisons run at ``"highest"``; ``"default"`` is selectable to show TF32's effect.
+  The precision is a tracing-time setting, so it is applied around ``lower()``.
+* ``jax.jit`` compiles on the first call. `CompiledForward` does ``lower().compile()``
+  on the converted, device-resident arguments in `Prepared.compile`, outside the
+  timed region, and the timed forward calls the compiled executable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions, numpy_dtype
+
+MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
+
+
+def check_matmul_precision(precision: object) -> str:
+    if not isinstance(precision, str) or precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}; got {precision!r}")
+    return precision
+
+
+def enable_float64_if_needed(dtype: str) -> None:
+    """Turn on ``jax_enable_x64`` when float64 is asked for (process-global; see module docstring)."""
+    if dtype != "float64":
+        return
+    import jax
+
+    if not jax.config.jax_enable_x64:
+        jax.config.update("jax_enable_x64", True)
+
+
+def jax_devices() -> tuple[str, ...]:
+    """("cpu",) plus "gpu" when JAX sees a GPU platform."""
+    import jax
+
+    try:
+        has_gpu = len(jax.devices("gpu")) > 0
+    except RuntimeError:  # "Unknown backend: 'gpu' requested ..." on CPU-only installs
+        has_gpu = False
+    return ("cpu", "gpu") if has_gpu else ("cpu",)
+
+
+def jax_device(device: str):
+    import jax
+
+    return jax.devices(device)[0]
+
+
+def to_jax(array: np.ndarray | None, dtype: str | None, device):
+    """A NumPy array -> a JAX array of ``dtype`` (None: keep, e.g. bool masks) placed on ``device``.
+
+    The cast happens in NumPy first (bfloat16 through ml_dtypes, rounding straight
+    from float64), so every adapter rounds the canonical float64 data the same way.
+    """
+    if array is None:
+        return None
+    import jax
+
+    if dtype is not None:
+        array = np.asarray(array).astype(numpy_dtype(dtype))
+    return jax.device_put(np.ascontiguousarray(array), device)
+
+
+def softmax_with_empty_rows(masked_scores):
+    """Softmax over the last axis with the spec's answer for a row with no allowed key: zeros.
+
+    Half-precision scores are exponentiated and summed in float32 (as equinox and
+    ``jax.nn.dot_product_attention`` do) and the weights rounded back to their dtype.
+    """
+    import jax.numpy as jnp
+
+    compute_dtype = jnp.promote_types(masked_scores.dtype, jnp.float32)
+    scores = masked_scores.astype(compute_dtype)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    # A row of all -inf (nothing allowed) would give -inf - (-inf) = NaN; shifting it by 0
+    # instead leaves exp(-inf) = 0 everywhere in that row.
+    row_max = jnp.where(jnp.isneginf(row_max), 0, row_max)
+    exp = jnp.exp(scores - row_max)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    # A row with an allowed key holds exp(0) = 1 at its maximum, so total >= 1 and the
+    # maximum changes nothing; an empty row has total 0 and exp 0, so it stays 0 / 1 = 0.
+    return (exp / jnp.maximum(total, 1)).astype(masked_scores.dtype)
+
+
+def allowed_for_heads(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
+    """The combined mask (user AND causal), 4-D (B or 1, H or 1, Nq, Nk), True = may attend."""
+    allowed = allowed_positions(cfg, inputs)
+    return None if allowed is None else np.ascontiguousarray(allowed)
+
+
+def empty_query_rows(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
+    """(B or 1, H or 1, Nq) bool: query rows of a head that may attend to no key; None if none."""
+    allowed = allowed_positions(cfg, inputs)
+    if allowed is None:
+        return None
+    empty = ~allowed.any(axis=-1)  # (B|1, H|1, Nq)
+    return empty if empty.any() else None
+
+
+class CompiledForward:
+    """A jitted function, its device-resident arguments, and its ahead-of-time compilation.
+
+    ``compile()`` traces and compiles under the chosen matmul precision (untimed);
+    ``__call__()`` runs the compiled executable (the timed region), compiling first if
+    nobody did. ``trace_and_run(fn)`` runs another function of the same arguments (the
+    stage dump) under the same precision, untimed.
+    """
+
+    def __init__(self, fn: Callable, args: tuple, matmul_precision: str) -> None:
+        import jax
+
+        self._jitted = jax.jit(fn)
+        self.args = args
+        self.matmul_precision = matmul_precision
+        self._compiled = None
+
+    def compile(self) -> None:
+        import jax
+
+        with jax.default_matmul_precision(self.matmul_precision):
+            self._compiled = self._jitted.lower(*self.args).compile()
+
+    def __call__(self):
+        if self._compiled is None:
+            self.compile()
+        return self._compiled(*self.args)
+
+    def trace_and_run(self, fn: Callable):
+        import jax
+
+        with jax.default_matmul_precision(self.matmul_precision):
+            return jax.jit(fn)(*self.args)
+
+
+def block_until_ready(result) -> None:
+    import jax
+
+    jax.block_until_ready(result)
+
+
+def precision_info(dtype: str, device: str, matmul_precision: str) -> dict:
+    """What Prepared.info records about numerics, so reports can say what was compared."""
+    import jax
+
+    info = {"matmul_precision": matmul_precision, "jax_enable_x64": bool(jax.config.jax_enable_x64)}
+    if device == "gpu" and dtype == "float32":
+        # "default" lets XLA pick TF32 on GPUs that have it; "high" is three bfloat16 passes.
+        info["tf32"] = matmul_precision in ("default", "tensorfloat32")
+    return info

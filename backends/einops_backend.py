@@ -1,0 +1,583 @@
+"""The einops convention: einsum and rearrange keep ``(N, h, d_k)``; no axis is ever swapped by hand.
+
+Every contraction names its axes, and the einsum output spec says where each axis
+goes, so the heads never need the transpose that the reshape + transpose convention
+spends on them. Single-letter axis names, used everywhere below::
+
+    b batch   n / q query tokens   s key tokens   d input features
+    h query head   g kv head   r query head within its group (query head h = g*G + r)
+    k d_k   v d_v   c merged context features (H*Dv)   o d_model (output)
+
+The pipeline (plain MHA)::
+
+    q        = einsum("b n d, h k d -> b n h k")          # weight rearranged once, "(h k) d -> h k d"
+    k        = einsum("b n d, h k d -> b n h k")
+    v        = einsum("b n d, h v d -> b n h v")
+    scores   = einsum("b q h k, b s h k -> b h q s")
+    context  = einsum("b h q s, b s h v -> b q h v")
+    merged   = rearrange("b q h v -> b q (h v)")          # a reshape: no axis moves
+    output   = einsum("b q c, o c -> b q o")
+
+With grouped kv heads (GQA) the query-head axis is split as (g, r): g the kv head it
+reads, r its place in the group (query head h = g*G + r)::
+
+    q        = einsum("b n d, g r k d -> b n g r k")      # weight "(g r k) d -> g r k d"
+    scores   = einsum("b q g r k, b s g k -> b g q r s")  # kv head g is shared by its r query heads
+    context  = einsum("b g q r s, b s g v -> b q g r v")
+    merged   = rearrange("b q g r v -> b q (g r v)")
+
+The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
+``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
+a few library ops, kept in one small namespace class per library (`NumpyOps`,
+`TorchOps`, `JaxOps`), which also does the in-place updates where the library allows
+them. In the forward pass every rearrange only splits or merges neighbouring axes (a
+reshape), and every change of axis order is an einsum output spec. The GQA scores are
+laid out ``(b, g, q, r, s)``, the order a batched matmul over (b, g) produces, so no
+library has to reorder the largest tensor after computing it. A test reads this
+module's source to prove it calls no transpose, permute, swapaxes or ``.T``.
+
+NumPy: ``einops.einsum`` calls ``np.einsum`` without ``optimize``, which runs NumPy's C
+loops (about 6x slower than BLAS at 512 tokens). `NumpyOps.einsum` calls ``np.einsum``
+itself with the contraction path given explicitly (two operands have one path), which
+sends each contraction through NumPy's batched matmul. NumPy has no bfloat16
+arithmetic of its own: with ml_dtypes bfloat16 each einsum and the softmax run in
+float32 on upcast operands and their results are rounded back (recorded in
+``Prepared.info``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype
+
+from ._jax_common import check_matmul_precision
+from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
+
+
+@dataclass(frozen=True)
+class EinsumPlan:
+    """Every einops pattern of one pipeline layout, as data."""
+
+    name: str
+    weight_q: str  # canonical (out, in) query weight -> per-head weight
+    bias_q: str
+    weight_kv: str  # the same for the key and value weights (kv heads)
+    bias_kv: str
+    project_q: str
+    project_k: str
+    project_v: str
+    scores: str
+    context: str
+    merge: str
+    mask: str  # combined mask (b, h, q, s) -> the layout of the scores
+    stage_views: dict[str, tuple[str, str | None]]  # stage name -> (pipeline tensor, rearrange to its axes)
+
+
+# Plain MHA: the head axis h as it is.
+MHA_PLAN = EinsumPlan(
+    name="mha",
+    weight_q="(h k) d -> h k d",
+    bias_q="(h k) -> h k",
+    weight_kv="(h k) d -> h k d",
+    bias_kv="(h k) -> h k",
+    project_q="b n d, h k d -> b n h k",
+    project_k="b n d, h k d -> b n h k",
+    project_v="b n d, h v d -> b n h v",
+    scores="b q h k, b s h k -> b h q s",
+    context="b h q s, b s h v -> b q h v",
+    merge="b q h v -> b q (h v)",
+    mask="b h q s -> b h q s",
+    stage_views={
+        "q": ("q", "b n h k -> b n (h k)"),
+        "k": ("k", "b n h k -> b n (h k)"),
+        "v": ("v", "b n h v -> b n (h v)"),
+        "q_heads": ("q", None),
+        "k_heads": ("k", None),
+        "v_heads": ("v", None),
+        "scores": ("scores", None),
+        "masked_scores": ("masked_scores", None),
+        "weights": ("weights", None),
+        "context": ("context", None),
+        "merged": ("merged", None),
+        "output": ("output", None),
+    },
+)
+
+# GQA: the query-head axis split as (g, r), g the kv head it reads, r its place in the group.
+# The scores are (b, g, q, r, s): the order a batched matmul over (b, g) produces.
+GQA_PLAN = EinsumPlan(
+    name="gqa",
+    weight_q="(g r k) d -> g r k d",
+    bias_q="(g r k) -> g r k",
+    weight_kv="(g k) d -> g k d",
+    bias_kv="(g k) -> g k",
+    project_q="b n d, g r k d -> b n g r k",
+    project_k="b n d, g k d -> b n g k",
+    project_v="b n d, g v d -> b n g v",
+    scores="b q g r k, b s g k -> b g q r s",
+    context="b g q r s, b s g v -> b q g r v",
+    merge="b q g r v -> b q (g r v)",
+    mask="b (g r) q s -> b g q r s",
+    stage_views={
+        "q": ("q", "b n g r k -> b n (g r k)"),
+        "k": ("k", "b n g k -> b n (g k)"),
+        "v": ("v", "b n g v -> b n (g v)"),
+        "q_heads": ("q", "b n g r k -> b n (g r) k"),
+        "k_heads": ("k", None),
+        "v_heads": ("v", None),
+        "scores": ("scores", "b g q r s -> b (g r) q s"),
+        "masked_scores": ("masked_scores", "b g q r s -> b (g r) q s"),
+        "weights": ("weights", "b g q r s -> b (g r) q s"),
+        "context": ("context", "b q g r v -> b q (g r) v"),
+        "merged": ("merged", None),
+        "output": ("output", None),
+    },
+)
+
+OUTPUT = "b q c, o c -> b q o"
+
+STAGE_AXES = {
+    "q": ("B", "Nq", "H*Dk"),
+    "k": ("B", "Nk", "Hkv*Dk"),
+    "v": ("B", "Nk", "Hkv*Dv"),
+    "q_heads": ("B", "Nq", "H", "Dk"),
+    "k_heads": ("B", "Nk", "Hkv", "Dk"),
+    "v_heads": ("B", "Nk", "Hkv", "Dv"),
+    "scores": ("B", "H", "Nq", "Nk"),
+    "masked_scores": ("B", "H", "Nq", "Nk"),
+    "weights": ("B", "H", "Nq", "Nk"),
+    "context": ("B", "Nq", "H", "Dv"),
+    "merged": ("B", "Nq", "H*Dv"),
+    "output": ("B", "Nq", "D"),
+}
+
+
+def plan_for(cfg: MHAConfig) -> EinsumPlan:
+    """The plain-MHA patterns, or the (g, r) patterns for grouped kv heads.
+
+    One set would do for both (r of size 1), but a unit axis costs XLA a full copy of
+    the scores, so plain MHA keeps its single head axis.
+    """
+    return MHA_PLAN if cfg.group_size == 1 else GQA_PLAN
+
+
+def axis_sizes(pattern: str, sizes: dict[str, int]) -> dict[str, int]:
+    """The axis lengths einops needs for ``pattern`` (it rejects lengths of axes the pattern lacks)."""
+    names = set(pattern.replace("(", " ").replace(")", " ").replace("->", " ").split())
+    return {name: size for name, size in sizes.items() if name in names}
+
+
+ARRAY_LIBRARIES = ("numpy", "torch", "jax")
+
+# For two operands NumPy has a single contraction path; giving it explicitly makes
+# np.einsum take its batched-matmul route without searching for a path on every call.
+NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
+
+
+def _numpy_subscripts(pattern: str) -> str:
+    """einops pattern with single-letter names -> np.einsum subscripts: "b n d, e d -> b n e" -> "bnd,ed->bne"."""
+    return pattern.replace(" ", "")
+
+
+class NumpyOps:
+    """NumPy arrays: in-place updates, np.einsum with an explicit path, bfloat16 via float32."""
+
+    library = "numpy"
+    works_in_place = True
+
+    def __init__(self, dtype: str, device: str) -> None:
+        self.dtype = numpy_dtype(dtype)
+        # ml_dtypes' bfloat16 has elementwise ufuncs but no einsum loops.
+        self.upcast = dtype == "bfloat16"
+
+    def asarray(self, array: np.ndarray | None, cast: bool = True):
+        if array is None:
+            return None
+        return np.ascontiguousarray(array.astype(self.dtype) if cast else array)
+
+    def einsum(self, pattern: str, a, b):
+        subscripts = _numpy_subscripts(pattern)
+        if self.upcast:
+            result = np.einsum(subscripts, a.astype(np.float32), b.astype(np.float32), optimize=NUMPY_TWO_OPERAND_PATH)
+            return result.astype(self.dtype)
+        return np.einsum(subscripts, a, b, optimize=NUMPY_TWO_OPERAND_PATH)
+
+    def add_bias(self, y, bias):
+        y += bias  # in place: the einsum result is ours to change
+        return y
+
+    def scale(self, q, factor: float):
+        return q * np.asarray(factor, dtype=q.dtype)  # a new array: q itself is a stage tensor
+
+    def mask(self, scores, blocked):
+        np.copyto(scores, -np.inf, where=blocked)  # in place
+        return scores
+
+    def softmax(self, scores, empty_rows):
+        """In place over the last axis; rows with no allowed key become zeros (spec), without NaN."""
+        work = scores.astype(np.float32) if self.upcast else scores
+        row_max = work.max(axis=-1, keepdims=True)
+        if empty_rows is not None:
+            # Shift an all -inf row by 0 so that exp() gives 0 there instead of NaN.
+            np.copyto(row_max, 0, where=np.isneginf(row_max))
+        work -= row_max
+        np.exp(work, out=work)
+        total = work.sum(axis=-1, keepdims=True)
+        if empty_rows is not None:
+            # A row with an allowed key has exp(0) = 1 at its maximum, so total >= 1 there;
+            # an empty row has total 0 and stays 0 / 1 = 0.
+            np.maximum(total, 1, out=total)
+        work /= total
+        return work.astype(self.dtype) if self.upcast else work
+
+    def snapshot(self, x):
+        return x.copy()
+
+    def layout_note(self, result, source, what: str) -> str:
+        return f"view of {what}" if np.shares_memory(result, source) else f"copy of {what}"
+
+    def synchronize(self, result) -> None:
+        return None
+
+
+class TorchOps:
+    """torch tensors: in-place updates, torch's fused softmax, CUDA when asked for."""
+
+    library = "torch"
+    works_in_place = True
+
+    def __init__(self, dtype: str, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.dtype_name = dtype
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device("cuda" if device == "gpu" else "cpu")
+
+    def asarray(self, array: np.ndarray | None, cast: bool = True):
+        if array is None:
+            return None
+        torch = self.torch
+        if not cast:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        rounded = np.ascontiguousarray(array.astype(numpy_dtype(self.dtype_name)))
+        if self.dtype_name == "bfloat16":
+            # torch cannot read ml_dtypes arrays; reuse the same 16 bits (rounded once, by NumPy).
+            tensor = torch.from_numpy(rounded.view(np.uint16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(rounded)
+        return tensor.to(self.device)
+
+    def einsum(self, pattern: str, a, b):
+        import einops
+
+        return einops.einsum(a, b, pattern)
+
+    def add_bias(self, y, bias):
+        return y.add_(bias)
+
+    def scale(self, q, factor: float):
+        return q * factor
+
+    def mask(self, scores, blocked):
+        return scores.masked_fill_(blocked, float("-inf"))
+
+    def softmax(self, scores, empty_rows):
+        # torch.softmax gives NaN for a row of all -inf; the spec wants zeros there. The
+        # rows are known from the mask before the timed region, so one masked fill fixes them.
+        weights = self.torch.softmax(scores, dim=-1)
+        return weights if empty_rows is None else weights.masked_fill_(empty_rows, 0.0)
+
+    def snapshot(self, x):
+        return x.clone()
+
+    def layout_note(self, result, source, what: str) -> str:
+        shared = result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        return f"view of {what}" if shared else f"copy of {what}"
+
+    def synchronize(self, result) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+
+class JaxOps:
+    """JAX arrays: functional updates, traced once and compiled by `jax.jit`."""
+
+    library = "jax"
+    works_in_place = False
+
+    def __init__(self, dtype: str, device: str) -> None:
+        from ._jax_common import enable_float64_if_needed, jax_device
+
+        enable_float64_if_needed(dtype)
+        self.dtype_name = dtype
+        self.device = jax_device(device)
+
+    def asarray(self, array: np.ndarray | None, cast: bool = True):
+        from ._jax_common import to_jax
+
+        return to_jax(array, self.dtype_name if cast else None, self.device)
+
+    def einsum(self, pattern: str, a, b):
+        import einops
+
+        return einops.einsum(a, b, pattern)
+
+    def add_bias(self, y, bias):
+        return y + bias
+
+    def scale(self, q, factor: float):
+        return q * factor
+
+    def mask(self, scores, blocked):
+        import jax.numpy as jnp
+
+        return jnp.where(blocked, -jnp.inf, scores)
+
+    def softmax(self, scores, empty_rows):
+        from ._jax_common import softmax_with_empty_rows
+
+        return softmax_with_empty_rows(scores)
+
+    def snapshot(self, x):
+        return x  # JAX arrays are immutable
+
+    def layout_note(self, result, source, what: str) -> str:
+        return "XLA-managed layout"
+
+    def synchronize(self, result) -> None:
+        from ._jax_common import block_until_ready
+
+        block_until_ready(result)
+
+
+OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
+
+
+def run_pipeline(
+    ops,
+    plan: EinsumPlan,
+    weights: dict,
+    x_q,
+    x_k,
+    x_v,
+    blocked,
+    empty_rows,
+    *,
+    scale: float,
+    record: dict | None = None,
+):
+    """The forward pass in einsum form; ``record`` (a dict) receives the stage tensors when given.
+
+    Shapes below are for plain MHA; with GQA read (Hkv, G) for H in q and (Hkv, Nq, G)
+    for (H, Nq) in the scores.
+    """
+    import einops
+
+    q = ops.einsum(plan.project_q, x_q, weights["w_q"])  # (B, Nq, H, Dk)
+    k = ops.einsum(plan.project_k, x_k, weights["w_k"])  # (B, Nk, Hkv, Dk)
+    v = ops.einsum(plan.project_v, x_v, weights["w_v"])  # (B, Nk, Hkv, Dv)
+    if weights["b_q"] is not None:
+        q = ops.add_bias(q, weights["b_q"])  # b_q as (H, Dk)
+        k = ops.add_bias(k, weights["b_k"])  # b_k as (Hkv, Dk)
+        v = ops.add_bias(v, weights["b_v"])  # b_v as (Hkv, Dv)
+    # Scaling q (B*Nq*H*Dk numbers) is cheaper than scaling the scores (B*H*Nq*Nk).
+    scores = ops.einsum(plan.scores, ops.scale(q, scale), k)  # (B, H, Nq, Nk)
+    if record is not None:
+        record["scores"] = ops.snapshot(scores)  # the steps below may work in place
+    if blocked is not None:
+        scores = ops.mask(scores, blocked)
+    if record is not None:
+        record["masked_scores"] = ops.snapshot(scores)
+    attention = ops.softmax(scores, empty_rows)  # (B, H, Nq, Nk)
+    context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
+    merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
+    output = ops.einsum(OUTPUT, merged, weights["w_o"])  # (B, Nq, D)
+    if weights["b_o"] is not None:
+        output = ops.add_bias(output, weights["b_o"])
+    if record is not None:
+        record.update(q=q, k=k, v=v, weights=attention, context=context, merged=merged, output=output)
+    return output
+
+
+def _head_sizes(cfg: MHAConfig) -> dict[str, int]:
+    return {"h": cfg.n_heads, "g": cfg.n_kv_heads, "r": cfg.group_size}
+
+
+def canonical_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan) -> dict[str, np.ndarray | None]:
+    """The canonical (out, in) weights with their head axes split out (reshapes, as NumPy views)."""
+    import einops
+
+    sizes = _head_sizes(cfg)
+    kv_sizes = {"h": cfg.n_kv_heads, "g": cfg.n_kv_heads}  # the kv weights have one head axis
+
+    def split(array, pattern, lengths):
+        return None if array is None else einops.rearrange(array, pattern, **axis_sizes(pattern, lengths))
+
+    return {
+        "w_q": split(params.w_q, plan.weight_q, sizes),  # (H, Dk, D) or (Hkv, G, Dk, D)
+        "w_k": split(params.w_k, plan.weight_kv, kv_sizes),  # (Hkv, Dk, kdim)
+        "w_v": split(params.w_v, plan.weight_kv, kv_sizes),  # (Hkv, Dv, vdim)
+        "w_o": params.w_o,  # (D, H*Dv)
+        "b_q": split(params.b_q, plan.bias_q, sizes),  # (H, Dk) or (Hkv, G, Dk)
+        "b_k": split(params.b_k, plan.bias_kv, kv_sizes),  # (Hkv, Dk)
+        "b_v": split(params.b_v, plan.bias_kv, kv_sizes),  # (Hkv, Dv)
+        "b_o": params.b_o,  # (D,)
+    }
+
+
+def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(blocked, empty_rows) shaped to broadcast against the scores of ``plan``.
+
+    blocked:    True where a query may NOT attend (what the fill needs), or None.
+    empty_rows: the same with the key axis reduced to 1: True for rows with no allowed
+                key, or None if there are none.
+    """
+    import einops
+
+    allowed = allowed_positions(cfg, inputs)  # (B|1, H|1, Nq, Nk) or None
+    if allowed is None:
+        return None, None
+    # A mask shared by all heads keeps unit head axes: (g, r) = (1, 1).
+    sizes = _head_sizes(cfg) if allowed.shape[1] > 1 else {"h": 1, "g": 1, "r": 1}
+    allowed = einops.rearrange(allowed, plan.mask, **axis_sizes(plan.mask, sizes))  # the scores' layout
+    empty = ~allowed.any(axis=-1, keepdims=True)  # key axis reduced to 1
+    return ~allowed, (empty if empty.any() else None)
+
+
+_STAGE_ORIGINS = {
+    "q_heads": "the projection einsum writes the heads directly; no split step",
+    "k_heads": "the projection einsum writes the heads directly",
+    "v_heads": "the projection einsum writes the heads directly",
+    "scores": "einsum output spec puts heads before tokens",
+    "masked_scores": "blocked positions filled with -inf",
+    "weights": "softmax of the masked scores",
+    "context": "einsum output spec keeps tokens first",
+    "output": f"einsum '{OUTPUT}'",
+}
+
+
+def stage_tensors(ops, plan: EinsumPlan, record: dict) -> dict[str, StageTensor]:
+    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them."""
+    import einops
+
+    stages = {}
+    for name, (source, pattern) in plan.stage_views.items():
+        tensor = record[source]
+        notes = []
+        if pattern is not None:
+            tensor = einops.rearrange(tensor, pattern)
+            notes.append(ops.layout_note(tensor, record[source], f"the pipeline's {source}"))
+        if name == "merged":
+            notes.append(
+                f"rearrange '{plan.merge}': " + ops.layout_note(record["merged"], record["context"], "context")
+            )
+        if name in _STAGE_ORIGINS:
+            notes.append(_STAGE_ORIGINS[name])
+        if ops.works_in_place and name in ("scores", "masked_scores"):
+            notes.append("snapshot: the timed pass updates this buffer in place")
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes))
+    return stages
+
+
+class EinopsBackend(Backend):
+    """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
+
+    install_hint = "pip install 'mha-rosetta[einops]'"
+
+    def __init__(
+        self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"
+    ) -> None:
+        if array_library not in ARRAY_LIBRARIES:
+            raise ValueError(f"array_library must be one of {', '.join(ARRAY_LIBRARIES)}; got {array_library!r}")
+        self.array_library = array_library
+        self.requires = ("einops",) if array_library == "numpy" else ("einops", array_library)
+        self.convention = (
+            f"einops.einsum + rearrange on {array_library} arrays, layout (B, N, h, d_k) kept; no transpose/permute"
+        )
+        super().__init__(name or f"einops-{array_library}")
+        # On a GPU: "highest" for float32 comparisons; anything else lets JAX or torch use TF32.
+        self.matmul_precision = check_matmul_precision(matmul_precision)
+
+    def devices(self) -> tuple[str, ...]:
+        if self.array_library == "torch":
+            import torch
+
+            return ("cpu", "gpu") if torch.cuda.is_available() else ("cpu",)
+        if self.array_library == "jax":
+            from ._jax_common import jax_devices
+
+            return jax_devices()
+        return ("cpu",)
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        device = check_device_name(device)
+        ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
+        plan = plan_for(cfg)
+        weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
+        x_q = ops.asarray(inputs.query)
+        # Self-attention passes one array three times; convert it once.
+        x_k = x_q if inputs.key is inputs.query else ops.asarray(inputs.key)
+        x_v = x_k if inputs.value is inputs.key else ops.asarray(inputs.value)
+        blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
+        blocked = ops.asarray(blocked_np, cast=False)
+        empty_rows = ops.asarray(empty_rows_np, cast=False)
+        info = self._numerics_info(dtype, device)
+        info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'"
+        if empty_rows_np is not None:
+            info["empty_rows"] = int(empty_rows_np.sum())  # rows with no allowed key, in the mask's own broadcast form
+
+        def forward(*arrays):
+            return run_pipeline(ops, plan, *arrays, scale=cfg.scale)
+
+        def stages_of(*arrays):
+            record: dict = {}
+            run_pipeline(ops, plan, *arrays, scale=cfg.scale, record=record)
+            return record
+
+        args = (weights, x_q, x_k, x_v, blocked, empty_rows)
+        if self.array_library == "jax":
+            from ._jax_common import CompiledForward
+
+            compiled = CompiledForward(forward, args, self.matmul_precision)
+            return Prepared(
+                forward=compiled,
+                to_numpy=tensor_to_numpy,
+                native_stages=lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of)),
+                synchronize=ops.synchronize,
+                compile=compiled.compile,
+                info=info,
+            )
+        return Prepared(
+            forward=lambda: forward(*args),
+            to_numpy=tensor_to_numpy,
+            native_stages=lambda: stage_tensors(ops, plan, stages_of(*args)),
+            synchronize=ops.synchronize,
+            info=info,
+        )
+
+    def _numerics_info(self, dtype: str, device: str) -> dict:
+        info: dict = {"array_library": self.array_library}
+        if self.array_library == "numpy":
+            info["einsum"] = "np.einsum with an explicit two-operand path (batched matmul), not einops.einsum"
+            if dtype == "bfloat16":
+                info["bfloat16"] = (
+                    "each einsum and the softmax run in float32 on upcast operands, results rounded back to bfloat16"
+                )
+        elif self.array_library == "jax":
+            from ._jax_common import precision_info
+
+            info.update(precision_info(dtype, device, self.matmul_precision))
+        elif device == "gpu" and dtype == "float32":
+            import torch
+
+            # Process-global: TF32 off so float32 comparisons mean float32.
+            torch.backends.cuda.matmul.allow_tf32 = self.matmul_precision != "highest"
+            torch.backends.cudnn.allow_tf32 = self.matmul_precision != "highest"
+            info["tf32"] = self.matmul_precision != "highest"
+        return info

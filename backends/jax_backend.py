@@ -1,0 +1,233 @@
+"""The JAX convention: one head written unbatched, ``jax.vmap`` over heads and batch, ``jax.jit``.
+
+This is how equinox writes attention: the single-head function below sees
+``q (Nq, Dk)``, ``k (Nk, Dk)``, ``v (Nk, Dv)`` and ``allowed (Nq, Nk)`` and knows
+nothing of heads or batches. ``jax.vmap`` adds the head axes, then the batch axis, and
+``jax.jit`` compiles the whole forward pass into one XLA program. Projections are
+row samples, ``x @ W.T + b``, with the canonical ``(out, in)`` weights as they are.
+
+Plain MHA is one vmap over the heads. Grouped-query attention (GQA) is a double vmap,
+not a repeat of the kv heads: the projected queries ``(Nq, H*Dk)`` are reshaped to
+``(Nq, Hkv, G, Dk)`` (G = H // Hkv, so query head ``h = g*G + r``). The inner vmap
+maps over the G query heads of one group with that group's k and v unmapped
+(``in_axes=None``: shared, not copied); the outer vmap maps over the Hkv groups with
+k and v mapped. Query head ``h`` therefore reads kv head ``h // G``, the grouping of
+torch's ``enable_gqa`` and ``jax.nn.dot_product_attention``. (With G = 1 the double
+vmap computes the same numbers, but XLA then copies the whole score tensor once more.)
+
+Every head axis is mapped where it lies (``in_axes=1``: tokens stay first), and the
+context comes back with ``out_axes=1`` as ``(Nq, H, Dv)``, so neither the head split nor
+the merge needs a transpose: both are reshapes. Where XLA puts things in memory is its
+own business (the stage notes say "XLA-managed layout").
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+
+from ._jax_common import (
+    CompiledForward,
+    allowed_for_heads,
+    block_until_ready,
+    check_matmul_precision,
+    enable_float64_if_needed,
+    jax_device,
+    jax_devices,
+    precision_info,
+    softmax_with_empty_rows,
+    to_jax,
+)
+from .base import Backend, Prepared, StageTensor, tensor_to_numpy
+
+# The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
+# score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
+# (Nq, H, Dv), so that merging heads is a reshape.
+_HEAD_OUT_AXES = {"scores": 0, "masked_scores": 0, "weights": 0, "context": 1}
+
+_XLA = "XLA-managed layout"
+
+# The axes of every stage as `_mha_one_item` returns them (batched by the outer vmap).
+STAGE_AXES = {
+    "q": ("B", "Nq", "H*Dk"),
+    "k": ("B", "Nk", "Hkv*Dk"),
+    "v": ("B", "Nk", "Hkv*Dv"),
+    "q_heads": ("B", "Nq", "H", "Dk"),
+    "k_heads": ("B", "Nk", "Hkv", "Dk"),
+    "v_heads": ("B", "Nk", "Hkv", "Dv"),
+    "scores": ("B", "H", "Nq", "Nk"),
+    "masked_scores": ("B", "H", "Nq", "Nk"),
+    "weights": ("B", "H", "Nq", "Nk"),
+    "context": ("B", "Nq", "H", "Dv"),
+    "merged": ("B", "Nq", "H*Dv"),
+    "output": ("B", "Nq", "D"),
+}
+
+STAGE_NOTES = {
+    "q": f"x_q @ w_q.T + b_q; {_XLA}",
+    "q_heads": f"reshape of q to (Nq, H, Dk) ((Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
+    "k_heads": f"reshape of k; vmap maps axis 1; {_XLA}",
+    "v_heads": f"reshape of v; vmap maps axis 1; {_XLA}",
+    "scores": f"vmap out_axes=0 puts heads first; {_XLA}",
+    "context": f"vmap out_axes=1 keeps tokens first; {_XLA}",
+    "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {_XLA}",
+}
+
+
+def _linear(x, weight, bias):
+    """Row samples through a canonical (out, in) weight: ``x @ W.T + b``."""
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def _attend_one_head(q, k, v, allowed, *, scale: float):
+    """Attention of one head, unbatched: q (Nq, Dk), k (Nk, Dk), v (Nk, Dv), allowed (Nq, Nk) or None."""
+    import jax.numpy as jnp
+
+    # Scaling q costs Nq*Dk multiplies instead of Nq*Nk on the scores (equinox and flax do the same).
+    scores = (q * scale) @ k.T  # (Nq, Nk)
+    masked = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
+    weights = softmax_with_empty_rows(masked)  # (Nq, Nk)
+    context = weights @ v  # (Nq, Dv)
+    return {"scores": scores, "masked_scores": masked, "weights": weights, "context": context}
+
+
+def _attend_all_heads(q, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
+    """`_attend_one_head` vmapped over every query head: q (Nq, H*Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv).
+
+    Returns scores-like stages (H, Nq, Nk) and the context (Nq, H, Dv).
+    """
+    import jax
+
+    n_q, n_k = q.shape[0], k_heads.shape[0]
+    H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
+    one_head = partial(_attend_one_head, scale=cfg.scale)
+    if G == 1:
+        # Plain MHA: one vmap, every head with its own k and v. (A double vmap with G = 1
+        # would compute the same numbers but costs XLA a copy of the scores.)
+        q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
+        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+        return over_heads(q_heads, k_heads, v_heads, allowed)
+    q_heads = q.reshape(n_q, Hkv, G, Dk)  # (Nq, Hkv, G, Dk): query head h = g*G + r
+    # Inner vmap: the G query heads of one group share that group's k and v (in_axes None).
+    over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+    # Outer vmap: the Hkv groups, each with its own k and v.
+    over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+    heads = over_groups(q_heads, k_heads, v_heads, allowed)  # scores (Hkv, G, Nq, Nk), context (Nq, Hkv, G, Dv)
+    # (XLA:CPU still copies the GQA scores once to reorder them; the plain-MHA path does not.)
+    stages = {name: heads[name].reshape(H, n_q, n_k) for name in ("scores", "masked_scores", "weights")}  # (H, Nq, Nk)
+    return {**stages, "context": heads["context"].reshape(n_q, H, Dv)}  # context (Nq, H, Dv)
+
+
+def _mha_one_item(params, x_q, x_k, x_v, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
+    """Every stage for one batch item: x_q (Nq, D), x_k (Nk, kdim), x_v (Nk, vdim).
+
+    ``allowed`` is None, (Nq, Nk) shared by all heads (head_mask_axis None), or per head
+    (head_mask_axis 0): (H, Nq, Nk) without GQA, (Hkv, G, Nq, Nk) with it.
+    """
+    n_q, n_k = x_q.shape[0], x_k.shape[0]
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    q = _linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
+    k = _linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
+    v = _linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
+    k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
+    v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
+    heads = _attend_all_heads(q, k_heads, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
+    merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
+    output = _linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "q_heads": q.reshape(n_q, H, Dk),  # (Nq, H, Dk)
+        "k_heads": k_heads,
+        "v_heads": v_heads,
+        **heads,
+        "merged": merged,
+        "output": output,
+    }
+
+
+def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
+    """The combined mask shaped for the vmaps, with the in_axes that go with it.
+
+    Returns ``(allowed, batch_axis, head_axis)``: a mask shared by every batch item or
+    every head is passed once and left unmapped (``None``) instead of being broadcast.
+    """
+    allowed = allowed_for_heads(cfg, inputs)  # (B|1, H|1, Nq, Nk) or None
+    if allowed is None:
+        return None, None, None
+    batch, heads, n_q, n_k = allowed.shape
+    if heads == 1:
+        allowed, head_axis = allowed[:, 0], None  # (B|1, Nq, Nk)
+    elif cfg.group_size == 1:
+        head_axis = 0  # (B|1, H, Nq, Nk): one vmap over heads
+    else:
+        allowed, head_axis = (
+            allowed.reshape(batch, cfg.n_kv_heads, cfg.group_size, n_q, n_k),
+            0,
+        )  # (B|1, Hkv, G, Nq, Nk)
+    if batch == 1:
+        return allowed[0], None, head_axis
+    return allowed, 0, head_axis
+
+
+class JaxBackend(Backend):
+    """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
+
+    name = "jax"
+    requires = ("jax",)
+    install_hint = "pip install 'mha-rosetta[jax]'"
+    convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
+
+    def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
+        super().__init__(name)
+        # "highest" for comparisons; "default" shows what TF32 does to float32 on a GPU.
+        self.matmul_precision = check_matmul_precision(matmul_precision)
+
+    def devices(self) -> tuple[str, ...]:
+        return jax_devices()
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        import jax
+
+        enable_float64_if_needed(dtype)
+        target = jax_device(device)
+        weights = {name: to_jax(value, dtype, target) for name, value in params.as_dict().items()}
+        x_q = to_jax(inputs.query, dtype, target)
+        # Self-attention passes one array three times; keep one device copy of it.
+        x_k = x_q if inputs.key is inputs.query else to_jax(inputs.key, dtype, target)
+        x_v = x_k if inputs.value is inputs.key else to_jax(inputs.value, dtype, target)
+        allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
+        allowed = to_jax(allowed, None, target)
+
+        one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+
+        def forward(params, x_q, x_k, x_v, allowed):
+            # Unused stages are dead code to XLA: the compiled forward computes only the output.
+            return all_stages(params, x_q, x_k, x_v, allowed)["output"]
+
+        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, allowed), self.matmul_precision)
+
+        def native_stages() -> dict[str, StageTensor]:
+            stages = compiled.trace_and_run(all_stages)
+            return {
+                name: StageTensor(stages[name], axes, STAGE_NOTES.get(name, _XLA)) for name, axes in STAGE_AXES.items()
+            }
+
+        info = precision_info(dtype, device, self.matmul_precision)
+        info["head_vmap"] = (
+            "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
+        )
+        return Prepared(
+            forward=compiled,
+            to_numpy=tensor_to_numpy,
+            native_stages=native_stages,
+            synchronize=block_until_ready,
+            compile=compiled.compile,
+            info=info,
+        )

@@ -1,12 +1,117 @@
-"""``mha-rosetta check``: being built (see the open issue)."""
+"""``mha-rosetta check``: argument parsing and printing around `checks.run_check`.
+
+Exit status: 0 when every implementation agrees with the oracle and with every other
+(or differs only by a named known difference) and every known mistake is caught;
+1 on a disagreement or a mistake that went unnoticed; 2 on an error (a run that
+raised, a bad option, or nothing checked at all); 130 when interrupted.
+"""
+
+from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="PATH", help="write the machine-readable result to PATH ('-' for stdout)")
+    parser.epilog = (
+        "Lists take commas or repeated options: --dtypes float32,float16 or --dtypes float32 --dtypes float16."
+    )
+    parser.add_argument(
+        "--backends", action="append", metavar="LIST", help="backends to run (default: every installed one)"
+    )
+    parser.add_argument(
+        "--strategies",
+        action="append",
+        metavar="LIST",
+        help="head-split strategies to keep: standard, per_head, slicing, direct_reshape (default: all of each backend's)",
+    )
+    parser.add_argument("--devices", action="append", metavar="LIST", help="cpu, gpu (or cuda), or all (default: cpu)")
+    parser.add_argument(
+        "--dtypes",
+        action="append",
+        metavar="LIST",
+        help="float64, float32, float16, bfloat16: each case runs those of them it lists (default: all four); "
+        "'all' runs every case in every dtype",
+    )
+    parser.add_argument("--cases", action="append", metavar="LIST", help="spec cases to run (default: all; see --list)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the machine-readable result to PATH ('-' for stdout), atomically"
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the report as Markdown instead of terminal tables"
+    )
+    parser.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    parser.add_argument(
+        "--per-case", action="store_true", help="one agreement matrix per case instead of the worst over all cases"
+    )
+    parser.add_argument("--quiet", action="store_true", help="print only problems, skips and the summary")
+    parser.add_argument("--list", action="store_true", help="list the spec cases and the backends, then exit")
+
+
+def _list(out) -> int:
+    from mha_rosetta.backends import available_backends, get_backend, missing_backends
+    from mha_rosetta.checks import SPEC_CASES
+
+    print("spec cases:", file=out)
+    for case in SPEC_CASES.values():
+        print(f"  {case.name:18} {case.description}", file=out)
+        print(f"  {'':18} {case.describe()}; dtypes {', '.join(case.dtypes)}", file=out)
+    print("installed backends:", file=out)
+    for name in available_backends():
+        backend = get_backend(name)
+        print(f"  {name:20} {backend.kind:14} strategies {', '.join(backend.strategies)}", file=out)
+    for name, reason in missing_backends().items():
+        print(f"  {name:20} not installed: {reason}", file=out)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    print("mha-rosetta check: not implemented yet")
-    return 1
+    from mha_rosetta.checks import run_check
+    from mha_rosetta.checks.report import (
+        print_rich,
+        render_markdown,
+        render_plain,
+        report_blocks,
+        rich_available,
+        summary_lines,
+        write_json,
+    )
+
+    # With the JSON on stdout, the human-readable report moves to stderr.
+    out = sys.stderr if args.json == "-" else sys.stdout
+    if args.list:
+        return _list(out)
+    progress = None
+    if not args.quiet and sys.stderr.isatty():
+
+        def progress(message: str) -> None:
+            print(f"\r\033[Kchecking {message} ...", end="", file=sys.stderr, flush=True)
+
+    try:
+        result = run_check(
+            backends=args.backends,
+            strategies=args.strategies,
+            devices=args.devices,
+            dtypes=args.dtypes,
+            cases=args.cases,
+            progress=progress,
+        )
+    except ValueError as error:
+        print(f"mha-rosetta check: error: {error}", file=sys.stderr)
+        return 2
+    if progress:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
+    summary = summary_lines(result)
+    if args.markdown:
+        out.write(render_markdown(blocks, summary))
+    elif rich_available() and not args.plain:
+        print_rich(blocks, summary, file=out)
+    else:
+        out.write(render_plain(blocks, summary))
+    if args.json:
+        write_json(result, args.json)
+        if args.json != "-":
+            print(f"wrote {args.json}", file=out)
+    return 130 if result.interrupted else result.exit_status

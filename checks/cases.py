@@ -1,0 +1,296 @@
+"""The spec cases: small named configurations that together touch every MHAConfig feature.
+
+Each case uses sizes that differ from one another (batch, tokens, d_model, heads, d_k,
+d_v, kdim, vdim), so that an implementation which swaps two axes fails with a shape
+error or a wrong number instead of passing by luck.
+
+Each case says which dtypes it runs: one or two per case, every dtype on at least two
+cases, float16 on the cases the issue names (cross-attention with kdim != vdim, GQA,
+causal + padding). Not every case runs in every dtype because a JIT backend compiles
+once per case and dtype (0.3 s of CPU at the very least for XLA on this machine, up to
+about 1 s for the module-based oracles), and five such backends would make the full
+product (48 combinations) take minutes instead of the default check's one. A logic
+error shows in any dtype (its error is O(1), far above every tolerance); the dtypes are
+there to check each one's plumbing and rounding. The exhaustive product stays one
+option away: ``mha-rosetta check --dtypes all``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_rosetta.core import DTYPE_NAMES, MHAConfig, MHAParams, allowed_positions, init_params, prepare_inputs
+
+ALL_DTYPES = DTYPE_NAMES  # float64, float32, float16, bfloat16
+
+
+@dataclass(frozen=True)
+class CaseInputs:
+    """The arrays one case feeds to every implementation (canonical, float64)."""
+
+    query: np.ndarray
+    key: np.ndarray | None
+    value: np.ndarray | None
+    mask: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class SpecCase:
+    """One configuration and its inputs, described by numbers rather than by arrays.
+
+    batch:        None for an unbatched call (query of shape (tokens, d_model)).
+    kv_tokens:    None for self-attention (key = value = query).
+    key_lengths:  per batch item, how many leading keys are real; the rest is padding.
+    blocked_rows: (batch item, query row) pairs that may attend to no key at all.
+    mask_density: a random mask on top (True with this probability), for property tests;
+                  per head when ``mask_per_head``, else shared by the heads.
+    """
+
+    name: str
+    description: str
+    cfg: MHAConfig
+    batch: int | None = 2
+    q_tokens: int = 7
+    kv_tokens: int | None = None
+    key_lengths: tuple[int, ...] | None = None
+    blocked_rows: tuple[tuple[int, int], ...] = ()
+    dtypes: tuple[str, ...] = ("float64", "float32")
+    seed: int = 0
+    mask_density: float | None = None
+    mask_per_head: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [d for d in self.dtypes if d not in ALL_DTYPES]
+        if unknown:
+            raise ValueError(f"case {self.name!r}: dtypes {unknown} are not among {ALL_DTYPES}")
+        batch = 1 if self.batch is None else self.batch
+        if self.key_lengths is not None and len(self.key_lengths) != batch:
+            raise ValueError(
+                f"case {self.name!r}: key_lengths needs one entry per batch item ({batch}), got {self.key_lengths}"
+            )
+
+    @property
+    def is_cross_attention(self) -> bool:
+        return self.kv_tokens is not None
+
+    @property
+    def has_mask(self) -> bool:
+        return self.key_lengths is not None or bool(self.blocked_rows) or self.mask_density is not None
+
+    def params(self) -> MHAParams:
+        return init_params(self.cfg, seed=self.seed)
+
+    def inputs(self) -> CaseInputs:
+        """Deterministic unit-variance inputs and the boolean mask (True = may attend)."""
+        rng = np.random.default_rng(1000 + self.seed)
+        batch = () if self.batch is None else (self.batch,)
+        query = rng.standard_normal((*batch, self.q_tokens, self.cfg.d_model))
+        key = value = None
+        kv_tokens = self.q_tokens
+        if self.is_cross_attention:
+            kv_tokens = self.kv_tokens
+            key = rng.standard_normal((*batch, kv_tokens, self.cfg.kdim))
+            value = rng.standard_normal((*batch, kv_tokens, self.cfg.vdim))
+        return CaseInputs(query, key, value, self._mask(kv_tokens, rng))
+
+    def _mask(self, kv_tokens: int, rng: np.random.Generator) -> np.ndarray | None:
+        if not self.has_mask:
+            return None
+        batch = 1 if self.batch is None else self.batch
+        heads = self.cfg.n_heads if self.mask_per_head else 1
+        mask = np.ones((batch, heads, self.q_tokens, kv_tokens), dtype=bool)  # (B, H or 1, Nq, Nk)
+        if self.mask_density is not None:
+            mask &= rng.random(mask.shape) < self.mask_density
+        for b, length in enumerate(self.key_lengths or ()):
+            mask[b, :, :, length:] = False  # padding keys: nobody attends to them
+        for b, row in self.blocked_rows:
+            mask[b, :, row, :] = False  # a query row with nothing to attend to
+        return mask if self.batch is not None else mask[0]  # unbatched masks have no batch axis
+
+    def empty_rows(self) -> np.ndarray:
+        """(B, Nq) bool, batched form: output rows where some head may attend to no key."""
+        data = self.inputs()
+        inputs = prepare_inputs(self.cfg, data.query, data.key, data.value, data.mask)
+        allowed = allowed_positions(self.cfg, inputs)
+        shape = (inputs.batch, self.cfg.n_heads, inputs.q_tokens, inputs.kv_tokens)
+        if allowed is None:
+            return np.zeros(shape[:1] + shape[2:3], dtype=bool)
+        allowed = np.broadcast_to(allowed, shape)  # (B, H, Nq, Nk)
+        return (~allowed.any(axis=-1)).any(axis=1)  # (B, Nq)
+
+    def describe(self) -> str:
+        """One line: sizes and features, e.g. for the report's case list."""
+        parts = [self.cfg.describe(), f"batch={'none' if self.batch is None else self.batch}"]
+        parts.append(f"Nq={self.q_tokens}" + (f" Nk={self.kv_tokens}" if self.is_cross_attention else ""))
+        if self.key_lengths is not None:
+            parts.append(f"key_lengths={list(self.key_lengths)}")
+        if self.blocked_rows:
+            parts.append(f"blocked_rows={[list(r) for r in self.blocked_rows]}")
+        if self.mask_density is not None:
+            parts.append(f"random mask {self.mask_density:g}" + (" per head" if self.mask_per_head else ""))
+        if self.cfg.scale != self.cfg.d_k**-0.5:
+            parts.append(f"scale={self.cfg.scale:g}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        cfg = self.cfg
+        return {
+            "name": self.name,
+            "description": self.description,
+            "config": {
+                "d_model": cfg.d_model,
+                "n_heads": cfg.n_heads,
+                "d_k": cfg.d_k,
+                "d_v": cfg.d_v,
+                "n_kv_heads": cfg.n_kv_heads,
+                "kdim": cfg.kdim,
+                "vdim": cfg.vdim,
+                "bias": cfg.bias,
+                "causal": cfg.causal,
+                "scale": cfg.scale,
+            },
+            "batch": self.batch,
+            "q_tokens": self.q_tokens,
+            "kv_tokens": self.q_tokens if self.kv_tokens is None else self.kv_tokens,
+            "key_lengths": None if self.key_lengths is None else list(self.key_lengths),
+            "blocked_rows": [list(r) for r in self.blocked_rows],
+            "mask_density": self.mask_density,
+            "mask_per_head": self.mask_per_head,
+            "dtypes": list(self.dtypes),
+        }
+
+
+SPEC_CASES: dict[str, SpecCase] = {
+    case.name: case
+    for case in (
+        SpecCase(
+            "self_attention",
+            "plain self-attention: key = value = query",
+            MHAConfig(d_model=15, n_heads=3),  # d_k = d_v = 5
+            batch=2,
+            q_tokens=7,
+            dtypes=("float64", "bfloat16"),
+        ),
+        SpecCase(
+            "cross_attention",
+            "cross-attention: other tokens (Nq != Nk) of other widths (kdim != vdim != d_model)",
+            MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9),
+            batch=2,
+            q_tokens=7,
+            kv_tokens=6,
+            dtypes=("float32", "float16"),
+            seed=1,
+        ),
+        SpecCase(
+            "gqa",
+            "grouped-query attention: 4 query heads share 2 kv heads",
+            MHAConfig(d_model=20, n_heads=4, n_kv_heads=2),  # d_k = 5
+            batch=3,
+            q_tokens=7,
+            dtypes=("float16",),
+            seed=2,
+        ),
+        SpecCase(
+            "mqa",
+            "multi-query attention: 3 query heads share one kv head",
+            MHAConfig(d_model=18, n_heads=3, n_kv_heads=1),  # d_k = 6
+            batch=2,
+            q_tokens=5,
+            dtypes=("float64",),
+            seed=3,
+        ),
+        SpecCase(
+            "causal",
+            "causal self-attention: query i sees keys 0..i",
+            MHAConfig(d_model=15, n_heads=3, causal=True),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float32",),
+            seed=4,
+        ),
+        SpecCase(
+            "padding",
+            "key padding per batch item (lengths 8, 6, 3, 1 of 8)",
+            MHAConfig(d_model=15, n_heads=3),
+            batch=4,
+            q_tokens=8,
+            key_lengths=(8, 6, 3, 1),
+            dtypes=("float64",),
+            seed=5,
+        ),
+        SpecCase(
+            "causal_padding",
+            "causal mask combined with key padding (lengths 7, 4 of 7)",
+            MHAConfig(d_model=12, n_heads=4, causal=True),  # d_k = 3
+            batch=2,
+            q_tokens=7,
+            key_lengths=(7, 4),
+            dtypes=("float16", "bfloat16"),
+            seed=6,
+        ),
+        SpecCase(
+            "no_bias",
+            "projections without bias",
+            MHAConfig(d_model=15, n_heads=3, bias=False),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float32",),
+            seed=7,
+        ),
+        SpecCase(
+            "unbatched",
+            "unbatched call: query of shape (tokens, d_model)",
+            MHAConfig(d_model=15, n_heads=3),
+            batch=None,
+            q_tokens=7,
+            dtypes=("float64",),
+            seed=8,
+        ),
+        SpecCase(
+            "custom_scale",
+            "a scale other than 1/sqrt(d_k)",
+            MHAConfig(d_model=15, n_heads=3, scale=0.37),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float32",),
+            seed=9,
+        ),
+        SpecCase(
+            "dv_ne_dk",
+            "value heads narrower than key heads (d_v=4, d_k=6) and d_model != heads*d_k",
+            MHAConfig(d_model=16, n_heads=3, d_k=6, d_v=4),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float64",),
+            seed=10,
+        ),
+        SpecCase(
+            "fully_masked_row",
+            "query rows that may attend to no key (spec: zero weights, output = b_o)",
+            # Two heads, self-attention with bias: the shape that sends torch's
+            # nn.MultiheadAttention down its fused fast path, which answers such rows with NaN.
+            MHAConfig(d_model=12, n_heads=2),  # d_k = 6
+            batch=3,
+            q_tokens=7,
+            key_lengths=(7, 5, 4),
+            blocked_rows=((0, 2), (2, 6)),
+            dtypes=("float32",),
+            seed=11,
+        ),
+    )
+}
+
+DEFAULT_CASE_NAMES = tuple(SPEC_CASES)
+
+
+def get_cases(names=None) -> list[SpecCase]:
+    """The named spec cases in the order given (all of them for None)."""
+    if names is None:
+        return list(SPEC_CASES.values())
+    names = list(names)
+    unknown = [n for n in names if n not in SPEC_CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {', '.join(map(repr, unknown))}; known cases: {', '.join(SPEC_CASES)}")
+    return [SPEC_CASES[n] for n in names]

@@ -1,0 +1,619 @@
+"""The agreement report: matrices, named differences, problems and a summary; text, Markdown, JSON.
+
+The report is built once as a list of neutral `Block`s (a title, a table, notes) and then
+rendered three ways: rich tables when rich is installed and colour helps, plain text
+otherwise, and Markdown for documents. The JSON form (`to_json`) is separate and
+versioned by `SCHEMA_VERSION`; non-finite numbers appear in it as the strings "inf",
+"-inf" and "nan", because JSON has no literal for them.
+
+The agreement matrix has one row and one column per implementation (backend, strategy
+and, when not the CPU, device). To fit a terminal, each cell holds one number: the lower
+triangle holds the max abs error between the two, the upper triangle the max rel error.
+Two columns in front compare each row with the float64 oracle. Aggregated over cases,
+a cell shows the worst value and the most severe status; a marker after the number
+says which status that is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from mha_rosetta.core import DTYPE_NAMES, TOLERANCES
+
+from .agreement import SEVERITY, STATUS_MEANING, CheckResult, Pair, Run, Status, worst_status
+
+SCHEMA_VERSION = 1
+MARKERS = {
+    Status.AGREE: "",
+    Status.KNOWN_DIFFERENCE: "~",
+    Status.CAUGHT: "*",
+    Status.DISAGREE: "!",
+    Status.MISSED: "?",
+    Status.ERROR: "E",
+}
+RICH_STYLES = {
+    Status.AGREE: "green",
+    Status.KNOWN_DIFFERENCE: "yellow",
+    Status.CAUGHT: "cyan",
+    Status.DISAGREE: "bold red",
+    Status.MISSED: "bold red",
+    Status.ERROR: "bold magenta",
+    Status.UNSUPPORTED: "dim",
+    Status.SKIPPED: "dim",
+}
+LEGEND = "markers: ~ known difference, * caught (known mistake), ! DISAGREE, ? MISSED (mistake not caught), E error"
+MAX_LISTED = 25  # longer lists are cut in the text report (the JSON has everything)
+VERSIONED_PACKAGES = ("mha-rosetta", "numpy", "torch", "jax", "jaxlib", "einops", "flax", "equinox", "ml_dtypes")
+
+
+# -- aggregation ------------------------------------------------------------------------
+@dataclass
+class Cell:
+    """Worst values and most severe status over the comparisons folded into one cell."""
+
+    statuses: set = field(default_factory=set)
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+    def add(self, status: Status, max_abs: float | None, max_rel: float | None) -> None:
+        self.statuses.add(status)
+        self.max_abs = _worse(self.max_abs, max_abs)
+        self.max_rel = _worse(self.max_rel, max_rel)
+
+    @property
+    def status(self) -> Status | None:
+        return worst_status(self.statuses)
+
+
+def _worse(current: float | None, new: float | None) -> float | None:
+    if new is None:
+        return current
+    if current is None or math.isnan(new) or new > current:
+        return new
+    return current
+
+
+@dataclass
+class Matrix:
+    """The agreement matrix of one dtype (and one case, or every case aggregated)."""
+
+    dtype: str
+    case: str | None
+    labels: list[str]
+    oracle: dict[str, Cell]
+    cells: dict[tuple[str, str], Cell]  # both orders of every pair point at one Cell
+
+
+def build_matrices(result: CheckResult, per_case: bool = False) -> list[Matrix]:
+    """One matrix per dtype (aggregated over cases), or per (case, dtype) with ``per_case``."""
+    groups: dict[tuple, list[Run]] = defaultdict(list)
+    for run in result.runs:
+        if run.compared:
+            groups[(run.case if per_case else None, run.dtype)].append(run)
+    pair_groups: dict[tuple, list[Pair]] = defaultdict(list)
+    for pair in result.pairs:
+        pair_groups[(pair.case if per_case else None, pair.a.dtype)].append(pair)
+    # Every case walks backends, strategies and devices in the same order, so the order in
+    # which labels first appear (unsupported runs included) is the same in every matrix.
+    order = {label: i for i, label in enumerate(dict.fromkeys(run.label for run in result.runs))}
+    matrices = []
+    for (case, dtype), runs in groups.items():
+        labels = sorted({run.label for run in runs}, key=order.__getitem__)
+        oracle: dict[str, Cell] = defaultdict(Cell)
+        for run in runs:
+            oracle[run.label].add(run.status, run.max_abs, run.max_rel)
+        cells: dict[tuple[str, str], Cell] = {}
+        for pair in pair_groups[(case, dtype)]:
+            key = (pair.a.label, pair.b.label)
+            cell = cells.get(key) or cells.setdefault(key[::-1], Cell())
+            cells[key] = cell
+            cell.add(pair.status, pair.max_abs, pair.max_rel)
+        matrices.append(Matrix(dtype, case, labels, dict(oracle), cells))
+    case_order = [case.name for case in result.cases]
+    # Cases in the order they ran, dtypes from the most to the least precise.
+    return sorted(matrices, key=lambda m: (case_order.index(m.case) if m.case else 0, DTYPE_NAMES.index(m.dtype)))
+
+
+# -- neutral blocks, rendered three ways ------------------------------------------------
+@dataclass
+class Block:
+    title: str
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    styles: list[list[str | None]] = field(default_factory=list)  # per cell, rich style names
+    notes: list[str] = field(default_factory=list)
+
+
+def fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "0"
+    return f"{value:.0e}"
+
+
+def _cell_text(status: Status | None, value: float | None) -> str:
+    if status is None:
+        return ""
+    return fmt(value) + MARKERS.get(status, "")
+
+
+def matrix_block(matrix: Matrix) -> Block:
+    where = f"case {matrix.case}" if matrix.case else "worst over all cases"
+    tol = TOLERANCES[matrix.dtype]
+    block = Block(
+        f"{matrix.dtype}: agreement matrix, {where} (tolerance atol {tol.atol:g}, rtol {tol.rtol:g})",
+        ["#", "implementation", "oracle abs", "oracle rel"] + [str(i + 1) for i in range(len(matrix.labels))],
+    )
+    for i, row_label in enumerate(matrix.labels):
+        own = matrix.oracle[row_label]
+        row = [str(i + 1), row_label, _cell_text(own.status, own.max_abs), _cell_text(own.status, own.max_rel)]
+        styles: list[str | None] = [None, None, RICH_STYLES.get(own.status), RICH_STYLES.get(own.status)]
+        for j, column_label in enumerate(matrix.labels):
+            if i == j:
+                row.append("·")
+                styles.append("dim")
+                continue
+            cell = matrix.cells.get((row_label, column_label))
+            value = None if cell is None else (cell.max_abs if i > j else cell.max_rel)
+            status = None if cell is None else cell.status
+            row.append(_cell_text(status, value))
+            styles.append(RICH_STYLES.get(status))
+        block.rows.append(row)
+        block.styles.append(styles)
+    block.notes.append(
+        "lower triangle: max abs error between the two; upper triangle: max rel error (over elements larger than atol; "
+        "two arrays agree where |a - b| <= atol + rtol * |b|); " + LEGEND
+    )
+    return block
+
+
+def _grouped(runs: list[Run], status: Status) -> dict[tuple[str, str], list[str]]:
+    """(label, reason) -> ["case/dtype", ...] for runs with ``status``."""
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for run in runs:
+        if run.status is status:
+            groups[(run.label, run.reason)].append(f"{run.case}/{run.dtype}")
+    return groups
+
+
+def _where(items: list[str]) -> str:
+    shown = ", ".join(items[:8])
+    return shown + (f" and {len(items) - 8} more" if len(items) > 8 else "")
+
+
+def explanation_blocks(result: CheckResult) -> list[Block]:
+    """Skipped, unsupported, known differences, caught mistakes, problems, worst cases."""
+    blocks = []
+    if result.broken_backends:
+        block = Block("Problems: backends that failed to load", ["backend", "error"])
+        block.rows = [[name, reason] for name, reason in result.broken_backends.items()]
+        block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
+        blocks.append(block)
+    if result.skipped_backends:
+        block = Block("Skipped (library not installed)", ["backend", "reason and install command"])
+        block.rows = [[name, reason] for name, reason in result.skipped_backends.items()]
+        blocks.append(block)
+    unsupported = _grouped(result.runs, Status.UNSUPPORTED)
+    if unsupported:
+        block = Block("Unsupported (the backend cannot express the case)", ["implementation", "where", "reason"])
+        block.rows = [[label, _where(where), reason] for (label, reason), where in unsupported.items()]
+        blocks.append(block)
+    known = _grouped(result.runs, Status.KNOWN_DIFFERENCE)
+    if known:
+        block = Block(
+            "Known differences (a library convention, named here, not hidden)",
+            ["implementation", "where", "difference"],
+        )
+        block.rows = [[label, _where(where), reason] for (label, reason), where in known.items()]
+        blocks.append(block)
+    if result.declared_differences:
+        block = Block("Conventions that differ from the spec, as each adapter declares them", ["backend", "difference"])
+        for name, notes in result.declared_differences.items():
+            block.rows += [[name if i == 0 else "", note] for i, note in enumerate(notes)]
+        blocks.append(block)
+    blocks += _mistake_blocks(result)
+    blocks += _problem_blocks(result)
+    blocks.append(_worst_block(result))
+    return blocks
+
+
+def _mistake_blocks(result: CheckResult) -> list[Block]:
+    mistakes: dict[str, list[Run]] = defaultdict(list)
+    for run in result.runs:
+        if run.impl.known_mistake and run.status in (Status.CAUGHT, Status.MISSED):
+            mistakes[run.label].append(run)
+    if not mistakes:
+        return []
+    block = Block(
+        "Known mistakes (must disagree with the oracle)",
+        ["implementation", "caught", "first divergent stage", "max abs there"],
+    )
+    for label, runs in mistakes.items():
+        caught = [r for r in runs if r.status is Status.CAUGHT]
+        stages = Counter(r.divergence.stage for r in caught if r.divergence)
+        stage_text = ", ".join(f"{stage} ({n}x)" for stage, n in stages.most_common()) or "-"
+        worst = max((r.divergence.max_abs for r in caught if r.divergence), default=None)
+        block.rows.append([label, f"{len(caught)}/{len(runs)}", stage_text, fmt(worst)])
+        block.styles.append(
+            [None, RICH_STYLES[Status.CAUGHT if len(caught) == len(runs) else Status.MISSED], None, None]
+        )
+    return [block]
+
+
+def _problem_blocks(result: CheckResult) -> list[Block]:
+    blocks = []
+    bad_runs = [r for r in result.runs if r.status in (Status.DISAGREE, Status.MISSED, Status.ERROR)]
+    if bad_runs:
+        block = Block(
+            "Problems against the oracle",
+            ["case", "dtype", "implementation", "status", "first divergent stage", "details"],
+        )
+        for run in bad_runs[:MAX_LISTED]:
+            stage = run.divergence.summary() if run.divergence else "-"
+            block.rows.append([run.case, run.dtype, run.label, str(run.status), stage, run.reason])
+            block.styles.append([None, None, None, RICH_STYLES[run.status], None, None])
+        if len(bad_runs) > MAX_LISTED:
+            block.notes.append(f"... and {len(bad_runs) - MAX_LISTED} more (see --json)")
+        blocks.append(block)
+    bad_pairs = [p for p in result.pairs if p.status in (Status.DISAGREE, Status.MISSED)]
+    if bad_pairs:
+        block = Block(
+            "Problems between implementations", ["case", "dtype", "pair", "status", "first divergent stage", "details"]
+        )
+        for pair in bad_pairs[:MAX_LISTED]:
+            stage = pair.divergence.summary() if pair.divergence else "-"
+            block.rows.append(
+                [pair.case, pair.dtype, f"{pair.a.label} vs {pair.b.label}", str(pair.status), stage, pair.reason]
+            )
+            block.styles.append([None, None, None, RICH_STYLES[pair.status], None, None])
+        if len(bad_pairs) > MAX_LISTED:
+            block.notes.append(f"... and {len(bad_pairs) - MAX_LISTED} more (see --json)")
+        blocks.append(block)
+    return blocks
+
+
+def worst_cases(result: CheckResult) -> list[dict]:
+    """Per dtype: the largest error among agreeing comparisons with the oracle and between pairs."""
+    rows = []
+    for dtype in [d for d in DTYPE_NAMES if any(run.dtype == d for run in result.runs)]:
+        runs = [r for r in result.runs if r.dtype == dtype and r.status is Status.AGREE]
+        pairs = [p for p in result.pairs if p.a.dtype == dtype and p.status is Status.AGREE]
+        worst_run = max(runs, key=lambda r: r.max_abs, default=None)
+        worst_pair = max(pairs, key=lambda p: p.max_abs, default=None)
+        rows.append(
+            {
+                "dtype": dtype,
+                "tolerance": {"atol": TOLERANCES[dtype].atol, "rtol": TOLERANCES[dtype].rtol},
+                "vs_oracle": None
+                if worst_run is None
+                else {
+                    "implementation": worst_run.label,
+                    "case": worst_run.case,
+                    "max_abs": worst_run.max_abs,
+                    "max_rel": worst_run.max_rel,
+                },
+                "pair": None
+                if worst_pair is None
+                else {
+                    "implementations": [worst_pair.a.label, worst_pair.b.label],
+                    "case": worst_pair.case,
+                    "max_abs": worst_pair.max_abs,
+                    "max_rel": worst_pair.max_rel,
+                },
+            }
+        )
+    return rows
+
+
+def _worst_block(result: CheckResult) -> Block:
+    block = Block(
+        "Worst agreeing errors (how close to the tolerance the passing comparisons came)",
+        ["dtype", "atol", "vs oracle: max abs", "where", "between two: max abs", "where"],
+    )
+    for row in worst_cases(result):
+        oracle, pair = row["vs_oracle"], row["pair"]
+        block.rows.append(
+            [
+                row["dtype"],
+                f"{row['tolerance']['atol']:g}",
+                fmt(oracle["max_abs"]) if oracle else "-",
+                f"{oracle['implementation']} on {oracle['case']}" if oracle else "-",
+                fmt(pair["max_abs"]) if pair else "-",
+                f"{' vs '.join(pair['implementations'])} on {pair['case']}" if pair else "-",
+            ]
+        )
+    return block
+
+
+def summary_lines(result: CheckResult) -> list[str]:
+    runs, pairs = result.run_counts(), result.pair_counts()
+    order = [s for s in SEVERITY[::-1] if s in runs or s in pairs]
+
+    def counts(counter: Counter) -> str:
+        return ", ".join(f"{status} {counter[status]}" for status in order if counter[status]) or "none"
+
+    implementations = len({run.label for run in result.runs})
+    return [
+        f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {result.seconds:.1f} s",
+        f"against the oracle: {counts(runs)}",
+        f"between implementations: {counts(pairs)}",
+        f"{result.verdict()} (exit status {130 if result.interrupted else result.exit_status})",
+    ]
+
+
+def report_blocks(result: CheckResult, per_case: bool = False, quiet: bool = False) -> list[Block]:
+    if quiet:
+        return [b for b in explanation_blocks(result) if b.title.startswith(("Problems", "Skipped"))]
+    return [matrix_block(m) for m in build_matrices(result, per_case)] + explanation_blocks(result)
+
+
+# -- renderers --------------------------------------------------------------------------
+def render_plain(blocks: list[Block], summary: list[str]) -> str:
+    out: list[str] = []
+    for block in blocks:
+        out.append(block.title)
+        if block.columns:
+            widths = [max(len(str(x)) for x in column) for column in zip(block.columns, *block.rows, strict=True)]
+            line = "  ".join(str(c).ljust(w) for c, w in zip(block.columns, widths, strict=True)).rstrip()
+            out.append(line)
+            out.append("  ".join("-" * w for w in widths))
+            for row in block.rows:
+                out.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        out += block.notes
+        out.append("")
+    return "\n".join(out + summary) + "\n"
+
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def render_markdown(blocks: list[Block], summary: list[str]) -> str:
+    out: list[str] = ["# mha-rosetta check", ""]
+    for block in blocks:
+        out += [f"## {block.title}", ""]
+        if block.columns:
+            out.append("| " + " | ".join(_md_escape(c) for c in block.columns) + " |")
+            out.append("|" + "|".join(" --- " for _ in block.columns) + "|")
+            for row in block.rows:
+                out.append("| " + " | ".join(_md_escape(c) for c in row) + " |")
+            out.append("")
+        out += [f"{note}  " for note in block.notes]
+        out.append("")
+    out += ["## Summary", ""] + [f"- {line}" for line in summary]
+    return "\n".join(out) + "\n"
+
+
+def _text_width(block: Block) -> int:
+    """Characters a table needs on one line (cell widths plus rich's borders and padding)."""
+    if not block.columns:
+        return len(block.title)
+    return sum(max(len(str(x)) for x in column) + 3 for column in zip(block.columns, *block.rows, strict=True))
+
+
+def print_rich(blocks: list[Block], summary: list[str], file=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    file = file or sys.stdout
+    console = Console(file=file, highlight=False)
+    if not console.is_terminal:  # piped output: never squeeze the matrix to 80 columns
+        wanted = max([100, *(_text_width(b) for b in blocks), *(len(line) for line in summary)])
+        console = Console(file=file, highlight=False, width=wanted + 4)
+    for block in blocks:
+        if not block.columns:
+            console.print(f"[bold]{block.title}[/bold]")
+        else:
+            table = Table(
+                title=block.title,
+                title_justify="left",
+                title_style="bold",
+                caption="\n".join(block.notes) or None,
+                caption_justify="left",
+            )
+            for column in block.columns:
+                table.add_column(
+                    column, no_wrap=column in ("#", "oracle abs", "oracle rel") or column.isdigit(), overflow="fold"
+                )
+            for i, row in enumerate(block.rows):
+                styles = block.styles[i] if i < len(block.styles) else [None] * len(row)
+                table.add_row(
+                    *[
+                        f"[{s}]{_rich_escape(c)}[/{s}]" if s else _rich_escape(c)
+                        for c, s in zip(row, styles, strict=True)
+                    ]
+                )
+            console.print(table)
+        console.print()
+    for line in summary:
+        console.print(_rich_escape(line))
+
+
+def _rich_escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def rich_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("rich") is not None
+
+
+# -- JSON -------------------------------------------------------------------------------
+def _num(value: float | None):
+    if value is None:
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for package in VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _run_json(run: Run) -> dict:
+    return {
+        "case": run.case,
+        "implementation": run.label,
+        "backend": run.impl.backend,
+        "strategy": run.impl.strategy,
+        "device": run.impl.device,
+        "dtype": run.dtype,
+        "kind": run.kind,
+        "known_mistake": run.impl.known_mistake,
+        "status": str(run.status),
+        "reason": run.reason,
+        "max_abs": _num(run.max_abs),
+        "max_rel": _num(run.max_rel),
+        "tolerance": None if run.tolerance is None else {"atol": run.tolerance.atol, "rtol": run.tolerance.rtol},
+        "first_divergence": None if run.divergence is None else _divergence_json(run.divergence),
+        "info": run.info,
+        "seconds": run.seconds,
+    }
+
+
+def _divergence_json(divergence) -> dict:
+    data = divergence.as_dict()
+    data["max_abs"], data["max_rel"] = _num(data["max_abs"]), _num(data["max_rel"])
+    return data
+
+
+def _pair_json(pair: Pair) -> dict:
+    data = {
+        "case": pair.case,
+        "dtype": pair.dtype,
+        "a": pair.a.label,
+        "b": pair.b.label,
+        "status": str(pair.status),
+        "max_abs": _num(pair.max_abs),
+        "max_rel": _num(pair.max_rel),
+    }
+    if pair.reason:
+        data["reason"] = pair.reason
+    if pair.divergence:
+        data["first_divergence"] = _divergence_json(pair.divergence)
+    return data
+
+
+def _cell_json(cell: Cell | None, attribute: str):
+    if cell is None:
+        return None
+    return str(cell.status) if attribute == "status" else _num(getattr(cell, attribute))
+
+
+def _matrix_json(matrix: Matrix) -> dict:
+    labels = matrix.labels
+
+    def grid(attribute: str) -> list[list]:
+        # Row a, column b: the comparison of a with b (symmetric; None on the diagonal).
+        return [[_cell_json(matrix.cells.get((a, b)) if a != b else None, attribute) for b in labels] for a in labels]
+
+    return {
+        "dtype": matrix.dtype,
+        "case": matrix.case,
+        "labels": labels,
+        "oracle": [
+            {
+                "implementation": label,
+                "status": _cell_json(matrix.oracle[label], "status"),
+                "max_abs": _cell_json(matrix.oracle[label], "max_abs"),
+                "max_rel": _cell_json(matrix.oracle[label], "max_rel"),
+            }
+            for label in labels
+        ],
+        "max_abs": grid("max_abs"),
+        "max_rel": grid("max_rel"),
+        "status": grid("status"),
+    }
+
+
+def to_json(result: CheckResult) -> dict:
+    """The whole result as plain JSON data (schema `SCHEMA_VERSION`)."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "tool": "mha-rosetta check",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "exit_status": 130 if result.interrupted else result.exit_status,
+        "verdict": result.verdict(),
+        "interrupted": result.interrupted,
+        "seconds": result.seconds,
+        "settings": result.settings,
+        "versions": _versions(),
+        "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
+        "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
+        "summary": {
+            "runs": {str(s): n for s, n in result.run_counts().items()},
+            "pairs": {str(s): n for s, n in result.pair_counts().items()},
+            "worst": [
+                {**row, "vs_oracle": _nums(row["vs_oracle"]), "pair": _nums(row["pair"])} for row in worst_cases(result)
+            ],
+        },
+        "skipped_backends": [{"backend": name, "reason": reason} for name, reason in result.skipped_backends.items()],
+        "broken_backends": [{"backend": name, "error": error} for name, error in result.broken_backends.items()],
+        "declared_differences": {name: list(notes) for name, notes in result.declared_differences.items()},
+        "cases": [case.as_dict() for case in result.cases],
+        "runs": [_run_json(run) for run in result.runs],
+        "pairs": [_pair_json(pair) for pair in result.pairs],
+        "matrices": [_matrix_json(m) for m in build_matrices(result)],
+    }
+
+
+def _nums(entry: dict | None) -> dict | None:
+    if entry is None:
+        return None
+    return {k: _num(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
+
+
+def write_text_atomically(text: str, path: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and `os.replace`: never half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    handle = tempfile.NamedTemporaryFile(
+        "w", dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp", delete=False, encoding="utf-8"
+    )
+    try:
+        with handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)  # temporary files are private; the result is not
+        os.replace(handle.name, path)
+    except BaseException:
+        if os.path.exists(handle.name):
+            os.unlink(handle.name)
+        raise
+
+
+def write_json(result: CheckResult, path: str) -> None:
+    """Write the JSON report to ``path`` atomically, or to stdout for "-"."""
+    text = json.dumps(to_json(result), indent=1, default=str) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        write_text_atomically(text, path)

@@ -1,1 +1,23 @@
-"""placeholder"""
+"""mha_rosetta.benchmarks: fair timings across frameworks, and the seed's speed claims measured.
+
+Modules, one job each (none imports a framework at import time):
+
+- `pinning`: thread environment, CPU affinity, runtime knobs, and the CPU-time check;
+- `fresh`: run one measurement in a fresh pinned process and read its JSON back;
+- `timing`: warm-up, adaptive repeats, median / IQR / min;
+- `flops`: the matmul FLOP count (formula in its docstring);
+- `cell`: one measured cell (``python -m mha_rosetta.benchmarks.cell '<json>'``);
+- `gemm`: the GEMM peak, same dtype, device and threads, best installed library;
+- `sweep`: the sweep with presets, partial results, resume and a progress bar;
+- `report`: versioned JSON, Markdown, plots, baseline comparison;
+- `microbench` / `questions`: the seed's speed claims as benchmark questions.
+
+The command line is ``mha-rosetta bench`` (`mha_rosetta.cli.bench`). From Python::
+
+    from mha_rosetta.benchmarks import run_speed_questions
+    answers = run_speed_questions(threads=1, quick=True)   # list of {"claim", "title", "verdict", "evidence", ...}
+"""
+
+from .questions import run_speed_questions
+
+__all__ = ["run_speed_questions"]

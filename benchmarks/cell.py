@@ -1,0 +1,325 @@
+"""One measured cell: one implementation at one size, dtype, device and thread count.
+
+Run it in a fresh process (the sweep always does)::
+
+    python -m mha_rosetta.benchmarks.cell '{"implementation": "numpy", "tokens": 64, ...}'
+
+It prints one ``MHA_ROSETTA_RESULT {json}`` line (see `fresh`). The order inside the
+child is what makes the number fair:
+
+1. pin to the spec's cores (the parent already set every thread variable);
+2. import the framework and set its runtime thread knobs (`pinning.configure_frameworks`);
+3. ``prepare`` (parameter and input conversion, device transfer): untimed;
+4. ``compile`` when the adapter has one (JIT): timed on its own, reported as ``compile_s``;
+5. the first call, timed on its own (``first_call_s``: lazy compilation shows up here);
+6. warm-up, then adaptive repeats of ``forward`` + ``synchronize`` (`timing.time_repeats`),
+   with process CPU time read over the same span (``cpu_util``);
+7. peak memory: growth of the process's peak resident set (``ru_maxrss``) from just
+   before ``prepare`` to the end, i.e. inputs, parameters, the forward pass's temporaries
+   and whatever the framework caches; on a GPU, the framework's own peak allocation.
+   (tracemalloc cannot see memory that frameworks allocate in C, so it is not used.)
+
+Implementation labels: a backend name from the registry, optionally with a strategy,
+``"numpy"`` (its standard strategy) or ``"numpy:slicing"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from .fresh import child_setup, emit_result, run_fresh
+from .pinning import contention_warning, cpu_use_warning, cpu_utilisation
+
+STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
+
+# Fields that say *what* is measured; two cells with the same identity measure the same thing.
+IDENTITY_FIELDS = (
+    "implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads",
+    "kv_heads", "d_k", "kdim", "vdim", "causal", "threads",
+)  # fmt: skip
+
+
+def split_implementation(label: str) -> tuple[str, str]:
+    """``"numpy:slicing"`` -> ("numpy", "slicing"); ``"torch"`` -> ("torch", "standard")."""
+    if not isinstance(label, str) or not label.strip():
+        raise ValueError(f"implementation must be a backend name such as 'numpy' or 'numpy:slicing', got {label!r}")
+    backend, _, strategy = label.strip().partition(":")
+    return backend, strategy or STANDARD_STRATEGY
+
+
+def implementation_label(backend: str, strategy: str) -> str:
+    """The inverse of `split_implementation`."""
+    return backend if strategy == STANDARD_STRATEGY else f"{backend}:{strategy}"
+
+
+@dataclass
+class CellSpec:
+    """Everything a child needs to measure one cell. Plain data: it travels as JSON."""
+
+    implementation: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch: int = 4
+    tokens: int = 512
+    kv_tokens: int | None = None  # None: self-attention (kv tokens = tokens)
+    d_model: int = 512
+    heads: int = 8
+    kv_heads: int | None = None  # None: plain MHA
+    d_k: int | None = None  # None: d_model // heads
+    kdim: int | None = None
+    vdim: int | None = None
+    causal: bool = False
+    threads: int = 1
+    cpus: list[int] | None = None
+    policy: dict = field(default_factory=dict)  # timing.RepeatPolicy fields
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        split_implementation(self.implementation)  # validates the label
+        for name in ("batch", "tokens", "d_model", "heads", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CellSpec.{name} must be a positive int, got {value!r}")
+
+    @property
+    def backend(self) -> str:
+        return split_implementation(self.implementation)[0]
+
+    @property
+    def strategy(self) -> str:
+        return split_implementation(self.implementation)[1]
+
+    def identity(self) -> dict:
+        return {name: getattr(self, name) for name in IDENTITY_FIELDS}
+
+    def key(self) -> str:
+        """A stable string for resuming: equal keys mean the same measurement."""
+        return json.dumps(self.identity(), sort_keys=True)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CellSpec:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown cell spec fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def cell_key(result: dict) -> str:
+    """The resume key of a recorded cell result (same as `CellSpec.key` of its spec)."""
+    return json.dumps({name: result.get(name) for name in IDENTITY_FIELDS}, sort_keys=True)
+
+
+def build_config(spec: CellSpec):
+    """The `MHAConfig` of a cell."""
+    from mha_rosetta.core import MHAConfig
+
+    return MHAConfig(
+        d_model=spec.d_model,
+        n_heads=spec.heads,
+        d_k=spec.d_k,
+        n_kv_heads=spec.kv_heads,
+        kdim=spec.kdim,
+        vdim=spec.vdim,
+        causal=spec.causal,
+    )
+
+
+def peak_rss_mb() -> float | None:
+    """The process's peak resident set so far, in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+class _GpuMemory:
+    """The framework's own peak device allocation (torch, JAX), where there is one."""
+
+    def __init__(self, device: str, frameworks: tuple[str, ...]) -> None:
+        self.device, self.frameworks = device, frameworks
+
+    def reset(self) -> None:
+        if self.device == "gpu" and "torch" in self.frameworks:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+
+    def peak_mb(self) -> float | None:
+        if self.device != "gpu":
+            return None
+        if "torch" in self.frameworks:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.max_memory_allocated() / 2**20
+        if "jax" in self.frameworks:
+            import jax
+
+            stats = jax.devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                return stats["peak_bytes_in_use"] / 2**20
+        return None
+
+
+def _make_inputs(spec: CellSpec, cfg):
+    import numpy as np
+
+    rng = np.random.default_rng(spec.seed + 1)
+    query = rng.standard_normal((spec.batch, spec.tokens, cfg.d_model))  # (B, Nq, D)
+    if spec.kv_tokens is None and cfg.is_self_attention_shaped:
+        return query, None, None
+    kv_tokens = spec.tokens if spec.kv_tokens is None else spec.kv_tokens
+    key = rng.standard_normal((spec.batch, kv_tokens, cfg.kdim))  # (B, Nk, kdim)
+    value = rng.standard_normal((spec.batch, kv_tokens, cfg.vdim))  # (B, Nk, vdim)
+    return query, key, value
+
+
+def measure(spec: CellSpec) -> dict:
+    """Measure one cell in this process (call it in a fresh, pinned child)."""
+    from . import pinning
+    from .flops import config_matmul_flops
+    from .timing import RepeatPolicy, time_repeats, warm_up
+
+    policy = RepeatPolicy(**spec.policy)
+    record: dict = {"affinity": sorted(os.sched_getaffinity(0)) if pinning.affinity_supported() else None}
+
+    from mha_rosetta.backends import UnsupportedCase, get_backend
+    from mha_rosetta.core import init_params
+
+    backend = get_backend(spec.backend)  # BackendNotInstalled / ValueError propagate to main
+    frameworks = tuple(module for module in backend.requires if module in ("torch", "jax"))
+    record["framework_threads"] = pinning.configure_frameworks(spec.threads, frameworks)
+
+    cfg = build_config(spec)
+    params = init_params(cfg, seed=spec.seed)
+    query, key, value = _make_inputs(spec, cfg)
+    kv_tokens = spec.tokens if spec.kv_tokens is None else spec.kv_tokens
+    flops = config_matmul_flops(cfg, spec.batch, spec.tokens, kv_tokens)
+    gpu_memory = _GpuMemory(spec.device, frameworks)
+
+    rss_before = peak_rss_mb()
+    gpu_memory.reset()
+    try:
+        prepared, _inputs = backend.prepare(
+            cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
+        )
+    except UnsupportedCase as reason:
+        record.update(status="unsupported", error=str(reason))
+        return record
+    del query, key, value
+
+    with pinning.limit_thread_pools(spec.threads):
+        record["thread_pools"] = pinning.thread_pool_report()
+        if prepared.compile is not None:
+            start = time.perf_counter()
+            prepared.compile()
+            record["compile_s"] = time.perf_counter() - start
+        else:
+            record["compile_s"] = None
+
+        result_box: list = [None]
+
+        def run_once() -> None:
+            # The timed region: the forward pass and the wait for its result, nothing else.
+            result = prepared.forward()
+            prepared.synchronize(result)
+            result_box[0] = result
+
+        start = time.perf_counter()
+        run_once()
+        record["first_call_s"] = time.perf_counter() - start
+        record["warmup_calls"] = warm_up(run_once, policy)
+        timings = time_repeats(run_once, policy)
+
+    import numpy as np
+
+    output = np.asarray(prepared.to_numpy(result_box[0]), dtype=np.float64)
+    record["output_finite"] = bool(np.isfinite(output).all())
+    rss_after = peak_rss_mb()
+    host_growth = None if rss_before is None else max(0.0, rss_after - rss_before)
+    device_peak = gpu_memory.peak_mb()
+    record.update(timings)
+    cpu_util = cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
+    warnings = [cpu_use_warning(cpu_util, spec.threads)]
+    if spec.device == "cpu":
+        warnings.append(contention_warning(cpu_util, spec.threads))
+    record.update(
+        status="ok",
+        flops=flops,
+        gflops=flops / timings["median_s"] / 1e9 if timings["median_s"] > 0 else None,
+        cpu_util=cpu_util,
+        warnings=[warning for warning in warnings if warning],
+        # On a GPU the device's peak is the figure that matters; on a CPU, the host's growth.
+        peak_mem_mb=device_peak if spec.device == "gpu" else host_growth,
+        host_peak_growth_mb=host_growth,
+        peak_rss_mb=rss_after,
+        backend_info=_jsonable(prepared.info),
+    )
+    if not record["output_finite"]:
+        record["warnings"].append("the output holds NaN or inf: the timing is of a broken computation")
+    return record
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else str(value)
+
+
+def run_cell(spec: CellSpec, timeout: float = 600.0) -> dict:
+    """Measure ``spec`` in a fresh pinned process (parent side); returns the full cell record."""
+    outcome = run_fresh("mha_rosetta.benchmarks.cell", spec.to_dict(), threads=spec.threads, timeout=timeout)
+    return cell_record(spec, outcome)
+
+
+def cell_record(spec: CellSpec, outcome: dict) -> dict:
+    """A cell's identity, settings and the child's measurements (or its error) in one dict."""
+    record = {**spec.identity(), "strategy": spec.strategy, "backend": spec.backend, "cpus": spec.cpus}
+    record.update(outcome)
+    record.setdefault("status", "error")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m mha_rosetta.benchmarks.cell '<json cell spec>'", file=sys.stderr)
+        return 2
+    data = json.loads(argv[0])
+    child_setup(data)  # pin before anything heavy is imported
+    try:
+        spec = CellSpec.from_dict(data)
+        result = measure(spec)
+    except Exception as error:  # one broken cell must not stop a sweep: report it as data
+        result = {
+            "status": "error",
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc(limit=-6),
+        }
+        try:
+            from mha_rosetta.backends import BackendNotInstalled
+
+            if isinstance(error, BackendNotInstalled):
+                result["status"] = "unsupported"
+        except ImportError:
+            pass
+    emit_result(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

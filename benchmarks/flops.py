@@ -1,0 +1,89 @@
+"""The matmul FLOP count of one multi-head attention forward pass.
+
+Only the matrix products are counted (a multiply and an add = 2 FLOPs); softmax, bias,
+scale and masking are left out, as is usual for attention GFLOP/s figures, because
+they are a vanishing share of the work at any size worth timing. With
+
+    B batch, Nq query tokens, Nk key/value tokens, D = d_model,
+    kdim/vdim the widths of the key/value inputs (cross-attention; D for self-attention),
+    H query heads, Hkv key/value heads (GQA/MQA; H for plain MHA),
+    Dk the per-head query/key width, Dv the per-head value width,
+
+the count is
+
+    2·B·(Nq·D·H·Dk + Nk·kdim·Hkv·Dk + Nk·vdim·Hkv·Dv + Nq·H·Dv·D)    projections q, k, v, out
+  + 2·B·H·Nq·Nk·(Dk + Dv)                                             scores QKᵀ and weights·V
+
+For self-attention with H·Dk = H·Dv = D (and Hkv = H) this is the familiar
+``8·B·N·D² + 4·B·N²·D``. Every query head does its own score and weighted-sum products
+even under GQA (the kv heads are shared, the products are not), so the attention term
+uses H while the k/v projections use Hkv. A causal mask is not subtracted: the dense
+products are computed anyway by every unfused implementation; a fused kernel that skips
+masked blocks shows up with a higher GFLOP/s than the work it really did.
+"""
+
+from __future__ import annotations
+
+
+def _require_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def attention_matmul_flops(
+    *,
+    batch: int,
+    q_tokens: int,
+    kv_tokens: int,
+    d_model: int,
+    heads: int,
+    kv_heads: int,
+    d_k: int,
+    d_v: int,
+    kdim: int,
+    vdim: int,
+) -> int:
+    """Matmul FLOPs of one forward pass (see the module docstring for the formula)."""
+    sizes = dict(
+        batch=batch, q_tokens=q_tokens, kv_tokens=kv_tokens, d_model=d_model, heads=heads,
+        kv_heads=kv_heads, d_k=d_k, d_v=d_v, kdim=kdim, vdim=vdim,
+    )  # fmt: skip
+    for name, value in sizes.items():
+        _require_positive(name, value)
+    projections = (
+        q_tokens * d_model * heads * d_k  # X_q (Nq, D) @ W_q^T (D, H·Dk)
+        + kv_tokens * kdim * kv_heads * d_k  # X_k (Nk, kdim) @ W_k^T (kdim, Hkv·Dk)
+        + kv_tokens * vdim * kv_heads * d_v  # X_v (Nk, vdim) @ W_v^T (vdim, Hkv·Dv)
+        + q_tokens * heads * d_v * d_model  # context (Nq, H·Dv) @ W_o^T (H·Dv, D)
+    )
+    attention = heads * q_tokens * kv_tokens * (d_k + d_v)  # per head: Q Kᵀ, then weights @ V
+    return 2 * batch * projections + 2 * batch * attention
+
+
+def config_matmul_flops(cfg, batch: int, q_tokens: int, kv_tokens: int | None = None) -> int:
+    """The same count for an `MHAConfig` (kv_tokens defaults to q_tokens: self-attention)."""
+    return attention_matmul_flops(
+        batch=batch,
+        q_tokens=q_tokens,
+        kv_tokens=q_tokens if kv_tokens is None else kv_tokens,
+        d_model=cfg.d_model,
+        heads=cfg.n_heads,
+        kv_heads=cfg.n_kv_heads,
+        d_k=cfg.d_k,
+        d_v=cfg.d_v,
+        kdim=cfg.kdim,
+        vdim=cfg.vdim,
+    )
+
+
+def self_attention_flops(batch: int, tokens: int, d_model: int) -> int:
+    """``8·B·N·D² + 4·B·N²·D``: the self-attention count when H·Dk = H·Dv = D."""
+    for name, value in (("batch", batch), ("tokens", tokens), ("d_model", d_model)):
+        _require_positive(name, value)
+    return 8 * batch * tokens * d_model**2 + 4 * batch * tokens**2 * d_model
+
+
+def gemm_flops(m: int, k: int, n: int) -> int:
+    """FLOPs of one (m, k) @ (k, n) product."""
+    return 2 * _require_positive("m", m) * _require_positive("k", k) * _require_positive("n", n)

@@ -1,0 +1,72 @@
+"""Run one measurement in a fresh Python process, pinned, and read back its JSON result.
+
+Every cell, GEMM peak and benchmark question runs this way, so that no framework, thread
+pool, allocator or JIT cache from an earlier measurement can colour the next one, and so
+that the thread environment is in place before the child imports anything.
+
+Protocol: the parent runs ``python -m <module> '<json spec>'`` with the environment from
+`pinning.thread_env`; the child pins itself to ``spec["cpus"]`` first thing (before it
+imports NumPy or a framework), measures, and prints one line
+``MHA_ROSETTA_RESULT {json}``. Frameworks may print what they like around it. A child
+that dies, hangs past the timeout or prints no result line becomes a result with
+``status`` "error" or "timeout" and the tail of its stderr, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .pinning import pin_current_process, thread_env
+
+RESULT_MARKER = "MHA_ROSETTA_RESULT "
+_STDERR_TAIL = 2000
+
+
+def emit_result(result: dict) -> None:
+    """Print the child's result line (used by the child's ``main``)."""
+    print(RESULT_MARKER + json.dumps(result, allow_nan=True), flush=True)
+
+
+def parse_result(stdout: str) -> dict | None:
+    """The last result line in a child's stdout, decoded, or None."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER) :])
+    return None
+
+
+def child_setup(spec: dict) -> list[int] | None:
+    """First call in a child's main: pin to the cores in the spec, before any heavy import."""
+    return pin_current_process(spec.get("cpus"))
+
+
+def run_fresh(module: str, spec: dict, *, threads: int, timeout: float, extra_env: dict | None = None) -> dict:
+    """Run ``python -m module spec`` in a fresh pinned process and return its result dict."""
+    env = thread_env(threads)
+    if extra_env:
+        env.update(extra_env)
+    command = [sys.executable, "-m", module, json.dumps(spec)]
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
+        return {
+            "status": "timeout",
+            "error": f"no result within {timeout:.0f} s (the child was killed)",
+            "stderr_tail": stderr[-_STDERR_TAIL:],
+        }
+    try:
+        result = parse_result(completed.stdout)
+    except json.JSONDecodeError as error:
+        result = {"status": "error", "error": f"unreadable result line: {error}"}
+    if result is None:
+        stderr = completed.stderr.strip()
+        last_line = stderr.splitlines()[-1] if stderr else "(no stderr)"
+        return {
+            "status": "error",
+            "error": f"the child exited with status {completed.returncode} and no result: {last_line}",
+            "stderr_tail": stderr[-_STDERR_TAIL:],
+        }
+    return result

@@ -1,0 +1,223 @@
+"""Hold every framework to the same number of cores, and check afterwards that it stayed there.
+
+Why three layers and a check (all of them were needed on a shared 2-core machine):
+
+1. Environment variables, set by the parent before the child interpreter starts, because
+   OpenBLAS, MKL, OpenMP and XLA size their thread pools once, when they are loaded.
+   An OpenBLAS pool of 2 threads on a busy 2-core machine made small NumPy products stall
+   for milliseconds each; ``OPENBLAS_NUM_THREADS=1`` removes the pool altogether.
+2. CPU affinity (``os.sched_setaffinity``), applied in the child before exec. XLA with its
+   one-thread flags still used 1.7 cores (process CPU time / wall time); only affinity held
+   it to one. Affinity is the one limit no library can talk its way around.
+3. Runtime knobs inside the child, after the framework is imported: ``torch.set_num_threads``
+   and ``set_num_interop_threads``, and threadpoolctl limits on every BLAS/OpenMP library
+   that ended up loaded (torch bundles its own).
+4. The check: process CPU time over wall time across the timed region. A value above
+   ``threads + 0.25`` means some pool escaped; the cell carries a warning.
+
+Every function here is cheap and imports no framework unless asked to configure one.
+Variables that are not thread counts (``OPENBLAS_CORETYPE`` and the like) are passed
+through untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+# Each library reads its own variable; setting all of them costs nothing.
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+)
+
+# XLA's CPU client: the Eigen pool flag, and the (unprefixed) intra-op thread count that
+# the TensorFlow-era runtime reads. Unknown *prefixed* flags abort XLA at start-up, so only
+# these two spellings are used, and any earlier setting of them is replaced, not repeated.
+_XLA_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen"
+_XLA_INTRA_OP = "intra_op_parallelism_threads"
+
+# How far CPU time / wall time may exceed the thread budget before a cell is flagged:
+# interpreter bookkeeping and the kernel's own accounting add a little on top of one core.
+CPU_UTIL_SLACK = 0.25
+# Below this share of its one core, a single-threaded CPU cell was competing with other processes.
+CONTENDED_BELOW = 0.8
+
+
+def _require_threads(threads: object) -> int:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    return threads
+
+
+def xla_flags(threads: int, existing: str = "") -> str:
+    """``XLA_FLAGS`` holding the user's own flags plus the thread limits for ``threads``."""
+    threads = _require_threads(threads)
+    kept = [
+        flag
+        for flag in shlex.split(existing or "")
+        if not flag.startswith(_XLA_EIGEN_FLAG) and not flag.startswith(_XLA_INTRA_OP)
+    ]
+    ours = [f"{_XLA_INTRA_OP}={threads}"]
+    if threads == 1:
+        # With one thread Eigen's pool is pure overhead; switch it off.
+        ours.insert(0, f"{_XLA_EIGEN_FLAG}=false")
+    return " ".join(kept + ours)
+
+
+def thread_env(threads: int, base_env: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``base_env`` (default: this process's) with every thread knob set to ``threads``."""
+    threads = _require_threads(threads)
+    env = dict(os.environ if base_env is None else base_env)
+    for name in THREAD_ENV_VARS:
+        env[name] = str(threads)
+    env["XLA_FLAGS"] = xla_flags(threads, env.get("XLA_FLAGS", ""))
+    # The child's stdout carries its JSON result; keep Python's own output unbuffered and
+    # in UTF-8 so that a crash message is never lost or mangled.
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONIOENCODING"] = "utf-8"
+    return env
+
+
+def affinity_supported() -> bool:
+    """True where the OS lets a process choose its cores (Linux; not macOS or Windows)."""
+    return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+
+
+def allowed_cpus() -> list[int]:
+    """The cores this process may run on (all of ``os.cpu_count()`` where affinity is unknown)."""
+    if affinity_supported():
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def choose_cpus(threads: int, requested: list[int] | None = None, allowed: list[int] | None = None) -> list[int]:
+    """The cores a cell is pinned to: ``requested`` if given, else the last ``threads`` allowed ones.
+
+    The last cores are the default because core 0 tends to take more of the machine's
+    interrupts and housekeeping.
+    """
+    threads = _require_threads(threads)
+    allowed = allowed_cpus() if allowed is None else sorted(allowed)
+    if requested is not None:
+        requested = sorted(set(requested))
+        outside = [cpu for cpu in requested if cpu not in allowed]
+        if outside:
+            raise ValueError(f"cpus {outside} are not available to this process (allowed: {allowed})")
+        if len(requested) != threads:
+            raise ValueError(
+                f"--cpus names {len(requested)} cores ({requested}) but --threads is {threads}; give one core per thread"
+            )
+        return requested
+    if threads > len(allowed):
+        raise ValueError(
+            f"threads={threads} is more than the {len(allowed)} cores available to this process ({allowed})"
+        )
+    return allowed[-threads:]
+
+
+def pin_current_process(cpus: list[int] | None) -> list[int] | None:
+    """Restrict this process (and the threads it starts later) to ``cpus``; returns the new set."""
+    if cpus is None or not affinity_supported():
+        return None
+    os.sched_setaffinity(0, set(cpus))
+    return sorted(os.sched_getaffinity(0))
+
+
+def preexec_pin(cpus: list[int] | None):
+    """A ``preexec_fn`` for subprocess: pins the child before exec, so before any import."""
+    if cpus is None or not affinity_supported():
+        return None
+    chosen = set(cpus)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, chosen)
+
+    return pin
+
+
+def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) -> dict:
+    """Import the named frameworks and set their runtime thread knobs; returns what was set.
+
+    Called inside a measured child only, before anything is computed: torch refuses
+    ``set_num_interop_threads`` once inter-op work has started.
+    """
+    threads = _require_threads(threads)
+    applied: dict = {}
+    if "torch" in frameworks:
+        import torch
+
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError as error:  # already started: keep going, but say so
+            applied["torch_interop_error"] = str(error)
+        applied["torch_threads"] = torch.get_num_threads()
+        applied["torch_interop_threads"] = torch.get_num_interop_threads()
+    if "jax" in frameworks:
+        import jax
+
+        # Creating the client here keeps its start-up out of prepare() and the memory baseline.
+        applied["jax_devices"] = [str(device) for device in jax.devices()]
+    return applied
+
+
+def limit_thread_pools(threads: int):
+    """A threadpoolctl context limiting every loaded BLAS/OpenMP pool, or a no-op without it."""
+    threads = _require_threads(threads)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=threads)
+
+
+def thread_pool_report() -> list[dict]:
+    """The BLAS/OpenMP pools loaded in this process (threadpoolctl), for the record."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keys = ("user_api", "internal_api", "prefix", "version", "num_threads", "architecture", "threading_layer")
+    return [{key: pool.get(key) for key in keys if pool.get(key) is not None} for pool in threadpool_info()]
+
+
+def cpu_utilisation(cpu_seconds: float, wall_seconds: float) -> float | None:
+    """Process CPU time over wall time: about 1.0 for one busy core, 2.0 for two."""
+    if wall_seconds <= 0:
+        return None
+    return cpu_seconds / wall_seconds
+
+
+def cpu_use_warning(cpu_util: float | None, threads: int) -> str | None:
+    """A warning when a cell used more cores than it was allowed, else None."""
+    if cpu_util is None:
+        return None
+    if cpu_util > threads + CPU_UTIL_SLACK:
+        return (
+            f"used {cpu_util:.2f} cores (CPU time / wall time) with threads={threads}: "
+            "some thread pool escaped the limits, so this cell is not comparable"
+        )
+    return None
+
+
+def contention_warning(cpu_util: float | None, threads: int) -> str | None:
+    """A warning when a CPU cell got well under one core's worth of CPU time per thread.
+
+    A single-threaded CPU computation is never idle: CPU time / wall time well below 1
+    means other processes shared its core, and its times are inflated by their load.
+    """
+    if cpu_util is None or threads != 1:
+        return None  # with several threads, idle workers make a low ratio normal
+    if cpu_util < CONTENDED_BELOW:
+        return (
+            f"got only {cpu_util:.2f} of its core (CPU time / wall time): other processes shared it, "
+            "so this time is inflated; rerun on a quiet machine"
+        )
+    return None

@@ -1,0 +1,406 @@
+"""The benchmark report: versioned JSON, a Markdown table, plots, and a baseline comparison.
+
+JSON layout (``schema`` 1)::
+
+    {"schema": 1,
+     "complete": true,                      # false when the sweep was interrupted
+     "machine": {"platform", "cpu_model", "cpu_flags", "cores", "allowed_cpus", "python",
+                 "libraries": {name: version}, "blas": [threadpoolctl pools]},
+     "settings": {... SweepSettings ...},
+     "gemm_peak_gflops": {"cpu/float32": 151.2, ...},   # best library per device/dtype
+     "gemm_peaks": [{"device", "dtype", "threads", "n", "gflops", "library", "by_library"}],
+     "cells": [{"implementation", "backend", "strategy", "device", "dtype", "batch", "tokens",
+                "kv_tokens", "d_model", "heads", "threads", "median_s", "iqr_s", "min_s",
+                "repeats", "compile_s", "first_call_s", "flops", "gflops",
+                "gemm_peak_gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "status",
+                "error", "warnings", ...}],
+     "summary": {"cells", "ok", "unsupported", "failed", "warnings"}}
+
+``peak_fraction`` is the cell's GFLOP/s over the GEMM peak of its own device and dtype
+(0.5 = half of what the best square product reaches under the same thread limit).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+# Distributions whose versions explain a timing; read from metadata, nothing is imported.
+LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "einops", "flax", "equinox", "ml_dtypes", "threadpoolctl", "scipy")
+BASELINE_THRESHOLD = 0.10
+REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
+INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` so that ``path`` holds either the old or the whole new content, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the usual mode
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json_atomic(path: str | Path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=True) + "\n")
+
+
+# -- machine ----------------------------------------------------------------------------------
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and its vector-unit flags, from /proc/cpuinfo where it exists."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "Model") and value.strip():
+            model = value.strip()
+        elif name in ("flags", "Features") and not flags:
+            present = set(value.split())
+            flags = [flag for flag in INTERESTING_CPU_FLAGS if flag in present]
+    return model, flags
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def blas_pools(gemm_peaks: list[dict]) -> list[dict]:
+    """The distinct BLAS/OpenMP pools the GEMM children saw (threadpoolctl), with the library that loaded them."""
+    seen, pools = set(), []
+    for peak in gemm_peaks:
+        for library, result in peak.get("by_library", {}).items():
+            for pool in result.get("thread_pools", []):
+                key = (library, pool.get("internal_api"), pool.get("version"), pool.get("prefix"))
+                if key not in seen:
+                    seen.add(key)
+                    pools.append({"loaded_by": library, **pool})
+    return pools
+
+
+def machine_info(gemm_peaks: list[dict] | None = None) -> dict:
+    from .pinning import allowed_cpus
+
+    model, flags = cpu_model_and_flags()
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": model,
+        "cpu_flags": flags,
+        "cores": os.cpu_count(),
+        "allowed_cpus": allowed_cpus(),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "libraries": library_versions(),
+        "blas": blas_pools(gemm_peaks or []),
+    }
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def peak_lookup(gemm_peaks: list[dict]) -> dict[str, float | None]:
+    """``{"cpu/float32": gflops}`` for every measured (device, dtype)."""
+    return {f"{peak['device']}/{peak['dtype']}": peak.get("gflops") for peak in gemm_peaks}
+
+
+def enrich_cell(cell: dict, peaks: dict[str, float | None]) -> dict:
+    """Add the GEMM peak of the cell's device/dtype and its fraction reached."""
+    cell = dict(cell)
+    peak = peaks.get(f"{cell.get('device')}/{cell.get('dtype')}")
+    cell["gemm_peak_gflops"] = peak
+    gflops = cell.get("gflops")
+    cell["peak_fraction"] = gflops / peak if (gflops and peak) else None
+    return cell
+
+
+def assemble_report(
+    settings: dict, gemm_peaks: list[dict], cells: list[dict], *, complete: bool = True, machine: dict | None = None
+) -> dict:
+    """The versioned JSON document of one sweep."""
+    peaks = peak_lookup(gemm_peaks)
+    enriched = [enrich_cell(cell, peaks) for cell in cells]
+    statuses = [cell.get("status") for cell in enriched]
+    return {
+        "schema": SCHEMA_VERSION,
+        "complete": complete,
+        "machine": machine if machine is not None else machine_info(gemm_peaks),
+        "settings": settings,
+        "gemm_peak_gflops": peaks,
+        "gemm_peaks": gemm_peaks,
+        "cells": enriched,
+        "summary": {
+            "cells": len(enriched),
+            "ok": statuses.count("ok"),
+            "unsupported": statuses.count("unsupported"),
+            "failed": sum(status not in ("ok", "unsupported") for status in statuses),
+            "warnings": sum(bool(cell.get("warnings")) for cell in enriched),
+        },
+    }
+
+
+def failed_cells(report: dict) -> list[dict]:
+    return [cell for cell in report["cells"] if cell.get("status") not in ("ok", "unsupported")]
+
+
+# -- Markdown ---------------------------------------------------------------------------------
+
+
+def _ms(seconds) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _fmt(value, pattern: str) -> str:
+    return "" if value is None else format(value, pattern)
+
+
+MARKDOWN_COLUMNS = (
+    "implementation", "device", "dtype", "B", "N", "D", "H", "median ms", "IQR ms", "min ms", "n",
+    "compile s", "GFLOP/s", "% peak", "cores", "mem MB", "status",
+)  # fmt: skip
+
+
+def markdown_row(cell: dict) -> list[str]:
+    ok = cell.get("status") == "ok"
+    fraction = cell.get("peak_fraction")
+    status = cell.get("status", "")
+    if not ok:
+        status += f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:120]
+    elif cell.get("warnings"):
+        status += " (!)"
+    return [
+        f"`{cell['implementation']}`", cell["device"], cell["dtype"], str(cell["batch"]), str(cell["tokens"]),
+        str(cell["d_model"]), str(cell["heads"]),
+        _ms(cell.get("median_s")) if ok else "", _ms(cell.get("iqr_s")) if ok else "", _ms(cell.get("min_s")) if ok else "",
+        str(cell.get("repeats", "")) if ok else "", _fmt(cell.get("compile_s"), ".2f"), _fmt(cell.get("gflops"), ".1f"),
+        "" if fraction is None else f"{100 * fraction:.0f}%", _fmt(cell.get("cpu_util"), ".2f"),
+        _fmt(cell.get("peak_mem_mb"), ".1f"), status,
+    ]  # fmt: skip
+
+
+def markdown_table(report: dict) -> str:
+    """The cells as a Markdown table, preceded by the GEMM peaks and the settings that matter."""
+    lines = []
+    for peak in report.get("gemm_peaks", []):
+        gflops = peak.get("gflops")
+        text = f"{gflops:.1f} GFLOP/s ({peak.get('library')}, n={peak.get('n')})" if gflops else "not measured"
+        lines.append(f"GEMM peak {peak['device']}/{peak['dtype']}, {peak['threads']} thread(s): {text}  ")
+    machine = report.get("machine", {})
+    if machine:
+        lines.append(
+            f"Machine: {machine.get('cpu_model')}, {machine.get('cores')} cores, Python {machine.get('python')}  "
+        )
+    if lines:
+        lines.append("")
+    lines.append("| " + " | ".join(MARKDOWN_COLUMNS) + " |")
+    lines.append("|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|")
+    for cell in report["cells"]:
+        lines.append("| " + " | ".join(markdown_row(cell)) + " |")
+    warned = [cell for cell in report["cells"] if cell.get("warnings")]
+    if warned:
+        lines.append("")
+        lines.append("(!) warnings:")
+        for cell in warned:
+            for warning in cell["warnings"]:
+                lines.append(f"- `{cell['implementation']}` N={cell['tokens']}: {warning}")
+    return "\n".join(lines) + "\n"
+
+
+# -- plots ------------------------------------------------------------------------------------
+
+
+def _size_group(cell: dict) -> tuple:
+    return (cell["device"], cell["dtype"], cell["batch"], cell["d_model"], cell["heads"], cell["threads"])
+
+
+def reference_cells(report: dict) -> list[dict]:
+    """The measured cells at the reference size; failing that, at the largest size measured."""
+    ok = [cell for cell in report["cells"] if cell.get("status") == "ok" and cell["device"] == "cpu"] or [
+        cell for cell in report["cells"] if cell.get("status") == "ok"
+    ]
+    at_reference = [cell for cell in ok if all(cell.get(key) == value for key, value in REFERENCE_SIZE.items())]
+    if at_reference or not ok:
+        return at_reference
+    largest = max(ok, key=lambda cell: (cell["batch"] * cell["tokens"] * cell["d_model"], cell["tokens"]))
+    return [cell for cell in ok if _size_group(cell) == _size_group(largest) and cell["tokens"] == largest["tokens"]]
+
+
+def plot_report(report: dict, directory: str | Path) -> list[Path]:
+    """time vs tokens (log-log, one line per implementation) per size group, and a bar chart
+    of GFLOP/s at the reference size. Returns the files written (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window, works without a display
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    ok = [cell for cell in report["cells"] if cell.get("status") == "ok"]
+    groups: dict[tuple, list[dict]] = {}
+    for cell in ok:
+        groups.setdefault(_size_group(cell), []).append(cell)
+    for group, cells in groups.items():
+        device, dtype, batch, d_model, heads, threads = group
+        figure, axes = plt.subplots(figsize=(10, 5.5))
+        colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers and dashes tell repeats apart
+        markers, dashes = "osD^v<>ph*", ("-", "--", ":")
+        for index, label in enumerate(sorted({cell["implementation"] for cell in cells})):
+            points = sorted((cell["tokens"], cell["median_s"]) for cell in cells if cell["implementation"] == label)
+            axes.plot(
+                [p[0] for p in points], [p[1] * 1e3 for p in points], label=label,
+                color=colors[(2 * index) % 20 + (index // 10) % 2], marker=markers[index % len(markers)],
+                linestyle=dashes[(index // len(markers)) % len(dashes)],
+            )  # fmt: skip
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("tokens N")
+        axes.set_ylabel("median time per forward pass (ms)")
+        axes.set_title(f"{device} {dtype}, B={batch}, d_model={d_model}, heads={heads}, {threads} thread(s)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        figure.tight_layout()
+        path = directory / f"time_vs_tokens_{device}_{dtype}_B{batch}_D{d_model}_H{heads}_T{threads}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    at_reference = reference_cells(report)
+    if at_reference:
+        at_reference = sorted(at_reference, key=lambda cell: cell.get("gflops") or 0, reverse=True)
+        sample = at_reference[0]
+        figure, axes = plt.subplots(figsize=(8, 0.4 * len(at_reference) + 1.8))
+        labels = [cell["implementation"] for cell in at_reference]
+        values = [cell.get("gflops") or 0 for cell in at_reference]
+        axes.barh(labels, values, color="tab:blue")
+        axes.invert_yaxis()
+        peak = sample.get("gemm_peak_gflops")
+        if peak:
+            axes.axvline(peak, color="tab:red", linestyle="--", label=f"GEMM peak {peak:.0f}")
+            axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        for index, cell in enumerate(at_reference):
+            fraction = cell.get("peak_fraction")
+            if fraction is not None:
+                axes.text(values[index], index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
+        axes.set_xlabel("GFLOP/s (matmul FLOPs / median time)")
+        at_reference_size = all(sample.get(key) == value for key, value in REFERENCE_SIZE.items())
+        axes.set_title(
+            f"B={sample['batch']}, N={sample['tokens']}, d_model={sample['d_model']}, heads={sample['heads']}, "
+            f"{sample['dtype']}, {sample['device']}, {sample['threads']} thread(s)"
+            + ("" if at_reference_size else "\n(the reference size was not measured: largest size shown)")
+        )
+        figure.tight_layout()
+        path = directory / "gflops_at_reference_size.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+# -- baseline ---------------------------------------------------------------------------------
+
+
+def _comparison_key(cell: dict) -> tuple:
+    fields = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
+    return tuple(cell.get(name) for name in fields)
+
+
+def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:
+    """Median time of every cell against the same cell in ``baseline``.
+
+    A change beyond ``threshold`` (0.10 = 10%) in either direction is flagged "slower" or
+    "faster"; cells present on one side only are listed, as are cells that stopped working.
+    """
+    if baseline.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"baseline schema is {baseline.get('schema')!r}; this version reads schema {SCHEMA_VERSION}")
+    old = {_comparison_key(cell): cell for cell in baseline.get("cells", [])}
+    new = {_comparison_key(cell): cell for cell in report.get("cells", [])}
+    rows, flagged, broken = [], [], []
+    for key, cell in new.items():
+        before = old.get(key)
+        if before is None:
+            continue
+        if before.get("status") == "ok" and cell.get("status") != "ok":
+            broken.append(
+                {"implementation": cell["implementation"], "tokens": cell["tokens"], "status": cell.get("status")}
+            )
+            continue
+        if before.get("status") != "ok" or cell.get("status") != "ok":
+            continue
+        ratio = cell["median_s"] / before["median_s"]
+        change = ratio - 1.0
+        verdict = "slower" if change > threshold else "faster" if change < -threshold else "same"
+        row = {
+            "implementation": cell["implementation"], "device": cell["device"], "dtype": cell["dtype"],
+            "batch": cell["batch"], "tokens": cell["tokens"], "d_model": cell["d_model"], "heads": cell["heads"],
+            "baseline_median_s": before["median_s"], "median_s": cell["median_s"], "ratio": ratio, "change": verdict,
+        }  # fmt: skip
+        rows.append(row)
+        if verdict != "same":
+            flagged.append(row)
+    return {
+        "threshold": threshold,
+        "compared": rows,
+        "flagged": flagged,
+        "stopped_working": broken,
+        "only_in_report": [list(key) for key in new if key not in old],
+        "only_in_baseline": [list(key) for key in old if key not in new],
+    }
+
+
+def baseline_markdown(comparison: dict) -> str:
+    """The flagged changes (and cells that stopped working) as a Markdown list."""
+    threshold = comparison["threshold"]
+    lines = [f"Against the baseline ({len(comparison['compared'])} cells compared, threshold {threshold:.0%}):"]
+    for row in comparison["flagged"]:
+        lines.append(
+            f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
+            f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> {row['median_s'] * 1e3:.3f} ms)"
+        )
+    for row in comparison["stopped_working"]:
+        lines.append(f"- `{row['implementation']}` N={row['tokens']}: worked in the baseline, now {row['status']}")
+    if len(lines) == 1:
+        lines.append(f"- no change beyond {threshold:.0%}")
+    return "\n".join(lines) + "\n"
+
+
+def load_report(path: str | Path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if not isinstance(data, dict) or "cells" not in data:
+        raise ValueError(f"{path} is not a benchmark report (no 'cells')")
+    return data

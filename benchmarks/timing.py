@@ -1,0 +1,155 @@
+"""Warm-up, adaptive repeats and the summary statistics of one timed callable.
+
+The loop keeps timing until three things hold: at least ``min_repeats`` samples, at least
+``min_time`` seconds of timed work, and a spread (IQR / median) under ``STABLE_SPREAD``.
+It stops early at ``max_repeats`` samples and gives up on stability at ``max_time``
+seconds (the result then says ``stable: false``). Each sample times one call of
+``run_once``, which must include the device synchronisation, so that asynchronous
+dispatch (JAX, CUDA) is never timed as free.
+
+CPU time is read over the same span, so the caller can tell how many cores the timed
+region really used. Standard library only: this runs inside measured children.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+STABLE_SPREAD = 0.10  # IQR / median below which more repeats would not move the median
+
+
+@dataclass(frozen=True)
+class RepeatPolicy:
+    """How long and how often to time one callable."""
+
+    min_time: float = 1.0
+    min_repeats: int = 5
+    max_repeats: int = 10_000
+    max_time: float = 5.0
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("min_repeats", "max_repeats", "warmup"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise ValueError(
+                    f"RepeatPolicy.{name} must be a {'non-negative' if name == 'warmup' else 'positive'} int, got {value!r}"
+                )
+        for name in ("min_time", "max_time"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"RepeatPolicy.{name} must be a non-negative number of seconds, got {value!r}")
+        if self.max_repeats < self.min_repeats:
+            raise ValueError(f"RepeatPolicy.max_repeats={self.max_repeats} is below min_repeats={self.min_repeats}")
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in ("min_time", "min_repeats", "max_repeats", "max_time", "warmup")}
+
+
+def quartiles(samples: list[float]) -> tuple[float, float, float]:
+    """(q25, median, q75) with linear interpolation (NumPy's default), for any sample count."""
+    if not samples:
+        raise ValueError("quartiles of an empty sample list")
+    ordered = sorted(samples)
+    if len(ordered) == 1:
+        return ordered[0], ordered[0], ordered[0]
+    q25, q50, q75 = statistics.quantiles(ordered, n=4, method="inclusive")
+    return q25, q50, q75
+
+
+def summarize(samples: list[float]) -> dict:
+    """median, IQR, min, mean and count of a list of per-call times in seconds."""
+    q25, median, q75 = quartiles(samples)
+    return {
+        "median_s": median,
+        "iqr_s": q75 - q25,
+        "min_s": min(samples),
+        "mean_s": statistics.fmean(samples),
+        "repeats": len(samples),
+    }
+
+
+def relative_spread(samples: list[float]) -> float:
+    """IQR / median; infinite for fewer than 4 samples (too few to judge)."""
+    if len(samples) < 4:
+        return float("inf")
+    q25, median, q75 = quartiles(samples)
+    return (q75 - q25) / median if median > 0 else float("inf")
+
+
+def warm_up(run_once: Callable[[], None], policy: RepeatPolicy, clock: Callable[[], float] = time.perf_counter) -> int:
+    """Run ``policy.warmup`` calls, and more until a tenth of ``min_time`` is spent (capped at 50)."""
+    calls = 0
+    start = clock()
+    while calls < policy.warmup or (calls < 50 and clock() - start < 0.1 * policy.min_time):
+        run_once()
+        calls += 1
+    return calls
+
+
+def time_repeats(
+    run_once: Callable[[], None],
+    policy: RepeatPolicy,
+    clock: Callable[[], float] = time.perf_counter,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> dict:
+    """Time ``run_once`` under ``policy``; summary statistics plus CPU and wall time of the span."""
+    samples: list[float] = []
+    timed_total = 0.0
+    wall_start, cpu_start = clock(), cpu_clock()
+    while True:
+        start = clock()
+        run_once()
+        elapsed = clock() - start
+        samples.append(elapsed)
+        timed_total += elapsed
+        count = len(samples)
+        if count >= policy.max_repeats:
+            break
+        if count >= policy.min_repeats and timed_total >= policy.min_time:
+            if relative_spread(samples) <= STABLE_SPREAD or timed_total >= policy.max_time:
+                break
+    wall, cpu = clock() - wall_start, cpu_clock() - cpu_start
+    summary = summarize(samples)
+    summary.update(
+        stable=relative_spread(samples) <= STABLE_SPREAD,
+        timed_total_s=timed_total,
+        span_wall_s=wall,
+        span_cpu_s=cpu,
+    )
+    return summary
+
+
+def time_interleaved(
+    variants: dict[str, Callable[[], None]],
+    policy: RepeatPolicy,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, dict]:
+    """Time several variants round-robin, so that drift in machine load hits them alike.
+
+    Each round runs every variant once; rounds continue until every variant meets the
+    policy's minimums (each variant's own timed total counts toward ``min_time``).
+    """
+    if not variants:
+        raise ValueError("time_interleaved needs at least one variant")
+    for run_once in variants.values():
+        warm_up(run_once, RepeatPolicy(min_time=0.0, min_repeats=1, warmup=max(policy.warmup, 1)), clock)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    started = clock()
+    while True:
+        for name, run_once in variants.items():
+            start = clock()
+            run_once()
+            samples[name].append(clock() - start)
+        rounds = len(next(iter(samples.values())))
+        if rounds >= policy.max_repeats:
+            break
+        done = all(len(s) >= policy.min_repeats and sum(s) >= policy.min_time for s in samples.values())
+        if done and (
+            all(relative_spread(s) <= STABLE_SPREAD for s in samples.values()) or clock() - started >= policy.max_time
+        ):
+            break
+    return {name: summarize(times) for name, times in samples.items()}

@@ -1,0 +1,562 @@
+"""The benchmark harness's logic: FLOP counts, pinning, statistics, report, baseline, resume.
+
+No timing assertions: timings live in the benchmark output. The only measured runs here
+are tiny cells in fresh processes, checked for what the harness must guarantee (a result
+comes back, the child was pinned to the core it was given, a broken cell is a record).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import requires
+from mha_rosetta.benchmarks import pinning
+from mha_rosetta.benchmarks.cell import CellSpec, cell_key, run_cell, split_implementation
+from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops, self_attention_flops
+from mha_rosetta.benchmarks.fresh import RESULT_MARKER, parse_result
+from mha_rosetta.benchmarks.questions import (
+    CONFIRMED,
+    PARTLY,
+    REFUTED,
+    answer_question,
+    run_speed_questions,
+    verdict_einsum,
+    verdict_heads,
+    verdict_linear_layout,
+    verdict_merge_copy,
+)
+from mha_rosetta.benchmarks.report import (
+    SCHEMA_VERSION,
+    assemble_report,
+    compare_to_baseline,
+    machine_info,
+    markdown_table,
+    write_text_atomic,
+)
+from mha_rosetta.benchmarks.sweep import SweepSettings, load_partial, run_sweep
+from mha_rosetta.benchmarks.timing import RepeatPolicy, summarize, time_repeats
+from mha_rosetta.core import MHAConfig
+
+# -- FLOP counts, by hand ---------------------------------------------------------------------
+
+
+def test_self_attention_flops_hand_computed():
+    # B=2, N=7, D=15, H=3 (d_k=5): 8*2*7*15^2 + 4*2*7^2*15 = 25200 + 5880
+    assert self_attention_flops(2, 7, 15) == 31080
+    cfg = MHAConfig(d_model=15, n_heads=3)
+    assert config_matmul_flops(cfg, batch=2, q_tokens=7) == 31080
+
+
+def test_cross_attention_gqa_flops_hand_computed():
+    # B=2, Nq=7, Nk=5, D=15, H=3, Hkv=1, Dk=5, Dv=4, kdim=6, vdim=8
+    # projections: q 7*15*3*5=1575, k 5*6*1*5=150, v 5*8*1*4=160, out 7*3*4*15=1260 -> 3145, x 2B = 12580
+    # attention: H*Nq*Nk*(Dk+Dv) = 3*7*5*9 = 945, x 2B = 3780
+    cfg = MHAConfig(d_model=15, n_heads=3, d_k=5, d_v=4, n_kv_heads=1, kdim=6, vdim=8)
+    assert config_matmul_flops(cfg, batch=2, q_tokens=7, kv_tokens=5) == 16360
+    assert (
+        attention_matmul_flops(
+            batch=2, q_tokens=7, kv_tokens=5, d_model=15, heads=3, kv_heads=1, d_k=5, d_v=4, kdim=6, vdim=8
+        )
+        == 16360
+    )
+
+
+def test_flops_reject_bad_sizes():
+    with pytest.raises(ValueError, match="tokens"):
+        self_attention_flops(2, 0, 15)
+    assert gemm_flops(4, 5, 6) == 240
+    with pytest.raises(ValueError, match="m must be"):
+        gemm_flops(0, 5, 6)
+
+
+# -- pinning ----------------------------------------------------------------------------------
+
+
+def test_thread_env_sets_every_knob_and_keeps_other_variables():
+    base = {
+        "OPENBLAS_CORETYPE": "Haswell",
+        "XLA_FLAGS": "--xla_dump_to=/tmp/x intra_op_parallelism_threads=4",
+        "PATH": "/bin",
+    }
+    env = pinning.thread_env(2, base_env=base)
+    for name in pinning.THREAD_ENV_VARS:
+        assert env[name] == "2", name
+    assert env["OPENBLAS_CORETYPE"] == "Haswell"  # not a thread count: passed through untouched
+    assert env["PATH"] == "/bin"
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x intra_op_parallelism_threads=2"
+    assert base["XLA_FLAGS"] == "--xla_dump_to=/tmp/x intra_op_parallelism_threads=4"  # the input is not modified
+
+
+def test_xla_flags_for_one_thread_switch_eigen_off_once():
+    flags = pinning.xla_flags(1, "--xla_cpu_multi_thread_eigen=true --xla_foo=1")
+    assert flags.split() == ["--xla_foo=1", "--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+    with pytest.raises(ValueError, match="threads must be a positive int, got 0"):
+        pinning.thread_env(0, base_env={})
+
+
+def test_choose_cpus():
+    assert pinning.choose_cpus(2, allowed=[0, 1, 2, 3]) == [2, 3]
+    assert pinning.choose_cpus(1, requested=[0], allowed=[0, 1]) == [0]
+    with pytest.raises(ValueError, match="threads=5 is more than the 4 cores"):
+        pinning.choose_cpus(5, allowed=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"cpus \[7\] are not available"):
+        pinning.choose_cpus(1, requested=[7], allowed=[0, 1])
+    with pytest.raises(ValueError, match="names 2 cores"):
+        pinning.choose_cpus(1, requested=[0, 1], allowed=[0, 1])
+
+
+def test_cpu_use_warnings():
+    assert pinning.cpu_utilisation(3.0, 2.0) == 1.5
+    assert pinning.cpu_utilisation(1.0, 0.0) is None
+    assert "used 1.60 cores" in pinning.cpu_use_warning(1.6, 1)
+    assert pinning.cpu_use_warning(1.2, 1) is None  # within threads + 0.25
+    assert pinning.cpu_use_warning(2.2, 2) is None
+    assert "only 0.50 of its core" in pinning.contention_warning(0.5, 1)
+    assert pinning.contention_warning(0.95, 1) is None
+    assert pinning.contention_warning(0.5, 2) is None  # idle workers make a low ratio normal
+
+
+# -- statistics and the repeat loop ----------------------------------------------------------
+
+
+def test_summarize_hand_computed():
+    summary = summarize([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert summary["median_s"] == 3.0
+    assert summary["iqr_s"] == 2.0  # q75 = 4, q25 = 2 (linear interpolation, NumPy's default)
+    assert summary["min_s"] == 1.0
+    assert summary["repeats"] == 5
+
+
+class FakeClock:
+    """A clock that moves only when the timed function runs: step sizes are chosen by the test."""
+
+    def __init__(self, steps):
+        self.now, self.steps, self.calls = 0.0, list(steps), 0
+
+    def __call__(self):
+        return self.now
+
+    def run_once(self):
+        self.now += self.steps[self.calls % len(self.steps)]
+        self.calls += 1
+
+
+def test_time_repeats_stops_when_minimums_met_and_stable():
+    clock = FakeClock([0.1])
+    result = time_repeats(
+        clock.run_once, RepeatPolicy(min_time=0.35, min_repeats=2, max_time=10), clock=clock, cpu_clock=clock
+    )
+    assert result["repeats"] == 4  # 0.4 s timed >= 0.35 and 4 samples are enough to judge the spread
+    assert result["median_s"] == pytest.approx(0.1)
+    assert result["stable"] is True
+
+
+def test_time_repeats_caps_at_max_repeats_and_max_time():
+    clock = FakeClock([0.1])
+    capped = time_repeats(
+        clock.run_once,
+        RepeatPolicy(min_time=100, min_repeats=1, max_repeats=7, max_time=1000),
+        clock=clock,
+        cpu_clock=clock,
+    )
+    assert capped["repeats"] == 7
+    noisy = FakeClock([0.1, 0.3])  # IQR / median stays large: gives up at max_time
+    result = time_repeats(
+        noisy.run_once, RepeatPolicy(min_time=0.5, min_repeats=3, max_time=2.0), clock=noisy, cpu_clock=noisy
+    )
+    assert result["stable"] is False
+    assert result["timed_total_s"] == pytest.approx(2.0)  # 10 samples of 0.1/0.3 alternating
+
+
+def test_repeat_policy_rejects_bad_values():
+    with pytest.raises(ValueError, match="max_repeats=2 is below min_repeats=5"):
+        RepeatPolicy(min_repeats=5, max_repeats=2)
+    with pytest.raises(ValueError, match="min_time"):
+        RepeatPolicy(min_time=-1)
+
+
+# -- cells: specs, keys, child protocol -------------------------------------------------------
+
+
+def test_implementation_labels_and_keys():
+    assert split_implementation("numpy:slicing") == ("numpy", "slicing")
+    assert split_implementation("torch-sdpa") == ("torch-sdpa", "standard")
+    spec = CellSpec(implementation="numpy", tokens=16, batch=1, d_model=8, heads=2)
+    record = {**spec.identity(), "median_s": 1.0}
+    assert cell_key(record) == spec.key()
+    assert CellSpec(implementation="numpy", tokens=32, batch=1, d_model=8, heads=2).key() != spec.key()
+    with pytest.raises(ValueError, match="unknown cell spec fields"):
+        CellSpec.from_dict({"implementation": "numpy", "sizes": 3})
+    with pytest.raises(ValueError, match=r"CellSpec\.tokens must be a positive int, got 0"):
+        CellSpec(implementation="numpy", tokens=0)
+
+
+def test_parse_result_ignores_framework_noise():
+    stdout = "warning: something\n" + RESULT_MARKER + json.dumps({"status": "ok", "median_s": 0.5}) + "\nbye\n"
+    assert parse_result(stdout) == {"status": "ok", "median_s": 0.5}
+    assert parse_result("no result here\n") is None
+
+
+def test_failing_cell_in_a_fresh_process_is_recorded():
+    spec = CellSpec(
+        implementation="no-such-backend", tokens=4, batch=1, d_model=4, heads=2, cpus=pinning.choose_cpus(1)
+    )
+    record = run_cell(spec, timeout=120)
+    assert record["status"] == "error"
+    assert "unknown backend 'no-such-backend'" in record["error"]
+    assert record["implementation"] == "no-such-backend" and record["tokens"] == 4
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mha_rosetta.backends.numpy_backend") is None,
+    reason="the numpy adapter is not written yet",
+)
+def test_smoke_numpy_cell_in_a_pinned_fresh_process():
+    cpus = pinning.choose_cpus(1)
+    spec = CellSpec(
+        implementation="numpy", tokens=8, batch=2, d_model=12, heads=3, cpus=cpus,
+        policy=dict(min_time=0.01, min_repeats=3, max_time=0.2, warmup=1),
+    )  # fmt: skip
+    record = run_cell(spec, timeout=120)
+    assert record["status"] == "ok", record.get("error")
+    assert math.isfinite(record["median_s"]) and record["median_s"] > 0
+    assert record["repeats"] >= 3
+    assert record["flops"] == config_matmul_flops(MHAConfig(d_model=12, n_heads=3), 2, 8)
+    assert record["output_finite"] is True
+    if pinning.affinity_supported():
+        assert record["affinity"] == cpus  # the child really was pinned
+    openblas = [pool for pool in record.get("thread_pools", []) if pool.get("internal_api") == "openblas"]
+    for pool in openblas:
+        assert pool["num_threads"] == 1  # the environment reached the BLAS before it started
+
+
+def test_measured_children_import_no_numpy_or_framework_before_pinning():
+    # The child pins itself in main(); everything imported before that must be light.
+    code = (
+        "import sys, mha_rosetta.benchmarks.cell, mha_rosetta.benchmarks.gemm, mha_rosetta.benchmarks.questions\n"
+        "print(','.join(m for m in ('numpy', 'torch', 'jax') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _cell(implementation="numpy", tokens=64, median=0.002, status="ok", **extra):
+    cell = {
+        "implementation": implementation, "backend": implementation.split(":")[0], "strategy": "standard",
+        "device": "cpu", "dtype": "float32", "batch": 4, "tokens": tokens, "kv_tokens": None, "d_model": 512,
+        "heads": 8, "kv_heads": None, "d_k": None, "kdim": None, "vdim": None, "causal": False, "threads": 1,
+        "status": status,
+    }  # fmt: skip
+    if status == "ok":
+        cell.update(
+            median_s=median,
+            iqr_s=median / 10,
+            min_s=median * 0.9,
+            repeats=9,
+            compile_s=None,
+            gflops=50.0,
+            cpu_util=1.0,
+            peak_mem_mb=3.0,
+            warnings=[],
+        )
+    else:
+        cell["error"] = "RuntimeError: boom"
+    cell.update(extra)
+    return cell
+
+
+PEAK = {
+    "device": "cpu",
+    "dtype": "float32",
+    "threads": 1,
+    "n": 512,
+    "gflops": 100.0,
+    "library": "numpy",
+    "by_library": {},
+}
+
+
+def test_report_has_the_schema_fields():
+    report = assemble_report(
+        {"threads": 1}, [PEAK], [_cell(), _cell("torch", status="error")], machine=machine_info([])
+    )
+    assert report["schema"] == SCHEMA_VERSION == 1
+    assert report["gemm_peak_gflops"] == {"cpu/float32": 100.0}
+    for name in ("platform", "cpu_model", "cores", "python", "libraries", "blas"):
+        assert name in report["machine"]
+    assert report["machine"]["libraries"]["numpy"]  # a version string
+    ok, failed = report["cells"]
+    for name in ("implementation", "device", "dtype", "batch", "tokens", "d_model", "heads", "threads", "median_s",
+                 "iqr_s", "min_s", "repeats", "compile_s", "gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "status"):  # fmt: skip
+        assert name in ok, name
+    assert ok["peak_fraction"] == 0.5  # 50 GFLOP/s of a 100 GFLOP/s peak
+    assert failed["peak_fraction"] is None and failed["status"] == "error"
+    assert report["summary"] == {"cells": 2, "ok": 1, "unsupported": 0, "failed": 1, "warnings": 0}
+    json.loads(json.dumps(report))  # plain JSON all the way down
+    table = markdown_table(report)
+    assert "| `numpy` | cpu | float32 | 4 | 64 | 512 | 8 | 2.000 |" in table
+    assert "error: RuntimeError: boom" in table
+
+
+def test_baseline_comparison_flags_changes_beyond_ten_percent():
+    baseline = assemble_report(
+        {},
+        [PEAK],
+        [_cell("a", median=1.0), _cell("b", median=1.0), _cell("c", median=1.0), _cell("e", median=1.0)],
+        machine={},
+    )
+    report = assemble_report(
+        {}, [PEAK],
+        [_cell("a", median=1.15), _cell("b", median=1.05), _cell("c", median=0.85), _cell("d", median=1.0), _cell("e", status="error")],
+        machine={},
+    )  # fmt: skip
+    comparison = compare_to_baseline(report, baseline)
+    flagged = {row["implementation"]: row["change"] for row in comparison["flagged"]}
+    assert flagged == {"a": "slower", "c": "faster"}  # b moved 5%: not flagged
+    assert [row["implementation"] for row in comparison["stopped_working"]] == ["e"]
+    assert [key[0] for key in comparison["only_in_report"]] == ["d"]
+    with pytest.raises(ValueError, match="schema"):
+        compare_to_baseline(report, {"schema": 99, "cells": []})
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path):
+    target = tmp_path / "sub" / "report.json"
+    write_text_atomic(target, "first")
+    write_text_atomic(target, "second")
+    assert target.read_text() == "second"
+    assert [p.name for p in target.parent.iterdir()] == ["report.json"]
+    assert os.stat(target).st_mode & 0o044  # readable by others like any normal file, not mkstemp's 0600
+
+
+@requires("matplotlib")
+def test_plots_are_written(tmp_path):
+    report = assemble_report(
+        {},
+        [PEAK],
+        [_cell("a", 64, 0.001), _cell("a", 128, 0.003), _cell("b", 64, 0.002), _cell("b", 128, 0.005)],
+        machine={},
+    )
+    from mha_rosetta.benchmarks.report import plot_report
+
+    written = plot_report(report, tmp_path)
+    assert {path.name for path in written} == {
+        "time_vs_tokens_cpu_float32_B4_D512_H8_T1.png",
+        "gflops_at_reference_size.png",
+    }
+    assert all(path.stat().st_size > 1000 for path in written)
+
+
+def test_best_of_two_peaks_keeps_the_better_result_per_library():
+    from mha_rosetta.benchmarks.gemm import best_of
+
+    def peak(**by_library):
+        results = {name: {"status": "ok", "gflops": value, "n": 1024} for name, value in by_library.items()}
+        best = max(by_library, key=by_library.get)
+        return {
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": 1,
+            "n": 1024,
+            "gflops": by_library[best],
+            "library": best,
+            "by_library": results,
+        }
+
+    opening = peak(numpy=50.0, torch=40.0)
+    merged = best_of(opening, peak(numpy=60.0))  # the closing run measures the winner only
+    assert (merged["gflops"], merged["library"]) == (60.0, "numpy")
+    assert merged["by_library"]["torch"]["gflops"] == 40.0
+    assert merged["measured_gflops"] == [50.0, 60.0]
+    busy = best_of(opening, peak(numpy=30.0))  # a busy closing run does not lower the peak
+    assert busy["gflops"] == 50.0 and busy["measured_gflops"] == [50.0, 30.0]
+
+
+# -- the sweep: failures and resume (fake runners: no processes) ------------------------------
+
+
+def _settings(**changes):
+    values = dict(implementations=["numpy", "torch"], tokens=[8, 16], batch=[1], d_model=[8], heads=[2], gemm_n=64)
+    values.update(changes)
+    return SweepSettings(**values)
+
+
+class FakeRunners:
+    def __init__(self, fail=(), interrupt_at=None):
+        self.cells, self.gemms, self.fail, self.interrupt_at = [], [], set(fail), interrupt_at
+
+    def cell(self, spec, timeout):
+        if self.interrupt_at is not None and len(self.cells) == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.cells.append(spec.key())
+        if spec.implementation in self.fail:
+            return {**spec.identity(), "status": "error", "error": "RuntimeError: broken adapter"}
+        return {**spec.identity(), "status": "ok", "median_s": 0.001 * spec.tokens, "gflops": 1.0}
+
+    def gemm(self, dtype, device, threads, cpus, **options):
+        self.gemms.append((device, dtype))
+        gflops = 10.0 + len(self.gemms)  # a different figure each time: the best must win
+        return {
+            "device": device,
+            "dtype": dtype,
+            "threads": threads,
+            "n": options["n"],
+            "gflops": gflops,
+            "library": "numpy",
+        }
+
+
+def _run(runners, partial, resume=False, settings=None):
+    settings = settings or _settings()
+    return run_sweep(
+        settings, partial_path=partial, resume=resume, progress=False, cell_runner=runners.cell,
+        gemm_runner=runners.gemm, implementations=settings.implementations,
+    )  # fmt: skip
+
+
+def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
+    runners = FakeRunners(fail={"numpy"})
+    outcome = _run(runners, tmp_path / "p.jsonl")
+    assert [(c["implementation"], c["tokens"], c["status"]) for c in outcome.cells] == [
+        ("numpy", 8, "error"), ("torch", 8, "ok"), ("numpy", 16, "error"), ("torch", 16, "ok"),
+    ]  # fmt: skip
+    assert len(outcome.failed) == 2 and not outcome.interrupted
+    assert runners.gemms == [("cpu", "float32"), ("cpu", "float32")]  # before and after the cells
+    assert outcome.gemm_peaks[0]["gflops"] == 12.0 and outcome.gemm_peaks[0]["measured_gflops"] == [11.0, 12.0]
+
+
+def test_resume_skips_finished_cells_and_retries_failed_ones(tmp_path):
+    partial = tmp_path / "p.jsonl"
+    first = FakeRunners(fail={"torch"}, interrupt_at=3)
+    interrupted = _run(first, partial)
+    assert interrupted.interrupted and len(interrupted.cells) == 3  # numpy 8 ok, torch 8 error, numpy 16 ok
+    kept, peaks = load_partial(partial)
+    assert len(kept) == 3 and list(peaks) == ["cpu/float32/1"]
+
+    second = FakeRunners()
+    resumed = _run(second, partial, resume=True)
+    assert not resumed.interrupted and resumed.resumed_cells == 2
+    ran = [json.loads(key) for key in second.cells]
+    assert [(k["implementation"], k["tokens"]) for k in ran] == [
+        ("torch", 8),
+        ("torch", 16),
+    ]  # the failed one again, and the unrun one
+    assert second.gemms == [("cpu", "float32")]  # the first run's opening peak is reused; only the closing one runs
+    assert resumed.gemm_peaks[0]["measured_gflops"] == [11.0, 11.0]
+    assert [c["status"] for c in resumed.cells] == ["ok"] * 4
+
+
+def test_a_fresh_sweep_discards_an_old_partial_file(tmp_path):
+    partial = tmp_path / "p.jsonl"
+    _run(FakeRunners(), partial)
+    again = FakeRunners()
+    _run(again, partial, resume=False)
+    assert len(again.cells) == 4
+
+
+def test_torn_last_line_of_a_partial_file_is_ignored_and_resume_goes_on(tmp_path):
+    partial = tmp_path / "p.jsonl"
+    _run(FakeRunners(interrupt_at=1), partial)
+    with partial.open("a") as handle:
+        handle.write('{"type": "cell", "record": {"implem')  # killed mid-write
+    cells, _peaks = load_partial(partial)
+    assert len(cells) == 1
+    rest = FakeRunners()
+    _run(rest, partial, resume=True)
+    assert len(rest.cells) == 3
+    cells, _peaks = load_partial(partial)
+    assert len(cells) == 4  # the entries after the torn line start on a line of their own
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_cli_rejects_unknown_implementation(capsys):
+    from mha_rosetta.cli.main import main
+
+    assert main(["bench", "--implementations", "numpy,nosuch", "--no-progress"]) == 2
+    assert "unknown implementation 'nosuch'" in capsys.readouterr().err
+
+
+def test_cli_writes_outputs_and_fails_on_a_failed_cell(tmp_path, monkeypatch):
+    from mha_rosetta.benchmarks import sweep
+    from mha_rosetta.cli.main import main
+
+    runners = FakeRunners(fail={"torch"})
+    real_sweep = sweep.run_sweep
+
+    def fake_sweep(settings, **options):
+        return real_sweep(settings, **options, cell_runner=runners.cell, gemm_runner=runners.gemm)
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_sweep)
+    json_path, md_path = tmp_path / "out.json", tmp_path / "out.md"
+    status = main(["bench", "--implementations", "numpy,torch", "--tokens", "8", "--batch", "1", "--d-model", "8",
+                   "--heads", "2", "--devices", "cpu", "--json", str(json_path), "--markdown", str(md_path), "--no-progress"])  # fmt: skip
+    assert status == 1  # the torch cell failed
+    report = json.loads(json_path.read_text())
+    assert report["complete"] is True and report["summary"]["failed"] == 1
+    assert report["settings"]["tokens"] == [8] and report["settings"]["threads"] == 1
+    assert "`torch`" in md_path.read_text()
+    assert not Path(f"{json_path}.partial.jsonl").exists()  # a finished sweep leaves no partial file
+
+
+# -- the speed questions: verdict logic on given numbers --------------------------------------
+
+
+def _heads_case(heads, batched, slicing, per_head):
+    return {"sizes": {"heads": heads}, "median_s": {"batched": batched, "slicing": slicing, "per_head": per_head}}
+
+
+def test_heads_verdicts():
+    confirmed, text = verdict_heads(
+        [_heads_case(2, 1.0, 1.6, 1.7), _heads_case(8, 1.0, 2.0, 2.5), _heads_case(32, 1.0, 3.0, 4.0)]
+    )
+    assert confirmed == CONFIRMED and "slicing / batched = 1.60x (h=2), 2.00x (h=8), 3.00x (h=32)" in text
+    refuted, _ = verdict_heads([_heads_case(2, 1.0, 1.0, 1.0), _heads_case(32, 1.0, 0.6, 0.7)])
+    assert refuted == REFUTED
+    partly, _ = verdict_heads([_heads_case(2, 1.0, 1.2, 1.0), _heads_case(32, 1.0, 1.3, 1.0)])
+    assert partly == PARTLY
+
+
+def test_layout_merge_and_einsum_verdicts():
+    case = {
+        "sizes": {"tokens": 8, "d_in": 4, "d_out": 2},
+        "median_s": {"x_at_wT": 1.0, "w_at_xT": 1.02, "w_at_xT_back": 1.5},
+    }
+    assert verdict_linear_layout([case])[0] == PARTLY  # only the copy back costs
+    case["median_s"]["w_at_xT"] = 1.3
+    assert verdict_linear_layout([case])[0] == CONFIRMED
+    other_shape = {
+        "sizes": {"tokens": 8, "d_in": 4, "d_out": 1},
+        "median_s": {"x_at_wT": 1.0, "w_at_xT": 1.0, "w_at_xT_back": 1.05},
+    }
+    assert verdict_linear_layout([case, other_shape])[0] == PARTLY  # slower at one shape only
+    assert verdict_linear_layout([other_shape])[0] == REFUTED  # no cost, even with the copy back
+    merge = {"median_s": {"contiguous_then_view": 1.0, "reshape": 1.03, "view_no_copy": 0.01}}
+    assert verdict_merge_copy([merge])[0] == CONFIRMED
+    einsum = {"median_s": {"transpose_matmul": 1.0, "einsum": 14.0, "einsum_optimize": 1.05}}
+    verdict, text = verdict_einsum([einsum])
+    assert verdict == PARTLY and "einsum / (transpose + matmul) = 14.00x" in text
+
+
+def test_answer_keeps_skipped_measurements_and_shape():
+    answer = answer_question(9, [
+        {"library": "numpy", "device": "cpu", "status": "ok", "cpu_util": 1.0,
+         "cases": [{"median_s": {"contiguous_then_view": 1.0, "reshape": 1.0, "view_no_copy": 0.1}}]},
+        {"library": "torch", "device": "cpu", "status": "error", "error": "ModuleNotFoundError: torch"},
+    ])  # fmt: skip
+    assert set(answer) >= {"claim", "title", "verdict", "evidence"}
+    assert answer["claim"] == 9 and answer["verdict"] == CONFIRMED  # the skipped library does not vote
+    assert "torch/cpu: not measured (ModuleNotFoundError: torch)" in answer["evidence"]
+    with pytest.raises(ValueError, match=r"claims \[4\] have no speed question"):
+        run_speed_questions(claims=[4])

@@ -1,12 +1,199 @@
-"""``mha-rosetta explain``: being built (see the open issue)."""
+"""``mha-rosetta explain``: shapes, strides and weight layouts of every convention; the seed's claims.
+
+    mha-rosetta explain                       # the seed's 6 tokens, d_model 12, 3 heads of d_k 4
+    mha-rosetta explain --claims              # every claim with its evidence and verdict
+    mha-rosetta explain --claims --json -     # the claims as JSON: [{"claim", "title", "verdict", "evidence"}, ...]
+    mha-rosetta explain --markdown            # the same tables as Markdown
+    mha-rosetta explain --png head_split.png  # the head split as a picture
+    mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md and docs/head_split.png
+
+Exit status: 0 when every check holds, 1 when a non-speed claim is refuted or a weight
+layout fails its verification (a refuted speed claim is a finding, not a failure), 2 for
+bad arguments.
+"""
+
+from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from mha_rosetta.explain.seed_setup import DEFAULT_BATCH, SEED_D_K, SEED_D_MODEL, SEED_HEADS, SEED_TOKENS
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="PATH", help="write the machine-readable result to PATH ('-' for stdout)")
+    size = parser.add_argument_group("configuration (defaults: the seed's example)")
+    size.add_argument("--tokens", type=_positive_int, default=SEED_TOKENS, help=f"tokens per sequence (default {SEED_TOKENS})")
+    size.add_argument("--d-model", type=_positive_int, default=SEED_D_MODEL, help=f"model width (default {SEED_D_MODEL})")
+    size.add_argument("--heads", type=_positive_int, default=SEED_HEADS, help=f"number of heads (default {SEED_HEADS})")
+    size.add_argument("--d-k", type=_positive_int, default=None, help=f"head width (default d_model / heads, {SEED_D_K} for the seed)")
+    size.add_argument("--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"batch size (default {DEFAULT_BATCH})")
+    size.add_argument("--seed", type=int, default=0, help="seed of the parameters and inputs (default 0)")
+    parser.add_argument(
+        "--backends",
+        metavar="NAMES",
+        help="comma-separated backends for the stage tables (default: every installed implementation)",
+    )
+    parser.add_argument(
+        "--sections",
+        metavar="NAMES",
+        help="comma-separated parts to show: stages, weights, head_split, differences, claims (default: all but claims)",
+    )
+    parser.add_argument("--claims", action="store_true", help="run the seed's 12 claims and print claim, evidence and verdict")
+    parser.add_argument("--no-speed", action="store_true", help="with --claims: skip the benchmark questions (speed claims show as skipped)")
+    parser.add_argument("--threads", type=_positive_int, default=1, help="threads for the speed questions (default 1)")
+    parser.add_argument("--full-speed", action="store_true", help="run the speed questions at full size instead of the quick preset")
+    out = parser.add_argument_group("output")
+    out.add_argument("--markdown", action="store_true", help="print Markdown instead of terminal tables")
+    out.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    out.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write JSON to PATH ('-' for stdout); with --claims alone the list of claims, otherwise the whole explanation",
+    )
+    out.add_argument("--png", metavar="PATH", help="draw the head split (correct vs direct reshape) to PATH")
+    out.add_argument(
+        "--write-docs",
+        metavar="DIR",
+        help="regenerate DIR/explainer.md and DIR/head_split.png (everything, claims with quick speed questions)",
+    )
+
+
+def _config_from(args: argparse.Namespace):
+    from mha_rosetta.core import MHAConfig
+
+    return MHAConfig(d_model=args.d_model, n_heads=args.heads, d_k=args.d_k)
+
+
+def _backends_from(args: argparse.Namespace) -> list[str] | None:
+    if not args.backends:
+        return None
+    from mha_rosetta.backends import REGISTRY
+
+    names = [name.strip() for name in args.backends.split(",") if name.strip()]
+    unknown = [name for name in names if name not in REGISTRY]
+    if unknown:
+        raise ValueError(f"--backends: unknown backend(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY)}")
+    return names
+
+
+def _sections_from(args: argparse.Namespace) -> tuple[str, ...] | None:
+    if not args.sections:
+        return None
+    from mha_rosetta.explain import SECTIONS
+
+    names = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown:
+        raise ValueError(f"--sections: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(temporary, 0o644)  # mkstemp makes the file private; a generated document is not
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _write_json(target: str, payload) -> None:
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+    else:
+        _write_atomically(Path(target), text)
+        print(f"wrote {target}", file=sys.stderr)
+
+
+def _failures(explanation) -> list[str]:
+    """What makes the exit status non-zero: a refuted fact, or a weight layout that fails its check.
+
+    A refuted speed claim is a finding about the seed, not a failure of this run: the
+    seed's speed claims (3, 7) are allowed to be wrong, and timings move with the machine.
+    """
+    from mha_rosetta.explain.claims import SPEED_ONLY_CLAIMS
+
+    problems = [
+        f"claim {c.claim} refuted" for c in explanation.claims if c.verdict == "refuted" and c.claim not in SPEED_ONLY_CLAIMS
+    ]
+    problems += [f"weight layout '{w.layout}' failed its verification" for w in explanation.weights if w.verified is False]
+    return problems
 
 
 def run(args: argparse.Namespace) -> int:
-    print("mha-rosetta explain: not implemented yet")
-    return 1
+    from mha_rosetta.explain import explain
+
+    try:
+        cfg = _config_from(args)
+        backends = _backends_from(args)
+        chosen_sections = _sections_from(args)
+    except (ValueError, TypeError) as error:
+        print(f"mha-rosetta explain: {error}", file=sys.stderr)
+        return 2
+
+    write_docs = args.write_docs is not None
+    if write_docs:
+        sections = None  # everything
+        claims = True
+    elif chosen_sections is not None:
+        sections = chosen_sections + (("claims",) if args.claims and "claims" not in chosen_sections else ())
+        claims = "claims" in sections
+    elif args.claims:
+        sections = ("claims",)
+        claims = True
+    else:
+        sections, claims = None, False
+    explanation = explain(
+        cfg,
+        backends,
+        claims,
+        tokens=args.tokens,
+        batch=args.batch,
+        seed=args.seed,
+        sections=sections,
+        speed=not args.no_speed,
+        threads=args.threads,
+        quick=not args.full_speed,
+    )
+
+    if write_docs:
+        folder = Path(args.write_docs)
+        folder.mkdir(parents=True, exist_ok=True)
+        png = explanation.save_png(folder / "head_split.png")
+        _write_atomically(folder / "explainer.md", explanation.to_markdown(png_name="head_split.png"))
+        print(f"wrote {folder / 'explainer.md'} and {png}", file=sys.stderr)
+    if args.png:
+        print(f"wrote {explanation.save_png(args.png)}", file=sys.stderr)
+    if args.json:
+        claims_only = explanation.sections == ("claims",)
+        _write_json(args.json, explanation.claims_json() if claims_only else explanation.to_dict())
+    if args.json != "-" and not write_docs:
+        if args.markdown:
+            sys.stdout.write(explanation.to_markdown())
+        else:
+            explanation.print(plain=args.plain)
+
+    problems = _failures(explanation)
+    for problem in problems:
+        print(f"mha-rosetta explain: {problem}", file=sys.stderr)
+    return 1 if problems else 0

@@ -1,0 +1,297 @@
+"""Three renderings of an `Explanation`: rich terminal tables, plain text, Markdown.
+
+The renderers only lay out what the explanation measured; they compute nothing.
+Rich is optional: without it (or with ``plain=True``) the same content prints as
+fixed-width text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterable
+
+from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES
+
+from .head_split import grid_text, head_summary
+from .stages_table import AXIS_MEANING
+
+# --- the tables, as (title, headers, rows) so that every renderer shows the same thing -------------
+
+
+def _config_line(explanation) -> str:
+    cfg, setup = explanation.cfg, explanation.setup
+    return (
+        f"batch {setup.batch}, tokens {setup.tokens}, d_model {cfg.d_model}, heads {cfg.n_heads}, "
+        f"d_k {cfg.d_k}, d_v {cfg.d_v}; stage tensors in {explanation.dtype}"
+    )
+
+
+def backend_table(explanation) -> tuple[str, list[str], list[list[str]]]:
+    headers = ["backend", "samples", "where the weights' scorers are", "convention"]
+    rows = []
+    for summary in explanation.backends:
+        if summary.skipped:
+            rows.append([summary.backend, "skipped", summary.skipped, ""])
+        else:
+            rows.append([summary.backend, summary.samples, summary.scorers, summary.convention])
+    return "Backends at a glance (read off each backend's query projection)", headers, rows
+
+
+def stage_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
+    headers = ["backend", "shape", "axes", "strides (elements)", "contiguous", "memory", "note"]
+    tables = []
+    for stage_name in STAGE_NAMES:
+        rows = [
+            [row.backend, str(row.shape), " x ".join(row.axes), row.strides_text, row.contiguous, row.memory, _short_note(row)]
+            for row in explanation.stages
+            if row.stage == stage_name
+        ]
+        if rows:
+            stage = STAGE_BY_NAME[stage_name]
+            title = f"{stage_name} ({stage.step}; canonical {' x '.join(stage.shape)}): {stage.meaning}"
+            tables.append((title, headers, rows))
+    return tables
+
+
+def _short_note(row) -> str:
+    """The adapter's note without the view/copy prefix the memory column already shows."""
+    if row.note == row.memory:
+        return ""
+    prefix = f"{row.memory}: "
+    return row.note[len(prefix):] if row.note.startswith(prefix) else row.note
+
+
+def axis_legend(explanation) -> tuple[str, list[str], list[list[str]]]:
+    used = []
+    for row in explanation.stages:
+        used += [symbol for symbol in row.axes if symbol not in used]
+    return "Axis symbols", ["symbol", "meaning"], [[symbol, AXIS_MEANING.get(symbol, symbol)] for symbol in used]
+
+
+def weights_table(explanation) -> tuple[str, list[str], list[list[str]]]:
+    headers = ["layout", "shape", "scorers", "from canonical", "back to canonical", "scorer j of head h", "verified", "evidence"]
+    rows = []
+    for layout in explanation.weights:
+        verified = {True: "yes", False: "NO", None: "n/a"}[layout.verified]
+        rows.append(
+            [layout.layout, str(layout.shape), layout.scorers, layout.from_canonical, layout.to_canonical, layout.head_scorer, verified, layout.evidence]
+        )
+    h = min(1, explanation.cfg.n_heads - 1)
+    return f"One layer's weights in every layout (scorer j=0 of head h={h} located in each)", headers, rows
+
+
+def claims_table(explanation) -> tuple[str, list[str], list[list[str]]]:
+    rows = [[str(c.claim), c.title, c.verdict] for c in explanation.claims]
+    return "The seed's claims", ["#", "claim", "verdict"], rows
+
+
+def difference_tables(explanation) -> list[tuple[str, str, list[str], list[list[str]], str]]:
+    return [
+        (d.title, d.status, ["run", "result"], [[run, result] for run, result in d.rows], d.takeaway)
+        for d in explanation.differences
+    ]
+
+
+# --- plain text ------------------------------------------------------------------------------
+
+
+def _text_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)] if rows else [len(h) for h in headers]
+    line = lambda cells: "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+
+
+def render_text(explanation) -> str:
+    parts = [f"mha-rosetta explain: {_config_line(explanation)}"]
+    for section in explanation.sections:
+        parts += _text_section(explanation, section)
+    return "\n\n".join(parts) + "\n"
+
+
+def _text_section(explanation, section: str) -> list[str]:
+    if section == "stages":
+        title, headers, rows = backend_table(explanation)
+        parts = [f"== {title}\n{_text_table(headers, rows)}"]
+        for title, headers, rows in stage_tables(explanation):
+            parts.append(f"-- {title}\n{_text_table(headers, rows)}")
+        title, headers, rows = axis_legend(explanation)
+        parts.append(f"-- {title}\n{_text_table(headers, rows)}")
+        return parts
+    if section == "weights":
+        title, headers, rows = weights_table(explanation)
+        return [f"== {title}\n{_text_table(headers, rows)}"]
+    if section == "head_split":
+        parts = []
+        for split in explanation.head_split.values():
+            label = "correct split" if split.name == "correct" else "direct-reshape mistake"
+            parts.append(f"== Head split, {label}: {split.chain}\n{grid_text(split)}\n" + "\n".join(head_summary(split)))
+        return parts
+    if section == "differences":
+        parts = []
+        for title, status, headers, rows, takeaway in difference_tables(explanation):
+            body = _text_table(headers, rows) if rows else ""
+            parts.append(f"== {title} [{status}]\n{body}" + (f"\n=> {takeaway}" if takeaway else ""))
+        return parts
+    if section == "claims":
+        parts = []
+        for claim in explanation.claims:
+            evidence = "\n".join(f"    - {line}" for line in claim.evidence)
+            parts.append(f"claim {claim.claim}: {claim.title}\n  verdict: {claim.verdict}\n  evidence:\n{evidence}")
+        return ["== The seed's claims", *parts]
+    return []
+
+
+# --- rich --------------------------------------------------------------------------------------
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def _rich_table(title: str, headers: list[str], rows: Iterable[list[str]]):
+    from rich.table import Table
+
+    table = Table(title=_escape(title), title_justify="left", show_lines=False, expand=False)
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*(_escape(cell) for cell in row))
+    return table
+
+
+def _verdict_style(verdict: str) -> str:
+    if verdict == "confirmed":
+        return "bold green"
+    if verdict.startswith("refuted"):
+        return "bold red"
+    if verdict.startswith("skipped"):
+        return "dim"
+    return "bold yellow"
+
+
+def print_rich(explanation, file=None) -> None:
+    from rich.console import Console
+    from rich.panel import Panel
+
+    console = Console(file=file)
+    if not console.is_terminal:
+        # Piped or written to a file: wide lines read better than tables folded at 80 columns.
+        console = Console(file=file, width=max(console.width, 160))
+    console.rule(f"mha-rosetta explain: {_escape(_config_line(explanation))}")
+    for section in explanation.sections:
+        if section == "stages":
+            console.print(_rich_table(*backend_table(explanation)))
+            for table in stage_tables(explanation):
+                console.print(_rich_table(*table))
+            console.print(_rich_table(*axis_legend(explanation)))
+        elif section == "weights":
+            console.print(_rich_table(*weights_table(explanation)))
+        elif section == "head_split":
+            for split in explanation.head_split.values():
+                label = "correct split" if split.name == "correct" else "direct-reshape mistake"
+                body = grid_text(split, colour=True) + "\n\n" + _escape("\n".join(head_summary(split)))
+                console.print(Panel(body, title=_escape(f"Head split, {label}: {split.chain}"), expand=False))
+        elif section == "differences":
+            for title, status, headers, rows, takeaway in difference_tables(explanation):
+                console.print(_rich_table(f"{title} [{status}]", headers, rows))
+                if takeaway:
+                    console.print(f"  => {_escape(takeaway)}")
+        elif section == "claims":
+            from rich.table import Table
+
+            table = Table(title="The seed's claims", title_justify="left", show_lines=True, expand=True)
+            for header, ratio in (("#", None), ("claim", 3), ("evidence", 6), ("verdict", 2)):
+                table.add_column(header, overflow="fold", ratio=ratio)
+            for claim in explanation.claims:
+                evidence = "\n".join(f"- {_escape(line)}" for line in claim.evidence)
+                table.add_row(str(claim.claim), _escape(claim.title), evidence, f"[{_verdict_style(claim.verdict)}]{_escape(claim.verdict)}[/]")
+            console.print(table)
+
+
+def print_explanation(explanation, plain: bool = False, file=None) -> None:
+    if plain or importlib.util.find_spec("rich") is None:
+        (file or sys.stdout).write(render_text(explanation))
+    else:
+        print_rich(explanation, file=file)
+
+
+# --- Markdown ------------------------------------------------------------------------------------
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(_md_cell(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(explanation, png_name: str | None = None) -> str:
+    settings = explanation.settings
+    lines = [
+        "# Convention explainer",
+        "",
+        "Generated by `mha-rosetta explain --write-docs docs` (do not edit by hand; rerun the command).",
+        f"Configuration: {_config_line(explanation)}. Generated {settings.get('generated', '')} on {settings.get('machine', '')}.",
+        "Every shape, stride and verdict below comes from tensors of a real run on that machine.",
+        "",
+    ]
+    for section in explanation.sections:
+        lines += _md_section(explanation, section, png_name)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _md_section(explanation, section: str, png_name: str | None) -> list[str]:
+    out: list[str] = []
+    if section == "stages":
+        title, headers, rows = backend_table(explanation)
+        out += [f"## {title}", "", _md_table(headers, rows), "", "## Stage by stage, backend by backend", ""]
+        out += [
+            "Strides are counted in elements. *memory* says whether a stage shares memory with the stage it was",
+            "made from (a view costs nothing) or had to be copied; JAX arrays are immutable and XLA places them.",
+            "",
+        ]
+        for title, headers, rows in stage_tables(explanation):
+            out += [f"### {title}", "", _md_table(headers, rows), ""]
+        title, headers, rows = axis_legend(explanation)
+        out += [f"### {title}", "", _md_table(headers, rows), ""]
+    elif section == "weights":
+        title, headers, rows = weights_table(explanation)
+        out += [f"## {title}", "", _md_table(headers, rows), ""]
+    elif section == "head_split":
+        out += ["## The head split: which cells of Q each head receives", ""]
+        if png_name:
+            out += [f"![head split]({png_name})", ""]
+        for split in explanation.head_split.values():
+            label = "Correct split" if split.name == "correct" else "The direct-reshape mistake"
+            out += [f"### {label}: {split.chain}", "", "```", grid_text(split), "```", ""]
+            out += [f"- {line}" for line in head_summary(split)] + [""]
+    elif section == "differences":
+        out += ["## Framework differences, demonstrated", ""]
+        for title, status, headers, rows, takeaway in difference_tables(explanation):
+            out += [f"### {title}", "", f"Status: {status}.", ""]
+            if rows:
+                out += [_md_table(headers, rows), ""]
+            if takeaway:
+                out += [f"Takeaway: {takeaway}.", ""]
+    elif section == "claims":
+        speed = explanation.settings.get("speed", {})
+        title, headers, rows = claims_table(explanation)
+        out += [f"## {title}", ""]
+        if speed.get("run"):
+            preset = "quick preset" if speed.get("quick") else "default preset"
+            out += [
+                f"Speed parts measured by the benchmark questions ({preset}, {speed.get('threads')} thread(s)) on the",
+                "machine above; ratios move with the machine and its load, so rerun the command on yours.",
+                "",
+            ]
+        out += [_md_table(headers, rows), ""]
+        for claim in explanation.claims:
+            out += [f"### Claim {claim.claim}: {claim.title}", "", f"Verdict: **{claim.verdict}**", ""]
+            out += [f"- {line}" for line in claim.evidence] + [""]
+    return out

@@ -156,7 +156,8 @@ class JaxDotProductAttentionOracle(_JaxOracle):
         "softmax always in float32: float16/bfloat16 logits are accumulated in float32 (more accurate than "
         "a half-precision softmax); float64 logits are rounded to float32, so float64 is unsupported",
         "float16 on CPU fails to compile under jax.jit (dot algorithm F16_F16_F32 is not supported by XLA:CPU); "
-        "it runs eagerly, where the library falls back to the default precision",
+        "outside jit it runs (the library then falls back to the default precision), but this adapter is jitted, "
+        "so float16 on CPU is reported unsupported",
         "GQA native: key/value may have fewer heads than query (query head h reads kv head h // G)",
         "value must have the shape of key: d_v != d_k is unsupported",
         "is_causal=True is top-left aligned (query i sees keys 0..i), as the spec",

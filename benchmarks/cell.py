@@ -7,7 +7,8 @@ Run it in a fresh process (the sweep always does)::
 It prints one ``MHA_ROSETTA_RESULT {json}`` line (see `fresh`). The order inside the
 child is what makes the number fair:
 
-1. pin to the spec's cores (the parent already set every thread variable);
+1. pin to the spec's cores (the parent already set every thread variable, and the
+   allocator variables of ``malloc``, see `pinning.malloc_env`);
 2. import the framework and set its runtime thread knobs (`pinning.configure_frameworks`);
 3. ``prepare`` (parameter and input conversion, device transfer): untimed;
 4. ``compile`` when the adapter has one (JIT): timed on its own, reported as ``compile_s``;
@@ -33,14 +34,14 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 from .fresh import child_setup, emit_result, run_fresh
-from .pinning import contention_warning, cpu_use_warning, cpu_utilisation
+from .pinning import DEFAULT_MALLOC_MODE, contention_warning, cpu_use_warning, cpu_utilisation, malloc_env
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
 
 # Fields that say *what* is measured; two cells with the same identity measure the same thing.
 IDENTITY_FIELDS = (
     "implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads",
-    "kv_heads", "d_k", "kdim", "vdim", "causal", "threads",
+    "kv_heads", "d_k", "kdim", "vdim", "causal", "threads", "malloc",
 )  # fmt: skip
 
 
@@ -78,6 +79,7 @@ class CellSpec:
     cpus: list[int] | None = None
     policy: dict = field(default_factory=dict)  # timing.RepeatPolicy fields
     seed: int = 0
+    malloc: str = DEFAULT_MALLOC_MODE  # pinning.MALLOC_MODES: the allocator rule of the child
 
     def __post_init__(self) -> None:
         split_implementation(self.implementation)  # validates the label
@@ -85,6 +87,7 @@ class CellSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CellSpec.{name} must be a positive int, got {value!r}")
+        malloc_env(self.malloc)  # validates the mode
 
     @property
     def backend(self) -> str:
@@ -193,7 +196,10 @@ def measure(spec: CellSpec) -> dict:
     from .timing import RepeatPolicy, time_repeats, warm_up
 
     policy = RepeatPolicy(**spec.policy)
-    record: dict = {"affinity": sorted(os.sched_getaffinity(0)) if pinning.affinity_supported() else None}
+    record: dict = {
+        "affinity": sorted(os.sched_getaffinity(0)) if pinning.affinity_supported() else None,
+        "malloc_env": pinning.malloc_env_report(),  # what the child really started with
+    }
 
     from mha_rosetta.backends import UnsupportedCase, get_backend
     from mha_rosetta.core import init_params
@@ -282,7 +288,13 @@ def _jsonable(value):
 
 def run_cell(spec: CellSpec, timeout: float = 600.0) -> dict:
     """Measure ``spec`` in a fresh pinned process (parent side); returns the full cell record."""
-    outcome = run_fresh("mha_rosetta.benchmarks.cell", spec.to_dict(), threads=spec.threads, timeout=timeout)
+    outcome = run_fresh(
+        "mha_rosetta.benchmarks.cell",
+        spec.to_dict(),
+        threads=spec.threads,
+        timeout=timeout,
+        extra_env=malloc_env(spec.malloc),
+    )
     return cell_record(spec, outcome)
 
 

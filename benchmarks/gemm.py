@@ -18,7 +18,7 @@ import sys
 import time
 
 from .fresh import child_setup, emit_result, run_fresh
-from .pinning import CONTENDED_BELOW
+from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
 
 GEMM_LIBRARIES = ("numpy", "torch", "jax")
 DEFAULT_GEMM_SIZE = 1024
@@ -167,6 +167,7 @@ def measure(spec: dict) -> dict:
         "cpu_util": cpu_util,
         "warnings": [warning for warning in warnings if warning],
         "thread_pools": pools,
+        "malloc_env": pinning.malloc_env_report(),
     }
 
 
@@ -186,15 +187,18 @@ def measure_gemm_peak(
     libraries: list[str] | None = None,
     timeout: float = 300.0,
     retries: int = 1,
+    malloc: str = DEFAULT_MALLOC_MODE,
 ) -> dict:
     """The best median GFLOP/s of an (n, n) @ (n, n) product over the installed libraries.
 
     A measurement that shared its core with other processes (CPU time / wall time under
     `pinning.CONTENDED_BELOW`) underestimates the peak and would make every cell look
     better than it is, so it is repeated up to ``retries`` times and the best kept.
+    ``malloc`` is the allocator rule of the children (`pinning.malloc_env`), as for the cells.
     Returns ``{"device", "dtype", "threads", "n", "gflops", "library", "by_library": {...}}``;
     ``gflops`` is None when no library could run the product (every reason is kept).
     """
+    extra_env = malloc_env(malloc)  # validates the mode before any child starts
     by_library: dict[str, dict] = {}
     for library in installed_gemm_libraries() if libraries is None else libraries:
         reason = unsupported_reason(library, dtype, device)
@@ -210,17 +214,21 @@ def measure_gemm_peak(
             "cpus": cpus,
             "policy": policy or {},
         }
-        best_result = run_fresh("mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout)
+        best_result = run_fresh(
+            "mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout, extra_env=extra_env
+        )
         attempts = 1
         while attempts <= retries and best_result.get("status") == "ok" and _contended(best_result, device, threads):
             spec["n"] = best_result["n"]  # the size the child settled on: no second slow first product
-            again = run_fresh("mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout)
+            again = run_fresh(
+                "mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout, extra_env=extra_env
+            )
             attempts += 1
             if again.get("status") == "ok" and again["gflops"] > best_result["gflops"]:
                 best_result = again
         best_result["attempts"] = attempts
         by_library[library] = best_result
-    return summarize_peak(device, dtype, threads, n, by_library)
+    return {**summarize_peak(device, dtype, threads, n, by_library), "malloc": malloc}
 
 
 def summarize_peak(device: str, dtype: str, threads: int, n: int, by_library: dict[str, dict]) -> dict:
@@ -259,6 +267,9 @@ def best_of(first: dict, second: dict) -> dict:
             )
         merged = summarize_peak(first["device"], first["dtype"], first["threads"], first["n"], by_library)
     merged["measured_gflops"] = history
+    malloc = first.get("malloc", second.get("malloc"))
+    if malloc is not None:  # both runs of one sweep share the allocator rule
+        merged["malloc"] = malloc
     return merged
 
 

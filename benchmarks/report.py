@@ -6,18 +6,28 @@ JSON layout (``schema`` 1)::
      "complete": true,                      # false when the sweep was interrupted
      "machine": {"platform", "cpu_model", "cpu_flags", "cores", "allowed_cpus", "python",
                  "libraries": {name: version}, "blas": [threadpoolctl pools]},
-     "settings": {... SweepSettings ...},
-     "gemm_peak_gflops": {"cpu/float32": 151.2, ...},   # best library per device/dtype
-     "gemm_peaks": [{"device", "dtype", "threads", "n", "gflops", "library", "by_library"}],
+     "settings": {... SweepSettings ..., "malloc": "keep"},
+     "gemm_peak_gflops": 151.2,             # a number: the peak of the primary (device, dtype)
+     "gemm_peak_key": "cpu/float32",        # which (device, dtype) that is
+     "gemm_peak_gflops_by": {"cpu/float32": 151.2, ...},   # best library per device/dtype
+     "gemm_peaks": [{"device", "dtype", "threads", "n", "gflops", "library", "by_library",
+                     "malloc"}],
      "cells": [{"implementation", "backend", "strategy", "device", "dtype", "batch", "tokens",
                 "kv_tokens", "d_model", "heads", "threads", "median_s", "iqr_s", "min_s",
                 "repeats", "compile_s", "first_call_s", "flops", "gflops",
                 "gemm_peak_gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "status",
-                "error", "warnings", ...}],
+                "error", "warnings", "malloc", "malloc_env", ...}],
      "summary": {"cells", "ok", "unsupported", "failed", "warnings"}}
+
+The top-level ``gemm_peak_gflops`` is always a number (or null when nothing could be
+measured), so that scripts can read it directly: the peak of cpu/float32 when that was
+measured, else of the first (device, dtype) of the sweep that was; ``gemm_peak_key`` names
+it. Every (device, dtype) is in ``gemm_peak_gflops_by``.
 
 ``peak_fraction`` is the cell's GFLOP/s over the GEMM peak of its own device and dtype
 (0.5 = half of what the best square product reaches under the same thread limit).
+``malloc`` is the allocator rule of the measured children (``"keep"`` or ``"default"``,
+see `pinning.malloc_env`); ``malloc_env`` what a cell's child really started with.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ SCHEMA_VERSION = 1
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
 LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "einops", "flax", "equinox", "ml_dtypes", "threadpoolctl", "scipy")
 BASELINE_THRESHOLD = 0.10
+PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
 INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
 
@@ -139,6 +150,16 @@ def peak_lookup(gemm_peaks: list[dict]) -> dict[str, float | None]:
     return {f"{peak['device']}/{peak['dtype']}": peak.get("gflops") for peak in gemm_peaks}
 
 
+def primary_peak(peaks: dict[str, float | None]) -> tuple[str | None, float | None]:
+    """(key, gflops) of the headline peak: cpu/float32 when measured, else the first measured
+    (device, dtype) in sweep order, else the first one (with None); (None, None) without any."""
+    if peaks.get(PRIMARY_PEAK_KEY) is not None:
+        return PRIMARY_PEAK_KEY, peaks[PRIMARY_PEAK_KEY]
+    measured = [key for key, gflops in peaks.items() if gflops is not None]
+    key = measured[0] if measured else next(iter(peaks), None)
+    return key, peaks.get(key) if key is not None else None
+
+
 def enrich_cell(cell: dict, peaks: dict[str, float | None]) -> dict:
     """Add the GEMM peak of the cell's device/dtype and its fraction reached."""
     cell = dict(cell)
@@ -154,6 +175,7 @@ def assemble_report(
 ) -> dict:
     """The versioned JSON document of one sweep."""
     peaks = peak_lookup(gemm_peaks)
+    primary_key, primary_gflops = primary_peak(peaks)
     enriched = [enrich_cell(cell, peaks) for cell in cells]
     statuses = [cell.get("status") for cell in enriched]
     return {
@@ -161,7 +183,9 @@ def assemble_report(
         "complete": complete,
         "machine": machine if machine is not None else machine_info(gemm_peaks),
         "settings": settings,
-        "gemm_peak_gflops": peaks,
+        "gemm_peak_gflops": primary_gflops,
+        "gemm_peak_key": primary_key,
+        "gemm_peak_gflops_by": peaks,
         "gemm_peaks": gemm_peaks,
         "cells": enriched,
         "summary": {
@@ -216,15 +240,22 @@ def markdown_row(cell: dict) -> list[str]:
 def markdown_table(report: dict) -> str:
     """The cells as a Markdown table, preceded by the GEMM peaks and the settings that matter."""
     lines = []
+    headline = report.get("gemm_peak_key")
     for peak in report.get("gemm_peaks", []):
         gflops = peak.get("gflops")
         text = f"{gflops:.1f} GFLOP/s ({peak.get('library')}, n={peak.get('n')})" if gflops else "not measured"
-        lines.append(f"GEMM peak {peak['device']}/{peak['dtype']}, {peak['threads']} thread(s): {text}  ")
+        key = f"{peak['device']}/{peak['dtype']}"
+        marker = " (the headline gemm_peak_gflops)" if key == headline and len(report["gemm_peaks"]) > 1 else ""
+        lines.append(f"GEMM peak {key}, {peak['threads']} thread(s): {text}{marker}  ")
     machine = report.get("machine", {})
     if machine:
         lines.append(
             f"Machine: {machine.get('cpu_model')}, {machine.get('cores')} cores, Python {machine.get('python')}  "
         )
+    malloc = report.get("settings", {}).get("malloc")
+    if malloc:
+        rule = "glibc mmap/trim thresholds raised to 4 GiB" if malloc == "keep" else "the environment as it was"
+        lines.append(f"Allocator: malloc={malloc} ({rule}), the same for every cell  ")
     if lines:
         lines.append("")
     lines.append("| " + " | ".join(MARKDOWN_COLUMNS) + " |")
@@ -344,6 +375,8 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
 
     A change beyond ``threshold`` (0.10 = 10%) in either direction is flagged "slower" or
     "faster"; cells present on one side only are listed, as are cells that stopped working.
+    The two headline GEMM peaks are set side by side (``gemm_peak``): when the peak moved
+    too, the machine changed, not (only) the implementations.
     """
     if baseline.get("schema") != SCHEMA_VERSION:
         raise ValueError(f"baseline schema is {baseline.get('schema')!r}; this version reads schema {SCHEMA_VERSION}")
@@ -374,6 +407,7 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
             flagged.append(row)
     return {
         "threshold": threshold,
+        "gemm_peak": _peak_change(report, baseline),
         "compared": rows,
         "flagged": flagged,
         "stopped_working": broken,
@@ -382,10 +416,37 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
     }
 
 
+def headline_peak(report: dict) -> tuple[str | None, float | None]:
+    """(key, gflops) of a report's headline GEMM peak.
+
+    Reports written before ``gemm_peak_gflops`` became a number held the per-(device, dtype)
+    mapping there; the headline is then chosen from it the way `primary_peak` does.
+    """
+    value = report.get("gemm_peak_gflops")
+    if isinstance(value, dict):
+        return primary_peak(value)
+    return report.get("gemm_peak_key"), value
+
+
+def _peak_change(report: dict, baseline: dict) -> dict | None:
+    """The headline peak of both reports when they measured the same (device, dtype), else None."""
+    key, gflops = headline_peak(report)
+    baseline_key, baseline_gflops = headline_peak(baseline)
+    if key is None or key != baseline_key or not gflops or not baseline_gflops:
+        return None
+    return {"key": key, "baseline_gflops": baseline_gflops, "gflops": gflops, "ratio": gflops / baseline_gflops}
+
+
 def baseline_markdown(comparison: dict) -> str:
     """The flagged changes (and cells that stopped working) as a Markdown list."""
     threshold = comparison["threshold"]
     lines = [f"Against the baseline ({len(comparison['compared'])} cells compared, threshold {threshold:.0%}):"]
+    peak = comparison.get("gemm_peak")
+    if peak:
+        lines.append(
+            f"- GEMM peak {peak['key']}: {peak['baseline_gflops']:.1f} -> {peak['gflops']:.1f} GFLOP/s "
+            f"({peak['ratio'] - 1:+.0%}; the machine's own change, for scale)"
+        )
     for row in comparison["flagged"]:
         lines.append(
             f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
@@ -393,7 +454,7 @@ def baseline_markdown(comparison: dict) -> str:
         )
     for row in comparison["stopped_working"]:
         lines.append(f"- `{row['implementation']}` N={row['tokens']}: worked in the baseline, now {row['status']}")
-    if len(lines) == 1:
+    if not comparison["flagged"] and not comparison["stopped_working"]:
         lines.append(f"- no change beyond {threshold:.0%}")
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,8 @@
 What it guarantees:
 
 - Every cell runs through `cell.run_cell` (a fresh process, pinned, thread knobs set
-  before any import), with the same thread count for every framework.
+  before any import), with the same thread count for every framework, and the same
+  allocator rule (``malloc``, see `pinning.malloc_env`) for every cell and GEMM peak.
 - The GEMM peak for each (device, dtype) is measured first and again after the cells, in
   the same run, under the same limits (`gemm.measure_gemm_peak`); the better of the two
   counts, so that a peak taken while the machine was busy does not flatter the cells.
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from .cell import CellSpec, cell_key, implementation_label, run_cell, split_implementation
 from .gemm import DEFAULT_GEMM_SIZE, best_of, measure_gemm_peak
-from .pinning import choose_cpus
+from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env
 from .timing import RepeatPolicy
 
 GROUPS = ("main", "strategies", "all")
@@ -61,8 +62,10 @@ class SweepSettings:
     gemm_policy: dict = field(default_factory=dict)
     cell_timeout: float = 600.0
     preset: str | None = None
+    malloc: str = DEFAULT_MALLOC_MODE  # "keep": glibc keeps freed memory (pinning.malloc_env)
 
     def __post_init__(self) -> None:
+        malloc_env(self.malloc)  # validates the mode
         RepeatPolicy(**self.policy)  # validate early, in the parent, with a clear message
         RepeatPolicy(**self.gemm_policy)
         for name in ("tokens", "batch", "d_model", "heads"):
@@ -185,7 +188,7 @@ def expand_cells(settings: SweepSettings, implementations: list[str] | None = No
                                     CellSpec(
                                         implementation=label, device=device, dtype=dtype, batch=batch, tokens=tokens,
                                         d_model=d_model, heads=heads, threads=settings.threads, cpus=cpus,
-                                        policy=dict(settings.policy),
+                                        policy=dict(settings.policy), malloc=settings.malloc,
                                     )
                                 )  # fmt: skip
     return cells
@@ -363,11 +366,12 @@ def run_sweep(
         for device, dtype in groups:
             key = gemm_key(device, dtype, settings.threads)
             peak = done_peaks.get(key)
-            if peak is None or peak.get("gflops") is None:
+            if peak is None or peak.get("gflops") is None or peak.get("malloc", settings.malloc) != settings.malloc:
                 bar.step(f"GEMM peak {device} {dtype}")
                 peak = gemm_runner(
-                    dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n, policy=dict(settings.gemm_policy)
-                )
+                    dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n,
+                    policy=dict(settings.gemm_policy), malloc=settings.malloc,
+                )  # fmt: skip
                 _append(partial_path, {"type": "gemm", "record": peak})
             peaks.append(peak)
             gflops = peak.get("gflops")
@@ -392,7 +396,7 @@ def run_sweep(
             winner = peaks[index].get("library")
             again = gemm_runner(
                 dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n, policy=dict(settings.gemm_policy),
-                libraries=[winner] if winner else None, retries=0,
+                libraries=[winner] if winner else None, retries=0, malloc=settings.malloc,
             )  # fmt: skip
             peaks[index] = best_of(peaks[index], again)
             _append(partial_path, {"type": "gemm", "record": peaks[index]})

@@ -2,6 +2,8 @@
 
 Each cell runs in a fresh process pinned to ``--threads`` cores (default 1) by CPU
 affinity and every thread knob, and is checked afterwards by CPU time / wall time.
+``--malloc keep`` (the default) gives every cell and GEMM-peak process the same allocator
+rule (`pinning.malloc_env`), so large temporaries cost the same in every framework.
 A preset picks the sizes (``--quick``: under two minutes; ``default``: about ten;
 ``reference``: B=4, N=512, D=512, H=8, float32); any size option overrides the preset.
 Finished cells go to a partial file as they end, so an interrupted sweep can ``--resume``.
@@ -79,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpus", type=_int_list, metavar="LIST", help="which cores to pin to (default: the last --threads cores)"
     )
+    parser.add_argument(
+        "--malloc",
+        choices=("keep", "default"),
+        default="keep",
+        help="allocator rule for every measured process: 'keep' raises glibc's mmap and trim thresholds "
+        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) to 4 GiB so that large buffers are reused instead "
+        "of faulted in afresh on every call, the same for every framework; 'default' leaves the "
+        "environment as it is (default: keep)",
+    )
     parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell")
     parser.add_argument("--min-time", type=float, metavar="S", help="minimum timed seconds per cell")
     parser.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH ('-' for stdout)")
@@ -127,6 +138,7 @@ def _settings(args: argparse.Namespace):
         threads=args.threads,
         cpus=args.cpus,
         policy=policy,
+        malloc=args.malloc,
     )
 
 

@@ -36,9 +36,11 @@ from mha_rosetta.benchmarks.questions import (
 from mha_rosetta.benchmarks.report import (
     SCHEMA_VERSION,
     assemble_report,
+    baseline_markdown,
     compare_to_baseline,
     machine_info,
     markdown_table,
+    primary_peak,
     write_text_atomic,
 )
 from mha_rosetta.benchmarks.sweep import SweepSettings, load_partial, run_sweep
@@ -100,6 +102,21 @@ def test_xla_flags_for_one_thread_switch_eigen_off_once():
     assert flags.split() == ["--xla_foo=1", "--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
     with pytest.raises(ValueError, match="threads must be a positive int, got 0"):
         pinning.thread_env(0, base_env={})
+
+
+def test_malloc_env_keep_raises_both_glibc_thresholds_and_default_adds_nothing():
+    assert pinning.malloc_env("keep") == {
+        "MALLOC_MMAP_THRESHOLD_": "4294967296",
+        "MALLOC_TRIM_THRESHOLD_": "4294967296",
+    }
+    assert pinning.malloc_env() == pinning.malloc_env("keep")  # keep is the default
+    assert pinning.malloc_env("default") == {}
+    with pytest.raises(ValueError, match="malloc must be one of keep, default, got 'fast'"):
+        pinning.malloc_env("fast")
+    with pytest.raises(ValueError, match="malloc must be one of keep, default"):
+        CellSpec(implementation="numpy", malloc="fast")
+    with pytest.raises(ValueError, match="malloc must be one of keep, default"):
+        SweepSettings(malloc="none")
 
 
 def test_choose_cpus():
@@ -231,6 +248,8 @@ def test_smoke_numpy_cell_in_a_pinned_fresh_process():
     assert record["repeats"] >= 3
     assert record["flops"] == config_matmul_flops(MHAConfig(d_model=12, n_heads=3), 2, 8)
     assert record["output_finite"] is True
+    assert record["malloc"] == "keep"
+    assert record["malloc_env"] == pinning.MALLOC_KEEP_ENV  # the child started with the allocator rule
     if pinning.affinity_supported():
         assert record["affinity"] == cpus  # the child really was pinned
     openblas = [pool for pool in record.get("thread_pools", []) if pool.get("internal_api") == "openblas"]
@@ -292,7 +311,10 @@ def test_report_has_the_schema_fields():
         {"threads": 1}, [PEAK], [_cell(), _cell("torch", status="error")], machine=machine_info([])
     )
     assert report["schema"] == SCHEMA_VERSION == 1
-    assert report["gemm_peak_gflops"] == {"cpu/float32": 100.0}
+    assert report["gemm_peak_gflops"] == 100.0  # a number, the cpu/float32 entry
+    assert report["gemm_peak_key"] == "cpu/float32"
+    assert report["gemm_peak_gflops_by"] == {"cpu/float32": 100.0}
+    assert report["gemm_peak_gflops"] == report["gemm_peak_gflops_by"]["cpu/float32"]
     for name in ("platform", "cpu_model", "cores", "python", "libraries", "blas"):
         assert name in report["machine"]
     assert report["machine"]["libraries"]["numpy"]  # a version string
@@ -307,6 +329,46 @@ def test_report_has_the_schema_fields():
     table = markdown_table(report)
     assert "| `numpy` | cpu | float32 | 4 | 64 | 512 | 8 | 2.000 |" in table
     assert "error: RuntimeError: boom" in table
+
+
+def test_headline_peak_is_cpu_float32_else_the_first_measured():
+    gpu_half = {**PEAK, "device": "gpu", "dtype": "float16", "gflops": 900.0}
+    cpu_double = {**PEAK, "dtype": "float64", "gflops": 40.0}
+    # cpu/float32 wins even when it is not first and not the largest
+    report = assemble_report({}, [gpu_half, PEAK, cpu_double], [], machine={})
+    assert (report["gemm_peak_key"], report["gemm_peak_gflops"]) == ("cpu/float32", 100.0)
+    assert report["gemm_peak_gflops_by"] == {"gpu/float16": 900.0, "cpu/float32": 100.0, "cpu/float64": 40.0}
+    assert "GEMM peak cpu/float32, 1 thread(s): 100.0 GFLOP/s (numpy, n=512) (the headline" in markdown_table(report)
+    # without cpu/float32: the first (device, dtype) of the sweep
+    report = assemble_report({}, [cpu_double, gpu_half], [], machine={})
+    assert (report["gemm_peak_key"], report["gemm_peak_gflops"]) == ("cpu/float64", 40.0)
+    # cpu/float32 present but not measured: the first one that was
+    assert primary_peak({"cpu/float32": None, "gpu/float32": 700.0}) == ("gpu/float32", 700.0)
+    assert primary_peak({"cpu/float16": None}) == ("cpu/float16", None)
+    assert primary_peak({}) == (None, None)
+    empty = assemble_report({}, [], [], machine={})
+    assert empty["gemm_peak_gflops"] is None and empty["gemm_peak_gflops_by"] == {}
+
+
+def test_markdown_names_the_allocator_rule():
+    report = assemble_report({"threads": 1, "malloc": "keep"}, [PEAK], [_cell()], machine={})
+    assert "Allocator: malloc=keep (glibc mmap/trim thresholds raised to 4 GiB)" in markdown_table(report)
+
+
+def test_baseline_comparison_sets_the_peaks_side_by_side_and_reads_old_reports():
+    new = assemble_report({}, [{**PEAK, "gflops": 120.0}], [_cell("a", median=1.0)], machine={})
+    old = assemble_report({}, [PEAK], [_cell("a", median=1.0)], machine={})
+    comparison = compare_to_baseline(new, old)
+    assert comparison["gemm_peak"] == {"key": "cpu/float32", "baseline_gflops": 100.0, "gflops": 120.0, "ratio": 1.2}
+    text = baseline_markdown(comparison)
+    assert "- GEMM peak cpu/float32: 100.0 -> 120.0 GFLOP/s (+20%" in text
+    assert "- no change beyond 10%" in text  # the peak line is context, not a flagged change
+    # a report written when the field was still the mapping
+    legacy = {**old, "gemm_peak_gflops": {"cpu/float32": 100.0}}
+    del legacy["gemm_peak_key"]
+    assert compare_to_baseline(new, legacy)["gemm_peak"]["baseline_gflops"] == 100.0
+    other_dtype = assemble_report({}, [{**PEAK, "dtype": "float64"}], [_cell("a", median=1.0)], machine={})
+    assert compare_to_baseline(new, other_dtype)["gemm_peak"] is None  # different yardsticks: not compared
 
 
 def test_baseline_comparison_flags_changes_beyond_ten_percent():
@@ -394,17 +456,20 @@ def _settings(**changes):
 class FakeRunners:
     def __init__(self, fail=(), interrupt_at=None):
         self.cells, self.gemms, self.fail, self.interrupt_at = [], [], set(fail), interrupt_at
+        self.cell_mallocs, self.gemm_mallocs = [], []
 
     def cell(self, spec, timeout):
         if self.interrupt_at is not None and len(self.cells) == self.interrupt_at:
             raise KeyboardInterrupt
         self.cells.append(spec.key())
+        self.cell_mallocs.append(spec.malloc)
         if spec.implementation in self.fail:
             return {**spec.identity(), "status": "error", "error": "RuntimeError: broken adapter"}
         return {**spec.identity(), "status": "ok", "median_s": 0.001 * spec.tokens, "gflops": 1.0}
 
     def gemm(self, dtype, device, threads, cpus, **options):
         self.gemms.append((device, dtype))
+        self.gemm_mallocs.append(options["malloc"])
         gflops = 10.0 + len(self.gemms)  # a different figure each time: the best must win
         return {
             "device": device,
@@ -413,6 +478,7 @@ class FakeRunners:
             "n": options["n"],
             "gflops": gflops,
             "library": "numpy",
+            "malloc": options["malloc"],
         }
 
 
@@ -433,6 +499,17 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert len(outcome.failed) == 2 and not outcome.interrupted
     assert runners.gemms == [("cpu", "float32"), ("cpu", "float32")]  # before and after the cells
     assert outcome.gemm_peaks[0]["gflops"] == 12.0 and outcome.gemm_peaks[0]["measured_gflops"] == [11.0, 12.0]
+
+
+def test_the_allocator_rule_reaches_every_cell_and_gemm_peak(tmp_path):
+    keep = FakeRunners()
+    _run(keep, tmp_path / "keep.jsonl")
+    assert keep.cell_mallocs == ["keep"] * 4 and keep.gemm_mallocs == ["keep", "keep"]
+    plain = FakeRunners()
+    outcome = _run(plain, tmp_path / "plain.jsonl", settings=_settings(malloc="default"))
+    assert plain.cell_mallocs == ["default"] * 4 and plain.gemm_mallocs == ["default", "default"]
+    assert [json.loads(key)["malloc"] for key in plain.cells] == ["default"] * 4  # part of the cell's identity
+    assert outcome.gemm_peaks[0]["malloc"] == "default"
 
 
 def test_resume_skips_finished_cells_and_retries_failed_ones(tmp_path):
@@ -486,6 +563,10 @@ def test_cli_rejects_unknown_implementation(capsys):
 
     assert main(["bench", "--implementations", "numpy,nosuch", "--no-progress"]) == 2
     assert "unknown implementation 'nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--malloc", "fast", "--no-progress"])
+    assert exited.value.code == 2
+    assert "argument --malloc: invalid choice: 'fast'" in capsys.readouterr().err
 
 
 def test_cli_writes_outputs_and_fails_on_a_failed_cell(tmp_path, monkeypatch):
@@ -506,6 +587,9 @@ def test_cli_writes_outputs_and_fails_on_a_failed_cell(tmp_path, monkeypatch):
     report = json.loads(json_path.read_text())
     assert report["complete"] is True and report["summary"]["failed"] == 1
     assert report["settings"]["tokens"] == [8] and report["settings"]["threads"] == 1
+    assert report["settings"]["malloc"] == "keep" and runners.cell_mallocs == ["keep", "keep"]
+    assert report["gemm_peak_gflops"] == report["gemm_peak_gflops_by"]["cpu/float32"] == 12.0
+    assert [cell["malloc"] for cell in report["cells"]] == ["keep", "keep"]
     assert "`torch`" in md_path.read_text()
     assert not Path(f"{json_path}.partial.jsonl").exists()  # a finished sweep leaves no partial file
 

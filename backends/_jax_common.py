@@ -1,4 +1,4 @@
-"""What the JAX adapters and oracles share: float64, devices, matmul precision, compiling.
+"""What the JAX adapters and oracles share: float64, devices, inputs, matmul precision, compiling.
 
 Nothing here imports JAX at module import; every function imports it when called.
 
@@ -23,7 +23,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions, numpy_dtype
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype
+
+from ._inputs import convert_inputs
+from .base import Prepared, tensor_to_numpy
 
 MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
 
@@ -61,6 +64,12 @@ def jax_device(device: str):
     return jax.devices(device)[0]
 
 
+def jax_target(dtype: str, device: str):
+    """What every JAX adapter does first in `prepare`: float64 on where asked, then the device."""
+    enable_float64_if_needed(dtype)
+    return jax_device(device)
+
+
 def to_jax(array: np.ndarray | None, dtype: str | None, device):
     """A NumPy array -> a JAX array of ``dtype`` (None: keep, e.g. bool masks) placed on ``device``.
 
@@ -74,6 +83,16 @@ def to_jax(array: np.ndarray | None, dtype: str | None, device):
     if dtype is not None:
         array = np.asarray(array).astype(numpy_dtype(dtype))
     return jax.device_put(np.ascontiguousarray(array), device)
+
+
+def jax_params(params: MHAParams, dtype: str, device) -> dict:
+    """The canonical parameters by name (w_q ... b_o), as JAX arrays of ``dtype`` on ``device``; no bias: None."""
+    return {name: to_jax(value, dtype, device) for name, value in params.as_dict().items()}
+
+
+def jax_inputs(inputs: MHAInputs, dtype: str, device) -> tuple:
+    """(x_q, x_k, x_v) as JAX arrays of ``dtype`` on ``device``, one device copy per distinct input."""
+    return convert_inputs(inputs, lambda array: to_jax(array, dtype, device))
 
 
 def softmax_with_empty_rows(masked_scores):
@@ -151,6 +170,20 @@ def block_until_ready(result) -> None:
     import jax
 
     jax.block_until_ready(result)
+
+
+def compiled_prepared(
+    compiled: CompiledForward, native_stages: Callable, info: dict, synchronize: Callable = block_until_ready
+) -> Prepared:
+    """The `Prepared` of a jitted adapter: the compiled executable is the timed forward."""
+    return Prepared(
+        forward=compiled,
+        to_numpy=tensor_to_numpy,
+        native_stages=native_stages,
+        synchronize=synchronize,
+        compile=compiled.compile,
+        info=info,
+    )
 
 
 def precision_info(dtype: str, device: str, matmul_precision: str) -> dict:

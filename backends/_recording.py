@@ -10,7 +10,11 @@ live tensor was a view of its parent or a fresh copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mha_rosetta.backends.base import StageTensor
+
+QKV = ("q", "k", "v")
 
 
 def snapshot(value):
@@ -65,3 +69,38 @@ class StageRecorder:
             value = stack([pieces[h] for h in sorted(pieces)], 1)
             result[name] = StageTensor(value, (axes[0], head_axis, *axes[1:]), note)
         return result
+
+
+def record_stages(run: Callable) -> dict[str, StageTensor]:
+    """``run(recorder)`` once, untimed, and what it recorded: an adapter's ``native_stages``."""
+    recorder = StageRecorder()
+    run(recorder)
+    return recorder.stages()
+
+
+def record_stage(rec: StageRecorder | None, name: str, head: int | None, value, axes, note: str, stack) -> None:
+    """A whole stage (``head`` None) or one head's slice of it; nothing when ``rec`` is None."""
+    if rec is None:
+        return
+    if head is None:
+        rec.record(name, value, axes, note)
+    else:
+        rec.record_head(name, head, value, axes, note + " (one head at a time, stacked for inspection)", stack)
+
+
+def record_projections(rec: StageRecorder, projections: tuple, axes: dict, note: str) -> None:
+    """q, k and v (in that order) with the axes ``axes`` gives each, under one note."""
+    for name, value in zip(QKV, projections, strict=True):
+        rec.record(name, value, axes[name], note)
+
+
+def record_split_heads(rec: StageRecorder, projections: tuple, heads: tuple, axes: dict, how: str) -> None:
+    """q_heads, k_heads and v_heads, each noted as a view or copy of the projection it was split from."""
+    for name, parent, child in zip(QKV, projections, heads, strict=True):
+        rec.record(f"{name}_heads", child, axes[f"{name}_heads"], view_note(child, parent, name, how))
+
+
+def record_head_inputs(rec: StageRecorder, h: int, g: int, slices: tuple, axes: dict, note: str, stack) -> None:
+    """Query head h's (q_h, k_g, v_g), ``axes`` being each slice's axes without the head axis."""
+    for name, head, value in zip(QKV, (h, g, g), slices, strict=True):
+        rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, stack)

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ._inputs import convert_inputs
+
 
 def torch_dtype(name: str):
     """One of core.DTYPE_NAMES -> the torch dtype of the same name (torch has all four)."""
@@ -57,6 +59,14 @@ def optional_tensor(array, dtype: str, device: str):
     return None if array is None else to_tensor(array, dtype, device)
 
 
+def torch_inputs(inputs, dtype: str, device: str, layout: Callable = lambda x: x) -> tuple:
+    """(x_q, x_k, x_v) as tensors, ``layout`` applied to each; self-attention stays one tensor.
+
+    torch's fast paths check that identity (query is key is value), as a caller's code has it.
+    """
+    return convert_inputs(inputs, lambda array: layout(to_tensor(array, dtype, device)))
+
+
 def bool_tensor(array: np.ndarray | None, device: str):
     import torch
 
@@ -93,6 +103,17 @@ def with_matmul_precision(run: Callable, device: str, allow_tf32: bool) -> Calla
 
     def wrapped(*args, **kwargs):
         with matmul_precision(allow_tf32):
+            return run(*args, **kwargs)
+
+    return wrapped
+
+
+def in_inference_mode(run: Callable) -> Callable:
+    """``run`` under ``torch.inference_mode``: no tensor here requires grad, and it skips version counting."""
+    import torch
+
+    def wrapped(*args, **kwargs):
+        with torch.inference_mode():
             return run(*args, **kwargs)
 
     return wrapped

@@ -53,7 +53,10 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype
 
+from ._inputs import convert_inputs
 from ._jax_common import check_matmul_precision
+from ._layouts import TOKENS_FIRST_STAGE_AXES
+from ._recording import shares_memory, view_note
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 
 
@@ -73,7 +76,9 @@ class EinsumPlan:
     context: str
     merge: str
     mask: str  # combined mask (b, h, q, s) -> the layout of the scores
-    stage_views: dict[str, tuple[str, str | None]]  # stage name -> (pipeline tensor, rearrange to its axes)
+    # stage name -> (pipeline tensor, rearrange to the stage's axes or None); q, k and v
+    # are not here: they are made from the heads stages (`MERGED_PROJECTIONS`).
+    stage_views: dict[str, tuple[str, str | None]]
 
 
 # Plain MHA: the head axis h as it is.
@@ -91,9 +96,6 @@ MHA_PLAN = EinsumPlan(
     merge="b q h v -> b q (h v)",
     mask="b h q s -> b h q s",
     stage_views={
-        "q": ("q", "b n h k -> b n (h k)"),
-        "k": ("k", "b n h k -> b n (h k)"),
-        "v": ("v", "b n h v -> b n (h v)"),
         "q_heads": ("q", None),
         "k_heads": ("k", None),
         "v_heads": ("v", None),
@@ -122,9 +124,6 @@ GQA_PLAN = EinsumPlan(
     merge="b q g r v -> b q (g r v)",
     mask="b (g r) q s -> b g q r s",
     stage_views={
-        "q": ("q", "b n g r k -> b n (g r k)"),
-        "k": ("k", "b n g k -> b n (g k)"),
-        "v": ("v", "b n g v -> b n (g v)"),
         "q_heads": ("q", "b n g r k -> b n (g r) k"),
         "k_heads": ("k", None),
         "v_heads": ("v", None),
@@ -139,20 +138,17 @@ GQA_PLAN = EinsumPlan(
 
 OUTPUT = "b q c, o c -> b q o"
 
-STAGE_AXES = {
-    "q": ("B", "Nq", "H*Dk"),
-    "k": ("B", "Nk", "Hkv*Dk"),
-    "v": ("B", "Nk", "Hkv*Dv"),
-    "q_heads": ("B", "Nq", "H", "Dk"),
-    "k_heads": ("B", "Nk", "Hkv", "Dk"),
-    "v_heads": ("B", "Nk", "Hkv", "Dv"),
-    "scores": ("B", "H", "Nq", "Nk"),
-    "masked_scores": ("B", "H", "Nq", "Nk"),
-    "weights": ("B", "H", "Nq", "Nk"),
-    "context": ("B", "Nq", "H", "Dv"),
-    "merged": ("B", "Nq", "H*Dv"),
-    "output": ("B", "Nq", "D"),
+# The projection einsums write the heads directly, so the contract's merged q, k and v
+# (B, N, heads*d) are made here from the heads stages, in both plans: stage -> (heads
+# stage, rearrange). A merge of neighbouring axes, so a view where the heads allow it.
+MERGED_PROJECTIONS = {
+    "q": ("q_heads", "b n h k -> b n (h k)"),
+    "k": ("k_heads", "b n g k -> b n (g k)"),
+    "v": ("v_heads", "b n g v -> b n (g v)"),
 }
+
+# Tokens first, heads after them, as the einsum output specs write them.
+STAGE_AXES = TOKENS_FIRST_STAGE_AXES
 
 
 def plan_for(cfg: MHAConfig) -> EinsumPlan:
@@ -187,6 +183,7 @@ class NumpyOps:
 
     library = "numpy"
     works_in_place = True
+    has_buffers = True  # view or copy is measurable (np.shares_memory)
 
     def __init__(self, dtype: str, device: str) -> None:
         self.dtype = numpy_dtype(dtype)
@@ -236,9 +233,6 @@ class NumpyOps:
     def snapshot(self, x):
         return x.copy()
 
-    def layout_note(self, result, source, what: str) -> str:
-        return f"view of {what}" if np.shares_memory(result, source) else f"copy of {what}"
-
     def synchronize(self, result) -> None:
         return None
 
@@ -248,6 +242,7 @@ class TorchOps:
 
     library = "torch"
     works_in_place = True
+    has_buffers = True  # view or copy is measurable (untyped_storage)
 
     def __init__(self, dtype: str, device: str) -> None:
         import torch
@@ -294,10 +289,6 @@ class TorchOps:
     def snapshot(self, x):
         return x.clone()
 
-    def layout_note(self, result, source, what: str) -> str:
-        shared = result.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
-        return f"view of {what}" if shared else f"copy of {what}"
-
     def synchronize(self, result) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
@@ -308,13 +299,13 @@ class JaxOps:
 
     library = "jax"
     works_in_place = False
+    has_buffers = False  # XLA places the buffers; nothing to measure
 
     def __init__(self, dtype: str, device: str) -> None:
-        from ._jax_common import enable_float64_if_needed, jax_device
+        from ._jax_common import jax_target
 
-        enable_float64_if_needed(dtype)
         self.dtype_name = dtype
-        self.device = jax_device(device)
+        self.device = jax_target(dtype, device)
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
         from ._jax_common import to_jax
@@ -344,9 +335,6 @@ class JaxOps:
 
     def snapshot(self, x):
         return x  # JAX arrays are immutable
-
-    def layout_note(self, result, source, what: str) -> str:
-        return "XLA-managed layout"
 
     def synchronize(self, result) -> None:
         from ._jax_common import block_until_ready
@@ -388,11 +376,10 @@ def run_pipeline(
     scores = ops.einsum(plan.scores, ops.scale(q, scale), k)  # (B, H, Nq, Nk)
     if record is not None:
         record["scores"] = ops.snapshot(scores)  # the steps below may work in place
-    if blocked is not None:
-        scores = ops.mask(scores, blocked)
+    masked = scores if blocked is None else ops.mask(scores, blocked)
     if record is not None:
-        record["masked_scores"] = ops.snapshot(scores)
-    attention = ops.softmax(scores, empty_rows)  # (B, H, Nq, Nk)
+        record["masked_scores"] = ops.snapshot(masked)
+    attention = ops.softmax(masked, empty_rows)  # (B, H, Nq, Nk)
     context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
     merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
     output = ops.einsum(OUTPUT, merged, weights["w_o"])  # (B, Nq, D)
@@ -400,6 +387,9 @@ def run_pipeline(
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
         record.update(q=q, k=k, v=v, weights=attention, context=context, merged=merged, output=output)
+        if ops.has_buffers:
+            # The live buffers (not snapshots), to measure which step wrote into which.
+            record["buffers"] = {"scores": scores, "masked_scores": masked, "weights": attention}
     return output
 
 
@@ -448,6 +438,9 @@ def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[
     return ~allowed, (empty if empty.any() else None)
 
 
+_XLA = "XLA-managed layout"
+
+# How each stage is made, where no rearrange of another tensor says it.
 _STAGE_ORIGINS = {
     "q_heads": "the projection einsum writes the heads directly; no split step",
     "k_heads": "the projection einsum writes the heads directly",
@@ -460,27 +453,57 @@ _STAGE_ORIGINS = {
 }
 
 
+# The steps that may write into their input's buffer: stage -> the stage it is made from.
+_IN_PLACE_STEPS = {"masked_scores": "scores", "weights": "masked_scores"}
+
+
+def _rearranged(ops, result, source, source_name: str, pattern: str) -> str:
+    """The note of a stage made by a rearrange: "view of X: rearrange '...'" or "copy of X: ...", measured.
+
+    JAX arrays have no buffers to compare; XLA places them.
+    """
+    how = f"rearrange '{pattern}'"
+    if not ops.has_buffers:
+        return f"{how} of {source_name}; {_XLA}"
+    return view_note(result, source, source_name, how)
+
+
 def stage_tensors(ops, plan: EinsumPlan, record: dict) -> dict[str, StageTensor]:
-    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them."""
+    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them.
+
+    Notes follow the adapters' pattern, "view of X: how" or "copy of X: why" where a
+    stage is made from another tensor's memory, so the explainer's memory column reads
+    them; a step that writes a fresh buffer says "new buffer: how".
+    """
     import einops
 
     stages = {}
     for name, (source, pattern) in plan.stage_views.items():
         tensor = record[source]
         notes = []
+        origin = _STAGE_ORIGINS.get(name)
+        if name in _IN_PLACE_STEPS and "buffers" in record:
+            live, parent = record["buffers"], _IN_PLACE_STEPS[name]
+            in_place = shares_memory(live[name], live[parent])
+            origin = f"view of {parent}: {origin}, in place" if in_place else f"new buffer: {origin}"
+        if origin:
+            notes.append(origin)  # first: the explainer reads the stage's own relation from the start
         if pattern is not None:
             tensor = einops.rearrange(tensor, pattern)
-            notes.append(ops.layout_note(tensor, record[source], f"the pipeline's {source}"))
+            notes.append(_rearranged(ops, tensor, record[source], f"the einsum's {source}", pattern))
         if name == "merged":
-            notes.append(
-                f"rearrange '{plan.merge}': " + ops.layout_note(record["merged"], record["context"], "context")
-            )
-        if name in _STAGE_ORIGINS:
-            notes.append(_STAGE_ORIGINS[name])
+            relation = _XLA
+            if ops.has_buffers:
+                relation = ("view" if shares_memory(record["merged"], record["context"]) else "copy") + " of context"
+            notes.append(f"rearrange '{plan.merge}': {relation}")
         if ops.works_in_place and name in ("scores", "masked_scores"):
             notes.append("snapshot: the timed pass updates this buffer in place")
         stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes))
-    return stages
+    for name, (heads, pattern) in MERGED_PROJECTIONS.items():
+        source = stages[heads].value
+        tensor = einops.rearrange(source, pattern)  # (B, N, heads*d)
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], _rearranged(ops, tensor, source, heads, pattern))
+    return {name: stages[name] for name in STAGE_AXES}  # pipeline order
 
 
 class EinopsBackend(Backend):
@@ -504,9 +527,9 @@ class EinopsBackend(Backend):
 
     def devices(self) -> tuple[str, ...]:
         if self.array_library == "torch":
-            import torch
+            from ._torch_common import torch_devices
 
-            return ("cpu", "gpu") if torch.cuda.is_available() else ("cpu",)
+            return torch_devices()
         if self.array_library == "jax":
             from ._jax_common import jax_devices
 
@@ -520,10 +543,7 @@ class EinopsBackend(Backend):
         ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
         plan = plan_for(cfg)
         weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
-        x_q = ops.asarray(inputs.query)
-        # Self-attention passes one array three times; convert it once.
-        x_k = x_q if inputs.key is inputs.query else ops.asarray(inputs.key)
-        x_v = x_k if inputs.value is inputs.key else ops.asarray(inputs.value)
+        x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
         blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
         blocked = ops.asarray(blocked_np, cast=False)
         empty_rows = ops.asarray(empty_rows_np, cast=False)

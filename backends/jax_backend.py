@@ -30,16 +30,18 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from ._jax_common import (
     CompiledForward,
     allowed_for_heads,
-    block_until_ready,
     check_matmul_precision,
-    enable_float64_if_needed,
-    jax_device,
+    compiled_prepared,
     jax_devices,
+    jax_inputs,
+    jax_params,
+    jax_target,
     precision_info,
     softmax_with_empty_rows,
     to_jax,
 )
-from .base import Backend, Prepared, StageTensor, tensor_to_numpy
+from ._layouts import TOKENS_FIRST_STAGE_AXES
+from .base import Backend, Prepared, StageTensor
 
 # The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
 # score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
@@ -48,21 +50,9 @@ _HEAD_OUT_AXES = {"scores": 0, "masked_scores": 0, "weights": 0, "context": 1}
 
 _XLA = "XLA-managed layout"
 
-# The axes of every stage as `_mha_one_item` returns them (batched by the outer vmap).
-STAGE_AXES = {
-    "q": ("B", "Nq", "H*Dk"),
-    "k": ("B", "Nk", "Hkv*Dk"),
-    "v": ("B", "Nk", "Hkv*Dv"),
-    "q_heads": ("B", "Nq", "H", "Dk"),
-    "k_heads": ("B", "Nk", "Hkv", "Dk"),
-    "v_heads": ("B", "Nk", "Hkv", "Dv"),
-    "scores": ("B", "H", "Nq", "Nk"),
-    "masked_scores": ("B", "H", "Nq", "Nk"),
-    "weights": ("B", "H", "Nq", "Nk"),
-    "context": ("B", "Nq", "H", "Dv"),
-    "merged": ("B", "Nq", "H*Dv"),
-    "output": ("B", "Nq", "D"),
-}
+# The axes of every stage as `_mha_one_item` returns them (batched by the outer vmap):
+# tokens first, heads after them, so that the split and the merge are reshapes.
+STAGE_AXES = TOKENS_FIRST_STAGE_AXES
 
 STAGE_NOTES = {
     "q": f"x_q @ w_q.T + b_q; {_XLA}",
@@ -194,13 +184,9 @@ class JaxBackend(Backend):
     ) -> Prepared:
         import jax
 
-        enable_float64_if_needed(dtype)
-        target = jax_device(device)
-        weights = {name: to_jax(value, dtype, target) for name, value in params.as_dict().items()}
-        x_q = to_jax(inputs.query, dtype, target)
-        # Self-attention passes one array three times; keep one device copy of it.
-        x_k = x_q if inputs.key is inputs.query else to_jax(inputs.key, dtype, target)
-        x_v = x_k if inputs.value is inputs.key else to_jax(inputs.value, dtype, target)
+        target = jax_target(dtype, device)
+        weights = jax_params(params, dtype, target)
+        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
         allowed = to_jax(allowed, None, target)
 
@@ -223,11 +209,4 @@ class JaxBackend(Backend):
         info["head_vmap"] = (
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )
-        return Prepared(
-            forward=compiled,
-            to_numpy=tensor_to_numpy,
-            native_stages=native_stages,
-            synchronize=block_until_ready,
-            compile=compiled.compile,
-            info=info,
-        )
+        return compiled_prepared(compiled, native_stages, info)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,16 +28,18 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, to_eq
 from ._jax_common import (
     CompiledForward,
     allowed_for_heads,
-    block_until_ready,
     check_matmul_precision,
+    compiled_prepared,
     empty_query_rows,
-    enable_float64_if_needed,
-    jax_device,
     jax_devices,
+    jax_inputs,
+    jax_params,
+    jax_target,
     precision_info,
     to_jax,
 )
-from .base import Backend, Prepared, StageTensor, UnsupportedCase, tensor_to_numpy
+from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
+from .base import Backend, Prepared, StageTensor, UnsupportedCase
 
 _XLA = "XLA-managed layout"
 
@@ -68,9 +71,10 @@ class _JaxOracle(Backend):
     def devices(self) -> tuple[str, ...]:
         return jax_devices()
 
-    def _info(self, dtype: str, device: str) -> dict:
+    def _info(self, dtype: str, device: str, **extra) -> dict:
         info = precision_info(dtype, device, self.matmul_precision)
         info["known_differences"] = list(self.known_differences)
+        info.update(extra)
         return info
 
     def _rows_empty_in_every_head(self, cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
@@ -91,6 +95,30 @@ class _JaxOracle(Backend):
                 "(construct with spec_empty_rows=False to see the raw answer)"
             )
         return in_every_head[..., None]  # (B|1, Nq, 1)
+
+    def _output_rows(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target) -> _OutputRows:
+        """What the module oracles (Flax, Equinox) need to give an empty row the spec's output b_o."""
+        empty = self._rows_empty_in_every_head(cfg, inputs)  # (B|1, Nq, 1) or None
+        return _OutputRows(
+            rows=to_jax(empty, None, target),
+            b_o=to_jax(params.b_o if cfg.bias else np.zeros(cfg.d_model), dtype, target),
+            count=0 if empty is None else int(np.broadcast_to(empty, (inputs.batch, inputs.q_tokens, 1)).sum()),
+        )
+
+
+class _OutputRows(NamedTuple):
+    """Output rows a module oracle replaces by b_o: which (on the device), the b_o, and how many."""
+
+    rows: object  # (B|1, Nq, 1) bool JAX array, or None when no row is replaced
+    b_o: object  # (D,) JAX array, zeros without bias
+    count: int  # (batch item, query) rows replaced, for Prepared.info["empty_rows_mapped"]
+
+
+def _spec_rows(output, replacement, rows):
+    """``output`` with the rows marked in ``rows`` replaced (the spec's answer for a row with no allowed key)."""
+    import jax.numpy as jnp
+
+    return output if rows is None else jnp.where(rows, replacement, output)
 
 
 # --- jax.nn.dot_product_attention -------------------------------------------------------------
@@ -128,16 +156,9 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, *, cfg: MHAConf
     }
 
 
+# BTNH is the tokens-first layout; the scores and weights stay inside dot_product_attention.
 _DPA_AXES = {
-    "q": ("B", "Nq", "H*Dk"),
-    "k": ("B", "Nk", "Hkv*Dk"),
-    "v": ("B", "Nk", "Hkv*Dv"),
-    "q_heads": ("B", "Nq", "H", "Dk"),
-    "k_heads": ("B", "Nk", "Hkv", "Dk"),
-    "v_heads": ("B", "Nk", "Hkv", "Dv"),
-    "context": ("B", "Nq", "H", "Dv"),
-    "merged": ("B", "Nq", "H*Dv"),
-    "output": ("B", "Nq", "D"),
+    name: axes for name, axes in TOKENS_FIRST_STAGE_AXES.items() if name not in ("scores", "masked_scores", "weights")
 }
 
 
@@ -184,12 +205,9 @@ class JaxDotProductAttentionOracle(_JaxOracle):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        enable_float64_if_needed(dtype)
-        target = jax_device(device)
-        weights = {name: to_jax(value, dtype, target) for name, value in params.as_dict().items()}
-        x_q = to_jax(inputs.query, dtype, target)
-        x_k = x_q if inputs.key is inputs.query else to_jax(inputs.key, dtype, target)
-        x_v = x_k if inputs.value is inputs.key else to_jax(inputs.value, dtype, target)
+        target = jax_target(dtype, device)
+        weights = jax_params(params, dtype, target)
+        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         # The library's is_causal when causality is the only mask, the combined mask otherwise.
         is_causal = cfg.causal and inputs.mask is None
         mask = None if is_causal else allowed_for_heads(cfg, inputs)  # (B|1, H|1, Nq, Nk), True = attend
@@ -210,19 +228,11 @@ class JaxDotProductAttentionOracle(_JaxOracle):
             }
             return {name: StageTensor(stages[name], axes, note.get(name, _XLA)) for name, axes in _DPA_AXES.items()}
 
-        info = self._info(dtype, device)
-        info["is_causal"] = is_causal
         # Counted as (batch item, head, query) rows whose context was zeroed.
         full = (inputs.batch, cfg.n_heads, inputs.q_tokens)
-        info["empty_rows_mapped"] = 0 if empty_context_rows is None else int(np.broadcast_to(empty, full).sum())
-        return Prepared(
-            forward=compiled,
-            to_numpy=tensor_to_numpy,
-            native_stages=native_stages,
-            synchronize=block_until_ready,
-            compile=compiled.compile,
-            info=info,
-        )
+        mapped = 0 if empty_context_rows is None else int(np.broadcast_to(empty, full).sum())
+        info = self._info(dtype, device, is_causal=is_causal, empty_rows_mapped=mapped)
+        return compiled_prepared(compiled, native_stages, info)
 
 
 # --- flax.linen.MultiHeadDotProductAttention ------------------------------------------------
@@ -265,9 +275,8 @@ class FlaxMHAOracle(_JaxOracle):
         import flax.linen as nn
         import jax.numpy as jnp
 
-        enable_float64_if_needed(dtype)
-        target = jax_device(device)
-        empty_output_rows = self._rows_empty_in_every_head(cfg, inputs)  # (B|1, Nq, 1) or None
+        target = jax_target(dtype, device)
+        spec = self._output_rows(cfg, params, inputs, dtype, target)
         flax_tree = to_flax_params(cfg, params)  # kernels (in, H, head_dim), out kernel (H, head_dim, D)
         tree = {
             layer: {name: to_jax(value, dtype, target) for name, value in arrays.items()}
@@ -283,19 +292,12 @@ class FlaxMHAOracle(_JaxOracle):
             param_dtype=compute_dtype,
             deterministic=True,
         )
-        x_q = to_jax(inputs.query, dtype, target)
-        x_k = x_q if inputs.key is inputs.query else to_jax(inputs.key, dtype, target)
-        x_v = x_k if inputs.value is inputs.key else to_jax(inputs.value, dtype, target)
+        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         mask = to_jax(allowed_for_heads(cfg, inputs), None, target)  # (B|1, H|1, Nq, Nk), True = attend
-        rows = to_jax(empty_output_rows, None, target)
-        b_o = to_jax(params.b_o if cfg.bias else np.zeros(cfg.d_model), dtype, target)
-
-        def spec_rows(output, replacement, rows):
-            return output if rows is None else jnp.where(rows, replacement, output)
 
         def forward(tree, x_q, x_k, x_v, mask, rows, b_o):
             output = module.apply({"params": tree}, x_q, x_k, x_v, mask=mask)  # (B, Nq, D)
-            return spec_rows(output, b_o, rows)  # spec: a row with no allowed key outputs b_o
+            return _spec_rows(output, b_o, rows)  # spec: a row with no allowed key outputs b_o
 
         def stages(tree, x_q, x_k, x_v, mask, rows, b_o):
             output, state = module.apply(
@@ -303,11 +305,13 @@ class FlaxMHAOracle(_JaxOracle):
             )
             (weights,) = state["intermediates"]["attention_weights"]  # (B, H, Nq, Nk)
             rows_4d = None if rows is None else rows[:, None]  # (B|1, 1, Nq, 1)
-            return {"weights": spec_rows(weights, 0, rows_4d), "output": spec_rows(output, b_o, rows)}
+            return {"weights": _spec_rows(weights, 0, rows_4d), "output": _spec_rows(output, b_o, rows)}
 
-        args = (tree, x_q, x_k, x_v, mask, rows, b_o)
+        args = (tree, x_q, x_k, x_v, mask, spec.rows, spec.b_o)
         compiled = CompiledForward(forward, args, self.matmul_precision)
-        mapped = "; rows with no allowed key mapped to the spec (library: uniform weights)" if rows is not None else ""
+        mapped = (
+            "; rows with no allowed key mapped to the spec (library: uniform weights)" if spec.rows is not None else ""
+        )
 
         def native_stages() -> dict[str, StageTensor]:
             result = compiled.trace_and_run(stages)
@@ -316,16 +320,7 @@ class FlaxMHAOracle(_JaxOracle):
                 "output": StageTensor(result["output"], ("B", "Nq", "D"), f"module output{mapped}"),
             }
 
-        info = self._info(dtype, device)
-        info["empty_rows_mapped"] = _count_output_rows(empty_output_rows, inputs)
-        return Prepared(
-            forward=compiled,
-            to_numpy=tensor_to_numpy,
-            native_stages=native_stages,
-            synchronize=block_until_ready,
-            compile=compiled.compile,
-            info=info,
-        )
+        return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
 
 
 # --- equinox.nn.MultiheadAttention ----------------------------------------------------------
@@ -365,9 +360,8 @@ class EquinoxMHAOracle(_JaxOracle):
         import jax
         import jax.numpy as jnp
 
-        enable_float64_if_needed(dtype)
-        target = jax_device(device)
-        empty_output_rows = self._rows_empty_in_every_head(cfg, inputs)  # (B|1, Nq, 1) or None
+        target = jax_target(dtype, device)
+        spec = self._output_rows(cfg, params, inputs, dtype, target)
         # filter_eval_shape builds the module from shapes alone: its random initial weights
         # would be thrown away below, and computing them costs seconds of eager compiles.
         model = eqx.filter_eval_shape(
@@ -389,19 +383,15 @@ class EquinoxMHAOracle(_JaxOracle):
         model = _load_equinox_weights(model, to_equinox_weights(cfg, params), dtype, target)
         dynamic, static = eqx.partition(model, eqx.is_array)
 
-        x_q = to_jax(inputs.query, dtype, target)
-        x_k = x_q if inputs.key is inputs.query else to_jax(inputs.key, dtype, target)
-        x_v = x_k if inputs.value is inputs.key else to_jax(inputs.value, dtype, target)
+        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         mask, batch_axis = _equinox_mask(cfg, inputs)
         mask = to_jax(mask, None, target)
-        rows = to_jax(empty_output_rows, None, target)
-        b_o = to_jax(params.b_o if cfg.bias else np.zeros(cfg.d_model), dtype, target)
 
         def forward(dynamic, x_q, x_k, x_v, mask, rows, b_o):
             module = eqx.combine(dynamic, static)
             one_item = lambda q, k, v, m: module(q, k, v, mask=m)  # noqa: E731  (Nq, D) per batch item
             output = jax.vmap(one_item, in_axes=(0, 0, 0, batch_axis))(x_q, x_k, x_v, mask)  # (B, Nq, D)
-            return output if rows is None else jnp.where(rows, b_o, output)  # spec: no allowed key -> b_o
+            return _spec_rows(output, b_o, rows)  # spec: no allowed key -> b_o
 
         def stages(dynamic, x_q, x_k, x_v, mask, rows, b_o):
             module = eqx.combine(dynamic, static)
@@ -414,35 +404,22 @@ class EquinoxMHAOracle(_JaxOracle):
                 "output": forward(dynamic, x_q, x_k, x_v, mask, rows, b_o),
             }
 
-        args = (dynamic, x_q, x_k, x_v, mask, rows, b_o)
+        args = (dynamic, x_q, x_k, x_v, mask, spec.rows, spec.b_o)
         compiled = CompiledForward(forward, args, self.matmul_precision)
         linear_note = "equinox Linear: W (out, in) @ x + b per token, vmapped over tokens and batch"
-        mapped = "; rows with no allowed key mapped to b_o (library: mean of V)" if rows is not None else ""
+        mapped = "; rows with no allowed key mapped to b_o (library: mean of V)" if spec.rows is not None else ""
 
         def native_stages() -> dict[str, StageTensor]:
             result = compiled.trace_and_run(stages)
             return {
-                "q": StageTensor(result["q"], ("B", "Nq", "H*Dk"), linear_note),
-                "k": StageTensor(result["k"], ("B", "Nk", "Hkv*Dk"), linear_note),
-                "v": StageTensor(result["v"], ("B", "Nk", "Hkv*Dv"), linear_note),
+                **{
+                    name: StageTensor(result[name], axes, linear_note)
+                    for name, axes in ROW_SAMPLE_PROJECTION_AXES.items()
+                },
                 "output": StageTensor(result["output"], ("B", "Nq", "D"), f"module output, vmapped over batch{mapped}"),
             }
 
-        info = self._info(dtype, device)
-        info["empty_rows_mapped"] = _count_output_rows(empty_output_rows, inputs)
-        return Prepared(
-            forward=compiled,
-            to_numpy=tensor_to_numpy,
-            native_stages=native_stages,
-            synchronize=block_until_ready,
-            compile=compiled.compile,
-            info=info,
-        )
-
-
-def _count_output_rows(rows: np.ndarray | None, inputs: MHAInputs) -> int:
-    """How many (batch item, query) output rows were replaced by b_o."""
-    return 0 if rows is None else int(np.broadcast_to(rows, (inputs.batch, inputs.q_tokens, 1)).sum())
+        return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
 
 
 def _load_equinox_weights(model, weights: dict, dtype: str, target):

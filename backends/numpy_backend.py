@@ -40,11 +40,31 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_matrices
 
+from ._inputs import convert_inputs
 from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
-from ._recording import StageRecorder, view_note
+from ._recording import (
+    StageRecorder,
+    record_head_inputs,
+    record_projections,
+    record_split_heads,
+    record_stage,
+    record_stages,
+    view_note,
+)
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
+# Features before tokens: every token a column, every head a block of rows.
+COLUMN_SAMPLE_AXES = {
+    "q": ("B", "H*Dk", "Nq"),
+    "k": ("B", "Hkv*Dk", "Nk"),
+    "v": ("B", "Hkv*Dv", "Nk"),
+    "q_heads": ("B", "H", "Dk", "Nq"),
+    "k_heads": ("B", "Hkv", "Dk", "Nk"),
+    "v_heads": ("B", "Hkv", "Dv", "Nk"),
+}
+# One head's slice of the heads stages (the head axis stacked back in by the recorder).
+HEAD_SLICE_AXES = {"q_heads": ("B", "Dk", "Nq"), "k_heads": ("B", "Dk", "Nk"), "v_heads": ("B", "Dv", "Nk")}
 
 
 class NumpyBackend(Backend):
@@ -62,17 +82,7 @@ class NumpyBackend(Backend):
         layer = ColumnSampleMHA(
             cfg, params, inputs, NumpyPrecision.for_dtype(dtype), batched=strategy in (STANDARD, DIRECT_RESHAPE)
         )
-        run = {
-            STANDARD: layer.standard,
-            PER_HEAD: layer.per_head,
-            SLICING: layer.slicing,
-            DIRECT_RESHAPE: layer.direct_reshape,
-        }[strategy]
-
-        def native_stages():
-            recorder = StageRecorder()
-            run(recorder)
-            return recorder.stages()
+        run = getattr(layer, strategy)  # each strategy is the layer's method of that name
 
         info = {
             "layout": "column samples (B, features, tokens); scores (B, H, Nk, Nq), one column per query",
@@ -80,7 +90,7 @@ class NumpyBackend(Backend):
             "workspace": "one score buffer reused by every call" if layer.workspace is not None else None,
             **layer.precision.info(),
         }
-        return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=native_stages, info=info)
+        return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
 
 
 def columns_to_rows(output: np.ndarray) -> np.ndarray:
@@ -137,9 +147,7 @@ class ColumnSampleMHA:
         def columns(x):  # (B, N, F) rows -> (B, F, N) columns, contiguous
             return np.ascontiguousarray(P.operand(P.round_to_storage(x)).transpose(0, 2, 1))  # (B, F, N)
 
-        self.x_q = columns(inputs.query)
-        self.x_k = self.x_q if inputs.key is inputs.query else columns(inputs.key)
-        self.x_v = self.x_k if inputs.value is inputs.key else columns(inputs.value)
+        self.x_q, self.x_k, self.x_v = convert_inputs(inputs, columns)  # self-attention: one array
         self.mask = MaskArrays.from_allowed(allowed_positions(cfg, inputs), keys_axis=-2)
         shape = (B, cfg.n_kv_heads, cfg.group_size, Nk, Nq)
         self.workspace = np.empty(shape, dtype=P.compute) if batched and not P.mixed else None
@@ -152,12 +160,15 @@ class ColumnSampleMHA:
             y += b  # in place: (out, 1) broadcasts over tokens and batch
         return self.precision.store(y)
 
+    @staticmethod
     def _record_projections(
-        self, rec: StageRecorder, q, k, v, note: str = "W @ X + b: rows are features, columns are tokens"
+        rec: StageRecorder, q, k, v, note: str = "W @ X + b: rows are features, columns are tokens"
     ) -> None:
-        rec.record("q", q, ("B", "H*Dk", "Nq"), note)
-        rec.record("k", k, ("B", "Hkv*Dk", "Nk"), note)
-        rec.record("v", v, ("B", "Hkv*Dv", "Nk"), note)
+        record_projections(rec, (q, k, v), COLUMN_SAMPLE_AXES, note)
+
+    def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
+        self._record_projections(rec, *projections)
+        record_split_heads(rec, projections, heads, COLUMN_SAMPLE_AXES, how)
 
     def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
@@ -177,11 +188,7 @@ class ColumnSampleMHA:
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk)
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk)
         if rec is not None:
-            self._record_projections(rec, q, k, v)
-            how = "reshape of the row axis, no transpose"
-            rec.record("q_heads", q_heads, ("B", "H", "Dk", "Nq"), view_note(q_heads, q, "q", how))
-            rec.record("k_heads", k_heads, ("B", "Hkv", "Dk", "Nk"), view_note(k_heads, k, "k", how))
-            rec.record("v_heads", v_heads, ("B", "Hkv", "Dv", "Nk"), view_note(v_heads, v, "v", how))
+            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "reshape of the row axis, no transpose")
         context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:
@@ -200,11 +207,8 @@ class ColumnSampleMHA:
         k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
         v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
         if rec is not None:
-            self._record_projections(rec, q, k, v)
             how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
-            rec.record("q_heads", q_heads, ("B", "H", "Dk", "Nq"), view_note(q_heads, q, "q", how))
-            rec.record("k_heads", k_heads, ("B", "Hkv", "Dk", "Nk"), view_note(k_heads, k, "k", how))
-            rec.record("v_heads", v_heads, ("B", "Hkv", "Dv", "Nk"), view_note(v_heads, v, "v", how))
+            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
         context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Dv, Nq)
         # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
@@ -261,12 +265,7 @@ class ColumnSampleMHA:
 
     @staticmethod
     def _record(rec: StageRecorder | None, name: str, head: int | None, value, axes, note: str) -> None:
-        if rec is None:
-            return
-        if head is None:
-            rec.record(name, value, axes, note)
-        else:
-            rec.record_head(name, head, value, axes, note + " (one head at a time, stacked for inspection)", np.stack)
+        record_stage(rec, name, head, value, axes, note, np.stack)
 
     # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
     def _attend_one_head(self, h: int, q_h, k_g, v_g, rec) -> np.ndarray:
@@ -281,10 +280,7 @@ class ColumnSampleMHA:
         return context
 
     def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
-        g = self.cfg.kv_head_of(h)
-        rec.record_head("q_heads", h, q_h, ("B", "Dk", "Nq"), note, np.stack)
-        rec.record_head("k_heads", g, k_g, ("B", "Dk", "Nk"), note, np.stack)
-        rec.record_head("v_heads", g, v_g, ("B", "Dv", "Nk"), note, np.stack)
+        record_head_inputs(rec, h, self.cfg.kv_head_of(h), (q_h, k_g, v_g), HEAD_SLICE_AXES, note, np.stack)
 
     def slicing(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)

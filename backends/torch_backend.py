@@ -26,18 +26,31 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
-from ._recording import StageRecorder, view_note
+from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
+from ._recording import (
+    StageRecorder,
+    record_head_inputs,
+    record_projections,
+    record_split_heads,
+    record_stage,
+    record_stages,
+    view_note,
+)
 from ._torch_common import (
     bool_tensor,
+    in_inference_mode,
     no_gpu_reason,
     optional_tensor,
     precision_info,
     synchronizer,
-    to_tensor,
     torch_devices,
+    torch_inputs,
     with_matmul_precision,
 )
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+
+# One head's slice of the heads stages (the head axis stacked back in by the recorder).
+HEAD_SLICE_AXES = {"q_heads": ("B", "Nq", "Dk"), "k_heads": ("B", "Nk", "Dk"), "v_heads": ("B", "Nk", "Dv")}
 
 
 class TorchBackend(Backend):
@@ -64,27 +77,9 @@ class TorchBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import torch
-
         layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
-        method = {
-            STANDARD: layer.standard,
-            PER_HEAD: layer.per_head,
-            SLICING: layer.slicing,
-            DIRECT_RESHAPE: layer.direct_reshape,
-        }[strategy]
-        run = with_matmul_precision(method, device, self.allow_tf32)
-
-        def forward():
-            # No tensor here requires grad; inference_mode also skips version counting.
-            with torch.inference_mode():
-                return run(None)
-
-        def native_stages():
-            recorder = StageRecorder()
-            with torch.inference_mode():
-                run(recorder)
-            return recorder.stages()
+        method = getattr(layer, strategy)  # each strategy is the layer's method of that name
+        run = in_inference_mode(with_matmul_precision(method, device, self.allow_tf32))
 
         info = {
             "layout": "row samples (B, tokens, features)",
@@ -95,7 +90,9 @@ class TorchBackend(Backend):
             "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
             **precision_info(device, dtype, self.allow_tf32),
         }
-        return Prepared(forward, tensor_to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+        return Prepared(
+            lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
+        )
 
 
 class RowSampleMHA:
@@ -141,10 +138,8 @@ class RowSampleMHA:
         self.b_k_heads = tensor(split_head_bias(params.b_k, cfg.n_kv_heads))  # (Hkv, Dk) or None
         self.b_v_heads = tensor(split_head_bias(params.b_v, cfg.n_kv_heads))  # (Hkv, Dv) or None
 
-        # Self-attention keeps one tensor for query, key and value, as a caller would.
-        self.x_q = to_tensor(inputs.query, dtype, device)  # (B, Nq, D)
-        self.x_k = self.x_q if inputs.key is inputs.query else to_tensor(inputs.key, dtype, device)  # (B, Nk, kdim)
-        self.x_v = self.x_k if inputs.value is inputs.key else to_tensor(inputs.value, dtype, device)  # (B, Nk, vdim)
+        # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
+        self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
 
         allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk), True = may attend
         self.blocked = None if allowed is None else bool_tensor(~allowed, device)
@@ -167,9 +162,11 @@ class RowSampleMHA:
 
     @staticmethod
     def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b") -> None:
-        rec.record("q", q, ("B", "Nq", "H*Dk"), note)
-        rec.record("k", k, ("B", "Nk", "Hkv*Dk"), note)
-        rec.record("v", v, ("B", "Nk", "Hkv*Dv"), note)
+        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note)
+
+    def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
+        self._record_projections(rec, *projections)
+        record_split_heads(rec, projections, heads, HEADS_FIRST_SPLIT_AXES, how)
 
     def _finish(self, merged, rec):
         output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
@@ -200,14 +197,7 @@ class RowSampleMHA:
         return weights
 
     def _record(self, rec, name, head, value, axes, note) -> None:
-        if rec is None:
-            return
-        if head is None:
-            rec.record(name, value, axes, note)
-        else:
-            rec.record_head(
-                name, head, value, axes, note + " (one head at a time, stacked for inspection)", self.torch.stack
-            )
+        record_stage(rec, name, head, value, axes, note, self.torch.stack)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def standard(self, rec: StageRecorder | None = None):
@@ -217,11 +207,7 @@ class RowSampleMHA:
         k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
         v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
         if rec is not None:
-            self._record_projections(rec, q, k, v)
-            how = "view(B, N, H, d).transpose(1, 2)"
-            rec.record("q_heads", q_heads, ("B", "H", "Nq", "Dk"), view_note(q_heads, q, "q", how))
-            rec.record("k_heads", k_heads, ("B", "Hkv", "Nk", "Dk"), view_note(k_heads, k, "k", how))
-            rec.record("v_heads", v_heads, ("B", "Hkv", "Nk", "Dv"), view_note(v_heads, v, "v", how))
+            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
         context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
         if rec is not None:
@@ -237,11 +223,8 @@ class RowSampleMHA:
         k_heads = k.view(B, Hkv, Nk, Dk)  # (B, Hkv, Nk, Dk): WRONG
         v_heads = v.view(B, Hkv, Nk, Dv)  # (B, Hkv, Nk, Dv): WRONG
         if rec is not None:
-            self._record_projections(rec, q, k, v)
             how = "the direct-reshape MISTAKE view(B, H, N, d), no transpose"
-            rec.record("q_heads", q_heads, ("B", "H", "Nq", "Dk"), view_note(q_heads, q, "q", how))
-            rec.record("k_heads", k_heads, ("B", "Hkv", "Nk", "Dk"), view_note(k_heads, k, "k", how))
-            rec.record("v_heads", v_heads, ("B", "Hkv", "Nk", "Dv"), view_note(v_heads, v, "v", how))
+            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
         context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
         if rec is not None:
@@ -291,10 +274,7 @@ class RowSampleMHA:
         return context
 
     def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
-        g = self.cfg.kv_head_of(h)
-        rec.record_head("q_heads", h, q_h, ("B", "Nq", "Dk"), note, self.torch.stack)
-        rec.record_head("k_heads", g, k_g, ("B", "Nk", "Dk"), note, self.torch.stack)
-        rec.record_head("v_heads", g, v_g, ("B", "Nk", "Dv"), note, self.torch.stack)
+        record_head_inputs(rec, h, self.cfg.kv_head_of(h), (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack)
 
     def slicing(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)

@@ -20,17 +20,19 @@ from mha_rosetta.core import (
     torch_mha_unsupported_reason,
 )
 
-from ._recording import StageRecorder, view_note
+from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
+from ._recording import StageRecorder, record_projections, record_split_heads, record_stages
 from ._torch_common import (
     bool_tensor,
+    in_inference_mode,
     no_gpu_reason,
     optional_tensor,
     precision_info,
     synchronizer,
-    to_tensor,
     torch_device,
     torch_devices,
     torch_dtype,
+    torch_inputs,
     with_matmul_precision,
 )
 from .base import Backend, Prepared, StageTensor, tensor_to_numpy
@@ -104,9 +106,7 @@ class TorchMHAOracle(Backend):
             return x if self.batch_first else x.transpose(0, 1).contiguous()  # (N, B, F) when seq-first
 
         # Self-attention passes one tensor three times: torch's fast path checks identity.
-        query = sequence_layout(to_tensor(inputs.query, dtype, device))
-        key = query if inputs.key is inputs.query else sequence_layout(to_tensor(inputs.key, dtype, device))
-        value = key if inputs.value is inputs.key else sequence_layout(to_tensor(inputs.value, dtype, device))
+        query, key, value = torch_inputs(inputs, dtype, device, layout=sequence_layout)
         attn_mask = torch_blocked_mask(
             allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
         )
@@ -221,7 +221,6 @@ class TorchSDPAOracle(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import torch
         import torch.nn.functional as F
 
         B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
@@ -232,9 +231,7 @@ class TorchSDPAOracle(Backend):
 
         w_q, w_k, w_v, w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         b_q, b_k, b_v, b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
-        x_q = to_tensor(inputs.query, dtype, device)  # (B, Nq, D)
-        x_k = x_q if inputs.key is inputs.query else to_tensor(inputs.key, dtype, device)  # (B, Nk, kdim)
-        x_v = x_k if inputs.value is inputs.key else to_tensor(inputs.value, dtype, device)  # (B, Nk, vdim)
+        x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
 
         # No user mask: is_causal says it all and lets torch pick its causal kernels.
         use_is_causal = cfg.causal and inputs.mask is None
@@ -255,29 +252,15 @@ class TorchSDPAOracle(Backend):
             merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
             output = F.linear(merged, w_o, b_o)  # (B, Nq, D)
             if rec is not None:
+                record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
                 how = "view(B, N, H, d).transpose(1, 2)"
-                rec.record("q", q, ("B", "Nq", "H*Dk"), "F.linear")
-                rec.record("k", k, ("B", "Nk", "Hkv*Dk"), "F.linear")
-                rec.record("v", v, ("B", "Nk", "Hkv*Dv"), "F.linear")
-                rec.record("q_heads", q_heads, ("B", "H", "Nq", "Dk"), view_note(q_heads, q, "q", how))
-                rec.record("k_heads", k_heads, ("B", "Hkv", "Nk", "Dk"), view_note(k_heads, k, "k", how))
-                rec.record("v_heads", v_heads, ("B", "Hkv", "Nk", "Dv"), view_note(v_heads, v, "v", how))
+                record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
                 rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
                 rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
                 rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
             return output
 
-        run = with_matmul_precision(run, device, self.allow_tf32)
-
-        def forward():
-            with torch.inference_mode():
-                return run(None)
-
-        def native_stages():
-            recorder = StageRecorder()
-            with torch.inference_mode():
-                run(recorder)
-            return recorder.stages()
+        run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
 
         info = {
             "mask": "is_causal=True (top-left)"
@@ -286,7 +269,9 @@ class TorchSDPAOracle(Backend):
             "enable_gqa": bool(gqa),
             **precision_info(device, dtype, self.allow_tf32),
         }
-        return Prepared(forward, tensor_to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+        return Prepared(
+            lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
+        )
 
 
 def sdpa_has_enable_gqa() -> bool:

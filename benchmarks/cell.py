@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
-from .fresh import child_setup, emit_result, run_fresh
+from .fresh import child_main, error_result, run_fresh
 from .pinning import DEFAULT_MALLOC_MODE, contention_warning, cpu_use_warning, cpu_utilisation, malloc_env
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
@@ -306,31 +306,27 @@ def cell_record(spec: CellSpec, outcome: dict) -> dict:
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m mha_rosetta.benchmarks.cell '<json cell spec>'", file=sys.stderr)
-        return 2
-    data = json.loads(argv[0])
-    child_setup(data)  # pin before anything heavy is imported
+def _cell_error(error: Exception) -> dict:
+    """A cell whose measurement raised, with the traceback; a missing framework is "unsupported"."""
+    result = {**error_result(error), "traceback": traceback.format_exc(limit=-6)}
     try:
-        spec = CellSpec.from_dict(data)
-        result = measure(spec)
-    except Exception as error:  # one broken cell must not stop a sweep: report it as data
-        result = {
-            "status": "error",
-            "error": f"{type(error).__name__}: {error}",
-            "traceback": traceback.format_exc(limit=-6),
-        }
-        try:
-            from mha_rosetta.backends import BackendNotInstalled
+        from mha_rosetta.backends import BackendNotInstalled
 
-            if isinstance(error, BackendNotInstalled):
-                result["status"] = "unsupported"
-        except ImportError:
-            pass
-    emit_result(result)
-    return 0
+        if isinstance(error, BackendNotInstalled):
+            result["status"] = "unsupported"
+    except ImportError:
+        pass
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main(
+        argv,
+        "mha_rosetta.benchmarks.cell",
+        lambda data: measure(CellSpec.from_dict(data)),
+        on_error=_cell_error,
+        spec_name="json cell spec",
+    )
 
 
 if __name__ == "__main__":

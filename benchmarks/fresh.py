@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 from .pinning import pin_current_process, thread_env
 
@@ -40,6 +41,38 @@ def parse_result(stdout: str) -> dict | None:
 def child_setup(spec: dict) -> list[int] | None:
     """First call in a child's main: pin to the cores in the spec, before any heavy import."""
     return pin_current_process(spec.get("cpus"))
+
+
+def error_result(error: Exception) -> dict:
+    """A measurement that raised, as data: the sweep goes on without it."""
+    return {"status": "error", "error": f"{type(error).__name__}: {error}"}
+
+
+def child_main(
+    argv: list[str] | None,
+    module: str,
+    measure: Callable[[dict], dict],
+    on_error: Callable[[Exception], dict] = error_result,
+    spec_name: str = "json spec",
+) -> int:
+    """A measuring child's ``main``: one JSON spec argument, pin, measure, print the result line.
+
+    The child pins itself before ``measure`` imports anything heavy; an exception in
+    ``measure`` becomes the result ``on_error`` makes of it (called inside the ``except``,
+    so it may format the traceback), never a crash.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {module} '<{spec_name}>'", file=sys.stderr)
+        return 2
+    spec = json.loads(argv[0])
+    child_setup(spec)  # pin before anything heavy is imported
+    try:
+        result = measure(spec)
+    except Exception as error:  # reported as data; one broken measurement must not stop a sweep
+        result = on_error(error)
+    emit_result(result)
+    return 0
 
 
 def run_fresh(module: str, spec: dict, *, threads: int, timeout: float, extra_env: dict | None = None) -> dict:

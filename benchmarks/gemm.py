@@ -13,11 +13,10 @@ Child usage: ``python -m mha_rosetta.benchmarks.gemm '{"library": "numpy", "dtyp
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import time
 
-from .fresh import child_setup, emit_result, run_fresh
+from .fresh import child_main, run_fresh
 from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
 
 GEMM_LIBRARIES = ("numpy", "torch", "jax")
@@ -274,18 +273,7 @@ def best_of(first: dict, second: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m mha_rosetta.benchmarks.gemm '<json spec>'", file=sys.stderr)
-        return 2
-    spec = json.loads(argv[0])
-    child_setup(spec)
-    try:
-        result = measure(spec)
-    except Exception as error:  # reported as data; the sweep goes on without this library
-        result = {"status": "error", "error": f"{type(error).__name__}: {error}"}
-    emit_result(result)
-    return 0
+    return child_main(argv, "mha_rosetta.benchmarks.gemm", measure)
 
 
 if __name__ == "__main__":

@@ -37,12 +37,11 @@ The questions:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 import time
 
-from .fresh import child_setup, emit_result, run_fresh
+from .fresh import child_main, run_fresh
 from .pinning import choose_cpus, contention_warning, cpu_use_warning, cpu_utilisation
 
 CONFIRMED, PARTLY, REFUTED, SKIPPED = "confirmed", "partly", "refuted", "skipped"
@@ -116,18 +115,7 @@ def measure(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m mha_rosetta.benchmarks.questions '<json spec>'", file=sys.stderr)
-        return 2
-    spec = json.loads(argv[0])
-    child_setup(spec)
-    try:
-        result = measure(spec)
-    except Exception as error:  # reported as a skipped measurement, never a crash
-        result = {"status": "error", "error": f"{type(error).__name__}: {error}"}
-    emit_result(result)
-    return 0
+    return child_main(argv, "mha_rosetta.benchmarks.questions", measure)
 
 
 # -- verdicts -----------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 SCHEMA_VERSION = 1
@@ -47,37 +46,6 @@ BASELINE_THRESHOLD = 0.10
 PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
 INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
-
-
-# -- files ------------------------------------------------------------------------------------
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` so that ``path`` holds either the old or the whole new content, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the usual mode
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_json_atomic(path: str | Path, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=True) + "\n")
 
 
 # -- machine ----------------------------------------------------------------------------------

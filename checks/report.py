@@ -20,9 +20,7 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import sys
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -589,31 +587,8 @@ def _nums(entry: dict | None) -> dict | None:
     return {k: _num(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
 
 
-def write_text_atomically(text: str, path: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and `os.replace`: never half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    handle = tempfile.NamedTemporaryFile(
-        "w", dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp", delete=False, encoding="utf-8"
-    )
-    try:
-        with handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)  # temporary files are private; the result is not
-        os.replace(handle.name, path)
-    except BaseException:
-        if os.path.exists(handle.name):
-            os.unlink(handle.name)
-        raise
-
-
 def write_json(result: CheckResult, path: str) -> None:
     """Write the JSON report to ``path`` atomically, or to stdout for "-"."""
-    text = json.dumps(to_json(result), indent=1, default=str) + "\n"
-    if path == "-":
-        sys.stdout.write(text)
-    else:
-        write_text_atomically(text, path)
+    from mha_rosetta.core.files import write_output
+
+    write_output(path, json.dumps(to_json(result), indent=1, default=str) + "\n")

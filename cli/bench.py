@@ -143,14 +143,12 @@ def _settings(args: argparse.Namespace):
 
 
 def _emit(path: str | None, text: str, *, label: str) -> None:
-    from mha_rosetta.benchmarks.report import write_text_atomic
+    from mha_rosetta.core.files import write_output
 
     if path is None:
         return
-    if path == "-":
-        sys.stdout.write(text)
-    else:
-        write_text_atomic(path, text)
+    write_output(path, text)
+    if path != "-":
         print(f"{label} written to {path}", file=sys.stderr)
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from mha_rosetta.explain.seed_setup import DEFAULT_BATCH, SEED_D_K, SEED_D_MODEL, SEED_HEADS, SEED_TOKENS
@@ -102,26 +100,11 @@ def _sections_from(args: argparse.Namespace) -> tuple[str, ...] | None:
     return names
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.chmod(temporary, 0o644)  # mkstemp makes the file private; a generated document is not
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def _write_json(target: str, payload) -> None:
-    text = json.dumps(payload, indent=2, default=str) + "\n"
-    if target == "-":
-        sys.stdout.write(text)
-    else:
-        _write_atomically(Path(target), text)
+    from mha_rosetta.core.files import write_output
+
+    write_output(target, json.dumps(payload, indent=2, default=str) + "\n")
+    if target != "-":
         print(f"wrote {target}", file=sys.stderr)
 
 
@@ -177,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if write_docs:
+        from mha_rosetta.core.files import write_text_atomic
+
         folder = Path(args.write_docs)
         folder.mkdir(parents=True, exist_ok=True)
         png = explanation.save_png(folder / "head_split.png")
-        _write_atomically(folder / "explainer.md", explanation.to_markdown(png_name="head_split.png"))
+        write_text_atomic(folder / "explainer.md", explanation.to_markdown(png_name="head_split.png"))
         print(f"wrote {folder / 'explainer.md'} and {png}", file=sys.stderr)
     if args.png:
         print(f"wrote {explanation.save_png(args.png)}", file=sys.stderr)

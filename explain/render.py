@@ -58,7 +58,8 @@ def _short_note(row) -> str:
     """The adapter's note without the view/copy prefix the memory column already shows."""
     if row.note == row.memory:
         return ""
-    prefix = f"{row.memory}: "
+    # "new buffer: softmax ..." is shown as memory "new buffer (computed)".
+    prefix = "new buffer: " if row.memory == "new buffer (computed)" else f"{row.memory}: "
     return row.note[len(prefix):] if row.note.startswith(prefix) else row.note
 
 

@@ -85,24 +85,38 @@ class BackendSummary:
         return asdict(self)
 
 
-_RELATION = re.compile(r"\b(view|copy) of (?:the pipeline's )?(\w+)")
+_RELATION = re.compile(r"\b(view|copy) of (\w+)")
+_NEW_BUFFER = "new buffer"
 
 
 def recorded_relation(name: str, note: str) -> str | None:
-    """"view of q" / "copy of context" when the adapter's note records it for another stage."""
+    """The relation an adapter's note records to another stage ("view of q", "copy of context").
+
+    A note that starts "new buffer" records that the step wrote fresh memory.
+    """
     for kind, other in _RELATION.findall(note):
         if other in STAGE_BY_NAME and other != name:
             return f"{kind} of {other}"
+    if note.startswith(_NEW_BUFFER):
+        return f"{_NEW_BUFFER} (computed)"
     return None
 
 
-def memory_relation(name: str, tensors: dict, note: str = "") -> str:
+def _made_from(name: str, note: str) -> str | None:
+    """The stage that stage ``name``'s note says it is a view or copy of."""
+    relation = recorded_relation(name, note)
+    return relation.split(" of ")[1] if relation and relation.startswith(("view of ", "copy of ")) else None
+
+
+def memory_relation(name: str, tensors: dict, note: str = "", notes: dict[str, str] | None = None) -> str:
     """Whether stage ``name`` is a view of the stage it was made from, a copy, or a new buffer.
 
     The adapters record snapshots (so later in-place steps cannot change them) and
     measure view-or-copy on the live tensors at that moment, writing e.g. "view of q"
     or "copy of context" in the note; that measurement is used when present. Otherwise
     the recorded tensors themselves are compared (an adapter may record live tensors).
+    ``notes`` (every stage's note) tells where an adapter makes the stages the other way
+    round: einops computes q_heads and makes q from it, so q_heads is not a view of q.
     """
     value = tensors[name]
     if array_library(value) == "jax":
@@ -112,6 +126,9 @@ def memory_relation(name: str, tensors: dict, note: str = "") -> str:
         return measured
     earlier = list(STAGE_NAMES[: STAGE_NAMES.index(name)])
     parent = DERIVED_FROM.get(name)
+    made_from_this = {other for other, text in (notes or {}).items() if _made_from(other, text) == name}
+    if parent in made_from_this:
+        return f"{_NEW_BUFFER} (computed)"  # the usual parent was made from this stage
     if parent in tensors:
         earlier.remove(parent)
         earlier.insert(0, parent)  # report the parent first when several share memory
@@ -160,6 +177,7 @@ def measure_backend(
         return BackendSummary(name, "", "", "", dtype, skipped=f"adapter not available: {error}"), []
 
     tensors = {stage_name: stage.value for stage_name, stage in stages.items()}
+    notes = {stage_name: stage.note for stage_name, stage in stages.items()}
     rows = []
     for stage_name in STAGE_NAMES:
         if stage_name not in stages:
@@ -176,7 +194,7 @@ def measure_backend(
                 axes=tuple(stage.axes),
                 strides=strides_in_elements(value),
                 contiguous=contiguity(value),
-                memory=memory_relation(stage_name, tensors, stage.note),
+                memory=memory_relation(stage_name, tensors, stage.note, notes),
                 note=stage.note,
             )
         )

@@ -1,4 +1,4 @@
-"""Spec cases shared by the adapter test modules (NumPy, torch, torch oracles).
+"""Spec cases and checks shared by the adapter test modules (NumPy, torch, einops, JAX, oracles).
 
 Every case uses distinct sizes, so that swapping two axes cannot go unnoticed:
 batch 2, 7 query tokens, 5 key/value tokens where they differ, widths 15/11/9, and
@@ -11,9 +11,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, init_params
-
-BATCH, Q_TOKENS, KV_TOKENS = 2, 7, 5
+from conftest import BATCH, KV_TOKENS, Q_TOKENS
+from mha_rosetta.backends import DIRECT_RESHAPE
+from mha_rosetta.core import (
+    STAGE_NAMES,
+    MHAConfig,
+    assert_close,
+    compare,
+    init_params,
+    reference_mha,
+    reference_stages,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,17 @@ class Case:
 
     def params(self, bias_seed: int = 0):
         return init_params(self.cfg, seed=bias_seed)
+
+    def run(self, backend, dtype: str, strategy: str, **kwargs):
+        """``backend.run`` on this case's parameters and inputs (kwargs: device, return_stages, ...)."""
+        return backend.run(self.cfg, self.params(), *self.inputs(), dtype=dtype, strategy=strategy, **kwargs)
+
+    def reference(self):
+        """The float64 oracle's output for this case."""
+        return reference_mha(self.cfg, self.params(), *self.inputs())
+
+    def reference_stages(self):
+        return reference_stages(self.cfg, self.params(), *self.inputs())
 
     def __str__(self) -> str:
         return self.name
@@ -92,3 +111,50 @@ def assert_stages_close(stages: dict, reference: dict, dtype: str, expected_name
     with np.errstate(invalid="ignore"):
         for name in expected_names:
             assert_close(stages[name], reference[name], dtype, what=f"stage {name}")
+
+
+def random_inputs(cfg: MHAConfig, *, cross: bool, padding: bool, padded_item: int, seed: int = 0):
+    """(query, key, value, mask) with distinct sizes; key/value None for self-attention.
+
+    With ``padding`` the batch item ``padded_item`` has its last two keys padded: mask
+    (B, 1, Nq, Nk), True = may attend.
+    """
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal((BATCH, Q_TOKENS, cfg.d_model))
+    key = value = None
+    n_k = Q_TOKENS
+    if cross:
+        n_k = KV_TOKENS
+        key = rng.standard_normal((BATCH, n_k, cfg.kdim))
+        value = rng.standard_normal((BATCH, n_k, cfg.vdim))
+    mask = None
+    if padding:
+        mask = np.ones((BATCH, 1, Q_TOKENS, n_k), dtype=bool)  # (B, 1, Nq, Nk)
+        mask[padded_item, :, :, n_k - 2 :] = False  # the last two keys are padding
+    return query, key, value, mask
+
+
+# -- checks every adapter with strategies runs (the NumPy and torch test modules) ------------
+
+
+def assert_output_matches_reference(backend, case: Case, dtype: str, strategy: str) -> None:
+    output = case.run(backend, dtype, strategy)
+    expected = case.reference()
+    assert output.shape == expected.shape
+    assert_close(output, expected, dtype, what=f"{backend.name}/{strategy}/{dtype} on {case}")
+
+
+def assert_every_stage_matches_reference(backend, case: Case, dtype: str, strategy: str) -> None:
+    _, stages = case.run(backend, dtype, strategy, return_stages=True)
+    assert_stages_close(stages, case.reference_stages(), dtype, STAGE_NAMES)
+
+
+def assert_direct_reshape_is_caught_at_q_heads(backend, case: Case, dtype: str) -> None:
+    """The known mistake gives an output of the right shape, finite, but wrong from q_heads on."""
+    output, stages = case.run(backend, dtype, DIRECT_RESHAPE, return_stages=True)
+    expected = case.reference()
+    assert output.shape == expected.shape  # shape-correct ...
+    assert np.isfinite(output).all()
+    with np.errstate(invalid="ignore"):
+        assert not compare(output, expected, dtype).ok  # ... but wrong
+    assert first_differing_stage(stages, case.reference_stages(), dtype) == "q_heads"

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+from functools import partial
 
 import numpy as np
 import pytest
+from adapter_cases import random_inputs
 
-from conftest import BATCH, D_MODEL, HEADS, KV_TOKENS, Q_TOKENS, requires
+from conftest import BATCH, D_MODEL, HEADS, Q_TOKENS, requires
 from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha, reference_stages
 
 pytestmark = requires("einops")
@@ -35,20 +37,8 @@ CASES = {
 }
 
 
-def make_inputs(cfg: MHAConfig, *, cross: bool, padding: bool = True, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    query = rng.standard_normal((BATCH, Q_TOKENS, cfg.d_model))
-    key = value = None
-    n_k = Q_TOKENS
-    if cross:
-        n_k = KV_TOKENS
-        key = rng.standard_normal((BATCH, n_k, cfg.kdim))
-        value = rng.standard_normal((BATCH, n_k, cfg.vdim))
-    mask = None
-    if padding:
-        mask = np.ones((BATCH, 1, Q_TOKENS, n_k), dtype=bool)  # (B, 1, Nq, Nk)
-        mask[0, :, :, n_k - 2 :] = False  # batch item 0: the last two keys are padding
-    return query, key, value, mask
+# Batch item 0 has its last two keys padded unless padding=False.
+make_inputs = partial(random_inputs, padding=True, padded_item=0)
 
 
 def backend_for(library: str):

@@ -6,8 +6,11 @@ dominate the run time, so the sizes are tiny and each case compiles once or twic
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
+from adapter_cases import random_inputs
 
 from conftest import BATCH, D_MODEL, HEADS, KV_TOKENS, Q_TOKENS, requires
 from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha, reference_stages
@@ -25,21 +28,8 @@ CASES = {
 }
 
 
-def make_inputs(cfg: MHAConfig, *, cross: bool, padding: bool = False, seed: int = 0):
-    """(query, key, value, mask) with distinct sizes; key/value None for self-attention."""
-    rng = np.random.default_rng(seed)
-    query = rng.standard_normal((BATCH, Q_TOKENS, cfg.d_model))
-    key = value = None
-    n_k = Q_TOKENS
-    if cross:
-        n_k = KV_TOKENS
-        key = rng.standard_normal((BATCH, n_k, cfg.kdim))
-        value = rng.standard_normal((BATCH, n_k, cfg.vdim))
-    mask = None
-    if padding:
-        mask = np.ones((BATCH, 1, Q_TOKENS, n_k), dtype=bool)  # (B, 1, Nq, Nk)
-        mask[1, :, :, n_k - 2 :] = False  # batch item 1: the last two keys are padding
-    return query, key, value, mask
+# (query, key, value, mask) with distinct sizes; with padding=True batch item 1 has its last two keys padded.
+make_inputs = partial(random_inputs, padding=False, padded_item=1)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from adapter_cases import CASES, DTYPES, Case, assert_stages_close, first_differing_stage
+from adapter_cases import (
+    CASES,
+    DTYPES,
+    Case,
+    assert_direct_reshape_is_caught_at_q_heads,
+    assert_every_stage_matches_reference,
+    assert_output_matches_reference,
+)
 
 from mha_rosetta.backends import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, UnsupportedCase, get_backend
 from mha_rosetta.backends._numpy_ops import (
@@ -14,7 +21,7 @@ from mha_rosetta.backends._numpy_ops import (
     softmax_blocks_inplace,
     softmax_inplace,
 )
-from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, init_params, reference_mha, reference_stages
+from mha_rosetta.core import MHAConfig, init_params, reference_mha
 
 CORRECT_STRATEGIES = (STANDARD, PER_HEAD, SLICING)
 
@@ -24,47 +31,24 @@ def backend():
     return get_backend("numpy")
 
 
-def _run(backend, case: Case, dtype: str, strategy: str, **kwargs):
-    query, key, value, mask = case.inputs()
-    return backend.run(case.cfg, case.params(), query, key, value, mask, dtype=dtype, strategy=strategy, **kwargs)
-
-
-def _reference(case: Case):
-    query, key, value, mask = case.inputs()
-    return reference_mha(case.cfg, case.params(), query, key, value, mask)
-
-
 @pytest.mark.parametrize("strategy", CORRECT_STRATEGIES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_output_matches_reference(backend, case, dtype, strategy):
-    output = _run(backend, case, dtype, strategy)
-    expected = _reference(case)
-    assert output.shape == expected.shape
-    assert_close(output, expected, dtype, what=f"numpy/{strategy}/{dtype} on {case}")
+    assert_output_matches_reference(backend, case, dtype, strategy)
 
 
 @pytest.mark.parametrize("dtype", ("float64", "float16", "bfloat16"))
 @pytest.mark.parametrize("strategy", CORRECT_STRATEGIES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_every_stage_matches_reference(backend, case, strategy, dtype):
-    query, key, value, mask = case.inputs()
-    _, stages = _run(backend, case, dtype, strategy, return_stages=True)
-    reference = reference_stages(case.cfg, case.params(), query, key, value, mask)
-    assert_stages_close(stages, reference, dtype, STAGE_NAMES)
+    assert_every_stage_matches_reference(backend, case, dtype, strategy)
 
 
 @pytest.mark.parametrize("dtype", ("float64", "float32", "float16"))
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_direct_reshape_mistake_is_caught_at_q_heads(backend, case, dtype):
-    query, key, value, mask = case.inputs()
-    output, stages = _run(backend, case, dtype, DIRECT_RESHAPE, return_stages=True)
-    reference = reference_stages(case.cfg, case.params(), query, key, value, mask)
-    assert output.shape == _reference(case).shape  # shape-correct ...
-    assert np.isfinite(output).all()
-    with np.errstate(invalid="ignore"):
-        assert not compare(output, _reference(case), dtype).ok  # ... but wrong
-    assert first_differing_stage(stages, reference, dtype) == "q_heads"
+    assert_direct_reshape_is_caught_at_q_heads(backend, case, dtype)
 
 
 def test_direct_reshape_gives_each_head_a_block_of_tokens(backend):

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from adapter_cases import CASES, DTYPES, Case, assert_stages_close, first_differing_stage
+from adapter_cases import (
+    CASES,
+    DTYPES,
+    Case,
+    assert_direct_reshape_is_caught_at_q_heads,
+    assert_every_stage_matches_reference,
+    assert_output_matches_reference,
+)
 
 from conftest import requires
 from mha_rosetta.backends import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, UnsupportedCase, get_backend
-from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, init_params, reference_mha, reference_stages
+from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha
 
 pytestmark = requires("torch")
 CORRECT_STRATEGIES = (STANDARD, PER_HEAD, SLICING)
@@ -30,48 +37,24 @@ def backend():
     return get_backend("torch")
 
 
-def _run(backend, case: Case, dtype: str, strategy: str, device: str = "cpu", **kwargs):
-    query, key, value, mask = case.inputs()
-    return backend.run(
-        case.cfg, case.params(), query, key, value, mask, dtype=dtype, strategy=strategy, device=device, **kwargs
-    )
-
-
-def _reference(case: Case):
-    query, key, value, mask = case.inputs()
-    return reference_mha(case.cfg, case.params(), query, key, value, mask)
-
-
 @pytest.mark.parametrize("strategy", CORRECT_STRATEGIES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_output_matches_reference(backend, case, dtype, strategy):
-    output = _run(backend, case, dtype, strategy)
-    expected = _reference(case)
-    assert output.shape == expected.shape
-    assert_close(output, expected, dtype, what=f"torch/{strategy}/{dtype} on {case}")
+    assert_output_matches_reference(backend, case, dtype, strategy)
 
 
 @pytest.mark.parametrize("dtype", ("float64", "float16", "bfloat16"))
 @pytest.mark.parametrize("strategy", CORRECT_STRATEGIES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_every_stage_matches_reference(backend, case, strategy, dtype):
-    query, key, value, mask = case.inputs()
-    _, stages = _run(backend, case, dtype, strategy, return_stages=True)
-    reference = reference_stages(case.cfg, case.params(), query, key, value, mask)
-    assert_stages_close(stages, reference, dtype, STAGE_NAMES)
+    assert_every_stage_matches_reference(backend, case, dtype, strategy)
 
 
 @pytest.mark.parametrize("dtype", ("float64", "float32", "bfloat16"))
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_direct_reshape_mistake_is_caught_at_q_heads(backend, case, dtype):
-    query, key, value, mask = case.inputs()
-    output, stages = _run(backend, case, dtype, DIRECT_RESHAPE, return_stages=True)
-    reference = reference_stages(case.cfg, case.params(), query, key, value, mask)
-    assert output.shape == _reference(case).shape and np.isfinite(output).all()  # shape-correct ...
-    with np.errstate(invalid="ignore"):
-        assert not compare(output, _reference(case), dtype).ok  # ... but wrong
-    assert first_differing_stage(stages, reference, dtype) == "q_heads"
+    assert_direct_reshape_is_caught_at_q_heads(backend, case, dtype)
 
 
 def test_direct_reshape_is_the_same_mistake_as_numpys(backend):
@@ -79,7 +62,7 @@ def test_direct_reshape_is_the_same_mistake_as_numpys(backend):
     case = CASES[3]  # GQA, cross-attention, causal, custom scale
     query, key, value, mask = case.inputs()
     numpy_out = get_backend("numpy").run(case.cfg, case.params(), query, key, value, mask, strategy=DIRECT_RESHAPE)
-    torch_out = _run(backend, case, "float64", DIRECT_RESHAPE)
+    torch_out = case.run(backend, "float64", DIRECT_RESHAPE)
     assert_close(torch_out, numpy_out, "float64")
 
 

@@ -41,11 +41,11 @@ from mha_rosetta.benchmarks.report import (
     machine_info,
     markdown_table,
     primary_peak,
-    write_text_atomic,
 )
 from mha_rosetta.benchmarks.sweep import SweepSettings, load_partial, run_sweep
 from mha_rosetta.benchmarks.timing import RepeatPolicy, summarize, time_repeats
 from mha_rosetta.core import MHAConfig
+from mha_rosetta.core.files import write_text_atomic
 
 # -- FLOP counts, by hand ---------------------------------------------------------------------
 

@@ -1,0 +1,41 @@
+"""Axis orders of stage tensors that more than one adapter holds, named once.
+
+The symbols are those of `core.stages`. Each adapter still states its own convention:
+these are only the layouts that several of them share, so that a reader (and the
+explainer) sees one definition instead of three copies that could drift apart.
+"""
+
+from __future__ import annotations
+
+# The projections as row samples, tokens before features: ``x @ W.T + b`` in torch,
+# JAX, einops and every oracle that exposes them.
+ROW_SAMPLE_PROJECTION_AXES = {
+    "q": ("B", "Nq", "H*Dk"),
+    "k": ("B", "Nk", "Hkv*Dk"),
+    "v": ("B", "Nk", "Hkv*Dv"),
+}
+
+# Tokens first all the way through: heads split after the token axis (B, N, H, d), the
+# way jax.vmap(in_axes=1), einsum "b n h k" and jax.nn.dot_product_attention's BTNH hold
+# them, so that splitting and merging heads are reshapes. Only the score-like stages
+# put the heads first, (B, H, Nq, Nk).
+TOKENS_FIRST_STAGE_AXES = {
+    **ROW_SAMPLE_PROJECTION_AXES,
+    "q_heads": ("B", "Nq", "H", "Dk"),
+    "k_heads": ("B", "Nk", "Hkv", "Dk"),
+    "v_heads": ("B", "Nk", "Hkv", "Dv"),
+    "scores": ("B", "H", "Nq", "Nk"),
+    "masked_scores": ("B", "H", "Nq", "Nk"),
+    "weights": ("B", "H", "Nq", "Nk"),
+    "context": ("B", "Nq", "H", "Dv"),
+    "merged": ("B", "Nq", "H*Dv"),
+    "output": ("B", "Nq", "D"),
+}
+
+# Heads before tokens, (B, H, N, d): torch's ``view(B, N, H, d).transpose(1, 2)``, the
+# layout F.scaled_dot_product_attention takes.
+HEADS_FIRST_SPLIT_AXES = {
+    "q_heads": ("B", "H", "Nq", "Dk"),
+    "k_heads": ("B", "Hkv", "Nk", "Dk"),
+    "v_heads": ("B", "Hkv", "Nk", "Dv"),
+}

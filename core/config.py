@@ -55,8 +55,8 @@ class MHAConfig:
             if value is not None:
                 _require_positive_int(name, value)
         for name in ("bias", "causal"):
-            if not isinstance(getattr(self, name), bool):
-                value = getattr(self, name)
+            value = getattr(self, name)
+            if not isinstance(value, bool):
                 raise TypeError(f"MHAConfig.{name} must be a bool, got {value!r} ({type(value).__name__})")
 
         if self.d_k is None and self.d_model % self.n_heads:

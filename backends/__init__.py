@@ -79,7 +79,7 @@ def get_backend(name: str) -> Backend:
     if name not in _INSTANCES:
         module = importlib.import_module(f"{__name__}.{entry.module}")
         backend = getattr(module, entry.cls)(name=name, **entry.kwargs)
-        backend.kind = entry.kind
+        backend.requires, backend.kind = entry.requires, entry.kind
         _INSTANCES[name] = backend
     return _INSTANCES[name]
 

@@ -119,9 +119,10 @@ class Backend:
     """Base class of every adapter. Subclasses set the class attributes and `_prepare`."""
 
     name: str = ""
-    requires: tuple[str, ...] = ()  # importable modules this backend needs
-    install_hint: str = ""  # e.g. "pip install 'mha-rosetta[torch]'"
     convention: str = ""  # one line: what this adapter embodies
+    # Set from the backend's registry entry (backends/__init__.py), the one place that
+    # says what a backend needs and whether it is ours or a third-party oracle.
+    requires: tuple[str, ...] = ()  # importable modules this backend needs
     kind: str = "implementation"  # or "oracle" (a third-party implementation)
     strategies: tuple[str, ...] = (STANDARD,)
     dtypes: tuple[str, ...] = DTYPE_NAMES

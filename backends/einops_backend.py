@@ -509,7 +509,6 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict) -> dict[str, StageTensor]
 class EinopsBackend(Backend):
     """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
 
-    install_hint = "pip install 'mha-rosetta[einops]'"
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"
@@ -517,7 +516,6 @@ class EinopsBackend(Backend):
         if array_library not in ARRAY_LIBRARIES:
             raise ValueError(f"array_library must be one of {', '.join(ARRAY_LIBRARIES)}; got {array_library!r}")
         self.array_library = array_library
-        self.requires = ("einops",) if array_library == "numpy" else ("einops", array_library)
         self.convention = (
             f"einops.einsum + rearrange on {array_library} arrays, layout (B, N, h, d_k) kept; no transpose/permute"
         )

@@ -167,8 +167,6 @@ class JaxBackend(Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
     name = "jax"
-    requires = ("jax",)
-    install_hint = "pip install 'mha-rosetta[jax]'"
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:

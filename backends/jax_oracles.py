@@ -57,7 +57,6 @@ def _linear(x, weight, bias):
 class _JaxOracle(Backend):
     """What the three oracles share: devices, float64, precision, the empty-row switch."""
 
-    kind = "oracle"
     known_differences: tuple[str, ...] = ()
 
     def __init__(
@@ -166,8 +165,6 @@ class JaxDotProductAttentionOracle(_JaxOracle):
     """``jax.nn.dot_product_attention`` between projections written in jnp."""
 
     name = "jax-dpa"
-    requires = ("jax",)
-    install_hint = "pip install 'mha-rosetta[jax]'"
     convention = "x @ W.T + b in jnp, then jax.nn.dot_product_attention on (B, T, N, H) arrays"
     known_differences = (
         "mask polarity: True = may attend (same as the spec)",
@@ -242,8 +239,6 @@ class FlaxMHAOracle(_JaxOracle):
     """``flax.linen.MultiHeadDotProductAttention`` with its params tree from `core.to_flax_params`."""
 
     name = "flax"
-    requires = ("flax", "jax")
-    install_hint = "pip install 'mha-rosetta[flax]'"
     convention = (
         "flax.linen.MultiHeadDotProductAttention: DenseGeneral kernels (in, heads, head_dim), (heads, head_dim, out)"
     )
@@ -330,8 +325,6 @@ class EquinoxMHAOracle(_JaxOracle):
     """``equinox.nn.MultiheadAttention`` (unbatched), weights set with ``eqx.tree_at``, vmapped over batch."""
 
     name = "equinox"
-    requires = ("equinox", "jax")
-    install_hint = "pip install 'mha-rosetta[equinox]'"
     convention = "equinox.nn.MultiheadAttention: unbatched module, Linear weights (out, in), jax.vmap over batch"
     known_differences = (
         "mask polarity: True = may attend (same as the spec)",

@@ -69,8 +69,6 @@ HEAD_SLICE_AXES = {"q_heads": ("B", "Dk", "Nq"), "k_heads": ("B", "Dk", "Nk"), "
 
 class NumpyBackend(Backend):
     name = "numpy"
-    requires = ("numpy",)
-    install_hint = "pip install mha-rosetta"
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )

@@ -55,8 +55,6 @@ HEAD_SLICE_AXES = {"q_heads": ("B", "Nq", "Dk"), "k_heads": ("B", "Nk", "Dk"), "
 
 class TorchBackend(Backend):
     name = "torch"
-    requires = ("torch",)
-    install_hint = "pip install 'mha-rosetta[torch]'"
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )

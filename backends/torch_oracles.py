@@ -46,9 +46,6 @@ class TorchMHAOracle(Backend):
     ``need_weights=True, average_attn_weights=False`` for the per-head weights.
     """
 
-    kind = "oracle"
-    requires = ("torch",)
-    install_hint = "pip install 'mha-rosetta[torch]'"
     known_differences = (
         "mask polarity: attn_mask True = blocked (the spec: True = may attend); the adapter passes ~allowed",
         "sequence-first by default: (N, B, E) unless batch_first=True; the seq-first adapter transposes in prepare and back in to_numpy",
@@ -189,9 +186,6 @@ class TorchSDPAOracle(Backend):
     head h // G). The scores and weights live inside the fused kernel and are not exposed.
     """
 
-    kind = "oracle"
-    requires = ("torch",)
-    install_hint = "pip install 'mha-rosetta[torch]'"
     convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
     known_differences = (
         "mask polarity: bool attn_mask True = may attend, like the spec (the opposite of nn.MultiheadAttention)",

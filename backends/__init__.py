@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass, field
 
+from ._chunking import CHUNKED, DEFAULT_CHUNK
 from .base import (
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
@@ -100,6 +101,8 @@ register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "
 register("equinox", BackendEntry("jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
 
 __all__ = [
+    "CHUNKED",
+    "DEFAULT_CHUNK",
     "DIRECT_RESHAPE",
     "KNOWN_WRONG_STRATEGIES",
     "PER_HEAD",

@@ -33,6 +33,8 @@ from mha_rosetta.core import (
     validate_params,
 )
 
+from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
+
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
 
@@ -154,6 +156,9 @@ class Backend:
         return None
 
     def _prepare(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str) -> Prepared:
+        """Convert once and return the `Prepared` pass. A backend with the "chunked" strategy also
+        takes ``chunk=(q_block, k_block)``: `prepare` passes it (validated; None means the
+        defaults) for that strategy only."""
         raise NotImplementedError
 
     # -- shared by every backend ------------------------------------------------------
@@ -169,16 +174,24 @@ class Backend:
         dtype: str = "float64",
         device: str = "cpu",
         strategy: str = STANDARD,
+        chunk=None,
     ) -> tuple[Prepared, MHAInputs]:
-        """Validate everything, then convert once into this backend's convention."""
+        """Validate everything, then convert once into this backend's convention.
+
+        ``chunk`` (the chunked strategy only): ``(q_block, k_block)``, or one int for both.
+        """
         dtype = check_dtype_name(dtype)
         device = check_device_name(device)
         validate_params(cfg, params)
+        chunk = check_chunk(chunk)
+        if chunk is not None and strategy != CHUNKED:
+            raise ValueError(f"chunk={chunk} applies only to strategy={CHUNKED!r}, got strategy={strategy!r}")
         inputs = prepare_inputs(cfg, query, key, value, mask)
         reason = self.unsupported_reason(cfg, dtype, device, strategy)
         if reason:
             raise UnsupportedCase(reason)
-        return self._prepare(cfg, params, inputs, dtype, device, strategy), inputs
+        options = {"chunk": chunk} if strategy == CHUNKED else {}
+        return self._prepare(cfg, params, inputs, dtype, device, strategy, **options), inputs
 
     def run(
         self,
@@ -194,9 +207,12 @@ class Backend:
         dtype: str = "float64",
         device: str = "cpu",
         strategy: str = STANDARD,
+        chunk=None,
     ):
-        """Same arguments and results as `core.reference_mha`, plus dtype, device and strategy."""
-        prepared, inputs = self.prepare(cfg, params, query, key, value, mask, dtype=dtype, device=device, strategy=strategy)
+        """Same arguments and results as `core.reference_mha`, plus dtype, device, strategy (and chunk)."""
+        prepared, inputs = self.prepare(
+            cfg, params, query, key, value, mask, dtype=dtype, device=device, strategy=strategy, chunk=chunk
+        )
         result = prepared.forward()
         prepared.synchronize(result)
         output = inputs.unbatch(prepared.to_numpy(result))
@@ -206,7 +222,8 @@ class Backend:
         extras = []
         if return_weights:
             if "weights" not in stages:
-                raise UnsupportedCase(f"{self.name} does not expose attention weights")
+                why = f" ({CHUNKED_STAGES_NOTE})" if strategy == CHUNKED else ""
+                raise UnsupportedCase(f"{self.name} does not expose attention weights{why}")
             extras.append(inputs.unbatch(stages["weights"]))
         if return_stages:
             extras.append(stages)

@@ -27,6 +27,7 @@ from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
+from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._jax_common import (
     CompiledForward,
     allowed_for_heads,
@@ -41,7 +42,7 @@ from ._jax_common import (
     to_jax,
 )
 from ._layouts import TOKENS_FIRST_STAGE_AXES
-from .base import Backend, Prepared, StageTensor
+from .base import STANDARD, Backend, Prepared, StageTensor
 
 # The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
 # score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
@@ -168,6 +169,7 @@ class JaxBackend(Backend):
 
     name = "jax"
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
+    strategies = (STANDARD, CHUNKED)
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
         super().__init__(name)
@@ -178,18 +180,24 @@ class JaxBackend(Backend):
         return jax_devices()
 
     def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
         import jax
 
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
-        allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
-        allowed = to_jax(allowed, None, target)
+        stage_axes, info = STAGE_AXES, {}
+        if strategy == CHUNKED:
+            from ._chunked_jax import CHUNKED_STAGE_AXES, chunked_forward_parts
 
-        one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+            all_stages, allowed, chunk = chunked_forward_parts(cfg, inputs, chunk)
+            stage_axes, info = CHUNKED_STAGE_AXES, {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE}
+        else:
+            allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
+            one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
+            all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+        allowed = to_jax(allowed, None, target)
 
         def forward(params, x_q, x_k, x_v, allowed):
             # Unused stages are dead code to XLA: the compiled forward computes only the output.
@@ -200,10 +208,10 @@ class JaxBackend(Backend):
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(all_stages)
             return {
-                name: StageTensor(stages[name], axes, STAGE_NOTES.get(name, _XLA)) for name, axes in STAGE_AXES.items()
+                name: StageTensor(stages[name], axes, STAGE_NOTES.get(name, _XLA)) for name, axes in stage_axes.items()
             }
 
-        info = precision_info(dtype, device, self.matmul_precision)
+        info.update(precision_info(dtype, device, self.matmul_precision))
         info["head_vmap"] = (
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )

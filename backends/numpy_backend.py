@@ -40,6 +40,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_matrices
 
+from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._inputs import convert_inputs
 from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
 from ._recording import (
@@ -72,14 +73,18 @@ class NumpyBackend(Backend):
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )
-    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE)
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
 
     def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
-        layer = ColumnSampleMHA(
-            cfg, params, inputs, NumpyPrecision.for_dtype(dtype), batched=strategy in (STANDARD, DIRECT_RESHAPE)
-        )
+        precision = NumpyPrecision.for_dtype(dtype)
+        if strategy == CHUNKED:
+            from ._chunked_numpy import ChunkedColumnSampleMHA
+
+            layer = ChunkedColumnSampleMHA(cfg, params, inputs, precision, chunk)
+        else:
+            layer = ColumnSampleMHA(cfg, params, inputs, precision, batched=strategy in (STANDARD, DIRECT_RESHAPE))
         run = getattr(layer, strategy)  # each strategy is the layer's method of that name
 
         info = {
@@ -88,6 +93,8 @@ class NumpyBackend(Backend):
             "workspace": "one score buffer reused by every call" if layer.workspace is not None else None,
             **layer.precision.info(),
         }
+        if strategy == CHUNKED:
+            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
         return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
 
 
@@ -110,6 +117,9 @@ class ColumnSampleMHA:
     forward never returns the buffer, so its results stay independent; two *concurrent*
     calls of one Prepared would share it (nothing here makes concurrent calls).
     """
+
+    # The full (Nq, Nk) mask, causal part included; the chunked subclass reads tiles instead.
+    materialise_mask = True
 
     def __init__(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision, batched: bool = True
@@ -146,7 +156,8 @@ class ColumnSampleMHA:
             return np.ascontiguousarray(P.operand(P.round_to_storage(x)).transpose(0, 2, 1))  # (B, F, N)
 
         self.x_q, self.x_k, self.x_v = convert_inputs(inputs, columns)  # self-attention: one array
-        self.mask = MaskArrays.from_allowed(allowed_positions(cfg, inputs), keys_axis=-2)
+        allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
+        self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
         shape = (B, cfg.n_kv_heads, cfg.group_size, Nk, Nq)
         self.workspace = np.empty(shape, dtype=P.compute) if batched and not P.mixed else None
 

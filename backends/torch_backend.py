@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
+from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from ._recording import (
     StageRecorder,
@@ -58,7 +59,7 @@ class TorchBackend(Backend):
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )
-    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE)
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)
@@ -73,9 +74,14 @@ class TorchBackend(Backend):
         )
 
     def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
-        layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
+        if strategy == CHUNKED:
+            from ._chunked_torch import ChunkedRowSampleMHA
+
+            layer = ChunkedRowSampleMHA(cfg, params, inputs, dtype, device, chunk)
+        else:
+            layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
         method = getattr(layer, strategy)  # each strategy is the layer's method of that name
         run = in_inference_mode(with_matmul_precision(method, device, self.allow_tf32))
 
@@ -88,6 +94,8 @@ class TorchBackend(Backend):
             "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
             **precision_info(device, dtype, self.allow_tf32),
         }
+        if strategy == CHUNKED:
+            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )
@@ -103,6 +111,8 @@ class RowSampleMHA:
     ``torch.softmax`` into a new tensor, 5 ms into a reused one). The forward never
     returns a buffer, so results stay independent.
     """
+
+    materialise_mask = True  # the full (Nq, Nk) mask, causal part included
 
     def __init__(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, batched: bool = True
@@ -139,7 +149,8 @@ class RowSampleMHA:
         # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
         self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
 
-        allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk), True = may attend
+        # (1|B, 1|H, Nq, Nk), True = may attend; the chunked subclass reads tiles instead.
+        allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
         self.blocked = None if allowed is None else bool_tensor(~allowed, device)
         empty = None if allowed is None else ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
         self.empty_rows = bool_tensor(empty, device) if empty is not None and empty.any() else None

@@ -33,6 +33,7 @@ from enum import Enum
 import numpy as np
 
 from mha_rosetta.backends import (
+    CHUNKED,
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
     PER_HEAD,
@@ -47,6 +48,7 @@ from mha_rosetta.backends import (
     missing_backends,
 )
 from mha_rosetta.backends import REGISTRY as BACKEND_REGISTRY
+from mha_rosetta.backends._chunking import CHECK_CHUNK
 from mha_rosetta.core import (
     DTYPE_NAMES,
     Comparison,
@@ -104,7 +106,7 @@ SEVERITY = (
     Status.UNSUPPORTED,
     Status.SKIPPED,
 )
-KNOWN_STRATEGIES = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE)
+KNOWN_STRATEGIES = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
 DEFAULT_DEVICES = ("cpu",)
 
 
@@ -421,6 +423,8 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
             dtype=dtype,
             device=device,
             strategy=strategy,
+            # Blocks that divide none of the cases' token counts, so the recurrence really runs.
+            **({"chunk": CHECK_CHUNK} if strategy == CHUNKED else {}),
         )
         result = prepared.forward()
         prepared.synchronize(result)

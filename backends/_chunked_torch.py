@@ -1,0 +1,96 @@
+"""The chunked (memory-linear) strategy of the torch adapter, in row samples.
+
+The recurrence is the one described in `_chunking`. In row samples every query is a row,
+so a score tile is ``Q_blk @ K_blk^T``, ``(q_block, k_block)``, the running maximum and sum
+are reductions over the last axis, and the accumulator update is ``P @ V_blk``. GQA folds
+the G query heads of a group into the row axis, as the standard strategy does, so one
+``bmm`` per tile serves every head: one tile per head is alive at a time.
+
+Half precision: the queries, keys and values are converted to float32 once (linear in the
+tokens), every tile and running sum is float32, and each query block's context is rounded
+back to the run's dtype when it is done.
+"""
+
+from __future__ import annotations
+
+from ._chunking import key_block_end, resolve_chunk, tile_allowed
+from ._recording import StageRecorder, view_note
+from ._torch_common import bool_tensor
+from .torch_backend import RowSampleMHA
+
+HALF = ("float16", "bfloat16")
+
+
+class ChunkedRowSampleMHA(RowSampleMHA):
+    """`RowSampleMHA` with the chunked strategy; the mask stays the caller's (causal by index)."""
+
+    materialise_mask = False  # the causal part is computed per tile; see `_chunking.tile_allowed`
+
+    def __init__(self, cfg, params, inputs, dtype: str, device: str, chunk: tuple[int, int] | None) -> None:
+        super().__init__(cfg, params, inputs, dtype, device, batched=False)
+        self.user_mask = inputs.mask  # (1|B, 1|H, Nq, Nk) NumPy or None, True = may attend
+        self.device = device
+        self.chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
+        self.compute_dtype = self.torch.float32 if dtype in HALF else self.x_q.dtype
+
+    def _tile_blocked(self, q_range, k_range):
+        """The tile's blocked positions as a torch bool tensor (1|B, 1|H, qb, kb); None: nothing
+        blocked; False: everything blocked (the tile can be skipped)."""
+        allowed = tile_allowed(self.user_mask, self.cfg.causal, q_range, k_range)
+        if allowed is None:
+            return None
+        if not allowed.any():
+            return False
+        return bool_tensor(~allowed, self.device)
+
+    def chunked(self, rec: StageRecorder | None = None):
+        torch = self.torch
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
+        q_block, k_block = self.chunk
+        q, k, v = self._projections()
+        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
+        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
+        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
+        if rec is not None:
+            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
+        cdt = self.compute_dtype
+        # Each kv head's keys and values once, contiguous in the compute dtype (linear in Nk).
+        keys = k_heads.to(cdt).reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
+        values = v_heads.to(cdt).reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
+        context = q.new_empty((B, H, Nq, Dv))  # linear in the tokens
+        for q_start in range(0, Nq, q_block):
+            q_end = min(q_start + q_block, Nq)
+            n_q = q_end - q_start
+            # The G query heads of a group folded into the row axis: (B*Hkv, G*qb, Dk), a copy.
+            queries = q_heads[:, :, q_start:q_end].to(cdt).reshape(B * Hkv, G * n_q, Dk) * self.cfg.scale
+            peak = torch.full((B, H, n_q, 1), float("-inf"), dtype=cdt, device=q.device)  # running max per query
+            total = torch.zeros((B, H, n_q, 1), dtype=cdt, device=q.device)  # running sum of exp(score - peak)
+            acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=q.device)  # running sum of exp(score - peak) * v
+            for k_start in range(0, key_block_end(q_end, Nk, self.cfg.causal), k_block):
+                k_end = min(k_start + k_block, Nk)
+                blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))
+                if blocked is False:
+                    continue  # nothing in this tile may be attended to: it changes no sum
+                n_k = k_end - k_start
+                tile = torch.bmm(queries, keys[:, k_start:k_end].transpose(1, 2))  # (B*Hkv, G*qb, kb)
+                tile = tile.view(B, H, n_q, n_k)  # (B, H, qb, kb), view
+                if blocked is not None:
+                    tile.masked_fill_(blocked, float("-inf"))
+                new_peak = torch.maximum(peak, tile.amax(dim=-1, keepdim=True))  # (B, H, qb, 1)
+                # Nothing allowed yet: peak stays -inf and the shift is 0, so exp(-inf) = 0, never NaN.
+                shift = torch.where(torch.isneginf(new_peak), 0.0, new_peak)
+                rescale = torch.exp(peak - shift)  # exp(old peak - new peak): 0 where nothing was seen
+                tile.sub_(shift).exp_()  # exp(score - new peak), in place
+                total.mul_(rescale).add_(tile.sum(dim=-1, keepdim=True))
+                update = torch.bmm(tile.view(B * Hkv, G * n_q, n_k), values[:, k_start:k_end])  # (B*Hkv, G*qb, Dv)
+                acc.mul_(rescale).add_(update.view(B, H, n_q, Dv))
+                peak = new_peak
+            # A query that saw no allowed key has total 0 and acc 0: dividing by 1 gives the spec's zero.
+            context[:, :, q_start:q_end] = acc / torch.where(total > 0, total, 1.0)
+        if rec is not None:
+            rec.record("context", context, ("B", "H", "Nq", "Dv"), "acc / l per query block (online softmax)")
+        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
+        if rec is not None:
+            note = view_note(merged, context, "context", "transpose(1, 2).contiguous().view(B, N, H*Dv)")
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), note)
+        return self._finish(merged, rec)

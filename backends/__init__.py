@@ -92,6 +92,8 @@ register("jax", BackendEntry("jax_backend", "JaxBackend", ("jax",), "jax"))
 register("einops-numpy", BackendEntry("einops_backend", "EinopsBackend", ("einops",), "einops", {"array_library": "numpy"}))
 register("einops-torch", BackendEntry("einops_backend", "EinopsBackend", ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
 register("einops-jax", BackendEntry("einops_backend", "EinopsBackend", ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
+# The same layer split over several devices or processes by heads (tensor parallelism).
+register("jax-sharded", BackendEntry("jax_sharded", "JaxShardedBackend", ("jax",), "jax"))
 # Third-party oracles: the libraries' own attention, fed the canonical parameters.
 register("torch-mha", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}, kind="oracle"))
 register("torch-mha-seqfirst", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}, kind="oracle"))

@@ -115,9 +115,7 @@ def _mha_one_item_chunked(params, x_q, x_k, x_v, allowed, *, cfg: MHAConfig, hea
     q_pad, k_pad = _blocks(n_q, q_block) * q_block, _blocks(n_k, k_block) * k_block
     k_heads = _pad_tokens(k, k_pad).reshape(k_pad, Hkv, Dk)  # (Nk_pad, Hkv, Dk)
     v_heads = _pad_tokens(v, k_pad).reshape(k_pad, Hkv, Dv)  # (Nk_pad, Hkv, Dv)
-    one_head = partial(
-        _chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k
-    )
+    one_head = partial(_chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k)
     if G == 1:
         q_heads = _pad_tokens(q, q_pad).reshape(q_pad, H, Dk)  # (Nq_pad, H, Dk)
         context = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=1)(q_heads, k_heads, v_heads, allowed)
@@ -160,4 +158,3 @@ def chunked_forward_parts(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, i
         allowed = np.pad(allowed, pad, constant_values=False)
     one_item = partial(_mha_one_item_chunked, cfg=cfg, head_mask_axis=head_axis, chunk=chunk)
     return jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis)), allowed, chunk
-

@@ -29,6 +29,7 @@ from .layouts import (
 )
 from .params import MHAParams, expected_param_shapes, init_params, validate_params
 from .reference import reference_mha, reference_stages, softmax_with_empty_rows
+from .sharding import ShardPlan, shard_mask, shard_params, shard_plan, unshard_params
 from .stages import PIPELINE_STEPS, STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, stage_shapes
 from .tolerances import TOLERANCES, Comparison, Tolerance, assert_close, compare, lower_precision, tolerance_for
 
@@ -43,6 +44,7 @@ __all__ = [
     "MHAConfig",
     "MHAInputs",
     "MHAParams",
+    "ShardPlan",
     "Stage",
     "Tolerance",
     "allowed_positions",
@@ -65,6 +67,9 @@ __all__ = [
     "prepare_inputs",
     "reference_mha",
     "reference_stages",
+    "shard_mask",
+    "shard_params",
+    "shard_plan",
     "softmax_with_empty_rows",
     "split_head_bias",
     "split_head_matrices",
@@ -77,5 +82,6 @@ __all__ = [
     "to_torch_mha_state_dict",
     "tolerance_for",
     "torch_mha_unsupported_reason",
+    "unshard_params",
     "validate_params",
 ]

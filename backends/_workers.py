@@ -1,0 +1,200 @@
+"""Worker processes that a distributed backend starts, talks to with time limits, and tears down.
+
+The sharded backends run outside the calling process: `jax-sharded` in one process whose
+JAX sees several simulated CPU devices (``--xla_force_host_platform_device_count`` must
+be set before JAX starts, and the caller's JAX may already have started), `torch-tp` in
+one process per rank joined by a gloo process group. A `WorkerGroup` owns those
+processes:
+
+* it starts them (each a fresh interpreter, ``python -m`` this module, with the
+  environment given and nothing inherited from the caller's frameworks) the first time a backend prepares a case, and
+  reuses them for later cases, because starting a framework costs seconds;
+* every request has a time limit, and while it waits it watches the processes: a rank
+  that dies is reported at once (with its exit code and what it was doing) as a
+  `WorkerError`, never a hang, and the group is torn down; the next request starts a
+  fresh one;
+* an exception inside a worker (bad input, an unsupported dtype) comes back as a
+  `WorkerError` with the worker's message; a single worker stays up, a group of ranks is
+  torn down (the others may be waiting for it in a collective);
+* `close()` (also run at interpreter exit) stops the processes, killing any that do
+  not stop within a few seconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+# How often a waiting request checks that every worker is still alive.
+POLL_SECONDS = 0.05
+STOP_SECONDS = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A worker process died, timed out or raised; the message says which and why."""
+
+
+def serve(conn, handlers: dict[str, Callable]) -> None:
+    """The worker side: answer ``(command, payload)`` messages until "stop" or the pipe closes."""
+    while True:
+        try:
+            command, payload = conn.recv()
+        except (EOFError, OSError):
+            return
+        if command == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", handlers[command](payload)))
+        except Exception as error:
+            lines = traceback.format_exception_only(type(error), error)
+            conn.send(("error", "".join(lines).strip()))
+
+
+class WorkerGroup:
+    """``size`` processes running ``target(conn, rank, size, *args)``, each with a pipe to this one.
+
+    ``target`` must call `serve` (after its own set-up, which may include a first reply).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: Callable,
+        size: int,
+        args: tuple = (),
+        env: dict | None = None,
+        start_timeout: float = 120.0,
+    ) -> None:
+        self.name, self.target, self.size, self.args = name, target, size, args
+        self.env = dict(env or {})
+        self.start_timeout = start_timeout
+        self.processes: list = []
+        self.conns: list = []
+        atexit.register(self.close)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.poll() is None for p in self.processes)
+
+    def start(self) -> None:
+        """Start the processes (a fresh group) and wait until each says it is ready."""
+        self.close()
+        env = {**os.environ, **self.env}
+        target = f"{self.target.__module__}:{self.target.__qualname__}"
+        for rank in range(self.size):
+            # A socket pair per rank: a fresh interpreter (`python -m`, not multiprocessing's
+            # spawn, which would re-run the caller's main script) gets its end by descriptor.
+            ours, theirs = socket.socketpair()
+            command = [sys.executable, "-m", __name__, str(theirs.fileno()), target, str(rank), str(self.size)]
+            process = subprocess.Popen(command, env=env, pass_fds=(theirs.fileno(),))
+            theirs.close()
+            conn = Connection(ours.detach())
+            self.processes.append(process)
+            self.conns.append(conn)
+            conn.send(self.args)
+        self._collect("starting", self.start_timeout)
+
+    def request(self, command: str, payloads, timeout: float, what: str = "") -> list:
+        """Send ``(command, payload)`` to every rank (one payload for all, or a list of one per
+        rank) and return their answers, in rank order."""
+        if not self.alive:
+            self.start()
+        if not isinstance(payloads, list):
+            payloads = [payloads] * self.size
+        try:
+            for conn, payload in zip(self.conns, payloads, strict=True):
+                conn.send((command, payload))
+        except (BrokenPipeError, OSError) as error:
+            self._fail(f"could not send {command!r}: {error}")
+        return self._collect(what or command, timeout)
+
+    def _collect(self, what: str, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        answers: list = [None] * self.size
+        pending = set(range(self.size))
+        while pending:
+            for rank in sorted(pending):
+                conn = self.conns[rank]
+                try:
+                    ready = conn.poll(0)
+                    message = conn.recv() if ready else None
+                except (EOFError, OSError):
+                    ready, message = True, None
+                if not ready:
+                    continue
+                if message is None:
+                    self._fail(self._death(rank, what))
+                if message[0] == "error" and self.size > 1:
+                    # The other ranks may be waiting in a collective for this one: tear down now.
+                    self.close()
+                    raise WorkerError(
+                        f"{self.name} rank {rank} raised while {what}: {message[1]}; the group was torn down"
+                    )
+                pending.discard(rank)
+                answers[rank] = message
+            if not pending:
+                break
+            dead = [rank for rank, p in enumerate(self.processes) if p.poll() is not None and rank in pending]
+            if dead:
+                self._fail(self._death(dead[0], what))
+            if time.monotonic() > deadline:
+                ranks = ", ".join(map(str, sorted(pending)))
+                self._fail(f"{self.name}: rank(s) {ranks} gave no answer within {timeout:g} s while {what}")
+            time.sleep(POLL_SECONDS)
+        errors = [(rank, text) for rank, (status, text) in enumerate(answers) if status == "error"]
+        if errors:
+            rank, text = errors[0]
+            raise WorkerError(f"{self.name} rank {rank} raised while {what}: {text}")
+        return [value for _, value in answers]
+
+    def _death(self, rank: int, what: str) -> str:
+        try:
+            code = self.processes[rank].wait(0.5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = "is gone" if code is None else f"died (exit code {code})"
+        return f"{self.name}: rank {rank} of {self.size} {how} while {what}"
+
+    def _fail(self, message: str):
+        self.close()
+        raise WorkerError(message + "; the process group was torn down (the next prepare starts a new one)")
+
+    def close(self) -> None:
+        """Stop every process: ask, wait a little, then terminate and kill."""
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + STOP_SECONDS
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5.0)
+        for conn in self.conns:
+            conn.close()
+        self.processes, self.conns = [], []
+
+
+def _child_main(argv: list[str]) -> None:
+    """``python -m mha_rosetta.backends._workers FD MODULE:FUNCTION RANK SIZE``: a worker's start."""
+    fd, target, rank, size = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
+    conn = Connection(fd)
+    module, _, function = target.partition(":")
+    args = conn.recv()
+    getattr(importlib.import_module(module), function)(conn, rank, size, *args)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])

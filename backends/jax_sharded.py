@@ -1,0 +1,302 @@
+"""`jax-sharded`: the layer's heads split over a JAX device mesh (tensor parallelism).
+
+Two ways JAX users write it, as two strategies:
+
+* ``standard``: `jax.shard_map` over a 1-D mesh with axis ``"heads"``. Each device gets
+  its own block of rows of ``w_q``, ``w_k``, ``w_v`` (its heads: column-parallel), its
+  columns of ``w_o`` (row-parallel) and the replicated input; it runs the JAX adapter's
+  own per-item function (`jax_backend._mha_one_item`, one head unbatched, vmap over heads)
+  on its heads only, which ends in a partial output ``merged_r @ w_o[:, cols_r].T``; one
+  `lax.psum` over ``"heads"`` sums the partial outputs, and ``b_o`` is added once, after it.
+* ``named_sharding``: the unsharded program of the JAX adapter, jitted with the weights
+  placed by `NamedSharding` (``P("heads", None)`` on the rows of w_q/w_k/w_v,
+  ``P(None, "heads")`` on the columns of w_o) and the output replicated; XLA's SPMD
+  partitioner decides the communication. The number of all-reduces it chose is read from
+  the compiled program and reported (`Prepared.info["all_reduces"]`).
+
+Which rows and columns each device holds is `core.sharding` (`shard_plan`,
+`shard_params`); GQA with fewer kv heads than devices replicates each kv head on whole
+groups of devices, as Megatron does.
+
+Devices: ``--xla_force_host_platform_device_count`` only works before JAX starts, and the
+calling process may have started JAX already (the check runs the other JAX backends
+first). So the computation runs in a worker process that this backend starts (with the
+flag set) the first time it prepares a case and reuses after; it is torn down at exit.
+`forward` asks the worker to run the compiled program and wait for it; `to_numpy` fetches
+the output. A dead worker is an error that says so, never a hang (`_workers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from functools import partial
+
+import numpy as np
+
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    numpy_dtype,
+    prepare_inputs,
+    shard_mask,
+    shard_params,
+    shard_plan,
+)
+
+from ._workers import WorkerGroup, serve
+from .base import STANDARD, Backend, Prepared, StageTensor, tensor_to_numpy
+
+NAMED_SHARDING = "named_sharding"
+# Simulated CPU devices the worker's JAX is started with: enough for 2, 4 and 8 ranks.
+SIMULATED_DEVICES = 8
+MESH_AXIS = "heads"
+PREPARE_SECONDS = 300.0  # compiling on a loaded machine can be slow
+FORWARD_SECONDS = 120.0
+KEEP_PREPARED = 4  # the worker keeps the last few prepared programs
+
+
+def default_world(cfg: MHAConfig, max_devices: int) -> int:
+    """The largest rank count up to ``max_devices`` that splits ``cfg``'s heads (1 if none)."""
+    for world in range(min(max_devices, cfg.n_heads), 0, -1):
+        try:
+            shard_plan(cfg, world)
+        except ValueError:
+            continue
+        return world
+    return 1
+
+
+class JaxShardedBackend(Backend):
+    name = "jax-sharded"
+    convention = (
+        "heads over a device mesh: rows of w_q/w_k/w_v and columns of w_o per device, one psum (shard_map); "
+        "or NamedSharding and XLA's partitioner"
+    )
+    strategies = (STANDARD, NAMED_SHARDING)
+
+    def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
+        super().__init__(name)
+        if isinstance(max_devices, bool) or not isinstance(max_devices, int) or max_devices <= 0:
+            raise ValueError(f"max_devices must be a positive int, got {max_devices!r}")
+        if world is not None:
+            if isinstance(world, bool) or not isinstance(world, int) or world <= 0:
+                raise ValueError(f"world must be a positive int (the number of devices) or None, got {world!r}")
+            if world > max_devices:
+                raise ValueError(
+                    f"world={world} needs more devices than the {max_devices} available "
+                    f"(simulated CPU devices, --xla_force_host_platform_device_count={max_devices}); "
+                    f"pass max_devices={world} to simulate more"
+                )
+        self.world, self.max_devices = world, max_devices
+        self._group: WorkerGroup | None = None
+
+    def world_for(self, cfg: MHAConfig) -> int:
+        """The rank count a case runs on: the one given, or the largest that splits the heads."""
+        return default_world(cfg, self.max_devices) if self.world is None else self.world
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        reason = super().unsupported_reason(cfg, dtype, device, strategy)
+        if reason:
+            return reason
+        try:
+            shard_plan(cfg, self.world_for(cfg))
+        except ValueError as error:
+            return f"{self.name}: {error}"
+        return None
+
+    def group(self) -> WorkerGroup:
+        if self._group is None:
+            env = {
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.max_devices}",
+                "JAX_PLATFORMS": "cpu",
+            }
+            self._group = WorkerGroup(self.name, _worker_main, 1, env=env, start_timeout=PREPARE_SECONDS)
+        return self._group
+
+    def close(self) -> None:
+        """Stop the worker process (it is restarted by the next prepare)."""
+        if self._group is not None:
+            self._group.close()
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        world = self.world_for(cfg)
+        group = self.group()
+        payload = (cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask, dtype, strategy, world)
+        (answer,) = group.request("prepare", payload, PREPARE_SECONDS, what=f"compiling {strategy} on {world} devices")
+        key, info = answer
+
+        def forward():
+            group.request("forward", key, FORWARD_SECONDS, what="running the forward pass")
+            return key
+
+        def to_numpy(_token) -> np.ndarray:
+            (output,) = group.request("fetch", key, FORWARD_SECONDS, what="fetching the output")
+            return tensor_to_numpy(output)
+
+        def native_stages() -> dict[str, StageTensor]:
+            (stages,) = group.request("stages", key, FORWARD_SECONDS, what="gathering the stages")
+            return {name: StageTensor(value, axes, note) for name, (value, axes, note) in stages.items()}
+
+        return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
+
+
+# -- the worker process -----------------------------------------------------------------------
+def _worker_main(conn, rank: int, size: int) -> None:
+    import jax
+
+    programs: dict[int, dict] = {}
+    counter = itertools.count()
+
+    def prepare(payload):
+        key = next(counter)
+        programs[key] = _build(*payload)
+        for old in sorted(programs)[:-KEEP_PREPARED]:
+            del programs[old]
+        return key, programs[key]["info"]
+
+    def forward(key):
+        program = programs[key]
+        program["result"] = program["compiled"](*program["args"])
+        jax.block_until_ready(program["result"])
+
+    def fetch(key):
+        return np.asarray(programs[key]["result"])
+
+    def stages(key):
+        program = programs[key]
+        return {name: (np.asarray(value), *rest) for name, (value, *rest) in program["stages"]().items()}
+
+    conn.send(("ok", {"devices": len(jax.devices())}))
+    serve(conn, {"prepare": prepare, "forward": forward, "fetch": fetch, "stages": stages})
+
+
+def count_all_reduces(hlo_text: str) -> int:
+    """All-reduce operations in a compiled XLA program (an async pair counts once)."""
+    lines = hlo_text.splitlines()
+    return sum(" all-reduce(" in line or " all-reduce-start(" in line for line in lines)
+
+
+def _build(cfg, params, query, key, value, mask, dtype, strategy, world):
+    """Compile one case on a mesh of ``world`` devices (in the worker process)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ._jax_common import enable_float64_if_needed
+    from .jax_backend import _mha_one_item, mask_for_vmap
+
+    enable_float64_if_needed(dtype)
+    devices = jax.devices()
+    if world > len(devices):
+        raise ValueError(f"world={world} needs more devices than the {len(devices)} JAX sees")
+    mesh = Mesh(np.array(devices[:world]), (MESH_AXIS,))
+    inputs = prepare_inputs(cfg, query, key, value, mask)
+    plan = shard_plan(cfg, world)
+    cast = numpy_dtype(dtype)
+
+    def put(array, spec):
+        if array is None:
+            return None
+        array = np.asarray(array)
+        array = array.astype(cast) if array.dtype != np.bool_ else array
+        return jax.device_put(np.ascontiguousarray(array), NamedSharding(mesh, spec))
+
+    x_q, x_k, x_v = (put(x, P()) for x in (inputs.query, inputs.key, inputs.value))  # replicated on every device
+    if strategy == STANDARD:
+        local_cfg = plan.local_cfg
+        shards = shard_params(cfg, params, world)
+        # One block per rank, stacked on a leading axis that the mesh splits: (world, rows, in) etc.
+        stacked = {
+            name: put(np.stack([getattr(shard, name) for shard in shards]), P(MESH_AXIS))
+            for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")
+            if getattr(shards[0], name) is not None
+        }
+        # Each rank's mask (the user's mask cut to its heads, AND causal), shaped for the local vmaps.
+        per_rank = [
+            mask_for_vmap(local_cfg, dataclasses.replace(inputs, mask=shard_mask(inputs.mask, plan, rank)))
+            for rank in range(world)
+        ]
+        _, batch_axis, head_axis = per_rank[0]
+        allowed = None if per_rank[0][0] is None else put(np.stack([m[0] for m in per_rank]), P(MESH_AXIS))
+        one_item = partial(_mha_one_item, cfg=local_cfg, head_mask_axis=head_axis)
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+
+        def local_stages(stacked, x_q, x_k, x_v, allowed):
+            local = {name: stacked[name][0] if name in stacked else None for name in params.as_dict()}
+            local["b_o"] = None  # added once, after the all-reduce
+            return all_stages(local, x_q, x_k, x_v, None if allowed is None else allowed[0])
+
+        def body(stacked, b_o, x_q, x_k, x_v, allowed):
+            partial_output = local_stages(stacked, x_q, x_k, x_v, allowed)["output"]  # (B, Nq, D), this rank's heads
+            output = jax.lax.psum(partial_output, MESH_AXIS)  # the one all-reduce
+            return output if b_o is None else output + b_o
+
+        in_specs = (P(MESH_AXIS), P(), P(), P(), P(), P(MESH_AXIS))
+        forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P())
+        args = (stacked, put(params.b_o, P()), x_q, x_k, x_v, allowed)
+
+        def stage_body(stacked, b_o, x_q, x_k, x_v, allowed):
+            stages = local_stages(stacked, x_q, x_k, x_v, allowed)
+            return {"context": stages["context"], "merged": stages["merged"]}
+
+        # Each rank's heads come back side by side (context on its head axis, merged on its features).
+        stage_specs = {"context": P(None, None, MESH_AXIS), "merged": P(None, None, MESH_AXIS)}
+        stage_fn = jax.shard_map(stage_body, mesh=mesh, in_specs=in_specs, out_specs=stage_specs)
+        how = f"shard_map over {plan.describe()}; lax.psum of the partial outputs, then + b_o"
+    else:
+        split_kv = plan.kv_replicas == 1
+        specs = {
+            "w_q": P(MESH_AXIS, None),  # rows: the heads' scorers (column-parallel)
+            "w_k": P(MESH_AXIS, None) if split_kv else P(),
+            "w_v": P(MESH_AXIS, None) if split_kv else P(),
+            "w_o": P(None, MESH_AXIS),  # columns: what each head's context feeds (row-parallel)
+            "b_q": P(MESH_AXIS),
+            "b_k": P(MESH_AXIS) if split_kv else P(),
+            "b_v": P(MESH_AXIS) if split_kv else P(),
+            "b_o": P(),
+        }
+        weights = {name: put(array, specs[name]) for name, array in params.as_dict().items()}
+        allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
+        one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+
+        def forward(weights, x_q, x_k, x_v, allowed):
+            return all_stages(weights, x_q, x_k, x_v, allowed)["output"]
+
+        forward = jax.jit(forward, out_shardings=NamedSharding(mesh, P()))
+        args = (weights, x_q, x_k, x_v, put(allowed, P()))
+
+        def stage_fn(*args):
+            stages = all_stages(*args)
+            return {"context": stages["context"], "merged": stages["merged"]}
+
+        kv = "split by head" if split_kv else "replicated (fewer kv heads than devices)"
+        how = f"jit with NamedSharding: w_q rows and w_o columns over {world} devices, kv weights {kv}; XLA partitions"
+
+    with jax.default_matmul_precision("highest"):
+        compiled = jax.jit(forward).lower(*args).compile()
+    info = {
+        "devices": world,
+        "mesh": f"1-D mesh {MESH_AXIS!r} of {world} simulated CPU devices",
+        "plan": plan.describe(),
+        "how": how,
+        "all_reduces": count_all_reduces(compiled.as_text()),
+        "matmul_precision": "highest",
+    }
+    note = "gathered from the devices: each device's heads side by side"
+
+    def stages():
+        with jax.default_matmul_precision("highest"):
+            result = jax.jit(stage_fn)(*args)
+        return {
+            "context": (result["context"], ("B", "Nq", "H", "Dv"), note),
+            "merged": (result["merged"], ("B", "Nq", "H*Dv"), note),
+            "output": (compiled(*args), ("B", "Nq", "D"), "the compiled sharded program's result, replicated"),
+        }
+
+    return {"compiled": compiled, "args": args, "info": info, "stages": stages}
+

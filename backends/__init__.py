@@ -94,6 +94,7 @@ register("einops-torch", BackendEntry("einops_backend", "EinopsBackend", ("einop
 register("einops-jax", BackendEntry("einops_backend", "EinopsBackend", ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
 # The same layer split over several devices or processes by heads (tensor parallelism).
 register("jax-sharded", BackendEntry("jax_sharded", "JaxShardedBackend", ("jax",), "jax"))
+register("torch-tp", BackendEntry("torch_tp", "TorchTPBackend", ("torch",), "torch"))
 # Third-party oracles: the libraries' own attention, fed the canonical parameters.
 register("torch-mha", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}, kind="oracle"))
 register("torch-mha-seqfirst", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}, kind="oracle"))

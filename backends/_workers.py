@@ -55,8 +55,10 @@ def serve(conn, handlers: dict[str, Callable]) -> None:
         try:
             conn.send(("ok", handlers[command](payload)))
         except Exception as error:
-            lines = traceback.format_exception_only(type(error), error)
-            conn.send(("error", "".join(lines).strip()))
+            # The message, and where in the worker it was raised (the innermost frame).
+            message = "".join(traceback.format_exception_only(type(error), error)).strip()
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            conn.send(("error", f"{message} (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"))
 
 
 class WorkerGroup:

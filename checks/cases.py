@@ -279,6 +279,19 @@ SPEC_CASES: dict[str, SpecCase] = {
             dtypes=("float32",),
             seed=11,
         ),
+        SpecCase(
+            "heads_split",
+            "8 heads over 2 kv heads, cross-attention with padding: splits over 2, 4 and 8 ranks (tensor parallelism)",
+            # Even head counts, so the sharded backends split it (kv heads split over 2 ranks,
+            # replicated over 4 and 8); d_k=3 and kdim/vdim differ from every other width.
+            MHAConfig(d_model=16, n_heads=8, n_kv_heads=2, d_k=3, kdim=10, vdim=14),
+            batch=2,
+            q_tokens=9,
+            kv_tokens=6,
+            key_lengths=(6, 4),
+            dtypes=("float64", "float32"),
+            seed=12,
+        ),
     )
 }
 

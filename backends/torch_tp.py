@@ -1,0 +1,273 @@
+"""`torch-tp`: the layer's heads split over processes with torch.distributed (tensor parallelism).
+
+``world`` processes (2 by default), each a rank of a gloo process group on this machine,
+each holding ``H / world`` heads. Two ways PyTorch users write it, as two strategies:
+
+* ``standard``: a module with ``nn.Linear`` projections ``q_proj``, ``k_proj``, ``v_proj``,
+  ``o_proj`` on a 1-D `DeviceMesh`, parallelised with `parallelize_module`:
+  `ColwiseParallel` for q/k/v (each rank keeps the **rows** of the ``(out, in)`` weight
+  that produce its heads' features) and `RowwiseParallel` for the output (each rank keeps
+  the **columns** of ``w_o`` that read its heads; the partial outputs are summed by one
+  all-reduce, and the bias is added once). Between them each rank runs the torch adapter's
+  own attention (`RowSampleMHA._attend_batched`) on its local heads.
+* ``manual``: the same split written by hand: each rank gets its shard of the canonical
+  parameters (`core.shard_params`), runs the torch adapter's standard strategy on its
+  local configuration with ``b_o`` left out (the result is its partial output), then one
+  ``dist.all_reduce`` and ``+ b_o``.
+
+`CommDebugMode` counts the collectives of one forward pass (in `prepare`, untimed):
+`Prepared.info["all_reduces"]` is 1 for both strategies; the tests assert it.
+
+GQA: `ColwiseParallel` cuts the rows of ``w_k`` evenly, which keeps kv heads whole only
+when ``world`` divides the kv heads; with fewer kv heads than ranks the standard strategy
+refuses the case (it would cut a kv head in half) while ``manual`` replicates each kv
+head on ``world / n_kv_heads`` ranks (Megatron's choice; see `core.sharding`).
+
+Processes: started by the first `prepare` and reused by later ones (starting torch costs
+seconds), torn down at exit or by `close()`. Every collective has a time limit
+(``timeout`` of the process group) and every request a deadline; a rank that dies is
+reported as a `WorkerError` naming it, and the group is restarted by the next prepare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import os
+import tempfile
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, prepare_inputs, shard_mask, shard_params, shard_plan
+
+from ._workers import WorkerGroup, serve
+from .base import STANDARD, Backend, Prepared, StageTensor, tensor_to_numpy
+
+MANUAL = "manual"
+COLLECTIVE_SECONDS = 60  # gloo's limit on every collective
+PREPARE_SECONDS = 300.0
+FORWARD_SECONDS = 120.0
+KEEP_PREPARED = 4
+
+
+class TorchTPBackend(Backend):
+    name = "torch-tp"
+    convention = (
+        "heads over gloo ranks: parallelize_module with ColwiseParallel q/k/v (rows of W) and RowwiseParallel "
+        "output (columns of W_o), one all-reduce; or the same split by hand"
+    )
+    strategies = (STANDARD, MANUAL)
+
+    def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
+        super().__init__(name)
+        for arg, value in (("world", world), ("threads", threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if world * threads > 4 * cores:
+            raise ValueError(
+                f"world={world} processes x threads={threads} would put {world * threads} threads on {cores} core(s)"
+            )
+        self.world, self.threads = world, threads
+        self._group: WorkerGroup | None = None
+        self._store_dir: tempfile.TemporaryDirectory | None = None
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        reason = super().unsupported_reason(cfg, dtype, device, strategy)
+        if reason:
+            return reason
+        try:
+            plan = shard_plan(cfg, self.world)
+        except ValueError as error:
+            return f"{self.name}: {error}"
+        if strategy == STANDARD and plan.kv_replicas > 1:
+            return (
+                f"{self.name}: n_kv_heads={cfg.n_kv_heads} < world={self.world}: ColwiseParallel would cut a kv head "
+                "in half; the 'manual' strategy replicates kv heads instead"
+            )
+        return None
+
+    def group(self) -> WorkerGroup:
+        if self._group is None or not self._group.alive:
+            if self._group is not None:
+                self._group.close()
+            # A fresh rendezvous file for every group (gloo's FileStore must not be reused).
+            self._store_dir = tempfile.TemporaryDirectory(prefix="mha-rosetta-tp-")
+            store = os.path.join(self._store_dir.name, "store")
+            self._group = WorkerGroup(
+                self.name, _rank_main, self.world, args=(store, self.threads), start_timeout=PREPARE_SECONDS
+            )
+        return self._group
+
+    def close(self) -> None:
+        """Stop the rank processes (the next prepare starts new ones)."""
+        if self._group is not None:
+            self._group.close()
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        group = self.group()
+        payload = (cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask, dtype, strategy)
+        answers = group.request("prepare", payload, PREPARE_SECONDS, what=f"preparing {strategy} on {self.world} ranks")
+        key, info = answers[0]
+
+        def forward():
+            group.request("forward", key, FORWARD_SECONDS, what="running the forward pass")
+            return key
+
+        def to_numpy(_token) -> np.ndarray:
+            return tensor_to_numpy(group.request("fetch", key, FORWARD_SECONDS, what="fetching the output")[0])
+
+        def native_stages() -> dict[str, StageTensor]:
+            stages = group.request("stages", key, FORWARD_SECONDS, what="gathering the stages")[0]
+            return {name: StageTensor(value, axes, note) for name, (value, axes, note) in stages.items()}
+
+        return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
+
+
+# -- the rank processes -----------------------------------------------------------------------
+def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_SECONDS)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    programs: dict[int, dict] = {}
+    counter = itertools.count()
+
+    def prepare(payload):
+        key = next(counter)
+        programs[key] = _build(mesh, rank, world, *payload)
+        for old in sorted(programs)[:-KEEP_PREPARED]:
+            del programs[old]
+        return key, programs[key]["info"]
+
+    def forward(key):
+        programs[key]["result"] = programs[key]["run"]()
+
+    def fetch(key):
+        return tensor_to_numpy(programs[key]["result"])
+
+    def stages(key):
+        return programs[key]["stages"]()
+
+    conn.send(("ok", {"rank": rank, "world": world, "threads": torch.get_num_threads()}))
+    try:
+        serve(conn, {"prepare": prepare, "forward": forward, "fetch": fetch, "stages": stages})
+    finally:
+        dist.destroy_process_group()
+
+
+def _count_all_reduces(counts: dict) -> int:
+    return sum(n for op, n in counts.items() if "all_reduce" in str(op) or "allreduce" in str(op))
+
+
+def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strategy):
+    """One case on this rank: the local layer, its forward, and the collectives it makes."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ._torch_common import to_tensor
+    from .torch_backend import RowSampleMHA
+
+    inputs = prepare_inputs(cfg, query, key, value, mask)
+    plan = shard_plan(cfg, world)
+    local_cfg = plan.local_cfg
+    local_inputs = dataclasses.replace(inputs, mask=shard_mask(inputs.mask, plan, rank))
+    shard = shard_params(cfg, params, world)[rank]
+    b_o = None if params.b_o is None else to_tensor(params.b_o, dtype, "cpu")
+    # The torch adapter on this rank's heads, without b_o: its output is this rank's partial output.
+    layer = RowSampleMHA(local_cfg, dataclasses.replace(shard, b_o=None), local_inputs, dtype, "cpu")
+
+    if strategy == STANDARD:
+        B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+        Hl, Hkvl, Dk, Dv = local_cfg.n_heads, local_cfg.n_kv_heads, cfg.d_k, cfg.d_v
+
+        def attend(q, k, v):
+            """This rank's heads, with the torch adapter's attention: (B, N, local width) -> merged."""
+            q_heads = q.view(B, Nq, Hl, Dk).transpose(1, 2)  # (B, Hl, Nq, Dk), strided view
+            k_heads = k.view(B, Nk, Hkvl, Dk).transpose(1, 2)  # (B, Hkvl, Nk, Dk)
+            v_heads = v.view(B, Nk, Hkvl, Dv).transpose(1, 2)  # (B, Hkvl, Nk, Dv)
+            context = layer._attend_batched(q_heads, k_heads, v_heads, None)  # (B, Hl, Nq, Dv)
+            return context.transpose(1, 2).contiguous().view(B, Nq, Hl * Dv)  # (B, Nq, Hl*Dv)
+
+        module = _head_parallel_module(cfg, params, dtype, mesh, attend)
+
+        def run():
+            output = module(layer.x_q, layer.x_k, layer.x_v)  # (B, Nq, D), replicated after the all-reduce
+            return output.wait() if hasattr(output, "wait") else output
+
+        how = "parallelize_module: ColwiseParallel(q_proj, k_proj, v_proj), RowwiseParallel(o_proj)"
+    else:
+
+        def run():
+            output = layer.standard()  # (B, Nq, D): this rank's heads only, no b_o
+            dist.all_reduce(output)  # the one all-reduce: the sum over ranks of the partial outputs
+            return output if b_o is None else output + b_o
+
+        how = "by hand: shard_params, the torch adapter on the local heads, one dist.all_reduce, + b_o"
+
+    def forward():
+        with torch.inference_mode():
+            return run()
+
+    with CommDebugMode() as comm:
+        forward()
+    counts = comm.get_comm_counts()
+    info = {
+        "world": world,
+        "plan": plan.describe(),
+        "how": how,
+        "all_reduces": _count_all_reduces(counts),
+        "collectives": {str(op): n for op, n in counts.items()},
+        "threads_per_rank": torch.get_num_threads(),
+    }
+
+    def stages():
+        output = forward()
+        return {"output": (tensor_to_numpy(output), ("B", "Nq", "D"), "after the all-reduce (identical on every rank)")}
+
+    return {"run": forward, "info": info, "stages": stages}
+
+
+def _head_parallel_module(cfg: MHAConfig, params: MHAParams, dtype: str, mesh, attend):
+    """q/k/v/o ``nn.Linear`` layers holding the canonical weights, parallelised over ``mesh``;
+    ``attend(q, k, v)`` turns the local projections into the local merged heads."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from ._torch_common import torch_dtype
+
+    def linear(weight, bias):
+        out_features, in_features = weight.shape
+        layer = nn.Linear(in_features, out_features, bias=bias is not None, dtype=torch_dtype(dtype))
+        with torch.no_grad():  # nn.Linear.weight is (out, in): the canonical layout, copied as is
+            layer.weight.copy_(torch.from_numpy(np.asarray(weight, dtype=np.float64)))
+            if bias is not None:
+                layer.bias.copy_(torch.from_numpy(np.asarray(bias, dtype=np.float64)))
+        return layer
+
+    class HeadParallelAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = linear(params.w_q, params.b_q)
+            self.k_proj = linear(params.w_k, params.b_k)
+            self.v_proj = linear(params.w_v, params.b_v)
+            self.o_proj = linear(params.w_o, params.b_o)
+
+        def forward(self, x_q, x_k, x_v):
+            # ColwiseParallel: each projection gives this rank's heads' features, (B, N, local width).
+            merged = attend(self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v))  # (B, Nq, Hl*Dv)
+            return self.o_proj(merged)  # RowwiseParallel: partial outputs all-reduced, then + b_o once
+
+    plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
+    plan["o_proj"] = RowwiseParallel()
+    return parallelize_module(HeadParallelAttention(), mesh, plan)

@@ -41,6 +41,7 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
         P = self.precision
         q_block, k_block = self.chunk
+        self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
         q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
         k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
         v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
@@ -65,6 +66,7 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
                 allowed = self._tile_allowed((q_start, q_end), (k_start, k_end))
                 if allowed is not None and not allowed.any():
                     continue  # nothing in this tile may be attended to: it changes no sum
+                self.tiles_visited += 1
                 tile = np.matmul(P.operand(keys_t[..., k_start:k_end, :]), queries)  # (B, Hkv, G, kb, qb)
                 if allowed is not None:
                     np.copyto(tile, -np.inf, where=~allowed)

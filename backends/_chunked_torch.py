@@ -47,6 +47,7 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         torch = self.torch
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
         q_block, k_block = self.chunk
+        self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
         q, k, v = self._projections()
         q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
         k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
@@ -71,6 +72,7 @@ class ChunkedRowSampleMHA(RowSampleMHA):
                 blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))
                 if blocked is False:
                     continue  # nothing in this tile may be attended to: it changes no sum
+                self.tiles_visited += 1
                 n_k = k_end - k_start
                 tile = torch.bmm(queries, keys[:, k_start:k_end].transpose(1, 2))  # (B*Hkv, G*qb, kb)
                 tile = tile.view(B, H, n_q, n_k)  # (B, H, qb, kb), view

@@ -75,6 +75,7 @@ class JaxShardedBackend(Backend):
         "or NamedSharding and XLA's partitioner"
     )
     strategies = (STANDARD, NAMED_SHARDING)
+    splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)

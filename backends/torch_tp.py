@@ -58,6 +58,7 @@ class TorchTPBackend(Backend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
+    splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)

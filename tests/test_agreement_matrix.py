@@ -77,8 +77,10 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
             assert backend.kind == "oracle", where  # our own implementations follow the spec exactly
             assert SPEC_CASES[run.case].empty_rows().any(), where
         elif run.status is Status.UNSUPPORTED:
-            # Our implementations express every feature; only a third-party library may not.
-            assert backend.kind == "oracle", where
+            # Our implementations express every feature; only a third-party library may not,
+            # and a sharded backend refuses heads that do not split over its ranks.
+            split = getattr(backend, "splits_heads", False) and ("divide" in run.reason or "kv head" in run.reason)
+            assert backend.kind == "oracle" or split, where
         else:
             assert run.status is Status.AGREE, where
             assert run.max_abs <= run.tolerance.atol + run.tolerance.rtol * 10, where  # outputs are O(1)

@@ -28,6 +28,9 @@ from mha_rosetta.core import MHAConfig
 
 # Examples per backend: compiling backends pay for every new shape.
 EXAMPLES = {"numpy": 40, "einops-numpy": 40, "jax": 6, "einops-jax": 5, "jax-dpa": 5, "flax": 4, "equinox": 4}
+# The sharded backends run in worker processes: every example is a compile (JAX) or a module
+# parallelised over two ranks (torch); a few examples each.
+EXAMPLES.update({"jax-sharded": 4, "torch-tp": 6})
 DEFAULT_EXAMPLES = 25
 
 

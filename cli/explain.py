@@ -6,6 +6,7 @@
     mha-rosetta explain --markdown            # the same tables as Markdown
     mha-rosetta explain --png head_split.png  # the head split as a picture
     mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md and docs/head_split.png
+    mha-rosetta explain --sharding --world 2 --heads 4   # which weight axis tensor parallelism cuts, and the all-reduce
 
 Exit status: 0 when every check holds, 1 when a non-speed claim is refuted or a weight
 layout fails its verification (a refuted speed claim is a finding, not a failure), 2 for
@@ -54,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-speed", action="store_true", help="with --claims: skip the benchmark questions (speed claims show as skipped)")
     parser.add_argument("--threads", type=_positive_int, default=1, help="threads for the speed questions (default 1)")
     parser.add_argument("--full-speed", action="store_true", help="run the speed questions at full size instead of the quick preset")
+    parser.add_argument(
+        "--sharding",
+        action="store_true",
+        help="tensor parallelism instead: which axis of each stored weight is cut, and where the one all-reduce is",
+    )
+    parser.add_argument(
+        "--world", type=_positive_int, default=None, help="with --sharding: ranks (default: the most, up to 4, that split the heads)"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--markdown", action="store_true", help="print Markdown instead of terminal tables")
     out.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
@@ -134,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mha-rosetta explain: {error}", file=sys.stderr)
         return 2
 
+    if args.sharding:
+        return _run_sharding(args, cfg)
     write_docs = args.write_docs is not None
     if write_docs:
         sections = None  # everything
@@ -182,3 +193,19 @@ def run(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"mha-rosetta explain: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _run_sharding(args: argparse.Namespace, cfg) -> int:
+    """``--sharding``: the head-parallel cut of every weight in both conventions (Markdown tables)."""
+    from mha_rosetta.explain.sharding import explain_sharding
+
+    try:
+        result = explain_sharding(cfg, args.world, tokens=args.tokens, batch=args.batch, seed=args.seed)
+    except (ValueError, TypeError) as error:
+        print(f"mha-rosetta explain --sharding: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write_json(args.json, result.to_dict())
+    if args.json != "-":
+        sys.stdout.write(result.to_markdown())
+    return 0

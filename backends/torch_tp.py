@@ -203,7 +203,9 @@ def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strat
 
         def run():
             output = module(layer.x_q, layer.x_k, layer.x_v)  # (B, Nq, D), replicated after the all-reduce
-            return output.wait() if hasattr(output, "wait") else output
+            # RowwiseParallel's all-reduce is a functional collective: wait for it explicitly (under
+            # inference_mode the result is a plain tensor, not an AsyncCollectiveTensor that would wait itself).
+            return torch.ops._c10d_functional.wait_tensor(output)
 
         how = "parallelize_module: ColwiseParallel(q_proj, k_proj, v_proj), RowwiseParallel(o_proj)"
     else:

@@ -1,0 +1,223 @@
+"""The ``long`` preset's pieces: memory predictions and a budget, and log-log slopes.
+
+At long context the question is memory as much as time. A materialising implementation
+holds the ``(B, H, Nq, Nk)`` scores (2 GiB per copy at 8k tokens, 8 heads, float32), so a
+sweep over 1k ... 32k tokens would push such cells into swap on a shared machine. Before a
+cell runs, `predicted_peak_mb` estimates its peak from the sizes alone; a cell whose
+prediction exceeds the budget (`memory_budget_mb`) is not run but recorded as skipped, with
+the prediction as the reason. The prediction is deliberately generous (several copies of
+the scores for the implementations that build them): a skipped cell costs nothing, a
+cell in swap costs the machine.
+
+After the sweep, `fitted_slopes` fits ``log(y) = a + slope * log(tokens)`` per
+implementation for the time and for the peak memory: about 2 for materialising memory,
+about 1 for memory-linear memory, and between 1 and 2 for time (the projections are
+linear, the scores quadratic).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+
+# Implementations that never hold the (Nq, Nk) scores: the chunked strategies, and torch's
+# SDPA, whose CPU kernel is a flash-attention loop for unmasked float inputs.
+MEMORY_LINEAR_STRATEGIES = ("chunked",)
+MEMORY_LINEAR_BACKENDS = ("torch-sdpa",)
+# Copies of the score tensor a materialising implementation may hold at once (scores,
+# masked scores or exp, weights; XLA and the oracles' own temporaries): generous on purpose.
+SCORE_COPIES = 3
+# Copies of a (B, N, D)-sized tensor any implementation holds: inputs, q, k, v, their head
+# splits, context, merged, output, and the framework's conversions.
+LINEAR_COPIES = 16
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+# Leave this much of the available memory to everyone else on the machine.
+BUDGET_FRACTION = 0.5
+BUDGET_CAP_MB = 8192.0
+
+
+def is_memory_linear(implementation: str) -> bool:
+    backend, _, strategy = implementation.partition(":")
+    return strategy in MEMORY_LINEAR_STRATEGIES or (backend in MEMORY_LINEAR_BACKENDS and not strategy)
+
+
+def predicted_peak_mb(
+    implementation: str, batch: int, tokens: int, d_model: int, heads: int, dtype: str = "float32"
+) -> float:
+    """A generous estimate of a self-attention cell's peak memory, in MiB."""
+    item = ITEMSIZE.get(dtype, 4)
+    linear = LINEAR_COPIES * batch * tokens * d_model * item
+    if is_memory_linear(implementation):
+        quadratic = 0.0
+    else:
+        # Half-precision runs compute the softmax in float32 somewhere in every implementation.
+        quadratic = SCORE_COPIES * batch * heads * tokens * tokens * max(item, 4)
+    return (linear + quadratic) / 2**20
+
+
+def available_memory_mb() -> float | None:
+    """MemAvailable from /proc/meminfo (Linux), in MiB; None elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_budget_mb(explicit: float | None = None) -> float:
+    """The largest predicted peak a cell may have: ``explicit``, or half the available memory up to 8 GiB."""
+    if explicit is not None:
+        if not (isinstance(explicit, (int, float)) and explicit > 0 and math.isfinite(explicit)):
+            raise ValueError(f"memory budget must be a positive number of MiB, got {explicit!r}")
+        return float(explicit)
+    env = os.environ.get("MHA_ROSETTA_MEMORY_BUDGET_MB")
+    if env:
+        return memory_budget_mb(float(env))
+    available = available_memory_mb()
+    return BUDGET_CAP_MB if available is None else min(BUDGET_CAP_MB, BUDGET_FRACTION * available)
+
+
+def over_budget_reason(
+    implementation: str, batch: int, tokens: int, d_model: int, heads: int, dtype: str, budget_mb: float
+) -> str | None:
+    """Why a cell is skipped (its prediction and the budget), or None when it fits."""
+    predicted = predicted_peak_mb(implementation, batch, tokens, d_model, heads, dtype)
+    if predicted <= budget_mb:
+        return None
+    kind = "memory-linear" if is_memory_linear(implementation) else f"{SCORE_COPIES} copies of the (B, H, N, N) scores"
+    return (
+        f"skipped: predicted peak {predicted:,.0f} MiB ({kind} plus inputs) exceeds the memory budget of "
+        f"{budget_mb:,.0f} MiB; never run into swap"
+    )
+
+
+def fit_slope(xs, ys) -> float | None:
+    """Least-squares slope of log(y) against log(x); None with fewer than two usable points."""
+    points = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x and y and x > 0 and y > 0]
+    if len(points) < 2:
+        return None
+    mean_x = sum(p[0] for p in points) / len(points)
+    mean_y = sum(p[1] for p in points) / len(points)
+    denominator = sum((p[0] - mean_x) ** 2 for p in points)
+    if denominator == 0:
+        return None
+    return sum((p[0] - mean_x) * (p[1] - mean_y) for p in points) / denominator
+
+
+def fitted_slopes(cells: list[dict]) -> dict[str, dict]:
+    """Per implementation: the log-log slopes of median time and of peak memory against tokens."""
+    series: dict[str, list[dict]] = defaultdict(list)
+    for cell in cells:
+        if cell.get("status") == "ok":
+            series[cell["implementation"]].append(cell)
+    slopes = {}
+    for name, points in series.items():
+        points.sort(key=lambda cell: cell["tokens"])
+        tokens = [cell["tokens"] for cell in points]
+        slopes[name] = {
+            "tokens": tokens,
+            "time_slope": fit_slope(tokens, [cell.get("median_s") for cell in points]),
+            "memory_slope": fit_slope(tokens, [cell.get("peak_mem_mb") for cell in points]),
+            "memory_linear": is_memory_linear(name),
+        }
+    return slopes
+
+
+def slopes_markdown(slopes: dict[str, dict]) -> str:
+    def fmt(value):
+        return "n/a" if value is None else f"{value:.2f}"
+
+    lines = [
+        "| implementation | kind | tokens | time slope | peak-memory slope |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, s in sorted(slopes.items()):
+        kind = "memory-linear" if s["memory_linear"] else "materialising"
+        span = f"{s['tokens'][0]}..{s['tokens'][-1]}" if s["tokens"] else ""
+        lines.append(f"| `{name}` | {kind} | {span} | {fmt(s['time_slope'])} | {fmt(s['memory_slope'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = None) -> list:
+    """Two log-log plots, time and peak memory against tokens, each line labelled with its slope."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slopes = fitted_slopes(cells) if slopes is None else slopes
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for field, slope_key, label, name in (
+        ("median_s", "time_slope", "median time (s)", "long_time_vs_tokens.png"),
+        ("peak_mem_mb", "memory_slope", "peak memory growth (MiB)", "long_memory_vs_tokens.png"),
+    ):
+        figure, axes = plt.subplots(figsize=(8, 5))
+        for implementation, s in sorted(slopes.items()):
+            points = sorted(
+                (c["tokens"], c.get(field))
+                for c in cells
+                if c.get("implementation") == implementation and c.get("status") == "ok" and c.get(field)
+            )
+            if not points:
+                continue
+            slope = s[slope_key]
+            style = "-" if s["memory_linear"] else "--"
+            tag = "n/a" if slope is None else f"{slope:.2f}"
+            axes.plot(*zip(*points, strict=True), style, marker="o", label=f"{implementation} (slope {tag})")
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("tokens")
+        axes.set_ylabel(label)
+        axes.set_title(f"{label} against tokens (log-log; solid: memory-linear, dashed: materialising)")
+        axes.legend(fontsize=7)
+        axes.grid(True, which="both", alpha=0.3)
+        path = directory / name
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def target_ratios(cells: list[dict]) -> dict:
+    """The issue's two targets from one run: chunked peak memory at 8k over the materialising
+    ones', and the best chunked time at 4k over torch SDPA's."""
+
+    def ok(tokens):
+        return {c["implementation"]: c for c in cells if c.get("status") == "ok" and c.get("tokens") == tokens}
+
+    at_8k, at_4k = ok(8192), ok(4096)
+    chunked_8k = {k: c["peak_mem_mb"] for k, c in at_8k.items() if k.endswith(":chunked") and c.get("peak_mem_mb")}
+    material_8k = {k: c["peak_mem_mb"] for k, c in at_8k.items() if not is_memory_linear(k) and c.get("peak_mem_mb")}
+    chunked_4k = {k: c["median_s"] for k, c in at_4k.items() if k.endswith(":chunked")}
+    sdpa_4k = at_4k.get("torch-sdpa", {}).get("median_s")
+    result: dict = {}
+    if chunked_8k and material_8k:
+        worst_chunked, best_material = max(chunked_8k.values()), min(material_8k.values())
+        result["memory_8k"] = {
+            "chunked_max_mb": worst_chunked,
+            "materialising_min_mb": best_material,
+            "ratio": worst_chunked / best_material,
+            "target": "<= 0.1",
+            "met": worst_chunked <= 0.1 * best_material,
+        }
+    if chunked_4k and sdpa_4k:
+        best = min(chunked_4k, key=chunked_4k.get)
+        ratio = chunked_4k[best] / sdpa_4k
+        result["time_4k"] = {
+            "best_chunked": best,
+            "chunked_s": chunked_4k[best],
+            "torch_sdpa_s": sdpa_4k,
+            "ratio": ratio,
+            "target": "<= 1.25",
+            "met": ratio <= 1.25,
+        }
+    return result

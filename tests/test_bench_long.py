@@ -1,0 +1,69 @@
+"""The long preset's memory predictions, budget, fitted slopes, target ratios and plots."""
+
+from __future__ import annotations
+
+import pytest
+
+from mha_rosetta.benchmarks.long import (
+    fit_slope,
+    fitted_slopes,
+    is_memory_linear,
+    memory_budget_mb,
+    over_budget_reason,
+    plot_long,
+    predicted_peak_mb,
+    target_ratios,
+)
+
+
+def test_slopes_of_exact_powers():
+    tokens = [1024, 2048, 4096, 8192]
+    assert fit_slope(tokens, [3e-9 * n**2 for n in tokens]) == pytest.approx(2.0)
+    assert fit_slope(tokens, [5.0 * n for n in tokens]) == pytest.approx(1.0)
+    assert fit_slope([1024], [1.0]) is None  # one point has no slope
+
+
+def test_memory_linear_implementations():
+    assert is_memory_linear("numpy:chunked") and is_memory_linear("jax:chunked") and is_memory_linear("torch-sdpa")
+    assert not is_memory_linear("numpy") and not is_memory_linear("torch-mha") and not is_memory_linear("torch:slicing")
+
+
+def test_predictions_and_the_budget():
+    # B=1, H=8, D=512 at 8k tokens, float32: 3 copies of the (1, 8, 8192, 8192) scores are 6 GiB.
+    material = predicted_peak_mb("numpy", 1, 8192, 512, 8, "float32")
+    assert material == pytest.approx(3 * 8 * 8192**2 * 4 / 2**20 + 16 * 8192 * 512 * 4 / 2**20)
+    chunked = predicted_peak_mb("numpy:chunked", 1, 8192, 512, 8, "float32")
+    assert chunked == pytest.approx(16 * 8192 * 512 * 4 / 2**20)  # 256 MiB: linear only
+    assert over_budget_reason("numpy:chunked", 1, 32768, 512, 8, "float32", 4096) is None
+    reason = over_budget_reason("numpy", 1, 16384, 512, 8, "float32", 4096)
+    assert reason.startswith("skipped: predicted peak 25,088 MiB (3 copies") and "exceeds the memory budget of 4,096 MiB" in reason
+    assert memory_budget_mb(1234) == 1234.0
+    with pytest.raises(ValueError, match="memory budget must be a positive number of MiB, got 0"):
+        memory_budget_mb(0)
+
+
+def _cells():
+    cells = []
+    for n in (1024, 2048, 4096, 8192):
+        cells.append({"implementation": "numpy", "tokens": n, "status": "ok", "median_s": 1e-9 * n**2,
+                      "peak_mem_mb": 4e-5 * n**2})  # fmt: skip
+        cells.append({"implementation": "numpy:chunked", "tokens": n, "status": "ok", "median_s": 1.1e-9 * n**2,
+                      "peak_mem_mb": 0.01 * n})  # fmt: skip
+        cells.append({"implementation": "torch-sdpa", "tokens": n, "status": "ok", "median_s": 1e-9 * n**2,
+                      "peak_mem_mb": 0.02 * n})  # fmt: skip
+    cells.append({"implementation": "numpy", "tokens": 16384, "status": "skipped"})
+    return cells
+
+
+def test_fitted_slopes_and_targets(tmp_path):
+    slopes = fitted_slopes(_cells())
+    assert slopes["numpy"]["memory_slope"] == pytest.approx(2.0)
+    assert slopes["numpy:chunked"]["memory_slope"] == pytest.approx(1.0)
+    assert slopes["numpy"]["tokens"] == [1024, 2048, 4096, 8192]  # the skipped cell does not count
+    targets = target_ratios(_cells())
+    assert targets["memory_8k"]["ratio"] == pytest.approx(0.01 * 8192 / (4e-5 * 8192**2))
+    assert targets["memory_8k"]["met"] is True
+    assert targets["time_4k"]["ratio"] == pytest.approx(1.1) and targets["time_4k"]["met"] is True
+    paths = plot_long(_cells(), tmp_path)
+    assert [p.name for p in paths] == ["long_time_vs_tokens.png", "long_memory_vs_tokens.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)

@@ -22,19 +22,14 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs
 
 from ._chunking import resolve_chunk
+from ._layouts import TOKENS_FIRST_STAGE_AXES
 from .jax_backend import _linear, mask_for_vmap
 
 # Tokens first, like the rest of the JAX adapter; the score-like stages do not exist here.
 CHUNKED_STAGE_AXES = {
-    "q": ("B", "Nq", "H*Dk"),
-    "k": ("B", "Nk", "Hkv*Dk"),
-    "v": ("B", "Nk", "Hkv*Dv"),
-    "q_heads": ("B", "Nq", "H", "Dk"),
-    "k_heads": ("B", "Nk", "Hkv", "Dk"),
-    "v_heads": ("B", "Nk", "Hkv", "Dv"),
-    "context": ("B", "Nq", "H", "Dv"),
-    "merged": ("B", "Nq", "H*Dv"),
-    "output": ("B", "Nq", "D"),
+    name: axes
+    for name, axes in TOKENS_FIRST_STAGE_AXES.items()
+    if name not in ("scores", "masked_scores", "weights")
 }
 
 

@@ -61,6 +61,26 @@ def serve(conn, handlers: dict[str, Callable]) -> None:
             conn.send(("error", f"{message} (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"))
 
 
+class Programs:
+    """The cases a worker has built, by key (the worker side of "prepare"); the oldest beyond
+    ``keep`` are dropped, since a caller holds only the last few `Prepared` passes."""
+
+    def __init__(self, build: Callable, keep: int = 4) -> None:
+        self.build, self.keep = build, keep
+        self.items: dict[int, dict] = {}
+        self.next_key = 0
+
+    def prepare(self, payload) -> tuple[int, dict]:
+        key, self.next_key = self.next_key, self.next_key + 1
+        self.items[key] = self.build(*payload)
+        for old in sorted(self.items)[: -self.keep]:
+            del self.items[old]
+        return key, self.items[key]["info"]
+
+    def __getitem__(self, key: int) -> dict:
+        return self.items[key]
+
+
 class WorkerGroup:
     """``size`` processes running ``target(conn, rank, size, *args)``, each with a pipe to this one.
 
@@ -196,6 +216,30 @@ def _child_main(argv: list[str]) -> None:
     module, _, function = target.partition(":")
     args = conn.recv()
     getattr(importlib.import_module(module), function)(conn, rank, size, *args)
+
+
+
+def worker_prepared(group: WorkerGroup, payload, what: str, seconds: tuple[float, float]):
+    """The `Prepared` of a case that runs in ``group``: "prepare" once (rank 0 answers with a key
+    and the info), then "forward" (every rank runs, waits, keeps its result), "fetch" and
+    "stages" (rank 0's). ``seconds`` = (prepare, forward) time limits."""
+    from .base import Prepared, StageTensor, tensor_to_numpy
+
+    prepare_seconds, forward_seconds = seconds
+    key, info = group.request("prepare", payload, prepare_seconds, what=what)[0]
+
+    def forward():
+        group.request("forward", key, forward_seconds, what="running the forward pass")
+        return key
+
+    def to_numpy(_token):
+        return tensor_to_numpy(group.request("fetch", key, forward_seconds, what="fetching the output")[0])
+
+    def native_stages() -> dict:
+        stages = group.request("stages", key, forward_seconds, what="gathering the stages")[0]
+        return {name: StageTensor(value, axes, note) for name, (value, axes, note) in stages.items()}
+
+    return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
 
 
 if __name__ == "__main__":

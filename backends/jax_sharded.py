@@ -29,15 +29,12 @@ the output. A dead worker is an error that says so, never a hang (`_workers`).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from functools import partial
 
 import numpy as np
 
 from mha_rosetta.core import (
     MHAConfig,
-    MHAInputs,
-    MHAParams,
     numpy_dtype,
     prepare_inputs,
     shard_mask,
@@ -45,16 +42,14 @@ from mha_rosetta.core import (
     shard_plan,
 )
 
-from ._workers import WorkerGroup, serve
-from .base import STANDARD, Backend, Prepared, StageTensor, tensor_to_numpy
+from ._sharded import PREPARE_SECONDS, ShardedBackend
+from ._workers import Programs, WorkerGroup, serve
+from .base import STANDARD
 
 NAMED_SHARDING = "named_sharding"
 # Simulated CPU devices the worker's JAX is started with: enough for 2, 4 and 8 ranks.
 SIMULATED_DEVICES = 8
 MESH_AXIS = "heads"
-PREPARE_SECONDS = 300.0  # compiling on a loaded machine can be slow
-FORWARD_SECONDS = 120.0
-KEEP_PREPARED = 4  # the worker keeps the last few prepared programs
 
 
 def default_world(cfg: MHAConfig, max_devices: int) -> int:
@@ -68,14 +63,14 @@ def default_world(cfg: MHAConfig, max_devices: int) -> int:
     return 1
 
 
-class JaxShardedBackend(Backend):
+class JaxShardedBackend(ShardedBackend):
     name = "jax-sharded"
     convention = (
         "heads over a device mesh: rows of w_q/w_k/w_v and columns of w_o per device, one psum (shard_map); "
         "or NamedSharding and XLA's partitioner"
     )
     strategies = (STANDARD, NAMED_SHARDING)
-    splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
+    rank_noun = "devices"
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)
@@ -91,73 +86,21 @@ class JaxShardedBackend(Backend):
                     f"pass max_devices={world} to simulate more"
                 )
         self.world, self.max_devices = world, max_devices
-        self._group: WorkerGroup | None = None
 
     def world_for(self, cfg: MHAConfig) -> int:
         """The rank count a case runs on: the one given, or the largest that splits the heads."""
         return default_world(cfg, self.max_devices) if self.world is None else self.world
 
-    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        reason = super().unsupported_reason(cfg, dtype, device, strategy)
-        if reason:
-            return reason
-        try:
-            shard_plan(cfg, self.world_for(cfg))
-        except ValueError as error:
-            return f"{self.name}: {error}"
-        return None
-
-    def group(self) -> WorkerGroup:
-        if self._group is None:
-            env = {
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.max_devices}",
-                "JAX_PLATFORMS": "cpu",
-            }
-            self._group = WorkerGroup(self.name, _worker_main, 1, env=env, start_timeout=PREPARE_SECONDS)
-        return self._group
-
-    def close(self) -> None:
-        """Stop the worker process (it is restarted by the next prepare)."""
-        if self._group is not None:
-            self._group.close()
-
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
-    ) -> Prepared:
-        world = self.world_for(cfg)
-        group = self.group()
-        payload = (cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask, dtype, strategy, world)
-        (answer,) = group.request("prepare", payload, PREPARE_SECONDS, what=f"compiling {strategy} on {world} devices")
-        key, info = answer
-
-        def forward():
-            group.request("forward", key, FORWARD_SECONDS, what="running the forward pass")
-            return key
-
-        def to_numpy(_token) -> np.ndarray:
-            (output,) = group.request("fetch", key, FORWARD_SECONDS, what="fetching the output")
-            return tensor_to_numpy(output)
-
-        def native_stages() -> dict[str, StageTensor]:
-            (stages,) = group.request("stages", key, FORWARD_SECONDS, what="gathering the stages")
-            return {name: StageTensor(value, axes, note) for name, (value, axes, note) in stages.items()}
-
-        return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
+    def _new_group(self) -> WorkerGroup:
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={self.max_devices}", "JAX_PLATFORMS": "cpu"}
+        return WorkerGroup(self.name, _worker_main, 1, env=env, start_timeout=PREPARE_SECONDS)
 
 
 # -- the worker process -----------------------------------------------------------------------
 def _worker_main(conn, rank: int, size: int) -> None:
     import jax
 
-    programs: dict[int, dict] = {}
-    counter = itertools.count()
-
-    def prepare(payload):
-        key = next(counter)
-        programs[key] = _build(*payload)
-        for old in sorted(programs)[:-KEEP_PREPARED]:
-            del programs[old]
-        return key, programs[key]["info"]
+    programs = Programs(_build)
 
     def forward(key):
         program = programs[key]
@@ -172,7 +115,7 @@ def _worker_main(conn, rank: int, size: int) -> None:
         return {name: (np.asarray(value), *rest) for name, (value, *rest) in program["stages"]().items()}
 
     conn.send(("ok", {"devices": len(jax.devices())}))
-    serve(conn, {"prepare": prepare, "forward": forward, "fetch": fetch, "stages": stages})
+    serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
 
 
 def count_all_reduces(hlo_text: str) -> int:

@@ -33,32 +33,28 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import itertools
 import os
 import tempfile
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, prepare_inputs, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, shard_mask, shard_params, shard_plan
 
-from ._workers import WorkerGroup, serve
-from .base import STANDARD, Backend, Prepared, StageTensor, tensor_to_numpy
+from ._sharded import PREPARE_SECONDS, ShardedBackend
+from ._workers import Programs, WorkerGroup, serve
+from .base import STANDARD, tensor_to_numpy
 
 MANUAL = "manual"
 COLLECTIVE_SECONDS = 60  # gloo's limit on every collective
-PREPARE_SECONDS = 300.0
-FORWARD_SECONDS = 120.0
-KEEP_PREPARED = 4
 
 
-class TorchTPBackend(Backend):
+class TorchTPBackend(ShardedBackend):
     name = "torch-tp"
     convention = (
         "heads over gloo ranks: parallelize_module with ColwiseParallel q/k/v (rows of W) and RowwiseParallel "
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
-    splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)
@@ -71,61 +67,24 @@ class TorchTPBackend(Backend):
                 f"world={world} processes x threads={threads} would put {world * threads} threads on {cores} core(s)"
             )
         self.world, self.threads = world, threads
-        self._group: WorkerGroup | None = None
         self._store_dir: tempfile.TemporaryDirectory | None = None
 
-    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        reason = super().unsupported_reason(cfg, dtype, device, strategy)
-        if reason:
-            return reason
-        try:
-            plan = shard_plan(cfg, self.world)
-        except ValueError as error:
-            return f"{self.name}: {error}"
+    def world_for(self, cfg: MHAConfig) -> int:
+        return self.world
+
+    def plan_reason(self, plan, strategy: str) -> str | None:
         if strategy == STANDARD and plan.kv_replicas > 1:
             return (
-                f"{self.name}: n_kv_heads={cfg.n_kv_heads} < world={self.world}: ColwiseParallel would cut a kv head "
+                f"n_kv_heads={plan.cfg.n_kv_heads} < world={plan.world}: ColwiseParallel would cut a kv head "
                 "in half; the 'manual' strategy replicates kv heads instead"
             )
         return None
 
-    def group(self) -> WorkerGroup:
-        if self._group is None or not self._group.alive:
-            if self._group is not None:
-                self._group.close()
-            # A fresh rendezvous file for every group (gloo's FileStore must not be reused).
-            self._store_dir = tempfile.TemporaryDirectory(prefix="mha-rosetta-tp-")
-            store = os.path.join(self._store_dir.name, "store")
-            self._group = WorkerGroup(
-                self.name, _rank_main, self.world, args=(store, self.threads), start_timeout=PREPARE_SECONDS
-            )
-        return self._group
-
-    def close(self) -> None:
-        """Stop the rank processes (the next prepare starts new ones)."""
-        if self._group is not None:
-            self._group.close()
-
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
-    ) -> Prepared:
-        group = self.group()
-        payload = (cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask, dtype, strategy)
-        answers = group.request("prepare", payload, PREPARE_SECONDS, what=f"preparing {strategy} on {self.world} ranks")
-        key, info = answers[0]
-
-        def forward():
-            group.request("forward", key, FORWARD_SECONDS, what="running the forward pass")
-            return key
-
-        def to_numpy(_token) -> np.ndarray:
-            return tensor_to_numpy(group.request("fetch", key, FORWARD_SECONDS, what="fetching the output")[0])
-
-        def native_stages() -> dict[str, StageTensor]:
-            stages = group.request("stages", key, FORWARD_SECONDS, what="gathering the stages")[0]
-            return {name: StageTensor(value, axes, note) for name, (value, axes, note) in stages.items()}
-
-        return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
+    def _new_group(self) -> WorkerGroup:
+        # A fresh rendezvous file for every group (gloo's FileStore must not be reused).
+        self._store_dir = tempfile.TemporaryDirectory(prefix="mha-rosetta-tp-")
+        store = os.path.join(self._store_dir.name, "store")
+        return WorkerGroup(self.name, _rank_main, self.world, args=(store, self.threads), start_timeout=PREPARE_SECONDS)
 
 
 # -- the rank processes -----------------------------------------------------------------------
@@ -139,15 +98,7 @@ def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    programs: dict[int, dict] = {}
-    counter = itertools.count()
-
-    def prepare(payload):
-        key = next(counter)
-        programs[key] = _build(mesh, rank, world, *payload)
-        for old in sorted(programs)[:-KEEP_PREPARED]:
-            del programs[old]
-        return key, programs[key]["info"]
+    programs = Programs(lambda *payload: _build(mesh, rank, world, *payload))
 
     def forward(key):
         programs[key]["result"] = programs[key]["run"]()
@@ -160,7 +111,7 @@ def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
 
     conn.send(("ok", {"rank": rank, "world": world, "threads": torch.get_num_threads()}))
     try:
-        serve(conn, {"prepare": prepare, "forward": forward, "fetch": fetch, "stages": stages})
+        serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
     finally:
         dist.destroy_process_group()
 
@@ -169,8 +120,10 @@ def _count_all_reduces(counts: dict) -> int:
     return sum(n for op, n in counts.items() if "all_reduce" in str(op) or "allreduce" in str(op))
 
 
-def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strategy):
+def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strategy, payload_world):
     """One case on this rank: the local layer, its forward, and the collectives it makes."""
+    if payload_world != world:
+        raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode

@@ -1,0 +1,70 @@
+"""What the sharded backends (`jax-sharded`, `torch-tp`) share: a worker group, the head plan, prepare.
+
+Each splits the layer's heads over ``world`` ranks (`core.shard_plan`) and runs in worker
+processes (`_workers`): a configuration whose heads do not split is refused with the
+plan's reason, and a case is prepared by sending the canonical parameters, the inputs and
+the world size to the workers, which build, compile and keep it.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
+
+from ._workers import WorkerGroup, worker_prepared
+from .base import Backend, Prepared
+
+PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
+FORWARD_SECONDS = 120.0
+
+
+class ShardedBackend(Backend):
+    splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
+    rank_noun = "ranks"  # what the plan's ranks are, for messages ("devices", "ranks")
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(name)
+        self._group: WorkerGroup | None = None
+
+    # -- what a subclass provides -------------------------------------------------------------
+    def world_for(self, cfg: MHAConfig) -> int:
+        raise NotImplementedError
+
+    def _new_group(self) -> WorkerGroup:
+        raise NotImplementedError
+
+    def plan_reason(self, plan: ShardPlan, strategy: str) -> str | None:
+        """Why a strategy cannot run a valid plan (None: it can)."""
+        return None
+
+    # -- shared ---------------------------------------------------------------------------------
+    def group(self) -> WorkerGroup:
+        """The worker processes, started anew when there are none or one has gone."""
+        if self._group is None or not self._group.alive:
+            if self._group is not None:
+                self._group.close()
+            self._group = self._new_group()
+        return self._group
+
+    def close(self) -> None:
+        """Stop the worker processes (the next prepare starts new ones)."""
+        if self._group is not None:
+            self._group.close()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        reason = super().unsupported_reason(cfg, dtype, device, strategy)
+        if reason:
+            return reason
+        try:
+            plan = shard_plan(cfg, self.world_for(cfg))
+        except ValueError as error:
+            return f"{self.name}: {error}"
+        reason = self.plan_reason(plan, strategy)
+        return None if reason is None else f"{self.name}: {reason}"
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        world = self.world_for(cfg)
+        payload = (cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask, dtype, strategy, world)
+        what = f"preparing {strategy} on {world} {self.rank_noun}"
+        return worker_prepared(self.group(), payload, what, (PREPARE_SECONDS, FORWARD_SECONDS))

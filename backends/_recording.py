@@ -119,3 +119,15 @@ def record_rotated(rec: StageRecorder, heads: tuple, rotated: tuple, axes: dict,
     """q_rotated and k_rotated, each noted against the heads stage it was made from."""
     for name, parent, child in zip(("q", "k"), heads, rotated, strict=True):
         rec.record(f"{name}_rotated", child, axes[f"{name}_rotated"], rotation_note(child, parent, f"{name}_heads", how))
+
+
+def record_head_rotated(rec: StageRecorder, h: int, g: int, q_h, rotated: tuple, axes: dict, how: str, stack) -> None:
+    """Query head h's rotated queries and its kv head g's rotated keys, in a loop over heads.
+
+    ``rotated`` is ``(q_rotated, k_rotated)``; ``q_rotated is q_h`` means no rope.
+    """
+    q_rotated, k_rotated = rotated
+    note = rotation_note(q_rotated, q_h, "q_heads", how)
+    record_stage(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, stack)
+    k_note = f"new buffer: {how}" if q_rotated is not q_h else "no rotary embedding: the key heads themselves"
+    record_stage(rec, "k_rotated", g, k_rotated, axes["k_rotated"], k_note, stack)

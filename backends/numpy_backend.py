@@ -55,12 +55,12 @@ from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_
 from ._recording import (
     StageRecorder,
     record_head_inputs,
+    record_head_rotated,
     record_projections,
     record_rotated,
     record_split_heads,
     record_stage,
     record_stages,
-    rotation_note,
     view_note,
 )
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
@@ -211,10 +211,8 @@ class ColumnSampleMHA:
 
     def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
         """One query head's rotated queries and its kv head's rotated keys (loops over heads)."""
-        q_note = rotation_note(q_rotated, q_h, "q_heads", ROTATE_HOW)
-        k_note = ROTATE_HOW if self.rotary else "no rotary embedding: the key heads themselves"
-        self._record(rec, "q_rotated", h, q_rotated, HEAD_SLICE_AXES["q_rotated"], q_note)
-        self._record(rec, "k_rotated", self.cfg.kv_head_of(h), k_rotated, HEAD_SLICE_AXES["k_rotated"], k_note)
+        g = self.cfg.kv_head_of(h)
+        record_head_rotated(rec, h, g, q_h, (q_rotated, k_rotated), HEAD_SLICE_AXES, ROTATE_HOW, np.stack)
 
     def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)

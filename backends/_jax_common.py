@@ -100,7 +100,7 @@ def jax_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device) -> 
     tables = rotary_tables(cfg, inputs)
     if tables is None:
         return None
-    return tuple(to_jax(t, dtype, device) for t in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+    return tuple(to_jax(table, dtype, device) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
 
 
 def rotate_last_axis(x, cos, sin, style: str):

@@ -606,9 +606,9 @@ class EinopsBackend(Backend):
         empty_rows = ops.asarray(empty_rows_np, cast=False)
         tables = rotary_tables(cfg, inputs)
         if tables is not None:
-            q_layout = [einops.rearrange(t, plan.table_q) for t in (tables.q_cos, tables.q_sin)]
-            k_layout = [einops.rearrange(t, plan.table_kv) for t in (tables.k_cos, tables.k_sin)]
-            tables = tuple(ops.asarray(t) for t in (*q_layout, *k_layout))  # broadcastable against q and k
+            q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
+            k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
+            tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # broadcastable against q and k
         info = self._numerics_info(dtype, device)
         info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'"
         if empty_rows_np is not None:

@@ -195,7 +195,11 @@ def batched_tables(tables: tuple | None) -> tuple:
     """The rotary tables (1|B, N, r/2) and their batch in_axes: a table shared by every item is passed once, unmapped."""
     if tables is None:
         return None, None
-    return tuple(t[0] if t.shape[0] == 1 else t for t in tables), tuple(None if t.shape[0] == 1 else 0 for t in tables)
+    shared = [table.shape[0] == 1 for table in tables]
+    return (
+        tuple(table[0] if one else table for table, one in zip(tables, shared, strict=True)),
+        tuple(None if one else 0 for one in shared),
+    )
 
 
 class JaxBackend(Backend):

@@ -106,7 +106,9 @@ def _rotate_heads(heads, cos, sin, *, style: str | None):
 
 
 def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
-    """`_attend_one_head` vmapped over every query head: q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv).
+    """`_attend_one_head` vmapped over every query head.
+
+    q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), the rotated ones where rope is on.
 
     Returns scores-like stages (H, Nq, Nk) and the context (Nq, H, Dv).
     """
@@ -192,7 +194,7 @@ def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
 
 
 def batched_tables(tables: tuple | None) -> tuple:
-    """The rotary tables (1|B, N, r/2) and their batch in_axes: a table shared by every item is passed once, unmapped."""
+    """The rotary tables (1|B, N, r/2) and their batch in_axes; a table shared by every item is passed unmapped."""
     if tables is None:
         return None, None
     shared = [table.shape[0] == 1 for table in tables]

@@ -62,7 +62,7 @@ STAGE_AXES = TOKENS_FIRST_STAGE_AXES
 
 STAGE_NOTES = {
     "q": f"x_q @ w_q.T + b_q; {_XLA}",
-    "q_heads": f"reshape of q to (Nq, H, Dk) ((Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
+    "q_heads": f"reshape of q to (Nq, H, Dk) (then (Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
     "k_heads": f"reshape of k; vmap maps axis 1; {_XLA}",
     "v_heads": f"reshape of v; vmap maps axis 1; {_XLA}",
     "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {_XLA}",
@@ -241,9 +241,11 @@ class JaxBackend(Backend):
 
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(all_stages)
-            return {
-                name: StageTensor(stages[name], axes, STAGE_NOTES.get(name, _XLA)) for name, axes in STAGE_AXES.items()
-            }
+            notes = dict(STAGE_NOTES)
+            if cfg.rope is None:
+                for name in ("q", "k"):
+                    notes[f"{name}_rotated"] = f"{name}_heads itself: no rotary embedding (cfg.rope is None); {_XLA}"
+            return {name: StageTensor(stages[name], axes, notes.get(name, _XLA)) for name, axes in STAGE_AXES.items()}
 
         info = precision_info(dtype, device, self.matmul_precision)
         info["head_vmap"] = (

@@ -2,7 +2,9 @@
 `lax.fori_loop` over key blocks, one head written unbatched and `jax.vmap` over heads, jitted.
 
 The recurrence is the one described in `_chunking`, written for one head as the JAX
-adapter writes everything: ``q (Nq, Dk)``, ``k (Nk, Dk)``, ``v (Nk, Dv)``. XLA needs static
+adapter writes everything: ``q (Nq, Dk)``, ``k (Nk, Dk)``, ``v (Nk, Dv)``. It replaces the
+adapter's attention step only (`jax_backend._mha_one_item` takes it as ``attend``): the
+projections, rotary embedding, head split and merge are the adapter's own. XLA needs static
 shapes, so the token axes are padded up to whole blocks (padding keys are masked by
 their index, padding queries are cut off at the end): the blocks need not divide the
 token counts. `lax.map` walks the query blocks one after another (a `vmap` would hold
@@ -14,7 +16,6 @@ with `lax.dynamic_slice`. Under `vmap` each step computes one tile per head.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import numpy as np
@@ -23,7 +24,6 @@ from mha_rosetta.core import MHAConfig, MHAInputs
 
 from ._chunking import resolve_chunk
 from ._layouts import TOKENS_FIRST_STAGE_AXES
-from .jax_backend import _linear, mask_for_vmap
 
 # Tokens first, like the rest of the JAX adapter; the score-like stages do not exist here.
 CHUNKED_STAGE_AXES = {
@@ -97,59 +97,50 @@ def _pad_tokens(x, target: int):
     return jnp.pad(x, [(0, target - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-def _mha_one_item_chunked(params, x_q, x_k, x_v, allowed, *, cfg: MHAConfig, head_mask_axis, chunk):
-    """Every stage the chunked path has, for one batch item (x_q (Nq, D), x_k (Nk, kdim), x_v (Nk, vdim))."""
+def _chunked_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis, chunk):
+    """`_chunked_one_head` vmapped over the heads, the JAX adapter's way (`jax_backend._attend_all_heads`).
+
+    q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), rotated where rope is on;
+    ``allowed`` padded to whole blocks (`pad_mask_to_blocks`). Returns the context (Nq, H, Dv) only.
+    """
     import jax
 
     q_block, k_block = chunk
-    n_q, n_k = x_q.shape[0], x_k.shape[0]
+    n_q, n_k = q_heads.shape[0], k_heads.shape[0]
     H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
-    q = _linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
-    k = _linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
-    v = _linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
     q_pad, k_pad = _blocks(n_q, q_block) * q_block, _blocks(n_k, k_block) * k_block
-    k_heads = _pad_tokens(k, k_pad).reshape(k_pad, Hkv, Dk)  # (Nk_pad, Hkv, Dk)
-    v_heads = _pad_tokens(v, k_pad).reshape(k_pad, Hkv, Dv)  # (Nk_pad, Hkv, Dv)
-    one_head = partial(_chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k)
+    q_heads = _pad_tokens(q_heads, q_pad)  # (Nq_pad, H, Dk)
+    k_heads = _pad_tokens(k_heads, k_pad)  # (Nk_pad, Hkv, Dk)
+    v_heads = _pad_tokens(v_heads, k_pad)  # (Nk_pad, Hkv, Dv)
+    one_head = partial(
+        _chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k
+    )
     if G == 1:
-        q_heads = _pad_tokens(q, q_pad).reshape(q_pad, H, Dk)  # (Nq_pad, H, Dk)
         context = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=1)(q_heads, k_heads, v_heads, allowed)
     else:
         # GQA as in the JAX adapter: the inner vmap shares a group's k and v (in_axes None), the outer maps the groups.
-        q_heads = _pad_tokens(q, q_pad).reshape(q_pad, Hkv, G, Dk)  # (Nq_pad, Hkv, G, Dk)
+        q_groups = q_heads.reshape(q_pad, Hkv, G, Dk)  # (Nq_pad, Hkv, G, Dk)
         over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis), out_axes=1)
         over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis), out_axes=1)
-        context = over_groups(q_heads, k_heads, v_heads, allowed)  # (Nq_pad, Hkv, G, Dv)
-    context = context[:n_q].reshape(n_q, H, Dv).astype(q.dtype)  # (Nq, H, Dv): padding queries cut off
-    merged = context.reshape(n_q, H * Dv)  # (Nq, H*Dv): no transpose
-    output = _linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_heads": q.reshape(n_q, H, Dk),  # (Nq, H, Dk)
-        "k_heads": k_heads[:n_k],
-        "v_heads": v_heads[:n_k],
-        "context": context,
-        "merged": merged,
-        "output": output,
-    }
+        context = over_groups(q_groups, k_heads, v_heads, allowed)  # (Nq_pad, Hkv, G, Dv)
+    # (Nq, H, Dv): padding queries cut off, back in the storage dtype.
+    return {"context": context[:n_q].reshape(n_q, H, Dv).astype(q_heads.dtype)}
 
 
-def chunked_forward_parts(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] | None):
-    """(all_stages, allowed, batch_axis, chunk) for the chunked strategy: a batched function of
-    (params, x_q, x_k, x_v, allowed) returning every stage, and the padded user mask (NumPy)."""
-    import jax
-
+def chunked_attention(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] | None):
+    """(attend, chunk): the function that replaces `_attend_all_heads` in `jax_backend._mha_one_item`,
+    and the blocks it uses (the defaults where None, cut to the token counts)."""
     chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
-    # The user's mask only: the causal part is computed per tile from the indices.
-    allowed, batch_axis, head_axis = mask_for_vmap(dataclasses.replace(cfg, causal=False), inputs)
-    if allowed is not None:
-        q_pad = _blocks(inputs.q_tokens, chunk[0]) * chunk[0]
-        k_pad = _blocks(inputs.kv_tokens, chunk[1]) * chunk[1]
-        # Pad the token axes to whole blocks with False (never allowed); an axis of length 1 broadcasts and stays.
-        n_q, n_k = allowed.shape[-2:]
-        pad = [(0, 0)] * (allowed.ndim - 2) + [(0, q_pad - n_q if n_q > 1 else 0), (0, k_pad - n_k if n_k > 1 else 0)]
-        allowed = np.pad(allowed, pad, constant_values=False)
-    one_item = partial(_mha_one_item_chunked, cfg=cfg, head_mask_axis=head_axis, chunk=chunk)
-    return jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis)), allowed, chunk
+    return partial(_chunked_all_heads, chunk=chunk), chunk
+
+
+def pad_mask_to_blocks(allowed, inputs: MHAInputs, chunk: tuple[int, int]):
+    """The user's mask (shaped by `mask_for_vmap`) with its token axes padded to whole blocks
+    with False (never allowed); an axis of length 1 broadcasts and stays. NumPy, untimed."""
+    if allowed is None:
+        return None
+    q_pad = _blocks(inputs.q_tokens, chunk[0]) * chunk[0]
+    k_pad = _blocks(inputs.kv_tokens, chunk[1]) * chunk[1]
+    n_q, n_k = allowed.shape[-2:]
+    pad = [(0, 0)] * (allowed.ndim - 2) + [(0, q_pad - n_q if n_q > 1 else 0), (0, k_pad - n_k if n_k > 1 else 0)]
+    return np.pad(allowed, pad, constant_values=False)

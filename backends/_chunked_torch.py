@@ -54,6 +54,7 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
         if rec is not None:
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
+        q_heads, k_heads = self._rotate_split(rec, q_heads, k_heads)  # rotated (rope), else themselves
         cdt = self.compute_dtype
         # Each kv head's keys and values once, contiguous in the compute dtype (linear in Nk).
         keys = k_heads.to(cdt).reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy

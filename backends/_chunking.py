@@ -22,8 +22,9 @@ no allowed key ends with ``l = 0`` and ``acc = 0`` and gets a zero context, the 
 answer, without any 0/0. Half precision: the tiles and the running sums are float32.
 
 The chunked path cannot expose the full score, masked-score or weight tensors (it never
-holds them): its stage tensors are the projections, the split heads, the context, the
-merged heads and the output.
+holds them): its stage tensors are the projections, the split heads (rotated, with rope),
+the context, the merged heads and the output. The rotary embedding is the adapter's own,
+applied to whole heads before the blocks (its tables are linear in the tokens).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ DEFAULT_CHUNK = (128, 256)
 CHECK_CHUNK = (3, 4)
 CHUNKED_STAGES_NOTE = (
     "the chunked strategy never holds the full scores or weights (one (q_block, k_block) tile per head at a time); "
-    "it exposes q, k, v, the split heads, context, merged and output"
+    "it exposes q, k, v, the split (and rotated) heads, context, merged and output"
 )
 
 

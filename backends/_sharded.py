@@ -65,6 +65,6 @@ class ShardedBackend(Backend):
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
         world = self.world_for(cfg)
-        payload = (cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask, dtype, strategy, world)
+        payload = (cfg, params, inputs, dtype, strategy, world)  # validated inputs: arrays, mask, positions
         what = f"preparing {strategy} on {world} {self.rank_noun}"
         return worker_prepared(self.group(), payload, what, (PREPARE_SECONDS, FORWARD_SECONDS))

@@ -174,10 +174,13 @@ class Backend:
         dtype: str = "float64",
         device: str = "cpu",
         strategy: str = STANDARD,
+        positions=None,
+        kv_positions=None,
         chunk=None,
     ) -> tuple[Prepared, MHAInputs]:
         """Validate everything, then convert once into this backend's convention.
 
+        ``positions``/``kv_positions``: the rotary positions (`core.inputs.prepare_inputs`).
         ``chunk`` (the chunked strategy only): ``(q_block, k_block)``, or one int for both.
         """
         dtype = check_dtype_name(dtype)
@@ -186,7 +189,7 @@ class Backend:
         chunk = check_chunk(chunk)
         if chunk is not None and strategy != CHUNKED:
             raise ValueError(f"chunk={chunk} applies only to strategy={CHUNKED!r}, got strategy={strategy!r}")
-        inputs = prepare_inputs(cfg, query, key, value, mask)
+        inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
         reason = self.unsupported_reason(cfg, dtype, device, strategy)
         if reason:
             raise UnsupportedCase(reason)
@@ -207,11 +210,24 @@ class Backend:
         dtype: str = "float64",
         device: str = "cpu",
         strategy: str = STANDARD,
+        positions=None,
+        kv_positions=None,
         chunk=None,
     ):
         """Same arguments and results as `core.reference_mha`, plus dtype, device, strategy (and chunk)."""
         prepared, inputs = self.prepare(
-            cfg, params, query, key, value, mask, dtype=dtype, device=device, strategy=strategy, chunk=chunk
+            cfg,
+            params,
+            query,
+            key,
+            value,
+            mask,
+            dtype=dtype,
+            device=device,
+            strategy=strategy,
+            positions=positions,
+            kv_positions=kv_positions,
+            chunk=chunk,
         )
         result = prepared.forward()
         prepared.synchronize(result)

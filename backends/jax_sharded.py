@@ -36,7 +36,7 @@ import numpy as np
 from mha_rosetta.core import (
     MHAConfig,
     numpy_dtype,
-    prepare_inputs,
+    rotary_tables,
     shard_mask,
     shard_params,
     shard_plan,
@@ -124,21 +124,20 @@ def count_all_reduces(hlo_text: str) -> int:
     return sum(" all-reduce(" in line or " all-reduce-start(" in line for line in lines)
 
 
-def _build(cfg, params, query, key, value, mask, dtype, strategy, world):
+def _build(cfg, params, inputs, dtype, strategy, world):
     """Compile one case on a mesh of ``world`` devices (in the worker process)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from ._jax_common import enable_float64_if_needed
-    from .jax_backend import _mha_one_item, mask_for_vmap
+    from .jax_backend import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
     devices = jax.devices()
     if world > len(devices):
         raise ValueError(f"world={world} needs more devices than the {len(devices)} JAX sees")
     mesh = Mesh(np.array(devices[:world]), (MESH_AXIS,))
-    inputs = prepare_inputs(cfg, query, key, value, mask)
     plan = shard_plan(cfg, world)
     cast = numpy_dtype(dtype)
 
@@ -150,6 +149,10 @@ def _build(cfg, params, query, key, value, mask, dtype, strategy, world):
         return jax.device_put(np.ascontiguousarray(array), NamedSharding(mesh, spec))
 
     x_q, x_k, x_v = (put(x, P()) for x in (inputs.query, inputs.key, inputs.value))  # replicated on every device
+    # The rotary tables depend on the tokens only, not on the heads: replicated, like the inputs.
+    tables = rotary_tables(cfg, inputs)
+    tables = None if tables is None else tuple(put(t, P()) for t in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+    tables, table_axes = batched_tables(tables)
     if strategy == STANDARD:
         local_cfg = plan.local_cfg
         shards = shard_params(cfg, params, world)
@@ -167,24 +170,24 @@ def _build(cfg, params, query, key, value, mask, dtype, strategy, world):
         _, batch_axis, head_axis = per_rank[0]
         allowed = None if per_rank[0][0] is None else put(np.stack([m[0] for m in per_rank]), P(MESH_AXIS))
         one_item = partial(_mha_one_item, cfg=local_cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
 
-        def local_stages(stacked, x_q, x_k, x_v, allowed):
+        def local_stages(stacked, x_q, x_k, x_v, allowed, tables):
             local = {name: stacked[name][0] if name in stacked else None for name in params.as_dict()}
             local["b_o"] = None  # added once, after the all-reduce
-            return all_stages(local, x_q, x_k, x_v, None if allowed is None else allowed[0])
+            return all_stages(local, x_q, x_k, x_v, None if allowed is None else allowed[0], tables)
 
-        def body(stacked, b_o, x_q, x_k, x_v, allowed):
-            partial_output = local_stages(stacked, x_q, x_k, x_v, allowed)["output"]  # (B, Nq, D), this rank's heads
+        def body(stacked, b_o, x_q, x_k, x_v, allowed, tables):
+            partial_output = local_stages(stacked, x_q, x_k, x_v, allowed, tables)["output"]  # (B, Nq, D): its heads
             output = jax.lax.psum(partial_output, MESH_AXIS)  # the one all-reduce
             return output if b_o is None else output + b_o
 
-        in_specs = (P(MESH_AXIS), P(), P(), P(), P(), P(MESH_AXIS))
+        in_specs = (P(MESH_AXIS), P(), P(), P(), P(), P(MESH_AXIS), P())
         forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P())
-        args = (stacked, put(params.b_o, P()), x_q, x_k, x_v, allowed)
+        args = (stacked, put(params.b_o, P()), x_q, x_k, x_v, allowed, tables)
 
-        def stage_body(stacked, b_o, x_q, x_k, x_v, allowed):
-            stages = local_stages(stacked, x_q, x_k, x_v, allowed)
+        def stage_body(stacked, b_o, x_q, x_k, x_v, allowed, tables):
+            stages = local_stages(stacked, x_q, x_k, x_v, allowed, tables)
             return {"context": stages["context"], "merged": stages["merged"]}
 
         # Each rank's heads come back side by side (context on its head axis, merged on its features).
@@ -206,13 +209,13 @@ def _build(cfg, params, query, key, value, mask, dtype, strategy, world):
         weights = {name: put(array, specs[name]) for name, array in params.as_dict().items()}
         allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
         one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
 
-        def forward(weights, x_q, x_k, x_v, allowed):
-            return all_stages(weights, x_q, x_k, x_v, allowed)["output"]
+        def forward(weights, x_q, x_k, x_v, allowed, tables):
+            return all_stages(weights, x_q, x_k, x_v, allowed, tables)["output"]
 
         forward = jax.jit(forward, out_shardings=NamedSharding(mesh, P()))
-        args = (weights, x_q, x_k, x_v, put(allowed, P()))
+        args = (weights, x_q, x_k, x_v, put(allowed, P()), tables)
 
         def stage_fn(*args):
             stages = all_stages(*args)

@@ -38,7 +38,7 @@ import tempfile
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
 from ._sharded import PREPARE_SECONDS, ShardedBackend
 from ._workers import Programs, WorkerGroup, serve
@@ -120,7 +120,7 @@ def _count_all_reduces(counts: dict) -> int:
     return sum(n for op, n in counts.items() if "all_reduce" in str(op) or "allreduce" in str(op))
 
 
-def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strategy, payload_world):
+def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_world):
     """One case on this rank: the local layer, its forward, and the collectives it makes."""
     if payload_world != world:
         raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
@@ -131,7 +131,6 @@ def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strat
     from ._torch_common import to_tensor
     from .torch_backend import RowSampleMHA
 
-    inputs = prepare_inputs(cfg, query, key, value, mask)
     plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg
     local_inputs = dataclasses.replace(inputs, mask=shard_mask(inputs.mask, plan, rank))
@@ -149,6 +148,7 @@ def _build(mesh, rank, world, cfg, params, query, key, value, mask, dtype, strat
             q_heads = q.view(B, Nq, Hl, Dk).transpose(1, 2)  # (B, Hl, Nq, Dk), strided view
             k_heads = k.view(B, Nk, Hkvl, Dk).transpose(1, 2)  # (B, Hkvl, Nk, Dk)
             v_heads = v.view(B, Nk, Hkvl, Dv).transpose(1, 2)  # (B, Hkvl, Nk, Dv)
+            q_heads, k_heads = layer._rotate_split(None, q_heads, k_heads)  # rope (head-local), else themselves
             context = layer._attend_batched(q_heads, k_heads, v_heads, None)  # (B, Hl, Nq, Dv)
             return context.transpose(1, 2).contiguous().view(B, Nq, Hl * Dv)  # (B, Nq, Hl*Dv)
 

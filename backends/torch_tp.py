@@ -156,8 +156,7 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
 
         def run():
             output = module(layer.x_q, layer.x_k, layer.x_v)  # (B, Nq, D), replicated after the all-reduce
-            # RowwiseParallel's all-reduce is a functional collective: wait for it explicitly (under
-            # inference_mode the result is a plain tensor, not an AsyncCollectiveTensor that would wait itself).
+            # RowwiseParallel's all-reduce is a functional collective: wait for it before the result is used.
             return torch.ops._c10d_functional.wait_tensor(output)
 
         how = "parallelize_module: ColwiseParallel(q_proj, k_proj, v_proj), RowwiseParallel(o_proj)"
@@ -170,8 +169,13 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
 
         how = "by hand: shard_params, the torch adapter on the local heads, one dist.all_reduce, + b_o"
 
+    # No autograd either way; but under inference_mode DTensor resolves RowwiseParallel's partial
+    # sums with two all-gathers instead of one all-reduce (CommDebugMode, torch 2.13 and 2.14),
+    # so the DTensor path runs under no_grad.
+    mode = torch.no_grad if strategy == STANDARD else torch.inference_mode
+
     def forward():
-        with torch.inference_mode():
+        with mode():
             return run()
 
     with CommDebugMode() as comm:

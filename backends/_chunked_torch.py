@@ -48,26 +48,20 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
         q_block, k_block = self.chunk
         self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
-        q, k, v = self._projections()
-        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
-        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
-        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
-        if rec is not None:
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
-        q_heads, k_heads = self._rotate_split(rec, q_heads, k_heads)  # rotated (rope), else themselves
+        q_heads, k_heads, v_heads = self._split_and_rotate(rec)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk/Dv), rotated
         cdt = self.compute_dtype
         # Each kv head's keys and values once, contiguous in the compute dtype (linear in Nk).
         keys = k_heads.to(cdt).reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
         values = v_heads.to(cdt).reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
-        context = q.new_empty((B, H, Nq, Dv))  # linear in the tokens
+        context = v_heads.new_empty((B, H, Nq, Dv))  # linear in the tokens
         for q_start in range(0, Nq, q_block):
             q_end = min(q_start + q_block, Nq)
             n_q = q_end - q_start
             # The G query heads of a group folded into the row axis: (B*Hkv, G*qb, Dk), a copy.
             queries = q_heads[:, :, q_start:q_end].to(cdt).reshape(B * Hkv, G * n_q, Dk) * self.cfg.scale
-            peak = torch.full((B, H, n_q, 1), float("-inf"), dtype=cdt, device=q.device)  # running max per query
-            total = torch.zeros((B, H, n_q, 1), dtype=cdt, device=q.device)  # running sum of exp(score - peak)
-            acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=q.device)  # running sum of exp(score - peak) * v
+            peak = torch.full((B, H, n_q, 1), float("-inf"), dtype=cdt, device=keys.device)  # running max per query
+            total = torch.zeros((B, H, n_q, 1), dtype=cdt, device=keys.device)  # running sum of exp(score - peak)
+            acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=keys.device)  # running sum of exp(score - peak) * v
             for k_start in range(0, key_block_end(q_end, Nk, self.cfg.causal), k_block):
                 k_end = min(k_start + k_block, Nk)
                 blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))

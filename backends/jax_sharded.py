@@ -151,7 +151,8 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     x_q, x_k, x_v = (put(x, P()) for x in (inputs.query, inputs.key, inputs.value))  # replicated on every device
     # The rotary tables depend on the tokens only, not on the heads: replicated, like the inputs.
     tables = rotary_tables(cfg, inputs)
-    tables = None if tables is None else tuple(put(t, P()) for t in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+    if tables is not None:
+        tables = tuple(put(table, P()) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
     tables, table_axes = batched_tables(tables)
     if strategy == STANDARD:
         local_cfg = plan.local_cfg

@@ -240,7 +240,8 @@ class RowSampleMHA:
         record_stage(rec, name, head, value, axes, note, self.torch.stack)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
-    def standard(self, rec: StageRecorder | None = None):
+    def _split_and_rotate(self, rec):
+        """Projections split into heads by view + transpose, then rotated: (q_rotated, k_rotated, v_heads)."""
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections()
         q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
@@ -249,6 +250,11 @@ class RowSampleMHA:
         if rec is not None:
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
         q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        return q_rotated, k_rotated, v_heads
+
+    def standard(self, rec: StageRecorder | None = None):
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
         if rec is not None:

@@ -21,7 +21,9 @@ from mha_rosetta.backends import CHUNKED, DEFAULT_CHUNK, STANDARD, UnsupportedCa
 from mha_rosetta.core import MHAConfig, assert_close, compare, init_params, reference_mha
 
 ADAPTERS = ("numpy", "torch", "jax")
-CHUNKED_STAGE_NAMES = ("q", "k", "v", "q_heads", "k_heads", "v_heads", "context", "merged", "output")
+CHUNKED_STAGE_NAMES = (
+    "q", "k", "v", "q_heads", "k_heads", "v_heads", "q_rotated", "k_rotated", "context", "merged", "output",
+)  # fmt: skip
 
 
 def _adapter(name: str):
@@ -200,3 +202,19 @@ def test_odd_block_sizes_agree_with_the_oracle(name):
         assert result.ok, f"{case.cfg.describe()} mask={case.mask} chunk={chunk}: {result.summary()}"
 
     check()
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+@pytest.mark.parametrize("rope", ("half", "interleaved"))
+def test_chunked_applies_rotary_before_the_blocks(name, rope):
+    backend = _adapter(name)
+    cfg = MHAConfig(d_model=12, n_heads=4, n_kv_heads=2, d_k=6, rope=rope, rope_dims=4, causal=True)
+    params = init_params(cfg, seed=3)
+    x = np.random.default_rng(4).standard_normal((2, 7, 12))
+    positions = np.array([[5, 6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5, 6]])  # item 0 starts at 5
+    output, stages = backend.run(
+        cfg, params, x, strategy=CHUNKED, chunk=(3, 2), positions=positions, return_stages=True
+    )
+    expected = reference_mha(cfg, params, x, positions=positions, return_stages=True)[1]
+    assert np.max(np.abs(output - expected["output"])) < 1e-13
+    assert_stages_close(stages, expected, "float64", ("q_rotated", "k_rotated", "context"))

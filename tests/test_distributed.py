@@ -9,6 +9,8 @@ error naming it (never a hang), the check going on with the rest.
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -161,3 +163,20 @@ def test_the_check_reports_a_dead_rank_and_goes_on():
     assert tp_runs[0].status is Status.ERROR and "rank 0 of 2 died" in tp_runs[0].reason
     assert [run.status for run in tp_runs[1:]] == [Status.AGREE] * (len(tp_runs) - 1)  # the rest went on
     assert result.exit_status == 2
+
+
+@pytest.mark.parametrize("name", ("jax-sharded", "torch-tp"))
+def test_sharded_backends_apply_rotary_per_head(name):
+    """Rotary turns pairs of features inside each head, so the head split carries it unchanged."""
+    missing = {"jax-sharded": "jax", "torch-tp": "torch"}[name]
+    if importlib.util.find_spec(missing) is None:
+        pytest.skip(f"{missing} is not installed")
+    backend = get_backend(name)
+    cfg = MHAConfig(d_model=12, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True)
+    params = init_params(cfg, seed=3)
+    x = np.random.default_rng(4).standard_normal((2, 7, 12))
+    positions = np.array([[5, 6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5, 6]])
+    expected = reference_mha(cfg, params, x, positions=positions)
+    for strategy in backend.strategies:
+        output = backend.run(cfg, params, x, strategy=strategy, positions=positions)
+        assert np.max(np.abs(output - expected)) < 1e-13, strategy

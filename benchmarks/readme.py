@@ -85,7 +85,7 @@ def _describe_run(report: dict, threads: int) -> list[str]:
     count = _rounds_of(report)
     cells = report.get("summary", {}).get("cells", len(report.get("cells", [])))
     where = f"{machine.get('cpu_model', 'an unnamed CPU')}, {machine.get('cores')} cores"
-    text = f"{threads} thread(s), {where}: {count} round(s)"
+    text = f"{threads} thread{'s' if threads > 1 else ''}, {where}: {count} round{'s' if count > 1 else ''}"
     if rounds:
         text += f", each visiting all {cells} cells once in a shuffled order (seed {rounds.get('seed')})"
     lines = [text + ".  "]
@@ -96,7 +96,7 @@ def _describe_run(report: dict, threads: int) -> list[str]:
         per_round = f" (per round: {', '.join(f'{value:.1f}' for value in measured)})" if len(measured) > 1 else ""
         gflops = peak.get("gflops")
         shown = f"{gflops:.1f} GFLOP/s, {peak.get('library')}" if gflops else "not measured"
-        lines.append(f"GEMM peak, {threads} thread(s): {shown}{per_round}.  ")
+        lines.append(f"GEMM peak, {threads} thread{'s' if threads > 1 else ''}: {shown}{per_round}.  ")
     for index in rounds.get("busy_rounds", []):
         lines.append(
             f"Round {index + 1} of the {threads}-thread run is flagged busy: its GEMM peak is more than "
@@ -108,7 +108,12 @@ def _describe_run(report: dict, threads: int) -> list[str]:
 def _table(first: list[dict], second: dict[str, dict] | None) -> list[str]:
     header = ["implementation", "median ms", "round range ms", "GFLOP/s", "% of GEMM peak", "cores used"]
     if second is not None:
-        header += [f"median ms, {SECOND_THREADS} threads", "round range ms", "% of GEMM peak", f"speedup 1 -> {SECOND_THREADS}"]
+        header += [
+            f"median ms, {SECOND_THREADS} threads",
+            "round range ms",
+            "% of GEMM peak",
+            f"speedup 1 -> {SECOND_THREADS}",
+        ]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     for cell in first:
         row = [
@@ -148,20 +153,20 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
         "By median time, fastest first, with the range of the round medians; `≈` joins neighbours whose ranges "
         "overlap (within noise), `<` neighbours whose ranges do not: " + chain + ".",
     ]
-    spread_text = (
-        f", {100 * min(fractions):.0f}-{100 * max(fractions):.0f}% of the GEMM peak" if fractions else ""
-    )
+    spread_text = f", {100 * min(fractions):.0f}-{100 * max(fractions):.0f}% of the GEMM peak" if fractions else ""
     sentences.append(
         f"The {len(ordered)} implementations sit within {slowest['median_s'] / fastest['median_s']:.2f}x of each "
-        f"other{spread_text}: the fastest is `{fastest['implementation']}` ({_with_range(fastest)}), the slowest "
-        f"`{slowest['implementation']}` ({_with_range(slowest)})."
+        f"other{spread_text}: the fastest is `{fastest['implementation']}` at {_with_range(fastest)}, the slowest "
+        f"`{slowest['implementation']}` at {_with_range(slowest)}."
     )
     tied = [cell for cell in ordered[1:] if intervals_overlap(cell_interval(fastest), cell_interval(cell))]
     if tied:
         names = ", ".join(f"`{cell['implementation']}`" for cell in tied)
         sentences.append(f"Within noise of the fastest (their ranges overlap its range): {names}.")
     elif not single:
-        sentences.append(f"No other implementation's range overlaps the fastest's: `{fastest['implementation']}` leads.")
+        sentences.append(
+            f"No other implementation's range overlaps the fastest's: `{fastest['implementation']}` leads."
+        )
     by_label = {cell["implementation"]: cell for cell in cells}
     strategy_texts = []
     for cell in cells:
@@ -178,7 +183,9 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
             f"`{cell['implementation']}` {_with_range(cell)} against `{backend}` {_with_range(standard)}: {verdict}"
         )
     if strategy_texts:
-        sentences.append("The seed's other head-split strategies against the standard path: " + "; ".join(strategy_texts) + ".")
+        sentences.append(
+            "The seed's other head-split strategies against the standard path: " + "; ".join(strategy_texts) + "."
+        )
     if single:
         sentences.append("One round only: no spread was measured, so no difference here is known to exceed the noise.")
     return sentences
@@ -205,7 +212,11 @@ def readme_block(reports: dict[int, dict]) -> str:
     lines = [BEGIN]
     main = reports.get(1)
     if main is None:
-        lines += ["", "No reference run is committed yet: `mha-rosetta bench --preset reference --write-docs docs`.", END]
+        lines += [
+            "",
+            "No reference run is committed yet: `mha-rosetta bench --preset reference --write-docs docs`.",
+            END,
+        ]
         return "\n".join(lines) + "\n"
     first = reference_cells(main)
     size = first[0] if first else REFERENCE_SIZE
@@ -227,7 +238,10 @@ def readme_block(reports: dict[int, dict]) -> str:
     lines += _table(first, second)
     missing = [cell for cell in main.get("cells", []) if cell.get("status") != "ok"]
     if missing:
-        lines += ["", "Not measured: " + ", ".join(f"`{c['implementation']}` ({c.get('status')})" for c in missing) + "."]
+        lines += [
+            "",
+            "Not measured: " + ", ".join(f"`{c['implementation']}` ({c.get('status')})" for c in missing) + ".",
+        ]
     drifting = [cell for cell in first if cell.get("drift")]
     if drifting:
         lines += [
@@ -236,9 +250,10 @@ def readme_block(reports: dict[int, dict]) -> str:
             + ", ".join(f"`{cell['implementation']}` ({cell['round_drift']:.0%})" for cell in drifting)
             + ".",
         ]
-    lines += ["", *ranking_sentences(first)]
+    lines += ["", "With 1 thread:", "", *(f"- {sentence}" for sentence in ranking_sentences(first))]
     if second is not None:
-        lines += ["", f"With {SECOND_THREADS} threads:", "", *ranking_sentences(list(second.values()))]
+        ranked = ranking_sentences(list(second.values()))
+        lines += ["", f"With {SECOND_THREADS} threads:", "", *(f"- {sentence}" for sentence in ranked)]
         scaling = scaling_sentence(first, second)
         if scaling:
             lines += ["", scaling]

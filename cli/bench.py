@@ -6,7 +6,12 @@ affinity and every thread knob, and is checked afterwards by CPU time / wall tim
 rule (`pinning.malloc_env`), so large temporaries cost the same in every framework.
 A preset picks the sizes (``--quick``: under two minutes; ``default``: about ten;
 ``reference``: B=4, N=512, D=512, H=8, float32); any size option overrides the preset.
-Finished cells go to a partial file as they end, so an interrupted sweep can ``--resume``.
+``--rounds R`` visits every cell once per round in a shuffled order (3 rounds for default
+and reference, 1 for quick): medians pool every round, the range of the round medians is
+the spread. The estimated duration is printed before the sweep starts.
+Finished visits go to a partial file as they end, so an interrupted sweep can ``--resume``.
+``--write-docs DIR`` writes DIR/bench/ and regenerates the README's benchmark block;
+``--render JSON`` does the same from a saved report without measuring (`benchmarks.readme`).
 Exit status: 0 when every cell was measured or is unsupported here, 1 when a cell failed,
 2 for bad arguments, 130 when interrupted (finished cells kept).
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .pinning import CONTENDED_BELOW
 from .report import REFERENCE_SIZE, markdown_table, plot_report, reference_cells, round_range_text
 from .rounds import cell_interval, intervals_overlap
 
@@ -97,6 +98,12 @@ def _describe_run(report: dict, threads: int) -> list[str]:
         gflops = peak.get("gflops")
         shown = f"{gflops:.1f} GFLOP/s, {peak.get('library')}" if gflops else "not measured"
         lines.append(f"GEMM peak, {threads} thread{'s' if threads > 1 else ''}: {shown}{per_round}.  ")
+    utils = sorted(cell["cpu_util"] for cell in reference_cells(report) if cell.get("cpu_util") is not None)
+    if utils and utils[len(utils) // 2] < CONTENDED_BELOW * threads:
+        lines.append(
+            f"The cells got a median of {utils[len(utils) // 2]:.2f} of their {threads} core(s) (CPU time / wall "
+            "time): other processes shared the machine, so these times are inflated.  "
+        )
     for index in rounds.get("busy_rounds", []):
         lines.append(
             f"Round {index + 1} of the {threads}-thread run is flagged busy: its GEMM peak is more than "

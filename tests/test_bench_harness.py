@@ -770,3 +770,14 @@ def test_answer_keeps_skipped_measurements_and_shape():
     assert "torch/cpu: not measured (ModuleNotFoundError: torch)" in answer["evidence"]
     with pytest.raises(ValueError, match=r"claims \[4\] have no speed question"):
         run_speed_questions(claims=[4])
+
+
+def test_the_progress_lines_count_rounds(tmp_path, monkeypatch, capsys):
+    from mha_rosetta.benchmarks.sweep import Progress
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # as without rich: one plain line per step
+    bar = Progress(rounds=2, visits=3)
+    bar.start_round(1)
+    bar.advance("numpy N=8: 1.000 ms")
+    bar.close()
+    assert capsys.readouterr().err == "[round 2/2, 1/3] numpy N=8: 1.000 ms\n"

@@ -172,6 +172,10 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
     assert block.startswith(BEGIN) and block.rstrip().endswith(END)
     assert "| `numpy` | 102.0 | 100.0-104.0 | 78.4 | 78% | 1.00 | 51.0 | 50.0-52.0 | 157% | 2.00x |" in block
     assert "From 1 to 2 threads the medians drop by 1.71x (`torch`) to 2.00x (`numpy`)" in block
+    assert "other processes shared the machine" not in block  # every cell had its core
+    for cell in one["cells"]:
+        cell["cpu_util"] = 0.4
+    assert "The cells got a median of 0.40 of their 1 core(s) (CPU time / wall time)" in readme_block({1: one})
     only_one = readme_block({1: one})
     assert "`mha-rosetta bench --preset reference --threads 2 --write-docs docs`" in only_one
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"

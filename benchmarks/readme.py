@@ -101,8 +101,9 @@ def _describe_run(report: dict, threads: int) -> list[str]:
     utils = sorted(cell["cpu_util"] for cell in reference_cells(report) if cell.get("cpu_util") is not None)
     if utils and utils[len(utils) // 2] < CONTENDED_BELOW * threads:
         lines.append(
-            f"The cells got a median of {utils[len(utils) // 2]:.2f} of their {threads} core(s) (CPU time / wall "
-            "time): other processes shared the machine, so these times are inflated.  "
+            f"The cells got a median of {utils[len(utils) // 2]:.2f} of their "
+            f"{'core' if threads == 1 else f'{threads} cores'} (CPU time / wall time): other processes shared the "
+            "machine, so these times are inflated.  "
         )
     for index in rounds.get("busy_rounds", []):
         lines.append(

@@ -175,7 +175,7 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
     assert "other processes shared the machine" not in block  # every cell had its core
     for cell in one["cells"]:
         cell["cpu_util"] = 0.4
-    assert "The cells got a median of 0.40 of their 1 core(s) (CPU time / wall time)" in readme_block({1: one})
+    assert "The cells got a median of 0.40 of their core (CPU time / wall time)" in readme_block({1: one})
     only_one = readme_block({1: one})
     assert "`mha-rosetta bench --preset reference --threads 2 --write-docs docs`" in only_one
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"

@@ -382,11 +382,11 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         labels = [cell["implementation"] for cell in at_reference]
         values = [cell.get("gflops") or 0 for cell in at_reference]
         # Error bars: GFLOP/s at the slowest and fastest round median.
-        low_gflops = [cell["flops"] / cell_interval(cell)[1] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
-        high_gflops = [cell["flops"] / cell_interval(cell)[0] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
+        slowest = [cell["flops"] / cell_interval(cell)[1] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
+        fastest = [cell["flops"] / cell_interval(cell)[0] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
         xerr = [
-            [max(0.0, value - low) for value, low in zip(values, low_gflops, strict=True)],
-            [max(0.0, high - value) for value, high in zip(values, high_gflops, strict=True)],
+            [max(0.0, value - low) for value, low in zip(values, slowest, strict=True)],
+            [max(0.0, high - value) for value, high in zip(values, fastest, strict=True)],
         ]
         axes.barh(labels, values, xerr=xerr, capsize=3, color="tab:blue", ecolor="black")
         axes.invert_yaxis()
@@ -397,8 +397,9 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         for index, cell in enumerate(at_reference):
             fraction = cell.get("peak_fraction")
             if fraction is not None:
-                axes.text(values[index] + xerr[1][index], index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
-        axes.set_xlabel("GFLOP/s (matmul FLOPs / median time; bars: range over rounds)")
+                end = values[index] + xerr[1][index]  # after the error bar
+                axes.text(end, index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
+        axes.set_xlabel("GFLOP/s (matmul FLOPs / median time; bars: range over rounds; %: of each round's GEMM peak)")
         at_reference_size = all(sample.get(key) == value for key, value in REFERENCE_SIZE.items())
         axes.set_title(
             f"B={sample['batch']}, N={sample['tokens']}, d_model={sample['d_model']}, heads={sample['heads']}, "

@@ -379,7 +379,8 @@ class Progress:
             self._rich.update(self._task, advance=1)
             self._rich.console.print(message, highlight=False, soft_wrap=True)
         else:
-            print(f"[round {self.round + 1}/{self.rounds}, {self.done}/{self.visits}] {message}", file=sys.stderr, flush=True)
+            where = f"[round {self.round + 1}/{self.rounds}, {self.done}/{self.visits}]"
+            print(f"{where} {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._rich is not None:

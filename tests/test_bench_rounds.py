@@ -170,13 +170,17 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
     assert report_name(one) == "reference" and report_name(two) == "reference-t2"
     block = readme_block({1: one, 2: two})
     assert block.startswith(BEGIN) and block.rstrip().endswith(END)
+    assert all(len(line) <= 100 for line in block.splitlines() if not line.startswith(("|", "<!--")))
+    prose = " ".join(block.split())  # the prose is wrapped: compare with single spaces
     assert "| `numpy` | 102.0 | 100.0-104.0 | 78.4 | 78% | 1.00 | 51.0 | 50.0-52.0 | 157% | 2.00x |" in block
-    assert "From 1 to 2 threads the medians drop by 1.71x (`torch`) to 2.00x (`numpy`)" in block
-    assert "other processes shared the machine" not in block  # every cell had its core
+    assert "From 1 to 2 threads the medians drop by 1.71x (`torch`) to 2.00x (`numpy`)" in prose
+    assert "other processes shared the machine" not in prose  # every cell had its core
     for cell in one["cells"]:
         cell["cpu_util"] = 0.4
-    assert "The cells got a median of 0.40 of their core (CPU time / wall time)" in readme_block({1: one})
-    only_one = readme_block({1: one})
+    one["rounds"]["busy_rounds"] = [1, 2]
+    only_one = " ".join(readme_block({1: one}).split())
+    assert "Rounds 2 and 3 are flagged busy: the GEMM peak was more than 5% below the best other round's." in only_one
+    assert "The cells got a median of 0.40 of their core (CPU time / wall time)" in only_one
     assert "`mha-rosetta bench --preset reference --threads 2 --write-docs docs`" in only_one
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
     assert replace_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"

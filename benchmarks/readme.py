@@ -82,6 +82,11 @@ def _rounds_of(report: dict) -> int:
     return report.get("rounds", {}).get("count") or report.get("settings", {}).get("rounds") or 1
 
 
+def _cpu_peak(report: dict) -> float | None:
+    """The report's GEMM peak for the reference dtype on the CPU (None when not measured)."""
+    return report.get("gemm_peak_gflops_by", {}).get(f"cpu/{REFERENCE_SIZE['dtype']}")
+
+
 def _describe_run(report: dict, threads: int) -> list[str]:
     """Sentences on one run: machine, rounds and seed, the GEMM peak per round, load and busy rounds."""
     machine = report.get("machine", {})
@@ -204,8 +209,11 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
     return sentences
 
 
-def scaling_sentence(first: list[dict], second: dict[str, dict]) -> str | None:
-    """The 1 -> 2 thread speedups, lowest and highest, from the two reports."""
+def scaling_sentence(
+    first: list[dict], second: dict[str, dict], peaks: tuple[float | None, float | None]
+) -> str | None:
+    """The 1 -> 2 thread speedups (1-thread median / 2-thread median), lowest and highest, beside the
+    GEMM peak's own ratio (``peaks``: the two runs' peaks), which is what a second core gives a product."""
     speedups = [
         (cell["median_s"] / second[cell["implementation"]]["median_s"], cell["implementation"])
         for cell in first
@@ -214,16 +222,21 @@ def scaling_sentence(first: list[dict], second: dict[str, dict]) -> str | None:
     if not speedups:
         return None
     low, high = min(speedups), max(speedups)
-    return (
-        f"From 1 to {SECOND_THREADS} threads the medians drop by {low[0]:.2f}x (`{low[1]}`) to {high[0]:.2f}x "
-        f"(`{high[1]}`); the GEMM peak's own ratio is the yardstick for what a second core can give."
+    text = (
+        f"Speedup from 1 to {SECOND_THREADS} threads (1-thread median / {SECOND_THREADS}-thread median): from "
+        f"{low[0]:.2f}x (`{low[1]}`) to {high[0]:.2f}x (`{high[1]}`)"
     )
+    if peaks[0] and peaks[1]:
+        text += f"; the GEMM peak's own ratio is {peaks[1] / peaks[0]:.2f}x"
+    if low[0] < 1.0:
+        text += "; below 1x, the second thread cost time"
+    return text + "."
 
 
 def _flags(report: dict, cells: list[dict], threads: int) -> list[str]:
     """Sentences naming the cells not measured and those flagged for drift in one run."""
     sentences = []
-    where = "" if threads == 1 else f" ({threads} threads)"
+    where = "" if threads == 1 else f" with {threads} threads"
     missing = [cell for cell in report.get("cells", []) if cell.get("status") != "ok"]
     if missing:
         names = ", ".join(f"`{cell['implementation']}` ({cell.get('status')})" for cell in missing)
@@ -267,7 +280,7 @@ def readme_block(reports: dict[int, dict]) -> str:
         lines += ["", f"With {SECOND_THREADS} threads:", ""]
         for sentence in ranking_sentences(list(second.values())):
             lines += _wrap(sentence, bullet=True)
-        scaling = scaling_sentence(first, second)
+        scaling = scaling_sentence(first, second, (_cpu_peak(main), _cpu_peak(second_report)))
         if scaling:
             lines += ["", *_wrap(scaling)]
     else:

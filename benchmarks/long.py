@@ -221,3 +221,25 @@ def target_ratios(cells: list[dict]) -> dict:
             "met": ratio <= 1.25,
         }
     return result
+
+
+def long_markdown(cells: list[dict]) -> str:
+    """The fitted slopes and, where the sizes were measured, the issue's two targets with their ratios."""
+    text = "Log-log slopes against tokens (memory: about 2 materialising, about 1 memory-linear):\n\n"
+    text += slopes_markdown(fitted_slopes(cells))
+    targets = target_ratios(cells)
+    if "memory_8k" in targets:
+        t = targets["memory_8k"]
+        verdict = "met" if t["met"] else "missed"
+        text += (
+            f"\nTarget, peak memory at 8k tokens: chunked {t['chunked_max_mb']:.0f} MiB (worst) against "
+            f"{t['materialising_min_mb']:.0f} MiB (best materialising): ratio {t['ratio']:.3f}, target <= 0.1: {verdict}\n"
+        )
+    if "time_4k" in targets:
+        t = targets["time_4k"]
+        verdict = "met" if t["met"] else "missed"
+        text += (
+            f"\nTarget, time at 4k tokens: {t['best_chunked']} {t['chunked_s'] * 1e3:.1f} ms against torch SDPA "
+            f"{t['torch_sdpa_s'] * 1e3:.1f} ms: ratio {t['ratio']:.2f}, target <= 1.25: {verdict}\n"
+        )
+    return text

@@ -24,8 +24,10 @@ What it guarantees:
 
 Implementation names: registry backend names (``numpy``, ``torch-sdpa``, ...), optionally
 with a strategy (``numpy:slicing``), or the groups ``main`` (every installed backend in
-its standard strategy), ``strategies`` (the seed's other correct strategies of every
-backend that has them) and ``all`` (both). The direct-reshape strategy is the known
+its standard strategy), ``strategies`` (the other correct strategies of every backend
+that has them: the seed's, and ``chunked``), ``all`` (both) and ``dist`` (the sharded
+backends, whose worker processes the cell's CPU time and memory do not see; run them
+with ``--threads`` at least their process count). The direct-reshape strategy is the known
 mistake: it is never part of a group, though it can be named explicitly.
 """
 
@@ -39,13 +41,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .cell import CellSpec, cell_key, implementation_label, run_cell, split_implementation
+from .cell import CellSpec, cell_key, cell_record, implementation_label, run_cell, split_implementation
 from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
+from .long import memory_budget_mb, over_budget_reason
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env
 from .rounds import BUSY_THRESHOLD, DRIFT_THRESHOLD, busy_rounds, draw_seed, merge_peaks, merge_visits, round_orders
 from .timing import RepeatPolicy
 
-GROUPS = ("main", "strategies", "all")
+GROUPS = ("main", "strategies", "all", "dist")
 # Statuses a resumed sweep keeps; anything else is measured again.
 FINISHED_STATUSES = ("ok", "unsupported")
 
@@ -70,6 +73,9 @@ class SweepSettings:
     preset: str | None = None
     malloc: str = DEFAULT_MALLOC_MODE  # "keep": glibc keeps freed memory (pinning.malloc_env)
     rounds: int = 1  # every cell is visited once per round, in a shuffled order (benchmarks.rounds)
+    # A cell whose predicted peak memory exceeds this (MiB) is skipped, not run (benchmarks.long);
+    # None: half the available memory, at most 8 GiB.
+    memory_budget_mb: float | None = None
     seed: int | None = None  # the shuffle seed; None: drawn when the sweep starts, then recorded
 
     def __post_init__(self) -> None:
@@ -119,6 +125,14 @@ PRESETS: dict[str, dict] = {
         policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=3),
         gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=2), rounds=3,
     ),
+    # Long context (B=1, H=8, D=512): every implementation and strategy from 1k to 16k tokens and the
+    # memory-linear ones (chunked, torch SDPA) to 32k; cells predicted over the memory budget are skipped.
+    "long": dict(
+        implementations=["all"], tokens=[1024, 2048, 4096, 8192, 16384, 32768], batch=[1], d_model=[512],
+        heads=[8], dtypes=["float32"], policy=dict(min_time=0.2, min_repeats=3, max_time=2.0, warmup=1),
+        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=1), rounds=1,
+        cell_timeout=1800.0,
+    ),
 }  # fmt: skip
 
 
@@ -140,10 +154,31 @@ def _registry():
     return REGISTRY, available_backends, get_backend, KNOWN_WRONG_STRATEGIES
 
 
+def _is_sharded(name: str) -> bool:
+    """A backend that splits the heads over worker processes (``splits_heads``): the cell's CPU
+    time and peak memory do not see its workers, so it is a group of its own ("dist"), not "main"."""
+    _registry_dict, _available, get_backend, _wrong = _registry()
+    try:
+        return bool(getattr(get_backend(name), "splits_heads", False))  # imports the adapter, not its framework
+    except Exception:  # an adapter that does not load shows up as a failing main cell instead
+        return False
+
+
 def main_implementations() -> list[str]:
-    """Every registered backend whose framework is installed, in its standard strategy."""
+    """Every registered backend whose framework is installed, in its standard strategy (sharded ones apart)."""
     _registry_dict, available_backends, _get, _wrong = _registry()
-    return list(available_backends())
+    return [name for name in available_backends() if not _is_sharded(name)]
+
+
+def dist_implementations() -> list[str]:
+    """The sharded backends (worker processes), every strategy."""
+    _registry_dict, available_backends, get_backend, _wrong = _registry()
+    return [
+        implementation_label(name, strategy)
+        for name in available_backends()
+        if _is_sharded(name)
+        for strategy in get_backend(name).strategies
+    ]
 
 
 def strategy_implementations() -> list[str]:
@@ -151,6 +186,8 @@ def strategy_implementations() -> list[str]:
     _registry_dict, available_backends, get_backend, known_wrong = _registry()
     labels = []
     for name in available_backends():
+        if _is_sharded(name):
+            continue
         try:
             strategies = get_backend(name).strategies  # imports the adapter module, not its framework
         except Exception:  # an adapter that does not load shows up as a failing main cell instead
@@ -170,6 +207,8 @@ def resolve_implementations(names: list[str]) -> list[str]:
             expanded = strategy_implementations()
         elif name == "all":
             expanded = main_implementations() + strategy_implementations()
+        elif name == "dist":
+            expanded = dist_implementations()
         else:
             backend, _strategy = split_implementation(name)
             if backend not in registry:
@@ -476,6 +515,7 @@ def run_sweep(
     if not partial_path.exists():
         _append(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
 
+    budget = memory_budget_mb(settings.memory_budget_mb)
     orders = round_orders(len(cells), settings.rounds, settings.seed)
     bar = Progress(settings.rounds, len(groups) + len(cells), enabled=progress)
     visits: list[list[dict | None]] = [[None] * settings.rounds for _ in cells]
@@ -518,7 +558,12 @@ def run_sweep(
                     continue
                 bar.step(f"{spec.implementation} N={spec.tokens}")
                 started = time.perf_counter()
-                record = cell_runner(spec, settings.cell_timeout)
+                skip = over_budget_reason(
+                    spec.implementation, spec.batch, spec.tokens, spec.d_model, spec.heads, spec.dtype, budget
+                )
+                # Over the memory budget: recorded with the prediction as the reason, never run into swap.
+                record = cell_record(spec, {"status": "unsupported", "error": skip}) if skip else None
+                record = record or cell_runner(spec, settings.cell_timeout)
                 record["visit_wall_s"] = time.perf_counter() - started
                 _append(partial_path, {"type": "cell", "round": round_index, "record": record})
                 visits[index][round_index] = record

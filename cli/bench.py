@@ -65,7 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the quick preset: every installed implementation at two small sizes (< 2 min)",
     )
     preset.add_argument(
-        "--preset", choices=("quick", "default", "reference"), default=None, help="size preset (default: default)"
+        "--preset",
+        choices=("quick", "default", "reference", "long"),
+        default=None,
+        help="size preset (default: default); long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
     )
     parser.add_argument(
         "--implementations",
@@ -141,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--questions", action="store_true", help="also answer the seed's speed claims (benchmark questions)"
     )
     parser.add_argument("--questions-only", action="store_true", help="answer the speed questions only, no sweep")
+    parser.add_argument(
+        "--memory-budget",
+        type=float,
+        metavar="MB",
+        help="skip cells whose predicted peak memory exceeds MB (default: half the available memory, at most 8192)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list the implementations a sweep would run, then exit")
 
@@ -174,6 +183,7 @@ def _settings(args: argparse.Namespace):
         malloc=args.malloc,
         rounds=args.rounds,
         seed=args.seed,
+        memory_budget_mb=args.memory_budget,
     )
 
 
@@ -215,6 +225,10 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
             table += "\n" + baseline_markdown(report["baseline_comparison"])
         except ValueError as error:
             print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
+    if len({cell.get("tokens") for cell in report["cells"]}) > 1:
+        from mha_rosetta.benchmarks.long import long_markdown
+
+        table += "\n" + long_markdown(report["cells"])
     if report.get("questions"):
         table += "\nSpeed questions (the seed's claims):\n\n" + speed_questions.questions_markdown(report["questions"])
 
@@ -225,6 +239,11 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
         if args.plot:
             for path in plot_report(report, args.plot):
                 print(f"plot written to {path}", file=sys.stderr)
+            if report["settings"].get("preset") == "long":
+                from mha_rosetta.benchmarks.long import plot_long
+
+                for path in plot_long(report["cells"], args.plot):
+                    print(f"plot written to {path}", file=sys.stderr)
         if args.write_docs:
             from mha_rosetta.benchmarks.readme import write_docs
 

@@ -67,3 +67,42 @@ def test_fitted_slopes_and_targets(tmp_path):
     paths = plot_long(_cells(), tmp_path)
     assert [p.name for p in paths] == ["long_time_vs_tokens.png", "long_memory_vs_tokens.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_the_sweep_skips_cells_over_the_budget_and_never_runs_them(tmp_path):
+    from mha_rosetta.benchmarks.sweep import preset_settings, run_sweep
+
+    ran = []
+
+    def cell(spec, timeout):
+        ran.append((spec.implementation, spec.tokens))
+        return {**spec.identity(), "status": "ok", "median_s": 1e-3, "samples_s": [1e-3] * 3, "gflops": 1.0}
+
+    def gemm(dtype, device, threads, cpus, **options):
+        return {"device": device, "dtype": dtype, "threads": threads, "n": options["n"], "gflops": 10.0,
+                "library": "numpy", "malloc": options["malloc"]}  # fmt: skip
+
+    settings = preset_settings(
+        "long", implementations=["numpy", "numpy:chunked"], tokens=[1024, 32768], memory_budget_mb=2048.0, seed=1
+    )
+    outcome = run_sweep(settings, partial_path=tmp_path / "p.jsonl", progress=False, cell_runner=cell,
+                        gemm_runner=gemm, implementations=settings.implementations)  # fmt: skip
+    assert sorted(ran) == [("numpy", 1024), ("numpy:chunked", 1024), ("numpy:chunked", 32768)]
+    [skipped] = [c for c in outcome.cells if c["implementation"] == "numpy" and c["tokens"] == 32768]
+    assert skipped["status"] == "unsupported"
+    assert skipped["error"].startswith("skipped: predicted peak 99,328 MiB") and "budget of 2,048 MiB" in skipped["error"]
+
+
+def test_long_preset_and_the_dist_group():
+    from mha_rosetta.backends import available_backends
+    from mha_rosetta.benchmarks.sweep import preset_settings, resolve_implementations
+
+    settings = preset_settings("long")
+    assert (settings.batch, settings.heads, settings.d_model) == ([1], [8], [512])
+    assert settings.tokens == [1024, 2048, 4096, 8192, 16384, 32768]
+    everything = resolve_implementations(["all"])
+    assert "numpy:chunked" in everything
+    sharded = [name for name in ("jax-sharded", "torch-tp") if name in available_backends()]
+    assert not set(sharded) & set(everything)  # worker processes: not in main/all ...
+    dist = resolve_implementations(["dist"])
+    assert all(any(label.startswith(name) for label in dist) for name in sharded)  # ... but in "dist"

@@ -336,6 +336,11 @@ def _worst_block(result: CheckResult) -> Block:
     return block
 
 
+def format_seconds(seconds: float) -> str:
+    """Elapsed time with three significant digits: 0.0412 s, 3.07 s, 73.3 s, 1234 s (never "0.0 s" for work done)."""
+    return f"{seconds:.0f} s" if seconds >= 99.95 else f"{seconds:#.3g} s"
+
+
 def summary_lines(result: CheckResult) -> list[str]:
     runs, pairs = result.run_counts(), result.pair_counts()
     order = [s for s in SEVERITY[::-1] if s in runs or s in pairs]
@@ -345,7 +350,7 @@ def summary_lines(result: CheckResult) -> list[str]:
 
     implementations = len({run.label for run in result.runs})
     return [
-        f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {result.seconds:.1f} s",
+        f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {format_seconds(result.seconds)}",
         f"against the oracle: {counts(runs)}",
         f"between implementations: {counts(pairs)}",
         f"{result.verdict()} (exit status {130 if result.interrupted else result.exit_status})",

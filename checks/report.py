@@ -200,6 +200,11 @@ def explanation_blocks(result: CheckResult) -> list[Block]:
         block.rows = [[name, reason] for name, reason in result.broken_backends.items()]
         block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
         blocks.append(block)
+    if result.frameworks_without_gpu:
+        block = Block("Problems: frameworks that see no GPU (--devices gpu)", ["framework", "why"])
+        block.rows = [[name, reason] for name, reason in result.frameworks_without_gpu.items()]
+        block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
+        blocks.append(block)
     if result.skipped_backends:
         block = Block("Skipped (library not installed)", ["backend", "reason and install command"])
         block.rows = [[name, reason] for name, reason in result.skipped_backends.items()]
@@ -578,6 +583,9 @@ def to_json(result: CheckResult) -> dict:
         },
         "skipped_backends": [{"backend": name, "reason": reason} for name, reason in result.skipped_backends.items()],
         "broken_backends": [{"backend": name, "error": error} for name, error in result.broken_backends.items()],
+        "frameworks_without_gpu": [
+            {"framework": name, "error": error} for name, error in result.frameworks_without_gpu.items()
+        ],
         "declared_differences": {name: list(notes) for name, notes in result.declared_differences.items()},
         "cases": [case.as_dict() for case in result.cases],
         "runs": [_run_json(run) for run in result.runs],

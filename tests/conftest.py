@@ -32,3 +32,26 @@ def cfg():
 @pytest.fixture
 def params(cfg):
     return init_params(cfg, seed=0)
+
+
+# -- --require-gpu: on a GPU machine, a GPU test that skips is a failure ----------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="fail every test marked gpu that would skip (run on a GPU machine: `pytest -m gpu --require-gpu`), "
+        "so that a GPU run where nothing saw the GPU cannot pass",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.get_closest_marker("gpu") is not None and item.config.getoption("require_gpu"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"--require-gpu: this GPU test skipped instead of running: {reason}"

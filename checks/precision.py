@@ -47,6 +47,24 @@ def _errors(result: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     return diff, diff / float(np.max(np.abs(exact)))
 
 
+def _row(library: str, version: str, setting: str, lowered: str, tf32: bool, device: str, gemm, exact, output, mha):
+    """One table row: the setting, and the product's and the layer's errors against float64."""
+    gemm_abs, gemm_rel = _errors(gemm, exact)
+    mha_abs, mha_rel = _errors(output, mha[3])
+    return {
+        "library": library,
+        "version": version,
+        "setting": setting,
+        "lowered": lowered,
+        "tf32_allowed": tf32 and device == "gpu",
+        "device": device,
+        "gemm_max_abs": gemm_abs,
+        "gemm_max_rel": gemm_rel,
+        "mha_max_abs": mha_abs,
+        "mha_max_rel": mha_rel,
+    }
+
+
 def _mha_problem(size: dict):
     cfg = MHAConfig(d_model=size["d_model"], n_heads=size["heads"])
     params = init_params(cfg, seed=0)
@@ -60,7 +78,7 @@ def _torch_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mh
     from mha_rosetta.backends._torch_common import matmul_precision, tf32_switches, to_tensor
     from mha_rosetta.backends.torch_backend import TorchBackend
 
-    cfg, params, x, reference = mha
+    cfg, params, x, _reference = mha
     ta, tb = to_tensor(a, "float32", device), to_tensor(b, "float32", device)
     rows = []
     for allow in (False, True):
@@ -68,21 +86,9 @@ def _torch_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mh
             switches = tf32_switches()
             product = (ta @ tb).double().cpu().numpy()
         output = TorchBackend(allow_tf32=allow).run(cfg, params, x, dtype="float32", device=device)
-        gemm_abs, gemm_rel = _errors(product, exact)
-        mha_abs, mha_rel = _errors(output, reference)
+        lowered = f"{switches['api']}: matmul {switches['matmul']}, cudnn {switches['cudnn']}"
         rows.append(
-            {
-                "library": "torch",
-                "version": torch.__version__,
-                "setting": f"allow_tf32={allow}",
-                "lowered": f"{switches['api']}: matmul {switches['matmul']}, cudnn {switches['cudnn']}",
-                "tf32_allowed": allow and device == "gpu",
-                "device": device,
-                "gemm_max_abs": gemm_abs,
-                "gemm_max_rel": gemm_rel,
-                "mha_max_abs": mha_abs,
-                "mha_max_rel": mha_rel,
-            }
+            _row("torch", torch.__version__, f"allow_tf32={allow}", lowered, allow, device, product, exact, output, mha)
         )
     return rows
 
@@ -94,7 +100,7 @@ def _jax_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha)
     from mha_rosetta.backends._jax_common import LOWERED_PRECISION, MATMUL_PRECISIONS, allows_tf32, jax_device
     from mha_rosetta.backends.jax_backend import JaxBackend
 
-    cfg, params, x, reference = mha
+    cfg, params, x, _reference = mha
     target = jax_device(device)
     ja = jax.device_put(np.asarray(a, dtype=np.float32), target)
     jb = jax.device_put(np.asarray(b, dtype=np.float32), target)
@@ -103,22 +109,8 @@ def _jax_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha)
         with jax.default_matmul_precision(name):  # a tracing-time setting: jit inside it
             product = np.asarray(jax.jit(jnp.matmul)(ja, jb), dtype=np.float64)
         output = JaxBackend(matmul_precision=name).run(cfg, params, x, dtype="float32", device=device)
-        gemm_abs, gemm_rel = _errors(product, exact)
-        mha_abs, mha_rel = _errors(output, reference)
-        rows.append(
-            {
-                "library": "jax",
-                "version": jax.__version__,
-                "setting": f"default_matmul_precision={name!r}",
-                "lowered": LOWERED_PRECISION[name],
-                "tf32_allowed": allows_tf32(name) and device == "gpu",
-                "device": device,
-                "gemm_max_abs": gemm_abs,
-                "gemm_max_rel": gemm_rel,
-                "mha_max_abs": mha_abs,
-                "mha_max_rel": mha_rel,
-            }
-        )
+        setting, lowered = f"default_matmul_precision={name!r}", LOWERED_PRECISION[name]
+        rows.append(_row("jax", jax.__version__, setting, lowered, allows_tf32(name), device, product, exact, output, mha))
     return rows
 
 

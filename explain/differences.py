@@ -387,7 +387,10 @@ def tf32_default(setup: Setup) -> Difference:
     if _installed("torch"):
         import torch
 
-        rows.append(("torch defaults", f"get_float32_matmul_precision() = {torch.get_float32_matmul_precision()!r}, backends.cuda.matmul.allow_tf32 = {torch.backends.cuda.matmul.allow_tf32}, backends.cudnn.allow_tf32 = {torch.backends.cudnn.allow_tf32}"))
+        from mha_rosetta.backends._torch_common import tf32_switches
+
+        switches = tf32_switches()  # the old getters raise once torch >= 2.9's new API turned TF32 on
+        rows.append(("torch defaults", f"TF32 switches ({switches['api']} API): cuda.matmul {switches['matmul']}, cudnn {switches['cudnn']}"))
         gpu_torch = torch.cuda.is_available()
     if _installed("jax"):
         import jax
@@ -406,15 +409,13 @@ def tf32_default(setup: Setup) -> Difference:
     if gpu_torch:
         import torch
 
+        from mha_rosetta.backends._torch_common import matmul_precision
+
         ta, tb = torch.from_numpy(a).float().cuda(), torch.from_numpy(b).float().cuda()
-        saved = torch.backends.cuda.matmul.allow_tf32
-        try:
-            for allow in (False, True):
-                torch.backends.cuda.matmul.allow_tf32 = allow
+        for allow in (False, True):
+            with matmul_precision(allow):  # set, then restored through the API it was read with
                 error = float(np.max(np.abs((ta @ tb).cpu().double().numpy() - exact)))
-                rows.append((f"torch cuda float32 1024x1024 matmul, allow_tf32={allow}", f"max error vs float64 {error:.2e}"))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
+            rows.append((f"torch cuda float32 1024x1024 matmul, allow_tf32={allow}", f"max error vs float64 {error:.2e}"))
     if gpu_jax:
         import jax
         import jax.numpy as jnp

@@ -548,7 +548,9 @@ def run_check(
 
     backends:   None (every installed backend), names ("numpy,torch" or a list) or Backend objects.
     strategies: None (each backend's own strategies) or names to keep.
-    devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all".
+    devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all". Naming the GPU makes every
+                installed GPU-capable framework that sees none an error (`checks.devices`);
+                "all" runs on whatever devices are present.
     dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`);
                 "all": every case in every dtype (the exhaustive product).
     cases:      None (every spec case), names, or SpecCase objects.
@@ -576,7 +578,7 @@ def run_check(
         b.name: tuple(getattr(b, "known_differences", ())) for b in chosen if getattr(b, "known_differences", ())
     }
     result = CheckResult(settings, spec_cases, skipped, [], [], broken_backends=broken, declared_differences=declared)
-    if "gpu" in device_names:
+    if "gpu" in device_names and _split(devices) != ["all"]:  # "all": whatever devices are here
         result.frameworks_without_gpu = frameworks_without_gpu(chosen)
     try:
         for case in spec_cases:

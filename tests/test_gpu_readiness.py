@@ -65,9 +65,11 @@ def test_gpu_check_fails_naming_each_framework_that_misses_the_gpu(monkeypatch, 
         assert result.exit_status == 0
 
 
-def test_cpu_check_does_not_ask_frameworks_for_a_gpu(monkeypatch):
+@pytest.mark.parametrize("devices", [None, "cpu", "all"])
+def test_only_a_named_gpu_asks_frameworks_for_one(monkeypatch, devices):
     monkeypatch.setattr(check_devices, "GPU_PROBES", _probes(torch=False, jax=False))
-    result = run_check(backends=[GpuFake("fake-torch", "torch")], cases=cases_in(["float32"], "self_attention"))
+    backends = [GpuFake("fake-torch", "torch")]
+    result = run_check(backends=backends, devices=devices, cases=cases_in(["float32"], "self_attention"))
     assert result.frameworks_without_gpu == {} and result.exit_status == 0
 
 

@@ -16,7 +16,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -114,45 +113,59 @@ def test_summary_time_has_three_significant_digits():
 # -- pytest --require-gpu ---------------------------------------------------------------------------
 
 
-def test_require_gpu_turns_gpu_skips_into_failures(tmp_path):
-    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
-    (tmp_path / "test_sample.py").write_text(
-        textwrap.dedent(
-            """
-            import pytest
+_SAMPLE_TESTS = """
+import pytest
+from conftest import gpu_skipif, skip_without_gpu
 
-            @pytest.mark.gpu
-            @pytest.mark.skipif(True, reason="no CUDA device (decorator)")
-            def test_gpu_skipped_by_mark():
-                pass
+@pytest.mark.gpu
+@gpu_skipif(True, "no CUDA device (decorator)")
+def test_gpu_skipped_by_mark():
+    pass
 
-            @pytest.mark.gpu
-            def test_gpu_skipped_inside():
-                pytest.skip("no GPU (inside the test)")
+@pytest.mark.gpu
+def test_gpu_skipped_inside():
+    skip_without_gpu("JAX sees no GPU (inside the test)")
 
-            @pytest.mark.gpu
-            def test_gpu_that_runs():
-                pass
+@pytest.mark.gpu
+def test_gpu_legitimate_skip():
+    pytest.skip("this library offers no float64")
 
-            def test_cpu_skip():
-                pytest.skip("not about GPUs")
-            """
-        )
-    )
+@pytest.mark.gpu
+def test_gpu_that_runs():
+    pass
 
-    def run(*options):
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tmp_path), *options]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+def test_cpu_skip():
+    pytest.skip("not about GPUs")
+"""
 
-    plain = run()
-    assert plain.returncode == 0 and "1 passed, 3 skipped" in plain.stdout, plain.stdout
-    strict = run("--require-gpu")
+
+def _run_pytest(folder: Path, tests: str, *options):
+    (folder / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    (folder / "test_sample.py").write_text(tests)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(folder), *options]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=folder)
+
+
+def test_require_gpu_turns_missing_gpu_skips_into_failures(tmp_path):
+    plain = _run_pytest(tmp_path, _SAMPLE_TESTS)
+    assert plain.returncode == 0 and "1 passed, 4 skipped" in plain.stdout, plain.stdout
+    strict = _run_pytest(tmp_path, _SAMPLE_TESTS, "--require-gpu")
     assert strict.returncode == 1, strict.stdout
-    # the decorator skip happens at setup (an error), the inner one in the call (a failure)
-    assert "1 failed, 1 passed, 1 skipped, 1 error" in strict.stdout, strict.stdout
-    assert "--require-gpu: this GPU test skipped instead of running: Skipped: no GPU (inside the test)" in strict.stdout
-    assert "no CUDA device (decorator)" in strict.stdout
+    # the decorator skip happens at setup (an error), the inner one in the call (a failure);
+    # the legitimate skip of a GPU test and the CPU test's skip stay skips
+    assert "1 failed, 1 passed, 2 skipped, 1 error" in strict.stdout, strict.stdout
+    assert "--require-gpu: this GPU test skipped instead of running: Skipped: no GPU: JAX sees no GPU" in strict.stdout
+    assert "no GPU: no CUDA device (decorator)" in strict.stdout
+
+
+def test_require_gpu_fails_a_run_in_which_no_gpu_test_passed(tmp_path):
+    only_legitimate_skips = (
+        "import pytest\n\n@pytest.mark.gpu\ndef test_gpu_legitimate_skip():\n    pytest.skip('no float64 here')\n"
+    )
+    assert _run_pytest(tmp_path, only_legitimate_skips).returncode == 0
+    strict = _run_pytest(tmp_path, only_legitimate_skips, "--require-gpu")
+    assert strict.returncode == 1 and "--require-gpu: no test marked gpu passed" in strict.stderr
 
 
 # -- the explainer's JAX demonstrations ---------------------------------------------------------------

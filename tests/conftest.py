@@ -50,6 +50,7 @@ def gpu_skipif(condition: bool, reason: str):
 
 def skip_without_gpu(reason: str):
     """``pytest.skip`` for a missing GPU; --require-gpu turns it into a failure."""
+    __tracebackhide__ = True  # report the skip at the test that called this
     pytest.skip(f"{NO_GPU} {reason}")
 
 

@@ -1,0 +1,88 @@
+"""``hf-gpt-neox``: Hugging Face ``GPTNeoXAttention`` (transformers/models/gpt_neox/modeling_gpt_neox.py).
+
+Keys are relative to ``GPTNeoXAttention`` (``gpt_neox.layers.{i}.attention.`` in a
+Pythia / GPT-NeoX checkpoint). ``query_key_value (3E, E)`` packs q, k and v **per
+head**: rows ``3*d*h : 3*d*(h+1)`` hold ``[q_h; k_h; v_h]``. The module splits it with
+``view(B, N, H, 3*d)`` and ``chunk(3, dim=-1)``; reading it as ``[Q; K; V]`` blocks (the
+``nn.MultiheadAttention`` / timm packing) mixes heads and roles without any shape error.
+Rotary embeddings (rotate-half) turn only the first ``rotary_pct * d`` features of a head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAParams
+
+from ._layout import (
+    PER_HEAD,
+    Layout,
+    default_scale,
+    head_dim_is_width_over_heads,
+    no_grouped_kv,
+    rotary_is,
+    same_head_dims,
+    self_attention_widths,
+)
+from ._packing import pack_groups, unpack_groups
+
+MODULE = "GPTNeoXAttention"
+
+
+def _shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
+    E = cfg.d_model
+    shapes = {"query_key_value.weight": (3 * E, E), "dense.weight": (E, E)}
+    if cfg.bias:
+        shapes.update({"query_key_value.bias": (3 * E,), "dense.bias": (E,)})
+    return shapes
+
+
+# With one query head per kv group (no GQA here), Megatron's per-group packing is exactly
+# GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
+def _pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
+    state = {
+        "query_key_value.weight": pack_groups(cfg, params.w_q, params.w_k, params.w_v),  # (3E, E)
+        "dense.weight": params.w_o.copy(),
+    }
+    if cfg.bias:
+        state["query_key_value.bias"] = pack_groups(cfg, params.b_q, params.b_k, params.b_v)  # (3E,)
+        state["dense.bias"] = params.b_o.copy()
+    return state
+
+
+def _unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
+    w_q, w_k, w_v = unpack_groups(cfg, state["query_key_value.weight"])
+    b_q, b_k, b_v = unpack_groups(cfg, state.get("query_key_value.bias"))
+    return MHAParams(w_q, w_k, w_v, state["dense.weight"], b_q, b_k, b_v, state.get("dense.bias"))
+
+
+LAYOUT = Layout(
+    name="hf-gpt-neox",
+    module=MODULE,
+    description="GPT-NeoX / Pythia: query_key_value (3E, E) packed per head [q_h; k_h; v_h]; dense",
+    packing=PER_HEAD,
+    scale="1/sqrt(d_k)",
+    rotary="half (rotate_half) on the first rotary_pct * d_k features of each head (partial rotary)",
+    source="transformers/models/gpt_neox/modeling_gpt_neox.py",
+    split="query_key_value(x).view(B, N, H, 3*d).transpose(1, 2).chunk(3, dim=-1) -> q, k, v (B, H, N, d)",
+    rules=(
+        no_grouped_kv(MODULE),
+        head_dim_is_width_over_heads(MODULE),
+        same_head_dims(MODULE),
+        self_attention_widths(MODULE),
+        default_scale(MODULE),
+        rotary_is(("half",), MODULE, partial=True),
+    ),
+    shapes=_shapes,
+    pack=_pack,
+    unpack=_unpack,
+    notes=(
+        "rope_dims = int(d_k * rotary_pct) (config.rope_parameters['partial_rotary_factor'] in transformers 5); "
+        "Pythia uses rotary_pct = 0.25",
+        "bias: config.attention_bias (on by default) puts a bias on both layers",
+        "eager attention runs its softmax in float32 even in a float64 model: expect float32-sized differences",
+    ),
+)
+
+to_state_dict = LAYOUT.to_state_dict
+from_state_dict = LAYOUT.from_state_dict

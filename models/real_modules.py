@@ -19,6 +19,7 @@ imports NumPy only.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -496,7 +497,10 @@ def _keras(cfg, state, x, padding):
     mask = allowed_mask(cfg, B, N, padding)[:, 0]  # (B, N, N), True = may attend: Keras's polarity
     backend = keras.backend.backend()
     run = RealRun(
-        "keras", "real", f"keras.layers.MultiHeadAttention ({backend} backend)", np.zeros(0),
+        "keras",
+        "real",
+        f"keras.layers.MultiHeadAttention ({backend} backend)",
+        np.zeros(0),
         parameters={name: tuple(variable.shape) for name, variable in by_path.items()},
     )
     try:
@@ -514,7 +518,8 @@ def _keras(cfg, state, x, padding):
 
 
 def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras colours its messages for terminals
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     # Keras wraps the backend error in "Exception encountered when calling ...": keep the backend's own line.
     inner = [line for line in lines if not line.startswith(("Exception encountered", "Arguments received", "•"))]
     return (inner or lines or [""])[0]

@@ -52,14 +52,23 @@ def test_probe_reports_the_import_error_of_an_installed_module(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
     assert result.installed and not result.ok
-    assert result.reason == "mha_rosetta_broken_lib is installed but failed to import: RuntimeError: simulated: no device library"
+    assert (
+        result.reason
+        == "mha_rosetta_broken_lib is installed but failed to import: RuntimeError: simulated: no device library"
+    )
 
 
 def test_check_skips_a_backend_whose_library_fails_to_import(tmp_path):
     fake = _broken_packages(tmp_path, einops='raise ImportError("simulated broken einops")')
-    result = _run(["check", "--backends", "numpy,einops-numpy", "--cases", "self_attention", "--dtypes", "float64", "--plain"], fake)
+    result = _run(
+        ["check", "--backends", "numpy,einops-numpy", "--cases", "self_attention", "--dtypes", "float64", "--plain"],
+        fake,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "backend 'einops-numpy' cannot load: einops is installed but failed to import: ImportError: simulated broken einops" in result.stdout
+    assert (
+        "backend 'einops-numpy' cannot load: einops is installed but failed to import: ImportError: simulated broken einops"
+        in result.stdout
+    )
 
 
 def test_explain_runs_through_libraries_that_fail_to_import(tmp_path):

@@ -82,7 +82,20 @@ def test_gpt_neox_packs_per_head():
     assert list(packed[:5]) == [1000, 1001, 1002, 1003, 1004]  # blocks: q rows first
     # hf-gpt-neox needs rope; its packing is pack_groups with one query head per group:
     per_head = pack_groups(cfg, *(getattr(_tagged_params(cfg), w)[:, 0] for w in ("w_q", "w_k", "w_v")))
-    assert list(per_head[:12]) == [1000, 1001, 1002, 1003, 2000, 2001, 2002, 2003, 3000, 3001, 3002, 3003]  # [q_0; k_0; v_0]
+    assert list(per_head[:12]) == [
+        1000,
+        1001,
+        1002,
+        1003,
+        2000,
+        2001,
+        2002,
+        2003,
+        3000,
+        3001,
+        3002,
+        3003,
+    ]  # [q_0; k_0; v_0]
     assert list(per_head[12:16]) == [1004, 1005, 1006, 1007]  # then q_1
 
 
@@ -90,9 +103,30 @@ def test_megatron_packs_per_query_group():
     cfg = MHAConfig(d_model=12, n_heads=4, n_kv_heads=2, d_k=2)  # two query heads per group
     column = get_layout("megatron").to_state_dict(cfg, _tagged_params(cfg))["linear_qkv.weight"][:, 0]
     # group 0: q heads 0 and 1 (rows 0..3), k_0 (2 rows), v_0 (2 rows); then group 1
-    assert list(column) == [1000, 1001, 1002, 1003, 2000, 2001, 3000, 3001, 1004, 1005, 1006, 1007, 2002, 2003, 3002, 3003]
+    assert list(column) == [
+        1000,
+        1001,
+        1002,
+        1003,
+        2000,
+        2001,
+        3000,
+        3001,
+        1004,
+        1005,
+        1006,
+        1007,
+        2002,
+        2003,
+        3002,
+        3003,
+    ]
     q, k, v = unpack_groups(cfg, column)
-    assert list(q) == list(range(1000, 1008)) and list(k) == [2000, 2001, 2002, 2003] and list(v) == [3000, 3001, 3002, 3003]
+    assert (
+        list(q) == list(range(1000, 1008))
+        and list(k) == [2000, 2001, 2002, 2003]
+        and list(v) == [3000, 3001, 3002, 3003]
+    )
 
 
 def test_timm_qkv_is_torch_in_proj_row_for_row():
@@ -126,15 +160,39 @@ def test_unknown_layout():
 @pytest.mark.parametrize(
     ("name", "cfg", "match"),
     [
-        ("hf-gpt2", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2), r"layout 'hf-gpt2' .*MHAConfig.n_kv_heads=2 != n_heads=4: GPT2Attention"),
-        ("hf-gpt2", MHAConfig(d_model=15, n_heads=3, bias=False), r"MHAConfig.bias=False: GPT-2's Conv1D layers always have a bias"),
-        ("hf-t5", MHAConfig(d_model=15, n_heads=3, bias=False), r"layout 'hf-t5' .*MHAConfig.scale=0.447214: T5Attention does not scale"),
-        ("hf-t5", MHAConfig(d_model=15, n_heads=3, scale=1.0), r"MHAConfig.bias=True: T5's q/k/v/o are nn.Linear\(..., bias=False\)"),
-        ("hf-bert", MHAConfig(d_model=15, n_heads=3, d_k=4), r"MHAConfig.d_k=4: BertSelfAttention fixes d_k = d_model / n_heads = 5"),
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=16, n_heads=4, n_kv_heads=2),
+            r"layout 'hf-gpt2' .*MHAConfig.n_kv_heads=2 != n_heads=4: GPT2Attention",
+        ),
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=15, n_heads=3, bias=False),
+            r"MHAConfig.bias=False: GPT-2's Conv1D layers always have a bias",
+        ),
+        (
+            "hf-t5",
+            MHAConfig(d_model=15, n_heads=3, bias=False),
+            r"layout 'hf-t5' .*MHAConfig.scale=0.447214: T5Attention does not scale",
+        ),
+        (
+            "hf-t5",
+            MHAConfig(d_model=15, n_heads=3, scale=1.0),
+            r"MHAConfig.bias=True: T5's q/k/v/o are nn.Linear\(..., bias=False\)",
+        ),
+        (
+            "hf-bert",
+            MHAConfig(d_model=15, n_heads=3, d_k=4),
+            r"MHAConfig.d_k=4: BertSelfAttention fixes d_k = d_model / n_heads = 5",
+        ),
         ("timm-vit", MHAConfig(d_model=15, n_heads=3, kdim=11), r"MHAConfig.kdim=11, vdim=15: timm Attention projects"),
         ("keras", MHAConfig(d_model=16, n_heads=4, n_kv_heads=1), r"layout 'keras' .*n_kv_heads=1 != n_heads=4"),
         ("flax", MHAConfig(d_model=15, n_heads=3, d_v=4), r"MHAConfig.d_v=4 != d_k=5: flax"),
-        ("meta-llama", MHAConfig(d_model=16, n_heads=4, bias=False), r"layout 'meta-llama' .*MHAConfig.rope=None: Meta's llama Attention applies rope='interleaved'"),
+        (
+            "meta-llama",
+            MHAConfig(d_model=16, n_heads=4, bias=False),
+            r"layout 'meta-llama' .*MHAConfig.rope=None: Meta's llama Attention applies rope='interleaved'",
+        ),
         ("hf-llama", MHAConfig(d_model=16, n_heads=4), r"MHAConfig.rope=None: LlamaAttention applies rope='half'"),
     ],
 )

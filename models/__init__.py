@@ -20,11 +20,13 @@ different rotary conventions (Meta's interleaved pairs vs Hugging Face's halves)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
+from mha_rosetta.core.rotary import to_interleaved_params, to_rotate_half_params
 
 from . import hf_bert, hf_gpt2, hf_gpt_neox, hf_llama, hf_t5, keras_mha, megatron, meta_llama, timm_vit
 from ._layout import BLOCKS, PACKINGS, PER_GROUP, PER_HEAD, SEPARATE, Layout, LayoutError
@@ -72,22 +74,18 @@ def convert_state_dict(
     params = source_layout.from_state_dict(cfg, state_dict)
     target_cfg = cfg
     target_rope = _rope_target(target_layout, cfg)
-    if target_rope != getattr(cfg, "rope", None):
-        from mha_rosetta.core import rotary
-
-        convert = {"half": rotary.to_rotate_half_params, "interleaved": rotary.to_interleaved_params}[target_rope]
-        target_cfg, params = convert(cfg, params)
+    if target_rope != cfg.rope:
+        convert = {"half": to_rotate_half_params, "interleaved": to_interleaved_params}[target_rope]
+        target_cfg, params = convert(cfg, params)  # the per-head row permutation of w_q/w_k (and b_q/b_k)
     return target_cfg, target_layout.to_state_dict(target_cfg, params)
 
 
 def _rope_target(layout: Layout, cfg: MHAConfig) -> str | None:
     """The rotary convention ``layout`` needs for ``cfg`` (the other one when only that one fits)."""
-    rope = getattr(cfg, "rope", None)
+    rope = cfg.rope
     if rope is None or layout.unsupported_reason(cfg) is None:
         return rope
     other = {"half": "interleaved", "interleaved": "half"}[rope]
-    import dataclasses
-
     if layout.unsupported_reason(dataclasses.replace(cfg, rope=other)) is None:
         return other
     return rope  # neither fits: to_state_dict raises with the layout's own reason

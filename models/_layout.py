@@ -206,7 +206,7 @@ def rotary_is(allowed: tuple[str | None, ...], module: str, partial: bool = Fals
     """The module applies one of ``allowed`` rotary conventions (None: no rotary at all)."""
 
     def rule(cfg: MHAConfig) -> str | None:
-        rope = getattr(cfg, "rope", None)  # TEMP until MHAConfig.rope lands on main
+        rope = cfg.rope
         if rope not in allowed:
             wanted = " or ".join("None" if style is None else repr(style) for style in allowed)
             return f"MHAConfig.rope={rope!r}: {module} applies rope={wanted}"

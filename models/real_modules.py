@@ -244,7 +244,7 @@ def _meta_llama(cfg, state, x, padding):
 
     hf_cfg, hf_state = convert_state_dict(cfg, state, "meta-llama", "hf-llama")
     run = _llama(hf_cfg, hf_state, x, padding, layout="meta-llama")
-    reimplemented = _meta_reference_forward(cfg, state, x, padding)
+    reimplemented = meta_reference_forward(cfg, state, x, padding)
     run.kind = "equivalent"
     run.module = "transformers LlamaAttention after convert_state_dict(meta-llama -> hf-llama)"
     run.note = (
@@ -256,7 +256,7 @@ def _meta_llama(cfg, state, x, padding):
     return run
 
 
-def _meta_reference_forward(cfg, state, x, padding):
+def meta_reference_forward(cfg: MHAConfig, state: dict[str, np.ndarray], x: np.ndarray, padding=None) -> np.ndarray:
     """Meta's Attention.forward rewritten from llama/model.py (float64): wq/wk/wv/wo and view_as_complex rotary."""
     import torch
 
@@ -444,7 +444,7 @@ def _megatron(cfg, state, x, padding):
     q = query.permute(1, 2, 0, 3)  # (b, H, s, d)
     k = key.permute(1, 2, 0, 3)  # (b, G, s, d)
     v = value.permute(1, 2, 0, 3)
-    if getattr(cfg, "rope", None) is not None:  # TEMP until MHAConfig.rope lands
+    if cfg.rope is not None:
         q, k = _rotate_bhsd(cfg, q), _rotate_bhsd(cfg, k)
     allowed = torch.from_numpy(allowed_mask(cfg, B, N, padding))
     context = torch.nn.functional.scaled_dot_product_attention(

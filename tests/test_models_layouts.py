@@ -16,9 +16,9 @@ from mha_rosetta.models import LAYOUTS, LayoutError, get_layout, pack_groups, un
 CONFIGS = {
     "hf-gpt2": MHAConfig(d_model=15, n_heads=3),
     "hf-bert": MHAConfig(d_model=15, n_heads=3),
-    "hf-llama": None,  # needs rope: see test_models_real.py
-    "meta-llama": None,
-    "hf-gpt-neox": None,
+    "hf-llama": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, rope="half"),
+    "meta-llama": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, bias=False, rope="interleaved"),
+    "hf-gpt-neox": MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
     "timm-vit": MHAConfig(d_model=15, n_heads=3),
     "hf-t5": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0),
@@ -27,7 +27,7 @@ CONFIGS = {
     "flax": MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=9),
     "equinox": MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9, bias=False),
 }
-ROUND_TRIP = [name for name, cfg in CONFIGS.items() if cfg is not None]
+ROUND_TRIP = list(CONFIGS)
 
 
 def test_registry_lists_every_family():
@@ -194,6 +194,31 @@ def test_unknown_layout():
             r"layout 'meta-llama' .*MHAConfig.rope=None: Meta's llama Attention applies rope='interleaved'",
         ),
         ("hf-llama", MHAConfig(d_model=16, n_heads=4), r"MHAConfig.rope=None: LlamaAttention applies rope='half'"),
+        (
+            "hf-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="interleaved"),
+            r"MHAConfig.rope='interleaved': LlamaAttention applies rope='half'",
+        ),
+        (
+            "hf-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="half", rope_dims=2),
+            r"MHAConfig.rope_dims=2: LlamaAttention rotates every feature",
+        ),
+        (
+            "meta-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="interleaved"),
+            r"MHAConfig.bias=True: Meta's wq/wk/wv/wo are built with bias=False",
+        ),
+        (
+            "hf-gpt-neox",
+            MHAConfig(d_model=24, n_heads=3, rope="interleaved"),
+            r"layout 'hf-gpt-neox' .*rope='interleaved': GPTNeoXAttention applies rope='half'",
+        ),
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=16, n_heads=4, rope="half"),
+            r"MHAConfig.rope='half': GPT2Attention applies rope=None",
+        ),
     ],
 )
 def test_config_the_module_cannot_hold(name, cfg, match):
@@ -228,3 +253,27 @@ def test_t5_layer_with_relative_bias_is_named_as_unexpected():
     state = {**layout.to_state_dict(cfg, init_params(cfg)), "relative_attention_bias.weight": np.zeros((32, 3))}
     with pytest.raises(LayoutError, match=r"unexpected relative_attention_bias.weight"):
         layout.from_state_dict(cfg, state)
+
+
+def test_odd_rope_dims_is_refused_before_any_layout_sees_it():
+    with pytest.raises(ValueError, match=r"MHAConfig.rope_dims must be even"):
+        MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=3)
+
+
+def test_meta_to_hf_conversion_permutes_q_and_k_rows_per_head_and_back():
+    from mha_rosetta.core import rope_permutation
+    from mha_rosetta.models import convert_state_dict
+
+    cfg = CONFIGS["meta-llama"]  # d_k = 4: HF's view(H, d/2, 2, E).transpose(1, 2) is rows [0, 2, 1, 3] per head
+    meta = get_layout("meta-llama").to_state_dict(cfg, init_params(cfg, seed=8))
+    hf_cfg, hf = convert_state_dict(cfg, meta, "meta-llama", "hf-llama")
+    assert hf_cfg.rope == "half" and list(rope_permutation(4, 4)) == [0, 2, 1, 3]
+    assert np.array_equal(hf["q_proj.weight"][4:8], meta["wq.weight"][[4, 6, 5, 7]])  # head 1
+    assert np.array_equal(
+        hf["k_proj.weight"], meta["wk.weight"].reshape(2, 2, 2, 16).transpose(0, 2, 1, 3).reshape(8, 16)
+    )
+    assert np.array_equal(hf["v_proj.weight"], meta["wv.weight"]) and np.array_equal(
+        hf["o_proj.weight"], meta["wo.weight"]
+    )
+    back_cfg, back = convert_state_dict(hf_cfg, hf, "hf-llama", "meta-llama")
+    assert back_cfg == cfg and all(np.array_equal(back[k], meta[k]) for k in meta)

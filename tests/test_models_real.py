@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 
 from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_stages
-from mha_rosetta.models import get_layout
-from mha_rosetta.models.real_modules import allowed_mask, run_real, unavailable_reason
+from mha_rosetta.models import convert_state_dict, get_layout
+from mha_rosetta.models.real_modules import allowed_mask, meta_reference_forward, run_real, unavailable_reason
 
 BATCH, TOKENS = 2, 7
 PADDING = np.ones((BATCH, TOKENS), dtype=bool)
@@ -46,9 +46,30 @@ CASES = [
     ("hf-bert", MHAConfig(d_model=15, n_heads=3), True, "real"),
     ("hf-t5", MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0), True, "real"),
     ("hf-t5", MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True), False, "real"),
+    (
+        "hf-llama",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", bias=False, causal=True),
+        True,
+        "real",
+    ),
+    ("hf-llama", MHAConfig(d_model=15, n_heads=3, d_k=4, rope="half", rope_base=500.0), True, "real"),
+    (
+        "meta-llama",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="interleaved", bias=False, causal=True),
+        True,
+        "equivalent",
+    ),
+    ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=2, causal=True), True, "real"),
+    ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", bias=False), False, "real"),
     ("timm-vit", MHAConfig(d_model=15, n_heads=3), False, "equivalent"),
     ("megatron", MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3), True, "reimplementation"),
     ("megatron", MHAConfig(d_model=15, n_heads=3, causal=True, bias=False), False, "reimplementation"),
+    (
+        "megatron",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="interleaved", rope_dims=2, causal=True),
+        True,
+        "reimplementation",
+    ),
     ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4), True, "real"),
     ("torch-mha", MHAConfig(d_model=15, n_heads=3, causal=True), True, "real"),
     ("flax", MHAConfig(d_model=15, n_heads=3, d_k=4), True, "real"),
@@ -158,3 +179,33 @@ def test_a_packing_mix_up_is_caught_by_the_real_module():
     run = run_real("timm-vit", cfg, mixed, _inputs(cfg))
     expected = reference_stages(cfg, params, _inputs(cfg))["output"]
     assert np.max(np.abs(run.output - expected)) > 0.1
+
+
+META_CFG = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="interleaved", bias=False, causal=True)
+
+
+def test_meta_llama_own_forward_is_the_spec_in_float64():
+    """Meta's Attention.forward (view_as_complex rotary on wq/wk/wv/wo), rewritten from its source, in float64."""
+    _skip_unless_runnable("meta-llama")
+    params = init_params(META_CFG, seed=9)
+    x = _inputs(META_CFG)
+    state = get_layout("meta-llama").to_state_dict(META_CFG, params)
+    output = meta_reference_forward(META_CFG, state, x, PADDING)
+    expected = reference_stages(META_CFG, params, x, mask=allowed_mask(META_CFG, BATCH, TOKENS, PADDING))["output"]
+    assert_close(output, expected, "float64", what="Meta's forward")
+
+
+def test_meta_weights_in_hf_llama_need_the_row_permutation():
+    """Copying wq/wk into q_proj/k_proj unchanged runs without any error and gives wrong output."""
+    _skip_unless_runnable("hf-llama")
+    params = init_params(META_CFG, seed=10)
+    x = _inputs(META_CFG)
+    meta = get_layout("meta-llama").to_state_dict(META_CFG, params)
+    expected = reference_stages(META_CFG, params, x, mask=allowed_mask(META_CFG, BATCH, TOKENS, PADDING))["output"]
+    hf_cfg, hf = convert_state_dict(META_CFG, meta, "meta-llama", "hf-llama")
+    converted = run_real("hf-llama", hf_cfg, hf, x, PADDING)
+    assert_close(converted.output, expected, converted.precision, what="converted Meta weights in LlamaAttention")
+    names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+    renamed = {names[k.split(".")[0]] + ".weight": v for k, v in meta.items()}
+    naive = run_real("hf-llama", hf_cfg, renamed, x, PADDING)
+    assert np.max(np.abs(naive.output - expected)) > 1e-2

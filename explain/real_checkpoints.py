@@ -213,22 +213,24 @@ def save_packing_png(path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .head_split import PLOT_COLOURS
-
+    role_colours = {"q": "#4c78a8", "k": "#f58518", "v": "#54a24b"}  # one colour per role; labels carry the head
     figure, axes = plt.subplots(len(PACKING_EXAMPLES), 1, figsize=(12, 1.6 * len(PACKING_EXAMPLES) + 0.6))
     for ax, (packing, layout_name, tensor, caption) in zip(axes, PACKING_EXAMPLES, strict=True):
         cfg, owners = packing_rows(layout_name, tensor)
         for row, owner in enumerate(owners):
-            letter, head = owner.split()[0], int(owner.split()[-1])
-            ax.add_patch(plt.Rectangle((row, 0), 1, 1, color=PLOT_COLOURS[head % len(PLOT_COLOURS)], alpha=0.45 if letter == "q" else 0.9))
-            ax.text(row + 0.5, 0.5, f"{letter}{head}", ha="center", va="center", fontsize=6)
+            letter, head = owner.split()[0], owner.split()[-1]
+            ax.add_patch(plt.Rectangle((row, 0), 1, 1, facecolor=role_colours[letter], edgecolor="white", linewidth=0.5))
+            ax.text(row + 0.5, 0.5, f"{letter}{head}", ha="center", va="center", fontsize=6, color="white")
+            if row and owner != owners[row - 1]:  # a new (role, head) block starts here
+                ax.axvline(row, color="black", linewidth=1.2)
         ax.set_xlim(0, len(owners))
         ax.set_ylim(0, 1)
         ax.set_yticks([])
         ax.set_xticks(range(0, len(owners) + 1, cfg.d_k))
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_title(f"{packing}: {layout_name} {tensor} {tuple(get_shape(layout_name, cfg, tensor))}  -  {caption}", fontsize=9, loc="left")
-    axes[-1].set_xlabel("row of the stored (out, in) weight; label = role + head (kv head for k, v); colour = query head / kv head")
+        shape = get_layout_shape(layout_name, cfg, tensor)
+        ax.set_title(f"{packing}: {layout_name} {tensor} {shape}  -  {caption}", fontsize=9, loc="left")
+    axes[-1].set_xlabel("row of the stored (out, in) weight; label = role + head (the kv head for k and v); blue q, orange k, green v")
     figure.suptitle(f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv groups)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -236,7 +238,7 @@ def save_packing_png(path) -> str:
     return str(path)
 
 
-def get_shape(layout_name: str, cfg: MHAConfig, tensor: str) -> tuple[int, ...]:
+def get_layout_shape(layout_name: str, cfg: MHAConfig, tensor: str) -> tuple[int, ...]:
     from mha_rosetta.models import get_layout
 
     return get_layout(layout_name).expected_shapes(cfg)[tensor]

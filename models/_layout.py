@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes, validate_params
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAParams,
+    expected_param_shapes,
+    from_row_sample,
+    to_row_sample,
+    validate_params,
+)
 from mha_rosetta.core.config import require_config
 from mha_rosetta.core.layouts import _to_numpy  # torch tensors and JAX/Keras arrays -> NumPy, no framework import
 
@@ -174,6 +181,16 @@ def self_attention_widths(module: str) -> Rule:
     return rule
 
 
+def classic_heads(module: str) -> tuple[Rule, ...]:
+    """The rules of a module built like ``nn.MultiheadAttention``: H heads of d_model / H, no grouping, self-attention."""
+    return (
+        no_grouped_kv(module),
+        head_dim_is_width_over_heads(module),
+        same_head_dims(module),
+        self_attention_widths(module),
+    )
+
+
 def bias_is(value: bool, why: str) -> Rule:
     def rule(cfg: MHAConfig) -> str | None:
         if cfg.bias != value:
@@ -215,6 +232,49 @@ def rotary_is(allowed: tuple[str | None, ...], module: str, partial: bool = Fals
         return None
 
     return rule
+
+
+# --- one fused q/k/v layer and one output layer: the families that pack q, k and v together ---
+
+
+def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False):
+    """shapes, pack, unpack for a module with one fused q/k/v layer ``qkv`` and an output layer ``out``.
+
+    ``pack_rows(cfg, q, k, v)`` / ``unpack_rows(cfg, packed)`` order the rows (`_packing`).
+    Weights are ``(out, in)`` like ``nn.Linear``, or ``(in, out)`` with ``conv1d`` (GPT-2's
+    ``Conv1D``, the row-sample ``W_B``); ``{name}.bias`` is stored when cfg has biases.
+    """
+
+    def orient(weight: np.ndarray) -> np.ndarray:
+        return to_row_sample(weight) if conv1d else weight.copy()  # Conv1D keeps (in, out): the transpose
+
+    def unorient(weight: np.ndarray) -> np.ndarray:
+        return from_row_sample(weight) if conv1d else weight
+
+    def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
+        rows = cfg.q_width + cfg.k_width + cfg.v_width
+        weights = {f"{qkv}.weight": (rows, cfg.d_model), f"{out}.weight": (cfg.d_model, cfg.context_width)}
+        result = {name: shape[::-1] if conv1d else shape for name, shape in weights.items()}
+        if cfg.bias:
+            result.update({f"{qkv}.bias": (rows,), f"{out}.bias": (cfg.d_model,)})
+        return result
+
+    def pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
+        state = {
+            f"{qkv}.weight": orient(pack_rows(cfg, params.w_q, params.w_k, params.w_v)),  # (rows, E), or (E, rows)
+            f"{out}.weight": orient(params.w_o),
+        }
+        if cfg.bias:
+            state[f"{qkv}.bias"] = pack_rows(cfg, params.b_q, params.b_k, params.b_v)
+            state[f"{out}.bias"] = params.b_o.copy()
+        return state
+
+    def unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
+        w_q, w_k, w_v = unpack_rows(cfg, unorient(state[f"{qkv}.weight"]))
+        b_q, b_k, b_v = unpack_rows(cfg, state.get(f"{qkv}.bias"))
+        return MHAParams(w_q, w_k, w_v, unorient(state[f"{out}.weight"]), b_q, b_k, b_v, state.get(f"{out}.bias"))
+
+    return shapes, pack, unpack
 
 
 # --- four separate (out, in) weights: the pack/unpack of every family that keeps them apart ----

@@ -18,7 +18,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig
 
 
-def pack_blocks(q: np.ndarray | None, k: np.ndarray | None, v: np.ndarray | None) -> np.ndarray | None:
+def pack_blocks(cfg: MHAConfig, q: np.ndarray | None, k: np.ndarray | None, v: np.ndarray | None) -> np.ndarray | None:
     """Rows ``[Q; K; V]``: ``(H*Dk + Hkv*Dk + Hkv*Dv, ...)``, a copy."""
     if q is None:
         return None

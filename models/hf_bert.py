@@ -10,18 +10,7 @@ outside this layout.
 
 from __future__ import annotations
 
-from ._layout import (
-    SEPARATE,
-    Layout,
-    bias_is,
-    default_scale,
-    head_dim_is_width_over_heads,
-    no_grouped_kv,
-    rotary_is,
-    same_head_dims,
-    self_attention_widths,
-    separate_linears,
-)
+from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
 
 MODULE = "BertSelfAttention"
 _shapes, _pack, _unpack = separate_linears(
@@ -38,10 +27,7 @@ LAYOUT = Layout(
     source="transformers/models/bert/modeling_bert.py",
     split="self.query(x).view(B, N, H, d).transpose(1, 2) (the same for key and value)",
     rules=(
-        no_grouped_kv(MODULE),
-        head_dim_is_width_over_heads(MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *classic_heads(MODULE),
         bias_is(True, "BERT's query/key/value and output.dense are nn.Linear layers with a bias"),
         default_scale(MODULE),
         rotary_is((None,), MODULE),

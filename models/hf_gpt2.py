@@ -9,45 +9,11 @@ computes ``x @ weight + bias``: the row-sample ``W_B``, the transpose of ``nn.Li
 
 from __future__ import annotations
 
-import numpy as np
-
-from mha_rosetta.core import MHAConfig, MHAParams, from_row_sample, to_row_sample
-
-from ._layout import (
-    BLOCKS,
-    Layout,
-    bias_is,
-    default_scale,
-    head_dim_is_width_over_heads,
-    no_grouped_kv,
-    rotary_is,
-    same_head_dims,
-    self_attention_widths,
-)
+from ._layout import BLOCKS, Layout, bias_is, classic_heads, default_scale, fused_qkv, rotary_is
 from ._packing import pack_blocks, unpack_blocks
 
 MODULE = "GPT2Attention"
-
-
-def _shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
-    E = cfg.d_model
-    return {"c_attn.weight": (E, 3 * E), "c_attn.bias": (3 * E,), "c_proj.weight": (E, E), "c_proj.bias": (E,)}
-
-
-def _pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-    return {
-        "c_attn.weight": to_row_sample(pack_blocks(params.w_q, params.w_k, params.w_v)),  # (3E, E) -> (E, 3E)
-        "c_attn.bias": pack_blocks(params.b_q, params.b_k, params.b_v),  # (3E,)
-        "c_proj.weight": to_row_sample(params.w_o),  # (E, E), (in, out)
-        "c_proj.bias": params.b_o.copy(),
-    }
-
-
-def _unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
-    w_q, w_k, w_v = unpack_blocks(cfg, from_row_sample(state["c_attn.weight"]))  # (E, 3E) -> (3E, E) -> 3 x (E, E)
-    b_q, b_k, b_v = unpack_blocks(cfg, state["c_attn.bias"])
-    return MHAParams(w_q, w_k, w_v, from_row_sample(state["c_proj.weight"]), b_q, b_k, b_v, state["c_proj.bias"])
-
+_shapes, _pack, _unpack = fused_qkv("c_attn", "c_proj", pack_blocks, unpack_blocks, conv1d=True)
 
 LAYOUT = Layout(
     name="hf-gpt2",
@@ -59,10 +25,7 @@ LAYOUT = Layout(
     source="transformers/models/gpt2/modeling_gpt2.py",
     split="c_attn(x).split(E, dim=2) -> q, k, v (B, N, E); each .view(B, N, H, d).transpose(1, 2)",
     rules=(
-        no_grouped_kv(MODULE),
-        head_dim_is_width_over_heads(MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *classic_heads(MODULE),
         bias_is(True, "GPT-2's Conv1D layers always have a bias"),
         default_scale(MODULE),
         rotary_is((None,), MODULE),

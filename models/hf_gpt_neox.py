@@ -10,51 +10,13 @@ Rotary embeddings (rotate-half) turn only the first ``rotary_pct * d`` features 
 
 from __future__ import annotations
 
-import numpy as np
-
-from mha_rosetta.core import MHAConfig, MHAParams
-
-from ._layout import (
-    PER_HEAD,
-    Layout,
-    default_scale,
-    head_dim_is_width_over_heads,
-    no_grouped_kv,
-    rotary_is,
-    same_head_dims,
-    self_attention_widths,
-)
+from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
 from ._packing import pack_groups, unpack_groups
 
 MODULE = "GPTNeoXAttention"
-
-
-def _shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
-    E = cfg.d_model
-    shapes = {"query_key_value.weight": (3 * E, E), "dense.weight": (E, E)}
-    if cfg.bias:
-        shapes.update({"query_key_value.bias": (3 * E,), "dense.bias": (E,)})
-    return shapes
-
-
-# With one query head per kv group (no GQA here), Megatron's per-group packing is exactly
+# With one query head per kv group (no grouping here), Megatron's per-group packing is exactly
 # GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
-def _pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-    state = {
-        "query_key_value.weight": pack_groups(cfg, params.w_q, params.w_k, params.w_v),  # (3E, E)
-        "dense.weight": params.w_o.copy(),
-    }
-    if cfg.bias:
-        state["query_key_value.bias"] = pack_groups(cfg, params.b_q, params.b_k, params.b_v)  # (3E,)
-        state["dense.bias"] = params.b_o.copy()
-    return state
-
-
-def _unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
-    w_q, w_k, w_v = unpack_groups(cfg, state["query_key_value.weight"])
-    b_q, b_k, b_v = unpack_groups(cfg, state.get("query_key_value.bias"))
-    return MHAParams(w_q, w_k, w_v, state["dense.weight"], b_q, b_k, b_v, state.get("dense.bias"))
-
+_shapes, _pack, _unpack = fused_qkv("query_key_value", "dense", pack_groups, unpack_groups)
 
 LAYOUT = Layout(
     name="hf-gpt-neox",
@@ -66,10 +28,7 @@ LAYOUT = Layout(
     source="transformers/models/gpt_neox/modeling_gpt_neox.py",
     split="query_key_value(x).view(B, N, H, 3*d).transpose(1, 2).chunk(3, dim=-1) -> q, k, v (B, H, N, d)",
     rules=(
-        no_grouped_kv(MODULE),
-        head_dim_is_width_over_heads(MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *classic_heads(MODULE),
         default_scale(MODULE),
         rotary_is(("half",), MODULE, partial=True),
     ),

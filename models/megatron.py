@@ -10,40 +10,11 @@ parallelism cuts this tensor by whole groups, which is why the groups are contig
 
 from __future__ import annotations
 
-import numpy as np
-
-from mha_rosetta.core import MHAConfig, MHAParams
-
-from ._layout import PER_GROUP, Layout, rotary_is, same_head_dims, self_attention_widths
+from ._layout import PER_GROUP, Layout, fused_qkv, rotary_is, same_head_dims, self_attention_widths
 from ._packing import pack_groups, unpack_groups
 
 MODULE = "Megatron-LM SelfAttention"
-
-
-def _shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
-    rows = cfg.q_width + cfg.k_width + cfg.v_width
-    shapes = {"linear_qkv.weight": (rows, cfg.d_model), "linear_proj.weight": (cfg.d_model, cfg.context_width)}
-    if cfg.bias:
-        shapes.update({"linear_qkv.bias": (rows,), "linear_proj.bias": (cfg.d_model,)})
-    return shapes
-
-
-def _pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-    state = {
-        "linear_qkv.weight": pack_groups(cfg, params.w_q, params.w_k, params.w_v),  # ((H + 2G)*d, E)
-        "linear_proj.weight": params.w_o.copy(),
-    }
-    if cfg.bias:
-        state["linear_qkv.bias"] = pack_groups(cfg, params.b_q, params.b_k, params.b_v)
-        state["linear_proj.bias"] = params.b_o.copy()
-    return state
-
-
-def _unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
-    w_q, w_k, w_v = unpack_groups(cfg, state["linear_qkv.weight"])
-    b_q, b_k, b_v = unpack_groups(cfg, state.get("linear_qkv.bias"))
-    return MHAParams(w_q, w_k, w_v, state["linear_proj.weight"], b_q, b_k, b_v, state.get("linear_proj.bias"))
-
+_shapes, _pack, _unpack = fused_qkv("linear_qkv", "linear_proj", pack_groups, unpack_groups)
 
 LAYOUT = Layout(
     name="megatron",

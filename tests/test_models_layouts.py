@@ -76,57 +76,28 @@ def test_gpt2_conv1d_is_in_out_with_q_k_v_column_blocks():
     assert np.array_equal(state["c_proj.weight"], init_params(cfg).w_o.T)
 
 
-def test_gpt_neox_packs_per_head():
-    cfg = MHAConfig(d_model=12, n_heads=3)  # d = 4
-    packed = get_layout("torch-mha").to_state_dict(cfg, _tagged_params(cfg))["in_proj_weight"][:, 0]
-    assert list(packed[:5]) == [1000, 1001, 1002, 1003, 1004]  # blocks: q rows first
-    # hf-gpt-neox needs rope; its packing is pack_groups with one query head per group:
-    per_head = pack_groups(cfg, *(getattr(_tagged_params(cfg), w)[:, 0] for w in ("w_q", "w_k", "w_v")))
-    assert list(per_head[:12]) == [
-        1000,
-        1001,
-        1002,
-        1003,
-        2000,
-        2001,
-        2002,
-        2003,
-        3000,
-        3001,
-        3002,
-        3003,
-    ]  # [q_0; k_0; v_0]
-    assert list(per_head[12:16]) == [1004, 1005, 1006, 1007]  # then q_1
+def test_gpt_neox_packs_per_head_where_torch_packs_blocks():
+    cfg = MHAConfig(d_model=12, n_heads=3, rope="half")  # d = 4
+    tagged = _tagged_params(cfg)
+    blocks = get_layout("torch-mha").to_state_dict(MHAConfig(d_model=12, n_heads=3), tagged)["in_proj_weight"][:, 0]
+    assert list(blocks[:5]) == [1000, 1001, 1002, 1003, 1004]  # blocks: every q row first
+    per_head = get_layout("hf-gpt-neox").to_state_dict(cfg, tagged)["query_key_value.weight"][:, 0]
+    assert list(per_head[:12]) == [1000, 1001, 1002, 1003, 2000, 2001, 2002, 2003, 3000, 3001, 3002, 3003]  # fmt: skip
+    assert list(per_head[12:16]) == [1004, 1005, 1006, 1007]  # [q_0; k_0; v_0], then q_1
+    # one query head per group: Megatron's per-group packing is the same thing
+    assert np.array_equal(per_head, pack_groups(cfg, *(getattr(tagged, w)[:, 0] for w in ("w_q", "w_k", "w_v"))))
 
 
 def test_megatron_packs_per_query_group():
     cfg = MHAConfig(d_model=12, n_heads=4, n_kv_heads=2, d_k=2)  # two query heads per group
     column = get_layout("megatron").to_state_dict(cfg, _tagged_params(cfg))["linear_qkv.weight"][:, 0]
     # group 0: q heads 0 and 1 (rows 0..3), k_0 (2 rows), v_0 (2 rows); then group 1
-    assert list(column) == [
-        1000,
-        1001,
-        1002,
-        1003,
-        2000,
-        2001,
-        3000,
-        3001,
-        1004,
-        1005,
-        1006,
-        1007,
-        2002,
-        2003,
-        3002,
-        3003,
-    ]
+    group_0 = [1000, 1001, 1002, 1003, 2000, 2001, 3000, 3001]
+    group_1 = [1004, 1005, 1006, 1007, 2002, 2003, 3002, 3003]
+    assert list(column) == group_0 + group_1
     q, k, v = unpack_groups(cfg, column)
-    assert (
-        list(q) == list(range(1000, 1008))
-        and list(k) == [2000, 2001, 2002, 2003]
-        and list(v) == [3000, 3001, 3002, 3003]
-    )
+    assert list(q) == list(range(1000, 1008))
+    assert list(k) == [2000, 2001, 2002, 2003] and list(v) == [3000, 3001, 3002, 3003]
 
 
 def test_timm_qkv_is_torch_in_proj_row_for_row():

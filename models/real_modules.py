@@ -3,7 +3,8 @@
 Nothing is downloaded: every module is built from its library's config object with the
 sizes of an ``MHAConfig``, in float64, and loaded from `Layout.to_state_dict` by the
 module's own parameter names (``load_state_dict(strict=True)`` for torch modules; by
-variable path for Keras; by tree path for Flax and Equinox). `run_real` then runs it on
+variable path for Keras; Flax and Equinox through the project's oracle backends, which
+build the module's tree from the same converters). `run_real` then runs it on
 row-sample inputs with an optional key padding mask, building the mask the way the
 family's own model does (Hugging Face's ``create_causal_mask`` /
 ``create_bidirectional_mask``, Keras's boolean ``attention_mask``...).
@@ -525,75 +526,27 @@ def _first_line(error: BaseException) -> str:
     return (inner or lines or [""])[0]
 
 
-def _flax(cfg, state, x, padding):
-    import flax.linen as nn
-    import jax.numpy as jnp
+def _library_oracle(layout_name: str):
+    """Flax and Equinox: the project's own oracle backends already load the real module from the same names."""
 
-    from mha_rosetta.backends._jax_common import enable_float64_if_needed
+    def run(cfg, state, x, padding):
+        from mha_rosetta.backends import get_backend
 
-    enable_float64_if_needed("float64")
-    module = nn.MultiHeadDotProductAttention(
-        num_heads=cfg.n_heads,
-        qkv_features=cfg.q_width,
-        out_features=cfg.d_model,
-        use_bias=cfg.bias,
-        dtype=jnp.float64,
-        param_dtype=jnp.float64,
-        deterministic=True,
-    )
-    tree: dict = {}
-    for path, value in state.items():
-        scope, leaf = path.split("/")
-        tree.setdefault(scope, {})[leaf] = jnp.asarray(value)
-    B, N, _ = x.shape
-    output = module.apply({"params": tree}, x, x, x, mask=allowed_mask(cfg, B, N, padding))
-    return RealRun(
-        "flax",
-        "real",
-        "flax.linen.MultiHeadDotProductAttention",
-        np.asarray(output),
-        parameters={k: tuple(v.shape) for k, v in state.items()},
-    )
-
-
-def _equinox(cfg, state, x, padding):
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    from mha_rosetta.backends._jax_common import enable_float64_if_needed
-
-    enable_float64_if_needed("float64")
-    module = eqx.nn.MultiheadAttention(
-        num_heads=cfg.n_heads,
-        query_size=cfg.d_model,
-        key_size=cfg.kdim,
-        value_size=cfg.vdim,
-        output_size=cfg.d_model,
-        qk_size=cfg.d_k,
-        vo_size=cfg.d_v,
-        use_query_bias=cfg.bias,
-        use_key_bias=cfg.bias,
-        use_value_bias=cfg.bias,
-        use_output_bias=cfg.bias,
-        dtype=jnp.float64,
-        key=jax.random.PRNGKey(0),
-    )
-    for path, value in state.items():
-        layer, leaf = path.split(".")
-        module = eqx.tree_at(
-            lambda m, layer=layer, leaf=leaf: getattr(getattr(m, layer), leaf), module, jnp.asarray(value)
+        # from_state_dict checks every flat name against the layout; the backend then builds the real module's
+        # tree from the same converter (core.to_flax_params / to_equinox_weights) and runs it in float64.
+        params = get_layout(layout_name).from_state_dict(cfg, state)
+        B, N, _ = x.shape
+        backend = get_backend(layout_name)
+        output = backend.run(cfg, params, x, mask=allowed_mask(cfg, B, N, padding), dtype="float64")
+        module = {"flax": "flax.linen.MultiHeadDotProductAttention", "equinox": "equinox.nn.MultiheadAttention"}[
+            layout_name
+        ]
+        shapes = {name: tuple(value.shape) for name, value in state.items()}
+        return RealRun(
+            layout_name, "real", f"{module} (through the {layout_name!r} oracle backend)", output, parameters=shapes
         )
-    B, N, _ = x.shape
-    masks = allowed_mask(cfg, B, N, padding)[:, 0]  # (B, N, N)
-    output = jax.vmap(lambda xb, mb: module(xb, xb, xb, mask=mb))(jnp.asarray(x), jnp.asarray(masks))
-    return RealRun(
-        "equinox",
-        "real",
-        "equinox.nn.MultiheadAttention (vmapped over the batch)",
-        np.asarray(output),
-        parameters={k: tuple(v.shape) for k, v in state.items()},
-    )
+
+    return run
 
 
 _RUNNERS: dict[str, Callable] = {
@@ -607,6 +560,6 @@ _RUNNERS: dict[str, Callable] = {
     "hf-t5": _t5,
     "keras": _keras,
     "torch-mha": _torch_mha,
-    "flax": _flax,
-    "equinox": _equinox,
+    "flax": _library_oracle("flax"),
+    "equinox": _library_oracle("equinox"),
 }

@@ -113,16 +113,6 @@ class Layout:
         validate_params(cfg, params)
         return params
 
-    def summary(self) -> dict[str, str]:
-        return {
-            "name": self.name,
-            "module": self.module,
-            "packing": self.packing,
-            "scale": self.scale,
-            "rotary": self.rotary,
-            "description": self.description,
-        }
-
 
 def _check_names_and_shapes(layout: str, expected: dict[str, tuple[int, ...]], state: Mapping) -> None:
     missing = [name for name in expected if name not in state]

@@ -72,12 +72,14 @@ class RealRun:
 
 def unavailable_reason(layout: str) -> str | None:
     """None when the libraries `run_real` needs for ``layout`` import here; else why not, with the install command."""
-    from mha_rosetta.backends._probe import import_failure
+    from mha_rosetta.backends._probe import probe
 
     for module in REQUIRES[get_layout(layout).name]:
-        reason = import_failure(module)
-        if reason:
-            return f"{reason}: pip install 'mha-rosetta[{INSTALL[module]}]'"
+        found = probe(module)
+        if not found.installed:
+            return f"{found.reason}: pip install 'mha-rosetta[{INSTALL[module]}]'"
+        if not found.ok:
+            return found.reason
     return None
 
 

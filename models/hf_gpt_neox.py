@@ -39,7 +39,8 @@ LAYOUT = Layout(
         "rope_dims = int(d_k * rotary_pct) (config.rope_parameters['partial_rotary_factor'] in transformers 5); "
         "Pythia uses rotary_pct = 0.25",
         "bias: config.attention_bias (on by default) puts a bias on both layers",
-        "eager attention runs its softmax in float32 even in a float64 model: expect float32-sized differences",
+        "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+        "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
     ),
 )
 

@@ -44,8 +44,8 @@ LAYOUT = Layout(
     unpack=_unpack,
     notes=(
         "bias: config.attention_bias puts a bias on all four layers (off for Llama itself)",
-        "eager attention runs its softmax in float32 even in a float64 model (softmax(..., dtype=torch.float32)): "
-        "expect float32-sized differences",
+        "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+        "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
         "query head h reads kv head h // (n_heads / n_kv_heads) (repeat_kv), the spec's grouping",
     ),
 )

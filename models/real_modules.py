@@ -93,14 +93,39 @@ def allowed_mask(cfg: MHAConfig, batch: int, tokens: int, padding: np.ndarray | 
     return allowed
 
 
-def run_real(layout: str, cfg: MHAConfig, state: dict[str, np.ndarray], x: np.ndarray, padding=None) -> RealRun:
-    """Load ``state`` into ``layout``'s real module built for ``cfg`` and run it on ``x (B, N, E)``."""
+HF_IMPLEMENTATIONS = ("eager", "sdpa")  # Hugging Face's reference path, and the default one (torch SDPA)
+
+
+def run_real(
+    layout: str,
+    cfg: MHAConfig,
+    state: dict[str, np.ndarray],
+    x: np.ndarray,
+    padding=None,
+    implementation: str = "eager",
+    float64_rotary: bool = False,
+) -> RealRun:
+    """Load ``state`` into ``layout``'s real module built for ``cfg`` and run it on ``x (B, N, E)``.
+
+    ``padding (B, N)``: True for real tokens (a key padding mask); ``cfg.causal`` adds the
+    causal mask. ``implementation``: Hugging Face's attention path for the ``hf-*`` and
+    ``meta-llama`` families (``"eager"`` or ``"sdpa"``). ``float64_rotary``: give Llama and
+    GPT-NeoX the spec's float64 cos/sin tables instead of their rotary module's, which
+    computes its angles in float32 even in a float64 model.
+    """
     reason = unavailable_reason(layout)
     if reason:
         raise ImportError(f"layout {layout!r}: cannot build the real module: {reason}")
     get_layout(layout).require(cfg)
     x = np.asarray(x, dtype=np.float64)
-    return _RUNNERS[layout](cfg, state, x, None if padding is None else np.asarray(padding, dtype=bool))
+    padding = None if padding is None else np.asarray(padding, dtype=bool)
+    if layout in _HF_RUNNERS:
+        if implementation not in HF_IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {', '.join(HF_IMPLEMENTATIONS)}, got {implementation!r}")
+        return _HF_RUNNERS[layout](cfg, state, x, padding, _HFOptions(implementation, float64_rotary))
+    if implementation != "eager" or float64_rotary:
+        raise ValueError(f"implementation and float64_rotary apply to Hugging Face layouts only, not {layout!r}")
+    return _RUNNERS[layout](cfg, state, x, padding)
 
 
 # --- torch helpers ------------------------------------------------------------------------
@@ -117,59 +142,71 @@ def _shapes(module) -> dict[str, tuple[int, ...]]:
 
 
 def _hf_mask(config, cfg: MHAConfig, x, padding):
-    """The 4-D additive mask the family's own model passes to its attention layers."""
+    """The mask the family's own model passes to its attention layers (None: the module's own is_causal / no mask).
+
+    Eager gets a 4-D additive float mask; SDPA a boolean one, or None where the mask is
+    plain causal or empty, leaving the causal part to the module's ``is_causal``.
+    """
     import torch
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
-    batch, tokens = x.shape[:2]
-    pad = torch.ones(batch, tokens, dtype=torch.long) if padding is None else torch.from_numpy(padding.astype(np.int64))
+    pad = None if padding is None else torch.from_numpy(padding.astype(np.int64))  # (B, N), 1 = real token
     if cfg.causal:
+        tokens = x.shape[1]
         return create_causal_mask(
-            config=config,
-            inputs_embeds=x,
-            attention_mask=pad,
-            cache=None,
-            position_ids=torch.arange(tokens)[None],
-            allow_is_causal_skip=False,
+            config=config, inputs_embeds=x, attention_mask=pad, cache=None, position_ids=torch.arange(tokens)[None]
         )
     return create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=pad)
 
 
-def _eager(config):
-    config._attn_implementation = "eager"  # the reference path of every HF model (sdpa/flash are optimisations)
+@dataclass(frozen=True)
+class _HFOptions:
+    implementation: str  # "eager" (HF's reference path) or "sdpa" (its default: torch SDPA)
+    float64_rotary: bool  # the spec's cos/sin tables instead of the module's float32 ones
+
+
+def _hf_config(config, options: _HFOptions):
+    config._attn_implementation = options.implementation
     return config
 
 
 # --- Hugging Face -------------------------------------------------------------------------
 
 
-def _gpt2(cfg, state, x, padding):
+def _gpt2(cfg, state, x, padding, options):
     import torch
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
-    config = _eager(GPT2Config(n_embd=cfg.d_model, n_head=cfg.n_heads, attn_pdrop=0.0, resid_pdrop=0.0))
+    config = _hf_config(GPT2Config(n_embd=cfg.d_model, n_head=cfg.n_heads, attn_pdrop=0.0, resid_pdrop=0.0), options)
     module = GPT2Attention(config, layer_idx=0).double().eval()
     module.load_state_dict(_torch_state(state), strict=True)
     xt = torch.from_numpy(x)
     with torch.no_grad():
         output = module(xt, attention_mask=_hf_mask(config, cfg, xt, padding))[0]
-    return RealRun("hf-gpt2", "real", "transformers GPT2Attention (eager)", output.numpy(), parameters=_shapes(module))
+    return RealRun(
+        "hf-gpt2",
+        "real",
+        f"transformers GPT2Attention ({options.implementation})",
+        output.numpy(),
+        parameters=_shapes(module),
+    )
 
 
-def _bert(cfg, state, x, padding):
+def _bert(cfg, state, x, padding, options):
     import torch
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertAttention
 
-    config = _eager(
+    config = _hf_config(
         BertConfig(
             hidden_size=cfg.d_model,
             num_attention_heads=cfg.n_heads,
             attention_probs_dropout_prob=0.0,
             hidden_dropout_prob=0.0,
             is_decoder=cfg.causal,
-        )
+        ),
+        options,
     )
     module = BertAttention(config, is_causal=cfg.causal).double().eval()
     tensors = _torch_state(state)
@@ -188,7 +225,7 @@ def _bert(cfg, state, x, padding):
     return RealRun(
         "hf-bert",
         "real",
-        "transformers BertSelfAttention + BertSelfOutput.dense (eager)",
+        f"transformers BertSelfAttention + BertSelfOutput.dense ({options.implementation})",
         output.numpy(),
         merged.numpy(),
         parameters=_shapes(module),
@@ -196,17 +233,24 @@ def _bert(cfg, state, x, padding):
     )
 
 
-def _rotary_inputs(rotary, x, tokens):
+def _cos_sin(cfg: MHAConfig, options: _HFOptions, rotary, x):
+    """The (cos, sin) each HF rotary model passes its attention layers, each (1, N, rope_dims), rotate-half layout."""
     import torch
 
-    position_ids = torch.arange(tokens)[None]  # (1, N): positions 0..N-1, the spec's default
-    return rotary(x, position_ids)  # (cos, sin), each (1, N, rope_dims)
+    tokens = x.shape[1]
+    if not options.float64_rotary:
+        return rotary(x, torch.arange(tokens)[None])  # the module's own tables, positions 0..N-1
+    from mha_rosetta.core.rotary import angles
+
+    theta = angles(cfg, np.arange(tokens))  # (N, r/2), float64: the spec's angles
+    doubled = np.concatenate([theta, theta], axis=-1)[None]  # (1, N, r): HF repeats them for the two halves
+    return torch.from_numpy(np.cos(doubled)), torch.from_numpy(np.sin(doubled))
 
 
-def _llama_config(cfg):
+def _llama_config(cfg, options):
     from transformers import LlamaConfig
 
-    return _eager(
+    return _hf_config(
         LlamaConfig(
             hidden_size=cfg.d_model,
             num_attention_heads=cfg.n_heads,
@@ -215,41 +259,43 @@ def _llama_config(cfg):
             attention_bias=cfg.bias,
             attention_dropout=0.0,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
-        )
+        ),
+        options,
     )
 
 
-def _llama(cfg, state, x, padding, layout="hf-llama", note=""):
+def _llama(cfg, state, x, padding, options, layout="hf-llama"):
     import torch
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    config = _llama_config(cfg)
+    config = _llama_config(cfg, options)
     module = LlamaAttention(config, layer_idx=0).double().eval()
     module.load_state_dict(_torch_state(state), strict=True)
     xt = torch.from_numpy(x)
     with torch.no_grad():
-        cos_sin = _rotary_inputs(LlamaRotaryEmbedding(config).double(), xt, x.shape[1])
+        cos_sin = _cos_sin(cfg, options, LlamaRotaryEmbedding(config).double(), xt)
         output = module(xt, position_embeddings=cos_sin, attention_mask=_hf_mask(config, cfg, xt, padding))[0]
     return RealRun(
         layout,
         "real",
-        "transformers LlamaAttention (eager)",
+        f"transformers LlamaAttention ({options.implementation})",
         output.numpy(),
         parameters=_shapes(module),
-        precision="float32",
-        note=note or "eager attention's softmax runs in float32 (softmax(..., dtype=torch.float32))",
+        **_rotary_precision(options),
     )
 
 
-def _meta_llama(cfg, state, x, padding):
+def _meta_llama(cfg, state, x, padding, options):
     """Meta's layout in HF's real LlamaAttention after the rope converter, checked against Meta's own rotary."""
     from . import convert_state_dict
 
     hf_cfg, hf_state = convert_state_dict(cfg, state, "meta-llama", "hf-llama")
-    run = _llama(hf_cfg, hf_state, x, padding, layout="meta-llama")
+    run = _llama(hf_cfg, hf_state, x, padding, options, layout="meta-llama")
     reimplemented = meta_reference_forward(cfg, state, x, padding)
     run.kind = "equivalent"
-    run.module = "transformers LlamaAttention after convert_state_dict(meta-llama -> hf-llama)"
+    run.module = (
+        f"transformers LlamaAttention ({options.implementation}) after convert_state_dict(meta-llama -> hf-llama)"
+    )
     run.note = (
         "Meta's model.py is not a package: the weights go through the q/k row permutation into HF's real "
         f"LlamaAttention; Meta's own complex-number rotary, rewritten from its source, agrees within "
@@ -289,12 +335,12 @@ def meta_reference_forward(cfg: MHAConfig, state: dict[str, np.ndarray], x: np.n
     return (context @ w["wo.weight"].T).numpy()
 
 
-def _gpt_neox(cfg, state, x, padding):
+def _gpt_neox(cfg, state, x, padding, options):
     import torch
     from transformers import GPTNeoXConfig
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
 
-    config = _eager(
+    config = _hf_config(
         GPTNeoXConfig(
             hidden_size=cfg.d_model,
             num_attention_heads=cfg.n_heads,
@@ -305,7 +351,8 @@ def _gpt_neox(cfg, state, x, padding):
                 "rope_theta": cfg.rope_base,
                 "partial_rotary_factor": cfg.rope_dims / cfg.d_k,
             },
-        )
+        ),
+        options,
     )
     module = GPTNeoXAttention(config, layer_idx=0).double().eval()
     if module.rotary_ndims != cfg.rope_dims:
@@ -313,26 +360,36 @@ def _gpt_neox(cfg, state, x, padding):
     module.load_state_dict(_torch_state(state), strict=True)
     xt = torch.from_numpy(x)
     with torch.no_grad():
-        cos_sin = _rotary_inputs(GPTNeoXRotaryEmbedding(config).double(), xt, x.shape[1])
+        cos_sin = _cos_sin(cfg, options, GPTNeoXRotaryEmbedding(config).double(), xt)
         output = module(xt, attention_mask=_hf_mask(config, cfg, xt, padding), position_embeddings=cos_sin)[0]
     return RealRun(
         "hf-gpt-neox",
         "real",
-        "transformers GPTNeoXAttention (eager)",
+        f"transformers GPTNeoXAttention ({options.implementation})",
         output.numpy(),
         parameters=_shapes(module),
-        precision="float32",
-        note="eager attention's softmax runs in float32 (softmax(..., dtype=torch.float32))",
+        **_rotary_precision(options),
     )
 
 
-def _t5(cfg, state, x, padding):
+def _rotary_precision(options: _HFOptions) -> dict[str, str]:
+    """Where Llama and GPT-NeoX compute in float32 inside a float64 model, and so which tolerance applies."""
+    causes = []
+    if not options.float64_rotary:
+        causes.append("the rotary module computes its angles in float32 (inv_freq and positions in torch.float)")
+    if options.implementation == "eager":
+        causes.append("eager attention's softmax runs in float32 (softmax(..., dtype=torch.float32))")
+    return {"precision": "float32", "note": "; ".join(causes)} if causes else {}
+
+
+def _t5(cfg, state, x, padding, options):
     import torch
     from transformers import T5Config
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    config = _eager(
-        T5Config(d_model=cfg.d_model, d_kv=cfg.d_k, num_heads=cfg.n_heads, dropout_rate=0.0, is_decoder=cfg.causal)
+    config = _hf_config(
+        T5Config(d_model=cfg.d_model, d_kv=cfg.d_k, num_heads=cfg.n_heads, dropout_rate=0.0, is_decoder=cfg.causal),
+        options,
     )
     module = T5Attention(config, has_relative_attention_bias=False, layer_idx=0, is_causal=cfg.causal).double().eval()
     module.load_state_dict(_torch_state(state), strict=True)
@@ -342,7 +399,7 @@ def _t5(cfg, state, x, padding):
     return RealRun(
         "hf-t5",
         "real",
-        "transformers T5Attention (eager, no relative bias)",
+        f"transformers T5Attention ({options.implementation}, no relative bias)",
         output.numpy(),
         parameters=_shapes(module),
     )
@@ -551,15 +608,17 @@ def _library_oracle(layout_name: str):
     return run
 
 
-_RUNNERS: dict[str, Callable] = {
+_HF_RUNNERS: dict[str, Callable] = {
     "hf-gpt2": _gpt2,
     "hf-bert": _bert,
     "hf-llama": _llama,
     "meta-llama": _meta_llama,
     "hf-gpt-neox": _gpt_neox,
+    "hf-t5": _t5,
+}
+_RUNNERS: dict[str, Callable] = {
     "megatron": _megatron,
     "timm-vit": _timm,
-    "hf-t5": _t5,
     "keras": _keras,
     "torch-mha": _torch_mha,
     "flax": _library_oracle("flax"),

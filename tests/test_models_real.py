@@ -8,9 +8,11 @@ output projection (BERT's self-attention, Megatron's core attention), its merged
 is checked too.
 
 Facts these tests handle rather than hide:
-* Hugging Face's eager attention for Llama and GPT-NeoX, and ``jax.nn.dot_product_attention``
-  under Keras on JAX, run the softmax in float32 even in a float64 model (errors ~1e-7):
-  those runs are held to the float32 row of `core.tolerances` (``RealRun.precision``).
+* Hugging Face's eager attention for Llama and GPT-NeoX runs its softmax in float32 even in a
+  float64 model, and their rotary modules compute the angles in float32 (errors ~1e-7); so
+  does ``jax.nn.dot_product_attention`` (Keras on JAX) with its softmax. Those runs are held
+  to the float32 row of `core.tolerances` (``RealRun.precision``). HF's SDPA path with the
+  spec's float64 (cos, sin) is held to float64, which shows that nothing else differs.
 * Keras 3 ``MultiHeadAttention`` on the JAX backend fails when ``value_dim != key_dim``
   (``jax.nn.dot_product_attention`` wants value shaped like key): the runner reports it
   as ``known_difference`` and takes Keras's ``return_attention_scores=True`` path instead.
@@ -87,11 +89,11 @@ def _inputs(cfg: MHAConfig) -> np.ndarray:
     return np.random.default_rng(11).standard_normal((BATCH, TOKENS, cfg.d_model))
 
 
-def _check(layout: str, cfg: MHAConfig, padded: bool, seed: int = 0):
+def _check(layout: str, cfg: MHAConfig, padded: bool, seed: int = 0, **options):
     params = init_params(cfg, seed=seed)
     x = _inputs(cfg)
     padding = PADDING if padded else None
-    run = run_real(layout, cfg, get_layout(layout).to_state_dict(cfg, params), x, padding)
+    run = run_real(layout, cfg, get_layout(layout).to_state_dict(cfg, params), x, padding, **options)
     expected = reference_stages(cfg, params, x, mask=allowed_mask(cfg, BATCH, TOKENS, padding))
     assert_close(run.output, expected["output"], run.precision, what=f"{layout} real module output")
     if run.merged is not None:
@@ -114,6 +116,52 @@ def test_real_module_gives_the_spec_output(layout, cfg, padded, kind):
     if kind == "real" and layout == "hf-bert":
         stored = {k: v for k, v in run.parameters.items() if not k.startswith("output.LayerNorm")}
         assert stored == get_layout(layout).expected_shapes(cfg)
+
+
+SDPA_CASES = [
+    ("hf-gpt2", MHAConfig(d_model=15, n_heads=3, causal=True), False),  # no mask at all: the module's own is_causal
+    ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), False),
+    ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), True),
+    ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4, causal=True), True),
+    ("hf-bert", MHAConfig(d_model=15, n_heads=3), True),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "cfg", "padded"),
+    SDPA_CASES,
+    ids=lambda v: v.describe().replace(" ", ",") if isinstance(v, MHAConfig) else str(v),
+)
+def test_hugging_face_sdpa_path_agrees_in_float64(layout, cfg, padded):
+    """HF's default path (torch SDPA) keeps float64 once the rotary tables are float64 too.
+
+    Llama's and GPT-NeoX's rotary modules compute their angles in float32 even in a float64
+    model, so here they get the spec's float64 (cos, sin); with the eager softmax (float32) or
+    the module's own tables the float32 tolerance applies (see CASES).
+    """
+    _skip_unless_runnable(layout)
+    run, _, _ = _check(layout, cfg, padded, implementation="sdpa", float64_rotary=cfg.rope is not None)
+    assert run.precision == "float64" and "(sdpa)" in run.module
+
+
+def test_hugging_face_rotary_module_computes_in_float32():
+    """The same Llama layer: the module's own cos/sin cost float32-sized errors that float64 tables remove."""
+    _skip_unless_runnable("hf-llama")
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True)
+    own, _, expected = _check("hf-llama", cfg, True, implementation="sdpa")
+    assert own.precision == "float32" and "angles in float32" in own.note
+    error = np.max(np.abs(own.output - expected["output"]))
+    assert 1e-9 < error < 1e-5  # float32 angles: wrong in the 8th digit, not in the 2nd
+
+
+def test_implementation_is_checked():
+    _skip_unless_runnable("torch-mha")
+    cfg = MHAConfig(d_model=15, n_heads=3)
+    state = get_layout("torch-mha").to_state_dict(cfg, init_params(cfg))
+    with pytest.raises(
+        ValueError, match=r"implementation and float64_rotary apply to Hugging Face layouts only, not 'torch-mha'"
+    ):
+        run_real("torch-mha", cfg, state, _inputs(cfg), implementation="sdpa")
 
 
 def test_bert_attention_block_is_layernorm_of_the_spec_output_plus_input():

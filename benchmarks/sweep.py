@@ -133,6 +133,15 @@ PRESETS: dict[str, dict] = {
         gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=1), rounds=1,
         cell_timeout=1800.0,
     ),
+    # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
+    # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.
+    "gpu": dict(
+        implementations=["torch", "jax", "einops-torch", "einops-jax", "torch-mha", "torch-sdpa", "jax-dpa",
+                         "torch:chunked", "jax:chunked"],
+        tokens=[512, 4096, 16384], batch=[4], d_model=[512], heads=[8], dtypes=["float32", "bfloat16", "float16"],
+        policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=2),
+        gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=1.0, warmup=3), cell_timeout=60.0, rounds=1,
+    ),
 }  # fmt: skip
 
 
@@ -558,10 +567,10 @@ def run_sweep(
                     continue
                 bar.step(f"{spec.implementation} N={spec.tokens}")
                 started = time.perf_counter()
-                skip = over_budget_reason(
+                # Over the (host) memory budget: recorded with the prediction as the reason, never run into swap.
+                skip = spec.device == "cpu" and over_budget_reason(
                     spec.implementation, spec.batch, spec.tokens, spec.d_model, spec.heads, spec.dtype, budget
                 )
-                # Over the memory budget: recorded with the prediction as the reason, never run into swap.
                 record = cell_record(spec, {"status": "unsupported", "error": skip}) if skip else None
                 record = record or cell_runner(spec, settings.cell_timeout)
                 record["visit_wall_s"] = time.perf_counter() - started

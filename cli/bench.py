@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     preset.add_argument(
         "--preset",
-        choices=("quick", "default", "reference", "long"),
+        choices=("quick", "default", "reference", "gpu", "long"),
         default=None,
         help="size preset (default: default); long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
     )

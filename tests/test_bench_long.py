@@ -106,3 +106,12 @@ def test_long_preset_and_the_dist_group():
     assert not set(sharded) & set(everything)  # worker processes: not in main/all ...
     dist = resolve_implementations(["dist"])
     assert all(any(label.startswith(name) for label in dist) for name in sharded)  # ... but in "dist"
+
+
+def test_the_table_states_each_target_with_its_ratio():
+    from mha_rosetta.benchmarks.long import long_markdown
+
+    text = long_markdown(_cells())
+    assert "| `numpy:chunked` | memory-linear | 1024..8192 | 2.00 | 1.00 |" in text
+    assert "chunked 82 MiB (worst) against 2684 MiB (best materialising): ratio 0.0305, target <= 0.1: met" in text
+    assert "numpy:chunked 18.5 ms against torch SDPA 16.8 ms (one core): ratio 1.1, target <= 1.25: met" in text

@@ -8,10 +8,14 @@ the world size to the workers, which build, compile and keep it.
 
 from __future__ import annotations
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
+from functools import partial
+
+import numpy as np
+
+from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
 
 from ._workers import WorkerGroup, worker_prepared
-from .base import Backend, Prepared
+from .base import Backend, Prepared, StageTensor
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
 FORWARD_SECONDS = 120.0
@@ -67,4 +71,26 @@ class ShardedBackend(Backend):
         world = self.world_for(cfg)
         payload = (cfg, params, inputs, dtype, strategy, world)  # validated inputs: arrays, mask, positions
         what = f"preparing {strategy} on {world} {self.rank_noun}"
-        return worker_prepared(self.group(), payload, what, (PREPARE_SECONDS, FORWARD_SECONDS))
+        plan = shard_plan(cfg, world)
+        stages_of = partial(self._stages, plan=plan)
+        return worker_prepared(self.group(), payload, what, (PREPARE_SECONDS, FORWARD_SECONDS), stages_of)
+
+    def _stages(self, answers: list, plan: ShardPlan) -> dict[str, StageTensor]:
+        """The workers' answers to "stages" -> canonical stage tensors (rank 0's: already the layer's)."""
+        stages, note = answers[0]
+        return {name: StageTensor(value, STAGE_BY_NAME[name].shape, note) for name, value in stages.items()}
+
+
+def gather_heads(plan: ShardPlan, per_rank: list[dict]) -> dict[str, np.ndarray]:
+    """Each rank's canonical stage tensors (its heads only) -> the layer's, heads side by side in rank
+    order. A kv head replicated on several ranks is taken once; stages with no head axis (the
+    partial outputs) are left out: the output is the all-reduced one."""
+    gathered = {}
+    for name in per_rank[0]:
+        shape = STAGE_BY_NAME[name].shape
+        axis = next((i for i, symbol in enumerate(shape) if symbol.startswith("H")), None)
+        if axis is None:
+            continue
+        ranks = range(0, plan.world, plan.kv_replicas) if shape[axis].startswith("Hkv") else range(plan.world)
+        gathered[name] = np.concatenate([per_rank[rank][name] for rank in ranks], axis=axis)
+    return gathered

@@ -36,6 +36,9 @@ from multiprocessing.connection import Connection
 # How often a waiting request checks that every worker is still alive.
 POLL_SECONDS = 0.05
 STOP_SECONDS = 5.0
+# How long a rank whose collective failed waits for a dying peer to be seen dead (a loaded
+# machine can take seconds to finish killing a process).
+DEATH_SECONDS = 5.0
 
 
 class WorkerError(RuntimeError):
@@ -156,6 +159,10 @@ class WorkerGroup:
                 if message is None:
                     self._fail(self._death(rank, what))
                 if message[0] == "error" and self.size > 1:
+                    # A rank's collective fails when a peer dies: name the dead peer as the cause.
+                    dead = self._dead_rank(exclude=rank, wait=DEATH_SECONDS)
+                    if dead is not None:
+                        self._fail(f"{self._death(dead, what)} (rank {rank} then failed: {message[1]})")
                     # The other ranks may be waiting in a collective for this one: tear down now.
                     self.close()
                     raise WorkerError(
@@ -177,6 +184,17 @@ class WorkerGroup:
             rank, text = errors[0]
             raise WorkerError(f"{self.name} rank {rank} raised while {what}: {text}")
         return [value for _, value in answers]
+
+    def _dead_rank(self, exclude: int, wait: float) -> int | None:
+        """A rank (other than ``exclude``) whose process has exited, waiting up to ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, process in enumerate(self.processes):
+                if rank != exclude and process.poll() is not None:
+                    return rank
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(POLL_SECONDS)
 
     def _death(self, rank: int, what: str) -> str:
         try:
@@ -218,12 +236,12 @@ def _child_main(argv: list[str]) -> None:
     getattr(importlib.import_module(module), function)(conn, rank, size, *args)
 
 
-
-def worker_prepared(group: WorkerGroup, payload, what: str, seconds: tuple[float, float]):
+def worker_prepared(group: WorkerGroup, payload, what: str, seconds: tuple[float, float], stages_of: Callable):
     """The `Prepared` of a case that runs in ``group``: "prepare" once (rank 0 answers with a key
-    and the info), then "forward" (every rank runs, waits, keeps its result), "fetch" and
-    "stages" (rank 0's). ``seconds`` = (prepare, forward) time limits."""
-    from .base import Prepared, StageTensor, tensor_to_numpy
+    and the info), then "forward" (every rank runs, waits, keeps its result), "fetch" (rank 0's)
+    and "stages" (every rank's answers, made into stage tensors by ``stages_of``).
+    ``seconds`` = (prepare, forward) time limits."""
+    from .base import Prepared, tensor_to_numpy
 
     prepare_seconds, forward_seconds = seconds
     key, info = group.request("prepare", payload, prepare_seconds, what=what)[0]
@@ -236,8 +254,7 @@ def worker_prepared(group: WorkerGroup, payload, what: str, seconds: tuple[float
         return tensor_to_numpy(group.request("fetch", key, forward_seconds, what="fetching the output")[0])
 
     def native_stages() -> dict:
-        stages = group.request("stages", key, forward_seconds, what="gathering the stages")[0]
-        return {name: StageTensor(value, axes, note) for name, (value, axes, note) in stages.items()}
+        return stages_of(group.request("stages", key, forward_seconds, what="gathering the stages"))
 
     return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
 

@@ -42,7 +42,7 @@ from mha_rosetta.core import (
     shard_plan,
 )
 
-from ._sharded import PREPARE_SECONDS, ShardedBackend
+from ._sharded import PREPARE_SECONDS, ShardedBackend, gather_heads
 from ._workers import Programs, WorkerGroup, serve
 from .base import STANDARD
 
@@ -111,8 +111,7 @@ def _worker_main(conn, rank: int, size: int) -> None:
         return np.asarray(programs[key]["result"])
 
     def stages(key):
-        program = programs[key]
-        return {name: (np.asarray(value), *rest) for name, (value, *rest) in program["stages"]().items()}
+        return programs[key]["stages"]()
 
     conn.send(("ok", {"devices": len(jax.devices())}))
     serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
@@ -131,6 +130,8 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     from jax.sharding import PartitionSpec as P
 
     from ._jax_common import enable_float64_if_needed
+    from ._layouts import TOKENS_FIRST_STAGE_AXES
+    from .base import StageTensor, canonical_stage
     from .jax_backend import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
@@ -188,12 +189,12 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         args = (stacked, put(params.b_o, P()), x_q, x_k, x_v, allowed, tables)
 
         def stage_body(stacked, b_o, x_q, x_k, x_v, allowed, tables):
+            # Every stage of this device's heads, on a new leading axis that the mesh stacks.
             stages = local_stages(stacked, x_q, x_k, x_v, allowed, tables)
-            return {"context": stages["context"], "merged": stages["merged"]}
+            return {name: value[None] for name, value in stages.items() if name != "output"}
 
         # Each rank's heads come back side by side (context on its head axis, merged on its features).
-        stage_specs = {"context": P(None, None, MESH_AXIS), "merged": P(None, None, MESH_AXIS)}
-        stage_fn = jax.shard_map(stage_body, mesh=mesh, in_specs=in_specs, out_specs=stage_specs)
+        stage_fn = jax.shard_map(stage_body, mesh=mesh, in_specs=in_specs, out_specs=P(MESH_AXIS))
         how = f"shard_map over {plan.describe()}; lax.psum of the partial outputs, then + b_o"
     else:
         split_kv = plan.kv_replicas == 1
@@ -219,8 +220,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         args = (weights, x_q, x_k, x_v, put(allowed, P()), tables)
 
         def stage_fn(*args):
-            stages = all_stages(*args)
-            return {"context": stages["context"], "merged": stages["merged"]}
+            return {name: value[None] for name, value in all_stages(*args).items() if name != "output"}
 
         kv = "split by head" if split_kv else "replicated (fewer kv heads than devices)"
         how = f"jit with NamedSharding: w_q rows and w_o columns over {world} devices, kv weights {kv}; XLA partitions"
@@ -235,16 +235,22 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         "all_reduces": count_all_reduces(compiled.as_text()),
         "matmul_precision": "highest",
     }
-    note = "gathered from the devices: each device's heads side by side"
 
     def stages():
+        """Canonical stage tensors: each device's heads gathered side by side (shard_map), or the
+        partitioned program's own (named_sharding), and the compiled program's output."""
         with jax.default_matmul_precision("highest"):
-            result = jax.jit(stage_fn)(*args)
-        return {
-            "context": (result["context"], ("B", "Nq", "H", "Dv"), note),
-            "merged": (result["merged"], ("B", "Nq", "H*Dv"), note),
-            "output": (compiled(*args), ("B", "Nq", "D"), "the compiled sharded program's result, replicated"),
-        }
+            result = {name: np.asarray(value) for name, value in jax.jit(stage_fn)(*args).items()}
+        per_rank = [
+            {
+                name: canonical_stage(name, StageTensor(value[rank], TOKENS_FIRST_STAGE_AXES[name]))
+                for name, value in result.items()
+            }
+            for rank in range(len(next(iter(result.values()))))
+        ]
+        stages = gather_heads(plan, per_rank) if strategy == STANDARD else per_rank[0]
+        stages["output"] = np.asarray(compiled(*args))
+        how = f"each device's heads side by side ({plan.describe()})" if strategy == STANDARD else "XLA-partitioned"
+        return stages, how
 
     return {"compiled": compiled, "args": args, "info": info, "stages": stages}
-

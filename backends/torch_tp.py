@@ -38,11 +38,11 @@ import tempfile
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
-from ._sharded import PREPARE_SECONDS, ShardedBackend
+from ._sharded import PREPARE_SECONDS, ShardedBackend, gather_heads
 from ._workers import Programs, WorkerGroup, serve
-from .base import STANDARD, tensor_to_numpy
+from .base import STANDARD, StageTensor, tensor_to_numpy
 
 MANUAL = "manual"
 COLLECTIVE_SECONDS = 60  # gloo's limit on every collective
@@ -71,6 +71,13 @@ class TorchTPBackend(ShardedBackend):
 
     def world_for(self, cfg: MHAConfig) -> int:
         return self.world
+
+    def _stages(self, answers: list, plan) -> dict[str, StageTensor]:
+        """Every rank's heads side by side (gathered here), and the all-reduced output."""
+        stages = gather_heads(plan, [local for local, _output in answers])
+        stages["output"] = answers[0][1]
+        note = f"each rank's heads ({plan.describe()}), side by side in rank order"
+        return {name: StageTensor(value, STAGE_BY_NAME[name].shape, note) for name, value in stages.items()}
 
     def plan_reason(self, plan, strategy: str) -> str | None:
         if strategy == STANDARD and plan.kv_replicas > 1:
@@ -128,7 +135,9 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from ._recording import record_stages
     from ._torch_common import to_tensor
+    from .base import canonical_stage
     from .torch_backend import RowSampleMHA
 
     plan = shard_plan(cfg, world)
@@ -191,8 +200,10 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
     }
 
     def stages():
-        output = forward()
-        return {"output": (tensor_to_numpy(output), ("B", "Nq", "D"), "after the all-reduce (identical on every rank)")}
+        """This rank's stages (its heads, from the torch adapter on its shard) and the all-reduced output."""
+        with torch.inference_mode():
+            local = {name: canonical_stage(name, stage) for name, stage in record_stages(layer.standard).items()}
+        return local, tensor_to_numpy(forward())
 
     return {"run": forward, "info": info, "stages": stages}
 

@@ -64,7 +64,7 @@ def test_jax_sharded_stages_are_the_heads_gathered_in_order():
     params = init_params(CFG, seed=5)
     _, stages = backend.run(CFG, params, *_inputs(), return_stages=True)
     expected = reference_stages(CFG, params, *_inputs())
-    assert set(stages) == {"context", "merged", "output"}
+    assert set(stages) == set(expected)  # every stage: each device's heads gathered in rank order
     for name in stages:
         assert_close(stages[name], expected[name], "float64", what=name)
 

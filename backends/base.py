@@ -35,7 +35,7 @@ from mha_rosetta.core import (
     prepare_inputs,
     validate_params,
 )
-from mha_rosetta.core.grad import GRAD_STAGES, output_shape
+from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
 
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
@@ -144,7 +144,7 @@ def canonical_stage(name: str, stage: StageTensor, label: str | None = None) -> 
 def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_given: bool) -> MHAGrads:
     """A `PreparedVJP.to_grads` dict -> `MHAGrads` in the caller's form (defaulted inputs folded)."""
     d_query, d_key, d_value = fold_defaulted_inputs(grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given)
-    params = MHAParams(**{name: grads.get(name) for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")})
+    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})
     forward_stage = dict(GRAD_STAGES)
     stages = {
         name: canonical_stage(forward_stage[name], stage, name) for name, stage in grads.get("stages", {}).items()

@@ -143,6 +143,11 @@ class TorchMHAOracle(Backend):
         }
         return Prepared(forward, to_numpy, native_stages, synchronize=synchronizer(device), info=info)
 
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._torch_vjp import prepare_torch_mha_vjp  # autograd through the module itself
+
+        return prepare_torch_mha_vjp(cfg, params, inputs, cotangent, dtype, device, self.batch_first, self.allow_tf32)
+
 
 def torch_blocked_mask(allowed: np.ndarray | None, batch: int, heads: int, q_tokens: int, kv_tokens: int, device: str):
     """Spec mask (True = may attend, broadcastable (1|B, 1|H, 1|Nq, Nk)) -> nn.MultiheadAttention attn_mask.
@@ -266,6 +271,11 @@ class TorchSDPAOracle(Backend):
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._torch_vjp import prepare_sdpa_vjp  # autograd through F.linear and SDPA
+
+        return prepare_sdpa_vjp(cfg, params, inputs, cotangent, dtype, device, self.allow_tf32)
 
 
 def sdpa_has_enable_gqa() -> bool:

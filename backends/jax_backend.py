@@ -163,6 +163,21 @@ def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
     return allowed, 0, head_axis
 
 
+def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, target):
+    """Every stage vmapped over heads and batch, the output-only forward, and the mask on ``target``."""
+    import jax
+
+    allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
+    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
+    all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+
+    def forward(params, x_q, x_k, x_v, allowed):
+        # Unused stages are dead code to XLA: the compiled forward computes only the output.
+        return all_stages(params, x_q, x_k, x_v, allowed)["output"]
+
+    return all_stages, forward, to_jax(allowed, None, target)
+
+
 class JaxBackend(Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
@@ -180,20 +195,10 @@ class JaxBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import jax
-
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
-        allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
-        allowed = to_jax(allowed, None, target)
-
-        one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
-
-        def forward(params, x_q, x_k, x_v, allowed):
-            # Unused stages are dead code to XLA: the compiled forward computes only the output.
-            return all_stages(params, x_q, x_k, x_v, allowed)["output"]
+        all_stages, forward, allowed = vmapped_pass(cfg, inputs, target)
 
         compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, allowed), self.matmul_precision)
 
@@ -208,3 +213,14 @@ class JaxBackend(Backend):
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )
         return compiled_prepared(compiled, native_stages, info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
+
+        target = jax_target(dtype, device)
+        _, forward, allowed = vmapped_pass(cfg, inputs, target)
+        primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
+        info = precision_info(dtype, device, self.matmul_precision)
+        return jax_vjp_prepared(
+            forward, primals, (allowed,), cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
+        )

@@ -40,11 +40,15 @@ from .numpy_backend import _split_direct  # the mistake exactly as the forward m
 
 
 def prepare_numpy_vjp(
-    layer_class, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, precision, strategy: str
+    layer_class, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, precision, strategy: str,
+    vjp_class=None,
 ) -> PreparedVJP:
-    """Forward+backward of ``strategy`` on a `ColumnSampleMHA` (``layer_class``) built once."""
+    """Forward+backward of ``strategy`` on a `ColumnSampleMHA` (``layer_class``) built once.
+
+    ``vjp_class`` replaces `ColumnSampleVJP` (the explainer's deliberately wrong GQA backward).
+    """
     layer = layer_class(cfg, params, inputs, precision, batched=False)
-    vjp = ColumnSampleVJP(layer, cotangent)
+    vjp = (vjp_class or ColumnSampleVJP)(layer, cotangent)
     run = getattr(vjp, strategy)
     info = {"backward": "hand-written, column samples: dW = dY @ X.T, dX = W.T @ dY, db = dY summed", "strategy": strategy,
             **layer.precision.info()}
@@ -120,6 +124,11 @@ class ColumnSampleVJP:
             )
         return grads
 
+    @staticmethod
+    def group_sum(d_heads: np.ndarray) -> np.ndarray:
+        """(B, Hkv, G, d, N) -> (B, Hkv, d, N): kv head g fed the G query heads of its group; their gradients add up."""
+        return d_heads.sum(axis=2)
+
     # -- batched heads: STANDARD and DIRECT_RESHAPE ----------------------------------------
     def standard(self) -> dict:
         return self._batched(split=_split_reshape, split_back=_merge_reshape)
@@ -141,9 +150,8 @@ class ColumnSampleVJP:
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_context = split(d_merged, H).reshape(B, Hkv, G, Dv, Nq)  # the merge's adjoint is the split
         d_q_heads, d_k_heads, d_v_heads, inner = self._attend_backward(q_heads, k_heads, v_heads, weights, d_context)
-        # GQA: kv head g fed the G query heads of its group; their gradients add up (axis 2).
-        d_k_heads = self.round(d_k_heads.sum(axis=2))  # (B, Hkv, Dk, Nk)
-        d_v_heads = self.round(d_v_heads.sum(axis=2))  # (B, Hkv, Dv, Nk)
+        d_k_heads = self.round(self.group_sum(d_k_heads))  # (B, Hkv, Dk, Nk)
+        d_v_heads = self.round(self.group_sum(d_v_heads))  # (B, Hkv, Dv, Nk)
         d_q = split_back(d_q_heads.reshape(B, H, Dk, Nq))  # (B, H*Dk, Nq): the split's adjoint is the merge
         d_k = split_back(d_k_heads)  # (B, Hkv*Dk, Nk)
         d_v = split_back(d_v_heads)  # (B, Hkv*Dv, Nk)

@@ -339,3 +339,15 @@ def test_cli_check_grad_writes_a_grad_section(tmp_path):
     data = json.loads(path.read_text())
     assert data["grad"]["exit_status"] == 0
     assert {r["implementation"] for r in data["grad"]["runs"]} >= {"numpy", "numpy:per_head", "numpy:direct_reshape"}
+
+
+def test_explainer_shows_both_conventions_and_catches_the_gqa_backward_bug():
+    from mha_rosetta.explain.backward import gqa_demonstration, weight_gradient_rows
+
+    rows = weight_gradient_rows(MHAConfig(d_model=12, n_heads=3, d_k=5), batch=2, tokens=6, seed=0)
+    w_q = next(row for row in rows if row[0] == "w_q")
+    assert "(15, 12)" in w_q[1] and "(12, 15)" in w_q[2]  # dW_A (out, in), dW_B (in, out)
+    assert all(float(row[3]) == 0.0 and float(row[4]) < 1e-12 for row in rows)
+    demo = gqa_demonstration()
+    assert demo["caught"] and demo["forward_status"] == "agree" and demo["grad_status"] == "DISAGREE"
+    assert "w_v" in demo["grad_reason"] and demo["divergent_stage"] == "d_v_heads"

@@ -44,15 +44,10 @@ from .agreement import (
     FAILING,
     Implementation,
     Status,
-    _as_list,
     _error_text,
-    _resolve_devices,
-    _resolve_dtypes,
-    _resolve_strategies,
-    _split,
-    resolve_backends,
+    resolve_selection,
 )
-from .cases import SpecCase, get_cases
+from .cases import SpecCase
 from .divergence import first_divergence
 
 
@@ -299,39 +294,19 @@ def run_grad_check(
 ) -> GradCheckResult:
     """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
     started = time.perf_counter()
-    device_names = _resolve_devices(devices)
-    dtype_names, every_dtype = _resolve_dtypes(dtypes)
-    if cases is None or all(isinstance(c, str) for c in _as_list(cases)):
-        spec_cases = get_cases(None if cases is None else _split(cases))
-    else:
-        spec_cases = list(cases)
-    chosen, skipped, broken = resolve_backends(backends)
-    strategy_filter = _resolve_strategies(strategies, chosen)
-    settings = {
-        "backends": [b.name for b in chosen],
-        "strategies": strategy_filter,
-        "devices": device_names,
-        "dtypes": "all" if every_dtype else dtype_names,
-        "cases": [c.name for c in spec_cases],
-        "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)",
-    }
-    result = GradCheckResult(settings, spec_cases, skipped, broken)
+    sel = resolve_selection(backends, strategies, devices, dtypes, cases)
+    settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
+    result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
     try:
-        for case in spec_cases:
-            case_dtypes = dtype_names if every_dtype else [d for d in dtype_names if d in case.dtypes]
+        for case in sel.cases:
+            case_dtypes = sel.case_dtypes(case)
             if not case_dtypes:
                 continue
             oracle = _grad_oracle(case, case_dtypes)
             for dtype in case_dtypes:
                 if progress:
                     progress(f"gradients {case.name} {dtype}")
-                runs = [
-                    _run_one(backend, strategy, device, dtype, oracle)
-                    for backend in chosen
-                    for strategy in backend.strategies
-                    if strategy_filter is None or strategy in strategy_filter
-                    for device in device_names
-                ]
+                runs = [_run_one(b, strategy, device, dtype, oracle) for b, strategy, device in sel.implementations()]
                 result.runs.extend(runs)
                 compared = [run for run in runs if run.compared and run.grads is not None]
                 for i, a in enumerate(compared):

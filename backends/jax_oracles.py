@@ -346,6 +346,8 @@ class FlaxMHAOracle(_JaxOracle):
         return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
 
     maps_output_rows = True
+    # Declared above: float16 logits are soft-maxed in float16, less accurate than the spec's float32 path.
+    half_precision_softmax = True
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
         from ._grad_layout import gradients_to_canonical

@@ -234,6 +234,15 @@ def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracl
     if not bad:
         run.status = Status.AGREE
         return run
+    if backend.kind == "oracle" and getattr(backend, "half_precision_softmax", False) and dtype in oracle.baselines:
+        table = {name: grad_tolerance(dtype, oracle.grads.tensors()[name]) for name in bad}
+        if all(run.tensors[name].max_abs <= table[name].atol for name in bad):
+            run.status = Status.KNOWN_DIFFERENCE
+            run.reason = (
+                f"the library computes its softmax in {dtype} (declared): {', '.join(bad)} beyond the half rule's "
+                f"2x the spec path, within the {dtype} gradient table (atol {table[bad[0]].atol:.2g})"
+            )
+            return run
     nan_only = all("NaN" in run.tensors[name].reason for name in bad)
     if backend.kind == "oracle" and nan_only and oracle.empty_rows:
         run.status = Status.KNOWN_DIFFERENCE

@@ -351,3 +351,18 @@ def test_explainer_shows_both_conventions_and_catches_the_gqa_backward_bug():
     demo = gqa_demonstration()
     assert demo["caught"] and demo["forward_status"] == "agree" and demo["grad_status"] == "DISAGREE"
     assert "w_v" in demo["grad_reason"] and demo["divergent_stage"] == "d_v_heads"
+
+
+def test_bench_cell_times_forward_plus_backward_with_three_times_the_flops():
+    from mha_rosetta.benchmarks.cell import CellSpec, cell_key, measure
+
+    sizes = dict(batch=2, tokens=16, d_model=24, heads=3, policy={"min_repeats": 3, "max_repeats": 3, "min_time": 0.0, "warmup": 1})
+    forward = measure(CellSpec("numpy:slicing", **sizes))
+    training = measure(CellSpec("numpy:slicing", mode="fwdbwd", **sizes))
+    assert forward["status"] == training["status"] == "ok"
+    assert training["flops"] == 3 * forward["flops"]
+    assert training["output_finite"] and training["backend_info"]["backward"].startswith("hand-written")
+    assert CellSpec("numpy", **sizes).key() == cell_key({**CellSpec("numpy", **sizes).identity()})  # old keys kept
+    assert CellSpec("numpy", mode="fwdbwd", **sizes).key() != CellSpec("numpy", **sizes).key()
+    with pytest.raises(ValueError, match="mode must be one of fwd, fwdbwd; got 'backward'"):
+        CellSpec("numpy", mode="backward")

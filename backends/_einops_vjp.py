@@ -49,8 +49,15 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
         from ._jax_vjp import jax_vjp_prepared
 
         return jax_vjp_prepared(
-            forward, (weights, x_q, x_k, x_v), masks, cotangent, dtype, ops.device, backend.matmul_precision,
-            to_canonical, info,
+            forward,
+            (weights, x_q, x_k, x_v),
+            masks,
+            cotangent,
+            dtype,
+            ops.device,
+            backend.matmul_precision,
+            to_canonical,
+            info,
         )
     from ._torch_vjp import autograd_prepared, leaf
 
@@ -63,6 +70,11 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
         return {**grads, **to_canonical(native)}
 
     return autograd_prepared(
-        lambda: forward(weights, x_q, x_k, x_v, *masks), leaves, ops.asarray(cotangent), to_canonical_torch, device,
-        backend.matmul_precision != "highest", info,
+        lambda: forward(weights, x_q, x_k, x_v, *masks),
+        leaves,
+        ops.asarray(cotangent),
+        to_canonical_torch,
+        device,
+        backend.matmul_precision != "highest",
+        info,
     )

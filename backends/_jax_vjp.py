@@ -47,7 +47,10 @@ def jax_vjp_prepared(
         return {**{name: tensor_to_numpy(g) for name, g in slots.items()}, **to_canonical(param_grads)}
 
     return PreparedVJP(
-        run=compiled, to_grads=to_grads, synchronize=block_until_ready, compile=compiled.compile,
+        run=compiled,
+        to_grads=to_grads,
+        synchronize=block_until_ready,
+        compile=compiled.compile,
         info={"backward": "jax.vjp, forward and pullback in one jax.jit program", **info},
     )
 

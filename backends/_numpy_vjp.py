@@ -40,7 +40,13 @@ from .numpy_backend import _split_direct  # the mistake exactly as the forward m
 
 
 def prepare_numpy_vjp(
-    layer_class, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, precision, strategy: str,
+    layer_class,
+    cfg: MHAConfig,
+    params: MHAParams,
+    inputs: MHAInputs,
+    cotangent,
+    precision,
+    strategy: str,
     vjp_class=None,
 ) -> PreparedVJP:
     """Forward+backward of ``strategy`` on a `ColumnSampleMHA` (``layer_class``) built once.
@@ -50,8 +56,11 @@ def prepare_numpy_vjp(
     layer = layer_class(cfg, params, inputs, precision, batched=False)
     vjp = (vjp_class or ColumnSampleVJP)(layer, cotangent)
     run = getattr(vjp, strategy)
-    info = {"backward": "hand-written, column samples: dW = dY @ X.T, dX = W.T @ dY, db = dY summed", "strategy": strategy,
-            **layer.precision.info()}
+    info = {
+        "backward": "hand-written, column samples: dW = dY @ X.T, dX = W.T @ dY, db = dY summed",
+        "strategy": strategy,
+        **layer.precision.info(),
+    }
     return PreparedVJP(run=run, to_grads=vjp.to_grads, info=info)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_rosetta.core import (
-        MHAConfig,
+    MHAConfig,
     MHAInputs,
     MHAParams,
     allowed_positions,
@@ -79,7 +79,9 @@ def autograd_prepared(
         return to_canonical(grads)
 
     return PreparedVJP(
-        run=with_matmul_precision(run, device, allow_tf32), to_grads=to_grads, synchronize=synchronizer(device),
+        run=with_matmul_precision(run, device, allow_tf32),
+        to_grads=to_grads,
+        synchronize=synchronizer(device),
         info={"backward": "torch.autograd.grad", **info},
     )
 
@@ -112,15 +114,28 @@ def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: s
 
 
 def prepare_torch_mha_vjp(
-    cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent: np.ndarray, dtype: str, device: str,
-    batch_first: bool, allow_tf32: bool,
+    cfg: MHAConfig,
+    params: MHAParams,
+    inputs: MHAInputs,
+    cotangent: np.ndarray,
+    dtype: str,
+    device: str,
+    batch_first: bool,
+    allow_tf32: bool,
 ) -> PreparedVJP:
     """Autograd through ``nn.MultiheadAttention``; its parameters' gradients are a state dict."""
     import torch
 
     module = torch.nn.MultiheadAttention(
-        cfg.d_model, cfg.n_heads, dropout=0.0, bias=cfg.bias, kdim=cfg.kdim, vdim=cfg.vdim,
-        batch_first=batch_first, device=torch_device(device), dtype=torch_dtype(dtype),
+        cfg.d_model,
+        cfg.n_heads,
+        dropout=0.0,
+        bias=cfg.bias,
+        kdim=cfg.kdim,
+        vdim=cfg.vdim,
+        batch_first=batch_first,
+        device=torch_device(device),
+        dtype=torch_dtype(dtype),
     )
     module.load_state_dict({name: torch.from_numpy(a) for name, a in to_torch_mha_state_dict(cfg, params).items()})
     module.eval()  # no dropout; with grad enabled torch takes its differentiable (non-fused) path
@@ -153,7 +168,12 @@ def prepare_torch_mha_vjp(
 
 
 def prepare_sdpa_vjp(
-    cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent: np.ndarray, dtype: str, device: str,
+    cfg: MHAConfig,
+    params: MHAParams,
+    inputs: MHAInputs,
+    cotangent: np.ndarray,
+    dtype: str,
+    device: str,
     allow_tf32: bool,
 ) -> PreparedVJP:
     """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``."""

@@ -133,7 +133,9 @@ class GradCheckResult:
             return "gradients: nothing was checked"
         if self.failures():
             return f"gradients: FAIL: {len(self.failures())} failing comparison(s)"
-        return "gradients: OK: every implementation agrees or has a named known difference; every known mistake is caught"
+        return (
+            "gradients: OK: every implementation agrees or has a named known difference; every known mistake is caught"
+        )
 
 
 @dataclass
@@ -255,7 +257,9 @@ def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracl
     run.divergent_stage = _first_divergent_backward_stage(grads.stages, oracle.grads.stages, dtype)
     name, worst = run.worst()
     where = f"; first divergent backward stage {run.divergent_stage}" if run.divergent_stage else ""
-    run.reason = f"{', '.join(bad)} outside tolerance (worst {name}: max abs {worst.max_abs:.3g} > {worst.atol:.3g}){where}"
+    run.reason = (
+        f"{', '.join(bad)} outside tolerance (worst {name}: max abs {worst.max_abs:.3g} > {worst.atol:.3g}){where}"
+    )
     return run
 
 
@@ -373,12 +377,19 @@ def grad_report_blocks(result: GradCheckResult) -> list:
         rule = "half rule: 2x the rounded spec path + 1 ulp" if dtype in ("float16", "bfloat16") else "GRAD_TOLERANCES"
         block = Block(
             f"{dtype} gradients: worst over all cases and gradient tensors ({rule})",
-            ["#", "implementation", "oracle abs", "allowed", "tensor", "case"] + [str(i + 1) for i in range(len(labels))],
+            ["#", "implementation", "oracle abs", "allowed", "tensor", "case"]
+            + [str(i + 1) for i in range(len(labels))],
         )
         for i, label in enumerate(labels):
             entry = rows[label]
-            row = [str(i + 1), label, _fmt(entry["max_abs"]) + MARK.get(entry["status"], ""), _fmt(entry["atol"]),
-                   entry["tensor"], entry["case"]]
+            row = [
+                str(i + 1),
+                label,
+                _fmt(entry["max_abs"]) + MARK.get(entry["status"], ""),
+                _fmt(entry["atol"]),
+                entry["tensor"],
+                entry["case"],
+            ]
             for j, other in enumerate(labels):
                 if i == j:
                     row.append("·")
@@ -392,15 +403,22 @@ def grad_report_blocks(result: GradCheckResult) -> list:
             "! DISAGREE, ? MISSED"
         )
         blocks.append(block)
-    named = [run for run in result.runs if run.status in (Status.KNOWN_DIFFERENCE, Status.DISAGREE, Status.MISSED,
-                                                           Status.ERROR)]
+    named = [
+        run
+        for run in result.runs
+        if run.status in (Status.KNOWN_DIFFERENCE, Status.DISAGREE, Status.MISSED, Status.ERROR)
+    ]
     named += [run for run in result.runs if run.status is Status.CAUGHT and "happen to agree" in run.reason]
     if named:
-        block = Block("Gradients: named differences, problems and mistakes caught only at a stage",
-                      ["status", "implementation", "case", "dtype", "reason"])
+        block = Block(
+            "Gradients: named differences, problems and mistakes caught only at a stage",
+            ["status", "implementation", "case", "dtype", "reason"],
+        )
         block.rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in named]
         blocks.append(block)
-    unsupported = sorted({(r.label, r.reason) for r in result.runs if r.status is Status.UNSUPPORTED and "backward" in r.reason})
+    unsupported = sorted(
+        {(r.label, r.reason) for r in result.runs if r.status is Status.UNSUPPORTED and "backward" in r.reason}
+    )
     if unsupported:
         block = Block("Gradients: implementations without a backward pass", ["implementation", "reason"])
         block.rows = [[label, reason] for label, reason in unsupported]
@@ -439,22 +457,46 @@ def grad_to_json(result: GradCheckResult) -> dict:
         "verdict": result.verdict(),
         "seconds": result.seconds,
         "worst_by_dtype": {
-            dtype: {label: {**entry, "status": str(entry["status"]), "max_abs": num(entry["max_abs"]),
-                            "ratio": num(entry["ratio"])} for label, entry in rows.items()}
+            dtype: {
+                label: {
+                    **entry,
+                    "status": str(entry["status"]),
+                    "max_abs": num(entry["max_abs"]),
+                    "ratio": num(entry["ratio"]),
+                }
+                for label, entry in rows.items()
+            }
             for dtype, rows in worst_by_dtype(result).items()
         },
         "runs": [
             {
-                "case": run.case, "implementation": run.label, "backend": run.impl.backend, "strategy": run.impl.strategy,
-                "device": run.impl.device, "dtype": run.dtype, "kind": run.kind, "status": str(run.status),
-                "reason": run.reason, "divergent_stage": run.divergent_stage,
-                "tensors": {name: {"max_abs": num(t.max_abs), "atol": t.atol, "ok": t.ok} for name, t in run.tensors.items()},
+                "case": run.case,
+                "implementation": run.label,
+                "backend": run.impl.backend,
+                "strategy": run.impl.strategy,
+                "device": run.impl.device,
+                "dtype": run.dtype,
+                "kind": run.kind,
+                "status": str(run.status),
+                "reason": run.reason,
+                "divergent_stage": run.divergent_stage,
+                "tensors": {
+                    name: {"max_abs": num(t.max_abs), "atol": t.atol, "ok": t.ok} for name, t in run.tensors.items()
+                },
             }
             for run in result.runs
         ],
         "pairs": [
-            {"case": p.case, "a": p.a.label, "b": p.b.label, "dtype": p.dtype, "status": str(p.status),
-             "tensor": p.tensor, "max_abs": num(p.max_abs), "reason": p.reason}
+            {
+                "case": p.case,
+                "a": p.a.label,
+                "b": p.b.label,
+                "dtype": p.dtype,
+                "status": str(p.status),
+                "tensor": p.tensor,
+                "max_abs": num(p.max_abs),
+                "reason": p.reason,
+            }
             for p in result.pairs
         ],
         "skipped_backends": result.skipped_backends,

@@ -224,9 +224,7 @@ def reference_mha_vjp(
     d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
     d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)
     d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o)
-    return MHAGrads(
-        *(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), d_params, stages
-    )
+    return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), d_params, stages)
 
 
 def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[str, np.ndarray]:

@@ -131,7 +131,11 @@ def backward_blocks(cfg: MHAConfig, batch: int, tokens: int, seed: int) -> tuple
         "A backward-only bug: GQA that repeats kv heads but does not sum their gradients",
         ["check", "status", "what it says"],
         [
-            [f"forward (mha-rosetta check), {demo['dtype']}", demo["forward_status"], f"max abs {demo['forward_max_abs']:.1e}: the forward is right"],
+            [
+                f"forward (mha-rosetta check), {demo['dtype']}",
+                demo["forward_status"],
+                f"max abs {demo['forward_max_abs']:.1e}: the forward is right",
+            ],
             [f"gradients (mha-rosetta check --grad), {demo['dtype']}", demo["grad_status"], demo["grad_reason"]],
         ],
     )

@@ -94,7 +94,11 @@ def _torch_autograd_reference(cfg, params, query, key, value, mask, cotangent):
     out = lin(merged, t["w_o"], t["b_o"])
     out = out if batched else out[0]
     out.backward(torch.tensor(cotangent))
-    inputs = {"d_query": xq.grad, "d_key": None if key is None else xk.grad, "d_value": None if value is None else xv.grad}
+    inputs = {
+        "d_query": xq.grad,
+        "d_key": None if key is None else xk.grad,
+        "d_value": None if value is None else xv.grad,
+    }
     return {**inputs, **{n: None if a is None else a.grad for n, a in t.items()}}
 
 
@@ -130,8 +134,16 @@ def test_gqa_kv_gradients_are_the_sum_over_their_query_group():
     repeat = np.repeat(np.arange(cfg.n_kv_heads), cfg.group_size)  # kv head of every query head
     rows_k = np.concatenate([np.arange(g * cfg.d_k, (g + 1) * cfg.d_k) for g in repeat])
     mha = MHAConfig(d_model=12, n_heads=4)
-    expanded = MHAParams(params.w_q, params.w_k[rows_k], params.w_v[rows_k], params.w_o, params.b_q,
-                         params.b_k[rows_k], params.b_v[rows_k], params.b_o)
+    expanded = MHAParams(
+        params.w_q,
+        params.w_k[rows_k],
+        params.w_v[rows_k],
+        params.w_o,
+        params.b_q,
+        params.b_k[rows_k],
+        params.b_v[rows_k],
+        params.b_o,
+    )
     plain = reference_mha_vjp(mha, expanded, x)
     summed = np.zeros_like(params.w_k)
     np.add.at(summed, rows_k, plain.d_params.w_k)
@@ -179,7 +191,9 @@ def test_bad_cotangent_gets_a_clear_error(backend_name, cfg, params):
         pytest.skip(missing_backends()[backend_name])
     backend = get_backend(backend_name)
     x = np.random.default_rng(0).standard_normal((2, 7, cfg.d_model))
-    with pytest.raises(ValueError, match=r"cotangent must have the output's shape \(2, 7, 15\).*got shape \(2, 15, 7\)"):
+    with pytest.raises(
+        ValueError, match=r"cotangent must have the output's shape \(2, 7, 15\).*got shape \(2, 15, 7\)"
+    ):
         backend.run_vjp(cfg, params, x, cotangent=np.ones((2, 15, 7)))
     with pytest.raises(TypeError, match="cotangent must hold floating-point numbers, got dtype int64"):
         backend.run_vjp(cfg, params, x, cotangent=np.ones((2, 7, 15), dtype=np.int64))
@@ -206,7 +220,9 @@ def test_nan_in_the_cotangent_propagates_to_exactly_what_reads_it(backend_name, 
 # -- every backend against the oracle, every spec case ------------------------------------------
 def _vjp_strategies():
     for name in REGISTRY:
-        backend_strategies = ("standard", "per_head", "slicing", "direct_reshape") if name in ("numpy", "torch") else ("standard",)
+        backend_strategies = (
+            ("standard", "per_head", "slicing", "direct_reshape") if name in ("numpy", "torch") else ("standard",)
+        )
         for strategy in backend_strategies:
             yield pytest.param(name, strategy, id=f"{name}:{strategy}")
 
@@ -263,9 +279,15 @@ def configs(draw):
     group = draw(st.integers(1, 3))
     d_k = draw(st.integers(1, 5))
     cfg = MHAConfig(
-        d_model=draw(st.integers(2, 14)), n_heads=n_kv * group, n_kv_heads=n_kv, d_k=d_k,
-        d_v=draw(st.integers(1, 5)), kdim=draw(st.integers(2, 9)), vdim=draw(st.integers(2, 9)),
-        bias=draw(st.booleans()), causal=draw(st.booleans()),
+        d_model=draw(st.integers(2, 14)),
+        n_heads=n_kv * group,
+        n_kv_heads=n_kv,
+        d_k=d_k,
+        d_v=draw(st.integers(1, 5)),
+        kdim=draw(st.integers(2, 9)),
+        vdim=draw(st.integers(2, 9)),
+        bias=draw(st.booleans()),
+        causal=draw(st.booleans()),
     )
     batch, nq, nk = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(1, 6))
     seed = draw(st.integers(0, 10_000))
@@ -321,8 +343,9 @@ def test_grad_check_names_a_transposed_weight_gradient():
             return prepared
 
     bad = TransposedGrad("numpy-transposed-dw")
-    result = run_grad_check(backends=[bad, get_backend("numpy")], strategies="standard", cases="self_attention",
-                            dtypes="float64")
+    result = run_grad_check(
+        backends=[bad, get_backend("numpy")], strategies="standard", cases="self_attention", dtypes="float64"
+    )
     assert result.exit_status == 1
     run = next(r for r in result.runs if r.label == "numpy-transposed-dw")
     assert run.status is Status.DISAGREE and "w_q" in run.reason
@@ -356,7 +379,13 @@ def test_explainer_shows_both_conventions_and_catches_the_gqa_backward_bug():
 def test_bench_cell_times_forward_plus_backward_with_three_times_the_flops():
     from mha_rosetta.benchmarks.cell import CellSpec, cell_key, measure
 
-    sizes = dict(batch=2, tokens=16, d_model=24, heads=3, policy={"min_repeats": 3, "max_repeats": 3, "min_time": 0.0, "warmup": 1})
+    sizes = dict(
+        batch=2,
+        tokens=16,
+        d_model=24,
+        heads=3,
+        policy={"min_repeats": 3, "max_repeats": 3, "min_time": 0.0, "warmup": 1},
+    )
     forward = measure(CellSpec("numpy:slicing", **sizes))
     training = measure(CellSpec("numpy:slicing", mode="fwdbwd", **sizes))
     assert forward["status"] == training["status"] == "ok"

@@ -11,6 +11,7 @@ Three JAX facts that every JAX-based adapter must handle the same way:
   float32 runs stay float32 after the switch; the adapters never rely on defaults.
 * On a GPU, JAX's default float32 matmul precision may use TF32 (10-bit mantissa).
   Comparisons run at ``"highest"``; ``"default"`` is selectable to show TF32's effect.
+  Six names select three programs (`LOWERED_PRECISION`); only HIGHEST is float32 throughout.
   The precision is a tracing-time setting, so it is applied around ``lower()``.
 * ``jax.jit`` compiles on the first call. `CompiledForward` does ``lower().compile()``
   on the converted, device-resident arguments in `Prepared.compile`, outside the
@@ -23,12 +24,35 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
 from ._inputs import convert_inputs
+from ._tf32 import forced_note, tf32_forced
 from .base import Prepared, tensor_to_numpy
 
 MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
+# What each name of ``jax.default_matmul_precision`` puts into the lowered program (the
+# ``precision = [X, X]`` of every float32 ``dot_general``; a test lowers each name and reads
+# it). Names that lower alike run alike: "float32" is "highest", "tensorfloat32" is "high",
+# "bfloat16" is "default".
+LOWERED_PRECISION = {
+    "highest": "HIGHEST",
+    "float32": "HIGHEST",
+    "high": "HIGH",
+    "tensorfloat32": "HIGH",
+    "default": "DEFAULT",
+    "bfloat16": "DEFAULT",
+}
+
+
+def allows_tf32(matmul_precision: str) -> bool:
+    """Whether a float32 product at this precision name may use TF32 on a GPU: every name but full float32.
+
+    On NVIDIA GPUs XLA runs DEFAULT and HIGH float32 products with TF32 where the hardware
+    has it; only HIGHEST keeps float32 arithmetic. Torch adapters given a JAX precision name
+    (einops on torch arrays) turn TF32 on by the same rule.
+    """
+    return LOWERED_PRECISION[check_matmul_precision(matmul_precision)] != "HIGHEST"
 
 
 def check_matmul_precision(precision: object) -> str:
@@ -95,6 +119,35 @@ def jax_inputs(inputs: MHAInputs, dtype: str, device) -> tuple:
     return convert_inputs(inputs, lambda array: to_jax(array, dtype, device))
 
 
+def jax_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device) -> tuple | None:
+    """The rotary tables ``(q_cos, q_sin, k_cos, k_sin)`` as JAX arrays ``(1|B, N, r/2)``; None without rope."""
+    tables = rotary_tables(cfg, inputs)
+    if tables is None:
+        return None
+    return tuple(to_jax(table, dtype, device) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+
+
+def rotate_last_axis(x, cos, sin, style: str):
+    """The rotary embedding on the last (feature) axis: x (..., N, Dk), tables (..., N, r/2) broadcastable.
+
+    "half" pairs features i and i + r/2 (two slices); "interleaved" pairs 2i and 2i + 1
+    (a reshape of the feature axis to (r/2, 2)). Features past r pass through.
+    """
+    import jax.numpy as jnp
+
+    h = cos.shape[-1]  # r/2 pairs
+    r = 2 * h
+    x_rot = x[..., :r]  # (..., N, r)
+    if style == "half":
+        a, b = x_rot[..., :h], x_rot[..., h:]  # (..., N, r/2) each
+        rotated = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)  # (..., N, r)
+    else:
+        pairs = x_rot.reshape(*x_rot.shape[:-1], h, 2)  # (..., N, r/2, 2)
+        a, b = pairs[..., 0], pairs[..., 1]  # (..., N, r/2) each
+        rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x_rot.shape)  # (..., N, r)
+    return rotated if r == x.shape[-1] else jnp.concatenate([rotated, x[..., r:]], axis=-1)  # (..., N, Dk)
+
+
 def softmax_with_empty_rows(masked_scores):
     """Softmax over the last axis with the spec's answer for a row with no allowed key: zeros.
 
@@ -146,7 +199,7 @@ class CompiledForward:
         self.fn = fn  # the traced function itself, for `jax.vjp` (backends._jax_vjp)
         self._jitted = jax.jit(fn)
         self.args = args
-        self.matmul_precision = matmul_precision
+        self.matmul_precision = effective_precision(matmul_precision)
         self._compiled = None
 
     def compile(self) -> None:
@@ -187,12 +240,25 @@ def compiled_prepared(
     )
 
 
+def effective_precision(matmul_precision: str) -> str:
+    """The precision name a program is lowered at: ``matmul_precision``, or "tensorfloat32" in its
+    place when `_tf32.tf32_forced` asks for TF32 and it would otherwise be full float32."""
+    if tf32_forced() and not allows_tf32(matmul_precision):
+        return "tensorfloat32"
+    return matmul_precision
+
+
 def precision_info(dtype: str, device: str, matmul_precision: str) -> dict:
     """What Prepared.info records about numerics, so reports can say what was compared."""
     import jax
 
-    info = {"matmul_precision": matmul_precision, "jax_enable_x64": bool(jax.config.jax_enable_x64)}
+    matmul_precision = effective_precision(matmul_precision)
+    info = {
+        "matmul_precision": matmul_precision,
+        "lowered_precision": LOWERED_PRECISION[matmul_precision],
+        "jax_enable_x64": bool(jax.config.jax_enable_x64),
+        **forced_note(),
+    }
     if device == "gpu" and dtype == "float32":
-        # "default" lets XLA pick TF32 on GPUs that have it; "high" is three bfloat16 passes.
-        info["tf32"] = matmul_precision in ("default", "tensorfloat32")
+        info["tf32"] = allows_tf32(matmul_precision)
     return info

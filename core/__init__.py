@@ -5,7 +5,7 @@ lives here: the configuration, the canonical parameter layout and its converters
 the stage contract, the float64 oracle and the tolerance table.
 """
 
-from .config import MHAConfig
+from .config import ROPE_STYLES, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
 from .grad import (
     GRAD_INPUT_NAMES,
@@ -40,6 +40,16 @@ from .layouts import (
 )
 from .params import MHAParams, expected_param_shapes, init_params, validate_params
 from .reference import reference_mha, reference_stages, softmax_with_empty_rows
+from .rotary import (
+    RotaryTables,
+    apply_rotary,
+    inverse_frequencies,
+    rope_permutation,
+    rotary_pairs,
+    rotary_tables,
+    to_interleaved_params,
+    to_rotate_half_params,
+)
 from .stages import PIPELINE_STEPS, STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, stage_shapes
 from .tolerances import (
     GRAD_TOLERANCES,
@@ -61,6 +71,7 @@ __all__ = [
     "GRAD_STAGE_NAMES",
     "GRAD_TOLERANCES",
     "PIPELINE_STEPS",
+    "ROPE_STYLES",
     "STAGES",
     "STAGE_BY_NAME",
     "STAGE_NAMES",
@@ -70,9 +81,11 @@ __all__ = [
     "MHAGrads",
     "MHAInputs",
     "MHAParams",
+    "RotaryTables",
     "Stage",
     "Tolerance",
     "allowed_positions",
+    "apply_rotary",
     "assert_close",
     "causal_mask",
     "check_cotangent",
@@ -88,6 +101,7 @@ __all__ = [
     "from_torch_mha_state_dict",
     "grad_tolerance",
     "init_params",
+    "inverse_frequencies",
     "lower_precision",
     "merge_head_bias",
     "merge_head_matrices",
@@ -97,6 +111,9 @@ __all__ = [
     "reference_mha",
     "reference_mha_vjp",
     "reference_stages",
+    "rope_permutation",
+    "rotary_pairs",
+    "rotary_tables",
     "softmax_with_empty_rows",
     "split_head_bias",
     "split_head_matrices",
@@ -105,6 +122,8 @@ __all__ = [
     "to_dense_general_kernel",
     "to_equinox_weights",
     "to_flax_params",
+    "to_interleaved_params",
+    "to_rotate_half_params",
     "to_row_sample",
     "to_torch_mha_state_dict",
     "tolerance_for",

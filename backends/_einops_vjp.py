@@ -1,8 +1,10 @@
-"""The einops adapters' backward: the array library's own autodiff through `run_pipeline`.
+"""The einops adapters' backward: the array library's own autodiff through the adapter's own forward call.
 
-torch arrays: ``torch.autograd.grad``; JAX arrays: ``jax.vjp``, jitted. The weights enter the
-pipeline with their head axes split out by einops (`canonical_weights`), so their gradients
-come back in that layout and go home through `gradients_to_canonical`.
+torch arrays: ``torch.autograd.grad``; JAX arrays: ``jax.vjp``, jitted. The forward is the very
+call the adapter's `Prepared` makes (`run_pipeline` on its converted arguments: weights, inputs,
+masks and rotary tables), differentiated with respect to the weights and the three inputs. The
+weights enter the pipeline with their head axes split out by einops (`canonical_weights`), so
+their gradients come back in that layout and go home through `gradients_to_canonical`.
 
 einops on NumPy arrays has no backward: NumPy has no automatic differentiation, and a
 hand-written one would be the numpy adapter's column-sample backward again (the point of
@@ -17,7 +19,7 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from ._grad_layout import gradients_to_canonical
-from .base import UnsupportedCase
+from .base import STANDARD, UnsupportedCase
 
 NUMPY_REASON = (
     "einops-numpy has no backward: NumPy has no autodiff, and a hand-written backward is the numpy adapter's "
@@ -26,21 +28,18 @@ NUMPY_REASON = (
 
 
 def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype, device):
-    from .einops_backend import OPS_BY_LIBRARY, canonical_weights, grouped_masks, plan_for, run_pipeline
+    from .einops_backend import OPS_BY_LIBRARY, canonical_weights, plan_for
 
     if backend.array_library == "numpy":
         raise UnsupportedCase(NUMPY_REASON)
+    prepared = backend._prepare(cfg, params, inputs, dtype, device, STANDARD)
+    call = prepared.forward  # jax: a CompiledForward (.fn, .args); torch: a function with .pipeline
+    forward, args = (call.fn, call.args) if backend.array_library == "jax" else call.pipeline
+    weights, extras = args[0], args[4:]  # extras: masks and rotary tables, not differentiated
     ops = OPS_BY_LIBRARY[backend.array_library](dtype, device)
-    plan = plan_for(cfg)
-    to_native = partial(canonical_weights, cfg, plan=plan)
-    weights = {name: ops.asarray(value) for name, value in to_native(params).items()}
     x_q, x_k, x_v = (ops.asarray(x) for x in (inputs.query, inputs.key, inputs.value))  # three separate slots
-    blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
-    masks = (ops.asarray(blocked_np, cast=False), ops.asarray(empty_rows_np, cast=False))
-    info = {"array_library": backend.array_library, "patterns": plan.name}
-
-    def forward(weights, x_q, x_k, x_v, blocked, empty_rows):
-        return run_pipeline(ops, plan, weights, x_q, x_k, x_v, blocked, empty_rows, scale=cfg.scale)
+    to_native = partial(canonical_weights, cfg, plan=plan_for(cfg))
+    info = {"array_library": backend.array_library, **prepared.info}
 
     def to_canonical(native_grads) -> dict:
         return gradients_to_canonical(cfg, to_native, native_grads)
@@ -51,7 +50,7 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
         return jax_vjp_prepared(
             forward,
             (weights, x_q, x_k, x_v),
-            masks,
+            extras,
             cotangent,
             dtype,
             ops.device,
@@ -70,7 +69,7 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
         return {**grads, **to_canonical(native)}
 
     return autograd_prepared(
-        lambda: forward(weights, x_q, x_k, x_v, *masks),
+        lambda: forward(weights, x_q, x_k, x_v, *extras),
         leaves,
         ops.asarray(cotangent),
         to_canonical_torch,

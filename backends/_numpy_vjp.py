@@ -36,7 +36,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from ._numpy_ops import apply_mask_inplace, softmax_inplace
 from .base import PreparedVJP, StageTensor, tensor_to_numpy
-from .numpy_backend import _split_direct  # the mistake exactly as the forward makes it
+from .numpy_backend import _split_direct, rotate_rows  # the forward's own mistake and rotation
 
 
 def prepare_numpy_vjp(
@@ -81,6 +81,20 @@ class ColumnSampleVJP:
     # -- building blocks ------------------------------------------------------------------
     def _project(self, w, b, x):
         return self.layer.precision.operand(self.layer._project(w, b, x))
+
+    def _rotate(self, heads, which: str, head_axis: bool):
+        """The forward's rotary embedding (`ColumnSampleMHA._rotate`), in the compute dtype."""
+        return self.layer.precision.operand(self.layer._rotate(heads, which, head_axis))
+
+    def _unrotate(self, d_rotated, which: str, head_axis: bool):
+        """The rotary embedding's backward: its transpose, the rotation by minus each angle (sin negated)."""
+        L = self.layer
+        if L.rotary is None:
+            return d_rotated
+        cos, sin = L.rotary[which]  # (1|B, r/2, N)
+        if head_axis:
+            cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): every head alike
+        return L.precision.operand(rotate_rows(d_rotated, cos, -sin, L.cfg.rope, L.precision))
 
     def _linear_backward(self, d_y, x, w, with_bias: bool):
         """Y = W @ X + b per batch item: (dX, dW, db) with dW = sum_b dY @ X.T, dX = W.T @ dY."""
@@ -151,17 +165,23 @@ class ColumnSampleVJP:
         q = self._project(L.w_q, L.b_q, L.x_q)  # (B, H*Dk, Nq)
         k = self._project(L.w_k, L.b_k, L.x_k)  # (B, Hkv*Dk, Nk)
         v = self._project(L.w_v, L.b_v, L.x_v)  # (B, Hkv*Dv, Nk)
-        q_heads = split(q, H).reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq): query head h = g*G + r
-        k_heads = split(k, Hkv)[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
+        # Rotary (cfg.rope) turns the heads' feature rows; the heads themselves without rope.
+        q_heads = self._rotate(split(q, H), "q", True).reshape(B, Hkv, G, Dk, Nq)  # query head h = g*G + r
+        k_heads = self._rotate(split(k, Hkv), "k", True)[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
         v_heads = split(v, Hkv)[:, :, None]  # (B, Hkv, 1, Dv, Nk)
         weights, context = self._attend(q_heads, k_heads, v_heads, L.mask, (B, H, Nk, Nq))
         merged = split_back(context.reshape(B, H, Dv, Nq))  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_context = split(d_merged, H).reshape(B, Hkv, G, Dv, Nq)  # the merge's adjoint is the split
-        d_q_heads, d_k_heads, d_v_heads, inner = self._attend_backward(q_heads, k_heads, v_heads, weights, d_context)
-        d_k_heads = self.round(self.group_sum(d_k_heads))  # (B, Hkv, Dk, Nk)
+        d_q_rotated, d_k_rotated, d_v_heads, inner = self._attend_backward(
+            q_heads, k_heads, v_heads, weights, d_context
+        )
+        d_q_rotated = d_q_rotated.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
+        d_k_rotated = self.round(self.group_sum(d_k_rotated))  # (B, Hkv, Dk, Nk)
         d_v_heads = self.round(self.group_sum(d_v_heads))  # (B, Hkv, Dv, Nk)
-        d_q = split_back(d_q_heads.reshape(B, H, Dk, Nq))  # (B, H*Dk, Nq): the split's adjoint is the merge
+        d_q_heads = self._unrotate(d_q_rotated, "q", True)  # the rotation undone: (B, H, Dk, Nq)
+        d_k_heads = self._unrotate(d_k_rotated, "k", True)  # (B, Hkv, Dk, Nk)
+        d_q = split_back(d_q_heads)  # (B, H*Dk, Nq): the split's adjoint is the merge
         d_k = split_back(d_k_heads)  # (B, Hkv*Dk, Nk)
         d_v = split_back(d_v_heads)  # (B, Hkv*Dv, Nk)
         grads = self._input_grads(d_q, d_k, d_v, {"w_o": d_w_o, "b_o": d_b_o})
@@ -173,7 +193,9 @@ class ColumnSampleVJP:
             "d_weights": StageTensor(inner["d_weights"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
             "d_v_heads": StageTensor(d_v_heads, ("B", "Hkv", "Dv", "Nk")),
             "d_scores": StageTensor(inner["d_scores"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
-            "d_q_heads": StageTensor(d_q_heads.reshape(B, H, Dk, Nq), ("B", "H", "Dk", "Nq")),
+            "d_q_rotated": StageTensor(d_q_rotated, ("B", "H", "Dk", "Nq")),
+            "d_k_rotated": StageTensor(d_k_rotated, ("B", "Hkv", "Dk", "Nk")),
+            "d_q_heads": StageTensor(d_q_heads, ("B", "H", "Dk", "Nq")),
             "d_k_heads": StageTensor(d_k_heads, ("B", "Hkv", "Dk", "Nk")),
             "d_q": StageTensor(d_q, ("B", "H*Dk", "Nq")),
             "d_k": StageTensor(d_k, ("B", "Hkv*Dk", "Nk")),
@@ -197,10 +219,12 @@ class ColumnSampleVJP:
         for h, (weights, _, (q_h, k_g, v_g, g)) in enumerate(heads):
             d_context = d_merged[:, h * Dv : (h + 1) * Dv]  # (B, Dv, Nq): row block h, a view
             d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_h, k_g, v_g, weights, d_context)
-            d_q[:, h * Dk : (h + 1) * Dk] = d_q_h
-            d_k[:, g * Dk : (g + 1) * Dk] += d_k_h
+            d_q[:, h * Dk : (h + 1) * Dk] = self._unrotate(d_q_h, "q", False)
+            d_k[:, g * Dk : (g + 1) * Dk] += d_k_h  # still rotated: undone once per kv head below
             d_v[:, g * Dv : (g + 1) * Dv] += d_v_h
-        grads = self._input_grads(d_q, self.round(d_k), self.round(d_v), {"w_o": d_w_o, "b_o": d_b_o})
+        B, Hkv, Nk = d_k.shape[0], L.cfg.n_kv_heads, d_k.shape[-1]
+        d_k = self._unrotate(self.round(d_k).reshape(B, Hkv, Dk, Nk), "k", True).reshape(B, Hkv * Dk, Nk)  # views
+        grads = self._input_grads(d_q, d_k, self.round(d_v), {"w_o": d_w_o, "b_o": d_b_o})
         grads["output"] = output
         return grads
 
@@ -208,8 +232,8 @@ class ColumnSampleVJP:
         """Forward of query head h on row-block slices of the merged projections (views)."""
         L = self.layer
         Dk, Dv, g = L.cfg.d_k, L.cfg.d_v, L.cfg.kv_head_of(h)
-        q_h = q[:, h * Dk : (h + 1) * Dk]  # (B, Dk, Nq)
-        k_g = k[:, g * Dk : (g + 1) * Dk]  # (B, Dk, Nk)
+        q_h = self._rotate(q[:, h * Dk : (h + 1) * Dk], "q", False)  # (B, Dk, Nq), rotated with rope
+        k_g = self._rotate(k[:, g * Dk : (g + 1) * Dk], "k", False)  # (B, Dk, Nk)
         v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
         weights, context = self._attend_one(h, q_h, k_g, v_g)
         return weights, context, (q_h, k_g, v_g, g)
@@ -226,6 +250,8 @@ class ColumnSampleVJP:
         k_heads = [self._project(L.w_k_heads[g], L.b_k_heads[g], L.x_k) for g in range(Hkv)]  # Hkv x (B, Dk, Nk)
         v_heads = [self._project(L.w_v_heads[g], L.b_v_heads[g], L.x_v) for g in range(Hkv)]  # Hkv x (B, Dv, Nk)
         q_heads = [self._project(L.w_q_heads[h], L.b_q_heads[h], L.x_q) for h in range(H)]  # H x (B, Dk, Nq)
+        k_heads = [self._rotate(k_g, "k", False) for k_g in k_heads]  # rotated with rope
+        q_heads = [self._rotate(q_h, "q", False) for q_h in q_heads]
         forward = [self._attend_one(h, q_heads[h], k_heads[h // G], v_heads[h // G]) for h in range(H)]
         merged = np.concatenate([context for _, context in forward], axis=1)  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
@@ -242,8 +268,8 @@ class ColumnSampleVJP:
         grads = {"w_o": d_w_o, "b_o": d_b_o, "output": output}
         # Each head's own matrix W_h (d, in): dW_h = dQ_h @ X.T is row block h of the canonical dW.
         for name, d_ys, x, with_bias in (
-            ("q", d_q_heads, L.x_q, L.b_q is not None),
-            ("k", [self.round(d) for d in d_k_heads], L.x_k, L.b_k is not None),
+            ("q", [self._unrotate(d, "q", False) for d in d_q_heads], L.x_q, L.b_q is not None),
+            ("k", [self._unrotate(self.round(d), "k", False) for d in d_k_heads], L.x_k, L.b_k is not None),
             ("v", [self.round(d) for d in d_v_heads], L.x_v, L.b_v is not None),
         ):
             w_heads = getattr(L, f"w_{name}_heads")  # (heads, d, in)

@@ -34,10 +34,12 @@ from mha_rosetta.core import (
 from ._torch_common import (
     bool_tensor,
     optional_tensor,
+    rotate_last_axis,
     synchronizer,
     to_tensor,
     torch_device,
     torch_dtype,
+    torch_rotary_tables,
     with_matmul_precision,
 )
 from .base import PER_HEAD, PreparedVJP, tensor_to_numpy
@@ -186,13 +188,20 @@ def prepare_sdpa_vjp(
     use_is_causal = cfg.causal and inputs.mask is None  # as the forward oracle does
     attn_mask = bool_tensor(None if use_is_causal else allowed_positions(cfg, inputs), device)  # True = may attend
     gqa = {"enable_gqa": True} if Hkv != H else {}
+    rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
+
+    def rotate(heads, which: str):  # (B, heads, N, d): rotated before the kernel, as the forward oracle does
+        if rotary is None:
+            return heads
+        cos, sin = rotary[which]
+        return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), cfg.rope)  # tables (1|B, 1, N, r/2)
 
     def forward():
         q = F.linear(x_q, p["w_q"], p["b_q"]).view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view
         k = F.linear(x_k, p["w_k"], p["b_k"]).view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk), view
         v = F.linear(x_v, p["w_v"], p["b_v"]).view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv), view
         context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
+            rotate(q, "q"), rotate(k, "k"), v, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
         )  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
         return F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)

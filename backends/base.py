@@ -278,13 +278,13 @@ class Backend:
 
     def prepare_vjp(
         self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, *,
-        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD,
+        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD, positions=None, kv_positions=None,
     ) -> tuple[PreparedVJP, MHAInputs]:
         """Validate everything (the cotangent too), then convert once for forward+backward."""
         dtype = check_dtype_name(dtype)
         device = check_device_name(device)
         validate_params(cfg, params)
-        inputs = prepare_inputs(cfg, query, key, value, mask)
+        inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
         cotangent = check_cotangent(cotangent, output_shape(cfg, query))
         reason = self.unsupported_reason(cfg, dtype, device, strategy)
         if reason:
@@ -294,11 +294,12 @@ class Backend:
 
     def run_vjp(
         self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, *,
-        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD,
+        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD, positions=None, kv_positions=None,
     ) -> MHAGrads:
         """Same arguments and result as `core.reference_mha_vjp`, plus dtype, device and strategy."""
         prepared, inputs = self.prepare_vjp(
-            cfg, params, query, key, value, mask, cotangent, dtype=dtype, device=device, strategy=strategy
+            cfg, params, query, key, value, mask, cotangent, dtype=dtype, device=device, strategy=strategy,
+            positions=positions, kv_positions=kv_positions,
         )
         native = prepared.run()
         prepared.synchronize(native)

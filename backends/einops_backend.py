@@ -653,6 +653,7 @@ class EinopsBackend(Backend):
 
             tf32 = allows_tf32(self.matmul_precision)
             run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
+        run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)
         return Prepared(
             forward=run,
             to_numpy=tensor_to_numpy,

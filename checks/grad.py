@@ -156,13 +156,14 @@ def _max_abs_error(actual, expected) -> float:
 def _grad_oracle(case: SpecCase, dtypes) -> _GradOracle:
     params, data = case.params(), case.inputs()
     args = (case.cfg, params, data.query, data.key, data.value, data.mask)
-    grads = reference_mha_vjp(*args)
+    where = {"positions": data.positions, "kv_positions": data.kv_positions}  # rotary positions
+    grads = reference_mha_vjp(*args, **where)
     baselines = {}
     for dtype in dtypes:
         if dtype in ("float16", "bfloat16"):
-            rounded = reference_mha_vjp(*args, rounding=dtype).tensors()
+            rounded = reference_mha_vjp(*args, **where, rounding=dtype).tensors()
             baselines[dtype] = {name: _max_abs_error(rounded[name], g) for name, g in grads.tensors().items()}
-    inputs = prepare_inputs(case.cfg, data.query, data.key, data.value, data.mask)
+    inputs = prepare_inputs(*args[:1], *args[2:], data.positions, data.kv_positions)
     allowed = allowed_positions(case.cfg, inputs)
     empty = 0 if allowed is None else int((~allowed.any(axis=-1)).sum())
     return _GradOracle(case, grads, baselines, empty)
@@ -201,9 +202,10 @@ def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracl
     run = GradRun(case.name, Implementation(backend.name, strategy, device), dtype, backend.kind, Status.ERROR)
     data = case.inputs()
     args = (case.cfg, case.params(), data.query, data.key, data.value, data.mask)
+    where = {"positions": data.positions, "kv_positions": data.kv_positions}  # rotary positions
     started = time.perf_counter()
     try:
-        grads = backend.run_vjp(*args, dtype=dtype, device=device, strategy=strategy)
+        grads = backend.run_vjp(*args, dtype=dtype, device=device, strategy=strategy, **where)
     except UnsupportedCase as error:
         run.status, run.reason = Status.UNSUPPORTED, str(error)
         return run
@@ -225,8 +227,10 @@ def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracl
             stage = _first_divergent_backward_stage(grads.stages, oracle.grads.stages, dtype)
             where = f"backward stage {stage}" if stage else None
             if where is None:  # no backward stages exposed (autograd): the forward stages show it
-                _, stages = backend.run(*args, return_stages=True, dtype=dtype, device=device, strategy=strategy)
-                divergence = first_divergence(reference_stages(*args), stages, dtype)
+                _, stages = backend.run(
+                    *args, return_stages=True, dtype=dtype, device=device, strategy=strategy, **where
+                )
+                divergence = first_divergence(reference_stages(*args, **where), stages, dtype)
                 where = None if divergence is None else f"forward stage {divergence.stage}"
             if where is None:
                 run.status, run.reason = Status.MISSED, "the known mistake agrees with the oracle in every gradient"

@@ -11,14 +11,18 @@ with every backward stage exposed (canonical layout, the forward stage's shape):
     d_weights = d_context @ V_g^T                            (B, H, Nq, Nk)
     d_v_heads = sum over the group of A_h^T @ d_context      (B, Hkv, Nk, Dv)
     d_scores  = A * (d_weights - rowsum(d_weights * A))      (B, H, Nq, Nk)  softmax backward
-    d_q_heads = scale * d_scores @ K_g                       (B, H, Nq, Dk)
-    d_k_heads = sum over the group of scale * d_scores^T Q_h (B, Hkv, Nk, Dk)
+    d_q_rotated = scale * d_scores @ K_g (K_g, Q_h rotated)  (B, H, Nq, Dk)
+    d_k_rotated = sum over the group of scale * d_scores^T Q_h (B, Hkv, Nk, Dk)
+    d_q_heads, d_k_heads = the rotations undone: R(-angle)   (the same without rope)
     d_q, d_k, d_v = the heads merged back                    (B, N, H*Dk) ...
     d_query = d_q @ w_q, dW_q = d_q^T x_q, db_q = sum over batch and tokens (likewise k, v)
 
 Grouped-query attention: kv head ``g`` feeds the ``group_size`` query heads of its group,
 so its gradients are the *sum* over that group (the backward-only bug this catches:
 repeating the kv heads in the forward without summing their gradients).
+
+Rotary embedding (``cfg.rope``): each feature pair is turned by its token's angle, an
+orthogonal map, so its backward is the inverse rotation (the same tables with ``sin`` negated).
 
 Masks need no extra rule: a blocked position has weight 0, so ``A * (...)`` gives it a zero
 score gradient, and a query row with nothing to attend to (all weights 0 by the spec) gets
@@ -40,6 +44,7 @@ from .dtypes import check_dtype_name, numpy_dtype
 from .inputs import _as_float_array, prepare_inputs
 from .params import MHAParams
 from .reference import reference_stages, softmax_with_empty_rows
+from .rotary import apply_rotary, rotary_tables
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -50,6 +55,8 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
     ("d_weights", "weights"),
     ("d_v_heads", "v_heads"),
     ("d_scores", "scores"),
+    ("d_q_rotated", "q_rotated"),
+    ("d_k_rotated", "k_rotated"),
     ("d_q_heads", "q_heads"),
     ("d_k_heads", "k_heads"),
     ("d_q", "q"),
@@ -151,6 +158,8 @@ def reference_mha_vjp(
     mask=None,
     cotangent=None,
     *,
+    positions=None,
+    kv_positions=None,
     rounding: str | None = None,
 ) -> MHAGrads:
     """The float64 backward oracle; see the module docstring for the formulas.
@@ -160,17 +169,18 @@ def reference_mha_vjp(
     sums over it: the whole ``w_o`` row and ``b_o`` entry of its feature, the inputs of its
     batch item that its query attends to, and through them every weight gradient.
     """
-    inputs = prepare_inputs(cfg, query, key, value, mask)
+    inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
     d_out = check_cotangent(cotangent, output_shape(cfg, query))
     compute, r = _rounder(rounding)
+    tables = rotary_tables(cfg, inputs)
     if rounding is None:
-        fwd = reference_stages(cfg, params, query, key, value, mask)
+        fwd = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
         p = {name: None if a is None else a.astype(np.float64) for name, a in params.as_dict().items()}
         x_q, x_k, x_v = (a.astype(np.float64) for a in (inputs.query, inputs.key, inputs.value))
     else:
         p = {name: None if a is None else r(a) for name, a in params.as_dict().items()}
         x_q, x_k, x_v = (r(a) for a in (inputs.query, inputs.key, inputs.value))
-        fwd = _rounded_forward(cfg, p, x_q, x_k, x_v, inputs, r)
+        fwd = _rounded_forward(cfg, p, x_q, x_k, x_v, inputs, tables, r)
     d_out = r(d_out if inputs.batched else d_out[None]).astype(compute)  # (B, Nq, D)
 
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
@@ -187,7 +197,8 @@ def reference_mha_vjp(
         [d_merged[:, :, h * Dv : (h + 1) * Dv] for h in range(H)], axis=1
     )  # (B, H, Nq, Dv)
 
-    weights, q_heads, k_heads, v_heads = fwd["weights"], fwd["q_heads"], fwd["k_heads"], fwd["v_heads"]
+    # The scores read the rotated queries and keys (the heads themselves without rope).
+    weights, q_heads, k_heads, v_heads = fwd["weights"], fwd["q_rotated"], fwd["k_rotated"], fwd["v_heads"]
     d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
     d_scores = np.empty_like(d_weights)
     d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)
@@ -206,8 +217,13 @@ def reference_mha_vjp(
     stages["d_weights"] = d_weights
     stages["d_v_heads"] = d_v_heads = r(d_v_heads)
     stages["d_scores"] = d_scores
+    stages["d_q_rotated"] = d_q_heads
+    stages["d_k_rotated"] = d_k_heads = r(d_k_heads)
+    if tables is not None:  # undo the rotation: turn each pair back by its angle
+        d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], cfg.rope))
+        d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], cfg.rope))
     stages["d_q_heads"] = d_q_heads
-    stages["d_k_heads"] = d_k_heads = r(d_k_heads)
+    stages["d_k_heads"] = d_k_heads
 
     # Split heads backward: put each head's block back into its columns.
     d_q = stages["d_q"] = np.concatenate([d_q_heads[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dk)
@@ -227,7 +243,7 @@ def reference_mha_vjp(
     return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), d_params, stages)
 
 
-def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[str, np.ndarray]:
+def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, tables, r) -> dict[str, np.ndarray]:
     """The forward stages the backward needs, in float32 with every stage rounded by ``r``."""
     from .inputs import allowed_positions
 
@@ -241,11 +257,16 @@ def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[
     q_heads = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk), view
     k_heads = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk), view
     v_heads = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv), view
+    q_rotated, k_rotated = q_heads, k_heads
+    if tables is not None:
+        q_rotated = r(apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], cfg.rope))
+        k_rotated = r(apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], cfg.rope))
     allowed = allowed_positions(cfg, inputs)
     group = np.arange(H) // cfg.group_size  # kv head of every query head
-    scores = r(cfg.scale * (q_heads @ np.swapaxes(k_heads[:, group], -1, -2)))  # (B, H, Nq, Nk)
+    scores = r(cfg.scale * (q_rotated @ np.swapaxes(k_rotated[:, group], -1, -2)))  # (B, H, Nq, Nk)
     masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
     weights = r(softmax_with_empty_rows(masked))  # (B, H, Nq, Nk)
     context = r(weights @ v_heads[:, group])  # (B, H, Nq, Dv)
     merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
-    return {"q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads, "weights": weights, "merged": merged}
+    stages = {"q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads, "weights": weights, "merged": merged}
+    return {**stages, "q_rotated": q_rotated, "k_rotated": k_rotated}

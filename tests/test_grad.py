@@ -405,3 +405,17 @@ def test_bench_cell_times_forward_plus_backward_with_three_times_the_flops():
     assert CellSpec("numpy", mode="fwdbwd", **sizes).key() != CellSpec("numpy", **sizes).key()
     with pytest.raises(ValueError, match="mode must be one of fwd, fwdbwd; got 'backward'"):
         CellSpec("numpy", mode="backward")
+
+
+def test_bench_mode_both_times_every_cell_forward_and_forward_plus_backward():
+    from mha_rosetta.benchmarks.report import cell_label
+    from mha_rosetta.benchmarks.sweep import expand_cells, preset_settings
+
+    both = expand_cells(preset_settings("quick", modes=["fwd", "fwdbwd"]), ["numpy", "torch:slicing"])
+    forward = expand_cells(preset_settings("quick"), ["numpy", "torch:slicing"])
+    assert len(both) == 2 * len(forward) and {c.mode for c in both} == {"fwd", "fwdbwd"}
+    assert {c.mode for c in forward} == {"fwd"}
+    labels = {cell_label({**c.identity(), "mode": c.mode}) for c in both}
+    assert {"numpy", "numpy fwd+bwd", "torch:slicing", "torch:slicing fwd+bwd"} <= labels
+    with pytest.raises(ValueError, match="mode must be one of fwd, fwdbwd"):
+        preset_settings("quick", modes=["train"])

@@ -28,7 +28,6 @@ from mha_rosetta.core import (
     from_torch_mha_state_dict,
     merge_head_bias,
     merge_head_matrices,
-    to_torch_mha_state_dict,
 )
 
 from ._torch_common import (
@@ -37,8 +36,6 @@ from ._torch_common import (
     rotate_last_axis,
     synchronizer,
     to_tensor,
-    torch_device,
-    torch_dtype,
     torch_rotary_tables,
     with_matmul_precision,
 )
@@ -126,28 +123,15 @@ def prepare_torch_mha_vjp(
     allow_tf32: bool,
 ) -> PreparedVJP:
     """Autograd through ``nn.MultiheadAttention``; its parameters' gradients are a state dict."""
-    import torch
+    from .torch_oracles import loaded_torch_mha, torch_blocked_mask
 
-    module = torch.nn.MultiheadAttention(
-        cfg.d_model,
-        cfg.n_heads,
-        dropout=0.0,
-        bias=cfg.bias,
-        kdim=cfg.kdim,
-        vdim=cfg.vdim,
-        batch_first=batch_first,
-        device=torch_device(device),
-        dtype=torch_dtype(dtype),
-    )
-    module.load_state_dict({name: torch.from_numpy(a) for name, a in to_torch_mha_state_dict(cfg, params).items()})
-    module.eval()  # no dropout; with grad enabled torch takes its differentiable (non-fused) path
+    # Eval mode means no dropout; with grad enabled torch takes its differentiable (non-fused) path.
+    module = loaded_torch_mha(cfg, params, dtype, device, batch_first)
 
     def layout(x):  # (B, N, F) -> the module's layout: (N, B, F) when sequence-first
         return x if batch_first else x.transpose(0, 1).contiguous()
 
     query, key, value = (leaf(layout(to_tensor(x, dtype, device))) for x in (inputs.query, inputs.key, inputs.value))
-    from .torch_oracles import torch_blocked_mask
-
     attn_mask = torch_blocked_mask(
         allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
     )

@@ -408,6 +408,15 @@ def compare(actual, expected, dtype: str) -> Comparison:
         return core_compare(actual, expected, dtype)
 
 
+def failure_status(error: BaseException) -> tuple[Status, str]:
+    """A run that raised: unsupported (the backend's reason), skipped (not installed) or an error."""
+    if isinstance(error, UnsupportedCase):
+        return Status.UNSUPPORTED, str(error)
+    if isinstance(error, BackendNotInstalled):
+        return Status.SKIPPED, str(error)
+    return Status.ERROR, _error_text(error)
+
+
 def _error_text(error: BaseException) -> str:
     message = str(error).strip().splitlines()
     return f"{type(error).__name__}: {message[0] if message else ''}".rstrip(": ")
@@ -435,14 +444,8 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
         result = prepared.forward()
         prepared.synchronize(result)
         output = np.asarray(prepared.to_numpy(result))
-    except UnsupportedCase as error:
-        run.status, run.reason = Status.UNSUPPORTED, str(error)
-        return run
-    except BackendNotInstalled as error:
-        run.status, run.reason = Status.SKIPPED, str(error)
-        return run
     except Exception as error:  # a failing cell is reported and the check goes on
-        run.reason = _error_text(error)
+        run.status, run.reason = failure_status(error)
         return run
     run.seconds = time.perf_counter() - started
     run.info = dict(prepared.info)

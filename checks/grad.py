@@ -218,17 +218,17 @@ def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracl
             run.reason = f"gradients of {', '.join(bad)} disagree"
         else:
             stage = _first_divergent_backward_stage(grads.stages, oracle.grads.stages, dtype)
-            where = f"backward stage {stage}" if stage else None
-            if where is None:  # no backward stages exposed (autograd): the forward stages show it
+            shown_at = f"backward stage {stage}" if stage else None
+            if shown_at is None:  # no backward stages exposed (autograd): the forward stages show it
                 _, stages = backend.run(
                     *args, return_stages=True, dtype=dtype, device=device, strategy=strategy, **where
                 )
                 divergence = first_divergence(reference_stages(*args, **where), stages, dtype)
-                where = None if divergence is None else f"forward stage {divergence.stage}"
-            if where is None:
+                shown_at = None if divergence is None else f"forward stage {divergence.stage}"
+            if shown_at is None:
                 run.status, run.reason = Status.MISSED, "the known mistake agrees with the oracle in every gradient"
             else:
-                run.reason = f"the gradients happen to agree on this case; the mistake shows at {where}"
+                run.reason = f"the gradients happen to agree on this case; the mistake shows at {shown_at}"
         return run
     if not bad:
         run.status = Status.AGREE

@@ -4,14 +4,16 @@ Importing this package imports no framework. `available_backends` asks
 `importlib.util.find_spec`, which looks for a module without importing it, and
 `get_backend` imports an adapter's module only when that backend is asked for.
 The registry is an explicit dict: adding a backend is one line here plus its module.
+Backends from other packages come in through `register` (a class or a module path) or
+the entry-point group ``mha_rosetta.backends`` (`backends.plugins`).
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from . import plugins
 from .base import (
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
@@ -29,22 +31,26 @@ from .base import (
 
 @dataclass(frozen=True)
 class BackendEntry:
-    module: str  # relative to this package
+    module: str  # a module of this package ("numpy_backend") or a fully qualified one ("mypkg.attention")
     cls: str
-    requires: tuple[str, ...]  # importable modules, checked without importing them
-    extra: str  # the pip extra that installs them
+    requires: tuple[str, ...] = ()  # importable modules, checked without importing them
+    extra: str = ""  # the mha-rosetta extra that installs them ("" for a plugin: its own package does)
     kwargs: dict = field(default_factory=dict)
-    kind: str = "implementation"  # or "oracle": a library's own attention, fed our parameters
+    # "implementation" or "oracle" (a library's own attention, fed our parameters);
+    # None for a plugin named by a path: its class says, once loaded.
+    kind: str | None = "implementation"
 
 
 REGISTRY: dict[str, BackendEntry] = {}
 
 
-def register(name: str, entry: BackendEntry) -> None:
-    """Add a backend to the registry (used below, and by users with their own adapters)."""
+def register(name: str, entry) -> None:
+    """Add a backend: a `BackendEntry`, a `Backend` subclass or a ``"package.module:Class"`` path."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
     if name in REGISTRY:
         raise ValueError(f"a backend named {name!r} is already registered")
-    REGISTRY[name] = entry
+    REGISTRY[name] = plugins.as_entry(entry)
 
 
 def _missing_modules(entry: BackendEntry) -> list[str]:
@@ -63,7 +69,8 @@ def missing_backends() -> dict[str, str]:
 
 def _not_installed_message(name: str, entry: BackendEntry) -> str:
     missing = ", ".join(_missing_modules(entry))
-    return f"backend {name!r} needs {missing}, which is not installed: pip install 'mha-rosetta[{entry.extra}]'"
+    how = f"pip install 'mha-rosetta[{entry.extra}]'" if entry.extra else f"install {missing}"
+    return f"backend {name!r} needs {missing}, which is not installed: {how}"
 
 
 _INSTANCES: dict[str, Backend] = {}
@@ -77,9 +84,12 @@ def get_backend(name: str) -> Backend:
     if _missing_modules(entry):
         raise BackendNotInstalled(_not_installed_message(name, entry))
     if name not in _INSTANCES:
-        module = importlib.import_module(f"{__name__}.{entry.module}")
-        backend = getattr(module, entry.cls)(name=name, **entry.kwargs)
-        backend.requires, backend.kind = entry.requires, entry.kind
+        # The instance reads its kind and requires from this entry (Backend.__init__).
+        backend = plugins.load_class(entry)(name=name, **entry.kwargs)
+        if entry.kind is None:  # a plugin named by a path: now its class has said
+            REGISTRY[name] = replace(entry, kind=backend.kind, requires=tuple(backend.requires))
+            if _missing_modules(REGISTRY[name]):
+                raise BackendNotInstalled(_not_installed_message(name, REGISTRY[name]))
         _INSTANCES[name] = backend
     return _INSTANCES[name]
 
@@ -98,6 +108,8 @@ register("torch-sdpa", BackendEntry("torch_oracles", "TorchSDPAOracle", ("torch"
 register("jax-dpa", BackendEntry("jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
 register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
 register("equinox", BackendEntry("jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
+# Third-party packages' backends (entry-point group "mha_rosetta.backends"), none imported.
+plugins.discover_entry_points()
 
 __all__ = [
     "DIRECT_RESHAPE",

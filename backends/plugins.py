@@ -76,7 +76,7 @@ def load_class(entry) -> type:
     try:
         obj = importlib.import_module(module_name(entry.module))
     except ModuleNotFoundError as error:
-        raise ImportError(f"cannot import {path}: {error}") from error
+        raise ModuleNotFoundError(f"cannot import {path}: {error}", name=error.name) from error
     for part in entry.cls.split("."):
         if not hasattr(obj, part):
             raise ImportError(f"cannot import {path}: module {module_name(entry.module)!r} has no attribute {part!r}")

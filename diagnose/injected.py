@@ -1,0 +1,192 @@
+"""Attention candidates with one injected convention bug each, written the way users write them.
+
+`numpy_candidate(cfg, bug)` (row samples, ``x @ W.T + b``, reshape + transpose) and
+`torch_candidate(cfg, bug)` (``F.linear``, ``view(...).transpose(1, 2)``, ``masked_fill``)
+take canonical `MHAParams` and return the output, with the bug named by ``bug`` (a key of
+`BUGS`) or none. They are independent code from `diagnose.simulate`, so diagnosing them
+tests the simulator, and they feed the confusion table (`diagnose.confusion`) and the
+README's example. torch is imported inside `torch_candidate` only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig
+
+# bug -> (the cause code it must be diagnosed as, what the code does wrong)
+BUGS: dict[str, tuple[str, str]] = {
+    "w_q transposed": ("weight_transposed", "x @ w_q instead of x @ w_q.T"),
+    "w_o transposed": ("weight_transposed", "merged @ w_o instead of merged @ w_o.T"),
+    "q/k swapped": ("qkv_swapped", "w_q/b_q loaded into the key projection and w_k/b_k into the query one"),
+    "k/v swapped": ("qkv_swapped", "w_k/b_k loaded into the value projection and w_v/b_v into the key one"),
+    "packed blocks, read per head": ("qkv_packing", "in_proj = cat(w_q, w_k, w_v), unpacked as view(H, 3, d, E)"),
+    "scale missing": ("scale", "scores = q @ k.T"),
+    "scale twice": ("scale", "q scaled by 1/sqrt(d), then the scores again"),
+    "softmax over queries": ("softmax_axis", "softmax(scores, axis=-2)"),
+    "mask inverted": ("mask_polarity", "masked_fill(mask, -inf): True read as blocked"),
+    "causal hides diagonal": ("causal_offset", "tril(ones, -1): query i sees keys j < i"),
+    "direct reshape": ("head_split", "q.reshape(B, H, N, d) instead of reshape(B, N, H, d).transpose"),
+    "merge (Dv, H)": ("head_merge_order", "context.permute(0, 2, 3, 1).reshape(B, N, Dv*H)"),
+    "kv heads tiled": ("gqa_grouping", "k.repeat(1, group, 1, 1) instead of repeat_interleave(group, dim=1)"),
+    "b_q dropped": ("bias", "query projection without its bias"),
+    "b_o dropped": ("bias", "output projection without its bias"),
+}
+
+
+def bugs_for(cfg: MHAConfig) -> list[str]:
+    """The bugs that can run and change the output for ``cfg``."""
+    square = cfg.q_width == cfg.d_model and cfg.context_width == cfg.d_model
+    names = [
+        name
+        for name in BUGS
+        if not (name.endswith("transposed") and not square)
+        and not (name == "causal hides diagonal" and not cfg.causal)
+        and not (name == "kv heads tiled" and not 1 < cfg.n_kv_heads < cfg.n_heads)
+        and not (name.startswith("packed") and cfg.n_kv_heads != cfg.n_heads)
+        and not (name in ("q/k swapped", "k/v swapped") and cfg.n_kv_heads != cfg.n_heads)
+        and not (name.startswith("b_") and not cfg.bias)
+    ]
+    return names
+
+
+def _check_bug(bug: str | None) -> None:
+    if bug is not None and bug not in BUGS:
+        raise ValueError(f"bug must be None or one of {', '.join(map(repr, BUGS))}; got {bug!r}")
+
+
+def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
+    """A NumPy attention with ``bug`` injected: candidate(params, query, key, value, mask) -> output."""
+    _check_bug(bug)
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+
+    def candidate(params, query, key, value, mask):
+        w_q, w_k, w_v, w_o = params.w_q, params.w_k, params.w_v, params.w_o
+        b_q, b_k, b_v, b_o = params.b_q, params.b_k, params.b_v, params.b_o
+        if bug == "q/k swapped":
+            w_q, w_k, b_q, b_k = w_k, w_q, b_k, b_q
+        if bug == "k/v swapped":
+            w_k, w_v, b_k, b_v = w_v, w_k, b_v, b_k
+        if bug == "packed blocks, read per head":
+            in_proj = np.concatenate([w_q, w_k, w_v])  # (3E, E), q;k;v blocks
+            per_head = in_proj.reshape(H, 3, Dk, -1)  # read as [q_h; k_h; v_h] per head: the bug
+            w_q, w_k, w_v = (per_head[:, i].reshape(H * Dk, -1) for i in range(3))
+            if b_q is not None:
+                b_per_head = np.concatenate([b_q, b_k, b_v]).reshape(H, 3, Dk)
+                b_q, b_k, b_v = (b_per_head[:, i].reshape(H * Dk) for i in range(3))
+        if bug == "b_q dropped":
+            b_q = None
+        if bug == "b_o dropped":
+            b_o = None
+
+        def linear(x, w, b, transposed=False):
+            y = x @ (w if transposed else w.T)
+            return y if b is None else y + b
+
+        B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
+        q = linear(query, w_q, b_q, bug == "w_q transposed")  # (B, Nq, H*Dk)
+        k = linear(key, w_k, b_k)  # (B, Nk, Hkv*Dk)
+        v = linear(value, w_v, b_v)  # (B, Nk, Hkv*Dv)
+        if bug == "direct reshape":
+            q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
+        else:
+            q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
+            k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
+            v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
+        if Hkv != H:
+            group = H // Hkv
+            if bug == "kv heads tiled":
+                k, v = np.tile(k, (1, group, 1, 1)), np.tile(v, (1, group, 1, 1))  # (B, H, Nk, d)
+            else:
+                k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # (B, H, Nk, d)
+        scale = cfg.scale
+        if bug == "scale twice":
+            q = q * scale
+        scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, Nq, Nk)
+        if bug != "scale missing":
+            scores = scores * scale
+        allowed = np.ones((Nq, Nk), dtype=bool)
+        if cfg.causal:
+            allowed = np.tril(allowed, -1 if bug == "causal hides diagonal" else 0)
+        if mask is not None:
+            allowed = allowed & (~mask if bug == "mask inverted" else mask)
+        scores = np.where(allowed, scores, -np.inf)
+        axis = -2 if bug == "softmax over queries" else -1
+        with np.errstate(invalid="ignore"):
+            e = np.exp(scores - scores.max(axis=axis, keepdims=True))
+            weights = e / e.sum(axis=axis, keepdims=True)
+        context = weights @ v  # (B, H, Nq, Dv)
+        if bug == "merge (Dv, H)":
+            merged = context.transpose(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
+        else:
+            merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv) copy
+        return linear(merged, w_o, b_o, bug == "w_o transposed")
+
+    return candidate
+
+
+def torch_candidate(cfg: MHAConfig, bug: str | None = None):
+    """The same bugs in torch idioms (F.linear, view/transpose, masked_fill); returns a torch tensor."""
+    import torch
+    import torch.nn.functional as F
+
+    _check_bug(bug)
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+
+    def candidate(params, query, key, value, mask):
+        t = {name: None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for name, a in params.as_dict().items()}
+        if bug == "q/k swapped":
+            t["w_q"], t["w_k"], t["b_q"], t["b_k"] = t["w_k"], t["w_q"], t["b_k"], t["b_q"]
+        if bug == "k/v swapped":
+            t["w_k"], t["w_v"], t["b_k"], t["b_v"] = t["w_v"], t["w_k"], t["b_v"], t["b_k"]
+        if bug == "packed blocks, read per head":
+            in_proj = torch.cat([t["w_q"], t["w_k"], t["w_v"]])  # (3E, E) like nn.MultiheadAttention
+            w = in_proj.view(H, 3, Dk, -1)  # the bug: read per head
+            t["w_q"], t["w_k"], t["w_v"] = (w[:, i].reshape(H * Dk, -1) for i in range(3))
+            if t["b_q"] is not None:
+                b = torch.cat([t["b_q"], t["b_k"], t["b_v"]]).view(H, 3, Dk)
+                t["b_q"], t["b_k"], t["b_v"] = (b[:, i].reshape(H * Dk) for i in range(3))
+        if bug in ("b_q dropped", "b_o dropped"):
+            t[bug[:3]] = None
+        x_q, x_k, x_v = (torch.from_numpy(a) for a in (query, key, value))
+        B, Nq, Nk = x_q.shape[0], x_q.shape[1], x_k.shape[1]
+        w_q = t["w_q"].T if bug == "w_q transposed" else t["w_q"]
+        q = F.linear(x_q, w_q, t["b_q"])  # (B, Nq, H*Dk)
+        k = F.linear(x_k, t["w_k"], t["b_k"])  # (B, Nk, Hkv*Dk)
+        v = F.linear(x_v, t["w_v"], t["b_v"])  # (B, Nk, Hkv*Dv)
+        if bug == "direct reshape":
+            q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
+        else:
+            q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
+            k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
+            v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
+        if Hkv != H:
+            group = H // Hkv
+            if bug == "kv heads tiled":
+                k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # (B, H, Nk, d): tiled
+            else:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Nk, d)
+        scale = cfg.scale
+        if bug == "scale twice":
+            q = q * scale
+        scores = q @ k.transpose(-2, -1)  # (B, H, Nq, Nk)
+        if bug != "scale missing":
+            scores = scores * scale
+        blocked = torch.zeros(Nq, Nk, dtype=torch.bool)
+        if cfg.causal:
+            offset = 0 if bug == "causal hides diagonal" else 1
+            blocked = torch.ones(Nq, Nk, dtype=torch.bool).triu(offset)
+        if mask is not None:
+            m = torch.from_numpy(np.asarray(mask))
+            blocked = blocked | (m if bug == "mask inverted" else ~m)
+        scores = scores.masked_fill(blocked, float("-inf"))
+        weights = torch.softmax(scores, dim=-2 if bug == "softmax over queries" else -1)
+        context = weights @ v  # (B, H, Nq, Dv)
+        if bug == "merge (Dv, H)":
+            merged = context.permute(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
+        else:
+            merged = context.transpose(1, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv) copy
+        w_o = t["w_o"].T if bug == "w_o transposed" else t["w_o"]
+        return F.linear(merged, w_o, t["b_o"])
+
+    return candidate

@@ -56,10 +56,14 @@ def resolve_callable(path: str):
         raise ValueError(f"cannot import {path}: {error}") from error
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"cannot import {path}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}")
+            raise ValueError(
+                f"cannot import {path}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"{path} is a {type(obj).__name__}, not callable as (params, query, key, value, mask) -> output")
+        raise ValueError(
+            f"{path} is a {type(obj).__name__}, not callable as (params, query, key, value, mask) -> output"
+        )
     return obj
 
 
@@ -110,5 +114,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.candidate} ({cfg.describe()}):", file=out)
     print(result.summary(), file=out)
     if args.json:
-        write_output(args.json, json.dumps({"candidate": args.candidate, "config": cfg.describe(), **result.as_dict()}, indent=2))
+        write_output(
+            args.json, json.dumps({"candidate": args.candidate, "config": cfg.describe(), **result.as_dict()}, indent=2)
+        )
     return 0 if result.agrees else 1

@@ -134,7 +134,10 @@ def torch_candidate(cfg: MHAConfig, bug: str | None = None):
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
 
     def candidate(params, query, key, value, mask):
-        t = {name: None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for name, a in params.as_dict().items()}
+        t = {
+            name: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+            for name, a in params.as_dict().items()
+        }
         if bug == "q/k swapped":
             t["w_q"], t["w_k"], t["b_q"], t["b_k"] = t["w_k"], t["w_q"], t["b_k"], t["b_q"]
         if bug == "k/v swapped":

@@ -66,7 +66,16 @@ def make_probes(cfg: MHAConfig, seed: int = 0) -> list[Probe]:
         return rng.standard_normal((BATCH, n, width))
 
     def self_probe(name, x, **kw) -> Probe:
-        return Probe(name, kw.pop("params", params), x, x, x, kw.pop("mask", None), **kw)
+        # Self-attention where the widths allow (key = value = query); else other tokens, as many.
+        def same_tokens(width):
+            if width == cfg.d_model:
+                return x
+            other = tokens(x.shape[1], width)
+            return np.repeat(other[:, :1], x.shape[1], axis=1) if name == "identical tokens" else other
+
+        return Probe(
+            name, kw.pop("params", params), x, same_tokens(cfg.kdim), same_tokens(cfg.vdim), kw.pop("mask", None), **kw
+        )
 
     x = tokens(Q_TOKENS, cfg.d_model)
     probes = [
@@ -78,7 +87,9 @@ def make_probes(cfg: MHAConfig, seed: int = 0) -> list[Probe]:
     ]
     if cfg.kdim == cfg.d_model:
         group = cfg.n_heads // cfg.n_kv_heads
-        rows = np.concatenate([np.arange(g * group * cfg.d_k, (g * group + 1) * cfg.d_k) for g in range(cfg.n_kv_heads)])
+        rows = np.concatenate(
+            [np.arange(g * group * cfg.d_k, (g * group + 1) * cfg.d_k) for g in range(cfg.n_kv_heads)]
+        )
         tied = replace(params, w_k=params.w_q[rows], b_k=None if params.b_q is None else params.b_q[rows])
         probes.append(self_probe("w_k = w_q", x, params=tied))
     w_o = np.zeros_like(params.w_o)

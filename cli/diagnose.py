@@ -92,10 +92,21 @@ def run(args: argparse.Namespace) -> int:
     from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError, diagnose
 
     if args.confusion:
-        from mha_rosetta.diagnose.confusion import confusion, render_evidence, render_markdown
+        from mha_rosetta.diagnose.confusion import (
+            confusion,
+            render_evidence,
+            render_markdown,
+            render_separation,
+            separating_probes,
+        )
 
         outcomes = confusion()
         print(render_markdown(outcomes))
+        print(
+            "The simplest probe that tells each pair of causes apart (max abs difference of their simulated outputs):\n"
+        )
+        print(render_separation(separating_probes()))
+        print("One diagnosis per bug, its evidence:\n")
         print(render_evidence(outcomes), end="")
         return 0 if all(o.correct for o in outcomes) else 1
     if args.candidate is None:

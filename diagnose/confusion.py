@@ -13,11 +13,15 @@ import importlib.util
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from mha_rosetta.core import MHAConfig
 
-from .causes import CAUSE_CODES
+from .causes import CAUSE_CODES, hypotheses
 from .diagnosis import diagnose
 from .injected import BUGS, bugs_for, numpy_candidate, torch_candidate
+from .probes import make_probes
+from .simulate import simulate
 
 SETTINGS: dict[str, MHAConfig] = {
     "plain": MHAConfig(d_model=12, n_heads=3),  # d_k = 4
@@ -98,4 +102,60 @@ def render_evidence(outcomes: list[Outcome]) -> str:
             continue
         seen.add(o.bug)
         lines.append(f"- **{o.bug}** ({o.setting}, {o.framework}): {o.evidence}")
+    return "\n".join(lines) + "\n"
+
+
+# Probes from the one that exercises least of the pipeline to the one that exercises most.
+SIMPLEST_FIRST = (
+    "single token",
+    "identical tokens",
+    "one head",
+    "w_k = w_q",
+    "random",
+    "all-True mask",
+    "mask",
+    "cross",
+)
+
+
+def separating_probes(settings=None) -> dict[tuple[str, str], tuple[str, float]]:
+    """For each pair of cause codes, the simplest probe on which their simulated outputs differ, and by how much.
+
+    Computed from the simulations alone (no candidate): the first hypothesis of each code,
+    in the first setting where both apply; "simplest" in the order of `SIMPLEST_FIRST`.
+    """
+    settings = SETTINGS if settings is None else settings
+    best: dict[tuple[str, str], tuple[str, float]] = {}
+    for cfg in settings.values():
+        first = {}
+        for h in hypotheses(cfg):
+            first.setdefault(h.code, h)
+        probes = sorted((p for p in make_probes(cfg) if p.ranks), key=lambda p: SIMPLEST_FIRST.index(p.name))
+        outputs = {
+            code: [simulate(cfg, p.params, p.query, p.key, p.value, p.mask, h.bug) for p in probes]
+            for code, h in first.items()
+        }
+        for a in first:
+            for b in first:
+                if CAUSE_CODES.index(a) >= CAUSE_CODES.index(b) or (a, b) in best:
+                    continue
+                for p, x, y in zip(probes, outputs[a], outputs[b], strict=True):
+                    finite = np.isfinite(x) & np.isfinite(y)
+                    gap = float(np.abs(x - y)[finite].max(initial=0.0))
+                    if gap > 1e-6 * (1.0 + float(np.abs(x[finite]).max(initial=0.0))):
+                        best[(a, b)] = (p.name, gap)
+                        break
+    return best
+
+
+def render_separation(best: dict[tuple[str, str], tuple[str, float]]) -> str:
+    """The pairs table: for each pair of causes, the simplest probe that tells them apart."""
+    codes = [code for code in CAUSE_CODES if any(code in pair for pair in best)]
+    lines = ["| cause | " + " | ".join(f"`{c}`" for c in codes[1:]) + " |", "| --- |" + " --- |" * (len(codes) - 1)]
+    for a in codes[:-1]:
+        cells = []
+        for b in codes[1:]:
+            pair = best.get((a, b))
+            cells.append("" if pair is None else f"{pair[0]} ({pair[1]:.2g})")
+        lines.append(f"| `{a}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -340,14 +340,17 @@ def _cause(cfg, fit: _Fit, fits: list[_Fit], oracle: _Fit, run, observed, partia
     shows = max(oracle.per_probe, key=lambda name: oracle.per_probe[name][1])
     off, _ = oracle.per_probe[shows]
     err, ratio = fit.per_probe[shows]
+    away = "NaN or inf where the oracle is finite" if math.isinf(off) else f"{off:.3g} from the oracle"
     parts = [
-        f"probe {shows!r}: {off:.3g} from the oracle, {err:.2g} from this cause "
-        f"({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
+        f"probe {shows!r}: {away}, {err:.2g} from this cause ({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
     ]
     rival = next((f for f in fits if f is not fit), None)
     if rival is not None:
         apart = max(rival.per_probe, key=lambda name: rival.per_probe[name][1])
-        parts.append(f"next best, {rival.label}, misses probe {apart!r} by {rival.per_probe[apart][0]:.3g}")
+        by = rival.per_probe[apart][0]
+        parts.append(
+            f"next best, {rival.label}, misses probe {apart!r} by {'NaN or inf' if math.isinf(by) else f'{by:.3g}'}"
+        )
     if partial:
         parts.append(f"explains no probe set fully (worst probe at {fit.score:.3g}x tolerance)")
     if hypothesis.repair is not None:

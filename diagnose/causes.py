@@ -183,7 +183,8 @@ def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
                 "gqa_grouping",
                 "kv heads tiled (h % Hkv) instead of repeated (h // group)",
                 Bug(gqa_tiled=True),
-                "query head h reads kv head h // (H / Hkv): repeat_interleave(k, group, dim=1), not k.repeat(1, group, 1, 1); "
+                "query head h reads kv head h // (H / Hkv): repeat_interleave(k, group, dim=1), "
+                "not k.repeat(1, group, 1, 1); "
                 f"or feed {REPAIRS}.regroup_query_heads(cfg, params)",
                 lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
             )

@@ -79,9 +79,11 @@ class Diagnosis:
     def summary(self) -> str:
         tol = tolerance_for(self.dtype)
         head = (
-            f"agrees with the oracle: max abs error {self.max_error:.3g} (tolerance {self.dtype}: atol {tol.atol:g}, rtol {tol.rtol:g})"
+            f"agrees with the oracle: max abs error {self.max_error:.3g} "
+            f"(tolerance {self.dtype}: atol {tol.atol:g}, rtol {tol.rtol:g})"
             if self.agrees
-            else f"DISAGREES with the oracle: max abs error {self.max_error:.3g} ({self.dtype} tolerance atol {tol.atol:g})"
+            else f"DISAGREES with the oracle: max abs error {self.max_error:.3g} "
+            f"({self.dtype} tolerance atol {tol.atol:g})"
         )
         lines = [head]
         lines += [f"known difference: {text}" for text in self.known_differences]

@@ -77,7 +77,7 @@ def tiled_query_head_order(cfg: MHAConfig) -> np.ndarray:
 
 
 def regroup_query_heads(cfg: MHAConfig, params: MHAParams) -> MHAParams:
-    """Reorder query heads (rows of w_q and b_q, columns of w_o) for code that tiles kv heads instead of repeating them."""
+    """Reorder query heads (rows of w_q and b_q, columns of w_o) for code that tiles kv heads, not repeats them."""
     order = tiled_query_head_order(cfg)
     H, Dk, Dv = cfg.n_heads, cfg.d_k, cfg.d_v
     w_q = params.w_q.reshape(H, Dk, -1)[order].reshape(H * Dk, -1)  # (H, Dk, D) rows regrouped, copy

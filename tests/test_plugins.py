@@ -98,7 +98,8 @@ def test_entry_points_are_discovered_without_importing_the_plugin(tmp_path):
     root = _make_plugin(tmp_path)
     probe = (
         "import sys; from mha_rosetta.backends import REGISTRY; "
-        "print(REGISTRY['mine-ep'].module, REGISTRY['mine-ep'].cls, REGISTRY['mine-nan'].kind, 'myattn.impl' in sys.modules)"
+        "print(REGISTRY['mine-ep'].module, REGISTRY['mine-ep'].cls, REGISTRY['mine-nan'].kind, "
+        "'myattn.impl' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout

@@ -13,6 +13,9 @@ Three ways in, none of which needs an edit to this project:
   (importlib.metadata: no plugin module is imported, so no framework either); the module
   is imported when the backend is first used.
 
+A plugin named by a path has ``kind=None`` in its entry until it is first loaded (its class
+says its kind), so ``available_backends(kind="oracle")`` lists it only after `get_backend`.
+
 A `BackendEntry.module` without a dot that names a module of this package
 (``"numpy_backend"``) is relative to it, as the built-in entries are written; anything
 else is an absolute module path.

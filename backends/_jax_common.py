@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
 from ._inputs import convert_inputs
 from .base import Prepared, tensor_to_numpy
@@ -93,6 +93,35 @@ def jax_params(params: MHAParams, dtype: str, device) -> dict:
 def jax_inputs(inputs: MHAInputs, dtype: str, device) -> tuple:
     """(x_q, x_k, x_v) as JAX arrays of ``dtype`` on ``device``, one device copy per distinct input."""
     return convert_inputs(inputs, lambda array: to_jax(array, dtype, device))
+
+
+def jax_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device) -> tuple | None:
+    """The rotary tables ``(q_cos, q_sin, k_cos, k_sin)`` as JAX arrays ``(1|B, N, r/2)``; None without rope."""
+    tables = rotary_tables(cfg, inputs)
+    if tables is None:
+        return None
+    return tuple(to_jax(table, dtype, device) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+
+
+def rotate_last_axis(x, cos, sin, style: str):
+    """The rotary embedding on the last (feature) axis: x (..., N, Dk), tables (..., N, r/2) broadcastable.
+
+    "half" pairs features i and i + r/2 (two slices); "interleaved" pairs 2i and 2i + 1
+    (a reshape of the feature axis to (r/2, 2)). Features past r pass through.
+    """
+    import jax.numpy as jnp
+
+    h = cos.shape[-1]  # r/2 pairs
+    r = 2 * h
+    x_rot = x[..., :r]  # (..., N, r)
+    if style == "half":
+        a, b = x_rot[..., :h], x_rot[..., h:]  # (..., N, r/2) each
+        rotated = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)  # (..., N, r)
+    else:
+        pairs = x_rot.reshape(*x_rot.shape[:-1], h, 2)  # (..., N, r/2, 2)
+        a, b = pairs[..., 0], pairs[..., 1]  # (..., N, r/2) each
+        rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x_rot.shape)  # (..., N, r)
+    return rotated if r == x.shape[-1] else jnp.concatenate([rotated, x[..., r:]], axis=-1)  # (..., N, Dk)
 
 
 def softmax_with_empty_rows(masked_scores):

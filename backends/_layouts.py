@@ -24,6 +24,8 @@ TOKENS_FIRST_STAGE_AXES = {
     "q_heads": ("B", "Nq", "H", "Dk"),
     "k_heads": ("B", "Nk", "Hkv", "Dk"),
     "v_heads": ("B", "Nk", "Hkv", "Dv"),
+    "q_rotated": ("B", "Nq", "H", "Dk"),
+    "k_rotated": ("B", "Nk", "Hkv", "Dk"),
     "scores": ("B", "H", "Nq", "Nk"),
     "masked_scores": ("B", "H", "Nq", "Nk"),
     "weights": ("B", "H", "Nq", "Nk"),
@@ -38,4 +40,6 @@ HEADS_FIRST_SPLIT_AXES = {
     "q_heads": ("B", "H", "Nq", "Dk"),
     "k_heads": ("B", "Hkv", "Nk", "Dk"),
     "v_heads": ("B", "Hkv", "Nk", "Dv"),
+    "q_rotated": ("B", "H", "Nq", "Dk"),
+    "k_rotated": ("B", "Hkv", "Nk", "Dk"),
 }

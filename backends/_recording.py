@@ -15,6 +15,8 @@ from collections.abc import Callable
 from mha_rosetta.backends.base import StageTensor
 
 QKV = ("q", "k", "v")
+# Stages with one slice per kv head (the others have one per query head).
+KV_HEAD_STAGES = ("k_heads", "v_heads", "k_rotated")
 
 
 def snapshot(value):
@@ -65,7 +67,7 @@ class StageRecorder:
         result = dict(self._stages)
         for name, pieces in self._heads.items():
             axes, note, stack = self._head_meta[name]
-            head_axis = "Hkv" if name in ("k_heads", "v_heads") else "H"
+            head_axis = "Hkv" if name in KV_HEAD_STAGES else "H"
             value = stack([pieces[h] for h in sorted(pieces)], 1)
             result[name] = StageTensor(value, (axes[0], head_axis, *axes[1:]), note)
         return result
@@ -104,3 +106,28 @@ def record_head_inputs(rec: StageRecorder, h: int, g: int, slices: tuple, axes: 
     """Query head h's (q_h, k_g, v_g), ``axes`` being each slice's axes without the head axis."""
     for name, head, value in zip(QKV, (h, g, g), slices, strict=True):
         rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, stack)
+
+
+def rotation_note(rotated, heads, heads_name: str, how: str) -> str:
+    """The note of a rotated stage: the heads themselves without rope, else a new buffer made by ``how``."""
+    if rotated is heads:
+        return f"view of {heads_name}: no rotary embedding (cfg.rope is None), the heads themselves"
+    return f"new buffer: {how}"
+
+
+def record_rotated(rec: StageRecorder, heads: tuple, rotated: tuple, axes: dict, how: str) -> None:
+    """q_rotated and k_rotated, each noted against the heads stage it was made from."""
+    for name, parent, child in zip(("q", "k"), heads, rotated, strict=True):
+        rec.record(f"{name}_rotated", child, axes[f"{name}_rotated"], rotation_note(child, parent, f"{name}_heads", how))
+
+
+def record_head_rotated(rec: StageRecorder, h: int, g: int, q_h, rotated: tuple, axes: dict, how: str, stack) -> None:
+    """Query head h's rotated queries and its kv head g's rotated keys, in a loop over heads.
+
+    ``rotated`` is ``(q_rotated, k_rotated)``; ``q_rotated is q_h`` means no rope.
+    """
+    q_rotated, k_rotated = rotated
+    note = rotation_note(q_rotated, q_h, "q_heads", how)
+    record_stage(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, stack)
+    k_note = f"new buffer: {how}" if q_rotated is not q_h else "no rotary embedding: the key heads themselves"
+    record_stage(rec, "k_rotated", g, k_rotated, axes["k_rotated"], k_note, stack)

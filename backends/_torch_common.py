@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from mha_rosetta.core import MHAConfig, MHAInputs, rotary_tables
+
 from ._inputs import convert_inputs
 
 
@@ -135,3 +137,35 @@ def no_gpu_reason(backend_name: str, device: str, devices: tuple[str, ...]) -> s
     if device not in devices:
         return f"{backend_name}: torch sees no CUDA device on this machine (torch.cuda.is_available() is False)"
     return None
+
+
+def torch_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str) -> dict | None:
+    """The rotary cos/sin tables as tensors ``(1|B, N, r/2)``: {"q": (cos, sin), "k": (cos, sin)}; None without rope."""
+    tables = rotary_tables(cfg, inputs)
+    if tables is None:
+        return None
+    return {
+        "q": (to_tensor(tables.q_cos, dtype, device), to_tensor(tables.q_sin, dtype, device)),
+        "k": (to_tensor(tables.k_cos, dtype, device), to_tensor(tables.k_sin, dtype, device)),
+    }
+
+
+def rotate_last_axis(x, cos, sin, style: str):
+    """The rotary embedding in row samples: features on the last axis of x (..., N, Dk), tables (..., N, r/2).
+
+    "half" pairs features i and i + r/2 (two slices); "interleaved" pairs 2i and 2i + 1
+    (``unflatten`` of the feature axis into (r/2, 2), a view). Features past r pass through.
+    """
+    import torch
+
+    h = cos.shape[-1]  # r/2 pairs
+    r = 2 * h
+    x_rot = x[..., :r]  # (..., N, r), a view
+    if style == "half":
+        a, b = x_rot[..., :h], x_rot[..., h:]  # (..., N, r/2) each, views
+        rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (..., N, r)
+    else:
+        pairs = x_rot.unflatten(-1, (h, 2))  # (..., N, r/2, 2), a view
+        a, b = pairs[..., 0], pairs[..., 1]  # (..., N, r/2) each
+        rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)  # (..., N, r)
+    return rotated if r == x.shape[-1] else torch.cat((rotated, x[..., r:]), dim=-1)  # (..., N, Dk)

@@ -177,12 +177,17 @@ class Backend:
         dtype: str = "float64",
         device: str = "cpu",
         strategy: str = STANDARD,
+        positions=None,
+        kv_positions=None,
     ) -> tuple[Prepared, MHAInputs]:
-        """Validate everything, then convert once into this backend's convention."""
+        """Validate everything, then convert once into this backend's convention.
+
+        ``positions``/``kv_positions``: the rotary positions (`core.inputs.prepare_inputs`).
+        """
         dtype = check_dtype_name(dtype)
         device = check_device_name(device)
         validate_params(cfg, params)
-        inputs = prepare_inputs(cfg, query, key, value, mask)
+        inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
         reason = self.unsupported_reason(cfg, dtype, device, strategy)
         if reason:
             raise UnsupportedCase(reason)
@@ -202,9 +207,23 @@ class Backend:
         dtype: str = "float64",
         device: str = "cpu",
         strategy: str = STANDARD,
+        positions=None,
+        kv_positions=None,
     ):
         """Same arguments and results as `core.reference_mha`, plus dtype, device and strategy."""
-        prepared, inputs = self.prepare(cfg, params, query, key, value, mask, dtype=dtype, device=device, strategy=strategy)
+        prepared, inputs = self.prepare(
+            cfg,
+            params,
+            query,
+            key,
+            value,
+            mask,
+            dtype=dtype,
+            device=device,
+            strategy=strategy,
+            positions=positions,
+            kv_positions=kv_positions,
+        )
         result = prepared.forward()
         prepared.synchronize(result)
         output = inputs.unbatch(prepared.to_numpy(result))

@@ -26,6 +26,14 @@ reads, r its place in the group (query head h = g*G + r)::
     context  = einsum("b g q r s, b s g v -> b q g r v")
     merged   = rearrange("b q g r v -> b q (g r v)")
 
+Rotary embeddings (``cfg.rope``) name the feature pairs in a rearrange pattern: "half"
+splits the head's features as ``(two k)`` (feature ``i`` and ``i + r/2``), "interleaved"
+as ``(k two)`` (features ``2i`` and ``2i + 1``); the turned pairs are packed back with
+``einops.pack`` and merged by the inverse pattern. Partial rotary splits off the
+features past ``r`` with ``einops.unpack``. No axis moves::
+
+    pairs    = rearrange("b n h (k two) -> b n h k two")     # interleaved; "(two k)" for half
+
 The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
 ``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
 a few library ops, kept in one small namespace class per library (`NumpyOps`,
@@ -51,7 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
 from ._inputs import convert_inputs
 from ._jax_common import check_matmul_precision
@@ -76,6 +84,10 @@ class EinsumPlan:
     context: str
     merge: str
     mask: str  # combined mask (b, h, q, s) -> the layout of the scores
+    heads_q: str  # the axes of q before its features, for the rotary patterns
+    heads_kv: str  # the same for k
+    table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
+    table_kv: str  # the same against k
     # stage name -> (pipeline tensor, rearrange to the stage's axes or None); q, k and v
     # are not here: they are made from the heads stages (`MERGED_PROJECTIONS`).
     stage_views: dict[str, tuple[str, str | None]]
@@ -95,10 +107,16 @@ MHA_PLAN = EinsumPlan(
     context="b h q s, b s h v -> b q h v",
     merge="b q h v -> b q (h v)",
     mask="b h q s -> b h q s",
+    heads_q="b n h",
+    heads_kv="b n h",
+    table_q="b n k -> b n 1 k",
+    table_kv="b n k -> b n 1 k",
     stage_views={
         "q_heads": ("q", None),
         "k_heads": ("k", None),
         "v_heads": ("v", None),
+        "q_rotated": ("q_rotated", None),
+        "k_rotated": ("k_rotated", None),
         "scores": ("scores", None),
         "masked_scores": ("masked_scores", None),
         "weights": ("weights", None),
@@ -123,10 +141,16 @@ GQA_PLAN = EinsumPlan(
     context="b g q r s, b s g v -> b q g r v",
     merge="b q g r v -> b q (g r v)",
     mask="b (g r) q s -> b g q r s",
+    heads_q="b n g r",
+    heads_kv="b n g",
+    table_q="b n k -> b n 1 1 k",
+    table_kv="b n k -> b n 1 k",
     stage_views={
         "q_heads": ("q", "b n g r k -> b n (g r) k"),
         "k_heads": ("k", None),
         "v_heads": ("v", None),
+        "q_rotated": ("q_rotated", "b n g r k -> b n (g r) k"),
+        "k_rotated": ("k_rotated", None),
         "scores": ("scores", "b g q r s -> b (g r) q s"),
         "masked_scores": ("masked_scores", "b g q r s -> b (g r) q s"),
         "weights": ("weights", "b g q r s -> b (g r) q s"),
@@ -345,6 +369,26 @@ class JaxOps:
 OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
 
 
+# The feature pairs of each rotary convention, as the grouping of one head's features:
+# "half" = (two k), feature two*r/2 + k; "interleaved" = (k two), feature 2k + two.
+ROTARY_PAIRS = {"half": "two k", "interleaved": "k two"}
+
+
+def rotate_pairs(x, cos, sin, style: str, heads: str):
+    """The rotary embedding in einops form: x (``heads``..., Dk), tables broadcastable to (``heads``..., r/2)."""
+    import einops
+
+    h = cos.shape[-1]  # r/2 pairs
+    r, d_k = 2 * h, x.shape[-1]
+    x_rot, x_pass = (x, None) if r == d_k else einops.unpack(x, [[r], [d_k - r]], f"{heads} *")
+    pair = ROTARY_PAIRS[style]
+    pairs = einops.rearrange(x_rot, f"{heads} ({pair}) -> {heads} {pair}", two=2)  # a split, no axis moves
+    a, b = (pairs[..., 0, :], pairs[..., 1, :]) if style == "half" else (pairs[..., 0], pairs[..., 1])
+    turned, _ = einops.pack([a * cos - b * sin, b * cos + a * sin], f"{heads} {pair.replace('two', '*')}")
+    rotated = einops.rearrange(turned, f"{heads} {pair} -> {heads} ({pair})")  # (..., r), a merge
+    return rotated if x_pass is None else einops.pack([rotated, x_pass], f"{heads} *")[0]  # (..., Dk)
+
+
 def run_pipeline(
     ops,
     plan: EinsumPlan,
@@ -354,8 +398,10 @@ def run_pipeline(
     x_v,
     blocked,
     empty_rows,
+    tables=None,
     *,
     scale: float,
+    rope: str | None = None,
     record: dict | None = None,
 ):
     """The forward pass in einsum form; ``record`` (a dict) receives the stage tensors when given.
@@ -372,8 +418,13 @@ def run_pipeline(
         q = ops.add_bias(q, weights["b_q"])  # b_q as (H, Dk)
         k = ops.add_bias(k, weights["b_k"])  # b_k as (Hkv, Dk)
         v = ops.add_bias(v, weights["b_v"])  # b_v as (Hkv, Dv)
+    q_rotated, k_rotated = q, k  # without rope: the heads themselves
+    if tables is not None:
+        q_cos, q_sin, k_cos, k_sin = tables  # (1|B, Nq, 1, r/2), (1|B, Nk, 1, r/2)
+        q_rotated = rotate_pairs(q, q_cos, q_sin, rope, plan.heads_q)  # (B, Nq, H, Dk)
+        k_rotated = rotate_pairs(k, k_cos, k_sin, rope, plan.heads_kv)  # (B, Nk, Hkv, Dk)
     # Scaling q (B*Nq*H*Dk numbers) is cheaper than scaling the scores (B*H*Nq*Nk).
-    scores = ops.einsum(plan.scores, ops.scale(q, scale), k)  # (B, H, Nq, Nk)
+    scores = ops.einsum(plan.scores, ops.scale(q_rotated, scale), k_rotated)  # (B, H, Nq, Nk)
     if record is not None:
         record["scores"] = ops.snapshot(scores)  # the steps below may work in place
     masked = scores if blocked is None else ops.mask(scores, blocked)
@@ -386,7 +437,7 @@ def run_pipeline(
     if weights["b_o"] is not None:
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
-        record.update(q=q, k=k, v=v, weights=attention, context=context, merged=merged, output=output)
+        record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated, weights=attention, context=context, merged=merged, output=output)
         if ops.has_buffers:
             # The live buffers (not snapshots), to measure which step wrote into which.
             record["buffers"] = {"scores": scores, "masked_scores": masked, "weights": attention}
@@ -468,7 +519,13 @@ def _rearranged(ops, result, source, source_name: str, pattern: str) -> str:
     return view_note(result, source, source_name, how)
 
 
-def stage_tensors(ops, plan: EinsumPlan, record: dict) -> dict[str, StageTensor]:
+def _rotary_origin(rope: str | None, name: str) -> str:
+    if rope is None:
+        return f"view of {name[0]}_heads: no rotary embedding (cfg.rope is None), the heads themselves"
+    return f"new buffer: rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack"
+
+
+def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) -> dict[str, StageTensor]:
     """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them.
 
     Notes follow the adapters' pattern, "view of X: how" or "copy of X: why" where a
@@ -481,7 +538,7 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict) -> dict[str, StageTensor]
     for name, (source, pattern) in plan.stage_views.items():
         tensor = record[source]
         notes = []
-        origin = _STAGE_ORIGINS.get(name)
+        origin = _rotary_origin(rope, name) if name in ("q_rotated", "k_rotated") else _STAGE_ORIGINS.get(name)
         if name in _IN_PLACE_STEPS and "buffers" in record:
             live, parent = record["buffers"], _IN_PLACE_STEPS[name]
             in_place = shares_memory(live[name], live[parent])
@@ -537,6 +594,8 @@ class EinopsBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
+        import einops
+
         device = check_device_name(device)
         ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
         plan = plan_for(cfg)
@@ -545,20 +604,25 @@ class EinopsBackend(Backend):
         blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
         blocked = ops.asarray(blocked_np, cast=False)
         empty_rows = ops.asarray(empty_rows_np, cast=False)
+        tables = rotary_tables(cfg, inputs)
+        if tables is not None:
+            q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
+            k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
+            tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # broadcastable against q and k
         info = self._numerics_info(dtype, device)
         info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'"
         if empty_rows_np is not None:
             info["empty_rows"] = int(empty_rows_np.sum())  # rows with no allowed key, in the mask's own broadcast form
 
         def forward(*arrays):
-            return run_pipeline(ops, plan, *arrays, scale=cfg.scale)
+            return run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope)
 
         def stages_of(*arrays):
             record: dict = {}
-            run_pipeline(ops, plan, *arrays, scale=cfg.scale, record=record)
+            run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope, record=record)
             return record
 
-        args = (weights, x_q, x_k, x_v, blocked, empty_rows)
+        args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
         if self.array_library == "jax":
             from ._jax_common import CompiledForward
 
@@ -566,7 +630,7 @@ class EinopsBackend(Backend):
             return Prepared(
                 forward=compiled,
                 to_numpy=tensor_to_numpy,
-                native_stages=lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of)),
+                native_stages=lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope),
                 synchronize=ops.synchronize,
                 compile=compiled.compile,
                 info=info,
@@ -574,7 +638,7 @@ class EinopsBackend(Backend):
         return Prepared(
             forward=lambda: forward(*args),
             to_numpy=tensor_to_numpy,
-            native_stages=lambda: stage_tensors(ops, plan, stages_of(*args)),
+            native_stages=lambda: stage_tensors(ops, plan, stages_of(*args), cfg.rope),
             synchronize=ops.synchronize,
             info=info,
         )

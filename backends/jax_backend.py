@@ -15,6 +15,10 @@ k and v mapped. Query head ``h`` therefore reads kv head ``h // G``, the groupin
 torch's ``enable_gqa`` and ``jax.nn.dot_product_attention``. (With G = 1 the double
 vmap computes the same numbers, but XLA then copies the whole score tensor once more.)
 
+The rotary embedding (``cfg.rope``) is written the same way: `_rotate_one_head` turns the
+features of one head, ``x (N, Dk)`` with tables ``(N, r/2)``, and is vmapped over the
+heads of q and of k (the tables unmapped: every head sees the same angles).
+
 Every head axis is mapped where it lies (``in_axes=1``: tokens stay first), and the
 context comes back with ``out_axes=1`` as ``(Nq, H, Dv)``, so neither the head split nor
 the merge needs a transpose: both are reshapes. Where XLA puts things in memory is its
@@ -35,8 +39,10 @@ from ._jax_common import (
     jax_devices,
     jax_inputs,
     jax_params,
+    jax_rotary_tables,
     jax_target,
     precision_info,
+    rotate_last_axis,
     softmax_with_empty_rows,
     to_jax,
 )
@@ -59,6 +65,8 @@ STAGE_NOTES = {
     "q_heads": f"reshape of q to (Nq, H, Dk) ((Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
     "k_heads": f"reshape of k; vmap maps axis 1; {_XLA}",
     "v_heads": f"reshape of v; vmap maps axis 1; {_XLA}",
+    "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {_XLA}",
+    "k_rotated": f"_rotate_one_head vmapped over the kv heads; {_XLA}",
     "scores": f"vmap out_axes=0 puts heads first; {_XLA}",
     "context": f"vmap out_axes=1 keeps tokens first; {_XLA}",
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {_XLA}",
@@ -83,23 +91,36 @@ def _attend_one_head(q, k, v, allowed, *, scale: float):
     return {"scores": scores, "masked_scores": masked, "weights": weights, "context": context}
 
 
-def _attend_all_heads(q, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
-    """`_attend_one_head` vmapped over every query head: q (Nq, H*Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv).
+def _rotate_one_head(x, cos, sin, *, style: str):
+    """The rotary embedding of one head, unbatched: x (N, Dk), cos and sin (N, r/2)."""
+    return rotate_last_axis(x, cos, sin, style)
+
+
+def _rotate_heads(heads, cos, sin, *, style: str | None):
+    """`_rotate_one_head` vmapped over the head axis of (N, heads, Dk); the heads themselves without rope."""
+    import jax
+
+    if style is None:
+        return heads
+    return jax.vmap(partial(_rotate_one_head, style=style), in_axes=(1, None, None), out_axes=1)(heads, cos, sin)
+
+
+def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
+    """`_attend_one_head` vmapped over every query head: q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv).
 
     Returns scores-like stages (H, Nq, Nk) and the context (Nq, H, Dv).
     """
     import jax
 
-    n_q, n_k = q.shape[0], k_heads.shape[0]
+    n_q, n_k = q_heads.shape[0], k_heads.shape[0]
     H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
     one_head = partial(_attend_one_head, scale=cfg.scale)
     if G == 1:
         # Plain MHA: one vmap, every head with its own k and v. (A double vmap with G = 1
         # would compute the same numbers but costs XLA a copy of the scores.)
-        q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
         over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
         return over_heads(q_heads, k_heads, v_heads, allowed)
-    q_heads = q.reshape(n_q, Hkv, G, Dk)  # (Nq, Hkv, G, Dk): query head h = g*G + r
+    q_heads = q_heads.reshape(n_q, Hkv, G, Dk)  # (Nq, Hkv, G, Dk): query head h = g*G + r
     # Inner vmap: the G query heads of one group share that group's k and v (in_axes None).
     over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis), out_axes=_HEAD_OUT_AXES)
     # Outer vmap: the Hkv groups, each with its own k and v.
@@ -110,29 +131,36 @@ def _attend_all_heads(q, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask
     return {**stages, "context": heads["context"].reshape(n_q, H, Dv)}  # context (Nq, H, Dv)
 
 
-def _mha_one_item(params, x_q, x_k, x_v, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
+def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, head_mask_axis: int | None):
     """Every stage for one batch item: x_q (Nq, D), x_k (Nk, kdim), x_v (Nk, vdim).
 
     ``allowed`` is None, (Nq, Nk) shared by all heads (head_mask_axis None), or per head
-    (head_mask_axis 0): (H, Nq, Nk) without GQA, (Hkv, G, Nq, Nk) with it.
+    (head_mask_axis 0): (H, Nq, Nk) without GQA, (Hkv, G, Nq, Nk) with it. ``tables`` is
+    None or the rotary (q_cos, q_sin, k_cos, k_sin) of this item, (N, r/2) each.
     """
     n_q, n_k = x_q.shape[0], x_k.shape[0]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     q = _linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
     k = _linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
     v = _linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
+    q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
     k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
     v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
-    heads = _attend_all_heads(q, k_heads, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
+    q_cos, q_sin, k_cos, k_sin = (None,) * 4 if tables is None else tables
+    q_rotated = _rotate_heads(q_heads, q_cos, q_sin, style=cfg.rope)  # (Nq, H, Dk)
+    k_rotated = _rotate_heads(k_heads, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
+    heads = _attend_all_heads(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
     output = _linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
     return {
         "q": q,
         "k": k,
         "v": v,
-        "q_heads": q.reshape(n_q, H, Dk),  # (Nq, H, Dk)
+        "q_heads": q_heads,
         "k_heads": k_heads,
         "v_heads": v_heads,
+        "q_rotated": q_rotated,
+        "k_rotated": k_rotated,
         **heads,
         "merged": merged,
         "output": output,
@@ -163,6 +191,17 @@ def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
     return allowed, 0, head_axis
 
 
+def batched_tables(tables: tuple | None) -> tuple:
+    """The rotary tables (1|B, N, r/2) and their batch in_axes: a table shared by every item is passed once, unmapped."""
+    if tables is None:
+        return None, None
+    shared = [table.shape[0] == 1 for table in tables]
+    return (
+        tuple(table[0] if one else table for table, one in zip(tables, shared, strict=True)),
+        tuple(None if one else 0 for one in shared),
+    )
+
+
 class JaxBackend(Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
@@ -187,15 +226,16 @@ class JaxBackend(Backend):
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
         allowed = to_jax(allowed, None, target)
+        tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
 
         one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis))
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
 
-        def forward(params, x_q, x_k, x_v, allowed):
+        def forward(params, x_q, x_k, x_v, allowed, tables):
             # Unused stages are dead code to XLA: the compiled forward computes only the output.
-            return all_stages(params, x_q, x_k, x_v, allowed)["output"]
+            return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
 
-        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, allowed), self.matmul_precision)
+        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, allowed, tables), self.matmul_precision)
 
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(all_stages)

@@ -34,8 +34,10 @@ from ._jax_common import (
     jax_devices,
     jax_inputs,
     jax_params,
+    jax_rotary_tables,
     jax_target,
     precision_info,
+    rotate_last_axis,
     to_jax,
 )
 from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
@@ -123,8 +125,12 @@ def _spec_rows(output, replacement, rows):
 # --- jax.nn.dot_product_attention -------------------------------------------------------------
 
 
-def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, *, cfg: MHAConfig, is_causal: bool):
-    """Projections in jnp, attention by jax.nn.dot_product_attention in its (B, T, N, H) layout."""
+def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg: MHAConfig, is_causal: bool):
+    """Projections in jnp, attention by jax.nn.dot_product_attention in its (B, T, N, H) layout.
+
+    ``tables``: None or the rotary (q_cos, q_sin, k_cos, k_sin), (1|B, N, r/2) each,
+    applied to the heads before the library call, as models around it do.
+    """
     import jax
     import jax.numpy as jnp
 
@@ -135,8 +141,13 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, *, cfg: MHAConf
     q_heads = q.reshape(batch, n_q, cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk): "BTNH"
     k_heads = k.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk): fewer heads = GQA
     v_heads = v.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv)
+    q_rotated, k_rotated = q_heads, k_heads
+    if tables is not None:
+        q_cos, q_sin, k_cos, k_sin = (table[:, :, None] for table in tables)  # (1|B, N, 1, r/2): every head
+        q_rotated = rotate_last_axis(q_heads, q_cos, q_sin, cfg.rope)  # (B, Nq, H, Dk)
+        k_rotated = rotate_last_axis(k_heads, k_cos, k_sin, cfg.rope)  # (B, Nk, Hkv, Dk)
     context = jax.nn.dot_product_attention(
-        q_heads, k_heads, v_heads, mask=mask, scale=cfg.scale, is_causal=is_causal
+        q_rotated, k_rotated, v_heads, mask=mask, scale=cfg.scale, is_causal=is_causal
     )  # (B, Nq, H, Dv)
     if empty_context_rows is not None:
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
@@ -149,6 +160,8 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, *, cfg: MHAConf
         "q_heads": q_heads,
         "k_heads": k_heads,
         "v_heads": v_heads,
+        "q_rotated": q_rotated,
+        "k_rotated": k_rotated,
         "context": context,
         "merged": merged,
         "output": output,
@@ -180,6 +193,7 @@ class JaxDotProductAttentionOracle(_JaxOracle):
         "value must have the shape of key: d_v != d_k is unsupported",
         "is_causal=True is top-left aligned (query i sees keys 0..i), as the spec",
         "no attention weights returned: only the output (and the projections around it) are visible",
+        "no rotary embedding of its own: the heads are rotated before the call (our rotate_last_axis), as models do",
     )
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
@@ -212,7 +226,9 @@ class JaxDotProductAttentionOracle(_JaxOracle):
         empty_context_rows = None
         if empty is not None and self.spec_empty_rows:
             empty_context_rows = empty.transpose(0, 2, 1)[..., None]  # (B|1, Nq, H|1, 1): BTNH like the context
-        args = (weights, x_q, x_k, x_v, to_jax(mask, None, target), to_jax(empty_context_rows, None, target))
+        tables = jax_rotary_tables(cfg, inputs, dtype, target)
+        mask, empty_context_rows = to_jax(mask, None, target), to_jax(empty_context_rows, None, target)
+        args = (weights, x_q, x_k, x_v, mask, empty_context_rows, tables)
         stages_fn = partial(_dpa_stages, cfg=cfg, is_causal=is_causal)
         compiled = CompiledForward(lambda *a: stages_fn(*a)["output"], args, self.matmul_precision)
 
@@ -253,9 +269,15 @@ class FlaxMHAOracle(_JaxOracle):
         "mapped to the spec's output b_o (rows empty in some heads only are unsupported)",
         "softmax in the computation dtype (float16 stays float16) unless force_fp32_for_softmax",
         "weights visible only through sow_weights=True and the 'intermediates' collection",
+        "no rotary embedding: q and k are projected inside the module",
     )
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if cfg.rope is not None:
+            return (
+                f"Flax MultiHeadDotProductAttention has no rotary embedding (cfg.rope={cfg.rope!r}): "
+                "it projects q and k inside the module"
+            )
         if cfg.n_kv_heads != cfg.n_heads:
             return f"Flax MultiHeadDotProductAttention has no grouped kv heads (n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads})"
         if cfg.d_v != cfg.d_k:
@@ -337,9 +359,17 @@ class EquinoxMHAOracle(_JaxOracle):
         "mapped to the spec's output b_o (rows empty in some heads only are unsupported)",
         "softmax in at least float32 (half-precision logits are upcast)",
         "no attention weights returned: only the output and the projections are visible",
+        "rotary: the library's own eqx.nn.RotaryPositionalEmbedding, applied through the module's process_heads "
+        "hook; it rotates halves (rope='half') at positions 0..N-1 only, so 'interleaved' and custom positions "
+        "are unsupported (partial rotary: the module turns the first rope_dims features, the hook passes the rest)",
     )
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if cfg.rope == "interleaved":
+            return (
+                "equinox.nn.RotaryPositionalEmbedding rotates halves (rotate_half) only, not interleaved pairs; "
+                "core.to_rotate_half_params converts such weights"
+            )
         if cfg.n_kv_heads != cfg.n_heads:
             return f"equinox MultiheadAttention has no grouped kv heads (n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads})"
         if not _scale_is_default(cfg):
@@ -379,10 +409,11 @@ class EquinoxMHAOracle(_JaxOracle):
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         mask, batch_axis = _equinox_mask(cfg, inputs)
         mask = to_jax(mask, None, target)
+        process_heads = _equinox_rotary(cfg, inputs, jnp.dtype(numpy_dtype(dtype)))
 
         def forward(dynamic, x_q, x_k, x_v, mask, rows, b_o):
             module = eqx.combine(dynamic, static)
-            one_item = lambda q, k, v, m: module(q, k, v, mask=m)  # noqa: E731  (Nq, D) per batch item
+            one_item = lambda q, k, v, m: module(q, k, v, mask=m, process_heads=process_heads)  # noqa: E731
             output = jax.vmap(one_item, in_axes=(0, 0, 0, batch_axis))(x_q, x_k, x_v, mask)  # (B, Nq, D)
             return _spec_rows(output, b_o, rows)  # spec: no allowed key -> b_o
 
@@ -432,6 +463,32 @@ def _load_equinox_weights(model, weights: dict, dtype: str, target):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise RuntimeError(f"equinox MultiheadAttention has a parameter the converter does not fill: {leaf}")
     return loaded
+
+
+def _equinox_rotary(cfg: MHAConfig, inputs: MHAInputs, dtype):
+    """The ``process_heads`` hook that applies equinox's own RotaryPositionalEmbedding, or None without rope."""
+    if cfg.rope is None:
+        return None
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    for name, positions in (("positions", inputs.positions), ("kv_positions", inputs.kv_positions)):
+        if not np.array_equal(positions, np.arange(positions.shape[-1])[None]):
+            raise UnsupportedCase(
+                f"equinox.nn.RotaryPositionalEmbedding always uses positions 0..N-1; {name} differ from that"
+            )
+    rope = eqx.nn.RotaryPositionalEmbedding(embedding_size=cfg.rope_dims, theta=cfg.rope_base, dtype=dtype)
+    r = cfg.rope_dims
+
+    def rotate(heads):  # (N, heads, d): the module is unbatched (N, r), so vmap it over the heads
+        turned = jax.vmap(rope, in_axes=1, out_axes=1)(heads[..., :r])  # (N, heads, r)
+        return turned if r == heads.shape[-1] else jnp.concatenate([turned, heads[..., r:]], axis=-1)
+
+    def process_heads(q_heads, k_heads, v_heads):
+        return rotate(q_heads), rotate(k_heads), v_heads
+
+    return process_heads
 
 
 def _equinox_mask(cfg: MHAConfig, inputs: MHAInputs):

@@ -19,6 +19,9 @@ What follows from that layout, and what this adapter shows:
   ``V_g @ A_h^T``. ``K_g^T`` is a transposed view handed to BLAS with its transpose flag
   (no copy); OpenBLAS ran that product about 1.4x slower than on two contiguous
   operands, a cost of keeping keys as ``(Dk, Nk)`` that the benchmark shows as it is;
+* the rotary embedding (``cfg.rope``) turns pairs of feature *rows* of each head: rows
+  ``i`` and ``i + r/2`` ("half") or rows ``2i`` and ``2i + 1`` ("interleaved", a step-2 slice),
+  with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
 * merging heads is the inverse reshape ``(B, H, Dv, N) -> (B, H*Dv, N)``, again a view;
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
@@ -38,14 +41,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_matrices
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    allowed_positions,
+    rotary_tables,
+    split_head_matrices,
+)
 
 from ._inputs import convert_inputs
 from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
 from ._recording import (
     StageRecorder,
     record_head_inputs,
+    record_head_rotated,
     record_projections,
+    record_rotated,
     record_split_heads,
     record_stage,
     record_stages,
@@ -62,9 +74,18 @@ COLUMN_SAMPLE_AXES = {
     "q_heads": ("B", "H", "Dk", "Nq"),
     "k_heads": ("B", "Hkv", "Dk", "Nk"),
     "v_heads": ("B", "Hkv", "Dv", "Nk"),
+    "q_rotated": ("B", "H", "Dk", "Nq"),
+    "k_rotated": ("B", "Hkv", "Dk", "Nk"),
 }
 # One head's slice of the heads stages (the head axis stacked back in by the recorder).
-HEAD_SLICE_AXES = {"q_heads": ("B", "Dk", "Nq"), "k_heads": ("B", "Dk", "Nk"), "v_heads": ("B", "Dv", "Nk")}
+HEAD_SLICE_AXES = {
+    "q_heads": ("B", "Dk", "Nq"),
+    "k_heads": ("B", "Dk", "Nk"),
+    "v_heads": ("B", "Dv", "Nk"),
+    "q_rotated": ("B", "Dk", "Nq"),
+    "k_rotated": ("B", "Dk", "Nk"),
+}
+ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
 
 
 class NumpyBackend(Backend):
@@ -146,6 +167,17 @@ class ColumnSampleMHA:
             return np.ascontiguousarray(P.operand(P.round_to_storage(x)).transpose(0, 2, 1))  # (B, F, N)
 
         self.x_q, self.x_k, self.x_v = convert_inputs(inputs, columns)  # self-attention: one array
+
+        def table_columns(t):  # (1|B, N, r/2) -> (1|B, r/2, N): one column per token, like the data
+            return np.ascontiguousarray(P.operand(P.round_to_storage(t)).transpose(0, 2, 1))  # (1|B, r/2, N)
+
+        tables = rotary_tables(cfg, inputs)
+        self.rotary = None
+        if tables is not None:
+            self.rotary = {
+                "q": (table_columns(tables.q_cos), table_columns(tables.q_sin)),
+                "k": (table_columns(tables.k_cos), table_columns(tables.k_sin)),
+            }
         self.mask = MaskArrays.from_allowed(allowed_positions(cfg, inputs), keys_axis=-2)
         shape = (B, cfg.n_kv_heads, cfg.group_size, Nk, Nq)
         self.workspace = np.empty(shape, dtype=P.compute) if batched and not P.mixed else None
@@ -168,6 +200,20 @@ class ColumnSampleMHA:
         self._record_projections(rec, *projections)
         record_split_heads(rec, projections, heads, COLUMN_SAMPLE_AXES, how)
 
+    def _rotate(self, x: np.ndarray, which: str, head_axis: bool) -> np.ndarray:
+        """Query ("q") or key ("k") heads (..., Dk, N) rotated along their feature rows; ``x`` itself without rope."""
+        if self.rotary is None:
+            return x
+        cos, sin = self.rotary[which]  # (1|B, r/2, N)
+        if head_axis:
+            cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
+        return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
+
+    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
+        """One query head's rotated queries and its kv head's rotated keys (loops over heads)."""
+        g = self.cfg.kv_head_of(h)
+        record_head_rotated(rec, h, g, q_h, (q_rotated, k_rotated), HEAD_SLICE_AXES, ROTATE_HOW, np.stack)
+
     def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
         if rec is not None:
@@ -185,9 +231,12 @@ class ColumnSampleMHA:
         q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk)
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk)
+        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq)
+        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
         if rec is not None:
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "reshape of the row axis, no transpose")
-        context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Dv, Nq)
+            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:
             rec.record(
@@ -204,10 +253,13 @@ class ColumnSampleMHA:
         q_heads = _split_direct(q, H)  # (B, H, Dk, Nq), wrong cells
         k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
         v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
+        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq)
+        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
         if rec is not None:
             how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
-        context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Dv, Nq)
+            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
         merged = rows.transpose(0, 2, 1)  # (B, H*Dv, Nq), view
@@ -288,14 +340,18 @@ class ColumnSampleMHA:
         if rec is not None:
             self._record_projections(rec, q, k, v)
         merged = np.empty((B, H * Dv, Nq), dtype=self.precision.storage)  # (B, H*Dv, Nq)
+        # Each kv head's keys rotated once, before the loop over query heads.
+        k_rotated = [self._rotate(k[:, g * Dk : (g + 1) * Dk], "k", head_axis=False) for g in range(Hkv)]
         for h in range(H):
             g = h // G
             q_h = q[:, h * Dk : (h + 1) * Dk]  # (B, Dk, Nq): row block h, a view
             k_g = k[:, g * Dk : (g + 1) * Dk]  # (B, Dk, Nk)
             v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
+            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
             if rec is not None:
                 self._record_head_inputs(rec, h, q_h, k_g, v_g, "row-block slice of the merged projection, a view")
-            merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_h, k_g, v_g, rec)
+                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec)
         if rec is not None:
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "each head's context written into its row block")
         return self._finish(merged, rec)
@@ -309,14 +365,17 @@ class ColumnSampleMHA:
         v_heads = [
             self._project(self.w_v_heads[g], self.b_v_heads[g], self.x_v) for g in range(Hkv)
         ]  # Hkv x (B, Dv, Nk)
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Dk, Nk)
         q_heads, contexts = [], []
         for h in range(H):
             g = h // G
             q_h = self._project(self.w_q_heads[h], self.b_q_heads[h], self.x_q)  # (B, Dk, Nq) = W_h^T @ X
+            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
             if rec is not None:
                 q_heads.append(q_h)
                 self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "W_h^T @ X with the head's own matrix")
-            contexts.append(self._attend_one_head(h, q_h, k_heads[g], v_heads[g], rec))
+                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
         merged = np.concatenate(contexts, axis=1)  # (B, H*Dv, Nq): [C_0; C_1; ...] as row blocks
         if rec is not None:
             note = "the per-head projections stacked as row blocks, for inspection (the strategy never builds it)"
@@ -324,6 +383,29 @@ class ColumnSampleMHA:
             self._record_projections(rec, cat(q_heads, axis=1), cat(k_heads, axis=1), cat(v_heads, axis=1), note)
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts, a copy")
         return self._finish(merged, rec)
+
+
+def rotate_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str, precision: NumpyPrecision) -> np.ndarray:
+    """The rotary embedding in column samples: x (..., Dk, N), cos/sin (..., r/2, N) -> a new (..., Dk, N).
+
+    Each feature pair is two *rows* of the head: rows i and i + r/2 ("half") or rows 2i
+    and 2i + 1 ("interleaved", step-2 slices, views); rows past r pass through. Half
+    precision computes in float32 and rounds once, like every other stage here.
+    """
+    P = precision
+    h = cos.shape[-2]  # r/2 pairs
+    r = 2 * h
+    x = P.operand(x)  # the compute dtype (no copy at full precision)
+    out = np.empty(x.shape, dtype=P.compute)  # (..., Dk, N)
+    out[..., r:, :] = x[..., r:, :]  # partial rotary: the rest passes through
+    rows_a, rows_b = (slice(0, h), slice(h, r)) if style == "half" else (slice(0, r, 2), slice(1, r, 2))
+    a, b = x[..., rows_a, :], x[..., rows_b, :]  # (..., r/2, N) each, views
+    first, second = out[..., rows_a, :], out[..., rows_b, :]  # views into out
+    np.multiply(a, cos, out=first)
+    first -= b * sin  # a cos - b sin
+    np.multiply(b, cos, out=second)
+    second += a * sin  # b cos + a sin
+    return P.store(out)
 
 
 def _split_direct(x: np.ndarray, n_heads: int) -> np.ndarray:

@@ -18,6 +18,9 @@ matrices ``W_h`` (D, Dk) per head, ``Q_h = X @ W_h``, in a loop); SLICING (merge
 then column slices ``q[:, :, h*Dk:(h+1)*Dk]`` one head at a time); DIRECT_RESHAPE (the
 known mistake: ``q.view(B, H, N, Dk)`` without the transpose).
 
+Rotary (``cfg.rope``) turns pairs of the last (feature) axis of each head, as Hugging Face
+and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interleaved".
+
 GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; see
 `_torch_common`.
 """
@@ -30,7 +33,9 @@ from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from ._recording import (
     StageRecorder,
     record_head_inputs,
+    record_head_rotated,
     record_projections,
+    record_rotated,
     record_split_heads,
     record_stage,
     record_stages,
@@ -42,15 +47,24 @@ from ._torch_common import (
     no_gpu_reason,
     optional_tensor,
     precision_info,
+    rotate_last_axis,
     synchronizer,
     torch_devices,
     torch_inputs,
+    torch_rotary_tables,
     with_matmul_precision,
 )
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
 # One head's slice of the heads stages (the head axis stacked back in by the recorder).
-HEAD_SLICE_AXES = {"q_heads": ("B", "Nq", "Dk"), "k_heads": ("B", "Nk", "Dk"), "v_heads": ("B", "Nk", "Dv")}
+HEAD_SLICE_AXES = {
+    "q_heads": ("B", "Nq", "Dk"),
+    "k_heads": ("B", "Nk", "Dk"),
+    "v_heads": ("B", "Nk", "Dv"),
+    "q_rotated": ("B", "Nq", "Dk"),
+    "k_rotated": ("B", "Nk", "Dk"),
+}
+ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
 
 
 class TorchBackend(Backend):
@@ -138,6 +152,7 @@ class RowSampleMHA:
 
         # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
         self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
+        self.rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
 
         allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk), True = may attend
         self.blocked = None if allowed is None else bool_tensor(~allowed, device)
@@ -165,6 +180,22 @@ class RowSampleMHA:
     def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
         self._record_projections(rec, *projections)
         record_split_heads(rec, projections, heads, HEADS_FIRST_SPLIT_AXES, how)
+
+    def _rotate(self, x, which: str, head_axis: bool):
+        """Query ("q") or key ("k") heads (..., N, Dk) with rotary applied; ``x`` itself without rope."""
+        if self.rotary is None:
+            return x
+        cos, sin = self.rotary[which]  # (1|B, N, r/2)
+        if head_axis:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1|B, 1, N, r/2): the same angles for every head
+        return rotate_last_axis(x, cos, sin, self.cfg.rope)
+
+    def _rotate_split(self, rec, q_heads, k_heads):
+        """(q_rotated, k_rotated) of the batched heads (B, H, N, Dk), recorded when ``rec`` is given."""
+        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
+        if rec is not None:
+            record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
+        return rotated
 
     def _finish(self, merged, rec):
         output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
@@ -206,7 +237,8 @@ class RowSampleMHA:
         v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
         if rec is not None:
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
-        context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Nq, Dv)
+        q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
         if rec is not None:
             note = view_note(merged, context, "context", "transpose(1, 2).contiguous().view(B, N, H*Dv)")
@@ -223,7 +255,8 @@ class RowSampleMHA:
         if rec is not None:
             how = "the direct-reshape MISTAKE view(B, H, N, d), no transpose"
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
-        context = self._attend_batched(q_heads, k_heads, v_heads, rec)  # (B, H, Nq, Dv)
+        q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
         if rec is not None:
             rec.record(
@@ -274,20 +307,28 @@ class RowSampleMHA:
     def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
         record_head_inputs(rec, h, self.cfg.kv_head_of(h), (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack)
 
+    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
+        g = self.cfg.kv_head_of(h)
+        record_head_rotated(rec, h, g, q_h, (q_rotated, k_rotated), HEAD_SLICE_AXES, ROTATE_HOW, self.torch.stack)
+
     def slicing(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections()
         if rec is not None:
             self._record_projections(rec, q, k, v)
         contexts = []
+        # Each kv head's keys rotated once, before the loop over query heads.
+        k_rotated = [self._rotate(k[:, :, g * Dk : (g + 1) * Dk], "k", head_axis=False) for g in range(Hkv)]
         for h in range(H):
             g = h // G
             q_h = q[:, :, h * Dk : (h + 1) * Dk]  # (B, Nq, Dk): columns of head h, a strided view
             k_g = k[:, :, g * Dk : (g + 1) * Dk]  # (B, Nk, Dk)
             v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
+            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
             if rec is not None:
                 self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection, a view")
-            contexts.append(self._attend_one_head(h, q_h, k_g, v_g, rec))
+                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
@@ -301,14 +342,17 @@ class RowSampleMHA:
         v_heads = [
             self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)
         ]  # Hkv x (B, Nk, Dv)
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Nk, Dk)
         q_heads, contexts = [], []
         for h in range(H):
             g = h // G
             q_h = self._project_head(self.x_q, self.w_q_heads, self.b_q_heads, h)  # (B, Nq, Dk) = X @ W_h + b_h
+            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
             if rec is not None:
                 q_heads.append(q_h)
                 self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "X @ W_h with the head's own matrix")
-            contexts.append(self._attend_one_head(h, q_h, k_heads[g], v_heads[g], rec))
+                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
             cat = self.torch.cat

@@ -21,18 +21,20 @@ from mha_rosetta.core import (
 )
 
 from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
-from ._recording import StageRecorder, record_projections, record_split_heads, record_stages
+from ._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
 from ._torch_common import (
     bool_tensor,
     in_inference_mode,
     no_gpu_reason,
     optional_tensor,
     precision_info,
+    rotate_last_axis,
     synchronizer,
     torch_device,
     torch_devices,
     torch_dtype,
     torch_inputs,
+    torch_rotary_tables,
     with_matmul_precision,
 )
 from .base import Backend, Prepared, StageTensor, tensor_to_numpy
@@ -55,6 +57,7 @@ class TorchMHAOracle(Backend):
         "the SDPA path it takes otherwise (torch 2.13, CPU)",
         "need_weights=True averages the weights over heads unless average_attn_weights=False",
         "no grouped kv heads, d_k = d_v = embed_dim / num_heads, scale fixed at 1/sqrt(d_k)",
+        "no rotary embedding: q and k are projected inside the module, with no hook to rotate them",
     )
 
     def __init__(self, name: str | None = None, batch_first: bool = True, allow_tf32: bool = False) -> None:
@@ -72,6 +75,11 @@ class TorchMHAOracle(Backend):
         return torch_devices()
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if cfg.rope is not None:
+            return (
+                f"nn.MultiheadAttention has no rotary embedding (cfg.rope={cfg.rope!r}): it projects q and k inside "
+                "the module, with no hook to rotate them before the scores"
+            )
         return (
             torch_mha_unsupported_reason(cfg)
             or no_gpu_reason(self.name, device, self.devices())
@@ -184,6 +192,9 @@ class TorchSDPAOracle(Backend):
     a user mask uses ``is_causal=True``, which torch aligns top-left (query i sees keys
     j <= i), the spec's alignment. GQA uses ``enable_gqa=True`` (query head h reads kv
     head h // G). The scores and weights live inside the fused kernel and are not exposed.
+    Rotary embeddings are applied to the heads before the call, as Hugging Face's Llama
+    does around SDPA (``apply_rotary_pos_emb``, then the kernel): the kernel itself is the
+    third-party part being compared.
     """
 
     convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
@@ -194,6 +205,7 @@ class TorchSDPAOracle(Backend):
         "other kernels (GPU flash / memory-efficient) are not guaranteed to agree",
         "attn_mask and is_causal cannot be combined: a causal mask with a user mask is passed as one boolean mask",
         "scores and weights stay inside the fused kernel: only projections, heads, context, merged and output are stages",
+        "no rotary embedding of its own: the heads are rotated before the call (our rotate_last_axis), as models do",
     )
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
@@ -232,6 +244,13 @@ class TorchSDPAOracle(Backend):
         allowed = None if use_is_causal else allowed_positions(cfg, inputs)
         attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
         gqa = {"enable_gqa": True} if Hkv != H else {}
+        rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
+
+        def rotate(heads, which: str):  # (B, heads, N, d) -> the same, rotated; the heads themselves without rope
+            if rotary is None:
+                return heads
+            cos, sin = rotary[which]
+            return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), cfg.rope)  # tables (1|B, 1, N, r/2)
 
         def run(rec: StageRecorder | None):
             q = F.linear(x_q, w_q, b_q)  # (B, Nq, H*Dk)
@@ -240,8 +259,9 @@ class TorchSDPAOracle(Backend):
             q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk)
             k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
             v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
+            q_rotated, k_rotated = rotate(q_heads, "q"), rotate(k_heads, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
             context = F.scaled_dot_product_attention(
-                q_heads, k_heads, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
+                q_rotated, k_rotated, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
             )  # (B, H, Nq, Dv)
             merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
             output = F.linear(merged, w_o, b_o)  # (B, Nq, D)
@@ -249,6 +269,8 @@ class TorchSDPAOracle(Backend):
                 record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
                 how = "view(B, N, H, d).transpose(1, 2)"
                 record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
+                how = "rotate_last_axis before the kernel"
+                record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
                 rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
                 rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
                 rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")

@@ -345,8 +345,9 @@ class _Oracle:
 def _oracle(case: SpecCase) -> _Oracle:
     params = case.params()
     data = case.inputs()
-    stages = reference_stages(case.cfg, params, data.query, data.key, data.value, data.mask)
-    inputs = prepare_inputs(case.cfg, data.query, data.key, data.value, data.mask)
+    args = (data.query, data.key, data.value, data.mask, data.positions, data.kv_positions)
+    stages = reference_stages(case.cfg, params, *args)
+    inputs = prepare_inputs(case.cfg, *args)
     shape = stages["scores"].shape  # (B, H, Nq, Nk)
     allowed = allowed_positions(case.cfg, inputs)
     allowed = np.ones(shape, dtype=bool) if allowed is None else np.broadcast_to(allowed, shape)
@@ -421,6 +422,8 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
             dtype=dtype,
             device=device,
             strategy=strategy,
+            positions=data.positions,
+            kv_positions=data.kv_positions,
         )
         result = prepared.forward()
         prepared.synchronize(result)

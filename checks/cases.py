@@ -36,6 +36,8 @@ class CaseInputs:
     key: np.ndarray | None
     value: np.ndarray | None
     mask: np.ndarray | None
+    positions: np.ndarray | None = None  # the queries' rotary positions; None: 0 .. Nq-1
+    kv_positions: np.ndarray | None = None  # the keys'; None: the default of prepare_inputs
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class SpecCase:
     blocked_rows: (batch item, query row) pairs that may attend to no key at all.
     mask_density: a random mask on top (True with this probability), for property tests;
                   per head when ``mask_per_head``, else shared by the heads.
+    position_offsets: per batch item, the rotary position of its first query token
+                  (queries at ``offset .. offset + Nq - 1``); None: positions 0 .. Nq-1.
+                  Keys keep the default (the queries' positions in self-attention,
+                  ``0 .. Nk-1`` otherwise: a cache of earlier tokens).
     """
 
     name: str
@@ -62,6 +68,7 @@ class SpecCase:
     seed: int = 0
     mask_density: float | None = None
     mask_per_head: bool = False
+    position_offsets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         unknown = [d for d in self.dtypes if d not in ALL_DTYPES]
@@ -71,6 +78,11 @@ class SpecCase:
         if self.key_lengths is not None and len(self.key_lengths) != batch:
             raise ValueError(
                 f"case {self.name!r}: key_lengths needs one entry per batch item ({batch}), got {self.key_lengths}"
+            )
+        if self.position_offsets is not None and len(self.position_offsets) != batch:
+            raise ValueError(
+                f"case {self.name!r}: position_offsets needs one entry per batch item ({batch}), "
+                f"got {self.position_offsets}"
             )
 
     @property
@@ -95,7 +107,11 @@ class SpecCase:
             kv_tokens = self.kv_tokens
             key = rng.standard_normal((*batch, kv_tokens, self.cfg.kdim))
             value = rng.standard_normal((*batch, kv_tokens, self.cfg.vdim))
-        return CaseInputs(query, key, value, self._mask(kv_tokens, rng))
+        positions = None
+        if self.position_offsets is not None:
+            positions = np.array([offset + np.arange(self.q_tokens) for offset in self.position_offsets])  # (B, Nq)
+            positions = positions if self.batch is not None else positions[0]
+        return CaseInputs(query, key, value, self._mask(kv_tokens, rng), positions)
 
     def _mask(self, kv_tokens: int, rng: np.random.Generator) -> np.ndarray | None:
         if not self.has_mask:
@@ -134,6 +150,8 @@ class SpecCase:
             parts.append(f"random mask {self.mask_density:g}" + (" per head" if self.mask_per_head else ""))
         if self.cfg.scale != self.cfg.d_k**-0.5:
             parts.append(f"scale={self.cfg.scale:g}")
+        if self.position_offsets is not None:
+            parts.append(f"positions from {list(self.position_offsets)}")
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -152,6 +170,9 @@ class SpecCase:
                 "bias": cfg.bias,
                 "causal": cfg.causal,
                 "scale": cfg.scale,
+                "rope": cfg.rope,
+                "rope_base": cfg.rope_base,
+                "rope_dims": cfg.rope_dims,
             },
             "batch": self.batch,
             "q_tokens": self.q_tokens,
@@ -160,6 +181,7 @@ class SpecCase:
             "blocked_rows": [list(r) for r in self.blocked_rows],
             "mask_density": self.mask_density,
             "mask_per_head": self.mask_per_head,
+            "position_offsets": None if self.position_offsets is None else list(self.position_offsets),
             "dtypes": list(self.dtypes),
         }
 
@@ -280,6 +302,63 @@ SPEC_CASES: dict[str, SpecCase] = {
             blocked_rows=((0, 2), (2, 6)),
             dtypes=("float32",),
             seed=11,
+        ),
+        SpecCase(
+            "rope_half",
+            "rotary embedding, rotate-half pairs (i, i + d_k/2): Hugging Face Llama, GPT-NeoX",
+            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half"),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float64", "float32"),
+            seed=12,
+        ),
+        SpecCase(
+            "rope_interleaved",
+            "rotary embedding, interleaved pairs (2i, 2i+1): Meta Llama, GPT-J",
+            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float64", "bfloat16"),
+            seed=13,
+        ),
+        SpecCase(
+            "rope_partial",
+            "partial rotary (GPT-NeoX): the first 4 of 6 features per head rotate, the last 2 pass through",
+            MHAConfig(d_model=14, n_heads=2, d_k=6, d_v=5, rope="half", rope_dims=4),
+            batch=2,
+            q_tokens=7,
+            dtypes=("float64", "float16"),
+            seed=14,
+        ),
+        SpecCase(
+            "rope_gqa_causal",
+            "interleaved partial rotary with grouped kv heads (4 query heads, 2 kv heads) and a causal mask",
+            MHAConfig(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True),
+            batch=3,
+            q_tokens=7,
+            dtypes=("float64", "float32"),
+            seed=15,
+        ),
+        SpecCase(
+            "rope_positions",
+            "rotary at other positions: batch items start at 5 and 11 (queries and keys alike)",
+            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half", rope_base=500.0),
+            batch=2,
+            q_tokens=7,
+            position_offsets=(5, 11),
+            dtypes=("float64",),
+            seed=16,
+        ),
+        SpecCase(
+            "rope_cache",
+            "rotary with a cache: 3 new queries at positions 4..6 attend to 7 cached keys at 0..6",
+            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
+            batch=2,
+            q_tokens=3,
+            kv_tokens=7,
+            position_offsets=(4, 4),
+            dtypes=("float64",),
+            seed=17,
         ),
     )
 }

@@ -20,6 +20,33 @@ def _require_positive_int(name: str, value: object) -> None:
         raise ValueError(f"MHAConfig.{name} must be a positive int, got {value}")
 
 
+# The two rotary conventions, by the pairs of features they rotate together (`core.rotary`).
+ROPE_STYLES = ("half", "interleaved")
+
+
+def _resolve_rope(rope: object, base: object, dims: object, d_k: int) -> int | None:
+    """Validate the rotary fields; the number of rotated features per head (None without rope)."""
+    if rope is not None and rope not in ROPE_STYLES:
+        raise ValueError(f"MHAConfig.rope must be None or one of {', '.join(map(repr, ROPE_STYLES))}, got {rope!r}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+        raise ValueError(f"MHAConfig.rope_base must be a finite positive number, got {base!r}")
+    if rope is None:
+        if dims is not None:
+            raise ValueError(f"MHAConfig.rope_dims={dims!r} needs rope='half' or 'interleaved' (rope is None)")
+        return None
+    if dims is None:
+        if d_k % 2:
+            raise ValueError(
+                f"MHAConfig.rope={rope!r} rotates pairs of features, so d_k must be even, got d_k={d_k}; "
+                "pass an even rope_dims < d_k for partial rotary"
+            )
+        return d_k
+    _require_positive_int("rope_dims", dims)
+    if dims % 2 or dims > d_k:
+        raise ValueError(f"MHAConfig.rope_dims must be even and at most d_k={d_k}, got {dims}")
+    return dims
+
+
 @dataclass(frozen=True)
 class MHAConfig:
     """Sizes and switches of one attention layer.
@@ -32,6 +59,14 @@ class MHAConfig:
     ``causal=True`` lets query ``i`` attend to key ``j`` only when ``j <= i``: the
     top-left alignment of ``torch.nn.functional.scaled_dot_product_attention`` and
     ``jax.nn.dot_product_attention`` (it matters only when q and kv token counts differ).
+
+    ``rope`` turns on rotary position embeddings (see `core.rotary`): queries and keys are
+    rotated after the head split, before the scores. ``"half"`` pairs feature ``i`` with
+    ``i + rope_dims/2`` (rotate_half: Hugging Face Llama, GPT-NeoX); ``"interleaved"``
+    pairs ``2i`` with ``2i+1`` (Meta Llama, GPT-J). Pair ``i`` turns by ``position *
+    rope_base**(-2i/rope_dims)``. ``rope_dims`` (default ``d_k``) rotates only the first
+    ``rope_dims`` features of each head and passes the rest through (partial rotary, as in
+    GPT-NeoX); it is resolved to ``d_k`` when rope is on and stays None when it is off.
     """
 
     d_model: int
@@ -44,6 +79,9 @@ class MHAConfig:
     bias: bool = True
     causal: bool = False
     scale: float | None = None
+    rope: str | None = None
+    rope_base: float = 10000.0
+    rope_dims: int | None = None
 
     def __post_init__(self) -> None:
         # Resolved defaults are written back with object.__setattr__ (the dataclass is
@@ -78,12 +116,16 @@ class MHAConfig:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"MHAConfig.scale must be a finite positive number, got {self.scale!r}")
 
+        rope_dims = _resolve_rope(self.rope, self.rope_base, self.rope_dims, d_k)
+
         object.__setattr__(self, "d_k", d_k)
         object.__setattr__(self, "d_v", d_v)
         object.__setattr__(self, "n_kv_heads", n_kv_heads)
         object.__setattr__(self, "kdim", self.d_model if self.kdim is None else self.kdim)
         object.__setattr__(self, "vdim", self.d_model if self.vdim is None else self.vdim)
         object.__setattr__(self, "scale", float(scale))
+        object.__setattr__(self, "rope_base", float(self.rope_base))
+        object.__setattr__(self, "rope_dims", rope_dims)
 
     # Derived sizes, named once so that no module recomputes them differently.
     @property
@@ -132,6 +174,9 @@ class MHAConfig:
             parts.append("no-bias")
         if self.causal:
             parts.append("causal")
+        if self.rope is not None:
+            dims = "" if self.rope_dims == self.d_k else f" dims={self.rope_dims}"
+            parts.append(f"rope={self.rope}(base={self.rope_base:g}{dims})")
         return " ".join(parts)
 
 

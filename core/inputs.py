@@ -26,7 +26,9 @@ class MHAInputs:
     ``mask`` is None or a boolean array of 4 dims broadcastable to ``(B, H, Nq, Nk)``
     (True = may attend), exactly as the caller gave it apart from leading unit axes.
     ``batched`` says whether the caller's arrays had a batch axis, so results can be
-    returned in the caller's form.
+    returned in the caller's form. ``positions`` ``(1|B, Nq)`` and ``kv_positions``
+    ``(1|B, Nk)`` are the int64 token positions the rotary embedding turns queries and
+    keys by (see `prepare_inputs` for the defaults); they change nothing without rope.
     """
 
     query: np.ndarray
@@ -34,6 +36,8 @@ class MHAInputs:
     value: np.ndarray
     mask: np.ndarray | None
     batched: bool
+    positions: np.ndarray | None = None
+    kv_positions: np.ndarray | None = None
 
     @property
     def batch(self) -> int:
@@ -78,12 +82,23 @@ def _check_rank_and_width(name: str, array: np.ndarray, width: int, width_name: 
         raise ValueError(f"{name} has a zero-length axis (shape {array.shape}); at least one batch item and token are required")
 
 
-def prepare_inputs(cfg: MHAConfig, query, key=None, value=None, mask=None) -> MHAInputs:
+def prepare_inputs(
+    cfg: MHAConfig, query, key=None, value=None, mask=None, positions=None, kv_positions=None
+) -> MHAInputs:
     """Check the inputs against ``cfg`` and return them in batched form.
 
     ``key`` defaults to ``query`` and ``value`` to ``key`` (self-attention).
+
+    ``positions`` are the query tokens' positions for the rotary embedding, integers of
+    shape ``(Nq,)`` or, for a batched call, ``(B, Nq)``; the default is ``0 .. Nq-1``.
+    ``kv_positions`` are the keys' positions, ``(Nk,)`` or ``(B, Nk)``; the default is
+    ``positions`` for self-attention (the keys are the query tokens) and ``0 .. Nk-1``
+    otherwise. A decoding step with a cache of Nk keys passes
+    ``positions=np.arange(Nk - Nq, Nk)`` and the cached keys keep ``0 .. Nk-1``. Both are
+    validated always and used only when ``cfg.rope`` is set.
     """
     require_config(cfg)
+    self_attention = key is None
     query = _as_float_array("query", query)
     key = query if key is None else _as_float_array("key", key)
     value = key if value is None else _as_float_array("value", value)
@@ -106,7 +121,27 @@ def prepare_inputs(cfg: MHAConfig, query, key=None, value=None, mask=None) -> MH
     if key.shape[0] != query.shape[0]:
         raise ValueError(f"query and key must have the same batch size, got {query.shape[0]} and {key.shape[0]}")
     full_shape = (query.shape[0], cfg.n_heads, query.shape[1], key.shape[1])
-    return MHAInputs(query, key, value, _normalise_mask(mask, full_shape, batched), batched)
+    positions = _normalise_positions("positions", positions, query.shape[0], query.shape[1], batched)
+    if kv_positions is None and self_attention:
+        kv_positions = positions
+    else:
+        kv_positions = _normalise_positions("kv_positions", kv_positions, key.shape[0], key.shape[1], batched)
+    return MHAInputs(
+        query, key, value, _normalise_mask(mask, full_shape, batched), batched, positions, kv_positions
+    )
+
+
+def _normalise_positions(name: str, positions, batch: int, tokens: int, batched: bool) -> np.ndarray:
+    """Integer positions -> int64 ``(1|B, tokens)``; None -> ``0 .. tokens-1``."""
+    if positions is None:
+        return np.arange(tokens, dtype=np.int64)[None]  # (1, N)
+    array = np.asarray(positions)
+    if array.dtype == np.bool_ or array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (token positions), got dtype {array.dtype}")
+    shapes = f"({tokens},) or (batch={batch}, {tokens})" if batched else f"({tokens},)"
+    if array.shape not in ((tokens,), (batch, tokens) if batched else (tokens,)):
+        raise ValueError(f"{name} must have shape {shapes}, got shape {array.shape}")
+    return array.astype(np.int64).reshape(-1, tokens)  # (1|B, N)
 
 
 def _normalise_mask(mask, full_shape: tuple[int, int, int, int], batched: bool) -> np.ndarray | None:

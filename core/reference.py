@@ -3,6 +3,7 @@
 For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)::
 
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
+    Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
     S_h = scale * Q_h @ K_g.T      (blocked positions -> -inf)
     A_h = softmax(S_h, over keys)  (a row with no allowed key -> all zeros)
     C_h = A_h @ V_g
@@ -23,6 +24,7 @@ import numpy as np
 from .config import MHAConfig
 from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
+from .rotary import apply_rotary, rotary_tables
 from .stages import STAGE_NAMES
 
 
@@ -43,10 +45,15 @@ def softmax_with_empty_rows(scores: np.ndarray) -> np.ndarray:
     return np.where(empty, 0.0, exp / np.where(empty, 1.0, total))
 
 
-def reference_stages(cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None) -> dict[str, np.ndarray]:
-    """Every stage tensor of the oracle, batched and in the canonical layout of `core.stages`."""
+def reference_stages(
+    cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, positions=None, kv_positions=None
+) -> dict[str, np.ndarray]:
+    """Every stage tensor of the oracle, batched and in the canonical layout of `core.stages`.
+
+    ``positions``/``kv_positions``: the rotary positions (see `core.inputs.prepare_inputs`).
+    """
     validate_params(cfg, params)
-    inputs = prepare_inputs(cfg, query, key, value, mask)
+    inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
     f64 = {name: None if array is None else array.astype(np.float64) for name, array in params.as_dict().items()}
     x_q = inputs.query.astype(np.float64)
     x_k = inputs.key.astype(np.float64)
@@ -63,6 +70,13 @@ def reference_stages(cfg: MHAConfig, params: MHAParams, query, key=None, value=N
     k_heads = np.stack([k[:, :, g * Dk : (g + 1) * Dk] for g in range(Hkv)], axis=1)  # (B, Hkv, Nk, Dk)
     v_heads = np.stack([v[:, :, g * Dv : (g + 1) * Dv] for g in range(Hkv)], axis=1)  # (B, Hkv, Nk, Dv)
 
+    # Rotary: each head's feature pairs turned by the token's angle; the heads themselves without rope.
+    tables = rotary_tables(cfg, inputs)
+    q_rotated, k_rotated = q_heads, k_heads
+    if tables is not None:
+        q_rotated = apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], cfg.rope)  # (B, H, Nq, Dk)
+        k_rotated = apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], cfg.rope)  # (B, Hkv, Nk, Dk)
+
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))
 
@@ -72,7 +86,7 @@ def reference_stages(cfg: MHAConfig, params: MHAParams, query, key=None, value=N
     weights = np.empty_like(scores)
     for h in range(H):
         g = cfg.kv_head_of(h)
-        scores[:, h] = cfg.scale * (q_heads[:, h] @ np.swapaxes(k_heads[:, g], -1, -2))  # (B, Nq, Nk)
+        scores[:, h] = cfg.scale * (q_rotated[:, h] @ np.swapaxes(k_rotated[:, g], -1, -2))  # (B, Nq, Nk)
         masked_scores[:, h] = np.where(allowed[:, h], scores[:, h], -np.inf)
         weights[:, h] = softmax_with_empty_rows(masked_scores[:, h])
         context[:, h] = weights[:, h] @ v_heads[:, g]  # (B, Nq, Dv)
@@ -87,6 +101,8 @@ def reference_stages(cfg: MHAConfig, params: MHAParams, query, key=None, value=N
         "q_heads": q_heads,
         "k_heads": k_heads,
         "v_heads": v_heads,
+        "q_rotated": q_rotated,
+        "k_rotated": k_rotated,
         "scores": scores,
         "masked_scores": masked_scores,
         "weights": weights,
@@ -107,6 +123,9 @@ def reference_mha(
     mask=None,
     return_weights: bool = False,
     return_stages: bool = False,
+    *,
+    positions=None,
+    kv_positions=None,
 ):
     """The float64 oracle.
 
@@ -114,8 +133,10 @@ def reference_mha(
     unbatched input); with ``return_weights`` also the attention weights
     ``(batch, heads, q_tokens, kv_tokens)``; with ``return_stages`` also the dict of
     every stage tensor (always batched, canonical layout, see `core.stages`).
+    ``positions`` (queries) and ``kv_positions`` (keys) are the rotary positions, integers
+    ``(N,)`` or ``(B, N)``, defaulting to ``0 .. N-1`` (see `core.inputs.prepare_inputs`).
     """
-    stages = reference_stages(cfg, params, query, key, value, mask)
+    stages = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
     batched = np.ndim(query) == 3
     output = stages["output"] if batched else stages["output"][0]
     extras = []

@@ -7,6 +7,10 @@ implementations differ") and the explainer all read this one table.
 Symbols: B batch, Nq query tokens, Nk key/value tokens, H query heads, Hkv kv heads,
 Dk = d_k, Dv = d_v, D = d_model. Canonical layout is row samples (tokens before
 features) with the head axis before the token axis once heads are split.
+
+Every implementation exposes ``q_rotated`` and ``k_rotated`` for every configuration:
+without rotary embeddings (``cfg.rope`` None) they hold the same numbers as ``q_heads``
+and ``k_heads``, so that the stage list never depends on the configuration.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class Stage:
 PIPELINE_STEPS = (
     "project",
     "split heads",
+    "rotary",
     "scores",
     "mask",
     "softmax",
@@ -42,6 +47,13 @@ STAGES: tuple[Stage, ...] = (
     Stage("split heads", "q_heads", ("B", "H", "Nq", "Dk"), "each head sees every token, with its own Dk features"),
     Stage("split heads", "k_heads", ("B", "Hkv", "Nk", "Dk"), "keys per kv head"),
     Stage("split heads", "v_heads", ("B", "Hkv", "Nk", "Dv"), "values per kv head"),
+    Stage(
+        "rotary",
+        "q_rotated",
+        ("B", "H", "Nq", "Dk"),
+        "q_heads with each feature pair turned by its position's angle (cfg.rope); q_heads itself without rope",
+    ),
+    Stage("rotary", "k_rotated", ("B", "Hkv", "Nk", "Dk"), "k_heads turned the same way; k_heads without rope"),
     Stage("scores", "scores", ("B", "H", "Nq", "Nk"), "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
     Stage("mask", "masked_scores", ("B", "H", "Nq", "Nk"), "scores with blocked positions set to -inf"),
     Stage("softmax", "weights", ("B", "H", "Nq", "Nk"), "softmax over keys; a row with no allowed key is all zeros"),

@@ -39,6 +39,8 @@ DERIVED_FROM = {
     "q_heads": "q",
     "k_heads": "k",
     "v_heads": "v",
+    "q_rotated": "q_heads",
+    "k_rotated": "k_heads",
     "masked_scores": "scores",
     "weights": "masked_scores",
     "merged": "context",

@@ -1,8 +1,8 @@
 """Hypothesis: on random small configurations, every installed implementation agrees with the oracle.
 
 Each example is a `SpecCase` built from drawn numbers (shapes, GQA grouping, cross-
-attention widths, bias, causal, a mask: none, key padding or random, shared or per
-head) and a dtype, run through `run_check` exactly as the command runs it. Sizes are
+attention widths, bias, causal, rotary (none, half or interleaved, full or partial), a
+mask: none, key padding or random, shared or per head) and a dtype, run through `run_check` exactly as the command runs it. Sizes are
 drawn distinct from one another so that a swapped pair of axes cannot pass by luck.
 
 Properties, per backend:
@@ -46,6 +46,9 @@ def spec_cases(draw, dtypes, plain_half_the_time=False):
     d_v = d_k if plain else draw(st.sampled_from([d_k, max(1, d_k - 1), d_k + 2]))
     cross = draw(st.booleans())
     batch = draw(st.sampled_from([None, 1, 2, 3]))
+    # Rotary in either convention, full or partial, where a head has a pair of features to turn.
+    rope = draw(st.sampled_from([None, "half", "interleaved"])) if d_k >= 2 else None
+    rope_dims = None if rope is None else 2 * draw(st.integers(1, d_k // 2))
     cfg = MHAConfig(
         d_model=n_heads * d_k if plain else d_model,
         n_heads=n_heads,
@@ -57,6 +60,8 @@ def spec_cases(draw, dtypes, plain_half_the_time=False):
         bias=draw(st.booleans()),
         causal=draw(st.booleans()),
         scale=None if plain else draw(st.sampled_from([None, 0.3, 1.7])),
+        rope=rope,
+        rope_dims=rope_dims,
     )
     if not cross:
         kv_tokens = q_tokens

@@ -1,0 +1,156 @@
+"""Rotary position embeddings (RoPE): the frequencies, the two pairings, and the converter between them.
+
+A rotary embedding turns each pair of features ``(a, b)`` of a query or key head by an
+angle that grows with the token's position::
+
+    theta_i = position * base ** (-2 i / r)        i = 0 .. r/2 - 1, r = cfg.rope_dims
+    (a, b) -> (a cos theta_i - b sin theta_i,  b cos theta_i + a sin theta_i)
+
+so that ``<R(m) q, R(n) k>`` depends on ``m - n`` only. The two conventions in use differ
+only in *which* features form pair ``i``:
+
+* ``"half"`` (rotate_half: Hugging Face Llama, GPT-NeoX): features ``i`` and ``i + r/2``;
+* ``"interleaved"`` (Meta Llama, GPT-J): features ``2i`` and ``2i + 1``.
+
+Features ``r .. d_k - 1`` are not rotated (partial rotary, ``cfg.rope_dims < d_k``).
+
+Because a dot product does not care in which order its features come, moving each
+interleaved pair to the slots of the matching half pair in the rows of ``w_q`` and
+``w_k`` (and their biases) makes "half" on the moved weights compute the same scores as
+"interleaved" on the originals. That is the permutation Hugging Face's conversion of
+Meta's checkpoints applies to ``wq`` and ``wk``::
+
+    w.view(n_heads, d_k // 2, 2, d_in).transpose(1, 2).reshape(n_heads * d_k, d_in)
+
+`rope_permutation`, `to_rotate_half_params` and `to_interleaved_params` are that
+permutation, its inverse and their application. NumPy only; every table is float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ROPE_STYLES, MHAConfig, require_config
+from .params import MHAParams, validate_params
+
+
+def inverse_frequencies(rope_dims: int, base: float) -> np.ndarray:
+    """``base ** (-2i / rope_dims)`` for ``i = 0 .. rope_dims/2 - 1``: the turn per position of each pair."""
+    return base ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)  # (r/2,)
+
+
+def rotary_pairs(style: str, rope_dims: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, second): feature ``first[i]`` turns together with feature ``second[i]``."""
+    i = np.arange(rope_dims // 2)
+    if style == "half":
+        return i, i + rope_dims // 2
+    if style == "interleaved":
+        return 2 * i, 2 * i + 1
+    raise ValueError(f"rotary style must be one of {', '.join(map(repr, ROPE_STYLES))}, got {style!r}")
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """cos and sin of every (token, pair) angle, for the queries and for the keys (float64).
+
+    ``q_cos``/``q_sin`` are ``(1|B, Nq, r/2)``, ``k_cos``/``k_sin`` ``(1|B, Nk, r/2)``: one
+    row per token, one column per pair (the leading axis is 1 when every batch item has
+    the same positions). Every backend takes these same numbers and applies them in its
+    own layout and pairing.
+    """
+
+    style: str
+    rope_dims: int
+    q_cos: np.ndarray
+    q_sin: np.ndarray
+    k_cos: np.ndarray
+    k_sin: np.ndarray
+
+    @property
+    def half_width(self) -> int:
+        return self.rope_dims // 2
+
+
+def angles(cfg: MHAConfig, positions: np.ndarray) -> np.ndarray:
+    """``positions[..., n] * inv_freq[i]``: (..., N) integer positions -> (..., N, r/2) angles."""
+    return positions[..., None].astype(np.float64) * inverse_frequencies(cfg.rope_dims, cfg.rope_base)
+
+
+def rotary_tables(cfg: MHAConfig, inputs) -> RotaryTables | None:
+    """The tables for ``inputs`` (an `MHAInputs`: its positions and kv_positions), or None without rope."""
+    if cfg.rope is None:
+        return None
+    q_angles, k_angles = angles(cfg, inputs.positions), angles(cfg, inputs.kv_positions)
+    return RotaryTables(cfg.rope, cfg.rope_dims, np.cos(q_angles), np.sin(q_angles), np.cos(k_angles), np.sin(k_angles))
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """Rotate the features on the last axis of ``x`` (..., N, d_k) by tables (..., N, r/2); a new array.
+
+    The formula of the module docstring, pair by pair; features past ``r`` pass through.
+    """
+    first, second = rotary_pairs(style, 2 * cos.shape[-1])
+    a, b = x[..., first], x[..., second]  # (..., N, r/2) each, copies
+    out = np.array(x, dtype=np.result_type(x, cos), copy=True)
+    out[..., first] = a * cos - b * sin
+    out[..., second] = b * cos + a * sin
+    return out
+
+
+def rope_permutation(d_k: int, rope_dims: int) -> np.ndarray:
+    """Row order within one head that turns interleaved weights into half weights.
+
+    ``new_rows = old_rows[perm]``: the half pair ``(i, i + r/2)`` receives the interleaved
+    pair ``(2i, 2i + 1)``, and rows past ``rope_dims`` stay where they are. For
+    ``rope_dims = d_k`` this is Hugging Face's ``view(d/2, 2).transpose`` of each head.
+    """
+    perm = np.arange(d_k)
+    half_first, half_second = rotary_pairs("half", rope_dims)
+    inter_first, inter_second = rotary_pairs("interleaved", rope_dims)
+    perm[half_first], perm[half_second] = inter_first, inter_second
+    return perm
+
+
+def _permute_heads(cfg: MHAConfig, params: MHAParams, perm: np.ndarray) -> MHAParams:
+    """``params`` with the rows of every head of w_q/w_k (and b_q/b_k) reordered by ``perm``."""
+
+    def rows(array, n_heads):  # (n_heads*Dk, ...) -> the same with each head's rows reordered
+        if array is None:
+            return None
+        per_head = array.reshape(n_heads, cfg.d_k, *array.shape[1:])  # (heads, Dk, ...), view
+        return per_head[:, perm].reshape(array.shape)  # (heads*Dk, ...), copy
+
+    return dataclasses.replace(
+        params,
+        w_q=rows(params.w_q, cfg.n_heads),
+        b_q=rows(params.b_q, cfg.n_heads),
+        w_k=rows(params.w_k, cfg.n_kv_heads),
+        b_k=rows(params.b_k, cfg.n_kv_heads),
+    )
+
+
+def _convert(cfg: MHAConfig, params: MHAParams, source: str, target: str) -> tuple[MHAConfig, MHAParams]:
+    require_config(cfg)
+    if cfg.rope != source:
+        raise ValueError(f"cfg.rope must be {source!r} to convert to {target!r}, got {cfg.rope!r}")
+    validate_params(cfg, params)
+    perm = rope_permutation(cfg.d_k, cfg.rope_dims)
+    if target == "interleaved":
+        perm = np.argsort(perm)  # the inverse permutation
+    return dataclasses.replace(cfg, rope=target), _permute_heads(cfg, params, perm)
+
+
+def to_rotate_half_params(cfg: MHAConfig, params: MHAParams) -> tuple[MHAConfig, MHAParams]:
+    """Meta's interleaved weights -> Hugging Face's rotate-half weights computing the same layer.
+
+    Returns ``(cfg with rope="half", params with permuted q/k rows)``; v and o are untouched.
+    """
+    return _convert(cfg, params, "interleaved", "half")
+
+
+def to_interleaved_params(cfg: MHAConfig, params: MHAParams) -> tuple[MHAConfig, MHAParams]:
+    """The inverse of `to_rotate_half_params`: rotate-half weights -> interleaved weights."""
+    return _convert(cfg, params, "half", "interleaved")

@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bias", action="store_true", help="the candidate's projections have no bias")
     parser.add_argument("--causal", action="store_true", help="the candidate applies a causal mask itself")
     parser.add_argument("--scale", type=float, help="score scale (default 1/sqrt(d_k))")
+    parser.add_argument(
+        "--rope",
+        choices=("half", "interleaved"),
+        help="the candidate applies rotary embeddings: half (rotate_half, Hugging Face) or interleaved (Meta)",
+    )
+    parser.add_argument("--rope-base", type=float, default=10000.0, help="rotary base (default 10000)")
+    parser.add_argument("--rope-dims", type=int, help="rotated features per head (default d_k)")
     parser.add_argument("--dtype", default="float64", help="dtype of the arrays fed to the candidate (default float64)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per probe (default 30)")
     parser.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH ('-' for stdout)")
@@ -84,6 +91,9 @@ def _config(args: argparse.Namespace):
         bias=not args.no_bias,
         causal=args.causal,
         scale=args.scale,
+        rope=args.rope,
+        rope_base=args.rope_base,
+        rope_dims=args.rope_dims,
     )
 
 

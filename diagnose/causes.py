@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
-from mha_rosetta.core import MHAConfig
+from mha_rosetta.core import MHAConfig, to_interleaved_params, to_rotate_half_params
 
 from . import repairs
-from .simulate import Bug, packing_applies
+from .simulate import Bug, other_rope_style, packing_applies
 
 CAUSE_CODES = (
     "weight_transposed",
@@ -33,6 +33,7 @@ CAUSE_CODES = (
     "head_merge_order",
     "gqa_grouping",
     "bias",
+    "rope_convention",
 )
 
 REPAIRS = "mha_rosetta.diagnose.repairs"
@@ -209,7 +210,33 @@ def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
                     "add b_o after the output projection: out = merged @ w_o.T + b_o",
                 )
             )
+    if cfg.rope is not None:
+        other = other_rope_style(cfg.rope)
+        converter = {"half": to_interleaved_params, "interleaved": to_rotate_half_params}[cfg.rope]
+        out.append(
+            Hypothesis(
+                "rope_convention",
+                f"{_pairs(other)} rotated together where the spec ({cfg.rope!r}) pairs {_pairs(cfg.rope)}",
+                Bug(rope="other"),
+                f"the rotary pairing is swapped (or {'Meta' if cfg.rope == 'half' else 'Hugging Face'} weights were "
+                f"loaded without the q/k row permutation between the conventions): rotate with rope={cfg.rope!r}, or "
+                f"feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]",
+                lambda cfg, p, m, convert=converter: (convert(cfg, p)[1], m),
+            )
+        )
+        out.append(
+            Hypothesis(
+                "rope_convention",
+                "q and k not rotated",
+                Bug(rope="none"),
+                "rotate q and k by their positions after the head split (mha_rosetta.core.apply_rotary)",
+            )
+        )
     return out
+
+
+def _pairs(style: str) -> str:
+    return "features (i, i + r/2)" if style == "half" else "features (2i, 2i + 1)"
 
 
 def _layout(name: str) -> str:

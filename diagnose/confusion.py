@@ -1,7 +1,8 @@
 """The confusion table: every injected bug, in NumPy and torch candidates, against the cause named first.
 
 `confusion(settings, frameworks)` diagnoses `injected.numpy_candidate` / `torch_candidate`
-with every bug that applies to each setting (plain, GQA, causal) and records the first
+with every bug that applies to each setting (plain, GQA, causal, rotary half, and GQA +
+causal + partial interleaved rotary) and records the first
 cause; `render_markdown` prints the causes x bugs table (diagonal when every bug is named
 by its own code) and, per bug, the probe that told the winner from the runner-up.
 ``mha-rosetta diagnose --confusion`` prints it.
@@ -27,6 +28,9 @@ SETTINGS: dict[str, MHAConfig] = {
     "plain": MHAConfig(d_model=12, n_heads=3),  # d_k = 4
     "gqa": MHAConfig(d_model=20, n_heads=4, n_kv_heads=2),  # d_k = 5
     "causal": MHAConfig(d_model=12, n_heads=3, causal=True),
+    "rotary": MHAConfig(d_model=12, n_heads=3, rope="half"),  # d_k = 4, every feature rotated
+    # GQA, causal and partial interleaved rotary at once: d_k = 6, the first 4 features rotated.
+    "rotary-gqa": MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", rope_dims=4),
 }
 FRAMEWORKS = {"numpy": numpy_candidate, "torch": torch_candidate}
 

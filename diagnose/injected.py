@@ -31,6 +31,8 @@ BUGS: dict[str, tuple[str, str]] = {
     "kv heads tiled": ("gqa_grouping", "k.repeat(1, group, 1, 1) instead of repeat_interleave(group, dim=1)"),
     "b_q dropped": ("bias", "query projection without its bias"),
     "b_o dropped": ("bias", "output projection without its bias"),
+    "rope pairs swapped": ("rope_convention", "rotate_half where the weights are interleaved, or the reverse"),
+    "rope missing": ("rope_convention", "q and k used without the rotary embedding"),
 }
 
 
@@ -46,6 +48,7 @@ def bugs_for(cfg: MHAConfig) -> list[str]:
         and not (name.startswith("packed") and cfg.n_kv_heads != cfg.n_heads)
         and not (name in ("q/k swapped", "k/v swapped") and cfg.n_kv_heads != cfg.n_heads)
         and not (name.startswith("b_") and not cfg.bias)
+        and not (name.startswith("rope") and cfg.rope is None)
     ]
     return names
 
@@ -53,6 +56,15 @@ def bugs_for(cfg: MHAConfig) -> list[str]:
 def _check_bug(bug: str | None) -> None:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"bug must be None or one of {', '.join(map(repr, BUGS))}; got {bug!r}")
+
+
+def _rope_style(cfg: MHAConfig, bug: str | None) -> str | None:
+    """The pairing the candidate rotates with: cfg.rope, the other one, or None (no rotation)."""
+    if cfg.rope is None or bug == "rope missing":
+        return None
+    if bug == "rope pairs swapped":
+        return "interleaved" if cfg.rope == "half" else "half"
+    return cfg.rope
 
 
 def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
@@ -93,6 +105,9 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
             k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
             v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
+        style = _rope_style(cfg, bug)
+        if style is not None:
+            q, k = _numpy_rotary(q, style, cfg), _numpy_rotary(k, style, cfg)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":
@@ -123,6 +138,22 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
         return linear(merged, w_o, b_o, bug == "w_o transposed")
 
     return candidate
+
+
+def _numpy_rotary(x, style: str, cfg: MHAConfig):
+    """Rotate the first rope_dims features of (B, heads, N, d) by position: half = rotate_half, else pairs."""
+    r = cfg.rope_dims
+    theta = np.arange(x.shape[2])[:, None] / cfg.rope_base ** (np.arange(0, r, 2) / r)  # (N, r/2)
+    cos, sin = np.cos(theta), np.sin(theta)
+    rot, rest = x[..., :r], x[..., r:]
+    if style == "half":
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        turned = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        pairs = rot.reshape(*rot.shape[:-1], r // 2, 2)  # (..., r/2, 2) view: (2i, 2i+1)
+        a, b = pairs[..., 0], pairs[..., 1]
+        turned = np.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(rot.shape)  # copy
+    return np.concatenate([turned, rest], axis=-1)
 
 
 def torch_candidate(cfg: MHAConfig, bug: str | None = None):
@@ -163,6 +194,9 @@ def torch_candidate(cfg: MHAConfig, bug: str | None = None):
             q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
             k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
             v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
+        style = _rope_style(cfg, bug)
+        if style is not None:
+            q, k = _torch_rotary(q, style, cfg), _torch_rotary(k, style, cfg)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":
@@ -193,3 +227,21 @@ def torch_candidate(cfg: MHAConfig, bug: str | None = None):
         return F.linear(merged, w_o, t["b_o"])
 
     return candidate
+
+
+def _torch_rotary(x, style: str, cfg: MHAConfig):
+    """Hugging Face's rotate_half for "half", Meta's complex multiplication for "interleaved"."""
+    import torch
+
+    r = cfg.rope_dims
+    inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)  # (r/2,)
+    freqs = torch.outer(torch.arange(x.shape[2], dtype=torch.float64), inv_freq)  # (N, r/2)
+    rot, rest = x[..., :r], x[..., r:]
+    if style == "half":
+        emb = torch.cat([freqs, freqs], dim=-1)  # (N, r)
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
+        turned = rot * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()
+    else:
+        pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], r // 2, 2).contiguous())  # (..., r/2) complex
+        turned = torch.view_as_real(pairs * torch.polar(torch.ones_like(freqs), freqs)).flatten(-2)  # (..., r)
+    return torch.cat([turned, rest], dim=-1)

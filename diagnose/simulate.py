@@ -23,6 +23,8 @@ Every knob says what the candidate does instead of the spec:
 - ``merge_order``: context merged as (Dv, H) instead of (H, Dv).
 - ``gqa_tiled``: query head h reads kv head ``h % Hkv`` instead of ``h // (H / Hkv)``.
 - ``bias_dropped``: biases left out (names); ``bias_misplaced``: ``"b_o before w_o"``.
+- ``rope``: ``"other"`` rotates with the other pairing than ``cfg.rope`` (interleaved for
+  half, or the reverse), ``"none"`` leaves q and k unrotated.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, causal_mask, softmax_with_empty_rows
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAParams,
+    apply_rotary,
+    causal_mask,
+    inverse_frequencies,
+    softmax_with_empty_rows,
+)
+from mha_rosetta.core.config import ROPE_STYLES
 
 PROJECTIONS = ("q", "k", "v")
 
@@ -50,6 +60,7 @@ class Bug:
     gqa_tiled: bool = False
     bias_dropped: tuple[str, ...] = ()
     bias_misplaced: str | None = None
+    rope: str | None = None
 
     def combine(self, other: Bug) -> Bug:
         """Both bugs at once (knobs of ``other`` that differ from the default win)."""
@@ -119,6 +130,7 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         q_h = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk) view
         k_h = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk) view
         v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
+    q_h, k_h = rotate(cfg, q_h, bug), rotate(cfg, k_h, bug)
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
     scale = cfg.scale if bug.scale is None else bug.scale
@@ -139,6 +151,19 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     if bug.bias_misplaced == "b_o before w_o":
         return (merged + p.b_o) @ p.w_o.T
     return linear(merged, p.w_o, p.b_o)
+
+
+def other_rope_style(style: str) -> str:
+    return next(s for s in ROPE_STYLES if s != style)
+
+
+def rotate(cfg: MHAConfig, heads: np.ndarray, bug: Bug = Bug()) -> np.ndarray:
+    """Rotary embedding of (B, heads, N, Dk) at positions 0..N-1, in the style ``bug`` uses (as given without rope)."""
+    if cfg.rope is None or bug.rope == "none":
+        return heads
+    style = other_rope_style(cfg.rope) if bug.rope == "other" else cfg.rope
+    angle = np.arange(heads.shape[-2])[:, None] * inverse_frequencies(cfg.rope_dims, cfg.rope_base)  # (N, r/2)
+    return apply_rotary(heads, np.cos(angle), np.sin(angle), style)
 
 
 def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug = Bug()):

@@ -28,7 +28,7 @@ from mha_rosetta.diagnose.injected import BUGS, bugs_for, numpy_candidate
 from mha_rosetta.diagnose.probes import make_probes
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAIN, GQA, CAUSAL = SETTINGS["plain"], SETTINGS["gqa"], SETTINGS["causal"]
+PLAIN, GQA, ROTARY = SETTINGS["plain"], SETTINGS["gqa"], SETTINGS["rotary-gqa"]
 
 
 @functools.cache
@@ -117,6 +117,20 @@ def test_two_bugs_at_once_are_both_named():
     assert any("together" in note for note in result.notes)
 
 
+def test_rope_convention_names_the_pairing_and_its_converter():
+    result = diagnose(numpy_candidate(ROTARY, "rope pairs swapped"), ROTARY)
+    cause = result.causes[0]
+    assert cause.code == "rope_convention"
+    assert (
+        cause.detail
+        == "features (i, i + r/2) rotated together where the spec ('interleaved') pairs features (2i, 2i + 1)"
+    )
+    assert "mha_rosetta.core.to_rotate_half_params(cfg, params)[1]" in cause.fix
+    assert "fed the repair, the candidate agrees with the oracle on every probe" in cause.evidence
+    missing = diagnose(numpy_candidate(ROTARY, "rope missing"), ROTARY).causes[0]
+    assert (missing.code, missing.detail) == ("rope_convention", "q and k not rotated")
+
+
 def test_weight_transposed_names_the_weight():
     for weight in ("w_q", "w_o"):
         result = diagnose(numpy_candidate(PLAIN, f"{weight} transposed"), PLAIN)
@@ -156,8 +170,8 @@ def _backend_candidate(name, cfg, dtype, strategy="standard"):
 
 
 def _first_supported(backend):
-    """One setting and dtype per backend: GQA where it can, else causal; float64 where it can."""
-    for setting in ("gqa", "causal"):
+    """One setting and dtype per backend: rotary + GQA + causal where it can, else less; float64 where it can."""
+    for setting in ("rotary-gqa", "rotary", "gqa", "causal"):
         for dtype in ("float64", "float32"):
             if backend.unsupported_reason(SETTINGS[setting], dtype, "cpu", "standard") is None:
                 return SETTINGS[setting], dtype

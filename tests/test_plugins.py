@@ -34,7 +34,10 @@ class MyBackend(Backend):
     dtypes = ("float64",)
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy):
-        stages = reference_stages(cfg, params, inputs.query, inputs.key, inputs.value, inputs.mask)
+        positions = np.broadcast_to(inputs.positions, (inputs.batch, inputs.q_tokens))  # (B, Nq) from (1|B, Nq)
+        kv_positions = np.broadcast_to(inputs.kv_positions, (inputs.batch, inputs.kv_tokens))  # (B, Nk)
+        args = (inputs.query, inputs.key, inputs.value, inputs.mask, positions, kv_positions)
+        stages = reference_stages(cfg, params, *args)
         native = {name: StageTensor(value, STAGE_BY_NAME[name].shape) for name, value in stages.items()}
         return Prepared(forward=lambda: stages["output"], to_numpy=np.asarray, native_stages=lambda: native)
 

@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.backend:
         from mha_rosetta.backends.plugins import register_path
 
+        sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named
         try:
             plugins = [register_path(path) for path in args.backend]
         except Exception as error:  # the user's module may raise anything while importing

@@ -9,6 +9,7 @@ The suite's own implementations and oracles, fed through `Backend.run`, must com
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 import threading
@@ -325,3 +326,13 @@ def test_cli_errors_name_the_problem(tmp_path):
         done = _cli(*args)
         assert done.returncode == 2, (args, done.stdout)
         assert message in done.stderr, (args, done.stderr)
+
+
+@requires("torch")
+def test_the_readme_python_example_prints_what_the_readme_says():
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Check your own implementation", 1)[1]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    expected = re.search(r"^# (.*)$", example, re.M).group(1)
+    done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected

@@ -12,9 +12,11 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from conftest import requires
 from mha_rosetta import backends
 from mha_rosetta.backends import REGISTRY, Backend, BackendEntry, get_backend
 from mha_rosetta.backends.plugins import load_class, module_name, parse_target, registered_entry
@@ -189,3 +191,36 @@ def test_a_user_registered_oracle_gets_its_known_difference(monkeypatch):
     oracle.strategies = ("standard",)
     result = run_check(backends=[oracle], cases=[replace(SPEC_CASES["fully_masked_row"], dtypes=("float64",))])
     assert [run.status for run in result.runs] == [Status.KNOWN_DIFFERENCE]
+
+
+@requires("torch")
+def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
+    root = Path(__file__).resolve().parents[1]
+    good = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha_rosetta.cli.main",
+            "check",
+            "--backend",
+            "examples.my_backend:MyBackend",
+            "--json",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert good.returncode == 0, good.stderr
+    statuses = [run["status"] for run in json.loads(good.stdout)["runs"]]
+    assert statuses.count("agree") == 6 and statuses.count("unsupported") == 18
+    bad = subprocess.run(
+        [sys.executable, "-m", "mha_rosetta.cli.main", "check", "--backend", "examples.my_backend:MyBuggyBackend"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert bad.returncode == 1
+    assert "against the oracle: unsupported 18, DISAGREE 6" in bad.stdout

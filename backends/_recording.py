@@ -118,7 +118,8 @@ def rotation_note(rotated, heads, heads_name: str, how: str) -> str:
 def record_rotated(rec: StageRecorder, heads: tuple, rotated: tuple, axes: dict, how: str) -> None:
     """q_rotated and k_rotated, each noted against the heads stage it was made from."""
     for name, parent, child in zip(("q", "k"), heads, rotated, strict=True):
-        rec.record(f"{name}_rotated", child, axes[f"{name}_rotated"], rotation_note(child, parent, f"{name}_heads", how))
+        note = rotation_note(child, parent, f"{name}_heads", how)
+        rec.record(f"{name}_rotated", child, axes[f"{name}_rotated"], note)
 
 
 def record_head_rotated(rec: StageRecorder, h: int, g: int, q_h, rotated: tuple, axes: dict, how: str, stack) -> None:

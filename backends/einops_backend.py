@@ -437,7 +437,8 @@ def run_pipeline(
     if weights["b_o"] is not None:
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
-        record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated, weights=attention, context=context, merged=merged, output=output)
+        record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
+        record.update(weights=attention, context=context, merged=merged, output=output)
         if ops.has_buffers:
             # The live buffers (not snapshots), to measure which step wrote into which.
             record["buffers"] = {"scores": scores, "masked_scores": masked, "weights": attention}

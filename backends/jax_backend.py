@@ -62,7 +62,7 @@ STAGE_AXES = TOKENS_FIRST_STAGE_AXES
 
 STAGE_NOTES = {
     "q": f"x_q @ w_q.T + b_q; {_XLA}",
-    "q_heads": f"reshape of q to (Nq, H, Dk) ((Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
+    "q_heads": f"reshape of q to (Nq, H, Dk) (then (Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
     "k_heads": f"reshape of k; vmap maps axis 1; {_XLA}",
     "v_heads": f"reshape of v; vmap maps axis 1; {_XLA}",
     "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {_XLA}",
@@ -106,7 +106,9 @@ def _rotate_heads(heads, cos, sin, *, style: str | None):
 
 
 def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
-    """`_attend_one_head` vmapped over every query head: q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv).
+    """`_attend_one_head` vmapped over every query head.
+
+    q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), the rotated ones where rope is on.
 
     Returns scores-like stages (H, Nq, Nk) and the context (Nq, H, Dv).
     """
@@ -192,7 +194,7 @@ def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
 
 
 def batched_tables(tables: tuple | None) -> tuple:
-    """The rotary tables (1|B, N, r/2) and their batch in_axes: a table shared by every item is passed once, unmapped."""
+    """The rotary tables (1|B, N, r/2) and their batch in_axes; a table shared by every item is passed unmapped."""
     if tables is None:
         return None, None
     shared = [table.shape[0] == 1 for table in tables]
@@ -239,9 +241,11 @@ class JaxBackend(Backend):
 
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(all_stages)
-            return {
-                name: StageTensor(stages[name], axes, STAGE_NOTES.get(name, _XLA)) for name, axes in STAGE_AXES.items()
-            }
+            notes = dict(STAGE_NOTES)
+            if cfg.rope is None:
+                for name in ("q", "k"):
+                    notes[f"{name}_rotated"] = f"{name}_heads itself: no rotary embedding (cfg.rope is None); {_XLA}"
+            return {name: StageTensor(stages[name], axes, notes.get(name, _XLA)) for name, axes in STAGE_AXES.items()}
 
         info = precision_info(dtype, device, self.matmul_precision)
         info["head_vmap"] = (

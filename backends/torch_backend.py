@@ -272,7 +272,7 @@ class RowSampleMHA:
         torch = self.torch
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
         # Fold the G query heads of each kv head into the token axis (see the module docstring).
-        q_groups = q_heads.reshape(B * Hkv, G * Nq, Dk)  # (B*Hkv, G*Nq, Dk), copy
+        q_groups = q_heads.reshape(B * Hkv, G * Nq, Dk)  # (B*Hkv, G*Nq, Dk), copy (a view of contiguous rotated heads)
         k_groups = k_heads.reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
         v_groups = v_heads.reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
         scores = torch.baddbmm(

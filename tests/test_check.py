@@ -68,6 +68,7 @@ def fake_pipeline(cfg, params, inputs, *, split="correct", scale=None, swap_outp
     output = linear(merged, w_o, params.b_o)  # (B, Nq, D)
     return {
         "q": q, "k": k, "v": v, "q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads,
+        "q_rotated": q_heads, "k_rotated": k_heads,  # the fake has no rotary: the heads themselves
         "scores": scores, "masked_scores": masked, "weights": weights, "context": context,
         "merged": merged, "output": output,
     }  # fmt: skip
@@ -258,7 +259,10 @@ def test_a_mistake_that_cancels_out_in_the_output_is_caught_at_its_stage():
     hidden = FakeBackend(
         "fake-fused",
         mistake_split="direct_undone",
-        hide_stages=("q_heads", "k_heads", "v_heads", "scores", "masked_scores", "weights", "context", "merged"),
+        hide_stages=(
+            "q_heads", "k_heads", "v_heads", "q_rotated", "k_rotated",
+            "scores", "masked_scores", "weights", "context", "merged",
+        ),
     )
     result = run_check(backends=[hidden], cases=cases_in(["float64"], "mqa"))
     assert [run.status for run in result.runs] == [Status.AGREE, Status.MISSED]

@@ -2,8 +2,9 @@
 
 Each example is a `SpecCase` built from drawn numbers (shapes, GQA grouping, cross-
 attention widths, bias, causal, rotary (none, half or interleaved, full or partial), a
-mask: none, key padding or random, shared or per head) and a dtype, run through `run_check` exactly as the command runs it. Sizes are
-drawn distinct from one another so that a swapped pair of axes cannot pass by luck.
+mask: none, key padding or random, shared or per head) and a dtype, run through
+`run_check` exactly as the command runs it. Sizes are drawn distinct from one another so
+that a swapped pair of axes cannot pass by luck.
 
 Properties, per backend:
 - every correct strategy agrees with the float64 oracle at its dtype's tolerance; a

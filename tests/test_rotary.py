@@ -141,7 +141,8 @@ def test_rope_changes_the_layer_and_self_attention_keys_follow_the_query_positio
 
 def test_rope_permutation_is_hugging_faces_permute():
     # transformers' convert_llama_weights_to_hf.py:
-    # permute(w, n_heads, dim1, dim2) = w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
+    # permute(w, n_heads, dim1, dim2) =
+    #     w.view(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(1, 2).reshape(dim1, dim2)
     cfg = MHAConfig(d_model=16, n_heads=2, d_k=8, rope="interleaved", bias=False)
     params = init_params(cfg, seed=5)
     w = params.w_q
@@ -233,7 +234,8 @@ def _rope_inputs(cfg: MHAConfig, cross: bool):
     if not cross:
         return query, None, None, {"positions": np.array([np.arange(7) + 4, np.arange(7)])}
     key, value = rng.standard_normal((2, 5, cfg.kdim)), rng.standard_normal((2, 5, cfg.vdim))
-    return query, key, value, {"positions": np.arange(7) + 3, "kv_positions": np.array([np.arange(5), np.arange(5) + 1])}
+    kv_positions = np.array([np.arange(5), np.arange(5) + 1])  # (B, Nk)
+    return query, key, value, {"positions": np.arange(7) + 3, "kv_positions": kv_positions}
 
 
 @pytest.mark.parametrize("config", list(ROPE_CONFIGS))
@@ -288,7 +290,8 @@ def test_the_check_reports_q_rotated_for_a_swapped_convention():
             return super()._prepare(dataclasses.replace(cfg, rope=other), params, inputs, dtype, device, strategy)
 
     case = SpecCase("rope", "rotary", MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half"), dtypes=("float64",))
-    result = run_check(backends=[SwappedRope("numpy-swapped-rope")], cases=[case], dtypes=["float64"], strategies=[STANDARD])
+    backend = SwappedRope("numpy-swapped-rope")
+    result = run_check(backends=[backend], cases=[case], dtypes=["float64"], strategies=[STANDARD])
     (run,) = result.runs
     assert run.status is Status.DISAGREE, run.reason
     assert run.divergence is not None and run.divergence.stage == "q_rotated"
@@ -312,7 +315,8 @@ def test_oracles_with_a_rotary_path_agree(name):
 )
 def test_oracles_without_a_rotary_path_say_why(name, words):
     backend = _installed(name)
-    reason = backend.unsupported_reason(MHAConfig(d_model=12, n_heads=2, rope="interleaved"), "float64", "cpu", STANDARD)
+    cfg = MHAConfig(d_model=12, n_heads=2, rope="interleaved")
+    reason = backend.unsupported_reason(cfg, "float64", "cpu", STANDARD)
     assert reason is not None and words in reason
 
 
@@ -474,7 +478,8 @@ def test_hypothesis_rope_configs_agree_with_the_oracle(name):
         # The converter holds on every drawn configuration too.
         data = case.inputs()
         cfg, params = case.cfg, case.params()
-        flipped = to_rotate_half_params(cfg, params) if cfg.rope == "interleaved" else to_interleaved_params(cfg, params)
+        convert = to_rotate_half_params if cfg.rope == "interleaved" else to_interleaved_params
+        flipped = convert(cfg, params)
         assert_close(
             reference_mha(*flipped, data.query, positions=data.positions),
             reference_mha(cfg, params, data.query, positions=data.positions),

@@ -14,6 +14,8 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
+from .simulate import packing_applies
+
 # bug -> (the cause code it must be diagnosed as, what the code does wrong)
 BUGS: dict[str, tuple[str, str]] = {
     "w_q transposed": ("weight_transposed", "x @ w_q instead of x @ w_q.T"),
@@ -37,20 +39,26 @@ BUGS: dict[str, tuple[str, str]] = {
 
 
 def bugs_for(cfg: MHAConfig) -> list[str]:
-    """The bugs that can run and change the output for ``cfg``."""
-    square = cfg.q_width == cfg.d_model and cfg.context_width == cfg.d_model
-    names = [
-        name
-        for name in BUGS
-        if not (name.endswith("transposed") and not square)
-        and not (name == "causal hides diagonal" and not cfg.causal)
-        and not (name == "kv heads tiled" and not 1 < cfg.n_kv_heads < cfg.n_heads)
-        and not (name.startswith("packed") and cfg.n_kv_heads != cfg.n_heads)
-        and not (name in ("q/k swapped", "k/v swapped") and cfg.n_kv_heads != cfg.n_heads)
-        and not (name.startswith("b_") and not cfg.bias)
-        and not (name.startswith("rope") and cfg.rope is None)
-    ]
-    return names
+    """The bugs that can run (the shapes allow them) and change the output for ``cfg``."""
+    runs = {
+        "w_q transposed": cfg.q_width == cfg.d_model,
+        "w_o transposed": cfg.context_width == cfg.d_model,
+        "q/k swapped": cfg.q_width == cfg.k_width and cfg.kdim == cfg.d_model,
+        "k/v swapped": cfg.k_width == cfg.v_width and cfg.kdim == cfg.vdim,
+        "packed blocks, read per head": packing_applies(cfg) and cfg.n_heads > 1,  # one head: same layout
+        "scale twice": cfg.scale != 1.0,
+        "scale missing": cfg.scale != 1.0,
+        "causal hides diagonal": cfg.causal,
+        "direct reshape": cfg.n_heads > 1,
+        "merge (Dv, H)": cfg.n_heads > 1 and cfg.d_v > 1,
+        "kv heads tiled": 1 < cfg.n_kv_heads < cfg.n_heads,
+        "b_q dropped": cfg.bias,
+        "b_o dropped": cfg.bias,
+        # With two rotated features the two pairings are the same pair.
+        "rope pairs swapped": cfg.rope is not None and cfg.rope_dims > 2,
+        "rope missing": cfg.rope is not None,
+    }
+    return [name for name in BUGS if runs.get(name, True)]
 
 
 def _check_bug(bug: str | None) -> None:

@@ -80,6 +80,7 @@ def _default_check():
     return run_check(strategies=[STANDARD])
 
 
+@pytest.mark.slow  # one default check of every installed backend (about 30 s of CPU)
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_installed_implementation_ran_every_case_it_can_express(name):
     if name in missing_backends():

@@ -1,8 +1,9 @@
 """mha_rosetta.backends: one adapter per framework convention, registered by name.
 
-Importing this package imports no framework. `available_backends` asks
-`importlib.util.find_spec`, which looks for a module without importing it, and
-`get_backend` imports an adapter's module only when that backend is asked for.
+Importing this package imports no framework. `available_backends` imports each
+framework once to see that it really loads (`_probe.import_failure`: a library that is
+installed but fails to import is a skip with the error, not a crash), and `get_backend`
+imports an adapter's module only when that backend is asked for.
 The registry is an explicit dict: adding a backend is one line here plus its module.
 Backends from other packages come in through `register` (a class or a module path) or
 the entry-point group ``mha_rosetta.backends`` (`backends.plugins`).
@@ -10,10 +11,10 @@ the entry-point group ``mha_rosetta.backends`` (`backends.plugins`).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field, replace
 
 from . import plugins
+from ._probe import import_failure, probe
 from .base import (
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
@@ -33,7 +34,7 @@ from .base import (
 class BackendEntry:
     module: str  # a module of this package ("numpy_backend") or a fully qualified one ("mypkg.attention")
     cls: str
-    requires: tuple[str, ...] = ()  # importable modules, checked without importing them
+    requires: tuple[str, ...] = ()  # modules the backend imports; each is probed by importing it once
     extra: str = ""  # the mha-rosetta extra that installs them ("" for a plugin: its own package does)
     kwargs: dict = field(default_factory=dict)
     # "implementation" or "oracle" (a library's own attention, fed our parameters);
@@ -54,11 +55,11 @@ def register(name: str, entry) -> None:
 
 
 def _missing_modules(entry: BackendEntry) -> list[str]:
-    return [module for module in entry.requires if importlib.util.find_spec(module) is None]
+    return [module for module in entry.requires if import_failure(module)]
 
 
 def available_backends(kind: str | None = None) -> list[str]:
-    """Names of the registered backends whose frameworks are installed (none imported)."""
+    """Names of the registered backends whose frameworks import here (each imported once to check)."""
     return [name for name, entry in REGISTRY.items() if not _missing_modules(entry) and kind in (None, entry.kind)]
 
 
@@ -68,9 +69,12 @@ def missing_backends() -> dict[str, str]:
 
 
 def _not_installed_message(name: str, entry: BackendEntry) -> str:
-    missing = ", ".join(_missing_modules(entry))
-    how = f"pip install 'mha-rosetta[{entry.extra}]'" if entry.extra else f"install {missing}"
-    return f"backend {name!r} needs {missing}, which is not installed: {how}"
+    missing = _missing_modules(entry)
+    broken = [probe(module).reason for module in missing if probe(module).installed]
+    if broken:
+        return f"backend {name!r} cannot load: {'; '.join(broken)}"
+    how = f"pip install 'mha-rosetta[{entry.extra}]'" if entry.extra else f"install {', '.join(missing)}"
+    return f"backend {name!r} needs {', '.join(missing)}, which is not installed: {how}"
 
 
 _INSTANCES: dict[str, Backend] = {}

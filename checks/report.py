@@ -457,9 +457,9 @@ def _rich_escape(text: str) -> str:
 
 
 def rich_available() -> bool:
-    import importlib.util
+    from mha_rosetta.backends._probe import importable
 
-    return importlib.util.find_spec("rich") is not None
+    return importable("rich")
 
 
 # -- JSON -------------------------------------------------------------------------------

@@ -10,13 +10,14 @@ needs a GPU is skipped on a machine without one.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from mha_rosetta.backends._probe import import_failure
+from mha_rosetta.backends._probe import importable as _installed  # imports the library once to be sure it loads
 from mha_rosetta.core import reference_mha, to_flax_params, to_torch_mha_state_dict, torch_mha_unsupported_reason
 
 from .seed_setup import Setup, make_setup
@@ -34,10 +35,6 @@ class Difference:
         data = asdict(self)
         data["rows"] = [{"run": run, "result": result} for run, result in self.rows]
         return data
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _first_line(error: BaseException) -> str:
@@ -199,7 +196,7 @@ def mask_polarity(setup: Setup) -> Difference:
     ]
     for label, module, run in runs:
         if not _installed(module):
-            rows.append((label, f"skipped: {module} not installed"))
+            rows.append((label, f"skipped: {import_failure(module)}"))
             continue
         try:
             output, weights = run()
@@ -294,7 +291,7 @@ def fully_masked_row(setup: Setup) -> Difference:
     ]
     for label, module, run, atol in runs:
         if not _installed(module):
-            rows.append((label, f"skipped: {module} not installed"))
+            rows.append((label, f"skipped: {import_failure(module)}"))
             continue
         try:
             output, _ = run()
@@ -374,7 +371,7 @@ def head_size_arguments(setup: Setup) -> Difference:
         layer(x, x)
         rows.append((f"keras MultiHeadAttention(num_heads={cfg.n_heads}, key_dim={per_head})", f"query kernel {tuple(layer._query_dense.kernel.shape)}"))
     else:
-        rows.append(("keras MultiHeadAttention(key_dim=...)", "skipped: keras not installed (its key_dim is per head, like Equinox's qk_size)"))
+        rows.append(("keras MultiHeadAttention(key_dim=...)", f"skipped: {import_failure('keras')} (its key_dim is per head, like Equinox's qk_size)"))
     if len(rows) <= 1:
         return Difference("head_size_arguments", title, "skipped: torch, flax and equinox not installed", rows)
     return Difference("head_size_arguments", title, "demonstrated", rows, f"passing torch's embed_dim={total} as a per-head size makes every head {cfg.n_heads}x wider")

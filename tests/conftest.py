@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import numpy as np
 import pytest
 
+from mha_rosetta.backends._probe import import_failure, importable
 from mha_rosetta.core import MHAConfig, init_params
 
 # Distinct sizes everywhere, so that no two axes can be swapped without a shape error:
@@ -16,8 +16,8 @@ BATCH, Q_TOKENS, KV_TOKENS, D_MODEL, HEADS, D_K = 2, 7, 5, 15, 3, 5
 
 
 def requires(module: str):
-    """Skip (with the reason) when an optional framework is not installed."""
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed")
+    """Skip (with the reason) when an optional framework is not installed or fails to import."""
+    return pytest.mark.skipif(not importable(module), reason=str(import_failure(module)))
 
 
 @pytest.fixture

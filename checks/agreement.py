@@ -410,6 +410,15 @@ def compare(actual, expected, dtype: str) -> Comparison:
         return core_compare(actual, expected, dtype)
 
 
+def failure_status(error: BaseException) -> tuple[Status, str]:
+    """A run that raised: unsupported (the backend's reason), skipped (not installed) or an error."""
+    if isinstance(error, UnsupportedCase):
+        return Status.UNSUPPORTED, str(error)
+    if isinstance(error, BackendNotInstalled):
+        return Status.SKIPPED, str(error)
+    return Status.ERROR, _error_text(error)
+
+
 def _error_text(error: BaseException) -> str:
     message = str(error).strip().splitlines()
     return f"{type(error).__name__}: {message[0] if message else ''}".rstrip(": ")
@@ -439,14 +448,8 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
         result = prepared.forward()
         prepared.synchronize(result)
         output = np.asarray(prepared.to_numpy(result))
-    except UnsupportedCase as error:
-        run.status, run.reason = Status.UNSUPPORTED, str(error)
-        return run
-    except BackendNotInstalled as error:
-        run.status, run.reason = Status.SKIPPED, str(error)
-        return run
     except Exception as error:  # a failing cell is reported and the check goes on
-        run.reason = _error_text(error)
+        run.status, run.reason = failure_status(error)
         return run
     run.seconds = time.perf_counter() - started
     run.info = dict(prepared.info)
@@ -558,7 +561,9 @@ def run_check(
     devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all". Naming the GPU makes every
                 installed GPU-capable framework that sees none an error (`checks.devices`);
                 "all" runs on whatever devices are present.
-    dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`);
+    dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`), and an
+                implementation that supports none of those runs it in the first requested
+                dtype it supports (`case_dtypes_for`), so every implementation gets every case;
                 "all": every case in every dtype (the exhaustive product).
     cases:      None (every spec case), names, or SpecCase objects.
     progress:   called with a short message before each case and dtype.
@@ -566,21 +571,11 @@ def run_check(
     Bad names raise ValueError naming the option, the bad value and the accepted ones.
     """
     started = time.perf_counter()
-    device_names = _resolve_devices(devices)
-    dtype_names, every_dtype = _resolve_dtypes(dtypes)
-    if cases is None or all(isinstance(c, str) for c in _as_list(cases)):
-        spec_cases = get_cases(None if cases is None else _split(cases))
-    else:
-        spec_cases = list(cases)
-    chosen, skipped, broken = resolve_backends(backends)
-    strategy_filter = _resolve_strategies(strategies, chosen)
-    settings = {
-        "backends": [b.name for b in chosen],
-        "strategies": strategy_filter,
-        "devices": device_names,
-        "dtypes": "all" if every_dtype else dtype_names,
-        "cases": [c.name for c in spec_cases],
-    }
+    sel = resolve_selection(backends, strategies, devices, dtypes, cases)
+    chosen, skipped, broken, strategy_filter = sel.backends, sel.skipped, sel.broken, sel.strategy_filter
+    device_names, dtype_names, every_dtype, spec_cases, settings = (
+        sel.devices, sel.dtypes, sel.every_dtype, sel.cases, sel.settings
+    )
     declared = {
         b.name: tuple(getattr(b, "known_differences", ())) for b in chosen if getattr(b, "known_differences", ())
     }
@@ -589,19 +584,102 @@ def run_check(
         result.frameworks_without_gpu = frameworks_without_gpu(chosen)
     try:
         for case in spec_cases:
-            case_dtypes = dtype_names if every_dtype else [d for d in dtype_names if d in case.dtypes]
-            _check_case(case, chosen, strategy_filter, device_names, case_dtypes, result, progress)
+            _check_case(case, chosen, strategy_filter, device_names, dtype_names, every_dtype, result, progress)
     except KeyboardInterrupt:
         result.interrupted = True  # keep what finished; the caller decides how to exit
     result.seconds = time.perf_counter() - started
     return result
 
 
+@dataclass
+class Selection:
+    """What a check runs, resolved from its options (shared by the forward and the gradient check)."""
+
+    backends: list[Backend]
+    skipped: dict[str, str]
+    broken: dict[str, str]
+    strategy_filter: list[str] | None
+    devices: list[str]
+    dtypes: list[str]
+    every_dtype: bool
+    cases: list[SpecCase]
+
+    @property
+    def settings(self) -> dict:
+        return {
+            "backends": [b.name for b in self.backends],
+            "strategies": self.strategy_filter,
+            "devices": self.devices,
+            "dtypes": "all" if self.every_dtype else self.dtypes,
+            "cases": [c.name for c in self.cases],
+        }
+
+    def case_dtypes(self, case: SpecCase) -> list[str]:
+        """The dtypes ``case`` runs: every selected one under "all", else those it lists."""
+        return self.dtypes if self.every_dtype else [d for d in self.dtypes if d in case.dtypes]
+
+    def implementations(self):
+        """(backend, strategy, device) for every selected implementation."""
+        for backend in self.backends:
+            for strategy in backend.strategies:
+                if self.strategy_filter is None or strategy in self.strategy_filter:
+                    for device in self.devices:
+                        yield backend, strategy, device
+
+
+def resolve_selection(backends, strategies, devices, dtypes, cases) -> Selection:
+    """Resolve a check's options (see `run_check`); bad names raise ValueError naming the option."""
+    device_names = _resolve_devices(devices)
+    dtype_names, every_dtype = _resolve_dtypes(dtypes)
+    if cases is None or all(isinstance(c, str) for c in _as_list(cases)):
+        spec_cases = get_cases(None if cases is None else _split(cases))
+    else:
+        spec_cases = list(cases)
+    chosen, skipped, broken = resolve_backends(backends)
+    strategy_filter = _resolve_strategies(strategies, chosen)
+    return Selection(chosen, skipped, broken, strategy_filter, device_names, dtype_names, every_dtype, spec_cases)
+
+
 def _as_list(values) -> list:
     return [values] if isinstance(values, (str, SpecCase)) else list(values)
 
 
-def _check_case(case, backends, strategy_filter, devices, dtypes, result: CheckResult, progress) -> None:
+def _implementations(backend: Backend, strategy_filter, devices) -> list[Implementation]:
+    return [
+        Implementation(backend.name, strategy, device)
+        for strategy in backend.strategies
+        if strategy_filter is None or strategy in strategy_filter
+        for device in devices
+    ]
+
+
+def case_dtypes_for(backend: Backend, impl: Implementation, case: SpecCase, dtypes, every_dtype: bool) -> list[str]:
+    """The dtypes one implementation runs ``case`` in: every case reaches every implementation.
+
+    With ``every_dtype`` (``--dtypes all``): every requested dtype. Otherwise the case's own
+    dtypes (`SpecCase.dtypes`) among the requested ones; and when the implementation supports
+    none of the case's own dtypes (an adapter with only float64, a case listed in float16),
+    the first requested dtype it does support, so no implementation misses a case (GQA,
+    causal, padding) because of the dtypes the case happens to list. When it supports no
+    requested dtype for this case, the case's dtypes run anyway and each run says why.
+    """
+    if every_dtype:
+        return list(dtypes)
+    listed = [d for d in dtypes if d in case.dtypes]
+
+    def supported(dtype: str) -> bool:
+        try:
+            return backend.unsupported_reason(case.cfg, dtype, impl.device, impl.strategy) is None
+        except Exception:  # a broken unsupported_reason shows as an error when the run raises
+            return True
+
+    if any(supported(d) for d in case.dtypes):
+        return listed
+    fallback = next((d for d in dtypes if supported(d)), None)
+    return [fallback] if fallback is not None else listed
+
+
+def _check_case(case, backends, strategy_filter, devices, dtypes, every_dtype, result: CheckResult, progress) -> None:
     try:
         oracle = _oracle(case)
         uniform = _uniform_fallback_output(oracle)
@@ -619,16 +697,20 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, result: CheckR
                     )
                 )
         return
-    for dtype in dtypes:
+    plan = {
+        impl: case_dtypes_for(backend, impl, case, dtypes, every_dtype)
+        for backend in backends
+        for impl in _implementations(backend, strategy_filter, devices)
+    }
+    backend_of = {backend.name: backend for backend in backends}
+    for dtype in [d for d in dtypes if any(d in chosen for chosen in plan.values())]:
         if progress:
             progress(f"{case.name} {dtype}")
-        runs = []
-        for backend in backends:
-            for strategy in backend.strategies:
-                if strategy_filter is not None and strategy not in strategy_filter:
-                    continue
-                for device in devices:
-                    runs.append(_run_one(backend, strategy, device, dtype, oracle, uniform))
+        runs = [
+            _run_one(backend_of[impl.backend], impl.strategy, impl.device, dtype, oracle, uniform)
+            for impl, chosen in plan.items()
+            if dtype in chosen
+        ]
         result.runs.extend(runs)
         compared = [run for run in runs if run.compared]
         for i, a in enumerate(compared):

@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends", action="append", metavar="LIST", help="backends to run (default: every installed one)"
     )
     parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="MODULE:CLASS",
+        help="your own adapter, a Backend subclass by import path (e.g. mypkg.attention:MyBackend); repeatable. "
+        "Without --backends only these run (against the oracle); add --backends to compare with ours too",
+    )
+    parser.add_argument(
         "--strategies",
         action="append",
         metavar="LIST",
@@ -30,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtypes",
         action="append",
         metavar="LIST",
-        help="float64, float32, float16, bfloat16: each case runs those of them it lists (default: all four); "
-        "'all' runs every case in every dtype",
+        help="float64, float32, float16, bfloat16: each case runs those of them it lists, or the first one an "
+        "implementation supports (default: all four); 'all' runs every case in every dtype",
     )
     parser.add_argument("--cases", action="append", metavar="LIST", help="spec cases to run (default: all; see --list)")
     parser.add_argument(
@@ -46,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="print only problems, skips and the summary")
     parser.add_argument("--list", action="store_true", help="list the spec cases and the backends, then exit")
+    parser.add_argument(
+        "--grad",
+        action="store_true",
+        help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
+        "float64 backward oracle and each other; adds a 'grad' section to --json",
+    )
 
 
 def _list(out) -> int:
@@ -87,9 +100,20 @@ def run(args: argparse.Namespace) -> int:
         def progress(message: str) -> None:
             print(f"\r\033[Kchecking {message} ...", end="", file=sys.stderr, flush=True)
 
+    backends = args.backends
+    if args.backend:
+        from mha_rosetta.backends.plugins import register_path
+
+        sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named
+        try:
+            plugins = [register_path(path) for path in args.backend]
+        except Exception as error:  # the user's module may raise anything while importing
+            print(f"mha-rosetta check: error: --backend: {type(error).__name__}: {error}", file=sys.stderr)
+            return 2
+        backends = [*(backends or []), *plugins]
     try:
         result = run_check(
-            backends=args.backends,
+            backends=backends,
             strategies=args.strategies,
             devices=args.devices,
             dtypes=args.dtypes,
@@ -104,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
 
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
+    grad = _grad_check(args, progress) if args.grad and not result.interrupted else None
+    if grad is not None:
+        from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines
+
+        blocks += grad_report_blocks(grad)
+        summary += grad_summary_lines(grad)
     if args.markdown:
         out.write(render_markdown(blocks, summary))
     elif rich_available() and not args.plain:
@@ -111,7 +141,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         out.write(render_plain(blocks, summary))
     if args.json:
-        write_json(result, args.json)
+        write_json(result, args.json, grad)
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
-    return 130 if result.interrupted else result.exit_status
+    if result.interrupted or (grad is not None and grad.interrupted):
+        return 130
+    return max(result.exit_status, 0 if grad is None else grad.exit_status)
+
+
+def _grad_check(args: argparse.Namespace, progress):
+    """The gradient check on the same selection (`checks.grad`)."""
+    from mha_rosetta.checks.grad import run_grad_check
+
+    grad = run_grad_check(
+        backends=args.backends, strategies=args.strategies, devices=args.devices, dtypes=args.dtypes,
+        cases=args.cases, progress=progress,
+    )
+    if progress:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    return grad

@@ -214,7 +214,7 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
     )
     assert good.returncode == 0, good.stderr
     statuses = [run["status"] for run in json.loads(good.stdout)["runs"]]
-    assert statuses.count("agree") == 6 and statuses.count("unsupported") == 18
+    assert statuses.count("agree") == 6 and statuses.count("unsupported") == 20
     bad = subprocess.run(
         [sys.executable, "-m", "mha_rosetta.cli.main", "check", "--backend", "examples.my_backend:MyBuggyBackend"],
         capture_output=True,
@@ -223,4 +223,4 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
         timeout=300,
     )
     assert bad.returncode == 1
-    assert "against the oracle: unsupported 18, DISAGREE 6" in bad.stdout
+    assert "against the oracle: unsupported 20, DISAGREE 6" in bad.stdout

@@ -60,6 +60,9 @@ def check_device_name(device: object) -> str:
     return DEVICE_ALIASES[device.lower()]
 
 
+RELATIONS = ("view", "copy", "new")
+
+
 @dataclass
 class StageTensor:
     """One stage tensor as an adapter holds it, with the meaning of each axis.
@@ -71,7 +74,19 @@ class StageTensor:
 
     value: object  # a NumPy array, torch tensor or JAX array
     axes: tuple[str, ...]
-    note: str = ""  # e.g. "view of q" or "copy (contiguous)", for the explainer
+    note: str = ""  # how the step made it, in words, for the explainer (e.g. "view(B, N, H, d).transpose(1, 2)")
+    # Provenance, filled where the tensor is made: "view" (the live tensor used ``parent``'s
+    # memory: a reshape, a slice, an in-place step), "copy" (``parent``'s numbers moved to
+    # fresh memory) or "new" (a computation wrote fresh memory; ``parent`` is the stage it
+    # was computed from, or None when it has several inputs).
+    relation: str = "new"
+    parent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.relation not in RELATIONS:
+            raise ValueError(f"relation must be one of {', '.join(RELATIONS)}; got {self.relation!r}")
+        if self.relation != "new" and self.parent is None:
+            raise ValueError(f"a {self.relation} needs the stage it was made from (parent); got None")
 
 
 @dataclass

@@ -64,7 +64,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 from ._inputs import convert_inputs
 from ._jax_common import check_matmul_precision
 from ._layouts import TOKENS_FIRST_STAGE_AXES
-from ._recording import shares_memory, view_note
+from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 
 
@@ -509,58 +509,58 @@ _STAGE_ORIGINS = {
 _IN_PLACE_STEPS = {"masked_scores": "scores", "weights": "masked_scores"}
 
 
-def _rearranged(ops, result, source, source_name: str, pattern: str) -> str:
-    """The note of a stage made by a rearrange: "view of X: rearrange '...'" or "copy of X: ...", measured.
+def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
+    """(note, relation) of a tensor made by a rearrange of ``source``: a view or a copy, measured.
 
-    JAX arrays have no buffers to compare; XLA places them.
+    JAX arrays have no buffers to compare (XLA places them): an immutable value made from
+    another is counted a copy.
     """
     how = f"rearrange '{pattern}'"
     if not ops.has_buffers:
-        return f"{how} of {source_name}; {_XLA}"
-    return view_note(result, source, source_name, how)
+        return f"{how}; {_XLA}", "copy"
+    return how, relation_to(result, source)
 
 
-def _rotary_origin(rope: str | None, name: str) -> str:
-    if rope is None:
-        return f"view of {name[0]}_heads: no rotary embedding (cfg.rope is None), the heads themselves"
-    return f"new buffer: rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack"
+def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, str, str | None]:
+    """(note, relation, parent) of a pipeline stage but merged, as the forward pass made it."""
+    if name in ("q_rotated", "k_rotated"):
+        heads = f"{name[0]}_heads"
+        if rope is None:
+            return NO_ROPE_NOTE, "view", heads
+        return f"rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack", "new", heads
+    origin = _STAGE_ORIGINS.get(name, "")
+    if name in _IN_PLACE_STEPS:
+        parent = _IN_PLACE_STEPS[name]
+        if "buffers" in record and shares_memory(record["buffers"][name], record["buffers"][parent]):
+            return f"{origin}, in place", "view", parent
+        return origin, "new", parent
+    return origin, "new", None
 
 
 def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) -> dict[str, StageTensor]:
-    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them.
-
-    Notes follow the adapters' pattern, "view of X: how" or "copy of X: why" where a
-    stage is made from another tensor's memory, so the explainer's memory column reads
-    them; a step that writes a fresh buffer says "new buffer: how".
-    """
+    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them."""
     import einops
 
     stages = {}
     for name, (source, pattern) in plan.stage_views.items():
         tensor = record[source]
-        notes = []
-        origin = _rotary_origin(rope, name) if name in ("q_rotated", "k_rotated") else _STAGE_ORIGINS.get(name)
-        if name in _IN_PLACE_STEPS and "buffers" in record:
-            live, parent = record["buffers"], _IN_PLACE_STEPS[name]
-            in_place = shares_memory(live[name], live[parent])
-            origin = f"view of {parent}: {origin}, in place" if in_place else f"new buffer: {origin}"
-        if origin:
-            notes.append(origin)  # first: the explainer reads the stage's own relation from the start
-        if pattern is not None:
-            tensor = einops.rearrange(tensor, pattern)
-            notes.append(_rearranged(ops, tensor, record[source], f"the einsum's {source}", pattern))
         if name == "merged":
-            relation = _XLA
-            if ops.has_buffers:
-                relation = ("view" if shares_memory(record["merged"], record["context"]) else "copy") + " of context"
-            notes.append(f"rearrange '{plan.merge}': {relation}")
+            note, relation = _rearranged(ops, record["merged"], record["context"], plan.merge)
+            notes, parent = [note], "context"
+        else:
+            origin, relation, parent = _provenance(ops, name, record, rope)
+            notes = [origin] if origin else []
+        if pattern is not None:  # the einsum's layout shown in the contract's axes, for inspection
+            tensor = einops.rearrange(tensor, pattern)
+            notes.append(f"shown as rearrange '{pattern}' of the einsum's {source}")
         if ops.works_in_place and name in ("scores", "masked_scores"):
             notes.append("snapshot: the timed pass updates this buffer in place")
-        stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes))
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes), relation, parent)
     for name, (heads, pattern) in MERGED_PROJECTIONS.items():
         source = stages[heads].value
         tensor = einops.rearrange(source, pattern)  # (B, N, heads*d)
-        stages[name] = StageTensor(tensor, STAGE_AXES[name], _rearranged(ops, tensor, source, heads, pattern))
+        note, relation = _rearranged(ops, tensor, source, pattern)
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], note, relation, heads)
     return {name: stages[name] for name in STAGE_AXES}  # pipeline order
 
 

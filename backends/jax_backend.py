@@ -46,7 +46,7 @@ from ._jax_common import (
     softmax_with_empty_rows,
     to_jax,
 )
-from ._layouts import TOKENS_FIRST_STAGE_AXES
+from ._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
 from .base import Backend, Prepared, StageTensor
 
 # The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
@@ -245,7 +245,10 @@ class JaxBackend(Backend):
             if cfg.rope is None:
                 for name in ("q", "k"):
                     notes[f"{name}_rotated"] = f"{name}_heads itself: no rotary embedding (cfg.rope is None); {_XLA}"
-            return {name: StageTensor(stages[name], axes, notes.get(name, _XLA)) for name, axes in STAGE_AXES.items()}
+            return {
+                name: StageTensor(stages[name], axes, notes.get(name, _XLA), *xla_provenance(name, cfg.rope))
+                for name, axes in STAGE_AXES.items()
+            }
 
         info = precision_info(dtype, device, self.matmul_precision)
         info["head_vmap"] = (

@@ -40,7 +40,7 @@ from ._jax_common import (
     rotate_last_axis,
     to_jax,
 )
-from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
+from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
 from .base import Backend, Prepared, StageTensor, UnsupportedCase
 
 _XLA = "XLA-managed layout"
@@ -239,7 +239,10 @@ class JaxDotProductAttentionOracle(_JaxOracle):
                 "context": "dot_product_attention's output, BTNH"
                 + ("; rows with no allowed key zeroed (library: mean of V)" if empty_context_rows is not None else ""),
             }
-            return {name: StageTensor(stages[name], axes, note.get(name, _XLA)) for name, axes in _DPA_AXES.items()}
+            return {
+                name: StageTensor(stages[name], axes, note.get(name, _XLA), *xla_provenance(name, cfg.rope))
+                for name, axes in _DPA_AXES.items()
+            }
 
         # Counted as (batch item, head, query) rows whose context was zeroed.
         full = (inputs.batch, cfg.n_heads, inputs.q_tokens)

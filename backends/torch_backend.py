@@ -39,7 +39,7 @@ from ._recording import (
     record_split_heads,
     record_stage,
     record_stages,
-    view_note,
+    relation_to,
 )
 from ._torch_common import (
     bool_tensor,
@@ -174,8 +174,8 @@ class RowSampleMHA:
         return q, k, v
 
     @staticmethod
-    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b") -> None:
-        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note)
+    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b", *provenance) -> None:
+        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note, *provenance)
 
     def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
         self._record_projections(rec, *projections)
@@ -212,9 +212,10 @@ class RowSampleMHA:
         )
         if blocked is not None:
             scores.masked_fill_(blocked, float("-inf"))
-            self._record(rec, "masked_scores", head, scores, axes, "masked_fill_(blocked, -inf), in place")
+            note = "masked_fill_(blocked, -inf), in place"
+            self._record(rec, "masked_scores", head, scores, axes, note, "view", "scores")
         elif rec is not None:
-            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves")
+            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves", "view", "scores")
         if empty_rows is not None:
             # softmax of an all -inf row is 0/0. Such rows are known from the mask, so
             # give them finite logits first and zero their weights after: no NaN, ever.
@@ -222,11 +223,12 @@ class RowSampleMHA:
         weights = torch.softmax(scores, dim=-1) if out is None else torch.softmax(scores, dim=-1, out=out)
         if empty_rows is not None:
             weights.masked_fill_(empty_rows, 0.0)
-        self._record(rec, "weights", head, weights, axes, "torch.softmax over keys; empty rows set to zeros")
+        note = "torch.softmax over keys; empty rows set to zeros"
+        self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights
 
-    def _record(self, rec, name, head, value, axes, note) -> None:
-        record_stage(rec, name, head, value, axes, note, self.torch.stack)
+    def _record(self, rec, name, head, value, axes, note, relation="new", parent=None) -> None:
+        record_stage(rec, name, head, value, axes, note, self.torch.stack, relation, parent)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def standard(self, rec: StageRecorder | None = None):
@@ -241,8 +243,8 @@ class RowSampleMHA:
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
         if rec is not None:
-            note = view_note(merged, context, "context", "transpose(1, 2).contiguous().view(B, N, H*Dv)")
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), note)
+            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return self._finish(merged, rec)
 
     def direct_reshape(self, rec: StageRecorder | None = None):
@@ -259,12 +261,8 @@ class RowSampleMHA:
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
         if rec is not None:
-            rec.record(
-                "merged",
-                merged,
-                ("B", "Nq", "H*Dv"),
-                view_note(merged, context, "context", "the direct-reshape mistake undone"),
-            )
+            how = "the direct-reshape mistake undone"
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return self._finish(merged, rec)
 
     def _attend_batched(self, q_heads, k_heads, v_heads, rec):
@@ -304,8 +302,9 @@ class RowSampleMHA:
         self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
         return context
 
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
-        record_head_inputs(rec, h, self.cfg.kv_head_of(h), (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack)
+    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
+        g = self.cfg.kv_head_of(h)
+        record_head_inputs(rec, h, g, (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack, relation)
 
     def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
         g = self.cfg.kv_head_of(h)
@@ -326,12 +325,12 @@ class RowSampleMHA:
             v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
             if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection, a view")
+                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection", "view")
                 self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 
     def per_head(self, rec: StageRecorder | None = None):
@@ -357,8 +356,9 @@ class RowSampleMHA:
         if rec is not None:
             cat = self.torch.cat
             note = "the per-head projections side by side, for inspection (the strategy never builds it)"
-            self._record_projections(rec, cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1), note)
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
+            projections = cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1)
+            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 
     @staticmethod

@@ -43,7 +43,7 @@ def stage_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
     tables = []
     for stage_name in STAGE_NAMES:
         rows = [
-            [row.backend, str(row.shape), " x ".join(row.axes), row.strides_text, row.contiguous, row.memory, _short_note(row)]
+            [row.backend, str(row.shape), " x ".join(row.axes), row.strides_text, row.contiguous, row.memory, row.note]
             for row in explanation.stages
             if row.stage == stage_name
         ]
@@ -52,15 +52,6 @@ def stage_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
             title = f"{stage_name} ({stage.step}; canonical {' x '.join(stage.shape)}): {stage.meaning}"
             tables.append((title, headers, rows))
     return tables
-
-
-def _short_note(row) -> str:
-    """The adapter's note without the view/copy prefix the memory column already shows."""
-    if row.note == row.memory:
-        return ""
-    # "new buffer: softmax ..." is shown as memory "new buffer (computed)".
-    prefix = "new buffer: " if row.memory == "new buffer (computed)" else f"{row.memory}: "
-    return row.note[len(prefix):] if row.note.startswith(prefix) else row.note
 
 
 def axis_legend(explanation) -> tuple[str, list[str], list[list[str]]]:

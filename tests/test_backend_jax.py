@@ -143,6 +143,7 @@ def test_native_stages_keep_tokens_before_heads(backend):
     assert stages["context"].value.shape == (BATCH, Q_TOKENS, HEADS, 4)
     assert stages["scores"].value.shape == (BATCH, HEADS, Q_TOKENS, KV_TOKENS)
     assert "XLA-managed layout" in stages["merged"].note
+    assert (stages["merged"].relation, stages["merged"].parent) == ("copy", "context")
 
 
 def test_rejects_an_unknown_matmul_precision():

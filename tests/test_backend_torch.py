@@ -78,13 +78,13 @@ def test_row_layout_of_native_stages(backend):
     np.testing.assert_allclose(q.value[0].numpy(), query[0] @ params.w_q.T + params.b_q, rtol=1e-12, atol=1e-12)
     heads = native["q_heads"]
     assert heads.axes == ("B", "H", "Nq", "Dk")
-    assert heads.note.startswith("view of q"), heads.note
+    assert (heads.relation, heads.parent) == ("view", "q")
     assert not heads.value.is_contiguous()  # the transpose leaves a strided view
     Dk = case.cfg.d_k
     H, Nq = heads.value.shape[1:3]
     assert heads.value.stride() == (Nq * H * Dk, Dk, H * Dk, 1)
     merged = native["merged"]
-    assert merged.axes == ("B", "Nq", "H*Dv") and merged.note.startswith("copy of context")
+    assert merged.axes == ("B", "Nq", "H*Dv") and (merged.relation, merged.parent) == ("copy", "context")
     assert native["scores"].axes == ("B", "H", "Nq", "Nk")
     assert native["output"].axes == ("B", "Nq", "D")
 

@@ -8,8 +8,10 @@ Modules, one job each (none imports a framework at import time):
 - `flops`: the matmul FLOP count (formula in its docstring);
 - `cell`: one measured cell (``python -m mha_rosetta.benchmarks.cell '<json>'``);
 - `gemm`: the GEMM peak, same dtype, device and threads, best installed library;
-- `sweep`: the sweep with presets, partial results, resume and a progress bar;
+- `sweep`: the sweep with presets, rounds, partial results, resume and a progress bar;
+- `rounds`: the shuffled visit order, and a cell's figures merged over rounds (spread, drift);
 - `report`: versioned JSON, Markdown, plots, baseline comparison;
+- `readme`: the published docs/bench/ files and the README's generated benchmark block;
 - `microbench` / `questions`: the seed's speed claims as benchmark questions.
 
 The command line is ``mha-rosetta bench`` (`mha_rosetta.cli.bench`). From Python::

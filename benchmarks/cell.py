@@ -199,6 +199,7 @@ def measure(spec: CellSpec) -> dict:
     record: dict = {
         "affinity": sorted(os.sched_getaffinity(0)) if pinning.affinity_supported() else None,
         "malloc_env": pinning.malloc_env_report(),  # what the child really started with
+        "thread_env": pinning.thread_env_report(),
     }
 
     from mha_rosetta.backends import UnsupportedCase, get_backend

@@ -76,8 +76,12 @@ def child_main(
 
 
 def run_fresh(module: str, spec: dict, *, threads: int, timeout: float, extra_env: dict | None = None) -> dict:
-    """Run ``python -m module spec`` in a fresh pinned process and return its result dict."""
-    env = thread_env(threads)
+    """Run ``python -m module spec`` in a fresh pinned process and return its result dict.
+
+    The child's environment: the thread knobs for ``threads`` and the variables of the spec's
+    ``device`` (`pinning.thread_env`), then ``extra_env``.
+    """
+    env = thread_env(threads, device=spec.get("device", "cpu"))
     if extra_env:
         env.update(extra_env)
     command = [sys.executable, "-m", module, json.dumps(spec)]

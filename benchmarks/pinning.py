@@ -7,7 +7,7 @@ Why three layers and a check (all of them were needed on a shared 2-core machine
    An OpenBLAS pool of 2 threads on a busy 2-core machine made small NumPy products stall
    for milliseconds each; ``OPENBLAS_NUM_THREADS=1`` removes the pool altogether.
 2. CPU affinity (``os.sched_setaffinity``), applied in the child before exec. XLA with its
-   one-thread flags still used 1.7 cores (process CPU time / wall time); only affinity held
+   Eigen flag alone still used 1.7 cores (process CPU time / wall time); only affinity held
    it to one. Affinity is the one limit no library can talk its way around.
 3. Runtime knobs inside the child, after the framework is imported: ``torch.set_num_threads``
    and ``set_num_interop_threads``, and threadpoolctl limits on every BLAS/OpenMP library
@@ -28,7 +28,10 @@ from __future__ import annotations
 import os
 import shlex
 
-# Each library reads its own variable; setting all of them costs nothing.
+# Each library reads its own variable; setting all of them costs nothing. XLA:CPU sizes its
+# intra-op thread pool from PJRT_NPROC (then NPROC, the older spelling it still reads; else the
+# cores in the affinity mask): measured with jax 0.10.2 on a 1024^3 float32 product, PJRT_NPROC=1
+# held the process to 1.0 core and PJRT_NPROC=2 let it use 1.9, whatever XLA_FLAGS said.
 THREAD_ENV_VARS = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -36,13 +39,17 @@ THREAD_ENV_VARS = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
     "BLIS_NUM_THREADS",
+    "PJRT_NPROC",
+    "NPROC",
 )
 
-# XLA's CPU client: the Eigen pool flag, and the (unprefixed) intra-op thread count that
-# the TensorFlow-era runtime reads. Unknown *prefixed* flags abort XLA at start-up, so only
-# these two spellings are used, and any earlier setting of them is replaced, not repeated.
+# XLA_FLAGS: the one thread flag XLA:CPU still parses is --xla_cpu_multi_thread_eigen (it picks
+# single-threaded Eigen kernels for convolutions; the same test above showed it does not limit
+# a dot product, so PJRT_NPROC is what limits XLA). XLA aborts on an unknown --flag and takes a
+# first token without "--" for a file of flags, so the TensorFlow-era "intra_op_parallelism_threads"
+# (which older versions of this module wrote) is removed from any inherited XLA_FLAGS, never written.
 _XLA_EIGEN_FLAG = "--xla_cpu_multi_thread_eigen"
-_XLA_INTRA_OP = "intra_op_parallelism_threads"
+_XLA_STALE_INTRA_OP = "intra_op_parallelism_threads"
 
 # How far CPU time / wall time may exceed the thread budget before a cell is flagged:
 # interpreter bookkeeping and the kernel's own accounting add a little on top of one core.
@@ -58,27 +65,41 @@ def _require_threads(threads: object) -> int:
 
 
 def xla_flags(threads: int, existing: str = "") -> str:
-    """``XLA_FLAGS`` holding the user's own flags plus the thread limits for ``threads``."""
+    """``XLA_FLAGS`` holding the user's own flags plus the Eigen flag for ``threads``."""
     threads = _require_threads(threads)
     kept = [
         flag
         for flag in shlex.split(existing or "")
-        if not flag.startswith(_XLA_EIGEN_FLAG) and not flag.startswith(_XLA_INTRA_OP)
+        if not flag.startswith(_XLA_EIGEN_FLAG) and not flag.lstrip("-").startswith(_XLA_STALE_INTRA_OP)
     ]
-    ours = [f"{_XLA_INTRA_OP}={threads}"]
     if threads == 1:
         # With one thread Eigen's pool is pure overhead; switch it off.
-        ours.insert(0, f"{_XLA_EIGEN_FLAG}=false")
-    return " ".join(kept + ours)
+        kept.append(f"{_XLA_EIGEN_FLAG}=false")
+    return " ".join(kept)
 
 
-def thread_env(threads: int, base_env: dict[str, str] | None = None) -> dict[str, str]:
-    """A copy of ``base_env`` (default: this process's) with every thread knob set to ``threads``."""
+def device_env(device: str | None) -> dict[str, str]:
+    """Variables a measured child gets for its device: a CPU cell keeps JAX on the CPU.
+
+    Without ``JAX_PLATFORMS=cpu`` a CPU cell on a GPU host starts JAX's CUDA client, which
+    pre-allocates most of the GPU's memory and runs its own threads on the cell's pinned core.
+    """
+    return {"JAX_PLATFORMS": "cpu"} if device == "cpu" else {}
+
+
+def thread_env(threads: int, base_env: dict[str, str] | None = None, device: str | None = None) -> dict[str, str]:
+    """A copy of ``base_env`` (default: this process's) with every thread knob set to ``threads``
+    and the device variables of ``device`` (`device_env`)."""
     threads = _require_threads(threads)
     env = dict(os.environ if base_env is None else base_env)
     for name in THREAD_ENV_VARS:
         env[name] = str(threads)
-    env["XLA_FLAGS"] = xla_flags(threads, env.get("XLA_FLAGS", ""))
+    flags = xla_flags(threads, env.get("XLA_FLAGS", ""))
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    env.update(device_env(device))
     # The child's stdout carries its JSON result; keep Python's own output unbuffered and
     # in UTF-8 so that a crash message is never lost or mangled.
     env["PYTHONUNBUFFERED"] = "1"
@@ -124,6 +145,11 @@ def malloc_env(mode: str = DEFAULT_MALLOC_MODE) -> dict[str, str]:
 def malloc_env_report() -> dict[str, str | None]:
     """The allocator variables this process was started with, for the record (None: unset)."""
     return {name: os.environ.get(name) for name in MALLOC_KEEP_ENV}
+
+
+def thread_env_report() -> dict[str, str | None]:
+    """The thread and device variables this process was started with, for the record (None: unset)."""
+    return {name: os.environ.get(name) for name in (*THREAD_ENV_VARS, "XLA_FLAGS", "JAX_PLATFORMS")}
 
 
 def affinity_supported() -> bool:

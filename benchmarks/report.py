@@ -11,13 +11,22 @@ JSON layout (``schema`` 1)::
      "gemm_peak_key": "cpu/float32",        # which (device, dtype) that is
      "gemm_peak_gflops_by": {"cpu/float32": 151.2, ...},   # best library per device/dtype
      "gemm_peaks": [{"device", "dtype", "threads", "n", "gflops", "library", "by_library",
-                     "malloc"}],
+                     "malloc", "round_gflops", "busy_rounds"}],
      "cells": [{"implementation", "backend", "strategy", "device", "dtype", "batch", "tokens",
                 "kv_tokens", "d_model", "heads", "threads", "median_s", "iqr_s", "min_s",
                 "repeats", "compile_s", "first_call_s", "flops", "gflops",
                 "gemm_peak_gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "status",
-                "error", "warnings", "malloc", "malloc_env", ...}],
-     "summary": {"cells", "ok", "unsupported", "failed", "warnings"}}
+                "error", "warnings", "malloc", "malloc_env", "thread_env",
+                "round_medians_s", "spread_s", "round_drift", "drift", "round_peak_fractions",
+                "round_status", ...}],
+     "summary": {"cells", "ok", "unsupported", "failed", "warnings", "drift"},
+     "rounds": {"count", "seed", "orders", "gemm_peaks_gflops": {key: [per round]},
+                "busy_rounds", "busy_threshold", "drift_threshold", "wall_s"}}
+
+Every field of schema 1 keeps its meaning; rounds only added fields. With R rounds
+(`benchmarks.rounds`): a cell's ``median_s``, ``iqr_s``, ``min_s`` and ``repeats`` are over
+all its samples pooled, ``round_medians_s`` has one median per round and ``spread_s`` is
+``[min, max]`` of them; a GEMM peak's ``gflops`` is the median of its ``round_gflops``.
 
 The top-level ``gemm_peak_gflops`` is always a number (or null when nothing could be
 measured), so that scripts can read it directly: the peak of cpu/float32 when that was
@@ -25,7 +34,8 @@ measured, else of the first (device, dtype) of the sweep that was; ``gemm_peak_k
 it. Every (device, dtype) is in ``gemm_peak_gflops_by``.
 
 ``peak_fraction`` is the cell's GFLOP/s over the GEMM peak of its own device and dtype
-(0.5 = half of what the best square product reaches under the same thread limit).
+(0.5 = half of what the best square product reaches under the same thread limit); with
+rounds, the median over the rounds of each round's GFLOP/s over the same round's peak.
 ``malloc`` is the allocator rule of the measured children (``"keep"`` or ``"default"``,
 see `pinning.malloc_env`); ``malloc_env`` what a cell's child really started with.
 """
@@ -36,8 +46,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
+
+from .rounds import cell_interval, intervals_overlap, round_fractions
 
 SCHEMA_VERSION = 1
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
@@ -128,23 +141,42 @@ def primary_peak(peaks: dict[str, float | None]) -> tuple[str | None, float | No
     return key, peaks.get(key) if key is not None else None
 
 
-def enrich_cell(cell: dict, peaks: dict[str, float | None]) -> dict:
-    """Add the GEMM peak of the cell's device/dtype and its fraction reached."""
+def enrich_cell(cell: dict, peaks: dict[str, float | None], round_peaks: dict[str, list] | None = None) -> dict:
+    """Add the GEMM peak of the cell's device/dtype and its fraction reached.
+
+    With per-round peaks (``round_peaks[key]``, one per round) each round's GFLOP/s is set
+    against the same round's peak (``round_peak_fractions``) and ``peak_fraction`` is their
+    median; without, the cell's GFLOP/s over the (median) peak.
+    """
     cell = dict(cell)
-    peak = peaks.get(f"{cell.get('device')}/{cell.get('dtype')}")
+    key = f"{cell.get('device')}/{cell.get('dtype')}"
+    peak = peaks.get(key)
     cell["gemm_peak_gflops"] = peak
     gflops = cell.get("gflops")
     cell["peak_fraction"] = gflops / peak if (gflops and peak) else None
+    fractions = round_fractions(cell, (round_peaks or {}).get(key))
+    if fractions is not None:
+        cell["round_peak_fractions"] = fractions
+        present = [fraction for fraction in fractions if fraction is not None]
+        if present:
+            cell["peak_fraction"] = statistics.median(present)
     return cell
 
 
 def assemble_report(
-    settings: dict, gemm_peaks: list[dict], cells: list[dict], *, complete: bool = True, machine: dict | None = None
+    settings: dict,
+    gemm_peaks: list[dict],
+    cells: list[dict],
+    *,
+    complete: bool = True,
+    machine: dict | None = None,
+    rounds: dict | None = None,
 ) -> dict:
-    """The versioned JSON document of one sweep."""
+    """The versioned JSON document of one sweep (``rounds``: `sweep.rounds_record`, when it had rounds)."""
     peaks = peak_lookup(gemm_peaks)
     primary_key, primary_gflops = primary_peak(peaks)
-    enriched = [enrich_cell(cell, peaks) for cell in cells]
+    round_peaks = {f"{peak['device']}/{peak['dtype']}": peak.get("round_gflops") for peak in gemm_peaks}
+    enriched = [enrich_cell(cell, peaks, round_peaks) for cell in cells]
     statuses = [cell.get("status") for cell in enriched]
     return {
         "schema": SCHEMA_VERSION,
@@ -162,7 +194,9 @@ def assemble_report(
             "unsupported": statuses.count("unsupported"),
             "failed": sum(status not in ("ok", "unsupported") for status in statuses),
             "warnings": sum(bool(cell.get("warnings")) for cell in enriched),
+            "drift": sum(bool(cell.get("drift")) for cell in enriched),
         },
+        **({"rounds": rounds} if rounds else {}),
     }
 
 
@@ -182,9 +216,18 @@ def _fmt(value, pattern: str) -> str:
 
 
 MARKDOWN_COLUMNS = (
-    "implementation", "device", "dtype", "B", "N", "D", "H", "median ms", "IQR ms", "min ms", "n",
+    "implementation", "device", "dtype", "B", "N", "D", "H", "median ms", "rounds ms", "IQR ms", "min ms", "n",
     "compile s", "GFLOP/s", "% peak", "cores", "mem MB", "status",
 )  # fmt: skip
+
+
+def round_range_text(cell: dict, digits: int = 3) -> str:
+    """``"84.032-88.100"``: the lowest and highest round median in ms ("" with fewer than two rounds)."""
+    measured = [value for value in cell.get("round_medians_s") or [] if value is not None]
+    if len(measured) < 2:
+        return ""
+    low, high = cell_interval(cell)
+    return f"{low * 1e3:.{digits}f}-{high * 1e3:.{digits}f}"
 
 
 def markdown_row(cell: dict) -> list[str]:
@@ -194,15 +237,36 @@ def markdown_row(cell: dict) -> list[str]:
     if not ok:
         status += f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:120]
     elif cell.get("warnings"):
-        status += " (!)"
+        status += " (drift)" if cell.get("drift") else " (!)"
     return [
         f"`{cell['implementation']}`", cell["device"], cell["dtype"], str(cell["batch"]), str(cell["tokens"]),
         str(cell["d_model"]), str(cell["heads"]),
-        _ms(cell.get("median_s")) if ok else "", _ms(cell.get("iqr_s")) if ok else "", _ms(cell.get("min_s")) if ok else "",
+        _ms(cell.get("median_s")) if ok else "", round_range_text(cell) if ok else "",
+        _ms(cell.get("iqr_s")) if ok else "", _ms(cell.get("min_s")) if ok else "",
         str(cell.get("repeats", "")) if ok else "", _fmt(cell.get("compile_s"), ".2f"), _fmt(cell.get("gflops"), ".1f"),
         "" if fraction is None else f"{100 * fraction:.0f}%", _fmt(cell.get("cpu_util"), ".2f"),
         _fmt(cell.get("peak_mem_mb"), ".1f"), status,
     ]  # fmt: skip
+
+
+def rounds_lines(report: dict) -> list[str]:
+    """The rounds, their seed, each round's GEMM peak and the rounds flagged busy ([] without rounds)."""
+    rounds = report.get("rounds")
+    if not rounds:
+        return []
+    lines = [
+        f"Rounds: {rounds['count']} (seed {rounds['seed']}), each visiting every cell once in a shuffled order; "
+        "a cell's median pools every round's samples, \"rounds ms\" is the range of its round medians  "
+    ]
+    for key, values in rounds.get("gemm_peaks_gflops", {}).items():
+        shown = ", ".join("-" if value is None else f"{value:.1f}" for value in values)
+        lines.append(f"GEMM peak {key} per round: {shown} GFLOP/s  ")
+    for index in rounds.get("busy_rounds", []):
+        lines.append(
+            f"(!) round {index + 1}: its GEMM peak is more than {rounds['busy_threshold']:.0%} below the best "
+            "other round's: the machine was busy  "
+        )
+    return lines
 
 
 def markdown_table(report: dict) -> str:
@@ -212,6 +276,9 @@ def markdown_table(report: dict) -> str:
     for peak in report.get("gemm_peaks", []):
         gflops = peak.get("gflops")
         text = f"{gflops:.1f} GFLOP/s ({peak.get('library')}, n={peak.get('n')})" if gflops else "not measured"
+        measured = [value for value in peak.get("round_gflops") or [] if value is not None]
+        if gflops and len(measured) > 1:
+            text += f", the median of {len(measured)} rounds"
         key = f"{peak['device']}/{peak['dtype']}"
         marker = " (the headline gemm_peak_gflops)" if key == headline and len(report["gemm_peaks"]) > 1 else ""
         lines.append(f"GEMM peak {key}, {peak['threads']} thread(s): {text}{marker}  ")
@@ -220,6 +287,7 @@ def markdown_table(report: dict) -> str:
         lines.append(
             f"Machine: {machine.get('cpu_model')}, {machine.get('cores')} cores, Python {machine.get('python')}  "
         )
+    lines += rounds_lines(report)
     malloc = report.get("settings", {}).get("malloc")
     if malloc:
         rule = "glibc mmap/trim thresholds raised to 4 GiB" if malloc == "keep" else "the environment as it was"
@@ -280,16 +348,24 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers and dashes tell repeats apart
         markers, dashes = "osD^v<>ph*", ("-", "--", ":")
         for index, label in enumerate(sorted({cell["implementation"] for cell in cells})):
-            points = sorted((cell["tokens"], cell["median_s"]) for cell in cells if cell["implementation"] == label)
-            axes.plot(
-                [p[0] for p in points], [p[1] * 1e3 for p in points], label=label,
+            points = sorted(
+                (cell["tokens"], cell["median_s"], *cell_interval(cell))
+                for cell in cells
+                if cell["implementation"] == label
+            )
+            medians = [p[1] * 1e3 for p in points]
+            # Error bars: the range of the round medians (zero height with one round).
+            below = [max(0.0, (p[1] - p[2]) * 1e3) for p in points]
+            above = [max(0.0, (p[3] - p[1]) * 1e3) for p in points]
+            axes.errorbar(
+                [p[0] for p in points], medians, yerr=[below, above], label=label, capsize=2,
                 color=colors[(2 * index) % 20 + (index // 10) % 2], marker=markers[index % len(markers)],
                 linestyle=dashes[(index // len(markers)) % len(dashes)],
             )  # fmt: skip
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("tokens N")
-        axes.set_ylabel("median time per forward pass (ms)")
+        axes.set_ylabel("median time per forward pass (ms; bars: range over rounds)")
         axes.set_title(f"{device} {dtype}, B={batch}, d_model={d_model}, heads={heads}, {threads} thread(s)")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -305,7 +381,14 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         figure, axes = plt.subplots(figsize=(8, 0.4 * len(at_reference) + 1.8))
         labels = [cell["implementation"] for cell in at_reference]
         values = [cell.get("gflops") or 0 for cell in at_reference]
-        axes.barh(labels, values, color="tab:blue")
+        # Error bars: GFLOP/s at the slowest and fastest round median.
+        slowest = [cell["flops"] / cell_interval(cell)[1] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
+        fastest = [cell["flops"] / cell_interval(cell)[0] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
+        xerr = [
+            [max(0.0, value - low) for value, low in zip(values, slowest, strict=True)],
+            [max(0.0, high - value) for value, high in zip(values, fastest, strict=True)],
+        ]
+        axes.barh(labels, values, xerr=xerr, capsize=3, color="tab:blue", ecolor="black")
         axes.invert_yaxis()
         peak = sample.get("gemm_peak_gflops")
         if peak:
@@ -314,8 +397,9 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         for index, cell in enumerate(at_reference):
             fraction = cell.get("peak_fraction")
             if fraction is not None:
-                axes.text(values[index], index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
-        axes.set_xlabel("GFLOP/s (matmul FLOPs / median time)")
+                end = values[index] + xerr[1][index]  # after the error bar
+                axes.text(end, index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
+        axes.set_xlabel("GFLOP/s (matmul FLOPs / median time; bars: range over rounds; %: of each round's GEMM peak)")
         at_reference_size = all(sample.get(key) == value for key, value in REFERENCE_SIZE.items())
         axes.set_title(
             f"B={sample['batch']}, N={sample['tokens']}, d_model={sample['d_model']}, heads={sample['heads']}, "
@@ -339,18 +423,21 @@ def _comparison_key(cell: dict) -> tuple:
 
 
 def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:
-    """Median time of every cell against the same cell in ``baseline``.
+    """Median time of every cell against the same cell in ``baseline``, with their intervals.
 
-    A change beyond ``threshold`` (0.10 = 10%) in either direction is flagged "slower" or
-    "faster"; cells present on one side only are listed, as are cells that stopped working.
-    The two headline GEMM peaks are set side by side (``gemm_peak``): when the peak moved
-    too, the machine changed, not (only) the implementations.
+    A change counts ("slower" or "faster") only when the medians differ by more than
+    ``threshold`` (0.10 = 10%) *and* the two cells' intervals (``spread_s``: the range of
+    their round medians; a report without rounds has its median alone) do not overlap;
+    a change beyond the threshold whose intervals overlap is "within noise". Cells present
+    on one side only are listed, as are cells that stopped working. The two headline GEMM
+    peaks are set side by side (``gemm_peak``): when the peak moved too, the machine
+    changed, not (only) the implementations.
     """
     if baseline.get("schema") != SCHEMA_VERSION:
         raise ValueError(f"baseline schema is {baseline.get('schema')!r}; this version reads schema {SCHEMA_VERSION}")
     old = {_comparison_key(cell): cell for cell in baseline.get("cells", [])}
     new = {_comparison_key(cell): cell for cell in report.get("cells", [])}
-    rows, flagged, broken = [], [], []
+    rows, flagged, noise, broken = [], [], [], []
     for key, cell in new.items():
         before = old.get(key)
         if before is None:
@@ -364,20 +451,27 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
             continue
         ratio = cell["median_s"] / before["median_s"]
         change = ratio - 1.0
-        verdict = "slower" if change > threshold else "faster" if change < -threshold else "same"
+        overlap = intervals_overlap(cell_interval(cell), cell_interval(before))
+        beyond = abs(change) > threshold
+        verdict = ("slower" if change > 0 else "faster") if beyond and not overlap else "same"
         row = {
             "implementation": cell["implementation"], "device": cell["device"], "dtype": cell["dtype"],
             "batch": cell["batch"], "tokens": cell["tokens"], "d_model": cell["d_model"], "heads": cell["heads"],
             "baseline_median_s": before["median_s"], "median_s": cell["median_s"], "ratio": ratio, "change": verdict,
+            "baseline_spread_s": cell_interval(before), "spread_s": cell_interval(cell), "intervals_overlap": overlap,
         }  # fmt: skip
         rows.append(row)
         if verdict != "same":
             flagged.append(row)
+        elif beyond:
+            noise.append(row)
     return {
         "threshold": threshold,
+        "rule": "a change counts when the medians differ by more than the threshold and the intervals do not overlap",
         "gemm_peak": _peak_change(report, baseline),
         "compared": rows,
         "flagged": flagged,
+        "within_noise": noise,
         "stopped_working": broken,
         "only_in_report": [list(key) for key in new if key not in old],
         "only_in_baseline": [list(key) for key in old if key not in new],
@@ -405,10 +499,17 @@ def _peak_change(report: dict, baseline: dict) -> dict | None:
     return {"key": key, "baseline_gflops": baseline_gflops, "gflops": gflops, "ratio": gflops / baseline_gflops}
 
 
+def _interval_ms(interval: list[float]) -> str:
+    return f"{interval[0] * 1e3:.3f}-{interval[1] * 1e3:.3f}"
+
+
 def baseline_markdown(comparison: dict) -> str:
     """The flagged changes (and cells that stopped working) as a Markdown list."""
     threshold = comparison["threshold"]
-    lines = [f"Against the baseline ({len(comparison['compared'])} cells compared, threshold {threshold:.0%}):"]
+    lines = [
+        f"Against the baseline ({len(comparison['compared'])} cells compared; a change counts when the medians "
+        f"differ by more than {threshold:.0%} and the round ranges do not overlap):"
+    ]
     peak = comparison.get("gemm_peak")
     if peak:
         lines.append(
@@ -419,6 +520,12 @@ def baseline_markdown(comparison: dict) -> str:
         lines.append(
             f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
             f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> {row['median_s'] * 1e3:.3f} ms)"
+        )
+    for row in comparison.get("within_noise", []):
+        lines.append(
+            f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
+            f"moved by {row['ratio'] - 1:+.0%} but within noise (the round ranges overlap: "
+            f"{_interval_ms(row['baseline_spread_s'])} and {_interval_ms(row['spread_s'])} ms)"
         )
     for row in comparison["stopped_working"]:
         lines.append(f"- `{row['implementation']}` N={row['tokens']}: worked in the baseline, now {row['status']}")

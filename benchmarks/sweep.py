@@ -5,18 +5,22 @@ What it guarantees:
 - Every cell runs through `cell.run_cell` (a fresh process, pinned, thread knobs set
   before any import), with the same thread count for every framework, and the same
   allocator rule (``malloc``, see `pinning.malloc_env`) for every cell and GEMM peak.
-- The GEMM peak for each (device, dtype) is measured first and again after the cells, in
-  the same run, under the same limits (`gemm.measure_gemm_peak`); the better of the two
-  counts, so that a peak taken while the machine was busy does not flatter the cells.
-- Each finished cell is appended at once to a partial JSONL file. An interrupted sweep
-  (Ctrl-C, a crash, a closed laptop) keeps every finished cell; ``resume=True`` reloads
-  them and runs only the rest. Cells that failed (``error``/``timeout``) are run again on
-  resume; measured (``ok``) and ``unsupported`` cells are not.
+- Rounds (``rounds``, `benchmarks.rounds`): every cell is visited once per round, in an
+  order shuffled afresh each round from one recorded seed, so that a burst of load from
+  elsewhere on the machine lands on different cells in different rounds instead of on one
+  implementation's whole row. A cell's figure is the median over all its samples, with the
+  range of its round medians as its spread; a cell whose round medians differ by more than
+  10% is flagged (drift).
+- The GEMM peak for each (device, dtype) is measured at the start of every round, under
+  the same limits as the cells (`gemm.measure_gemm_peak`; the first round compares every
+  installed library, later rounds measure its winner); a cell's ``% of peak`` uses the
+  peak of its own round, and a round whose peak is more than 5% below the best other round's
+  is flagged (the machine was busy).
+- Each finished visit is appended at once to a partial JSONL file. An interrupted sweep
+  (Ctrl-C, a crash, a closed laptop) keeps every finished visit; ``resume=True`` reloads
+  them (and the shuffle seed) and runs only the rest. Visits that failed (``error``/
+  ``timeout``) are run again on resume; measured (``ok``) and ``unsupported`` ones are not.
 - A failing cell is recorded with its error and the sweep goes on.
-
-Cells are ordered size-major (every implementation at one size, then the next size), so
-that a burst of load from elsewhere on the machine lands on all implementations of a
-size alike instead of on one implementation's whole row.
 
 Implementation names: registry backend names (``numpy``, ``torch-sdpa``, ...), optionally
 with a strategy (``numpy:slicing``), or the groups ``main`` (every installed backend in
@@ -30,13 +34,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .cell import CellSpec, cell_key, implementation_label, run_cell, split_implementation
-from .gemm import DEFAULT_GEMM_SIZE, best_of, measure_gemm_peak
+from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env
+from .rounds import BUSY_THRESHOLD, DRIFT_THRESHOLD, busy_rounds, draw_seed, merge_peaks, merge_visits, round_orders
 from .timing import RepeatPolicy
 
 GROUPS = ("main", "strategies", "all")
@@ -63,9 +69,15 @@ class SweepSettings:
     cell_timeout: float = 600.0
     preset: str | None = None
     malloc: str = DEFAULT_MALLOC_MODE  # "keep": glibc keeps freed memory (pinning.malloc_env)
+    rounds: int = 1  # every cell is visited once per round, in a shuffled order (benchmarks.rounds)
+    seed: int | None = None  # the shuffle seed; None: drawn when the sweep starts, then recorded
 
     def __post_init__(self) -> None:
         malloc_env(self.malloc)  # validates the mode
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive int, got {self.rounds!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         RepeatPolicy(**self.policy)  # validate early, in the parent, with a clear message
         RepeatPolicy(**self.gemm_policy)
         for name in ("tokens", "batch", "d_model", "heads"):
@@ -88,23 +100,24 @@ def default_devices() -> list[str]:
 
 
 PRESETS: dict[str, dict] = {
-    # Under two minutes on 2 cores: every installed implementation, two small sizes, short budgets.
+    # Under two minutes on 2 cores: every installed implementation, two small sizes, short budgets, one round.
     "quick": dict(
         implementations=["main"], tokens=[32, 128], batch=[2], d_model=[64], heads=[4], dtypes=["float32"],
         policy=dict(min_time=0.05, min_repeats=5, max_time=0.3, warmup=1),
         gemm_n=1024, gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=0.5, warmup=1), cell_timeout=120.0,
+        rounds=1,
     ),
-    # About ten minutes here: every implementation and strategy, tokens 64 ... 1024 at the reference width.
+    # Every implementation and strategy, tokens 64 ... 1024 at the reference width, three rounds.
     "default": dict(
         implementations=["all"], tokens=[64, 128, 256, 512, 1024], batch=[4], d_model=[512], heads=[8],
         dtypes=["float32"], policy=dict(min_time=0.3, min_repeats=5, max_time=1.5, warmup=2),
-        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2),
+        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
     ),
-    # The issue's reference size, timed longer: the figures quoted in the notes.
+    # The reference size, three rounds: the figures the README quotes (its block is generated from them).
     "reference": dict(
         implementations=["all"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
-        policy=dict(min_time=1.0, min_repeats=7, max_time=5.0, warmup=3),
-        gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=4.0, warmup=2),
+        policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=3),
+        gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=2), rounds=3,
     ),
 }  # fmt: skip
 
@@ -173,7 +186,7 @@ def resolve_implementations(names: list[str]) -> list[str]:
 
 
 def expand_cells(settings: SweepSettings, implementations: list[str] | None = None) -> list[CellSpec]:
-    """Every cell of the sweep, size-major (see the module docstring)."""
+    """Every cell of the sweep in plan order, size-major (each round visits them shuffled)."""
     labels = resolve_implementations(settings.implementations) if implementations is None else implementations
     cpus = choose_cpus(settings.threads, settings.cpus)
     cells = []
@@ -217,23 +230,36 @@ def default_partial_path(json_path: str | None) -> Path:
     return Path("mha-rosetta-bench.partial.jsonl")
 
 
-def load_partial(path: Path) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(cells by key, GEMM peaks by key) from a partial file; a torn last line is ignored."""
-    cells: dict[str, dict] = {}
-    peaks: dict[str, dict] = {}
+def _partial_entries(path: Path):
     if not path.exists():
-        return cells, peaks
+        return
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            entry = json.loads(line)
+            yield json.loads(line)
         except json.JSONDecodeError:
             continue  # the line being written when the sweep was killed
+
+
+def load_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[int, str], dict]]:
+    """(cell visits by (round, cell key), GEMM peaks by (round, peak key)) from a partial file.
+
+    A torn last line is ignored; entries written before rounds existed belong to round 0.
+    """
+    cells: dict[tuple[int, str], dict] = {}
+    peaks: dict[tuple[int, str], dict] = {}
+    for entry in _partial_entries(path):
+        round_index = entry.get("round", 0)
         if entry.get("type") == "cell":
-            cells[cell_key(entry["record"])] = entry["record"]
+            cells[(round_index, cell_key(entry["record"]))] = entry["record"]
         elif entry.get("type") == "gemm":
             peak = entry["record"]
-            peaks[gemm_key(peak["device"], peak["dtype"], peak["threads"])] = peak
+            peaks[(round_index, gemm_key(peak["device"], peak["dtype"], peak["threads"]))] = peak
     return cells, peaks
+
+
+def partial_header(path: Path) -> dict | None:
+    """The header entry of a partial file (its settings, seed included), or None."""
+    return next((entry for entry in _partial_entries(path) if entry.get("type") == "header"), None)
 
 
 def _end_torn_line(path: Path) -> None:
@@ -254,14 +280,66 @@ def _append(path: Path, entry: dict) -> None:
         os.fsync(handle.fileno())
 
 
+# -- the time it will take --------------------------------------------------------------------
+
+# Seconds a fresh child spends before it times anything (interpreter start, framework import,
+# client start), roughly as measured on the project's 2-core machine; the slowest framework a
+# backend needs counts. Only for the estimate printed before a sweep starts.
+STARTUP_S = {"numpy": 0.5, "einops": 0.5, "jax": 1.5, "flax": 2.0, "equinox": 2.0, "torch": 2.5}
+
+
+def _startup_s(label: str) -> float:
+    registry, _available, _get, _wrong = _registry()
+    entry = registry.get(split_implementation(label)[0])
+    return max((STARTUP_S.get(module, 0.5) for module in (entry.requires if entry else ())), default=0.5)
+
+
+def _timed_s(policy: dict) -> float:
+    # The timed region runs at least min_time, more while the spread is high (up to max_time),
+    # after a warm-up and a first call: twice min_time plus 0.2 s matched the committed one-round
+    # default and reference runs (0.8 and 1.6 s timed per cell at min_time 0.3 and 1.0).
+    return 2.0 * RepeatPolicy(**policy).min_time + 0.2
+
+
+def estimate_seconds(settings: SweepSettings, cells: list[CellSpec]) -> dict:
+    """The sweep's expected duration: cells x rounds x seconds per visit, plus the GEMM peaks.
+
+    The first round measures the peak with every installed library, later rounds with the
+    winner only. An estimate from the repeat policy and `STARTUP_S`, not a measurement.
+    """
+    from .gemm import installed_gemm_libraries
+
+    per_visit = [_startup_s(cell.implementation) + _timed_s(cell.policy) for cell in cells]
+    per_cell = sum(per_visit) / len(per_visit) if per_visit else 0.0
+    groups = len(gemm_groups(cells))
+    peak_s = max(STARTUP_S.values()) / 2 + _timed_s(settings.gemm_policy)  # one library's peak, roughly
+    libraries = max(len(installed_gemm_libraries()), 1)
+    gemm_s = groups * peak_s * (libraries + (settings.rounds - 1))
+    total = sum(per_visit) * settings.rounds + gemm_s
+    return {"cells": len(cells), "rounds": settings.rounds, "per_cell_s": per_cell, "gemm_s": gemm_s, "total_s": total}
+
+
+def describe_estimate(estimate: dict) -> str:
+    """One line for the terminal: ``16 cells x 3 rounds x ~4.1 s + GEMM peaks ~20 s: about 3.6 min``."""
+    total = estimate["total_s"]
+    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
+    return (
+        f"{estimate['cells']} cells x {estimate['rounds']} round(s) x ~{estimate['per_cell_s']:.1f} s "
+        f"+ GEMM peaks ~{estimate['gemm_s']:.0f} s: about {when} (estimated from the repeat policy "
+        "and typical start-up times)"
+    )
+
+
 # -- progress ---------------------------------------------------------------------------------
 
 
 class Progress:
-    """A rich progress bar on stderr where rich is installed, else one plain line per step."""
+    """Rounds and the visits of the current round: rich bars on stderr where rich is installed,
+    else one plain line per step."""
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
+    def __init__(self, rounds: int, visits: int, enabled: bool = True) -> None:
+        self.rounds, self.visits, self.enabled = rounds, visits, enabled
+        self.round, self.done = 0, 0
         self._rich = None
         if not enabled:
             return
@@ -275,13 +353,23 @@ class Progress:
                 console=Console(stderr=True), transient=False,
             )  # fmt: skip
             self._rich.start()
-            self._task = self._rich.add_task("bench", total=total)
+            self._rounds_task = self._rich.add_task("rounds", total=rounds)
+            self._task = self._rich.add_task("round 1", total=visits)
         except ImportError:
             self._rich = None
 
+    def start_round(self, index: int) -> None:
+        self.round, self.done = index, 0
+        if self._rich is not None:
+            self._rich.reset(self._task, total=self.visits, description=f"round {index + 1}/{self.rounds}")
+
+    def end_round(self) -> None:
+        if self._rich is not None:
+            self._rich.update(self._rounds_task, advance=1)
+
     def step(self, description: str) -> None:
         if self._rich is not None:
-            self._rich.update(self._task, description=description)
+            self._rich.update(self._task, description=f"round {self.round + 1}/{self.rounds}: {description}")
 
     def advance(self, message: str) -> None:
         self.done += 1
@@ -291,7 +379,8 @@ class Progress:
             self._rich.update(self._task, advance=1)
             self._rich.console.print(message, highlight=False, soft_wrap=True)
         else:
-            print(f"[{self.done}/{self.total}] {message}", file=sys.stderr, flush=True)
+            where = f"[round {self.round + 1}/{self.rounds}, {self.done}/{self.visits}]"
+            print(f"{where} {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._rich is not None:
@@ -317,17 +406,40 @@ GemmRunner = Callable[..., dict]
 
 @dataclass
 class SweepOutcome:
-    """What a sweep produced: the cells and GEMM peaks in plan order, and whether it finished."""
+    """What a sweep produced: the cells and GEMM peaks in plan order (merged over rounds), the
+    rounds themselves, and whether it finished."""
 
     settings: SweepSettings
     cells: list[dict]
     gemm_peaks: list[dict]
     interrupted: bool = False
     resumed_cells: int = 0
+    rounds: dict = field(default_factory=dict)  # see `rounds_record`
 
     @property
     def failed(self) -> list[dict]:
         return [cell for cell in self.cells if cell.get("status") not in FINISHED_STATUSES]
+
+
+def rounds_record(settings: SweepSettings, cells: list[CellSpec], orders, peaks_by_round, wall_s) -> dict:
+    """The report's ``rounds`` entry: the seed, each round's visit order (cell labels), its
+    GEMM peaks and wall time, and the rounds flagged busy."""
+    keys = [gemm_key(device, dtype, settings.threads) for device, dtype in gemm_groups(cells)]
+    round_peaks = {
+        key.rsplit("/", 1)[0]: [peaks_by_round.get((index, key), {}).get("gflops") for index in range(len(orders))]
+        for key in keys
+    }
+    busy = sorted({index for values in round_peaks.values() for index in busy_rounds(values)})
+    return {
+        "count": settings.rounds,
+        "seed": settings.seed,
+        "orders": [[f"{cells[i].implementation} N={cells[i].tokens}" for i in order] for order in orders],
+        "gemm_peaks_gflops": round_peaks,
+        "busy_rounds": busy,
+        "busy_threshold": BUSY_THRESHOLD,
+        "drift_threshold": DRIFT_THRESHOLD,
+        "wall_s": wall_s,
+    }
 
 
 def run_sweep(
@@ -340,15 +452,22 @@ def run_sweep(
     gemm_runner: GemmRunner = measure_gemm_peak,
     implementations: list[str] | None = None,
 ) -> SweepOutcome:
-    """Run (or resume) the sweep; every finished cell is in ``partial_path`` as soon as it ends.
+    """Run (or resume) the sweep; every finished visit is in ``partial_path`` as soon as it ends.
 
-    Ctrl-C stops the sweep between or during cells: the outcome then holds the finished
-    cells and ``interrupted=True`` (the caller writes what it has and exits with 130).
+    ``settings.rounds`` rounds; each measures the GEMM peaks, then visits every cell once in
+    its own shuffled order (`rounds.round_orders`, from ``settings.seed``; drawn and recorded
+    when None, or taken from the partial file's header on resume). A cell found unsupported
+    is not visited again. Ctrl-C stops the sweep between or during visits: the outcome then
+    holds what finished and ``interrupted=True`` (the caller writes what it has and exits 130).
     """
     cells = expand_cells(settings, implementations)
     groups = gemm_groups(cells)
     partial_path = Path(partial_path)
     done_cells, done_peaks = load_partial(partial_path) if resume else ({}, {})
+    if settings.seed is None:
+        header = partial_header(partial_path) if resume else None
+        seed = (header or {}).get("settings", {}).get("seed")
+        settings = replace(settings, seed=seed if isinstance(seed, int) else draw_seed())
     if resume:
         _end_torn_line(partial_path)
     if not resume and partial_path.exists():
@@ -357,56 +476,70 @@ def run_sweep(
     if not partial_path.exists():
         _append(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
 
-    bar = Progress(total=len(groups) + len(cells), enabled=progress)  # the closing peak re-check is not a step
-    results: list[dict] = []
-    peaks: list[dict] = []
+    orders = round_orders(len(cells), settings.rounds, settings.seed)
+    bar = Progress(settings.rounds, len(groups) + len(cells), enabled=progress)
+    visits: list[list[dict | None]] = [[None] * settings.rounds for _ in cells]
+    peaks_by_round: dict[tuple[int, str], dict] = {}
+    wall_s: list[float] = []
     resumed = 0
     interrupted = False
     try:
-        for device, dtype in groups:
-            key = gemm_key(device, dtype, settings.threads)
-            peak = done_peaks.get(key)
-            if peak is None or peak.get("gflops") is None or peak.get("malloc", settings.malloc) != settings.malloc:
-                bar.step(f"GEMM peak {device} {dtype}")
-                peak = gemm_runner(
-                    dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n,
-                    policy=dict(settings.gemm_policy), malloc=settings.malloc,
-                )  # fmt: skip
-                _append(partial_path, {"type": "gemm", "record": peak})
-            peaks.append(peak)
-            gflops = peak.get("gflops")
-            shown = f"{gflops:.1f} GFLOP/s ({peak.get('library')})" if gflops else "not measurable"
-            bar.advance(f"GEMM peak {device} {dtype} n={peak.get('n')}: {shown}")
-        for spec in cells:
-            previous = done_cells.get(spec.key())
-            if previous is not None and previous.get("status") in FINISHED_STATUSES:
-                results.append(previous)
-                resumed += 1
-                bar.advance(describe_result(previous) + " [resumed]")
-                continue
-            bar.step(f"{spec.implementation} N={spec.tokens}")
-            record = cell_runner(spec, settings.cell_timeout)
-            _append(partial_path, {"type": "cell", "record": record})
-            results.append(record)
-            bar.advance(describe_result(record))
-        # The peak again, after the cells, with the library that won: the better of the two
-        # is the fairer yardstick (a peak measured while the machine was busy flatters every cell).
-        for index, (device, dtype) in enumerate(groups):
-            bar.step(f"GEMM peak again {device} {dtype}")
-            winner = peaks[index].get("library")
-            again = gemm_runner(
-                dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n, policy=dict(settings.gemm_policy),
-                libraries=[winner] if winner else None, retries=0, malloc=settings.malloc,
-            )  # fmt: skip
-            peaks[index] = best_of(peaks[index], again)
-            _append(partial_path, {"type": "gemm", "record": peaks[index]})
+        for round_index, order in enumerate(orders):
+            bar.start_round(round_index)
+            round_start = time.perf_counter()
+            for device, dtype in groups:
+                key = gemm_key(device, dtype, settings.threads)
+                peak = done_peaks.get((round_index, key))
+                if peak is None or peak.get("gflops") is None or peak.get("malloc", settings.malloc) != settings.malloc:
+                    bar.step(f"GEMM peak {device} {dtype}")
+                    # Later rounds measure the first round's winner only: the same yardstick, cheaper.
+                    first = peaks_by_round.get((0, key), {})
+                    libraries = [first["library"]] if round_index and first.get("library") else None
+                    peak = gemm_runner(
+                        dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n,
+                        policy=dict(settings.gemm_policy), malloc=settings.malloc, libraries=libraries,
+                    )  # fmt: skip
+                    _append(partial_path, {"type": "gemm", "round": round_index, "record": peak})
+                peaks_by_round[(round_index, key)] = peak
+                gflops = peak.get("gflops")
+                shown = f"{gflops:.1f} GFLOP/s ({peak.get('library')})" if gflops else "not measurable"
+                bar.advance(f"GEMM peak {device} {dtype} n={peak.get('n')}: {shown}")
+            for index in order:
+                spec = cells[index]
+                earlier = [visit for visit in visits[index][:round_index] if visit is not None]
+                if any(visit.get("status") == "unsupported" for visit in earlier):
+                    bar.advance(describe_result(earlier[0]) + " [not run again]")
+                    continue
+                previous = done_cells.get((round_index, spec.key()))
+                if previous is not None and previous.get("status") in FINISHED_STATUSES:
+                    visits[index][round_index] = previous
+                    resumed += 1
+                    bar.advance(describe_result(previous) + " [resumed]")
+                    continue
+                bar.step(f"{spec.implementation} N={spec.tokens}")
+                started = time.perf_counter()
+                record = cell_runner(spec, settings.cell_timeout)
+                record["visit_wall_s"] = time.perf_counter() - started
+                _append(partial_path, {"type": "cell", "round": round_index, "record": record})
+                visits[index][round_index] = record
+                bar.advance(describe_result(record))
+            wall_s.append(time.perf_counter() - round_start)
+            bar.end_round()
     except KeyboardInterrupt:
         interrupted = True
     finally:
         bar.close()
+    merged_cells = [cell for cell in (merge_visits(row) for row in visits) if cell is not None]
+    merged_peaks = []
+    for device, dtype in groups:
+        key = gemm_key(device, dtype, settings.threads)
+        peak = merge_peaks([peaks_by_round.get((index, key)) for index in range(settings.rounds)])
+        if peak is not None:
+            merged_peaks.append(peak)
     return SweepOutcome(
-        settings=settings, cells=results, gemm_peaks=peaks, interrupted=interrupted, resumed_cells=resumed
-    )
+        settings=settings, cells=merged_cells, gemm_peaks=merged_peaks, interrupted=interrupted,
+        resumed_cells=resumed, rounds=rounds_record(settings, cells, orders, peaks_by_round, wall_s),
+    )  # fmt: skip
 
 
 def with_overrides(settings: SweepSettings, **changes) -> SweepSettings:

@@ -116,6 +116,7 @@ def time_repeats(
     summary = summarize(samples)
     summary.update(
         stable=relative_spread(samples) <= STABLE_SPREAD,
+        samples_s=samples,  # every sample: a sweep of several rounds pools them (benchmarks.rounds)
         timed_total_s=timed_total,
         span_wall_s=wall,
         span_cpu_s=cpu,

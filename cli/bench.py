@@ -6,7 +6,12 @@ affinity and every thread knob, and is checked afterwards by CPU time / wall tim
 rule (`pinning.malloc_env`), so large temporaries cost the same in every framework.
 A preset picks the sizes (``--quick``: under two minutes; ``default``: about ten;
 ``reference``: B=4, N=512, D=512, H=8, float32); any size option overrides the preset.
-Finished cells go to a partial file as they end, so an interrupted sweep can ``--resume``.
+``--rounds R`` visits every cell once per round in a shuffled order (3 rounds for default
+and reference, 1 for quick): medians pool every round, the range of the round medians is
+the spread. The estimated duration is printed before the sweep starts.
+Finished visits go to a partial file as they end, so an interrupted sweep can ``--resume``.
+``--write-docs DIR`` writes DIR/bench/ and regenerates the README's benchmark block;
+``--render JSON`` does the same from a saved report without measuring (`benchmarks.readme`).
 Exit status: 0 when every cell was measured or is unsupported here, 1 when a cell failed,
 2 for bad arguments, 130 when interrupted (finished cells kept).
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -47,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  mha-rosetta bench --implementations numpy,numpy:slicing,torch-sdpa --tokens 128,512 --threads 2\n"
         "  mha-rosetta bench --quick --json new.json --baseline old.json\n"
         "  mha-rosetta bench --questions-only\n"
+        "  mha-rosetta bench --preset reference --rounds 3 --write-docs docs\n"
+        "  mha-rosetta bench --render docs/bench/reference.json --write-docs docs\n"
         "implementation names: registry backends (numpy, torch, torch-sdpa, ...), optionally\n"
         "':strategy' (numpy:slicing, torch:per_head), or the groups main, strategies, all."
     )
@@ -90,7 +98,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of faulted in afresh on every call, the same for every framework; 'default' leaves the "
         "environment as it is (default: keep)",
     )
-    parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        metavar="R",
+        help="visit every cell once per round, in a shuffled order, R rounds; a cell's median pools all its "
+        "samples and the range of its round medians is its spread (default: 3 for default and reference, "
+        "1 for quick)",
+    )
+    parser.add_argument("--seed", type=int, metavar="S", help="the shuffle seed (default: drawn, and recorded)")
+    parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell (per round)")
     parser.add_argument("--min-time", type=float, metavar="S", help="minimum timed seconds per cell")
     parser.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH ('-' for stdout)")
     parser.add_argument("--markdown", metavar="PATH", help="write the Markdown table to PATH")
@@ -98,7 +115,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="DIR", help="write PNG plots (time vs tokens, GFLOP/s at the reference size) to DIR"
     )
     parser.add_argument(
-        "--baseline", metavar="PATH", help="compare with a saved JSON report; flags changes beyond 10%%"
+        "--baseline",
+        metavar="PATH",
+        help="compare with a saved JSON report; a change counts when the medians differ by more than 10%% "
+        "and the round ranges do not overlap",
+    )
+    parser.add_argument(
+        "--write-docs",
+        metavar="DIR",
+        help="write DIR/bench/<preset>[-tN].json, .md and plots, and regenerate the README's benchmark block "
+        "(DIR/../README.md) from DIR/bench/reference*.json",
+    )
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="measure nothing: read a saved report and write its table, plots, --baseline and --write-docs output",
     )
     parser.add_argument(
         "--resume", action="store_true", help="keep the finished cells of an interrupted sweep and run the rest"
@@ -126,6 +157,8 @@ def _settings(args: argparse.Namespace):
     if args.min_time is not None:
         policy["min_time"] = args.min_time
         policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
     return preset_settings(
         name,
         implementations=args.implementations,
@@ -139,6 +172,8 @@ def _settings(args: argparse.Namespace):
         cpus=args.cpus,
         policy=policy,
         malloc=args.malloc,
+        rounds=args.rounds,
+        seed=args.seed,
     )
 
 
@@ -152,55 +187,27 @@ def _emit(path: str | None, text: str, *, label: str) -> None:
         print(f"{label} written to {path}", file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> int:
-    from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.report import (
-        assemble_report,
-        baseline_markdown,
-        compare_to_baseline,
-        failed_cells,
-        load_report,
-        markdown_table,
-        plot_report,
-    )
-    from mha_rosetta.benchmarks.sweep import default_partial_path, resolve_implementations, run_sweep
+def _render_only(args: argparse.Namespace) -> int:
+    """``--render JSON``: the outputs of a saved report, nothing measured."""
+    from mha_rosetta.benchmarks.report import load_report
 
     try:
-        settings = _settings(args)
-        labels = resolve_implementations(settings.implementations)
+        report = load_report(args.render)
         baseline = load_report(args.baseline) if args.baseline else None
     except (ValueError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
-    if args.list:
-        print("\n".join(labels))
-        return 0
-    # With the JSON on stdout, everything for people goes to stderr.
-    human = sys.stderr if args.json == "-" else sys.stdout
+    report.pop("baseline_comparison", None)  # compared again below when asked
+    _publish(args, report, baseline)
+    return 0
 
-    if args.questions_only:
-        answers = speed_questions.run_speed_questions(
-            threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
-        )
-        human.write(speed_questions.questions_markdown(answers))
-        _emit(args.json, json.dumps({"schema": 1, "questions": answers}, indent=2) + "\n", label="JSON")
-        return 0
 
-    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
-    outcome = run_sweep(
-        settings, partial_path=partial, resume=args.resume, progress=not args.no_progress, implementations=labels
-    )
-    report = assemble_report(settings.as_dict(), outcome.gemm_peaks, outcome.cells, complete=not outcome.interrupted)
-    report["settings"]["resumed_cells"] = outcome.resumed_cells
-    if args.questions and not outcome.interrupted:
-        try:
-            report["questions"] = speed_questions.run_speed_questions(
-                threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
-            )
-        except KeyboardInterrupt:
-            outcome.interrupted = True
-            report["complete"] = False
+def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> str:
+    """Print the table and write every file asked for (JSON, Markdown, plots, docs); returns the table."""
+    from mha_rosetta.benchmarks import questions as speed_questions
+    from mha_rosetta.benchmarks.report import baseline_markdown, compare_to_baseline, markdown_table, plot_report
 
+    human = sys.stderr if args.json == "-" else sys.stdout  # with the JSON on stdout, people read stderr
     table = markdown_table(report)
     if baseline is not None:
         try:
@@ -214,16 +221,80 @@ def run(args: argparse.Namespace) -> int:
     human.write(table)
     _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
     _emit(args.markdown, table, label="Markdown")
-    if args.plot:
-        try:
+    try:
+        if args.plot:
             for path in plot_report(report, args.plot):
                 print(f"plot written to {path}", file=sys.stderr)
-        except ImportError:
-            print(
-                "mha-rosetta bench: no plots: matplotlib is not installed (pip install 'mha-rosetta[bench]')",
-                file=sys.stderr,
-            )
+        if args.write_docs:
+            from mha_rosetta.benchmarks.readme import write_docs
 
+            for path in write_docs(report, args.write_docs, table=table):
+                print(f"written: {path}", file=sys.stderr)
+    except ImportError:
+        print(
+            "mha-rosetta bench: no plots: matplotlib is not installed (pip install 'mha-rosetta[bench]')",
+            file=sys.stderr,
+        )
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    from mha_rosetta.benchmarks import questions as speed_questions
+    from mha_rosetta.benchmarks.report import assemble_report, failed_cells, load_report
+    from mha_rosetta.benchmarks.sweep import (
+        default_partial_path,
+        describe_estimate,
+        estimate_seconds,
+        expand_cells,
+        resolve_implementations,
+        run_sweep,
+    )
+
+    if args.render:
+        return _render_only(args)
+    try:
+        settings = _settings(args)
+        labels = resolve_implementations(settings.implementations)
+        baseline = load_report(args.baseline) if args.baseline else None
+    except (ValueError, OSError, json.JSONDecodeError) as error:
+        print(f"mha-rosetta bench: {error}", file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(labels))
+        return 0
+    human = sys.stderr if args.json == "-" else sys.stdout
+
+    if args.questions_only:
+        answers = speed_questions.run_speed_questions(
+            threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
+        )
+        human.write(speed_questions.questions_markdown(answers))
+        _emit(args.json, json.dumps({"schema": 1, "questions": answers}, indent=2) + "\n", label="JSON")
+        return 0
+
+    estimate = estimate_seconds(settings, expand_cells(settings, labels))
+    print(f"mha-rosetta bench: {describe_estimate(estimate)}", file=sys.stderr, flush=True)
+    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
+    started = time.perf_counter()
+    outcome = run_sweep(
+        settings, partial_path=partial, resume=args.resume, progress=not args.no_progress, implementations=labels
+    )
+    report = assemble_report(
+        outcome.settings.as_dict(), outcome.gemm_peaks, outcome.cells, complete=not outcome.interrupted,
+        rounds=outcome.rounds,
+    )  # fmt: skip
+    report["settings"]["resumed_cells"] = outcome.resumed_cells
+    report["sweep_time"] = {"estimated_s": estimate["total_s"], "wall_s": time.perf_counter() - started}
+    if args.questions and not outcome.interrupted:
+        try:
+            report["questions"] = speed_questions.run_speed_questions(
+                threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
+            )
+        except KeyboardInterrupt:
+            outcome.interrupted = True
+            report["complete"] = False
+
+    _publish(args, report, baseline)
     if outcome.interrupted:
         print(
             f"interrupted: {len(outcome.cells)} finished cells kept in {partial}; rerun with --resume to finish",

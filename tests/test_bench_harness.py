@@ -87,21 +87,45 @@ def test_thread_env_sets_every_knob_and_keeps_other_variables():
         "OPENBLAS_CORETYPE": "Haswell",
         "XLA_FLAGS": "--xla_dump_to=/tmp/x intra_op_parallelism_threads=4",
         "PATH": "/bin",
+        "JAX_PLATFORMS": "cuda",
     }
     env = pinning.thread_env(2, base_env=base)
     for name in pinning.THREAD_ENV_VARS:
         assert env[name] == "2", name
+    assert env["PJRT_NPROC"] == "2"  # the variable XLA:CPU sizes its intra-op pool from
     assert env["OPENBLAS_CORETYPE"] == "Haswell"  # not a thread count: passed through untouched
     assert env["PATH"] == "/bin"
-    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x intra_op_parallelism_threads=2"
+    # The TensorFlow-era token is not an XLA flag (XLA aborts when it comes first): removed, never written.
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    assert env["JAX_PLATFORMS"] == "cuda"  # no device named: left alone
     assert base["XLA_FLAGS"] == "--xla_dump_to=/tmp/x intra_op_parallelism_threads=4"  # the input is not modified
+    assert "XLA_FLAGS" not in pinning.thread_env(2, base_env={})  # nothing of the user's, nothing needed
+    # A CPU cell keeps JAX off the GPU (its CUDA client would take GPU memory and the pinned core).
+    assert pinning.thread_env(1, base_env=base, device="cpu")["JAX_PLATFORMS"] == "cpu"
+    assert pinning.thread_env(1, base_env=base, device="gpu")["JAX_PLATFORMS"] == "cuda"
+    assert pinning.device_env("cpu") == {"JAX_PLATFORMS": "cpu"} and pinning.device_env("gpu") == {}
 
 
 def test_xla_flags_for_one_thread_switch_eigen_off_once():
     flags = pinning.xla_flags(1, "--xla_cpu_multi_thread_eigen=true --xla_foo=1")
-    assert flags.split() == ["--xla_foo=1", "--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+    assert flags.split() == ["--xla_foo=1", "--xla_cpu_multi_thread_eigen=false"]
+    assert pinning.xla_flags(2, "--xla_cpu_multi_thread_eigen=false") == ""  # XLA's default (true) for 2
+    stale = pinning.xla_flags(1, "intra_op_parallelism_threads=1 --xla_foo=1")
+    assert stale == "--xla_foo=1 --xla_cpu_multi_thread_eigen=false"
     with pytest.raises(ValueError, match="threads must be a positive int, got 0"):
         pinning.thread_env(0, base_env={})
+
+
+@requires("jax")
+def test_xla_parses_the_flags_of_every_thread_count():
+    # XLA aborts at start-up on a flag it does not know or an unprefixed first token: a child
+    # with exactly the environment a cell gets must start JAX and compute.
+    code = "import jax.numpy as jnp; print(float(jnp.ones((4, 4)).sum()))"
+    for threads in (1, 2):
+        env = pinning.thread_env(threads, device="cpu")
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == "16.0"
 
 
 def test_malloc_env_keep_raises_both_glibc_thresholds_and_default_adds_nothing():
@@ -236,7 +260,8 @@ def test_failing_cell_in_a_fresh_process_is_recorded():
     importlib.util.find_spec("mha_rosetta.backends.numpy_backend") is None,
     reason="the numpy adapter is not written yet",
 )
-def test_smoke_numpy_cell_in_a_pinned_fresh_process():
+def test_smoke_numpy_cell_in_a_pinned_fresh_process(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # as on a GPU host where the user asked for the GPU
     cpus = pinning.choose_cpus(1)
     spec = CellSpec(
         implementation="numpy", tokens=8, batch=2, d_model=12, heads=3, cpus=cpus,
@@ -250,11 +275,34 @@ def test_smoke_numpy_cell_in_a_pinned_fresh_process():
     assert record["output_finite"] is True
     assert record["malloc"] == "keep"
     assert record["malloc_env"] == pinning.MALLOC_KEEP_ENV  # the child started with the allocator rule
+    assert record["thread_env"]["PJRT_NPROC"] == "1" and record["thread_env"]["OPENBLAS_NUM_THREADS"] == "1"
+    assert record["thread_env"]["JAX_PLATFORMS"] == "cpu"  # a CPU cell's child never starts JAX's CUDA client
     if pinning.affinity_supported():
         assert record["affinity"] == cpus  # the child really was pinned
     openblas = [pool for pool in record.get("thread_pools", []) if pool.get("internal_api") == "openblas"]
     for pool in openblas:
         assert pool["num_threads"] == 1  # the environment reached the BLAS before it started
+
+
+@requires("jax")
+@pytest.mark.skipif(len(pinning.allowed_cpus()) < 2, reason="needs 2 cores available to this process")
+def test_a_jax_cell_with_two_threads_runs_on_two_cores():
+    cpus = pinning.choose_cpus(2)
+    spec = CellSpec(
+        implementation="jax", tokens=64, batch=2, d_model=64, heads=4, threads=2, cpus=cpus,
+        policy=dict(min_time=0.05, min_repeats=3, max_time=0.3, warmup=1),
+    )  # fmt: skip
+    record = run_cell(spec, timeout=300)
+    assert record["status"] == "ok", record.get("error") or record.get("stderr_tail")
+    assert record["affinity"] == cpus and len(record["affinity"]) == 2  # pinned to its two cores
+    env = record["thread_env"]
+    assert env["PJRT_NPROC"] == "2" and env["JAX_PLATFORMS"] == "cpu"
+    flags = env["XLA_FLAGS"] or ""
+    assert "multi_thread_eigen=false" not in flags and "intra_op" not in flags  # no one-thread or stale flag
+    assert all("cpu" in device.lower() for device in record["framework_threads"]["jax_devices"])  # no GPU client
+    # The verified core use is reported (CPU time / wall time); on a shared machine its value
+    # is not asserted, only that it is a measurement within what two cores can give.
+    assert 0 < record["cpu_util"] <= 2 + pinning.CPU_UTIL_SLACK
 
 
 def test_measured_children_import_no_numpy_or_framework_before_pinning():
@@ -324,7 +372,7 @@ def test_report_has_the_schema_fields():
         assert name in ok, name
     assert ok["peak_fraction"] == 0.5  # 50 GFLOP/s of a 100 GFLOP/s peak
     assert failed["peak_fraction"] is None and failed["status"] == "error"
-    assert report["summary"] == {"cells": 2, "ok": 1, "unsupported": 0, "failed": 1, "warnings": 0}
+    assert report["summary"] == {"cells": 2, "ok": 1, "unsupported": 0, "failed": 1, "warnings": 0, "drift": 0}
     json.loads(json.dumps(report))  # plain JSON all the way down
     table = markdown_table(report)
     assert "| `numpy` | cpu | float32 | 4 | 64 | 512 | 8 | 2.000 |" in table
@@ -444,19 +492,22 @@ def test_best_of_two_peaks_keeps_the_better_result_per_library():
     assert busy["gflops"] == 50.0 and busy["measured_gflops"] == [50.0, 30.0]
 
 
-# -- the sweep: failures and resume (fake runners: no processes) ------------------------------
+# -- the sweep: rounds, failures and resume (fake runners: no processes) ----------------------
 
 
 def _settings(**changes):
-    values = dict(implementations=["numpy", "torch"], tokens=[8, 16], batch=[1], d_model=[8], heads=[2], gemm_n=64)
+    values = dict(
+        implementations=["numpy", "torch"], tokens=[8, 16], batch=[1], d_model=[8], heads=[2], gemm_n=64, seed=7
+    )
     values.update(changes)
     return SweepSettings(**values)
 
 
 class FakeRunners:
-    def __init__(self, fail=(), interrupt_at=None):
+    def __init__(self, fail=(), interrupt_at=None, unsupported=()):
         self.cells, self.gemms, self.fail, self.interrupt_at = [], [], set(fail), interrupt_at
-        self.cell_mallocs, self.gemm_mallocs = [], []
+        self.unsupported = set(unsupported)
+        self.cell_mallocs, self.gemm_mallocs, self.gemm_libraries = [], [], []
 
     def cell(self, spec, timeout):
         if self.interrupt_at is not None and len(self.cells) == self.interrupt_at:
@@ -465,12 +516,17 @@ class FakeRunners:
         self.cell_mallocs.append(spec.malloc)
         if spec.implementation in self.fail:
             return {**spec.identity(), "status": "error", "error": "RuntimeError: broken adapter"}
-        return {**spec.identity(), "status": "ok", "median_s": 0.001 * spec.tokens, "gflops": 1.0}
+        if spec.implementation in self.unsupported:
+            return {**spec.identity(), "status": "unsupported", "error": "not here"}
+        # The n-th visit takes 1 + n/100 ms per token: every visit differs, so the merge shows.
+        median = 0.001 * spec.tokens * (1 + len(self.cells) / 100)
+        return {**spec.identity(), "status": "ok", "median_s": median, "samples_s": [median] * 3, "gflops": 1.0}
 
     def gemm(self, dtype, device, threads, cpus, **options):
         self.gemms.append((device, dtype))
         self.gemm_mallocs.append(options["malloc"])
-        gflops = 10.0 + len(self.gemms)  # a different figure each time: the best must win
+        self.gemm_libraries.append(options.get("libraries"))
+        gflops = 10.0 + len(self.gemms)  # a different figure each time
         return {
             "device": device,
             "dtype": dtype,
@@ -490,47 +546,104 @@ def _run(runners, partial, resume=False, settings=None):
     )  # fmt: skip
 
 
+def _visited(runners):
+    return [(key["implementation"], key["tokens"]) for key in map(json.loads, runners.cells)]
+
+
+PLAN = [("numpy", 8), ("torch", 8), ("numpy", 16), ("torch", 16)]
+
+
+def test_round_orders_are_seeded_shuffles_of_every_cell():
+    from mha_rosetta.benchmarks.rounds import round_orders
+
+    orders = round_orders(6, 3, seed=11)
+    assert all(sorted(order) == list(range(6)) for order in orders)  # every cell once per round
+    assert round_orders(6, 3, seed=11) == orders  # the seed replays the order
+    assert round_orders(6, 3, seed=12) != orders
+    assert len({tuple(order) for order in round_orders(8, 4, seed=0)}) > 1  # shuffled afresh each round
+
+
+def test_every_round_visits_every_cell_once_and_measures_the_peak(tmp_path):
+    runners = FakeRunners()
+    outcome = _run(runners, tmp_path / "p.jsonl", settings=_settings(rounds=3))
+    visited = _visited(runners)
+    assert len(visited) == 12 and all(sorted(visited[4 * r : 4 * r + 4]) == sorted(PLAN) for r in range(3))
+    rounds = outcome.rounds
+    assert rounds["count"] == 3 and rounds["seed"] == 7
+    assert [[label for label in order] for order in rounds["orders"]] == [
+        [f"{name} N={tokens}" for name, tokens in visited[4 * r : 4 * r + 4]] for r in range(3)
+    ]  # the recorded order is the order run
+    assert runners.gemms == [("cpu", "float32")] * 3  # the peak in every round
+    assert runners.gemm_libraries == [None, ["numpy"], ["numpy"]]  # later rounds: the first round's winner
+    assert rounds["gemm_peaks_gflops"] == {"cpu/float32": [11.0, 12.0, 13.0]}
+    assert rounds["busy_rounds"] == [0, 1]  # 11 and 12 are more than 5% below the best other round (13)
+    peak = outcome.gemm_peaks[0]
+    assert peak["gflops"] == 12.0 and peak["round_gflops"] == [11.0, 12.0, 13.0] and peak["busy_rounds"] == [0, 1]
+    assert [(c["implementation"], c["tokens"]) for c in outcome.cells] == PLAN  # merged, in plan order
+    cell = outcome.cells[0]
+    medians = cell["round_medians_s"]
+    assert len(medians) == 3 and cell["spread_s"] == [min(medians), max(medians)]
+    assert cell["median_s"] == sorted(cell["round_medians_s"])[1]  # 3 equal samples per round: the middle round
+    assert cell["repeats"] == 9  # every sample pooled
+
+
+def test_a_drawn_seed_is_recorded_and_replays_the_same_order(tmp_path):
+    first = _run(FakeRunners(), tmp_path / "a.jsonl", settings=_settings(rounds=2, seed=None))
+    seed = first.settings.seed
+    assert isinstance(seed, int) and first.rounds["seed"] == seed
+    again = _run(FakeRunners(), tmp_path / "b.jsonl", settings=_settings(rounds=2, seed=seed))
+    assert again.rounds["orders"] == first.rounds["orders"]
+
+
+def test_an_unsupported_cell_is_not_visited_again(tmp_path):
+    runners = FakeRunners(unsupported={"torch"})
+    outcome = _run(runners, tmp_path / "p.jsonl", settings=_settings(rounds=3))
+    assert _visited(runners).count(("torch", 8)) == 1 and _visited(runners).count(("numpy", 8)) == 3
+    assert [c["status"] for c in outcome.cells] == ["ok", "unsupported", "ok", "unsupported"]
+    assert not outcome.failed
+
+
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path):
     runners = FakeRunners(fail={"numpy"})
     outcome = _run(runners, tmp_path / "p.jsonl")
+    assert sorted(_visited(runners)) == sorted(PLAN)
     assert [(c["implementation"], c["tokens"], c["status"]) for c in outcome.cells] == [
         ("numpy", 8, "error"), ("torch", 8, "ok"), ("numpy", 16, "error"), ("torch", 16, "ok"),
     ]  # fmt: skip
     assert len(outcome.failed) == 2 and not outcome.interrupted
-    assert runners.gemms == [("cpu", "float32"), ("cpu", "float32")]  # before and after the cells
-    assert outcome.gemm_peaks[0]["gflops"] == 12.0 and outcome.gemm_peaks[0]["measured_gflops"] == [11.0, 12.0]
+    assert runners.gemms == [("cpu", "float32")]  # one round, one peak
+    assert outcome.gemm_peaks[0]["gflops"] == 11.0 and outcome.gemm_peaks[0]["measured_gflops"] == [11.0]
 
 
 def test_the_allocator_rule_reaches_every_cell_and_gemm_peak(tmp_path):
     keep = FakeRunners()
     _run(keep, tmp_path / "keep.jsonl")
-    assert keep.cell_mallocs == ["keep"] * 4 and keep.gemm_mallocs == ["keep", "keep"]
+    assert keep.cell_mallocs == ["keep"] * 4 and keep.gemm_mallocs == ["keep"]
     plain = FakeRunners()
-    outcome = _run(plain, tmp_path / "plain.jsonl", settings=_settings(malloc="default"))
-    assert plain.cell_mallocs == ["default"] * 4 and plain.gemm_mallocs == ["default", "default"]
-    assert [json.loads(key)["malloc"] for key in plain.cells] == ["default"] * 4  # part of the cell's identity
+    outcome = _run(plain, tmp_path / "plain.jsonl", settings=_settings(malloc="default", rounds=2))
+    assert plain.cell_mallocs == ["default"] * 8 and plain.gemm_mallocs == ["default", "default"]
+    assert [json.loads(key)["malloc"] for key in plain.cells] == ["default"] * 8  # part of the cell's identity
     assert outcome.gemm_peaks[0]["malloc"] == "default"
 
 
-def test_resume_skips_finished_cells_and_retries_failed_ones(tmp_path):
+def test_resume_skips_finished_visits_and_retries_failed_ones(tmp_path):
     partial = tmp_path / "p.jsonl"
-    first = FakeRunners(fail={"torch"}, interrupt_at=3)
-    interrupted = _run(first, partial)
-    assert interrupted.interrupted and len(interrupted.cells) == 3  # numpy 8 ok, torch 8 error, numpy 16 ok
+    first = FakeRunners(fail={"torch"}, interrupt_at=5)
+    interrupted = _run(first, partial, settings=_settings(rounds=2, seed=None))
+    assert interrupted.interrupted and len(first.cells) == 5  # round 1 (4 visits) and one of round 2
     kept, peaks = load_partial(partial)
-    assert len(kept) == 3 and list(peaks) == ["cpu/float32/1"]
+    assert len(kept) == 5 and list(peaks) == [(0, "cpu/float32/1"), (1, "cpu/float32/1")]
+    done_ok = [key for key, record in kept.items() if record["status"] == "ok"]
 
     second = FakeRunners()
-    resumed = _run(second, partial, resume=True)
-    assert not resumed.interrupted and resumed.resumed_cells == 2
-    ran = [json.loads(key) for key in second.cells]
-    assert [(k["implementation"], k["tokens"]) for k in ran] == [
-        ("torch", 8),
-        ("torch", 16),
-    ]  # the failed one again, and the unrun one
-    assert second.gemms == [("cpu", "float32")]  # the first run's opening peak is reused; only the closing one runs
-    assert resumed.gemm_peaks[0]["measured_gflops"] == [11.0, 11.0]
+    resumed = _run(second, partial, resume=True, settings=_settings(rounds=2, seed=None))
+    assert not resumed.interrupted and resumed.resumed_cells == len(done_ok)
+    assert resumed.settings.seed == interrupted.settings.seed  # the partial file's seed, so the same order
+    assert resumed.rounds["orders"] == interrupted.rounds["orders"]
+    assert len(second.cells) == 8 - len(done_ok)  # the failed visits again, and the unrun ones
+    assert second.gemms == []  # both rounds' peaks were measured before the interruption
     assert [c["status"] for c in resumed.cells] == ["ok"] * 4
+    assert all(None not in cell["round_medians_s"] for cell in resumed.cells)
 
 
 def test_a_fresh_sweep_discards_an_old_partial_file(tmp_path):
@@ -555,6 +668,18 @@ def test_torn_last_line_of_a_partial_file_is_ignored_and_resume_goes_on(tmp_path
     assert len(cells) == 4  # the entries after the torn line start on a line of their own
 
 
+def test_the_estimate_counts_cells_rounds_and_peaks():
+    from mha_rosetta.benchmarks.sweep import STARTUP_S, describe_estimate, estimate_seconds, expand_cells
+
+    settings = _settings(rounds=3, implementations=["numpy"], policy=dict(min_time=1.0))
+    cells = expand_cells(settings, ["numpy"])
+    estimate = estimate_seconds(settings, cells)
+    assert estimate["cells"] == 2 and estimate["rounds"] == 3
+    assert estimate["per_cell_s"] == STARTUP_S["numpy"] + 2.0 + 0.2  # start-up + twice min_time + 0.2 s
+    assert estimate["total_s"] == 2 * 3 * estimate["per_cell_s"] + estimate["gemm_s"]
+    assert describe_estimate(estimate).startswith("2 cells x 3 round(s) x ~2.7 s + GEMM peaks")
+
+
 # -- the command line -------------------------------------------------------------------------
 
 
@@ -569,7 +694,7 @@ def test_cli_rejects_unknown_implementation(capsys):
     assert "argument --malloc: invalid choice: 'fast'" in capsys.readouterr().err
 
 
-def test_cli_writes_outputs_and_fails_on_a_failed_cell(tmp_path, monkeypatch):
+def test_cli_writes_outputs_and_fails_on_a_failed_cell(tmp_path, monkeypatch, capsys):
     from mha_rosetta.benchmarks import sweep
     from mha_rosetta.cli.main import main
 
@@ -587,8 +712,11 @@ def test_cli_writes_outputs_and_fails_on_a_failed_cell(tmp_path, monkeypatch):
     report = json.loads(json_path.read_text())
     assert report["complete"] is True and report["summary"]["failed"] == 1
     assert report["settings"]["tokens"] == [8] and report["settings"]["threads"] == 1
-    assert report["settings"]["malloc"] == "keep" and runners.cell_mallocs == ["keep", "keep"]
-    assert report["gemm_peak_gflops"] == report["gemm_peak_gflops_by"]["cpu/float32"] == 12.0
+    assert report["settings"]["rounds"] == 3 and report["rounds"]["seed"] == report["settings"]["seed"]
+    assert report["settings"]["malloc"] == "keep" and runners.cell_mallocs == ["keep"] * 6  # 2 cells x 3 rounds
+    assert report["gemm_peak_gflops"] == report["gemm_peak_gflops_by"]["cpu/float32"] == 12.0  # median of 11, 12, 13
+    assert report["sweep_time"]["estimated_s"] > 0 and report["sweep_time"]["wall_s"] > 0
+    assert "2 cells x 3 round(s) x ~" in capsys.readouterr().err  # the time it takes, said up front
     assert [cell["malloc"] for cell in report["cells"]] == ["keep", "keep"]
     assert "`torch`" in md_path.read_text()
     assert not Path(f"{json_path}.partial.jsonl").exists()  # a finished sweep leaves no partial file
@@ -644,3 +772,14 @@ def test_answer_keeps_skipped_measurements_and_shape():
     assert "torch/cpu: not measured (ModuleNotFoundError: torch)" in answer["evidence"]
     with pytest.raises(ValueError, match=r"claims \[4\] have no speed question"):
         run_speed_questions(claims=[4])
+
+
+def test_the_progress_lines_count_rounds(tmp_path, monkeypatch, capsys):
+    from mha_rosetta.benchmarks.sweep import Progress
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # as without rich: one plain line per step
+    bar = Progress(rounds=2, visits=3)
+    bar.start_round(1)
+    bar.advance("numpy N=8: 1.000 ms")
+    bar.close()
+    assert capsys.readouterr().err == "[round 2/2, 1/3] numpy N=8: 1.000 ms\n"

@@ -1,0 +1,202 @@
+"""Interleaved rounds: the visit order, and one cell's (or GEMM peak's) figures merged over rounds.
+
+A sweep of R rounds visits every cell once per round, in an order shuffled afresh each round
+from one recorded seed, each visit a fresh process. Load from elsewhere on the machine then
+lands on different cells in different rounds instead of on one implementation's whole row.
+
+What a cell reports after R rounds:
+
+- ``median_s``: the median over *all* its timed samples (every round's samples pooled);
+- ``round_medians_s``: one median per round (None where that visit failed or did not run);
+- ``spread_s``: ``[min, max]`` of the round medians. Chosen over a bootstrap interval of the
+  pooled median because the noise that moves a published figure is time-correlated (a burst
+  of load covers a whole visit), so the samples of one visit are not independent draws: a
+  bootstrap over them gives an interval far narrower than the round-to-round movement that
+  a rerun shows. The range of the round medians measures exactly that movement, needs no
+  assumption, and reads the same to everyone. With one round it is one point: no spread;
+- ``round_drift``: max / min of the round medians minus 1; above `DRIFT_THRESHOLD` (10%)
+  the cell is flagged (``drift: true``, and a warning).
+
+The GEMM peak is measured in every round; a round whose peak is more than `BUSY_THRESHOLD`
+(5%) below the best other round's is flagged: the machine was busy (`busy_rounds`).
+
+Standard library only (it merges records; it measures nothing).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from .timing import summarize
+
+DRIFT_THRESHOLD = 0.10  # a cell whose round medians differ by more than this is flagged
+BUSY_THRESHOLD = 0.05  # a round whose GEMM peak is this far below the best other round is flagged
+_FINISHED = ("ok", "unsupported")
+# Per-visit figures that summarise to the median over the rounds, and those whose maximum counts.
+_MEDIAN_FIELDS = ("compile_s", "first_call_s", "cpu_util")
+_MAX_FIELDS = ("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb")
+_SUM_FIELDS = ("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s")
+
+
+def draw_seed() -> int:
+    """A fresh shuffle seed (recorded in the report, so an order can be replayed with ``--seed``)."""
+    return random.SystemRandom().randrange(2**31)
+
+
+def round_orders(count: int, rounds: int, seed: int) -> list[list[int]]:
+    """For each round, the order in which the ``count`` cells are visited (indices), from ``seed``."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(count))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def _median(values: list) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+def spread(values: list) -> list[float] | None:
+    """``[min, max]`` of the values that are not None, or None without any."""
+    present = [value for value in values if value is not None]
+    return [min(present), max(present)] if present else None
+
+
+def relative_range(values: list) -> float | None:
+    """max / min - 1 of the values that are not None (0.0 for one value; None without any)."""
+    present = [value for value in values if value is not None]
+    if not present or min(present) <= 0:
+        return None
+    return max(present) / min(present) - 1.0
+
+
+def intervals_overlap(first: list[float] | tuple, second: list[float] | tuple) -> bool:
+    """Whether two closed intervals ``[lo, hi]`` share a point."""
+    return first[0] <= second[1] and second[0] <= first[1]
+
+
+def cell_interval(cell: dict) -> list[float]:
+    """A cell's ``spread_s``; for reports written before rounds existed, its median alone."""
+    return list(cell.get("spread_s") or [cell["median_s"], cell["median_s"]])
+
+
+def busy_rounds(peaks: list[float | None], threshold: float = BUSY_THRESHOLD) -> list[int]:
+    """Rounds whose GEMM peak is more than ``threshold`` below the best other round's peak.
+
+    Load from elsewhere only ever lowers a peak, so the best round is the least disturbed
+    one; a round well under it shared the machine. (Against the median of the others, one
+    busy round out of three would make the other two look moved as well.)
+    """
+    flagged = []
+    for index, value in enumerate(peaks):
+        others = [other for position, other in enumerate(peaks) if position != index and other is not None]
+        if value is not None and others and value < (1.0 - threshold) * max(others):
+            flagged.append(index)
+    return flagged
+
+
+def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRESHOLD) -> dict | None:
+    """One cell's record from its visits, one per round (None: that round did not reach it).
+
+    Identity, settings and per-visit details come from the first measured visit; the timing
+    statistics from all samples pooled; compile and first-call time and cores used are
+    medians over the rounds, memory the maximum. A cell with a failed visit keeps the failure
+    as its status (a resumed sweep runs that visit again) and the figures of the other rounds.
+    """
+    present = [(index, visit) for index, visit in enumerate(visits) if visit is not None]
+    if not present:
+        return None
+    ok = [(index, visit) for index, visit in present if visit.get("status") == "ok"]
+    record = dict(ok[0][1] if ok else present[0][1])
+    record.pop("samples_s", None)
+    several = len(visits) > 1
+    failed = [(index, visit) for index, visit in present if visit.get("status") not in _FINISHED]
+    if failed:
+        index, visit = failed[0]
+        record["status"] = visit.get("status", "error")
+        record["error"] = f"round {index + 1}: {visit.get('error', '')}" if several else visit.get("error", "")
+    if several:
+        record["round_status"] = [None if visit is None else visit.get("status") for visit in visits]
+    if not ok:
+        return record
+    oks = [visit for _index, visit in ok]
+    pooled = [sample for visit in oks for sample in visit.get("samples_s") or []]
+    if pooled and all(visit.get("samples_s") for visit in oks):
+        record.update(summarize(pooled))
+    else:  # visits recorded without their samples: the median of the round medians
+        record.update(
+            median_s=_median([visit["median_s"] for visit in oks]),
+            iqr_s=_median([visit.get("iqr_s") for visit in oks]),
+            min_s=min(visit.get("min_s", visit["median_s"]) for visit in oks),
+            repeats=sum(visit.get("repeats", 0) for visit in oks),
+        )
+    by_round = {index: visit for index, visit in ok}
+    record["round_medians_s"] = [
+        by_round[index]["median_s"] if index in by_round else None for index in range(len(visits))
+    ]
+    record["spread_s"] = spread(record["round_medians_s"])
+    drift = relative_range(record["round_medians_s"])
+    record["round_drift"] = drift
+    record["drift"] = bool(drift is not None and drift > drift_threshold)
+    for name in _MEDIAN_FIELDS:
+        if any(visit.get(name) is not None for visit in oks):
+            record[name] = _median([visit.get(name) for visit in oks])
+    for name in _MAX_FIELDS:
+        values = [visit.get(name) for visit in oks if visit.get(name) is not None]
+        if values:
+            record[name] = max(values)
+    for name in _SUM_FIELDS:
+        values = [visit.get(name) for visit in oks if visit.get(name) is not None]
+        if values:
+            record[name] = sum(values)
+    record["stable"] = all(visit.get("stable", True) for visit in oks)
+    if record.get("flops") and record["median_s"]:
+        record["gflops"] = record["flops"] / record["median_s"] / 1e9
+    warnings: list[str] = []
+    for index, visit in ok:
+        for warning in visit.get("warnings") or []:
+            text = f"round {index + 1}: {warning}" if several else warning
+            if text not in warnings:
+                warnings.append(text)
+    if record["drift"]:
+        low, high = record["spread_s"]
+        warnings.append(
+            f"drift: the round medians differ by {drift:.0%} ({low * 1e3:.3f} to {high * 1e3:.3f} ms), "
+            f"more than {drift_threshold:.0%}: the machine's load changed between rounds"
+        )
+    record["warnings"] = warnings
+    return record
+
+
+def merge_peaks(peaks: list[dict | None], busy_threshold: float = BUSY_THRESHOLD) -> dict | None:
+    """One (device, dtype)'s GEMM peak from its per-round records (None: that round did not measure it).
+
+    ``gflops`` is the median of the round peaks; ``round_gflops`` keeps each round's figure
+    (the cells' ``% of peak`` uses its own round's), ``busy_rounds`` the rounds flagged busy.
+    The libraries compared, and the winner, are those of the first round that measured.
+    """
+    present = [peak for peak in peaks if peak is not None]
+    if not present:
+        return None
+    record = dict(present[0])
+    round_gflops = [None if peak is None else peak.get("gflops") for peak in peaks]
+    record["round_gflops"] = round_gflops
+    record["measured_gflops"] = [value for value in round_gflops if value is not None]
+    record["gflops"] = _median(round_gflops)
+    record["busy_rounds"] = busy_rounds(round_gflops, busy_threshold)
+    return record
+
+
+def round_fractions(cell: dict, round_peaks: list[float | None] | None) -> list[float | None] | None:
+    """Each round's GFLOP/s of ``cell`` over the same round's GEMM peak (None where either is missing)."""
+    medians, flops = cell.get("round_medians_s"), cell.get("flops")
+    if not medians or not round_peaks or not flops or len(medians) != len(round_peaks):
+        return None
+    return [
+        flops / median / 1e9 / peak if (median and peak) else None
+        for median, peak in zip(medians, round_peaks, strict=True)
+    ]

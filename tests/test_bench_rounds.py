@@ -1,0 +1,224 @@
+"""Interleaved rounds: merging visits, spread, drift, busy rounds, per-round % of peak, the
+interval rule of `--baseline`, and the README block generated from the committed JSON.
+
+Hand-made records only (no processes, no timing): every figure below is computed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mha_rosetta.benchmarks.readme import (
+    BEGIN,
+    END,
+    load_reference_reports,
+    ranking_sentences,
+    readme_block,
+    replace_block,
+    report_name,
+)
+from mha_rosetta.benchmarks.report import assemble_report, baseline_markdown, compare_to_baseline, markdown_table
+from mha_rosetta.benchmarks.rounds import busy_rounds, intervals_overlap, merge_peaks, merge_visits, relative_range
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _visit(median, samples=None, status="ok", **extra):
+    record = {
+        "implementation": "numpy", "device": "cpu", "dtype": "float32", "batch": 4, "tokens": 512, "d_model": 512,
+        "heads": 8, "threads": 1, "status": status,
+    }  # fmt: skip
+    if status == "ok":
+        record.update(median_s=median, samples_s=samples or [median], flops=8e9, warnings=[], cpu_util=1.0)
+    else:
+        record["error"] = "RuntimeError: boom"
+    record.update(extra)
+    return record
+
+
+def test_merge_pools_every_sample_and_keeps_one_median_per_round():
+    visits = [
+        _visit(0.10, [0.09, 0.10, 0.11], compile_s=0.2, peak_mem_mb=5.0),
+        _visit(0.12, [0.12, 0.12, 0.13], compile_s=0.4, peak_mem_mb=7.0),
+        _visit(0.105, [0.10, 0.105, 0.30], compile_s=0.3, peak_mem_mb=6.0),
+    ]
+    cell = merge_visits(visits)
+    # pooled, sorted: .09 .10 .10 .105 .11 .12 .12 .13 .30 -> the 5th of 9
+    assert cell["median_s"] == 0.11 and cell["repeats"] == 9 and cell["min_s"] == 0.09
+    assert cell["round_medians_s"] == [0.10, 0.12, 0.105]
+    assert cell["spread_s"] == [0.10, 0.12]
+    assert math.isclose(cell["round_drift"], 0.2) and cell["drift"] is True  # 0.12 / 0.10 - 1 = 20% > 10%
+    assert any(w.startswith("drift: the round medians differ by 20%") for w in cell["warnings"])
+    assert cell["compile_s"] == 0.3 and cell["peak_mem_mb"] == 7.0  # median over rounds; the largest memory
+    assert math.isclose(cell["gflops"], 8e9 / 0.11 / 1e9)
+    assert "samples_s" not in cell  # the report keeps the per-round figures, not every sample
+
+
+def test_merge_of_close_rounds_is_not_drift_and_one_round_is_the_visit_itself():
+    close = merge_visits([_visit(0.100), _visit(0.105)])
+    assert close["drift"] is False and math.isclose(close["round_drift"], 0.05)
+    single = merge_visits([_visit(0.2, [0.19, 0.2, 0.25], warnings=["got only 0.70 of its core"])])
+    assert single["median_s"] == 0.2 and single["spread_s"] == [0.2, 0.2] and single["round_drift"] == 0.0
+    assert single["warnings"] == ["got only 0.70 of its core"]  # no round prefix with one round
+    assert "round_status" not in single
+
+
+def test_a_failed_round_makes_the_cell_fail_and_keeps_the_other_rounds():
+    cell = merge_visits([_visit(0.1), _visit(None, status="error"), None])
+    assert cell["status"] == "error" and cell["error"] == "round 2: RuntimeError: boom"
+    assert cell["round_status"] == ["ok", "error", None]
+    assert cell["round_medians_s"] == [0.1, None, None] and cell["spread_s"] == [0.1, 0.1]
+    assert merge_visits([None, None]) is None
+    unsupported = merge_visits([_visit(None, status="unsupported"), None])
+    assert unsupported["status"] == "unsupported"
+
+
+def test_busy_rounds_are_those_well_below_the_best_other_round():
+    assert busy_rounds([100.0, 101.0, 90.0]) == [2]  # 90 < 0.95 * 101
+    assert busy_rounds([100.0, 97.0, 103.0]) == [1]  # 97 < 0.95 * 103 = 97.85; 100 is not
+    assert busy_rounds([100.0, 98.0, 101.0]) == []
+    assert busy_rounds([100.0]) == [] and busy_rounds([None, 100.0]) == []
+    assert relative_range([2.0, 1.0, None]) == 1.0 and relative_range([]) is None
+
+
+def test_a_round_fraction_uses_the_same_rounds_peak():
+    cells = [
+        {**merge_visits([_visit(0.1), _visit(0.2)]), "flops": 2e9}  # 20 and 10 GFLOP/s in rounds 1 and 2
+    ]
+    peaks = [merge_peaks([{"device": "cpu", "dtype": "float32", "threads": 1, "n": 1024, "gflops": 40.0},
+                          {"device": "cpu", "dtype": "float32", "threads": 1, "n": 1024, "gflops": 20.0}])]  # fmt: skip
+    report = assemble_report({}, peaks, cells, machine={})
+    cell = report["cells"][0]
+    assert cell["round_peak_fractions"] == [0.5, 0.5]  # 20/40 and 10/20: each round against its own peak
+    assert cell["peak_fraction"] == 0.5
+    assert report["gemm_peaks"][0]["gflops"] == 30.0 and report["gemm_peaks"][0]["busy_rounds"] == [1]
+
+
+def _report(medians: dict[str, tuple[float, float, float]], threads=1, peak_rounds=(100.0, 100.0, 100.0)):
+    """A reference-size report whose cells have the given three round medians (seconds)."""
+    flops = 8e9
+    cells = []
+    for label, rounds in medians.items():
+        backend, _, strategy = label.partition(":")
+        visits = [_visit(m, [m], implementation=label, backend=backend, strategy=strategy or "standard",
+                         threads=threads, flops=flops, cpu_util=float(threads)) for m in rounds]  # fmt: skip
+        cells.append(merge_visits(visits))
+    peaks = [{"device": "cpu", "dtype": "float32", "threads": threads, "n": 1024, "gflops": p, "library": "numpy"}
+             for p in peak_rounds]  # fmt: skip
+    rounds = {"count": len(peak_rounds), "seed": 5, "orders": [], "busy_rounds": [], "busy_threshold": 0.05,
+              "gemm_peaks_gflops": {"cpu/float32": list(peak_rounds)}}  # fmt: skip
+    settings = {"preset": "reference", "threads": threads, "rounds": len(peak_rounds)}
+    machine = {"cpu_model": "Test CPU", "cores": 2}
+    return assemble_report(settings, [merge_peaks(peaks)], cells, machine=machine, rounds=rounds)
+
+
+def test_baseline_counts_a_change_only_beyond_ten_percent_and_outside_the_noise():
+    old = _report({"a": (0.100, 0.101, 0.102), "b": (0.100, 0.101, 0.102), "c": (0.100, 0.101, 0.102)})
+    new = _report({"a": (0.120, 0.121, 0.122), "b": (0.095, 0.115, 0.130), "c": (0.104, 0.105, 0.106)})
+    comparison = compare_to_baseline(new, old)
+    verdicts = {row["implementation"]: row["change"] for row in comparison["compared"]}
+    # a: +19%, ranges apart -> slower; b: +14% but its range 95-130 overlaps 100-102 -> within noise;
+    # c: ranges apart but +4% -> same
+    assert verdicts == {"a": "slower", "b": "same", "c": "same"}
+    assert [row["implementation"] for row in comparison["within_noise"]] == ["b"]
+    text = baseline_markdown(comparison)
+    assert "`b` cpu float32 B=4 N=512: moved by +14% but within noise" in text
+    assert "`a` cpu float32 B=4 N=512: slower by 20%" in text
+
+
+def test_markdown_shows_the_round_range_and_the_rounds():
+    report = _report({"a": (0.100, 0.120, 0.110)}, peak_rounds=(100.0, 90.0, 100.0))
+    report["rounds"]["busy_rounds"] = [1]
+    table = markdown_table(report)
+    assert "| median ms | rounds ms |" in table
+    assert "| 110.000 | 100.000-120.000 |" in table
+    assert "Rounds: 3 (seed 5)" in table and "GEMM peak cpu/float32 per round: 100.0, 90.0, 100.0 GFLOP/s" in table
+    assert "(!) round 2: its GEMM peak is more than 5% below the best other round's" in table
+    assert "ok (drift)" in table  # 120 / 100 - 1 = 20%
+
+
+def test_ranking_sentences_state_the_spread_and_the_noise():
+    report = _report(
+        {
+            "numpy": (0.100, 0.102, 0.104),
+            "torch": (0.103, 0.106, 0.108),
+            "jax": (0.150, 0.152, 0.155),
+            "numpy:slicing": (0.090, 0.091, 0.092),
+        }
+    )
+    text = " ".join(ranking_sentences(report["cells"]))
+    assert (
+        "`numpy:slicing` 91.0 ms (90.0-92.0) < `numpy` 102.0 ms (100.0-104.0) ≈ `torch` 106.0 ms (103.0-108.0) "
+        "< `jax` 152.0 ms (150.0-155.0)"
+    ) in text
+    assert "The 4 implementations sit within 1.67x of each other" in text
+    assert "No other implementation's range overlaps the fastest's: `numpy:slicing` leads." in text
+    assert "`numpy:slicing` 91.0 ms (90.0-92.0) against `numpy` 102.0 ms (100.0-104.0): 11% faster" in text
+    tied = _report({"numpy": (0.100, 0.102, 0.104), "numpy:slicing": (0.101, 0.103, 0.105)})
+    tied_text = " ".join(ranking_sentences(tied["cells"]))
+    assert "Within noise of the fastest (their ranges overlap its range): `numpy:slicing`." in tied_text
+    assert "against `numpy` 102.0 ms (100.0-104.0): within noise" in tied_text
+
+
+def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
+    one = _report({"numpy": (0.100, 0.102, 0.104), "torch": (0.103, 0.106, 0.108)})
+    two = _report({"numpy": (0.050, 0.051, 0.052), "torch": (0.060, 0.062, 0.064)}, threads=2)
+    assert report_name(one) == "reference" and report_name(two) == "reference-t2"
+    block = readme_block({1: one, 2: two})
+    assert block.startswith(BEGIN) and block.rstrip().endswith(END)
+    assert all(len(line) <= 100 for line in block.splitlines() if not line.startswith(("|", "<!--")))
+    prose = " ".join(block.split())  # the prose is wrapped: compare with single spaces
+    assert "| `numpy` | 102.0 | 100.0-104.0 | 78.4 | 78% | 1.00 | 51.0 | 50.0-52.0 | 157% | 2.00x |" in block
+    assert (
+        "Speedup from 1 to 2 threads (1-thread median / 2-thread median): from 1.71x (`torch`) to 2.00x (`numpy`); "
+        "the GEMM peak's own ratio is 1.00x."
+    ) in prose
+    assert "other processes shared the machine" not in prose  # every cell had its core
+    for cell in one["cells"]:
+        cell["cpu_util"] = 0.4
+    one["rounds"]["busy_rounds"] = [1, 2]
+    only_one = " ".join(readme_block({1: one}).split())
+    assert "Rounds 2 and 3 are flagged busy: the GEMM peak was more than 5% below the best other round's." in only_one
+    assert "The cells got a median of 0.40 of their core (CPU time / wall time)" in only_one
+    assert "`mha-rosetta bench --preset reference --threads 2 --write-docs docs`" in only_one
+    readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
+    assert replace_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"
+    with pytest.raises(ValueError, match="no generated benchmark block"):
+        replace_block("no markers here", block)
+
+
+def test_the_readme_block_is_what_the_command_renders_from_the_committed_json():
+    reports = load_reference_reports(ROOT / "docs")
+    assert 1 in reports, "docs/bench/reference.json is committed"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start, end = readme.index(BEGIN), readme.index(END) + len(END)
+    assert readme[start:end] + "\n" == readme_block(reports), (
+        "the README's benchmark block is stale: run `mha-rosetta bench --render docs/bench/reference.json "
+        "--write-docs docs`"
+    )
+
+
+def test_render_writes_the_docs_and_the_readme_block_from_a_saved_report(tmp_path, capsys):
+    from mha_rosetta.cli.main import main
+
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(_report({"numpy": (0.100, 0.102, 0.104), "torch": (0.2, 0.21, 0.22)})))
+    docs = tmp_path / "docs"
+    (tmp_path / "README.md").write_text(f"# x\n\n{BEGIN}\nstale\n{END}\n", encoding="utf-8")
+    assert main(["bench", "--render", str(saved), "--write-docs", str(docs)]) == 0
+    written = json.loads((docs / "bench" / "reference.json").read_text())
+    assert written["cells"][0]["round_medians_s"] == [0.100, 0.102, 0.104]
+    assert "| `numpy` |" in (docs / "bench" / "reference.md").read_text()
+    readme = (tmp_path / "README.md").read_text()
+    assert "stale" not in readme and readme == f"# x\n\n{readme_block(load_reference_reports(docs))}"
+    assert "| median ms | rounds ms |" in capsys.readouterr().out  # the table, printed
+    assert main(["bench", "--render", str(tmp_path / "missing.json")]) == 2
+
+
+def test_intervals_overlap():
+    assert intervals_overlap([1, 2], [2, 3]) and intervals_overlap([1, 5], [2, 3])
+    assert not intervals_overlap([1, 2], [2.5, 3])

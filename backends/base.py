@@ -107,6 +107,12 @@ class Prepared:
     compile: Callable[[], None] | None = None
     info: dict = field(default_factory=dict)  # e.g. {"tf32": False, "matmul_precision": "highest"}
 
+    def output(self) -> np.ndarray:
+        """One forward pass, waited for and converted: the batched NumPy output (B, Nq, D)."""
+        result = self.forward()
+        self.synchronize(result)
+        return self.to_numpy(result)
+
 
 def tensor_to_numpy(value) -> np.ndarray:
     """A NumPy array, torch tensor or JAX array -> NumPy, bfloat16 upcast to float32 (exactly)."""
@@ -231,9 +237,7 @@ class Backend:
             positions=positions,
             kv_positions=kv_positions,
         )
-        result = prepared.forward()
-        prepared.synchronize(result)
-        output = inputs.unbatch(prepared.to_numpy(result))
+        output = inputs.unbatch(prepared.output())
         if not (return_weights or return_stages):
             return output
         stages = self.canonical_stages(prepared)

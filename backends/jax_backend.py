@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear
 
 from ._jax_common import (
     CompiledForward,
@@ -72,11 +72,6 @@ STAGE_NOTES = {
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {_XLA}",
 }
 
-
-def _linear(x, weight, bias):
-    """Row samples through a canonical (out, in) weight: ``x @ W.T + b``."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
 
 
 def _attend_one_head(q, k, v, allowed, *, scale: float):
@@ -142,9 +137,9 @@ def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, hea
     """
     n_q, n_k = x_q.shape[0], x_k.shape[0]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-    q = _linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
-    k = _linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
-    v = _linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
+    q = linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
+    k = linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
     q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
     k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
     v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
@@ -153,7 +148,7 @@ def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, hea
     k_rotated = _rotate_heads(k_heads, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
     heads = _attend_all_heads(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
-    output = _linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
+    output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
     return {
         "q": q,
         "k": k,

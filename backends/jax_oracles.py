@@ -23,7 +23,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, to_equinox_weights, to_flax_params
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    linear,
+    numpy_dtype,
+    to_equinox_weights,
+    to_flax_params,
+)
 
 from ._jax_common import (
     CompiledForward,
@@ -49,11 +57,6 @@ _XLA = "XLA-managed layout"
 def _scale_is_default(cfg: MHAConfig) -> bool:
     return math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k), rel_tol=1e-12)
 
-
-def _linear(x, weight, bias):
-    """Row samples through a canonical (out, in) weight: ``x @ W.T + b``."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
 
 
 class _JaxOracle(Backend):
@@ -135,9 +138,9 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
     import jax.numpy as jnp
 
     batch, n_q, n_k = x_q.shape[0], x_q.shape[1], x_k.shape[1]
-    q = _linear(x_q, params["w_q"], params["b_q"])  # (B, Nq, H*Dk)
-    k = _linear(x_k, params["w_k"], params["b_k"])  # (B, Nk, Hkv*Dk)
-    v = _linear(x_v, params["w_v"], params["b_v"])  # (B, Nk, Hkv*Dv)
+    q = linear(x_q, params["w_q"], params["b_q"])  # (B, Nq, H*Dk)
+    k = linear(x_k, params["w_k"], params["b_k"])  # (B, Nk, Hkv*Dk)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (B, Nk, Hkv*Dv)
     q_heads = q.reshape(batch, n_q, cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk): "BTNH"
     k_heads = k.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk): fewer heads = GQA
     v_heads = v.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv)
@@ -152,7 +155,7 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
     if empty_context_rows is not None:
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
     merged = context.reshape(batch, n_q, cfg.context_width)  # (B, Nq, H*Dv)
-    output = _linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
+    output = linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
     return {
         "q": q,
         "k": k,

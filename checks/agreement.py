@@ -55,6 +55,7 @@ from mha_rosetta.core import (
     Tolerance,
     allowed_positions,
     check_dtype_name,
+    error_line,
     lower_precision,
     prepare_inputs,
     reference_stages,
@@ -167,6 +168,10 @@ class Run:
             self._stages = self.stage_source() if self.stage_source else {}
         return self._stages
 
+    def release_stages(self) -> None:
+        """Drop the stage tensors and their source (and the prepared pass it holds) to free memory."""
+        self.stage_source, self._stages = None, None
+
 
 @dataclass
 class Pair:
@@ -229,6 +234,11 @@ class CheckResult:
             return 1
         return 0
 
+    @property
+    def exit_code(self) -> int:
+        """The process's exit status: 130 when interrupted (what a shell reports for Ctrl-C), else `exit_status`."""
+        return 130 if self.interrupted else self.exit_status
+
     def verdict(self) -> str:
         if self.interrupted:
             return "interrupted: the results so far are shown"
@@ -287,7 +297,7 @@ def resolve_backends(backends) -> tuple[list[Backend], dict[str, str], dict[str,
         except BackendNotInstalled as error:
             skipped[name] = str(error)
         except Exception as error:
-            broken[name] = f"the adapter failed to load: {_error_text(error)}"
+            broken[name] = f"the adapter failed to load: {error_line(error)}"
     return chosen, skipped, broken
 
 
@@ -401,10 +411,6 @@ def compare(actual, expected, dtype: str) -> Comparison:
         return core_compare(actual, expected, dtype)
 
 
-def _error_text(error: BaseException) -> str:
-    message = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {message[0] if message else ''}".rstrip(": ")
-
 
 def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _Oracle, uniform: np.ndarray) -> Run:
     case = oracle.case
@@ -425,9 +431,7 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
             positions=data.positions,
             kv_positions=data.kv_positions,
         )
-        result = prepared.forward()
-        prepared.synchronize(result)
-        output = np.asarray(prepared.to_numpy(result))
+        output = np.asarray(prepared.output())
     except UnsupportedCase as error:
         run.status, run.reason = Status.UNSUPPORTED, str(error)
         return run
@@ -435,7 +439,7 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
         run.status, run.reason = Status.SKIPPED, str(error)
         return run
     except Exception as error:  # a failing cell is reported and the check goes on
-        run.reason = _error_text(error)
+        run.reason = error_line(error)
         return run
     run.seconds = time.perf_counter() - started
     run.info = dict(prepared.info)
@@ -494,7 +498,7 @@ def _divergence(reference: dict, run: Run, dtype: str) -> Divergence | None:
     try:
         stages = run.stages()
     except Exception as error:  # a broken stage dump must not hide the disagreement itself
-        run.reason = (run.reason + "; " if run.reason else "") + f"stages unavailable ({_error_text(error)})"
+        run.reason = (run.reason + "; " if run.reason else "") + f"stages unavailable ({error_line(error)})"
         return None
     return first_divergence(reference, stages, dtype)
 
@@ -527,7 +531,7 @@ def _compare_pair(a: Run, b: Run, oracle: _Oracle) -> Pair:
     try:
         pair.divergence = first_divergence(a.stages(), b.stages(), dtype)
     except Exception as error:
-        pair.reason += f"; stages unavailable ({_error_text(error)})"
+        pair.reason += f"; stages unavailable ({error_line(error)})"
     return pair
 
 
@@ -600,7 +604,7 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, result: CheckR
                         dtype,
                         backend.kind,
                         Status.ERROR,
-                        f"oracle failed: {_error_text(error)}",
+                        f"oracle failed: {error_line(error)}",
                     )
                 )
         return
@@ -620,5 +624,4 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, result: CheckR
             for b in compared[i + 1 :]:
                 result.pairs.append(_compare_pair(a, b, oracle))
         for run in runs:  # the stage tensors of this case are no longer needed
-            run.stage_source = None
-            run._stages = None
+            run.release_stages()

@@ -17,13 +17,13 @@ says which status that is.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import math
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.core import DTYPE_NAMES, TOLERANCES
 
 from .agreement import SEVERITY, STATUS_MEANING, CheckResult, Pair, Run, Status, worst_status
@@ -49,7 +49,6 @@ RICH_STYLES = {
 }
 LEGEND = "markers: ~ known difference, * caught (known mistake), ! DISAGREE, ? MISSED (mistake not caught), E error"
 MAX_LISTED = 25  # longer lists are cut in the text report (the JSON has everything)
-VERSIONED_PACKAGES = ("mha-rosetta", "numpy", "torch", "jax", "jaxlib", "einops", "flax", "equinox", "ml_dtypes")
 
 
 # -- aggregation ------------------------------------------------------------------------
@@ -348,7 +347,7 @@ def summary_lines(result: CheckResult) -> list[str]:
         f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {result.seconds:.1f} s",
         f"against the oracle: {counts(runs)}",
         f"between implementations: {counts(pairs)}",
-        f"{result.verdict()} (exit status {130 if result.interrupted else result.exit_status})",
+        f"{result.verdict()} (exit status {result.exit_code})",
     ]
 
 
@@ -464,16 +463,6 @@ def _num(value: float | None):
     return value
 
 
-def _versions() -> dict[str, str]:
-    versions = {}
-    for package in VERSIONED_PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
-
-
 def _run_json(run: Run) -> dict:
     return {
         "case": run.case,
@@ -556,12 +545,12 @@ def to_json(result: CheckResult) -> dict:
         "schema": SCHEMA_VERSION,
         "tool": "mha-rosetta check",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "exit_status": 130 if result.interrupted else result.exit_status,
+        "exit_status": result.exit_code,
         "verdict": result.verdict(),
         "interrupted": result.interrupted,
         "seconds": result.seconds,
         "settings": result.settings,
-        "versions": _versions(),
+        "versions": library_versions(),
         "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
         "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
         "summary": {

@@ -114,4 +114,4 @@ def run(args: argparse.Namespace) -> int:
         write_json(result, args.json)
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
-    return 130 if result.interrupted else result.exit_status
+    return result.exit_code

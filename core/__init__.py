@@ -7,6 +7,7 @@ the stage contract, the float64 oracle and the tolerance table.
 
 from .config import ROPE_STYLES, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
+from .errors import error_line
 from .inputs import MHAInputs, allowed_positions, causal_mask, prepare_inputs
 from .layouts import (
     from_dense_general_kernel,
@@ -28,7 +29,7 @@ from .layouts import (
     torch_mha_unsupported_reason,
 )
 from .params import MHAParams, expected_param_shapes, init_params, validate_params
-from .reference import reference_mha, reference_stages, softmax_with_empty_rows
+from .reference import linear, reference_mha, reference_stages, softmax_with_empty_rows
 from .rotary import (
     RotaryTables,
     apply_rotary,
@@ -63,6 +64,7 @@ __all__ = [
     "causal_mask",
     "check_dtype_name",
     "compare",
+    "error_line",
     "expected_param_shapes",
     "from_dense_general_kernel",
     "from_equinox_weights",
@@ -71,6 +73,7 @@ __all__ = [
     "from_torch_mha_state_dict",
     "init_params",
     "inverse_frequencies",
+    "linear",
     "lower_precision",
     "merge_head_bias",
     "merge_head_matrices",

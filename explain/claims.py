@@ -25,6 +25,8 @@ import numpy as np
 from mha_rosetta.core import (
     MHAConfig,
     compare,
+    error_line,
+    linear,
     merge_head_matrices,
     reference_mha,
     split_head_matrices,
@@ -84,19 +86,10 @@ def _fmt(values) -> str:
     return np.array2string(array, precision=4, separator=", ")
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """Row samples through an (out, in) weight: x @ weight.T (+ bias when the layer has one)."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
-
 
 def _max_abs(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
 
-
-def _torch_message(error: BaseException) -> str:
-    """The first line of a library's error, quoted as evidence."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
 
 # --- running the project's own backends as extra evidence ---------------------------------------
@@ -109,7 +102,7 @@ def _backend_run(name: str, setup: Setup, strategy: str = "standard", dtype: str
 
         return get_backend(name).run(setup.cfg, setup.params, setup.x, dtype=dtype, strategy=strategy), ""
     except Exception as error:  # a missing or unfinished adapter is reported, not fatal
-        return None, f"{name} ({strategy}) not run: {_torch_message(error)}"
+        return None, f"{name} ({strategy}) not run: {error_line(error)}"
 
 
 def _backend_stages(name: str, setup: Setup, dtype: str = "float64"):
@@ -120,7 +113,7 @@ def _backend_stages(name: str, setup: Setup, dtype: str = "float64"):
         prepared, _ = get_backend(name).prepare(setup.cfg, setup.params, setup.x, dtype=dtype)
         return prepared.native_stages(), ""
     except Exception as error:
-        return None, f"{name} stages not available: {_torch_message(error)}"
+        return None, f"{name} stages not available: {error_line(error)}"
 
 
 def _strategy_errors(setup: Setup, strategy: str, backends=("numpy", "torch")) -> tuple[dict[str, float], list[str]]:
@@ -207,7 +200,7 @@ def claim_2(setup: Setup) -> ClaimResult:
             x @ linear.weight  # (3, 4) @ (2, 4): the weight must be transposed first
             raised = "no error"
         except RuntimeError as error:
-            raised = _torch_message(error)
+            raised = error_line(error)
     shape = tuple(linear.weight.shape)
     ok = shape == (2, 4) and difference <= 1e-12 and raised != "no error"
     evidence = [
@@ -329,15 +322,15 @@ def claim_5(setup: Setup) -> ClaimResult:
 
 def _attention_with_split(cfg: MHAConfig, params, x: np.ndarray, split: Callable, merge: Callable) -> np.ndarray:
     """One batch item of MHA (float64) with a given head split/merge, to isolate the split's effect."""
-    q = _linear(x, params.w_q, params.b_q)  # (N, H*Dk)
-    k = _linear(x, params.w_k, params.b_k)  # (N, H*Dk)
-    v = _linear(x, params.w_v, params.b_v)  # (N, H*Dv)
+    q = linear(x, params.w_q, params.b_q)  # (N, H*Dk)
+    k = linear(x, params.w_k, params.b_k)  # (N, H*Dk)
+    v = linear(x, params.w_v, params.b_v)  # (N, H*Dv)
     qh, kh, vh = split(q), split(k), split(v)  # (H, N, Dk) each
     scores = cfg.scale * qh @ kh.transpose(0, 2, 1)  # (H, N, N)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
     context = weights @ vh  # (H, N, Dv)
-    return _linear(merge(context), params.w_o, params.b_o)  # (N, D)
+    return linear(merge(context), params.w_o, params.b_o)  # (N, D)
 
 
 def claim_6(setup: Setup) -> ClaimResult:
@@ -403,9 +396,9 @@ def claim_7(setup: Setup) -> ClaimResult:
         lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (N, H*Dv)
     )
     # One head at a time: slice the columns of each head, attend, concatenate.
-    q = _linear(x, setup.params.w_q, setup.params.b_q)  # (N, H*Dk)
-    k = _linear(x, setup.params.w_k, setup.params.b_k)
-    v = _linear(x, setup.params.w_v, setup.params.b_v)
+    q = linear(x, setup.params.w_q, setup.params.b_q)  # (N, H*Dk)
+    k = linear(x, setup.params.w_k, setup.params.b_k)
+    v = linear(x, setup.params.w_v, setup.params.b_v)
     contexts = []
     for h in range(H):
         cols_k = slice(h * cfg.d_k, (h + 1) * cfg.d_k)
@@ -413,7 +406,7 @@ def claim_7(setup: Setup) -> ClaimResult:
         scores = cfg.scale * q[:, cols_k] @ k[:, cols_k].T  # (N, N)
         weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         contexts.append((weights / weights.sum(axis=-1, keepdims=True)) @ v[:, cols_v])  # (N, Dv)
-    sliced = _linear(np.concatenate(contexts, axis=1), setup.params.w_o, setup.params.b_o)  # (N, D)
+    sliced = linear(np.concatenate(contexts, axis=1), setup.params.w_o, setup.params.b_o)  # (N, D)
     difference = _max_abs(sliced, batched)
     evidence = [f"correctness: slicing vs batched heads max diff {difference:.1e}"]
     adapter_errors, notes = _strategy_errors(setup, "slicing")
@@ -460,7 +453,7 @@ def claim_9(setup: Setup) -> ClaimResult:
             swapped.view(N, H * Dv)
             view_error = "no error"
         except RuntimeError as error:
-            view_error = _torch_message(error)
+            view_error = error_line(error)
         made_contiguous = swapped.contiguous()  # (N, H, Dv), new memory in row-major order
         merged = made_contiguous.view(N, H * Dv)  # (N, H*Dv), now a view of that copy
         with warnings.catch_warnings(record=True) as caught:
@@ -493,7 +486,7 @@ def claim_9(setup: Setup) -> ClaimResult:
         np.reshape(swapped_np, (N, H * Dv), copy=False)  # NumPy's "view or fail" (numpy >= 2.1)
         numpy_error = "no error"
     except ValueError as error:
-        numpy_error = _torch_message(error)
+        numpy_error = error_line(error)
     except TypeError:
         numpy_error = "n/a (this NumPy has no reshape(copy=False))"
     reshaped_np = swapped_np.reshape(N, H * Dv)  # (N, H*Dv): a silent copy
@@ -555,16 +548,16 @@ def claim_11(setup: Setup) -> ClaimResult:
     title = CLAIM_TITLES[11]
     cfg, params, x = setup.cfg, setup.params, setup.x[0]
     N, H = x.shape[0], cfg.n_heads
-    q = (_linear(x, params.w_q, params.b_q)).reshape(N, H, cfg.d_k)  # (N, H, Dk): a view, no transpose
-    k = (_linear(x, params.w_k, params.b_k)).reshape(N, H, cfg.d_k)  # (N, H, Dk)
-    v = (_linear(x, params.w_v, params.b_v)).reshape(N, H, cfg.d_v)  # (N, H, Dv)
+    q = (linear(x, params.w_q, params.b_q)).reshape(N, H, cfg.d_k)  # (N, H, Dk): a view, no transpose
+    k = (linear(x, params.w_k, params.b_k)).reshape(N, H, cfg.d_k)  # (N, H, Dk)
+    v = (linear(x, params.w_v, params.b_v)).reshape(N, H, cfg.d_v)  # (N, H, Dv)
     scores_einsum = cfg.scale * np.einsum("nhd,mhd->hnm", q, k)  # (H, N, N) straight from (N, H, Dk)
     scores_transposed = cfg.scale * q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)  # (H, N, Dk) @ (H, Dk, N)
     weights = np.exp(scores_einsum - scores_einsum.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
     context = np.einsum("hnm,mhd->nhd", weights, v)  # (N, H, Dv): tokens first again
     merged = context.reshape(N, -1)  # (N, H*Dv): a view, since context is already token-major
-    output = _linear(merged, params.w_o, params.b_o)  # (N, D)
+    output = linear(merged, params.w_o, params.b_o)  # (N, D)
     reference = reference_mha(cfg, params, x)
     score_diff, output_error = _max_abs(scores_einsum, scores_transposed), _max_abs(output, reference)
     merge_is_view = shares_memory(merged, context)
@@ -637,7 +630,7 @@ def speed_answers(threads: int = 1, quick: bool = True) -> tuple[dict[int, list[
     try:
         answers = run_speed_questions(threads=threads, quick=quick)
     except Exception as error:  # a failed benchmark must not hide the other claims
-        return {}, f"benchmark questions failed: {_torch_message(error)}"
+        return {}, f"benchmark questions failed: {error_line(error)}"
     grouped: dict[int, list[dict]] = {}
     for answer in answers:
         grouped.setdefault(int(answer["claim"]), []).append(answer)

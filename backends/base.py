@@ -36,7 +36,7 @@ from mha_rosetta.core import (
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
 
-# The seed's head-split strategies. "direct_reshape" is the known mistake
+# The column/row-sample article's head-split strategies. "direct_reshape" is the known mistake
 # (reshape (N, D) straight to (H, N, Dk)); it is kept to prove that the checks catch it.
 STANDARD = "standard"
 PER_HEAD = "per_head"

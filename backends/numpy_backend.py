@@ -1,6 +1,6 @@
 """The NumPy adapter: multi-head attention in column samples, ``Y = W @ X + b``.
 
-Convention A of the seed. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
+Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
 every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
 ``Y = W @ X``, so each row of ``W`` is a scorer that reads one column (token) and writes
 one output feature. The batch is a leading axis, ``(B, features, tokens)``.
@@ -26,8 +26,8 @@ What follows from that layout, and what this adapter shows:
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
 
-Strategies (the seed's variants): STANDARD (merged projections, reshape split);
-PER_HEAD (one ``(Dk, D)`` matrix per head, the seed's ``W_h`` transposed for columns, in
+Strategies (the column/row-sample article's variants): STANDARD (merged projections, reshape split);
+PER_HEAD (one ``(Dk, D)`` matrix per head, the column/row-sample article's ``W_h`` transposed for columns, in
 a loop over heads); SLICING (merged projections, then one head at a time by slicing row
 blocks); DIRECT_RESHAPE (the known mistake: it treats the data as row samples and
 reshapes ``(N, H*Dk)`` straight to ``(H, N, Dk)``, so each head sees a slice of the tokens
@@ -149,7 +149,7 @@ class ColumnSampleMHA:
         self.w_q, self.w_k, self.w_v, self.w_o = (weight(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         self.b_q, self.b_k, self.b_v, self.b_o = (bias(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
 
-        # PER_HEAD: the seed's W_h (D, Dk) per head, transposed once to (Dk, D) for W_h^T @ X.
+        # PER_HEAD: the column/row-sample article's W_h (D, Dk) per head, transposed once to (Dk, D) for W_h^T @ X.
         def per_head(w, n_heads):
             return np.ascontiguousarray(split_head_matrices(w, n_heads).transpose(0, 2, 1))  # (heads, d, in)
 

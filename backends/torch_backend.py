@@ -1,6 +1,6 @@
 """The PyTorch adapter: multi-head attention in row samples, the way ``nn.Linear`` code does it.
 
-Convention B of the seed, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
+Convention B of the column/row-sample article, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
 Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
 ``nn.Linear.weight`` layout ``(out, in)`` and a projection is ``F.linear(x, W, b)``,
 that is ``x @ W.T + b``: the *columns* of ``W.T`` are the scorers. Heads are split with
@@ -13,7 +13,7 @@ are folded into the token axis, ``(B, H, Nq, Dk) -> (B*Hkv, G*Nq, Dk)``, so one 
 product per kv head serves the whole group. That reshape copies the queries, the same copy
 a batched product of the strided head view needs anyway; with G = 1 it is plain MHA.
 
-Strategies: STANDARD (merged projection, view + transpose); PER_HEAD (the seed's own
+Strategies: STANDARD (merged projection, view + transpose); PER_HEAD (the column/row-sample article's own
 matrices ``W_h`` (D, Dk) per head, ``Q_h = X @ W_h``, in a loop); SLICING (merged projection,
 then column slices ``q[:, :, h*Dk:(h+1)*Dk]`` one head at a time); DIRECT_RESHAPE (the
 known mistake: ``q.view(B, H, N, Dk)`` without the transpose).
@@ -142,7 +142,7 @@ class RowSampleMHA:
         # nn.Linear layout (out, in), used as is by F.linear.
         self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         self.b_q, self.b_k, self.b_v, self.b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
-        # PER_HEAD: the seed's W_h (D, Dk) per head, Q_h = X @ W_h (row samples: columns are scorers).
+        # PER_HEAD: the article's W_h (D, Dk) per head, Q_h = X @ W_h (row samples: columns are scorers).
         self.w_q_heads = tensor(split_head_matrices(params.w_q, cfg.n_heads))  # (H, D, Dk)
         self.w_k_heads = tensor(split_head_matrices(params.w_k, cfg.n_kv_heads))  # (Hkv, kdim, Dk)
         self.w_v_heads = tensor(split_head_matrices(params.w_v, cfg.n_kv_heads))  # (Hkv, vdim, Dv)

@@ -202,7 +202,9 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
         )
     if strategy_texts:
         sentences.append(
-            "The seed's other head-split strategies against the standard path: " + "; ".join(strategy_texts) + "."
+            "The column/row-sample article's other head-split strategies against the standard path: "
+            + "; ".join(strategy_texts)
+            + "."
         )
     if single:
         sentences.append("One round only: no spread was measured, so no difference here is known to exceed the noise.")

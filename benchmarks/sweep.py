@@ -24,7 +24,7 @@ What it guarantees:
 
 Implementation names: registry backend names (``numpy``, ``torch-sdpa``, ...), optionally
 with a strategy (``numpy:slicing``), or the groups ``main`` (every installed backend in
-its standard strategy), ``strategies`` (the seed's other correct strategies of every
+its standard strategy), ``strategies`` (the column/row-sample article's other correct strategies of every
 backend that has them) and ``all`` (both). The direct-reshape strategy is the known
 mistake: it is never part of a group, though it can be named explicitly.
 """
@@ -147,7 +147,7 @@ def main_implementations() -> list[str]:
 
 
 def strategy_implementations() -> list[str]:
-    """The seed's other correct strategies (per-head matrices, slicing) of every installed backend."""
+    """The article's other correct strategies (per-head matrices, slicing) of every installed backend."""
     _registry_dict, available_backends, get_backend, known_wrong = _registry()
     labels = []
     for name in available_backends():

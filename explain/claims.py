@@ -1,4 +1,13 @@
-"""The seed's twelve claims (shared/DESIGN.md, "The seed's claims"), each an executable check.
+"""The column/row-sample article's twelve claims, each an executable check.
+
+The column/row-sample article is the (Chinese) text this project grew from. It explains
+multi-head attention through two ways of holding data: column samples (a token per
+column, ``Y = W @ X``, rows of W are the scorers) and row samples (a token per row,
+``Y = X @ W.T``, PyTorch's ``nn.Linear``). It claims that the two give the same numbers,
+that heads are split by a reshape plus a transpose while a direct reshape is wrong,
+that per-head matrices side by side are the merged one, that slicing heads one at a
+time is slower, that ``view`` after a transpose needs ``.contiguous()``, and that einsum
+keeps ``(N, h, d_k)`` without a transpose; `CLAIM_TITLES` lists all twelve.
 
 Every check returns a `ClaimResult`: the claim's number and title, a verdict, and the
 evidence, which is what was measured or the error that was actually raised. Nothing
@@ -131,7 +140,7 @@ def _strategy_errors(setup: Setup, strategy: str, backends=("numpy", "torch")) -
 
 # --- the claims ------------------------------------------------------------------------------
 
-# The claims in this project's words (the seed states them in Chinese; DESIGN.md numbers them).
+# The claims in this project's words (the article states them in Chinese; the numbers are this project's).
 CLAIM_TITLES = {
     1: "Column samples (Y = W_A @ X, rows of W are scorers) and row samples (Y = X @ W_B, columns are scorers) give the same numbers: W_B = W_A.T, Y_B = Y_A.T",
     2: "nn.Linear.weight is (out, in) and computes x @ W.T + b",
@@ -190,7 +199,7 @@ def claim_2(setup: Setup) -> ClaimResult:
     import torch
 
     torch.manual_seed(0)
-    linear = torch.nn.Linear(in_features=4, out_features=2, dtype=torch.float64)  # the seed's example
+    linear = torch.nn.Linear(in_features=4, out_features=2, dtype=torch.float64)  # the article's example
     x = torch.randn(3, 4, dtype=torch.float64)  # (N, in): 3 row samples
     with torch.no_grad():
         y = linear(x)
@@ -272,7 +281,7 @@ def claim_4(setup: Setup) -> ClaimResult:
             f"every row i found at D[i // 8, k, i % 8]: {every_row}; inverse chain gives A back exactly: {exact}; "
             f"B, C, D and the rebuilt A all share A's memory (no copy): {no_copy}"
         )
-    evidence.append("note: the grouping into 4 blocks of 8 tokens is the seed's exercise, not a step of MHA")
+    evidence.append("note: the grouping into 4 blocks of 8 tokens is the article's exercise, not a step of MHA")
     return ClaimResult(4, title, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
@@ -343,11 +352,14 @@ def claim_6(setup: Setup) -> ClaimResult:
         f"correct split: head 0 sees tokens {right.tokens_of(0)} and features {right.features_of(0)}",
         f"direct reshape: head 0 sees tokens {wrong.tokens_of(0)} and features {wrong.features_of(0)}",
     ]
-    # The seed's 4-token example: 4 tokens of 4 numbers, 2 heads of 2.
+    # The column/row-sample article's 4-token example: 4 tokens of 4 numbers, 2 heads of 2.
     a = np.arange(1, 17).reshape(4, 4)  # (4 tokens, 4 features)
     correct_head0 = a.reshape(4, 2, 2).transpose(1, 0, 2)[0]  # (4, 2, 2) -> (2, 4, 2), head 0
     wrong_head0 = a.reshape(2, 4, 2)[0]  # (2, 4, 2) in one reshape, head 0
-    evidence.append(f"seed's 4-token example: correct head 0 = {correct_head0.tolist()}, direct reshape head 0 = {wrong_head0.tolist()}")
+    evidence.append(
+        f"the article's 4-token example: correct head 0 = {correct_head0.tolist()}, "
+        f"direct reshape head 0 = {wrong_head0.tolist()}"
+    )
     correct_out = _attention_with_split(
         cfg, setup.params, x,
         lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (N, H, d) -> (H, N, d)
@@ -580,7 +592,7 @@ def claim_11(setup: Setup) -> ClaimResult:
 
 def claim_12(setup: Setup) -> ClaimResult:
     title = CLAIM_TITLES[12]
-    d_model = 12  # the seed's token width
+    d_model = 12  # the column/row-sample article's token width
     token = np.zeros(d_model)
     token[[0, 2]] = [1.0, 2.0]
     scorer = np.zeros(d_model)

@@ -440,7 +440,7 @@ DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
 
 
 def run_differences(setup: Setup | None = None, keys: list[str] | None = None) -> list[Difference]:
-    """Run the demonstrations (all by default) on ``setup`` (default: the seed's configuration)."""
+    """Run the demonstrations (all by default) on ``setup`` (default: the column/row-sample article's configuration)."""
     setup = make_setup() if setup is None else setup
     keys = list(DEMONSTRATIONS) if keys is None else keys
     unknown = [key for key in keys if key not in DEMONSTRATIONS]

@@ -75,7 +75,7 @@ def weights_table(explanation) -> tuple[str, list[str], list[list[str]]]:
 
 def claims_table(explanation) -> tuple[str, list[str], list[list[str]]]:
     rows = [[str(c.claim), c.title, c.verdict] for c in explanation.claims]
-    return "The seed's claims", ["#", "claim", "verdict"], rows
+    return "The column/row-sample article's claims", ["#", "claim", "verdict"], rows
 
 
 def difference_tables(explanation) -> list[tuple[str, str, list[str], list[list[str]], str]]:
@@ -130,7 +130,7 @@ def _text_section(explanation, section: str) -> list[str]:
         for claim in explanation.claims:
             evidence = "\n".join(f"    - {line}" for line in claim.evidence)
             parts.append(f"claim {claim.claim}: {claim.title}\n  verdict: {claim.verdict}\n  evidence:\n{evidence}")
-        return ["== The seed's claims", *parts]
+        return ["== The column/row-sample article's claims", *parts]
     return []
 
 
@@ -194,7 +194,8 @@ def print_rich(explanation, file=None) -> None:
         elif section == "claims":
             from rich.table import Table
 
-            table = Table(title="The seed's claims", title_justify="left", show_lines=True, expand=True)
+            title = "The column/row-sample article's claims"
+            table = Table(title=title, title_justify="left", show_lines=True, expand=True)
             for header, ratio in (("#", None), ("claim", 3), ("evidence", 6), ("verdict", 2)):
                 table.add_column(header, overflow="fold", ratio=ratio)
             for claim in explanation.claims:

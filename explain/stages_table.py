@@ -16,7 +16,7 @@ from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES, MHAConfig, MHAParams
 
 from .memory import XLA_MANAGED, array_library, contiguity, strides_in_elements
 
-# What each axis symbol of `core.stages` means, in the words of the seed's picture:
+# What each axis symbol of `core.stages` means, in the words of the column/row-sample article's picture:
 # samples (batch items, tokens), features, heads, and the scorers that make features.
 AXIS_MEANING = {
     "B": "samples (batch)",

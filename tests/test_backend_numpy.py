@@ -52,7 +52,7 @@ def test_direct_reshape_mistake_is_caught_at_q_heads(backend, case, dtype):
 
 
 def test_direct_reshape_gives_each_head_a_block_of_tokens(backend):
-    """The mistake's head 0 holds tokens 0..N/H-1 with all their features, as the seed says."""
+    """The mistake's head 0 holds tokens 0..N/H-1 with all their features, as the column/row-sample article says."""
     cfg = MHAConfig(d_model=6, n_heads=2)  # 3 features per head
     params = init_params(cfg, seed=3)
     x = np.random.default_rng(0).standard_normal((1, 4, 6))  # 4 tokens
@@ -75,7 +75,7 @@ def test_column_layout_of_native_stages(backend):
     H, Dk = case.cfg.n_heads, case.cfg.d_k
     q = native["q"]
     assert q.axes == ("B", "H*Dk", "Nq")
-    expected_q0 = params.w_q @ query[0].T + params.b_q[:, None]  # the seed's convention A, by hand
+    expected_q0 = params.w_q @ query[0].T + params.b_q[:, None]  # the column/row-sample article's convention A, by hand
     np.testing.assert_allclose(q.value[0], expected_q0, rtol=1e-12, atol=1e-12)
     heads = native["q_heads"]
     assert heads.axes == ("B", "H", "Dk", "Nq")

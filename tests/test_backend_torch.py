@@ -58,7 +58,7 @@ def test_direct_reshape_mistake_is_caught_at_q_heads(backend, case, dtype):
 
 
 def test_direct_reshape_is_the_same_mistake_as_numpys(backend):
-    """Both adapters make the one mistake the seed describes, so they agree with each other."""
+    """Both adapters make the one mistake the column/row-sample article describes, so they agree with each other."""
     case = CASES[3]  # GQA, cross-attention, causal, custom scale
     query, key, value, mask = case.inputs()
     numpy_out = get_backend("numpy").run(case.cfg, case.params(), query, key, value, mask, strategy=DIRECT_RESHAPE)

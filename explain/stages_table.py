@@ -14,7 +14,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES, MHAConfig, MHAParams
 
-from .memory import XLA_MANAGED, array_library, contiguity, strides_in_elements
+from .memory import UNKNOWN_LAYOUT, XLA_MANAGED, array_library, contiguity, strides_in_elements
 
 # What each axis symbol of `core.stages` means, in the words of the column/row-sample article's picture:
 # samples (batch items, tokens), features, heads, and the scorers that make features.
@@ -53,7 +53,9 @@ class StageRow:
 
     @property
     def strides_text(self) -> str:
-        return XLA_MANAGED if self.strides is None else str(self.strides)
+        if self.strides is not None:
+            return str(self.strides)
+        return XLA_MANAGED if self.library == "jax" else UNKNOWN_LAYOUT
 
     def to_dict(self) -> dict:
         data = asdict(self)

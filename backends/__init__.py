@@ -1,17 +1,18 @@
 """mha_rosetta.backends: one adapter per framework convention, registered by name.
 
-Importing this package imports no framework. `available_backends` asks
-`importlib.util.find_spec`, which looks for a module without importing it, and
-`get_backend` imports an adapter's module only when that backend is asked for.
+Importing this package imports no framework. `available_backends` imports each
+framework once to see that it really loads (`_probe.import_failure`: a library that is
+installed but fails to import is a skip with the error, not a crash), and `get_backend`
+imports an adapter's module only when that backend is asked for.
 The registry is an explicit dict: adding a backend is one line here plus its module.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass, field
 
+from ._probe import import_failure, probe
 from .base import (
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
@@ -31,7 +32,7 @@ from .base import (
 class BackendEntry:
     module: str  # relative to this package
     cls: str
-    requires: tuple[str, ...]  # importable modules, checked without importing them
+    requires: tuple[str, ...]  # modules the backend imports; each is probed by importing it once
     extra: str  # the pip extra that installs them
     kwargs: dict = field(default_factory=dict)
     kind: str = "implementation"  # or "oracle": a library's own attention, fed our parameters
@@ -48,11 +49,11 @@ def register(name: str, entry: BackendEntry) -> None:
 
 
 def _missing_modules(entry: BackendEntry) -> list[str]:
-    return [module for module in entry.requires if importlib.util.find_spec(module) is None]
+    return [module for module in entry.requires if import_failure(module)]
 
 
 def available_backends(kind: str | None = None) -> list[str]:
-    """Names of the registered backends whose frameworks are installed (none imported)."""
+    """Names of the registered backends whose frameworks import here (each imported once to check)."""
     return [name for name, entry in REGISTRY.items() if not _missing_modules(entry) and kind in (None, entry.kind)]
 
 
@@ -62,8 +63,11 @@ def missing_backends() -> dict[str, str]:
 
 
 def _not_installed_message(name: str, entry: BackendEntry) -> str:
-    missing = ", ".join(_missing_modules(entry))
-    return f"backend {name!r} needs {missing}, which is not installed: pip install 'mha-rosetta[{entry.extra}]'"
+    missing = _missing_modules(entry)
+    broken = [probe(module).reason for module in missing if probe(module).installed]
+    if broken:
+        return f"backend {name!r} cannot load: {'; '.join(broken)}"
+    return f"backend {name!r} needs {', '.join(missing)}, which is not installed: pip install 'mha-rosetta[{entry.extra}]'"
 
 
 _INSTANCES: dict[str, Backend] = {}

@@ -11,6 +11,7 @@ Three JAX facts that every JAX-based adapter must handle the same way:
   float32 runs stay float32 after the switch; the adapters never rely on defaults.
 * On a GPU, JAX's default float32 matmul precision may use TF32 (10-bit mantissa).
   Comparisons run at ``"highest"``; ``"default"`` is selectable to show TF32's effect.
+  Six names select three programs (`LOWERED_PRECISION`); only HIGHEST is float32 throughout.
   The precision is a tracing-time setting, so it is applied around ``lower()``.
 * ``jax.jit`` compiles on the first call. `CompiledForward` does ``lower().compile()``
   on the converted, device-resident arguments in `Prepared.compile`, outside the
@@ -26,9 +27,32 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
 from ._inputs import convert_inputs
+from ._tf32 import forced_note, tf32_forced
 from .base import Prepared, tensor_to_numpy
 
 MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
+# What each name of ``jax.default_matmul_precision`` puts into the lowered program (the
+# ``precision = [X, X]`` of every float32 ``dot_general``; a test lowers each name and reads
+# it). Names that lower alike run alike: "float32" is "highest", "tensorfloat32" is "high",
+# "bfloat16" is "default".
+LOWERED_PRECISION = {
+    "highest": "HIGHEST",
+    "float32": "HIGHEST",
+    "high": "HIGH",
+    "tensorfloat32": "HIGH",
+    "default": "DEFAULT",
+    "bfloat16": "DEFAULT",
+}
+
+
+def allows_tf32(matmul_precision: str) -> bool:
+    """Whether a float32 product at this precision name may use TF32 on a GPU: every name but full float32.
+
+    On NVIDIA GPUs XLA runs DEFAULT and HIGH float32 products with TF32 where the hardware
+    has it; only HIGHEST keeps float32 arithmetic. Torch adapters given a JAX precision name
+    (einops on torch arrays) turn TF32 on by the same rule.
+    """
+    return LOWERED_PRECISION[check_matmul_precision(matmul_precision)] != "HIGHEST"
 
 
 def check_matmul_precision(precision: object) -> str:
@@ -174,7 +198,7 @@ class CompiledForward:
 
         self._jitted = jax.jit(fn)
         self.args = args
-        self.matmul_precision = matmul_precision
+        self.matmul_precision = effective_precision(matmul_precision)
         self._compiled = None
 
     def compile(self) -> None:
@@ -215,12 +239,25 @@ def compiled_prepared(
     )
 
 
+def effective_precision(matmul_precision: str) -> str:
+    """The precision name a program is lowered at: ``matmul_precision``, or "tensorfloat32" in its
+    place when `_tf32.tf32_forced` asks for TF32 and it would otherwise be full float32."""
+    if tf32_forced() and not allows_tf32(matmul_precision):
+        return "tensorfloat32"
+    return matmul_precision
+
+
 def precision_info(dtype: str, device: str, matmul_precision: str) -> dict:
     """What Prepared.info records about numerics, so reports can say what was compared."""
     import jax
 
-    info = {"matmul_precision": matmul_precision, "jax_enable_x64": bool(jax.config.jax_enable_x64)}
+    matmul_precision = effective_precision(matmul_precision)
+    info = {
+        "matmul_precision": matmul_precision,
+        "lowered_precision": LOWERED_PRECISION[matmul_precision],
+        "jax_enable_x64": bool(jax.config.jax_enable_x64),
+        **forced_note(),
+    }
     if device == "gpu" and dtype == "float32":
-        # "default" lets XLA pick TF32 on GPUs that have it; "high" is three bfloat16 passes.
-        info["tf32"] = matmul_precision in ("default", "tensorfloat32")
+        info["tf32"] = allows_tf32(matmul_precision)
     return info

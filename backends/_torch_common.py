@@ -10,6 +10,13 @@ another library set, so a GPU run sets both switches explicitly for the duration
 forward pass (`matmul_precision`) and restores them afterwards. The default is TF32
 off; an adapter built with ``allow_tf32=True`` turns it on, which is how a test or the
 check shows what TF32 does to the error. On the CPU the switches have no effect.
+
+Two APIs hold these switches since torch 2.9: the old booleans and the new
+``fp32_precision`` strings ("ieee", "tf32", "none" = inherit). Once the new one has set
+TF32 on, reading the old getters raises ``RuntimeError`` ("mix of the legacy and new
+APIs"). `tf32_switches` therefore reads through the old API where torch allows it and
+through the new one otherwise, and `matmul_precision` writes and restores through the same
+API it read, so a program that uses either API finds its own state unchanged afterwards.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, rotary_tables
 
 from ._inputs import convert_inputs
+from ._tf32 import forced_note, tf32_forced
 
 
 def torch_dtype(name: str):
@@ -84,24 +92,64 @@ def synchronizer(device: str) -> Callable[[object], None]:
     return lambda result: torch.cuda.synchronize()
 
 
-@contextmanager
-def matmul_precision(allow_tf32: bool):
-    """Set torch's TF32 switches for the block, then restore what was there."""
+def tf32_switches() -> dict:
+    """torch's TF32 switches now: ``{"api", "matmul", "cudnn"}``, read through an API that torch lets us read.
+
+    ``api`` is "allow_tf32" (the values are booleans) or "fp32_precision" (the values are
+    the strings of torch >= 2.9's new API, used when the old getters refuse to answer).
+    """
     import torch
 
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    torch.backends.cudnn.allow_tf32 = allow_tf32
+    try:
+        return {
+            "api": "allow_tf32",
+            "matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn": bool(torch.backends.cudnn.allow_tf32),
+        }
+    except RuntimeError:  # torch >= 2.9 after the new API turned TF32 on: the old getters raise
+        return {
+            "api": "fp32_precision",
+            "matmul": torch.backends.cuda.matmul.fp32_precision,
+            "cudnn": torch.backends.cudnn.fp32_precision,
+        }
+
+
+def set_tf32_switches(state: dict) -> None:
+    """Write a `tf32_switches` state back, through the API it names."""
+    import torch
+
+    if state["api"] == "allow_tf32":
+        torch.backends.cuda.matmul.allow_tf32 = state["matmul"]
+        torch.backends.cudnn.allow_tf32 = state["cudnn"]
+    else:
+        torch.backends.cuda.matmul.fp32_precision = state["matmul"]
+        torch.backends.cudnn.fp32_precision = state["cudnn"]
+
+
+def tf32_state(allow_tf32: bool, api: str) -> dict:
+    """The switches that turn TF32 on or off for both cuBLAS and cuDNN, in ``api``'s terms."""
+    if api == "allow_tf32":
+        return {"api": api, "matmul": allow_tf32, "cudnn": allow_tf32}
+    value = "tf32" if allow_tf32 else "ieee"
+    return {"api": api, "matmul": value, "cudnn": value}
+
+
+@contextmanager
+def matmul_precision(allow_tf32: bool):
+    """Set torch's TF32 switches for the block, then restore what was there (through the API it was read with)."""
+    saved = tf32_switches()
+    set_tf32_switches(tf32_state(bool(allow_tf32), saved["api"]))
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        set_tf32_switches(saved)
 
 
 def with_matmul_precision(run: Callable, device: str, allow_tf32: bool) -> Callable:
-    """``run`` wrapped so that TF32 is set explicitly while it runs (GPU only)."""
+    """``run`` wrapped so that TF32 is set explicitly while it runs (GPU only; `_tf32` can force it on)."""
     if device != "gpu":
         return run
+    allow_tf32 = allow_tf32 or tf32_forced()
 
     def wrapped(*args, **kwargs):
         with matmul_precision(allow_tf32):
@@ -125,11 +173,13 @@ def precision_info(device: str, dtype: str, allow_tf32: bool) -> dict:
     """What `Prepared.info` records about float32 matmul precision."""
     if device != "gpu":
         return {"tf32": False, "matmul_precision": "ieee (CPU: TF32 does not apply)"}
+    allow_tf32 = allow_tf32 or tf32_forced()
     used = allow_tf32 and dtype == "float32"
     return {
         "tf32": used,
         "matmul_precision": "tf32" if used else "ieee",
-        "tf32_switches": f"torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = {allow_tf32} during forward",
+        "tf32_switches": f"cuBLAS and cuDNN TF32 {'on' if allow_tf32 else 'off'} during forward, restored after",
+        **forced_note(),
     }
 
 

@@ -62,7 +62,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
 from ._inputs import convert_inputs
-from ._jax_common import check_matmul_precision
+from ._jax_common import allows_tf32, check_matmul_precision
 from ._layouts import TOKENS_FIRST_STAGE_AXES
 from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
@@ -636,10 +636,22 @@ class EinopsBackend(Backend):
                 compile=compiled.compile,
                 info=info,
             )
+
+        def run():
+            return forward(*args)
+
+        def record():
+            return stages_of(*args)
+
+        if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
+            from ._torch_common import with_matmul_precision
+
+            tf32 = allows_tf32(self.matmul_precision)
+            run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
         return Prepared(
-            forward=lambda: forward(*args),
+            forward=run,
             to_numpy=tensor_to_numpy,
-            native_stages=lambda: stage_tensors(ops, plan, stages_of(*args), cfg.rope),
+            native_stages=lambda: stage_tensors(ops, plan, record(), cfg.rope),
             synchronize=ops.synchronize,
             info=info,
         )
@@ -656,11 +668,9 @@ class EinopsBackend(Backend):
             from ._jax_common import precision_info
 
             info.update(precision_info(dtype, device, self.matmul_precision))
-        elif device == "gpu" and dtype == "float32":
-            import torch
+        elif device == "gpu":
+            from ._torch_common import precision_info
 
-            # Process-global: TF32 off so float32 comparisons mean float32.
-            torch.backends.cuda.matmul.allow_tf32 = self.matmul_precision != "highest"
-            torch.backends.cudnn.allow_tf32 = self.matmul_precision != "highest"
-            info["tf32"] = self.matmul_precision != "highest"
+            # torch's switches are set around each forward and restored (`_torch_common.matmul_precision`).
+            info.update(precision_info(device, dtype, allows_tf32(self.matmul_precision)))
         return info

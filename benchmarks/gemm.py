@@ -7,14 +7,27 @@ once per library that can do the product (NumPy, PyTorch, JAX; whichever are ins
 and the best of them is the peak. The record keeps every library's figure and names the
 winner, so a slow BLAS in one library does not go unnoticed.
 
+On a CPU each sample is one product (``n`` = 1024 by default; a first product slower than
+`SLOW_PRODUCT_S` halves n, for libraries without a fast kernel for the dtype). On a GPU one
+product of that size is a few microseconds of work against tens of microseconds of launch
+and synchronisation, and the first cuBLAS call is slow by nature, so the GPU peak is
+measured differently (`time_back_to_back`): a size that fills the GPU (`GPU_GEMM_SIZES`:
+8192 for float16/bfloat16, 4096 for float32/float64), warm-up first, then samples of ``k``
+products launched back to back and closed by one synchronisation, the time per product
+being the sample over ``k``. float32 states its TF32 state: off, like the cells, unless
+``MHA_ROSETTA_TF32=1`` (`backends._tf32`) turns it on for cells and peak alike. JAX float64
+turns ``jax_enable_x64`` on first (without it JAX would multiply float32 arrays).
+
 Child usage: ``python -m mha_rosetta.benchmarks.gemm '{"library": "numpy", "dtype": "float32", ...}'``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
+from collections.abc import Callable
 
 from .fresh import child_main, run_fresh
 from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
@@ -22,10 +35,24 @@ from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
 GEMM_LIBRARIES = ("numpy", "torch", "jax")
 DEFAULT_GEMM_SIZE = 1024
 MIN_GEMM_SIZE = 256
-SLOW_PRODUCT_S = 0.25  # a first product slower than this halves n (see `measure`)
+SLOW_PRODUCT_S = 0.25  # a first product slower than this halves n on a CPU (see `measure`)
 # NumPy has BLAS only for float32/float64; its float16/bfloat16 products are plain loops,
 # minutes at n=1024 and no measure of the machine.
 _NUMPY_BLAS_DTYPES = ("float32", "float64")
+# GPU: sizes whose product keeps the tensor cores busy for about a millisecond or more
+# (an H200 does about 790 TFLOP/s in bfloat16 at 8192^3; 1024^3 would be ~3 us of work).
+GPU_GEMM_SIZES = {"float16": 8192, "bfloat16": 8192, "float32": 4096, "float64": 4096}
+GPU_SAMPLE_S = 0.05  # each GPU sample runs k products for about this long
+GPU_MAX_BACK_TO_BACK = 1000
+
+
+def gemm_size(dtype: str, device: str, requested: int = DEFAULT_GEMM_SIZE) -> int:
+    """The product size for a (device, dtype): ``requested`` on a CPU, `GPU_GEMM_SIZES` on a GPU."""
+    if device == "gpu":
+        if dtype not in GPU_GEMM_SIZES:
+            raise ValueError(f"dtype must be one of {', '.join(GPU_GEMM_SIZES)}, got {dtype!r}")
+        return GPU_GEMM_SIZES[dtype]
+    return requested
 
 
 def installed_gemm_libraries() -> list[str]:
@@ -42,6 +69,10 @@ def unsupported_reason(library: str, dtype: str, device: str) -> str | None:
     return None
 
 
+# Each builder returns (launch, sync, facts): ``launch()`` starts one product (asynchronous
+# on a GPU and for JAX), ``sync()`` waits for everything launched, ``facts`` says what ran.
+
+
 def _numpy_product(n: int, dtype: str):
     import numpy as np
 
@@ -52,56 +83,121 @@ def _numpy_product(n: int, dtype: str):
     b = rng.standard_normal((n, n)).astype(numpy_dtype(dtype))
     out = np.empty_like(a)
 
-    def run_once() -> None:
+    def launch() -> None:
         np.matmul(a, b, out=out)
 
-    return run_once, {"numpy": np.__version__}
+    return launch, lambda: None, {"numpy": np.__version__, "operand_dtype": str(a.dtype)}
 
 
 def _torch_product(n: int, dtype: str, device: str):
     import torch
 
+    from mha_rosetta.backends._tf32 import tf32_forced
+    from mha_rosetta.backends._torch_common import set_tf32_switches, tf32_state, tf32_switches
+
     target = "cuda" if device == "gpu" else "cpu"
+    facts: dict = {"torch": torch.__version__}
     if target == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
-        # The cells compare float32 with TF32 off; the peak must be the same arithmetic.
-        torch.backends.cuda.matmul.allow_tf32 = False
+        # The cells compare float32 with TF32 off (unless MHA_ROSETTA_TF32=1): the peak must be the
+        # same arithmetic. A fresh child process: the switches are set once, for its whole life.
+        allow = tf32_forced()
+        set_tf32_switches(tf32_state(allow, tf32_switches()["api"]))
+        facts.update(gpu=torch.cuda.get_device_name(0), tf32=allow and dtype == "float32", tf32_switches=tf32_switches())
+    else:
+        # torch's own BLAS is linked in and invisible to threadpoolctl: record what it says it has.
+        facts.update(mkl=torch.backends.mkl.is_available(), mkldnn=torch.backends.mkldnn.is_available())
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator, dtype=torch.float64).to(device=target, dtype=getattr(torch, dtype))
     b = torch.randn(n, n, generator=generator, dtype=torch.float64).to(device=target, dtype=getattr(torch, dtype))
     out = torch.empty_like(a)
+    facts["operand_dtype"] = str(a.dtype).removeprefix("torch.")
 
-    def run_once() -> None:
+    def launch() -> None:
         torch.matmul(a, b, out=out)
-        if target == "cuda":
-            torch.cuda.synchronize()
 
-    # torch's own BLAS is linked in and invisible to threadpoolctl: record what it says it has.
-    return run_once, {
-        "torch": torch.__version__,
-        "mkl": torch.backends.mkl.is_available(),
-        "mkldnn": torch.backends.mkldnn.is_available(),
-    }
+    sync = torch.cuda.synchronize if target == "cuda" else (lambda: None)
+    return launch, sync, facts
 
 
 def _jax_product(n: int, dtype: str, device: str):
     import jax
     import jax.numpy as jnp
 
-    platform = "gpu" if device == "gpu" else "cpu"
-    target = jax.devices(platform)[0]
+    from mha_rosetta.backends._jax_common import effective_precision, enable_float64_if_needed, jax_device
+
+    enable_float64_if_needed(dtype)  # without jax_enable_x64, float64 arrays silently become float32
+    target = jax_device(device)
     key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
     a = jax.device_put(jax.random.normal(key_a, (n, n), dtype=jnp.dtype(dtype)), target)
     b = jax.device_put(jax.random.normal(key_b, (n, n), dtype=jnp.dtype(dtype)), target)
-    # "highest": no reduced-precision passes for float32 on GPU, as in the cells.
-    product = jax.jit(lambda x, y: jnp.matmul(x, y, precision="highest"))
-    product(a, b).block_until_ready()  # compile outside the timing
+    # "highest": no reduced-precision passes for float32 on GPU, as in the cells (TF32 only when forced).
+    precision = effective_precision("highest")
+    product = jax.jit(lambda x, y: jnp.matmul(x, y, precision=precision))
+    last = [product(a, b)]  # compile outside the timing
+    last[0].block_until_ready()
 
-    def run_once() -> None:
-        product(a, b).block_until_ready()
+    def launch() -> None:
+        last[0] = product(a, b)
 
-    return run_once, {"jax": jax.__version__}
+    facts = {"jax": jax.__version__, "operand_dtype": str(a.dtype), "matmul_precision": precision}
+    if device == "gpu":
+        facts["tf32"] = precision != "highest" and dtype == "float32"
+    return launch, lambda: last[0].block_until_ready(), facts
+
+
+def choose_back_to_back(
+    launch: Callable[[], None], sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter
+) -> int:
+    """How many products one GPU sample launches: enough for about `GPU_SAMPLE_S` (call after warm-up)."""
+    start = clock()
+    for _ in range(3):
+        launch()
+    sync()
+    per_product = (clock() - start) / 3
+    if per_product <= 0:
+        return GPU_MAX_BACK_TO_BACK
+    return max(1, min(GPU_MAX_BACK_TO_BACK, math.ceil(GPU_SAMPLE_S / per_product)))
+
+
+def time_back_to_back(
+    launch: Callable[[], None],
+    sync: Callable[[], None],
+    policy,
+    clock: Callable[[], float] = time.perf_counter,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> dict:
+    """Warm up, pick ``k`` (`choose_back_to_back`), then time samples of k launches + one sync.
+
+    Returns `timing.time_repeats`' summary per *product* (median, IQR, min divided by k),
+    with ``back_to_back`` = k and ``syncs`` = how many synchronisations the timing used.
+    """
+    from .timing import time_repeats, warm_up
+
+    counted = {"syncs": 0}
+
+    def counted_sync() -> None:
+        sync()
+        counted["syncs"] += 1
+
+    def one() -> None:
+        launch()
+        counted_sync()
+
+    warm_up(one, policy, clock)  # the slow first cuBLAS/XLA call and clock ramp-up happen here
+    k = choose_back_to_back(launch, counted_sync, clock)
+    counted["syncs"] = 0
+
+    def batch() -> None:
+        for _ in range(k):
+            launch()
+        counted_sync()
+
+    timings = time_repeats(batch, policy, clock=clock, cpu_clock=cpu_clock)
+    for name in ("median_s", "iqr_s", "min_s", "mean_s"):
+        timings[name] /= k
+    return {**timings, "back_to_back": k, "syncs": counted["syncs"]}
 
 
 def measure(spec: dict) -> dict:
@@ -110,12 +206,8 @@ def measure(spec: dict) -> dict:
     from .flops import gemm_flops
     from .timing import RepeatPolicy, time_repeats, warm_up
 
-    library, dtype, device, n = (
-        spec["library"],
-        spec["dtype"],
-        spec.get("device", "cpu"),
-        int(spec.get("n", DEFAULT_GEMM_SIZE)),
-    )
+    library, dtype, device = spec["library"], spec["dtype"], spec.get("device", "cpu")
+    n = gemm_size(dtype, device, int(spec.get("n", DEFAULT_GEMM_SIZE)))
     reason = unsupported_reason(library, dtype, device)
     if reason:
         return {"status": "unsupported", "error": reason}
@@ -133,18 +225,28 @@ def measure(spec: dict) -> dict:
     requested_n = n
     with pinning.limit_thread_pools(threads):
         while True:
-            run_once, versions = builders[library]()
+            launch, sync, facts = builders[library]()
             start = time.perf_counter()
-            run_once()
+            launch()
+            sync()
             first = time.perf_counter() - start
-            # A library without a fast kernel for this dtype (torch float16 on a CPU takes
+            # A CPU library without a fast kernel for this dtype (torch float16 on a CPU takes
             # seconds per product) cannot be the peak; halve n rather than spend minutes on it.
-            if first <= SLOW_PRODUCT_S or n <= MIN_GEMM_SIZE:
+            # On a GPU a slow first call is cuBLAS/XLA starting up: the size stays.
+            if device == "gpu" or first <= SLOW_PRODUCT_S or n <= MIN_GEMM_SIZE:
                 break
             n //= 2
         pools = pinning.thread_pool_report()
-        warm_up(run_once, policy)
-        timings = time_repeats(run_once, policy)
+        if device == "gpu":
+            timings = time_back_to_back(launch, sync, policy)
+        else:
+
+            def run_once() -> None:
+                launch()
+                sync()
+
+            warm_up(run_once, policy)
+            timings = time_repeats(run_once, policy)
     # The median, as for the cells, so that peak_fraction compares like with like.
     flops = gemm_flops(n, n, n)
     cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
@@ -154,7 +256,7 @@ def measure(spec: dict) -> dict:
     return {
         "status": "ok",
         "library": library,
-        "versions": versions,
+        "versions": facts,
         "n": n,
         "requested_n": requested_n,
         "gflops": flops / timings["median_s"] / 1e9,
@@ -162,6 +264,7 @@ def measure(spec: dict) -> dict:
         "iqr_s": timings["iqr_s"],
         "min_s": timings["min_s"],
         "repeats": timings["repeats"],
+        "back_to_back": timings.get("back_to_back", 1),
         "first_call_s": first,
         "cpu_util": cpu_util,
         "warnings": [warning for warning in warnings if warning],
@@ -198,6 +301,7 @@ def measure_gemm_peak(
     ``gflops`` is None when no library could run the product (every reason is kept).
     """
     extra_env = malloc_env(malloc)  # validates the mode before any child starts
+    n = gemm_size(dtype, device, n)  # a GPU has its own sizes (`GPU_GEMM_SIZES`)
     by_library: dict[str, dict] = {}
     for library in installed_gemm_libraries() if libraries is None else libraries:
         reason = unsupported_reason(library, dtype, device)
@@ -227,7 +331,12 @@ def measure_gemm_peak(
                 best_result = again
         best_result["attempts"] = attempts
         by_library[library] = best_result
-    return {**summarize_peak(device, dtype, threads, n, by_library), "malloc": malloc}
+    record = {**summarize_peak(device, dtype, threads, n, by_library), "malloc": malloc}
+    if device == "gpu" and dtype == "float32":
+        from mha_rosetta.backends._tf32 import tf32_forced
+
+        record["tf32"] = tf32_forced()  # the children read the same switch (`_torch_product`, `_jax_product`)
+    return record
 
 
 def summarize_peak(device: str, dtype: str, threads: int, n: int, by_library: dict[str, dict]) -> dict:

@@ -119,6 +119,14 @@ PRESETS: dict[str, dict] = {
         policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=3),
         gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=2), rounds=3,
     ),
+    # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
+    # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.
+    "gpu": dict(
+        implementations=["torch", "jax", "einops-torch", "einops-jax", "torch-mha", "torch-sdpa", "jax-dpa"],
+        tokens=[512, 4096, 16384], batch=[4], d_model=[512], heads=[8], dtypes=["float32", "bfloat16", "float16"],
+        policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=2),
+        gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=1.0, warmup=3), cell_timeout=60.0, rounds=1,
+    ),
 }  # fmt: skip
 
 

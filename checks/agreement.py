@@ -63,6 +63,7 @@ from mha_rosetta.core import (
 from mha_rosetta.core import compare as core_compare
 
 from .cases import SpecCase, get_cases
+from .devices import frameworks_without_gpu
 from .divergence import Divergence, first_divergence
 
 
@@ -200,6 +201,8 @@ class CheckResult:
     seconds: float = 0.0
     interrupted: bool = False
     broken_backends: dict[str, str] = field(default_factory=dict)  # installed, but the adapter failed to load
+    # --devices gpu: installed frameworks that see no GPU (`checks.devices`), each an error.
+    frameworks_without_gpu: dict[str, str] = field(default_factory=dict)
     # What each backend declares about its library's conventions (Backend.known_differences).
     declared_differences: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -219,7 +222,7 @@ class CheckResult:
 
     @property
     def error_count(self) -> int:
-        return len(self.errors()) + len(self.broken_backends)
+        return len(self.errors()) + len(self.broken_backends) + len(self.frameworks_without_gpu)
 
     @property
     def nothing_checked(self) -> bool:
@@ -243,6 +246,10 @@ class CheckResult:
         if self.interrupted:
             return "interrupted: the results so far are shown"
         errors, failures = self.error_count, len(self.failures())
+        if self.frameworks_without_gpu:
+            return f"ERROR: the GPU was asked for, but {', '.join(self.frameworks_without_gpu)} see(s) no GPU" + (
+                f"; {failures} failing comparison(s)" if failures else ""
+            )
         if errors:
             return f"ERROR: {errors} run(s) or backend(s) raised an exception" + (
                 f"; {failures} failing comparison(s)" if failures else ""
@@ -548,7 +555,9 @@ def run_check(
 
     backends:   None (every installed backend), names ("numpy,torch" or a list) or Backend objects.
     strategies: None (each backend's own strategies) or names to keep.
-    devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all".
+    devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all". Naming the GPU makes every
+                installed GPU-capable framework that sees none an error (`checks.devices`);
+                "all" runs on whatever devices are present.
     dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`);
                 "all": every case in every dtype (the exhaustive product).
     cases:      None (every spec case), names, or SpecCase objects.
@@ -576,6 +585,8 @@ def run_check(
         b.name: tuple(getattr(b, "known_differences", ())) for b in chosen if getattr(b, "known_differences", ())
     }
     result = CheckResult(settings, spec_cases, skipped, [], [], broken_backends=broken, declared_differences=declared)
+    if "gpu" in device_names and _split(devices) != ["all"]:  # "all": whatever devices are here
+        result.frameworks_without_gpu = frameworks_without_gpu(chosen)
     try:
         for case in spec_cases:
             case_dtypes = dtype_names if every_dtype else [d for d in dtype_names if d in case.dtypes]

@@ -199,6 +199,11 @@ def explanation_blocks(result: CheckResult) -> list[Block]:
         block.rows = [[name, reason] for name, reason in result.broken_backends.items()]
         block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
         blocks.append(block)
+    if result.frameworks_without_gpu:
+        block = Block("Problems: frameworks that see no GPU (--devices gpu)", ["framework", "why"])
+        block.rows = [[name, reason] for name, reason in result.frameworks_without_gpu.items()]
+        block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
+        blocks.append(block)
     if result.skipped_backends:
         block = Block("Skipped (library not installed)", ["backend", "reason and install command"])
         block.rows = [[name, reason] for name, reason in result.skipped_backends.items()]
@@ -335,6 +340,11 @@ def _worst_block(result: CheckResult) -> Block:
     return block
 
 
+def format_seconds(seconds: float) -> str:
+    """Elapsed time with three significant digits: 0.0412 s, 3.07 s, 73.3 s, 1234 s (never "0.0 s" for work done)."""
+    return f"{seconds:.0f} s" if seconds >= 99.95 else f"{seconds:#.3g} s"
+
+
 def summary_lines(result: CheckResult) -> list[str]:
     runs, pairs = result.run_counts(), result.pair_counts()
     order = [s for s in SEVERITY[::-1] if s in runs or s in pairs]
@@ -344,7 +354,7 @@ def summary_lines(result: CheckResult) -> list[str]:
 
     implementations = len({run.label for run in result.runs})
     return [
-        f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {result.seconds:.1f} s",
+        f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {format_seconds(result.seconds)}",
         f"against the oracle: {counts(runs)}",
         f"between implementations: {counts(pairs)}",
         f"{result.verdict()} (exit status {result.exit_code})",
@@ -446,9 +456,9 @@ def _rich_escape(text: str) -> str:
 
 
 def rich_available() -> bool:
-    import importlib.util
+    from mha_rosetta.backends._probe import importable
 
-    return importlib.util.find_spec("rich") is not None
+    return importable("rich")
 
 
 # -- JSON -------------------------------------------------------------------------------
@@ -562,6 +572,9 @@ def to_json(result: CheckResult) -> dict:
         },
         "skipped_backends": [{"backend": name, "reason": reason} for name, reason in result.skipped_backends.items()],
         "broken_backends": [{"backend": name, "error": error} for name, error in result.broken_backends.items()],
+        "frameworks_without_gpu": [
+            {"framework": name, "error": error} for name, error in result.frameworks_without_gpu.items()
+        ],
         "declared_differences": {name: list(notes) for name, notes in result.declared_differences.items()},
         "cases": [case.as_dict() for case in result.cases],
         "runs": [_run_json(run) for run in result.runs],

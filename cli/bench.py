@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the quick preset: every installed implementation at two small sizes (< 2 min)",
     )
     preset.add_argument(
-        "--preset", choices=("quick", "default", "reference"), default=None, help="size preset (default: default)"
+        "--preset", choices=("quick", "default", "reference", "gpu"), default=None, help="size preset (default: default)"
     )
     parser.add_argument(
         "--implementations",

@@ -6,7 +6,7 @@ column/row-sample article.
     mha-rosetta explain --claims --json -     # the claims as JSON: [{"claim", "title", "verdict", "evidence"}, ...]
     mha-rosetta explain --markdown            # the same tables as Markdown
     mha-rosetta explain --png head_split.png  # the head split as a picture
-    mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md and docs/head_split.png
+    mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md, docs/head_split.png and docs/packings.png
 
 Exit status: 0 when every check holds, 1 when a non-speed claim is refuted or a weight
 layout fails its verification (a refuted speed claim is a finding, not a failure), 2 for
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sections",
         metavar="NAMES",
-        help="comma-separated parts to show: stages, weights, head_split, differences, claims (default: all but claims)",
+        help="comma-separated parts to show: stages, weights, head_split, checkpoints, differences, claims (default: all but claims)",
     )
     parser.add_argument(
         "--claims", action="store_true", help="run the article's 12 claims and print claim, evidence and verdict"
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--write-docs",
         metavar="DIR",
-        help="regenerate DIR/explainer.md and DIR/head_split.png (everything, claims with quick speed questions)",
+        help="regenerate DIR/explainer.md, DIR/head_split.png and DIR/packings.png (everything, claims with quick speed questions)",
     )
 
 
@@ -125,6 +125,7 @@ def _failures(explanation) -> list[str]:
         f"claim {c.claim} refuted" for c in explanation.claims if c.verdict == "refuted" and c.claim not in SPEED_ONLY_CLAIMS
     ]
     problems += [f"weight layout '{w.layout}' failed its verification" for w in explanation.weights if w.verified is False]
+    problems += [f"checkpoint layout '{c.layout}' failed on its real module" for c in explanation.checkpoints if c.verified is False]
     return problems
 
 
@@ -169,9 +170,12 @@ def run(args: argparse.Namespace) -> int:
 
         folder = Path(args.write_docs)
         folder.mkdir(parents=True, exist_ok=True)
+        from mha_rosetta.explain.real_checkpoints import PACKING_PNG, save_packing_png
+
         png = explanation.save_png(folder / "head_split.png")
+        packings = save_packing_png(folder / PACKING_PNG)
         write_text_atomic(folder / "explainer.md", explanation.to_markdown(png_name="head_split.png"))
-        print(f"wrote {folder / 'explainer.md'} and {png}", file=sys.stderr)
+        print(f"wrote {folder / 'explainer.md'}, {png} and {packings}", file=sys.stderr)
     if args.png:
         print(f"wrote {explanation.save_png(args.png)}", file=sys.stderr)
     if args.json:

@@ -1,7 +1,8 @@
 """Dtype names shared by every backend: ``float64``, ``float32``, ``float16``, ``bfloat16``.
 
-NumPy has no bfloat16 of its own; ``ml_dtypes`` (a dependency of JAX) provides one.
-It is imported only when bfloat16 is asked for, so core stays NumPy-only.
+NumPy has no bfloat16 of its own; ``ml_dtypes`` provides one. It is a dependency of this
+package (small, NumPy only, and JAX needs it anyway), so every install can check bfloat16;
+it is imported only when bfloat16 is asked for, so importing core loads NumPy alone.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def numpy_dtype(dtype: object) -> np.dtype:
         try:
             import ml_dtypes
         except ImportError as error:
-            raise ImportError("bfloat16 on NumPy arrays needs ml_dtypes: pip install ml_dtypes") from error
+            raise ImportError(
+                "bfloat16 on NumPy arrays needs ml_dtypes, a dependency of mha-rosetta that is missing here "
+                "(installed with --no-deps?): pip install ml_dtypes"
+            ) from error
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)

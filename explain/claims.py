@@ -24,13 +24,13 @@ only when asked (``speed=True``); the rest run in the test suite.
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from mha_rosetta.backends._probe import importable as _installed
 from mha_rosetta.core import (
     MHAConfig,
     compare,
@@ -81,10 +81,6 @@ def _jsonable(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _fmt(values) -> str:

@@ -10,12 +10,14 @@ needs a GPU is skipped on a machine without one.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from mha_rosetta.backends._probe import import_failure
+from mha_rosetta.backends._probe import importable as _installed  # imports the library once to be sure it loads
 from mha_rosetta.core import (
     error_line,
     reference_mha,
@@ -39,11 +41,6 @@ class Difference:
         data = asdict(self)
         data["rows"] = [{"run": run, "result": result} for run, result in self.rows]
         return data
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
 
 
 # --- the projections every hand-built call shares (float64, NumPy) ------------------------------
@@ -201,7 +198,7 @@ def mask_polarity(setup: Setup) -> Difference:
     ]
     for label, module, run in runs:
         if not _installed(module):
-            rows.append((label, f"skipped: {module} not installed"))
+            rows.append((label, f"skipped: {import_failure(module)}"))
             continue
         try:
             output, weights = run()
@@ -296,7 +293,7 @@ def fully_masked_row(setup: Setup) -> Difference:
     ]
     for label, module, run, atol in runs:
         if not _installed(module):
-            rows.append((label, f"skipped: {module} not installed"))
+            rows.append((label, f"skipped: {import_failure(module)}"))
             continue
         try:
             output, _ = run()
@@ -376,7 +373,7 @@ def head_size_arguments(setup: Setup) -> Difference:
         layer(x, x)
         rows.append((f"keras MultiHeadAttention(num_heads={cfg.n_heads}, key_dim={per_head})", f"query kernel {tuple(layer._query_dense.kernel.shape)}"))
     else:
-        rows.append(("keras MultiHeadAttention(key_dim=...)", "skipped: keras not installed (its key_dim is per head, like Equinox's qk_size)"))
+        rows.append(("keras MultiHeadAttention(key_dim=...)", f"skipped: {import_failure('keras')} (its key_dim is per head, like Equinox's qk_size)"))
     if len(rows) <= 1:
         return Difference("head_size_arguments", title, "skipped: torch, flax and equinox not installed", rows)
     return Difference("head_size_arguments", title, "demonstrated", rows, f"passing torch's embed_dim={total} as a per-head size makes every head {cfg.n_heads}x wider")
@@ -389,7 +386,10 @@ def tf32_default(setup: Setup) -> Difference:
     if _installed("torch"):
         import torch
 
-        rows.append(("torch defaults", f"get_float32_matmul_precision() = {torch.get_float32_matmul_precision()!r}, backends.cuda.matmul.allow_tf32 = {torch.backends.cuda.matmul.allow_tf32}, backends.cudnn.allow_tf32 = {torch.backends.cudnn.allow_tf32}"))
+        from mha_rosetta.backends._torch_common import tf32_switches
+
+        switches = tf32_switches()  # the old getters raise once torch >= 2.9's new API turned TF32 on
+        rows.append(("torch defaults", f"TF32 switches ({switches['api']} API): cuda.matmul {switches['matmul']}, cudnn {switches['cudnn']}"))
         gpu_torch = torch.cuda.is_available()
     if _installed("jax"):
         import jax
@@ -408,15 +408,13 @@ def tf32_default(setup: Setup) -> Difference:
     if gpu_torch:
         import torch
 
+        from mha_rosetta.backends._torch_common import matmul_precision
+
         ta, tb = torch.from_numpy(a).float().cuda(), torch.from_numpy(b).float().cuda()
-        saved = torch.backends.cuda.matmul.allow_tf32
-        try:
-            for allow in (False, True):
-                torch.backends.cuda.matmul.allow_tf32 = allow
+        for allow in (False, True):
+            with matmul_precision(allow):  # set, then restored through the API it was read with
                 error = float(np.max(np.abs((ta @ tb).cpu().double().numpy() - exact)))
-                rows.append((f"torch cuda float32 1024x1024 matmul, allow_tf32={allow}", f"max error vs float64 {error:.2e}"))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
+            rows.append((f"torch cuda float32 1024x1024 matmul, allow_tf32={allow}", f"max error vs float64 {error:.2e}"))
     if gpu_jax:
         import jax
         import jax.numpy as jnp
@@ -439,11 +437,44 @@ DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
 }
 
 
+# The demonstrations whose subject is the device's own precision: everything else is pinned.
+ON_THE_DEVICE = ("tf32_default",)
+
+
+@contextmanager
+def jax_on_cpu_at_highest():
+    """JAX work inside runs on the CPU with float32 products at full precision ("highest").
+
+    On a machine whose JAX has a GPU, the default device is the GPU and its default float32
+    matmul precision may be TF32 (errors ~1e-3): the demonstrations' verdicts (which keys a
+    query used, what an empty row became, at atol 1e-4) must not depend on that. Without
+    JAX installed it does nothing.
+    """
+    if not _installed("jax"):
+        yield
+        return
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
+        yield
+
+
 def run_differences(setup: Setup | None = None, keys: list[str] | None = None) -> list[Difference]:
-    """Run the demonstrations (all by default) on ``setup`` (default: the column/row-sample article's configuration)."""
+    """Run the demonstrations (all by default) on ``setup`` (default: the article's configuration).
+
+    Every demonstration but `ON_THE_DEVICE` runs its JAX calls on the CPU at "highest"
+    precision (`jax_on_cpu_at_highest`), so a CUDA-JAX machine gives the same verdicts.
+    """
     setup = make_setup() if setup is None else setup
     keys = list(DEMONSTRATIONS) if keys is None else keys
     unknown = [key for key in keys if key not in DEMONSTRATIONS]
     if unknown:
         raise ValueError(f"unknown demonstration(s) {unknown}; choose from {', '.join(DEMONSTRATIONS)}")
-    return [DEMONSTRATIONS[key](setup) for key in keys]
+    results = []
+    for key in keys:
+        if key in ON_THE_DEVICE:
+            results.append(DEMONSTRATIONS[key](setup))
+            continue
+        with jax_on_cpu_at_highest():
+            results.append(DEMONSTRATIONS[key](setup))
+    return results

@@ -19,12 +19,13 @@ from mha_rosetta.core import MHAConfig
 from .claims import ClaimResult, run_claims
 from .differences import Difference, run_differences
 from .head_split import HeadSplit, head_splits
+from .real_checkpoints import Checkpoint, real_checkpoints
 from .seed_setup import DEFAULT_BATCH, SEED_TOKENS, Setup, make_setup
 from .stages_table import BackendSummary, StageRow, build_stage_tables
 from .weights import WeightLayout, weight_layouts
 
-SECTIONS = ("stages", "weights", "head_split", "differences", "claims")
-DEFAULT_SECTIONS = ("stages", "weights", "head_split", "differences")
+SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "claims")
+DEFAULT_SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Explanation:
     stages: list[StageRow] = field(default_factory=list)
     weights: list[WeightLayout] = field(default_factory=list)
     head_split: dict[str, HeadSplit] = field(default_factory=dict)
+    checkpoints: list[Checkpoint] = field(default_factory=list)  # real checkpoint families (own sizes)
     claims: list[ClaimResult] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # how the claims' speed part was run, machine, time
@@ -67,6 +69,7 @@ class Explanation:
             "stages": [row.to_dict() for row in self.stages],
             "weights": [layout.to_dict() for layout in self.weights],
             "head_split": {name: split.to_dict() for name, split in self.head_split.items()},
+            "checkpoints": [c.to_dict() for c in self.checkpoints],
             "claims": self.claims_json(),
             "differences": [difference.to_dict() for difference in self.differences],
         }
@@ -134,6 +137,8 @@ def explain(
         result.weights = weight_layouts(setup.cfg, setup.params)
     if "head_split" in sections:
         result.head_split = head_splits(setup.tokens, setup.cfg.n_heads, setup.cfg.d_k)
+    if "checkpoints" in sections:
+        result.checkpoints = real_checkpoints()
     if "differences" in sections:
         result.differences = run_differences(setup)
     if "claims" in sections:

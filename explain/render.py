@@ -7,13 +7,14 @@ fixed-width text.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterable
 
+from mha_rosetta.backends._probe import importable
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES
 
 from .head_split import grid_text, head_summary
+from .real_checkpoints import CHECKPOINTS_INTRO, checkpoint_tables
 from .stages_table import AXIS_MEANING
 
 # --- the tables, as (title, headers, rows) so that every renderer shows the same thing -------------
@@ -119,6 +120,8 @@ def _text_section(explanation, section: str) -> list[str]:
             label = "correct split" if split.name == "correct" else "direct-reshape mistake"
             parts.append(f"== Head split, {label}: {split.chain}\n{grid_text(split)}\n" + "\n".join(head_summary(split)))
         return parts
+    if section == "checkpoints":
+        return [f"== {CHECKPOINTS_INTRO}"] + [f"-- {title}\n{_text_table(headers, rows)}" for title, headers, rows in checkpoint_tables(explanation)]
     if section == "differences":
         parts = []
         for title, status, headers, rows, takeaway in difference_tables(explanation):
@@ -186,6 +189,10 @@ def print_rich(explanation, file=None) -> None:
                 label = "correct split" if split.name == "correct" else "direct-reshape mistake"
                 body = grid_text(split, colour=True) + "\n\n" + _escape("\n".join(head_summary(split)))
                 console.print(Panel(body, title=_escape(f"Head split, {label}: {split.chain}"), expand=False))
+        elif section == "checkpoints":
+            console.print(_escape(CHECKPOINTS_INTRO))
+            for table in checkpoint_tables(explanation):
+                console.print(_rich_table(*table))
         elif section == "differences":
             for title, status, headers, rows, takeaway in difference_tables(explanation):
                 console.print(_rich_table(f"{title} [{status}]", headers, rows))
@@ -205,7 +212,7 @@ def print_rich(explanation, file=None) -> None:
 
 
 def print_explanation(explanation, plain: bool = False, file=None) -> None:
-    if plain or importlib.util.find_spec("rich") is None:
+    if plain or not importable("rich"):
         (file or sys.stdout).write(render_text(explanation))
     else:
         print_rich(explanation, file=file)
@@ -264,6 +271,14 @@ def _md_section(explanation, section: str, png_name: str | None) -> list[str]:
             label = "Correct split" if split.name == "correct" else "The direct-reshape mistake"
             out += [f"### {label}: {split.chain}", "", "```", grid_text(split), "```", ""]
             out += [f"- {line}" for line in head_summary(split)] + [""]
+    elif section == "checkpoints":
+        from .real_checkpoints import PACKING_PNG
+
+        out += ["## Real checkpoints", "", CHECKPOINTS_INTRO, ""]
+        if png_name:
+            out += [f"![three packings of q, k, v]({PACKING_PNG})", ""]
+        for title, headers, rows in checkpoint_tables(explanation):
+            out += [f"### {title}", "", _md_table(headers, rows), ""]
     elif section == "differences":
         out += ["## Framework differences, demonstrated", ""]
         for title, status, headers, rows, takeaway in difference_tables(explanation):

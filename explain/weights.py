@@ -11,12 +11,13 @@ shapes are read from the real module's initialiser).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from mha_rosetta.backends._probe import import_failure
+from mha_rosetta.backends._probe import importable as _installed  # imports the library once to be sure it loads
 from mha_rosetta.core import (
     MHAConfig,
     MHAParams,
@@ -49,10 +50,6 @@ class WeightLayout:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _verify(
@@ -165,7 +162,7 @@ def _equinox_evidence(cfg: MHAConfig) -> str:
 
 def _library_evidence(module: str, make: Callable[[], str]) -> list[str]:
     if not _installed(module):
-        return [f"{module} not installed: real-module check skipped"]
+        return [f"{import_failure(module)}: real-module check skipped"]
     return [make()]
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 
 import numpy as np
 import pytest
 
+from mha_rosetta.backends._probe import import_failure, importable
 from mha_rosetta.core import MHAConfig, init_params
 
 # Distinct sizes everywhere, so that no two axes can be swapped without a shape error:
@@ -15,8 +16,8 @@ BATCH, Q_TOKENS, KV_TOKENS, D_MODEL, HEADS, D_K = 2, 7, 5, 15, 3, 5
 
 
 def requires(module: str):
-    """Skip (with the reason) when an optional framework is not installed."""
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed")
+    """Skip (with the reason) when an optional framework is not installed or fails to import."""
+    return pytest.mark.skipif(not importable(module), reason=str(import_failure(module)))
 
 
 @pytest.fixture
@@ -32,3 +33,57 @@ def cfg():
 @pytest.fixture
 def params(cfg):
     return init_params(cfg, seed=0)
+
+
+# -- --require-gpu: on a GPU machine, a GPU test that skips for want of a GPU is a failure -----------
+
+# Every skip for a missing GPU says so with this prefix (use `gpu_skipif` / `skip_without_gpu`),
+# so that --require-gpu can tell it from a legitimate skip of a GPU test (a dtype a library
+# does not offer, NumPy which never runs on a GPU).
+NO_GPU = "no GPU:"
+
+
+def gpu_skipif(condition: bool, reason: str):
+    """``pytest.mark.skipif`` for a missing GPU; --require-gpu turns it into a failure."""
+    return pytest.mark.skipif(condition, reason=f"{NO_GPU} {reason}")
+
+
+def skip_without_gpu(reason: str):
+    """``pytest.skip`` for a missing GPU; --require-gpu turns it into a failure."""
+    __tracebackhide__ = True  # report the skip at the test that called this
+    pytest.skip(f"{NO_GPU} {reason}")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="on a GPU machine (`pytest -m gpu --require-gpu`): a test marked gpu that skips for want of a GPU "
+        "fails, and the run fails unless some test marked gpu passed",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if item.get_closest_marker("gpu") is None or not item.config.getoption("require_gpu"):
+        return
+    if report.passed and report.when == "call":
+        item.config.stash[_GPU_PASSED] = item.config.stash.get(_GPU_PASSED, 0) + 1
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if NO_GPU in reason:
+            report.outcome = "failed"
+            report.longrepr = f"--require-gpu: this GPU test skipped instead of running: {reason}"
+
+
+_GPU_PASSED = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if config.getoption("require_gpu") and exitstatus == 0 and not config.stash.get(_GPU_PASSED, 0):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\n--require-gpu: no test marked gpu passed", file=sys.stderr)

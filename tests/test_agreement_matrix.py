@@ -17,8 +17,10 @@ import json
 
 import pytest
 
+from conftest import skip_without_gpu
 from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend, missing_backends
 from mha_rosetta.checks import SPEC_CASES, SpecCase, Status, run_check
+from mha_rosetta.checks.devices import GPU_PROBES
 from mha_rosetta.cli.main import main
 from mha_rosetta.core import DTYPE_NAMES, MHAConfig
 
@@ -48,7 +50,9 @@ def _skip_unless_present(name: str, device: str):
         pytest.skip(missing[name])
     backend = get_backend(name)
     if device not in backend.devices():
-        pytest.skip(f"{name}: no {device} device present on this machine")
+        if device == "gpu" and set(REGISTRY[name].requires) & set(GPU_PROBES):
+            skip_without_gpu(f"{name}: no gpu device present on this machine")
+        pytest.skip(f"{name}: runs on the CPU only")
     return backend
 
 
@@ -89,7 +93,7 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
 @pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES)
 def test_all_pairs_agree(device, dtype):
     if device == "gpu" and not _gpu_present():
-        pytest.skip("no GPU present on this machine for any installed backend")
+        skip_without_gpu("no GPU present on this machine for any installed backend")
     result = check_for(device, dtype)
     if not result.pairs:
         pytest.skip(f"fewer than two implementations ran in {dtype} on {device}")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from adapter_cases import random_inputs
 
-from conftest import BATCH, D_MODEL, HEADS, KV_TOKENS, Q_TOKENS, requires
+from conftest import BATCH, D_MODEL, HEADS, KV_TOKENS, Q_TOKENS, gpu_skipif, requires
 from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha, reference_stages
 
 pytestmark = requires("jax")
@@ -176,7 +176,7 @@ def _jax_has_gpu() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _jax_has_gpu(), reason="JAX sees no GPU on this machine")
+@gpu_skipif(not _jax_has_gpu(), "JAX sees no GPU on this machine")
 def test_tf32_changes_float32_results_on_gpu():
     """float32 at "highest" meets the float32 tolerance; at "default" (TF32 on) it drifts further."""
     from mha_rosetta.backends.jax_backend import JaxBackend

@@ -13,7 +13,7 @@ from adapter_cases import (
     assert_output_matches_reference,
 )
 
-from conftest import requires
+from conftest import gpu_skipif, requires
 from mha_rosetta.backends import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, UnsupportedCase, get_backend
 from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha
 
@@ -29,7 +29,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-needs_gpu = pytest.mark.skipif(not _cuda_available(), reason="no CUDA device visible to torch")
+needs_gpu = gpu_skipif(not _cuda_available(), "no CUDA device visible to torch")
 
 
 @pytest.fixture(scope="module")

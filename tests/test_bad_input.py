@@ -135,13 +135,20 @@ def test_unknown_backend_lists_the_registered_ones():
 
 
 def test_missing_backend_gives_the_install_command(monkeypatch):
-    # Pretend torch is absent: the lookup uses importlib.util.find_spec, so patch that.
+    # Pretend torch is absent: the probe asks importlib.util.find_spec first, so patch that
+    # and forget the probe's cached answers (before and after).
+    from mha_rosetta.backends._probe import probe
+
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
-    assert "torch" not in available_backends()
-    assert missing_backends()["torch"] == "backend 'torch' needs torch, which is not installed: pip install 'mha-rosetta[torch]'"
-    with pytest.raises(BackendNotInstalled, match=r"pip install 'mha-rosetta\[torch\]'"):
-        get_backend("torch")
+    probe.cache_clear()
+    try:
+        assert "torch" not in available_backends()
+        assert missing_backends()["torch"] == "backend 'torch' needs torch, which is not installed: pip install 'mha-rosetta[torch]'"
+        with pytest.raises(BackendNotInstalled, match=r"pip install 'mha-rosetta\[torch\]'"):
+            get_backend("torch")
+    finally:
+        probe.cache_clear()
 
 
 def test_gpu_asked_for_where_there_is_none():

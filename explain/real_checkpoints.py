@@ -1,0 +1,244 @@
+"""Real checkpoints: every family's stored tensors, which rows belong to which head, and the split.
+
+Nothing here is typed from memory. The head ownership of every stored tensor is read
+back from the layout's own converter: each element of the canonical weights gets its own
+number (role, row, column), `Layout.to_state_dict` moves those numbers where the real
+checkpoint keeps them, and the numbers found along the tensor's rows (or columns, or head
+axis) say which role and head owns each slice. Where the family's library imports, its
+real module is built (tiny, from a config object), loaded with the state dict by its own
+parameter names and run; the section reports the names and shapes it stores and how far
+its output is from the spec's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAParams, compare, init_params, reference_mha
+
+ROLES = ("q", "k", "v", "o")  # w_q, w_k, w_v, w_o: the first digit of every element's number
+_ROLE_BASE = 1_000_000  # number = (role + 1) * 1e6 + row * 1e3 + column (+ 999 for a bias element)
+_BIAS_COLUMN = 999
+
+# The packed q/k/v tensor of each packing, and the family that shows it in the picture.
+PACKING_EXAMPLES = (
+    ("blocks", "timm-vit", "qkv.weight", "[Q; K; V]: timm qkv, nn.MultiheadAttention in_proj, GPT-2 c_attn (along out)"),
+    ("per head", "hf-gpt-neox", "query_key_value.weight", "[q_h; k_h; v_h] for each head: GPT-NeoX / Pythia"),
+    ("per group", "megatron", "linear_qkv.weight", "[q heads of g | k_g | v_g] for each kv group g: Megatron-LM"),
+)
+
+
+def family_config(layout: str) -> MHAConfig:
+    """A small configuration the family's real module holds: d_model 16, 4 heads of 4 (2 kv heads where it groups)."""
+    base = {"d_model": 16, "n_heads": 4, "d_k": 4}
+    extra = {
+        "hf-llama": {"n_kv_heads": 2, "bias": False, "rope": "half"},
+        "meta-llama": {"n_kv_heads": 2, "bias": False, "rope": "interleaved"},
+        "hf-gpt-neox": {"rope": "half", "rope_dims": 2},
+        "megatron": {"n_kv_heads": 2},
+        "hf-t5": {"bias": False, "scale": 1.0},
+    }.get(layout, {})
+    return MHAConfig(**base, **extra)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checkpoint and how its slices map to roles and heads."""
+
+    name: str
+    shape: tuple[int, ...]
+    axis: int  # the axis along which the owner changes
+    segments: tuple[tuple[int, int, str], ...]  # (start, stop, owner such as "q head 0") along that axis
+
+    def layout_text(self) -> str:
+        """``axis 0: 0:4 q head 0 | 4:8 k head 0 | ...``; runs of one owner are merged."""
+        return f"axis {self.axis}: " + " | ".join(f"{start}:{stop} {owner}" for start, stop, owner in self.segments)
+
+
+@dataclass
+class Checkpoint:
+    layout: str
+    module: str
+    packing: str
+    scale: str
+    rotary: str
+    split: str
+    config: str
+    tensors: list[StoredTensor]
+    real: str  # what the real module stored and computed, or why it was not built
+    verified: bool | None  # None: the real module could not be built here
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["tensors"] = [{"name": t.name, "shape": list(t.shape), "layout": t.layout_text()} for t in self.tensors]
+        return data
+
+
+def numbered_params(cfg: MHAConfig) -> MHAParams:
+    """Canonical params where every element holds its own (role, row, column) number, exactly representable."""
+    shapes = {name: array.shape for name, array in init_params(cfg).as_dict().items() if array is not None}
+    arrays = {}
+    for role, letter in enumerate(ROLES):
+        rows, cols = shapes[f"w_{letter}"]
+        base = (role + 1) * _ROLE_BASE
+        arrays[f"w_{letter}"] = base + 1000.0 * np.arange(rows)[:, None] + np.arange(cols)[None, :]  # (out, in)
+        if cfg.bias:
+            arrays[f"b_{letter}"] = base + 1000.0 * np.arange(rows) + _BIAS_COLUMN  # (out,)
+    return MHAParams(**arrays)
+
+
+def _owner(cfg: MHAConfig, number: float) -> str:
+    """The role and head that own the canonical element numbered ``number``."""
+    role, rest = divmod(int(number), _ROLE_BASE)
+    row, column = divmod(rest, 1000)
+    letter = ROLES[role - 1]
+    if letter == "o":  # w_o reads head h in columns h*Dv:(h+1)*Dv; its bias belongs to no head
+        return "out (bias)" if column == _BIAS_COLUMN else f"reads head {column // cfg.d_v}"
+    head_dim = cfg.d_v if letter == "v" else cfg.d_k
+    kind = "head" if letter == "q" or cfg.n_kv_heads == cfg.n_heads else "kv head"
+    return f"{letter} {kind} {row // head_dim}"
+
+
+def stored_tensor(cfg: MHAConfig, name: str, numbers: np.ndarray) -> StoredTensor:
+    """Where each role/head sits in one stored tensor of numbered params."""
+    owners = np.vectorize(lambda n: _owner(cfg, n), otypes=[object])(numbers)
+    varying = [axis for axis in range(owners.ndim) if np.any(owners != owners.take([0], axis=axis))]
+    axis = varying[0] if varying else 0
+    line = owners[tuple(slice(None) if a == axis else 0 for a in range(owners.ndim))]  # the owners along that axis
+    segments, start = [], 0
+    for i in range(1, len(line) + 1):
+        if i == len(line) or line[i] != line[start]:
+            segments.append((start, i, str(line[start])))
+            start = i
+    return StoredTensor(name, tuple(numbers.shape), axis, tuple(segments))
+
+
+def checkpoint(layout_name: str, real_modules: bool = True) -> Checkpoint:
+    from mha_rosetta.models import get_layout
+
+    layout = get_layout(layout_name)
+    cfg = family_config(layout_name)
+    state = layout.to_state_dict(cfg, numbered_params(cfg))
+    tensors = [stored_tensor(cfg, name, array) for name, array in state.items()]
+    real, verified = _real_module_evidence(layout_name, cfg) if real_modules else ("not run (real_modules=False)", None)
+    return Checkpoint(
+        layout.name, layout.module, layout.packing, layout.scale, layout.rotary, layout.split, cfg.describe(), tensors,
+        real, verified, layout.notes,
+    )
+
+
+def _real_module_evidence(layout_name: str, cfg: MHAConfig) -> tuple[str, bool | None]:
+    """Build the real module, load the layout's state dict by its own names, run it against the spec."""
+    from mha_rosetta.models import get_layout
+    from mha_rosetta.models.real_modules import run_real, unavailable_reason
+
+    reason = unavailable_reason(layout_name)
+    if reason:
+        return f"skipped: {reason}", None
+    layout = get_layout(layout_name)
+    params = init_params(cfg, seed=0)
+    x = np.random.default_rng(5).standard_normal((2, 5, cfg.d_model))
+    run = run_real(layout_name, cfg, layout.to_state_dict(cfg, params), x)
+    result = compare(run.output, reference_mha(cfg, params, x), run.precision)
+    expected = layout.expected_shapes(cfg)
+    stored = {name: shape for name, shape in run.parameters.items() if name in expected or run.kind != "real"}
+    names_ok = stored == expected
+    parts = [
+        f"{run.kind}: {run.module}",
+        f"stores {'the same names and shapes' if names_ok else 'OTHER names or shapes: ' + str(stored)}",
+        f"output vs spec: max abs {result.max_abs:.1e} ({run.precision} tolerance: {'agrees' if result.ok else 'DISAGREES'})",
+    ]
+    extra = {name: shape for name, shape in run.parameters.items() if name not in expected}
+    if extra and run.kind == "real":
+        parts.append(f"also stores {', '.join(extra)} (outside attention)")
+    parts += [text for text in (run.known_difference, run.note) if text]
+    return "; ".join(parts), names_ok and result.ok
+
+
+def real_checkpoints(real_modules: bool = True) -> list[Checkpoint]:
+    """One `Checkpoint` per registered layout (see `mha_rosetta.models.LAYOUTS`)."""
+    from mha_rosetta.models import LAYOUTS
+
+    return [checkpoint(name, real_modules) for name in LAYOUTS]
+
+
+# --- tables and the picture -----------------------------------------------------------------
+
+PACKING_PNG = "packings.png"  # written next to explainer.md by --write-docs
+CHECKPOINTS_INTRO = (
+    "Real checkpoints: each family's stored tensors, keyed by the real module's own names (mha_rosetta.models), "
+    "which slices belong to which role and head (read back from the converter, element by element), the reshape "
+    "the module splits them with, and what the real module stored and computed when loaded with them."
+)
+
+
+def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The overview, then one table of stored tensors per family."""
+    if not explanation.checkpoints:
+        return []
+    return [overview_table(explanation.checkpoints)] + [tensor_table(c) for c in explanation.checkpoints]
+
+
+
+def overview_table(checkpoints: list[Checkpoint]) -> tuple[str, list[str], list[list[str]]]:
+    headers = ["layout", "module (keys relative to it)", "packing", "scale", "rotary", "real module"]
+    rows = [[c.layout, c.module, c.packing, c.scale, c.rotary, c.real] for c in checkpoints]
+    return "Real checkpoints: the families at a glance", headers, rows
+
+
+def tensor_table(c: Checkpoint) -> tuple[str, list[str], list[list[str]]]:
+    rows = [[t.name, str(t.shape), t.layout_text()] for t in c.tensors]
+    title = f"{c.layout} ({c.config}): split = {c.split}"
+    return title, ["stored tensor", "shape", "which slices belong to which role and head"], rows
+
+
+def packing_rows(layout_name: str, tensor: str) -> tuple[MHAConfig, np.ndarray]:
+    """(cfg, owner label per row) of a family's packed q/k/v weight, read back from its converter."""
+    from mha_rosetta.models import get_layout
+
+    cfg = family_config(layout_name)
+    numbers = get_layout(layout_name).to_state_dict(cfg, numbered_params(cfg))[tensor][:, 0]  # (rows,)
+    return cfg, np.array([_owner(cfg, n) for n in numbers], dtype=object)
+
+
+def save_packing_png(path) -> str:
+    """The three packings of a fused q/k/v weight, row by row, coloured by head (matplotlib, Agg)."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError("the packing picture needs matplotlib: pip install 'mha-rosetta[bench]'") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    role_colours = {"q": "#4c78a8", "k": "#f58518", "v": "#54a24b"}  # one colour per role; labels carry the head
+    figure, axes = plt.subplots(len(PACKING_EXAMPLES), 1, figsize=(12, 1.6 * len(PACKING_EXAMPLES) + 0.6))
+    for ax, (packing, layout_name, tensor, caption) in zip(axes, PACKING_EXAMPLES, strict=True):
+        cfg, owners = packing_rows(layout_name, tensor)
+        for row, owner in enumerate(owners):
+            letter, head = owner.split()[0], owner.split()[-1]
+            ax.add_patch(plt.Rectangle((row, 0), 1, 1, facecolor=role_colours[letter], edgecolor="white", linewidth=0.5))
+            ax.text(row + 0.5, 0.5, f"{letter}{head}", ha="center", va="center", fontsize=6, color="white")
+            if row and owner != owners[row - 1]:  # a new (role, head) block starts here
+                ax.axvline(row, color="black", linewidth=1.2)
+        ax.set_xlim(0, len(owners))
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+        ax.set_xticks(range(0, len(owners) + 1, cfg.d_k))
+        ax.tick_params(axis="x", labelsize=7)
+        shape = get_layout_shape(layout_name, cfg, tensor)
+        ax.set_title(f"{packing}: {layout_name} {tensor} {shape}  -  {caption}", fontsize=9, loc="left")
+    axes[-1].set_xlabel("row of the stored (out, in) weight; label = role + head (the kv head for k and v); blue q, orange k, green v")
+    figure.suptitle(f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv groups)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return str(path)
+
+
+def get_layout_shape(layout_name: str, cfg: MHAConfig, tensor: str) -> tuple[int, ...]:
+    from mha_rosetta.models import get_layout
+
+    return get_layout(layout_name).expected_shapes(cfg)[tensor]

@@ -1,0 +1,46 @@
+"""``hf-bert``: Hugging Face ``BertAttention`` (transformers/models/bert/modeling_bert.py).
+
+Keys are relative to ``BertAttention`` (``bert.encoder.layer.{i}.attention.`` in a
+``BertModel`` checkpoint): ``self.query/key/value`` belong to ``BertSelfAttention``, which
+stops at the merged heads (its output is the merged context, ``(B, N, H*d)``), and
+``output.dense`` to ``BertSelfOutput``, which applies the output projection and then
+dropout and ``LayerNorm(dense + input)``. ``output.LayerNorm`` is outside the spec and
+outside this layout.
+"""
+
+from __future__ import annotations
+
+from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
+
+MODULE = "BertSelfAttention"
+_shapes, _pack, _unpack = separate_linears(
+    {"w_q": "self.query", "w_k": "self.key", "w_v": "self.value", "w_o": "output.dense"}
+)
+
+LAYOUT = Layout(
+    name="hf-bert",
+    module="BertAttention (self.* = BertSelfAttention, output.dense = BertSelfOutput.dense)",
+    description="BERT: three nn.Linear (out, in) in BertSelfAttention; the output projection is BertSelfOutput.dense",
+    packing=SEPARATE,
+    scale="1/sqrt(d_k)",
+    rotary="none (absolute position embeddings, outside attention)",
+    source="transformers/models/bert/modeling_bert.py",
+    split="self.query(x).view(B, N, H, d).transpose(1, 2) (the same for key and value)",
+    rules=(
+        *classic_heads(MODULE),
+        bias_is(True, "BERT's query/key/value and output.dense are nn.Linear layers with a bias"),
+        default_scale(MODULE),
+        rotary_is((None,), MODULE),
+    ),
+    shapes=_shapes,
+    pack=_pack,
+    unpack=_unpack,
+    notes=(
+        "BertSelfAttention returns the merged context (before the output projection); "
+        "BertSelfOutput then computes LayerNorm(dense(context) + input)",
+        "not causal (an encoder): padding masks come from BertModel as an additive (B, 1, N, N) mask",
+    ),
+)
+
+to_state_dict = LAYOUT.to_state_dict
+from_state_dict = LAYOUT.from_state_dict

@@ -1,0 +1,45 @@
+"""``hf-gpt2``: Hugging Face ``GPT2Attention`` (transformers/models/gpt2/modeling_gpt2.py).
+
+Keys are relative to the ``GPT2Attention`` module (``transformer.h.{i}.attn.`` in a
+``GPT2LMHeadModel`` checkpoint). GPT-2's ``Conv1D`` stores its weight as ``(in, out)`` and
+computes ``x @ weight + bias``: the row-sample ``W_B``, the transpose of ``nn.Linear``.
+``c_attn`` packs q, k and v as blocks along ``out`` (columns ``0:E`` are q, ``E:2E`` k,
+``2E:3E`` v), and the module splits them with ``c_attn(x).split(E, dim=2)``.
+"""
+
+from __future__ import annotations
+
+from ._layout import BLOCKS, Layout, bias_is, classic_heads, default_scale, fused_qkv, rotary_is
+from ._packing import pack_blocks, unpack_blocks
+
+MODULE = "GPT2Attention"
+_shapes, _pack, _unpack = fused_qkv("c_attn", "c_proj", pack_blocks, unpack_blocks, conv1d=True)
+
+LAYOUT = Layout(
+    name="hf-gpt2",
+    module=MODULE,
+    description="GPT-2: one Conv1D c_attn (in, out) holding q, k, v as column blocks; Conv1D c_proj",
+    packing=BLOCKS,
+    scale="1/sqrt(d_k) (config.scale_attn_weights=True, the default)",
+    rotary="none (learned absolute positions, outside attention)",
+    source="transformers/models/gpt2/modeling_gpt2.py",
+    split="c_attn(x).split(E, dim=2) -> q, k, v (B, N, E); each .view(B, N, H, d).transpose(1, 2)",
+    rules=(
+        *classic_heads(MODULE),
+        bias_is(True, "GPT-2's Conv1D layers always have a bias"),
+        default_scale(MODULE),
+        rotary_is((None,), MODULE),
+    ),
+    shapes=_shapes,
+    pack=_pack,
+    unpack=_unpack,
+    notes=(
+        "Conv1D weight is (in, out): the transpose of nn.Linear.weight; loading c_attn.weight into an nn.Linear "
+        "without .T is the classic GPT-2 porting bug",
+        "scale_attn_by_inverse_layer_idx=True (off by default) divides the scale by layer_idx + 1; not covered here",
+        "the module is causal in the model (GPT2Model builds the causal mask); the attention itself takes any mask",
+    ),
+)
+
+to_state_dict = LAYOUT.to_state_dict
+from_state_dict = LAYOUT.from_state_dict

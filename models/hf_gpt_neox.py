@@ -1,0 +1,48 @@
+"""``hf-gpt-neox``: Hugging Face ``GPTNeoXAttention`` (transformers/models/gpt_neox/modeling_gpt_neox.py).
+
+Keys are relative to ``GPTNeoXAttention`` (``gpt_neox.layers.{i}.attention.`` in a
+Pythia / GPT-NeoX checkpoint). ``query_key_value (3E, E)`` packs q, k and v **per
+head**: rows ``3*d*h : 3*d*(h+1)`` hold ``[q_h; k_h; v_h]``. The module splits it with
+``view(B, N, H, 3*d)`` and ``chunk(3, dim=-1)``; reading it as ``[Q; K; V]`` blocks (the
+``nn.MultiheadAttention`` / timm packing) mixes heads and roles without any shape error.
+Rotary embeddings (rotate-half) turn only the first ``rotary_pct * d`` features of a head.
+"""
+
+from __future__ import annotations
+
+from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
+from ._packing import pack_groups, unpack_groups
+
+MODULE = "GPTNeoXAttention"
+# With one query head per kv group (no grouping here), Megatron's per-group packing is exactly
+# GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
+_shapes, _pack, _unpack = fused_qkv("query_key_value", "dense", pack_groups, unpack_groups)
+
+LAYOUT = Layout(
+    name="hf-gpt-neox",
+    module=MODULE,
+    description="GPT-NeoX / Pythia: query_key_value (3E, E) packed per head [q_h; k_h; v_h]; dense",
+    packing=PER_HEAD,
+    scale="1/sqrt(d_k)",
+    rotary="half (rotate_half) on the first rotary_pct * d_k features of each head (partial rotary)",
+    source="transformers/models/gpt_neox/modeling_gpt_neox.py",
+    split="query_key_value(x).view(B, N, H, 3*d).transpose(1, 2).chunk(3, dim=-1) -> q, k, v (B, H, N, d)",
+    rules=(
+        *classic_heads(MODULE),
+        default_scale(MODULE),
+        rotary_is(("half",), MODULE, partial=True),
+    ),
+    shapes=_shapes,
+    pack=_pack,
+    unpack=_unpack,
+    notes=(
+        "rope_dims = int(d_k * rotary_pct) (config.rope_parameters['partial_rotary_factor'] in transformers 5); "
+        "Pythia uses rotary_pct = 0.25",
+        "bias: config.attention_bias (on by default) puts a bias on both layers",
+        "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+        "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
+    ),
+)
+
+to_state_dict = LAYOUT.to_state_dict
+from_state_dict = LAYOUT.from_state_dict

@@ -1,0 +1,54 @@
+"""``hf-llama``: Hugging Face ``LlamaAttention`` (transformers/models/llama/modeling_llama.py).
+
+Keys are relative to ``LlamaAttention`` (``model.layers.{i}.self_attn.`` in a
+``LlamaForCausalLM`` checkpoint): four ``nn.Linear`` layers, ``q_proj (H*d, E)``,
+``k_proj``/``v_proj (Hkv*d, E)`` (grouped-query attention) and ``o_proj (E, H*d)``, with
+biases only when ``config.attention_bias`` is set (off in Llama). The module applies
+rotary embeddings in the rotate-half convention; Meta's original checkpoints use the
+interleaved one, and Hugging Face's conversion permutes the rows of ``q_proj`` and
+``k_proj`` to move between them (``meta-llama``).
+"""
+
+from __future__ import annotations
+
+from ._layout import (
+    SEPARATE,
+    Layout,
+    default_scale,
+    rotary_is,
+    same_head_dims,
+    self_attention_widths,
+    separate_linears,
+)
+
+MODULE = "LlamaAttention"
+_shapes, _pack, _unpack = separate_linears({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"})
+
+LAYOUT = Layout(
+    name="hf-llama",
+    module=MODULE,
+    description="Llama (Hugging Face): q_proj/k_proj/v_proj/o_proj as nn.Linear (out, in), grouped kv heads",
+    packing=SEPARATE,
+    scale="1/sqrt(d_k)",
+    rotary="half (rotate_half), every feature of a head",
+    source="transformers/models/llama/modeling_llama.py",
+    split="q_proj(x).view(B, N, -1, d).transpose(1, 2); k/v the same with Hkv heads; repeat_kv for the groups",
+    rules=(
+        same_head_dims(MODULE),
+        self_attention_widths(MODULE),
+        default_scale(MODULE),
+        rotary_is(("half",), MODULE),
+    ),
+    shapes=_shapes,
+    pack=_pack,
+    unpack=_unpack,
+    notes=(
+        "bias: config.attention_bias puts a bias on all four layers (off for Llama itself)",
+        "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+        "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
+        "query head h reads kv head h // (n_heads / n_kv_heads) (repeat_kv), the spec's grouping",
+    ),
+)
+
+to_state_dict = LAYOUT.to_state_dict
+from_state_dict = LAYOUT.from_state_dict

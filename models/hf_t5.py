@@ -1,0 +1,55 @@
+"""``hf-t5``: Hugging Face ``T5Attention`` (transformers/models/t5/modeling_t5.py).
+
+Keys are relative to ``T5Attention`` (``encoder.block.{i}.layer.0.SelfAttention.`` in a
+T5 checkpoint): ``q``, ``k``, ``v (H*d_kv, E)`` and ``o (E, H*d_kv)``, ``nn.Linear``
+without bias. T5 does **not** scale the scores by ``1/sqrt(d)`` (``self.scaling = 1.0``;
+its initialisation folds the factor into ``q``), so the spec needs ``scale=1.0``. The first
+layer of each stack also stores ``relative_attention_bias.weight``, a learned position
+bias added to the scores, which is outside the spec: use a layer without it.
+"""
+
+from __future__ import annotations
+
+from ._layout import (
+    SEPARATE,
+    Layout,
+    bias_is,
+    no_grouped_kv,
+    rotary_is,
+    same_head_dims,
+    self_attention_widths,
+    separate_linears,
+    unit_scale,
+)
+
+MODULE = "T5Attention"
+_shapes, _pack, _unpack = separate_linears({"w_q": "q", "w_k": "k", "w_v": "v", "w_o": "o"})
+
+LAYOUT = Layout(
+    name="hf-t5",
+    module=MODULE + " (has_relative_attention_bias=False)",
+    description="T5: q/k/v/o nn.Linear (out, in) without bias; head size d_kv free; no 1/sqrt(d) scale",
+    packing=SEPARATE,
+    scale="1 (no scaling)",
+    rotary="none (relative position bias on the first layer, outside the spec)",
+    source="transformers/models/t5/modeling_t5.py",
+    split="q(x).view(B, N, -1, d_kv).transpose(1, 2) (the same for k and v)",
+    rules=(
+        no_grouped_kv(MODULE),
+        same_head_dims(MODULE),
+        self_attention_widths(MODULE),
+        bias_is(False, "T5's q/k/v/o are nn.Linear(..., bias=False)"),
+        unit_scale(MODULE),
+        rotary_is((None,), MODULE),
+    ),
+    shapes=_shapes,
+    pack=_pack,
+    unpack=_unpack,
+    notes=(
+        "porting T5 into a standard attention that divides by sqrt(d) shrinks every score: the softmax flattens",
+        "layer 0 adds relative_attention_bias (buckets x heads) to the scores: not part of this layout",
+    ),
+)
+
+to_state_dict = LAYOUT.to_state_dict
+from_state_dict = LAYOUT.from_state_dict

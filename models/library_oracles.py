@@ -1,0 +1,148 @@
+"""``torch-mha``, ``flax`` and ``equinox``: the converters of `mha_rosetta.core.layouts`, as layouts.
+
+These three libraries' attention modules are the project's third-party oracles; their
+converters live in `core` (the backends use them). Here they get the same
+`Layout` interface as the checkpoint families, with flat state dicts:
+
+* ``torch-mha``: ``torch.nn.MultiheadAttention.state_dict()`` names;
+* ``flax``: ``flax.linen.MultiHeadDotProductAttention``'s ``params`` tree flattened with
+  ``/`` (``flax.traverse_util.flatten_dict(..., sep="/")``): ``query/kernel`` ...;
+* ``equinox``: ``equinox.nn.MultiheadAttention``'s fields, ``query_proj.weight`` ...
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAParams,
+    from_flax_params,
+    from_torch_mha_state_dict,
+    to_flax_params,
+    to_torch_mha_state_dict,
+    torch_mha_unsupported_reason,
+)
+from mha_rosetta.core.layouts import EQUINOX_NAMES
+
+from ._layout import (
+    BLOCKS,
+    SEPARATE,
+    Layout,
+    default_scale,
+    no_grouped_kv,
+    rotary_is,
+    same_head_dims,
+    separate_linears,
+)
+
+# --- torch.nn.MultiheadAttention -----------------------------------------------------------
+
+
+def _torch_mha_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
+    E = cfg.d_model
+    shapes = {}
+    if cfg.is_self_attention_shaped:
+        shapes["in_proj_weight"] = (3 * E, E)
+    else:
+        shapes.update({"q_proj_weight": (E, E), "k_proj_weight": (E, cfg.kdim), "v_proj_weight": (E, cfg.vdim)})
+    if cfg.bias:
+        shapes["in_proj_bias"] = (3 * E,)
+    shapes["out_proj.weight"] = (E, E)
+    if cfg.bias:
+        shapes["out_proj.bias"] = (E,)
+    return shapes
+
+
+TORCH_MHA = Layout(
+    name="torch-mha",
+    module="torch.nn.MultiheadAttention",
+    description="nn.MultiheadAttention: in_proj_weight (3E, E) as [Q; K; V] blocks (q/k/v_proj_weight when kdim/vdim differ)",
+    packing=BLOCKS,
+    scale="1/sqrt(d_k)",
+    rotary="none",
+    source="torch/nn/modules/activation.py",
+    split="F.linear(x, in_proj_weight).unflatten(-1, (3, E)) -> q, k, v; each .view(N, B*H, d).transpose(0, 1)",
+    rules=(torch_mha_unsupported_reason, rotary_is((None,), "nn.MultiheadAttention")),
+    shapes=_torch_mha_shapes,
+    pack=to_torch_mha_state_dict,
+    unpack=from_torch_mha_state_dict,
+    notes=(
+        "sequence-first (N, B, E) unless batch_first=True",
+        "attn_mask/key_padding_mask: True means blocked, the opposite polarity of the spec",
+    ),
+)
+
+# --- flax.linen.MultiHeadDotProductAttention -----------------------------------------------
+
+
+def _flax_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
+    H = cfg.n_heads
+    shapes = {}
+    for name, width in (("query", cfg.d_model), ("key", cfg.kdim), ("value", cfg.vdim)):
+        shapes[f"{name}/kernel"] = (width, H, cfg.d_k)
+        if cfg.bias:
+            shapes[f"{name}/bias"] = (H, cfg.d_k)
+    shapes["out/kernel"] = (H, cfg.d_v, cfg.d_model)
+    if cfg.bias:
+        shapes["out/bias"] = (cfg.d_model,)
+    return shapes
+
+
+def _flax_pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
+    tree = to_flax_params(cfg, params)
+    return {f"{module}/{leaf}": array for module, leaves in tree.items() for leaf, array in leaves.items()}
+
+
+def _flax_unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
+    tree: dict[str, dict[str, np.ndarray]] = {}
+    for path, array in state.items():
+        module, leaf = path.split("/")
+        tree.setdefault(module, {})[leaf] = array
+    return from_flax_params(cfg, tree)
+
+
+FLAX = Layout(
+    name="flax",
+    module="flax.linen.MultiHeadDotProductAttention",
+    description="Flax linen: DenseGeneral kernels (in, H, d) and out kernel (H, d, E), params tree flattened with '/'",
+    packing=SEPARATE,
+    scale="1/sqrt(d_k) (applied to the query before the product)",
+    rotary="none",
+    source="flax/linen/attention.py",
+    split="no split: DenseGeneral(features=(H, d)) gives (B, N, H, d) directly",
+    rules=(
+        no_grouped_kv("flax MultiHeadDotProductAttention"),
+        same_head_dims("flax MultiHeadDotProductAttention (qkv_features)"),
+        default_scale("flax MultiHeadDotProductAttention"),
+        rotary_is((None,), "flax MultiHeadDotProductAttention"),
+    ),
+    shapes=_flax_shapes,
+    pack=_flax_pack,
+    unpack=_flax_unpack,
+    notes=("qkv_features is the total H*d (torch-like); out_features defaults to the query width",),
+)
+
+# --- equinox.nn.MultiheadAttention ---------------------------------------------------------
+
+_eqx_shapes, _eqx_pack, _eqx_unpack = separate_linears(EQUINOX_NAMES)
+
+EQUINOX = Layout(
+    name="equinox",
+    module="equinox.nn.MultiheadAttention",
+    description="Equinox: query_proj/key_proj/value_proj/output_proj eqx.nn.Linear, weight (out, in) like torch",
+    packing=SEPARATE,
+    scale="1/sqrt(qk_size)",
+    rotary="none (the module takes a process_heads hook where users add it)",
+    source="equinox/nn/_attention.py",
+    split="query_proj(x).reshape(N, H, qk_size) per example (vmapped over the batch)",
+    rules=(
+        no_grouped_kv("equinox MultiheadAttention"),
+        default_scale("equinox MultiheadAttention"),
+        rotary_is((None,), "equinox MultiheadAttention"),
+    ),
+    shapes=_eqx_shapes,
+    pack=_eqx_pack,
+    unpack=_eqx_unpack,
+    notes=("qk_size and vo_size are per head, like Keras's key_dim",),
+)

@@ -1,0 +1,90 @@
+"""The explainer's "Real checkpoints" section and the packing picture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_rosetta.explain import explain
+from mha_rosetta.explain.real_checkpoints import (
+    PACKING_EXAMPLES,
+    checkpoint,
+    family_config,
+    numbered_params,
+    packing_rows,
+    save_packing_png,
+    stored_tensor,
+)
+from mha_rosetta.models import LAYOUTS
+
+
+def _segments(layout: str, tensor: str):
+    c = checkpoint(layout, real_modules=False)
+    found = {t.name: t for t in c.tensors}[tensor]
+    return found.axis, list(found.segments)
+
+
+def test_per_head_packing_read_back_from_the_converter():
+    axis, segments = _segments("hf-gpt-neox", "query_key_value.weight")  # d_model 16, 4 heads of 4
+    assert axis == 0
+    assert segments[:4] == [(0, 4, "q head 0"), (4, 8, "k head 0"), (8, 12, "v head 0"), (12, 16, "q head 1")]
+    assert len(segments) == 12
+
+
+def test_per_group_packing_read_back_from_the_converter():
+    axis, segments = _segments("megatron", "linear_qkv.weight")  # 4 query heads, 2 kv groups
+    assert axis == 0
+    assert segments == [
+        (0, 4, "q head 0"), (4, 8, "q head 1"), (8, 12, "k kv head 0"), (12, 16, "v kv head 0"),
+        (16, 20, "q head 2"), (20, 24, "q head 3"), (24, 28, "k kv head 1"), (28, 32, "v kv head 1"),
+    ]  # fmt: skip
+
+
+def test_conv1d_and_keras_kernels_keep_heads_on_other_axes():
+    axis, segments = _segments("hf-gpt2", "c_attn.weight")  # (in, out): heads along the columns
+    assert axis == 1 and segments[4] == (16, 20, "k head 0")
+    axis, segments = _segments("keras", "query/kernel")  # (in, H, d): heads on their own axis
+    assert axis == 1 and segments == [(h, h + 1, f"q head {h}") for h in range(4)]
+    axis, segments = _segments("hf-bert", "output.dense.weight")  # (out, H*d): columns read the heads
+    assert axis == 1 and segments[1] == (4, 8, "reads head 1")
+
+
+def test_numbered_params_survive_every_layout_exactly():
+    for name in LAYOUTS:
+        cfg = family_config(name)
+        numbered = numbered_params(cfg)
+        state = LAYOUTS[name].to_state_dict(cfg, numbered)
+        back = LAYOUTS[name].from_state_dict(cfg, state)
+        assert all(np.array_equal(getattr(back, k), v) for k, v in numbered.as_dict().items() if v is not None), name
+        for tensor_name, array in state.items():
+            assert stored_tensor(cfg, tensor_name, array).segments, tensor_name
+
+
+def test_packing_rows_of_the_three_examples():
+    owners = {packing: packing_rows(layout, tensor)[1] for packing, layout, tensor, _ in PACKING_EXAMPLES}
+    assert list(owners["blocks"][[0, 16, 32]]) == ["q head 0", "k head 0", "v head 0"]
+    assert list(owners["per head"][[0, 4, 8, 12]]) == ["q head 0", "k head 0", "v head 0", "q head 1"]
+    assert list(owners["per group"][[4, 8, 12, 16]]) == ["q head 1", "k kv head 0", "v kv head 0", "q head 2"]
+
+
+def test_packing_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: pip install 'mha-rosetta[bench]'")
+    path = save_packing_png(tmp_path / "packings.png")
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_section_runs_every_real_module_it_can_and_names_the_rest():
+    result = explain(sections=("checkpoints",))
+    assert [c.layout for c in result.checkpoints] == list(LAYOUTS)
+    for c in result.checkpoints:
+        assert c.verified is not False, c.real
+        if c.verified is None:
+            assert c.real.startswith("skipped: ") and ("pip install" in c.real or "failed to import" in c.real)
+        else:
+            assert c.real.split(":")[0] in ("real", "equivalent", "reimplementation") and "agrees" in c.real
+    markdown = result.to_markdown(png_name="head_split.png")
+    assert "## Real checkpoints" in markdown and "![three packings of q, k, v](packings.png)" in markdown
+    assert "| query_key_value.weight | (48, 16) | axis 0: 0:4 q head 0 \\| 4:8 k head 0" in markdown
+    assert "Real checkpoints: the families at a glance" in result.to_text()
+    assert result.to_dict()["checkpoints"][0]["tensors"][0]["name"] == "c_attn.weight"

@@ -1,0 +1,250 @@
+"""The checkpoint layouts of `mha_rosetta.models`, NumPy only: exact round trips, hand-checked packings, bad input.
+
+The real modules are in test_models_real.py; here every layout is held to what its
+module's source says, with distinct sizes so that no two axes can be swapped silently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_rosetta.core import MHAConfig, init_params
+from mha_rosetta.models import LAYOUTS, LayoutError, get_layout, pack_groups, unpack_groups
+
+# One configuration each real module can hold (distinct sizes; GQA where the family has it).
+CONFIGS = {
+    "hf-gpt2": MHAConfig(d_model=15, n_heads=3),
+    "hf-bert": MHAConfig(d_model=15, n_heads=3),
+    "hf-llama": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, rope="half"),
+    "meta-llama": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, bias=False, rope="interleaved"),
+    "hf-gpt-neox": MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4),
+    "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
+    "timm-vit": MHAConfig(d_model=15, n_heads=3),
+    "hf-t5": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0),
+    "keras": MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9),
+    "torch-mha": MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9),
+    "flax": MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=9),
+    "equinox": MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9, bias=False),
+}
+ROUND_TRIP = list(CONFIGS)
+
+
+def test_registry_lists_every_family():
+    assert list(LAYOUTS) == [
+        "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "megatron",
+        "timm-vit", "hf-t5", "keras", "torch-mha", "flax", "equinox",
+    ]  # fmt: skip
+    for name, layout in LAYOUTS.items():
+        assert layout.name == name and get_layout(name) is layout
+        assert layout.packing in ("separate", "blocks", "per head", "per group")
+
+
+@pytest.mark.parametrize("name", ROUND_TRIP)
+def test_round_trip_is_exact_and_keys_are_the_real_names(name):
+    cfg = CONFIGS[name]
+    layout = get_layout(name)
+    params = init_params(cfg, seed=3)
+    state = layout.to_state_dict(cfg, params)
+    assert {k: v.shape for k, v in state.items()} == layout.expected_shapes(cfg)
+    back = layout.from_state_dict(cfg, state)
+    for key, value in params.as_dict().items():
+        other = getattr(back, key)
+        assert (value is None and other is None) or np.array_equal(value, other), key
+    # The state dict owns its memory: writing to it leaves the canonical params alone.
+    for array in state.values():
+        array[...] = 0.0
+    assert np.count_nonzero(params.w_q) == params.w_q.size
+
+
+def _tagged_params(cfg):
+    """Each canonical row tagged: q row r -> 1000 + r, k -> 2000 + r, v -> 3000 + r (every column the same)."""
+    params = init_params(cfg)
+    tag = {}
+    for offset, name in ((1000, "w_q"), (2000, "w_k"), (3000, "w_v")):
+        rows, cols = getattr(params, name).shape
+        tag[name] = np.repeat((offset + np.arange(rows, dtype=float))[:, None], cols, axis=1)
+    return params.__class__(**{**params.as_dict(), **tag})
+
+
+def test_gpt2_conv1d_is_in_out_with_q_k_v_column_blocks():
+    cfg = CONFIGS["hf-gpt2"]
+    state = get_layout("hf-gpt2").to_state_dict(cfg, _tagged_params(cfg))
+    c_attn = state["c_attn.weight"]  # (E, 3E): Conv1D keeps (in, out)
+    assert c_attn.shape == (15, 45)
+    assert list(c_attn[0, :3]) == [1000, 1001, 1002] and c_attn[0, 15] == 2000 and c_attn[0, 30] == 3000
+    assert np.array_equal(state["c_proj.weight"], init_params(cfg).w_o.T)
+
+
+def test_gpt_neox_packs_per_head_where_torch_packs_blocks():
+    cfg = MHAConfig(d_model=12, n_heads=3, rope="half")  # d = 4
+    tagged = _tagged_params(cfg)
+    blocks = get_layout("torch-mha").to_state_dict(MHAConfig(d_model=12, n_heads=3), tagged)["in_proj_weight"][:, 0]
+    assert list(blocks[:5]) == [1000, 1001, 1002, 1003, 1004]  # blocks: every q row first
+    per_head = get_layout("hf-gpt-neox").to_state_dict(cfg, tagged)["query_key_value.weight"][:, 0]
+    assert list(per_head[:12]) == [1000, 1001, 1002, 1003, 2000, 2001, 2002, 2003, 3000, 3001, 3002, 3003]  # fmt: skip
+    assert list(per_head[12:16]) == [1004, 1005, 1006, 1007]  # [q_0; k_0; v_0], then q_1
+    # one query head per group: Megatron's per-group packing is the same thing
+    assert np.array_equal(per_head, pack_groups(cfg, *(getattr(tagged, w)[:, 0] for w in ("w_q", "w_k", "w_v"))))
+
+
+def test_megatron_packs_per_query_group():
+    cfg = MHAConfig(d_model=12, n_heads=4, n_kv_heads=2, d_k=2)  # two query heads per group
+    column = get_layout("megatron").to_state_dict(cfg, _tagged_params(cfg))["linear_qkv.weight"][:, 0]
+    # group 0: q heads 0 and 1 (rows 0..3), k_0 (2 rows), v_0 (2 rows); then group 1
+    group_0 = [1000, 1001, 1002, 1003, 2000, 2001, 3000, 3001]
+    group_1 = [1004, 1005, 1006, 1007, 2002, 2003, 3002, 3003]
+    assert list(column) == group_0 + group_1
+    q, k, v = unpack_groups(cfg, column)
+    assert list(q) == list(range(1000, 1008))
+    assert list(k) == [2000, 2001, 2002, 2003] and list(v) == [3000, 3001, 3002, 3003]
+
+
+def test_timm_qkv_is_torch_in_proj_row_for_row():
+    cfg = CONFIGS["timm-vit"]
+    params = init_params(cfg, seed=5)
+    timm = get_layout("timm-vit").to_state_dict(cfg, params)
+    torch_mha = get_layout("torch-mha").to_state_dict(cfg, params)
+    assert np.array_equal(timm["qkv.weight"], torch_mha["in_proj_weight"])
+    assert np.array_equal(timm["qkv.bias"], torch_mha["in_proj_bias"])
+    assert np.array_equal(timm["proj.weight"], torch_mha["out_proj.weight"])
+
+
+def test_keras_kernels_keep_the_head_axis():
+    cfg = CONFIGS["keras"]
+    params = init_params(cfg)
+    state = get_layout("keras").to_state_dict(cfg, params)
+    assert state["query/kernel"].shape == (15, 3, 4) and state["key/kernel"].shape == (11, 3, 4)
+    assert state["value/kernel"].shape == (9, 3, 6) and state["attention_output/kernel"].shape == (3, 6, 15)
+    h, j = 2, 1  # scorer j of head h is row h*d_k + j of canonical w_q
+    assert np.array_equal(state["query/kernel"][:, h, j], params.w_q[h * 4 + j])
+
+
+# --- bad input: each a clear error naming the layout and the key or field --------------------
+
+
+def test_unknown_layout():
+    with pytest.raises(LayoutError, match=r"unknown layout 'gpt3'; known layouts: hf-gpt2, hf-bert"):
+        get_layout("gpt3")
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg", "match"),
+    [
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=16, n_heads=4, n_kv_heads=2),
+            r"layout 'hf-gpt2' .*MHAConfig.n_kv_heads=2 != n_heads=4: GPT2Attention",
+        ),
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=15, n_heads=3, bias=False),
+            r"MHAConfig.bias=False: GPT-2's Conv1D layers always have a bias",
+        ),
+        (
+            "hf-t5",
+            MHAConfig(d_model=15, n_heads=3, bias=False),
+            r"layout 'hf-t5' .*MHAConfig.scale=0.447214: T5Attention does not scale",
+        ),
+        (
+            "hf-t5",
+            MHAConfig(d_model=15, n_heads=3, scale=1.0),
+            r"MHAConfig.bias=True: T5's q/k/v/o are nn.Linear\(..., bias=False\)",
+        ),
+        (
+            "hf-bert",
+            MHAConfig(d_model=15, n_heads=3, d_k=4),
+            r"MHAConfig.d_k=4: BertSelfAttention fixes d_k = d_model / n_heads = 5",
+        ),
+        ("timm-vit", MHAConfig(d_model=15, n_heads=3, kdim=11), r"MHAConfig.kdim=11, vdim=15: timm Attention projects"),
+        ("keras", MHAConfig(d_model=16, n_heads=4, n_kv_heads=1), r"layout 'keras' .*n_kv_heads=1 != n_heads=4"),
+        ("flax", MHAConfig(d_model=15, n_heads=3, d_v=4), r"MHAConfig.d_v=4 != d_k=5: flax"),
+        (
+            "meta-llama",
+            MHAConfig(d_model=16, n_heads=4, bias=False),
+            r"layout 'meta-llama' .*MHAConfig.rope=None: Meta's llama Attention applies rope='interleaved'",
+        ),
+        ("hf-llama", MHAConfig(d_model=16, n_heads=4), r"MHAConfig.rope=None: LlamaAttention applies rope='half'"),
+        (
+            "hf-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="interleaved"),
+            r"MHAConfig.rope='interleaved': LlamaAttention applies rope='half'",
+        ),
+        (
+            "hf-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="half", rope_dims=2),
+            r"MHAConfig.rope_dims=2: LlamaAttention rotates every feature",
+        ),
+        (
+            "meta-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="interleaved"),
+            r"MHAConfig.bias=True: Meta's wq/wk/wv/wo are built with bias=False",
+        ),
+        (
+            "hf-gpt-neox",
+            MHAConfig(d_model=24, n_heads=3, rope="interleaved"),
+            r"layout 'hf-gpt-neox' .*rope='interleaved': GPTNeoXAttention applies rope='half'",
+        ),
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=16, n_heads=4, rope="half"),
+            r"MHAConfig.rope='half': GPT2Attention applies rope=None",
+        ),
+    ],
+)
+def test_config_the_module_cannot_hold(name, cfg, match):
+    layout = get_layout(name)
+    assert layout.unsupported_reason(cfg)
+    with pytest.raises(LayoutError, match=match):
+        layout.to_state_dict(cfg, init_params(cfg))
+
+
+def test_state_dict_with_missing_extra_or_wrong_shape_keys():
+    cfg = CONFIGS["hf-gpt2"]
+    layout = get_layout("hf-gpt2")
+    state = layout.to_state_dict(cfg, init_params(cfg))
+    missing = {k: v for k, v in state.items() if k != "c_proj.bias"}
+    with pytest.raises(LayoutError, match=r"layout 'hf-gpt2': state dict does not match: missing c_proj.bias"):
+        layout.from_state_dict(cfg, missing)
+    extra = {**state, "attn.masked_bias": np.zeros(1)}
+    with pytest.raises(LayoutError, match=r"unexpected attn.masked_bias"):
+        layout.from_state_dict(cfg, extra)
+    transposed = {**state, "c_attn.weight": state["c_attn.weight"].T}  # the nn.Linear habit
+    with pytest.raises(LayoutError, match=r"layout 'hf-gpt2': c_attn.weight has shape \(45, 15\), expected \(15, 45\)"):
+        layout.from_state_dict(cfg, transposed)
+    with pytest.raises(LayoutError, match=r"c_proj.weight must hold floating-point numbers"):
+        layout.from_state_dict(cfg, {**state, "c_proj.weight": np.zeros((15, 15), dtype=np.int64)})
+    with pytest.raises(TypeError, match=r"layout 'hf-gpt2': state_dict must be a mapping"):
+        layout.from_state_dict(cfg, list(state.values()))
+
+
+def test_t5_layer_with_relative_bias_is_named_as_unexpected():
+    cfg = CONFIGS["hf-t5"]
+    layout = get_layout("hf-t5")
+    state = {**layout.to_state_dict(cfg, init_params(cfg)), "relative_attention_bias.weight": np.zeros((32, 3))}
+    with pytest.raises(LayoutError, match=r"unexpected relative_attention_bias.weight"):
+        layout.from_state_dict(cfg, state)
+
+
+def test_odd_rope_dims_is_refused_before_any_layout_sees_it():
+    with pytest.raises(ValueError, match=r"MHAConfig.rope_dims must be even"):
+        MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=3)
+
+
+def test_meta_to_hf_conversion_permutes_q_and_k_rows_per_head_and_back():
+    from mha_rosetta.core import rope_permutation
+    from mha_rosetta.models import convert_state_dict
+
+    cfg = CONFIGS["meta-llama"]  # d_k = 4: HF's view(H, d/2, 2, E).transpose(1, 2) is rows [0, 2, 1, 3] per head
+    meta = get_layout("meta-llama").to_state_dict(cfg, init_params(cfg, seed=8))
+    hf_cfg, hf = convert_state_dict(cfg, meta, "meta-llama", "hf-llama")
+    assert hf_cfg.rope == "half" and list(rope_permutation(4, 4)) == [0, 2, 1, 3]
+    assert np.array_equal(hf["q_proj.weight"][4:8], meta["wq.weight"][[4, 6, 5, 7]])  # head 1
+    assert np.array_equal(
+        hf["k_proj.weight"], meta["wk.weight"].reshape(2, 2, 2, 16).transpose(0, 2, 1, 3).reshape(8, 16)
+    )
+    assert np.array_equal(hf["v_proj.weight"], meta["wv.weight"]) and np.array_equal(
+        hf["o_proj.weight"], meta["wo.weight"]
+    )
+    back_cfg, back = convert_state_dict(hf_cfg, hf, "hf-llama", "meta-llama")
+    assert back_cfg == cfg and all(np.array_equal(back[k], meta[k]) for k in meta)

@@ -1,0 +1,259 @@
+"""Every layout loaded into its family's real module (float64) gives the spec's output.
+
+Tiny modules are built from the libraries' config objects (nothing is downloaded), loaded
+by their own parameter names (``load_state_dict(strict=True)`` for torch modules) with
+`Layout.to_state_dict`, and run with the masks their own models build (Hugging Face's
+``create_causal_mask`` / ``create_bidirectional_mask``). Where a module stops before the
+output projection (BERT's self-attention, Megatron's core attention), its merged context
+is checked too.
+
+Facts these tests handle rather than hide:
+* Hugging Face's eager attention for Llama and GPT-NeoX runs its softmax in float32 even in a
+  float64 model, and their rotary modules compute the angles in float32 (errors ~1e-7); so
+  does ``jax.nn.dot_product_attention`` (Keras on JAX) with its softmax. Those runs are held
+  to the float32 row of `core.tolerances` (``RealRun.precision``). HF's SDPA path with the
+  spec's float64 (cos, sin) is held to float64, which shows that nothing else differs.
+* Keras 3 ``MultiHeadAttention`` on the JAX backend fails when ``value_dim != key_dim``
+  (``jax.nn.dot_product_attention`` wants value shaped like key): the runner reports it
+  as ``known_difference`` and takes Keras's ``return_attention_scores=True`` path instead.
+* timm does not import on these machines, so ``timm-vit`` is proved on the equivalent
+  block packing: ``nn.MultiheadAttention`` loaded strictly with timm's tensors renamed
+  (``qkv`` -> ``in_proj``). Megatron-LM is not installable, so ``megatron`` is proved
+  against its ``linear_qkv`` split rewritten from its source (``view`` then ``split``).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Keras picks its backend at first import; without one it wants TensorFlow, absent here.
+# Set before anything in this process imports keras (an explicit KERAS_BACKEND wins).
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np
+import pytest
+
+from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_stages
+from mha_rosetta.models import convert_state_dict, get_layout
+from mha_rosetta.models.real_modules import allowed_mask, meta_reference_forward, run_real, unavailable_reason
+
+BATCH, TOKENS = 2, 7
+PADDING = np.ones((BATCH, TOKENS), dtype=bool)
+PADDING[1, 4:] = False  # right padding: every query row keeps at least one key, even when causal
+
+# (layout, cfg, padded, kind): the kind says what ran, so a silent fallback would fail the test.
+CASES = [
+    ("hf-gpt2", MHAConfig(d_model=15, n_heads=3, causal=True), True, "real"),
+    ("hf-gpt2", MHAConfig(d_model=15, n_heads=3), False, "real"),
+    ("hf-bert", MHAConfig(d_model=15, n_heads=3), True, "real"),
+    ("hf-t5", MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0), True, "real"),
+    ("hf-t5", MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True), False, "real"),
+    (
+        "hf-llama",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", bias=False, causal=True),
+        True,
+        "real",
+    ),
+    ("hf-llama", MHAConfig(d_model=15, n_heads=3, d_k=4, rope="half", rope_base=500.0), True, "real"),
+    (
+        "meta-llama",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="interleaved", bias=False, causal=True),
+        True,
+        "equivalent",
+    ),
+    ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=2, causal=True), True, "real"),
+    ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", bias=False), False, "real"),
+    ("timm-vit", MHAConfig(d_model=15, n_heads=3), False, "equivalent"),
+    ("megatron", MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3), True, "reimplementation"),
+    ("megatron", MHAConfig(d_model=15, n_heads=3, causal=True, bias=False), False, "reimplementation"),
+    (
+        "megatron",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="interleaved", rope_dims=2, causal=True),
+        True,
+        "reimplementation",
+    ),
+    ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4), True, "real"),
+    ("torch-mha", MHAConfig(d_model=15, n_heads=3, causal=True), True, "real"),
+    ("flax", MHAConfig(d_model=15, n_heads=3, d_k=4), True, "real"),
+    ("equinox", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, bias=False), True, "real"),
+]
+
+
+def _skip_unless_runnable(layout: str) -> None:
+    reason = unavailable_reason(layout)
+    if reason:
+        pytest.skip(reason)
+
+
+def _inputs(cfg: MHAConfig) -> np.ndarray:
+    return np.random.default_rng(11).standard_normal((BATCH, TOKENS, cfg.d_model))
+
+
+def _check(layout: str, cfg: MHAConfig, padded: bool, seed: int = 0, **options):
+    params = init_params(cfg, seed=seed)
+    x = _inputs(cfg)
+    padding = PADDING if padded else None
+    run = run_real(layout, cfg, get_layout(layout).to_state_dict(cfg, params), x, padding, **options)
+    expected = reference_stages(cfg, params, x, mask=allowed_mask(cfg, BATCH, TOKENS, padding))
+    assert_close(run.output, expected["output"], run.precision, what=f"{layout} real module output")
+    if run.merged is not None:
+        assert_close(run.merged, expected["merged"], run.precision, what=f"{layout} merged context")
+    return run, params, expected
+
+
+@pytest.mark.parametrize(
+    ("layout", "cfg", "padded", "kind"),
+    CASES,
+    ids=lambda v: v.describe().replace(" ", ",") if isinstance(v, MHAConfig) else str(v),
+)
+def test_real_module_gives_the_spec_output(layout, cfg, padded, kind):
+    _skip_unless_runnable(layout)
+    run, _, _ = _check(layout, cfg, padded)
+    assert run.kind == kind, f"{layout}: expected a {kind} run, got {run.kind}: {run.module}"
+    if kind == "real" and layout not in ("hf-bert",):
+        # the real module stores exactly the layout's names and shapes
+        assert run.parameters == get_layout(layout).expected_shapes(cfg)
+    if kind == "real" and layout == "hf-bert":
+        stored = {k: v for k, v in run.parameters.items() if not k.startswith("output.LayerNorm")}
+        assert stored == get_layout(layout).expected_shapes(cfg)
+
+
+SDPA_CASES = [
+    ("hf-gpt2", MHAConfig(d_model=15, n_heads=3, causal=True), False),  # no mask at all: the module's own is_causal
+    ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), False),
+    ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), True),
+    ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4, causal=True), True),
+    ("hf-bert", MHAConfig(d_model=15, n_heads=3), True),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout", "cfg", "padded"),
+    SDPA_CASES,
+    ids=lambda v: v.describe().replace(" ", ",") if isinstance(v, MHAConfig) else str(v),
+)
+def test_hugging_face_sdpa_path_agrees_in_float64(layout, cfg, padded):
+    """HF's default path (torch SDPA) keeps float64 once the rotary tables are float64 too.
+
+    Llama's and GPT-NeoX's rotary modules compute their angles in float32 even in a float64
+    model, so here they get the spec's float64 (cos, sin); with the eager softmax (float32) or
+    the module's own tables the float32 tolerance applies (see CASES).
+    """
+    _skip_unless_runnable(layout)
+    run, _, _ = _check(layout, cfg, padded, implementation="sdpa", float64_rotary=cfg.rope is not None)
+    assert run.precision == "float64" and "(sdpa)" in run.module
+
+
+def test_hugging_face_rotary_module_computes_in_float32():
+    """The same Llama layer: the module's own cos/sin cost float32-sized errors that float64 tables remove."""
+    _skip_unless_runnable("hf-llama")
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True)
+    own, _, expected = _check("hf-llama", cfg, True, implementation="sdpa")
+    assert own.precision == "float32" and "angles in float32" in own.note
+    error = np.max(np.abs(own.output - expected["output"]))
+    assert 1e-9 < error < 1e-5  # float32 angles: wrong in the 8th digit, not in the 2nd
+
+
+def test_implementation_is_checked():
+    _skip_unless_runnable("torch-mha")
+    cfg = MHAConfig(d_model=15, n_heads=3)
+    state = get_layout("torch-mha").to_state_dict(cfg, init_params(cfg))
+    with pytest.raises(
+        ValueError, match=r"implementation and float64_rotary apply to Hugging Face layouts only, not 'torch-mha'"
+    ):
+        run_real("torch-mha", cfg, state, _inputs(cfg), implementation="sdpa")
+
+
+def test_bert_attention_block_is_layernorm_of_the_spec_output_plus_input():
+    """The whole BertAttention (self + output): LayerNorm(spec output + x), with the real LayerNorm at its initial values."""
+    _skip_unless_runnable("hf-bert")
+    import torch
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertAttention
+
+    cfg = MHAConfig(d_model=15, n_heads=3)
+    params = init_params(cfg, seed=2)
+    config = BertConfig(
+        hidden_size=15, num_attention_heads=3, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0
+    )
+    config._attn_implementation = "eager"
+    module = BertAttention(config).double().eval()
+    state = {k: torch.from_numpy(v) for k, v in get_layout("hf-bert").to_state_dict(cfg, params).items()}
+    result = module.load_state_dict(state, strict=False)
+    assert (
+        sorted(result.missing_keys) == ["output.LayerNorm.bias", "output.LayerNorm.weight"]
+        and not result.unexpected_keys
+    )
+    x = _inputs(cfg)
+    with torch.no_grad():
+        block = module(torch.from_numpy(x))[0].numpy()
+    expected = reference_stages(cfg, params, x)["output"] + x
+    expected = (expected - expected.mean(-1, keepdims=True)) / np.sqrt(
+        expected.var(-1, keepdims=True) + config.layer_norm_eps
+    )
+    assert_close(block, expected, "float64", what="BertAttention block")
+
+
+def test_keras_value_dim_different_from_key_dim_is_reported():
+    """Keras 3 on JAX fails when value_dim != key_dim; the runner says so and uses the einsum path."""
+    _skip_unless_runnable("keras")
+    cfg = MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6)
+    run, _, _ = _check("keras", cfg, padded=True)
+    import keras
+
+    if keras.backend.backend() == "jax":
+        assert "the default call fails" in run.known_difference
+        # jax.nn.dot_product_attention rejects the value shape; Keras's fallback then fails to reshape
+        assert "cannot reshape array of shape (2, 7, 3, 1, 6)" in run.known_difference
+        assert run.precision == "float64"  # the einsum path keeps float64
+    else:
+        assert run.known_difference == ""
+
+
+def test_keras_cross_attention_widths():
+    _skip_unless_runnable("keras")
+    cfg = MHAConfig(d_model=15, n_heads=3, d_k=5, d_v=5)
+    _check("keras", cfg, padded=False, seed=4)
+
+
+def test_a_packing_mix_up_is_caught_by_the_real_module():
+    """GPT-NeoX's per-head packing read as timm/torch blocks: same shape, no error, wrong output."""
+    _skip_unless_runnable("torch-mha")
+    cfg = MHAConfig(d_model=15, n_heads=3)
+    params = init_params(cfg, seed=6)
+    per_head = get_layout("megatron").to_state_dict(cfg, params)  # G = H: GPT-NeoX's [q_h; k_h; v_h]
+    blocks = get_layout("timm-vit").to_state_dict(cfg, params)
+    mixed = {**blocks, "qkv.weight": per_head["linear_qkv.weight"], "qkv.bias": per_head["linear_qkv.bias"]}
+    run = run_real("timm-vit", cfg, mixed, _inputs(cfg))
+    expected = reference_stages(cfg, params, _inputs(cfg))["output"]
+    assert np.max(np.abs(run.output - expected)) > 0.1
+
+
+META_CFG = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="interleaved", bias=False, causal=True)
+
+
+def test_meta_llama_own_forward_is_the_spec_in_float64():
+    """Meta's Attention.forward (view_as_complex rotary on wq/wk/wv/wo), rewritten from its source, in float64."""
+    _skip_unless_runnable("meta-llama")
+    params = init_params(META_CFG, seed=9)
+    x = _inputs(META_CFG)
+    state = get_layout("meta-llama").to_state_dict(META_CFG, params)
+    output = meta_reference_forward(META_CFG, state, x, PADDING)
+    expected = reference_stages(META_CFG, params, x, mask=allowed_mask(META_CFG, BATCH, TOKENS, PADDING))["output"]
+    assert_close(output, expected, "float64", what="Meta's forward")
+
+
+def test_meta_weights_in_hf_llama_need_the_row_permutation():
+    """Copying wq/wk into q_proj/k_proj unchanged runs without any error and gives wrong output."""
+    _skip_unless_runnable("hf-llama")
+    params = init_params(META_CFG, seed=10)
+    x = _inputs(META_CFG)
+    meta = get_layout("meta-llama").to_state_dict(META_CFG, params)
+    expected = reference_stages(META_CFG, params, x, mask=allowed_mask(META_CFG, BATCH, TOKENS, PADDING))["output"]
+    hf_cfg, hf = convert_state_dict(META_CFG, meta, "meta-llama", "hf-llama")
+    converted = run_real("hf-llama", hf_cfg, hf, x, PADDING)
+    assert_close(converted.output, expected, converted.precision, what="converted Meta weights in LlamaAttention")
+    names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+    renamed = {names[k.split(".")[0]] + ".weight": v for k, v in meta.items()}
+    naive = run_real("hf-llama", hf_cfg, renamed, x, PADDING)
+    assert np.max(np.abs(naive.output - expected)) > 1e-2

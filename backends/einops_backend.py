@@ -59,11 +59,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
 
 from ._inputs import convert_inputs
 from ._jax_common import allows_tf32, check_matmul_precision
 from ._layouts import TOKENS_FIRST_STAGE_AXES
+from ._numpy_ops import NumpyPrecision, softmax_inplace
 from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 
@@ -203,28 +204,28 @@ def _numpy_subscripts(pattern: str) -> str:
 
 
 class NumpyOps:
-    """NumPy arrays: in-place updates, np.einsum with an explicit path, bfloat16 via float32."""
+    """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
+
+    Half types are stored as such and computed in float32 (`_numpy_ops.NumpyPrecision`):
+    ml_dtypes' bfloat16 has no einsum loops and float16 has no BLAS.
+    """
 
     library = "numpy"
     works_in_place = True
     has_buffers = True  # view or copy is measurable (np.shares_memory)
 
     def __init__(self, dtype: str, device: str) -> None:
-        self.dtype = numpy_dtype(dtype)
-        # ml_dtypes' bfloat16 has elementwise ufuncs but no einsum loops.
-        self.upcast = dtype == "bfloat16"
+        self.precision = NumpyPrecision.for_dtype(dtype)
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
         if array is None:
             return None
-        return np.ascontiguousarray(array.astype(self.dtype) if cast else array)
+        return self.precision.round_to_storage(array) if cast else np.ascontiguousarray(array)
 
     def einsum(self, pattern: str, a, b):
-        subscripts = _numpy_subscripts(pattern)
-        if self.upcast:
-            result = np.einsum(subscripts, a.astype(np.float32), b.astype(np.float32), optimize=NUMPY_TWO_OPERAND_PATH)
-            return result.astype(self.dtype)
-        return np.einsum(subscripts, a, b, optimize=NUMPY_TWO_OPERAND_PATH)
+        P = self.precision
+        result = np.einsum(_numpy_subscripts(pattern), P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
+        return P.store(result)
 
     def add_bias(self, y, bias):
         y += bias  # in place: the einsum result is ours to change
@@ -238,21 +239,9 @@ class NumpyOps:
         return scores
 
     def softmax(self, scores, empty_rows):
-        """In place over the last axis; rows with no allowed key become zeros (spec), without NaN."""
-        work = scores.astype(np.float32) if self.upcast else scores
-        row_max = work.max(axis=-1, keepdims=True)
-        if empty_rows is not None:
-            # Shift an all -inf row by 0 so that exp() gives 0 there instead of NaN.
-            np.copyto(row_max, 0, where=np.isneginf(row_max))
-        work -= row_max
-        np.exp(work, out=work)
-        total = work.sum(axis=-1, keepdims=True)
-        if empty_rows is not None:
-            # A row with an allowed key has exp(0) = 1 at its maximum, so total >= 1 there;
-            # an empty row has total 0 and stays 0 / 1 = 0.
-            np.maximum(total, 1, out=total)
-        work /= total
-        return work.astype(self.dtype) if self.upcast else work
+        """In place over the last axis (unless half precision); rows with no allowed key become zeros (spec)."""
+        P = self.precision
+        return P.store(softmax_inplace(P.operand(scores), empty_rows, axis=-1))
 
     def snapshot(self, x):
         return x.copy()
@@ -272,23 +261,15 @@ class TorchOps:
         import torch
 
         self.torch = torch
-        self.dtype_name = dtype
+        self.dtype_name, self.device_name = dtype, device
         self.dtype = getattr(torch, dtype)
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
-        if array is None:
-            return None
-        torch = self.torch
-        if not cast:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-        rounded = np.ascontiguousarray(array.astype(numpy_dtype(self.dtype_name)))
-        if self.dtype_name == "bfloat16":
-            # torch cannot read ml_dtypes arrays; reuse the same 16 bits (rounded once, by NumPy).
-            tensor = torch.from_numpy(rounded.view(np.uint16)).view(torch.bfloat16)
-        else:
-            tensor = torch.from_numpy(rounded)
-        return tensor.to(self.device)
+        from ._torch_common import bool_tensor, optional_tensor
+
+        # cast=False: the masks, booleans as they are
+        return optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
 
     def einsum(self, pattern: str, a, b):
         import einops
@@ -660,14 +641,11 @@ class EinopsBackend(Backend):
         info: dict = {"array_library": self.array_library}
         if self.array_library == "numpy":
             info["einsum"] = "np.einsum with an explicit two-operand path (batched matmul), not einops.einsum"
-            if dtype == "bfloat16":
-                info["bfloat16"] = (
-                    "each einsum and the softmax run in float32 on upcast operands, results rounded back to bfloat16"
-                )
+            info.update(NumpyPrecision.for_dtype(dtype).info())
         elif self.array_library == "jax":
             from ._jax_common import precision_info
 
-            info.update(precision_info(dtype, device, self.matmul_precision))
+            info.update(precision_info(device, dtype, self.matmul_precision))
         elif device == "gpu":
             from ._torch_common import precision_info
 

@@ -245,7 +245,7 @@ class JaxBackend(Backend):
                 for name, axes in STAGE_AXES.items()
             }
 
-        info = precision_info(dtype, device, self.matmul_precision)
+        info = precision_info(device, dtype, self.matmul_precision)
         info["head_vmap"] = (
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )

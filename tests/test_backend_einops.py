@@ -68,8 +68,9 @@ def test_half_precision_matches_reference(library, dtype):
     result = prepared.forward()
     assert str(result.dtype).endswith(dtype)  # "float16", "torch.float16", "bfloat16"
     assert_close(prepared.to_numpy(result), reference_mha(cfg, params, query, key, value, mask), dtype)
-    if library == "numpy" and dtype == "bfloat16":
-        assert "float32" in prepared.info["bfloat16"]  # the upcast is recorded, not hidden
+    if library == "numpy":  # the NumPy adapter's policy: stored in the half type, computed in float32, and said so
+        assert (prepared.info["storage_dtype"], prepared.info["compute_dtype"]) == (dtype, "float32")
+        assert "float32" in prepared.info["rounding"]
 
 
 @pytest.mark.parametrize("library", LIBRARIES)

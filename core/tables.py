@@ -106,6 +106,19 @@ def _wrap_rows(table: Table, width: int) -> list[list[list[str]]]:
     return [[wrap(cell, limit) for cell, limit in zip(row, limits, strict=True)] for row in table.rows]
 
 
+def plain_lines(table: Table, width: int | None = None) -> list[str]:
+    """Header, rule and rows of one table (no title, no notes), the text cells wrapped to ``width``."""
+    rows = _wrap_rows(table, width) if width else [[str(c).splitlines() or [""] for c in row] for row in table.rows]
+    widths = [len(c) for c in table.columns]
+    for row in rows:
+        widths = [max(w, *(len(line) for line in cell)) for w, cell in zip(widths, row, strict=True)]
+    out = [_line(table.columns, widths), GAP.join("-" * w for w in widths)]
+    for row in rows:
+        height = max(len(cell) for cell in row)
+        out += [_line([cell[k] if k < len(cell) else "" for cell in row], widths) for k in range(height)]
+    return out
+
+
 def render_plain(tables: list[Table], width: int | None = None, footer: list[str] | None = None) -> str:
     """Plain text: title, header, a rule, the rows, the notes; fitted to ``width`` (None: no limit)."""
     out: list[str] = []
@@ -113,14 +126,7 @@ def render_plain(tables: list[Table], width: int | None = None, footer: list[str
         for table in split_to_fit(whole, width):
             out += _fill(table.title, width)
             if table.columns:
-                rows = _wrap_rows(table, width) if width else [[[str(c)] for c in row] for row in table.rows]
-                widths = [len(c) for c in table.columns]
-                for row in rows:
-                    widths = [max(w, *(len(line) for line in cell)) for w, cell in zip(widths, row, strict=True)]
-                out += [_line(table.columns, widths), GAP.join("-" * w for w in widths)]
-                for row in rows:
-                    height = max(len(cell) for cell in row)
-                    out += [_line([cell[k] if k < len(cell) else "" for cell in row], widths) for k in range(height)]
+                out += plain_lines(table, width)
             for note in table.notes:
                 out += _fill(note, width)
             out.append("")

@@ -284,11 +284,10 @@ def run_speed_questions(
 
 def questions_markdown(answers: list[dict]) -> str:
     """The answers as a Markdown table (claim, verdict, evidence)."""
-    lines = ["| claim | question | verdict | evidence |", "|---|---|---|---|"]
-    for answer in answers:
-        evidence = answer["evidence"].replace("|", "/")
-        lines.append(f"| {answer['claim']} | {answer['title']} | **{answer['verdict']}** | {evidence} |")
-    return "\n".join(lines) + "\n"
+    from mha_rosetta.core.tables import markdown_table
+
+    rows = [[answer["claim"], answer["title"], f"**{answer['verdict']}**", answer["evidence"]] for answer in answers]
+    return "\n".join(markdown_table(["claim", "question", "verdict", "evidence"], rows)) + "\n"
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 
 from mha_rosetta.backends.versions import library_versions
+from mha_rosetta.core.tables import markdown_table as table_lines
 
 from .rounds import cell_interval, intervals_overlap, round_fractions
 
@@ -284,10 +285,7 @@ def markdown_table(report: dict) -> str:
         lines.append(f"Allocator: malloc={malloc} ({rule}), the same for every cell  ")
     if lines:
         lines.append("")
-    lines.append("| " + " | ".join(MARKDOWN_COLUMNS) + " |")
-    lines.append("|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|")
-    for cell in report["cells"]:
-        lines.append("| " + " | ".join(markdown_row(cell)) + " |")
+    lines += table_lines(MARKDOWN_COLUMNS, [markdown_row(cell) for cell in report["cells"]])
     warned = [cell for cell in report["cells"] if cell.get("warnings")]
     if warned:
         lines.append("")

@@ -426,17 +426,7 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
     started = time.perf_counter()
     try:
         prepared, _ = backend.prepare(
-            oracle.cfg,
-            oracle.params,
-            data.query,
-            data.key,
-            data.value,
-            data.mask,
-            dtype=dtype,
-            device=device,
-            strategy=strategy,
-            positions=data.positions,
-            kv_positions=data.kv_positions,
+            oracle.cfg, oracle.params, *data.arrays, dtype=dtype, device=device, strategy=strategy, **data.positions_kwargs
         )
         output = np.asarray(prepared.output())
     except UnsupportedCase as error:

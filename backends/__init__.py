@@ -5,13 +5,15 @@ framework once to see that it really loads (`_probe.import_failure`: a library t
 installed but fails to import is a skip with the error, not a crash), and `get_backend`
 imports an adapter's module only when that backend is asked for.
 The registry is an explicit dict: adding a backend is one line here plus its module.
+Backends from other packages come in through `register` (a class or a module path) or
+the entry-point group ``mha_rosetta.backends`` (`backends.plugins`).
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from . import plugins
 from ._probe import import_failure, probe
 from .base import (
     DIRECT_RESHAPE,
@@ -30,22 +32,26 @@ from .base import (
 
 @dataclass(frozen=True)
 class BackendEntry:
-    module: str  # relative to this package
+    module: str  # a module of this package ("numpy_backend") or a fully qualified one ("mypkg.attention")
     cls: str
-    requires: tuple[str, ...]  # modules the backend imports; each is probed by importing it once
-    extra: str  # the pip extra that installs them
+    requires: tuple[str, ...] = ()  # modules the backend imports; each is probed by importing it once
+    extra: str = ""  # the mha-rosetta extra that installs them ("" for a plugin: its own package does)
     kwargs: dict = field(default_factory=dict)
-    kind: str = "implementation"  # or "oracle": a library's own attention, fed our parameters
+    # "implementation" or "oracle" (a library's own attention, fed our parameters);
+    # None for a plugin named by a path: its class says, once loaded.
+    kind: str | None = "implementation"
 
 
 REGISTRY: dict[str, BackendEntry] = {}
 
 
-def register(name: str, entry: BackendEntry) -> None:
-    """Add a backend to the registry (used below, and by users with their own adapters)."""
+def register(name: str, entry) -> None:
+    """Add a backend: a `BackendEntry`, a `Backend` subclass or a ``"package.module:Class"`` path."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
     if name in REGISTRY:
         raise ValueError(f"a backend named {name!r} is already registered")
-    REGISTRY[name] = entry
+    REGISTRY[name] = plugins.as_entry(entry)
 
 
 def _missing_modules(entry: BackendEntry) -> list[str]:
@@ -67,7 +73,8 @@ def _not_installed_message(name: str, entry: BackendEntry) -> str:
     broken = [probe(module).reason for module in missing if probe(module).installed]
     if broken:
         return f"backend {name!r} cannot load: {'; '.join(broken)}"
-    return f"backend {name!r} needs {', '.join(missing)}, which is not installed: pip install 'mha-rosetta[{entry.extra}]'"
+    how = f"pip install 'mha-rosetta[{entry.extra}]'" if entry.extra else f"install {', '.join(missing)}"
+    return f"backend {name!r} needs {', '.join(missing)}, which is not installed: {how}"
 
 
 _INSTANCES: dict[str, Backend] = {}
@@ -81,9 +88,12 @@ def get_backend(name: str) -> Backend:
     if _missing_modules(entry):
         raise BackendNotInstalled(_not_installed_message(name, entry))
     if name not in _INSTANCES:
-        module = importlib.import_module(f"{__name__}.{entry.module}")
-        backend = getattr(module, entry.cls)(name=name, **entry.kwargs)
-        backend.requires, backend.kind = entry.requires, entry.kind
+        # The instance reads its kind and requires from this entry (Backend.__init__).
+        backend = plugins.load_class(entry)(name=name, **entry.kwargs)
+        if entry.kind is None:  # a plugin named by a path: now its class has said
+            REGISTRY[name] = replace(entry, kind=backend.kind, requires=tuple(backend.requires))
+            if _missing_modules(REGISTRY[name]):
+                raise BackendNotInstalled(_not_installed_message(name, REGISTRY[name]))
         _INSTANCES[name] = backend
     return _INSTANCES[name]
 
@@ -102,6 +112,8 @@ register("torch-sdpa", BackendEntry("torch_oracles", "TorchSDPAOracle", ("torch"
 register("jax-dpa", BackendEntry("jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
 register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
 register("equinox", BackendEntry("jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
+# Third-party packages' backends (entry-point group "mha_rosetta.backends"), none imported.
+plugins.discover_entry_points()
 
 __all__ = [
     "DIRECT_RESHAPE",

@@ -142,7 +142,8 @@ class Backend:
     name: str = ""
     convention: str = ""  # one line: what this adapter embodies
     # Set from the backend's registry entry (backends/__init__.py), the one place that
-    # says what a backend needs and whether it is ours or a third-party oracle.
+    # says what a backend needs and whether it is ours or a third-party oracle; a plugin
+    # class registered by path (or not at all) sets them here, as class attributes.
     requires: tuple[str, ...] = ()  # importable modules this backend needs
     kind: str = "implementation"  # or "oracle" (a third-party implementation)
     strategies: tuple[str, ...] = (STANDARD,)
@@ -158,6 +159,13 @@ class Backend:
         # serve several entries (einops on NumPy, torch and JAX arrays).
         if name is not None:
             self.name = name
+        # Kind and requires come from this class's registry entry (the one place that says
+        # them), so an instance built directly knows them too; unregistered: class attributes.
+        from .plugins import registered_entry
+
+        entry = registered_entry(type(self), name)
+        if entry is not None and entry.kind is not None:
+            self.kind, self.requires = entry.kind, tuple(entry.requires)
 
     # -- what a subclass provides ---------------------------------------------------------
     def devices(self) -> tuple[str, ...]:

@@ -548,7 +548,9 @@ def run_check(
     devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all". Naming the GPU makes every
                 installed GPU-capable framework that sees none an error (`checks.devices`);
                 "all" runs on whatever devices are present.
-    dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`);
+    dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`), and an
+                implementation that supports none of those runs it in the first requested
+                dtype it supports (`case_dtypes_for`), so every implementation gets every case;
                 "all": every case in every dtype (the exhaustive product).
     cases:      None (every spec case), names, or SpecCase objects.
     progress:   called with a short message before each case and dtype.
@@ -579,8 +581,7 @@ def run_check(
         result.frameworks_without_gpu = frameworks_without_gpu(chosen)
     try:
         for case in spec_cases:
-            case_dtypes = dtype_names if every_dtype else [d for d in dtype_names if d in case.dtypes]
-            _check_case(case, chosen, strategy_filter, device_names, case_dtypes, result, progress)
+            _check_case(case, chosen, strategy_filter, device_names, dtype_names, every_dtype, result, progress)
     except KeyboardInterrupt:
         result.interrupted = True  # keep what finished; the caller decides how to exit
     result.seconds = time.perf_counter() - started
@@ -591,7 +592,42 @@ def _as_list(values) -> list:
     return [values] if isinstance(values, (str, SpecCase)) else list(values)
 
 
-def _check_case(case, backends, strategy_filter, devices, dtypes, result: CheckResult, progress) -> None:
+def _implementations(backend: Backend, strategy_filter, devices) -> list[Implementation]:
+    return [
+        Implementation(backend.name, strategy, device)
+        for strategy in backend.strategies
+        if strategy_filter is None or strategy in strategy_filter
+        for device in devices
+    ]
+
+
+def case_dtypes_for(backend: Backend, impl: Implementation, case: SpecCase, dtypes, every_dtype: bool) -> list[str]:
+    """The dtypes one implementation runs ``case`` in: every case reaches every implementation.
+
+    With ``every_dtype`` (``--dtypes all``): every requested dtype. Otherwise the case's own
+    dtypes (`SpecCase.dtypes`) among the requested ones; and when the implementation supports
+    none of the case's own dtypes (an adapter with only float64, a case listed in float16),
+    the first requested dtype it does support, so no implementation misses a case (GQA,
+    causal, padding) because of the dtypes the case happens to list. When it supports no
+    requested dtype for this case, the case's dtypes run anyway and each run says why.
+    """
+    if every_dtype:
+        return list(dtypes)
+    listed = [d for d in dtypes if d in case.dtypes]
+
+    def supported(dtype: str) -> bool:
+        try:
+            return backend.unsupported_reason(case.cfg, dtype, impl.device, impl.strategy) is None
+        except Exception:  # a broken unsupported_reason shows as an error when the run raises
+            return True
+
+    if any(supported(d) for d in case.dtypes):
+        return listed
+    fallback = next((d for d in dtypes if supported(d)), None)
+    return [fallback] if fallback is not None else listed
+
+
+def _check_case(case, backends, strategy_filter, devices, dtypes, every_dtype, result: CheckResult, progress) -> None:
     try:
         oracle = _oracle(case)
         uniform = _uniform_fallback_output(oracle)
@@ -609,16 +645,20 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, result: CheckR
                     )
                 )
         return
-    for dtype in dtypes:
+    plan = {
+        impl: case_dtypes_for(backend, impl, case, dtypes, every_dtype)
+        for backend in backends
+        for impl in _implementations(backend, strategy_filter, devices)
+    }
+    backend_of = {backend.name: backend for backend in backends}
+    for dtype in [d for d in dtypes if any(d in chosen for chosen in plan.values())]:
         if progress:
             progress(f"{case.name} {dtype}")
-        runs = []
-        for backend in backends:
-            for strategy in backend.strategies:
-                if strategy_filter is not None and strategy not in strategy_filter:
-                    continue
-                for device in devices:
-                    runs.append(_run_one(backend, strategy, device, dtype, oracle, uniform))
+        runs = [
+            _run_one(backend_of[impl.backend], impl.strategy, impl.device, dtype, oracle, uniform)
+            for impl, chosen in plan.items()
+            if dtype in chosen
+        ]
         result.runs.extend(runs)
         compared = [run for run in runs if run.compared]
         for i, a in enumerate(compared):

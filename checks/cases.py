@@ -9,7 +9,9 @@ cases, float16 on the cases the issue names (cross-attention with kdim != vdim, 
 causal + padding). Not every case runs in every dtype because a JIT backend compiles
 once per case and dtype (0.3 s of CPU at the very least for XLA on this machine, up to
 about 1 s for the module-based oracles), and five such backends would make the full
-product (48 combinations) take minutes instead of the default check's one. A logic
+product (48 combinations) take minutes instead of the default check's one. An
+implementation that supports none of a case's dtypes still gets the case, in the first
+dtype it supports (`agreement.case_dtypes_for`): every implementation sees every case. A logic
 error shows in any dtype (its error is O(1), far above every tolerance); the dtypes are
 there to check each one's plumbing and rounding. The exhaustive product stays one
 option away: ``mha-rosetta check --dtypes all``.

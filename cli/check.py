@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends", action="append", metavar="LIST", help="backends to run (default: every installed one)"
     )
     parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="MODULE:CLASS",
+        help="your own adapter, a Backend subclass by import path (e.g. mypkg.attention:MyBackend); repeatable. "
+        "Without --backends only these run (against the oracle); add --backends to compare with ours too",
+    )
+    parser.add_argument(
         "--strategies",
         action="append",
         metavar="LIST",
@@ -30,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtypes",
         action="append",
         metavar="LIST",
-        help="float64, float32, float16, bfloat16: each case runs those of them it lists (default: all four); "
-        "'all' runs every case in every dtype",
+        help="float64, float32, float16, bfloat16: each case runs those of them it lists, or the first one an "
+        "implementation supports (default: all four); 'all' runs every case in every dtype",
     )
     parser.add_argument("--cases", action="append", metavar="LIST", help="spec cases to run (default: all; see --list)")
     parser.add_argument(
@@ -88,9 +95,20 @@ def run(args: argparse.Namespace) -> int:
         def progress(message: str) -> None:
             print(f"\r\033[Kchecking {message} ...", end="", file=sys.stderr, flush=True)
 
+    backends = args.backends
+    if args.backend:
+        from mha_rosetta.backends.plugins import register_path
+
+        sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named
+        try:
+            plugins = [register_path(path) for path in args.backend]
+        except Exception as error:  # the user's module may raise anything while importing
+            print(f"mha-rosetta check: error: --backend: {type(error).__name__}: {error}", file=sys.stderr)
+            return 2
+        backends = [*(backends or []), *plugins]
     try:
         result = run_check(
-            backends=args.backends,
+            backends=backends,
             strategies=args.strategies,
             devices=args.devices,
             dtypes=args.dtypes,

@@ -1,4 +1,4 @@
-"""The ``mha-rosetta`` command line: ``check``, ``bench`` and ``explain``.
+"""The ``mha-rosetta`` command line: ``check``, ``bench``, ``explain`` and ``diagnose``.
 
 Each subcommand lives in its own module (`cli.check`, `cli.bench`, `cli.explain`)
 exposing ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). The
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "check": "agreement of every installed implementation with the float64 oracle and with each other",
     "bench": "fair timings side by side (fresh process per cell, pinned threads)",
     "explain": "shapes, strides and weight layouts of every convention; the column/row-sample article's claims",
+    "diagnose": "name the convention error in your own attention (MODULE:CALLABLE), with evidence and the fix",
 }
 
 
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mha-rosetta",
         description="Multi-head attention written once; checked, timed and explained across NumPy, PyTorch, JAX and einops.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{check,bench,explain}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, help_text in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         _subcommand_module(name).add_arguments(sub)

@@ -10,7 +10,17 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["mha_rosetta.core", "mha_rosetta.backends", "mha_rosetta.models", "mha_rosetta.cli.main"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "mha_rosetta.core",
+        "mha_rosetta.backends",
+        "mha_rosetta.models",
+        "mha_rosetta.cli.main",
+        "mha_rosetta.diagnose.confusion",
+        "mha_rosetta.cli.diagnose",
+    ],
+)
 def test_import_pulls_in_no_framework(module):
     code = (
         f"import sys, {module}\n"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mha_rosetta.backends as backends
-from mha_rosetta.backends import REGISTRY, Backend, BackendEntry, Prepared, StageTensor
+from mha_rosetta.backends import REGISTRY, Backend, Prepared, StageTensor, register
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, init_params, reference_stages
 
 TOY = "toy-oracle-loop"
@@ -21,6 +21,7 @@ class ToyBackend(Backend):
     """The spec's own loop over heads, exposed as an implementation."""
 
     convention = "the float64 oracle's loop over heads, wrapped as a backend (a test fixture)"
+    requires = ("numpy",)
     dtypes = ("float64",)
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy) -> Prepared:
@@ -41,10 +42,12 @@ class ToyBackend(Backend):
 
 @pytest.fixture
 def toy(monkeypatch):
-    """Register the toy backend for one test (the registry and the instance cache restored after it)."""
-    monkeypatch.setitem(REGISTRY, TOY, BackendEntry("numpy_backend", "NumpyBackend", ("numpy",), "test"))
-    monkeypatch.setitem(backends._INSTANCES, TOY, ToyBackend(name=TOY))
-    return TOY
+    """The toy backend registered the public way, for one test; the registry and the instances restored after."""
+    monkeypatch.setattr(backends, "_INSTANCES", dict(backends._INSTANCES))
+    register(TOY, ToyBackend)
+    assert REGISTRY[TOY].kind == "implementation"
+    yield TOY
+    del REGISTRY[TOY]
 
 
 def test_the_check_runs_and_compares_a_registered_backend(toy):

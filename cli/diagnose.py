@@ -1,0 +1,141 @@
+"""``mha-rosetta diagnose``: name the convention error in your own attention.
+
+``mha-rosetta diagnose mypkg.mod:my_attention --d-model 12 --heads 3`` imports
+``my_attention`` (a callable ``(params, query, key, value, mask) -> output``), runs
+`diagnose.diagnose` and prints the verdict, or the ranked causes with their evidence and
+fixes. ``--confusion`` prints the confusion table of the injected bugs instead.
+
+Exit status: 0 the candidate agrees with the oracle; 1 it disagrees (causes printed);
+2 it cannot be diagnosed (an import path that does not resolve, not callable, raised,
+timed out, wrong shape or dtype, NaN everywhere) or a bad option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "candidate",
+        nargs="?",
+        metavar="MODULE:CALLABLE",
+        help="your attention: a callable (params, query, key, value, mask) -> output, by import path",
+    )
+    parser.add_argument("--d-model", type=int, help="model width (required with a candidate)")
+    parser.add_argument("--heads", type=int, help="query heads (required with a candidate)")
+    parser.add_argument("--kv-heads", type=int, help="kv heads (fewer: GQA, one: MQA; default: --heads)")
+    parser.add_argument("--d-k", type=int, help="query/key width per head (default d_model / heads)")
+    parser.add_argument("--d-v", type=int, help="value width per head (default d_k)")
+    parser.add_argument("--kdim", type=int, help="key input width (default d_model)")
+    parser.add_argument("--vdim", type=int, help="value input width (default d_model)")
+    parser.add_argument("--no-bias", action="store_true", help="the candidate's projections have no bias")
+    parser.add_argument("--causal", action="store_true", help="the candidate applies a causal mask itself")
+    parser.add_argument("--scale", type=float, help="score scale (default 1/sqrt(d_k))")
+    parser.add_argument(
+        "--rope",
+        choices=("half", "interleaved"),
+        help="the candidate applies rotary embeddings: half (rotate_half, Hugging Face) or interleaved (Meta)",
+    )
+    parser.add_argument("--rope-base", type=float, default=10000.0, help="rotary base (default 10000)")
+    parser.add_argument("--rope-dims", type=int, help="rotated features per head (default d_k)")
+    parser.add_argument("--dtype", default="float64", help="dtype of the arrays fed to the candidate (default float64)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per probe (default 30)")
+    parser.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH ('-' for stdout)")
+    parser.add_argument(
+        "--confusion",
+        action="store_true",
+        help="print the confusion table of the injected bugs (NumPy and torch candidates) instead",
+    )
+
+
+def resolve_callable(path: str):
+    """``"pkg.mod:name"`` -> the object, with errors that name the path."""
+    from mha_rosetta.backends.plugins import parse_target
+
+    module_name, attr = parse_target(path)
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"cannot import {path}: {error}") from error
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(
+                f"cannot import {path}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(
+            f"{path} is a {type(obj).__name__}, not callable as (params, query, key, value, mask) -> output"
+        )
+    return obj
+
+
+def _config(args: argparse.Namespace):
+    from mha_rosetta.core import MHAConfig
+
+    missing = [flag for flag, value in (("--d-model", args.d_model), ("--heads", args.heads)) if value is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} required: the sizes the candidate's module was built for")
+    return MHAConfig(
+        d_model=args.d_model,
+        n_heads=args.heads,
+        d_k=args.d_k,
+        d_v=args.d_v,
+        n_kv_heads=args.kv_heads,
+        kdim=args.kdim,
+        vdim=args.vdim,
+        bias=not args.no_bias,
+        causal=args.causal,
+        scale=args.scale,
+        rope=args.rope,
+        rope_base=args.rope_base,
+        rope_dims=args.rope_dims,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from mha_rosetta.core.files import write_output
+    from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError, diagnose
+
+    if args.confusion:
+        from mha_rosetta.diagnose.confusion import (
+            confusion,
+            render_evidence,
+            render_markdown,
+            render_separation,
+            separating_probes,
+        )
+
+        outcomes = confusion()
+        print(render_markdown(outcomes))
+        print(
+            "The simplest probe that tells each pair of causes apart (max abs difference of their simulated outputs):\n"
+        )
+        print(render_separation(separating_probes()))
+        print("One diagnosis per bug, its evidence:\n")
+        print(render_evidence(outcomes), end="")
+        return 0 if all(o.correct for o in outcomes) else 1
+    if args.candidate is None:
+        print("mha-rosetta diagnose: error: give the candidate as MODULE:CALLABLE (or --confusion)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named
+    try:
+        cfg = _config(args)
+        candidate = resolve_callable(args.candidate)
+        timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+        result = diagnose(candidate, cfg, dtype=args.dtype, timeout=timeout)
+    except (DiagnoseError, ValueError, TypeError) as error:
+        print(f"mha-rosetta diagnose: error: {error}", file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"{args.candidate} ({cfg.describe()}):", file=out)
+    print(result.summary(), file=out)
+    if args.json:
+        write_output(
+            args.json, json.dumps({"candidate": args.candidate, "config": cfg.describe(), **result.as_dict()}, indent=2)
+        )
+    return 0 if result.agrees else 1

@@ -1,0 +1,34 @@
+"""mha_rosetta.diagnose: name the convention error in an attention implementation.
+
+`diagnose(candidate, cfg)` runs ``candidate(params, query, key, value, mask) -> output``
+on designed probes (`probes`), compares it with the float64 oracle and with simulations
+of every known convention error (`simulate`, `causes`), and returns a `Diagnosis`:
+``agrees`` with the error against the oracle, or the ranked `Cause` list, each with its
+evidence and its fix (in words, and as the converter in `repairs` to call).
+
+Packed q/k/v weights. The candidate always receives canonical `MHAParams`; a candidate
+whose module holds one packed ``(3E, E)`` matrix packs them with its own converter. The
+``qkv_packing`` cause is a candidate that packs in one layout (blocks [q; k; v], or per
+head [q_0; k_0; v_0; q_1; ...]) and unpacks in the other; its repair,
+`repairs.repack_qkv`, feeds it parameters whose rows are pre-permuted so that its wrong
+unpacking reads the right rows.
+
+Imports NumPy, `core` and `backends` only (no framework).
+"""
+
+from .causes import CAUSE_CODES, Hypothesis, hypotheses
+from .diagnosis import DEFAULT_TIMEOUT_S, Cause, DiagnoseError, Diagnosis, diagnose
+from .simulate import Bug, simulate
+
+__all__ = [
+    "CAUSE_CODES",
+    "DEFAULT_TIMEOUT_S",
+    "Bug",
+    "Cause",
+    "DiagnoseError",
+    "Diagnosis",
+    "Hypothesis",
+    "diagnose",
+    "hypotheses",
+    "simulate",
+]

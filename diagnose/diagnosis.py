@@ -1,0 +1,404 @@
+"""`diagnose(candidate, cfg)`: does an attention implementation agree with the spec, and if not, why.
+
+Method. The candidate runs on every probe of `diagnose.probes`. Every hypothesis of
+`diagnose.causes` (one convention error each, plus "no error") is simulated on the same
+probes by `diagnose.simulate`, and each is scored by how far the candidate's outputs are
+from that simulation, in units of the tolerance of the candidate's dtype (the worst probe
+counts). "No error" within tolerance: the candidate agrees. Otherwise the causes are the
+hypotheses that explain every probe, best first; when no single one does, pairs of the
+best few are tried (two bugs at once); when nothing explains everything, the best partial
+fits are returned and say so. Hypotheses that change no probe's output (a dropped ``b_k``,
+GQA grouping with one kv head) are never named, so a correct candidate is never blamed,
+and two hypotheses that predict the same outputs on every probe are reported as one.
+
+Each cause carries its evidence: the probe that shows it best (the candidate's error there
+against the oracle and against the cause), the probe that tells it from the next best
+hypothesis, and, where the cause has a repair (a change of the parameters or mask fed to the
+candidate, `diagnose.repairs`), the result of running the candidate again with it.
+
+Time limit. Each call of the candidate runs in a daemon worker thread joined with a
+timeout: the candidate may be any callable (a closure over a torch module, a jitted
+function), which a subprocess could not receive without pickling it and re-importing its
+framework for every probe; a thread keeps it in this process. A call past the limit is
+abandoned (Python cannot kill a thread; being a daemon, it does not keep the interpreter
+alive) and `diagnose` raises `DiagnoseError` naming the probe: it never hangs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from mha_rosetta.backends.base import tensor_to_numpy
+from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, lower_precision, numpy_dtype, tolerance_for
+from mha_rosetta.core.config import require_config
+
+from .causes import Hypothesis, hypotheses
+from .probes import Probe, make_probes
+from .simulate import Bug, allowed_under, simulate
+
+DEFAULT_TIMEOUT_S = 30.0
+PAIR_CANDIDATES = 8  # how many of the best single causes are combined in pairs
+
+
+class DiagnoseError(ValueError):
+    """The candidate cannot be diagnosed (raised, timed out, wrong shape or dtype, NaN everywhere)."""
+
+
+@dataclass(frozen=True)
+class Cause:
+    code: str  # one of causes.CAUSE_CODES
+    detail: str
+    evidence: str
+    fix: str
+    residual: float = math.nan  # the candidate's worst distance from this cause, in tolerances (<= 1: explained)
+
+    def as_dict(self) -> dict:
+        return {
+            "code": self.code,
+            "detail": self.detail,
+            "evidence": self.evidence,
+            "fix": self.fix,
+            "residual": self.residual,
+        }
+
+
+@dataclass
+class Diagnosis:
+    agrees: bool
+    max_error: float  # max abs error against the oracle over the ranking probes
+    causes: list[Cause] = field(default_factory=list)
+    known_differences: list[str] = field(default_factory=list)  # named conventions (a row with nothing to attend to)
+    notes: list[str] = field(default_factory=list)  # probes left out, and why
+    probe_errors: dict[str, float] = field(default_factory=dict)  # max abs error against the oracle, per probe
+    dtype: str = "float64"  # the tolerance used
+
+    def summary(self) -> str:
+        tol = tolerance_for(self.dtype)
+        head = (
+            f"agrees with the oracle: max abs error {self.max_error:.3g} "
+            f"(tolerance {self.dtype}: atol {tol.atol:g}, rtol {tol.rtol:g})"
+            if self.agrees
+            else f"DISAGREES with the oracle: max abs error {self.max_error:.3g} "
+            f"({self.dtype} tolerance atol {tol.atol:g})"
+        )
+        lines = [head]
+        lines += [f"known difference: {text}" for text in self.known_differences]
+        lines += [
+            "per probe (max abs error against the oracle): "
+            + ", ".join(f"{k} {v:.2g}" for k, v in self.probe_errors.items())
+        ]
+        for rank, cause in enumerate(self.causes, 1):
+            lines.append(f"{rank}. {cause.code}: {cause.detail}")
+            lines.append(f"   evidence: {cause.evidence}")
+            lines.append(f"   fix: {cause.fix}")
+        lines += [f"note: {text}" for text in self.notes]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {
+            "agrees": self.agrees,
+            "max_error": self.max_error,
+            "dtype": self.dtype,
+            "causes": [cause.as_dict() for cause in self.causes],
+            "known_differences": list(self.known_differences),
+            "notes": list(self.notes),
+            "probe_errors": dict(self.probe_errors),
+        }
+
+
+# -- calling the candidate ------------------------------------------------------------------
+def _call(candidate, args: tuple, timeout: float, probe: str):
+    box: dict = {}
+
+    def work():
+        try:
+            box["result"] = candidate(*args)
+        except BaseException as error:  # handed to the caller, which names the probe
+            box["error"] = error
+
+    worker = threading.Thread(target=work, name=f"diagnose probe {probe}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise DiagnoseError(
+            f"the candidate did not return within {timeout:g} s on probe {probe!r} (time limit per probe)"
+        )
+    if "error" in box:
+        error = box["error"]
+        raise DiagnoseError(f"the candidate raised {type(error).__name__}: {error} on probe {probe!r}") from error
+    return box["result"]
+
+
+def _as_output(result, expected_shape: tuple[int, ...], probe: str) -> tuple[np.ndarray, str]:
+    """The candidate's result as float64 NumPy, and the name of its dtype; clear errors otherwise."""
+    if isinstance(result, (tuple, list)):
+        raise DiagnoseError(
+            f"the candidate returned a {type(result).__name__} on probe {probe!r}; it must return the output array "
+            f"{expected_shape} only (nn.MultiheadAttention returns (output, weights): return [0])"
+        )
+    dtype_name = str(getattr(result, "dtype", "")).replace("torch.", "")
+    try:
+        array = tensor_to_numpy(result)
+    except Exception as error:
+        raise DiagnoseError(
+            f"the candidate returned {type(result).__name__} on probe {probe!r}, which is not an array "
+            f"(NumPy, torch or JAX) of shape {expected_shape}: {error}"
+        ) from error
+    if array.dtype.kind != "f":
+        raise DiagnoseError(
+            f"the candidate returned dtype {array.dtype} on probe {probe!r}; expected floating point "
+            f"(float64, float32, float16 or bfloat16) of shape {expected_shape}"
+        )
+    if array.shape != expected_shape:
+        raise DiagnoseError(
+            f"the candidate returned shape {array.shape} on probe {probe!r}; expected {expected_shape} "
+            "(batch, q_tokens, d_model)"
+        )
+    dtype_name = "bfloat16" if "bfloat16" in dtype_name else array.dtype.name
+    return array.astype(np.float64), dtype_name
+
+
+# -- scoring --------------------------------------------------------------------------------
+@dataclass
+class _Observed:
+    probe: Probe
+    output: np.ndarray  # (B, Nq, D) float64
+
+
+def _valid_rows(cfg: MHAConfig, probe: Probe, bug: Bug) -> np.ndarray:
+    """(B, Nq): rows where every head may attend to some key under ``bug`` (others differ by convention)."""
+    B, Nq, Nk = probe.query.shape[0], probe.query.shape[1], probe.key.shape[1]
+    allowed = allowed_under(cfg, Nq, Nk, probe.mask, bug)
+    if allowed is None:
+        return np.ones((B, Nq), dtype=bool)
+    allowed = np.broadcast_to(allowed, (B, cfg.n_heads, Nq, Nk))
+    if bug.softmax_axis == -2:
+        # Normalised over queries, a key no query may see is 0/0 (NaN, or zero, by convention) and
+        # its value reaches every query row of that batch item: only items without one can be compared.
+        return np.broadcast_to(allowed.any(axis=-2).all(axis=(1, 2))[:, None], (B, Nq))
+    return allowed.any(axis=-1).all(axis=1)
+
+
+def _distance(actual: np.ndarray, expected: np.ndarray, rows: np.ndarray, dtype: str) -> tuple[float, float]:
+    """(max abs error, that error in tolerances) over ``rows``; NaN or inf where finite was expected is inf."""
+    if not rows.any():
+        return 0.0, 0.0
+    a, e = actual[rows], expected[rows]
+    with np.errstate(invalid="ignore"):
+        diff = np.where(np.isfinite(a), np.abs(a - e), np.inf)
+    tol = tolerance_for(dtype)
+    allowed = tol.atol + tol.rtol * np.abs(e)
+    return float(diff.max()), float((diff / allowed).max())
+
+
+@dataclass
+class _Fit:
+    hypothesis: Hypothesis | None  # None: no error (the oracle)
+    bug: Bug
+    per_probe: dict[str, tuple[float, float]]  # probe -> (max abs, in tolerances)
+    predictions: dict[str, np.ndarray]
+
+    @property
+    def score(self) -> float:
+        return max((ratio for _, ratio in self.per_probe.values()), default=0.0)
+
+    @property
+    def label(self) -> str:
+        return "no error" if self.hypothesis is None else self.hypothesis.label
+
+
+def _fit(cfg, observed: list[_Observed], bug: Bug, hypothesis, dtype: str) -> _Fit:
+    per_probe, predictions = {}, {}
+    for obs in observed:
+        p = obs.probe
+        predicted = simulate(cfg, p.params, p.query, p.key, p.value, p.mask, bug)
+        predictions[p.name] = predicted
+        per_probe[p.name] = _distance(obs.output, predicted, _valid_rows(cfg, p, bug), dtype)
+    return _Fit(hypothesis, bug, per_probe, predictions)
+
+
+def _same_prediction(cfg, a: _Fit, b: _Fit, observed: list[_Observed], dtype: str) -> bool:
+    for obs in observed:
+        rows = _valid_rows(cfg, obs.probe, a.bug) & _valid_rows(cfg, obs.probe, b.bug)
+        if _distance(a.predictions[obs.probe.name], b.predictions[obs.probe.name], rows, dtype)[1] > 1.0:
+            return False
+    return True
+
+
+# -- the diagnosis --------------------------------------------------------------------------
+def diagnose(
+    candidate, cfg: MHAConfig, *, dtype: str = "float64", timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0
+) -> Diagnosis:
+    """Probe ``candidate(params, query, key, value, mask) -> output`` and name what it gets wrong.
+
+    ``params`` is `core.MHAParams` (canonical layout, NumPy); ``query`` (B, Nq, d_model),
+    ``key`` (B, Nk, kdim), ``value`` (B, Nk, vdim) and ``mask`` (B, 1, Nq, Nk) bool, True = may
+    attend, or None: NumPy arrays of ``dtype``. The candidate loads the parameters into its
+    own module with its own conversion and returns (B, Nq, d_model) as a NumPy, torch or JAX
+    array. Raises `DiagnoseError` when it cannot be diagnosed, naming the probe and the reason.
+    """
+    if not callable(candidate):
+        raise TypeError(
+            f"candidate must be callable as candidate(params, query, key, value, mask) -> output; "
+            f"got {type(candidate).__name__} {candidate!r:.80}"
+        )
+    require_config(cfg)
+    dtype = check_dtype_name(dtype)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    np_dtype = numpy_dtype(dtype)
+    out_dtypes = {dtype}
+    notes: list[str] = []
+
+    def run(probe: Probe, params: MHAParams | None = None, mask="probe") -> np.ndarray:
+        params = probe.params if params is None else params
+        mask = probe.mask if isinstance(mask, str) else mask
+        # Self-attention probes pass one array three times, as callers do (torch's fast path checks identity).
+        cast = {id(a): a.astype(np_dtype) for a in (probe.query, probe.key, probe.value)}
+        args = (params.astype(np_dtype), *(cast[id(a)] for a in (probe.query, probe.key, probe.value)), mask)
+        expected = (probe.query.shape[0], probe.query.shape[1], cfg.d_model)
+        output, out_dtype = _as_output(_call(candidate, args, timeout, probe.name), expected, probe.name)
+        out_dtypes.add(out_dtype)
+        return output
+
+    observed: list[_Observed] = []
+    empty_probe: _Observed | None = None
+    for probe in make_probes(cfg, seed):
+        try:
+            output = run(probe)
+        except DiagnoseError as error:
+            if not probe.optional:
+                raise
+            notes.append(f"probe {probe.name!r} left out: {error}")
+            continue
+        if probe.optional and _ignores_key_value(run, probe, output):
+            notes.append(f"probe {probe.name!r} left out: the candidate ignores key and value (self-attention only)")
+            continue
+        if not observed and not np.isfinite(output).any():
+            # Only on the first probe (no mask): NaN where a mask blocks a whole row is evidence, not an error.
+            raise DiagnoseError(f"the candidate returned NaN or inf everywhere on probe {probe.name!r}")
+        if probe.ranks:
+            observed.append(_Observed(probe, output))
+        else:
+            empty_probe = _Observed(probe, output)
+    tol_dtype = lower_precision(*out_dtypes)
+
+    oracle = _fit(cfg, observed, Bug(), None, tol_dtype)
+    errors = {name: err for name, (err, _) in oracle.per_probe.items()}
+    max_error = max(errors.values())
+    if oracle.score <= 1.0:
+        known = _empty_row_difference(cfg, empty_probe, tol_dtype) if empty_probe else []
+        return Diagnosis(True, max_error, [], known, notes, errors, tol_dtype)
+
+    fits = []
+    for hypothesis in hypotheses(cfg):
+        fit = _fit(cfg, observed, hypothesis.bug, hypothesis, tol_dtype)
+        if _same_prediction(cfg, fit, oracle, observed, tol_dtype):
+            continue  # changes no probe's output: it can never be the cause
+        if any(_same_prediction(cfg, fit, kept, observed, tol_dtype) for kept in fits):
+            continue  # indistinguishable from one already listed (the first in vocabulary order is kept)
+        fits.append(fit)
+    fits.sort(key=lambda f: f.score)
+    explained = [f for f in fits if f.score <= 1.0]
+    partial = False
+    if not explained:
+        pairs = []
+        best = fits[:PAIR_CANDIDATES]
+        for i, a in enumerate(best):
+            for b in best[i + 1 :]:
+                if a.hypothesis.code == b.hypothesis.code:
+                    continue
+                pair = _fit(cfg, observed, a.bug.combine(b.bug), None, tol_dtype)
+                if pair.score <= 1.0:
+                    pairs.append((pair.score, a, b))
+        if pairs:
+            _, a, b = min(pairs, key=lambda item: item[0])
+            explained = [a, b]
+            notes.append(f"no single cause explains every probe; {a.label} and {b.label} together do")
+        else:
+            explained, partial = fits[:3], True
+            notes.append(
+                "no single cause (nor any pair of the likeliest) explains every probe; the best partial fits follow"
+            )
+    causes = [_cause(cfg, fit, fits, oracle, run, observed, partial, tol_dtype) for fit in explained]
+    return Diagnosis(False, max_error, causes, [], notes, errors, tol_dtype)
+
+
+def _ignores_key_value(run, probe: Probe, output: np.ndarray) -> bool:
+    """True when other key and value give the very same output (a self-attention-only candidate)."""
+    other = replace(probe, key=probe.key[:, ::-1] * 1.5, value=probe.value[:, ::-1] * 1.5)
+    try:
+        return np.array_equal(run(other), output)
+    except DiagnoseError:
+        return False
+
+
+def _cause(cfg, fit: _Fit, fits: list[_Fit], oracle: _Fit, run, observed, partial: bool, dtype: str) -> Cause:
+    hypothesis = fit.hypothesis
+    shows = max(oracle.per_probe, key=lambda name: oracle.per_probe[name][1])
+    off, _ = oracle.per_probe[shows]
+    err, ratio = fit.per_probe[shows]
+    away = "NaN or inf where the oracle is finite" if math.isinf(off) else f"{off:.3g} from the oracle"
+    parts = [
+        f"probe {shows!r}: {away}, {err:.2g} from this cause ({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
+    ]
+    rival = next((f for f in fits if f is not fit), None)
+    if rival is not None:
+        apart = max(rival.per_probe, key=lambda name: rival.per_probe[name][1])
+        by = rival.per_probe[apart][0]
+        parts.append(
+            f"next best, {rival.label}, misses probe {apart!r} by {'NaN or inf' if math.isinf(by) else f'{by:.3g}'}"
+        )
+    if partial:
+        parts.append(f"explains no probe set fully (worst probe at {fit.score:.3g}x tolerance)")
+    if hypothesis.repair is not None:
+        parts.append(_verify_repair(cfg, hypothesis, run, observed, oracle, dtype))
+    return Cause(hypothesis.code, hypothesis.detail, "; ".join(parts), hypothesis.fix, fit.score)
+
+
+def _verify_repair(cfg, hypothesis: Hypothesis, run, observed: list[_Observed], oracle: _Fit, dtype: str) -> str:
+    worst = 0.0
+    for obs in observed:
+        params, mask = hypothesis.repair(cfg, obs.probe.params, obs.probe.mask)
+        try:
+            output = run(obs.probe, params, mask)
+        except DiagnoseError as error:
+            return f"the repair could not be checked ({error})"
+        rows = _valid_rows(cfg, obs.probe, Bug())
+        err, ratio = _distance(output, oracle.predictions[obs.probe.name], rows, dtype)
+        worst = max(worst, err)
+        if ratio > 1.0:
+            return f"fed the repair, the candidate still misses probe {obs.probe.name!r} by {err:.3g}"
+    return f"fed the repair, the candidate agrees with the oracle on every probe (max abs {worst:.2g})"
+
+
+def _empty_row_difference(cfg: MHAConfig, obs: _Observed, dtype: str) -> list[str]:
+    """What the candidate returns for a query row with nothing to attend to, when it is not the spec's b_o."""
+    p = obs.probe
+    expected = simulate(cfg, p.params, p.query, p.key, p.value, p.mask)
+    rows = _valid_rows(cfg, p, Bug())
+    if _distance(obs.output, expected, rows, dtype)[1] > 1.0:
+        return []  # the rest of the probe disagrees: nothing to name
+    got = obs.output[~rows]
+    if _distance(obs.output, expected, ~rows, dtype)[1] <= 1.0:
+        return []
+    if np.isnan(got).all():
+        what = "NaN"
+    elif _distance(obs.output, _uniform_output(cfg, p), ~rows, dtype)[1] <= 1.0:
+        what = "the average of all values (the mask is a large negative number, not -inf)"
+    else:
+        what = f"other values (max abs {_distance(obs.output, expected, ~rows, dtype)[0]:.3g} from the spec's)"
+    return [f"a query row with no allowed key gives {what}; the spec gives zero weights, output = b_o"]
+
+
+def _uniform_output(cfg: MHAConfig, p: Probe) -> np.ndarray:
+    """The output if every query attended to every key with equal weight."""
+    v = p.value @ p.params.w_v.T + (0.0 if p.params.b_v is None else p.params.b_v)  # (B, Nk, Hkv*Dv)
+    mean = v.mean(axis=1).reshape(v.shape[0], cfg.n_kv_heads, cfg.d_v)  # (B, Hkv, Dv)
+    merged = mean[:, [cfg.kv_head_of(h) for h in range(cfg.n_heads)]].reshape(v.shape[0], 1, -1)  # (B, 1, H*Dv)
+    out = merged @ p.params.w_o.T + (0.0 if p.params.b_o is None else p.params.b_o)
+    return np.broadcast_to(out, (v.shape[0], p.query.shape[1], cfg.d_model))

@@ -1,0 +1,87 @@
+"""Converters that undo one convention error by changing what a candidate is fed.
+
+Each takes canonical parameters (or a mask) and returns what a candidate with that error
+must be given to compute the spec's attention. `diagnose` applies the top cause's repair,
+runs the candidate again and reports whether it then agrees with the oracle; a user can
+call the same function while loading weights, as a stop-gap or to confirm the diagnosis,
+before fixing the code itself. Each is its own inverse or says which call undoes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAParams
+
+from .simulate import pack_qkv, unpack_qkv
+
+
+def transpose_weight(params: MHAParams, name: str) -> MHAParams:
+    """Feed ``name`` (w_q, w_k, w_v or w_o) transposed to code that computes ``x @ W`` (as `core.to_row_sample`)."""
+    return replace(params, **{name: np.ascontiguousarray(getattr(params, name).T)})
+
+
+def swap_projections(params: MHAParams, a: str, b: str) -> MHAParams:
+    """Exchange two projections' weights and biases (``a``, ``b`` in "q", "k", "v")."""
+    changes = {
+        f"w_{a}": params.__dict__[f"w_{b}"],
+        f"w_{b}": params.__dict__[f"w_{a}"],
+        f"b_{a}": params.__dict__[f"b_{b}"],
+        f"b_{b}": params.__dict__[f"b_{a}"],
+    }
+    return replace(params, **changes)
+
+
+def repack_qkv(cfg: MHAConfig, params: MHAParams, written: str, read: str) -> MHAParams:
+    """Parameters that a candidate packing with ``written`` and unpacking with ``read`` turns back into ``params``.
+
+    ``written``/``read`` are "blocks" ([q; k; v], `core.to_torch_mha_state_dict`'s
+    ``in_proj_weight``) or "interleaved" ([q_0; k_0; v_0; q_1; ...] per head). The
+    candidate computes ``unpack(read, pack(written, p))``; feeding it
+    ``p = unpack(written, pack(read, params))`` makes that ``params``.
+    """
+    changes = {}
+    for kind in ("w", "b"):
+        arrays = [getattr(params, f"{kind}_{x}") for x in ("q", "k", "v")]
+        if arrays[0] is None:
+            continue
+        q, k, v = unpack_qkv(cfg, pack_qkv(cfg, *arrays, read), written)
+        changes.update({f"{kind}_q": q, f"{kind}_k": k, f"{kind}_v": v})
+    return replace(params, **changes)
+
+
+def rescale_query(params: MHAParams, factor: float) -> MHAParams:
+    """Multiply w_q and b_q by ``factor``: scores are linear in q, so this undoes a wrong score scale."""
+    return replace(params, w_q=params.w_q * factor, b_q=None if params.b_q is None else params.b_q * factor)
+
+
+def invert_mask(mask):
+    """Flip a boolean mask between True = may attend (the spec) and True = blocked."""
+    return None if mask is None else ~np.asarray(mask, dtype=bool)
+
+
+def reorder_output_columns(cfg: MHAConfig, params: MHAParams) -> MHAParams:
+    """w_o for code that merges heads as (Dv, H): column ``d*H + h`` must read head h's feature d."""
+    d_model = params.w_o.shape[0]
+    w_o = params.w_o.reshape(d_model, cfg.n_heads, cfg.d_v).transpose(0, 2, 1)  # (D, Dv, H) view
+    return replace(params, w_o=w_o.reshape(d_model, cfg.d_v * cfg.n_heads))  # (D, Dv*H) copy
+
+
+def tiled_query_head_order(cfg: MHAConfig) -> np.ndarray:
+    """For code that gives query head slot s kv head ``s % Hkv``: which spec head to put in slot s."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    slots = np.arange(cfg.n_heads)
+    return (slots % cfg.n_kv_heads) * group + slots // cfg.n_kv_heads
+
+
+def regroup_query_heads(cfg: MHAConfig, params: MHAParams) -> MHAParams:
+    """Reorder query heads (rows of w_q and b_q, columns of w_o) for code that tiles kv heads, not repeats them."""
+    order = tiled_query_head_order(cfg)
+    H, Dk, Dv = cfg.n_heads, cfg.d_k, cfg.d_v
+    w_q = params.w_q.reshape(H, Dk, -1)[order].reshape(H * Dk, -1)  # (H, Dk, D) rows regrouped, copy
+    b_q = None if params.b_q is None else params.b_q.reshape(H, Dk)[order].reshape(H * Dk)
+    d_model = params.w_o.shape[0]
+    w_o = params.w_o.reshape(d_model, H, Dv)[:, order].reshape(d_model, H * Dv)  # (D, H, Dv) columns regrouped, copy
+    return replace(params, w_q=w_q, b_q=b_q, w_o=w_o)

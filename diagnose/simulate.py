@@ -1,0 +1,184 @@
+"""The spec pipeline with switchable convention errors: what a candidate with one bug computes.
+
+`Bug` holds one knob per cause code; `simulate(cfg, params, probe, bug)` runs the float64
+pipeline of `core.reference` with those knobs turned (an empty `Bug()` gives the oracle's
+output). The diagnosis ranks hypotheses by how well each simulated output matches the
+candidate's. This code is written apart from the injected candidates of `diagnose.injected`
+(which make the same mistakes the way a user's code would), so a test that diagnoses those
+candidates checks the simulator against independent code.
+
+Every knob says what the candidate does instead of the spec:
+
+- ``transposed``: weights used as ``x @ W`` instead of ``x @ W.T`` (square weights only).
+- ``swapped``: two projections' weights and biases exchanged (``("q", "k")``).
+- ``packing``: the candidate packs q, k, v into one ``(3E, E)`` matrix in one layout and
+  reads it back in the other (``"blocks->interleaved"`` or ``"interleaved->blocks"``).
+- ``scale``: the factor applied to ``Q K^T`` instead of ``cfg.scale``.
+- ``softmax_axis``: -2 normalises over queries instead of keys.
+- ``mask_inverted``: the boolean mask read as True = blocked.
+- ``causal``: ``"strict"`` (the diagonal hidden too, j < i), ``"ahead"`` (j <= i + 1),
+  ``"bottom_right"`` (aligned to the last key when Nk != Nq).
+- ``head_split``: ``"direct"``: (B, N, H*Dk) reshaped straight to (B, H, N, Dk);
+  ``"direct_undone"``: and merged back the same way.
+- ``merge_order``: context merged as (Dv, H) instead of (H, Dv).
+- ``gqa_tiled``: query head h reads kv head ``h % Hkv`` instead of ``h // (H / Hkv)``.
+- ``bias_dropped``: biases left out (names); ``bias_misplaced``: ``"b_o before w_o"``.
+- ``rope``: ``"other"`` rotates with the other pairing than ``cfg.rope`` (interleaved for
+  half, or the reverse), ``"none"`` leaves q and k unrotated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAParams,
+    apply_rotary,
+    causal_mask,
+    inverse_frequencies,
+    softmax_with_empty_rows,
+)
+from mha_rosetta.core.config import ROPE_STYLES
+
+PROJECTIONS = ("q", "k", "v")
+
+
+@dataclass(frozen=True)
+class Bug:
+    transposed: tuple[str, ...] = ()  # weight names, e.g. ("w_q",)
+    swapped: tuple[str, str] | None = None
+    packing: str | None = None
+    scale: float | None = None
+    softmax_axis: int = -1
+    mask_inverted: bool = False
+    causal: str | None = None
+    head_split: str | None = None
+    merge_order: bool = False
+    gqa_tiled: bool = False
+    bias_dropped: tuple[str, ...] = ()
+    bias_misplaced: str | None = None
+    rope: str | None = None
+
+    def combine(self, other: Bug) -> Bug:
+        """Both bugs at once (knobs of ``other`` that differ from the default win)."""
+        changes = {k: v for k, v in other.__dict__.items() if v != getattr(Bug(), k)}
+        return replace(self, **changes)
+
+
+def pack_qkv(cfg: MHAConfig, w_q, w_k, w_v, layout: str) -> np.ndarray:
+    """Stack three (H*Dk, ...) arrays as blocks [q; k; v] or per head [q_0; k_0; v_0; q_1; ...]."""
+    if layout == "blocks":
+        return np.concatenate([w_q, w_k, w_v], axis=0)  # (3*H*Dk, ...) copy
+    per_head = np.stack([a.reshape(cfg.n_heads, cfg.d_k, *a.shape[1:]) for a in (w_q, w_k, w_v)], axis=1)
+    return per_head.reshape(3 * cfg.n_heads * cfg.d_k, *w_q.shape[1:])  # (H, 3, Dk, ...) -> (3*H*Dk, ...) copy
+
+
+def unpack_qkv(cfg: MHAConfig, packed, layout: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inverse of `pack_qkv` for the same layout."""
+    width = cfg.n_heads * cfg.d_k
+    if layout == "blocks":
+        return packed[:width], packed[width : 2 * width], packed[2 * width :]
+    per_head = packed.reshape(cfg.n_heads, 3, cfg.d_k, *packed.shape[1:])  # (H, 3, Dk, ...) view
+    return tuple(per_head[:, i].reshape(width, *packed.shape[1:]) for i in range(3))
+
+
+def packing_applies(cfg: MHAConfig) -> bool:
+    """One (3E, E) matrix holds q, k and v only when all three have the same shape."""
+    return cfg.n_kv_heads == cfg.n_heads and cfg.d_v == cfg.d_k and cfg.kdim == cfg.vdim == cfg.d_model
+
+
+def params_as_used(cfg: MHAConfig, params: MHAParams, bug: Bug) -> MHAParams:
+    """The parameters a candidate with ``bug`` effectively multiplies with (spec orientation)."""
+    p = params.as_dict()
+    if bug.packing:
+        written, read = bug.packing.split("->")
+        for kind in ("w", "b"):
+            if p[f"{kind}_q"] is not None:
+                packed = pack_qkv(cfg, p[f"{kind}_q"], p[f"{kind}_k"], p[f"{kind}_v"], written)
+                p[f"{kind}_q"], p[f"{kind}_k"], p[f"{kind}_v"] = unpack_qkv(cfg, packed, read)
+    if bug.swapped:
+        a, b = bug.swapped
+        for kind in ("w", "b"):
+            p[f"{kind}_{a}"], p[f"{kind}_{b}"] = p[f"{kind}_{b}"], p[f"{kind}_{a}"]
+    for name in bug.transposed:
+        p[name] = p[name].T
+    for name in bug.bias_dropped:
+        p[name] = None
+    return MHAParams(**p)
+
+
+def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bug = Bug()) -> np.ndarray:
+    """Output (B, Nq, D) of the spec pipeline with ``bug``'s knobs turned (float64, batched inputs)."""
+    p = params_as_used(cfg, params, bug)
+    B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+
+    def linear(x, w, b):
+        return x @ w.T + (0.0 if b is None else b)
+
+    q = linear(query, p.w_q, p.b_q)  # (B, Nq, H*Dk)
+    k = linear(key, p.w_k, p.b_k)  # (B, Nk, Hkv*Dk)
+    v = linear(value, p.w_v, p.b_v)  # (B, Nk, Hkv*Dv)
+    if bug.head_split:
+        q_h = q.reshape(B, H, Nq, Dk)  # the mistake: a reshape without the transpose mixes tokens and heads
+        k_h = k.reshape(B, Hkv, Nk, Dk)
+        v_h = v.reshape(B, Hkv, Nk, Dv)
+    else:
+        q_h = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk) view
+        k_h = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk) view
+        v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
+    q_h, k_h = rotate(cfg, q_h, bug), rotate(cfg, k_h, bug)
+    group = H // Hkv
+    kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
+    scale = cfg.scale if bug.scale is None else bug.scale
+    scores = scale * (q_h @ k_h[:, kv_of].swapaxes(-1, -2))  # (B, H, Nq, Nk)
+    allowed = allowed_under(cfg, Nq, Nk, mask, bug)
+    masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
+    if bug.softmax_axis == -1:
+        weights = softmax_with_empty_rows(masked)  # (B, H, Nq, Nk)
+    else:
+        weights = np.swapaxes(softmax_with_empty_rows(np.swapaxes(masked, -1, -2)), -1, -2)
+    context = weights @ v_h[:, kv_of]  # (B, H, Nq, Dv)
+    if bug.head_split == "direct_undone":
+        merged = context.reshape(B, Nq, H * Dv)  # the inverse of the direct reshape
+    elif bug.merge_order:
+        merged = context.transpose(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) -> (B, Nq, Dv*H) copy
+    else:
+        merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H, Dv) -> (B, Nq, H*Dv) copy
+    if bug.bias_misplaced == "b_o before w_o":
+        return (merged + p.b_o) @ p.w_o.T
+    return linear(merged, p.w_o, p.b_o)
+
+
+def other_rope_style(style: str) -> str:
+    return next(s for s in ROPE_STYLES if s != style)
+
+
+def rotate(cfg: MHAConfig, heads: np.ndarray, bug: Bug = Bug()) -> np.ndarray:
+    """Rotary embedding of (B, heads, N, Dk) at positions 0..N-1, in the style ``bug`` uses (as given without rope)."""
+    if cfg.rope is None or bug.rope == "none":
+        return heads
+    style = other_rope_style(cfg.rope) if bug.rope == "other" else cfg.rope
+    angle = np.arange(heads.shape[-2])[:, None] * inverse_frequencies(cfg.rope_dims, cfg.rope_base)  # (N, r/2)
+    return apply_rotary(heads, np.cos(angle), np.sin(angle), style)
+
+
+def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug = Bug()):
+    """The combined mask (B or 1, H or 1, Nq, Nk) a candidate with ``bug`` uses, or None."""
+    allowed = None
+    if mask is not None:
+        allowed = ~mask if bug.mask_inverted else mask
+    if cfg.causal:
+        i = np.arange(q_tokens)[:, None]
+        j = np.arange(kv_tokens)[None, :]
+        causal = {
+            None: causal_mask(q_tokens, kv_tokens),
+            "strict": j < i,
+            "ahead": j <= i + 1,
+            "bottom_right": j <= i + (kv_tokens - q_tokens),
+        }[bug.causal][None, None]  # (1, 1, Nq, Nk)
+        allowed = causal if allowed is None else allowed & causal
+    return allowed

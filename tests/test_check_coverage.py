@@ -1,0 +1,101 @@
+"""The default check gives every spec case to every implementation, in a dtype it supports.
+
+Before, each case ran only in the dtypes it lists, so an adapter with float64 only never
+saw the GQA (float16) or causal (float32) case, and a float32-only one never saw GQA, MQA,
+padding or d_v != d_k. Now an implementation that supports none of a case's dtypes runs
+it in the first requested dtype it does support (`checks.agreement.case_dtypes_for`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mha_rosetta.backends import REGISTRY, STANDARD, Backend, Prepared, StageTensor, get_backend, missing_backends
+from mha_rosetta.checks import SPEC_CASES, Status, run_check
+from mha_rosetta.core import STAGE_BY_NAME, numpy_dtype, reference_stages
+
+
+class OracleFake(Backend):
+    """The float64 oracle rounded to the run's dtype: right on every case, with the dtypes a test gives it."""
+
+    def _prepare(self, cfg, params, inputs, dtype, device, strategy):
+        positions = np.broadcast_to(inputs.positions, (inputs.batch, inputs.q_tokens))  # (B, Nq) from (1|B, Nq)
+        kv_positions = np.broadcast_to(inputs.kv_positions, (inputs.batch, inputs.kv_tokens))  # (B, Nk)
+        args = (inputs.query, inputs.key, inputs.value, inputs.mask, positions, kv_positions)
+        stages = {k: v.astype(numpy_dtype(dtype)) for k, v in reference_stages(cfg, params, *args).items()}
+        native = {name: StageTensor(value, STAGE_BY_NAME[name].shape) for name, value in stages.items()}
+        to_numpy = lambda r: np.asarray(r, dtype=np.float64)  # noqa: E731
+        return Prepared(forward=lambda: stages["output"], to_numpy=to_numpy, native_stages=lambda: native)
+
+
+@pytest.mark.parametrize("dtypes", [("float64",), ("float32",), ("bfloat16",)])
+def test_an_adapter_with_one_dtype_gets_every_case(dtypes):
+    class OneDtype(OracleFake):
+        pass
+
+    OneDtype.dtypes = dtypes
+    backend = OneDtype("one-dtype")
+    result = run_check(backends=[backend])
+    agreed = {run.case for run in result.runs if run.status is Status.AGREE}
+    assert agreed == set(SPEC_CASES)
+    assert {run.dtype for run in result.runs if run.status is Status.AGREE} == set(dtypes)
+    # Cases that list a dtype it has run in that dtype only; no fallback is added on top.
+    for case in SPEC_CASES.values():
+        ran = [run.dtype for run in result.runs if run.case == case.name]
+        assert ran == (list(case.dtypes) if set(dtypes) & set(case.dtypes) else list(dtypes)), case.name
+
+
+def test_a_tiled_gqa_bug_in_a_float64_adapter_is_caught_by_the_default_check():
+    """The issue's example: GQA (listed in float16 only) used to reach no float64-only adapter."""
+
+    class Float64Only(OracleFake):
+        dtypes = ("float64",)
+
+        def _prepare(self, cfg, params, inputs, dtype, device, strategy):
+            if cfg.n_kv_heads not in (1, cfg.n_heads):  # tile the kv heads instead of repeating them
+                order = [
+                    (h % cfg.n_kv_heads) * (cfg.n_heads // cfg.n_kv_heads) + h // cfg.n_kv_heads
+                    for h in range(cfg.n_heads)
+                ]
+                w_q = params.w_q.reshape(cfg.n_heads, cfg.d_k, -1)[order].reshape(params.w_q.shape)
+                b_q = params.b_q.reshape(cfg.n_heads, cfg.d_k)[order].reshape(-1)
+                w_o = params.w_o.reshape(params.w_o.shape[0], cfg.n_heads, cfg.d_v)[:, order].reshape(params.w_o.shape)
+                params = replace(params, w_q=w_q, b_q=b_q, w_o=w_o)
+            return super()._prepare(cfg, params, inputs, dtype, device, strategy)
+
+    backend = Float64Only("tiled-gqa")
+    result = run_check(backends=[backend])
+    statuses = {run.case: run.status for run in result.runs}
+    assert statuses["gqa"] is Status.DISAGREE
+    assert result.exit_status == 1
+
+
+@functools.cache
+def _default_check():
+    """The default check of every installed backend (standard strategy: the others add no dtype logic)."""
+    return run_check(strategies=[STANDARD])
+
+
+@pytest.mark.slow  # one default check of every installed backend (about 30 s of CPU)
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_installed_implementation_ran_every_case_it_can_express(name):
+    if name in missing_backends():
+        pytest.skip(missing_backends()[name])
+    backend = get_backend(name)
+    runs = [run for run in _default_check().runs if run.impl.backend == name]
+    ran = {run.case for run in runs if run.compared}
+    unsupported = set(SPEC_CASES) - ran
+    for case_name in unsupported:
+        case = SPEC_CASES[case_name]
+        # Only a case the backend cannot express may be left out, each run with the reason: its
+        # configuration in no dtype at all, or its inputs (e.g. rotary positions a library fixes).
+        left_out = [run for run in runs if run.case == case_name]
+        assert left_out and all(run.status is Status.UNSUPPORTED and run.reason for run in left_out), case_name
+        if all(backend.unsupported_reason(case.cfg, dtype, "cpu", STANDARD) is None for dtype in case.dtypes):
+            assert all(run.dtype in case.dtypes for run in left_out)  # refused at prepare: the inputs
+    assert ran == set(SPEC_CASES) - unsupported
+    assert {run.status for run in runs if run.compared} <= {Status.AGREE, Status.KNOWN_DIFFERENCE}

@@ -196,6 +196,7 @@ class CompiledForward:
     def __init__(self, fn: Callable, args: tuple, matmul_precision: str) -> None:
         import jax
 
+        self.fn = fn  # the traced function itself, for `jax.vjp` (backends._jax_vjp)
         self._jitted = jax.jit(fn)
         self.args = args
         self.matmul_precision = effective_precision(matmul_precision)

@@ -26,12 +26,16 @@ from mha_rosetta.core import (
     DTYPE_NAMES,
     STAGE_BY_NAME,
     MHAConfig,
+    MHAGrads,
     MHAInputs,
     MHAParams,
+    check_cotangent,
     check_dtype_name,
+    fold_defaulted_inputs,
     prepare_inputs,
     validate_params,
 )
+from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
 
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
@@ -114,6 +118,25 @@ class Prepared:
         return self.to_numpy(result)
 
 
+@dataclass
+class PreparedVJP:
+    """One forward+backward pass, already converted (the training-step analogue of `Prepared`).
+
+    run:         the timed region: the forward pass and the backward pass of the prepared
+                 cotangent, nothing else; returns the native gradients.
+    to_grads:    native gradients -> a dict of NumPy arrays, untimed: ``d_x_q (B, Nq, D)``,
+                 ``d_x_k``, ``d_x_v`` (the three inputs as separate variables, even when they
+                 are one array), ``w_q`` ... ``b_o`` in the canonical layout (biases absent
+                 without bias), and optionally ``stages``: backward stages as `StageTensor`.
+    """
+
+    run: Callable[[], object]
+    to_grads: Callable[[object], dict]
+    synchronize: Callable[[object], None] = lambda result: None
+    compile: Callable[[], None] | None = None
+    info: dict = field(default_factory=dict)
+
+
 def tensor_to_numpy(value) -> np.ndarray:
     """A NumPy array, torch tensor or JAX array -> NumPy, bfloat16 upcast to float32 (exactly)."""
     if hasattr(value, "detach"):  # torch
@@ -127,13 +150,27 @@ def tensor_to_numpy(value) -> np.ndarray:
     return array
 
 
-def canonical_stage(name: str, stage: StageTensor) -> np.ndarray:
-    """Transpose a native stage tensor into the canonical axis order of `core.stages`."""
+def canonical_stage(name: str, stage: StageTensor, label: str | None = None) -> np.ndarray:
+    """Transpose a native stage tensor into the canonical axis order of `core.stages`.
+
+    ``label`` names it in errors when it is not the forward stage itself (a gradient of it).
+    """
     canonical_axes = STAGE_BY_NAME[name].shape
     if sorted(stage.axes) != sorted(canonical_axes):
-        raise ValueError(f"stage {name!r} has axes {stage.axes}, which are not a permutation of {canonical_axes}")
+        raise ValueError(f"stage {label or name!r} has axes {stage.axes}, which are not a permutation of {canonical_axes}")
     array = tensor_to_numpy(stage.value)
     return np.transpose(array, [stage.axes.index(symbol) for symbol in canonical_axes])
+
+
+def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_given: bool) -> MHAGrads:
+    """A `PreparedVJP.to_grads` dict -> `MHAGrads` in the caller's form (defaulted inputs folded)."""
+    d_query, d_key, d_value = fold_defaulted_inputs(grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given)
+    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})
+    forward_stage = dict(GRAD_STAGES)
+    stages = {
+        name: canonical_stage(forward_stage[name], stage, name) for name, stage in grads.get("stages", {}).items()
+    }
+    return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), params, stages)
 
 
 class Backend:
@@ -257,6 +294,43 @@ class Backend:
         if return_stages:
             extras.append(stages)
         return (output, *extras)
+
+    # -- the backward pass (vector-Jacobian product) -----------------------------------------
+    def _prepare_vjp(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent: np.ndarray, dtype: str, device: str,
+        strategy: str,
+    ) -> PreparedVJP:
+        """Subclasses with a backward pass override this; ``cotangent`` is float64 (B, Nq, D)."""
+        raise UnsupportedCase(f"{self.name} has no backward pass (run_vjp)")
+
+    def prepare_vjp(
+        self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, *,
+        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD, positions=None, kv_positions=None,
+    ) -> tuple[PreparedVJP, MHAInputs]:
+        """Validate everything (the cotangent too), then convert once for forward+backward."""
+        dtype = check_dtype_name(dtype)
+        device = check_device_name(device)
+        validate_params(cfg, params)
+        inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
+        cotangent = check_cotangent(cotangent, output_shape(cfg, query))
+        reason = self.unsupported_reason(cfg, dtype, device, strategy)
+        if reason:
+            raise UnsupportedCase(reason)
+        batched = cotangent if inputs.batched else cotangent[None]  # (B, Nq, D)
+        return self._prepare_vjp(cfg, params, inputs, batched, dtype, device, strategy), inputs
+
+    def run_vjp(
+        self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, *,
+        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD, positions=None, kv_positions=None,
+    ) -> MHAGrads:
+        """Same arguments and result as `core.reference_mha_vjp`, plus dtype, device and strategy."""
+        prepared, inputs = self.prepare_vjp(
+            cfg, params, query, key, value, mask, cotangent, dtype=dtype, device=device, strategy=strategy,
+            positions=positions, kv_positions=kv_positions,
+        )
+        native = prepared.run()
+        prepared.synchronize(native)
+        return grads_from_native(prepared.to_grads(native), inputs, key is not None, value is not None)
 
     @staticmethod
     def canonical_stages(prepared: Prepared) -> dict[str, np.ndarray]:

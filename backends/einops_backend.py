@@ -288,8 +288,13 @@ class TorchOps:
     def softmax(self, scores, empty_rows):
         # torch.softmax gives NaN for a row of all -inf; the spec wants zeros there. The
         # rows are known from the mask before the timed region, so one masked fill fixes them.
-        weights = self.torch.softmax(scores, dim=-1)
-        return weights if empty_rows is None else weights.masked_fill_(empty_rows, 0.0)
+        if empty_rows is None:
+            return self.torch.softmax(scores, dim=-1)
+        # Finite logits first: softmax of an all -inf row is NaN, and a fill after it would hide
+        # the NaN in the forward but not in the backward (0 * NaN); then zero those rows' weights,
+        # out of place under autograd (softmax's backward needs its own output unchanged).
+        weights = self.torch.softmax(scores.masked_fill_(empty_rows, 0.0), dim=-1)
+        return weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
 
     def snapshot(self, x):
         return x.clone()
@@ -629,6 +634,7 @@ class EinopsBackend(Backend):
 
             tf32 = allows_tf32(self.matmul_precision)
             run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
+        run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)
         return Prepared(
             forward=run,
             to_numpy=tensor_to_numpy,
@@ -636,6 +642,11 @@ class EinopsBackend(Backend):
             synchronize=ops.synchronize,
             info=info,
         )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._einops_vjp import prepare_einops_vjp  # the array library's own autodiff
+
+        return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)
 
     def _numerics_info(self, dtype: str, device: str) -> dict:
         info: dict = {"array_library": self.array_library}

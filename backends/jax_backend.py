@@ -199,6 +199,25 @@ def batched_tables(tables: tuple | None) -> tuple:
     )
 
 
+def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target):
+    """Every stage vmapped over heads and batch, the output-only forward, and its extra arguments on ``target``.
+
+    The extras are the mask and the rotary tables: ``forward(params, x_q, x_k, x_v, *extras)``.
+    """
+    import jax
+
+    allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
+    tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
+    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
+    all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
+
+    def forward(params, x_q, x_k, x_v, allowed, tables):
+        # Unused stages are dead code to XLA: the compiled forward computes only the output.
+        return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
+
+    return all_stages, forward, (to_jax(allowed, None, target), tables)
+
+
 class JaxBackend(Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
@@ -216,23 +235,12 @@ class JaxBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import jax
-
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
-        allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
-        allowed = to_jax(allowed, None, target)
-        tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
+        all_stages, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
 
-        one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
-
-        def forward(params, x_q, x_k, x_v, allowed, tables):
-            # Unused stages are dead code to XLA: the compiled forward computes only the output.
-            return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
-
-        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, allowed, tables), self.matmul_precision)
+        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, *extras), self.matmul_precision)
 
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(all_stages)
@@ -250,3 +258,14 @@ class JaxBackend(Backend):
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )
         return compiled_prepared(compiled, native_stages, info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
+
+        target = jax_target(dtype, device)
+        _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
+        primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
+        info = precision_info(dtype, device, self.matmul_precision)
+        return jax_vjp_prepared(
+            forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
+        )

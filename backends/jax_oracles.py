@@ -100,6 +100,34 @@ class _JaxOracle(Backend):
             )
         return in_every_head[..., None]  # (B|1, Nq, 1)
 
+    # Flax and Equinox replace a row with no allowed key by b_o after the module: b_o's gradient
+    # from such rows would be the adapter's, not the library's, so their backward refuses them.
+    maps_output_rows = False
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._jax_vjp import jax_vjp_prepared  # jax.vjp through the library's own attention
+
+        prepared = self._prepare(cfg, params, inputs, dtype, device, strategy)
+        if self.maps_output_rows and prepared.info.get("empty_rows_mapped"):
+            raise UnsupportedCase(
+                f"{self.name}: query rows with no allowed key are mapped to the spec's output b_o after the library "
+                "runs; the gradient of that mapping would be the adapter's, not the library's"
+            )
+        compiled = prepared.forward  # a CompiledForward: its function and its converted arguments
+        target = jax_target(dtype, device)
+        x_q, x_k, x_v = (to_jax(x, dtype, target) for x in (inputs.query, inputs.key, inputs.value))  # 3 slots
+        primals, extras = (compiled.args[0], x_q, x_k, x_v), compiled.args[4:]
+        return jax_vjp_prepared(
+            compiled.fn, primals, extras, cotangent, dtype, target, self.matmul_precision,
+            lambda grads: self._canonical_grads(cfg, grads), self._info(dtype, device),
+        )
+
+    def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
+        """The gradient of the library's parameter tree, by canonical name (subclasses with other trees override)."""
+        from ._jax_vjp import canonical_param_grads
+
+        return canonical_param_grads(grads)
+
     def _output_rows(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target) -> _OutputRows:
         """What the module oracles (Flax, Equinox) need to give an empty row the spec's output b_o."""
         empty = self._rows_empty_in_every_head(cfg, inputs)  # (B|1, Nq, 1) or None
@@ -345,6 +373,15 @@ class FlaxMHAOracle(_JaxOracle):
 
         return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
 
+    maps_output_rows = True
+    # Declared above: float16 logits are soft-maxed in float16, less accurate than the spec's float32 path.
+    half_precision_softmax = True
+
+    def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
+        from ._grad_layout import gradients_to_canonical
+
+        return gradients_to_canonical(cfg, partial(to_flax_params, cfg), grads)  # kernels (in, H, d) -> (out, in)
+
 
 # --- equinox.nn.MultiheadAttention ----------------------------------------------------------
 
@@ -450,6 +487,16 @@ class EquinoxMHAOracle(_JaxOracle):
             }
 
         return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
+
+
+    maps_output_rows = True
+
+    def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
+        from ._grad_layout import gradients_to_canonical
+
+        layers = ("query_proj", "key_proj", "value_proj", "output_proj")
+        tree = {layer: {part: getattr(getattr(grads, layer), part) for part in ("weight", "bias")} for layer in layers}
+        return gradients_to_canonical(cfg, partial(to_equinox_weights, cfg), tree)
 
 
 def _load_equinox_weights(model, weights: dict, dtype: str, target):

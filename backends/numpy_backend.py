@@ -111,6 +111,12 @@ class NumpyBackend(Backend):
         }
         return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
 
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._numpy_vjp import prepare_numpy_vjp  # the hand-written column-sample backward
+
+        precision = NumpyPrecision.for_dtype(dtype)
+        return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)
+
 
 def columns_to_rows(output: np.ndarray) -> np.ndarray:
     """Native output (B, D, Nq) -> exchange layout (B, Nq, D); untimed."""

@@ -106,6 +106,12 @@ class TorchBackend(Backend):
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )
 
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._torch_vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
+
+        layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
+        return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
+
 
 class RowSampleMHA:
     """One layer and one set of inputs, converted once to torch tensors on the device.
@@ -222,7 +228,8 @@ class RowSampleMHA:
             scores.masked_fill_(empty_rows, 0.0)
         weights = torch.softmax(scores, dim=-1) if out is None else torch.softmax(scores, dim=-1, out=out)
         if empty_rows is not None:
-            weights.masked_fill_(empty_rows, 0.0)
+            # Out of place under autograd: softmax's backward needs its own output unchanged.
+            weights = weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
         note = "torch.softmax over keys; empty rows set to zeros"
         self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights
@@ -277,9 +284,8 @@ class RowSampleMHA:
             self.zero, q_groups, k_groups.transpose(1, 2), beta=0.0, alpha=self.cfg.scale, out=self.scores_buffer
         )  # (B*Hkv, G*Nq, Nk)
         scores = scores.view(B, H, Nq, Nk)  # (B, H, Nq, Nk)
-        weights = self._mask_and_softmax(
-            scores, self.blocked, self.empty_rows, rec, head=None, out=self.weights_buffer.view(B, H, Nq, Nk)
-        )
+        out = None if self.weights_buffer is None else self.weights_buffer.view(B, H, Nq, Nk)  # None: autograd
+        weights = self._mask_and_softmax(scores, self.blocked, self.empty_rows, rec, head=None, out=out)
         context = torch.bmm(weights.view(B * Hkv, G * Nq, Nk), v_groups)  # (B*Hkv, G*Nq, Dv)
         context = context.view(B, H, Nq, Dv)  # (B, H, Nq, Dv)
         if rec is not None:

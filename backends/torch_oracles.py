@@ -91,20 +91,7 @@ class TorchMHAOracle(Backend):
     ) -> Prepared:
         import torch
 
-        module = torch.nn.MultiheadAttention(
-            cfg.d_model,
-            cfg.n_heads,
-            dropout=0.0,
-            bias=cfg.bias,
-            kdim=cfg.kdim,
-            vdim=cfg.vdim,
-            batch_first=self.batch_first,
-            device=torch_device(device),
-            dtype=torch_dtype(dtype),
-        )
-        state = {name: torch.from_numpy(array) for name, array in to_torch_mha_state_dict(cfg, params).items()}
-        module.load_state_dict(state)  # strict: every tensor torch expects, no more (copy_ casts the dtype)
-        module.eval()
+        module = loaded_torch_mha(cfg, params, dtype, device, self.batch_first)
         module.requires_grad_(False)
 
         def sequence_layout(x):  # (B, N, F) -> the module's layout
@@ -150,6 +137,32 @@ class TorchMHAOracle(Backend):
             **precision_info(device, dtype, self.allow_tf32),
         }
         return Prepared(forward, to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._torch_vjp import prepare_torch_mha_vjp  # autograd through the module itself
+
+        return prepare_torch_mha_vjp(cfg, params, inputs, cotangent, dtype, device, self.batch_first, self.allow_tf32)
+
+
+def loaded_torch_mha(cfg: MHAConfig, params: MHAParams, dtype: str, device: str, batch_first: bool):
+    """``nn.MultiheadAttention`` for ``cfg`` with the canonical parameters loaded, in eval mode (no dropout)."""
+    import torch
+
+    module = torch.nn.MultiheadAttention(
+        cfg.d_model,
+        cfg.n_heads,
+        dropout=0.0,
+        bias=cfg.bias,
+        kdim=cfg.kdim,
+        vdim=cfg.vdim,
+        batch_first=batch_first,
+        device=torch_device(device),
+        dtype=torch_dtype(dtype),
+    )
+    state = {name: torch.from_numpy(array) for name, array in to_torch_mha_state_dict(cfg, params).items()}
+    module.load_state_dict(state)  # strict: every tensor torch expects, no more (copy_ casts the dtype)
+    module.eval()
+    return module
 
 
 def torch_blocked_mask(allowed: np.ndarray | None, batch: int, heads: int, q_tokens: int, kv_tokens: int, device: str):
@@ -288,6 +301,11 @@ class TorchSDPAOracle(Backend):
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        from ._torch_vjp import prepare_sdpa_vjp  # autograd through F.linear and SDPA
+
+        return prepare_sdpa_vjp(cfg, params, inputs, cotangent, dtype, device, self.allow_tf32)
 
 
 def sdpa_has_enable_gqa() -> bool:

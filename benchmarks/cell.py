@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
 from .pinning import DEFAULT_MALLOC_MODE, contention_warning, cpu_use_warning, cpu_utilisation, malloc_env
 
@@ -80,6 +81,7 @@ class CellSpec:
     policy: dict = field(default_factory=dict)  # timing.RepeatPolicy fields
     seed: int = 0
     malloc: str = DEFAULT_MALLOC_MODE  # pinning.MALLOC_MODES: the allocator rule of the child
+    mode: str = "fwd"  # flops.MODES: "fwd" times the forward, "fwdbwd" forward+backward (run_vjp)
 
     def __post_init__(self) -> None:
         split_implementation(self.implementation)  # validates the label
@@ -88,6 +90,7 @@ class CellSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CellSpec.{name} must be a positive int, got {value!r}")
         malloc_env(self.malloc)  # validates the mode
+        mode_flops(1, self.mode)  # validates the timing mode
 
     @property
     def backend(self) -> str:
@@ -98,7 +101,8 @@ class CellSpec:
         return split_implementation(self.implementation)[1]
 
     def identity(self) -> dict:
-        return {name: getattr(self, name) for name in IDENTITY_FIELDS}
+        identity = {name: getattr(self, name) for name in IDENTITY_FIELDS}
+        return identity if self.mode == "fwd" else {**identity, "mode": self.mode}  # old records: forward
 
     def key(self) -> str:
         """A stable string for resuming: equal keys mean the same measurement."""
@@ -118,7 +122,9 @@ class CellSpec:
 
 def cell_key(result: dict) -> str:
     """The resume key of a recorded cell result (same as `CellSpec.key` of its spec)."""
-    return json.dumps({name: result.get(name) for name in IDENTITY_FIELDS}, sort_keys=True)
+    identity = {name: result.get(name) for name in IDENTITY_FIELDS}
+    mode = result.get("mode", "fwd")  # records from before training cells are forward cells
+    return json.dumps(identity if mode == "fwd" else {**identity, "mode": mode}, sort_keys=True)
 
 
 def build_config(spec: CellSpec):
@@ -213,15 +219,22 @@ def measure(spec: CellSpec) -> dict:
     params = init_params(cfg, seed=spec.seed)
     query, key, value = _make_inputs(spec, cfg)
     kv_tokens = spec.tokens if spec.kv_tokens is None else spec.kv_tokens
-    flops = config_matmul_flops(cfg, spec.batch, spec.tokens, kv_tokens)
+    flops = mode_flops(config_matmul_flops(cfg, spec.batch, spec.tokens, kv_tokens), spec.mode)
     gpu_memory = _GpuMemory(spec.device, frameworks)
 
     rss_before = peak_rss_mb()
     gpu_memory.reset()
     try:
-        prepared, _inputs = backend.prepare(
-            cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
-        )
+        if spec.mode == "fwdbwd":  # forward+backward: the timed call is PreparedVJP.run
+            prepared, _inputs = backend.prepare_vjp(
+                cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
+            )
+            step, results = prepared.run, lambda native: list(prepared.to_grads(native).values())
+        else:
+            prepared, _inputs = backend.prepare(
+                cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
+            )
+            step, results = prepared.forward, lambda native: [prepared.to_numpy(native)]
     except UnsupportedCase as reason:
         record.update(status="unsupported", error=str(reason))
         return record
@@ -239,8 +252,8 @@ def measure(spec: CellSpec) -> dict:
         result_box: list = [None]
 
         def run_once() -> None:
-            # The timed region: the forward pass and the wait for its result, nothing else.
-            result = prepared.forward()
+            # The timed region: the forward pass (and in fwdbwd its backward) and the wait, nothing else.
+            result = step()
             prepared.synchronize(result)
             result_box[0] = result
 
@@ -252,8 +265,8 @@ def measure(spec: CellSpec) -> dict:
 
     import numpy as np
 
-    output = np.asarray(prepared.to_numpy(result_box[0]), dtype=np.float64)
-    record["output_finite"] = bool(np.isfinite(output).all())
+    outputs = [np.asarray(array, dtype=np.float64) for array in results(result_box[0]) if isinstance(array, np.ndarray)]
+    record["output_finite"] = all(bool(np.isfinite(output).all()) for output in outputs)
     rss_after = peak_rss_mb()
     host_growth = None if rss_before is None else max(0.0, rss_after - rss_before)
     device_peak = gpu_memory.peak_mb()

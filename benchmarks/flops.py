@@ -87,3 +87,18 @@ def self_attention_flops(batch: int, tokens: int, d_model: int) -> int:
 def gemm_flops(m: int, k: int, n: int) -> int:
     """FLOPs of one (m, k) @ (k, n) product."""
     return 2 * _require_positive("m", m) * _require_positive("k", k) * _require_positive("n", n)
+
+
+# Forward+backward ("fwdbwd") cells count 3x the forward's matrix products: every forward
+# product Y = A @ B has two backward products of the same size, dA = dY @ B.T and
+# dB = A.T @ dY. (Products that need no gradient, e.g. dX of an input nobody asked about,
+# are computed anyway by every implementation here: run_vjp returns every input gradient.)
+FWD_BWD_FLOP_FACTOR = 3
+MODES = ("fwd", "fwdbwd")
+
+
+def mode_flops(forward_flops: int, mode: str) -> int:
+    """The FLOPs of one timed call in ``mode``: the forward's count, or 3x it for forward+backward."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    return forward_flops * (FWD_BWD_FLOP_FACTOR if mode == "fwdbwd" else 1)

@@ -221,6 +221,12 @@ def round_range_text(cell: dict, digits: int = 3) -> str:
     return f"{low * 1e3:.{digits}f}-{high * 1e3:.{digits}f}"
 
 
+def cell_label(cell: dict) -> str:
+    """The implementation as tables and plots show it: ``numpy:slicing``, or ``numpy:slicing fwd+bwd``."""
+    mode = cell.get("mode", "fwd")  # reports from before training cells hold forward cells
+    return cell["implementation"] if mode == "fwd" else f"{cell['implementation']} fwd+bwd"
+
+
 def markdown_row(cell: dict) -> list[str]:
     ok = cell.get("status") == "ok"
     fraction = cell.get("peak_fraction")
@@ -230,7 +236,7 @@ def markdown_row(cell: dict) -> list[str]:
     elif cell.get("warnings"):
         status += " (drift)" if cell.get("drift") else " (!)"
     return [
-        f"`{cell['implementation']}`", cell["device"], cell["dtype"], str(cell["batch"]), str(cell["tokens"]),
+        f"`{cell_label(cell)}`", cell["device"], cell["dtype"], str(cell["batch"]), str(cell["tokens"]),
         str(cell["d_model"]), str(cell["heads"]),
         _ms(cell.get("median_s")) if ok else "", round_range_text(cell) if ok else "",
         _ms(cell.get("iqr_s")) if ok else "", _ms(cell.get("min_s")) if ok else "",
@@ -292,7 +298,7 @@ def markdown_table(report: dict) -> str:
         lines.append("(!) warnings:")
         for cell in warned:
             for warning in cell["warnings"]:
-                lines.append(f"- `{cell['implementation']}` N={cell['tokens']}: {warning}")
+                lines.append(f"- `{cell_label(cell)}` N={cell['tokens']}: {warning}")
     return "\n".join(lines) + "\n"
 
 
@@ -335,11 +341,9 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         figure, axes = plt.subplots(figsize=(10, 5.5))
         colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers and dashes tell repeats apart
         markers, dashes = "osD^v<>ph*", ("-", "--", ":")
-        for index, label in enumerate(sorted({cell["implementation"] for cell in cells})):
+        for index, label in enumerate(sorted({cell_label(cell) for cell in cells})):
             points = sorted(
-                (cell["tokens"], cell["median_s"], *cell_interval(cell))
-                for cell in cells
-                if cell["implementation"] == label
+                (cell["tokens"], cell["median_s"], *cell_interval(cell)) for cell in cells if cell_label(cell) == label
             )
             medians = [p[1] * 1e3 for p in points]
             # Error bars: the range of the round medians (zero height with one round).
@@ -353,7 +357,7 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("tokens N")
-        axes.set_ylabel("median time per forward pass (ms; bars: range over rounds)")
+        axes.set_ylabel("median time per call, forward (or fwd+bwd) (ms; bars: range over rounds)")
         axes.set_title(f"{device} {dtype}, B={batch}, d_model={d_model}, heads={heads}, {threads} thread(s)")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -367,7 +371,7 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         at_reference = sorted(at_reference, key=lambda cell: cell.get("gflops") or 0, reverse=True)
         sample = at_reference[0]
         figure, axes = plt.subplots(figsize=(8, 0.4 * len(at_reference) + 1.8))
-        labels = [cell["implementation"] for cell in at_reference]
+        labels = [cell_label(cell) for cell in at_reference]
         values = [cell.get("gflops") or 0 for cell in at_reference]
         # Error bars: GFLOP/s at the slowest and fastest round median.
         slowest = [cell["flops"] / cell_interval(cell)[1] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
@@ -407,7 +411,7 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
 
 def _comparison_key(cell: dict) -> tuple:
     fields = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
-    return tuple(cell.get(name) for name in fields)
+    return (*(cell.get(name) for name in fields), cell.get("mode", "fwd"))
 
 
 def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:

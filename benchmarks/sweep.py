@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .cell import CellSpec, cell_key, implementation_label, run_cell, split_implementation
+from .flops import mode_flops
 from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env
 from .rounds import BUSY_THRESHOLD, DRIFT_THRESHOLD, busy_rounds, draw_seed, merge_peaks, merge_visits, round_orders
@@ -71,6 +72,7 @@ class SweepSettings:
     malloc: str = DEFAULT_MALLOC_MODE  # "keep": glibc keeps freed memory (pinning.malloc_env)
     rounds: int = 1  # every cell is visited once per round, in a shuffled order (benchmarks.rounds)
     seed: int | None = None  # the shuffle seed; None: drawn when the sweep starts, then recorded
+    modes: list[str] = field(default_factory=lambda: ["fwd"])  # flops.MODES: forward, forward+backward
 
     def __post_init__(self) -> None:
         malloc_env(self.malloc)  # validates the mode
@@ -78,6 +80,10 @@ class SweepSettings:
             raise ValueError(f"rounds must be a positive int, got {self.rounds!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+        if not self.modes:
+            raise ValueError("modes must name at least one of fwd, fwdbwd")
+        for mode in self.modes:
+            mode_flops(1, mode)  # validates the name
         RepeatPolicy(**self.policy)  # validate early, in the parent, with a clear message
         RepeatPolicy(**self.gemm_policy)
         for name in ("tokens", "batch", "d_model", "heads"):
@@ -205,13 +211,14 @@ def expand_cells(settings: SweepSettings, implementations: list[str] | None = No
                     for batch in settings.batch:
                         for tokens in settings.tokens:
                             for label in labels:
-                                cells.append(
-                                    CellSpec(
-                                        implementation=label, device=device, dtype=dtype, batch=batch, tokens=tokens,
-                                        d_model=d_model, heads=heads, threads=settings.threads, cpus=cpus,
-                                        policy=dict(settings.policy), malloc=settings.malloc,
-                                    )
-                                )  # fmt: skip
+                                for mode in settings.modes:
+                                    cells.append(
+                                        CellSpec(
+                                            implementation=label, device=device, dtype=dtype, batch=batch,
+                                            tokens=tokens, d_model=d_model, heads=heads, threads=settings.threads,
+                                            cpus=cpus, policy=dict(settings.policy), malloc=settings.malloc, mode=mode,
+                                        )
+                                    )  # fmt: skip
     return cells
 
 

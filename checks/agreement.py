@@ -418,6 +418,14 @@ def compare(actual, expected, dtype: str) -> Comparison:
         return core_compare(actual, expected, dtype)
 
 
+def failure_status(error: BaseException) -> tuple[Status, str]:
+    """A run that raised: unsupported (the backend's reason), skipped (not installed) or an error."""
+    if isinstance(error, UnsupportedCase):
+        return Status.UNSUPPORTED, str(error)
+    if isinstance(error, BackendNotInstalled):
+        return Status.SKIPPED, str(error)
+    return Status.ERROR, error_line(error)
+
 
 def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _Oracle, uniform: np.ndarray) -> Run:
     case = oracle.case
@@ -429,14 +437,8 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
             oracle.cfg, oracle.params, *data.arrays, dtype=dtype, device=device, strategy=strategy, **data.positions_kwargs
         )
         output = np.asarray(prepared.output())
-    except UnsupportedCase as error:
-        run.status, run.reason = Status.UNSUPPORTED, str(error)
-        return run
-    except BackendNotInstalled as error:
-        run.status, run.reason = Status.SKIPPED, str(error)
-        return run
     except Exception as error:  # a failing cell is reported and the check goes on
-        run.reason = error_line(error)
+        run.status, run.reason = failure_status(error)
         return run
     run.seconds = time.perf_counter() - started
     run.info = dict(prepared.info)
@@ -558,21 +560,11 @@ def run_check(
     Bad names raise ValueError naming the option, the bad value and the accepted ones.
     """
     started = time.perf_counter()
-    device_names = _resolve_devices(devices)
-    dtype_names, every_dtype = _resolve_dtypes(dtypes)
-    if cases is None or all(isinstance(c, str) for c in _as_list(cases)):
-        spec_cases = get_cases(None if cases is None else _split(cases))
-    else:
-        spec_cases = list(cases)
-    chosen, skipped, broken = resolve_backends(backends)
-    strategy_filter = _resolve_strategies(strategies, chosen)
-    settings = {
-        "backends": [b.name for b in chosen],
-        "strategies": strategy_filter,
-        "devices": device_names,
-        "dtypes": "all" if every_dtype else dtype_names,
-        "cases": [c.name for c in spec_cases],
-    }
+    sel = resolve_selection(backends, strategies, devices, dtypes, cases)
+    chosen, skipped, broken, strategy_filter = sel.backends, sel.skipped, sel.broken, sel.strategy_filter
+    device_names, dtype_names, every_dtype, spec_cases, settings = (
+        sel.devices, sel.dtypes, sel.every_dtype, sel.cases, sel.settings
+    )
     declared = {
         b.name: tuple(getattr(b, "known_differences", ())) for b in chosen if getattr(b, "known_differences", ())
     }
@@ -586,6 +578,55 @@ def run_check(
         result.interrupted = True  # keep what finished; the caller decides how to exit
     result.seconds = time.perf_counter() - started
     return result
+
+
+@dataclass
+class Selection:
+    """What a check runs, resolved from its options (shared by the forward and the gradient check)."""
+
+    backends: list[Backend]
+    skipped: dict[str, str]
+    broken: dict[str, str]
+    strategy_filter: list[str] | None
+    devices: list[str]
+    dtypes: list[str]
+    every_dtype: bool
+    cases: list[SpecCase]
+
+    @property
+    def settings(self) -> dict:
+        return {
+            "backends": [b.name for b in self.backends],
+            "strategies": self.strategy_filter,
+            "devices": self.devices,
+            "dtypes": "all" if self.every_dtype else self.dtypes,
+            "cases": [c.name for c in self.cases],
+        }
+
+    def case_dtypes(self, case: SpecCase) -> list[str]:
+        """The dtypes ``case`` runs: every selected one under "all", else those it lists."""
+        return self.dtypes if self.every_dtype else [d for d in self.dtypes if d in case.dtypes]
+
+    def implementations(self):
+        """(backend, strategy, device) for every selected implementation."""
+        for backend in self.backends:
+            for strategy in backend.strategies:
+                if self.strategy_filter is None or strategy in self.strategy_filter:
+                    for device in self.devices:
+                        yield backend, strategy, device
+
+
+def resolve_selection(backends, strategies, devices, dtypes, cases) -> Selection:
+    """Resolve a check's options (see `run_check`); bad names raise ValueError naming the option."""
+    device_names = _resolve_devices(devices)
+    dtype_names, every_dtype = _resolve_dtypes(dtypes)
+    if cases is None or all(isinstance(c, str) for c in _as_list(cases)):
+        spec_cases = get_cases(None if cases is None else _split(cases))
+    else:
+        spec_cases = list(cases)
+    chosen, skipped, broken = resolve_backends(backends)
+    strategy_filter = _resolve_strategies(strategies, chosen)
+    return Selection(chosen, skipped, broken, strategy_filter, device_names, dtype_names, every_dtype, spec_cases)
 
 
 def _as_list(values) -> list:

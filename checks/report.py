@@ -546,8 +546,13 @@ def _nums(entry: dict | None) -> dict | None:
     return {k: _num(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
 
 
-def write_json(result: CheckResult, path: str) -> None:
-    """Write the JSON report to ``path`` atomically, or to stdout for "-"."""
+def write_json(result: CheckResult, path: str, grad=None) -> None:
+    """Write the JSON report to ``path`` atomically, or to stdout for "-"; ``grad``: a gradient check too."""
     from mha_rosetta.core.files import write_output
 
-    write_output(path, json.dumps(to_json(result), indent=1, default=str) + "\n")
+    data = to_json(result)
+    if grad is not None:
+        from .grad import grad_to_json
+
+        data["grad"] = grad_to_json(grad)
+    write_output(path, json.dumps(data, indent=1, default=str) + "\n")

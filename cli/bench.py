@@ -107,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "1 for quick)",
     )
     parser.add_argument("--seed", type=int, metavar="S", help="the shuffle seed (default: drawn, and recorded)")
+    parser.add_argument(
+        "--mode",
+        choices=("fwd", "fwdbwd", "both"),
+        default="fwd",
+        help="time the forward pass (default), forward+backward (run_vjp: a training step's attention, FLOPs "
+        "counted as 3x the forward's matrix products), or both, side by side",
+    )
     parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell (per round)")
     parser.add_argument("--min-time", type=float, metavar="S", help="minimum timed seconds per cell")
     parser.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH ('-' for stdout)")
@@ -174,6 +181,7 @@ def _settings(args: argparse.Namespace):
         malloc=args.malloc,
         rounds=args.rounds,
         seed=args.seed,
+        modes=["fwd", "fwdbwd"] if args.mode == "both" else [args.mode],
     )
 
 

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="print only problems, skips and the summary")
     parser.add_argument("--list", action="store_true", help="list the spec cases and the backends, then exit")
+    parser.add_argument(
+        "--grad",
+        action="store_true",
+        help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
+        "float64 backward oracle and each other; adds a 'grad' section to --json",
+    )
 
 
 def _list(out) -> int:
@@ -123,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
 
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
+    grad = _grad_check(args, progress) if args.grad and not result.interrupted else None
+    if grad is not None:
+        from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines
+
+        blocks += grad_report_blocks(grad)
+        summary += grad_summary_lines(grad)
     if args.markdown:
         out.write(render_markdown(blocks, summary))
     elif rich_available() and not args.plain:
@@ -130,7 +142,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         out.write(render_plain(blocks, summary, width=output_width(out)))
     if args.json:
-        write_json(result, args.json)
+        write_json(result, args.json, grad)
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
-    return result.exit_code
+    if result.interrupted or (grad is not None and grad.interrupted):
+        return 130
+    return max(result.exit_status, 0 if grad is None else grad.exit_status)
+
+
+def _grad_check(args: argparse.Namespace, progress):
+    """The gradient check on the same selection (`checks.grad`)."""
+    from mha_rosetta.checks.grad import run_grad_check
+
+    grad = run_grad_check(
+        backends=args.backends, strategies=args.strategies, devices=args.devices, dtypes=args.dtypes,
+        cases=args.cases, progress=progress,
+    )
+    if progress:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    return grad

@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated parts to show: stages, weights, head_split, checkpoints, differences, claims (default: all but claims)",
     )
     parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="the backward pass: weight gradients in both conventions and a GQA backward-only bug caught by check --grad",
+    )
+    parser.add_argument(
         "--claims", action="store_true", help="run the article's 12 claims and print claim, evidence and verdict"
     )
     parser.add_argument("--no-speed", action="store_true", help="with --claims: skip the benchmark questions (speed claims show as skipped)")
@@ -140,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mha-rosetta explain: {error}", file=sys.stderr)
         return 2
 
+    if args.backward:
+        return _backward(args, cfg)
     write_docs = args.write_docs is not None
     if write_docs:
         sections = None  # everything
@@ -191,3 +198,16 @@ def run(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"mha-rosetta explain: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _backward(args: argparse.Namespace, cfg) -> int:
+    """``--backward``: the backward section alone (`explain.backward`); exit 1 if the demonstrated bug went unseen."""
+    from mha_rosetta.checks.report import render_markdown, render_plain
+    from mha_rosetta.explain.backward import backward_blocks
+
+    blocks, caught = backward_blocks(cfg, args.batch, args.tokens, args.seed)
+    summary = ["the GQA backward bug: " + ("caught by the gradient check, missed by the forward check" if caught
+                                            else "NOT caught")]
+    text = render_markdown(blocks, summary) if args.markdown else render_plain(blocks, summary)
+    sys.stdout.write(text.replace("# mha-rosetta check", "# mha-rosetta explain --backward", 1))
+    return 0 if caught else 1

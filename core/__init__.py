@@ -8,6 +8,17 @@ the stage contract, the float64 oracle and the tolerance table.
 from .config import ROPE_STYLES, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
 from .errors import error_line
+from .grad import (
+    GRAD_INPUT_NAMES,
+    GRAD_PARAM_NAMES,
+    GRAD_STAGE_NAMES,
+    GRAD_STAGES,
+    MHAGrads,
+    check_cotangent,
+    default_cotangent,
+    fold_defaulted_inputs,
+    reference_mha_vjp,
+)
 from .inputs import MHAInputs, allowed_positions, causal_mask, prepare_inputs
 from .layouts import (
     from_dense_general_kernel,
@@ -41,10 +52,25 @@ from .rotary import (
     to_rotate_half_params,
 )
 from .stages import PIPELINE_STEPS, STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, stage_shapes
-from .tolerances import TOLERANCES, Comparison, Tolerance, assert_close, compare, lower_precision, tolerance_for
+from .tolerances import (
+    GRAD_TOLERANCES,
+    TOLERANCES,
+    Comparison,
+    Tolerance,
+    assert_close,
+    compare,
+    grad_tolerance,
+    lower_precision,
+    tolerance_for,
+)
 
 __all__ = [
     "DTYPE_NAMES",
+    "GRAD_INPUT_NAMES",
+    "GRAD_PARAM_NAMES",
+    "GRAD_STAGES",
+    "GRAD_STAGE_NAMES",
+    "GRAD_TOLERANCES",
     "PIPELINE_STEPS",
     "ROPE_STYLES",
     "STAGES",
@@ -53,6 +79,7 @@ __all__ = [
     "TOLERANCES",
     "Comparison",
     "MHAConfig",
+    "MHAGrads",
     "MHAInputs",
     "MHAParams",
     "RotaryTables",
@@ -62,15 +89,19 @@ __all__ = [
     "apply_rotary",
     "assert_close",
     "causal_mask",
+    "check_cotangent",
     "check_dtype_name",
     "compare",
+    "default_cotangent",
     "error_line",
     "expected_param_shapes",
+    "fold_defaulted_inputs",
     "from_dense_general_kernel",
     "from_equinox_weights",
     "from_flax_params",
     "from_row_sample",
     "from_torch_mha_state_dict",
+    "grad_tolerance",
     "init_params",
     "inverse_frequencies",
     "linear",
@@ -81,6 +112,7 @@ __all__ = [
     "numpy_dtype",
     "prepare_inputs",
     "reference_mha",
+    "reference_mha_vjp",
     "reference_stages",
     "rope_permutation",
     "rotary_pairs",

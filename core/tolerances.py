@@ -110,3 +110,58 @@ def lower_precision(*dtypes: object) -> str:
     """Of several dtype names, the one with the loosest tolerance (used for pairs)."""
     names = [check_dtype_name(d) for d in dtypes]
     return max(names, key=lambda n: TOLERANCES[n].atol)
+
+
+# -- gradients ------------------------------------------------------------------------------
+# A gradient tensor is compared like a forward one, with two differences. First, gradients
+# of weights and biases sum over every (batch item, token), so their size grows with the
+# problem where the forward's stays O(1): ``atol`` is taken relative to the tensor's largest
+# entry (never below 1), `gradient_scale`. Second, the backward chains about twice as many
+# rounded products as the forward (dO -> merged -> context -> weights -> scores -> q/k -> x
+# and a weight gradient at each end), so float64 and float32 get about 2.5x the forward's
+# entries. Measured on the spec cases (`reference_mha_vjp` with ``rounding=`` against the
+# float64 oracle, errors over the tensor's scale): float32 at most 6.4e-7, float16 2.1e-3,
+# bfloat16 1.4e-2. A wrong head, a missing GQA sum or a transposed weight gradient is O(1).
+GRAD_TOLERANCES: dict[str, Tolerance] = {
+    # reduction order in twice as many chained products as the forward
+    "float64": Tolerance(atol=1e-9, rtol=1e-8),
+    # 80x the worst spec-path error measured above: room for other summation orders
+    "float32": Tolerance(atol=5e-5, rtol=5e-4),
+    # used only where no float32 baseline is at hand (pairs take the half rule's sum, below):
+    # about 5x the spec path's measured error
+    "float16": Tolerance(atol=1e-2, rtol=1e-2),
+    "bfloat16": Tolerance(atol=8e-2, rtol=8e-2),
+}
+
+# The rule FlashAttention's tests use for half precision: an implementation's max abs error
+# against the float64 oracle may be at most HALF_GRAD_FACTOR times the error of the spec's
+# own float32 path with every stage rounded to the same dtype (`reference_mha_vjp(...,
+# rounding=dtype)`), plus a floor of one unit in the last place of the tensor's largest
+# entry (the error of merely storing the exact answer in that dtype, so a baseline that
+# happens to be exact does not demand exactness). It adapts to each case and tensor instead
+# of one number for all, and it cannot be met by an implementation that loses more than
+# about one extra bit on the way.
+HALF_GRAD_FACTOR = 2.0
+HALF_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def gradient_scale(expected) -> float:
+    """The largest finite ``|expected|``, never below 1: what gradient ``atol`` is relative to."""
+    e = np.asarray(expected, dtype=np.float64)
+    finite = e[np.isfinite(e)]
+    return max(1.0, float(np.max(np.abs(finite)))) if finite.size else 1.0
+
+
+def grad_tolerance(dtype: object, expected, baseline_error: float | None = None) -> Tolerance:
+    """The tolerance for one gradient tensor against the oracle's ``expected``.
+
+    float64/float32 (or no baseline): `GRAD_TOLERANCES` with ``atol`` times `gradient_scale`.
+    float16/bfloat16 with ``baseline_error`` (max abs error of the rounded spec path on this
+    tensor): the half rule, ``atol = HALF_GRAD_FACTOR * baseline_error + ulp``, ``rtol = 0``.
+    """
+    name = check_dtype_name(dtype)
+    scale = gradient_scale(expected)
+    if baseline_error is not None and name in HALF_EPS:
+        return Tolerance(atol=HALF_GRAD_FACTOR * baseline_error + HALF_EPS[name] * scale, rtol=0.0)
+    base = GRAD_TOLERANCES[name]
+    return Tolerance(atol=base.atol * scale, rtol=base.rtol)

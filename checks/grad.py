@@ -1,0 +1,501 @@
+"""The gradient check: every implementation's backward pass against the float64 backward oracle and each other.
+
+For every spec case and dtype, each (backend, strategy, device) runs `Backend.run_vjp` with the
+case's fixed cotangent (`core.default_cotangent`, never all-ones). Every gradient tensor
+(``d_query``, ``d_key``, ``d_value``, ``w_q`` ... ``b_o``) is compared
+
+- with `core.reference_mha_vjp` under `core.grad_tolerance`: float64/float32 from the gradient
+  table, float16/bfloat16 by the half rule (at most twice the error of the spec's own float32
+  path rounded to that dtype, plus one unit in the last place), and
+- with every other run of the same case and dtype: float64/float32 under the same table,
+  half dtypes within the sum of the two sides' half-rule allowances (the triangle inequality).
+
+Statuses are those of the forward check (`checks.agreement.Status`). The direct-reshape
+mistake must disagree in some gradient; where its gradients happen to agree (one kv head:
+a wrong split undone the same way cancels), its backward or forward stages must still show
+it. A third-party oracle whose only difference is NaN gradients from query rows with nothing
+to attend to is a named known difference. When a run disagrees, the report names the first
+divergent backward stage (`core.GRAD_STAGES` order) where the implementation exposes its
+backward stages, else the worst gradient tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mha_rosetta.core import (
+    GRAD_STAGES,
+    Comparison,
+    MHAGrads,
+    allowed_positions,
+    grad_tolerance,
+    prepare_inputs,
+    reference_mha_vjp,
+    reference_stages,
+)
+from mha_rosetta.core import compare as core_compare
+
+from .agreement import (
+    FAILING,
+    Implementation,
+    Status,
+    failure_status,
+    resolve_selection,
+)
+from .cases import SpecCase
+from .divergence import first_divergence
+
+
+@dataclass
+class TensorError:
+    """One gradient tensor against the oracle (or another run)."""
+
+    max_abs: float
+    atol: float
+    ok: bool
+    reason: str = ""
+
+
+@dataclass
+class GradRun:
+    case: str
+    impl: Implementation
+    dtype: str
+    kind: str
+    status: Status
+    reason: str = ""
+    tensors: dict[str, TensorError] = field(default_factory=dict)
+    divergent_stage: str | None = None
+    seconds: float = 0.0
+    grads: MHAGrads | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        return self.impl.label
+
+    @property
+    def compared(self) -> bool:
+        """True when the run produced gradients that were compared (kept after the arrays are dropped)."""
+        return bool(self.tensors) and self.status not in (Status.ERROR, Status.UNSUPPORTED, Status.SKIPPED)
+
+    def worst(self) -> tuple[str, TensorError] | None:
+        """The tensor with the largest error relative to its tolerance."""
+        if not self.tensors:
+            return None
+        return max(self.tensors.items(), key=lambda item: item[1].max_abs / max(item[1].atol, 1e-300))
+
+
+@dataclass
+class GradPair:
+    case: str
+    a: GradRun
+    b: GradRun
+    dtype: str
+    status: Status
+    tensor: str
+    max_abs: float
+    reason: str = ""
+
+
+@dataclass
+class GradCheckResult:
+    settings: dict
+    cases: list[SpecCase]
+    skipped_backends: dict[str, str]
+    broken_backends: dict[str, str]
+    runs: list[GradRun] = field(default_factory=list)
+    pairs: list[GradPair] = field(default_factory=list)
+    seconds: float = 0.0
+    interrupted: bool = False
+
+    def failures(self) -> list:
+        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
+
+    @property
+    def error_count(self) -> int:
+        return sum(run.status is Status.ERROR for run in self.runs) + len(self.broken_backends)
+
+    @property
+    def exit_status(self) -> int:
+        if self.error_count or not any(run.compared for run in self.runs):
+            return 2
+        return 1 if self.failures() else 0
+
+    def verdict(self) -> str:
+        if self.error_count:
+            return f"gradients: ERROR: {self.error_count} run(s) or backend(s) raised an exception"
+        if not any(run.compared for run in self.runs):
+            return "gradients: nothing was checked"
+        if self.failures():
+            return f"gradients: FAIL: {len(self.failures())} failing comparison(s)"
+        return (
+            "gradients: OK: every implementation agrees or has a named known difference; every known mistake is caught"
+        )
+
+
+@dataclass
+class _GradOracle:
+    case: SpecCase
+    grads: MHAGrads
+    baselines: dict[str, dict[str, float]]  # half dtype -> tensor -> max abs error of the rounded spec path
+    empty_rows: int  # (batch item, head, query) rows with no allowed key
+
+
+def _max_abs_error(actual, expected) -> float:
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(np.asarray(actual, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
+    finite = diff[np.isfinite(diff)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+def _grad_oracle(case: SpecCase, dtypes) -> _GradOracle:
+    params, data = case.params(), case.inputs()
+    args = (case.cfg, params, data.query, data.key, data.value, data.mask)
+    where = {"positions": data.positions, "kv_positions": data.kv_positions}  # rotary positions
+    grads = reference_mha_vjp(*args, **where)
+    baselines = {}
+    for dtype in dtypes:
+        if dtype in ("float16", "bfloat16"):
+            rounded = reference_mha_vjp(*args, **where, rounding=dtype).tensors()
+            baselines[dtype] = {name: _max_abs_error(rounded[name], g) for name, g in grads.tensors().items()}
+    inputs = prepare_inputs(*args[:1], *args[2:], data.positions, data.kv_positions)
+    allowed = allowed_positions(case.cfg, inputs)
+    empty = 0 if allowed is None else int((~allowed.any(axis=-1)).sum())
+    return _GradOracle(case, grads, baselines, empty)
+
+
+def _compare_tensor(actual, expected, dtype: str, atol: float, rtol: float) -> Comparison:
+    with np.errstate(invalid="ignore"):
+        return core_compare(actual, expected, dtype, atol=atol, rtol=rtol)
+
+
+def _tensor_errors(grads: MHAGrads, oracle: _GradOracle, dtype: str) -> dict[str, TensorError]:
+    expected = oracle.grads.tensors()
+    actual = grads.tensors()
+    out = {}
+    for name, e in expected.items():
+        if name not in actual:
+            out[name] = TensorError(np.inf, 0.0, False, "missing")
+            continue
+        tol = grad_tolerance(dtype, e, oracle.baselines.get(dtype, {}).get(name))
+        result = _compare_tensor(actual[name], e, dtype, tol.atol, tol.rtol)
+        out[name] = TensorError(result.max_abs, tol.atol, result.ok, result.reason)
+    return out
+
+
+def _first_divergent_backward_stage(stages: dict, reference: dict, dtype: str) -> str | None:
+    for name, _ in GRAD_STAGES:
+        if name in stages and name in reference:
+            tol = grad_tolerance(dtype, reference[name])
+            if not _compare_tensor(stages[name], reference[name], dtype, tol.atol, tol.rtol).ok:
+                return name
+    return None
+
+
+def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracle) -> GradRun:
+    case = oracle.case
+    run = GradRun(case.name, Implementation(backend.name, strategy, device), dtype, backend.kind, Status.ERROR)
+    data = case.inputs()
+    args = (case.cfg, case.params(), data.query, data.key, data.value, data.mask)
+    where = {"positions": data.positions, "kv_positions": data.kv_positions}  # rotary positions
+    started = time.perf_counter()
+    try:
+        grads = backend.run_vjp(*args, dtype=dtype, device=device, strategy=strategy, **where)
+    except Exception as error:  # a failing cell is reported and the check goes on
+        run.status, run.reason = failure_status(error)
+        return run
+    run.seconds = time.perf_counter() - started
+    run.grads = grads
+    run.tensors = _tensor_errors(grads, oracle, dtype)
+    bad = [name for name, t in run.tensors.items() if not t.ok]
+    if run.impl.known_mistake:
+        run.status = Status.CAUGHT
+        if bad:
+            run.reason = f"gradients of {', '.join(bad)} disagree"
+        else:
+            stage = _first_divergent_backward_stage(grads.stages, oracle.grads.stages, dtype)
+            shown_at = f"backward stage {stage}" if stage else None
+            if shown_at is None:  # no backward stages exposed (autograd): the forward stages show it
+                _, stages = backend.run(
+                    *args, return_stages=True, dtype=dtype, device=device, strategy=strategy, **where
+                )
+                divergence = first_divergence(reference_stages(*args, **where), stages, dtype)
+                shown_at = None if divergence is None else f"forward stage {divergence.stage}"
+            if shown_at is None:
+                run.status, run.reason = Status.MISSED, "the known mistake agrees with the oracle in every gradient"
+            else:
+                run.reason = f"the gradients happen to agree on this case; the mistake shows at {shown_at}"
+        return run
+    if not bad:
+        run.status = Status.AGREE
+        return run
+    if backend.kind == "oracle" and getattr(backend, "half_precision_softmax", False) and dtype in oracle.baselines:
+        table = {name: grad_tolerance(dtype, oracle.grads.tensors()[name]) for name in bad}
+        if all(run.tensors[name].max_abs <= table[name].atol for name in bad):
+            run.status = Status.KNOWN_DIFFERENCE
+            run.reason = (
+                f"the library computes its softmax in {dtype} (declared): {', '.join(bad)} beyond the half rule's "
+                f"2x the spec path, within the {dtype} gradient table (atol {table[bad[0]].atol:.2g})"
+            )
+            return run
+    nan_only = all("NaN" in run.tensors[name].reason for name in bad)
+    if backend.kind == "oracle" and nan_only and oracle.empty_rows:
+        run.status = Status.KNOWN_DIFFERENCE
+        run.reason = (
+            f"NaN gradients ({', '.join(bad)}) from {oracle.empty_rows} query row(s) with no allowed key; "
+            "the spec gives those rows zero weights and zero gradient"
+        )
+        return run
+    run.status = Status.DISAGREE
+    run.divergent_stage = _first_divergent_backward_stage(grads.stages, oracle.grads.stages, dtype)
+    name, worst = run.worst()
+    where = f"; first divergent backward stage {run.divergent_stage}" if run.divergent_stage else ""
+    run.reason = (
+        f"{', '.join(bad)} outside tolerance (worst {name}: max abs {worst.max_abs:.3g} > {worst.atol:.3g}){where}"
+    )
+    return run
+
+
+def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
+    dtype = a.dtype
+    worst_name, worst_abs, bad = "", 0.0, []
+    ta, tb = a.grads.tensors(), b.grads.tensors()
+    for name, expected in oracle.grads.tensors().items():
+        if name not in ta or name not in tb:
+            continue
+        baseline = oracle.baselines.get(dtype, {}).get(name)
+        tol = grad_tolerance(dtype, expected, baseline)
+        atol = 2 * tol.atol if baseline is not None else tol.atol  # half rule: each side within its allowance
+        result = _compare_tensor(ta[name], tb[name], dtype, atol, tol.rtol)
+        if result.max_abs >= worst_abs:
+            worst_name, worst_abs = name, result.max_abs
+        if not result.ok:
+            bad.append(name)
+    pair = GradPair(oracle.case.name, a, b, dtype, Status.AGREE, worst_name, worst_abs)
+    mistakes = (a.impl.known_mistake, b.impl.known_mistake)
+    if not bad:
+        if mistakes[0] != mistakes[1]:
+            mistake = a if mistakes[0] else b
+            pair.status = Status.CAUGHT if mistake.status is Status.CAUGHT else Status.MISSED
+            pair.reason = f"gradients agree; {mistake.label}: {mistake.reason}"
+        return pair
+    if any(mistakes):
+        pair.status = Status.CAUGHT
+        return pair
+    known = [run for run in (a, b) if run.status is Status.KNOWN_DIFFERENCE]
+    if known:
+        pair.status, pair.reason = Status.KNOWN_DIFFERENCE, "; ".join(f"{r.label}: {r.reason}" for r in known)
+        return pair
+    pair.status, pair.reason = Status.DISAGREE, f"{', '.join(bad)} differ (worst {worst_name}: max abs {worst_abs:.3g})"
+    return pair
+
+
+def run_grad_check(
+    backends=None,
+    strategies=None,
+    devices=None,
+    dtypes=None,
+    cases=None,
+    progress: Callable[[str], None] | None = None,
+) -> GradCheckResult:
+    """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
+    started = time.perf_counter()
+    sel = resolve_selection(backends, strategies, devices, dtypes, cases)
+    settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
+    result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
+    try:
+        for case in sel.cases:
+            case_dtypes = sel.case_dtypes(case)
+            if not case_dtypes:
+                continue
+            oracle = _grad_oracle(case, case_dtypes)
+            for dtype in case_dtypes:
+                if progress:
+                    progress(f"gradients {case.name} {dtype}")
+                runs = [_run_one(b, strategy, device, dtype, oracle) for b, strategy, device in sel.implementations()]
+                result.runs.extend(runs)
+                compared = [run for run in runs if run.compared and run.grads is not None]
+                for i, a in enumerate(compared):
+                    for b in compared[i + 1 :]:
+                        result.pairs.append(_compare_pair(a, b, oracle))
+                for run in runs:
+                    run.grads = None  # keep the numbers, drop the arrays
+    except KeyboardInterrupt:
+        result.interrupted = True
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# -- report ---------------------------------------------------------------------------------
+MARK = {Status.KNOWN_DIFFERENCE: "~", Status.CAUGHT: "*", Status.DISAGREE: "!", Status.MISSED: "?", Status.ERROR: "E"}
+
+
+def _fmt(value: float) -> str:
+    return "inf" if not np.isfinite(value) else ("0" if value == 0 else f"{value:.0e}")
+
+
+def worst_by_dtype(result: GradCheckResult) -> dict[str, dict[str, dict]]:
+    """dtype -> implementation -> worst (tensor, case, max abs, atol, status) against the oracle."""
+    from .agreement import worst_status
+
+    table: dict[str, dict[str, dict]] = {}
+    for run in result.runs:
+        if not run.compared:
+            continue
+        name, error = run.worst()
+        entry = table.setdefault(run.dtype, {}).get(run.label)
+        ratio = error.max_abs / max(error.atol, 1e-300)
+        status = worst_status([run.status] + ([entry["status"]] if entry else []))
+        if entry is None or ratio > entry["ratio"]:
+            entry = {"tensor": name, "case": run.case, "max_abs": error.max_abs, "atol": error.atol, "ratio": ratio}
+        entry["status"] = status
+        table[run.dtype][run.label] = entry
+    return table
+
+
+def grad_report_blocks(result: GradCheckResult) -> list:
+    """One block per dtype: each implementation's worst gradient error against the oracle, and the pairs."""
+    from mha_rosetta.core import DTYPE_NAMES
+
+    from .report import Block
+
+    blocks = []
+    pair_worst: dict[tuple[str, str, str], tuple[float, Status]] = {}
+    for pair in result.pairs:
+        key = (pair.dtype, pair.a.label, pair.b.label)
+        old = pair_worst.get(key, (0.0, Status.AGREE))
+        pair_worst[key] = (max(old[0], pair.max_abs), _severer(old[1], pair.status))
+    for dtype, rows in sorted(worst_by_dtype(result).items(), key=lambda item: DTYPE_NAMES.index(item[0])):
+        labels = list(rows)
+        rule = "half rule: 2x the rounded spec path + 1 ulp" if dtype in ("float16", "bfloat16") else "GRAD_TOLERANCES"
+        block = Block(
+            f"{dtype} gradients: worst over all cases and gradient tensors ({rule})",
+            ["#", "implementation", "oracle abs", "allowed", "tensor", "case"]
+            + [str(i + 1) for i in range(len(labels))],
+        )
+        for i, label in enumerate(labels):
+            entry = rows[label]
+            row = [
+                str(i + 1),
+                label,
+                _fmt(entry["max_abs"]) + MARK.get(entry["status"], ""),
+                _fmt(entry["atol"]),
+                entry["tensor"],
+                entry["case"],
+            ]
+            for j, other in enumerate(labels):
+                if i == j:
+                    row.append("·")
+                    continue
+                found = pair_worst.get((dtype, label, other)) or pair_worst.get((dtype, other, label))
+                row.append("" if found is None or j > i else _fmt(found[0]) + MARK.get(found[1], ""))
+            block.rows.append(row)
+        block.notes.append(
+            "oracle abs: the largest max abs error of any gradient tensor, relative to its allowance; lower triangle: "
+            "max abs difference between two implementations; ~ known difference, * caught (known mistake), "
+            "! DISAGREE, ? MISSED"
+        )
+        blocks.append(block)
+    named = [
+        run
+        for run in result.runs
+        if run.status in (Status.KNOWN_DIFFERENCE, Status.DISAGREE, Status.MISSED, Status.ERROR)
+    ]
+    named += [run for run in result.runs if run.status is Status.CAUGHT and "happen to agree" in run.reason]
+    if named:
+        block = Block(
+            "Gradients: named differences, problems and mistakes caught only at a stage",
+            ["status", "implementation", "case", "dtype", "reason"],
+        )
+        block.rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in named]
+        blocks.append(block)
+    unsupported = sorted(
+        {(r.label, r.reason) for r in result.runs if r.status is Status.UNSUPPORTED and "backward" in r.reason}
+    )
+    if unsupported:
+        block = Block("Gradients: implementations without a backward pass", ["implementation", "reason"])
+        block.rows = [[label, reason] for label, reason in unsupported]
+        blocks.append(block)
+    return blocks
+
+
+def _severer(a: Status, b: Status) -> Status:
+    from .agreement import worst_status
+
+    return worst_status([a, b])
+
+
+def grad_summary_lines(result: GradCheckResult) -> list[str]:
+    from collections import Counter
+
+    runs = Counter(str(run.status) for run in result.runs)
+    pairs = Counter(str(pair.status) for pair in result.pairs)
+    return [
+        f"gradients: {len(result.cases)} case(s), {len(result.runs)} run(s) in {result.seconds:.1f} s",
+        "gradients against the oracle: " + ", ".join(f"{k} {v}" for k, v in sorted(runs.items())),
+        "gradients between implementations: " + ", ".join(f"{k} {v}" for k, v in sorted(pairs.items())),
+        result.verdict() + f" (exit status {result.exit_status})",
+    ]
+
+
+def grad_to_json(result: GradCheckResult) -> dict:
+    """The ``grad`` section of ``mha-rosetta check --grad --json``."""
+
+    def num(value):
+        return value if value is None or np.isfinite(value) else str(value)
+
+    return {
+        "settings": result.settings,
+        "exit_status": result.exit_status,
+        "verdict": result.verdict(),
+        "seconds": result.seconds,
+        "worst_by_dtype": {
+            dtype: {
+                label: {
+                    **entry,
+                    "status": str(entry["status"]),
+                    "max_abs": num(entry["max_abs"]),
+                    "ratio": num(entry["ratio"]),
+                }
+                for label, entry in rows.items()
+            }
+            for dtype, rows in worst_by_dtype(result).items()
+        },
+        "runs": [
+            {
+                "case": run.case,
+                "implementation": run.label,
+                "backend": run.impl.backend,
+                "strategy": run.impl.strategy,
+                "device": run.impl.device,
+                "dtype": run.dtype,
+                "kind": run.kind,
+                "status": str(run.status),
+                "reason": run.reason,
+                "divergent_stage": run.divergent_stage,
+                "tensors": {
+                    name: {"max_abs": num(t.max_abs), "atol": t.atol, "ok": t.ok} for name, t in run.tensors.items()
+                },
+            }
+            for run in result.runs
+        ],
+        "pairs": [
+            {
+                "case": p.case,
+                "a": p.a.label,
+                "b": p.b.label,
+                "dtype": p.dtype,
+                "status": str(p.status),
+                "tensor": p.tensor,
+                "max_abs": num(p.max_abs),
+                "reason": p.reason,
+            }
+            for p in result.pairs
+        ],
+        "skipped_backends": result.skipped_backends,
+        "broken_backends": result.broken_backends,
+    }

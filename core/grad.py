@@ -1,0 +1,272 @@
+"""The float64 backward oracle: the vector-Jacobian product of `reference_mha`, stage by stage.
+
+Given a cotangent ``dO`` of the output (the gradient of some loss with respect to it),
+`reference_mha_vjp` returns the gradient of ``<dO, output>`` with respect to the inputs
+and every parameter. It is written from the formulas, in the order of the backward pass,
+with every backward stage exposed (canonical layout, the forward stage's shape)::
+
+    d_output  = dO                                           (B, Nq, D)
+    d_merged  = d_output @ w_o                              (B, Nq, H*Dv)   dW_o = d_output^T merged, db_o = sum
+    d_context = d_merged split into heads                    (B, H, Nq, Dv)
+    d_weights = d_context @ V_g^T                            (B, H, Nq, Nk)
+    d_v_heads = sum over the group of A_h^T @ d_context      (B, Hkv, Nk, Dv)
+    d_scores  = A * (d_weights - rowsum(d_weights * A))      (B, H, Nq, Nk)  softmax backward
+    d_q_rotated = scale * d_scores @ K_g (K_g, Q_h rotated)  (B, H, Nq, Dk)
+    d_k_rotated = sum over the group of scale * d_scores^T Q_h (B, Hkv, Nk, Dk)
+    d_q_heads, d_k_heads = the rotations undone: R(-angle)   (the same without rope)
+    d_q, d_k, d_v = the heads merged back                    (B, N, H*Dk) ...
+    d_query = d_q @ w_q, dW_q = d_q^T x_q, db_q = sum over batch and tokens (likewise k, v)
+
+Grouped-query attention: kv head ``g`` feeds the ``group_size`` query heads of its group,
+so its gradients are the *sum* over that group (the backward-only bug this catches:
+repeating the kv heads in the forward without summing their gradients).
+
+Rotary embedding (``cfg.rope``): each feature pair is turned by its token's angle, an
+orthogonal map, so its backward is the inverse rotation (the same tables with ``sin`` negated).
+
+Masks need no extra rule: a blocked position has weight 0, so ``A * (...)`` gives it a zero
+score gradient, and a query row with nothing to attend to (all weights 0 by the spec) gets
+zero gradients everywhere upstream of its context (its output still reads ``b_o``).
+
+With ``rounding=dtype`` the same formulas run in float32 with every stage (forward and
+backward) rounded to ``dtype``: "the spec's own float32 path rounded the same way", the
+baseline of the half-precision gradient rule in `core.tolerances`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import MHAConfig
+from .dtypes import check_dtype_name, numpy_dtype
+from .inputs import _as_float_array, prepare_inputs
+from .params import MHAParams
+from .reference import reference_stages, softmax_with_empty_rows
+from .rotary import apply_rotary, rotary_tables
+
+# Backward stages in the order the backward pass produces them, each with the forward
+# stage whose shape (and canonical layout) it has.
+GRAD_STAGES: tuple[tuple[str, str], ...] = (
+    ("d_output", "output"),
+    ("d_merged", "merged"),
+    ("d_context", "context"),
+    ("d_weights", "weights"),
+    ("d_v_heads", "v_heads"),
+    ("d_scores", "scores"),
+    ("d_q_rotated", "q_rotated"),
+    ("d_k_rotated", "k_rotated"),
+    ("d_q_heads", "q_heads"),
+    ("d_k_heads", "k_heads"),
+    ("d_q", "q"),
+    ("d_k", "k"),
+    ("d_v", "v"),
+)
+GRAD_STAGE_NAMES = tuple(name for name, _ in GRAD_STAGES)
+
+# The gradient tensors a backward pass returns, in the order reports list them.
+GRAD_INPUT_NAMES = ("d_query", "d_key", "d_value")
+GRAD_PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+# The default cotangent's seed. Never all-ones: with dO = 1 every output feature gets the
+# same weight, so a permutation of the value (or output) features would go unseen.
+COTANGENT_SEED = 20_241_130
+
+
+@dataclass(frozen=True)
+class MHAGrads:
+    """Gradients of ``<cotangent, output>``.
+
+    ``d_query``, ``d_key``, ``d_value`` have the inputs' shapes (unbatched if the call was);
+    ``d_key`` is None when key was defaulted to query (its gradient is then part of
+    ``d_query``), ``d_value`` None when value was defaulted to key (part of ``d_key``, or of
+    ``d_query`` when both were defaulted). ``d_params`` is an `MHAParams` of gradients in the
+    canonical ``(out, in)`` layout, biases None without bias. ``stages`` holds the backward
+    stages of `GRAD_STAGES` (batched, canonical layout) where the implementation exposes them.
+    """
+
+    d_query: np.ndarray
+    d_key: np.ndarray | None
+    d_value: np.ndarray | None
+    d_params: MHAParams
+    stages: dict[str, np.ndarray]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Every gradient that is present, by name (d_query ... then w_q ... b_o)."""
+        named = {"d_query": self.d_query, "d_key": self.d_key, "d_value": self.d_value, **self.d_params.as_dict()}
+        return {name: value for name, value in named.items() if value is not None}
+
+
+def default_cotangent(shape: tuple[int, ...]) -> np.ndarray:
+    """The fixed random cotangent used when none is given (float64, standard normal)."""
+    return np.random.default_rng(COTANGENT_SEED).standard_normal(shape)
+
+
+def check_cotangent(cotangent, output_shape: tuple[int, ...]) -> np.ndarray:
+    """The cotangent as float64, or a clear error; None gives `default_cotangent`.
+
+    NaN or inf entries are accepted and propagate (see `reference_mha_vjp`).
+    """
+    if cotangent is None:
+        return default_cotangent(output_shape)
+    array = _as_float_array("cotangent", cotangent)
+    if array.shape != tuple(output_shape):
+        raise ValueError(
+            f"cotangent must have the output's shape {tuple(output_shape)} "
+            f"((batch, q_tokens, d_model), or (q_tokens, d_model) unbatched), got shape {array.shape}"
+        )
+    return array.astype(np.float64)
+
+
+def fold_defaulted_inputs(d_query, d_key, d_value, key_given: bool, value_given: bool):
+    """Gradients of three separate inputs -> the caller's view, where defaulted inputs alias.
+
+    value defaults to key and key to query, so a defaulted input's gradient is added to
+    the input it stood for and reported as None.
+    """
+    if not value_given:
+        d_key, d_value = d_key + d_value, None
+    if not key_given:
+        d_query, d_key = d_query + d_key, None
+    return d_query, d_key, d_value
+
+
+def output_shape(cfg: MHAConfig, query) -> tuple[int, ...]:
+    """The shape of the output (and so of the cotangent) for ``query``."""
+    return (*np.shape(query)[:-1], cfg.d_model)
+
+
+def _rounder(rounding):
+    """(compute dtype, round-to-storage function) for ``rounding`` (None: float64, exact)."""
+    if rounding is None:
+        return np.float64, lambda a: a
+    storage = numpy_dtype(check_dtype_name(rounding))
+
+    def rounded(array):
+        return np.asarray(array).astype(storage).astype(np.float32)
+
+    return np.float32, rounded
+
+
+def reference_mha_vjp(
+    cfg: MHAConfig,
+    params: MHAParams,
+    query,
+    key=None,
+    value=None,
+    mask=None,
+    cotangent=None,
+    *,
+    positions=None,
+    kv_positions=None,
+    rounding: str | None = None,
+) -> MHAGrads:
+    """The float64 backward oracle; see the module docstring for the formulas.
+
+    ``cotangent`` has the output's shape (default: `default_cotangent`). A NaN (or inf) in
+    it is not an error: it propagates, like any other number, to every gradient entry that
+    sums over it: the whole ``w_o`` row and ``b_o`` entry of its feature, the inputs of its
+    batch item that its query attends to, and through them every weight gradient.
+    """
+    inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
+    d_out = check_cotangent(cotangent, output_shape(cfg, query))
+    compute, r = _rounder(rounding)
+    tables = rotary_tables(cfg, inputs)
+    if rounding is None:
+        fwd = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
+        p = {name: None if a is None else a.astype(np.float64) for name, a in params.as_dict().items()}
+        x_q, x_k, x_v = (a.astype(np.float64) for a in (inputs.query, inputs.key, inputs.value))
+    else:
+        p = {name: None if a is None else r(a) for name, a in params.as_dict().items()}
+        x_q, x_k, x_v = (r(a) for a in (inputs.query, inputs.key, inputs.value))
+        fwd = _rounded_forward(cfg, p, x_q, x_k, x_v, inputs, tables, r)
+    d_out = r(d_out if inputs.batched else d_out[None]).astype(compute)  # (B, Nq, D)
+
+    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    stages: dict[str, np.ndarray] = {"d_output": d_out}
+
+    # Output projection: out = merged @ w_o.T + b_o.
+    d_w_o = r(np.einsum("bno,bni->oi", d_out, fwd["merged"]))  # (D, H*Dv): dY^T X over every token
+    d_b_o = None if p["b_o"] is None else r(d_out.sum(axis=(0, 1)))  # (D,)
+    d_merged = stages["d_merged"] = r(d_out @ p["w_o"])  # (B, Nq, H*Dv)
+
+    # Merge heads: head h owns columns h*Dv:(h+1)*Dv.
+    d_context = stages["d_context"] = np.stack(
+        [d_merged[:, :, h * Dv : (h + 1) * Dv] for h in range(H)], axis=1
+    )  # (B, H, Nq, Dv)
+
+    # The scores read the rotated queries and keys (the heads themselves without rope).
+    weights, q_heads, k_heads, v_heads = fwd["weights"], fwd["q_rotated"], fwd["k_rotated"], fwd["v_heads"]
+    d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
+    d_scores = np.empty_like(d_weights)
+    d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)
+    d_k_heads = np.zeros((B, Hkv, Nk, Dk), dtype=compute)
+    d_v_heads = np.zeros((B, Hkv, Nk, Dv), dtype=compute)
+    for h in range(H):
+        g = cfg.kv_head_of(h)
+        a = weights[:, h]  # (B, Nq, Nk)
+        d_weights[:, h] = r(d_context[:, h] @ np.swapaxes(v_heads[:, g], -1, -2))  # (B, Nq, Nk)
+        # Every query head of group g read V_g and K_g: their gradients add up.
+        d_v_heads[:, g] += np.swapaxes(a, -1, -2) @ d_context[:, h]  # (B, Nk, Dv)
+        # Softmax backward: dS = A * (dA - sum_j dA_j A_j). Blocked keys and empty rows have A = 0.
+        d_scores[:, h] = r(a * (d_weights[:, h] - np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)))
+        d_q_heads[:, h] = r(cfg.scale * (d_scores[:, h] @ k_heads[:, g]))  # (B, Nq, Dk)
+        d_k_heads[:, g] += cfg.scale * (np.swapaxes(d_scores[:, h], -1, -2) @ q_heads[:, h])  # (B, Nk, Dk)
+    stages["d_weights"] = d_weights
+    stages["d_v_heads"] = d_v_heads = r(d_v_heads)
+    stages["d_scores"] = d_scores
+    stages["d_q_rotated"] = d_q_heads
+    stages["d_k_rotated"] = d_k_heads = r(d_k_heads)
+    if tables is not None:  # undo the rotation: turn each pair back by its angle
+        d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], cfg.rope))
+        d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], cfg.rope))
+    stages["d_q_heads"] = d_q_heads
+    stages["d_k_heads"] = d_k_heads
+
+    # Split heads backward: put each head's block back into its columns.
+    d_q = stages["d_q"] = np.concatenate([d_q_heads[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dk)
+    d_k = stages["d_k"] = np.concatenate([d_k_heads[:, g] for g in range(Hkv)], axis=-1)  # (B, Nk, Hkv*Dk)
+    d_v = stages["d_v"] = np.concatenate([d_v_heads[:, g] for g in range(Hkv)], axis=-1)  # (B, Nk, Hkv*Dv)
+    assert tuple(stages) == GRAD_STAGE_NAMES  # GRAD_STAGES is the contract
+
+    def linear_backward(d_y, x, w, b):
+        """y = x @ w.T + b: dX = dY @ w, dW = dY^T X summed over tokens and batch, db = dY summed."""
+        return r(d_y @ w), r(np.einsum("bno,bni->oi", d_y, x)), None if b is None else r(d_y.sum(axis=(0, 1)))
+
+    d_xq, d_w_q, d_b_q = linear_backward(d_q, x_q, p["w_q"], p["b_q"])
+    d_xk, d_w_k, d_b_k = linear_backward(d_k, x_k, p["w_k"], p["b_k"])
+    d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
+    d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)
+    d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o)
+    return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), d_params, stages)
+
+
+def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, tables, r) -> dict[str, np.ndarray]:
+    """The forward stages the backward needs, in float32 with every stage rounded by ``r``."""
+    from .inputs import allowed_positions
+
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+
+    def linear(x, w, b):
+        return r(x @ w.T if b is None else x @ w.T + b)
+
+    q, k, v = linear(x_q, p["w_q"], p["b_q"]), linear(x_k, p["w_k"], p["b_k"]), linear(x_v, p["w_v"], p["b_v"])
+    q_heads = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk), view
+    k_heads = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk), view
+    v_heads = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv), view
+    q_rotated, k_rotated = q_heads, k_heads
+    if tables is not None:
+        q_rotated = r(apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], cfg.rope))
+        k_rotated = r(apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], cfg.rope))
+    allowed = allowed_positions(cfg, inputs)
+    group = np.arange(H) // cfg.group_size  # kv head of every query head
+    scores = r(cfg.scale * (q_rotated @ np.swapaxes(k_rotated[:, group], -1, -2)))  # (B, H, Nq, Nk)
+    masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
+    weights = r(softmax_with_empty_rows(masked))  # (B, H, Nq, Nk)
+    context = r(weights @ v_heads[:, group])  # (B, H, Nq, Dv)
+    merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
+    stages = {"q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads, "weights": weights, "merged": merged}
+    return {**stages, "q_rotated": q_rotated, "k_rotated": k_rotated}

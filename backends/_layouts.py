@@ -43,3 +43,25 @@ HEADS_FIRST_SPLIT_AXES = {
     "q_rotated": ("B", "H", "Nq", "Dk"),
     "k_rotated": ("B", "Hkv", "Nk", "Dk"),
 }
+
+# Where each stage of an XLA pass comes from, as `StageTensor` (relation, parent). JAX
+# arrays are immutable values whose buffers XLA places, so a layout-only step (a reshape)
+# counts as a copy of its parent; a computation is "new".
+XLA_PROVENANCE = {
+    "q_heads": ("copy", "q"),
+    "k_heads": ("copy", "k"),
+    "v_heads": ("copy", "v"),
+    "q_rotated": ("new", "q_heads"),
+    "k_rotated": ("new", "k_heads"),
+    "masked_scores": ("new", "scores"),
+    "weights": ("new", "masked_scores"),
+    "merged": ("copy", "context"),
+}
+
+
+def xla_provenance(name: str, rope: str | None) -> tuple[str, str | None]:
+    """(relation, parent) of stage ``name`` of an XLA pass; without rope the rotated stages are the heads."""
+    relation, parent = XLA_PROVENANCE.get(name, ("new", None))
+    if rope is None and name in ("q_rotated", "k_rotated"):
+        relation = "view"
+    return relation, parent

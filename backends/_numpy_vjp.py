@@ -35,6 +35,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from ._numpy_ops import apply_mask_inplace, softmax_inplace
+from ._recording import relation_to
 from .base import PreparedVJP, StageTensor, tensor_to_numpy
 from .numpy_backend import _split_direct, rotate_rows  # the forward's own mistake and rotation
 
@@ -186,10 +187,12 @@ class ColumnSampleVJP:
         d_v = split_back(d_v_heads)  # (B, Hkv*Dv, Nk)
         grads = self._input_grads(d_q, d_k, d_v, {"w_o": d_w_o, "b_o": d_b_o})
         grads["output"] = output
+        d_context = d_context.reshape(B, H, Dv, Nq)  # (B, H, Dv, Nq)
+        # Provenance as in the forward stages: the split and merge adjoints are reshapes (measured view or copy).
         grads["stages"] = {
             "d_output": StageTensor(self.d_out, ("B", "D", "Nq")),
             "d_merged": StageTensor(d_merged, ("B", "H*Dv", "Nq")),
-            "d_context": StageTensor(d_context.reshape(B, H, Dv, Nq), ("B", "H", "Dv", "Nq")),
+            "d_context": StageTensor(d_context, ("B", "H", "Dv", "Nq"), "", relation_to(d_context, d_merged), "d_merged"),
             "d_weights": StageTensor(inner["d_weights"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
             "d_v_heads": StageTensor(d_v_heads, ("B", "Hkv", "Dv", "Nk")),
             "d_scores": StageTensor(inner["d_scores"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
@@ -197,9 +200,9 @@ class ColumnSampleVJP:
             "d_k_rotated": StageTensor(d_k_rotated, ("B", "Hkv", "Dk", "Nk")),
             "d_q_heads": StageTensor(d_q_heads, ("B", "H", "Dk", "Nq")),
             "d_k_heads": StageTensor(d_k_heads, ("B", "Hkv", "Dk", "Nk")),
-            "d_q": StageTensor(d_q, ("B", "H*Dk", "Nq")),
-            "d_k": StageTensor(d_k, ("B", "Hkv*Dk", "Nk")),
-            "d_v": StageTensor(d_v, ("B", "Hkv*Dv", "Nk")),
+            "d_q": StageTensor(d_q, ("B", "H*Dk", "Nq"), "", relation_to(d_q, d_q_heads), "d_q_heads"),
+            "d_k": StageTensor(d_k, ("B", "Hkv*Dk", "Nk"), "", relation_to(d_k, d_k_heads), "d_k_heads"),
+            "d_v": StageTensor(d_v, ("B", "Hkv*Dv", "Nk"), "", relation_to(d_v, d_v_heads), "d_v_heads"),
         }
         return grads
 

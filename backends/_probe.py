@@ -19,6 +19,8 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
+from mha_rosetta.core.errors import error_line
+
 # What to do about a library that is installed but does not import, where it is known.
 REMEDIES = {
     "keras": (
@@ -60,8 +62,7 @@ def probe(module: str) -> Probe:
             return Probe(module, installed=False)
         importlib.import_module(module)
     except Exception as error:  # any error: a library that cannot import is unusable, whatever the cause
-        message = str(error).splitlines()[0] if str(error) else ""
-        return Probe(module, installed=True, error=f"{type(error).__name__}: {message}")
+        return Probe(module, installed=True, error=error_line(error))
     return Probe(module, installed=True)
 
 

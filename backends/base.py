@@ -42,7 +42,7 @@ from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
 
-# The seed's head-split strategies. "direct_reshape" is the known mistake
+# The column/row-sample article's head-split strategies. "direct_reshape" is the known mistake
 # (reshape (N, D) straight to (H, N, Dk)); it is kept to prove that the checks catch it.
 STANDARD = "standard"
 PER_HEAD = "per_head"
@@ -66,6 +66,9 @@ def check_device_name(device: object) -> str:
     return DEVICE_ALIASES[device.lower()]
 
 
+RELATIONS = ("view", "copy", "new")
+
+
 @dataclass
 class StageTensor:
     """One stage tensor as an adapter holds it, with the meaning of each axis.
@@ -77,7 +80,19 @@ class StageTensor:
 
     value: object  # a NumPy array, torch tensor or JAX array
     axes: tuple[str, ...]
-    note: str = ""  # e.g. "view of q" or "copy (contiguous)", for the explainer
+    note: str = ""  # how the step made it, in words, for the explainer (e.g. "view(B, N, H, d).transpose(1, 2)")
+    # Provenance, filled where the tensor is made: "view" (the live tensor used ``parent``'s
+    # memory: a reshape, a slice, an in-place step), "copy" (``parent``'s numbers moved to
+    # fresh memory) or "new" (a computation wrote fresh memory; ``parent`` is the stage it
+    # was computed from, or None when it has several inputs).
+    relation: str = "new"
+    parent: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.relation not in RELATIONS:
+            raise ValueError(f"relation must be one of {', '.join(RELATIONS)}; got {self.relation!r}")
+        if self.relation != "new" and self.parent is None:
+            raise ValueError(f"a {self.relation} needs the stage it was made from (parent); got None")
 
 
 @dataclass
@@ -97,6 +112,12 @@ class Prepared:
     synchronize: Callable[[object], None] = lambda result: None
     compile: Callable[[], None] | None = None
     info: dict = field(default_factory=dict)  # e.g. {"tf32": False, "matmul_precision": "highest"}
+
+    def output(self) -> np.ndarray:
+        """One forward pass, waited for and converted: the batched NumPy output (B, Nq, D)."""
+        result = self.forward()
+        self.synchronize(result)
+        return self.to_numpy(result)
 
 
 @dataclass
@@ -274,9 +295,7 @@ class Backend:
             kv_positions=kv_positions,
             chunk=chunk,
         )
-        result = prepared.forward()
-        prepared.synchronize(result)
-        output = inputs.unbatch(prepared.to_numpy(result))
+        output = inputs.unbatch(prepared.output())
         if not (return_weights or return_stages):
             return output
         stages = self.canonical_stages(prepared)

@@ -59,12 +59,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
 
 from ._inputs import convert_inputs
 from ._jax_common import allows_tf32, check_matmul_precision
 from ._layouts import TOKENS_FIRST_STAGE_AXES
-from ._recording import shares_memory, view_note
+from ._numpy_ops import NumpyPrecision, softmax_inplace
+from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 
 
@@ -203,28 +204,28 @@ def _numpy_subscripts(pattern: str) -> str:
 
 
 class NumpyOps:
-    """NumPy arrays: in-place updates, np.einsum with an explicit path, bfloat16 via float32."""
+    """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
+
+    Half types are stored as such and computed in float32 (`_numpy_ops.NumpyPrecision`):
+    ml_dtypes' bfloat16 has no einsum loops and float16 has no BLAS.
+    """
 
     library = "numpy"
     works_in_place = True
     has_buffers = True  # view or copy is measurable (np.shares_memory)
 
     def __init__(self, dtype: str, device: str) -> None:
-        self.dtype = numpy_dtype(dtype)
-        # ml_dtypes' bfloat16 has elementwise ufuncs but no einsum loops.
-        self.upcast = dtype == "bfloat16"
+        self.precision = NumpyPrecision.for_dtype(dtype)
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
         if array is None:
             return None
-        return np.ascontiguousarray(array.astype(self.dtype) if cast else array)
+        return self.precision.round_to_storage(array) if cast else np.ascontiguousarray(array)
 
     def einsum(self, pattern: str, a, b):
-        subscripts = _numpy_subscripts(pattern)
-        if self.upcast:
-            result = np.einsum(subscripts, a.astype(np.float32), b.astype(np.float32), optimize=NUMPY_TWO_OPERAND_PATH)
-            return result.astype(self.dtype)
-        return np.einsum(subscripts, a, b, optimize=NUMPY_TWO_OPERAND_PATH)
+        P = self.precision
+        result = np.einsum(_numpy_subscripts(pattern), P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
+        return P.store(result)
 
     def add_bias(self, y, bias):
         y += bias  # in place: the einsum result is ours to change
@@ -238,21 +239,9 @@ class NumpyOps:
         return scores
 
     def softmax(self, scores, empty_rows):
-        """In place over the last axis; rows with no allowed key become zeros (spec), without NaN."""
-        work = scores.astype(np.float32) if self.upcast else scores
-        row_max = work.max(axis=-1, keepdims=True)
-        if empty_rows is not None:
-            # Shift an all -inf row by 0 so that exp() gives 0 there instead of NaN.
-            np.copyto(row_max, 0, where=np.isneginf(row_max))
-        work -= row_max
-        np.exp(work, out=work)
-        total = work.sum(axis=-1, keepdims=True)
-        if empty_rows is not None:
-            # A row with an allowed key has exp(0) = 1 at its maximum, so total >= 1 there;
-            # an empty row has total 0 and stays 0 / 1 = 0.
-            np.maximum(total, 1, out=total)
-        work /= total
-        return work.astype(self.dtype) if self.upcast else work
+        """In place over the last axis (unless half precision); rows with no allowed key become zeros (spec)."""
+        P = self.precision
+        return P.store(softmax_inplace(P.operand(scores), empty_rows, axis=-1))
 
     def snapshot(self, x):
         return x.copy()
@@ -272,23 +261,15 @@ class TorchOps:
         import torch
 
         self.torch = torch
-        self.dtype_name = dtype
+        self.dtype_name, self.device_name = dtype, device
         self.dtype = getattr(torch, dtype)
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
-        if array is None:
-            return None
-        torch = self.torch
-        if not cast:
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-        rounded = np.ascontiguousarray(array.astype(numpy_dtype(self.dtype_name)))
-        if self.dtype_name == "bfloat16":
-            # torch cannot read ml_dtypes arrays; reuse the same 16 bits (rounded once, by NumPy).
-            tensor = torch.from_numpy(rounded.view(np.uint16)).view(torch.bfloat16)
-        else:
-            tensor = torch.from_numpy(rounded)
-        return tensor.to(self.device)
+        from ._torch_common import bool_tensor, optional_tensor
+
+        # cast=False: the masks, booleans as they are
+        return optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
 
     def einsum(self, pattern: str, a, b):
         import einops
@@ -514,58 +495,58 @@ _STAGE_ORIGINS = {
 _IN_PLACE_STEPS = {"masked_scores": "scores", "weights": "masked_scores"}
 
 
-def _rearranged(ops, result, source, source_name: str, pattern: str) -> str:
-    """The note of a stage made by a rearrange: "view of X: rearrange '...'" or "copy of X: ...", measured.
+def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
+    """(note, relation) of a tensor made by a rearrange of ``source``: a view or a copy, measured.
 
-    JAX arrays have no buffers to compare; XLA places them.
+    JAX arrays have no buffers to compare (XLA places them): an immutable value made from
+    another is counted a copy.
     """
     how = f"rearrange '{pattern}'"
     if not ops.has_buffers:
-        return f"{how} of {source_name}; {_XLA}"
-    return view_note(result, source, source_name, how)
+        return f"{how}; {_XLA}", "copy"
+    return how, relation_to(result, source)
 
 
-def _rotary_origin(rope: str | None, name: str) -> str:
-    if rope is None:
-        return f"view of {name[0]}_heads: no rotary embedding (cfg.rope is None), the heads themselves"
-    return f"new buffer: rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack"
+def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, str, str | None]:
+    """(note, relation, parent) of a pipeline stage but merged, as the forward pass made it."""
+    if name in ("q_rotated", "k_rotated"):
+        heads = f"{name[0]}_heads"
+        if rope is None:
+            return NO_ROPE_NOTE, "view", heads
+        return f"rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack", "new", heads
+    origin = _STAGE_ORIGINS.get(name, "")
+    if name in _IN_PLACE_STEPS:
+        parent = _IN_PLACE_STEPS[name]
+        if "buffers" in record and shares_memory(record["buffers"][name], record["buffers"][parent]):
+            return f"{origin}, in place", "view", parent
+        return origin, "new", parent
+    return origin, "new", None
 
 
 def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) -> dict[str, StageTensor]:
-    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them.
-
-    Notes follow the adapters' pattern, "view of X: how" or "copy of X: why" where a
-    stage is made from another tensor's memory, so the explainer's memory column reads
-    them; a step that writes a fresh buffer says "new buffer: how".
-    """
+    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them."""
     import einops
 
     stages = {}
     for name, (source, pattern) in plan.stage_views.items():
         tensor = record[source]
-        notes = []
-        origin = _rotary_origin(rope, name) if name in ("q_rotated", "k_rotated") else _STAGE_ORIGINS.get(name)
-        if name in _IN_PLACE_STEPS and "buffers" in record:
-            live, parent = record["buffers"], _IN_PLACE_STEPS[name]
-            in_place = shares_memory(live[name], live[parent])
-            origin = f"view of {parent}: {origin}, in place" if in_place else f"new buffer: {origin}"
-        if origin:
-            notes.append(origin)  # first: the explainer reads the stage's own relation from the start
-        if pattern is not None:
-            tensor = einops.rearrange(tensor, pattern)
-            notes.append(_rearranged(ops, tensor, record[source], f"the einsum's {source}", pattern))
         if name == "merged":
-            relation = _XLA
-            if ops.has_buffers:
-                relation = ("view" if shares_memory(record["merged"], record["context"]) else "copy") + " of context"
-            notes.append(f"rearrange '{plan.merge}': {relation}")
+            note, relation = _rearranged(ops, record["merged"], record["context"], plan.merge)
+            notes, parent = [note], "context"
+        else:
+            origin, relation, parent = _provenance(ops, name, record, rope)
+            notes = [origin] if origin else []
+        if pattern is not None:  # the einsum's layout shown in the contract's axes, for inspection
+            tensor = einops.rearrange(tensor, pattern)
+            notes.append(f"shown as rearrange '{pattern}' of the einsum's {source}")
         if ops.works_in_place and name in ("scores", "masked_scores"):
             notes.append("snapshot: the timed pass updates this buffer in place")
-        stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes))
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes), relation, parent)
     for name, (heads, pattern) in MERGED_PROJECTIONS.items():
         source = stages[heads].value
         tensor = einops.rearrange(source, pattern)  # (B, N, heads*d)
-        stages[name] = StageTensor(tensor, STAGE_AXES[name], _rearranged(ops, tensor, source, heads, pattern))
+        note, relation = _rearranged(ops, tensor, source, pattern)
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], note, relation, heads)
     return {name: stages[name] for name in STAGE_AXES}  # pipeline order
 
 
@@ -671,14 +652,11 @@ class EinopsBackend(Backend):
         info: dict = {"array_library": self.array_library}
         if self.array_library == "numpy":
             info["einsum"] = "np.einsum with an explicit two-operand path (batched matmul), not einops.einsum"
-            if dtype == "bfloat16":
-                info["bfloat16"] = (
-                    "each einsum and the softmax run in float32 on upcast operands, results rounded back to bfloat16"
-                )
+            info.update(NumpyPrecision.for_dtype(dtype).info())
         elif self.array_library == "jax":
             from ._jax_common import precision_info
 
-            info.update(precision_info(dtype, device, self.matmul_precision))
+            info.update(precision_info(device, dtype, self.matmul_precision))
         elif device == "gpu":
             from ._torch_common import precision_info
 

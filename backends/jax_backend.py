@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._jax_common import (
@@ -48,7 +48,7 @@ from ._jax_common import (
     softmax_with_empty_rows,
     to_jax,
 )
-from ._layouts import TOKENS_FIRST_STAGE_AXES
+from ._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
 from .base import STANDARD, Backend, Prepared, StageTensor
 
 # The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
@@ -74,11 +74,6 @@ STAGE_NOTES = {
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {_XLA}",
 }
 
-
-def _linear(x, weight, bias):
-    """Row samples through a canonical (out, in) weight: ``x @ W.T + b``."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
 
 
 def _attend_one_head(q, k, v, allowed, *, scale: float):
@@ -147,9 +142,9 @@ def _mha_one_item(
     """
     n_q, n_k = x_q.shape[0], x_k.shape[0]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-    q = _linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
-    k = _linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
-    v = _linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
+    q = linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
+    k = linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
     q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
     k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
     v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
@@ -159,7 +154,7 @@ def _mha_one_item(
     attend = _attend_all_heads if attend is None else attend
     heads = attend(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
-    output = _linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
+    output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
     return {
         "q": q,
         "k": k,
@@ -272,9 +267,12 @@ class JaxBackend(Backend):
             if cfg.rope is None:
                 for name in ("q", "k"):
                     notes[f"{name}_rotated"] = f"{name}_heads itself: no rotary embedding (cfg.rope is None); {_XLA}"
-            return {name: StageTensor(stages[name], axes, notes.get(name, _XLA)) for name, axes in stage_axes.items()}
+            return {
+                name: StageTensor(stages[name], axes, notes.get(name, _XLA), *xla_provenance(name, cfg.rope))
+                for name, axes in stage_axes.items()
+            }
 
-        info.update(precision_info(dtype, device, self.matmul_precision))
+        info.update(precision_info(device, dtype, self.matmul_precision))
         info["head_vmap"] = (
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )

@@ -23,7 +23,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, to_equinox_weights, to_flax_params
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    linear,
+    numpy_dtype,
+    to_equinox_weights,
+    to_flax_params,
+)
 
 from ._jax_common import (
     CompiledForward,
@@ -40,7 +48,7 @@ from ._jax_common import (
     rotate_last_axis,
     to_jax,
 )
-from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
+from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
 from .base import Backend, Prepared, StageTensor, UnsupportedCase
 
 _XLA = "XLA-managed layout"
@@ -49,11 +57,6 @@ _XLA = "XLA-managed layout"
 def _scale_is_default(cfg: MHAConfig) -> bool:
     return math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k), rel_tol=1e-12)
 
-
-def _linear(x, weight, bias):
-    """Row samples through a canonical (out, in) weight: ``x @ W.T + b``."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
 
 
 class _JaxOracle(Backend):
@@ -73,7 +76,7 @@ class _JaxOracle(Backend):
         return jax_devices()
 
     def _info(self, dtype: str, device: str, **extra) -> dict:
-        info = precision_info(dtype, device, self.matmul_precision)
+        info = precision_info(device, dtype, self.matmul_precision)
         info["known_differences"] = list(self.known_differences)
         info.update(extra)
         return info
@@ -163,9 +166,9 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
     import jax.numpy as jnp
 
     batch, n_q, n_k = x_q.shape[0], x_q.shape[1], x_k.shape[1]
-    q = _linear(x_q, params["w_q"], params["b_q"])  # (B, Nq, H*Dk)
-    k = _linear(x_k, params["w_k"], params["b_k"])  # (B, Nk, Hkv*Dk)
-    v = _linear(x_v, params["w_v"], params["b_v"])  # (B, Nk, Hkv*Dv)
+    q = linear(x_q, params["w_q"], params["b_q"])  # (B, Nq, H*Dk)
+    k = linear(x_k, params["w_k"], params["b_k"])  # (B, Nk, Hkv*Dk)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (B, Nk, Hkv*Dv)
     q_heads = q.reshape(batch, n_q, cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk): "BTNH"
     k_heads = k.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk): fewer heads = GQA
     v_heads = v.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv)
@@ -180,7 +183,7 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
     if empty_context_rows is not None:
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
     merged = context.reshape(batch, n_q, cfg.context_width)  # (B, Nq, H*Dv)
-    output = _linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
+    output = linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
     return {
         "q": q,
         "k": k,
@@ -267,7 +270,10 @@ class JaxDotProductAttentionOracle(_JaxOracle):
                 "context": "dot_product_attention's output, BTNH"
                 + ("; rows with no allowed key zeroed (library: mean of V)" if empty_context_rows is not None else ""),
             }
-            return {name: StageTensor(stages[name], axes, note.get(name, _XLA)) for name, axes in _DPA_AXES.items()}
+            return {
+                name: StageTensor(stages[name], axes, note.get(name, _XLA), *xla_provenance(name, cfg.rope))
+                for name, axes in _DPA_AXES.items()
+            }
 
         # Counted as (batch item, head, query) rows whose context was zeroed.
         full = (inputs.batch, cfg.n_heads, inputs.q_tokens)

@@ -1,6 +1,6 @@
 """The NumPy adapter: multi-head attention in column samples, ``Y = W @ X + b``.
 
-Convention A of the seed. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
+Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
 every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
 ``Y = W @ X``, so each row of ``W`` is a scorer that reads one column (token) and writes
 one output feature. The batch is a leading axis, ``(B, features, tokens)``.
@@ -26,8 +26,8 @@ What follows from that layout, and what this adapter shows:
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
 
-Strategies (the seed's variants): STANDARD (merged projections, reshape split);
-PER_HEAD (one ``(Dk, D)`` matrix per head, the seed's ``W_h`` transposed for columns, in
+Strategies (the column/row-sample article's variants): STANDARD (merged projections, reshape split);
+PER_HEAD (one ``(Dk, D)`` matrix per head, the column/row-sample article's ``W_h`` transposed for columns, in
 a loop over heads); SLICING (merged projections, then one head at a time by slicing row
 blocks); DIRECT_RESHAPE (the known mistake: it treats the data as row samples and
 reshapes ``(N, H*Dk)`` straight to ``(H, N, Dk)``, so each head sees a slice of the tokens
@@ -62,7 +62,7 @@ from ._recording import (
     record_split_heads,
     record_stage,
     record_stages,
-    view_note,
+    relation_to,
 )
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
@@ -165,7 +165,7 @@ class ColumnSampleMHA:
         self.w_q, self.w_k, self.w_v, self.w_o = (weight(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         self.b_q, self.b_k, self.b_v, self.b_o = (bias(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
 
-        # PER_HEAD: the seed's W_h (D, Dk) per head, transposed once to (Dk, D) for W_h^T @ X.
+        # PER_HEAD: the column/row-sample article's W_h (D, Dk) per head, transposed once to (Dk, D) for W_h^T @ X.
         def per_head(w, n_heads):
             return np.ascontiguousarray(split_head_matrices(w, n_heads).transpose(0, 2, 1))  # (heads, d, in)
 
@@ -209,9 +209,9 @@ class ColumnSampleMHA:
 
     @staticmethod
     def _record_projections(
-        rec: StageRecorder, q, k, v, note: str = "W @ X + b: rows are features, columns are tokens"
+        rec: StageRecorder, q, k, v, note: str = "W @ X + b: rows are features, columns are tokens", *provenance
     ) -> None:
-        record_projections(rec, (q, k, v), COLUMN_SAMPLE_AXES, note)
+        record_projections(rec, (q, k, v), COLUMN_SAMPLE_AXES, note, *provenance)
 
     def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
         self._record_projections(rec, *projections)
@@ -256,9 +256,8 @@ class ColumnSampleMHA:
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:
-            rec.record(
-                "merged", merged, ("B", "H*Dv", "Nq"), view_note(merged, context, "context", "reshape, no transpose")
-            )
+            relation = relation_to(merged, context)
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "reshape, no transpose", relation, "context")
         return self._finish(merged, rec)
 
     def direct_reshape(self, rec: StageRecorder | None = None) -> np.ndarray:
@@ -281,7 +280,7 @@ class ColumnSampleMHA:
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
         merged = rows.transpose(0, 2, 1)  # (B, H*Dv, Nq), view
         if rec is not None:
-            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "copy of context: the direct-reshape mistake undone")
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "the direct-reshape mistake undone", "copy", "context")
         return self._finish(merged, rec)
 
     def _attend_batched(self, q_heads, k_heads, v_heads, rec) -> np.ndarray:
@@ -316,23 +315,17 @@ class ColumnSampleMHA:
             return softmax_blocks_inplace(scores, mask)
         self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
         apply_mask_inplace(scores, mask)
-        self._record(rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place")
+        self._record(rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", "scores")
         weights = P.operand(scores)
         softmax_inplace(weights, None if mask is None else mask.empty_rows, axis=-2)
         weights = P.store(weights)
-        self._record(
-            rec,
-            "weights",
-            head,
-            weights,
-            axes,
-            "softmax over keys (each query's column), in place; empty columns are zeros",
-        )
+        note = "softmax over keys (each query's column), in place; empty columns are zeros"
+        self._record(rec, "weights", head, weights, axes, note, relation_to(weights, scores, "new"), "masked_scores")
         return weights
 
     @staticmethod
-    def _record(rec: StageRecorder | None, name: str, head: int | None, value, axes, note: str) -> None:
-        record_stage(rec, name, head, value, axes, note, np.stack)
+    def _record(rec, name: str, head: int | None, value, axes, note: str, relation="new", parent=None) -> None:
+        record_stage(rec, name, head, value, axes, note, np.stack, relation, parent)
 
     # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
     def _attend_one_head(self, h: int, q_h, k_g, v_g, rec) -> np.ndarray:
@@ -346,8 +339,9 @@ class ColumnSampleMHA:
         self._record(rec, "context", h, context, ("B", "Dv", "Nq"), "V_g @ A_h")
         return context
 
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
-        record_head_inputs(rec, h, self.cfg.kv_head_of(h), (q_h, k_g, v_g), HEAD_SLICE_AXES, note, np.stack)
+    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
+        g = self.cfg.kv_head_of(h)
+        record_head_inputs(rec, h, g, (q_h, k_g, v_g), HEAD_SLICE_AXES, note, np.stack, relation)
 
     def slicing(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
@@ -366,11 +360,12 @@ class ColumnSampleMHA:
             v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
             if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "row-block slice of the merged projection, a view")
+                self._record_head_inputs(rec, h, q_h, k_g, v_g, "row-block slice of the merged projection", "view")
                 self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
             merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec)
         if rec is not None:
-            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "each head's context written into its row block")
+            note = "each head's context written into its row block"
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), note, "copy", "context")
         return self._finish(merged, rec)
 
     def per_head(self, rec: StageRecorder | None = None) -> np.ndarray:
@@ -397,8 +392,9 @@ class ColumnSampleMHA:
         if rec is not None:
             note = "the per-head projections stacked as row blocks, for inspection (the strategy never builds it)"
             cat = np.concatenate
-            self._record_projections(rec, cat(q_heads, axis=1), cat(k_heads, axis=1), cat(v_heads, axis=1), note)
-            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts, a copy")
+            projections = cat(q_heads, axis=1), cat(k_heads, axis=1), cat(v_heads, axis=1)
+            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 
 

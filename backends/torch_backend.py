@@ -1,6 +1,6 @@
 """The PyTorch adapter: multi-head attention in row samples, the way ``nn.Linear`` code does it.
 
-Convention B of the seed, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
+Convention B of the column/row-sample article, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
 Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
 ``nn.Linear.weight`` layout ``(out, in)`` and a projection is ``F.linear(x, W, b)``,
 that is ``x @ W.T + b``: the *columns* of ``W.T`` are the scorers. Heads are split with
@@ -13,7 +13,7 @@ are folded into the token axis, ``(B, H, Nq, Dk) -> (B*Hkv, G*Nq, Dk)``, so one 
 product per kv head serves the whole group. That reshape copies the queries, the same copy
 a batched product of the strided head view needs anyway; with G = 1 it is plain MHA.
 
-Strategies: STANDARD (merged projection, view + transpose); PER_HEAD (the seed's own
+Strategies: STANDARD (merged projection, view + transpose); PER_HEAD (the column/row-sample article's own
 matrices ``W_h`` (D, Dk) per head, ``Q_h = X @ W_h``, in a loop); SLICING (merged projection,
 then column slices ``q[:, :, h*Dk:(h+1)*Dk]`` one head at a time); DIRECT_RESHAPE (the
 known mistake: ``q.view(B, H, N, Dk)`` without the transpose).
@@ -40,7 +40,7 @@ from ._recording import (
     record_split_heads,
     record_stage,
     record_stages,
-    view_note,
+    relation_to,
 )
 from ._torch_common import (
     bool_tensor,
@@ -158,7 +158,7 @@ class RowSampleMHA:
         # nn.Linear layout (out, in), used as is by F.linear.
         self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         self.b_q, self.b_k, self.b_v, self.b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
-        # PER_HEAD: the seed's W_h (D, Dk) per head, Q_h = X @ W_h (row samples: columns are scorers).
+        # PER_HEAD: the article's W_h (D, Dk) per head, Q_h = X @ W_h (row samples: columns are scorers).
         self.w_q_heads = tensor(split_head_matrices(params.w_q, cfg.n_heads))  # (H, D, Dk)
         self.w_k_heads = tensor(split_head_matrices(params.w_k, cfg.n_kv_heads))  # (Hkv, kdim, Dk)
         self.w_v_heads = tensor(split_head_matrices(params.w_v, cfg.n_kv_heads))  # (Hkv, vdim, Dv)
@@ -191,8 +191,8 @@ class RowSampleMHA:
         return q, k, v
 
     @staticmethod
-    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b") -> None:
-        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note)
+    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b", *provenance) -> None:
+        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note, *provenance)
 
     def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
         self._record_projections(rec, *projections)
@@ -229,9 +229,10 @@ class RowSampleMHA:
         )
         if blocked is not None:
             scores.masked_fill_(blocked, float("-inf"))
-            self._record(rec, "masked_scores", head, scores, axes, "masked_fill_(blocked, -inf), in place")
+            note = "masked_fill_(blocked, -inf), in place"
+            self._record(rec, "masked_scores", head, scores, axes, note, "view", "scores")
         elif rec is not None:
-            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves")
+            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves", "view", "scores")
         if empty_rows is not None:
             # softmax of an all -inf row is 0/0. Such rows are known from the mask, so
             # give them finite logits first and zero their weights after: no NaN, ever.
@@ -240,11 +241,12 @@ class RowSampleMHA:
         if empty_rows is not None:
             # Out of place under autograd: softmax's backward needs its own output unchanged.
             weights = weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
-        self._record(rec, "weights", head, weights, axes, "torch.softmax over keys; empty rows set to zeros")
+        note = "torch.softmax over keys; empty rows set to zeros"
+        self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights
 
-    def _record(self, rec, name, head, value, axes, note) -> None:
-        record_stage(rec, name, head, value, axes, note, self.torch.stack)
+    def _record(self, rec, name, head, value, axes, note, relation="new", parent=None) -> None:
+        record_stage(rec, name, head, value, axes, note, self.torch.stack, relation, parent)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def _split_and_rotate(self, rec):
@@ -265,8 +267,8 @@ class RowSampleMHA:
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
         if rec is not None:
-            note = view_note(merged, context, "context", "transpose(1, 2).contiguous().view(B, N, H*Dv)")
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), note)
+            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return self._finish(merged, rec)
 
     def direct_reshape(self, rec: StageRecorder | None = None):
@@ -283,12 +285,8 @@ class RowSampleMHA:
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
         if rec is not None:
-            rec.record(
-                "merged",
-                merged,
-                ("B", "Nq", "H*Dv"),
-                view_note(merged, context, "context", "the direct-reshape mistake undone"),
-            )
+            how = "the direct-reshape mistake undone"
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return self._finish(merged, rec)
 
     def _attend_batched(self, q_heads, k_heads, v_heads, rec):
@@ -327,8 +325,9 @@ class RowSampleMHA:
         self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
         return context
 
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str) -> None:
-        record_head_inputs(rec, h, self.cfg.kv_head_of(h), (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack)
+    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
+        g = self.cfg.kv_head_of(h)
+        record_head_inputs(rec, h, g, (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack, relation)
 
     def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
         g = self.cfg.kv_head_of(h)
@@ -349,12 +348,12 @@ class RowSampleMHA:
             v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
             if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection, a view")
+                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection", "view")
                 self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 
     def per_head(self, rec: StageRecorder | None = None):
@@ -380,8 +379,9 @@ class RowSampleMHA:
         if rec is not None:
             cat = self.torch.cat
             note = "the per-head projections side by side, for inspection (the strategy never builds it)"
-            self._record_projections(rec, cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1), note)
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts, a copy")
+            projections = cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1)
+            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""mha_rosetta.benchmarks: fair timings across frameworks, and the seed's speed claims measured.
+"""mha_rosetta.benchmarks: fair timings across frameworks, and the column/row-sample article's speed claims measured.
 
 Modules, one job each (none imports a framework at import time):
 
@@ -12,7 +12,7 @@ Modules, one job each (none imports a framework at import time):
 - `rounds`: the shuffled visit order, and a cell's figures merged over rounds (spread, drift);
 - `report`: versioned JSON, Markdown, plots, baseline comparison;
 - `readme`: the published docs/bench/ files and the README's generated benchmark block;
-- `microbench` / `questions`: the seed's speed claims as benchmark questions.
+- `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 
 The command line is ``mha-rosetta bench`` (`mha_rosetta.cli.bench`). From Python::
 

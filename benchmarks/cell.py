@@ -212,7 +212,7 @@ def measure(spec: CellSpec) -> dict:
     from mha_rosetta.core import init_params
 
     backend = get_backend(spec.backend)  # BackendNotInstalled / ValueError propagate to main
-    frameworks = tuple(module for module in backend.requires if module in ("torch", "jax"))
+    frameworks = backend.requires  # pinning and _GpuMemory act on the frameworks they know and skip the rest
     record["framework_threads"] = pinning.configure_frameworks(spec.threads, frameworks)
 
     cfg = build_config(spec)

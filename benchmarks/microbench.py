@@ -6,7 +6,7 @@ round-robin (`timing.time_interleaved`) compares formulations and nothing else. 
 callable waits for its result (CUDA synchronisation), so asynchronous work is timed.
 
 Row samples everywhere (``X`` is ``(B, N, D)``), weights in the ``(out, in)`` layout of
-``nn.Linear`` — the convention of the seed's examples. NumPy and PyTorch variants are
+``nn.Linear`` — the convention of the column/row-sample article's examples. NumPy and PyTorch variants are
 written the way a user of that library would write them. Frameworks are imported inside
 the builders: this module is imported by measured children only.
 """
@@ -146,7 +146,7 @@ def _torch_setup(device: str):
 
 
 def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = "float32", device: str = "cpu") -> dict:
-    """Claim 7 in PyTorch (the seed's own setting), on CPU or CUDA."""
+    """Claim 7 in PyTorch (the column/row-sample article's own setting), on CPU or CUDA."""
     torch, target, sync = _torch_setup(device)
     generator = torch.Generator().manual_seed(0)
     d_k = d_model // heads

@@ -1,4 +1,5 @@
-"""The seed's speed claims as benchmark questions, each answered with measured ratios and a verdict.
+"""The column/row-sample article's speed claims as benchmark questions, each answered with measured ratios
+and a verdict.
 
 Public entry point (the explainer's ``explain --claims`` takes its speed verdicts from here)::
 
@@ -8,7 +9,7 @@ Public entry point (the explainer's ``explain --claims`` takes its speed verdict
 
 Each answer is a dict with
 
-- ``claim``: the claim's number in shared/DESIGN.md ("The seed's claims"): 3, 7, 9, 11;
+- ``claim``: the claim's number in the article's list (`explain.claims.CLAIM_TITLES`): 3, 7, 9, 11;
 - ``title``: the claim in a line;
 - ``verdict``: ``"confirmed"``, ``"partly"``, ``"refuted"`` or ``"skipped"`` (nothing could be measured);
 - ``evidence``: the measured ratios in one or two sentences;
@@ -254,7 +255,7 @@ def run_speed_questions(
     targets: list[tuple[str, str]] | None = None,
     timeout: float = 300.0,
 ) -> list[dict]:
-    """Measure the seed's speed claims (3, 7, 9, 11) and return one answer dict per claim.
+    """Measure the column/row-sample article's speed claims (3, 7, 9, 11) and return one answer dict per claim.
 
     ``threads`` cores for every child (pinned to ``cpus``, default the last ``threads`` cores),
     ``quick`` for small sizes and short budgets, ``claims`` to run a subset, ``targets`` to
@@ -283,11 +284,10 @@ def run_speed_questions(
 
 def questions_markdown(answers: list[dict]) -> str:
     """The answers as a Markdown table (claim, verdict, evidence)."""
-    lines = ["| claim | question | verdict | evidence |", "|---|---|---|---|"]
-    for answer in answers:
-        evidence = answer["evidence"].replace("|", "/")
-        lines.append(f"| {answer['claim']} | {answer['title']} | **{answer['verdict']}** | {evidence} |")
-    return "\n".join(lines) + "\n"
+    from mha_rosetta.core.tables import markdown_table
+
+    rows = [[answer["claim"], answer["title"], f"**{answer['verdict']}**", answer["evidence"]] for answer in answers]
+    return "\n".join(markdown_table(["claim", "question", "verdict", "evidence"], rows)) + "\n"
 
 
 if __name__ == "__main__":

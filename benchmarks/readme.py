@@ -23,6 +23,8 @@ import json
 import textwrap
 from pathlib import Path
 
+from mha_rosetta.core.tables import markdown_table as table_lines
+
 from .pinning import CONTENDED_BELOW
 from .report import REFERENCE_SIZE, markdown_table, plot_report, reference_cells, round_range_text
 from .rounds import cell_interval, intervals_overlap
@@ -132,7 +134,7 @@ def _table(first: list[dict], second: dict[str, dict] | None) -> list[str]:
             "% of GEMM peak",
             f"speedup 1 -> {SECOND_THREADS}",
         ]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    rows = []
     for cell in first:
         row = [
             f"`{cell['implementation']}`", _ms(cell["median_s"]), _range(cell), f"{cell.get('gflops') or 0:.1f}",
@@ -145,8 +147,8 @@ def _table(first: list[dict], second: dict[str, dict] | None) -> list[str]:
             else:
                 speedup = cell["median_s"] / other["median_s"]
                 row += [_ms(other["median_s"]), _range(other), _pct(other.get("peak_fraction")), f"{speedup:.2f}x"]
-        lines.append("| " + " | ".join(row) + " |")
-    return lines
+        rows.append(row)
+    return table_lines(header, rows)
 
 
 def ranking_sentences(cells: list[dict]) -> list[str]:
@@ -202,7 +204,9 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
         )
     if strategy_texts:
         sentences.append(
-            "The seed's other head-split strategies against the standard path: " + "; ".join(strategy_texts) + "."
+            "The column/row-sample article's other head-split strategies against the standard path: "
+            + "; ".join(strategy_texts)
+            + "."
         )
     if single:
         sentences.append("One round only: no spread was measured, so no difference here is known to exceed the noise.")

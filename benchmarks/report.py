@@ -42,7 +42,6 @@ see `pinning.malloc_env`); ``malloc_env`` what a cell's child really started wit
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import platform
@@ -50,11 +49,13 @@ import statistics
 import sys
 from pathlib import Path
 
+from mha_rosetta.backends.versions import library_versions
+from mha_rosetta.core.tables import markdown_table as table_lines
+
 from .rounds import cell_interval, intervals_overlap, round_fractions
 
 SCHEMA_VERSION = 1
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
-LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "einops", "flax", "equinox", "ml_dtypes", "threadpoolctl", "scipy")
 BASELINE_THRESHOLD = 0.10
 PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
@@ -80,16 +81,6 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
             present = set(value.split())
             flags = [flag for flag in INTERESTING_CPU_FLAGS if flag in present]
     return model, flags
-
-
-def library_versions() -> dict[str, str]:
-    versions = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 def blas_pools(gemm_peaks: list[dict]) -> list[dict]:
@@ -300,10 +291,7 @@ def markdown_table(report: dict) -> str:
         lines.append(f"Allocator: malloc={malloc} ({rule}), the same for every cell  ")
     if lines:
         lines.append("")
-    lines.append("| " + " | ".join(MARKDOWN_COLUMNS) + " |")
-    lines.append("|" + "|".join("---" for _ in MARKDOWN_COLUMNS) + "|")
-    for cell in report["cells"]:
-        lines.append("| " + " | ".join(markdown_row(cell)) + " |")
+    lines += table_lines(MARKDOWN_COLUMNS, [markdown_row(cell) for cell in report["cells"]])
     warned = [cell for cell in report["cells"] if cell.get("warnings")]
     if warned:
         lines.append("")

@@ -24,10 +24,10 @@ What it guarantees:
 
 Implementation names: registry backend names (``numpy``, ``torch-sdpa``, ...), optionally
 with a strategy (``numpy:slicing``), or the groups ``main`` (every installed backend in
-its standard strategy), ``strategies`` (the other correct strategies of every backend
-that has them: the seed's, and ``chunked``), ``all`` (both) and ``dist`` (the sharded
-backends, whose worker processes the cell's CPU time and memory do not see; run them
-with ``--threads`` at least their process count). The direct-reshape strategy is the known
+its standard strategy), ``strategies`` (the column/row-sample article's other correct strategies of every
+backend that has them, and ``chunked``), ``all`` (both) and ``dist`` (the sharded backends, whose worker
+processes the cell's CPU time and memory do not see; run them with ``--threads`` at least their process
+count). The direct-reshape strategy is the known
 mistake: it is never part of a group, though it can be named explicitly.
 """
 
@@ -196,7 +196,7 @@ def dist_implementations() -> list[str]:
 
 
 def strategy_implementations() -> list[str]:
-    """The seed's other correct strategies (per-head matrices, slicing) of every installed backend."""
+    """The article's other correct strategies (per-head matrices, slicing) of every installed backend."""
     _registry_dict, available_backends, get_backend, known_wrong = _registry()
     labels = []
     for name in available_backends():

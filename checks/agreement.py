@@ -57,6 +57,7 @@ from mha_rosetta.core import (
     Tolerance,
     allowed_positions,
     check_dtype_name,
+    error_line,
     lower_precision,
     prepare_inputs,
     reference_stages,
@@ -170,6 +171,10 @@ class Run:
             self._stages = self.stage_source() if self.stage_source else {}
         return self._stages
 
+    def release_stages(self) -> None:
+        """Drop the stage tensors and their source (and the prepared pass it holds) to free memory."""
+        self.stage_source, self._stages = None, None
+
 
 @dataclass
 class Pair:
@@ -234,6 +239,11 @@ class CheckResult:
             return 1
         return 0
 
+    @property
+    def exit_code(self) -> int:
+        """The process's exit status: 130 when interrupted (what a shell reports for Ctrl-C), else `exit_status`."""
+        return 130 if self.interrupted else self.exit_status
+
     def verdict(self) -> str:
         if self.interrupted:
             return "interrupted: the results so far are shown"
@@ -296,7 +306,7 @@ def resolve_backends(backends) -> tuple[list[Backend], dict[str, str], dict[str,
         except BackendNotInstalled as error:
             skipped[name] = str(error)
         except Exception as error:
-            broken[name] = f"the adapter failed to load: {_error_text(error)}"
+            broken[name] = f"the adapter failed to load: {error_line(error)}"
     return chosen, skipped, broken
 
 
@@ -416,12 +426,7 @@ def failure_status(error: BaseException) -> tuple[Status, str]:
         return Status.UNSUPPORTED, str(error)
     if isinstance(error, BackendNotInstalled):
         return Status.SKIPPED, str(error)
-    return Status.ERROR, _error_text(error)
-
-
-def _error_text(error: BaseException) -> str:
-    message = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {message[0] if message else ''}".rstrip(": ")
+    return Status.ERROR, error_line(error)
 
 
 def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _Oracle, uniform: np.ndarray) -> Run:
@@ -431,23 +436,12 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
     started = time.perf_counter()
     try:
         prepared, _ = backend.prepare(
-            oracle.cfg,
-            oracle.params,
-            data.query,
-            data.key,
-            data.value,
-            data.mask,
-            dtype=dtype,
-            device=device,
-            strategy=strategy,
-            positions=data.positions,
-            kv_positions=data.kv_positions,
+            oracle.cfg, oracle.params, *data.arrays, dtype=dtype, device=device, strategy=strategy,
+            **data.positions_kwargs,
             # Blocks that divide none of the cases' token counts, so the recurrence really runs.
             **({"chunk": CHECK_CHUNK} if strategy == CHUNKED else {}),
         )
-        result = prepared.forward()
-        prepared.synchronize(result)
-        output = np.asarray(prepared.to_numpy(result))
+        output = np.asarray(prepared.output())
     except Exception as error:  # a failing cell is reported and the check goes on
         run.status, run.reason = failure_status(error)
         return run
@@ -508,7 +502,7 @@ def _divergence(reference: dict, run: Run, dtype: str) -> Divergence | None:
     try:
         stages = run.stages()
     except Exception as error:  # a broken stage dump must not hide the disagreement itself
-        run.reason = (run.reason + "; " if run.reason else "") + f"stages unavailable ({_error_text(error)})"
+        run.reason = (run.reason + "; " if run.reason else "") + f"stages unavailable ({error_line(error)})"
         return None
     return first_divergence(reference, stages, dtype)
 
@@ -541,7 +535,7 @@ def _compare_pair(a: Run, b: Run, oracle: _Oracle) -> Pair:
     try:
         pair.divergence = first_divergence(a.stages(), b.stages(), dtype)
     except Exception as error:
-        pair.reason += f"; stages unavailable ({_error_text(error)})"
+        pair.reason += f"; stages unavailable ({error_line(error)})"
     return pair
 
 
@@ -693,7 +687,7 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, every_dtype, r
                         dtype,
                         backend.kind,
                         Status.ERROR,
-                        f"oracle failed: {_error_text(error)}",
+                        f"oracle failed: {error_line(error)}",
                     )
                 )
         return
@@ -717,5 +711,4 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, every_dtype, r
             for b in compared[i + 1 :]:
                 result.pairs.append(_compare_pair(a, b, oracle))
         for run in runs:  # the stage tensors of this case are no longer needed
-            run.stage_source = None
-            run._stages = None
+            run.release_stages()

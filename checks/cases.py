@@ -23,7 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_rosetta.core import DTYPE_NAMES, MHAConfig, MHAParams, allowed_positions, init_params, prepare_inputs
+from mha_rosetta.core import (
+    DTYPE_NAMES,
+    MHAConfig,
+    MHAParams,
+    allowed_positions,
+    init_params,
+    prepare_inputs,
+    reference_mha,
+    reference_stages,
+)
 
 ALL_DTYPES = DTYPE_NAMES  # float64, float32, float16, bfloat16
 
@@ -39,6 +48,15 @@ class CaseInputs:
     positions: np.ndarray | None = None  # the queries' rotary positions; None: 0 .. Nq-1
     kv_positions: np.ndarray | None = None  # the keys'; None: the default of prepare_inputs
 
+    @property
+    def arrays(self) -> tuple:
+        """(query, key, value, mask): the positional arguments of `Backend.run` and `reference_mha`."""
+        return self.query, self.key, self.value, self.mask
+
+    @property
+    def positions_kwargs(self) -> dict:
+        return {"positions": self.positions, "kv_positions": self.kv_positions}
+
 
 @dataclass(frozen=True)
 class SpecCase:
@@ -48,6 +66,8 @@ class SpecCase:
     kv_tokens:    None for self-attention (key = value = query).
     key_lengths:  per batch item, how many leading keys are real; the rest is padding.
     blocked_rows: (batch item, query row) pairs that may attend to no key at all.
+    head_blocked_rows: (batch item, head, query row): a row with no key in that head only
+                  (the mask becomes per head).
     mask_density: a random mask on top (True with this probability), for property tests;
                   per head when ``mask_per_head``, else shared by the heads.
     position_offsets: per batch item, the rotary position of its first query token
@@ -64,6 +84,7 @@ class SpecCase:
     kv_tokens: int | None = None
     key_lengths: tuple[int, ...] | None = None
     blocked_rows: tuple[tuple[int, int], ...] = ()
+    head_blocked_rows: tuple[tuple[int, int, int], ...] = ()
     dtypes: tuple[str, ...] = ("float64", "float32")
     seed: int = 0
     mask_density: float | None = None
@@ -91,7 +112,8 @@ class SpecCase:
 
     @property
     def has_mask(self) -> bool:
-        return self.key_lengths is not None or bool(self.blocked_rows) or self.mask_density is not None
+        masks = (self.key_lengths is not None, self.blocked_rows, self.head_blocked_rows, self.mask_density is not None)
+        return any(masks)
 
     def params(self) -> MHAParams:
         return init_params(self.cfg, seed=self.seed)
@@ -117,7 +139,7 @@ class SpecCase:
         if not self.has_mask:
             return None
         batch = 1 if self.batch is None else self.batch
-        heads = self.cfg.n_heads if self.mask_per_head else 1
+        heads = self.cfg.n_heads if self.mask_per_head or self.head_blocked_rows else 1
         mask = np.ones((batch, heads, self.q_tokens, kv_tokens), dtype=bool)  # (B, H or 1, Nq, Nk)
         if self.mask_density is not None:
             mask &= rng.random(mask.shape) < self.mask_density
@@ -125,7 +147,29 @@ class SpecCase:
             mask[b, :, :, length:] = False  # padding keys: nobody attends to them
         for b, row in self.blocked_rows:
             mask[b, :, row, :] = False  # a query row with nothing to attend to
+        for b, head, row in self.head_blocked_rows:
+            mask[b, head, row, :] = False  # ... in one head only
         return mask if self.batch is not None else mask[0]  # unbatched masks have no batch axis
+
+    def run(self, backend, dtype: str = "float64", strategy: str = "standard", **kwargs):
+        """``backend.run`` on this case's parameters and inputs (kwargs: device, return_stages, ...)."""
+        data = self.inputs()
+        return backend.run(
+            self.cfg, self.params(), *data.arrays, dtype=dtype, strategy=strategy, **data.positions_kwargs, **kwargs
+        )
+
+    def reference(self) -> np.ndarray:
+        """The float64 oracle's output for this case."""
+        data = self.inputs()
+        return reference_mha(self.cfg, self.params(), *data.arrays, **data.positions_kwargs)
+
+    def reference_stages(self) -> dict[str, np.ndarray]:
+        """The float64 oracle's stage tensors for this case (batched, canonical layout)."""
+        data = self.inputs()
+        return reference_stages(self.cfg, self.params(), *data.arrays, **data.positions_kwargs)
+
+    def __str__(self) -> str:
+        return self.name
 
     def empty_rows(self) -> np.ndarray:
         """(B, Nq) bool, batched form: output rows where some head may attend to no key."""
@@ -146,6 +190,8 @@ class SpecCase:
             parts.append(f"key_lengths={list(self.key_lengths)}")
         if self.blocked_rows:
             parts.append(f"blocked_rows={[list(r) for r in self.blocked_rows]}")
+        if self.head_blocked_rows:
+            parts.append(f"head_blocked_rows={[list(r) for r in self.head_blocked_rows]}")
         if self.mask_density is not None:
             parts.append(f"random mask {self.mask_density:g}" + (" per head" if self.mask_per_head else ""))
         if self.cfg.scale != self.cfg.d_k**-0.5:

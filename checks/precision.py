@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, init_params, reference_mha
+from mha_rosetta.core import MHAConfig, error_line, init_params, reference_mha
 
 # "Through the full MHA": one layer at the reference width, small enough for a CPU test.
 MHA_SIZE = {"batch": 2, "tokens": 256, "d_model": 512, "heads": 8}
@@ -200,7 +200,7 @@ def empty_row_answers(device: str = "cpu") -> dict[str, str]:
             # would need the layer's internals, so NaN/zeros/other is what it reports.
             answers[label] = classify(row, v[0, 0])
         except Exception as error:  # a kernel refusing the case is the answer
-            answers[label] = f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            answers[label] = f"raised {error_line(error)}"
     return answers
 
 

@@ -17,14 +17,23 @@ says which status that is.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import math
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.core import DTYPE_NAMES, TOLERANCES
+from mha_rosetta.core.tables import (
+    Table,
+    output_width,
+    rich_console,
+    rich_escape,
+    rich_tables,
+)
+from mha_rosetta.core.tables import render_markdown as markdown_lines
+from mha_rosetta.core.tables import render_plain as render_tables
 
 from .agreement import SEVERITY, STATUS_MEANING, CheckResult, Pair, Run, Status, worst_status
 
@@ -49,7 +58,6 @@ RICH_STYLES = {
 }
 LEGEND = "markers: ~ known difference, * caught (known mistake), ! DISAGREE, ? MISSED (mistake not caught), E error"
 MAX_LISTED = 25  # longer lists are cut in the text report (the JSON has everything)
-VERSIONED_PACKAGES = ("mha-rosetta", "numpy", "torch", "jax", "jaxlib", "einops", "flax", "equinox", "ml_dtypes")
 
 
 # -- aggregation ------------------------------------------------------------------------
@@ -120,14 +128,9 @@ def build_matrices(result: CheckResult, per_case: bool = False) -> list[Matrix]:
     return sorted(matrices, key=lambda m: (case_order.index(m.case) if m.case else 0, DTYPE_NAMES.index(m.dtype)))
 
 
-# -- neutral blocks, rendered three ways ------------------------------------------------
-@dataclass
-class Block:
-    title: str
-    columns: list[str] = field(default_factory=list)
-    rows: list[list[str]] = field(default_factory=list)
-    styles: list[list[str | None]] = field(default_factory=list)  # per cell, rich style names
-    notes: list[str] = field(default_factory=list)
+# -- neutral blocks (`core.tables.Table`), rendered three ways ---------------------------
+Block = Table  # a report block is a table; blocks without columns are headings
+NUMBER_COLUMNS = ("#", "oracle abs", "oracle rel")  # kept on one line by rich, like the matrix's numbered columns
 
 
 def fmt(value: float | None) -> str:
@@ -151,9 +154,12 @@ def _cell_text(status: Status | None, value: float | None) -> str:
 def matrix_block(matrix: Matrix) -> Block:
     where = f"case {matrix.case}" if matrix.case else "worst over all cases"
     tol = TOLERANCES[matrix.dtype]
+    numbers = [str(i + 1) for i in range(len(matrix.labels))]
     block = Block(
         f"{matrix.dtype}: agreement matrix, {where} (tolerance atol {tol.atol:g}, rtol {tol.rtol:g})",
-        ["#", "implementation", "oracle abs", "oracle rel"] + [str(i + 1) for i in range(len(matrix.labels))],
+        ["#", "implementation", "oracle abs", "oracle rel", *numbers],
+        key_columns=2,  # split to fit a terminal, every part keeps the row numbers and labels
+        no_wrap=(*NUMBER_COLUMNS, *numbers),
     )
     for i, row_label in enumerate(matrix.labels):
         own = matrix.oracle[row_label]
@@ -358,7 +364,7 @@ def summary_lines(result: CheckResult) -> list[str]:
         f"{len(result.cases)} case(s), {implementations} implementation(s), {len(result.runs)} run(s) in {format_seconds(result.seconds)}",
         f"against the oracle: {counts(runs)}",
         f"between implementations: {counts(pairs)}",
-        f"{result.verdict()} (exit status {130 if result.interrupted else result.exit_status})",
+        f"{result.verdict()} (exit status {result.exit_code})",
     ]
 
 
@@ -369,38 +375,15 @@ def report_blocks(result: CheckResult, per_case: bool = False, quiet: bool = Fal
 
 
 # -- renderers --------------------------------------------------------------------------
-def render_plain(blocks: list[Block], summary: list[str]) -> str:
-    out: list[str] = []
-    for block in blocks:
-        out.append(block.title)
-        if block.columns:
-            widths = [max(len(str(x)) for x in column) for column in zip(block.columns, *block.rows, strict=True)]
-            line = "  ".join(str(c).ljust(w) for c, w in zip(block.columns, widths, strict=True)).rstrip()
-            out.append(line)
-            out.append("  ".join("-" * w for w in widths))
-            for row in block.rows:
-                out.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        out += block.notes
-        out.append("")
-    return "\n".join(out + summary) + "\n"
-
-
-def _md_escape(text: str) -> str:
-    return str(text).replace("|", "\\|")
+def render_plain(blocks: list[Block], summary: list[str], width: int | None = None) -> str:
+    """Plain text fitted to ``width`` (None: every line as long as it needs; the CLI passes the terminal's)."""
+    return render_tables(blocks, width, summary)
 
 
 def render_markdown(blocks: list[Block], summary: list[str]) -> str:
     out: list[str] = ["# mha-rosetta check", ""]
     for block in blocks:
-        out += [f"## {block.title}", ""]
-        if block.columns:
-            out.append("| " + " | ".join(_md_escape(c) for c in block.columns) + " |")
-            out.append("|" + "|".join(" --- " for _ in block.columns) + "|")
-            for row in block.rows:
-                out.append("| " + " | ".join(_md_escape(c) for c in row) + " |")
-            out.append("")
-        out += [f"{note}  " for note in block.notes]
-        out.append("")
+        out += [*markdown_lines(block), ""]
     out += ["## Summary", ""] + [f"- {line}" for line in summary]
     return "\n".join(out) + "\n"
 
@@ -413,47 +396,20 @@ def _text_width(block: Block) -> int:
 
 
 def print_rich(blocks: list[Block], summary: list[str], file=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    """rich tables fitted to the terminal (or ``COLUMNS``); piped, as wide as the widest table."""
     file = file or sys.stdout
-    console = Console(file=file, highlight=False)
-    if not console.is_terminal:  # piped output: never squeeze the matrix to 80 columns
-        wanted = max([100, *(_text_width(b) for b in blocks), *(len(line) for line in summary)])
-        console = Console(file=file, highlight=False, width=wanted + 4)
+    width = output_width(file)
+    wanted = max([100, *(_text_width(b) for b in blocks), *(len(line) for line in summary)]) + 4
+    console = rich_console(file, piped_width=wanted)
     for block in blocks:
         if not block.columns:
-            console.print(f"[bold]{block.title}[/bold]")
+            console.print(f"[bold]{rich_escape(block.title)}[/bold]")
         else:
-            table = Table(
-                title=block.title,
-                title_justify="left",
-                title_style="bold",
-                caption="\n".join(block.notes) or None,
-                caption_justify="left",
-            )
-            for column in block.columns:
-                table.add_column(
-                    column, no_wrap=column in ("#", "oracle abs", "oracle rel") or column.isdigit(), overflow="fold"
-                )
-            for i, row in enumerate(block.rows):
-                styles = block.styles[i] if i < len(block.styles) else [None] * len(row)
-                table.add_row(
-                    *[
-                        f"[{s}]{_rich_escape(c)}[/{s}]" if s else _rich_escape(c)
-                        for c, s in zip(row, styles, strict=True)
-                    ]
-                )
-            console.print(table)
+            for table in rich_tables(block, width, title_style="bold"):
+                console.print(table)
         console.print()
     for line in summary:
-        console.print(_rich_escape(line))
-
-
-def _rich_escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(str(text))
+        console.print(rich_escape(line))
 
 
 def rich_available() -> bool:
@@ -472,16 +428,6 @@ def _num(value: float | None):
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return value
-
-
-def _versions() -> dict[str, str]:
-    versions = {}
-    for package in VERSIONED_PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 def _run_json(run: Run) -> dict:
@@ -566,12 +512,12 @@ def to_json(result: CheckResult) -> dict:
         "schema": SCHEMA_VERSION,
         "tool": "mha-rosetta check",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "exit_status": 130 if result.interrupted else result.exit_status,
+        "exit_status": result.exit_code,
         "verdict": result.verdict(),
         "interrupted": result.interrupted,
         "seconds": result.seconds,
         "settings": result.settings,
-        "versions": _versions(),
+        "versions": library_versions(),
         "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
         "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
         "summary": {

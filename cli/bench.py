@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--partial", metavar="PATH", help="where finished cells are kept while running (default: <json>.partial.jsonl)"
     )
     parser.add_argument(
-        "--questions", action="store_true", help="also answer the seed's speed claims (benchmark questions)"
+        "--questions", action="store_true", help="also answer the article's speed claims (benchmark questions)"
     )
     parser.add_argument("--questions-only", action="store_true", help="answer the speed questions only, no sweep")
     parser.add_argument(
@@ -238,7 +238,8 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
 
         table += "\n" + long_markdown(report["cells"])
     if report.get("questions"):
-        table += "\nSpeed questions (the seed's claims):\n\n" + speed_questions.questions_markdown(report["questions"])
+        questions = speed_questions.questions_markdown(report["questions"])
+        table += "\nSpeed questions (the column/row-sample article's claims):\n\n" + questions
 
     human.write(table)
     _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")

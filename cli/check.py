@@ -81,6 +81,7 @@ def _list(out) -> int:
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.checks import run_check
     from mha_rosetta.checks.report import (
+        output_width,
         print_rich,
         render_markdown,
         render_plain,
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     elif rich_available() and not args.plain:
         print_rich(blocks, summary, file=out)
     else:
-        out.write(render_plain(blocks, summary))
+        out.write(render_plain(blocks, summary, width=output_width(out)))
     if args.json:
         write_json(result, args.json, grad)
         if args.json != "-":

@@ -1,6 +1,7 @@
-"""``mha-rosetta explain``: shapes, strides and weight layouts of every convention; the seed's claims.
+"""``mha-rosetta explain``: shapes, strides and weight layouts of every convention; the claims of the
+column/row-sample article.
 
-    mha-rosetta explain                       # the seed's 6 tokens, d_model 12, 3 heads of d_k 4
+    mha-rosetta explain                       # the column/row-sample article's 6 tokens, d_model 12, 3 heads of d_k 4
     mha-rosetta explain --claims              # every claim with its evidence and verdict
     mha-rosetta explain --claims --json -     # the claims as JSON: [{"claim", "title", "verdict", "evidence"}, ...]
     mha-rosetta explain --markdown            # the same tables as Markdown
@@ -34,11 +35,13 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    size = parser.add_argument_group("configuration (defaults: the seed's example)")
+    size = parser.add_argument_group("configuration (defaults: the column/row-sample article's example)")
     size.add_argument("--tokens", type=_positive_int, default=SEED_TOKENS, help=f"tokens per sequence (default {SEED_TOKENS})")
     size.add_argument("--d-model", type=_positive_int, default=SEED_D_MODEL, help=f"model width (default {SEED_D_MODEL})")
     size.add_argument("--heads", type=_positive_int, default=SEED_HEADS, help=f"number of heads (default {SEED_HEADS})")
-    size.add_argument("--d-k", type=_positive_int, default=None, help=f"head width (default d_model / heads, {SEED_D_K} for the seed)")
+    size.add_argument(
+        "--d-k", type=_positive_int, default=None, help=f"head width (default d_model / heads, {SEED_D_K} for the article)"
+    )
     size.add_argument("--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"batch size (default {DEFAULT_BATCH})")
     size.add_argument("--seed", type=int, default=0, help="seed of the parameters and inputs (default 0)")
     parser.add_argument(
@@ -56,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the backward pass: weight gradients in both conventions and a GQA backward-only bug caught by check --grad",
     )
-    parser.add_argument("--claims", action="store_true", help="run the seed's 12 claims and print claim, evidence and verdict")
+    parser.add_argument(
+        "--claims", action="store_true", help="run the article's 12 claims and print claim, evidence and verdict"
+    )
     parser.add_argument("--no-speed", action="store_true", help="with --claims: skip the benchmark questions (speed claims show as skipped)")
     parser.add_argument("--threads", type=_positive_int, default=1, help="threads for the speed questions (default 1)")
     parser.add_argument("--full-speed", action="store_true", help="run the speed questions at full size instead of the quick preset")
@@ -125,8 +130,8 @@ def _write_json(target: str, payload) -> None:
 def _failures(explanation) -> list[str]:
     """What makes the exit status non-zero: a refuted fact, or a weight layout that fails its check.
 
-    A refuted speed claim is a finding about the seed, not a failure of this run: the
-    seed's speed claims (3, 7) are allowed to be wrong, and timings move with the machine.
+    A refuted speed claim is a finding about the column/row-sample article, not a failure of this run: the
+    article's speed claims (3, 7) are allowed to be wrong, and timings move with the machine.
     """
     from mha_rosetta.explain.claims import SPEED_ONLY_CLAIMS
 

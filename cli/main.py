@@ -15,7 +15,7 @@ import sys
 SUBCOMMANDS = {
     "check": "agreement of every installed implementation with the float64 oracle and with each other",
     "bench": "fair timings side by side (fresh process per cell, pinned threads)",
-    "explain": "shapes, strides and weight layouts of every convention; the seed's claims with verdicts",
+    "explain": "shapes, strides and weight layouts of every convention; the column/row-sample article's claims",
     "diagnose": "name the convention error in your own attention (MODULE:CALLABLE), with evidence and the fix",
 }
 

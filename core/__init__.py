@@ -7,6 +7,7 @@ the stage contract, the float64 oracle and the tolerance table.
 
 from .config import ROPE_STYLES, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
+from .errors import error_line
 from .grad import (
     GRAD_INPUT_NAMES,
     GRAD_PARAM_NAMES,
@@ -39,7 +40,7 @@ from .layouts import (
     torch_mha_unsupported_reason,
 )
 from .params import MHAParams, expected_param_shapes, init_params, validate_params
-from .reference import reference_mha, reference_stages, softmax_with_empty_rows
+from .reference import linear, reference_mha, reference_stages, softmax_with_empty_rows
 from .rotary import (
     RotaryTables,
     apply_rotary,
@@ -94,6 +95,7 @@ __all__ = [
     "check_dtype_name",
     "compare",
     "default_cotangent",
+    "error_line",
     "expected_param_shapes",
     "fold_defaulted_inputs",
     "from_dense_general_kernel",
@@ -104,6 +106,7 @@ __all__ = [
     "grad_tolerance",
     "init_params",
     "inverse_frequencies",
+    "linear",
     "lower_precision",
     "merge_head_bias",
     "merge_head_matrices",

@@ -45,7 +45,7 @@ def from_row_sample(w_b: np.ndarray) -> np.ndarray:
 def split_head_matrices(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Canonical merged weight ``(H*d, in)`` -> per-head row-sample matrices ``(H, in, d)``.
 
-    ``W_h = result[h]`` is what the seed calls head h's own matrix: ``Q_h = X @ W_h``.
+    ``W_h = result[h]`` is what the column/row-sample article calls head h's own matrix: ``Q_h = X @ W_h``.
     """
     out_features, in_features = w.shape
     if out_features % n_heads:

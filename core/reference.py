@@ -28,8 +28,8 @@ from .rotary import apply_rotary, rotary_tables
 from .stages import STAGE_NAMES
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """Row samples through an (out, in) weight: ``x @ weight.T + bias``."""
+def linear(x, weight, bias):
+    """Row samples through an (out, in) weight: ``x @ weight.T + bias`` (any array type with ``@`` and ``.T``)."""
     y = x @ weight.T
     return y if bias is None else y + bias
 
@@ -61,9 +61,9 @@ def reference_stages(
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
 
-    q = _linear(x_q, f64["w_q"], f64["b_q"])  # (B, Nq, H*Dk)
-    k = _linear(x_k, f64["w_k"], f64["b_k"])  # (B, Nk, Hkv*Dk)
-    v = _linear(x_v, f64["w_v"], f64["b_v"])  # (B, Nk, Hkv*Dv)
+    q = linear(x_q, f64["w_q"], f64["b_q"])  # (B, Nq, H*Dk)
+    k = linear(x_k, f64["w_k"], f64["b_k"])  # (B, Nk, Hkv*Dk)
+    v = linear(x_v, f64["w_v"], f64["b_v"])  # (B, Nk, Hkv*Dv)
 
     # Head h owns feature columns h*Dk:(h+1)*Dk; slicing makes that ownership explicit.
     q_heads = np.stack([q[:, :, h * Dk : (h + 1) * Dk] for h in range(H)], axis=1)  # (B, H, Nq, Dk)
@@ -92,7 +92,7 @@ def reference_stages(
         context[:, h] = weights[:, h] @ v_heads[:, g]  # (B, Nq, Dv)
 
     merged = np.concatenate([context[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dv)
-    output = _linear(merged, f64["w_o"], f64["b_o"])  # (B, Nq, D)
+    output = linear(merged, f64["w_o"], f64["b_o"])  # (B, Nq, D)
 
     stages = {
         "q": q,

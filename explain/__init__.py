@@ -1,8 +1,9 @@
-"""mha_rosetta.explain: every shape, stride and layout side by side, and the seed's claims made executable.
+"""mha_rosetta.explain: every shape, stride and layout side by side, and the column/row-sample article's
+claims made executable.
 
 Nothing here is typed from memory: the stage tables measure the tensors of a real run
 of each backend, the weight layouts are checked against the converters and the real
-modules, and each of the seed's claims is a check that returns its evidence.
+modules, and each of the column/row-sample article's claims is a check that returns its evidence.
 Frameworks are imported only inside the functions that use them.
 """
 

@@ -1,4 +1,13 @@
-"""The seed's twelve claims (shared/DESIGN.md, "The seed's claims"), each an executable check.
+"""The column/row-sample article's twelve claims, each an executable check.
+
+The column/row-sample article is the (Chinese) text this project grew from. It explains
+multi-head attention through two ways of holding data: column samples (a token per
+column, ``Y = W @ X``, rows of W are the scorers) and row samples (a token per row,
+``Y = X @ W.T``, PyTorch's ``nn.Linear``). It claims that the two give the same numbers,
+that heads are split by a reshape plus a transpose while a direct reshape is wrong,
+that per-head matrices side by side are the merged one, that slicing heads one at a
+time is slower, that ``view`` after a transpose needs ``.contiguous()``, and that einsum
+keeps ``(N, h, d_k)`` without a transpose; `CLAIM_TITLES` lists all twelve.
 
 Every check returns a `ClaimResult`: the claim's number and title, a verdict, and the
 evidence, which is what was measured or the error that was actually raised. Nothing
@@ -25,6 +34,8 @@ from mha_rosetta.backends._probe import importable as _installed
 from mha_rosetta.core import (
     MHAConfig,
     compare,
+    error_line,
+    linear,
     merge_head_matrices,
     reference_mha,
     split_head_matrices,
@@ -80,19 +91,10 @@ def _fmt(values) -> str:
     return np.array2string(array, precision=4, separator=", ")
 
 
-def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """Row samples through an (out, in) weight: x @ weight.T (+ bias when the layer has one)."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
-
 
 def _max_abs(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
 
-
-def _torch_message(error: BaseException) -> str:
-    """The first line of a library's error, quoted as evidence."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
 
 # --- running the project's own backends as extra evidence ---------------------------------------
@@ -105,7 +107,7 @@ def _backend_run(name: str, setup: Setup, strategy: str = "standard", dtype: str
 
         return get_backend(name).run(setup.cfg, setup.params, setup.x, dtype=dtype, strategy=strategy), ""
     except Exception as error:  # a missing or unfinished adapter is reported, not fatal
-        return None, f"{name} ({strategy}) not run: {_torch_message(error)}"
+        return None, f"{name} ({strategy}) not run: {error_line(error)}"
 
 
 def _backend_stages(name: str, setup: Setup, dtype: str = "float64"):
@@ -116,7 +118,7 @@ def _backend_stages(name: str, setup: Setup, dtype: str = "float64"):
         prepared, _ = get_backend(name).prepare(setup.cfg, setup.params, setup.x, dtype=dtype)
         return prepared.native_stages(), ""
     except Exception as error:
-        return None, f"{name} stages not available: {_torch_message(error)}"
+        return None, f"{name} stages not available: {error_line(error)}"
 
 
 def _strategy_errors(setup: Setup, strategy: str, backends=("numpy", "torch")) -> tuple[dict[str, float], list[str]]:
@@ -134,7 +136,7 @@ def _strategy_errors(setup: Setup, strategy: str, backends=("numpy", "torch")) -
 
 # --- the claims ------------------------------------------------------------------------------
 
-# The claims in this project's words (the seed states them in Chinese; DESIGN.md numbers them).
+# The claims in this project's words (the article states them in Chinese; the numbers are this project's).
 CLAIM_TITLES = {
     1: "Column samples (Y = W_A @ X, rows of W are scorers) and row samples (Y = X @ W_B, columns are scorers) give the same numbers: W_B = W_A.T, Y_B = Y_A.T",
     2: "nn.Linear.weight is (out, in) and computes x @ W.T + b",
@@ -193,7 +195,7 @@ def claim_2(setup: Setup) -> ClaimResult:
     import torch
 
     torch.manual_seed(0)
-    linear = torch.nn.Linear(in_features=4, out_features=2, dtype=torch.float64)  # the seed's example
+    linear = torch.nn.Linear(in_features=4, out_features=2, dtype=torch.float64)  # the article's example
     x = torch.randn(3, 4, dtype=torch.float64)  # (N, in): 3 row samples
     with torch.no_grad():
         y = linear(x)
@@ -203,7 +205,7 @@ def claim_2(setup: Setup) -> ClaimResult:
             x @ linear.weight  # (3, 4) @ (2, 4): the weight must be transposed first
             raised = "no error"
         except RuntimeError as error:
-            raised = _torch_message(error)
+            raised = error_line(error)
     shape = tuple(linear.weight.shape)
     ok = shape == (2, 4) and difference <= 1e-12 and raised != "no error"
     evidence = [
@@ -275,7 +277,7 @@ def claim_4(setup: Setup) -> ClaimResult:
             f"every row i found at D[i // 8, k, i % 8]: {every_row}; inverse chain gives A back exactly: {exact}; "
             f"B, C, D and the rebuilt A all share A's memory (no copy): {no_copy}"
         )
-    evidence.append("note: the grouping into 4 blocks of 8 tokens is the seed's exercise, not a step of MHA")
+    evidence.append("note: the grouping into 4 blocks of 8 tokens is the article's exercise, not a step of MHA")
     return ClaimResult(4, title, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
@@ -325,15 +327,15 @@ def claim_5(setup: Setup) -> ClaimResult:
 
 def _attention_with_split(cfg: MHAConfig, params, x: np.ndarray, split: Callable, merge: Callable) -> np.ndarray:
     """One batch item of MHA (float64) with a given head split/merge, to isolate the split's effect."""
-    q = _linear(x, params.w_q, params.b_q)  # (N, H*Dk)
-    k = _linear(x, params.w_k, params.b_k)  # (N, H*Dk)
-    v = _linear(x, params.w_v, params.b_v)  # (N, H*Dv)
+    q = linear(x, params.w_q, params.b_q)  # (N, H*Dk)
+    k = linear(x, params.w_k, params.b_k)  # (N, H*Dk)
+    v = linear(x, params.w_v, params.b_v)  # (N, H*Dv)
     qh, kh, vh = split(q), split(k), split(v)  # (H, N, Dk) each
     scores = cfg.scale * qh @ kh.transpose(0, 2, 1)  # (H, N, N)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
     context = weights @ vh  # (H, N, Dv)
-    return _linear(merge(context), params.w_o, params.b_o)  # (N, D)
+    return linear(merge(context), params.w_o, params.b_o)  # (N, D)
 
 
 def claim_6(setup: Setup) -> ClaimResult:
@@ -346,11 +348,14 @@ def claim_6(setup: Setup) -> ClaimResult:
         f"correct split: head 0 sees tokens {right.tokens_of(0)} and features {right.features_of(0)}",
         f"direct reshape: head 0 sees tokens {wrong.tokens_of(0)} and features {wrong.features_of(0)}",
     ]
-    # The seed's 4-token example: 4 tokens of 4 numbers, 2 heads of 2.
+    # The column/row-sample article's 4-token example: 4 tokens of 4 numbers, 2 heads of 2.
     a = np.arange(1, 17).reshape(4, 4)  # (4 tokens, 4 features)
     correct_head0 = a.reshape(4, 2, 2).transpose(1, 0, 2)[0]  # (4, 2, 2) -> (2, 4, 2), head 0
     wrong_head0 = a.reshape(2, 4, 2)[0]  # (2, 4, 2) in one reshape, head 0
-    evidence.append(f"seed's 4-token example: correct head 0 = {correct_head0.tolist()}, direct reshape head 0 = {wrong_head0.tolist()}")
+    evidence.append(
+        f"the article's 4-token example: correct head 0 = {correct_head0.tolist()}, "
+        f"direct reshape head 0 = {wrong_head0.tolist()}"
+    )
     correct_out = _attention_with_split(
         cfg, setup.params, x,
         lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (N, H, d) -> (H, N, d)
@@ -399,9 +404,9 @@ def claim_7(setup: Setup) -> ClaimResult:
         lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (N, H*Dv)
     )
     # One head at a time: slice the columns of each head, attend, concatenate.
-    q = _linear(x, setup.params.w_q, setup.params.b_q)  # (N, H*Dk)
-    k = _linear(x, setup.params.w_k, setup.params.b_k)
-    v = _linear(x, setup.params.w_v, setup.params.b_v)
+    q = linear(x, setup.params.w_q, setup.params.b_q)  # (N, H*Dk)
+    k = linear(x, setup.params.w_k, setup.params.b_k)
+    v = linear(x, setup.params.w_v, setup.params.b_v)
     contexts = []
     for h in range(H):
         cols_k = slice(h * cfg.d_k, (h + 1) * cfg.d_k)
@@ -409,7 +414,7 @@ def claim_7(setup: Setup) -> ClaimResult:
         scores = cfg.scale * q[:, cols_k] @ k[:, cols_k].T  # (N, N)
         weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         contexts.append((weights / weights.sum(axis=-1, keepdims=True)) @ v[:, cols_v])  # (N, Dv)
-    sliced = _linear(np.concatenate(contexts, axis=1), setup.params.w_o, setup.params.b_o)  # (N, D)
+    sliced = linear(np.concatenate(contexts, axis=1), setup.params.w_o, setup.params.b_o)  # (N, D)
     difference = _max_abs(sliced, batched)
     evidence = [f"correctness: slicing vs batched heads max diff {difference:.1e}"]
     adapter_errors, notes = _strategy_errors(setup, "slicing")
@@ -456,7 +461,7 @@ def claim_9(setup: Setup) -> ClaimResult:
             swapped.view(N, H * Dv)
             view_error = "no error"
         except RuntimeError as error:
-            view_error = _torch_message(error)
+            view_error = error_line(error)
         made_contiguous = swapped.contiguous()  # (N, H, Dv), new memory in row-major order
         merged = made_contiguous.view(N, H * Dv)  # (N, H*Dv), now a view of that copy
         with warnings.catch_warnings(record=True) as caught:
@@ -489,7 +494,7 @@ def claim_9(setup: Setup) -> ClaimResult:
         np.reshape(swapped_np, (N, H * Dv), copy=False)  # NumPy's "view or fail" (numpy >= 2.1)
         numpy_error = "no error"
     except ValueError as error:
-        numpy_error = _torch_message(error)
+        numpy_error = error_line(error)
     except TypeError:
         numpy_error = "n/a (this NumPy has no reshape(copy=False))"
     reshaped_np = swapped_np.reshape(N, H * Dv)  # (N, H*Dv): a silent copy
@@ -551,16 +556,16 @@ def claim_11(setup: Setup) -> ClaimResult:
     title = CLAIM_TITLES[11]
     cfg, params, x = setup.cfg, setup.params, setup.x[0]
     N, H = x.shape[0], cfg.n_heads
-    q = (_linear(x, params.w_q, params.b_q)).reshape(N, H, cfg.d_k)  # (N, H, Dk): a view, no transpose
-    k = (_linear(x, params.w_k, params.b_k)).reshape(N, H, cfg.d_k)  # (N, H, Dk)
-    v = (_linear(x, params.w_v, params.b_v)).reshape(N, H, cfg.d_v)  # (N, H, Dv)
+    q = (linear(x, params.w_q, params.b_q)).reshape(N, H, cfg.d_k)  # (N, H, Dk): a view, no transpose
+    k = (linear(x, params.w_k, params.b_k)).reshape(N, H, cfg.d_k)  # (N, H, Dk)
+    v = (linear(x, params.w_v, params.b_v)).reshape(N, H, cfg.d_v)  # (N, H, Dv)
     scores_einsum = cfg.scale * np.einsum("nhd,mhd->hnm", q, k)  # (H, N, N) straight from (N, H, Dk)
     scores_transposed = cfg.scale * q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)  # (H, N, Dk) @ (H, Dk, N)
     weights = np.exp(scores_einsum - scores_einsum.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
     context = np.einsum("hnm,mhd->nhd", weights, v)  # (N, H, Dv): tokens first again
     merged = context.reshape(N, -1)  # (N, H*Dv): a view, since context is already token-major
-    output = _linear(merged, params.w_o, params.b_o)  # (N, D)
+    output = linear(merged, params.w_o, params.b_o)  # (N, D)
     reference = reference_mha(cfg, params, x)
     score_diff, output_error = _max_abs(scores_einsum, scores_transposed), _max_abs(output, reference)
     merge_is_view = shares_memory(merged, context)
@@ -583,7 +588,7 @@ def claim_11(setup: Setup) -> ClaimResult:
 
 def claim_12(setup: Setup) -> ClaimResult:
     title = CLAIM_TITLES[12]
-    d_model = 12  # the seed's token width
+    d_model = 12  # the column/row-sample article's token width
     token = np.zeros(d_model)
     token[[0, 2]] = [1.0, 2.0]
     scorer = np.zeros(d_model)
@@ -633,7 +638,7 @@ def speed_answers(threads: int = 1, quick: bool = True) -> tuple[dict[int, list[
     try:
         answers = run_speed_questions(threads=threads, quick=quick)
     except Exception as error:  # a failed benchmark must not hide the other claims
-        return {}, f"benchmark questions failed: {_torch_message(error)}"
+        return {}, f"benchmark questions failed: {error_line(error)}"
     grouped: dict[int, list[dict]] = {}
     for answer in answers:
         grouped.setdefault(int(answer["claim"]), []).append(answer)

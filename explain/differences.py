@@ -18,7 +18,13 @@ import numpy as np
 
 from mha_rosetta.backends._probe import import_failure
 from mha_rosetta.backends._probe import importable as _installed  # imports the library once to be sure it loads
-from mha_rosetta.core import reference_mha, to_flax_params, to_torch_mha_state_dict, torch_mha_unsupported_reason
+from mha_rosetta.core import (
+    error_line,
+    reference_mha,
+    to_flax_params,
+    to_torch_mha_state_dict,
+    torch_mha_unsupported_reason,
+)
 
 from .seed_setup import Setup, make_setup
 
@@ -35,10 +41,6 @@ class Difference:
         data = asdict(self)
         data["rows"] = [{"run": run, "result": result} for run, result in self.rows]
         return data
-
-
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 # --- the projections every hand-built call shares (float64, NumPy) ------------------------------
@@ -201,7 +203,7 @@ def mask_polarity(setup: Setup) -> Difference:
         try:
             output, weights = run()
         except Exception as error:  # a library refusing the call is itself the evidence
-            rows.append((label, f"raised {_first_line(error)}"))
+            rows.append((label, f"raised {error_line(error)}"))
             continue
         error = float(np.max(np.abs(output - intended)))
         rows.append((label, f"{_keys_of_query0(weights)}; output vs intended max error {error:.1e}"))
@@ -235,7 +237,7 @@ def sequence_first(setup: Setup) -> Difference:
             wrong = np.asarray(jax.nn.dot_product_attention(*misfed)).transpose(0, 2, 1, 3)  # read back as (B, N, H, d)
             wrong_text = f"no error; max diff {float(np.max(np.abs(wrong - expected))):.2f} (JAX took heads for tokens)"
         except Exception as error:
-            wrong_text = f"raised {_first_line(error)}"
+            wrong_text = f"raised {error_line(error)}"
         rows.append(("jax.nn.dot_product_attention on (B, N, H, d) vs SDPA on (B, H, N, d)", f"max diff {float(np.max(np.abs(right - expected))):.1e}"))
         rows.append(("jax.nn.dot_product_attention given SDPA's (B, H, N, d) arrays", wrong_text))
     if _installed("equinox"):
@@ -249,7 +251,7 @@ def sequence_first(setup: Setup) -> Difference:
             module(x, x, x)
             text = "accepted a batch"
         except Exception as error:
-            text = f"raised {_first_line(error)}; it is unbatched by design, use jax.vmap over the batch"
+            text = f"raised {error_line(error)}; it is unbatched by design, use jax.vmap over the batch"
         rows.append((f"equinox MultiheadAttention given (B, N, D) = {(B, N, setup.cfg.d_model)}", text))
     if not rows:
         return Difference("sequence_first", title, "skipped: torch, jax and equinox not installed")
@@ -297,7 +299,7 @@ def fully_masked_row(setup: Setup) -> Difference:
             output, _ = run()
             rows.append((label, _classify(output[0, 0], candidates, atol)))
         except Exception as error:
-            rows.append((label, f"raised {_first_line(error)}"))
+            rows.append((label, f"raised {error_line(error)}"))
     takeaway = "padding-only rows (left padding, empty segments) come out as NaN, zeros or an average depending on the library and even the code path"
     return Difference("fully_masked_row", title, "demonstrated", rows, takeaway)
 
@@ -458,7 +460,7 @@ def jax_on_cpu_at_highest():
 
 
 def run_differences(setup: Setup | None = None, keys: list[str] | None = None) -> list[Difference]:
-    """Run the demonstrations (all by default) on ``setup`` (default: the seed's configuration).
+    """Run the demonstrations (all by default) on ``setup`` (default: the article's configuration).
 
     Every demonstration but `ON_THE_DEVICE` runs its JAX calls on the CPU at "highest"
     precision (`jax_on_cpu_at_highest`), so a CUDA-JAX machine gives the same verdicts.

@@ -1,7 +1,7 @@
 """`explain()`: everything the explainer shows for one configuration, as one object.
 
     from mha_rosetta.explain import explain
-    result = explain()                      # the seed's 6 tokens, d_model 12, 3 heads of 4
+    result = explain()                      # the column/row-sample article's 6 tokens, d_model 12, 3 heads of 4
     result.print()                          # rich tables (plain text without rich)
     print(result.to_markdown())
     result.save_png("head_split.png")
@@ -112,10 +112,10 @@ def explain(
     threads: int = 1,
     quick: bool = True,
 ) -> Explanation:
-    """Build the explanation for ``cfg`` (default: the seed's 6 tokens, d_model 12, 3 heads, d_k 4).
+    """Build the explanation for ``cfg`` (default: the article's 6 tokens, d_model 12, 3 heads, d_k 4).
 
     ``backends``: which adapters the stage table measures (default: every installed
-    implementation). ``claims=True`` adds the seed's claims; with ``speed`` their speed
+    implementation). ``claims=True`` adds the column/row-sample article's claims; with ``speed`` their speed
     parts run the benchmark questions (``threads``, ``quick``). ``sections`` picks parts
     of the output from SECTIONS.
     """
@@ -142,7 +142,7 @@ def explain(
     if "differences" in sections:
         result.differences = run_differences(setup)
     if "claims" in sections:
-        # The claims use the seed's own example sizes where the seed gives numbers (2.5, the
+        # The claims use the column/row-sample article's own example sizes where it gives numbers (2.5, the
         # (32, 8) chain); the rest run on this configuration.
         result.claims = run_claims(setup=setup, speed=speed, threads=threads, quick=quick)
         settings["speed"] = {"run": speed, "threads": threads, "quick": quick}

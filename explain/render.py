@@ -8,10 +8,10 @@ fixed-width text.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 
 from mha_rosetta.backends._probe import importable
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES
+from mha_rosetta.core.tables import Table, markdown_table, plain_lines, rich_escape, rich_tables
 
 from .head_split import grid_text, head_summary
 from .real_checkpoints import CHECKPOINTS_INTRO, checkpoint_tables
@@ -44,7 +44,7 @@ def stage_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
     tables = []
     for stage_name in STAGE_NAMES:
         rows = [
-            [row.backend, str(row.shape), " x ".join(row.axes), row.strides_text, row.contiguous, row.memory, _short_note(row)]
+            [row.backend, str(row.shape), " x ".join(row.axes), row.strides_text, row.contiguous, row.memory, row.note]
             for row in explanation.stages
             if row.stage == stage_name
         ]
@@ -53,15 +53,6 @@ def stage_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
             title = f"{stage_name} ({stage.step}; canonical {' x '.join(stage.shape)}): {stage.meaning}"
             tables.append((title, headers, rows))
     return tables
-
-
-def _short_note(row) -> str:
-    """The adapter's note without the view/copy prefix the memory column already shows."""
-    if row.note == row.memory:
-        return ""
-    # "new buffer: softmax ..." is shown as memory "new buffer (computed)".
-    prefix = "new buffer: " if row.memory == "new buffer (computed)" else f"{row.memory}: "
-    return row.note[len(prefix):] if row.note.startswith(prefix) else row.note
 
 
 def axis_legend(explanation) -> tuple[str, list[str], list[list[str]]]:
@@ -85,7 +76,7 @@ def weights_table(explanation) -> tuple[str, list[str], list[list[str]]]:
 
 def claims_table(explanation) -> tuple[str, list[str], list[list[str]]]:
     rows = [[str(c.claim), c.title, c.verdict] for c in explanation.claims]
-    return "The seed's claims", ["#", "claim", "verdict"], rows
+    return "The column/row-sample article's claims", ["#", "claim", "verdict"], rows
 
 
 def difference_tables(explanation) -> list[tuple[str, str, list[str], list[list[str]], str]]:
@@ -99,9 +90,7 @@ def difference_tables(explanation) -> list[tuple[str, str, list[str], list[list[
 
 
 def _text_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)] if rows else [len(h) for h in headers]
-    line = lambda cells: "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(row) for row in rows)])
+    return "\n".join(plain_lines(Table("", headers, rows)))
 
 
 def render_text(explanation) -> str:
@@ -142,28 +131,15 @@ def _text_section(explanation, section: str) -> list[str]:
         for claim in explanation.claims:
             evidence = "\n".join(f"    - {line}" for line in claim.evidence)
             parts.append(f"claim {claim.claim}: {claim.title}\n  verdict: {claim.verdict}\n  evidence:\n{evidence}")
-        return ["== The seed's claims", *parts]
+        return ["== The column/row-sample article's claims", *parts]
     return []
 
 
 # --- rich --------------------------------------------------------------------------------------
 
 
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(str(text))
-
-
-def _rich_table(title: str, headers: list[str], rows: Iterable[list[str]]):
-    from rich.table import Table
-
-    table = Table(title=_escape(title), title_justify="left", show_lines=False, expand=False)
-    for header in headers:
-        table.add_column(header, overflow="fold")
-    for row in rows:
-        table.add_row(*(_escape(cell) for cell in row))
-    return table
+def _rich_table(title: str, headers: list[str], rows: list[list[str]]):
+    return rich_tables(Table(title, headers, rows), show_lines=False, expand=False)[0]
 
 
 def _verdict_style(verdict: str) -> str:
@@ -184,7 +160,7 @@ def print_rich(explanation, file=None) -> None:
     if not console.is_terminal:
         # Piped or written to a file: wide lines read better than tables folded at 80 columns.
         console = Console(file=file, width=max(console.width, 160))
-    console.rule(f"mha-rosetta explain: {_escape(_config_line(explanation))}")
+    console.rule(f"mha-rosetta explain: {rich_escape(_config_line(explanation))}")
     for section in explanation.sections:
         if section == "stages":
             console.print(_rich_table(*backend_table(explanation)))
@@ -196,26 +172,27 @@ def print_rich(explanation, file=None) -> None:
         elif section == "head_split":
             for split in explanation.head_split.values():
                 label = "correct split" if split.name == "correct" else "direct-reshape mistake"
-                body = grid_text(split, colour=True) + "\n\n" + _escape("\n".join(head_summary(split)))
-                console.print(Panel(body, title=_escape(f"Head split, {label}: {split.chain}"), expand=False))
+                body = grid_text(split, colour=True) + "\n\n" + rich_escape("\n".join(head_summary(split)))
+                console.print(Panel(body, title=rich_escape(f"Head split, {label}: {split.chain}"), expand=False))
         elif section == "checkpoints":
-            console.print(_escape(CHECKPOINTS_INTRO))
+            console.print(rich_escape(CHECKPOINTS_INTRO))
             for table in checkpoint_tables(explanation):
                 console.print(_rich_table(*table))
         elif section == "differences":
             for title, status, headers, rows, takeaway in difference_tables(explanation):
                 console.print(_rich_table(f"{title} [{status}]", headers, rows))
                 if takeaway:
-                    console.print(f"  => {_escape(takeaway)}")
+                    console.print(f"  => {rich_escape(takeaway)}")
         elif section == "claims":
             from rich.table import Table
 
-            table = Table(title="The seed's claims", title_justify="left", show_lines=True, expand=True)
+            title = "The column/row-sample article's claims"
+            table = Table(title=title, title_justify="left", show_lines=True, expand=True)
             for header, ratio in (("#", None), ("claim", 3), ("evidence", 6), ("verdict", 2)):
                 table.add_column(header, overflow="fold", ratio=ratio)
             for claim in explanation.claims:
-                evidence = "\n".join(f"- {_escape(line)}" for line in claim.evidence)
-                table.add_row(str(claim.claim), _escape(claim.title), evidence, f"[{_verdict_style(claim.verdict)}]{_escape(claim.verdict)}[/]")
+                evidence = "\n".join(f"- {rich_escape(line)}" for line in claim.evidence)
+                table.add_row(str(claim.claim), rich_escape(claim.title), evidence, f"[{_verdict_style(claim.verdict)}]{rich_escape(claim.verdict)}[/]")
             console.print(table)
 
 
@@ -229,14 +206,8 @@ def print_explanation(explanation, plain: bool = False, file=None) -> None:
 # --- Markdown ------------------------------------------------------------------------------------
 
 
-def _md_cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", "<br>")
-
-
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(_md_cell(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(headers, rows))
 
 
 def render_markdown(explanation, png_name: str | None = None) -> str:

@@ -1,6 +1,6 @@
-"""The seed article's running example, and the inputs every explainer section shares.
+"""The column/row-sample article's running example, and the inputs every explainer section shares.
 
-The seed works with 6 tokens of d_model 12 split into 3 heads of d_k 4; the explainer
+The column/row-sample article works with 6 tokens of d_model 12 split into 3 heads of d_k 4; the explainer
 uses that configuration unless told otherwise. Batch 2 keeps the batch axis visible
 and distinct from every other size (2 is none of 3, 4, 6, 12).
 """

@@ -8,16 +8,15 @@ words typed here are the meanings of those symbols.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES, MHAConfig, MHAParams
 
-from .memory import XLA_MANAGED, array_library, contiguity, shares_memory, strides_in_elements
+from .memory import UNKNOWN_LAYOUT, XLA_MANAGED, array_library, contiguity, strides_in_elements
 
-# What each axis symbol of `core.stages` means, in the words of the seed's picture:
+# What each axis symbol of `core.stages` means, in the words of the column/row-sample article's picture:
 # samples (batch items, tokens), features, heads, and the scorers that make features.
 AXIS_MEANING = {
     "B": "samples (batch)",
@@ -34,18 +33,6 @@ AXIS_MEANING = {
     "H*Dv": "features: all heads' context side by side",
 }
 
-# The stage each split/merge/mask step starts from: a view of it costs nothing, a copy moves memory.
-DERIVED_FROM = {
-    "q_heads": "q",
-    "k_heads": "k",
-    "v_heads": "v",
-    "q_rotated": "q_heads",
-    "k_rotated": "k_heads",
-    "masked_scores": "scores",
-    "weights": "masked_scores",
-    "merged": "context",
-}
-
 
 @dataclass(frozen=True)
 class StageRow:
@@ -59,12 +46,16 @@ class StageRow:
     axes: tuple[str, ...]
     strides: tuple[int, ...] | None  # in elements; None where XLA manages the layout
     contiguous: str
-    memory: str  # "view of q", "copy of context", "new buffer", or n/a for JAX
+    memory: str  # "view of q", "copy of context", "new buffer (computed)", or n/a for JAX
     note: str
+    relation: str = "new"  # the adapter's StageTensor.relation: view, copy or new
+    parent: str | None = None  # the stage it was made from
 
     @property
     def strides_text(self) -> str:
-        return XLA_MANAGED if self.strides is None else str(self.strides)
+        if self.strides is not None:
+            return str(self.strides)
+        return XLA_MANAGED if self.library == "jax" else UNKNOWN_LAYOUT
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -87,59 +78,18 @@ class BackendSummary:
         return asdict(self)
 
 
-_RELATION = re.compile(r"\b(view|copy) of (\w+)")
-_NEW_BUFFER = "new buffer"
+def memory_relation(stage) -> str:
+    """Whether a stage tensor is a view of the stage it was made from, a copy, or a new buffer.
 
-
-def recorded_relation(name: str, note: str) -> str | None:
-    """The relation an adapter's note records to another stage ("view of q", "copy of context").
-
-    A note that starts "new buffer" records that the step wrote fresh memory.
+    Read from the provenance the adapter recorded where it made the tensor
+    (`StageTensor.relation` and `.parent`, measured on the live tensors); JAX arrays are
+    immutable and XLA places their buffers, so there the question has no answer.
     """
-    for kind, other in _RELATION.findall(note):
-        if other in STAGE_BY_NAME and other != name:
-            return f"{kind} of {other}"
-    if note.startswith(_NEW_BUFFER):
-        return f"{_NEW_BUFFER} (computed)"
-    return None
-
-
-def _made_from(name: str, note: str) -> str | None:
-    """The stage that stage ``name``'s note says it is a view or copy of."""
-    relation = recorded_relation(name, note)
-    return relation.split(" of ")[1] if relation and relation.startswith(("view of ", "copy of ")) else None
-
-
-def memory_relation(name: str, tensors: dict, note: str = "", notes: dict[str, str] | None = None) -> str:
-    """Whether stage ``name`` is a view of the stage it was made from, a copy, or a new buffer.
-
-    The adapters record snapshots (so later in-place steps cannot change them) and
-    measure view-or-copy on the live tensors at that moment, writing e.g. "view of q"
-    or "copy of context" in the note; that measurement is used when present. Otherwise
-    the recorded tensors themselves are compared (an adapter may record live tensors).
-    ``notes`` (every stage's note) tells where an adapter makes the stages the other way
-    round: einops computes q_heads and makes q from it, so q_heads is not a view of q.
-    """
-    value = tensors[name]
-    if array_library(value) == "jax":
+    if array_library(stage.value) == "jax":
         return "n/a (immutable; XLA places buffers)"
-    measured = recorded_relation(name, note)
-    if measured:
-        return measured
-    earlier = list(STAGE_NAMES[: STAGE_NAMES.index(name)])
-    parent = DERIVED_FROM.get(name)
-    made_from_this = {other for other, text in (notes or {}).items() if _made_from(other, text) == name}
-    if parent in made_from_this:
-        return f"{_NEW_BUFFER} (computed)"  # the usual parent was made from this stage
-    if parent in tensors:
-        earlier.remove(parent)
-        earlier.insert(0, parent)  # report the parent first when several share memory
-    for other in earlier:
-        if other in tensors and shares_memory(value, tensors[other]):
-            return f"view of {other}" if other == parent else f"shares memory with {other}"
-    if parent is not None:
-        return "not recorded (see note)"
-    return "new buffer (computed)"
+    if stage.relation == "new":
+        return "new buffer (computed)"
+    return f"{stage.relation} of {stage.parent}"
 
 
 def scorer_location(axes_of_q: tuple[str, ...] | None) -> tuple[str, str]:
@@ -178,8 +128,6 @@ def measure_backend(
         # The registry names the backend but its adapter module is missing or unfinished.
         return BackendSummary(name, "", "", "", dtype, skipped=f"adapter not available: {error}"), []
 
-    tensors = {stage_name: stage.value for stage_name, stage in stages.items()}
-    notes = {stage_name: stage.note for stage_name, stage in stages.items()}
     rows = []
     for stage_name in STAGE_NAMES:
         if stage_name not in stages:
@@ -196,8 +144,10 @@ def measure_backend(
                 axes=tuple(stage.axes),
                 strides=strides_in_elements(value),
                 contiguous=contiguity(value),
-                memory=memory_relation(stage_name, tensors, stage.note, notes),
+                memory=memory_relation(stage),
                 note=stage.note,
+                relation=stage.relation,
+                parent=stage.parent,
             )
         )
     q_axes = tuple(stages["q"].axes) if "q" in stages else None
@@ -207,11 +157,9 @@ def measure_backend(
 
 def default_backends() -> list[str]:
     """Every installed implementation backend (the third-party oracles hide their stages)."""
-    from mha_rosetta.backends import REGISTRY, available_backends
+    from mha_rosetta.backends import available_backends
 
-    implementations = {"numpy", "torch", "jax", "einops-numpy", "einops-torch", "einops-jax"}
-    installed = set(available_backends())
-    return [name for name in REGISTRY if name in implementations and name in installed]
+    return available_backends(kind="implementation")
 
 
 def build_stage_tables(

@@ -247,7 +247,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
     per_head = split_head_matrices(w, H)
     layouts.append(
         _layout(
-            "per-head W_h, row samples (seed's W^Q_h: Q_h = X @ W_h)",
+            "per-head W_h, row samples (the article's W^Q_h: Q_h = X @ W_h)",
             "columns of each W_h",
             "w_q.reshape(H, Dk, D).transpose(0, 2, 1)  # (H, D, Dk)",
             "merge_head_matrices(W): [W_0 | W_1 | ...].T",

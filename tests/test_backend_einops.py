@@ -47,17 +47,6 @@ def backend_for(library: str):
     return get_backend(f"einops-{library}")
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_matches_reference(library, case, dtype):
-    cfg = CASES[case]
-    params = init_params(cfg, seed=1)
-    query, key, value, mask = make_inputs(cfg, cross=case == "cross")
-    out = backend_for(library).run(cfg, params, query, key, value, mask, dtype=dtype)
-    assert_close(out, reference_mha(cfg, params, query, key, value, mask), dtype, what=f"einops-{library} {case}")
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_half_precision_matches_reference(library, dtype):
@@ -68,8 +57,9 @@ def test_half_precision_matches_reference(library, dtype):
     result = prepared.forward()
     assert str(result.dtype).endswith(dtype)  # "float16", "torch.float16", "bfloat16"
     assert_close(prepared.to_numpy(result), reference_mha(cfg, params, query, key, value, mask), dtype)
-    if library == "numpy" and dtype == "bfloat16":
-        assert "float32" in prepared.info["bfloat16"]  # the upcast is recorded, not hidden
+    if library == "numpy":  # the NumPy adapter's policy: stored in the half type, computed in float32, and said so
+        assert (prepared.info["storage_dtype"], prepared.info["compute_dtype"]) == (dtype, "float32")
+        assert "float32" in prepared.info["rounding"]
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -119,8 +109,12 @@ def test_layout_notes_are_measured_on_the_tensors(library):
     prepared, _ = backend_for(library).prepare(cfg, init_params(cfg), make_inputs(cfg, cross=False)[0])
     stages = prepared.native_stages()
     assert stages["q_heads"].axes == ("B", "Nq", "H", "Dk")
-    assert stages["q"].note.startswith("view of")
-    assert stages["merged"].note.split(": ")[1] in ("view of context", "copy of context")
+    assert (stages["q"].relation, stages["q"].parent) == ("view", "q_heads")
+    assert (stages["q_heads"].relation, stages["q_heads"].parent) == ("new", None)  # no split step
+    # NumPy reshapes the contiguous context in place; torch's einsum hands back a permuted
+    # context, which the merge has to copy.
+    expected = {"numpy": "view", "torch": "copy"}[library]
+    assert (stages["merged"].relation, stages["merged"].parent) == (expected, "context")
 
 
 def test_numpy_einsum_with_explicit_path_equals_einops_einsum():

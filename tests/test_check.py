@@ -542,3 +542,45 @@ def test_importing_the_checks_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_report_fits_120_columns_and_markdown_keeps_the_whole_matrix(monkeypatch, capsys):
+    """Forty implementations make a matrix far wider than a terminal: the text splits it, Markdown does not."""
+    from mha_rosetta.checks.report import print_rich, rich_available
+
+    backends = [good(f"fake-impl-{i:02d}") for i in range(40)]
+    result = run_check(backends=backends, cases=cases_in(["float32"], "self_attention"), strategies=[STANDARD])
+    blocks, summary = report_blocks(result), summary_lines(result)
+    wide = render_plain(blocks, summary)  # no width: every line as long as it needs
+    assert max(len(line) for line in wide.splitlines()) > 120
+    text = render_plain(blocks, summary, width=120)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "(part 1 of " in text and "(part 2 of " in text
+    for i in range(40):  # every row label and every column number is still there
+        assert f"fake-impl-{i:02d}" in text
+    header = [line for line in text.splitlines() if line.startswith("#  ")]
+    assert sorted({int(c) for line in header for c in line.split() if c.isdigit()}) == list(range(1, 41))
+    markdown = render_markdown(blocks, summary)
+    matrix_header = next(line for line in markdown.splitlines() if line.startswith("| # | implementation"))
+    assert matrix_header.count("|") == 4 + 40 + 1  # one table, all 40 columns
+    if rich_available():
+        monkeypatch.setenv("COLUMNS", "120")
+        print_rich(blocks, summary)
+        printed = capsys.readouterr().out
+        assert max(len(line) for line in printed.splitlines()) <= 120
+        assert "fake-impl-39" in printed
+
+
+def test_a_wide_matrix_splits_into_parts_that_keep_the_row_labels():
+    from mha_rosetta.core.tables import Table
+    from mha_rosetta.core.tables import render_plain as render_tables
+
+    numbers = [str(i + 1) for i in range(20)]
+    rows = [[str(i + 1), f"implementation-{i:02d}", *("3e-07~" for _ in numbers)] for i in range(20)]
+    matrix = Table("matrix", ["#", "implementation", *numbers], rows, notes=["legend " * 30], key_columns=2)
+    text = render_tables([matrix], width=120)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    parts = [line for line in text.splitlines() if line.startswith("matrix (part ")]
+    assert len(parts) == 2  # 2 + 20 columns of 8 characters: two parts of 120 columns
+    assert text.count("implementation-19") == 2 and text.count("3e-07~") == 20 * 20
+    assert render_tables([matrix]).splitlines()[1].split()[-1] == "20"  # no width: one line per row

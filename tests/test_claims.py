@@ -1,4 +1,4 @@
-"""The seed's claims that are not about speed, run as tests asserting the measured values.
+"""The column/row-sample article's claims that are not about speed, run as tests asserting the measured values.
 
 The speed halves (claims 3, 7 and parts of 9, 11) are benchmark questions and never run
 here; only the logic that folds their answers into a verdict is tested, with made-up answers.

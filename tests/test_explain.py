@@ -256,7 +256,7 @@ def test_rich_rendering_of_claims():
     stream = io.StringIO()
     result.print(file=stream)
     text = stream.getvalue()
-    assert "The seed's claims" in text and "confirmed" in text and "2.5" in text
+    assert "The column/row-sample article's claims" in text and "confirmed" in text and "2.5" in text
     assert "token 0 A A A A B B B B C C C C" in text
 
 
@@ -309,6 +309,6 @@ def test_exit_status_ignores_refuted_speed_claims():
 
     result = explain(sections=("head_split",))
     result.claims = [ClaimResult(7, "slicing is slower", "refuted", ["measured"])]
-    assert _failures(result) == []  # the seed may be wrong about speed
+    assert _failures(result) == []  # the column/row-sample article may be wrong about speed
     result.claims.append(ClaimResult(12, "2.5", "refuted", ["measured"]))
     assert _failures(result) == ["claim 12 refuted"]

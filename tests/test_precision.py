@@ -52,10 +52,10 @@ def test_only_full_float32_names_keep_tf32_off():
 def test_jax_precision_info_labels_tf32_by_the_lowered_program(name):
     from mha_rosetta.backends._jax_common import precision_info
 
-    info = precision_info("float32", "gpu", name)
+    info = precision_info("gpu", "float32", name)
     assert info["lowered_precision"] == LOWERED_PRECISION[name]
     assert info["tf32"] is (LOWERED_PRECISION[name] != "HIGHEST")
-    assert "tf32" not in precision_info("float32", "cpu", name)  # TF32 is a GPU matter
+    assert "tf32" not in precision_info("cpu", "float32", name)  # TF32 is a GPU matter
 
 
 @requires("jax")
@@ -65,7 +65,7 @@ def test_tf32_switch_from_the_environment_reaches_jax_programs(monkeypatch):
     monkeypatch.setenv("MHA_ROSETTA_TF32", "1")
     assert effective_precision("highest") == "tensorfloat32"
     assert effective_precision("default") == "default"  # already reduced: left as asked
-    info = precision_info("float32", "gpu", "highest")
+    info = precision_info("gpu", "float32", "highest")
     assert info["tf32"] is True and info["tf32_forced_by"] == "MHA_ROSETTA_TF32=1"
     import jax.numpy as jnp
 

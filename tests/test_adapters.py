@@ -1,0 +1,69 @@
+"""Every registered implementation against the float64 oracle, on the check's spec cases.
+
+One module parametrized over the registry: a backend registered later is tested here
+without a line of test code. Each (backend, strategy) runs every case of
+`checks.cases` (the check's own catalogue) in every dtype for the output, and in the
+case's own dtypes stage by stage; every backend with the known-mistake strategy must
+get caught at ``q_heads``. What is specific to one convention (layouts, notes, half
+precision policies, devices) stays in that adapter's own module.
+"""
+
+from __future__ import annotations
+
+import pytest
+from adapter_cases import (
+    CASES,
+    DTYPES,
+    assert_direct_reshape_is_caught_at_q_heads,
+    assert_every_stage_matches_reference,
+    assert_output_matches_reference,
+)
+
+from mha_rosetta.backends import DIRECT_RESHAPE, KNOWN_WRONG_STRATEGIES, REGISTRY, get_backend, missing_backends
+
+
+def _backend_params(strategies: str) -> list:
+    """pytest params (backend name, strategy) of every registered implementation; a missing one skips with the reason.
+
+    ``strategies``: "correct" (every strategy but the known mistakes) or "mistake" (the known mistake only).
+    """
+    missing = missing_backends()
+    params = []
+    for name, entry in REGISTRY.items():
+        if entry.kind != "implementation":
+            continue
+        if name in missing:
+            params.append(pytest.param(name, None, marks=pytest.mark.skip(reason=missing[name]), id=name))
+            continue
+        for strategy in get_backend(name).strategies:  # class attributes: the framework is not imported
+            wanted = strategy not in KNOWN_WRONG_STRATEGIES if strategies == "correct" else strategy == DIRECT_RESHAPE
+            if wanted:
+                params.append(pytest.param(name, strategy, id=f"{name}:{strategy}"))
+    return params
+
+
+def _backend(name: str, case, dtype: str, strategy: str):
+    backend = get_backend(name)
+    reason = backend.unsupported_reason(case.cfg, dtype, "cpu", strategy)
+    if reason:
+        pytest.skip(reason)
+    return backend
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize(("name", "strategy"), _backend_params("correct"))
+def test_output_matches_reference(name, strategy, case, dtype):
+    assert_output_matches_reference(_backend(name, case, dtype, strategy), case, dtype, strategy)
+
+
+@pytest.mark.parametrize(("case", "dtype"), [(case, dtype) for case in CASES for dtype in case.dtypes], ids=str)
+@pytest.mark.parametrize(("name", "strategy"), _backend_params("correct"))
+def test_every_stage_matches_reference(name, strategy, case, dtype):
+    assert_every_stage_matches_reference(_backend(name, case, dtype, strategy), case, dtype, strategy)
+
+
+@pytest.mark.parametrize(("case", "dtype"), [(case, dtype) for case in CASES for dtype in case.dtypes], ids=str)
+@pytest.mark.parametrize(("name", "strategy"), _backend_params("mistake"))
+def test_direct_reshape_mistake_is_caught_at_q_heads(name, strategy, case, dtype):
+    assert_direct_reshape_is_caught_at_q_heads(_backend(name, case, dtype, strategy), case, dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._chunking import key_block_end, resolve_chunk, tile_allowed
-from ._recording import StageRecorder, record_rotated, view_note
+from ._recording import StageRecorder, record_rotated, relation_to
 from .numpy_backend import COLUMN_SAMPLE_AXES, ROTATE_HOW, ColumnSampleMHA
 
 
@@ -92,7 +92,6 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
             rec.record("context", context, ("B", "H", "Dv", "Nq"), "acc / l per query block (online softmax)")
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq), view: heads stacked as row blocks
         if rec is not None:
-            rec.record(
-                "merged", merged, ("B", "H*Dv", "Nq"), view_note(merged, context, "context", "reshape, no transpose")
-            )
+            relation = relation_to(merged, context)
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "reshape, no transpose", relation, "context")
         return self._finish(merged, rec)

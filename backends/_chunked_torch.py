@@ -14,7 +14,7 @@ back to the run's dtype when it is done.
 from __future__ import annotations
 
 from ._chunking import key_block_end, resolve_chunk, tile_allowed
-from ._recording import StageRecorder, view_note
+from ._recording import StageRecorder, relation_to
 from ._torch_common import bool_tensor
 from .torch_backend import RowSampleMHA
 
@@ -88,6 +88,6 @@ class ChunkedRowSampleMHA(RowSampleMHA):
             rec.record("context", context, ("B", "H", "Nq", "Dv"), "acc / l per query block (online softmax)")
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
         if rec is not None:
-            note = view_note(merged, context, "context", "transpose(1, 2).contiguous().view(B, N, H*Dv)")
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), note)
+            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return self._finish(merged, rec)

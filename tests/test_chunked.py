@@ -13,11 +13,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from adapter_cases import CASES, DTYPES, Case, assert_stages_close
+from adapter_cases import CASES, DTYPES, assert_stages_close, empty_rows_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mha_rosetta.backends import CHUNKED, DEFAULT_CHUNK, STANDARD, UnsupportedCase, get_backend
+from mha_rosetta.checks.cases import SPEC_CASES, SpecCase
 from mha_rosetta.core import MHAConfig, assert_close, compare, init_params, reference_mha
 
 ADAPTERS = ("numpy", "torch", "jax")
@@ -36,7 +37,7 @@ def _adapter(name: str):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_chunked_matches_the_oracle_in_float64(name, case):
     backend = _adapter(name)
-    # Blocks (3, 2) divide neither 7 query tokens nor 5 key tokens: every block shape occurs.
+    # Blocks (3, 2) divide none of the cases' odd token counts: every block shape occurs.
     output = case.run(backend, "float64", CHUNKED, chunk=(3, 2))
     expected = case.reference()
     assert output.shape == expected.shape
@@ -47,7 +48,8 @@ def test_chunked_matches_the_oracle_in_float64(name, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_in_every_dtype(name, dtype):
     backend = _adapter(name)
-    for case in (CASES[2], CASES[6]):  # GQA; rows with nothing to attend to, no bias
+    # GQA; rows with nothing to attend to (one in a single head), no bias
+    for case in (SPEC_CASES["gqa"], empty_rows_case(MHAConfig(d_model=15, n_heads=3, bias=False))):
         output = case.run(backend, dtype, CHUNKED, chunk=(2, 3))
         assert_close(output, case.reference(), dtype, what=f"{name}:chunked/{dtype} on {case}")
 
@@ -55,7 +57,7 @@ def test_chunked_in_every_dtype(name, dtype):
 @pytest.mark.parametrize("name", ADAPTERS)
 def test_chunked_exposes_what_it_holds_and_says_why_not_the_weights(name):
     backend = _adapter(name)
-    case = CASES[3]  # GQA, causal, cross-attention, custom scale
+    case = SPEC_CASES["rope_gqa_causal"]  # GQA, causal, rotary
     _, stages = case.run(backend, "float64", CHUNKED, chunk=(4, 2), return_stages=True)
     assert set(stages) == set(CHUNKED_STAGE_NAMES)
     assert_stages_close(stages, case.reference_stages(), "float64", CHUNKED_STAGE_NAMES)
@@ -66,8 +68,8 @@ def test_chunked_exposes_what_it_holds_and_says_why_not_the_weights(name):
 @pytest.mark.parametrize("name", ADAPTERS)
 def test_default_blocks_and_blocks_larger_than_the_tokens(name):
     backend = _adapter(name)
-    case = CASES[0]
-    prepared, _ = backend.prepare(case.cfg, case.params(), *case.inputs(), strategy=CHUNKED)
+    case = SPEC_CASES["self_attention"]
+    prepared, _ = backend.prepare(case.cfg, case.params(), *case.inputs().arrays, strategy=CHUNKED)
     # 7 tokens: the default (128, 256) is cut to the token counts.
     assert prepared.info["chunk"] == (min(DEFAULT_CHUNK[0], 7), min(DEFAULT_CHUNK[1], 7))
     output = case.run(backend, "float64", CHUNKED, chunk=1000)
@@ -150,13 +152,13 @@ def test_numpy_chunked_peak_memory_is_linear_in_the_tokens():
     ],
 )
 def test_bad_block_sizes_name_chunk(chunk, error, message):
-    case = CASES[0]
+    case = SPEC_CASES["self_attention"]
     with pytest.raises(error, match=message):
         case.run(get_backend("numpy"), "float64", CHUNKED, chunk=chunk)
 
 
 def test_chunk_with_another_strategy_is_refused():
-    case = CASES[0]
+    case = SPEC_CASES["self_attention"]
     with pytest.raises(ValueError, match=r"chunk=\(4, 4\) applies only to strategy='chunked', got strategy='standard'"):
         case.run(get_backend("numpy"), "float64", STANDARD, chunk=4)
 
@@ -174,13 +176,18 @@ def chunked_examples(draw):
         bias=draw(st.booleans()),
         causal=draw(st.booleans()),
     )
-    case = Case(
+    batched = draw(st.booleans())
+    mask = draw(st.sampled_from([None, "padding", "empty rows"]))
+    case = SpecCase(
         "drawn",
+        "drawn by Hypothesis",
         cfg,
-        cross=True,
-        # "empty_rows" blocks a row of head 1: it needs two heads.
-        mask=draw(st.sampled_from([None, "padding"] + (["empty_rows"] if cfg.n_heads > 1 else []))),
-        batched=draw(st.booleans()),
+        batch=2 if batched else None,
+        q_tokens=7,
+        kv_tokens=5,
+        key_lengths=((5, 3) if batched else (3,)) if mask == "padding" else None,
+        blocked_rows=((0, 4),) if mask == "empty rows" else (),
+        seed=draw(st.integers(0, 100)),
     )
     chunk = (draw(st.sampled_from([1, 2, 3, 5, 7, 9])), draw(st.sampled_from([1, 2, 3, 4, 5, 9])))
     return case, chunk
@@ -199,7 +206,7 @@ def test_odd_block_sizes_agree_with_the_oracle(name):
         case, chunk = example
         output = case.run(backend, "float64", CHUNKED, chunk=chunk)
         result = compare(output, case.reference(), "float64", atol=1e-12, rtol=1e-12)
-        assert result.ok, f"{case.cfg.describe()} mask={case.mask} chunk={chunk}: {result.summary()}"
+        assert result.ok, f"{case.describe()} chunk={chunk}: {result.summary()}"
 
     check()
 

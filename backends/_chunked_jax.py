@@ -22,14 +22,14 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs
 
-from ._chunking import resolve_chunk
+from ._chunking import CHUNKED_HIDDEN_STAGES, resolve_chunk
 from ._layouts import TOKENS_FIRST_STAGE_AXES
 
 # Tokens first, like the rest of the JAX adapter; the score-like stages do not exist here.
 CHUNKED_STAGE_AXES = {
     name: axes
     for name, axes in TOKENS_FIRST_STAGE_AXES.items()
-    if name not in ("scores", "masked_scores", "weights")
+    if name not in CHUNKED_HIDDEN_STAGES
 }
 
 

@@ -38,6 +38,8 @@ DEFAULT_CHUNK = (128, 256)
 # What the agreement check passes: blocks that divide none of its token counts (5 to 9),
 # so every case crosses partial blocks, skipped causal blocks and rescaling steps.
 CHECK_CHUNK = (3, 4)
+# The stages the chunked strategy never holds whole (one tile per head at a time).
+CHUNKED_HIDDEN_STAGES = ("scores", "masked_scores", "weights")
 CHUNKED_STAGES_NOTE = (
     "the chunked strategy never holds the full scores or weights (one (q_block, k_block) tile per head at a time); "
     "it exposes q, k, v, the split (and rotated) heads, context, merged and output"

@@ -104,15 +104,29 @@ def get_backend(name: str) -> Backend:
 register("numpy", BackendEntry("numpy_backend", "NumpyBackend", ("numpy",), "test"))
 register("torch", BackendEntry("torch_backend", "TorchBackend", ("torch",), "torch"))
 register("jax", BackendEntry("jax_backend", "JaxBackend", ("jax",), "jax"))
-register("einops-numpy", BackendEntry("einops_backend", "EinopsBackend", ("einops",), "einops", {"array_library": "numpy"}))
-register("einops-torch", BackendEntry("einops_backend", "EinopsBackend", ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
-register("einops-jax", BackendEntry("einops_backend", "EinopsBackend", ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
+register(
+    "einops-numpy", BackendEntry("einops_backend", "EinopsBackend", ("einops",), "einops", {"array_library": "numpy"})
+)
+register(
+    "einops-torch",
+    BackendEntry("einops_backend", "EinopsBackend", ("einops", "torch"), "einops,torch", {"array_library": "torch"}),
+)
+register(
+    "einops-jax",
+    BackendEntry("einops_backend", "EinopsBackend", ("einops", "jax"), "einops,jax", {"array_library": "jax"}),
+)
 # The same layer split over several devices or processes by heads (tensor parallelism).
 register("jax-sharded", BackendEntry("jax_sharded", "JaxShardedBackend", ("jax",), "jax"))
 register("torch-tp", BackendEntry("torch_tp", "TorchTPBackend", ("torch",), "torch"))
 # Third-party oracles: the libraries' own attention, fed the canonical parameters.
-register("torch-mha", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}, kind="oracle"))
-register("torch-mha-seqfirst", BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}, kind="oracle"))
+register(
+    "torch-mha",
+    BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": True}, kind="oracle"),
+)
+register(
+    "torch-mha-seqfirst",
+    BackendEntry("torch_oracles", "TorchMHAOracle", ("torch",), "torch", {"batch_first": False}, kind="oracle"),
+)
 register("torch-sdpa", BackendEntry("torch_oracles", "TorchSDPAOracle", ("torch",), "torch", kind="oracle"))
 register("jax-dpa", BackendEntry("jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
 register("flax", BackendEntry("jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))

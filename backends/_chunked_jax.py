@@ -26,11 +26,7 @@ from ._chunking import CHUNKED_HIDDEN_STAGES, resolve_chunk
 from ._layouts import TOKENS_FIRST_STAGE_AXES
 
 # Tokens first, like the rest of the JAX adapter; the score-like stages do not exist here.
-CHUNKED_STAGE_AXES = {
-    name: axes
-    for name, axes in TOKENS_FIRST_STAGE_AXES.items()
-    if name not in CHUNKED_HIDDEN_STAGES
-}
+CHUNKED_STAGE_AXES = {name: axes for name, axes in TOKENS_FIRST_STAGE_AXES.items() if name not in CHUNKED_HIDDEN_STAGES}
 
 
 def _blocks(n: int, block: int) -> int:
@@ -112,9 +108,7 @@ def _chunked_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, he
     q_heads = _pad_tokens(q_heads, q_pad)  # (Nq_pad, H, Dk)
     k_heads = _pad_tokens(k_heads, k_pad)  # (Nk_pad, Hkv, Dk)
     v_heads = _pad_tokens(v_heads, k_pad)  # (Nk_pad, Hkv, Dv)
-    one_head = partial(
-        _chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k
-    )
+    one_head = partial(_chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k)
     if G == 1:
         context = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=1)(q_heads, k_heads, v_heads, allowed)
     else:

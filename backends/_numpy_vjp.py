@@ -192,7 +192,9 @@ class ColumnSampleVJP:
         grads["stages"] = {
             "d_output": StageTensor(self.d_out, ("B", "D", "Nq")),
             "d_merged": StageTensor(d_merged, ("B", "H*Dv", "Nq")),
-            "d_context": StageTensor(d_context, ("B", "H", "Dv", "Nq"), "", relation_to(d_context, d_merged), "d_merged"),
+            "d_context": StageTensor(
+                d_context, ("B", "H", "Dv", "Nq"), "", relation_to(d_context, d_merged), "d_merged"
+            ),
             "d_weights": StageTensor(inner["d_weights"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
             "d_v_heads": StageTensor(d_v_heads, ("B", "Hkv", "Dv", "Nk")),
             "d_scores": StageTensor(inner["d_scores"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),

@@ -159,14 +159,18 @@ def canonical_stage(name: str, stage: StageTensor, label: str | None = None) -> 
     """
     canonical_axes = STAGE_BY_NAME[name].shape
     if sorted(stage.axes) != sorted(canonical_axes):
-        raise ValueError(f"stage {label or name!r} has axes {stage.axes}, which are not a permutation of {canonical_axes}")
+        raise ValueError(
+            f"stage {label or name!r} has axes {stage.axes}, which are not a permutation of {canonical_axes}"
+        )
     array = tensor_to_numpy(stage.value)
     return np.transpose(array, [stage.axes.index(symbol) for symbol in canonical_axes])
 
 
 def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_given: bool) -> MHAGrads:
     """A `PreparedVJP.to_grads` dict -> `MHAGrads` in the caller's form (defaulted inputs folded)."""
-    d_query, d_key, d_value = fold_defaulted_inputs(grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given)
+    d_query, d_key, d_value = fold_defaulted_inputs(
+        grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given
+    )
     params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})
     forward_stage = dict(GRAD_STAGES)
     stages = {
@@ -221,7 +225,9 @@ class Backend:
             return f"{self.name}: no {device} device present on this machine"
         return None
 
-    def _prepare(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str) -> Prepared:
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
         """Convert once and return the `Prepared` pass. A backend with the "chunked" strategy also
         takes ``chunk=(q_block, k_block)``: `prepare` passes it (validated; None means the
         defaults) for that strategy only."""
@@ -311,15 +317,33 @@ class Backend:
 
     # -- the backward pass (vector-Jacobian product) -----------------------------------------
     def _prepare_vjp(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent: np.ndarray, dtype: str, device: str,
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        inputs: MHAInputs,
+        cotangent: np.ndarray,
+        dtype: str,
+        device: str,
         strategy: str,
     ) -> PreparedVJP:
         """Subclasses with a backward pass override this; ``cotangent`` is float64 (B, Nq, D)."""
         raise UnsupportedCase(f"{self.name} has no backward pass (run_vjp)")
 
     def prepare_vjp(
-        self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, *,
-        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD, positions=None, kv_positions=None,
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        query,
+        key=None,
+        value=None,
+        mask=None,
+        cotangent=None,
+        *,
+        dtype: str = "float64",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+        positions=None,
+        kv_positions=None,
     ) -> tuple[PreparedVJP, MHAInputs]:
         """Validate everything (the cotangent too), then convert once for forward+backward."""
         dtype = check_dtype_name(dtype)
@@ -336,13 +360,35 @@ class Backend:
         return self._prepare_vjp(cfg, params, inputs, batched, dtype, device, strategy), inputs
 
     def run_vjp(
-        self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, *,
-        dtype: str = "float64", device: str = "cpu", strategy: str = STANDARD, positions=None, kv_positions=None,
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        query,
+        key=None,
+        value=None,
+        mask=None,
+        cotangent=None,
+        *,
+        dtype: str = "float64",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+        positions=None,
+        kv_positions=None,
     ) -> MHAGrads:
         """Same arguments and result as `core.reference_mha_vjp`, plus dtype, device and strategy."""
         prepared, inputs = self.prepare_vjp(
-            cfg, params, query, key, value, mask, cotangent, dtype=dtype, device=device, strategy=strategy,
-            positions=positions, kv_positions=kv_positions,
+            cfg,
+            params,
+            query,
+            key,
+            value,
+            mask,
+            cotangent,
+            dtype=dtype,
+            device=device,
+            strategy=strategy,
+            positions=positions,
+            kv_positions=kv_positions,
         )
         native = prepared.run()
         prepared.synchronize(native)

@@ -269,7 +269,9 @@ class TorchOps:
         from ._torch_common import bool_tensor, optional_tensor
 
         # cast=False: the masks, booleans as they are
-        return optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
+        return (
+            optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
+        )
 
     def einsum(self, pattern: str, a, b):
         import einops
@@ -513,7 +515,11 @@ def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, st
         heads = f"{name[0]}_heads"
         if rope is None:
             return NO_ROPE_NOTE, "view", heads
-        return f"rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack", "new", heads
+        return (
+            f"rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack",
+            "new",
+            heads,
+        )
     origin = _STAGE_ORIGINS.get(name, "")
     if name in _IN_PLACE_STEPS:
         parent = _IN_PLACE_STEPS[name]
@@ -552,7 +558,6 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
 
 class EinopsBackend(Backend):
     """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
-
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"

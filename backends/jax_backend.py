@@ -75,7 +75,6 @@ STAGE_NOTES = {
 }
 
 
-
 def _attend_one_head(q, k, v, allowed, *, scale: float):
     """Attention of one head, unbatched: q (Nq, Dk), k (Nk, Dk), v (Nk, Dv), allowed (Nq, Nk) or None."""
     import jax.numpy as jnp
@@ -130,9 +129,7 @@ def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, hea
     return {**stages, "context": heads["context"].reshape(n_q, H, Dv)}  # context (Nq, H, Dv)
 
 
-def _mha_one_item(
-    params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, head_mask_axis: int | None, attend=None
-):
+def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, head_mask_axis: int | None, attend=None):
     """Every stage for one batch item: x_q (Nq, D), x_k (Nk, kdim), x_v (Nk, vdim).
 
     ``allowed`` is None, (Nq, Nk) shared by all heads (head_mask_axis None), or per head

@@ -58,7 +58,6 @@ def _scale_is_default(cfg: MHAConfig) -> bool:
     return math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k), rel_tol=1e-12)
 
 
-
 class _JaxOracle(Backend):
     """What the three oracles share: devices, float64, precision, the empty-row switch."""
 
@@ -118,8 +117,15 @@ class _JaxOracle(Backend):
         x_q, x_k, x_v = (to_jax(x, dtype, target) for x in (inputs.query, inputs.key, inputs.value))  # 3 slots
         primals, extras = (compiled.args[0], x_q, x_k, x_v), compiled.args[4:]
         return jax_vjp_prepared(
-            compiled.fn, primals, extras, cotangent, dtype, target, self.matmul_precision,
-            lambda grads: self._canonical_grads(cfg, grads), self._info(dtype, device),
+            compiled.fn,
+            primals,
+            extras,
+            cotangent,
+            dtype,
+            target,
+            self.matmul_precision,
+            lambda grads: self._canonical_grads(cfg, grads),
+            self._info(dtype, device),
         )
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
@@ -487,7 +493,6 @@ class EquinoxMHAOracle(_JaxOracle):
             }
 
         return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
-
 
     maps_output_rows = True
 

@@ -315,7 +315,9 @@ class ColumnSampleMHA:
             return softmax_blocks_inplace(scores, mask)
         self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
         apply_mask_inplace(scores, mask)
-        self._record(rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", "scores")
+        self._record(
+            rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", "scores"
+        )
         weights = P.operand(scores)
         softmax_inplace(weights, None if mask is None else mask.empty_rows, axis=-2)
         weights = P.store(weights)

@@ -240,7 +240,9 @@ class RowSampleMHA:
         weights = torch.softmax(scores, dim=-1) if out is None else torch.softmax(scores, dim=-1, out=out)
         if empty_rows is not None:
             # Out of place under autograd: softmax's backward needs its own output unchanged.
-            weights = weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
+            weights = (
+                weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
+            )
         note = "torch.softmax over keys; empty rows set to zeros"
         self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights

@@ -104,7 +104,9 @@ def _torch_product(n: int, dtype: str, device: str):
         # same arithmetic. A fresh child process: the switches are set once, for its whole life.
         allow = tf32_forced()
         set_tf32_switches(tf32_state(allow, tf32_switches()["api"]))
-        facts.update(gpu=torch.cuda.get_device_name(0), tf32=allow and dtype == "float32", tf32_switches=tf32_switches())
+        facts.update(
+            gpu=torch.cuda.get_device_name(0), tf32=allow and dtype == "float32", tf32_switches=tf32_switches()
+        )
     else:
         # torch's own BLAS is linked in and invisible to threadpoolctl: record what it says it has.
         facts.update(mkl=torch.backends.mkl.is_available(), mkldnn=torch.backends.mkldnn.is_available())

@@ -436,7 +436,12 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
     started = time.perf_counter()
     try:
         prepared, _ = backend.prepare(
-            oracle.cfg, oracle.params, *data.arrays, dtype=dtype, device=device, strategy=strategy,
+            oracle.cfg,
+            oracle.params,
+            *data.arrays,
+            dtype=dtype,
+            device=device,
+            strategy=strategy,
             **data.positions_kwargs,
             # Blocks that divide none of the cases' token counts, so the recurrence really runs.
             **({"chunk": CHECK_CHUNK} if strategy == CHUNKED else {}),
@@ -568,7 +573,11 @@ def run_check(
     sel = resolve_selection(backends, strategies, devices, dtypes, cases)
     chosen, skipped, broken, strategy_filter = sel.backends, sel.skipped, sel.broken, sel.strategy_filter
     device_names, dtype_names, every_dtype, spec_cases, settings = (
-        sel.devices, sel.dtypes, sel.every_dtype, sel.cases, sel.settings
+        sel.devices,
+        sel.dtypes,
+        sel.every_dtype,
+        sel.cases,
+        sel.settings,
     )
     declared = {
         b.name: tuple(getattr(b, "known_differences", ())) for b in chosen if getattr(b, "known_differences", ())

@@ -110,7 +110,9 @@ def _jax_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha)
             product = np.asarray(jax.jit(jnp.matmul)(ja, jb), dtype=np.float64)
         output = JaxBackend(matmul_precision=name).run(cfg, params, x, dtype="float32", device=device)
         setting, lowered = f"default_matmul_precision={name!r}", LOWERED_PRECISION[name]
-        rows.append(_row("jax", jax.__version__, setting, lowered, allows_tf32(name), device, product, exact, output, mha))
+        rows.append(
+            _row("jax", jax.__version__, setting, lowered, allows_tf32(name), device, product, exact, output, mha)
+        )
     return rows
 
 
@@ -182,9 +184,9 @@ def empty_row_answers(device: str = "cpu") -> dict[str, str]:
 
     answers: dict[str, str] = {}
     calls = {
-        "F.scaled_dot_product_attention(attn_mask)": lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed
-        )[0, 0, 0],
+        "F.scaled_dot_product_attention(attn_mask)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)[
+            0, 0, 0
+        ],
     }
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(target).eval()
     x = torch.randn(1, 4, 8, generator=generator).to(target)  # (B, N, E)

@@ -155,8 +155,12 @@ def _grad_check(args: argparse.Namespace, progress):
     from mha_rosetta.checks.grad import run_grad_check
 
     grad = run_grad_check(
-        backends=args.backends, strategies=args.strategies, devices=args.devices, dtypes=args.dtypes,
-        cases=args.cases, progress=progress,
+        backends=args.backends,
+        strategies=args.strategies,
+        devices=args.devices,
+        dtypes=args.dtypes,
+        cases=args.cases,
+        progress=progress,
     )
     if progress:
         print("\r\033[K", end="", file=sys.stderr, flush=True)

@@ -36,13 +36,22 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_argument_group("configuration (defaults: the column/row-sample article's example)")
-    size.add_argument("--tokens", type=_positive_int, default=SEED_TOKENS, help=f"tokens per sequence (default {SEED_TOKENS})")
-    size.add_argument("--d-model", type=_positive_int, default=SEED_D_MODEL, help=f"model width (default {SEED_D_MODEL})")
+    size.add_argument(
+        "--tokens", type=_positive_int, default=SEED_TOKENS, help=f"tokens per sequence (default {SEED_TOKENS})"
+    )
+    size.add_argument(
+        "--d-model", type=_positive_int, default=SEED_D_MODEL, help=f"model width (default {SEED_D_MODEL})"
+    )
     size.add_argument("--heads", type=_positive_int, default=SEED_HEADS, help=f"number of heads (default {SEED_HEADS})")
     size.add_argument(
-        "--d-k", type=_positive_int, default=None, help=f"head width (default d_model / heads, {SEED_D_K} for the article)"
+        "--d-k",
+        type=_positive_int,
+        default=None,
+        help=f"head width (default d_model / heads, {SEED_D_K} for the article)",
     )
-    size.add_argument("--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"batch size (default {DEFAULT_BATCH})")
+    size.add_argument(
+        "--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"batch size (default {DEFAULT_BATCH})"
+    )
     size.add_argument("--seed", type=int, default=0, help="seed of the parameters and inputs (default 0)")
     parser.add_argument(
         "--backends",
@@ -62,16 +71,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--claims", action="store_true", help="run the article's 12 claims and print claim, evidence and verdict"
     )
-    parser.add_argument("--no-speed", action="store_true", help="with --claims: skip the benchmark questions (speed claims show as skipped)")
+    parser.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="with --claims: skip the benchmark questions (speed claims show as skipped)",
+    )
     parser.add_argument("--threads", type=_positive_int, default=1, help="threads for the speed questions (default 1)")
-    parser.add_argument("--full-speed", action="store_true", help="run the speed questions at full size instead of the quick preset")
+    parser.add_argument(
+        "--full-speed", action="store_true", help="run the speed questions at full size instead of the quick preset"
+    )
     parser.add_argument(
         "--sharding",
         action="store_true",
         help="tensor parallelism instead: which axis of each stored weight is cut, and where the one all-reduce is",
     )
     parser.add_argument(
-        "--world", type=_positive_int, default=None, help="with --sharding: ranks (default: the most, up to 4, that split the heads)"
+        "--world",
+        type=_positive_int,
+        default=None,
+        help="with --sharding: ranks (default: the most, up to 4, that split the heads)",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--markdown", action="store_true", help="print Markdown instead of terminal tables")
@@ -136,10 +154,18 @@ def _failures(explanation) -> list[str]:
     from mha_rosetta.explain.claims import SPEED_ONLY_CLAIMS
 
     problems = [
-        f"claim {c.claim} refuted" for c in explanation.claims if c.verdict == "refuted" and c.claim not in SPEED_ONLY_CLAIMS
+        f"claim {c.claim} refuted"
+        for c in explanation.claims
+        if c.verdict == "refuted" and c.claim not in SPEED_ONLY_CLAIMS
     ]
-    problems += [f"weight layout '{w.layout}' failed its verification" for w in explanation.weights if w.verified is False]
-    problems += [f"checkpoint layout '{c.layout}' failed on its real module" for c in explanation.checkpoints if c.verified is False]
+    problems += [
+        f"weight layout '{w.layout}' failed its verification" for w in explanation.weights if w.verified is False
+    ]
+    problems += [
+        f"checkpoint layout '{c.layout}' failed on its real module"
+        for c in explanation.checkpoints
+        if c.verified is False
+    ]
     return problems
 
 
@@ -233,8 +259,10 @@ def _backward(args: argparse.Namespace, cfg) -> int:
     from mha_rosetta.explain.backward import backward_blocks
 
     blocks, caught = backward_blocks(cfg, args.batch, args.tokens, args.seed)
-    summary = ["the GQA backward bug: " + ("caught by the gradient check, missed by the forward check" if caught
-                                            else "NOT caught")]
+    summary = [
+        "the GQA backward bug: "
+        + ("caught by the gradient check, missed by the forward check" if caught else "NOT caught")
+    ]
     text = render_markdown(blocks, summary) if args.markdown else render_plain(blocks, summary)
     sys.stdout.write(text.replace("# mha-rosetta check", "# mha-rosetta explain --backward", 1))
     return 0 if caught else 1

@@ -47,5 +47,3 @@ def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-

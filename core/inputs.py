@@ -79,7 +79,9 @@ def _check_rank_and_width(name: str, array: np.ndarray, width: int, width_name: 
     if array.shape[-1] != width:
         raise ValueError(f"{name} must have shape {expected}, got last axis {array.shape[-1]} (shape {array.shape})")
     if 0 in array.shape:
-        raise ValueError(f"{name} has a zero-length axis (shape {array.shape}); at least one batch item and token are required")
+        raise ValueError(
+            f"{name} has a zero-length axis (shape {array.shape}); at least one batch item and token are required"
+        )
 
 
 def prepare_inputs(
@@ -126,9 +128,7 @@ def prepare_inputs(
         kv_positions = positions
     else:
         kv_positions = _normalise_positions("kv_positions", kv_positions, key.shape[0], key.shape[1], batched)
-    return MHAInputs(
-        query, key, value, _normalise_mask(mask, full_shape, batched), batched, positions, kv_positions
-    )
+    return MHAInputs(query, key, value, _normalise_mask(mask, full_shape, batched), batched, positions, kv_positions)
 
 
 def _normalise_positions(name: str, positions, batch: int, tokens: int, batched: bool) -> np.ndarray:

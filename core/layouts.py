@@ -195,7 +195,11 @@ def to_flax_params(cfg: MHAConfig, params: MHAParams) -> dict[str, dict[str, np.
     if cfg.n_kv_heads != cfg.n_heads:
         raise ValueError(f"Flax MultiHeadDotProductAttention has no grouped kv heads (n_kv_heads={cfg.n_kv_heads})")
     tree: dict[str, dict[str, np.ndarray]] = {}
-    for name, w, b in (("query", params.w_q, params.b_q), ("key", params.w_k, params.b_k), ("value", params.w_v, params.b_v)):
+    for name, w, b in (
+        ("query", params.w_q, params.b_q),
+        ("key", params.w_k, params.b_k),
+        ("value", params.w_v, params.b_v),
+    ):
         tree[name] = {"kernel": to_dense_general_kernel(w, cfg.n_heads)}
         if b is not None:
             tree[name]["bias"] = split_head_bias(b, cfg.n_heads)  # (H, head_dim)

@@ -65,7 +65,9 @@ def validate_params(cfg: MHAConfig, params: MHAParams) -> None:
         value = getattr(params, name)
         if shape is None:
             if value is not None:
-                raise ValueError(f"params.{name} must be None because cfg.bias is False, got an array of shape {np.shape(value)}")
+                raise ValueError(
+                    f"params.{name} must be None because cfg.bias is False, got an array of shape {np.shape(value)}"
+                )
             continue
         if value is None:
             raise ValueError(f"params.{name} is None but cfg.bias is True; expected shape {shape}")

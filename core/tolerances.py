@@ -98,7 +98,14 @@ def compare(actual, expected, dtype: object, atol: float | None = None, rtol: fl
     return Comparison(max_abs, max_rel, worst if max_abs > 0 else None, tol, ok, reason)
 
 
-def assert_close(actual, expected, dtype: object = "float64", atol: float | None = None, rtol: float | None = None, what: str = "arrays") -> Comparison:
+def assert_close(
+    actual,
+    expected,
+    dtype: object = "float64",
+    atol: float | None = None,
+    rtol: float | None = None,
+    what: str = "arrays",
+) -> Comparison:
     """Raise AssertionError with the comparison summary unless the arrays agree."""
     result = compare(actual, expected, dtype, atol, rtol)
     if not result.ok:

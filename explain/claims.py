@@ -91,10 +91,8 @@ def _fmt(values) -> str:
     return np.array2string(array, precision=4, separator=", ")
 
 
-
 def _max_abs(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
-
 
 
 # --- running the project's own backends as extra evidence ---------------------------------------
@@ -257,7 +255,8 @@ def claim_4(setup: Setup) -> ClaimResult:
             row = lambda t, i: t[i].numpy()  # noqa: E731
         first, second = row(d[0, 0], 5), row(d[0, 1], 5)
         every_row = all(
-            np.array_equal(row(d[i // 8, 0], i % 8), row(a, i)[:4]) and np.array_equal(row(d[i // 8, 1], i % 8), row(a, i)[4:])
+            np.array_equal(row(d[i // 8, 0], i % 8), row(a, i)[:4])
+            and np.array_equal(row(d[i // 8, 1], i % 8), row(a, i)[4:])
             for i in range(32)
         )
         exact = bool(np.array_equal(np.asarray(a_back), np.asarray(a)))
@@ -290,7 +289,9 @@ def claim_5(setup: Setup) -> ClaimResult:
     N = q.shape[0]
     heads = q.reshape(N, H, Dk).transpose(1, 0, 2)  # (N, H, Dk) -> (H, N, Dk)
     unbatched_ok = all(np.array_equal(heads[h], q[:, h * Dk : (h + 1) * Dk]) for h in range(H))
-    evidence = [f"numpy: {q.shape} -> {(N, H, Dk)} -> {heads.shape}; head h == Q[:, h*Dk:(h+1)*Dk] exactly for every h: {unbatched_ok}"]
+    evidence = [
+        f"numpy: {q.shape} -> {(N, H, Dk)} -> {heads.shape}; head h == Q[:, h*Dk:(h+1)*Dk] exactly for every h: {unbatched_ok}"
+    ]
     measured = {"unbatched_exact": unbatched_ok}
     ok = unbatched_ok
     if _installed("torch"):
@@ -300,7 +301,9 @@ def claim_5(setup: Setup) -> ClaimResult:
         B = qt.shape[0]
         heads_t = qt.view(B, N, H, Dk).permute(0, 2, 1, 3)  # (B, N, H, Dk) -> (B, H, N, Dk)
         batched_ok = all(
-            np.array_equal(heads_t[b, h].numpy(), q_batched[b, :, h * Dk : (h + 1) * Dk]) for b in range(B) for h in range(H)
+            np.array_equal(heads_t[b, h].numpy(), q_batched[b, :, h * Dk : (h + 1) * Dk])
+            for b in range(B)
+            for h in range(H)
         )
         measured["batched_exact"] = batched_ok
         measured["batched_is_view"] = shares_memory(heads_t, qt)
@@ -319,7 +322,9 @@ def claim_5(setup: Setup) -> ClaimResult:
         adapter_ok = all(np.array_equal(heads_stage[:, h], q_stage[..., h * Dk : (h + 1) * Dk]) for h in range(H))
         measured["torch_adapter_split_exact"] = adapter_ok
         ok = ok and adapter_ok
-        evidence.append(f"torch adapter: q_heads axes {stages['q_heads'].axes}, head h == q[..., h*Dk:(h+1)*Dk]: {adapter_ok}")
+        evidence.append(
+            f"torch adapter: q_heads axes {stages['q_heads'].axes}, head h == q[..., h*Dk:(h+1)*Dk]: {adapter_ok}"
+        )
     elif why:
         evidence.append(why)
     return ClaimResult(5, title, CONFIRMED if ok else REFUTED, evidence, measured)
@@ -357,18 +362,24 @@ def claim_6(setup: Setup) -> ClaimResult:
         f"direct reshape head 0 = {wrong_head0.tolist()}"
     )
     correct_out = _attention_with_split(
-        cfg, setup.params, x,
+        cfg,
+        setup.params,
+        x,
         lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (N, H, d) -> (H, N, d)
         lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (H, N, Dv) -> (N, H*Dv)
     )
     wrong_out = _attention_with_split(
-        cfg, setup.params, x,
+        cfg,
+        setup.params,
+        x,
         lambda t: t.reshape(H, N, -1),  # (H, N, d) straight from memory order: the mistake
         lambda c: c.reshape(N, -1),  # (H, N, Dv) -> (N, H*Dv), undoing that reshape
     )
     reference = reference_mha(cfg, setup.params, x)
     correct_error, wrong_error = _max_abs(correct_out, reference), _max_abs(wrong_out, reference)
-    evidence.append(f"attention output vs float64 oracle: correct split max error {correct_error:.1e}, direct reshape {wrong_error:.2f}")
+    evidence.append(
+        f"attention output vs float64 oracle: correct split max error {correct_error:.1e}, direct reshape {wrong_error:.2f}"
+    )
     adapter_errors, notes = _strategy_errors(setup, "direct_reshape")
     for name, error in adapter_errors.items():
         evidence.append(f"{name} adapter, direct_reshape strategy: max error vs oracle {error:.2f}")
@@ -399,7 +410,9 @@ def claim_7(setup: Setup) -> ClaimResult:
     cfg, x = setup.cfg, setup.x[0]
     N, H = x.shape[0], cfg.n_heads
     batched = _attention_with_split(
-        cfg, setup.params, x,
+        cfg,
+        setup.params,
+        x,
         lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (H, N, d)
         lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (N, H*Dv)
     )
@@ -418,7 +431,9 @@ def claim_7(setup: Setup) -> ClaimResult:
     difference = _max_abs(sliced, batched)
     evidence = [f"correctness: slicing vs batched heads max diff {difference:.1e}"]
     adapter_errors, notes = _strategy_errors(setup, "slicing")
-    evidence += [f"{name} adapter, slicing strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()]
+    evidence += [
+        f"{name} adapter, slicing strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()
+    ]
     evidence += notes
     measured = {"max_abs_sliced_vs_batched": difference, "adapter_errors": adapter_errors}
     return ClaimResult(7, title, SPEED_NOT_RUN, evidence, measured)
@@ -440,10 +455,19 @@ def claim_8(setup: Setup) -> ClaimResult:
         f"split_head_matrices -> merge_head_matrices round trip exact: {round_trip}",
     ]
     adapter_errors, notes = _strategy_errors(setup, "per_head")
-    evidence += [f"{name} adapter, per_head strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()]
+    evidence += [
+        f"{name} adapter, per_head strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()
+    ]
     evidence += notes
-    ok = layout_exact and round_trip and difference <= 1e-10 and all(error <= 1e-10 for error in adapter_errors.values())
-    measured = {"max_abs": difference, "layout_exact": layout_exact, "round_trip_exact": round_trip, "adapter_errors": adapter_errors}
+    ok = (
+        layout_exact and round_trip and difference <= 1e-10 and all(error <= 1e-10 for error in adapter_errors.values())
+    )
+    measured = {
+        "max_abs": difference,
+        "layout_exact": layout_exact,
+        "round_trip_exact": round_trip,
+        "adapter_errors": adapter_errors,
+    }
     return ClaimResult(8, title, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
@@ -498,7 +522,10 @@ def claim_9(setup: Setup) -> ClaimResult:
     except TypeError:
         numpy_error = "n/a (this NumPy has no reshape(copy=False))"
     reshaped_np = swapped_np.reshape(N, H * Dv)  # (N, H*Dv): a silent copy
-    measured["numpy"] = {"no_copy_reshape_error": numpy_error, "reshape_copies": not shares_memory(reshaped_np, context_np)}
+    measured["numpy"] = {
+        "no_copy_reshape_error": numpy_error,
+        "reshape_copies": not shares_memory(reshaped_np, context_np),
+    }
     ok = ok and measured["numpy"]["reshape_copies"]
     evidence.append(
         f"numpy: reshape(copy=False) of the transposed array raises {numpy_error}; plain reshape copies silently: "
@@ -521,12 +548,16 @@ def claim_10(setup: Setup) -> ClaimResult:
     state = {name: torch.from_numpy(value) for name, value in to_torch_mha_state_dict(cfg, params).items()}
     default = torch.nn.MultiheadAttention(cfg.d_model, cfg.n_heads, bias=cfg.bias, dtype=torch.float64)
     default.load_state_dict(state)
-    batch_first = torch.nn.MultiheadAttention(cfg.d_model, cfg.n_heads, bias=cfg.bias, dtype=torch.float64, batch_first=True)
+    batch_first = torch.nn.MultiheadAttention(
+        cfg.d_model, cfg.n_heads, bias=cfg.bias, dtype=torch.float64, batch_first=True
+    )
     batch_first.load_state_dict(state)
     xt = torch.from_numpy(x)  # (B, N, E)
     with torch.no_grad():
         seq_first_in = xt.transpose(0, 1)  # (N, B, E): what the default expects
-        out_seq_first = default(seq_first_in, seq_first_in, seq_first_in, need_weights=False)[0].transpose(0, 1)  # (B, N, E)
+        out_seq_first = default(seq_first_in, seq_first_in, seq_first_in, need_weights=False)[0].transpose(
+            0, 1
+        )  # (B, N, E)
         out_misfed = default(xt, xt, xt, need_weights=False)[0]  # (B, N, E) read as (L=B, N=N, E): no error
         out_batch_first = batch_first(xt, xt, xt, need_weights=False)[0]  # (B, N, E)
     errors = {
@@ -580,7 +611,9 @@ def claim_11(setup: Setup) -> ClaimResult:
     if output_einops is not None:
         measured["einops_adapter_error"] = _max_abs(output_einops, reference_mha(cfg, params, setup.x))
         ok = ok and measured["einops_adapter_error"] <= 1e-10
-        evidence.append(f"einops-numpy adapter (rearrange + einsum, no transpose): max error {measured['einops_adapter_error']:.1e}")
+        evidence.append(
+            f"einops-numpy adapter (rearrange + einsum, no transpose): max error {measured['einops_adapter_error']:.1e}"
+        )
     else:
         evidence.append(why)
     return ClaimResult(11, title, CONFIRMED if ok else REFUTED, evidence, measured)
@@ -611,18 +644,35 @@ def claim_12(setup: Setup) -> ClaimResult:
     a = np.arange(1, 17).reshape(4, 4)  # 4 tokens of 4 numbers
     d = a.reshape(2, 2, 4).reshape(2, 2, 2, 2).transpose(0, 2, 1, 3)  # (2, 2, 4) -> (2, 2, 2, 2) -> swap axes 1, 2
     blocks = {f"D[{g}, {s}]": d[g, s].tolist() for g in range(2) for s in range(2)}
-    expected = {"D[0, 0]": [[1, 2], [5, 6]], "D[0, 1]": [[3, 4], [7, 8]], "D[1, 0]": [[9, 10], [13, 14]], "D[1, 1]": [[11, 12], [15, 16]]}
+    expected = {
+        "D[0, 0]": [[1, 2], [5, 6]],
+        "D[0, 1]": [[3, 4], [7, 8]],
+        "D[1, 0]": [[9, 10], [13, 14]],
+        "D[1, 1]": [[11, 12], [15, 16]],
+    }
     ok = all(value == 2.5 for value in scores.values()) and blocks == expected
     evidence = [", ".join(f"{name}: {value}" for name, value in scores.items())]
     evidence.append(", ".join(f"{name} = {value}" for name, value in blocks.items()))
-    evidence.append(f"token a1 = {a[1].tolist()} sits at D[0, 0, 1] = {d[0, 0, 1].tolist()} and D[0, 1, 1] = {d[0, 1, 1].tolist()}")
+    evidence.append(
+        f"token a1 = {a[1].tolist()} sits at D[0, 0, 1] = {d[0, 0, 1].tolist()} and D[0, 1, 1] = {d[0, 1, 1].tolist()}"
+    )
     measured = {"scores": scores, "blocks": blocks}
     return ClaimResult(12, title, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 CLAIM_CHECKS: dict[int, Callable[[Setup], ClaimResult]] = {
-    1: claim_1, 2: claim_2, 3: claim_3, 4: claim_4, 5: claim_5, 6: claim_6,
-    7: claim_7, 8: claim_8, 9: claim_9, 10: claim_10, 11: claim_11, 12: claim_12,
+    1: claim_1,
+    2: claim_2,
+    3: claim_3,
+    4: claim_4,
+    5: claim_5,
+    6: claim_6,
+    7: claim_7,
+    8: claim_8,
+    9: claim_9,
+    10: claim_10,
+    11: claim_11,
+    12: claim_12,
 }
 
 
@@ -710,7 +760,12 @@ def _run_check(number: int, setup: Setup) -> ClaimResult:
     widths can make a demonstration inapplicable, which the verdict then says.
     """
     if setup.cfg.n_kv_heads != setup.cfg.n_heads and number in (6, 7, 10, 11):
-        return ClaimResult(number, CLAIM_TITLES[number], "skipped: the demonstration assumes one kv head per query head", [setup.cfg.describe()])
+        return ClaimResult(
+            number,
+            CLAIM_TITLES[number],
+            "skipped: the demonstration assumes one kv head per query head",
+            [setup.cfg.describe()],
+        )
     return CLAIM_CHECKS[number](setup)
 
 
@@ -735,6 +790,8 @@ def run_claims(
             if speed:
                 result = add_speed(result, answers.get(number, []), why_not)
             else:
-                result.evidence.append("speed: not run (the benchmark questions run with speed=True, as `mha-rosetta explain --claims` does)")
+                result.evidence.append(
+                    "speed: not run (the benchmark questions run with speed=True, as `mha-rosetta explain --claims` does)"
+                )
         results.append(result)
     return results

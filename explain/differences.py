@@ -120,7 +120,9 @@ def _jax_dpa(setup: Setup, mask: np.ndarray):
     pad = [(0, 0), (0, 0), (0, 0), (0, width - Dk)]
     eye = jnp.zeros((N, width), dtype=q.dtype).at[:, :N].set(jnp.eye(N, dtype=q.dtype))  # (N, width)
     values = jnp.broadcast_to(eye[None, :, None, :], (B, N, H, width))  # key j carries one-hot j
-    weights = jax.nn.dot_product_attention(jnp.pad(q, pad), jnp.pad(k, pad), values, mask=jmask, scale=scale)  # (B, N, H, width)
+    weights = jax.nn.dot_product_attention(
+        jnp.pad(q, pad), jnp.pad(k, pad), values, mask=jmask, scale=scale
+    )  # (B, N, H, width)
     weights = np.asarray(weights)[..., :N].transpose(0, 2, 1, 3)  # (B, H, N, N)
     return _output_from_context(setup, np.asarray(context)), weights
 
@@ -150,14 +152,26 @@ def _equinox_module(setup: Setup, mask: np.ndarray):
 
     cfg, p = setup.cfg, setup.params.astype(np.float32)
     module = eqx.nn.MultiheadAttention(
-        num_heads=cfg.n_heads, query_size=cfg.d_model, qk_size=cfg.d_k, vo_size=cfg.d_v,
-        use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True,
+        num_heads=cfg.n_heads,
+        query_size=cfg.d_model,
+        qk_size=cfg.d_k,
+        vo_size=cfg.d_v,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
         key=jax.random.PRNGKey(0),
     )
     module = eqx.tree_at(
         lambda m: (
-            m.query_proj.weight, m.query_proj.bias, m.key_proj.weight, m.key_proj.bias,
-            m.value_proj.weight, m.value_proj.bias, m.output_proj.weight, m.output_proj.bias,
+            m.query_proj.weight,
+            m.query_proj.bias,
+            m.key_proj.weight,
+            m.key_proj.bias,
+            m.value_proj.weight,
+            m.value_proj.bias,
+            m.output_proj.weight,
+            m.output_proj.bias,
         ),
         module,
         tuple(jnp.asarray(a) for a in (p.w_q, p.b_q, p.w_k, p.b_k, p.w_v, p.b_v, p.w_o, p.b_o)),
@@ -180,14 +194,23 @@ def _keys_of_query0(weights) -> str:
 
 
 def mask_polarity(setup: Setup) -> Difference:
-    title = "Mask polarity: nn.MultiheadAttention's True means blocked; SDPA, JAX, Flax and Equinox's True means may attend"
+    title = (
+        "Mask polarity: nn.MultiheadAttention's True means blocked; SDPA, JAX, Flax and Equinox's True means may attend"
+    )
     reason = _supported(setup)
     if reason:
         return Difference("mask_polarity", title, f"skipped: {reason}")
     N = setup.tokens
-    mask = (np.add.outer(np.arange(N), np.arange(N)) % 2) == 0  # (N, N) checkerboard: every row keeps some keys either way
+    mask = (
+        np.add.outer(np.arange(N), np.arange(N)) % 2
+    ) == 0  # (N, N) checkerboard: every row keeps some keys either way
     intended = reference_mha(setup.cfg, setup.params, setup.x, mask=mask)
-    rows = [("the same boolean mask M, query 0", f"M[0] = {mask[0].astype(int).tolist()}; the spec (True = may attend) uses keys {np.flatnonzero(mask[0]).tolist()}")]
+    rows = [
+        (
+            "the same boolean mask M, query 0",
+            f"M[0] = {mask[0].astype(int).tolist()}; the spec (True = may attend) uses keys {np.flatnonzero(mask[0]).tolist()}",
+        )
+    ]
     runs: list[tuple[str, str, Callable]] = [
         ("nn.MultiheadAttention(attn_mask=M)", "torch", lambda: _torch_mha(setup, mask, need_weights=True)),
         ("nn.MultiheadAttention(attn_mask=~M)", "torch", lambda: _torch_mha(setup, ~mask, need_weights=True)),
@@ -238,14 +261,21 @@ def sequence_first(setup: Setup) -> Difference:
             wrong_text = f"no error; max diff {float(np.max(np.abs(wrong - expected))):.2f} (JAX took heads for tokens)"
         except Exception as error:
             wrong_text = f"raised {error_line(error)}"
-        rows.append(("jax.nn.dot_product_attention on (B, N, H, d) vs SDPA on (B, H, N, d)", f"max diff {float(np.max(np.abs(right - expected))):.1e}"))
+        rows.append(
+            (
+                "jax.nn.dot_product_attention on (B, N, H, d) vs SDPA on (B, H, N, d)",
+                f"max diff {float(np.max(np.abs(right - expected))):.1e}",
+            )
+        )
         rows.append(("jax.nn.dot_product_attention given SDPA's (B, H, N, d) arrays", wrong_text))
     if _installed("equinox"):
         import equinox as eqx
         import jax
         import jax.numpy as jnp
 
-        module = eqx.nn.MultiheadAttention(num_heads=setup.cfg.n_heads, query_size=setup.cfg.d_model, key=jax.random.PRNGKey(0))
+        module = eqx.nn.MultiheadAttention(
+            num_heads=setup.cfg.n_heads, query_size=setup.cfg.d_model, key=jax.random.PRNGKey(0)
+        )
         x = jnp.asarray(setup.x, dtype=jnp.float32)
         try:
             module(x, x, x)
@@ -255,7 +285,13 @@ def sequence_first(setup: Setup) -> Difference:
         rows.append((f"equinox MultiheadAttention given (B, N, D) = {(B, N, setup.cfg.d_model)}", text))
     if not rows:
         return Difference("sequence_first", title, "skipped: torch, jax and equinox not installed")
-    return Difference("sequence_first", title, "demonstrated", rows, "state the axis order at every boundary; a wrong order with compatible sizes runs silently")
+    return Difference(
+        "sequence_first",
+        title,
+        "demonstrated",
+        rows,
+        "state the axis order at every boundary; a wrong order with compatible sizes runs silently",
+    )
 
 
 def _classify(row: np.ndarray, candidates: dict[str, np.ndarray], atol: float) -> str:
@@ -284,8 +320,18 @@ def fully_masked_row(setup: Setup) -> Difference:
     reference = reference_mha(setup.cfg, setup.params, setup.x, mask=allowed)
     rows = [("spec (float64 oracle)", _classify(reference[0, 0], candidates, 1e-10))]
     runs = [
-        ("nn.MultiheadAttention, need_weights=True", "torch", lambda: _torch_mha(setup, ~allowed, need_weights=True), 1e-10),
-        ("nn.MultiheadAttention, need_weights=False", "torch", lambda: _torch_mha(setup, ~allowed, need_weights=False), 1e-10),
+        (
+            "nn.MultiheadAttention, need_weights=True",
+            "torch",
+            lambda: _torch_mha(setup, ~allowed, need_weights=True),
+            1e-10,
+        ),
+        (
+            "nn.MultiheadAttention, need_weights=False",
+            "torch",
+            lambda: _torch_mha(setup, ~allowed, need_weights=False),
+            1e-10,
+        ),
         ("F.scaled_dot_product_attention", "torch", lambda: _torch_sdpa(setup, allowed), 1e-10),
         ("jax.nn.dot_product_attention", "jax", lambda: _jax_dpa(setup, allowed), 1e-4),
         ("flax MultiHeadDotProductAttention", "flax", lambda: _flax_module(setup, allowed), 1e-4),
@@ -314,28 +360,51 @@ def scale_placement(setup: Setup) -> Difference:
         after = (q @ q.T) * np.float16(scale)  # (n, n): overflows before the scale can help
     before = (q * np.float16(scale)) @ q.T  # (n, n): the scaled product fits
     rows = [
-        ("numpy float16, (Q @ K.T) * scale", f"max logit {float(np.max(after))} (overflow: {bool(np.isinf(after).any())})"),
-        ("numpy float16, (Q * scale) @ K.T", f"max logit {float(np.max(before)):.0f} (finite: {bool(np.isfinite(before).all())})"),
+        (
+            "numpy float16, (Q @ K.T) * scale",
+            f"max logit {float(np.max(after))} (overflow: {bool(np.isinf(after).any())})",
+        ),
+        (
+            "numpy float16, (Q * scale) @ K.T",
+            f"max logit {float(np.max(before)):.0f} (finite: {bool(np.isfinite(before).all())})",
+        ),
     ]
     if _installed("torch"):
         import torch
         import torch.nn.functional as F
 
         qt = torch.from_numpy(q)[None, None]  # (1, 1, n, d_k)
-        rows.append(("torch float16 Q @ K.T by hand", f"finite: {bool(torch.isfinite(qt @ qt.transpose(-1, -2)).all())}"))
-        rows.append(("F.scaled_dot_product_attention float16", f"finite: {bool(torch.isfinite(F.scaled_dot_product_attention(qt, qt, qt)).all())}"))
+        rows.append(
+            ("torch float16 Q @ K.T by hand", f"finite: {bool(torch.isfinite(qt @ qt.transpose(-1, -2)).all())}")
+        )
+        rows.append(
+            (
+                "F.scaled_dot_product_attention float16",
+                f"finite: {bool(torch.isfinite(F.scaled_dot_product_attention(qt, qt, qt)).all())}",
+            )
+        )
     if _installed("jax"):
         import jax
         import jax.numpy as jnp
 
         qj = jnp.asarray(q)[None, :, None, :]  # (1, n, 1, d_k): JAX's (B, N, H, d)
-        rows.append(("jax.nn.dot_product_attention float16", f"finite: {bool(jnp.isfinite(jax.nn.dot_product_attention(qj, qj, qj)).all())}"))
+        rows.append(
+            (
+                "jax.nn.dot_product_attention float16",
+                f"finite: {bool(jnp.isfinite(jax.nn.dot_product_attention(qj, qj, qj)).all())}",
+            )
+        )
     if _installed("flax"):
         import flax.linen as fnn
         import jax.numpy as jnp
 
         qj = jnp.asarray(q)[None, :, None, :]
-        rows.append(("flax dot_product_attention float16 (divides the query by sqrt(depth) first)", f"finite: {bool(jnp.isfinite(fnn.dot_product_attention(qj, qj, qj)).all())}"))
+        rows.append(
+            (
+                "flax dot_product_attention float16 (divides the query by sqrt(depth) first)",
+                f"finite: {bool(jnp.isfinite(fnn.dot_product_attention(qj, qj, qj)).all())}",
+            )
+        )
     takeaway = "a hand-written port that scales after the product can overflow in float16; scale q (or accumulate in float32) first"
     return Difference("scale_placement", title, "demonstrated", rows, takeaway)
 
@@ -349,7 +418,12 @@ def head_size_arguments(setup: Setup) -> Difference:
         import torch
 
         module = torch.nn.MultiheadAttention(total, cfg.n_heads)
-        rows.append((f"nn.MultiheadAttention(embed_dim={total}, num_heads={cfg.n_heads})", f"in_proj_weight {tuple(module.in_proj_weight.shape)}: head size {module.head_dim}"))
+        rows.append(
+            (
+                f"nn.MultiheadAttention(embed_dim={total}, num_heads={cfg.n_heads})",
+                f"in_proj_weight {tuple(module.in_proj_weight.shape)}: head size {module.head_dim}",
+            )
+        )
     if _installed("flax"):
         import flax.linen as fnn
         import jax
@@ -357,26 +431,54 @@ def head_size_arguments(setup: Setup) -> Difference:
 
         module = fnn.MultiHeadDotProductAttention(num_heads=cfg.n_heads, qkv_features=total)
         shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 2, total)))["params"]
-        rows.append((f"flax MultiHeadDotProductAttention(num_heads={cfg.n_heads}, qkv_features={total})", f"query.kernel {tuple(shapes['query']['kernel'].shape)}: head size {shapes['query']['kernel'].shape[-1]}"))
+        rows.append(
+            (
+                f"flax MultiHeadDotProductAttention(num_heads={cfg.n_heads}, qkv_features={total})",
+                f"query.kernel {tuple(shapes['query']['kernel'].shape)}: head size {shapes['query']['kernel'].shape[-1]}",
+            )
+        )
     if _installed("equinox"):
         import equinox as eqx
         import jax
 
         for qk_size in (per_head, total):
-            module = eqx.nn.MultiheadAttention(num_heads=cfg.n_heads, query_size=cfg.d_model, qk_size=qk_size, key=jax.random.PRNGKey(0))
-            rows.append((f"equinox MultiheadAttention(num_heads={cfg.n_heads}, qk_size={qk_size})", f"query_proj.weight {tuple(module.query_proj.weight.shape)}: head size {qk_size}"))
+            module = eqx.nn.MultiheadAttention(
+                num_heads=cfg.n_heads, query_size=cfg.d_model, qk_size=qk_size, key=jax.random.PRNGKey(0)
+            )
+            rows.append(
+                (
+                    f"equinox MultiheadAttention(num_heads={cfg.n_heads}, qk_size={qk_size})",
+                    f"query_proj.weight {tuple(module.query_proj.weight.shape)}: head size {qk_size}",
+                )
+            )
     if _installed("keras"):
         import keras
 
         layer = keras.layers.MultiHeadAttention(num_heads=cfg.n_heads, key_dim=per_head)
         x = np.zeros((1, 2, cfg.d_model), dtype=np.float32)
         layer(x, x)
-        rows.append((f"keras MultiHeadAttention(num_heads={cfg.n_heads}, key_dim={per_head})", f"query kernel {tuple(layer._query_dense.kernel.shape)}"))
+        rows.append(
+            (
+                f"keras MultiHeadAttention(num_heads={cfg.n_heads}, key_dim={per_head})",
+                f"query kernel {tuple(layer._query_dense.kernel.shape)}",
+            )
+        )
     else:
-        rows.append(("keras MultiHeadAttention(key_dim=...)", f"skipped: {import_failure('keras')} (its key_dim is per head, like Equinox's qk_size)"))
+        rows.append(
+            (
+                "keras MultiHeadAttention(key_dim=...)",
+                f"skipped: {import_failure('keras')} (its key_dim is per head, like Equinox's qk_size)",
+            )
+        )
     if len(rows) <= 1:
         return Difference("head_size_arguments", title, "skipped: torch, flax and equinox not installed", rows)
-    return Difference("head_size_arguments", title, "demonstrated", rows, f"passing torch's embed_dim={total} as a per-head size makes every head {cfg.n_heads}x wider")
+    return Difference(
+        "head_size_arguments",
+        title,
+        "demonstrated",
+        rows,
+        f"passing torch's embed_dim={total} as a per-head size makes every head {cfg.n_heads}x wider",
+    )
 
 
 def tf32_default(setup: Setup) -> Difference:
@@ -389,19 +491,35 @@ def tf32_default(setup: Setup) -> Difference:
         from mha_rosetta.backends._torch_common import tf32_switches
 
         switches = tf32_switches()  # the old getters raise once torch >= 2.9's new API turned TF32 on
-        rows.append(("torch defaults", f"TF32 switches ({switches['api']} API): cuda.matmul {switches['matmul']}, cudnn {switches['cudnn']}"))
+        rows.append(
+            (
+                "torch defaults",
+                f"TF32 switches ({switches['api']} API): cuda.matmul {switches['matmul']}, cudnn {switches['cudnn']}",
+            )
+        )
         gpu_torch = torch.cuda.is_available()
     if _installed("jax"):
         import jax
 
-        rows.append(("jax defaults", f"jax_default_matmul_precision = {jax.config.jax_default_matmul_precision!r} (None: the platform's default precision)"))
+        rows.append(
+            (
+                "jax defaults",
+                f"jax_default_matmul_precision = {jax.config.jax_default_matmul_precision!r} (None: the platform's default precision)",
+            )
+        )
         try:
             gpu_jax = bool(jax.devices("gpu"))
         except RuntimeError:
             gpu_jax = False
     takeaway = "compare float32 across frameworks on GPU only with TF32 off on both sides"
     if not (gpu_torch or gpu_jax):
-        return Difference("tf32_default", title, "skipped: no GPU on this machine (the defaults are listed; the effect needs a GPU)", rows, takeaway)
+        return Difference(
+            "tf32_default",
+            title,
+            "skipped: no GPU on this machine (the defaults are listed; the effect needs a GPU)",
+            rows,
+            takeaway,
+        )
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((1024, 1024)), rng.standard_normal((1024, 1024))
     exact = a @ b
@@ -414,13 +532,18 @@ def tf32_default(setup: Setup) -> Difference:
         for allow in (False, True):
             with matmul_precision(allow):  # set, then restored through the API it was read with
                 error = float(np.max(np.abs((ta @ tb).cpu().double().numpy() - exact)))
-            rows.append((f"torch cuda float32 1024x1024 matmul, allow_tf32={allow}", f"max error vs float64 {error:.2e}"))
+            rows.append(
+                (f"torch cuda float32 1024x1024 matmul, allow_tf32={allow}", f"max error vs float64 {error:.2e}")
+            )
     if gpu_jax:
         import jax
         import jax.numpy as jnp
 
         device = jax.devices("gpu")[0]
-        ja, jb = jax.device_put(jnp.asarray(a, jnp.float32), device), jax.device_put(jnp.asarray(b, jnp.float32), device)
+        ja, jb = (
+            jax.device_put(jnp.asarray(a, jnp.float32), device),
+            jax.device_put(jnp.asarray(b, jnp.float32), device),
+        )
         for precision in (None, jax.lax.Precision.HIGHEST):
             error = float(np.max(np.abs(np.asarray(jnp.dot(ja, jb, precision=precision), dtype=np.float64) - exact)))
             rows.append((f"jax gpu float32 1024x1024 dot, precision={precision}", f"max error vs float64 {error:.2e}"))

@@ -1,11 +1,11 @@
 """`explain()`: everything the explainer shows for one configuration, as one object.
 
-    from mha_rosetta.explain import explain
-    result = explain()                      # the column/row-sample article's 6 tokens, d_model 12, 3 heads of 4
-    result.print()                          # rich tables (plain text without rich)
-    print(result.to_markdown())
-    result.save_png("head_split.png")
-    explain(claims=True, sections=("claims",)).claims_json()   # [{"claim", "title", "verdict", "evidence"}, ...]
+from mha_rosetta.explain import explain
+result = explain()                      # the column/row-sample article's 6 tokens, d_model 12, 3 heads of 4
+result.print()                          # rich tables (plain text without rich)
+print(result.to_markdown())
+result.save_png("head_split.png")
+explain(claims=True, sections=("claims",)).claims_json()   # [{"claim", "title", "verdict", "evidence"}, ...]
 """
 
 from __future__ import annotations

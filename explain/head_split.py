@@ -83,8 +83,20 @@ def head_splits(n_tokens: int, n_heads: int, d_k: int) -> dict[str, HeadSplit]:
     correct = cells.reshape(n_tokens, n_heads, d_k).transpose(1, 0, 2)  # (N, H, Dk) -> (H, N, Dk)
     mistake = cells.reshape(n_heads, n_tokens, d_k)  # (H, N, Dk) straight from memory order
     return {
-        "correct": _read_back("correct", f"({n_tokens}, {width}) -> ({n_tokens}, {n_heads}, {d_k}) -> ({n_heads}, {n_tokens}, {d_k})", correct, n_tokens, width),
-        "direct_reshape": _read_back("direct_reshape", f"({n_tokens}, {width}) -> ({n_heads}, {n_tokens}, {d_k}) in one reshape", mistake, n_tokens, width),
+        "correct": _read_back(
+            "correct",
+            f"({n_tokens}, {width}) -> ({n_tokens}, {n_heads}, {d_k}) -> ({n_heads}, {n_tokens}, {d_k})",
+            correct,
+            n_tokens,
+            width,
+        ),
+        "direct_reshape": _read_back(
+            "direct_reshape",
+            f"({n_tokens}, {width}) -> ({n_heads}, {n_tokens}, {d_k}) in one reshape",
+            mistake,
+            n_tokens,
+            width,
+        ),
     }
 
 
@@ -148,7 +160,9 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
     n_tokens, width = first.owner.shape
     n_heads = first.n_heads
     colours = ListedColormap([PLOT_COLOURS[h % len(PLOT_COLOURS)] for h in range(n_heads)])
-    figure, axes = plt.subplots(1, len(splits), figsize=(max(6, 0.5 * width) * len(splits), max(3, 0.5 * n_tokens) + 1.5))
+    figure, axes = plt.subplots(
+        1, len(splits), figsize=(max(6, 0.5 * width) * len(splits), max(3, 0.5 * n_tokens) + 1.5)
+    )
     titles = {"correct": "correct split", "direct_reshape": "direct-reshape mistake"}
     for ax, split in zip(np.atleast_1d(axes), splits.values(), strict=True):
         ax.imshow(split.owner, cmap=colours, vmin=-0.5, vmax=n_heads - 0.5, aspect="equal")
@@ -156,7 +170,15 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
             for t in range(n_tokens):
                 for f in range(width):
                     h = int(split.owner[t, f])
-                    ax.text(f, t, f"{head_letter(h)}{int(split.row_in_head[t, f])}", ha="center", va="center", fontsize=7, color="white")
+                    ax.text(
+                        f,
+                        t,
+                        f"{head_letter(h)}{int(split.row_in_head[t, f])}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
         ax.set_title(f"{titles.get(split.name, split.name)}\n{split.chain}", fontsize=9)
         ax.set_xlabel("feature (column of Q = X @ W_B)")
         ax.set_ylabel("token")
@@ -164,7 +186,10 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
         ax.set_yticks(range(n_tokens))
         for boundary in range(1, n_heads):  # the head boundaries of the correct split
             ax.axvline(boundary * (width // n_heads) - 0.5, color="black", linewidth=0.8, linestyle=":")
-    figure.suptitle(title or "Which head receives each (token, feature) cell; label = head letter + row in that head's block", fontsize=10)
+    figure.suptitle(
+        title or "Which head receives each (token, feature) cell; label = head letter + row in that head's block",
+        fontsize=10,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

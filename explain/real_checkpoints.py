@@ -24,7 +24,12 @@ _BIAS_COLUMN = 999
 
 # The packed q/k/v tensor of each packing, and the family that shows it in the picture.
 PACKING_EXAMPLES = (
-    ("blocks", "timm-vit", "qkv.weight", "[Q; K; V]: timm qkv, nn.MultiheadAttention in_proj, GPT-2 c_attn (along out)"),
+    (
+        "blocks",
+        "timm-vit",
+        "qkv.weight",
+        "[Q; K; V]: timm qkv, nn.MultiheadAttention in_proj, GPT-2 c_attn (along out)",
+    ),
     ("per head", "hf-gpt-neox", "query_key_value.weight", "[q_h; k_h; v_h] for each head: GPT-NeoX / Pythia"),
     ("per group", "megatron", "linear_qkv.weight", "[q heads of g | k_g | v_g] for each kv group g: Megatron-LM"),
 )
@@ -125,8 +130,17 @@ def checkpoint(layout_name: str, real_modules: bool = True) -> Checkpoint:
     tensors = [stored_tensor(cfg, name, array) for name, array in state.items()]
     real, verified = _real_module_evidence(layout_name, cfg) if real_modules else ("not run (real_modules=False)", None)
     return Checkpoint(
-        layout.name, layout.module, layout.packing, layout.scale, layout.rotary, layout.split, cfg.describe(), tensors,
-        real, verified, layout.notes,
+        layout.name,
+        layout.module,
+        layout.packing,
+        layout.scale,
+        layout.rotary,
+        layout.split,
+        cfg.describe(),
+        tensors,
+        real,
+        verified,
+        layout.notes,
     )
 
 
@@ -182,7 +196,6 @@ def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]
     return [overview_table(explanation.checkpoints)] + [tensor_table(c) for c in explanation.checkpoints]
 
 
-
 def overview_table(checkpoints: list[Checkpoint]) -> tuple[str, list[str], list[list[str]]]:
     headers = ["layout", "module (keys relative to it)", "packing", "scale", "rotary", "real module"]
     rows = [[c.layout, c.module, c.packing, c.scale, c.rotary, c.real] for c in checkpoints]
@@ -219,7 +232,9 @@ def save_packing_png(path) -> str:
         cfg, owners = packing_rows(layout_name, tensor)
         for row, owner in enumerate(owners):
             letter, head = owner.split()[0], owner.split()[-1]
-            ax.add_patch(plt.Rectangle((row, 0), 1, 1, facecolor=role_colours[letter], edgecolor="white", linewidth=0.5))
+            ax.add_patch(
+                plt.Rectangle((row, 0), 1, 1, facecolor=role_colours[letter], edgecolor="white", linewidth=0.5)
+            )
             ax.text(row + 0.5, 0.5, f"{letter}{head}", ha="center", va="center", fontsize=6, color="white")
             if row and owner != owners[row - 1]:  # a new (role, head) block starts here
                 ax.axvline(row, color="black", linewidth=1.2)
@@ -230,8 +245,13 @@ def save_packing_png(path) -> str:
         ax.tick_params(axis="x", labelsize=7)
         shape = get_layout_shape(layout_name, cfg, tensor)
         ax.set_title(f"{packing}: {layout_name} {tensor} {shape}  -  {caption}", fontsize=9, loc="left")
-    axes[-1].set_xlabel("row of the stored (out, in) weight; label = role + head (the kv head for k and v); blue q, orange k, green v")
-    figure.suptitle(f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv groups)", fontsize=10)
+    axes[-1].set_xlabel(
+        "row of the stored (out, in) weight; label = role + head (the kv head for k and v); blue q, orange k, green v"
+    )
+    figure.suptitle(
+        f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv groups)",
+        fontsize=10,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -63,12 +63,30 @@ def axis_legend(explanation) -> tuple[str, list[str], list[list[str]]]:
 
 
 def weights_table(explanation) -> tuple[str, list[str], list[list[str]]]:
-    headers = ["layout", "shape", "scorers", "from canonical", "back to canonical", "scorer j of head h", "verified", "evidence"]
+    headers = [
+        "layout",
+        "shape",
+        "scorers",
+        "from canonical",
+        "back to canonical",
+        "scorer j of head h",
+        "verified",
+        "evidence",
+    ]
     rows = []
     for layout in explanation.weights:
         verified = {True: "yes", False: "NO", None: "n/a"}[layout.verified]
         rows.append(
-            [layout.layout, str(layout.shape), layout.scorers, layout.from_canonical, layout.to_canonical, layout.head_scorer, verified, layout.evidence]
+            [
+                layout.layout,
+                str(layout.shape),
+                layout.scorers,
+                layout.from_canonical,
+                layout.to_canonical,
+                layout.head_scorer,
+                verified,
+                layout.evidence,
+            ]
         )
     h = min(1, explanation.cfg.n_heads - 1)
     return f"One layer's weights in every layout (scorer j=0 of head h={h} located in each)", headers, rows
@@ -116,10 +134,14 @@ def _text_section(explanation, section: str) -> list[str]:
         parts = []
         for split in explanation.head_split.values():
             label = "correct split" if split.name == "correct" else "direct-reshape mistake"
-            parts.append(f"== Head split, {label}: {split.chain}\n{grid_text(split)}\n" + "\n".join(head_summary(split)))
+            parts.append(
+                f"== Head split, {label}: {split.chain}\n{grid_text(split)}\n" + "\n".join(head_summary(split))
+            )
         return parts
     if section == "checkpoints":
-        return [f"== {CHECKPOINTS_INTRO}"] + [f"-- {title}\n{_text_table(headers, rows)}" for title, headers, rows in checkpoint_tables(explanation)]
+        return [f"== {CHECKPOINTS_INTRO}"] + [
+            f"-- {title}\n{_text_table(headers, rows)}" for title, headers, rows in checkpoint_tables(explanation)
+        ]
     if section == "differences":
         parts = []
         for title, status, headers, rows, takeaway in difference_tables(explanation):
@@ -192,7 +214,12 @@ def print_rich(explanation, file=None) -> None:
                 table.add_column(header, overflow="fold", ratio=ratio)
             for claim in explanation.claims:
                 evidence = "\n".join(f"- {rich_escape(line)}" for line in claim.evidence)
-                table.add_row(str(claim.claim), rich_escape(claim.title), evidence, f"[{_verdict_style(claim.verdict)}]{rich_escape(claim.verdict)}[/]")
+                table.add_row(
+                    str(claim.claim),
+                    rich_escape(claim.title),
+                    evidence,
+                    f"[{_verdict_style(claim.verdict)}]{rich_escape(claim.verdict)}[/]",
+                )
             console.print(table)
 
 

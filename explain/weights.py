@@ -86,7 +86,9 @@ def _layout(
     ok, evidence = _verify(formula, converted, back, canonical, scorer_here, scorer_canonical)
     extra = extra or []
     ok = ok and not any(item.startswith("FAILED") for item in extra)
-    return WeightLayout(layout, tuple(converted.shape), scorers, from_text, to_text, head_text, ok, "; ".join(evidence + extra))
+    return WeightLayout(
+        layout, tuple(converted.shape), scorers, from_text, to_text, head_text, ok, "; ".join(evidence + extra)
+    )
 
 
 def _torch_linear_evidence(cfg: MHAConfig, params: MHAParams, x: np.ndarray) -> str:
@@ -117,7 +119,8 @@ def _torch_mha_evidence(cfg: MHAConfig, params: MHAParams) -> str:
     module.load_state_dict(state)  # strict: every name and shape must match the real module
     back = from_torch_mha_state_dict(cfg, module.state_dict())
     same = all(
-        (a is None and b is None) or np.array_equal(a, b) for a, b in zip(back.as_dict().values(), params.as_dict().values(), strict=True)
+        (a is None and b is None) or np.array_equal(a, b)
+        for a, b in zip(back.as_dict().values(), params.as_dict().values(), strict=True)
     )
     names = ", ".join(f"{name} {tuple(value.shape)}" for name, value in module.state_dict().items())
     status = "" if same else "FAILED "
@@ -186,7 +189,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "-",
             "-",
             f"row {row} (= h*Dk + j)",
-            w, w, w, w, w[row], target,
+            w,
+            w,
+            w,
+            w,
+            w[row],
+            target,
         )
     )
     layouts.append(
@@ -196,7 +204,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "W_A = w_q",
             "w_q = W_A",
             f"row {row}",
-            w, w, w, w, w[row], target,
+            w,
+            w,
+            w,
+            w,
+            w[row],
+            target,
         )
     )
     w_b = to_row_sample(w)
@@ -207,7 +220,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "W_B = w_q.T",
             "w_q = W_B.T",
             f"column {row}",
-            w.T, w_b, from_row_sample(w_b), w, w_b[:, row], target,
+            w.T,
+            w_b,
+            from_row_sample(w_b),
+            w,
+            w_b[:, row],
+            target,
         )
     )
     layouts.append(
@@ -217,7 +235,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "weight = w_q",
             "w_q = weight",
             f"row {row}",
-            w, w, w, w, w[row], target,
+            w,
+            w,
+            w,
+            w,
+            w[row],
+            target,
             _library_evidence("torch", lambda: _torch_linear_evidence(cfg, params, x)),
         )
     )
@@ -236,13 +259,20 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
                 "concatenate([w_q, w_k, w_v], axis=0)  # (3E, E)" if packed else "q_proj_weight = w_q",
                 "w_q = in_proj_weight[:E]" if packed else "w_q = q_proj_weight",
                 f"row {row} (q block)",
-                formula, block, back, w, block[row], target,
+                formula,
+                block,
+                back,
+                w,
+                block[row],
+                target,
                 _library_evidence("torch", lambda: _torch_mha_evidence(cfg, params)),
             )
         )
     else:
         layouts.append(
-            WeightLayout("torch nn.MultiheadAttention.in_proj_weight", (), "-", "-", "-", "-", None, f"not expressible: {reason}")
+            WeightLayout(
+                "torch nn.MultiheadAttention.in_proj_weight", (), "-", "-", "-", "-", None, f"not expressible: {reason}"
+            )
         )
     per_head = split_head_matrices(w, H)
     layouts.append(
@@ -252,7 +282,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "w_q.reshape(H, Dk, D).transpose(0, 2, 1)  # (H, D, Dk)",
             "merge_head_matrices(W): [W_0 | W_1 | ...].T",
             f"W[{h}][:, {j}]",
-            w.reshape(H, Dk, D).transpose(0, 2, 1), per_head, merge_head_matrices(per_head), w, per_head[h][:, j], target,
+            w.reshape(H, Dk, D).transpose(0, 2, 1),
+            per_head,
+            merge_head_matrices(per_head),
+            w,
+            per_head[h][:, j],
+            target,
         )
     )
     side_by_side = np.concatenate(list(per_head), axis=1)  # (D, H*Dk): [W_0 | W_1 | ...]
@@ -263,7 +298,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "concatenate(W_h, axis=1) = w_q.T",
             "w_q = merged.T",
             f"column {row}",
-            w.T, side_by_side, from_row_sample(side_by_side), w, side_by_side[:, row], target,
+            w.T,
+            side_by_side,
+            from_row_sample(side_by_side),
+            w,
+            side_by_side[:, row],
+            target,
         )
     )
     kernel = to_dense_general_kernel(w, H)
@@ -274,7 +314,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "w_q.T.reshape(D, H, Dk)",
             "kernel.reshape(D, H*Dk).T",
             f"kernel[:, {h}, {j}]",
-            w.T.reshape(D, H, Dk), kernel, from_dense_general_kernel(kernel), w, kernel[:, h, j], target,
+            w.T.reshape(D, H, Dk),
+            kernel,
+            from_dense_general_kernel(kernel),
+            w,
+            kernel[:, h, j],
+            target,
             _library_evidence("flax", lambda: _flax_evidence(cfg)) if cfg.n_kv_heads == H and Dv == Dk else [],
         )
     )
@@ -286,8 +331,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "weight = w_q",
             "w_q = weight",
             f"row {row}",
-            w, eqx_weights["query_proj"]["weight"], from_equinox_weights(cfg, eqx_weights).w_q, w,
-            eqx_weights["query_proj"]["weight"][row], target,
+            w,
+            eqx_weights["query_proj"]["weight"],
+            from_equinox_weights(cfg, eqx_weights).w_q,
+            w,
+            eqx_weights["query_proj"]["weight"][row],
+            target,
             _library_evidence("equinox", lambda: _equinox_evidence(cfg)),
         )
     )
@@ -303,7 +352,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "-",
             "-",
             f"column {out_col} reads head {h}",
-            w_o, w_o, w_o, w_o, w_o[:, out_col], w_o[:, out_col],
+            w_o,
+            w_o,
+            w_o,
+            w_o,
+            w_o[:, out_col],
+            w_o[:, out_col],
         )
     )
     layouts.append(
@@ -313,7 +367,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             "w_o.T.reshape(H, Dv, D)",
             "block.reshape(H*Dv, D).T",
             f"block[{h}][{min(j, Dv - 1)}, :]",
-            w_o.T.reshape(H, Dv, D), blocks, merge_output_matrix(blocks), w_o, blocks[h][min(j, Dv - 1)], w_o[:, out_col],
+            w_o.T.reshape(H, Dv, D),
+            blocks,
+            merge_output_matrix(blocks),
+            w_o,
+            blocks[h][min(j, Dv - 1)],
+            w_o[:, out_col],
         )
     )
     return layouts

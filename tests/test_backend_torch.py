@@ -142,7 +142,9 @@ def test_devices_and_unsupported(backend):
 @needs_gpu
 @pytest.mark.parametrize("strategy", (STANDARD, SLICING))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [CASE_BY_NAME[name] for name in ("cross_attention", "gqa", "fully_masked_row")], ids=str)
+@pytest.mark.parametrize(
+    "case", [CASE_BY_NAME[name] for name in ("cross_attention", "gqa", "fully_masked_row")], ids=str
+)
 def test_gpu_output_matches_reference(backend, case, dtype, strategy):
     data = case.inputs()
     prepared, _ = backend.prepare(case.cfg, case.params(), *data.arrays, dtype=dtype, strategy=strategy, device="gpu")

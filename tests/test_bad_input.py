@@ -53,44 +53,171 @@ def _params_with(**changes) -> MHAParams:
 
 
 ERROR_CASES = [
-    ErrorCase("query-wrong-width", ValueError, r"query must have shape \(batch, tokens, d_model=15\)", _run_with(query=X[..., :14])),
+    ErrorCase(
+        "query-wrong-width",
+        ValueError,
+        r"query must have shape \(batch, tokens, d_model=15\)",
+        _run_with(query=X[..., :14]),
+    ),
     ErrorCase("query-1d", ValueError, r"query must have shape", _run_with(query=np.zeros(15))),
     ErrorCase("query-4d", ValueError, r"query must have shape", _run_with(query=X[None])),
-    ErrorCase("key-wrong-kdim", ValueError, r"key must have shape \(batch, tokens, kdim=11\)", _run_with(CROSS, query=X, key=VALUE, value=VALUE)),
-    ErrorCase("value-wrong-vdim", ValueError, r"value must have shape \(batch, tokens, vdim=13\)", _run_with(CROSS, query=X, key=KEY, value=KEY)),
-    ErrorCase("key-unbatched-query-batched", ValueError, r"key must have shape \(batch, tokens, kdim=15\)", _run_with(key=X[0])),
-    ErrorCase("key-value-token-mismatch", ValueError, r"key and value must have the same batch and token counts", _run_with(CROSS, key=KEY, value=VALUE[:, :4])),
-    ErrorCase("query-key-batch-mismatch", ValueError, r"query and key must have the same batch size, got 2 and 1", _run_with(key=X[:1])),
-    ErrorCase("query-int", TypeError, r"query must hold floating-point numbers, got dtype int64", _run_with(query=np.ones((2, 7, 15), dtype=np.int64))),
-    ErrorCase("query-bool", TypeError, r"query must hold floating-point numbers, got dtype bool", _run_with(query=np.ones((2, 7, 15), dtype=bool))),
+    ErrorCase(
+        "key-wrong-kdim",
+        ValueError,
+        r"key must have shape \(batch, tokens, kdim=11\)",
+        _run_with(CROSS, query=X, key=VALUE, value=VALUE),
+    ),
+    ErrorCase(
+        "value-wrong-vdim",
+        ValueError,
+        r"value must have shape \(batch, tokens, vdim=13\)",
+        _run_with(CROSS, query=X, key=KEY, value=KEY),
+    ),
+    ErrorCase(
+        "key-unbatched-query-batched",
+        ValueError,
+        r"key must have shape \(batch, tokens, kdim=15\)",
+        _run_with(key=X[0]),
+    ),
+    ErrorCase(
+        "key-value-token-mismatch",
+        ValueError,
+        r"key and value must have the same batch and token counts",
+        _run_with(CROSS, key=KEY, value=VALUE[:, :4]),
+    ),
+    ErrorCase(
+        "query-key-batch-mismatch",
+        ValueError,
+        r"query and key must have the same batch size, got 2 and 1",
+        _run_with(key=X[:1]),
+    ),
+    ErrorCase(
+        "query-int",
+        TypeError,
+        r"query must hold floating-point numbers, got dtype int64",
+        _run_with(query=np.ones((2, 7, 15), dtype=np.int64)),
+    ),
+    ErrorCase(
+        "query-bool",
+        TypeError,
+        r"query must hold floating-point numbers, got dtype bool",
+        _run_with(query=np.ones((2, 7, 15), dtype=bool)),
+    ),
     ErrorCase("query-complex", TypeError, r"query must be real, got complex dtype complex128", _run_with(query=X + 1j)),
-    ErrorCase("query-strings", TypeError, r"query must be a floating-point array, got dtype <U1", _run_with(query=np.full((2, 7, 15), "a"))),
-    ErrorCase("key-int", TypeError, r"key must hold floating-point numbers", _run_with(key=np.ones((2, 7, 15), dtype=np.int32))),
+    ErrorCase(
+        "query-strings",
+        TypeError,
+        r"query must be a floating-point array, got dtype <U1",
+        _run_with(query=np.full((2, 7, 15), "a")),
+    ),
+    ErrorCase(
+        "key-int",
+        TypeError,
+        r"key must hold floating-point numbers",
+        _run_with(key=np.ones((2, 7, 15), dtype=np.int32)),
+    ),
     ErrorCase("query-none", TypeError, r"query must be an array", _run_with(query=None)),
-    ErrorCase("zero-query-tokens", ValueError, r"query has a zero-length axis \(shape \(2, 0, 15\)\)", _run_with(query=X[:, :0])),
+    ErrorCase(
+        "zero-query-tokens",
+        ValueError,
+        r"query has a zero-length axis \(shape \(2, 0, 15\)\)",
+        _run_with(query=X[:, :0]),
+    ),
     ErrorCase("zero-batch", ValueError, r"query has a zero-length axis", _run_with(query=X[:0])),
     ErrorCase("zero-kv-tokens", ValueError, r"key has a zero-length axis", _run_with(key=X[:, :0])),
-    ErrorCase("mask-int", TypeError, r"mask must be boolean with True = may attend, got dtype int64", _run_with(mask=np.ones((7, 7), dtype=np.int64))),
+    ErrorCase(
+        "mask-int",
+        TypeError,
+        r"mask must be boolean with True = may attend, got dtype int64",
+        _run_with(mask=np.ones((7, 7), dtype=np.int64)),
+    ),
     ErrorCase("mask-float", TypeError, r"mask must be boolean", _run_with(mask=np.zeros((7, 7)))),
-    ErrorCase("mask-no-broadcast", ValueError, r"mask of shape \(7, 6\) does not broadcast to \(batch, heads, q_tokens, kv_tokens\) = \(2, 3, 7, 7\)", _run_with(mask=np.ones((7, 6), dtype=bool))),
-    ErrorCase("mask-would-grow", ValueError, r"mask of shape \(4, 1, 7, 7\) does not broadcast", _run_with(mask=np.ones((4, 1, 7, 7), dtype=bool))),
-    ErrorCase("mask-5d", ValueError, r"mask must broadcast to .* got 5 dims", _run_with(mask=np.ones((1, 2, 3, 7, 7), dtype=bool))),
-    ErrorCase("mask-unbatched-4d", ValueError, r"mask must broadcast to \(heads, q_tokens, kv_tokens\)", _run_with(query=X[0], mask=np.ones((1, 3, 7, 7), dtype=bool))),
-    ErrorCase("params-other-config", ValueError, r"params.w_k has shape \(15, 15\), expected \(15, 11\)", _run_with(CROSS, params=init_params(CFG), key=KEY, value=VALUE)),
-    ErrorCase("params-missing-bias", ValueError, r"params.b_q is None but cfg.bias is True", _run_with(params=_params_with(b_q=None))),
-    ErrorCase("params-unexpected-bias", ValueError, r"params.b_q must be None because cfg.bias is False", _run_with(MHAConfig(d_model=15, n_heads=3, bias=False), params=init_params(CFG))),
-    ErrorCase("params-int-weights", TypeError, r"params.w_q must hold floating-point numbers", _run_with(params=_params_with(w_q=np.ones((15, 15), dtype=np.int64)))),
-    ErrorCase("params-list-weights", TypeError, r"params.w_v must be a NumPy array, got list", _run_with(params=_params_with(w_v=[[0.0] * 15] * 15))),
-    ErrorCase("params-dict", TypeError, r"params must be MHAParams", lambda run: run(CFG, {"w_q": None}, X, None, None, None)),
-    ErrorCase("cfg-dict", TypeError, r"cfg must be an MHAConfig, got dict", lambda run: run({"d_model": 15}, init_params(CFG), X, None, None, None)),
+    ErrorCase(
+        "mask-no-broadcast",
+        ValueError,
+        r"mask of shape \(7, 6\) does not broadcast to \(batch, heads, q_tokens, kv_tokens\) = \(2, 3, 7, 7\)",
+        _run_with(mask=np.ones((7, 6), dtype=bool)),
+    ),
+    ErrorCase(
+        "mask-would-grow",
+        ValueError,
+        r"mask of shape \(4, 1, 7, 7\) does not broadcast",
+        _run_with(mask=np.ones((4, 1, 7, 7), dtype=bool)),
+    ),
+    ErrorCase(
+        "mask-5d",
+        ValueError,
+        r"mask must broadcast to .* got 5 dims",
+        _run_with(mask=np.ones((1, 2, 3, 7, 7), dtype=bool)),
+    ),
+    ErrorCase(
+        "mask-unbatched-4d",
+        ValueError,
+        r"mask must broadcast to \(heads, q_tokens, kv_tokens\)",
+        _run_with(query=X[0], mask=np.ones((1, 3, 7, 7), dtype=bool)),
+    ),
+    ErrorCase(
+        "params-other-config",
+        ValueError,
+        r"params.w_k has shape \(15, 15\), expected \(15, 11\)",
+        _run_with(CROSS, params=init_params(CFG), key=KEY, value=VALUE),
+    ),
+    ErrorCase(
+        "params-missing-bias",
+        ValueError,
+        r"params.b_q is None but cfg.bias is True",
+        _run_with(params=_params_with(b_q=None)),
+    ),
+    ErrorCase(
+        "params-unexpected-bias",
+        ValueError,
+        r"params.b_q must be None because cfg.bias is False",
+        _run_with(MHAConfig(d_model=15, n_heads=3, bias=False), params=init_params(CFG)),
+    ),
+    ErrorCase(
+        "params-int-weights",
+        TypeError,
+        r"params.w_q must hold floating-point numbers",
+        _run_with(params=_params_with(w_q=np.ones((15, 15), dtype=np.int64))),
+    ),
+    ErrorCase(
+        "params-list-weights",
+        TypeError,
+        r"params.w_v must be a NumPy array, got list",
+        _run_with(params=_params_with(w_v=[[0.0] * 15] * 15)),
+    ),
+    ErrorCase(
+        "params-dict", TypeError, r"params must be MHAParams", lambda run: run(CFG, {"w_q": None}, X, None, None, None)
+    ),
+    ErrorCase(
+        "cfg-dict",
+        TypeError,
+        r"cfg must be an MHAConfig, got dict",
+        lambda run: run({"d_model": 15}, init_params(CFG), X, None, None, None),
+    ),
 ]
 
 # Arguments only a backend's run() takes.
 BACKEND_ERROR_CASES = [
-    ErrorCase("dtype-int8", ValueError, r"dtype must be one of float64, float32, float16, bfloat16; got 'int8'", _run_with(dtype="int8")),
+    ErrorCase(
+        "dtype-int8",
+        ValueError,
+        r"dtype must be one of float64, float32, float16, bfloat16; got 'int8'",
+        _run_with(dtype="int8"),
+    ),
     ErrorCase("dtype-float128", ValueError, r"dtype must be one of", _run_with(dtype="float128")),
-    ErrorCase("device-tpu", ValueError, r"device must be one of cpu, gpu \('cuda' means 'gpu'\); got 'tpu'", _run_with(device="tpu")),
-    ErrorCase("strategy-unknown", UnsupportedCase, r"has no strategy 'diagonal'", _run_with(strategy="diagonal", dtype="float32")),
+    ErrorCase(
+        "device-tpu",
+        ValueError,
+        r"device must be one of cpu, gpu \('cuda' means 'gpu'\); got 'tpu'",
+        _run_with(device="tpu"),
+    ),
+    ErrorCase(
+        "strategy-unknown",
+        UnsupportedCase,
+        r"has no strategy 'diagonal'",
+        _run_with(strategy="diagonal", dtype="float32"),
+    ),
 ]
 
 CONFIG_ERRORS = [
@@ -140,11 +267,16 @@ def test_missing_backend_gives_the_install_command(monkeypatch):
     from mha_rosetta.backends._probe import probe
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a)
+    )
     probe.cache_clear()
     try:
         assert "torch" not in available_backends()
-        assert missing_backends()["torch"] == "backend 'torch' needs torch, which is not installed: pip install 'mha-rosetta[torch]'"
+        assert (
+            missing_backends()["torch"]
+            == "backend 'torch' needs torch, which is not installed: pip install 'mha-rosetta[torch]'"
+        )
         with pytest.raises(BackendNotInstalled, match=r"pip install 'mha-rosetta\[torch\]'"):
             get_backend("torch")
     finally:
@@ -189,17 +321,62 @@ _fully_masked_row = np.ones((7, 7), dtype=bool)
 _fully_masked_row[3] = False
 
 VALUE_CASES = [
-    ValueCase("logits-1e4-float32", MHAConfig(d_model=4, n_heads=1, bias=False, scale=1.0), "float32", _tokens(2, 5, 4, scale=50.0), params_scale=2.0),
+    ValueCase(
+        "logits-1e4-float32",
+        MHAConfig(d_model=4, n_heads=1, bias=False, scale=1.0),
+        "float32",
+        _tokens(2, 5, 4, scale=50.0),
+        params_scale=2.0,
+    ),
     # Unscaled q.k here reaches 9.8e4 > 65504 (float16's largest); scaled by 1/sqrt(64) it is
     # 1.2e4. An implementation that forms q @ k.T before scaling overflows to inf.
-    ValueCase("float16-scale-before-product", MHAConfig(d_model=64, n_heads=1, bias=False), "float16", np.full((1, 3, 64), 5.0) + _tokens(1, 3, 64, scale=0.1), params_scale=24.0),
-    ValueCase("nan-in-one-query-token", CROSS, "float32", _with(_tokens(2, 7, 15), (0, 2, 4), np.nan), _tokens(2, 5, 11, seed=1), _tokens(2, 5, 13, seed=2)),
-    ValueCase("nan-in-one-key-token", CROSS, "float32", _tokens(2, 7, 15), _with(_tokens(2, 5, 11, seed=1), (1, 3, 0), np.nan), _tokens(2, 5, 13, seed=2)),
-    ValueCase("inf-in-one-value-token", CROSS, "float32", _tokens(2, 7, 15), _tokens(2, 5, 11, seed=1), _with(_tokens(2, 5, 13, seed=2), (0, 1, 5), np.inf)),
+    ValueCase(
+        "float16-scale-before-product",
+        MHAConfig(d_model=64, n_heads=1, bias=False),
+        "float16",
+        np.full((1, 3, 64), 5.0) + _tokens(1, 3, 64, scale=0.1),
+        params_scale=24.0,
+    ),
+    ValueCase(
+        "nan-in-one-query-token",
+        CROSS,
+        "float32",
+        _with(_tokens(2, 7, 15), (0, 2, 4), np.nan),
+        _tokens(2, 5, 11, seed=1),
+        _tokens(2, 5, 13, seed=2),
+    ),
+    ValueCase(
+        "nan-in-one-key-token",
+        CROSS,
+        "float32",
+        _tokens(2, 7, 15),
+        _with(_tokens(2, 5, 11, seed=1), (1, 3, 0), np.nan),
+        _tokens(2, 5, 13, seed=2),
+    ),
+    ValueCase(
+        "inf-in-one-value-token",
+        CROSS,
+        "float32",
+        _tokens(2, 7, 15),
+        _tokens(2, 5, 11, seed=1),
+        _with(_tokens(2, 5, 13, seed=2), (0, 1, 5), np.inf),
+    ),
     ValueCase("row-with-nothing-to-attend", CFG, "float32", _tokens(7, 15), mask=_fully_masked_row),
     ValueCase("all-rows-masked", CFG, "float64", _tokens(2, 7, 15), mask=np.zeros((2, 1, 1, 7), dtype=bool)),
-    ValueCase("causal-more-kv-than-q", MHAConfig(d_model=15, n_heads=3, causal=True), "float64", _tokens(2, 3, 15), _tokens(2, 6, 15, seed=1)),
-    ValueCase("causal-more-q-than-kv", MHAConfig(d_model=15, n_heads=3, causal=True), "float64", _tokens(2, 6, 15), _tokens(2, 3, 15, seed=1)),
+    ValueCase(
+        "causal-more-kv-than-q",
+        MHAConfig(d_model=15, n_heads=3, causal=True),
+        "float64",
+        _tokens(2, 3, 15),
+        _tokens(2, 6, 15, seed=1),
+    ),
+    ValueCase(
+        "causal-more-q-than-kv",
+        MHAConfig(d_model=15, n_heads=3, causal=True),
+        "float64",
+        _tokens(2, 6, 15),
+        _tokens(2, 3, 15, seed=1),
+    ),
     ValueCase("single-token", CFG, "float64", _tokens(1, 1, 15)),
     ValueCase("single-head", MHAConfig(d_model=15, n_heads=1), "float64", _tokens(2, 7, 15)),
     ValueCase("width-one", MHAConfig(d_model=1, n_heads=1), "float64", _tokens(2, 7, 1)),
@@ -214,7 +391,9 @@ def _scaled_params(case: ValueCase) -> MHAParams:
 
 
 # NaN and inf inputs propagate (documented); NumPy's warnings about them are expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning"
+)
 
 
 @pytest.mark.parametrize("case", VALUE_CASES, ids=lambda c: c.id)
@@ -261,7 +440,14 @@ _size = st.one_of(st.integers(-3, 40), st.none(), st.floats(-2, 40), st.sampled_
 
 
 @settings(max_examples=200, deadline=None)
-@given(d_model=_size, n_heads=_size, d_k=_size, n_kv_heads=_size, kdim=_size, scale=st.one_of(st.none(), st.floats(allow_nan=True)))
+@given(
+    d_model=_size,
+    n_heads=_size,
+    d_k=_size,
+    n_kv_heads=_size,
+    kdim=_size,
+    scale=st.one_of(st.none(), st.floats(allow_nan=True)),
+)
 def test_random_configs_either_validate_or_raise_documented_errors(d_model, n_heads, d_k, n_kv_heads, kdim, scale):
     try:
         cfg = MHAConfig(d_model=d_model, n_heads=n_heads, d_k=d_k, n_kv_heads=n_kv_heads, kdim=kdim, scale=scale)

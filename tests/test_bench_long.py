@@ -36,7 +36,10 @@ def test_predictions_and_the_budget():
     assert chunked == pytest.approx(16 * 8192 * 512 * 4 / 2**20)  # 256 MiB: linear only
     assert over_budget_reason("numpy:chunked", 1, 32768, 512, 8, "float32", 4096) is None
     reason = over_budget_reason("numpy", 1, 16384, 512, 8, "float32", 4096)
-    assert reason.startswith("skipped: predicted peak 25,088 MiB (3 copies") and "exceeds the memory budget of 4,096 MiB" in reason
+    assert (
+        reason.startswith("skipped: predicted peak 25,088 MiB (3 copies")
+        and "exceeds the memory budget of 4,096 MiB" in reason
+    )
     assert memory_budget_mb(1234) == 1234.0
     with pytest.raises(ValueError, match="memory budget must be a positive number of MiB, got 0"):
         memory_budget_mb(0)
@@ -90,7 +93,9 @@ def test_the_sweep_skips_cells_over_the_budget_and_never_runs_them(tmp_path):
     assert sorted(ran) == [("numpy", 1024), ("numpy:chunked", 1024), ("numpy:chunked", 32768)]
     [skipped] = [c for c in outcome.cells if c["implementation"] == "numpy" and c["tokens"] == 32768]
     assert skipped["status"] == "unsupported"
-    assert skipped["error"].startswith("skipped: predicted peak 99,328 MiB") and "budget of 2,048 MiB" in skipped["error"]
+    assert (
+        skipped["error"].startswith("skipped: predicted peak 99,328 MiB") and "budget of 2,048 MiB" in skipped["error"]
+    )
 
 
 def test_long_preset_and_the_dist_group():

@@ -260,8 +260,16 @@ def test_a_mistake_that_cancels_out_in_the_output_is_caught_at_its_stage():
         "fake-fused",
         mistake_split="direct_undone",
         hide_stages=(
-            "q_heads", "k_heads", "v_heads", "q_rotated", "k_rotated",
-            "scores", "masked_scores", "weights", "context", "merged",
+            "q_heads",
+            "k_heads",
+            "v_heads",
+            "q_rotated",
+            "k_rotated",
+            "scores",
+            "masked_scores",
+            "weights",
+            "context",
+            "merged",
         ),
     )
     result = run_check(backends=[hidden], cases=cases_in(["float64"], "mqa"))

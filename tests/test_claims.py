@@ -35,7 +35,10 @@ def seed_setup():
 def _adapter_present(name: str) -> bool:
     from mha_rosetta.backends import REGISTRY, available_backends
 
-    return name in available_backends() and importlib.util.find_spec(f"mha_rosetta.backends.{REGISTRY[name].module}") is not None
+    return (
+        name in available_backends()
+        and importlib.util.find_spec(f"mha_rosetta.backends.{REGISTRY[name].module}") is not None
+    )
 
 
 def test_claim_12_worked_numbers_exact(seed_setup):
@@ -253,6 +256,9 @@ def test_claims_on_other_configurations():
 
     no_bias = run_claims([6, 8, 11], setup=make_setup(MHAConfig(d_model=15, n_heads=3, bias=False), tokens=7))
     assert [r.verdict for r in no_bias] == [CONFIRMED] * 3
-    grouped = {r.claim: r for r in run_claims([6, 8], setup=make_setup(MHAConfig(d_model=16, n_heads=4, n_kv_heads=2), tokens=7))}
+    grouped = {
+        r.claim: r
+        for r in run_claims([6, 8], setup=make_setup(MHAConfig(d_model=16, n_heads=4, n_kv_heads=2), tokens=7))
+    }
     assert grouped[6].verdict.startswith("skipped: the demonstration assumes one kv head per query head")
     assert grouped[8].verdict == CONFIRMED

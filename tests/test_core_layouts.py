@@ -69,7 +69,9 @@ def test_output_matrix_blocks_round_trip(rng):
     assert_close(sum(c[:, 5 * h : 5 * (h + 1)] @ blocks[h] for h in range(3)), c @ p.w_o.T)
 
 
-@pytest.mark.parametrize("cfg", [SELF, CROSS, MHAConfig(d_model=15, n_heads=3, bias=False)], ids=["packed", "separate", "no-bias"])
+@pytest.mark.parametrize(
+    "cfg", [SELF, CROSS, MHAConfig(d_model=15, n_heads=3, bias=False)], ids=["packed", "separate", "no-bias"]
+)
 def test_torch_mha_state_dict_round_trip(cfg):
     p = init_params(cfg, seed=4)
     state = to_torch_mha_state_dict(cfg, p)

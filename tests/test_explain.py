@@ -23,7 +23,10 @@ from mha_rosetta.explain.weights import _verify
 def _adapter_present(name: str) -> bool:
     from mha_rosetta.backends import REGISTRY, available_backends
 
-    return name in available_backends() and importlib.util.find_spec(f"mha_rosetta.backends.{REGISTRY[name].module}") is not None
+    return (
+        name in available_backends()
+        and importlib.util.find_spec(f"mha_rosetta.backends.{REGISTRY[name].module}") is not None
+    )
 
 
 def needs_adapter(name: str):
@@ -126,7 +129,9 @@ def test_scorer_location_from_axis_order():
 # --- weight layouts ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [MHAConfig(d_model=12, n_heads=3), MHAConfig(d_model=D_MODEL, n_heads=HEADS)], ids=["seed", "distinct"])
+@pytest.mark.parametrize(
+    "cfg", [MHAConfig(d_model=12, n_heads=3), MHAConfig(d_model=D_MODEL, n_heads=HEADS)], ids=["seed", "distinct"]
+)
 def test_every_weight_layout_verifies(cfg):
     layouts = {layout.layout.split(" (")[0]: layout for layout in weight_layouts(cfg, init_params(cfg, seed=0))}
     for layout in layouts.values():
@@ -238,7 +243,15 @@ def test_tf32_skipped_without_gpu():
 def test_explain_object_renders_everywhere():
     result = explain(sections=("weights", "head_split"))
     data = json.loads(json.dumps(result.to_dict()))
-    assert data["config"] == {"tokens": 6, "batch": 2, "d_model": 12, "n_heads": 3, "d_k": 4, "d_v": 4, "dtype": "float32"}
+    assert data["config"] == {
+        "tokens": 6,
+        "batch": 2,
+        "d_model": 12,
+        "n_heads": 3,
+        "d_k": 4,
+        "d_v": 4,
+        "dtype": "float32",
+    }
     markdown = result.to_markdown()
     assert "## The head split" in markdown and "| row-sample W_B (Y = X @ W_B) | (12, 12) |" in markdown
     assert "token 0 A A A A B B B B C C C C" in result.to_text()
@@ -276,7 +289,20 @@ def test_cli_claims_json(tmp_path):
 
 
 def test_cli_markdown_for_one_backend(capsys):
-    argv = ["explain", "--markdown", "--backends", "numpy", "--sections", "stages,weights", "--tokens", "5", "--d-model", "8", "--heads", "2"]
+    argv = [
+        "explain",
+        "--markdown",
+        "--backends",
+        "numpy",
+        "--sections",
+        "stages,weights",
+        "--tokens",
+        "5",
+        "--d-model",
+        "8",
+        "--heads",
+        "2",
+    ]
     status = main(argv)
     out = capsys.readouterr().out
     assert status == 0

@@ -44,7 +44,9 @@ class GpuFake(FakeBackend):
 
 
 def _probes(**seen):
-    return {name: (lambda ok=ok, name=name: (ok, "" if ok else f"{name} sees no GPU (fake)")) for name, ok in seen.items()}
+    return {
+        name: (lambda ok=ok, name=name: (ok, "" if ok else f"{name} sees no GPU (fake)")) for name, ok in seen.items()
+    }
 
 
 @pytest.mark.parametrize(("torch_sees", "jax_sees"), [(True, False), (False, True), (True, True)])

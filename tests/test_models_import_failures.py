@@ -81,7 +81,10 @@ def test_explain_runs_through_libraries_that_fail_to_import(tmp_path):
     result = _run(args, fake)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "einops is installed but failed to import: ImportError: simulated broken einops" in result.stdout
-    assert "equinox is installed but failed to import: RuntimeError: simulated broken equinox: real-module check skipped" in result.stdout
+    assert (
+        "equinox is installed but failed to import: RuntimeError: simulated broken equinox: real-module check skipped"
+        in result.stdout
+    )
 
 
 def test_explain_with_keras_and_no_keras_backend_names_the_remedy():

@@ -90,7 +90,11 @@ def test_sequence_first_layout_is_real():
     stage = prepared.native_stages()["output"]
     assert stage.axes == ("Nq", "B", "D")
     np.testing.assert_allclose(prepared.to_numpy(result), case.reference(), atol=1e-12)
-    assert get_backend("torch-mha").prepare(case.cfg, case.params(), *case.inputs().arrays)[0].forward().shape == (2, 7, 15)
+    assert get_backend("torch-mha").prepare(case.cfg, case.params(), *case.inputs().arrays)[0].forward().shape == (
+        2,
+        7,
+        15,
+    )
 
 
 def test_mask_polarity_is_inverted_for_the_module():
@@ -190,7 +194,9 @@ def test_sdpa_returns_b_o_for_an_empty_row():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sdpa_matches_reference_on_every_case(case, dtype):
-    assert_close(case.run(get_backend("torch-sdpa"), dtype), case.reference(), dtype, what=f"torch-sdpa/{dtype} on {case}")
+    assert_close(
+        case.run(get_backend("torch-sdpa"), dtype), case.reference(), dtype, what=f"torch-sdpa/{dtype} on {case}"
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -98,8 +98,8 @@ def explain_sharding(
 ) -> ShardingExplanation:
     """The cut of every weight and the place of the all-reduce for ``cfg`` on ``world`` ranks.
 
-    ``cfg`` defaults to the seed's layer (d_model 12, 3 heads of 4); ``world`` to the largest
-    rank count up to 4 that splits the heads (3 for the seed).
+    ``cfg`` defaults to the explainer's layer (d_model 12, 3 heads of 4); ``world`` to the largest
+    rank count up to 4 that splits the heads (3 for that layer).
     """
     cfg = MHAConfig(d_model=12, n_heads=3) if cfg is None else cfg
     if world is None:

@@ -12,7 +12,7 @@ from mha_rosetta.explain.sharding import explain_sharding
 
 
 def test_seed_layer_over_three_ranks():
-    result = explain_sharding()  # the seed's 3 heads: the most ranks up to 4 that split them is 3
+    result = explain_sharding()  # the explainer's default 3 heads: the most ranks up to 4 that split them is 3
     assert result.world == 3
     cuts = {cut.weight: cut for cut in result.cuts}
     assert cuts["w_q"].cut.startswith("axis 0 (out): rows") and cuts["w_q"].shard == (4, 12)

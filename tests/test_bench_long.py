@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import requires
 from mha_rosetta.benchmarks.long import (
     fit_slope,
     fitted_slopes,
@@ -58,7 +59,7 @@ def _cells():
     return cells
 
 
-def test_fitted_slopes_and_targets(tmp_path):
+def test_fitted_slopes_and_targets():
     slopes = fitted_slopes(_cells())
     assert slopes["numpy"]["memory_slope"] == pytest.approx(2.0)
     assert slopes["numpy:chunked"]["memory_slope"] == pytest.approx(1.0)
@@ -67,6 +68,10 @@ def test_fitted_slopes_and_targets(tmp_path):
     assert targets["memory_8k"]["ratio"] == pytest.approx(0.01 * 8192 / (4e-5 * 8192**2))
     assert targets["memory_8k"]["met"] is True
     assert targets["time_4k"]["ratio"] == pytest.approx(1.1) and targets["time_4k"]["met"] is True
+
+
+@requires("matplotlib")
+def test_long_plots(tmp_path):
     paths = plot_long(_cells(), tmp_path)
     assert [p.name for p in paths] == ["long_time_vs_tokens.png", "long_memory_vs_tokens.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)

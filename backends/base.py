@@ -234,6 +234,28 @@ class Backend:
         raise NotImplementedError
 
     # -- shared by every backend ------------------------------------------------------
+    def _validate(self, cfg, params, args, dtype, device, strategy, *, chunk=None, cotangent=None, backward=False):
+        """The checks `prepare` and `prepare_vjp` share, in the order their errors are reported: the dtype and
+        device names, the parameters, ``chunk`` (before the inputs: a bad option is named before bad data), the
+        inputs ``args`` = (query, key, value, mask, positions, kv_positions), the cotangent (backward only,
+        after the inputs: its expected shape comes from the query), then whether this backend supports the case.
+        Returns (dtype, device, chunk, inputs, cotangent), each normalised."""
+        dtype = check_dtype_name(dtype)
+        device = check_device_name(device)
+        validate_params(cfg, params)
+        chunk = check_chunk(chunk)
+        if chunk is not None and strategy != CHUNKED:
+            raise ValueError(f"chunk={chunk} applies only to strategy={CHUNKED!r}, got strategy={strategy!r}")
+        inputs = prepare_inputs(cfg, *args)
+        if backward:
+            cotangent = check_cotangent(cotangent, output_shape(cfg, args[0]))
+        reason = self.unsupported_reason(cfg, dtype, device, strategy)
+        if backward and strategy == CHUNKED and not reason:
+            reason = f"{self.name}: the chunked strategy is forward only (no backward pass)"
+        if reason:
+            raise UnsupportedCase(reason)
+        return dtype, device, chunk, inputs, cotangent
+
     def prepare(
         self,
         cfg: MHAConfig,
@@ -255,16 +277,9 @@ class Backend:
         ``positions``/``kv_positions``: the rotary positions (`core.inputs.prepare_inputs`).
         ``chunk`` (the chunked strategy only): ``(q_block, k_block)``, or one int for both.
         """
-        dtype = check_dtype_name(dtype)
-        device = check_device_name(device)
-        validate_params(cfg, params)
-        chunk = check_chunk(chunk)
-        if chunk is not None and strategy != CHUNKED:
-            raise ValueError(f"chunk={chunk} applies only to strategy={CHUNKED!r}, got strategy={strategy!r}")
-        inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
-        reason = self.unsupported_reason(cfg, dtype, device, strategy)
-        if reason:
-            raise UnsupportedCase(reason)
+        dtype, device, chunk, inputs, _ = self._validate(
+            cfg, params, (query, key, value, mask, positions, kv_positions), dtype, device, strategy, chunk=chunk
+        )
         options = {"chunk": chunk} if strategy == CHUNKED else {}
         return self._prepare(cfg, params, inputs, dtype, device, strategy, **options), inputs
 
@@ -346,16 +361,10 @@ class Backend:
         kv_positions=None,
     ) -> tuple[PreparedVJP, MHAInputs]:
         """Validate everything (the cotangent too), then convert once for forward+backward."""
-        dtype = check_dtype_name(dtype)
-        device = check_device_name(device)
-        validate_params(cfg, params)
-        inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
-        cotangent = check_cotangent(cotangent, output_shape(cfg, query))
-        reason = self.unsupported_reason(cfg, dtype, device, strategy)
-        if strategy == CHUNKED and not reason:
-            reason = f"{self.name}: the chunked strategy is forward only (no backward pass)"
-        if reason:
-            raise UnsupportedCase(reason)
+        args = (query, key, value, mask, positions, kv_positions)
+        dtype, device, _, inputs, cotangent = self._validate(
+            cfg, params, args, dtype, device, strategy, cotangent=cotangent, backward=True
+        )
         batched = cotangent if inputs.batched else cotangent[None]  # (B, Nq, D)
         return self._prepare_vjp(cfg, params, inputs, batched, dtype, device, strategy), inputs
 

@@ -208,6 +208,23 @@ def test_bad_cotangent_gets_a_clear_error(backend_name, cfg, params):
         reference_mha_vjp(cfg, params, x, cotangent=np.ones((2, 7, 15), dtype=complex))
 
 
+def test_errors_come_in_a_fixed_order_chunk_then_inputs_then_cotangent(cfg, params):
+    """`prepare` names a bad ``chunk`` before bad inputs; `prepare_vjp` names bad inputs before a bad cotangent
+    (whose expected shape comes from the query). Each call below has two faults; only the first is reported."""
+    backend = get_backend("numpy")
+    bad_query = np.ones((2, 7, cfg.d_model - 1))
+    bad_inputs = r"query must have shape \(batch, tokens, d_model=15\), got last axis 14"
+    with pytest.raises(TypeError, match=r"chunk must be \(q_block, k_block\) or one int for both, got \(1, 2, 3\)"):
+        backend.prepare(cfg, params, bad_query, strategy="chunked", chunk=(1, 2, 3))
+    with pytest.raises(ValueError, match=bad_inputs):
+        backend.prepare_vjp(cfg, params, bad_query, cotangent=np.ones((3, 3)))
+    with pytest.raises(ValueError, match=bad_inputs):
+        backend.run_vjp(cfg, params, bad_query, cotangent=np.ones((2, 7, 15), dtype=np.int64))
+    good_query = np.ones((2, 7, cfg.d_model))
+    with pytest.raises(ValueError, match=r"cotangent must have the output's shape \(2, 7, 15\).*got shape \(3, 3\)"):
+        backend.prepare_vjp(cfg, params, good_query, cotangent=np.ones((3, 3)))
+
+
 @pytest.mark.parametrize("backend_name", ["oracle", "numpy", "torch", "jax"])
 def test_nan_in_the_cotangent_propagates_to_exactly_what_reads_it(backend_name, cfg, params):
     """Documented: no error; NaN reaches b_o's entry of that feature and that batch item's input gradients."""

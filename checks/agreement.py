@@ -63,6 +63,7 @@ from mha_rosetta.core import (
     reference_stages,
 )
 from mha_rosetta.core import compare as core_compare
+from mha_rosetta.core.errors import exit_code
 
 from .cases import SpecCase, get_cases
 from .devices import frameworks_without_gpu
@@ -241,8 +242,8 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        """The process's exit status: 130 when interrupted (what a shell reports for Ctrl-C), else `exit_status`."""
-        return 130 if self.interrupted else self.exit_status
+        """The process's exit status: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
+        return exit_code(self.exit_status, self.interrupted)
 
     def verdict(self) -> str:
         if self.interrupted:

@@ -38,6 +38,7 @@ from mha_rosetta.core import (
     reference_stages,
 )
 from mha_rosetta.core import compare as core_compare
+from mha_rosetta.core.errors import exit_code
 
 from .agreement import (
     FAILING,
@@ -124,6 +125,11 @@ class GradCheckResult:
         if self.error_count or not any(run.compared for run in self.runs):
             return 2
         return 1 if self.failures() else 0
+
+    @property
+    def exit_code(self) -> int:
+        """As `CheckResult.exit_code`: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
+        return exit_code(self.exit_status, self.interrupted)
 
     def verdict(self) -> str:
         if self.error_count:

@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         resolve_implementations,
         run_sweep,
     )
+    from mha_rosetta.core.errors import INTERRUPTED
 
     if args.render:
         return _render_only(args)
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
             f"interrupted: {len(outcome.cells)} finished cells kept in {partial}; rerun with --resume to finish",
             file=sys.stderr,
         )
-        return 130
+        return INTERRUPTED
     partial.unlink(missing_ok=True)  # the report holds everything now
     failures = failed_cells(report)
     if failures:

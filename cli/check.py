@@ -145,9 +145,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(result, args.json, grad)
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
-    if result.interrupted or (grad is not None and grad.interrupted):
-        return 130
-    return max(result.exit_status, 0 if grad is None else grad.exit_status)
+    # The worse of the two: INTERRUPTED (130) outranks 2 (error), 1 (failure) and 0.
+    return max(result.exit_code, 0 if grad is None else grad.exit_code)
 
 
 def _grad_check(args: argparse.Namespace, progress):

@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _subcommand_module(args.command).run(args)
     except KeyboardInterrupt:
+        from mha_rosetta.core.errors import INTERRUPTED
+
         print("interrupted; finished results were kept", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

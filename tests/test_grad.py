@@ -442,3 +442,21 @@ def test_bench_mode_both_times_every_cell_forward_and_forward_plus_backward():
     assert {"numpy", "numpy fwd+bwd", "torch:slicing", "torch:slicing fwd+bwd"} <= labels
     with pytest.raises(ValueError, match="mode must be one of fwd, fwdbwd"):
         preset_settings("quick", modes=["train"])
+
+
+def test_an_interrupted_gradient_check_exits_130_through_its_result(monkeypatch, capsys):
+    """Ctrl-C during the gradient check: its result says interrupted, and the command exits with that result's
+    `exit_code` (130) although the forward check before it passed."""
+    from mha_rosetta.checks import grad as grad_module
+    from mha_rosetta.cli.main import main
+
+    argv = ["check", "--backends", "numpy", "--cases", "self_attention", "--dtypes", "float64", "--plain"]
+    assert main(argv) == 0
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grad_module, "_run_one", ctrl_c)
+    result = run_grad_check(backends=["numpy"], cases=["self_attention"], dtypes=["float64"])
+    assert result.interrupted and result.exit_status == 2 and result.exit_code == 130  # nothing compared, yet 130
+    assert main([*argv, "--grad"]) == 130

@@ -256,6 +256,7 @@ def _run_sharding(args: argparse.Namespace, cfg) -> int:
 def _backward(args: argparse.Namespace, cfg) -> int:
     """``--backward``: the backward section alone (`explain.backward`); exit 1 if the demonstrated bug went unseen."""
     from mha_rosetta.checks.report import render_markdown, render_plain
+    from mha_rosetta.core.tables import output_width
     from mha_rosetta.explain.backward import backward_blocks
 
     blocks, caught = backward_blocks(cfg, args.batch, args.tokens, args.seed)
@@ -263,6 +264,6 @@ def _backward(args: argparse.Namespace, cfg) -> int:
         "the GQA backward bug: "
         + ("caught by the gradient check, missed by the forward check" if caught else "NOT caught")
     ]
-    text = render_markdown(blocks, summary) if args.markdown else render_plain(blocks, summary)
+    text = render_markdown(blocks, summary) if args.markdown else render_plain(blocks, summary, output_width())
     sys.stdout.write(text.replace("# mha-rosetta check", "# mha-rosetta explain --backward", 1))
     return 0 if caught else 1

@@ -124,14 +124,14 @@ def render_plain(tables: list[Table], width: int | None = None, footer: list[str
     out: list[str] = []
     for whole in tables:
         for table in split_to_fit(whole, width):
-            out += _fill(table.title, width)
+            out += fill_lines(table.title, width)
             if table.columns:
                 out += plain_lines(table, width)
             for note in table.notes:
-                out += _fill(note, width)
+                out += fill_lines(note, width)
             out.append("")
     for line in footer or []:
-        out += _fill(line, width)
+        out += fill_lines(line, width)
     return "\n".join(out) + "\n"
 
 
@@ -139,10 +139,11 @@ def _line(cells: list, widths: list[int]) -> str:
     return GAP.join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
-def _fill(text: str, width: int | None) -> list[str]:
+def fill_lines(text: str, width: int | None, indent: str = "") -> list[str]:
+    """``text`` wrapped to ``width`` (None: as it is), each continuation line indented by ``indent`` + two spaces."""
     if width is None or len(text) <= width:
         return [text]
-    return textwrap.wrap(text, width, break_on_hyphens=False, subsequent_indent="  ")
+    return textwrap.wrap(text, width, break_on_hyphens=False, subsequent_indent=indent + "  ")
 
 
 def md_cell(text) -> str:

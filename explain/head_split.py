@@ -124,25 +124,33 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(parts)
 
 
-def grid_text(split: HeadSplit, colour: bool = False) -> str:
+def grid_text(split: HeadSplit, colour: bool = False, width: int | None = None) -> str:
     """The (token x feature) grid, each cell marked with the letter of the head that got it.
 
-    With ``colour=True`` the letters carry rich markup (one colour per head).
+    With ``colour=True`` the letters carry rich markup (one colour per head). A grid wider than
+    ``width`` (None: no limit) is split into parts of columns, each repeating the token labels.
     """
-    n_tokens, width = split.owner.shape
+    n_tokens, n_features = split.owner.shape
     label_width = len(f"token {n_tokens - 1}")
     pad = " " * (label_width + 1)
+    legend = "   <- feature (column of Q)"
+    # Each column costs two characters (letter and space); the legend stays on every part's units line.
+    per_part = n_features if width is None else max(1, (width - label_width - len(legend)) // 2)
     lines = []
-    if width > 10:  # a tens line above the units line keeps one character per column
-        lines.append(pad + " ".join(str(f // 10) if f >= 10 else " " for f in range(width)))
-    lines.append(pad + " ".join(f"{f % 10}" for f in range(width)) + "   <- feature (column of Q)")
-    for t in range(n_tokens):
-        marks = []
-        for f in range(width):
-            h = int(split.owner[t, f])
-            letter = head_letter(h)
-            marks.append(f"[bold {RICH_COLOURS[h % len(RICH_COLOURS)]}]{letter}[/]" if colour else letter)
-        lines.append(f"{f'token {t}':<{label_width}} " + " ".join(marks))
+    for start in range(0, n_features, per_part):
+        features = range(start, min(start + per_part, n_features))
+        if lines:
+            lines.append("")
+        if n_features > 10:  # a tens line above the units line keeps one character per column
+            lines.append(pad + " ".join(str(f // 10) if f >= 10 else " " for f in features))
+        lines.append(pad + " ".join(f"{f % 10}" for f in features) + legend)
+        for t in range(n_tokens):
+            marks = []
+            for f in features:
+                h = int(split.owner[t, f])
+                letter = head_letter(h)
+                marks.append(f"[bold {RICH_COLOURS[h % len(RICH_COLOURS)]}]{letter}[/]" if colour else letter)
+            lines.append(f"{f'token {t}':<{label_width}} " + " ".join(marks))
     return "\n".join(lines)
 
 

@@ -11,7 +11,16 @@ import sys
 
 from mha_rosetta.backends._probe import importable
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES
-from mha_rosetta.core.tables import Table, markdown_table, plain_lines, rich_escape, rich_tables
+from mha_rosetta.core.tables import (
+    Table,
+    fill_lines,
+    markdown_table,
+    output_width,
+    plain_lines,
+    rich_console,
+    rich_escape,
+    rich_tables,
+)
 
 from .head_split import grid_text, head_summary
 from .real_checkpoints import CHECKPOINTS_INTRO, checkpoint_tables
@@ -107,18 +116,22 @@ def difference_tables(explanation) -> list[tuple[str, str, list[str], list[list[
 # --- plain text ------------------------------------------------------------------------------
 
 
-def _text_table(headers: list[str], rows: list[list[str]]) -> str:
-    return "\n".join(plain_lines(Table("", headers, rows)))
-
-
-def render_text(explanation) -> str:
+def render_text(explanation, width: int | None = None) -> str:
+    """Plain text fitted to ``width`` (None: every line as long as it needs): the tables' text cells wrap
+    (`core.tables.plain_lines`), the head-split grid splits into parts that keep the token labels, and
+    the remaining long lines wrap with their indent."""
     parts = [f"mha-rosetta explain: {_config_line(explanation)}"]
     for section in explanation.sections:
-        parts += _text_section(explanation, section)
-    return "\n\n".join(parts) + "\n"
+        parts += _text_section(explanation, section, width)
+    lines = "\n\n".join(parts).splitlines()
+    fitted = [out for line in lines for out in fill_lines(line, width, line[: len(line) - len(line.lstrip())])]
+    return "\n".join(fitted) + "\n"
 
 
-def _text_section(explanation, section: str) -> list[str]:
+def _text_section(explanation, section: str, width: int | None = None) -> list[str]:
+    def _text_table(headers: list[str], rows: list[list[str]]) -> str:
+        return "\n".join(plain_lines(Table("", headers, rows), width))
+
     if section == "stages":
         title, headers, rows = backend_table(explanation)
         parts = [f"== {title}\n{_text_table(headers, rows)}"]
@@ -135,7 +148,8 @@ def _text_section(explanation, section: str) -> list[str]:
         for split in explanation.head_split.values():
             label = "correct split" if split.name == "correct" else "direct-reshape mistake"
             parts.append(
-                f"== Head split, {label}: {split.chain}\n{grid_text(split)}\n" + "\n".join(head_summary(split))
+                f"== Head split, {label}: {split.chain}\n{grid_text(split, width=width)}\n"
+                + "\n".join(head_summary(split))
             )
         return parts
     if section == "checkpoints":
@@ -175,13 +189,10 @@ def _verdict_style(verdict: str) -> str:
 
 
 def print_rich(explanation, file=None) -> None:
-    from rich.console import Console
     from rich.panel import Panel
 
-    console = Console(file=file)
-    if not console.is_terminal:
-        # Piped or written to a file: wide lines read better than tables folded at 80 columns.
-        console = Console(file=file, width=max(console.width, 160))
+    # COLUMNS or the terminal's width; piped without COLUMNS, 160: wide lines read better than tables folded at 80.
+    console = rich_console(file)
     console.rule(f"mha-rosetta explain: {rich_escape(_config_line(explanation))}")
     for section in explanation.sections:
         if section == "stages":
@@ -194,7 +205,11 @@ def print_rich(explanation, file=None) -> None:
         elif section == "head_split":
             for split in explanation.head_split.values():
                 label = "correct split" if split.name == "correct" else "direct-reshape mistake"
-                body = grid_text(split, colour=True) + "\n\n" + rich_escape("\n".join(head_summary(split)))
+                body = (
+                    grid_text(split, colour=True, width=console.width - 4)
+                    + "\n\n"
+                    + rich_escape("\n".join(head_summary(split)))
+                )
                 console.print(Panel(body, title=rich_escape(f"Head split, {label}: {split.chain}"), expand=False))
         elif section == "checkpoints":
             console.print(rich_escape(CHECKPOINTS_INTRO))
@@ -225,7 +240,7 @@ def print_rich(explanation, file=None) -> None:
 
 def print_explanation(explanation, plain: bool = False, file=None) -> None:
     if plain or not importable("rich"):
-        (file or sys.stdout).write(render_text(explanation))
+        (file or sys.stdout).write(render_text(explanation, output_width(file)))
     else:
         print_rich(explanation, file=file)
 

@@ -338,3 +338,41 @@ def test_exit_status_ignores_refuted_speed_claims():
     assert _failures(result) == []  # the column/row-sample article may be wrong about speed
     result.claims.append(ClaimResult(12, "2.5", "refuted", ["measured"]))
     assert _failures(result) == ["claim 12 refuted"]
+
+
+def _printable_characters(text: str):
+    """Every visible character (not white space, rules or rich's box drawing), with its count."""
+    from collections import Counter
+
+    return Counter(
+        c
+        for line in text.splitlines()
+        if set(line.strip()) - set("- ")
+        for c in line
+        if not c.isspace() and not "\u2500" <= c <= "\u257f"
+    )
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "rich"])
+def test_explain_output_fits_columns_and_keeps_its_content(plain, monkeypatch):
+    """With COLUMNS=100 no line is wider than 100, and every character of the unlimited output is still there
+    (the 48-feature head-split grid splits into parts that repeat the token labels; table cells wrap)."""
+    import io
+
+    if not plain and importlib.util.find_spec("rich") is None:
+        pytest.skip("rich is not installed: the rich rendering cannot be shown")
+    explanation = explain(
+        MHAConfig(d_model=48, n_heads=4), sections=("stages", "weights", "head_split", "claims"), speed=False
+    )
+
+    def printed(columns: int) -> str:
+        monkeypatch.setenv("COLUMNS", str(columns))
+        out = io.StringIO()
+        explanation.print(plain=plain, file=out)
+        return out.getvalue()
+
+    wide, narrow = printed(1000), printed(100)
+    assert max(map(len, wide.splitlines())) > 100  # the check below means something
+    assert max(map(len, narrow.splitlines())) <= 100
+    assert not _printable_characters(wide) - _printable_characters(narrow)  # nothing lost
+    assert narrow.count("token 0") == wide.count("token 0") * 2  # each grid in two parts, each labelled

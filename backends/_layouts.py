@@ -44,6 +44,14 @@ HEADS_FIRST_SPLIT_AXES = {
     "k_rotated": ("B", "Hkv", "Nk", "Dk"),
 }
 
+
+def head_slice_axes(axes: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """One head's slice of the heads stages in ``axes``: the head axis (H or Hkv) dropped, the
+    layout a per-head strategy records before the recorder stacks the heads back in."""
+    heads = ("q_heads", "k_heads", "v_heads", "q_rotated", "k_rotated")
+    return {name: tuple(a for a in axes[name] if a not in ("H", "Hkv")) for name in heads}
+
+
 # Where each stage of an XLA pass comes from, as `StageTensor` (relation, parent). JAX
 # arrays are immutable values whose buffers XLA places, so a layout-only step (a reshape)
 # counts as a copy of its parent; a computation is "new".

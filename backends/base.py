@@ -235,11 +235,9 @@ class Backend:
 
     # -- shared by every backend ------------------------------------------------------
     def _validate(self, cfg, params, args, dtype, device, strategy, *, chunk=None, cotangent=None, backward=False):
-        """The checks `prepare` and `prepare_vjp` share, in the order their errors are reported: the dtype and
-        device names, the parameters, ``chunk`` (before the inputs: a bad option is named before bad data), the
-        inputs ``args`` = (query, key, value, mask, positions, kv_positions), the cotangent (backward only,
-        after the inputs: its expected shape comes from the query), then whether this backend supports the case.
-        Returns (dtype, device, chunk, inputs, cotangent), each normalised."""
+        """`prepare`'s and `prepare_vjp`'s checks in the order their errors are reported: names, params, ``chunk``
+        (a bad option before bad data), ``args`` (query, key, value, mask, positions, kv_positions), the cotangent
+        (backward only; its shape comes from the query), support. Returns (dtype, device, chunk, inputs, cotangent)."""
         dtype = check_dtype_name(dtype)
         device = check_device_name(device)
         validate_params(cfg, params)

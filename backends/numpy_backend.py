@@ -52,6 +52,7 @@ from mha_rosetta.core import (
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._inputs import convert_inputs
+from ._layouts import head_slice_axes
 from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
 from ._recording import (
     StageRecorder,
@@ -78,14 +79,7 @@ COLUMN_SAMPLE_AXES = {
     "q_rotated": ("B", "H", "Dk", "Nq"),
     "k_rotated": ("B", "Hkv", "Dk", "Nk"),
 }
-# One head's slice of the heads stages (the head axis stacked back in by the recorder).
-HEAD_SLICE_AXES = {
-    "q_heads": ("B", "Dk", "Nq"),
-    "k_heads": ("B", "Dk", "Nk"),
-    "v_heads": ("B", "Dv", "Nk"),
-    "q_rotated": ("B", "Dk", "Nq"),
-    "k_rotated": ("B", "Dk", "Nk"),
-}
+HEAD_SLICE_AXES = head_slice_axes(COLUMN_SAMPLE_AXES)  # q_heads: (B, Dk, Nq), the head axis stacked back in later
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
+from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes
 from ._recording import (
     StageRecorder,
     record_head_inputs,
@@ -57,14 +57,7 @@ from ._torch_common import (
 )
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
-# One head's slice of the heads stages (the head axis stacked back in by the recorder).
-HEAD_SLICE_AXES = {
-    "q_heads": ("B", "Nq", "Dk"),
-    "k_heads": ("B", "Nk", "Dk"),
-    "v_heads": ("B", "Nk", "Dv"),
-    "q_rotated": ("B", "Nq", "Dk"),
-    "k_rotated": ("B", "Nk", "Dk"),
-}
+HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
 ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
 
 

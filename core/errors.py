@@ -1,5 +1,4 @@
-"""How an exception is quoted in a report (one line, the same everywhere), and the exit status of an
-interrupted command."""
+"""How an exception is quoted in a report (one line, the same everywhere); an interrupted command's exit status."""
 
 from __future__ import annotations
 
@@ -13,6 +12,5 @@ def error_line(error: BaseException) -> str:
 INTERRUPTED = 130  # what a shell reports for a process ended by Ctrl-C (128 + SIGINT)
 
 
-def exit_code(status: int, interrupted: bool) -> int:
-    """A command's exit status: `INTERRUPTED` when Ctrl-C cut it short (what finished is kept), else ``status``."""
+def exit_code(status: int, interrupted: bool) -> int:  # what finished is kept and reported either way
     return INTERRUPTED if interrupted else status

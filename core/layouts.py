@@ -157,9 +157,7 @@ def from_torch_mha_state_dict(cfg: MHAConfig, state_dict) -> MHAParams:
             raise ValueError("cfg.bias is True but state_dict lacks in_proj_bias or out_proj.bias")
         biases["b_q"], biases["b_k"], biases["b_v"] = np.split(state["in_proj_bias"], [E, 2 * E])
         biases["b_o"] = state["out_proj.bias"]
-    params = MHAParams(w_q=w_q, w_k=w_k, w_v=w_v, w_o=state["out_proj.weight"], **biases)
-    validate_params(cfg, params)
-    return params
+    return validate_params(cfg, MHAParams(w_q=w_q, w_k=w_k, w_v=w_v, w_o=state["out_proj.weight"], **biases))
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -219,9 +217,7 @@ def from_flax_params(cfg: MHAConfig, tree) -> MHAParams:
     arrays["w_o"] = merge_output_matrix(np.asarray(tree["out"]["kernel"]))
     bias = tree["out"].get("bias")
     arrays["b_o"] = None if bias is None else np.asarray(bias)
-    params = MHAParams(**arrays)
-    validate_params(cfg, params)
-    return params
+    return validate_params(cfg, MHAParams(**arrays))
 
 
 EQUINOX_NAMES = {"w_q": "query_proj", "w_k": "key_proj", "w_v": "value_proj", "w_o": "output_proj"}
@@ -248,6 +244,4 @@ def from_equinox_weights(cfg: MHAConfig, weights) -> MHAParams:
         arrays[w_name] = np.asarray(weights[module]["weight"])
         bias = weights[module].get("bias")
         arrays["b" + w_name[1:]] = None if bias is None else np.asarray(bias)
-    params = MHAParams(**arrays)
-    validate_params(cfg, params)
-    return params
+    return validate_params(cfg, MHAParams(**arrays))

@@ -56,8 +56,8 @@ def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
     return shapes
 
 
-def validate_params(cfg: MHAConfig, params: MHAParams) -> None:
-    """Raise if ``params`` does not fit ``cfg`` (e.g. parameters made for another config)."""
+def validate_params(cfg: MHAConfig, params: MHAParams) -> MHAParams:
+    """Raise if ``params`` does not fit ``cfg`` (e.g. parameters made for another config); else return them."""
     require_config(cfg)
     if not isinstance(params, MHAParams):
         raise TypeError(f"params must be MHAParams (from init_params or a converter), got {type(params).__name__}")
@@ -80,6 +80,7 @@ def validate_params(cfg: MHAConfig, params: MHAParams) -> None:
             )
         if value.dtype.kind != "f":
             raise TypeError(f"params.{name} must hold floating-point numbers, got dtype {value.dtype}")
+    return params
 
 
 def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:

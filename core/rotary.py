@@ -69,10 +69,6 @@ class RotaryTables:
     k_cos: np.ndarray
     k_sin: np.ndarray
 
-    @property
-    def half_width(self) -> int:
-        return self.rope_dims // 2
-
 
 def angles(cfg: MHAConfig, positions: np.ndarray) -> np.ndarray:
     """``positions[..., n] * inv_freq[i]``: (..., N) integer positions -> (..., N, r/2) angles."""

@@ -139,8 +139,7 @@ def _line(cells: list, widths: list[int]) -> str:
     return GAP.join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
-def fill_lines(text: str, width: int | None, indent: str = "") -> list[str]:
-    """``text`` wrapped to ``width`` (None: as it is), each continuation line indented by ``indent`` + two spaces."""
+def fill_lines(text: str, width: int | None, indent: str = "") -> list[str]:  # continuation lines: indent + 2
     if width is None or len(text) <= width:
         return [text]
     return textwrap.wrap(text, width, break_on_hyphens=False, subsequent_indent=indent + "  ")

@@ -31,9 +31,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection
 from multiprocessing.connection import Connection
 
-# How often a waiting request checks that every worker is still alive.
+# How often a waiting request checks that every worker is still alive. An answer wakes the
+# wait at once (`connection.wait`): a fixed sleep here would round every forward pass up to
+# a multiple of it (with a 50 ms sleep the benchmark measured 50.35 and 100.75 ms).
 POLL_SECONDS = 0.05
 STOP_SECONDS = 5.0
 # How long a rank whose collective failed waits for a dying peer to be seen dead (a loaded
@@ -178,7 +181,8 @@ class WorkerGroup:
             if time.monotonic() > deadline:
                 ranks = ", ".join(map(str, sorted(pending)))
                 self._fail(f"{self.name}: rank(s) {ranks} gave no answer within {timeout:g} s while {what}")
-            time.sleep(POLL_SECONDS)
+            # Sleep until a pending rank answers (or its pipe closes because it died), at most POLL_SECONDS.
+            connection.wait([self.conns[rank] for rank in pending], timeout=POLL_SECONDS)
         errors = [(rank, text) for rank, (status, text) in enumerate(answers) if status == "error"]
         if errors:
             rank, text = errors[0]

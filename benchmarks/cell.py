@@ -15,10 +15,11 @@ child is what makes the number fair:
 5. the first call, timed on its own (``first_call_s``: lazy compilation shows up here);
 6. warm-up, then adaptive repeats of ``forward`` + ``synchronize`` (`timing.time_repeats`),
    with process CPU time read over the same span (``cpu_util``);
-7. peak memory: growth of the process's peak resident set (``ru_maxrss``) from just
-   before ``prepare`` to the end, i.e. inputs, parameters, the forward pass's temporaries
-   and whatever the framework caches; on a GPU, the framework's own peak allocation.
-   (tracemalloc cannot see memory that frameworks allocate in C, so it is not used.)
+7. peak memory (``peak_mem_mb``), `memory.MemoryProbe`: what ``prepare`` and the timed
+   calls left held, plus the peak of one more, untimed call (tracemalloc for NumPy arrays,
+   the resident set and its reset high-water mark for torch and XLA); on a GPU, the
+   framework's own peak allocation. ``host_peak_growth_mb`` keeps the growth of
+   ``ru_maxrss`` over the whole cell.
 
 Implementation labels: a backend name from the registry, optionally with a strategy,
 ``"numpy"`` (its standard strategy) or ``"numpy:slicing"``.
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
+from .memory import MemoryProbe
 from .pinning import DEFAULT_MALLOC_MODE, contention_warning, cpu_use_warning, cpu_utilisation, malloc_env
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
@@ -224,6 +226,8 @@ def measure(spec: CellSpec) -> dict:
 
     rss_before = peak_rss_mb()
     gpu_memory.reset()
+    probe = MemoryProbe()
+    probe.before_prepare()
     try:
         if spec.mode == "fwdbwd":  # forward+backward: the timed call is PreparedVJP.run
             prepared, _inputs = backend.prepare_vjp(
@@ -238,6 +242,8 @@ def measure(spec: CellSpec) -> dict:
     except UnsupportedCase as reason:
         record.update(status="unsupported", error=str(reason))
         return record
+    finally:
+        probe.after_prepare()
     del query, key, value
 
     with pinning.limit_thread_pools(spec.threads):
@@ -261,7 +267,34 @@ def measure(spec: CellSpec) -> dict:
         run_once()
         record["first_call_s"] = time.perf_counter() - start
         record["warmup_calls"] = warm_up(run_once, policy)
-        timings = time_repeats(run_once, policy)
+        workers_before = {worker["pid"]: worker["cpu_s"] for worker in pinning.worker_report()}
+        # CPU time of this process and its worker processes (a sharded backend's ranks) over the span.
+        timings = time_repeats(run_once, policy, cpu_clock=pinning.family_cpu_seconds)
+        workers = pinning.worker_report()
+        for worker in workers:
+            before = workers_before.get(worker["pid"])
+            worker["span_cpu_s"] = None if before is None or worker["cpu_s"] is None else worker["cpu_s"] - before
+        record["workers"] = workers  # [] for a backend that runs in this process
+
+        if workers:
+            # The work and its memory are in the worker processes: this process's counts would read ~0.
+            memory = {
+                "peak_mem_mb": None,
+                "peak_mem_method": f"not measured: the work runs in {len(workers)} worker processes "
+                "(their resident sets are under 'workers')",
+            }
+        elif spec.device == "cpu":
+
+            def one_call():
+                result = step()
+                prepared.synchronize(result)
+                return result
+
+            # The memory pass: the last timed result is dropped first, so the call's output counts as its own.
+            result_box[0] = None
+            result_box[0], memory = probe.call(one_call)
+        else:
+            memory = {}  # on a GPU, the framework's peak allocation since before prepare (_GpuMemory)
 
     import numpy as np
 
@@ -281,8 +314,10 @@ def measure(spec: CellSpec) -> dict:
         gflops=flops / timings["median_s"] / 1e9 if timings["median_s"] > 0 else None,
         cpu_util=cpu_util,
         warnings=[warning for warning in warnings if warning],
-        # On a GPU the device's peak is the figure that matters; on a CPU, the host's growth.
-        peak_mem_mb=device_peak if spec.device == "gpu" else host_growth,
+        # On a GPU the device's peak is the figure that matters; on a CPU, what the MemoryProbe counted.
+        peak_mem_mb=device_peak if spec.device == "gpu" and not workers else memory.get("peak_mem_mb"),
+        peak_mem_method="device" if spec.device == "gpu" and not workers else memory.get("peak_mem_method"),
+        **{name: value for name, value in memory.items() if not name.startswith("peak_mem")},
         host_peak_growth_mb=host_growth,
         peak_rss_mb=rss_after,
         backend_info=_jsonable(prepared.info),

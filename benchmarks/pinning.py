@@ -257,6 +257,61 @@ def thread_pool_report() -> list[dict]:
     return [{key: pool.get(key) for key in keys if pool.get(key) is not None} for pool in threadpool_info()]
 
 
+def child_pids(pid: int | None = None) -> list[int]:
+    """The live child processes of ``pid`` (this process by default), from /proc (Linux; [] elsewhere)."""
+    pid = os.getpid() if pid is None else pid
+    children: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as listing:
+                children += [int(child) for child in listing.read().split()]
+    except OSError:
+        return children
+    return sorted(set(children))
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` so far (/proc/PID/stat; None when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            # The command name (field 2) may hold spaces: count the fields after its closing parenthesis.
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def family_cpu_seconds() -> float:
+    """CPU time of this process and of its live children (the worker processes of a sharded
+    backend): the cell's "cores used" must see the ranks that do the work, not only the
+    process that waits for them. A child that exits during a span drops out of the sum."""
+    import time
+
+    own = time.process_time()
+    return own + sum(filter(None, (process_cpu_seconds(child) for child in child_pids())))
+
+
+def worker_report() -> list[dict]:
+    """Each live child process: its pid, the cores it may run on, its CPU time so far and its resident set."""
+    report = []
+    for child in child_pids():
+        try:
+            cpus = sorted(os.sched_getaffinity(child)) if affinity_supported() else None
+        except OSError:
+            continue
+        report.append({"pid": child, "affinity": cpus, "cpu_s": process_cpu_seconds(child), "rss_mb": _rss_mb(child)})
+    return report
+
+
 def cpu_utilisation(cpu_seconds: float, wall_seconds: float) -> float | None:
     """Process CPU time over wall time: about 1.0 for one busy core, 2.0 for two."""
     if wall_seconds <= 0:

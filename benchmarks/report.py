@@ -23,7 +23,10 @@ JSON layout (``schema`` 1)::
      "rounds": {"count", "seed", "orders", "gemm_peaks_gflops": {key: [per round]},
                 "busy_rounds", "busy_threshold", "drift_threshold", "wall_s"}}
 
-Every field of schema 1 keeps its meaning; rounds only added fields. With R rounds
+Every field of schema 1 keeps its meaning, with one correction: ``peak_mem_mb`` on a CPU is
+counted by `memory.MemoryProbe` (held + one call's peak) in reports whose cells have
+``peak_mem_method``; before, it was the growth of ``ru_maxrss``, which an earlier transient
+could hide (kept as ``host_peak_growth_mb``). Rounds only added fields. With R rounds
 (`benchmarks.rounds`): a cell's ``median_s``, ``iqr_s``, ``min_s`` and ``repeats`` are over
 all its samples pooled, ``round_medians_s`` has one median per round and ``spread_s`` is
 ``[min, max]`` of them; a GEMM peak's ``gflops`` is the median of its ``round_gflops``.

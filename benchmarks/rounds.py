@@ -35,7 +35,7 @@ BUSY_THRESHOLD = 0.05  # a round whose GEMM peak is this far below the best othe
 _FINISHED = ("ok", "unsupported")
 # Per-visit figures that summarise to the median over the rounds, and those whose maximum counts.
 _MEDIAN_FIELDS = ("compile_s", "first_call_s", "cpu_util")
-_MAX_FIELDS = ("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb")
+_MAX_FIELDS = ("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb")
 _SUM_FIELDS = ("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s")
 
 

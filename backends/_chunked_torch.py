@@ -14,7 +14,7 @@ back to the run's dtype when it is done.
 from __future__ import annotations
 
 from ._chunking import key_block_end, resolve_chunk, tile_allowed
-from ._recording import StageRecorder, relation_to
+from ._recording import StageRecorder
 from ._torch_common import bool_tensor
 from .torch_backend import RowSampleMHA
 
@@ -86,8 +86,4 @@ class ChunkedRowSampleMHA(RowSampleMHA):
             context[:, :, q_start:q_end] = acc / torch.where(total > 0, total, 1.0)
         if rec is not None:
             rec.record("context", context, ("B", "H", "Nq", "Dv"), "acc / l per query block (online softmax)")
-        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
-        if rec is not None:
-            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
-        return self._finish(merged, rec)
+        return self._merge_and_finish(context, rec)

@@ -207,6 +207,15 @@ class RowSampleMHA:
             record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
         return rotated
 
+    def _merge_and_finish(self, context, rec):
+        """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv), then the output projection."""
+        B, H, Nq, Dv = context.shape
+        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy unless H or Nq is 1
+        if rec is not None:
+            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
+        return self._finish(merged, rec)
+
     def _finish(self, merged, rec):
         output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
         if rec is not None:
@@ -257,14 +266,9 @@ class RowSampleMHA:
         return q_rotated, k_rotated, v_heads
 
     def standard(self, rec: StageRecorder | None = None):
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
-        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
-        if rec is not None:
-            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
-        return self._finish(merged, rec)
+        return self._merge_and_finish(context, rec)
 
     def direct_reshape(self, rec: StageRecorder | None = None):
         """The known mistake: reshape (B, N, H*Dk) straight to (B, H, N, Dk), no transpose."""

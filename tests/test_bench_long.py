@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from conftest import requires
@@ -63,11 +65,24 @@ def test_fitted_slopes_and_targets():
     slopes = fitted_slopes(_cells())
     assert slopes["numpy"]["memory_slope"] == pytest.approx(2.0)
     assert slopes["numpy:chunked"]["memory_slope"] == pytest.approx(1.0)
+    assert slopes["numpy:chunked"]["memory_tail_slope"] == pytest.approx(1.0)
+    assert slopes["numpy"]["time_tail_slope"] is not None
     assert slopes["numpy"]["tokens"] == [1024, 2048, 4096, 8192]  # the skipped cell does not count
     targets = target_ratios(_cells())
     assert targets["memory_8k"]["ratio"] == pytest.approx(0.01 * 8192 / (4e-5 * 8192**2))
     assert targets["memory_8k"]["met"] is True
     assert targets["time_4k"]["ratio"] == pytest.approx(1.1) and targets["time_4k"]["met"] is True
+
+
+def test_tail_slopes_see_past_a_constant_part():
+    # 60 MiB of caches plus 0.01 MiB per token: flat at first, linear at the end.
+    cells = [{"implementation": "jax:chunked", "tokens": n, "status": "ok", "median_s": 1e-6 * n,
+              "peak_mem_mb": 60 + 0.01 * n} for n in (1024, 2048, 4096, 8192, 16384, 32768)]  # fmt: skip
+    (slope,) = fitted_slopes(cells).values()
+    # Over three sizes evenly spaced in log2, the least-squares slope is the end points' slope.
+    assert slope["memory_tail_slope"] == pytest.approx(math.log2((60 + 327.68) / (60 + 81.92)) / 2)  # 0.72
+    assert slope["memory_slope"] < 0.5 < slope["memory_tail_slope"] < 1  # the constant flattens the early sizes
+    assert slope["time_tail_slope"] == pytest.approx(1.0)
 
 
 @requires("matplotlib")
@@ -122,6 +137,6 @@ def test_the_table_states_each_target_with_its_ratio():
     from mha_rosetta.benchmarks.long import long_markdown
 
     text = long_markdown(_cells())
-    assert "| `numpy:chunked` | memory-linear | 1024..8192 | 2.00 | 1.00 |" in text
+    assert "| `numpy:chunked` | memory-linear | 1024..8192 | 2.00 | 2.00 | 1.00 | 1.00 |" in text
     assert "chunked 82 MiB (worst) against 2684 MiB (best materialising): ratio 0.0305, target <= 0.1: met" in text
     assert "numpy:chunked 18.5 ms against torch SDPA 16.8 ms (one core): ratio 1.1, target <= 1.25: met" in text

@@ -77,13 +77,6 @@ def config_matmul_flops(cfg, batch: int, q_tokens: int, kv_tokens: int | None = 
     )
 
 
-def self_attention_flops(batch: int, tokens: int, d_model: int) -> int:
-    """``8·B·N·D² + 4·B·N²·D``: the self-attention count when H·Dk = H·Dv = D."""
-    for name, value in (("batch", batch), ("tokens", tokens), ("d_model", d_model)):
-        _require_positive(name, value)
-    return 8 * batch * tokens * d_model**2 + 4 * batch * tokens**2 * d_model
-
-
 def gemm_flops(m: int, k: int, n: int) -> int:
     """FLOPs of one (m, k) @ (k, n) product."""
     return 2 * _require_positive("m", m) * _require_positive("k", k) * _require_positive("n", n)

@@ -356,33 +356,6 @@ def summarize_peak(device: str, dtype: str, threads: int, n: int, by_library: di
     }
 
 
-def best_of(first: dict, second: dict) -> dict:
-    """Two peak records of the same (device, dtype, threads) merged: the better result per library.
-
-    The sweep measures the peak before and after its cells; a peak taken while the machine
-    was busy would flatter every cell, so the higher figure is the fairer one. Every
-    figure measured is kept in ``measured_gflops``.
-    """
-    history = [*first.get("measured_gflops", [first.get("gflops")]), second.get("gflops")]
-    libraries = {**first.get("by_library", {}), **second.get("by_library", {})}
-    if not libraries:
-        merged = dict(max((first, second), key=lambda peak: peak.get("gflops") or 0.0))
-    else:
-        by_library = {}
-        for library in libraries:
-            results = [peak.get("by_library", {}).get(library) for peak in (first, second)]
-            measured = [result for result in results if result and result.get("status") == "ok"]
-            by_library[library] = (
-                max(measured, key=lambda r: r["gflops"]) if measured else next(r for r in results if r)
-            )
-        merged = summarize_peak(first["device"], first["dtype"], first["threads"], first["n"], by_library)
-    merged["measured_gflops"] = history
-    malloc = first.get("malloc", second.get("malloc"))
-    if malloc is not None:  # both runs of one sweep share the allocator rule
-        merged["malloc"] = malloc
-    return merged
-
-
 def main(argv: list[str] | None = None) -> int:
     return child_main(argv, "mha_rosetta.benchmarks.gemm", measure)
 

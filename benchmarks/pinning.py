@@ -197,18 +197,6 @@ def pin_current_process(cpus: list[int] | None) -> list[int] | None:
     return sorted(os.sched_getaffinity(0))
 
 
-def preexec_pin(cpus: list[int] | None):
-    """A ``preexec_fn`` for subprocess: pins the child before exec, so before any import."""
-    if cpus is None or not affinity_supported():
-        return None
-    chosen = set(cpus)
-
-    def pin() -> None:
-        os.sched_setaffinity(0, chosen)
-
-    return pin
-
-
 def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) -> dict:
     """Import the named frameworks and set their runtime thread knobs; returns what was set.
 

@@ -601,8 +601,3 @@ def run_sweep(
         settings=settings, cells=merged_cells, gemm_peaks=merged_peaks, interrupted=interrupted,
         resumed_cells=resumed, rounds=rounds_record(settings, cells, orders, peaks_by_round, wall_s),
     )  # fmt: skip
-
-
-def with_overrides(settings: SweepSettings, **changes) -> SweepSettings:
-    """A copy of ``settings`` with some fields changed (None values ignored)."""
-    return replace(settings, **{key: value for key, value in changes.items() if value is not None})

@@ -20,7 +20,7 @@ import pytest
 from conftest import requires
 from mha_rosetta.benchmarks import pinning
 from mha_rosetta.benchmarks.cell import CellSpec, cell_key, run_cell, split_implementation
-from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops, self_attention_flops
+from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops
 from mha_rosetta.benchmarks.fresh import RESULT_MARKER, parse_result
 from mha_rosetta.benchmarks.questions import (
     CONFIRMED,
@@ -51,8 +51,7 @@ from mha_rosetta.core.files import write_text_atomic
 
 
 def test_self_attention_flops_hand_computed():
-    # B=2, N=7, D=15, H=3 (d_k=5): 8*2*7*15^2 + 4*2*7^2*15 = 25200 + 5880
-    assert self_attention_flops(2, 7, 15) == 31080
+    # B=2, N=7, D=15, H=3 (d_k=5): 8*B*N*D^2 + 4*B*N^2*D = 8*2*7*15^2 + 4*2*7^2*15 = 25200 + 5880
     cfg = MHAConfig(d_model=15, n_heads=3)
     assert config_matmul_flops(cfg, batch=2, q_tokens=7) == 31080
 
@@ -73,7 +72,9 @@ def test_cross_attention_gqa_flops_hand_computed():
 
 def test_flops_reject_bad_sizes():
     with pytest.raises(ValueError, match="tokens"):
-        self_attention_flops(2, 0, 15)
+        attention_matmul_flops(
+            batch=2, q_tokens=0, kv_tokens=5, d_model=15, heads=3, kv_heads=3, d_k=5, d_v=5, kdim=15, vdim=15
+        )
     assert gemm_flops(4, 5, 6) == 240
     with pytest.raises(ValueError, match="m must be"):
         gemm_flops(0, 5, 6)
@@ -465,31 +466,6 @@ def test_plots_are_written(tmp_path):
         "gflops_at_reference_size.png",
     }
     assert all(path.stat().st_size > 1000 for path in written)
-
-
-def test_best_of_two_peaks_keeps_the_better_result_per_library():
-    from mha_rosetta.benchmarks.gemm import best_of
-
-    def peak(**by_library):
-        results = {name: {"status": "ok", "gflops": value, "n": 1024} for name, value in by_library.items()}
-        best = max(by_library, key=by_library.get)
-        return {
-            "device": "cpu",
-            "dtype": "float32",
-            "threads": 1,
-            "n": 1024,
-            "gflops": by_library[best],
-            "library": best,
-            "by_library": results,
-        }
-
-    opening = peak(numpy=50.0, torch=40.0)
-    merged = best_of(opening, peak(numpy=60.0))  # the closing run measures the winner only
-    assert (merged["gflops"], merged["library"]) == (60.0, "numpy")
-    assert merged["by_library"]["torch"]["gflops"] == 40.0
-    assert merged["measured_gflops"] == [50.0, 60.0]
-    busy = best_of(opening, peak(numpy=30.0))  # a busy closing run does not lower the peak
-    assert busy["gflops"] == 50.0 and busy["measured_gflops"] == [50.0, 30.0]
 
 
 # -- the sweep: rounds, failures and resume (fake runners: no processes) ----------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +14,14 @@ from mha_rosetta.benchmarks.long import (
     fitted_slopes,
     is_memory_linear,
     memory_budget_mb,
+    memory_kind,
     over_budget_reason,
     plot_long,
     predicted_peak_mb,
     target_ratios,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_slopes_of_exact_powers():
@@ -29,6 +34,25 @@ def test_slopes_of_exact_powers():
 def test_memory_linear_implementations():
     assert is_memory_linear("numpy:chunked") and is_memory_linear("jax:chunked") and is_memory_linear("torch-sdpa")
     assert not is_memory_linear("numpy") and not is_memory_linear("torch-mha") and not is_memory_linear("torch:slicing")
+    # nn.MultiheadAttention: batch_first=False goes through SDPA's flash loop, batch_first=True's fast path does not.
+    assert is_memory_linear("torch-mha-seqfirst")
+    assert memory_kind("numpy:per_head") == memory_kind("numpy:slicing") == "one head at a time"
+    assert memory_kind("torch:per_head") == memory_kind("torch-mha") == "materialising"
+
+
+def test_the_declared_kinds_agree_with_the_committed_long_run():
+    """Each implementation's memory kind against its measured tail slope in docs/bench/long."""
+    report = REPO / "docs" / "bench" / "long" / "long.json"
+    if not report.exists():
+        pytest.skip(f"{report} is not in this checkout")
+    slopes = fitted_slopes(json.loads(report.read_text(encoding="utf-8"))["cells"])
+    assert len(slopes) >= 19
+    for name, slope in slopes.items():
+        tail = slope["memory_tail_slope"]
+        if slope["memory_kind"] == "memory-linear":
+            assert tail < 1.1, (name, tail)  # linear, flattened by a constant part at the small sizes
+        else:
+            assert tail > 1.4, (name, tail)  # quadratic, plus linear terms at the small sizes
 
 
 def test_predictions_and_the_budget():
@@ -38,6 +62,9 @@ def test_predictions_and_the_budget():
     chunked = predicted_peak_mb("numpy:chunked", 1, 8192, 512, 8, "float32")
     assert chunked == pytest.approx(16 * 8192 * 512 * 4 / 2**20)  # 256 MiB: linear only
     assert over_budget_reason("numpy:chunked", 1, 32768, 512, 8, "float32", 4096) is None
+    # One head's scores at a time: 1/H of the quadratic part.
+    one_head = predicted_peak_mb("numpy:per_head", 1, 8192, 512, 8, "float32")
+    assert one_head == pytest.approx(3 * 8192**2 * 4 / 2**20 + 16 * 8192 * 512 * 4 / 2**20)
     reason = over_budget_reason("numpy", 1, 16384, 512, 8, "float32", 4096)
     assert (
         reason.startswith("skipped: predicted peak 25,088 MiB (3 copies")

@@ -200,6 +200,19 @@ def torch_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: s
     }
 
 
+def heads_rotator(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
+    """``rotate(heads, "q" | "k")`` for heads ``(B, heads, N, d)``: rotated; the heads themselves without rope."""
+    rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
+
+    def rotate(heads, which: str):
+        if rotary is None:
+            return heads
+        cos, sin = rotary[which]
+        return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), cfg.rope)  # tables (1|B, 1, N, r/2)
+
+    return rotate
+
+
 def rotate_last_axis(x, cos, sin, style: str):
     """The rotary embedding in row samples: features on the last axis of x (..., N, Dk), tables (..., N, r/2).
 

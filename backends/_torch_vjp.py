@@ -32,11 +32,10 @@ from mha_rosetta.core import (
 
 from ._torch_common import (
     bool_tensor,
+    heads_rotator,
     optional_tensor,
-    rotate_last_axis,
     synchronizer,
     to_tensor,
-    torch_rotary_tables,
     with_matmul_precision,
 )
 from .base import PER_HEAD, PreparedVJP, tensor_to_numpy
@@ -172,13 +171,7 @@ def prepare_sdpa_vjp(
     use_is_causal = cfg.causal and inputs.mask is None  # as the forward oracle does
     attn_mask = bool_tensor(None if use_is_causal else allowed_positions(cfg, inputs), device)  # True = may attend
     gqa = {"enable_gqa": True} if Hkv != H else {}
-    rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
-
-    def rotate(heads, which: str):  # (B, heads, N, d): rotated before the kernel, as the forward oracle does
-        if rotary is None:
-            return heads
-        cos, sin = rotary[which]
-        return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), cfg.rope)  # tables (1|B, 1, N, r/2)
+    rotate = heads_rotator(cfg, inputs, dtype, device)  # before the kernel, as the forward oracle does
 
     def forward():
         q = F.linear(x_q, p["w_q"], p["b_q"]).view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view

@@ -24,17 +24,16 @@ from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from ._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
 from ._torch_common import (
     bool_tensor,
+    heads_rotator,
     in_inference_mode,
     no_gpu_reason,
     optional_tensor,
     precision_info,
-    rotate_last_axis,
     synchronizer,
     torch_device,
     torch_devices,
     torch_dtype,
     torch_inputs,
-    torch_rotary_tables,
     with_matmul_precision,
 )
 from .base import Backend, Prepared, StageTensor, tensor_to_numpy
@@ -257,13 +256,7 @@ class TorchSDPAOracle(Backend):
         allowed = None if use_is_causal else allowed_positions(cfg, inputs)
         attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
         gqa = {"enable_gqa": True} if Hkv != H else {}
-        rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
-
-        def rotate(heads, which: str):  # (B, heads, N, d) -> the same, rotated; the heads themselves without rope
-            if rotary is None:
-                return heads
-            cos, sin = rotary[which]
-            return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), cfg.rope)  # tables (1|B, 1, N, r/2)
+        rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
 
         def run(rec: StageRecorder | None):
             q = F.linear(x_q, w_q, b_q)  # (B, Nq, H*Dk)

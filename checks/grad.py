@@ -46,6 +46,7 @@ from .agreement import (
     Status,
     failure_status,
     resolve_selection,
+    worst_status,
 )
 from .cases import SpecCase
 from .divergence import first_divergence
@@ -337,17 +338,12 @@ def run_grad_check(
 
 
 # -- report ---------------------------------------------------------------------------------
-MARK = {Status.KNOWN_DIFFERENCE: "~", Status.CAUGHT: "*", Status.DISAGREE: "!", Status.MISSED: "?", Status.ERROR: "E"}
-
-
 def _fmt(value: float) -> str:
     return "inf" if not np.isfinite(value) else ("0" if value == 0 else f"{value:.0e}")
 
 
 def worst_by_dtype(result: GradCheckResult) -> dict[str, dict[str, dict]]:
     """dtype -> implementation -> worst (tensor, case, max abs, atol, status) against the oracle."""
-    from .agreement import worst_status
-
     table: dict[str, dict[str, dict]] = {}
     for run in result.runs:
         if not run.compared:
@@ -367,14 +363,14 @@ def grad_report_blocks(result: GradCheckResult) -> list:
     """One block per dtype: each implementation's worst gradient error against the oracle, and the pairs."""
     from mha_rosetta.core import DTYPE_NAMES
 
-    from .report import Block
+    from .report import MARKERS, Block
 
     blocks = []
     pair_worst: dict[tuple[str, str, str], tuple[float, Status]] = {}
     for pair in result.pairs:
         key = (pair.dtype, pair.a.label, pair.b.label)
         old = pair_worst.get(key, (0.0, Status.AGREE))
-        pair_worst[key] = (max(old[0], pair.max_abs), _severer(old[1], pair.status))
+        pair_worst[key] = (max(old[0], pair.max_abs), worst_status([old[1], pair.status]))
     for dtype, rows in sorted(worst_by_dtype(result).items(), key=lambda item: DTYPE_NAMES.index(item[0])):
         labels = list(rows)
         rule = "half rule: 2x the rounded spec path + 1 ulp" if dtype in ("float16", "bfloat16") else "GRAD_TOLERANCES"
@@ -388,7 +384,7 @@ def grad_report_blocks(result: GradCheckResult) -> list:
             row = [
                 str(i + 1),
                 label,
-                _fmt(entry["max_abs"]) + MARK.get(entry["status"], ""),
+                _fmt(entry["max_abs"]) + MARKERS.get(entry["status"], ""),
                 _fmt(entry["atol"]),
                 entry["tensor"],
                 entry["case"],
@@ -398,7 +394,7 @@ def grad_report_blocks(result: GradCheckResult) -> list:
                     row.append("·")
                     continue
                 found = pair_worst.get((dtype, label, other)) or pair_worst.get((dtype, other, label))
-                row.append("" if found is None or j > i else _fmt(found[0]) + MARK.get(found[1], ""))
+                row.append("" if found is None or j > i else _fmt(found[0]) + MARKERS.get(found[1], ""))
             block.rows.append(row)
         block.notes.append(
             "oracle abs: the largest max abs error of any gradient tensor, relative to its allowance; lower triangle: "
@@ -427,12 +423,6 @@ def grad_report_blocks(result: GradCheckResult) -> list:
         block.rows = [[label, reason] for label, reason in unsupported]
         blocks.append(block)
     return blocks
-
-
-def _severer(a: Status, b: Status) -> Status:
-    from .agreement import worst_status
-
-    return worst_status([a, b])
 
 
 def grad_summary_lines(result: GradCheckResult) -> list[str]:

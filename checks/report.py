@@ -201,33 +201,25 @@ def _where(items: list[str]) -> str:
 def explanation_blocks(result: CheckResult) -> list[Block]:
     """Skipped, unsupported, known differences, caught mistakes, problems, worst cases."""
     blocks = []
-    if result.broken_backends:
-        block = Block("Problems: backends that failed to load", ["backend", "error"])
-        block.rows = [[name, reason] for name, reason in result.broken_backends.items()]
-        block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
-        blocks.append(block)
-    if result.frameworks_without_gpu:
-        block = Block("Problems: frameworks that see no GPU (--devices gpu)", ["framework", "why"])
-        block.rows = [[name, reason] for name, reason in result.frameworks_without_gpu.items()]
-        block.styles = [[None, RICH_STYLES[Status.ERROR]] for _ in block.rows]
-        blocks.append(block)
-    if result.skipped_backends:
-        block = Block("Skipped (library not installed)", ["backend", "reason and install command"])
-        block.rows = [[name, reason] for name, reason in result.skipped_backends.items()]
-        blocks.append(block)
-    unsupported = _grouped(result.runs, Status.UNSUPPORTED)
-    if unsupported:
-        block = Block("Unsupported (the backend cannot express the case)", ["implementation", "where", "reason"])
-        block.rows = [[label, _where(where), reason] for (label, reason), where in unsupported.items()]
-        blocks.append(block)
-    known = _grouped(result.runs, Status.KNOWN_DIFFERENCE)
-    if known:
-        block = Block(
-            "Known differences (a library convention, named here, not hidden)",
-            ["implementation", "where", "difference"],
-        )
-        block.rows = [[label, _where(where), reason] for (label, reason), where in known.items()]
-        blocks.append(block)
+    error_style = RICH_STYLES[Status.ERROR]
+    named = (  # (title, columns, {name: text}, style of the text)
+        ("Problems: backends that failed to load", ["backend", "error"], result.broken_backends, error_style),
+        ("Problems: frameworks that see no GPU (--devices gpu)", ["framework", "why"], result.frameworks_without_gpu, error_style),
+        ("Skipped (library not installed)", ["backend", "reason and install command"], result.skipped_backends, None),
+    )
+    for title, columns, texts, style in named:
+        if texts:
+            rows = [[name, text] for name, text in texts.items()]
+            blocks.append(Block(title, columns, rows, [[None, style] for _ in rows] if style else []))
+    grouped = (
+        ("Unsupported (the backend cannot express the case)", "reason", Status.UNSUPPORTED),
+        ("Known differences (a library convention, named here, not hidden)", "difference", Status.KNOWN_DIFFERENCE),
+    )
+    for title, last, status in grouped:
+        runs = _grouped(result.runs, status)
+        if runs:
+            rows = [[label, _where(where), reason] for (label, reason), where in runs.items()]
+            blocks.append(Block(title, ["implementation", "where", last], rows))
     if result.declared_differences:
         block = Block("Conventions that differ from the spec, as each adapter declares them", ["backend", "difference"])
         for name, notes in result.declared_differences.items():
@@ -263,33 +255,22 @@ def _mistake_blocks(result: CheckResult) -> list[Block]:
 
 
 def _problem_blocks(result: CheckResult) -> list[Block]:
-    blocks = []
     bad_runs = [r for r in result.runs if r.status in (Status.DISAGREE, Status.MISSED, Status.ERROR)]
-    if bad_runs:
-        block = Block(
-            "Problems against the oracle",
-            ["case", "dtype", "implementation", "status", "first divergent stage", "details"],
-        )
-        for run in bad_runs[:MAX_LISTED]:
-            stage = run.divergence.summary() if run.divergence else "-"
-            block.rows.append([run.case, run.dtype, run.label, str(run.status), stage, run.reason])
-            block.styles.append([None, None, None, RICH_STYLES[run.status], None, None])
-        if len(bad_runs) > MAX_LISTED:
-            block.notes.append(f"... and {len(bad_runs) - MAX_LISTED} more (see --json)")
-        blocks.append(block)
     bad_pairs = [p for p in result.pairs if p.status in (Status.DISAGREE, Status.MISSED)]
-    if bad_pairs:
-        block = Block(
-            "Problems between implementations", ["case", "dtype", "pair", "status", "first divergent stage", "details"]
-        )
-        for pair in bad_pairs[:MAX_LISTED]:
-            stage = pair.divergence.summary() if pair.divergence else "-"
-            block.rows.append(
-                [pair.case, pair.dtype, f"{pair.a.label} vs {pair.b.label}", str(pair.status), stage, pair.reason]
-            )
-            block.styles.append([None, None, None, RICH_STYLES[pair.status], None, None])
-        if len(bad_pairs) > MAX_LISTED:
-            block.notes.append(f"... and {len(bad_pairs) - MAX_LISTED} more (see --json)")
+    blocks = []
+    for title, what, bad in (
+        ("Problems against the oracle", "implementation", [(r, r.label) for r in bad_runs]),
+        ("Problems between implementations", "pair", [(p, f"{p.a.label} vs {p.b.label}") for p in bad_pairs]),
+    ):
+        if not bad:
+            continue
+        block = Block(title, ["case", "dtype", what, "status", "first divergent stage", "details"])
+        for item, label in bad[:MAX_LISTED]:
+            stage = item.divergence.summary() if item.divergence else "-"
+            block.rows.append([item.case, item.dtype, label, str(item.status), stage, item.reason])
+            block.styles.append([None, None, None, RICH_STYLES[item.status], None, None])
+        if len(bad) > MAX_LISTED:
+            block.notes.append(f"... and {len(bad) - MAX_LISTED} more (see --json)")
         blocks.append(block)
     return blocks
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
-from mha_rosetta.core import MHAConfig, to_interleaved_params, to_rotate_half_params
+from mha_rosetta.core import MHAConfig, expected_param_shapes, to_interleaved_params, to_rotate_half_params
 
 from . import repairs
 from .simulate import Bug, other_rope_style, packing_applies
@@ -53,20 +53,12 @@ class Hypothesis:
         return f"{self.code} ({self.detail})"
 
 
-def _weight_shape(cfg: MHAConfig, name: str) -> tuple[int, int]:
-    return {
-        "w_q": (cfg.q_width, cfg.d_model),
-        "w_k": (cfg.k_width, cfg.kdim),
-        "w_v": (cfg.v_width, cfg.vdim),
-        "w_o": (cfg.d_model, cfg.context_width),
-    }[name]
-
-
 def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
     """Every single-cause hypothesis that can run for ``cfg`` (a transposed non-square weight cannot)."""
     out: list[Hypothesis] = []
+    shapes = expected_param_shapes(cfg)
     for name in ("w_q", "w_k", "w_v", "w_o"):
-        rows, cols = _weight_shape(cfg, name)
+        rows, cols = shapes[name]
         if rows == cols:
             out.append(
                 Hypothesis(

@@ -43,8 +43,6 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.config import ROPE_STYLES
 
-PROJECTIONS = ("q", "k", "v")
-
 
 @dataclass(frozen=True)
 class Bug:

@@ -132,17 +132,14 @@ def _text_section(explanation, section: str, width: int | None = None) -> list[s
     def _text_table(headers: list[str], rows: list[list[str]]) -> str:
         return "\n".join(plain_lines(Table("", headers, rows), width))
 
+    def titled(mark: str, table: tuple[str, list[str], list[list[str]]]) -> str:
+        return f"{mark} {table[0]}\n{_text_table(*table[1:])}"
+
     if section == "stages":
-        title, headers, rows = backend_table(explanation)
-        parts = [f"== {title}\n{_text_table(headers, rows)}"]
-        for title, headers, rows in stage_tables(explanation):
-            parts.append(f"-- {title}\n{_text_table(headers, rows)}")
-        title, headers, rows = axis_legend(explanation)
-        parts.append(f"-- {title}\n{_text_table(headers, rows)}")
-        return parts
+        tables = [*stage_tables(explanation), axis_legend(explanation)]
+        return [titled("==", backend_table(explanation))] + [titled("--", table) for table in tables]
     if section == "weights":
-        title, headers, rows = weights_table(explanation)
-        return [f"== {title}\n{_text_table(headers, rows)}"]
+        return [titled("==", weights_table(explanation))]
     if section == "head_split":
         parts = []
         for split in explanation.head_split.values():
@@ -153,9 +150,7 @@ def _text_section(explanation, section: str, width: int | None = None) -> list[s
             )
         return parts
     if section == "checkpoints":
-        return [f"== {CHECKPOINTS_INTRO}"] + [
-            f"-- {title}\n{_text_table(headers, rows)}" for title, headers, rows in checkpoint_tables(explanation)
-        ]
+        return [f"== {CHECKPOINTS_INTRO}"] + [titled("--", table) for table in checkpoint_tables(explanation)]
     if section == "differences":
         parts = []
         for title, status, headers, rows, takeaway in difference_tables(explanation):
@@ -196,10 +191,8 @@ def print_rich(explanation, file=None) -> None:
     console.rule(f"mha-rosetta explain: {rich_escape(_config_line(explanation))}")
     for section in explanation.sections:
         if section == "stages":
-            console.print(_rich_table(*backend_table(explanation)))
-            for table in stage_tables(explanation):
+            for table in [backend_table(explanation), *stage_tables(explanation), axis_legend(explanation)]:
                 console.print(_rich_table(*table))
-            console.print(_rich_table(*axis_legend(explanation)))
         elif section == "weights":
             console.print(_rich_table(*weights_table(explanation)))
         elif section == "head_split":
@@ -252,6 +245,10 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(markdown_table(headers, rows))
 
 
+def _md_titled(heading: str, table: tuple[str, list[str], list[list[str]]]) -> list[str]:
+    return [f"{heading} {table[0]}", "", _md_table(*table[1:]), ""]
+
+
 def render_markdown(explanation, png_name: str | None = None) -> str:
     settings = explanation.settings
     lines = [
@@ -270,20 +267,16 @@ def render_markdown(explanation, png_name: str | None = None) -> str:
 def _md_section(explanation, section: str, png_name: str | None) -> list[str]:
     out: list[str] = []
     if section == "stages":
-        title, headers, rows = backend_table(explanation)
-        out += [f"## {title}", "", _md_table(headers, rows), "", "## Stage by stage, backend by backend", ""]
+        out += [*_md_titled("##", backend_table(explanation)), "## Stage by stage, backend by backend", ""]
         out += [
             "Strides are counted in elements. *memory* says whether a stage shares memory with the stage it was",
             "made from (a view costs nothing) or had to be copied; JAX arrays are immutable and XLA places them.",
             "",
         ]
-        for title, headers, rows in stage_tables(explanation):
-            out += [f"### {title}", "", _md_table(headers, rows), ""]
-        title, headers, rows = axis_legend(explanation)
-        out += [f"### {title}", "", _md_table(headers, rows), ""]
+        for table in [*stage_tables(explanation), axis_legend(explanation)]:
+            out += _md_titled("###", table)
     elif section == "weights":
-        title, headers, rows = weights_table(explanation)
-        out += [f"## {title}", "", _md_table(headers, rows), ""]
+        out += _md_titled("##", weights_table(explanation))
     elif section == "head_split":
         out += ["## The head split: which cells of Q each head receives", ""]
         if png_name:
@@ -298,8 +291,8 @@ def _md_section(explanation, section: str, png_name: str | None) -> list[str]:
         out += ["## Real checkpoints", "", CHECKPOINTS_INTRO, ""]
         if png_name:
             out += [f"![three packings of q, k, v]({PACKING_PNG})", ""]
-        for title, headers, rows in checkpoint_tables(explanation):
-            out += [f"### {title}", "", _md_table(headers, rows), ""]
+        for table in checkpoint_tables(explanation):
+            out += _md_titled("###", table)
     elif section == "differences":
         out += ["## Framework differences, demonstrated", ""]
         for title, status, headers, rows, takeaway in difference_tables(explanation):

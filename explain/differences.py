@@ -21,6 +21,7 @@ from mha_rosetta.backends._probe import importable as _installed  # imports the 
 from mha_rosetta.core import (
     error_line,
     reference_mha,
+    to_equinox_weights,
     to_flax_params,
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
@@ -150,6 +151,8 @@ def _equinox_module(setup: Setup, mask: np.ndarray):
     import jax
     import jax.numpy as jnp
 
+    from mha_rosetta.backends.jax_oracles import _load_equinox_weights
+
     cfg, p = setup.cfg, setup.params.astype(np.float32)
     module = eqx.nn.MultiheadAttention(
         num_heads=cfg.n_heads,
@@ -162,20 +165,7 @@ def _equinox_module(setup: Setup, mask: np.ndarray):
         use_output_bias=True,
         key=jax.random.PRNGKey(0),
     )
-    module = eqx.tree_at(
-        lambda m: (
-            m.query_proj.weight,
-            m.query_proj.bias,
-            m.key_proj.weight,
-            m.key_proj.bias,
-            m.value_proj.weight,
-            m.value_proj.bias,
-            m.output_proj.weight,
-            m.output_proj.bias,
-        ),
-        module,
-        tuple(jnp.asarray(a) for a in (p.w_q, p.b_q, p.w_k, p.b_k, p.w_v, p.b_v, p.w_o, p.b_o)),
-    )
+    module = _load_equinox_weights(module, to_equinox_weights(cfg, p), "float32", None)  # as the equinox backend does
     x = jnp.asarray(setup.x, dtype=jnp.float32)
     out = jax.vmap(lambda xb: module(xb, xb, xb, mask=jnp.asarray(mask)))(x)  # (B, N, D)
     return np.asarray(out, dtype=np.float64), None

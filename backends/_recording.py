@@ -35,7 +35,8 @@ def shares_memory(child, parent) -> bool:
         return child.untyped_storage().data_ptr() == parent.untyped_storage().data_ptr()
     import numpy as np
 
-    return bool(np.shares_memory(child, parent))
+    # may_share_memory is a cheap bounds test; shares_memory settles the rare overlap.
+    return bool(np.may_share_memory(child, parent) and np.shares_memory(child, parent))
 
 
 def relation_to(child, parent, otherwise: str = "copy") -> str:

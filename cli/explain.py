@@ -113,27 +113,14 @@ def _config_from(args: argparse.Namespace):
     return MHAConfig(d_model=args.d_model, n_heads=args.heads, d_k=args.d_k)
 
 
-def _backends_from(args: argparse.Namespace) -> list[str] | None:
-    if not args.backends:
+def _names(text: str | None, known, option: str, what: str, listed: str) -> tuple[str, ...] | None:
+    """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
+    if not text:
         return None
-    from mha_rosetta.backends import REGISTRY
-
-    names = [name.strip() for name in args.backends.split(",") if name.strip()]
-    unknown = [name for name in names if name not in REGISTRY]
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"--backends: unknown backend(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY)}")
-    return names
-
-
-def _sections_from(args: argparse.Namespace) -> tuple[str, ...] | None:
-    if not args.sections:
-        return None
-    from mha_rosetta.explain import SECTIONS
-
-    names = tuple(name.strip() for name in args.sections.split(",") if name.strip())
-    unknown = [name for name in names if name not in SECTIONS]
-    if unknown:
-        raise ValueError(f"--sections: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        raise ValueError(f"{option}: unknown {what}(s) {', '.join(unknown)}; {listed}: {', '.join(known)}")
     return names
 
 
@@ -170,12 +157,13 @@ def _failures(explanation) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mha_rosetta.explain import explain
+    from mha_rosetta.backends import REGISTRY
+    from mha_rosetta.explain import SECTIONS, explain
 
     try:
         cfg = _config_from(args)
-        backends = _backends_from(args)
-        chosen_sections = _sections_from(args)
+        backends = _names(args.backends, REGISTRY, "--backends", "backend", "registered")
+        chosen_sections = _names(args.sections, SECTIONS, "--sections", "section", "choose from")
     except (ValueError, TypeError) as error:
         print(f"mha-rosetta explain: {error}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from mha_rosetta.core import (
     apply_rotary,
     causal_mask,
     inverse_frequencies,
+    linear,
     softmax_with_empty_rows,
 )
 from mha_rosetta.core.config import ROPE_STYLES
@@ -113,9 +114,6 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     p = params_as_used(cfg, params, bug)
     B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-
-    def linear(x, w, b):
-        return x @ w.T + (0.0 if b is None else b)
 
     q = linear(query, p.w_q, p.b_q)  # (B, Nq, H*Dk)
     k = linear(key, p.w_k, p.b_k)  # (B, Nk, Hkv*Dk)

@@ -42,9 +42,7 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         P = self.precision
         q_block, k_block = self.chunk
         self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
-        q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
-        k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
-        v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq), view: head h owns rows h*Dk:(h+1)*Dk
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk), view
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk), view

@@ -201,6 +201,12 @@ class ColumnSampleMHA:
             y += b  # in place: (out, 1) broadcasts over tokens and batch
         return self.precision.store(y)
 
+    def _projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
+        k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
+        v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
+        return q, k, v
+
     @staticmethod
     def _record_projections(
         rec: StageRecorder, q, k, v, note: str = "W @ X + b: rows are features, columns are tokens", *provenance
@@ -234,9 +240,7 @@ class ColumnSampleMHA:
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def standard(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
-        k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
-        v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         # Head h owns rows h*Dk:(h+1)*Dk: splitting the row axis is a reshape, a view,
         # and no transpose is needed (unlike row samples' view + transpose(1, 2)).
         q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
@@ -257,9 +261,7 @@ class ColumnSampleMHA:
     def direct_reshape(self, rec: StageRecorder | None = None) -> np.ndarray:
         """The known mistake, as someone porting row-sample code would make it here."""
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
-        k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
-        v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         q_heads = _split_direct(q, H)  # (B, H, Dk, Nq), wrong cells
         k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
         v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
@@ -341,9 +343,7 @@ class ColumnSampleMHA:
 
     def slicing(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
-        k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
-        v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         if rec is not None:
             self._record_projections(rec, q, k, v)
         merged = np.empty((B, H * Dv, Nq), dtype=self.precision.storage)  # (B, H*Dv, Nq)

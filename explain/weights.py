@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 
@@ -78,10 +79,11 @@ def _layout(
     formula: np.ndarray,
     converted: np.ndarray,
     back: np.ndarray,
-    canonical: np.ndarray,
     scorer_here: np.ndarray,
-    scorer_canonical: np.ndarray,
     extra: list[str] | None = None,
+    *,
+    canonical: np.ndarray,
+    scorer_canonical: np.ndarray,
 ) -> WeightLayout:
     ok, evidence = _verify(formula, converted, back, canonical, scorer_here, scorer_canonical)
     extra = extra or []
@@ -181,9 +183,10 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
     target = w[row]
     x = np.random.default_rng(7).standard_normal((5, D))
     layouts = []
+    query_layout = partial(_layout, canonical=w, scorer_canonical=target)  # every layout of w_q
 
     layouts.append(
-        _layout(
+        query_layout(
             "canonical w_q (MHAParams, (out, in))",
             "rows",
             "-",
@@ -192,13 +195,11 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w,
             w,
             w,
-            w,
             w[row],
-            target,
         )
     )
     layouts.append(
-        _layout(
+        query_layout(
             "column-sample W_A (Y = W_A @ X)",
             "rows",
             "W_A = w_q",
@@ -207,14 +208,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w,
             w,
             w,
-            w,
             w[row],
-            target,
         )
     )
     w_b = to_row_sample(w)
     layouts.append(
-        _layout(
+        query_layout(
             "row-sample W_B (Y = X @ W_B)",
             "columns",
             "W_B = w_q.T",
@@ -223,13 +222,11 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w.T,
             w_b,
             from_row_sample(w_b),
-            w,
             w_b[:, row],
-            target,
         )
     )
     layouts.append(
-        _layout(
+        query_layout(
             "torch nn.Linear.weight (computes x @ W.T + b)",
             "rows (applied as columns of W.T)",
             "weight = w_q",
@@ -238,9 +235,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w,
             w,
             w,
-            w,
             w[row],
-            target,
             _library_evidence("torch", lambda: _torch_linear_evidence(cfg, params, x)),
         )
     )
@@ -253,7 +248,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
         formula = np.concatenate([params.w_q, params.w_k, params.w_v], axis=0) if packed else params.w_q  # (3E, E)
         back = from_torch_mha_state_dict(cfg, state).w_q
         layouts.append(
-            _layout(
+            query_layout(
                 f"torch nn.MultiheadAttention.{name}" + (" (q;k;v blocks)" if packed else ""),
                 "rows; q rows 0:E, k rows E:2E, v rows 2E:3E" if packed else "rows",
                 "concatenate([w_q, w_k, w_v], axis=0)  # (3E, E)" if packed else "q_proj_weight = w_q",
@@ -262,9 +257,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
                 formula,
                 block,
                 back,
-                w,
                 block[row],
-                target,
                 _library_evidence("torch", lambda: _torch_mha_evidence(cfg, params)),
             )
         )
@@ -276,7 +269,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
         )
     per_head = split_head_matrices(w, H)
     layouts.append(
-        _layout(
+        query_layout(
             "per-head W_h, row samples (the article's W^Q_h: Q_h = X @ W_h)",
             "columns of each W_h",
             "w_q.reshape(H, Dk, D).transpose(0, 2, 1)  # (H, D, Dk)",
@@ -285,14 +278,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w.reshape(H, Dk, D).transpose(0, 2, 1),
             per_head,
             merge_head_matrices(per_head),
-            w,
             per_head[h][:, j],
-            target,
         )
     )
     side_by_side = np.concatenate(list(per_head), axis=1)  # (D, H*Dk): [W_0 | W_1 | ...]
     layouts.append(
-        _layout(
+        query_layout(
             "merged [W_0 | W_1 | ...] (row samples)",
             "columns; head h owns columns h*Dk:(h+1)*Dk",
             "concatenate(W_h, axis=1) = w_q.T",
@@ -301,14 +292,12 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w.T,
             side_by_side,
             from_row_sample(side_by_side),
-            w,
             side_by_side[:, row],
-            target,
         )
     )
     kernel = to_dense_general_kernel(w, H)
     layouts.append(
-        _layout(
+        query_layout(
             "Flax/Keras query kernel (in, heads, head_dim)",
             "the last axis, per head: kernel[:, h, :]",
             "w_q.T.reshape(D, H, Dk)",
@@ -317,15 +306,13 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w.T.reshape(D, H, Dk),
             kernel,
             from_dense_general_kernel(kernel),
-            w,
             kernel[:, h, j],
-            target,
             _library_evidence("flax", lambda: _flax_evidence(cfg)) if cfg.n_kv_heads == H and Dv == Dk else [],
         )
     )
     eqx_weights = to_equinox_weights(cfg, params)
     layouts.append(
-        _layout(
+        query_layout(
             "Equinox query_proj.weight (out, in)",
             "rows",
             "weight = w_q",
@@ -334,9 +321,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w,
             eqx_weights["query_proj"]["weight"],
             from_equinox_weights(cfg, eqx_weights).w_q,
-            w,
             eqx_weights["query_proj"]["weight"][row],
-            target,
             _library_evidence("equinox", lambda: _equinox_evidence(cfg)),
         )
     )
@@ -355,9 +340,9 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w_o,
             w_o,
             w_o,
-            w_o,
             w_o[:, out_col],
-            w_o[:, out_col],
+            canonical=w_o,
+            scorer_canonical=w_o[:, out_col],
         )
     )
     layouts.append(
@@ -370,9 +355,9 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w_o.T.reshape(H, Dv, D),
             blocks,
             merge_output_matrix(blocks),
-            w_o,
             blocks[h][min(j, Dv - 1)],
-            w_o[:, out_col],
+            canonical=w_o,
+            scorer_canonical=w_o[:, out_col],
         )
     )
     return layouts

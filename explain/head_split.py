@@ -63,11 +63,13 @@ class HeadSplit:
         }
 
 
-def _read_back(name: str, chain: str, heads: np.ndarray, n_tokens: int, width: int) -> HeadSplit:
+def _read_back(name: str, chain: str, heads: np.ndarray) -> HeadSplit:
+    n_heads, n_tokens, d_k = heads.shape  # (H, N, Dk)
+    width = n_heads * d_k
     owner = np.full(n_tokens * width, -1)
     row_in_head = np.full(n_tokens * width, -1)
-    for h in range(heads.shape[0]):
-        for row in range(heads.shape[1]):
+    for h in range(n_heads):
+        for row in range(n_tokens):
             owner[heads[h, row]] = h
             row_in_head[heads[h, row]] = row
     return HeadSplit(name, chain, heads, owner.reshape(n_tokens, width), row_in_head.reshape(n_tokens, width))
@@ -87,15 +89,11 @@ def head_splits(n_tokens: int, n_heads: int, d_k: int) -> dict[str, HeadSplit]:
             "correct",
             f"({n_tokens}, {width}) -> ({n_tokens}, {n_heads}, {d_k}) -> ({n_heads}, {n_tokens}, {d_k})",
             correct,
-            n_tokens,
-            width,
         ),
         "direct_reshape": _read_back(
             "direct_reshape",
             f"({n_tokens}, {width}) -> ({n_heads}, {n_tokens}, {d_k}) in one reshape",
             mistake,
-            n_tokens,
-            width,
         ),
     }
 

@@ -20,11 +20,10 @@ from .agreement import (
     Status,
     run_check,
 )
-from .cases import DEFAULT_CASE_NAMES, SPEC_CASES, CaseInputs, SpecCase, get_cases
+from .cases import SPEC_CASES, CaseInputs, SpecCase, get_cases
 from .divergence import Divergence, first_divergence
 
 __all__ = [
-    "DEFAULT_CASE_NAMES",
     "FAILING",
     "SPEC_CASES",
     "STATUS_MEANING",

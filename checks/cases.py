@@ -422,8 +422,6 @@ SPEC_CASES: dict[str, SpecCase] = {
     )
 }
 
-DEFAULT_CASE_NAMES = tuple(SPEC_CASES)
-
 
 def get_cases(names=None) -> list[SpecCase]:
     """The named spec cases in the order given (all of them for None)."""

@@ -9,7 +9,6 @@ from .config import ROPE_STYLES, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
 from .errors import error_line
 from .grad import (
-    GRAD_INPUT_NAMES,
     GRAD_PARAM_NAMES,
     GRAD_STAGE_NAMES,
     GRAD_STAGES,
@@ -52,7 +51,7 @@ from .rotary import (
     to_rotate_half_params,
 )
 from .sharding import ShardPlan, shard_mask, shard_params, shard_plan, unshard_params
-from .stages import PIPELINE_STEPS, STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, stage_shapes
+from .stages import STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, stage_shapes
 from .tolerances import (
     GRAD_TOLERANCES,
     TOLERANCES,
@@ -67,12 +66,10 @@ from .tolerances import (
 
 __all__ = [
     "DTYPE_NAMES",
-    "GRAD_INPUT_NAMES",
     "GRAD_PARAM_NAMES",
     "GRAD_STAGES",
     "GRAD_STAGE_NAMES",
     "GRAD_TOLERANCES",
-    "PIPELINE_STEPS",
     "ROPE_STYLES",
     "STAGES",
     "STAGE_BY_NAME",

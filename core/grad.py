@@ -65,8 +65,7 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
 )
 GRAD_STAGE_NAMES = tuple(name for name, _ in GRAD_STAGES)
 
-# The gradient tensors a backward pass returns, in the order reports list them.
-GRAD_INPUT_NAMES = ("d_query", "d_key", "d_value")
+# The parameter gradients a backward pass returns, in the order reports list them.
 GRAD_PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
 
 # The default cotangent's seed. Never all-ones: with dO = 1 every output feature gets the

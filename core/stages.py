@@ -28,18 +28,6 @@ class Stage:
     meaning: str
 
 
-PIPELINE_STEPS = (
-    "project",
-    "split heads",
-    "rotary",
-    "scores",
-    "mask",
-    "softmax",
-    "weighted sum",
-    "merge heads",
-    "output projection",
-)
-
 STAGES: tuple[Stage, ...] = (
     Stage("project", "q", ("B", "Nq", "H*Dk"), "query tokens times w_q.T plus b_q: all heads side by side"),
     Stage("project", "k", ("B", "Nk", "Hkv*Dk"), "key tokens times w_k.T plus b_k"),

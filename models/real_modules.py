@@ -170,27 +170,30 @@ def _hf_config(config, options: _HFOptions):
     return config
 
 
+def _hf_run(layout: str, module, description: str, state, x, forward, **extra) -> RealRun:
+    """Load ``state`` into the HF ``module`` (strict) and run ``forward(x as a tensor)`` without gradients."""
+    import torch
+
+    module.load_state_dict(_torch_state(state), strict=True)
+    with torch.no_grad():
+        output = forward(torch.from_numpy(x))
+    return RealRun(layout, "real", description, output.numpy(), parameters=_shapes(module), **extra)
+
+
 # --- Hugging Face -------------------------------------------------------------------------
 
 
 def _gpt2(cfg, state, x, padding, options):
-    import torch
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
     config = _hf_config(GPT2Config(n_embd=cfg.d_model, n_head=cfg.n_heads, attn_pdrop=0.0, resid_pdrop=0.0), options)
     module = GPT2Attention(config, layer_idx=0).double().eval()
-    module.load_state_dict(_torch_state(state), strict=True)
-    xt = torch.from_numpy(x)
-    with torch.no_grad():
-        output = module(xt, attention_mask=_hf_mask(config, cfg, xt, padding))[0]
-    return RealRun(
-        "hf-gpt2",
-        "real",
-        f"transformers GPT2Attention ({options.implementation})",
-        output.numpy(),
-        parameters=_shapes(module),
-    )
+
+    def forward(xt):
+        return module(xt, attention_mask=_hf_mask(config, cfg, xt, padding))[0]
+
+    return _hf_run("hf-gpt2", module, f"transformers GPT2Attention ({options.implementation})", state, x, forward)
 
 
 def _bert(cfg, state, x, padding, options):
@@ -265,24 +268,17 @@ def _llama_config(cfg, options):
 
 
 def _llama(cfg, state, x, padding, options, layout="hf-llama"):
-    import torch
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
     config = _llama_config(cfg, options)
     module = LlamaAttention(config, layer_idx=0).double().eval()
-    module.load_state_dict(_torch_state(state), strict=True)
-    xt = torch.from_numpy(x)
-    with torch.no_grad():
+
+    def forward(xt):
         cos_sin = _cos_sin(cfg, options, LlamaRotaryEmbedding(config).double(), xt)
-        output = module(xt, position_embeddings=cos_sin, attention_mask=_hf_mask(config, cfg, xt, padding))[0]
-    return RealRun(
-        layout,
-        "real",
-        f"transformers LlamaAttention ({options.implementation})",
-        output.numpy(),
-        parameters=_shapes(module),
-        **_rotary_precision(options),
-    )
+        return module(xt, position_embeddings=cos_sin, attention_mask=_hf_mask(config, cfg, xt, padding))[0]
+
+    description = f"transformers LlamaAttention ({options.implementation})"
+    return _hf_run(layout, module, description, state, x, forward, **_rotary_precision(options))
 
 
 def _meta_llama(cfg, state, x, padding, options):
@@ -336,7 +332,6 @@ def meta_reference_forward(cfg: MHAConfig, state: dict[str, np.ndarray], x: np.n
 
 
 def _gpt_neox(cfg, state, x, padding, options):
-    import torch
     from transformers import GPTNeoXConfig
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
 
@@ -357,19 +352,13 @@ def _gpt_neox(cfg, state, x, padding, options):
     module = GPTNeoXAttention(config, layer_idx=0).double().eval()
     if module.rotary_ndims != cfg.rope_dims:
         raise ValueError(f"GPTNeoXAttention rotates {module.rotary_ndims} features per head, the spec {cfg.rope_dims}")
-    module.load_state_dict(_torch_state(state), strict=True)
-    xt = torch.from_numpy(x)
-    with torch.no_grad():
+
+    def forward(xt):
         cos_sin = _cos_sin(cfg, options, GPTNeoXRotaryEmbedding(config).double(), xt)
-        output = module(xt, attention_mask=_hf_mask(config, cfg, xt, padding), position_embeddings=cos_sin)[0]
-    return RealRun(
-        "hf-gpt-neox",
-        "real",
-        f"transformers GPTNeoXAttention ({options.implementation})",
-        output.numpy(),
-        parameters=_shapes(module),
-        **_rotary_precision(options),
-    )
+        return module(xt, attention_mask=_hf_mask(config, cfg, xt, padding), position_embeddings=cos_sin)[0]
+
+    description = f"transformers GPTNeoXAttention ({options.implementation})"
+    return _hf_run("hf-gpt-neox", module, description, state, x, forward, **_rotary_precision(options))
 
 
 def _rotary_precision(options: _HFOptions) -> dict[str, str]:
@@ -383,7 +372,6 @@ def _rotary_precision(options: _HFOptions) -> dict[str, str]:
 
 
 def _t5(cfg, state, x, padding, options):
-    import torch
     from transformers import T5Config
     from transformers.models.t5.modeling_t5 import T5Attention
 
@@ -392,17 +380,12 @@ def _t5(cfg, state, x, padding, options):
         options,
     )
     module = T5Attention(config, has_relative_attention_bias=False, layer_idx=0, is_causal=cfg.causal).double().eval()
-    module.load_state_dict(_torch_state(state), strict=True)
-    xt = torch.from_numpy(x)
-    with torch.no_grad():
-        output = module(xt, mask=_hf_mask(config, cfg, xt, padding))[0]
-    return RealRun(
-        "hf-t5",
-        "real",
-        f"transformers T5Attention ({options.implementation}, no relative bias)",
-        output.numpy(),
-        parameters=_shapes(module),
-    )
+
+    def forward(xt):
+        return module(xt, mask=_hf_mask(config, cfg, xt, padding))[0]
+
+    description = f"transformers T5Attention ({options.implementation}, no relative bias)"
+    return _hf_run("hf-t5", module, description, state, x, forward)
 
 
 # --- torch: timm's block packing, Megatron's group packing, nn.MultiheadAttention --------------

@@ -204,7 +204,12 @@ def explanation_blocks(result: CheckResult) -> list[Block]:
     error_style = RICH_STYLES[Status.ERROR]
     named = (  # (title, columns, {name: text}, style of the text)
         ("Problems: backends that failed to load", ["backend", "error"], result.broken_backends, error_style),
-        ("Problems: frameworks that see no GPU (--devices gpu)", ["framework", "why"], result.frameworks_without_gpu, error_style),
+        (
+            "Problems: frameworks that see no GPU (--devices gpu)",
+            ["framework", "why"],
+            result.frameworks_without_gpu,
+            error_style,
+        ),
         ("Skipped (library not installed)", ["backend", "reason and install command"], result.skipped_backends, None),
     )
     for title, columns, texts, style in named:

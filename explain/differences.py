@@ -23,7 +23,6 @@ from mha_rosetta.core import (
     reference_mha,
     to_equinox_weights,
     to_flax_params,
-    to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
 
@@ -78,10 +77,9 @@ def _torch_mha(setup: Setup, torch_mask: np.ndarray, need_weights: bool):
     """nn.MultiheadAttention (float64, default sequence-first). Returns (output (B, N, D), weights (B, H, N, N) | None)."""
     import torch
 
-    cfg = setup.cfg
-    module = torch.nn.MultiheadAttention(cfg.d_model, cfg.n_heads, dtype=torch.float64)
-    module.load_state_dict({n: torch.from_numpy(v) for n, v in to_torch_mha_state_dict(cfg, setup.params).items()})
-    module.eval()
+    from mha_rosetta.backends.torch_oracles import loaded_torch_mha
+
+    module = loaded_torch_mha(setup.cfg, setup.params, "float64", "cpu", batch_first=False)  # sequence first
     x = torch.from_numpy(setup.x).transpose(0, 1)  # (N, B, E): sequence first, as the default expects
     with torch.no_grad():
         out, weights = module(

@@ -112,13 +112,9 @@ def _torch_linear_evidence(cfg: MHAConfig, params: MHAParams, x: np.ndarray) -> 
 
 def _torch_mha_evidence(cfg: MHAConfig, params: MHAParams) -> str:
     """Load the state dict into a real nn.MultiheadAttention and read it back."""
-    import torch
+    from mha_rosetta.backends.torch_oracles import loaded_torch_mha
 
-    module = torch.nn.MultiheadAttention(
-        cfg.d_model, cfg.n_heads, bias=cfg.bias, kdim=cfg.kdim, vdim=cfg.vdim, dtype=torch.float64
-    )
-    state = {name: torch.from_numpy(value) for name, value in to_torch_mha_state_dict(cfg, params).items()}
-    module.load_state_dict(state)  # strict: every name and shape must match the real module
+    module = loaded_torch_mha(cfg, params, "float64", "cpu", batch_first=False)  # strict: every name and shape
     back = from_torch_mha_state_dict(cfg, module.state_dict())
     same = all(
         (a is None and b is None) or np.array_equal(a, b)

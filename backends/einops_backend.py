@@ -250,7 +250,19 @@ class NumpyOps:
         return None
 
 
-class TorchOps:
+class _EinopsOps:
+    """torch and JAX arrays: einops.einsum as written, and a plain product for the scale."""
+
+    def einsum(self, pattern: str, a, b):
+        import einops
+
+        return einops.einsum(a, b, pattern)
+
+    def scale(self, q, factor: float):
+        return q * factor
+
+
+class TorchOps(_EinopsOps):
     """torch tensors: in-place updates, torch's fused softmax, CUDA when asked for."""
 
     library = "torch"
@@ -273,16 +285,8 @@ class TorchOps:
             optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
         )
 
-    def einsum(self, pattern: str, a, b):
-        import einops
-
-        return einops.einsum(a, b, pattern)
-
     def add_bias(self, y, bias):
         return y.add_(bias)
-
-    def scale(self, q, factor: float):
-        return q * factor
 
     def mask(self, scores, blocked):
         return scores.masked_fill_(blocked, float("-inf"))
@@ -306,7 +310,7 @@ class TorchOps:
             self.torch.cuda.synchronize(self.device)
 
 
-class JaxOps:
+class JaxOps(_EinopsOps):
     """JAX arrays: functional updates, traced once and compiled by `jax.jit`."""
 
     library = "jax"
@@ -324,16 +328,8 @@ class JaxOps:
 
         return to_jax(array, self.dtype_name if cast else None, self.device)
 
-    def einsum(self, pattern: str, a, b):
-        import einops
-
-        return einops.einsum(a, b, pattern)
-
     def add_bias(self, y, bias):
         return y + bias
-
-    def scale(self, q, factor: float):
-        return q * factor
 
     def mask(self, scores, blocked):
         import jax.numpy as jnp

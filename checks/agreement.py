@@ -572,23 +572,17 @@ def run_check(
     """
     started = time.perf_counter()
     sel = resolve_selection(backends, strategies, devices, dtypes, cases)
-    chosen, skipped, broken, strategy_filter = sel.backends, sel.skipped, sel.broken, sel.strategy_filter
-    device_names, dtype_names, every_dtype, spec_cases, settings = (
-        sel.devices,
-        sel.dtypes,
-        sel.every_dtype,
-        sel.cases,
-        sel.settings,
-    )
     declared = {
-        b.name: tuple(getattr(b, "known_differences", ())) for b in chosen if getattr(b, "known_differences", ())
+        b.name: tuple(getattr(b, "known_differences", ())) for b in sel.backends if getattr(b, "known_differences", ())
     }
-    result = CheckResult(settings, spec_cases, skipped, [], [], broken_backends=broken, declared_differences=declared)
-    if "gpu" in device_names and _split(devices) != ["all"]:  # "all": whatever devices are here
-        result.frameworks_without_gpu = frameworks_without_gpu(chosen)
+    result = CheckResult(
+        sel.settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken, declared_differences=declared
+    )
+    if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
+        result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
     try:
-        for case in spec_cases:
-            _check_case(case, chosen, strategy_filter, device_names, dtype_names, every_dtype, result, progress)
+        for case in sel.cases:
+            _check_case(case, sel, result, progress)
     except KeyboardInterrupt:
         result.interrupted = True  # keep what finished; the caller decides how to exit
     result.seconds = time.perf_counter() - started
@@ -648,15 +642,6 @@ def _as_list(values) -> list:
     return [values] if isinstance(values, (str, SpecCase)) else list(values)
 
 
-def _implementations(backend: Backend, strategy_filter, devices) -> list[Implementation]:
-    return [
-        Implementation(backend.name, strategy, device)
-        for strategy in backend.strategies
-        if strategy_filter is None or strategy in strategy_filter
-        for device in devices
-    ]
-
-
 def case_dtypes_for(backend: Backend, impl: Implementation, case: SpecCase, dtypes, every_dtype: bool) -> list[str]:
     """The dtypes one implementation runs ``case`` in: every case reaches every implementation.
 
@@ -683,13 +668,13 @@ def case_dtypes_for(backend: Backend, impl: Implementation, case: SpecCase, dtyp
     return [fallback] if fallback is not None else listed
 
 
-def _check_case(case, backends, strategy_filter, devices, dtypes, every_dtype, result: CheckResult, progress) -> None:
+def _check_case(case: SpecCase, sel: Selection, result: CheckResult, progress) -> None:
     try:
         oracle = _oracle(case)
         uniform = _uniform_fallback_output(oracle)
     except Exception as error:  # the oracle itself failed: every run of the case is an error
-        for backend in backends:
-            for dtype in dtypes:
+        for backend in sel.backends:
+            for dtype in sel.dtypes:
                 result.runs.append(
                     Run(
                         case.name,
@@ -701,13 +686,12 @@ def _check_case(case, backends, strategy_filter, devices, dtypes, every_dtype, r
                     )
                 )
         return
-    plan = {
-        impl: case_dtypes_for(backend, impl, case, dtypes, every_dtype)
-        for backend in backends
-        for impl in _implementations(backend, strategy_filter, devices)
-    }
-    backend_of = {backend.name: backend for backend in backends}
-    for dtype in [d for d in dtypes if any(d in chosen for chosen in plan.values())]:
+    plan = {}  # every selected implementation -> the dtypes it runs this case in
+    for backend, strategy, device in sel.implementations():
+        impl = Implementation(backend.name, strategy, device)
+        plan[impl] = case_dtypes_for(backend, impl, case, sel.dtypes, sel.every_dtype)
+    backend_of = {backend.name: backend for backend in sel.backends}
+    for dtype in [d for d in sel.dtypes if any(d in chosen for chosen in plan.values())]:
         if progress:
             progress(f"{case.name} {dtype}")
         runs = [

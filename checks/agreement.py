@@ -415,10 +415,10 @@ def _empty_row_difference(
     return rest, reason
 
 
-def compare(actual, expected, dtype: str) -> Comparison:
-    """`core.compare`, quiet about the NaN arithmetic that a NaN-returning library causes."""
+def compare(actual, expected, dtype: str, **tolerance) -> Comparison:
+    """`core.compare` (``tolerance``: its atol, rtol), quiet about the NaN arithmetic of a NaN-returning library."""
     with np.errstate(invalid="ignore"):
-        return core_compare(actual, expected, dtype)
+        return core_compare(actual, expected, dtype, **tolerance)
 
 
 def failure_status(error: BaseException) -> tuple[Status, str]:

@@ -29,7 +29,6 @@ import numpy as np
 
 from mha_rosetta.core import (
     GRAD_STAGES,
-    Comparison,
     MHAGrads,
     allowed_positions,
     grad_tolerance,
@@ -37,13 +36,13 @@ from mha_rosetta.core import (
     reference_mha_vjp,
     reference_stages,
 )
-from mha_rosetta.core import compare as core_compare
 from mha_rosetta.core.errors import exit_code
 
 from .agreement import (
     FAILING,
     Implementation,
     Status,
+    compare,
     failure_status,
     resolve_selection,
     worst_status,
@@ -175,11 +174,6 @@ def _grad_oracle(case: SpecCase, dtypes) -> _GradOracle:
     return _GradOracle(case, grads, baselines, empty)
 
 
-def _compare_tensor(actual, expected, dtype: str, atol: float, rtol: float) -> Comparison:
-    with np.errstate(invalid="ignore"):
-        return core_compare(actual, expected, dtype, atol=atol, rtol=rtol)
-
-
 def _tensor_errors(grads: MHAGrads, oracle: _GradOracle, dtype: str) -> dict[str, TensorError]:
     expected = oracle.grads.tensors()
     actual = grads.tensors()
@@ -189,7 +183,7 @@ def _tensor_errors(grads: MHAGrads, oracle: _GradOracle, dtype: str) -> dict[str
             out[name] = TensorError(np.inf, 0.0, False, "missing")
             continue
         tol = grad_tolerance(dtype, e, oracle.baselines.get(dtype, {}).get(name))
-        result = _compare_tensor(actual[name], e, dtype, tol.atol, tol.rtol)
+        result = compare(actual[name], e, dtype, atol=tol.atol, rtol=tol.rtol)
         out[name] = TensorError(result.max_abs, tol.atol, result.ok, result.reason)
     return out
 
@@ -198,7 +192,7 @@ def _first_divergent_backward_stage(stages: dict, reference: dict, dtype: str) -
     for name, _ in GRAD_STAGES:
         if name in stages and name in reference:
             tol = grad_tolerance(dtype, reference[name])
-            if not _compare_tensor(stages[name], reference[name], dtype, tol.atol, tol.rtol).ok:
+            if not compare(stages[name], reference[name], dtype, atol=tol.atol, rtol=tol.rtol).ok:
                 return name
     return None
 
@@ -277,7 +271,7 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
         baseline = oracle.baselines.get(dtype, {}).get(name)
         tol = grad_tolerance(dtype, expected, baseline)
         atol = 2 * tol.atol if baseline is not None else tol.atol  # half rule: each side within its allowance
-        result = _compare_tensor(ta[name], tb[name], dtype, atol, tol.rtol)
+        result = compare(ta[name], tb[name], dtype, atol=atol, rtol=tol.rtol)
         if result.max_abs >= worst_abs:
             worst_name, worst_abs = name, result.max_abs
         if not result.ok:

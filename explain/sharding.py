@@ -89,9 +89,6 @@ class ShardingExplanation:
         ]
         return "\n".join(lines)
 
-    def to_text(self) -> str:
-        return self.to_markdown()
-
 
 def explain_sharding(
     cfg: MHAConfig | None = None, world: int | None = None, tokens: int = 6, batch: int = 1, seed: int = 0

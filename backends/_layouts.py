@@ -73,3 +73,10 @@ def xla_provenance(name: str, rope: str | None) -> tuple[str, str | None]:
     if rope is None and name in ("q_rotated", "k_rotated"):
         relation = "view"
     return relation, parent
+
+
+def layer_sizes(cfg, inputs) -> tuple[int, ...]:
+    """``(B, Nq, Nk, H, Hkv, G, Dk, Dv)``: the sizes of these symbols for ``cfg`` and ``inputs``, in the
+    order every strategy of the NumPy and torch layers unpacks them (``B, Nq, ... = self.sizes``)."""
+    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+    return (B, Nq, Nk, cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v)

@@ -52,7 +52,7 @@ from mha_rosetta.core import (
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._inputs import convert_inputs
-from ._layouts import head_slice_axes
+from ._layouts import head_slice_axes, layer_sizes
 from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
 from ._recording import (
     StageRecorder,
@@ -147,8 +147,8 @@ class ColumnSampleMHA:
     ) -> None:
         self.cfg = cfg
         self.precision = P = precision
-        B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-        self.sizes = (B, Nq, Nk, cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v)
+        self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
+        B, Nq, Nk = self.sizes[:3]
 
         def weight(w):  # canonical (out, in) is already the column-sample W_A
             return P.operand(P.round_to_storage(w))

@@ -30,7 +30,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes
+from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from ._recording import (
     StageRecorder,
     record_head_inputs,
@@ -134,16 +134,7 @@ class RowSampleMHA:
         import torch.nn.functional as F
 
         self.torch, self.F, self.cfg = torch, F, cfg
-        self.sizes = (
-            inputs.batch,
-            inputs.q_tokens,
-            inputs.kv_tokens,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.group_size,
-            cfg.d_k,
-            cfg.d_v,
-        )
+        self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
 
         def tensor(array):
             return optional_tensor(array, dtype, device)

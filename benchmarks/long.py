@@ -195,7 +195,7 @@ def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = Non
         ("median_s", "time_slope", "median time (s)", "long_time_vs_tokens.png"),
         ("peak_mem_mb", "memory_slope", "peak memory (MiB)", "long_memory_vs_tokens.png"),
     ):
-        figure, axes = plt.subplots(figsize=(8, 5))
+        figure, axes = plt.subplots(figsize=(11, 5))
         for implementation, s in sorted(slopes.items()):
             points = sorted(
                 (c["tokens"], c.get(field))
@@ -215,7 +215,7 @@ def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = Non
         axes.set_title(
             f"{label} against tokens\n(log-log; solid: memory-linear, dotted: one head at a time, dashed: all heads)"
         )
-        axes.legend(fontsize=7)
+        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay visible
         axes.grid(True, which="both", alpha=0.3)
         path = directory / name
         figure.tight_layout()

@@ -97,11 +97,14 @@ def _wrap_rows(table: Table, width: int) -> list[list[list[str]]]:
     widths = _widths(table)
     budget = width - len(GAP) * (len(widths) - 1)
     limits = list(widths)
+    # A header stays on one line, so its column is never made narrower than it.
+    floors = [max(MIN_WRAP_WIDTH, len(str(column))) for column in table.columns]
     while sum(limits) > budget:
-        widest = max(range(len(limits)), key=limits.__getitem__)
-        if limits[widest] <= MIN_WRAP_WIDTH:
+        reducible = [i for i, limit in enumerate(limits) if limit > floors[i]]
+        if not reducible:
             break
-        limits[widest] = max(MIN_WRAP_WIDTH, limits[widest] - (sum(limits) - budget))
+        widest = max(reducible, key=limits.__getitem__)
+        limits[widest] = max(floors[widest], limits[widest] - (sum(limits) - budget))
     wrap = lambda text, limit: textwrap.wrap(str(text), limit, break_on_hyphens=False) or [""]  # noqa: E731
     return [[wrap(cell, limit) for cell, limit in zip(row, limits, strict=True)] for row in table.rows]
 

@@ -592,3 +592,17 @@ def test_a_wide_matrix_splits_into_parts_that_keep_the_row_labels():
     assert len(parts) == 2  # 2 + 20 columns of 8 characters: two parts of 120 columns
     assert text.count("implementation-19") == 2 and text.count("3e-07~") == 20 * 20
     assert render_tables([matrix]).splitlines()[1].split()[-1] == "20"  # no width: one line per row
+
+
+def test_text_columns_wrap_but_never_narrower_than_their_header():
+    """The explainer's backend table with one backend: a 30-character header beside 55- and 109-character cells
+    used to get a 20-character limit, so the header widened its column past the width."""
+    from mha_rosetta.core.tables import Table, plain_lines
+
+    headers = ["backend", "samples", "where the weights' scorers are", "convention"]
+    row = ["numpy", "column samples: features x tokens, one token per column", "rows of W " * 6, "words " * 18]
+    lines = plain_lines(Table("", headers, [row]), width=100)
+    assert max(map(len, lines)) <= 100
+    assert "where the weights' scorers are" in lines[0]  # the header on one line
+    text = " ".join(" ".join(line.split()) for line in lines[2:])
+    assert text.count("W") == 6 and text.count("words") == 18  # nothing lost to the wrapping

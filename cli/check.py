@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
-    grad = _grad_check(args, progress) if args.grad and not result.interrupted else None
+    grad = _grad_check(args, backends, progress) if args.grad and not result.interrupted else None
     if grad is not None:
         from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines
 
@@ -149,12 +149,12 @@ def run(args: argparse.Namespace) -> int:
     return max(result.exit_code, 0 if grad is None else grad.exit_code)
 
 
-def _grad_check(args: argparse.Namespace, progress):
-    """The gradient check on the same selection (`checks.grad`)."""
+def _grad_check(args: argparse.Namespace, backends, progress):
+    """The gradient check on the same selection (`checks.grad`), ``--backend`` classes included."""
     from mha_rosetta.checks.grad import run_grad_check
 
     grad = run_grad_check(
-        backends=args.backends,
+        backends=backends,
         strategies=args.strategies,
         devices=args.devices,
         dtypes=args.dtypes,

@@ -99,6 +99,24 @@ def test_check_backend_runs_a_class_from_a_package_outside_the_project(tmp_path)
     assert {run["implementation"] for run in json.loads(again.stdout)["runs"]} == {"mine-ep"}
 
 
+def test_check_grad_includes_the_backend_given_by_path(tmp_path):
+    """--backend MODULE:CLASS reaches the gradient check too: a class without a backward pass is listed as
+    unsupported there, with the reason, instead of being left out."""
+    root = _make_plugin(tmp_path, entry_points=False)
+    case = next(iter(SPEC_CASES))
+    args = ("check", "--backend", "myattn.impl:MyBackend", "--backends", "numpy", "--cases", case, "--grad")
+    done = _cli(root, *args, "--json", "-")
+    assert done.returncode == 0, done.stderr
+    grad_runs = json.loads(done.stdout)["grad"]["runs"]
+    runs = [run for run in grad_runs if run["implementation"] == "my-attention"]
+    assert runs and all(run["status"] == "unsupported" for run in runs)
+    assert "has no backward pass" in runs[0]["reason"]
+    assert any(run["backend"] == "numpy" and run["status"] == "agree" for run in grad_runs)
+    # Alone, it leaves the gradient check nothing to compare: that is exit status 2, said as such.
+    alone = _cli(root, "check", "--backend", "myattn.impl:MyBackend", "--cases", case, "--grad", "--plain")
+    assert alone.returncode == 2 and "gradients: nothing was checked (exit status 2)" in alone.stdout
+
+
 def test_entry_points_are_discovered_without_importing_the_plugin(tmp_path):
     root = _make_plugin(tmp_path)
     probe = (

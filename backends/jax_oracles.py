@@ -434,25 +434,7 @@ class EquinoxMHAOracle(_JaxOracle):
 
         target = jax_target(dtype, device)
         spec = self._output_rows(cfg, params, inputs, dtype, target)
-        # filter_eval_shape builds the module from shapes alone: its random initial weights
-        # would be thrown away below, and computing them costs seconds of eager compiles.
-        model = eqx.filter_eval_shape(
-            eqx.nn.MultiheadAttention,
-            num_heads=cfg.n_heads,
-            query_size=cfg.d_model,
-            key_size=cfg.kdim,
-            value_size=cfg.vdim,
-            output_size=cfg.d_model,
-            qk_size=cfg.d_k,
-            vo_size=cfg.d_v,
-            use_query_bias=cfg.bias,
-            use_key_bias=cfg.bias,
-            use_value_bias=cfg.bias,
-            use_output_bias=cfg.bias,
-            dtype=jnp.dtype(numpy_dtype(dtype)),
-            key=jax.random.PRNGKey(0),
-        )
-        model = _load_equinox_weights(model, to_equinox_weights(cfg, params), dtype, target)
+        model = loaded_equinox_mha(cfg, params, dtype, target)
         dynamic, static = eqx.partition(model, eqx.is_array)
 
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
@@ -502,6 +484,33 @@ class EquinoxMHAOracle(_JaxOracle):
         layers = ("query_proj", "key_proj", "value_proj", "output_proj")
         tree = {layer: {part: getattr(getattr(grads, layer), part) for part in ("weight", "bias")} for layer in layers}
         return gradients_to_canonical(cfg, partial(to_equinox_weights, cfg), tree)
+
+
+def loaded_equinox_mha(cfg: MHAConfig, params: MHAParams, dtype: str, target):
+    """``equinox.nn.MultiheadAttention`` for ``cfg`` holding ``params`` (the oracle's and the explainer's)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    # filter_eval_shape builds the module from shapes alone: its random initial weights
+    # would be thrown away below, and computing them costs seconds of eager compiles.
+    model = eqx.filter_eval_shape(
+        eqx.nn.MultiheadAttention,
+        num_heads=cfg.n_heads,
+        query_size=cfg.d_model,
+        key_size=cfg.kdim,
+        value_size=cfg.vdim,
+        output_size=cfg.d_model,
+        qk_size=cfg.d_k,
+        vo_size=cfg.d_v,
+        use_query_bias=cfg.bias,
+        use_key_bias=cfg.bias,
+        use_value_bias=cfg.bias,
+        use_output_bias=cfg.bias,
+        dtype=jnp.dtype(numpy_dtype(dtype)),
+        key=jax.random.PRNGKey(0),
+    )
+    return _load_equinox_weights(model, to_equinox_weights(cfg, params), dtype, target)
 
 
 def _load_equinox_weights(model, weights: dict, dtype: str, target):

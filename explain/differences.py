@@ -21,7 +21,6 @@ from mha_rosetta.backends._probe import importable as _installed  # imports the 
 from mha_rosetta.core import (
     error_line,
     reference_mha,
-    to_equinox_weights,
     to_flax_params,
     torch_mha_unsupported_reason,
 )
@@ -145,25 +144,12 @@ def _flax_module(setup: Setup, mask: np.ndarray):
 
 def _equinox_module(setup: Setup, mask: np.ndarray):
     """equinox.nn.MultiheadAttention (float32, unbatched by design: vmap over the batch)."""
-    import equinox as eqx
     import jax
     import jax.numpy as jnp
 
-    from mha_rosetta.backends.jax_oracles import _load_equinox_weights
+    from mha_rosetta.backends.jax_oracles import loaded_equinox_mha
 
-    cfg, p = setup.cfg, setup.params.astype(np.float32)
-    module = eqx.nn.MultiheadAttention(
-        num_heads=cfg.n_heads,
-        query_size=cfg.d_model,
-        qk_size=cfg.d_k,
-        vo_size=cfg.d_v,
-        use_query_bias=True,
-        use_key_bias=True,
-        use_value_bias=True,
-        use_output_bias=True,
-        key=jax.random.PRNGKey(0),
-    )
-    module = _load_equinox_weights(module, to_equinox_weights(cfg, p), "float32", None)  # as the equinox backend does
+    module = loaded_equinox_mha(setup.cfg, setup.params.astype(np.float32), "float32", None)  # as the oracle does
     x = jnp.asarray(setup.x, dtype=jnp.float32)
     out = jax.vmap(lambda xb: module(xb, xb, xb, mask=jnp.asarray(mask)))(x)  # (B, N, D)
     return np.asarray(out, dtype=np.float64), None

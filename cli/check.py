@@ -112,15 +112,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"mha-rosetta check: error: --backend: {type(error).__name__}: {error}", file=sys.stderr)
             return 2
         backends = [*(backends or []), *plugins]
+    # The same selection for the forward check and the gradient check (--backend classes included).
+    selection = dict(
+        backends=backends, strategies=args.strategies, devices=args.devices, dtypes=args.dtypes, cases=args.cases
+    )
     try:
-        result = run_check(
-            backends=backends,
-            strategies=args.strategies,
-            devices=args.devices,
-            dtypes=args.dtypes,
-            cases=args.cases,
-            progress=progress,
-        )
+        result = run_check(**selection, progress=progress)
     except ValueError as error:
         print(f"mha-rosetta check: error: {error}", file=sys.stderr)
         return 2
@@ -129,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
-    grad = _grad_check(args, backends, progress) if args.grad and not result.interrupted else None
+    grad = _grad_check(selection, progress) if args.grad and not result.interrupted else None
     if grad is not None:
         from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines
 
@@ -149,18 +146,11 @@ def run(args: argparse.Namespace) -> int:
     return max(result.exit_code, 0 if grad is None else grad.exit_code)
 
 
-def _grad_check(args: argparse.Namespace, backends, progress):
-    """The gradient check on the same selection (`checks.grad`), ``--backend`` classes included."""
+def _grad_check(selection: dict, progress):
+    """The gradient check on the forward check's selection (`checks.grad`)."""
     from mha_rosetta.checks.grad import run_grad_check
 
-    grad = run_grad_check(
-        backends=backends,
-        strategies=args.strategies,
-        devices=args.devices,
-        dtypes=args.dtypes,
-        cases=args.cases,
-        progress=progress,
-    )
+    grad = run_grad_check(**selection, progress=progress)
     if progress:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     return grad

@@ -293,8 +293,8 @@ def measure(spec: CellSpec) -> dict:
             # The memory pass: the last timed result is dropped first, so the call's output counts as its own.
             result_box[0] = None
             result_box[0], memory = probe.call(one_call)
-        else:
-            memory = {}  # on a GPU, the framework's peak allocation since before prepare (_GpuMemory)
+        else:  # on a GPU, the framework's peak allocation since before prepare
+            memory = {"peak_mem_mb": gpu_memory.peak_mb(), "peak_mem_method": "device"}
 
     import numpy as np
 
@@ -302,7 +302,6 @@ def measure(spec: CellSpec) -> dict:
     record["output_finite"] = all(bool(np.isfinite(output).all()) for output in outputs)
     rss_after = peak_rss_mb()
     host_growth = None if rss_before is None else max(0.0, rss_after - rss_before)
-    device_peak = gpu_memory.peak_mb()
     record.update(timings)
     cpu_util = cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
     warnings = [cpu_use_warning(cpu_util, spec.threads)]
@@ -314,10 +313,7 @@ def measure(spec: CellSpec) -> dict:
         gflops=flops / timings["median_s"] / 1e9 if timings["median_s"] > 0 else None,
         cpu_util=cpu_util,
         warnings=[warning for warning in warnings if warning],
-        # On a GPU the device's peak is the figure that matters; on a CPU, what the MemoryProbe counted.
-        peak_mem_mb=device_peak if spec.device == "gpu" and not workers else memory.get("peak_mem_mb"),
-        peak_mem_method="device" if spec.device == "gpu" and not workers else memory.get("peak_mem_method"),
-        **{name: value for name, value in memory.items() if not name.startswith("peak_mem")},
+        **memory,  # peak_mem_mb and how it was counted: MemoryProbe on a CPU, the device's peak on a GPU
         host_peak_growth_mb=host_growth,
         peak_rss_mb=rss_after,
         backend_info=_jsonable(prepared.info),

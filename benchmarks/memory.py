@@ -38,16 +38,15 @@ import sys
 import tracemalloc
 from collections.abc import Callable
 
-STATUS = "/proc/self/status"
 CLEAR_REFS = "/proc/self/clear_refs"
 # Writing "5" to clear_refs resets the peak resident set (VmHWM) to the current one (Linux >= 4.0).
 RESET_PEAK = "5"
 
 
-def _status_mb(field: str) -> float | None:
-    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), in MiB; None where there is none."""
+def status_mb(field: str, pid: int | str = "self") -> float | None:
+    """A ``kB`` field of /proc/PID/status (VmRSS, VmHWM), in MiB; None where there is none."""
     try:
-        with open(STATUS, encoding="ascii") as status:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
             match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
     except OSError:
         return None
@@ -73,7 +72,7 @@ def reset_peak_rss() -> bool:
             clear_refs.write(RESET_PEAK)
     except OSError:
         return False
-    return _status_mb("VmHWM") is not None
+    return status_mb("VmHWM") is not None
 
 
 def is_numpy_array(value) -> bool:
@@ -89,7 +88,7 @@ def _settled_rss_mb() -> float | None:
     """The resident set after a garbage collection and a trim: what the process really holds."""
     gc.collect()
     _malloc_trim()
-    return _status_mb("VmRSS")
+    return status_mb("VmRSS")
 
 
 class MemoryProbe:
@@ -118,7 +117,7 @@ class MemoryProbe:
             _, traced_peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        hwm = _status_mb("VmHWM")
+        hwm = status_mb("VmHWM")
         rss_held = rss_call = None
         if None not in (self.rss_base, rss_before):
             rss_held = max(0.0, rss_before - self.rss_base)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
+
+from .memory import status_mb
 
 # Each library reads its own variable; setting all of them costs nothing. XLA:CPU sizes its
 # intra-op thread pool from PJRT_NPROC (then NPROC, the older spelling it still reads; else the
@@ -270,20 +273,10 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def family_cpu_seconds() -> float:
     """CPU time of this process and of its live children (the worker processes of a sharded
     backend): the cell's "cores used" must see the ranks that do the work, not only the
     process that waits for them. A child that exits during a span drops out of the sum."""
-    import time
-
     own = time.process_time()
     return own + sum(filter(None, (process_cpu_seconds(child) for child in child_pids())))
 
@@ -296,7 +289,9 @@ def worker_report() -> list[dict]:
             cpus = sorted(os.sched_getaffinity(child)) if affinity_supported() else None
         except OSError:
             continue
-        report.append({"pid": child, "affinity": cpus, "cpu_s": process_cpu_seconds(child), "rss_mb": _rss_mb(child)})
+        report.append(
+            {"pid": child, "affinity": cpus, "cpu_s": process_cpu_seconds(child), "rss_mb": status_mb("VmRSS", child)}
+        )
     return report
 
 

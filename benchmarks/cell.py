@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
 from .memory import MemoryProbe
-from .pinning import DEFAULT_MALLOC_MODE, contention_warning, cpu_use_warning, cpu_utilisation, malloc_env
+from .pinning import DEFAULT_MALLOC_MODE, cpu_utilisation, cpu_warnings, malloc_env
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
 
@@ -304,15 +304,12 @@ def measure(spec: CellSpec) -> dict:
     host_growth = None if rss_before is None else max(0.0, rss_after - rss_before)
     record.update(timings)
     cpu_util = cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
-    warnings = [cpu_use_warning(cpu_util, spec.threads)]
-    if spec.device == "cpu":
-        warnings.append(contention_warning(cpu_util, spec.threads))
     record.update(
         status="ok",
         flops=flops,
         gflops=flops / timings["median_s"] / 1e9 if timings["median_s"] > 0 else None,
         cpu_util=cpu_util,
-        warnings=[warning for warning in warnings if warning],
+        warnings=cpu_warnings(cpu_util, spec.threads, spec.device),
         **memory,  # peak_mem_mb and how it was counted: MemoryProbe on a CPU, the device's peak on a GPU
         host_peak_growth_mb=host_growth,
         peak_rss_mb=rss_after,

@@ -252,9 +252,6 @@ def measure(spec: dict) -> dict:
     # The median, as for the cells, so that peak_fraction compares like with like.
     flops = gemm_flops(n, n, n)
     cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
-    warnings = [pinning.cpu_use_warning(cpu_util, threads)]
-    if device == "cpu":
-        warnings.append(pinning.contention_warning(cpu_util, threads))
     return {
         "status": "ok",
         "library": library,
@@ -269,7 +266,7 @@ def measure(spec: dict) -> dict:
         "back_to_back": timings.get("back_to_back", 1),
         "first_call_s": first,
         "cpu_util": cpu_util,
-        "warnings": [warning for warning in warnings if warning],
+        "warnings": pinning.cpu_warnings(cpu_util, threads, device),
         "thread_pools": pools,
         "malloc_env": pinning.malloc_env_report(),
     }

@@ -24,6 +24,8 @@ import math
 import os
 from collections import defaultdict
 
+from .memory import proc_mb
+
 # How much of the (B, H, Nq, Nk) scores an implementation holds at once: its memory kind.
 LINEAR, ONE_HEAD, ALL_HEADS = "memory-linear", "one head at a time", "materialising"
 # Never the (Nq, Nk) scores: the chunked strategies; torch's SDPA, whose CPU kernel is a
@@ -76,14 +78,7 @@ def predicted_peak_mb(
 
 def available_memory_mb() -> float | None:
     """MemAvailable from /proc/meminfo (Linux), in MiB; None elsewhere."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    return proc_mb("/proc/meminfo", "MemAvailable")
 
 
 def memory_budget_mb(explicit: float | None = None) -> float:

@@ -43,14 +43,19 @@ CLEAR_REFS = "/proc/self/clear_refs"
 RESET_PEAK = "5"
 
 
-def status_mb(field: str, pid: int | str = "self") -> float | None:
-    """A ``kB`` field of /proc/PID/status (VmRSS, VmHWM), in MiB; None where there is none."""
+def proc_mb(path: str, field: str) -> float | None:
+    """A ``kB`` field of a /proc file (Linux), in MiB; None where there is none."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+        with open(path, encoding="ascii") as proc:
+            match = re.search(rf"^{field}:\s+(\d+) kB", proc.read(), re.MULTILINE)
     except OSError:
         return None
     return int(match.group(1)) / 1024 if match else None
+
+
+def status_mb(field: str, pid: int | str = "self") -> float | None:
+    """A field of /proc/PID/status (VmRSS, VmHWM), in MiB; None where there is none."""
+    return proc_mb(f"/proc/{pid}/status", field)
 
 
 def _malloc_trim() -> bool:

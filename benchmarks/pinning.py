@@ -328,3 +328,11 @@ def contention_warning(cpu_util: float | None, threads: int) -> str | None:
             "so this time is inflated; rerun on a quiet machine"
         )
     return None
+
+
+def cpu_warnings(cpu_util: float | None, threads: int, device: str) -> list[str]:
+    """The warnings a measurement carries for its CPU use: too many cores, and on a CPU, too little of its own."""
+    warnings = [cpu_use_warning(cpu_util, threads)]
+    if device == "cpu":
+        warnings.append(contention_warning(cpu_util, threads))
+    return [warning for warning in warnings if warning]

@@ -43,7 +43,7 @@ import sys
 import time
 
 from .fresh import child_main, run_fresh
-from .pinning import choose_cpus, contention_warning, cpu_use_warning, cpu_utilisation
+from .pinning import choose_cpus, cpu_utilisation, cpu_warnings
 
 CONFIRMED, PARTLY, REFUTED, SKIPPED = "confirmed", "partly", "refuted", "skipped"
 # Below this ratio two variants are "the same speed": differences of a few percent are noise
@@ -109,10 +109,7 @@ def measure(spec: dict) -> dict:
                           "repeats": {name: t["repeats"] for name, t in timings.items()}})  # fmt: skip
         wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     cpu_util = cpu_utilisation(cpu, wall)
-    warnings = [cpu_use_warning(cpu_util, threads)]
-    if device == "cpu":
-        warnings.append(contention_warning(cpu_util, threads))
-    return {"status": "ok", "cases": cases, "cpu_util": cpu_util, "warnings": [w for w in warnings if w]}
+    return {"status": "ok", "cases": cases, "cpu_util": cpu_util, "warnings": cpu_warnings(cpu_util, threads, device)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ from pathlib import Path
 from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.core.tables import markdown_table as table_lines
 
-from .rounds import cell_interval, intervals_overlap, round_fractions
+from .rounds import FINISHED_STATUSES, cell_interval, intervals_overlap, round_fractions
 
 SCHEMA_VERSION = 1
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
@@ -186,7 +186,7 @@ def assemble_report(
             "cells": len(enriched),
             "ok": statuses.count("ok"),
             "unsupported": statuses.count("unsupported"),
-            "failed": sum(status not in ("ok", "unsupported") for status in statuses),
+            "failed": sum(status not in FINISHED_STATUSES for status in statuses),
             "warnings": sum(bool(cell.get("warnings")) for cell in enriched),
             "drift": sum(bool(cell.get("drift")) for cell in enriched),
         },
@@ -195,7 +195,7 @@ def assemble_report(
 
 
 def failed_cells(report: dict) -> list[dict]:
-    return [cell for cell in report["cells"] if cell.get("status") not in ("ok", "unsupported")]
+    return [cell for cell in report["cells"] if cell.get("status") not in FINISHED_STATUSES]
 
 
 # -- Markdown ---------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from .timing import summarize
 
 DRIFT_THRESHOLD = 0.10  # a cell whose round medians differ by more than this is flagged
 BUSY_THRESHOLD = 0.05  # a round whose GEMM peak is this far below the best other round is flagged
-_FINISHED = ("ok", "unsupported")
+# A visit with one of these statuses is done (a resumed sweep keeps it); anything else failed.
+FINISHED_STATUSES = ("ok", "unsupported")
 # Per-visit figures that summarise to the median over the rounds, and those whose maximum counts.
 _MEDIAN_FIELDS = ("compile_s", "first_call_s", "cpu_util")
 _MAX_FIELDS = ("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb")
@@ -114,7 +115,7 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
     record = dict(ok[0][1] if ok else present[0][1])
     record.pop("samples_s", None)
     several = len(visits) > 1
-    failed = [(index, visit) for index, visit in present if visit.get("status") not in _FINISHED]
+    failed = [(index, visit) for index, visit in present if visit.get("status") not in FINISHED_STATUSES]
     if failed:
         index, visit = failed[0]
         record["status"] = visit.get("status", "error")

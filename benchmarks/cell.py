@@ -257,11 +257,14 @@ def measure(spec: CellSpec) -> dict:
 
         result_box: list = [None]
 
-        def run_once() -> None:
+        def one_call():
             # The timed region: the forward pass (and in fwdbwd its backward) and the wait, nothing else.
             result = step()
             prepared.synchronize(result)
-            result_box[0] = result
+            return result
+
+        def run_once() -> None:
+            result_box[0] = one_call()
 
         start = time.perf_counter()
         run_once()
@@ -284,12 +287,6 @@ def measure(spec: CellSpec) -> dict:
                 "(their resident sets are under 'workers')",
             }
         elif spec.device == "cpu":
-
-            def one_call():
-                result = step()
-                prepared.synchronize(result)
-                return result
-
             # The memory pass: the last timed result is dropped first, so the call's output counts as its own.
             result_box[0] = None
             result_box[0], memory = probe.call(one_call)

@@ -34,10 +34,12 @@ DRIFT_THRESHOLD = 0.10  # a cell whose round medians differ by more than this is
 BUSY_THRESHOLD = 0.05  # a round whose GEMM peak is this far below the best other round is flagged
 # A visit with one of these statuses is done (a resumed sweep keeps it); anything else failed.
 FINISHED_STATUSES = ("ok", "unsupported")
-# Per-visit figures that summarise to the median over the rounds, and those whose maximum counts.
-_MEDIAN_FIELDS = ("compile_s", "first_call_s", "cpu_util")
-_MAX_FIELDS = ("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb")
-_SUM_FIELDS = ("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s")
+# Per-visit figures that summarise to the median over the rounds, those whose maximum counts, and those summed.
+_COMBINED_FIELDS = (
+    (("compile_s", "first_call_s", "cpu_util"), statistics.median),
+    (("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb"), max),
+    (("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s"), sum),
+)
 
 
 def draw_seed() -> int:
@@ -143,17 +145,11 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
     drift = relative_range(record["round_medians_s"])
     record["round_drift"] = drift
     record["drift"] = bool(drift is not None and drift > drift_threshold)
-    for name in _MEDIAN_FIELDS:
-        if any(visit.get(name) is not None for visit in oks):
-            record[name] = _median([visit.get(name) for visit in oks])
-    for name in _MAX_FIELDS:
-        values = [visit.get(name) for visit in oks if visit.get(name) is not None]
-        if values:
-            record[name] = max(values)
-    for name in _SUM_FIELDS:
-        values = [visit.get(name) for visit in oks if visit.get(name) is not None]
-        if values:
-            record[name] = sum(values)
+    for names, combine in _COMBINED_FIELDS:
+        for name in names:
+            values = [visit.get(name) for visit in oks if visit.get(name) is not None]
+            if values:
+                record[name] = combine(values)
     record["stable"] = all(visit.get("stable", True) for visit in oks)
     if record.get("flops") and record["median_s"]:
         record["gflops"] = record["flops"] / record["median_s"] / 1e9

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
 from .memory import MemoryProbe
-from .pinning import DEFAULT_MALLOC_MODE, cpu_utilisation, cpu_warnings, malloc_env
+from .pinning import DEFAULT_MALLOC_MODE, cpu_utilisation, cpu_warnings, malloc_env, require_positive_int
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
 
@@ -88,9 +88,7 @@ class CellSpec:
     def __post_init__(self) -> None:
         split_implementation(self.implementation)  # validates the label
         for name in ("batch", "tokens", "d_model", "heads", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CellSpec.{name} must be a positive int, got {value!r}")
+            require_positive_int(f"CellSpec.{name}", getattr(self, name))
         malloc_env(self.malloc)  # validates the mode
         mode_flops(1, self.mode)  # validates the timing mode
 
@@ -229,15 +227,13 @@ def measure(spec: CellSpec) -> dict:
     probe = MemoryProbe()
     probe.before_prepare()
     try:
+        prepare = backend.prepare_vjp if spec.mode == "fwdbwd" else backend.prepare
+        prepared, _inputs = prepare(
+            cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
+        )
         if spec.mode == "fwdbwd":  # forward+backward: the timed call is PreparedVJP.run
-            prepared, _inputs = backend.prepare_vjp(
-                cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
-            )
             step, results = prepared.run, lambda native: list(prepared.to_grads(native).values())
         else:
-            prepared, _inputs = backend.prepare(
-                cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
-            )
             step, results = prepared.forward, lambda native: [prepared.to_numpy(native)]
     except UnsupportedCase as reason:
         record.update(status="unsupported", error=str(reason))
@@ -248,12 +244,11 @@ def measure(spec: CellSpec) -> dict:
 
     with pinning.limit_thread_pools(spec.threads):
         record["thread_pools"] = pinning.thread_pool_report()
+        record["compile_s"] = None
         if prepared.compile is not None:
             start = time.perf_counter()
             prepared.compile()
             record["compile_s"] = time.perf_counter() - start
-        else:
-            record["compile_s"] = None
 
         result_box: list = [None]
 

@@ -61,15 +61,16 @@ CPU_UTIL_SLACK = 0.25
 CONTENDED_BELOW = 0.8
 
 
-def _require_threads(threads: object) -> int:
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
-    return threads
+def require_positive_int(name: str, value: object) -> int:
+    """``value`` when it is a positive int (not a bool), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def xla_flags(threads: int, existing: str = "") -> str:
     """``XLA_FLAGS`` holding the user's own flags plus the Eigen flag for ``threads``."""
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     kept = [
         flag
         for flag in shlex.split(existing or "")
@@ -93,7 +94,7 @@ def device_env(device: str | None) -> dict[str, str]:
 def thread_env(threads: int, base_env: dict[str, str] | None = None, device: str | None = None) -> dict[str, str]:
     """A copy of ``base_env`` (default: this process's) with every thread knob set to ``threads``
     and the device variables of ``device`` (`device_env`)."""
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     env = dict(os.environ if base_env is None else base_env)
     for name in THREAD_ENV_VARS:
         env[name] = str(threads)
@@ -173,7 +174,7 @@ def choose_cpus(threads: int, requested: list[int] | None = None, allowed: list[
     The last cores are the default because core 0 tends to take more of the machine's
     interrupts and housekeeping.
     """
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     allowed = allowed_cpus() if allowed is None else sorted(allowed)
     if requested is not None:
         requested = sorted(set(requested))
@@ -206,7 +207,7 @@ def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) 
     Called inside a measured child only, before anything is computed: torch refuses
     ``set_num_interop_threads`` once inter-op work has started.
     """
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     applied: dict = {}
     if "torch" in frameworks:
         import torch
@@ -228,7 +229,7 @@ def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) 
 
 def limit_thread_pools(threads: int):
     """A threadpoolctl context limiting every loaded BLAS/OpenMP pool, or a no-op without it."""
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:

@@ -104,9 +104,10 @@ def measure(spec: dict) -> dict:
             if library == "torch":
                 kwargs["device"] = device
             timings = time_interleaved(builder(**kwargs), policy)
-            cases.append({"sizes": sizes, "median_s": {name: t["median_s"] for name, t in timings.items()},
-                          "iqr_s": {name: t["iqr_s"] for name, t in timings.items()},
-                          "repeats": {name: t["repeats"] for name, t in timings.items()}})  # fmt: skip
+            figures = {
+                field: {name: t[field] for name, t in timings.items()} for field in ("median_s", "iqr_s", "repeats")
+            }
+            cases.append({"sizes": sizes, **figures})
         wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     cpu_util = cpu_utilisation(cpu, wall)
     return {"status": "ok", "cases": cases, "cpu_util": cpu_util, "warnings": cpu_warnings(cpu_util, threads, device)}

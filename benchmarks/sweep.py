@@ -48,7 +48,7 @@ from .cell import CellSpec, cell_key, cell_record, implementation_label, run_cel
 from .flops import mode_flops
 from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
 from .long import memory_budget_mb, over_budget_reason
-from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env
+from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
 from .rounds import (
     BUSY_THRESHOLD,
     DRIFT_THRESHOLD,
@@ -90,8 +90,7 @@ class SweepSettings:
 
     def __post_init__(self) -> None:
         malloc_env(self.malloc)  # validates the mode
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
-            raise ValueError(f"rounds must be a positive int, got {self.rounds!r}")
+        require_positive_int("rounds", self.rounds)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if not self.modes:
@@ -258,11 +257,7 @@ def expand_cells(settings: SweepSettings, implementations: list[str] | None = No
 
 def gemm_groups(cells: list[CellSpec]) -> list[tuple[str, str]]:
     """The (device, dtype) pairs that need a GEMM peak, in first-use order."""
-    groups: list[tuple[str, str]] = []
-    for cell in cells:
-        if (cell.device, cell.dtype) not in groups:
-            groups.append((cell.device, cell.dtype))
-    return groups
+    return list(dict.fromkeys((cell.device, cell.dtype) for cell in cells))
 
 
 def gemm_key(device: str, dtype: str, threads: int) -> str:

@@ -152,34 +152,31 @@ def peak_rss_mb() -> float | None:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-class _GpuMemory:
+def _reset_gpu_peak(device: str, frameworks: tuple[str, ...]) -> None:
+    """Restart torch's count of its peak device allocation (JAX's cannot be reset)."""
+    if device == "gpu" and "torch" in frameworks:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+
+def _gpu_peak_mb(device: str, frameworks: tuple[str, ...]) -> float | None:
     """The framework's own peak device allocation (torch, JAX), where there is one."""
-
-    def __init__(self, device: str, frameworks: tuple[str, ...]) -> None:
-        self.device, self.frameworks = device, frameworks
-
-    def reset(self) -> None:
-        if self.device == "gpu" and "torch" in self.frameworks:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-
-    def peak_mb(self) -> float | None:
-        if self.device != "gpu":
-            return None
-        if "torch" in self.frameworks:
-            import torch
-
-            if torch.cuda.is_available():
-                return torch.cuda.max_memory_allocated() / 2**20
-        if "jax" in self.frameworks:
-            import jax
-
-            stats = jax.devices()[0].memory_stats() or {}
-            if "peak_bytes_in_use" in stats:
-                return stats["peak_bytes_in_use"] / 2**20
+    if device != "gpu":
         return None
+    if "torch" in frameworks:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**20
+    if "jax" in frameworks:
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            return stats["peak_bytes_in_use"] / 2**20
+    return None
 
 
 def _make_inputs(spec: CellSpec, cfg):
@@ -212,7 +209,7 @@ def measure(spec: CellSpec) -> dict:
     from mha_rosetta.core import init_params
 
     backend = get_backend(spec.backend)  # BackendNotInstalled / ValueError propagate to main
-    frameworks = backend.requires  # pinning and _GpuMemory act on the frameworks they know and skip the rest
+    frameworks = backend.requires  # pinning and the GPU peak act on the frameworks they know and skip the rest
     record["framework_threads"] = pinning.configure_frameworks(spec.threads, frameworks)
 
     cfg = build_config(spec)
@@ -220,10 +217,9 @@ def measure(spec: CellSpec) -> dict:
     query, key, value = _make_inputs(spec, cfg)
     kv_tokens = spec.tokens if spec.kv_tokens is None else spec.kv_tokens
     flops = mode_flops(config_matmul_flops(cfg, spec.batch, spec.tokens, kv_tokens), spec.mode)
-    gpu_memory = _GpuMemory(spec.device, frameworks)
 
     rss_before = peak_rss_mb()
-    gpu_memory.reset()
+    _reset_gpu_peak(spec.device, frameworks)
     probe = MemoryProbe()
     probe.before_prepare()
     try:
@@ -286,7 +282,7 @@ def measure(spec: CellSpec) -> dict:
             result_box[0] = None
             result_box[0], memory = probe.call(one_call)
         else:  # on a GPU, the framework's peak allocation since before prepare
-            memory = {"peak_mem_mb": gpu_memory.peak_mb(), "peak_mem_method": "device"}
+            memory = {"peak_mem_mb": _gpu_peak_mb(spec.device, frameworks), "peak_mem_method": "device"}
 
     import numpy as np
 

@@ -172,16 +172,10 @@ def slopes_markdown(slopes: dict[str, dict]) -> str:
 
 def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = None) -> list:
     """Two log-log plots, time and peak memory against tokens, each line labelled with its slope."""
-    from pathlib import Path
+    from .report import pyplot_into, save_figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt, directory = pyplot_into(directory)
     slopes = fitted_slopes(cells) if slopes is None else slopes
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     written = []
     for field, slope_key, label, name in (
         ("median_s", "time_slope", "median time (s)", "long_time_vs_tokens.png"),
@@ -209,11 +203,7 @@ def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = Non
         )
         axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay visible
         axes.grid(True, which="both", alpha=0.3)
-        path = directory / name
-        figure.tight_layout()
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        written.append(save_figure(plt, figure, directory / name))
     return written
 
 

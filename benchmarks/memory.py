@@ -21,7 +21,7 @@ A cell measures memory in two untimed pieces, so that tracing costs no time in t
   the allocator's free memory to the system: the benchmark keeps freed memory inside the
   process (`pinning.malloc_env`), and without the trim a call would reuse those pages and
   show no growth at all. Where the mark cannot be reset (not Linux) there is no figure.
-* On a GPU the cell reports the framework's own peak allocation instead (`cell._GpuMemory`).
+* On a GPU the cell reports the framework's own peak allocation instead (`cell._gpu_peak_mb`).
 
 Before this module the cell reported only the growth of ``ru_maxrss`` from before
 ``prepare``: an earlier, larger transient (imports, making the inputs) hid every working set

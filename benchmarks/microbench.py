@@ -46,9 +46,8 @@ def numpy_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = 
     ]
 
     def batched():
-        q = (x @ w_q.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3)  # (B, H, N, d_k)
-        k = (x @ w_k.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3)  # (B, H, N, d_k)
-        v = (x @ w_v.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3)  # (B, H, N, d_k)
+        # (B, N, D) -> (B, N, H, d_k) view -> (B, H, N, d_k) view, for each of q, k, v
+        q, k, v = ((x @ w.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
         weights = _np_softmax((q @ k.transpose(0, 1, 3, 2)) * scale)  # (B, H, N, N)
         context = (weights @ v).transpose(0, 2, 1, 3).reshape(batch, tokens, d_model)  # (B, N, H*d_k)
         return context @ w_o.T  # (B, N, D)
@@ -168,9 +167,8 @@ def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = 
 
     @torch.inference_mode()
     def batched():
-        q = (x @ w_q.T).view(batch, tokens, heads, d_k).transpose(1, 2)  # (B, H, N, d_k)
-        k = (x @ w_k.T).view(batch, tokens, heads, d_k).transpose(1, 2)  # (B, H, N, d_k)
-        v = (x @ w_v.T).view(batch, tokens, heads, d_k).transpose(1, 2)  # (B, H, N, d_k)
+        # (B, N, D) -> (B, N, H, d_k) view -> (B, H, N, d_k) view, for each of q, k, v
+        q, k, v = ((x @ w.T).view(batch, tokens, heads, d_k).transpose(1, 2) for w in (w_q, w_k, w_v))
         weights = torch.softmax((q @ k.transpose(-2, -1)) * scale, dim=-1)  # (B, H, N, N)
         context = (weights @ v).transpose(1, 2).contiguous().view(batch, tokens, d_model)  # (B, N, H*d_k)
         return sync(context @ w_o.T)  # (B, N, D)

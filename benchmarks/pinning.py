@@ -121,12 +121,6 @@ MALLOC_KEEP_ENV = {
 }
 
 
-def _require_malloc_mode(mode: object) -> str:
-    if mode not in MALLOC_MODES:
-        raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
-    return mode  # type: ignore[return-value]
-
-
 def malloc_env(mode: str = DEFAULT_MALLOC_MODE) -> dict[str, str]:
     """The allocator variables a measured child gets for ``mode`` (to add to `thread_env`'s).
 
@@ -141,9 +135,9 @@ def malloc_env(mode: str = DEFAULT_MALLOC_MODE) -> dict[str, str]:
     the same for every framework. Both are glibc tunables, ignored by other C libraries
     (macOS, musl, Windows). ``"default"`` adds nothing: the environment stays as it is.
     """
-    if _require_malloc_mode(mode) == "keep":
-        return dict(MALLOC_KEEP_ENV)
-    return {}
+    if mode not in MALLOC_MODES:
+        raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
+    return dict(MALLOC_KEEP_ENV) if mode == "keep" else {}
 
 
 def malloc_env_report() -> dict[str, str | None]:
@@ -298,16 +292,12 @@ def worker_report() -> list[dict]:
 
 def cpu_utilisation(cpu_seconds: float, wall_seconds: float) -> float | None:
     """Process CPU time over wall time: about 1.0 for one busy core, 2.0 for two."""
-    if wall_seconds <= 0:
-        return None
-    return cpu_seconds / wall_seconds
+    return cpu_seconds / wall_seconds if wall_seconds > 0 else None
 
 
 def cpu_use_warning(cpu_util: float | None, threads: int) -> str | None:
     """A warning when a cell used more cores than it was allowed, else None."""
-    if cpu_util is None:
-        return None
-    if cpu_util > threads + CPU_UTIL_SLACK:
+    if cpu_util is not None and cpu_util > threads + CPU_UTIL_SLACK:
         return (
             f"used {cpu_util:.2f} cores (CPU time / wall time) with threads={threads}: "
             "some thread pool escaped the limits, so this cell is not comparable"
@@ -321,9 +311,8 @@ def contention_warning(cpu_util: float | None, threads: int) -> str | None:
     A single-threaded CPU computation is never idle: CPU time / wall time well below 1
     means other processes shared its core, and its times are inflated by their load.
     """
-    if cpu_util is None or threads != 1:
-        return None  # with several threads, idle workers make a low ratio normal
-    if cpu_util < CONTENDED_BELOW:
+    # Only with one thread: with several, idle workers make a low ratio normal.
+    if threads == 1 and cpu_util is not None and cpu_util < CONTENDED_BELOW:
         return (
             f"got only {cpu_util:.2f} of its core (CPU time / wall time): other processes shared it, "
             "so this time is inflated; rerun on a quiet machine"

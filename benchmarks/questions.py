@@ -209,23 +209,21 @@ VERDICTS = {
 def answer_question(claim: int, measurements: list[dict]) -> dict:
     """Turn the measurements of one claim (one per library/device) into its answer dict."""
     question = QUESTIONS[claim]
-    verdicts, sentences = [], []
+    sentences = []
     for measurement in measurements:
         where = f"{measurement['library']}/{measurement['device']}"
         if measurement.get("status") != "ok":
-            verdicts.append(SKIPPED)
             measurement["verdict"] = SKIPPED
             sentences.append(f"{where}: not measured ({measurement.get('error', measurement.get('status'))})")
             continue
         verdict, text = VERDICTS[question["name"]](measurement["cases"])
         measurement["verdict"] = verdict
-        verdicts.append(verdict)
         util = measurement.get("cpu_util")
         sentences.append(f"{where}: {text} [{verdict}{f', {util:.2f} cores' if util is not None else ''}]")
     return {
         "claim": claim,
         "title": question["title"],
-        "verdict": _combine(verdicts),
+        "verdict": _combine([measurement["verdict"] for measurement in measurements]),
         "evidence": ". ".join(sentences) + ".",
         "measurements": measurements,
     }

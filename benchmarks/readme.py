@@ -197,10 +197,9 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
             f"`{cell['implementation']}` {_with_range(cell)} against `{backend}` {_with_range(standard)}: {verdict}"
         )
     if strategy_texts:
+        joined = "; ".join(strategy_texts)
         sentences.append(
-            "The column/row-sample article's other head-split strategies against the standard path: "
-            + "; ".join(strategy_texts)
-            + "."
+            f"The column/row-sample article's other head-split strategies against the standard path: {joined}."
         )
     if single:
         sentences.append("One round only: no spread was measured, so no difference here is known to exceed the noise.")

@@ -513,8 +513,8 @@ def run_sweep(
         settings = replace(settings, seed=seed if isinstance(seed, int) else draw_seed())
     if resume:
         _end_torn_line(partial_path)
-    if not resume and partial_path.exists():
-        partial_path.unlink()  # a fresh sweep: earlier partial results are not this run's
+    else:
+        partial_path.unlink(missing_ok=True)  # a fresh sweep: earlier partial results are not this run's
     partial_path.parent.mkdir(parents=True, exist_ok=True)
     if not partial_path.exists():
         _append(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})

@@ -36,15 +36,9 @@ from .memory import status_mb
 # cores in the affinity mask): measured with jax 0.10.2 on a 1024^3 float32 product, PJRT_NPROC=1
 # held the process to 1.0 core and PJRT_NPROC=2 let it use 1.9, whatever XLA_FLAGS said.
 THREAD_ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-    "BLIS_NUM_THREADS",
-    "PJRT_NPROC",
-    "NPROC",
-)
+    "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
+    "BLIS_NUM_THREADS", "PJRT_NPROC", "NPROC",
+)  # fmt: skip
 
 # XLA_FLAGS: the one thread flag XLA:CPU still parses is --xla_cpu_multi_thread_eigen (it picks
 # single-threaded Eigen kernels for convolutions; the same test above showed it does not limit

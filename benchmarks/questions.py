@@ -138,12 +138,7 @@ def verdict_heads(cases: list[dict]) -> tuple[str, str]:
     per_head = [_ratio(c["median_s"], "per_head", "batched") for c in by_heads]
     heads = [c["sizes"]["heads"] for c in by_heads]
     grows = slicing[-1] > slicing[0] * 1.05
-    if min(slicing) >= 1.5 and grows:
-        verdict = CONFIRMED
-    elif max(slicing) < SAME:
-        verdict = REFUTED
-    else:
-        verdict = PARTLY
+    verdict = CONFIRMED if min(slicing) >= 1.5 and grows else REFUTED if max(slicing) < SAME else PARTLY
     text = (
         "slicing / batched = " + ", ".join(f"{r:.2f}x (h={h})" for r, h in zip(slicing, heads, strict=True))
         + "; per-head matrices / batched = " + ", ".join(f"{r:.2f}x (h={h})" for r, h in zip(per_head, heads, strict=True))
@@ -175,12 +170,8 @@ def verdict_merge_copy(cases: list[dict]) -> tuple[str, str]:
     medians = cases[0]["median_s"]
     same = _ratio(medians, "reshape", "contiguous_then_view")
     copy_cost = _ratio(medians, "contiguous_then_view", "view_no_copy")
-    if 1 / SAME <= same <= SAME and copy_cost >= 2.0:
-        verdict = CONFIRMED
-    elif 1 / SAME <= same <= SAME:
-        verdict = PARTLY
-    else:
-        verdict = REFUTED
+    # The same speed confirms the claim when both pay for a real copy (at least twice a true view's time).
+    verdict = (CONFIRMED if copy_cost >= 2.0 else PARTLY) if 1 / SAME <= same <= SAME else REFUTED
     text = (
         f"reshape / (contiguous + view) = {same:.2f}x; (contiguous + view) / view of contiguous data = "
         f"{copy_cost:.1f}x, i.e. both spellings pay for the same copy"

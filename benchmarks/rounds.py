@@ -72,9 +72,7 @@ def spread(values: list) -> list[float] | None:
 def relative_range(values: list) -> float | None:
     """max / min - 1 of the values that are not None (0.0 for one value; None without any)."""
     present = [value for value in values if value is not None]
-    if not present or min(present) <= 0:
-        return None
-    return max(present) / min(present) - 1.0
+    return max(present) / min(present) - 1.0 if present and min(present) > 0 else None
 
 
 def intervals_overlap(first: list[float] | tuple, second: list[float] | tuple) -> bool:

@@ -260,30 +260,27 @@ def readme_block(reports: dict[int, dict]) -> str:
         "of every round; the round range beside it is the lowest and highest round median; `% of GEMM peak` sets "
         "each round's GFLOP/s against the same round's GEMM peak."
     )
-    lines += ["", *_wrap(" ".join(_describe_run(main, 1)))]
+    lines += _paragraph(" ".join(_describe_run(main, 1)))
     second_report = reports.get(SECOND_THREADS)
     second = None
     if second_report is not None:
         second = {cell["implementation"]: cell for cell in reference_cells(second_report)}
-        lines += ["", *_wrap(" ".join(_describe_run(second_report, SECOND_THREADS)))]
+        lines += _paragraph(" ".join(_describe_run(second_report, SECOND_THREADS)))
     lines += ["", *_table(first, second)]
     flags = _flags(main, first, 1) + (_flags(second_report, list(second.values()), SECOND_THREADS) if second else [])
     if flags:
-        lines += ["", *_wrap(" ".join(flags))]
+        lines += _paragraph(" ".join(flags))
     lines += ["", "With 1 thread:", "", *_bullets(ranking_sentences(first))]
     if second is not None:
         lines += ["", f"With {SECOND_THREADS} threads:", "", *_bullets(ranking_sentences(list(second.values())))]
         scaling = scaling_sentence(first, second, (_cpu_peak(main), _cpu_peak(second_report)))
         if scaling:
-            lines += ["", *_wrap(scaling)]
+            lines += _paragraph(scaling)
     else:
-        lines += [
-            "",
-            *_wrap(
-                f"The {SECOND_THREADS}-thread columns appear here once `docs/bench/reference-t{SECOND_THREADS}.json` "
-                f"exists: `mha-rosetta bench --preset reference --threads {SECOND_THREADS} --write-docs docs`."
-            ),
-        ]
+        lines += _paragraph(
+            f"The {SECOND_THREADS}-thread columns appear here once `docs/bench/reference-t{SECOND_THREADS}.json` "
+            f"exists: `mha-rosetta bench --preset reference --threads {SECOND_THREADS} --write-docs docs`."
+        )
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -294,6 +291,11 @@ def _wrap(text: str, bullet: bool = False) -> list[str]:
         text, WIDTH, initial_indent="- " if bullet else "", subsequent_indent="  " if bullet else "",
         break_long_words=False, break_on_hyphens=False,
     )  # fmt: skip
+
+
+def _paragraph(text: str) -> list[str]:
+    """A blank line, then ``text`` wrapped."""
+    return ["", *_wrap(text)]
 
 
 def _bullets(sentences: list[str]) -> list[str]:

@@ -135,10 +135,7 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
             min_s=min(visit.get("min_s", visit["median_s"]) for visit in oks),
             repeats=sum(visit.get("repeats", 0) for visit in oks),
         )
-    by_round = {index: visit for index, visit in ok}
-    record["round_medians_s"] = [
-        by_round[index]["median_s"] if index in by_round else None for index in range(len(visits))
-    ]
+    record["round_medians_s"] = [visit["median_s"] if (visit or {}).get("status") == "ok" else None for visit in visits]
     record["spread_s"] = spread(record["round_medians_s"])
     drift = relative_range(record["round_medians_s"])
     record["round_drift"] = drift

@@ -434,9 +434,8 @@ def describe_result(record: dict) -> str:
     """One progress line for a finished cell."""
     where = f"{record['implementation']} {record['device']} {record['dtype']} B={record['batch']} N={record['tokens']} D={record['d_model']} H={record['heads']}"
     if record.get("status") == "ok":
-        util = record.get("cpu_util")
         warn = " (!) " + record["warnings"][0] if record.get("warnings") else ""
-        util_text = f", {util:.2f} cores" if util is not None else ""
+        util_text = f", {record['cpu_util']:.2f} cores" if record.get("cpu_util") is not None else ""
         return f"{where}: {record['median_s'] * 1e3:.3f} ms{util_text}{warn}"
     return f"{where}: {record.get('status')} ({record.get('error', '')})"
 

@@ -189,10 +189,8 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
         if not strategy or standard is None:
             continue
         change = cell["median_s"] / standard["median_s"] - 1.0
-        if intervals_overlap(cell_interval(cell), cell_interval(standard)):
-            verdict = "within noise"
-        else:
-            verdict = f"{abs(change):.0%} {'slower' if change > 0 else 'faster'}"
+        moved = f"{abs(change):.0%} {'slower' if change > 0 else 'faster'}"
+        verdict = "within noise" if intervals_overlap(cell_interval(cell), cell_interval(standard)) else moved
         strategy_texts.append(
             f"`{cell['implementation']}` {_with_range(cell)} against `{backend}` {_with_range(standard)}: {verdict}"
         )

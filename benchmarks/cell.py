@@ -153,7 +153,7 @@ def peak_rss_mb() -> float | None:
 
 
 def _reset_gpu_peak(device: str, frameworks: tuple[str, ...]) -> None:
-    """Restart torch's count of its peak device allocation (JAX's cannot be reset)."""
+    """Restart torch's count of its peak device allocation before prepare (JAX's peak is read as it stands)."""
     if device == "gpu" and "torch" in frameworks:
         import torch
 

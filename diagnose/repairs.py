@@ -25,13 +25,10 @@ def transpose_weight(params: MHAParams, name: str) -> MHAParams:
 
 def swap_projections(params: MHAParams, a: str, b: str) -> MHAParams:
     """Exchange two projections' weights and biases (``a``, ``b`` in "q", "k", "v")."""
-    changes = {
-        f"w_{a}": params.__dict__[f"w_{b}"],
-        f"w_{b}": params.__dict__[f"w_{a}"],
-        f"b_{a}": params.__dict__[f"b_{b}"],
-        f"b_{b}": params.__dict__[f"b_{a}"],
-    }
-    return replace(params, **changes)
+    p = params.as_dict()
+    for kind in ("w", "b"):
+        p[f"{kind}_{a}"], p[f"{kind}_{b}"] = p[f"{kind}_{b}"], p[f"{kind}_{a}"]
+    return MHAParams(**p)
 
 
 def repack_qkv(cfg: MHAConfig, params: MHAParams, written: str, read: str) -> MHAParams:

@@ -15,7 +15,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
 
-from .simulate import pack_qkv, unpack_qkv
+from .simulate import Bug, params_as_used
 
 
 def transpose_weight(params: MHAParams, name: str) -> MHAParams:
@@ -37,16 +37,10 @@ def repack_qkv(cfg: MHAConfig, params: MHAParams, written: str, read: str) -> MH
     ``written``/``read`` are "blocks" ([q; k; v], `core.to_torch_mha_state_dict`'s
     ``in_proj_weight``) or "interleaved" ([q_0; k_0; v_0; q_1; ...] per head). The
     candidate computes ``unpack(read, pack(written, p))``; feeding it
-    ``p = unpack(written, pack(read, params))`` makes that ``params``.
+    ``p = unpack(written, pack(read, params))`` makes that ``params``: what the reverse mistake
+    (packing with ``read``, unpacking with ``written``) would use, as `simulate` computes it.
     """
-    changes = {}
-    for kind in ("w", "b"):
-        arrays = [getattr(params, f"{kind}_{x}") for x in ("q", "k", "v")]
-        if arrays[0] is None:
-            continue
-        q, k, v = unpack_qkv(cfg, pack_qkv(cfg, *arrays, read), written)
-        changes.update({f"{kind}_q": q, f"{kind}_k": k, f"{kind}_v": v})
-    return replace(params, **changes)
+    return params_as_used(cfg, params, Bug(packing=f"{read}->{written}"))
 
 
 def rescale_query(params: MHAParams, factor: float) -> MHAParams:

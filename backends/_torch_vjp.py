@@ -31,8 +31,6 @@ from mha_rosetta.core import (
 )
 
 from ._torch_common import (
-    bool_tensor,
-    heads_rotator,
     optional_tensor,
     synchronizer,
     to_tensor,
@@ -161,28 +159,14 @@ def prepare_sdpa_vjp(
     device: str,
     allow_tf32: bool,
 ) -> PreparedVJP:
-    """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``."""
-    import torch.nn.functional as F
+    """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward oracle's pass."""
+    from .torch_oracles import sdpa_pass
 
-    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     p = {name: leaf(optional_tensor(a, dtype, device)) for name, a in params.as_dict().items()}
     x_q, x_k, x_v = (leaf(to_tensor(x, dtype, device)) for x in (inputs.query, inputs.key, inputs.value))
-    use_is_causal = cfg.causal and inputs.mask is None  # as the forward oracle does
-    attn_mask = bool_tensor(None if use_is_causal else allowed_positions(cfg, inputs), device)  # True = may attend
-    gqa = {"enable_gqa": True} if Hkv != H else {}
-    rotate = heads_rotator(cfg, inputs, dtype, device)  # before the kernel, as the forward oracle does
-
-    def forward():
-        q = F.linear(x_q, p["w_q"], p["b_q"]).view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view
-        k = F.linear(x_k, p["w_k"], p["b_k"]).view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk), view
-        v = F.linear(x_v, p["w_v"], p["b_v"]).view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv), view
-        context = F.scaled_dot_product_attention(
-            rotate(q, "q"), rotate(k, "k"), v, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
-        )  # (B, H, Nq, Dv)
-        merged = context.transpose(1, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
-        return F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
-
+    forward, _, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
     leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **p}
-    info = {"enable_gqa": bool(gqa), "is_causal": use_is_causal}
-    return autograd_prepared(forward, leaves, to_tensor(cotangent, dtype, device), dict, device, allow_tf32, info)
+    info = {"enable_gqa": cfg.n_kv_heads != cfg.n_heads, "is_causal": use_is_causal}
+    return autograd_prepared(
+        lambda: forward(p, x_q, x_k, x_v), leaves, to_tensor(cotangent, dtype, device), dict, device, allow_tf32, info
+    )

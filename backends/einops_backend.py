@@ -89,9 +89,9 @@ class EinsumPlan:
     heads_kv: str  # the same for k
     table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
     table_kv: str  # the same against k
-    # stage name -> (pipeline tensor, rearrange to the stage's axes or None); q, k and v
-    # are not here: they are made from the heads stages (`MERGED_PROJECTIONS`).
-    stage_views: dict[str, tuple[str, str | None]]
+    # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
+    # axes than the contract's; every other stage is shown as the pipeline holds it.
+    stage_views: dict[str, str]
 
 
 # Plain MHA: the head axis h as it is.
@@ -112,19 +112,7 @@ MHA_PLAN = EinsumPlan(
     heads_kv="b n h",
     table_q="b n k -> b n 1 k",
     table_kv="b n k -> b n 1 k",
-    stage_views={
-        "q_heads": ("q", None),
-        "k_heads": ("k", None),
-        "v_heads": ("v", None),
-        "q_rotated": ("q_rotated", None),
-        "k_rotated": ("k_rotated", None),
-        "scores": ("scores", None),
-        "masked_scores": ("masked_scores", None),
-        "weights": ("weights", None),
-        "context": ("context", None),
-        "merged": ("merged", None),
-        "output": ("output", None),
-    },
+    stage_views={},
 )
 
 # GQA: the query-head axis split as (g, r), g the kv head it reads, r its place in the group.
@@ -147,17 +135,12 @@ GQA_PLAN = EinsumPlan(
     table_q="b n k -> b n 1 1 k",
     table_kv="b n k -> b n 1 k",
     stage_views={
-        "q_heads": ("q", "b n g r k -> b n (g r) k"),
-        "k_heads": ("k", None),
-        "v_heads": ("v", None),
-        "q_rotated": ("q_rotated", "b n g r k -> b n (g r) k"),
-        "k_rotated": ("k_rotated", None),
-        "scores": ("scores", "b g q r s -> b (g r) q s"),
-        "masked_scores": ("masked_scores", "b g q r s -> b (g r) q s"),
-        "weights": ("weights", "b g q r s -> b (g r) q s"),
-        "context": ("context", "b q g r v -> b q (g r) v"),
-        "merged": ("merged", None),
-        "output": ("output", None),
+        "q_heads": "b n g r k -> b n (g r) k",
+        "q_rotated": "b n g r k -> b n (g r) k",
+        "scores": "b g q r s -> b (g r) q s",
+        "masked_scores": "b g q r s -> b (g r) q s",
+        "weights": "b g q r s -> b (g r) q s",
+        "context": "b q g r v -> b q (g r) v",
     },
 )
 
@@ -171,6 +154,11 @@ MERGED_PROJECTIONS = {
     "k": ("k_heads", "b n g k -> b n (g k)"),
     "v": ("v_heads", "b n g v -> b n (g v)"),
 }
+
+# Every other stage: the pipeline tensor it is read from, its own name but for the heads,
+# which the projection einsums write as q, k and v.
+PIPELINE_TENSORS = {name: name for name in TOKENS_FIRST_STAGE_AXES if name not in MERGED_PROJECTIONS}
+PIPELINE_TENSORS.update(q_heads="q", k_heads="k", v_heads="v")
 
 # Tokens first, heads after them, as the einsum output specs write them.
 STAGE_AXES = TOKENS_FIRST_STAGE_AXES
@@ -530,8 +518,8 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
     import einops
 
     stages = {}
-    for name, (source, pattern) in plan.stage_views.items():
-        tensor = record[source]
+    for name, source in PIPELINE_TENSORS.items():
+        tensor, pattern = record[source], plan.stage_views.get(name)
         if name == "merged":
             note, relation = _rearranged(ops, record["merged"], record["context"], plan.merge)
             notes, parent = [note], "context"

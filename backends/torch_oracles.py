@@ -239,48 +239,12 @@ class TorchSDPAOracle(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import torch.nn.functional as F
-
-        B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-        H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-
-        def tensor(array):
-            return optional_tensor(array, dtype, device)
-
-        w_q, w_k, w_v, w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
-        b_q, b_k, b_v, b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
+        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
-
-        # No user mask: is_causal says it all and lets torch pick its causal kernels.
-        use_is_causal = cfg.causal and inputs.mask is None
-        allowed = None if use_is_causal else allowed_positions(cfg, inputs)
-        attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
-        gqa = {"enable_gqa": True} if Hkv != H else {}
-        rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
+        forward, attn_mask, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
 
         def run(rec: StageRecorder | None):
-            q = F.linear(x_q, w_q, b_q)  # (B, Nq, H*Dk)
-            k = F.linear(x_k, w_k, b_k)  # (B, Nk, Hkv*Dk)
-            v = F.linear(x_v, w_v, b_v)  # (B, Nk, Hkv*Dv)
-            q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk)
-            k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
-            v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
-            q_rotated, k_rotated = rotate(q_heads, "q"), rotate(k_heads, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-            context = F.scaled_dot_product_attention(
-                q_rotated, k_rotated, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
-            )  # (B, H, Nq, Dv)
-            merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
-            output = F.linear(merged, w_o, b_o)  # (B, Nq, D)
-            if rec is not None:
-                record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
-                how = "view(B, N, H, d).transpose(1, 2)"
-                record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
-                how = "rotate_last_axis before the kernel"
-                record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
-                rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
-                rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
-                rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
-            return output
+            return forward(p, x_q, x_k, x_v, rec)
 
         run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
 
@@ -288,7 +252,7 @@ class TorchSDPAOracle(Backend):
             "mask": "is_causal=True (top-left)"
             if use_is_causal
             else (None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"),
-            "enable_gqa": bool(gqa),
+            "enable_gqa": cfg.n_kv_heads != cfg.n_heads,
             **precision_info(device, dtype, self.allow_tf32),
         }
         return Prepared(
@@ -299,6 +263,52 @@ class TorchSDPAOracle(Backend):
         from ._torch_vjp import prepare_sdpa_vjp  # autograd through F.linear and SDPA
 
         return prepare_sdpa_vjp(cfg, params, inputs, cotangent, dtype, device, self.allow_tf32)
+
+
+def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
+    """The SDPA oracle's pass for these inputs: ``(forward, attn_mask, use_is_causal)``.
+
+    ``forward(p, x_q, x_k, x_v, rec=None)`` runs the projections (``p``: the parameter
+    tensors by canonical name), the head split, the kernel, the merge and the output
+    projection, recording the stages when ``rec`` is given; the backward (`_torch_vjp`)
+    differentiates this same function.
+    """
+    import torch.nn.functional as F
+
+    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    # No user mask: is_causal says it all and lets torch pick its causal kernels.
+    use_is_causal = cfg.causal and inputs.mask is None
+    allowed = None if use_is_causal else allowed_positions(cfg, inputs)
+    attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
+    gqa = {"enable_gqa": True} if Hkv != H else {}
+    rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
+
+    def forward(p: dict, x_q, x_k, x_v, rec: StageRecorder | None = None):
+        q = F.linear(x_q, p["w_q"], p["b_q"])  # (B, Nq, H*Dk)
+        k = F.linear(x_k, p["w_k"], p["b_k"])  # (B, Nk, Hkv*Dk)
+        v = F.linear(x_v, p["w_v"], p["b_v"])  # (B, Nk, Hkv*Dv)
+        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view
+        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk), view
+        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv), view
+        q_rotated, k_rotated = rotate(q_heads, "q"), rotate(k_heads, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        context = F.scaled_dot_product_attention(
+            q_rotated, k_rotated, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
+        )  # (B, H, Nq, Dv)
+        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
+        output = F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
+        if rec is not None:
+            record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
+            how = "view(B, N, H, d).transpose(1, 2)"
+            record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
+            how = "rotate_last_axis before the kernel"
+            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
+            rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
+            rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
+        return output
+
+    return forward, attn_mask, use_is_causal
 
 
 def sdpa_has_enable_gqa() -> bool:

@@ -30,12 +30,7 @@ from mha_rosetta.core import (
     merge_head_matrices,
 )
 
-from ._torch_common import (
-    optional_tensor,
-    synchronizer,
-    to_tensor,
-    with_matmul_precision,
-)
+from ._torch_common import optional_tensor, synchronizer, to_tensor, with_matmul_precision
 from .base import PER_HEAD, PreparedVJP, tensor_to_numpy
 
 INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")

@@ -23,15 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mha_rosetta.core import (
-    MHAConfig,
-    MHAInputs,
-    MHAParams,
-    linear,
-    numpy_dtype,
-    to_equinox_weights,
-    to_flax_params,
-)
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear, numpy_dtype, to_equinox_weights, to_flax_params
+from mha_rosetta.core.layouts import EQUINOX_NAMES
 
 from ._jax_common import (
     CompiledForward,
@@ -190,19 +183,8 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
     merged = context.reshape(batch, n_q, cfg.context_width)  # (B, Nq, H*Dv)
     output = linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_heads": q_heads,
-        "k_heads": k_heads,
-        "v_heads": v_heads,
-        "q_rotated": q_rotated,
-        "k_rotated": k_rotated,
-        "context": context,
-        "merged": merged,
-        "output": output,
-    }
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
+    return {**stages, "k_rotated": k_rotated, "context": context, "merged": merged, "output": output}
 
 
 # BTNH is the tokens-first layout; the scores and weights stay inside dot_product_attention.
@@ -481,8 +463,10 @@ class EquinoxMHAOracle(_JaxOracle):
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
         from ._grad_layout import gradients_to_canonical
 
-        layers = ("query_proj", "key_proj", "value_proj", "output_proj")
-        tree = {layer: {part: getattr(getattr(grads, layer), part) for part in ("weight", "bias")} for layer in layers}
+        parts = ("weight", "bias")
+        tree = {
+            layer: {part: getattr(getattr(grads, layer), part) for part in parts} for layer in EQUINOX_NAMES.values()
+        }
         return gradients_to_canonical(cfg, partial(to_equinox_weights, cfg), tree)
 
 
@@ -510,15 +494,8 @@ def loaded_equinox_mha(cfg: MHAConfig, params: MHAParams, dtype: str, target):
         dtype=jnp.dtype(numpy_dtype(dtype)),
         key=jax.random.PRNGKey(0),
     )
-    return _load_equinox_weights(model, to_equinox_weights(cfg, params), dtype, target)
-
-
-def _load_equinox_weights(model, weights: dict, dtype: str, target):
-    """Put the canonical (out, in) weights into the module's four Linear layers with eqx.tree_at."""
-    import equinox as eqx
-    import jax
-
-    layers = ("query_proj", "key_proj", "value_proj", "output_proj")
+    # The canonical (out, in) weights into the module's four Linear layers with eqx.tree_at.
+    weights, layers = to_equinox_weights(cfg, params), EQUINOX_NAMES.values()
     parts = ("weight", "bias") if weights["query_proj"]["bias"] is not None else ("weight",)
 
     def leaves(module):

@@ -31,17 +31,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
-from ._recording import (
-    StageRecorder,
-    record_head_inputs,
-    record_head_rotated,
-    record_projections,
-    record_rotated,
-    record_split_heads,
-    record_stage,
-    record_stages,
-    relation_to,
-)
+from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
 from ._torch_common import (
     bool_tensor,
     in_inference_mode,
@@ -114,7 +104,7 @@ class TorchBackend(Backend):
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
 
 
-class RowSampleMHA:
+class RowSampleMHA(LayerRecording):
     """One layer and one set of inputs, converted once to torch tensors on the device.
 
     With ``batched=True`` the score and weight tensors ``(B*Hkv, G*Nq, Nk)`` get buffers
@@ -126,6 +116,11 @@ class RowSampleMHA:
     """
 
     materialise_mask = True  # the full (Nq, Nk) mask, causal part included
+    PROJECTION_AXES = ROW_SAMPLE_PROJECTION_AXES
+    SPLIT_AXES = HEADS_FIRST_SPLIT_AXES
+    HEAD_SLICE_AXES = HEAD_SLICE_AXES
+    PROJECTION_NOTE = "F.linear: x @ W.T + b"
+    ROTATE_HOW = ROTATE_HOW
 
     def __init__(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, batched: bool = True
@@ -167,20 +162,15 @@ class RowSampleMHA:
         self.weights_buffer = self.x_q.new_empty(shape) if batched else None
 
     # -- building blocks ------------------------------------------------------------------
+    def _stack(self, arrays: list, axis: int):
+        return self.torch.stack(arrays, axis)
+
     def _projections(self):
         F = self.F
         q = F.linear(self.x_q, self.w_q, self.b_q)  # (B, Nq, H*Dk)
         k = F.linear(self.x_k, self.w_k, self.b_k)  # (B, Nk, Hkv*Dk)
         v = F.linear(self.x_v, self.w_v, self.b_v)  # (B, Nk, Hkv*Dv)
         return q, k, v
-
-    @staticmethod
-    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b", *provenance) -> None:
-        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note, *provenance)
-
-    def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
-        self._record_projections(rec, *projections)
-        record_split_heads(rec, projections, heads, HEADS_FIRST_SPLIT_AXES, how)
 
     def _rotate(self, x, which: str, head_axis: bool):
         """Query ("q") or key ("k") heads (..., N, Dk) with rotary applied; ``x`` itself without rope."""
@@ -239,9 +229,6 @@ class RowSampleMHA:
         note = "torch.softmax over keys; empty rows set to zeros"
         self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights
-
-    def _record(self, rec, name, head, value, axes, note, relation="new", parent=None) -> None:
-        record_stage(rec, name, head, value, axes, note, self.torch.stack, relation, parent)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def _split_and_rotate(self, rec):
@@ -315,14 +302,6 @@ class RowSampleMHA:
         self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
         return context
 
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
-        g = self.cfg.kv_head_of(h)
-        record_head_inputs(rec, h, g, (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack, relation)
-
-    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
-        g = self.cfg.kv_head_of(h)
-        record_head_rotated(rec, h, g, q_h, (q_rotated, k_rotated), HEAD_SLICE_AXES, ROTATE_HOW, self.torch.stack)
-
     def slicing(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections()
@@ -348,12 +327,9 @@ class RowSampleMHA:
 
     def per_head(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        k_heads = [
-            self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)
-        ]  # Hkv x (B, Nk, Dk)
-        v_heads = [
-            self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)
-        ]  # Hkv x (B, Nk, Dv)
+        # Hkv x (B, Nk, Dk) and Hkv x (B, Nk, Dv)
+        k_heads = [self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)]
+        v_heads = [self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)]
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Nk, Dk)
         q_heads, contexts = [], []
         for h in range(H):

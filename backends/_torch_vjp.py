@@ -69,12 +69,8 @@ def autograd_prepared(
             grads[name] = np.zeros(tuple(tensor.shape)) if grad is None else tensor_to_numpy(grad)  # unused: zero
         return to_canonical(grads)
 
-    return PreparedVJP(
-        run=with_matmul_precision(run, device, allow_tf32),
-        to_grads=to_grads,
-        synchronize=synchronizer(device),
-        info={"backward": "torch.autograd.grad", **info},
-    )
+    info = {"backward": "torch.autograd.grad", **info}
+    return PreparedVJP(with_matmul_precision(run, device, allow_tf32), to_grads, synchronizer(device), info=info)
 
 
 def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: str, device: str, allow_tf32: bool):

@@ -312,14 +312,7 @@ class Backend:
 
     # -- the backward pass (vector-Jacobian product) -----------------------------------------
     def _prepare_vjp(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        inputs: MHAInputs,
-        cotangent: np.ndarray,
-        dtype: str,
-        device: str,
-        strategy: str,
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype: str, device: str, strategy: str
     ) -> PreparedVJP:
         """Subclasses with a backward pass override this; ``cotangent`` is float64 (B, Nq, D)."""
         raise UnsupportedCase(f"{self.name} has no backward pass (run_vjp)")

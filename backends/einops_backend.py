@@ -186,11 +186,6 @@ ARRAY_LIBRARIES = ("numpy", "torch", "jax")
 NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
 
 
-def _numpy_subscripts(pattern: str) -> str:
-    """einops pattern with single-letter names -> np.einsum subscripts: "b n d, e d -> b n e" -> "bnd,ed->bne"."""
-    return pattern.replace(" ", "")
-
-
 class NumpyOps:
     """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
 
@@ -212,7 +207,8 @@ class NumpyOps:
 
     def einsum(self, pattern: str, a, b):
         P = self.precision
-        result = np.einsum(_numpy_subscripts(pattern), P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
+        subscripts = pattern.replace(" ", "")  # single-letter names: "b n d, e d -> b n e" -> "bnd,ed->bne"
+        result = np.einsum(subscripts, P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
         return P.store(result)
 
     def add_bias(self, y, bias):
@@ -600,17 +596,11 @@ class EinopsBackend(Backend):
 
         args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
         if self.array_library == "jax":
-            from ._jax_common import CompiledForward
+            from ._jax_common import CompiledForward, compiled_prepared
 
             compiled = CompiledForward(forward, args, self.matmul_precision)
-            return Prepared(
-                forward=compiled,
-                to_numpy=tensor_to_numpy,
-                native_stages=lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope),
-                synchronize=ops.synchronize,
-                compile=compiled.compile,
-                info=info,
-            )
+            jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731
+            return compiled_prepared(compiled, jax_stages, info, ops.synchronize)
 
         def run():
             return forward(*args)
@@ -624,13 +614,8 @@ class EinopsBackend(Backend):
             tf32 = allows_tf32(self.matmul_precision)
             run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
         run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)
-        return Prepared(
-            forward=run,
-            to_numpy=tensor_to_numpy,
-            native_stages=lambda: stage_tensors(ops, plan, record(), cfg.rope),
-            synchronize=ops.synchronize,
-            info=info,
-        )
+        native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
+        return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         from ._einops_vjp import prepare_einops_vjp  # the array library's own autodiff

@@ -109,16 +109,9 @@ class _JaxOracle(Backend):
         target = jax_target(dtype, device)
         x_q, x_k, x_v = (to_jax(x, dtype, target) for x in (inputs.query, inputs.key, inputs.value))  # 3 slots
         primals, extras = (compiled.args[0], x_q, x_k, x_v), compiled.args[4:]
+        to_canonical, info = partial(self._canonical_grads, cfg), self._info(dtype, device)
         return jax_vjp_prepared(
-            compiled.fn,
-            primals,
-            extras,
-            cotangent,
-            dtype,
-            target,
-            self.matmul_precision,
-            lambda grads: self._canonical_grads(cfg, grads),
-            self._info(dtype, device),
+            compiled.fn, primals, extras, cotangent, dtype, target, self.matmul_precision, to_canonical, info
         )
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
@@ -312,15 +305,13 @@ class FlaxMHAOracle(_JaxOracle):
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
         import flax.linen as nn
+        import jax
         import jax.numpy as jnp
 
         target = jax_target(dtype, device)
         spec = self._output_rows(cfg, params, inputs, dtype, target)
-        flax_tree = to_flax_params(cfg, params)  # kernels (in, H, head_dim), out kernel (H, head_dim, D)
-        tree = {
-            layer: {name: to_jax(value, dtype, target) for name, value in arrays.items()}
-            for layer, arrays in flax_tree.items()
-        }
+        # Kernels (in, H, head_dim), out kernel (H, head_dim, D), each a JAX array on the target.
+        tree = jax.tree_util.tree_map(lambda array: to_jax(array, dtype, target), to_flax_params(cfg, params))
         compute_dtype = jnp.dtype(numpy_dtype(dtype))
         module = nn.MultiHeadDotProductAttention(
             num_heads=cfg.n_heads,

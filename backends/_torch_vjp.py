@@ -1,4 +1,6 @@
-"""Backward passes with torch autograd: the torch adapter's nn.Linear path, nn.MultiheadAttention and SDPA.
+"""Backward passes with torch autograd: the shared steps, and the torch adapter's nn.Linear path.
+
+The torch oracles (`torch_oracles`: nn.MultiheadAttention, SDPA) build theirs on the same steps.
 
 Each forward runs on leaf tensors that require grad (parameters, and the three inputs as
 three separate leaves even when they are one array, so each slot gets its own gradient),
@@ -21,16 +23,11 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_rosetta.core import (
-    MHAConfig,
-    MHAInputs,
-    MHAParams,
-    allowed_positions,
-    from_torch_mha_state_dict,
     merge_head_bias,
     merge_head_matrices,
 )
 
-from ._torch_common import optional_tensor, synchronizer, to_tensor, with_matmul_precision
+from ._torch_common import synchronizer, to_tensor, with_matmul_precision
 from .base import PER_HEAD, PreparedVJP, tensor_to_numpy
 
 INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")
@@ -97,67 +94,4 @@ def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: s
     info = {"strategy": strategy, "layout": "row samples (B, tokens, features)"}
     return autograd_prepared(
         lambda: method(None), leaves, to_tensor(cotangent, dtype, device), to_canonical, device, allow_tf32, info
-    )
-
-
-def prepare_torch_mha_vjp(
-    cfg: MHAConfig,
-    params: MHAParams,
-    inputs: MHAInputs,
-    cotangent: np.ndarray,
-    dtype: str,
-    device: str,
-    batch_first: bool,
-    allow_tf32: bool,
-) -> PreparedVJP:
-    """Autograd through ``nn.MultiheadAttention``; its parameters' gradients are a state dict."""
-    from .torch_oracles import loaded_torch_mha, torch_blocked_mask
-
-    # Eval mode means no dropout; with grad enabled torch takes its differentiable (non-fused) path.
-    module = loaded_torch_mha(cfg, params, dtype, device, batch_first)
-
-    def layout(x):  # (B, N, F) -> the module's layout: (N, B, F) when sequence-first
-        return x if batch_first else x.transpose(0, 1).contiguous()
-
-    query, key, value = (leaf(layout(to_tensor(x, dtype, device))) for x in (inputs.query, inputs.key, inputs.value))
-    attn_mask = torch_blocked_mask(
-        allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
-    )
-    parameters = dict(module.named_parameters())
-    leaves = {"d_x_q": query, "d_x_k": key, "d_x_v": value, **parameters}
-
-    def forward():
-        return module(query, key, value, attn_mask=attn_mask, need_weights=False)[0]
-
-    def to_canonical(grads: dict) -> dict:
-        rows = {slot: grads.pop(slot) for slot in INPUT_SLOTS}
-        canonical = from_torch_mha_state_dict(cfg, grads).as_dict()  # packed in_proj_weight -> w_q, w_k, w_v
-        inputs_grads = {slot: g if batch_first else g.transpose(1, 0, 2) for slot, g in rows.items()}  # (B, N, F)
-        return {**inputs_grads, **{name: g for name, g in canonical.items() if g is not None}}
-
-    info = {"batch_first": batch_first, "parameters": ", ".join(parameters)}
-    return autograd_prepared(
-        forward, leaves, layout(to_tensor(cotangent, dtype, device)), to_canonical, device, allow_tf32, info
-    )
-
-
-def prepare_sdpa_vjp(
-    cfg: MHAConfig,
-    params: MHAParams,
-    inputs: MHAInputs,
-    cotangent: np.ndarray,
-    dtype: str,
-    device: str,
-    allow_tf32: bool,
-) -> PreparedVJP:
-    """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward oracle's pass."""
-    from .torch_oracles import sdpa_pass
-
-    p = {name: leaf(optional_tensor(a, dtype, device)) for name, a in params.as_dict().items()}
-    x_q, x_k, x_v = (leaf(to_tensor(x, dtype, device)) for x in (inputs.query, inputs.key, inputs.value))
-    forward, _, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
-    leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **p}
-    info = {"enable_gqa": cfg.n_kv_heads != cfg.n_heads, "is_causal": use_is_causal}
-    return autograd_prepared(
-        lambda: forward(p, x_q, x_k, x_v), leaves, to_tensor(cotangent, dtype, device), dict, device, allow_tf32, info
     )

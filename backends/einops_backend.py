@@ -56,13 +56,14 @@ float32 on upcast operands and their results are rounded back (recorded in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
 
 from ._inputs import convert_inputs
-from ._jax_common import allows_tf32, check_matmul_precision
+from ._jax_common import CompiledForward, allows_tf32, block_until_ready, check_matmul_precision, compiled_prepared
 from ._layouts import TOKENS_FIRST_STAGE_AXES
 from ._numpy_ops import NumpyPrecision, softmax_inplace
 from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
@@ -328,10 +329,7 @@ class JaxOps(_EinopsOps):
     def snapshot(self, x):
         return x  # JAX arrays are immutable
 
-    def synchronize(self, result) -> None:
-        from ._jax_common import block_until_ready
-
-        block_until_ready(result)
+    synchronize = staticmethod(block_until_ready)
 
 
 OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
@@ -574,8 +572,7 @@ class EinopsBackend(Backend):
         weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
         x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
         blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
-        blocked = ops.asarray(blocked_np, cast=False)
-        empty_rows = ops.asarray(empty_rows_np, cast=False)
+        blocked, empty_rows = (ops.asarray(mask, cast=False) for mask in (blocked_np, empty_rows_np))
         tables = rotary_tables(cfg, inputs)
         if tables is not None:
             q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
@@ -596,18 +593,11 @@ class EinopsBackend(Backend):
 
         args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
         if self.array_library == "jax":
-            from ._jax_common import CompiledForward, compiled_prepared
-
             compiled = CompiledForward(forward, args, self.matmul_precision)
             jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731
             return compiled_prepared(compiled, jax_stages, info, ops.synchronize)
 
-        def run():
-            return forward(*args)
-
-        def record():
-            return stages_of(*args)
-
+        run, record = partial(forward, *args), partial(stages_of, *args)
         if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
             from ._torch_common import with_matmul_precision
 

@@ -160,16 +160,12 @@ class ColumnSampleMHA(LayerRecording):
             return np.ascontiguousarray(P.operand(P.round_to_storage(x)).transpose(0, 2, 1))  # (B, F, N)
 
         self.x_q, self.x_k, self.x_v = convert_inputs(inputs, columns)  # self-attention: one array
-
-        def table_columns(t):  # (1|B, N, r/2) -> (1|B, r/2, N): one column per token, like the data
-            return np.ascontiguousarray(P.operand(P.round_to_storage(t)).transpose(0, 2, 1))  # (1|B, r/2, N)
-
         tables = rotary_tables(cfg, inputs)
         self.rotary = None
-        if tables is not None:
+        if tables is not None:  # (1|B, N, r/2) -> (1|B, r/2, N): one column per token, like the data
             self.rotary = {
-                "q": (table_columns(tables.q_cos), table_columns(tables.q_sin)),
-                "k": (table_columns(tables.k_cos), table_columns(tables.k_sin)),
+                "q": (columns(tables.q_cos), columns(tables.q_sin)),
+                "k": (columns(tables.k_cos), columns(tables.k_sin)),
             }
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
         self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)

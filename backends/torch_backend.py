@@ -27,6 +27,8 @@ GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; s
 
 from __future__ import annotations
 
+from functools import partial
+
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
@@ -131,9 +133,7 @@ class RowSampleMHA(LayerRecording):
         self.torch, self.F, self.cfg = torch, F, cfg
         self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
 
-        def tensor(array):
-            return optional_tensor(array, dtype, device)
-
+        tensor = partial(optional_tensor, dtype=dtype, device=device)
         # nn.Linear layout (out, in), used as is by F.linear.
         self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         self.b_q, self.b_k, self.b_v, self.b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
@@ -188,14 +188,14 @@ class RowSampleMHA(LayerRecording):
             record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
         return rotated
 
-    def _merge_and_finish(self, context, rec):
-        """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv), then the output projection."""
+    def _merge(self, context, rec):
+        """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv)."""
         B, H, Nq, Dv = context.shape
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy unless H or Nq is 1
         if rec is not None:
             how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
-        return self._finish(merged, rec)
+        return merged
 
     def _finish(self, merged, rec):
         output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
@@ -231,10 +231,11 @@ class RowSampleMHA(LayerRecording):
         return weights
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
-    def _split_and_rotate(self, rec):
-        """Projections split into heads by view + transpose, then rotated: (q_rotated, k_rotated, v_heads)."""
+    def _split_and_rotate(self, rec, projections: tuple | None = None):
+        """Projections (by default this layer's own) split into heads by view + transpose, then rotated:
+        (q_rotated, k_rotated, v_heads)."""
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q, k, v = self._projections()
+        q, k, v = self._projections() if projections is None else projections
         q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
         k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
         v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
@@ -246,7 +247,7 @@ class RowSampleMHA(LayerRecording):
     def standard(self, rec: StageRecorder | None = None):
         q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
-        return self._merge_and_finish(context, rec)
+        return self._finish(self._merge(context, rec), rec)
 
     def direct_reshape(self, rec: StageRecorder | None = None):
         """The known mistake: reshape (B, N, H*Dk) straight to (B, H, N, Dk), no transpose."""

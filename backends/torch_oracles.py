@@ -16,6 +16,7 @@ from mha_rosetta.core import (
     MHAInputs,
     MHAParams,
     allowed_positions,
+    from_torch_mha_state_dict,
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
@@ -30,6 +31,7 @@ from ._torch_common import (
     optional_tensor,
     precision_info,
     synchronizer,
+    to_tensor,
     torch_device,
     torch_devices,
     torch_dtype,
@@ -92,15 +94,9 @@ class TorchMHAOracle(Backend):
 
         module = loaded_torch_mha(cfg, params, dtype, device, self.batch_first)
         module.requires_grad_(False)
-
-        def sequence_layout(x):  # (B, N, F) -> the module's layout
-            return x if self.batch_first else x.transpose(0, 1).contiguous()  # (N, B, F) when seq-first
-
         # Self-attention passes one tensor three times: torch's fast path checks identity.
-        query, key, value = torch_inputs(inputs, dtype, device, layout=sequence_layout)
-        attn_mask = torch_blocked_mask(
-            allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
-        )
+        query, key, value = torch_inputs(inputs, dtype, device, layout=self._layout)
+        attn_mask = self._attn_mask(cfg, inputs, device)
 
         def call(need_weights: bool):
             with torch.inference_mode():
@@ -137,10 +133,40 @@ class TorchMHAOracle(Backend):
         }
         return Prepared(forward, to_numpy, native_stages, synchronize=synchronizer(device), info=info)
 
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._torch_vjp import prepare_torch_mha_vjp  # autograd through the module itself
+    def _layout(self, x):
+        """(B, N, F) -> the module's layout: (N, B, F) when sequence-first."""
+        return x if self.batch_first else x.transpose(0, 1).contiguous()
 
-        return prepare_torch_mha_vjp(cfg, params, inputs, cotangent, dtype, device, self.batch_first, self.allow_tf32)
+    def _attn_mask(self, cfg: MHAConfig, inputs: MHAInputs, device: str):
+        return torch_blocked_mask(
+            allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
+        )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        """Autograd through the module itself; its parameters' gradients are a state dict."""
+        from ._torch_vjp import INPUT_SLOTS, autograd_prepared, leaf
+
+        # Eval mode means no dropout; with grad enabled torch takes its differentiable (non-fused) path.
+        module = loaded_torch_mha(cfg, params, dtype, device, self.batch_first)
+        query, key, value = (
+            leaf(self._layout(to_tensor(x, dtype, device))) for x in (inputs.query, inputs.key, inputs.value)
+        )
+        attn_mask = self._attn_mask(cfg, inputs, device)
+        parameters = dict(module.named_parameters())
+        leaves = {"d_x_q": query, "d_x_k": key, "d_x_v": value, **parameters}
+
+        def forward():
+            return module(query, key, value, attn_mask=attn_mask, need_weights=False)[0]
+
+        def to_canonical(grads: dict) -> dict:
+            rows = {slot: grads.pop(slot) for slot in INPUT_SLOTS}
+            canonical = from_torch_mha_state_dict(cfg, grads).as_dict()  # packed in_proj_weight -> w_q, w_k, w_v
+            inputs_grads = {slot: g if self.batch_first else g.transpose(1, 0, 2) for slot, g in rows.items()}
+            return {**inputs_grads, **{name: g for name, g in canonical.items() if g is not None}}  # inputs (B, N, F)
+
+        info = {"batch_first": self.batch_first, "parameters": ", ".join(parameters)}
+        d_output = self._layout(to_tensor(cotangent, dtype, device))
+        return autograd_prepared(forward, leaves, d_output, to_canonical, device, self.allow_tf32, info)
 
 
 def loaded_torch_mha(cfg: MHAConfig, params: MHAParams, dtype: str, device: str, batch_first: bool):
@@ -260,9 +286,18 @@ class TorchSDPAOracle(Backend):
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._torch_vjp import prepare_sdpa_vjp  # autograd through F.linear and SDPA
+        """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward's pass."""
+        from ._torch_vjp import autograd_prepared, leaf
 
-        return prepare_sdpa_vjp(cfg, params, inputs, cotangent, dtype, device, self.allow_tf32)
+        p = {name: leaf(optional_tensor(a, dtype, device)) for name, a in params.as_dict().items()}
+        x_q, x_k, x_v = (leaf(to_tensor(x, dtype, device)) for x in (inputs.query, inputs.key, inputs.value))
+        forward, _, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
+        leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **p}
+        info = {"enable_gqa": cfg.n_kv_heads != cfg.n_heads, "is_causal": use_is_causal}
+        d_output = to_tensor(cotangent, dtype, device)
+        return autograd_prepared(
+            lambda: forward(p, x_q, x_k, x_v), leaves, d_output, dict, device, self.allow_tf32, info
+        )
 
 
 def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):

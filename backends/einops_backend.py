@@ -67,6 +67,7 @@ from ._jax_common import CompiledForward, allows_tf32, block_until_ready, check_
 from ._layouts import TOKENS_FIRST_STAGE_AXES
 from ._numpy_ops import NumpyPrecision, softmax_inplace
 from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
+from ._torch_common import bool_tensor, optional_tensor, torch_devices, with_matmul_precision
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 
 
@@ -263,8 +264,6 @@ class TorchOps(_EinopsOps):
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
-        from ._torch_common import bool_tensor, optional_tensor
-
         # cast=False: the masks, booleans as they are
         return (
             optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
@@ -552,8 +551,6 @@ class EinopsBackend(Backend):
 
     def devices(self) -> tuple[str, ...]:
         if self.array_library == "torch":
-            from ._torch_common import torch_devices
-
             return torch_devices()
         if self.array_library == "jax":
             from ._jax_common import jax_devices
@@ -599,8 +596,6 @@ class EinopsBackend(Backend):
 
         run, record = partial(forward, *args), partial(stages_of, *args)
         if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
-            from ._torch_common import with_matmul_precision
-
             tf32 = allows_tf32(self.matmul_precision)
             run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
         run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)

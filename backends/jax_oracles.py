@@ -26,6 +26,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear, numpy_dtype, to_equinox_weights, to_flax_params
 from mha_rosetta.core.layouts import EQUINOX_NAMES
 
+from ._grad_layout import gradients_to_canonical
 from ._jax_common import (
     CompiledForward,
     allowed_for_heads,
@@ -41,6 +42,7 @@ from ._jax_common import (
     rotate_last_axis,
     to_jax,
 )
+from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp through the library's own attention
 from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
 from .base import Backend, Prepared, StageTensor, UnsupportedCase
 
@@ -97,8 +99,6 @@ class _JaxOracle(Backend):
     maps_output_rows = False
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._jax_vjp import jax_vjp_prepared  # jax.vjp through the library's own attention
-
         prepared = self._prepare(cfg, params, inputs, dtype, device, strategy)
         if self.maps_output_rows and prepared.info.get("empty_rows_mapped"):
             raise UnsupportedCase(
@@ -116,8 +116,6 @@ class _JaxOracle(Backend):
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
         """The gradient of the library's parameter tree, by canonical name (subclasses with other trees override)."""
-        from ._jax_vjp import canonical_param_grads
-
         return canonical_param_grads(grads)
 
     def _output_rows(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target) -> _OutputRows:
@@ -357,8 +355,6 @@ class FlaxMHAOracle(_JaxOracle):
     half_precision_softmax = True
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
-        from ._grad_layout import gradients_to_canonical
-
         return gradients_to_canonical(cfg, partial(to_flax_params, cfg), grads)  # kernels (in, H, d) -> (out, in)
 
 
@@ -452,8 +448,6 @@ class EquinoxMHAOracle(_JaxOracle):
     maps_output_rows = True
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
-        from ._grad_layout import gradients_to_canonical
-
         parts = ("weight", "bias")
         tree = {
             layer: {part: getattr(getattr(grads, layer), part) for part in parts} for layer in EQUINOX_NAMES.values()

@@ -199,6 +199,16 @@ class ColumnSampleMHA(LayerRecording):
             cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
         return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
 
+    def _rotate_split(self, rec, projections: tuple, heads: tuple, how: str) -> tuple:
+        """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk); the split (made as ``how``
+        says) and the rotation recorded when ``rec`` is given."""
+        q_heads, k_heads, _ = heads
+        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
+        if rec is not None:
+            self._record_split(rec, projections, heads, how)
+            record_rotated(rec, (q_heads, k_heads), rotated, COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        return rotated
+
     def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
         if rec is not None:
@@ -214,11 +224,8 @@ class ColumnSampleMHA(LayerRecording):
         q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk)
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk)
-        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq)
-        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
-        if rec is not None:
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "reshape of the row axis, no transpose")
-            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        how = "reshape of the row axis, no transpose"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:
@@ -233,12 +240,8 @@ class ColumnSampleMHA(LayerRecording):
         q_heads = _split_direct(q, H)  # (B, H, Dk, Nq), wrong cells
         k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
         v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
-        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq)
-        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
-        if rec is not None:
-            how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
-            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy

@@ -38,6 +38,7 @@ from ._torch_common import (
     torch_inputs,
     with_matmul_precision,
 )
+from ._torch_vjp import INPUT_SLOTS, autograd_prepared, leaf
 from .base import Backend, Prepared, StageTensor, tensor_to_numpy
 
 
@@ -144,8 +145,6 @@ class TorchMHAOracle(Backend):
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         """Autograd through the module itself; its parameters' gradients are a state dict."""
-        from ._torch_vjp import INPUT_SLOTS, autograd_prepared, leaf
-
         # Eval mode means no dropout; with grad enabled torch takes its differentiable (non-fused) path.
         module = loaded_torch_mha(cfg, params, dtype, device, self.batch_first)
         query, key, value = (
@@ -287,8 +286,6 @@ class TorchSDPAOracle(Backend):
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward's pass."""
-        from ._torch_vjp import autograd_prepared, leaf
-
         p = {name: leaf(optional_tensor(a, dtype, device)) for name, a in params.as_dict().items()}
         x_q, x_k, x_v = (leaf(to_tensor(x, dtype, device)) for x in (inputs.query, inputs.key, inputs.value))
         forward, _, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
@@ -305,7 +302,7 @@ def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
 
     ``forward(p, x_q, x_k, x_v, rec=None)`` runs the projections (``p``: the parameter
     tensors by canonical name), the head split, the kernel, the merge and the output
-    projection, recording the stages when ``rec`` is given; the backward (`_torch_vjp`)
+    projection, recording the stages when ``rec`` is given; the backward (`_prepare_vjp`)
     differentiates this same function.
     """
     import torch.nn.functional as F

@@ -56,8 +56,6 @@ def _scale_is_default(cfg: MHAConfig) -> bool:
 class _JaxOracle(Backend):
     """What the three oracles share: devices, float64, precision, the empty-row switch."""
 
-    known_differences: tuple[str, ...] = ()
-
     def __init__(
         self, name: str | None = None, matmul_precision: str = "highest", spec_empty_rows: bool = True
     ) -> None:

@@ -152,19 +152,8 @@ def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, hea
     heads = attend(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
     output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_heads": q_heads,
-        "k_heads": k_heads,
-        "v_heads": v_heads,
-        "q_rotated": q_rotated,
-        "k_rotated": k_rotated,
-        **heads,
-        "merged": merged,
-        "output": output,
-    }
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
+    return {**stages, "k_rotated": k_rotated, **heads, "merged": merged, "output": output}
 
 
 def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):

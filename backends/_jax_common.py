@@ -241,7 +241,7 @@ def effective_precision(matmul_precision: str) -> str:
     return matmul_precision
 
 
-def precision_info(device: str, dtype: str, matmul_precision: str) -> dict:
+def precision_info(*, device: str, dtype: str, matmul_precision: str) -> dict:
     """What Prepared.info records about numerics, so reports can say what was compared."""
     import jax
 

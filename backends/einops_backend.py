@@ -615,10 +615,10 @@ class EinopsBackend(Backend):
         elif self.array_library == "jax":
             from ._jax_common import precision_info
 
-            info.update(precision_info(device, dtype, self.matmul_precision))
+            info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
         elif device == "gpu":
             from ._torch_common import precision_info
 
             # torch's switches are set around each forward and restored (`_torch_common.matmul_precision`).
-            info.update(precision_info(device, dtype, allows_tf32(self.matmul_precision)))
+            info.update(precision_info(device=device, dtype=dtype, allow_tf32=allows_tf32(self.matmul_precision)))
         return info

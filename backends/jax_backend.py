@@ -258,7 +258,7 @@ class JaxBackend(Backend):
                 for name, axes in stage_axes.items()
             }
 
-        info.update(precision_info(device, dtype, self.matmul_precision))
+        info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
         info["head_vmap"] = (
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )
@@ -270,7 +270,7 @@ class JaxBackend(Backend):
         target = jax_target(dtype, device)
         _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
         primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
-        info = precision_info(dtype, device, self.matmul_precision)
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         return jax_vjp_prepared(
             forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
         )

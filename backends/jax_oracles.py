@@ -68,7 +68,7 @@ class _JaxOracle(Backend):
         return jax_devices()
 
     def _info(self, dtype: str, device: str, **extra) -> dict:
-        info = precision_info(device, dtype, self.matmul_precision)
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         info["known_differences"] = list(self.known_differences)
         info.update(extra)
         return info

@@ -91,7 +91,7 @@ class TorchBackend(Backend):
             "device": str(layer.x_q.device),
             "gqa": "query heads of a group folded into the token axis (no repeat_interleave)",
             "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
-            **precision_info(device, dtype, self.allow_tf32),
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
         if strategy == CHUNKED:
             info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)

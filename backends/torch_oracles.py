@@ -130,7 +130,7 @@ class TorchMHAOracle(Backend):
             "batch_first": self.batch_first,
             "attn_mask": None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = blocked",
             "fast_path_expected": fast_path_expected(cfg, self.batch_first, query is key is value),
-            **precision_info(device, dtype, self.allow_tf32),
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
         return Prepared(forward, to_numpy, native_stages, synchronize=synchronizer(device), info=info)
 
@@ -278,7 +278,7 @@ class TorchSDPAOracle(Backend):
             if use_is_causal
             else (None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"),
             "enable_gqa": cfg.n_kv_heads != cfg.n_heads,
-            **precision_info(device, dtype, self.allow_tf32),
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info

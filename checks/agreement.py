@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import combinations
 
 import numpy as np
 
@@ -138,8 +139,8 @@ class Implementation:
 
 
 @dataclass
-class Run:
-    """One implementation on one case and dtype, and how it compares with the oracle."""
+class RunRecord:
+    """Which implementation ran on which case and dtype, and its status: shared by `Run` and `checks.grad.GradRun`."""
 
     case: str
     impl: Implementation
@@ -147,6 +148,16 @@ class Run:
     kind: str  # "implementation" (ours) or "oracle" (a third-party library)
     status: Status
     reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.impl.label
+
+
+@dataclass
+class Run(RunRecord):
+    """One implementation on one case and dtype, and how it compares with the oracle."""
+
     max_abs: float | None = None
     max_rel: float | None = None
     tolerance: Tolerance | None = None
@@ -156,10 +167,6 @@ class Run:
     output: np.ndarray | None = field(default=None, repr=False)  # batched (B, Nq, D)
     stage_source: Callable[[], dict] | None = field(default=None, repr=False)
     _stages: dict | None = field(default=None, repr=False)
-
-    @property
-    def label(self) -> str:
-        return self.impl.label
 
     @property
     def compared(self) -> bool:
@@ -701,8 +708,6 @@ def _check_case(case: SpecCase, sel: Selection, result: CheckResult, progress) -
         ]
         result.runs.extend(runs)
         compared = [run for run in runs if run.compared]
-        for i, a in enumerate(compared):
-            for b in compared[i + 1 :]:
-                result.pairs.append(_compare_pair(a, b, oracle))
+        result.pairs += [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
         for run in runs:  # the stage tensors of this case are no longer needed
             run.release_stages()

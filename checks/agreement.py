@@ -199,8 +199,45 @@ class Pair:
     divergence: Divergence | None = None
 
 
+class Outcome:
+    """The exit-status rule of the forward check (`CheckResult`) and the gradient check (`checks.grad`).
+
+    For a result with ``runs``, ``pairs``, ``broken_backends`` and ``interrupted``.
+    """
+
+    def failures(self) -> list:
+        """Runs and pairs that fail the check (DISAGREE, MISSED)."""
+        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
+
+    def errors(self) -> list:
+        """Runs that raised (a backend that failed to load counts too, see `broken_backends`)."""
+        return [run for run in self.runs if run.status is Status.ERROR]
+
+    @property
+    def error_count(self) -> int:
+        return len(self.errors()) + len(self.broken_backends)
+
+    @property
+    def nothing_checked(self) -> bool:
+        return not any(run.compared for run in self.runs)
+
+    @property
+    def exit_status(self) -> int:
+        """0 all good; 1 a disagreement or a missed mistake; 2 an error or nothing checked."""
+        if self.error_count or self.nothing_checked:
+            return 2
+        if self.failures():
+            return 1
+        return 0
+
+    @property
+    def exit_code(self) -> int:
+        """The process's exit status: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
+        return exit_code(self.exit_status, self.interrupted)
+
+
 @dataclass
-class CheckResult:
+class CheckResult(Outcome):
     """Everything one check produced; the CLI prints it and the tests inspect it."""
 
     settings: dict
@@ -222,35 +259,9 @@ class CheckResult:
     def pair_counts(self) -> Counter:
         return Counter(pair.status for pair in self.pairs)
 
-    def failures(self) -> list[Run | Pair]:
-        """Runs and pairs that fail the check (DISAGREE, MISSED)."""
-        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
-
-    def errors(self) -> list[Run]:
-        """Runs that raised (a backend that failed to load counts too, see `broken_backends`)."""
-        return [run for run in self.runs if run.status is Status.ERROR]
-
     @property
     def error_count(self) -> int:
-        return len(self.errors()) + len(self.broken_backends) + len(self.frameworks_without_gpu)
-
-    @property
-    def nothing_checked(self) -> bool:
-        return not any(run.compared for run in self.runs)
-
-    @property
-    def exit_status(self) -> int:
-        """0 all good; 1 a disagreement or a missed mistake; 2 an error or nothing checked."""
-        if self.error_count or self.nothing_checked:
-            return 2
-        if self.failures():
-            return 1
-        return 0
-
-    @property
-    def exit_code(self) -> int:
-        """The process's exit status: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
-        return exit_code(self.exit_status, self.interrupted)
+        return super().error_count + len(self.frameworks_without_gpu)  # a GPU asked for and not seen is an error
 
     def verdict(self) -> str:
         if self.interrupted:
@@ -680,17 +691,11 @@ def _check_case(case: SpecCase, sel: Selection, result: CheckResult, progress) -
         oracle = _oracle(case)
         uniform = _uniform_fallback_output(oracle)
     except Exception as error:  # the oracle itself failed: every run of the case is an error
+        reason = f"oracle failed: {error_line(error)}"
         for backend in sel.backends:
             for dtype in sel.dtypes:
                 result.runs.append(
-                    Run(
-                        case.name,
-                        Implementation(backend.name),
-                        dtype,
-                        backend.kind,
-                        Status.ERROR,
-                        f"oracle failed: {error_line(error)}",
-                    )
+                    Run(case.name, Implementation(backend.name), dtype, backend.kind, Status.ERROR, reason)
                 )
         return
     plan = {}  # every selected implementation -> the dtypes it runs this case in

@@ -37,11 +37,10 @@ from mha_rosetta.core import (
     reference_mha_vjp,
     reference_stages,
 )
-from mha_rosetta.core.errors import exit_code
 
 from .agreement import (
-    FAILING,
     Implementation,
+    Outcome,
     RunRecord,
     Status,
     compare,
@@ -95,7 +94,7 @@ class GradPair:
 
 
 @dataclass
-class GradCheckResult:
+class GradCheckResult(Outcome):
     settings: dict
     cases: list[SpecCase]
     skipped_backends: dict[str, str]
@@ -105,28 +104,10 @@ class GradCheckResult:
     seconds: float = 0.0
     interrupted: bool = False
 
-    def failures(self) -> list:
-        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
-
-    @property
-    def error_count(self) -> int:
-        return sum(run.status is Status.ERROR for run in self.runs) + len(self.broken_backends)
-
-    @property
-    def exit_status(self) -> int:
-        if self.error_count or not any(run.compared for run in self.runs):
-            return 2
-        return 1 if self.failures() else 0
-
-    @property
-    def exit_code(self) -> int:
-        """As `CheckResult.exit_code`: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
-        return exit_code(self.exit_status, self.interrupted)
-
     def verdict(self) -> str:
         if self.error_count:
             return f"gradients: ERROR: {self.error_count} run(s) or backend(s) raised an exception"
-        if not any(run.compared for run in self.runs):
+        if self.nothing_checked:
             return "gradients: nothing was checked"
         if self.failures():
             return f"gradients: FAIL: {len(self.failures())} failing comparison(s)"

@@ -107,12 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config_from(args: argparse.Namespace):
-    from mha_rosetta.core import MHAConfig
-
-    return MHAConfig(d_model=args.d_model, n_heads=args.heads, d_k=args.d_k)
-
-
 def _names(text: str | None, known, option: str, what: str, listed: str) -> tuple[str, ...] | None:
     """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
     if not text:
@@ -158,10 +152,11 @@ def _failures(explanation) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.backends import REGISTRY
+    from mha_rosetta.core import MHAConfig
     from mha_rosetta.explain import SECTIONS, explain
 
     try:
-        cfg = _config_from(args)
+        cfg = MHAConfig(d_model=args.d_model, n_heads=args.heads, d_k=args.d_k)
         backends = _names(args.backends, REGISTRY, "--backends", "backend", "registered")
         chosen_sections = _names(args.sections, SECTIONS, "--sections", "section", "choose from")
     except (ValueError, TypeError) as error:

@@ -119,17 +119,21 @@ def _backend_stages(name: str, setup: Setup, dtype: str = "float64"):
         return None, f"{name} stages not available: {error_line(error)}"
 
 
-def _strategy_errors(setup: Setup, strategy: str, backends=("numpy", "torch")) -> tuple[dict[str, float], list[str]]:
-    """Max abs error against the float64 oracle of each backend running ``strategy``."""
+def _strategy_errors(
+    setup: Setup, strategy: str, spec: str = ".1e", backends=("numpy", "torch")
+) -> tuple[dict[str, float], list[str]]:
+    """Max abs error against the float64 oracle of each backend running ``strategy``, and the evidence lines
+    (each error formatted with ``spec``, then why a backend did not run)."""
     reference = reference_mha(setup.cfg, setup.params, setup.x)
-    errors, notes = {}, []
+    errors, lines, notes = {}, [], []
     for name in backends:
         output, why = _backend_run(name, setup, strategy)
         if output is None:
             notes.append(why)
         else:
             errors[name] = _max_abs(output, reference)
-    return errors, notes
+            lines.append(f"{name} adapter, {strategy} strategy: max error vs oracle {errors[name]:{spec}}")
+    return errors, lines + notes
 
 
 # --- the claims ------------------------------------------------------------------------------
@@ -343,6 +347,14 @@ def _attention_with_split(cfg: MHAConfig, params, x: np.ndarray, split: Callable
     return linear(merge(context), params.w_o, params.b_o)  # (N, D)
 
 
+def _attention_standard_split(cfg: MHAConfig, params, x: np.ndarray) -> np.ndarray:
+    """`_attention_with_split` with the standard split: (N, H*d) -> (N, H, d) -> (H, N, d) and back."""
+    N, H = x.shape[0], cfg.n_heads
+    split = lambda t: t.reshape(N, H, -1).transpose(1, 0, 2)  # noqa: E731  (N, H, d) -> (H, N, d), a view
+    merge = lambda c: c.transpose(1, 0, 2).reshape(N, -1)  # noqa: E731  (H, N, Dv) -> (N, H*Dv), a copy
+    return _attention_with_split(cfg, params, x, split, merge)
+
+
 def claim_6(setup: Setup) -> ClaimResult:
     title = CLAIM_TITLES[6]
     cfg, x = setup.cfg, setup.x[0]
@@ -361,13 +373,7 @@ def claim_6(setup: Setup) -> ClaimResult:
         f"the article's 4-token example: correct head 0 = {correct_head0.tolist()}, "
         f"direct reshape head 0 = {wrong_head0.tolist()}"
     )
-    correct_out = _attention_with_split(
-        cfg,
-        setup.params,
-        x,
-        lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (N, H, d) -> (H, N, d)
-        lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (H, N, Dv) -> (N, H*Dv)
-    )
+    correct_out = _attention_standard_split(cfg, setup.params, x)
     wrong_out = _attention_with_split(
         cfg,
         setup.params,
@@ -380,10 +386,8 @@ def claim_6(setup: Setup) -> ClaimResult:
     evidence.append(
         f"attention output vs float64 oracle: correct split max error {correct_error:.1e}, direct reshape {wrong_error:.2f}"
     )
-    adapter_errors, notes = _strategy_errors(setup, "direct_reshape")
-    for name, error in adapter_errors.items():
-        evidence.append(f"{name} adapter, direct_reshape strategy: max error vs oracle {error:.2f}")
-    evidence.extend(notes)
+    adapter_errors, lines = _strategy_errors(setup, "direct_reshape", ".2f")
+    evidence += lines
     measured = {
         "correct_head0_tokens": right.tokens_of(0),
         "wrong_head0_tokens": wrong.tokens_of(0),
@@ -407,15 +411,8 @@ def claim_6(setup: Setup) -> ClaimResult:
 
 def claim_7(setup: Setup) -> ClaimResult:
     title = CLAIM_TITLES[7]
-    cfg, x = setup.cfg, setup.x[0]
-    N, H = x.shape[0], cfg.n_heads
-    batched = _attention_with_split(
-        cfg,
-        setup.params,
-        x,
-        lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (H, N, d)
-        lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (N, H*Dv)
-    )
+    cfg, x, H = setup.cfg, setup.x[0], setup.cfg.n_heads
+    batched = _attention_standard_split(cfg, setup.params, x)
     # One head at a time: slice the columns of each head, attend, concatenate.
     q = linear(x, setup.params.w_q, setup.params.b_q)  # (N, H*Dk)
     k = linear(x, setup.params.w_k, setup.params.b_k)
@@ -430,11 +427,8 @@ def claim_7(setup: Setup) -> ClaimResult:
     sliced = linear(np.concatenate(contexts, axis=1), setup.params.w_o, setup.params.b_o)  # (N, D)
     difference = _max_abs(sliced, batched)
     evidence = [f"correctness: slicing vs batched heads max diff {difference:.1e}"]
-    adapter_errors, notes = _strategy_errors(setup, "slicing")
-    evidence += [
-        f"{name} adapter, slicing strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()
-    ]
-    evidence += notes
+    adapter_errors, lines = _strategy_errors(setup, "slicing")
+    evidence += lines
     measured = {"max_abs_sliced_vs_batched": difference, "adapter_errors": adapter_errors}
     return ClaimResult(7, title, SPEED_NOT_RUN, evidence, measured)
 
@@ -454,11 +448,8 @@ def claim_8(setup: Setup) -> ClaimResult:
         f"X @ [W_0 | W_1 | ...] vs [X @ W_0 | X @ W_1 | ...]: max diff {difference:.1e} (bitwise equal: {np.array_equal(one_product, per_head_products)})",
         f"split_head_matrices -> merge_head_matrices round trip exact: {round_trip}",
     ]
-    adapter_errors, notes = _strategy_errors(setup, "per_head")
-    evidence += [
-        f"{name} adapter, per_head strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()
-    ]
-    evidence += notes
+    adapter_errors, lines = _strategy_errors(setup, "per_head")
+    evidence += lines
     ok = (
         layout_exact and round_trip and difference <= 1e-10 and all(error <= 1e-10 for error in adapter_errors.values())
     )

@@ -56,11 +56,9 @@ from mha_rosetta.core import (
     MHAConfig,
     MHAParams,
     Tolerance,
-    allowed_positions,
     check_dtype_name,
     error_line,
     lower_precision,
-    prepare_inputs,
     reference_stages,
 )
 from mha_rosetta.core import compare as core_compare
@@ -385,12 +383,8 @@ def _oracle(case: SpecCase) -> _Oracle:
     data = case.inputs()
     args = (data.query, data.key, data.value, data.mask, data.positions, data.kv_positions)
     stages = reference_stages(case.cfg, params, *args)
-    inputs = prepare_inputs(case.cfg, *args)
-    shape = stages["scores"].shape  # (B, H, Nq, Nk)
-    allowed = allowed_positions(case.cfg, inputs)
-    allowed = np.ones(shape, dtype=bool) if allowed is None else np.broadcast_to(allowed, shape)
-    empty_rows = (~allowed.any(axis=-1)).any(axis=1)  # (B, Nq)
-    return _Oracle(case, case.cfg, params, data, stages, empty_rows, allowed)
+    allowed = case.allowed()  # (B, H, Nq, Nk)
+    return _Oracle(case, case.cfg, params, data, stages, case.empty_rows(), allowed)
 
 
 def _uniform_fallback_output(oracle: _Oracle) -> np.ndarray:

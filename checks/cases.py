@@ -171,16 +171,17 @@ class SpecCase:
     def __str__(self) -> str:
         return self.name
 
-    def empty_rows(self) -> np.ndarray:
-        """(B, Nq) bool, batched form: output rows where some head may attend to no key."""
+    def allowed(self) -> np.ndarray:
+        """(B, H, Nq, Nk) bool, batched form: the keys each query may attend to in each head (mask and causal)."""
         data = self.inputs()
         inputs = prepare_inputs(self.cfg, data.query, data.key, data.value, data.mask)
         allowed = allowed_positions(self.cfg, inputs)
         shape = (inputs.batch, self.cfg.n_heads, inputs.q_tokens, inputs.kv_tokens)
-        if allowed is None:
-            return np.zeros(shape[:1] + shape[2:3], dtype=bool)
-        allowed = np.broadcast_to(allowed, shape)  # (B, H, Nq, Nk)
-        return (~allowed.any(axis=-1)).any(axis=1)  # (B, Nq)
+        return np.ones(shape, dtype=bool) if allowed is None else np.broadcast_to(allowed, shape)  # a view
+
+    def empty_rows(self) -> np.ndarray:
+        """(B, Nq) bool, batched form: output rows where some head may attend to no key."""
+        return (~self.allowed().any(axis=-1)).any(axis=1)  # (B, Nq)
 
     def describe(self) -> str:
         """One line: sizes and features, e.g. for the report's case list."""

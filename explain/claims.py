@@ -155,8 +155,12 @@ CLAIM_TITLES = {
 }
 
 
+def _result(number: int, verdict: str, evidence: list[str], measured: dict | None = None) -> ClaimResult:
+    """Claim ``number``'s result, with its title from `CLAIM_TITLES`."""
+    return ClaimResult(number, CLAIM_TITLES[number], verdict, evidence, {} if measured is None else measured)
+
+
 def claim_1(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[1]
     x_row = setup.x[0]  # (N, D): one token per row
     x_col = x_row.T  # (D, N): one token per column
     w_a = setup.params.w_q  # (H*Dk, D): rows are scorers
@@ -187,13 +191,12 @@ def claim_1(setup: Setup) -> ClaimResult:
         )
     else:
         evidence.append(why_numpy or why_torch)
-    return ClaimResult(1, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(1, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_2(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[2]
     if not _installed("torch"):
-        return ClaimResult(2, title, "skipped: torch not installed", ["needs torch.nn.Linear"])
+        return _result(2, "skipped: torch not installed", ["needs torch.nn.Linear"])
     import torch
 
     torch.manual_seed(0)
@@ -216,11 +219,10 @@ def claim_2(setup: Setup) -> ClaimResult:
         f"x @ W without .T raises {raised}",
     ]
     measured = {"weight_shape": shape, "max_abs": difference, "x_at_w_error": raised}
-    return ClaimResult(2, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(2, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_3(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[3]
     x = np.ascontiguousarray(setup.x[0])  # (N, in), row samples as loaded
     w = setup.params.w_q  # (out, in)
     y_row = x @ w.T  # (N, out): batch axis first, ready for bias and the next layer
@@ -233,11 +235,10 @@ def claim_3(setup: Setup) -> ClaimResult:
         f"same numbers: max diff {_max_abs(y_row, y_col.T):.1e}",
     ]
     measured = {"x_t_c_contiguous": bool(x.T.flags.c_contiguous), "max_abs": _max_abs(y_row, y_col.T)}
-    return ClaimResult(3, title, SPEED_NOT_RUN, evidence, measured)
+    return _result(3, SPEED_NOT_RUN, evidence, measured)
 
 
 def claim_4(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[4]
     evidence, measured, ok = [], {}, True
     libraries = ["numpy"] + (["torch"] if _installed("torch") else [])
     for library in libraries:
@@ -281,11 +282,10 @@ def claim_4(setup: Setup) -> ClaimResult:
             f"B, C, D and the rebuilt A all share A's memory (no copy): {no_copy}"
         )
     evidence.append("note: the grouping into 4 blocks of 8 tokens is the article's exercise, not a step of MHA")
-    return ClaimResult(4, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(4, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_5(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[5]
     cfg = setup.cfg
     H, Dk = cfg.n_heads, cfg.d_k
     q_batched = setup.x @ setup.params.w_q.T  # (B, N, H*Dk)
@@ -331,7 +331,7 @@ def claim_5(setup: Setup) -> ClaimResult:
         )
     elif why:
         evidence.append(why)
-    return ClaimResult(5, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(5, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def _attention_with_split(cfg: MHAConfig, params, x: np.ndarray, split: Callable, merge: Callable) -> np.ndarray:
@@ -356,7 +356,6 @@ def _attention_standard_split(cfg: MHAConfig, params, x: np.ndarray) -> np.ndarr
 
 
 def claim_6(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[6]
     cfg, x = setup.cfg, setup.x[0]
     N, H, Dk = x.shape[0], cfg.n_heads, cfg.d_k
     splits = head_splits(N, H, Dk)
@@ -406,11 +405,10 @@ def claim_6(setup: Setup) -> ClaimResult:
         and wrong_error > 1e-3
         and all(error > 1e-3 for error in adapter_errors.values())
     )
-    return ClaimResult(6, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(6, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_7(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[7]
     cfg, x, H = setup.cfg, setup.x[0], setup.cfg.n_heads
     batched = _attention_standard_split(cfg, setup.params, x)
     # One head at a time: slice the columns of each head, attend, concatenate.
@@ -430,11 +428,10 @@ def claim_7(setup: Setup) -> ClaimResult:
     adapter_errors, lines = _strategy_errors(setup, "slicing")
     evidence += lines
     measured = {"max_abs_sliced_vs_batched": difference, "adapter_errors": adapter_errors}
-    return ClaimResult(7, title, SPEED_NOT_RUN, evidence, measured)
+    return _result(7, SPEED_NOT_RUN, evidence, measured)
 
 
 def claim_8(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[8]
     cfg, x = setup.cfg, setup.x[0]
     per_head = split_head_matrices(setup.params.w_q, cfg.n_heads)  # (H, D, Dk)
     merged = np.concatenate(list(per_head), axis=1)  # (D, H*Dk) = [W_0 | W_1 | ...]
@@ -459,11 +456,10 @@ def claim_8(setup: Setup) -> ClaimResult:
         "round_trip_exact": round_trip,
         "adapter_errors": adapter_errors,
     }
-    return ClaimResult(8, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(8, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_9(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[9]
     cfg = setup.cfg
     H, N, Dv = cfg.n_heads, setup.tokens, cfg.d_v
     evidence, measured, ok = [], {}, True
@@ -522,16 +518,15 @@ def claim_9(setup: Setup) -> ClaimResult:
         f"numpy: reshape(copy=False) of the transposed array raises {numpy_error}; plain reshape copies silently: "
         f"{measured['numpy']['reshape_copies']}"
     )
-    return ClaimResult(9, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(9, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_10(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[10]
     if not _installed("torch"):
-        return ClaimResult(10, title, "skipped: torch not installed", ["needs torch.nn.MultiheadAttention"])
+        return _result(10, "skipped: torch not installed", ["needs torch.nn.MultiheadAttention"])
     reason = torch_mha_unsupported_reason(setup.cfg)
     if reason:
-        return ClaimResult(10, title, "skipped: configuration not expressible as nn.MultiheadAttention", [reason])
+        return _result(10, "skipped: configuration not expressible as nn.MultiheadAttention", [reason])
     import torch
 
     cfg, params, x = setup.cfg, setup.params, setup.x
@@ -571,11 +566,10 @@ def claim_10(setup: Setup) -> ClaimResult:
         f"max error {errors['batch_first_input_to_default']:.2f} (it attended across the batch instead of the tokens)",
         f"batch_first=True fed (B, N, E): max error {errors['batch_first_true']:.1e}",
     ]
-    return ClaimResult(10, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(10, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_11(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[11]
     cfg, params, x = setup.cfg, setup.params, setup.x[0]
     N, H = x.shape[0], cfg.n_heads
     q = (linear(x, params.w_q, params.b_q)).reshape(N, H, cfg.d_k)  # (N, H, Dk): a view, no transpose
@@ -607,11 +601,10 @@ def claim_11(setup: Setup) -> ClaimResult:
         )
     else:
         evidence.append(why)
-    return ClaimResult(11, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(11, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_12(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[12]
     d_model = 12  # the column/row-sample article's token width
     token = np.zeros(d_model)
     token[[0, 2]] = [1.0, 2.0]
@@ -648,7 +641,7 @@ def claim_12(setup: Setup) -> ClaimResult:
         f"token a1 = {a[1].tolist()} sits at D[0, 0, 1] = {d[0, 0, 1].tolist()} and D[0, 1, 1] = {d[0, 1, 1].tolist()}"
     )
     measured = {"scores": scores, "blocks": blocks}
-    return ClaimResult(12, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(12, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 CLAIM_CHECKS: dict[int, Callable[[Setup], ClaimResult]] = {
@@ -751,12 +744,7 @@ def _run_check(number: int, setup: Setup) -> ClaimResult:
     widths can make a demonstration inapplicable, which the verdict then says.
     """
     if setup.cfg.n_kv_heads != setup.cfg.n_heads and number in (6, 7, 10, 11):
-        return ClaimResult(
-            number,
-            CLAIM_TITLES[number],
-            "skipped: the demonstration assumes one kv head per query head",
-            [setup.cfg.describe()],
-        )
+        return _result(number, "skipped: the demonstration assumes one kv head per query head", [setup.cfg.describe()])
     return CLAIM_CHECKS[number](setup)
 
 

@@ -152,14 +152,31 @@ def grid_text(split: HeadSplit, colour: bool = False, width: int | None = None) 
     return "\n".join(lines)
 
 
-def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
-    """Draw both splits side by side as a PNG (matplotlib, Agg backend). Returns the path."""
+def pyplot(picture: str):
+    """``matplotlib.pyplot`` on the Agg backend, or an ImportError that says which ``picture`` needs it."""
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError("the head-split picture needs matplotlib: pip install 'mha-rosetta[bench]'") from error
+        raise ImportError(f"the {picture} needs matplotlib: pip install 'mha-rosetta[bench]'") from error
     matplotlib.use("Agg")  # no screen needed, and no window pops up
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path) -> str:
+    """Lay out, write (110 dpi) and close ``figure``; returns the path."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return str(path)
+
+
+def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
+    """Draw both splits side by side as a PNG (matplotlib, Agg backend). Returns the path."""
+    plt = pyplot("head-split picture")
     from matplotlib.colors import ListedColormap
 
     first = next(iter(splits.values()))
@@ -196,7 +213,4 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
         title or "Which head receives each (token, feature) cell; label = head letter + row in that head's block",
         fontsize=10,
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return str(path)
+    return save_figure(figure, path)

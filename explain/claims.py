@@ -241,23 +241,18 @@ def claim_3(setup: Setup) -> ClaimResult:
 def claim_4(setup: Setup) -> ClaimResult:
     evidence, measured, ok = [], {}, True
     libraries = ["numpy"] + (["torch"] if _installed("torch") else [])
+    row = lambda t, i: np.asarray(t[i])  # noqa: E731  (row i of a NumPy array or a torch tensor, as NumPy)
     for library in libraries:
         if library == "numpy":
-            a = np.arange(32 * 8).reshape(32, 8)  # (32, 8): 32 vectors of 8 numbers
-            b = a.reshape(4, 8, 8)  # (4, 8, 8): 4 groups of 8 vectors
-            c = b.reshape(4, 8, 2, 4)  # (4, 8, 2, 4): each vector cut into 2 halves
-            d = c.transpose(0, 2, 1, 3)  # (4, 2, 8, 4): halves before vectors
-            a_back = d.transpose(0, 2, 1, 3).reshape(4, 8, 8).reshape(32, 8)  # back to (32, 8)
-            row = lambda t, i: np.asarray(t[i])  # noqa: E731
+            xp = np
         else:
-            import torch
-
-            a = torch.arange(32 * 8).reshape(32, 8)  # (32, 8)
-            b = a.reshape(4, 8, 8)  # (4, 8, 8)
-            c = b.reshape(4, 8, 2, 4)  # (4, 8, 2, 4)
-            d = c.transpose(1, 2)  # (4, 2, 8, 4)
-            a_back = d.transpose(1, 2).reshape(4, 8, 8).reshape(32, 8)  # (32, 8)
-            row = lambda t, i: t[i].numpy()  # noqa: E731
+            import torch as xp
+        # The same chain in both libraries; swapaxes(1, 2) is NumPy's transpose(0, 2, 1, 3) and torch's transpose(1, 2).
+        a = xp.arange(32 * 8).reshape(32, 8)  # (32, 8): 32 vectors of 8 numbers
+        b = a.reshape(4, 8, 8)  # (4, 8, 8): 4 groups of 8 vectors, a view
+        c = b.reshape(4, 8, 2, 4)  # (4, 8, 2, 4): each vector cut into 2 halves, a view
+        d = c.swapaxes(1, 2)  # (4, 2, 8, 4): halves before vectors, a view
+        a_back = d.swapaxes(1, 2).reshape(4, 8, 8).reshape(32, 8)  # back to (32, 8)
         first, second = row(d[0, 0], 5), row(d[0, 1], 5)
         every_row = all(
             np.array_equal(row(d[i // 8, 0], i % 8), row(a, i)[:4])

@@ -169,14 +169,12 @@ def run(args: argparse.Namespace) -> int:
         return _backward(args, cfg)
     write_docs = args.write_docs is not None
     if write_docs:
-        sections = None  # everything
-        claims = True
+        sections, claims = None, True  # everything
     elif chosen_sections is not None:
         sections = chosen_sections + (("claims",) if args.claims and "claims" not in chosen_sections else ())
         claims = "claims" in sections
     elif args.claims:
-        sections = ("claims",)
-        claims = True
+        sections, claims = ("claims",), True
     else:
         sections, claims = None, False
     explanation = explain(

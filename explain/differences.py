@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -288,19 +289,11 @@ def fully_masked_row(setup: Setup) -> Difference:
     }
     reference = reference_mha(setup.cfg, setup.params, setup.x, mask=allowed)
     rows = [("spec (float64 oracle)", _classify(reference[0, 0], candidates, 1e-10))]
-    runs = [
-        (
-            "nn.MultiheadAttention, need_weights=True",
-            "torch",
-            lambda: _torch_mha(setup, ~allowed, need_weights=True),
-            1e-10,
-        ),
-        (
-            "nn.MultiheadAttention, need_weights=False",
-            "torch",
-            lambda: _torch_mha(setup, ~allowed, need_weights=False),
-            1e-10,
-        ),
+    runs = [  # nn.MultiheadAttention with and without need_weights: two code paths of one module
+        (f"nn.MultiheadAttention, need_weights={need}", "torch", partial(_torch_mha, setup, ~allowed, need), 1e-10)
+        for need in (True, False)
+    ]
+    runs += [
         ("F.scaled_dot_product_attention", "torch", lambda: _torch_sdpa(setup, allowed), 1e-10),
         ("jax.nn.dot_product_attention", "jax", lambda: _jax_dpa(setup, allowed), 1e-4),
         ("flax MultiHeadDotProductAttention", "flax", lambda: _flax_module(setup, allowed), 1e-4),

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._chunking import key_block_end, resolve_chunk, tile_allowed
-from ._recording import StageRecorder, record_rotated, relation_to
-from .numpy_backend import COLUMN_SAMPLE_AXES, ROTATE_HOW, ColumnSampleMHA
+from ._recording import StageRecorder, relation_to
+from .numpy_backend import ColumnSampleMHA
 
 
 class ChunkedColumnSampleMHA(ColumnSampleMHA):
@@ -46,11 +46,8 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq), view: head h owns rows h*Dk:(h+1)*Dk
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk), view
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk), view
-        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq): q_heads itself without rope
-        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
-        if rec is not None:
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "reshape of the row axis, no transpose")
-            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        how = "reshape of the row axis, no transpose"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)  # heads if no rope
         q_groups = q_rotated.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view: query head h = g*G + r
         keys_t = k_rotated[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T, shared by the group
         values = v_heads[:, :, None]  # (B, Hkv, 1, Dv, Nk), view

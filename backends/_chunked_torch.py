@@ -86,4 +86,4 @@ class ChunkedRowSampleMHA(RowSampleMHA):
             context[:, :, q_start:q_end] = acc / torch.where(total > 0, total, 1.0)
         if rec is not None:
             rec.record("context", context, ("B", "H", "Nq", "Dv"), "acc / l per query block (online softmax)")
-        return self._merge_and_finish(context, rec)
+        return self._finish(self._merge(context, rec), rec)

@@ -47,17 +47,9 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
     if backend.array_library == "jax":
         from ._jax_vjp import jax_vjp_prepared
 
-        return jax_vjp_prepared(
-            forward,
-            (weights, x_q, x_k, x_v),
-            extras,
-            cotangent,
-            dtype,
-            ops.device,
-            backend.matmul_precision,
-            to_canonical,
-            info,
-        )
+        primals = (weights, x_q, x_k, x_v)
+        precision = backend.matmul_precision
+        return jax_vjp_prepared(forward, primals, extras, cotangent, dtype, ops.device, precision, to_canonical, info)
     from ._torch_vjp import autograd_prepared, leaf
 
     weights = {name: leaf(w) for name, w in weights.items()}
@@ -68,12 +60,9 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
         native = {name.split("/", 1)[1]: grads.pop(name) for name in list(grads) if name.startswith("native/")}
         return {**grads, **to_canonical(native)}
 
-    return autograd_prepared(
-        lambda: forward(weights, x_q, x_k, x_v, *extras),
-        leaves,
-        ops.asarray(cotangent),
-        to_canonical_torch,
-        device,
-        backend.matmul_precision != "highest",
-        info,
-    )
+    allow_tf32 = backend.matmul_precision != "highest"
+
+    def run():
+        return forward(weights, x_q, x_k, x_v, *extras)
+
+    return autograd_prepared(run, leaves, ops.asarray(cotangent), to_canonical_torch, device, allow_tf32, info)

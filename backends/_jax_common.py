@@ -230,14 +230,7 @@ def compiled_prepared(
     compiled: CompiledForward, native_stages: Callable, info: dict, synchronize: Callable = block_until_ready
 ) -> Prepared:
     """The `Prepared` of a jitted adapter: the compiled executable is the timed forward."""
-    return Prepared(
-        forward=compiled,
-        to_numpy=tensor_to_numpy,
-        native_stages=native_stages,
-        synchronize=synchronize,
-        compile=compiled.compile,
-        info=info,
-    )
+    return Prepared(compiled, tensor_to_numpy, native_stages, synchronize, compile=compiled.compile, info=info)
 
 
 def effective_precision(matmul_precision: str) -> str:
@@ -248,7 +241,7 @@ def effective_precision(matmul_precision: str) -> str:
     return matmul_precision
 
 
-def precision_info(device: str, dtype: str, matmul_precision: str) -> dict:
+def precision_info(*, device: str, dtype: str, matmul_precision: str) -> dict:
     """What Prepared.info records about numerics, so reports can say what was compared."""
     import jax
 

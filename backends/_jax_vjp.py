@@ -46,13 +46,8 @@ def jax_vjp_prepared(
         slots = {"d_x_q": d_x_q, "d_x_k": d_x_k, "d_x_v": d_x_v}
         return {**{name: tensor_to_numpy(g) for name, g in slots.items()}, **to_canonical(param_grads)}
 
-    return PreparedVJP(
-        run=compiled,
-        to_grads=to_grads,
-        synchronize=block_until_ready,
-        compile=compiled.compile,
-        info={"backward": "jax.vjp, forward and pullback in one jax.jit program", **info},
-    )
+    info = {"backward": "jax.vjp, forward and pullback in one jax.jit program", **info}
+    return PreparedVJP(compiled, to_grads, block_until_ready, compile=compiled.compile, info=info)
 
 
 def canonical_param_grads(param_grads: dict) -> dict:

@@ -15,17 +15,19 @@ ROW_SAMPLE_PROJECTION_AXES = {
     "v": ("B", "Nk", "Hkv*Dv"),
 }
 
+
+def heads_axes(q_heads: tuple[str, ...], k_heads: tuple[str, ...], v_heads: tuple[str, ...]) -> dict:
+    """The axes of the heads stages; a rotated stage has the axes of the heads it turns."""
+    return {"q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads, "q_rotated": q_heads, "k_rotated": k_heads}
+
+
 # Tokens first all the way through: heads split after the token axis (B, N, H, d), the
 # way jax.vmap(in_axes=1), einsum "b n h k" and jax.nn.dot_product_attention's BTNH hold
 # them, so that splitting and merging heads are reshapes. Only the score-like stages
 # put the heads first, (B, H, Nq, Nk).
 TOKENS_FIRST_STAGE_AXES = {
     **ROW_SAMPLE_PROJECTION_AXES,
-    "q_heads": ("B", "Nq", "H", "Dk"),
-    "k_heads": ("B", "Nk", "Hkv", "Dk"),
-    "v_heads": ("B", "Nk", "Hkv", "Dv"),
-    "q_rotated": ("B", "Nq", "H", "Dk"),
-    "k_rotated": ("B", "Nk", "Hkv", "Dk"),
+    **heads_axes(("B", "Nq", "H", "Dk"), ("B", "Nk", "Hkv", "Dk"), ("B", "Nk", "Hkv", "Dv")),
     "scores": ("B", "H", "Nq", "Nk"),
     "masked_scores": ("B", "H", "Nq", "Nk"),
     "weights": ("B", "H", "Nq", "Nk"),
@@ -36,13 +38,7 @@ TOKENS_FIRST_STAGE_AXES = {
 
 # Heads before tokens, (B, H, N, d): torch's ``view(B, N, H, d).transpose(1, 2)``, the
 # layout F.scaled_dot_product_attention takes.
-HEADS_FIRST_SPLIT_AXES = {
-    "q_heads": ("B", "H", "Nq", "Dk"),
-    "k_heads": ("B", "Hkv", "Nk", "Dk"),
-    "v_heads": ("B", "Hkv", "Nk", "Dv"),
-    "q_rotated": ("B", "H", "Nq", "Dk"),
-    "k_rotated": ("B", "Hkv", "Nk", "Dk"),
-}
+HEADS_FIRST_SPLIT_AXES = heads_axes(("B", "H", "Nq", "Dk"), ("B", "Hkv", "Nk", "Dk"), ("B", "Hkv", "Nk", "Dv"))
 
 
 def head_slice_axes(axes: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:

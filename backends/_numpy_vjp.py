@@ -83,6 +83,10 @@ class ColumnSampleVJP:
     def _project(self, w, b, x):
         return self.layer.precision.operand(self.layer._project(w, b, x))
 
+    def _projections(self):
+        """The forward's merged q, k and v (`ColumnSampleMHA._projections`), in the compute dtype."""
+        return tuple(self.layer.precision.operand(y) for y in self.layer._projections())
+
     def _rotate(self, heads, which: str, head_axis: bool):
         """The forward's rotary embedding (`ColumnSampleMHA._rotate`), in the compute dtype."""
         return self.layer.precision.operand(self.layer._rotate(heads, which, head_axis))
@@ -163,9 +167,7 @@ class ColumnSampleVJP:
     def _batched(self, split, split_back) -> dict:
         L = self.layer
         B, Nq, Nk, H, Hkv, G, Dk, Dv = L.sizes
-        q = self._project(L.w_q, L.b_q, L.x_q)  # (B, H*Dk, Nq)
-        k = self._project(L.w_k, L.b_k, L.x_k)  # (B, Hkv*Dk, Nk)
-        v = self._project(L.w_v, L.b_v, L.x_v)  # (B, Hkv*Dv, Nk)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         # Rotary (cfg.rope) turns the heads' feature rows; the heads themselves without rope.
         q_heads = self._rotate(split(q, H), "q", True).reshape(B, Hkv, G, Dk, Nq)  # query head h = g*G + r
         k_heads = self._rotate(split(k, Hkv), "k", True)[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
@@ -212,9 +214,7 @@ class ColumnSampleVJP:
     def slicing(self) -> dict:
         L = self.layer
         H, Dk, Dv = L.cfg.n_heads, L.cfg.d_k, L.cfg.d_v
-        q = self._project(L.w_q, L.b_q, L.x_q)  # (B, H*Dk, Nq)
-        k = self._project(L.w_k, L.b_k, L.x_k)  # (B, Hkv*Dk, Nk)
-        v = self._project(L.w_v, L.b_v, L.x_v)  # (B, Hkv*Dv, Nk)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         heads = [self._head(h, q, k, v) for h in range(H)]  # per head: weights, context, and its slices
         merged = np.concatenate([context for _, context, _ in heads], axis=1)  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)

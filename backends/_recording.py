@@ -97,27 +97,6 @@ def record_stages(run: Callable) -> dict[str, StageTensor]:
     return recorder.stages()
 
 
-def record_stage(
-    rec: StageRecorder | None,
-    name: str,
-    head: int | None,
-    value,
-    axes,
-    note: str,
-    stack,
-    relation: str = "new",
-    parent: str | None = None,
-) -> None:
-    """A whole stage (``head`` None) or one head's slice of it; nothing when ``rec`` is None."""
-    if rec is None:
-        return
-    if head is None:
-        rec.record(name, value, axes, note, relation, parent)
-    else:
-        note += " (one head at a time, stacked for inspection)"
-        rec.record_head(name, head, value, axes, note, stack, relation, parent)
-
-
 def record_projections(
     rec: StageRecorder, projections: tuple, axes: dict, note: str, relation: str = "new", parents: tuple = (None,) * 3
 ) -> None:
@@ -130,18 +109,6 @@ def record_split_heads(rec: StageRecorder, projections: tuple, heads: tuple, axe
     """q_heads, k_heads and v_heads, each a view or copy (measured) of the projection it was split from."""
     for name, parent, child in zip(QKV, projections, heads, strict=True):
         rec.record(f"{name}_heads", child, axes[f"{name}_heads"], how, relation_to(child, parent), name)
-
-
-def record_head_inputs(
-    rec: StageRecorder, h: int, g: int, slices: tuple, axes: dict, note: str, stack, relation: str = "new"
-) -> None:
-    """Query head h's (q_h, k_g, v_g), ``axes`` being each slice's axes without the head axis.
-
-    ``relation`` "view" says the slices are views of the projections q, k and v.
-    """
-    for name, head, value in zip(QKV, (h, g, g), slices, strict=True):
-        parent = name if relation != "new" else None
-        rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, stack, relation, parent)
 
 
 NO_ROPE_NOTE = "no rotary embedding (cfg.rope is None), the heads themselves"
@@ -159,12 +126,50 @@ def record_rotated(rec: StageRecorder, heads: tuple, rotated: tuple, axes: dict,
         rec.record(f"{name}_rotated", child, axes[f"{name}_rotated"], note, relation, f"{name}_heads")
 
 
-def record_head_rotated(rec: StageRecorder, h: int, g: int, q_h, rotated: tuple, axes: dict, how: str, stack) -> None:
-    """Query head h's rotated queries and its kv head g's rotated keys, in a loop over heads.
+class LayerRecording:
+    """The recording steps that the NumPy (column-sample) and torch (row-sample) layers share.
 
-    ``rotated`` is ``(q_rotated, k_rotated)``; ``q_rotated is q_h`` means no rope.
+    A layer class names its convention's axes and notes as class attributes and joins the
+    heads with its library's ``_stack``; ``self.cfg`` is its `MHAConfig`.
     """
-    q_rotated, k_rotated = rotated
-    note, relation = rotation_provenance(q_rotated, q_h, how)
-    record_stage(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, stack, relation, "q_heads")
-    record_stage(rec, "k_rotated", g, k_rotated, axes["k_rotated"], note, stack, relation, "k_heads")
+
+    PROJECTION_AXES: dict  # q, k, v
+    SPLIT_AXES: dict  # the batched heads stages (q_heads ... k_rotated)
+    HEAD_SLICE_AXES: dict  # one head's slice of them
+    PROJECTION_NOTE: str
+    ROTATE_HOW: str
+
+    def _stack(self, arrays: list, axis: int):
+        raise NotImplementedError
+
+    def _record(self, rec, name: str, head: int | None, value, axes, note: str, relation="new", parent=None) -> None:
+        """A whole stage (``head`` None) or one head's slice of it; nothing when ``rec`` is None."""
+        if rec is None:
+            return
+        if head is None:
+            rec.record(name, value, axes, note, relation, parent)
+        else:
+            note += " (one head at a time, stacked for inspection)"
+            rec.record_head(name, head, value, axes, note, self._stack, relation, parent)
+
+    def _record_projections(self, rec: StageRecorder, q, k, v, note: str | None = None, *provenance) -> None:
+        record_projections(rec, (q, k, v), self.PROJECTION_AXES, note or self.PROJECTION_NOTE, *provenance)
+
+    def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
+        self._record_projections(rec, *projections)
+        record_split_heads(rec, projections, heads, self.SPLIT_AXES, how)
+
+    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
+        """Query head h's (q_h, k_g, v_g); ``relation`` "view" says they are views of the projections q, k and v."""
+        g, axes = self.cfg.kv_head_of(h), self.HEAD_SLICE_AXES
+        for name, head, value in zip(QKV, (h, g, g), (q_h, k_g, v_g), strict=True):
+            parent = name if relation != "new" else None
+            rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, self._stack, relation, parent)
+
+    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
+        """Query head h's rotated queries and its kv head's rotated keys, in a loop over heads (``q_rotated is q_h``:
+        no rope)."""
+        note, relation = rotation_provenance(q_rotated, q_h, self.ROTATE_HOW)
+        axes, g = self.HEAD_SLICE_AXES, self.cfg.kv_head_of(h)
+        self._record(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, relation, "q_heads")
+        self._record(rec, "k_rotated", g, k_rotated, axes["k_rotated"], note, relation, "k_heads")

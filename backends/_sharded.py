@@ -44,8 +44,7 @@ class ShardedBackend(Backend):
     def group(self) -> WorkerGroup:
         """The worker processes, started anew when there are none or one has gone."""
         if self._group is None or not self._group.alive:
-            if self._group is not None:
-                self._group.close()
+            self.close()
             self._group = self._new_group()
         return self._group
 

@@ -169,7 +169,7 @@ def in_inference_mode(run: Callable) -> Callable:
     return wrapped
 
 
-def precision_info(device: str, dtype: str, allow_tf32: bool) -> dict:
+def precision_info(*, device: str, dtype: str, allow_tf32: bool) -> dict:
     """What `Prepared.info` records about float32 matmul precision."""
     if device != "gpu":
         return {"tf32": False, "matmul_precision": "ieee (CPU: TF32 does not apply)"}

@@ -1,4 +1,6 @@
-"""Backward passes with torch autograd: the torch adapter's nn.Linear path, nn.MultiheadAttention and SDPA.
+"""Backward passes with torch autograd: the shared steps, and the torch adapter's nn.Linear path.
+
+The torch oracles (`torch_oracles`: nn.MultiheadAttention, SDPA) build theirs on the same steps.
 
 Each forward runs on leaf tensors that require grad (parameters, and the three inputs as
 three separate leaves even when they are one array, so each slot gets its own gradient),
@@ -21,23 +23,11 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_rosetta.core import (
-    MHAConfig,
-    MHAInputs,
-    MHAParams,
-    allowed_positions,
-    from_torch_mha_state_dict,
     merge_head_bias,
     merge_head_matrices,
 )
 
-from ._torch_common import (
-    bool_tensor,
-    heads_rotator,
-    optional_tensor,
-    synchronizer,
-    to_tensor,
-    with_matmul_precision,
-)
+from ._torch_common import synchronizer, to_tensor, with_matmul_precision
 from .base import PER_HEAD, PreparedVJP, tensor_to_numpy
 
 INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")
@@ -76,12 +66,8 @@ def autograd_prepared(
             grads[name] = np.zeros(tuple(tensor.shape)) if grad is None else tensor_to_numpy(grad)  # unused: zero
         return to_canonical(grads)
 
-    return PreparedVJP(
-        run=with_matmul_precision(run, device, allow_tf32),
-        to_grads=to_grads,
-        synchronize=synchronizer(device),
-        info={"backward": "torch.autograd.grad", **info},
-    )
+    info = {"backward": "torch.autograd.grad", **info}
+    return PreparedVJP(with_matmul_precision(run, device, allow_tf32), to_grads, synchronizer(device), info=info)
 
 
 def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: str, device: str, allow_tf32: bool):
@@ -109,80 +95,3 @@ def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: s
     return autograd_prepared(
         lambda: method(None), leaves, to_tensor(cotangent, dtype, device), to_canonical, device, allow_tf32, info
     )
-
-
-def prepare_torch_mha_vjp(
-    cfg: MHAConfig,
-    params: MHAParams,
-    inputs: MHAInputs,
-    cotangent: np.ndarray,
-    dtype: str,
-    device: str,
-    batch_first: bool,
-    allow_tf32: bool,
-) -> PreparedVJP:
-    """Autograd through ``nn.MultiheadAttention``; its parameters' gradients are a state dict."""
-    from .torch_oracles import loaded_torch_mha, torch_blocked_mask
-
-    # Eval mode means no dropout; with grad enabled torch takes its differentiable (non-fused) path.
-    module = loaded_torch_mha(cfg, params, dtype, device, batch_first)
-
-    def layout(x):  # (B, N, F) -> the module's layout: (N, B, F) when sequence-first
-        return x if batch_first else x.transpose(0, 1).contiguous()
-
-    query, key, value = (leaf(layout(to_tensor(x, dtype, device))) for x in (inputs.query, inputs.key, inputs.value))
-    attn_mask = torch_blocked_mask(
-        allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
-    )
-    parameters = dict(module.named_parameters())
-    leaves = {"d_x_q": query, "d_x_k": key, "d_x_v": value, **parameters}
-
-    def forward():
-        return module(query, key, value, attn_mask=attn_mask, need_weights=False)[0]
-
-    def to_canonical(grads: dict) -> dict:
-        rows = {slot: grads.pop(slot) for slot in INPUT_SLOTS}
-        canonical = from_torch_mha_state_dict(cfg, grads).as_dict()  # packed in_proj_weight -> w_q, w_k, w_v
-        inputs_grads = {slot: g if batch_first else g.transpose(1, 0, 2) for slot, g in rows.items()}  # (B, N, F)
-        return {**inputs_grads, **{name: g for name, g in canonical.items() if g is not None}}
-
-    info = {"batch_first": batch_first, "parameters": ", ".join(parameters)}
-    return autograd_prepared(
-        forward, leaves, layout(to_tensor(cotangent, dtype, device)), to_canonical, device, allow_tf32, info
-    )
-
-
-def prepare_sdpa_vjp(
-    cfg: MHAConfig,
-    params: MHAParams,
-    inputs: MHAInputs,
-    cotangent: np.ndarray,
-    dtype: str,
-    device: str,
-    allow_tf32: bool,
-) -> PreparedVJP:
-    """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``."""
-    import torch.nn.functional as F
-
-    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-    p = {name: leaf(optional_tensor(a, dtype, device)) for name, a in params.as_dict().items()}
-    x_q, x_k, x_v = (leaf(to_tensor(x, dtype, device)) for x in (inputs.query, inputs.key, inputs.value))
-    use_is_causal = cfg.causal and inputs.mask is None  # as the forward oracle does
-    attn_mask = bool_tensor(None if use_is_causal else allowed_positions(cfg, inputs), device)  # True = may attend
-    gqa = {"enable_gqa": True} if Hkv != H else {}
-    rotate = heads_rotator(cfg, inputs, dtype, device)  # before the kernel, as the forward oracle does
-
-    def forward():
-        q = F.linear(x_q, p["w_q"], p["b_q"]).view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view
-        k = F.linear(x_k, p["w_k"], p["b_k"]).view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk), view
-        v = F.linear(x_v, p["w_v"], p["b_v"]).view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv), view
-        context = F.scaled_dot_product_attention(
-            rotate(q, "q"), rotate(k, "k"), v, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
-        )  # (B, H, Nq, Dv)
-        merged = context.transpose(1, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
-        return F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
-
-    leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **p}
-    info = {"enable_gqa": bool(gqa), "is_causal": use_is_causal}
-    return autograd_prepared(forward, leaves, to_tensor(cotangent, dtype, device), dict, device, allow_tf32, info)

@@ -291,29 +291,11 @@ class Backend:
         mask=None,
         return_weights: bool = False,
         return_stages: bool = False,
-        *,
-        dtype: str = "float64",
-        device: str = "cpu",
-        strategy: str = STANDARD,
-        positions=None,
-        kv_positions=None,
-        chunk=None,
+        **options,
     ):
-        """Same arguments and results as `core.reference_mha`, plus dtype, device, strategy (and chunk)."""
-        prepared, inputs = self.prepare(
-            cfg,
-            params,
-            query,
-            key,
-            value,
-            mask,
-            dtype=dtype,
-            device=device,
-            strategy=strategy,
-            positions=positions,
-            kv_positions=kv_positions,
-            chunk=chunk,
-        )
+        """Same arguments and results as `core.reference_mha`; ``options`` are `prepare`'s keywords
+        (dtype, device, strategy, positions, kv_positions, chunk), passed on as they are."""
+        prepared, inputs = self.prepare(cfg, params, query, key, value, mask, **options)
         output = inputs.unbatch(prepared.output())
         if not (return_weights or return_stages):
             return output
@@ -321,7 +303,7 @@ class Backend:
         extras = []
         if return_weights:
             if "weights" not in stages:
-                why = f" ({CHUNKED_STAGES_NOTE})" if strategy == CHUNKED else ""
+                why = f" ({CHUNKED_STAGES_NOTE})" if options.get("strategy") == CHUNKED else ""
                 raise UnsupportedCase(f"{self.name} does not expose attention weights{why}")
             extras.append(inputs.unbatch(stages["weights"]))
         if return_stages:
@@ -330,14 +312,7 @@ class Backend:
 
     # -- the backward pass (vector-Jacobian product) -----------------------------------------
     def _prepare_vjp(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        inputs: MHAInputs,
-        cotangent: np.ndarray,
-        dtype: str,
-        device: str,
-        strategy: str,
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype: str, device: str, strategy: str
     ) -> PreparedVJP:
         """Subclasses with a backward pass override this; ``cotangent`` is float64 (B, Nq, D)."""
         raise UnsupportedCase(f"{self.name} has no backward pass (run_vjp)")
@@ -367,36 +342,11 @@ class Backend:
         return self._prepare_vjp(cfg, params, inputs, batched, dtype, device, strategy), inputs
 
     def run_vjp(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        query,
-        key=None,
-        value=None,
-        mask=None,
-        cotangent=None,
-        *,
-        dtype: str = "float64",
-        device: str = "cpu",
-        strategy: str = STANDARD,
-        positions=None,
-        kv_positions=None,
+        self, cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, cotangent=None, **options
     ) -> MHAGrads:
-        """Same arguments and result as `core.reference_mha_vjp`, plus dtype, device and strategy."""
-        prepared, inputs = self.prepare_vjp(
-            cfg,
-            params,
-            query,
-            key,
-            value,
-            mask,
-            cotangent,
-            dtype=dtype,
-            device=device,
-            strategy=strategy,
-            positions=positions,
-            kv_positions=kv_positions,
-        )
+        """Same arguments and result as `core.reference_mha_vjp`; ``options`` are `prepare_vjp`'s keywords
+        (dtype, device, strategy, positions, kv_positions), passed on as they are."""
+        prepared, inputs = self.prepare_vjp(cfg, params, query, key, value, mask, cotangent, **options)
         native = prepared.run()
         prepared.synchronize(native)
         return grads_from_native(prepared.to_grads(native), inputs, key is not None, value is not None)

@@ -56,16 +56,18 @@ float32 on upcast operands and their results are rounded back (recorded in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
 
 from ._inputs import convert_inputs
-from ._jax_common import allows_tf32, check_matmul_precision
+from ._jax_common import CompiledForward, allows_tf32, block_until_ready, check_matmul_precision, compiled_prepared
 from ._layouts import TOKENS_FIRST_STAGE_AXES
 from ._numpy_ops import NumpyPrecision, softmax_inplace
 from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
+from ._torch_common import bool_tensor, optional_tensor, torch_devices, with_matmul_precision
 from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 
 
@@ -89,9 +91,9 @@ class EinsumPlan:
     heads_kv: str  # the same for k
     table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
     table_kv: str  # the same against k
-    # stage name -> (pipeline tensor, rearrange to the stage's axes or None); q, k and v
-    # are not here: they are made from the heads stages (`MERGED_PROJECTIONS`).
-    stage_views: dict[str, tuple[str, str | None]]
+    # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
+    # axes than the contract's; every other stage is shown as the pipeline holds it.
+    stage_views: dict[str, str]
 
 
 # Plain MHA: the head axis h as it is.
@@ -112,19 +114,7 @@ MHA_PLAN = EinsumPlan(
     heads_kv="b n h",
     table_q="b n k -> b n 1 k",
     table_kv="b n k -> b n 1 k",
-    stage_views={
-        "q_heads": ("q", None),
-        "k_heads": ("k", None),
-        "v_heads": ("v", None),
-        "q_rotated": ("q_rotated", None),
-        "k_rotated": ("k_rotated", None),
-        "scores": ("scores", None),
-        "masked_scores": ("masked_scores", None),
-        "weights": ("weights", None),
-        "context": ("context", None),
-        "merged": ("merged", None),
-        "output": ("output", None),
-    },
+    stage_views={},
 )
 
 # GQA: the query-head axis split as (g, r), g the kv head it reads, r its place in the group.
@@ -147,17 +137,12 @@ GQA_PLAN = EinsumPlan(
     table_q="b n k -> b n 1 1 k",
     table_kv="b n k -> b n 1 k",
     stage_views={
-        "q_heads": ("q", "b n g r k -> b n (g r) k"),
-        "k_heads": ("k", None),
-        "v_heads": ("v", None),
-        "q_rotated": ("q_rotated", "b n g r k -> b n (g r) k"),
-        "k_rotated": ("k_rotated", None),
-        "scores": ("scores", "b g q r s -> b (g r) q s"),
-        "masked_scores": ("masked_scores", "b g q r s -> b (g r) q s"),
-        "weights": ("weights", "b g q r s -> b (g r) q s"),
-        "context": ("context", "b q g r v -> b q (g r) v"),
-        "merged": ("merged", None),
-        "output": ("output", None),
+        "q_heads": "b n g r k -> b n (g r) k",
+        "q_rotated": "b n g r k -> b n (g r) k",
+        "scores": "b g q r s -> b (g r) q s",
+        "masked_scores": "b g q r s -> b (g r) q s",
+        "weights": "b g q r s -> b (g r) q s",
+        "context": "b q g r v -> b q (g r) v",
     },
 )
 
@@ -171,6 +156,11 @@ MERGED_PROJECTIONS = {
     "k": ("k_heads", "b n g k -> b n (g k)"),
     "v": ("v_heads", "b n g v -> b n (g v)"),
 }
+
+# Every other stage: the pipeline tensor it is read from, its own name but for the heads,
+# which the projection einsums write as q, k and v.
+PIPELINE_TENSORS = {name: name for name in TOKENS_FIRST_STAGE_AXES if name not in MERGED_PROJECTIONS}
+PIPELINE_TENSORS.update(q_heads="q", k_heads="k", v_heads="v")
 
 # Tokens first, heads after them, as the einsum output specs write them.
 STAGE_AXES = TOKENS_FIRST_STAGE_AXES
@@ -198,11 +188,6 @@ ARRAY_LIBRARIES = ("numpy", "torch", "jax")
 NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
 
 
-def _numpy_subscripts(pattern: str) -> str:
-    """einops pattern with single-letter names -> np.einsum subscripts: "b n d, e d -> b n e" -> "bnd,ed->bne"."""
-    return pattern.replace(" ", "")
-
-
 class NumpyOps:
     """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
 
@@ -224,7 +209,8 @@ class NumpyOps:
 
     def einsum(self, pattern: str, a, b):
         P = self.precision
-        result = np.einsum(_numpy_subscripts(pattern), P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
+        subscripts = pattern.replace(" ", "")  # single-letter names: "b n d, e d -> b n e" -> "bnd,ed->bne"
+        result = np.einsum(subscripts, P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
         return P.store(result)
 
     def add_bias(self, y, bias):
@@ -278,8 +264,6 @@ class TorchOps(_EinopsOps):
         self.device = torch.device("cuda" if device == "gpu" else "cpu")
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
-        from ._torch_common import bool_tensor, optional_tensor
-
         # cast=False: the masks, booleans as they are
         return (
             optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
@@ -344,10 +328,7 @@ class JaxOps(_EinopsOps):
     def snapshot(self, x):
         return x  # JAX arrays are immutable
 
-    def synchronize(self, result) -> None:
-        from ._jax_common import block_until_ready
-
-        block_until_ready(result)
+    synchronize = staticmethod(block_until_ready)
 
 
 OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
@@ -530,8 +511,8 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
     import einops
 
     stages = {}
-    for name, (source, pattern) in plan.stage_views.items():
-        tensor = record[source]
+    for name, source in PIPELINE_TENSORS.items():
+        tensor, pattern = record[source], plan.stage_views.get(name)
         if name == "merged":
             note, relation = _rearranged(ops, record["merged"], record["context"], plan.merge)
             notes, parent = [note], "context"
@@ -570,8 +551,6 @@ class EinopsBackend(Backend):
 
     def devices(self) -> tuple[str, ...]:
         if self.array_library == "torch":
-            from ._torch_common import torch_devices
-
             return torch_devices()
         if self.array_library == "jax":
             from ._jax_common import jax_devices
@@ -590,8 +569,7 @@ class EinopsBackend(Backend):
         weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
         x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
         blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
-        blocked = ops.asarray(blocked_np, cast=False)
-        empty_rows = ops.asarray(empty_rows_np, cast=False)
+        blocked, empty_rows = (ops.asarray(mask, cast=False) for mask in (blocked_np, empty_rows_np))
         tables = rotary_tables(cfg, inputs)
         if tables is not None:
             q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
@@ -612,37 +590,17 @@ class EinopsBackend(Backend):
 
         args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
         if self.array_library == "jax":
-            from ._jax_common import CompiledForward
-
             compiled = CompiledForward(forward, args, self.matmul_precision)
-            return Prepared(
-                forward=compiled,
-                to_numpy=tensor_to_numpy,
-                native_stages=lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope),
-                synchronize=ops.synchronize,
-                compile=compiled.compile,
-                info=info,
-            )
+            jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731
+            return compiled_prepared(compiled, jax_stages, info, ops.synchronize)
 
-        def run():
-            return forward(*args)
-
-        def record():
-            return stages_of(*args)
-
+        run, record = partial(forward, *args), partial(stages_of, *args)
         if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
-            from ._torch_common import with_matmul_precision
-
             tf32 = allows_tf32(self.matmul_precision)
             run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
         run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)
-        return Prepared(
-            forward=run,
-            to_numpy=tensor_to_numpy,
-            native_stages=lambda: stage_tensors(ops, plan, record(), cfg.rope),
-            synchronize=ops.synchronize,
-            info=info,
-        )
+        native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
+        return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         from ._einops_vjp import prepare_einops_vjp  # the array library's own autodiff
@@ -657,10 +615,10 @@ class EinopsBackend(Backend):
         elif self.array_library == "jax":
             from ._jax_common import precision_info
 
-            info.update(precision_info(device, dtype, self.matmul_precision))
+            info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
         elif device == "gpu":
             from ._torch_common import precision_info
 
             # torch's switches are set around each forward and restored (`_torch_common.matmul_precision`).
-            info.update(precision_info(device, dtype, allows_tf32(self.matmul_precision)))
+            info.update(precision_info(device=device, dtype=dtype, allow_tf32=allows_tf32(self.matmul_precision)))
         return info

@@ -152,19 +152,8 @@ def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, hea
     heads = attend(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
     output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_heads": q_heads,
-        "k_heads": k_heads,
-        "v_heads": v_heads,
-        "q_rotated": q_rotated,
-        "k_rotated": k_rotated,
-        **heads,
-        "merged": merged,
-        "output": output,
-    }
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
+    return {**stages, "k_rotated": k_rotated, **heads, "merged": merged, "output": output}
 
 
 def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
@@ -269,7 +258,7 @@ class JaxBackend(Backend):
                 for name, axes in stage_axes.items()
             }
 
-        info.update(precision_info(device, dtype, self.matmul_precision))
+        info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
         info["head_vmap"] = (
             "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
         )
@@ -281,7 +270,7 @@ class JaxBackend(Backend):
         target = jax_target(dtype, device)
         _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
         primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
-        info = precision_info(dtype, device, self.matmul_precision)
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         return jax_vjp_prepared(
             forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
         )

@@ -23,16 +23,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mha_rosetta.core import (
-    MHAConfig,
-    MHAInputs,
-    MHAParams,
-    linear,
-    numpy_dtype,
-    to_equinox_weights,
-    to_flax_params,
-)
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear, numpy_dtype, to_equinox_weights, to_flax_params
+from mha_rosetta.core.layouts import EQUINOX_NAMES
 
+from ._grad_layout import gradients_to_canonical
 from ._jax_common import (
     CompiledForward,
     allowed_for_heads,
@@ -48,6 +42,7 @@ from ._jax_common import (
     rotate_last_axis,
     to_jax,
 )
+from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp through the library's own attention
 from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
 from .base import Backend, Prepared, StageTensor, UnsupportedCase
 
@@ -61,8 +56,6 @@ def _scale_is_default(cfg: MHAConfig) -> bool:
 class _JaxOracle(Backend):
     """What the three oracles share: devices, float64, precision, the empty-row switch."""
 
-    known_differences: tuple[str, ...] = ()
-
     def __init__(
         self, name: str | None = None, matmul_precision: str = "highest", spec_empty_rows: bool = True
     ) -> None:
@@ -75,7 +68,7 @@ class _JaxOracle(Backend):
         return jax_devices()
 
     def _info(self, dtype: str, device: str, **extra) -> dict:
-        info = precision_info(device, dtype, self.matmul_precision)
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         info["known_differences"] = list(self.known_differences)
         info.update(extra)
         return info
@@ -104,8 +97,6 @@ class _JaxOracle(Backend):
     maps_output_rows = False
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._jax_vjp import jax_vjp_prepared  # jax.vjp through the library's own attention
-
         prepared = self._prepare(cfg, params, inputs, dtype, device, strategy)
         if self.maps_output_rows and prepared.info.get("empty_rows_mapped"):
             raise UnsupportedCase(
@@ -116,22 +107,13 @@ class _JaxOracle(Backend):
         target = jax_target(dtype, device)
         x_q, x_k, x_v = (to_jax(x, dtype, target) for x in (inputs.query, inputs.key, inputs.value))  # 3 slots
         primals, extras = (compiled.args[0], x_q, x_k, x_v), compiled.args[4:]
+        to_canonical, info = partial(self._canonical_grads, cfg), self._info(dtype, device)
         return jax_vjp_prepared(
-            compiled.fn,
-            primals,
-            extras,
-            cotangent,
-            dtype,
-            target,
-            self.matmul_precision,
-            lambda grads: self._canonical_grads(cfg, grads),
-            self._info(dtype, device),
+            compiled.fn, primals, extras, cotangent, dtype, target, self.matmul_precision, to_canonical, info
         )
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
         """The gradient of the library's parameter tree, by canonical name (subclasses with other trees override)."""
-        from ._jax_vjp import canonical_param_grads
-
         return canonical_param_grads(grads)
 
     def _output_rows(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target) -> _OutputRows:
@@ -190,19 +172,8 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
     merged = context.reshape(batch, n_q, cfg.context_width)  # (B, Nq, H*Dv)
     output = linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_heads": q_heads,
-        "k_heads": k_heads,
-        "v_heads": v_heads,
-        "q_rotated": q_rotated,
-        "k_rotated": k_rotated,
-        "context": context,
-        "merged": merged,
-        "output": output,
-    }
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
+    return {**stages, "k_rotated": k_rotated, "context": context, "merged": merged, "output": output}
 
 
 # BTNH is the tokens-first layout; the scores and weights stay inside dot_product_attention.
@@ -330,15 +301,13 @@ class FlaxMHAOracle(_JaxOracle):
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
         import flax.linen as nn
+        import jax
         import jax.numpy as jnp
 
         target = jax_target(dtype, device)
         spec = self._output_rows(cfg, params, inputs, dtype, target)
-        flax_tree = to_flax_params(cfg, params)  # kernels (in, H, head_dim), out kernel (H, head_dim, D)
-        tree = {
-            layer: {name: to_jax(value, dtype, target) for name, value in arrays.items()}
-            for layer, arrays in flax_tree.items()
-        }
+        # Kernels (in, H, head_dim), out kernel (H, head_dim, D), each a JAX array on the target.
+        tree = jax.tree_util.tree_map(lambda array: to_jax(array, dtype, target), to_flax_params(cfg, params))
         compute_dtype = jnp.dtype(numpy_dtype(dtype))
         module = nn.MultiHeadDotProductAttention(
             num_heads=cfg.n_heads,
@@ -384,8 +353,6 @@ class FlaxMHAOracle(_JaxOracle):
     half_precision_softmax = True
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
-        from ._grad_layout import gradients_to_canonical
-
         return gradients_to_canonical(cfg, partial(to_flax_params, cfg), grads)  # kernels (in, H, d) -> (out, in)
 
 
@@ -479,10 +446,10 @@ class EquinoxMHAOracle(_JaxOracle):
     maps_output_rows = True
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
-        from ._grad_layout import gradients_to_canonical
-
-        layers = ("query_proj", "key_proj", "value_proj", "output_proj")
-        tree = {layer: {part: getattr(getattr(grads, layer), part) for part in ("weight", "bias")} for layer in layers}
+        parts = ("weight", "bias")
+        tree = {
+            layer: {part: getattr(getattr(grads, layer), part) for part in parts} for layer in EQUINOX_NAMES.values()
+        }
         return gradients_to_canonical(cfg, partial(to_equinox_weights, cfg), tree)
 
 
@@ -510,15 +477,8 @@ def loaded_equinox_mha(cfg: MHAConfig, params: MHAParams, dtype: str, target):
         dtype=jnp.dtype(numpy_dtype(dtype)),
         key=jax.random.PRNGKey(0),
     )
-    return _load_equinox_weights(model, to_equinox_weights(cfg, params), dtype, target)
-
-
-def _load_equinox_weights(model, weights: dict, dtype: str, target):
-    """Put the canonical (out, in) weights into the module's four Linear layers with eqx.tree_at."""
-    import equinox as eqx
-    import jax
-
-    layers = ("query_proj", "key_proj", "value_proj", "output_proj")
+    # The canonical (out, in) weights into the module's four Linear layers with eqx.tree_at.
+    weights, layers = to_equinox_weights(cfg, params), EQUINOX_NAMES.values()
     parts = ("weight", "bias") if weights["query_proj"]["bias"] is not None else ("weight",)
 
     def leaves(module):

@@ -33,14 +33,7 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import (
-    MHAConfig,
-    numpy_dtype,
-    rotary_tables,
-    shard_mask,
-    shard_params,
-    shard_plan,
-)
+from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 
 from ._sharded import PREPARE_SECONDS, ShardedBackend, gather_heads
 from ._workers import Programs, WorkerGroup, serve

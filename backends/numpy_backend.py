@@ -41,30 +41,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import (
-    MHAConfig,
-    MHAInputs,
-    MHAParams,
-    allowed_positions,
-    rotary_tables,
-    split_head_matrices,
-)
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables, split_head_matrices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._inputs import convert_inputs
-from ._layouts import head_slice_axes, layer_sizes
+from ._layouts import head_slice_axes, heads_axes, layer_sizes
 from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
-from ._recording import (
-    StageRecorder,
-    record_head_inputs,
-    record_head_rotated,
-    record_projections,
-    record_rotated,
-    record_split_heads,
-    record_stage,
-    record_stages,
-    relation_to,
-)
+from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
 from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
@@ -73,11 +56,7 @@ COLUMN_SAMPLE_AXES = {
     "q": ("B", "H*Dk", "Nq"),
     "k": ("B", "Hkv*Dk", "Nk"),
     "v": ("B", "Hkv*Dv", "Nk"),
-    "q_heads": ("B", "H", "Dk", "Nq"),
-    "k_heads": ("B", "Hkv", "Dk", "Nk"),
-    "v_heads": ("B", "Hkv", "Dv", "Nk"),
-    "q_rotated": ("B", "H", "Dk", "Nq"),
-    "k_rotated": ("B", "Hkv", "Dk", "Nk"),
+    **heads_axes(("B", "H", "Dk", "Nq"), ("B", "Hkv", "Dk", "Nk"), ("B", "Hkv", "Dv", "Nk")),
 }
 HEAD_SLICE_AXES = head_slice_axes(COLUMN_SAMPLE_AXES)  # q_heads: (B, Dk, Nq), the head axis stacked back in later
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
@@ -124,7 +103,7 @@ def columns_to_rows(output: np.ndarray) -> np.ndarray:
     return tensor_to_numpy(np.ascontiguousarray(output.transpose(0, 2, 1)))  # (B, Nq, D)
 
 
-class ColumnSampleMHA:
+class ColumnSampleMHA(LayerRecording):
     """One layer and one set of inputs, converted once to column samples.
 
     Parameters and inputs are rounded to the storage dtype here and then held in the
@@ -141,6 +120,10 @@ class ColumnSampleMHA:
 
     # The full (Nq, Nk) mask, causal part included; the chunked subclass reads tiles instead.
     materialise_mask = True
+    PROJECTION_AXES = SPLIT_AXES = COLUMN_SAMPLE_AXES
+    HEAD_SLICE_AXES = HEAD_SLICE_AXES
+    PROJECTION_NOTE = "W @ X + b: rows are features, columns are tokens"
+    ROTATE_HOW = ROTATE_HOW
 
     def __init__(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision, batched: bool = True
@@ -177,16 +160,12 @@ class ColumnSampleMHA:
             return np.ascontiguousarray(P.operand(P.round_to_storage(x)).transpose(0, 2, 1))  # (B, F, N)
 
         self.x_q, self.x_k, self.x_v = convert_inputs(inputs, columns)  # self-attention: one array
-
-        def table_columns(t):  # (1|B, N, r/2) -> (1|B, r/2, N): one column per token, like the data
-            return np.ascontiguousarray(P.operand(P.round_to_storage(t)).transpose(0, 2, 1))  # (1|B, r/2, N)
-
         tables = rotary_tables(cfg, inputs)
         self.rotary = None
-        if tables is not None:
+        if tables is not None:  # (1|B, N, r/2) -> (1|B, r/2, N): one column per token, like the data
             self.rotary = {
-                "q": (table_columns(tables.q_cos), table_columns(tables.q_sin)),
-                "k": (table_columns(tables.k_cos), table_columns(tables.k_sin)),
+                "q": (columns(tables.q_cos), columns(tables.q_sin)),
+                "k": (columns(tables.k_cos), columns(tables.k_sin)),
             }
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
         self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
@@ -194,6 +173,10 @@ class ColumnSampleMHA:
         self.workspace = np.empty(shape, dtype=P.compute) if batched and not P.mixed else None
 
     # -- building blocks ------------------------------------------------------------------
+    @staticmethod
+    def _stack(arrays: list, axis: int) -> np.ndarray:
+        return np.stack(arrays, axis)
+
     def _project(self, w: np.ndarray, b: np.ndarray | None, x: np.ndarray) -> np.ndarray:
         """``W @ X + b`` for every batch item: (out, in) @ (B, in, N) -> (B, out, N)."""
         y = np.matmul(w, x)  # (B, out, N): one BLAS product per batch item
@@ -207,16 +190,6 @@ class ColumnSampleMHA:
         v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
         return q, k, v
 
-    @staticmethod
-    def _record_projections(
-        rec: StageRecorder, q, k, v, note: str = "W @ X + b: rows are features, columns are tokens", *provenance
-    ) -> None:
-        record_projections(rec, (q, k, v), COLUMN_SAMPLE_AXES, note, *provenance)
-
-    def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
-        self._record_projections(rec, *projections)
-        record_split_heads(rec, projections, heads, COLUMN_SAMPLE_AXES, how)
-
     def _rotate(self, x: np.ndarray, which: str, head_axis: bool) -> np.ndarray:
         """Query ("q") or key ("k") heads (..., Dk, N) rotated along their feature rows; ``x`` itself without rope."""
         if self.rotary is None:
@@ -226,10 +199,15 @@ class ColumnSampleMHA:
             cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
         return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
 
-    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
-        """One query head's rotated queries and its kv head's rotated keys (loops over heads)."""
-        g = self.cfg.kv_head_of(h)
-        record_head_rotated(rec, h, g, q_h, (q_rotated, k_rotated), HEAD_SLICE_AXES, ROTATE_HOW, np.stack)
+    def _rotate_split(self, rec, projections: tuple, heads: tuple, how: str) -> tuple:
+        """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk); the split (made as ``how``
+        says) and the rotation recorded when ``rec`` is given."""
+        q_heads, k_heads, _ = heads
+        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
+        if rec is not None:
+            self._record_split(rec, projections, heads, how)
+            record_rotated(rec, (q_heads, k_heads), rotated, COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        return rotated
 
     def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
@@ -246,11 +224,8 @@ class ColumnSampleMHA:
         q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk)
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk)
-        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq)
-        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
-        if rec is not None:
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "reshape of the row axis, no transpose")
-            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        how = "reshape of the row axis, no transpose"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:
@@ -265,12 +240,8 @@ class ColumnSampleMHA:
         q_heads = _split_direct(q, H)  # (B, H, Dk, Nq), wrong cells
         k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
         v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
-        q_rotated = self._rotate(q_heads, "q", head_axis=True)  # (B, H, Dk, Nq)
-        k_rotated = self._rotate(k_heads, "k", head_axis=True)  # (B, Hkv, Dk, Nk)
-        if rec is not None:
-            how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
-            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
@@ -321,10 +292,6 @@ class ColumnSampleMHA:
         self._record(rec, "weights", head, weights, axes, note, relation_to(weights, scores, "new"), "masked_scores")
         return weights
 
-    @staticmethod
-    def _record(rec, name: str, head: int | None, value, axes, note: str, relation="new", parent=None) -> None:
-        record_stage(rec, name, head, value, axes, note, np.stack, relation, parent)
-
     # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
     def _attend_one_head(self, h: int, q_h, k_g, v_g, rec) -> np.ndarray:
         """Attention of query head h: (B, Dk, Nq), (B, Dk, Nk), (B, Dv, Nk) -> (B, Dv, Nq)."""
@@ -336,10 +303,6 @@ class ColumnSampleMHA:
         context = P.store(P.matmul(v_g, weights))  # (B, Dv, Nq)
         self._record(rec, "context", h, context, ("B", "Dv", "Nq"), "V_g @ A_h")
         return context
-
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
-        g = self.cfg.kv_head_of(h)
-        record_head_inputs(rec, h, g, (q_h, k_g, v_g), HEAD_SLICE_AXES, note, np.stack, relation)
 
     def slicing(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
@@ -367,12 +330,9 @@ class ColumnSampleMHA:
     def per_head(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         # Each kv head's keys and values once; each query head's queries inside the loop.
-        k_heads = [
-            self._project(self.w_k_heads[g], self.b_k_heads[g], self.x_k) for g in range(Hkv)
-        ]  # Hkv x (B, Dk, Nk)
-        v_heads = [
-            self._project(self.w_v_heads[g], self.b_v_heads[g], self.x_v) for g in range(Hkv)
-        ]  # Hkv x (B, Dv, Nk)
+        # Hkv x (B, Dk, Nk) and Hkv x (B, Dv, Nk)
+        k_heads = [self._project(self.w_k_heads[g], self.b_k_heads[g], self.x_k) for g in range(Hkv)]
+        v_heads = [self._project(self.w_v_heads[g], self.b_v_heads[g], self.x_v) for g in range(Hkv)]
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Dk, Nk)
         q_heads, contexts = [], []
         for h in range(H):

@@ -27,21 +27,13 @@ GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; s
 
 from __future__ import annotations
 
+from functools import partial
+
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
-from ._recording import (
-    StageRecorder,
-    record_head_inputs,
-    record_head_rotated,
-    record_projections,
-    record_rotated,
-    record_split_heads,
-    record_stage,
-    record_stages,
-    relation_to,
-)
+from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
 from ._torch_common import (
     bool_tensor,
     in_inference_mode,
@@ -99,7 +91,7 @@ class TorchBackend(Backend):
             "device": str(layer.x_q.device),
             "gqa": "query heads of a group folded into the token axis (no repeat_interleave)",
             "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
-            **precision_info(device, dtype, self.allow_tf32),
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
         if strategy == CHUNKED:
             info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
@@ -114,7 +106,7 @@ class TorchBackend(Backend):
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
 
 
-class RowSampleMHA:
+class RowSampleMHA(LayerRecording):
     """One layer and one set of inputs, converted once to torch tensors on the device.
 
     With ``batched=True`` the score and weight tensors ``(B*Hkv, G*Nq, Nk)`` get buffers
@@ -126,6 +118,11 @@ class RowSampleMHA:
     """
 
     materialise_mask = True  # the full (Nq, Nk) mask, causal part included
+    PROJECTION_AXES = ROW_SAMPLE_PROJECTION_AXES
+    SPLIT_AXES = HEADS_FIRST_SPLIT_AXES
+    HEAD_SLICE_AXES = HEAD_SLICE_AXES
+    PROJECTION_NOTE = "F.linear: x @ W.T + b"
+    ROTATE_HOW = ROTATE_HOW
 
     def __init__(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, batched: bool = True
@@ -136,9 +133,7 @@ class RowSampleMHA:
         self.torch, self.F, self.cfg = torch, F, cfg
         self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
 
-        def tensor(array):
-            return optional_tensor(array, dtype, device)
-
+        tensor = partial(optional_tensor, dtype=dtype, device=device)
         # nn.Linear layout (out, in), used as is by F.linear.
         self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
         self.b_q, self.b_k, self.b_v, self.b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
@@ -167,20 +162,15 @@ class RowSampleMHA:
         self.weights_buffer = self.x_q.new_empty(shape) if batched else None
 
     # -- building blocks ------------------------------------------------------------------
+    def _stack(self, arrays: list, axis: int):
+        return self.torch.stack(arrays, axis)
+
     def _projections(self):
         F = self.F
         q = F.linear(self.x_q, self.w_q, self.b_q)  # (B, Nq, H*Dk)
         k = F.linear(self.x_k, self.w_k, self.b_k)  # (B, Nk, Hkv*Dk)
         v = F.linear(self.x_v, self.w_v, self.b_v)  # (B, Nk, Hkv*Dv)
         return q, k, v
-
-    @staticmethod
-    def _record_projections(rec: StageRecorder, q, k, v, note: str = "F.linear: x @ W.T + b", *provenance) -> None:
-        record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, note, *provenance)
-
-    def _record_split(self, rec: StageRecorder, projections: tuple, heads: tuple, how: str) -> None:
-        self._record_projections(rec, *projections)
-        record_split_heads(rec, projections, heads, HEADS_FIRST_SPLIT_AXES, how)
 
     def _rotate(self, x, which: str, head_axis: bool):
         """Query ("q") or key ("k") heads (..., N, Dk) with rotary applied; ``x`` itself without rope."""
@@ -198,14 +188,14 @@ class RowSampleMHA:
             record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
         return rotated
 
-    def _merge_and_finish(self, context, rec):
-        """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv), then the output projection."""
+    def _merge(self, context, rec):
+        """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv)."""
         B, H, Nq, Dv = context.shape
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy unless H or Nq is 1
         if rec is not None:
             how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
-        return self._finish(merged, rec)
+        return merged
 
     def _finish(self, merged, rec):
         output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
@@ -240,14 +230,12 @@ class RowSampleMHA:
         self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights
 
-    def _record(self, rec, name, head, value, axes, note, relation="new", parent=None) -> None:
-        record_stage(rec, name, head, value, axes, note, self.torch.stack, relation, parent)
-
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
-    def _split_and_rotate(self, rec):
-        """Projections split into heads by view + transpose, then rotated: (q_rotated, k_rotated, v_heads)."""
+    def _split_and_rotate(self, rec, projections: tuple | None = None):
+        """Projections (by default this layer's own) split into heads by view + transpose, then rotated:
+        (q_rotated, k_rotated, v_heads)."""
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q, k, v = self._projections()
+        q, k, v = self._projections() if projections is None else projections
         q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
         k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
         v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
@@ -259,7 +247,7 @@ class RowSampleMHA:
     def standard(self, rec: StageRecorder | None = None):
         q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
-        return self._merge_and_finish(context, rec)
+        return self._finish(self._merge(context, rec), rec)
 
     def direct_reshape(self, rec: StageRecorder | None = None):
         """The known mistake: reshape (B, N, H*Dk) straight to (B, H, N, Dk), no transpose."""
@@ -315,14 +303,6 @@ class RowSampleMHA:
         self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
         return context
 
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
-        g = self.cfg.kv_head_of(h)
-        record_head_inputs(rec, h, g, (q_h, k_g, v_g), HEAD_SLICE_AXES, note, self.torch.stack, relation)
-
-    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
-        g = self.cfg.kv_head_of(h)
-        record_head_rotated(rec, h, g, q_h, (q_rotated, k_rotated), HEAD_SLICE_AXES, ROTATE_HOW, self.torch.stack)
-
     def slicing(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections()
@@ -348,12 +328,9 @@ class RowSampleMHA:
 
     def per_head(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        k_heads = [
-            self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)
-        ]  # Hkv x (B, Nk, Dk)
-        v_heads = [
-            self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)
-        ]  # Hkv x (B, Nk, Dv)
+        # Hkv x (B, Nk, Dk) and Hkv x (B, Nk, Dv)
+        k_heads = [self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)]
+        v_heads = [self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)]
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Nk, Dk)
         q_heads, contexts = [], []
         for h in range(H):

@@ -16,6 +16,7 @@ from mha_rosetta.core import (
     MHAInputs,
     MHAParams,
     allowed_positions,
+    from_torch_mha_state_dict,
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
@@ -30,12 +31,14 @@ from ._torch_common import (
     optional_tensor,
     precision_info,
     synchronizer,
+    to_tensor,
     torch_device,
     torch_devices,
     torch_dtype,
     torch_inputs,
     with_matmul_precision,
 )
+from ._torch_vjp import INPUT_SLOTS, autograd_prepared, leaf
 from .base import Backend, Prepared, StageTensor, tensor_to_numpy
 
 
@@ -92,15 +95,9 @@ class TorchMHAOracle(Backend):
 
         module = loaded_torch_mha(cfg, params, dtype, device, self.batch_first)
         module.requires_grad_(False)
-
-        def sequence_layout(x):  # (B, N, F) -> the module's layout
-            return x if self.batch_first else x.transpose(0, 1).contiguous()  # (N, B, F) when seq-first
-
         # Self-attention passes one tensor three times: torch's fast path checks identity.
-        query, key, value = torch_inputs(inputs, dtype, device, layout=sequence_layout)
-        attn_mask = torch_blocked_mask(
-            allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
-        )
+        query, key, value = torch_inputs(inputs, dtype, device, layout=self._layout)
+        attn_mask = self._attn_mask(cfg, inputs, device)
 
         def call(need_weights: bool):
             with torch.inference_mode():
@@ -133,14 +130,42 @@ class TorchMHAOracle(Backend):
             "batch_first": self.batch_first,
             "attn_mask": None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = blocked",
             "fast_path_expected": fast_path_expected(cfg, self.batch_first, query is key is value),
-            **precision_info(device, dtype, self.allow_tf32),
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
         return Prepared(forward, to_numpy, native_stages, synchronize=synchronizer(device), info=info)
 
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._torch_vjp import prepare_torch_mha_vjp  # autograd through the module itself
+    def _layout(self, x):
+        """(B, N, F) -> the module's layout: (N, B, F) when sequence-first."""
+        return x if self.batch_first else x.transpose(0, 1).contiguous()
 
-        return prepare_torch_mha_vjp(cfg, params, inputs, cotangent, dtype, device, self.batch_first, self.allow_tf32)
+    def _attn_mask(self, cfg: MHAConfig, inputs: MHAInputs, device: str):
+        return torch_blocked_mask(
+            allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
+        )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        """Autograd through the module itself; its parameters' gradients are a state dict."""
+        # Eval mode means no dropout; with grad enabled torch takes its differentiable (non-fused) path.
+        module = loaded_torch_mha(cfg, params, dtype, device, self.batch_first)
+        query, key, value = (
+            leaf(self._layout(to_tensor(x, dtype, device))) for x in (inputs.query, inputs.key, inputs.value)
+        )
+        attn_mask = self._attn_mask(cfg, inputs, device)
+        parameters = dict(module.named_parameters())
+        leaves = {"d_x_q": query, "d_x_k": key, "d_x_v": value, **parameters}
+
+        def forward():
+            return module(query, key, value, attn_mask=attn_mask, need_weights=False)[0]
+
+        def to_canonical(grads: dict) -> dict:
+            rows = {slot: grads.pop(slot) for slot in INPUT_SLOTS}
+            canonical = from_torch_mha_state_dict(cfg, grads).as_dict()  # packed in_proj_weight -> w_q, w_k, w_v
+            inputs_grads = {slot: g if self.batch_first else g.transpose(1, 0, 2) for slot, g in rows.items()}
+            return {**inputs_grads, **{name: g for name, g in canonical.items() if g is not None}}  # inputs (B, N, F)
+
+        info = {"batch_first": self.batch_first, "parameters": ", ".join(parameters)}
+        d_output = self._layout(to_tensor(cotangent, dtype, device))
+        return autograd_prepared(forward, leaves, d_output, to_canonical, device, self.allow_tf32, info)
 
 
 def loaded_torch_mha(cfg: MHAConfig, params: MHAParams, dtype: str, device: str, batch_first: bool):
@@ -239,48 +264,12 @@ class TorchSDPAOracle(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import torch.nn.functional as F
-
-        B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-        H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-
-        def tensor(array):
-            return optional_tensor(array, dtype, device)
-
-        w_q, w_k, w_v, w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
-        b_q, b_k, b_v, b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
+        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
-
-        # No user mask: is_causal says it all and lets torch pick its causal kernels.
-        use_is_causal = cfg.causal and inputs.mask is None
-        allowed = None if use_is_causal else allowed_positions(cfg, inputs)
-        attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
-        gqa = {"enable_gqa": True} if Hkv != H else {}
-        rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
+        forward, attn_mask, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
 
         def run(rec: StageRecorder | None):
-            q = F.linear(x_q, w_q, b_q)  # (B, Nq, H*Dk)
-            k = F.linear(x_k, w_k, b_k)  # (B, Nk, Hkv*Dk)
-            v = F.linear(x_v, w_v, b_v)  # (B, Nk, Hkv*Dv)
-            q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk)
-            k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
-            v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
-            q_rotated, k_rotated = rotate(q_heads, "q"), rotate(k_heads, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-            context = F.scaled_dot_product_attention(
-                q_rotated, k_rotated, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
-            )  # (B, H, Nq, Dv)
-            merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv)
-            output = F.linear(merged, w_o, b_o)  # (B, Nq, D)
-            if rec is not None:
-                record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
-                how = "view(B, N, H, d).transpose(1, 2)"
-                record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
-                how = "rotate_last_axis before the kernel"
-                record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
-                rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
-                rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
-                rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
-            return output
+            return forward(p, x_q, x_k, x_v, rec)
 
         run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
 
@@ -288,17 +277,70 @@ class TorchSDPAOracle(Backend):
             "mask": "is_causal=True (top-left)"
             if use_is_causal
             else (None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"),
-            "enable_gqa": bool(gqa),
-            **precision_info(device, dtype, self.allow_tf32),
+            "enable_gqa": cfg.n_kv_heads != cfg.n_heads,
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._torch_vjp import prepare_sdpa_vjp  # autograd through F.linear and SDPA
+        """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward's pass."""
+        p = {name: leaf(optional_tensor(a, dtype, device)) for name, a in params.as_dict().items()}
+        x_q, x_k, x_v = (leaf(to_tensor(x, dtype, device)) for x in (inputs.query, inputs.key, inputs.value))
+        forward, _, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
+        leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **p}
+        info = {"enable_gqa": cfg.n_kv_heads != cfg.n_heads, "is_causal": use_is_causal}
+        d_output = to_tensor(cotangent, dtype, device)
+        return autograd_prepared(
+            lambda: forward(p, x_q, x_k, x_v), leaves, d_output, dict, device, self.allow_tf32, info
+        )
 
-        return prepare_sdpa_vjp(cfg, params, inputs, cotangent, dtype, device, self.allow_tf32)
+
+def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
+    """The SDPA oracle's pass for these inputs: ``(forward, attn_mask, use_is_causal)``.
+
+    ``forward(p, x_q, x_k, x_v, rec=None)`` runs the projections (``p``: the parameter
+    tensors by canonical name), the head split, the kernel, the merge and the output
+    projection, recording the stages when ``rec`` is given; the backward (`_prepare_vjp`)
+    differentiates this same function.
+    """
+    import torch.nn.functional as F
+
+    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    # No user mask: is_causal says it all and lets torch pick its causal kernels.
+    use_is_causal = cfg.causal and inputs.mask is None
+    allowed = None if use_is_causal else allowed_positions(cfg, inputs)
+    attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
+    gqa = {"enable_gqa": True} if Hkv != H else {}
+    rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
+
+    def forward(p: dict, x_q, x_k, x_v, rec: StageRecorder | None = None):
+        q = F.linear(x_q, p["w_q"], p["b_q"])  # (B, Nq, H*Dk)
+        k = F.linear(x_k, p["w_k"], p["b_k"])  # (B, Nk, Hkv*Dk)
+        v = F.linear(x_v, p["w_v"], p["b_v"])  # (B, Nk, Hkv*Dv)
+        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view
+        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk), view
+        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv), view
+        q_rotated, k_rotated = rotate(q_heads, "q"), rotate(k_heads, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        context = F.scaled_dot_product_attention(
+            q_rotated, k_rotated, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
+        )  # (B, H, Nq, Dv)
+        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
+        output = F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
+        if rec is not None:
+            record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
+            how = "view(B, N, H, d).transpose(1, 2)"
+            record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
+            how = "rotate_last_axis before the kernel"
+            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
+            rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
+            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
+            rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
+        return output
+
+    return forward, attn_mask, use_is_causal
 
 
 def sdpa_has_enable_gqa() -> bool:

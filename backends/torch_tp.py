@@ -149,17 +149,12 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
     layer = RowSampleMHA(local_cfg, dataclasses.replace(shard, b_o=None), local_inputs, dtype, "cpu")
 
     if strategy == STANDARD:
-        B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-        Hl, Hkvl, Dk, Dv = local_cfg.n_heads, local_cfg.n_kv_heads, cfg.d_k, cfg.d_v
 
         def attend(q, k, v):
-            """This rank's heads, with the torch adapter's attention: (B, N, local width) -> merged."""
-            q_heads = q.view(B, Nq, Hl, Dk).transpose(1, 2)  # (B, Hl, Nq, Dk), strided view
-            k_heads = k.view(B, Nk, Hkvl, Dk).transpose(1, 2)  # (B, Hkvl, Nk, Dk)
-            v_heads = v.view(B, Nk, Hkvl, Dv).transpose(1, 2)  # (B, Hkvl, Nk, Dv)
-            q_heads, k_heads = layer._rotate_split(None, q_heads, k_heads)  # rope (head-local), else themselves
-            context = layer._attend_batched(q_heads, k_heads, v_heads, None)  # (B, Hl, Nq, Dv)
-            return context.transpose(1, 2).contiguous().view(B, Nq, Hl * Dv)  # (B, Nq, Hl*Dv)
+            """This rank's heads through the torch adapter's own split (view + transpose), rotation (head-local),
+            attention and merge: (B, N, local width) -> merged (B, Nq, Hl*Dv)."""
+            q_heads, k_heads, v_heads = layer._split_and_rotate(None, (q, k, v))  # (B, Hl, Nq, Dk), ...
+            return layer._merge(layer._attend_batched(q_heads, k_heads, v_heads, None), None)
 
         module = _head_parallel_module(cfg, params, dtype, mesh, attend)
 

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import combinations
 
 import numpy as np
 
@@ -55,11 +56,9 @@ from mha_rosetta.core import (
     MHAConfig,
     MHAParams,
     Tolerance,
-    allowed_positions,
     check_dtype_name,
     error_line,
     lower_precision,
-    prepare_inputs,
     reference_stages,
 )
 from mha_rosetta.core import compare as core_compare
@@ -138,8 +137,8 @@ class Implementation:
 
 
 @dataclass
-class Run:
-    """One implementation on one case and dtype, and how it compares with the oracle."""
+class RunRecord:
+    """Which implementation ran on which case and dtype, and its status: shared by `Run` and `checks.grad.GradRun`."""
 
     case: str
     impl: Implementation
@@ -147,6 +146,16 @@ class Run:
     kind: str  # "implementation" (ours) or "oracle" (a third-party library)
     status: Status
     reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.impl.label
+
+
+@dataclass
+class Run(RunRecord):
+    """One implementation on one case and dtype, and how it compares with the oracle."""
+
     max_abs: float | None = None
     max_rel: float | None = None
     tolerance: Tolerance | None = None
@@ -156,10 +165,6 @@ class Run:
     output: np.ndarray | None = field(default=None, repr=False)  # batched (B, Nq, D)
     stage_source: Callable[[], dict] | None = field(default=None, repr=False)
     _stages: dict | None = field(default=None, repr=False)
-
-    @property
-    def label(self) -> str:
-        return self.impl.label
 
     @property
     def compared(self) -> bool:
@@ -192,8 +197,45 @@ class Pair:
     divergence: Divergence | None = None
 
 
+class Outcome:
+    """The exit-status rule of the forward check (`CheckResult`) and the gradient check (`checks.grad`).
+
+    For a result with ``runs``, ``pairs``, ``broken_backends`` and ``interrupted``.
+    """
+
+    def failures(self) -> list:
+        """Runs and pairs that fail the check (DISAGREE, MISSED)."""
+        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
+
+    def errors(self) -> list:
+        """Runs that raised (a backend that failed to load counts too, see `broken_backends`)."""
+        return [run for run in self.runs if run.status is Status.ERROR]
+
+    @property
+    def error_count(self) -> int:
+        return len(self.errors()) + len(self.broken_backends)
+
+    @property
+    def nothing_checked(self) -> bool:
+        return not any(run.compared for run in self.runs)
+
+    @property
+    def exit_status(self) -> int:
+        """0 all good; 1 a disagreement or a missed mistake; 2 an error or nothing checked."""
+        if self.error_count or self.nothing_checked:
+            return 2
+        if self.failures():
+            return 1
+        return 0
+
+    @property
+    def exit_code(self) -> int:
+        """The process's exit status: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
+        return exit_code(self.exit_status, self.interrupted)
+
+
 @dataclass
-class CheckResult:
+class CheckResult(Outcome):
     """Everything one check produced; the CLI prints it and the tests inspect it."""
 
     settings: dict
@@ -215,35 +257,9 @@ class CheckResult:
     def pair_counts(self) -> Counter:
         return Counter(pair.status for pair in self.pairs)
 
-    def failures(self) -> list[Run | Pair]:
-        """Runs and pairs that fail the check (DISAGREE, MISSED)."""
-        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
-
-    def errors(self) -> list[Run]:
-        """Runs that raised (a backend that failed to load counts too, see `broken_backends`)."""
-        return [run for run in self.runs if run.status is Status.ERROR]
-
     @property
     def error_count(self) -> int:
-        return len(self.errors()) + len(self.broken_backends) + len(self.frameworks_without_gpu)
-
-    @property
-    def nothing_checked(self) -> bool:
-        return not any(run.compared for run in self.runs)
-
-    @property
-    def exit_status(self) -> int:
-        """0 all good; 1 a disagreement or a missed mistake; 2 an error or nothing checked."""
-        if self.error_count or self.nothing_checked:
-            return 2
-        if self.failures():
-            return 1
-        return 0
-
-    @property
-    def exit_code(self) -> int:
-        """The process's exit status: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
-        return exit_code(self.exit_status, self.interrupted)
+        return super().error_count + len(self.frameworks_without_gpu)  # a GPU asked for and not seen is an error
 
     def verdict(self) -> str:
         if self.interrupted:
@@ -367,12 +383,8 @@ def _oracle(case: SpecCase) -> _Oracle:
     data = case.inputs()
     args = (data.query, data.key, data.value, data.mask, data.positions, data.kv_positions)
     stages = reference_stages(case.cfg, params, *args)
-    inputs = prepare_inputs(case.cfg, *args)
-    shape = stages["scores"].shape  # (B, H, Nq, Nk)
-    allowed = allowed_positions(case.cfg, inputs)
-    allowed = np.ones(shape, dtype=bool) if allowed is None else np.broadcast_to(allowed, shape)
-    empty_rows = (~allowed.any(axis=-1)).any(axis=1)  # (B, Nq)
-    return _Oracle(case, case.cfg, params, data, stages, empty_rows, allowed)
+    allowed = case.allowed()  # (B, H, Nq, Nk)
+    return _Oracle(case, case.cfg, params, data, stages, case.empty_rows(), allowed)
 
 
 def _uniform_fallback_output(oracle: _Oracle) -> np.ndarray:
@@ -673,17 +685,11 @@ def _check_case(case: SpecCase, sel: Selection, result: CheckResult, progress) -
         oracle = _oracle(case)
         uniform = _uniform_fallback_output(oracle)
     except Exception as error:  # the oracle itself failed: every run of the case is an error
+        reason = f"oracle failed: {error_line(error)}"
         for backend in sel.backends:
             for dtype in sel.dtypes:
                 result.runs.append(
-                    Run(
-                        case.name,
-                        Implementation(backend.name),
-                        dtype,
-                        backend.kind,
-                        Status.ERROR,
-                        f"oracle failed: {error_line(error)}",
-                    )
+                    Run(case.name, Implementation(backend.name), dtype, backend.kind, Status.ERROR, reason)
                 )
         return
     plan = {}  # every selected implementation -> the dtypes it runs this case in
@@ -701,8 +707,6 @@ def _check_case(case: SpecCase, sel: Selection, result: CheckResult, progress) -
         ]
         result.runs.extend(runs)
         compared = [run for run in runs if run.compared]
-        for i, a in enumerate(compared):
-            for b in compared[i + 1 :]:
-                result.pairs.append(_compare_pair(a, b, oracle))
+        result.pairs += [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
         for run in runs:  # the stage tensors of this case are no longer needed
             run.release_stages()

@@ -19,7 +19,7 @@ option away: ``mha-rosetta check --dtypes all``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -171,16 +171,17 @@ class SpecCase:
     def __str__(self) -> str:
         return self.name
 
-    def empty_rows(self) -> np.ndarray:
-        """(B, Nq) bool, batched form: output rows where some head may attend to no key."""
+    def allowed(self) -> np.ndarray:
+        """(B, H, Nq, Nk) bool, batched form: the keys each query may attend to in each head (mask and causal)."""
         data = self.inputs()
         inputs = prepare_inputs(self.cfg, data.query, data.key, data.value, data.mask)
         allowed = allowed_positions(self.cfg, inputs)
         shape = (inputs.batch, self.cfg.n_heads, inputs.q_tokens, inputs.kv_tokens)
-        if allowed is None:
-            return np.zeros(shape[:1] + shape[2:3], dtype=bool)
-        allowed = np.broadcast_to(allowed, shape)  # (B, H, Nq, Nk)
-        return (~allowed.any(axis=-1)).any(axis=1)  # (B, Nq)
+        return np.ones(shape, dtype=bool) if allowed is None else np.broadcast_to(allowed, shape)  # a view
+
+    def empty_rows(self) -> np.ndarray:
+        """(B, Nq) bool, batched form: output rows where some head may attend to no key."""
+        return (~self.allowed().any(axis=-1)).any(axis=1)  # (B, Nq)
 
     def describe(self) -> str:
         """One line: sizes and features, e.g. for the report's case list."""
@@ -201,25 +202,10 @@ class SpecCase:
         return " ".join(parts)
 
     def as_dict(self) -> dict:
-        cfg = self.cfg
         return {
             "name": self.name,
             "description": self.description,
-            "config": {
-                "d_model": cfg.d_model,
-                "n_heads": cfg.n_heads,
-                "d_k": cfg.d_k,
-                "d_v": cfg.d_v,
-                "n_kv_heads": cfg.n_kv_heads,
-                "kdim": cfg.kdim,
-                "vdim": cfg.vdim,
-                "bias": cfg.bias,
-                "causal": cfg.causal,
-                "scale": cfg.scale,
-                "rope": cfg.rope,
-                "rope_base": cfg.rope_base,
-                "rope_dims": cfg.rope_dims,
-            },
+            "config": asdict(self.cfg),  # every MHAConfig field, resolved (d_k, scale, ...)
             "batch": self.batch,
             "q_tokens": self.q_tokens,
             "kv_tokens": self.q_tokens if self.kv_tokens is None else self.kv_tokens,
@@ -232,6 +218,7 @@ class SpecCase:
         }
 
 
+# A case that names no batch or q_tokens has the defaults: 2 batch items of 7 query tokens.
 SPEC_CASES: dict[str, SpecCase] = {
     case.name: case
     for case in (
@@ -239,16 +226,12 @@ SPEC_CASES: dict[str, SpecCase] = {
             "self_attention",
             "plain self-attention: key = value = query",
             MHAConfig(d_model=15, n_heads=3),  # d_k = d_v = 5
-            batch=2,
-            q_tokens=7,
             dtypes=("float64", "bfloat16"),
         ),
         SpecCase(
             "cross_attention",
             "cross-attention: other tokens (Nq != Nk) of other widths (kdim != vdim != d_model)",
             MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9),
-            batch=2,
-            q_tokens=7,
             kv_tokens=6,
             dtypes=("float32", "float16"),
             seed=1,
@@ -258,7 +241,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "grouped-query attention: 4 query heads share 2 kv heads",
             MHAConfig(d_model=20, n_heads=4, n_kv_heads=2),  # d_k = 5
             batch=3,
-            q_tokens=7,
             dtypes=("float16",),
             seed=2,
         ),
@@ -266,7 +248,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "mqa",
             "multi-query attention: 3 query heads share one kv head",
             MHAConfig(d_model=18, n_heads=3, n_kv_heads=1),  # d_k = 6
-            batch=2,
             q_tokens=5,
             dtypes=("float64",),
             seed=3,
@@ -275,8 +256,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "causal",
             "causal self-attention: query i sees keys 0..i",
             MHAConfig(d_model=15, n_heads=3, causal=True),
-            batch=2,
-            q_tokens=7,
             dtypes=("float32",),
             seed=4,
         ),
@@ -294,8 +273,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "causal_padding",
             "causal mask combined with key padding (lengths 7, 4 of 7)",
             MHAConfig(d_model=12, n_heads=4, causal=True),  # d_k = 3
-            batch=2,
-            q_tokens=7,
             key_lengths=(7, 4),
             dtypes=("float16", "bfloat16"),
             seed=6,
@@ -304,8 +281,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "no_bias",
             "projections without bias",
             MHAConfig(d_model=15, n_heads=3, bias=False),
-            batch=2,
-            q_tokens=7,
             dtypes=("float32",),
             seed=7,
         ),
@@ -314,7 +289,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "unbatched call: query of shape (tokens, d_model)",
             MHAConfig(d_model=15, n_heads=3),
             batch=None,
-            q_tokens=7,
             dtypes=("float64",),
             seed=8,
         ),
@@ -322,8 +296,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "custom_scale",
             "a scale other than 1/sqrt(d_k)",
             MHAConfig(d_model=15, n_heads=3, scale=0.37),
-            batch=2,
-            q_tokens=7,
             dtypes=("float32",),
             seed=9,
         ),
@@ -331,8 +303,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "dv_ne_dk",
             "value heads narrower than key heads (d_v=4, d_k=6) and d_model != heads*d_k",
             MHAConfig(d_model=16, n_heads=3, d_k=6, d_v=4),
-            batch=2,
-            q_tokens=7,
             dtypes=("float64",),
             seed=10,
         ),
@@ -343,7 +313,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             # nn.MultiheadAttention down its fused fast path, which answers such rows with NaN.
             MHAConfig(d_model=12, n_heads=2),  # d_k = 6
             batch=3,
-            q_tokens=7,
             key_lengths=(7, 5, 4),
             blocked_rows=((0, 2), (2, 6)),
             dtypes=("float32",),
@@ -355,7 +324,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             # Even head counts, so the sharded backends split it (kv heads split over 2 ranks,
             # replicated over 4 and 8); d_k=3 and kdim/vdim differ from every other width.
             MHAConfig(d_model=16, n_heads=8, n_kv_heads=2, d_k=3, kdim=10, vdim=14),
-            batch=2,
             q_tokens=9,
             kv_tokens=6,
             key_lengths=(6, 4),
@@ -366,8 +334,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "rope_half",
             "rotary embedding, rotate-half pairs (i, i + d_k/2): Hugging Face Llama, GPT-NeoX",
             MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half"),
-            batch=2,
-            q_tokens=7,
             dtypes=("float64", "float32"),
             seed=12,
         ),
@@ -375,8 +341,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "rope_interleaved",
             "rotary embedding, interleaved pairs (2i, 2i+1): Meta Llama, GPT-J",
             MHAConfig(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
-            batch=2,
-            q_tokens=7,
             dtypes=("float64", "bfloat16"),
             seed=13,
         ),
@@ -384,8 +348,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "rope_partial",
             "partial rotary (GPT-NeoX): the first 4 of 6 features per head rotate, the last 2 pass through",
             MHAConfig(d_model=15, n_heads=3, d_k=6, d_v=5, rope="half", rope_dims=4),
-            batch=2,
-            q_tokens=7,
             dtypes=("float64", "float16"),
             seed=14,
         ),
@@ -394,7 +356,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "interleaved partial rotary with grouped kv heads (4 query heads, 2 kv heads) and a causal mask",
             MHAConfig(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True),
             batch=3,
-            q_tokens=7,
             dtypes=("float64", "float32"),
             seed=15,
         ),
@@ -402,8 +363,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "rope_positions",
             "rotary at other positions: batch items start at 5 and 11 (queries and keys alike)",
             MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half", rope_base=500.0),
-            batch=2,
-            q_tokens=7,
             position_offsets=(5, 11),
             dtypes=("float64",),
             seed=16,
@@ -412,7 +371,6 @@ SPEC_CASES: dict[str, SpecCase] = {
             "rope_cache",
             "rotary with a cache: 4 new queries at positions 3..6 attend to 7 cached keys at 0..6",
             MHAConfig(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
-            batch=2,
             q_tokens=4,
             kv_tokens=7,
             position_offsets=(3, 3),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import combinations
 
 import numpy as np
 
@@ -36,11 +37,11 @@ from mha_rosetta.core import (
     reference_mha_vjp,
     reference_stages,
 )
-from mha_rosetta.core.errors import exit_code
 
 from .agreement import (
-    FAILING,
     Implementation,
+    Outcome,
+    RunRecord,
     Status,
     compare,
     failure_status,
@@ -62,21 +63,11 @@ class TensorError:
 
 
 @dataclass
-class GradRun:
-    case: str
-    impl: Implementation
-    dtype: str
-    kind: str
-    status: Status
-    reason: str = ""
+class GradRun(RunRecord):
     tensors: dict[str, TensorError] = field(default_factory=dict)
     divergent_stage: str | None = None
     seconds: float = 0.0
     grads: MHAGrads | None = field(default=None, repr=False)
-
-    @property
-    def label(self) -> str:
-        return self.impl.label
 
     @property
     def compared(self) -> bool:
@@ -103,7 +94,7 @@ class GradPair:
 
 
 @dataclass
-class GradCheckResult:
+class GradCheckResult(Outcome):
     settings: dict
     cases: list[SpecCase]
     skipped_backends: dict[str, str]
@@ -113,28 +104,10 @@ class GradCheckResult:
     seconds: float = 0.0
     interrupted: bool = False
 
-    def failures(self) -> list:
-        return [item for item in (*self.runs, *self.pairs) if item.status in FAILING]
-
-    @property
-    def error_count(self) -> int:
-        return sum(run.status is Status.ERROR for run in self.runs) + len(self.broken_backends)
-
-    @property
-    def exit_status(self) -> int:
-        if self.error_count or not any(run.compared for run in self.runs):
-            return 2
-        return 1 if self.failures() else 0
-
-    @property
-    def exit_code(self) -> int:
-        """As `CheckResult.exit_code`: `core.errors.INTERRUPTED` when interrupted, else `exit_status`."""
-        return exit_code(self.exit_status, self.interrupted)
-
     def verdict(self) -> str:
         if self.error_count:
             return f"gradients: ERROR: {self.error_count} run(s) or backend(s) raised an exception"
-        if not any(run.compared for run in self.runs):
+        if self.nothing_checked:
             return "gradients: nothing was checked"
         if self.failures():
             return f"gradients: FAIL: {len(self.failures())} failing comparison(s)"
@@ -320,9 +293,7 @@ def run_grad_check(
                 runs = [_run_one(b, strategy, device, dtype, oracle) for b, strategy, device in sel.implementations()]
                 result.runs.extend(runs)
                 compared = [run for run in runs if run.compared and run.grads is not None]
-                for i, a in enumerate(compared):
-                    for b in compared[i + 1 :]:
-                        result.pairs.append(_compare_pair(a, b, oracle))
+                result.pairs += [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
                 for run in runs:
                     run.grads = None  # keep the numbers, drop the arrays
     except KeyboardInterrupt:
@@ -434,9 +405,7 @@ def grad_summary_lines(result: GradCheckResult) -> list[str]:
 
 def grad_to_json(result: GradCheckResult) -> dict:
     """The ``grad`` section of ``mha-rosetta check --grad --json``."""
-
-    def num(value):
-        return value if value is None or np.isfinite(value) else str(value)
+    from .report import json_number, run_identity_json
 
     return {
         "settings": result.settings,
@@ -448,8 +417,8 @@ def grad_to_json(result: GradCheckResult) -> dict:
                 label: {
                     **entry,
                     "status": str(entry["status"]),
-                    "max_abs": num(entry["max_abs"]),
-                    "ratio": num(entry["ratio"]),
+                    "max_abs": json_number(entry["max_abs"]),
+                    "ratio": json_number(entry["ratio"]),
                 }
                 for label, entry in rows.items()
             }
@@ -457,18 +426,13 @@ def grad_to_json(result: GradCheckResult) -> dict:
         },
         "runs": [
             {
-                "case": run.case,
-                "implementation": run.label,
-                "backend": run.impl.backend,
-                "strategy": run.impl.strategy,
-                "device": run.impl.device,
-                "dtype": run.dtype,
-                "kind": run.kind,
+                **run_identity_json(run),
                 "status": str(run.status),
                 "reason": run.reason,
                 "divergent_stage": run.divergent_stage,
                 "tensors": {
-                    name: {"max_abs": num(t.max_abs), "atol": t.atol, "ok": t.ok} for name, t in run.tensors.items()
+                    name: {"max_abs": json_number(t.max_abs), "atol": t.atol, "ok": t.ok}
+                    for name, t in run.tensors.items()
                 },
             }
             for run in result.runs
@@ -481,7 +445,7 @@ def grad_to_json(result: GradCheckResult) -> dict:
                 "dtype": p.dtype,
                 "status": str(p.status),
                 "tensor": p.tensor,
-                "max_abs": num(p.max_abs),
+                "max_abs": json_number(p.max_abs),
                 "reason": p.reason,
             }
             for p in result.pairs

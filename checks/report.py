@@ -136,13 +136,9 @@ NUMBER_COLUMNS = ("#", "oracle abs", "oracle rel")  # kept on one line by rich, 
 def fmt(value: float | None) -> str:
     if value is None:
         return "-"
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if value == 0:
-        return "0"
-    return f"{value:.0e}"
+    if not math.isfinite(value):
+        return json_number(value)  # "nan", "inf" or "-inf", as in the JSON
+    return "0" if value == 0 else f"{value:.0e}"
 
 
 def _cell_text(status: Status | None, value: float | None) -> str:
@@ -405,7 +401,7 @@ def rich_available() -> bool:
 
 
 # -- JSON -------------------------------------------------------------------------------
-def _num(value: float | None):
+def json_number(value: float | None):
     if value is None:
         return None
     value = float(value)
@@ -416,7 +412,8 @@ def _num(value: float | None):
     return value
 
 
-def _run_json(run: Run) -> dict:
+def run_identity_json(run) -> dict:
+    """The keys that say which run a JSON entry is, shared by the forward and the gradient check (`checks.grad`)."""
     return {
         "case": run.case,
         "implementation": run.label,
@@ -425,11 +422,17 @@ def _run_json(run: Run) -> dict:
         "device": run.impl.device,
         "dtype": run.dtype,
         "kind": run.kind,
+    }
+
+
+def _run_json(run: Run) -> dict:
+    return {
+        **run_identity_json(run),
         "known_mistake": run.impl.known_mistake,
         "status": str(run.status),
         "reason": run.reason,
-        "max_abs": _num(run.max_abs),
-        "max_rel": _num(run.max_rel),
+        "max_abs": json_number(run.max_abs),
+        "max_rel": json_number(run.max_rel),
         "tolerance": None if run.tolerance is None else {"atol": run.tolerance.atol, "rtol": run.tolerance.rtol},
         "first_divergence": None if run.divergence is None else _divergence_json(run.divergence),
         "info": run.info,
@@ -439,7 +442,7 @@ def _run_json(run: Run) -> dict:
 
 def _divergence_json(divergence) -> dict:
     data = divergence.as_dict()
-    data["max_abs"], data["max_rel"] = _num(data["max_abs"]), _num(data["max_rel"])
+    data["max_abs"], data["max_rel"] = json_number(data["max_abs"]), json_number(data["max_rel"])
     return data
 
 
@@ -450,8 +453,8 @@ def _pair_json(pair: Pair) -> dict:
         "a": pair.a.label,
         "b": pair.b.label,
         "status": str(pair.status),
-        "max_abs": _num(pair.max_abs),
-        "max_rel": _num(pair.max_rel),
+        "max_abs": json_number(pair.max_abs),
+        "max_rel": json_number(pair.max_rel),
     }
     if pair.reason:
         data["reason"] = pair.reason
@@ -463,7 +466,7 @@ def _pair_json(pair: Pair) -> dict:
 def _cell_json(cell: Cell | None, attribute: str):
     if cell is None:
         return None
-    return str(cell.status) if attribute == "status" else _num(getattr(cell, attribute))
+    return str(cell.status) if attribute == "status" else json_number(getattr(cell, attribute))
 
 
 def _matrix_json(matrix: Matrix) -> dict:
@@ -529,7 +532,7 @@ def to_json(result: CheckResult) -> dict:
 def _nums(entry: dict | None) -> dict | None:
     if entry is None:
         return None
-    return {k: _num(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
+    return {k: json_number(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
 
 
 def write_json(result: CheckResult, path: str, grad=None) -> None:

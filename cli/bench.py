@@ -29,9 +29,7 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive integers such as 64,256; got {text!r}"
-        ) from None
+        values = []  # not integers: the same error as no values
     if not values or any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 64,256; got {text!r}")
     return values

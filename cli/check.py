@@ -121,15 +121,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"mha-rosetta check: error: {error}", file=sys.stderr)
         return 2
-    if progress:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    _clear_progress(progress)
 
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
-    grad = _grad_check(selection, progress) if args.grad and not result.interrupted else None
-    if grad is not None:
-        from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines
+    grad = None
+    if args.grad and not result.interrupted:  # the gradient check on the same selection (`checks.grad`)
+        from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines, run_grad_check
 
+        grad = run_grad_check(**selection, progress=progress)
+        _clear_progress(progress)
         blocks += grad_report_blocks(grad)
         summary += grad_summary_lines(grad)
     if args.markdown:
@@ -146,11 +147,7 @@ def run(args: argparse.Namespace) -> int:
     return max(result.exit_code, 0 if grad is None else grad.exit_code)
 
 
-def _grad_check(selection: dict, progress):
-    """The gradient check on the forward check's selection (`checks.grad`)."""
-    from mha_rosetta.checks.grad import run_grad_check
-
-    grad = run_grad_check(**selection, progress=progress)
+def _clear_progress(progress) -> None:
+    """Clear the progress line from the terminal (when there is one)."""
     if progress:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
-    return grad

@@ -107,12 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config_from(args: argparse.Namespace):
-    from mha_rosetta.core import MHAConfig
-
-    return MHAConfig(d_model=args.d_model, n_heads=args.heads, d_k=args.d_k)
-
-
 def _names(text: str | None, known, option: str, what: str, listed: str) -> tuple[str, ...] | None:
     """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
     if not text:
@@ -158,10 +152,11 @@ def _failures(explanation) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.backends import REGISTRY
+    from mha_rosetta.core import MHAConfig
     from mha_rosetta.explain import SECTIONS, explain
 
     try:
-        cfg = _config_from(args)
+        cfg = MHAConfig(d_model=args.d_model, n_heads=args.heads, d_k=args.d_k)
         backends = _names(args.backends, REGISTRY, "--backends", "backend", "registered")
         chosen_sections = _names(args.sections, SECTIONS, "--sections", "section", "choose from")
     except (ValueError, TypeError) as error:
@@ -174,14 +169,12 @@ def run(args: argparse.Namespace) -> int:
         return _backward(args, cfg)
     write_docs = args.write_docs is not None
     if write_docs:
-        sections = None  # everything
-        claims = True
+        sections, claims = None, True  # everything
     elif chosen_sections is not None:
         sections = chosen_sections + (("claims",) if args.claims and "claims" not in chosen_sections else ())
         claims = "claims" in sections
     elif args.claims:
-        sections = ("claims",)
-        claims = True
+        sections, claims = ("claims",), True
     else:
         sections, claims = None, False
     explanation = explain(

@@ -213,16 +213,13 @@ def reference_mha_vjp(
         d_scores[:, h] = r(a * (d_weights[:, h] - np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)))
         d_q_heads[:, h] = r(cfg.scale * (d_scores[:, h] @ k_heads[:, g]))  # (B, Nq, Dk)
         d_k_heads[:, g] += cfg.scale * (np.swapaxes(d_scores[:, h], -1, -2) @ q_heads[:, h])  # (B, Nk, Dk)
-    stages["d_weights"] = d_weights
-    stages["d_v_heads"] = d_v_heads = r(d_v_heads)
-    stages["d_scores"] = d_scores
-    stages["d_q_rotated"] = d_q_heads
-    stages["d_k_rotated"] = d_k_heads = r(d_k_heads)
+    d_v_heads, d_k_heads = r(d_v_heads), r(d_k_heads)
+    stages.update(d_weights=d_weights, d_v_heads=d_v_heads, d_scores=d_scores)
+    stages.update(d_q_rotated=d_q_heads, d_k_rotated=d_k_heads)
     if tables is not None:  # undo the rotation: turn each pair back by its angle
         d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], cfg.rope))
         d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], cfg.rope))
-    stages["d_q_heads"] = d_q_heads
-    stages["d_k_heads"] = d_k_heads
+    stages.update(d_q_heads=d_q_heads, d_k_heads=d_k_heads)
 
     # Split heads backward: put each head's block back into its columns.
     d_q = stages["d_q"] = np.concatenate([d_q_heads[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dk)

@@ -55,9 +55,7 @@ def reference_stages(
     validate_params(cfg, params)
     inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
     f64 = {name: None if array is None else array.astype(np.float64) for name, array in params.as_dict().items()}
-    x_q = inputs.query.astype(np.float64)
-    x_k = inputs.key.astype(np.float64)
-    x_v = inputs.value.astype(np.float64)
+    x_q, x_k, x_v = (x.astype(np.float64) for x in (inputs.query, inputs.key, inputs.value))
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
 
@@ -94,22 +92,9 @@ def reference_stages(
     merged = np.concatenate([context[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dv)
     output = linear(merged, f64["w_o"], f64["b_o"])  # (B, Nq, D)
 
-    stages = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "q_heads": q_heads,
-        "k_heads": k_heads,
-        "v_heads": v_heads,
-        "q_rotated": q_rotated,
-        "k_rotated": k_rotated,
-        "scores": scores,
-        "masked_scores": masked_scores,
-        "weights": weights,
-        "context": context,
-        "merged": merged,
-        "output": output,
-    }
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
+    stages.update(q_rotated=q_rotated, k_rotated=k_rotated, scores=scores, masked_scores=masked_scores)
+    stages.update(weights=weights, context=context, merged=merged, output=output)
     assert tuple(stages) == STAGE_NAMES  # the table in core.stages is the contract
     return stages
 

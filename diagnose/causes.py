@@ -12,7 +12,7 @@ drops it is correct; `diagnose` never names what changes no output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -55,46 +55,43 @@ class Hypothesis:
 
 def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
     """Every single-cause hypothesis that can run for ``cfg`` (a transposed non-square weight cannot)."""
-    out: list[Hypothesis] = []
+    return list(_each_hypothesis(cfg))
+
+
+def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
     shapes = expected_param_shapes(cfg)
     for name in ("w_q", "w_k", "w_v", "w_o"):
         rows, cols = shapes[name]
         if rows == cols:
-            out.append(
-                Hypothesis(
-                    "weight_transposed",
-                    name,
-                    Bug(transposed=(name,)),
-                    f"{name} is used as x @ W where the spec means x @ W.T (W is (out, in), nn.Linear's layout): "
-                    f"load W.T into that layer, or feed {REPAIRS}.transpose_weight(params, {name!r}) "
-                    "(the same as core.to_row_sample)",
-                    lambda cfg, p, m, name=name: (repairs.transpose_weight(p, name), m),
-                )
+            yield Hypothesis(
+                "weight_transposed",
+                name,
+                Bug(transposed=(name,)),
+                f"{name} is used as x @ W where the spec means x @ W.T (W is (out, in), nn.Linear's layout): "
+                f"load W.T into that layer, or feed {REPAIRS}.transpose_weight(params, {name!r}) "
+                "(the same as core.to_row_sample)",
+                lambda cfg, p, m, name=name: (repairs.transpose_weight(p, name), m),
             )
     widths = {"q": (cfg.q_width, cfg.d_model), "k": (cfg.k_width, cfg.kdim), "v": (cfg.v_width, cfg.vdim)}
     for a, b in combinations("qkv", 2):
         if widths[a] == widths[b]:
-            out.append(
-                Hypothesis(
-                    "qkv_swapped",
-                    f"{a} and {b}",
-                    Bug(swapped=(a, b)),
-                    f"the {a} and {b} projections are exchanged (w_{a}/b_{a} loaded where w_{b}/b_{b} belong): "
-                    f"load each into its own layer, or feed {REPAIRS}.swap_projections(params, {a!r}, {b!r})",
-                    lambda cfg, p, m, a=a, b=b: (repairs.swap_projections(p, a, b), m),
-                )
+            yield Hypothesis(
+                "qkv_swapped",
+                f"{a} and {b}",
+                Bug(swapped=(a, b)),
+                f"the {a} and {b} projections are exchanged (w_{a}/b_{a} loaded where w_{b}/b_{b} belong): "
+                f"load each into its own layer, or feed {REPAIRS}.swap_projections(params, {a!r}, {b!r})",
+                lambda cfg, p, m, a=a, b=b: (repairs.swap_projections(p, a, b), m),
             )
     if packing_applies(cfg):
         for written, read in (("blocks", "interleaved"), ("interleaved", "blocks")):
-            out.append(
-                Hypothesis(
-                    "qkv_packing",
-                    f"packed as {written}, read as {read}",
-                    Bug(packing=f"{written}->{read}"),
-                    f"q, k, v are packed {written} ({_layout(written)}) and unpacked {read} ({_layout(read)}): "
-                    f"use one layout on both sides, or feed {REPAIRS}.repack_qkv(cfg, params, {written!r}, {read!r})",
-                    lambda cfg, p, m, w=written, r=read: (repairs.repack_qkv(cfg, p, w, r), m),
-                )
+            yield Hypothesis(
+                "qkv_packing",
+                f"packed as {written}, read as {read}",
+                Bug(packing=f"{written}->{read}"),
+                f"q, k, v are packed {written} ({_layout(written)}) and unpacked {read} ({_layout(read)}): "
+                f"use one layout on both sides, or feed {REPAIRS}.repack_qkv(cfg, params, {written!r}, {read!r})",
+                lambda cfg, p, m, w=written, r=read: (repairs.repack_qkv(cfg, p, w, r), m),
             )
     s = cfg.scale
     for detail, factor in (
@@ -104,33 +101,27 @@ def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
         ("multiplied by sqrt(d_k) instead of divided", 1.0 / s),
     ):
         if abs(factor - s) > 1e-12 * s:
-            out.append(
-                Hypothesis(
-                    "scale",
-                    detail,
-                    Bug(scale=factor),
-                    f"scores must be multiplied by cfg.scale = {s:.6g} exactly once (the candidate uses {factor:.6g}): "
-                    f"fix the scaling, or feed {REPAIRS}.rescale_query(params, {s / factor:.6g})",
-                    lambda cfg, p, m, f=s / factor: (repairs.rescale_query(p, f), m),
-                )
+            yield Hypothesis(
+                "scale",
+                detail,
+                Bug(scale=factor),
+                f"scores must be multiplied by cfg.scale = {s:.6g} exactly once (the candidate uses {factor:.6g}): "
+                f"fix the scaling, or feed {REPAIRS}.rescale_query(params, {s / factor:.6g})",
+                lambda cfg, p, m, f=s / factor: (repairs.rescale_query(p, f), m),
             )
-    out.append(
-        Hypothesis(
-            "softmax_axis",
-            "normalised over queries instead of keys",
-            Bug(softmax_axis=-2),
-            "the softmax must run over the key axis (the last axis of (B, H, Nq, Nk) scores): softmax(scores, axis=-1)",
-        )
+    yield Hypothesis(
+        "softmax_axis",
+        "normalised over queries instead of keys",
+        Bug(softmax_axis=-2),
+        "the softmax must run over the key axis (the last axis of (B, H, Nq, Nk) scores): softmax(scores, axis=-1)",
     )
-    out.append(
-        Hypothesis(
-            "mask_polarity",
-            "mask read as True = blocked",
-            Bug(mask_inverted=True),
-            "the spec's mask is True = may attend (SDPA, JAX, Flax); nn.MultiheadAttention's attn_mask and "
-            f"key_padding_mask are True = blocked: pass ~mask there, or feed {REPAIRS}.invert_mask(mask)",
-            lambda cfg, p, m: (p, repairs.invert_mask(m)),
-        )
+    yield Hypothesis(
+        "mask_polarity",
+        "mask read as True = blocked",
+        Bug(mask_inverted=True),
+        "the spec's mask is True = may attend (SDPA, JAX, Flax); nn.MultiheadAttention's attn_mask and "
+        f"key_padding_mask are True = blocked: pass ~mask there, or feed {REPAIRS}.invert_mask(mask)",
+        lambda cfg, p, m: (p, repairs.invert_mask(m)),
     )
     if cfg.causal:
         for detail, knob, fix in (
@@ -138,93 +129,76 @@ def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
             ("one key ahead is visible (key j <= i + 1)", "ahead", "tril(ones(Nq, Nk)), not tril(..., k=1)"),
             ("aligned bottom-right", "bottom_right", "top-left alignment, query i sees keys j <= i (core.causal_mask)"),
         ):
-            out.append(
-                Hypothesis(
-                    "causal_offset",
-                    detail,
-                    Bug(causal=knob),
-                    f"the causal mask must let query i see keys j <= i: {fix}",
-                )
+            yield Hypothesis(
+                "causal_offset",
+                detail,
+                Bug(causal=knob),
+                f"the causal mask must let query i see keys j <= i: {fix}",
             )
     for detail, knob in (
         ("(B, N, H*d) reshaped straight to (B, H, N, d)", "direct"),
         ("(B, N, H*d) reshaped straight to (B, H, N, d), merged back the same way", "direct_undone"),
     ):
-        out.append(
-            Hypothesis(
-                "head_split",
-                detail,
-                Bug(head_split=knob),
-                "split heads with reshape(B, N, H, d).transpose(1, 2) (or rearrange 'b n (h d) -> b h n d'); "
-                "merge with transpose(1, 2).reshape(B, N, H*d)",
-            )
+        yield Hypothesis(
+            "head_split",
+            detail,
+            Bug(head_split=knob),
+            "split heads with reshape(B, N, H, d).transpose(1, 2) (or rearrange 'b n (h d) -> b h n d'); "
+            "merge with transpose(1, 2).reshape(B, N, H*d)",
         )
     if cfg.n_heads > 1 and cfg.d_v > 1:
-        out.append(
-            Hypothesis(
-                "head_merge_order",
-                "context merged as (Dv, H) instead of (H, Dv)",
-                Bug(merge_order=True),
-                "merge heads as (B, N, H, Dv) -> (B, N, H*Dv) (rearrange 'b h n d -> b n (h d)'), not '(d h)': "
-                f"fix the merge, or feed {REPAIRS}.reorder_output_columns(cfg, params)",
-                lambda cfg, p, m: (repairs.reorder_output_columns(cfg, p), m),
-            )
+        yield Hypothesis(
+            "head_merge_order",
+            "context merged as (Dv, H) instead of (H, Dv)",
+            Bug(merge_order=True),
+            "merge heads as (B, N, H, Dv) -> (B, N, H*Dv) (rearrange 'b h n d -> b n (h d)'), not '(d h)': "
+            f"fix the merge, or feed {REPAIRS}.reorder_output_columns(cfg, params)",
+            lambda cfg, p, m: (repairs.reorder_output_columns(cfg, p), m),
         )
     if 1 < cfg.n_kv_heads < cfg.n_heads:
-        out.append(
-            Hypothesis(
-                "gqa_grouping",
-                "kv heads tiled (h % Hkv) instead of repeated (h // group)",
-                Bug(gqa_tiled=True),
-                "query head h reads kv head h // (H / Hkv): repeat_interleave(k, group, dim=1), "
-                "not k.repeat(1, group, 1, 1); "
-                f"or feed {REPAIRS}.regroup_query_heads(cfg, params)",
-                lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
-            )
+        yield Hypothesis(
+            "gqa_grouping",
+            "kv heads tiled (h % Hkv) instead of repeated (h // group)",
+            Bug(gqa_tiled=True),
+            "query head h reads kv head h // (H / Hkv): repeat_interleave(k, group, dim=1), "
+            "not k.repeat(1, group, 1, 1); "
+            f"or feed {REPAIRS}.regroup_query_heads(cfg, params)",
+            lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
         )
     if cfg.bias:
         for names in (("b_q",), ("b_v",), ("b_o",), ("b_q", "b_k", "b_v", "b_o")):
             which = "all biases" if len(names) == 4 else names[0]
-            out.append(
-                Hypothesis(
-                    "bias",
-                    f"{which} dropped",
-                    Bug(bias_dropped=names),
-                    f"add {which} (y = x @ W.T + b): check that the layer has bias=True and that the bias is loaded",
-                )
+            yield Hypothesis(
+                "bias",
+                f"{which} dropped",
+                Bug(bias_dropped=names),
+                f"add {which} (y = x @ W.T + b): check that the layer has bias=True and that the bias is loaded",
             )
         if cfg.context_width == cfg.d_model:
-            out.append(
-                Hypothesis(
-                    "bias",
-                    "b_o added before the output projection",
-                    Bug(bias_misplaced="b_o before w_o"),
-                    "add b_o after the output projection: out = merged @ w_o.T + b_o",
-                )
+            yield Hypothesis(
+                "bias",
+                "b_o added before the output projection",
+                Bug(bias_misplaced="b_o before w_o"),
+                "add b_o after the output projection: out = merged @ w_o.T + b_o",
             )
     if cfg.rope is not None:
         other = other_rope_style(cfg.rope)
         converter = {"half": to_interleaved_params, "interleaved": to_rotate_half_params}[cfg.rope]
-        out.append(
-            Hypothesis(
-                "rope_convention",
-                f"{_pairs(other)} rotated together where the spec ({cfg.rope!r}) pairs {_pairs(cfg.rope)}",
-                Bug(rope="other"),
-                f"the rotary pairing is swapped (or {'Meta' if cfg.rope == 'half' else 'Hugging Face'} weights were "
-                f"loaded without the q/k row permutation between the conventions): rotate with rope={cfg.rope!r}, or "
-                f"feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]",
-                lambda cfg, p, m, convert=converter: (convert(cfg, p)[1], m),
-            )
+        yield Hypothesis(
+            "rope_convention",
+            f"{_pairs(other)} rotated together where the spec ({cfg.rope!r}) pairs {_pairs(cfg.rope)}",
+            Bug(rope="other"),
+            f"the rotary pairing is swapped (or {'Meta' if cfg.rope == 'half' else 'Hugging Face'} weights were "
+            f"loaded without the q/k row permutation between the conventions): rotate with rope={cfg.rope!r}, or "
+            f"feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]",
+            lambda cfg, p, m, convert=converter: (convert(cfg, p)[1], m),
         )
-        out.append(
-            Hypothesis(
-                "rope_convention",
-                "q and k not rotated",
-                Bug(rope="none"),
-                "rotate q and k by their positions after the head split (mha_rosetta.core.apply_rotary)",
-            )
+        yield Hypothesis(
+            "rope_convention",
+            "q and k not rotated",
+            Bug(rope="none"),
+            "rotate q and k by their positions after the head split (mha_rosetta.core.apply_rotary)",
         )
-    return out
 
 
 def _pairs(style: str) -> str:

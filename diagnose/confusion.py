@@ -62,16 +62,8 @@ def confusion(settings=None, frameworks=None) -> list[Outcome]:
             for bug in bugs_for(cfg):
                 result = diagnose(FRAMEWORKS[framework](cfg, bug), cfg)
                 first = result.causes[0] if result.causes else None
-                outcomes.append(
-                    Outcome(
-                        setting,
-                        framework,
-                        bug,
-                        BUGS[bug][0],
-                        first.code if first else "agrees",
-                        first.evidence if first else "",
-                    )
-                )
+                named, evidence = (first.code, first.evidence) if first else ("agrees", "")
+                outcomes.append(Outcome(setting, framework, bug, BUGS[bug][0], named, evidence))
     return outcomes
 
 

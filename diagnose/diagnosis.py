@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -57,13 +57,7 @@ class Cause:
     residual: float = math.nan  # the candidate's worst distance from this cause, in tolerances (<= 1: explained)
 
     def as_dict(self) -> dict:
-        return {
-            "code": self.code,
-            "detail": self.detail,
-            "evidence": self.evidence,
-            "fix": self.fix,
-            "residual": self.residual,
-        }
+        return asdict(self)
 
 
 @dataclass
@@ -99,15 +93,10 @@ class Diagnosis:
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        return {
-            "agrees": self.agrees,
-            "max_error": self.max_error,
-            "dtype": self.dtype,
-            "causes": [cause.as_dict() for cause in self.causes],
-            "known_differences": list(self.known_differences),
-            "notes": list(self.notes),
-            "probe_errors": dict(self.probe_errors),
-        }
+        fields = asdict(self)  # copies; the causes become dicts too
+        # The JSON's key order (dtype after max_error, not where the field stands).
+        order = ("agrees", "max_error", "dtype", "causes", "known_differences", "notes", "probe_errors")
+        return {key: fields[key] for key in order}
 
 
 # -- calling the candidate ------------------------------------------------------------------

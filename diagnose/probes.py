@@ -97,17 +97,8 @@ def make_probes(cfg: MHAConfig, seed: int = 0) -> list[Probe]:
     w_o[:, last] = params.w_o[:, last]
     probes.append(self_probe("one head", x, params=replace(params, w_o=w_o)))
     cross_mask = _mask(rng, Q_TOKENS, KV_TOKENS)
-    probes.append(
-        Probe(
-            "cross",
-            params,
-            tokens(Q_TOKENS, cfg.d_model),
-            tokens(KV_TOKENS, cfg.kdim),
-            tokens(KV_TOKENS, cfg.vdim),
-            cross_mask,
-            optional=True,
-        )
-    )
+    query, key, value = tokens(Q_TOKENS, cfg.d_model), tokens(KV_TOKENS, cfg.kdim), tokens(KV_TOKENS, cfg.vdim)
+    probes.append(Probe("cross", params, query, key, value, cross_mask, optional=True))
     empty = np.ones((BATCH, 1, Q_TOKENS, Q_TOKENS), bool)
     empty[0, 0, 2] = False  # query row 2 of batch item 0 may attend to nothing
     probes.append(self_probe("empty row", x, mask=empty, ranks=False))

@@ -15,7 +15,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
 
-from .simulate import pack_qkv, unpack_qkv
+from .simulate import Bug, params_as_used
 
 
 def transpose_weight(params: MHAParams, name: str) -> MHAParams:
@@ -25,13 +25,10 @@ def transpose_weight(params: MHAParams, name: str) -> MHAParams:
 
 def swap_projections(params: MHAParams, a: str, b: str) -> MHAParams:
     """Exchange two projections' weights and biases (``a``, ``b`` in "q", "k", "v")."""
-    changes = {
-        f"w_{a}": params.__dict__[f"w_{b}"],
-        f"w_{b}": params.__dict__[f"w_{a}"],
-        f"b_{a}": params.__dict__[f"b_{b}"],
-        f"b_{b}": params.__dict__[f"b_{a}"],
-    }
-    return replace(params, **changes)
+    p = params.as_dict()
+    for kind in ("w", "b"):
+        p[f"{kind}_{a}"], p[f"{kind}_{b}"] = p[f"{kind}_{b}"], p[f"{kind}_{a}"]
+    return MHAParams(**p)
 
 
 def repack_qkv(cfg: MHAConfig, params: MHAParams, written: str, read: str) -> MHAParams:
@@ -40,16 +37,10 @@ def repack_qkv(cfg: MHAConfig, params: MHAParams, written: str, read: str) -> MH
     ``written``/``read`` are "blocks" ([q; k; v], `core.to_torch_mha_state_dict`'s
     ``in_proj_weight``) or "interleaved" ([q_0; k_0; v_0; q_1; ...] per head). The
     candidate computes ``unpack(read, pack(written, p))``; feeding it
-    ``p = unpack(written, pack(read, params))`` makes that ``params``.
+    ``p = unpack(written, pack(read, params))`` makes that ``params``: what the reverse mistake
+    (packing with ``read``, unpacking with ``written``) would use, as `simulate` computes it.
     """
-    changes = {}
-    for kind in ("w", "b"):
-        arrays = [getattr(params, f"{kind}_{x}") for x in ("q", "k", "v")]
-        if arrays[0] is None:
-            continue
-        q, k, v = unpack_qkv(cfg, pack_qkv(cfg, *arrays, read), written)
-        changes.update({f"{kind}_q": q, f"{kind}_k": k, f"{kind}_v": v})
-    return replace(params, **changes)
+    return params_as_used(cfg, params, Bug(packing=f"{read}->{written}"))
 
 
 def rescale_query(params: MHAParams, factor: float) -> MHAParams:

@@ -119,17 +119,21 @@ def _backend_stages(name: str, setup: Setup, dtype: str = "float64"):
         return None, f"{name} stages not available: {error_line(error)}"
 
 
-def _strategy_errors(setup: Setup, strategy: str, backends=("numpy", "torch")) -> tuple[dict[str, float], list[str]]:
-    """Max abs error against the float64 oracle of each backend running ``strategy``."""
+def _strategy_errors(
+    setup: Setup, strategy: str, spec: str = ".1e", backends=("numpy", "torch")
+) -> tuple[dict[str, float], list[str]]:
+    """Max abs error against the float64 oracle of each backend running ``strategy``, and the evidence lines
+    (each error formatted with ``spec``, then why a backend did not run)."""
     reference = reference_mha(setup.cfg, setup.params, setup.x)
-    errors, notes = {}, []
+    errors, lines, notes = {}, [], []
     for name in backends:
         output, why = _backend_run(name, setup, strategy)
         if output is None:
             notes.append(why)
         else:
             errors[name] = _max_abs(output, reference)
-    return errors, notes
+            lines.append(f"{name} adapter, {strategy} strategy: max error vs oracle {errors[name]:{spec}}")
+    return errors, lines + notes
 
 
 # --- the claims ------------------------------------------------------------------------------
@@ -151,8 +155,12 @@ CLAIM_TITLES = {
 }
 
 
+def _result(number: int, verdict: str, evidence: list[str], measured: dict | None = None) -> ClaimResult:
+    """Claim ``number``'s result, with its title from `CLAIM_TITLES`."""
+    return ClaimResult(number, CLAIM_TITLES[number], verdict, evidence, {} if measured is None else measured)
+
+
 def claim_1(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[1]
     x_row = setup.x[0]  # (N, D): one token per row
     x_col = x_row.T  # (D, N): one token per column
     w_a = setup.params.w_q  # (H*Dk, D): rows are scorers
@@ -183,13 +191,12 @@ def claim_1(setup: Setup) -> ClaimResult:
         )
     else:
         evidence.append(why_numpy or why_torch)
-    return ClaimResult(1, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(1, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_2(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[2]
     if not _installed("torch"):
-        return ClaimResult(2, title, "skipped: torch not installed", ["needs torch.nn.Linear"])
+        return _result(2, "skipped: torch not installed", ["needs torch.nn.Linear"])
     import torch
 
     torch.manual_seed(0)
@@ -212,11 +219,10 @@ def claim_2(setup: Setup) -> ClaimResult:
         f"x @ W without .T raises {raised}",
     ]
     measured = {"weight_shape": shape, "max_abs": difference, "x_at_w_error": raised}
-    return ClaimResult(2, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(2, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_3(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[3]
     x = np.ascontiguousarray(setup.x[0])  # (N, in), row samples as loaded
     w = setup.params.w_q  # (out, in)
     y_row = x @ w.T  # (N, out): batch axis first, ready for bias and the next layer
@@ -229,30 +235,24 @@ def claim_3(setup: Setup) -> ClaimResult:
         f"same numbers: max diff {_max_abs(y_row, y_col.T):.1e}",
     ]
     measured = {"x_t_c_contiguous": bool(x.T.flags.c_contiguous), "max_abs": _max_abs(y_row, y_col.T)}
-    return ClaimResult(3, title, SPEED_NOT_RUN, evidence, measured)
+    return _result(3, SPEED_NOT_RUN, evidence, measured)
 
 
 def claim_4(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[4]
     evidence, measured, ok = [], {}, True
     libraries = ["numpy"] + (["torch"] if _installed("torch") else [])
+    row = lambda t, i: np.asarray(t[i])  # noqa: E731  (row i of a NumPy array or a torch tensor, as NumPy)
     for library in libraries:
         if library == "numpy":
-            a = np.arange(32 * 8).reshape(32, 8)  # (32, 8): 32 vectors of 8 numbers
-            b = a.reshape(4, 8, 8)  # (4, 8, 8): 4 groups of 8 vectors
-            c = b.reshape(4, 8, 2, 4)  # (4, 8, 2, 4): each vector cut into 2 halves
-            d = c.transpose(0, 2, 1, 3)  # (4, 2, 8, 4): halves before vectors
-            a_back = d.transpose(0, 2, 1, 3).reshape(4, 8, 8).reshape(32, 8)  # back to (32, 8)
-            row = lambda t, i: np.asarray(t[i])  # noqa: E731
+            xp = np
         else:
-            import torch
-
-            a = torch.arange(32 * 8).reshape(32, 8)  # (32, 8)
-            b = a.reshape(4, 8, 8)  # (4, 8, 8)
-            c = b.reshape(4, 8, 2, 4)  # (4, 8, 2, 4)
-            d = c.transpose(1, 2)  # (4, 2, 8, 4)
-            a_back = d.transpose(1, 2).reshape(4, 8, 8).reshape(32, 8)  # (32, 8)
-            row = lambda t, i: t[i].numpy()  # noqa: E731
+            import torch as xp
+        # The same chain in both libraries; swapaxes(1, 2) is NumPy's transpose(0, 2, 1, 3) and torch's transpose(1, 2).
+        a = xp.arange(32 * 8).reshape(32, 8)  # (32, 8): 32 vectors of 8 numbers
+        b = a.reshape(4, 8, 8)  # (4, 8, 8): 4 groups of 8 vectors, a view
+        c = b.reshape(4, 8, 2, 4)  # (4, 8, 2, 4): each vector cut into 2 halves, a view
+        d = c.swapaxes(1, 2)  # (4, 2, 8, 4): halves before vectors, a view
+        a_back = d.swapaxes(1, 2).reshape(4, 8, 8).reshape(32, 8)  # back to (32, 8)
         first, second = row(d[0, 0], 5), row(d[0, 1], 5)
         every_row = all(
             np.array_equal(row(d[i // 8, 0], i % 8), row(a, i)[:4])
@@ -277,11 +277,10 @@ def claim_4(setup: Setup) -> ClaimResult:
             f"B, C, D and the rebuilt A all share A's memory (no copy): {no_copy}"
         )
     evidence.append("note: the grouping into 4 blocks of 8 tokens is the article's exercise, not a step of MHA")
-    return ClaimResult(4, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(4, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_5(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[5]
     cfg = setup.cfg
     H, Dk = cfg.n_heads, cfg.d_k
     q_batched = setup.x @ setup.params.w_q.T  # (B, N, H*Dk)
@@ -327,7 +326,7 @@ def claim_5(setup: Setup) -> ClaimResult:
         )
     elif why:
         evidence.append(why)
-    return ClaimResult(5, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(5, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def _attention_with_split(cfg: MHAConfig, params, x: np.ndarray, split: Callable, merge: Callable) -> np.ndarray:
@@ -343,8 +342,15 @@ def _attention_with_split(cfg: MHAConfig, params, x: np.ndarray, split: Callable
     return linear(merge(context), params.w_o, params.b_o)  # (N, D)
 
 
+def _attention_standard_split(cfg: MHAConfig, params, x: np.ndarray) -> np.ndarray:
+    """`_attention_with_split` with the standard split: (N, H*d) -> (N, H, d) -> (H, N, d) and back."""
+    N, H = x.shape[0], cfg.n_heads
+    split = lambda t: t.reshape(N, H, -1).transpose(1, 0, 2)  # noqa: E731  (N, H, d) -> (H, N, d), a view
+    merge = lambda c: c.transpose(1, 0, 2).reshape(N, -1)  # noqa: E731  (H, N, Dv) -> (N, H*Dv), a copy
+    return _attention_with_split(cfg, params, x, split, merge)
+
+
 def claim_6(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[6]
     cfg, x = setup.cfg, setup.x[0]
     N, H, Dk = x.shape[0], cfg.n_heads, cfg.d_k
     splits = head_splits(N, H, Dk)
@@ -361,13 +367,7 @@ def claim_6(setup: Setup) -> ClaimResult:
         f"the article's 4-token example: correct head 0 = {correct_head0.tolist()}, "
         f"direct reshape head 0 = {wrong_head0.tolist()}"
     )
-    correct_out = _attention_with_split(
-        cfg,
-        setup.params,
-        x,
-        lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (N, H, d) -> (H, N, d)
-        lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (H, N, Dv) -> (N, H*Dv)
-    )
+    correct_out = _attention_standard_split(cfg, setup.params, x)
     wrong_out = _attention_with_split(
         cfg,
         setup.params,
@@ -380,10 +380,8 @@ def claim_6(setup: Setup) -> ClaimResult:
     evidence.append(
         f"attention output vs float64 oracle: correct split max error {correct_error:.1e}, direct reshape {wrong_error:.2f}"
     )
-    adapter_errors, notes = _strategy_errors(setup, "direct_reshape")
-    for name, error in adapter_errors.items():
-        evidence.append(f"{name} adapter, direct_reshape strategy: max error vs oracle {error:.2f}")
-    evidence.extend(notes)
+    adapter_errors, lines = _strategy_errors(setup, "direct_reshape", ".2f")
+    evidence += lines
     measured = {
         "correct_head0_tokens": right.tokens_of(0),
         "wrong_head0_tokens": wrong.tokens_of(0),
@@ -402,20 +400,12 @@ def claim_6(setup: Setup) -> ClaimResult:
         and wrong_error > 1e-3
         and all(error > 1e-3 for error in adapter_errors.values())
     )
-    return ClaimResult(6, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(6, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_7(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[7]
-    cfg, x = setup.cfg, setup.x[0]
-    N, H = x.shape[0], cfg.n_heads
-    batched = _attention_with_split(
-        cfg,
-        setup.params,
-        x,
-        lambda t: t.reshape(N, H, -1).transpose(1, 0, 2),  # (H, N, d)
-        lambda c: c.transpose(1, 0, 2).reshape(N, -1),  # (N, H*Dv)
-    )
+    cfg, x, H = setup.cfg, setup.x[0], setup.cfg.n_heads
+    batched = _attention_standard_split(cfg, setup.params, x)
     # One head at a time: slice the columns of each head, attend, concatenate.
     q = linear(x, setup.params.w_q, setup.params.b_q)  # (N, H*Dk)
     k = linear(x, setup.params.w_k, setup.params.b_k)
@@ -430,17 +420,13 @@ def claim_7(setup: Setup) -> ClaimResult:
     sliced = linear(np.concatenate(contexts, axis=1), setup.params.w_o, setup.params.b_o)  # (N, D)
     difference = _max_abs(sliced, batched)
     evidence = [f"correctness: slicing vs batched heads max diff {difference:.1e}"]
-    adapter_errors, notes = _strategy_errors(setup, "slicing")
-    evidence += [
-        f"{name} adapter, slicing strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()
-    ]
-    evidence += notes
+    adapter_errors, lines = _strategy_errors(setup, "slicing")
+    evidence += lines
     measured = {"max_abs_sliced_vs_batched": difference, "adapter_errors": adapter_errors}
-    return ClaimResult(7, title, SPEED_NOT_RUN, evidence, measured)
+    return _result(7, SPEED_NOT_RUN, evidence, measured)
 
 
 def claim_8(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[8]
     cfg, x = setup.cfg, setup.x[0]
     per_head = split_head_matrices(setup.params.w_q, cfg.n_heads)  # (H, D, Dk)
     merged = np.concatenate(list(per_head), axis=1)  # (D, H*Dk) = [W_0 | W_1 | ...]
@@ -454,11 +440,8 @@ def claim_8(setup: Setup) -> ClaimResult:
         f"X @ [W_0 | W_1 | ...] vs [X @ W_0 | X @ W_1 | ...]: max diff {difference:.1e} (bitwise equal: {np.array_equal(one_product, per_head_products)})",
         f"split_head_matrices -> merge_head_matrices round trip exact: {round_trip}",
     ]
-    adapter_errors, notes = _strategy_errors(setup, "per_head")
-    evidence += [
-        f"{name} adapter, per_head strategy: max error vs oracle {error:.1e}" for name, error in adapter_errors.items()
-    ]
-    evidence += notes
+    adapter_errors, lines = _strategy_errors(setup, "per_head")
+    evidence += lines
     ok = (
         layout_exact and round_trip and difference <= 1e-10 and all(error <= 1e-10 for error in adapter_errors.values())
     )
@@ -468,11 +451,10 @@ def claim_8(setup: Setup) -> ClaimResult:
         "round_trip_exact": round_trip,
         "adapter_errors": adapter_errors,
     }
-    return ClaimResult(8, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(8, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_9(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[9]
     cfg = setup.cfg
     H, N, Dv = cfg.n_heads, setup.tokens, cfg.d_v
     evidence, measured, ok = [], {}, True
@@ -531,16 +513,15 @@ def claim_9(setup: Setup) -> ClaimResult:
         f"numpy: reshape(copy=False) of the transposed array raises {numpy_error}; plain reshape copies silently: "
         f"{measured['numpy']['reshape_copies']}"
     )
-    return ClaimResult(9, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(9, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_10(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[10]
     if not _installed("torch"):
-        return ClaimResult(10, title, "skipped: torch not installed", ["needs torch.nn.MultiheadAttention"])
+        return _result(10, "skipped: torch not installed", ["needs torch.nn.MultiheadAttention"])
     reason = torch_mha_unsupported_reason(setup.cfg)
     if reason:
-        return ClaimResult(10, title, "skipped: configuration not expressible as nn.MultiheadAttention", [reason])
+        return _result(10, "skipped: configuration not expressible as nn.MultiheadAttention", [reason])
     import torch
 
     cfg, params, x = setup.cfg, setup.params, setup.x
@@ -580,11 +561,10 @@ def claim_10(setup: Setup) -> ClaimResult:
         f"max error {errors['batch_first_input_to_default']:.2f} (it attended across the batch instead of the tokens)",
         f"batch_first=True fed (B, N, E): max error {errors['batch_first_true']:.1e}",
     ]
-    return ClaimResult(10, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(10, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_11(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[11]
     cfg, params, x = setup.cfg, setup.params, setup.x[0]
     N, H = x.shape[0], cfg.n_heads
     q = (linear(x, params.w_q, params.b_q)).reshape(N, H, cfg.d_k)  # (N, H, Dk): a view, no transpose
@@ -616,11 +596,10 @@ def claim_11(setup: Setup) -> ClaimResult:
         )
     else:
         evidence.append(why)
-    return ClaimResult(11, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(11, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 def claim_12(setup: Setup) -> ClaimResult:
-    title = CLAIM_TITLES[12]
     d_model = 12  # the column/row-sample article's token width
     token = np.zeros(d_model)
     token[[0, 2]] = [1.0, 2.0]
@@ -657,7 +636,7 @@ def claim_12(setup: Setup) -> ClaimResult:
         f"token a1 = {a[1].tolist()} sits at D[0, 0, 1] = {d[0, 0, 1].tolist()} and D[0, 1, 1] = {d[0, 1, 1].tolist()}"
     )
     measured = {"scores": scores, "blocks": blocks}
-    return ClaimResult(12, title, CONFIRMED if ok else REFUTED, evidence, measured)
+    return _result(12, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
 CLAIM_CHECKS: dict[int, Callable[[Setup], ClaimResult]] = {
@@ -760,12 +739,7 @@ def _run_check(number: int, setup: Setup) -> ClaimResult:
     widths can make a demonstration inapplicable, which the verdict then says.
     """
     if setup.cfg.n_kv_heads != setup.cfg.n_heads and number in (6, 7, 10, 11):
-        return ClaimResult(
-            number,
-            CLAIM_TITLES[number],
-            "skipped: the demonstration assumes one kv head per query head",
-            [setup.cfg.describe()],
-        )
+        return _result(number, "skipped: the demonstration assumes one kv head per query head", [setup.cfg.describe()])
     return CLAIM_CHECKS[number](setup)
 
 

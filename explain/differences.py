@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -259,13 +260,8 @@ def sequence_first(setup: Setup) -> Difference:
         rows.append((f"equinox MultiheadAttention given (B, N, D) = {(B, N, setup.cfg.d_model)}", text))
     if not rows:
         return Difference("sequence_first", title, "skipped: torch, jax and equinox not installed")
-    return Difference(
-        "sequence_first",
-        title,
-        "demonstrated",
-        rows,
-        "state the axis order at every boundary; a wrong order with compatible sizes runs silently",
-    )
+    takeaway = "state the axis order at every boundary; a wrong order with compatible sizes runs silently"
+    return Difference("sequence_first", title, "demonstrated", rows, takeaway)
 
 
 def _classify(row: np.ndarray, candidates: dict[str, np.ndarray], atol: float) -> str:
@@ -293,19 +289,11 @@ def fully_masked_row(setup: Setup) -> Difference:
     }
     reference = reference_mha(setup.cfg, setup.params, setup.x, mask=allowed)
     rows = [("spec (float64 oracle)", _classify(reference[0, 0], candidates, 1e-10))]
-    runs = [
-        (
-            "nn.MultiheadAttention, need_weights=True",
-            "torch",
-            lambda: _torch_mha(setup, ~allowed, need_weights=True),
-            1e-10,
-        ),
-        (
-            "nn.MultiheadAttention, need_weights=False",
-            "torch",
-            lambda: _torch_mha(setup, ~allowed, need_weights=False),
-            1e-10,
-        ),
+    runs = [  # nn.MultiheadAttention with and without need_weights: two code paths of one module
+        (f"nn.MultiheadAttention, need_weights={need}", "torch", partial(_torch_mha, setup, ~allowed, need), 1e-10)
+        for need in (True, False)
+    ]
+    runs += [
         ("F.scaled_dot_product_attention", "torch", lambda: _torch_sdpa(setup, allowed), 1e-10),
         ("jax.nn.dot_product_attention", "jax", lambda: _jax_dpa(setup, allowed), 1e-4),
         ("flax MultiHeadDotProductAttention", "flax", lambda: _flax_module(setup, allowed), 1e-4),
@@ -333,52 +321,37 @@ def scale_placement(setup: Setup) -> Difference:
     with np.errstate(over="ignore"):  # the overflow is the point being shown
         after = (q @ q.T) * np.float16(scale)  # (n, n): overflows before the scale can help
     before = (q * np.float16(scale)) @ q.T  # (n, n): the scaled product fits
+
+    def finite(values) -> str:
+        return f"finite: {bool(np.isfinite(np.asarray(values)).all())}"
+
     rows = [
         (
             "numpy float16, (Q @ K.T) * scale",
             f"max logit {float(np.max(after))} (overflow: {bool(np.isinf(after).any())})",
         ),
-        (
-            "numpy float16, (Q * scale) @ K.T",
-            f"max logit {float(np.max(before)):.0f} (finite: {bool(np.isfinite(before).all())})",
-        ),
+        ("numpy float16, (Q * scale) @ K.T", f"max logit {float(np.max(before)):.0f} ({finite(before)})"),
     ]
     if _installed("torch"):
         import torch
         import torch.nn.functional as F
 
         qt = torch.from_numpy(q)[None, None]  # (1, 1, n, d_k)
-        rows.append(
-            ("torch float16 Q @ K.T by hand", f"finite: {bool(torch.isfinite(qt @ qt.transpose(-1, -2)).all())}")
-        )
-        rows.append(
-            (
-                "F.scaled_dot_product_attention float16",
-                f"finite: {bool(torch.isfinite(F.scaled_dot_product_attention(qt, qt, qt)).all())}",
-            )
-        )
+        rows.append(("torch float16 Q @ K.T by hand", finite(qt @ qt.transpose(-1, -2))))
+        rows.append(("F.scaled_dot_product_attention float16", finite(F.scaled_dot_product_attention(qt, qt, qt))))
     if _installed("jax"):
         import jax
         import jax.numpy as jnp
 
         qj = jnp.asarray(q)[None, :, None, :]  # (1, n, 1, d_k): JAX's (B, N, H, d)
-        rows.append(
-            (
-                "jax.nn.dot_product_attention float16",
-                f"finite: {bool(jnp.isfinite(jax.nn.dot_product_attention(qj, qj, qj)).all())}",
-            )
-        )
+        rows.append(("jax.nn.dot_product_attention float16", finite(jax.nn.dot_product_attention(qj, qj, qj))))
     if _installed("flax"):
         import flax.linen as fnn
         import jax.numpy as jnp
 
         qj = jnp.asarray(q)[None, :, None, :]
-        rows.append(
-            (
-                "flax dot_product_attention float16 (divides the query by sqrt(depth) first)",
-                f"finite: {bool(jnp.isfinite(fnn.dot_product_attention(qj, qj, qj)).all())}",
-            )
-        )
+        label = "flax dot_product_attention float16 (divides the query by sqrt(depth) first)"
+        rows.append((label, finite(fnn.dot_product_attention(qj, qj, qj))))
     takeaway = "a hand-written port that scales after the product can overflow in float16; scale q (or accumulate in float32) first"
     return Difference("scale_placement", title, "demonstrated", rows, takeaway)
 
@@ -446,13 +419,8 @@ def head_size_arguments(setup: Setup) -> Difference:
         )
     if len(rows) <= 1:
         return Difference("head_size_arguments", title, "skipped: torch, flax and equinox not installed", rows)
-    return Difference(
-        "head_size_arguments",
-        title,
-        "demonstrated",
-        rows,
-        f"passing torch's embed_dim={total} as a per-head size makes every head {cfg.n_heads}x wider",
-    )
+    takeaway = f"passing torch's embed_dim={total} as a per-head size makes every head {cfg.n_heads}x wider"
+    return Difference("head_size_arguments", title, "demonstrated", rows, takeaway)
 
 
 def tf32_default(setup: Setup) -> Difference:
@@ -487,13 +455,8 @@ def tf32_default(setup: Setup) -> Difference:
             gpu_jax = False
     takeaway = "compare float32 across frameworks on GPU only with TF32 off on both sides"
     if not (gpu_torch or gpu_jax):
-        return Difference(
-            "tf32_default",
-            title,
-            "skipped: no GPU on this machine (the defaults are listed; the effect needs a GPU)",
-            rows,
-            takeaway,
-        )
+        skipped = "skipped: no GPU on this machine (the defaults are listed; the effect needs a GPU)"
+        return Difference("tf32_default", title, skipped, rows, takeaway)
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((1024, 1024)), rng.standard_normal((1024, 1024))
     exact = a @ b

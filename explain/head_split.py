@@ -23,6 +23,10 @@ RICH_COLOURS = ("red", "green", "blue", "magenta", "cyan", "yellow", "bright_red
 PLOT_COLOURS = ("#e45756", "#54a24b", "#4c78a8", "#b279a2", "#72b7b2", "#eeca3b", "#ff9da6", "#9d755d", "#bab0ac")
 
 
+# How the text, the rich panels and the picture name each split.
+SPLIT_LABELS = {"correct": "correct split", "direct_reshape": "direct-reshape mistake"}
+
+
 def head_letter(head: int) -> str:
     return HEAD_LETTERS[head % len(HEAD_LETTERS)]
 
@@ -152,14 +156,31 @@ def grid_text(split: HeadSplit, colour: bool = False, width: int | None = None) 
     return "\n".join(lines)
 
 
-def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
-    """Draw both splits side by side as a PNG (matplotlib, Agg backend). Returns the path."""
+def pyplot(picture: str):
+    """``matplotlib.pyplot`` on the Agg backend, or an ImportError that says which ``picture`` needs it."""
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError("the head-split picture needs matplotlib: pip install 'mha-rosetta[bench]'") from error
+        raise ImportError(f"the {picture} needs matplotlib: pip install 'mha-rosetta[bench]'") from error
     matplotlib.use("Agg")  # no screen needed, and no window pops up
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path) -> str:
+    """Lay out, write (110 dpi) and close ``figure``; returns the path."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return str(path)
+
+
+def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
+    """Draw both splits side by side as a PNG (matplotlib, Agg backend). Returns the path."""
+    plt = pyplot("head-split picture")
     from matplotlib.colors import ListedColormap
 
     first = next(iter(splits.values()))
@@ -169,7 +190,6 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
     figure, axes = plt.subplots(
         1, len(splits), figsize=(max(6, 0.5 * width) * len(splits), max(3, 0.5 * n_tokens) + 1.5)
     )
-    titles = {"correct": "correct split", "direct_reshape": "direct-reshape mistake"}
     for ax, split in zip(np.atleast_1d(axes), splits.values(), strict=True):
         ax.imshow(split.owner, cmap=colours, vmin=-0.5, vmax=n_heads - 0.5, aspect="equal")
         if n_tokens * width <= 600:  # letters stay readable only on small grids
@@ -185,7 +205,7 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
                         fontsize=7,
                         color="white",
                     )
-        ax.set_title(f"{titles.get(split.name, split.name)}\n{split.chain}", fontsize=9)
+        ax.set_title(f"{SPLIT_LABELS.get(split.name, split.name)}\n{split.chain}", fontsize=9)
         ax.set_xlabel("feature (column of Q = X @ W_B)")
         ax.set_ylabel("token")
         ax.set_xticks(range(width))
@@ -196,7 +216,4 @@ def save_png(splits: dict[str, HeadSplit], path, title: str = "") -> str:
         title or "Which head receives each (token, feature) cell; label = head letter + row in that head's block",
         fontsize=10,
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return str(path)
+    return save_figure(figure, path)

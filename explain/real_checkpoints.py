@@ -219,12 +219,9 @@ def packing_rows(layout_name: str, tensor: str) -> tuple[MHAConfig, np.ndarray]:
 
 def save_packing_png(path) -> str:
     """The three packings of a fused q/k/v weight, row by row, coloured by head (matplotlib, Agg)."""
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError("the packing picture needs matplotlib: pip install 'mha-rosetta[bench]'") from error
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .head_split import pyplot, save_figure
+
+    plt = pyplot("packing picture")
 
     role_colours = {"q": "#4c78a8", "k": "#f58518", "v": "#54a24b"}  # one colour per role; labels carry the head
     figure, axes = plt.subplots(len(PACKING_EXAMPLES), 1, figsize=(12, 1.6 * len(PACKING_EXAMPLES) + 0.6))
@@ -252,10 +249,7 @@ def save_packing_png(path) -> str:
         f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv groups)",
         fontsize=10,
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return str(path)
+    return save_figure(figure, path)
 
 
 def get_layout_shape(layout_name: str, cfg: MHAConfig, tensor: str) -> tuple[int, ...]:

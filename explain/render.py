@@ -22,7 +22,7 @@ from mha_rosetta.core.tables import (
     rich_tables,
 )
 
-from .head_split import grid_text, head_summary
+from .head_split import SPLIT_LABELS, grid_text, head_summary
 from .real_checkpoints import CHECKPOINTS_INTRO, checkpoint_tables
 from .stages_table import AXIS_MEANING
 
@@ -143,9 +143,8 @@ def _text_section(explanation, section: str, width: int | None = None) -> list[s
     if section == "head_split":
         parts = []
         for split in explanation.head_split.values():
-            label = "correct split" if split.name == "correct" else "direct-reshape mistake"
             parts.append(
-                f"== Head split, {label}: {split.chain}\n{grid_text(split, width=width)}\n"
+                f"== Head split, {SPLIT_LABELS[split.name]}: {split.chain}\n{grid_text(split, width=width)}\n"
                 + "\n".join(head_summary(split))
             )
         return parts
@@ -197,13 +196,13 @@ def print_rich(explanation, file=None) -> None:
             console.print(_rich_table(*weights_table(explanation)))
         elif section == "head_split":
             for split in explanation.head_split.values():
-                label = "correct split" if split.name == "correct" else "direct-reshape mistake"
+                title = rich_escape(f"Head split, {SPLIT_LABELS[split.name]}: {split.chain}")
                 body = (
                     grid_text(split, colour=True, width=console.width - 4)
                     + "\n\n"
                     + rich_escape("\n".join(head_summary(split)))
                 )
-                console.print(Panel(body, title=rich_escape(f"Head split, {label}: {split.chain}"), expand=False))
+                console.print(Panel(body, title=title, expand=False))
         elif section == "checkpoints":
             console.print(rich_escape(CHECKPOINTS_INTRO))
             for table in checkpoint_tables(explanation):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, init_params, reference_mha, shard_params, shard_plan
+from mha_rosetta.core.tables import markdown_table
 
 
 @dataclass(frozen=True)
@@ -65,22 +66,18 @@ class ShardingExplanation:
             f"Split: {self.plan}. Rows of a stored `(out, in)` weight are scorers (one output feature each);",
             "q, k and v are cut by rows (column-parallel), the output projection by columns (row-parallel).",
             "",
-            "| weight | stored (out, in) | cut | rank r holds | one rank's shard | row samples: x @ W.T | "
-            "column samples: W @ X | API |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for c in self.cuts:
-            lines.append(
-                f"| `{c.weight}` | {c.stored} | {c.cut} | {c.rank_slice} | {c.shard} | {c.row_samples} | "
-                f"{c.column_samples} | {c.api} |"
-            )
-        lines += [
-            "",
-            "| step | row samples (torch: `(B, N, features)`) | column samples (NumPy: `(B, features, N)`) | "
-            "communication |",
-            "| --- | --- | --- | --- |",
+        cut_columns = ["weight", "stored (out, in)", "cut", "rank r holds", "one rank's shard"]
+        cut_columns += ["row samples: x @ W.T", "column samples: W @ X", "API"]
+        cuts = [
+            [f"`{c.weight}`", c.stored, c.cut, c.rank_slice, c.shard, c.row_samples, c.column_samples, c.api]
+            for c in self.cuts
         ]
-        lines += [f"| {s.step} | {s.row_samples} | {s.column_samples} | {s.communication} |" for s in self.steps]
+        lines += [*markdown_table(cut_columns, cuts), ""]
+        step_columns = ["step", "row samples (torch: `(B, N, features)`)"]
+        step_columns += ["column samples (NumPy: `(B, features, N)`)", "communication"]
+        steps = [[s.step, s.row_samples, s.column_samples, s.communication] for s in self.steps]
+        lines += markdown_table(step_columns, steps)
         lines += [
             "",
             f"Checked now: the sum over the {self.world} ranks of their partial outputs, plus `b_o`, equals the float64",

@@ -53,23 +53,6 @@ class WeightLayout:
         return asdict(self)
 
 
-def _verify(
-    formula: np.ndarray,
-    converted: np.ndarray,
-    back: np.ndarray,
-    canonical: np.ndarray,
-    scorer_here: np.ndarray,
-    scorer_canonical: np.ndarray,
-) -> tuple[bool, list[str]]:
-    """The three checks every layout passes: formula == converter, exact round trip, scorer found."""
-    checks = {
-        "formula == converter": formula.shape == converted.shape and np.array_equal(formula, converted),
-        "round trip exact": back.shape == canonical.shape and np.array_equal(back, canonical),
-        "scorer found": np.array_equal(scorer_here, scorer_canonical),
-    }
-    return all(checks.values()), [f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()]
-
-
 def _layout(
     layout: str,
     scorers: str,
@@ -85,12 +68,17 @@ def _layout(
     canonical: np.ndarray,
     scorer_canonical: np.ndarray,
 ) -> WeightLayout:
-    ok, evidence = _verify(formula, converted, back, canonical, scorer_here, scorer_canonical)
+    """One layout, verified by the three checks every layout passes (formula == converter, exact round trip,
+    scorer found) and by the real-module evidence in ``extra`` (an item starting "FAILED" fails it)."""
+    checks = {
+        "formula == converter": formula.shape == converted.shape and np.array_equal(formula, converted),
+        "round trip exact": back.shape == canonical.shape and np.array_equal(back, canonical),
+        "scorer found": np.array_equal(scorer_here, scorer_canonical),
+    }
     extra = extra or []
-    ok = ok and not any(item.startswith("FAILED") for item in extra)
-    return WeightLayout(
-        layout, tuple(converted.shape), scorers, from_text, to_text, head_text, ok, "; ".join(evidence + extra)
-    )
+    ok = all(checks.values()) and not any(item.startswith("FAILED") for item in extra)
+    evidence = [f"{name}: {'yes' if passed else 'NO'}" for name, passed in checks.items()] + extra
+    return WeightLayout(layout, tuple(converted.shape), scorers, from_text, to_text, head_text, ok, "; ".join(evidence))
 
 
 def _torch_linear_evidence(cfg: MHAConfig, params: MHAParams, x: np.ndarray) -> str:

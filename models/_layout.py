@@ -28,7 +28,9 @@ from mha_rosetta.core import (
     MHAConfig,
     MHAParams,
     expected_param_shapes,
+    from_flax_params,
     from_row_sample,
+    to_flax_params,
     to_row_sample,
     validate_params,
 )
@@ -227,8 +229,8 @@ def rotary_is(allowed: tuple[str | None, ...], module: str, partial: bool = Fals
 # --- one fused q/k/v layer and one output layer: the families that pack q, k and v together ---
 
 
-def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False):
-    """shapes, pack, unpack for a module with one fused q/k/v layer ``qkv`` and an output layer ``out``.
+def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) -> dict[str, Callable]:
+    """`Layout`'s shapes, pack, unpack for a module with one fused q/k/v layer ``qkv`` and an output layer ``out``.
 
     ``pack_rows(cfg, q, k, v)`` / ``unpack_rows(cfg, packed)`` order the rows (`_packing`).
     Weights are ``(out, in)`` like ``nn.Linear``, or ``(in, out)`` with ``conv1d`` (GPT-2's
@@ -264,14 +266,14 @@ def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False):
         b_q, b_k, b_v = unpack_rows(cfg, state.get(f"{qkv}.bias"))
         return MHAParams(w_q, w_k, w_v, unorient(state[f"{out}.weight"]), b_q, b_k, b_v, state.get(f"{out}.bias"))
 
-    return shapes, pack, unpack
+    return {"shapes": shapes, "pack": pack, "unpack": unpack}
 
 
 # --- four separate (out, in) weights: the pack/unpack of every family that keeps them apart ----
 
 
-def separate_linears(prefixes: dict[str, str]):
-    """shapes, pack, unpack for a module with one ``(out, in)`` linear layer per projection.
+def separate_linears(prefixes: dict[str, str]) -> dict[str, Callable]:
+    """`Layout`'s shapes, pack, unpack for a module with one ``(out, in)`` linear layer per projection.
 
     ``prefixes`` maps ``w_q``/``w_k``/``w_v``/``w_o`` to the module's names for those layers;
     the state dict holds ``{prefix}.weight`` (canonical, untouched) and ``{prefix}.bias``
@@ -296,4 +298,44 @@ def separate_linears(prefixes: dict[str, str]):
     def unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
         return MHAParams(**{canonical: state[stored] for canonical, stored in names(cfg).items()})
 
-    return shapes, pack, unpack
+    return {"shapes": shapes, "pack": pack, "unpack": unpack}
+
+
+# --- DenseGeneral kernels with the head axis inside: Flax's attention, and Keras's --------------
+
+
+def dense_general(out: str) -> dict[str, Callable]:
+    """`Layout`'s shapes, pack, unpack for Flax's / Keras's attention, its params tree flattened with ``/``.
+
+    ``query``/``key``/``value`` hold ``kernel (in, H, head_dim)`` and ``bias (H, head_dim)``;
+    the output layer ``out`` (Flax's ``out``, Keras's ``attention_output``) holds
+    ``kernel (H, Dv, E)`` and ``bias (E,)``. The arrays are those of `core.to_flax_params`.
+    """
+
+    def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
+        H = cfg.n_heads
+        widths = {"query": (cfg.d_model, cfg.d_k), "key": (cfg.kdim, cfg.d_k), "value": (cfg.vdim, cfg.d_v)}
+        result = {}
+        for name, (width, head_dim) in widths.items():
+            result[f"{name}/kernel"] = (width, H, head_dim)
+            if cfg.bias:
+                result[f"{name}/bias"] = (H, head_dim)
+        result[f"{out}/kernel"] = (H, cfg.d_v, cfg.d_model)
+        if cfg.bias:
+            result[f"{out}/bias"] = (cfg.d_model,)
+        return result
+
+    def pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
+        tree = to_flax_params(cfg, params)
+        tree[out] = tree.pop("out")  # Flax names the output layer "out"; it stays last
+        return {f"{module}/{leaf}": array for module, leaves in tree.items() for leaf, array in leaves.items()}
+
+    def unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
+        tree: dict[str, dict[str, np.ndarray]] = {}
+        for path, array in state.items():
+            module, leaf = path.split("/")
+            tree.setdefault(module, {})[leaf] = array
+        tree["out"] = tree.pop(out)
+        return from_flax_params(cfg, tree)
+
+    return {"shapes": shapes, "pack": pack, "unpack": unpack}

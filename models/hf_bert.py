@@ -13,9 +13,6 @@ from __future__ import annotations
 from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
 
 MODULE = "BertSelfAttention"
-_shapes, _pack, _unpack = separate_linears(
-    {"w_q": "self.query", "w_k": "self.key", "w_v": "self.value", "w_o": "output.dense"}
-)
 
 LAYOUT = Layout(
     name="hf-bert",
@@ -32,15 +29,10 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is((None,), MODULE),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **separate_linears({"w_q": "self.query", "w_k": "self.key", "w_v": "self.value", "w_o": "output.dense"}),
     notes=(
         "BertSelfAttention returns the merged context (before the output projection); "
         "BertSelfOutput then computes LayerNorm(dense(context) + input)",
         "not causal (an encoder): padding masks come from BertModel as an additive (B, 1, N, N) mask",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

@@ -13,7 +13,6 @@ from ._layout import BLOCKS, Layout, bias_is, classic_heads, default_scale, fuse
 from ._packing import pack_blocks, unpack_blocks
 
 MODULE = "GPT2Attention"
-_shapes, _pack, _unpack = fused_qkv("c_attn", "c_proj", pack_blocks, unpack_blocks, conv1d=True)
 
 LAYOUT = Layout(
     name="hf-gpt2",
@@ -30,9 +29,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is((None,), MODULE),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **fused_qkv("c_attn", "c_proj", pack_blocks, unpack_blocks, conv1d=True),
     notes=(
         "Conv1D weight is (in, out): the transpose of nn.Linear.weight; loading c_attn.weight into an nn.Linear "
         "without .T is the classic GPT-2 porting bug",
@@ -40,6 +37,3 @@ LAYOUT = Layout(
         "the module is causal in the model (GPT2Model builds the causal mask); the attention itself takes any mask",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

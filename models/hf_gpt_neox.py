@@ -14,9 +14,6 @@ from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, 
 from ._packing import pack_groups, unpack_groups
 
 MODULE = "GPTNeoXAttention"
-# With one query head per kv group (no grouping here), Megatron's per-group packing is exactly
-# GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
-_shapes, _pack, _unpack = fused_qkv("query_key_value", "dense", pack_groups, unpack_groups)
 
 LAYOUT = Layout(
     name="hf-gpt-neox",
@@ -32,9 +29,9 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is(("half",), MODULE, partial=True),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    # With one query head per kv group (no grouping here), Megatron's per-group packing is exactly
+    # GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
+    **fused_qkv("query_key_value", "dense", pack_groups, unpack_groups),
     notes=(
         "rope_dims = int(d_k * rotary_pct) (config.rope_parameters['partial_rotary_factor'] in transformers 5); "
         "Pythia uses rotary_pct = 0.25",
@@ -43,6 +40,3 @@ LAYOUT = Layout(
         "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

@@ -22,7 +22,6 @@ from ._layout import (
 )
 
 MODULE = "LlamaAttention"
-_shapes, _pack, _unpack = separate_linears({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"})
 
 LAYOUT = Layout(
     name="hf-llama",
@@ -39,9 +38,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is(("half",), MODULE),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **separate_linears({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"}),
     notes=(
         "bias: config.attention_bias puts a bias on all four layers (off for Llama itself)",
         "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
@@ -49,6 +46,3 @@ LAYOUT = Layout(
         "query head h reads kv head h // (n_heads / n_kv_heads) (repeat_kv), the spec's grouping",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

@@ -23,7 +23,6 @@ from ._layout import (
 )
 
 MODULE = "T5Attention"
-_shapes, _pack, _unpack = separate_linears({"w_q": "q", "w_k": "k", "w_v": "v", "w_o": "o"})
 
 LAYOUT = Layout(
     name="hf-t5",
@@ -42,14 +41,9 @@ LAYOUT = Layout(
         unit_scale(MODULE),
         rotary_is((None,), MODULE),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **separate_linears({"w_q": "q", "w_k": "k", "w_v": "v", "w_o": "o"}),
     notes=(
         "porting T5 into a standard attention that divides by sqrt(d) shrinks every score: the softmax flattens",
         "layer 0 adds relative_attention_bias (buckets x heads) to the scores: not part of this layout",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

@@ -10,59 +10,9 @@ size **per head** (torch's ``embed_dim`` is the total).
 
 from __future__ import annotations
 
-import numpy as np
-
-from mha_rosetta.core import (
-    MHAConfig,
-    MHAParams,
-    from_dense_general_kernel,
-    merge_head_bias,
-    merge_output_matrix,
-    split_head_bias,
-    split_output_matrix,
-    to_dense_general_kernel,
-)
-
-from ._layout import SEPARATE, Layout, default_scale, no_grouped_kv, rotary_is
+from ._layout import SEPARATE, Layout, default_scale, dense_general, no_grouped_kv, rotary_is
 
 MODULE = "keras MultiHeadAttention"
-_INPUTS = (("query", "q"), ("key", "k"), ("value", "v"))
-
-
-def _shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
-    H = cfg.n_heads
-    widths = {"query": (cfg.d_model, cfg.d_k), "key": (cfg.kdim, cfg.d_k), "value": (cfg.vdim, cfg.d_v)}
-    shapes = {}
-    for name, (width, head_dim) in widths.items():
-        shapes[f"{name}/kernel"] = (width, H, head_dim)
-        if cfg.bias:
-            shapes[f"{name}/bias"] = (H, head_dim)
-    shapes["attention_output/kernel"] = (H, cfg.d_v, cfg.d_model)
-    if cfg.bias:
-        shapes["attention_output/bias"] = (cfg.d_model,)
-    return shapes
-
-
-def _pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-    state = {}
-    for name, short in _INPUTS:
-        state[f"{name}/kernel"] = to_dense_general_kernel(getattr(params, f"w_{short}"), cfg.n_heads)  # (in, H, d)
-        if cfg.bias:
-            state[f"{name}/bias"] = split_head_bias(getattr(params, f"b_{short}"), cfg.n_heads)  # (H, d)
-    state["attention_output/kernel"] = split_output_matrix(params.w_o, cfg.n_heads)  # (H, Dv, E)
-    if cfg.bias:
-        state["attention_output/bias"] = params.b_o.copy()
-    return state
-
-
-def _unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
-    arrays = {}
-    for name, short in _INPUTS:
-        arrays[f"w_{short}"] = from_dense_general_kernel(state[f"{name}/kernel"])  # (H*d, in)
-        arrays[f"b_{short}"] = merge_head_bias(state.get(f"{name}/bias"))
-    arrays["w_o"] = merge_output_matrix(state["attention_output/kernel"])  # (E, H*Dv)
-    arrays["b_o"] = state.get("attention_output/bias")
-    return MHAParams(**arrays)
 
 
 LAYOUT = Layout(
@@ -75,9 +25,7 @@ LAYOUT = Layout(
     source="keras/src/layers/attention/multi_head_attention.py",
     split="no split: the kernels already carry the head axis; einsum 'abc,cde->abde' gives (B, N, H, d)",
     rules=(no_grouped_kv(MODULE), default_scale(MODULE), rotary_is((None,), MODULE)),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **dense_general("attention_output"),  # Flax's tree, the output layer named attention_output
     notes=(
         "known difference: on the JAX backend a call with value_dim != key_dim fails inside "
         "jax.nn.dot_product_attention (value shape must equal key shape); return_attention_scores=True takes "
@@ -86,6 +34,3 @@ LAYOUT = Layout(
         "attention_mask is boolean (B, Nq, Nk), True = may attend, like the spec",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

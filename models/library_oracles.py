@@ -12,14 +12,9 @@ converters live in `core` (the backends use them). Here they get the same
 
 from __future__ import annotations
 
-import numpy as np
-
 from mha_rosetta.core import (
     MHAConfig,
-    MHAParams,
-    from_flax_params,
     from_torch_mha_state_dict,
-    to_flax_params,
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
@@ -30,6 +25,7 @@ from ._layout import (
     SEPARATE,
     Layout,
     default_scale,
+    dense_general,
     no_grouped_kv,
     rotary_is,
     same_head_dims,
@@ -76,32 +72,6 @@ TORCH_MHA = Layout(
 # --- flax.linen.MultiHeadDotProductAttention -----------------------------------------------
 
 
-def _flax_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
-    H = cfg.n_heads
-    shapes = {}
-    for name, width in (("query", cfg.d_model), ("key", cfg.kdim), ("value", cfg.vdim)):
-        shapes[f"{name}/kernel"] = (width, H, cfg.d_k)
-        if cfg.bias:
-            shapes[f"{name}/bias"] = (H, cfg.d_k)
-    shapes["out/kernel"] = (H, cfg.d_v, cfg.d_model)
-    if cfg.bias:
-        shapes["out/bias"] = (cfg.d_model,)
-    return shapes
-
-
-def _flax_pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-    tree = to_flax_params(cfg, params)
-    return {f"{module}/{leaf}": array for module, leaves in tree.items() for leaf, array in leaves.items()}
-
-
-def _flax_unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
-    tree: dict[str, dict[str, np.ndarray]] = {}
-    for path, array in state.items():
-        module, leaf = path.split("/")
-        tree.setdefault(module, {})[leaf] = array
-    return from_flax_params(cfg, tree)
-
-
 FLAX = Layout(
     name="flax",
     module="flax.linen.MultiHeadDotProductAttention",
@@ -117,15 +87,11 @@ FLAX = Layout(
         default_scale("flax MultiHeadDotProductAttention"),
         rotary_is((None,), "flax MultiHeadDotProductAttention"),
     ),
-    shapes=_flax_shapes,
-    pack=_flax_pack,
-    unpack=_flax_unpack,
+    **dense_general("out"),
     notes=("qkv_features is the total H*d (torch-like); out_features defaults to the query width",),
 )
 
 # --- equinox.nn.MultiheadAttention ---------------------------------------------------------
-
-_eqx_shapes, _eqx_pack, _eqx_unpack = separate_linears(EQUINOX_NAMES)
 
 EQUINOX = Layout(
     name="equinox",
@@ -141,8 +107,6 @@ EQUINOX = Layout(
         default_scale("equinox MultiheadAttention"),
         rotary_is((None,), "equinox MultiheadAttention"),
     ),
-    shapes=_eqx_shapes,
-    pack=_eqx_pack,
-    unpack=_eqx_unpack,
+    **separate_linears(EQUINOX_NAMES),
     notes=("qk_size and vo_size are per head, like Keras's key_dim",),
 )

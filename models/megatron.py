@@ -14,7 +14,6 @@ from ._layout import PER_GROUP, Layout, fused_qkv, rotary_is, same_head_dims, se
 from ._packing import pack_groups, unpack_groups
 
 MODULE = "Megatron-LM SelfAttention"
-_shapes, _pack, _unpack = fused_qkv("linear_qkv", "linear_proj", pack_groups, unpack_groups)
 
 LAYOUT = Layout(
     name="megatron",
@@ -30,9 +29,7 @@ LAYOUT = Layout(
         self_attention_widths(MODULE),
         rotary_is((None, "half", "interleaved"), MODULE, partial=True),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **fused_qkv("linear_qkv", "linear_proj", pack_groups, unpack_groups),
     notes=(
         "bias: config.add_bias_linear puts a bias on both layers (add_qkv_bias alone, only on linear_qkv, "
         "is outside the spec's all-or-none bias)",
@@ -41,6 +38,3 @@ LAYOUT = Layout(
         "with G = H (no grouping) the packing is GPT-NeoX's per-head [q_h; k_h; v_h]",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

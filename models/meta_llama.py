@@ -24,7 +24,6 @@ from ._layout import (
 )
 
 MODULE = "Meta's llama Attention"
-_shapes, _pack, _unpack = separate_linears({"w_q": "wq", "w_k": "wk", "w_v": "wv", "w_o": "wo"})
 
 LAYOUT = Layout(
     name="meta-llama",
@@ -43,9 +42,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is(("interleaved",), MODULE),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **separate_linears({"w_q": "wq", "w_k": "wk", "w_v": "wv", "w_o": "wo"}),
     notes=(
         "to load into Hugging Face's LlamaAttention, permute the rows of wq and wk per head "
         "(convert_state_dict(cfg, state, 'meta-llama', 'hf-llama')); copying them unchanged gives "
@@ -53,6 +50,3 @@ LAYOUT = Layout(
         "Meta shards wq/wk/wv by rows and wo by columns across model-parallel ranks (consolidated.NN.pth)",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

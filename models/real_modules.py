@@ -45,14 +45,8 @@ REQUIRES = {
     "flax": ("flax", "jax"),
     "equinox": ("equinox", "jax"),
 }
-INSTALL = {
-    "transformers": "models",
-    "keras": "models",
-    "torch": "torch",
-    "jax": "jax",
-    "flax": "flax",
-    "equinox": "equinox",
-}
+# The extra that installs each library: its own name, except where the "models" extra brings it.
+INSTALL = {"transformers": "models", "keras": "models"}
 
 
 @dataclass
@@ -77,7 +71,7 @@ def unavailable_reason(layout: str) -> str | None:
     for module in REQUIRES[get_layout(layout).name]:
         found = probe(module)
         if not found.installed:
-            return f"{found.reason}: pip install 'mha-rosetta[{INSTALL[module]}]'"
+            return f"{found.reason}: pip install 'mha-rosetta[{INSTALL.get(module, module)}]'"
         if not found.ok:
             return found.reason
     return None
@@ -214,16 +208,14 @@ def _bert(cfg, state, x, padding, options):
     module = BertAttention(config, is_causal=cfg.causal).double().eval()
     tensors = _torch_state(state)
     # BertAttention also holds output.LayerNorm, which is not attention: load the two parts strictly, apart.
-    module.self.load_state_dict(
-        {k.removeprefix("self."): v for k, v in tensors.items() if k.startswith("self.")}, strict=True
-    )
-    dense = {k.removeprefix("output.dense."): v for k, v in tensors.items() if k.startswith("output.dense.")}
-    module.output.dense.load_state_dict(dense, strict=True)
+    for part, prefix in ((module.self, "self."), (module.output.dense, "output.dense.")):
+        part.load_state_dict(
+            {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}, strict=True
+        )
     xt = torch.from_numpy(x)
+    mask = _hf_mask(config, cfg, xt, padding)
     with torch.no_grad():
-        merged = module.self(xt, attention_mask=_hf_mask(config, cfg, xt, padding))[
-            0
-        ]  # (B, N, H*d): BertSelfAttention stops here
+        merged = module.self(xt, attention_mask=mask)[0]  # (B, N, H*d): BertSelfAttention stops here
         output = module.output.dense(merged)
     return RealRun(
         "hf-bert",
@@ -391,30 +383,24 @@ def _t5(cfg, state, x, padding, options):
 # --- torch: timm's block packing, Megatron's group packing, nn.MultiheadAttention --------------
 
 
-def _torch_mha_module(cfg, state):
+def _run_torch_mha(cfg, state, x, padding):
+    """``state`` loaded (strictly) into ``nn.MultiheadAttention(batch_first=True)``, run on x: (output, module)."""
     import torch
 
     module = torch.nn.MultiheadAttention(
         cfg.d_model, cfg.n_heads, bias=cfg.bias, kdim=cfg.kdim, vdim=cfg.vdim, batch_first=True, dtype=torch.float64
     ).eval()
     module.load_state_dict(_torch_state(state), strict=True)
-    return module
-
-
-def _run_torch_mha(cfg, module, x, padding):
-    import torch
-
     B, N, _ = x.shape
     blocked = ~allowed_mask(cfg, B, N, padding)  # (B, 1, N, N): nn.MultiheadAttention's True means "blocked"
     attn_mask = torch.from_numpy(np.repeat(blocked, cfg.n_heads, axis=1).reshape(B * cfg.n_heads, N, N))  # (B*H, N, N)
     xt = torch.from_numpy(x)
     with torch.no_grad():
-        return module(xt, xt, xt, attn_mask=attn_mask, need_weights=False)[0].numpy()
+        return module(xt, xt, xt, attn_mask=attn_mask, need_weights=False)[0].numpy(), module
 
 
 def _torch_mha(cfg, state, x, padding):
-    module = _torch_mha_module(cfg, state)
-    output = _run_torch_mha(cfg, module, x, padding)
+    output, module = _run_torch_mha(cfg, state, x, padding)
     return RealRun(
         "torch-mha", "real", "torch.nn.MultiheadAttention(batch_first=True)", output, parameters=_shapes(module)
     )
@@ -434,8 +420,7 @@ def _timm(cfg, state, x, padding):
     if importable("timm"):
         return _timm_real(cfg, state, x, padding)
     renamed = {TIMM_TO_TORCH_MHA[name]: value for name, value in state.items()}
-    module = _torch_mha_module(cfg, renamed)  # strict: timm's qkv/proj are in_proj/out_proj under other names
-    output = _run_torch_mha(cfg, module, x, padding)
+    output, _ = _run_torch_mha(cfg, renamed, x, padding)  # strict: timm's qkv/proj are in_proj/out_proj renamed
     return RealRun(
         "timm-vit",
         "equivalent",
@@ -576,17 +561,14 @@ def _library_oracle(layout_name: str):
 
         # from_state_dict checks every flat name against the layout; the backend then builds the real module's
         # tree from the same converter (core.to_flax_params / to_equinox_weights) and runs it in float64.
-        params = get_layout(layout_name).from_state_dict(cfg, state)
+        layout = get_layout(layout_name)  # layout.module names the library's class, e.g. equinox.nn.MultiheadAttention
+        params = layout.from_state_dict(cfg, state)
         B, N, _ = x.shape
         backend = get_backend(layout_name)
         output = backend.run(cfg, params, x, mask=allowed_mask(cfg, B, N, padding), dtype="float64")
-        module = {"flax": "flax.linen.MultiHeadDotProductAttention", "equinox": "equinox.nn.MultiheadAttention"}[
-            layout_name
-        ]
         shapes = {name: tuple(value.shape) for name, value in state.items()}
-        return RealRun(
-            layout_name, "real", f"{module} (through the {layout_name!r} oracle backend)", output, parameters=shapes
-        )
+        description = f"{layout.module} (through the {layout_name!r} oracle backend)"
+        return RealRun(layout_name, "real", description, output, parameters=shapes)
 
     return run
 

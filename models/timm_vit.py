@@ -12,7 +12,6 @@ from ._layout import BLOCKS, Layout, classic_heads, default_scale, fused_qkv, ro
 from ._packing import pack_blocks, unpack_blocks
 
 MODULE = "timm Attention"
-_shapes, _pack, _unpack = fused_qkv("qkv", "proj", pack_blocks, unpack_blocks)
 
 LAYOUT = Layout(
     name="timm-vit",
@@ -28,9 +27,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is((None,), MODULE),
     ),
-    shapes=_shapes,
-    pack=_pack,
-    unpack=_unpack,
+    **fused_qkv("qkv", "proj", pack_blocks, unpack_blocks),
     notes=(
         "bias: qkv_bias (True in ViTs) and proj_bias; the spec's bias is all-or-none",
         "qkv.weight == nn.MultiheadAttention's in_proj_weight and proj == out_proj: a timm block loads into "
@@ -38,6 +35,3 @@ LAYOUT = Layout(
         "q_norm/k_norm (qk_norm=True) are outside the spec; by default they are Identity and store nothing",
     ),
 )
-
-to_state_dict = LAYOUT.to_state_dict
-from_state_dict = LAYOUT.from_state_dict

@@ -17,7 +17,7 @@ from mha_rosetta.explain import explain, head_splits, make_setup, weight_layouts
 from mha_rosetta.explain.head_split import grid_text, head_summary, save_png
 from mha_rosetta.explain.memory import contiguity, shares_memory, strides_in_elements
 from mha_rosetta.explain.stages_table import build_stage_tables, measure_backend, scorer_location
-from mha_rosetta.explain.weights import _verify
+from mha_rosetta.explain.weights import _layout
 
 
 def _adapter_present(name: str) -> bool:
@@ -157,8 +157,8 @@ def test_weight_layout_for_a_config_torch_cannot_hold():
 
 def test_verification_catches_a_wrong_formula():
     w = np.arange(12.0).reshape(3, 4)
-    ok, evidence = _verify(w.T, w.reshape(4, 3), w, w, w[0], w[0])  # reshape is not a transpose
-    assert not ok and "formula == converter: NO" in evidence
+    layout = _layout("w", "rows", "-", "-", "row 0", w.T, w.reshape(4, 3), w, w[0], canonical=w, scorer_canonical=w[0])
+    assert layout.verified is False and "formula == converter: NO" in layout.evidence  # reshape is not a transpose
 
 
 # --- head split ---------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ def test_only_full_float32_names_keep_tf32_off():
 def test_jax_precision_info_labels_tf32_by_the_lowered_program(name):
     from mha_rosetta.backends._jax_common import precision_info
 
-    info = precision_info("gpu", "float32", name)
+    info = precision_info(device="gpu", dtype="float32", matmul_precision=name)
     assert info["lowered_precision"] == LOWERED_PRECISION[name]
     assert info["tf32"] is (LOWERED_PRECISION[name] != "HIGHEST")
-    assert "tf32" not in precision_info("cpu", "float32", name)  # TF32 is a GPU matter
+    assert "tf32" not in precision_info(device="cpu", dtype="float32", matmul_precision=name)  # TF32 is a GPU matter
 
 
 @requires("jax")
@@ -65,7 +65,7 @@ def test_tf32_switch_from_the_environment_reaches_jax_programs(monkeypatch):
     monkeypatch.setenv("MHA_ROSETTA_TF32", "1")
     assert effective_precision("highest") == "tensorfloat32"
     assert effective_precision("default") == "default"  # already reduced: left as asked
-    info = precision_info("gpu", "float32", "highest")
+    info = precision_info(device="gpu", dtype="float32", matmul_precision="highest")
     assert info["tf32"] is True and info["tf32_forced_by"] == "MHA_ROSETTA_TF32=1"
     import jax.numpy as jnp
 
@@ -120,12 +120,14 @@ def test_matmul_precision_sets_and_restores_through_either_torch_api(setup):
 def test_torch_precision_info_states_the_switches_and_the_environment_override(monkeypatch):
     from mha_rosetta.backends._torch_common import precision_info
 
-    assert precision_info("gpu", "float32", False)["tf32"] is False
-    assert precision_info("gpu", "float16", True)["tf32"] is False  # TF32 is about float32 products only
+    assert precision_info(device="gpu", dtype="float32", allow_tf32=False)["tf32"] is False
+    assert (
+        precision_info(device="gpu", dtype="float16", allow_tf32=True)["tf32"] is False
+    )  # TF32 is about float32 products only
     monkeypatch.setenv("MHA_ROSETTA_TF32", "1")
-    forced = precision_info("gpu", "float32", False)
+    forced = precision_info(device="gpu", dtype="float32", allow_tf32=False)
     assert forced["tf32"] is True and forced["tf32_forced_by"] == "MHA_ROSETTA_TF32=1"
-    assert precision_info("cpu", "float32", False)["tf32"] is False
+    assert precision_info(device="cpu", dtype="float32", allow_tf32=False)["tf32"] is False
 
 
 @pytest.fixture
@@ -285,3 +287,18 @@ def test_gpu_questions_answer_on_cpu_what_torch_does_with_empty_rows():
     assert answers["nn.MultiheadAttention(need_weights=True)"] in ("zeros", "NaN", "mean of values")
     errors = sdpa_float32_error("cpu", tokens=64, width=16)
     assert 0 < errors["sdpa_float32_max_abs"] < 1e-5 and 0 < errors["by_hand_float32_max_abs"] < 1e-5
+
+
+@requires("jax")
+def test_the_jax_backward_records_the_precision_of_its_own_device_and_dtype(monkeypatch):
+    # The backward once called precision_info(dtype, device, ...): on a GPU in float32 its info lost
+    # the "tf32" entry. The arguments are keyword-only now; this pins what the backward passes.
+    from mha_rosetta.backends import jax_backend
+
+    seen = []
+    real = jax_backend.precision_info
+    monkeypatch.setattr(jax_backend, "precision_info", lambda **kw: seen.append(kw) or real(**kw))
+    cfg = MHAConfig(d_model=8, n_heads=2)
+    query = np.random.default_rng(0).standard_normal((1, 3, 8))
+    get_backend("jax").prepare_vjp(cfg, init_params(cfg, seed=0), query, dtype="float32")
+    assert [(kw["device"], kw["dtype"]) for kw in seen] == [("cpu", "float32")]

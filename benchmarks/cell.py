@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
 from .memory import MemoryProbe
-from .pinning import DEFAULT_MALLOC_MODE, contention_warning, cpu_use_warning, cpu_utilisation, malloc_env
+from .pinning import DEFAULT_MALLOC_MODE, cpu_utilisation, cpu_warnings, malloc_env, require_positive_int
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
 
@@ -88,9 +88,7 @@ class CellSpec:
     def __post_init__(self) -> None:
         split_implementation(self.implementation)  # validates the label
         for name in ("batch", "tokens", "d_model", "heads", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CellSpec.{name} must be a positive int, got {value!r}")
+            require_positive_int(f"CellSpec.{name}", getattr(self, name))
         malloc_env(self.malloc)  # validates the mode
         mode_flops(1, self.mode)  # validates the timing mode
 
@@ -154,34 +152,31 @@ def peak_rss_mb() -> float | None:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-class _GpuMemory:
+def _reset_gpu_peak(device: str, frameworks: tuple[str, ...]) -> None:
+    """Restart torch's count of its peak device allocation before prepare (JAX's peak is read as it stands)."""
+    if device == "gpu" and "torch" in frameworks:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+
+def _gpu_peak_mb(device: str, frameworks: tuple[str, ...]) -> float | None:
     """The framework's own peak device allocation (torch, JAX), where there is one."""
-
-    def __init__(self, device: str, frameworks: tuple[str, ...]) -> None:
-        self.device, self.frameworks = device, frameworks
-
-    def reset(self) -> None:
-        if self.device == "gpu" and "torch" in self.frameworks:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-
-    def peak_mb(self) -> float | None:
-        if self.device != "gpu":
-            return None
-        if "torch" in self.frameworks:
-            import torch
-
-            if torch.cuda.is_available():
-                return torch.cuda.max_memory_allocated() / 2**20
-        if "jax" in self.frameworks:
-            import jax
-
-            stats = jax.devices()[0].memory_stats() or {}
-            if "peak_bytes_in_use" in stats:
-                return stats["peak_bytes_in_use"] / 2**20
+    if device != "gpu":
         return None
+    if "torch" in frameworks:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**20
+    if "jax" in frameworks:
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            return stats["peak_bytes_in_use"] / 2**20
+    return None
 
 
 def _make_inputs(spec: CellSpec, cfg):
@@ -214,7 +209,7 @@ def measure(spec: CellSpec) -> dict:
     from mha_rosetta.core import init_params
 
     backend = get_backend(spec.backend)  # BackendNotInstalled / ValueError propagate to main
-    frameworks = backend.requires  # pinning and _GpuMemory act on the frameworks they know and skip the rest
+    frameworks = backend.requires  # pinning and the GPU peak act on the frameworks they know and skip the rest
     record["framework_threads"] = pinning.configure_frameworks(spec.threads, frameworks)
 
     cfg = build_config(spec)
@@ -222,22 +217,19 @@ def measure(spec: CellSpec) -> dict:
     query, key, value = _make_inputs(spec, cfg)
     kv_tokens = spec.tokens if spec.kv_tokens is None else spec.kv_tokens
     flops = mode_flops(config_matmul_flops(cfg, spec.batch, spec.tokens, kv_tokens), spec.mode)
-    gpu_memory = _GpuMemory(spec.device, frameworks)
 
     rss_before = peak_rss_mb()
-    gpu_memory.reset()
+    _reset_gpu_peak(spec.device, frameworks)
     probe = MemoryProbe()
     probe.before_prepare()
     try:
+        prepare = backend.prepare_vjp if spec.mode == "fwdbwd" else backend.prepare
+        prepared, _inputs = prepare(
+            cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
+        )
         if spec.mode == "fwdbwd":  # forward+backward: the timed call is PreparedVJP.run
-            prepared, _inputs = backend.prepare_vjp(
-                cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
-            )
             step, results = prepared.run, lambda native: list(prepared.to_grads(native).values())
         else:
-            prepared, _inputs = backend.prepare(
-                cfg, params, query, key, value, dtype=spec.dtype, device=spec.device, strategy=spec.strategy
-            )
             step, results = prepared.forward, lambda native: [prepared.to_numpy(native)]
     except UnsupportedCase as reason:
         record.update(status="unsupported", error=str(reason))
@@ -248,20 +240,22 @@ def measure(spec: CellSpec) -> dict:
 
     with pinning.limit_thread_pools(spec.threads):
         record["thread_pools"] = pinning.thread_pool_report()
+        record["compile_s"] = None
         if prepared.compile is not None:
             start = time.perf_counter()
             prepared.compile()
             record["compile_s"] = time.perf_counter() - start
-        else:
-            record["compile_s"] = None
 
         result_box: list = [None]
 
-        def run_once() -> None:
+        def one_call():
             # The timed region: the forward pass (and in fwdbwd its backward) and the wait, nothing else.
             result = step()
             prepared.synchronize(result)
-            result_box[0] = result
+            return result
+
+        def run_once() -> None:
+            result_box[0] = one_call()
 
         start = time.perf_counter()
         run_once()
@@ -284,17 +278,11 @@ def measure(spec: CellSpec) -> dict:
                 "(their resident sets are under 'workers')",
             }
         elif spec.device == "cpu":
-
-            def one_call():
-                result = step()
-                prepared.synchronize(result)
-                return result
-
             # The memory pass: the last timed result is dropped first, so the call's output counts as its own.
             result_box[0] = None
             result_box[0], memory = probe.call(one_call)
         else:  # on a GPU, the framework's peak allocation since before prepare
-            memory = {"peak_mem_mb": gpu_memory.peak_mb(), "peak_mem_method": "device"}
+            memory = {"peak_mem_mb": _gpu_peak_mb(spec.device, frameworks), "peak_mem_method": "device"}
 
     import numpy as np
 
@@ -304,15 +292,12 @@ def measure(spec: CellSpec) -> dict:
     host_growth = None if rss_before is None else max(0.0, rss_after - rss_before)
     record.update(timings)
     cpu_util = cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
-    warnings = [cpu_use_warning(cpu_util, spec.threads)]
-    if spec.device == "cpu":
-        warnings.append(contention_warning(cpu_util, spec.threads))
     record.update(
         status="ok",
         flops=flops,
         gflops=flops / timings["median_s"] / 1e9 if timings["median_s"] > 0 else None,
         cpu_util=cpu_util,
-        warnings=[warning for warning in warnings if warning],
+        warnings=cpu_warnings(cpu_util, spec.threads, spec.device),
         **memory,  # peak_mem_mb and how it was counted: MemoryProbe on a CPU, the device's peak on a GPU
         host_peak_growth_mb=host_growth,
         peak_rss_mb=rss_after,

@@ -24,11 +24,7 @@ masked blocks shows up with a higher GFLOP/s than the work it really did.
 
 from __future__ import annotations
 
-
-def _require_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+from .pinning import require_positive_int
 
 
 def attention_matmul_flops(
@@ -50,7 +46,7 @@ def attention_matmul_flops(
         kv_heads=kv_heads, d_k=d_k, d_v=d_v, kdim=kdim, vdim=vdim,
     )  # fmt: skip
     for name, value in sizes.items():
-        _require_positive(name, value)
+        require_positive_int(name, value)
     projections = (
         q_tokens * d_model * heads * d_k  # X_q (Nq, D) @ W_q^T (D, H·Dk)
         + kv_tokens * kdim * kv_heads * d_k  # X_k (Nk, kdim) @ W_k^T (kdim, Hkv·Dk)
@@ -79,7 +75,7 @@ def config_matmul_flops(cfg, batch: int, q_tokens: int, kv_tokens: int | None = 
 
 def gemm_flops(m: int, k: int, n: int) -> int:
     """FLOPs of one (m, k) @ (k, n) product."""
-    return 2 * _require_positive("m", m) * _require_positive("k", k) * _require_positive("n", n)
+    return 2 * require_positive_int("m", m) * require_positive_int("k", k) * require_positive_int("n", n)
 
 
 # Forward+backward ("fwdbwd") cells count 3x the forward's matrix products: every forward

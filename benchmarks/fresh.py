@@ -25,22 +25,12 @@ RESULT_MARKER = "MHA_ROSETTA_RESULT "
 _STDERR_TAIL = 2000
 
 
-def emit_result(result: dict) -> None:
-    """Print the child's result line (used by the child's ``main``)."""
-    print(RESULT_MARKER + json.dumps(result, allow_nan=True), flush=True)
-
-
 def parse_result(stdout: str) -> dict | None:
     """The last result line in a child's stdout, decoded, or None."""
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
             return json.loads(line[len(RESULT_MARKER) :])
     return None
-
-
-def child_setup(spec: dict) -> list[int] | None:
-    """First call in a child's main: pin to the cores in the spec, before any heavy import."""
-    return pin_current_process(spec.get("cpus"))
 
 
 def error_result(error: Exception) -> dict:
@@ -66,12 +56,12 @@ def child_main(
         print(f"usage: python -m {module} '<{spec_name}>'", file=sys.stderr)
         return 2
     spec = json.loads(argv[0])
-    child_setup(spec)  # pin before anything heavy is imported
+    pin_current_process(spec.get("cpus"))  # pin to the spec's cores before anything heavy is imported
     try:
         result = measure(spec)
     except Exception as error:  # reported as data; one broken measurement must not stop a sweep
         result = on_error(error)
-    emit_result(result)
+    print(RESULT_MARKER + json.dumps(result, allow_nan=True), flush=True)  # the result line
     return 0
 
 

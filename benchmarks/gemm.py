@@ -252,9 +252,6 @@ def measure(spec: dict) -> dict:
     # The median, as for the cells, so that peak_fraction compares like with like.
     flops = gemm_flops(n, n, n)
     cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
-    warnings = [pinning.cpu_use_warning(cpu_util, threads)]
-    if device == "cpu":
-        warnings.append(pinning.contention_warning(cpu_util, threads))
     return {
         "status": "ok",
         "library": library,
@@ -262,14 +259,11 @@ def measure(spec: dict) -> dict:
         "n": n,
         "requested_n": requested_n,
         "gflops": flops / timings["median_s"] / 1e9,
-        "median_s": timings["median_s"],
-        "iqr_s": timings["iqr_s"],
-        "min_s": timings["min_s"],
-        "repeats": timings["repeats"],
+        **{name: timings[name] for name in ("median_s", "iqr_s", "min_s", "repeats")},
         "back_to_back": timings.get("back_to_back", 1),
         "first_call_s": first,
         "cpu_util": cpu_util,
-        "warnings": [warning for warning in warnings if warning],
+        "warnings": pinning.cpu_warnings(cpu_util, threads, device),
         "thread_pools": pools,
         "malloc_env": pinning.malloc_env_report(),
     }
@@ -305,29 +299,21 @@ def measure_gemm_peak(
     extra_env = malloc_env(malloc)  # validates the mode before any child starts
     n = gemm_size(dtype, device, n)  # a GPU has its own sizes (`GPU_GEMM_SIZES`)
     by_library: dict[str, dict] = {}
+
+    def run_child(spec: dict) -> dict:
+        return run_fresh("mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout, extra_env=extra_env)
+
     for library in installed_gemm_libraries() if libraries is None else libraries:
         reason = unsupported_reason(library, dtype, device)
         if reason:
             by_library[library] = {"status": "unsupported", "error": reason}
             continue
-        spec = {
-            "library": library,
-            "dtype": dtype,
-            "device": device,
-            "n": n,
-            "threads": threads,
-            "cpus": cpus,
-            "policy": policy or {},
-        }
-        best_result = run_fresh(
-            "mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout, extra_env=extra_env
-        )
+        spec = dict(library=library, dtype=dtype, device=device, n=n, threads=threads, cpus=cpus, policy=policy or {})
+        best_result = run_child(spec)
         attempts = 1
         while attempts <= retries and best_result.get("status") == "ok" and _contended(best_result, device, threads):
             spec["n"] = best_result["n"]  # the size the child settled on: no second slow first product
-            again = run_fresh(
-                "mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout, extra_env=extra_env
-            )
+            again = run_child(spec)
             attempts += 1
             if again.get("status") == "ok" and again["gflops"] > best_result["gflops"]:
                 best_result = again

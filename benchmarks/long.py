@@ -24,6 +24,10 @@ import math
 import os
 from collections import defaultdict
 
+from mha_rosetta.core.tables import markdown_table as table_lines
+
+from .memory import proc_mb
+
 # How much of the (B, H, Nq, Nk) scores an implementation holds at once: its memory kind.
 LINEAR, ONE_HEAD, ALL_HEADS = "memory-linear", "one head at a time", "materialising"
 # Never the (Nq, Nk) scores: the chunked strategies; torch's SDPA, whose CPU kernel is a
@@ -76,14 +80,7 @@ def predicted_peak_mb(
 
 def available_memory_mb() -> float | None:
     """MemAvailable from /proc/meminfo (Linux), in MiB; None elsewhere."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    return proc_mb("/proc/meminfo", "MemAvailable")
 
 
 def memory_budget_mb(explicit: float | None = None) -> float:
@@ -163,33 +160,22 @@ def slopes_markdown(slopes: dict[str, dict]) -> str:
     def fmt(value):
         return "n/a" if value is None else f"{value:.2f}"
 
-    lines = [
-        f"| implementation | kind | tokens | time slope | time slope, {TAIL_POINTS} largest | peak-memory slope "
-        f"| peak-memory slope, {TAIL_POINTS} largest |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    columns = ["implementation", "kind", "tokens", "time slope", f"time slope, {TAIL_POINTS} largest"]
+    columns += ["peak-memory slope", f"peak-memory slope, {TAIL_POINTS} largest"]
+    rows = []
     for name, s in sorted(slopes.items()):
-        kind = s.get("memory_kind") or memory_kind(name)
         span = f"{s['tokens'][0]}..{s['tokens'][-1]}" if s["tokens"] else ""
-        lines.append(
-            f"| `{name}` | {kind} | {span} | {fmt(s['time_slope'])} | {fmt(s.get('time_tail_slope'))} "
-            f"| {fmt(s['memory_slope'])} | {fmt(s.get('memory_tail_slope'))} |"
-        )
-    return "\n".join(lines) + "\n"
+        figures = [fmt(s.get(key)) for key in ("time_slope", "time_tail_slope", "memory_slope", "memory_tail_slope")]
+        rows.append([f"`{name}`", s.get("memory_kind") or memory_kind(name), span, *figures])
+    return "\n".join(table_lines(columns, rows)) + "\n"
 
 
 def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = None) -> list:
     """Two log-log plots, time and peak memory against tokens, each line labelled with its slope."""
-    from pathlib import Path
+    from .report import pyplot_into, save_figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt, directory = pyplot_into(directory)
     slopes = fitted_slopes(cells) if slopes is None else slopes
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     written = []
     for field, slope_key, label, name in (
         ("median_s", "time_slope", "median time (s)", "long_time_vs_tokens.png"),
@@ -217,11 +203,7 @@ def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = Non
         )
         axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay visible
         axes.grid(True, which="both", alpha=0.3)
-        path = directory / name
-        figure.tight_layout()
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        written.append(save_figure(plt, figure, directory / name))
     return written
 
 
@@ -232,12 +214,13 @@ def target_ratios(cells: list[dict]) -> dict:
     def ok(tokens):
         return {c["implementation"]: c for c in cells if c.get("status") == "ok" and c.get("tokens") == tokens}
 
-    at_8k, at_4k = ok(8192), ok(4096)
-    chunked_8k = {k: c["peak_mem_mb"] for k, c in at_8k.items() if k.endswith(":chunked") and c.get("peak_mem_mb")}
-    material_8k = {
-        k: c["peak_mem_mb"] for k, c in at_8k.items() if memory_kind(k) == ALL_HEADS and c.get("peak_mem_mb")
-    }
-    one_head_8k = {k: c["peak_mem_mb"] for k, c in at_8k.items() if memory_kind(k) == ONE_HEAD and c.get("peak_mem_mb")}
+    def peak_mb_at_8k(chosen):
+        return {k: c["peak_mem_mb"] for k, c in ok(8192).items() if chosen(k) and c.get("peak_mem_mb")}
+
+    at_4k = ok(4096)
+    chunked_8k = peak_mb_at_8k(lambda k: k.endswith(":chunked"))
+    material_8k = peak_mb_at_8k(lambda k: memory_kind(k) == ALL_HEADS)
+    one_head_8k = peak_mb_at_8k(lambda k: memory_kind(k) == ONE_HEAD)
     chunked_4k = {k: c["median_s"] for k, c in at_4k.items() if k.endswith(":chunked")}
     sdpa_4k = at_4k.get("torch-sdpa", {}).get("median_s")
     result: dict = {}

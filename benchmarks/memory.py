@@ -21,7 +21,7 @@ A cell measures memory in two untimed pieces, so that tracing costs no time in t
   the allocator's free memory to the system: the benchmark keeps freed memory inside the
   process (`pinning.malloc_env`), and without the trim a call would reuse those pages and
   show no growth at all. Where the mark cannot be reset (not Linux) there is no figure.
-* On a GPU the cell reports the framework's own peak allocation instead (`cell._GpuMemory`).
+* On a GPU the cell reports the framework's own peak allocation instead (`cell._gpu_peak_mb`).
 
 Before this module the cell reported only the growth of ``ru_maxrss`` from before
 ``prepare``: an earlier, larger transient (imports, making the inputs) hid every working set
@@ -43,14 +43,19 @@ CLEAR_REFS = "/proc/self/clear_refs"
 RESET_PEAK = "5"
 
 
-def status_mb(field: str, pid: int | str = "self") -> float | None:
-    """A ``kB`` field of /proc/PID/status (VmRSS, VmHWM), in MiB; None where there is none."""
+def proc_mb(path: str, field: str) -> float | None:
+    """A ``kB`` field of a /proc file (Linux), in MiB; None where there is none."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+        with open(path, encoding="ascii") as proc:
+            match = re.search(rf"^{field}:\s+(\d+) kB", proc.read(), re.MULTILINE)
     except OSError:
         return None
     return int(match.group(1)) / 1024 if match else None
+
+
+def status_mb(field: str, pid: int | str = "self") -> float | None:
+    """A field of /proc/PID/status (VmRSS, VmHWM), in MiB; None where there is none."""
+    return proc_mb(f"/proc/{pid}/status", field)
 
 
 def _malloc_trim() -> bool:

@@ -46,9 +46,8 @@ def numpy_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = 
     ]
 
     def batched():
-        q = (x @ w_q.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3)  # (B, H, N, d_k)
-        k = (x @ w_k.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3)  # (B, H, N, d_k)
-        v = (x @ w_v.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3)  # (B, H, N, d_k)
+        # (B, N, D) -> (B, N, H, d_k) view -> (B, H, N, d_k) view, for each of q, k, v
+        q, k, v = ((x @ w.T).reshape(batch, tokens, heads, d_k).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
         weights = _np_softmax((q @ k.transpose(0, 1, 3, 2)) * scale)  # (B, H, N, N)
         context = (weights @ v).transpose(0, 2, 1, 3).reshape(batch, tokens, d_model)  # (B, N, H*d_k)
         return context @ w_o.T  # (B, N, D)
@@ -128,7 +127,9 @@ def numpy_merge_copy(batch: int, tokens: int, heads: int, d_k: int, dtype: str =
 # -- PyTorch ------------------------------------------------------------------------------------
 
 
-def _torch_setup(device: str):
+def _torch_setup(device: str, dtype: str):
+    """torch, a ``sync(result)`` that waits for the device and returns the result, and ``make(*shape)``:
+    standard normal draws from one generator seeded 0, on the device in ``dtype``."""
     import torch
 
     target = "cuda" if device == "gpu" else "cpu"
@@ -136,26 +137,24 @@ def _torch_setup(device: str):
         if not torch.cuda.is_available():
             raise RuntimeError("torch sees no CUDA device")
         torch.backends.cuda.matmul.allow_tf32 = False
+    generator = torch.Generator().manual_seed(0)
 
     def sync(result):
         if target == "cuda":
             torch.cuda.synchronize()
         return result
 
-    return torch, target, sync
+    def make(*shape):
+        return torch.randn(*shape, generator=generator).to(device=target, dtype=getattr(torch, dtype))
+
+    return torch, sync, make
 
 
 def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = "float32", device: str = "cpu") -> dict:
     """Claim 7 in PyTorch (the column/row-sample article's own setting), on CPU or CUDA."""
-    torch, target, sync = _torch_setup(device)
-    generator = torch.Generator().manual_seed(0)
+    torch, sync, make = _torch_setup(device, dtype)
     d_k = d_model // heads
     scale = 1.0 / math.sqrt(d_k)
-    kind = getattr(torch, dtype)
-
-    def make(*shape):
-        return torch.randn(*shape, generator=generator).to(device=target, dtype=kind)
-
     x = make(batch, tokens, d_model)  # (B, N, D)
     w_q, w_k, w_v, w_o = (make(d_model, d_model) / math.sqrt(d_model) for _ in range(4))  # (out, in)
     per_head = [
@@ -168,9 +167,8 @@ def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = 
 
     @torch.inference_mode()
     def batched():
-        q = (x @ w_q.T).view(batch, tokens, heads, d_k).transpose(1, 2)  # (B, H, N, d_k)
-        k = (x @ w_k.T).view(batch, tokens, heads, d_k).transpose(1, 2)  # (B, H, N, d_k)
-        v = (x @ w_v.T).view(batch, tokens, heads, d_k).transpose(1, 2)  # (B, H, N, d_k)
+        # (B, N, D) -> (B, N, H, d_k) view -> (B, H, N, d_k) view, for each of q, k, v
+        q, k, v = ((x @ w.T).view(batch, tokens, heads, d_k).transpose(1, 2) for w in (w_q, w_k, w_v))
         weights = torch.softmax((q @ k.transpose(-2, -1)) * scale, dim=-1)  # (B, H, N, N)
         context = (weights @ v).transpose(1, 2).contiguous().view(batch, tokens, d_model)  # (B, N, H*d_k)
         return sync(context @ w_o.T)  # (B, N, D)
@@ -187,7 +185,7 @@ def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = 
 
     @torch.inference_mode()
     def per_head_matrices():
-        out = torch.zeros(batch, tokens, d_model, device=target, dtype=kind)  # (B, N, D)
+        out = torch.zeros_like(x)  # (B, N, D)
         for wq_h, wk_h, wv_h, wo_h in per_head:
             weights = torch.softmax(((x @ wq_h.T) @ (x @ wk_h.T).transpose(-2, -1)) * scale, dim=-1)  # (B, N, N)
             out += (weights @ (x @ wv_h.T)) @ wo_h.T  # (B, N, D)
@@ -198,34 +196,20 @@ def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = 
 
 def torch_linear_layout(tokens: int, d_in: int, d_out: int, dtype: str = "float32", device: str = "cpu") -> dict:
     """Claim 3 in PyTorch: ``x @ W.t()`` (what nn.Linear does) against ``W @ x.t()``."""
-    torch, target, sync = _torch_setup(device)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, d_in, generator=generator).to(device=target, dtype=getattr(torch, dtype))  # (N, in)
-    w = torch.randn(d_out, d_in, generator=generator).to(device=target, dtype=getattr(torch, dtype))  # (out, in)
-
-    @torch.inference_mode()
-    def x_at_wT():
-        return sync(x @ w.t())  # (N, out)
-
-    @torch.inference_mode()
-    def w_at_xT():
-        return sync(w @ x.t())  # (out, N)
-
-    @torch.inference_mode()
-    def w_at_xT_back():
-        return sync((w @ x.t()).t().contiguous())  # (N, out), copied back to row samples
-
-    return {"x_at_wT": x_at_wT, "w_at_xT": w_at_xT, "w_at_xT_back": w_at_xT_back}
+    torch, sync, make = _torch_setup(device, dtype)
+    x, w = make(tokens, d_in), make(d_out, d_in)  # (N, in), (out, in)
+    timed = torch.inference_mode()  # each variant runs without autograd's bookkeeping
+    return {
+        "x_at_wT": timed(lambda: sync(x @ w.t())),  # (N, out)
+        "w_at_xT": timed(lambda: sync(w @ x.t())),  # (out, N)
+        "w_at_xT_back": timed(lambda: sync((w @ x.t()).t().contiguous())),  # (N, out), copied back to row samples
+    }
 
 
 def torch_einsum(batch: int, tokens: int, heads: int, d_k: int, dtype: str = "float32", device: str = "cpu") -> dict:
     """Claim 11 in PyTorch: ``torch.einsum`` on (B, N, H, d_k) against transpose + matmul."""
-    torch, target, sync = _torch_setup(device)
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(batch, tokens, heads, d_k, generator=generator).to(device=target, dtype=getattr(torch, dtype))
-        for _ in range(3)
-    )  # (B, N, H, d_k)
+    torch, sync, make = _torch_setup(device, dtype)
+    q, k, v = (make(batch, tokens, heads, d_k) for _ in range(3))  # (B, N, H, d_k)
 
     @torch.inference_mode()
     def transpose_matmul():
@@ -245,26 +229,15 @@ def torch_merge_copy(
     batch: int, tokens: int, heads: int, d_k: int, dtype: str = "float32", device: str = "cpu"
 ) -> dict:
     """Claim 9 in PyTorch: ``.contiguous().view()`` against ``.reshape()`` after a transpose."""
-    torch, target, sync = _torch_setup(device)
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randn(batch, heads, tokens, d_k, generator=generator).to(
-        device=target, dtype=getattr(torch, dtype)
-    )  # (B, H, N, d_k)
+    torch, sync, make = _torch_setup(device, dtype)
+    context = make(batch, heads, tokens, d_k)  # (B, H, N, d_k)
     merged_layout = context.transpose(1, 2).contiguous()  # (B, N, H, d_k)
-
-    @torch.inference_mode()
-    def contiguous_then_view():
-        return sync(context.transpose(1, 2).contiguous().view(batch, tokens, -1))  # (B, N, H*d_k)
-
-    @torch.inference_mode()
-    def reshape():
-        return sync(context.transpose(1, 2).reshape(batch, tokens, -1))  # copies silently
-
-    @torch.inference_mode()
-    def view_no_copy():
-        return sync(merged_layout.view(batch, tokens, -1))  # contiguous already: a view, the floor
-
-    return {"contiguous_then_view": contiguous_then_view, "reshape": reshape, "view_no_copy": view_no_copy}
+    timed = torch.inference_mode()  # each variant runs without autograd's bookkeeping
+    return {  # (B, N, H*d_k) each
+        "contiguous_then_view": timed(lambda: sync(context.transpose(1, 2).contiguous().view(batch, tokens, -1))),
+        "reshape": timed(lambda: sync(context.transpose(1, 2).reshape(batch, tokens, -1))),  # copies silently
+        "view_no_copy": timed(lambda: sync(merged_layout.view(batch, tokens, -1))),  # contiguous: a view, the floor
+    }
 
 
 BUILDERS = {

@@ -36,15 +36,9 @@ from .memory import status_mb
 # cores in the affinity mask): measured with jax 0.10.2 on a 1024^3 float32 product, PJRT_NPROC=1
 # held the process to 1.0 core and PJRT_NPROC=2 let it use 1.9, whatever XLA_FLAGS said.
 THREAD_ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-    "BLIS_NUM_THREADS",
-    "PJRT_NPROC",
-    "NPROC",
-)
+    "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
+    "BLIS_NUM_THREADS", "PJRT_NPROC", "NPROC",
+)  # fmt: skip
 
 # XLA_FLAGS: the one thread flag XLA:CPU still parses is --xla_cpu_multi_thread_eigen (it picks
 # single-threaded Eigen kernels for convolutions; the same test above showed it does not limit
@@ -61,15 +55,16 @@ CPU_UTIL_SLACK = 0.25
 CONTENDED_BELOW = 0.8
 
 
-def _require_threads(threads: object) -> int:
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
-    return threads
+def require_positive_int(name: str, value: object) -> int:
+    """``value`` when it is a positive int (not a bool), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def xla_flags(threads: int, existing: str = "") -> str:
     """``XLA_FLAGS`` holding the user's own flags plus the Eigen flag for ``threads``."""
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     kept = [
         flag
         for flag in shlex.split(existing or "")
@@ -93,7 +88,7 @@ def device_env(device: str | None) -> dict[str, str]:
 def thread_env(threads: int, base_env: dict[str, str] | None = None, device: str | None = None) -> dict[str, str]:
     """A copy of ``base_env`` (default: this process's) with every thread knob set to ``threads``
     and the device variables of ``device`` (`device_env`)."""
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     env = dict(os.environ if base_env is None else base_env)
     for name in THREAD_ENV_VARS:
         env[name] = str(threads)
@@ -120,12 +115,6 @@ MALLOC_KEEP_ENV = {
 }
 
 
-def _require_malloc_mode(mode: object) -> str:
-    if mode not in MALLOC_MODES:
-        raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
-    return mode  # type: ignore[return-value]
-
-
 def malloc_env(mode: str = DEFAULT_MALLOC_MODE) -> dict[str, str]:
     """The allocator variables a measured child gets for ``mode`` (to add to `thread_env`'s).
 
@@ -140,9 +129,9 @@ def malloc_env(mode: str = DEFAULT_MALLOC_MODE) -> dict[str, str]:
     the same for every framework. Both are glibc tunables, ignored by other C libraries
     (macOS, musl, Windows). ``"default"`` adds nothing: the environment stays as it is.
     """
-    if _require_malloc_mode(mode) == "keep":
-        return dict(MALLOC_KEEP_ENV)
-    return {}
+    if mode not in MALLOC_MODES:
+        raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
+    return dict(MALLOC_KEEP_ENV) if mode == "keep" else {}
 
 
 def malloc_env_report() -> dict[str, str | None]:
@@ -173,7 +162,7 @@ def choose_cpus(threads: int, requested: list[int] | None = None, allowed: list[
     The last cores are the default because core 0 tends to take more of the machine's
     interrupts and housekeeping.
     """
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     allowed = allowed_cpus() if allowed is None else sorted(allowed)
     if requested is not None:
         requested = sorted(set(requested))
@@ -206,7 +195,7 @@ def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) 
     Called inside a measured child only, before anything is computed: torch refuses
     ``set_num_interop_threads`` once inter-op work has started.
     """
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     applied: dict = {}
     if "torch" in frameworks:
         import torch
@@ -228,7 +217,7 @@ def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) 
 
 def limit_thread_pools(threads: int):
     """A threadpoolctl context limiting every loaded BLAS/OpenMP pool, or a no-op without it."""
-    threads = _require_threads(threads)
+    threads = require_positive_int("threads", threads)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
@@ -297,16 +286,12 @@ def worker_report() -> list[dict]:
 
 def cpu_utilisation(cpu_seconds: float, wall_seconds: float) -> float | None:
     """Process CPU time over wall time: about 1.0 for one busy core, 2.0 for two."""
-    if wall_seconds <= 0:
-        return None
-    return cpu_seconds / wall_seconds
+    return cpu_seconds / wall_seconds if wall_seconds > 0 else None
 
 
 def cpu_use_warning(cpu_util: float | None, threads: int) -> str | None:
     """A warning when a cell used more cores than it was allowed, else None."""
-    if cpu_util is None:
-        return None
-    if cpu_util > threads + CPU_UTIL_SLACK:
+    if cpu_util is not None and cpu_util > threads + CPU_UTIL_SLACK:
         return (
             f"used {cpu_util:.2f} cores (CPU time / wall time) with threads={threads}: "
             "some thread pool escaped the limits, so this cell is not comparable"
@@ -320,11 +305,18 @@ def contention_warning(cpu_util: float | None, threads: int) -> str | None:
     A single-threaded CPU computation is never idle: CPU time / wall time well below 1
     means other processes shared its core, and its times are inflated by their load.
     """
-    if cpu_util is None or threads != 1:
-        return None  # with several threads, idle workers make a low ratio normal
-    if cpu_util < CONTENDED_BELOW:
+    # Only with one thread: with several, idle workers make a low ratio normal.
+    if threads == 1 and cpu_util is not None and cpu_util < CONTENDED_BELOW:
         return (
             f"got only {cpu_util:.2f} of its core (CPU time / wall time): other processes shared it, "
             "so this time is inflated; rerun on a quiet machine"
         )
     return None
+
+
+def cpu_warnings(cpu_util: float | None, threads: int, device: str) -> list[str]:
+    """The warnings a measurement carries for its CPU use: too many cores, and on a CPU, too little of its own."""
+    warnings = [cpu_use_warning(cpu_util, threads)]
+    if device == "cpu":
+        warnings.append(contention_warning(cpu_util, threads))
+    return [warning for warning in warnings if warning]

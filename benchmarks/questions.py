@@ -43,7 +43,7 @@ import sys
 import time
 
 from .fresh import child_main, run_fresh
-from .pinning import choose_cpus, contention_warning, cpu_use_warning, cpu_utilisation
+from .pinning import choose_cpus, cpu_utilisation, cpu_warnings
 
 CONFIRMED, PARTLY, REFUTED, SKIPPED = "confirmed", "partly", "refuted", "skipped"
 # Below this ratio two variants are "the same speed": differences of a few percent are noise
@@ -104,15 +104,13 @@ def measure(spec: dict) -> dict:
             if library == "torch":
                 kwargs["device"] = device
             timings = time_interleaved(builder(**kwargs), policy)
-            cases.append({"sizes": sizes, "median_s": {name: t["median_s"] for name, t in timings.items()},
-                          "iqr_s": {name: t["iqr_s"] for name, t in timings.items()},
-                          "repeats": {name: t["repeats"] for name, t in timings.items()}})  # fmt: skip
+            figures = {
+                field: {name: t[field] for name, t in timings.items()} for field in ("median_s", "iqr_s", "repeats")
+            }
+            cases.append({"sizes": sizes, **figures})
         wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     cpu_util = cpu_utilisation(cpu, wall)
-    warnings = [cpu_use_warning(cpu_util, threads)]
-    if device == "cpu":
-        warnings.append(contention_warning(cpu_util, threads))
-    return {"status": "ok", "cases": cases, "cpu_util": cpu_util, "warnings": [w for w in warnings if w]}
+    return {"status": "ok", "cases": cases, "cpu_util": cpu_util, "warnings": cpu_warnings(cpu_util, threads, device)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +138,7 @@ def verdict_heads(cases: list[dict]) -> tuple[str, str]:
     per_head = [_ratio(c["median_s"], "per_head", "batched") for c in by_heads]
     heads = [c["sizes"]["heads"] for c in by_heads]
     grows = slicing[-1] > slicing[0] * 1.05
-    if min(slicing) >= 1.5 and grows:
-        verdict = CONFIRMED
-    elif max(slicing) < SAME:
-        verdict = REFUTED
-    else:
-        verdict = PARTLY
+    verdict = CONFIRMED if min(slicing) >= 1.5 and grows else REFUTED if max(slicing) < SAME else PARTLY
     text = (
         "slicing / batched = " + ", ".join(f"{r:.2f}x (h={h})" for r, h in zip(slicing, heads, strict=True))
         + "; per-head matrices / batched = " + ", ".join(f"{r:.2f}x (h={h})" for r, h in zip(per_head, heads, strict=True))
@@ -177,12 +170,8 @@ def verdict_merge_copy(cases: list[dict]) -> tuple[str, str]:
     medians = cases[0]["median_s"]
     same = _ratio(medians, "reshape", "contiguous_then_view")
     copy_cost = _ratio(medians, "contiguous_then_view", "view_no_copy")
-    if 1 / SAME <= same <= SAME and copy_cost >= 2.0:
-        verdict = CONFIRMED
-    elif 1 / SAME <= same <= SAME:
-        verdict = PARTLY
-    else:
-        verdict = REFUTED
+    # The same speed confirms the claim when both pay for a real copy (at least twice a true view's time).
+    verdict = (CONFIRMED if copy_cost >= 2.0 else PARTLY) if 1 / SAME <= same <= SAME else REFUTED
     text = (
         f"reshape / (contiguous + view) = {same:.2f}x; (contiguous + view) / view of contiguous data = "
         f"{copy_cost:.1f}x, i.e. both spellings pay for the same copy"
@@ -211,23 +200,21 @@ VERDICTS = {
 def answer_question(claim: int, measurements: list[dict]) -> dict:
     """Turn the measurements of one claim (one per library/device) into its answer dict."""
     question = QUESTIONS[claim]
-    verdicts, sentences = [], []
+    sentences = []
     for measurement in measurements:
         where = f"{measurement['library']}/{measurement['device']}"
         if measurement.get("status") != "ok":
-            verdicts.append(SKIPPED)
             measurement["verdict"] = SKIPPED
             sentences.append(f"{where}: not measured ({measurement.get('error', measurement.get('status'))})")
             continue
         verdict, text = VERDICTS[question["name"]](measurement["cases"])
         measurement["verdict"] = verdict
-        verdicts.append(verdict)
         util = measurement.get("cpu_util")
         sentences.append(f"{where}: {text} [{verdict}{f', {util:.2f} cores' if util is not None else ''}]")
     return {
         "claim": claim,
         "title": question["title"],
-        "verdict": _combine(verdicts),
+        "verdict": _combine([measurement["verdict"] for measurement in measurements]),
         "evidence": ". ".join(sentences) + ".",
         "measurements": measurements,
     }

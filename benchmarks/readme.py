@@ -37,23 +37,21 @@ SECOND_THREADS = 2  # the thread count whose columns stand beside the 1-thread o
 WIDTH = 100  # prose lines of the block (table rows are as long as they need)
 
 
+def _file_name(preset: str, threads: int) -> str:
+    return preset + ("" if threads == 1 else f"-t{threads}")
+
+
 def report_name(report: dict) -> str:
     """``reference``, ``reference-t2`` (two threads), ``quick``, ``custom-t4``: where its files go."""
     settings = report.get("settings", {})
-    threads = settings.get("threads", 1)
-    return f"{settings.get('preset') or 'custom'}" + (f"-t{threads}" if threads != 1 else "")
-
-
-def _reference_path(folder: Path, threads: int) -> Path:
-    return folder / f"{REFERENCE_PRESET}{'' if threads == 1 else f'-t{threads}'}.json"
+    return _file_name(settings.get("preset") or "custom", settings.get("threads", 1))
 
 
 def load_reference_reports(docs: str | Path) -> dict[int, dict]:
     """The committed reference reports by thread count (1, and `SECOND_THREADS` where present)."""
-    folder = Path(docs) / BENCH_FOLDER
     reports = {}
     for threads in (1, SECOND_THREADS):
-        path = _reference_path(folder, threads)
+        path = Path(docs) / BENCH_FOLDER / f"{_file_name(REFERENCE_PRESET, threads)}.json"
         if path.exists():
             reports[threads] = json.loads(path.read_text(encoding="utf-8"))
     return reports
@@ -80,10 +78,6 @@ def _pct(fraction: float | None) -> str:
     return "" if fraction is None else f"{100 * fraction:.0f}%"
 
 
-def _rounds_of(report: dict) -> int:
-    return report.get("rounds", {}).get("count") or report.get("settings", {}).get("rounds") or 1
-
-
 def _cpu_peak(report: dict) -> float | None:
     """The report's GEMM peak for the reference dtype on the CPU (None when not measured)."""
     return report.get("gemm_peak_gflops_by", {}).get(f"cpu/{REFERENCE_SIZE['dtype']}")
@@ -93,7 +87,7 @@ def _describe_run(report: dict, threads: int) -> list[str]:
     """Sentences on one run: machine, rounds and seed, the GEMM peak per round, load and busy rounds."""
     machine = report.get("machine", {})
     rounds = report.get("rounds") or {}
-    count = _rounds_of(report)
+    count = rounds.get("count") or report.get("settings", {}).get("rounds") or 1
     cells = report.get("summary", {}).get("cells", len(report.get("cells", [])))
     where = f"{machine.get('cpu_model', 'an unnamed CPU')}, {machine.get('cores')} cores"
     text = f"{threads} thread{'s' if threads > 1 else ''}, {where}: {count} round{'s' if count > 1 else ''}"
@@ -195,18 +189,15 @@ def ranking_sentences(cells: list[dict]) -> list[str]:
         if not strategy or standard is None:
             continue
         change = cell["median_s"] / standard["median_s"] - 1.0
-        if intervals_overlap(cell_interval(cell), cell_interval(standard)):
-            verdict = "within noise"
-        else:
-            verdict = f"{abs(change):.0%} {'slower' if change > 0 else 'faster'}"
+        moved = f"{abs(change):.0%} {'slower' if change > 0 else 'faster'}"
+        verdict = "within noise" if intervals_overlap(cell_interval(cell), cell_interval(standard)) else moved
         strategy_texts.append(
             f"`{cell['implementation']}` {_with_range(cell)} against `{backend}` {_with_range(standard)}: {verdict}"
         )
     if strategy_texts:
+        joined = "; ".join(strategy_texts)
         sentences.append(
-            "The column/row-sample article's other head-split strategies against the standard path: "
-            + "; ".join(strategy_texts)
-            + "."
+            f"The column/row-sample article's other head-split strategies against the standard path: {joined}."
         )
     if single:
         sentences.append("One round only: no spread was measured, so no difference here is known to exceed the noise.")
@@ -267,34 +258,27 @@ def readme_block(reports: dict[int, dict]) -> str:
         "of every round; the round range beside it is the lowest and highest round median; `% of GEMM peak` sets "
         "each round's GFLOP/s against the same round's GEMM peak."
     )
-    lines += ["", *_wrap(" ".join(_describe_run(main, 1)))]
+    lines += _paragraph(" ".join(_describe_run(main, 1)))
     second_report = reports.get(SECOND_THREADS)
     second = None
     if second_report is not None:
         second = {cell["implementation"]: cell for cell in reference_cells(second_report)}
-        lines += ["", *_wrap(" ".join(_describe_run(second_report, SECOND_THREADS)))]
+        lines += _paragraph(" ".join(_describe_run(second_report, SECOND_THREADS)))
     lines += ["", *_table(first, second)]
     flags = _flags(main, first, 1) + (_flags(second_report, list(second.values()), SECOND_THREADS) if second else [])
     if flags:
-        lines += ["", *_wrap(" ".join(flags))]
-    lines += ["", "With 1 thread:", ""]
-    for sentence in ranking_sentences(first):
-        lines += _wrap(sentence, bullet=True)
+        lines += _paragraph(" ".join(flags))
+    lines += ["", "With 1 thread:", "", *_bullets(ranking_sentences(first))]
     if second is not None:
-        lines += ["", f"With {SECOND_THREADS} threads:", ""]
-        for sentence in ranking_sentences(list(second.values())):
-            lines += _wrap(sentence, bullet=True)
+        lines += ["", f"With {SECOND_THREADS} threads:", "", *_bullets(ranking_sentences(list(second.values())))]
         scaling = scaling_sentence(first, second, (_cpu_peak(main), _cpu_peak(second_report)))
         if scaling:
-            lines += ["", *_wrap(scaling)]
+            lines += _paragraph(scaling)
     else:
-        lines += [
-            "",
-            *_wrap(
-                f"The {SECOND_THREADS}-thread columns appear here once `docs/bench/reference-t{SECOND_THREADS}.json` "
-                f"exists: `mha-rosetta bench --preset reference --threads {SECOND_THREADS} --write-docs docs`."
-            ),
-        ]
+        lines += _paragraph(
+            f"The {SECOND_THREADS}-thread columns appear here once `docs/bench/reference-t{SECOND_THREADS}.json` "
+            f"exists: `mha-rosetta bench --preset reference --threads {SECOND_THREADS} --write-docs docs`."
+        )
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -305,6 +289,15 @@ def _wrap(text: str, bullet: bool = False) -> list[str]:
         text, WIDTH, initial_indent="- " if bullet else "", subsequent_indent="  " if bullet else "",
         break_long_words=False, break_on_hyphens=False,
     )  # fmt: skip
+
+
+def _paragraph(text: str) -> list[str]:
+    """A blank line, then ``text`` wrapped."""
+    return ["", *_wrap(text)]
+
+
+def _bullets(sentences: list[str]) -> list[str]:
+    return [line for sentence in sentences for line in _wrap(sentence, bullet=True)]
 
 
 def replace_block(readme: str, block: str) -> str:

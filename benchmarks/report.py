@@ -55,7 +55,7 @@ from pathlib import Path
 from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.core.tables import markdown_table as table_lines
 
-from .rounds import cell_interval, intervals_overlap, round_fractions
+from .rounds import FINISHED_STATUSES, cell_interval, intervals_overlap, round_fractions
 
 SCHEMA_VERSION = 1
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
@@ -186,7 +186,7 @@ def assemble_report(
             "cells": len(enriched),
             "ok": statuses.count("ok"),
             "unsupported": statuses.count("unsupported"),
-            "failed": sum(status not in ("ok", "unsupported") for status in statuses),
+            "failed": sum(status not in FINISHED_STATUSES for status in statuses),
             "warnings": sum(bool(cell.get("warnings")) for cell in enriched),
             "drift": sum(bool(cell.get("drift")) for cell in enriched),
         },
@@ -195,7 +195,7 @@ def assemble_report(
 
 
 def failed_cells(report: dict) -> list[dict]:
-    return [cell for cell in report["cells"] if cell.get("status") not in ("ok", "unsupported")]
+    return [cell for cell in report["cells"] if cell.get("status") not in FINISHED_STATUSES]
 
 
 # -- Markdown ---------------------------------------------------------------------------------
@@ -324,9 +324,8 @@ def reference_cells(report: dict) -> list[dict]:
     return [cell for cell in ok if _size_group(cell) == _size_group(largest) and cell["tokens"] == largest["tokens"]]
 
 
-def plot_report(report: dict, directory: str | Path) -> list[Path]:
-    """time vs tokens (log-log, one line per implementation) per size group, and a bar chart
-    of GFLOP/s at the reference size. Returns the files written (PNG)."""
+def pyplot_into(directory: str | Path):
+    """matplotlib's pyplot, and ``directory`` as a Path (created where missing) for its figures."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no window, works without a display
@@ -334,6 +333,21 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    return plt, directory
+
+
+def save_figure(plt, figure, path: Path) -> Path:
+    """Lay ``figure`` out, write it to ``path`` (PNG) and close it."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_report(report: dict, directory: str | Path) -> list[Path]:
+    """time vs tokens (log-log, one line per implementation) per size group, and a bar chart
+    of GFLOP/s at the reference size. Returns the files written (PNG)."""
+    plt, directory = pyplot_into(directory)
     written: list[Path] = []
     ok = [cell for cell in report["cells"] if cell.get("status") == "ok"]
     groups: dict[tuple, list[dict]] = {}
@@ -364,11 +378,8 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         axes.set_title(f"{device} {dtype}, B={batch}, d_model={d_model}, heads={heads}, {threads} thread(s)")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        figure.tight_layout()
-        path = directory / f"time_vs_tokens_{device}_{dtype}_B{batch}_D{d_model}_H{heads}_T{threads}.png"
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        name = f"time_vs_tokens_{device}_{dtype}_B{batch}_D{d_model}_H{heads}_T{threads}.png"
+        written.append(save_figure(plt, figure, directory / name))
     at_reference = reference_cells(report)
     if at_reference:
         at_reference = sorted(at_reference, key=lambda cell: cell.get("gflops") or 0, reverse=True)
@@ -401,11 +412,7 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
             f"{sample['dtype']}, {sample['device']}, {sample['threads']} thread(s)"
             + ("" if at_reference_size else "\n(the reference size was not measured: largest size shown)")
         )
-        figure.tight_layout()
-        path = directory / "gflops_at_reference_size.png"
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        written.append(save_figure(plt, figure, directory / "gflops_at_reference_size.png"))
     return written
 
 

@@ -32,11 +32,14 @@ from .timing import summarize
 
 DRIFT_THRESHOLD = 0.10  # a cell whose round medians differ by more than this is flagged
 BUSY_THRESHOLD = 0.05  # a round whose GEMM peak is this far below the best other round is flagged
-_FINISHED = ("ok", "unsupported")
-# Per-visit figures that summarise to the median over the rounds, and those whose maximum counts.
-_MEDIAN_FIELDS = ("compile_s", "first_call_s", "cpu_util")
-_MAX_FIELDS = ("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb")
-_SUM_FIELDS = ("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s")
+# A visit with one of these statuses is done (a resumed sweep keeps it); anything else failed.
+FINISHED_STATUSES = ("ok", "unsupported")
+# Per-visit figures that summarise to the median over the rounds, those whose maximum counts, and those summed.
+_COMBINED_FIELDS = (
+    (("compile_s", "first_call_s", "cpu_util"), statistics.median),
+    (("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb"), max),
+    (("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s"), sum),
+)
 
 
 def draw_seed() -> int:
@@ -69,9 +72,7 @@ def spread(values: list) -> list[float] | None:
 def relative_range(values: list) -> float | None:
     """max / min - 1 of the values that are not None (0.0 for one value; None without any)."""
     present = [value for value in values if value is not None]
-    if not present or min(present) <= 0:
-        return None
-    return max(present) / min(present) - 1.0
+    return max(present) / min(present) - 1.0 if present and min(present) > 0 else None
 
 
 def intervals_overlap(first: list[float] | tuple, second: list[float] | tuple) -> bool:
@@ -114,7 +115,7 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
     record = dict(ok[0][1] if ok else present[0][1])
     record.pop("samples_s", None)
     several = len(visits) > 1
-    failed = [(index, visit) for index, visit in present if visit.get("status") not in _FINISHED]
+    failed = [(index, visit) for index, visit in present if visit.get("status") not in FINISHED_STATUSES]
     if failed:
         index, visit = failed[0]
         record["status"] = visit.get("status", "error")
@@ -134,25 +135,16 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
             min_s=min(visit.get("min_s", visit["median_s"]) for visit in oks),
             repeats=sum(visit.get("repeats", 0) for visit in oks),
         )
-    by_round = {index: visit for index, visit in ok}
-    record["round_medians_s"] = [
-        by_round[index]["median_s"] if index in by_round else None for index in range(len(visits))
-    ]
+    record["round_medians_s"] = [visit["median_s"] if (visit or {}).get("status") == "ok" else None for visit in visits]
     record["spread_s"] = spread(record["round_medians_s"])
     drift = relative_range(record["round_medians_s"])
     record["round_drift"] = drift
     record["drift"] = bool(drift is not None and drift > drift_threshold)
-    for name in _MEDIAN_FIELDS:
-        if any(visit.get(name) is not None for visit in oks):
-            record[name] = _median([visit.get(name) for visit in oks])
-    for name in _MAX_FIELDS:
-        values = [visit.get(name) for visit in oks if visit.get(name) is not None]
-        if values:
-            record[name] = max(values)
-    for name in _SUM_FIELDS:
-        values = [visit.get(name) for visit in oks if visit.get(name) is not None]
-        if values:
-            record[name] = sum(values)
+    for names, combine in _COMBINED_FIELDS:
+        for name in names:
+            values = [visit.get(name) for visit in oks if visit.get(name) is not None]
+            if values:
+                record[name] = combine(values)
     record["stable"] = all(visit.get("stable", True) for visit in oks)
     if record.get("flops") and record["median_s"]:
         record["gflops"] = record["flops"] / record["median_s"] / 1e9

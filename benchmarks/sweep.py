@@ -33,6 +33,7 @@ mistake: it is never part of a group, though it can be named explicitly.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -41,17 +42,24 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, available_backends, get_backend
+
 from .cell import CellSpec, cell_key, cell_record, implementation_label, run_cell, split_implementation
 from .flops import mode_flops
 from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
 from .long import memory_budget_mb, over_budget_reason
-from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env
-from .rounds import BUSY_THRESHOLD, DRIFT_THRESHOLD, busy_rounds, draw_seed, merge_peaks, merge_visits, round_orders
+from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
+from .rounds import (
+    BUSY_THRESHOLD,
+    DRIFT_THRESHOLD,
+    FINISHED_STATUSES,
+    busy_rounds,
+    draw_seed,
+    merge_peaks,
+    merge_visits,
+    round_orders,
+)
 from .timing import RepeatPolicy
-
-GROUPS = ("main", "strategies", "all", "dist")
-# Statuses a resumed sweep keeps; anything else is measured again.
-FINISHED_STATUSES = ("ok", "unsupported")
 
 
 @dataclass
@@ -82,8 +90,7 @@ class SweepSettings:
 
     def __post_init__(self) -> None:
         malloc_env(self.malloc)  # validates the mode
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
-            raise ValueError(f"rounds must be a positive int, got {self.rounds!r}")
+        require_positive_int("rounds", self.rounds)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if not self.modes:
@@ -101,14 +108,10 @@ class SweepSettings:
         return asdict(self)
 
 
-def _gpu_present() -> bool:
-    # Checked without importing a framework: the driver's device nodes.
-    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
-
-
 def default_devices() -> list[str]:
     """``cpu``, plus ``gpu`` where an NVIDIA driver is present."""
-    return ["cpu", "gpu"] if _gpu_present() else ["cpu"]
+    # Checked without importing a framework: the driver's device nodes.
+    return ["cpu", "gpu"] if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0") else ["cpu"]
 
 
 PRESETS: dict[str, dict] = {
@@ -163,31 +166,28 @@ def preset_settings(name: str, **overrides) -> SweepSettings:
 # -- implementations --------------------------------------------------------------------------
 
 
-def _registry():
-    from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, available_backends, get_backend
-
-    return REGISTRY, available_backends, get_backend, KNOWN_WRONG_STRATEGIES
+def _loaded(name: str):
+    """The adapter registered as ``name`` (its module imported, not its framework), or None where it
+    does not load: such an adapter shows up as a failing main cell instead."""
+    try:
+        return get_backend(name)
+    except Exception:
+        return None
 
 
 def _is_sharded(name: str) -> bool:
     """A backend that splits the heads over worker processes (``splits_heads``): the cell counts
     their CPU time but not their memory, so it is a group of its own ("dist"), not "main"."""
-    _registry_dict, _available, get_backend, _wrong = _registry()
-    try:
-        return bool(getattr(get_backend(name), "splits_heads", False))  # imports the adapter, not its framework
-    except Exception:  # an adapter that does not load shows up as a failing main cell instead
-        return False
+    return bool(getattr(_loaded(name), "splits_heads", False))
 
 
 def main_implementations() -> list[str]:
     """Every registered backend whose framework is installed, in its standard strategy (sharded ones apart)."""
-    _registry_dict, available_backends, _get, _wrong = _registry()
     return [name for name in available_backends() if not _is_sharded(name)]
 
 
 def dist_implementations() -> list[str]:
     """The sharded backends (worker processes), every strategy."""
-    _registry_dict, available_backends, get_backend, _wrong = _registry()
     return [
         implementation_label(name, strategy)
         for name in available_backends()
@@ -198,37 +198,35 @@ def dist_implementations() -> list[str]:
 
 def strategy_implementations() -> list[str]:
     """The article's other correct strategies (per-head matrices, slicing) of every installed backend."""
-    _registry_dict, available_backends, get_backend, known_wrong = _registry()
-    labels = []
-    for name in available_backends():
-        if _is_sharded(name):
-            continue
-        try:
-            strategies = get_backend(name).strategies  # imports the adapter module, not its framework
-        except Exception:  # an adapter that does not load shows up as a failing main cell instead
-            continue
-        labels += [implementation_label(name, s) for s in strategies if s != "standard" and s not in known_wrong]
-    return labels
+    return [
+        implementation_label(name, strategy)
+        for name in available_backends()
+        if not _is_sharded(name)
+        for strategy in getattr(_loaded(name), "strategies", ())
+        if strategy != "standard" and strategy not in KNOWN_WRONG_STRATEGIES
+    ]
+
+
+# The groups an implementation list may name, each expanded from the registry when the sweep is planned.
+GROUPS = {
+    "main": main_implementations,
+    "strategies": strategy_implementations,
+    "all": lambda: main_implementations() + strategy_implementations(),
+    "dist": dist_implementations,
+}
 
 
 def resolve_implementations(names: list[str]) -> list[str]:
     """Expand the groups and validate explicit names; order kept, duplicates dropped."""
-    registry, _available, _get, _wrong = _registry()
     resolved: list[str] = []
     for name in names:
-        if name == "main":
-            expanded = main_implementations()
-        elif name == "strategies":
-            expanded = strategy_implementations()
-        elif name == "all":
-            expanded = main_implementations() + strategy_implementations()
-        elif name == "dist":
-            expanded = dist_implementations()
+        if name in GROUPS:
+            expanded = GROUPS[name]()
         else:
             backend, _strategy = split_implementation(name)
-            if backend not in registry:
+            if backend not in REGISTRY:
                 raise ValueError(
-                    f"unknown implementation {name!r}: the backend must be one of {', '.join(registry)} "
+                    f"unknown implementation {name!r}: the backend must be one of {', '.join(REGISTRY)} "
                     f"(optionally ':strategy'), or a group: {', '.join(GROUPS)}"
                 )
             expanded = [name]
@@ -243,32 +241,23 @@ def expand_cells(settings: SweepSettings, implementations: list[str] | None = No
     """Every cell of the sweep in plan order, size-major (each round visits them shuffled)."""
     labels = resolve_implementations(settings.implementations) if implementations is None else implementations
     cpus = choose_cpus(settings.threads, settings.cpus)
-    cells = []
-    for device in settings.devices:
-        for dtype in settings.dtypes:
-            for d_model in settings.d_model:
-                for heads in settings.heads:
-                    for batch in settings.batch:
-                        for tokens in settings.tokens:
-                            for label in labels:
-                                for mode in settings.modes:
-                                    cells.append(
-                                        CellSpec(
-                                            implementation=label, device=device, dtype=dtype, batch=batch,
-                                            tokens=tokens, d_model=d_model, heads=heads, threads=settings.threads,
-                                            cpus=cpus, policy=dict(settings.policy), malloc=settings.malloc, mode=mode,
-                                        )
-                                    )  # fmt: skip
-    return cells
+    return [
+        CellSpec(
+            implementation=label, device=device, dtype=dtype, batch=batch, tokens=tokens, d_model=d_model,
+            heads=heads, threads=settings.threads, cpus=cpus, policy=dict(settings.policy), malloc=settings.malloc,
+            mode=mode,
+        )
+        # itertools.product varies its last list fastest: the cells of one size stand together.
+        for device, dtype, d_model, heads, batch, tokens, label, mode in itertools.product(
+            settings.devices, settings.dtypes, settings.d_model, settings.heads, settings.batch, settings.tokens,
+            labels, settings.modes,
+        )
+    ]  # fmt: skip
 
 
 def gemm_groups(cells: list[CellSpec]) -> list[tuple[str, str]]:
     """The (device, dtype) pairs that need a GEMM peak, in first-use order."""
-    groups: list[tuple[str, str]] = []
-    for cell in cells:
-        if (cell.device, cell.dtype) not in groups:
-            groups.append((cell.device, cell.dtype))
-    return groups
+    return list(dict.fromkeys((cell.device, cell.dtype) for cell in cells))
 
 
 def gemm_key(device: str, dtype: str, threads: int) -> str:
@@ -344,8 +333,7 @@ STARTUP_S = {"numpy": 0.5, "einops": 0.5, "jax": 1.5, "flax": 2.0, "equinox": 2.
 
 
 def _startup_s(label: str) -> float:
-    registry, _available, _get, _wrong = _registry()
-    entry = registry.get(split_implementation(label)[0])
+    entry = REGISTRY.get(split_implementation(label)[0])
     return max((STARTUP_S.get(module, 0.5) for module in (entry.requires if entry else ())), default=0.5)
 
 
@@ -446,9 +434,8 @@ def describe_result(record: dict) -> str:
     """One progress line for a finished cell."""
     where = f"{record['implementation']} {record['device']} {record['dtype']} B={record['batch']} N={record['tokens']} D={record['d_model']} H={record['heads']}"
     if record.get("status") == "ok":
-        util = record.get("cpu_util")
         warn = " (!) " + record["warnings"][0] if record.get("warnings") else ""
-        util_text = f", {util:.2f} cores" if util is not None else ""
+        util_text = f", {record['cpu_util']:.2f} cores" if record.get("cpu_util") is not None else ""
         return f"{where}: {record['median_s'] * 1e3:.3f} ms{util_text}{warn}"
     return f"{where}: {record.get('status')} ({record.get('error', '')})"
 
@@ -525,8 +512,8 @@ def run_sweep(
         settings = replace(settings, seed=seed if isinstance(seed, int) else draw_seed())
     if resume:
         _end_torn_line(partial_path)
-    if not resume and partial_path.exists():
-        partial_path.unlink()  # a fresh sweep: earlier partial results are not this run's
+    else:
+        partial_path.unlink(missing_ok=True)  # a fresh sweep: earlier partial results are not this run's
     partial_path.parent.mkdir(parents=True, exist_ok=True)
     if not partial_path.exists():
         _append(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
@@ -591,12 +578,9 @@ def run_sweep(
     finally:
         bar.close()
     merged_cells = [cell for cell in (merge_visits(row) for row in visits) if cell is not None]
-    merged_peaks = []
-    for device, dtype in groups:
-        key = gemm_key(device, dtype, settings.threads)
-        peak = merge_peaks([peaks_by_round.get((index, key)) for index in range(settings.rounds)])
-        if peak is not None:
-            merged_peaks.append(peak)
+    keys = [gemm_key(device, dtype, settings.threads) for device, dtype in groups]
+    merged = (merge_peaks([peaks_by_round.get((index, key)) for index in range(settings.rounds)]) for key in keys)
+    merged_peaks = [peak for peak in merged if peak is not None]
     return SweepOutcome(
         settings=settings, cells=merged_cells, gemm_peaks=merged_peaks, interrupted=interrupted,
         resumed_cells=resumed, rounds=rounds_record(settings, cells, orders, peaks_by_round, wall_s),

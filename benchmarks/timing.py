@@ -45,9 +45,6 @@ class RepeatPolicy:
         if self.max_repeats < self.min_repeats:
             raise ValueError(f"RepeatPolicy.max_repeats={self.max_repeats} is below min_repeats={self.min_repeats}")
 
-    def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in ("min_time", "min_repeats", "max_repeats", "max_time", "warmup")}
-
 
 def quartiles(samples: list[float]) -> tuple[float, float, float]:
     """(q25, median, q75) with linear interpolation (NumPy's default), for any sample count."""

@@ -38,7 +38,6 @@ The questions:
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 
@@ -225,10 +224,12 @@ def answer_question(claim: int, measurements: list[dict]) -> dict:
 
 def question_targets() -> list[tuple[str, str]]:
     """(library, device) pairs to measure: NumPy on the CPU; PyTorch on the CPU and, with a GPU, on CUDA."""
+    from .sweep import default_devices  # here, not at the top: the measured children must not import NumPy early
+
     targets = [("numpy", "cpu")]
     if importlib.util.find_spec("torch") is not None:
         targets.append(("torch", "cpu"))
-        if os.path.exists("/dev/nvidiactl"):
+        if "gpu" in default_devices():  # the sweep's test: the driver's device nodes, no framework imported
             targets.append(("torch", "gpu"))
     return targets
 

@@ -298,3 +298,16 @@ def test_gpu_run_falls_back_when_the_editable_install_fails():
     assert any("setuptools too old" in entry for entry in logged)
     assert "mha-rosetta-import-" in env["PYTHONPATH"].split(os.pathsep)[0]
     assert module.imports_from_checkout(env)
+
+
+@requires("torch")
+@pytest.mark.parametrize("nodes", [(), ("/dev/nvidiactl",), ("/dev/nvidia0",), ("/dev/nvidiactl", "/dev/nvidia0")])
+def test_the_speed_questions_find_a_gpu_as_the_sweep_does(monkeypatch, nodes):
+    # The questions once looked for /dev/nvidiactl only, the sweep for either node: a machine with
+    # only /dev/nvidia0 got GPU cells in the sweep and no GPU speed questions.
+    from mha_rosetta.benchmarks import questions, sweep
+
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p in nodes if str(p).startswith("/dev/nvidia") else real(p))
+    assert sweep.default_devices() == (["cpu", "gpu"] if nodes else ["cpu"])
+    assert questions.question_targets() == [("numpy", "cpu"), ("torch", "cpu"), *([("torch", "gpu")] if nodes else [])]

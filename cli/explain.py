@@ -120,7 +120,10 @@ def _names(text: str | None, known, option: str, what: str, listed: str) -> tupl
 
 def _write_json(target: str, payload) -> None:
     from mha_rosetta.core.files import write_output
+    from mha_rosetta.report.provenance import provenance
 
+    if isinstance(payload, dict):  # the claims-only list keeps its documented shape
+        payload = {**payload, "provenance": provenance()}
     write_output(target, json.dumps(payload, indent=2, default=str) + "\n")
     if target != "-":
         print(f"wrote {target}", file=sys.stderr)

@@ -156,9 +156,9 @@ def test_explain_json_has_provenance_and_the_claims_list_keeps_its_shape(tmp_pat
 
 @requires("torch")  # the README's example candidate is written in torch
 def test_diagnose_json_has_provenance():
+    argv = ["diagnose", "examples.my_attention:fixed_candidate", "--d-model", "12", "--heads", "3", "--json", "-"]
     done = subprocess.run(
-        [sys.executable, "-m", "mha_rosetta.cli.main", "diagnose", "examples.my_attention:fixed_candidate"]
-        + ["--d-model", "12", "--heads", "3", "--json", "-"],
+        [sys.executable, "-m", "mha_rosetta.cli.main", *argv],
         capture_output=True,
         text=True,
         cwd=ROOT,

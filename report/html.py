@@ -80,7 +80,7 @@ def _cell_colour(cell: dict) -> tuple[str, float]:
 def heatmap_svg(run: Run, matrix: dict, ident: str) -> str:
     labels = matrix.get("labels", [])
     n, size, left, top = len(labels), 16, 170, 170
-    width, height = left + n * size + 110, top + n * size + 10  # room for the last rotated labels
+    width, height = left + n * size + 70, top + n * size + 10  # room for the last rotated labels
     parts = [
         f'<svg class="heatmap" id="{ident}" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         f'role="img" aria-label="agreement matrix {esc(matrix.get("dtype"))}">'
@@ -210,6 +210,86 @@ def dot_plot(comparison: Comparison, group, names: list[str], ident: str, relati
     return "".join(parts)
 
 
+def scaling_series(comparison: Comparison) -> dict[tuple, dict[tuple[str, int], dict[int, float]]]:
+    """``{(mode, dtype, shape without N): {(implementation, column): {tokens: seconds}}}`` for families of 2+ sizes."""
+    families: dict[tuple, dict[tuple[str, int], dict[int, float]]] = {}
+    for i, cells in enumerate(comparison.cells):
+        for (group, name), figure in cells.items():
+            parts = group[2].split()
+            tokens = [int(part[1:]) for part in parts if part.startswith("N") and part[1:].isdigit()]
+            if len(tokens) != 1:
+                continue
+            family = (group[0], group[1], " ".join(part for part in parts if part != f"N{tokens[0]}"))
+            families.setdefault(family, {}).setdefault((name, i), {})[tokens[0]] = figure.seconds
+    return {key: lines for key, lines in families.items() if len({n for line in lines.values() for n in line}) > 1}
+
+
+def scaling_plot(lines: dict[tuple[str, int], dict[int, float]], ident: str, relative: bool) -> str:
+    """Seconds (or × the fastest at that size) against tokens, log-log; one line per implementation and column."""
+    sizes = sorted({n for line in lines.values() for n in line})
+    fastest = {
+        (n, col): min(line[n] for (_, c), line in lines.items() if c == col and n in line)
+        for n in sizes
+        for col in {c for _, c in lines}
+        if any(c == col and n in line for (_, c), line in lines.items())
+    }
+
+    def value(name_col, n):
+        seconds = lines[name_col][n]
+        return seconds / fastest[(n, name_col[1])] if relative else seconds * 1e3
+
+    values = [value(key, n) for key, line in lines.items() for n in line]
+    lo, hi = math.log10(min(values)), math.log10(max(values))
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    left, top, plot_w, plot_h = 60, 14, 560, 360
+    width, height = left + plot_w + 20, top + plot_h + 44
+    x_lo, x_hi = math.log2(sizes[0]), math.log2(sizes[-1])
+
+    def x_of(n):
+        return left + (math.log2(n) - x_lo) / ((x_hi - x_lo) or 1) * plot_w
+
+    def y_of(v):
+        return top + (hi - math.log10(v)) / (hi - lo) * plot_h
+
+    parts = [
+        f'<svg class="plot scaling {"relative" if relative else "absolute"}" id="{ident}" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img">'
+    ]
+    for n in sizes:
+        parts.append(f'<line x1="{x_of(n):.1f}" y1="{top}" x2="{x_of(n):.1f}" y2="{top + plot_h}" class="grid"/>')
+        parts.append(f'<text x="{x_of(n):.1f}" y="{top + plot_h + 16}" text-anchor="middle" class="axis">{n}</text>')
+    for k in range(5):
+        v = 10 ** (lo + (hi - lo) * k / 4)
+        parts.append(f'<line x1="{left}" y1="{y_of(v):.1f}" x2="{left + plot_w}" y2="{y_of(v):.1f}" class="grid"/>')
+        label = f"×{v:.2f}" if relative else f"{v:.3g}"
+        parts.append(f'<text x="{left - 4}" y="{y_of(v) + 3:.1f}" text-anchor="end" class="axis">{label}</text>')
+    axis = "× the fastest at that size (log)" if relative else "ms per call (log)"
+    parts.append(
+        f'<text x="{left + plot_w / 2}" y="{height - 4}" text-anchor="middle" class="axis">tokens (log2) · {axis}</text>'
+    )
+    for s, (key, line) in enumerate(sorted(lines.items())):
+        colour, marker = series_style(s)
+        points = [(x_of(n), y_of(value(key, n)), n) for n in sorted(line)]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        for x, y, n in points:
+            tip = f' class="pt" data-tip="{esc(key[0])} · N={n}: {value(key, n):.3g}{"×" if relative else " ms"}"'
+            parts.append(marker_svg(marker, x, y, colour, 3.5, extra=tip))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def scaling_legend(lines, comparison: Comparison) -> str:
+    items = []
+    for s, (name, col) in enumerate(sorted(lines)):
+        colour, marker = series_style(s)
+        icon = f'<svg width="14" height="14" viewBox="0 0 14 14">{marker_svg(marker, 7, 7, colour, 4.5)}</svg>'
+        column = f" ({esc(comparison.columns[col].label)})" if len(comparison.columns) > 1 else ""
+        items.append(f'<span class="legend-item">{icon} {esc(name)}{column}</span>')
+    return '<div class="scaling-legend">' + "".join(items) + "</div>"
+
+
 def legend_html(comparison: Comparison) -> str:
     items = []
     for i, column in enumerate(comparison.columns):
@@ -248,6 +328,11 @@ def bench_section(comparison: Comparison) -> str:
         out.append(dot_plot(comparison, group, names, f"plot-{g}-abs", relative=False))
         out.append(dot_plot(comparison, group, names, f"plot-{g}-rel", relative=True))
         out.append("</div></div>")
+    for f, (family, lines) in enumerate(scaling_series(comparison).items()):
+        out.append(f'<h3>Scaling: {esc(" · ".join(family))}</h3><div class="bench-group">')
+        out.append(scaling_plot(lines, f"scaling-{f}-abs", relative=False))
+        out.append(scaling_plot(lines, f"scaling-{f}-rel", relative=True))
+        out.append(scaling_legend(lines, comparison) + "</div>")
     out.append("</section>")
     return "".join(out)
 
@@ -334,6 +419,7 @@ font-size:12px;max-width:420px;display:none;z-index:10;box-shadow:0 2px 6px rgba
 .pinned{background:#f7f7fb;border:1px solid #ccd;padding:6px 10px;font-size:13px;min-height:1.5em}
 .legend{font-size:12px}.legend-item{margin-right:12px;white-space:nowrap}
 .swatch{display:inline-block;width:11px;height:11px;margin:0 4px 0 10px;vertical-align:middle}
+.scaling-legend{font-size:12px;columns:2;max-width:520px}.scaling-legend .legend-item{display:block}
 .bench-group{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}svg.relative{display:none}
 body.rel svg.relative{display:inline}body.rel svg.absolute{display:none}
 button.view{margin-left:6px}button.view.on{font-weight:bold}pre{white-space:pre-wrap;font-size:12px;margin:2px 0}

@@ -194,3 +194,32 @@ def test_markdown_merges_check_bench_and_claims(check_json, pair, tmp_path):
     text = build_report([str(check_json), *map(str, pair), str(claims)]).markdown()
     assert "## Agreement checks" in text and "## Benchmarks" in text
     assert "| claims.json | 1 | t | confirmed |" in text
+
+
+def test_readme_report_command_runs_as_printed(capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Results across machines: `mha-rosetta report`", 1)[1]
+    first = section.split("```sh\n", 1)[1].split("\n", 1)[0]
+    assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
+    argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
+    assert main(argv) == 0
+    assert "| torch-sdpa | 77.1 [75.9–79.4] |" in capsys.readouterr().out
+
+
+def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
+    from mha_rosetta.report.html import scaling_plot, scaling_series, series_style
+
+    comparison = build_report([str(BENCH / "long" / "long.json")]).comparison
+    [(family, lines)] = scaling_series(comparison).items()
+    assert family == ("fwd", "float32", "B1 d512 h8") and len(lines) == 19
+    assert lines[("torch-sdpa", 0)][1024] > 0 and set(lines[("torch-sdpa", 0)]) == {
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+        32768,
+    }
+    assert len({series_style(i) for i in range(30)}) == 30  # colour and marker: 30 distinct series
+    svg = scaling_plot(lines, "s", relative=True)
+    assert svg.count("<polyline") == 19 and "× the fastest at that size" in svg

@@ -17,7 +17,7 @@ Ratios are to the first column; 'within noise' means the two ranges overlap.
 
 Regression gate: with --baseline FILE and --fail-on-regression PCT, the exit status is 1 when
 any cell's whole range is above the matching baseline cell's range (slower beyond noise) AND
-its figure is more than PCT %% slower; else 0. Cells match by implementation, mode, dtype,
+its figure is more than PCT % slower; else 0. Cells match by implementation, mode, dtype,
 shape and device; cells without a baseline cell are listed, not failed. Bad input: exit 2."""
 
 

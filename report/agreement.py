@@ -80,8 +80,8 @@ def matrix_cells(run: Run, matrix: dict) -> list[dict]:
 
 
 def status_counts(run: Run) -> dict[str, dict[str, int]]:
-    """``{dtype: {status: pairs}}`` over the check's pairs."""
-    out: dict[str, dict[str, int]] = {}
+    """``{dtype: {status: pairs}}`` over the check's pairs, dtypes in the matrices' order."""
+    out: dict[str, dict[str, int]] = {str(m.get("dtype")): {} for m in run.data.get("matrices", [])}
     for pair in run.data.get("pairs", []):
         counts = out.setdefault(str(pair.get("dtype")), {})
         counts[str(pair.get("status"))] = counts.get(str(pair.get("status")), 0) + 1

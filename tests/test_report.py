@@ -223,3 +223,13 @@ def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
     assert len({series_style(i) for i in range(30)}) == 30  # colour and marker: 30 distinct series
     svg = scaling_plot(lines, "s", relative=True)
     assert svg.count("<polyline") == 19 and "× the fastest at that size" in svg
+
+
+def test_help_says_the_rules(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "corrected_s (drift-corrected) when present, else its median_s" in text
+    assert "[min, max] of its round medians, else median +- IQR/2" in text
+    assert "the exit status is 1 when any cell's whole range is above the matching baseline cell's range" in text
+    assert "more than PCT % slower; else 0" in text

@@ -191,9 +191,12 @@ def test_heatmap_cells_tell_the_pairs_story(check_json):
 def test_markdown_merges_check_bench_and_claims(check_json, pair, tmp_path):
     claims = tmp_path / "claims.json"
     claims.write_text(json.dumps([{"claim": 1, "title": "t", "verdict": "confirmed", "evidence": "e"}]))
-    text = build_report([str(check_json), *map(str, pair), str(claims)]).markdown()
+    wrapped = tmp_path / "explain.json"  # explain --claims --json: the claims with provenance
+    wrapped.write_text(json.dumps({"schema": 1, "claims": [{"claim": 2, "title": "u", "verdict": "refuted"}]}))
+    text = build_report([str(check_json), *map(str, pair), str(claims), str(wrapped)]).markdown()
     assert "## Agreement checks" in text and "## Benchmarks" in text
     assert "| claims.json | 1 | t | confirmed |" in text
+    assert "| explain.json | 2 | u | refuted |" in text
 
 
 def test_readme_report_command_runs_as_printed(capsys):

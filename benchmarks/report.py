@@ -54,6 +54,7 @@ from pathlib import Path
 
 from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.core.tables import markdown_table as table_lines
+from mha_rosetta.report.provenance import provenance
 
 from .rounds import FINISHED_STATUSES, cell_interval, intervals_overlap, round_fractions
 
@@ -176,6 +177,7 @@ def assemble_report(
         "schema": SCHEMA_VERSION,
         "complete": complete,
         "machine": machine if machine is not None else machine_info(gemm_peaks),
+        "provenance": provenance(),  # mha_rosetta.report.provenance: commit, host, CPU, command line
         "settings": settings,
         "gemm_peak_gflops": primary_gflops,
         "gemm_peak_key": primary_key,

@@ -34,6 +34,7 @@ from mha_rosetta.core.tables import (
 )
 from mha_rosetta.core.tables import render_markdown as markdown_lines
 from mha_rosetta.core.tables import render_plain as render_tables
+from mha_rosetta.report.provenance import provenance
 
 from .agreement import SEVERITY, STATUS_MEANING, CheckResult, Pair, Run, Status, worst_status
 
@@ -507,6 +508,7 @@ def to_json(result: CheckResult) -> dict:
         "seconds": result.seconds,
         "settings": result.settings,
         "versions": library_versions(),
+        "provenance": provenance(),  # mha_rosetta.report.provenance: commit, host, CPU, command line
         "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
         "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
         "summary": {

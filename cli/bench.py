@@ -292,11 +292,17 @@ def run(args: argparse.Namespace) -> int:
     human = sys.stderr if args.json == "-" else sys.stdout
 
     if args.questions_only:
+        from mha_rosetta.report.provenance import provenance
+
         answers = speed_questions.run_speed_questions(
             threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
         )
         human.write(speed_questions.questions_markdown(answers))
-        _emit(args.json, json.dumps({"schema": 1, "questions": answers}, indent=2) + "\n", label="JSON")
+        _emit(
+            args.json,
+            json.dumps({"schema": 1, "questions": answers, "provenance": provenance()}, indent=2) + "\n",
+            label="JSON",
+        )
         return 0
 
     estimate = estimate_seconds(settings, expand_cells(settings, labels))

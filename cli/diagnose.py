@@ -100,6 +100,7 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.core.files import write_output
     from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError, diagnose
+    from mha_rosetta.report.provenance import provenance
 
     if args.confusion:
         from mha_rosetta.diagnose.confusion import (
@@ -136,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     print(result.summary(), file=out)
     if args.json:
         write_output(
-            args.json, json.dumps({"candidate": args.candidate, "config": cfg.describe(), **result.as_dict()}, indent=2)
+            args.json,
+            json.dumps(
+                {"candidate": args.candidate, "config": cfg.describe(), **result.as_dict(), "provenance": provenance()},
+                indent=2,
+            ),
         )
     return 0 if result.agrees else 1

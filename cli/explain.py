@@ -120,8 +120,9 @@ def _names(text: str | None, known, option: str, what: str, listed: str) -> tupl
 
 def _write_json(target: str, payload) -> None:
     from mha_rosetta.core.files import write_output
+    from mha_rosetta.report.provenance import provenance
 
-    write_output(target, json.dumps(payload, indent=2, default=str) + "\n")
+    write_output(target, json.dumps({**payload, "provenance": provenance()}, indent=2, default=str) + "\n")
     if target != "-":
         print(f"wrote {target}", file=sys.stderr)
 
@@ -205,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {explanation.save_png(args.png)}", file=sys.stderr)
     if args.json:
         claims_only = explanation.sections == ("claims",)
-        _write_json(args.json, explanation.claims_json() if claims_only else explanation.to_dict())
+        # --claims alone: {"schema": 1, "claims": [...]} (a bare list before provenance was added)
+        claims_json = {"schema": 1, "claims": explanation.claims_json()}
+        _write_json(args.json, claims_json if claims_only else explanation.to_dict())
     if args.json != "-" and not write_docs:
         if args.markdown:
             sys.stdout.write(explanation.to_markdown())

@@ -1,6 +1,6 @@
-"""The ``mha-rosetta`` command line: ``check``, ``bench``, ``explain`` and ``diagnose``.
+"""The ``mha-rosetta`` command line: ``check``, ``bench``, ``explain``, ``diagnose`` and ``report``.
 
-Each subcommand lives in its own module (`cli.check`, `cli.bench`, `cli.explain`)
+Each subcommand lives in its own module (`cli.check`, `cli.bench`, `cli.explain`, `cli.report` ...)
 exposing ``add_arguments(parser)`` and ``run(args) -> int`` (the exit status). The
 modules are imported only when their subcommand runs, so ``mha-rosetta --help``
 imports no framework.
@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "bench": "fair timings side by side (fresh process per cell, pinned threads)",
     "explain": "shapes, strides and weight layouts of every convention; the column/row-sample article's claims",
     "diagnose": "name the convention error in your own attention (MODULE:CALLABLE), with evidence and the fix",
+    "report": "merge check, bench and explain JSON files: runs side by side, an HTML page, a regression gate",
 }
 
 
@@ -25,11 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mha-rosetta",
         description="Multi-head attention written once; checked, timed and explained across NumPy, PyTorch, JAX and einops.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, help_text in SUBCOMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         _subcommand_module(name).add_arguments(sub)
     return parser
+
+
+def _version() -> str:
+    from mha_rosetta import __version__
+
+    return __version__
 
 
 def _subcommand_module(name: str):

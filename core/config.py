@@ -24,7 +24,7 @@ def _require_positive_int(name: str, value: object) -> None:
 ROPE_STYLES = ("half", "interleaved")
 
 
-def _resolve_rope(rope: object, base: object, dims: object, d_k: int) -> int | None:
+def _resolve_rope(rope: str | None, base: float, dims: int | None, d_k: int) -> int | None:
     """Validate the rotary fields; the number of rotated features per head (None without rope)."""
     if rope is not None and rope not in ROPE_STYLES:
         raise ValueError(f"MHAConfig.rope must be None or one of {', '.join(map(repr, ROPE_STYLES))}, got {rope!r}")
@@ -71,14 +71,16 @@ class MHAConfig:
 
     d_model: int
     n_heads: int
-    d_k: int | None = None
-    d_v: int | None = None
-    n_kv_heads: int | None = None
-    kdim: int | None = None
-    vdim: int | None = None
+    # Typed as what they are after __post_init__ (always set); None, the default, asks for the
+    # conventional value. The ignore is the one place a type checker is told so.
+    d_k: int = None  # type: ignore[assignment]
+    d_v: int = None  # type: ignore[assignment]
+    n_kv_heads: int = None  # type: ignore[assignment]
+    kdim: int = None  # type: ignore[assignment]
+    vdim: int = None  # type: ignore[assignment]
     bias: bool = True
     causal: bool = False
-    scale: float | None = None
+    scale: float = None  # type: ignore[assignment]
     rope: str | None = None
     rope_base: float = 10000.0
     rope_dims: int | None = None

@@ -22,7 +22,8 @@ def check_dtype_name(dtype: object) -> str:
         name = dtype
     else:
         try:
-            name = np.dtype(dtype).name
+            # Any object on purpose: NumPy raises TypeError for what it does not know (caught below).
+            name = np.dtype(dtype).name  # type: ignore[call-overload]
         except TypeError:
             name = None
     if name not in DTYPE_NAMES:

@@ -217,8 +217,8 @@ def reference_mha_vjp(
     stages.update(d_weights=d_weights, d_v_heads=d_v_heads, d_scores=d_scores)
     stages.update(d_q_rotated=d_q_heads, d_k_rotated=d_k_heads)
     if tables is not None:  # undo the rotation: turn each pair back by its angle
-        d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], cfg.rope))
-        d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], cfg.rope))
+        d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], tables.style))
+        d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], tables.style))
     stages.update(d_q_heads=d_q_heads, d_k_heads=d_k_heads)
 
     # Split heads backward: put each head's block back into its columns.
@@ -236,7 +236,8 @@ def reference_mha_vjp(
     d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
     d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)
     d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o)
-    return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), d_params, stages)
+    d_key, d_value = (None if d is None else inputs.unbatch(d) for d in (d_key, d_value))
+    return MHAGrads(inputs.unbatch(d_query), d_key, d_value, d_params, stages)  # d_query is never None
 
 
 def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, tables, r) -> dict[str, np.ndarray]:
@@ -255,8 +256,8 @@ def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, tables, r) 
     v_heads = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv), view
     q_rotated, k_rotated = q_heads, k_heads
     if tables is not None:
-        q_rotated = r(apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], cfg.rope))
-        k_rotated = r(apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], cfg.rope))
+        q_rotated = r(apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], tables.style))
+        k_rotated = r(apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], tables.style))
     allowed = allowed_positions(cfg, inputs)
     group = np.arange(H) // cfg.group_size  # kv head of every query head
     scores = r(cfg.scale * (q_rotated @ np.swapaxes(k_rotated[:, group], -1, -2)))  # (B, H, Nq, Nk)

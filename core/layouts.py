@@ -21,6 +21,8 @@ Equinox ``MultiheadAttention``         ``(H*Dk, D)``                   identity
 
 from __future__ import annotations
 
+from typing import overload
+
 import numpy as np
 
 from .config import MHAConfig
@@ -66,11 +68,19 @@ def merge_head_matrices(per_head: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(side_by_side.T)  # (H*d, in)
 
 
+@overload
+def split_head_bias(b: np.ndarray, n_heads: int) -> np.ndarray: ...
+@overload
+def split_head_bias(b: None, n_heads: int) -> None: ...
 def split_head_bias(b: np.ndarray | None, n_heads: int) -> np.ndarray | None:
     """Merged bias ``(H*d,)`` -> per-head ``(H, d)``."""
     return None if b is None else b.reshape(n_heads, -1)  # (H, d)
 
 
+@overload
+def merge_head_bias(b: np.ndarray) -> np.ndarray: ...
+@overload
+def merge_head_bias(b: None) -> None: ...
 def merge_head_bias(b: np.ndarray | None) -> np.ndarray | None:
     """Per-head bias ``(H, d)`` -> merged ``(H*d,)``."""
     return None if b is None else b.reshape(-1)  # (H*d,)
@@ -135,7 +145,7 @@ def to_torch_mha_state_dict(cfg: MHAConfig, params: MHAParams) -> dict[str, np.n
         state["in_proj_bias"] = np.concatenate([params.b_q, params.b_k, params.b_v])  # (3E,)
     state["out_proj.weight"] = params.w_o.copy()
     if cfg.bias:
-        state["out_proj.bias"] = params.b_o.copy()
+        state["out_proj.bias"] = params.b_o.copy()  # type: ignore[union-attr]  # cfg.bias: validated present
     return state
 
 
@@ -151,7 +161,7 @@ def from_torch_mha_state_dict(cfg: MHAConfig, state_dict) -> MHAParams:
         if missing:
             raise ValueError(f"state_dict has neither in_proj_weight nor {', '.join(missing)}")
         w_q, w_k, w_v = state["q_proj_weight"], state["k_proj_weight"], state["v_proj_weight"]
-    biases = {"b_q": None, "b_k": None, "b_v": None, "b_o": None}
+    biases: dict[str, np.ndarray | None] = {"b_q": None, "b_k": None, "b_v": None, "b_o": None}
     if cfg.bias:
         if "in_proj_bias" not in state or "out_proj.bias" not in state:
             raise ValueError("cfg.bias is True but state_dict lacks in_proj_bias or out_proj.bias")
@@ -209,7 +219,7 @@ def to_flax_params(cfg: MHAConfig, params: MHAParams) -> dict[str, dict[str, np.
 
 def from_flax_params(cfg: MHAConfig, tree) -> MHAParams:
     """The ``params`` tree of ``flax.linen.MultiHeadDotProductAttention`` -> canonical params."""
-    arrays = {}
+    arrays: dict = {}  # weights: arrays; biases: arrays or None
     for name, short in (("query", "q"), ("key", "k"), ("value", "v")):
         arrays[f"w_{short}"] = from_dense_general_kernel(np.asarray(tree[name]["kernel"]))
         bias = tree[name].get("bias")
@@ -239,7 +249,7 @@ def to_equinox_weights(cfg: MHAConfig, params: MHAParams) -> dict[str, dict[str,
 
 def from_equinox_weights(cfg: MHAConfig, weights) -> MHAParams:
     """Inverse of `to_equinox_weights`."""
-    arrays = {}
+    arrays: dict = {}  # weights: arrays; biases: arrays or None
     for w_name, module in EQUINOX_NAMES.items():
         arrays[w_name] = np.asarray(weights[module]["weight"])
         bias = weights[module].get("bias")

@@ -40,19 +40,21 @@ class MHAParams:
 
     def astype(self, dtype) -> MHAParams:
         """The same parameters cast to ``dtype`` (a NumPy or ml_dtypes dtype)."""
-        return MHAParams(**{k: None if v is None else v.astype(dtype) for k, v in self.as_dict().items()})
+        cast: dict = {k: None if v is None else v.astype(dtype) for k, v in self.as_dict().items()}
+        return MHAParams(**cast)  # the weights are arrays, the biases arrays or None, as in self
 
 
 def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
     """Shape of every canonical parameter for ``cfg`` (None: absent without bias)."""
-    shapes: dict[str, tuple[int, ...] | None] = {
+    weights: dict[str, tuple[int, ...]] = {
         "w_q": (cfg.q_width, cfg.d_model),
         "w_k": (cfg.k_width, cfg.kdim),
         "w_v": (cfg.v_width, cfg.vdim),
         "w_o": (cfg.d_model, cfg.context_width),
     }
+    shapes: dict[str, tuple[int, ...] | None] = dict(weights)
     for w_name, b_name in zip(WEIGHT_NAMES, BIAS_NAMES, strict=True):
-        shapes[b_name] = (shapes[w_name][0],) if cfg.bias else None
+        shapes[b_name] = (weights[w_name][0],) if cfg.bias else None
     return shapes
 
 
@@ -94,9 +96,9 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
     require_config(cfg)
     rng = np.random.default_rng(seed)
     shapes = expected_param_shapes(cfg)
-    arrays: dict[str, np.ndarray | None] = {}
+    arrays: dict = {}  # weights: arrays; biases: arrays or None
     for name in WEIGHT_NAMES:
-        out_features, in_features = shapes[name]
+        out_features, in_features = shapes[name] or ()  # a weight's shape is never None
         arrays[name] = rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)
     for name in BIAS_NAMES:
         arrays[name] = None if shapes[name] is None else 0.1 * rng.standard_normal(shapes[name])

@@ -72,8 +72,10 @@ def reference_stages(
     tables = rotary_tables(cfg, inputs)
     q_rotated, k_rotated = q_heads, k_heads
     if tables is not None:
-        q_rotated = apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], cfg.rope)  # (B, H, Nq, Dk)
-        k_rotated = apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], cfg.rope)  # (B, Hkv, Nk, Dk)
+        q_rotated = apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], tables.style)  # (B, H, Nq, Dk)
+        k_rotated = apply_rotary(
+            k_heads, tables.k_cos[:, None], tables.k_sin[:, None], tables.style
+        )  # (B, Hkv, Nk, Dk)
 
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))

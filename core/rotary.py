@@ -70,9 +70,16 @@ class RotaryTables:
     k_sin: np.ndarray
 
 
+def rotated_dims(cfg: MHAConfig) -> int:
+    """``cfg.rope_dims``, which `MHAConfig` resolves to an int exactly when rope is on."""
+    if cfg.rope_dims is None:
+        raise ValueError(f"rotary needs MHAConfig.rope='half' or 'interleaved', got rope={cfg.rope!r}")
+    return cfg.rope_dims
+
+
 def angles(cfg: MHAConfig, positions: np.ndarray) -> np.ndarray:
     """``positions[..., n] * inv_freq[i]``: (..., N) integer positions -> (..., N, r/2) angles."""
-    return positions[..., None].astype(np.float64) * inverse_frequencies(cfg.rope_dims, cfg.rope_base)
+    return positions[..., None].astype(np.float64) * inverse_frequencies(rotated_dims(cfg), cfg.rope_base)
 
 
 def rotary_tables(cfg: MHAConfig, inputs) -> RotaryTables | None:
@@ -80,7 +87,9 @@ def rotary_tables(cfg: MHAConfig, inputs) -> RotaryTables | None:
     if cfg.rope is None:
         return None
     q_angles, k_angles = angles(cfg, inputs.positions), angles(cfg, inputs.kv_positions)
-    return RotaryTables(cfg.rope, cfg.rope_dims, np.cos(q_angles), np.sin(q_angles), np.cos(k_angles), np.sin(k_angles))
+    return RotaryTables(
+        cfg.rope, rotated_dims(cfg), np.cos(q_angles), np.sin(q_angles), np.cos(k_angles), np.sin(k_angles)
+    )
 
 
 def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
@@ -133,7 +142,7 @@ def _convert(cfg: MHAConfig, params: MHAParams, source: str, target: str) -> tup
     if cfg.rope != source:
         raise ValueError(f"cfg.rope must be {source!r} to convert to {target!r}, got {cfg.rope!r}")
     validate_params(cfg, params)
-    perm = rope_permutation(cfg.d_k, cfg.rope_dims)
+    perm = rope_permutation(cfg.d_k, rotated_dims(cfg))
     if target == "interleaved":
         perm = np.argsort(perm)  # the inverse permutation
     return dataclasses.replace(cfg, rope=target), _permute_heads(cfg, params, perm)

@@ -246,7 +246,7 @@ def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) 
     def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
         rows = cfg.q_width + cfg.k_width + cfg.v_width
         weights = {f"{qkv}.weight": (rows, cfg.d_model), f"{out}.weight": (cfg.d_model, cfg.context_width)}
-        result = {name: shape[::-1] if conv1d else shape for name, shape in weights.items()}
+        result: dict[str, tuple[int, ...]] = {name: shape[::-1] if conv1d else shape for name, shape in weights.items()}
         if cfg.bias:
             result.update({f"{qkv}.bias": (rows,), f"{out}.bias": (cfg.d_model,)})
         return result
@@ -258,7 +258,7 @@ def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) 
         }
         if cfg.bias:
             state[f"{qkv}.bias"] = pack_rows(cfg, params.b_q, params.b_k, params.b_v)
-            state[f"{out}.bias"] = params.b_o.copy()
+            state[f"{out}.bias"] = params.b_o.copy()  # type: ignore[union-attr]  # cfg.bias: validated present
         return state
 
     def unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
@@ -290,7 +290,12 @@ def separate_linears(prefixes: dict[str, str]) -> dict[str, Callable]:
 
     def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
         canonical_shapes = expected_param_shapes(cfg)
-        return {stored: canonical_shapes[canonical] for canonical, stored in names(cfg).items()}
+        # names() lists only the parameters cfg has, so every shape here is a tuple.
+        return {
+            stored: shape
+            for canonical, stored in names(cfg).items()
+            if (shape := canonical_shapes[canonical]) is not None
+        }
 
     def pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
         return {stored: getattr(params, canonical).copy() for canonical, stored in names(cfg).items()}
@@ -315,7 +320,7 @@ def dense_general(out: str) -> dict[str, Callable]:
     def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
         H = cfg.n_heads
         widths = {"query": (cfg.d_model, cfg.d_k), "key": (cfg.kdim, cfg.d_k), "value": (cfg.vdim, cfg.d_v)}
-        result = {}
+        result: dict[str, tuple[int, ...]] = {}
         for name, (width, head_dim) in widths.items():
             result[f"{name}/kernel"] = (width, H, head_dim)
             if cfg.bias:

@@ -42,8 +42,9 @@ def pack_groups(cfg: MHAConfig, q: np.ndarray | None, k: np.ndarray | None, v: n
     G, Dk, Dv = cfg.n_kv_heads, cfg.d_k, cfg.d_v
     tail = q.shape[1:]  # (in,) for a weight, () for a bias
     groups_q = q.reshape(G, cfg.group_size * Dk, *tail)  # (G, Q*Dk, ...): view
-    groups_k = k.reshape(G, Dk, *tail)  # (G, Dk, ...): view
-    groups_v = v.reshape(G, Dv, *tail)  # (G, Dv, ...): view
+    # k and v are None exactly when q is (the three weights, or the three biases of one layer).
+    groups_k = k.reshape(G, Dk, *tail)  # type: ignore[union-attr]  # (G, Dk, ...): view
+    groups_v = v.reshape(G, Dv, *tail)  # type: ignore[union-attr]  # (G, Dv, ...): view
     packed = np.concatenate([groups_q, groups_k, groups_v], axis=1)  # (G, Q*Dk + Dk + Dv, ...): copy
     return packed.reshape(-1, *tail)  # (G*(Q*Dk + Dk + Dv), ...): view of the copy
 

@@ -37,7 +37,7 @@ from ._layout import (
 
 def _torch_mha_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
     E = cfg.d_model
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     if cfg.is_self_attention_shaped:
         shapes["in_proj_weight"] = (3 * E, E)
     else:

@@ -281,7 +281,9 @@ def test_explain_rejects_unknown_sections():
 def test_cli_claims_json(tmp_path):
     target = tmp_path / "claims.json"
     status = main(["explain", "--claims", "--no-speed", "--json", str(target), "--plain"])
-    claims = json.loads(target.read_text())
+    data = json.loads(target.read_text())
+    claims = data["claims"]
+    assert data["schema"] == 1 and data["provenance"]["command"]  # where it came from
     assert [c["claim"] for c in claims] == list(range(1, 13))
     assert all({"claim", "title", "verdict", "evidence"} <= set(c) for c in claims)
     assert claims[11]["verdict"] == "confirmed" and "2.5" in claims[11]["evidence"]

@@ -1,0 +1,238 @@
+"""`mha-rosetta report`: loading old and new files, the comparison's rules on hand-computed cells, the gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mha_rosetta.cli.main import main
+from mha_rosetta.report.agreement import matrix_cells
+from mha_rosetta.report.build import build_report
+from mha_rosetta.report.compare import cell_figure, compare, ratio, regressions
+from mha_rosetta.report.runs import load_run, load_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "docs" / "bench"
+SHAPE = {"device": "cpu", "dtype": "float32", "batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "status": "ok"}
+
+
+def bench_file(path: Path, cells: list[dict], *, schema: int = 1, host: str | None = None) -> Path:
+    data = {"schema": schema, "settings": {"threads": 1}, "cells": [{**SHAPE, **cell} for cell in cells]}
+    if host is not None:
+        data["provenance"] = {"host": host, "git": {"commit": "0123456789abcdef", "dirty": True}}
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def pair(tmp_path):
+    base = bench_file(
+        tmp_path / "base.json",
+        [
+            {"implementation": "a", "median_s": 0.010, "spread_s": [0.009, 0.011], "iqr_s": 0.0005},
+            {"implementation": "b", "median_s": 0.020, "iqr_s": 0.002},
+        ],
+        host="old-box",
+    )
+    new = bench_file(
+        tmp_path / "new.json",
+        [
+            {"implementation": "a", "median_s": 0.0125, "spread_s": [0.012, 0.013], "samples_s": [0.0125] * 3},
+            {"implementation": "b", "median_s": 0.0205, "iqr_s": 0.002},
+            {"implementation": "c", "median_s": 0.001},
+        ],
+        schema=2,
+        host="new-box",
+    )
+    return base, new
+
+
+def test_figure_and_range_rules():
+    rounds = cell_figure({**SHAPE, "median_s": 0.010, "spread_s": [0.009, 0.011], "iqr_s": 0.0005})
+    assert (rounds.seconds, rounds.lo, rounds.hi, rounds.used, rounds.range_rule) == (
+        0.010,
+        0.009,
+        0.011,
+        "median_s",
+        "round medians",
+    )
+    iqr = cell_figure({**SHAPE, "median_s": 0.020, "iqr_s": 0.002})
+    assert (iqr.lo, iqr.hi) == pytest.approx((0.019, 0.021)) and iqr.range_rule == "median ± iqr/2"
+    corrected = cell_figure({**SHAPE, "median_s": 0.010, "corrected_s": 0.011, "spread_s": [0.009, 0.011]})
+    assert corrected.used == "corrected_s" and corrected.seconds == 0.011
+    assert (corrected.lo, corrected.hi) == pytest.approx((0.0099, 0.0121))  # the spread scaled by 1.1
+    assert cell_figure({**SHAPE, "median_s": 0.01, "status": "failed"}) is None
+
+
+def test_ratio_and_noise_by_hand(pair):
+    comparison = compare(load_runs(pair))
+    assert [c.label for c in comparison.columns] == [
+        "old-box @ 01234567+dirty · cpu · 1t",
+        "new-box @ 01234567+dirty · cpu · 1t",
+    ]
+    group = ("fwd", "float32", "B4 N512 d512 h8")
+    a_new, a_base = comparison.cells[1][(group, "a")], comparison.cells[0][(group, "a")]
+    assert ratio(a_new, a_base) == pytest.approx((1.25, 0.012 / 0.011, 0.013 / 0.009))
+    assert comparison.implementations(group) == ["c", "a", "b"]  # fastest first
+    assert comparison.fastest(1, group) == 0.001
+
+
+def test_gate_rule_by_hand(pair):
+    base, new = (load_runs(pair)[0],), load_runs(pair)[1:]
+    gate = regressions(list(base), new, 10)
+    assert gate["compared"] == 2 and gate["unmatched"] == [
+        "c fwd float32 B4 N512 d512 h8 on new-box @ 01234567+dirty · cpu · 1t"
+    ]
+    [found] = gate["regressions"]  # a: 25 % slower and beyond noise; b: +2.5 % within noise
+    assert found["cell"].startswith("a ") and found["change_pct"] == pytest.approx(25.0)
+    assert regressions(list(base), new, 30)["regressions"] == []  # beyond noise but under the threshold
+    assert [g["cell"][0] for g in regressions(list(base), new, 0)["regressions"]] == ["a"]  # b stays within noise
+    with pytest.raises(ValueError, match="--fail-on-regression: expected a percentage >= 0, got -1"):
+        regressions(list(base), new, -1)
+
+
+def test_cli_exit_status_follows_the_gate(pair, capsys):
+    base, new = map(str, pair)
+    assert main(["report", new, "--baseline", base, "--fail-on-regression", "10", "--markdown", "-"]) == 1
+    out, err = capsys.readouterr()
+    assert "regression: a fwd float32" in err and "+25.0 %" in err
+    assert "1 slower beyond noise and beyond the threshold" in out
+    assert main(["report", new, "--baseline", base, "--fail-on-regression", "30", "--markdown", "-"]) == 0
+    assert main(["report", new, "--baseline", base, "--markdown", "-"]) == 0  # no threshold: listed, not failed
+    assert main(["report", new, "--fail-on-regression", "10"]) == 2
+    assert "--fail-on-regression needs --baseline FILE" in capsys.readouterr().err
+
+
+def test_bad_files_are_named(tmp_path, capsys):
+    (tmp_path / "x.json").write_text('{"hello": 1}')
+    (tmp_path / "y.json").write_text("{")
+    bench_file(tmp_path / "z.json", [], schema=3)
+    assert main(["report", str(tmp_path / "x.json")]) == 2
+    assert (
+        "x.json is not a check, bench or explain JSON (expected 'matrices', 'cells' or 'claims'; got dict with keys hello)"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(ValueError, match=r"y.json is not JSON \(Expecting"):
+        load_run(tmp_path / "y.json")
+    with pytest.raises(ValueError, match="bench schema 3 is not one this version reads"):
+        load_run(tmp_path / "z.json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_run(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="--baseline: expected a bench JSON, got a claims file"):
+        (tmp_path / "c.json").write_text('[{"claim": 1, "verdict": "confirmed"}]')
+        build_report([str(bench_file(tmp_path / "ok.json", []))], baseline=[str(tmp_path / "c.json")])
+
+
+def test_committed_reference_files_load_labelled_by_file_name(capsys):
+    status = main(["report", str(BENCH / "reference.json"), str(BENCH / "reference-t2.json"), "--markdown", "-"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "| reference.json (AMD EPYC) | bench | reference.json |" in out
+    assert "no provenance (written before it was recorded): labelled by file name" in out
+    # torch-sdpa in the committed file: median 77.1 ms, round medians 75.9-79.4 ms; at 2 threads 40.9 ms.
+    assert "| torch-sdpa | 77.1 [75.9–79.4] | 40.9 [39.1–41.7] ×0.53 [0.49–0.55] |" in out
+
+
+@pytest.mark.parametrize(
+    "name", ["default.json", "quick.json", "long/long.json", "fwdbwd/reference.json", "sharded/sharded_2threads.json"]
+)
+def test_every_committed_bench_file_loads(name):
+    report = build_report([str(BENCH / name)])
+    assert report.comparison.cells[0], name
+    assert "## Benchmarks" in report.markdown()
+
+
+def test_report_json_has_provenance(pair, tmp_path):
+    target = tmp_path / "r.json"
+    assert main(["report", *map(str, pair), "--json", str(target)]) == 0
+    data = json.loads(target.read_text())
+    assert data["provenance"]["tool"] == "mha-rosetta" and data["schema"] == 1
+    [a] = [row for row in data["bench"] if row["implementation"] == "a"]
+    assert a["cells"][1] == {
+        "seconds": 0.0125,
+        "range": [0.012, 0.013],
+        "used": "median_s",
+        "range_rule": "round medians",
+    }
+
+
+@pytest.fixture(scope="module")
+def check_json(tmp_path_factory):
+    target = tmp_path_factory.mktemp("check") / "check.json"
+    argv = ["check", "--backends", "numpy", "--cases", "self_attention,causal", "--dtypes", "float64,float32"]
+    assert main([*argv, "--quiet", "--json", str(target)]) == 0
+    return target
+
+
+def test_heatmap_cells_tell_the_pairs_story(check_json):
+    run = load_run(check_json)
+    assert run.kind == "check" and run.provenance["tool"] == "mha-rosetta"
+    for matrix in run.data["matrices"]:
+        cells = matrix_cells(run, matrix)
+        n = len(matrix["labels"])
+        assert len(cells) == n * (n - 1)
+        for cell in cells:
+            assert cell["status"] == matrix["status"][cell["row"]][cell["col"]]
+            pairs = [
+                p
+                for p in run.data["pairs"]
+                if p["dtype"] == matrix["dtype"] and {p["a"], p["b"]} == {cell["a"], cell["b"]}
+            ]
+            worst = max(pairs, key=lambda p: p["max_rel"])
+            assert (cell["case"], cell["max_rel"]) == (worst["case"], matrix["max_rel"][cell["row"]][cell["col"]])
+            assert cell["rtol"] == run.data["tolerances"][matrix["dtype"]]["rtol"]
+        [mistake] = [c for c in cells if c["a"] == "numpy" and c["b"] == "numpy:direct_reshape"]
+        assert mistake["status"] == "caught" and mistake["stage_b"] == "q_heads (split heads)"
+        assert mistake["stage_a"] == "none (every stage within tolerance)"
+
+
+def test_markdown_merges_check_bench_and_claims(check_json, pair, tmp_path):
+    claims = tmp_path / "claims.json"
+    claims.write_text(json.dumps([{"claim": 1, "title": "t", "verdict": "confirmed", "evidence": "e"}]))
+    wrapped = tmp_path / "explain.json"  # explain --claims --json: the claims with provenance
+    wrapped.write_text(json.dumps({"schema": 1, "claims": [{"claim": 2, "title": "u", "verdict": "refuted"}]}))
+    text = build_report([str(check_json), *map(str, pair), str(claims), str(wrapped)]).markdown()
+    assert "## Agreement checks" in text and "## Benchmarks" in text
+    assert "| claims.json | 1 | t | confirmed |" in text
+    assert "| explain.json | 2 | u | refuted |" in text
+
+
+def test_readme_report_command_runs_as_printed(capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Results across machines: `mha-rosetta report`", 1)[1]
+    first = section.split("```sh\n", 1)[1].split("\n", 1)[0]
+    assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
+    argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
+    assert main(argv) == 0
+    assert "| torch-sdpa | 77.1 [75.9–79.4] |" in capsys.readouterr().out
+
+
+def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
+    from mha_rosetta.report.html import scaling_plot, scaling_series, series_style
+
+    comparison = build_report([str(BENCH / "long" / "long.json")]).comparison
+    [(family, lines)] = scaling_series(comparison).items()
+    assert family == ("fwd", "float32", "B1 d512 h8") and len(lines) == 19
+    assert lines[("torch-sdpa", 0)][1024] > 0 and set(lines[("torch-sdpa", 0)]) == {
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+        32768,
+    }
+    assert len({series_style(i) for i in range(30)}) == 30  # colour and marker: 30 distinct series
+    svg = scaling_plot(lines, "s", relative=True)
+    assert svg.count("<polyline") == 19 and "× the fastest at that size" in svg
+
+
+def test_help_says_the_rules(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "corrected_s (drift-corrected) when present, else its median_s" in text
+    assert "[min, max] of its round medians, else median +- IQR/2" in text
+    assert "the exit status is 1 when any cell's whole range is above the matching baseline cell's range" in text
+    assert "more than PCT % slower; else 0" in text

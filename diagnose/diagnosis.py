@@ -21,13 +21,18 @@ timeout: the candidate may be any callable (a closure over a torch module, a jit
 function), which a subprocess could not receive without pickling it and re-importing its
 framework for every probe; a thread keeps it in this process. A call past the limit is
 abandoned (Python cannot kill a thread; being a daemon, it does not keep the interpreter
-alive) and `diagnose` raises `DiagnoseError` naming the probe: it never hangs.
+alive: no non-daemon thread is ever started) and `diagnose` raises `DiagnoseError` naming
+the probe: it never hangs. A candidate that ends its process, or hangs in native code that
+holds the GIL, can only be contained by a process: `diagnose.isolated` runs a candidate
+named by import path (what the command line gets) in a child process, watching each call
+through ``announce``.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -100,8 +105,10 @@ class Diagnosis:
 
 
 # -- calling the candidate ------------------------------------------------------------------
-def _call(candidate, args: tuple, timeout: float, probe: str):
+def _call(candidate, args: tuple, timeout: float, probe: str, announce=None):
     box: dict = {}
+    if announce is not None:
+        announce("call", probe)
 
     def work():
         try:
@@ -116,6 +123,8 @@ def _call(candidate, args: tuple, timeout: float, probe: str):
         raise DiagnoseError(
             f"the candidate did not return within {timeout:g} s on probe {probe!r} (time limit per probe)"
         )
+    if announce is not None:
+        announce("done", probe)
     if "error" in box:
         error = box["error"]
         raise DiagnoseError(f"the candidate raised {type(error).__name__}: {error} on probe {probe!r}") from error
@@ -220,7 +229,13 @@ def _same_prediction(cfg, a: _Fit, b: _Fit, observed: list[_Observed], dtype: st
 
 # -- the diagnosis --------------------------------------------------------------------------
 def diagnose(
-    candidate, cfg: MHAConfig, *, dtype: str = "float64", timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0
+    candidate,
+    cfg: MHAConfig,
+    *,
+    dtype: str = "float64",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    seed: int = 0,
+    announce: Callable[[str, str], None] | None = None,
 ) -> Diagnosis:
     """Probe ``candidate(params, query, key, value, mask) -> output`` and name what it gets wrong.
 
@@ -229,6 +244,8 @@ def diagnose(
     attend, or None: NumPy arrays of ``dtype``. The candidate loads the parameters into its
     own module with its own conversion and returns (B, Nq, d_model) as a NumPy, torch or JAX
     array. Raises `DiagnoseError` when it cannot be diagnosed, naming the probe and the reason.
+    ``announce(event, probe)``, if given, is called with ``"call"`` before and ``"done"`` after
+    each call of the candidate (`diagnose.isolated` watches a child process's calls with it).
     """
     if not callable(candidate):
         raise TypeError(
@@ -250,7 +267,7 @@ def diagnose(
         cast = {id(a): a.astype(np_dtype) for a in (probe.query, probe.key, probe.value)}
         args = (params.astype(np_dtype), *(cast[id(a)] for a in (probe.query, probe.key, probe.value)), mask)
         expected = (probe.query.shape[0], probe.query.shape[1], cfg.d_model)
-        output, out_dtype = _as_output(_call(candidate, args, timeout, probe.name), expected, probe.name)
+        output, out_dtype = _as_output(_call(candidate, args, timeout, probe.name, announce), expected, probe.name)
         out_dtypes.add(out_dtype)
         return output
 

@@ -7,13 +7,15 @@ fixes. ``--confusion`` prints the confusion table of the injected bugs instead.
 
 Exit status: 0 the candidate agrees with the oracle; 1 it disagrees (causes printed);
 2 it cannot be diagnosed (an import path that does not resolve, not callable, raised,
-timed out, wrong shape or dtype, NaN everywhere) or a bad option.
+timed out, crashed its process, wrong shape or dtype, NaN everywhere) or a bad option.
+
+The candidate runs in a child process (`diagnose.isolated`), so that a crash or a hang in
+native code is reported with its exit status or signal instead of ending ``diagnose``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
@@ -52,28 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_callable(path: str):
-    """``"pkg.mod:name"`` -> the object, with errors that name the path."""
-    from mha_rosetta.backends.plugins import parse_target
-
-    module_name, attr = parse_target(path)
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        raise ValueError(f"cannot import {path}: {error}") from error
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(
-                f"cannot import {path}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(
-            f"{path} is a {type(obj).__name__}, not callable as (params, query, key, value, mask) -> output"
-        )
-    return obj
-
-
 def _config(args: argparse.Namespace):
     from mha_rosetta.core import MHAConfig
 
@@ -99,7 +79,8 @@ def _config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.core.files import write_output
-    from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError, diagnose
+    from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError
+    from mha_rosetta.diagnose.isolated import diagnose_import_path
     from mha_rosetta.report.provenance import provenance
 
     if args.confusion:
@@ -123,12 +104,12 @@ def run(args: argparse.Namespace) -> int:
     if args.candidate is None:
         print("mha-rosetta diagnose: error: give the candidate as MODULE:CALLABLE (or --confusion)", file=sys.stderr)
         return 2
-    sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named
+    sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named (the child inherits it)
     try:
         cfg = _config(args)
-        candidate = resolve_callable(args.candidate)
         timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
-        result = diagnose(candidate, cfg, dtype=args.dtype, timeout=timeout)
+        # In a child process: a candidate that crashes or hangs in native code is reported, not fatal here.
+        result = diagnose_import_path(args.candidate, cfg, dtype=args.dtype, timeout=timeout)
     except (DiagnoseError, ValueError, TypeError) as error:
         print(f"mha-rosetta diagnose: error: {error}", file=sys.stderr)
         return 2

@@ -133,12 +133,12 @@ def _failures(explanation) -> list[str]:
     A refuted speed claim is a finding about the column/row-sample article, not a failure of this run: the
     article's speed claims (3, 7) are allowed to be wrong, and timings move with the machine.
     """
-    from mha_rosetta.explain.claims import SPEED_ONLY_CLAIMS
+    from mha_rosetta.explain.claims import CLAIMS
 
     problems = [
         f"claim {c.claim} refuted"
         for c in explanation.claims
-        if c.verdict == "refuted" and c.claim not in SPEED_ONLY_CLAIMS
+        if c.verdict == "refuted" and not CLAIMS[c.claim].speed_only
     ]
     problems += [
         f"weight layout '{w.layout}' failed its verification" for w in explanation.weights if w.verified is False

@@ -21,31 +21,31 @@ timeout: the candidate may be any callable (a closure over a torch module, a jit
 function), which a subprocess could not receive without pickling it and re-importing its
 framework for every probe; a thread keeps it in this process. A call past the limit is
 abandoned (Python cannot kill a thread; being a daemon, it does not keep the interpreter
-alive) and `diagnose` raises `DiagnoseError` naming the probe: it never hangs.
+alive: no non-daemon thread is ever started) and `diagnose` raises `DiagnoseError` naming
+the probe: it never hangs. A candidate that ends its process, or hangs in native code that
+holds the GIL, can only be contained by a process: `diagnose.isolated` runs a candidate
+named by import path (what the command line gets) in a child process, watching each call
+through ``announce``.
 """
 
 from __future__ import annotations
 
 import math
-import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from mha_rosetta.backends.base import tensor_to_numpy
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, lower_precision, numpy_dtype, tolerance_for
 from mha_rosetta.core.config import require_config
 
+from .calling import DiagnoseError, _as_output, _call
 from .causes import Hypothesis, hypotheses
 from .probes import Probe, make_probes
 from .simulate import Bug, allowed_under, simulate
 
 DEFAULT_TIMEOUT_S = 30.0
 PAIR_CANDIDATES = 8  # how many of the best single causes are combined in pairs
-
-
-class DiagnoseError(ValueError):
-    """The candidate cannot be diagnosed (raised, timed out, wrong shape or dtype, NaN everywhere)."""
 
 
 @dataclass(frozen=True)
@@ -97,58 +97,6 @@ class Diagnosis:
         # The JSON's key order (dtype after max_error, not where the field stands).
         order = ("agrees", "max_error", "dtype", "causes", "known_differences", "notes", "probe_errors")
         return {key: fields[key] for key in order}
-
-
-# -- calling the candidate ------------------------------------------------------------------
-def _call(candidate, args: tuple, timeout: float, probe: str):
-    box: dict = {}
-
-    def work():
-        try:
-            box["result"] = candidate(*args)
-        except BaseException as error:  # handed to the caller, which names the probe
-            box["error"] = error
-
-    worker = threading.Thread(target=work, name=f"diagnose probe {probe}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise DiagnoseError(
-            f"the candidate did not return within {timeout:g} s on probe {probe!r} (time limit per probe)"
-        )
-    if "error" in box:
-        error = box["error"]
-        raise DiagnoseError(f"the candidate raised {type(error).__name__}: {error} on probe {probe!r}") from error
-    return box["result"]
-
-
-def _as_output(result, expected_shape: tuple[int, ...], probe: str) -> tuple[np.ndarray, str]:
-    """The candidate's result as float64 NumPy, and the name of its dtype; clear errors otherwise."""
-    if isinstance(result, (tuple, list)):
-        raise DiagnoseError(
-            f"the candidate returned a {type(result).__name__} on probe {probe!r}; it must return the output array "
-            f"{expected_shape} only (nn.MultiheadAttention returns (output, weights): return [0])"
-        )
-    dtype_name = str(getattr(result, "dtype", "")).replace("torch.", "")
-    try:
-        array = tensor_to_numpy(result)
-    except Exception as error:
-        raise DiagnoseError(
-            f"the candidate returned {type(result).__name__} on probe {probe!r}, which is not an array "
-            f"(NumPy, torch or JAX) of shape {expected_shape}: {error}"
-        ) from error
-    if array.dtype.kind != "f":
-        raise DiagnoseError(
-            f"the candidate returned dtype {array.dtype} on probe {probe!r}; expected floating point "
-            f"(float64, float32, float16 or bfloat16) of shape {expected_shape}"
-        )
-    if array.shape != expected_shape:
-        raise DiagnoseError(
-            f"the candidate returned shape {array.shape} on probe {probe!r}; expected {expected_shape} "
-            "(batch, q_tokens, d_model)"
-        )
-    dtype_name = "bfloat16" if "bfloat16" in dtype_name else array.dtype.name
-    return array.astype(np.float64), dtype_name
 
 
 # -- scoring --------------------------------------------------------------------------------
@@ -220,7 +168,13 @@ def _same_prediction(cfg, a: _Fit, b: _Fit, observed: list[_Observed], dtype: st
 
 # -- the diagnosis --------------------------------------------------------------------------
 def diagnose(
-    candidate, cfg: MHAConfig, *, dtype: str = "float64", timeout: float = DEFAULT_TIMEOUT_S, seed: int = 0
+    candidate,
+    cfg: MHAConfig,
+    *,
+    dtype: str = "float64",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    seed: int = 0,
+    announce: Callable[[str, str], None] | None = None,
 ) -> Diagnosis:
     """Probe ``candidate(params, query, key, value, mask) -> output`` and name what it gets wrong.
 
@@ -229,6 +183,8 @@ def diagnose(
     attend, or None: NumPy arrays of ``dtype``. The candidate loads the parameters into its
     own module with its own conversion and returns (B, Nq, d_model) as a NumPy, torch or JAX
     array. Raises `DiagnoseError` when it cannot be diagnosed, naming the probe and the reason.
+    ``announce(event, probe)``, if given, is called with ``"call"`` before and ``"done"`` after
+    each call of the candidate (`diagnose.isolated` watches a child process's calls with it).
     """
     if not callable(candidate):
         raise TypeError(
@@ -250,7 +206,7 @@ def diagnose(
         cast = {id(a): a.astype(np_dtype) for a in (probe.query, probe.key, probe.value)}
         args = (params.astype(np_dtype), *(cast[id(a)] for a in (probe.query, probe.key, probe.value)), mask)
         expected = (probe.query.shape[0], probe.query.shape[1], cfg.d_model)
-        output, out_dtype = _as_output(_call(candidate, args, timeout, probe.name), expected, probe.name)
+        output, out_dtype = _as_output(_call(candidate, args, timeout, probe.name, announce), expected, probe.name)
         out_dtypes.add(out_dtype)
         return output
 

@@ -7,7 +7,7 @@ modules, and each of the column/row-sample article's claims is a check that retu
 Frameworks are imported only inside the functions that use them.
 """
 
-from .claims import CLAIM_CHECKS, ClaimResult, run_claims
+from .claims import CLAIMS, ClaimResult, run_claims
 from .differences import DEMONSTRATIONS, Difference, run_differences
 from .explainer import SECTIONS, Explanation, explain
 from .head_split import HeadSplit, head_splits, save_png
@@ -16,7 +16,7 @@ from .stages_table import BackendSummary, StageRow, build_stage_tables
 from .weights import WeightLayout, weight_layouts
 
 __all__ = [
-    "CLAIM_CHECKS",
+    "CLAIMS",
     "DEMONSTRATIONS",
     "SECTIONS",
     "BackendSummary",

@@ -147,7 +147,8 @@ def checkpoint(layout_name: str, real_modules: bool = True) -> Checkpoint:
 def _real_module_evidence(layout_name: str, cfg: MHAConfig) -> tuple[str, bool | None]:
     """Build the real module, load the layout's state dict by its own names, run it against the spec."""
     from mha_rosetta.models import get_layout
-    from mha_rosetta.models.real_modules import run_real, unavailable_reason
+
+    from .oracle_modules import run_layout, unavailable_reason
 
     reason = unavailable_reason(layout_name)
     if reason:
@@ -155,7 +156,7 @@ def _real_module_evidence(layout_name: str, cfg: MHAConfig) -> tuple[str, bool |
     layout = get_layout(layout_name)
     params = init_params(cfg, seed=0)
     x = np.random.default_rng(5).standard_normal((2, 5, cfg.d_model))
-    run = run_real(layout_name, cfg, layout.to_state_dict(cfg, params), x)
+    run = run_layout(layout_name, cfg, layout.to_state_dict(cfg, params), x)
     result = compare(run.output, reference_mha(cfg, params, x), run.precision)
     expected = layout.expected_shapes(cfg)
     stored = {name: shape for name, shape in run.parameters.items() if name in expected or run.kind != "real"}

@@ -20,15 +20,14 @@ different rotary conventions (Meta's interleaved pairs vs Hugging Face's halves)
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.rotary import to_interleaved_params, to_rotate_half_params
 
 from . import hf_bert, hf_gpt2, hf_gpt_neox, hf_llama, hf_t5, keras_mha, megatron, meta_llama, timm_vit
+from ._convert import convert_layouts
 from ._layout import BLOCKS, PACKINGS, PER_GROUP, PER_HEAD, SEPARATE, Layout, LayoutError
 from ._packing import pack_blocks, pack_groups, unpack_blocks, unpack_groups
 from .library_oracles import EQUINOX, FLAX, TORCH_MHA
@@ -70,25 +69,7 @@ def convert_state_dict(
     (`mha_rosetta.core.rotary`). Returns ``(target cfg, target state dict)``; the target
     cfg differs from ``cfg`` only in ``rope``.
     """
-    source_layout, target_layout = get_layout(source), get_layout(target)
-    params = source_layout.from_state_dict(cfg, state_dict)
-    target_cfg = cfg
-    target_rope = _rope_target(target_layout, cfg)
-    if target_rope is not None and target_rope != cfg.rope:  # None only when cfg.rope is None too
-        convert = {"half": to_rotate_half_params, "interleaved": to_interleaved_params}[target_rope]
-        target_cfg, params = convert(cfg, params)  # the per-head row permutation of w_q/w_k (and b_q/b_k)
-    return target_cfg, target_layout.to_state_dict(target_cfg, params)
-
-
-def _rope_target(layout: Layout, cfg: MHAConfig) -> str | None:
-    """The rotary convention ``layout`` needs for ``cfg`` (the other one when only that one fits)."""
-    rope = cfg.rope
-    if rope is None or layout.unsupported_reason(cfg) is None:
-        return rope
-    other = {"half": "interleaved", "interleaved": "half"}[rope]
-    if layout.unsupported_reason(dataclasses.replace(cfg, rope=other)) is None:
-        return other
-    return rope  # neither fits: to_state_dict raises with the layout's own reason
+    return convert_layouts(cfg, state_dict, get_layout(source), get_layout(target))
 
 
 __all__ = [

@@ -69,6 +69,11 @@ class Layout:
     pack: Callable[[MHAConfig, MHAParams], dict[str, np.ndarray]]
     unpack: Callable[[MHAConfig, dict[str, np.ndarray]], MHAParams]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # The family's real module: runner(cfg, state, x, padding, options) -> RealRun builds it tiny and runs it
+    # (`real_modules.run_real`); None where models has none (the library oracles run through their backends).
+    runner: Callable | None = None
+    requires: tuple[str, ...] = ()  # the libraries the runner imports
+    hf_options: bool = False  # the runner takes Hugging Face's implementation / float64_rotary options
 
     def unsupported_reason(self, cfg: MHAConfig) -> str | None:
         """Why this family's real module cannot hold ``cfg`` (the first rule that fails), or None."""

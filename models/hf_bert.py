@@ -10,9 +10,50 @@ outside this layout.
 
 from __future__ import annotations
 
+from ._hf import hf_config, hf_mask
 from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
+from ._real import HF_REQUIRES, RealRun, module_shapes, torch_state
 
 MODULE = "BertSelfAttention"
+
+
+def _bert(cfg, state, x, padding, options):
+    import torch
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertAttention
+
+    config = hf_config(
+        BertConfig(
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            attention_probs_dropout_prob=0.0,
+            hidden_dropout_prob=0.0,
+            is_decoder=cfg.causal,
+        ),
+        options,
+    )
+    module = BertAttention(config, is_causal=cfg.causal).double().eval()
+    tensors = torch_state(state)
+    # BertAttention also holds output.LayerNorm, which is not attention: load the two parts strictly, apart.
+    for part, prefix in ((module.self, "self."), (module.output.dense, "output.dense.")):
+        part.load_state_dict(
+            {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}, strict=True
+        )
+    xt = torch.from_numpy(x)
+    mask = hf_mask(config, cfg, xt, padding)
+    with torch.no_grad():
+        merged = module.self(xt, attention_mask=mask)[0]  # (B, N, H*d): BertSelfAttention stops here
+        output = module.output.dense(merged)
+    return RealRun(
+        "hf-bert",
+        "real",
+        f"transformers BertSelfAttention + BertSelfOutput.dense ({options.implementation})",
+        output.numpy(),
+        merged.numpy(),
+        parameters=module_shapes(module),
+        note="BertSelfOutput then computes LayerNorm(dense + input): outside the spec",
+    )
+
 
 LAYOUT = Layout(
     name="hf-bert",
@@ -35,4 +76,7 @@ LAYOUT = Layout(
         "BertSelfOutput then computes LayerNorm(dense(context) + input)",
         "not causal (an encoder): padding masks come from BertModel as an additive (B, 1, N, N) mask",
     ),
+    runner=_bert,
+    requires=HF_REQUIRES,
+    hf_options=True,
 )

@@ -9,10 +9,26 @@ computes ``x @ weight + bias``: the row-sample ``W_B``, the transpose of ``nn.Li
 
 from __future__ import annotations
 
+from ._hf import hf_config, hf_mask, hf_run
 from ._layout import BLOCKS, Layout, bias_is, classic_heads, default_scale, fused_qkv, rotary_is
 from ._packing import pack_blocks, unpack_blocks
+from ._real import HF_REQUIRES
 
 MODULE = "GPT2Attention"
+
+
+def _gpt2(cfg, state, x, padding, options):
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    config = hf_config(GPT2Config(n_embd=cfg.d_model, n_head=cfg.n_heads, attn_pdrop=0.0, resid_pdrop=0.0), options)
+    module = GPT2Attention(config, layer_idx=0).double().eval()
+
+    def forward(xt):
+        return module(xt, attention_mask=hf_mask(config, cfg, xt, padding))[0]
+
+    return hf_run("hf-gpt2", module, f"transformers GPT2Attention ({options.implementation})", state, x, forward)
+
 
 LAYOUT = Layout(
     name="hf-gpt2",
@@ -36,4 +52,7 @@ LAYOUT = Layout(
         "scale_attn_by_inverse_layer_idx=True (off by default) divides the scale by layer_idx + 1; not covered here",
         "the module is causal in the model (GPT2Model builds the causal mask); the attention itself takes any mask",
     ),
+    runner=_gpt2,
+    requires=HF_REQUIRES,
+    hf_options=True,
 )

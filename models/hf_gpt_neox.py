@@ -10,10 +10,43 @@ Rotary embeddings (rotate-half) turn only the first ``rotary_pct * d`` features 
 
 from __future__ import annotations
 
+from ._hf import hf_config, hf_mask, hf_run, rotary_precision, rotary_tables
 from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
 from ._packing import pack_groups, unpack_groups
+from ._real import HF_REQUIRES
 
 MODULE = "GPTNeoXAttention"
+
+
+def _gpt_neox(cfg, state, x, padding, options):
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
+
+    config = hf_config(
+        GPTNeoXConfig(
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            attention_bias=cfg.bias,
+            attention_dropout=0.0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": cfg.rope_base,
+                "partial_rotary_factor": cfg.rope_dims / cfg.d_k,
+            },
+        ),
+        options,
+    )
+    module = GPTNeoXAttention(config, layer_idx=0).double().eval()
+    if module.rotary_ndims != cfg.rope_dims:
+        raise ValueError(f"GPTNeoXAttention rotates {module.rotary_ndims} features per head, the spec {cfg.rope_dims}")
+
+    def forward(xt):
+        cos_sin = rotary_tables(cfg, options, GPTNeoXRotaryEmbedding(config).double(), xt)
+        return module(xt, attention_mask=hf_mask(config, cfg, xt, padding), position_embeddings=cos_sin)[0]
+
+    description = f"transformers GPTNeoXAttention ({options.implementation})"
+    return hf_run("hf-gpt-neox", module, description, state, x, forward, **rotary_precision(options))
+
 
 LAYOUT = Layout(
     name="hf-gpt-neox",
@@ -39,4 +72,7 @@ LAYOUT = Layout(
         "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
         "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
     ),
+    runner=_gpt_neox,
+    requires=HF_REQUIRES,
+    hf_options=True,
 )

@@ -11,6 +11,7 @@ interleaved one, and Hugging Face's conversion permutes the rows of ``q_proj`` a
 
 from __future__ import annotations
 
+from ._hf import hf_config, hf_mask, hf_run, rotary_precision, rotary_tables
 from ._layout import (
     SEPARATE,
     Layout,
@@ -20,8 +21,41 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
+from ._real import HF_REQUIRES
 
 MODULE = "LlamaAttention"
+
+
+def _llama_config(cfg, options):
+    from transformers import LlamaConfig
+
+    return hf_config(
+        LlamaConfig(
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.d_k,
+            attention_bias=cfg.bias,
+            attention_dropout=0.0,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+        ),
+        options,
+    )
+
+
+def run_llama(cfg, state, x, padding, options, layout="hf-llama"):
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = _llama_config(cfg, options)
+    module = LlamaAttention(config, layer_idx=0).double().eval()
+
+    def forward(xt):
+        cos_sin = rotary_tables(cfg, options, LlamaRotaryEmbedding(config).double(), xt)
+        return module(xt, position_embeddings=cos_sin, attention_mask=hf_mask(config, cfg, xt, padding))[0]
+
+    description = f"transformers LlamaAttention ({options.implementation})"
+    return hf_run(layout, module, description, state, x, forward, **rotary_precision(options))
+
 
 LAYOUT = Layout(
     name="hf-llama",
@@ -45,4 +79,7 @@ LAYOUT = Layout(
         "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
         "query head h reads kv head h // (n_heads / n_kv_heads) (repeat_kv), the spec's grouping",
     ),
+    runner=run_llama,
+    requires=HF_REQUIRES,
+    hf_options=True,
 )

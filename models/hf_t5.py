@@ -10,6 +10,7 @@ bias added to the scores, which is outside the spec: use a layer without it.
 
 from __future__ import annotations
 
+from ._hf import hf_config, hf_mask, hf_run
 from ._layout import (
     SEPARATE,
     Layout,
@@ -21,8 +22,27 @@ from ._layout import (
     separate_linears,
     unit_scale,
 )
+from ._real import HF_REQUIRES
 
 MODULE = "T5Attention"
+
+
+def _t5(cfg, state, x, padding, options):
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    config = hf_config(
+        T5Config(d_model=cfg.d_model, d_kv=cfg.d_k, num_heads=cfg.n_heads, dropout_rate=0.0, is_decoder=cfg.causal),
+        options,
+    )
+    module = T5Attention(config, has_relative_attention_bias=False, layer_idx=0, is_causal=cfg.causal).double().eval()
+
+    def forward(xt):
+        return module(xt, mask=hf_mask(config, cfg, xt, padding))[0]
+
+    description = f"transformers T5Attention ({options.implementation}, no relative bias)"
+    return hf_run("hf-t5", module, description, state, x, forward)
+
 
 LAYOUT = Layout(
     name="hf-t5",
@@ -46,4 +66,7 @@ LAYOUT = Layout(
         "porting T5 into a standard attention that divides by sqrt(d) shrinks every score: the softmax flattens",
         "layer 0 adds relative_attention_bias (buckets x heads) to the scores: not part of this layout",
     ),
+    runner=_t5,
+    requires=HF_REQUIRES,
+    hf_options=True,
 )

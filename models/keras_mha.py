@@ -10,9 +10,64 @@ size **per head** (torch's ``embed_dim`` is the total).
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
+
 from ._layout import SEPARATE, Layout, default_scale, dense_general, no_grouped_kv, rotary_is
+from ._real import RealRun, allowed_mask
 
 MODULE = "keras MultiHeadAttention"
+
+
+def _keras(cfg, state, x, padding, options):
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        # The layer is built in float64; without x64 JAX silently computes it in float32 (process-global switch,
+        # as the JAX backends set it). models imports only core, so this is not the backends' helper.
+        jax.config.update("jax_enable_x64", True)
+    layer = keras.layers.MultiHeadAttention(
+        num_heads=cfg.n_heads, key_dim=cfg.d_k, value_dim=cfg.d_v, use_bias=cfg.bias, dtype="float64"
+    )
+    layer.build((None, None, cfg.d_model), (None, None, cfg.vdim), (None, None, cfg.kdim))
+    by_path = {variable.path.removeprefix(layer.name + "/"): variable for variable in layer.weights}
+    if set(by_path) != set(state):
+        raise ValueError(f"keras MultiHeadAttention holds {sorted(by_path)}, the state dict {sorted(state)}")
+    for name, variable in by_path.items():
+        variable.assign(state[name])
+    B, N, _ = x.shape
+    mask = allowed_mask(cfg, B, N, padding)[:, 0]  # (B, N, N), True = may attend: Keras's polarity
+    backend = keras.backend.backend()
+    run = RealRun(
+        "keras",
+        "real",
+        f"keras.layers.MultiHeadAttention ({backend} backend)",
+        np.zeros(0),
+        parameters={name: tuple(variable.shape) for name, variable in by_path.items()},
+    )
+    try:
+        run.output = np.asarray(layer(x, x, key=x, attention_mask=mask))
+    except Exception as error:  # the known JAX-backend failure with value_dim != key_dim, kept visible
+        run.known_difference = f"the default call fails: {type(error).__name__}: {_first_line(error)}"
+        # return_attention_scores=True takes Keras's own einsum path instead of the fused dot_product_attention.
+        run.output = np.asarray(layer(x, x, key=x, attention_mask=mask, return_attention_scores=True)[0])
+        run.note = "output from the return_attention_scores=True path (Keras's einsum), which runs in float64"
+        return run
+    if backend == "jax":
+        run.precision = "float32"
+        run.note = "on JAX the default call uses jax.nn.dot_product_attention, whose softmax always runs in float32"
+    return run
+
+
+def _first_line(error: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras colours its messages for terminals
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # Keras wraps the backend error in "Exception encountered when calling ...": keep the backend's own line.
+    inner = [line for line in lines if not line.startswith(("Exception encountered", "Arguments received", "•"))]
+    return (inner or lines or [""])[0]
 
 
 LAYOUT = Layout(
@@ -33,4 +88,6 @@ LAYOUT = Layout(
         "keras needs KERAS_BACKEND (jax or torch here); without it Keras 3 defaults to TensorFlow",
         "attention_mask is boolean (B, Nq, Nk), True = may attend, like the spec",
     ),
+    runner=_keras,
+    requires=("keras",),
 )

@@ -8,9 +8,15 @@ converters live in `core` (the backends use them). Here they get the same
 * ``flax``: ``flax.linen.MultiHeadDotProductAttention``'s ``params`` tree flattened with
   ``/`` (``flax.traverse_util.flatten_dict(..., sep="/")``): ``query/kernel`` ...;
 * ``equinox``: ``equinox.nn.MultiheadAttention``'s fields, ``query_proj.weight`` ...
+
+``torch-mha``'s runner is here (`run_torch_mha` also serves timm's equivalent run). Flax and Equinox have
+none in `models`: the project's oracle backends build those modules from the same converters, and running
+a backend is not a job of `models` (which imports only `core`); `mha_rosetta.explain.oracle_modules` does it.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from mha_rosetta.core import (
     MHAConfig,
@@ -31,6 +37,7 @@ from ._layout import (
     same_head_dims,
     separate_linears,
 )
+from ._real import RealRun, allowed_mask, module_shapes, torch_state
 
 # --- torch.nn.MultiheadAttention -----------------------------------------------------------
 
@@ -50,6 +57,29 @@ def _torch_mha_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def run_torch_mha(cfg, state, x, padding):
+    """``state`` loaded (strictly) into ``nn.MultiheadAttention(batch_first=True)``, run on x: (output, module)."""
+    import torch
+
+    module = torch.nn.MultiheadAttention(
+        cfg.d_model, cfg.n_heads, bias=cfg.bias, kdim=cfg.kdim, vdim=cfg.vdim, batch_first=True, dtype=torch.float64
+    ).eval()
+    module.load_state_dict(torch_state(state), strict=True)
+    B, N, _ = x.shape
+    blocked = ~allowed_mask(cfg, B, N, padding)  # (B, 1, N, N): nn.MultiheadAttention's True means "blocked"
+    attn_mask = torch.from_numpy(np.repeat(blocked, cfg.n_heads, axis=1).reshape(B * cfg.n_heads, N, N))  # (B*H, N, N)
+    xt = torch.from_numpy(x)
+    with torch.no_grad():
+        return module(xt, xt, xt, attn_mask=attn_mask, need_weights=False)[0].numpy(), module
+
+
+def _torch_mha(cfg, state, x, padding, options):
+    output, module = run_torch_mha(cfg, state, x, padding)
+    return RealRun(
+        "torch-mha", "real", "torch.nn.MultiheadAttention(batch_first=True)", output, parameters=module_shapes(module)
+    )
+
+
 TORCH_MHA = Layout(
     name="torch-mha",
     module="torch.nn.MultiheadAttention",
@@ -67,6 +97,8 @@ TORCH_MHA = Layout(
         "sequence-first (N, B, E) unless batch_first=True",
         "attn_mask/key_padding_mask: True means blocked, the opposite polarity of the spec",
     ),
+    runner=_torch_mha,
+    requires=("torch",),
 )
 
 # --- flax.linen.MultiHeadDotProductAttention -----------------------------------------------

@@ -10,10 +10,72 @@ parallelism cuts this tensor by whole groups, which is why the groups are contig
 
 from __future__ import annotations
 
+import numpy as np
+
+from mha_rosetta.core import MHAConfig
+
 from ._layout import PER_GROUP, Layout, fused_qkv, rotary_is, same_head_dims, self_attention_widths
 from ._packing import pack_groups, unpack_groups
+from ._real import RealRun, allowed_mask, state_shapes, torch_state
 
 MODULE = "Megatron-LM SelfAttention"
+
+
+def megatron_split(cfg: MHAConfig, mixed_qkv):
+    """Megatron-LM's ``SelfAttention.get_query_key_value_tensors`` split, rewritten from its source (torch).
+
+    ``mixed_qkv`` is ``linear_qkv``'s output, sequence-first ``(s, b, (H + 2G)*d)``; returns
+    query ``(s, b, H, d)``, key and value ``(s, b, G, d)``.
+    """
+    import torch
+
+    G, d, Q = cfg.n_kv_heads, cfg.d_k, cfg.group_size
+    mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], G, (Q + 2) * d)  # [sq, b, ng, (np/ng + 2) * hn]
+    query, key, value = torch.split(mixed_qkv, [Q * d, d, d], dim=3)  # [sq, b, ng, np/ng * hn], [.., hn], [.., hn]
+    query = query.reshape(query.size(0), query.size(1), -1, d)  # [sq, b, np, hn]
+    return query, key, value
+
+
+def _megatron(cfg, state, x, padding, options):
+    import torch
+
+    B, N, _ = x.shape
+    w = torch_state(state)
+    hidden = torch.from_numpy(x).transpose(0, 1)  # (s, b, h): Megatron is sequence-first
+    mixed = hidden @ w["linear_qkv.weight"].T + (w["linear_qkv.bias"] if cfg.bias else 0.0)  # (s, b, (H+2G)*d)
+    query, key, value = megatron_split(cfg, mixed)
+    q = query.permute(1, 2, 0, 3)  # (b, H, s, d)
+    k = key.permute(1, 2, 0, 3)  # (b, G, s, d)
+    v = value.permute(1, 2, 0, 3)
+    if cfg.rope is not None:
+        q, k = _rotate_bhsd(cfg, q), _rotate_bhsd(cfg, k)
+    allowed = torch.from_numpy(allowed_mask(cfg, B, N, padding))
+    context = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, scale=cfg.scale, enable_gqa=cfg.n_kv_heads != cfg.n_heads
+    )  # (b, H, s, d)
+    merged = context.permute(2, 0, 1, 3).reshape(N, B, -1)  # (s, b, H*d), Megatron's core_attn_out
+    output = merged @ w["linear_proj.weight"].T + (w["linear_proj.bias"] if cfg.bias else 0.0)
+    return RealRun(
+        "megatron",
+        "reimplementation",
+        "Megatron-LM's linear_qkv split (view + split, rewritten from its source) + torch SDPA",
+        output.transpose(0, 1).numpy(),
+        merged.transpose(0, 1).numpy(),
+        parameters=state_shapes(state),
+        note="Megatron-LM is not installable here: its split is rewritten from attention.py",
+    )
+
+
+def _rotate_bhsd(cfg, t):
+    """Rotary on (b, heads, s, d) with the spec's tables (positions 0..s-1), in cfg.rope's pairing."""
+    import torch
+
+    from mha_rosetta.core.rotary import angles, apply_rotary
+
+    positions = np.arange(t.shape[2])
+    theta = angles(cfg, positions)  # (s, r/2)
+    return torch.from_numpy(apply_rotary(t.numpy(), np.cos(theta), np.sin(theta), cfg.rope))
+
 
 LAYOUT = Layout(
     name="megatron",
@@ -37,4 +99,6 @@ LAYOUT = Layout(
         "(the fused pre-norm) and _extra_state entries, which are not attention parameters",
         "with G = H (no grouping) the packing is GPT-NeoX's per-head [q_h; k_h; v_h]",
     ),
+    runner=_megatron,
+    requires=("torch",),
 )

@@ -11,6 +11,12 @@ applies.
 
 from __future__ import annotations
 
+import numpy as np
+
+from mha_rosetta.core import MHAConfig
+
+from . import hf_llama
+from ._convert import convert_layouts
 from ._layout import (
     SEPARATE,
     Layout,
@@ -22,8 +28,58 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
+from ._real import HF_REQUIRES, allowed_mask, state_shapes, torch_state
 
 MODULE = "Meta's llama Attention"
+
+
+def _meta_llama(cfg, state, x, padding, options):
+    """Meta's layout in HF's real LlamaAttention after the rope converter, checked against Meta's own rotary."""
+    hf_cfg, hf_state = convert_layouts(cfg, state, LAYOUT, hf_llama.LAYOUT)
+    run = hf_llama.run_llama(hf_cfg, hf_state, x, padding, options, layout="meta-llama")
+    reimplemented = meta_reference_forward(cfg, state, x, padding)
+    run.kind = "equivalent"
+    run.module = (
+        f"transformers LlamaAttention ({options.implementation}) after convert_state_dict(meta-llama -> hf-llama)"
+    )
+    run.note = (
+        "Meta's model.py is not a package: the weights go through the q/k row permutation into HF's real "
+        f"LlamaAttention; Meta's own complex-number rotary, rewritten from its source, agrees within "
+        f"{np.max(np.abs(reimplemented - run.output)):.1e}"
+    )
+    run.parameters = state_shapes(state)
+    return run
+
+
+def meta_reference_forward(cfg: MHAConfig, state: dict[str, np.ndarray], x: np.ndarray, padding=None) -> np.ndarray:
+    """Meta's Attention.forward rewritten from llama/model.py (float64): wq/wk/wv/wo and view_as_complex rotary."""
+    import torch
+
+    B, N, _ = x.shape
+    H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_k
+    w = torch_state(state)
+    xt = torch.from_numpy(x)
+    xq = (xt @ w["wq.weight"].T).view(B, N, H, d)  # (B, N, H, d)
+    xk = (xt @ w["wk.weight"].T).view(B, N, G, d)  # (B, N, G, d)
+    xv = (xt @ w["wv.weight"].T).view(B, N, G, d)
+    freqs = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (d/2,)
+    freqs_cis = torch.polar(
+        torch.ones(N, d // 2, dtype=torch.float64), torch.outer(torch.arange(N, dtype=torch.float64), freqs)
+    )
+
+    def rotate(t):  # Meta's apply_rotary_emb: pairs (2i, 2i+1) as one complex number
+        as_complex = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))  # (B, N, heads, d/2), a view
+        return torch.view_as_real(as_complex * freqs_cis[None, :, None, :]).flatten(3)  # (B, N, heads, d)
+
+    xq, xk = rotate(xq), rotate(xk)
+    xk = torch.repeat_interleave(xk, H // G, dim=2)  # Meta's repeat_kv: kv head g serves query heads g*Q..(g+1)*Q-1
+    xv = torch.repeat_interleave(xv, H // G, dim=2)
+    scores = torch.einsum("bnhd,bmhd->bhnm", xq, xk) / d**0.5  # (B, H, N, N)
+    allowed = torch.from_numpy(allowed_mask(cfg, B, N, padding))
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    context = torch.einsum("bhnm,bmhd->bnhd", torch.softmax(scores, dim=-1), xv).reshape(B, N, H * d)  # (B, N, H*d)
+    return (context @ w["wo.weight"].T).numpy()
+
 
 LAYOUT = Layout(
     name="meta-llama",
@@ -49,4 +105,7 @@ LAYOUT = Layout(
         "fluent-looking wrong output",
         "Meta shards wq/wk/wv by rows and wo by columns across model-parallel ranks (consolidated.NN.pth)",
     ),
+    runner=_meta_llama,
+    requires=HF_REQUIRES,
+    hf_options=True,
 )

@@ -90,7 +90,7 @@ def test_claim_2_linear_weight_is_out_in(seed_setup):
 
 
 def test_claim_2_skips_without_torch(seed_setup, monkeypatch):
-    monkeypatch.setattr(claims_module, "_installed", lambda module: module != "torch")
+    monkeypatch.setattr(claims_module.layouts, "_installed", lambda module: module != "torch")
     result = claims_module.claim_2(seed_setup)
     assert result.verdict == "skipped: torch not installed"
 
@@ -262,3 +262,27 @@ def test_claims_on_other_configurations():
     }
     assert grouped[6].verdict.startswith("skipped: the demonstration assumes one kv head per query head")
     assert grouped[8].verdict == CONFIRMED
+
+
+def test_the_registry_carries_every_claim_and_its_speed_question():
+    from mha_rosetta.explain.claims import CLAIMS, speed_claims, speed_only_claims
+
+    assert sorted(CLAIMS) == list(range(1, 13))
+    assert speed_claims() == (3, 7, 9, 11)  # the claims the benchmark questions answer
+    assert speed_only_claims() == (3, 7)
+    assert [n for n in sorted(CLAIMS) if CLAIMS[n].plain_mha_only] == [6, 7, 10, 11]
+    assert all(CLAIMS[n].check.__name__ == f"claim_{n}" for n in CLAIMS)
+    assert CLAIMS[12].title.startswith("Worked numbers: token [1, 0, 2, 0, ...]")
+
+
+def test_the_claim_decorator_refuses_a_number_twice_and_speed_only_without_a_question():
+    from mha_rosetta.explain.claims import claim
+
+    with pytest.raises(ValueError, match="claim 4 is registered twice: claim_4 and imposter"):
+
+        @claim(4, "a second claim 4")
+        def imposter(setup):
+            return None
+
+    with pytest.raises(ValueError, match="claim 13: speed_only=True needs a speed question"):
+        claim(13, "no question", speed_only=True)

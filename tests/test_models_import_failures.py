@@ -16,6 +16,13 @@ import sys
 import pytest
 
 from mha_rosetta.backends._probe import Probe, import_failure, probe
+from mha_rosetta.core import probe as core_probe
+
+backends_probe = sys.modules[probe.__module__]  # wherever the backends keep it
+assert (Probe, import_failure) == (backends_probe.Probe, backends_probe.import_failure)
+
+# The same probe serves the backends and (standard library only, in core) the models' real-module runners.
+PROBES = pytest.mark.parametrize("probes", [backends_probe, core_probe], ids=["backends._probe", "core.probe"])
 
 
 def _broken_packages(tmp_path, **errors: str):
@@ -36,19 +43,21 @@ def _run(args: list[str], pythonpath=None, drop: tuple[str, ...] = ()) -> subpro
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
-def test_probe_names_a_missing_module_and_caches_the_answer():
-    result = probe("mha_rosetta_no_such_library")
-    assert result == Probe("mha_rosetta_no_such_library", installed=False)
+@PROBES
+def test_probe_names_a_missing_module_and_caches_the_answer(probes):
+    result = probes.probe("mha_rosetta_no_such_library")
+    assert result == probes.Probe("mha_rosetta_no_such_library", installed=False)
     assert result.reason == "mha_rosetta_no_such_library is not installed"
-    assert probe("mha_rosetta_no_such_library") is result  # imported (or looked for) once per process
-    assert import_failure("numpy") is None
+    assert probes.probe("mha_rosetta_no_such_library") is result  # imported (or looked for) once per process
+    assert probes.import_failure("numpy") is None
 
 
-def test_probe_reports_the_import_error_of_an_installed_module(tmp_path):
+@PROBES
+def test_probe_reports_the_import_error_of_an_installed_module(tmp_path, probes):
     _broken_packages(tmp_path, mha_rosetta_broken_lib='raise RuntimeError("simulated: no device library")')
     sys.path.insert(0, str(tmp_path))
     try:
-        result = probe("mha_rosetta_broken_lib")
+        result = probes.probe("mha_rosetta_broken_lib")
     finally:
         sys.path.remove(str(tmp_path))
     assert result.installed and not result.ok

@@ -34,8 +34,9 @@ import numpy as np
 import pytest
 
 from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_stages
+from mha_rosetta.explain.oracle_modules import run_layout, unavailable_reason
 from mha_rosetta.models import convert_state_dict, get_layout
-from mha_rosetta.models.real_modules import allowed_mask, meta_reference_forward, run_real, unavailable_reason
+from mha_rosetta.models.real_modules import allowed_mask, meta_reference_forward, run_real
 
 BATCH, TOKENS = 2, 7
 PADDING = np.ones((BATCH, TOKENS), dtype=bool)
@@ -93,7 +94,7 @@ def _check(layout: str, cfg: MHAConfig, padded: bool, seed: int = 0, **options):
     params = init_params(cfg, seed=seed)
     x = _inputs(cfg)
     padding = PADDING if padded else None
-    run = run_real(layout, cfg, get_layout(layout).to_state_dict(cfg, params), x, padding, **options)
+    run = run_layout(layout, cfg, get_layout(layout).to_state_dict(cfg, params), x, padding, **options)
     expected = reference_stages(cfg, params, x, mask=allowed_mask(cfg, BATCH, TOKENS, padding))
     assert_close(run.output, expected["output"], run.precision, what=f"{layout} real module output")
     if run.merged is not None:
@@ -257,3 +258,14 @@ def test_meta_weights_in_hf_llama_need_the_row_permutation():
     renamed = {names[k.split(".")[0]] + ".weight": v for k, v in meta.items()}
     naive = run_real("hf-llama", hf_cfg, renamed, x, PADDING)
     assert np.max(np.abs(naive.output - expected)) > 1e-2
+
+
+def test_each_family_registers_its_runner_with_its_layout_and_models_runs_no_backend():
+    from mha_rosetta.models import LAYOUTS
+
+    without = sorted(name for name, layout in LAYOUTS.items() if layout.runner is None)
+    assert without == ["equinox", "flax"]  # the library oracles: their backends run them (explain.oracle_modules)
+    assert get_layout("hf-t5").requires == ("torch", "transformers") and get_layout("hf-t5").hf_options
+    assert get_layout("keras").requires == ("keras",) and not get_layout("keras").hf_options
+    with pytest.raises(ImportError, match=r"layout .flax. has no real-module runner in mha_rosetta\.models"):
+        run_real("flax", MHAConfig(d_model=15, n_heads=3, d_k=4), {}, np.zeros((1, 2, 15)))

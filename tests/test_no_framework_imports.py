@@ -44,3 +44,31 @@ def test_contract_example_runs_with_numpy_only():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "(2, 6, 12) False False"
+
+
+def test_models_imports_only_core_among_the_projects_packages():
+    """`mha_rosetta.models` (every layout and every real-module runner module) loads no other project package."""
+    code = (
+        "import sys, pkgutil, importlib, mha_rosetta.models as models\n"
+        "for info in pkgutil.iter_modules(models.__path__):\n"
+        "    importlib.import_module('mha_rosetta.models.' + info.name)\n"
+        "ours = {m.split('.')[1] for m in sys.modules if m.startswith('mha_rosetta.') and m.count('.') >= 1}\n"
+        "print(','.join(sorted(ours)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "core,models"
+
+
+def test_no_models_module_imports_another_project_package_even_lazily():
+    """Function-local imports count too: an AST walk of every models file finds only core among ours."""
+    import ast
+    from pathlib import Path
+
+    found = set()
+    for path in sorted((Path(__file__).resolve().parents[1] / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("mha_rosetta."):
+                found.add((path.name, node.module.split(".")[1]))
+            elif isinstance(node, ast.Import):
+                found |= {(path.name, a.name.split(".")[1]) for a in node.names if a.name.startswith("mha_rosetta.")}
+    assert {package for _, package in found} == {"core"}, sorted(p for p in found if p[1] != "core")

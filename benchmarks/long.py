@@ -172,7 +172,7 @@ def slopes_markdown(slopes: dict[str, dict]) -> str:
 
 def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = None) -> list:
     """Two log-log plots, time and peak memory against tokens, each line labelled with its slope."""
-    from .report import pyplot_into, save_figure
+    from .plots import pyplot_into, save_figure
 
     plt, directory = pyplot_into(directory)
     slopes = fitted_slopes(cells) if slopes is None else slopes

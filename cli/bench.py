@@ -43,6 +43,8 @@ def _name_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mha_rosetta.benchmarks.presets import PRESETS  # plain data: nothing measured or imported
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     preset.add_argument(
         "--preset",
-        choices=("quick", "default", "reference", "gpu", "long"),
+        choices=tuple(PRESETS),
         default=None,
         help="size preset (default: default); long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
     )
@@ -221,7 +223,9 @@ def _render_only(args: argparse.Namespace) -> int:
 def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> str:
     """Print the table and write every file asked for (JSON, Markdown, plots, docs); returns the table."""
     from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.report import baseline_markdown, compare_to_baseline, markdown_table, plot_report
+    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
+    from mha_rosetta.benchmarks.markdown import markdown_table
+    from mha_rosetta.benchmarks.plots import plot_report
 
     human = sys.stderr if args.json == "-" else sys.stdout  # with the JSON on stdout, people read stderr
     table = markdown_table(report)
@@ -266,15 +270,11 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.benchmarks import questions as speed_questions
+    from mha_rosetta.benchmarks.partial import default_partial_path
+    from mha_rosetta.benchmarks.plan import resolve_implementations
+    from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
     from mha_rosetta.benchmarks.report import assemble_report, failed_cells, load_report
-    from mha_rosetta.benchmarks.sweep import (
-        default_partial_path,
-        describe_estimate,
-        estimate_seconds,
-        expand_cells,
-        resolve_implementations,
-        run_sweep,
-    )
+    from mha_rosetta.benchmarks.sweep import expand_cells, run_sweep
     from mha_rosetta.core.errors import INTERRUPTED
 
     if args.render:

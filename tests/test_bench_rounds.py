@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
+from mha_rosetta.benchmarks.markdown import markdown_table
 from mha_rosetta.benchmarks.readme import (
     BEGIN,
     END,
@@ -21,7 +23,7 @@ from mha_rosetta.benchmarks.readme import (
     replace_block,
     report_name,
 )
-from mha_rosetta.benchmarks.report import assemble_report, baseline_markdown, compare_to_baseline, markdown_table
+from mha_rosetta.benchmarks.report import assemble_report
 from mha_rosetta.benchmarks.rounds import busy_rounds, intervals_overlap, merge_peaks, merge_visits, relative_range
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ Modules, one job each (none imports a framework at import time):
 - `rounds`: the shuffled visit order, and a cell's figures merged over rounds (spread, drift);
 - `report`: the versioned JSON document and the machine it ran on;
 - `markdown`, `plots`, `baseline`: the report as a table, as PNG plots, and against a saved one;
+- `rerun`: do two runs agree (``bench --compare A.json B.json``)?
 - `readme`: the published docs/bench/ files and the README's generated benchmark block;
 - `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 

@@ -2,32 +2,37 @@
 
 from __future__ import annotations
 
-from .report import SCHEMA_VERSION, headline_peak
-from .rounds import cell_interval, intervals_overlap
+from .report import READABLE_SCHEMAS, headline_peak
+from .rounds import cell_interval, cell_time, intervals_overlap, is_corrected
 
 BASELINE_THRESHOLD = 0.10
 
 
-def _comparison_key(cell: dict) -> tuple:
+def comparison_key(cell: dict) -> tuple:
     fields = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
     return (*(cell.get(name) for name in fields), cell.get("mode", "fwd"))
 
 
 def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:
-    """Median time of every cell against the same cell in ``baseline``, with their intervals.
+    """Time of every cell against the same cell in ``baseline``, with their intervals.
 
-    A change counts ("slower" or "faster") only when the medians differ by more than
-    ``threshold`` (0.10 = 10%) *and* the two cells' intervals (``spread_s``: the range of
-    their round medians; a report without rounds has its median alone) do not overlap;
+    The time is `rounds.cell_time`: the drift-corrected median where a cell has one (schema
+    2), else the raw median; ``corrected`` says which, for the baseline and the report.
+    A change counts ("slower" or "faster") only when the times differ by more than
+    ``threshold`` (0.10 = 10%) *and* the two cells' intervals (`rounds.cell_interval`: the
+    range of their round figures; a report without rounds has its median alone) do not overlap;
     a change beyond the threshold whose intervals overlap is "within noise". Cells present
     on one side only are listed, as are cells that stopped working. The two headline GEMM
     peaks are set side by side (``gemm_peak``): when the peak moved too, the machine
     changed, not (only) the implementations.
     """
-    if baseline.get("schema") != SCHEMA_VERSION:
-        raise ValueError(f"baseline schema is {baseline.get('schema')!r}; this version reads schema {SCHEMA_VERSION}")
-    old = {_comparison_key(cell): cell for cell in baseline.get("cells", [])}
-    new = {_comparison_key(cell): cell for cell in report.get("cells", [])}
+    if baseline.get("schema") not in READABLE_SCHEMAS:
+        raise ValueError(
+            f"baseline schema is {baseline.get('schema')!r}; this version reads schemas "
+            f"{', '.join(map(str, READABLE_SCHEMAS))}"
+        )
+    old = {comparison_key(cell): cell for cell in baseline.get("cells", [])}
+    new = {comparison_key(cell): cell for cell in report.get("cells", [])}
     rows, flagged, noise, broken = [], [], [], []
     for key, cell in new.items():
         before = old.get(key)
@@ -40,7 +45,7 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
             continue
         if before.get("status") != "ok" or cell.get("status") != "ok":
             continue
-        ratio = cell["median_s"] / before["median_s"]
+        ratio = cell_time(cell) / cell_time(before)
         change = ratio - 1.0
         overlap = intervals_overlap(cell_interval(cell), cell_interval(before))
         beyond = abs(change) > threshold
@@ -48,7 +53,8 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
         row = {
             "implementation": cell["implementation"], "device": cell["device"], "dtype": cell["dtype"],
             "batch": cell["batch"], "tokens": cell["tokens"], "d_model": cell["d_model"], "heads": cell["heads"],
-            "baseline_median_s": before["median_s"], "median_s": cell["median_s"], "ratio": ratio, "change": verdict,
+            "baseline_median_s": cell_time(before), "median_s": cell_time(cell), "ratio": ratio, "change": verdict,
+            "corrected": [is_corrected(before), is_corrected(cell)],
             "baseline_spread_s": cell_interval(before), "spread_s": cell_interval(cell), "intervals_overlap": overlap,
         }  # fmt: skip
         rows.append(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .report import REFERENCE_SIZE, cell_label
-from .rounds import cell_interval
+from .rounds import cell_interval, cell_time, is_corrected, published
 
 
 def _size_group(cell: dict) -> tuple:
@@ -60,7 +60,7 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         markers, dashes = "osD^v<>ph*", ("-", "--", ":")
         for index, label in enumerate(sorted({cell_label(cell) for cell in cells})):
             points = sorted(
-                (cell["tokens"], cell["median_s"], *cell_interval(cell)) for cell in cells if cell_label(cell) == label
+                (cell["tokens"], cell_time(cell), *cell_interval(cell)) for cell in cells if cell_label(cell) == label
             )
             medians = [p[1] * 1e3 for p in points]
             # Error bars: the range of the round medians (zero height with one round).
@@ -74,7 +74,8 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("tokens N")
-        axes.set_ylabel("median time per call, forward (or fwd+bwd) (ms; bars: range over rounds)")
+        what = "drift-corrected median" if any(is_corrected(cell) for cell in cells) else "median"
+        axes.set_ylabel(f"{what} time per call, forward (or fwd+bwd) (ms; bars: range over rounds)")
         axes.set_title(f"{device} {dtype}, B={batch}, d_model={d_model}, heads={heads}, {threads} thread(s)")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -82,11 +83,11 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         written.append(save_figure(plt, figure, directory / name))
     at_reference = reference_cells(report)
     if at_reference:
-        at_reference = sorted(at_reference, key=lambda cell: cell.get("gflops") or 0, reverse=True)
+        at_reference = sorted(at_reference, key=lambda cell: published(cell, "gflops") or 0, reverse=True)
         sample = at_reference[0]
         figure, axes = plt.subplots(figsize=(8, 0.4 * len(at_reference) + 1.8))
         labels = [cell_label(cell) for cell in at_reference]
-        values = [cell.get("gflops") or 0 for cell in at_reference]
+        values = [published(cell, "gflops") or 0 for cell in at_reference]
         # Error bars: GFLOP/s at the slowest and fastest round median.
         slowest = [cell["flops"] / cell_interval(cell)[1] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
         fastest = [cell["flops"] / cell_interval(cell)[0] / 1e9 if cell.get("flops") else 0 for cell in at_reference]
@@ -101,11 +102,12 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
             axes.axvline(peak, color="tab:red", linestyle="--", label=f"GEMM peak {peak:.0f}")
             axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
         for index, cell in enumerate(at_reference):
-            fraction = cell.get("peak_fraction")
+            fraction = published(cell, "peak_fraction")
             if fraction is not None:
                 end = values[index] + xerr[1][index]  # after the error bar
                 axes.text(end, index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
-        axes.set_xlabel("GFLOP/s (matmul FLOPs / median time; bars: range over rounds; %: of each round's GEMM peak)")
+        what = "drift-corrected median" if is_corrected(sample) else "median"
+        axes.set_xlabel(f"GFLOP/s (matmul FLOPs / {what} time; bars: range over rounds; %: of the GEMM peak)")
         at_reference_size = all(sample.get(key) == value for key, value in REFERENCE_SIZE.items())
         axes.set_title(
             f"B={sample['batch']}, N={sample['tokens']}, d_model={sample['d_model']}, heads={sample['heads']}, "

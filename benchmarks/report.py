@@ -3,9 +3,9 @@
 Its renderers live beside it: `markdown` (the table), `plots` (PNG), `baseline` (a saved
 report compared).
 
-JSON layout (``schema`` 1)::
+JSON layout (``schema`` 2)::
 
-    {"schema": 1,
+    {"schema": 2,
      "complete": true,                      # false when the sweep was interrupted
      "machine": {"platform", "cpu_model", "cpu_flags", "cores", "allowed_cpus", "python",
                  "libraries": {name: version}, "blas": [threadpoolctl pools]},
@@ -21,7 +21,12 @@ JSON layout (``schema`` 1)::
                 "gemm_peak_gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "status",
                 "error", "warnings", "malloc", "malloc_env", "thread_env",
                 "round_medians_s", "spread_s", "round_drift", "drift", "round_peak_fractions",
-                "round_status", ...}],
+                "round_status", "samples_s", "reference", "reference_samples_s", "paired_ratios",
+                "ratio_median", "round_ratio_medians", "round_reference_medians_s", "corrected_median_s",
+                "corrected_round_medians_s", "corrected_spread_s", "corrected_drift", "corrected_gflops",
+                "corrected_peak_fraction", ...}],
+     "reference": {"rule", "workloads": {key: {"library", "device", "dtype", "n", "flops",
+                   "median_s", "visits"}}, "reference_s", "timed_s", "time_share"},
      "summary": {"cells", "ok", "unsupported", "failed", "warnings", "drift"},
      "rounds": {"count", "seed", "orders", "gemm_peaks_gflops": {key: [per round]},
                 "busy_rounds", "busy_threshold", "drift_threshold", "wall_s"}}
@@ -33,6 +38,18 @@ could hide (kept as ``host_peak_growth_mb``). Rounds only added fields. With R r
 (`benchmarks.rounds`): a cell's ``median_s``, ``iqr_s``, ``min_s`` and ``repeats`` are over
 all its samples pooled, ``round_medians_s`` has one median per round and ``spread_s`` is
 ``[min, max]`` of them; a GEMM peak's ``gflops`` is the median of its ``round_gflops``.
+
+Schema 2 (paired samples, `benchmarks.rounds`): cells keep every raw sample (``samples_s``)
+and the reference sample that followed each one (``reference_samples_s``, the workload in
+``reference``), with their ratios. ``corrected_median_s`` is the cell's median paired ratio
+x the run's median reference time for that workload (``reference.workloads[key].median_s``:
+the median over every visit's median reference); ``corrected_spread_s`` is ``[min, max]``
+of the same per round; ``corrected_gflops`` and ``corrected_peak_fraction`` follow from it
+(the fraction against the median GEMM peak). ``drift`` now flags a cell by its corrected
+round spread (``corrected_drift``) where it has one; ``round_drift`` stays the raw one. Every
+other schema-1 field keeps its meaning, and schema-1 files still load (their cells have no
+corrected figures, so tables and comparisons use the raw ones: `rounds.cell_time`).
+``reference.time_share`` is the reference's part of all timed work (cells + references).
 
 The top-level ``gemm_peak_gflops`` is always a number (or null when nothing could be
 measured), so that scripts can read it directly: the peak of cpu/float32 when that was
@@ -57,9 +74,10 @@ from pathlib import Path
 
 from mha_rosetta.backends.versions import library_versions
 
-from .rounds import FINISHED_STATUSES, round_fractions
+from .rounds import FINISHED_STATUSES, round_fractions, spread
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # schema 1: no paired references, raw figures only
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
 PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
@@ -158,6 +176,60 @@ def enrich_cell(cell: dict, peaks: dict[str, float | None], round_peaks: dict[st
     return cell
 
 
+def run_references(cells: list[dict]) -> dict[str, dict]:
+    """Every reference workload of the run, by `gemm.reference_key`, with its median time: the
+    median over every measured visit of that visit's median reference (each visit counts once,
+    however many samples it took)."""
+    from .gemm import reference_key
+
+    workloads: dict[str, dict] = {}
+    for cell in cells:
+        if cell.get("status") != "ok" or not cell.get("reference"):
+            continue
+        workload = {name: value for name, value in cell["reference"].items() if name != "versions"}
+        entry = workloads.setdefault(reference_key(workload), {**workload, "visit_medians_s": []})
+        entry["visit_medians_s"] += [value for value in cell.get("round_reference_medians_s") or [] if value]
+    for entry in workloads.values():
+        values = entry.pop("visit_medians_s")
+        entry.update(median_s=statistics.median(values) if values else None, visits=len(values))
+    return workloads
+
+
+def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
+    """Add the drift-corrected figures: the cell's paired ratios x its workload's run median reference time."""
+    from .gemm import reference_key
+
+    if cell.get("ratio_median") is None or not cell.get("reference"):
+        return cell
+    reference_s = workloads.get(reference_key(cell["reference"]), {}).get("median_s")
+    if not reference_s:
+        return cell
+    cell = dict(cell)
+    cell["corrected_median_s"] = cell["ratio_median"] * reference_s
+    rounds = [None if ratio is None else ratio * reference_s for ratio in cell.get("round_ratio_medians") or []]
+    cell["corrected_round_medians_s"] = rounds
+    cell["corrected_spread_s"] = spread(rounds) or [cell["corrected_median_s"]] * 2
+    if cell.get("flops"):
+        cell["corrected_gflops"] = cell["flops"] / cell["corrected_median_s"] / 1e9
+        peak = cell.get("gemm_peak_gflops")
+        cell["corrected_peak_fraction"] = cell["corrected_gflops"] / peak if peak else None
+    return cell
+
+
+def reference_summary(cells: list[dict], workloads: dict[str, dict]) -> dict:
+    """The report's ``reference`` entry: the workloads, and the reference's share of the timed work."""
+    reference_s = sum(cell.get("reference_total_s") or 0.0 for cell in cells)
+    timed_s = sum(cell.get("timed_total_s") or 0.0 for cell in cells if cell.get("reference_total_s"))
+    return {
+        "rule": "corrected = the cell's median paired ratio (sample / the reference sample right after it) "
+        "x the run's median reference time",
+        "workloads": workloads,
+        "reference_s": reference_s,
+        "timed_s": timed_s,
+        "time_share": reference_s / (reference_s + timed_s) if reference_s else None,
+    }
+
+
 def assemble_report(
     settings: dict,
     gemm_peaks: list[dict],
@@ -171,7 +243,8 @@ def assemble_report(
     peaks = peak_lookup(gemm_peaks)
     primary_key, primary_gflops = primary_peak(peaks)
     round_peaks = {f"{peak['device']}/{peak['dtype']}": peak.get("round_gflops") for peak in gemm_peaks}
-    enriched = [enrich_cell(cell, peaks, round_peaks) for cell in cells]
+    workloads = run_references(cells)
+    enriched = [correct_cell(enrich_cell(cell, peaks, round_peaks), workloads) for cell in cells]
     statuses = [cell.get("status") for cell in enriched]
     return {
         "schema": SCHEMA_VERSION,
@@ -192,6 +265,7 @@ def assemble_report(
             "drift": sum(bool(cell.get("drift")) for cell in enriched),
         },
         **({"rounds": rounds} if rounds else {}),
+        **({"reference": reference_summary(enriched, workloads)} if workloads else {}),
     }
 
 

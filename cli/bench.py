@@ -142,6 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure nothing: read a saved report and write its table, plots, --baseline and --write-docs output",
     )
     parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        help="measure nothing: do two saved runs agree? every cell's figure (drift-corrected where recorded) "
+        "within 5%% between A and B, and each cell-run's round figures within 10%% on at least 36 of 38 "
+        "cell-runs; exit 0 when both targets are met, 1 when not",
+    )
+    parser.add_argument(
         "--resume", action="store_true", help="keep the finished cells of an interrupted sweep and run the rest"
     )
     parser.add_argument(
@@ -220,6 +228,22 @@ def _render_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_only(args: argparse.Namespace) -> int:
+    """``--compare A B``: the run and round agreement of two saved reports (`benchmarks.rerun`)."""
+    from mha_rosetta.benchmarks.report import load_report
+    from mha_rosetta.benchmarks.rerun import compare_markdown, compare_runs
+
+    try:
+        first, second = (load_report(path) for path in args.compare)
+    except (ValueError, OSError, json.JSONDecodeError) as error:
+        print(f"mha-rosetta bench: {error}", file=sys.stderr)
+        return 2
+    comparison = compare_runs(first, second)
+    (sys.stderr if args.json == "-" else sys.stdout).write(compare_markdown(comparison))
+    _emit(args.json, json.dumps(comparison, indent=2) + "\n", label="JSON")
+    return 0 if comparison["targets_met"] else 1
+
+
 def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> str:
     """Print the table and write every file asked for (JSON, Markdown, plots, docs); returns the table."""
     from mha_rosetta.benchmarks import questions as speed_questions
@@ -279,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.render:
         return _render_only(args)
+    if args.compare:
+        return _compare_only(args)
     try:
         settings = _settings(args)
         labels = resolve_implementations(settings.implementations)

@@ -57,7 +57,9 @@ def test_merge_pools_every_sample_and_keeps_one_median_per_round():
     assert any(w.startswith("drift: the round medians differ by 20%") for w in cell["warnings"])
     assert cell["compile_s"] == 0.3 and cell["peak_mem_mb"] == 7.0  # median over rounds; the largest memory
     assert math.isclose(cell["gflops"], 8e9 / 0.11 / 1e9)
-    assert "samples_s" not in cell  # the report keeps the per-round figures, not every sample
+    # Every sample is kept (schema 2, issue 27), in round order.
+    assert cell["samples_s"] == [0.09, 0.10, 0.11, 0.12, 0.12, 0.13, 0.10, 0.105, 0.30]
+    assert "paired_ratios" not in cell and "corrected_drift" not in cell  # visits without references: raw only
 
 
 def test_merge_of_close_rounds_is_not_drift_and_one_round_is_the_visit_itself():

@@ -106,8 +106,9 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
             if fraction is not None:
                 end = values[index] + xerr[1][index]  # after the error bar
                 axes.text(end, index, f" {100 * fraction:.0f}%", va="center", fontsize="small")
+        peak_text = "of the GEMM peak" if is_corrected(sample) else "of each round's GEMM peak"
         what = "drift-corrected median" if is_corrected(sample) else "median"
-        axes.set_xlabel(f"GFLOP/s (matmul FLOPs / {what} time; bars: range over rounds; %: of the GEMM peak)")
+        axes.set_xlabel(f"GFLOP/s (matmul FLOPs / {what} time; bars: range over rounds; %: {peak_text})")
         at_reference_size = all(sample.get(key) == value for key, value in REFERENCE_SIZE.items())
         axes.set_title(
             f"B={sample['batch']}, N={sample['tokens']}, d_model={sample['d_model']}, heads={sample['heads']}, "

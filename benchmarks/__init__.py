@@ -8,9 +8,14 @@ Modules, one job each (none imports a framework at import time):
 - `flops`: the matmul FLOP count (formula in its docstring);
 - `cell`: one measured cell (``python -m mha_rosetta.benchmarks.cell '<json>'``);
 - `gemm`: the GEMM peak, same dtype, device and threads, best installed library;
-- `sweep`: the sweep with presets, rounds, partial results, resume and a progress bar;
+- `presets`: the named presets (the choices of ``bench --preset``);
+- `plan`: implementation names and groups, resolved from the registry;
+- `sweep`: the sweep: settings, cells, rounds and resume;
+- `partial`: the partial file of finished visits; `progress`: the estimate and the progress bar;
 - `rounds`: the shuffled visit order, and a cell's figures merged over rounds (spread, drift);
-- `report`: versioned JSON, Markdown, plots, baseline comparison;
+- `report`: the versioned JSON document and the machine it ran on;
+- `markdown`, `plots`, `baseline`: the report as a table, as PNG plots, and against a saved one;
+- `rerun`: do two runs agree (``bench --compare A.json B.json``)?
 - `readme`: the published docs/bench/ files and the README's generated benchmark block;
 - `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 

@@ -14,7 +14,12 @@ child is what makes the number fair:
 4. ``compile`` when the adapter has one (JIT): timed on its own, reported as ``compile_s``;
 5. the first call, timed on its own (``first_call_s``: lazy compilation shows up here);
 6. warm-up, then adaptive repeats of ``forward`` + ``synchronize`` (`timing.time_repeats`),
-   with process CPU time read over the same span (``cpu_util``);
+   with process CPU time read over the same span (``cpu_util``), each sample followed by one
+   sample of the fixed reference product (`gemm.reference_product`: sample, reference,
+   sample, ...), so that every sample has a paired ratio (``paired_ratios``) from which the
+   sweep's drift-corrected figures are computed (`rounds`, `report`). The reference is
+   built before ``prepare`` (its operands are part of the memory base, not of the cell's
+   memory, except on a GPU, where they are in the device peak: 3 x 2048² float32, 48 MiB);
 7. peak memory (``peak_mem_mb``), `memory.MemoryProbe`: what ``prepare`` and the timed
    calls left held, plus the peak of one more, untimed call (tracemalloc for NumPy arrays,
    the resident set and its reset high-water mark for torch and XLA); on a GPU, the
@@ -196,6 +201,7 @@ def measure(spec: CellSpec) -> dict:
     """Measure one cell in this process (call it in a fresh, pinned child)."""
     from . import pinning
     from .flops import config_matmul_flops
+    from .gemm import reference_product
     from .timing import RepeatPolicy, time_repeats, warm_up
 
     policy = RepeatPolicy(**spec.policy)
@@ -218,6 +224,7 @@ def measure(spec: CellSpec) -> dict:
     kv_tokens = spec.tokens if spec.kv_tokens is None else spec.kv_tokens
     flops = mode_flops(config_matmul_flops(cfg, spec.batch, spec.tokens, kv_tokens), spec.mode)
 
+    reference, record["reference"] = reference_product(spec.device, frameworks)
     rss_before = peak_rss_mb()
     _reset_gpu_peak(spec.device, frameworks)
     probe = MemoryProbe()
@@ -261,9 +268,11 @@ def measure(spec: CellSpec) -> dict:
         run_once()
         record["first_call_s"] = time.perf_counter() - start
         record["warmup_calls"] = warm_up(run_once, policy)
+        if reference is not None:
+            warm_up(reference, RepeatPolicy(min_time=0.0, warmup=2))
         workers_before = {worker["pid"]: worker["cpu_s"] for worker in pinning.worker_report()}
         # CPU time of this process and its worker processes (a sharded backend's ranks) over the span.
-        timings = time_repeats(run_once, policy, cpu_clock=pinning.family_cpu_seconds)
+        timings = time_repeats(run_once, policy, cpu_clock=pinning.family_cpu_seconds, reference=reference)
         workers = pinning.worker_report()
         for worker in workers:
             before = workers_before.get(worker["pid"])

@@ -149,6 +149,54 @@ def _jax_product(n: int, dtype: str, device: str):
     return launch, lambda: last[0].block_until_ready(), facts
 
 
+# The reference workload that every cell's samples are paired with (`cell.measure`, issue 28):
+# one fixed float32 product, the same for every cell of a device. On a CPU NumPy's, under the
+# cell's own pinning and thread limit; on a GPU the device product of a framework the cell
+# already uses, with a sync. n=512 on a CPU is ~2.7 ms on one core at ~100 GFLOP/s: a few
+# percent of a reference-size cell's 80 ms, long enough to share its slowdowns.
+REFERENCE_DTYPE = "float32"
+REFERENCE_SIZES = {"cpu": 512, "gpu": 2048}
+
+
+def reference_library(device: str, frameworks: tuple[str, ...]) -> str | None:
+    """The library of the reference product: NumPy on a CPU; on a GPU the first GEMM library among the
+    cell's frameworks that can run it there (None without one: the cell is then not paired)."""
+    candidates = ("numpy",) if device == "cpu" else frameworks
+    usable = (
+        lib for lib in GEMM_LIBRARIES if lib in candidates and not unsupported_reason(lib, REFERENCE_DTYPE, device)
+    )
+    return next(usable, None)
+
+
+def reference_product(device: str, frameworks: tuple[str, ...]) -> tuple[Callable[[], None] | None, dict | None]:
+    """(run_once, workload): one reference product launched and synchronised, and what it is
+    (library, device, dtype, n, flops, versions); (None, None) where no library can run it."""
+    from .flops import gemm_flops
+
+    library = reference_library(device, frameworks)
+    if library is None:
+        return None, None
+    n = REFERENCE_SIZES[device]
+    builders = {
+        "numpy": lambda: _numpy_product(n, REFERENCE_DTYPE),
+        "torch": lambda: _torch_product(n, REFERENCE_DTYPE, device),
+        "jax": lambda: _jax_product(n, REFERENCE_DTYPE, device),
+    }  # the same builders as the GEMM peak (`measure`)
+    launch, sync, facts = builders[library]()
+
+    def run_once() -> None:
+        launch()
+        sync()
+
+    workload = {"library": library, "device": device, "dtype": REFERENCE_DTYPE, "n": n, "flops": gemm_flops(n, n, n)}
+    return run_once, {**workload, "versions": facts}
+
+
+def reference_key(workload: dict) -> str:
+    """``"cpu/numpy/float32/512"``: cells whose references share this key share the run's reference time."""
+    return "/".join(str(workload[name]) for name in ("device", "library", "dtype", "n"))
+
+
 def choose_back_to_back(
     launch: Callable[[], None], sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter
 ) -> int:

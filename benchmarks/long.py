@@ -27,6 +27,7 @@ from collections import defaultdict
 from mha_rosetta.core.tables import markdown_table as table_lines
 
 from .memory import proc_mb
+from .rounds import cell_time, published
 
 # How much of the (B, H, Nq, Nk) scores an implementation holds at once: its memory kind.
 LINEAR, ONE_HEAD, ALL_HEADS = "memory-linear", "one head at a time", "materialising"
@@ -141,7 +142,7 @@ def fitted_slopes(cells: list[dict]) -> dict[str, dict]:
     for name, points in series.items():
         points.sort(key=lambda cell: cell["tokens"])
         tokens = [cell["tokens"] for cell in points]
-        times = [cell.get("median_s") for cell in points]
+        times = [cell_time(cell) for cell in points]  # drift-corrected where the cell has it
         memory = [cell.get("peak_mem_mb") for cell in points]
         tail = slice(-TAIL_POINTS, None)
         slopes[name] = {
@@ -172,7 +173,7 @@ def slopes_markdown(slopes: dict[str, dict]) -> str:
 
 def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = None) -> list:
     """Two log-log plots, time and peak memory against tokens, each line labelled with its slope."""
-    from .report import pyplot_into, save_figure
+    from .plots import pyplot_into, save_figure
 
     plt, directory = pyplot_into(directory)
     slopes = fitted_slopes(cells) if slopes is None else slopes
@@ -184,9 +185,9 @@ def plot_long(cells: list[dict], directory, slopes: dict[str, dict] | None = Non
         figure, axes = plt.subplots(figsize=(11, 5))
         for implementation, s in sorted(slopes.items()):
             points = sorted(
-                (c["tokens"], c.get(field))
+                (c["tokens"], published(c, field))  # the drift-corrected time where the cell has it
                 for c in cells
-                if c.get("implementation") == implementation and c.get("status") == "ok" and c.get(field)
+                if c.get("implementation") == implementation and c.get("status") == "ok" and published(c, field)
             )
             if not points:
                 continue
@@ -221,8 +222,8 @@ def target_ratios(cells: list[dict]) -> dict:
     chunked_8k = peak_mb_at_8k(lambda k: k.endswith(":chunked"))
     material_8k = peak_mb_at_8k(lambda k: memory_kind(k) == ALL_HEADS)
     one_head_8k = peak_mb_at_8k(lambda k: memory_kind(k) == ONE_HEAD)
-    chunked_4k = {k: c["median_s"] for k, c in at_4k.items() if k.endswith(":chunked")}
-    sdpa_4k = at_4k.get("torch-sdpa", {}).get("median_s")
+    chunked_4k = {k: cell_time(c) for k, c in at_4k.items() if k.endswith(":chunked")}
+    sdpa_4k = cell_time(at_4k["torch-sdpa"]) if "torch-sdpa" in at_4k else None
     result: dict = {}
     if chunked_8k and material_8k:
         worst_chunked, best_material = max(chunked_8k.values()), min(material_8k.values())

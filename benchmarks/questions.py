@@ -19,7 +19,10 @@ Each answer is a dict with
 How it is measured: one fresh pinned process per (claim, library, device), with the same
 thread limits as the sweep cells (`fresh.run_fresh`); inside it the variants of each size
 run round-robin (`timing.time_interleaved`), so that a change in machine load hits every
-variant alike, and only ratios between variants measured side by side are reported.
+variant alike, and only ratios between variants measured side by side are reported. A ratio
+is the median of the paired ratios, round by round (`_ratio`): sample i of one variant over
+sample i of the other, taken next to each other (the sweep's paired references, issue 28, do
+the same for cells that run in separate processes).
 ``quick=True`` uses small sizes and short budgets (about 20 s in all on 2 cores);
 ``quick=False`` uses larger sizes (about a minute). No answer raises: a library that is
 missing or a child that fails becomes a "skipped" measurement with the reason.
@@ -38,6 +41,7 @@ The questions:
 from __future__ import annotations
 
 import importlib.util
+import statistics
 import sys
 import time
 
@@ -104,7 +108,8 @@ def measure(spec: dict) -> dict:
                 kwargs["device"] = device
             timings = time_interleaved(builder(**kwargs), policy)
             figures = {
-                field: {name: t[field] for name, t in timings.items()} for field in ("median_s", "iqr_s", "repeats")
+                field: {name: t[field] for name, t in timings.items()}
+                for field in ("median_s", "iqr_s", "repeats", "samples_s")
             }
             cases.append({"sizes": sizes, **figures})
         wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
@@ -119,8 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 # -- verdicts -----------------------------------------------------------------------------------
 
 
-def _ratio(medians: dict, slow: str, fast: str) -> float:
-    return medians[slow] / medians[fast]
+def _ratio(case: dict, slow: str, fast: str) -> float:
+    """``slow`` over ``fast`` in one case: the median of the paired ratios, round by round (sample i of
+    each variant ran in the same round of `timing.time_interleaved`, so a slowdown of the host hits
+    both and cancels); the ratio of the medians for answers recorded without their samples."""
+    samples = case.get("samples_s")
+    if samples and samples.get(slow) and samples.get(fast):
+        return statistics.median(s / f for s, f in zip(samples[slow], samples[fast], strict=True))
+    return case["median_s"][slow] / case["median_s"][fast]
 
 
 def _combine(verdicts: list[str]) -> str:
@@ -133,8 +144,8 @@ def _combine(verdicts: list[str]) -> str:
 def verdict_heads(cases: list[dict]) -> tuple[str, str]:
     """Claim 7 for one library: slicing/batched ratios as heads grow."""
     by_heads = sorted(cases, key=lambda case: case["sizes"]["heads"])
-    slicing = [_ratio(c["median_s"], "slicing", "batched") for c in by_heads]
-    per_head = [_ratio(c["median_s"], "per_head", "batched") for c in by_heads]
+    slicing = [_ratio(c, "slicing", "batched") for c in by_heads]
+    per_head = [_ratio(c, "per_head", "batched") for c in by_heads]
     heads = [c["sizes"]["heads"] for c in by_heads]
     grows = slicing[-1] > slicing[0] * 1.05
     verdict = CONFIRMED if min(slicing) >= 1.5 and grows else REFUTED if max(slicing) < SAME else PARTLY
@@ -148,8 +159,8 @@ def verdict_heads(cases: list[dict]) -> tuple[str, str]:
 
 def verdict_linear_layout(cases: list[dict]) -> tuple[str, str]:
     """Claim 3 for one library: the product alone, and with the copy back to (N, out)."""
-    raw = [_ratio(c["median_s"], "w_at_xT", "x_at_wT") for c in cases]
-    back = [_ratio(c["median_s"], "w_at_xT_back", "x_at_wT") for c in cases]
+    raw = [_ratio(c, "w_at_xT", "x_at_wT") for c in cases]
+    back = [_ratio(c, "w_at_xT_back", "x_at_wT") for c in cases]
     if min(raw) >= SAME:
         verdict = CONFIRMED  # W @ X.T is slower at every shape, copy or not
     elif max(back) < SAME or max(raw) <= 1 / SAME:
@@ -166,9 +177,8 @@ def verdict_linear_layout(cases: list[dict]) -> tuple[str, str]:
 
 def verdict_merge_copy(cases: list[dict]) -> tuple[str, str]:
     """Claim 9 for one library: reshape against contiguous + view, and both against a true view."""
-    medians = cases[0]["median_s"]
-    same = _ratio(medians, "reshape", "contiguous_then_view")
-    copy_cost = _ratio(medians, "contiguous_then_view", "view_no_copy")
+    same = _ratio(cases[0], "reshape", "contiguous_then_view")
+    copy_cost = _ratio(cases[0], "contiguous_then_view", "view_no_copy")
     # The same speed confirms the claim when both pay for a real copy (at least twice a true view's time).
     verdict = (CONFIRMED if copy_cost >= 2.0 else PARTLY) if 1 / SAME <= same <= SAME else REFUTED
     text = (
@@ -180,8 +190,8 @@ def verdict_merge_copy(cases: list[dict]) -> tuple[str, str]:
 
 def verdict_einsum(cases: list[dict]) -> tuple[str, str]:
     """Claim 11 for one library: each einsum spelling against transpose + matmul."""
-    medians = cases[0]["median_s"]
-    ratios = {name: _ratio(medians, name, "transpose_matmul") for name in medians if name.startswith("einsum")}
+    names = cases[0]["median_s"]
+    ratios = {name: _ratio(cases[0], name, "transpose_matmul") for name in names if name.startswith("einsum")}
     fast = [name for name, r in ratios.items() if r < SAME]
     verdict = CONFIRMED if len(fast) == len(ratios) else REFUTED if not fast else PARTLY
     text = ", ".join(f"{name} / (transpose + matmul) = {r:.2f}x" for name, r in ratios.items())

@@ -17,6 +17,23 @@ What a cell reports after R rounds:
 - ``round_drift``: max / min of the round medians minus 1; above `DRIFT_THRESHOLD` (10%)
   the cell is flagged (``drift: true``, and a warning).
 
+Paired samples (schema 2): every sample of a visit is followed by one sample of a fixed
+reference product (`gemm.reference_product`), and ``paired_ratios[i]`` is sample ``i`` over
+reference ``i``. A slowdown of the host lasting longer than a sample hits both and cancels in
+the ratio. A cell then also has:
+
+- ``ratio_median``: the median of all its paired ratios (every round's pooled), and
+  ``round_ratio_medians`` one per round; ``round_reference_medians_s`` each visit's median
+  reference time;
+- ``corrected_drift``: max / min of the round ratio medians minus 1; with pairing it is this
+  figure, not the raw ``round_drift``, that flags the cell (``drift``);
+- and, set by `report.assemble_report` (it needs every cell): ``corrected_median_s`` = the
+  ratio median x the run's median reference time (the median over every visit's median
+  reference), ``corrected_round_medians_s`` and ``corrected_spread_s`` likewise per round.
+
+`cell_time` and `cell_interval` give the figure a table, ranking or verdict uses: the
+corrected one where the cell has it, the raw median (and round range) otherwise.
+
 The GEMM peak is measured in every round; a round whose peak is more than `BUSY_THRESHOLD`
 (5%) below the best other round's is flagged: the machine was busy (`busy_rounds`).
 
@@ -38,8 +55,17 @@ FINISHED_STATUSES = ("ok", "unsupported")
 _COMBINED_FIELDS = (
     (("compile_s", "first_call_s", "cpu_util"), statistics.median),
     (("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb"), max),
-    (("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s"), sum),
+    (("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s", "reference_total_s"), sum),
 )
+
+
+# A visit's per-sample lists, pooled over the rounds in the merged cell (sample i of reference_samples_s
+# and paired_ratios belongs to sample i of samples_s).
+_POOLED_FIELDS = ("samples_s", "reference_samples_s", "paired_ratios")
+
+
+def _field_if_ok(visit: dict | None, name: str):
+    return visit.get(name) if (visit or {}).get("status") == "ok" else None
 
 
 def draw_seed() -> int:
@@ -80,9 +106,30 @@ def intervals_overlap(first: list[float] | tuple, second: list[float] | tuple) -
     return first[0] <= second[1] and second[0] <= first[1]
 
 
-def cell_interval(cell: dict) -> list[float]:
-    """A cell's ``spread_s``; for reports written before rounds existed, its median alone."""
+def raw_interval(cell: dict) -> list[float]:
+    """A cell's ``spread_s`` (its raw round medians); for reports written before rounds existed, its median alone."""
     return list(cell.get("spread_s") or [cell["median_s"], cell["median_s"]])
+
+
+def cell_time(cell: dict) -> float:
+    """The time a table, ranking or verdict uses: ``corrected_median_s`` where the cell has it, else ``median_s``."""
+    corrected = cell.get("corrected_median_s")
+    return cell["median_s"] if corrected is None else corrected
+
+
+def cell_interval(cell: dict) -> list[float]:
+    """The spread of `cell_time`: ``corrected_spread_s`` where the cell has it, else `raw_interval`."""
+    corrected = cell.get("corrected_spread_s")
+    return raw_interval(cell) if corrected is None else list(corrected)
+
+
+def is_corrected(cell: dict) -> bool:
+    return cell.get("corrected_median_s") is not None
+
+
+def published(cell: dict, name: str):
+    """``corrected_<name>`` where the cell has corrected figures (``gflops``, ``peak_fraction``), else ``name``."""
+    return cell.get(f"corrected_{name}") if is_corrected(cell) else cell.get(name)
 
 
 def busy_rounds(peaks: list[float | None], threshold: float = BUSY_THRESHOLD) -> list[int]:
@@ -113,7 +160,8 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
         return None
     ok = [(index, visit) for index, visit in present if visit.get("status") == "ok"]
     record = dict(ok[0][1] if ok else present[0][1])
-    record.pop("samples_s", None)
+    for name in _POOLED_FIELDS:
+        record.pop(name, None)
     several = len(visits) > 1
     failed = [(index, visit) for index, visit in present if visit.get("status") not in FINISHED_STATUSES]
     if failed:
@@ -135,10 +183,20 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
             min_s=min(visit.get("min_s", visit["median_s"]) for visit in oks),
             repeats=sum(visit.get("repeats", 0) for visit in oks),
         )
+    for name in _POOLED_FIELDS:  # kept (schema 2): every sample, in round order
+        if all(visit.get(name) for visit in oks):
+            record[name] = [value for visit in oks for value in visit[name]]
     record["round_medians_s"] = [visit["median_s"] if (visit or {}).get("status") == "ok" else None for visit in visits]
     record["spread_s"] = spread(record["round_medians_s"])
     drift = relative_range(record["round_medians_s"])
     record["round_drift"] = drift
+    if "paired_ratios" in record:
+        record["ratio_median"] = statistics.median(record["paired_ratios"])
+        record["round_ratio_medians"] = [_field_if_ok(visit, "ratio_median") for visit in visits]
+        record["round_reference_medians_s"] = [_field_if_ok(visit, "reference_median_s") for visit in visits]
+        record["reference_median_s"] = statistics.median(record["reference_samples_s"])
+        record["corrected_drift"] = relative_range(record["round_ratio_medians"])
+        drift = record["corrected_drift"]  # the published figure's drift flags the cell
     record["drift"] = bool(drift is not None and drift > drift_threshold)
     for names, combine in _COMBINED_FIELDS:
         for name in names:
@@ -154,7 +212,12 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
             text = f"round {index + 1}: {warning}" if several else warning
             if text not in warnings:
                 warnings.append(text)
-    if record["drift"]:
+    if record["drift"] and "corrected_drift" in record:
+        warnings.append(
+            f"drift: the round medians of the paired ratios differ by {drift:.0%}, more than {drift_threshold:.0%}, "
+            f"even after the correction (raw: {record['round_drift']:.0%})"
+        )
+    elif record["drift"]:
         low, high = record["spread_s"]
         warnings.append(
             f"drift: the round medians differ by {drift:.0%} ({low * 1e3:.3f} to {high * 1e3:.3f} ms), "

@@ -22,33 +22,28 @@ What it guarantees:
   ``timeout``) are run again on resume; measured (``ok``) and ``unsupported`` ones are not.
 - A failing cell is recorded with its error and the sweep goes on.
 
-Implementation names: registry backend names (``numpy``, ``torch-sdpa``, ...), optionally
-with a strategy (``numpy:slicing``), or the groups ``main`` (every installed backend in
-its standard strategy), ``strategies`` (the column/row-sample article's other correct strategies of every
-backend that has them, and ``chunked``), ``all`` (both) and ``dist`` (the sharded backends: the cell counts their worker
-processes' CPU time but not their memory; run them with ``--threads`` at least their process
-count). The direct-reshape strategy is the known
-mistake: it is never part of a group, though it can be named explicitly.
+The modules around it: `presets` (the named presets), `plan` (implementation names and
+groups), `partial` (the partial file), `progress` (the estimate and the progress bar).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, available_backends, get_backend
-
-from .cell import CellSpec, cell_key, cell_record, implementation_label, run_cell, split_implementation
+from .cell import CellSpec, cell_record, run_cell
 from .flops import mode_flops
 from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
 from .long import memory_budget_mb, over_budget_reason
+from .partial import append_entry, end_torn_line, load_partial, partial_header
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
+from .plan import gemm_groups, gemm_key, resolve_implementations
+from .presets import PRESETS
+from .progress import Progress, describe_result
 from .rounds import (
     BUSY_THRESHOLD,
     DRIFT_THRESHOLD,
@@ -114,46 +109,6 @@ def default_devices() -> list[str]:
     return ["cpu", "gpu"] if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0") else ["cpu"]
 
 
-PRESETS: dict[str, dict] = {
-    # Under two minutes on 2 cores: every installed implementation, two small sizes, short budgets, one round.
-    "quick": dict(
-        implementations=["main"], tokens=[32, 128], batch=[2], d_model=[64], heads=[4], dtypes=["float32"],
-        policy=dict(min_time=0.05, min_repeats=5, max_time=0.3, warmup=1),
-        gemm_n=1024, gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=0.5, warmup=1), cell_timeout=120.0,
-        rounds=1,
-    ),
-    # Every implementation and strategy, tokens 64 ... 1024 at the reference width, three rounds.
-    "default": dict(
-        implementations=["all"], tokens=[64, 128, 256, 512, 1024], batch=[4], d_model=[512], heads=[8],
-        dtypes=["float32"], policy=dict(min_time=0.3, min_repeats=5, max_time=1.5, warmup=2),
-        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
-    ),
-    # The reference size, three rounds: the figures the README quotes (its block is generated from them).
-    "reference": dict(
-        implementations=["all"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
-        policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=3),
-        gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=2), rounds=3,
-    ),
-    # Long context (B=1, H=8, D=512): every implementation and strategy from 1k to 16k tokens and the
-    # memory-linear ones (chunked, torch SDPA) to 32k; cells predicted over the memory budget are skipped.
-    # No warm-up beyond the first call (timed on its own): at these sizes a call takes up to 40 s.
-    "long": dict(
-        implementations=["all"], tokens=[1024, 2048, 4096, 8192, 16384, 32768], batch=[1], d_model=[512],
-        heads=[8], dtypes=["float32"], policy=dict(min_time=0.2, min_repeats=3, max_time=2.0, warmup=0),
-        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=1), rounds=1,
-        cell_timeout=1800.0,
-    ),
-    # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
-    # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.
-    "gpu": dict(
-        implementations=["torch", "jax", "einops-torch", "einops-jax", "torch-mha", "torch-sdpa", "jax-dpa"],
-        tokens=[512, 4096, 16384], batch=[4], d_model=[512], heads=[8], dtypes=["float32", "bfloat16", "float16"],
-        policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=2),
-        gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=1.0, warmup=3), cell_timeout=60.0, rounds=1,
-    ),
-}  # fmt: skip
-
-
 def preset_settings(name: str, **overrides) -> SweepSettings:
     """The settings of a named preset, with any field overridden (None values are ignored)."""
     if name not in PRESETS:
@@ -161,77 +116,6 @@ def preset_settings(name: str, **overrides) -> SweepSettings:
     values = {**PRESETS[name], "devices": default_devices(), "preset": name}
     values.update({key: value for key, value in overrides.items() if value is not None})
     return SweepSettings(**values)
-
-
-# -- implementations --------------------------------------------------------------------------
-
-
-def _loaded(name: str):
-    """The adapter registered as ``name`` (its module imported, not its framework), or None where it
-    does not load: such an adapter shows up as a failing main cell instead."""
-    try:
-        return get_backend(name)
-    except Exception:
-        return None
-
-
-def _is_sharded(name: str) -> bool:
-    """A backend that splits the heads over worker processes (``splits_heads``): the cell counts
-    their CPU time but not their memory, so it is a group of its own ("dist"), not "main"."""
-    return bool(getattr(_loaded(name), "splits_heads", False))
-
-
-def main_implementations() -> list[str]:
-    """Every registered backend whose framework is installed, in its standard strategy (sharded ones apart)."""
-    return [name for name in available_backends() if not _is_sharded(name)]
-
-
-def dist_implementations() -> list[str]:
-    """The sharded backends (worker processes), every strategy."""
-    return [
-        implementation_label(name, strategy)
-        for name in available_backends()
-        if _is_sharded(name)
-        for strategy in get_backend(name).strategies
-    ]
-
-
-def strategy_implementations() -> list[str]:
-    """The article's other correct strategies (per-head matrices, slicing) of every installed backend."""
-    return [
-        implementation_label(name, strategy)
-        for name in available_backends()
-        if not _is_sharded(name)
-        for strategy in getattr(_loaded(name), "strategies", ())
-        if strategy != "standard" and strategy not in KNOWN_WRONG_STRATEGIES
-    ]
-
-
-# The groups an implementation list may name, each expanded from the registry when the sweep is planned.
-GROUPS = {
-    "main": main_implementations,
-    "strategies": strategy_implementations,
-    "all": lambda: main_implementations() + strategy_implementations(),
-    "dist": dist_implementations,
-}
-
-
-def resolve_implementations(names: list[str]) -> list[str]:
-    """Expand the groups and validate explicit names; order kept, duplicates dropped."""
-    resolved: list[str] = []
-    for name in names:
-        if name in GROUPS:
-            expanded = GROUPS[name]()
-        else:
-            backend, _strategy = split_implementation(name)
-            if backend not in REGISTRY:
-                raise ValueError(
-                    f"unknown implementation {name!r}: the backend must be one of {', '.join(REGISTRY)} "
-                    f"(optionally ':strategy'), or a group: {', '.join(GROUPS)}"
-                )
-            expanded = [name]
-        resolved += [label for label in expanded if label not in resolved]
-    return resolved
 
 
 # -- the plan ---------------------------------------------------------------------------------
@@ -253,191 +137,6 @@ def expand_cells(settings: SweepSettings, implementations: list[str] | None = No
             labels, settings.modes,
         )
     ]  # fmt: skip
-
-
-def gemm_groups(cells: list[CellSpec]) -> list[tuple[str, str]]:
-    """The (device, dtype) pairs that need a GEMM peak, in first-use order."""
-    return list(dict.fromkeys((cell.device, cell.dtype) for cell in cells))
-
-
-def gemm_key(device: str, dtype: str, threads: int) -> str:
-    return f"{device}/{dtype}/{threads}"
-
-
-# -- the partial file -------------------------------------------------------------------------
-
-
-def default_partial_path(json_path: str | None) -> Path:
-    """Where finished cells are kept while the sweep runs: beside the JSON, or in the current folder."""
-    if json_path and json_path != "-":
-        return Path(f"{json_path}.partial.jsonl")
-    return Path("mha-rosetta-bench.partial.jsonl")
-
-
-def _partial_entries(path: Path):
-    if not path.exists():
-        return
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written when the sweep was killed
-
-
-def load_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[int, str], dict]]:
-    """(cell visits by (round, cell key), GEMM peaks by (round, peak key)) from a partial file.
-
-    A torn last line is ignored; entries written before rounds existed belong to round 0.
-    """
-    cells: dict[tuple[int, str], dict] = {}
-    peaks: dict[tuple[int, str], dict] = {}
-    for entry in _partial_entries(path):
-        round_index = entry.get("round", 0)
-        if entry.get("type") == "cell":
-            cells[(round_index, cell_key(entry["record"]))] = entry["record"]
-        elif entry.get("type") == "gemm":
-            peak = entry["record"]
-            peaks[(round_index, gemm_key(peak["device"], peak["dtype"], peak["threads"]))] = peak
-    return cells, peaks
-
-
-def partial_header(path: Path) -> dict | None:
-    """The header entry of a partial file (its settings, seed included), or None."""
-    return next((entry for entry in _partial_entries(path) if entry.get("type") == "header"), None)
-
-
-def _end_torn_line(path: Path) -> None:
-    """After a kill mid-write, start the next entry on a line of its own."""
-    if path.exists() and path.stat().st_size:
-        with path.open("rb+") as handle:
-            handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":
-                handle.write(b"\n")
-
-
-def _append(path: Path, entry: dict) -> None:
-    # One line per finished measurement, flushed and synced, so a kill loses at most the
-    # cell that was running.
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-# -- the time it will take --------------------------------------------------------------------
-
-# Seconds a fresh child spends before it times anything (interpreter start, framework import,
-# client start), roughly as measured on the project's 2-core machine; the slowest framework a
-# backend needs counts. Only for the estimate printed before a sweep starts.
-STARTUP_S = {"numpy": 0.5, "einops": 0.5, "jax": 1.5, "flax": 2.0, "equinox": 2.0, "torch": 2.5}
-
-
-def _startup_s(label: str) -> float:
-    entry = REGISTRY.get(split_implementation(label)[0])
-    return max((STARTUP_S.get(module, 0.5) for module in (entry.requires if entry else ())), default=0.5)
-
-
-def _timed_s(policy: dict) -> float:
-    # The timed region runs at least min_time, more while the spread is high (up to max_time),
-    # after a warm-up and a first call: twice min_time plus 0.2 s matched the committed one-round
-    # default and reference runs (0.8 and 1.6 s timed per cell at min_time 0.3 and 1.0).
-    return 2.0 * RepeatPolicy(**policy).min_time + 0.2
-
-
-def estimate_seconds(settings: SweepSettings, cells: list[CellSpec]) -> dict:
-    """The sweep's expected duration: cells x rounds x seconds per visit, plus the GEMM peaks.
-
-    The first round measures the peak with every installed library, later rounds with the
-    winner only. An estimate from the repeat policy and `STARTUP_S`, not a measurement.
-    """
-    from .gemm import installed_gemm_libraries
-
-    per_visit = [_startup_s(cell.implementation) + _timed_s(cell.policy) for cell in cells]
-    per_cell = sum(per_visit) / len(per_visit) if per_visit else 0.0
-    groups = len(gemm_groups(cells))
-    peak_s = max(STARTUP_S.values()) / 2 + _timed_s(settings.gemm_policy)  # one library's peak, roughly
-    libraries = max(len(installed_gemm_libraries()), 1)
-    gemm_s = groups * peak_s * (libraries + (settings.rounds - 1))
-    total = sum(per_visit) * settings.rounds + gemm_s
-    return {"cells": len(cells), "rounds": settings.rounds, "per_cell_s": per_cell, "gemm_s": gemm_s, "total_s": total}
-
-
-def describe_estimate(estimate: dict) -> str:
-    """One line for the terminal: ``16 cells x 3 rounds x ~4.1 s + GEMM peaks ~20 s: about 3.6 min``."""
-    total = estimate["total_s"]
-    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
-    return (
-        f"{estimate['cells']} cells x {estimate['rounds']} round(s) x ~{estimate['per_cell_s']:.1f} s "
-        f"+ GEMM peaks ~{estimate['gemm_s']:.0f} s: about {when} (estimated from the repeat policy "
-        "and typical start-up times)"
-    )
-
-
-# -- progress ---------------------------------------------------------------------------------
-
-
-class Progress:
-    """Rounds and the visits of the current round: rich bars on stderr where rich is installed,
-    else one plain line per step."""
-
-    def __init__(self, rounds: int, visits: int, enabled: bool = True) -> None:
-        self.rounds, self.visits, self.enabled = rounds, visits, enabled
-        self.round, self.done = 0, 0
-        self._rich = None
-        if not enabled:
-            return
-        try:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as RichProgress
-
-            self._rich = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=False,
-            )  # fmt: skip
-            self._rich.start()
-            self._rounds_task = self._rich.add_task("rounds", total=rounds)
-            self._task = self._rich.add_task("round 1", total=visits)
-        except ImportError:
-            self._rich = None
-
-    def start_round(self, index: int) -> None:
-        self.round, self.done = index, 0
-        if self._rich is not None:
-            self._rich.reset(self._task, total=self.visits, description=f"round {index + 1}/{self.rounds}")
-
-    def end_round(self) -> None:
-        if self._rich is not None:
-            self._rich.update(self._rounds_task, advance=1)
-
-    def step(self, description: str) -> None:
-        if self._rich is not None:
-            self._rich.update(self._task, description=f"round {self.round + 1}/{self.rounds}: {description}")
-
-    def advance(self, message: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self._rich is not None:
-            self._rich.update(self._task, advance=1)
-            self._rich.console.print(message, highlight=False, soft_wrap=True)
-        else:
-            where = f"[round {self.round + 1}/{self.rounds}, {self.done}/{self.visits}]"
-            print(f"{where} {message}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-
-
-def describe_result(record: dict) -> str:
-    """One progress line for a finished cell."""
-    where = f"{record['implementation']} {record['device']} {record['dtype']} B={record['batch']} N={record['tokens']} D={record['d_model']} H={record['heads']}"
-    if record.get("status") == "ok":
-        warn = " (!) " + record["warnings"][0] if record.get("warnings") else ""
-        util_text = f", {record['cpu_util']:.2f} cores" if record.get("cpu_util") is not None else ""
-        return f"{where}: {record['median_s'] * 1e3:.3f} ms{util_text}{warn}"
-    return f"{where}: {record.get('status')} ({record.get('error', '')})"
 
 
 # -- the sweep --------------------------------------------------------------------------------
@@ -511,12 +210,12 @@ def run_sweep(
         seed = (header or {}).get("settings", {}).get("seed")
         settings = replace(settings, seed=seed if isinstance(seed, int) else draw_seed())
     if resume:
-        _end_torn_line(partial_path)
+        end_torn_line(partial_path)
     else:
         partial_path.unlink(missing_ok=True)  # a fresh sweep: earlier partial results are not this run's
     partial_path.parent.mkdir(parents=True, exist_ok=True)
     if not partial_path.exists():
-        _append(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
+        append_entry(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
 
     budget = memory_budget_mb(settings.memory_budget_mb)
     orders = round_orders(len(cells), settings.rounds, settings.seed)
@@ -542,7 +241,7 @@ def run_sweep(
                         dtype, device, settings.threads, cells[0].cpus, n=settings.gemm_n,
                         policy=dict(settings.gemm_policy), malloc=settings.malloc, libraries=libraries,
                     )  # fmt: skip
-                    _append(partial_path, {"type": "gemm", "round": round_index, "record": peak})
+                    append_entry(partial_path, {"type": "gemm", "round": round_index, "record": peak})
                 peaks_by_round[(round_index, key)] = peak
                 gflops = peak.get("gflops")
                 shown = f"{gflops:.1f} GFLOP/s ({peak.get('library')})" if gflops else "not measurable"
@@ -568,7 +267,7 @@ def run_sweep(
                 record = cell_record(spec, {"status": "unsupported", "error": skip}) if skip else None
                 record = record or cell_runner(spec, settings.cell_timeout)
                 record["visit_wall_s"] = time.perf_counter() - started
-                _append(partial_path, {"type": "cell", "round": round_index, "record": record})
+                append_entry(partial_path, {"type": "cell", "round": round_index, "record": record})
                 visits[index][round_index] = record
                 bar.advance(describe_result(record))
             wall_s.append(time.perf_counter() - round_start)

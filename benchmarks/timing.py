@@ -92,10 +92,19 @@ def time_repeats(
     policy: RepeatPolicy,
     clock: Callable[[], float] = time.perf_counter,
     cpu_clock: Callable[[], float] = time.process_time,
+    reference: Callable[[], None] | None = None,
 ) -> dict:
-    """Time ``run_once`` under ``policy``; summary statistics plus CPU and wall time of the span."""
+    """Time ``run_once`` under ``policy``; summary statistics plus CPU and wall time of the span.
+
+    With ``reference`` (a fixed workload, `gemm.reference_product`), every sample is followed
+    by one timed call of it: sample, reference, sample, reference, ... Sample ``i`` and
+    reference ``i`` are adjacent, so a slowdown of the host hits both, and their ratio
+    (``paired_ratios``) cancels it. The policy's time budget (``min_time``, ``max_time``)
+    counts both, so pairing adds no time to a cell's timed span: it takes some of it.
+    """
     samples: list[float] = []
-    timed_total = 0.0
+    references: list[float] = []
+    timed_total = reference_total = 0.0
     wall_start, cpu_start = clock(), cpu_clock()
     while True:
         start = clock()
@@ -103,11 +112,16 @@ def time_repeats(
         elapsed = clock() - start
         samples.append(elapsed)
         timed_total += elapsed
-        count = len(samples)
+        if reference is not None:
+            start = clock()
+            reference()
+            references.append(clock() - start)
+            reference_total += references[-1]
+        count, spent = len(samples), timed_total + reference_total
         if count >= policy.max_repeats:
             break
-        if count >= policy.min_repeats and timed_total >= policy.min_time:
-            if relative_spread(samples) <= STABLE_SPREAD or timed_total >= policy.max_time:
+        if count >= policy.min_repeats and spent >= policy.min_time:
+            if relative_spread(samples) <= STABLE_SPREAD or spent >= policy.max_time:
                 break
     wall, cpu = clock() - wall_start, cpu_clock() - cpu_start
     summary = summarize(samples)
@@ -118,6 +132,15 @@ def time_repeats(
         span_wall_s=wall,
         span_cpu_s=cpu,
     )
+    if reference is not None:
+        ratios = [sample / paired for sample, paired in zip(samples, references, strict=True)]
+        summary.update(
+            reference_samples_s=references,  # reference_samples_s[i] ran right after samples_s[i]
+            paired_ratios=ratios,
+            ratio_median=statistics.median(ratios),
+            reference_median_s=statistics.median(references),
+            reference_total_s=reference_total,
+        )
     return summary
 
 
@@ -150,4 +173,6 @@ def time_interleaved(
             all(relative_spread(s) <= STABLE_SPREAD for s in samples.values()) or clock() - started >= policy.max_time
         ):
             break
-    return {name: summarize(times) for name, times in samples.items()}
+    # Every variant's samples are kept: sample i of each ran in the same round, next to the others,
+    # so a ratio of two variants can be taken round by round (`questions._ratio`).
+    return {name: {**summarize(times), "samples_s": times} for name, times in samples.items()}

@@ -43,6 +43,8 @@ def _name_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mha_rosetta.benchmarks.presets import PRESETS  # plain data: nothing measured or imported
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     preset.add_argument(
         "--preset",
-        choices=("quick", "default", "reference", "gpu", "long"),
+        choices=tuple(PRESETS),
         default=None,
         help="size preset (default: default); long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
     )
@@ -138,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--render",
         metavar="JSON",
         help="measure nothing: read a saved report and write its table, plots, --baseline and --write-docs output",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        help="measure nothing: do two saved runs agree? every cell's figure (drift-corrected where recorded) "
+        "within 5%% between A and B, and each cell-run's round figures within 10%% on at least 36 of 38 "
+        "cell-runs; exit 0 when both targets are met, 1 when not",
     )
     parser.add_argument(
         "--resume", action="store_true", help="keep the finished cells of an interrupted sweep and run the rest"
@@ -218,10 +228,28 @@ def _render_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_only(args: argparse.Namespace) -> int:
+    """``--compare A B``: the run and round agreement of two saved reports (`benchmarks.rerun`)."""
+    from mha_rosetta.benchmarks.report import load_report
+    from mha_rosetta.benchmarks.rerun import compare_markdown, compare_runs
+
+    try:
+        first, second = (load_report(path) for path in args.compare)
+    except (ValueError, OSError, json.JSONDecodeError) as error:
+        print(f"mha-rosetta bench: {error}", file=sys.stderr)
+        return 2
+    comparison = compare_runs(first, second)
+    (sys.stderr if args.json == "-" else sys.stdout).write(compare_markdown(comparison))
+    _emit(args.json, json.dumps(comparison, indent=2) + "\n", label="JSON")
+    return 0 if comparison["targets_met"] else 1
+
+
 def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> str:
     """Print the table and write every file asked for (JSON, Markdown, plots, docs); returns the table."""
     from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.report import baseline_markdown, compare_to_baseline, markdown_table, plot_report
+    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
+    from mha_rosetta.benchmarks.markdown import markdown_table
+    from mha_rosetta.benchmarks.plots import plot_report
 
     human = sys.stderr if args.json == "-" else sys.stdout  # with the JSON on stdout, people read stderr
     table = markdown_table(report)
@@ -266,19 +294,17 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.benchmarks import questions as speed_questions
+    from mha_rosetta.benchmarks.partial import default_partial_path
+    from mha_rosetta.benchmarks.plan import resolve_implementations
+    from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
     from mha_rosetta.benchmarks.report import assemble_report, failed_cells, load_report
-    from mha_rosetta.benchmarks.sweep import (
-        default_partial_path,
-        describe_estimate,
-        estimate_seconds,
-        expand_cells,
-        resolve_implementations,
-        run_sweep,
-    )
+    from mha_rosetta.benchmarks.sweep import expand_cells, run_sweep
     from mha_rosetta.core.errors import INTERRUPTED
 
     if args.render:
         return _render_only(args)
+    if args.compare:
+        return _compare_only(args)
     try:
         settings = _settings(args)
         labels = resolve_implementations(settings.implementations)

@@ -10,7 +10,7 @@ import json
 import sys
 
 EPILOG = """\
-Each bench cell's figure is its corrected_s (drift-corrected) when present, else its median_s;
+Each bench cell's figure is its corrected_median_s (drift-corrected, with the corrected round spread) when present, else its median_s;
 its range is [min, max] of its round medians, else median +- IQR/2. Each column is one run and
 device, labelled machine @ commit · device · threads (files without provenance: by file name).
 Ratios are to the first column; 'within noise' means the two ranges overlap.

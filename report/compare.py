@@ -1,11 +1,11 @@
 """One comparison of bench runs, and the regression gate against a baseline.
 
 The rules (also in ``mha-rosetta report --help`` and the README):
-- **Figure**: a cell's ``corrected_s`` (drift-corrected) when present, else its ``median_s``;
+- **Figure**: a cell's ``corrected_median_s`` (drift-corrected, bench schema 2) when present, else its ``median_s``;
   each cell says which it used.
 - **Range** (the cell's own spread): ``[min, max]`` of its round medians (``spread_s``) when
   it had rounds, else ``median ± iqr/2`` (``iqr_s``), else the figure alone; scaled by
-  figure/median when the figure is ``corrected_s``.
+  for ``corrected_median_s`` the range is ``corrected_spread_s`` (its corrected round medians).
 - **Ratio** of a cell to the same cell in the first column (the reference), with its range
   ``[lo/hi_ref, hi/lo_ref]``; **within noise** when the two ranges overlap.
 - **Regression** (``--baseline FILE --fail-on-regression PCT``): a cell is a regression when
@@ -31,7 +31,7 @@ class Figure:
     seconds: float
     lo: float
     hi: float
-    used: str  # "corrected_s" or "median_s"
+    used: str  # "corrected_median_s" or "median_s"
     range_rule: str  # "round medians", "median ± iqr/2" or "single figure"
 
 
@@ -68,9 +68,15 @@ def cell_figure(cell: dict) -> Figure | None:
     if cell.get("status") not in FINISHED or cell.get("median_s") is None:
         return None
     median = float(cell["median_s"])
-    corrected = cell.get("corrected_s")
-    figure, used = (float(corrected), "corrected_s") if corrected is not None else (median, "median_s")
-    scale = figure / median if median > 0 else 1.0
+    corrected = cell.get("corrected_median_s")  # bench schema 2 (benchmarks.report.correct_cell)
+    if corrected is not None:
+        figure, spread = float(corrected), cell.get("corrected_spread_s")
+        if spread and len(spread) == 2 and None not in spread:
+            lo, hi, rule = float(spread[0]), float(spread[1]), "corrected round medians"
+        else:
+            lo, hi, rule = figure, figure, "single figure"
+        return Figure(figure, min(lo, figure), max(hi, figure), "corrected_median_s", rule)
+    figure, used, scale = median, "median_s", 1.0
     spread, iqr = cell.get("spread_s"), cell.get("iqr_s")
     if spread and len(spread) == 2 and None not in spread:
         lo, hi, rule = float(spread[0]), float(spread[1]), "round medians"

@@ -306,7 +306,7 @@ def bench_section(comparison: Comparison) -> str:
     out = [
         '<section id="bench"><h2>Benchmarks</h2>',
         f"<p>Milliseconds per call with the cell's range; figure used: <b>{esc(', '.join(used))}</b> "
-        "(corrected_s when a cell has it, else median_s). Range: min–max of the round medians, else median ± IQR/2. "
+        "(corrected_median_s when a cell has it, else median_s). Range: min–max of the round medians, else median ± IQR/2. "
         "Ratios ×r are to the first column; <i>within noise</i>: the two ranges overlap.</p>",
         '<p><label>Filter implementations: <input id="filter" type="search" placeholder="e.g. torch"></label> '
         '<button type="button" id="view-absolute" class="view on">milliseconds</button>'

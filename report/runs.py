@@ -3,7 +3,7 @@
 Design rules:
 - Any file the tool wrote loads, old ones included: a file without ``provenance`` is
   labelled by its file name and whatever its ``machine`` block says; bench schema 1 and 2
-  both load (2 keeps ``samples_s`` and may add ``corrected_s``; nothing else is read).
+  both load (2 keeps ``samples_s`` and adds ``corrected_median_s`` and ``corrected_spread_s``; nothing else is read).
 - The kind is told from the content, never from the file name: a check has ``matrices``,
   a bench ``cells``, an explain output ``claims`` (a dict with them, or the claims-only list).
 - A file that is none of these is an error naming the file and what was expected.

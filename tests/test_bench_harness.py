@@ -19,9 +19,12 @@ import pytest
 
 from conftest import requires
 from mha_rosetta.benchmarks import pinning
+from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
 from mha_rosetta.benchmarks.cell import CellSpec, cell_key, run_cell, split_implementation
 from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops
 from mha_rosetta.benchmarks.fresh import RESULT_MARKER, parse_result
+from mha_rosetta.benchmarks.markdown import markdown_table
+from mha_rosetta.benchmarks.partial import load_partial
 from mha_rosetta.benchmarks.questions import (
     CONFIRMED,
     PARTLY,
@@ -33,16 +36,8 @@ from mha_rosetta.benchmarks.questions import (
     verdict_linear_layout,
     verdict_merge_copy,
 )
-from mha_rosetta.benchmarks.report import (
-    SCHEMA_VERSION,
-    assemble_report,
-    baseline_markdown,
-    compare_to_baseline,
-    machine_info,
-    markdown_table,
-    primary_peak,
-)
-from mha_rosetta.benchmarks.sweep import SweepSettings, load_partial, run_sweep
+from mha_rosetta.benchmarks.report import SCHEMA_VERSION, assemble_report, machine_info, primary_peak
+from mha_rosetta.benchmarks.sweep import SweepSettings, run_sweep
 from mha_rosetta.benchmarks.timing import RepeatPolicy, summarize, time_repeats
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.files import write_text_atomic
@@ -359,7 +354,7 @@ def test_report_has_the_schema_fields():
     report = assemble_report(
         {"threads": 1}, [PEAK], [_cell(), _cell("torch", status="error")], machine=machine_info([])
     )
-    assert report["schema"] == SCHEMA_VERSION == 1
+    assert report["schema"] == SCHEMA_VERSION == 2
     assert report["gemm_peak_gflops"] == 100.0  # a number, the cpu/float32 entry
     assert report["gemm_peak_key"] == "cpu/float32"
     assert report["gemm_peak_gflops_by"] == {"cpu/float32": 100.0}
@@ -458,7 +453,7 @@ def test_plots_are_written(tmp_path):
         [_cell("a", 64, 0.001), _cell("a", 128, 0.003), _cell("b", 64, 0.002), _cell("b", 128, 0.005)],
         machine={},
     )
-    from mha_rosetta.benchmarks.report import plot_report
+    from mha_rosetta.benchmarks.plots import plot_report
 
     written = plot_report(report, tmp_path)
     assert {path.name for path in written} == {
@@ -645,7 +640,8 @@ def test_torn_last_line_of_a_partial_file_is_ignored_and_resume_goes_on(tmp_path
 
 
 def test_the_estimate_counts_cells_rounds_and_peaks():
-    from mha_rosetta.benchmarks.sweep import STARTUP_S, describe_estimate, estimate_seconds, expand_cells
+    from mha_rosetta.benchmarks.progress import STARTUP_S, describe_estimate, estimate_seconds
+    from mha_rosetta.benchmarks.sweep import expand_cells
 
     settings = _settings(rounds=3, implementations=["numpy"], policy=dict(min_time=1.0))
     cells = expand_cells(settings, ["numpy"])
@@ -751,7 +747,7 @@ def test_answer_keeps_skipped_measurements_and_shape():
 
 
 def test_the_progress_lines_count_rounds(tmp_path, monkeypatch, capsys):
-    from mha_rosetta.benchmarks.sweep import Progress
+    from mha_rosetta.benchmarks.progress import Progress
 
     monkeypatch.setitem(sys.modules, "rich.progress", None)  # as without rich: one plain line per step
     bar = Progress(rounds=2, visits=3)

@@ -145,7 +145,8 @@ def test_the_sweep_skips_cells_over_the_budget_and_never_runs_them(tmp_path):
 
 def test_long_preset_and_the_dist_group():
     from mha_rosetta.backends import available_backends
-    from mha_rosetta.benchmarks.sweep import preset_settings, resolve_implementations
+    from mha_rosetta.benchmarks.plan import resolve_implementations
+    from mha_rosetta.benchmarks.sweep import preset_settings
 
     settings = preset_settings("long")
     assert (settings.batch, settings.heads, settings.d_model) == ([1], [8], [512])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
+from mha_rosetta.benchmarks.markdown import markdown_table
 from mha_rosetta.benchmarks.readme import (
     BEGIN,
     END,
@@ -21,7 +23,7 @@ from mha_rosetta.benchmarks.readme import (
     replace_block,
     report_name,
 )
-from mha_rosetta.benchmarks.report import assemble_report, baseline_markdown, compare_to_baseline, markdown_table
+from mha_rosetta.benchmarks.report import assemble_report
 from mha_rosetta.benchmarks.rounds import busy_rounds, intervals_overlap, merge_peaks, merge_visits, relative_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +57,9 @@ def test_merge_pools_every_sample_and_keeps_one_median_per_round():
     assert any(w.startswith("drift: the round medians differ by 20%") for w in cell["warnings"])
     assert cell["compile_s"] == 0.3 and cell["peak_mem_mb"] == 7.0  # median over rounds; the largest memory
     assert math.isclose(cell["gflops"], 8e9 / 0.11 / 1e9)
-    assert "samples_s" not in cell  # the report keeps the per-round figures, not every sample
+    # Every sample is kept (schema 2, issue 27), in round order.
+    assert cell["samples_s"] == [0.09, 0.10, 0.11, 0.12, 0.12, 0.13, 0.10, 0.105, 0.30]
+    assert "paired_ratios" not in cell and "corrected_drift" not in cell  # visits without references: raw only
 
 
 def test_merge_of_close_rounds_is_not_drift_and_one_round_is_the_visit_itself():

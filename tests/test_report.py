@@ -60,9 +60,17 @@ def test_figure_and_range_rules():
     )
     iqr = cell_figure({**SHAPE, "median_s": 0.020, "iqr_s": 0.002})
     assert (iqr.lo, iqr.hi) == pytest.approx((0.019, 0.021)) and iqr.range_rule == "median ± iqr/2"
-    corrected = cell_figure({**SHAPE, "median_s": 0.010, "corrected_s": 0.011, "spread_s": [0.009, 0.011]})
-    assert corrected.used == "corrected_s" and corrected.seconds == 0.011
-    assert (corrected.lo, corrected.hi) == pytest.approx((0.0099, 0.0121))  # the spread scaled by 1.1
+    corrected = cell_figure(
+        {
+            **SHAPE,
+            "median_s": 0.010,
+            "corrected_median_s": 0.011,
+            "spread_s": [0.009, 0.011],
+            "corrected_spread_s": [0.0105, 0.0118],
+        }
+    )
+    assert corrected.used == "corrected_median_s" and corrected.seconds == 0.011
+    assert (corrected.lo, corrected.hi) == pytest.approx((0.0105, 0.0118))  # the corrected rounds' own range
     assert cell_figure({**SHAPE, "median_s": 0.01, "status": "failed"}) is None
 
 
@@ -232,7 +240,7 @@ def test_help_says_the_rules(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "corrected_s (drift-corrected) when present, else its median_s" in text
+    assert "corrected_median_s (drift-corrected, with the corrected round spread) when present" in text
     assert "[min, max] of its round medians, else median +- IQR/2" in text
     assert "the exit status is 1 when any cell's whole range is above the matching baseline cell's range" in text
     assert "more than PCT % slower; else 0" in text

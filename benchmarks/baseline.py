@@ -1,0 +1,119 @@
+"""A report against a saved baseline: which cells moved beyond the threshold and beyond noise."""
+
+from __future__ import annotations
+
+from .report import READABLE_SCHEMAS, headline_peak
+from .rounds import cell_interval, cell_time, intervals_overlap, is_corrected
+
+BASELINE_THRESHOLD = 0.10
+
+
+def comparison_key(cell: dict) -> tuple:
+    fields = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
+    return (*(cell.get(name) for name in fields), cell.get("mode", "fwd"))
+
+
+def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:
+    """Time of every cell against the same cell in ``baseline``, with their intervals.
+
+    The time is `rounds.cell_time`: the drift-corrected median where a cell has one (schema
+    2), else the raw median; ``corrected`` says which, for the baseline and the report.
+    A change counts ("slower" or "faster") only when the times differ by more than
+    ``threshold`` (0.10 = 10%) *and* the two cells' intervals (`rounds.cell_interval`: the
+    range of their round figures; a report without rounds has its median alone) do not overlap;
+    a change beyond the threshold whose intervals overlap is "within noise". Cells present
+    on one side only are listed, as are cells that stopped working. The two headline GEMM
+    peaks are set side by side (``gemm_peak``): when the peak moved too, the machine
+    changed, not (only) the implementations.
+    """
+    if baseline.get("schema") not in READABLE_SCHEMAS:
+        raise ValueError(
+            f"baseline schema is {baseline.get('schema')!r}; this version reads schemas "
+            f"{', '.join(map(str, READABLE_SCHEMAS))}"
+        )
+    old = {comparison_key(cell): cell for cell in baseline.get("cells", [])}
+    new = {comparison_key(cell): cell for cell in report.get("cells", [])}
+    rows, flagged, noise, broken = [], [], [], []
+    for key, cell in new.items():
+        before = old.get(key)
+        if before is None:
+            continue
+        if before.get("status") == "ok" and cell.get("status") != "ok":
+            broken.append(
+                {"implementation": cell["implementation"], "tokens": cell["tokens"], "status": cell.get("status")}
+            )
+            continue
+        if before.get("status") != "ok" or cell.get("status") != "ok":
+            continue
+        ratio = cell_time(cell) / cell_time(before)
+        change = ratio - 1.0
+        overlap = intervals_overlap(cell_interval(cell), cell_interval(before))
+        beyond = abs(change) > threshold
+        verdict = ("slower" if change > 0 else "faster") if beyond and not overlap else "same"
+        row = {
+            "implementation": cell["implementation"], "device": cell["device"], "dtype": cell["dtype"],
+            "batch": cell["batch"], "tokens": cell["tokens"], "d_model": cell["d_model"], "heads": cell["heads"],
+            "baseline_median_s": cell_time(before), "median_s": cell_time(cell), "ratio": ratio, "change": verdict,
+            "corrected": [is_corrected(before), is_corrected(cell)],
+            "baseline_spread_s": cell_interval(before), "spread_s": cell_interval(cell), "intervals_overlap": overlap,
+        }  # fmt: skip
+        rows.append(row)
+        if verdict != "same":
+            flagged.append(row)
+        elif beyond:
+            noise.append(row)
+    return {
+        "threshold": threshold,
+        "rule": "a change counts when the medians differ by more than the threshold and the intervals do not overlap",
+        "gemm_peak": _peak_change(report, baseline),
+        "compared": rows,
+        "flagged": flagged,
+        "within_noise": noise,
+        "stopped_working": broken,
+        "only_in_report": [list(key) for key in new if key not in old],
+        "only_in_baseline": [list(key) for key in old if key not in new],
+    }
+
+
+def _peak_change(report: dict, baseline: dict) -> dict | None:
+    """The headline peak of both reports when they measured the same (device, dtype), else None."""
+    key, gflops = headline_peak(report)
+    baseline_key, baseline_gflops = headline_peak(baseline)
+    if key is None or key != baseline_key or not gflops or not baseline_gflops:
+        return None
+    return {"key": key, "baseline_gflops": baseline_gflops, "gflops": gflops, "ratio": gflops / baseline_gflops}
+
+
+def _interval_ms(interval: list[float]) -> str:
+    return f"{interval[0] * 1e3:.3f}-{interval[1] * 1e3:.3f}"
+
+
+def baseline_markdown(comparison: dict) -> str:
+    """The flagged changes (and cells that stopped working) as a Markdown list."""
+    threshold = comparison["threshold"]
+    lines = [
+        f"Against the baseline ({len(comparison['compared'])} cells compared; a change counts when the medians "
+        f"differ by more than {threshold:.0%} and the round ranges do not overlap):"
+    ]
+    peak = comparison.get("gemm_peak")
+    if peak:
+        lines.append(
+            f"- GEMM peak {peak['key']}: {peak['baseline_gflops']:.1f} -> {peak['gflops']:.1f} GFLOP/s "
+            f"({peak['ratio'] - 1:+.0%}; the machine's own change, for scale)"
+        )
+    for row in comparison["flagged"]:
+        lines.append(
+            f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
+            f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> {row['median_s'] * 1e3:.3f} ms)"
+        )
+    for row in comparison.get("within_noise", []):
+        lines.append(
+            f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
+            f"moved by {row['ratio'] - 1:+.0%} but within noise (the round ranges overlap: "
+            f"{_interval_ms(row['baseline_spread_s'])} and {_interval_ms(row['spread_s'])} ms)"
+        )
+    for row in comparison["stopped_working"]:
+        lines.append(f"- `{row['implementation']}` N={row['tokens']}: worked in the baseline, now {row['status']}")
+    if not comparison["flagged"] and not comparison["stopped_working"]:
+        lines.append(f"- no change beyond {threshold:.0%}")
+    return "\n".join(lines) + "\n"

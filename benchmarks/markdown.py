@@ -1,0 +1,139 @@
+"""A benchmark report as Markdown: the settings that matter, the rounds, and one row per cell."""
+
+from __future__ import annotations
+
+from mha_rosetta.core.tables import markdown_table as table_lines
+
+from .report import cell_label
+from .rounds import cell_interval, cell_time, is_corrected, raw_interval
+
+
+def _ms(seconds) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _fmt(value, pattern: str) -> str:
+    return "" if value is None else format(value, pattern)
+
+
+MARKDOWN_COLUMNS = (
+    "implementation", "device", "dtype", "B", "N", "D", "H", "median ms", "rounds ms", "IQR ms", "min ms", "n",
+    "compile s", "GFLOP/s", "% peak", "cores", "mem MB", "status",
+)  # fmt: skip
+# With paired references (schema 2): the corrected figure and its round range first, the raw ones beside.
+CORRECTED_COLUMNS = (
+    *MARKDOWN_COLUMNS[:7], "corrected ms", "rounds ms", "raw ms", "raw rounds ms", *MARKDOWN_COLUMNS[9:],
+)  # fmt: skip
+
+
+def round_range_text(cell: dict, digits: int = 3, *, raw: bool = False) -> str:
+    """``"84.032-88.100"``: the lowest and highest round figure in ms ("" with fewer than two rounds): of the
+    corrected figures where the cell has them (`rounds.cell_interval`), of the raw medians with ``raw``."""
+    measured = [value for value in cell.get("round_medians_s") or [] if value is not None]
+    if len(measured) < 2:
+        return ""
+    low, high = raw_interval(cell) if raw else cell_interval(cell)
+    return f"{low * 1e3:.{digits}f}-{high * 1e3:.{digits}f}"
+
+
+def markdown_row(cell: dict, corrected: bool = False) -> list[str]:
+    """One table row; ``corrected``: the `CORRECTED_COLUMNS` layout (GFLOP/s and % peak from the corrected time)."""
+    ok = cell.get("status") == "ok"
+    paired = corrected and is_corrected(cell)
+    fraction = cell.get("corrected_peak_fraction" if paired else "peak_fraction")
+    gflops = cell.get("corrected_gflops" if paired else "gflops")
+    status = cell.get("status", "")
+    if not ok:
+        status += f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:120]
+    elif cell.get("warnings"):
+        status += " (drift)" if cell.get("drift") else " (!)"
+    return [
+        f"`{cell_label(cell)}`", cell["device"], cell["dtype"], str(cell["batch"]), str(cell["tokens"]),
+        str(cell["d_model"]), str(cell["heads"]),
+        _ms(cell_time(cell)) if ok else "", round_range_text(cell) if ok else "",
+        *([_ms(cell.get("median_s")) if ok else "", round_range_text(cell, raw=True) if ok else ""] if corrected else []),
+        _ms(cell.get("iqr_s")) if ok else "", _ms(cell.get("min_s")) if ok else "",
+        str(cell.get("repeats", "")) if ok else "", _fmt(cell.get("compile_s"), ".2f"), _fmt(gflops, ".1f"),
+        "" if fraction is None else f"{100 * fraction:.0f}%", _fmt(cell.get("cpu_util"), ".2f"),
+        _fmt(cell.get("peak_mem_mb"), ".1f"), status,
+    ]  # fmt: skip
+
+
+def rounds_lines(report: dict) -> list[str]:
+    """The rounds, their seed, each round's GEMM peak and the rounds flagged busy ([] without rounds)."""
+    rounds = report.get("rounds")
+    if not rounds:
+        return []
+    lines = [
+        f"Rounds: {rounds['count']} (seed {rounds['seed']}), each visiting every cell once in a shuffled order; "
+        "a cell's median pools every round's samples, \"rounds ms\" is the range of its round medians  "
+    ]
+    for key, values in rounds.get("gemm_peaks_gflops", {}).items():
+        shown = ", ".join("-" if value is None else f"{value:.1f}" for value in values)
+        lines.append(f"GEMM peak {key} per round: {shown} GFLOP/s  ")
+    for index in rounds.get("busy_rounds", []):
+        lines.append(
+            f"(!) round {index + 1}: its GEMM peak is more than {rounds['busy_threshold']:.0%} below the best "
+            "other round's: the machine was busy  "
+        )
+    return lines
+
+
+def reference_lines(report: dict) -> list[str]:
+    """How the corrected figures were made: the reference workloads, their run medians, their time share."""
+    reference = report.get("reference")
+    if not reference:
+        return []
+    lines = [
+        'Drift-corrected: every sample was followed by one sample of a fixed reference product; "corrected ms" '
+        "is the cell's median paired ratio (sample / reference) x the run's median reference time, \"raw ms\" "
+        "the plain median; rankings and comparisons use the corrected figure  "
+    ]
+    for key, workload in reference.get("workloads", {}).items():
+        median = workload.get("median_s")
+        shown = (
+            "not measured" if median is None else f"{median * 1e3:.3f} ms, the median of {workload['visits']} visits"
+        )
+        lines.append(f"Reference {key} ({workload['n']}³ {workload['dtype']} product): {shown}  ")
+    if reference.get("time_share") is not None:
+        lines.append(f"The reference took {reference['time_share']:.0%} of the timed work  ")
+    return lines
+
+
+def markdown_table(report: dict) -> str:
+    """The cells as a Markdown table, preceded by the GEMM peaks and the settings that matter."""
+    lines = []
+    headline = report.get("gemm_peak_key")
+    for peak in report.get("gemm_peaks", []):
+        gflops = peak.get("gflops")
+        text = f"{gflops:.1f} GFLOP/s ({peak.get('library')}, n={peak.get('n')})" if gflops else "not measured"
+        measured = [value for value in peak.get("round_gflops") or [] if value is not None]
+        if gflops and len(measured) > 1:
+            text += f", the median of {len(measured)} rounds"
+        key = f"{peak['device']}/{peak['dtype']}"
+        marker = " (the headline gemm_peak_gflops)" if key == headline and len(report["gemm_peaks"]) > 1 else ""
+        lines.append(f"GEMM peak {key}, {peak['threads']} thread(s): {text}{marker}  ")
+    machine = report.get("machine", {})
+    if machine:
+        lines.append(
+            f"Machine: {machine.get('cpu_model')}, {machine.get('cores')} cores, Python {machine.get('python')}  "
+        )
+    lines += rounds_lines(report)
+    malloc = report.get("settings", {}).get("malloc")
+    if malloc:
+        rule = "glibc mmap/trim thresholds raised to 4 GiB" if malloc == "keep" else "the environment as it was"
+        lines.append(f"Allocator: malloc={malloc} ({rule}), the same for every cell  ")
+    if lines:
+        lines.append("")
+    lines += reference_lines(report)
+    corrected = any(is_corrected(cell) for cell in report["cells"])
+    columns = CORRECTED_COLUMNS if corrected else MARKDOWN_COLUMNS
+    lines += table_lines(columns, [markdown_row(cell, corrected) for cell in report["cells"]])
+    warned = [cell for cell in report["cells"] if cell.get("warnings")]
+    if warned:
+        lines.append("")
+        lines.append("(!) warnings:")
+        for cell in warned:
+            for warning in cell["warnings"]:
+                lines.append(f"- `{cell_label(cell)}` N={cell['tokens']}: {warning}")
+    return "\n".join(lines) + "\n"

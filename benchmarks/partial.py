@@ -1,0 +1,73 @@
+"""The partial file: every finished visit of a running sweep, one JSON line each.
+
+An interrupted sweep (Ctrl-C, a crash, a closed laptop) keeps every finished visit;
+``resume=True`` reloads them (and the shuffle seed) and runs only the rest. Lines are
+appended flushed and synced, so a kill loses at most the visit that was running; a torn
+last line is ignored when read and ended before the next one is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .cell import cell_key
+from .plan import gemm_key
+
+
+def default_partial_path(json_path: str | None) -> Path:
+    """Where finished cells are kept while the sweep runs: beside the JSON, or in the current folder."""
+    if json_path and json_path != "-":
+        return Path(f"{json_path}.partial.jsonl")
+    return Path("mha-rosetta-bench.partial.jsonl")
+
+
+def _partial_entries(path: Path):
+    if not path.exists():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line being written when the sweep was killed
+
+
+def load_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[int, str], dict]]:
+    """(cell visits by (round, cell key), GEMM peaks by (round, peak key)) from a partial file.
+
+    A torn last line is ignored; entries written before rounds existed belong to round 0.
+    """
+    cells: dict[tuple[int, str], dict] = {}
+    peaks: dict[tuple[int, str], dict] = {}
+    for entry in _partial_entries(path):
+        round_index = entry.get("round", 0)
+        if entry.get("type") == "cell":
+            cells[(round_index, cell_key(entry["record"]))] = entry["record"]
+        elif entry.get("type") == "gemm":
+            peak = entry["record"]
+            peaks[(round_index, gemm_key(peak["device"], peak["dtype"], peak["threads"]))] = peak
+    return cells, peaks
+
+
+def partial_header(path: Path) -> dict | None:
+    """The header entry of a partial file (its settings, seed included), or None."""
+    return next((entry for entry in _partial_entries(path) if entry.get("type") == "header"), None)
+
+
+def end_torn_line(path: Path) -> None:
+    """After a kill mid-write, start the next entry on a line of its own."""
+    if path.exists() and path.stat().st_size:
+        with path.open("rb+") as handle:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.write(b"\n")
+
+
+def append_entry(path: Path, entry: dict) -> None:
+    # One line per finished measurement, flushed and synced, so a kill loses at most the
+    # cell that was running.
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(entry) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())

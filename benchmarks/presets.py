@@ -1,0 +1,47 @@
+"""The named sweep presets: the registry that ``bench --preset`` offers its choices from.
+
+Plain data (`sweep.SweepSettings` fields), no import: the command line reads it while it
+builds its parser, before anything is measured. `sweep.preset_settings` turns a name into
+settings; a new preset is one entry here and shows up in ``bench --preset`` and its help.
+"""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    # Under two minutes on 2 cores: every installed implementation, two small sizes, short budgets, one round.
+    "quick": dict(
+        implementations=["main"], tokens=[32, 128], batch=[2], d_model=[64], heads=[4], dtypes=["float32"],
+        policy=dict(min_time=0.05, min_repeats=5, max_time=0.3, warmup=1),
+        gemm_n=1024, gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=0.5, warmup=1), cell_timeout=120.0,
+        rounds=1,
+    ),
+    # Every implementation and strategy, tokens 64 ... 1024 at the reference width, three rounds.
+    "default": dict(
+        implementations=["all"], tokens=[64, 128, 256, 512, 1024], batch=[4], d_model=[512], heads=[8],
+        dtypes=["float32"], policy=dict(min_time=0.3, min_repeats=5, max_time=1.5, warmup=2),
+        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
+    ),
+    # The reference size, three rounds: the figures the README quotes (its block is generated from them).
+    "reference": dict(
+        implementations=["all"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
+        policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=3),
+        gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=2), rounds=3,
+    ),
+    # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
+    # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.
+    "gpu": dict(
+        implementations=["torch", "jax", "einops-torch", "einops-jax", "torch-mha", "torch-sdpa", "jax-dpa"],
+        tokens=[512, 4096, 16384], batch=[4], d_model=[512], heads=[8], dtypes=["float32", "bfloat16", "float16"],
+        policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=2),
+        gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=1.0, warmup=3), cell_timeout=60.0, rounds=1,
+    ),
+    # Long context (B=1, H=8, D=512): every implementation and strategy from 1k to 16k tokens and the
+    # memory-linear ones (chunked, torch SDPA) to 32k; cells predicted over the memory budget are skipped.
+    # No warm-up beyond the first call (timed on its own): at these sizes a call takes up to 40 s.
+    "long": dict(
+        implementations=["all"], tokens=[1024, 2048, 4096, 8192, 16384, 32768], batch=[1], d_model=[512],
+        heads=[8], dtypes=["float32"], policy=dict(min_time=0.2, min_repeats=3, max_time=2.0, warmup=0),
+        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=1), rounds=1,
+        cell_timeout=1800.0,
+    ),
+}  # fmt: skip

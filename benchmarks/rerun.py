@@ -1,0 +1,111 @@
+"""Do two runs of the same sweep agree? The repeatability figures of issue 28, from two JSON files.
+
+``bench --compare A.json B.json`` (or `compare_runs`) reports, for two reports of the same
+preset taken one after the other on one machine:
+
+- **run agreement**: for every cell measured in both, max / min - 1 of the two figures
+  (`rounds.cell_time`: drift-corrected where the cells have it, raw otherwise); the target is
+  every cell within `RUN_TARGET` (5%);
+- **round agreement**: for every cell-run (each cell of each report), max / min - 1 of its
+  round figures (the corrected round medians where it has them, else the raw ones); the
+  target is at least `ROUND_TARGET_SHARE` of the cell-runs (36 of 38) within `ROUND_TARGET`
+  (10%).
+
+The raw figures are given beside the corrected ones, so that what the correction buys can be
+read off the same output. Nothing is measured here.
+"""
+
+from __future__ import annotations
+
+from .baseline import comparison_key
+from .report import cell_label
+from .rounds import cell_time, is_corrected, relative_range
+
+RUN_TARGET = 0.05  # two back-to-back runs agree within this on every cell
+ROUND_TARGET = 0.10  # a cell's round figures agree within this ...
+ROUND_TARGET_SHARE = 36 / 38  # ... on at least this share of the cell-runs
+
+
+def _round_figures(cell: dict, raw: bool) -> list[float]:
+    corrected = None if raw else cell.get("corrected_round_medians_s")
+    values = cell.get("round_medians_s") if corrected is None else corrected
+    return [value for value in values or [] if value is not None]
+
+
+def _ok(report: dict) -> dict[tuple, dict]:
+    return {comparison_key(cell): cell for cell in report.get("cells", []) if cell.get("status") == "ok"}
+
+
+def compare_runs(first: dict, second: dict) -> dict:
+    """The run and round agreement of two reports (see the module docstring), raw and corrected."""
+    a, b = _ok(first), _ok(second)
+    shared = [key for key in a if key in b]
+    cells = []
+    for key in shared:
+        pair = (a[key], b[key])
+        cells.append(
+            {
+                "label": cell_label(pair[0]),
+                "tokens": pair[0]["tokens"],
+                "corrected": all(is_corrected(cell) for cell in pair),
+                "figures_s": [cell_time(cell) for cell in pair],
+                "difference": relative_range([cell_time(cell) for cell in pair]),
+                "raw_figures_s": [cell["median_s"] for cell in pair],
+                "raw_difference": relative_range([cell["median_s"] for cell in pair]),
+                "round_spreads": [relative_range(_round_figures(cell, raw=False)) for cell in pair],
+                "raw_round_spreads": [relative_range(_round_figures(cell, raw=True)) for cell in pair],
+            }
+        )
+
+    def within(values: list, limit: float) -> int:
+        return sum(value is not None and value <= limit for value in values)
+
+    runs = [spread for cell in cells for spread in cell["round_spreads"] if spread is not None]
+    raw_runs = [spread for cell in cells for spread in cell["raw_round_spreads"] if spread is not None]
+    agreeing = within([cell["difference"] for cell in cells], RUN_TARGET)
+    rounds_ok = within(runs, ROUND_TARGET)
+    return {
+        "cells": cells,
+        "compared": len(cells),
+        "only_in_one": len(set(a) ^ set(b)),
+        "run_target": RUN_TARGET,
+        "runs_agreeing": agreeing,
+        "raw_runs_agreeing": within([cell["raw_difference"] for cell in cells], RUN_TARGET),
+        "round_target": ROUND_TARGET,
+        "cell_runs": len(runs),
+        "cell_runs_within": rounds_ok,
+        "raw_cell_runs_within": within(raw_runs, ROUND_TARGET),
+        "targets_met": bool(cells) and agreeing == len(cells) and rounds_ok >= ROUND_TARGET_SHARE * len(runs),
+    }
+
+
+def compare_markdown(comparison: dict) -> str:
+    """The two agreement figures first, then one row per cell (the worst first)."""
+    from mha_rosetta.core.tables import markdown_table
+
+    c = comparison
+    lines = [
+        f"Run agreement: {c['runs_agreeing']} of {c['compared']} cells within {c['run_target']:.0%} "
+        f"(raw medians: {c['raw_runs_agreeing']} of {c['compared']})  ",
+        f"Round agreement: {c['cell_runs_within']} of {c['cell_runs']} cell-runs with round figures within "
+        f"{c['round_target']:.0%} (raw: {c['raw_cell_runs_within']})  ",
+        f"Targets (every cell within {c['run_target']:.0%}; {ROUND_TARGET_SHARE:.0%} of the cell-runs, 36 of 38, "
+        f"within {c['round_target']:.0%}): {'met' if c['targets_met'] else 'NOT met'}",
+        "",
+    ]
+
+    def pct(value) -> str:
+        return "" if value is None else f"{100 * value:.1f}%"
+
+    def row(cell: dict) -> list:
+        spreads, raw_spreads = (
+            ", ".join(pct(v) for v in cell[name]) for name in ("round_spreads", "raw_round_spreads")
+        )
+        figures = " / ".join(f"{value * 1e3:.3f}" for value in cell["figures_s"])
+        kind = "corrected" if cell["corrected"] else "raw"
+        return [f"`{cell['label']}`", cell["tokens"], kind, figures, pct(cell["difference"]),
+                pct(cell["raw_difference"]), spreads, raw_spreads]  # fmt: skip
+
+    rows = [row(cell) for cell in sorted(c["cells"], key=lambda cell: -(cell["difference"] or 0.0))]
+    header = ["cell", "N", "figure", "ms (A / B)", "A vs B", "raw A vs B", "round spread A, B", "raw round spread"]
+    return "\n".join(lines + markdown_table(header, rows)) + "\n"

@@ -80,6 +80,7 @@ def _list(out) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.checks import run_check
+    from mha_rosetta.checks.json_report import write_json
     from mha_rosetta.checks.report import (
         output_width,
         print_rich,
@@ -88,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
         report_blocks,
         rich_available,
         summary_lines,
-        write_json,
     )
 
     # With the JSON on stdout, the human-readable report moves to stderr.
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summary_lines(result)
     grad = None
     if args.grad and not result.interrupted:  # the gradient check on the same selection (`checks.grad`)
-        from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines, run_grad_check
+        from mha_rosetta.checks.grad import run_grad_check
+        from mha_rosetta.checks.grad_report import grad_report_blocks, grad_summary_lines
 
         grad = run_grad_check(**selection, progress=progress)
         _clear_progress(progress)

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, UnsupportedCase, get_backend, missing_backends
 from mha_rosetta.checks import SPEC_CASES, Status
-from mha_rosetta.checks.grad import grad_report_blocks, grad_to_json, run_grad_check
+from mha_rosetta.checks.grad import run_grad_check
+from mha_rosetta.checks.grad_report import grad_report_blocks
+from mha_rosetta.checks.json_report import grad_to_json
 from mha_rosetta.core import (
     GRAD_STAGE_NAMES,
     MHAConfig,

@@ -46,6 +46,7 @@ from mha_rosetta.core import compare as core_compare
 from .cases import SpecCase
 from .devices import frameworks_without_gpu
 from .divergence import Divergence, first_divergence
+from .engine import run_job
 from .results import CheckResult, Implementation, Pair, Run, Status
 from .selection import Selection, _split, case_dtypes_for, resolve_selection
 
@@ -126,23 +127,28 @@ def failure_status(error: BaseException) -> tuple[Status, str]:
     return Status.ERROR, error_line(error)
 
 
+def _prepare(backend: Backend, strategy: str, device: str, dtype: str, oracle: _Oracle):
+    data = oracle.data
+    prepared, _ = backend.prepare(
+        oracle.cfg,
+        oracle.params,
+        *data.arrays,
+        dtype=dtype,
+        device=device,
+        strategy=strategy,
+        **data.positions_kwargs,
+        # Blocks that divide none of the cases' token counts, so the recurrence really runs.
+        **({"chunk": CHECK_CHUNK} if strategy == CHUNKED else {}),
+    )
+    return prepared
+
+
 def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _Oracle, uniform: np.ndarray) -> Run:
     case = oracle.case
     run = Run(case.name, Implementation(backend.name, strategy, device), dtype, backend.kind, Status.ERROR)
-    data = oracle.data
     started = time.perf_counter()
     try:
-        prepared, _ = backend.prepare(
-            oracle.cfg,
-            oracle.params,
-            *data.arrays,
-            dtype=dtype,
-            device=device,
-            strategy=strategy,
-            **data.positions_kwargs,
-            # Blocks that divide none of the cases' token counts, so the recurrence really runs.
-            **({"chunk": CHECK_CHUNK} if strategy == CHUNKED else {}),
-        )
+        prepared = _prepare(backend, strategy, device, dtype, oracle)
         output = np.asarray(prepared.output())
     except Exception as error:  # a failing cell is reported and the check goes on
         run.status, run.reason = failure_status(error)
@@ -241,7 +247,57 @@ def _compare_pair(a: Run, b: Run, oracle: _Oracle) -> Pair:
     return pair
 
 
-# -- the check ----------------------------------------------------------------------------
+# -- the job and the check ----------------------------------------------------------------
+class ForwardJob:
+    """The forward check as an engine job (`checks.engine`): oracle, plan, one run, stages, pairs."""
+
+    def oracle(self, case: SpecCase, dtypes) -> tuple[_Oracle, np.ndarray]:
+        oracle = _oracle(case)
+        return oracle, _uniform_fallback_output(oracle)
+
+    def plan(self, case: SpecCase, sel: Selection) -> list[tuple[str, list[Implementation]]]:
+        chosen = {}  # every selected implementation -> the dtypes it runs this case in
+        for backend, strategy, device in sel.implementations():
+            impl = Implementation(backend.name, strategy, device)
+            chosen[impl] = case_dtypes_for(backend, impl, case, sel.dtypes, sel.every_dtype)
+        groups = [(d, [impl for impl, dtypes in chosen.items() if d in dtypes]) for d in sel.dtypes]
+        return [(dtype, impls) for dtype, impls in groups if impls]
+
+    def run(self, backend: Backend, impl: Implementation, dtype: str, oracle) -> Run:
+        return _run_one(backend, impl.strategy, impl.device, dtype, *oracle)
+
+    def portable(self, run: Run) -> Run:
+        """The run without its stage source (a closure over the prepared pass); stages already computed stay."""
+        run.stage_source = None
+        return run
+
+    def stages(self, backend: Backend, impl: Implementation, dtype: str, oracle) -> dict:
+        prepared = _prepare(backend, impl.strategy, impl.device, dtype, oracle[0])
+        return backend.canonical_stages(prepared)
+
+    def pairs(self, runs: list[Run], oracle) -> list[Pair]:
+        compared = [run for run in runs if run.compared]
+        return [_compare_pair(a, b, oracle[0]) for a, b in combinations(compared, 2)]
+
+    def release(self, runs: list[Run]) -> None:
+        for run in runs:  # the stage tensors of this case are no longer needed
+            run.release_stages()
+
+    def failed(self, case: SpecCase, impl: Implementation, dtype: str, kind: str, reason: str) -> Run:
+        return Run(case.name, impl, dtype, kind, Status.ERROR, reason)
+
+    def oracle_failed(self, case: SpecCase, sel: Selection, error: Exception) -> list[Run]:
+        reason = f"oracle failed: {error_line(error)}"
+        return [
+            Run(case.name, Implementation(backend.name), dtype, backend.kind, Status.ERROR, reason)
+            for backend in sel.backends
+            for dtype in sel.dtypes
+        ]
+
+
+FORWARD = ForwardJob()
+
+
 def run_check(
     backends=None,
     strategies=None,
@@ -249,6 +305,8 @@ def run_check(
     dtypes=None,
     cases=None,
     progress: Callable[[str], None] | None = None,
+    executor=None,
+    on_update: Callable[[CheckResult], None] | None = None,
 ) -> CheckResult:
     """Run every selected implementation on every selected case and compare all pairs.
 
@@ -262,7 +320,10 @@ def run_check(
                 dtype it supports (`case_dtypes_for`), so every implementation gets every case;
                 "all": every case in every dtype (the exhaustive product).
     cases:      None (every spec case), names, or SpecCase objects.
-    progress:   called with a short message before each case and dtype.
+    progress:   called with a short message as each case and dtype starts.
+    executor:   None (every run in this process) or an open executor (`engine.executor_for`:
+                a worker pool with time limits), kept by the caller across checks.
+    on_update:  called with the result so far as results arrive, and at the end (`engine.run_job`).
 
     Bad names raise ValueError naming the option, the bad value and the accepted ones.
     """
@@ -276,42 +337,11 @@ def run_check(
     )
     if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
         result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
-    try:
-        for case in sel.cases:
-            _check_case(case, sel, result, progress)
-    except KeyboardInterrupt:
-        result.interrupted = True  # keep what finished; the caller decides how to exit
-    result.seconds = time.perf_counter() - started
+
+    def update(partial: CheckResult) -> None:
+        partial.seconds = time.perf_counter() - started
+        if on_update:
+            on_update(partial)
+
+    run_job(FORWARD, sel, result, executor, progress, update)
     return result
-
-
-def _check_case(case: SpecCase, sel: Selection, result: CheckResult, progress) -> None:
-    try:
-        oracle = _oracle(case)
-        uniform = _uniform_fallback_output(oracle)
-    except Exception as error:  # the oracle itself failed: every run of the case is an error
-        reason = f"oracle failed: {error_line(error)}"
-        for backend in sel.backends:
-            for dtype in sel.dtypes:
-                result.runs.append(
-                    Run(case.name, Implementation(backend.name), dtype, backend.kind, Status.ERROR, reason)
-                )
-        return
-    plan = {}  # every selected implementation -> the dtypes it runs this case in
-    for backend, strategy, device in sel.implementations():
-        impl = Implementation(backend.name, strategy, device)
-        plan[impl] = case_dtypes_for(backend, impl, case, sel.dtypes, sel.every_dtype)
-    backend_of = {backend.name: backend for backend in sel.backends}
-    for dtype in [d for d in sel.dtypes if any(d in chosen for chosen in plan.values())]:
-        if progress:
-            progress(f"{case.name} {dtype}")
-        runs = [
-            _run_one(backend_of[impl.backend], impl.strategy, impl.device, dtype, oracle, uniform)
-            for impl, chosen in plan.items()
-            if dtype in chosen
-        ]
-        result.runs.extend(runs)
-        compared = [run for run in runs if run.compared]
-        result.pairs += [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
-        for run in runs:  # the stage tensors of this case are no longer needed
-            run.release_stages()

@@ -32,6 +32,7 @@ from mha_rosetta.core import (
     GRAD_STAGES,
     MHAGrads,
     allowed_positions,
+    error_line,
     grad_tolerance,
     prepare_inputs,
     reference_mha_vjp,
@@ -41,8 +42,9 @@ from mha_rosetta.core import (
 from .agreement import compare, failure_status
 from .cases import SpecCase
 from .divergence import first_divergence
+from .engine import run_job
 from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError
-from .selection import resolve_selection
+from .selection import Selection, resolve_selection
 
 
 @dataclass
@@ -197,6 +199,47 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
     return pair
 
 
+class GradientJob:
+    """The gradient check as an engine job (`checks.engine`)."""
+
+    def oracle(self, case: SpecCase, dtypes) -> _GradOracle:
+        return _grad_oracle(case, dtypes)
+
+    def plan(self, case: SpecCase, sel: Selection) -> list[tuple[str, list[Implementation]]]:
+        impls = [Implementation(b.name, strategy, device) for b, strategy, device in sel.implementations()]
+        return [(dtype, impls) for dtype in sel.case_dtypes(case)]
+
+    def run(self, backend, impl: Implementation, dtype: str, oracle: _GradOracle) -> GradRun:
+        return _run_one(backend, impl.strategy, impl.device, dtype, oracle)
+
+    def portable(self, run: GradRun) -> GradRun:
+        return run  # numbers and NumPy gradients only
+
+    def pairs(self, runs: list[GradRun], oracle: _GradOracle) -> list[GradPair]:
+        compared = [run for run in runs if run.compared and run.grads is not None]
+        return [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
+
+    def release(self, runs: list[GradRun]) -> None:
+        for run in runs:
+            run.grads = None  # keep the numbers, drop the arrays
+
+    def failed(self, case: SpecCase, impl: Implementation, dtype: str, kind: str, reason: str) -> GradRun:
+        return GradRun(case.name, impl, dtype, kind, Status.ERROR, reason)
+
+    def oracle_failed(self, case: SpecCase, sel: Selection, error: Exception) -> list[GradRun]:
+        reason = f"gradient oracle failed: {error_line(error)}"
+        impls = [Implementation(b.name, strategy, device) for b, strategy, device in sel.implementations()]
+        kinds = {b.name: b.kind for b in sel.backends}
+        return [
+            GradRun(case.name, impl, dtype, kinds[impl.backend], Status.ERROR, reason)
+            for dtype in sel.case_dtypes(case)
+            for impl in impls
+        ]
+
+
+GRADIENT = GradientJob()
+
+
 def run_grad_check(
     backends=None,
     strategies=None,
@@ -204,28 +247,19 @@ def run_grad_check(
     dtypes=None,
     cases=None,
     progress: Callable[[str], None] | None = None,
+    executor=None,
+    on_update: Callable[[GradCheckResult], None] | None = None,
 ) -> GradCheckResult:
     """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
     started = time.perf_counter()
     sel = resolve_selection(backends, strategies, devices, dtypes, cases)
     settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
     result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
-    try:
-        for case in sel.cases:
-            case_dtypes = sel.case_dtypes(case)
-            if not case_dtypes:
-                continue
-            oracle = _grad_oracle(case, case_dtypes)
-            for dtype in case_dtypes:
-                if progress:
-                    progress(f"gradients {case.name} {dtype}")
-                runs = [_run_one(b, strategy, device, dtype, oracle) for b, strategy, device in sel.implementations()]
-                result.runs.extend(runs)
-                compared = [run for run in runs if run.compared and run.grads is not None]
-                result.pairs += [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
-                for run in runs:
-                    run.grads = None  # keep the numbers, drop the arrays
-    except KeyboardInterrupt:
-        result.interrupted = True
-    result.seconds = time.perf_counter() - started
+
+    def update(partial: GradCheckResult) -> None:
+        partial.seconds = time.perf_counter() - started
+        if on_update:
+            on_update(partial)
+
+    run_job(GRADIENT, sel, result, executor, progress and (lambda message: progress(f"gradients {message}")), update)
     return result

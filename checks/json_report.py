@@ -12,6 +12,7 @@ import math
 
 from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.core import TOLERANCES
+from mha_rosetta.core.errors import INTERRUPTED
 
 from .matrices import Cell, Matrix, build_matrices, worst_by_dtype, worst_cases
 from .results import STATUS_MEANING, CheckResult, GradCheckResult, Pair, Run
@@ -144,6 +145,7 @@ def to_json(result: CheckResult) -> dict:
         "runs": [_run_json(run) for run in result.runs],
         "pairs": [_pair_json(pair) for pair in result.pairs],
         "matrices": [_matrix_json(m) for m in build_matrices(result)],
+        "timings": result.timings,
     }
 
 
@@ -153,13 +155,20 @@ def _nums(entry: dict | None) -> dict | None:
     return {k: json_number(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
 
 
-def write_json(result: CheckResult, path: str, grad=None) -> None:
-    """Write the JSON report to ``path`` atomically, or to stdout for "-"; ``grad``: a gradient check too."""
+def write_json(result: CheckResult, path: str, grad=None, partial: bool = False) -> None:
+    """Write the JSON report to ``path`` atomically, or to stdout for "-"; ``grad``: a gradient check too.
+
+    ``partial``: the check is still running (the command rewrites the file as results arrive): the
+    file says ``"interrupted": true`` and exit status 130, which stays true if the check never ends.
+    """
     from mha_rosetta.core.files import write_output
 
     data = to_json(result)
     if grad is not None:
         data["grad"] = grad_to_json(grad)
+    if partial:
+        data["interrupted"], data["exit_status"] = True, INTERRUPTED
+        data["verdict"] = "interrupted: the results that finished are here (the check did not end)"
     write_output(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
@@ -210,4 +219,5 @@ def grad_to_json(result: GradCheckResult) -> dict:
         ],
         "skipped_backends": result.skipped_backends,
         "broken_backends": result.broken_backends,
+        "timings": result.timings,
     }

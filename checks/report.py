@@ -294,3 +294,29 @@ def rich_available() -> bool:
     from mha_rosetta.backends._probe import importable
 
     return importable("rich")
+
+
+def timing_blocks(result: CheckResult, grad=None) -> list[Block]:
+    """``check --timings``: per backend, seconds importing its libraries, compiling and running, per check."""
+    blocks = []
+    for title, timings in (("forward check", result.timings), ("gradient check", grad.timings if grad else {})):
+        if not timings or not timings.get("backends"):
+            continue
+        rows = sorted(
+            timings["backends"].items(), key=lambda item: -sum(item[1][k] for k in ("import", "compile", "run"))
+        )
+        block = Block(
+            f"Timings, {title}: {format_seconds(timings['wall'])} wall with "
+            + (f"{timings['jobs']} worker process(es)" if timings["jobs"] else "every run in this process"),
+            ["backend", "runs", "import", "compile", "run", "total"],
+        )
+        for name, entry in rows:
+            total = entry["import"] + entry["compile"] + entry["run"]
+            cells = [entry["import"], entry["compile"], entry["run"], total]
+            block.rows.append([name, str(entry["runs"]), *(f"{x:.2f} s" for x in cells)])
+        block.notes.append(
+            "seconds summed over the runs (in parallel workers they overlap): import = the backend's libraries in "
+            "each worker that ran it; compile = JAX's compile events (tracing, lowering, XLA); run = the rest"
+        )
+        blocks.append(block)
+    return blocks

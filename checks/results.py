@@ -202,6 +202,7 @@ class CheckResult(Outcome):
     frameworks_without_gpu: dict[str, str] = field(default_factory=dict)
     # What each backend declares about its library's conventions (Backend.known_differences).
     declared_differences: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # where the time went (`engine.run_job`)
 
     def run_counts(self) -> Counter:
         return Counter(run.status for run in self.runs)
@@ -283,6 +284,7 @@ class GradCheckResult(Outcome):
     pairs: list[GradPair] = field(default_factory=list)
     seconds: float = 0.0
     interrupted: bool = False
+    timings: dict = field(default_factory=dict)  # where the time went (`engine.run_job`)
 
     def verdict(self) -> str:
         if self.error_count:

@@ -165,7 +165,7 @@ def run_job(
     kinds = {name: backend.kind for name, backend in backends.items()}
     timings = _Timings(executor)
     pairs: dict[int, list] = {}
-    last_update = time.perf_counter()
+    last_update = -float("inf")  # the first finished group is written at once
 
     def publish() -> None:
         result.runs = [records[i] for i in sorted(records)]
@@ -205,7 +205,7 @@ def run_job(
                 if on_update and time.perf_counter() - last_update >= UPDATE_SECONDS:
                     publish()
                     on_update(result)
-                    last_update = time.perf_counter()
+                    last_update = -float("inf")  # the first finished group is written at once
     except KeyboardInterrupt:
         result.interrupted = True
         executor.close()  # stop the workers now: their runs are not waited for

@@ -338,10 +338,5 @@ def run_check(
     if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
         result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
 
-    def update(partial: CheckResult) -> None:
-        partial.seconds = time.perf_counter() - started
-        if on_update:
-            on_update(partial)
-
-    run_job(FORWARD, sel, result, executor, progress, update)
+    run_job(FORWARD, sel, result, executor, progress, on_update, started)
     return result

@@ -128,13 +128,17 @@ def run_job(
     executor=None,
     progress: Callable[[str], None] | None = None,
     on_update: Callable[[object], None] | None = None,
+    started: float | None = None,
 ) -> None:
     """Fill ``result`` (its ``runs``, ``pairs``, ``timings``, ``interrupted``) with ``job`` over ``sel``.
 
     ``executor``: None (in this process), or an executor the caller keeps open across checks.
     ``on_update(result)`` is called with the finished groups as results arrive (at most once a
-    second) and once at the end. Ctrl-C (KeyboardInterrupt) stops the check; what finished stays.
+    second) and once at the end. Ctrl-C (KeyboardInterrupt) stops the check; the (case, dtype) groups
+    that finished stay, whole, and a group still running is left out.
+    ``started``: the clock (`time.perf_counter`) that ``result.seconds`` counts from (default: now).
     """
+    started = time.perf_counter() if started is None else started
     own = executor is None
     executor = executor or InlineExecutor()
     check = next(_check_ids)
@@ -171,6 +175,7 @@ def run_job(
         result.runs = [records[i] for i in sorted(records)]
         result.pairs = [pair for g in sorted(pairs) for pair in pairs[g]]
         result.timings = timings.as_dict()
+        result.seconds = time.perf_counter() - started
 
     def finish(number: int, group: _Group) -> None:
         group.done = True
@@ -210,9 +215,10 @@ def run_job(
         result.interrupted = True
         executor.close()  # stop the workers now: their runs are not waited for
     finally:
-        for number, group in enumerate(groups):  # an interrupted check: compare what finished
+        for group in groups:  # an interrupted check keeps whole groups only, never half a comparison
             if not group.done:
-                finish(number, group)
+                for index in group.indices:
+                    records.pop(index, None)
         publish()
         if own:
             executor.close()

@@ -256,10 +256,6 @@ def run_grad_check(
     settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
     result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
 
-    def update(partial: GradCheckResult) -> None:
-        partial.seconds = time.perf_counter() - started
-        if on_update:
-            on_update(partial)
-
-    run_job(GRADIENT, sel, result, executor, progress and (lambda message: progress(f"gradients {message}")), update)
+    gradients = progress and (lambda message: progress(f"gradients {message}"))
+    run_job(GRADIENT, sel, result, executor, gradients, on_update, started)
     return result

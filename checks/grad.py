@@ -10,7 +10,7 @@ case's fixed cotangent (`core.default_cotangent`, never all-ones). Every gradien
 - with every other run of the same case and dtype: float64/float32 under the same table,
   half dtypes within the sum of the two sides' half-rule allowances (the triangle inequality).
 
-Statuses are those of the forward check (`checks.agreement.Status`). The direct-reshape
+Statuses are those of the forward check (`checks.results.Status`). The direct-reshape
 mistake must disagree in some gradient; where its gradients happen to agree (one kv head:
 a wrong split undone the same way cancels), its backward or forward stages must still show
 it. A third-party oracle whose only difference is NaN gradients from query rows with nothing
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import combinations
 
 import numpy as np
@@ -32,88 +32,19 @@ from mha_rosetta.core import (
     GRAD_STAGES,
     MHAGrads,
     allowed_positions,
+    error_line,
     grad_tolerance,
     prepare_inputs,
     reference_mha_vjp,
     reference_stages,
 )
 
-from .agreement import (
-    Implementation,
-    Outcome,
-    RunRecord,
-    Status,
-    compare,
-    failure_status,
-    resolve_selection,
-    worst_status,
-)
+from .agreement import compare, failure_status
 from .cases import SpecCase
 from .divergence import first_divergence
-
-
-@dataclass
-class TensorError:
-    """One gradient tensor against the oracle (or another run)."""
-
-    max_abs: float
-    atol: float
-    ok: bool
-    reason: str = ""
-
-
-@dataclass
-class GradRun(RunRecord):
-    tensors: dict[str, TensorError] = field(default_factory=dict)
-    divergent_stage: str | None = None
-    seconds: float = 0.0
-    grads: MHAGrads | None = field(default=None, repr=False)
-
-    @property
-    def compared(self) -> bool:
-        """True when the run produced gradients that were compared (kept after the arrays are dropped)."""
-        return bool(self.tensors) and self.status not in (Status.ERROR, Status.UNSUPPORTED, Status.SKIPPED)
-
-    def worst(self) -> tuple[str, TensorError] | None:
-        """The tensor with the largest error relative to its tolerance."""
-        if not self.tensors:
-            return None
-        return max(self.tensors.items(), key=lambda item: item[1].max_abs / max(item[1].atol, 1e-300))
-
-
-@dataclass
-class GradPair:
-    case: str
-    a: GradRun
-    b: GradRun
-    dtype: str
-    status: Status
-    tensor: str
-    max_abs: float
-    reason: str = ""
-
-
-@dataclass
-class GradCheckResult(Outcome):
-    settings: dict
-    cases: list[SpecCase]
-    skipped_backends: dict[str, str]
-    broken_backends: dict[str, str]
-    runs: list[GradRun] = field(default_factory=list)
-    pairs: list[GradPair] = field(default_factory=list)
-    seconds: float = 0.0
-    interrupted: bool = False
-
-    def verdict(self) -> str:
-        if self.error_count:
-            return f"gradients: ERROR: {self.error_count} run(s) or backend(s) raised an exception"
-        if self.nothing_checked:
-            return "gradients: nothing was checked"
-        if self.failures():
-            return f"gradients: FAIL: {len(self.failures())} failing comparison(s)"
-        return (
-            "gradients: OK: every implementation agrees or has a named known difference; every known mistake is caught"
-        )
+from .engine import run_job
+from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError
+from .selection import Selection, resolve_selection
 
 
 @dataclass
@@ -268,6 +199,47 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
     return pair
 
 
+class GradientJob:
+    """The gradient check as an engine job (`checks.engine`)."""
+
+    def oracle(self, case: SpecCase, dtypes) -> _GradOracle:
+        return _grad_oracle(case, dtypes)
+
+    def plan(self, case: SpecCase, sel: Selection) -> list[tuple[str, list[Implementation]]]:
+        impls = [Implementation(b.name, strategy, device) for b, strategy, device in sel.implementations()]
+        return [(dtype, impls) for dtype in sel.case_dtypes(case)]
+
+    def run(self, backend, impl: Implementation, dtype: str, oracle: _GradOracle) -> GradRun:
+        return _run_one(backend, impl.strategy, impl.device, dtype, oracle)
+
+    def portable(self, run: GradRun) -> GradRun:
+        return run  # numbers and NumPy gradients only
+
+    def pairs(self, runs: list[GradRun], oracle: _GradOracle) -> list[GradPair]:
+        compared = [run for run in runs if run.compared and run.grads is not None]
+        return [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
+
+    def release(self, runs: list[GradRun]) -> None:
+        for run in runs:
+            run.grads = None  # keep the numbers, drop the arrays
+
+    def failed(self, case: SpecCase, impl: Implementation, dtype: str, kind: str, reason: str) -> GradRun:
+        return GradRun(case.name, impl, dtype, kind, Status.ERROR, reason)
+
+    def oracle_failed(self, case: SpecCase, sel: Selection, error: Exception) -> list[GradRun]:
+        reason = f"gradient oracle failed: {error_line(error)}"
+        impls = [Implementation(b.name, strategy, device) for b, strategy, device in sel.implementations()]
+        kinds = {b.name: b.kind for b in sel.backends}
+        return [
+            GradRun(case.name, impl, dtype, kinds[impl.backend], Status.ERROR, reason)
+            for dtype in sel.case_dtypes(case)
+            for impl in impls
+        ]
+
+
+GRADIENT = GradientJob()
+
+
 def run_grad_check(
     backends=None,
     strategies=None,
@@ -275,181 +247,15 @@ def run_grad_check(
     dtypes=None,
     cases=None,
     progress: Callable[[str], None] | None = None,
+    executor=None,
+    on_update: Callable[[GradCheckResult], None] | None = None,
 ) -> GradCheckResult:
     """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
     started = time.perf_counter()
     sel = resolve_selection(backends, strategies, devices, dtypes, cases)
     settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
     result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
-    try:
-        for case in sel.cases:
-            case_dtypes = sel.case_dtypes(case)
-            if not case_dtypes:
-                continue
-            oracle = _grad_oracle(case, case_dtypes)
-            for dtype in case_dtypes:
-                if progress:
-                    progress(f"gradients {case.name} {dtype}")
-                runs = [_run_one(b, strategy, device, dtype, oracle) for b, strategy, device in sel.implementations()]
-                result.runs.extend(runs)
-                compared = [run for run in runs if run.compared and run.grads is not None]
-                result.pairs += [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
-                for run in runs:
-                    run.grads = None  # keep the numbers, drop the arrays
-    except KeyboardInterrupt:
-        result.interrupted = True
-    result.seconds = time.perf_counter() - started
+
+    gradients = progress and (lambda message: progress(f"gradients {message}"))
+    run_job(GRADIENT, sel, result, executor, gradients, on_update, started)
     return result
-
-
-# -- report ---------------------------------------------------------------------------------
-def _fmt(value: float) -> str:
-    return "inf" if not np.isfinite(value) else ("0" if value == 0 else f"{value:.0e}")
-
-
-def worst_by_dtype(result: GradCheckResult) -> dict[str, dict[str, dict]]:
-    """dtype -> implementation -> worst (tensor, case, max abs, atol, status) against the oracle."""
-    table: dict[str, dict[str, dict]] = {}
-    for run in result.runs:
-        if not run.compared:
-            continue
-        name, error = run.worst()
-        entry = table.setdefault(run.dtype, {}).get(run.label)
-        ratio = error.max_abs / max(error.atol, 1e-300)
-        status = worst_status([run.status] + ([entry["status"]] if entry else []))
-        if entry is None or ratio > entry["ratio"]:
-            entry = {"tensor": name, "case": run.case, "max_abs": error.max_abs, "atol": error.atol, "ratio": ratio}
-        entry["status"] = status
-        table[run.dtype][run.label] = entry
-    return table
-
-
-def grad_report_blocks(result: GradCheckResult) -> list:
-    """One block per dtype: each implementation's worst gradient error against the oracle, and the pairs."""
-    from mha_rosetta.core import DTYPE_NAMES
-
-    from .report import MARKERS, Block
-
-    blocks = []
-    pair_worst: dict[tuple[str, str, str], tuple[float, Status]] = {}
-    for pair in result.pairs:
-        key = (pair.dtype, pair.a.label, pair.b.label)
-        old = pair_worst.get(key, (0.0, Status.AGREE))
-        pair_worst[key] = (max(old[0], pair.max_abs), worst_status([old[1], pair.status]))
-    for dtype, rows in sorted(worst_by_dtype(result).items(), key=lambda item: DTYPE_NAMES.index(item[0])):
-        labels = list(rows)
-        rule = "half rule: 2x the rounded spec path + 1 ulp" if dtype in ("float16", "bfloat16") else "GRAD_TOLERANCES"
-        block = Block(
-            f"{dtype} gradients: worst over all cases and gradient tensors ({rule})",
-            ["#", "implementation", "oracle abs", "allowed", "tensor", "case"]
-            + [str(i + 1) for i in range(len(labels))],
-        )
-        for i, label in enumerate(labels):
-            entry = rows[label]
-            row = [
-                str(i + 1),
-                label,
-                _fmt(entry["max_abs"]) + MARKERS.get(entry["status"], ""),
-                _fmt(entry["atol"]),
-                entry["tensor"],
-                entry["case"],
-            ]
-            for j, other in enumerate(labels):
-                if i == j:
-                    row.append("·")
-                    continue
-                found = pair_worst.get((dtype, label, other)) or pair_worst.get((dtype, other, label))
-                row.append("" if found is None or j > i else _fmt(found[0]) + MARKERS.get(found[1], ""))
-            block.rows.append(row)
-        block.notes.append(
-            "oracle abs: the largest max abs error of any gradient tensor, relative to its allowance; lower triangle: "
-            "max abs difference between two implementations; ~ known difference, * caught (known mistake), "
-            "! DISAGREE, ? MISSED"
-        )
-        blocks.append(block)
-    named = [
-        run
-        for run in result.runs
-        if run.status in (Status.KNOWN_DIFFERENCE, Status.DISAGREE, Status.MISSED, Status.ERROR)
-    ]
-    named += [run for run in result.runs if run.status is Status.CAUGHT and "happen to agree" in run.reason]
-    if named:
-        block = Block(
-            "Gradients: named differences, problems and mistakes caught only at a stage",
-            ["status", "implementation", "case", "dtype", "reason"],
-        )
-        block.rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in named]
-        blocks.append(block)
-    unsupported = sorted(
-        {(r.label, r.reason) for r in result.runs if r.status is Status.UNSUPPORTED and "backward" in r.reason}
-    )
-    if unsupported:
-        block = Block("Gradients: implementations without a backward pass", ["implementation", "reason"])
-        block.rows = [[label, reason] for label, reason in unsupported]
-        blocks.append(block)
-    return blocks
-
-
-def grad_summary_lines(result: GradCheckResult) -> list[str]:
-    from collections import Counter
-
-    runs = Counter(str(run.status) for run in result.runs)
-    pairs = Counter(str(pair.status) for pair in result.pairs)
-    return [
-        f"gradients: {len(result.cases)} case(s), {len(result.runs)} run(s) in {result.seconds:.1f} s",
-        "gradients against the oracle: " + ", ".join(f"{k} {v}" for k, v in sorted(runs.items())),
-        "gradients between implementations: " + ", ".join(f"{k} {v}" for k, v in sorted(pairs.items())),
-        result.verdict() + f" (exit status {result.exit_status})",
-    ]
-
-
-def grad_to_json(result: GradCheckResult) -> dict:
-    """The ``grad`` section of ``mha-rosetta check --grad --json``."""
-    from .report import json_number, run_identity_json
-
-    return {
-        "settings": result.settings,
-        "exit_status": result.exit_status,
-        "verdict": result.verdict(),
-        "seconds": result.seconds,
-        "worst_by_dtype": {
-            dtype: {
-                label: {
-                    **entry,
-                    "status": str(entry["status"]),
-                    "max_abs": json_number(entry["max_abs"]),
-                    "ratio": json_number(entry["ratio"]),
-                }
-                for label, entry in rows.items()
-            }
-            for dtype, rows in worst_by_dtype(result).items()
-        },
-        "runs": [
-            {
-                **run_identity_json(run),
-                "status": str(run.status),
-                "reason": run.reason,
-                "divergent_stage": run.divergent_stage,
-                "tensors": {
-                    name: {"max_abs": json_number(t.max_abs), "atol": t.atol, "ok": t.ok}
-                    for name, t in run.tensors.items()
-                },
-            }
-            for run in result.runs
-        ],
-        "pairs": [
-            {
-                "case": p.case,
-                "a": p.a.label,
-                "b": p.b.label,
-                "dtype": p.dtype,
-                "status": str(p.status),
-                "tensor": p.tensor,
-                "max_abs": json_number(p.max_abs),
-                "reason": p.reason,
-            }
-            for p in result.pairs
-        ],
-        "skipped_backends": result.skipped_backends,
-        "broken_backends": result.broken_backends,
-    }

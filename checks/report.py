@@ -1,8 +1,8 @@
 """The agreement report: matrices, named differences, problems and a summary; text, Markdown, JSON.
 
 The report is built once as a list of neutral `Block`s (a title, a table, notes) and then
-rendered three ways: rich tables when rich is installed and colour helps, plain text
-otherwise, and Markdown for documents. The JSON form (`to_json`) is separate and
+rendered three ways (this module): rich tables when rich is installed and colour helps, plain text
+otherwise, and Markdown for documents. The JSON form (`checks.json_report.to_json`) is separate and
 versioned by `SCHEMA_VERSION`; non-finite numbers appear in it as the strings "inf",
 "-inf" and "nan", because JSON has no literal for them.
 
@@ -16,15 +16,11 @@ says which status that is.
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
-from mha_rosetta.backends.versions import library_versions
-from mha_rosetta.core import DTYPE_NAMES, TOLERANCES
+from mha_rosetta.core import TOLERANCES
 from mha_rosetta.core.tables import (
     Table,
     output_width,
@@ -34,9 +30,10 @@ from mha_rosetta.core.tables import (
 )
 from mha_rosetta.core.tables import render_markdown as markdown_lines
 from mha_rosetta.core.tables import render_plain as render_tables
-from mha_rosetta.report.provenance import provenance
 
-from .agreement import SEVERITY, STATUS_MEANING, CheckResult, Pair, Run, Status, worst_status
+from .json_report import json_number
+from .matrices import Matrix, build_matrices, worst_cases
+from .results import SEVERITY, CheckResult, Run, Status
 
 SCHEMA_VERSION = 1
 MARKERS = {
@@ -59,75 +56,6 @@ RICH_STYLES = {
 }
 LEGEND = "markers: ~ known difference, * caught (known mistake), ! DISAGREE, ? MISSED (mistake not caught), E error"
 MAX_LISTED = 25  # longer lists are cut in the text report (the JSON has everything)
-
-
-# -- aggregation ------------------------------------------------------------------------
-@dataclass
-class Cell:
-    """Worst values and most severe status over the comparisons folded into one cell."""
-
-    statuses: set = field(default_factory=set)
-    max_abs: float | None = None
-    max_rel: float | None = None
-
-    def add(self, status: Status, max_abs: float | None, max_rel: float | None) -> None:
-        self.statuses.add(status)
-        self.max_abs = _worse(self.max_abs, max_abs)
-        self.max_rel = _worse(self.max_rel, max_rel)
-
-    @property
-    def status(self) -> Status | None:
-        return worst_status(self.statuses)
-
-
-def _worse(current: float | None, new: float | None) -> float | None:
-    if new is None:
-        return current
-    if current is None or math.isnan(new) or new > current:
-        return new
-    return current
-
-
-@dataclass
-class Matrix:
-    """The agreement matrix of one dtype (and one case, or every case aggregated)."""
-
-    dtype: str
-    case: str | None
-    labels: list[str]
-    oracle: dict[str, Cell]
-    cells: dict[tuple[str, str], Cell]  # both orders of every pair point at one Cell
-
-
-def build_matrices(result: CheckResult, per_case: bool = False) -> list[Matrix]:
-    """One matrix per dtype (aggregated over cases), or per (case, dtype) with ``per_case``."""
-    groups: dict[tuple, list[Run]] = defaultdict(list)
-    for run in result.runs:
-        if run.compared:
-            groups[(run.case if per_case else None, run.dtype)].append(run)
-    pair_groups: dict[tuple, list[Pair]] = defaultdict(list)
-    for pair in result.pairs:
-        pair_groups[(pair.case if per_case else None, pair.a.dtype)].append(pair)
-    # Every case walks backends, strategies and devices in the same order, so the order in
-    # which labels first appear (unsupported runs included) is the same in every matrix.
-    order = {label: i for i, label in enumerate(dict.fromkeys(run.label for run in result.runs))}
-    matrices = []
-    for (case, dtype), runs in groups.items():
-        labels = sorted({run.label for run in runs}, key=order.__getitem__)
-        oracle: dict[str, Cell] = defaultdict(Cell)
-        for run in runs:
-            oracle[run.label].add(run.status, run.max_abs, run.max_rel)
-        cells: dict[tuple[str, str], Cell] = {}
-        for pair in pair_groups[(case, dtype)]:
-            key = (pair.a.label, pair.b.label)
-            cell = cells.get(key) or cells.setdefault(key[::-1], Cell())
-            cells[key] = cell
-            cell.add(pair.status, pair.max_abs, pair.max_rel)
-        matrices.append(Matrix(dtype, case, labels, dict(oracle), cells))
-    case_order = [case.name for case in result.cases]
-    # Cases in the order they ran, dtypes from the most to the least precise.
-    return sorted(matrices, key=lambda m: (case_order.index(m.case) if m.case else 0, DTYPE_NAMES.index(m.dtype)))
-
 
 # -- neutral blocks (`core.tables.Table`), rendered three ways ---------------------------
 Block = Table  # a report block is a table; blocks without columns are headings
@@ -277,39 +205,6 @@ def _problem_blocks(result: CheckResult) -> list[Block]:
     return blocks
 
 
-def worst_cases(result: CheckResult) -> list[dict]:
-    """Per dtype: the largest error among agreeing comparisons with the oracle and between pairs."""
-    rows = []
-    for dtype in [d for d in DTYPE_NAMES if any(run.dtype == d for run in result.runs)]:
-        runs = [r for r in result.runs if r.dtype == dtype and r.status is Status.AGREE]
-        pairs = [p for p in result.pairs if p.a.dtype == dtype and p.status is Status.AGREE]
-        worst_run = max(runs, key=lambda r: r.max_abs, default=None)
-        worst_pair = max(pairs, key=lambda p: p.max_abs, default=None)
-        rows.append(
-            {
-                "dtype": dtype,
-                "tolerance": {"atol": TOLERANCES[dtype].atol, "rtol": TOLERANCES[dtype].rtol},
-                "vs_oracle": None
-                if worst_run is None
-                else {
-                    "implementation": worst_run.label,
-                    "case": worst_run.case,
-                    "max_abs": worst_run.max_abs,
-                    "max_rel": worst_run.max_rel,
-                },
-                "pair": None
-                if worst_pair is None
-                else {
-                    "implementations": [worst_pair.a.label, worst_pair.b.label],
-                    "case": worst_pair.case,
-                    "max_abs": worst_pair.max_abs,
-                    "max_rel": worst_pair.max_rel,
-                },
-            }
-        )
-    return rows
-
-
 def _worst_block(result: CheckResult) -> Block:
     block = Block(
         "Worst agreeing errors (how close to the tolerance the passing comparisons came)",
@@ -401,149 +296,27 @@ def rich_available() -> bool:
     return importable("rich")
 
 
-# -- JSON -------------------------------------------------------------------------------
-def json_number(value: float | None):
-    if value is None:
-        return None
-    value = float(value)
-    if math.isnan(value):
-        return "nan"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return value
-
-
-def run_identity_json(run) -> dict:
-    """The keys that say which run a JSON entry is, shared by the forward and the gradient check (`checks.grad`)."""
-    return {
-        "case": run.case,
-        "implementation": run.label,
-        "backend": run.impl.backend,
-        "strategy": run.impl.strategy,
-        "device": run.impl.device,
-        "dtype": run.dtype,
-        "kind": run.kind,
-    }
-
-
-def _run_json(run: Run) -> dict:
-    return {
-        **run_identity_json(run),
-        "known_mistake": run.impl.known_mistake,
-        "status": str(run.status),
-        "reason": run.reason,
-        "max_abs": json_number(run.max_abs),
-        "max_rel": json_number(run.max_rel),
-        "tolerance": None if run.tolerance is None else {"atol": run.tolerance.atol, "rtol": run.tolerance.rtol},
-        "first_divergence": None if run.divergence is None else _divergence_json(run.divergence),
-        "info": run.info,
-        "seconds": run.seconds,
-    }
-
-
-def _divergence_json(divergence) -> dict:
-    data = divergence.as_dict()
-    data["max_abs"], data["max_rel"] = json_number(data["max_abs"]), json_number(data["max_rel"])
-    return data
-
-
-def _pair_json(pair: Pair) -> dict:
-    data = {
-        "case": pair.case,
-        "dtype": pair.dtype,
-        "a": pair.a.label,
-        "b": pair.b.label,
-        "status": str(pair.status),
-        "max_abs": json_number(pair.max_abs),
-        "max_rel": json_number(pair.max_rel),
-    }
-    if pair.reason:
-        data["reason"] = pair.reason
-    if pair.divergence:
-        data["first_divergence"] = _divergence_json(pair.divergence)
-    return data
-
-
-def _cell_json(cell: Cell | None, attribute: str):
-    if cell is None:
-        return None
-    return str(cell.status) if attribute == "status" else json_number(getattr(cell, attribute))
-
-
-def _matrix_json(matrix: Matrix) -> dict:
-    labels = matrix.labels
-
-    def grid(attribute: str) -> list[list]:
-        # Row a, column b: the comparison of a with b (symmetric; None on the diagonal).
-        return [[_cell_json(matrix.cells.get((a, b)) if a != b else None, attribute) for b in labels] for a in labels]
-
-    return {
-        "dtype": matrix.dtype,
-        "case": matrix.case,
-        "labels": labels,
-        "oracle": [
-            {
-                "implementation": label,
-                "status": _cell_json(matrix.oracle[label], "status"),
-                "max_abs": _cell_json(matrix.oracle[label], "max_abs"),
-                "max_rel": _cell_json(matrix.oracle[label], "max_rel"),
-            }
-            for label in labels
-        ],
-        "max_abs": grid("max_abs"),
-        "max_rel": grid("max_rel"),
-        "status": grid("status"),
-    }
-
-
-def to_json(result: CheckResult) -> dict:
-    """The whole result as plain JSON data (schema `SCHEMA_VERSION`)."""
-    return {
-        "schema": SCHEMA_VERSION,
-        "tool": "mha-rosetta check",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "exit_status": result.exit_code,
-        "verdict": result.verdict(),
-        "interrupted": result.interrupted,
-        "seconds": result.seconds,
-        "settings": result.settings,
-        "versions": library_versions(),
-        "provenance": provenance(),  # mha_rosetta.report.provenance: commit, host, CPU, command line
-        "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
-        "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
-        "summary": {
-            "runs": {str(s): n for s, n in result.run_counts().items()},
-            "pairs": {str(s): n for s, n in result.pair_counts().items()},
-            "worst": [
-                {**row, "vs_oracle": _nums(row["vs_oracle"]), "pair": _nums(row["pair"])} for row in worst_cases(result)
-            ],
-        },
-        "skipped_backends": [{"backend": name, "reason": reason} for name, reason in result.skipped_backends.items()],
-        "broken_backends": [{"backend": name, "error": error} for name, error in result.broken_backends.items()],
-        "frameworks_without_gpu": [
-            {"framework": name, "error": error} for name, error in result.frameworks_without_gpu.items()
-        ],
-        "declared_differences": {name: list(notes) for name, notes in result.declared_differences.items()},
-        "cases": [case.as_dict() for case in result.cases],
-        "runs": [_run_json(run) for run in result.runs],
-        "pairs": [_pair_json(pair) for pair in result.pairs],
-        "matrices": [_matrix_json(m) for m in build_matrices(result)],
-    }
-
-
-def _nums(entry: dict | None) -> dict | None:
-    if entry is None:
-        return None
-    return {k: json_number(v) if k in ("max_abs", "max_rel") else v for k, v in entry.items()}
-
-
-def write_json(result: CheckResult, path: str, grad=None) -> None:
-    """Write the JSON report to ``path`` atomically, or to stdout for "-"; ``grad``: a gradient check too."""
-    from mha_rosetta.core.files import write_output
-
-    data = to_json(result)
-    if grad is not None:
-        from .grad import grad_to_json
-
-        data["grad"] = grad_to_json(grad)
-    write_output(path, json.dumps(data, indent=1, default=str) + "\n")
+def timing_blocks(result: CheckResult, grad=None) -> list[Block]:
+    """``check --timings``: per backend, seconds importing its libraries, compiling and running, per check."""
+    blocks = []
+    for title, timings in (("forward check", result.timings), ("gradient check", grad.timings if grad else {})):
+        if not timings or not timings.get("backends"):
+            continue
+        rows = sorted(
+            timings["backends"].items(), key=lambda item: -sum(item[1][k] for k in ("import", "compile", "run"))
+        )
+        block = Block(
+            f"Timings, {title}: {format_seconds(timings['wall'])} wall with "
+            + (f"{timings['jobs']} worker process(es)" if timings["jobs"] else "every run in this process"),
+            ["backend", "runs", "import", "compile", "run", "total"],
+        )
+        for name, entry in rows:
+            total = entry["import"] + entry["compile"] + entry["run"]
+            cells = [entry["import"], entry["compile"], entry["run"], total]
+            block.rows.append([name, str(entry["runs"]), *(f"{x:.2f} s" for x in cells)])
+        block.notes.append(
+            "seconds summed over the runs (in parallel workers they overlap): import = the backend's libraries in "
+            "each worker that ran it; compile = JAX's compile events (tracing, lowering, XLA); run = the rest"
+        )
+        blocks.append(block)
+    return blocks

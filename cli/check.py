@@ -9,7 +9,14 @@ raised, a bad option, or nothing checked at all); 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from contextlib import contextmanager
+
+# Seconds one run may take: the slowest run of the default check (a sharded backend's first
+# run, which starts its processes, or a first JAX compilation) takes a few seconds.
+DEFAULT_TIMEOUT = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +61,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print only problems, skips and the summary")
     parser.add_argument("--list", action="store_true", help="list the spec cases and the backends, then exit")
     parser.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="worker processes that run the runs (default: the cores this process may use); 0 runs everything in "
+        "this process, without time limits",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds one run may take before its worker is killed and the run reported as an error "
+        f"(default: {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="print where the time went: per backend, import, compile and run seconds (also in --json)",
+    )
+    parser.add_argument(
+        "--no-jax-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache ($XDG_CACHE_HOME/mha-rosetta/jax-cache; "
+        "also off with MHA_ROSETTA_JAX_CACHE=0)",
+    )
+    parser.add_argument(
         "--grad",
         action="store_true",
         help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
@@ -80,6 +113,10 @@ def _list(out) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.checks import run_check
+    from mha_rosetta.checks.engine import executor_for
+    from mha_rosetta.checks.grad import run_grad_check
+    from mha_rosetta.checks.grad_report import grad_report_blocks, grad_summary_lines
+    from mha_rosetta.checks.json_report import write_json
     from mha_rosetta.checks.report import (
         output_width,
         print_rich,
@@ -88,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         report_blocks,
         rich_available,
         summary_lines,
-        write_json,
+        timing_blocks,
     )
 
     # With the JSON on stdout, the human-readable report moves to stderr.
@@ -116,23 +153,46 @@ def run(args: argparse.Namespace) -> int:
     selection = dict(
         backends=backends, strategies=args.strategies, devices=args.devices, dtypes=args.dtypes, cases=args.cases
     )
+    jobs = len(os.sched_getaffinity(0)) if args.jobs is None else args.jobs
+    if jobs < 0 or not args.timeout > 0:
+        what = f"--jobs: expected 0 or more, got {jobs}" if jobs < 0 else f"--timeout: expected > 0, got {args.timeout}"
+        print(f"mha-rosetta check: error: {what}", file=sys.stderr)
+        return 2
+    # --json is rewritten as results arrive (atomically), marked interrupted until the check ends,
+    # so a check stopped by anything (Ctrl-C, SIGTERM, SIGKILL) leaves a valid JSON of what finished.
+    finished: dict = {}
+
+    def save(forward=None, grad=None, final: bool = False) -> None:
+        if not args.json or args.json == "-":
+            return
+        forward = forward or finished.get("forward")
+        grad = grad or finished.get("grad")
+        write_json(forward, args.json, grad, partial=not final)
+
     try:
-        result = run_check(**selection, progress=progress)
+        with executor_for(jobs, timeout=args.timeout, cache=False if args.no_jax_cache else None) as executor:
+            with _sigterm_as_interrupt():
+                result = run_check(**selection, progress=progress, executor=executor, on_update=save)
+                finished["forward"] = result
+                _clear_progress(progress)
+                grad = None
+                if args.grad and not result.interrupted:  # the gradient check on the same selection and workers
+                    grad = run_grad_check(
+                        **selection, progress=progress, executor=executor, on_update=lambda g: save(result, g)
+                    )
+                    finished["grad"] = grad
+                    _clear_progress(progress)
     except ValueError as error:
         print(f"mha-rosetta check: error: {error}", file=sys.stderr)
         return 2
-    _clear_progress(progress)
 
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
-    grad = None
-    if args.grad and not result.interrupted:  # the gradient check on the same selection (`checks.grad`)
-        from mha_rosetta.checks.grad import grad_report_blocks, grad_summary_lines, run_grad_check
-
-        grad = run_grad_check(**selection, progress=progress)
-        _clear_progress(progress)
+    if grad is not None:
         blocks += grad_report_blocks(grad)
         summary += grad_summary_lines(grad)
+    if args.timings:
+        blocks += timing_blocks(result, grad)
     if args.markdown:
         out.write(render_markdown(blocks, summary))
     elif rich_available() and not args.plain:
@@ -145,6 +205,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}", file=out)
     # The worse of the two: INTERRUPTED (130) outranks 2 (error), 1 (failure) and 0.
     return max(result.exit_code, 0 if grad is None else grad.exit_code)
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM stops the check as Ctrl-C does (the engine keeps what finished and stops the workers)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave the signal alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _clear_progress(progress) -> None:

@@ -20,6 +20,43 @@ from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare
 CASES: list[SpecCase] = list(SPEC_CASES.values())
 CASE_BY_NAME = SPEC_CASES
 DTYPES = ("float64", "float32", "float16", "bfloat16")
+# The spec's core cases: every implementation must run each of them in at least one dtype
+# (plain self-attention, cross-attention, GQA, causal, padding).
+CORE_CASES = ("self_attention", "cross_attention", "gqa", "causal", "padding")
+
+
+def coverage_shortfall(backend, strategy: str, device: str = "cpu") -> dict[str, str]:
+    """The core cases ``backend`` refuses in every dtype, each with its reasons; empty when it covers them all.
+
+    The rule of the registry suite: an adapter that declares a core case unsupported in
+    every dtype would otherwise pass it by skipping, so it fails here instead.
+    """
+    shortfall = {}
+    for name in CORE_CASES:
+        reasons = [backend.unsupported_reason(SPEC_CASES[name].cfg, dtype, device, strategy) for dtype in DTYPES]
+        if all(reasons):
+            shortfall[name] = "; ".join(dict.fromkeys(reasons))
+    return shortfall
+
+
+# The one exemption, by name and by reason: tensor parallelism over a fixed world of 2 ranks
+# gives every rank whole heads, so it cannot run the 3-head core cases; it must run the others.
+WHOLE_HEADS_PER_RANK = {"torch-tp": "does not divide n_heads"}
+
+
+def required_core_cases(name: str, backend, strategy: str) -> set[str]:
+    """The core cases an implementation must run; fails (AssertionError) when it refuses one it may not.
+
+    Every core case, except for an exempted backend (`WHOLE_HEADS_PER_RANK`) the cases it refuses
+    for exactly that reason; an exempted backend must still run at least one.
+    """
+    shortfall = coverage_shortfall(backend, strategy)
+    exempt = WHOLE_HEADS_PER_RANK.get(name)
+    allowed = {case for case, reason in shortfall.items() if exempt and exempt in reason}
+    assert set(shortfall) == allowed, f"{name}:{strategy} refuses core cases in every dtype: {shortfall}"
+    required = set(CORE_CASES) - allowed
+    assert required, f"{name}:{strategy} runs no core case at all"
+    return required
 
 
 def first_differing_stage(stages: dict, reference: dict, dtype: str) -> str | None:

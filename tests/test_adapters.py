@@ -13,13 +13,25 @@ from __future__ import annotations
 import pytest
 from adapter_cases import (
     CASES,
+    CORE_CASES,
     DTYPES,
     assert_direct_reshape_is_caught_at_q_heads,
     assert_every_stage_matches_reference,
     assert_output_matches_reference,
+    coverage_shortfall,
+    required_core_cases,
 )
 
-from mha_rosetta.backends import DIRECT_RESHAPE, KNOWN_WRONG_STRATEGIES, REGISTRY, get_backend, missing_backends
+from mha_rosetta.backends import (
+    DIRECT_RESHAPE,
+    KNOWN_WRONG_STRATEGIES,
+    REGISTRY,
+    STANDARD,
+    Backend,
+    get_backend,
+    missing_backends,
+    register,
+)
 
 
 def _backend_params(strategies: str) -> list:
@@ -67,3 +79,35 @@ def test_every_stage_matches_reference(name, strategy, case, dtype):
 @pytest.mark.parametrize(("name", "strategy"), _backend_params("mistake"))
 def test_direct_reshape_mistake_is_caught_at_q_heads(name, strategy, case, dtype):
     assert_direct_reshape_is_caught_at_q_heads(_backend(name, case, dtype, strategy), case, dtype)
+
+
+@pytest.mark.parametrize(("name", "strategy"), _backend_params("correct"))
+def test_every_implementation_runs_the_core_cases(name, strategy):
+    """The skips above may not add up to nothing: each core case runs in at least one dtype."""
+    required_core_cases(name, get_backend(name), strategy)
+
+
+class RefusesEverything(Backend):
+    """An adapter that declares every case unsupported: the registry suite would skip it throughout."""
+
+    def unsupported_reason(self, cfg, dtype, device, strategy):
+        return "this adapter supports nothing"
+
+    def _prepare(self, cfg, params, inputs, dtype, device, strategy):
+        raise AssertionError("never reached: every case is refused")
+
+
+def test_the_coverage_rule_rejects_an_adapter_that_refuses_every_core_case():
+    register("refuses-everything", RefusesEverything)
+    try:
+        # It shows up as a parameter of the suite like any registered implementation ...
+        assert "refuses-everything:standard" in [p.id for p in _backend_params("correct")]
+        # ... each of its output tests would skip, and the coverage rule names every core case, with the reason.
+        shortfall = coverage_shortfall(get_backend("refuses-everything"), STANDARD)
+        assert shortfall == dict.fromkeys(CORE_CASES, "this adapter supports nothing")
+        with pytest.raises(AssertionError, match="refuses core cases in every dtype"):
+            required_core_cases("refuses-everything", get_backend("refuses-everything"), STANDARD)
+    finally:
+        del REGISTRY["refuses-everything"]
+    # A real adapter passes the same rule (the numpy backend runs every core case).
+    assert coverage_shortfall(get_backend("numpy"), STANDARD) == {}

@@ -17,15 +17,9 @@ import pytest
 
 from mha_rosetta.backends import DIRECT_RESHAPE, STANDARD, Backend, Prepared, StageTensor
 from mha_rosetta.checks import SPEC_CASES, Status, first_divergence, get_cases, run_check
-from mha_rosetta.checks.report import (
-    SCHEMA_VERSION,
-    build_matrices,
-    render_markdown,
-    render_plain,
-    report_blocks,
-    summary_lines,
-    to_json,
-)
+from mha_rosetta.checks.json_report import SCHEMA_VERSION, to_json
+from mha_rosetta.checks.matrices import build_matrices
+from mha_rosetta.checks.report import render_markdown, render_plain, report_blocks, summary_lines
 from mha_rosetta.cli.main import main
 from mha_rosetta.core import STAGE_BY_NAME, allowed_positions, numpy_dtype, reference_stages, softmax_with_empty_rows
 
@@ -456,7 +450,7 @@ def test_markdown_has_the_matrix_and_the_summary():
 
 # -- the command line -------------------------------------------------------------------------
 def test_cli_exit_codes_and_atomic_json(tmp_path, monkeypatch, capsys):
-    from mha_rosetta.checks import agreement
+    from mha_rosetta.checks import selection
 
     path = tmp_path / "check.json"
     fakes = {
@@ -464,9 +458,9 @@ def test_cli_exit_codes_and_atomic_json(tmp_path, monkeypatch, capsys):
         "wrong": [good(), FakeBackend("fake-noscale", scale=1.0)],
         "broken": [FakeBackend("x", fail=True)],
     }
-    real_resolve = agreement.resolve_backends
+    real_resolve = selection.resolve_backends
     monkeypatch.setattr(
-        agreement,
+        selection,
         "resolve_backends",
         lambda names: (fakes[names[0]], {}, {}) if names and names[0] in fakes else real_resolve(names),
     )
@@ -483,9 +477,9 @@ def test_cli_exit_codes_and_atomic_json(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_json_to_stdout_keeps_stdout_pure(monkeypatch, capsys):
-    from mha_rosetta.checks import agreement
+    from mha_rosetta.checks import selection
 
-    monkeypatch.setattr(agreement, "resolve_backends", lambda names: ([good()], {}, {}))
+    monkeypatch.setattr(selection, "resolve_backends", lambda names: ([good()], {}, {}))
     assert main(["check", "--cases", "self_attention", "--dtypes", "float64", "--json", "-", "--plain"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["summary"]["runs"] == {"agree": 1, "caught": 1}
@@ -514,7 +508,7 @@ class InterruptingBackend(FakeBackend):
 
 
 def test_ctrl_c_keeps_finished_results_and_exits_130(tmp_path, monkeypatch):
-    from mha_rosetta.checks import agreement
+    from mha_rosetta.checks import selection
 
     cases = cases_in(["float64"], "self_attention", "gqa")
     result = run_check(backends=[good(), InterruptingBackend("fake-ctrl-c")], cases=cases)
@@ -523,9 +517,23 @@ def test_ctrl_c_keeps_finished_results_and_exits_130(tmp_path, monkeypatch):
     assert {run.case for run in result.runs} == {"self_attention"}
     assert len(result.runs) == 4 and all(run.compared for run in result.runs)
     path = tmp_path / "partial.json"
-    monkeypatch.setattr(agreement, "resolve_backends", lambda names: ([good(), InterruptingBackend("x")], {}, {}))
+    monkeypatch.setattr(selection, "resolve_backends", lambda names: ([good(), InterruptingBackend("x")], {}, {}))
     assert (
-        main(["check", "--cases", "self_attention,gqa", "--dtypes", "float64,float16", "--json", str(path), "--plain"])
+        # --jobs 0: the fake's KeyboardInterrupt stands for Ctrl-C only in this process (in a worker it is a crash)
+        main(
+            [
+                "check",
+                "--cases",
+                "self_attention,gqa",
+                "--dtypes",
+                "float64,float16",
+                "--json",
+                str(path),
+                "--plain",
+                "--jobs",
+                "0",
+            ]
+        )
         == 130
     )
     data = json.loads(path.read_text())

@@ -133,14 +133,16 @@ def test_torch_precision_info_states_the_switches_and_the_environment_override(m
 @pytest.fixture
 def tf32_sentinel():
     """torch's switches set to a state no adapter asks for (both on), restored afterwards."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from mha_rosetta.backends._torch_common import set_tf32_switches, tf32_switches
 
     saved = tf32_switches()
-    set_tf32_switches({"api": "allow_tf32", "matmul": True, "cudnn": True})
+    sentinel = {"api": "allow_tf32", "matmul": True, "cudnn": True}
+    set_tf32_switches(sentinel)
+    assert tf32_switches() == sentinel  # the sentinel really is in place (the tests compare against it)
     yield lambda: tf32_switches()
     set_tf32_switches(saved)
-    assert torch is not None
+    assert tf32_switches() == saved  # restored for the tests after this one
 
 
 @requires("einops")

@@ -63,7 +63,7 @@ def test_the_check_runs_and_compares_a_registered_backend(toy):
     statuses = {pair.status.value for pair in toy_pairs if not (pair.a.impl.known_mistake or pair.b.impl.known_mistake)}
     assert statuses == {"agree"}, toy_pairs
     # and without naming it: every installed backend is every registered one
-    from mha_rosetta.checks.agreement import resolve_backends
+    from mha_rosetta.checks.selection import resolve_backends
 
     assert toy in [backend.name for backend in resolve_backends(None)[0]]
 

@@ -1,0 +1,251 @@
+"""One engine for every check: plan the runs, execute them (here or in a worker pool), compare as they arrive.
+
+A check is a *job* (the forward check `agreement.FORWARD`, the gradient check `grad.GRADIENT`;
+a decode check plugs in the same way) with five parts:
+
+* ``oracle(case, dtypes)``: the float64 answer of one case, built once per case in the parent
+  and once per case in each worker that runs it;
+* ``plan(case, selection)``: ``[(dtype, [Implementation, ...]), ...]``, the runs of one case in
+  report order; each (case, dtype) is a *group* whose runs are compared pairwise;
+* ``run(backend, impl, dtype, oracle)``: one run against the oracle (a backend's exception is
+  its own status, never the engine's); ``portable(record)`` readies it to cross a process;
+* ``pairs(records, oracle)``: every pair of a complete group; ``failed(...)``: the record of a
+  run that could not finish (time limit, dead worker, oracle failure);
+* ``stages(backend, impl, dtype, oracle)`` (forward only): a run's stage tensors, fetched from a
+  worker when a disagreeing pair needs them for its first-divergence report.
+
+The engine hands the runs to an executor: `InlineExecutor` (in this process, in report order:
+the library default, and the only one that accepts a backend object that does not pickle) or
+`checks.pool.WorkerPool` (spawned workers, time limits; ``mha-rosetta check``'s default). Results
+are kept in report order whatever order they finish in, so the JSON is the same either way.
+Design rule: the engine knows no job's internals and imports no renderer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from .cases import SpecCase
+from .results import Implementation
+
+UPDATE_SECONDS = 1.0  # at most one partial-result callback per second (each rewrites the JSON)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work: a run of one implementation on one case and dtype (or its stage dump)."""
+
+    index: int  # position in the report
+    job: object  # the job (`agreement.FORWARD`, `grad.GRADIENT`); pickled by reference to its class
+    check: int  # which check it belongs to: a worker drops its cached oracles when this changes
+    case: SpecCase
+    oracle_dtypes: tuple[str, ...]
+    backend: str
+    strategy: str
+    device: str
+    dtype: str
+    stages: bool = False  # a stage dump for a pair's first-divergence report instead of a run
+
+    @property
+    def impl(self) -> Implementation:
+        return Implementation(self.backend, self.strategy, self.device)
+
+    def describe(self) -> str:
+        return f"{self.impl.label} on case {self.case.name} ({self.dtype})"
+
+
+def execute(task: Task, backend, oracles: dict):
+    """Run ``task`` with ``backend``; ``oracles``: this process's cache, one oracle per (job, case) of a check."""
+    if oracles.get("check") != task.check:
+        oracles.clear()
+        oracles["check"] = task.check
+    key = (type(task.job).__name__, task.case.name)
+    if key not in oracles:
+        oracles[key] = task.job.oracle(task.case, task.oracle_dtypes)
+    if task.stages:
+        return task.job.stages(backend, task.impl, task.dtype, oracles[key])
+    return task.job.run(backend, task.impl, task.dtype, oracles[key])
+
+
+class InlineExecutor:
+    """Runs every task here, one after the other, in report order (no time limit: nothing to kill)."""
+
+    jobs = 0
+    timeout = None
+
+    def __init__(self) -> None:
+        self.oracles: dict = {}
+
+    def map(self, tasks: list[Task], backends: dict) -> Iterator[tuple[Task, str, object, tuple]]:
+        for task in tasks:
+            started = time.perf_counter()
+            record = execute(task, backends[task.backend], self.oracles)
+            yield task, "ok", record, (0.0, 0.0, time.perf_counter() - started)
+
+    def call(self, task: Task, backends: dict):
+        return execute(task, backends[task.backend], self.oracles)
+
+    def close(self) -> None:
+        self.oracles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def executor_for(jobs: int | None, timeout: float | None = None, cache: bool | None = None):
+    """`InlineExecutor` for ``jobs`` 0 or None, else a `checks.pool.WorkerPool` of ``jobs`` workers."""
+    if not jobs:
+        return InlineExecutor()
+    if not isinstance(jobs, int) or jobs < 0:
+        raise ValueError(f"jobs: expected a whole number of worker processes (0: run here), got {jobs!r}")
+    from .pool import WorkerPool
+
+    return WorkerPool(jobs, timeout=timeout, cache=cache)
+
+
+@dataclass
+class _Group:
+    case: SpecCase
+    dtype: str
+    indices: list[int]
+    oracle: object
+    done: bool = False
+
+
+_check_ids = iter(range(1, 1 << 62))
+
+
+def run_job(
+    job,
+    sel,
+    result,
+    executor=None,
+    progress: Callable[[str], None] | None = None,
+    on_update: Callable[[object], None] | None = None,
+    started: float | None = None,
+) -> None:
+    """Fill ``result`` (its ``runs``, ``pairs``, ``timings``, ``interrupted``) with ``job`` over ``sel``.
+
+    ``executor``: None (in this process), or an executor the caller keeps open across checks.
+    ``on_update(result)`` is called with the finished groups as results arrive (at most once a
+    second) and once at the end. Ctrl-C (KeyboardInterrupt) stops the check; the (case, dtype) groups
+    that finished stay, whole, and a group still running is left out.
+    ``started``: the clock (`time.perf_counter`) that ``result.seconds`` counts from (default: now).
+    """
+    started = time.perf_counter() if started is None else started
+    own = executor is None
+    executor = executor or InlineExecutor()
+    check = next(_check_ids)
+    backends = {backend.name: backend for backend in sel.backends}
+    tasks: list[Task] = []
+    groups: list[_Group] = []
+    records: dict[int, object] = {}
+    position = 0  # report order: oracle failures and runs in the order the cases come
+    for case in sel.cases:
+        plan = job.plan(case, sel)
+        if not plan:
+            continue
+        dtypes = tuple(sel.case_dtypes(case))
+        try:
+            oracle = job.oracle(case, dtypes)
+        except Exception as error:  # the oracle itself failed: every run of the case is an error
+            for record in job.oracle_failed(case, sel, error):
+                records[position], position = record, position + 1
+            continue
+        for dtype, impls in plan:
+            group = _Group(case, dtype, [], oracle)
+            for impl in impls:
+                task = Task(position, job, check, case, dtypes, impl.backend, impl.strategy, impl.device, dtype)
+                tasks.append(task)
+                group.indices.append(position)
+                position += 1
+            groups.append(group)
+    kinds = {name: backend.kind for name, backend in backends.items()}
+    timings = _Timings(executor)
+    pairs: dict[int, list] = {}
+    last_update = -float("inf")  # the first finished group is written at once
+
+    def publish() -> None:
+        result.runs = [records[i] for i in sorted(records)]
+        result.pairs = [pair for g in sorted(pairs) for pair in pairs[g]]
+        result.timings = timings.as_dict()
+        result.seconds = time.perf_counter() - started
+
+    def finish(number: int, group: _Group) -> None:
+        group.done = True
+        finished = [i for i in group.indices if i in records]
+        for i in finished:  # a run from a worker fetches its stages from one only if a pair needs them
+            run = records[i]
+            if getattr(run, "stage_source", False) is None and getattr(run, "_stages", False) is None:
+                task = replace(task_at[i], stages=True)
+                run.stage_source = lambda task=task: executor.call(task, backends)
+        runs = [records[i] for i in finished]
+        pairs[number] = job.pairs(runs, group.oracle)
+        job.release(runs)
+
+    task_at = {task.index: task for task in tasks}
+    group_of = {index: number for number, group in enumerate(groups) for index in group.indices}
+    left = {number: len(group.indices) for number, group in enumerate(groups)}
+    try:
+        announced = set()
+        for task, status, answer, timing in executor.map(tasks, backends):
+            number = group_of[task.index]
+            if progress and number not in announced:
+                announced.add(number)
+                progress(f"{task.case.name} {task.dtype}")
+            if status == "ok":
+                records[task.index] = answer
+            else:  # the executor's own failure: time limit, dead worker, an answer that did not come back
+                records[task.index] = job.failed(task.case, task.impl, task.dtype, kinds[task.backend], answer)
+            timings.add(task.backend, timing)
+            left[number] -= 1
+            if not left[number]:
+                finish(number, groups[number])
+                if on_update and time.perf_counter() - last_update >= UPDATE_SECONDS:
+                    publish()
+                    on_update(result)
+                    last_update = -float("inf")  # the first finished group is written at once
+    except KeyboardInterrupt:
+        result.interrupted = True
+        executor.close()  # stop the workers now: their runs are not waited for
+    finally:
+        for group in groups:  # an interrupted check keeps whole groups only, never half a comparison
+            if not group.done:
+                for index in group.indices:
+                    records.pop(index, None)
+        publish()
+        if own:
+            executor.close()
+    if on_update:
+        on_update(result)
+
+
+class _Timings:
+    """Per backend: runs, and seconds importing, compiling and running (from the workers' answers)."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.started = time.perf_counter()
+        self.backends: dict[str, dict] = defaultdict(lambda: {"runs": 0, "import": 0.0, "compile": 0.0, "run": 0.0})
+
+    def add(self, backend: str, timing: tuple) -> None:
+        import_seconds, compile_seconds, wall = timing
+        entry = self.backends[backend]
+        entry["runs"] += 1
+        entry["import"] += import_seconds
+        entry["compile"] += compile_seconds
+        entry["run"] += max(wall - compile_seconds, 0.0)
+
+    def as_dict(self) -> dict:
+        return {
+            "jobs": self.executor.jobs,
+            "timeout": self.executor.timeout,
+            "wall": time.perf_counter() - self.started,
+            "backends": {name: dict(entry) for name, entry in self.backends.items()},
+        }

@@ -1,0 +1,138 @@
+"""A check's worker process: runs one job at a time (a forward run, a gradient run, a stage dump) for the pool.
+
+The pool (`checks.pool`) starts each worker with the ``spawn`` method: a fresh interpreter
+that imports nothing of the parent's frameworks. ``fork`` would copy the parent's JAX and
+torch thread pools half-initialised (their threads do not survive a fork) and can deadlock.
+
+Design rules:
+
+* the environment a worker needs (the JAX compilation cache, `jax_cache_environment`) is
+  set before anything in the worker imports a framework;
+* a worker keeps each backend it was sent, so a framework's import and its compiled programs
+  (and a sharded backend's own worker processes and simulated devices) are paid once per
+  worker, not once per run; the scheduler keeps a worker on one backend while it has work;
+* every answer carries the time spent importing the backend's libraries, compiling (JAX's
+  compile events) and running, for ``check --timings``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+CACHE_SWITCH = "MHA_ROSETTA_JAX_CACHE"  # "0": no persistent compilation cache
+
+
+def jax_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/mha-rosetta/jax-cache``, or ``~/.cache/mha-rosetta/jax-cache``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "mha-rosetta" / "jax-cache"
+
+
+def cache_enabled(flag: bool | None = None) -> bool:
+    """The cache is on unless ``flag`` is False or ``MHA_ROSETTA_JAX_CACHE=0``."""
+    if flag is not None:
+        return flag
+    return os.environ.get(CACHE_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def jax_cache_environment(enabled: bool) -> dict[str, str]:
+    """Environment variables that give JAX (read when it is imported) its persistent compilation cache.
+
+    JAX writes a program to the cache only if compiling it took at least
+    ``jax_persistent_cache_min_compile_time_secs`` (default 1 s) and its entry is large enough
+    (``jax_persistent_cache_min_entry_size_bytes``); the check's programs are small and compile in
+    tens of milliseconds, so both thresholds are lifted (0 s, -1: no size limit). With the cache off
+    nothing is set, and a directory the user set themselves is left alone.
+    """
+    if not enabled or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return {}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(jax_cache_dir()),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+
+
+class _CompileClock:
+    """Seconds spent compiling, summed from JAX's compile events once JAX is imported.
+
+    The one framework named in `checks/`: JAX is the library whose compilation dominates the
+    check, and its `jax.monitoring` events are how it reports it; eager libraries compile nothing.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.listening = False
+
+    def listen(self) -> None:
+        if self.listening or "jax" not in sys.modules:
+            return
+        import jax.monitoring
+
+        def on_event(event: str, duration: float, **_) -> None:
+            if event.startswith("/jax/core/compile/"):  # tracing, lowering and the backend compile
+                self.seconds += duration
+
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+        self.listening = True
+
+
+def _load_backend(blob: bytes, requires: tuple[str, ...]):
+    """The backend from its pickle, its libraries imported now (so the import time is measured apart)."""
+    for module in requires:
+        importlib.import_module(module)
+    return pickle.loads(blob)
+
+
+def _error_text(error: BaseException) -> str:
+    message = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return message.splitlines()[-1] if message else type(error).__name__
+
+
+def main(conn, environment: dict[str, str]) -> None:
+    """The worker loop: ``("job", (task, blob, requires))`` in, ``("ok" | "error", answer, timing)`` out."""
+    os.environ.update(environment)  # before any framework is imported
+    # Ctrl-C in a terminal reaches the whole process group: the parent stops the check and the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .engine import execute  # the engine: NumPy and the spec only, no framework
+
+    backends: dict[str, object] = {}
+    oracles: dict = {}
+    clock = _CompileClock()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "stop":
+            return
+        task, blob, requires = message[1]
+        import_seconds = 0.0
+        try:
+            if task.backend not in backends:
+                started = time.perf_counter()
+                backends[task.backend] = _load_backend(blob, requires)
+                import_seconds = time.perf_counter() - started
+            clock.listen()
+            compiled_before = clock.seconds
+            started = time.perf_counter()
+            answer = execute(task, backends[task.backend], oracles)
+            if not task.stages:
+                answer = task.job.portable(answer)
+            wall = time.perf_counter() - started
+            clock.listen()  # the run may have imported JAX itself
+            timing = (import_seconds, clock.seconds - compiled_before, wall)
+            reply = ("ok", answer, timing)
+        except Exception as error:  # the job itself catches a backend's errors; this is the worker's
+            reply = ("error", f"the worker could not run it: {_error_text(error)}", (import_seconds, 0.0, 0.0))
+        try:
+            conn.send(reply)
+        except Exception as error:  # an answer that does not pickle
+            conn.send(("error", f"its result could not be sent back: {_error_text(error)}", reply[2]))

@@ -1,0 +1,187 @@
+"""The check's worker pool: a user adapter that hangs, spins, exits, raises, returns a wrong shape or NaN.
+
+Each is reported as what it did (the time limit and the case named, the exit code, the
+message), a good adapter next to it still agrees, the check goes on and ends, and an
+interrupted check leaves a valid JSON of what finished. Small time limits keep it bounded;
+no test here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from misbehaving_adapters import Exits, Good, Hangs, Raises, ReturnsNaN, Spins, WrongShape
+
+from mha_rosetta.checks import Status, run_check
+from mha_rosetta.checks.engine import executor_for
+from mha_rosetta.checks.pool import exit_description
+from mha_rosetta.checks.worker import jax_cache_dir, jax_cache_environment
+
+TIMEOUT = 4.0
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def result():
+    adapters = [Good(), Hangs(), Spins(), Exits(), Raises(), WrongShape(), ReturnsNaN()]
+    with executor_for(2, timeout=TIMEOUT) as executor:
+        return run_check(backends=adapters, cases=["self_attention", "causal"], dtypes=["float64"], executor=executor)
+
+
+def _runs(result, case: str) -> dict:
+    return {run.label: run for run in result.runs if run.case == case}
+
+
+def test_every_adapter_behaves_on_the_case_it_does_not_misbehave_on(result):
+    runs = _runs(result, "causal")
+    assert {label: run.status for label, run in runs.items()} == dict.fromkeys(
+        ["good", "hangs", "spins", "exits", "raises", "wrong-shape", "returns-nan"], Status.AGREE
+    )
+
+
+def test_a_hanging_and_a_spinning_adapter_time_out_naming_the_limit_the_implementation_and_the_case(result):
+    runs = _runs(result, "self_attention")
+    for label in ("hangs", "spins"):
+        assert runs[label].status is Status.ERROR
+        assert runs[label].reason.startswith(f"timed out: {label} on case self_attention (float64) ")
+        assert f"time limit of {TIMEOUT:g} s (--timeout)" in runs[label].reason
+        assert "killed and replaced" in runs[label].reason
+
+
+def test_an_adapter_that_ends_its_process_is_reported_with_its_exit_code(result):
+    run = _runs(result, "self_attention")["exits"]
+    assert run.status is Status.ERROR
+    assert run.reason.startswith("the worker process died (exit code 3) while running exits on case self_attention")
+
+
+def test_raising_wrong_shape_and_nan_are_reported_as_in_process(result):
+    runs = _runs(result, "self_attention")
+    assert runs["raises"].status is Status.ERROR
+    assert runs["raises"].reason == "RuntimeError: adapter bug: index out of range"
+    assert runs["wrong-shape"].status is Status.ERROR
+    assert runs["wrong-shape"].reason == "output has shape (2, 7, 14), expected (2, 7, 15) (batch, q_tokens, d_model)"
+    assert runs["returns-nan"].status is Status.DISAGREE and "NaN" in runs["returns-nan"].reason
+
+
+def test_the_good_adapter_still_agrees_and_the_exit_status_is_an_error(result):
+    assert _runs(result, "self_attention")["good"].status is Status.AGREE
+    assert len(result.runs) == 14 and not result.interrupted
+    assert result.exit_status == 2  # errors outrank the NaN disagreement (1)
+    compared = {(p.a.label, p.b.label) for p in result.pairs if p.case == "self_attention"}
+    assert compared == {("good", "returns-nan")}  # the runs that produced an output of the right shape
+
+
+def test_the_pool_gives_the_same_answers_as_one_process():
+    """Same statuses and the same numbers, run in workers or here."""
+    kwargs = dict(backends=["numpy"], cases=["self_attention", "gqa"], dtypes=["float64", "float16"])
+    with executor_for(2, timeout=60) as executor:
+        pooled = run_check(**kwargs, executor=executor)
+    inline = run_check(**kwargs)
+    key = lambda r: (r.case, r.label, r.dtype, str(r.status), r.max_abs, r.max_rel)  # noqa: E731
+    assert [key(r) for r in pooled.runs] == [key(r) for r in inline.runs]
+    assert [(p.a.label, p.b.label, p.status, p.max_abs) for p in pooled.pairs] == [
+        (p.a.label, p.b.label, p.status, p.max_abs) for p in inline.pairs
+    ]
+    assert pooled.timings["jobs"] == 2 and pooled.timings["backends"]["numpy"]["runs"] == len(pooled.runs)
+
+
+def test_exit_descriptions():
+    assert exit_description(3) == "exit code 3"
+    assert exit_description(-signal.SIGKILL) == "signal SIGKILL"
+    assert exit_description(None) == "no exit status"
+
+
+def test_the_jax_cache_lives_in_the_users_cache_directory_and_can_be_turned_off(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert jax_cache_dir() == tmp_path / "mha-rosetta" / "jax-cache"
+    environment = jax_cache_environment(True)
+    assert environment["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mha-rosetta" / "jax-cache")
+    # The check's programs compile in milliseconds: without these, JAX would cache none of them.
+    assert environment["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert environment["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] == "-1"
+    assert jax_cache_environment(False) == {}
+    from mha_rosetta.checks.worker import cache_enabled
+
+    monkeypatch.setenv("MHA_ROSETTA_JAX_CACHE", "0")
+    assert cache_enabled() is False and cache_enabled(True) is True
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from mha_rosetta.cli.main import main; sys.exit(main())", *args]
+
+
+def test_the_command_reports_a_dead_worker_and_writes_every_result(tmp_path):
+    path = tmp_path / "check.json"
+    args = ["check", "--backend", "misbehaving_adapters:Good", "--backend", "misbehaving_adapters:Exits"]
+    args += [
+        "--cases",
+        "self_attention,causal",
+        "--dtypes",
+        "float64",
+        "--jobs",
+        "2",
+        "--timeout",
+        "30",
+        "--plain",
+        "--json",
+        str(path),
+    ]
+    done = subprocess.run(_command(*args), cwd=TESTS, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    data = json.loads(path.read_text())
+    assert data["interrupted"] is False and data["exit_status"] == 2
+    statuses = {(r["implementation"], r["case"]): r["status"] for r in data["runs"]}
+    assert statuses == {
+        ("good", "self_attention"): "agree",
+        ("exits", "self_attention"): "error",
+        ("good", "causal"): "agree",
+        ("exits", "causal"): "agree",
+    }
+    assert "exit code 3" in next(r["reason"] for r in data["runs"] if r["status"] == "error")
+
+
+def test_sigterm_leaves_a_valid_json_of_what_finished_marked_interrupted(tmp_path):
+    path = tmp_path / "check.json"
+    # causal (every adapter behaves) runs first, then self_attention, where one adapter hangs.
+    args = ["check", "--backend", "misbehaving_adapters:Good", "--backend", "misbehaving_adapters:Hangs"]
+    args += [
+        "--cases",
+        "causal,self_attention",
+        "--dtypes",
+        "float64",
+        "--jobs",
+        "2",
+        "--timeout",
+        "300",
+        "--plain",
+        "--json",
+        str(path),
+    ]
+    process = subprocess.Popen(_command(*args), cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not path.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        assert path.exists(), "no partial JSON was written"
+        partial = json.loads(path.read_text())  # written while the check still runs: valid, marked interrupted
+        assert partial["interrupted"] is True and partial["exit_status"] == 130
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    data = json.loads(path.read_text())
+    assert data["interrupted"] is True and data["exit_status"] == 130
+    statuses = {(r["implementation"], r["case"]): r["status"] for r in data["runs"]}
+    assert statuses[("good", "causal")] == "agree" and statuses[("hangs", "causal")] == "agree"
+    # The group still running (self_attention: hangs never finished) is left out whole.
+    assert set(statuses) == {("good", "causal"), ("hangs", "causal")}
+    assert [p.name for p in tmp_path.iterdir()] == ["check.json"]  # no temporary file left behind

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_callable(path: str):
     """``"pkg.mod:name"`` -> the object, with errors that name the path."""
-    from mha_rosetta.backends.plugins import parse_target
+    from mha_rosetta.backends.registry import parse_target
 
     module_name, attr = parse_target(path)
     try:

@@ -173,23 +173,23 @@ def discover_entry_points() -> None:
 
 
 # Implementations: the same MHA, each in the convention its library's users write.
-register("numpy", BackendEntry(".numpy_backend", "NumpyBackend", ("numpy",), "test"))
-register("torch", BackendEntry(".torch_backend", "TorchBackend", ("torch",), "torch"))
-register("jax", BackendEntry(".jax_backend", "JaxBackend", ("jax",), "jax"))
-EINOPS = (".einops_backend", "EinopsBackend")
+register("numpy", BackendEntry(".numpy.adapter", "NumpyBackend", ("numpy",), "test"))
+register("torch", BackendEntry(".torch.adapter", "TorchBackend", ("torch",), "torch"))
+register("jax", BackendEntry(".jax.adapter", "JaxBackend", ("jax",), "jax"))
+EINOPS = (".einops.adapter", "EinopsBackend")
 register("einops-numpy", BackendEntry(*EINOPS, ("einops",), "einops", {"array_library": "numpy"}))
 register("einops-torch", BackendEntry(*EINOPS, ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
 register("einops-jax", BackendEntry(*EINOPS, ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
 # The same layer split over several devices or processes by heads (tensor parallelism).
-register("jax-sharded", BackendEntry(".jax_sharded", "JaxShardedBackend", ("jax",), "jax"))
-register("torch-tp", BackendEntry(".torch_tp", "TorchTPBackend", ("torch",), "torch"))
+register("jax-sharded", BackendEntry(".sharded.jax", "JaxShardedBackend", ("jax",), "jax"))
+register("torch-tp", BackendEntry(".sharded.torch", "TorchTPBackend", ("torch",), "torch"))
 # Third-party oracles: the libraries' own attention, fed the canonical parameters.
-TORCH_MHA = (".torch_oracles", "TorchMHAOracle", ("torch",), "torch")
+TORCH_MHA = (".oracles.torch", "TorchMHAOracle", ("torch",), "torch")
 register("torch-mha", BackendEntry(*TORCH_MHA, {"batch_first": True}, kind="oracle"))
 register("torch-mha-seqfirst", BackendEntry(*TORCH_MHA, {"batch_first": False}, kind="oracle"))
-register("torch-sdpa", BackendEntry(".torch_oracles", "TorchSDPAOracle", ("torch",), "torch", kind="oracle"))
-register("jax-dpa", BackendEntry(".jax_oracles", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
-register("flax", BackendEntry(".jax_oracles", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
-register("equinox", BackendEntry(".jax_oracles", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
+register("torch-sdpa", BackendEntry(".oracles.torch", "TorchSDPAOracle", ("torch",), "torch", kind="oracle"))
+register("jax-dpa", BackendEntry(".oracles.jax", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
+register("flax", BackendEntry(".oracles.jax", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
+register("equinox", BackendEntry(".oracles.jax", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
 # Third-party packages' backends (entry-point group "mha_rosetta.backends"), none imported.
 discover_entry_points()

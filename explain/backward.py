@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.backends._numpy_vjp import ColumnSampleVJP, prepare_numpy_vjp
-from mha_rosetta.backends.numpy_backend import ColumnSampleMHA, NumpyBackend, NumpyPrecision
+from mha_rosetta.backends.numpy.adapter import ColumnSampleMHA, NumpyBackend, NumpyPrecision
+from mha_rosetta.backends.numpy.vjp import ColumnSampleVJP, prepare_numpy_vjp
 from mha_rosetta.core import MHAConfig, init_params, reference_mha_vjp, reference_stages
 
 

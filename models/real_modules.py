@@ -509,7 +509,7 @@ def _keras(cfg, state, x, padding):
     import keras
 
     if keras.backend.backend() == "jax":
-        from mha_rosetta.backends._jax_common import enable_float64_if_needed
+        from mha_rosetta.backends.jax.common import enable_float64_if_needed
 
         enable_float64_if_needed("float64")
     layer = keras.layers.MultiHeadAttention(

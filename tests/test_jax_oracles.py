@@ -32,7 +32,7 @@ ORACLES = [_oracle_param("jax-dpa"), _oracle_param("flax", "flax"), _oracle_para
 
 def oracle(name: str, **kwargs):
     from mha_rosetta.backends import get_backend
-    from mha_rosetta.backends.jax_oracles import EquinoxMHAOracle, FlaxMHAOracle, JaxDotProductAttentionOracle
+    from mha_rosetta.backends.oracles.jax import EquinoxMHAOracle, FlaxMHAOracle, JaxDotProductAttentionOracle
 
     if not kwargs:
         return get_backend(name)

@@ -158,7 +158,7 @@ class Unregistered(Backend):
 
 def test_an_instance_knows_its_kind_from_construction():
     pytest.importorskip("torch", reason="torch is not installed")
-    from mha_rosetta.backends.torch_oracles import TorchMHAOracle, TorchSDPAOracle
+    from mha_rosetta.backends.oracles.torch import TorchMHAOracle, TorchSDPAOracle
 
     assert (TorchMHAOracle().kind, TorchMHAOracle().requires) == ("oracle", ("torch",))
     assert TorchSDPAOracle(name="x").kind == "oracle"
@@ -184,9 +184,9 @@ def test_register_takes_a_class_a_path_and_a_fully_qualified_entry(scratch_regis
     backends.register("by-class", Oracle)
     assert backends.REGISTRY["by-class"].kind == "oracle"
     assert backends.REGISTRY["by-class"].requires == ("numpy",)
-    backends.register("by-path", "mha_rosetta.backends.numpy_backend:NumpyBackend")
+    backends.register("by-path", "mha_rosetta.backends.numpy.adapter:NumpyBackend")
     assert backends.REGISTRY["by-path"].kind is None  # not imported yet
-    backends.register("by-entry", BackendEntry("mha_rosetta.backends.numpy_backend", "NumpyBackend"))
+    backends.register("by-entry", BackendEntry("mha_rosetta.backends.numpy.adapter", "NumpyBackend"))
     loaded = backends.get_backend("by-path")
     assert loaded.name == "by-path" and loaded.kind == "implementation"
     assert backends.get_backend("by-entry").strategies == get_backend("numpy").strategies
@@ -197,7 +197,7 @@ def test_register_takes_a_class_a_path_and_a_fully_qualified_entry(scratch_regis
 
 
 def test_module_names_are_relative_only_with_a_leading_dot():
-    assert module_name(".numpy_backend") == "mha_rosetta.backends.numpy_backend"
+    assert module_name(".numpy.adapter") == "mha_rosetta.backends.numpy.adapter"
     assert module_name("numpy") == "numpy"  # no leading dot: an absolute module path
     assert module_name("mypkg.attention") == "mypkg.attention"
     assert parse_target("a.b:C") == ("a.b", "C")

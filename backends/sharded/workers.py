@@ -232,7 +232,7 @@ class WorkerGroup:
 
 
 def _child_main(argv: list[str]) -> None:
-    """``python -m mha_rosetta.backends._workers FD MODULE:FUNCTION RANK SIZE``: a worker's start."""
+    """``python -m mha_rosetta.backends.sharded.workers FD MODULE:FUNCTION RANK SIZE``: a worker's start."""
     fd, target, rank, size = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
     conn = Connection(fd)
     module, _, function = target.partition(":")
@@ -245,7 +245,7 @@ def worker_prepared(group: WorkerGroup, payload, what: str, seconds: tuple[float
     and the info), then "forward" (every rank runs, waits, keeps its result), "fetch" (rank 0's)
     and "stages" (every rank's answers, made into stage tensors by ``stages_of``).
     ``seconds`` = (prepare, forward) time limits."""
-    from .base import Prepared, tensor_to_numpy
+    from ..base import Prepared, tensor_to_numpy
 
     prepare_seconds, forward_seconds = seconds
     key, info = group.request("prepare", payload, prepare_seconds, what=what)[0]

@@ -22,7 +22,7 @@ Rotary (``cfg.rope``) turns pairs of the last (feature) axis of each head, as Hu
 and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interleaved".
 
 GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; see
-`_torch_common`.
+`common`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
-from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
-from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
-from ._torch_common import (
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
+from .._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from .common import (
     bool_tensor,
     in_inference_mode,
     no_gpu_reason,
@@ -47,7 +48,6 @@ from ._torch_common import (
     torch_rotary_tables,
     with_matmul_precision,
 )
-from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
 HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
 ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
@@ -76,7 +76,7 @@ class TorchBackend(Backend):
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
         if strategy == CHUNKED:
-            from ._chunked_torch import ChunkedRowSampleMHA
+            from .chunked import ChunkedRowSampleMHA
 
             layer = ChunkedRowSampleMHA(cfg, params, inputs, dtype, device, chunk)
         else:
@@ -100,7 +100,7 @@ class TorchBackend(Backend):
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._torch_vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
+        from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
         layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)

@@ -62,13 +62,13 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
 
-from ._inputs import convert_inputs
-from ._jax_common import CompiledForward, allows_tf32, block_until_ready, check_matmul_precision, compiled_prepared
-from ._layouts import TOKENS_FIRST_STAGE_AXES
-from ._numpy_ops import NumpyPrecision, softmax_inplace
-from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
-from ._torch_common import bool_tensor, optional_tensor, torch_devices, with_matmul_precision
-from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
+from .._inputs import convert_inputs
+from .._layouts import TOKENS_FIRST_STAGE_AXES
+from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
+from ..base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
+from ..jax.common import CompiledForward, allows_tf32, block_until_ready, check_matmul_precision, compiled_prepared
+from ..numpy.common import NumpyPrecision, softmax_inplace
+from ..torch.common import bool_tensor, optional_tensor, torch_devices, with_matmul_precision
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
 class NumpyOps:
     """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
 
-    Half types are stored as such and computed in float32 (`_numpy_ops.NumpyPrecision`):
+    Half types are stored as such and computed in float32 (`numpy.common.NumpyPrecision`):
     ml_dtypes' bfloat16 has no einsum loops and float16 has no BLAS.
     """
 
@@ -302,13 +302,13 @@ class JaxOps(_EinopsOps):
     has_buffers = False  # XLA places the buffers; nothing to measure
 
     def __init__(self, dtype: str, device: str) -> None:
-        from ._jax_common import jax_target
+        from ..jax.common import jax_target
 
         self.dtype_name = dtype
         self.device = jax_target(dtype, device)
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
-        from ._jax_common import to_jax
+        from ..jax.common import to_jax
 
         return to_jax(array, self.dtype_name if cast else None, self.device)
 
@@ -321,7 +321,7 @@ class JaxOps(_EinopsOps):
         return jnp.where(blocked, -jnp.inf, scores)
 
     def softmax(self, scores, empty_rows):
-        from ._jax_common import softmax_with_empty_rows
+        from ..jax.common import softmax_with_empty_rows
 
         return softmax_with_empty_rows(scores)
 
@@ -553,7 +553,7 @@ class EinopsBackend(Backend):
         if self.array_library == "torch":
             return torch_devices()
         if self.array_library == "jax":
-            from ._jax_common import jax_devices
+            from ..jax.common import jax_devices
 
             return jax_devices()
         return ("cpu",)
@@ -598,12 +598,12 @@ class EinopsBackend(Backend):
         if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
             tf32 = allows_tf32(self.matmul_precision)
             run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
-        run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)
+        run.pipeline = (forward, args)  # the call itself, which the backward differentiates (`einops.vjp`)
         native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
         return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._einops_vjp import prepare_einops_vjp  # the array library's own autodiff
+        from .vjp import prepare_einops_vjp  # the array library's own autodiff
 
         return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)
 
@@ -613,12 +613,12 @@ class EinopsBackend(Backend):
             info["einsum"] = "np.einsum with an explicit two-operand path (batched matmul), not einops.einsum"
             info.update(NumpyPrecision.for_dtype(dtype).info())
         elif self.array_library == "jax":
-            from ._jax_common import precision_info
+            from ..jax.common import precision_info
 
             info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
         elif device == "gpu":
-            from ._torch_common import precision_info
+            from ..torch.common import precision_info
 
-            # torch's switches are set around each forward and restored (`_torch_common.matmul_precision`).
+            # torch's switches are set around each forward and restored (`torch.common.matmul_precision`).
             info.update(precision_info(device=device, dtype=dtype, allow_tf32=allows_tf32(self.matmul_precision)))
         return info

@@ -26,8 +26,10 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear, numpy_dtype, to_equinox_weights, to_flax_params
 from mha_rosetta.core.layouts import EQUINOX_NAMES
 
-from ._grad_layout import gradients_to_canonical
-from ._jax_common import (
+from .._grad_layout import gradients_to_canonical
+from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
+from ..base import Backend, Prepared, StageTensor, UnsupportedCase
+from ..jax.common import (
     CompiledForward,
     allowed_for_heads,
     check_matmul_precision,
@@ -42,9 +44,7 @@ from ._jax_common import (
     rotate_last_axis,
     to_jax,
 )
-from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp through the library's own attention
-from ._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
-from .base import Backend, Prepared, StageTensor, UnsupportedCase
+from ..jax.vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp through the library's own attention
 
 _XLA = "XLA-managed layout"
 

@@ -33,7 +33,7 @@ blocks); DIRECT_RESHAPE (the known mistake: it treats the data as row samples an
 reshapes ``(N, H*Dk)`` straight to ``(H, N, Dk)``, so each head sees a slice of the tokens
 with all their features; kept so the checks can prove they catch it).
 
-Half precision: see `_numpy_ops` (stages stored in float16/bfloat16, products and the
+Half precision: see `common` (stages stored in float16/bfloat16, products and the
 softmax computed in float32, rounded after each stage); `Prepared.info` says so.
 """
 
@@ -43,12 +43,12 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables, split_head_matrices
 
-from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._inputs import convert_inputs
-from ._layouts import head_slice_axes, heads_axes, layer_sizes
-from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
-from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
-from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._inputs import convert_inputs
+from .._layouts import head_slice_axes, heads_axes, layer_sizes
+from .._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from .common import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
 # Features before tokens: every token a column, every head a block of rows.
@@ -74,7 +74,7 @@ class NumpyBackend(Backend):
     ) -> Prepared:
         precision = NumpyPrecision.for_dtype(dtype)
         if strategy == CHUNKED:
-            from ._chunked_numpy import ChunkedColumnSampleMHA
+            from .chunked import ChunkedColumnSampleMHA
 
             layer = ChunkedColumnSampleMHA(cfg, params, inputs, precision, chunk)
         else:
@@ -92,7 +92,7 @@ class NumpyBackend(Backend):
         return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._numpy_vjp import prepare_numpy_vjp  # the hand-written column-sample backward
+        from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
 
         precision = NumpyPrecision.for_dtype(dtype)
         return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)

@@ -32,8 +32,10 @@ from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear
 
-from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._jax_common import (
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
+from ..base import STANDARD, Backend, Prepared, StageTensor
+from .common import (
     CompiledForward,
     allowed_for_heads,
     check_matmul_precision,
@@ -48,8 +50,6 @@ from ._jax_common import (
     softmax_with_empty_rows,
     to_jax,
 )
-from ._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
-from .base import STANDARD, Backend, Prepared, StageTensor
 
 # The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
 # score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
@@ -195,14 +195,14 @@ def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=N
     """Every stage vmapped over heads and batch, the output-only forward, and its extra arguments on ``target``.
 
     The extras are the mask and the rotary tables: ``forward(params, x_q, x_k, x_v, *extras)``.
-    ``attend`` and ``chunk``: the chunked strategy's attention step and blocks (`_chunked_jax`).
+    ``attend`` and ``chunk``: the chunked strategy's attention step and blocks (`chunked`).
     """
     import jax
 
     mask_cfg = cfg if attend is None else dataclasses.replace(cfg, causal=False)  # chunked: causal per tile
     allowed, batch_axis, head_axis = mask_for_vmap(mask_cfg, inputs)
     if attend is not None:
-        from ._chunked_jax import pad_mask_to_blocks
+        from .chunked import pad_mask_to_blocks
 
         allowed = pad_mask_to_blocks(allowed, inputs, chunk)
     tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
@@ -239,7 +239,7 @@ class JaxBackend(Backend):
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         stage_axes, info, attend = STAGE_AXES, {}, None
         if strategy == CHUNKED:
-            from ._chunked_jax import CHUNKED_STAGE_AXES, chunked_attention
+            from .chunked import CHUNKED_STAGE_AXES, chunked_attention
 
             attend, chunk = chunked_attention(cfg, inputs, chunk)
             stage_axes, info = CHUNKED_STAGE_AXES, {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE}
@@ -265,7 +265,7 @@ class JaxBackend(Backend):
         return compiled_prepared(compiled, native_stages, info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
+        from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
         target = jax_target(dtype, device)
         _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)

@@ -63,7 +63,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
 
 from .._inputs import convert_inputs
-from .._layouts import TOKENS_FIRST_STAGE_AXES
+from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from ..base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
 from ..jax.common import CompiledForward, allows_tf32, block_until_ready, check_matmul_precision, compiled_prepared
@@ -455,8 +455,6 @@ def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[
     return ~allowed, (empty if empty.any() else None)
 
 
-_XLA = "XLA-managed layout"
-
 # How each stage is made, where no rearrange of another tensor says it.
 _STAGE_ORIGINS = {
     "q_heads": "the projection einsum writes the heads directly; no split step",
@@ -482,7 +480,7 @@ def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
     """
     how = f"rearrange '{pattern}'"
     if not ops.has_buffers:
-        return f"{how}; {_XLA}", "copy"
+        return f"{how}; {XLA_LAYOUT}", "copy"
     return how, relation_to(result, source)
 
 

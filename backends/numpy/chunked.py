@@ -15,7 +15,7 @@ import numpy as np
 
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder, relation_to
-from .adapter import ColumnSampleMHA
+from .layer import ColumnSampleMHA
 
 
 class ChunkedColumnSampleMHA(ColumnSampleMHA):

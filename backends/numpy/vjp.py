@@ -36,8 +36,8 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
-from .adapter import _split_direct, rotate_rows  # the forward's own mistake and rotation
 from .common import apply_mask_inplace, softmax_inplace
+from .layer import _split_direct, rotate_rows  # the forward's own mistake and rotation
 
 
 def prepare_numpy_vjp(

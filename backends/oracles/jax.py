@@ -27,7 +27,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear, numpy_dtyp
 from mha_rosetta.core.layouts import EQUINOX_NAMES
 
 from .._grad_layout import gradients_to_canonical
-from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, xla_provenance
+from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT, xla_provenance
 from ..base import Backend, Prepared, StageTensor, UnsupportedCase
 from ..jax.common import (
     CompiledForward,
@@ -45,8 +45,6 @@ from ..jax.common import (
     to_jax,
 )
 from ..jax.vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp through the library's own attention
-
-_XLA = "XLA-managed layout"
 
 
 def _scale_is_default(cfg: MHAConfig) -> bool:
@@ -243,12 +241,12 @@ class JaxDotProductAttentionOracle(_JaxOracle):
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(stages_fn)
             note = {
-                "q_heads": f"reshape to BTNH, the layout dot_product_attention takes; {_XLA}",
+                "q_heads": f"reshape to BTNH, the layout dot_product_attention takes; {XLA_LAYOUT}",
                 "context": "dot_product_attention's output, BTNH"
                 + ("; rows with no allowed key zeroed (library: mean of V)" if empty_context_rows is not None else ""),
             }
             return {
-                name: StageTensor(stages[name], axes, note.get(name, _XLA), *xla_provenance(name, cfg.rope))
+                name: StageTensor(stages[name], axes, note.get(name, XLA_LAYOUT), *xla_provenance(name, cfg.rope))
                 for name, axes in _DPA_AXES.items()
             }
 

@@ -124,8 +124,8 @@ def _build(cfg, params, inputs, dtype, strategy, world):
 
     from .._layouts import TOKENS_FIRST_STAGE_AXES
     from ..base import StageTensor, canonical_stage
-    from ..jax.adapter import _mha_one_item, batched_tables, mask_for_vmap
     from ..jax.common import enable_float64_if_needed
+    from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
     devices = jax.devices()

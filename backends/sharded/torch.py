@@ -137,8 +137,8 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
 
     from .._recording import record_stages
     from ..base import canonical_stage
-    from ..torch.adapter import RowSampleMHA
     from ..torch.common import to_tensor
+    from ..torch.layer import RowSampleMHA
 
     plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg

@@ -1,56 +1,27 @@
-"""The PyTorch adapter: multi-head attention in row samples, the way ``nn.Linear`` code does it.
+"""The PyTorch adapter: `TorchBackend`, the row-sample layer of `layer` behind the `Backend` interface.
 
-Convention B of the column/row-sample article, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
-Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
-``nn.Linear.weight`` layout ``(out, in)`` and a projection is ``F.linear(x, W, b)``,
-that is ``x @ W.T + b``: the *columns* of ``W.T`` are the scorers. Heads are split with
-``view(B, N, H, Dk).transpose(1, 2)`` (a strided view) and merged with
-``transpose(1, 2).contiguous().view(B, N, H*Dv)``.
-
-GQA: query head h reads kv head ``h // G`` (G = H / Hkv). Rather than repeating the kv
-heads G times (``repeat_interleave``, G copies of K and V), the G query heads of a group
-are folded into the token axis, ``(B, H, Nq, Dk) -> (B*Hkv, G*Nq, Dk)``, so one batched
-product per kv head serves the whole group. That reshape copies the queries, the same copy
-a batched product of the strided head view needs anyway; with G = 1 it is plain MHA.
-
-Strategies: STANDARD (merged projection, view + transpose); PER_HEAD (the column/row-sample article's own
-matrices ``W_h`` (D, Dk) per head, ``Q_h = X @ W_h``, in a loop); SLICING (merged projection,
-then column slices ``q[:, :, h*Dk:(h+1)*Dk]`` one head at a time); DIRECT_RESHAPE (the
-known mistake: ``q.view(B, H, N, Dk)`` without the transpose).
-
-Rotary (``cfg.rope``) turns pairs of the last (feature) axis of each head, as Hugging Face
-and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interleaved".
-
-GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; see
-`common`.
+`layer` says what the row-sample convention is and shows (its docstring); this module picks a
+strategy, wires `chunked` and `vjp` in, sets the matmul precision and fills `Prepared.info`.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
-from .._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
+from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from .chunked import ChunkedRowSampleMHA
 from .common import (
-    bool_tensor,
     in_inference_mode,
     no_gpu_reason,
-    optional_tensor,
     precision_info,
-    rotate_last_axis,
     synchronizer,
     torch_devices,
-    torch_inputs,
-    torch_rotary_tables,
     with_matmul_precision,
 )
-
-HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
-ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
+from .layer import RowSampleMHA
+from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
 
 class TorchBackend(Backend):
@@ -76,8 +47,6 @@ class TorchBackend(Backend):
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
         if strategy == CHUNKED:
-            from .chunked import ChunkedRowSampleMHA
-
             layer = ChunkedRowSampleMHA(cfg, params, inputs, dtype, device, chunk)
         else:
             layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
@@ -100,260 +69,5 @@ class TorchBackend(Backend):
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
-
         layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
-
-
-class RowSampleMHA(LayerRecording):
-    """One layer and one set of inputs, converted once to torch tensors on the device.
-
-    With ``batched=True`` the score and weight tensors ``(B*Hkv, G*Nq, Nk)`` get buffers
-    here that every call reuses (``out=``). Why: torch has no caching allocator on the
-    CPU, and at B=4, H=8, N=512 each of these is 32 MiB, a fresh ``mmap`` per call whose
-    page faults and zeroing cost more than the softmax itself (measured: 22 ms for
-    ``torch.softmax`` into a new tensor, 5 ms into a reused one). The forward never
-    returns a buffer, so results stay independent.
-    """
-
-    materialise_mask = True  # the full (Nq, Nk) mask, causal part included
-    PROJECTION_AXES = ROW_SAMPLE_PROJECTION_AXES
-    SPLIT_AXES = HEADS_FIRST_SPLIT_AXES
-    HEAD_SLICE_AXES = HEAD_SLICE_AXES
-    PROJECTION_NOTE = "F.linear: x @ W.T + b"
-    ROTATE_HOW = ROTATE_HOW
-
-    def __init__(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, batched: bool = True
-    ) -> None:
-        import torch
-        import torch.nn.functional as F
-
-        self.torch, self.F, self.cfg = torch, F, cfg
-        self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
-
-        tensor = partial(optional_tensor, dtype=dtype, device=device)
-        # nn.Linear layout (out, in), used as is by F.linear.
-        self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
-        self.b_q, self.b_k, self.b_v, self.b_o = (tensor(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
-        # PER_HEAD: the article's W_h (D, Dk) per head, Q_h = X @ W_h (row samples: columns are scorers).
-        self.w_q_heads = tensor(split_head_matrices(params.w_q, cfg.n_heads))  # (H, D, Dk)
-        self.w_k_heads = tensor(split_head_matrices(params.w_k, cfg.n_kv_heads))  # (Hkv, kdim, Dk)
-        self.w_v_heads = tensor(split_head_matrices(params.w_v, cfg.n_kv_heads))  # (Hkv, vdim, Dv)
-        self.b_q_heads = tensor(split_head_bias(params.b_q, cfg.n_heads))  # (H, Dk) or None
-        self.b_k_heads = tensor(split_head_bias(params.b_k, cfg.n_kv_heads))  # (Hkv, Dk) or None
-        self.b_v_heads = tensor(split_head_bias(params.b_v, cfg.n_kv_heads))  # (Hkv, Dv) or None
-
-        # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
-        self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
-        self.rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
-
-        # (1|B, 1|H, Nq, Nk), True = may attend; the chunked subclass reads tiles instead.
-        allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
-        self.blocked = None if allowed is None else bool_tensor(~allowed, device)
-        empty = None if allowed is None else ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
-        self.empty_rows = bool_tensor(empty, device) if empty is not None and empty.any() else None
-        # baddbmm with beta=0 ignores its first argument; a 0-dim zero broadcasts to any shape.
-        self.zero = torch.zeros((), dtype=self.x_q.dtype, device=self.x_q.device)
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        shape = (B * Hkv, G * Nq, Nk)
-        self.scores_buffer = self.x_q.new_empty(shape) if batched else None
-        self.weights_buffer = self.x_q.new_empty(shape) if batched else None
-
-    # -- building blocks ------------------------------------------------------------------
-    def _stack(self, arrays: list, axis: int):
-        return self.torch.stack(arrays, axis)
-
-    def _projections(self):
-        F = self.F
-        q = F.linear(self.x_q, self.w_q, self.b_q)  # (B, Nq, H*Dk)
-        k = F.linear(self.x_k, self.w_k, self.b_k)  # (B, Nk, Hkv*Dk)
-        v = F.linear(self.x_v, self.w_v, self.b_v)  # (B, Nk, Hkv*Dv)
-        return q, k, v
-
-    def _rotate(self, x, which: str, head_axis: bool):
-        """Query ("q") or key ("k") heads (..., N, Dk) with rotary applied; ``x`` itself without rope."""
-        if self.rotary is None:
-            return x
-        cos, sin = self.rotary[which]  # (1|B, N, r/2)
-        if head_axis:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1|B, 1, N, r/2): the same angles for every head
-        return rotate_last_axis(x, cos, sin, self.cfg.rope)
-
-    def _rotate_split(self, rec, q_heads, k_heads):
-        """(q_rotated, k_rotated) of the batched heads (B, H, N, Dk), recorded when ``rec`` is given."""
-        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
-        if rec is not None:
-            record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
-        return rotated
-
-    def _merge(self, context, rec):
-        """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv)."""
-        B, H, Nq, Dv = context.shape
-        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy unless H or Nq is 1
-        if rec is not None:
-            how = "transpose(1, 2).contiguous().view(B, N, H*Dv)"
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
-        return merged
-
-    def _finish(self, merged, rec):
-        output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
-        if rec is not None:
-            rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
-        return output
-
-    def _mask_and_softmax(self, scores, blocked, empty_rows, rec, head: int | None, out=None):
-        """Mask in place, then softmax; rows with no allowed key get zeros, never NaN."""
-        torch = self.torch
-        axes = ("B", "H", "Nq", "Nk") if head is None else ("B", "Nq", "Nk")
-        self._record(
-            rec, "scores", head, scores, axes, "baddbmm(q, k^T, alpha=scale): the scale fused into the product"
-        )
-        if blocked is not None:
-            scores.masked_fill_(blocked, float("-inf"))
-            note = "masked_fill_(blocked, -inf), in place"
-            self._record(rec, "masked_scores", head, scores, axes, note, "view", "scores")
-        elif rec is not None:
-            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves", "view", "scores")
-        if empty_rows is not None:
-            # softmax of an all -inf row is 0/0. Such rows are known from the mask, so
-            # give them finite logits first and zero their weights after: no NaN, ever.
-            scores.masked_fill_(empty_rows, 0.0)
-        weights = torch.softmax(scores, dim=-1) if out is None else torch.softmax(scores, dim=-1, out=out)
-        if empty_rows is not None:
-            # Out of place under autograd: softmax's backward needs its own output unchanged.
-            weights = (
-                weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
-            )
-        note = "torch.softmax over keys; empty rows set to zeros"
-        self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
-        return weights
-
-    # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
-    def _split_and_rotate(self, rec, projections: tuple | None = None):
-        """Projections (by default this layer's own) split into heads by view + transpose, then rotated:
-        (q_rotated, k_rotated, v_heads)."""
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q, k, v = self._projections() if projections is None else projections
-        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
-        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk)
-        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
-        if rec is not None:
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
-        q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-        return q_rotated, k_rotated, v_heads
-
-    def standard(self, rec: StageRecorder | None = None):
-        q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)
-        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
-        return self._finish(self._merge(context, rec), rec)
-
-    def direct_reshape(self, rec: StageRecorder | None = None):
-        """The known mistake: reshape (B, N, H*Dk) straight to (B, H, N, Dk), no transpose."""
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q, k, v = self._projections()
-        q_heads = q.view(B, H, Nq, Dk)  # (B, H, Nq, Dk): WRONG, head h gets tokens, not features
-        k_heads = k.view(B, Hkv, Nk, Dk)  # (B, Hkv, Nk, Dk): WRONG
-        v_heads = v.view(B, Hkv, Nk, Dv)  # (B, Hkv, Nk, Dv): WRONG
-        if rec is not None:
-            how = "the direct-reshape MISTAKE view(B, H, N, d), no transpose"
-            self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
-        q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
-        merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
-        if rec is not None:
-            how = "the direct-reshape mistake undone"
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
-        return self._finish(merged, rec)
-
-    def _attend_batched(self, q_heads, k_heads, v_heads, rec):
-        """Scores, mask, softmax, weighted sum for all heads -> context (B, H, Nq, Dv)."""
-        torch = self.torch
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
-        # Fold the G query heads of each kv head into the token axis (see the module docstring).
-        q_groups = q_heads.reshape(B * Hkv, G * Nq, Dk)  # (B*Hkv, G*Nq, Dk), copy (a view of contiguous rotated heads)
-        k_groups = k_heads.reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
-        v_groups = v_heads.reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
-        scores = torch.baddbmm(
-            self.zero, q_groups, k_groups.transpose(1, 2), beta=0.0, alpha=self.cfg.scale, out=self.scores_buffer
-        )  # (B*Hkv, G*Nq, Nk)
-        scores = scores.view(B, H, Nq, Nk)  # (B, H, Nq, Nk)
-        out = None if self.weights_buffer is None else self.weights_buffer.view(B, H, Nq, Nk)  # None: autograd
-        weights = self._mask_and_softmax(scores, self.blocked, self.empty_rows, rec, head=None, out=out)
-        context = torch.bmm(weights.view(B * Hkv, G * Nq, Nk), v_groups)  # (B*Hkv, G*Nq, Dv)
-        context = context.view(B, H, Nq, Dv)  # (B, H, Nq, Dv)
-        if rec is not None:
-            rec.record(
-                "context", context, ("B", "H", "Nq", "Dv"), "bmm(weights, v) with each group's queries folded together"
-            )
-        return context
-
-    # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
-    def _attend_one_head(self, h: int, q_h, k_g, v_g, rec):
-        """Attention of query head h: (B, Nq, Dk), (B, Nk, Dk), (B, Nk, Dv) -> (B, Nq, Dv)."""
-        torch = self.torch
-        scores = torch.baddbmm(self.zero, q_h, k_g.transpose(1, 2), beta=0.0, alpha=self.cfg.scale)  # (B, Nq, Nk)
-
-        def head_slice(mask):  # (1|B, 1|H, Nq, n) -> (1|B, Nq, n)
-            return None if mask is None else mask[:, 0 if mask.shape[1] == 1 else h]
-
-        weights = self._mask_and_softmax(scores, head_slice(self.blocked), head_slice(self.empty_rows), rec, head=h)
-        context = torch.bmm(weights, v_g)  # (B, Nq, Dv)
-        self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
-        return context
-
-    def slicing(self, rec: StageRecorder | None = None):
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        q, k, v = self._projections()
-        if rec is not None:
-            self._record_projections(rec, q, k, v)
-        contexts = []
-        # Each kv head's keys rotated once, before the loop over query heads.
-        k_rotated = [self._rotate(k[:, :, g * Dk : (g + 1) * Dk], "k", head_axis=False) for g in range(Hkv)]
-        for h in range(H):
-            g = h // G
-            q_h = q[:, :, h * Dk : (h + 1) * Dk]  # (B, Nq, Dk): columns of head h, a strided view
-            k_g = k[:, :, g * Dk : (g + 1) * Dk]  # (B, Nk, Dk)
-            v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
-            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
-            if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection", "view")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
-            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
-        merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
-        if rec is not None:
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
-        return self._finish(merged, rec)
-
-    def per_head(self, rec: StageRecorder | None = None):
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        # Hkv x (B, Nk, Dk) and Hkv x (B, Nk, Dv)
-        k_heads = [self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)]
-        v_heads = [self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)]
-        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Nk, Dk)
-        q_heads, contexts = [], []
-        for h in range(H):
-            g = h // G
-            q_h = self._project_head(self.x_q, self.w_q_heads, self.b_q_heads, h)  # (B, Nq, Dk) = X @ W_h + b_h
-            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
-            if rec is not None:
-                q_heads.append(q_h)
-                self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "X @ W_h with the head's own matrix")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
-            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
-        merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
-        if rec is not None:
-            cat = self.torch.cat
-            note = "the per-head projections side by side, for inspection (the strategy never builds it)"
-            projections = cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1)
-            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
-        return self._finish(merged, rec)
-
-    @staticmethod
-    def _project_head(x, w_heads, b_heads, head: int):
-        y = x @ w_heads[head]  # (B, N, d): (B, N, in) @ (in, d)
-        if b_heads is not None:
-            y += b_heads[head]  # in place, (d,) broadcast over tokens
-        return y

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder
-from .adapter import RowSampleMHA
 from .common import bool_tensor
+from .layer import RowSampleMHA
 
 HALF = ("float16", "bfloat16")
 

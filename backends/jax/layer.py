@@ -1,0 +1,204 @@
+"""The JAX convention: one head written unbatched, ``jax.vmap`` over heads and batch, ``jax.jit``.
+
+This is how equinox writes attention: the single-head function below sees
+``q (Nq, Dk)``, ``k (Nk, Dk)``, ``v (Nk, Dv)`` and ``allowed (Nq, Nk)`` and knows
+nothing of heads or batches. ``jax.vmap`` adds the head axes, then the batch axis, and
+``jax.jit`` compiles the whole forward pass into one XLA program. Projections are
+row samples, ``x @ W.T + b``, with the canonical ``(out, in)`` weights as they are.
+
+Plain MHA is one vmap over the heads. Grouped-query attention (GQA) is a double vmap,
+not a repeat of the kv heads: the projected queries ``(Nq, H*Dk)`` are reshaped to
+``(Nq, Hkv, G, Dk)`` (G = H // Hkv, so query head ``h = g*G + r``). The inner vmap
+maps over the G query heads of one group with that group's k and v unmapped
+(``in_axes=None``: shared, not copied); the outer vmap maps over the Hkv groups with
+k and v mapped. Query head ``h`` therefore reads kv head ``h // G``, the grouping of
+torch's ``enable_gqa`` and ``jax.nn.dot_product_attention``. (With G = 1 the double
+vmap computes the same numbers, but XLA then copies the whole score tensor once more.)
+
+The rotary embedding (``cfg.rope``) is written the same way: `_rotate_one_head` turns the
+features of one head, ``x (N, Dk)`` with tables ``(N, r/2)``, and is vmapped over the
+heads of q and of k (the tables unmapped: every head sees the same angles).
+
+Every head axis is mapped where it lies (``in_axes=1``: tokens stay first), and the
+context comes back with ``out_axes=1`` as ``(Nq, H, Dv)``, so neither the head split nor
+the merge needs a transpose: both are reshapes. Where XLA puts things in memory is its
+own business (the stage notes say "XLA-managed layout").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+from mha_rosetta.core import MHAConfig, MHAInputs, linear
+
+from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
+from .chunked import pad_mask_to_blocks
+from .common import (
+    allowed_for_heads,
+    jax_rotary_tables,
+    rotate_last_axis,
+    softmax_with_empty_rows,
+    to_jax,
+)
+
+# The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
+# score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
+# (Nq, H, Dv), so that merging heads is a reshape.
+_HEAD_OUT_AXES = {"scores": 0, "masked_scores": 0, "weights": 0, "context": 1}
+
+
+# The axes of every stage as `_mha_one_item` returns them (batched by the outer vmap):
+# tokens first, heads after them, so that the split and the merge are reshapes.
+STAGE_AXES = TOKENS_FIRST_STAGE_AXES
+
+STAGE_NOTES = {
+    "q": f"x_q @ w_q.T + b_q; {XLA_LAYOUT}",
+    "q_heads": f"reshape of q to (Nq, H, Dk) (then (Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {XLA_LAYOUT}",
+    "k_heads": f"reshape of k; vmap maps axis 1; {XLA_LAYOUT}",
+    "v_heads": f"reshape of v; vmap maps axis 1; {XLA_LAYOUT}",
+    "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {XLA_LAYOUT}",
+    "k_rotated": f"_rotate_one_head vmapped over the kv heads; {XLA_LAYOUT}",
+    "scores": f"vmap out_axes=0 puts heads first; {XLA_LAYOUT}",
+    "context": f"vmap out_axes=1 keeps tokens first; {XLA_LAYOUT}",
+    "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {XLA_LAYOUT}",
+}
+
+
+def _attend_one_head(q, k, v, allowed, *, scale: float):
+    """Attention of one head, unbatched: q (Nq, Dk), k (Nk, Dk), v (Nk, Dv), allowed (Nq, Nk) or None."""
+    import jax.numpy as jnp
+
+    # Scaling q costs Nq*Dk multiplies instead of Nq*Nk on the scores (equinox and flax do the same).
+    scores = (q * scale) @ k.T  # (Nq, Nk)
+    masked = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
+    weights = softmax_with_empty_rows(masked)  # (Nq, Nk)
+    context = weights @ v  # (Nq, Dv)
+    return {"scores": scores, "masked_scores": masked, "weights": weights, "context": context}
+
+
+def _rotate_one_head(x, cos, sin, *, style: str):
+    """The rotary embedding of one head, unbatched: x (N, Dk), cos and sin (N, r/2)."""
+    return rotate_last_axis(x, cos, sin, style)
+
+
+def _rotate_heads(heads, cos, sin, *, style: str | None):
+    """`_rotate_one_head` vmapped over the head axis of (N, heads, Dk); the heads themselves without rope."""
+    import jax
+
+    if style is None:
+        return heads
+    return jax.vmap(partial(_rotate_one_head, style=style), in_axes=(1, None, None), out_axes=1)(heads, cos, sin)
+
+
+def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
+    """`_attend_one_head` vmapped over every query head.
+
+    q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), the rotated ones where rope is on.
+
+    Returns scores-like stages (H, Nq, Nk) and the context (Nq, H, Dv).
+    """
+    import jax
+
+    n_q, n_k = q_heads.shape[0], k_heads.shape[0]
+    H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
+    one_head = partial(_attend_one_head, scale=cfg.scale)
+    if G == 1:
+        # Plain MHA: one vmap, every head with its own k and v. (A double vmap with G = 1
+        # would compute the same numbers but costs XLA a copy of the scores.)
+        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+        return over_heads(q_heads, k_heads, v_heads, allowed)
+    q_heads = q_heads.reshape(n_q, Hkv, G, Dk)  # (Nq, Hkv, G, Dk): query head h = g*G + r
+    # Inner vmap: the G query heads of one group share that group's k and v (in_axes None).
+    over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+    # Outer vmap: the Hkv groups, each with its own k and v.
+    over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+    heads = over_groups(q_heads, k_heads, v_heads, allowed)  # scores (Hkv, G, Nq, Nk), context (Nq, Hkv, G, Dv)
+    # (XLA:CPU still copies the GQA scores once to reorder them; the plain-MHA path does not.)
+    stages = {name: heads[name].reshape(H, n_q, n_k) for name in ("scores", "masked_scores", "weights")}  # (H, Nq, Nk)
+    return {**stages, "context": heads["context"].reshape(n_q, H, Dv)}  # context (Nq, H, Dv)
+
+
+def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, head_mask_axis: int | None, attend=None):
+    """Every stage for one batch item: x_q (Nq, D), x_k (Nk, kdim), x_v (Nk, vdim).
+
+    ``allowed`` is None, (Nq, Nk) shared by all heads (head_mask_axis None), or per head
+    (head_mask_axis 0): (H, Nq, Nk) without GQA, (Hkv, G, Nq, Nk) with it. ``tables`` is
+    None or the rotary (q_cos, q_sin, k_cos, k_sin) of this item, (N, r/2) each. ``attend``
+    replaces `_attend_all_heads` (the chunked strategy's, which returns the context only).
+    """
+    n_q, n_k = x_q.shape[0], x_k.shape[0]
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    q = linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
+    k = linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
+    q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
+    k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
+    v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
+    q_cos, q_sin, k_cos, k_sin = (None,) * 4 if tables is None else tables
+    q_rotated = _rotate_heads(q_heads, q_cos, q_sin, style=cfg.rope)  # (Nq, H, Dk)
+    k_rotated = _rotate_heads(k_heads, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
+    attend = _attend_all_heads if attend is None else attend
+    heads = attend(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
+    merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
+    output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
+    return {**stages, "k_rotated": k_rotated, **heads, "merged": merged, "output": output}
+
+
+def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
+    """The combined mask shaped for the vmaps, with the in_axes that go with it.
+
+    Returns ``(allowed, batch_axis, head_axis)``: a mask shared by every batch item or
+    every head is passed once and left unmapped (``None``) instead of being broadcast.
+    """
+    allowed = allowed_for_heads(cfg, inputs)  # (B|1, H|1, Nq, Nk) or None
+    if allowed is None:
+        return None, None, None
+    batch, heads, n_q, n_k = allowed.shape
+    if heads == 1:
+        allowed, head_axis = allowed[:, 0], None  # (B|1, Nq, Nk)
+    elif cfg.group_size == 1:
+        head_axis = 0  # (B|1, H, Nq, Nk): one vmap over heads
+    else:
+        allowed, head_axis = (
+            allowed.reshape(batch, cfg.n_kv_heads, cfg.group_size, n_q, n_k),
+            0,
+        )  # (B|1, Hkv, G, Nq, Nk)
+    if batch == 1:
+        return allowed[0], None, head_axis
+    return allowed, 0, head_axis
+
+
+def batched_tables(tables: tuple | None) -> tuple:
+    """The rotary tables (1|B, N, r/2) and their batch in_axes; a table shared by every item is passed unmapped."""
+    if tables is None:
+        return None, None
+    shared = [table.shape[0] == 1 for table in tables]
+    return (
+        tuple(table[0] if one else table for table, one in zip(tables, shared, strict=True)),
+        tuple(None if one else 0 for one in shared),
+    )
+
+
+def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=None, chunk=None):
+    """Every stage vmapped over heads and batch, the output-only forward, and its extra arguments on ``target``.
+
+    The extras are the mask and the rotary tables: ``forward(params, x_q, x_k, x_v, *extras)``.
+    ``attend`` and ``chunk``: the chunked strategy's attention step and blocks (`chunked`).
+    """
+    import jax
+
+    mask_cfg = cfg if attend is None else dataclasses.replace(cfg, causal=False)  # chunked: causal per tile
+    allowed, batch_axis, head_axis = mask_for_vmap(mask_cfg, inputs)
+    if attend is not None:
+        allowed = pad_mask_to_blocks(allowed, inputs, chunk)
+    tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
+    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis, attend=attend)
+    all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
+
+    def forward(params, x_q, x_k, x_v, allowed, tables):
+        # Unused stages are dead code to XLA: the compiled forward computes only the output.
+        return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
+
+    return all_stages, forward, (to_jax(allowed, None, target), tables)

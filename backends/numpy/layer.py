@@ -1,0 +1,353 @@
+"""The NumPy layer: multi-head attention in column samples, ``Y = W @ X + b``.
+
+Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
+every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
+``Y = W @ X``, so each row of ``W`` is a scorer that reads one column (token) and writes
+one output feature. The batch is a leading axis, ``(B, features, tokens)``.
+
+What follows from that layout, and what this adapter shows:
+
+* the head split is a reshape of the feature axis ``(B, H*Dk, N) -> (B, H, Dk, N)``: head h
+  owns rows ``h*Dk:(h+1)*Dk``, a contiguous block, so no transpose is needed (row samples
+  need ``view`` then ``transpose(1, 2)``);
+* per head the score matrix keeps one column per query, ``S_h = scale * K_g^T @ Q_h``
+  ``(Nk, Nq)`` (the transpose of the row-sample ``Q_h @ K_g^T``), the softmax normalises
+  each column (over keys, axis -2), and ``context_h = V_g @ A_h`` is a plain product
+  ``(Dv, Nk) @ (Nk, Nq) = (Dv, Nq)``: column samples throughout. Measured on one core at
+  B=4, H=8, N=512 float32, this column-wise softmax took about 10 ms against 13 ms for
+  the row-wise one a ``(Nq, Nk)`` layout needs, and ``V_g @ A_h`` was no slower than
+  ``V_g @ A_h^T``. ``K_g^T`` is a transposed view handed to BLAS with its transpose flag
+  (no copy); OpenBLAS ran that product about 1.4x slower than on two contiguous
+  operands, a cost of keeping keys as ``(Dk, Nk)`` that the benchmark shows as it is;
+* the rotary embedding (``cfg.rope``) turns pairs of feature *rows* of each head: rows
+  ``i`` and ``i + r/2`` ("half") or rows ``2i`` and ``2i + 1`` ("interleaved", a step-2 slice),
+  with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
+* merging heads is the inverse reshape ``(B, H, Dv, N) -> (B, H*Dv, N)``, again a view;
+* the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
+  back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
+
+Strategies (the column/row-sample article's variants): STANDARD (merged projections, reshape split);
+PER_HEAD (one ``(Dk, D)`` matrix per head, the column/row-sample article's ``W_h`` transposed for columns, in
+a loop over heads); SLICING (merged projections, then one head at a time by slicing row
+blocks); DIRECT_RESHAPE (the known mistake: it treats the data as row samples and
+reshapes ``(N, H*Dk)`` straight to ``(H, N, Dk)``, so each head sees a slice of the tokens
+with all their features; kept so the checks can prove they catch it).
+
+Half precision: see `common` (stages stored in float16/bfloat16, products and the
+softmax computed in float32, rounded after each stage); `Prepared.info` says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables, split_head_matrices
+
+from .._inputs import convert_inputs
+from .._layouts import head_slice_axes, heads_axes, layer_sizes
+from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
+from ..base import tensor_to_numpy
+from .common import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
+
+SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
+# Features before tokens: every token a column, every head a block of rows.
+COLUMN_SAMPLE_AXES = {
+    "q": ("B", "H*Dk", "Nq"),
+    "k": ("B", "Hkv*Dk", "Nk"),
+    "v": ("B", "Hkv*Dv", "Nk"),
+    **heads_axes(("B", "H", "Dk", "Nq"), ("B", "Hkv", "Dk", "Nk"), ("B", "Hkv", "Dv", "Nk")),
+}
+HEAD_SLICE_AXES = head_slice_axes(COLUMN_SAMPLE_AXES)  # q_heads: (B, Dk, Nq), the head axis stacked back in later
+ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
+
+
+def columns_to_rows(output: np.ndarray) -> np.ndarray:
+    """Native output (B, D, Nq) -> exchange layout (B, Nq, D); untimed."""
+    return tensor_to_numpy(np.ascontiguousarray(output.transpose(0, 2, 1)))  # (B, Nq, D)
+
+
+class ColumnSampleMHA(LayerRecording):
+    """One layer and one set of inputs, converted once to column samples.
+
+    Parameters and inputs are rounded to the storage dtype here and then held in the
+    compute dtype (exact: every half value is a float32 value), so the timed pass spends
+    no time converting them.
+
+    With ``batched=True`` a score buffer ``(B, Hkv, G, Nk, Nq)`` is allocated here and
+    reused by every call. Why: at B=4, H=8, N=512 the scores are 32 MiB, just above
+    glibc's largest heap-reuse threshold, so a fresh array is a fresh ``mmap`` and costs
+    page faults and zeroing on every call (measured: more than the softmax itself). The
+    forward never returns the buffer, so its results stay independent; two *concurrent*
+    calls of one Prepared would share it (nothing here makes concurrent calls).
+    """
+
+    # The full (Nq, Nk) mask, causal part included; the chunked subclass reads tiles instead.
+    materialise_mask = True
+    PROJECTION_AXES = SPLIT_AXES = COLUMN_SAMPLE_AXES
+    HEAD_SLICE_AXES = HEAD_SLICE_AXES
+    PROJECTION_NOTE = "W @ X + b: rows are features, columns are tokens"
+    ROTATE_HOW = ROTATE_HOW
+
+    def __init__(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision, batched: bool = True
+    ) -> None:
+        self.cfg = cfg
+        self.precision = P = precision
+        self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
+        B, Nq, Nk = self.sizes[:3]
+
+        def weight(w):  # canonical (out, in) is already the column-sample W_A
+            return P.operand(P.round_to_storage(w))
+
+        def bias(b):  # (out,) -> (out, 1): one value per row, broadcast over the token columns
+            return None if b is None else P.operand(P.round_to_storage(b))[:, None]
+
+        self.w_q, self.w_k, self.w_v, self.w_o = (weight(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
+        self.b_q, self.b_k, self.b_v, self.b_o = (bias(b) for b in (params.b_q, params.b_k, params.b_v, params.b_o))
+
+        # PER_HEAD: the column/row-sample article's W_h (D, Dk) per head, transposed once to (Dk, D) for W_h^T @ X.
+        def per_head(w, n_heads):
+            return np.ascontiguousarray(split_head_matrices(w, n_heads).transpose(0, 2, 1))  # (heads, d, in)
+
+        def per_head_bias(b, n_heads):
+            return [None] * n_heads if b is None else list(b.reshape(n_heads, -1, 1))  # heads x (d, 1)
+
+        self.w_q_heads = per_head(self.w_q, cfg.n_heads)  # (H, Dk, D)
+        self.w_k_heads = per_head(self.w_k, cfg.n_kv_heads)  # (Hkv, Dk, kdim)
+        self.w_v_heads = per_head(self.w_v, cfg.n_kv_heads)  # (Hkv, Dv, vdim)
+        self.b_q_heads = per_head_bias(self.b_q, cfg.n_heads)
+        self.b_k_heads = per_head_bias(self.b_k, cfg.n_kv_heads)
+        self.b_v_heads = per_head_bias(self.b_v, cfg.n_kv_heads)
+
+        def columns(x):  # (B, N, F) rows -> (B, F, N) columns, contiguous
+            return np.ascontiguousarray(P.operand(P.round_to_storage(x)).transpose(0, 2, 1))  # (B, F, N)
+
+        self.x_q, self.x_k, self.x_v = convert_inputs(inputs, columns)  # self-attention: one array
+        tables = rotary_tables(cfg, inputs)
+        self.rotary = None
+        if tables is not None:  # (1|B, N, r/2) -> (1|B, r/2, N): one column per token, like the data
+            self.rotary = {
+                "q": (columns(tables.q_cos), columns(tables.q_sin)),
+                "k": (columns(tables.k_cos), columns(tables.k_sin)),
+            }
+        allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
+        self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
+        shape = (B, cfg.n_kv_heads, cfg.group_size, Nk, Nq)
+        self.workspace = np.empty(shape, dtype=P.compute) if batched and not P.mixed else None
+
+    # -- building blocks ------------------------------------------------------------------
+    @staticmethod
+    def _stack(arrays: list, axis: int) -> np.ndarray:
+        return np.stack(arrays, axis)
+
+    def _project(self, w: np.ndarray, b: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+        """``W @ X + b`` for every batch item: (out, in) @ (B, in, N) -> (B, out, N)."""
+        y = np.matmul(w, x)  # (B, out, N): one BLAS product per batch item
+        if b is not None:
+            y += b  # in place: (out, 1) broadcasts over tokens and batch
+        return self.precision.store(y)
+
+    def _projections(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q = self._project(self.w_q, self.b_q, self.x_q)  # (B, H*Dk, Nq)
+        k = self._project(self.w_k, self.b_k, self.x_k)  # (B, Hkv*Dk, Nk)
+        v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
+        return q, k, v
+
+    def _rotate(self, x: np.ndarray, which: str, head_axis: bool) -> np.ndarray:
+        """Query ("q") or key ("k") heads (..., Dk, N) rotated along their feature rows; ``x`` itself without rope."""
+        if self.rotary is None:
+            return x
+        cos, sin = self.rotary[which]  # (1|B, r/2, N)
+        if head_axis:
+            cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
+        return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
+
+    def _rotate_split(self, rec, projections: tuple, heads: tuple, how: str) -> tuple:
+        """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk); the split (made as ``how``
+        says) and the rotation recorded when ``rec`` is given."""
+        q_heads, k_heads, _ = heads
+        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
+        if rec is not None:
+            self._record_split(rec, projections, heads, how)
+            record_rotated(rec, (q_heads, k_heads), rotated, COLUMN_SAMPLE_AXES, ROTATE_HOW)
+        return rotated
+
+    def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
+        output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
+        if rec is not None:
+            rec.record("output", output, ("B", "D", "Nq"), "W_o @ merged + b_o; to_numpy transposes it to rows")
+        return output
+
+    # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
+    def standard(self, rec: StageRecorder | None = None) -> np.ndarray:
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
+        # Head h owns rows h*Dk:(h+1)*Dk: splitting the row axis is a reshape, a view,
+        # and no transpose is needed (unlike row samples' view + transpose(1, 2)).
+        q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
+        k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk)
+        v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk)
+        how = "reshape of the row axis, no transpose"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
+        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
+        merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
+        if rec is not None:
+            relation = relation_to(merged, context)
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "reshape, no transpose", relation, "context")
+        return self._finish(merged, rec)
+
+    def direct_reshape(self, rec: StageRecorder | None = None) -> np.ndarray:
+        """The known mistake, as someone porting row-sample code would make it here."""
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
+        q_heads = _split_direct(q, H)  # (B, H, Dk, Nq), wrong cells
+        k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
+        v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
+        how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
+        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
+        # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
+        rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
+        merged = rows.transpose(0, 2, 1)  # (B, H*Dv, Nq), view
+        if rec is not None:
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "the direct-reshape mistake undone", "copy", "context")
+        return self._finish(merged, rec)
+
+    def _attend_batched(self, q_heads, k_heads, v_heads, rec) -> np.ndarray:
+        """Scores, mask, softmax and weighted sum for all heads at once -> (B, H, Dv, Nq)."""
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
+        P = self.precision
+        # Scaling the queries costs Dk*Nq multiplies per head instead of Nk*Nq on the
+        # scores. In place (unless half precision makes a float32 copy): q is done.
+        queries = P.operand(q_heads)
+        queries *= self.cfg.scale
+        # GQA: query head h reads kv head h // G. Splitting the head axis into (Hkv, G)
+        # lets one broadcast product serve a whole group; G = 1 is plain MHA.
+        q_groups = queries.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view
+        keys_t = k_heads[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T
+        scores = P.matmul(keys_t, q_groups, out=self.workspace)  # (B, Hkv, G, Nk, Nq)
+        scores = P.store(scores).reshape(B, H, Nk, Nq)  # (B, H, Nk, Nq), view
+        weights = self._mask_and_softmax(scores, self.mask, rec, head=None)
+        weight_groups = weights.reshape(B, Hkv, G, Nk, Nq)  # (B, Hkv, G, Nk, Nq), view
+        # context_h = V_g @ A_h: (Dv, Nk) @ (Nk, Nq) = (Dv, Nq), column samples again.
+        context = P.matmul(v_heads[:, :, None], weight_groups)  # (B, Hkv, G, Dv, Nq)
+        context = P.store(context).reshape(B, H, Dv, Nq)  # (B, H, Dv, Nq), view
+        if rec is not None:
+            rec.record("context", context, ("B", "H", "Dv", "Nq"), "V_g @ A_h per head: one column per query")
+        return context
+
+    def _mask_and_softmax(self, scores, mask: MaskArrays | None, rec, head: int | None) -> np.ndarray:
+        """Mask and softmax over keys (axis -2), in place unless half precision."""
+        P = self.precision
+        axes = SCORE_AXES if head is None else ("B", "Nk", "Nq")
+        if rec is None and head is None and not P.mixed:
+            # The timed batched path: mask and softmax one cache-sized block at a time.
+            return softmax_blocks_inplace(scores, mask)
+        self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
+        apply_mask_inplace(scores, mask)
+        self._record(
+            rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", "scores"
+        )
+        weights = P.operand(scores)
+        softmax_inplace(weights, None if mask is None else mask.empty_rows, axis=-2)
+        weights = P.store(weights)
+        note = "softmax over keys (each query's column), in place; empty columns are zeros"
+        self._record(rec, "weights", head, weights, axes, note, relation_to(weights, scores, "new"), "masked_scores")
+        return weights
+
+    # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
+    def _attend_one_head(self, h: int, q_h, k_g, v_g, rec) -> np.ndarray:
+        """Attention of query head h: (B, Dk, Nq), (B, Dk, Nk), (B, Dv, Nk) -> (B, Dv, Nq)."""
+        P = self.precision
+        queries = P.operand(q_h) * self.cfg.scale  # (B, Dk, Nq), a fresh array: q_h may be a view of q
+        scores = P.store(P.matmul(k_g.swapaxes(-1, -2), queries))  # (B, Nk, Nq)
+        mask = None if self.mask is None else self.mask.for_head(h)
+        weights = self._mask_and_softmax(scores, mask, rec, head=h)  # (B, Nk, Nq)
+        context = P.store(P.matmul(v_g, weights))  # (B, Dv, Nq)
+        self._record(rec, "context", h, context, ("B", "Dv", "Nq"), "V_g @ A_h")
+        return context
+
+    def slicing(self, rec: StageRecorder | None = None) -> np.ndarray:
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
+        if rec is not None:
+            self._record_projections(rec, q, k, v)
+        merged = np.empty((B, H * Dv, Nq), dtype=self.precision.storage)  # (B, H*Dv, Nq)
+        # Each kv head's keys rotated once, before the loop over query heads.
+        k_rotated = [self._rotate(k[:, g * Dk : (g + 1) * Dk], "k", head_axis=False) for g in range(Hkv)]
+        for h in range(H):
+            g = h // G
+            q_h = q[:, h * Dk : (h + 1) * Dk]  # (B, Dk, Nq): row block h, a view
+            k_g = k[:, g * Dk : (g + 1) * Dk]  # (B, Dk, Nk)
+            v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
+            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
+            if rec is not None:
+                self._record_head_inputs(rec, h, q_h, k_g, v_g, "row-block slice of the merged projection", "view")
+                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec)
+        if rec is not None:
+            note = "each head's context written into its row block"
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), note, "copy", "context")
+        return self._finish(merged, rec)
+
+    def per_head(self, rec: StageRecorder | None = None) -> np.ndarray:
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        # Each kv head's keys and values once; each query head's queries inside the loop.
+        # Hkv x (B, Dk, Nk) and Hkv x (B, Dv, Nk)
+        k_heads = [self._project(self.w_k_heads[g], self.b_k_heads[g], self.x_k) for g in range(Hkv)]
+        v_heads = [self._project(self.w_v_heads[g], self.b_v_heads[g], self.x_v) for g in range(Hkv)]
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Dk, Nk)
+        q_heads, contexts = [], []
+        for h in range(H):
+            g = h // G
+            q_h = self._project(self.w_q_heads[h], self.b_q_heads[h], self.x_q)  # (B, Dk, Nq) = W_h^T @ X
+            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
+            if rec is not None:
+                q_heads.append(q_h)
+                self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "W_h^T @ X with the head's own matrix")
+                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
+        merged = np.concatenate(contexts, axis=1)  # (B, H*Dv, Nq): [C_0; C_1; ...] as row blocks
+        if rec is not None:
+            note = "the per-head projections stacked as row blocks, for inspection (the strategy never builds it)"
+            cat = np.concatenate
+            projections = cat(q_heads, axis=1), cat(k_heads, axis=1), cat(v_heads, axis=1)
+            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts", "copy", "context")
+        return self._finish(merged, rec)
+
+
+def rotate_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str, precision: NumpyPrecision) -> np.ndarray:
+    """The rotary embedding in column samples: x (..., Dk, N), cos/sin (..., r/2, N) -> a new (..., Dk, N).
+
+    Each feature pair is two *rows* of the head: rows i and i + r/2 ("half") or rows 2i
+    and 2i + 1 ("interleaved", step-2 slices, views); rows past r pass through. Half
+    precision computes in float32 and rounds once, like every other stage here.
+    """
+    P = precision
+    h = cos.shape[-2]  # r/2 pairs
+    r = 2 * h
+    x = P.operand(x)  # the compute dtype (no copy at full precision)
+    out = np.empty(x.shape, dtype=P.compute)  # (..., Dk, N)
+    out[..., r:, :] = x[..., r:, :]  # partial rotary: the rest passes through
+    rows_a, rows_b = (slice(0, h), slice(h, r)) if style == "half" else (slice(0, r, 2), slice(1, r, 2))
+    a, b = x[..., rows_a, :], x[..., rows_b, :]  # (..., r/2, N) each, views
+    first, second = out[..., rows_a, :], out[..., rows_b, :]  # views into out
+    np.multiply(a, cos, out=first)
+    first -= b * sin  # a cos - b sin
+    np.multiply(b, cos, out=second)
+    second += a * sin  # b cos + a sin
+    return P.store(out)
+
+
+def _split_direct(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """The direct-reshape mistake in column form: (B, H*d, N) -> (B, H, d, N), wrong cells.
+
+    Seen as row samples the data is (B, N, H*d); reshaping that straight to (B, H, N, d)
+    hands head h the tokens h*N/H ... with all their features, instead of every token
+    with features h*d:(h+1)*d. Transposing back to columns keeps the wrong cells.
+    """
+    B, width, N = x.shape
+    rows = x.transpose(0, 2, 1)  # (B, N, H*d): the same numbers as row samples, a view
+    wrong = rows.reshape(B, n_heads, N, width // n_heads)  # (B, H, N, d): the mistake (a copy)
+    return wrong.transpose(0, 1, 3, 2)  # (B, H, d, N): column samples again, a view

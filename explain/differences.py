@@ -148,7 +148,7 @@ def _equinox_module(setup: Setup, mask: np.ndarray):
     import jax
     import jax.numpy as jnp
 
-    from mha_rosetta.backends.oracles.jax import loaded_equinox_mha
+    from mha_rosetta.backends.oracles.equinox import loaded_equinox_mha
 
     module = loaded_equinox_mha(setup.cfg, setup.params.astype(np.float32), "float32", None)  # as the oracle does
     x = jnp.asarray(setup.x, dtype=jnp.float32)

@@ -121,7 +121,8 @@ def test_numpy_einsum_with_explicit_path_equals_einops_einsum():
     """The NumPy fast path (explicit contraction path) computes what einops.einsum computes."""
     import einops
 
-    from mha_rosetta.backends.einops.adapter import GQA_PLAN, NumpyOps
+    from mha_rosetta.backends.einops.layer import NumpyOps
+    from mha_rosetta.backends.einops.plans import GQA_PLAN
 
     rng = np.random.default_rng(6)
     q = rng.standard_normal((2, 7, 2, 3, 5))  # (B, Nq, Hkv, G, Dk)
@@ -157,10 +158,10 @@ def test_the_checker_finds_axis_swaps():
 
 
 def test_einops_adapter_never_swaps_axes_by_hand():
-    from mha_rosetta.backends.einops import adapter as einops_backend
+    from mha_rosetta.backends.einops import adapter, layer, plans, vjp
     from mha_rosetta.backends.jax import common as _jax_common
 
-    for module in (einops_backend, _jax_common):  # the adapter and the JAX helpers it calls
+    for module in (plans, layer, adapter, vjp, _jax_common):  # the einops family and the JAX helpers it calls
         assert axis_swaps(inspect.getsource(module)) == [], module.__name__
 
 

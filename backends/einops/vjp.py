@@ -20,6 +20,8 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._grad_layout import gradients_to_canonical
 from ..base import STANDARD, UnsupportedCase
+from .layer import OPS_BY_LIBRARY, canonical_weights
+from .plans import plan_for
 
 NUMPY_REASON = (
     "einops-numpy has no backward: NumPy has no autodiff, and a hand-written backward is the numpy adapter's "
@@ -28,8 +30,6 @@ NUMPY_REASON = (
 
 
 def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype, device):
-    from .adapter import OPS_BY_LIBRARY, canonical_weights, plan_for
-
     if backend.array_library == "numpy":
         raise UnsupportedCase(NUMPY_REASON)
     prepared = backend._prepare(cfg, params, inputs, dtype, device, STANDARD)

@@ -1,0 +1,371 @@
+"""The einops pipeline: the einsum plans of `plans` run on NumPy, torch or JAX arrays.
+
+`NumpyOps`, `TorchOps` and `JaxOps` are the few array operations the pipeline needs that
+einops itself does not give (in-place updates, the masked softmax, conversions); `run_pipeline`
+is the forward pass, recorded stage by stage; `stage_tensors` says where each stage's memory
+comes from (a view, a copy or new), for the explainer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
+
+from .._layouts import XLA_LAYOUT
+from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
+from ..base import StageTensor
+from ..jax.common import block_until_ready, jax_target, softmax_with_empty_rows, to_jax
+from ..numpy.common import NumpyPrecision, softmax_inplace
+from ..torch.common import bool_tensor, optional_tensor
+from .plans import (
+    MERGED_PROJECTIONS,
+    OUTPUT,
+    PIPELINE_TENSORS,
+    STAGE_AXES,
+    EinsumPlan,
+    axis_sizes,
+)
+
+ARRAY_LIBRARIES = ("numpy", "torch", "jax")
+
+# For two operands NumPy has a single contraction path; giving it explicitly makes
+# np.einsum take its batched-matmul route without searching for a path on every call.
+NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
+
+
+class NumpyOps:
+    """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
+
+    Half types are stored as such and computed in float32 (`numpy.common.NumpyPrecision`):
+    ml_dtypes' bfloat16 has no einsum loops and float16 has no BLAS.
+    """
+
+    library = "numpy"
+    works_in_place = True
+    has_buffers = True  # view or copy is measurable (np.shares_memory)
+
+    def __init__(self, dtype: str, device: str) -> None:
+        self.precision = NumpyPrecision.for_dtype(dtype)
+
+    def asarray(self, array: np.ndarray | None, cast: bool = True):
+        if array is None:
+            return None
+        return self.precision.round_to_storage(array) if cast else np.ascontiguousarray(array)
+
+    def einsum(self, pattern: str, a, b):
+        P = self.precision
+        subscripts = pattern.replace(" ", "")  # single-letter names: "b n d, e d -> b n e" -> "bnd,ed->bne"
+        result = np.einsum(subscripts, P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
+        return P.store(result)
+
+    def add_bias(self, y, bias):
+        y += bias  # in place: the einsum result is ours to change
+        return y
+
+    def scale(self, q, factor: float):
+        return q * np.asarray(factor, dtype=q.dtype)  # a new array: q itself is a stage tensor
+
+    def mask(self, scores, blocked):
+        np.copyto(scores, -np.inf, where=blocked)  # in place
+        return scores
+
+    def softmax(self, scores, empty_rows):
+        """In place over the last axis (unless half precision); rows with no allowed key become zeros (spec)."""
+        P = self.precision
+        return P.store(softmax_inplace(P.operand(scores), empty_rows, axis=-1))
+
+    def snapshot(self, x):
+        return x.copy()
+
+    def synchronize(self, result) -> None:
+        return None
+
+
+class _EinopsOps:
+    """torch and JAX arrays: einops.einsum as written, and a plain product for the scale."""
+
+    def einsum(self, pattern: str, a, b):
+        import einops
+
+        return einops.einsum(a, b, pattern)
+
+    def scale(self, q, factor: float):
+        return q * factor
+
+
+class TorchOps(_EinopsOps):
+    """torch tensors: in-place updates, torch's fused softmax, CUDA when asked for."""
+
+    library = "torch"
+    works_in_place = True
+    has_buffers = True  # view or copy is measurable (untyped_storage)
+
+    def __init__(self, dtype: str, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.dtype_name, self.device_name = dtype, device
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device("cuda" if device == "gpu" else "cpu")
+
+    def asarray(self, array: np.ndarray | None, cast: bool = True):
+        # cast=False: the masks, booleans as they are
+        return (
+            optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
+        )
+
+    def add_bias(self, y, bias):
+        return y.add_(bias)
+
+    def mask(self, scores, blocked):
+        return scores.masked_fill_(blocked, float("-inf"))
+
+    def softmax(self, scores, empty_rows):
+        # torch.softmax gives NaN for a row of all -inf; the spec wants zeros there. The
+        # rows are known from the mask before the timed region, so one masked fill fixes them.
+        if empty_rows is None:
+            return self.torch.softmax(scores, dim=-1)
+        # Finite logits first: softmax of an all -inf row is NaN, and a fill after it would hide
+        # the NaN in the forward but not in the backward (0 * NaN); then zero those rows' weights,
+        # out of place under autograd (softmax's backward needs its own output unchanged).
+        weights = self.torch.softmax(scores.masked_fill_(empty_rows, 0.0), dim=-1)
+        return weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
+
+    def snapshot(self, x):
+        return x.clone()
+
+    def synchronize(self, result) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+
+class JaxOps(_EinopsOps):
+    """JAX arrays: functional updates, traced once and compiled by `jax.jit`."""
+
+    library = "jax"
+    works_in_place = False
+    has_buffers = False  # XLA places the buffers; nothing to measure
+
+    def __init__(self, dtype: str, device: str) -> None:
+        self.dtype_name = dtype
+        self.device = jax_target(dtype, device)
+
+    def asarray(self, array: np.ndarray | None, cast: bool = True):
+        return to_jax(array, self.dtype_name if cast else None, self.device)
+
+    def add_bias(self, y, bias):
+        return y + bias
+
+    def mask(self, scores, blocked):
+        import jax.numpy as jnp
+
+        return jnp.where(blocked, -jnp.inf, scores)
+
+    def softmax(self, scores, empty_rows):
+        return softmax_with_empty_rows(scores)
+
+    def snapshot(self, x):
+        return x  # JAX arrays are immutable
+
+    synchronize = staticmethod(block_until_ready)
+
+
+OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
+
+
+# The feature pairs of each rotary convention, as the grouping of one head's features:
+# "half" = (two k), feature two*r/2 + k; "interleaved" = (k two), feature 2k + two.
+ROTARY_PAIRS = {"half": "two k", "interleaved": "k two"}
+
+
+def rotate_pairs(x, cos, sin, style: str, heads: str):
+    """The rotary embedding in einops form: x (``heads``..., Dk), tables broadcastable to (``heads``..., r/2)."""
+    import einops
+
+    h = cos.shape[-1]  # r/2 pairs
+    r, d_k = 2 * h, x.shape[-1]
+    x_rot, x_pass = (x, None) if r == d_k else einops.unpack(x, [[r], [d_k - r]], f"{heads} *")
+    pair = ROTARY_PAIRS[style]
+    pairs = einops.rearrange(x_rot, f"{heads} ({pair}) -> {heads} {pair}", two=2)  # a split, no axis moves
+    a, b = (pairs[..., 0, :], pairs[..., 1, :]) if style == "half" else (pairs[..., 0], pairs[..., 1])
+    turned, _ = einops.pack([a * cos - b * sin, b * cos + a * sin], f"{heads} {pair.replace('two', '*')}")
+    rotated = einops.rearrange(turned, f"{heads} {pair} -> {heads} ({pair})")  # (..., r), a merge
+    return rotated if x_pass is None else einops.pack([rotated, x_pass], f"{heads} *")[0]  # (..., Dk)
+
+
+def run_pipeline(
+    ops,
+    plan: EinsumPlan,
+    weights: dict,
+    x_q,
+    x_k,
+    x_v,
+    blocked,
+    empty_rows,
+    tables=None,
+    *,
+    scale: float,
+    rope: str | None = None,
+    record: dict | None = None,
+):
+    """The forward pass in einsum form; ``record`` (a dict) receives the stage tensors when given.
+
+    Shapes below are for plain MHA; with GQA read (Hkv, G) for H in q and (Hkv, Nq, G)
+    for (H, Nq) in the scores.
+    """
+    import einops
+
+    q = ops.einsum(plan.project_q, x_q, weights["w_q"])  # (B, Nq, H, Dk)
+    k = ops.einsum(plan.project_k, x_k, weights["w_k"])  # (B, Nk, Hkv, Dk)
+    v = ops.einsum(plan.project_v, x_v, weights["w_v"])  # (B, Nk, Hkv, Dv)
+    if weights["b_q"] is not None:
+        q = ops.add_bias(q, weights["b_q"])  # b_q as (H, Dk)
+        k = ops.add_bias(k, weights["b_k"])  # b_k as (Hkv, Dk)
+        v = ops.add_bias(v, weights["b_v"])  # b_v as (Hkv, Dv)
+    q_rotated, k_rotated = q, k  # without rope: the heads themselves
+    if tables is not None:
+        q_cos, q_sin, k_cos, k_sin = tables  # (1|B, Nq, 1, r/2), (1|B, Nk, 1, r/2)
+        q_rotated = rotate_pairs(q, q_cos, q_sin, rope, plan.heads_q)  # (B, Nq, H, Dk)
+        k_rotated = rotate_pairs(k, k_cos, k_sin, rope, plan.heads_kv)  # (B, Nk, Hkv, Dk)
+    # Scaling q (B*Nq*H*Dk numbers) is cheaper than scaling the scores (B*H*Nq*Nk).
+    scores = ops.einsum(plan.scores, ops.scale(q_rotated, scale), k_rotated)  # (B, H, Nq, Nk)
+    if record is not None:
+        record["scores"] = ops.snapshot(scores)  # the steps below may work in place
+    masked = scores if blocked is None else ops.mask(scores, blocked)
+    if record is not None:
+        record["masked_scores"] = ops.snapshot(masked)
+    attention = ops.softmax(masked, empty_rows)  # (B, H, Nq, Nk)
+    context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
+    merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
+    output = ops.einsum(OUTPUT, merged, weights["w_o"])  # (B, Nq, D)
+    if weights["b_o"] is not None:
+        output = ops.add_bias(output, weights["b_o"])
+    if record is not None:
+        record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
+        record.update(weights=attention, context=context, merged=merged, output=output)
+        if ops.has_buffers:
+            # The live buffers (not snapshots), to measure which step wrote into which.
+            record["buffers"] = {"scores": scores, "masked_scores": masked, "weights": attention}
+    return output
+
+
+def _head_sizes(cfg: MHAConfig) -> dict[str, int]:
+    return {"h": cfg.n_heads, "g": cfg.n_kv_heads, "r": cfg.group_size}
+
+
+def canonical_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan) -> dict[str, np.ndarray | None]:
+    """The canonical (out, in) weights with their head axes split out (reshapes, as NumPy views)."""
+    import einops
+
+    sizes = _head_sizes(cfg)
+    kv_sizes = {"h": cfg.n_kv_heads, "g": cfg.n_kv_heads}  # the kv weights have one head axis
+
+    def split(array, pattern, lengths):
+        return None if array is None else einops.rearrange(array, pattern, **axis_sizes(pattern, lengths))
+
+    return {
+        "w_q": split(params.w_q, plan.weight_q, sizes),  # (H, Dk, D) or (Hkv, G, Dk, D)
+        "w_k": split(params.w_k, plan.weight_kv, kv_sizes),  # (Hkv, Dk, kdim)
+        "w_v": split(params.w_v, plan.weight_kv, kv_sizes),  # (Hkv, Dv, vdim)
+        "w_o": params.w_o,  # (D, H*Dv)
+        "b_q": split(params.b_q, plan.bias_q, sizes),  # (H, Dk) or (Hkv, G, Dk)
+        "b_k": split(params.b_k, plan.bias_kv, kv_sizes),  # (Hkv, Dk)
+        "b_v": split(params.b_v, plan.bias_kv, kv_sizes),  # (Hkv, Dv)
+        "b_o": params.b_o,  # (D,)
+    }
+
+
+def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(blocked, empty_rows) shaped to broadcast against the scores of ``plan``.
+
+    blocked:    True where a query may NOT attend (what the fill needs), or None.
+    empty_rows: the same with the key axis reduced to 1: True for rows with no allowed
+                key, or None if there are none.
+    """
+    import einops
+
+    allowed = allowed_positions(cfg, inputs)  # (B|1, H|1, Nq, Nk) or None
+    if allowed is None:
+        return None, None
+    # A mask shared by all heads keeps unit head axes: (g, r) = (1, 1).
+    sizes = _head_sizes(cfg) if allowed.shape[1] > 1 else {"h": 1, "g": 1, "r": 1}
+    allowed = einops.rearrange(allowed, plan.mask, **axis_sizes(plan.mask, sizes))  # the scores' layout
+    empty = ~allowed.any(axis=-1, keepdims=True)  # key axis reduced to 1
+    return ~allowed, (empty if empty.any() else None)
+
+
+# How each stage is made, where no rearrange of another tensor says it.
+_STAGE_ORIGINS = {
+    "q_heads": "the projection einsum writes the heads directly; no split step",
+    "k_heads": "the projection einsum writes the heads directly",
+    "v_heads": "the projection einsum writes the heads directly",
+    "scores": "einsum output spec puts heads before tokens",
+    "masked_scores": "blocked positions filled with -inf",
+    "weights": "softmax of the masked scores",
+    "context": "einsum output spec keeps tokens first",
+    "output": f"einsum '{OUTPUT}'",
+}
+
+
+# The steps that may write into their input's buffer: stage -> the stage it is made from.
+_IN_PLACE_STEPS = {"masked_scores": "scores", "weights": "masked_scores"}
+
+
+def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
+    """(note, relation) of a tensor made by a rearrange of ``source``: a view or a copy, measured.
+
+    JAX arrays have no buffers to compare (XLA places them): an immutable value made from
+    another is counted a copy.
+    """
+    how = f"rearrange '{pattern}'"
+    if not ops.has_buffers:
+        return f"{how}; {XLA_LAYOUT}", "copy"
+    return how, relation_to(result, source)
+
+
+def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, str, str | None]:
+    """(note, relation, parent) of a pipeline stage but merged, as the forward pass made it."""
+    if name in ("q_rotated", "k_rotated"):
+        heads = f"{name[0]}_heads"
+        if rope is None:
+            return NO_ROPE_NOTE, "view", heads
+        return (
+            f"rotary, pairs named by rearrange '(...) ({ROTARY_PAIRS[rope]})', packed back with einops.pack",
+            "new",
+            heads,
+        )
+    origin = _STAGE_ORIGINS.get(name, "")
+    if name in _IN_PLACE_STEPS:
+        parent = _IN_PLACE_STEPS[name]
+        if "buffers" in record and shares_memory(record["buffers"][name], record["buffers"][parent]):
+            return f"{origin}, in place", "view", parent
+        return origin, "new", parent
+    return origin, "new", None
+
+
+def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) -> dict[str, StageTensor]:
+    """The recorded pipeline tensors as StageTensors, with the view/copy facts measured on them."""
+    import einops
+
+    stages = {}
+    for name, source in PIPELINE_TENSORS.items():
+        tensor, pattern = record[source], plan.stage_views.get(name)
+        if name == "merged":
+            note, relation = _rearranged(ops, record["merged"], record["context"], plan.merge)
+            notes, parent = [note], "context"
+        else:
+            origin, relation, parent = _provenance(ops, name, record, rope)
+            notes = [origin] if origin else []
+        if pattern is not None:  # the einsum's layout shown in the contract's axes, for inspection
+            tensor = einops.rearrange(tensor, pattern)
+            notes.append(f"shown as rearrange '{pattern}' of the einsum's {source}")
+        if ops.works_in_place and name in ("scores", "masked_scores"):
+            notes.append("snapshot: the timed pass updates this buffer in place")
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes), relation, parent)
+    for name, (heads, pattern) in MERGED_PROJECTIONS.items():
+        source = stages[heads].value
+        tensor = einops.rearrange(source, pattern)  # (B, N, heads*d)
+        note, relation = _rearranged(ops, tensor, source, pattern)
+        stages[name] = StageTensor(tensor, STAGE_AXES[name], note, relation, heads)
+    return {name: stages[name] for name in STAGE_AXES}  # pipeline order

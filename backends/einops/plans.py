@@ -45,7 +45,7 @@ library has to reorder the largest tensor after computing it. A test reads this
 module's source to prove it calls no transpose, permute, swapaxes or ``.T``.
 
 NumPy: ``einops.einsum`` calls ``np.einsum`` without ``optimize``, which runs NumPy's C
-loops (about 6x slower than BLAS at 512 tokens). `NumpyOps.einsum` calls ``np.einsum``
+loops (measured several times slower than BLAS: docs/notes/backends-measurements.md). `NumpyOps.einsum` calls ``np.einsum``
 itself with the contraction path given explicitly (two operands have one path), which
 sends each contraction through NumPy's batched matmul. NumPy has no bfloat16
 arithmetic of its own: with ml_dtypes bfloat16 each einsum and the softmax run in

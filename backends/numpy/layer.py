@@ -13,12 +13,10 @@ What follows from that layout, and what this adapter shows:
 * per head the score matrix keeps one column per query, ``S_h = scale * K_g^T @ Q_h``
   ``(Nk, Nq)`` (the transpose of the row-sample ``Q_h @ K_g^T``), the softmax normalises
   each column (over keys, axis -2), and ``context_h = V_g @ A_h`` is a plain product
-  ``(Dv, Nk) @ (Nk, Nq) = (Dv, Nq)``: column samples throughout. Measured on one core at
-  B=4, H=8, N=512 float32, this column-wise softmax took about 10 ms against 13 ms for
-  the row-wise one a ``(Nq, Nk)`` layout needs, and ``V_g @ A_h`` was no slower than
-  ``V_g @ A_h^T``. ``K_g^T`` is a transposed view handed to BLAS with its transpose flag
-  (no copy); OpenBLAS ran that product about 1.4x slower than on two contiguous
-  operands, a cost of keeping keys as ``(Dk, Nk)`` that the benchmark shows as it is;
+  ``(Dv, Nk) @ (Nk, Nq) = (Dv, Nq)``: column samples throughout. The column-wise softmax was measured faster than the
+  row-wise one; ``K_g^T`` is a transposed view handed to BLAS with its transpose flag (no
+  copy), at a measured cost that the benchmark shows as it is (figures:
+  docs/notes/backends-measurements.md);
 * the rotary embedding (``cfg.rope``) turns pairs of feature *rows* of each head: rows
   ``i`` and ``i + r/2`` ("half") or rows ``2i`` and ``2i + 1`` ("interleaved", a step-2 slice),
   with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;

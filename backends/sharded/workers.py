@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 
 # How often a waiting request checks that every worker is still alive. An answer wakes the
 # wait at once (`connection.wait`): a fixed sleep here would round every forward pass up to
-# a multiple of it (with a 50 ms sleep the benchmark measured 50.35 and 100.75 ms).
+# a multiple of it (measured: docs/notes/backends-measurements.md).
 POLL_SECONDS = 0.05
 STOP_SECONDS = 5.0
 # How long a rank whose collective failed waits for a dying peer to be seen dead (a loaded

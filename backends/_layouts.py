@@ -48,6 +48,8 @@ def head_slice_axes(axes: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ..
     return {name: tuple(a for a in axes[name] if a not in ("H", "Hkv")) for name in heads}
 
 
+XLA_LAYOUT = "XLA-managed layout"  # the note of a stage whose memory layout XLA chooses
+
 # Where each stage of an XLA pass comes from, as `StageTensor` (relation, parent). JAX
 # arrays are immutable values whose buffers XLA places, so a layout-only step (a reshape)
 # counts as a copy of its parent; a computation is "new".

@@ -1,76 +1,12 @@
-"""Is an optional library usable here? Import it once, remember the answer, and say why not.
+"""Is an optional library usable here? The backends ask `mha_rosetta.core.probe`.
 
-``importlib.util.find_spec`` only says that a module is on the path, not that it
-imports: Keras 3 installed next to JAX and torch, without TensorFlow and without
-``KERAS_BACKEND``, is found, then fails to import (``No module named 'tensorflow'``).
-So a library counts as available only after it has really been imported, and an import
-that fails becomes a reason (the library, the error and, where there is one, the remedy)
-that callers turn into a skip instead of a crash.
-
-Nothing is imported when this module is imported: each library is imported the first
-time someone asks about it (`available_backends`, the explainer, the layouts' real
-modules), and the answer is cached for the life of the process.
+The probe is standard library only, so it lives in `core`, where `mha_rosetta.models` (which
+imports only `core`) can ask it too; this module re-exports it under the name the backends,
+the explainer and the checks have always imported, so there is one probe and one cache.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-from dataclasses import dataclass
+from mha_rosetta.core.probe import REMEDIES, Probe, import_failure, importable, probe
 
-from mha_rosetta.core.errors import error_line
-
-# What to do about a library that is installed but does not import, where it is known.
-REMEDIES = {
-    "keras": (
-        "Keras 3 needs a backend: set KERAS_BACKEND=jax or KERAS_BACKEND=torch "
-        "(without it Keras defaults to TensorFlow)"
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The outcome of importing one optional library."""
-
-    module: str
-    installed: bool  # found on the path
-    error: str = ""  # "Type: message" of a failed import; empty when it imported
-
-    @property
-    def ok(self) -> bool:
-        return self.installed and not self.error
-
-    @property
-    def reason(self) -> str | None:
-        """None when usable; otherwise why not, with the remedy where one is known."""
-        if not self.installed:
-            return f"{self.module} is not installed"
-        if not self.error:
-            return None
-        remedy = REMEDIES.get(self.module.split(".")[0])
-        reason = f"{self.module} is installed but failed to import: {self.error}"
-        return f"{reason}; {remedy}" if remedy else reason
-
-
-@functools.cache
-def probe(module: str) -> Probe:
-    """Import ``module`` once (cached) and report whether that worked."""
-    try:
-        if importlib.util.find_spec(module) is None:
-            return Probe(module, installed=False)
-        importlib.import_module(module)
-    except Exception as error:  # any error: a library that cannot import is unusable, whatever the cause
-        return Probe(module, installed=True, error=error_line(error))
-    return Probe(module, installed=True)
-
-
-def import_failure(module: str) -> str | None:
-    """None when ``module`` imports; otherwise why it cannot be used (not installed, or the import error)."""
-    return probe(module).reason
-
-
-def importable(module: str) -> bool:
-    """True when ``module`` imports (it is imported, once, to find out)."""
-    return probe(module).ok
+__all__ = ["REMEDIES", "Probe", "import_failure", "importable", "probe"]

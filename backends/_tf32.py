@@ -1,6 +1,6 @@
 """One process-wide switch for benchmarks: ``MHA_ROSETTA_TF32=1`` lets every float32 GPU product use TF32.
 
-Comparisons keep TF32 off (see `_torch_common` and `_jax_common`). A benchmark of float32
+Comparisons keep TF32 off (see `torch.common` and `jax.common`). A benchmark of float32
 with TF32 *on* must change every adapter at once, in fresh child processes that it does
 not construct itself, so the request travels as an environment variable: set, every torch
 adapter runs as if built with ``allow_tf32=True`` and every JAX adapter whose precision

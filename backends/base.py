@@ -38,6 +38,7 @@ from mha_rosetta.core import (
 from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
+from .entries import registered_entry
 
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
@@ -184,7 +185,7 @@ class Backend:
 
     name: str = ""
     convention: str = ""  # one line: what this adapter embodies
-    # Set from the backend's registry entry (backends/__init__.py), the one place that
+    # Set from the backend's registry entry (backends/registry.py), the one place that
     # says what a backend needs and whether it is ours or a third-party oracle; a plugin
     # class registered by path (or not at all) sets them here, as class attributes.
     requires: tuple[str, ...] = ()  # importable modules this backend needs
@@ -204,8 +205,6 @@ class Backend:
             self.name = name
         # Kind and requires come from this class's registry entry (the one place that says
         # them), so an instance built directly knows them too; unregistered: class attributes.
-        from .plugins import registered_entry
-
         entry = registered_entry(type(self), name)
         if entry is not None and entry.kind is not None:
             self.kind, self.requires = entry.kind, tuple(entry.requires)

@@ -16,7 +16,7 @@ SUPPORTING_PACKAGES = ("jaxlib", "ml_dtypes", "threadpoolctl", "scipy")
 
 def versioned_packages() -> tuple[str, ...]:
     """This project, every module a registered backend requires, then the supporting packages."""
-    from . import REGISTRY
+    from .entries import REGISTRY
 
     names = ["mha-rosetta"]
     for entry in REGISTRY.values():

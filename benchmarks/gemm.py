@@ -93,7 +93,7 @@ def _torch_product(n: int, dtype: str, device: str):
     import torch
 
     from mha_rosetta.backends._tf32 import tf32_forced
-    from mha_rosetta.backends._torch_common import set_tf32_switches, tf32_state, tf32_switches
+    from mha_rosetta.backends.torch.common import set_tf32_switches, tf32_state, tf32_switches
 
     target = "cuda" if device == "gpu" else "cpu"
     facts: dict = {"torch": torch.__version__}
@@ -127,7 +127,7 @@ def _jax_product(n: int, dtype: str, device: str):
     import jax
     import jax.numpy as jnp
 
-    from mha_rosetta.backends._jax_common import effective_precision, enable_float64_if_needed, jax_device
+    from mha_rosetta.backends.jax.common import effective_precision, enable_float64_if_needed, jax_device
 
     enable_float64_if_needed(dtype)  # without jax_enable_x64, float64 arrays silently become float32
     target = jax_device(device)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 def _torch_probe() -> tuple[bool, str]:
     import torch
 
-    from mha_rosetta.backends._torch_common import torch_devices
+    from mha_rosetta.backends.torch.common import torch_devices
 
     if "gpu" in torch_devices():
         return True, ""
@@ -34,7 +34,7 @@ def _torch_probe() -> tuple[bool, str]:
 def _jax_probe() -> tuple[bool, str]:
     import jax
 
-    from mha_rosetta.backends._jax_common import jax_devices
+    from mha_rosetta.backends.jax.common import jax_devices
 
     if "gpu" in jax_devices():
         return True, ""

@@ -75,8 +75,8 @@ def _mha_problem(size: dict):
 def _torch_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha) -> list[dict]:
     import torch
 
-    from mha_rosetta.backends._torch_common import matmul_precision, tf32_switches, to_tensor
-    from mha_rosetta.backends.torch_backend import TorchBackend
+    from mha_rosetta.backends.torch.adapter import TorchBackend
+    from mha_rosetta.backends.torch.common import matmul_precision, tf32_switches, to_tensor
 
     cfg, params, x, _reference = mha
     ta, tb = to_tensor(a, "float32", device), to_tensor(b, "float32", device)
@@ -97,8 +97,8 @@ def _jax_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha)
     import jax
     import jax.numpy as jnp
 
-    from mha_rosetta.backends._jax_common import LOWERED_PRECISION, MATMUL_PRECISIONS, allows_tf32, jax_device
-    from mha_rosetta.backends.jax_backend import JaxBackend
+    from mha_rosetta.backends.jax.adapter import JaxBackend
+    from mha_rosetta.backends.jax.common import LOWERED_PRECISION, MATMUL_PRECISIONS, allows_tf32, jax_device
 
     cfg, params, x, _reference = mha
     target = jax_device(device)
@@ -164,7 +164,7 @@ def empty_row_answers(device: str = "cpu") -> dict[str, str]:
     import torch
     import torch.nn.functional as F
 
-    from mha_rosetta.backends._torch_common import torch_device
+    from mha_rosetta.backends.torch.common import torch_device
 
     target = torch_device(device)
     generator = torch.Generator().manual_seed(0)
@@ -215,7 +215,7 @@ def sdpa_float32_error(device: str = "cpu", tokens: int = 1024, width: int = 64)
     import torch
     import torch.nn.functional as F
 
-    from mha_rosetta.backends._torch_common import matmul_precision, torch_device
+    from mha_rosetta.backends.torch.common import matmul_precision, torch_device
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, tokens, width, generator=generator, dtype=torch.float64) for _ in range(3))
@@ -236,7 +236,7 @@ def gpu_questions(device: str) -> dict:
     """The answers a first GPU run must record (see the module docstring); torch only."""
     if not _installed("torch"):
         return {"skipped": "torch is not installed"}
-    from mha_rosetta.backends._torch_common import tf32_switches
+    from mha_rosetta.backends.torch.common import tf32_switches
 
     return {
         "device": device,

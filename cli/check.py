@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     backends = args.backends
     if args.backend:
-        from mha_rosetta.backends.plugins import register_path
+        from mha_rosetta.backends.registry import register_path
 
         sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named
         try:

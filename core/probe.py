@@ -1,7 +1,7 @@
 """Is an optional library usable here? Import it once, remember the answer, and say why not.
 
 Standard library only, so that `mha_rosetta.models` (which imports only `core`) can ask it;
-`mha_rosetta.backends._probe` holds the same code for the backends until it re-exports this module.
+`mha_rosetta.backends._probe` re-exports it for the backends.
 
 ``importlib.util.find_spec`` only says that a module is on the path, not that it
 imports: Keras 3 installed next to JAX and torch, without TensorFlow and without

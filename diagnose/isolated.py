@@ -32,7 +32,7 @@ GRACE_S = 2.0  # beyond the per-probe limit, for the child's own thread limit to
 
 def resolve_callable(path: str):
     """``"pkg.mod:name"`` -> the object, with errors that name the path."""
-    from mha_rosetta.backends.plugins import parse_target
+    from mha_rosetta.backends.registry import parse_target
 
     module_name, attr = parse_target(path)
     try:

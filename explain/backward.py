@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.backends._numpy_vjp import ColumnSampleVJP, prepare_numpy_vjp
-from mha_rosetta.backends.numpy_backend import ColumnSampleMHA, NumpyBackend, NumpyPrecision
+from mha_rosetta.backends.numpy import NumpyBackend
+from mha_rosetta.backends.numpy.common import NumpyPrecision
+from mha_rosetta.backends.numpy.layer import ColumnSampleMHA
+from mha_rosetta.backends.numpy.vjp import ColumnSampleVJP, prepare_numpy_vjp
 from mha_rosetta.core import MHAConfig, init_params, reference_mha_vjp, reference_stages
 
 

@@ -100,7 +100,7 @@ def _torch_linear_evidence(cfg: MHAConfig, params: MHAParams, x: np.ndarray) -> 
 
 def _torch_mha_evidence(cfg: MHAConfig, params: MHAParams) -> str:
     """Load the state dict into a real nn.MultiheadAttention and read it back."""
-    from mha_rosetta.backends.torch_oracles import loaded_torch_mha
+    from mha_rosetta.backends.oracles.torch import loaded_torch_mha
 
     module = loaded_torch_mha(cfg, params, "float64", "cpu", batch_first=False)  # strict: every name and shape
     back = from_torch_mha_state_dict(cfg, module.state_dict())

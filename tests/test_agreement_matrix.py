@@ -19,6 +19,7 @@ import pytest
 
 from conftest import skip_without_gpu
 from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend, missing_backends
+from mha_rosetta.backends.entries import module_name
 from mha_rosetta.checks import SPEC_CASES, SpecCase, Status, run_check
 from mha_rosetta.checks.devices import GPU_PROBES
 from mha_rosetta.cli.main import main
@@ -192,7 +193,7 @@ TF32_CASE = SpecCase(
 def test_tf32_error_is_larger_than_float32(name, option):
     _skip_unless_present(name, "gpu")
     entry = REGISTRY[name]
-    adapter = importlib.import_module(f"mha_rosetta.backends.{entry.module}")
+    adapter = importlib.import_module(module_name(entry.module))
     fast = getattr(adapter, entry.cls)(name=f"{name}-tf32", **entry.kwargs, **option)
     fast.kind = entry.kind
     ieee = get_backend(name)

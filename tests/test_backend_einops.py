@@ -121,7 +121,8 @@ def test_numpy_einsum_with_explicit_path_equals_einops_einsum():
     """The NumPy fast path (explicit contraction path) computes what einops.einsum computes."""
     import einops
 
-    from mha_rosetta.backends.einops_backend import GQA_PLAN, NumpyOps
+    from mha_rosetta.backends.einops.layer import NumpyOps
+    from mha_rosetta.backends.einops.plans import GQA_PLAN
 
     rng = np.random.default_rng(6)
     q = rng.standard_normal((2, 7, 2, 3, 5))  # (B, Nq, Hkv, G, Dk)
@@ -157,14 +158,15 @@ def test_the_checker_finds_axis_swaps():
 
 
 def test_einops_adapter_never_swaps_axes_by_hand():
-    from mha_rosetta.backends import _jax_common, einops_backend
+    from mha_rosetta.backends.einops import adapter, layer, plans, vjp
+    from mha_rosetta.backends.jax import common as _jax_common
 
-    for module in (einops_backend, _jax_common):  # the adapter and the JAX helpers it calls
+    for module in (plans, layer, adapter, vjp, _jax_common):  # the einops family and the JAX helpers it calls
         assert axis_swaps(inspect.getsource(module)) == [], module.__name__
 
 
 def test_rejects_an_unknown_array_library():
-    from mha_rosetta.backends.einops_backend import EinopsBackend
+    from mha_rosetta.backends.einops.adapter import EinopsBackend
 
     with pytest.raises(ValueError, match="array_library must be one of numpy, torch, jax; got 'cupy'"):
         EinopsBackend(array_library="cupy")
@@ -172,7 +174,7 @@ def test_rejects_an_unknown_array_library():
 
 def test_requirements_name_the_array_library():
     from mha_rosetta.backends import REGISTRY, get_backend
-    from mha_rosetta.backends.einops_backend import EinopsBackend
+    from mha_rosetta.backends.einops.adapter import EinopsBackend
 
     # The registry is the one place that says what a backend needs; get_backend copies it on.
     assert REGISTRY["einops-numpy"].requires == ("einops",)

@@ -135,7 +135,7 @@ def test_native_stages_keep_tokens_before_heads(backend):
 
 
 def test_rejects_an_unknown_matmul_precision():
-    from mha_rosetta.backends.jax_backend import JaxBackend
+    from mha_rosetta.backends.jax.adapter import JaxBackend
 
     with pytest.raises(ValueError, match="matmul_precision must be one of"):
         JaxBackend(matmul_precision="fastest")
@@ -167,7 +167,7 @@ def _jax_has_gpu() -> bool:
 @gpu_skipif(not _jax_has_gpu(), "JAX sees no GPU on this machine")
 def test_tf32_changes_float32_results_on_gpu():
     """float32 at "highest" meets the float32 tolerance; at "default" (TF32 on) it drifts further."""
-    from mha_rosetta.backends.jax_backend import JaxBackend
+    from mha_rosetta.backends.jax.adapter import JaxBackend
 
     cfg = MHAConfig(d_model=256, n_heads=4)
     params = init_params(cfg, seed=9)

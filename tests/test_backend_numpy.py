@@ -7,7 +7,7 @@ import pytest
 from adapter_cases import CASES, empty_rows_case
 
 from mha_rosetta.backends import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, UnsupportedCase, get_backend
-from mha_rosetta.backends._numpy_ops import (
+from mha_rosetta.backends.numpy.common import (
     MaskArrays,
     NumpyPrecision,
     apply_mask_inplace,

@@ -109,7 +109,7 @@ def test_precision_info_on_cpu(backend):
 def test_matmul_precision_switches_are_set_and_restored():
     import torch
 
-    from mha_rosetta.backends._torch_common import matmul_precision
+    from mha_rosetta.backends.torch.common import matmul_precision
 
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
@@ -156,7 +156,7 @@ def test_gpu_output_matches_reference(backend, case, dtype, strategy):
 @needs_gpu
 def test_gpu_tf32_changes_float32_error():
     """TF32 off: float32 accuracy. TF32 on (allow_tf32=True): errors of TF32's 10-bit mantissa."""
-    from mha_rosetta.backends.torch_backend import TorchBackend
+    from mha_rosetta.backends.torch.adapter import TorchBackend
 
     cfg = MHAConfig(d_model=256, n_heads=4)
     params = init_params(cfg, seed=0)

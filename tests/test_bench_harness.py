@@ -253,7 +253,7 @@ def test_failing_cell_in_a_fresh_process_is_recorded():
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("mha_rosetta.backends.numpy_backend") is None,
+    importlib.util.find_spec("mha_rosetta.backends.numpy.adapter") is None,
     reason="the numpy adapter is not written yet",
 )
 def test_smoke_numpy_cell_in_a_pinned_fresh_process(monkeypatch):

@@ -78,7 +78,7 @@ def test_default_blocks_and_blocks_larger_than_the_tokens(name):
 
 def _layers_built(monkeypatch, name: str) -> list:
     """Every chunked layer the adapter builds from now on (to read its tile counter)."""
-    module = importlib.import_module(f"mha_rosetta.backends._chunked_{name}")
+    module = importlib.import_module(f"mha_rosetta.backends.{name}.chunked")
     cls = module.ChunkedColumnSampleMHA if name == "numpy" else module.ChunkedRowSampleMHA
     built, init = [], cls.__init__
 

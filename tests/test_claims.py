@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import requires
+from mha_rosetta.backends.entries import module_name
 from mha_rosetta.explain import claims as claims_module
 from mha_rosetta.explain.claims import (
     CAVEAT,
@@ -35,10 +36,7 @@ def seed_setup():
 def _adapter_present(name: str) -> bool:
     from mha_rosetta.backends import REGISTRY, available_backends
 
-    return (
-        name in available_backends()
-        and importlib.util.find_spec(f"mha_rosetta.backends.{REGISTRY[name].module}") is not None
-    )
+    return name in available_backends() and importlib.util.find_spec(module_name(REGISTRY[name].module)) is not None
 
 
 def test_claim_12_worked_numbers_exact(seed_setup):

@@ -45,7 +45,7 @@ def _run(backend, strategy, cfg=CFG, dtype="float64"):
 @pytest.mark.parametrize("world", (2, 4, 8))
 @pytest.mark.parametrize("strategy", (STANDARD, "named_sharding"))
 def test_jax_sharded_on_2_4_8_devices_matches_the_oracle(world, strategy):
-    from mha_rosetta.backends.jax_sharded import JaxShardedBackend
+    from mha_rosetta.backends.sharded.jax import JaxShardedBackend
 
     output, prepared, expected = _run(JaxShardedBackend(world=world), strategy)
     assert np.max(np.abs(output - expected)) < 1e-13
@@ -77,7 +77,7 @@ def test_jax_sharded_half_precision():
 
 @requires("jax")
 def test_jax_sharded_bad_world_sizes():
-    from mha_rosetta.backends.jax_sharded import JaxShardedBackend
+    from mha_rosetta.backends.sharded.jax import JaxShardedBackend
 
     with pytest.raises(ValueError, match=r"world=16 needs more devices than the 8 available .*max_devices=16"):
         JaxShardedBackend(world=16)
@@ -120,8 +120,8 @@ def test_torch_tp_world_that_does_not_divide_the_heads():
 
 @requires("torch")
 def test_a_dead_rank_is_an_error_and_the_next_prepare_starts_a_new_group():
-    from mha_rosetta.backends._workers import WorkerError
-    from mha_rosetta.backends.torch_tp import TorchTPBackend
+    from mha_rosetta.backends.sharded.torch import TorchTPBackend
+    from mha_rosetta.backends.sharded.workers import WorkerError
 
     backend = TorchTPBackend()
     cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=3, d_v=2, kdim=10, vdim=14)
@@ -138,7 +138,7 @@ def test_a_dead_rank_is_an_error_and_the_next_prepare_starts_a_new_group():
 
 @requires("torch")
 def test_the_check_reports_a_dead_rank_and_goes_on():
-    from mha_rosetta.backends.torch_tp import TorchTPBackend
+    from mha_rosetta.backends.sharded.torch import TorchTPBackend
 
     class DiesOnce(TorchTPBackend):
         """Kills rank 0 right after the first prepare of the check."""

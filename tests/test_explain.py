@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import BATCH, D_K, D_MODEL, HEADS, Q_TOKENS, requires
+from mha_rosetta.backends.entries import module_name
 from mha_rosetta.cli.main import main
 from mha_rosetta.core import MHAConfig, init_params
 from mha_rosetta.explain import explain, head_splits, make_setup, weight_layouts
@@ -23,10 +24,7 @@ from mha_rosetta.explain.weights import _layout
 def _adapter_present(name: str) -> bool:
     from mha_rosetta.backends import REGISTRY, available_backends
 
-    return (
-        name in available_backends()
-        and importlib.util.find_spec(f"mha_rosetta.backends.{REGISTRY[name].module}") is not None
-    )
+    return name in available_backends() and importlib.util.find_spec(module_name(REGISTRY[name].module)) is not None
 
 
 def needs_adapter(name: str):

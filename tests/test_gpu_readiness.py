@@ -77,7 +77,9 @@ def test_only_a_named_gpu_asks_frameworks_for_one(monkeypatch, devices):
 @requires("jax")
 @requires("torch")
 def test_real_probes_name_the_framework_and_the_fix(monkeypatch):
-    from mha_rosetta.backends import _jax_common, _torch_common, get_backend
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.backends.jax import common as _jax_common
+    from mha_rosetta.backends.torch import common as _torch_common
 
     monkeypatch.setattr(_torch_common, "torch_devices", lambda: ("cpu", "gpu"))  # torch sees CUDA
     monkeypatch.setattr(_jax_common, "jax_devices", lambda: ("cpu",))  # plain CPU jax

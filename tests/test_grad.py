@@ -362,7 +362,7 @@ def test_grad_check_passes_and_catches_the_direct_reshape_mistake():
 
 def test_grad_check_names_a_transposed_weight_gradient():
     """A backend that hands back dW_B = X.T @ dY without transposing it to (out, in) disagrees, named."""
-    from mha_rosetta.backends.numpy_backend import NumpyBackend
+    from mha_rosetta.backends.numpy.adapter import NumpyBackend
 
     class TransposedGrad(NumpyBackend):
         def _prepare_vjp(self, *args):

@@ -32,7 +32,9 @@ ORACLES = [_oracle_param("jax-dpa"), _oracle_param("flax", "flax"), _oracle_para
 
 def oracle(name: str, **kwargs):
     from mha_rosetta.backends import get_backend
-    from mha_rosetta.backends.jax_oracles import EquinoxMHAOracle, FlaxMHAOracle, JaxDotProductAttentionOracle
+    from mha_rosetta.backends.oracles.equinox import EquinoxMHAOracle
+    from mha_rosetta.backends.oracles.flax import FlaxMHAOracle
+    from mha_rosetta.backends.oracles.jax_dpa import JaxDotProductAttentionOracle
 
     if not kwargs:
         return get_backend(name)

@@ -18,8 +18,9 @@ import pytest
 
 from conftest import requires
 from mha_rosetta import backends
-from mha_rosetta.backends import REGISTRY, Backend, BackendEntry, get_backend
-from mha_rosetta.backends.plugins import load_class, module_name, parse_target, registered_entry
+from mha_rosetta.backends import REGISTRY, Backend, BackendEntry, get_backend, registry
+from mha_rosetta.backends.entries import module_name, registered_entry
+from mha_rosetta.backends.registry import load_class, parse_target
 from mha_rosetta.checks import SPEC_CASES, Status, run_check
 
 PLUGIN_SOURCE = '''
@@ -157,16 +158,24 @@ class Unregistered(Backend):
 
 def test_an_instance_knows_its_kind_from_construction():
     pytest.importorskip("torch", reason="torch is not installed")
-    from mha_rosetta.backends.torch_oracles import TorchMHAOracle, TorchSDPAOracle
+    from mha_rosetta.backends.oracles.torch import TorchMHAOracle, TorchSDPAOracle
 
     assert (TorchMHAOracle().kind, TorchMHAOracle().requires) == ("oracle", ("torch",))
     assert TorchSDPAOracle(name="x").kind == "oracle"
     assert Unregistered().kind == "implementation"  # registered nowhere: its class attributes
 
 
-def test_register_takes_a_class_a_path_and_a_fully_qualified_entry(monkeypatch):
-    monkeypatch.setattr(backends, "REGISTRY", dict(REGISTRY))  # never leak into other tests
-    monkeypatch.setattr(backends, "_INSTANCES", {})
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """The registry dict restored in place after the test, and no cached instances: never leak into other tests."""
+    saved = dict(REGISTRY)
+    monkeypatch.setattr(registry, "_INSTANCES", {})
+    yield
+    REGISTRY.clear()
+    REGISTRY.update(saved)
+
+
+def test_register_takes_a_class_a_path_and_a_fully_qualified_entry(scratch_registry):
 
     class Oracle(Backend):
         kind = "oracle"
@@ -175,9 +184,9 @@ def test_register_takes_a_class_a_path_and_a_fully_qualified_entry(monkeypatch):
     backends.register("by-class", Oracle)
     assert backends.REGISTRY["by-class"].kind == "oracle"
     assert backends.REGISTRY["by-class"].requires == ("numpy",)
-    backends.register("by-path", "mha_rosetta.backends.numpy_backend:NumpyBackend")
+    backends.register("by-path", "mha_rosetta.backends.numpy.adapter:NumpyBackend")
     assert backends.REGISTRY["by-path"].kind is None  # not imported yet
-    backends.register("by-entry", BackendEntry("mha_rosetta.backends.numpy_backend", "NumpyBackend"))
+    backends.register("by-entry", BackendEntry("mha_rosetta.backends.numpy.adapter", "NumpyBackend"))
     loaded = backends.get_backend("by-path")
     assert loaded.name == "by-path" and loaded.kind == "implementation"
     assert backends.get_backend("by-entry").strategies == get_backend("numpy").strategies
@@ -187,23 +196,22 @@ def test_register_takes_a_class_a_path_and_a_fully_qualified_entry(monkeypatch):
         backends.register("by-class", Oracle)
 
 
-def test_module_names_are_relative_only_for_modules_of_this_package():
-    assert module_name("numpy_backend") == "mha_rosetta.backends.numpy_backend"
-    assert module_name("numpy") == "numpy"  # not a module of this package
+def test_module_names_are_relative_only_with_a_leading_dot():
+    assert module_name(".numpy.adapter") == "mha_rosetta.backends.numpy.adapter"
+    assert module_name("numpy") == "numpy"  # no leading dot: an absolute module path
     assert module_name("mypkg.attention") == "mypkg.attention"
     assert parse_target("a.b:C") == ("a.b", "C")
     assert load_class(REGISTRY["numpy"]).__name__ == "NumpyBackend"
     assert registered_entry(load_class(REGISTRY["numpy"]), "numpy") is REGISTRY["numpy"]
 
 
-def test_a_user_registered_oracle_gets_its_known_difference(monkeypatch):
+def test_a_user_registered_oracle_gets_its_known_difference(scratch_registry):
     """The same oracle that NaNs empty rows: an oracle by its class, so the NaN is named, not failed."""
     from test_check import FakeBackend
 
     class NaNOracle(FakeBackend):
         kind = "oracle"
 
-    monkeypatch.setattr(backends, "REGISTRY", dict(REGISTRY))
     backends.register("nan-oracle", NaNOracle)
     oracle = NaNOracle("nan-oracle", kind="oracle", empty_rows="nan")
     oracle.strategies = ("standard",)

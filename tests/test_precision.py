@@ -17,7 +17,7 @@ import pytest
 
 from conftest import requires
 from mha_rosetta.backends import REGISTRY, available_backends, get_backend
-from mha_rosetta.backends._jax_common import LOWERED_PRECISION, MATMUL_PRECISIONS, allows_tf32
+from mha_rosetta.backends.jax.common import LOWERED_PRECISION, MATMUL_PRECISIONS, allows_tf32
 from mha_rosetta.benchmarks import gemm
 from mha_rosetta.benchmarks.timing import RepeatPolicy
 from mha_rosetta.core import MHAConfig, init_params
@@ -50,7 +50,7 @@ def test_only_full_float32_names_keep_tf32_off():
 @requires("jax")
 @pytest.mark.parametrize("name", MATMUL_PRECISIONS)
 def test_jax_precision_info_labels_tf32_by_the_lowered_program(name):
-    from mha_rosetta.backends._jax_common import precision_info
+    from mha_rosetta.backends.jax.common import precision_info
 
     info = precision_info(device="gpu", dtype="float32", matmul_precision=name)
     assert info["lowered_precision"] == LOWERED_PRECISION[name]
@@ -60,7 +60,7 @@ def test_jax_precision_info_labels_tf32_by_the_lowered_program(name):
 
 @requires("jax")
 def test_tf32_switch_from_the_environment_reaches_jax_programs(monkeypatch):
-    from mha_rosetta.backends._jax_common import CompiledForward, effective_precision, precision_info
+    from mha_rosetta.backends.jax.common import CompiledForward, effective_precision, precision_info
 
     monkeypatch.setenv("MHA_ROSETTA_TF32", "1")
     assert effective_precision("highest") == "tensorfloat32"
@@ -81,7 +81,7 @@ def test_tf32_switch_from_the_environment_reaches_jax_programs(monkeypatch):
 # matmul_precision(True) and (False), and prints what it saw inside and after.
 _SCENARIO = r"""
 import json, sys, torch
-from mha_rosetta.backends._torch_common import matmul_precision, tf32_switches
+from mha_rosetta.backends.torch.common import matmul_precision, tf32_switches
 setup = sys.argv[1]
 if setup == "legacy-on":
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -118,7 +118,7 @@ def test_matmul_precision_sets_and_restores_through_either_torch_api(setup):
 
 @requires("torch")
 def test_torch_precision_info_states_the_switches_and_the_environment_override(monkeypatch):
-    from mha_rosetta.backends._torch_common import precision_info
+    from mha_rosetta.backends.torch.common import precision_info
 
     assert precision_info(device="gpu", dtype="float32", allow_tf32=False)["tf32"] is False
     assert (
@@ -134,7 +134,7 @@ def test_torch_precision_info_states_the_switches_and_the_environment_override(m
 def tf32_sentinel():
     """torch's switches set to a state no adapter asks for (both on), restored afterwards."""
     pytest.importorskip("torch")
-    from mha_rosetta.backends._torch_common import set_tf32_switches, tf32_switches
+    from mha_rosetta.backends.torch.common import set_tf32_switches, tf32_switches
 
     saved = tf32_switches()
     sentinel = {"api": "allow_tf32", "matmul": True, "cudnn": True}
@@ -148,7 +148,7 @@ def tf32_sentinel():
 @requires("einops")
 @pytest.mark.parametrize("precision", MATMUL_PRECISIONS)
 def test_einops_numerics_info_leaves_torch_switches_alone(tf32_sentinel, precision):
-    from mha_rosetta.backends.einops_backend import EinopsBackend
+    from mha_rosetta.backends.einops.adapter import EinopsBackend
 
     backend = EinopsBackend("einops-torch-probe", array_library="torch", matmul_precision=precision)
     info = backend._numerics_info("float32", "gpu")  # the old code set the switches here, for good
@@ -295,7 +295,7 @@ def test_gpu_questions_answer_on_cpu_what_torch_does_with_empty_rows():
 def test_the_jax_backward_records_the_precision_of_its_own_device_and_dtype(monkeypatch):
     # The backward once called precision_info(dtype, device, ...): on a GPU in float32 its info lost
     # the "tf32" entry. The arguments are keyword-only now; this pins what the backward passes.
-    from mha_rosetta.backends import jax_backend
+    from mha_rosetta.backends.jax import adapter as jax_backend
 
     seen = []
     real = jax_backend.precision_info

@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import mha_rosetta.backends as backends
-from mha_rosetta.backends import REGISTRY, Backend, Prepared, StageTensor, register
+from mha_rosetta.backends import REGISTRY, Backend, Prepared, StageTensor, register, registry
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, init_params, reference_stages
 
 TOY = "toy-oracle-loop"
@@ -43,7 +42,7 @@ class ToyBackend(Backend):
 @pytest.fixture
 def toy(monkeypatch):
     """The toy backend registered the public way, for one test; the registry and the instances restored after."""
-    monkeypatch.setattr(backends, "_INSTANCES", dict(backends._INSTANCES))
+    monkeypatch.setattr(registry, "_INSTANCES", dict(registry._INSTANCES))
     register(TOY, ToyBackend)
     assert REGISTRY[TOY].kind == "implementation"
     yield TOY

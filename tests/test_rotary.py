@@ -293,7 +293,7 @@ def test_the_wrong_rotary_convention_is_caught_at_q_rotated(name):
 
 def test_the_check_reports_q_rotated_for_a_swapped_convention():
     # The check's own machinery: an adapter that silently uses the other convention.
-    from mha_rosetta.backends.numpy_backend import NumpyBackend
+    from mha_rosetta.backends.numpy.adapter import NumpyBackend
 
     class SwappedRope(NumpyBackend):
         def _prepare(self, cfg, params, inputs, dtype, device, strategy):

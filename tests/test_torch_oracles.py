@@ -101,7 +101,7 @@ def test_mask_polarity_is_inverted_for_the_module():
     """attn_mask True = blocked; giving the module the spec's mask unchanged is wrong."""
     import torch
 
-    from mha_rosetta.backends.torch_oracles import torch_blocked_mask
+    from mha_rosetta.backends.oracles.torch import torch_blocked_mask
 
     allowed = np.array([[[[True, False, True], [False, False, True]]]])  # (1, 1, Nq=2, Nk=3)
     np.testing.assert_array_equal(torch_blocked_mask(allowed, 2, 4, 2, 3, "cpu").numpy(), ~allowed[0, 0])

@@ -66,7 +66,7 @@ def _torch_mha(setup: Setup, torch_mask: np.ndarray, need_weights: bool):
     """nn.MultiheadAttention (float64, default sequence-first). Returns (output (B, N, D), weights (B, H, N, N) | None)."""
     import torch
 
-    from mha_rosetta.backends.torch_oracles import loaded_torch_mha
+    from mha_rosetta.backends.oracles.torch import loaded_torch_mha
 
     module = loaded_torch_mha(setup.cfg, setup.params, "float64", "cpu", batch_first=False)  # sequence first
     x = torch.from_numpy(setup.x).transpose(0, 1)  # (N, B, E): sequence first, as the default expects
@@ -137,7 +137,7 @@ def _equinox_module(setup: Setup, mask: np.ndarray):
     import jax
     import jax.numpy as jnp
 
-    from mha_rosetta.backends.jax_oracles import loaded_equinox_mha
+    from mha_rosetta.backends.oracles.equinox import loaded_equinox_mha
 
     module = loaded_equinox_mha(setup.cfg, setup.params.astype(np.float32), "float32", None)  # as the oracle does
     x = jnp.asarray(setup.x, dtype=jnp.float32)

@@ -131,7 +131,7 @@ def tf32_default(setup: Setup) -> Difference:
     if _installed("torch"):
         import torch
 
-        from mha_rosetta.backends._torch_common import tf32_switches
+        from mha_rosetta.backends.torch.common import tf32_switches
 
         switches = tf32_switches()  # the old getters raise once torch >= 2.9's new API turned TF32 on
         rows.append(
@@ -164,7 +164,7 @@ def tf32_default(setup: Setup) -> Difference:
     if gpu_torch:
         import torch
 
-        from mha_rosetta.backends._torch_common import matmul_precision
+        from mha_rosetta.backends.torch.common import matmul_precision
 
         ta, tb = torch.from_numpy(a).float().cuda(), torch.from_numpy(b).float().cuda()
         for allow in (False, True):

@@ -1,7 +1,7 @@
 """What the sharded backends (`jax-sharded`, `torch-tp`) share: a worker group, the head plan, prepare.
 
 Each splits the layer's heads over ``world`` ranks (`core.shard_plan`) and runs in worker
-processes (`_workers`): a configuration whose heads do not split is refused with the
+processes (`workers`): a configuration whose heads do not split is refused with the
 plan's reason, and a case is prepared by sending the canonical parameters, the inputs and
 the world size to the workers, which build, compile and keep it.
 """
@@ -14,8 +14,8 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
 
-from ._workers import WorkerGroup, worker_prepared
-from .base import Backend, Prepared, StageTensor
+from ..base import Backend, Prepared, StageTensor
+from .workers import WorkerGroup, worker_prepared
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
 FORWARD_SECONDS = 120.0

@@ -5,7 +5,7 @@ Two ways JAX users write it, as two strategies:
 * ``standard``: `jax.shard_map` over a 1-D mesh with axis ``"heads"``. Each device gets
   its own block of rows of ``w_q``, ``w_k``, ``w_v`` (its heads: column-parallel), its
   columns of ``w_o`` (row-parallel) and the replicated input; it runs the JAX adapter's
-  own per-item function (`jax_backend._mha_one_item`, one head unbatched, vmap over heads)
+  own per-item function (`jax.layer._mha_one_item`, one head unbatched, vmap over heads)
   on its heads only, which ends in a partial output ``merged_r @ w_o[:, cols_r].T``; one
   `lax.psum` over ``"heads"`` sums the partial outputs, and ``b_o`` is added once, after it.
 * ``named_sharding``: the unsharded program of the JAX adapter, jitted with the weights
@@ -23,7 +23,7 @@ calling process may have started JAX already (the check runs the other JAX backe
 first). So the computation runs in a worker process that this backend starts (with the
 flag set) the first time it prepares a case and reuses after; it is torn down at exit.
 `forward` asks the worker to run the compiled program and wait for it; `to_numpy` fetches
-the output. A dead worker is an error that says so, never a hang (`_workers`).
+the output. A dead worker is an error that says so, never a hang (`workers`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 
-from ._sharded import PREPARE_SECONDS, ShardedBackend, gather_heads
-from ._workers import Programs, WorkerGroup, serve
-from .base import STANDARD
+from ..base import STANDARD
+from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
+from .workers import Programs, WorkerGroup, serve
 
 NAMED_SHARDING = "named_sharding"
 # Simulated CPU devices the worker's JAX is started with: enough for 2, 4 and 8 ranks.
@@ -122,10 +122,10 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ._jax_common import enable_float64_if_needed
-    from ._layouts import TOKENS_FIRST_STAGE_AXES
-    from .base import StageTensor, canonical_stage
-    from .jax_backend import _mha_one_item, batched_tables, mask_for_vmap
+    from .._layouts import TOKENS_FIRST_STAGE_AXES
+    from ..base import StageTensor, canonical_stage
+    from ..jax.common import enable_float64_if_needed
+    from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
     devices = jax.devices()

@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 
 # How often a waiting request checks that every worker is still alive. An answer wakes the
 # wait at once (`connection.wait`): a fixed sleep here would round every forward pass up to
-# a multiple of it (with a 50 ms sleep the benchmark measured 50.35 and 100.75 ms).
+# a multiple of it (measured: docs/notes/backends-measurements.md).
 POLL_SECONDS = 0.05
 STOP_SECONDS = 5.0
 # How long a rank whose collective failed waits for a dying peer to be seen dead (a loaded
@@ -232,7 +232,7 @@ class WorkerGroup:
 
 
 def _child_main(argv: list[str]) -> None:
-    """``python -m mha_rosetta.backends._workers FD MODULE:FUNCTION RANK SIZE``: a worker's start."""
+    """``python -m mha_rosetta.backends.sharded.workers FD MODULE:FUNCTION RANK SIZE``: a worker's start."""
     fd, target, rank, size = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
     conn = Connection(fd)
     module, _, function = target.partition(":")
@@ -245,7 +245,7 @@ def worker_prepared(group: WorkerGroup, payload, what: str, seconds: tuple[float
     and the info), then "forward" (every rank runs, waits, keeps its result), "fetch" (rank 0's)
     and "stages" (every rank's answers, made into stage tensors by ``stages_of``).
     ``seconds`` = (prepare, forward) time limits."""
-    from .base import Prepared, tensor_to_numpy
+    from ..base import Prepared, tensor_to_numpy
 
     prepare_seconds, forward_seconds = seconds
     key, info = group.request("prepare", payload, prepare_seconds, what=what)[0]

@@ -141,8 +141,7 @@ def softmax_inplace(scores: np.ndarray, empty_rows: np.ndarray | None, axis: int
 
 # The softmax makes five passes over the scores. Walking them in blocks that stay in a
 # core's L2 cache (1 MiB on the machines this project was measured on) turns four of
-# those passes into cache hits; at B=4, H=8, N=512 float32 it took the softmax from
-# about 16 ms to 10 ms on one core. Small score tensors go in one block, so the Python
+# those passes into cache hits (measured: docs/notes/backends-measurements.md). Small score tensors go in one block, so the Python
 # loop costs nothing where the tensor is tiny.
 SOFTMAX_BLOCK_BYTES = 1 << 20
 

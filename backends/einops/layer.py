@@ -1,185 +1,31 @@
-"""The einops convention: einsum and rearrange keep ``(N, h, d_k)``; no axis is ever swapped by hand.
+"""The einops pipeline: the einsum plans of `plans` run on NumPy, torch or JAX arrays.
 
-Every contraction names its axes, and the einsum output spec says where each axis
-goes, so the heads never need the transpose that the reshape + transpose convention
-spends on them. Single-letter axis names, used everywhere below::
-
-    b batch   n / q query tokens   s key tokens   d input features
-    h query head   g kv head   r query head within its group (query head h = g*G + r)
-    k d_k   v d_v   c merged context features (H*Dv)   o d_model (output)
-
-The pipeline (plain MHA)::
-
-    q        = einsum("b n d, h k d -> b n h k")          # weight rearranged once, "(h k) d -> h k d"
-    k        = einsum("b n d, h k d -> b n h k")
-    v        = einsum("b n d, h v d -> b n h v")
-    scores   = einsum("b q h k, b s h k -> b h q s")
-    context  = einsum("b h q s, b s h v -> b q h v")
-    merged   = rearrange("b q h v -> b q (h v)")          # a reshape: no axis moves
-    output   = einsum("b q c, o c -> b q o")
-
-With grouped kv heads (GQA) the query-head axis is split as (g, r): g the kv head it
-reads, r its place in the group (query head h = g*G + r)::
-
-    q        = einsum("b n d, g r k d -> b n g r k")      # weight "(g r k) d -> g r k d"
-    scores   = einsum("b q g r k, b s g k -> b g q r s")  # kv head g is shared by its r query heads
-    context  = einsum("b g q r s, b s g v -> b q g r v")
-    merged   = rearrange("b q g r v -> b q (g r v)")
-
-Rotary embeddings (``cfg.rope``) name the feature pairs in a rearrange pattern: "half"
-splits the head's features as ``(two k)`` (feature ``i`` and ``i + r/2``), "interleaved"
-as ``(k two)`` (features ``2i`` and ``2i + 1``); the turned pairs are packed back with
-``einops.pack`` and merged by the inverse pattern. Partial rotary splits off the
-features past ``r`` with ``einops.unpack``. No axis moves::
-
-    pairs    = rearrange("b n h (k two) -> b n h k two")     # interleaved; "(two k)" for half
-
-The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
-``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
-a few library ops, kept in one small namespace class per library (`NumpyOps`,
-`TorchOps`, `JaxOps`), which also does the in-place updates where the library allows
-them. In the forward pass every rearrange only splits or merges neighbouring axes (a
-reshape), and every change of axis order is an einsum output spec. The GQA scores are
-laid out ``(b, g, q, r, s)``, the order a batched matmul over (b, g) produces, so no
-library has to reorder the largest tensor after computing it. A test reads this
-module's source to prove it calls no transpose, permute, swapaxes or ``.T``.
-
-NumPy: ``einops.einsum`` calls ``np.einsum`` without ``optimize``, which runs NumPy's C
-loops (about 6x slower than BLAS at 512 tokens). `NumpyOps.einsum` calls ``np.einsum``
-itself with the contraction path given explicitly (two operands have one path), which
-sends each contraction through NumPy's batched matmul. NumPy has no bfloat16
-arithmetic of its own: with ml_dtypes bfloat16 each einsum and the softmax run in
-float32 on upcast operands and their results are rounded back (recorded in
-``Prepared.info``).
+`NumpyOps`, `TorchOps` and `JaxOps` are the few array operations the pipeline needs that
+einops itself does not give (in-place updates, the masked softmax, conversions); `run_pipeline`
+is the forward pass, recorded stage by stage; `stage_tensors` says where each stage's memory
+comes from (a view, a copy or new), for the explainer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
-
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
 
-from ._inputs import convert_inputs
-from ._jax_common import CompiledForward, allows_tf32, block_until_ready, check_matmul_precision, compiled_prepared
-from ._layouts import TOKENS_FIRST_STAGE_AXES
-from ._numpy_ops import NumpyPrecision, softmax_inplace
-from ._recording import NO_ROPE_NOTE, relation_to, shares_memory
-from ._torch_common import bool_tensor, optional_tensor, torch_devices, with_matmul_precision
-from .base import Backend, Prepared, StageTensor, check_device_name, tensor_to_numpy
-
-
-@dataclass(frozen=True)
-class EinsumPlan:
-    """Every einops pattern of one pipeline layout, as data."""
-
-    name: str
-    weight_q: str  # canonical (out, in) query weight -> per-head weight
-    bias_q: str
-    weight_kv: str  # the same for the key and value weights (kv heads)
-    bias_kv: str
-    project_q: str
-    project_k: str
-    project_v: str
-    scores: str
-    context: str
-    merge: str
-    mask: str  # combined mask (b, h, q, s) -> the layout of the scores
-    heads_q: str  # the axes of q before its features, for the rotary patterns
-    heads_kv: str  # the same for k
-    table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
-    table_kv: str  # the same against k
-    # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
-    # axes than the contract's; every other stage is shown as the pipeline holds it.
-    stage_views: dict[str, str]
-
-
-# Plain MHA: the head axis h as it is.
-MHA_PLAN = EinsumPlan(
-    name="mha",
-    weight_q="(h k) d -> h k d",
-    bias_q="(h k) -> h k",
-    weight_kv="(h k) d -> h k d",
-    bias_kv="(h k) -> h k",
-    project_q="b n d, h k d -> b n h k",
-    project_k="b n d, h k d -> b n h k",
-    project_v="b n d, h v d -> b n h v",
-    scores="b q h k, b s h k -> b h q s",
-    context="b h q s, b s h v -> b q h v",
-    merge="b q h v -> b q (h v)",
-    mask="b h q s -> b h q s",
-    heads_q="b n h",
-    heads_kv="b n h",
-    table_q="b n k -> b n 1 k",
-    table_kv="b n k -> b n 1 k",
-    stage_views={},
+from .._layouts import XLA_LAYOUT
+from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
+from ..base import StageTensor
+from ..jax.common import block_until_ready, jax_target, softmax_with_empty_rows, to_jax
+from ..numpy.common import NumpyPrecision, softmax_inplace
+from ..torch.common import bool_tensor, optional_tensor
+from .plans import (
+    MERGED_PROJECTIONS,
+    OUTPUT,
+    PIPELINE_TENSORS,
+    STAGE_AXES,
+    EinsumPlan,
+    axis_sizes,
 )
-
-# GQA: the query-head axis split as (g, r), g the kv head it reads, r its place in the group.
-# The scores are (b, g, q, r, s): the order a batched matmul over (b, g) produces.
-GQA_PLAN = EinsumPlan(
-    name="gqa",
-    weight_q="(g r k) d -> g r k d",
-    bias_q="(g r k) -> g r k",
-    weight_kv="(g k) d -> g k d",
-    bias_kv="(g k) -> g k",
-    project_q="b n d, g r k d -> b n g r k",
-    project_k="b n d, g k d -> b n g k",
-    project_v="b n d, g v d -> b n g v",
-    scores="b q g r k, b s g k -> b g q r s",
-    context="b g q r s, b s g v -> b q g r v",
-    merge="b q g r v -> b q (g r v)",
-    mask="b (g r) q s -> b g q r s",
-    heads_q="b n g r",
-    heads_kv="b n g",
-    table_q="b n k -> b n 1 1 k",
-    table_kv="b n k -> b n 1 k",
-    stage_views={
-        "q_heads": "b n g r k -> b n (g r) k",
-        "q_rotated": "b n g r k -> b n (g r) k",
-        "scores": "b g q r s -> b (g r) q s",
-        "masked_scores": "b g q r s -> b (g r) q s",
-        "weights": "b g q r s -> b (g r) q s",
-        "context": "b q g r v -> b q (g r) v",
-    },
-)
-
-OUTPUT = "b q c, o c -> b q o"
-
-# The projection einsums write the heads directly, so the contract's merged q, k and v
-# (B, N, heads*d) are made here from the heads stages, in both plans: stage -> (heads
-# stage, rearrange). A merge of neighbouring axes, so a view where the heads allow it.
-MERGED_PROJECTIONS = {
-    "q": ("q_heads", "b n h k -> b n (h k)"),
-    "k": ("k_heads", "b n g k -> b n (g k)"),
-    "v": ("v_heads", "b n g v -> b n (g v)"),
-}
-
-# Every other stage: the pipeline tensor it is read from, its own name but for the heads,
-# which the projection einsums write as q, k and v.
-PIPELINE_TENSORS = {name: name for name in TOKENS_FIRST_STAGE_AXES if name not in MERGED_PROJECTIONS}
-PIPELINE_TENSORS.update(q_heads="q", k_heads="k", v_heads="v")
-
-# Tokens first, heads after them, as the einsum output specs write them.
-STAGE_AXES = TOKENS_FIRST_STAGE_AXES
-
-
-def plan_for(cfg: MHAConfig) -> EinsumPlan:
-    """The plain-MHA patterns, or the (g, r) patterns for grouped kv heads.
-
-    One set would do for both (r of size 1), but a unit axis costs XLA a full copy of
-    the scores, so plain MHA keeps its single head axis.
-    """
-    return MHA_PLAN if cfg.group_size == 1 else GQA_PLAN
-
-
-def axis_sizes(pattern: str, sizes: dict[str, int]) -> dict[str, int]:
-    """The axis lengths einops needs for ``pattern`` (it rejects lengths of axes the pattern lacks)."""
-    names = set(pattern.replace("(", " ").replace(")", " ").replace("->", " ").split())
-    return {name: size for name, size in sizes.items() if name in names}
-
 
 ARRAY_LIBRARIES = ("numpy", "torch", "jax")
 
@@ -191,7 +37,7 @@ NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
 class NumpyOps:
     """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
 
-    Half types are stored as such and computed in float32 (`_numpy_ops.NumpyPrecision`):
+    Half types are stored as such and computed in float32 (`numpy.common.NumpyPrecision`):
     ml_dtypes' bfloat16 has no einsum loops and float16 has no BLAS.
     """
 
@@ -302,14 +148,10 @@ class JaxOps(_EinopsOps):
     has_buffers = False  # XLA places the buffers; nothing to measure
 
     def __init__(self, dtype: str, device: str) -> None:
-        from ._jax_common import jax_target
-
         self.dtype_name = dtype
         self.device = jax_target(dtype, device)
 
     def asarray(self, array: np.ndarray | None, cast: bool = True):
-        from ._jax_common import to_jax
-
         return to_jax(array, self.dtype_name if cast else None, self.device)
 
     def add_bias(self, y, bias):
@@ -321,8 +163,6 @@ class JaxOps(_EinopsOps):
         return jnp.where(blocked, -jnp.inf, scores)
 
     def softmax(self, scores, empty_rows):
-        from ._jax_common import softmax_with_empty_rows
-
         return softmax_with_empty_rows(scores)
 
     def snapshot(self, x):
@@ -455,8 +295,6 @@ def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[
     return ~allowed, (empty if empty.any() else None)
 
 
-_XLA = "XLA-managed layout"
-
 # How each stage is made, where no rearrange of another tensor says it.
 _STAGE_ORIGINS = {
     "q_heads": "the projection einsum writes the heads directly; no split step",
@@ -482,7 +320,7 @@ def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
     """
     how = f"rearrange '{pattern}'"
     if not ops.has_buffers:
-        return f"{how}; {_XLA}", "copy"
+        return f"{how}; {XLA_LAYOUT}", "copy"
     return how, relation_to(result, source)
 
 
@@ -531,94 +369,3 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
         note, relation = _rearranged(ops, tensor, source, pattern)
         stages[name] = StageTensor(tensor, STAGE_AXES[name], note, relation, heads)
     return {name: stages[name] for name in STAGE_AXES}  # pipeline order
-
-
-class EinopsBackend(Backend):
-    """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
-
-    def __init__(
-        self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"
-    ) -> None:
-        if array_library not in ARRAY_LIBRARIES:
-            raise ValueError(f"array_library must be one of {', '.join(ARRAY_LIBRARIES)}; got {array_library!r}")
-        self.array_library = array_library
-        self.convention = (
-            f"einops.einsum + rearrange on {array_library} arrays, layout (B, N, h, d_k) kept; no transpose/permute"
-        )
-        super().__init__(name or f"einops-{array_library}")
-        # On a GPU: "highest" for float32 comparisons; anything else lets JAX or torch use TF32.
-        self.matmul_precision = check_matmul_precision(matmul_precision)
-
-    def devices(self) -> tuple[str, ...]:
-        if self.array_library == "torch":
-            return torch_devices()
-        if self.array_library == "jax":
-            from ._jax_common import jax_devices
-
-            return jax_devices()
-        return ("cpu",)
-
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
-    ) -> Prepared:
-        import einops
-
-        device = check_device_name(device)
-        ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
-        plan = plan_for(cfg)
-        weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
-        x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
-        blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
-        blocked, empty_rows = (ops.asarray(mask, cast=False) for mask in (blocked_np, empty_rows_np))
-        tables = rotary_tables(cfg, inputs)
-        if tables is not None:
-            q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
-            k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
-            tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # broadcastable against q and k
-        info = self._numerics_info(dtype, device)
-        info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'"
-        if empty_rows_np is not None:
-            info["empty_rows"] = int(empty_rows_np.sum())  # rows with no allowed key, in the mask's own broadcast form
-
-        def forward(*arrays):
-            return run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope)
-
-        def stages_of(*arrays):
-            record: dict = {}
-            run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope, record=record)
-            return record
-
-        args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
-        if self.array_library == "jax":
-            compiled = CompiledForward(forward, args, self.matmul_precision)
-            jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731
-            return compiled_prepared(compiled, jax_stages, info, ops.synchronize)
-
-        run, record = partial(forward, *args), partial(stages_of, *args)
-        if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
-            tf32 = allows_tf32(self.matmul_precision)
-            run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
-        run.pipeline = (forward, args)  # the call itself, which the backward differentiates (backends._einops_vjp)
-        native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
-        return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
-
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._einops_vjp import prepare_einops_vjp  # the array library's own autodiff
-
-        return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)
-
-    def _numerics_info(self, dtype: str, device: str) -> dict:
-        info: dict = {"array_library": self.array_library}
-        if self.array_library == "numpy":
-            info["einsum"] = "np.einsum with an explicit two-operand path (batched matmul), not einops.einsum"
-            info.update(NumpyPrecision.for_dtype(dtype).info())
-        elif self.array_library == "jax":
-            from ._jax_common import precision_info
-
-            info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
-        elif device == "gpu":
-            from ._torch_common import precision_info
-
-            # torch's switches are set around each forward and restored (`_torch_common.matmul_precision`).
-            info.update(precision_info(device=device, dtype=dtype, allow_tf32=allows_tf32(self.matmul_precision)))
-        return info

@@ -40,9 +40,9 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
-from ._sharded import PREPARE_SECONDS, ShardedBackend, gather_heads
-from ._workers import Programs, WorkerGroup, serve
-from .base import STANDARD, StageTensor, tensor_to_numpy
+from ..base import STANDARD, StageTensor, tensor_to_numpy
+from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
+from .workers import Programs, WorkerGroup, serve
 
 MANUAL = "manual"
 COLLECTIVE_SECONDS = 60  # gloo's limit on every collective
@@ -135,10 +135,10 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from ._recording import record_stages
-    from ._torch_common import to_tensor
-    from .base import canonical_stage
-    from .torch_backend import RowSampleMHA
+    from .._recording import record_stages
+    from ..base import canonical_stage
+    from ..torch.common import to_tensor
+    from ..torch.layer import RowSampleMHA
 
     plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg
@@ -210,7 +210,7 @@ def _head_parallel_module(cfg: MHAConfig, params: MHAParams, dtype: str, mesh, a
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from ._torch_common import torch_dtype
+    from ..torch.common import torch_dtype
 
     def linear(weight, bias):
         out_features, in_features = weight.shape

@@ -1,4 +1,4 @@
-"""The PyTorch adapter: multi-head attention in row samples, the way ``nn.Linear`` code does it.
+"""The PyTorch layer: multi-head attention in row samples, the way ``nn.Linear`` code does it.
 
 Convention B of the column/row-sample article, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
 Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
@@ -22,7 +22,7 @@ Rotary (``cfg.rope``) turns pairs of the last (feature) axis of each head, as Hu
 and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interleaved".
 
 GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; see
-`_torch_common`.
+`common`.
 """
 
 from __future__ import annotations
@@ -31,79 +31,18 @@ from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
-from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
-from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
-from ._torch_common import (
+from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
+from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
+from .common import (
     bool_tensor,
-    in_inference_mode,
-    no_gpu_reason,
     optional_tensor,
-    precision_info,
     rotate_last_axis,
-    synchronizer,
-    torch_devices,
     torch_inputs,
     torch_rotary_tables,
-    with_matmul_precision,
 )
-from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 
 HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
 ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
-
-
-class TorchBackend(Backend):
-    name = "torch"
-    convention = (
-        "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
-    )
-    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
-
-    def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
-        super().__init__(name)
-        self.allow_tf32 = bool(allow_tf32)
-
-    def devices(self) -> tuple[str, ...]:
-        return torch_devices()
-
-    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
-            cfg, dtype, device, strategy
-        )
-
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
-    ) -> Prepared:
-        if strategy == CHUNKED:
-            from ._chunked_torch import ChunkedRowSampleMHA
-
-            layer = ChunkedRowSampleMHA(cfg, params, inputs, dtype, device, chunk)
-        else:
-            layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
-        method = getattr(layer, strategy)  # each strategy is the layer's method of that name
-        run = in_inference_mode(with_matmul_precision(method, device, self.allow_tf32))
-
-        info = {
-            "layout": "row samples (B, tokens, features)",
-            "strategy": strategy,
-            "torch_dtype": dtype,
-            "device": str(layer.x_q.device),
-            "gqa": "query heads of a group folded into the token axis (no repeat_interleave)",
-            "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
-            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
-        }
-        if strategy == CHUNKED:
-            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
-        return Prepared(
-            lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
-        )
-
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._torch_vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
-
-        layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
-        return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
 
 
 class RowSampleMHA(LayerRecording):

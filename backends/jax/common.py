@@ -26,9 +26,9 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
-from ._inputs import convert_inputs
-from ._tf32 import forced_note, tf32_forced
-from .base import Prepared, tensor_to_numpy
+from .._inputs import convert_inputs
+from .._tf32 import forced_note, tf32_forced
+from ..base import Prepared, tensor_to_numpy
 
 MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
 # What each name of ``jax.default_matmul_precision`` puts into the lowered program (the
@@ -196,7 +196,7 @@ class CompiledForward:
     def __init__(self, fn: Callable, args: tuple, matmul_precision: str) -> None:
         import jax
 
-        self.fn = fn  # the traced function itself, for `jax.vjp` (backends._jax_vjp)
+        self.fn = fn  # the traced function itself, for `jax.vjp` (`jax.vjp`)
         self._jitted = jax.jit(fn)
         self.args = args
         self.matmul_precision = effective_precision(matmul_precision)

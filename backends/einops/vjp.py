@@ -18,8 +18,10 @@ from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
-from ._grad_layout import gradients_to_canonical
-from .base import STANDARD, UnsupportedCase
+from .._grad_layout import gradients_to_canonical
+from ..base import STANDARD, UnsupportedCase
+from .layer import OPS_BY_LIBRARY, canonical_weights
+from .plans import plan_for
 
 NUMPY_REASON = (
     "einops-numpy has no backward: NumPy has no autodiff, and a hand-written backward is the numpy adapter's "
@@ -28,8 +30,6 @@ NUMPY_REASON = (
 
 
 def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype, device):
-    from .einops_backend import OPS_BY_LIBRARY, canonical_weights, plan_for
-
     if backend.array_library == "numpy":
         raise UnsupportedCase(NUMPY_REASON)
     prepared = backend._prepare(cfg, params, inputs, dtype, device, STANDARD)
@@ -45,12 +45,12 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
         return gradients_to_canonical(cfg, to_native, native_grads)
 
     if backend.array_library == "jax":
-        from ._jax_vjp import jax_vjp_prepared
+        from ..jax.vjp import jax_vjp_prepared
 
         primals = (weights, x_q, x_k, x_v)
         precision = backend.matmul_precision
         return jax_vjp_prepared(forward, primals, extras, cotangent, dtype, ops.device, precision, to_canonical, info)
-    from ._torch_vjp import autograd_prepared, leaf
+    from ..torch.vjp import autograd_prepared, leaf
 
     weights = {name: leaf(w) for name, w in weights.items()}
     x_q, x_k, x_v = leaf(x_q), leaf(x_k), leaf(x_v)

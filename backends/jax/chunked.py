@@ -3,7 +3,7 @@
 
 The recurrence is the one described in `_chunking`, written for one head as the JAX
 adapter writes everything: ``q (Nq, Dk)``, ``k (Nk, Dk)``, ``v (Nk, Dv)``. It replaces the
-adapter's attention step only (`jax_backend._mha_one_item` takes it as ``attend``): the
+adapter's attention step only (`layer._mha_one_item` takes it as ``attend``): the
 projections, rotary embedding, head split and merge are the adapter's own. XLA needs static
 shapes, so the token axes are padded up to whole blocks (padding keys are masked by
 their index, padding queries are cut off at the end): the blocks need not divide the
@@ -22,8 +22,8 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs
 
-from ._chunking import CHUNKED_HIDDEN_STAGES, resolve_chunk
-from ._layouts import TOKENS_FIRST_STAGE_AXES
+from .._chunking import CHUNKED_HIDDEN_STAGES, resolve_chunk
+from .._layouts import TOKENS_FIRST_STAGE_AXES
 
 # Tokens first, like the rest of the JAX adapter; the score-like stages do not exist here.
 CHUNKED_STAGE_AXES = {name: axes for name, axes in TOKENS_FIRST_STAGE_AXES.items() if name not in CHUNKED_HIDDEN_STAGES}
@@ -94,7 +94,7 @@ def _pad_tokens(x, target: int):
 
 
 def _chunked_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis, chunk):
-    """`_chunked_one_head` vmapped over the heads, the JAX adapter's way (`jax_backend._attend_all_heads`).
+    """`_chunked_one_head` vmapped over the heads, the JAX adapter's way (`layer._attend_all_heads`).
 
     q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), rotated where rope is on;
     ``allowed`` padded to whole blocks (`pad_mask_to_blocks`). Returns the context (Nq, H, Dv) only.
@@ -122,7 +122,7 @@ def _chunked_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, he
 
 
 def chunked_attention(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] | None):
-    """(attend, chunk): the function that replaces `_attend_all_heads` in `jax_backend._mha_one_item`,
+    """(attend, chunk): the function that replaces `_attend_all_heads` in `layer._mha_one_item`,
     and the blocks it uses (the defaults where None, cut to the token counts)."""
     chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
     return partial(_chunked_all_heads, chunk=chunk), chunk

@@ -13,10 +13,10 @@ back to the run's dtype when it is done.
 
 from __future__ import annotations
 
-from ._chunking import key_block_end, resolve_chunk, tile_allowed
-from ._recording import StageRecorder
-from ._torch_common import bool_tensor
-from .torch_backend import RowSampleMHA
+from .._chunking import key_block_end, resolve_chunk, tile_allowed
+from .._recording import StageRecorder
+from .common import bool_tensor
+from .layer import RowSampleMHA
 
 HALF = ("float16", "bfloat16")
 

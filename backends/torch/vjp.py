@@ -1,6 +1,6 @@
 """Backward passes with torch autograd: the shared steps, and the torch adapter's nn.Linear path.
 
-The torch oracles (`torch_oracles`: nn.MultiheadAttention, SDPA) build theirs on the same steps.
+The torch oracles (`oracles.torch`: nn.MultiheadAttention, SDPA) build theirs on the same steps.
 
 Each forward runs on leaf tensors that require grad (parameters, and the three inputs as
 three separate leaves even when they are one array, so each slot gets its own gradient),
@@ -27,8 +27,8 @@ from mha_rosetta.core import (
     merge_head_matrices,
 )
 
-from ._torch_common import synchronizer, to_tensor, with_matmul_precision
-from .base import PER_HEAD, PreparedVJP, tensor_to_numpy
+from ..base import PER_HEAD, PreparedVJP, tensor_to_numpy
+from .common import synchronizer, to_tensor, with_matmul_precision
 
 INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")
 
@@ -71,7 +71,7 @@ def autograd_prepared(
 
 
 def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: str, device: str, allow_tf32: bool):
-    """Autograd through a `torch_backend.RowSampleMHA` strategy (built with ``batched=False``)."""
+    """Autograd through a `layer.RowSampleMHA` strategy (built with ``batched=False``)."""
     L = layer
     L.x_q, L.x_k, L.x_v = leaf(L.x_q), leaf(L.x_k), leaf(L.x_v)  # three leaves, even for self-attention
     per_head = strategy == PER_HEAD

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._chunking import key_block_end, resolve_chunk, tile_allowed
-from ._recording import StageRecorder, relation_to
-from .numpy_backend import ColumnSampleMHA
+from .._chunking import key_block_end, resolve_chunk, tile_allowed
+from .._recording import StageRecorder, relation_to
+from .layer import ColumnSampleMHA
 
 
 class ChunkedColumnSampleMHA(ColumnSampleMHA):

@@ -1,4 +1,4 @@
-"""The NumPy adapter: multi-head attention in column samples, ``Y = W @ X + b``.
+"""The NumPy layer: multi-head attention in column samples, ``Y = W @ X + b``.
 
 Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
 every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
@@ -13,12 +13,10 @@ What follows from that layout, and what this adapter shows:
 * per head the score matrix keeps one column per query, ``S_h = scale * K_g^T @ Q_h``
   ``(Nk, Nq)`` (the transpose of the row-sample ``Q_h @ K_g^T``), the softmax normalises
   each column (over keys, axis -2), and ``context_h = V_g @ A_h`` is a plain product
-  ``(Dv, Nk) @ (Nk, Nq) = (Dv, Nq)``: column samples throughout. Measured on one core at
-  B=4, H=8, N=512 float32, this column-wise softmax took about 10 ms against 13 ms for
-  the row-wise one a ``(Nq, Nk)`` layout needs, and ``V_g @ A_h`` was no slower than
-  ``V_g @ A_h^T``. ``K_g^T`` is a transposed view handed to BLAS with its transpose flag
-  (no copy); OpenBLAS ran that product about 1.4x slower than on two contiguous
-  operands, a cost of keeping keys as ``(Dk, Nk)`` that the benchmark shows as it is;
+  ``(Dv, Nk) @ (Nk, Nq) = (Dv, Nq)``: column samples throughout. The column-wise softmax was measured faster than the
+  row-wise one; ``K_g^T`` is a transposed view handed to BLAS with its transpose flag (no
+  copy), at a measured cost that the benchmark shows as it is (figures:
+  docs/notes/backends-measurements.md);
 * the rotary embedding (``cfg.rope``) turns pairs of feature *rows* of each head: rows
   ``i`` and ``i + r/2`` ("half") or rows ``2i`` and ``2i + 1`` ("interleaved", a step-2 slice),
   with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
@@ -33,7 +31,7 @@ blocks); DIRECT_RESHAPE (the known mistake: it treats the data as row samples an
 reshapes ``(N, H*Dk)`` straight to ``(H, N, Dk)``, so each head sees a slice of the tokens
 with all their features; kept so the checks can prove they catch it).
 
-Half precision: see `_numpy_ops` (stages stored in float16/bfloat16, products and the
+Half precision: see `common` (stages stored in float16/bfloat16, products and the
 softmax computed in float32, rounded after each stage); `Prepared.info` says so.
 """
 
@@ -43,12 +41,11 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables, split_head_matrices
 
-from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._inputs import convert_inputs
-from ._layouts import head_slice_axes, heads_axes, layer_sizes
-from ._numpy_ops import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
-from ._recording import LayerRecording, StageRecorder, record_rotated, record_stages, relation_to
-from .base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from .._inputs import convert_inputs
+from .._layouts import head_slice_axes, heads_axes, layer_sizes
+from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
+from ..base import tensor_to_numpy
+from .common import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
 # Features before tokens: every token a column, every head a block of rows.
@@ -60,42 +57,6 @@ COLUMN_SAMPLE_AXES = {
 }
 HEAD_SLICE_AXES = head_slice_axes(COLUMN_SAMPLE_AXES)  # q_heads: (B, Dk, Nq), the head axis stacked back in later
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
-
-
-class NumpyBackend(Backend):
-    name = "numpy"
-    convention = (
-        "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
-    )
-    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
-
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
-    ) -> Prepared:
-        precision = NumpyPrecision.for_dtype(dtype)
-        if strategy == CHUNKED:
-            from ._chunked_numpy import ChunkedColumnSampleMHA
-
-            layer = ChunkedColumnSampleMHA(cfg, params, inputs, precision, chunk)
-        else:
-            layer = ColumnSampleMHA(cfg, params, inputs, precision, batched=strategy in (STANDARD, DIRECT_RESHAPE))
-        run = getattr(layer, strategy)  # each strategy is the layer's method of that name
-
-        info = {
-            "layout": "column samples (B, features, tokens); scores (B, H, Nk, Nq), one column per query",
-            "strategy": strategy,
-            "workspace": "one score buffer reused by every call" if layer.workspace is not None else None,
-            **layer.precision.info(),
-        }
-        if strategy == CHUNKED:
-            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
-        return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
-
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._numpy_vjp import prepare_numpy_vjp  # the hand-written column-sample backward
-
-        precision = NumpyPrecision.for_dtype(dtype)
-        return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)
 
 
 def columns_to_rows(output: np.ndarray) -> np.ndarray:

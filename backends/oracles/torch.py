@@ -21,9 +21,10 @@ from mha_rosetta.core import (
     torch_mha_unsupported_reason,
 )
 
-from ._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
-from ._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
-from ._torch_common import (
+from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
+from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
+from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
+from ..torch.common import (
     bool_tensor,
     heads_rotator,
     in_inference_mode,
@@ -38,8 +39,7 @@ from ._torch_common import (
     torch_inputs,
     with_matmul_precision,
 )
-from ._torch_vjp import INPUT_SLOTS, autograd_prepared, leaf
-from .base import Backend, Prepared, StageTensor, tensor_to_numpy
+from ..torch.vjp import INPUT_SLOTS, autograd_prepared, leaf
 
 
 class TorchMHAOracle(Backend):

@@ -24,7 +24,7 @@ mistake is the exact gradient of the wrong function, and the check catches it ag
 oracle's gradients), SLICING writes each head's gradient into its row block, PER_HEAD
 gives each head's matrix its own ``dW_h = dQ_h @ X.T`` (row block h of ``dW_q``).
 
-Half precision follows the forward's policy (`_numpy_ops.NumpyPrecision`): every stage,
+Half precision follows the forward's policy (`common.NumpyPrecision`): every stage,
 forward and backward, is stored in the half type, computed in float32.
 """
 
@@ -34,10 +34,10 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
-from ._numpy_ops import apply_mask_inplace, softmax_inplace
-from ._recording import relation_to
-from .base import PreparedVJP, StageTensor, tensor_to_numpy
-from .numpy_backend import _split_direct, rotate_rows  # the forward's own mistake and rotation
+from .._recording import relation_to
+from ..base import PreparedVJP, StageTensor, tensor_to_numpy
+from .common import apply_mask_inplace, softmax_inplace
+from .layer import _split_direct, rotate_rows  # the forward's own mistake and rotation
 
 
 def prepare_numpy_vjp(

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._jax_common import CompiledForward, block_until_ready, to_jax
-from .base import PreparedVJP, tensor_to_numpy
+from ..base import PreparedVJP, tensor_to_numpy
+from .common import CompiledForward, block_until_ready, to_jax
 
 
 def jax_vjp_prepared(

@@ -30,48 +30,38 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear
+from mha_rosetta.core import MHAConfig, MHAInputs, linear
 
-from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from ._jax_common import (
-    CompiledForward,
+from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
+from .chunked import pad_mask_to_blocks
+from .common import (
     allowed_for_heads,
-    check_matmul_precision,
-    compiled_prepared,
-    jax_devices,
-    jax_inputs,
-    jax_params,
     jax_rotary_tables,
-    jax_target,
-    precision_info,
     rotate_last_axis,
     softmax_with_empty_rows,
     to_jax,
 )
-from ._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
-from .base import STANDARD, Backend, Prepared, StageTensor
 
 # The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
 # score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
 # (Nq, H, Dv), so that merging heads is a reshape.
 _HEAD_OUT_AXES = {"scores": 0, "masked_scores": 0, "weights": 0, "context": 1}
 
-_XLA = "XLA-managed layout"
 
 # The axes of every stage as `_mha_one_item` returns them (batched by the outer vmap):
 # tokens first, heads after them, so that the split and the merge are reshapes.
 STAGE_AXES = TOKENS_FIRST_STAGE_AXES
 
 STAGE_NOTES = {
-    "q": f"x_q @ w_q.T + b_q; {_XLA}",
-    "q_heads": f"reshape of q to (Nq, H, Dk) (then (Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {_XLA}",
-    "k_heads": f"reshape of k; vmap maps axis 1; {_XLA}",
-    "v_heads": f"reshape of v; vmap maps axis 1; {_XLA}",
-    "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {_XLA}",
-    "k_rotated": f"_rotate_one_head vmapped over the kv heads; {_XLA}",
-    "scores": f"vmap out_axes=0 puts heads first; {_XLA}",
-    "context": f"vmap out_axes=1 keeps tokens first; {_XLA}",
-    "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {_XLA}",
+    "q": f"x_q @ w_q.T + b_q; {XLA_LAYOUT}",
+    "q_heads": f"reshape of q to (Nq, H, Dk) (then (Nq, Hkv, G, Dk) under GQA); vmap maps axis 1, no transpose; {XLA_LAYOUT}",
+    "k_heads": f"reshape of k; vmap maps axis 1; {XLA_LAYOUT}",
+    "v_heads": f"reshape of v; vmap maps axis 1; {XLA_LAYOUT}",
+    "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {XLA_LAYOUT}",
+    "k_rotated": f"_rotate_one_head vmapped over the kv heads; {XLA_LAYOUT}",
+    "scores": f"vmap out_axes=0 puts heads first; {XLA_LAYOUT}",
+    "context": f"vmap out_axes=1 keeps tokens first; {XLA_LAYOUT}",
+    "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {XLA_LAYOUT}",
 }
 
 
@@ -195,15 +185,13 @@ def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=N
     """Every stage vmapped over heads and batch, the output-only forward, and its extra arguments on ``target``.
 
     The extras are the mask and the rotary tables: ``forward(params, x_q, x_k, x_v, *extras)``.
-    ``attend`` and ``chunk``: the chunked strategy's attention step and blocks (`_chunked_jax`).
+    ``attend`` and ``chunk``: the chunked strategy's attention step and blocks (`chunked`).
     """
     import jax
 
     mask_cfg = cfg if attend is None else dataclasses.replace(cfg, causal=False)  # chunked: causal per tile
     allowed, batch_axis, head_axis = mask_for_vmap(mask_cfg, inputs)
     if attend is not None:
-        from ._chunked_jax import pad_mask_to_blocks
-
         allowed = pad_mask_to_blocks(allowed, inputs, chunk)
     tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
     one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis, attend=attend)
@@ -214,63 +202,3 @@ def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=N
         return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
 
     return all_stages, forward, (to_jax(allowed, None, target), tables)
-
-
-class JaxBackend(Backend):
-    """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
-
-    name = "jax"
-    convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
-    strategies = (STANDARD, CHUNKED)
-
-    def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
-        super().__init__(name)
-        # "highest" for comparisons; "default" shows what TF32 does to float32 on a GPU.
-        self.matmul_precision = check_matmul_precision(matmul_precision)
-
-    def devices(self) -> tuple[str, ...]:
-        return jax_devices()
-
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
-    ) -> Prepared:
-        target = jax_target(dtype, device)
-        weights = jax_params(params, dtype, target)
-        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
-        stage_axes, info, attend = STAGE_AXES, {}, None
-        if strategy == CHUNKED:
-            from ._chunked_jax import CHUNKED_STAGE_AXES, chunked_attention
-
-            attend, chunk = chunked_attention(cfg, inputs, chunk)
-            stage_axes, info = CHUNKED_STAGE_AXES, {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE}
-        all_stages, forward, extras = vmapped_pass(cfg, inputs, dtype, target, attend, chunk)
-
-        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, *extras), self.matmul_precision)
-
-        def native_stages() -> dict[str, StageTensor]:
-            stages = compiled.trace_and_run(all_stages)
-            notes = dict(STAGE_NOTES)
-            if cfg.rope is None:
-                for name in ("q", "k"):
-                    notes[f"{name}_rotated"] = f"{name}_heads itself: no rotary embedding (cfg.rope is None); {_XLA}"
-            return {
-                name: StageTensor(stages[name], axes, notes.get(name, _XLA), *xla_provenance(name, cfg.rope))
-                for name, axes in stage_axes.items()
-            }
-
-        info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
-        info["head_vmap"] = (
-            "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
-        )
-        return compiled_prepared(compiled, native_stages, info)
-
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        from ._jax_vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
-
-        target = jax_target(dtype, device)
-        _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
-        primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
-        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
-        return jax_vjp_prepared(
-            forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
-        )

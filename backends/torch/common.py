@@ -28,8 +28,8 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, rotary_tables
 
-from ._inputs import convert_inputs
-from ._tf32 import forced_note, tf32_forced
+from .._inputs import convert_inputs
+from .._tf32 import forced_note, tf32_forced
 
 
 def torch_dtype(name: str):

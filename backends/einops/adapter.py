@@ -1,0 +1,118 @@
+"""The einops adapter: `EinopsBackend`, the pipeline of `layer` on the array library an entry names.
+
+One class serves einops-numpy, einops-torch and einops-jax (the registry passes
+``array_library``); `plans` says what the pipeline is, `layer` runs it, `vjp` differentiates it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
+
+from .._inputs import convert_inputs
+from ..base import Backend, Prepared, check_device_name, tensor_to_numpy
+from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
+from ..numpy.common import NumpyPrecision
+from ..torch.common import torch_devices, with_matmul_precision
+from .layer import (
+    ARRAY_LIBRARIES,
+    OPS_BY_LIBRARY,
+    canonical_weights,
+    grouped_masks,
+    run_pipeline,
+    stage_tensors,
+)
+from .plans import (
+    plan_for,
+)
+from .vjp import prepare_einops_vjp  # the array library's own autodiff
+
+
+class EinopsBackend(Backend):
+    """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
+
+    def __init__(
+        self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"
+    ) -> None:
+        if array_library not in ARRAY_LIBRARIES:
+            raise ValueError(f"array_library must be one of {', '.join(ARRAY_LIBRARIES)}; got {array_library!r}")
+        self.array_library = array_library
+        self.convention = (
+            f"einops.einsum + rearrange on {array_library} arrays, layout (B, N, h, d_k) kept; no transpose/permute"
+        )
+        super().__init__(name or f"einops-{array_library}")
+        # On a GPU: "highest" for float32 comparisons; anything else lets JAX or torch use TF32.
+        self.matmul_precision = check_matmul_precision(matmul_precision)
+
+    def devices(self) -> tuple[str, ...]:
+        if self.array_library == "torch":
+            return torch_devices()
+        if self.array_library == "jax":
+            from ..jax.common import jax_devices
+
+            return jax_devices()
+        return ("cpu",)
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        import einops
+
+        device = check_device_name(device)
+        ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
+        plan = plan_for(cfg)
+        weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
+        x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
+        blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
+        blocked, empty_rows = (ops.asarray(mask, cast=False) for mask in (blocked_np, empty_rows_np))
+        tables = rotary_tables(cfg, inputs)
+        if tables is not None:
+            q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
+            k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
+            tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # broadcastable against q and k
+        info = self._numerics_info(dtype, device)
+        info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'"
+        if empty_rows_np is not None:
+            info["empty_rows"] = int(empty_rows_np.sum())  # rows with no allowed key, in the mask's own broadcast form
+
+        def forward(*arrays):
+            return run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope)
+
+        def stages_of(*arrays):
+            record: dict = {}
+            run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope, record=record)
+            return record
+
+        args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
+        if self.array_library == "jax":
+            compiled = CompiledForward(forward, args, self.matmul_precision)
+            jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731
+            return compiled_prepared(compiled, jax_stages, info, ops.synchronize)
+
+        run, record = partial(forward, *args), partial(stages_of, *args)
+        if self.array_library == "torch":  # TF32 set for each call and restored (GPU only)
+            tf32 = allows_tf32(self.matmul_precision)
+            run, record = with_matmul_precision(run, device, tf32), with_matmul_precision(record, device, tf32)
+        run.pipeline = (forward, args)  # the call itself, which the backward differentiates (`einops.vjp`)
+        native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
+        return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)
+
+    def _numerics_info(self, dtype: str, device: str) -> dict:
+        info: dict = {"array_library": self.array_library}
+        if self.array_library == "numpy":
+            info["einsum"] = "np.einsum with an explicit two-operand path (batched matmul), not einops.einsum"
+            info.update(NumpyPrecision.for_dtype(dtype).info())
+        elif self.array_library == "jax":
+            from ..jax.common import precision_info
+
+            info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
+        elif device == "gpu":
+            from ..torch.common import precision_info
+
+            # torch's switches are set around each forward and restored (`torch.common.matmul_precision`).
+            info.update(precision_info(device=device, dtype=dtype, allow_tf32=allows_tf32(self.matmul_precision)))
+        return info

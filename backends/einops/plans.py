@@ -1,0 +1,172 @@
+"""The einops convention: einsum and rearrange keep ``(N, h, d_k)``; no axis is ever swapped by hand.
+
+Every contraction names its axes, and the einsum output spec says where each axis
+goes, so the heads never need the transpose that the reshape + transpose convention
+spends on them. Single-letter axis names, used everywhere below::
+
+    b batch   n / q query tokens   s key tokens   d input features
+    h query head   g kv head   r query head within its group (query head h = g*G + r)
+    k d_k   v d_v   c merged context features (H*Dv)   o d_model (output)
+
+The pipeline (plain MHA)::
+
+    q        = einsum("b n d, h k d -> b n h k")          # weight rearranged once, "(h k) d -> h k d"
+    k        = einsum("b n d, h k d -> b n h k")
+    v        = einsum("b n d, h v d -> b n h v")
+    scores   = einsum("b q h k, b s h k -> b h q s")
+    context  = einsum("b h q s, b s h v -> b q h v")
+    merged   = rearrange("b q h v -> b q (h v)")          # a reshape: no axis moves
+    output   = einsum("b q c, o c -> b q o")
+
+With grouped kv heads (GQA) the query-head axis is split as (g, r): g the kv head it
+reads, r its place in the group (query head h = g*G + r)::
+
+    q        = einsum("b n d, g r k d -> b n g r k")      # weight "(g r k) d -> g r k d"
+    scores   = einsum("b q g r k, b s g k -> b g q r s")  # kv head g is shared by its r query heads
+    context  = einsum("b g q r s, b s g v -> b q g r v")
+    merged   = rearrange("b q g r v -> b q (g r v)")
+
+Rotary embeddings (``cfg.rope``) name the feature pairs in a rearrange pattern: "half"
+splits the head's features as ``(two k)`` (feature ``i`` and ``i + r/2``), "interleaved"
+as ``(k two)`` (features ``2i`` and ``2i + 1``); the turned pairs are packed back with
+``einops.pack`` and merged by the inverse pattern. Partial rotary splits off the
+features past ``r`` with ``einops.unpack``. No axis moves::
+
+    pairs    = rearrange("b n h (k two) -> b n h k two")     # interleaved; "(two k)" for half
+
+The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
+``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
+a few library ops, kept in one small namespace class per library (`NumpyOps`,
+`TorchOps`, `JaxOps`), which also does the in-place updates where the library allows
+them. In the forward pass every rearrange only splits or merges neighbouring axes (a
+reshape), and every change of axis order is an einsum output spec. The GQA scores are
+laid out ``(b, g, q, r, s)``, the order a batched matmul over (b, g) produces, so no
+library has to reorder the largest tensor after computing it. A test reads this
+module's source to prove it calls no transpose, permute, swapaxes or ``.T``.
+
+NumPy: ``einops.einsum`` calls ``np.einsum`` without ``optimize``, which runs NumPy's C
+loops (measured several times slower than BLAS: docs/notes/backends-measurements.md). `NumpyOps.einsum` calls ``np.einsum``
+itself with the contraction path given explicitly (two operands have one path), which
+sends each contraction through NumPy's batched matmul. NumPy has no bfloat16
+arithmetic of its own: with ml_dtypes bfloat16 each einsum and the softmax run in
+float32 on upcast operands and their results are rounded back (recorded in
+``Prepared.info``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mha_rosetta.core import MHAConfig
+
+from .._layouts import TOKENS_FIRST_STAGE_AXES
+
+
+@dataclass(frozen=True)
+class EinsumPlan:
+    """Every einops pattern of one pipeline layout, as data."""
+
+    name: str
+    weight_q: str  # canonical (out, in) query weight -> per-head weight
+    bias_q: str
+    weight_kv: str  # the same for the key and value weights (kv heads)
+    bias_kv: str
+    project_q: str
+    project_k: str
+    project_v: str
+    scores: str
+    context: str
+    merge: str
+    mask: str  # combined mask (b, h, q, s) -> the layout of the scores
+    heads_q: str  # the axes of q before its features, for the rotary patterns
+    heads_kv: str  # the same for k
+    table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
+    table_kv: str  # the same against k
+    # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
+    # axes than the contract's; every other stage is shown as the pipeline holds it.
+    stage_views: dict[str, str]
+
+
+# Plain MHA: the head axis h as it is.
+MHA_PLAN = EinsumPlan(
+    name="mha",
+    weight_q="(h k) d -> h k d",
+    bias_q="(h k) -> h k",
+    weight_kv="(h k) d -> h k d",
+    bias_kv="(h k) -> h k",
+    project_q="b n d, h k d -> b n h k",
+    project_k="b n d, h k d -> b n h k",
+    project_v="b n d, h v d -> b n h v",
+    scores="b q h k, b s h k -> b h q s",
+    context="b h q s, b s h v -> b q h v",
+    merge="b q h v -> b q (h v)",
+    mask="b h q s -> b h q s",
+    heads_q="b n h",
+    heads_kv="b n h",
+    table_q="b n k -> b n 1 k",
+    table_kv="b n k -> b n 1 k",
+    stage_views={},
+)
+
+# GQA: the query-head axis split as (g, r), g the kv head it reads, r its place in the group.
+# The scores are (b, g, q, r, s): the order a batched matmul over (b, g) produces.
+GQA_PLAN = EinsumPlan(
+    name="gqa",
+    weight_q="(g r k) d -> g r k d",
+    bias_q="(g r k) -> g r k",
+    weight_kv="(g k) d -> g k d",
+    bias_kv="(g k) -> g k",
+    project_q="b n d, g r k d -> b n g r k",
+    project_k="b n d, g k d -> b n g k",
+    project_v="b n d, g v d -> b n g v",
+    scores="b q g r k, b s g k -> b g q r s",
+    context="b g q r s, b s g v -> b q g r v",
+    merge="b q g r v -> b q (g r v)",
+    mask="b (g r) q s -> b g q r s",
+    heads_q="b n g r",
+    heads_kv="b n g",
+    table_q="b n k -> b n 1 1 k",
+    table_kv="b n k -> b n 1 k",
+    stage_views={
+        "q_heads": "b n g r k -> b n (g r) k",
+        "q_rotated": "b n g r k -> b n (g r) k",
+        "scores": "b g q r s -> b (g r) q s",
+        "masked_scores": "b g q r s -> b (g r) q s",
+        "weights": "b g q r s -> b (g r) q s",
+        "context": "b q g r v -> b q (g r) v",
+    },
+)
+
+OUTPUT = "b q c, o c -> b q o"
+
+# The projection einsums write the heads directly, so the contract's merged q, k and v
+# (B, N, heads*d) are made here from the heads stages, in both plans: stage -> (heads
+# stage, rearrange). A merge of neighbouring axes, so a view where the heads allow it.
+MERGED_PROJECTIONS = {
+    "q": ("q_heads", "b n h k -> b n (h k)"),
+    "k": ("k_heads", "b n g k -> b n (g k)"),
+    "v": ("v_heads", "b n g v -> b n (g v)"),
+}
+
+# Every other stage: the pipeline tensor it is read from, its own name but for the heads,
+# which the projection einsums write as q, k and v.
+PIPELINE_TENSORS = {name: name for name in TOKENS_FIRST_STAGE_AXES if name not in MERGED_PROJECTIONS}
+PIPELINE_TENSORS.update(q_heads="q", k_heads="k", v_heads="v")
+
+# Tokens first, heads after them, as the einsum output specs write them.
+STAGE_AXES = TOKENS_FIRST_STAGE_AXES
+
+
+def plan_for(cfg: MHAConfig) -> EinsumPlan:
+    """The plain-MHA patterns, or the (g, r) patterns for grouped kv heads.
+
+    One set would do for both (r of size 1), but a unit axis costs XLA a full copy of
+    the scores, so plain MHA keeps its single head axis.
+    """
+    return MHA_PLAN if cfg.group_size == 1 else GQA_PLAN
+
+
+def axis_sizes(pattern: str, sizes: dict[str, int]) -> dict[str, int]:
+    """The axis lengths einops needs for ``pattern`` (it rejects lengths of axes the pattern lacks)."""
+    names = set(pattern.replace("(", " ").replace(")", " ").replace("->", " ").split())
+    return {name: size for name, size in sizes.items() if name in names}

@@ -1,0 +1,88 @@
+"""The JAX adapter: `JaxBackend`, the vmapped token-first pass of `layer` behind the `Backend` interface.
+
+`layer` says what the JAX convention is and shows (its docstring); this module picks a
+strategy, compiles the pass, wires `chunked` and `vjp` in and fills `Prepared.info`.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._layouts import XLA_LAYOUT, xla_provenance
+from ..base import STANDARD, Backend, Prepared, StageTensor
+from .chunked import CHUNKED_STAGE_AXES, chunked_attention
+from .common import (
+    CompiledForward,
+    check_matmul_precision,
+    compiled_prepared,
+    jax_devices,
+    jax_inputs,
+    jax_params,
+    jax_target,
+    precision_info,
+)
+from .layer import (
+    STAGE_AXES,
+    STAGE_NOTES,
+    vmapped_pass,
+)
+from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
+
+
+class JaxBackend(Backend):
+    """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
+
+    name = "jax"
+    convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
+    strategies = (STANDARD, CHUNKED)
+
+    def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
+        super().__init__(name)
+        # "highest" for comparisons; "default" shows what TF32 does to float32 on a GPU.
+        self.matmul_precision = check_matmul_precision(matmul_precision)
+
+    def devices(self) -> tuple[str, ...]:
+        return jax_devices()
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
+    ) -> Prepared:
+        target = jax_target(dtype, device)
+        weights = jax_params(params, dtype, target)
+        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
+        stage_axes, info, attend = STAGE_AXES, {}, None
+        if strategy == CHUNKED:
+            attend, chunk = chunked_attention(cfg, inputs, chunk)
+            stage_axes, info = CHUNKED_STAGE_AXES, {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE}
+        all_stages, forward, extras = vmapped_pass(cfg, inputs, dtype, target, attend, chunk)
+
+        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, *extras), self.matmul_precision)
+
+        def native_stages() -> dict[str, StageTensor]:
+            stages = compiled.trace_and_run(all_stages)
+            notes = dict(STAGE_NOTES)
+            if cfg.rope is None:
+                for name in ("q", "k"):
+                    notes[f"{name}_rotated"] = (
+                        f"{name}_heads itself: no rotary embedding (cfg.rope is None); {XLA_LAYOUT}"
+                    )
+            return {
+                name: StageTensor(stages[name], axes, notes.get(name, XLA_LAYOUT), *xla_provenance(name, cfg.rope))
+                for name, axes in stage_axes.items()
+            }
+
+        info.update(precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision))
+        info["head_vmap"] = (
+            "double vmap over (Hkv, G); kv heads shared, not repeated" if cfg.group_size > 1 else "one vmap over H"
+        )
+        return compiled_prepared(compiled, native_stages, info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        target = jax_target(dtype, device)
+        _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
+        primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
+        return jax_vjp_prepared(
+            forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
+        )

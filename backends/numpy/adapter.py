@@ -1,0 +1,49 @@
+"""The NumPy adapter: `NumpyBackend`, the column-sample layer of `layer` behind the `Backend` interface.
+
+`layer` says what the column-sample convention is and shows (its docstring); this module
+only picks a strategy, wires `chunked` and `vjp` in, and fills `Prepared.info`.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._recording import record_stages
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared
+from .chunked import ChunkedColumnSampleMHA
+from .common import NumpyPrecision
+from .layer import ColumnSampleMHA, columns_to_rows
+from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    convention = (
+        "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
+    )
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
+    ) -> Prepared:
+        precision = NumpyPrecision.for_dtype(dtype)
+        if strategy == CHUNKED:
+            layer = ChunkedColumnSampleMHA(cfg, params, inputs, precision, chunk)
+        else:
+            layer = ColumnSampleMHA(cfg, params, inputs, precision, batched=strategy in (STANDARD, DIRECT_RESHAPE))
+        run = getattr(layer, strategy)  # each strategy is the layer's method of that name
+
+        info = {
+            "layout": "column samples (B, features, tokens); scores (B, H, Nk, Nq), one column per query",
+            "strategy": strategy,
+            "workspace": "one score buffer reused by every call" if layer.workspace is not None else None,
+            **layer.precision.info(),
+        }
+        if strategy == CHUNKED:
+            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
+        return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        precision = NumpyPrecision.for_dtype(dtype)
+        return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)

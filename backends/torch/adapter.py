@@ -1,0 +1,73 @@
+"""The PyTorch adapter: `TorchBackend`, the row-sample layer of `layer` behind the `Backend` interface.
+
+`layer` says what the row-sample convention is and shows (its docstring); this module picks a
+strategy, wires `chunked` and `vjp` in, sets the matmul precision and fills `Prepared.info`.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._recording import record_stages
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from .chunked import ChunkedRowSampleMHA
+from .common import (
+    in_inference_mode,
+    no_gpu_reason,
+    precision_info,
+    synchronizer,
+    torch_devices,
+    with_matmul_precision,
+)
+from .layer import RowSampleMHA
+from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    convention = (
+        "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
+    )
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+
+    def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
+        super().__init__(name)
+        self.allow_tf32 = bool(allow_tf32)
+
+    def devices(self) -> tuple[str, ...]:
+        return torch_devices()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
+            cfg, dtype, device, strategy
+        )
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
+    ) -> Prepared:
+        if strategy == CHUNKED:
+            layer = ChunkedRowSampleMHA(cfg, params, inputs, dtype, device, chunk)
+        else:
+            layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
+        method = getattr(layer, strategy)  # each strategy is the layer's method of that name
+        run = in_inference_mode(with_matmul_precision(method, device, self.allow_tf32))
+
+        info = {
+            "layout": "row samples (B, tokens, features)",
+            "strategy": strategy,
+            "torch_dtype": dtype,
+            "device": str(layer.x_q.device),
+            "gqa": "query heads of a group folded into the token axis (no repeat_interleave)",
+            "workspace": "score and weight buffers reused by every call" if layer.scores_buffer is not None else None,
+            **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
+        }
+        if strategy == CHUNKED:
+            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
+        return Prepared(
+            lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
+        )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
+        return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)

@@ -25,77 +25,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .cases import SpecCase
-from .results import Implementation
+from .pool import WorkerPool
+from .tasks import InlineExecutor, Task
 
 UPDATE_SECONDS = 1.0  # at most one partial-result callback per second (each rewrites the JSON)
-
-
-@dataclass(frozen=True)
-class Task:
-    """One unit of work: a run of one implementation on one case and dtype (or its stage dump)."""
-
-    index: int  # position in the report
-    job: object  # the job (`agreement.FORWARD`, `grad.GRADIENT`); pickled by reference to its class
-    check: int  # which check it belongs to: a worker drops its cached oracles when this changes
-    case: SpecCase
-    oracle_dtypes: tuple[str, ...]
-    backend: str
-    strategy: str
-    device: str
-    dtype: str
-    stages: bool = False  # a stage dump for a pair's first-divergence report instead of a run
-
-    @property
-    def impl(self) -> Implementation:
-        return Implementation(self.backend, self.strategy, self.device)
-
-    def describe(self) -> str:
-        return f"{self.impl.label} on case {self.case.name} ({self.dtype})"
-
-
-def execute(task: Task, backend, oracles: dict):
-    """Run ``task`` with ``backend``; ``oracles``: this process's cache, one oracle per (job, case) of a check."""
-    if oracles.get("check") != task.check:
-        oracles.clear()
-        oracles["check"] = task.check
-    key = (type(task.job).__name__, task.case.name)
-    if key not in oracles:
-        oracles[key] = task.job.oracle(task.case, task.oracle_dtypes)
-    if task.stages:
-        return task.job.stages(backend, task.impl, task.dtype, oracles[key])
-    return task.job.run(backend, task.impl, task.dtype, oracles[key])
-
-
-class InlineExecutor:
-    """Runs every task here, one after the other, in report order (no time limit: nothing to kill)."""
-
-    jobs = 0
-    timeout = None
-
-    def __init__(self) -> None:
-        self.oracles: dict = {}
-
-    def map(self, tasks: list[Task], backends: dict) -> Iterator[tuple[Task, str, object, tuple]]:
-        for task in tasks:
-            started = time.perf_counter()
-            record = execute(task, backends[task.backend], self.oracles)
-            yield task, "ok", record, (0.0, 0.0, time.perf_counter() - started)
-
-    def call(self, task: Task, backends: dict):
-        return execute(task, backends[task.backend], self.oracles)
-
-    def close(self) -> None:
-        self.oracles.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def executor_for(jobs: int | None, timeout: float | None = None, cache: bool | None = None):
@@ -104,8 +41,6 @@ def executor_for(jobs: int | None, timeout: float | None = None, cache: bool | N
         return InlineExecutor()
     if not isinstance(jobs, int) or jobs < 0:
         raise ValueError(f"jobs: expected a whole number of worker processes (0: run here), got {jobs!r}")
-    from .pool import WorkerPool
-
     return WorkerPool(jobs, timeout=timeout, cache=cache)
 
 

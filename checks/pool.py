@@ -27,7 +27,7 @@ from multiprocessing import connection
 from mha_rosetta.backends import REGISTRY
 
 from . import worker as worker_module
-from .engine import execute
+from .tasks import execute
 
 WAIT_SECONDS = 0.5  # the longest a wait sleeps before looking at the clocks again
 STOP_SECONDS = 3.0

@@ -101,7 +101,7 @@ def main(conn, environment: dict[str, str]) -> None:
     os.environ.update(environment)  # before any framework is imported
     # Ctrl-C in a terminal reaches the whole process group: the parent stops the check and the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .engine import execute  # the engine: NumPy and the spec only, no framework
+    from .tasks import execute  # NumPy and the spec only, no framework
 
     backends: dict[str, object] = {}
     oracles: dict = {}

@@ -278,7 +278,10 @@ def test_gpu_run_path_import_works_without_any_install(tmp_path):
     module = _script_module()
     shim = module.link_packages(ROOT, tmp_path / "shim")
     assert (shim / "mha_rosetta" / "core").resolve() == (ROOT / "core").resolve()
-    assert not (shim / "mha_rosetta" / "__init__.py").exists()  # a namespace package, as installed
+    # mha_rosetta is a real folder of links to package/'s files: nothing is written into the checkout
+    assert (shim / "mha_rosetta" / "__init__.py").resolve() == (ROOT / "package" / "__init__.py").resolve()
+    assert not (shim / "mha_rosetta").is_symlink()
+    assert sorted(p.name for p in (ROOT / "package").iterdir() if p.is_symlink()) == []
     numpy_site = str(Path(np.__file__).resolve().parent.parent)
     # -S: no site module, so no .pth and no editable-install finder: only the links can supply mha_rosetta
     probe = (

@@ -3,11 +3,18 @@ settings, commas and repeats combine, and ``--markdown`` takes an optional PATH 
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from mha_rosetta.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PARSER = build_parser()
 
@@ -109,3 +116,45 @@ def test_check_markdown_to_a_file_is_what_stdout_gets(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert untimed(target.read_text(encoding="utf-8")) == untimed(bare)
     assert printed != bare and f"wrote {target}" in printed  # the terminal report, then where the file went
+
+
+def test_diagnose_old_spelling_dtype_is_dtypes():
+    old = parse("diagnose", "m:f", "--dtype", "float32")
+    assert vars(old) == vars(parse("diagnose", "m:f", "--dtypes", "float32"))
+    assert parse("diagnose", "m:f", "--dtypes", "float64,float32", "--dtype", "bfloat16").dtypes == [
+        "float64",
+        "float32",
+        "bfloat16",
+    ]
+    assert parse("diagnose", "m:f").dtypes is None  # float64, the default, chosen in run()
+
+
+CANDIDATE = """
+import numpy as np
+from mha_rosetta.core import MHAConfig, reference_mha
+
+
+def candidate(params, query, key, value, mask):
+    # The oracle itself, handing back the dtype it was given: a correct candidate in every dtype.
+    out = reference_mha(MHAConfig(d_model=12, n_heads=3), params, query, key, value, mask)
+    return np.asarray(out, dtype=query.dtype)
+"""
+
+
+def test_diagnose_in_two_dtypes_gives_one_diagnosis_each(tmp_path):
+    (tmp_path / "oracle_candidate.py").write_text(CANDIDATE, encoding="utf-8")
+    argv = ["diagnose", "oracle_candidate:candidate", "--d-model", "12", "--heads", "3", "--json", "-"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mha_rosetta.cli.main", *argv, "--dtypes", "float64", "--dtypes", "float32"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["agrees"] is True and [d["dtype"] for d in data["diagnoses"]] == ["float64", "float32"]
+    assert all(d["agrees"] and d["causes"] == [] for d in data["diagnoses"])
+    assert data["diagnoses"][0]["max_error"] < 1e-12  # float64: the oracle against itself
+    assert "oracle_candidate:candidate (" in done.stderr and ", float32):" in done.stderr  # report on stderr

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  mha-rosetta bench --preset reference --rounds 3 --write-docs docs\n"
         "  mha-rosetta bench --render docs/bench/reference.json --write-docs docs\n"
         "implementation names: registry backends (numpy, torch, torch-sdpa, ...), optionally\n"
-        "':strategy' (numpy:slicing, torch:per_head), or the groups main, strategies, all."
+        "':strategy' (numpy:slicing, torch:per_head), or the groups main, strategies, all.\n"
+        "Lists take commas or repeated options: --backends numpy,torch --backends jax."
     )
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument(

@@ -16,7 +16,7 @@ Modules, one job each (none imports a framework at import time):
 - `report`: the versioned JSON document and the machine it ran on;
 - `markdown`, `plots`, `baseline`: the report as a table, as PNG plots, and against a saved one;
 - `rerun`: do two runs agree (``bench --compare A.json B.json``)?
-- `readme`: the published docs/bench/ files and the README's generated benchmark block;
+- `readme`: the published docs/bench/ files and the generated benchmark block of docs/benchmarks.md;
 - `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 
 The command line is ``mha-rosetta bench`` (`mha_rosetta.cli.bench`). From Python::

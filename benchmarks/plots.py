@@ -1,4 +1,10 @@
-"""A benchmark report as PNG plots (matplotlib, imported when a plot is drawn)."""
+"""A benchmark report as PNG plots (matplotlib, imported when a plot is drawn).
+
+Readable with 20 or more lines: every line gets its own (colour, marker) pair (`line_style`: the 20
+colours of tab20 times 10 markers, 200 pairs before one repeats), and the time-against-tokens figure
+has a second panel, each line's time over the fastest line's at the same size (`relative_to_fastest`),
+where lines that crowd together on the log-time axis come apart.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,33 @@ from pathlib import Path
 
 from .report import REFERENCE_SIZE, cell_label
 from .rounds import cell_interval, cell_time, is_corrected, published
+
+MARKERS = "osD^v<>ph*"
+DASHES = ("-", "--", ":")
+
+
+def line_style(index: int) -> tuple[int, str, str]:
+    """Line ``index``'s (tab20 colour index, marker, dash): distinct (colour, marker) pairs for 200 lines.
+
+    Colours go dark shade first (0, 2, ..., 18), then the light ones (1, 3, ..., 19), so neighbours in the
+    legend differ in hue. Lines 20 apart share a colour and take the marker ``index // 20`` places on.
+    """
+    colour = (2 * index) % 20 + (index // 10) % 2
+    marker = MARKERS[(index + index // 20) % len(MARKERS)]
+    return colour, marker, DASHES[(index // len(MARKERS)) % len(DASHES)]
+
+
+def relative_to_fastest(series: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """``{label: {tokens: time}}`` as each time over the fastest label's time at the same tokens (1.0 = fastest)."""
+    fastest: dict[int, float] = {}
+    for points in series.values():
+        for tokens, time in points.items():
+            if time > 0:
+                fastest[tokens] = min(time, fastest.get(tokens, time))
+    return {
+        label: {tokens: time / fastest[tokens] for tokens, time in points.items() if tokens in fastest}
+        for label, points in series.items()
+    }
 
 
 def _size_group(cell: dict) -> tuple:
@@ -45,7 +78,7 @@ def save_figure(plt, figure, path: Path) -> Path:
 
 
 def plot_report(report: dict, directory: str | Path) -> list[Path]:
-    """time vs tokens (log-log, one line per implementation) per size group, and a bar chart
+    """time vs tokens (log-log, one line per implementation, over a panel of time / fastest) per size group, and a bar chart
     of GFLOP/s at the reference size. Returns the files written (PNG)."""
     plt, directory = pyplot_into(directory)
     written: list[Path] = []
@@ -55,30 +88,46 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         groups.setdefault(_size_group(cell), []).append(cell)
     for group, cells in groups.items():
         device, dtype, batch, d_model, heads, threads = group
-        figure, axes = plt.subplots(figsize=(10, 5.5))
-        colors = plt.get_cmap("tab20").colors  # 20 distinct colours; markers and dashes tell repeats apart
-        markers, dashes = "osD^v<>ph*", ("-", "--", ":")
-        for index, label in enumerate(sorted({cell_label(cell) for cell in cells})):
+        labels = sorted({cell_label(cell) for cell in cells})
+        figure, (axes, ratio_axes) = plt.subplots(
+            2, 1, figsize=(11, 9.5), sharex=True, gridspec_kw={"height_ratios": (3, 2)}
+        )
+        colors = plt.get_cmap("tab20").colors
+        series: dict[str, dict[int, float]] = {}
+        for index, label in enumerate(labels):
             points = sorted(
                 (cell["tokens"], cell_time(cell), *cell_interval(cell)) for cell in cells if cell_label(cell) == label
             )
+            series[label] = {p[0]: p[1] for p in points}
             medians = [p[1] * 1e3 for p in points]
             # Error bars: the range of the round medians (zero height with one round).
             below = [max(0.0, (p[1] - p[2]) * 1e3) for p in points]
             above = [max(0.0, (p[3] - p[1]) * 1e3) for p in points]
+            colour, marker, dash = line_style(index)
             axes.errorbar(
                 [p[0] for p in points], medians, yerr=[below, above], label=label, capsize=2,
-                color=colors[(2 * index) % 20 + (index // 10) % 2], marker=markers[index % len(markers)],
-                linestyle=dashes[(index // len(markers)) % len(dashes)],
+                color=colors[colour], marker=marker, linestyle=dash,
             )  # fmt: skip
+        for index, points in enumerate(relative_to_fastest(series).values()):
+            colour, marker, dash = line_style(index)  # `series` keeps the order of `labels`
+            ratio_axes.plot(list(points), list(points.values()), color=colors[colour], marker=marker, linestyle=dash)
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
-        axes.set_xlabel("tokens N")
+        ratio_axes.set_yscale("log")
+        from matplotlib.ticker import FuncFormatter
+
+        times = FuncFormatter(lambda value, _: f"{value:g}×")  # 1×, 2×, 3× rather than 2 × 10^0
+        ratio_axes.yaxis.set_major_formatter(times)
+        ratio_axes.yaxis.set_minor_formatter(times)
+        ratio_axes.set_xlabel("tokens N")
+        ratio_axes.set_ylabel("time / fastest at this N (1 = fastest)")
+        ratio_axes.axhline(1.0, color="black", linewidth=0.8)
+        ratio_axes.grid(True, which="both", alpha=0.3)
         what = "drift-corrected median" if any(is_corrected(cell) for cell in cells) else "median"
-        axes.set_ylabel(f"{what} time per call, forward (or fwd+bwd) (ms; bars: range over rounds)")
+        axes.set_ylabel(f"{what} time per call (ms; bars: range over rounds)")
         axes.set_title(f"{device} {dtype}, B={batch}, d_model={d_model}, heads={heads}, {threads} thread(s)")
         axes.grid(True, which="both", alpha=0.3)
-        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(labels) <= 24 else 2)
         name = f"time_vs_tokens_{device}_{dtype}_B{batch}_D{d_model}_H{heads}_T{threads}.png"
         written.append(save_figure(plt, figure, directory / name))
     at_reference = reference_cells(report)

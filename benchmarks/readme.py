@@ -1,4 +1,4 @@
-"""The published benchmark figures, generated: docs/bench/ files and the README's block.
+"""The published benchmark figures, generated: docs/bench/ files and the benchmarks page's block.
 
 ``mha-rosetta bench ... --write-docs docs`` (or ``--render docs/bench/reference.json
 --write-docs docs``, from a saved report without measuring) writes, for a report named
@@ -6,13 +6,15 @@
 
 - ``docs/bench/<name>.json`` and ``docs/bench/<name>.md`` (the full table);
 - the plots in ``docs/bench/<name>/``;
-- the README's benchmark block, between `BEGIN` and `END`, rendered by `readme_block` from
+- the benchmark block of the benchmarks page (`BLOCK_PAGE`, ``docs/benchmarks.md``), between
+  `BEGIN` and `END`, rendered by `readme_block` from
   every committed reference report (``docs/bench/reference.json``, and
   ``docs/bench/reference-t2.json`` for the two-thread columns when it exists).
 
 Nothing in the block is typed by hand: the table, the percentages and every sentence that
 ranks implementations come from the JSON, so a rerun regenerates them, and a test checks
-that the README holds exactly what `readme_block` renders from the committed JSON.
+that the page holds exactly what `readme_block` renders from the committed JSON. (The block
+lived in the README until the README became a short front page; the names kept ``readme``.)
 Rankings state each figure's spread (the range of its round medians) and say "within
 noise" where two ranges overlap.
 """
@@ -37,6 +39,7 @@ BENCH_FOLDER = "bench"
 REFERENCE_PRESET = "reference"
 SECOND_THREADS = 2  # the thread count whose columns stand beside the 1-thread ones
 WIDTH = 100  # prose lines of the block (table rows are as long as they need)
+BLOCK_PAGE = "benchmarks.md"  # the page under docs/ that holds the generated block
 
 
 def _file_name(preset: str, threads: int) -> str:
@@ -252,7 +255,7 @@ def _flags(report: dict, cells: list[dict], threads: int) -> list[str]:
 
 
 def readme_block(reports: dict[int, dict]) -> str:
-    """The README's benchmark block (markers included) rendered from the reference reports by thread count."""
+    """The benchmarks page's block (markers included) rendered from the reference reports by thread count."""
     lines = [BEGIN, ""]
     main = reports.get(1)
     if main is None:
@@ -287,6 +290,11 @@ def readme_block(reports: dict[int, dict]) -> str:
             f"The {SECOND_THREADS}-thread columns appear here once `docs/bench/reference-t{SECOND_THREADS}.json` "
             f"exists: `mha-rosetta bench --preset reference --threads {SECOND_THREADS} --write-docs docs`."
         )
+    lines += _paragraph(
+        "These figures belong to the machine named above; yours will differ. To set your own run beside them: "
+        "`mha-rosetta bench --preset reference --json mine.json`, then "
+        "`mha-rosetta report docs/bench/reference.json mine.json --markdown -` (or `--html report.html`)."
+    )
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -312,19 +320,19 @@ def replace_block(readme: str, block: str) -> str:
     """``readme`` with the text from `BEGIN` to `END` (inclusive) replaced by ``block``."""
     start, end = readme.find(BEGIN), readme.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"the README has no generated benchmark block (the markers {BEGIN!r} ... {END!r})")
+        raise ValueError(f"the page has no generated benchmark block (the markers {BEGIN!r} ... {END!r})")
     return readme[:start] + block.rstrip("\n") + readme[end + len(END) :]
 
 
-def readme_path(docs: str | Path) -> Path:
-    """The README beside the docs folder (``docs/../README.md``)."""
-    return Path(docs).resolve().parent / "README.md"
+def block_page_path(docs: str | Path) -> Path:
+    """The page that holds the generated block: ``docs/benchmarks.md`` (`BLOCK_PAGE`)."""
+    return Path(docs) / BLOCK_PAGE
 
 
 def write_docs(report: dict, docs: str | Path, *, table: str | None = None) -> list[Path]:
-    """Write ``report``'s JSON, Markdown and plots under ``docs/bench/`` and regenerate the README block.
+    """Write ``report``'s JSON, Markdown and plots under ``docs/bench/`` and regenerate the page's block.
 
-    Returns the files written. The README (`readme_path`) is updated only where it holds the
+    Returns the files written. The benchmarks page (`block_page_path`) is updated only where it holds the
     markers; the block is rendered from the reference reports now in ``docs/bench/``.
     """
     from mha_rosetta.core.files import write_text_atomic
@@ -340,7 +348,7 @@ def write_docs(report: dict, docs: str | Path, *, table: str | None = None) -> l
         written += plot_report(report, folder / name)
     except ImportError:
         pass  # no matplotlib: the caller says so
-    readme = readme_path(docs)
+    readme = block_page_path(docs)
     if readme.exists():
         text = readme.read_text(encoding="utf-8")
         if BEGIN in text:

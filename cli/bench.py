@@ -10,7 +10,7 @@ A preset picks the sizes (``--quick``: under two minutes; ``default``: about ten
 and reference, 1 for quick): medians pool every round, the range of the round medians is
 the spread. The estimated duration is printed before the sweep starts.
 Finished visits go to a partial file as they end, so an interrupted sweep can ``--resume``.
-``--write-docs DIR`` writes DIR/bench/ and regenerates the README's benchmark block;
+``--write-docs DIR`` writes DIR/bench/ and regenerates the benchmark block of DIR/benchmarks.md;
 ``--render JSON`` does the same from a saved report without measuring (`benchmarks.readme`).
 Exit status: 0 when every cell was measured or is unsupported here, 1 when a cell failed,
 2 for bad arguments, 130 when interrupted (finished cells kept).
@@ -35,28 +35,24 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _name_list(text: str) -> list[str]:
-    values = [part.strip() for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names; got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mha_rosetta.benchmarks.presets import PRESETS  # plain data: nothing measured or imported
+
+    from .options import add_list, add_markdown
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
         "  mha-rosetta bench --quick\n"
         "  mha-rosetta bench --preset reference --json ref.json --markdown ref.md --plot plots/\n"
-        "  mha-rosetta bench --implementations numpy,numpy:slicing,torch-sdpa --tokens 128,512 --threads 2\n"
+        "  mha-rosetta bench --backends numpy,numpy:slicing,torch-sdpa --tokens 128,512 --threads 2\n"
         "  mha-rosetta bench --quick --json new.json --baseline old.json\n"
         "  mha-rosetta bench --questions-only\n"
         "  mha-rosetta bench --preset reference --rounds 3 --write-docs docs\n"
         "  mha-rosetta bench --render docs/bench/reference.json --write-docs docs\n"
         "implementation names: registry backends (numpy, torch, torch-sdpa, ...), optionally\n"
-        "':strategy' (numpy:slicing, torch:per_head), or the groups main, strategies, all."
+        "':strategy' (numpy:slicing, torch:per_head), or the groups main, strategies, all.\n"
+        "Lists take commas or repeated options: --backends numpy,torch --backends jax."
     )
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument(
@@ -70,22 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="size preset (default: default); long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
     )
-    parser.add_argument(
-        "--implementations",
-        type=_name_list,
-        metavar="LIST",
-        help="comma-separated implementations or groups (default from the preset)",
+    add_list(
+        parser,
+        "--backends",
+        old=("--implementations",),
+        help="implementations or groups to time (default from the preset)",
     )
     parser.add_argument("--tokens", type=_int_list, metavar="LIST", help="token counts, e.g. 64,256,1024")
     parser.add_argument("--batch", type=_int_list, metavar="LIST", help="batch sizes")
     parser.add_argument("--d-model", type=_int_list, metavar="LIST", help="model widths")
     parser.add_argument("--heads", type=_int_list, metavar="LIST", help="head counts (d_k = d_model / heads)")
-    parser.add_argument(
-        "--dtypes", type=_name_list, metavar="LIST", help="float64,float32,float16,bfloat16 (default float32)"
-    )
-    parser.add_argument(
-        "--devices", type=_name_list, metavar="LIST", help="cpu,gpu (default cpu, plus gpu where a driver is present)"
-    )
+    add_list(parser, "--dtypes", help="float64,float32,float16,bfloat16 (default float32)")
+    add_list(parser, "--devices", help="cpu,gpu (default cpu, plus gpu where a driver is present)")
     parser.add_argument(
         "--threads", type=int, default=1, help="cores per cell, the same for every framework (default 1)"
     )
@@ -120,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell (per round)")
     parser.add_argument("--min-time", type=float, metavar="S", help="minimum timed seconds per cell")
     parser.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH ('-' for stdout)")
-    parser.add_argument("--markdown", metavar="PATH", help="write the Markdown table to PATH")
+    add_markdown(parser, what="the table")
     parser.add_argument(
         "--plot", metavar="DIR", help="write PNG plots (time vs tokens, GFLOP/s at the reference size) to DIR"
     )
@@ -133,8 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--write-docs",
         metavar="DIR",
-        help="write DIR/bench/<preset>[-tN].json, .md and plots, and regenerate the README's benchmark block "
-        "(DIR/../README.md) from DIR/bench/reference*.json",
+        help="write DIR/bench/<preset>[-tN].json, .md and plots, and regenerate the benchmark block of "
+        "DIR/benchmarks.md from DIR/bench/reference*.json",
     )
     parser.add_argument(
         "--render",
@@ -185,7 +177,7 @@ def _settings(args: argparse.Namespace):
         raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
     return preset_settings(
         name,
-        implementations=args.implementations,
+        implementations=args.backends,
         tokens=args.tokens,
         batch=args.batch,
         d_model=args.d_model,
@@ -251,7 +243,9 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
     from mha_rosetta.benchmarks.markdown import markdown_table
     from mha_rosetta.benchmarks.plots import plot_report
 
-    human = sys.stderr if args.json == "-" else sys.stdout  # with the JSON on stdout, people read stderr
+    human = (
+        sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
+    )  # with the JSON on stdout, people read stderr
     table = markdown_table(report)
     if baseline is not None:
         try:
@@ -315,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(labels))
         return 0
-    human = sys.stderr if args.json == "-" else sys.stdout
+    human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
 
     if args.questions_only:
         from mha_rosetta.report.provenance import provenance

@@ -20,12 +20,12 @@ DEFAULT_TIMEOUT = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .options import add_list, add_markdown
+
     parser.epilog = (
         "Lists take commas or repeated options: --dtypes float32,float16 or --dtypes float32 --dtypes float16."
     )
-    parser.add_argument(
-        "--backends", action="append", metavar="LIST", help="backends to run (default: every installed one)"
-    )
+    add_list(parser, "--backends", help="backends to run (default: every installed one)")
     parser.add_argument(
         "--backend",
         action="append",
@@ -33,27 +33,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="your own adapter, a Backend subclass by import path (e.g. mypkg.attention:MyBackend); repeatable. "
         "Without --backends only these run (against the oracle); add --backends to compare with ours too",
     )
-    parser.add_argument(
+    add_list(
+        parser,
         "--strategies",
-        action="append",
-        metavar="LIST",
         help="head-split strategies to keep: standard, per_head, slicing, direct_reshape (default: all of each backend's)",
     )
-    parser.add_argument("--devices", action="append", metavar="LIST", help="cpu, gpu (or cuda), or all (default: cpu)")
-    parser.add_argument(
+    add_list(parser, "--devices", help="cpu, gpu (or cuda), or all (default: cpu)")
+    add_list(
+        parser,
         "--dtypes",
-        action="append",
-        metavar="LIST",
         help="float64, float32, float16, bfloat16: each case runs those of them it lists, or the first one an "
         "implementation supports (default: all four); 'all' runs every case in every dtype",
     )
-    parser.add_argument("--cases", action="append", metavar="LIST", help="spec cases to run (default: all; see --list)")
+    add_list(parser, "--cases", help="spec cases to run (default: all; see --list)")
     parser.add_argument(
         "--json", metavar="PATH", help="write the machine-readable result to PATH ('-' for stdout), atomically"
     )
-    parser.add_argument(
-        "--markdown", action="store_true", help="print the report as Markdown instead of terminal tables"
-    )
+    add_markdown(parser, what="the report", bare_was="print Markdown instead of terminal tables")
     parser.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
     parser.add_argument(
         "--per-case", action="store_true", help="one agreement matrix per case instead of the worst over all cases"
@@ -193,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
         summary += grad_summary_lines(grad)
     if args.timings:
         blocks += timing_blocks(result, grad)
-    if args.markdown:
+    if args.markdown and args.markdown != "-":  # a file: the terminal report is printed as well
+        from mha_rosetta.core.files import write_output
+
+        write_output(args.markdown, render_markdown(blocks, summary))
+    if args.markdown == "-":
         out.write(render_markdown(blocks, summary))
     elif rich_available() and not args.plain:
         print_rich(blocks, summary, file=out)
@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(result, args.json, grad)
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
+    if args.markdown and args.markdown != "-":
+        print(f"wrote {args.markdown}", file=out)
     # The worse of the two: INTERRUPTED (130) outranks 2 (error), 1 (failure) and 0.
     return max(result.exit_code, 0 if grad is None else grad.exit_code)
 

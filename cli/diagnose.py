@@ -21,6 +21,8 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .options import add_list
+
     parser.add_argument(
         "candidate",
         nargs="?",
@@ -44,7 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rope-base", type=float, default=10000.0, help="rotary base (default 10000)")
     parser.add_argument("--rope-dims", type=int, help="rotated features per head (default d_k)")
-    parser.add_argument("--dtype", default="float64", help="dtype of the arrays fed to the candidate (default float64)")
+    add_list(
+        parser,
+        "--dtypes",
+        old=("--dtype",),
+        help="dtypes of the arrays fed to the candidate, one diagnosis each (default float64)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per probe (default 30)")
     parser.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH ('-' for stdout)")
     parser.add_argument(
@@ -109,19 +116,21 @@ def run(args: argparse.Namespace) -> int:
         cfg = _config(args)
         timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
         # In a child process: a candidate that crashes or hangs in native code is reported, not fatal here.
-        result = diagnose_import_path(args.candidate, cfg, dtype=args.dtype, timeout=timeout)
+        dtypes = args.dtypes or ["float64"]
+        results = [diagnose_import_path(args.candidate, cfg, dtype=dtype, timeout=timeout) for dtype in dtypes]
     except (DiagnoseError, ValueError, TypeError) as error:
         print(f"mha-rosetta diagnose: error: {error}", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout
-    print(f"{args.candidate} ({cfg.describe()}):", file=out)
-    print(result.summary(), file=out)
+    for dtype, result in zip(dtypes, results, strict=True):
+        print(f"{args.candidate} ({cfg.describe()}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
+        print(result.summary(), file=out)
     if args.json:
-        write_output(
-            args.json,
-            json.dumps(
-                {"candidate": args.candidate, "config": cfg.describe(), **result.as_dict(), "provenance": provenance()},
-                indent=2,
-            ),
-        )
-    return 0 if result.agrees else 1
+        head = {"candidate": args.candidate, "config": cfg.describe()}
+        # One dtype: the diagnosis' fields at the top level (as before --dtypes took a list); several: one each.
+        body = results[0].as_dict() if len(results) == 1 else {
+            "agrees": all(result.agrees for result in results),
+            "diagnoses": [result.as_dict() for result in results],
+        }  # fmt: skip
+        write_output(args.json, json.dumps({**head, **body, "provenance": provenance()}, indent=2))
+    return 0 if all(result.agrees for result in results) else 1

@@ -35,6 +35,8 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .options import add_list, add_markdown
+
     size = parser.add_argument_group("configuration (defaults: the column/row-sample article's example)")
     size.add_argument(
         "--tokens", type=_positive_int, default=SEED_TOKENS, help=f"tokens per sequence (default {SEED_TOKENS})"
@@ -53,15 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"batch size (default {DEFAULT_BATCH})"
     )
     size.add_argument("--seed", type=int, default=0, help="seed of the parameters and inputs (default 0)")
-    parser.add_argument(
-        "--backends",
-        metavar="NAMES",
-        help="comma-separated backends for the stage tables (default: every installed implementation)",
-    )
-    parser.add_argument(
+    add_list(parser, "--backends", help="backends for the stage tables (default: every installed implementation)")
+    add_list(
+        parser,
         "--sections",
-        metavar="NAMES",
-        help="comma-separated parts to show: stages, weights, head_split, checkpoints, differences, claims (default: all but claims)",
+        help="parts to show: stages, weights, head_split, checkpoints, differences, claims (default: all but claims)",
     )
     parser.add_argument(
         "--backward",
@@ -92,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --sharding: ranks (default: the most, up to 4, that split the heads)",
     )
     out = parser.add_argument_group("output")
-    out.add_argument("--markdown", action="store_true", help="print Markdown instead of terminal tables")
+    add_markdown(out, what="the tables", bare_was="print Markdown instead of terminal tables")
     out.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
     out.add_argument(
         "--json",
@@ -107,11 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _names(text: str | None, known, option: str, what: str, listed: str) -> tuple[str, ...] | None:
-    """The comma-separated names of ``option`` (None when not given), each one of ``known``."""
-    if not text:
+def _names(given: list[str] | None, known, option: str, what: str, listed: str) -> tuple[str, ...] | None:
+    """The names given to ``option`` (None when not given; `options.ListAction` split them), each one of ``known``."""
+    if not given:
         return None
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    names = tuple(given)
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ValueError(f"{option}: unknown {what}(s) {', '.join(unknown)}; {listed}: {', '.join(known)}")
@@ -154,6 +152,7 @@ def _failures(explanation) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.backends import REGISTRY
     from mha_rosetta.core import MHAConfig
+    from mha_rosetta.core.files import write_output
     from mha_rosetta.explain import SECTIONS, explain
 
     try:
@@ -209,8 +208,11 @@ def run(args: argparse.Namespace) -> int:
         # --claims alone: {"schema": 1, "claims": [...]} (a bare list before provenance was added)
         claims_json = {"schema": 1, "claims": explanation.claims_json()}
         _write_json(args.json, claims_json if claims_only else explanation.to_dict())
+    if args.markdown and args.markdown != "-":  # a file: the terminal tables are printed as well
+        write_output(args.markdown, explanation.to_markdown())
+        print(f"wrote {args.markdown}", file=sys.stderr)
     if args.json != "-" and not write_docs:
-        if args.markdown:
+        if args.markdown == "-":
             sys.stdout.write(explanation.to_markdown())
         else:
             explanation.print(plain=args.plain)
@@ -232,14 +234,17 @@ def _run_sharding(args: argparse.Namespace, cfg) -> int:
         return 2
     if args.json:
         _write_json(args.json, result.to_dict())
-    if args.json != "-":
-        sys.stdout.write(result.to_markdown())
+    if args.json != "-" or args.markdown not in (None, "-"):
+        from mha_rosetta.core.files import write_output
+
+        write_output(args.markdown or "-", result.to_markdown())
     return 0
 
 
 def _backward(args: argparse.Namespace, cfg) -> int:
     """``--backward``: the backward section alone (`explain.backward`); exit 1 if the demonstrated bug went unseen."""
     from mha_rosetta.checks.report import render_markdown, render_plain
+    from mha_rosetta.core.files import write_output
     from mha_rosetta.core.tables import output_width
     from mha_rosetta.explain.backward import backward_blocks
 
@@ -249,5 +254,6 @@ def _backward(args: argparse.Namespace, cfg) -> int:
         + ("caught by the gradient check, missed by the forward check" if caught else "NOT caught")
     ]
     text = render_markdown(blocks, summary) if args.markdown else render_plain(blocks, summary, output_width())
-    sys.stdout.write(text.replace("# mha-rosetta check", "# mha-rosetta explain --backward", 1))
+    text = text.replace("# mha-rosetta check", "# mha-rosetta explain --backward", 1)
+    write_output(args.markdown if args.markdown else "-", text)
     return 0 if caught else 1

@@ -5,7 +5,7 @@
 take canonical `MHAParams` and return the output, with the bug named by ``bug`` (a key of
 `BUGS`) or none. They are independent code from `diagnose.simulate`, so diagnosing them
 tests the simulator, and they feed the confusion table (`diagnose.confusion`) and the
-README's example. torch is imported inside `torch_candidate` only.
+example of docs/your-own-implementation.md. torch is imported inside `torch_candidate` only.
 """
 
 from __future__ import annotations

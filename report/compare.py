@@ -1,6 +1,6 @@
 """One comparison of bench runs, and the regression gate against a baseline.
 
-The rules (also in ``mha-rosetta report --help`` and the README):
+The rules (also in ``mha-rosetta report --help`` and docs/report.md):
 - **Figure**: a cell's ``corrected_median_s`` (drift-corrected, bench schema 2) when present, else its ``median_s``;
   each cell says which it used.
 - **Range** (the cell's own spread): ``[min, max]`` of its round medians (``spread_s``) when

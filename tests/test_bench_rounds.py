@@ -1,5 +1,5 @@
 """Interleaved rounds: merging visits, spread, drift, busy rounds, per-round % of peak, the
-interval rule of `--baseline`, and the README block generated from the committed JSON.
+interval rule of `--baseline`, and the benchmarks page's block generated from the committed JSON.
 
 Hand-made records only (no processes, no timing): every figure below is computed by hand.
 """
@@ -198,10 +198,10 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
 def test_the_readme_block_is_what_the_command_renders_from_the_committed_json():
     reports = load_reference_reports(ROOT / "docs")
     assert 1 in reports, "docs/bench/reference.json is committed"
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start, end = readme.index(BEGIN), readme.index(END) + len(END)
-    assert readme[start:end] + "\n" == readme_block(reports), (
-        "the README's benchmark block is stale: run `mha-rosetta bench --render docs/bench/reference.json "
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    assert page[start:end] + "\n" == readme_block(reports), (
+        "the benchmarks page's block is stale: run `mha-rosetta bench --render docs/bench/reference.json "
         "--write-docs docs`"
     )
 
@@ -212,13 +212,14 @@ def test_render_writes_the_docs_and_the_readme_block_from_a_saved_report(tmp_pat
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps(_report({"numpy": (0.100, 0.102, 0.104), "torch": (0.2, 0.21, 0.22)})))
     docs = tmp_path / "docs"
-    (tmp_path / "README.md").write_text(f"# x\n\n{BEGIN}\nstale\n{END}\n", encoding="utf-8")
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text(f"# x\n\n{BEGIN}\nstale\n{END}\n", encoding="utf-8")
     assert main(["bench", "--render", str(saved), "--write-docs", str(docs)]) == 0
     written = json.loads((docs / "bench" / "reference.json").read_text())
     assert written["cells"][0]["round_medians_s"] == [0.100, 0.102, 0.104]
     assert "| `numpy` |" in (docs / "bench" / "reference.md").read_text()
-    readme = (tmp_path / "README.md").read_text()
-    assert "stale" not in readme and readme == f"# x\n\n{readme_block(load_reference_reports(docs))}"
+    page = (docs / "benchmarks.md").read_text()
+    assert "stale" not in page and page == f"# x\n\n{readme_block(load_reference_reports(docs))}"
     assert "| median ms | rounds ms |" in capsys.readouterr().out  # the table, printed
     assert main(["bench", "--render", str(tmp_path / "missing.json")]) == 2
 

@@ -154,7 +154,7 @@ def test_explain_json_has_provenance(tmp_path):
     assert data["schema"] == 1 and data["provenance"]["tool"] == "mha-rosetta"
 
 
-@requires("torch")  # the README's example candidate is written in torch
+@requires("torch")  # the docs' example candidate (docs/your-own-implementation.md) is written in torch
 def test_diagnose_json_has_provenance():
     argv = ["diagnose", "examples.my_attention:fixed_candidate", "--d-model", "12", "--heads", "3", "--json", "-"]
     done = subprocess.run(

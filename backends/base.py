@@ -39,6 +39,7 @@ from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
 from .entries import registered_entry
+from .frameworks import to_numpy as tensor_to_numpy  # the adapters' name for the layer's conversion
 
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
@@ -138,19 +139,6 @@ class PreparedVJP:
     synchronize: Callable[[object], None] = lambda result: None
     compile: Callable[[], None] | None = None
     info: dict = field(default_factory=dict)
-
-
-def tensor_to_numpy(value) -> np.ndarray:
-    """A NumPy array, torch tensor or JAX array -> NumPy, bfloat16 upcast to float32 (exactly)."""
-    if hasattr(value, "detach"):  # torch
-        value = value.detach()
-        if str(value.dtype) == "torch.bfloat16":
-            value = value.float()
-        return value.cpu().numpy()
-    array = np.asarray(value)
-    if array.dtype.name == "bfloat16":
-        array = array.astype(np.float32)
-    return array
 
 
 def canonical_stage(name: str, stage: StageTensor, label: str | None = None) -> np.ndarray:

@@ -160,12 +160,15 @@ def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_giv
     d_query, d_key, d_value = fold_defaulted_inputs(
         grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given
     )
-    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})
+    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})  # type: ignore[arg-type]  # biases may be None
     forward_stage = dict(GRAD_STAGES)
     stages = {
         name: canonical_stage(forward_stage[name], stage, name) for name, stage in grads.get("stages", {}).items()
     }
-    return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), params, stages)
+    def unbatched(d):
+        return None if d is None else inputs.unbatch(d)
+
+    return MHAGrads(unbatched(d_query), unbatched(d_key), unbatched(d_value), params, stages)
 
 
 class Backend:

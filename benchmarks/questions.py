@@ -9,7 +9,7 @@ Public entry point (the explainer's ``explain --claims`` takes its speed verdict
 
 Each answer is a dict with
 
-- ``claim``: the claim's number in the article's list (`explain.claims.CLAIM_TITLES`): 3, 7, 9, 11;
+- ``claim``: the claim's number in the article's list (`explain.claims.CLAIMS`): 3, 7, 9, 11;
 - ``title``: the claim in a line;
 - ``verdict``: ``"confirmed"``, ``"partly"``, ``"refuted"`` or ``"skipped"`` (nothing could be measured);
 - ``evidence``: the measured ratios in one or two sentences;

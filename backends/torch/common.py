@@ -19,7 +19,14 @@ from .._inputs import convert_inputs
 from .._tf32 import tf32_forced
 
 # Re-exported: the torch adapters and oracles import these from here.
-from ..frameworks.torch import precision_info, set_tf32_switches, synchronizer, tf32_state, tf32_switches, torch_devices  # noqa: F401
+from ..frameworks.torch import (  # noqa: F401
+    precision_info,
+    set_tf32_switches,
+    synchronizer,
+    tf32_state,
+    tf32_switches,
+    torch_devices,
+)
 
 
 def torch_dtype(name: str):

@@ -165,6 +165,7 @@ def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_giv
     stages = {
         name: canonical_stage(forward_stage[name], stage, name) for name, stage in grads.get("stages", {}).items()
     }
+
     def unbatched(d):
         return None if d is None else inputs.unbatch(d)
 

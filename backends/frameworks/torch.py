@@ -7,7 +7,7 @@ TF32 (10-bit mantissa): about 1e-3 relative error instead of float32's 1e-7. Whe
 torch does so is a process-wide switch, ``torch.backends.cuda.matmul.allow_tf32`` (and
 ``torch.backends.cudnn.allow_tf32`` for cuDNN). A comparison must not depend on whatever
 another library set, so a GPU run sets both switches explicitly for the duration of each
-forward pass (`matmul_precision`) and restores them afterwards. The default is TF32
+forward pass (`backends.torch.common.matmul_precision`) and restores them afterwards. The default is TF32
 off; an adapter built with ``allow_tf32=True`` turns it on, which is how a test or the
 check shows what TF32 does to the error. On the CPU the switches have no effect.
 

@@ -14,29 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mha_rosetta.backends.base import StageTensor
+from mha_rosetta.backends.frameworks import shares_memory, snapshot
 
 QKV = ("q", "k", "v")
 # Stages with one slice per kv head (the others have one per query head).
 KV_HEAD_STAGES = ("k_heads", "v_heads", "k_rotated")
-
-
-def snapshot(value):
-    """A copy of a NumPy array or torch tensor that keeps its memory order."""
-    if hasattr(value, "clone"):  # torch: clone() preserves strides of dense tensors
-        return value.detach().clone()
-    import numpy as np
-
-    return np.array(value, copy=True, order="K")
-
-
-def shares_memory(child, parent) -> bool:
-    """Whether ``child`` is a view into ``parent``'s memory (NumPy or torch)."""
-    if hasattr(child, "untyped_storage"):
-        return child.untyped_storage().data_ptr() == parent.untyped_storage().data_ptr()
-    import numpy as np
-
-    # may_share_memory is a cheap bounds test; shares_memory settles the rare overlap.
-    return bool(np.may_share_memory(child, parent) and np.shares_memory(child, parent))
 
 
 def relation_to(child, parent, otherwise: str = "copy") -> str:

@@ -39,6 +39,7 @@ from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
 from .entries import registered_entry
+from .frameworks import to_numpy as tensor_to_numpy  # the adapters' name for the layer's conversion
 
 DEVICE_NAMES = ("cpu", "gpu")
 DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
@@ -140,19 +141,6 @@ class PreparedVJP:
     info: dict = field(default_factory=dict)
 
 
-def tensor_to_numpy(value) -> np.ndarray:
-    """A NumPy array, torch tensor or JAX array -> NumPy, bfloat16 upcast to float32 (exactly)."""
-    if hasattr(value, "detach"):  # torch
-        value = value.detach()
-        if str(value.dtype) == "torch.bfloat16":
-            value = value.float()
-        return value.cpu().numpy()
-    array = np.asarray(value)
-    if array.dtype.name == "bfloat16":
-        array = array.astype(np.float32)
-    return array
-
-
 def canonical_stage(name: str, stage: StageTensor, label: str | None = None) -> np.ndarray:
     """Transpose a native stage tensor into the canonical axis order of `core.stages`.
 
@@ -172,12 +160,16 @@ def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_giv
     d_query, d_key, d_value = fold_defaulted_inputs(
         grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given
     )
-    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})
+    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})  # type: ignore[arg-type]  # biases may be None
     forward_stage = dict(GRAD_STAGES)
     stages = {
         name: canonical_stage(forward_stage[name], stage, name) for name, stage in grads.get("stages", {}).items()
     }
-    return MHAGrads(*(None if d is None else inputs.unbatch(d) for d in (d_query, d_key, d_value)), params, stages)
+
+    def unbatched(d):
+        return None if d is None else inputs.unbatch(d)
+
+    return MHAGrads(unbatched(d_query), unbatched(d_key), unbatched(d_value), params, stages)
 
 
 class Backend:

@@ -75,7 +75,7 @@ def register(name: str, entry) -> None:
     REGISTRY[name] = as_entry(entry)
 
 
-def load_class(entry: BackendEntry) -> type:
+def load_class(entry: BackendEntry) -> type[Backend]:
     """Import the entry's module and return its `Backend` subclass (errors name the path)."""
     path = f"{module_name(entry.module)}:{entry.cls}"
     try:
@@ -107,7 +107,7 @@ def missing_backends() -> dict[str, str]:
 
 def _not_installed_message(name: str, entry: BackendEntry) -> str:
     missing = _missing_modules(entry)
-    broken = [probe(module).reason for module in missing if probe(module).installed]
+    broken = [str(probe(module).reason) for module in missing if probe(module).installed]  # installed: a reason
     if broken:
         return f"backend {name!r} cannot load: {'; '.join(broken)}"
     how = f"pip install 'mha-rosetta[{entry.extra}]'" if entry.extra else f"install {', '.join(missing)}"

@@ -158,30 +158,21 @@ def peak_rss_mb() -> float | None:
 
 
 def _reset_gpu_peak(device: str, frameworks: tuple[str, ...]) -> None:
-    """Restart torch's count of its peak device allocation before prepare (JAX's peak is read as it stands)."""
-    if device == "gpu" and "torch" in frameworks:
-        import torch
+    """Restart each framework's count of its peak device allocation before prepare (where it keeps one)."""
+    if device == "gpu":
+        from mha_rosetta.backends.frameworks import in_order  # after pinning: it imports NumPy
 
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        for framework in in_order(frameworks):
+            framework.reset_peak_memory()
 
 
 def _gpu_peak_mb(device: str, frameworks: tuple[str, ...]) -> float | None:
-    """The framework's own peak device allocation (torch, JAX), where there is one."""
+    """The first framework's own peak device allocation (torch, JAX: registry order), where there is one."""
     if device != "gpu":
         return None
-    if "torch" in frameworks:
-        import torch
+    from mha_rosetta.backends.frameworks import in_order  # after pinning: it imports NumPy
 
-        if torch.cuda.is_available():
-            return torch.cuda.max_memory_allocated() / 2**20
-    if "jax" in frameworks:
-        import jax
-
-        stats = jax.devices()[0].memory_stats() or {}
-        if "peak_bytes_in_use" in stats:
-            return stats["peak_bytes_in_use"] / 2**20
-    return None
+    return next((mb for mb in (f.peak_memory_mb() for f in in_order(frameworks)) if mb is not None), None)
 
 
 def _make_inputs(spec: CellSpec, cfg):

@@ -28,17 +28,17 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
+
+if TYPE_CHECKING:
+    from mha_rosetta.backends.frameworks import GemmProgram
 from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
 
-GEMM_LIBRARIES = ("numpy", "torch", "jax")
 DEFAULT_GEMM_SIZE = 1024
 MIN_GEMM_SIZE = 256
 SLOW_PRODUCT_S = 0.25  # a first product slower than this halves n on a CPU (see `measure`)
-# NumPy has BLAS only for float32/float64; its float16/bfloat16 products are plain loops,
-# minutes at n=1024 and no measure of the machine.
-_NUMPY_BLAS_DTYPES = ("float32", "float64")
 # GPU: sizes whose product keeps the tensor cores busy for about a millisecond or more
 # (an H200 does about 790 TFLOP/s in bfloat16 at 8192^3; 1024^3 would be ~3 us of work).
 GPU_GEMM_SIZES = {"float16": 8192, "bfloat16": 8192, "float32": 4096, "float64": 4096}
@@ -55,98 +55,30 @@ def gemm_size(dtype: str, device: str, requested: int = DEFAULT_GEMM_SIZE) -> in
     return requested
 
 
+def _frameworks() -> dict:
+    # The framework layer's libraries, in its order. Imported when asked: a measured child pins
+    # itself before anything imports NumPy (`main`), and the layer does.
+    from mha_rosetta.backends.frameworks import FRAMEWORKS
+
+    return FRAMEWORKS
+
+
 def installed_gemm_libraries() -> list[str]:
     """Libraries here that can run the product (checked without importing them)."""
-    return [name for name in GEMM_LIBRARIES if importlib.util.find_spec(name) is not None]
+    return [name for name in _frameworks() if importlib.util.find_spec(name) is not None]
 
 
 def unsupported_reason(library: str, dtype: str, device: str) -> str | None:
-    """Why ``library`` cannot give a meaningful peak for this dtype/device, or None."""
-    if library == "numpy" and device != "cpu":
-        return "NumPy runs on the CPU only"
-    if library == "numpy" and dtype not in _NUMPY_BLAS_DTYPES:
-        return f"NumPy has no BLAS product for {dtype}"
-    return None
+    """Why ``library`` cannot give a meaningful peak for this dtype/device, or None (the layer's answer)."""
+    return _frameworks()[library].gemm_unsupported(dtype, device)
 
 
-# Each builder returns (launch, sync, facts): ``launch()`` starts one product (asynchronous
-# on a GPU and for JAX), ``sync()`` waits for everything launched, ``facts`` says what ran.
-
-
-def _numpy_product(n: int, dtype: str):
-    import numpy as np
-
-    from mha_rosetta.core import numpy_dtype
-
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n)).astype(numpy_dtype(dtype))  # (n, n), C-contiguous
-    b = rng.standard_normal((n, n)).astype(numpy_dtype(dtype))
-    out = np.empty_like(a)
-
-    def launch() -> None:
-        np.matmul(a, b, out=out)
-
-    return launch, lambda: None, {"numpy": np.__version__, "operand_dtype": str(a.dtype)}
-
-
-def _torch_product(n: int, dtype: str, device: str):
-    import torch
-
-    from mha_rosetta.backends._tf32 import tf32_forced
-    from mha_rosetta.backends.torch.common import set_tf32_switches, tf32_state, tf32_switches
-
-    target = "cuda" if device == "gpu" else "cpu"
-    facts: dict = {"torch": torch.__version__}
-    if target == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-        # The cells compare float32 with TF32 off (unless MHA_ROSETTA_TF32=1): the peak must be the
-        # same arithmetic. A fresh child process: the switches are set once, for its whole life.
-        allow = tf32_forced()
-        set_tf32_switches(tf32_state(allow, tf32_switches()["api"]))
-        facts.update(
-            gpu=torch.cuda.get_device_name(0), tf32=allow and dtype == "float32", tf32_switches=tf32_switches()
-        )
-    else:
-        # torch's own BLAS is linked in and invisible to threadpoolctl: record what it says it has.
-        facts.update(mkl=torch.backends.mkl.is_available(), mkldnn=torch.backends.mkldnn.is_available())
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator, dtype=torch.float64).to(device=target, dtype=getattr(torch, dtype))
-    b = torch.randn(n, n, generator=generator, dtype=torch.float64).to(device=target, dtype=getattr(torch, dtype))
-    out = torch.empty_like(a)
-    facts["operand_dtype"] = str(a.dtype).removeprefix("torch.")
-
-    def launch() -> None:
-        torch.matmul(a, b, out=out)
-
-    sync = torch.cuda.synchronize if target == "cuda" else (lambda: None)
-    return launch, sync, facts
-
-
-def _jax_product(n: int, dtype: str, device: str):
-    import jax
-    import jax.numpy as jnp
-
-    from mha_rosetta.backends.jax.common import effective_precision, enable_float64_if_needed, jax_device
-
-    enable_float64_if_needed(dtype)  # without jax_enable_x64, float64 arrays silently become float32
-    target = jax_device(device)
-    key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
-    a = jax.device_put(jax.random.normal(key_a, (n, n), dtype=jnp.dtype(dtype)), target)
-    b = jax.device_put(jax.random.normal(key_b, (n, n), dtype=jnp.dtype(dtype)), target)
-    # "highest": no reduced-precision passes for float32 on GPU, as in the cells (TF32 only when forced).
-    precision = effective_precision("highest")
-    product = jax.jit(lambda x, y: jnp.matmul(x, y, precision=precision))
-    last = [product(a, b)]  # compile outside the timing
-    last[0].block_until_ready()
-
-    def launch() -> None:
-        last[0] = product(a, b)
-
-    facts = {"jax": jax.__version__, "operand_dtype": str(a.dtype), "matmul_precision": precision}
-    if device == "gpu":
-        facts["tf32"] = precision != "highest" and dtype == "float32"
-    return launch, lambda: last[0].block_until_ready(), facts
+def _product(library: str, n: int, dtype: str, device: str) -> GemmProgram:
+    """(launch, sync, facts) of one library's product (`Framework.gemm_program`), for the peak and the reference."""
+    program = _frameworks()[library].gemm_program(n, dtype, device)
+    if program is None:
+        raise ValueError(f"library {library!r} offers no GEMM product")
+    return program
 
 
 # The reference workload that every cell's samples are paired with (`cell.measure`, issue 28):
@@ -163,7 +95,7 @@ def reference_library(device: str, frameworks: tuple[str, ...]) -> str | None:
     cell's frameworks that can run it there (None without one: the cell is then not paired)."""
     candidates = ("numpy",) if device == "cpu" else frameworks
     usable = (
-        lib for lib in GEMM_LIBRARIES if lib in candidates and not unsupported_reason(lib, REFERENCE_DTYPE, device)
+        lib for lib in _frameworks() if lib in candidates and not unsupported_reason(lib, REFERENCE_DTYPE, device)
     )
     return next(usable, None)
 
@@ -177,12 +109,7 @@ def reference_product(device: str, frameworks: tuple[str, ...]) -> tuple[Callabl
     if library is None:
         return None, None
     n = REFERENCE_SIZES[device]
-    builders = {
-        "numpy": lambda: _numpy_product(n, REFERENCE_DTYPE),
-        "torch": lambda: _torch_product(n, REFERENCE_DTYPE, device),
-        "jax": lambda: _jax_product(n, REFERENCE_DTYPE, device),
-    }  # the same builders as the GEMM peak (`measure`)
-    launch, sync, facts = builders[library]()
+    launch, sync, facts = _product(library, n, REFERENCE_DTYPE, device)  # the same program as the GEMM peak
 
     def run_once() -> None:
         launch()
@@ -262,20 +189,14 @@ def measure(spec: dict) -> dict:
     if reason:
         return {"status": "unsupported", "error": reason}
     threads = int(spec.get("threads", 1))
-    if library in ("torch", "jax"):
-        pinning.configure_frameworks(threads, (library,))
-    builders = {
-        "numpy": lambda: _numpy_product(n, dtype),
-        "torch": lambda: _torch_product(n, dtype, device),
-        "jax": lambda: _jax_product(n, dtype, device),
-    }  # the lambdas read n when called, so halving n below rebuilds at the new size
-    if library not in builders:
-        raise ValueError(f"library must be one of {', '.join(builders)}, got {library!r}")
+    if library not in _frameworks():
+        raise ValueError(f"library must be one of {', '.join(_frameworks())}, got {library!r}")
+    pinning.configure_frameworks(threads, (library,))  # a no-op for a library without thread knobs (NumPy)
     policy = RepeatPolicy(**spec.get("policy", {}))
     requested_n = n
     with pinning.limit_thread_pools(threads):
         while True:
-            launch, sync, facts = builders[library]()
+            launch, sync, facts = _product(library, n, dtype, device)  # rebuilt at the halved n below
             start = time.perf_counter()
             launch()
             sync()
@@ -371,7 +292,7 @@ def measure_gemm_peak(
     if device == "gpu" and dtype == "float32":
         from mha_rosetta.backends._tf32 import tf32_forced
 
-        record["tf32"] = tf32_forced()  # the children read the same switch (`_torch_product`, `_jax_product`)
+        record["tf32"] = tf32_forced()  # the children read the same switch (`Framework.gemm_program`)
     return record
 
 

@@ -86,6 +86,7 @@ def is_numpy_array(value) -> bool:
         value = list(value.values())
     if isinstance(value, (list, tuple)) and value:
         value = value[0]
+    # A NumPy branch by nature, not a framework switch: tracemalloc sees NumPy's allocations only.
     return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
 
 

@@ -196,22 +196,11 @@ def configure_frameworks(threads: int, frameworks: tuple[str, ...] | list[str]) 
     ``set_num_interop_threads`` once inter-op work has started.
     """
     threads = require_positive_int("threads", threads)
+    from mha_rosetta.backends.frameworks import in_order  # in the pinned child only: it imports NumPy
+
     applied: dict = {}
-    if "torch" in frameworks:
-        import torch
-
-        torch.set_num_threads(threads)
-        try:
-            torch.set_num_interop_threads(threads)
-        except RuntimeError as error:  # already started: keep going, but say so
-            applied["torch_interop_error"] = str(error)
-        applied["torch_threads"] = torch.get_num_threads()
-        applied["torch_interop_threads"] = torch.get_num_interop_threads()
-    if "jax" in frameworks:
-        import jax
-
-        # Creating the client here keeps its start-up out of prepare() and the memory baseline.
-        applied["jax_devices"] = [str(device) for device in jax.devices()]
+    for framework in in_order(frameworks):
+        applied.update(framework.configure_threads(threads))
     return applied
 
 

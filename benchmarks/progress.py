@@ -5,20 +5,19 @@ from __future__ import annotations
 import sys
 
 from mha_rosetta.backends import REGISTRY
+from mha_rosetta.backends.frameworks import FRAMEWORKS, LIBRARY_STARTUP_S, startup_s
 
 from .cell import CellSpec, split_implementation
 from .plan import gemm_groups
 from .timing import RepeatPolicy
 
-# Seconds a fresh child spends before it times anything (interpreter start, framework import,
-# client start), roughly as measured on the project's 2-core machine; the slowest framework a
-# backend needs counts. Only for the estimate printed before a sweep starts.
-STARTUP_S = {"numpy": 0.5, "einops": 0.5, "jax": 1.5, "flax": 2.0, "equinox": 2.0, "torch": 2.5}
+# Seconds a fresh child spends before it times anything, per required module (`frameworks.startup_s`).
+STARTUP_S = {name: startup_s(name) for name in (*FRAMEWORKS, *LIBRARY_STARTUP_S)}
 
 
 def _startup_s(label: str) -> float:
     entry = REGISTRY.get(split_implementation(label)[0])
-    return max((STARTUP_S.get(module, 0.5) for module in (entry.requires if entry else ())), default=0.5)
+    return max((startup_s(module) for module in (entry.requires if entry else ())), default=0.5)
 
 
 def _timed_s(policy: dict) -> float:

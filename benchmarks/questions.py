@@ -9,7 +9,7 @@ Public entry point (the explainer's ``explain --claims`` takes its speed verdict
 
 Each answer is a dict with
 
-- ``claim``: the claim's number in the article's list (`explain.claims.CLAIM_TITLES`): 3, 7, 9, 11;
+- ``claim``: the claim's number in the article's list (`explain.claims.CLAIMS`): 3, 7, 9, 11;
 - ``title``: the claim in a line;
 - ``verdict``: ``"confirmed"``, ``"partly"``, ``"refuted"`` or ``"skipped"`` (nothing could be measured);
 - ``evidence``: the measured ratios in one or two sentences;
@@ -96,15 +96,17 @@ def measure(spec: dict) -> dict:
     question, library, device = spec["question"], spec["library"], spec.get("device", "cpu")
     builder = BUILDERS[(question, library)]
     threads = int(spec.get("threads", 1))
-    if library == "torch":
-        pinning.configure_frameworks(threads, ("torch",))
+    from mha_rosetta.backends.frameworks import get_framework  # after pinning (main): it imports NumPy
+
+    framework = get_framework(library)
+    pinning.configure_frameworks(threads, (library,))  # a no-op for NumPy
     policy = RepeatPolicy(**spec["policy"])
     cases = []
     with pinning.limit_thread_pools(threads):
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         for sizes in spec["cases"]:
             kwargs = dict(sizes, dtype=spec.get("dtype", "float32"))
-            if library == "torch":
+            if framework.drives_gpu:  # the builders of a GPU-capable library take the device
                 kwargs["device"] = device
             timings = time_interleaved(builder(**kwargs), policy)
             figures = {

@@ -7,52 +7,21 @@ turns "unsupported" on the GPU, and the check would still pass on whatever else 
 the GPU is asked for, each framework that a selected backend needs and that can drive a GPU
 must see one; one that does not is an error of the check that names it and says why.
 
-The probes are the adapters' own device lists (`_torch_common.torch_devices`,
-`_jax_common.jax_devices`), so the check and the adapters cannot disagree about a device.
+The probes are the framework layer's (`Framework.gpu_probe`), built on the same device lists
+the adapters use (`frameworks.torch.torch_devices`, `frameworks.jax.jax_devices`), so the check
+and the adapters cannot disagree about a device.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 
-
-def _torch_probe() -> tuple[bool, str]:
-    import torch
-
-    from mha_rosetta.backends.torch.common import torch_devices
-
-    if "gpu" in torch_devices():
-        return True, ""
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-    return False, (
-        f"torch {torch.__version__} ({build}) sees no CUDA device: torch.cuda.is_available() is False"
-        f"{_env_note('CUDA_VISIBLE_DEVICES')}; install a CUDA build of torch"
-    )
-
-
-def _jax_probe() -> tuple[bool, str]:
-    import jax
-
-    from mha_rosetta.backends.jax.common import jax_devices
-
-    if "gpu" in jax_devices():
-        return True, ""
-    platforms = sorted({device.platform for device in jax.devices()})
-    return False, (
-        f"jax {jax.__version__} sees no GPU (its devices: {', '.join(platforms)})"
-        f"{_env_note('JAX_PLATFORMS')}{_env_note('CUDA_VISIBLE_DEVICES')}; plain jax is CPU-only: "
-        "install its CUDA plugin, pip install 'jax[cuda13]' (or 'jax[cuda12]')"
-    )
-
-
-def _env_note(name: str) -> str:
-    value = os.environ.get(name)
-    return "" if value is None else f" ({name}={value!r})"
-
+from mha_rosetta.backends.frameworks import gpu_frameworks
 
 # framework (a module name in BackendEntry.requires) -> probe: (sees a GPU, why not)
-GPU_PROBES: dict[str, Callable[[], tuple[bool, str]]] = {"torch": _torch_probe, "jax": _jax_probe}
+GPU_PROBES: dict[str, Callable[[], tuple[bool, str]]] = {
+    name: framework.gpu_probe for name, framework in gpu_frameworks().items()
+}
 
 
 def frameworks_without_gpu(backends: Iterable) -> dict[str, str]:

@@ -4,9 +4,9 @@
 its error against float64, twice: on one square product (``n``^3, default 1024^3) and
 through the whole attention layer (the adapters, against the float64 oracle):
 
-- torch with TF32 off and on (`_torch_common.matmul_precision`, cuBLAS and cuDNN switches);
-- JAX at every name of ``jax.default_matmul_precision`` (`_jax_common.MATMUL_PRECISIONS`),
-  with the precision each name lowers to (`_jax_common.LOWERED_PRECISION`).
+- torch with TF32 off and on (`backends.torch.common.matmul_precision`, cuBLAS and cuDNN switches);
+- JAX at every name of ``jax.default_matmul_precision`` (`backends.frameworks.jax.MATMUL_PRECISIONS`),
+  with the precision each name lowers to (`backends.frameworks.jax.LOWERED_PRECISION`).
 
 On a CPU every row is plain float32 (TF32 does not exist there): errors of order 1e-5 on
 the product, the same for every setting. On an NVIDIA GPU since Ampere, rows that allow

@@ -50,7 +50,7 @@ class Outcome:
 
 
 def frameworks_present() -> list[str]:
-    return [name for name in FRAMEWORKS if name == "numpy" or importlib.util.find_spec(name) is not None]
+    return [name for name in FRAMEWORKS if importlib.util.find_spec(name) is not None]  # numpy is always there
 
 
 def confusion(settings=None, frameworks=None) -> list[Outcome]:

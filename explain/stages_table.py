@@ -14,7 +14,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES, MHAConfig, MHAParams
 
-from .memory import UNKNOWN_LAYOUT, XLA_MANAGED, array_library, contiguity, strides_in_elements
+from .memory import array_library, contiguity, layout_unknown_of, provenance_unknown, strides_in_elements
 
 # What each axis symbol of `core.stages` means, in the words of the column/row-sample article's picture:
 # samples (batch items, tokens), features, heads, and the scorers that make features.
@@ -55,7 +55,7 @@ class StageRow:
     def strides_text(self) -> str:
         if self.strides is not None:
             return str(self.strides)
-        return XLA_MANAGED if self.library == "jax" else UNKNOWN_LAYOUT
+        return layout_unknown_of(self.library)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -85,8 +85,9 @@ def memory_relation(stage) -> str:
     (`StageTensor.relation` and `.parent`, measured on the live tensors); JAX arrays are
     immutable and XLA places their buffers, so there the question has no answer.
     """
-    if array_library(stage.value) == "jax":
-        return "n/a (immutable; XLA places buffers)"
+    unknown = provenance_unknown(stage.value)
+    if unknown is not None:
+        return unknown
     if stage.relation == "new":
         return "new buffer (computed)"
     return f"{stage.relation} of {stage.parent}"

@@ -23,7 +23,7 @@ def convert_layouts(
     params = source_layout.from_state_dict(cfg, state_dict)
     target_cfg = cfg
     target_rope = _rope_target(target_layout, cfg)
-    if target_rope != cfg.rope:
+    if target_rope is not None and target_rope != cfg.rope:  # None only when cfg.rope is None too
         convert = {"half": to_rotate_half_params, "interleaved": to_interleaved_params}[target_rope]
         target_cfg, params = convert(cfg, params)  # the per-head row permutation of w_q/w_k (and b_q/b_k)
     return target_cfg, target_layout.to_state_dict(target_cfg, params)

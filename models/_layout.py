@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
@@ -234,7 +235,15 @@ def rotary_is(allowed: tuple[str | None, ...], module: str, partial: bool = Fals
 # --- one fused q/k/v layer and one output layer: the families that pack q, k and v together ---
 
 
-def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) -> dict[str, Callable]:
+class PackFunctions(TypedDict):
+    """`Layout`'s shapes, pack and unpack, as the helpers below build them (typed for ``Layout(**...)``)."""
+
+    shapes: Callable[[MHAConfig], dict[str, tuple[int, ...]]]
+    pack: Callable[[MHAConfig, MHAParams], dict[str, np.ndarray]]
+    unpack: Callable[[MHAConfig, dict[str, np.ndarray]], MHAParams]
+
+
+def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) -> PackFunctions:
     """`Layout`'s shapes, pack, unpack for a module with one fused q/k/v layer ``qkv`` and an output layer ``out``.
 
     ``pack_rows(cfg, q, k, v)`` / ``unpack_rows(cfg, packed)`` order the rows (`_packing`).
@@ -277,7 +286,7 @@ def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) 
 # --- four separate (out, in) weights: the pack/unpack of every family that keeps them apart ----
 
 
-def separate_linears(prefixes: dict[str, str]) -> dict[str, Callable]:
+def separate_linears(prefixes: dict[str, str]) -> PackFunctions:
     """`Layout`'s shapes, pack, unpack for a module with one ``(out, in)`` linear layer per projection.
 
     ``prefixes`` maps ``w_q``/``w_k``/``w_v``/``w_o`` to the module's names for those layers;
@@ -314,7 +323,7 @@ def separate_linears(prefixes: dict[str, str]) -> dict[str, Callable]:
 # --- DenseGeneral kernels with the head axis inside: Flax's attention, and Keras's --------------
 
 
-def dense_general(out: str) -> dict[str, Callable]:
+def dense_general(out: str) -> PackFunctions:
     """`Layout`'s shapes, pack, unpack for Flax's / Keras's attention, its params tree flattened with ``/``.
 
     ``query``/``key``/``value`` hold ``kernel (in, H, head_dim)`` and ``bias (H, head_dim)``;

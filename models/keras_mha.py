@@ -23,6 +23,7 @@ MODULE = "keras MultiHeadAttention"
 def _keras(cfg, state, x, padding, options):
     import keras
 
+    # Keras's own backend switch (models imports only core, so it cannot ask the framework layer).
     if keras.backend.backend() == "jax":
         import jax
 
@@ -56,7 +57,7 @@ def _keras(cfg, state, x, padding, options):
         run.output = np.asarray(layer(x, x, key=x, attention_mask=mask, return_attention_scores=True)[0])
         run.note = "output from the return_attention_scores=True path (Keras's einsum), which runs in float64"
         return run
-    if backend == "jax":
+    if backend == "jax":  # Keras's own backend switch, as in `_keras`
         run.precision = "float32"
         run.note = "on JAX the default call uses jax.nn.dot_product_attention, whose softmax always runs in float32"
     return run

@@ -87,7 +87,10 @@ def run_real(
             raise ValueError(f"implementation must be one of {', '.join(HF_IMPLEMENTATIONS)}, got {implementation!r}")
     elif implementation != "eager" or float64_rotary:
         raise ValueError(f"implementation and float64_rotary apply to Hugging Face layouts only, not {layout!r}")
-    return found.runner(cfg, state, x, padding, RunOptions(implementation, float64_rotary))
+    runner = found.runner
+    if runner is None:  # unavailable_reason says so first; this keeps the type checker informed
+        raise ImportError(f"layout {layout!r}: cannot build the real module: it has no runner")
+    return runner(cfg, state, x, padding, RunOptions(implementation, float64_rotary))
 
 
 __all__ = [

@@ -78,8 +78,8 @@ def test_only_a_named_gpu_asks_frameworks_for_one(monkeypatch, devices):
 @requires("torch")
 def test_real_probes_name_the_framework_and_the_fix(monkeypatch):
     from mha_rosetta.backends import get_backend
-    from mha_rosetta.backends.jax import common as _jax_common
-    from mha_rosetta.backends.torch import common as _torch_common
+    from mha_rosetta.backends.frameworks import jax as _jax_common  # the layer owns the device lists
+    from mha_rosetta.backends.frameworks import torch as _torch_common
 
     monkeypatch.setattr(_torch_common, "torch_devices", lambda: ("cpu", "gpu"))  # torch sees CUDA
     monkeypatch.setattr(_jax_common, "jax_devices", lambda: ("cpu",))  # plain CPU jax

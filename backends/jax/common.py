@@ -27,65 +27,20 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
 
 from .._inputs import convert_inputs
-from .._tf32 import forced_note, tf32_forced
 from ..base import Prepared, tensor_to_numpy
 
-MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
-# What each name of ``jax.default_matmul_precision`` puts into the lowered program (the
-# ``precision = [X, X]`` of every float32 ``dot_general``; a test lowers each name and reads
-# it). Names that lower alike run alike: "float32" is "highest", "tensorfloat32" is "high",
-# "bfloat16" is "default".
-LOWERED_PRECISION = {
-    "highest": "HIGHEST",
-    "float32": "HIGHEST",
-    "high": "HIGH",
-    "tensorfloat32": "HIGH",
-    "default": "DEFAULT",
-    "bfloat16": "DEFAULT",
-}
-
-
-def allows_tf32(matmul_precision: str) -> bool:
-    """Whether a float32 product at this precision name may use TF32 on a GPU: every name but full float32.
-
-    On NVIDIA GPUs XLA runs DEFAULT and HIGH float32 products with TF32 where the hardware
-    has it; only HIGHEST keeps float32 arithmetic. Torch adapters given a JAX precision name
-    (einops on torch arrays) turn TF32 on by the same rule.
-    """
-    return LOWERED_PRECISION[check_matmul_precision(matmul_precision)] != "HIGHEST"
-
-
-def check_matmul_precision(precision: object) -> str:
-    if not isinstance(precision, str) or precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}; got {precision!r}")
-    return precision
-
-
-def enable_float64_if_needed(dtype: str) -> None:
-    """Turn on ``jax_enable_x64`` when float64 is asked for (process-global; see module docstring)."""
-    if dtype != "float64":
-        return
-    import jax
-
-    if not jax.config.jax_enable_x64:
-        jax.config.update("jax_enable_x64", True)
-
-
-def jax_devices() -> tuple[str, ...]:
-    """("cpu",) plus "gpu" when JAX sees a GPU platform."""
-    import jax
-
-    try:
-        has_gpu = len(jax.devices("gpu")) > 0
-    except RuntimeError:  # "Unknown backend: 'gpu' requested ..." on CPU-only installs
-        has_gpu = False
-    return ("cpu", "gpu") if has_gpu else ("cpu",)
-
-
-def jax_device(device: str):
-    import jax
-
-    return jax.devices(device)[0]
+# Re-exported: the precision and device facts live in the framework layer.
+from ..frameworks.jax import (  # noqa: F401
+    LOWERED_PRECISION,
+    MATMUL_PRECISIONS,
+    allows_tf32,
+    check_matmul_precision,
+    effective_precision,
+    enable_float64_if_needed,
+    jax_device,
+    jax_devices,
+    precision_info,
+)
 
 
 def jax_target(dtype: str, device: str):
@@ -231,27 +186,3 @@ def compiled_prepared(
 ) -> Prepared:
     """The `Prepared` of a jitted adapter: the compiled executable is the timed forward."""
     return Prepared(compiled, tensor_to_numpy, native_stages, synchronize, compile=compiled.compile, info=info)
-
-
-def effective_precision(matmul_precision: str) -> str:
-    """The precision name a program is lowered at: ``matmul_precision``, or "tensorfloat32" in its
-    place when `_tf32.tf32_forced` asks for TF32 and it would otherwise be full float32."""
-    if tf32_forced() and not allows_tf32(matmul_precision):
-        return "tensorfloat32"
-    return matmul_precision
-
-
-def precision_info(*, device: str, dtype: str, matmul_precision: str) -> dict:
-    """What Prepared.info records about numerics, so reports can say what was compared."""
-    import jax
-
-    matmul_precision = effective_precision(matmul_precision)
-    info = {
-        "matmul_precision": matmul_precision,
-        "lowered_precision": LOWERED_PRECISION[matmul_precision],
-        "jax_enable_x64": bool(jax.config.jax_enable_x64),
-        **forced_note(),
-    }
-    if device == "gpu" and dtype == "float32":
-        info["tf32"] = allows_tf32(matmul_precision)
-    return info

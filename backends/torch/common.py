@@ -2,21 +2,8 @@
 
 Torch is imported inside each function: importing this module imports nothing heavy.
 
-TF32. On NVIDIA GPUs since Ampere, float32 matrix products may run on tensor cores in
-TF32 (10-bit mantissa): about 1e-3 relative error instead of float32's 1e-7. Whether
-torch does so is a process-wide switch, ``torch.backends.cuda.matmul.allow_tf32`` (and
-``torch.backends.cudnn.allow_tf32`` for cuDNN). A comparison must not depend on whatever
-another library set, so a GPU run sets both switches explicitly for the duration of each
-forward pass (`matmul_precision`) and restores them afterwards. The default is TF32
-off; an adapter built with ``allow_tf32=True`` turns it on, which is how a test or the
-check shows what TF32 does to the error. On the CPU the switches have no effect.
-
-Two APIs hold these switches since torch 2.9: the old booleans and the new
-``fp32_precision`` strings ("ieee", "tf32", "none" = inherit). Once the new one has set
-TF32 on, reading the old getters raises ``RuntimeError`` ("mix of the legacy and new
-APIs"). `tf32_switches` therefore reads through the old API where torch allows it and
-through the new one otherwise, and `matmul_precision` writes and restores through the same
-API it read, so a program that uses either API finds its own state unchanged afterwards.
+TF32: the switches, their two APIs and `precision_info` live in the framework layer
+(`mha_rosetta.backends.frameworks.torch`); `matmul_precision` below sets them around a forward pass.
 """
 
 from __future__ import annotations
@@ -29,7 +16,17 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, rotary_tables
 
 from .._inputs import convert_inputs
-from .._tf32 import forced_note, tf32_forced
+from .._tf32 import tf32_forced
+
+# Re-exported: the torch adapters and oracles import these from here.
+from ..frameworks.torch import (  # noqa: F401
+    precision_info,
+    set_tf32_switches,
+    synchronizer,
+    tf32_state,
+    tf32_switches,
+    torch_devices,
+)
 
 
 def torch_dtype(name: str):
@@ -44,13 +41,6 @@ def torch_device(device: str):
     import torch
 
     return torch.device("cuda" if device == "gpu" else "cpu")
-
-
-def torch_devices() -> tuple[str, ...]:
-    """("cpu",) plus "gpu" when torch sees a CUDA device."""
-    import torch
-
-    return ("cpu", "gpu") if torch.cuda.is_available() else ("cpu",)
 
 
 def to_tensor(array, dtype: str, device: str):
@@ -81,57 +71,6 @@ def bool_tensor(array: np.ndarray | None, device: str):
     import torch
 
     return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(torch_device(device))
-
-
-def synchronizer(device: str) -> Callable[[object], None]:
-    """Waits for queued GPU work (the result is computed when it returns)."""
-    if device != "gpu":
-        return lambda result: None
-    import torch
-
-    return lambda result: torch.cuda.synchronize()
-
-
-def tf32_switches() -> dict:
-    """torch's TF32 switches now: ``{"api", "matmul", "cudnn"}``, read through an API that torch lets us read.
-
-    ``api`` is "allow_tf32" (the values are booleans) or "fp32_precision" (the values are
-    the strings of torch >= 2.9's new API, used when the old getters refuse to answer).
-    """
-    import torch
-
-    try:
-        return {
-            "api": "allow_tf32",
-            "matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-            "cudnn": bool(torch.backends.cudnn.allow_tf32),
-        }
-    except RuntimeError:  # torch >= 2.9 after the new API turned TF32 on: the old getters raise
-        return {
-            "api": "fp32_precision",
-            "matmul": torch.backends.cuda.matmul.fp32_precision,
-            "cudnn": torch.backends.cudnn.fp32_precision,
-        }
-
-
-def set_tf32_switches(state: dict) -> None:
-    """Write a `tf32_switches` state back, through the API it names."""
-    import torch
-
-    if state["api"] == "allow_tf32":
-        torch.backends.cuda.matmul.allow_tf32 = state["matmul"]
-        torch.backends.cudnn.allow_tf32 = state["cudnn"]
-    else:
-        torch.backends.cuda.matmul.fp32_precision = state["matmul"]
-        torch.backends.cudnn.fp32_precision = state["cudnn"]
-
-
-def tf32_state(allow_tf32: bool, api: str) -> dict:
-    """The switches that turn TF32 on or off for both cuBLAS and cuDNN, in ``api``'s terms."""
-    if api == "allow_tf32":
-        return {"api": api, "matmul": allow_tf32, "cudnn": allow_tf32}
-    value = "tf32" if allow_tf32 else "ieee"
-    return {"api": api, "matmul": value, "cudnn": value}
 
 
 @contextmanager
@@ -167,20 +106,6 @@ def in_inference_mode(run: Callable) -> Callable:
             return run(*args, **kwargs)
 
     return wrapped
-
-
-def precision_info(*, device: str, dtype: str, allow_tf32: bool) -> dict:
-    """What `Prepared.info` records about float32 matmul precision."""
-    if device != "gpu":
-        return {"tf32": False, "matmul_precision": "ieee (CPU: TF32 does not apply)"}
-    allow_tf32 = allow_tf32 or tf32_forced()
-    used = allow_tf32 and dtype == "float32"
-    return {
-        "tf32": used,
-        "matmul_precision": "tf32" if used else "ieee",
-        "tf32_switches": f"cuBLAS and cuDNN TF32 {'on' if allow_tf32 else 'off'} during forward, restored after",
-        **forced_note(),
-    }
 
 
 def no_gpu_reason(backend_name: str, device: str, devices: tuple[str, ...]) -> str | None:

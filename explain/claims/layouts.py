@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_rosetta.backends._probe import importable as _installed
+from mha_rosetta.backends.frameworks import get_framework
 from mha_rosetta.core import compare, error_line
 
 from ..memory import shares_memory, strides_in_elements
@@ -113,10 +114,7 @@ def claim_4(setup: Setup) -> ClaimResult:
     libraries = ["numpy"] + (["torch"] if _installed("torch") else [])
     row = lambda t, i: np.asarray(t[i])  # noqa: E731  (row i of a NumPy array or a torch tensor, as NumPy)
     for library in libraries:
-        if library == "numpy":
-            xp = np
-        else:
-            import torch as xp
+        xp = get_framework(library).namespace()
         # The same chain in both libraries; swapaxes(1, 2) is NumPy's transpose(0, 2, 1, 3) and torch's transpose(1, 2).
         a = xp.arange(32 * 8).reshape(32, 8)  # (32, 8): 32 vectors of 8 numbers
         b = a.reshape(4, 8, 8)  # (4, 8, 8): 4 groups of 8 vectors, a view

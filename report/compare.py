@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from .runs import Run
 
 FINISHED = ("ok",)
+# How `cell_figure` draws a figure's range, in the words both report formats print.
+RANGE_RULE = "Range: min–max of the round medians, else median ± IQR/2."
 SHAPE_FIELDS = ("batch", "tokens", "kv_tokens", "d_model", "heads", "kv_heads", "causal")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from .agreement import status_counts
-from .compare import Comparison, overlaps, ratio
+from .compare import RANGE_RULE, Comparison, overlaps, ratio
 from .markdown import PROVENANCE_HEADER, ms, provenance_rows
 from .runs import Run
 from .svg import (
@@ -71,7 +71,7 @@ def bench_section(comparison: Comparison) -> str:
     out = [
         '<section id="bench"><h2>Benchmarks</h2>',
         f"<p>Milliseconds per call with the cell's range; figure used: <b>{esc(', '.join(used))}</b> "
-        "(corrected_median_s when a cell has it, else median_s). Range: min–max of the round medians, else median ± IQR/2. "
+        f"(corrected_median_s when a cell has it, else median_s). {RANGE_RULE} "
         "Ratios ×r are to the first column; <i>within noise</i>: the two ranges overlap.</p>",
         '<p><label>Filter implementations: <input id="filter" type="search" placeholder="e.g. torch"></label> '
         '<button type="button" id="view-absolute" class="view on">milliseconds</button>'

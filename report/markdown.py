@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .agreement import status_counts
-from .compare import Comparison, overlaps, ratio
+from .compare import RANGE_RULE, Comparison, overlaps, ratio
 from .runs import Run
 
 
@@ -62,7 +62,7 @@ def bench_markdown(comparison: Comparison) -> str:
     out = [
         "## Benchmarks\n",
         f"Milliseconds per call [range]; figure: {', '.join(used)}; ratios ×r [range] to the first column "
-        "(within noise: the ranges overlap). Range: min–max of the round medians, else median ± IQR/2.\n",
+        f"(within noise: the ranges overlap). {RANGE_RULE}\n",
     ]
     header = ["implementation", *(column.label for column in comparison.columns)]
     for group in comparison.groups():

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import BATCH, D_K, D_MODEL, HEADS, Q_TOKENS, requires
+from conftest import BATCH, D_K, D_MODEL, HEADS, Q_TOKENS, python_stdout, requires
 from mha_rosetta.backends.entries import module_name
 from mha_rosetta.cli.main import main
 from mha_rosetta.core import MHAConfig, init_params
@@ -325,8 +323,7 @@ def test_importing_the_explainer_imports_no_framework():
         "import sys, mha_rosetta.explain, mha_rosetta.cli.explain\n"
         "print(','.join(m for m in ('torch', 'jax', 'flax', 'equinox', 'einops', 'matplotlib', 'rich') if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == ""
+    assert python_stdout(code) == ""
 
 
 def test_exit_status_ignores_refuted_speed_claims():

@@ -121,6 +121,10 @@ class Comparison:
     columns: list[Column]
     cells: list[dict[tuple, Figure]]
 
+    def figures_used(self) -> str:
+        """The fields the figures were taken from (``corrected_median_s``, ``median_s``), comma-separated."""
+        return ", ".join(sorted({figure.used for cells in self.cells for figure in cells.values()}))
+
     def groups(self) -> list[tuple[str, str, str]]:
         return list(dict.fromkeys(key[0] for cells in self.cells for key in cells))
 

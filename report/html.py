@@ -67,10 +67,9 @@ def check_section(runs: list[Run]) -> str:
 def bench_section(comparison: Comparison) -> str:
     if not comparison.columns:
         return ""
-    used = sorted({figure.used for cells in comparison.cells for figure in cells.values()})
     out = [
         '<section id="bench"><h2>Benchmarks</h2>',
-        f"<p>Milliseconds per call with the cell's range; figure used: <b>{esc(', '.join(used))}</b> "
+        f"<p>Milliseconds per call with the cell's range; figure used: <b>{esc(comparison.figures_used())}</b> "
         f"(corrected_median_s when a cell has it, else median_s). {RANGE_RULE} "
         "Ratios ×r are to the first column; <i>within noise</i>: the two ranges overlap.</p>",
         '<p><label>Filter implementations: <input id="filter" type="search" placeholder="e.g. torch"></label> '

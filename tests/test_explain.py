@@ -35,8 +35,10 @@ def distinct_setup():
     return make_setup(MHAConfig(d_model=D_MODEL, n_heads=HEADS), tokens=Q_TOKENS, batch=BATCH)
 
 
-def _rows_by_stage(rows):
-    return {row.stage: row for row in rows}
+def _stage_table(backend: str, setup):
+    """The backend's summary and its stage-table rows by stage name, measured on ``setup``."""
+    summary, rows = measure_backend(backend, setup.cfg, setup.params, setup.x)
+    return summary, {row.stage: row for row in rows}
 
 
 # --- memory facts ------------------------------------------------------------------------------
@@ -68,8 +70,7 @@ def test_numpy_stage_table_matches_the_real_tensors(distinct_setup):
     from mha_rosetta.backends import get_backend
 
     s = distinct_setup
-    summary, rows = measure_backend("numpy", s.cfg, s.params, s.x)
-    by_stage = _rows_by_stage(rows)
+    summary, by_stage = _stage_table("numpy", s)
     q_heads = by_stage["q_heads"]
     # Column samples: q is (B, H*Dk, N); splitting heads is a reshape of the row axis, a view.
     assert q_heads.axes == ("B", "H", "Dk", "Nq")
@@ -88,8 +89,7 @@ def test_numpy_stage_table_matches_the_real_tensors(distinct_setup):
 @needs_adapter("torch")
 def test_torch_stage_table_shows_the_transposed_view(distinct_setup):
     s = distinct_setup
-    summary, rows = measure_backend("torch", s.cfg, s.params, s.x)
-    by_stage = _rows_by_stage(rows)
+    summary, by_stage = _stage_table("torch", s)
     q_heads = by_stage["q_heads"]
     # view(B, N, H, Dk).transpose(1, 2): shape (B, H, N, Dk), strides of the (B, N, H*Dk) buffer.
     assert q_heads.shape == (BATCH, HEADS, Q_TOKENS, D_K)

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from .runs import Run
 
 FINISHED = ("ok",)
-# How `cell_figure` draws a figure's range, in the words both report formats print.
-RANGE_RULE = "Range: min–max of the round medians, else median ± IQR/2."
 SHAPE_FIELDS = ("batch", "tokens", "kv_tokens", "d_model", "heads", "kv_heads", "causal")
 
 
@@ -121,9 +119,15 @@ class Comparison:
     columns: list[Column]
     cells: list[dict[tuple, Figure]]
 
-    def figures_used(self) -> str:
-        """The fields the figures were taken from (``corrected_median_s``, ``median_s``), comma-separated."""
-        return ", ".join(sorted({figure.used for cells in self.cells for figure in cells.values()}))
+    def reading_rules(self) -> str:
+        """How to read the benchmark tables (the figure, its range, the ratios), in the words both report formats print;
+        the range is `cell_figure`'s."""
+        used = ", ".join(sorted({figure.used for cells in self.cells for figure in cells.values()}))
+        return (
+            f"Milliseconds per call [range]; figure used: {used} (corrected_median_s when a cell has it, else median_s). "
+            "Range: min–max of the round medians, else median ± IQR/2. "
+            "Ratios ×r [range] are to the first column; within noise: the two ranges overlap."
+        )
 
     def groups(self) -> list[tuple[str, str, str]]:
         return list(dict.fromkeys(key[0] for cells in self.cells for key in cells))

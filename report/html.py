@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from .agreement import status_counts
-from .compare import RANGE_RULE, Comparison, overlaps, ratio
+from .compare import Comparison, overlaps, ratio
 from .markdown import PROVENANCE_HEADER, ms, provenance_rows
 from .runs import Run
 from .svg import (
@@ -69,9 +69,7 @@ def bench_section(comparison: Comparison) -> str:
         return ""
     out = [
         '<section id="bench"><h2>Benchmarks</h2>',
-        f"<p>Milliseconds per call with the cell's range; figure used: <b>{esc(comparison.figures_used())}</b> "
-        f"(corrected_median_s when a cell has it, else median_s). {RANGE_RULE} "
-        "Ratios ×r are to the first column; <i>within noise</i>: the two ranges overlap.</p>",
+        f"<p>{esc(comparison.reading_rules())}</p>",
         '<p><label>Filter implementations: <input id="filter" type="search" placeholder="e.g. torch"></label> '
         '<button type="button" id="view-absolute" class="view on">milliseconds</button>'
         '<button type="button" id="view-relative" class="view">relative to fastest</button></p>',

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .agreement import status_counts
-from .compare import RANGE_RULE, Comparison, overlaps, ratio
+from .compare import Comparison, overlaps, ratio
 from .runs import Run
 
 
@@ -60,8 +60,7 @@ def bench_markdown(comparison: Comparison) -> str:
         return ""
     out = [
         "## Benchmarks\n",
-        f"Milliseconds per call [range]; figure: {comparison.figures_used()}; ratios ×r [range] to the first column "
-        f"(within noise: the ranges overlap). {RANGE_RULE}\n",
+        comparison.reading_rules() + "\n",
     ]
     header = ["implementation", *(column.label for column in comparison.columns)]
     for group in comparison.groups():

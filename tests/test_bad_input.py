@@ -324,6 +324,17 @@ def _cross_with_one_bad(case_id: str, which: str, index: tuple, value: float) ->
     return ValueCase(case_id, CROSS, "float32", **inputs)
 
 
+def _causal_cross(case_id: str, *, q_tokens: int, kv_tokens: int) -> ValueCase:
+    """A float64 causal case whose keys (the values default to them) have another token count than the queries."""
+    return ValueCase(
+        case_id,
+        MHAConfig(d_model=15, n_heads=3, causal=True),
+        "float64",
+        _tokens(2, q_tokens, 15),
+        _tokens(2, kv_tokens, 15, seed=1),
+    )
+
+
 _fully_masked_row = np.ones((7, 7), dtype=bool)
 _fully_masked_row[3] = False
 
@@ -349,20 +360,8 @@ VALUE_CASES = [
     _cross_with_one_bad("inf-in-one-value-token", "value", (0, 1, 5), np.inf),
     ValueCase("row-with-nothing-to-attend", CFG, "float32", _tokens(7, 15), mask=_fully_masked_row),
     ValueCase("all-rows-masked", CFG, "float64", _tokens(2, 7, 15), mask=np.zeros((2, 1, 1, 7), dtype=bool)),
-    ValueCase(
-        "causal-more-kv-than-q",
-        MHAConfig(d_model=15, n_heads=3, causal=True),
-        "float64",
-        _tokens(2, 3, 15),
-        _tokens(2, 6, 15, seed=1),
-    ),
-    ValueCase(
-        "causal-more-q-than-kv",
-        MHAConfig(d_model=15, n_heads=3, causal=True),
-        "float64",
-        _tokens(2, 6, 15),
-        _tokens(2, 3, 15, seed=1),
-    ),
+    _causal_cross("causal-more-kv-than-q", q_tokens=3, kv_tokens=6),
+    _causal_cross("causal-more-q-than-kv", q_tokens=6, kv_tokens=3),
     ValueCase("single-token", CFG, "float64", _tokens(1, 1, 15)),
     ValueCase("single-head", MHAConfig(d_model=15, n_heads=1), "float64", _tokens(2, 7, 15)),
     ValueCase("width-one", MHAConfig(d_model=1, n_heads=1), "float64", _tokens(2, 7, 1)),

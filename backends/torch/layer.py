@@ -256,9 +256,8 @@ class RowSampleMHA(LayerRecording):
             k_g = k[:, :, g * Dk : (g + 1) * Dk]  # (B, Nk, Dk)
             v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
-            if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection", "view")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            note = "column slice of the merged projection"
+            self._record_query_head(rec, h, q_h, k_g, v_g, q_rotated, k_rotated[g], note, "view")
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
@@ -278,15 +277,14 @@ class RowSampleMHA(LayerRecording):
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
             if rec is not None:
                 q_heads.append(q_h)
-                self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "X @ W_h with the head's own matrix")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            note = "X @ W_h with the head's own matrix"
+            self._record_query_head(rec, h, q_h, k_heads[g], v_heads[g], q_rotated, k_rotated[g], note)
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
-            cat = self.torch.cat
             note = "the per-head projections side by side, for inspection (the strategy never builds it)"
-            projections = cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1)
-            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            side_by_side = partial(self.torch.cat, dim=-1)
+            self._record_joined_projections(rec, side_by_side, q_heads, k_heads, v_heads, note)
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 

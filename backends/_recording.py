@@ -62,6 +62,11 @@ class StageRecorder:
         self._heads.setdefault(name, {})[head] = snapshot(value)
         self._head_meta[name] = (tuple(axes), note, stack, relation, parent)
 
+    def head_pieces(self, name: str) -> list:
+        """The slices `record_head` took of a stage (snapshots), in head order."""
+        pieces = self._heads[name]
+        return [pieces[h] for h in sorted(pieces)]
+
     def stages(self) -> dict[str, StageTensor]:
         result = dict(self._stages)
         for name, pieces in self._heads.items():
@@ -155,7 +160,8 @@ class LayerRecording:
         self._record(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, relation, "q_heads")
         self._record(rec, "k_rotated", g, k_rotated, axes["k_rotated"], note, relation, "k_heads")
 
-    def _record_joined_projections(self, rec: StageRecorder, join, q_heads, k_heads, v_heads, note: str) -> None:
-        """The per-head projections joined by ``join`` into q, k and v (copies the strategy never builds)."""
-        projections = join(q_heads), join(k_heads), join(v_heads)
-        self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+    def _record_joined_projections(self, rec: StageRecorder, join, note: str) -> None:
+        """q, k and v as the recorded heads joined by ``join`` (copies: a per-head strategy never builds them)."""
+        parents = tuple(f"{name}_heads" for name in QKV)
+        projections = [join(rec.head_pieces(parent)) for parent in parents]
+        self._record_projections(rec, *projections, note, "copy", parents)

@@ -62,6 +62,11 @@ class StageRecorder:
         self._heads.setdefault(name, {})[head] = snapshot(value)
         self._head_meta[name] = (tuple(axes), note, stack, relation, parent)
 
+    def head_pieces(self, name: str) -> list:
+        """The slices `record_head` took of a stage (snapshots), in head order."""
+        pieces = self._heads[name]
+        return [pieces[h] for h in sorted(pieces)]
+
     def stages(self) -> dict[str, StageTensor]:
         result = dict(self._stages)
         for name, pieces in self._heads.items():
@@ -141,17 +146,22 @@ class LayerRecording:
         self._record_projections(rec, *projections)
         record_split_heads(rec, projections, heads, self.SPLIT_AXES, how)
 
-    def _record_head_inputs(self, rec, h: int, q_h, k_g, v_g, note: str, relation: str = "new") -> None:
-        """Query head h's (q_h, k_g, v_g); ``relation`` "view" says they are views of the projections q, k and v."""
+    def _record_query_head(self, rec, h: int, q_h, k_g, v_g, q_rotated, k_rotated, note: str, relation="new") -> None:
+        """Query head h's (q_h, k_g, v_g), its rotated queries and its kv head's rotated keys, in a loop over heads;
+        nothing when ``rec`` is None. ``relation`` "view": q_h, k_g, v_g are views of the projections q, k and v;
+        ``q_rotated is q_h``: no rope."""
+        if rec is None:
+            return
         g, axes = self.cfg.kv_head_of(h), self.HEAD_SLICE_AXES
         for name, head, value in zip(QKV, (h, g, g), (q_h, k_g, v_g), strict=True):
             parent = name if relation != "new" else None
             rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, self._stack, relation, parent)
-
-    def _record_rotated(self, rec, h: int, q_h, q_rotated, k_rotated) -> None:
-        """Query head h's rotated queries and its kv head's rotated keys, in a loop over heads (``q_rotated is q_h``:
-        no rope)."""
         note, relation = rotation_provenance(q_rotated, q_h, self.ROTATE_HOW)
-        axes, g = self.HEAD_SLICE_AXES, self.cfg.kv_head_of(h)
         self._record(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, relation, "q_heads")
         self._record(rec, "k_rotated", g, k_rotated, axes["k_rotated"], note, relation, "k_heads")
+
+    def _record_joined_projections(self, rec: StageRecorder, join, note: str) -> None:
+        """q, k and v as the recorded heads joined by ``join`` (copies: a per-head strategy never builds them)."""
+        parents = tuple(f"{name}_heads" for name in QKV)
+        projections = [join(rec.head_pieces(parent)) for parent in parents]
+        self._record_projections(rec, *projections, note, "copy", parents)

@@ -61,28 +61,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sections",
         help="parts to show: stages, weights, head_split, checkpoints, differences, claims (default: all but claims)",
     )
-    parser.add_argument(
-        "--backward",
-        action="store_true",
-        help="the backward pass: weight gradients in both conventions and a GQA backward-only bug caught by check --grad",
-    )
-    parser.add_argument(
-        "--claims", action="store_true", help="run the article's 12 claims and print claim, evidence and verdict"
-    )
-    parser.add_argument(
-        "--no-speed",
-        action="store_true",
-        help="with --claims: skip the benchmark questions (speed claims show as skipped)",
-    )
+    switches = {  # the on/off options (store_true)
+        "--backward": (
+            "the backward pass: weight gradients in both conventions and a GQA backward-only bug caught by check --grad"
+        ),
+        "--claims": "run the article's 12 claims and print claim, evidence and verdict",
+        "--no-speed": "with --claims: skip the benchmark questions (speed claims show as skipped)",
+        "--full-speed": "run the speed questions at full size instead of the quick preset",
+        "--sharding": (
+            "tensor parallelism instead: which axis of each stored weight is cut, and where the one all-reduce is"
+        ),
+    }
+    for flag, text in switches.items():
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--threads", type=_positive_int, default=1, help="threads for the speed questions (default 1)")
-    parser.add_argument(
-        "--full-speed", action="store_true", help="run the speed questions at full size instead of the quick preset"
-    )
-    parser.add_argument(
-        "--sharding",
-        action="store_true",
-        help="tensor parallelism instead: which axis of each stored weight is cut, and where the one all-reduce is",
-    )
     parser.add_argument(
         "--world",
         type=_positive_int,

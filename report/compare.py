@@ -119,6 +119,16 @@ class Comparison:
     columns: list[Column]
     cells: list[dict[tuple, Figure]]
 
+    def reading_rules(self) -> str:
+        """How to read the benchmark tables (the figure, its range, the ratios), in the words both report formats print;
+        the range is `cell_figure`'s."""
+        used = ", ".join(sorted({figure.used for cells in self.cells for figure in cells.values()}))
+        return (
+            f"Milliseconds per call [range]; figure used: {used} (corrected_median_s when a cell has it, else median_s). "
+            "Range: min–max of the round medians, else median ± IQR/2. "
+            "Ratios ×r [range] are to the first column; within noise: the two ranges overlap."
+        )
+
     def groups(self) -> list[tuple[str, str, str]]:
         return list(dict.fromkeys(key[0] for cells in self.cells for key in cells))
 

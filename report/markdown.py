@@ -58,11 +58,9 @@ def cell_text(comparison: Comparison, index: int, group, name: str) -> str:
 def bench_markdown(comparison: Comparison) -> str:
     if not comparison.columns:
         return ""
-    used = sorted({figure.used for cells in comparison.cells for figure in cells.values()})
     out = [
         "## Benchmarks\n",
-        f"Milliseconds per call [range]; figure: {', '.join(used)}; ratios ×r [range] to the first column "
-        "(within noise: the ranges overlap). Range: min–max of the round medians, else median ± IQR/2.\n",
+        comparison.reading_rules() + "\n",
     ]
     header = ["implementation", *(column.label for column in comparison.columns)]
     for group in comparison.groups():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +15,23 @@ from mha_rosetta.core import MHAConfig, init_params
 # Distinct sizes everywhere, so that no two axes can be swapped without a shape error:
 # batch 2, q tokens 7, kv tokens 5, d_model 15, 3 heads of d_k 5 (d_v 4 where it may differ).
 BATCH, Q_TOKENS, KV_TOKENS, D_MODEL, HEADS, D_K = 2, 7, 5, 15, 3, 5
+
+
+def python_stdout(code: str) -> str:
+    """What a fresh interpreter prints running ``code`` (stripped); fails the test if it exits non-zero."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_cli(*argv: str, cwd) -> subprocess.CompletedProcess:
+    """``mha-rosetta *argv`` in a fresh interpreter run from ``cwd`` (one BLAS thread, 300 s at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "mha_rosetta.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def requires(module: str):

@@ -19,6 +19,16 @@ from mha_rosetta.core import STAGE_BY_NAME, numpy_dtype, reference_stages
 BAD_Q_TOKENS = 7  # self_attention's query tokens
 
 
+def oracle_stages(cfg, params, inputs, dtype) -> tuple[dict, dict]:
+    """The float64 oracle's stages rounded to ``dtype``, as arrays and as the `StageTensor`s a `Prepared` shows."""
+    positions = np.broadcast_to(inputs.positions, (inputs.batch, inputs.q_tokens))  # (B, Nq) from (1|B, Nq)
+    kv_positions = np.broadcast_to(inputs.kv_positions, (inputs.batch, inputs.kv_tokens))  # (B, Nk)
+    args = (inputs.query, inputs.key, inputs.value, inputs.mask, positions, kv_positions)
+    stages = {k: v.astype(numpy_dtype(dtype)) for k, v in reference_stages(cfg, params, *args).items()}
+    native = {name: StageTensor(value, STAGE_BY_NAME[name].shape) for name, value in stages.items()}
+    return stages, native
+
+
 class Good(Backend):
     """The float64 oracle rounded to the run's dtype."""
 
@@ -29,11 +39,7 @@ class Good(Backend):
         return output
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy):
-        positions = np.broadcast_to(inputs.positions, (inputs.batch, inputs.q_tokens))  # (B, Nq) from (1|B, Nq)
-        kv_positions = np.broadcast_to(inputs.kv_positions, (inputs.batch, inputs.kv_tokens))  # (B, Nk)
-        args = (inputs.query, inputs.key, inputs.value, inputs.mask, positions, kv_positions)
-        stages = {k: v.astype(numpy_dtype(dtype)) for k, v in reference_stages(cfg, params, *args).items()}
-        native = {name: StageTensor(value, STAGE_BY_NAME[name].shape) for name, value in stages.items()}
+        stages, native = oracle_stages(cfg, params, inputs, dtype)
         bad = inputs.q_tokens == BAD_Q_TOKENS and not cfg.causal
 
         def forward():

@@ -317,6 +317,24 @@ def _with(array, index, value):
     return array
 
 
+def _cross_with_one_bad(case_id: str, which: str, index: tuple, value: float) -> ValueCase:
+    """A float32 cross-attention case whose query, key or value (``which``) holds one non-finite entry."""
+    inputs = {"query": _tokens(2, 7, 15), "key": _tokens(2, 5, 11, seed=1), "value": _tokens(2, 5, 13, seed=2)}
+    inputs[which] = _with(inputs[which], index, value)
+    return ValueCase(case_id, CROSS, "float32", **inputs)
+
+
+def _causal_cross(case_id: str, *, q_tokens: int, kv_tokens: int) -> ValueCase:
+    """A float64 causal case whose keys (the values default to them) have another token count than the queries."""
+    return ValueCase(
+        case_id,
+        MHAConfig(d_model=15, n_heads=3, causal=True),
+        "float64",
+        _tokens(2, q_tokens, 15),
+        _tokens(2, kv_tokens, 15, seed=1),
+    )
+
+
 _fully_masked_row = np.ones((7, 7), dtype=bool)
 _fully_masked_row[3] = False
 
@@ -337,46 +355,13 @@ VALUE_CASES = [
         np.full((1, 3, 64), 5.0) + _tokens(1, 3, 64, scale=0.1),
         params_scale=24.0,
     ),
-    ValueCase(
-        "nan-in-one-query-token",
-        CROSS,
-        "float32",
-        _with(_tokens(2, 7, 15), (0, 2, 4), np.nan),
-        _tokens(2, 5, 11, seed=1),
-        _tokens(2, 5, 13, seed=2),
-    ),
-    ValueCase(
-        "nan-in-one-key-token",
-        CROSS,
-        "float32",
-        _tokens(2, 7, 15),
-        _with(_tokens(2, 5, 11, seed=1), (1, 3, 0), np.nan),
-        _tokens(2, 5, 13, seed=2),
-    ),
-    ValueCase(
-        "inf-in-one-value-token",
-        CROSS,
-        "float32",
-        _tokens(2, 7, 15),
-        _tokens(2, 5, 11, seed=1),
-        _with(_tokens(2, 5, 13, seed=2), (0, 1, 5), np.inf),
-    ),
+    _cross_with_one_bad("nan-in-one-query-token", "query", (0, 2, 4), np.nan),
+    _cross_with_one_bad("nan-in-one-key-token", "key", (1, 3, 0), np.nan),
+    _cross_with_one_bad("inf-in-one-value-token", "value", (0, 1, 5), np.inf),
     ValueCase("row-with-nothing-to-attend", CFG, "float32", _tokens(7, 15), mask=_fully_masked_row),
     ValueCase("all-rows-masked", CFG, "float64", _tokens(2, 7, 15), mask=np.zeros((2, 1, 1, 7), dtype=bool)),
-    ValueCase(
-        "causal-more-kv-than-q",
-        MHAConfig(d_model=15, n_heads=3, causal=True),
-        "float64",
-        _tokens(2, 3, 15),
-        _tokens(2, 6, 15, seed=1),
-    ),
-    ValueCase(
-        "causal-more-q-than-kv",
-        MHAConfig(d_model=15, n_heads=3, causal=True),
-        "float64",
-        _tokens(2, 6, 15),
-        _tokens(2, 3, 15, seed=1),
-    ),
+    _causal_cross("causal-more-kv-than-q", q_tokens=3, kv_tokens=6),
+    _causal_cross("causal-more-q-than-kv", q_tokens=6, kv_tokens=3),
     ValueCase("single-token", CFG, "float64", _tokens(1, 1, 15)),
     ValueCase("single-head", MHAConfig(d_model=15, n_heads=1), "float64", _tokens(2, 7, 15)),
     ValueCase("width-one", MHAConfig(d_model=1, n_heads=1), "float64", _tokens(2, 7, 1)),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires
+from conftest import python_stdout, requires
 from mha_rosetta.benchmarks import pinning
 from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
 from mha_rosetta.benchmarks.cell import CellSpec, cell_key, run_cell, split_implementation
@@ -307,8 +307,7 @@ def test_measured_children_import_no_numpy_or_framework_before_pinning():
         "import sys, mha_rosetta.benchmarks.cell, mha_rosetta.benchmarks.gemm, mha_rosetta.benchmarks.questions\n"
         "print(','.join(m for m in ('numpy', 'torch', 'jax') if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == ""
+    assert python_stdout(code) == ""
 
 
 # -- the report -------------------------------------------------------------------------------

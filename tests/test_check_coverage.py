@@ -14,21 +14,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from adapter_cases import required_core_cases
+from misbehaving_adapters import oracle_stages
 
-from mha_rosetta.backends import REGISTRY, STANDARD, Backend, Prepared, StageTensor, get_backend, missing_backends
+from mha_rosetta.backends import REGISTRY, STANDARD, Backend, Prepared, get_backend, missing_backends
 from mha_rosetta.checks import SPEC_CASES, Status, run_check
-from mha_rosetta.core import DTYPE_NAMES, STAGE_BY_NAME, numpy_dtype, reference_stages
+from mha_rosetta.core import DTYPE_NAMES
 
 
 class OracleFake(Backend):
     """The float64 oracle rounded to the run's dtype: right on every case, with the dtypes a test gives it."""
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy):
-        positions = np.broadcast_to(inputs.positions, (inputs.batch, inputs.q_tokens))  # (B, Nq) from (1|B, Nq)
-        kv_positions = np.broadcast_to(inputs.kv_positions, (inputs.batch, inputs.kv_tokens))  # (B, Nk)
-        args = (inputs.query, inputs.key, inputs.value, inputs.mask, positions, kv_positions)
-        stages = {k: v.astype(numpy_dtype(dtype)) for k, v in reference_stages(cfg, params, *args).items()}
-        native = {name: StageTensor(value, STAGE_BY_NAME[name].shape) for name, value in stages.items()}
+        stages, native = oracle_stages(cfg, params, inputs, dtype)
         to_numpy = lambda r: np.asarray(r, dtype=np.float64)  # noqa: E731
         return Prepared(forward=lambda: stages["output"], to_numpy=to_numpy, native_stages=lambda: native)
 

@@ -113,27 +113,18 @@ def test_the_jax_cache_lives_in_the_users_cache_directory_and_can_be_turned_off(
     assert cache_enabled() is False and cache_enabled(True) is True
 
 
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from mha_rosetta.cli.main import main; sys.exit(main())", *args]
+def _check_good_and(adapter: str, *, cases: str, timeout: int, json_path) -> list[str]:
+    """``mha-rosetta check`` of Good and one misbehaving adapter in float64, two workers, plain output, JSON written."""
+    options = ["--cases", cases, "--dtypes", "float64", "--jobs", "2", "--timeout", str(timeout), "--plain"]
+    backends = ["--backend", "misbehaving_adapters:Good", "--backend", f"misbehaving_adapters:{adapter}"]
+    main = "import sys; from mha_rosetta.cli.main import main; sys.exit(main())"
+    return [sys.executable, "-c", main, "check", *backends, *options, "--json", str(json_path)]
 
 
 def test_the_command_reports_a_dead_worker_and_writes_every_result(tmp_path):
     path = tmp_path / "check.json"
-    args = ["check", "--backend", "misbehaving_adapters:Good", "--backend", "misbehaving_adapters:Exits"]
-    args += [
-        "--cases",
-        "self_attention,causal",
-        "--dtypes",
-        "float64",
-        "--jobs",
-        "2",
-        "--timeout",
-        "30",
-        "--plain",
-        "--json",
-        str(path),
-    ]
-    done = subprocess.run(_command(*args), cwd=TESTS, capture_output=True, text=True, timeout=300)
+    args = _check_good_and("Exits", cases="self_attention,causal", timeout=30, json_path=path)
+    done = subprocess.run(args, cwd=TESTS, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     data = json.loads(path.read_text())
     assert data["interrupted"] is False and data["exit_status"] == 2
@@ -150,21 +141,8 @@ def test_the_command_reports_a_dead_worker_and_writes_every_result(tmp_path):
 def test_sigterm_leaves_a_valid_json_of_what_finished_marked_interrupted(tmp_path):
     path = tmp_path / "check.json"
     # causal (every adapter behaves) runs first, then self_attention, where one adapter hangs.
-    args = ["check", "--backend", "misbehaving_adapters:Good", "--backend", "misbehaving_adapters:Hangs"]
-    args += [
-        "--cases",
-        "causal,self_attention",
-        "--dtypes",
-        "float64",
-        "--jobs",
-        "2",
-        "--timeout",
-        "300",
-        "--plain",
-        "--json",
-        str(path),
-    ]
-    process = subprocess.Popen(_command(*args), cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = _check_good_and("Hangs", cases="causal,self_attention", timeout=300, json_path=path)
+    process = subprocess.Popen(args, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not path.exists() and time.monotonic() < deadline and process.poll() is None:

@@ -4,14 +4,12 @@ settings, commas and repeats combine, and ``--markdown`` takes an optional PATH 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from mha_rosetta.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,14 +142,7 @@ def candidate(params, query, key, value, mask):
 def test_diagnose_in_two_dtypes_gives_one_diagnosis_each(tmp_path):
     (tmp_path / "oracle_candidate.py").write_text(CANDIDATE, encoding="utf-8")
     argv = ["diagnose", "oracle_candidate:candidate", "--d-model", "12", "--heads", "3", "--json", "-"]
-    done = subprocess.run(
-        [sys.executable, "-m", "mha_rosetta.cli.main", *argv, "--dtypes", "float64", "--dtypes", "float32"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    done = run_cli(*argv, "--dtypes", "float64", "--dtypes", "float32", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["agrees"] is True and [d["dtype"] for d in data["diagnoses"]] == ["float64", "float32"]

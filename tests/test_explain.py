@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import BATCH, D_K, D_MODEL, HEADS, Q_TOKENS, requires
+from conftest import BATCH, D_K, D_MODEL, HEADS, Q_TOKENS, python_stdout, requires
 from mha_rosetta.backends.entries import module_name
 from mha_rosetta.cli.main import main
 from mha_rosetta.core import MHAConfig, init_params
@@ -37,8 +35,10 @@ def distinct_setup():
     return make_setup(MHAConfig(d_model=D_MODEL, n_heads=HEADS), tokens=Q_TOKENS, batch=BATCH)
 
 
-def _rows_by_stage(rows):
-    return {row.stage: row for row in rows}
+def _stage_table(backend: str, setup):
+    """The backend's summary and its stage-table rows by stage name, measured on ``setup``."""
+    summary, rows = measure_backend(backend, setup.cfg, setup.params, setup.x)
+    return summary, {row.stage: row for row in rows}
 
 
 # --- memory facts ------------------------------------------------------------------------------
@@ -70,8 +70,7 @@ def test_numpy_stage_table_matches_the_real_tensors(distinct_setup):
     from mha_rosetta.backends import get_backend
 
     s = distinct_setup
-    summary, rows = measure_backend("numpy", s.cfg, s.params, s.x)
-    by_stage = _rows_by_stage(rows)
+    summary, by_stage = _stage_table("numpy", s)
     q_heads = by_stage["q_heads"]
     # Column samples: q is (B, H*Dk, N); splitting heads is a reshape of the row axis, a view.
     assert q_heads.axes == ("B", "H", "Dk", "Nq")
@@ -90,8 +89,7 @@ def test_numpy_stage_table_matches_the_real_tensors(distinct_setup):
 @needs_adapter("torch")
 def test_torch_stage_table_shows_the_transposed_view(distinct_setup):
     s = distinct_setup
-    summary, rows = measure_backend("torch", s.cfg, s.params, s.x)
-    by_stage = _rows_by_stage(rows)
+    summary, by_stage = _stage_table("torch", s)
     q_heads = by_stage["q_heads"]
     # view(B, N, H, Dk).transpose(1, 2): shape (B, H, N, Dk), strides of the (B, N, H*Dk) buffer.
     assert q_heads.shape == (BATCH, HEADS, Q_TOKENS, D_K)
@@ -325,8 +323,7 @@ def test_importing_the_explainer_imports_no_framework():
         "import sys, mha_rosetta.explain, mha_rosetta.cli.explain\n"
         "print(','.join(m for m in ('torch', 'jax', 'flax', 'equinox', 'einops', 'matplotlib', 'rich') if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == ""
+    assert python_stdout(code) == ""
 
 
 def test_exit_status_ignores_refuted_speed_claims():

@@ -4,10 +4,9 @@
 loads (a library that is installed but fails to import is a skip, not a crash).
 """
 
-import subprocess
-import sys
-
 import pytest
+
+from conftest import python_stdout
 
 
 @pytest.mark.parametrize(
@@ -28,8 +27,8 @@ def test_import_pulls_in_no_framework(module):
         "loaded = sorted(m for m in frameworks if m in sys.modules)\n"
         "print(','.join(loaded))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "", f"importing {module} imported {result.stdout.strip()}"
+    loaded = python_stdout(code)
+    assert loaded == "", f"importing {module} imported {loaded}"
 
 
 def test_contract_example_runs_with_numpy_only():
@@ -42,8 +41,7 @@ def test_contract_example_runs_with_numpy_only():
         "x = np.random.default_rng(1).standard_normal((2, 6, 12))\n"
         "print(reference_mha(cfg, params, x).shape, 'torch' in sys.modules, 'jax' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "(2, 6, 12) False False"
+    assert python_stdout(code) == "(2, 6, 12) False False"
 
 
 def test_models_imports_only_core_among_the_projects_packages():
@@ -55,8 +53,7 @@ def test_models_imports_only_core_among_the_projects_packages():
         "ours = {m.split('.')[1] for m in sys.modules if m.startswith('mha_rosetta.') and m.count('.') >= 1}\n"
         "print(','.join(sorted(ours)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "core,models"
+    assert python_stdout(code) == "core,models"
 
 
 def test_no_models_module_imports_another_project_package_even_lazily():

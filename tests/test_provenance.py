@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires
+from conftest import requires, run_cli
 from mha_rosetta.report import provenance as prov
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,14 +156,7 @@ def test_explain_json_has_provenance(tmp_path):
 @requires("torch")  # the docs' example candidate (docs/your-own-implementation.md) is written in torch
 def test_diagnose_json_has_provenance():
     argv = ["diagnose", "examples.my_attention:fixed_candidate", "--d-model", "12", "--heads", "3", "--json", "-"]
-    done = subprocess.run(
-        [sys.executable, "-m", "mha_rosetta.cli.main", *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    done = run_cli(*argv, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["agrees"] is True and data["provenance"]["tool"] == "mha-rosetta"

@@ -217,7 +217,7 @@ def test_docs_report_command_runs_as_printed(capsys):
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
-    from mha_rosetta.report.html import scaling_plot, scaling_series, series_style
+    from mha_rosetta.report.svg import scaling_plot, scaling_series, series_style
 
     comparison = build_report([str(BENCH / "long" / "long.json")]).comparison
     [(family, lines)] = scaling_series(comparison).items()

@@ -24,16 +24,10 @@ XLA_MANAGED = "n/a, XLA-managed"
 MATMUL_PRECISIONS = ("highest", "high", "default", "bfloat16", "tensorfloat32", "float32")
 # What each name of ``jax.default_matmul_precision`` puts into the lowered program (the
 # ``precision = [X, X]`` of every float32 ``dot_general``; a test lowers each name and reads
-# it). Names that lower alike run alike: "float32" is "highest", "tensorfloat32" is "high",
-# "bfloat16" is "default".
-LOWERED_PRECISION = {
-    "highest": "HIGHEST",
-    "float32": "HIGHEST",
-    "high": "HIGH",
-    "tensorfloat32": "HIGH",
-    "default": "DEFAULT",
-    "bfloat16": "DEFAULT",
-}
+# it): "highest", "high" and "default" lower to their upper-case selves (``jax.lax.Precision``),
+# each alias to the name it stands for. Names that lower alike run alike.
+PRECISION_ALIASES = {"float32": "highest", "tensorfloat32": "high", "bfloat16": "default"}
+LOWERED_PRECISION = {name: PRECISION_ALIASES.get(name, name).upper() for name in MATMUL_PRECISIONS}
 
 
 def allows_tf32(matmul_precision: str) -> bool:

@@ -37,6 +37,8 @@ softmax computed in float32, rounded after each stage); `Prepared.info` says so.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables, split_head_matrices
@@ -279,9 +281,8 @@ class ColumnSampleMHA(LayerRecording):
             k_g = k[:, g * Dk : (g + 1) * Dk]  # (B, Dk, Nk)
             v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
-            if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "row-block slice of the merged projection", "view")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            note = "row-block slice of the merged projection"
+            self._record_query_head(rec, h, q_h, k_g, v_g, q_rotated, k_rotated[g], note, "view")
             merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec)
         if rec is not None:
             note = "each head's context written into its row block"
@@ -295,22 +296,18 @@ class ColumnSampleMHA(LayerRecording):
         k_heads = [self._project(self.w_k_heads[g], self.b_k_heads[g], self.x_k) for g in range(Hkv)]
         v_heads = [self._project(self.w_v_heads[g], self.b_v_heads[g], self.x_v) for g in range(Hkv)]
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Dk, Nk)
-        q_heads, contexts = [], []
+        head_note = "W_h^T @ X with the head's own matrix"
+        contexts = []
         for h in range(H):
             g = h // G
             q_h = self._project(self.w_q_heads[h], self.b_q_heads[h], self.x_q)  # (B, Dk, Nq) = W_h^T @ X
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
-            if rec is not None:
-                q_heads.append(q_h)
-                self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "W_h^T @ X with the head's own matrix")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            self._record_query_head(rec, h, q_h, k_heads[g], v_heads[g], q_rotated, k_rotated[g], head_note)
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
         merged = np.concatenate(contexts, axis=1)  # (B, H*Dv, Nq): [C_0; C_1; ...] as row blocks
         if rec is not None:
             note = "the per-head projections stacked as row blocks, for inspection (the strategy never builds it)"
-            cat = np.concatenate
-            projections = cat(q_heads, axis=1), cat(k_heads, axis=1), cat(v_heads, axis=1)
-            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            self._record_joined_projections(rec, functools.partial(np.concatenate, axis=1), note)
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 

@@ -256,9 +256,8 @@ class RowSampleMHA(LayerRecording):
             k_g = k[:, :, g * Dk : (g + 1) * Dk]  # (B, Nk, Dk)
             v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
-            if rec is not None:
-                self._record_head_inputs(rec, h, q_h, k_g, v_g, "column slice of the merged projection", "view")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            note = "column slice of the merged projection"
+            self._record_query_head(rec, h, q_h, k_g, v_g, q_rotated, k_rotated[g], note, "view")
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
@@ -271,22 +270,18 @@ class RowSampleMHA(LayerRecording):
         k_heads = [self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)]
         v_heads = [self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)]
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Nk, Dk)
-        q_heads, contexts = [], []
+        head_note = "X @ W_h with the head's own matrix"
+        contexts = []
         for h in range(H):
             g = h // G
             q_h = self._project_head(self.x_q, self.w_q_heads, self.b_q_heads, h)  # (B, Nq, Dk) = X @ W_h + b_h
             q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
-            if rec is not None:
-                q_heads.append(q_h)
-                self._record_head_inputs(rec, h, q_h, k_heads[g], v_heads[g], "X @ W_h with the head's own matrix")
-                self._record_rotated(rec, h, q_h, q_rotated, k_rotated[g])
+            self._record_query_head(rec, h, q_h, k_heads[g], v_heads[g], q_rotated, k_rotated[g], head_note)
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
-            cat = self.torch.cat
             note = "the per-head projections side by side, for inspection (the strategy never builds it)"
-            projections = cat(q_heads, -1), cat(k_heads, -1), cat(v_heads, -1)
-            self._record_projections(rec, *projections, note, "copy", ("q_heads", "k_heads", "v_heads"))
+            self._record_joined_projections(rec, partial(self.torch.cat, dim=-1), note)
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
 

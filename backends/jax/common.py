@@ -197,8 +197,8 @@ def empty_query_rows(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
 
 
 # key -> (the function first registered under it, its jax.jit). Per process; a check's worker
-# keeps it for the whole check. Entries are few (one per backend, case shape of the closure
-# and stage dump) and hold no arrays: parameters and inputs are arguments, not captured.
+# keeps it for the whole check. Entries are few (one per backend and closure: forward, stage
+# dump, backward) and hold no arrays: parameters and inputs are arguments, not captured.
 _PROGRAMS: dict[tuple, tuple[Callable, Callable]] = {}
 
 
@@ -247,11 +247,11 @@ class CompiledForward:
             self.compile()
         return self._compiled(*self.args)
 
-    def trace_and_run(self, fn: Callable, name: str = "stages"):
-        """``fn(*args)`` jitted under this program's precision; shared under (``name``, key) when keyed."""
+    def trace_and_run(self, fn: Callable):
+        """``fn(*args)``, the adapter's one stage dump, jitted at this precision; shared as ``("stages", *key)``."""
         import jax
 
-        _, jitted = shared_program(None if self.key is None else (name, *self.key), fn)
+        _, jitted = shared_program(None if self.key is None else ("stages", *self.key), fn)
         with jax.default_matmul_precision(self.matmul_precision):
             return jitted(*self.args)
 

@@ -3,10 +3,13 @@
 `WorkerPool` is an executor of `checks.engine` (``map`` the tasks, ``call`` one task now):
 
 * ``jobs`` workers (`checks.worker`), started with ``spawn`` (see there why never ``fork``);
-* scheduling by backend: a worker keeps taking the runs of the backend it ran last, and when that
-  runs out it takes the backend with the most runs left that no other worker is on, preferring
-  one whose libraries it has already imported; so each framework's import and compilation are
-  paid once per worker, not once per run;
+* scheduling by backend: a worker keeps taking the runs of the backend it ran last, so each
+  framework's import and compilation are paid once per worker, not once per run; when that runs
+  out it takes, of the backends no other worker is on, the one with the most estimated work left
+  (longest-processing-time first, `estimated_seconds`), so the JAX backends that compile start
+  first and the quick ones fill the end, and every worker stays busy until the last runs; among
+  equal estimates it prefers one whose libraries it has already imported. When every backend
+  left is taken, an idle worker joins one (it imports and compiles again, but does not wait);
 * a run past ``timeout`` seconds has its worker killed (SIGKILL) and replaced; a worker that dies
   (``os._exit``, a signal, a native crash) is replaced too; either way the run is answered as an
   error naming what happened, the implementation and the case, and the check goes on;
@@ -31,6 +34,29 @@ from .tasks import execute
 
 WAIT_SECONDS = 0.5  # the longest a wait sleeps before looking at the clocks again
 STOP_SECONDS = 3.0
+
+# Seconds per run of the slow backends, from `check --timings` (the default check, cold cache,
+# 2 workers, on a 2-core machine under a load of about 8, 2026-12-01): jax 82 s over 54 runs,
+# jax-sharded 60 s / 54 (its mesh worker compiles), einops-jax 29 s / 27, equinox 23 s / 27,
+# jax-dpa 11 s / 27, torch-tp 18 s / 54 (its process group), flax 6 s / 27. Only the ratios
+# matter: they order the dispatch, they never limit a run.
+RUN_SECONDS = {
+    "jax": 1.5,
+    "jax-sharded": 1.1,
+    "einops-jax": 1.1,
+    "equinox": 0.8,
+    "jax-dpa": 0.4,
+    "torch-tp": 0.33,
+    "flax": 0.23,
+}
+JAX_RUN_SECONDS = 0.5  # another backend that requires JAX (a plugin): it compiles each program
+OTHER_RUN_SECONDS = 0.03  # NumPy and eager torch: about 0.02-0.13 s per run in the same measurement
+
+
+def estimated_seconds(name: str, requires: tuple[str, ...], runs: int) -> float:
+    """The scheduler's estimate of ``runs`` runs of backend ``name`` (`RUN_SECONDS`)."""
+    per_run = RUN_SECONDS.get(name, JAX_RUN_SECONDS if "jax" in requires else OTHER_RUN_SECONDS)
+    return per_run * runs
 
 
 def exit_description(exitcode: int | None) -> str:
@@ -196,8 +222,12 @@ class WorkerPool:
             return None
         claimed = {w.last for w in self._busy()}
         choices = [name for name in left if name not in claimed] or left
-        overlap = lambda name: len(worker.imported.intersection(self.requires[name]))  # noqa: E731
-        name = max(choices, key=lambda name: (overlap(name), len(self.pending[name])))
+
+        def priority(name: str) -> tuple[float, int]:  # the most work left first; then the libraries it has
+            work = estimated_seconds(name, self.requires[name], len(self.pending[name]))
+            return work, len(worker.imported.intersection(self.requires[name]))
+
+        name = max(choices, key=priority)
         return self.pending[name].popleft()
 
     def _dispatch(self) -> None:

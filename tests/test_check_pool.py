@@ -163,3 +163,40 @@ def test_sigterm_leaves_a_valid_json_of_what_finished_marked_interrupted(tmp_pat
     # The group still running (self_attention: hangs never finished) is left out whole.
     assert set(statuses) == {("good", "causal"), ("hangs", "causal")}
     assert [p.name for p in tmp_path.iterdir()] == ["check.json"]  # no temporary file left behind
+
+
+def test_estimated_seconds_put_the_compiling_backends_first():
+    from mha_rosetta.checks.pool import JAX_RUN_SECONDS, OTHER_RUN_SECONDS, RUN_SECONDS, estimated_seconds
+
+    assert estimated_seconds("jax", ("jax",), 54) == pytest.approx(RUN_SECONDS["jax"] * 54)
+    assert estimated_seconds("my-jax-plugin", ("jax",), 10) == pytest.approx(JAX_RUN_SECONDS * 10)
+    assert estimated_seconds("my-plugin", (), 10) == pytest.approx(OTHER_RUN_SECONDS * 10)
+    # 135 NumPy runs are less work than 27 einops-jax runs, though they are five times as many.
+    assert estimated_seconds("numpy", (), 135) < estimated_seconds("einops-jax", ("jax", "einops"), 27)
+
+
+def test_the_scheduler_starts_the_longest_work_first_and_keeps_a_worker_on_its_backend():
+    from types import SimpleNamespace
+
+    from mha_rosetta.checks.pool import WorkerPool
+
+    pool = WorkerPool(jobs=2)  # no worker starts until there is work to map
+    try:
+        pending = {"numpy": 135, "torch": 135, "flax": 27, "jax": 54, "einops-jax": 27}
+        requires = {"numpy": (), "torch": ("torch",), "flax": ("flax", "jax"), "jax": ("jax",), "einops-jax": ("jax",)}
+        for name, runs in pending.items():
+            pool.pending[name].extend(f"{name}/{i}" for i in range(runs))
+            pool.requires[name] = requires[name]
+        first = SimpleNamespace(last=None, imported=set(), task=None)
+        second = SimpleNamespace(last=None, imported=set(), task=None)
+        pool.workers = [first, second]
+        assert pool._choose(first) == "jax/0"  # 54 x 1.5 s: the most work, though numpy has more runs
+        first.last, first.task, first.imported = "jax", "jax/0", {"jax"}
+        assert pool._choose(second) == "einops-jax/0"  # jax is taken: the next most work
+        second.last, second.task = "einops-jax", "einops-jax/0"
+        assert pool._choose(first) == "jax/1"  # a worker stays on its backend while it has runs
+        pool.pending["jax"].clear()
+        assert pool._choose(first) == "flax/0"  # then flax (6 s) before torch and numpy (4 s each)
+    finally:
+        pool.workers = []
+        pool.close()

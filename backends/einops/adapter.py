@@ -86,7 +86,9 @@ class EinopsBackend(Backend):
 
         args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
         if self.array_library == "jax":
-            compiled = CompiledForward(forward, args, self.matmul_precision)
+            # The closures capture ops (the dtype and device it converts to), the plan, scale and rope: all from these.
+            key = ("einops.jax", cfg, dtype, device)
+            compiled = CompiledForward(forward, args, self.matmul_precision, key)
             jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731
             return compiled_prepared(compiled, jax_stages, info, ops.synchronize)
 

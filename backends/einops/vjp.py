@@ -35,6 +35,9 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
     prepared = backend._prepare(cfg, params, inputs, dtype, device, STANDARD)
     call = prepared.forward  # jax: a CompiledForward (.fn, .args); torch: a function with .pipeline
     forward, args = (call.fn, call.args) if backend.array_library == "jax" else call.pipeline
+    key = (
+        call.key if backend.array_library == "jax" else None
+    )  # the forward's program key (`jax.common.shared_program`)
     weights, extras = args[0], args[4:]  # extras: masks and rotary tables, not differentiated
     ops = OPS_BY_LIBRARY[backend.array_library](dtype, device)
     x_q, x_k, x_v = (ops.asarray(x) for x in (inputs.query, inputs.key, inputs.value))  # three separate slots
@@ -49,7 +52,9 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
 
         primals = (weights, x_q, x_k, x_v)
         precision = backend.matmul_precision
-        return jax_vjp_prepared(forward, primals, extras, cotangent, dtype, ops.device, precision, to_canonical, info)
+        return jax_vjp_prepared(
+            forward, primals, extras, cotangent, dtype, ops.device, precision, to_canonical, info, key
+        )
     from ..torch.vjp import autograd_prepared, leaf
 
     weights = {name: leaf(w) for name, w in weights.items()}

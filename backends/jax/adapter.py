@@ -55,9 +55,9 @@ class JaxBackend(Backend):
         if strategy == CHUNKED:
             attend, chunk = chunked_attention(cfg, inputs, chunk)
             stage_axes, info = CHUNKED_STAGE_AXES, {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE}
-        all_stages, forward, extras = vmapped_pass(cfg, inputs, dtype, target, attend, chunk)
+        all_stages, forward, extras, key = vmapped_pass(cfg, inputs, dtype, target, attend, chunk)
 
-        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, *extras), self.matmul_precision)
+        compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, *extras), self.matmul_precision, key)
 
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(all_stages)
@@ -80,9 +80,9 @@ class JaxBackend(Backend):
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         target = jax_target(dtype, device)
-        _, forward, extras = vmapped_pass(cfg, inputs, dtype, target)
+        _, forward, extras, key = vmapped_pass(cfg, inputs, dtype, target)
         primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
         info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         return jax_vjp_prepared(
-            forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info
+            forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info, key
         )

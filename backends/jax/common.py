@@ -16,6 +16,18 @@ Three JAX facts that every JAX-based adapter must handle the same way:
 * ``jax.jit`` compiles on the first call. `CompiledForward` does ``lower().compile()``
   on the converted, device-resident arguments in `Prepared.compile`, outside the
   timed region, and the timed forward calls the compiled executable.
+
+Compiled programs are reused within a process (`shared_program`). JAX caches a traced and
+compiled program by the identity of the Python function, then by the arguments' shapes,
+dtypes, devices and tree structure and by the trace-time settings (matmul precision,
+``jax_enable_x64``). Each `prepare` builds a new closure, so without help every run would be
+traced and compiled again. An adapter therefore names its program by a key that holds
+everything its closure captures (the config, the strategy and its blocks, the vmap axes,
+the dtype a module is built with) and gets back the function first registered under that
+key; JAX's own cache then handles shapes, dtypes and devices. Parameters, inputs, masks and
+rotary tables are always traced arguments, never closed over, so they are not in the key.
+A key that misses something the closure depends on would reuse a wrong program: each key
+is built next to the closure it names.
 """
 
 from __future__ import annotations
@@ -139,20 +151,42 @@ def empty_query_rows(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
     return empty if empty.any() else None
 
 
+# key -> (the function first registered under it, its jax.jit). Per process; a check's worker
+# keeps it for the whole check. Entries are few (one per backend and closure: forward, stage
+# dump, backward) and hold no arrays: parameters and inputs are arguments, not captured.
+_PROGRAMS: dict[tuple, tuple[Callable, Callable]] = {}
+
+
+def shared_program(key: tuple | None, fn: Callable) -> tuple[Callable, Callable]:
+    """``(function, jitted)``: the pair first registered under ``key``, or ``fn`` and a new ``jax.jit(fn)``.
+
+    ``key`` must hold everything ``fn`` closes over (see the module docstring); None: no
+    sharing, ``fn`` is jitted afresh (and compiled again by every caller).
+    """
+    import jax
+
+    if key is None:
+        return fn, jax.jit(fn)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = (fn, jax.jit(fn))
+    return _PROGRAMS[key]
+
+
 class CompiledForward:
     """A jitted function, its device-resident arguments, and its ahead-of-time compilation.
 
     ``compile()`` traces and compiles under the chosen matmul precision (untimed);
     ``__call__()`` runs the compiled executable (the timed region), compiling first if
     nobody did. ``trace_and_run(fn)`` runs another function of the same arguments (the
-    stage dump) under the same precision, untimed.
+    stage dump) under the same precision, untimed. ``key`` names the program for reuse
+    across prepares (`shared_program`): two prepares with the same key, shapes, dtypes and
+    device compile once.
     """
 
-    def __init__(self, fn: Callable, args: tuple, matmul_precision: str) -> None:
-        import jax
-
-        self.fn = fn  # the traced function itself, for `jax.vjp` (`jax.vjp`)
-        self._jitted = jax.jit(fn)
+    def __init__(self, fn: Callable, args: tuple, matmul_precision: str, key: tuple | None = None) -> None:
+        self.key = key
+        # The traced function itself (the shared one when keyed), for `jax.vjp` (`jax.vjp`).
+        self.fn, self._jitted = shared_program(key, fn)
         self.args = args
         self.matmul_precision = effective_precision(matmul_precision)
         self._compiled = None
@@ -169,10 +203,12 @@ class CompiledForward:
         return self._compiled(*self.args)
 
     def trace_and_run(self, fn: Callable):
+        """``fn(*args)``, the adapter's one stage dump, jitted at this precision; shared as ``("stages", *key)``."""
         import jax
 
+        _, jitted = shared_program(None if self.key is None else ("stages", *self.key), fn)
         with jax.default_matmul_precision(self.matmul_precision):
-            return jax.jit(fn)(*self.args)
+            return jitted(*self.args)
 
 
 def block_until_ready(result) -> None:

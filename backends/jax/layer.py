@@ -182,12 +182,17 @@ def batched_tables(tables: tuple | None) -> tuple:
 
 
 def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=None, chunk=None):
-    """Every stage vmapped over heads and batch, the output-only forward, and its extra arguments on ``target``.
+    """Every stage vmapped over heads and batch, the output-only forward, its extra arguments on
+    ``target``, and the key that names this program (`common.shared_program`).
 
     The extras are the mask and the rotary tables: ``forward(params, x_q, x_k, x_v, *extras)``.
-    ``attend`` and ``chunk``: the chunked strategy's attention step and blocks (`chunked`).
+    ``attend`` and ``chunk``: the chunked strategy's attention step and its blocks, from
+    `chunked.chunked_attention` (so ``chunk`` says everything ``attend`` closes over).
     """
     import jax
+
+    if attend is not None and chunk is None:
+        raise ValueError("vmapped_pass: attend (the chunked step) needs the chunk it was made for; got chunk=None")
 
     mask_cfg = cfg if attend is None else dataclasses.replace(cfg, causal=False)  # chunked: causal per tile
     allowed, batch_axis, head_axis = mask_for_vmap(mask_cfg, inputs)
@@ -201,4 +206,6 @@ def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=N
         # Unused stages are dead code to XLA: the compiled forward computes only the output.
         return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
 
-    return all_stages, forward, (to_jax(allowed, None, target), tables)
+    # What the closures capture: the config, the chunked blocks, and the vmap axes (from the mask and table shapes).
+    key = ("jax.layer", cfg, None if attend is None else tuple(chunk), batch_axis, head_axis, table_axes)
+    return all_stages, forward, (to_jax(allowed, None, target), tables), key

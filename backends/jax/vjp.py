@@ -27,11 +27,14 @@ def jax_vjp_prepared(
     matmul_precision: str,
     to_canonical: Callable[[object], dict],
     info: dict,
+    key: tuple | None = None,
 ) -> PreparedVJP:
     """``forward(params, x_q, x_k, x_v, *extras)`` differentiated with respect to its first four arguments.
 
     ``to_canonical(param_grads)`` maps the gradient of the first primal (the library's own
-    parameter tree) to canonical arrays by name.
+    parameter tree) to canonical arrays by name. ``key``: the forward's program key
+    (`common.shared_program`); the step below closes over the forward only, so its key is
+    ``("vjp", *key)``. None: compiled afresh.
     """
     import jax
 
@@ -39,7 +42,8 @@ def jax_vjp_prepared(
         output, pullback = jax.vjp(lambda *p: forward(*p, *extras), *primals)
         return output, pullback(cotangent)
 
-    compiled = CompiledForward(step, (primals, extras, to_jax(cotangent, dtype, target)), matmul_precision)
+    step_key = None if key is None else ("vjp", *key)
+    compiled = CompiledForward(step, (primals, extras, to_jax(cotangent, dtype, target)), matmul_precision, step_key)
 
     def to_grads(native) -> dict:
         _, (param_grads, d_x_q, d_x_k, d_x_v) = native

@@ -91,7 +91,10 @@ class EquinoxMHAOracle(JaxOracle):
             }
 
         args = (dynamic, x_q, x_k, x_v, mask, spec.rows, spec.b_o)
-        compiled = CompiledForward(forward, args, self.matmul_precision)
+        # What the closures capture: the module's static part and the rotary hook (from cfg and the dtype), the mask's
+        # batch axis. The inputs' positions only decide whether the case is supported (`_equinox_rotary`).
+        key = ("equinox", cfg, dtype, batch_axis)
+        compiled = CompiledForward(forward, args, self.matmul_precision, key)
         linear_note = "equinox Linear: W (out, in) @ x + b per token, vmapped over tokens and batch"
         mapped = "; rows with no allowed key mapped to b_o (library: mean of V)" if spec.rows is not None else ""
 

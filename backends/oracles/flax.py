@@ -91,7 +91,8 @@ class FlaxMHAOracle(JaxOracle):
             return {"weights": spec_rows(weights, 0, rows_4d), "output": spec_rows(output, b_o, rows)}
 
         args = (tree, x_q, x_k, x_v, mask, spec.rows, spec.b_o)
-        compiled = CompiledForward(forward, args, self.matmul_precision)
+        key = ("flax", cfg, dtype)  # what the closures capture: the module, built from cfg and the dtype
+        compiled = CompiledForward(forward, args, self.matmul_precision, key)
         mapped = (
             "; rows with no allowed key mapped to the spec (library: uniform weights)" if spec.rows is not None else ""
         )

@@ -99,7 +99,16 @@ class JaxOracle(Backend):
         primals, extras = (compiled.args[0], x_q, x_k, x_v), compiled.args[4:]
         to_canonical, info = partial(self._canonical_grads, cfg), self._info(dtype, device)
         return jax_vjp_prepared(
-            compiled.fn, primals, extras, cotangent, dtype, target, self.matmul_precision, to_canonical, info
+            compiled.fn,
+            primals,
+            extras,
+            cotangent,
+            dtype,
+            target,
+            self.matmul_precision,
+            to_canonical,
+            info,
+            compiled.key,
         )
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:

@@ -119,7 +119,8 @@ class JaxDotProductAttentionOracle(JaxOracle):
         mask, empty_context_rows = to_jax(mask, None, target), to_jax(empty_context_rows, None, target)
         args = (weights, x_q, x_k, x_v, mask, empty_context_rows, tables)
         stages_fn = partial(_dpa_stages, cfg=cfg, is_causal=is_causal)
-        compiled = CompiledForward(lambda *a: stages_fn(*a)["output"], args, self.matmul_precision)
+        key = ("jax-dpa", cfg, is_causal)  # what stages_fn captures
+        compiled = CompiledForward(lambda *a: stages_fn(*a)["output"], args, self.matmul_precision, key)
 
         def native_stages() -> dict[str, StageTensor]:
             stages = compiled.trace_and_run(stages_fn)

@@ -124,7 +124,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
 
     from .._layouts import TOKENS_FIRST_STAGE_AXES
     from ..base import StageTensor, canonical_stage
-    from ..jax.common import enable_float64_if_needed
+    from ..jax.common import enable_float64_if_needed, shared_program
     from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
@@ -218,8 +218,14 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         kv = "split by head" if split_kv else "replicated (fewer kv heads than devices)"
         how = f"jit with NamedSharding: w_q rows and w_o columns over {world} devices, kv weights {kv}; XLA partitions"
 
+    # The closures capture the mesh (its first ``world`` devices), the (local) config, the vmap axes and,
+    # for named_sharding, the weight specs (from cfg and world): the same key, the same program, compiled once
+    # per worker process (`jax.common.shared_program`).
+    key = ("jax-sharded", strategy, cfg, world, batch_axis, head_axis, table_axes)
+    _, jitted = shared_program(key, forward)
+    _, jitted_stages = shared_program(("stages", *key), stage_fn)
     with jax.default_matmul_precision("highest"):
-        compiled = jax.jit(forward).lower(*args).compile()
+        compiled = jitted.lower(*args).compile()
     info = {
         "devices": world,
         "mesh": f"1-D mesh {MESH_AXIS!r} of {world} simulated CPU devices",
@@ -233,7 +239,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         """Canonical stage tensors: each device's heads gathered side by side (shard_map), or the
         partitioned program's own (named_sharding), and the compiled program's output."""
         with jax.default_matmul_precision("highest"):
-            result = {name: np.asarray(value) for name, value in jax.jit(stage_fn)(*args).items()}
+            result = {name: np.asarray(value) for name, value in jitted_stages(*args).items()}
         per_rank = [
             {
                 name: canonical_stage(name, StageTensor(value[rank], TOKENS_FIRST_STAGE_AXES[name]))

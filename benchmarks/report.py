@@ -75,7 +75,7 @@ from pathlib import Path
 from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.report.provenance import provenance
 
-from .rounds import FINISHED_STATUSES, round_fractions, spread
+from .rounds import DRIFT_THRESHOLD, FINISHED_STATUSES, round_fractions, spread
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # schema 1: no paired references, raw figures only
@@ -196,6 +196,29 @@ def run_references(cells: list[dict]) -> dict[str, dict]:
     return workloads
 
 
+# A visit whose median reference is this far from the run's median reference, while the cell's
+# own visit median moved by less than half as much, did not see host drift (which slows both):
+# the cell disturbed its reference. Measured on an Intel Xeon (2 cores, 1 thread, 2026-12-01):
+# jax-dpa's first visit slowed its NumPy reference 2.6x (6.1 ms against 2.3 ms) while its own
+# median stayed within 2%, which put a corrected round at 45 ms against a raw 117 ms.
+DISTURBED_REFERENCE = 0.25
+
+
+def disturbed_visits(cell: dict, reference_s: float) -> list[int]:
+    """The visits (0-based) whose reference the cell itself disturbed (see `DISTURBED_REFERENCE`)."""
+    references = cell.get("round_reference_medians_s") or []
+    raws = cell.get("round_medians_s") or []
+    raw_median = statistics.median([value for value in raws if value]) if any(raws) else None
+    out = []
+    for index, value in enumerate(references):
+        if not value or not raw_median or index >= len(raws) or not raws[index]:
+            continue
+        moved = abs(value / reference_s - 1)
+        if moved > DISTURBED_REFERENCE and abs(raws[index] / raw_median - 1) < moved / 2:
+            out.append(index)
+    return out
+
+
 def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
     """Add the drift-corrected figures: the cell's paired ratios x its workload's run median reference time."""
     from .gemm import reference_key
@@ -206,6 +229,21 @@ def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
     if not reference_s:
         return cell
     cell = dict(cell)
+    disturbed = disturbed_visits(cell, reference_s)
+    if disturbed:
+        # The pairing assumes that whatever slows the host slows the sample and its reference alike;
+        # here the reference moved on its own, so a ratio would carry the disturbance: raw figures only.
+        cell["reference_disturbed"] = (
+            f"visit(s) {', '.join(str(i + 1) for i in disturbed)}: the reference moved more than "
+            f"{DISTURBED_REFERENCE:.0%} from the run's median while the cell's own median did not follow "
+            "(the cell's runtime slowed its reference): raw figures only"
+        )
+        cell.pop("corrected_drift", None)  # the raw round spread flags the cell again
+        raw_drift = cell.get("round_drift")
+        cell["drift"] = bool(raw_drift is not None and raw_drift > DRIFT_THRESHOLD)
+        kept = [w for w in cell.get("warnings") or [] if not w.startswith("drift: the round medians of the paired")]
+        cell["warnings"] = [*kept, f"reference disturbed, {cell['reference_disturbed']}"]
+        return cell
     cell["corrected_median_s"] = cell["ratio_median"] * reference_s
     rounds = [None if ratio is None else ratio * reference_s for ratio in cell.get("round_ratio_medians") or []]
     cell["corrected_round_medians_s"] = rounds

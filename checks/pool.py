@@ -55,6 +55,8 @@ OTHER_RUN_SECONDS = 0.03  # NumPy and eager torch: about 0.02-0.13 s per run in 
 
 def estimated_seconds(name: str, requires: tuple[str, ...], runs: int) -> float:
     """The scheduler's estimate of ``runs`` runs of backend ``name`` (`RUN_SECONDS`)."""
+    # A per-framework branch kept here on purpose (one of the few outside backends/): it only orders
+    # the dispatch of an unmeasured plugin, from the one fact that matters for that, JAX compiles.
     per_run = RUN_SECONDS.get(name, JAX_RUN_SECONDS if "jax" in requires else OTHER_RUN_SECONDS)
     return per_run * runs
 

@@ -126,7 +126,9 @@ def test_every_implementation_agrees_with_the_reference(name):
     @settings(
         max_examples=EXAMPLES.get(name, DEFAULT_EXAMPLES),
         deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
+        # filter_too_much: an oracle that expresses few configurations (torch-mha: no GQA, no rotary)
+        # has most draws redrawn by the assume() below; the examples that do run still compare.
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     @given(case=spec_cases(backend.dtypes, plain_half_the_time=backend.kind == "oracle"))
     def check(case):

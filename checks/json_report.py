@@ -117,6 +117,8 @@ def _matrix_json(matrix: Matrix) -> dict:
 
 def to_json(result: CheckResult) -> dict:
     """The whole result as plain JSON data (schema `SCHEMA_VERSION`)."""
+    if not result.provenance:
+        result.provenance = provenance()  # once per result, however often the JSON is rewritten
     return {
         "schema": SCHEMA_VERSION,
         "tool": "mha-rosetta check",
@@ -127,7 +129,7 @@ def to_json(result: CheckResult) -> dict:
         "seconds": result.seconds,
         "settings": result.settings,
         "versions": library_versions(),
-        "provenance": provenance(),  # mha_rosetta.report.provenance: commit, host, CPU, command line
+        "provenance": result.provenance,  # mha_rosetta.report.provenance: commit, host, CPU, command line
         "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
         "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
         "summary": {

@@ -13,12 +13,18 @@ Design rules (the checks and the benchmarks rely on each one):
 4. The framework is imported inside the adapter's methods, never at module import.
 5. A configuration, dtype, device or strategy the adapter cannot run gives a reason
    string from `unsupported_reason`, never a crash half-way through a check.
+6. A variant of `core.VARIANTS` runs only where the adapter declares it (``variants``, per
+   strategy in ``strategy_variants``, for the backward pass in ``vjp_variants``): an
+   adapter that does not say it implements a softcap is unsupported for a softcap case,
+   with a reason, and never runs it without. `prepare` checks this even when a subclass's
+   `unsupported_reason` forgets to ask the base class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -189,6 +195,11 @@ class Backend:
     # The check names these instead of hiding them. If the adapter maps an answer back to
     # the spec's, it counts the rows in ``Prepared.info["empty_rows_mapped"]``.
     known_differences: tuple[str, ...] = ()
+    # The variants of core.VARIANTS this adapter implements (rule 6), for every strategy unless
+    # strategy_variants names the strategy; vjp_variants (None: the same) for its backward pass.
+    variants: frozenset[str] = frozenset()
+    strategy_variants: ClassVar[dict[str, frozenset[str]]] = {}
+    vjp_variants: frozenset[str] | None = None
 
     def __init__(self, name: str | None = None) -> None:
         # The registry passes the name it holds the backend under, so one class can
@@ -206,8 +217,25 @@ class Backend:
         """Devices present for this backend on this machine (always includes "cpu")."""
         return ("cpu",)
 
+    def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
+        """The variants of ``cfg`` this backend does not implement for ``strategy`` (rule 6), as a reason, or None."""
+        if not cfg.variants:
+            return None
+        declared = self.strategy_variants.get(strategy, self.variants)
+        if backward and self.vjp_variants is not None:
+            declared = declared & self.vjp_variants
+        missing = [name for name in cfg.variants if name not in declared]
+        if not missing:
+            return None
+        where = f" in its {strategy!r} strategy" if strategy != STANDARD else ""
+        where += " backward" if backward else ""
+        has = ", ".join(sorted(declared)) or "none"
+        return f"{self.name} does not implement {', '.join(missing)}{where} (it implements: {has})"
+
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         """Why this backend cannot run the case, or None. Subclasses extend this."""
+        if strategy in self.strategies and (reason := self.variant_reason(cfg, strategy)):
+            return reason
         if strategy not in self.strategies:
             return f"{self.name} has no strategy {strategy!r} (it has {', '.join(self.strategies)})"
         if dtype not in self.dtypes:
@@ -238,7 +266,7 @@ class Backend:
         inputs = prepare_inputs(cfg, *args)
         if backward:
             cotangent = check_cotangent(cotangent, output_shape(cfg, args[0]))
-        reason = self.unsupported_reason(cfg, dtype, device, strategy)
+        reason = self.variant_reason(cfg, strategy, backward) or self.unsupported_reason(cfg, dtype, device, strategy)
         if backward and strategy == CHUNKED and not reason:
             reason = f"{self.name}: the chunked strategy is forward only (no backward pass)"
         if reason:

@@ -5,7 +5,7 @@ lives here: the configuration, the canonical parameter layout and its converters
 the stage contract, the float64 oracle and the tolerance table.
 """
 
-from .config import ROPE_STYLES, MHAConfig
+from .config import QK_NORMS, ROPE_STYLES, VARIANTS, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
 from .errors import error_line
 from .grad import (
@@ -16,6 +16,7 @@ from .grad import (
     check_cotangent,
     default_cotangent,
     fold_defaulted_inputs,
+    grad_stage_names,
     reference_mha_vjp,
 )
 from .inputs import MHAInputs, allowed_positions, causal_mask, prepare_inputs
@@ -38,7 +39,7 @@ from .layouts import (
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
-from .params import MHAParams, expected_param_shapes, init_params, validate_params
+from .params import PARAM_NAMES, VARIANT_PARAM_NAMES, MHAParams, expected_param_shapes, init_params, validate_params
 from .reference import linear, reference_mha, reference_stages, softmax_with_empty_rows
 from .rotary import (
     RotaryTables,
@@ -51,7 +52,16 @@ from .rotary import (
     to_rotate_half_params,
 )
 from .sharding import ShardPlan, shard_mask, shard_params, shard_plan, unshard_params
-from .stages import STAGE_BY_NAME, STAGE_NAMES, STAGES, Stage, stage_shapes
+from .stages import (
+    BASE_STAGE_NAMES,
+    STAGE_BY_NAME,
+    STAGE_NAMES,
+    STAGES,
+    VARIANT_STAGES,
+    Stage,
+    stage_names,
+    stage_shapes,
+)
 from .tolerances import (
     GRAD_TOLERANCES,
     TOLERANCES,
@@ -63,18 +73,35 @@ from .tolerances import (
     lower_precision,
     tolerance_for,
 )
+from .variants import (
+    alibi_bias,
+    alibi_slopes,
+    relative_bias,
+    rms_norm,
+    score_bias,
+    softcap,
+    softmax_with_sinks,
+    t5_buckets,
+    window_allowed,
+)
 
 __all__ = [
+    "BASE_STAGE_NAMES",
     "DTYPE_NAMES",
     "GRAD_PARAM_NAMES",
     "GRAD_STAGES",
     "GRAD_STAGE_NAMES",
     "GRAD_TOLERANCES",
+    "PARAM_NAMES",
+    "QK_NORMS",
     "ROPE_STYLES",
     "STAGES",
     "STAGE_BY_NAME",
     "STAGE_NAMES",
     "TOLERANCES",
+    "VARIANTS",
+    "VARIANT_PARAM_NAMES",
+    "VARIANT_STAGES",
     "Comparison",
     "MHAConfig",
     "MHAGrads",
@@ -84,6 +111,8 @@ __all__ = [
     "ShardPlan",
     "Stage",
     "Tolerance",
+    "alibi_bias",
+    "alibi_slopes",
     "allowed_positions",
     "apply_rotary",
     "assert_close",
@@ -100,6 +129,7 @@ __all__ = [
     "from_flax_params",
     "from_row_sample",
     "from_torch_mha_state_dict",
+    "grad_stage_names",
     "grad_tolerance",
     "init_params",
     "inverse_frequencies",
@@ -113,17 +143,24 @@ __all__ = [
     "reference_mha",
     "reference_mha_vjp",
     "reference_stages",
+    "relative_bias",
+    "rms_norm",
     "rope_permutation",
     "rotary_pairs",
     "rotary_tables",
+    "score_bias",
     "shard_mask",
     "shard_params",
     "shard_plan",
+    "softcap",
     "softmax_with_empty_rows",
+    "softmax_with_sinks",
     "split_head_bias",
     "split_head_matrices",
     "split_output_matrix",
+    "stage_names",
     "stage_shapes",
+    "t5_buckets",
     "to_dense_general_kernel",
     "to_equinox_weights",
     "to_flax_params",
@@ -135,4 +172,5 @@ __all__ = [
     "torch_mha_unsupported_reason",
     "unshard_params",
     "validate_params",
+    "window_allowed",
 ]

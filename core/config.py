@@ -9,7 +9,7 @@ the field, the value given and the rule it broke.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -22,6 +22,59 @@ def _require_positive_int(name: str, value: object) -> None:
 
 # The two rotary conventions, by the pairs of features they rotate together (`core.rotary`).
 ROPE_STYLES = ("half", "interleaved")
+
+# Where QK-norm takes its statistics (`core.variants.rms_norm`): over each head's d_k features
+# with one (d_k,) weight (Qwen3, Gemma 3), or over the whole projection before the head split
+# with (n_heads*d_k,) / (n_kv_heads*d_k,) weights (OLMo 2).
+QK_NORMS = ("head", "projection")
+
+# The variants of the 2024-26 models, by the name an implementation declares in
+# `Backend.variants` when it implements one. `MHAConfig.variants` lists those a configuration
+# switches on; an implementation that does not declare one is unsupported for it, with a
+# reason, never run without it. One name per rule an implementation must get right.
+VARIANTS = (
+    "window",  # sliding window of W keys including the query's own position
+    "softcap",  # c * tanh(s / c) on the scaled scores
+    "qk_norm_head",  # RMSNorm of each head's queries and keys
+    "qk_norm_projection",  # RMSNorm over the whole q and k projections
+    "qkv_bias",  # bias on q, k and v, none on the output (bias="qkv")
+    "alibi",  # m_h * (p_j - p_i) added to the scores
+    "rel_bias",  # T5's learned relative position buckets added to the scores
+    "sinks",  # one learned logit per head in the softmax denominator
+    "rope_scaling",  # scaled rotary frequencies (linear, dynamic, llama3, yarn)
+)
+
+
+def _require_positive_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"MHAConfig.{name} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def _check_t5_buckets(buckets: int | None, max_distance: object, bidirectional: object) -> None:
+    """T5's bucket function needs exact buckets below a log-spaced range that reaches max_distance."""
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"MHAConfig.rel_bidirectional must be a bool, got {bidirectional!r}")
+    _require_positive_int("rel_max_distance", max_distance)
+    if buckets is None:
+        return
+    _require_positive_int("rel_buckets", buckets)
+    # Bidirectional: half the buckets per sign. Half of those (max_exact) are one distance each,
+    # the rest log-spaced from max_exact to max_distance, so both halves need at least one bucket.
+    per_side = buckets // 2 if bidirectional else buckets
+    max_exact = per_side // 2
+    if max_exact < 1 or (bidirectional and buckets % 2):
+        need = "an even number of at least 4" if bidirectional else "at least 2"
+        raise ValueError(
+            f"MHAConfig.rel_buckets must be {need} (T5's buckets: half exact distances, half log-spaced"
+            f"{', per sign' if bidirectional else ''}), got {buckets}"
+        )
+    assert isinstance(max_distance, int)  # _require_positive_int proved it
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"MHAConfig.rel_max_distance must exceed the {max_exact} exact-distance buckets "
+            f"(rel_buckets={buckets}), got {max_distance}"
+        )
 
 
 def _resolve_rope(rope: str | None, base: float, dims: int | None, d_k: int) -> int | None:
@@ -67,6 +120,26 @@ class MHAConfig:
     rope_base**(-2i/rope_dims)``. ``rope_dims`` (default ``d_k``) rotates only the first
     ``rope_dims`` features of each head and passes the rest through (partial rotary, as in
     GPT-NeoX); it is resolved to ``d_k`` when rope is on and stays None when it is off.
+    ``rope_scaling`` scales the rotary frequencies in Hugging Face's form (`core.rope_scaling`).
+
+    The variants of the 2024-26 models (`VARIANTS`; the formulas in `core.variants`), in the
+    order the score pipeline applies them: ``scale * q.k`` -> ``softcap`` -> + ``alibi`` /
+    relative bias (``rel_buckets``) -> mask (causal, ``window``, the user's) -> softmax (with
+    ``sinks``) -> context. ``qk_norm`` normalises the queries and keys before rotary. Each
+    defaults to off, which is today's attention:
+
+    * ``window``: W keys including the query's own position, on the token positions: key j
+      is visible to query i iff ``p_i - W < p_j`` (and ``p_j <= p_i`` from ``causal``);
+      without ``causal`` it is two-sided, ``|p_i - p_j| < W`` (Hugging Face's convention;
+      FlashAttention spells it ``window_size=(W-1, 0)``).
+    * ``softcap``: scores become ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``).
+    * ``qk_norm`` ``"head"``/``"projection"`` with ``norm_eps``: RMSNorm of q and k
+      (``params.q_norm``, ``params.k_norm``).
+    * ``bias="qkv"``: q, k and v biased, the output not (Qwen2).
+    * ``alibi``: ``m_h * (p_j - p_i)`` added to head h's scores, BLOOM's slopes.
+    * ``rel_buckets`` (with ``rel_max_distance``, ``rel_bidirectional``): T5's learned
+      relative position bias ``params.rel_bias`` ``(buckets, n_heads)``.
+    * ``sinks``: one learned logit per head (``params.sinks``) in the softmax denominator only.
     """
 
     d_model: int
@@ -78,12 +151,22 @@ class MHAConfig:
     n_kv_heads: int = None  # type: ignore[assignment]
     kdim: int = None  # type: ignore[assignment]
     vdim: int = None  # type: ignore[assignment]
-    bias: bool = True
+    bias: bool | str = True  # True, False, or "qkv": q, k and v biased, the output not
     causal: bool = False
     scale: float = None  # type: ignore[assignment]
     rope: str | None = None
     rope_base: float = 10000.0
     rope_dims: int | None = None
+    rope_scaling: dict | None = None
+    window: int | None = None
+    softcap: float | None = None
+    qk_norm: str | None = None
+    norm_eps: float = 1e-6
+    alibi: bool = False
+    sinks: bool = False
+    rel_buckets: int | None = None
+    rel_max_distance: int = 128
+    rel_bidirectional: bool = True
 
     def __post_init__(self) -> None:
         # Resolved defaults are written back with object.__setattr__ (the dataclass is
@@ -94,7 +177,11 @@ class MHAConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_positive_int(name, value)
-        for name in ("bias", "causal"):
+        if self.bias != "qkv" and not isinstance(self.bias, bool):
+            raise TypeError(
+                f"MHAConfig.bias must be True, False or 'qkv' (q, k, v biased, not the output), got {self.bias!r}"
+            )
+        for name in ("causal", "alibi", "sinks"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"MHAConfig.{name} must be a bool, got {value!r} ({type(value).__name__})")
@@ -119,6 +206,16 @@ class MHAConfig:
             raise ValueError(f"MHAConfig.scale must be a finite positive number, got {self.scale!r}")
 
         rope_dims = _resolve_rope(self.rope, self.rope_base, self.rope_dims, d_k)
+        rope_scaling = _resolve_rope_scaling(self.rope, self.rope_scaling)
+        if self.window is not None:
+            _require_positive_int("window", self.window)
+        softcap = None if self.softcap is None else _require_positive_number("softcap", self.softcap)
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ValueError(
+                f"MHAConfig.qk_norm must be None or one of {', '.join(map(repr, QK_NORMS))}, got {self.qk_norm!r}"
+            )
+        norm_eps = _require_positive_number("norm_eps", self.norm_eps)
+        _check_t5_buckets(self.rel_buckets, self.rel_max_distance, self.rel_bidirectional)
 
         object.__setattr__(self, "d_k", d_k)
         object.__setattr__(self, "d_v", d_v)
@@ -128,6 +225,45 @@ class MHAConfig:
         object.__setattr__(self, "scale", float(scale))
         object.__setattr__(self, "rope_base", float(self.rope_base))
         object.__setattr__(self, "rope_dims", rope_dims)
+        object.__setattr__(self, "rope_scaling", rope_scaling)
+        object.__setattr__(self, "softcap", softcap)
+        object.__setattr__(self, "norm_eps", norm_eps)
+
+    def __hash__(self) -> int:
+        # rope_scaling is a dict (unhashable); hash its sorted items instead.
+        return hash(tuple((f, _hashable(getattr(self, f))) for f in _FIELD_NAMES))
+
+    # Which biases exist, named once (bias="qkv" keeps q, k and v's and drops the output's).
+    @property
+    def qkv_bias(self) -> bool:
+        """True when q, k and v carry biases (``bias`` True or ``"qkv"``)."""
+        return bool(self.bias)
+
+    @property
+    def output_bias(self) -> bool:
+        """True when the output projection carries a bias (``bias is True``)."""
+        return self.bias is True
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The `VARIANTS` this configuration switches on, in `VARIANTS` order (empty: 2017-23 attention)."""
+        on = {
+            "window": self.window is not None,
+            "softcap": self.softcap is not None,
+            "qk_norm_head": self.qk_norm == "head",
+            "qk_norm_projection": self.qk_norm == "projection",
+            "qkv_bias": self.bias == "qkv",
+            "alibi": self.alibi,
+            "rel_bias": self.rel_buckets is not None,
+            "sinks": self.sinks,
+            "rope_scaling": self.rope_scaling is not None,
+        }
+        return tuple(name for name in VARIANTS if on[name])
+
+    @property
+    def has_score_bias(self) -> bool:
+        """True when something is added to the scores (ALiBi or T5's relative bias): the biased_scores stage."""
+        return self.alibi or self.rel_buckets is not None
 
     # Derived sizes, named once so that no module recomputes them differently.
     @property
@@ -174,12 +310,48 @@ class MHAConfig:
             parts.append(f"kdim={self.kdim} vdim={self.vdim}")
         if not self.bias:
             parts.append("no-bias")
+        elif self.bias == "qkv":
+            parts.append("qkv-bias")
         if self.causal:
             parts.append("causal")
         if self.rope is not None:
             dims = "" if self.rope_dims == self.d_k else f" dims={self.rope_dims}"
             parts.append(f"rope={self.rope}(base={self.rope_base:g}{dims})")
+        if self.rope_scaling is not None:
+            from .rope_scaling import describe_rope_scaling
+
+            parts.append(f"rope_scaling={describe_rope_scaling(self.rope_scaling)}")
+        if self.qk_norm is not None:
+            parts.append(f"qk_norm={self.qk_norm}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.alibi:
+            parts.append("alibi")
+        if self.rel_buckets is not None:
+            sides = "bidirectional" if self.rel_bidirectional else "past"
+            parts.append(f"rel_bias({self.rel_buckets} buckets, max {self.rel_max_distance}, {sides})")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.sinks:
+            parts.append("sinks")
         return " ".join(parts)
+
+
+def _resolve_rope_scaling(rope: str | None, rope_scaling: object) -> dict | None:
+    if rope_scaling is None:
+        return None
+    if rope is None:
+        raise ValueError(f"MHAConfig.rope_scaling={rope_scaling!r} needs rope='half' or 'interleaved' (rope is None)")
+    from .rope_scaling import validate_rope_scaling
+
+    return validate_rope_scaling(rope_scaling)
+
+
+def _hashable(value: object) -> object:
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(MHAConfig))
 
 
 def require_config(cfg: object) -> MHAConfig:

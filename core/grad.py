@@ -28,6 +28,18 @@ Masks need no extra rule: a blocked position has weight 0, so ``A * (...)`` give
 score gradient, and a query row with nothing to attend to (all weights 0 by the spec) gets
 zero gradients everywhere upstream of its context (its output still reads ``b_o``).
 
+The variants (`core.variants`), each undone in reverse pipeline order:
+
+* sinks: the softmax backward is unchanged (the sink's own weight ``1 - sum_j A_ij`` has no
+  cotangent), and ``d_sink_h = -sum_{b,i} (1 - sum_j A_ij) * sum_j dA_ij A_ij``;
+* ALiBi and the relative bias are added, so ``d_capped_scores = d_biased_scores``, and each
+  T5 bucket entry sums the score gradients of the (query, key) pairs that read it;
+* softcap: ``d_scores = d_capped_scores * (1 - tanh(scores / c)**2)``;
+* QK-norm: RMSNorm's backward (`core.variants.rms_norm_vjp`), over each head or over the
+  whole projection, its weight gradient summed over batch, tokens (and heads);
+* YaRN's attention factor scales the rotation; the transpose of a scaled rotation is the
+  same tables with ``sin`` negated, as without it.
+
 With ``rounding=dtype`` the same formulas run in float32 with every stage (forward and
 backward) rounded to ``dtype``: "the spec's own float32 path rounded the same way", the
 baseline of the half-precision gradient rule in `core.tolerances`.
@@ -42,21 +54,28 @@ import numpy as np
 from .config import MHAConfig
 from .dtypes import check_dtype_name, numpy_dtype
 from .inputs import _as_float_array, prepare_inputs
-from .params import MHAParams
-from .reference import reference_stages, softmax_with_empty_rows
+from .params import PARAM_NAMES, MHAParams
+from .reference import forward_stages, reference_stages
 from .rotary import apply_rotary, rotary_tables
+from .stages import stage_names
+from .variants import relative_bias_vjp, rms_norm_vjp
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
+# A variant's backward stage exists exactly when its forward stage does (`core.stages.stage_names`).
 GRAD_STAGES: tuple[tuple[str, str], ...] = (
     ("d_output", "output"),
     ("d_merged", "merged"),
     ("d_context", "context"),
     ("d_weights", "weights"),
     ("d_v_heads", "v_heads"),
+    ("d_biased_scores", "biased_scores"),
+    ("d_capped_scores", "capped_scores"),
     ("d_scores", "scores"),
     ("d_q_rotated", "q_rotated"),
     ("d_k_rotated", "k_rotated"),
+    ("d_q_normed", "q_normed"),
+    ("d_k_normed", "k_normed"),
     ("d_q_heads", "q_heads"),
     ("d_k_heads", "k_heads"),
     ("d_q", "q"),
@@ -65,8 +84,15 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
 )
 GRAD_STAGE_NAMES = tuple(name for name, _ in GRAD_STAGES)
 
+
+def grad_stage_names(cfg: MHAConfig) -> tuple[str, ...]:
+    """The backward stages of ``cfg``'s pipeline, in the order the backward pass produces them."""
+    present = set(stage_names(cfg))
+    return tuple(name for name, forward in GRAD_STAGES if forward in present)
+
+
 # The parameter gradients a backward pass returns, in the order reports list them.
-GRAD_PARAM_NAMES = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+GRAD_PARAM_NAMES = PARAM_NAMES
 
 # The default cotangent's seed. Never all-ones: with dO = 1 every output feature gets the
 # same weight, so a permutation of the value (or output) features would go unseen.
@@ -179,7 +205,7 @@ def reference_mha_vjp(
     else:
         p = {name: None if a is None else r(a) for name, a in params.as_dict().items()}
         x_q, x_k, x_v = (r(a) for a in (inputs.query, inputs.key, inputs.value))
-        fwd = _rounded_forward(cfg, p, x_q, x_k, x_v, inputs, tables, r)
+        fwd = forward_stages(cfg, p, x_q, x_k, x_v, inputs, r)
     d_out = r(d_out if inputs.batched else d_out[None]).astype(compute)  # (B, Nq, D)
 
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
@@ -199,10 +225,9 @@ def reference_mha_vjp(
     # The scores read the rotated queries and keys (the heads themselves without rope).
     weights, q_heads, k_heads, v_heads = fwd["weights"], fwd["q_rotated"], fwd["k_rotated"], fwd["v_heads"]
     d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
-    d_scores = np.empty_like(d_weights)
-    d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)
-    d_k_heads = np.zeros((B, Hkv, Nk, Dk), dtype=compute)
+    d_masked = np.empty_like(d_weights)
     d_v_heads = np.zeros((B, Hkv, Nk, Dv), dtype=compute)
+    d_sinks = None if p.get("sinks") is None else np.zeros(H, dtype=compute)
     for h in range(H):
         g = cfg.kv_head_of(h)
         a = weights[:, h]  # (B, Nq, Nk)
@@ -210,22 +235,61 @@ def reference_mha_vjp(
         # Every query head of group g read V_g and K_g: their gradients add up.
         d_v_heads[:, g] += np.swapaxes(a, -1, -2) @ d_context[:, h]  # (B, Nk, Dv)
         # Softmax backward: dS = A * (dA - sum_j dA_j A_j). Blocked keys and empty rows have A = 0.
-        d_scores[:, h] = r(a * (d_weights[:, h] - np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)))
+        row_dot = np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)  # (B, Nq, 1)
+        d_masked[:, h] = r(a * (d_weights[:, h] - row_dot))
+        if d_sinks is not None:  # the sink's weight 1 - sum_j A_ij times (0 - row_dot)
+            d_sinks[h] = -np.sum((1.0 - a.sum(axis=-1, keepdims=True)) * row_dot)
+    d_v_heads = r(d_v_heads)
+    stages.update(d_weights=d_weights, d_v_heads=d_v_heads)
+
+    # Back through the score variants: bias (added), then the softcap.
+    d_last = d_masked
+    d_rel_bias = None
+    if cfg.has_score_bias:
+        stages["d_biased_scores"] = d_last
+        if cfg.rel_buckets is not None:
+            d_rel_bias = r(relative_bias_vjp(cfg, d_last, inputs.positions, inputs.kv_positions))
+    if cfg.softcap is not None:
+        stages["d_capped_scores"] = d_last
+        d_last = r(d_last * (1.0 - np.tanh(fwd["scores"] / cfg.softcap) ** 2))
+    d_scores = stages["d_scores"] = d_last
+
+    d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)
+    d_k_heads = np.zeros((B, Hkv, Nk, Dk), dtype=compute)
+    for h in range(H):
+        g = cfg.kv_head_of(h)
         d_q_heads[:, h] = r(cfg.scale * (d_scores[:, h] @ k_heads[:, g]))  # (B, Nq, Dk)
         d_k_heads[:, g] += cfg.scale * (np.swapaxes(d_scores[:, h], -1, -2) @ q_heads[:, h])  # (B, Nk, Dk)
-    d_v_heads, d_k_heads = r(d_v_heads), r(d_k_heads)
-    stages.update(d_weights=d_weights, d_v_heads=d_v_heads, d_scores=d_scores)
+    d_k_heads = r(d_k_heads)
     stages.update(d_q_rotated=d_q_heads, d_k_rotated=d_k_heads)
     if tables is not None:  # undo the rotation: turn each pair back by its angle
         d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], tables.style))
         d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], tables.style))
+
+    def merge(d_heads, n):  # (B, n, N, Dk) -> (B, N, n*Dk): each head's block back into its columns
+        return np.concatenate([d_heads[:, h] for h in range(n)], axis=-1)
+
+    def split(d_merged, n):  # the inverse of merge
+        return np.stack([d_merged[:, :, h * Dk : (h + 1) * Dk] for h in range(n)], axis=1)
+
+    d_q_norm = d_k_norm = None
+    if cfg.qk_norm is not None:
+        stages.update(d_q_normed=d_q_heads, d_k_normed=d_k_heads)
+        if cfg.qk_norm == "head":
+            d_q_heads, d_q_norm = rms_norm_vjp(fwd["q_heads"], p.get("q_norm"), cfg.norm_eps, d_q_heads)
+            d_k_heads, d_k_norm = rms_norm_vjp(fwd["k_heads"], p.get("k_norm"), cfg.norm_eps, d_k_heads)
+        else:  # over the whole projection, before the split
+            d_q_merged, d_q_norm = rms_norm_vjp(fwd["q"], p.get("q_norm"), cfg.norm_eps, merge(d_q_heads, H))
+            d_k_merged, d_k_norm = rms_norm_vjp(fwd["k"], p.get("k_norm"), cfg.norm_eps, merge(d_k_heads, Hkv))
+            d_q_heads, d_k_heads = split(d_q_merged, H), split(d_k_merged, Hkv)
+        d_q_heads, d_k_heads, d_q_norm, d_k_norm = (r(a) for a in (d_q_heads, d_k_heads, d_q_norm, d_k_norm))
     stages.update(d_q_heads=d_q_heads, d_k_heads=d_k_heads)
 
     # Split heads backward: put each head's block back into its columns.
-    d_q = stages["d_q"] = np.concatenate([d_q_heads[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dk)
-    d_k = stages["d_k"] = np.concatenate([d_k_heads[:, g] for g in range(Hkv)], axis=-1)  # (B, Nk, Hkv*Dk)
+    d_q = stages["d_q"] = merge(d_q_heads, H)  # (B, Nq, H*Dk)
+    d_k = stages["d_k"] = merge(d_k_heads, Hkv)  # (B, Nk, Hkv*Dk)
     d_v = stages["d_v"] = np.concatenate([d_v_heads[:, g] for g in range(Hkv)], axis=-1)  # (B, Nk, Hkv*Dv)
-    assert tuple(stages) == GRAD_STAGE_NAMES  # GRAD_STAGES is the contract
+    stages = {name: stages[name] for name in grad_stage_names(cfg)}  # GRAD_STAGES order is the contract
 
     def linear_backward(d_y, x, w, b):
         """y = x @ w.T + b: dX = dY @ w, dW = dY^T X summed over tokens and batch, db = dY summed."""
@@ -235,35 +299,9 @@ def reference_mha_vjp(
     d_xk, d_w_k, d_b_k = linear_backward(d_k, x_k, p["w_k"], p["b_k"])
     d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
     d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)
-    d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o)
+    d_sinks = None if d_sinks is None else r(d_sinks)
+    d_params = MHAParams(
+        d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o, d_q_norm, d_k_norm, d_sinks, d_rel_bias
+    )
     d_key, d_value = (None if d is None else inputs.unbatch(d) for d in (d_key, d_value))
     return MHAGrads(inputs.unbatch(d_query), d_key, d_value, d_params, stages)  # d_query is never None
-
-
-def _rounded_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, tables, r) -> dict[str, np.ndarray]:
-    """The forward stages the backward needs, in float32 with every stage rounded by ``r``."""
-    from .inputs import allowed_positions
-
-    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-
-    def linear(x, w, b):
-        return r(x @ w.T if b is None else x @ w.T + b)
-
-    q, k, v = linear(x_q, p["w_q"], p["b_q"]), linear(x_k, p["w_k"], p["b_k"]), linear(x_v, p["w_v"], p["b_v"])
-    q_heads = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk), view
-    k_heads = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk), view
-    v_heads = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv), view
-    q_rotated, k_rotated = q_heads, k_heads
-    if tables is not None:
-        q_rotated = r(apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], tables.style))
-        k_rotated = r(apply_rotary(k_heads, tables.k_cos[:, None], tables.k_sin[:, None], tables.style))
-    allowed = allowed_positions(cfg, inputs)
-    group = np.arange(H) // cfg.group_size  # kv head of every query head
-    scores = r(cfg.scale * (q_rotated @ np.swapaxes(k_rotated[:, group], -1, -2)))  # (B, H, Nq, Nk)
-    masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
-    weights = r(softmax_with_empty_rows(masked))  # (B, H, Nq, Nk)
-    context = r(weights @ v_heads[:, group])  # (B, H, Nq, Dv)
-    merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
-    stages = {"q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads, "weights": weights, "merged": merged}
-    return {**stages, "q_rotated": q_rotated, "k_rotated": k_rotated}

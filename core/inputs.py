@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import MHAConfig, require_config
+from .variants import window_allowed
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,16 @@ def causal_mask(q_tokens: int, kv_tokens: int) -> np.ndarray:
 
 
 def allowed_positions(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
-    """The combined mask (user mask AND causal), 4 dims broadcastable to (B, H, Nq, Nk), or None."""
+    """The combined mask (user mask AND causal AND the window), 4 dims broadcastable to (B, H, Nq, Nk), or None.
+
+    The window is read on the token positions (`core.variants.window_allowed`); causal is
+    still the top-left rule on the indices, which with the default positions is the same.
+    """
     allowed = inputs.mask
     if cfg.causal:
         causal = causal_mask(inputs.q_tokens, inputs.kv_tokens)[None, None]  # (1, 1, Nq, Nk)
         allowed = causal if allowed is None else allowed & causal
+    if cfg.window is not None:
+        window = window_allowed(cfg.window, cfg.causal, inputs.positions, inputs.kv_positions)  # (1|B, 1, Nq, Nk)
+        allowed = window if allowed is None else allowed & window
     return allowed

@@ -20,11 +20,21 @@ from .config import MHAConfig, require_config
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+# The learned parameters of the variants (`core.variants`), each present only when its
+# MHAConfig field switches it on: QK-norm weights, one sink logit per head, T5's bucket table.
+VARIANT_PARAM_NAMES = ("q_norm", "k_norm", "sinks", "rel_bias")
+PARAM_NAMES = (*WEIGHT_NAMES, *BIAS_NAMES, *VARIANT_PARAM_NAMES)
 
 
 @dataclass(frozen=True)
 class MHAParams:
-    """Weights ``(out, in)`` and biases ``(out,)`` in float64; biases are None without bias."""
+    """Weights ``(out, in)`` and biases ``(out,)`` in float64; biases are None without bias.
+
+    The variants' parameters are None unless their `MHAConfig` field is on:
+    ``q_norm``/``k_norm`` (QK-norm weights: ``(d_k,)`` each with ``qk_norm="head"``,
+    ``(n_heads*d_k,)``/``(n_kv_heads*d_k,)`` with ``"projection"``), ``sinks`` ``(n_heads,)``
+    and ``rel_bias`` ``(rel_buckets, n_heads)`` (T5's ``relative_attention_bias.weight``).
+    """
 
     w_q: np.ndarray
     w_k: np.ndarray
@@ -34,9 +44,20 @@ class MHAParams:
     b_k: np.ndarray | None = None
     b_v: np.ndarray | None = None
     b_o: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+    rel_bias: np.ndarray | None = None
 
     def as_dict(self) -> dict[str, np.ndarray | None]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Weights and biases by name (None where absent), then the variants' parameters that are present.
+
+        The variants' names appear only when set, so code written for the 2017-23 layer (eight
+        names) never meets one it does not know; an implementation that reads them declares the
+        variant (`Backend.variants`).
+        """
+        named = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in named.items() if k not in VARIANT_PARAM_NAMES or v is not None}
 
     def astype(self, dtype) -> MHAParams:
         """The same parameters cast to ``dtype`` (a NumPy or ml_dtypes dtype)."""
@@ -45,7 +66,7 @@ class MHAParams:
 
 
 def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
-    """Shape of every canonical parameter for ``cfg`` (None: absent without bias)."""
+    """Shape of every canonical parameter for ``cfg`` (None: absent for this configuration, see `absent_because`)."""
     weights: dict[str, tuple[int, ...]] = {
         "w_q": (cfg.q_width, cfg.d_model),
         "w_k": (cfg.k_width, cfg.kdim),
@@ -54,8 +75,23 @@ def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
     }
     shapes: dict[str, tuple[int, ...] | None] = dict(weights)
     for w_name, b_name in zip(WEIGHT_NAMES, BIAS_NAMES, strict=True):
-        shapes[b_name] = (weights[w_name][0],) if cfg.bias else None
+        shapes[b_name] = (weights[w_name][0],) if cfg.qkv_bias else None
+    if not cfg.output_bias:
+        shapes["b_o"] = None
+    head = cfg.qk_norm == "head"
+    shapes["q_norm"] = None if cfg.qk_norm is None else ((cfg.d_k,) if head else (cfg.q_width,))
+    shapes["k_norm"] = None if cfg.qk_norm is None else ((cfg.d_k,) if head else (cfg.k_width,))
+    shapes["sinks"] = (cfg.n_heads,) if cfg.sinks else None
+    shapes["rel_bias"] = None if cfg.rel_buckets is None else (cfg.rel_buckets, cfg.n_heads)
     return shapes
+
+
+def absent_because(cfg: MHAConfig, name: str) -> str:
+    """The field of ``cfg`` that decides whether parameter ``name`` exists, with its value (for errors)."""
+    if name in BIAS_NAMES:
+        return f"cfg.bias is {cfg.bias!r}"
+    field = {"q_norm": "qk_norm", "k_norm": "qk_norm", "sinks": "sinks", "rel_bias": "rel_buckets"}[name]
+    return f"cfg.{field} is {getattr(cfg, field)!r}"
 
 
 def validate_params(cfg: MHAConfig, params: MHAParams) -> MHAParams:
@@ -68,11 +104,12 @@ def validate_params(cfg: MHAConfig, params: MHAParams) -> MHAParams:
         if shape is None:
             if value is not None:
                 raise ValueError(
-                    f"params.{name} must be None because cfg.bias is False, got an array of shape {np.shape(value)}"
+                    f"params.{name} must be None because {absent_because(cfg, name)}, "
+                    f"got an array of shape {np.shape(value)}"
                 )
             continue
         if value is None:
-            raise ValueError(f"params.{name} is None but cfg.bias is True; expected shape {shape}")
+            raise ValueError(f"params.{name} is None but {absent_because(cfg, name)}; expected shape {shape}")
         if not isinstance(value, np.ndarray):
             raise TypeError(f"params.{name} must be a NumPy array, got {type(value).__name__}")
         if value.shape != shape:
@@ -92,6 +129,12 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
     at unit variance; biases from N(0, 0.1^2), small but nonzero so that a dropped or
     misplaced bias is visible. With unit-variance inputs the scaled scores stay O(1),
     far from the float16 limit (65504) at every size the tests and benchmarks use.
+
+    The variants' parameters come from a second generator, so that switching a variant on
+    leaves every other parameter's numbers as they were, and none is trivial: QK-norm
+    weights ``1 + 0.3 N(0, 1)`` (not all one, so a dropped weight shows), sink logits
+    ``N(0, 1)`` (the size of a score, so a sink takes a visible share of each row) and T5
+    bucket biases ``0.5 N(0, 1)``.
     """
     require_config(cfg)
     rng = np.random.default_rng(seed)
@@ -102,4 +145,10 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
         arrays[name] = rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)
     for name in BIAS_NAMES:
         arrays[name] = None if shapes[name] is None else 0.1 * rng.standard_normal(shapes[name])
+    variant_rng = np.random.default_rng((seed, 24))  # 24: the issue that added the variants
+    spread = {"q_norm": (1.0, 0.3), "k_norm": (1.0, 0.3), "sinks": (0.0, 1.0), "rel_bias": (0.0, 0.5)}
+    for name in VARIANT_PARAM_NAMES:
+        shape = shapes[name]
+        centre, scale = spread[name]
+        arrays[name] = None if shape is None else centre + scale * variant_rng.standard_normal(shape)
     return MHAParams(**arrays)

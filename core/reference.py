@@ -3,9 +3,10 @@
 For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)::
 
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
+    Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with cfg.qk_norm)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
-    S_h = scale * Q_h @ K_g.T      (blocked positions -> -inf)
-    A_h = softmax(S_h, over keys)  (a row with no allowed key -> all zeros)
+    S_h = scale * Q_h @ K_g.T      (then softcap, ALiBi / relative bias; blocked positions -> -inf)
+    A_h = softmax(S_h, over keys)  (with the sinks; a row with no allowed key -> all zeros)
     C_h = A_h @ V_g
     out = [C_0 | C_1 | ... | C_{H-1}] @ w_o.T + b_o
 
@@ -25,7 +26,10 @@ from .config import MHAConfig
 from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
-from .stages import STAGE_NAMES
+from .stages import stage_names
+from .variants import rms_norm, score_bias, softcap, softmax_with_empty_rows, softmax_with_sinks
+
+__all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
 
 
 def linear(x, weight, bias):
@@ -34,70 +38,83 @@ def linear(x, weight, bias):
     return y if bias is None else y + bias
 
 
-def softmax_with_empty_rows(scores: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis where rows of all -inf give zeros instead of NaN."""
-    row_max = np.max(scores, axis=-1, keepdims=True)
-    empty = np.isneginf(row_max)
-    # Subtracting the row maximum keeps exp() in range for logits of any size.
-    shifted = scores - np.where(empty, 0.0, row_max)
-    exp = np.exp(shifted)
-    total = np.sum(exp, axis=-1, keepdims=True)
-    return np.where(empty, 0.0, exp / np.where(empty, 1.0, total))
-
-
 def reference_stages(
     cfg: MHAConfig, params: MHAParams, query, key=None, value=None, mask=None, positions=None, kv_positions=None
 ) -> dict[str, np.ndarray]:
     """Every stage tensor of the oracle, batched and in the canonical layout of `core.stages`.
 
-    ``positions``/``kv_positions``: the rotary positions (see `core.inputs.prepare_inputs`).
+    ``positions``/``kv_positions``: the token positions (rotary, window, ALiBi and relative
+    bias read them; see `core.inputs.prepare_inputs`). The keys are `stage_names(cfg)`.
     """
     validate_params(cfg, params)
     inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
     f64 = {name: None if array is None else array.astype(np.float64) for name, array in params.as_dict().items()}
     x_q, x_k, x_v = (x.astype(np.float64) for x in (inputs.query, inputs.key, inputs.value))
+    return forward_stages(cfg, f64, x_q, x_k, x_v, inputs, lambda a: a)
+
+
+def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[str, np.ndarray]:
+    """The pipeline on float arrays ``p`` (parameters by name) and ``x_*`` (B, N, F), each stage passed through ``r``.
+
+    ``r`` is the identity for the float64 oracle; the backward oracle's ``rounding`` path
+    passes a round-to-storage function (see `core.grad`), so both run these same lines.
+    """
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
 
-    q = linear(x_q, f64["w_q"], f64["b_q"])  # (B, Nq, H*Dk)
-    k = linear(x_k, f64["w_k"], f64["b_k"])  # (B, Nk, Hkv*Dk)
-    v = linear(x_v, f64["w_v"], f64["b_v"])  # (B, Nk, Hkv*Dv)
+    q = r(linear(x_q, p["w_q"], p["b_q"]))  # (B, Nq, H*Dk)
+    k = r(linear(x_k, p["w_k"], p["b_k"]))  # (B, Nk, Hkv*Dk)
+    v = r(linear(x_v, p["w_v"], p["b_v"]))  # (B, Nk, Hkv*Dv)
 
-    # Head h owns feature columns h*Dk:(h+1)*Dk; slicing makes that ownership explicit.
-    q_heads = np.stack([q[:, :, h * Dk : (h + 1) * Dk] for h in range(H)], axis=1)  # (B, H, Nq, Dk)
-    k_heads = np.stack([k[:, :, g * Dk : (g + 1) * Dk] for g in range(Hkv)], axis=1)  # (B, Hkv, Nk, Dk)
-    v_heads = np.stack([v[:, :, g * Dv : (g + 1) * Dv] for g in range(Hkv)], axis=1)  # (B, Hkv, Nk, Dv)
+    def heads(merged, n, width):  # head h owns feature columns h*width:(h+1)*width
+        return np.stack([merged[:, :, h * width : (h + 1) * width] for h in range(n)], axis=1)  # (B, n, N, width)
 
-    # Rotary: each head's feature pairs turned by the token's angle; the heads themselves without rope.
+    q_heads, k_heads, v_heads = heads(q, H, Dk), heads(k, Hkv, Dk), heads(v, Hkv, Dv)
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
+
+    # QK-norm: over each head's features after the split, or over the whole projection before it.
+    q_normed, k_normed = q_heads, k_heads
+    if cfg.qk_norm == "head":
+        q_normed = r(rms_norm(q_heads, p.get("q_norm"), cfg.norm_eps))  # (B, H, Nq, Dk)
+        k_normed = r(rms_norm(k_heads, p.get("k_norm"), cfg.norm_eps))  # (B, Hkv, Nk, Dk)
+    elif cfg.qk_norm == "projection":
+        q_normed = heads(r(rms_norm(q, p.get("q_norm"), cfg.norm_eps)), H, Dk)  # (B, H, Nq, Dk)
+        k_normed = heads(r(rms_norm(k, p.get("k_norm"), cfg.norm_eps)), Hkv, Dk)  # (B, Hkv, Nk, Dk)
+    if cfg.qk_norm is not None:
+        stages.update(q_normed=q_normed, k_normed=k_normed)
+
+    # Rotary: each head's feature pairs turned by the token's angle; unchanged without rope.
     tables = rotary_tables(cfg, inputs)
-    q_rotated, k_rotated = q_heads, k_heads
+    q_rotated, k_rotated = q_normed, k_normed
     if tables is not None:
-        q_rotated = apply_rotary(q_heads, tables.q_cos[:, None], tables.q_sin[:, None], tables.style)  # (B, H, Nq, Dk)
-        k_rotated = apply_rotary(
-            k_heads, tables.k_cos[:, None], tables.k_sin[:, None], tables.style
-        )  # (B, Hkv, Nk, Dk)
+        q_rotated = r(apply_rotary(q_normed, tables.q_cos[:, None], tables.q_sin[:, None], tables.style))
+        k_rotated = r(apply_rotary(k_normed, tables.k_cos[:, None], tables.k_sin[:, None], tables.style))
+    stages.update(q_rotated=q_rotated, k_rotated=k_rotated)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
 
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))
-
-    scores = np.empty((B, H, Nq, Nk))
-    context = np.empty((B, H, Nq, Dv))
-    masked_scores = np.empty_like(scores)
-    weights = np.empty_like(scores)
+    bias = score_bias(cfg, p.get("rel_bias"), inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk) or None
+    compute = q_rotated.dtype
+    scores = np.empty((B, H, Nq, Nk), dtype=compute)
     for h in range(H):
         g = cfg.kv_head_of(h)
         scores[:, h] = cfg.scale * (q_rotated[:, h] @ np.swapaxes(k_rotated[:, g], -1, -2))  # (B, Nq, Nk)
-        masked_scores[:, h] = np.where(allowed[:, h], scores[:, h], -np.inf)
-        weights[:, h] = softmax_with_empty_rows(masked_scores[:, h])
-        context[:, h] = weights[:, h] @ v_heads[:, g]  # (B, Nq, Dv)
+    scores = stages["scores"] = r(scores)
+    last = scores
+    if cfg.softcap is not None:
+        last = stages["capped_scores"] = r(softcap(last, cfg.softcap))
+    if bias is not None:
+        last = stages["biased_scores"] = r(last + bias)
+    masked_scores = stages["masked_scores"] = np.where(allowed, last, -np.inf)
+    weights = stages["weights"] = r(softmax_with_sinks(masked_scores, p.get("sinks")))  # (B, H, Nq, Nk)
 
-    merged = np.concatenate([context[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dv)
-    output = linear(merged, f64["w_o"], f64["b_o"])  # (B, Nq, D)
-
-    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
-    stages.update(q_rotated=q_rotated, k_rotated=k_rotated, scores=scores, masked_scores=masked_scores)
-    stages.update(weights=weights, context=context, merged=merged, output=output)
-    assert tuple(stages) == STAGE_NAMES  # the table in core.stages is the contract
+    context = np.empty((B, H, Nq, Dv), dtype=compute)
+    for h in range(H):
+        context[:, h] = weights[:, h] @ v_heads[:, cfg.kv_head_of(h)]  # (B, Nq, Dv)
+    context = stages["context"] = r(context)
+    merged = stages["merged"] = np.concatenate([context[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dv)
+    stages["output"] = r(linear(merged, p["w_o"], p["b_o"]))  # (B, Nq, D)
+    assert tuple(stages) == stage_names(cfg)  # the table in core.stages is the contract
     return stages
 
 
@@ -120,7 +137,7 @@ def reference_mha(
     unbatched input); with ``return_weights`` also the attention weights
     ``(batch, heads, q_tokens, kv_tokens)``; with ``return_stages`` also the dict of
     every stage tensor (always batched, canonical layout, see `core.stages`).
-    ``positions`` (queries) and ``kv_positions`` (keys) are the rotary positions, integers
+    ``positions`` (queries) and ``kv_positions`` (keys) are the token positions, integers
     ``(N,)`` or ``(B, N)``, defaulting to ``0 .. N-1`` (see `core.inputs.prepare_inputs`).
     """
     stages = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)

@@ -77,18 +77,48 @@ def rotated_dims(cfg: MHAConfig) -> int:
     return cfg.rope_dims
 
 
-def angles(cfg: MHAConfig, positions: np.ndarray) -> np.ndarray:
-    """``positions[..., n] * inv_freq[i]``: (..., N) integer positions -> (..., N, r/2) angles."""
-    return positions[..., None].astype(np.float64) * inverse_frequencies(rotated_dims(cfg), cfg.rope_base)
+def frequencies(cfg: MHAConfig, seq_len: int) -> tuple[np.ndarray, float]:
+    """(inv_freq ``(r/2,)``, attention factor) of ``cfg``: `inverse_frequencies`, or scaled by ``cfg.rope_scaling``.
+
+    ``seq_len`` is 1 + the largest position of the call; only dynamic (NTK) scaling reads it.
+    The attention factor (YaRN's) multiplies cos and sin; it is 1.0 without scaling.
+    """
+    if cfg.rope_scaling is None:
+        return inverse_frequencies(rotated_dims(cfg), cfg.rope_base), 1.0
+    from .rope_scaling import scaled_frequencies
+
+    return scaled_frequencies(rotated_dims(cfg), cfg.rope_base, cfg.rope_scaling, seq_len)
+
+
+def angles(cfg: MHAConfig, positions: np.ndarray, seq_len: int | None = None) -> np.ndarray:
+    """``positions[..., n] * inv_freq[i]``: (..., N) integer positions -> (..., N, r/2) angles.
+
+    ``seq_len`` (dynamic rope scaling only) defaults to 1 + the largest of ``positions``.
+    """
+    positions = np.asarray(positions)
+    seq_len = int(positions.max()) + 1 if seq_len is None else seq_len
+    return positions[..., None].astype(np.float64) * frequencies(cfg, seq_len)[0]
 
 
 def rotary_tables(cfg: MHAConfig, inputs) -> RotaryTables | None:
-    """The tables for ``inputs`` (an `MHAInputs`: its positions and kv_positions), or None without rope."""
+    """The tables for ``inputs`` (an `MHAInputs`: its positions and kv_positions), or None without rope.
+
+    With YaRN's attention factor the tables hold ``factor * cos`` and ``factor * sin``: the
+    rotation is then scaled, and its transpose (the backward pass) is still the same tables
+    with ``sin`` negated.
+    """
     if cfg.rope is None:
         return None
-    q_angles, k_angles = angles(cfg, inputs.positions), angles(cfg, inputs.kv_positions)
+    seq_len = int(max(inputs.positions.max(), inputs.kv_positions.max())) + 1
+    factor = frequencies(cfg, seq_len)[1]
+    q_angles, k_angles = angles(cfg, inputs.positions, seq_len), angles(cfg, inputs.kv_positions, seq_len)
     return RotaryTables(
-        cfg.rope, rotated_dims(cfg), np.cos(q_angles), np.sin(q_angles), np.cos(k_angles), np.sin(k_angles)
+        cfg.rope,
+        rotated_dims(cfg),
+        factor * np.cos(q_angles),
+        factor * np.sin(q_angles),
+        factor * np.cos(k_angles),
+        factor * np.sin(k_angles),
     )
 
 

@@ -10,7 +10,11 @@ features) with the head axis before the token axis once heads are split.
 
 Every implementation exposes ``q_rotated`` and ``k_rotated`` for every configuration:
 without rotary embeddings (``cfg.rope`` None) they hold the same numbers as ``q_heads``
-and ``k_heads``, so that the stage list never depends on the configuration.
+and ``k_heads``. The variants' stages (`VARIANT_STAGES`: ``q_normed``/``k_normed`` with
+QK-norm, ``capped_scores`` with a softcap, ``biased_scores`` with ALiBi or T5's relative
+bias) exist only when their variant is on, so the 2017-23 stage list is unchanged and an
+implementation without the variants never has to fake them: `stage_names` is the list for
+one configuration, in pipeline order. ``masked_scores`` masks the last score stage present.
 """
 
 from __future__ import annotations
@@ -36,15 +40,35 @@ STAGES: tuple[Stage, ...] = (
     Stage("split heads", "k_heads", ("B", "Hkv", "Nk", "Dk"), "keys per kv head"),
     Stage("split heads", "v_heads", ("B", "Hkv", "Nk", "Dv"), "values per kv head"),
     Stage(
+        "qk-norm",
+        "q_normed",
+        ("B", "H", "Nq", "Dk"),
+        "q_heads after RMSNorm (over each head, or over the whole projection before the split); only with qk_norm",
+    ),
+    Stage("qk-norm", "k_normed", ("B", "Hkv", "Nk", "Dk"), "k_heads after RMSNorm; only with qk_norm"),
+    Stage(
         "rotary",
         "q_rotated",
         ("B", "H", "Nq", "Dk"),
-        "q_heads with each feature pair turned by its position's angle (cfg.rope); q_heads itself without rope",
+        "q_normed (q_heads without qk_norm) with each feature pair turned by its position's angle (cfg.rope); "
+        "unchanged without rope",
     ),
-    Stage("rotary", "k_rotated", ("B", "Hkv", "Nk", "Dk"), "k_heads turned the same way; k_heads without rope"),
+    Stage("rotary", "k_rotated", ("B", "Hkv", "Nk", "Dk"), "k_normed (k_heads) turned the same way"),
     Stage("scores", "scores", ("B", "H", "Nq", "Nk"), "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
-    Stage("mask", "masked_scores", ("B", "H", "Nq", "Nk"), "scores with blocked positions set to -inf"),
-    Stage("softmax", "weights", ("B", "H", "Nq", "Nk"), "softmax over keys; a row with no allowed key is all zeros"),
+    Stage("softcap", "capped_scores", ("B", "H", "Nq", "Nk"), "softcap * tanh(scores / softcap); only with softcap"),
+    Stage(
+        "score bias",
+        "biased_scores",
+        ("B", "H", "Nq", "Nk"),
+        "plus m_h (p_j - p_i) (alibi) and rel_bias[bucket(p_j - p_i), h] (rel_buckets); only with either",
+    ),
+    Stage("mask", "masked_scores", ("B", "H", "Nq", "Nk"), "the last score stage with blocked positions set to -inf"),
+    Stage(
+        "softmax",
+        "weights",
+        ("B", "H", "Nq", "Nk"),
+        "softmax over keys (with each head's sink in the denominator); a row with no allowed key is all zeros",
+    ),
     Stage("weighted sum", "context", ("B", "H", "Nq", "Dv"), "weights @ v_g: one Dv-vector per head and query"),
     Stage("merge heads", "merged", ("B", "Nq", "H*Dv"), "heads side by side again, head h in columns h*Dv:(h+1)*Dv"),
     Stage("output projection", "output", ("B", "Nq", "D"), "merged times w_o.T plus b_o"),
@@ -52,6 +76,21 @@ STAGES: tuple[Stage, ...] = (
 
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 STAGE_BY_NAME = {stage.name: stage for stage in STAGES}
+
+# The stages that exist only with a variant, and the rule that switches each on.
+VARIANT_STAGES = {
+    "q_normed": lambda cfg: cfg.qk_norm is not None,
+    "k_normed": lambda cfg: cfg.qk_norm is not None,
+    "capped_scores": lambda cfg: cfg.softcap is not None,
+    "biased_scores": lambda cfg: cfg.has_score_bias,
+}
+# The 2017-23 pipeline: the stages every implementation exposes for every configuration.
+BASE_STAGE_NAMES = tuple(name for name in STAGE_NAMES if name not in VARIANT_STAGES)
+
+
+def stage_names(cfg: MHAConfig) -> tuple[str, ...]:
+    """The stages of ``cfg``'s pipeline, in order: the base stages and the variants' that are on."""
+    return tuple(name for name in STAGE_NAMES if name not in VARIANT_STAGES or VARIANT_STAGES[name](cfg))
 
 
 def stage_shapes(cfg: MHAConfig, batch: int, q_tokens: int, kv_tokens: int) -> dict[str, tuple[int, ...]]:
@@ -70,4 +109,4 @@ def stage_shapes(cfg: MHAConfig, batch: int, q_tokens: int, kv_tokens: int) -> d
         "Hkv*Dv": cfg.v_width,
         "H*Dv": cfg.context_width,
     }
-    return {stage.name: tuple(sizes[s] for s in stage.shape) for stage in STAGES}
+    return {stage.name: tuple(sizes[s] for s in stage.shape) for stage in STAGES if stage.name in stage_names(cfg)}

@@ -499,3 +499,91 @@ def test_scaled_frequencies_arguments(args, name):
 def test_scaled_frequencies_validates_a_raw_dict():
     with pytest.raises(ValueError, match=r"^MHAConfig.rope_scaling\['rope_type'\] must be one of"):
         scaled_frequencies(8, 10000.0, {"rope_type": "ntk", "factor": 2.0}, 1)
+
+
+# -- transformers' rotary module: attention_factor on cos and sin, dynamic's seq_len from the positions --
+
+
+def _rotary_module(rope_type: str, extra: dict, max_positions: int):
+    LlamaConfig, _ = _hf()
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, "partial_rotary_factor": 0.5, **extra},
+    )
+    return LlamaRotaryEmbedding(config)
+
+
+def _module_tables(module, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first copy of each pair's cos and sin, (tokens, r/2): the module returns them cat'ed twice (rotate_half)."""
+    import torch
+
+    cos, sin = module(torch.zeros(1, tokens, 64), torch.arange(tokens)[None])  # (1, tokens, r) each
+    return cos[0, :, :8].double().numpy(), sin[0, :, :8].double().numpy()  # r = 16: (tokens, 8)
+
+
+def _spec_tables(scaling: dict, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    inv, attention = scaled_frequencies(16, 10000.0, scaling, seq_len=tokens)  # positions 0 .. tokens-1
+    angles = np.arange(tokens)[:, None] * inv  # (tokens, 8)
+    return attention * np.cos(angles), attention * np.sin(angles)
+
+
+# float32 angles up to 300 rad: 300 * 1.2e-7 = 3.6e-5 at worst; measured 6.7e-6.
+MODULE_ATOL = 5e-5
+
+MODULE_CASES = {
+    "linear": ({"factor": 4.0}, 512),
+    "llama3": (
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        512,
+    ),
+    "yarn": ({"factor": 8.0, "original_max_position_embeddings": 64}, 512),
+    "dynamic": ({"factor": 3.0}, 128),
+}
+
+
+@pytest.mark.parametrize("rope_type", list(MODULE_CASES))
+@pytest.mark.parametrize("tokens", [100, 300])
+def test_transformers_rotary_module_cos_and_sin(rope_type, tokens):
+    extra, max_positions = MODULE_CASES[rope_type]
+    module = _rotary_module(rope_type, extra, max_positions)
+    scaling, _, _ = _ours({"rope_type": rope_type, "rope_theta": 10000.0, **extra}, max_positions)
+    hf_cos, hf_sin = _module_tables(module, tokens)
+    cos, sin = _spec_tables(scaling, tokens)
+    np.testing.assert_allclose(cos, hf_cos, rtol=0, atol=MODULE_ATOL)
+    np.testing.assert_allclose(sin, hf_sin, rtol=0, atol=MODULE_ATOL)
+    if rope_type == "yarn":  # the factor on cos and sin is really there: m(8) = 0.1 ln 8 + 1
+        assert math.isclose(module.attention_scaling, 0.1 * math.log(8) + 1, rel_tol=1e-15)
+        assert np.abs(hf_cos[0]).max() == pytest.approx(0.1 * math.log(8) + 1, rel=1e-6)  # position 0: cos = 1
+
+
+def test_transformers_dynamic_module_caches_the_longest_call_and_the_spec_does_not():
+    # The module docstring's claim: after a call of 300 tokens, a call of 200 (still past L = 128) keeps
+    # the 300-token frequencies in transformers; the spec, a function of the call, gives the 200-token ones.
+    extra, max_positions = MODULE_CASES["dynamic"]
+    scaling, _, _ = _ours({"rope_type": "dynamic", "rope_theta": 10000.0, **extra}, max_positions)
+    module = _rotary_module("dynamic", extra, max_positions)
+    _module_tables(module, 300)
+    cached_cos, _ = _module_tables(module, 200)
+    inv_300, _ = scaled_frequencies(16, 10000.0, scaling, seq_len=300)
+    np.testing.assert_allclose(cached_cos, np.cos(np.arange(200)[:, None] * inv_300), rtol=0, atol=MODULE_ATOL)
+    assert np.abs(cached_cos - _spec_tables(scaling, 200)[0]).max() > 100 * MODULE_ATOL
+    # A fresh module at 200 tokens is the spec's 200-token table.
+    fresh_cos, _ = _module_tables(_rotary_module("dynamic", extra, max_positions), 200)
+    np.testing.assert_allclose(fresh_cos, _spec_tables(scaling, 200)[0], rtol=0, atol=MODULE_ATOL)
+
+
+def test_the_docs_page_example_runs_and_prints_what_it_says():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "rope-scaling.md").read_text(encoding="utf-8")
+    example = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "yarn(factor=32, orig=4096, truncate=False)"

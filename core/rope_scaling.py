@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
+from typing import TypeGuard
 
 import numpy as np
 
@@ -113,19 +114,19 @@ _MEANING = {
 }
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[numbers.Real]:
+    """An int or float (NumPy's too), not a bool (``factor=True`` is a typo, not a number)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _number(key: str, value: object, *, positive: bool = True) -> float:
-    """A finite float (> 0 when ``positive``), or an error naming ``key``."""
-    rule = "a finite number > 0" if positive else "a finite number"
+def _number(key: str, value: object) -> float:
+    """A finite float > 0, or an error naming ``key``."""
     if not _is_real(value):
-        raise TypeError(f"{_NAME}[{key!r}] must be {rule}, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{_NAME}[{key!r}] must be {rule}, got {value!r}")
-    return value
+        raise TypeError(f"{_NAME}[{key!r}] must be a finite number > 0, got {value!r} ({type(value).__name__})")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{_NAME}[{key!r}] must be a finite number > 0, got {number!r}")
+    return number
 
 
 def _length(key: str, value: object) -> int:
@@ -198,8 +199,9 @@ def validate_rope_scaling(value: object) -> dict | None:
             )
     for key in required:
         if key not in value:
+            where = ", Hugging Face's config.max_position_embeddings" if rope_type == "dynamic" else ""
             raise ValueError(
-                f"{_NAME}[{key!r}] is required for rope_type={rope_type!r} ({_MEANING[key]}); it is missing"
+                f"{_NAME}[{key!r}] is required for rope_type={rope_type!r} ({_MEANING[key]}{where}); it is missing"
             )
 
     out: dict = {"rope_type": rope_type, "factor": _number("factor", value["factor"])}
@@ -279,15 +281,25 @@ def yarn_correction_range(rope_dims: int, base: float, rope_scaling: dict) -> tu
     return float(max(low, 0)), float(min(high, rope_dims - 1))
 
 
+def _as_int(name: str, value: object, rule: str) -> int:
+    """``value`` as an int (NumPy's integers too), or a TypeError naming ``name`` (a bool is not an int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"scaled_frequencies: {name} must be {rule}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 def _require_arguments(rope_dims: object, base: object, seq_len: object) -> None:
-    if isinstance(rope_dims, bool) or not isinstance(rope_dims, numbers.Integral) or rope_dims <= 0 or rope_dims % 2:
-        raise ValueError(f"scaled_frequencies: rope_dims must be a positive even int, got {rope_dims!r}")
-    if not _is_real(base) or not math.isfinite(base) or base <= 0:
+    rule = "a positive even int"
+    dims = _as_int("rope_dims", rope_dims, rule)
+    if dims <= 0 or dims % 2:
+        raise ValueError(f"scaled_frequencies: rope_dims must be {rule}, got {rope_dims!r}")
+    if not _is_real(base):
+        raise TypeError(f"scaled_frequencies: base must be a finite number > 0 (MHAConfig.rope_base), got {base!r}")
+    if not math.isfinite(float(base)) or float(base) <= 0:
         raise ValueError(f"scaled_frequencies: base must be a finite number > 0 (MHAConfig.rope_base), got {base!r}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len <= 0:
-        raise ValueError(
-            f"scaled_frequencies: seq_len must be a positive int (1 + the largest position in the call), got {seq_len!r}"
-        )
+    rule = "a positive int (1 + the largest position in the call)"
+    if _as_int("seq_len", seq_len, rule) <= 0:
+        raise ValueError(f"scaled_frequencies: seq_len must be {rule}, got {seq_len!r}")
 
 
 def scaled_frequencies(

@@ -383,7 +383,9 @@ MISSING = [
 
 @pytest.mark.parametrize("value,key", MISSING)
 def test_missing_key_for_its_type(value, key):
-    _raises(value, ValueError, f"[{key!r}] is required", f"rope_type={value['rope_type']!r}", "missing")
+    message = _raises(value, ValueError, f"[{key!r}] is required", f"rope_type={value['rope_type']!r}", "missing")
+    if value["rope_type"] == "dynamic":  # where transformers keeps dynamic's length
+        assert "config.max_position_embeddings" in message
 
 
 def test_unknown_extra_key():
@@ -481,19 +483,28 @@ def test_yarn_base_one():
 
 
 @pytest.mark.parametrize(
-    "args,name",
+    "args,name,kind",
     [
-        ((3, 10000.0, None, 1), "rope_dims"),
-        ((0, 10000.0, None, 1), "rope_dims"),
-        ((4, 0.0, None, 1), "base"),
-        ((4, math.nan, None, 1), "base"),
-        ((4, 10000.0, None, 0), "seq_len"),
-        ((4, 10000.0, None, 2.5), "seq_len"),
+        ((3, 10000.0, None, 1), "rope_dims", ValueError),
+        ((0, 10000.0, None, 1), "rope_dims", ValueError),
+        ((4.0, 10000.0, None, 1), "rope_dims", TypeError),
+        ((4, 0.0, None, 1), "base", ValueError),
+        ((4, math.nan, None, 1), "base", ValueError),
+        ((4, "1e4", None, 1), "base", TypeError),
+        ((4, 10000.0, None, 0), "seq_len", ValueError),
+        ((4, 10000.0, None, 2.5), "seq_len", TypeError),
+        ((4, 10000.0, None, True), "seq_len", TypeError),
     ],
 )
-def test_scaled_frequencies_arguments(args, name):
-    with pytest.raises(ValueError, match=rf"^scaled_frequencies: {name} must be"):
+def test_scaled_frequencies_arguments(args, name, kind):
+    with pytest.raises(kind, match=rf"^scaled_frequencies: {name} must be"):
         scaled_frequencies(*args)
+
+
+def test_scaled_frequencies_takes_numpy_numbers():
+    # seq_len = 1 + positions.max() is a NumPy integer; the result is the same as with Python numbers.
+    inv, _ = scaled_frequencies(np.int64(8), np.float64(100.0), LLAMA31 | {"factor": 2}, np.int64(5))
+    np.testing.assert_array_equal(inv, scaled_frequencies(8, 100.0, LLAMA31 | {"factor": 2}, 5)[0])
 
 
 def test_scaled_frequencies_validates_a_raw_dict():

@@ -50,7 +50,9 @@ function of transformers' ``modeling_rope_utils`` named after it (``ROPE_INIT_FU
   pairs past ``high`` are interpolated by ``f``. cos and sin are multiplied by the
   attention factor: ``attention_factor`` if given, else, with ``m(s, k) = 1`` for ``s <= 1``
   and ``0.1 k ln(s) + 1`` otherwise, ``m(f, mscale) / m(f, mscale_all_dim)`` when both are
-  given (DeepSeek), else ``m(f, 1) = 0.1 ln(f) + 1``.
+  given (DeepSeek), else ``m(f, 1) = 0.1 ln(f) + 1``. The rotated queries and keys are both
+  scaled by it, so the rotated part of every score is scaled by its square (1.81 for gpt-oss's
+  ``f = 32``); features past ``rope_dims`` are not rotated and not scaled.
 
 Design rules: NumPy and the standard library only; every number float64 (Hugging Face
 computes the tables in float32). `validate_rope_scaling` is idempotent (its output validates

@@ -212,6 +212,25 @@ def test_yarn_attention_factor_choices_by_hand():
     assert yarn_attention_factor(validate_rope_scaling({**base, "factor": 1.0})) == 1.0
 
 
+def test_yarn_factor_on_cos_and_sin_scales_rotated_scores_by_its_square():
+    # What the docstring says the factor does once the tables carry it (core.rotary.apply_rotary):
+    # the rotated features of q and k each grow by it, the passed-through ones do not.
+    from mha_rosetta.core import apply_rotary
+
+    inv, attention = scaled_frequencies(4, 150000.0, GPT_OSS, seq_len=9)
+    angles = np.arange(9.0)[:, None] * inv  # (N=9, r/2=2)
+    q, k = np.random.default_rng(0).standard_normal((2, 9, 6))  # (N, d_k=6): rope_dims 4 of 6
+    for style in ("half", "interleaved"):
+        plain = [apply_rotary(x, np.cos(angles), np.sin(angles), style) for x in (q, k)]
+        scaled = [apply_rotary(x, attention * np.cos(angles), attention * np.sin(angles), style) for x in (q, k)]
+        for p, s in zip(plain, scaled, strict=True):
+            np.testing.assert_allclose(s[:, :4], attention * p[:, :4], rtol=1e-14)
+            np.testing.assert_array_equal(s[:, 4:], p[:, 4:])
+        rotated_scores = scaled[0][:, :4] @ scaled[1][:, :4].T  # (N, N)
+        np.testing.assert_allclose(rotated_scores, attention**2 * (plain[0][:, :4] @ plain[1][:, :4].T), rtol=1e-13)
+    assert math.isclose(attention**2, 1.8132604, rel_tol=1e-7)
+
+
 def test_module_imports_no_framework():
     code = (
         "import sys, mha_rosetta.core.rope_scaling\n"

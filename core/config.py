@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .rope_scaling import describe_rope_scaling, validate_rope_scaling
+
 
 def _require_positive_int(name: str, value: object) -> None:
     # bool is an int subclass; MHAConfig(d_model=True) is a typo, not a width.
@@ -318,8 +320,6 @@ class MHAConfig:
             dims = "" if self.rope_dims == self.d_k else f" dims={self.rope_dims}"
             parts.append(f"rope={self.rope}(base={self.rope_base:g}{dims})")
         if self.rope_scaling is not None:
-            from .rope_scaling import describe_rope_scaling
-
             parts.append(f"rope_scaling={describe_rope_scaling(self.rope_scaling)}")
         if self.qk_norm is not None:
             parts.append(f"qk_norm={self.qk_norm}")
@@ -342,8 +342,6 @@ def _resolve_rope_scaling(rope: str | None, rope_scaling: object) -> dict | None
         return None
     if rope is None:
         raise ValueError(f"MHAConfig.rope_scaling={rope_scaling!r} needs rope='half' or 'interleaved' (rope is None)")
-    from .rope_scaling import validate_rope_scaling
-
     return validate_rope_scaling(rope_scaling)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from .config import ROPE_STYLES, MHAConfig, require_config
 from .params import MHAParams, validate_params
+from .rope_scaling import scaled_frequencies
 
 
 def inverse_frequencies(rope_dims: int, base: float) -> np.ndarray:
@@ -85,8 +86,6 @@ def frequencies(cfg: MHAConfig, seq_len: int) -> tuple[np.ndarray, float]:
     """
     if cfg.rope_scaling is None:
         return inverse_frequencies(rotated_dims(cfg), cfg.rope_base), 1.0
-    from .rope_scaling import scaled_frequencies
-
     return scaled_frequencies(rotated_dims(cfg), cfg.rope_base, cfg.rope_scaling, seq_len)
 
 

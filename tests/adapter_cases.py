@@ -15,7 +15,7 @@ from conftest import BATCH, KV_TOKENS, Q_TOKENS
 from mha_rosetta.backends import CHUNKED, DIRECT_RESHAPE
 from mha_rosetta.backends._chunking import CHUNKED_HIDDEN_STAGES
 from mha_rosetta.checks.cases import SPEC_CASES, SpecCase
-from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare
+from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, stage_names
 
 CASES: list[SpecCase] = list(SPEC_CASES.values())
 CASE_BY_NAME = SPEC_CASES
@@ -125,7 +125,7 @@ def assert_output_matches_reference(backend, case: SpecCase, dtype: str, strateg
 def assert_every_stage_matches_reference(backend, case: SpecCase, dtype: str, strategy: str) -> None:
     _, stages = case.run(backend, dtype, strategy, return_stages=True)
     # The chunked strategy never holds the whole scores or weights: every other stage.
-    names = [n for n in STAGE_NAMES if strategy != CHUNKED or n not in CHUNKED_HIDDEN_STAGES]
+    names = [n for n in stage_names(case.cfg) if strategy != CHUNKED or n not in CHUNKED_HIDDEN_STAGES]
     assert_stages_close(stages, case.reference_stages(), dtype, names)
 
 

@@ -36,16 +36,11 @@ PACKING_EXAMPLES = (
 
 
 def family_config(layout: str) -> MHAConfig:
-    """A small configuration the family's real module holds: d_model 16, 4 heads of 4 (2 kv heads where it groups)."""
-    base = {"d_model": 16, "n_heads": 4, "d_k": 4}
-    extra = {
-        "hf-llama": {"n_kv_heads": 2, "bias": False, "rope": "half"},
-        "meta-llama": {"n_kv_heads": 2, "bias": False, "rope": "interleaved"},
-        "hf-gpt-neox": {"rope": "half", "rope_dims": 2},
-        "megatron": {"n_kv_heads": 2},
-        "hf-t5": {"bias": False, "scale": 1.0},
-    }.get(layout, {})
-    return MHAConfig(**base, **extra)
+    """A small configuration the family's real module holds: d_model 16, 4 heads of 4, and the layout's own
+    `Layout.example` (2 kv heads where it groups, its rotary, T5's scale 1...)."""
+    from mha_rosetta.models import get_layout
+
+    return MHAConfig(**{"d_model": 16, "n_heads": 4, "d_k": 4, **get_layout(layout).example})
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -81,14 +81,17 @@ def unexpressible(module: object, setting: str, why: str = "") -> Exception:
 
 
 def to_array(value) -> np.ndarray:
-    """A torch tensor (any device, bfloat16 too), a JAX or Keras array -> a NumPy array that owns its memory."""
+    """A torch tensor (any device, bfloat16 too), a JAX array, a Flax NNX variable or a Keras variable -> a NumPy
+    array that owns its memory."""
     if hasattr(value, "detach"):  # torch: NumPy has no bfloat16, so widen it (exactly) to float32
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
             value = value.float()
         return np.array(value.numpy(), copy=True)
-    if hasattr(value, "value") and not isinstance(value, np.ndarray) and hasattr(value.value, "shape"):
-        value = value.value  # a Flax NNX Param / a Keras variable's value
+    if hasattr(value, "get_value"):  # a Flax NNX Param
+        value = value.get_value()
+    elif hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # a Keras variable
+        value = value.numpy()
     return np.array(value, copy=True)
 
 
@@ -180,8 +183,15 @@ def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
 def read_module(layout, module) -> ModuleSpec:
     """``module`` read by ``layout``'s reader: its configuration, and its tensors unpacked exactly."""
     reader: ModuleReader = layout.reader
-    cfg = reader.config(module)
+    cfg = _default_scale_as_default(reader.config(module))
     return ModuleSpec(cfg, layout.from_state_dict(cfg, reader.state(module, cfg)))
+
+
+def _default_scale_as_default(cfg: MHAConfig) -> MHAConfig:
+    """A module's ``head_dim**-0.5`` and the spec's ``1/sqrt(d_k)`` can differ in the last bit: the default is kept."""
+    if math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k), rel_tol=1e-12):
+        return replace(cfg, scale=None)
+    return cfg
 
 
 def load_module(layout, cfg: MHAConfig, params: MHAParams, module):
@@ -189,7 +199,7 @@ def load_module(layout, cfg: MHAConfig, params: MHAParams, module):
     from ._layout import LayoutError
 
     reader: ModuleReader = layout.reader
-    differences = config_differences(reader.config(module), cfg)
+    differences = config_differences(_default_scale_as_default(reader.config(module)), cfg)
     if differences:
         raise LayoutError(
             f"to_module: {class_name(module)} was built for another configuration than the parameters' "

@@ -86,13 +86,13 @@ def _variables(layer) -> dict:
 
 def _config(layer) -> MHAConfig:
     """The layer's configuration: its constructor arguments, and the widths its kernels were built for."""
+    variables = _variables(layer)
     for attribute, setting in (("_sliding_window", "sliding_window"), ("_use_gate", "use_gate")):
         value = getattr(layer, attribute, None)
         if value:
             raise unexpressible(layer, f"{setting}={value!r}")
     if tuple(layer._attention_axes) != (1,):
         raise unexpressible(layer, f"attention_axes={layer._attention_axes!r}", "the spec attends over tokens (axis 1)")
-    variables = _variables(layer)
     width = variables["query/kernel"].shape[0]  # (E, H, key_dim)
     out_width = variables["attention_output/kernel"].shape[-1]  # (H, value_dim, out)
     if out_width != width:

@@ -164,9 +164,9 @@ def _flax_arrays(module) -> dict[str, np.ndarray]:
     for part in _FLAX_PARTS:
         layer = getattr(module, part)
         for leaf in ("kernel", "bias"):
-            value = getattr(layer, leaf, None)
-            if value is not None and getattr(value, "value", value) is not None:
-                arrays[f"{part}/{leaf}"] = to_array(value)
+            variable = getattr(layer, leaf, None)  # an nnx.Param, or None without bias
+            if variable is not None and (variable.get_value() if hasattr(variable, "get_value") else 0) is not None:
+                arrays[f"{part}/{leaf}"] = to_array(variable)
     return arrays
 
 
@@ -190,6 +190,7 @@ def _flax_config(module) -> MHAConfig:
     return MHAConfig(
         d_model=width,
         n_heads=heads,
+        n_kv_heads=arrays["key/kernel"].shape[1],  # NNX's num_kv_heads; the flax layout has no grouping
         d_k=head_dim,
         d_v=arrays["value/kernel"].shape[2],
         kdim=arrays["key/kernel"].shape[0],
@@ -213,7 +214,7 @@ def _flax_load(module, state: dict[str, np.ndarray]):
         return unbound.bind({**variables, "params": tree})
     for name, array in new.items():
         part, leaf = name.split("/")
-        getattr(getattr(module, part), leaf).value = array
+        getattr(getattr(module, part), leaf).set_value(array)
     return module
 
 

@@ -88,7 +88,7 @@ def _forward(module, cfg, x, padding, options):
             "new_decoder_architecture" if module.new_decoder_architecture else
             "multi_query" if module.multi_query else "per head"
         )  # fmt: skip
-        description = f"transformers FalconAttention ({options.implementation}, {packing})"
+        description = f"transformers FalconAttention, {packing} packing ({options.implementation})"
         precision = rotary_precision(options, eager_softmax_float32=False)
         return hf_forward("hf-falcon", module, description, x, forward, **precision)
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
+
+if TYPE_CHECKING:
+    from ._layout import Layout
 
 
 class ModuleSpec(NamedTuple):
@@ -180,25 +183,32 @@ def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
 # --- from_module / to_module on one layout (the registry's dispatch is in mha_rosetta.models) ------
 
 
-def read_module(layout, module) -> ModuleSpec:
+def _reader(layout: Layout) -> ModuleReader:
+    if layout.reader is None:
+        from ._layout import LayoutError
+
+        raise LayoutError(f"layout {layout.name!r} has no module reader")
+    return layout.reader
+
+
+def read_module(layout: Layout, module) -> ModuleSpec:
     """``module`` read by ``layout``'s reader: its configuration, and its tensors unpacked exactly."""
-    reader: ModuleReader = layout.reader
+    reader = _reader(layout)
     cfg = _default_scale_as_default(reader.config(module))
     return ModuleSpec(cfg, layout.from_state_dict(cfg, reader.state(module, cfg)))
 
 
 def _default_scale_as_default(cfg: MHAConfig) -> MHAConfig:
     """A module's ``head_dim**-0.5`` and the spec's ``1/sqrt(d_k)`` can differ in the last bit: the default is kept."""
-    if math.isclose(cfg.scale, 1.0 / math.sqrt(cfg.d_k), rel_tol=1e-12):
-        return replace(cfg, scale=None)
-    return cfg
+    default = 1.0 / math.sqrt(cfg.d_k)  # MHAConfig's own default, bit for bit
+    return replace(cfg, scale=default) if math.isclose(cfg.scale, default, rel_tol=1e-12) else cfg
 
 
-def load_module(layout, cfg: MHAConfig, params: MHAParams, module):
+def load_module(layout: Layout, cfg: MHAConfig, params: MHAParams, module):
     """``params`` (for ``cfg``) written into ``module`` by ``layout``'s reader; the module (or the new one)."""
     from ._layout import LayoutError
 
-    reader: ModuleReader = layout.reader
+    reader = _reader(layout)
     differences = config_differences(_default_scale_as_default(reader.config(module)), cfg)
     if differences:
         raise LayoutError(

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -88,3 +93,33 @@ def test_section_runs_every_real_module_it_can_and_names_the_rest():
     assert "| query_key_value.weight | (48, 16) | axis 0: 0:4 q head 0 \\| 4:8 k head 0" in markdown
     assert "Real checkpoints: the families at a glance" in result.to_text()
     assert result.to_dict()["checkpoints"][0]["tensors"][0]["name"] == "c_attn.weight"
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
+
+
+def test_falcons_three_packings_on_the_docs_page_are_the_converters():
+    """The docs table of Falcon's packings is what `hf-falcon`'s converter stores, row for row."""
+    from mha_rosetta.core import MHAConfig
+    from mha_rosetta.models import get_layout
+
+    page = DOCS.read_text(encoding="utf-8")
+    for kv_heads, switch in ((2, "new_decoder_architecture=True"), (1, "multi_query=True"), (4, "neither")):
+        cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=kv_heads, rope="half", causal=True, bias=False)
+        weight = get_layout("hf-falcon").to_state_dict(cfg, numbered_params(cfg))["query_key_value.weight"]
+        tensor = stored_tensor(cfg, "query_key_value.weight", weight)
+        rows = tensor.layout_text().removeprefix("axis 0: ").replace("|", "\\|")
+        row = next(
+            line for line in page.splitlines() if line.startswith(f"| `{switch}") or line.startswith(f"| {switch}")
+        )
+        assert f"`{tensor.shape}`" in row and f"`{rows}`" in row, (switch, row)
+
+
+def test_the_from_module_example_on_the_docs_page_prints_what_it_says():
+    pytest.importorskip("transformers", reason="the example builds a transformers LlamaAttention")
+    page = DOCS.read_text(encoding="utf-8")
+    example = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "from_module" in block)
+    expected = re.search(r"^# (d_model=.*)$", example, re.M).group(1)
+    done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected

@@ -36,7 +36,11 @@ def _forward(module, cfg, x, padding, options):
         def forward(xt):
             return module(xt, attention_mask=hf_mask(config, cfg, xt, padding))[0]
 
-        return hf_forward("hf-gpt2", module, f"transformers GPT2Attention ({options.implementation})", x, forward)
+        extra = {}
+        if module.reorder_and_upcast_attn and options.implementation == "eager":
+            extra = {"precision": "float32", "note": "reorder_and_upcast_attn=True: the eager scores run in float32"}
+        description = f"transformers GPT2Attention ({options.implementation})"
+        return hf_forward("hf-gpt2", module, description, x, forward, **extra)
 
 
 def _config(module) -> MHAConfig:
@@ -75,6 +79,8 @@ LAYOUT = Layout(
         "Conv1D weight is (in, out): the transpose of nn.Linear.weight; loading c_attn.weight into an nn.Linear "
         "without .T is the classic GPT-2 porting bug",
         "scale_attn_by_inverse_layer_idx=True (off by default) divides the scale by layer_idx + 1; not covered here",
+        "reorder_and_upcast_attn=True computes the eager scores in float32; in a float64 model HF's own path raises "
+        "(the float64 mask promotes its float32 scores and it checks for float32): a known difference",
         "the module is causal in the model (GPT2Model builds the causal mask); the attention itself takes any mask",
     ),
     runner=_gpt2,

@@ -274,6 +274,27 @@ def test_bert_layer_norm_is_left_alone_by_to_module():
     assert torch.equal(module.output.LayerNorm.weight, norm)
 
 
+def test_gpt2_upcast_attention_is_read_and_held_to_float32():
+    """reorder_and_upcast_attn changes where GPT-2 computes (float32 scores), not what: the spec is the same.
+
+    In a float64 model HF's own upcast path raises (the float64 causal mask promotes its float32 scores,
+    and it checks for float32): a known difference, shown here; the float32 model runs.
+    """
+    _need("torch", "transformers")
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    config = GPT2Config(n_embd=15, n_head=3, reorder_and_upcast_attn=True)
+    config._attn_implementation = "eager"
+    module = _randomised(GPT2Attention(config, layer_idx=0).double().eval())
+    x = _x(15)
+    with pytest.raises(RuntimeError, match="Error with upcasting"):
+        run_module(module, x)
+    run, cfg, params = run_module(module.float(), x)
+    assert cfg == HF_EXPECTED["gpt2"] and run.precision == "float32" and "reorder_and_upcast_attn" in run.note
+    assert_close(run.output, reference_mha(cfg, params, x), "float32", what="GPT-2 upcast attention")
+
+
 def test_a_float32_module_is_read_in_float32_and_loaded_back_in_float32():
     import torch
 

@@ -98,21 +98,26 @@ def test_section_runs_every_real_module_it_can_and_names_the_rest():
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
 
 
-def test_falcons_three_packings_on_the_docs_page_are_the_converters():
-    """The docs table of Falcon's packings is what `hf-falcon`'s converter stores, row for row."""
-    from mha_rosetta.core import MHAConfig
-    from mha_rosetta.models import get_layout
+def test_falcons_three_packings_are_the_converters_in_the_explainer_and_on_the_docs_page():
+    """Falcon's packings as the explainer draws them from `hf-falcon`'s converter, and the docs page's table."""
+    from mha_rosetta.explain.real_checkpoints import falcon_packings_table
 
+    title, headers, rows = falcon_packings_table()
+    assert "d_model 16, 4 heads of 4" in title and headers[:2] == ["FalconConfig", "G"]
+    assert [row[:3] for row in rows] == [
+        ["new_decoder_architecture=True", "2", "(32, 16)"],
+        ["multi_query=True", "1", "(24, 16)"],
+        ["neither (per head)", "4", "(48, 16)"],
+    ]
+    assert rows[0][3] == (
+        "axis 0: 0:4 q head 0 | 4:8 q head 1 | 8:12 k kv head 0 | 12:16 v kv head 0 | "
+        "16:20 q head 2 | 20:24 q head 3 | 24:28 k kv head 1 | 28:32 v kv head 1"
+    )  # hand-checked: view(B, N, G, H/G + 2, d) puts each group's 2 query heads before its k and v
     page = DOCS.read_text(encoding="utf-8")
-    for kv_heads, switch in ((2, "new_decoder_architecture=True"), (1, "multi_query=True"), (4, "neither")):
-        cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=kv_heads, rope="half", causal=True, bias=False)
-        weight = get_layout("hf-falcon").to_state_dict(cfg, numbered_params(cfg))["query_key_value.weight"]
-        tensor = stored_tensor(cfg, "query_key_value.weight", weight)
-        rows = tensor.layout_text().removeprefix("axis 0: ").replace("|", "\\|")
-        row = next(
-            line for line in page.splitlines() if line.startswith(f"| `{switch}") or line.startswith(f"| {switch}")
-        )
-        assert f"`{tensor.shape}`" in row and f"`{rows}`" in row, (switch, row)
+    for _, groups, shape, owners in rows:
+        line = next(line for line in page.splitlines() if line.startswith("| ") and f"`{shape}`" in line)
+        assert f"| {groups} |" in line or f"| H = {groups} |" in line, line
+        assert "`" + owners.removeprefix("axis 0: ").replace("|", "\\|") + "`" in line, line
 
 
 def test_the_from_module_example_on_the_docs_page_prints_what_it_says():

@@ -40,8 +40,9 @@ from . import (
     timm_vit,
 )
 from ._convert import convert_layouts
+from ._from_module import load_module, read_module
 from ._layout import BLOCKS, PACKINGS, PER_GROUP, PER_HEAD, SEPARATE, Layout, LayoutError
-from ._module_io import ModuleReader, ModuleSpec, class_key, class_name, load_module, read_module
+from ._module_io import ModuleReader, ModuleSpec, class_key, class_name
 from ._packing import pack_blocks, pack_groups, unpack_blocks, unpack_groups
 from .library_oracles import EQUINOX, FLAX, TORCH_MHA
 

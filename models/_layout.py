@@ -38,6 +38,7 @@ from mha_rosetta.core import (
 from mha_rosetta.core.config import require_config
 from mha_rosetta.core.layouts import _to_numpy  # torch tensors and JAX/Keras arrays -> NumPy, no framework import
 
+from ._errors import LayoutError
 from ._module_io import ModuleReader
 
 # Packing of q, k and v in the stored tensors: the three ways users confuse.
@@ -46,10 +47,6 @@ BLOCKS = "blocks"  # one tensor, [Q; K; V]: every q row, then every k row, then 
 PER_HEAD = "per head"  # one tensor, [q_0; k_0; v_0; q_1; k_1; v_1; ...]
 PER_GROUP = "per group"  # one tensor, per kv group g: [q heads of group g; k_g; v_g]
 PACKINGS = (SEPARATE, BLOCKS, PER_HEAD, PER_GROUP)
-
-
-class LayoutError(ValueError):
-    """A configuration a layout cannot hold, or a state dict that does not fit it."""
 
 
 Rule = Callable[[MHAConfig], "str | None"]

@@ -17,6 +17,8 @@ Design rules:
 * NumPy only at import. Framework tensors are read by duck typing (``.detach().cpu().numpy()`` for
   torch, ``np.asarray`` for JAX and Keras arrays); a loader that must build a framework tensor imports
   its framework inside the function.
+* `from_module` / `to_module` on one layout are in `_from_module` (which imports the layouts; this
+  module does not, so that `_layout` can import `ModuleReader` from here).
 * `to_module` writes in place where the framework's modules are mutable (torch, Keras, Flax NNX) and
   returns the module; where they are immutable (Equinox, a bound Flax linen module) it returns a new
   module holding the parameters, and the caller must use the returned one.
@@ -26,15 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
 
-if TYPE_CHECKING:
-    from ._layout import Layout
+from ._errors import LayoutError
 
 
 class ModuleSpec(NamedTuple):
@@ -77,8 +78,6 @@ def class_name(module: object) -> str:
 
 def unexpressible(module: object, setting: str, why: str = "") -> Exception:
     """The `LayoutError` for a module setting the spec cannot express (yet): names the class and the setting."""
-    from ._layout import LayoutError
-
     tail = f": {why}" if why else ""
     return LayoutError(f"{class_name(module)} has {setting}, which the spec cannot express yet{tail}")
 
@@ -115,8 +114,6 @@ def load_torch(module, state: Mapping[str, np.ndarray]):
         for name, array in state.items():
             target = module.get_parameter(name)
             if tuple(target.shape) != tuple(array.shape):
-                from ._layout import LayoutError
-
                 raise LayoutError(
                     f"{class_name(module)}.{name} has shape {tuple(target.shape)}, the state dict {tuple(array.shape)}"
                 )
@@ -178,41 +175,3 @@ def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
         if not same:
             out.append(f"{f.name}: module {a!r}, given {b!r}")
     return out
-
-
-# --- from_module / to_module on one layout (the registry's dispatch is in mha_rosetta.models) ------
-
-
-def _reader(layout: Layout) -> ModuleReader:
-    if layout.reader is None:
-        from ._layout import LayoutError
-
-        raise LayoutError(f"layout {layout.name!r} has no module reader")
-    return layout.reader
-
-
-def read_module(layout: Layout, module) -> ModuleSpec:
-    """``module`` read by ``layout``'s reader: its configuration, and its tensors unpacked exactly."""
-    reader = _reader(layout)
-    cfg = _default_scale_as_default(reader.config(module))
-    return ModuleSpec(cfg, layout.from_state_dict(cfg, reader.state(module, cfg)))
-
-
-def _default_scale_as_default(cfg: MHAConfig) -> MHAConfig:
-    """A module's ``head_dim**-0.5`` and the spec's ``1/sqrt(d_k)`` can differ in the last bit: the default is kept."""
-    default = 1.0 / math.sqrt(cfg.d_k)  # MHAConfig's own default, bit for bit
-    return replace(cfg, scale=default) if math.isclose(cfg.scale, default, rel_tol=1e-12) else cfg
-
-
-def load_module(layout: Layout, cfg: MHAConfig, params: MHAParams, module):
-    """``params`` (for ``cfg``) written into ``module`` by ``layout``'s reader; the module (or the new one)."""
-    from ._layout import LayoutError
-
-    reader = _reader(layout)
-    differences = config_differences(_default_scale_as_default(reader.config(module)), cfg)
-    if differences:
-        raise LayoutError(
-            f"to_module: {class_name(module)} was built for another configuration than the parameters' "
-            f"({'; '.join(differences)})"
-        )
-    return reader.load(module, layout.to_state_dict(cfg, params))

@@ -16,6 +16,10 @@ T5 does not scale its scores, Meta's Llama has no biases) raises `LayoutError` n
 layout and the field. `convert_state_dict` moves a checkpoint from one family to another
 through the canonical parameters, permuting the q/k rows when the two families use
 different rotary conventions (Meta's interleaved pairs vs Hugging Face's halves).
+
+`from_module(module)` reads a real attention module instance (weights and configuration) into
+``ModuleSpec(cfg, params)``; `to_module(cfg, params, module)` loads it back. The class decides the
+layout (`MODULE_LAYOUTS`, built from each layout's `Layout.reader`); see `_module_io` for the rules.
 """
 
 from __future__ import annotations

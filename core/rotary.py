@@ -149,7 +149,12 @@ def rope_permutation(d_k: int, rope_dims: int) -> np.ndarray:
 
 
 def _permute_heads(cfg: MHAConfig, params: MHAParams, perm: np.ndarray) -> MHAParams:
-    """``params`` with the rows of every head of w_q/w_k (and b_q/b_k) reordered by ``perm``."""
+    """``params`` with the rows of every head of w_q/w_k (and b_q/b_k) reordered by ``perm``.
+
+    QK-norm weights move with the features they scale: a per-head ``(d_k,)`` weight is one head's
+    worth, a projection-wide one ``(n_heads*d_k,)`` is reordered head by head. RMSNorm's mean of
+    squares does not depend on the order of the features, so the layer computes the same.
+    """
 
     def rows(array, n_heads):  # (n_heads*Dk, ...) -> the same with each head's rows reordered
         if array is None:
@@ -163,6 +168,8 @@ def _permute_heads(cfg: MHAConfig, params: MHAParams, perm: np.ndarray) -> MHAPa
         b_q=rows(params.b_q, cfg.n_heads),
         w_k=rows(params.w_k, cfg.n_kv_heads),
         b_k=rows(params.b_k, cfg.n_kv_heads),
+        q_norm=rows(params.q_norm, 1 if cfg.qk_norm == "head" else cfg.n_heads),
+        k_norm=rows(params.k_norm, 1 if cfg.qk_norm == "head" else cfg.n_kv_heads),
     )
 
 

@@ -88,9 +88,10 @@ def t5_buckets(distance: np.ndarray, buckets: int, max_distance: int, bidirectio
     half for the rest. Unidirectional (the decoder): future keys fall in bucket 0 with the
     query itself, past ones by how far back they are. Within a half, ``max_exact = n // 2``
     buckets hold one distance each and the rest are log-spaced up to ``max_distance``, every
-    farther distance sharing the last bucket. The log is taken in float32, as T5 does: at
-    distances where the exact logarithm lands on a bucket edge (16, 32, 64 with 32 buckets and
-    128) float64 would truncate to the other side.
+    farther distance sharing the last bucket. The log is taken in float32, as T5 does, so that
+    a distance whose exact logarithm lands on a bucket edge truncates as T5's does. Measured: for
+    T5's own 32 buckets up to 128 float32 and float64 agree at every distance below 1000; with 6
+    decoder buckets up to 7, distance 7 is an edge where they differ before the last-bucket cap.
     """
     distance = np.asarray(distance, dtype=np.int64)
     result = np.zeros(distance.shape, dtype=np.int64)

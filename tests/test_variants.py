@@ -95,7 +95,7 @@ def test_t5_buckets_by_hand():
 def test_t5_buckets_equal_t5s_own_function(buckets, max_distance, bidirectional):
     torch = pytest.importorskip("torch", reason="T5's bucket function needs torch")
     t5 = pytest.importorskip("transformers.models.t5.modeling_t5", reason="needs transformers")
-    # Every distance up to 300 either way, including 16, 32, 64 and 128, where the exact log lands on a bucket edge.
+    # Every distance up to 300 either way, including the exact bucket edges (16, 32, 64 and 128 for 32 buckets up to 128).
     d = np.arange(-300, 301)
     theirs = t5.T5Attention._relative_position_bucket(
         torch.from_numpy(d), bidirectional=bidirectional, num_buckets=buckets, max_distance=max_distance
@@ -331,3 +331,19 @@ def test_the_variants_page_example_prints_what_the_page_says(capsys):
     printed = page.split("```text\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/variants.md", "exec"), {})
     assert capsys.readouterr().out == printed
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "projection"])
+def test_rotary_conversion_carries_the_qk_norm_weights(qk_norm):
+    from mha_rosetta.core import to_interleaved_params, to_rotate_half_params
+
+    cfg = MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", qk_norm=qk_norm, causal=True)
+    params = init_params(cfg, seed=3)
+    x = np.random.default_rng(5).standard_normal((2, 5, 24))
+    half_cfg, half = to_rotate_half_params(cfg, params)
+    np.testing.assert_allclose(reference_mha(half_cfg, half, x), reference_mha(cfg, params, x), rtol=1e-12, atol=1e-13)
+    back_cfg, back = to_interleaved_params(half_cfg, half)
+    assert back_cfg == cfg
+    np.testing.assert_array_equal(back.q_norm, params.q_norm)
+    np.testing.assert_array_equal(back.k_norm, params.k_norm)
+    assert not np.array_equal(half.q_norm, params.q_norm)  # the weights did move

@@ -94,13 +94,13 @@ def run(args: argparse.Namespace) -> int:
         from mha_rosetta.diagnose.confusion import (
             confusion,
             render_evidence,
-            render_markdown,
             render_separation,
+            render_tables,
             separating_probes,
         )
 
         outcomes = confusion()
-        print(render_markdown(outcomes))
+        print(render_tables(outcomes))
         print(
             "The simplest probe that tells each pair of causes apart (max abs difference of their simulated outputs):\n"
         )

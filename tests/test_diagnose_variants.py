@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import requires
+from conftest import requires, run_cli
 from mha_rosetta.backends import get_backend, missing_backends
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
@@ -199,3 +199,64 @@ def test_backends_that_declare_a_variant_are_diagnosed_agrees(name):
         ran.append(case)
     if not ran:
         pytest.skip(f"{name} declares none of the variant cases' variants on this branch: {reasons[0]}")
+
+
+# -- the command line -------------------------------------------------------------------------
+PORT = """
+from mha_rosetta.core import MHAConfig
+from mha_rosetta.diagnose.injected import numpy_candidate
+
+CFG = MHAConfig(
+    d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="half", window=3, softcap=1.5, scale=0.3, bias=False
+)
+candidate = numpy_candidate(CFG, "window W+1")
+correct = numpy_candidate(CFG)
+"""
+GEMMA_OPTIONS = ("--d-model", "24", "--heads", "4", "--kv-heads", "2", "--causal", "--rope", "half", "--no-bias")
+GEMMA_OPTIONS += ("--window", "3", "--softcap", "1.5", "--scale", "0.3")
+
+
+def test_cli_diagnoses_a_variant_configuration(tmp_path):
+    (tmp_path / "gemma_port.py").write_text(PORT, encoding="utf-8")
+    done = run_cli("diagnose", "gemma_port:candidate", *GEMMA_OPTIONS, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "softcap=1.5 window=3):" in done.stdout
+    assert "1. window: 4 keys where the window holds 3 (the query's own included)" in done.stdout
+    assert "repairs.window_mask(cfg, mask)" in done.stdout
+    fixed = run_cli("diagnose", "gemma_port:correct", *GEMMA_OPTIONS, cwd=tmp_path)
+    assert fixed.returncode == 0 and "agrees with the oracle" in fixed.stdout, fixed.stderr
+
+
+def test_cli_variant_options_map_to_the_config():
+    import argparse
+
+    from mha_rosetta.cli.diagnose import add_arguments
+    from mha_rosetta.cli.variant_options import with_variants
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    words = "--d-model 16 --heads 4 --qkv-bias --qk-norm projection --norm-eps 1e-5 --alibi --sinks --rel-buckets 8"
+    words += " --rel-max-distance 5 --rel-decoder --rope half --rope-scaling"
+    args = parser.parse_args([*words.split(), '{"rope_type": "linear", "factor": 2}'])
+    cfg = with_variants(MHAConfig(d_model=16, n_heads=4, rope="half"), args)
+    assert (cfg.bias, cfg.qk_norm, cfg.norm_eps, cfg.alibi, cfg.sinks) == ("qkv", "projection", 1e-5, True, True)
+    assert (cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional) == (8, 5, False)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.variants == ("qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "sinks", "rope_scaling")
+
+
+def test_cli_variant_option_errors_name_the_option(tmp_path):
+    (tmp_path / "gemma_port.py").write_text(PORT, encoding="utf-8")
+    cases = [
+        (["--window", "0"], "MHAConfig.window must be a positive int, got 0"),
+        (["--softcap", "-1"], "MHAConfig.softcap must be a finite positive number, got -1.0"),
+        (["--rope-scaling", "[1]"], "argument --rope-scaling: expected a JSON object (a dict), got '[1]'"),
+        (["--rope-scaling", "{"], "argument --rope-scaling: expected a JSON object in Hugging Face's form"),
+        (["--rel-decoder"], "--rel-decoder needs --rel-buckets"),
+        (["--norm-eps", "1e-5"], "--norm-eps needs --qk-norm"),
+        (["--qkv-bias", "--no-bias"], "--qkv-bias (q, k and v biased) contradicts --no-bias"),
+    ]
+    for extra, message in cases:
+        done = run_cli("diagnose", "gemma_port:candidate", "--d-model", "24", "--heads", "4", *extra, cwd=tmp_path)
+        assert done.returncode == 2, (extra, done.stdout)
+        assert message in done.stderr, (extra, done.stderr)

@@ -256,7 +256,7 @@ def _variant_hypotheses(cfg: MHAConfig) -> Iterator[Hypothesis]:
             lambda cfg, p, m: (p, repairs.window_mask(cfg, m)),
             needs_mask=True,
         )
-        if cfg.causal:
+        if cfg.causal and W > 1:  # a window of one key is the diagonal from either end
             yield Hypothesis(
                 "window",
                 f"counted from the wrong end: the {W} keys from the query's own forward (the causal mask leaves the "

@@ -46,7 +46,8 @@ def variant_bugs_for(cfg: MHAConfig, q_tokens: int) -> dict[str, bool]:
         "softcap dropped": cfg.softcap is not None,
         # One more key shows only where the window is shorter than the probes.
         "window W+1": cfg.window is not None and cfg.window < q_tokens,
-        "window wrong end": cfg.window is not None and cfg.causal,
+        # A window of one key is the diagonal from either end.
+        "window wrong end": cfg.window is not None and cfg.causal and cfg.window > 1,
         "alibi power-of-two slopes": cfg.alibi and bool(cfg.n_heads & (cfg.n_heads - 1)),
         "alibi sign": cfg.alibi,
         "qk-norm per head": cfg.qk_norm == "projection" and cfg.n_heads > 1,

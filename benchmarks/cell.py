@@ -43,6 +43,7 @@ from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
 from .memory import MemoryProbe
 from .pinning import DEFAULT_MALLOC_MODE, cpu_utilisation, cpu_warnings, malloc_env, require_positive_int
+from .variants import check_variant, variant_overrides
 
 STANDARD_STRATEGY = "standard"  # the same string as backends.base.STANDARD (not imported: keep this light)
 
@@ -89,6 +90,7 @@ class CellSpec:
     seed: int = 0
     malloc: str = DEFAULT_MALLOC_MODE  # pinning.MALLOC_MODES: the allocator rule of the child
     mode: str = "fwd"  # flops.MODES: "fwd" times the forward, "fwdbwd" forward+backward (run_vjp)
+    variant: str | None = None  # benchmarks.variants.BENCH_VARIANTS: the configuration's variant (None: plain)
 
     def __post_init__(self) -> None:
         split_implementation(self.implementation)  # validates the label
@@ -96,6 +98,7 @@ class CellSpec:
             require_positive_int(f"CellSpec.{name}", getattr(self, name))
         malloc_env(self.malloc)  # validates the mode
         mode_flops(1, self.mode)  # validates the timing mode
+        check_variant(self.variant)
 
     @property
     def backend(self) -> str:
@@ -107,7 +110,8 @@ class CellSpec:
 
     def identity(self) -> dict:
         identity = {name: getattr(self, name) for name in IDENTITY_FIELDS}
-        return identity if self.mode == "fwd" else {**identity, "mode": self.mode}  # old records: forward
+        identity = identity if self.mode == "fwd" else {**identity, "mode": self.mode}  # old records: forward
+        return identity if self.variant is None else {**identity, "variant": self.variant}  # old records: plain
 
     def key(self) -> str:
         """A stable string for resuming: equal keys mean the same measurement."""
@@ -129,7 +133,10 @@ def cell_key(result: dict) -> str:
     """The resume key of a recorded cell result (same as `CellSpec.key` of its spec)."""
     identity = {name: result.get(name) for name in IDENTITY_FIELDS}
     mode = result.get("mode", "fwd")  # records from before training cells are forward cells
-    return json.dumps(identity if mode == "fwd" else {**identity, "mode": mode}, sort_keys=True)
+    identity = identity if mode == "fwd" else {**identity, "mode": mode}
+    if result.get("variant") is not None:  # records from before the variants are plain cells
+        identity["variant"] = result["variant"]
+    return json.dumps(identity, sort_keys=True)
 
 
 def build_config(spec: CellSpec):
@@ -143,7 +150,7 @@ def build_config(spec: CellSpec):
         n_kv_heads=spec.kv_heads,
         kdim=spec.kdim,
         vdim=spec.vdim,
-        causal=spec.causal,
+        **{"causal": spec.causal, **variant_overrides(spec.variant, spec.tokens)},
     )
 
 

@@ -6,6 +6,7 @@ from mha_rosetta.core.tables import markdown_table as table_lines
 
 from .report import cell_label
 from .rounds import cell_interval, cell_time, is_corrected, raw_interval
+from .variants import VARIANT_COLUMNS, variant_rows
 
 
 def _ms(seconds) -> str:
@@ -129,6 +130,9 @@ def markdown_table(report: dict) -> str:
     corrected = any(is_corrected(cell) for cell in report["cells"])
     columns = CORRECTED_COLUMNS if corrected else MARKDOWN_COLUMNS
     lines += table_lines(columns, [markdown_row(cell, corrected) for cell in report["cells"]])
+    if any(cell.get("variant") is not None for cell in report["cells"]):
+        lines += ["", "What each variant costs (its time over its baseline's, the same implementation and size):", ""]
+        lines += table_lines(VARIANT_COLUMNS, variant_rows(report["cells"], cell_time))
     warned = [cell for cell in report["cells"] if cell.get("warnings")]
     if warned:
         lines.append("")

@@ -27,6 +27,15 @@ PRESETS: dict[str, dict] = {
         policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=3),
         gemm_n=1024, gemm_policy=dict(min_time=1.0, min_repeats=7, max_time=3.0, warmup=2), rounds=3,
     ),
+    # What each variant of 2024-26 attention costs (benchmarks.variants): the reference size, our four
+    # conventions and the einops ones, every variant and its baseline, three rounds.
+    "variants": dict(
+        implementations=["main"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
+        policy=dict(min_time=0.5, min_repeats=5, max_time=1.5, warmup=2),
+        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
+        variants=["plain", "causal", "window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi",
+                  "rel_bias", "sinks", "rope", "rope_yarn"],
+    ),
     # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
     # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.
     "gpu": dict(

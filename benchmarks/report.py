@@ -316,7 +316,8 @@ def failed_cells(report: dict) -> list[dict]:
 def cell_label(cell: dict) -> str:
     """The implementation as tables and plots show it: ``numpy:slicing``, or ``numpy:slicing fwd+bwd``."""
     mode = cell.get("mode", "fwd")  # reports from before training cells hold forward cells
-    return cell["implementation"] if mode == "fwd" else f"{cell['implementation']} fwd+bwd"
+    label = cell["implementation"] if mode == "fwd" else f"{cell['implementation']} fwd+bwd"
+    return label if cell.get("variant") is None else f"{label} [{cell['variant']}]"
 
 
 def headline_peak(report: dict) -> tuple[str | None, float | None]:

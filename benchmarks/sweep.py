@@ -55,6 +55,7 @@ from .rounds import (
     round_orders,
 )
 from .timing import RepeatPolicy
+from .variants import BENCH_VARIANTS, check_variant
 
 
 @dataclass
@@ -82,6 +83,8 @@ class SweepSettings:
     memory_budget_mb: float | None = None
     seed: int | None = None  # the shuffle seed; None: drawn when the sweep starts, then recorded
     modes: list[str] = field(default_factory=lambda: ["fwd"])  # flops.MODES: forward, forward+backward
+    # benchmarks.variants.BENCH_VARIANTS names; None is the plain configuration of every other preset.
+    variants: list[str | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         malloc_env(self.malloc)  # validates the mode
@@ -92,6 +95,10 @@ class SweepSettings:
             raise ValueError("modes must name at least one of fwd, fwdbwd")
         for mode in self.modes:
             mode_flops(1, mode)  # validates the name
+        if not self.variants:
+            raise ValueError(f"variants must name at least one of {', '.join(BENCH_VARIANTS)} (or None), got []")
+        for variant in self.variants:
+            check_variant(variant)
         RepeatPolicy(**self.policy)  # validate early, in the parent, with a clear message
         RepeatPolicy(**self.gemm_policy)
         for name in ("tokens", "batch", "d_model", "heads"):
@@ -129,12 +136,12 @@ def expand_cells(settings: SweepSettings, implementations: list[str] | None = No
         CellSpec(
             implementation=label, device=device, dtype=dtype, batch=batch, tokens=tokens, d_model=d_model,
             heads=heads, threads=settings.threads, cpus=cpus, policy=dict(settings.policy), malloc=settings.malloc,
-            mode=mode,
+            mode=mode, variant=variant,
         )
         # itertools.product varies its last list fastest: the cells of one size stand together.
-        for device, dtype, d_model, heads, batch, tokens, label, mode in itertools.product(
+        for device, dtype, d_model, heads, batch, tokens, label, mode, variant in itertools.product(
             settings.devices, settings.dtypes, settings.d_model, settings.heads, settings.batch, settings.tokens,
-            labels, settings.modes,
+            labels, settings.modes, settings.variants,
         )
     ]  # fmt: skip
 

@@ -383,6 +383,7 @@ SPEC_CASES: dict[str, SpecCase] = {
             "window",
             "causal sliding window of 3 keys (the query's own and the 2 before it)",
             MHAConfig(d_model=14, n_heads=2, causal=True, window=3),  # d_k = 7
+            batch=3,
             q_tokens=8,
             dtypes=("float64", "float32"),
             seed=19,
@@ -391,6 +392,7 @@ SPEC_CASES: dict[str, SpecCase] = {
             "window_two_sided",
             "a window without causal: keys within 2 positions either side (|p_i - p_j| < 3)",
             MHAConfig(d_model=14, n_heads=2, window=3),
+            batch=3,
             q_tokens=6,
             dtypes=("float64",),
             seed=20,
@@ -405,7 +407,7 @@ SPEC_CASES: dict[str, SpecCase] = {
         SpecCase(
             "softcap",
             "logit softcap c = 1.5: scores become 1.5 tanh(s / 1.5), so the larger ones are pressed down",
-            MHAConfig(d_model=18, n_heads=2, softcap=1.5),  # d_k = 9
+            MHAConfig(d_model=18, n_heads=3, softcap=1.5),  # d_k = 6
             dtypes=("float64", "float32"),
             seed=22,
         ),
@@ -450,7 +452,7 @@ SPEC_CASES: dict[str, SpecCase] = {
         SpecCase(
             "t5_encoder",
             "T5 encoder: learned bidirectional relative position buckets (8 buckets, max distance 5), no scaling",
-            MHAConfig(d_model=16, n_heads=4, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5),
+            MHAConfig(d_model=16, n_heads=4, d_k=5, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5),
             q_tokens=9,
             dtypes=("float64", "float32"),
             seed=28,
@@ -461,6 +463,7 @@ SPEC_CASES: dict[str, SpecCase] = {
             MHAConfig(
                 d_model=16,
                 n_heads=4,
+                d_k=3,
                 bias=False,
                 scale=1.0,
                 causal=True,
@@ -495,6 +498,7 @@ SPEC_CASES: dict[str, SpecCase] = {
                 scale=0.25,
                 bias=False,
             ),
+            batch=3,
             q_tokens=8,
             dtypes=("float64", "bfloat16"),
             seed=31,
@@ -504,7 +508,7 @@ SPEC_CASES: dict[str, SpecCase] = {
             "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",
             MHAConfig(
                 d_model=26,
-                n_heads=2,
+                n_heads=3,
                 d_k=8,
                 rope="half",
                 rope_base=500000.0,

@@ -25,6 +25,16 @@ import time
 from pathlib import Path
 
 
+def _variant_list(text: str) -> list[str]:
+    from mha_rosetta.benchmarks.variants import BENCH_VARIANTS  # plain data
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in BENCH_VARIANTS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected names among {', '.join(BENCH_VARIANTS)}; got {text!r}")
+    return names
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
@@ -71,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends",
         old=("--implementations",),
         help="implementations or groups to time (default from the preset)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=_variant_list,
+        metavar="LIST",
+        help="attention variants to time, each with its baseline (benchmarks.variants; default from the preset: "
+        "none; --preset variants: all of them), e.g. plain,softcap",
     )
     parser.add_argument("--tokens", type=_int_list, metavar="LIST", help="token counts, e.g. 64,256,1024")
     parser.add_argument("--batch", type=_int_list, metavar="LIST", help="batch sizes")
@@ -192,6 +209,7 @@ def _settings(args: argparse.Namespace):
         seed=args.seed,
         memory_budget_mb=args.memory_budget,
         modes=["fwd", "fwdbwd"] if args.mode == "both" else [args.mode],
+        variants=args.variants,
     )
 
 

@@ -3,7 +3,10 @@
 ``mha-rosetta diagnose mypkg.mod:my_attention --d-model 12 --heads 3`` imports
 ``my_attention`` (a callable ``(params, query, key, value, mask) -> output``), runs
 `diagnose.diagnose` and prints the verdict, or the ranked causes with their evidence and
-fixes. ``--confusion`` prints the confusion table of the injected bugs instead.
+fixes. ``--like mypkg.ref:module`` takes the configuration from a real attention module instead
+of the size options (`models.from_module`: a Hugging Face attention layer, ``nn.MultiheadAttention``,
+Keras, Flax or Equinox; a function there is called with no arguments to build it).
+``--confusion`` prints the confusion table of the injected bugs instead.
 
 Exit status: 0 the candidate agrees with the oracle; 1 it disagrees (causes printed);
 2 it cannot be diagnosed (an import path that does not resolve, not callable, raised,
@@ -32,8 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODULE:CALLABLE",
         help="your attention: a callable (params, query, key, value, mask) -> output, by import path",
     )
-    parser.add_argument("--d-model", type=int, help="model width (required with a candidate)")
-    parser.add_argument("--heads", type=int, help="query heads (required with a candidate)")
+    parser.add_argument(
+        "--like",
+        metavar="MODULE:OBJECT",
+        help="take the configuration from this real attention module (from_module: a Hugging Face attention layer, "
+        "nn.MultiheadAttention, Keras, Flax or Equinox; a function is called to build it) instead of the size options",
+    )
+    parser.add_argument("--d-model", type=int, help="model width (required with a candidate, unless --like)")
+    parser.add_argument("--heads", type=int, help="query heads (required with a candidate, unless --like)")
     parser.add_argument("--kv-heads", type=int, help="kv heads (fewer: GQA, one: MQA; default: --heads)")
     parser.add_argument("--d-k", type=int, help="query/key width per head (default d_model / heads)")
     parser.add_argument("--d-v", type=int, help="value width per head (default d_k)")
@@ -47,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("half", "interleaved"),
         help="the candidate applies rotary embeddings: half (rotate_half, Hugging Face) or interleaved (Meta)",
     )
-    parser.add_argument("--rope-base", type=float, default=10000.0, help="rotary base (default 10000)")
+    parser.add_argument("--rope-base", type=float, help="rotary base (default 10000)")
     parser.add_argument("--rope-dims", type=int, help="rotated features per head (default d_k)")
     add_list(
         parser,
@@ -64,12 +73,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The options that describe the configuration: --like replaces all of them.
+CONFIG_OPTIONS = (
+    "d_model", "heads", "kv_heads", "d_k", "d_v", "kdim", "vdim", "no_bias", "causal", "scale", "rope", "rope_base",
+    "rope_dims",
+)  # fmt: skip
+
+
 def _config(args: argparse.Namespace):
     from mha_rosetta.core import MHAConfig
 
+    if args.like is not None:
+        given = [
+            "--" + name.replace("_", "-")
+            for name in CONFIG_OPTIONS
+            if getattr(args, name) is not None and getattr(args, name) is not False
+        ]
+        if given:
+            raise ValueError(f"--like gives the whole configuration; drop {', '.join(given)}")
+        from mha_rosetta.diagnose.isolated import resolve_like
+        from mha_rosetta.models import LayoutError, from_module
+
+        try:
+            return from_module(resolve_like(args.like)).cfg
+        except LayoutError as error:
+            raise ValueError(f"--like {args.like}: {error}") from error
     missing = [flag for flag, value in (("--d-model", args.d_model), ("--heads", args.heads)) if value is None]
     if missing:
-        raise ValueError(f"{' and '.join(missing)} required: the sizes the candidate's module was built for")
+        raise ValueError(
+            f"{' and '.join(missing)} required: the sizes the candidate's module was built for (or --like MODULE:OBJECT)"
+        )
     return MHAConfig(
         d_model=args.d_model,
         n_heads=args.heads,
@@ -82,7 +115,7 @@ def _config(args: argparse.Namespace):
         causal=args.causal,
         scale=args.scale,
         rope=args.rope,
-        rope_base=args.rope_base,
+        rope_base=10000.0 if args.rope_base is None else args.rope_base,
         rope_dims=args.rope_dims,
     )
 
@@ -128,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout
     for dtype, result in zip(dtypes, results, strict=True):
-        print(f"{args.candidate} ({cfg.describe()}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
+        like = f", like {args.like}" if args.like else ""
+        print(f"{args.candidate} ({cfg.describe()}{like}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
         print(result.summary(), file=out)
     if args.json:
-        head = {"candidate": args.candidate, "config": cfg.describe()}
+        head = {"candidate": args.candidate, "config": cfg.describe(), **({"like": args.like} if args.like else {})}
         # One dtype: the diagnosis' fields at the top level (as before --dtypes took a list); several: one each.
         body = results[0].as_dict() if len(results) == 1 else {
             "agrees": all(result.agrees for result in results),

@@ -13,11 +13,14 @@ head [q_0; k_0; v_0; q_1; ...]) and unpacks in the other; its repair,
 `repairs.repack_qkv`, feeds it parameters whose rows are pre-permuted so that its wrong
 unpacking reads the right rows.
 
-Imports NumPy, `core` and `backends` only (no framework).
+``diagnose(candidate, like=module)`` takes the reference configuration from a real attention
+module (`mha_rosetta.models.from_module`) instead of an ``MHAConfig``.
+
+Imports NumPy, `core`, `backends` and (for ``like``) `models` only (no framework).
 """
 
 from .causes import CAUSE_CODES, Hypothesis, hypotheses
-from .diagnosis import DEFAULT_TIMEOUT_S, Cause, DiagnoseError, Diagnosis, diagnose
+from .diagnosis import DEFAULT_TIMEOUT_S, Cause, DiagnoseError, Diagnosis, diagnose, reference_config
 from .simulate import Bug, simulate
 
 __all__ = [
@@ -30,5 +33,6 @@ __all__ = [
     "Hypothesis",
     "diagnose",
     "hypotheses",
+    "reference_config",
     "simulate",
 ]

@@ -169,8 +169,9 @@ def _same_prediction(cfg, a: _Fit, b: _Fit, observed: list[_Observed], dtype: st
 # -- the diagnosis --------------------------------------------------------------------------
 def diagnose(
     candidate,
-    cfg: MHAConfig,
+    cfg: MHAConfig | None = None,
     *,
+    like=None,
     dtype: str = "float64",
     timeout: float = DEFAULT_TIMEOUT_S,
     seed: int = 0,
@@ -183,6 +184,9 @@ def diagnose(
     attend, or None: NumPy arrays of ``dtype``. The candidate loads the parameters into its
     own module with its own conversion and returns (B, Nq, d_model) as a NumPy, torch or JAX
     array. Raises `DiagnoseError` when it cannot be diagnosed, naming the probe and the reason.
+    ``like``: a real attention module (Hugging Face, ``nn.MultiheadAttention``, Keras, Flax, Equinox)
+    whose configuration is the reference, instead of ``cfg``: ``mha_rosetta.models.from_module(like).cfg``
+    (its sizes, kv heads, scale, causal, rotary...). Give one of ``cfg`` and ``like``.
     ``announce(event, probe)``, if given, is called with ``"call"`` before and ``"done"`` after
     each call of the candidate (`diagnose.isolated` watches a child process's calls with it).
     """
@@ -191,7 +195,7 @@ def diagnose(
             f"candidate must be callable as candidate(params, query, key, value, mask) -> output; "
             f"got {type(candidate).__name__} {candidate!r:.80}"
         )
-    require_config(cfg)
+    cfg = reference_config(cfg, like)
     dtype = check_dtype_name(dtype)
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -271,6 +275,19 @@ def diagnose(
             )
     causes = [_cause(cfg, fit, fits, oracle, run, observed, partial, tol_dtype) for fit in explained]
     return Diagnosis(False, max_error, causes, [], notes, errors, tol_dtype)
+
+
+def reference_config(cfg: MHAConfig | None, like=None) -> MHAConfig:
+    """The configuration to diagnose against: ``cfg``, or the one `models.from_module` reads from ``like``."""
+    if like is None:
+        if cfg is None:
+            raise TypeError("diagnose needs the reference configuration: cfg=MHAConfig(...) or like=<attention module>")
+        return require_config(cfg)
+    if cfg is not None:
+        raise TypeError("give cfg or like, not both: like=<module> is the reference configuration (from_module)")
+    from mha_rosetta.models import from_module
+
+    return from_module(like).cfg
 
 
 def _ignores_key_value(run, probe: Probe, output: np.ndarray) -> bool:

@@ -19,6 +19,7 @@ spawn starts a fresh interpreter. A callable passed to `diagnose` directly stays
 from __future__ import annotations
 
 import importlib
+import inspect
 import multiprocessing
 import signal
 
@@ -30,8 +31,8 @@ START_TIMEOUT_S = 120.0  # starting the child and importing the candidate's modu
 GRACE_S = 2.0  # beyond the per-probe limit, for the child's own thread limit to report first
 
 
-def resolve_callable(path: str):
-    """``"pkg.mod:name"`` -> the object, with errors that name the path."""
+def resolve_object(path: str):
+    """``"pkg.mod:name"`` (``name`` may be dotted) -> the object, with errors that name the path."""
     from mha_rosetta.backends.registry import parse_target
 
     module_name, attr = parse_target(path)
@@ -45,10 +46,28 @@ def resolve_callable(path: str):
                 f"cannot import {path}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} has no attribute {part!r}"
             )
         obj = getattr(obj, part)
+    return obj
+
+
+def resolve_callable(path: str):
+    """``"pkg.mod:name"`` -> the callable, with errors that name the path."""
+    obj = resolve_object(path)
     if not callable(obj):
         raise ValueError(
             f"{path} is a {type(obj).__name__}, not callable as (params, query, key, value, mask) -> output"
         )
+    return obj
+
+
+def resolve_like(path: str):
+    """``--like pkg.mod:name`` -> the reference module: the object itself, or what a plain function (a
+    factory taking no arguments, ``make_module()``) returns. Its configuration is `models.from_module`'s."""
+    obj = resolve_object(path)
+    if inspect.isfunction(obj):
+        try:
+            obj = obj()
+        except TypeError as error:
+            raise ValueError(f"--like {path}: a function must build the module with no arguments: {error}") from error
     return obj
 
 

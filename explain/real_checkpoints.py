@@ -36,16 +36,11 @@ PACKING_EXAMPLES = (
 
 
 def family_config(layout: str) -> MHAConfig:
-    """A small configuration the family's real module holds: d_model 16, 4 heads of 4 (2 kv heads where it groups)."""
-    base = {"d_model": 16, "n_heads": 4, "d_k": 4}
-    extra = {
-        "hf-llama": {"n_kv_heads": 2, "bias": False, "rope": "half"},
-        "meta-llama": {"n_kv_heads": 2, "bias": False, "rope": "interleaved"},
-        "hf-gpt-neox": {"rope": "half", "rope_dims": 2},
-        "megatron": {"n_kv_heads": 2},
-        "hf-t5": {"bias": False, "scale": 1.0},
-    }.get(layout, {})
-    return MHAConfig(**base, **extra)
+    """A small configuration the family's real module holds: d_model 16, 4 heads of 4, and the layout's own
+    `Layout.example` (2 kv heads where it groups, its rotary, T5's scale 1...)."""
+    from mha_rosetta.models import get_layout
+
+    return MHAConfig(**{"d_model": 16, "n_heads": 4, "d_k": 4, **get_layout(layout).example})
 
 
 @dataclass(frozen=True)
@@ -191,10 +186,35 @@ CHECKPOINTS_INTRO = (
 
 
 def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The overview, then one table of stored tensors per family."""
+    """The overview, Falcon's three packings side by side, then one table of stored tensors per family."""
     if not explanation.checkpoints:
         return []
-    return [overview_table(explanation.checkpoints)] + [tensor_table(c) for c in explanation.checkpoints]
+    falcon = [falcon_packings_table()] if any(c.layout == "hf-falcon" for c in explanation.checkpoints) else []
+    return [overview_table(explanation.checkpoints), *falcon] + [tensor_table(c) for c in explanation.checkpoints]
+
+
+def falcon_packings_table() -> tuple[str, list[str], list[list[str]]]:
+    """Falcon's ``query_key_value`` under each of its packings, read back from the ``hf-falcon`` converter.
+
+    The two FalconConfig switches pick G, the number of kv groups of the per-group packing: ``num_kv_heads``
+    (``new_decoder_architecture``), 1 (``multi_query``) or H (neither: per head).
+    """
+    from dataclasses import replace
+
+    from mha_rosetta.models import get_layout
+    from mha_rosetta.models.hf_falcon import packing_switches
+
+    base = family_config("hf-falcon")
+    rows = []
+    for kv_heads in (2, 1, base.n_heads):
+        cfg = replace(base, n_kv_heads=kv_heads)
+        switches = ", ".join(f"{name}=True" for name, on in packing_switches(cfg).items() if on) or "neither (per head)"
+        weight = get_layout("hf-falcon").to_state_dict(cfg, numbered_params(cfg))["query_key_value.weight"]
+        tensor = stored_tensor(cfg, "query_key_value.weight", weight)
+        rows.append([switches, str(kv_heads), str(tensor.shape), tensor.layout_text()])
+    sizes = f"d_model {base.d_model}, {base.n_heads} heads of {base.d_k}"
+    title = f"Falcon's three packings of query_key_value, side by side ({sizes}; G kv groups)"
+    return title, ["FalconConfig", "G", "shape", "which rows belong to which role and head"], rows
 
 
 def overview_table(checkpoints: list[Checkpoint]) -> tuple[str, list[str], list[list[str]]]:

@@ -16,6 +16,10 @@ T5 does not scale its scores, Meta's Llama has no biases) raises `LayoutError` n
 layout and the field. `convert_state_dict` moves a checkpoint from one family to another
 through the canonical parameters, permuting the q/k rows when the two families use
 different rotary conventions (Meta's interleaved pairs vs Hugging Face's halves).
+
+`from_module(module)` reads a real attention module instance (weights and configuration) into
+``ModuleSpec(cfg, params)``; `to_module(cfg, params, module)` loads it back. The class decides the
+layout (`MODULE_LAYOUTS`, built from each layout's `Layout.reader`); see `_module_io` for the rules.
 """
 
 from __future__ import annotations
@@ -26,9 +30,23 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
-from . import hf_bert, hf_gpt2, hf_gpt_neox, hf_llama, hf_t5, keras_mha, megatron, meta_llama, timm_vit
+from . import (
+    hf_bert,
+    hf_falcon,
+    hf_gpt2,
+    hf_gpt_neox,
+    hf_llama,
+    hf_phi3,
+    hf_t5,
+    keras_mha,
+    megatron,
+    meta_llama,
+    timm_vit,
+)
 from ._convert import convert_layouts
+from ._from_module import load_module, read_module
 from ._layout import BLOCKS, PACKINGS, PER_GROUP, PER_HEAD, SEPARATE, Layout, LayoutError
+from ._module_io import ModuleReader, ModuleSpec, class_key, class_name
 from ._packing import pack_blocks, pack_groups, unpack_blocks, unpack_groups
 from .library_oracles import EQUINOX, FLAX, TORCH_MHA
 
@@ -40,6 +58,8 @@ LAYOUTS: dict[str, Layout] = {
         hf_llama.LAYOUT,
         meta_llama.LAYOUT,
         hf_gpt_neox.LAYOUT,
+        hf_phi3.LAYOUT,
+        hf_falcon.LAYOUT,
         megatron.LAYOUT,
         timm_vit.LAYOUT,
         hf_t5.LAYOUT,
@@ -49,6 +69,45 @@ LAYOUTS: dict[str, Layout] = {
         EQUINOX,
     )
 }
+
+
+# The one dispatch of `from_module` / `to_module`: each layout registers the classes its reader reads.
+MODULE_LAYOUTS: dict[str, Layout] = {
+    key: layout for layout in LAYOUTS.values() if layout.reader is not None for key in layout.reader.classes
+}
+
+
+def layout_of_module(module) -> Layout:
+    """The layout whose reader reads ``module``'s class (`MODULE_LAYOUTS`); `LayoutError` listing them otherwise."""
+    key = class_key(module)
+    if key not in MODULE_LAYOUTS:
+        raise LayoutError(
+            f"from_module/to_module: no layout reads {class_name(module)} ({key}); known classes: "
+            f"{', '.join(MODULE_LAYOUTS)} (a subclass is not read as its parent: it may compute something else)"
+        )
+    return MODULE_LAYOUTS[key]
+
+
+def from_module(module) -> ModuleSpec:
+    """A real attention module instance -> ``ModuleSpec(cfg, params)``: what it computes, in the spec.
+
+    Reads the module's configuration (heads, kv heads, head_dim, scale, causal where the module has it,
+    biases, rotary base and partial factor) and its tensors, exactly. ``cfg, params = from_module(m)``;
+    then ``reference_mha(cfg, params, x)`` is the module's output. A setting the spec cannot express yet
+    (a sliding window, softcap, QK-norm, sinks, ALiBi, scaled rotary, T5's relative bias) raises
+    `LayoutError` naming the class and the setting; so does a class no layout reads.
+    """
+    return read_module(layout_of_module(module), module)
+
+
+def to_module(cfg: MHAConfig, params, module):
+    """Load canonical ``params`` (for ``cfg``) into ``module`` and return it.
+
+    In place for torch, Keras and Flax NNX modules; Equinox modules and bound Flax linen modules are
+    immutable, so the returned module is a new one: use the return value. The module must have been built
+    for ``cfg`` (`LayoutError` naming the fields that differ otherwise).
+    """
+    return load_module(layout_of_module(module), cfg, params, module)
 
 
 def get_layout(name: str) -> Layout:
@@ -75,16 +134,22 @@ def convert_state_dict(
 __all__ = [
     "BLOCKS",
     "LAYOUTS",
+    "MODULE_LAYOUTS",
     "PACKINGS",
     "PER_GROUP",
     "PER_HEAD",
     "SEPARATE",
     "Layout",
     "LayoutError",
+    "ModuleReader",
+    "ModuleSpec",
     "convert_state_dict",
+    "from_module",
     "get_layout",
+    "layout_of_module",
     "pack_blocks",
     "pack_groups",
+    "to_module",
     "unpack_blocks",
     "unpack_groups",
 ]

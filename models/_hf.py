@@ -5,10 +5,13 @@ transformers and torch are imported inside the functions.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
+from ._module_io import to_array
 from ._real import RealRun, RunOptions, module_shapes, torch_state
 
 
@@ -36,17 +39,47 @@ def hf_config(config, options: RunOptions):
 
 
 def hf_run(layout: str, module, description: str, state, x, forward, **extra) -> RealRun:
-    """Load ``state`` into the HF ``module`` (strict) and run ``forward(x as a tensor)`` without gradients."""
+    """Load ``state`` into the HF ``module`` (strict) and run it (`hf_forward`)."""
+    module.load_state_dict(torch_state(state), strict=True)
+    return hf_forward(layout, module, description, x, forward, **extra)
+
+
+def hf_forward(layout: str, module, description: str, x, forward, **extra) -> RealRun:
+    """Run ``forward(x as a tensor of the module's dtype)`` without gradients on a loaded HF ``module``.
+
+    A module held in float32 (or lower) computes in it: the run's precision says so.
+    """
     import torch
 
-    module.load_state_dict(torch_state(state), strict=True)
+    dtype = next(module.parameters()).dtype
     with torch.no_grad():
-        output = forward(torch.from_numpy(x))
-    return RealRun(layout, "real", description, output.numpy(), parameters=module_shapes(module), **extra)
+        output = forward(torch.from_numpy(x).to(dtype))
+    run = RealRun(layout, "real", description, to_array(output).astype(np.float64), parameters=module_shapes(module))
+    for name, value in extra.items():
+        setattr(run, name, value)
+    if dtype != torch.float64:
+        run.precision = str(dtype).removeprefix("torch.")
+        run.note = "; ".join(filter(None, [f"the module holds {run.precision} parameters", run.note]))
+    return run
+
+
+@contextmanager
+def hf_implementation(config, options: RunOptions):
+    """``config._attn_implementation`` set to ``options.implementation`` for the duration, then restored."""
+    before = getattr(config, "_attn_implementation", None)
+    config._attn_implementation = options.implementation
+    try:
+        yield config
+    finally:
+        config._attn_implementation = before
 
 
 def rotary_tables(cfg: MHAConfig, options: RunOptions, rotary, x):
-    """The (cos, sin) each HF rotary model passes its attention layers, each (1, N, rope_dims), rotate-half layout."""
+    """The (cos, sin) each HF rotary model passes its attention layers, each (1, N, rope_dims), rotate-half layout.
+
+    ``rotary`` is the family's rotary module (its own float32 angles); ``options.float64_rotary`` gives the
+    spec's angles instead. Either way the tables come in ``x``'s dtype, as the model casts them.
+    """
     import torch
 
     tokens = x.shape[1]
@@ -56,14 +89,18 @@ def rotary_tables(cfg: MHAConfig, options: RunOptions, rotary, x):
 
     theta = angles(cfg, np.arange(tokens))  # (N, r/2), float64: the spec's angles
     doubled = np.concatenate([theta, theta], axis=-1)[None]  # (1, N, r): HF repeats them for the two halves
-    return torch.from_numpy(np.cos(doubled)), torch.from_numpy(np.sin(doubled))
+    return torch.from_numpy(np.cos(doubled)).to(x.dtype), torch.from_numpy(np.sin(doubled)).to(x.dtype)
 
 
-def rotary_precision(options: RunOptions) -> dict[str, str]:
-    """Where Llama and GPT-NeoX compute in float32 inside a float64 model, and so which tolerance applies."""
+def rotary_precision(options: RunOptions, eager_softmax_float32: bool = True) -> dict[str, str]:
+    """Where a rotary HF family computes in float32 inside a float64 model, and so which tolerance applies.
+
+    ``eager_softmax_float32``: the family's eager path is the shared ``eager_attention_forward``, whose softmax
+    is float32 (Llama, GPT-NeoX, Phi-3); Falcon's own eager path keeps the hidden states' dtype.
+    """
     causes = []
     if not options.float64_rotary:
         causes.append("the rotary module computes its angles in float32 (inv_freq and positions in torch.float)")
-    if options.implementation == "eager":
+    if options.implementation == "eager" and eager_softmax_float32:
         causes.append("eager attention's softmax runs in float32 (softmax(..., dtype=torch.float32))")
     return {"precision": "float32", "note": "; ".join(causes)} if causes else {}

@@ -38,16 +38,15 @@ from mha_rosetta.core import (
 from mha_rosetta.core.config import require_config
 from mha_rosetta.core.layouts import _to_numpy  # torch tensors and JAX/Keras arrays -> NumPy, no framework import
 
+from ._errors import LayoutError
+from ._module_io import ModuleReader
+
 # Packing of q, k and v in the stored tensors: the three ways users confuse.
 SEPARATE = "separate"  # one tensor each for q, k and v
 BLOCKS = "blocks"  # one tensor, [Q; K; V]: every q row, then every k row, then every v row
 PER_HEAD = "per head"  # one tensor, [q_0; k_0; v_0; q_1; k_1; v_1; ...]
 PER_GROUP = "per group"  # one tensor, per kv group g: [q heads of group g; k_g; v_g]
 PACKINGS = (SEPARATE, BLOCKS, PER_HEAD, PER_GROUP)
-
-
-class LayoutError(ValueError):
-    """A configuration a layout cannot hold, or a state dict that does not fit it."""
 
 
 Rule = Callable[[MHAConfig], "str | None"]
@@ -75,6 +74,10 @@ class Layout:
     runner: Callable | None = None
     requires: tuple[str, ...] = ()  # the libraries the runner imports
     hf_options: bool = False  # the runner takes Hugging Face's implementation / float64_rotary options
+    # How `from_module` / `to_module` read and load the family's real module instance (`_module_io`); None: no reader.
+    reader: ModuleReader | None = None
+    # A small configuration the real module holds, for the explainer's pictures (MHAConfig keyword arguments).
+    example: Mapping = field(default_factory=dict, hash=False)
 
     def unsupported_reason(self, cfg: MHAConfig) -> str | None:
         """Why this family's real module cannot hold ``cfg`` (the first rule that fails), or None."""
@@ -212,6 +215,17 @@ def unit_scale(module: str) -> Rule:
     def rule(cfg: MHAConfig) -> str | None:
         if cfg.scale != 1.0:
             return f"MHAConfig.scale={cfg.scale:g}: {module} does not scale scores (scale 1); pass scale=1.0"
+        return None
+
+    return rule
+
+
+def causal_only(module: str) -> Rule:
+    """The module is causal whatever mask it gets (``is_causal = True``, used by SDPA when no mask is passed)."""
+
+    def rule(cfg: MHAConfig) -> str | None:
+        if not cfg.causal:
+            return f"MHAConfig.causal=False: {module} is a decoder layer (is_causal=True); pass causal=True"
         return None
 
     return rule

@@ -10,15 +10,19 @@ outside this layout.
 
 from __future__ import annotations
 
-from ._hf import hf_config, hf_mask
+import numpy as np
+
+from mha_rosetta.core import MHAConfig
+
+from ._hf import hf_config, hf_implementation, hf_mask
 from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
+from ._module_io import to_array, torch_reader
 from ._real import HF_REQUIRES, RealRun, module_shapes, torch_state
 
 MODULE = "BertSelfAttention"
 
 
 def _bert(cfg, state, x, padding, options):
-    import torch
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertAttention
 
@@ -39,21 +43,45 @@ def _bert(cfg, state, x, padding, options):
         part.load_state_dict(
             {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}, strict=True
         )
-    xt = torch.from_numpy(x)
-    mask = hf_mask(config, cfg, xt, padding)
-    with torch.no_grad():
-        merged = module.self(xt, attention_mask=mask)[0]  # (B, N, H*d): BertSelfAttention stops here
+    return _forward(module, cfg, x, padding, options)
+
+
+def _forward(module, cfg, x, padding, options):
+    import torch
+
+    dtype = next(module.parameters()).dtype
+    xt = torch.from_numpy(x).to(dtype)
+    with hf_implementation(module.self.config, options) as config, torch.no_grad():
+        merged = module.self(xt, attention_mask=hf_mask(config, cfg, xt, padding))[0]  # (B, N, H*d): stops here
         output = module.output.dense(merged)
-    return RealRun(
+    run = RealRun(
         "hf-bert",
         "real",
         f"transformers BertSelfAttention + BertSelfOutput.dense ({options.implementation})",
-        output.numpy(),
-        merged.numpy(),
+        to_array(output).astype(np.float64),
+        to_array(merged).astype(np.float64),
         parameters=module_shapes(module),
         note="BertSelfOutput then computes LayerNorm(dense + input): outside the spec",
     )
+    if dtype != torch.float64:
+        run.precision = str(dtype).removeprefix("torch.")
+    return run
 
+
+def _config(module) -> MHAConfig:
+    """The BertAttention instance's configuration (its self-attention's heads, causal when a decoder)."""
+    attention = module.self
+    return MHAConfig(
+        d_model=attention.query.in_features,
+        n_heads=attention.num_attention_heads,
+        d_k=attention.attention_head_size,
+        bias=attention.query.bias is not None,
+        causal=bool(attention.is_causal),
+        scale=attention.scaling,
+    )
+
+
+PACKING = separate_linears({"w_q": "self.query", "w_k": "self.key", "w_v": "self.value", "w_o": "output.dense"})
 
 LAYOUT = Layout(
     name="hf-bert",
@@ -70,7 +98,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is((None,), MODULE),
     ),
-    **separate_linears({"w_q": "self.query", "w_k": "self.key", "w_v": "self.value", "w_o": "output.dense"}),
+    **PACKING,
     notes=(
         "BertSelfAttention returns the merged context (before the output projection); "
         "BertSelfOutput then computes LayerNorm(dense(context) + input)",
@@ -79,4 +107,5 @@ LAYOUT = Layout(
     runner=_bert,
     requires=HF_REQUIRES,
     hf_options=True,
+    reader=torch_reader(("transformers.BertAttention",), _config, PACKING["shapes"], _forward),
 )

@@ -10,17 +10,20 @@ Rotary embeddings (rotate-half) turn only the first ``rotary_pct * d`` features 
 
 from __future__ import annotations
 
-from ._hf import hf_config, hf_mask, hf_run, rotary_precision, rotary_tables
+from mha_rosetta.core import MHAConfig
+
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
 from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
+from ._module_io import hf_rope, torch_reader
 from ._packing import pack_groups, unpack_groups
-from ._real import HF_REQUIRES
+from ._real import HF_REQUIRES, torch_state
 
 MODULE = "GPTNeoXAttention"
 
 
 def _gpt_neox(cfg, state, x, padding, options):
     from transformers import GPTNeoXConfig
-    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
     config = hf_config(
         GPTNeoXConfig(
@@ -40,13 +43,43 @@ def _gpt_neox(cfg, state, x, padding, options):
     if module.rotary_ndims != cfg.rope_dims:
         raise ValueError(f"GPTNeoXAttention rotates {module.rotary_ndims} features per head, the spec {cfg.rope_dims}")
 
-    def forward(xt):
-        cos_sin = rotary_tables(cfg, options, GPTNeoXRotaryEmbedding(config).double(), xt)
-        return module(xt, attention_mask=hf_mask(config, cfg, xt, padding), position_embeddings=cos_sin)[0]
+    module.load_state_dict(torch_state(state), strict=True)
+    return _forward(module, cfg, x, padding, options)
 
-    description = f"transformers GPTNeoXAttention ({options.implementation})"
-    return hf_run("hf-gpt-neox", module, description, state, x, forward, **rotary_precision(options))
 
+def _forward(module, cfg, x, padding, options):
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+
+    with hf_implementation(module.config, options) as config:
+
+        def forward(xt):
+            cos_sin = rotary_tables(cfg, options, GPTNeoXRotaryEmbedding(config), xt)
+            return module(xt, attention_mask=hf_mask(config, cfg, xt, padding), position_embeddings=cos_sin)[0]
+
+        description = f"transformers GPTNeoXAttention ({options.implementation})"
+        return hf_forward("hf-gpt-neox", module, description, x, forward, **rotary_precision(options))
+
+
+def _config(module) -> MHAConfig:
+    """The GPTNeoXAttention instance's configuration: heads, bias, and its partial rotary (rotary_ndims)."""
+    config = module.config
+    rope_base, _ = hf_rope(module, config, module.head_size, partial=True)  # rotary_ndims is the module's own
+    return MHAConfig(
+        d_model=module.query_key_value.in_features,
+        n_heads=config.num_attention_heads,
+        d_k=module.head_size,
+        bias=module.query_key_value.bias is not None,
+        causal=bool(module.is_causal),
+        scale=module.scaling,
+        rope="half",
+        rope_base=rope_base,
+        rope_dims=module.rotary_ndims,
+    )
+
+
+# With one query head per kv group (no grouping here), Megatron's per-group packing is exactly
+# GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
+PACKING = fused_qkv("query_key_value", "dense", pack_groups, unpack_groups)
 
 LAYOUT = Layout(
     name="hf-gpt-neox",
@@ -62,9 +95,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is(("half",), MODULE, partial=True),
     ),
-    # With one query head per kv group (no grouping here), Megatron's per-group packing is exactly
-    # GPT-NeoX's per-head packing: [q_h; k_h; v_h] for each head h.
-    **fused_qkv("query_key_value", "dense", pack_groups, unpack_groups),
+    **PACKING,
     notes=(
         "rope_dims = int(d_k * rotary_pct) (config.rope_parameters['partial_rotary_factor'] in transformers 5); "
         "Pythia uses rotary_pct = 0.25",
@@ -75,4 +106,6 @@ LAYOUT = Layout(
     runner=_gpt_neox,
     requires=HF_REQUIRES,
     hf_options=True,
+    reader=torch_reader(("transformers.GPTNeoXAttention",), _config, PACKING["shapes"], _forward),
+    example={"rope": "half", "rope_dims": 2},
 )

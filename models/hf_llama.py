@@ -11,7 +11,9 @@ interleaved one, and Hugging Face's conversion permutes the rows of ``q_proj`` a
 
 from __future__ import annotations
 
-from ._hf import hf_config, hf_mask, hf_run, rotary_precision, rotary_tables
+from mha_rosetta.core import MHAConfig
+
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
 from ._layout import (
     SEPARATE,
     Layout,
@@ -21,7 +23,8 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._real import HF_REQUIRES
+from ._module_io import hf_rope, hf_unexpressible_settings, torch_reader
+from ._real import HF_REQUIRES, torch_state
 
 MODULE = "LlamaAttention"
 
@@ -44,18 +47,46 @@ def _llama_config(cfg, options):
 
 
 def run_llama(cfg, state, x, padding, options, layout="hf-llama"):
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaAttention
 
     config = _llama_config(cfg, options)
     module = LlamaAttention(config, layer_idx=0).double().eval()
+    module.load_state_dict(torch_state(state), strict=True)
+    return _forward(module, cfg, x, padding, options, layout)
 
-    def forward(xt):
-        cos_sin = rotary_tables(cfg, options, LlamaRotaryEmbedding(config).double(), xt)
-        return module(xt, position_embeddings=cos_sin, attention_mask=hf_mask(config, cfg, xt, padding))[0]
 
-    description = f"transformers LlamaAttention ({options.implementation})"
-    return hf_run(layout, module, description, state, x, forward, **rotary_precision(options))
+def _forward(module, cfg, x, padding, options, layout="hf-llama"):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+    with hf_implementation(module.config, options) as config:
+
+        def forward(xt):
+            cos_sin = rotary_tables(cfg, options, LlamaRotaryEmbedding(config).to(xt.dtype), xt)
+            return module(xt, position_embeddings=cos_sin, attention_mask=hf_mask(config, cfg, xt, padding))[0]
+
+        description = f"transformers LlamaAttention ({options.implementation})"
+        return hf_forward(layout, module, description, x, forward, **rotary_precision(options))
+
+
+def _config(module) -> MHAConfig:
+    """The LlamaAttention instance's configuration: heads, kv heads and head_dim, bias, rotary from its config."""
+    config = module.config
+    hf_unexpressible_settings(module, config, ("sliding_window",))
+    rope_base, _ = hf_rope(module, config, module.head_dim)  # LlamaRotaryEmbedding rotates every feature
+    return MHAConfig(
+        d_model=module.q_proj.in_features,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads,
+        d_k=module.head_dim,
+        bias=module.q_proj.bias is not None,
+        causal=bool(module.is_causal),
+        scale=module.scaling,
+        rope="half",
+        rope_base=rope_base,
+    )
+
+
+PACKING = separate_linears({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"})
 
 LAYOUT = Layout(
     name="hf-llama",
@@ -72,7 +103,7 @@ LAYOUT = Layout(
         default_scale(MODULE),
         rotary_is(("half",), MODULE),
     ),
-    **separate_linears({"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"}),
+    **PACKING,
     notes=(
         "bias: config.attention_bias puts a bias on all four layers (off for Llama itself)",
         "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
@@ -82,4 +113,6 @@ LAYOUT = Layout(
     runner=run_llama,
     requires=HF_REQUIRES,
     hf_options=True,
+    reader=torch_reader(("transformers.LlamaAttention",), _config, PACKING["shapes"], _forward),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half"},
 )

@@ -10,7 +10,9 @@ bias added to the scores, which is outside the spec: use a layer without it.
 
 from __future__ import annotations
 
-from ._hf import hf_config, hf_mask, hf_run
+from mha_rosetta.core import MHAConfig
+
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask
 from ._layout import (
     SEPARATE,
     Layout,
@@ -22,7 +24,8 @@ from ._layout import (
     separate_linears,
     unit_scale,
 )
-from ._real import HF_REQUIRES
+from ._module_io import torch_reader, unexpressible
+from ._real import HF_REQUIRES, torch_state
 
 MODULE = "T5Attention"
 
@@ -37,12 +40,40 @@ def _t5(cfg, state, x, padding, options):
     )
     module = T5Attention(config, has_relative_attention_bias=False, layer_idx=0, is_causal=cfg.causal).double().eval()
 
-    def forward(xt):
-        return module(xt, mask=hf_mask(config, cfg, xt, padding))[0]
+    module.load_state_dict(torch_state(state), strict=True)
+    return _forward(module, cfg, x, padding, options)
 
-    description = f"transformers T5Attention ({options.implementation}, no relative bias)"
-    return hf_run("hf-t5", module, description, state, x, forward)
 
+def _forward(module, cfg, x, padding, options):
+    with hf_implementation(module.config, options) as config:
+
+        def forward(xt):
+            return module(xt, mask=hf_mask(config, cfg, xt, padding))[0]
+
+        description = f"transformers T5Attention ({options.implementation}, no relative bias)"
+        return hf_forward("hf-t5", module, description, x, forward)
+
+
+def _config(module) -> MHAConfig:
+    """The T5Attention instance's configuration; the first layer's relative bias is not in the spec yet."""
+    if module.has_relative_attention_bias:
+        raise unexpressible(
+            module,
+            f"has_relative_attention_bias=True (relative_attention_bias.weight: {module.relative_attention_num_buckets}"
+            f" buckets x {module.n_heads} heads, added to the scores)",
+            "the relative bias is not yet in the spec; a T5 layer without it (every layer but the first) is",
+        )
+    return MHAConfig(
+        d_model=module.d_model,
+        n_heads=module.n_heads,
+        d_k=module.key_value_proj_dim,
+        bias=False,
+        causal=bool(module.is_causal),
+        scale=float(module.scaling),
+    )
+
+
+PACKING = separate_linears({"w_q": "q", "w_k": "k", "w_v": "v", "w_o": "o"})
 
 LAYOUT = Layout(
     name="hf-t5",
@@ -61,7 +92,7 @@ LAYOUT = Layout(
         unit_scale(MODULE),
         rotary_is((None,), MODULE),
     ),
-    **separate_linears({"w_q": "q", "w_k": "k", "w_v": "v", "w_o": "o"}),
+    **PACKING,
     notes=(
         "porting T5 into a standard attention that divides by sqrt(d) shrinks every score: the softmax flattens",
         "layer 0 adds relative_attention_bias (buckets x heads) to the scores: not part of this layout",
@@ -69,4 +100,6 @@ LAYOUT = Layout(
     runner=_t5,
     requires=HF_REQUIRES,
     hf_options=True,
+    reader=torch_reader(("transformers.T5Attention",), _config, PACKING["shapes"], _forward),
+    example={"bias": False, "scale": 1.0},
 )

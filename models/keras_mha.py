@@ -14,7 +14,10 @@ import re
 
 import numpy as np
 
-from ._layout import SEPARATE, Layout, default_scale, dense_general, no_grouped_kv, rotary_is
+from mha_rosetta.core import MHAConfig
+
+from ._layout import SEPARATE, Layout, LayoutError, default_scale, dense_general, no_grouped_kv, rotary_is
+from ._module_io import ModuleReader, class_name, to_array, unexpressible
 from ._real import RealRun, allowed_mask
 
 MODULE = "keras MultiHeadAttention"
@@ -71,6 +74,50 @@ def _first_line(error: BaseException) -> str:
     return (inner or lines or [""])[0]
 
 
+def _variables(layer) -> dict:
+    """The layer's variables by the layout's names: the last two parts of each path (``query/kernel``)."""
+    if not layer.built:
+        raise LayoutError(
+            f"{class_name(layer)} is not built: it holds no weights yet; call it once or layer.build(query_shape, "
+            "value_shape, key_shape)"
+        )
+    return {"/".join(variable.path.split("/")[-2:]): variable for variable in layer.weights}
+
+
+def _config(layer) -> MHAConfig:
+    """The layer's configuration: its constructor arguments, and the widths its kernels were built for."""
+    variables = _variables(layer)
+    for attribute, setting in (("_sliding_window", "sliding_window"), ("_use_gate", "use_gate")):
+        value = getattr(layer, attribute, None)
+        if value:
+            raise unexpressible(layer, f"{setting}={value!r}")
+    if tuple(layer._attention_axes) != (1,):
+        raise unexpressible(layer, f"attention_axes={layer._attention_axes!r}", "the spec attends over tokens (axis 1)")
+    width = variables["query/kernel"].shape[0]  # (E, H, key_dim)
+    out_width = variables["attention_output/kernel"].shape[-1]  # (H, value_dim, out)
+    if out_width != width:
+        raise LayoutError(
+            f"{class_name(layer)} has output_shape={layer._output_shape!r} ({out_width} features), queries of "
+            f"width {width}: the spec's output has the query's width d_model"
+        )
+    return MHAConfig(
+        d_model=width,
+        n_heads=layer._num_heads,
+        d_k=layer._key_dim,
+        d_v=layer._value_dim or layer._key_dim,
+        kdim=variables["key/kernel"].shape[0],
+        vdim=variables["value/kernel"].shape[0],
+        bias=layer._use_bias,
+    )
+
+
+def _load(layer, state: dict[str, np.ndarray]):
+    variables = _variables(layer)
+    for name, array in state.items():
+        variables[name].assign(array.astype(variables[name].dtype))
+    return layer
+
+
 LAYOUT = Layout(
     name="keras",
     module="keras.layers.MultiHeadAttention",
@@ -91,4 +138,10 @@ LAYOUT = Layout(
     ),
     runner=_keras,
     requires=("keras",),
+    reader=ModuleReader(
+        classes=("keras.MultiHeadAttention",),
+        config=_config,
+        state=lambda layer, cfg: {name: to_array(variable) for name, variable in _variables(layer).items()},
+        load=_load,
+    ),
 )

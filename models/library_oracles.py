@@ -30,6 +30,7 @@ from ._layout import (
     BLOCKS,
     SEPARATE,
     Layout,
+    LayoutError,
     default_scale,
     dense_general,
     no_grouped_kv,
@@ -37,6 +38,7 @@ from ._layout import (
     same_head_dims,
     separate_linears,
 )
+from ._module_io import ModuleReader, class_key, class_name, to_array, torch_reader, unexpressible
 from ._real import RealRun, allowed_mask, module_shapes, torch_state
 
 # --- torch.nn.MultiheadAttention -----------------------------------------------------------
@@ -80,6 +82,42 @@ def _torch_mha(cfg, state, x, padding, options):
     )
 
 
+def _torch_mha_config(module) -> MHAConfig:
+    """The nn.MultiheadAttention instance's configuration; add_bias_kv and add_zero_attn are not in the spec."""
+    if module.bias_k is not None:
+        raise unexpressible(module, "add_bias_kv=True (bias_k, bias_v appended to the keys and values as a token)")
+    if module.add_zero_attn:
+        raise unexpressible(module, "add_zero_attn=True (a zero key and value appended to every sequence)")
+    return MHAConfig(
+        d_model=module.embed_dim,
+        n_heads=module.num_heads,
+        kdim=module.kdim,
+        vdim=module.vdim,
+        bias=module.in_proj_bias is not None,
+    )
+
+
+def _torch_mha_forward(module, cfg, x, padding, options):
+    import torch
+
+    dtype = module.out_proj.weight.dtype
+    B, N, _ = x.shape
+    blocked = ~allowed_mask(cfg, B, N, padding)  # (B, 1, N, N): nn.MultiheadAttention's True means "blocked"
+    attn_mask = torch.from_numpy(np.repeat(blocked, cfg.n_heads, axis=1).reshape(B * cfg.n_heads, N, N))  # (B*H, N, N)
+    xt = torch.from_numpy(x).to(dtype)
+    if not module.batch_first:
+        xt = xt.transpose(0, 1)  # (N, B, E): sequence-first
+    with torch.no_grad():
+        output = module(xt, xt, xt, attn_mask=attn_mask, need_weights=False)[0]
+    if not module.batch_first:
+        output = output.transpose(0, 1)
+    run = RealRun("torch-mha", "real", "torch.nn.MultiheadAttention", to_array(output).astype(np.float64))
+    run.parameters = module_shapes(module)
+    if dtype != torch.float64:
+        run.precision = str(dtype).removeprefix("torch.")
+    return run
+
+
 TORCH_MHA = Layout(
     name="torch-mha",
     module="torch.nn.MultiheadAttention",
@@ -99,9 +137,85 @@ TORCH_MHA = Layout(
     ),
     runner=_torch_mha,
     requires=("torch",),
+    reader=torch_reader(("torch.MultiheadAttention",), _torch_mha_config, _torch_mha_shapes, _torch_mha_forward),
 )
 
 # --- flax.linen.MultiHeadDotProductAttention -----------------------------------------------
+
+
+# Flax has two modules of this attention: linen's MultiHeadDotProductAttention (stateless: its parameters
+# live in a variables tree, so `from_module` reads a *bound* module, `module.bind(variables)`) and NNX's
+# MultiHeadAttention (it holds its parameters). Both store the same tree.
+FLAX_LINEN, FLAX_NNX = "flax.MultiHeadDotProductAttention", "flax.MultiHeadAttention"
+_FLAX_PARTS = ("query", "key", "value", "out")
+
+
+def _flax_arrays(module) -> dict[str, np.ndarray]:
+    """The module's params tree flattened with '/' (``query/kernel`` ...), NumPy copies."""
+    if class_key(module) == FLAX_LINEN:
+        if getattr(module, "scope", None) is None:
+            raise LayoutError(
+                f"{class_name(module)} is not bound: a linen module holds no parameters; "
+                "pass module.bind(variables) (variables from module.init or a checkpoint)"
+            )
+        tree = module.variables["params"]
+        return {f"{part}/{leaf}": to_array(array) for part in _FLAX_PARTS for leaf, array in tree[part].items()}
+    arrays = {}
+    for part in _FLAX_PARTS:
+        layer = getattr(module, part)
+        for leaf in ("kernel", "bias"):
+            variable = getattr(layer, leaf, None)  # an nnx.Param, or None without bias
+            if variable is not None and (variable.get_value() if hasattr(variable, "get_value") else 0) is not None:
+                arrays[f"{part}/{leaf}"] = to_array(variable)
+    return arrays
+
+
+def _flax_config(module) -> MHAConfig:
+    """The configuration of a bound linen MultiHeadDotProductAttention or an NNX MultiHeadAttention."""
+    if module.normalize_qk:
+        raise unexpressible(module, "normalize_qk=True (LayerNorm of each head's q and k)")
+    function = module.attention_fn
+    if getattr(function, "__name__", "") != "dot_product_attention" or not function.__module__.startswith("flax"):
+        raise unexpressible(module, f"attention_fn={function!r} (not Flax's own dot_product_attention)")
+    if module.decode:
+        raise unexpressible(module, "decode=True (its incremental-decoding cache)")
+    arrays = _flax_arrays(module)
+    width, heads, head_dim = arrays["query/kernel"].shape  # (in, H, d)
+    out_width = arrays["out/kernel"].shape[-1]  # (H, d, out)
+    if out_width != width:
+        raise LayoutError(
+            f"{class_name(module)} has out_features={out_width}, queries of width {width}: "
+            "the spec's output has the query's width d_model"
+        )
+    return MHAConfig(
+        d_model=width,
+        n_heads=heads,
+        n_kv_heads=arrays["key/kernel"].shape[1],  # NNX's num_kv_heads; the flax layout has no grouping
+        d_k=head_dim,
+        d_v=arrays["value/kernel"].shape[2],
+        kdim=arrays["key/kernel"].shape[0],
+        vdim=arrays["value/kernel"].shape[0],
+        bias="query/bias" in arrays,
+    )
+
+
+def _flax_load(module, state: dict[str, np.ndarray]):
+    """Linen: a new bound module with the params (linen modules are immutable); NNX: the arrays set in place."""
+    import jax.numpy as jnp
+
+    old = _flax_arrays(module)
+    new = {name: jnp.asarray(array, dtype=old[name].dtype) for name, array in state.items()}
+    if class_key(module) == FLAX_LINEN:
+        unbound, variables = module.unbind()
+        tree: dict[str, dict] = {}
+        for name, array in new.items():
+            part, leaf = name.split("/")
+            tree.setdefault(part, {})[leaf] = array
+        return unbound.bind({**variables, "params": tree})
+    for name, array in new.items():
+        part, leaf = name.split("/")
+        getattr(getattr(module, part), leaf).set_value(array)
+    return module
 
 
 FLAX = Layout(
@@ -120,10 +234,77 @@ FLAX = Layout(
         rotary_is((None,), "flax MultiHeadDotProductAttention"),
     ),
     **dense_general("out"),
-    notes=("qkv_features is the total H*d (torch-like); out_features defaults to the query width",),
+    notes=(
+        "qkv_features is the total H*d (torch-like); out_features defaults to the query width",
+        "from_module reads a bound linen module (module.bind(variables)) or an NNX MultiHeadAttention; "
+        "to_module returns a new bound linen module (linen modules are immutable) and sets NNX's in place",
+    ),
+    reader=ModuleReader(
+        classes=(FLAX_LINEN, FLAX_NNX),
+        config=_flax_config,
+        state=lambda module, cfg: _flax_arrays(module),
+        load=_flax_load,
+    ),
 )
 
 # --- equinox.nn.MultiheadAttention ---------------------------------------------------------
+
+
+def _equinox_config(module) -> MHAConfig:
+    """The equinox.nn.MultiheadAttention instance's configuration (its sizes are fields)."""
+    biases = {
+        "use_query_bias": module.use_query_bias,
+        "use_key_bias": module.use_key_bias,
+        "use_value_bias": module.use_value_bias,
+        "use_output_bias": module.use_output_bias,
+    }
+    if len(set(biases.values())) > 1:
+        raise unexpressible(
+            module, ", ".join(f"{k}={v}" for k, v in biases.items()), "the spec's bias is on every projection or none"
+        )
+    if module.output_size != module.query_size:
+        raise LayoutError(
+            f"{class_name(module)} has output_size={module.output_size} != query_size={module.query_size}: "
+            "the spec's output has the query's width d_model"
+        )
+    return MHAConfig(
+        d_model=module.query_size,
+        n_heads=module.num_heads,
+        d_k=module.qk_size,
+        d_v=module.vo_size,
+        kdim=module.key_size,
+        vdim=module.value_size,
+        bias=module.use_query_bias,
+    )
+
+
+def _equinox_names(cfg: MHAConfig) -> list[str]:
+    return list(EQUINOX_PACKING["shapes"](cfg))
+
+
+def _equinox_arrays(module, cfg: MHAConfig) -> dict[str, np.ndarray]:
+    arrays = {}
+    for name in _equinox_names(cfg):
+        layer, leaf = name.split(".")
+        arrays[name] = to_array(getattr(getattr(module, layer), leaf))
+    return arrays
+
+
+def _equinox_load(module, state: dict[str, np.ndarray]):
+    """A new module holding the arrays (Equinox modules are immutable pytrees: eqx.tree_at)."""
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    names = list(state)
+
+    def where(m):
+        return [getattr(getattr(m, name.split(".")[0]), name.split(".")[1]) for name in names]
+
+    old = where(module)
+    return eqx.tree_at(where, module, [jnp.asarray(state[n], dtype=o.dtype) for n, o in zip(names, old, strict=True)])
+
+
+EQUINOX_PACKING = separate_linears(EQUINOX_NAMES)
 
 EQUINOX = Layout(
     name="equinox",
@@ -139,6 +320,15 @@ EQUINOX = Layout(
         default_scale("equinox MultiheadAttention"),
         rotary_is((None,), "equinox MultiheadAttention"),
     ),
-    **separate_linears(EQUINOX_NAMES),
-    notes=("qk_size and vo_size are per head, like Keras's key_dim",),
+    **EQUINOX_PACKING,
+    notes=(
+        "qk_size and vo_size are per head, like Keras's key_dim",
+        "to_module returns a new module (Equinox modules are immutable pytrees)",
+    ),
+    reader=ModuleReader(
+        classes=("equinox.MultiheadAttention",),
+        config=_equinox_config,
+        state=_equinox_arrays,
+        load=_equinox_load,
+    ),
 )

@@ -101,4 +101,5 @@ LAYOUT = Layout(
     ),
     runner=_megatron,
     requires=("torch",),
+    example={"n_kv_heads": 2},
 )

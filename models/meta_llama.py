@@ -108,4 +108,5 @@ LAYOUT = Layout(
     runner=_meta_llama,
     requires=HF_REQUIRES,
     hf_options=True,
+    example={"n_kv_heads": 2, "bias": False, "rope": "interleaved"},
 )

@@ -93,6 +93,32 @@ def run_real(
     return runner(cfg, state, x, padding, RunOptions(implementation, float64_rotary))
 
 
+def run_module(
+    module, x: np.ndarray, padding=None, implementation: str = "eager", float64_rotary: bool = False
+) -> tuple[RealRun, MHAConfig, object]:
+    """Run a real module **instance** on ``x (B, N, E)`` as its own model would: ``(RealRun, cfg, params)``.
+
+    ``cfg, params`` are `from_module(module)`; the run's output is what ``reference_mha(cfg, params, x,
+    mask=allowed_mask(cfg, B, N, padding))`` should equal, at the run's ``precision``. The options are
+    those of `run_real`. Hugging Face's rotary families get their cos/sin from their rotary module built
+    from the module's own config (or the spec's float64 tables with ``float64_rotary``).
+    """
+    from . import from_module, layout_of_module
+
+    layout = layout_of_module(module)
+    if layout.reader is None or layout.reader.forward is None:
+        raise ImportError(f"layout {layout.name!r}: mha_rosetta.models has no forward for {type(module).__name__}")
+    cfg, params = from_module(module)
+    if implementation not in HF_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(HF_IMPLEMENTATIONS)}, got {implementation!r}")
+    if not layout.hf_options and (implementation != "eager" or float64_rotary):
+        raise ValueError(f"implementation and float64_rotary apply to Hugging Face layouts only, not {layout.name!r}")
+    x = np.asarray(x, dtype=np.float64)
+    padding = None if padding is None else np.asarray(padding, dtype=bool)
+    run = layout.reader.forward(module, cfg, x, padding, RunOptions(implementation, float64_rotary))
+    return run, cfg, params
+
+
 __all__ = [
     "HF_IMPLEMENTATIONS",
     "INSTALL",
@@ -101,6 +127,7 @@ __all__ = [
     "libraries_missing",
     "megatron_split",
     "meta_reference_forward",
+    "run_module",
     "run_real",
     "unavailable_reason",
 ]

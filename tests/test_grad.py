@@ -68,7 +68,8 @@ def test_oracle_matches_central_differences_on_every_spec_case(case):
     where = {"positions": data.positions, "kv_positions": data.kv_positions}
     for seed in range(3):  # three random directions through every parameter and input at once
         args = (case.cfg, case.params(), data.query, data.key, data.value, data.mask, cot, seed)
-        fd, analytic = _directional_fd(*args, **where)
+        # eps 1e-6: the llama3 case's curvature leaves a truncation error of 4e-7 at 1e-5 (2e-2 * eps**2 * 1e10)
+        fd, analytic = _directional_fd(*args, eps=1e-6, **where)
         assert abs(fd - analytic) <= 1e-7 * max(1.0, abs(analytic)), (case.name, seed, fd, analytic)
 
 
@@ -112,7 +113,9 @@ def _torch_autograd_reference(cfg, params, query, key, value, mask, cotangent):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
-@pytest.mark.parametrize("case", [c for c in CASES if c.cfg.rope is None], ids=lambda c: c.name)
+# The 2017-23 cases: this torch transcription has no variants (their backward is proved by central
+# differences in tests/test_variants.py and by torch's autograd in the torch implementation's tests).
+@pytest.mark.parametrize("case", [c for c in CASES if c.cfg.rope is None and not c.cfg.variants], ids=lambda c: c.name)
 def test_oracle_matches_torch_autograd_in_float64(case):
     """The rotary cases are proved by finite differences above and by the torch and JAX adapters' autograd."""
     data = case.inputs()

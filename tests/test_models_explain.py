@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -88,3 +93,38 @@ def test_section_runs_every_real_module_it_can_and_names_the_rest():
     assert "| query_key_value.weight | (48, 16) | axis 0: 0:4 q head 0 \\| 4:8 k head 0" in markdown
     assert "Real checkpoints: the families at a glance" in result.to_text()
     assert result.to_dict()["checkpoints"][0]["tensors"][0]["name"] == "c_attn.weight"
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
+
+
+def test_falcons_three_packings_are_the_converters_in_the_explainer_and_on_the_docs_page():
+    """Falcon's packings as the explainer draws them from `hf-falcon`'s converter, and the docs page's table."""
+    from mha_rosetta.explain.real_checkpoints import falcon_packings_table
+
+    title, headers, rows = falcon_packings_table()
+    assert "d_model 16, 4 heads of 4" in title and headers[:2] == ["FalconConfig", "G"]
+    assert [row[:3] for row in rows] == [
+        ["new_decoder_architecture=True", "2", "(32, 16)"],
+        ["multi_query=True", "1", "(24, 16)"],
+        ["neither (per head)", "4", "(48, 16)"],
+    ]
+    assert rows[0][3] == (
+        "axis 0: 0:4 q head 0 | 4:8 q head 1 | 8:12 k kv head 0 | 12:16 v kv head 0 | "
+        "16:20 q head 2 | 20:24 q head 3 | 24:28 k kv head 1 | 28:32 v kv head 1"
+    )  # hand-checked: view(B, N, G, H/G + 2, d) puts each group's 2 query heads before its k and v
+    page = DOCS.read_text(encoding="utf-8")
+    for _, groups, shape, owners in rows:
+        line = next(line for line in page.splitlines() if line.startswith("| ") and f"`{shape}`" in line)
+        assert f"| {groups} |" in line or f"| H = {groups} |" in line, line
+        assert "`" + owners.removeprefix("axis 0: ").replace("|", "\\|") + "`" in line, line
+
+
+def test_the_from_module_example_on_the_docs_page_prints_what_it_says():
+    pytest.importorskip("transformers", reason="the example builds a transformers LlamaAttention")
+    page = DOCS.read_text(encoding="utf-8")
+    example = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "from_module" in block)
+    expected = re.search(r"^# (d_model=.*)$", example, re.M).group(1)
+    done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected

@@ -19,6 +19,8 @@ CONFIGS = {
     "hf-llama": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, rope="half"),
     "meta-llama": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, bias=False, rope="interleaved"),
     "hf-gpt-neox": MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4),
+    "hf-phi3": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", rope_dims=4, causal=True),
+    "hf-falcon": MHAConfig(d_model=24, n_heads=6, n_kv_heads=2, rope="half", causal=True),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
     "timm-vit": MHAConfig(d_model=15, n_heads=3),
     "hf-t5": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0),
@@ -32,7 +34,7 @@ ROUND_TRIP = list(CONFIGS)
 
 def test_registry_lists_every_family():
     assert list(LAYOUTS) == [
-        "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "megatron",
+        "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "hf-phi3", "hf-falcon", "megatron",
         "timm-vit", "hf-t5", "keras", "torch-mha", "flax", "equinox",
     ]  # fmt: skip
     for name, layout in LAYOUTS.items():

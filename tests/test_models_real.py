@@ -64,6 +64,15 @@ CASES = [
     ),
     ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=2, causal=True), True, "real"),
     ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", bias=False), False, "real"),
+    (
+        "hf-phi3",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", rope_dims=4, causal=True),
+        True,
+        "real",
+    ),
+    ("hf-falcon", MHAConfig(d_model=24, n_heads=6, n_kv_heads=2, rope="half", causal=True), True, "real"),  # per group
+    ("hf-falcon", MHAConfig(d_model=24, n_heads=6, n_kv_heads=1, rope="half", causal=True, bias=False), True, "real"),
+    ("hf-falcon", MHAConfig(d_model=24, n_heads=6, rope="half", rope_base=500.0, causal=True), False, "real"),
     ("timm-vit", MHAConfig(d_model=15, n_heads=3), False, "equivalent"),
     ("megatron", MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3), True, "reimplementation"),
     ("megatron", MHAConfig(d_model=15, n_heads=3, causal=True, bias=False), False, "reimplementation"),
@@ -125,6 +134,12 @@ SDPA_CASES = [
     ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), True),
     ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4, causal=True), True),
     ("hf-bert", MHAConfig(d_model=15, n_heads=3), True),
+    (
+        "hf-phi3",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, bias=False, rope="half", rope_dims=2, causal=True),
+        True,
+    ),
+    ("hf-falcon", MHAConfig(d_model=24, n_heads=6, n_kv_heads=3, rope="half", causal=True), True),
 ]
 
 
@@ -143,6 +158,16 @@ def test_hugging_face_sdpa_path_agrees_in_float64(layout, cfg, padded):
     _skip_unless_runnable(layout)
     run, _, _ = _check(layout, cfg, padded, implementation="sdpa", float64_rotary=cfg.rope is not None)
     assert run.precision == "float64" and "(sdpa)" in run.module
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1, 6], ids=["new_decoder_architecture", "multi_query", "per head"])
+def test_falcon_eager_path_keeps_float64_given_float64_rotary_tables(kv_heads):
+    """Falcon's own eager attention (not the shared one) runs its softmax in the hidden states' dtype."""
+    _skip_unless_runnable("hf-falcon")
+    cfg = MHAConfig(d_model=24, n_heads=6, n_kv_heads=kv_heads, rope="half", causal=True)
+    run, _, _ = _check("hf-falcon", cfg, True, implementation="eager", float64_rotary=True)
+    packing = {2: "new_decoder_architecture", 1: "multi_query", 6: "per head"}[kv_heads]
+    assert run.precision == "float64" and run.module == f"transformers FalconAttention, {packing} packing (eager)"
 
 
 def test_hugging_face_rotary_module_computes_in_float32():

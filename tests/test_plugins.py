@@ -91,7 +91,10 @@ def test_check_backend_runs_a_class_from_a_package_outside_the_project(tmp_path)
     report = json.loads(done.stdout)
     runs = [run for run in report["runs"] if run["implementation"] == "my-attention"]
     # The adapter has float64 only, yet it is given every spec case (the fallback dtype).
-    assert {run["case"] for run in runs if run["status"] == "agree"} == set(SPEC_CASES)
+    # It declares no variant (Backend.variants), so it agrees on every 2017-23 case and runs no variant case.
+    assert {run["case"] for run in runs if run["status"] == "agree"} == {
+        n for n, c in SPEC_CASES.items() if not c.cfg.variants
+    }
     assert {run["dtype"] for run in runs if run["status"] == "agree"} == {"float64"}
     # With the entry point installed too, --backend finds the class already registered under its name.
     _make_plugin(tmp_path / "with_ep")
@@ -240,6 +243,12 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
     )
     assert good.returncode == 0, good.stderr
     statuses = [run["status"] for run in json.loads(good.stdout)["runs"]]
+    runs = json.loads(good.stdout)["runs"]
+    # The example implements no variant of core.VARIANTS: those cases are unsupported with that reason.
+    variant_runs = [run for run in runs if SPEC_CASES[run["case"]].cfg.variants]
+    assert variant_runs and all("does not implement" in run["reason"] for run in variant_runs)
+    assert all(run["status"] == "unsupported" for run in variant_runs)
+    statuses = [run["status"] for run in runs if not SPEC_CASES[run["case"]].cfg.variants]
     assert statuses.count("agree") == 6 and statuses.count("unsupported") == 20
     bad = subprocess.run(
         [sys.executable, "-m", "mha_rosetta.cli.main", "check", "--backend", "examples.my_backend:MyBuggyBackend"],
@@ -249,4 +258,4 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
         timeout=300,
     )
     assert bad.returncode == 1
-    assert "against the oracle: unsupported 20, DISAGREE 6" in bad.stdout
+    assert "against the oracle: unsupported 47, DISAGREE 6" in bad.stdout  # 27 of the 47: variant cases

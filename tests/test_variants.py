@@ -321,3 +321,13 @@ def test_rounded_backward_runs_the_variants_too(name):
     for pname, value in exact.d_params.as_dict().items():
         if value is not None:
             np.testing.assert_allclose(getattr(rounded.d_params, pname), value, rtol=2e-3, atol=2e-4, err_msg=pname)
+
+
+def test_the_variants_page_example_prints_what_the_page_says(capsys):
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    printed = page.split("```text\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/variants.md", "exec"), {})
+    assert capsys.readouterr().out == printed

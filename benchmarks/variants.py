@@ -1,0 +1,103 @@
+"""What each variant of 2024-26 attention costs: the cells of ``bench --preset variants`` and their table.
+
+Every entry is one configuration at the cell's size, named by the variant it adds, with the
+configuration it is measured against (its ``baseline``): a variant's cost is its time over
+the baseline's, so the sliding window is measured against causal attention (the window is a
+causal mask with fewer keys), YaRN against plain rotary, and the others against plain
+attention. The settings are the models' own where one exists (Gemma 2's softcap 50, T5's 32
+buckets up to 128, gpt-oss's YaRN factor 32); the window is a quarter of the tokens, so that
+it blocks keys at every size the preset measures.
+
+Plain data and `MHAConfig` keyword arguments only: the registry drives the preset, the cell
+field ``variant``, the table and its README block; a new entry is one line here.
+"""
+
+from __future__ import annotations
+
+PLAIN = "plain"
+
+# name -> (MHAConfig overrides, baseline name). "window" gets W = tokens // 4 at build time.
+BENCH_VARIANTS: dict[str, tuple[dict, str | None]] = {
+    PLAIN: ({}, None),
+    "causal": ({"causal": True}, PLAIN),
+    "window": ({"causal": True, "window": "tokens/4"}, "causal"),
+    "softcap": ({"softcap": 50.0}, PLAIN),
+    "qk_norm_head": ({"qk_norm": "head"}, PLAIN),
+    "qk_norm_projection": ({"qk_norm": "projection"}, PLAIN),
+    "qkv_bias": ({"bias": "qkv"}, PLAIN),
+    "alibi": ({"alibi": True}, PLAIN),
+    "rel_bias": ({"rel_buckets": 32, "rel_max_distance": 128}, PLAIN),
+    "sinks": ({"sinks": True}, PLAIN),
+    "rope": ({"rope": "half"}, PLAIN),
+    "rope_yarn": (
+        {
+            "rope": "half",
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 4096,
+            },
+        },
+        "rope",
+    ),
+}
+
+
+def check_variant(name: str | None) -> str | None:
+    """``name`` if it is a `BENCH_VARIANTS` entry (or None: the plain cell), else a ValueError naming the choices."""
+    if name is not None and name not in BENCH_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(BENCH_VARIANTS)}, got {name!r}")
+    return name
+
+
+def variant_overrides(name: str | None, tokens: int) -> dict:
+    """The `MHAConfig` keyword arguments of variant ``name`` at ``tokens`` tokens ({} for None or plain)."""
+    if name is None:
+        return {}
+    overrides = dict(BENCH_VARIANTS[check_variant(name)][0])
+    if overrides.get("window") == "tokens/4":
+        overrides["window"] = max(1, tokens // 4)
+    return overrides
+
+
+def variant_rows(cells: list[dict], time_of) -> list[list[str]]:
+    """One row per (implementation, variant): median ms, the baseline's, and the cost in ms and in %.
+
+    ``time_of(cell)`` is the figure to compare (the drift-corrected one where the report has it).
+    A variant whose implementation is unsupported, or whose baseline was not measured, shows why.
+    """
+    by_key = {(c["implementation"], c.get("mode", "fwd"), c.get("variant") or PLAIN, c["tokens"]): c for c in cells}
+    rows = []
+    for (implementation, mode, variant, tokens), cell in by_key.items():
+        baseline = BENCH_VARIANTS[variant][1]
+        label = implementation if mode == "fwd" else f"{implementation} fwd+bwd"
+        if cell.get("status") != "ok":
+            reason = str(cell.get("error") or cell.get("status", "")).replace("|", "/").replace("\n", " ")
+            rows.append([f"`{label}`", variant, str(tokens), "", "", "", "", reason[:120]])
+            continue
+        ms = time_of(cell) * 1e3
+        base = by_key.get((implementation, mode, baseline, tokens)) if baseline else None
+        if baseline is None:
+            rows.append([f"`{label}`", variant, str(tokens), f"{ms:.2f}", "", "", "", ""])
+        elif base is None or base.get("status") != "ok":
+            rows.append([f"`{label}`", variant, str(tokens), f"{ms:.2f}", "", "", "", f"{baseline} not measured"])
+        else:
+            base_ms = time_of(base) * 1e3
+            rows.append(
+                [
+                    f"`{label}`",
+                    variant,
+                    str(tokens),
+                    f"{ms:.2f}",
+                    f"{baseline} {base_ms:.2f}",
+                    f"{ms - base_ms:+.2f}",
+                    f"{100 * (ms / base_ms - 1):+.0f}%",
+                    "",
+                ]
+            )
+    return rows
+
+
+VARIANT_COLUMNS = ("implementation", "variant", "N", "ms", "baseline ms", "cost ms", "cost %", "note")

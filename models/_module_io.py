@@ -1,0 +1,177 @@
+"""Reading a real attention module (weights and configuration) into the spec, and loading the spec into one.
+
+Design rules:
+
+* One registry. Each family's layout carries its own `ModuleReader` (`Layout.reader`), the way it
+  carries its runner; `mha_rosetta.models.MODULE_LAYOUTS` is built from `LAYOUTS` once, keyed by
+  `class_key` (the class's top-level package and its name: ``"transformers.LlamaAttention"``,
+  ``"torch.MultiheadAttention"``, ``"equinox.MultiheadAttention"``: the package tells torch's and
+  Equinox's classes of the same name apart). Dispatch is on the exact class: a subclass may change
+  what the module computes, so it is not read as its parent.
+* A reader reads the module **instance**: the sizes and switches it was built with (its own
+  attributes, and its config object for Hugging Face modules) and its tensors, keyed by the layout's
+  names. Then `Layout.from_state_dict` unpacks them exactly and checks them against the configuration.
+* Nothing is dropped silently. A setting the spec cannot express yet (a sliding window, a softcap,
+  QK-norm, sinks, ALiBi, scaled rotary, T5's relative bias) raises `LayoutError` naming the class and
+  the setting (`unexpressible`).
+* NumPy only at import. Framework tensors are read by duck typing (``.detach().cpu().numpy()`` for
+  torch, ``np.asarray`` for JAX and Keras arrays); a loader that must build a framework tensor imports
+  its framework inside the function.
+* `from_module` / `to_module` on one layout are in `_from_module` (which imports the layouts; this
+  module does not, so that `_layout` can import `ModuleReader` from here).
+* `to_module` writes in place where the framework's modules are mutable (torch, Keras, Flax NNX) and
+  returns the module; where they are immutable (Equinox, a bound Flax linen module) it returns a new
+  module holding the parameters, and the caller must use the returned one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAParams
+
+from ._errors import LayoutError
+
+
+class ModuleSpec(NamedTuple):
+    """What `from_module` returns: the module's configuration and its canonical parameters (unpacks as a pair)."""
+
+    cfg: MHAConfig
+    params: MHAParams
+
+
+@dataclass(frozen=True)
+class ModuleReader:
+    """How a family's real module is read and loaded.
+
+    ``classes``: the `class_key` of every class it reads. ``config(module)``: the `MHAConfig` the
+    module computes, or `LayoutError` naming a setting the spec cannot express. ``state(module, cfg)``:
+    the module's tensors as NumPy arrays keyed by the layout's names (copies). ``load(module, state)``:
+    writes a state dict in the layout's names into the module; returns the module (a new one where the
+    framework's modules are immutable). ``forward(module, cfg, x, padding, options) -> RealRun``: runs
+    the instance on row-sample inputs as its own model would (None where models has no runner).
+    """
+
+    classes: tuple[str, ...]
+    config: Callable[[Any], MHAConfig]
+    state: Callable[[Any, MHAConfig], dict[str, np.ndarray]]
+    load: Callable[[Any, dict[str, np.ndarray]], Any]
+    forward: Callable | None = None
+
+
+def class_key(module: object) -> str:
+    """``"<top-level package>.<class name>"`` of ``module``'s class: the registry's key."""
+    cls = type(module)
+    return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+
+
+def class_name(module: object) -> str:
+    """The class's full import path, for messages."""
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def unexpressible(module: object, setting: str, why: str = "") -> Exception:
+    """The `LayoutError` for a module setting the spec cannot express (yet): names the class and the setting."""
+    tail = f": {why}" if why else ""
+    return LayoutError(f"{class_name(module)} has {setting}, which the spec cannot express yet{tail}")
+
+
+def to_array(value) -> np.ndarray:
+    """A torch tensor (any device, bfloat16 too), a JAX array, a Flax NNX variable or a Keras variable -> a NumPy
+    array that owns its memory."""
+    if hasattr(value, "detach"):  # torch: NumPy has no bfloat16, so widen it (exactly) to float32
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        return np.array(value.numpy(), copy=True)
+    if hasattr(value, "get_value"):  # a Flax NNX Param
+        value = value.get_value()
+    elif hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # a Keras variable
+        value = value.numpy()
+    return np.array(value, copy=True)
+
+
+# --- torch modules -----------------------------------------------------------------------------
+
+
+def torch_tensors(module, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """``module.state_dict()[name]`` for each of ``names``, as NumPy copies."""
+    state = module.state_dict()
+    return {name: to_array(state[name]) for name in names}
+
+
+def load_torch(module, state: Mapping[str, np.ndarray]):
+    """Copy each array into the parameter of that name, keeping the parameter's dtype and device; returns module."""
+    import torch
+
+    with torch.no_grad():
+        for name, array in state.items():
+            target = module.get_parameter(name)
+            if tuple(target.shape) != tuple(array.shape):
+                raise LayoutError(
+                    f"{class_name(module)}.{name} has shape {tuple(target.shape)}, the state dict {tuple(array.shape)}"
+                )
+            target.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+    return module
+
+
+def torch_reader(classes: tuple[str, ...], config, names, forward=None) -> ModuleReader:
+    """A `ModuleReader` for a torch module whose state dict keys are the layout's names.
+
+    ``names(cfg)`` lists the layout's keys (its ``shapes(cfg)``); extra entries of the module's own
+    state dict (BERT's ``output.LayerNorm``) are not attention parameters and are left alone.
+    """
+    return ModuleReader(
+        classes=classes,
+        config=config,
+        state=lambda module, cfg: torch_tensors(module, names(cfg)),
+        load=load_torch,
+        forward=forward,
+    )
+
+
+# --- the module's Hugging Face config ----------------------------------------------------------
+
+
+def hf_rope(module, config, head_dim: int, partial: bool = False) -> tuple[float, int]:
+    """(rope_base, rope_dims) of a Hugging Face rotary module's config; `LayoutError` for scaled rotary.
+
+    ``partial``: the family's rotary module honours ``partial_rotary_factor`` (GPT-NeoX, Phi-3); Llama's
+    and Falcon's default tables ignore it and rotate every feature.
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type != "default":
+        raise unexpressible(module, f"rope_parameters['rope_type']={rope_type!r}", "the spec has unscaled rotary only")
+    base = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if partial else 1
+    dims = int(head_dim * factor)  # HF: int(head_dim * partial_rotary_factor)
+    return float(base), dims
+
+
+def hf_unexpressible_settings(module, config, names: Iterable[str]) -> None:
+    """`LayoutError` for the first of the config attributes ``names`` that is set (not None/False/0)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            raise unexpressible(module, f"config.{name}={value!r}")
+
+
+# --- comparing a module's configuration with the one the parameters were made for --------------
+
+
+def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
+    """``field: module value != given value`` for every field where two configurations differ."""
+    out = []
+    for f in fields(MHAConfig):
+        a, b = getattr(held, f.name), getattr(given, f.name)
+        same = math.isclose(a, b, rel_tol=1e-12) if isinstance(a, float) and isinstance(b, float) else a == b
+        if not same:
+            out.append(f"{f.name}: module {a!r}, given {b!r}")
+    return out

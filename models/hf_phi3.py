@@ -1,0 +1,123 @@
+"""``hf-phi3``: Hugging Face ``Phi3Attention`` (transformers/models/phi3/modeling_phi3.py).
+
+Keys are relative to ``Phi3Attention`` (``model.layers.{i}.self_attn.`` in a ``Phi3ForCausalLM``
+checkpoint). ``qkv_proj ((H + 2G)*d, E)`` packs q, k and v as **blocks** ``[Q; K; V]`` with grouped
+kv heads: rows ``0:H*d`` are q, then ``G*d`` rows of k, then ``G*d`` of v; the module slices them
+(``qkv[..., :H*d]``, ...) and views each as ``(B, N, -1, d)``. ``o_proj (E, H*d)``; no biases.
+Rotary is rotate-half on the first ``partial_rotary_factor * d`` features of a head (Phi-3 itself
+uses 1.0, Phi-4-mini 0.75), taken from ``config.rope_parameters``.
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig
+
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._layout import (
+    BLOCKS,
+    Layout,
+    bias_is,
+    causal_only,
+    default_scale,
+    fused_qkv,
+    rotary_is,
+    same_head_dims,
+    self_attention_widths,
+)
+from ._module_io import hf_rope, hf_unexpressible_settings, torch_reader
+from ._packing import pack_blocks, unpack_blocks
+from ._real import HF_REQUIRES, torch_state
+
+MODULE = "Phi3Attention"
+
+
+def _phi3(cfg, state, x, padding, options):
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3Attention
+
+    config = hf_config(
+        Phi3Config(
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.d_k,
+            attention_dropout=0.0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": cfg.rope_base,
+                "partial_rotary_factor": cfg.rope_dims / cfg.d_k,
+            },
+        ),
+        options,
+    )
+    module = Phi3Attention(config, layer_idx=0).double().eval()
+    module.load_state_dict(torch_state(state), strict=True)
+    return _forward(module, cfg, x, padding, options)
+
+
+def _forward(module, cfg, x, padding, options):
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    with hf_implementation(module.config, options) as config:
+
+        def forward(xt):
+            cos_sin = rotary_tables(cfg, options, Phi3RotaryEmbedding(config), xt)
+            return module(xt, position_embeddings=cos_sin, attention_mask=hf_mask(config, cfg, xt, padding))[0]
+
+        description = f"transformers Phi3Attention ({options.implementation})"
+        return hf_forward("hf-phi3", module, description, x, forward, **rotary_precision(options))
+
+
+def _config(module) -> MHAConfig:
+    """The Phi3Attention instance's configuration; a sliding window or scaled rotary (longrope) is not in the spec."""
+    config = module.config
+    hf_unexpressible_settings(module, config, ("sliding_window",))
+    rope_base, rope_dims = hf_rope(module, config, module.head_dim, partial=True)
+    return MHAConfig(
+        d_model=module.qkv_proj.in_features,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=module.num_key_value_heads,
+        d_k=module.head_dim,
+        bias=False,
+        causal=bool(module.is_causal),
+        scale=module.scaling,
+        rope="half",
+        rope_base=rope_base,
+        rope_dims=rope_dims,
+    )
+
+
+PACKING = fused_qkv("qkv_proj", "o_proj", pack_blocks, unpack_blocks)
+
+LAYOUT = Layout(
+    name="hf-phi3",
+    module=MODULE,
+    description="Phi-3: one qkv_proj ((H + 2G)*d, E) holding [Q; K; V] blocks with grouped kv heads; o_proj; no bias",
+    packing=BLOCKS,
+    scale="1/sqrt(d_k)",
+    rotary="half (rotate_half) on the first partial_rotary_factor * d_k features of each head",
+    source="transformers/models/phi3/modeling_phi3.py",
+    split="qkv[..., :H*d], qkv[..., H*d:H*d + G*d], qkv[..., H*d + G*d:]; each .view(B, N, -1, d).transpose(1, 2)",
+    rules=(
+        same_head_dims(MODULE),
+        self_attention_widths(MODULE),
+        bias_is(False, "Phi-3's qkv_proj and o_proj are nn.Linear(..., bias=False)"),
+        default_scale(MODULE),
+        causal_only(MODULE),
+        rotary_is(("half",), MODULE, partial=True),
+    ),
+    **PACKING,
+    notes=(
+        "the blocks of nn.MultiheadAttention's in_proj_weight, but with G kv heads: k and v take G*d rows each",
+        "rope_dims = int(d_k * partial_rotary_factor) (config.rope_parameters); Phi-3 rotates every feature",
+        "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+        "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
+        "config.sliding_window (Phi-3-mini's 2047) and rope_type 'longrope' (the 128k models) are not in the spec yet: "
+        "from_module raises LayoutError naming them",
+    ),
+    runner=_phi3,
+    requires=HF_REQUIRES,
+    hf_options=True,
+    reader=torch_reader(("transformers.Phi3Attention",), _config, PACKING["shapes"], _forward),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "rope_dims": 2, "causal": True},
+)

@@ -1,0 +1,680 @@
+"""`from_module` / `to_module` on real attention modules: what each instance computes, read into the spec.
+
+Every module is built tiny from its library's config object or constructor (nothing is downloaded), in
+float64, with sizes and switches that differ from the defaults (a rotary base of 500, partial rotary,
+grouped kv heads, kdim/vdim), so that a reader that took a default instead of the instance's own value
+fails. For each class:
+
+* the module's own output equals ``reference_mha`` of what `from_module` returns, on causal (or padded)
+  inputs. Hugging Face's rotary families run with the tables of their own rotary module, built from the
+  module's config: those compute the angles in float32 even in a float64 model (and the shared eager
+  attention runs its softmax in float32), so those runs are held to the float32 row of the tolerance
+  table; the same module on SDPA fed float64 (cos, sin) is held to float64, which shows that nothing
+  else differs (Falcon's own eager path keeps float64 too). Keras on JAX runs the default call through
+  ``jax.nn.dot_product_attention``, whose softmax is float32; its ``return_attention_scores=True`` einsum
+  path keeps float64 and is the one held to float64 here;
+* ``to_module`` of other parameters, read back, gives those parameters exactly, and ``to_module`` of the
+  first ones restores the module's own tensors bit for bit;
+* every setting the spec cannot express yet raises `LayoutError` naming the class and the setting.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras (no TensorFlow here)
+
+import numpy as np
+import pytest
+
+from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha
+from mha_rosetta.models import MODULE_LAYOUTS, LayoutError, ModuleSpec, from_module, to_module
+from mha_rosetta.models.real_modules import allowed_mask, libraries_missing, run_module
+
+BATCH, TOKENS = 2, 7
+PADDING = np.ones((BATCH, TOKENS), dtype=bool)
+PADDING[1, 5:] = False  # right padding: every row keeps a key, causal or not
+
+
+def _need(*modules):
+    reason = libraries_missing(modules)
+    if reason:
+        pytest.skip(reason)
+
+
+def _x(width: int, tokens: int = TOKENS, seed: int = 11) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((BATCH, tokens, width))
+
+
+def _same(a, b) -> bool:
+    return all(
+        (u is None and v is None) or (u is not None and v is not None and np.array_equal(u, v))
+        for u, v in zip(a.as_dict().values(), b.as_dict().values(), strict=True)
+    )
+
+
+# --- Hugging Face modules, built from their config objects ---------------------------------------
+
+
+def _hf(name: str):
+    _need("torch", "transformers")
+    import transformers
+
+    def build(config_class, module_path, class_name, config_kwargs, **module_kwargs):
+        import importlib
+
+        config = getattr(transformers, config_class)(**config_kwargs)
+        config._attn_implementation = "eager"
+        module_class = getattr(importlib.import_module(module_path), class_name)
+        return module_class(config, **module_kwargs).double().eval()
+
+    m = "transformers.models."
+    builders = {
+        "gpt2": lambda: build(
+            "GPT2Config", m + "gpt2.modeling_gpt2", "GPT2Attention", {"n_embd": 15, "n_head": 3}, layer_idx=0
+        ),
+        "bert": lambda: build(
+            "BertConfig",
+            m + "bert.modeling_bert",
+            "BertAttention",
+            {"hidden_size": 15, "num_attention_heads": 3, "attention_probs_dropout_prob": 0.0},
+        ),
+        "llama": lambda: build(
+            "LlamaConfig",
+            m + "llama.modeling_llama",
+            "LlamaAttention",
+            {
+                "hidden_size": 16,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 6,
+                "attention_bias": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+            },
+            layer_idx=0,
+        ),
+        "gpt-neox": lambda: build(
+            "GPTNeoXConfig",
+            m + "gpt_neox.modeling_gpt_neox",
+            "GPTNeoXAttention",
+            {
+                "hidden_size": 24,
+                "num_attention_heads": 3,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 2000.0, "partial_rotary_factor": 0.5},
+            },
+            layer_idx=0,
+        ),
+        "t5": lambda: build(
+            "T5Config",
+            m + "t5.modeling_t5",
+            "T5Attention",
+            {"d_model": 15, "d_kv": 4, "num_heads": 3, "dropout_rate": 0.0},
+            has_relative_attention_bias=False,
+        ),
+        "t5-decoder": lambda: build(
+            "T5Config",
+            m + "t5.modeling_t5",
+            "T5Attention",
+            {"d_model": 15, "d_kv": 4, "num_heads": 3, "dropout_rate": 0.0, "is_decoder": True},
+            has_relative_attention_bias=False,
+            is_causal=True,
+        ),
+        "phi3": lambda: build(
+            "Phi3Config",
+            m + "phi3.modeling_phi3",
+            "Phi3Attention",
+            {
+                "hidden_size": 16,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 2 / 3},
+            },
+            layer_idx=0,
+        ),
+        **{
+            f"falcon-{label}": (
+                lambda switches=switches: build(
+                    "FalconConfig",
+                    m + "falcon.modeling_falcon",
+                    "FalconAttention",
+                    {
+                        "hidden_size": 24,
+                        "num_attention_heads": 6,
+                        "bias": True,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+                        **switches,
+                    },
+                    layer_idx=0,
+                )
+            )
+            for label, switches in {
+                "new-arch": {"new_decoder_architecture": True, "num_kv_heads": 2},
+                "new-arch-mqa": {"new_decoder_architecture": True, "num_kv_heads": 1},
+                "multi-query": {"multi_query": True},
+                "per-head": {"multi_query": False},
+            }.items()
+        },
+    }
+    return builders[name]()
+
+
+# name -> what from_module must read (the instance's own sizes and switches)
+HF_EXPECTED = {
+    "gpt2": MHAConfig(d_model=15, n_heads=3, causal=True),
+    "bert": MHAConfig(d_model=15, n_heads=3),
+    "llama": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, causal=True, rope="half", rope_base=500.0),
+    "gpt-neox": MHAConfig(d_model=24, n_heads=3, causal=True, rope="half", rope_base=2000.0, rope_dims=4),
+    "t5": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0),
+    "t5-decoder": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True),
+    "phi3": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, rope="half", rope_base=500.0, rope_dims=4
+    ),
+    "falcon-new-arch": MHAConfig(d_model=24, n_heads=6, n_kv_heads=2, causal=True, rope="half", rope_base=500.0),
+    "falcon-new-arch-mqa": MHAConfig(d_model=24, n_heads=6, n_kv_heads=1, causal=True, rope="half", rope_base=500.0),
+    "falcon-multi-query": MHAConfig(d_model=24, n_heads=6, n_kv_heads=1, causal=True, rope="half", rope_base=500.0),
+    "falcon-per-head": MHAConfig(d_model=24, n_heads=6, causal=True, rope="half", rope_base=500.0),
+}
+HF_LAYOUT = {"t5-decoder": "hf-t5", "gpt-neox": "hf-gpt-neox"} | {k: "hf-falcon" for k in HF_EXPECTED if "falcon" in k}
+
+
+def _randomised(module):
+    """Every parameter drawn at random (HF initialises biases to zero, which would hide a dropped bias)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.4)
+    return module
+
+
+@pytest.mark.parametrize("name", list(HF_EXPECTED))
+def test_hugging_face_module_is_read_with_its_own_configuration(name):
+    module = _hf(name)
+    spec = from_module(module)
+    assert isinstance(spec, ModuleSpec) and spec.cfg == HF_EXPECTED[name]
+    cfg, params = spec  # unpacks as a pair
+    layout = HF_LAYOUT.get(name, f"hf-{name}")
+    assert MODULE_LAYOUTS[f"transformers.{type(module).__name__}"].name == layout
+    assert params.w_q.shape == (cfg.q_width, cfg.d_model) and params.w_k.shape == (cfg.k_width, cfg.d_model)
+
+
+@pytest.mark.parametrize("name", list(HF_EXPECTED))
+def test_hugging_face_module_output_is_the_spec_of_what_it_reads(name):
+    """The instance's own forward, with the rotary tables of its own rotary module (float32 angles)."""
+    module = _randomised(_hf(name))
+    cfg = from_module(module).cfg
+    x = _x(cfg.d_model)
+    padding = None if cfg.causal else PADDING
+    run, cfg, params = run_module(module, x, padding)
+    expected = reference_mha(cfg, params, x, mask=allowed_mask(cfg, BATCH, TOKENS, padding))
+    assert_close(run.output, expected, run.precision, what=f"{name}: {run.module}")
+    if cfg.rope is not None:
+        assert run.precision == "float32" and "angles in float32" in run.note
+
+
+FLOAT64_PATHS = [
+    ("gpt2", "eager"),
+    ("bert", "sdpa"),
+    ("t5", "eager"),
+    ("t5-decoder", "eager"),
+    ("llama", "sdpa"),
+    ("gpt-neox", "sdpa"),
+    ("phi3", "sdpa"),
+    ("falcon-new-arch", "eager"),  # Falcon's own eager path keeps the hidden states' dtype
+    ("falcon-new-arch-mqa", "sdpa"),
+    ("falcon-multi-query", "eager"),
+    ("falcon-per-head", "eager"),
+]
+
+
+@pytest.mark.parametrize(("name", "implementation"), FLOAT64_PATHS)
+def test_hugging_face_module_agrees_in_float64_on_a_float64_path(name, implementation):
+    module = _randomised(_hf(name))
+    cfg = from_module(module).cfg
+    x = _x(cfg.d_model, seed=5)
+    padding = None if cfg.causal else PADDING
+    run, cfg, params = run_module(
+        module, x, padding, implementation=implementation, float64_rotary=cfg.rope is not None
+    )
+    assert run.precision == "float64", run.note
+    expected = reference_mha(cfg, params, x, mask=allowed_mask(cfg, BATCH, TOKENS, padding))
+    assert_close(run.output, expected, "float64", what=f"{name}: {run.module}")
+    config = module.self.config if name == "bert" else module.config
+    assert config._attn_implementation == "eager"  # the module's own setting is restored
+
+
+def _torch_state(module) -> dict:
+    return {name: value.clone() for name, value in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(HF_EXPECTED))
+def test_hugging_face_to_module_round_trips_exactly(name):
+    import torch
+
+    module = _randomised(_hf(name))
+    before = _torch_state(module)
+    cfg, params = from_module(module)
+    other = init_params(cfg, seed=7)
+    assert to_module(cfg, other, module) is module  # in place
+    assert _same(from_module(module).params, other)
+    to_module(cfg, params, module)
+    after = module.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bert_layer_norm_is_left_alone_by_to_module():
+    import torch
+
+    module = _randomised(_hf("bert"))
+    norm = module.output.LayerNorm.weight.clone()
+    cfg, _ = from_module(module)
+    to_module(cfg, init_params(cfg, seed=2), module)
+    assert torch.equal(module.output.LayerNorm.weight, norm)
+
+
+def test_gpt2_upcast_attention_is_read_and_held_to_float32():
+    """reorder_and_upcast_attn changes where GPT-2 computes (float32 scores), not what: the spec is the same.
+
+    In a float64 model HF's own upcast path raises (the float64 causal mask promotes its float32 scores,
+    and it checks for float32): a known difference, shown here; the float32 model runs.
+    """
+    _need("torch", "transformers")
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    config = GPT2Config(n_embd=15, n_head=3, reorder_and_upcast_attn=True)
+    config._attn_implementation = "eager"
+    module = _randomised(GPT2Attention(config, layer_idx=0).double().eval())
+    x = _x(15)
+    with pytest.raises(RuntimeError, match="Error with upcasting"):
+        run_module(module, x)
+    run, cfg, params = run_module(module.float(), x)
+    assert cfg == HF_EXPECTED["gpt2"] and run.precision == "float32" and "reorder_and_upcast_attn" in run.note
+    assert_close(run.output, reference_mha(cfg, params, x), "float32", what="GPT-2 upcast attention")
+
+
+def test_a_float32_module_is_read_in_float32_and_loaded_back_in_float32():
+    import torch
+
+    module = _randomised(_hf("llama")).float()
+    cfg, params = from_module(module)
+    assert params.w_q.dtype == np.float32
+    to_module(cfg, init_params(cfg, seed=1), module)  # float64 parameters, rounded to the module's dtype
+    assert module.q_proj.weight.dtype == torch.float32
+    x = _x(cfg.d_model)
+    run, cfg, params = run_module(module, x)
+    assert run.precision == "float32"
+    assert_close(run.output, reference_mha(cfg, params, x), "float32", what="float32 LlamaAttention")
+
+
+# --- nn.MultiheadAttention ------------------------------------------------------------------------
+
+
+def test_torch_multihead_attention_sequence_first_self_attention():
+    _need("torch")
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(15, 3, dtype=torch.float64).eval()  # batch_first=False: (N, B, E)
+    with torch.no_grad():
+        module.in_proj_bias.normal_()
+    x = _x(15)
+    run, cfg, params = run_module(module, x, PADDING)
+    assert cfg == MHAConfig(d_model=15, n_heads=3)
+    assert_close(run.output, reference_mha(cfg, params, x, mask=allowed_mask(cfg, BATCH, TOKENS, PADDING)), "float64")
+
+
+def test_torch_multihead_attention_cross_widths_and_round_trip():
+    _need("torch")
+    import torch
+
+    torch.manual_seed(1)
+    module = torch.nn.MultiheadAttention(15, 3, kdim=11, vdim=9, batch_first=True, dtype=torch.float64).eval()
+    cfg, params = from_module(module)
+    assert cfg == MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9)
+    q, k, v = _x(15), _x(11, tokens=5, seed=1), _x(9, tokens=5, seed=2)
+    with torch.no_grad():
+        out = module(*(torch.from_numpy(a) for a in (q, k, v)), need_weights=False)[0].numpy()
+    assert_close(out, reference_mha(cfg, params, q, k, v), "float64", what="nn.MultiheadAttention cross")
+    before = _torch_state(module)
+    other = init_params(cfg, seed=4)
+    to_module(cfg, other, module)
+    assert _same(from_module(module).params, other)
+    to_module(cfg, params, module)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+# --- Keras, Flax (linen and NNX), Equinox ---------------------------------------------------------
+
+
+def _x64():
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # float64 modules; without it JAX silently computes in float32
+
+
+def _keras_layer(**kwargs):
+    _need("keras", "jax")
+    import keras
+
+    if keras.backend.backend() == "jax":
+        _x64()
+    layer = keras.layers.MultiHeadAttention(dtype="float64", bias_initializer="random_normal", seed=0, **kwargs)
+    layer.build((None, None, 15), (None, None, 9), (None, None, 11))  # query, value, key widths
+    return layer
+
+
+def test_keras_multihead_attention_from_and_to_module():
+    layer = _keras_layer(num_heads=3, key_dim=4, value_dim=6)
+    cfg, params = from_module(layer)
+    assert cfg == MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9)
+    q, k, v = _x(15), _x(11, tokens=5, seed=1), _x(9, tokens=5, seed=2)
+    # return_attention_scores=True: Keras's own einsum path, float64 throughout (the default call on JAX takes
+    # jax.nn.dot_product_attention, whose softmax is float32, and fails for value_dim != key_dim).
+    out = np.asarray(layer(q, v, key=k, return_attention_scores=True)[0])
+    assert_close(out, reference_mha(cfg, params, q, k, v), "float64", what="keras MultiHeadAttention")
+    before = [w.copy() for w in layer.get_weights()]
+    other = init_params(cfg, seed=4)
+    assert to_module(cfg, other, layer) is layer
+    assert _same(from_module(layer).params, other)
+    to_module(cfg, params, layer)
+    assert all(np.array_equal(a, b) for a, b in zip(before, layer.get_weights(), strict=True))
+
+
+def _linen(**kwargs):
+    _need("flax", "jax")
+    _x64()
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    module = nn.MultiHeadDotProductAttention(
+        num_heads=3, qkv_features=12, dtype=jnp.float64, param_dtype=jnp.float64, deterministic=True, **kwargs
+    )
+    q, k = jnp.zeros((1, 3, 15)), jnp.zeros((1, 4, 11))
+    variables = module.init(jax.random.PRNGKey(0), q, k, k)
+    variables = jax.tree_util.tree_map(
+        lambda a: jax.random.normal(jax.random.PRNGKey(a.size), a.shape, a.dtype), variables
+    )
+    return module, variables
+
+
+def test_flax_linen_bound_module_from_and_to_module():
+    import jax
+
+    module, variables = _linen()
+    bound = module.bind(variables)
+    cfg, params = from_module(bound)
+    assert cfg == MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=11)
+    q, kv = _x(15), _x(11, tokens=5, seed=1)
+    out = np.asarray(bound(q, kv, kv))
+    assert_close(out, reference_mha(cfg, params, q, kv, kv), "float64", what="flax linen MultiHeadDotProductAttention")
+    other = init_params(cfg, seed=4)
+    rebound = to_module(cfg, other, bound)  # linen modules are immutable: a new bound module
+    assert rebound is not bound and _same(from_module(rebound).params, other)
+    assert _same(from_module(bound).params, params)  # the original is untouched
+    restored = to_module(cfg, params, rebound)
+    leaves = jax.tree_util.tree_leaves(restored.variables)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(variables), leaves, strict=True))
+
+
+def test_flax_nnx_module_from_and_to_module():
+    _need("flax", "jax")
+    _x64()
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    module = nnx.MultiHeadAttention(
+        num_heads=3,
+        in_features=15,
+        qkv_features=12,
+        in_kv_features=11,
+        dtype=jnp.float64,
+        param_dtype=jnp.float64,
+        bias_init=nnx.initializers.normal(1.0),
+        decode=False,
+        rngs=nnx.Rngs(0),
+    )
+    cfg, params = from_module(module)
+    assert cfg == MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=11)
+    q, kv = _x(15), _x(11, tokens=5, seed=1)
+    out = np.asarray(module(q, kv, kv, deterministic=True))
+    # Without dropout and with no module to sow weights into, NNX's dot_product_attention hands the work to
+    # jax.nn.dot_product_attention, whose softmax runs in float32 even on float64 inputs: float32 tolerance.
+    assert_close(out, reference_mha(cfg, params, q, kv, kv), "float32", what="flax nnx MultiHeadAttention")
+    before = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(nnx.state(module))]
+    other = init_params(cfg, seed=4)
+    assert to_module(cfg, other, module) is module  # NNX holds its parameters: in place
+    assert _same(from_module(module).params, other)
+    to_module(cfg, params, module)
+    after = jax.tree_util.tree_leaves(nnx.state(module))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def _equinox(**kwargs):
+    _need("equinox", "jax")
+    _x64()
+    import equinox as eqx
+    import jax
+
+    return eqx.nn.MultiheadAttention(
+        3, 15, key_size=11, value_size=9, qk_size=4, vo_size=6, key=jax.random.PRNGKey(0), **kwargs
+    )
+
+
+def test_equinox_module_from_and_to_module():
+    import equinox as eqx
+    import jax
+
+    biases = {"use_query_bias": True, "use_key_bias": True, "use_value_bias": True, "use_output_bias": True}
+    module = _equinox(**biases)
+    cfg, params = from_module(module)
+    assert cfg == MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9)
+    q, k, v = _x(15), _x(11, tokens=5, seed=1), _x(9, tokens=5, seed=2)
+    out = np.asarray(jax.vmap(module)(q, k, v))  # the module is unbatched: (N, E) per example
+    assert_close(out, reference_mha(cfg, params, q, k, v), "float64", what="equinox MultiheadAttention")
+    other = init_params(cfg, seed=4)
+    new = to_module(cfg, other, module)  # Equinox modules are immutable pytrees: a new module
+    assert new is not module and _same(from_module(new).params, other) and _same(from_module(module).params, params)
+    leaves = jax.tree_util.tree_leaves(eqx.filter(to_module(cfg, params, new), eqx.is_array))
+    original = jax.tree_util.tree_leaves(eqx.filter(module, eqx.is_array))
+    assert all(np.array_equal(a, b) for a, b in zip(original, leaves, strict=True))
+
+
+# --- what cannot be read, and why -----------------------------------------------------------------
+
+
+def _hf_module(config_class: str, module_path: str, class_name: str, config_kwargs: dict, **kwargs):
+    _need("torch", "transformers")
+    import importlib
+
+    import transformers
+
+    config = getattr(transformers, config_class)(**config_kwargs)
+    return getattr(importlib.import_module(module_path), class_name)(config, **kwargs)
+
+
+UNEXPRESSIBLE = [
+    (
+        "t5 relative bias",
+        lambda: _hf_module(
+            "T5Config",
+            "transformers.models.t5.modeling_t5",
+            "T5Attention",
+            {"d_model": 12, "d_kv": 4, "num_heads": 3},
+            has_relative_attention_bias=True,
+        ),
+        r"T5Attention has has_relative_attention_bias=True \(relative_attention_bias.weight: 32 buckets x 3 heads.*"
+        r"the relative bias is not yet in the spec",
+    ),
+    (
+        "falcon alibi",
+        lambda: _hf_module(
+            "FalconConfig",
+            "transformers.models.falcon.modeling_falcon",
+            "FalconAttention",
+            {"hidden_size": 16, "num_attention_heads": 4, "alibi": True},
+            layer_idx=0,
+        ),
+        r"FalconAttention has config\.alibi=True \(ALiBi.*\), which the spec cannot express yet",
+    ),
+    (
+        "falcon per head with fewer kv heads",
+        lambda: _hf_module(
+            "FalconConfig",
+            "transformers.models.falcon.modeling_falcon",
+            "FalconAttention",
+            {"hidden_size": 16, "num_attention_heads": 4, "multi_query": False, "num_kv_heads": 2},
+            layer_idx=0,
+        ),
+        r"FalconAttention packs per head .* num_kv_heads=2 != num_attention_heads=4",
+    ),
+    (
+        "phi3 sliding window",
+        lambda: _hf_module(
+            "Phi3Config",
+            "transformers.models.phi3.modeling_phi3",
+            "Phi3Attention",
+            {"hidden_size": 16, "num_attention_heads": 4, "sliding_window": 5},
+            layer_idx=0,
+        ),
+        r"Phi3Attention has config\.sliding_window=5, which the spec cannot express yet",
+    ),
+    (
+        "llama scaled rotary",
+        lambda: _hf_module(
+            "LlamaConfig",
+            "transformers.models.llama.modeling_llama",
+            "LlamaAttention",
+            {
+                "hidden_size": 16,
+                "num_attention_heads": 4,
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
+            layer_idx=0,
+        ),
+        r"LlamaAttention has rope_parameters\['rope_type'\]='linear', which the spec cannot express yet: "
+        r"the spec has unscaled rotary only",
+    ),
+    (
+        "gpt2 scale by layer",
+        lambda: _hf_module(
+            "GPT2Config",
+            "transformers.models.gpt2.modeling_gpt2",
+            "GPT2Attention",
+            {"n_embd": 12, "n_head": 3, "scale_attn_by_inverse_layer_idx": True},
+            layer_idx=2,
+        ),
+        r"GPT2Attention with scale_attn_weights=True, scale_attn_by_inverse_layer_idx=True: layout 'hf-gpt2' holds",
+    ),
+]
+
+
+@pytest.mark.parametrize(("label", "build", "message"), UNEXPRESSIBLE, ids=[case[0] for case in UNEXPRESSIBLE])
+def test_a_setting_the_spec_cannot_express_is_named(label, build, message):
+    module = build()
+    with pytest.raises(LayoutError, match=message):
+        from_module(module)
+    with pytest.raises(LayoutError, match=message):  # to_module reads the module's configuration first
+        to_module(MHAConfig(d_model=12, n_heads=3), init_params(MHAConfig(d_model=12, n_heads=3)), module)
+
+
+def test_torch_multihead_attention_extra_tokens_are_named():
+    _need("torch")
+    import torch
+
+    with pytest.raises(LayoutError, match=r"MultiheadAttention has add_bias_kv=True \(bias_k, bias_v"):
+        from_module(torch.nn.MultiheadAttention(12, 3, add_bias_kv=True))
+    with pytest.raises(LayoutError, match=r"MultiheadAttention has add_zero_attn=True"):
+        from_module(torch.nn.MultiheadAttention(12, 3, add_zero_attn=True))
+
+
+def test_keras_settings_the_spec_cannot_express_are_named():
+    with pytest.raises(LayoutError, match=r"MultiHeadAttention has use_gate=True, which the spec cannot express yet"):
+        from_module(_keras_layer(num_heads=3, key_dim=4, use_gate=True))
+    with pytest.raises(LayoutError, match=r"MultiHeadAttention has sliding_window=3"):
+        from_module(_keras_layer(num_heads=3, key_dim=4, sliding_window=3))
+    import keras
+
+    with pytest.raises(LayoutError, match=r"MultiHeadAttention is not built: it holds no weights yet"):
+        from_module(keras.layers.MultiHeadAttention(num_heads=3, key_dim=4))
+
+
+def test_flax_settings_the_spec_cannot_express_are_named():
+    module, variables = _linen()
+    with pytest.raises(LayoutError, match=r"MultiHeadDotProductAttention is not bound: .*module\.bind\(variables\)"):
+        from_module(module)
+    module, variables = _linen(normalize_qk=True)
+    with pytest.raises(LayoutError, match=r"MultiHeadDotProductAttention has normalize_qk=True \(LayerNorm"):
+        from_module(module.bind(variables))
+
+
+def test_flax_nnx_grouped_kv_heads_are_named_by_the_layout():
+    _need("flax", "jax")
+    from flax import nnx
+
+    module = nnx.MultiHeadAttention(num_heads=4, in_features=16, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+    with pytest.raises(LayoutError, match=r"layout 'flax' cannot express .*n_kv_heads=2 != n_heads=4"):
+        from_module(module)
+
+
+def test_equinox_bias_on_some_projections_only_is_named():
+    with pytest.raises(LayoutError, match=r"use_query_bias=True, use_key_bias=False.*every projection or none"):
+        from_module(_equinox(use_query_bias=True))
+
+
+def test_an_unknown_class_lists_the_known_ones_and_a_subclass_is_not_its_parent():
+    _need("torch", "transformers")
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    known = "transformers.GPT2Attention, transformers.BertAttention, transformers.LlamaAttention"
+    with pytest.raises(
+        LayoutError, match=rf"no layout reads torch\.nn\.modules\.linear\.Linear .*known classes: {known}"
+    ):
+        from_module(torch.nn.Linear(3, 4))
+
+    class MyAttention(LlamaAttention):
+        pass
+
+    module = _hf_module(
+        "LlamaConfig",
+        "transformers.models.llama.modeling_llama",
+        "LlamaAttention",
+        {"hidden_size": 16, "num_attention_heads": 4},
+        layer_idx=0,
+    )
+    module.__class__ = MyAttention
+    with pytest.raises(LayoutError, match=r"no layout reads .*MyAttention .*a subclass is not read as its parent"):
+        from_module(module)
+
+
+def test_to_module_refuses_parameters_made_for_another_configuration():
+    module = _hf("llama")
+    assert from_module(module).cfg.n_kv_heads == 2
+    other = MHAConfig(d_model=16, n_heads=4, n_kv_heads=4, d_k=6, causal=True, rope="half", rope_base=500.0)
+    with pytest.raises(LayoutError, match=r"to_module: .*LlamaAttention was built for another configuration .*"
+                       r"n_kv_heads: module 2, given 4"):  # fmt: skip
+        to_module(other, init_params(other), module)
+
+
+def test_every_reader_is_registered_once_by_class():
+    classes = [key for layout in MODULE_LAYOUTS.values() for key in layout.reader.classes]
+    assert sorted(MODULE_LAYOUTS) == sorted(set(classes))
+    assert set(MODULE_LAYOUTS) == {
+        "transformers.GPT2Attention",
+        "transformers.BertAttention",
+        "transformers.LlamaAttention",
+        "transformers.GPTNeoXAttention",
+        "transformers.Phi3Attention",
+        "transformers.FalconAttention",
+        "transformers.T5Attention",
+        "keras.MultiHeadAttention",
+        "torch.MultiheadAttention",
+        "flax.MultiHeadDotProductAttention",
+        "flax.MultiHeadAttention",
+        "equinox.MultiheadAttention",
+    }

@@ -243,6 +243,9 @@ def test_cli_variant_options_map_to_the_config():
     assert (cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional) == (8, 5, False)
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert cfg.variants == ("qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "sinks", "rope_scaling")
+    like = parser.parse_args(["--like", "mymod:attention", "--window", "3", "--sinks"])
+    with pytest.raises(ValueError, match="--like gives the whole configuration; drop --window, --sinks"):
+        with_variants(MHAConfig(d_model=16, n_heads=4), like)
 
 
 def test_cli_variant_option_errors_name_the_option(tmp_path):

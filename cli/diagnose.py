@@ -25,6 +25,9 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .options import add_list
+    from .variant_options import add_variant_arguments
+
+    add_variant_arguments(parser)  # --window, --softcap, --qk-norm, ... (core.VARIANTS)
 
     parser.add_argument(
         "candidate",
@@ -123,17 +126,19 @@ def run(args: argparse.Namespace) -> int:
     from mha_rosetta.diagnose.isolated import diagnose_import_path
     from mha_rosetta.report.provenance import provenance
 
+    from .variant_options import with_variants
+
     if args.confusion:
         from mha_rosetta.diagnose.confusion import (
             confusion,
             render_evidence,
-            render_markdown,
             render_separation,
+            render_tables,
             separating_probes,
         )
 
         outcomes = confusion()
-        print(render_markdown(outcomes))
+        print(render_tables(outcomes))
         print(
             "The simplest probe that tells each pair of causes apart (max abs difference of their simulated outputs):\n"
         )
@@ -146,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named (the child inherits it)
     try:
-        cfg = _config(args)
+        cfg = with_variants(_config(args), args)
         timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
         # In a child process: a candidate that crashes or hangs in native code is reported, not fatal here.
         dtypes = args.dtypes or ["float64"]

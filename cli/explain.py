@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_list(
         parser,
         "--sections",
-        help="parts to show: stages, weights, head_split, checkpoints, differences, claims (default: all but claims)",
+        help="parts to show: stages, weights, head_split, checkpoints, differences, variants, claims "
+        "(default: all but claims)",
     )
     switches = {  # the on/off options (store_true)
         "--backward": (

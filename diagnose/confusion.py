@@ -2,9 +2,10 @@
 
 `confusion(settings, frameworks)` diagnoses `injected.numpy_candidate` / `torch_candidate`
 with every bug that applies to each setting (plain, GQA, causal, rotary half, and GQA +
-causal + partial interleaved rotary) and records the first
+causal + partial interleaved rotary, and the variants as models combine them) and records the first
 cause; `render_markdown` prints the causes x bugs table (diagonal when every bug is named
-by its own code) and, per bug, the probe that told the winner from the runner-up.
+by its own code) and, per bug, the probe that told the winner from the runner-up; `render_tables`
+prints the variants' settings in a table of their own.
 ``mha-rosetta diagnose --confusion`` prints it.
 """
 
@@ -31,7 +32,59 @@ SETTINGS: dict[str, MHAConfig] = {
     "rotary": MHAConfig(d_model=12, n_heads=3, rope="half"),  # d_k = 4, every feature rotated
     # GQA, causal and partial interleaved rotary at once: d_k = 6, the first 4 features rotated.
     "rotary-gqa": MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", rope_dims=4),
+    # The variants (each bug of `injected_variants` runs where its variant is on), as the models combine them.
+    # Gemma 2's: softcap, causal window of 3, a scale of its own, GQA, rotary; d_k = 6.
+    "softcap-window": MHAConfig(
+        d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="half", window=3, softcap=1.5, scale=0.3, bias=False
+    ),
+    "alibi": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),  # BLOOM's: 6 heads, d_k = 3
+    # Qwen3's head QK-norm with Qwen2's q/k/v bias and Llama 3.1's rope scaling; d_k = 8.
+    "qk-norm-head": MHAConfig(
+        d_model=24,
+        n_heads=3,
+        d_k=8,
+        causal=True,
+        rope="half",
+        bias="qkv",
+        qk_norm="head",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rope_base=500000.0,
+    ),
+    # OLMo 2's projection QK-norm, with a two-sided window of 3 (no causal); d_k = 5.
+    "qk-norm-projection": MHAConfig(d_model=20, n_heads=4, qk_norm="projection", window=3, bias=False),
+    # gpt-oss's: sinks, a causal window of 3, biases, YaRN, GQA; d_k = 6.
+    "sinks-yarn": MHAConfig(
+        d_model=24,
+        n_heads=4,
+        n_kv_heads=2,
+        causal=True,
+        rope="half",
+        rope_base=150000.0,
+        window=3,
+        sinks=True,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False},
+    ),
+    # T5's relative buckets: the encoder (both directions, no scale) and the decoder (past only, causal).
+    "t5-encoder": MHAConfig(d_model=16, n_heads=4, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5),
+    "t5-decoder": MHAConfig(
+        d_model=16,
+        n_heads=4,
+        bias=False,
+        scale=1.0,
+        causal=True,
+        rel_buckets=6,
+        rel_max_distance=7,
+        rel_bidirectional=False,
+    ),
 }
+# The settings with a variant on (`MHAConfig.variants`): their table is printed apart (`render_tables`).
+VARIANT_SETTINGS = tuple(name for name, cfg in SETTINGS.items() if cfg.variants)
 FRAMEWORKS = {"numpy": numpy_candidate, "torch": torch_candidate}
 
 
@@ -88,6 +141,15 @@ def render_markdown(outcomes: list[Outcome]) -> str:
     for o in wrong:
         lines.append(f"- MISSED: {o.setting}/{o.framework}/{o.bug}: named {o.named}")
     return "\n".join(lines) + "\n"
+
+
+def render_tables(outcomes: list[Outcome]) -> str:
+    """`render_markdown` twice: the 2017-23 settings, then the variants' (`VARIANT_SETTINGS`), each table readable."""
+    parts = [
+        [o for o in outcomes if o.setting not in VARIANT_SETTINGS],
+        [o for o in outcomes if o.setting in VARIANT_SETTINGS],
+    ]
+    return "\n".join(render_markdown(part) for part in parts if part)
 
 
 def render_evidence(outcomes: list[Outcome]) -> str:

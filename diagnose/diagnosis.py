@@ -325,7 +325,10 @@ def _cause(cfg, fit: _Fit, fits: list[_Fit], oracle: _Fit, run, observed, partia
 def _verify_repair(cfg, hypothesis: Hypothesis, run, observed: list[_Observed], oracle: _Fit, dtype: str) -> str:
     worst = 0.0
     for obs in observed:
-        params, mask = hypothesis.repair(cfg, obs.probe.params, obs.probe.mask)
+        mask = obs.probe.mask
+        if mask is None and hypothesis.needs_mask:  # the repair adds to the mask: start from "every key allowed"
+            mask = np.ones((obs.probe.query.shape[0], 1, obs.probe.query.shape[1], obs.probe.key.shape[1]), bool)
+        params, mask = hypothesis.repair(cfg, obs.probe.params, mask)
         try:
             output = run(obs.probe, params, mask)
         except DiagnoseError as error:

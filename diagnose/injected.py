@@ -6,6 +6,7 @@ take canonical `MHAParams` and return the output, with the bug named by ``bug`` 
 `BUGS`) or none. They are independent code from `diagnose.simulate`, so diagnosing them
 tests the simulator, and they feed the confusion table (`diagnose.confusion`) and the
 example of docs/your-own-implementation.md. torch is imported inside `torch_candidate` only.
+The variants (and their mistakes, `VARIANT_BUGS`) are written in `injected_variants`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
+from . import injected_variants as iv
+from .probes import Q_TOKENS
 from .simulate import packing_applies
 
 # bug -> (the cause code it must be diagnosed as, what the code does wrong)
@@ -35,6 +38,7 @@ BUGS: dict[str, tuple[str, str]] = {
     "b_o dropped": ("bias", "output projection without its bias"),
     "rope pairs swapped": ("rope_convention", "rotate_half where the weights are interleaved, or the reverse"),
     "rope missing": ("rope_convention", "q and k used without the rotary embedding"),
+    **iv.VARIANT_BUGS,
 }
 
 
@@ -53,10 +57,11 @@ def bugs_for(cfg: MHAConfig) -> list[str]:
         "merge (Dv, H)": cfg.n_heads > 1 and cfg.d_v > 1,
         "kv heads tiled": 1 < cfg.n_kv_heads < cfg.n_heads,
         "b_q dropped": cfg.bias,
-        "b_o dropped": cfg.bias,
+        "b_o dropped": cfg.output_bias,
         # With two rotated features the two pairings are the same pair.
         "rope pairs swapped": cfg.rope is not None and cfg.rope_dims > 2,
         "rope missing": cfg.rope is not None,
+        **iv.variant_bugs_for(cfg, Q_TOKENS),
     }
     return [name for name in BUGS if runs.get(name, True)]
 
@@ -107,15 +112,23 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
         q = linear(query, w_q, b_q, bug == "w_q transposed")  # (B, Nq, H*Dk)
         k = linear(key, w_k, b_k)  # (B, Nk, Hkv*Dk)
         v = linear(value, w_v, b_v)  # (B, Nk, Hkv*Dv)
+        place = iv.norm_place(cfg, bug)
+        if place is not None:
+            w_qn, w_kn = iv.norm_weights(cfg, bug, params, place)
+        if place == "projection":
+            q, k = iv.numpy_rms_norm(q, w_qn, cfg.norm_eps), iv.numpy_rms_norm(k, w_kn, cfg.norm_eps)
         if bug == "direct reshape":
             q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
         else:
             q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
             k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
             v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
+        if place == "head":
+            q, k = iv.numpy_rms_norm(q, w_qn, cfg.norm_eps), iv.numpy_rms_norm(k, w_kn, cfg.norm_eps)
         style = _rope_style(cfg, bug)
         if style is not None:
-            q, k = _numpy_rotary(q, style, cfg), _numpy_rotary(k, style, cfg)
+            scaled = iv.rope_frequencies(cfg, bug, max(Nq, Nk))
+            q, k = _numpy_rotary(q, style, cfg, scaled), _numpy_rotary(k, style, cfg, scaled)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":
@@ -128,16 +141,25 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
         scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, Nq, Nk)
         if bug != "scale missing":
             scores = scores * scale
+        scores = iv.numpy_score_variants(cfg, bug, params, scores)  # softcap, ALiBi, T5's bias
         allowed = np.ones((Nq, Nk), dtype=bool)
         if cfg.causal:
             allowed = np.tril(allowed, -1 if bug == "causal hides diagonal" else 0)
+        window = iv.numpy_window(cfg, bug, Nq, Nk)
+        if window is not None:
+            allowed = allowed & window
         if mask is not None:
             allowed = allowed & (~mask if bug == "mask inverted" else mask)
         scores = np.where(allowed, scores, -np.inf)
+        if bug == "softcap after mask":
+            scores = cfg.softcap * np.tanh(scores / cfg.softcap)
+        scores, v, drop_sink = iv.numpy_sink_column(cfg, bug, params, scores, v)  # (B, H, Nq, Nk[+1])
         axis = -2 if bug == "softmax over queries" else -1
         with np.errstate(invalid="ignore"):
             e = np.exp(scores - scores.max(axis=axis, keepdims=True))
             weights = e / e.sum(axis=axis, keepdims=True)
+        if drop_sink:
+            weights = weights[..., :-1]  # (B, H, Nq, Nk) view: the sink's column dropped
         context = weights @ v  # (B, H, Nq, Dv)
         if bug == "merge (Dv, H)":
             merged = context.transpose(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
@@ -148,11 +170,18 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
     return candidate
 
 
-def _numpy_rotary(x, style: str, cfg: MHAConfig):
-    """Rotate the first rope_dims features of (B, heads, N, d) by position: half = rotate_half, else pairs."""
+def _numpy_rotary(x, style: str, cfg: MHAConfig, scaled=None):
+    """Rotate the first rope_dims features of (B, heads, N, d) by position: half = rotate_half, else pairs.
+
+    ``scaled``: (inv_freq, factor on cos and sin) of scaled rotary (`injected_variants.rope_frequencies`).
+    """
     r = cfg.rope_dims
     theta = np.arange(x.shape[2])[:, None] / cfg.rope_base ** (np.arange(0, r, 2) / r)  # (N, r/2)
     cos, sin = np.cos(theta), np.sin(theta)
+    if scaled is not None:
+        inv_freq, factor = scaled
+        theta = np.arange(x.shape[2])[:, None] * inv_freq  # (N, r/2)
+        cos, sin = factor * np.cos(theta), factor * np.sin(theta)
     rot, rest = x[..., :r], x[..., r:]
     if style == "half":
         x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
@@ -196,15 +225,23 @@ def torch_candidate(cfg: MHAConfig, bug: str | None = None):
         q = F.linear(x_q, w_q, t["b_q"])  # (B, Nq, H*Dk)
         k = F.linear(x_k, t["w_k"], t["b_k"])  # (B, Nk, Hkv*Dk)
         v = F.linear(x_v, t["w_v"], t["b_v"])  # (B, Nk, Hkv*Dv)
+        place = iv.norm_place(cfg, bug)
+        if place is not None:
+            w_qn, w_kn = (torch.from_numpy(np.ascontiguousarray(w)) for w in iv.norm_weights(cfg, bug, params, place))
+        if place == "projection":
+            q, k = iv.torch_rms_norm(q, w_qn, cfg.norm_eps), iv.torch_rms_norm(k, w_kn, cfg.norm_eps)
         if bug == "direct reshape":
             q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
         else:
             q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
             k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
             v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
+        if place == "head":
+            q, k = iv.torch_rms_norm(q, w_qn, cfg.norm_eps), iv.torch_rms_norm(k, w_kn, cfg.norm_eps)
         style = _rope_style(cfg, bug)
         if style is not None:
-            q, k = _torch_rotary(q, style, cfg), _torch_rotary(k, style, cfg)
+            scaled = iv.rope_frequencies(cfg, bug, max(Nq, Nk))
+            q, k = _torch_rotary(q, style, cfg, scaled), _torch_rotary(k, style, cfg, scaled)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":
@@ -217,15 +254,24 @@ def torch_candidate(cfg: MHAConfig, bug: str | None = None):
         scores = q @ k.transpose(-2, -1)  # (B, H, Nq, Nk)
         if bug != "scale missing":
             scores = scores * scale
+        scores = iv.torch_score_variants(cfg, bug, t, scores)  # softcap, ALiBi, T5's bias
         blocked = torch.zeros(Nq, Nk, dtype=torch.bool)
         if cfg.causal:
             offset = 0 if bug == "causal hides diagonal" else 1
             blocked = torch.ones(Nq, Nk, dtype=torch.bool).triu(offset)
+        outside = iv.torch_window_blocked(cfg, bug, Nq, Nk)
+        if outside is not None:
+            blocked = blocked | outside
         if mask is not None:
             m = torch.from_numpy(np.asarray(mask))
             blocked = blocked | (m if bug == "mask inverted" else ~m)
         scores = scores.masked_fill(blocked, float("-inf"))
+        if bug == "softcap after mask":
+            scores = torch.tanh(scores / cfg.softcap) * cfg.softcap
+        scores, v, drop_sink = iv.torch_sink_column(cfg, bug, t, scores, v)  # (B, H, Nq, Nk[+1])
         weights = torch.softmax(scores, dim=-2 if bug == "softmax over queries" else -1)
+        if drop_sink:
+            weights = weights[..., :-1]  # (B, H, Nq, Nk) view: gpt-oss drops the sink's column
         context = weights @ v  # (B, H, Nq, Dv)
         if bug == "merge (Dv, H)":
             merged = context.permute(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
@@ -237,19 +283,25 @@ def torch_candidate(cfg: MHAConfig, bug: str | None = None):
     return candidate
 
 
-def _torch_rotary(x, style: str, cfg: MHAConfig):
-    """Hugging Face's rotate_half for "half", Meta's complex multiplication for "interleaved"."""
+def _torch_rotary(x, style: str, cfg: MHAConfig, scaled=None):
+    """Hugging Face's rotate_half for "half", Meta's complex multiplication for "interleaved".
+
+    ``scaled``: (inv_freq, factor on cos and sin) of scaled rotary (`injected_variants.rope_frequencies`).
+    """
     import torch
 
     r = cfg.rope_dims
     inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)  # (r/2,)
+    factor = 1.0
+    if scaled is not None:
+        inv_freq, factor = torch.from_numpy(scaled[0]), scaled[1]
     freqs = torch.outer(torch.arange(x.shape[2], dtype=torch.float64), inv_freq)  # (N, r/2)
     rot, rest = x[..., :r], x[..., r:]
     if style == "half":
         emb = torch.cat([freqs, freqs], dim=-1)  # (N, r)
         x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-        turned = rot * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()
+        turned = rot * (emb.cos() * factor) + torch.cat([-x2, x1], dim=-1) * (emb.sin() * factor)
     else:
         pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], r // 2, 2).contiguous())  # (..., r/2) complex
-        turned = torch.view_as_real(pairs * torch.polar(torch.ones_like(freqs), freqs)).flatten(-2)  # (..., r)
+        turned = torch.view_as_real(pairs * torch.polar(factor * torch.ones_like(freqs), freqs)).flatten(-2)  # (..., r)
     return torch.cat([turned, rest], dim=-1)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
+from mha_rosetta.core.rotary import rope_permutation
 
 from .simulate import Bug, params_as_used
 
@@ -75,4 +76,63 @@ def regroup_query_heads(cfg: MHAConfig, params: MHAParams) -> MHAParams:
     b_q = None if params.b_q is None else params.b_q.reshape(H, Dk)[order].reshape(H * Dk)
     d_model = params.w_o.shape[0]
     w_o = params.w_o.reshape(d_model, H, Dv)[:, order].reshape(d_model, H * Dv)  # (D, H, Dv) columns regrouped, copy
-    return replace(params, w_q=w_q, b_q=b_q, w_o=w_o)
+    # The per-head parameters of the variants move with their heads (ALiBi's slopes cannot: no repair there).
+    extra = {}
+    if cfg.qk_norm == "projection":
+        extra["q_norm"] = params.q_norm.reshape(H, Dk)[order].reshape(H * Dk)  # (H, Dk) rows regrouped, copy
+    if params.sinks is not None:
+        extra["sinks"] = params.sinks[order]
+    if params.rel_bias is not None:
+        extra["rel_bias"] = params.rel_bias[:, order]  # (buckets, H) columns regrouped, copy
+    return replace(params, w_q=w_q, b_q=b_q, w_o=w_o, **extra)
+
+
+def window_mask(cfg: MHAConfig, mask):
+    """The (B, 1, Nq, Nk) mask AND the spec's window (positions 0..N-1), for code whose window is wider than W.
+
+    A candidate that lets W + 1 keys through computes its own window AND this mask, which is
+    the spec's window of W. ``mask`` must be an array (start from an all-True one); it is not
+    its own inverse: the candidate's code must still be fixed.
+    """
+    from mha_rosetta.core.variants import window_allowed
+
+    mask = np.asarray(mask, dtype=bool)
+    q_tokens, kv_tokens = mask.shape[-2:]
+    allowed = window_allowed(cfg.window, cfg.causal, np.arange(q_tokens)[None], np.arange(kv_tokens)[None])
+    return mask & allowed  # (1, 1, Nq, Nk) broadcast to the mask's shape
+
+
+def mirror_relative_buckets(cfg: MHAConfig, params: MHAParams) -> MHAParams:
+    """T5's table for code that buckets p_i - p_j: its two halves exchanged (bidirectional buckets; self-inverse).
+
+    With n = rel_buckets / 2, distance d > 0 falls in bucket n + f(d) and -d in f(d), while
+    d = 0 is bucket 0 either way; so bucket x and bucket n + x trade places for x = 1 .. n-1.
+    """
+    n = cfg.rel_buckets // 2
+    order = np.arange(cfg.rel_buckets)
+    order[1:n], order[n + 1 :] = np.arange(n + 1, 2 * n), np.arange(1, n)
+    return replace(params, rel_bias=params.rel_bias[order])  # (buckets, H) rows exchanged, copy
+
+
+def rescale_query_norm(params: MHAParams, factor: float) -> MHAParams:
+    """Multiply the QK-norm weight q_norm by ``factor``: with QK-norm the scores are linear in it, not in w_q."""
+    return replace(params, q_norm=params.q_norm * factor)
+
+
+def convert_rotary_pairing(cfg: MHAConfig, params: MHAParams, converter) -> MHAParams:
+    """``converter(cfg, params)[1]`` (`core.to_interleaved_params` or `to_rotate_half_params`), QK-norm weights too.
+
+    The core converters permute the rows of w_q/w_k (and b_q/b_k) within each head; with QK-norm
+    the norm weight multiplies those same features, so each head's slice of it moves with them.
+    """
+    converted = converter(cfg, params)[1]
+    if cfg.qk_norm is None:
+        return converted
+    perm = rope_permutation(cfg.d_k, cfg.rope_dims)
+    if converter.__name__ == "to_interleaved_params":
+        perm = np.argsort(perm)  # the inverse permutation, as the converter takes it
+
+    def per_head(weight):  # (d_k,) or (heads*d_k,): each head's features reordered
+        return weight.reshape(-1, cfg.d_k)[:, perm].reshape(weight.shape)  # (heads, Dk) rows reordered, copy
+
+    return replace(converted, q_norm=per_head(params.q_norm), k_norm=per_head(params.k_norm))

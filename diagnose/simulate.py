@@ -25,6 +25,9 @@ Every knob says what the candidate does instead of the spec:
 - ``bias_dropped``: biases left out (names); ``bias_misplaced``: ``"b_o before w_o"``.
 - ``rope``: ``"other"`` rotates with the other pairing than ``cfg.rope`` (interleaved for
   half, or the reverse), ``"none"`` leaves q and k unrotated.
+- The variants' knobs (``qk_norm``, ``rope_scaling``, ``softcap``, ``alibi``, ``rel_direction``,
+  ``window``, ``sinks``): what each does, and the variants' steps themselves, are in
+  `diagnose.variant_steps`. Each only acts when the configuration has its variant.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from mha_rosetta.core import (
     softmax_with_empty_rows,
 )
 from mha_rosetta.core.config import ROPE_STYLES
+from mha_rosetta.core.variants import softmax_with_sinks
+
+from . import variant_steps
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,14 @@ class Bug:
     bias_dropped: tuple[str, ...] = ()
     bias_misplaced: str | None = None
     rope: str | None = None
+    # The variants' mistakes (`variant_steps`).
+    qk_norm: str | None = None  # where the candidate normalises instead: "head" or "projection"
+    rope_scaling: str | None = None  # the rope_type it scales with instead: "none" or "linear"
+    softcap: str | None = None  # "dropped" or "after_mask"
+    alibi: str | None = None  # "power_of_two" (slopes) or "sign"
+    rel_direction: bool = False  # T5 buckets of p_i - p_j
+    window: str | None = None  # "one_more" (W + 1 keys) or "future" (counted from the wrong end)
+    sinks: str | None = None  # "ignored" or "value"
 
     def combine(self, other: Bug) -> Bug:
         """Both bugs at once (knobs of ``other`` that differ from the default win)."""
@@ -118,6 +132,7 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     q = linear(query, p.w_q, p.b_q)  # (B, Nq, H*Dk)
     k = linear(key, p.w_k, p.b_k)  # (B, Nk, Hkv*Dk)
     v = linear(value, p.w_v, p.b_v)  # (B, Nk, Hkv*Dv)
+    q, k = variant_steps.projection_normed(cfg, p, q, k, bug)  # qk_norm="projection": before the split
     if bug.head_split:
         q_h = q.reshape(B, H, Nq, Dk)  # the mistake: a reshape without the transpose mixes tokens and heads
         k_h = k.reshape(B, Hkv, Nk, Dk)
@@ -126,25 +141,30 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         q_h = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk) view
         k_h = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk) view
         v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
-    q_h, k_h = rotate(cfg, q_h, bug), rotate(cfg, k_h, bug)
+    q_h, k_h = variant_steps.head_normed(cfg, p, q_h, k_h, bug)  # qk_norm="head": after the split
+    seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
+    q_h, k_h = rotate(cfg, q_h, bug, seq_len), rotate(cfg, k_h, bug, seq_len)
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
     scale = cfg.scale if bug.scale is None else bug.scale
     scores = scale * (q_h @ k_h[:, kv_of].swapaxes(-1, -2))  # (B, H, Nq, Nk)
+    scores = variant_steps.capped_and_biased(cfg, p, scores, bug)  # softcap, then ALiBi / T5's bias
     allowed = allowed_under(cfg, Nq, Nk, mask, bug)
     masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
+    masked = variant_steps.capped_after_mask(cfg, masked, bug)
     if bug.softmax_axis == -1:
-        weights = softmax_with_empty_rows(masked)  # (B, H, Nq, Nk)
-    else:
+        weights = softmax_with_sinks(masked, variant_steps.sink_logits(cfg, p, bug))  # (B, H, Nq, Nk)
+    else:  # normalised over queries: a sink column is normalised on its own and dropped
         weights = np.swapaxes(softmax_with_empty_rows(np.swapaxes(masked, -1, -2)), -1, -2)
     context = weights @ v_h[:, kv_of]  # (B, H, Nq, Dv)
+    context = context + variant_steps.sink_value(cfg, weights, v_h[:, kv_of], bug)
     if bug.head_split == "direct_undone":
         merged = context.reshape(B, Nq, H * Dv)  # the inverse of the direct reshape
     elif bug.merge_order:
         merged = context.transpose(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) -> (B, Nq, Dv*H) copy
     else:
         merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H, Dv) -> (B, Nq, H*Dv) copy
-    if bug.bias_misplaced == "b_o before w_o":
+    if bug.bias_misplaced == "b_o before w_o":  # offered only with an output bias (cfg.output_bias)
         return (merged + p.b_o) @ p.w_o.T
     return linear(merged, p.w_o, p.b_o)
 
@@ -153,11 +173,19 @@ def other_rope_style(style: str) -> str:
     return next(s for s in ROPE_STYLES if s != style)
 
 
-def rotate(cfg: MHAConfig, heads: np.ndarray, bug: Bug = Bug()) -> np.ndarray:
-    """Rotary embedding of (B, heads, N, Dk) at positions 0..N-1, in the style ``bug`` uses (as given without rope)."""
+def rotate(cfg: MHAConfig, heads: np.ndarray, bug: Bug = Bug(), seq_len: int | None = None) -> np.ndarray:
+    """Rotary embedding of (B, heads, N, Dk) at positions 0..N-1, in the style ``bug`` uses (as given without rope).
+
+    ``seq_len`` (1 + the largest position of the call, N by default) is read by dynamic rope scaling only.
+    """
     if cfg.rope is None or bug.rope == "none":
         return heads
     style = other_rope_style(cfg.rope) if bug.rope == "other" else cfg.rope
+    if cfg.rope_scaling is not None or bug.rope_scaling is not None:
+        seq_len = heads.shape[-2] if seq_len is None else seq_len
+        inv_freq, factor = variant_steps.scaled_rotary_frequencies(cfg, seq_len, bug)  # (r/2,), YaRN's factor
+        angle = np.arange(heads.shape[-2])[:, None] * inv_freq  # (N, r/2)
+        return apply_rotary(heads, factor * np.cos(angle), factor * np.sin(angle), style)
     angle = np.arange(heads.shape[-2])[:, None] * inverse_frequencies(cfg.rope_dims, cfg.rope_base)  # (N, r/2)
     return apply_rotary(heads, np.cos(angle), np.sin(angle), style)
 
@@ -177,4 +205,7 @@ def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug 
             "bottom_right": j <= i + (kv_tokens - q_tokens),
         }[bug.causal][None, None]  # (1, 1, Nq, Nk)
         allowed = causal if allowed is None else allowed & causal
+    window = variant_steps.window_allowed(cfg, q_tokens, kv_tokens, bug)  # (1, 1, Nq, Nk) or None
+    if window is not None:
+        allowed = window if allowed is None else allowed & window
     return allowed

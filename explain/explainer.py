@@ -22,10 +22,11 @@ from .head_split import HeadSplit, head_splits
 from .real_checkpoints import Checkpoint, real_checkpoints
 from .seed_setup import DEFAULT_BATCH, SEED_TOKENS, Setup, make_setup
 from .stages_table import BackendSummary, StageRow, build_stage_tables
+from .variants import VariantEntry, pipeline, variant_entries
 from .weights import WeightLayout, weight_layouts
 
-SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "claims")
-DEFAULT_SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences")
+SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "variants", "claims")
+DEFAULT_SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "variants")
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Explanation:
     checkpoints: list[Checkpoint] = field(default_factory=list)  # real checkpoint families (own sizes)
     claims: list[ClaimResult] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
+    variants: list[VariantEntry] = field(default_factory=list)  # one per core.VARIANTS name (explain.variants)
+    variants_pipeline: str = ""  # the stage list with every score variant on
     settings: dict = field(default_factory=dict)  # how the claims' speed part was run, machine, time
 
     @property
@@ -72,6 +75,8 @@ class Explanation:
             "checkpoints": [c.to_dict() for c in self.checkpoints],
             "claims": self.claims_json(),
             "differences": [difference.to_dict() for difference in self.differences],
+            "variants": [entry.to_dict() for entry in self.variants],
+            "variants_pipeline": self.variants_pipeline,
         }
 
     def to_markdown(self, png_name: str | None = None) -> str:
@@ -141,6 +146,8 @@ def explain(
         result.checkpoints = real_checkpoints()
     if "differences" in sections:
         result.differences = run_differences(setup)
+    if "variants" in sections:  # on its own demonstration layer (explain.variants.DEMO), not on cfg
+        result.variants, result.variants_pipeline = variant_entries(), pipeline()
     if "claims" in sections:
         # The claims use the column/row-sample article's own example sizes where it gives numbers (2.5, the
         # (32, 8) chain); the rest run on this configuration.

@@ -25,6 +25,7 @@ from mha_rosetta.core.tables import (
 from .head_split import SPLIT_LABELS, grid_text, head_summary
 from .real_checkpoints import CHECKPOINTS_INTRO, checkpoint_tables
 from .stages_table import AXIS_MEANING
+from .variants import VARIANTS_INTRO, variant_tables
 
 # --- the tables, as (title, headers, rows) so that every renderer shows the same thing -------------
 
@@ -156,6 +157,9 @@ def _text_section(explanation, section: str, width: int | None = None) -> list[s
             body = _text_table(headers, rows) if rows else ""
             parts.append(f"== {title} [{status}]\n{body}" + (f"\n=> {takeaway}" if takeaway else ""))
         return parts
+    if section == "variants":
+        intro = f"== {VARIANTS_INTRO}\n{explanation.variants_pipeline}"
+        return [intro] + [titled("--", table) for table in variant_tables(explanation.variants)]
     if section == "claims":
         parts = []
         for claim in explanation.claims:
@@ -212,6 +216,11 @@ def print_rich(explanation, file=None) -> None:
                 console.print(_rich_table(f"{title} [{status}]", headers, rows))
                 if takeaway:
                     console.print(f"  => {rich_escape(takeaway)}")
+        elif section == "variants":
+            console.print(rich_escape(VARIANTS_INTRO))
+            console.print(rich_escape(explanation.variants_pipeline))
+            for table in variant_tables(explanation.variants):
+                console.print(_rich_table(*table))
         elif section == "claims":
             from rich.table import Table
 
@@ -300,6 +309,10 @@ def _md_section(explanation, section: str, png_name: str | None) -> list[str]:
                 out += [_md_table(headers, rows), ""]
             if takeaway:
                 out += [f"Takeaway: {takeaway}.", ""]
+    elif section == "variants":
+        out += ["## Variants", "", VARIANTS_INTRO, "", f"`{explanation.variants_pipeline}`", ""]
+        for table in variant_tables(explanation.variants):
+            out += _md_titled("###", table)
     elif section == "claims":
         speed = explanation.settings.get("speed", {})
         title, headers, rows = claims_table(explanation)

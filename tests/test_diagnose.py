@@ -24,7 +24,7 @@ from conftest import requires
 from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend, missing_backends
 from mha_rosetta.core import MHAConfig, reference_mha
 from mha_rosetta.diagnose import CAUSE_CODES, Bug, DiagnoseError, diagnose, hypotheses, simulate
-from mha_rosetta.diagnose.confusion import SETTINGS, confusion, render_markdown
+from mha_rosetta.diagnose.confusion import SETTINGS, VARIANT_SETTINGS, confusion, render_markdown, render_tables
 from mha_rosetta.diagnose.injected import BUGS, bugs_for, numpy_candidate
 from mha_rosetta.diagnose.probes import make_probes
 
@@ -57,10 +57,14 @@ def test_torch_candidates_are_in_the_table():
 
 def test_the_docs_confusion_table_is_the_generated_one():
     readme = (ROOT / "docs" / "your-own-implementation.md").read_text(encoding="utf-8")
-    table = render_markdown(outcomes())
     if {o.framework for o in outcomes()} != {"numpy", "torch"}:
         pytest.skip("torch is not installed: the page's table has NumPy and torch candidates")
-    assert table.split("\n- ")[0].strip() in readme
+    base = [o for o in outcomes() if o.setting not in VARIANT_SETTINGS]
+    variants = [o for o in outcomes() if o.setting in VARIANT_SETTINGS]
+    assert base and variants
+    for part in (base, variants):  # the page shows the two tables of render_tables, as the command prints them
+        assert render_markdown(part).split("\n- ")[0].strip() in readme
+    assert render_tables(outcomes()) == render_markdown(base) + "\n" + render_markdown(variants)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -147,7 +151,10 @@ def test_every_repair_undoes_its_bug(setting):
     for probe in make_probes(cfg):
         expected = reference_mha(cfg, probe.params, probe.query, probe.key, probe.value, probe.mask)
         for h in repaired:
-            params, mask = h.repair(cfg, probe.params, probe.mask)
+            mask = probe.mask
+            if mask is None and h.needs_mask:  # as diagnose does: the repair adds to an all-True mask
+                mask = np.ones((probe.query.shape[0], 1, probe.query.shape[1], probe.key.shape[1]), bool)
+            params, mask = h.repair(cfg, probe.params, mask)
             got = simulate(cfg, params, probe.query, probe.key, probe.value, mask, h.bug)
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=f"{h.label} on {probe.name}")
 

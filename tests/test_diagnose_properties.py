@@ -1,11 +1,14 @@
 """Random configurations: a correct candidate is never blamed, and every injected bug is named first.
 
-Sizes, grouping, causality, bias and rotary style are drawn by Hypothesis; `bugs_for`
+Sizes, grouping, causality, bias and rotary style (and, in the second test, the variants) are drawn by
+Hypothesis; `bugs_for`
 leaves out the bugs a configuration cannot show (one head has one layout, two rotated
 features have one pairing), and every other one must be named by its own code.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,6 +40,40 @@ def configs(draw):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs())
 def test_random_configs_correct_agrees_and_each_bug_is_named_first(cfg):
+    assert diagnose(numpy_candidate(cfg), cfg).agrees
+    named = {}
+    for bug in bugs_for(cfg):
+        causes = diagnose(numpy_candidate(cfg, bug), cfg).causes
+        named[bug] = causes[0].code if causes else "agrees"
+    assert named == {bug: BUGS[bug][0] for bug in bugs_for(cfg)}
+
+
+@st.composite
+def variant_configs(draw):
+    """A random configuration with random variants on: each variant's bugs join the plain ones.
+
+    No window of one key: each query then sees itself alone, every softmax weight is 1, and no score
+    mistake can show (the plain bugs' `bugs_for` rules do not know windows).
+    """
+    base = draw(configs())
+    qk_norm = draw(st.sampled_from([None, "head", "projection"]))
+    return replace(
+        base,
+        window=draw(st.sampled_from([None, 2, 3])),
+        softcap=draw(st.sampled_from([None, 1.5, 4.0])),
+        qk_norm=qk_norm,
+        alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        bias=draw(st.sampled_from([base.bias, "qkv"])),
+        rel_buckets=draw(st.sampled_from([None, 6, 8])),
+        rel_max_distance=7,
+        rel_bidirectional=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=variant_configs())
+def test_random_variant_configs_correct_agrees_and_each_bug_is_named_first(cfg):
     assert diagnose(numpy_candidate(cfg), cfg).agrees
     named = {}
     for bug in bugs_for(cfg):

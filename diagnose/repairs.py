@@ -14,7 +14,6 @@ from dataclasses import replace
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
-from mha_rosetta.core.rotary import rope_permutation
 
 from .simulate import Bug, params_as_used
 
@@ -120,19 +119,9 @@ def rescale_query_norm(params: MHAParams, factor: float) -> MHAParams:
 
 
 def convert_rotary_pairing(cfg: MHAConfig, params: MHAParams, converter) -> MHAParams:
-    """``converter(cfg, params)[1]`` (`core.to_interleaved_params` or `to_rotate_half_params`), QK-norm weights too.
+    """``converter(cfg, params)[1]`` (`core.to_interleaved_params` or `to_rotate_half_params`).
 
-    The core converters permute the rows of w_q/w_k (and b_q/b_k) within each head; with QK-norm
-    the norm weight multiplies those same features, so each head's slice of it moves with them.
+    The core converters permute the rows of w_q/w_k (and b_q/b_k) within each head, and the
+    QK-norm weights with them (each head's slice of a weight scales those same features).
     """
-    converted = converter(cfg, params)[1]
-    if cfg.qk_norm is None:
-        return converted
-    perm = rope_permutation(cfg.d_k, cfg.rope_dims)
-    if converter.__name__ == "to_interleaved_params":
-        perm = np.argsort(perm)  # the inverse permutation, as the converter takes it
-
-    def per_head(weight):  # (d_k,) or (heads*d_k,): each head's features reordered
-        return weight.reshape(-1, cfg.d_k)[:, perm].reshape(weight.shape)  # (heads, Dk) rows reordered, copy
-
-    return replace(converted, q_norm=per_head(params.q_norm), k_norm=per_head(params.k_norm))
+    return converter(cfg, params)[1]

@@ -6,7 +6,7 @@ only picks a strategy, wires `chunked` and `vjp` in, and fills `Prepared.info`.
 
 from __future__ import annotations
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
@@ -23,6 +23,10 @@ class NumpyBackend(Backend):
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+    # Every variant, in every strategy (`variants` says how each is laid out in column samples).
+    variants = frozenset(VARIANTS)
+    strategy_variants = {CHUNKED: frozenset()}  # noqa: RUF012 (a class constant, as in Backend)
+    vjp_variants = frozenset()
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None

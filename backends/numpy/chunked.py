@@ -15,7 +15,7 @@ import numpy as np
 
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder, relation_to
-from .layer import ColumnSampleMHA
+from .layer import ColumnSampleMHA, _split_reshape
 
 
 class ChunkedColumnSampleMHA(ColumnSampleMHA):
@@ -47,7 +47,8 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk), view
         v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk), view
         how = "reshape of the row axis, no transpose"
-        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)  # heads if no rope
+        heads = (q_heads, k_heads, v_heads)
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape)  # QK-normed, rotated
         q_groups = q_rotated.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view: query head h = g*G + r
         keys_t = k_rotated[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T, shared by the group
         values = v_heads[:, :, None]  # (B, Hkv, 1, Dv, Nk), view

@@ -37,7 +37,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
 from .common import apply_mask_inplace, softmax_inplace
-from .layer import _split_direct, rotate_rows  # the forward's own mistake and rotation
+from .layer import _merge_reshape, _split_direct, _split_reshape, rotate_rows  # the forward's own splits, rotation
 
 
 def prepare_numpy_vjp(
@@ -298,18 +298,6 @@ class ColumnSampleVJP:
             else:
                 out[name] = tensor_to_numpy(value)
         return out
-
-
-def _split_reshape(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """(B, heads*d, N) -> (B, heads, d, N): head h owns row block h; a view."""
-    B, width, N = x.shape
-    return x.reshape(B, n_heads, width // n_heads, N)
-
-
-def _merge_reshape(x: np.ndarray) -> np.ndarray:
-    """(B, heads, d, N) -> (B, heads*d, N), the inverse of `_split_reshape` (view or copy)."""
-    B, heads, d, N = x.shape
-    return x.reshape(B, heads * d, N)
 
 
 def _unsplit_direct(x: np.ndarray) -> np.ndarray:

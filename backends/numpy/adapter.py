@@ -26,7 +26,6 @@ class NumpyBackend(Backend):
     # Every variant, in every strategy (`variants` says how each is laid out in column samples).
     variants = frozenset(VARIANTS)
     strategy_variants = {CHUNKED: frozenset()}  # noqa: RUF012 (a class constant, as in Backend)
-    vjp_variants = frozenset()
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None

@@ -23,9 +23,9 @@ class NumpyBackend(Backend):
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
-    # Every variant, in every strategy (`variants` says how each is laid out in column samples).
+    # Every variant, in every strategy, the chunked one included (`variants` says how each is laid out in
+    # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.
     variants = frozenset(VARIANTS)
-    strategy_variants = {CHUNKED: frozenset()}  # noqa: RUF012 (a class constant, as in Backend)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
@@ -44,7 +44,7 @@ class NumpyBackend(Backend):
             **layer.precision.info(),
         }
         if strategy == CHUNKED:
-            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
+            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE, tiles=layer.plan.counts)
         return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):

@@ -96,7 +96,8 @@ class ColumnSampleMHA(LayerRecording):
     calls of one Prepared would share it (nothing here makes concurrent calls).
     """
 
-    # The full (Nq, Nk) mask, causal part included; the chunked subclass reads tiles instead.
+    # The full (Nq, Nk) mask, causal part and window included, and the full score bias; the chunked
+    # subclass computes both per tile instead.
     materialise_mask = True
     PROJECTION_AXES = SPLIT_AXES = COLUMN_SAMPLE_AXES
     HEAD_SLICE_AXES = HEAD_SLICE_AXES
@@ -145,7 +146,8 @@ class ColumnSampleMHA(LayerRecording):
                 "q": (columns(tables.q_cos), columns(tables.q_sin)),
                 "k": (columns(tables.k_cos), columns(tables.k_sin)),
             }
-        self.variants = ColumnVariants(cfg, params, inputs, P)  # QK-norm weights, score bias, sinks (None where off)
+        # QK-norm weights, score bias, sinks (None where off)
+        self.variants = ColumnVariants(cfg, params, inputs, P, full_bias=self.materialise_mask)
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
         self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
         shape = (B, cfg.n_kv_heads, cfg.group_size, Nk, Nq)

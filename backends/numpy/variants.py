@@ -78,9 +78,12 @@ class ColumnVariants:
     head, the projection's width over the projection). ``bias``: ALiBi plus T5's relative bias,
     ``(1|B, H, Nk, Nq)``; ``buckets`` ``(1|B, Nk, Nq)`` (the backward sums each bucket's score
     gradients); ``slopes`` ``(H,)``; ``sinks`` ``(1, H, 1, 1)``; ``rel_table`` ``(buckets, H)``.
+    ``full_bias`` False leaves ``bias`` and ``buckets`` None (they are quadratic in the tokens).
     """
 
-    def __init__(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision) -> None:
+    def __init__(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision, full_bias: bool = True
+    ) -> None:
         P = self.precision = precision
         self.cfg = cfg
 
@@ -97,7 +100,7 @@ class ColumnVariants:
         self.distance = None
         self.buckets = None
         self.bias = None
-        if cfg.has_score_bias:
+        if cfg.has_score_bias and full_bias:  # the chunked strategy computes it per tile (`tile_bias`) instead
             self.distance = inputs.kv_positions[:, :, None] - inputs.positions[:, None, :]  # (1|B, Nk, Nq), int64
             self.bias = self.tile_bias(self.distance)  # (1|B, H, Nk, Nq)
             if cfg.rel_buckets is not None:

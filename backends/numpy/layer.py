@@ -20,6 +20,11 @@ What follows from that layout, and what this adapter shows:
 * the rotary embedding (``cfg.rope``) turns pairs of feature *rows* of each head: rows
   ``i`` and ``i + r/2`` ("half") or rows ``2i`` and ``2i + 1`` ("interleaved", a step-2 slice),
   with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
+* the variants of 2024-26 models (`variants`): QK-norm takes its statistic down each token's
+  column, over a head's Dk rows or over every row of the merged projection before the split;
+  the softcap and the score bias (ALiBi, T5's buckets, laid out ``(1|B, H, Nk, Nq)`` like the
+  scores) act on the key-row, query-column scores; the sinks join each query column's softmax
+  denominator. Each step's stage (``q_normed`` ... ``biased_scores``) exists only with its variant;
 * merging heads is the inverse reshape ``(B, H, Dv, N) -> (B, H*Dv, N)``, again a view;
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.

@@ -360,3 +360,42 @@ def test_numpy_chunked_with_a_score_bias_stays_linear_in_memory():
     small = peak_bytes(1024)
     assert small < 2 * 1024 * 1024 * 4 / 8  # far below the (H, N, N) float32 bias or scores (8 MiB)
     assert peak_bytes(2048) < 2.5 * small
+
+
+@st.composite
+def variant_chunked_examples(draw):
+    """A drawn configuration with the score-side variants switched on at random, odd blocks, shifted positions."""
+    n_kv = draw(st.integers(1, 2))
+    buckets = draw(st.sampled_from([None, 4, 6]))
+    cfg = MHAConfig(
+        d_model=6,
+        n_heads=n_kv * draw(st.integers(1, 3)),
+        n_kv_heads=n_kv,
+        d_k=draw(st.integers(1, 3)),
+        causal=draw(st.booleans()),
+        window=draw(st.sampled_from([None, 1, 2, 4, 9])),
+        softcap=draw(st.sampled_from([None, 0.5, 3.0])),
+        alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        rel_buckets=buckets,
+        rel_max_distance=5,
+        rel_bidirectional=draw(st.booleans()),
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 100)))
+    x = rng.standard_normal((2, 7, 6))
+    offsets = draw(st.sampled_from([(0, 0), (3, 11)]))
+    positions = np.arange(7)[None] + np.array(offsets)[:, None]  # (2, 7): items start at their offsets
+    mask = rng.random((2, 1, 7, 7)) < 0.8 if draw(st.booleans()) else None
+    chunk = (draw(st.sampled_from([1, 2, 3, 5])), draw(st.sampled_from([1, 2, 4, 7])))
+    return cfg, x, positions, mask, chunk
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(example=variant_chunked_examples())
+def test_property_numpy_chunked_variants_agree_with_the_oracle(example):
+    cfg, x, positions, mask, chunk = example
+    params = init_params(cfg, seed=1)
+    expected = reference_mha(cfg, params, x, mask=mask, positions=positions)
+    output = get_backend("numpy").run(cfg, params, x, mask=mask, strategy=CHUNKED, chunk=chunk, positions=positions)
+    result = compare(output, expected, "float64", atol=1e-12, rtol=1e-12)
+    assert result.ok, f"{cfg.describe()} chunk={chunk}: {result.summary()}"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mha_rosetta.backends import PER_HEAD, SLICING, STANDARD, get_backend
 from mha_rosetta.backends.numpy.common import (
@@ -197,3 +199,53 @@ def test_variant_gradients_in_each_cases_own_lower_precision(backend, case, dtyp
     assert set(actual) == set(expected)
     bad = [n for n, e in expected.items() if not compare(actual[n], e, dtype, **vars(grad_tolerance(dtype, e))).ok]
     assert not bad, bad
+
+
+@st.composite
+def variant_configs(draw):
+    """Random sizes with every variant switched on or off at random (the window and the norms on positions)."""
+    n_kv = draw(st.integers(1, 2))
+    rope = draw(st.sampled_from([None, "half", "interleaved"]))
+    cfg = MHAConfig(
+        d_model=draw(st.integers(2, 9)),
+        n_heads=n_kv * draw(st.integers(1, 3)),
+        n_kv_heads=n_kv,
+        d_k=2 * draw(st.integers(1, 2)) if rope else draw(st.integers(1, 4)),
+        d_v=draw(st.integers(1, 4)),
+        kdim=5,
+        vdim=4,
+        rope=rope,
+        bias=draw(st.sampled_from([True, False, "qkv"])),
+        causal=draw(st.booleans()),
+        window=draw(st.sampled_from([None, 1, 3])),
+        softcap=draw(st.sampled_from([None, 0.7])),
+        qk_norm=draw(st.sampled_from([None, "head", "projection"])),
+        alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        rel_buckets=draw(st.sampled_from([None, 4])),
+        rel_max_distance=4,
+        rel_bidirectional=draw(st.booleans()),
+    )
+    seed = draw(st.integers(0, 1000))
+    rng = np.random.default_rng(seed)
+    nq, nk = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    x, kv, value = (
+        rng.standard_normal((2, nq, cfg.d_model)),
+        rng.standard_normal((2, nk, 5)),
+        rng.standard_normal((2, nk, 4)),
+    )
+    mask = rng.random((2, cfg.n_heads, nq, nk)) < 0.7 if draw(st.booleans()) else None
+    return cfg, init_params(cfg, seed), x, kv, value, mask
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=variant_configs())
+def test_property_numpy_variant_backward_matches_the_oracle(drawn):
+    cfg, params, x, kv, value, mask = drawn
+    cot = default_cotangent(output_shape(cfg, x))
+    expected = reference_mha_vjp(cfg, params, x, kv, value, mask, cot).tensors()
+    for strategy in STRATEGIES:
+        actual = get_backend("numpy").run_vjp(cfg, params, x, kv, value, mask, cot, strategy=strategy).tensors()
+        assert set(actual) == set(expected)
+        for name, e in expected.items():
+            assert compare(actual[name], e, "float64", **vars(grad_tolerance("float64", e))).ok, (strategy, name)

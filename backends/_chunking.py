@@ -21,15 +21,37 @@ is read one tile at a time, and a tile with nothing allowed is skipped. A query 
 no allowed key ends with ``l = 0`` and ``acc = 0`` and gets a zero context, the spec's
 answer, without any 0/0. Half precision: the tiles and the running sums are float32.
 
-The chunked path cannot expose the full score, masked-score or weight tensors (it never
-holds them): its stage tensors are the projections, the split heads (rotated, with rope),
-the context, the merged heads and the output. The rotary embedding is the adapter's own,
+The variants (`core.variants`) inside the tiles:
+
+* a sliding window (``cfg.window``) is computed per tile from the token positions, like
+  the causal part, and a tile whose every key lies ``window`` or more positions from every
+  query is never visited (`plan_tiles` decides that from the blocks' positions alone, at
+  prepare time, and counts what it skipped); the band along the diagonal is what remains,
+  about ``N / q_block * (window / k_block + 2)`` tiles instead of ``N**2 / (2 q_block k_block)``;
+* the softcap ``c * tanh(s / c)`` is applied to each tile's scores, then the score bias
+  (ALiBi, T5's buckets) of the tile's positions is added (`tile_distances`), before the mask;
+* the sinks sit in the denominator only: each query starts with ``m = sink_h`` and
+  ``l = 1`` (the sink's own ``exp(sink - m)``) and ``acc = 0``, so the recurrence rescales the
+  sink's term with every other. A query with no allowed key then ends with ``acc = 0``: a
+  zero context, as the spec says.
+
+QK-norm, the qkv biases and rope scaling act on whole heads before the blocks (their tables
+and statistics are linear in the tokens), so they come without a change to the tiles.
+
+The chunked path cannot expose the full score-like tensors (scores, capped and biased
+scores, masked scores, weights: it never holds them): its stage tensors are the
+projections, the split heads (QK-normed and rotated, with those variants), the context,
+the merged heads and the output. The rotary embedding is the adapter's own,
 applied to whole heads before the blocks (its tables are linear in the tokens).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from mha_rosetta.core.variants import relative_distances, window_allowed
 
 CHUNKED = "chunked"
 # (q_block, k_block): a (128, 256) float32 tile is 128 KiB per head, so eight heads of one
@@ -39,10 +61,10 @@ DEFAULT_CHUNK = (128, 256)
 # so every case crosses partial blocks, skipped causal blocks and rescaling steps.
 CHECK_CHUNK = (3, 4)
 # The stages the chunked strategy never holds whole (one tile per head at a time).
-CHUNKED_HIDDEN_STAGES = ("scores", "masked_scores", "weights")
+CHUNKED_HIDDEN_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
 CHUNKED_STAGES_NOTE = (
     "the chunked strategy never holds the full scores or weights (one (q_block, k_block) tile per head at a time); "
-    "it exposes q, k, v, the split (and rotated) heads, context, merged and output"
+    "it exposes q, k, v, the split (QK-normed and rotated) heads, context, merged and output"
 )
 
 
@@ -75,11 +97,22 @@ def key_block_end(q_end: int, kv_tokens: int, causal: bool) -> int:
     return min(kv_tokens, q_end) if causal else kv_tokens
 
 
-def tile_allowed(mask: np.ndarray | None, causal: bool, q_range: tuple[int, int], k_range: tuple[int, int]):
+def tile_allowed(
+    mask: np.ndarray | None,
+    causal: bool,
+    q_range: tuple[int, int],
+    k_range: tuple[int, int],
+    *,
+    window: int | None = None,
+    positions: np.ndarray | None = None,
+    kv_positions: np.ndarray | None = None,
+):
     """The allowed positions of one tile, (1|B, 1|H, q_block, k_block), True = may attend; None: all.
 
     ``mask`` is the caller's mask, 4-D broadcastable to (B, H, Nq, Nk) (`MHAInputs.mask`),
-    without the causal part: that is computed here from the indices of this tile only.
+    without the causal part: that is computed here from the indices of this tile only. With
+    ``window`` (`MHAConfig.window`) the sliding window is computed here too, from the tile's
+    token positions (``positions`` (1|B, Nq), ``kv_positions`` (1|B, Nk), `MHAInputs`).
     """
     (q_start, q_end), (k_start, k_end) = q_range, k_range
     allowed = None
@@ -93,4 +126,81 @@ def tile_allowed(mask: np.ndarray | None, causal: bool, q_range: tuple[int, int]
         cols = np.arange(k_start, k_end)[None, :]  # (1, kb)
         below = (cols <= rows)[None, None]  # (1, 1, qb, kb)
         allowed = below if allowed is None else allowed & below
+    if window is not None:
+        if positions is None or kv_positions is None:
+            raise ValueError("tile_allowed: a window needs positions and kv_positions (MHAInputs), got None")
+        near = window_allowed(window, causal, positions[:, q_start:q_end], kv_positions[:, k_start:k_end])
+        allowed = near if allowed is None else allowed & near  # near: (1|B, 1, qb, kb)
     return allowed
+
+
+def tile_distances(positions: np.ndarray, kv_positions: np.ndarray, q_range, k_range) -> np.ndarray:
+    """``p_j - p_i`` (key minus query) of one tile, int64 (1|B, q_block, k_block): what ALiBi and T5's buckets read."""
+    (q_start, q_end), (k_start, k_end) = q_range, k_range
+    return relative_distances(positions[:, q_start:q_end], kv_positions[:, k_start:k_end])
+
+
+def outside_window(window: int, causal: bool, q_positions: np.ndarray, k_positions: np.ndarray) -> bool:
+    """True when no query of a tile may see any of its keys through the window, from the positions' bounds.
+
+    ``q_positions`` (1|B, q_block), ``k_positions`` (1|B, k_block). Every key ``window`` or more
+    positions before every query (``max p_j <= min p_i - W``), or, two-sided, that far after
+    (``min p_j >= max p_i + W``), in every batch item. A sufficient test, exact for blocks of
+    consecutive positions (the default); a tile it keeps is masked exactly by `tile_allowed`.
+    """
+    before = k_positions.max(axis=1) <= q_positions.min(axis=1) - window  # (1|B,)
+    if causal:
+        return bool(np.all(before))
+    after = k_positions.min(axis=1) >= q_positions.max(axis=1) + window
+    return bool(np.all(before | after))
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Which score tiles the chunked strategy visits: per query block, the key blocks it computes.
+
+    ``blocks``: ``((q_start, q_end), ((k_start, k_end), ...))`` per query block. ``counts``: every
+    tile of the grid (``total``), those never visited because they lie above the causal diagonal
+    (``above_diagonal``) or outside the sliding window (``outside_window``), and the rest
+    (``planned``); a tile that the caller's mask blocks entirely is skipped as well, at run time.
+    """
+
+    blocks: tuple
+    counts: dict
+
+
+def plan_tiles(
+    chunk: tuple[int, int],
+    q_tokens: int,
+    kv_tokens: int,
+    causal: bool,
+    window: int | None = None,
+    positions: np.ndarray | None = None,
+    kv_positions: np.ndarray | None = None,
+) -> TilePlan:
+    """The tiles of the online softmax for resolved blocks ``chunk`` (`resolve_chunk`), decided before any score.
+
+    Causal: key blocks from the query block's end on are never visited (`key_block_end`);
+    with ``window``, key blocks wholly outside it (`outside_window`) are not visited either.
+    """
+    q_block, k_block = chunk
+    n_k_blocks = -(-kv_tokens // k_block)
+    blocks, above, outside = [], 0, 0
+    for q_start in range(0, q_tokens, q_block):
+        q_end = min(q_start + q_block, q_tokens)
+        keys = []
+        starts = range(0, key_block_end(q_end, kv_tokens, causal), k_block)
+        above += n_k_blocks - len(starts)
+        for k_start in starts:
+            k_end = min(k_start + k_block, kv_tokens)
+            if window is not None:
+                if positions is None or kv_positions is None:
+                    raise ValueError("plan_tiles: a window needs positions and kv_positions (MHAInputs), got None")
+                if outside_window(window, causal, positions[:, q_start:q_end], kv_positions[:, k_start:k_end]):
+                    outside += 1
+                    continue
+            keys.append((k_start, k_end))
+        blocks.append(((q_start, q_end), tuple(keys)))
+    total = len(blocks) * n_k_blocks
+    counts = {"total": total, "above_diagonal": above, "outside_window": outside, "planned": total - above - outside}
+    return TilePlan(tuple(blocks), counts)

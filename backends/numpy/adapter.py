@@ -6,7 +6,7 @@ only picks a strategy, wires `chunked` and `vjp` in, and fills `Prepared.info`.
 
 from __future__ import annotations
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
@@ -23,6 +23,9 @@ class NumpyBackend(Backend):
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+    # Every variant, in every strategy, the chunked one included (`variants` says how each is laid out in
+    # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.
+    variants = frozenset(VARIANTS)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
@@ -41,7 +44,7 @@ class NumpyBackend(Backend):
             **layer.precision.info(),
         }
         if strategy == CHUNKED:
-            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
+            info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE, tiles=layer.plan.counts)
         return Prepared(forward=run, to_numpy=columns_to_rows, native_stages=lambda: record_stages(run), info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):

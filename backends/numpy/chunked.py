@@ -6,66 +6,101 @@ and sum are reductions over axis -2 (the keys), one value per query column, and 
 accumulator update ``V_blk @ P`` is ``(Dv, k_block) @ (k_block, q_block)``, a plain
 product, exactly as in the full column-sample pipeline. All heads (and GQA groups, as
 ``(B, Hkv, G, ...)``) are handled by one broadcast product per tile, so one tile per head
-is alive at a time.
+is alive at a time. The variants inside the tiles (window, softcap, score bias, sinks) are
+those `_chunking` describes; the score bias of a tile comes from its positions
+(`variants.ColumnVariants.tile_bias`, the same function the full strategies use).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._chunking import key_block_end, resolve_chunk, tile_allowed
+from .._chunking import plan_tiles, resolve_chunk, tile_allowed, tile_distances
 from .._recording import StageRecorder, relation_to
-from .layer import ColumnSampleMHA
+from .common import softcap_inplace
+from .layer import ColumnSampleMHA, _split_reshape
 
 
 class ChunkedColumnSampleMHA(ColumnSampleMHA):
-    """`ColumnSampleMHA` with the chunked strategy; the mask stays the caller's (causal by index)."""
+    """`ColumnSampleMHA` with the chunked strategy; the mask stays the caller's (causal and window per tile)."""
 
-    materialise_mask = False  # the causal part is computed per tile; see `_chunking.tile_allowed`
+    # The causal part, the window and the score bias are computed per tile (`_chunking.tile_allowed`, `_tile_bias`).
+    materialise_mask = False
 
     def __init__(self, cfg, params, inputs, precision, chunk: tuple[int, int] | None) -> None:
         super().__init__(cfg, params, inputs, precision, batched=False)
         self.user_mask = inputs.mask  # (1|B, 1|H, Nq, Nk) or None, True = may attend
+        self.positions, self.kv_positions = inputs.positions, inputs.kv_positions  # (1|B, Nq), (1|B, Nk)
         self.chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
+        # Which tiles are computed, decided once from the blocks' indices and positions (causal, window).
+        self.plan = plan_tiles(
+            self.chunk, inputs.q_tokens, inputs.kv_tokens, cfg.causal, cfg.window, self.positions, self.kv_positions
+        )
 
     def _tile_allowed(self, q_range, k_range):
         """The tile's allowed positions in this adapter's layout, (1|B, 1|Hkv, 1|G, kb, qb), or None."""
-        allowed = tile_allowed(self.user_mask, self.cfg.causal, q_range, k_range)  # (1|B, 1|H, qb, kb)
+        allowed = tile_allowed(
+            self.user_mask,
+            self.cfg.causal,
+            q_range,
+            k_range,
+            window=self.cfg.window,
+            positions=self.positions,
+            kv_positions=self.kv_positions,
+        )  # (1|B, 1|H, qb, kb)
         if allowed is None:
             return None
         B_, H_, n_q, n_k = allowed.shape  # token axes may be 1 (broadcast)
         groups = (self.cfg.n_kv_heads, self.cfg.group_size) if H_ > 1 else (1, 1)
         return allowed.swapaxes(-1, -2).reshape(B_, *groups, n_k, n_q)  # (1|B, 1|Hkv, 1|G, kb, qb), keys first
 
+    def _tile_bias(self, q_range, k_range):
+        """ALiBi and T5's bias of one tile from its positions, (1|B, Hkv, G, kb, qb), or None without either."""
+        if not self.cfg.has_score_bias:
+            return None
+        distance = tile_distances(self.positions, self.kv_positions, q_range, k_range).swapaxes(-1, -2)  # (1|B, kb, qb)
+        bias = self.variants.tile_bias(distance)  # (1|B, H, kb, qb), a new array
+        return bias.reshape(bias.shape[0], self.cfg.n_kv_heads, self.cfg.group_size, *bias.shape[2:])  # a view
+
     def chunked(self, rec: StageRecorder | None = None) -> np.ndarray:
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
-        P = self.precision
-        q_block, k_block = self.chunk
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        P, cfg = self.precision, self.cfg
         self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
-        q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq), view: head h owns rows h*Dk:(h+1)*Dk
-        k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk), view
-        v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk), view
+        q_heads = _split_reshape(q, H)  # (B, H, Dk, Nq), view: head h owns rows h*Dk:(h+1)*Dk
+        k_heads = _split_reshape(k, Hkv)  # (B, Hkv, Dk, Nk), view
+        v_heads = _split_reshape(v, Hkv)  # (B, Hkv, Dv, Nk), view
         how = "reshape of the row axis, no transpose"
-        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)  # heads if no rope
+        heads = (q_heads, k_heads, v_heads)
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape)  # QK-normed, rotated
         q_groups = q_rotated.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view: query head h = g*G + r
         keys_t = k_rotated[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T, shared by the group
         values = v_heads[:, :, None]  # (B, Hkv, 1, Dv, Nk), view
+        sinks = self.variants.sinks  # (1, H, 1, 1) or None
+        sinks = None if sinks is None else sinks.reshape(1, Hkv, G, 1, 1)  # a view, one logit per query head
         context = np.empty((B, Hkv, G, Dv, Nq), dtype=P.storage)  # linear in the tokens
-        for q_start in range(0, Nq, q_block):
-            q_end = min(q_start + q_block, Nq)
-            queries = P.operand(q_groups[..., q_start:q_end]) * self.cfg.scale  # (B, Hkv, G, Dk, qb), a copy
+        for (q_start, q_end), key_blocks in self.plan.blocks:
+            queries = P.operand(q_groups[..., q_start:q_end]) * cfg.scale  # (B, Hkv, G, Dk, qb), a copy
             n_q = q_end - q_start
-            peak = np.full((B, Hkv, G, 1, n_q), -np.inf, dtype=P.compute)  # running max, one per query column
-            total = np.zeros((B, Hkv, G, 1, n_q), dtype=P.compute)  # running sum of exp(score - peak)
+            running = (B, Hkv, G, 1, n_q)
+            if sinks is None:
+                peak = np.full(running, -np.inf, dtype=P.compute)  # running max, one per query column
+                total = np.zeros(running, dtype=P.compute)  # running sum of exp(score - peak)
+            else:  # the sink is in every denominator: start from it, exp(sink - peak) = 1
+                peak = np.broadcast_to(sinks, running).astype(P.compute)  # a copy, updated below
+                total = np.ones(running, dtype=P.compute)
             acc = np.zeros((B, Hkv, G, Dv, n_q), dtype=P.compute)  # running sum of exp(score - peak) * v
-            for k_start in range(0, key_block_end(q_end, Nk, self.cfg.causal), k_block):
-                k_end = min(k_start + k_block, Nk)
+            for k_start, k_end in key_blocks:
                 allowed = self._tile_allowed((q_start, q_end), (k_start, k_end))
                 if allowed is not None and not allowed.any():
                     continue  # nothing in this tile may be attended to: it changes no sum
                 self.tiles_visited += 1
                 tile = np.matmul(P.operand(keys_t[..., k_start:k_end, :]), queries)  # (B, Hkv, G, kb, qb)
+                if cfg.softcap is not None:
+                    softcap_inplace(tile, cfg.softcap)
+                bias = self._tile_bias((q_start, q_end), (k_start, k_end))
+                if bias is not None:
+                    tile += bias  # after the softcap, before the mask: the pipeline's order
                 if allowed is not None:
                     np.copyto(tile, -np.inf, where=~allowed)
                 new_peak = np.maximum(peak, tile.max(axis=-2, keepdims=True))  # (B, Hkv, G, 1, qb)
@@ -80,7 +115,7 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
                 acc *= rescale
                 acc += np.matmul(P.operand(values[..., k_start:k_end]), tile)  # (Dv, kb) @ (kb, qb) per head
                 peak = new_peak
-            # A query that saw no allowed key has total 0 and acc 0: dividing by 1 gives the spec's zero.
+            # A query that saw no allowed key has total 0 (or the sink's share) and acc 0: the spec's zero.
             context[..., q_start:q_end] = P.store(acc / np.where(total > 0, total, 1.0))
         context = context.reshape(B, H, Dv, Nq)  # (B, H, Dv, Nq), view
         if rec is not None:

@@ -117,7 +117,9 @@ def apply_mask_inplace(scores: np.ndarray, mask: MaskArrays | None) -> np.ndarra
     return scores
 
 
-def softmax_inplace(scores: np.ndarray, empty_rows: np.ndarray | None, axis: int = -1) -> np.ndarray:
+def softmax_inplace(
+    scores: np.ndarray, empty_rows: np.ndarray | None, axis: int = -1, sinks: np.ndarray | None = None
+) -> np.ndarray:
     """Softmax over ``axis`` (the key axis), in place, with the spec's answer for empty rows.
 
     A query whose keys are all blocked (all -inf) gets all-zero weights. Such queries
@@ -125,17 +127,35 @@ def softmax_inplace(scores: np.ndarray, empty_rows: np.ndarray | None, axis: int
     the shift leaves them at -inf and exp gives exact zeros) and their total by 1 (so the
     division gives zeros, not 0/0). No NaN is produced on the way. Other queries pay
     nothing beyond the usual max-subtraction softmax: five passes over the scores.
+
+    ``sinks`` (attention sinks, `core.variants.softmax_with_sinks`): each head's learned logit,
+    broadcastable to the per-query maximum (``(1, H, 1, 1)`` for column-sample scores
+    ``(B, H, Nk, Nq)``, a scalar for one head), in every denominator and nowhere else. The
+    shift is the larger of the row's maximum and the sink, always finite, so an empty row
+    needs no special case: its exps are all 0 and its total is the sink's own term.
     """
     peak = np.max(scores, axis=axis, keepdims=True)  # one per query
-    if empty_rows is not None:
+    if sinks is not None:
+        np.maximum(peak, sinks, out=peak)  # finite: the sink always is
+    elif empty_rows is not None:
         np.copyto(peak, 0.0, where=empty_rows)
     scores -= peak  # the largest logit becomes 0: exp cannot overflow
     np.exp(scores, out=scores)
     total = np.sum(scores, axis=axis, keepdims=True)  # one per query
-    if empty_rows is not None:
+    if sinks is not None:
+        total += np.exp(sinks - peak)  # the sink's share of the row: in the denominator only
+    elif empty_rows is not None:
         np.copyto(total, 1.0, where=empty_rows)
     # One reciprocal per query, then a multiply per element (cheaper than a divide).
     scores *= np.reciprocal(total, out=total)
+    return scores
+
+
+def softcap_inplace(scores: np.ndarray, cap: float) -> np.ndarray:
+    """``cap * tanh(scores / cap)`` (`core.variants.softcap`), in place, and return it."""
+    scores /= cap
+    np.tanh(scores, out=scores)
+    scores *= cap
     return scores
 
 
@@ -147,12 +167,20 @@ SOFTMAX_BLOCK_BYTES = 1 << 20
 
 
 def softmax_blocks_inplace(
-    scores: np.ndarray, mask: MaskArrays | None, block_bytes: int = SOFTMAX_BLOCK_BYTES
+    scores: np.ndarray,
+    mask: MaskArrays | None,
+    block_bytes: int = SOFTMAX_BLOCK_BYTES,
+    *,
+    softcap: float | None = None,
+    bias: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Mask and softmax ``(B, H, ...)`` scores over ``mask.keys_axis`` (-2 without a mask
-    means keys on axis -2), one (batch item) or one (batch item, head) at a time.
+    """Softcap, score bias, mask and softmax ``(B, H, ...)`` scores over ``mask.keys_axis`` (-2 without a
+    mask means keys on axis -2), one (batch item) or one (batch item, head) at a time.
 
-    The same numbers as `apply_mask_inplace` then `softmax_inplace` on the whole tensor.
+    The same numbers as `softcap_inplace`, adding ``bias`` ``(1|B, 1|H, ...)``, `apply_mask_inplace`
+    then `softmax_inplace` (with ``sinks`` ``(1|B, 1|H, 1, 1)``) on the whole tensor, in the pipeline
+    order of `core.variants`; each step is skipped when its argument is None.
     """
     B, H = scores.shape[:2]
     axis = -2 if mask is None else mask.keys_axis
@@ -163,7 +191,7 @@ def softmax_blocks_inplace(
     else:
         blocks = [(b, h) for b in range(B) for h in range(H)]
 
-    def pick(array, b, h):  # the mask block matching scores[b, h] (mask axes may be 1)
+    def pick(array, b, h):  # the block of a (1|B, 1|H, ...) array matching scores[b, h] (its axes may be 1)
         return array[
             b if isinstance(b, slice) or array.shape[0] > 1 else 0,
             h if isinstance(h, slice) or array.shape[1] > 1 else 0,
@@ -171,9 +199,14 @@ def softmax_blocks_inplace(
 
     for b, h in blocks:
         block = scores[b, h]
+        if softcap is not None:
+            softcap_inplace(block, softcap)
+        if bias is not None:
+            block += pick(bias, b, h)
+        sink = None if sinks is None else pick(sinks, b, h)
         if mask is None:
-            softmax_inplace(block, None, axis=axis)
+            softmax_inplace(block, None, axis=axis, sinks=sink)
             continue
         np.copyto(block, -np.inf, where=pick(mask.blocked, b, h))
-        softmax_inplace(block, None if mask.empty_rows is None else pick(mask.empty_rows, b, h), axis=axis)
+        softmax_inplace(block, None if mask.empty_rows is None else pick(mask.empty_rows, b, h), axis=axis, sinks=sink)
     return scores

@@ -20,6 +20,11 @@ What follows from that layout, and what this adapter shows:
 * the rotary embedding (``cfg.rope``) turns pairs of feature *rows* of each head: rows
   ``i`` and ``i + r/2`` ("half") or rows ``2i`` and ``2i + 1`` ("interleaved", a step-2 slice),
   with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
+* the variants of 2024-26 models (`variants`): QK-norm takes its statistic down each token's
+  column, over a head's Dk rows or over every row of the merged projection before the split;
+  the softcap and the score bias (ALiBi, T5's buckets, laid out ``(1|B, H, Nk, Nq)`` like the
+  scores) act on the key-row, query-column scores; the sinks join each query column's softmax
+  denominator. Each step's stage (``q_normed`` ... ``biased_scores``) exists only with its variant;
 * merging heads is the inverse reshape ``(B, H, Dv, N) -> (B, H*Dv, N)``, again a view;
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
@@ -45,9 +50,17 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 
 from .._inputs import convert_inputs
 from .._layouts import head_slice_axes, heads_axes, layer_sizes
-from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
+from .._recording import QKV, LayerRecording, StageRecorder, relation_to, rotation_provenance
 from ..base import tensor_to_numpy
-from .common import MaskArrays, NumpyPrecision, apply_mask_inplace, softmax_blocks_inplace, softmax_inplace
+from .common import (
+    MaskArrays,
+    NumpyPrecision,
+    apply_mask_inplace,
+    softcap_inplace,
+    softmax_blocks_inplace,
+    softmax_inplace,
+)
+from .variants import ColumnVariants, rms_norm_rows
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
 # Features before tokens: every token a column, every head a block of rows.
@@ -56,9 +69,16 @@ COLUMN_SAMPLE_AXES = {
     "k": ("B", "Hkv*Dk", "Nk"),
     "v": ("B", "Hkv*Dv", "Nk"),
     **heads_axes(("B", "H", "Dk", "Nq"), ("B", "Hkv", "Dk", "Nk"), ("B", "Hkv", "Dv", "Nk")),
+    "q_normed": ("B", "H", "Dk", "Nq"),
+    "k_normed": ("B", "Hkv", "Dk", "Nk"),
 }
-HEAD_SLICE_AXES = head_slice_axes(COLUMN_SAMPLE_AXES)  # q_heads: (B, Dk, Nq), the head axis stacked back in later
+# q_heads: (B, Dk, Nq), the head axis stacked back in later
+HEAD_SLICE_AXES = {**head_slice_axes(COLUMN_SAMPLE_AXES), "q_normed": ("B", "Dk", "Nq"), "k_normed": ("B", "Dk", "Nk")}
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
+NORM_HOW = {
+    "head": "RMSNorm down each token's column, over the Dk feature rows of each head's block",
+    "projection": "RMSNorm down each token's column, over every row of the merged projection, before the split",
+}
 
 
 def columns_to_rows(output: np.ndarray) -> np.ndarray:
@@ -81,7 +101,8 @@ class ColumnSampleMHA(LayerRecording):
     calls of one Prepared would share it (nothing here makes concurrent calls).
     """
 
-    # The full (Nq, Nk) mask, causal part included; the chunked subclass reads tiles instead.
+    # The full (Nq, Nk) mask, causal part and window included, and the full score bias; the chunked
+    # subclass computes both per tile instead.
     materialise_mask = True
     PROJECTION_AXES = SPLIT_AXES = COLUMN_SAMPLE_AXES
     HEAD_SLICE_AXES = HEAD_SLICE_AXES
@@ -130,6 +151,8 @@ class ColumnSampleMHA(LayerRecording):
                 "q": (columns(tables.q_cos), columns(tables.q_sin)),
                 "k": (columns(tables.k_cos), columns(tables.k_sin)),
             }
+        # QK-norm weights, score bias, sinks (None where off)
+        self.variants = ColumnVariants(cfg, params, inputs, P, full_bias=self.materialise_mask)
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
         self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
         shape = (B, cfg.n_kv_heads, cfg.group_size, Nk, Nq)
@@ -162,15 +185,88 @@ class ColumnSampleMHA(LayerRecording):
             cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
         return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
 
-    def _rotate_split(self, rec, projections: tuple, heads: tuple, how: str) -> tuple:
-        """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk); the split (made as ``how``
-        says) and the rotation recorded when ``rec`` is given."""
-        q_heads, k_heads, _ = heads
-        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
+    def _norm(self, x: np.ndarray, which: str) -> np.ndarray:
+        """QK-norm of ``which`` ("q" or "k") over the feature rows of ``x`` (..., d, N): one head's block, a batch
+        of head blocks (B, heads, Dk, N) or the merged projection (B, heads*Dk, N); a new array."""
+        return rms_norm_rows([x], [self.variants.norms[which]], self.cfg.norm_eps, self.precision)[0]
+
+    def _normed_heads(self, projections: tuple, heads: tuple, split) -> tuple:
+        """(q_normed, k_normed), batched: the projections QK-normed over every row and then split by ``split``
+        (qk_norm "projection"), or the split heads normed over their own rows ("head"); the heads without qk_norm."""
+        (q, k, _), (q_heads, k_heads, _) = projections, heads
+        if self.cfg.qk_norm == "projection":
+            return split(self._norm(q, "q"), self.cfg.n_heads), split(self._norm(k, "k"), self.cfg.n_kv_heads)
+        if self.cfg.qk_norm == "head":
+            return self._norm(q_heads, "q"), self._norm(k_heads, "k")
+        return q_heads, k_heads
+
+    def _rotate_split(self, rec, projections: tuple, heads: tuple, how: str, split) -> tuple:
+        """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk): QK-normed (`_normed_heads`,
+        the same ``split`` the heads were made with) and rotated; the split (made as ``how`` says), the norm and
+        the rotation recorded when ``rec`` is given."""
+        normed = self._normed_heads(projections, heads, split)
+        rotated = self._rotate(normed[0], "q", head_axis=True), self._rotate(normed[1], "k", head_axis=True)
         if rec is not None:
             self._record_split(rec, projections, heads, how)
-            record_rotated(rec, (q_heads, k_heads), rotated, COLUMN_SAMPLE_AXES, ROTATE_HOW)
+            parents = ("q_heads", "k_heads")
+            if self.cfg.qk_norm is not None:
+                over_head = self.cfg.qk_norm == "head"
+                for name, value in zip(("q", "k"), normed, strict=True):
+                    parent = f"{name}_heads" if over_head else name
+                    rec.record(
+                        f"{name}_normed", value, COLUMN_SAMPLE_AXES[f"{name}_normed"], self._norm_how, "new", parent
+                    )
+                parents = ("q_normed", "k_normed")
+            for name, parent, before, after in zip(("q", "k"), parents, normed, rotated, strict=True):
+                note, relation = rotation_provenance(after, before, ROTATE_HOW)
+                rec.record(f"{name}_rotated", after, COLUMN_SAMPLE_AXES[f"{name}_rotated"], note, relation, parent)
         return rotated
+
+    @property
+    def _norm_how(self) -> str:
+        return NORM_HOW[self.cfg.qk_norm] if self.cfg.qk_norm is not None else ""
+
+    def _normed_slices(self, merged: np.ndarray, n_heads: int, which: str) -> list:
+        """The QK-normed heads of a merged projection (B, n*Dk, N) as row blocks (B, Dk, N), one per head: the
+        projection normed over every row before it is sliced, or each slice over its own rows; views without qk_norm."""
+        Dk = self.cfg.d_k
+        if self.cfg.qk_norm == "projection":
+            merged = self._norm(merged, which)  # (B, n*Dk, N), a new array sliced below
+        blocks = [merged[:, i * Dk : (i + 1) * Dk] for i in range(n_heads)]  # (B, Dk, N) views of row block i
+        return [self._norm(b, which) for b in blocks] if self.cfg.qk_norm == "head" else blocks
+
+    def _norm_blocks(self, blocks: list, which: str) -> list:
+        """The QK-normed heads of projections held apart (PER_HEAD, one (B, Dk, N) per head): over the projection
+        the heads share one statistic per token, summed over their row blocks; the blocks themselves without."""
+        V, eps, P = self.variants, self.cfg.norm_eps, self.precision
+        if self.cfg.qk_norm == "projection":
+            return rms_norm_rows(blocks, V.norm_weight_blocks(which, len(blocks)), eps, P)
+        return [self._norm(b, which) for b in blocks] if self.cfg.qk_norm == "head" else blocks
+
+    def _record_head(self, rec, h: int, raw: tuple, normed: tuple, rotated: tuple, note: str, relation="new") -> None:
+        """Query head h's q/k/v slices ``raw``, its QK-normed and rotated queries and its kv head's keys, in a loop
+        over heads; nothing when ``rec`` is None (the kv heads' k_normed: `_record_k_normed`, after the loop)."""
+        if rec is None:
+            return
+        if self.cfg.qk_norm is None:
+            self._record_query_head(rec, h, *raw, *rotated, note, relation)
+            return
+        g, axes = self.cfg.kv_head_of(h), self.HEAD_SLICE_AXES
+        for name, head, value in zip(QKV, (h, g, g), raw, strict=True):
+            parent = name if relation != "new" else None
+            rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, self._stack, relation, parent)
+        parent = "q_heads" if self.cfg.qk_norm == "head" else "q"
+        self._record(rec, "q_normed", h, normed[0], axes["q_normed"], self._norm_how, "new", parent)
+        for name, head, before, after in zip(("q", "k"), (h, g), normed, rotated, strict=True):
+            how, rel = rotation_provenance(after, before, ROTATE_HOW)
+            self._record(rec, f"{name}_rotated", head, after, axes[f"{name}_rotated"], how, rel, f"{name}_normed")
+
+    def _record_k_normed(self, rec, k_normed: list) -> None:
+        """The kv heads' QK-normed keys (a list of (B, Dk, Nk)), stacked whole: one slice per kv head."""
+        if rec is not None and self.cfg.qk_norm is not None:
+            parent = "k_heads" if self.cfg.qk_norm == "head" else "k"
+            note = self._norm_how + " (one kv head at a time, stacked for inspection)"
+            rec.record("k_normed", self._stack(k_normed, 1), COLUMN_SAMPLE_AXES["k_normed"], note, "new", parent)
 
     def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
@@ -184,11 +280,12 @@ class ColumnSampleMHA(LayerRecording):
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         # Head h owns rows h*Dk:(h+1)*Dk: splitting the row axis is a reshape, a view,
         # and no transpose is needed (unlike row samples' view + transpose(1, 2)).
-        q_heads = q.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
-        k_heads = k.reshape(B, Hkv, Dk, Nk)  # (B, Hkv, Dk, Nk)
-        v_heads = v.reshape(B, Hkv, Dv, Nk)  # (B, Hkv, Dv, Nk)
+        q_heads = _split_reshape(q, H)  # (B, H, Dk, Nq)
+        k_heads = _split_reshape(k, Hkv)  # (B, Hkv, Dk, Nk)
+        v_heads = _split_reshape(v, Hkv)  # (B, Hkv, Dv, Nk)
         how = "reshape of the row axis, no transpose"
-        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
+        heads = (q_heads, k_heads, v_heads)
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape)  # QK-normed, rotated
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:
@@ -204,7 +301,8 @@ class ColumnSampleMHA(LayerRecording):
         k_heads = _split_direct(k, Hkv)  # (B, Hkv, Dk, Nk), wrong cells
         v_heads = _split_direct(v, Hkv)  # (B, Hkv, Dv, Nk), wrong cells
         how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
-        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
+        heads = (q_heads, k_heads, v_heads)
+        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_direct)  # QK-normed, rotated
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
@@ -237,21 +335,38 @@ class ColumnSampleMHA(LayerRecording):
         return context
 
     def _mask_and_softmax(self, scores, mask: MaskArrays | None, rec, head: int | None) -> np.ndarray:
-        """Mask and softmax over keys (axis -2), in place unless half precision."""
-        P = self.precision
+        """Softcap, score bias, mask and softmax (with the sinks) over keys (axis -2), in place unless half precision.
+
+        ``head`` None: the scores of every head (B, H, Nk, Nq); else query head ``head``'s (B, Nk, Nq).
+        """
+        P, cfg = self.precision, self.cfg
+        bias, sinks = self.variants.head("bias", head), self.variants.head("sinks", head)
         axes = SCORE_AXES if head is None else ("B", "Nk", "Nq")
         if rec is None and head is None and not P.mixed:
-            # The timed batched path: mask and softmax one cache-sized block at a time.
-            return softmax_blocks_inplace(scores, mask)
+            # The timed batched path: every step one cache-sized block at a time.
+            return softmax_blocks_inplace(scores, mask, softcap=cfg.softcap, bias=bias, sinks=sinks)
         self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
+        last = "scores"
+        if cfg.softcap is not None:
+            capped = P.store(softcap_inplace(P.operand(scores), cfg.softcap))
+            note = "softcap * tanh(scores / softcap), in place"
+            self._record(rec, "capped_scores", head, capped, axes, note, relation_to(capped, scores, "new"), last)
+            scores, last = capped, "capped_scores"
+        if bias is not None:
+            biased = P.operand(scores)  # the scores themselves at full precision: added in place
+            biased += bias  # (1|B, [H,] Nk, Nq): one column per query, like the scores
+            biased = P.store(biased)
+            note = "plus the score bias (ALiBi m_h (p_j - p_i), T5's rel_bias[bucket, h]), in place"
+            self._record(rec, "biased_scores", head, biased, axes, note, relation_to(biased, scores, "new"), last)
+            scores, last = biased, "biased_scores"
         apply_mask_inplace(scores, mask)
-        self._record(
-            rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", "scores"
-        )
+        self._record(rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", last)
         weights = P.operand(scores)
-        softmax_inplace(weights, None if mask is None else mask.empty_rows, axis=-2)
+        softmax_inplace(weights, None if mask is None else mask.empty_rows, axis=-2, sinks=sinks)
         weights = P.store(weights)
         note = "softmax over keys (each query's column), in place; empty columns are zeros"
+        if sinks is not None:
+            note += "; each head's sink in every denominator"
         self._record(rec, "weights", head, weights, axes, note, relation_to(weights, scores, "new"), "masked_scores")
         return weights
 
@@ -273,17 +388,21 @@ class ColumnSampleMHA(LayerRecording):
         if rec is not None:
             self._record_projections(rec, q, k, v)
         merged = np.empty((B, H * Dv, Nq), dtype=self.precision.storage)  # (B, H*Dv, Nq)
-        # Each kv head's keys rotated once, before the loop over query heads.
-        k_rotated = [self._rotate(k[:, g * Dk : (g + 1) * Dk], "k", head_axis=False) for g in range(Hkv)]
+        # Each kv head's keys QK-normed and rotated once, before the loop over query heads.
+        k_normed = self._normed_slices(k, Hkv, "k")  # Hkv x (B, Dk, Nk)
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]
+        q_normed = self._normed_slices(q, H, "q")  # H x (B, Dk, Nq): row-block views without qk_norm
         for h in range(H):
             g = h // G
             q_h = q[:, h * Dk : (h + 1) * Dk]  # (B, Dk, Nq): row block h, a view
             k_g = k[:, g * Dk : (g + 1) * Dk]  # (B, Dk, Nk)
             v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
-            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
+            q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Dk, Nq)
             note = "row-block slice of the merged projection"
-            self._record_query_head(rec, h, q_h, k_g, v_g, q_rotated, k_rotated[g], note, "view")
+            normed = (q_normed[h], k_normed[g])
+            self._record_head(rec, h, (q_h, k_g, v_g), normed, (q_rotated, k_rotated[g]), note, "view")
             merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec)
+        self._record_k_normed(rec, k_normed)
         if rec is not None:
             note = "each head's context written into its row block"
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), note, "copy", "context")
@@ -291,25 +410,41 @@ class ColumnSampleMHA(LayerRecording):
 
     def per_head(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        # Each kv head's keys and values once; each query head's queries inside the loop.
-        # Hkv x (B, Dk, Nk) and Hkv x (B, Dv, Nk)
+        # Each kv head's keys and values once, then each query head's queries with the head's own matrix.
+        # Hkv x (B, Dk, Nk), Hkv x (B, Dv, Nk), H x (B, Dk, Nq) = W_h^T @ X
         k_heads = [self._project(self.w_k_heads[g], self.b_k_heads[g], self.x_k) for g in range(Hkv)]
         v_heads = [self._project(self.w_v_heads[g], self.b_v_heads[g], self.x_v) for g in range(Hkv)]
-        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Dk, Nk)
+        q_heads = [self._project(self.w_q_heads[h], self.b_q_heads[h], self.x_q) for h in range(H)]
+        k_normed = self._norm_blocks(k_heads, "k")  # Hkv x (B, Dk, Nk): the heads themselves without qk_norm
+        q_normed = self._norm_blocks(q_heads, "q")  # H x (B, Dk, Nq)
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]  # Hkv x (B, Dk, Nk)
         head_note = "W_h^T @ X with the head's own matrix"
         contexts = []
         for h in range(H):
             g = h // G
-            q_h = self._project(self.w_q_heads[h], self.b_q_heads[h], self.x_q)  # (B, Dk, Nq) = W_h^T @ X
-            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Dk, Nq)
-            self._record_query_head(rec, h, q_h, k_heads[g], v_heads[g], q_rotated, k_rotated[g], head_note)
+            q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Dk, Nq)
+            raw, normed = (q_heads[h], k_heads[g], v_heads[g]), (q_normed[h], k_normed[g])
+            self._record_head(rec, h, raw, normed, (q_rotated, k_rotated[g]), head_note)
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
+        self._record_k_normed(rec, k_normed)
         merged = np.concatenate(contexts, axis=1)  # (B, H*Dv, Nq): [C_0; C_1; ...] as row blocks
         if rec is not None:
             note = "the per-head projections stacked as row blocks, for inspection (the strategy never builds it)"
             self._record_joined_projections(rec, functools.partial(np.concatenate, axis=1), note)
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
+
+
+def _split_reshape(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """(B, heads*d, N) -> (B, heads, d, N): head h owns row block h; a view (of a contiguous x)."""
+    B, width, N = x.shape
+    return x.reshape(B, n_heads, width // n_heads, N)
+
+
+def _merge_reshape(x: np.ndarray) -> np.ndarray:
+    """(B, heads, d, N) -> (B, heads*d, N), the inverse of `_split_reshape` (view or copy)."""
+    B, heads, d, N = x.shape
+    return x.reshape(B, heads * d, N)
 
 
 def rotate_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str, precision: NumpyPrecision) -> np.ndarray:

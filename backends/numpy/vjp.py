@@ -24,6 +24,18 @@ mistake is the exact gradient of the wrong function, and the check catches it ag
 oracle's gradients), SLICING writes each head's gradient into its row block, PER_HEAD
 gives each head's matrix its own ``dW_h = dQ_h @ X.T`` (row block h of ``dW_q``).
 
+The variants (`core.variants`), each undone in reverse pipeline order, in the same layout:
+
+* sinks: the softmax backward is unchanged; each head's sink logit gets
+  ``d_sink_h = -sum over batch and query columns of (1 - sum over keys of A) * sum over keys of dA * A``;
+* ALiBi and T5's relative bias are added: ``d_capped_scores = d_biased_scores``, and each
+  bucket's entry of ``rel_bias`` sums the score gradients of the (key, query) cells that read it;
+* softcap: ``dS = d_capped_scores * (1 - tanh(S / c)**2)``;
+* QK-norm: RMSNorm's backward down each token's column (`variants.rms_norm_rows_vjp`), over each
+  head's Dk rows or over all the projection's rows (the per-head strategy sums the
+  projection's statistics over its heads' row blocks, as its forward does); the weights'
+  gradients summed over batch, tokens (and heads).
+
 Half precision follows the forward's policy (`common.NumpyPrecision`): every stage,
 forward and backward, is stored in the half type, computed in float32.
 """
@@ -37,7 +49,8 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
 from .common import apply_mask_inplace, softmax_inplace
-from .layer import _split_direct, rotate_rows  # the forward's own mistake and rotation
+from .layer import _merge_reshape, _split_direct, _split_reshape, rotate_rows  # the forward's own splits, rotation
+from .variants import rms_norm_rows_vjp
 
 
 def prepare_numpy_vjp(
@@ -78,6 +91,23 @@ class ColumnSampleVJP:
         self.round = lambda a: P.operand(P.store(a))  # a stage rounded to storage, kept in compute
         # (B, Nq, D) rows -> (B, D, Nq) columns, rounded like every input.
         self.d_out = np.ascontiguousarray(P.operand(P.round_to_storage(cotangent)).transpose(0, 2, 1))  # (B, D, Nq)
+        self._begin()
+
+    def _begin(self) -> None:
+        """Fresh accumulators for the variant parameters' gradients, which every head adds into (each run)."""
+        cfg, compute = self.layer.cfg, self.layer.precision.compute
+        self.d_sinks = np.zeros(cfg.n_heads, dtype=compute) if cfg.sinks else None  # (H,)
+        rel = cfg.rel_buckets is not None
+        self.d_rel_bias = np.zeros((cfg.rel_buckets, cfg.n_heads), dtype=compute) if rel else None  # (buckets, H)
+        self.d_norms: dict = {"q": None, "k": None}
+
+    def _variant_grads(self, grads: dict) -> dict:
+        """``grads`` with the variant parameters' gradients that this configuration has (canonical shapes)."""
+        r = self.round
+        named = {"q_norm": self.d_norms["q"], "k_norm": self.d_norms["k"], "sinks": self.d_sinks}
+        named["rel_bias"] = self.d_rel_bias
+        grads.update({name: r(d) for name, d in named.items() if d is not None})
+        return grads
 
     # -- building blocks ------------------------------------------------------------------
     def _project(self, w, b, x):
@@ -109,29 +139,110 @@ class ColumnSampleVJP:
         d_b = r(d_y.sum(axis=(0, 2))) if with_bias else None  # (out,): over batch and token columns
         return d_x, d_w, d_b
 
-    def _attend(self, q, k, v, mask, scores_shape):
-        """Forward of one head or of every head, column samples: returns (weights, context).
+    def _attend(self, q, k, v, mask, scores_shape, head: int | None = None):
+        """Forward of one head or of every head, column samples: returns (saved, context).
 
         q (..., Dk, Nq), k (..., Dk, Nk), v (..., Dv, Nk) broadcast together; ``mask`` is a
-        `MaskArrays` for the scores viewed as ``scores_shape`` ((B, H, Nk, Nq) or (B, Nk, Nq)).
+        `MaskArrays` for the scores viewed as ``scores_shape`` ((B, H, Nk, Nq) with ``head`` None,
+        or (B, Nk, Nq) for query head ``head``). ``saved`` is what `_attend_backward` reads: the
+        weights (..., Nk, Nq), ``tanh(S / c)`` with a softcap, the head and the scores' shape.
         """
         r, L = self.round, self.layer
+        cfg, V = L.cfg, L.variants
         shape = (*np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), k.shape[-1], q.shape[-1])
-        scores = r(L.cfg.scale * np.matmul(_swap(k), q)).reshape(scores_shape)  # (..., Nk, Nq)
+        scores = r(cfg.scale * np.matmul(_swap(k), q)).reshape(scores_shape)  # (..., Nk, Nq)
+        tanh = None
+        if cfg.softcap is not None:
+            tanh = np.tanh(scores / cfg.softcap)  # kept: the softcap's derivative is 1 - tanh**2
+            scores = r(cfg.softcap * tanh)
+        bias = V.head("bias", head)
+        if bias is not None:
+            scores = r(scores + bias)  # (1|B, [H,] Nk, Nq), one column per query like the scores
         apply_mask_inplace(scores, mask)
-        weights = r(softmax_inplace(scores, None if mask is None else mask.empty_rows, axis=-2)).reshape(shape)
-        return weights, r(np.matmul(v, weights))  # (..., Nk, Nq), (..., Dv, Nq)
+        empty = None if mask is None else mask.empty_rows
+        weights = r(softmax_inplace(scores, empty, axis=-2, sinks=V.head("sinks", head))).reshape(shape)
+        saved = {"weights": weights, "tanh": tanh, "head": head, "scores_shape": scores_shape}
+        return saved, r(np.matmul(v, weights))  # (..., Nk, Nq), (..., Dv, Nq)
 
-    def _attend_backward(self, q, k, v, weights, d_context):
-        """(dQ, dK, dV) for the same broadcast shapes as `_attend` (dK, dV before any group sum)."""
-        r, scale = self.round, self.layer.cfg.scale
+    def _attend_backward(self, q, k, v, saved, d_context):
+        """(dQ, dK, dV, inner) for the same broadcast shapes as `_attend` (dK, dV before any group sum).
+
+        ``inner`` holds the score-side backward stages (d_weights, d_biased_scores, d_capped_scores,
+        d_scores, as present); the sinks' and the relative bias's gradients are added into
+        ``self.d_sinks`` / ``self.d_rel_bias``.
+        """
+        r, cfg = self.round, self.layer.cfg
+        weights, head, scores_shape = saved["weights"], saved["head"], saved["scores_shape"]
         d_weights = r(np.matmul(_swap(v), d_context))  # (..., Nk, Nq): dA = V^T dC
         d_v = np.matmul(d_context, _swap(weights))  # (..., Dv, Nk): dV = dC A^T
         # Softmax over keys (axis -2) backward; blocked keys and empty columns have A = 0.
-        d_scores = r(weights * (d_weights - np.sum(d_weights * weights, axis=-2, keepdims=True)))  # (..., Nk, Nq)
-        d_q = r(scale * np.matmul(k, d_scores))  # (..., Dk, Nq): dQ = scale K dS
-        d_k = scale * np.matmul(q, _swap(d_scores))  # (..., Dk, Nk): dK = scale Q dS^T
-        return d_q, d_k, d_v, {"d_weights": d_weights, "d_scores": d_scores}
+        row_dot = np.sum(d_weights * weights, axis=-2, keepdims=True)  # (..., 1, Nq): one per query
+        d_scores = r(weights * (d_weights - row_dot))  # (..., Nk, Nq)
+        if self.d_sinks is not None:  # the sink's weight 1 - sum_keys A, times its cotangent 0 - row_dot
+            per_query = -(1.0 - weights.sum(axis=-2, keepdims=True)) * row_dot  # (..., 1, Nq)
+            per_query = per_query.reshape(*scores_shape[:-2], -1)  # (B, H, Nq) or (B, Nq), a view
+            if head is None:
+                self.d_sinks += per_query.sum(axis=(0, 2))
+            else:
+                self.d_sinks[head] += per_query.sum()
+        inner = {"d_weights": d_weights}
+        if cfg.has_score_bias:  # added to the scores: its gradient passes through unchanged
+            inner["d_biased_scores"] = d_scores
+            if self.d_rel_bias is not None:
+                self._add_bucket_grads(d_scores.reshape(scores_shape), head)
+        if cfg.softcap is not None:
+            inner["d_capped_scores"] = d_scores
+            d_scores = r(d_scores * (1.0 - saved["tanh"].reshape(d_scores.shape) ** 2))
+        inner["d_scores"] = d_scores
+        d_q = r(cfg.scale * np.matmul(k, d_scores))  # (..., Dk, Nq): dQ = scale K dS
+        d_k = cfg.scale * np.matmul(q, _swap(d_scores))  # (..., Dk, Nk): dK = scale Q dS^T
+        return d_q, d_k, d_v, inner
+
+    def _add_bucket_grads(self, d_biased: np.ndarray, head: int | None) -> None:
+        """Each T5 bucket's entry of query head h sums the score gradients of the cells that read it.
+
+        ``d_biased`` (B, H, Nk, Nq) (``head`` None) or (B, Nk, Nq); the buckets are (1|B, Nk, Nq).
+        """
+        V, n = self.layer.variants, self.layer.cfg.rel_buckets
+        heads = range(d_biased.shape[1]) if head is None else [head]
+        for h in heads:
+            d_h = d_biased[:, h] if head is None else d_biased  # (B, Nk, Nq)
+            buckets = np.broadcast_to(V.buckets, d_h.shape)  # (B, Nk, Nq)
+            self.d_rel_bias[:, h] += np.bincount(buckets.ravel(), weights=d_h.ravel(), minlength=n)
+
+    def _unnorm(self, which: str, x_blocks: list, d_blocks: list) -> list:
+        """QK-norm's backward: the gradients of its inputs ``x_blocks`` from those of its outputs (compute dtype).
+
+        The blocks are as the forward normed them: one (the merged projection, or batched heads), or
+        one per head (PER_HEAD). The weight's gradient is kept in ``self.d_norms[which]``; without
+        qk_norm the gradients pass through.
+        """
+        L = self.layer
+        cfg, V, P = L.cfg, L.variants, L.precision
+        if cfg.qk_norm is None:
+            return d_blocks
+        xs = [P.operand(x) for x in x_blocks]
+        if cfg.qk_norm == "projection":  # the blocks share one statistic per token
+            d_xs, d_ws = rms_norm_rows_vjp(xs, V.norm_weight_blocks(which, len(xs)), cfg.norm_eps, d_blocks)
+            d_w = np.concatenate(d_ws)  # (n*Dk,): block i's rows i*Dk:(i+1)*Dk
+        else:  # each block over its own rows, one weight for every head
+            weight = V.norms[which]
+            parts = [rms_norm_rows_vjp([x], [weight], cfg.norm_eps, [d]) for x, d in zip(xs, d_blocks, strict=True)]
+            d_xs, d_w = [d_x for (d_x,), _ in parts], sum(d_w for _, (d_w,) in parts)
+        self.d_norms[which] = d_w
+        return [self.round(d) for d in d_xs]
+
+    def _unnorm_split(self, which: str, merged, d_normed_heads, n_heads: int, split, split_back) -> tuple:
+        """(d_heads, d_merged): QK-norm undone for heads made by ``split`` from the projection ``merged``.
+
+        Over the projection the norm came before the split: its backward runs on the merged
+        gradient; over the head it runs on the heads.
+        """
+        if self.layer.cfg.qk_norm == "projection":
+            (d_merged,) = self._unnorm(which, [merged], [split_back(d_normed_heads)])
+            return split(d_merged, n_heads), d_merged
+        (d_heads,) = self._unnorm(which, [split(merged, n_heads)], [d_normed_heads])
+        return d_heads, split_back(d_heads)
 
     def _output_and_merged_backward(self, merged):
         L = self.layer
@@ -167,114 +278,138 @@ class ColumnSampleVJP:
     def _batched(self, split, split_back) -> dict:
         L = self.layer
         B, Nq, Nk, H, Hkv, G, Dk, Dv = L.sizes
+        self._begin()
+        P = L.precision
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
-        # Rotary (cfg.rope) turns the heads' feature rows; the heads themselves without rope.
-        q_heads = self._rotate(split(q, H), "q", True).reshape(B, Hkv, G, Dk, Nq)  # query head h = g*G + r
-        k_heads = self._rotate(split(k, Hkv), "k", True)[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
-        v_heads = split(v, Hkv)[:, :, None]  # (B, Hkv, 1, Dv, Nk)
-        weights, context = self._attend(q_heads, k_heads, v_heads, L.mask, (B, H, Nk, Nq))
+        heads = (split(q, H), split(k, Hkv), split(v, Hkv))  # (B, H, Dk, Nq), (B, Hkv, Dk, Nk), (B, Hkv, Dv, Nk)
+        q_normed, k_normed = (P.operand(x) for x in L._normed_heads((q, k, v), heads, split))  # heads without qk_norm
+        # Rotary (cfg.rope) turns the heads' feature rows; the normed heads themselves without rope.
+        q_heads = self._rotate(q_normed, "q", True).reshape(B, Hkv, G, Dk, Nq)  # query head h = g*G + r
+        k_heads = self._rotate(k_normed, "k", True)[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
+        v_heads = heads[2][:, :, None]  # (B, Hkv, 1, Dv, Nk)
+        saved, context = self._attend(q_heads, k_heads, v_heads, L.mask, (B, H, Nk, Nq))
         merged = split_back(context.reshape(B, H, Dv, Nq))  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_context = split(d_merged, H).reshape(B, Hkv, G, Dv, Nq)  # the merge's adjoint is the split
-        d_q_rotated, d_k_rotated, d_v_heads, inner = self._attend_backward(
-            q_heads, k_heads, v_heads, weights, d_context
-        )
+        d_q_rotated, d_k_rotated, d_v_heads, inner = self._attend_backward(q_heads, k_heads, v_heads, saved, d_context)
         d_q_rotated = d_q_rotated.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
         d_k_rotated = self.round(self.group_sum(d_k_rotated))  # (B, Hkv, Dk, Nk)
         d_v_heads = self.round(self.group_sum(d_v_heads))  # (B, Hkv, Dv, Nk)
-        d_q_heads = self._unrotate(d_q_rotated, "q", True)  # the rotation undone: (B, H, Dk, Nq)
-        d_k_heads = self._unrotate(d_k_rotated, "k", True)  # (B, Hkv, Dk, Nk)
-        d_q = split_back(d_q_heads)  # (B, H*Dk, Nq): the split's adjoint is the merge
-        d_k = split_back(d_k_heads)  # (B, Hkv*Dk, Nk)
+        d_q_normed = self._unrotate(d_q_rotated, "q", True)  # the rotation undone: (B, H, Dk, Nq)
+        d_k_normed = self._unrotate(d_k_rotated, "k", True)  # (B, Hkv, Dk, Nk)
+        # QK-norm undone (the split's adjoint is the merge): (B, H, Dk, Nq) and (B, H*Dk, Nq), likewise for k.
+        d_q_heads, d_q = self._unnorm_split("q", q, d_q_normed, H, split, split_back)
+        d_k_heads, d_k = self._unnorm_split("k", k, d_k_normed, Hkv, split, split_back)
         d_v = split_back(d_v_heads)  # (B, Hkv*Dv, Nk)
         grads = self._input_grads(d_q, d_k, d_v, {"w_o": d_w_o, "b_o": d_b_o})
         grads["output"] = output
+        self._variant_grads(grads)
         d_context = d_context.reshape(B, H, Dv, Nq)  # (B, H, Dv, Nq)
+        scores_axes = ("B", "H", "Nk", "Nq")
         # Provenance as in the forward stages: the split and merge adjoints are reshapes (measured view or copy).
-        grads["stages"] = {
+        stages = {
             "d_output": StageTensor(self.d_out, ("B", "D", "Nq")),
             "d_merged": StageTensor(d_merged, ("B", "H*Dv", "Nq")),
             "d_context": StageTensor(
                 d_context, ("B", "H", "Dv", "Nq"), "", relation_to(d_context, d_merged), "d_merged"
             ),
-            "d_weights": StageTensor(inner["d_weights"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
+            "d_weights": StageTensor(inner["d_weights"].reshape(B, H, Nk, Nq), scores_axes),
             "d_v_heads": StageTensor(d_v_heads, ("B", "Hkv", "Dv", "Nk")),
-            "d_scores": StageTensor(inner["d_scores"].reshape(B, H, Nk, Nq), ("B", "H", "Nk", "Nq")),
-            "d_q_rotated": StageTensor(d_q_rotated, ("B", "H", "Dk", "Nq")),
-            "d_k_rotated": StageTensor(d_k_rotated, ("B", "Hkv", "Dk", "Nk")),
-            "d_q_heads": StageTensor(d_q_heads, ("B", "H", "Dk", "Nq")),
-            "d_k_heads": StageTensor(d_k_heads, ("B", "Hkv", "Dk", "Nk")),
-            "d_q": StageTensor(d_q, ("B", "H*Dk", "Nq"), "", relation_to(d_q, d_q_heads), "d_q_heads"),
-            "d_k": StageTensor(d_k, ("B", "Hkv*Dk", "Nk"), "", relation_to(d_k, d_k_heads), "d_k_heads"),
-            "d_v": StageTensor(d_v, ("B", "Hkv*Dv", "Nk"), "", relation_to(d_v, d_v_heads), "d_v_heads"),
         }
+        for name in ("d_biased_scores", "d_capped_scores", "d_scores"):  # the variants' only where present
+            if name in inner:
+                stages[name] = StageTensor(inner[name].reshape(B, H, Nk, Nq), scores_axes)
+        stages["d_q_rotated"] = StageTensor(d_q_rotated, ("B", "H", "Dk", "Nq"))
+        stages["d_k_rotated"] = StageTensor(d_k_rotated, ("B", "Hkv", "Dk", "Nk"))
+        if L.cfg.qk_norm is not None:
+            stages["d_q_normed"] = StageTensor(d_q_normed, ("B", "H", "Dk", "Nq"))
+            stages["d_k_normed"] = StageTensor(d_k_normed, ("B", "Hkv", "Dk", "Nk"))
+        stages.update(
+            d_q_heads=StageTensor(d_q_heads, ("B", "H", "Dk", "Nq")),
+            d_k_heads=StageTensor(d_k_heads, ("B", "Hkv", "Dk", "Nk")),
+            d_q=StageTensor(d_q, ("B", "H*Dk", "Nq"), "", relation_to(d_q, d_q_heads), "d_q_heads"),
+            d_k=StageTensor(d_k, ("B", "Hkv*Dk", "Nk"), "", relation_to(d_k, d_k_heads), "d_k_heads"),
+            d_v=StageTensor(d_v, ("B", "Hkv*Dv", "Nk"), "", relation_to(d_v, d_v_heads), "d_v_heads"),
+        )
+        grads["stages"] = stages
         return grads
 
     # -- one head at a time: SLICING and PER_HEAD ------------------------------------------
     def slicing(self) -> dict:
         L = self.layer
-        H, Dk, Dv = L.cfg.n_heads, L.cfg.d_k, L.cfg.d_v
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = L.sizes  # noqa: RUF059 (every size named once)
+        self._begin()
+        P = L.precision
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
-        heads = [self._head(h, q, k, v) for h in range(H)]  # per head: weights, context, and its slices
+        q_normed = [P.operand(x) for x in L._normed_slices(q, H, "q")]  # H x (B, Dk, Nq): row blocks without qk_norm
+        k_normed = [P.operand(x) for x in L._normed_slices(k, Hkv, "k")]  # Hkv x (B, Dk, Nk)
+        heads = [self._head(h, q_normed, k_normed, v) for h in range(H)]  # per head: saved, context, its slices
         merged = np.concatenate([context for _, context, _ in heads], axis=1)  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
-        d_q = np.empty_like(q)  # (B, H*Dk, Nq): every row block written once below
+        d_q = np.empty_like(q)  # (B, H*Dk, Nq): every row block written once below (the normed queries' gradient)
         d_k = np.zeros(k.shape, dtype=q.dtype)  # (B, Hkv*Dk, Nk): query heads of a group add into it
         d_v = np.zeros(v.shape, dtype=q.dtype)  # (B, Hkv*Dv, Nk)
-        for h, (weights, _, (q_h, k_g, v_g, g)) in enumerate(heads):
+        for h, (saved, _, (q_h, k_g, v_g, g)) in enumerate(heads):
             d_context = d_merged[:, h * Dv : (h + 1) * Dv]  # (B, Dv, Nq): row block h, a view
-            d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_h, k_g, v_g, weights, d_context)
+            d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_h, k_g, v_g, saved, d_context)
             d_q[:, h * Dk : (h + 1) * Dk] = self._unrotate(d_q_h, "q", False)
             d_k[:, g * Dk : (g + 1) * Dk] += d_k_h  # still rotated: undone once per kv head below
             d_v[:, g * Dv : (g + 1) * Dv] += d_v_h
-        B, Hkv, Nk = d_k.shape[0], L.cfg.n_kv_heads, d_k.shape[-1]
-        d_k = self._unrotate(self.round(d_k).reshape(B, Hkv, Dk, Nk), "k", True).reshape(B, Hkv * Dk, Nk)  # views
+        d_k = self._unrotate(_split_reshape(self.round(d_k), Hkv), "k", True)  # (B, Hkv, Dk, Nk)
+        # QK-norm undone on the merged projections (views of row blocks): the queries' and the keys'.
+        _, d_q = self._unnorm_split("q", q, _split_reshape(d_q, H), H, _split_reshape, _merge_reshape)
+        _, d_k = self._unnorm_split("k", k, d_k, Hkv, _split_reshape, _merge_reshape)
         grads = self._input_grads(d_q, d_k, self.round(d_v), {"w_o": d_w_o, "b_o": d_b_o})
         grads["output"] = output
-        return grads
+        return self._variant_grads(grads)
 
-    def _head(self, h: int, q, k, v):
-        """Forward of query head h on row-block slices of the merged projections (views)."""
+    def _head(self, h: int, q_normed: list, k_normed: list, v):
+        """Forward of query head h on its (QK-normed) row-block slices and a row-block view of v."""
         L = self.layer
-        Dk, Dv, g = L.cfg.d_k, L.cfg.d_v, L.cfg.kv_head_of(h)
-        q_h = self._rotate(q[:, h * Dk : (h + 1) * Dk], "q", False)  # (B, Dk, Nq), rotated with rope
-        k_g = self._rotate(k[:, g * Dk : (g + 1) * Dk], "k", False)  # (B, Dk, Nk)
+        Dv, g = L.cfg.d_v, L.cfg.kv_head_of(h)
+        q_h = self._rotate(q_normed[h], "q", False)  # (B, Dk, Nq), rotated with rope
+        k_g = self._rotate(k_normed[g], "k", False)  # (B, Dk, Nk)
         v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
-        weights, context = self._attend_one(h, q_h, k_g, v_g)
-        return weights, context, (q_h, k_g, v_g, g)
+        saved, context = self._attend_one(h, q_h, k_g, v_g)
+        return saved, context, (q_h, k_g, v_g, g)
 
     def _attend_one(self, h: int, q_h, k_g, v_g):
         L = self.layer
         B, Nq, Nk = L.sizes[:3]
         mask = None if L.mask is None else L.mask.for_head(h)
-        return self._attend(q_h, k_g, v_g, mask, (B, Nk, Nq))
+        return self._attend(q_h, k_g, v_g, mask, (B, Nk, Nq), head=h)
 
     def per_head(self) -> dict:
         L = self.layer
         B, Nq, Nk, H, Hkv, G, Dk, Dv = L.sizes  # noqa: RUF059 (every size named once)
+        self._begin()
+        P = L.precision
         k_heads = [self._project(L.w_k_heads[g], L.b_k_heads[g], L.x_k) for g in range(Hkv)]  # Hkv x (B, Dk, Nk)
         v_heads = [self._project(L.w_v_heads[g], L.b_v_heads[g], L.x_v) for g in range(Hkv)]  # Hkv x (B, Dv, Nk)
         q_heads = [self._project(L.w_q_heads[h], L.b_q_heads[h], L.x_q) for h in range(H)]  # H x (B, Dk, Nq)
-        k_heads = [self._rotate(k_g, "k", False) for k_g in k_heads]  # rotated with rope
-        q_heads = [self._rotate(q_h, "q", False) for q_h in q_heads]
-        forward = [self._attend_one(h, q_heads[h], k_heads[h // G], v_heads[h // G]) for h in range(H)]
+        k_rotated = [self._rotate(P.operand(k_g), "k", False) for k_g in L._norm_blocks(k_heads, "k")]  # QK-normed
+        q_rotated = [self._rotate(P.operand(q_h), "q", False) for q_h in L._norm_blocks(q_heads, "q")]
+        forward = [self._attend_one(h, q_rotated[h], k_rotated[h // G], v_heads[h // G]) for h in range(H)]
         merged = np.concatenate([context for _, context in forward], axis=1)  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_k_heads = [0.0] * Hkv
         d_v_heads = [0.0] * Hkv
         d_q_heads = []
-        for h, (weights, _) in enumerate(forward):
+        for h, (saved, _) in enumerate(forward):
             g = h // G
             d_context = d_merged[:, h * Dv : (h + 1) * Dv]  # (B, Dv, Nq)
-            d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_heads[h], k_heads[g], v_heads[g], weights, d_context)
+            d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_rotated[h], k_rotated[g], v_heads[g], saved, d_context)
             d_q_heads.append(d_q_h)
             d_k_heads[g] = d_k_heads[g] + d_k_h  # the group's query heads add up
             d_v_heads[g] = d_v_heads[g] + d_v_h
         grads = {"w_o": d_w_o, "b_o": d_b_o, "output": output}
+        # The rotations, then QK-norm, undone head by head (over the projection the heads share its statistics).
+        d_q_normed = [self._unrotate(d, "q", False) for d in d_q_heads]
+        d_k_normed = [self._unrotate(self.round(d), "k", False) for d in d_k_heads]
         # Each head's own matrix W_h (d, in): dW_h = dQ_h @ X.T is row block h of the canonical dW.
         for name, d_ys, x, with_bias in (
-            ("q", [self._unrotate(d, "q", False) for d in d_q_heads], L.x_q, L.b_q is not None),
-            ("k", [self._unrotate(self.round(d), "k", False) for d in d_k_heads], L.x_k, L.b_k is not None),
+            ("q", self._unnorm("q", q_heads, d_q_normed), L.x_q, L.b_q is not None),
+            ("k", self._unnorm("k", k_heads, d_k_normed), L.x_k, L.b_k is not None),
             ("v", [self.round(d) for d in d_v_heads], L.x_v, L.b_v is not None),
         ):
             w_heads = getattr(L, f"w_{name}_heads")  # (heads, d, in)
@@ -282,7 +417,7 @@ class ColumnSampleVJP:
             grads[f"d_x_{name}"] = self.round(sum(d_x for d_x, _, _ in parts))  # every head read the same X
             grads[f"w_{name}"] = np.concatenate([d_w for _, d_w, _ in parts], axis=0)  # (heads*d, in)
             grads[f"b_{name}"] = np.concatenate([d_b for _, _, d_b in parts]) if with_bias else None
-        return grads
+        return self._variant_grads(grads)
 
     # -- untimed: back to the exchange layout ---------------------------------------------
     @staticmethod
@@ -298,18 +433,6 @@ class ColumnSampleVJP:
             else:
                 out[name] = tensor_to_numpy(value)
         return out
-
-
-def _split_reshape(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """(B, heads*d, N) -> (B, heads, d, N): head h owns row block h; a view."""
-    B, width, N = x.shape
-    return x.reshape(B, n_heads, width // n_heads, N)
-
-
-def _merge_reshape(x: np.ndarray) -> np.ndarray:
-    """(B, heads, d, N) -> (B, heads*d, N), the inverse of `_split_reshape` (view or copy)."""
-    B, heads, d, N = x.shape
-    return x.reshape(B, heads * d, N)
 
 
 def _unsplit_direct(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,146 @@
+"""The variants of 2024-26 attention (`core.variants`) in column samples: what the NumPy layer, its
+hand-written backward and its chunked strategy share.
+
+Column samples keep features as rows and tokens as columns, so:
+
+* RMSNorm (QK-norm) takes its statistics down each column: over the ``d_k`` feature *rows*
+  of one head's block (``qk_norm="head"``, one ``(Dk, 1)`` weight for every head) or over
+  every row of the merged projection before the split (``"projection"``, an ``(H*Dk, 1)``
+  weight). The per-head strategy holds the heads apart and never builds the merged
+  projection, so there the projection's statistic is summed over the heads' row blocks:
+  the one number per token that all heads share. `rms_norm_rows` takes the row blocks as
+  a list for that reason; a single block is the plain case.
+* The score bias (ALiBi, T5's buckets) is laid out like the scores, ``(1|B, H, Nk, Nq)``, one
+  column per query. Its tables are computed here at prepare time with `core.variants` (the
+  slopes, the buckets of each key-minus-query distance), as the rotary tables are; adding it
+  to the scores is the layer's own step.
+* The sinks are ``(1, H, 1, 1)``: one logit per head, broadcast against each query's column
+  maximum in `common.softmax_inplace`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, alibi_slopes, t5_buckets
+
+from .common import NumpyPrecision
+
+
+# -- QK-norm ------------------------------------------------------------------------------
+def rms_norm_rows(blocks: list, weights: list, eps: float, precision: NumpyPrecision) -> list:
+    """RMSNorm of column samples over their feature rows: ``x / sqrt(mean over rows of x**2 + eps) * w``.
+
+    ``blocks`` are arrays ``(..., d_i, N)`` that together hold the normalised features (one
+    block: a plain RMSNorm over its rows; several: the row blocks of one projection held
+    apart, sharing one statistic per token); ``weights`` are their ``(d_i, 1)`` weights. Each
+    result is new, computed in the compute dtype and rounded once to storage.
+    """
+    P = precision
+    xs = [P.operand(x) for x in blocks]
+    inv_rms = _inverse_rms(xs, eps)  # (..., 1, N): one per token column
+    return [P.store(x * inv_rms * w) for x, w in zip(xs, weights, strict=True)]
+
+
+def _inverse_rms(xs: list, eps: float) -> np.ndarray:
+    """``1 / sqrt(mean(x**2) + eps)`` over the rows of all blocks together, (..., 1, N)."""
+    squares = sum(np.sum(x * x, axis=-2, keepdims=True) for x in xs)  # (..., 1, N)
+    rows = sum(x.shape[-2] for x in xs)
+    return 1.0 / np.sqrt(squares / rows + eps)
+
+
+def rms_norm_rows_vjp(blocks: list, weights: list, eps: float, d_ys: list) -> tuple[list, list]:
+    """The backward of `rms_norm_rows` (compute dtype): (d_blocks, d_weights), each weight's gradient ``(d_i,)``.
+
+    With ``r`` the inverse RMS of each token column and ``g = dY * w``, over all the rows
+    together: ``dX = r g - X r**3 mean(g X)``; ``dw = sum of dY X r`` over every axis but the
+    feature rows (batch, heads, tokens).
+    """
+    inv_rms = _inverse_rms(blocks, eps)  # (..., 1, N)
+    gs = [d_y * w for d_y, w in zip(d_ys, weights, strict=True)]
+    rows = sum(x.shape[-2] for x in blocks)
+    mean_gx = sum(np.sum(g * x, axis=-2, keepdims=True) for g, x in zip(gs, blocks, strict=True)) / rows
+    d_xs = [inv_rms * g - x * inv_rms**3 * mean_gx for g, x in zip(gs, blocks, strict=True)]
+    d_ws = [_sum_but_rows(d_y * x * inv_rms) for d_y, x in zip(d_ys, blocks, strict=True)]
+    return d_xs, d_ws
+
+
+def _sum_but_rows(a: np.ndarray) -> np.ndarray:
+    """(..., d, N) summed over every axis but the feature rows -> (d,)."""
+    return np.moveaxis(a, -2, -1).reshape(-1, a.shape[-2]).sum(axis=0)  # (..., N, d) -> (rest, d), a copy
+
+
+# -- the score variants, as the layer holds them --------------------------------------------
+class ColumnVariants:
+    """One layer's variant parameters and tables in column samples, in the compute dtype (None where off).
+
+    ``norms["q"]``/``norms["k"]``: the QK-norm weights as ``(d, 1)`` columns (``d = Dk`` over the
+    head, the projection's width over the projection). ``bias``: ALiBi plus T5's relative bias,
+    ``(1|B, H, Nk, Nq)``; ``buckets`` ``(1|B, Nk, Nq)`` (the backward sums each bucket's score
+    gradients); ``slopes`` ``(H,)``; ``sinks`` ``(1, H, 1, 1)``; ``rel_table`` ``(buckets, H)``.
+    ``full_bias`` False leaves ``bias`` and ``buckets`` None (they are quadratic in the tokens).
+    """
+
+    def __init__(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision, full_bias: bool = True
+    ) -> None:
+        P = self.precision = precision
+        self.cfg = cfg
+
+        def stored(a):  # a parameter rounded to storage, held in the compute dtype (as every weight)
+            return None if a is None else P.operand(P.round_to_storage(a))
+
+        self.norms = {"q": stored(params.q_norm), "k": stored(params.k_norm)}
+        self.norms = {name: None if w is None else w[:, None] for name, w in self.norms.items()}  # (d, 1) columns
+        sinks = stored(params.sinks)
+        self.sinks = None if sinks is None else sinks[None, :, None, None]  # (1, H, 1, 1)
+        self.rel_table = stored(params.rel_bias)  # (buckets, H) or None
+        self.slopes = alibi_slopes(cfg.n_heads).astype(P.compute) if cfg.alibi else None  # (H,)
+        # Key minus query, one column per query: (1|B, Nk, Nq).
+        self.distance = None
+        self.buckets = None
+        self.bias = None
+        if cfg.has_score_bias and full_bias:  # the chunked strategy computes it per tile (`tile_bias`) instead
+            self.distance = inputs.kv_positions[:, :, None] - inputs.positions[:, None, :]  # (1|B, Nk, Nq), int64
+            self.bias = self.tile_bias(self.distance)  # (1|B, H, Nk, Nq)
+            if cfg.rel_buckets is not None:
+                self.buckets = self.bucket_of(self.distance)
+
+    def bucket_of(self, distance: np.ndarray) -> np.ndarray:
+        """T5's bucket of each key-minus-query distance (int64, the same shape)."""
+        cfg = self.cfg
+        assert cfg.rel_buckets is not None
+        return t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
+
+    def tile_bias(self, distance: np.ndarray) -> np.ndarray | None:
+        """What ALiBi and the relative bias add to scores whose key-minus-query distances are ``distance``.
+
+        ``distance`` (1|B, Nk', Nq') (a whole score matrix, or one tile of the chunked strategy)
+        -> (1|B, H, Nk', Nq') in the compute dtype, or None without a score bias.
+        """
+        bias = None
+        if self.slopes is not None:  # m_h (p_j - p_i)
+            bias = self.slopes[None, :, None, None] * distance[:, None].astype(self.precision.compute)
+        if self.rel_table is not None:  # rel_bias[bucket(p_j - p_i), h]
+            rel = np.moveaxis(self.rel_table[self.bucket_of(distance)], -1, 1)  # (1|B, Nk', Nq', H) -> (1|B, H, ...)
+            bias = rel if bias is None else bias + rel
+        return bias
+
+    def head(self, name: str, h: int | None):
+        """``bias`` (``(1|B, Nk, Nq)``) or ``sinks`` (a scalar) of query head h; every head's when h is None."""
+        array = getattr(self, name)
+        if array is None or h is None:
+            return array
+        return array[:, h] if name == "bias" else array[0, h, 0, 0]
+
+    def norm_weight_blocks(self, which: str, n_blocks: int) -> list:
+        """The QK-norm weight of ``which`` ("q" or "k") cut into the weights of ``n_blocks`` row blocks.
+
+        Over the head there is one weight for every block; over the projection block i has
+        rows ``i*d:(i+1)*d`` of the projection's weight (views).
+        """
+        w = self.norms[which]
+        if self.cfg.qk_norm == "head":
+            return [w] * n_blocks
+        d = w.shape[0] // n_blocks
+        return [w[i * d : (i + 1) * d] for i in range(n_blocks)]

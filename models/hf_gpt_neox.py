@@ -63,7 +63,7 @@ def _forward(module, cfg, x, padding, options):
 def _config(module) -> MHAConfig:
     """The GPTNeoXAttention instance's configuration: heads, bias, and its partial rotary (rotary_ndims)."""
     config = module.config
-    rope_base, _ = hf_rope(module, config, module.head_size, partial=True)  # rotary_ndims is the module's own
+    rope = hf_rope(module, config, module.head_size, partial=True)  # rotary_ndims is the module's own
     return MHAConfig(
         d_model=module.query_key_value.in_features,
         n_heads=config.num_attention_heads,
@@ -72,8 +72,9 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.scaling,
         rope="half",
-        rope_base=rope_base,
+        rope_base=rope.rope_base,
         rope_dims=module.rotary_ndims,
+        rope_scaling=rope.rope_scaling,
     )
 
 

@@ -72,7 +72,7 @@ def _config(module) -> MHAConfig:
     """The LlamaAttention instance's configuration: heads, kv heads and head_dim, bias, rotary from its config."""
     config = module.config
     hf_unexpressible_settings(module, config, ("sliding_window",))
-    rope_base, _ = hf_rope(module, config, module.head_dim)  # LlamaRotaryEmbedding rotates every feature
+    rope = hf_rope(module, config, module.head_dim)  # LlamaRotaryEmbedding rotates every feature
     return MHAConfig(
         d_model=module.q_proj.in_features,
         n_heads=config.num_attention_heads,
@@ -82,7 +82,8 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.scaling,
         rope="half",
-        rope_base=rope_base,
+        rope_base=rope.rope_base,
+        rope_scaling=rope.rope_scaling,  # Llama 3's "llama3", or linear / dynamic / yarn
     )
 
 

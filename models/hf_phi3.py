@@ -24,7 +24,7 @@ from ._layout import (
     same_head_dims,
     self_attention_widths,
 )
-from ._module_io import hf_rope, hf_unexpressible_settings, torch_reader
+from ._module_io import hf_rope, hf_window, torch_reader
 from ._packing import pack_blocks, unpack_blocks
 from ._real import HF_REQUIRES, torch_state
 
@@ -69,10 +69,10 @@ def _forward(module, cfg, x, padding, options):
 
 
 def _config(module) -> MHAConfig:
-    """The Phi3Attention instance's configuration; a sliding window or scaled rotary (longrope) is not in the spec."""
+    """The Phi3Attention instance's configuration: its window is config.sliding_window (every layer); longrope
+    (the 128k models) is not in the spec (`LayoutError`)."""
     config = module.config
-    hf_unexpressible_settings(module, config, ("sliding_window",))
-    rope_base, rope_dims = hf_rope(module, config, module.head_dim, partial=True)
+    rope = hf_rope(module, config, module.head_dim, partial=True)
     return MHAConfig(
         d_model=module.qkv_proj.in_features,
         n_heads=config.num_attention_heads,
@@ -82,8 +82,10 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.scaling,
         rope="half",
-        rope_base=rope_base,
-        rope_dims=rope_dims,
+        rope_base=rope.rope_base,
+        rope_dims=rope.rope_dims,
+        rope_scaling=rope.rope_scaling,
+        window=hf_window(module, config),
     )
 
 
@@ -112,8 +114,8 @@ LAYOUT = Layout(
         "rope_dims = int(d_k * partial_rotary_factor) (config.rope_parameters); Phi-3 rotates every feature",
         "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
         "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
-        "config.sliding_window (Phi-3-mini's 2047) and rope_type 'longrope' (the 128k models) are not in the spec yet: "
-        "from_module raises LayoutError naming them",
+        "config.sliding_window (Phi-3-mini's 2047) is every layer's window (MHAConfig.window, the same count); "
+        "rope_type 'longrope' (the 128k models) is not in the spec: from_module raises LayoutError naming it",
     ),
     runner=_phi3,
     requires=HF_REQUIRES,

@@ -15,7 +15,7 @@ fails. For each class:
   path keeps float64 and is the one held to float64 here;
 * ``to_module`` of other parameters, read back, gives those parameters exactly, and ``to_module`` of the
   first ones restores the module's own tensors bit for bit;
-* every setting the spec cannot express yet raises `LayoutError` naming the class and the setting.
+* every setting the spec cannot express raises `LayoutError` naming the class, the setting and why.
 """
 
 from __future__ import annotations
@@ -499,18 +499,6 @@ def _hf_module(config_class: str, module_path: str, class_name: str, config_kwar
 
 UNEXPRESSIBLE = [
     (
-        "t5 relative bias",
-        lambda: _hf_module(
-            "T5Config",
-            "transformers.models.t5.modeling_t5",
-            "T5Attention",
-            {"d_model": 12, "d_kv": 4, "num_heads": 3},
-            has_relative_attention_bias=True,
-        ),
-        r"T5Attention has has_relative_attention_bias=True \(relative_attention_bias.weight: 32 buckets x 3 heads.*"
-        r"the relative bias is not yet in the spec",
-    ),
-    (
         "falcon alibi",
         lambda: _hf_module(
             "FalconConfig",
@@ -519,7 +507,8 @@ UNEXPRESSIBLE = [
             {"hidden_size": 16, "num_attention_heads": 4, "alibi": True},
             layer_idx=0,
         ),
-        r"FalconAttention has config\.alibi=True \(ALiBi.*\), which the spec cannot express yet",
+        r"FalconAttention has config\.alibi=True \(ALiBi.*\), which the spec cannot express: Falcon divides the bias "
+        r"by sqrt\(d\) .* rounds the slopes to bfloat16",
     ),
     (
         "falcon per head with fewer kv heads",
@@ -533,31 +522,39 @@ UNEXPRESSIBLE = [
         r"FalconAttention packs per head .* num_kv_heads=2 != num_attention_heads=4",
     ),
     (
-        "phi3 sliding window",
+        "phi3 longrope",
         lambda: _hf_module(
             "Phi3Config",
             "transformers.models.phi3.modeling_phi3",
             "Phi3Attention",
-            {"hidden_size": 16, "num_attention_heads": 4, "sliding_window": 5},
-            layer_idx=0,
-        ),
-        r"Phi3Attention has config\.sliding_window=5, which the spec cannot express yet",
-    ),
-    (
-        "llama scaled rotary",
-        lambda: _hf_module(
-            "LlamaConfig",
-            "transformers.models.llama.modeling_llama",
-            "LlamaAttention",
             {
                 "hidden_size": 16,
                 "num_attention_heads": 4,
-                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "max_position_embeddings": 32,
+                "original_max_position_embeddings": 16,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0, 1.0],
+                    "long_factor": [2.0, 2.0],
+                    "original_max_position_embeddings": 16,
+                },
             },
             layer_idx=0,
         ),
-        r"LlamaAttention has rope_parameters\['rope_type'\]='linear', which the spec cannot express yet: "
-        r"the spec has unscaled rotary only",
+        r"Phi3Attention has rope_parameters\['rope_type'\]='longrope', which the spec cannot express: "
+        r"the spec scales rotary as linear, dynamic, llama3, yarn only",
+    ),
+    (
+        "mpt clip_qkv",
+        lambda: _hf_module(
+            "MptConfig",
+            "transformers.models.mpt.modeling_mpt",
+            "MptAttention",
+            {"d_model": 16, "n_heads": 4, "attn_config": {"clip_qkv": 6.0}},
+            layer_idx=0,
+        ),
+        r"MptAttention has clip_qkv=6\.0, which the spec cannot express: the spec does not clamp q, k and v",
     ),
     (
         "gpt2 scale by layer",
@@ -593,7 +590,7 @@ def test_torch_multihead_attention_extra_tokens_are_named():
 
 
 def test_keras_settings_the_spec_cannot_express_are_named():
-    with pytest.raises(LayoutError, match=r"MultiHeadAttention has use_gate=True, which the spec cannot express yet"):
+    with pytest.raises(LayoutError, match=r"MultiHeadAttention has use_gate=True, which the spec cannot express"):
         from_module(_keras_layer(num_heads=3, key_dim=4, use_gate=True))
     with pytest.raises(LayoutError, match=r"MultiHeadAttention has sliding_window=3"):
         from_module(_keras_layer(num_heads=3, key_dim=4, sliding_window=3))
@@ -671,6 +668,15 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.GPTNeoXAttention",
         "transformers.Phi3Attention",
         "transformers.FalconAttention",
+        "transformers.Qwen2Attention",
+        "transformers.MistralAttention",
+        "transformers.Qwen3Attention",
+        "transformers.Olmo2Attention",
+        "transformers.Gemma2Attention",
+        "transformers.Gemma3Attention",
+        "transformers.GptOssAttention",
+        "transformers.BloomAttention",
+        "transformers.MptAttention",
         "transformers.T5Attention",
         "keras.MultiHeadAttention",
         "torch.MultiheadAttention",

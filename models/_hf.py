@@ -39,6 +39,15 @@ def hf_mask(config, cfg: MHAConfig, x, padding):
     return masks.create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=pad)
 
 
+def hf_rope_parameters(cfg: MHAConfig, partial: bool = False) -> dict:
+    """``config.rope_parameters`` (transformers 5.x) for ``cfg``'s rotary: its base, its scaling in Hugging Face's own
+    form (`MHAConfig.rope_scaling` is that form), and ``partial_rotary_factor`` where the family reads it."""
+    parameters: dict = {"rope_type": "default", "rope_theta": cfg.rope_base, **(cfg.rope_scaling or {})}
+    if partial:
+        parameters["partial_rotary_factor"] = cfg.rope_dims / cfg.d_k
+    return parameters
+
+
 def hf_config(config, options: RunOptions):
     config._attn_implementation = options.implementation
     return config

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     SEPARATE,
     Layout,
@@ -109,7 +109,7 @@ def decoder_layout(family: Decoder) -> Layout:
             "head_dim": cfg.d_k,
             "attention_dropout": 0.0,
             "num_hidden_layers": 1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base, **(cfg.rope_scaling or {})},
+            "rope_parameters": hf_rope_parameters(cfg),
             **family.config_kwargs(cfg),
         }
         transformers = importlib.import_module("transformers")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     PER_GROUP,
     Layout,
@@ -69,7 +69,7 @@ def falcon_config(cfg: MHAConfig, **switches):
         alibi=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+        rope_parameters=hf_rope_parameters(cfg),
         **{**packing_switches(cfg), **switches},
     )
 
@@ -172,4 +172,5 @@ LAYOUT = Layout(
     hf_options=True,
     reader=torch_reader(("transformers.FalconAttention",), _config, PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
+    variants=("rope_scaling",),
 )

@@ -13,6 +13,7 @@ its softcap (the module keeps ``attn_logit_softcapping`` but never passes it), p
 
 from __future__ import annotations
 
+from ._hf import hf_rope_parameters
 from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, layer_type, norm_eps, pre_attn_scalar
 
 MODULE = "Gemma3Attention"
@@ -21,7 +22,7 @@ NORM_FLOAT32 = "Gemma3RMSNorm computes in float32 (x.float(), 1.0 + weight.float
 
 
 def _config_kwargs(cfg) -> dict:
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_base, **(cfg.rope_scaling or {})}
+    rope = hf_rope_parameters(cfg)
     return {
         "layer_types": [layer_type(cfg)],
         "sliding_window": cfg.window if cfg.window is not None else 4096,  # unused by a full-attention layer

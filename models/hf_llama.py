@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     SEPARATE,
     Layout,
@@ -40,7 +40,7 @@ def _llama_config(cfg, options):
             head_dim=cfg.d_k,
             attention_bias=cfg.bias,
             attention_dropout=0.0,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+            rope_parameters=hf_rope_parameters(cfg),
         ),
         options,
     )
@@ -116,4 +116,5 @@ LAYOUT = Layout(
     hf_options=True,
     reader=torch_reader(("transformers.LlamaAttention",), _config, PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "half"},
+    variants=("rope_scaling",),  # Llama 3's "llama3" (and linear, dynamic, yarn) from config.rope_parameters
 )

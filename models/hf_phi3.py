@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     BLOCKS,
     Layout,
@@ -42,11 +42,8 @@ def _phi3(cfg, state, x, padding, options):
             num_key_value_heads=cfg.n_kv_heads,
             head_dim=cfg.d_k,
             attention_dropout=0.0,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": cfg.rope_base,
-                "partial_rotary_factor": cfg.rope_dims / cfg.d_k,
-            },
+            sliding_window=cfg.window,
+            rope_parameters=hf_rope_parameters(cfg, partial=True),
         ),
         options,
     )
@@ -122,4 +119,5 @@ LAYOUT = Layout(
     hf_options=True,
     reader=torch_reader(("transformers.Phi3Attention",), _config, PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "rope_dims": 2, "causal": True},
+    variants=("window", "rope_scaling"),
 )

@@ -156,8 +156,89 @@ def _hf(name: str):
             }.items()
         },
     }
+    decoder = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6}
+    base_500 = {"rope_type": "default", "rope_theta": 500.0}
+    yarn = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 4,
+            "beta_fast": 8.0, "beta_slow": 1.0}  # fmt: skip
+    two_layers = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}
+    builders |= {
+        "qwen2": lambda: build(
+            "Qwen2Config", m + "qwen2.modeling_qwen2", "Qwen2Attention",
+            {**decoder, "rope_parameters": base_500}, layer_idx=0,
+        ),
+        "mistral": lambda: build(
+            "MistralConfig", m + "mistral.modeling_mistral", "MistralAttention",
+            {**decoder, "rope_parameters": base_500, "sliding_window": 3}, layer_idx=0,
+        ),
+        "qwen3": lambda: build(
+            "Qwen3Config", m + "qwen3.modeling_qwen3", "Qwen3Attention",
+            {**decoder, "rope_parameters": base_500, "rms_norm_eps": 1e-5, "attention_bias": True}, layer_idx=0,
+        ),
+        "olmo2": lambda: build(
+            "Olmo2Config", m + "olmo2.modeling_olmo2", "Olmo2Attention",
+            {**decoder, "rope_parameters": base_500, "rms_norm_eps": 1e-5}, layer_idx=0,
+        ),
+        **{
+            f"gemma2-{kind}": (
+                lambda layer=layer: build(
+                    "Gemma2Config", m + "gemma2.modeling_gemma2", "Gemma2Attention",
+                    {**decoder, **two_layers, "rope_parameters": base_500, "query_pre_attn_scalar": 16,
+                     "attn_logit_softcapping": 2.0},
+                    layer_idx=layer,
+                )
+            )
+            for kind, layer in (("sliding", 0), ("global", 1))
+        },
+        **{
+            f"gemma3-{kind}": (
+                lambda layer=layer: build(
+                    "Gemma3TextConfig", m + "gemma3.modeling_gemma3", "Gemma3Attention",
+                    {**decoder, **two_layers, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-5,
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
+                    layer_idx=layer,
+                )
+            )
+            for kind, layer in (("sliding", 0), ("global", 1))
+        },
+        "gpt-oss": lambda: build(
+            "GptOssConfig", m + "gpt_oss.modeling_gpt_oss", "GptOssAttention",
+            {**decoder, **two_layers, "rope_parameters": yarn, "num_local_experts": 2, "num_experts_per_tok": 1},
+            layer_idx=0,
+        ),
+        "llama3": lambda: build(
+            "LlamaConfig", m + "llama.modeling_llama", "LlamaAttention",
+            {**decoder, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 4}},
+            layer_idx=0,
+        ),
+        "phi3-window": lambda: build(
+            "Phi3Config", m + "phi3.modeling_phi3", "Phi3Attention",
+            {**decoder, "rope_parameters": base_500, "sliding_window": 4}, layer_idx=0,
+        ),
+        "t5-relative": lambda: build(
+            "T5Config", m + "t5.modeling_t5", "T5Attention",
+            {"d_model": 15, "d_kv": 4, "num_heads": 3, "dropout_rate": 0.0, "relative_attention_num_buckets": 10,
+             "relative_attention_max_distance": 20},
+            has_relative_attention_bias=True,
+        ),
+        "t5-relative-decoder": lambda: build(
+            "T5Config", m + "t5.modeling_t5", "T5Attention",
+            {"d_model": 15, "d_kv": 4, "num_heads": 3, "dropout_rate": 0.0, "is_decoder": True,
+             "relative_attention_num_buckets": 10, "relative_attention_max_distance": 20},
+            has_relative_attention_bias=True, is_causal=True,
+        ),
+        "bloom": lambda: build("BloomConfig", m + "bloom.modeling_bloom", "BloomAttention",
+                               {"hidden_size": 18, "n_head": 6}, layer_idx=0),
+        "mpt": lambda: build("MptConfig", m + "mpt.modeling_mpt", "MptAttention",
+                             {"d_model": 18, "n_heads": 6, "attn_config": {"softmax_scale": 0.5}}, layer_idx=0),
+    }  # fmt: skip
     return builders[name]()
 
+
+_DECODER = {"d_model": 16, "n_heads": 4, "n_kv_heads": 2, "d_k": 6, "causal": True, "rope": "half"}
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 8.0, "beta_slow": 1.0}
 
 # name -> what from_module must read (the instance's own sizes and switches)
 HF_EXPECTED = {
@@ -174,8 +255,41 @@ HF_EXPECTED = {
     "falcon-new-arch-mqa": MHAConfig(d_model=24, n_heads=6, n_kv_heads=1, causal=True, rope="half", rope_base=500.0),
     "falcon-multi-query": MHAConfig(d_model=24, n_heads=6, n_kv_heads=1, causal=True, rope="half", rope_base=500.0),
     "falcon-per-head": MHAConfig(d_model=24, n_heads=6, causal=True, rope="half", rope_base=500.0),
+    "qwen2": MHAConfig(**_DECODER, bias="qkv", rope_base=500.0),
+    "mistral": MHAConfig(**_DECODER, bias=False, rope_base=500.0, window=3),
+    "qwen3": MHAConfig(**_DECODER, rope_base=500.0, qk_norm="head", norm_eps=1e-5),
+    "olmo2": MHAConfig(**_DECODER, bias=False, rope_base=500.0, qk_norm="projection", norm_eps=1e-5),
+    "gemma2-sliding": MHAConfig(**_DECODER, bias=False, rope_base=500.0, scale=0.25, softcap=2.0, window=3),
+    "gemma2-global": MHAConfig(**_DECODER, bias=False, rope_base=500.0, scale=0.25, softcap=2.0),
+    # the local layer's base (5.x: rope_parameters["sliding_attention"]; 4.x's rope_local_base_freq), the global's
+    "gemma3-sliding": MHAConfig(**_DECODER, bias=False, rope_base=100.0, scale=0.25, qk_norm="head", norm_eps=1e-5,
+                                window=3),
+    "gemma3-global": MHAConfig(**_DECODER, bias=False, rope_base=5000.0, scale=0.25, qk_norm="head", norm_eps=1e-5),
+    "gpt-oss": MHAConfig(**_DECODER, rope_base=500.0, rope_scaling=_YARN, sinks=True, window=3),
+    "llama3": MHAConfig(
+        **_DECODER, bias=False, rope_base=500.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 4},
+    ),
+    "phi3-window": MHAConfig(**_DECODER, bias=False, rope_base=500.0, window=4),
+    "t5-relative": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, rel_buckets=10, rel_max_distance=20),
+    "t5-relative-decoder": MHAConfig(
+        d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True, rel_buckets=10, rel_max_distance=20,
+        rel_bidirectional=False,
+    ),
+    "bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
+    "mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True, scale=0.5),
+}  # fmt: skip
+HF_LAYOUT = {
+    "t5-decoder": "hf-t5",
+    "t5-relative": "hf-t5",
+    "t5-relative-decoder": "hf-t5",
+    "gpt-neox": "hf-gpt-neox",
+    "llama3": "hf-llama",
+    "phi3-window": "hf-phi3",
+    **{k: "hf-falcon" for k in HF_EXPECTED if "falcon" in k},
+    **{k: k.split("-")[0].join(("hf-", "")) for k in HF_EXPECTED if k.startswith("gemma")},
 }
-HF_LAYOUT = {"t5-decoder": "hf-t5", "gpt-neox": "hf-gpt-neox"} | {k: "hf-falcon" for k in HF_EXPECTED if "falcon" in k}
 
 
 def _randomised(module):
@@ -226,7 +340,16 @@ FLOAT64_PATHS = [
     ("falcon-new-arch-mqa", "sdpa"),
     ("falcon-multi-query", "eager"),
     ("falcon-per-head", "eager"),
+    ("qwen2", "sdpa"),
+    ("mistral", "sdpa"),  # SDPA with the model's sliding-window mask
+    ("llama3", "sdpa"),  # llama3-scaled frequencies, the spec's float64 tables
+    ("phi3-window", "sdpa"),
+    ("gpt-oss", "eager"),  # gpt-oss's eager softmax keeps the scores' dtype: sinks, window and YaRN in float64
+    ("t5-relative", "eager"),
+    ("t5-relative-decoder", "sdpa"),
 ]
+# qwen3, olmo2, gemma3 (their RMSNorm), gemma2 (eager's softmax; SDPA cannot softcap), bloom and mpt (their softmax)
+# compute in float32 on every path: the output test above holds them to float32 and names where.
 
 
 @pytest.mark.parametrize(("name", "implementation"), FLOAT64_PATHS)
@@ -249,19 +372,41 @@ def _torch_state(module) -> dict:
     return {name: value.clone() for name, value in module.state_dict().items()}
 
 
+# Gemma 3 stores w and computes with 1 + w: a float64 w read as 1 + w and written back as (1 + w) - 1 keeps it to
+# one unit in the last place of 1 (2**-52), not bit for bit; a float32 (or bfloat16) w, a real checkpoint's, is exact.
+OFFSET_NORMS = {"gemma3-sliding", "gemma3-global"}
+
+
 @pytest.mark.parametrize("name", list(HF_EXPECTED))
 def test_hugging_face_to_module_round_trips_exactly(name):
     import torch
 
     module = _randomised(_hf(name))
+    if name in OFFSET_NORMS:
+        module = module.float()  # the stored w of a real checkpoint (float32 or bfloat16)
     before = _torch_state(module)
     cfg, params = from_module(module)
     other = init_params(cfg, seed=7)
     assert to_module(cfg, other, module) is module  # in place
-    assert _same(from_module(module).params, other)
+    if name in OFFSET_NORMS:  # float64 parameters into a float32 module: rounded to float32 (exact otherwise)
+        read = from_module(module).params.as_dict()
+        assert all(np.allclose(read[k], v, rtol=2e-7, atol=0) for k, v in other.as_dict().items() if v is not None)
+    else:
+        assert _same(from_module(module).params, other)
     to_module(cfg, params, module)
     after = module.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("name", sorted(OFFSET_NORMS))
+def test_gemma3_float64_norm_weight_comes_back_to_one_ulp_of_one(name):
+    module = _randomised(_hf(name))
+    stored = module.q_norm.weight.detach().clone()
+    cfg, params = from_module(module)
+    assert np.array_equal(params.q_norm, 1.0 + stored.numpy())  # the canonical weight is 1 + stored
+    to_module(cfg, params, module)
+    difference = (module.q_norm.weight.detach() - stored).abs().max().item()
+    assert 0 < difference <= 2**-52  # (1 + w) - 1 rounds w to the grid of 1 + w: here it moved, by one ulp of 1
 
 
 def test_bert_layer_norm_is_left_alone_by_to_module():
@@ -684,3 +829,38 @@ def test_every_reader_is_registered_once_by_class():
         "flax.MultiHeadAttention",
         "equinox.MultiheadAttention",
     }
+
+
+FLOAT32_EVERYWHERE = [
+    ("qwen3", "RMSNorm of q and k runs in float32"),
+    ("olmo2", "RMSNorm of q and k runs in float32"),
+    ("gemma3-sliding", "Gemma3RMSNorm computes in float32"),
+    ("gemma2-global", "eager attention's softmax runs in float32"),
+    ("bloom", "softmax runs in float32 on its only path"),
+    ("mpt", "softmax runs in float32 on its only path"),
+]
+
+
+@pytest.mark.parametrize(("name", "cause"), FLOAT32_EVERYWHERE)
+def test_a_module_with_no_float64_path_is_held_to_float32_and_says_where(name, cause):
+    module = _randomised(_hf(name))
+    cfg = from_module(module).cfg
+    x = _x(cfg.d_model, seed=9)
+    options = {"implementation": "eager", "float64_rotary": True} if cfg.rope is not None else {}
+    run, cfg, params = run_module(module, x, **options)
+    assert run.precision == "float32" and cause in run.note, run.note
+    assert_close(run.output, reference_mha(cfg, params, x), "float32", what=f"{name}: {run.module}")
+
+
+@pytest.mark.parametrize("name", ["gemma2-sliding", "gpt-oss"])
+def test_softcap_and_sinks_modules_refuse_sdpa_instead_of_dropping_the_variant(name):
+    module = _hf(name)
+    with pytest.raises(ValueError, match=r"_supports_sdpa = False .*use implementation='eager'"):
+        run_module(module, _x(16), implementation="sdpa")
+
+
+def test_a_sliding_layer_and_a_global_layer_of_one_config_are_read_apart():
+    """layer_types decides: the module's own sliding_window attribute, not config.sliding_window, is the window."""
+    sliding, full = _hf("gemma2-sliding"), _hf("gemma2-global")
+    assert sliding.config.sliding_window == full.config.sliding_window == 3
+    assert from_module(sliding).cfg.window == 3 and from_module(full).cfg.window is None

@@ -306,9 +306,14 @@ def test_olmo2_norms_span_the_projection_and_qwen3_norms_one_head():
     ("name", "cfg", "match"),
     [
         (
+            "hf-gpt2",
+            MHAConfig(d_model=16, n_heads=4, softcap=5.0),
+            r"MHAConfig switches on softcap: GPT2Attention does not \(it has none of the 2024-26 variants\)",
+        ),
+        (
             "hf-llama",
-            MHAConfig(d_model=16, n_heads=4, rope="half", softcap=5.0),
-            r"MHAConfig switches on softcap: LlamaAttention does not \(it has none of the 2024-26 variants\)",
+            MHAConfig(d_model=16, n_heads=4, rope="half", window=3),
+            r"MHAConfig switches on window: LlamaAttention does not \(it has rope_scaling only\)",
         ),
         (
             "hf-mistral",

@@ -118,6 +118,14 @@ def _owner(cfg: MHAConfig, number: float) -> str:
     return f"{letter} {kind} {row // head_dim}"
 
 
+def _canonical_name(number: float) -> str:
+    """The canonical parameter (``w_q``, ``b_o``, ``q_norm``...) whose element is numbered ``number``."""
+    role, rest = divmod(round(number), _ROLE_BASE)
+    if role > len(ROLES):
+        return VARIANT_ROLES[role - len(ROLES) - 1]
+    return f"{'b' if rest % 1000 == _BIAS_COLUMN else 'w'}_{ROLES[role - 1]}"
+
+
 def _variant_owner(cfg: MHAConfig, name: str, row: int, column: int) -> str:
     """The head (or heads) that a variant parameter's element belongs to."""
     if name == "sinks":
@@ -218,7 +226,49 @@ def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]
     if not explanation.checkpoints:
         return []
     falcon = [falcon_packings_table()] if any(c.layout == "hf-falcon" for c in explanation.checkpoints) else []
-    return [overview_table(explanation.checkpoints), *falcon] + [tensor_table(c) for c in explanation.checkpoints]
+    variants = (
+        [variant_parameters_table()] if any(c.layout in _VARIANT_LAYOUTS for c in explanation.checkpoints) else []
+    )
+    tables = [overview_table(explanation.checkpoints), *falcon, *variants]
+    return tables + [tensor_table(c) for c in explanation.checkpoints]
+
+
+# The families whose checkpoints store a variant's parameters or fix its biases, in the order of the table.
+_VARIANT_LAYOUTS = ("hf-qwen2", "hf-qwen3", "hf-olmo2", "hf-gemma3", "hf-gpt-oss", "hf-t5")
+
+
+def variant_parameters_table() -> tuple[str, list[str], list[list[str]]]:
+    """What the 2024-26 families store beyond q/k/v/o, read back from their converters (numbered parameters).
+
+    Qwen3's and OLMo 2's QK-norm weights differ exactly in their axis (one head's d_k, or the whole projection);
+    Gemma 3 stores ``w`` for ``1 + w``; gpt-oss one sink per head; T5 a (buckets, H) table; Qwen2 has no o_proj bias.
+    """
+    from mha_rosetta.models import get_layout
+
+    rows = []
+    for name in _VARIANT_LAYOUTS:
+        layout = get_layout(name)
+        cfg = family_config(name)
+        numbered = numbered_params(cfg)
+        state = layout.to_state_dict(cfg, numbered)
+        canonical = {k: v for k, v in numbered.as_dict().items() if v is not None}
+        for stored, array in state.items():
+            source = _canonical_name(float(array.flat[0]))  # the parameter whose numbers the tensor carries
+            if source not in VARIANT_ROLES and source[0] != "b":
+                continue
+            form = "canonical - 1 (used as 1 + w)" if np.array_equal(array, canonical[source] - 1.0) else "canonical"
+            rows.append(
+                [name, stored, str(tuple(array.shape)), source, form, stored_tensor(cfg, stored, array).layout_text()]
+            )
+        if cfg.bias == "qkv":
+            rows.append([name, "o_proj.bias", "absent", "b_o", "none (bias='qkv')", "-"])
+    sizes = f"d_model {family_config('hf-qwen3').d_model}, 4 heads of 4, 2 kv heads"
+    title = f"The 2024-26 families' extra parameters, side by side ({sizes}; read back from each converter)"
+    return (
+        title,
+        ["layout", "stored tensor", "shape", "canonical", "stored as", "which slices belong to which head"],
+        rows,
+    )
 
 
 def falcon_packings_table() -> tuple[str, list[str], list[list[str]]]:

@@ -109,11 +109,13 @@ def layout_of_module(module) -> Layout:
 def from_module(module) -> ModuleSpec:
     """A real attention module instance -> ``ModuleSpec(cfg, params)``: what it computes, in the spec.
 
-    Reads the module's configuration (heads, kv heads, head_dim, scale, causal where the module has it,
-    biases, rotary base and partial factor) and its tensors, exactly. ``cfg, params = from_module(m)``;
-    then ``reference_mha(cfg, params, x)`` is the module's output. A setting the spec cannot express yet
-    (a sliding window, softcap, QK-norm, sinks, ALiBi, scaled rotary, T5's relative bias) raises
-    `LayoutError` naming the class and the setting; so does a class no layout reads.
+    Reads the module's configuration (heads, kv heads, head_dim, the scale with Gemma's
+    ``query_pre_attn_scalar``, causal where the module has it, biases including ``"qkv"``, rotary base,
+    partial factor and scaling, this layer's sliding window, the softcap, QK-norm, sinks, ALiBi, T5's
+    relative bias) and its tensors, exactly. ``cfg, params = from_module(m)``; then
+    ``reference_mha(cfg, params, x)`` is the module's output. A setting the spec cannot express (Falcon's
+    ALiBi divided by sqrt(d), Phi-3's longrope, MPT's clip_qkv...) raises `LayoutError` naming the class,
+    the setting and why; so does a class no layout reads.
     """
     return read_module(layout_of_module(module), module)
 

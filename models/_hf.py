@@ -48,6 +48,20 @@ def hf_rope_parameters(cfg: MHAConfig, partial: bool = False) -> dict:
     return parameters
 
 
+def hf_max_positions(cfg: MHAConfig) -> dict:
+    """``max_position_embeddings`` consistent with ``cfg.rope_scaling`` (empty without scaling): dynamic NTK's L is
+    it; for YaRN and llama3 transformers expects factor * original_max_position_embeddings (and warns otherwise)."""
+    scaling = cfg.rope_scaling
+    if scaling is None or "original_max_position_embeddings" not in scaling:
+        return {}
+    original = scaling["original_max_position_embeddings"]
+    return {
+        "max_position_embeddings": original
+        if scaling["rope_type"] == "dynamic"
+        else round(scaling["factor"] * original)
+    }
+
+
 def hf_config(config, options: RunOptions):
     config._attn_implementation = options.implementation
     return config

@@ -25,7 +25,16 @@ from dataclasses import dataclass, field
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_implementation,
+    hf_mask,
+    hf_max_positions,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
 from ._layout import (
     SEPARATE,
     Layout,
@@ -110,6 +119,7 @@ def decoder_layout(family: Decoder) -> Layout:
             "attention_dropout": 0.0,
             "num_hidden_layers": 1,
             "rope_parameters": hf_rope_parameters(cfg),
+            **hf_max_positions(cfg),
             **family.config_kwargs(cfg),
         }
         transformers = importlib.import_module("transformers")

@@ -50,6 +50,14 @@ LAYOUT = decoder_layout(
             "float32 inside a float64 model: only the rotary module's angles; the eager softmax keeps the scores' "
             "dtype, so eager with float64 (cos, sin) is float64 throughout",
         ),
-        example={"n_kv_heads": 2, "bias": True, "rope": "half", "causal": True, "sinks": True, "window": 3},
+        example={
+            "n_kv_heads": 2,
+            "bias": True,
+            "rope": "half",
+            "causal": True,
+            "sinks": True,
+            "window": 3,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+        },
     )
 )

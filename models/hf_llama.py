@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_implementation,
+    hf_mask,
+    hf_max_positions,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
 from ._layout import (
     SEPARATE,
     Layout,
@@ -41,6 +50,7 @@ def _llama_config(cfg, options):
             attention_bias=cfg.bias,
             attention_dropout=0.0,
             rope_parameters=hf_rope_parameters(cfg),
+            **hf_max_positions(cfg),
         ),
         options,
     )

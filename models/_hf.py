@@ -19,10 +19,11 @@ def hf_mask(config, cfg: MHAConfig, x, padding):
     """The mask the family's own model passes to its attention layers (None: the module's own is_causal / no mask).
 
     Eager gets a 4-D additive float mask; SDPA a boolean one, or None where the mask is
-    plain causal or empty, leaving the causal part to the module's ``is_causal``. A layer with
-    ``cfg.window`` gets the model's sliding-window mask, built from ``config.sliding_window``
-    (``kv_idx > q_idx - sliding_window``: the spec's W keys). Hugging Face's bidirectional window
-    is ``|q_idx - kv_idx| <= sliding_window``, W - 1 in the spec's count: the readers say so.
+    plain causal or empty, leaving the causal part to the module's ``is_causal``. A causal layer
+    with ``cfg.window`` gets the model's sliding-window mask, built from ``config.sliding_window``
+    (``kv_idx > q_idx - sliding_window``: the spec's W keys). A two-sided window is no family's
+    here (each model builds its own: Gemma 3's overlay, ``create_bidirectional_sliding_window_mask``'s
+    ``<=``), so it is refused rather than guessed.
     """
     import torch
     from transformers import masking_utils as masks
@@ -35,7 +36,7 @@ def hf_mask(config, cfg: MHAConfig, x, padding):
             config=config, inputs_embeds=x, attention_mask=pad, cache=None, position_ids=torch.arange(tokens)[None]
         )
     if cfg.window is not None:
-        return masks.create_bidirectional_sliding_window_mask(config=config, inputs_embeds=x, attention_mask=pad)
+        raise ValueError(f"hf_mask: a two-sided window (window={cfg.window}, causal=False) is no runner's here")
     return masks.create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=pad)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from mha_rosetta.core import MHAConfig
 
+from ._errors import LayoutError
 from ._hf import (
     hf_config,
     hf_forward,
@@ -160,10 +161,14 @@ def decoder_layout(family: Decoder) -> Layout:
         if getattr(module, "layer_type", None) not in (None, "full_attention", "sliding_attention"):
             raise unexpressible(module, f"layer_type={module.layer_type!r}", "the spec has full and sliding layers")
         rope = hf_rope(module, config, module.head_dim, layer_type=getattr(module, "layer_type", None))
-        causal = bool(module.is_causal)
+        if not module.is_causal:  # Gemma's use_bidirectional_attention (EmbeddingGemma)
+            raise LayoutError(
+                f"{class_name(module)} has is_causal=False (config.use_bidirectional_attention): layout "
+                f"{family.layout!r} reads decoder layers only; the model's own mask then differs by layer type "
+                "(Gemma 3: |p_i - p_j| < sliding_window on sliding layers, after its config halves the window), "
+                "which this reader does not build"
+            )
         window = hf_window(module, config)
-        if window is not None and not causal:
-            window += 1  # HF's bidirectional window is |p_i - p_j| <= sliding_window: W = sliding_window + 1
         try:
             return MHAConfig(
                 d_model=module.q_proj.in_features,
@@ -171,7 +176,7 @@ def decoder_layout(family: Decoder) -> Layout:
                 n_kv_heads=config.num_key_value_heads,
                 d_k=module.head_dim,
                 bias=hf_bias(module, module.q_proj, module.o_proj),
-                causal=causal,
+                causal=True,
                 scale=module.scaling,
                 rope="half",
                 rope_base=rope.rope_base,

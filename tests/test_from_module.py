@@ -864,3 +864,15 @@ def test_a_sliding_layer_and_a_global_layer_of_one_config_are_read_apart():
     sliding, full = _hf("gemma2-sliding"), _hf("gemma2-global")
     assert sliding.config.sliding_window == full.config.sliding_window == 3
     assert from_module(sliding).cfg.window == 3 and from_module(full).cfg.window is None
+
+
+def test_a_bidirectional_gemma_layer_is_refused_with_the_reason():
+    module = _hf_module(
+        "Gemma3TextConfig",
+        "transformers.models.gemma3.modeling_gemma3",
+        "Gemma3Attention",
+        {"hidden_size": 16, "num_attention_heads": 4, "head_dim": 4, "use_bidirectional_attention": True},
+        layer_idx=0,
+    )
+    with pytest.raises(LayoutError, match=r"Gemma3Attention has is_causal=False .*reads decoder layers only"):
+        from_module(module)

@@ -20,6 +20,7 @@ fails. For each class:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras (no TensorFlow here)
@@ -528,6 +529,21 @@ def test_keras_multihead_attention_from_and_to_module():
     assert all(np.array_equal(a, b) for a, b in zip(before, layer.get_weights(), strict=True))
 
 
+def test_keras_sliding_window_is_the_specs_two_sided_window():
+    """Keras's sliding_window keeps |i - j| < W: the spec's window without causal (and with a causal call, the causal one)."""
+    layer = _keras_layer(num_heads=3, key_dim=4, sliding_window=3)
+    cfg, params = from_module(layer)
+    assert cfg == MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=9, window=3)
+    q, k, v = _x(15), _x(11, seed=1), _x(9, seed=2)  # as many keys as queries: the band is on indices
+    out = np.asarray(layer(q, v, key=k, return_attention_scores=True)[0])  # Keras's einsum path (float64)
+    assert_close(out, reference_mha(cfg, params, q, k, v), "float64", what="keras sliding_window")
+    causal = np.asarray(layer(q, v, key=k, use_causal_mask=True, return_attention_scores=True)[0])
+    causal_cfg = dataclasses.replace(cfg, causal=True)
+    assert_close(causal, reference_mha(causal_cfg, params, q, k, v), "float64", what="keras causal sliding_window")
+    plain = reference_mha(dataclasses.replace(cfg, window=None), params, q, k, v)
+    assert np.max(np.abs(out - plain)) > 1e-3  # the window matters on 7 tokens
+
+
 def _linen(**kwargs):
     _need("flax", "jax")
     _x64()
@@ -737,8 +753,6 @@ def test_torch_multihead_attention_extra_tokens_are_named():
 def test_keras_settings_the_spec_cannot_express_are_named():
     with pytest.raises(LayoutError, match=r"MultiHeadAttention has use_gate=True, which the spec cannot express"):
         from_module(_keras_layer(num_heads=3, key_dim=4, use_gate=True))
-    with pytest.raises(LayoutError, match=r"MultiHeadAttention has sliding_window=3"):
-        from_module(_keras_layer(num_heads=3, key_dim=4, sliding_window=3))
     import keras
 
     with pytest.raises(LayoutError, match=r"MultiHeadAttention is not built: it holds no weights yet"):

@@ -118,6 +118,8 @@ CASES = [
         "reimplementation",
     ),
     ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4), True, "real"),
+    ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4, window=3), False, "real"),  # sliding_window: two-sided
+    ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4, window=2, causal=True), False, "real"),
     ("torch-mha", MHAConfig(d_model=15, n_heads=3, causal=True), True, "real"),
     ("flax", MHAConfig(d_model=15, n_heads=3, d_k=4), True, "real"),
     ("equinox", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, bias=False), True, "real"),

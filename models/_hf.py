@@ -45,7 +45,7 @@ def hf_rope_parameters(cfg: MHAConfig, partial: bool = False) -> dict:
     form (`MHAConfig.rope_scaling` is that form), and ``partial_rotary_factor`` where the family reads it."""
     parameters: dict = {"rope_type": "default", "rope_theta": cfg.rope_base, **(cfg.rope_scaling or {})}
     if partial:
-        parameters["partial_rotary_factor"] = cfg.rope_dims / cfg.d_k
+        parameters["partial_rotary_factor"] = (cfg.rope_dims or cfg.d_k) / cfg.d_k  # rope_dims: None only without rope
     return parameters
 
 

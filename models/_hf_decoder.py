@@ -12,9 +12,14 @@ Design rules:
   ``sliding_window`` attribute (None on a full-attention layer of ``config.layer_types``), ``is_causal``,
   which layers carry a bias, the eps of its norms, and the rotary of its layer type from
   ``config.rope_parameters`` (`_module_io.hf_rope`).
-* Where Hugging Face computes in float32 inside a float64 model, `Decoder.float32` names it for
-  `RealRun.note`; those runs are held to the float32 tolerance. A float64 path is proved where one exists
-  (`Decoder.float64_path`), and the layout's notes say where none does, and why.
+* Where Hugging Face computes in float32 inside a float64 model on every path (the QK-norm's RMSNorm),
+  `Decoder.float32` names it for `RealRun.note`, next to the causes `_hf.rotary_precision` names (the
+  rotary module's angles, eager's float32 softmax); those runs are held to the float32 tolerance. The
+  tests prove float64 where a path keeps it (SDPA with float64 (cos, sin); gpt-oss's eager softmax), and
+  each layout's notes say where none does, and why.
+* A model that refuses SDPA (``_supports_sdpa = False``: Gemma 2's softcap, gpt-oss's sinks) is refused
+  SDPA by the runner too: ``sdpa_attention_forward`` would raise on the softcap and silently ignore the
+  sinks (``s_aux``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from mha_rosetta.core import MHAConfig
 
@@ -66,7 +72,7 @@ class Decoder:
     # MHAConfig -> the family's config keyword arguments beyond the shared ones (its bias switch, window...)
     config_kwargs: Callable[[MHAConfig], dict]
     # the module instance -> the MHAConfig fields only this family has (softcap, qk_norm...), or LayoutError
-    read_extra: Callable[[object], dict] = lambda module: {}
+    read_extra: Callable[[Any], dict] = lambda module: {}
     extras: Mapping[str, str] = field(default_factory=dict)  # variant parameter -> stored name
     offsets: Mapping[str, float] = field(default_factory=dict)  # stored = canonical - offset (Gemma's 1 + w)
     float32: tuple[str, ...] = ()  # what computes in float32 inside a float64 module on every path
@@ -100,7 +106,8 @@ def hf_bias(module, q_proj, o_proj) -> bool | str:
 
 def norm_eps(module) -> float:
     """The eps of the module's q_norm (its k_norm must share it: the spec has one norm_eps)."""
-    eps = [getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) for norm in (module.q_norm, module.k_norm)]
+    # Qwen3RMSNorm / Olmo2RMSNorm keep variance_epsilon, Gemma3RMSNorm eps
+    eps = [getattr(norm, "variance_epsilon", None) or norm.eps for norm in (module.q_norm, module.k_norm)]
     if eps[0] != eps[1]:
         raise unexpressible(module, f"q_norm eps {eps[0]} and k_norm eps {eps[1]}", "the spec has one norm_eps")
     return float(eps[0])

@@ -65,7 +65,7 @@ def falcon_config(cfg: MHAConfig, **switches):
         hidden_size=cfg.d_model,
         num_attention_heads=cfg.n_heads,
         num_kv_heads=cfg.n_kv_heads,
-        bias=cfg.bias,
+        bias=bool(cfg.bias),  # True or False: bias="qkv" is refused by the layout (Falcon biases both or neither)
         alibi=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,

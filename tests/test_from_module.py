@@ -890,3 +890,47 @@ def test_a_bidirectional_gemma_layer_is_refused_with_the_reason():
     )
     with pytest.raises(LayoutError, match=r"Gemma3Attention has is_causal=False .*reads decoder layers only"):
         from_module(module)
+
+
+def test_falcons_alibi_is_the_known_difference_its_layout_error_names():
+    """Falcon's ALiBi: (q.k + m_h p_j) / sqrt(d) with bfloat16 slopes, shown on the real module; not the spec's ALiBi."""
+    _need("torch", "transformers")
+    import torch
+    from transformers import FalconConfig
+    from transformers.models.falcon.modeling_falcon import FalconAttention, build_alibi_tensor
+
+    from mha_rosetta.core.variants import alibi_slopes
+
+    config = FalconConfig(hidden_size=24, num_attention_heads=6, alibi=True, multi_query=False, bias=True)
+    config._attn_implementation = "eager"
+    module = _randomised(FalconAttention(config, layer_idx=0).double().eval())
+    with pytest.raises(LayoutError, match=r"Falcon divides the bias by sqrt\(d\)"):
+        from_module(module)
+    x = _x(24, seed=4)
+    batch, tokens = x.shape[:2]
+    causal = np.triu(np.full((tokens, tokens), np.finfo(np.float64).min), 1)[None, None]  # additive, (1, 1, N, N)
+    with torch.no_grad():
+        alibi = build_alibi_tensor(torch.ones(batch, tokens, dtype=torch.long), 6, torch.float64)  # (B*H, 1, N)
+        out = module(torch.from_numpy(x), alibi=alibi, attention_mask=torch.from_numpy(causal))[0].numpy()
+    # The same layer in the spec with ALiBi (per-head packing: Falcon-RW), from its tensors:
+    spec_cfg = MHAConfig(d_model=24, n_heads=6, causal=True, alibi=True)
+    from mha_rosetta.models import get_layout
+
+    names = ("query_key_value.weight", "query_key_value.bias", "dense.weight", "dense.bias")
+    params = get_layout("hf-falcon").unpack(spec_cfg, {n: module.state_dict()[n].numpy() for n in names})
+    spec = reference_mha(spec_cfg, params, x)
+    assert np.max(np.abs(out - spec)) > 1e-2  # not the spec's ALiBi
+    # Falcon's own formula, written out: bfloat16 slopes, the bias scaled with the scores
+    slopes = torch.tensor(alibi_slopes(6)).bfloat16().double().numpy()  # (H,)
+    q, k, v = (getattr(params, f"w_{r}") for r in "qkv")
+    split = [
+        (x @ w.T + b).reshape(batch, tokens, 6, 4).transpose(0, 2, 1, 3)  # (B, N, H*d) -> (B, H, N, d): views
+        for w, b in ((q, params.b_q), (k, params.b_k), (v, params.b_v))
+    ]
+    # (B, H, N, N): m_h p_j added before the 1/sqrt(d) = 1/2, as Falcon's eager path does
+    scores = (split[0] @ split[1].transpose(0, 1, 3, 2) + slopes[None, :, None, None] * np.arange(tokens)) / 2.0
+    scores = scores + causal
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    context = (weights @ split[2]).transpose(0, 2, 1, 3).reshape(batch, tokens, 24)  # (B, H, N, d) -> (B, N, H*d): copy
+    assert_close(out, context @ params.w_o.T + params.b_o, "float64", what="Falcon's ALiBi written out")

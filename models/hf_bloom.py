@@ -119,7 +119,7 @@ LAYOUT = Layout(
         "slopes: _get_alibi_slopes, with the interleaved second series when H is not a power of two (6 heads: "
         "2^-2, 2^-4, 2^-6, 2^-8, then 2^-1, 2^-3)",
         "float32 inside a float64 model: the softmax (dtype=torch.float32) on the only path, so held to float32; "
-        "baddbmm itself keeps float64",
+        "baddbmm itself keeps float64: with the softmax patched to keep float64 the module agrees in float64",
         "the forward adds a residual (dropout_add(dense(ctx), residual)): pass zeros to read the attention alone",
     ),
     runner=_bloom,

@@ -42,7 +42,8 @@ LAYOUT = decoder_layout(
             "(now sdpa_attention_forward raises and the model refuses SDPA)",
             "layer_types decides sliding or global per layer: from_module reads the module's own sliding_window",
             "float32 inside a float64 model on every path: eager attention's softmax (softmax(..., "
-            "dtype=torch.float32)), and SDPA cannot hold the softcap: held to float32",
+            "dtype=torch.float32)), and SDPA cannot hold the softcap: held to float32; with the softmax patched to "
+            "keep float64, eager agrees in float64 (the softcap itself runs in the scores' dtype)",
         ),
         example={
             "n_kv_heads": 2,

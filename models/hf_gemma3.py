@@ -60,7 +60,8 @@ LAYOUT = decoder_layout(
             "rope_parameters per layer type (5.x): sliding layers rotate with the local base (10000), global ones "
             "with 1e6; from_module reads the module's layer_type",
             "config.attn_logit_softcapping is ignored by Gemma3Attention (never passed to the attention function)",
-            "float32 inside a float64 model on every path: " + NORM_FLOAT32 + ": held to float32",
+            "float32 inside a float64 model on every path: " + NORM_FLOAT32 + ": held to float32; with the norm "
+            "patched to keep float64, SDPA agrees in float64 (the cast is the only float32 step left)",
         ),
         example={
             "n_kv_heads": 2,

@@ -33,7 +33,8 @@ LAYOUT = decoder_layout(
         notes=(
             "q_norm.weight (H*d,) and k_norm.weight (G*d,): rows h*d:(h+1)*d scale head h, but the statistics "
             "are taken over all H*d features; sharding the heads needs the full sum of squares (one all-reduce)",
-            "float32 inside a float64 model on every path: " + NORM_FLOAT32 + ": held to float32",
+            "float32 inside a float64 model on every path: " + NORM_FLOAT32 + ": held to float32; with the norm "
+            "patched to keep float64, SDPA agrees in float64 (the cast is the only float32 step left)",
         ),
         example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "projection"},
     )

@@ -40,7 +40,8 @@ LAYOUT = decoder_layout(
             "QK-norm over the head (d,), where OLMo 2 normalises the whole projection (H*d,): the one difference "
             "between the two, and the statistics differ (the mean over d features vs over H*d)",
             "float32 inside a float64 model on every path: " + NORM_FLOAT32 + " (plus eager's softmax and the "
-            "rotary angles): held to float32, as no path avoids the norm",
+            "rotary angles): held to float32, as no path avoids the norm; with the norm patched to keep float64, SDPA "
+            "agrees in float64 (tests/test_from_module.py): the cast is the only float32 step left",
         ),
         example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
     )

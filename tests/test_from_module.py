@@ -934,3 +934,55 @@ def test_falcons_alibi_is_the_known_difference_its_layout_error_names():
     weights /= weights.sum(-1, keepdims=True)
     context = (weights @ split[2]).transpose(0, 2, 1, 3).reshape(batch, tokens, 24)  # (B, H, N, d) -> (B, N, H*d): copy
     assert_close(out, context @ params.w_o.T + params.b_o, "float64", what="Falcon's ALiBi written out")
+
+
+@pytest.mark.parametrize("name", ["bloom", "gemma2-sliding"])
+def test_softmax_float32_modules_agree_in_float64_once_their_softmax_keeps_float64(monkeypatch, name):
+    """BLOOM's scores come from alibi.baddbmm in the module's dtype, Gemma 2's softcap in the scores' dtype: with the
+    softmax kept in float64 too (patched: softmax(..., dtype=torch.float32) is the one float32 step, with float64
+    (cos, sin) for Gemma 2), each real module agrees with the spec in float64."""
+    import torch
+
+    module = _randomised(_hf(name))
+    cfg = from_module(module).cfg
+    x = _x(cfg.d_model, seed=6)
+    options = {"implementation": "eager", "float64_rotary": True} if cfg.rope is not None else {}
+    run, cfg, params = run_module(module, x, **options)
+    assert run.precision == "float32"  # as it is
+    softmax = torch.nn.functional.softmax
+    monkeypatch.setattr(torch.nn.functional, "softmax", lambda t, dim, dtype=None: softmax(t, dim=dim))  # float64
+    patched, _, _ = run_module(module, x, **options)
+    assert_close(patched.output, reference_mha(cfg, params, x), "float64", what=f"{name} with a float64 softmax")
+
+
+def _float64_rms_norm(offset: float):
+    """An RMSNorm forward without the float32 cast of transformers' (Qwen3RMSNorm / Olmo2RMSNorm / Gemma3RMSNorm)."""
+    import torch
+
+    def forward(self, x):
+        eps = getattr(self, "variance_epsilon", None) or self.eps
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + self.weight)
+
+    return forward
+
+
+@pytest.mark.parametrize(
+    ("name", "package", "norm", "offset"),
+    [
+        ("qwen3", "qwen3", "Qwen3RMSNorm", 0.0),
+        ("olmo2", "olmo2", "Olmo2RMSNorm", 0.0),
+        ("gemma3-sliding", "gemma3", "Gemma3RMSNorm", 1.0),
+    ],
+)
+def test_qk_norm_modules_agree_in_float64_once_their_norm_keeps_float64(monkeypatch, name, package, norm, offset):
+    """The RMSNorm's cast to float32 is the one float32 step left on SDPA with float64 (cos, sin): patched to keep
+    float64, the real module agrees with the spec in float64 (and Gemma 3's 1 + w is the spec's q_norm)."""
+    import importlib
+
+    module = _randomised(_hf(name))
+    x = _x(16, seed=8)
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    monkeypatch.setattr(getattr(modeling, norm), "forward", _float64_rms_norm(offset))
+    run, cfg, params = run_module(module, x, implementation="sdpa", float64_rotary=True)
+    assert run.precision == "float32"  # the run still says so: the layout cannot know the norm was patched
+    assert_close(run.output, reference_mha(cfg, params, x), "float64", what=f"{name} with a float64 RMSNorm")

@@ -64,6 +64,10 @@ VARIANT_FAMILIES = {
     "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True, scale=0.5),
 }  # fmt: skip
 GEMMA2_GLOBAL = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, scale=0.25, softcap=2.0)
+GEMMA3_GLOBAL = MHAConfig(
+    d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", rope_base=1e6, causal=True, scale=0.25,
+    qk_norm="head", rope_scaling={"rope_type": "linear", "factor": 8.0},
+)  # fmt: skip
 T5_RELATIVE = MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5)
 T5_RELATIVE_DECODER = MHAConfig(
     d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True, rel_buckets=8, rel_max_distance=5,
@@ -107,6 +111,7 @@ CASES = [
     # row; the modules' NaN or uniform rows are another matter, shown in the checks)
     *((layout, cfg, cfg.window is None, "real") for layout, cfg in VARIANT_FAMILIES.items()),
     ("hf-gemma2", GEMMA2_GLOBAL, True, "real"),  # a full-attention layer of layer_types: no window
+    ("hf-gemma3", GEMMA3_GLOBAL, True, "real"),  # Gemma 3's global layers: base 1e6, linear scaling (27B: factor 8)
     ("hf-bloom", MHAConfig(d_model=20, n_heads=5, causal=True, alibi=True), False, "real"),  # 5 heads: 2nd series
     ("timm-vit", MHAConfig(d_model=15, n_heads=3), False, "equivalent"),
     ("megatron", MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3), True, "reimplementation"),

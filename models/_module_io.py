@@ -197,14 +197,6 @@ def hf_window(module, config) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def hf_unexpressible_settings(module, config, names: Iterable[str]) -> None:
-    """`LayoutError` for the first of the config attributes ``names`` that is set (not None/False/0)."""
-    for name in names:
-        value = getattr(config, name, None)
-        if value:
-            raise unexpressible(module, f"config.{name}={value!r}")
-
-
 # --- comparing a module's configuration with the one the parameters were made for --------------
 
 

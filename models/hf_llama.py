@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
+from ._errors import LayoutError
 from ._hf import (
     hf_config,
     hf_forward,
@@ -32,7 +33,7 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._module_io import hf_rope, hf_unexpressible_settings, torch_reader
+from ._module_io import class_name, hf_rope, torch_reader
 from ._real import HF_REQUIRES, torch_state
 
 MODULE = "LlamaAttention"
@@ -81,7 +82,12 @@ def _forward(module, cfg, x, padding, options, layout="hf-llama"):
 def _config(module) -> MHAConfig:
     """The LlamaAttention instance's configuration: heads, kv heads and head_dim, bias, rotary from its config."""
     config = module.config
-    hf_unexpressible_settings(module, config, ("sliding_window",))
+    window = getattr(config, "sliding_window", None)
+    if window:  # LlamaConfig has no such field; one set by hand does nothing in Llama's code
+        raise LayoutError(
+            f"{class_name(module)}'s config has sliding_window={window!r}, which LlamaAttention and LlamaModel ignore "
+            "(no window is applied): remove it, or build the family that applies it (MistralAttention: hf-mistral)"
+        )
     rope = hf_rope(module, config, module.head_dim)  # LlamaRotaryEmbedding rotates every feature
     return MHAConfig(
         d_model=module.q_proj.in_features,

@@ -707,6 +707,17 @@ UNEXPRESSIBLE = [
         r"the spec scales rotary as linear, dynamic, llama3, yarn only",
     ),
     (
+        "llama sliding_window set by hand",
+        lambda: _hf_module(
+            "LlamaConfig",
+            "transformers.models.llama.modeling_llama",
+            "LlamaAttention",
+            {"hidden_size": 16, "num_attention_heads": 4, "sliding_window": 5},
+            layer_idx=0,
+        ),
+        r"LlamaAttention's config has sliding_window=5, which LlamaAttention and LlamaModel ignore",
+    ),
+    (
         "mpt clip_qkv",
         lambda: _hf_module(
             "MptConfig",

@@ -19,8 +19,13 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, compare, init_params, reference_mha
 
 ROLES = ("q", "k", "v", "o")  # w_q, w_k, w_v, w_o: the first digit of every element's number
+# The variants' parameters (`core.params.VARIANT_PARAM_NAMES`), numbered after the four roles.
+VARIANT_ROLES = ("q_norm", "k_norm", "sinks", "rel_bias")
 _ROLE_BASE = 1_000_000  # number = (role + 1) * 1e6 + row * 1e3 + column (+ 999 for a bias element)
 _BIAS_COLUMN = 999
+# A vector parameter's element i is numbered (role + 1) * 1e6 + i * 1e3 + 500: Gemma's stored "w" of "1 + w"
+# (canonical - 1) still reads back as row i.
+_VECTOR_COLUMN = 500
 
 # The packed q/k/v tensor of each packing, and the family that shows it in the picture.
 PACKING_EXAMPLES = (
@@ -85,21 +90,52 @@ def numbered_params(cfg: MHAConfig) -> MHAParams:
         rows, cols = shapes[f"w_{letter}"]
         base = (role + 1) * _ROLE_BASE
         arrays[f"w_{letter}"] = base + 1000.0 * np.arange(rows)[:, None] + np.arange(cols)[None, :]  # (out, in)
-        if cfg.bias:
+        if shapes.get(f"b_{letter}") is not None:  # bias="qkv" has no b_o
             arrays[f"b_{letter}"] = base + 1000.0 * np.arange(rows) + _BIAS_COLUMN  # (out,)
+    for offset, name in enumerate(VARIANT_ROLES, start=len(ROLES) + 1):
+        if name not in shapes:
+            continue
+        base = offset * _ROLE_BASE
+        if name == "rel_bias":  # (buckets, H): row = bucket, column = head
+            buckets, heads = shapes[name]
+            arrays[name] = base + 1000.0 * np.arange(buckets)[:, None] + np.arange(heads)[None, :]
+        else:  # (d_k,), (H*d_k,), (G*d_k,) or (H,)
+            arrays[name] = base + 1000.0 * np.arange(shapes[name][0]) + _VECTOR_COLUMN
     return MHAParams(**arrays)
 
 
 def _owner(cfg: MHAConfig, number: float) -> str:
     """The role and head that own the canonical element numbered ``number``."""
-    role, rest = divmod(int(number), _ROLE_BASE)
+    role, rest = divmod(round(number), _ROLE_BASE)
     row, column = divmod(rest, 1000)
+    if role > len(ROLES):
+        return _variant_owner(cfg, VARIANT_ROLES[role - len(ROLES) - 1], row, column)
     letter = ROLES[role - 1]
     if letter == "o":  # w_o reads head h in columns h*Dv:(h+1)*Dv; its bias belongs to no head
         return "out (bias)" if column == _BIAS_COLUMN else f"reads head {column // cfg.d_v}"
     head_dim = cfg.d_v if letter == "v" else cfg.d_k
     kind = "head" if letter == "q" or cfg.n_kv_heads == cfg.n_heads else "kv head"
     return f"{letter} {kind} {row // head_dim}"
+
+
+def _canonical_name(number: float) -> str:
+    """The canonical parameter (``w_q``, ``b_o``, ``q_norm``...) whose element is numbered ``number``."""
+    role, rest = divmod(round(number), _ROLE_BASE)
+    if role > len(ROLES):
+        return VARIANT_ROLES[role - len(ROLES) - 1]
+    return f"{'b' if rest % 1000 == _BIAS_COLUMN else 'w'}_{ROLES[role - 1]}"
+
+
+def _variant_owner(cfg: MHAConfig, name: str, row: int, column: int) -> str:
+    """The head (or heads) that a variant parameter's element belongs to."""
+    if name == "sinks":
+        return f"sink head {row}"
+    if name == "rel_bias":
+        return f"rel head {column}"  # every bucket (row) of column h is head h's
+    if cfg.qk_norm == "head":
+        return f"{name[0]} norm, every head"  # one (d_k,) weight shared by all heads
+    kind = "head" if name == "q_norm" or cfg.n_kv_heads == cfg.n_heads else "kv head"
+    return f"{name[0]} norm {kind} {row // cfg.d_k}"
 
 
 def stored_tensor(cfg: MHAConfig, name: str, numbers: np.ndarray) -> StoredTensor:
@@ -190,7 +226,49 @@ def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]
     if not explanation.checkpoints:
         return []
     falcon = [falcon_packings_table()] if any(c.layout == "hf-falcon" for c in explanation.checkpoints) else []
-    return [overview_table(explanation.checkpoints), *falcon] + [tensor_table(c) for c in explanation.checkpoints]
+    variants = (
+        [variant_parameters_table()] if any(c.layout in _VARIANT_LAYOUTS for c in explanation.checkpoints) else []
+    )
+    tables = [overview_table(explanation.checkpoints), *falcon, *variants]
+    return tables + [tensor_table(c) for c in explanation.checkpoints]
+
+
+# The families whose checkpoints store a variant's parameters or fix its biases, in the order of the table.
+_VARIANT_LAYOUTS = ("hf-qwen2", "hf-qwen3", "hf-olmo2", "hf-gemma3", "hf-gpt-oss", "hf-t5")
+
+
+def variant_parameters_table() -> tuple[str, list[str], list[list[str]]]:
+    """What the 2024-26 families store beyond q/k/v/o, read back from their converters (numbered parameters).
+
+    Qwen3's and OLMo 2's QK-norm weights differ exactly in their axis (one head's d_k, or the whole projection);
+    Gemma 3 stores ``w`` for ``1 + w``; gpt-oss one sink per head; T5 a (buckets, H) table; Qwen2 has no o_proj bias.
+    """
+    from mha_rosetta.models import get_layout
+
+    rows = []
+    for name in _VARIANT_LAYOUTS:
+        layout = get_layout(name)
+        cfg = family_config(name)
+        numbered = numbered_params(cfg)
+        state = layout.to_state_dict(cfg, numbered)
+        canonical = {k: v for k, v in numbered.as_dict().items() if v is not None}
+        for stored, array in state.items():
+            source = _canonical_name(float(array.flat[0]))  # the parameter whose numbers the tensor carries
+            if source not in VARIANT_ROLES and source[0] != "b":
+                continue
+            form = "canonical - 1 (used as 1 + w)" if np.array_equal(array, canonical[source] - 1.0) else "canonical"
+            rows.append(
+                [name, stored, str(tuple(array.shape)), source, form, stored_tensor(cfg, stored, array).layout_text()]
+            )
+        if cfg.bias == "qkv":
+            rows.append([name, "o_proj.bias", "absent", "b_o", "none (bias='qkv')", "-"])
+    sizes = f"d_model {family_config('hf-qwen3').d_model}, 4 heads of 4, 2 kv heads"
+    title = f"The 2024-26 families' extra parameters, side by side ({sizes}; read back from each converter)"
+    return (
+        title,
+        ["layout", "stored tensor", "shape", "canonical", "stored as", "which slices belong to which head"],
+        rows,
+    )
 
 
 def falcon_packings_table() -> tuple[str, list[str], list[list[str]]]:

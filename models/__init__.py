@@ -32,11 +32,20 @@ from mha_rosetta.core import MHAConfig
 
 from . import (
     hf_bert,
+    hf_bloom,
     hf_falcon,
+    hf_gemma2,
+    hf_gemma3,
     hf_gpt2,
     hf_gpt_neox,
+    hf_gpt_oss,
     hf_llama,
+    hf_mistral,
+    hf_mpt,
+    hf_olmo2,
     hf_phi3,
+    hf_qwen2,
+    hf_qwen3,
     hf_t5,
     keras_mha,
     megatron,
@@ -60,6 +69,15 @@ LAYOUTS: dict[str, Layout] = {
         hf_gpt_neox.LAYOUT,
         hf_phi3.LAYOUT,
         hf_falcon.LAYOUT,
+        hf_qwen2.LAYOUT,
+        hf_mistral.LAYOUT,
+        hf_qwen3.LAYOUT,
+        hf_olmo2.LAYOUT,
+        hf_gemma2.LAYOUT,
+        hf_gemma3.LAYOUT,
+        hf_gpt_oss.LAYOUT,
+        hf_bloom.LAYOUT,
+        hf_mpt.LAYOUT,
         megatron.LAYOUT,
         timm_vit.LAYOUT,
         hf_t5.LAYOUT,
@@ -91,11 +109,13 @@ def layout_of_module(module) -> Layout:
 def from_module(module) -> ModuleSpec:
     """A real attention module instance -> ``ModuleSpec(cfg, params)``: what it computes, in the spec.
 
-    Reads the module's configuration (heads, kv heads, head_dim, scale, causal where the module has it,
-    biases, rotary base and partial factor) and its tensors, exactly. ``cfg, params = from_module(m)``;
-    then ``reference_mha(cfg, params, x)`` is the module's output. A setting the spec cannot express yet
-    (a sliding window, softcap, QK-norm, sinks, ALiBi, scaled rotary, T5's relative bias) raises
-    `LayoutError` naming the class and the setting; so does a class no layout reads.
+    Reads the module's configuration (heads, kv heads, head_dim, the scale with Gemma's
+    ``query_pre_attn_scalar``, causal where the module has it, biases including ``"qkv"``, rotary base,
+    partial factor and scaling, this layer's sliding window, the softcap, QK-norm, sinks, ALiBi, T5's
+    relative bias) and its tensors, exactly. ``cfg, params = from_module(m)``; then
+    ``reference_mha(cfg, params, x)`` is the module's output. A setting the spec cannot express (Falcon's
+    ALiBi divided by sqrt(d), Phi-3's longrope, MPT's clip_qkv...) raises `LayoutError` naming the class,
+    the setting and why; so does a class no layout reads.
     """
     return read_module(layout_of_module(module), module)
 

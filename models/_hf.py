@@ -19,18 +19,48 @@ def hf_mask(config, cfg: MHAConfig, x, padding):
     """The mask the family's own model passes to its attention layers (None: the module's own is_causal / no mask).
 
     Eager gets a 4-D additive float mask; SDPA a boolean one, or None where the mask is
-    plain causal or empty, leaving the causal part to the module's ``is_causal``.
+    plain causal or empty, leaving the causal part to the module's ``is_causal``. A causal layer
+    with ``cfg.window`` gets the model's sliding-window mask, built from ``config.sliding_window``
+    (``kv_idx > q_idx - sliding_window``: the spec's W keys). A two-sided window is no family's
+    here (each model builds its own: Gemma 3's overlay, ``create_bidirectional_sliding_window_mask``'s
+    ``<=``), so it is refused rather than guessed.
     """
     import torch
-    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+    from transformers import masking_utils as masks
 
     pad = None if padding is None else torch.from_numpy(padding.astype(np.int64))  # (B, N), 1 = real token
     if cfg.causal:
         tokens = x.shape[1]
-        return create_causal_mask(
+        build = masks.create_causal_mask if cfg.window is None else masks.create_sliding_window_causal_mask
+        return build(
             config=config, inputs_embeds=x, attention_mask=pad, cache=None, position_ids=torch.arange(tokens)[None]
         )
-    return create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=pad)
+    if cfg.window is not None:
+        raise ValueError(f"hf_mask: a two-sided window (window={cfg.window}, causal=False) is no runner's here")
+    return masks.create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=pad)
+
+
+def hf_rope_parameters(cfg: MHAConfig, partial: bool = False) -> dict:
+    """``config.rope_parameters`` (transformers 5.x) for ``cfg``'s rotary: its base, its scaling in Hugging Face's own
+    form (`MHAConfig.rope_scaling` is that form), and ``partial_rotary_factor`` where the family reads it."""
+    parameters: dict = {"rope_type": "default", "rope_theta": cfg.rope_base, **(cfg.rope_scaling or {})}
+    if partial:
+        parameters["partial_rotary_factor"] = (cfg.rope_dims or cfg.d_k) / cfg.d_k  # rope_dims: None only without rope
+    return parameters
+
+
+def hf_max_positions(cfg: MHAConfig) -> dict:
+    """``max_position_embeddings`` consistent with ``cfg.rope_scaling`` (empty without scaling): dynamic NTK's L is
+    it; for YaRN and llama3 transformers expects factor * original_max_position_embeddings (and warns otherwise)."""
+    scaling = cfg.rope_scaling
+    if scaling is None or "original_max_position_embeddings" not in scaling:
+        return {}
+    original = scaling["original_max_position_embeddings"]
+    return {
+        "max_position_embeddings": original
+        if scaling["rope_type"] == "dynamic"
+        else round(scaling["factor"] * original)
+    }
 
 
 def hf_config(config, options: RunOptions):
@@ -74,22 +104,28 @@ def hf_implementation(config, options: RunOptions):
         config._attn_implementation = before
 
 
-def rotary_tables(cfg: MHAConfig, options: RunOptions, rotary, x):
+def rotary_tables(cfg: MHAConfig, options: RunOptions, rotary, x, repeated: bool = True, **rotary_kwargs):
     """The (cos, sin) each HF rotary model passes its attention layers, each (1, N, rope_dims), rotate-half layout.
 
-    ``rotary`` is the family's rotary module (its own float32 angles); ``options.float64_rotary`` gives the
-    spec's angles instead. Either way the tables come in ``x``'s dtype, as the model casts them.
+    ``rotary`` is the family's rotary module (its own float32 angles, and its own scaling); ``rotary_kwargs``
+    go to its forward (Gemma 3's ``layer_type``). ``options.float64_rotary`` gives the spec's tables instead:
+    the angles of ``cfg`` (its ``rope_scaling`` too) and YaRN's attention factor on cos and sin, as Hugging
+    Face's ``attention_scaling``. Either way the tables come in ``x``'s dtype, as the model casts them.
+    ``repeated``: the family's tables hold each angle twice, ``(1, N, r)`` (Llama's ``cat((freqs, freqs))``);
+    False: once, ``(1, N, r/2)`` (gpt-oss, whose rotation splits q into halves itself).
     """
     import torch
 
     tokens = x.shape[1]
     if not options.float64_rotary:
-        return rotary(x, torch.arange(tokens)[None])  # the module's own tables, positions 0..N-1
-    from mha_rosetta.core.rotary import angles
+        return rotary(x, torch.arange(tokens)[None], **rotary_kwargs)  # the module's own tables, positions 0..N-1
+    from mha_rosetta.core.rotary import angles, frequencies
 
     theta = angles(cfg, np.arange(tokens))  # (N, r/2), float64: the spec's angles
-    doubled = np.concatenate([theta, theta], axis=-1)[None]  # (1, N, r): HF repeats them for the two halves
-    return torch.from_numpy(np.cos(doubled)).to(x.dtype), torch.from_numpy(np.sin(doubled)).to(x.dtype)
+    factor = frequencies(cfg, tokens)[1]  # YaRN's attention factor (1.0 otherwise)
+    doubled = (np.concatenate([theta, theta], axis=-1) if repeated else theta)[None]  # (1, N, r) or (1, N, r/2)
+    cos, sin = factor * np.cos(doubled), factor * np.sin(doubled)
+    return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
 
 
 def rotary_precision(options: RunOptions, eager_softmax_float32: bool = True) -> dict[str, str]:

@@ -2,9 +2,10 @@
 
 A layout knows four things about a family, and nothing about its framework:
 
-* which configurations its real module can hold (`Layout.unsupported_reason`): a
-  rule that fails names the ``MHAConfig`` field, the value and why the module cannot
-  hold it;
+* which configurations its real module can hold (`Layout.unsupported_reason`): the
+  variants of 2024-26 attention it has (`Layout.variants`, names of `core.config.VARIANTS`;
+  any other is refused), then its rules; a rule that fails names the ``MHAConfig`` field,
+  the value and why the module cannot hold it;
 * the name and shape of every tensor the real module stores (`Layout.expected_shapes`),
   keyed by the module's own parameter names, relative to the module named in
   `Layout.module`;
@@ -78,10 +79,16 @@ class Layout:
     reader: ModuleReader | None = None
     # A small configuration the real module holds, for the explainer's pictures (MHAConfig keyword arguments).
     example: Mapping = field(default_factory=dict, hash=False)
+    # The `core.config.VARIANTS` the real module has (a window, QK-norm, sinks...); cfg.variants outside it is refused.
+    variants: tuple[str, ...] = ()
 
     def unsupported_reason(self, cfg: MHAConfig) -> str | None:
-        """Why this family's real module cannot hold ``cfg`` (the first rule that fails), or None."""
+        """Why this family's real module cannot hold ``cfg`` (a variant it lacks, or the first rule that fails), or None."""
         require_config(cfg)
+        lacking = [name for name in cfg.variants if name not in self.variants]
+        if lacking:
+            has = f"it has {', '.join(self.variants)} only" if self.variants else "it has none of the 2024-26 variants"
+            return f"MHAConfig switches on {', '.join(lacking)}: {self.module} does not ({has})"
         for rule in self.rules:
             reason = rule(cfg)
             if reason:
@@ -300,19 +307,33 @@ def fused_qkv(qkv: str, out: str, pack_rows, unpack_rows, conv1d: bool = False) 
 # --- four separate (out, in) weights: the pack/unpack of every family that keeps them apart ----
 
 
-def separate_linears(prefixes: dict[str, str]) -> PackFunctions:
+def separate_linears(
+    prefixes: dict[str, str], extras: Mapping[str, str] | None = None, offsets: Mapping[str, float] | None = None
+) -> PackFunctions:
     """`Layout`'s shapes, pack, unpack for a module with one ``(out, in)`` linear layer per projection.
 
     ``prefixes`` maps ``w_q``/``w_k``/``w_v``/``w_o`` to the module's names for those layers;
     the state dict holds ``{prefix}.weight`` (canonical, untouched) and ``{prefix}.bias``
-    when the layer has a bias.
+    when the layer has a bias. ``extras`` maps the variants' parameters the module stores
+    (``q_norm``, ``k_norm``, ``sinks``, ``rel_bias``) to their stored names, in the canonical
+    shape. ``offsets``: a stored parameter that is ``canonical - offset`` (Gemma's RMSNorm
+    stores ``w`` and multiplies by ``1 + w``: offset 1.0), read into float64. Exact both ways
+    for canonical values in [0.5, 2] (Sterbenz: ``c - 1`` is exact there, and so is
+    ``(c - 1) + 1``), and for a stored float32 or bfloat16 ``w`` (a real checkpoint's): ``1 + w``
+    has room for all its bits in float64. A float64 ``w`` far from 0 and 1 loses its last bits.
     """
+    extras = dict(extras or {})
+    offsets = dict(offsets or {})
 
     def names(cfg: MHAConfig) -> dict[str, str]:
         # canonical name -> stored name, for the parameters cfg has
         out = {}
         for canonical, shape in expected_param_shapes(cfg).items():
-            if shape is not None:
+            if shape is None:
+                continue
+            if canonical in extras:
+                out[canonical] = extras[canonical]
+            else:  # the rules refuse a variant the module does not store before this is reached
                 out[canonical] = f"{prefixes['w' + canonical[1:]]}.{'weight' if canonical[0] == 'w' else 'bias'}"
         return out
 
@@ -326,10 +347,20 @@ def separate_linears(prefixes: dict[str, str]) -> PackFunctions:
         }
 
     def pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-        return {stored: getattr(params, canonical).copy() for canonical, stored in names(cfg).items()}
+        return {
+            stored: getattr(params, canonical) - offsets.get(canonical, 0.0) for canonical, stored in names(cfg).items()
+        }  # a new array each (the subtraction copies)
 
     def unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
-        return MHAParams(**{canonical: state[stored] for canonical, stored in names(cfg).items()})
+        return MHAParams(
+            **{
+                # float64 for an offset one: 1 + w of a float32 or bfloat16 w is exact there, not in float32
+                canonical: state[stored].astype(np.float64) + offsets[canonical]
+                if canonical in offsets
+                else state[stored]
+                for canonical, stored in names(cfg).items()
+            }
+        )
 
     return {"shapes": shapes, "pack": pack, "unpack": unpack}
 

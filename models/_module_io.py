@@ -11,9 +11,10 @@ Design rules:
 * A reader reads the module **instance**: the sizes and switches it was built with (its own
   attributes, and its config object for Hugging Face modules) and its tensors, keyed by the layout's
   names. Then `Layout.from_state_dict` unpacks them exactly and checks them against the configuration.
-* Nothing is dropped silently. A setting the spec cannot express yet (a sliding window, a softcap,
-  QK-norm, sinks, ALiBi, scaled rotary, T5's relative bias) raises `LayoutError` naming the class and
-  the setting (`unexpressible`).
+* Nothing is dropped silently. A setting is read into the spec where the spec has it (this layer's
+  window, the softcap, QK-norm, sinks, biases, ALiBi, T5's relative bias, scaled rotary); one it cannot
+  express (Falcon's ALiBi divided by sqrt(d), MPT's clip_qkv, Phi-3's longrope...) raises `LayoutError`
+  naming the class, the setting and why (`unexpressible`).
 * NumPy only at import. Framework tensors are read by duck typing (``.detach().cpu().numpy()`` for
   torch, ``np.asarray`` for JAX and Keras arrays); a loader that must build a framework tensor imports
   its framework inside the function.
@@ -77,9 +78,9 @@ def class_name(module: object) -> str:
 
 
 def unexpressible(module: object, setting: str, why: str = "") -> Exception:
-    """The `LayoutError` for a module setting the spec cannot express (yet): names the class and the setting."""
+    """The `LayoutError` for a module setting the spec cannot express: names the class and the setting."""
     tail = f": {why}" if why else ""
-    return LayoutError(f"{class_name(module)} has {setting}, which the spec cannot express yet{tail}")
+    return LayoutError(f"{class_name(module)} has {setting}, which the spec cannot express{tail}")
 
 
 def to_array(value) -> np.ndarray:
@@ -139,28 +140,61 @@ def torch_reader(classes: tuple[str, ...], config, names, forward=None) -> Modul
 # --- the module's Hugging Face config ----------------------------------------------------------
 
 
-def hf_rope(module, config, head_dim: int, partial: bool = False) -> tuple[float, int]:
-    """(rope_base, rope_dims) of a Hugging Face rotary module's config; `LayoutError` for scaled rotary.
+# Keys of Hugging Face's rope_parameters that are not scaling: MHAConfig holds them in rope_base and rope_dims.
+_HF_ROPE_NOT_SCALING = ("rope_type", "rope_theta", "partial_rotary_factor")
 
-    ``partial``: the family's rotary module honours ``partial_rotary_factor`` (GPT-NeoX, Phi-3); Llama's
-    and Falcon's default tables ignore it and rotate every feature.
+
+def hf_rope(module, config, head_dim: int, partial: bool = False, layer_type: str | None = None) -> HFRope:
+    """The rotary settings of a Hugging Face module's config: `HFRope` (base, rotated dims, scaling).
+
+    transformers 5.x keeps them in ``config.rope_parameters``: ``rope_type``, ``rope_theta``,
+    ``partial_rotary_factor`` and the scaling keys of the type, one dict for the model, or one per layer
+    type where the layer types differ (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``,
+    read for ``layer_type``). ``partial``: the family's rotary module honours ``partial_rotary_factor``
+    (GPT-NeoX, Phi-3); Llama's and Falcon's default tables ignore it and rotate every feature. A scaling
+    type the spec has (`core.rope_scaling`: linear, dynamic, llama3, yarn) becomes ``rope_scaling`` in
+    Hugging Face's form; any other (longrope...) is `LayoutError`. Dynamic NTK reads its length L from
+    ``config.max_position_embeddings``, as transformers does.
     """
+    from mha_rosetta.core.rope_scaling import ROPE_SCALING_TYPES
+
     parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(parameters.get(layer_type), Mapping):
+        parameters = dict(parameters[layer_type])
     rope_type = parameters.get("rope_type", "default")
-    if rope_type != "default":
-        raise unexpressible(module, f"rope_parameters['rope_type']={rope_type!r}", "the spec has unscaled rotary only")
     base = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if partial else 1
     dims = int(head_dim * factor)  # HF: int(head_dim * partial_rotary_factor)
-    return float(base), dims
+    if rope_type == "default":
+        return HFRope(float(base), dims, None)
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise unexpressible(
+            module,
+            f"rope_parameters['rope_type']={rope_type!r}",
+            f"the spec scales rotary as {', '.join(ROPE_SCALING_TYPES)} only",
+        )
+    scaling = {key: value for key, value in parameters.items() if key not in _HF_ROPE_NOT_SCALING}
+    scaling["rope_type"] = rope_type
+    if rope_type == "dynamic":
+        scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return HFRope(float(base), dims, scaling)
 
 
-def hf_unexpressible_settings(module, config, names: Iterable[str]) -> None:
-    """`LayoutError` for the first of the config attributes ``names`` that is set (not None/False/0)."""
-    for name in names:
-        value = getattr(config, name, None)
-        if value:
-            raise unexpressible(module, f"config.{name}={value!r}")
+class HFRope(NamedTuple):
+    """What `hf_rope` reads: ``rope_base``, ``rope_dims`` and ``rope_scaling`` (None: unscaled) for `MHAConfig`."""
+
+    rope_base: float
+    rope_dims: int
+    rope_scaling: dict | None
+
+
+def hf_window(module, config) -> int | None:
+    """This layer's sliding window: the module's own ``sliding_window`` attribute where it has one (set from
+    ``config.layer_types[layer_idx]``: None on a full-attention layer), else ``config.sliding_window`` (Mistral,
+    Phi-3: every layer). Hugging Face's window counts the query's own key, as the spec's does."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(config, "sliding_window", None)
 
 
 # --- comparing a module's configuration with the one the parameters were made for --------------

@@ -13,14 +13,15 @@ config switches, and all three are the per-group packing ``[q heads of g; k_g; v
 * neither (Falcon-RW): ``(3E, E)`` per head, ``view(B, N, H, 3, d)``: ``[q_h; k_h; v_h]`` (G = H,
   GPT-NeoX's packing).
 
-Rotary (rotate-half, every feature of a head) unless ``config.alibi``, which is not in the spec yet.
+Rotary (rotate-half, every feature of a head) unless ``config.alibi``: Falcon's ALiBi divides the bias by
+sqrt(d) and rounds the slopes to bfloat16, which the spec's ALiBi does not (`FALCON_ALIBI`, `LayoutError`).
 """
 
 from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     PER_GROUP,
     Layout,
@@ -38,6 +39,13 @@ from ._packing import pack_groups, unpack_groups
 from ._real import HF_REQUIRES, torch_state
 
 MODULE = "FalconAttention"
+
+# Why Falcon's ALiBi is not the spec's (a known difference, transformers/models/falcon/modeling_falcon.py).
+FALCON_ALIBI = (
+    "Falcon divides the bias by sqrt(d) with the scores, (q.k + m_h p_j) / sqrt(d) (eager: attention_logits *= "
+    "inv_norm_factor; sdpa: alibi / sqrt(head_dim) in the mask), and rounds the slopes to bfloat16 "
+    "(slopes.bfloat16()); the spec adds m_h (p_j - p_i) to the scaled scores with float64 slopes"
+)
 
 
 def packing_switches(cfg: MHAConfig) -> dict[str, bool]:
@@ -57,11 +65,11 @@ def falcon_config(cfg: MHAConfig, **switches):
         hidden_size=cfg.d_model,
         num_attention_heads=cfg.n_heads,
         num_kv_heads=cfg.n_kv_heads,
-        bias=cfg.bias,
+        bias=bool(cfg.bias),  # True or False: bias="qkv" is refused by the layout (Falcon biases both or neither)
         alibi=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+        rope_parameters=hf_rope_parameters(cfg),
         **{**packing_switches(cfg), **switches},
     )
 
@@ -97,7 +105,7 @@ def _config(module) -> MHAConfig:
     """The FalconAttention instance's configuration: its packing decides the kv heads; ALiBi is not in the spec."""
     config = module.config
     if config.alibi:
-        raise unexpressible(module, "config.alibi=True (ALiBi position biases instead of rotary)")
+        raise unexpressible(module, "config.alibi=True (ALiBi position biases instead of rotary)", FALCON_ALIBI)
     heads = module.num_heads
     if module.new_decoder_architecture:
         kv_heads = module.num_kv_heads
@@ -110,7 +118,7 @@ def _config(module) -> MHAConfig:
                 f"{class_name(module)} packs per head (new_decoder_architecture=False, multi_query=False) with "
                 f"num_kv_heads={module.num_kv_heads} != num_attention_heads={heads}: its own forward cannot split that"
             )
-    rope_base, _ = hf_rope(module, config, module.head_dim)  # Falcon's default tables rotate every feature
+    rope = hf_rope(module, config, module.head_dim)  # Falcon's default tables rotate every feature
     return MHAConfig(
         d_model=module.hidden_size,
         n_heads=heads,
@@ -120,7 +128,8 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.inv_norm_factor,
         rope="half",
-        rope_base=rope_base,
+        rope_base=rope.rope_base,
+        rope_scaling=rope.rope_scaling,
     )
 
 
@@ -155,12 +164,13 @@ LAYOUT = Layout(
         "float32 inside a float64 model: only the rotary module's angles (inv_freq in torch.float); Falcon's own "
         "eager path keeps the hidden states' dtype (softmax(..., dtype=hidden_states.dtype)), so eager with float64 "
         "(cos, sin) is float64 throughout",
-        "config.alibi=True (Falcon-RW-1B) adds ALiBi, and Falcon also divides that bias by sqrt(d): "
-        "not in the spec yet, from_module raises LayoutError",
+        "config.alibi=True (Falcon-RW-1B) adds ALiBi, but divided by sqrt(d) with slopes rounded to bfloat16: a "
+        "known difference from the spec's ALiBi; from_module raises LayoutError saying so",
     ),
     runner=_falcon,
     requires=HF_REQUIRES,
     hf_options=True,
     reader=torch_reader(("transformers.FalconAttention",), _config, PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
+    variants=("rope_scaling",),
 )

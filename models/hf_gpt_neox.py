@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
 from ._module_io import hf_rope, torch_reader
 from ._packing import pack_groups, unpack_groups
@@ -31,11 +31,7 @@ def _gpt_neox(cfg, state, x, padding, options):
             num_attention_heads=cfg.n_heads,
             attention_bias=cfg.bias,
             attention_dropout=0.0,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": cfg.rope_base,
-                "partial_rotary_factor": cfg.rope_dims / cfg.d_k,
-            },
+            rope_parameters=hf_rope_parameters(cfg, partial=True),
         ),
         options,
     )
@@ -63,7 +59,7 @@ def _forward(module, cfg, x, padding, options):
 def _config(module) -> MHAConfig:
     """The GPTNeoXAttention instance's configuration: heads, bias, and its partial rotary (rotary_ndims)."""
     config = module.config
-    rope_base, _ = hf_rope(module, config, module.head_size, partial=True)  # rotary_ndims is the module's own
+    rope = hf_rope(module, config, module.head_size, partial=True)  # rotary_ndims is the module's own
     return MHAConfig(
         d_model=module.query_key_value.in_features,
         n_heads=config.num_attention_heads,
@@ -72,8 +68,9 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.scaling,
         rope="half",
-        rope_base=rope_base,
+        rope_base=rope.rope_base,
         rope_dims=module.rotary_ndims,
+        rope_scaling=rope.rope_scaling,
     )
 
 
@@ -108,4 +105,5 @@ LAYOUT = Layout(
     hf_options=True,
     reader=torch_reader(("transformers.GPTNeoXAttention",), _config, PACKING["shapes"], _forward),
     example={"rope": "half", "rope_dims": 2},
+    variants=("rope_scaling",),
 )

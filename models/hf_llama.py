@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._errors import LayoutError
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_implementation,
+    hf_mask,
+    hf_max_positions,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
 from ._layout import (
     SEPARATE,
     Layout,
@@ -23,7 +33,7 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._module_io import hf_rope, hf_unexpressible_settings, torch_reader
+from ._module_io import class_name, hf_rope, torch_reader
 from ._real import HF_REQUIRES, torch_state
 
 MODULE = "LlamaAttention"
@@ -40,7 +50,8 @@ def _llama_config(cfg, options):
             head_dim=cfg.d_k,
             attention_bias=cfg.bias,
             attention_dropout=0.0,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+            rope_parameters=hf_rope_parameters(cfg),
+            **hf_max_positions(cfg),
         ),
         options,
     )
@@ -71,8 +82,13 @@ def _forward(module, cfg, x, padding, options, layout="hf-llama"):
 def _config(module) -> MHAConfig:
     """The LlamaAttention instance's configuration: heads, kv heads and head_dim, bias, rotary from its config."""
     config = module.config
-    hf_unexpressible_settings(module, config, ("sliding_window",))
-    rope_base, _ = hf_rope(module, config, module.head_dim)  # LlamaRotaryEmbedding rotates every feature
+    window = getattr(config, "sliding_window", None)
+    if window:  # LlamaConfig has no such field; one set by hand does nothing in Llama's code
+        raise LayoutError(
+            f"{class_name(module)}'s config has sliding_window={window!r}, which LlamaAttention and LlamaModel ignore "
+            "(no window is applied): remove it, or build the family that applies it (MistralAttention: hf-mistral)"
+        )
+    rope = hf_rope(module, config, module.head_dim)  # LlamaRotaryEmbedding rotates every feature
     return MHAConfig(
         d_model=module.q_proj.in_features,
         n_heads=config.num_attention_heads,
@@ -82,7 +98,8 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.scaling,
         rope="half",
-        rope_base=rope_base,
+        rope_base=rope.rope_base,
+        rope_scaling=rope.rope_scaling,  # Llama 3's "llama3", or linear / dynamic / yarn
     )
 
 
@@ -115,4 +132,5 @@ LAYOUT = Layout(
     hf_options=True,
     reader=torch_reader(("transformers.LlamaAttention",), _config, PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "half"},
+    variants=("rope_scaling",),  # Llama 3's "llama3" (and linear, dynamic, yarn) from config.rope_parameters
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, rotary_precision, rotary_tables
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     BLOCKS,
     Layout,
@@ -24,7 +24,7 @@ from ._layout import (
     same_head_dims,
     self_attention_widths,
 )
-from ._module_io import hf_rope, hf_unexpressible_settings, torch_reader
+from ._module_io import hf_rope, hf_window, torch_reader
 from ._packing import pack_blocks, unpack_blocks
 from ._real import HF_REQUIRES, torch_state
 
@@ -42,11 +42,8 @@ def _phi3(cfg, state, x, padding, options):
             num_key_value_heads=cfg.n_kv_heads,
             head_dim=cfg.d_k,
             attention_dropout=0.0,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": cfg.rope_base,
-                "partial_rotary_factor": cfg.rope_dims / cfg.d_k,
-            },
+            sliding_window=cfg.window,
+            rope_parameters=hf_rope_parameters(cfg, partial=True),
         ),
         options,
     )
@@ -69,10 +66,10 @@ def _forward(module, cfg, x, padding, options):
 
 
 def _config(module) -> MHAConfig:
-    """The Phi3Attention instance's configuration; a sliding window or scaled rotary (longrope) is not in the spec."""
+    """The Phi3Attention instance's configuration: its window is config.sliding_window (every layer); longrope
+    (the 128k models) is not in the spec (`LayoutError`)."""
     config = module.config
-    hf_unexpressible_settings(module, config, ("sliding_window",))
-    rope_base, rope_dims = hf_rope(module, config, module.head_dim, partial=True)
+    rope = hf_rope(module, config, module.head_dim, partial=True)
     return MHAConfig(
         d_model=module.qkv_proj.in_features,
         n_heads=config.num_attention_heads,
@@ -82,8 +79,10 @@ def _config(module) -> MHAConfig:
         causal=bool(module.is_causal),
         scale=module.scaling,
         rope="half",
-        rope_base=rope_base,
-        rope_dims=rope_dims,
+        rope_base=rope.rope_base,
+        rope_dims=rope.rope_dims,
+        rope_scaling=rope.rope_scaling,
+        window=hf_window(module, config),
     )
 
 
@@ -112,12 +111,13 @@ LAYOUT = Layout(
         "rope_dims = int(d_k * partial_rotary_factor) (config.rope_parameters); Phi-3 rotates every feature",
         "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
         "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
-        "config.sliding_window (Phi-3-mini's 2047) and rope_type 'longrope' (the 128k models) are not in the spec yet: "
-        "from_module raises LayoutError naming them",
+        "config.sliding_window (Phi-3-mini's 2047) is every layer's window (MHAConfig.window, the same count); "
+        "rope_type 'longrope' (the 128k models) is not in the spec: from_module raises LayoutError naming it",
     ),
     runner=_phi3,
     requires=HF_REQUIRES,
     hf_options=True,
     reader=torch_reader(("transformers.Phi3Attention",), _config, PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "rope_dims": 2, "causal": True},
+    variants=("window", "rope_scaling"),
 )

@@ -34,7 +34,12 @@ def _keras(cfg, state, x, padding, options):
         # as the JAX backends set it). models imports only core, so this is not the backends' helper.
         jax.config.update("jax_enable_x64", True)
     layer = keras.layers.MultiHeadAttention(
-        num_heads=cfg.n_heads, key_dim=cfg.d_k, value_dim=cfg.d_v, use_bias=cfg.bias, dtype="float64"
+        num_heads=cfg.n_heads,
+        key_dim=cfg.d_k,
+        value_dim=cfg.d_v,
+        use_bias=cfg.bias,
+        dtype="float64",
+        sliding_window=cfg.window,  # |i - j| < W, the spec's two-sided window; with the causal mask, the causal one
     )
     layer.build((None, None, cfg.d_model), (None, None, cfg.vdim), (None, None, cfg.kdim))
     by_path = {variable.path.removeprefix(layer.name + "/"): variable for variable in layer.weights}
@@ -87,10 +92,8 @@ def _variables(layer) -> dict:
 def _config(layer) -> MHAConfig:
     """The layer's configuration: its constructor arguments, and the widths its kernels were built for."""
     variables = _variables(layer)
-    for attribute, setting in (("_sliding_window", "sliding_window"), ("_use_gate", "use_gate")):
-        value = getattr(layer, attribute, None)
-        if value:
-            raise unexpressible(layer, f"{setting}={value!r}")
+    if getattr(layer, "_use_gate", False):
+        raise unexpressible(layer, "use_gate=True", "the spec has no gate on the attention output")
     if tuple(layer._attention_axes) != (1,):
         raise unexpressible(layer, f"attention_axes={layer._attention_axes!r}", "the spec attends over tokens (axis 1)")
     width = variables["query/kernel"].shape[0]  # (E, H, key_dim)
@@ -108,6 +111,9 @@ def _config(layer) -> MHAConfig:
         kdim=variables["key/kernel"].shape[0],
         vdim=variables["value/kernel"].shape[0],
         bias=layer._use_bias,
+        # Keras's band |i - j| < sliding_window: the spec's window without causal (use_causal_mask is a call
+        # argument, not the layer's: the layer is read as non-causal and a causal call adds the causal mask)
+        window=getattr(layer, "_sliding_window", None),
     )
 
 
@@ -135,9 +141,12 @@ LAYOUT = Layout(
         "Keras's own einsum path, which works",
         "keras needs KERAS_BACKEND (jax or torch here); without it Keras 3 defaults to TensorFlow",
         "attention_mask is boolean (B, Nq, Nk), True = may attend, like the spec",
+        "sliding_window=W: |i - j| < W (a symmetric band), the spec's two-sided window; with use_causal_mask=True "
+        "the spec's causal window of W keys",
     ),
     runner=_keras,
     requires=("keras",),
+    variants=("window",),
     reader=ModuleReader(
         classes=("keras.MultiHeadAttention",),
         config=_config,

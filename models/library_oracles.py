@@ -173,7 +173,11 @@ def _flax_arrays(module) -> dict[str, np.ndarray]:
 def _flax_config(module) -> MHAConfig:
     """The configuration of a bound linen MultiHeadDotProductAttention or an NNX MultiHeadAttention."""
     if module.normalize_qk:
-        raise unexpressible(module, "normalize_qk=True (LayerNorm of each head's q and k)")
+        raise unexpressible(
+            module,
+            "normalize_qk=True (LayerNorm of each head's q and k)",
+            "a LayerNorm subtracts the mean; the spec's qk_norm is RMSNorm (Qwen3, Gemma 3, OLMo 2)",
+        )
     function = module.attention_fn
     if getattr(function, "__name__", "") != "dot_product_attention" or not function.__module__.startswith("flax"):
         raise unexpressible(module, f"attention_fn={function!r} (not Flax's own dot_product_attention)")

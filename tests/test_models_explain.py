@@ -128,3 +128,28 @@ def test_the_from_module_example_on_the_docs_page_prints_what_it_says():
     done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected
+
+
+def test_the_variants_parameters_are_read_back_from_the_converters_and_match_the_docs_page():
+    from mha_rosetta.explain.real_checkpoints import variant_parameters_table
+
+    title, headers, rows = variant_parameters_table()
+    assert "d_model 16, 4 heads of 4, 2 kv heads" in title and headers[:3] == ["layout", "stored tensor", "shape"]
+    found = {(row[0], row[1]): row for row in rows}
+    assert found["hf-qwen2", "o_proj.bias"][2:5] == ["absent", "b_o", "none (bias='qkv')"]
+    assert found["hf-qwen3", "q_norm.weight"][2] == "(4,)" and "every head" in found["hf-qwen3", "q_norm.weight"][5]
+    olmo = found["hf-olmo2", "k_norm.weight"]  # (G*d,): each kv head's 4 rows
+    assert olmo[2] == "(8,)" and olmo[5] == "axis 0: 0:4 k norm kv head 0 | 4:8 k norm kv head 1"
+    assert found["hf-gemma3", "q_norm.weight"][4] == "canonical - 1 (used as 1 + w)"
+    assert found["hf-qwen3", "q_norm.weight"][4] == "canonical"
+    assert found["hf-gpt-oss", "sinks"][5].startswith("axis 0: 0:1 sink head 0 | 1:2 sink head 1")
+    assert found["hf-t5", "relative_attention_bias.weight"][2] == "(8, 4)"
+    assert found["hf-t5", "relative_attention_bias.weight"][5].startswith("axis 1: 0:1 rel head 0")  # column = head
+    page = DOCS.read_text(encoding="utf-8")
+    for (layout, tensor), row in found.items():
+        if tensor.endswith(".bias") and row[2] != "absent":
+            continue  # the biases are in the per-family tables
+        cells = [line.split(" | ") for line in page.splitlines() if line.startswith(f"| `{layout}` | ")]
+        line = " | ".join(next(c for c in cells if len(c) == 5 and f"`{tensor}`" in c[1]))  # the variants table
+        assert f"`{row[2]}`" in line or row[2] in line, line
+        assert row[4].split(" (")[0] in line, line

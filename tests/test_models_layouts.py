@@ -21,9 +21,37 @@ CONFIGS = {
     "hf-gpt-neox": MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4),
     "hf-phi3": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", rope_dims=4, causal=True),
     "hf-falcon": MHAConfig(d_model=24, n_heads=6, n_kv_heads=2, rope="half", causal=True),
+    "hf-qwen2": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, bias="qkv", rope="half", causal=True),
+    "hf-mistral": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", causal=True, window=3),
+    "hf-qwen3": MHAConfig(d_model=15, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, qk_norm="head"),
+    "hf-olmo2": MHAConfig(
+        d_model=15, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", causal=True, qk_norm="projection"
+    ),
+    "hf-gemma2": MHAConfig(
+        d_model=15, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, scale=0.25, softcap=5.0, window=3
+    ),
+    "hf-gemma3": MHAConfig(
+        d_model=15, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", causal=True, scale=0.125, qk_norm="head"
+    ),
+    "hf-gpt-oss": MHAConfig(
+        d_model=15,
+        n_heads=4,
+        n_kv_heads=2,
+        d_k=6,
+        rope="half",
+        causal=True,
+        sinks=True,
+        window=4,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    ),
+    "hf-bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
+    "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
     "timm-vit": MHAConfig(d_model=15, n_heads=3),
     "hf-t5": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0),
+    "hf-t5 relative": MHAConfig(
+        d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, rel_buckets=10, rel_max_distance=20
+    ),
     "keras": MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9),
     "torch-mha": MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9),
     "flax": MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=9),
@@ -34,8 +62,9 @@ ROUND_TRIP = list(CONFIGS)
 
 def test_registry_lists_every_family():
     assert list(LAYOUTS) == [
-        "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "hf-phi3", "hf-falcon", "megatron",
-        "timm-vit", "hf-t5", "keras", "torch-mha", "flax", "equinox",
+        "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "hf-phi3", "hf-falcon", "hf-qwen2",
+        "hf-mistral", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-gpt-oss", "hf-bloom", "hf-mpt",
+        "megatron", "timm-vit", "hf-t5", "keras", "torch-mha", "flax", "equinox",
     ]  # fmt: skip
     for name, layout in LAYOUTS.items():
         assert layout.name == name and get_layout(name) is layout
@@ -45,7 +74,7 @@ def test_registry_lists_every_family():
 @pytest.mark.parametrize("name", ROUND_TRIP)
 def test_round_trip_is_exact_and_keys_are_the_real_names(name):
     cfg = CONFIGS[name]
-    layout = get_layout(name)
+    layout = get_layout(name.split()[0])
     params = init_params(cfg, seed=3)
     state = layout.to_state_dict(cfg, params)
     assert {k: v.shape for k, v in state.items()} == layout.expected_shapes(cfg)
@@ -220,12 +249,112 @@ def test_state_dict_with_missing_extra_or_wrong_shape_keys():
         layout.from_state_dict(cfg, list(state.values()))
 
 
-def test_t5_layer_with_relative_bias_is_named_as_unexpected():
+def test_t5_layer_with_relative_bias_needs_a_config_with_buckets():
     cfg = CONFIGS["hf-t5"]
     layout = get_layout("hf-t5")
     state = {**layout.to_state_dict(cfg, init_params(cfg)), "relative_attention_bias.weight": np.zeros((32, 3))}
     with pytest.raises(LayoutError, match=r"unexpected relative_attention_bias.weight"):
-        layout.from_state_dict(cfg, state)
+        layout.from_state_dict(cfg, state)  # a layer-0 state dict read with a later layer's configuration
+
+
+def test_t5_relative_bias_is_stored_as_the_canonical_buckets_by_heads():
+    cfg = CONFIGS["hf-t5 relative"]
+    params = init_params(cfg, seed=2)
+    state = get_layout("hf-t5").to_state_dict(cfg, params)
+    table = state["relative_attention_bias.weight"]  # nn.Embedding(buckets, H): row = bucket, column = head
+    assert table.shape == (10, 3) and np.array_equal(table, params.rel_bias)
+
+
+def test_gemma3_stores_the_norm_weight_minus_one_and_reads_it_back_exactly():
+    cfg = CONFIGS["hf-gemma3"]
+    params = init_params(cfg, seed=4)
+    layout = get_layout("hf-gemma3")
+    state = layout.to_state_dict(cfg, params)
+    assert np.array_equal(state["q_norm.weight"], params.q_norm - 1.0)  # Gemma3RMSNorm: x_hat * (1 + weight)
+    assert np.array_equal(state["k_norm.weight"], params.k_norm - 1.0)
+    # a real checkpoint's float32 (or bfloat16) stored weight: 1 + w in float64 keeps all its bits
+    stored = np.random.default_rng(0).normal(0.0, 0.05, 6).astype(np.float32)
+    back = layout.from_state_dict(cfg, {**{k: v.astype(np.float32) for k, v in state.items()}, "q_norm.weight": stored})
+    assert back.q_norm.dtype == np.float64 and np.array_equal(back.q_norm, 1.0 + stored.astype(np.float64))
+    again = layout.to_state_dict(cfg, back.astype(np.float64))["q_norm.weight"].astype(np.float32)
+    assert np.array_equal(again, stored)
+
+
+def test_bloom_packs_per_head_where_mpt_packs_blocks():
+    cfg = MHAConfig(d_model=12, n_heads=3, bias=False, causal=True, alibi=True)  # d = 4
+    tagged = _tagged_params(cfg)
+    mpt = get_layout("hf-mpt").to_state_dict(cfg, tagged)["Wqkv.weight"][:, 0]
+    assert list(mpt[[0, 12, 24]]) == [1000, 2000, 3000]  # [Q; K; V]: chunk(3)
+    bloom_cfg = MHAConfig(d_model=12, n_heads=3, causal=True, alibi=True)
+    per_head = get_layout("hf-bloom").to_state_dict(bloom_cfg, _tagged_params(bloom_cfg))["query_key_value.weight"]
+    assert list(per_head[:, 0][[0, 4, 8, 12]]) == [1000, 2000, 3000, 1004]  # view(B, N, H, 3, d): [q_0; k_0; v_0]
+
+
+def test_qwen2_stores_no_output_bias():
+    shapes = get_layout("hf-qwen2").expected_shapes(CONFIGS["hf-qwen2"])
+    assert shapes["q_proj.bias"] == (24,) and shapes["k_proj.bias"] == (12,) and "o_proj.bias" not in shapes
+
+
+def test_olmo2_norms_span_the_projection_and_qwen3_norms_one_head():
+    olmo = get_layout("hf-olmo2").expected_shapes(CONFIGS["hf-olmo2"])
+    qwen = get_layout("hf-qwen3").expected_shapes(CONFIGS["hf-qwen3"])
+    assert (olmo["q_norm.weight"], olmo["k_norm.weight"]) == ((24,), (12,))
+    assert (qwen["q_norm.weight"], qwen["k_norm.weight"]) == ((6,), (6,))
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg", "match"),
+    [
+        (
+            "hf-gpt2",
+            MHAConfig(d_model=16, n_heads=4, softcap=5.0),
+            r"MHAConfig switches on softcap: GPT2Attention does not \(it has none of the 2024-26 variants\)",
+        ),
+        (
+            "hf-llama",
+            MHAConfig(d_model=16, n_heads=4, rope="half", window=3),
+            r"MHAConfig switches on window: LlamaAttention does not \(it has rope_scaling only\)",
+        ),
+        (
+            "hf-mistral",
+            MHAConfig(d_model=16, n_heads=4, rope="half", causal=True, bias=False, sinks=True, window=3),
+            r"switches on sinks: MistralAttention does not \(it has window only\)",
+        ),
+        (
+            "hf-qwen2",
+            MHAConfig(d_model=16, n_heads=4, rope="half", causal=True),
+            r"MHAConfig.bias=True: Qwen2Attention biases q_proj, k_proj and v_proj, never o_proj",
+        ),
+        (
+            "hf-qwen3",
+            MHAConfig(d_model=16, n_heads=4, rope="half", causal=True, qk_norm="projection"),
+            r"switches on qk_norm_projection: Qwen3Attention does not",
+        ),
+        (
+            "hf-gemma2",
+            MHAConfig(d_model=16, n_heads=4, rope="half", causal=True, scale=0.3),
+            r"MHAConfig.scale=0.3: Gemma2Attention scales by query_pre_attn_scalar\*\*-0.5 with an int",
+        ),
+        (
+            "hf-gpt-oss",
+            MHAConfig(d_model=16, n_heads=4, rope="half", causal=True),
+            r"MHAConfig.sinks=False: GptOssAttention has one sink logit per head",
+        ),
+        (
+            "hf-bloom",
+            MHAConfig(d_model=16, n_heads=4, causal=True),
+            r"MHAConfig.alibi=False: BloomAttention adds ALiBi",
+        ),
+        (
+            "hf-mpt",
+            MHAConfig(d_model=16, n_heads=4, bias=False, causal=True, alibi=True, rope="half"),
+            r"MHAConfig.rope='half': MptAttention applies rope=None",
+        ),
+    ],
+)
+def test_a_variant_the_module_lacks_is_refused(name, cfg, match):
+    with pytest.raises(LayoutError, match=match):
+        get_layout(name).to_state_dict(cfg, init_params(cfg))
 
 
 def test_odd_rope_dims_is_refused_before_any_layout_sees_it():

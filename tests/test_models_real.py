@@ -42,6 +42,38 @@ BATCH, TOKENS = 2, 7
 PADDING = np.ones((BATCH, TOKENS), dtype=bool)
 PADDING[1, 4:] = False  # right padding: every query row keeps at least one key, even when causal
 
+# The 2024-26 families, each with its variants on and sizes that differ from the defaults (6 heads: not a power
+# of two, so ALiBi's second series is used; a window of 3 keys on 7 tokens).
+VARIANT_FAMILIES = {
+    "hf-qwen2": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias="qkv", rope="half", causal=True),
+    "hf-mistral": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", causal=True, window=3),
+    "hf-qwen3": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, qk_norm="head", norm_eps=1e-5, window=3
+    ),
+    "hf-olmo2": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", causal=True,
+                          qk_norm="projection"),
+    "hf-gemma2": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", rope_base=500.0, causal=True,
+                           scale=0.25, softcap=2.0, window=3),
+    "hf-gemma3": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", causal=True,
+                           scale=1 / 3, qk_norm="head", window=3),
+    "hf-gpt-oss": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, sinks=True, window=3,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+    ),
+    "hf-bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
+    "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True, scale=0.5),
+}  # fmt: skip
+GEMMA2_GLOBAL = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, scale=0.25, softcap=2.0)
+GEMMA3_GLOBAL = MHAConfig(
+    d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, rope="half", rope_base=1e6, causal=True, scale=0.25,
+    qk_norm="head", rope_scaling={"rope_type": "linear", "factor": 8.0},
+)  # fmt: skip
+T5_RELATIVE = MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5)
+T5_RELATIVE_DECODER = MHAConfig(
+    d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True, rel_buckets=8, rel_max_distance=5,
+    rel_bidirectional=False,
+)  # fmt: skip
+
 # (layout, cfg, padded, kind): the kind says what ran, so a silent fallback would fail the test.
 CASES = [
     ("hf-gpt2", MHAConfig(d_model=15, n_heads=3, causal=True), True, "real"),
@@ -73,6 +105,14 @@ CASES = [
     ("hf-falcon", MHAConfig(d_model=24, n_heads=6, n_kv_heads=2, rope="half", causal=True), True, "real"),  # per group
     ("hf-falcon", MHAConfig(d_model=24, n_heads=6, n_kv_heads=1, rope="half", causal=True, bias=False), True, "real"),
     ("hf-falcon", MHAConfig(d_model=24, n_heads=6, rope="half", rope_base=500.0, causal=True), False, "real"),
+    ("hf-t5", T5_RELATIVE, True, "real"),  # encoder: bidirectional buckets
+    ("hf-t5", T5_RELATIVE_DECODER, False, "real"),  # decoder: past distances only
+    # padded only without a window: a padded query whose W keys are all padding has no key left (the spec's zero
+    # row; the modules' NaN or uniform rows are another matter, shown in the checks)
+    *((layout, cfg, cfg.window is None, "real") for layout, cfg in VARIANT_FAMILIES.items()),
+    ("hf-gemma2", GEMMA2_GLOBAL, True, "real"),  # a full-attention layer of layer_types: no window
+    ("hf-gemma3", GEMMA3_GLOBAL, True, "real"),  # Gemma 3's global layers: base 1e6, linear scaling (27B: factor 8)
+    ("hf-bloom", MHAConfig(d_model=20, n_heads=5, causal=True, alibi=True), False, "real"),  # 5 heads: 2nd series
     ("timm-vit", MHAConfig(d_model=15, n_heads=3), False, "equivalent"),
     ("megatron", MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3), True, "reimplementation"),
     ("megatron", MHAConfig(d_model=15, n_heads=3, causal=True, bias=False), False, "reimplementation"),
@@ -83,6 +123,8 @@ CASES = [
         "reimplementation",
     ),
     ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4), True, "real"),
+    ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4, window=3), False, "real"),  # sliding_window: two-sided
+    ("keras", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=4, window=2, causal=True), False, "real"),
     ("torch-mha", MHAConfig(d_model=15, n_heads=3, causal=True), True, "real"),
     ("flax", MHAConfig(d_model=15, n_heads=3, d_k=4), True, "real"),
     ("equinox", MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, bias=False), True, "real"),
@@ -140,6 +182,9 @@ SDPA_CASES = [
         True,
     ),
     ("hf-falcon", MHAConfig(d_model=24, n_heads=6, n_kv_heads=3, rope="half", causal=True), True),
+    ("hf-qwen2", VARIANT_FAMILIES["hf-qwen2"], True),
+    ("hf-mistral", VARIANT_FAMILIES["hf-mistral"], False),  # the sliding-window mask, as SDPA gets it
+    ("hf-t5", T5_RELATIVE, True),
 ]
 
 
@@ -157,7 +202,7 @@ def test_hugging_face_sdpa_path_agrees_in_float64(layout, cfg, padded):
     """
     _skip_unless_runnable(layout)
     run, _, _ = _check(layout, cfg, padded, implementation="sdpa", float64_rotary=cfg.rope is not None)
-    assert run.precision == "float64" and "(sdpa)" in run.module
+    assert run.precision == "float64" and "(sdpa" in run.module
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1, 6], ids=["new_decoder_architecture", "multi_query", "per head"])
@@ -168,6 +213,62 @@ def test_falcon_eager_path_keeps_float64_given_float64_rotary_tables(kv_heads):
     run, _, _ = _check("hf-falcon", cfg, True, implementation="eager", float64_rotary=True)
     packing = {2: "new_decoder_architecture", 1: "multi_query", 6: "per head"}[kv_heads]
     assert run.precision == "float64" and run.module == f"transformers FalconAttention, {packing} packing (eager)"
+
+
+@pytest.mark.parametrize(
+    ("layout", "cfg"), [("hf-gpt-oss", VARIANT_FAMILIES["hf-gpt-oss"]), ("hf-t5", T5_RELATIVE_DECODER)]
+)
+def test_eager_paths_that_keep_float64(layout, cfg):
+    """gpt-oss's eager softmax keeps the scores' dtype (with its sinks, and YaRN's tables in float64); so does T5's."""
+    _skip_unless_runnable(layout)
+    run, _, _ = _check(layout, cfg, False, implementation="eager", float64_rotary=cfg.rope is not None)
+    assert run.precision == "float64", run.note
+
+
+@pytest.mark.parametrize("layout", ["hf-qwen3", "hf-olmo2", "hf-gemma3", "hf-gemma2", "hf-bloom", "hf-mpt"])
+def test_families_that_compute_in_float32_on_every_path_say_where(layout):
+    """No path of these modules keeps float64 (the QK-norm, BLOOM's and MPT's softmax, Gemma 2's softcap)."""
+    _skip_unless_runnable(layout)
+    cfg = VARIANT_FAMILIES[layout]
+    hf = get_layout(layout).hf_options
+    run, _, _ = _check(layout, cfg, False, **({"implementation": "eager", "float64_rotary": True} if hf else {}))
+    assert run.precision == "float32"
+    where = {"hf-qwen3": "RMSNorm", "hf-olmo2": "RMSNorm", "hf-gemma3": "Gemma3RMSNorm", "hf-gemma2": "softmax",
+             "hf-bloom": "softmax", "hf-mpt": "softmax"}[layout]  # fmt: skip
+    assert where in run.note
+
+
+def test_softcap_and_sinks_families_refuse_sdpa():
+    _skip_unless_runnable("hf-gemma2")
+    for layout in ("hf-gemma2", "hf-gpt-oss"):
+        cfg = VARIANT_FAMILIES[layout]
+        with pytest.raises(ValueError, match=r"_supports_sdpa = False .*use implementation='eager'"):
+            _check(layout, cfg, False, implementation="sdpa")
+
+
+def _without_variants(cfg: MHAConfig, params):
+    """cfg with its variants off (the biases kept as True), and params without the variants' parameters."""
+    import dataclasses
+
+    plain = dataclasses.replace(
+        cfg, window=None, softcap=None, qk_norm=None, alibi=False, sinks=False, rel_buckets=None, rope_scaling=None,
+        bias=bool(cfg.bias),
+    )  # fmt: skip
+    kept = {k: v for k, v in params.as_dict().items() if k not in ("q_norm", "k_norm", "sinks", "rel_bias")}
+    if cfg.bias == "qkv":
+        kept["b_o"] = np.full(cfg.d_model, 0.1)  # the output bias a port that reads bias=True adds
+    return plain, type(params)(**kept)
+
+
+@pytest.mark.parametrize("layout", [*VARIANT_FAMILIES, "hf-t5"])
+def test_each_variant_changes_the_real_modules_output(layout):
+    """The agreement above is not vacuous: the spec without the family's variants is far from the real module."""
+    _skip_unless_runnable(layout)
+    cfg = VARIANT_FAMILIES.get(layout, T5_RELATIVE)
+    run, params, _ = _check(layout, cfg, False)
+    plain_cfg, plain_params = _without_variants(cfg, params)
+    plain = reference_stages(plain_cfg, plain_params, _inputs(cfg))["output"]
+    assert np.max(np.abs(run.output - plain)) > 1e-3, layout
 
 
 def test_hugging_face_rotary_module_computes_in_float32():

@@ -135,3 +135,24 @@ def test_cli_diagnose_like(tmp_path):
         failed = _cli(tmp_path, "ref_mod:port", *args)
         assert failed.returncode == 2, (args, failed.stdout)
         assert message in failed.stderr, (args, failed.stderr)
+
+
+def test_diagnose_like_a_windowed_module_names_the_window_off_by_one():
+    _need("torch", "transformers")
+    from transformers import MistralConfig
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+
+    config = MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=3, head_dim=8)
+    module = MistralAttention(config, layer_idx=0).double().eval()
+    cfg = from_module(module).cfg
+    assert cfg.window == 3 and cfg.causal
+
+    def port(params, query, key, value, mask):  # the module's own window: agrees
+        return reference_mha(cfg, params, query, key, value, mask)
+
+    def one_more_key(params, query, key, value, mask):  # FlashAttention's window_size=(W, 0) taken for W
+        return reference_mha(dataclasses.replace(cfg, window=4), params, query, key, value, mask)
+
+    assert diagnose(port, like=module).agrees
+    result = diagnose(one_more_key, like=module)
+    assert not result.agrees and result.causes[0].code == "window"

@@ -275,12 +275,14 @@ def reference_mha_vjp(
     d_q_norm = d_k_norm = None
     if cfg.qk_norm is not None:
         stages.update(d_q_normed=d_q_heads, d_k_normed=d_k_heads)
+        q_norm, k_norm = p.get("q_norm"), p.get("k_norm")  # present exactly with qk_norm (validate_params)
+        assert q_norm is not None and k_norm is not None
         if cfg.qk_norm == "head":
-            d_q_heads, d_q_norm = rms_norm_vjp(fwd["q_heads"], p.get("q_norm"), cfg.norm_eps, d_q_heads)
-            d_k_heads, d_k_norm = rms_norm_vjp(fwd["k_heads"], p.get("k_norm"), cfg.norm_eps, d_k_heads)
+            d_q_heads, d_q_norm = rms_norm_vjp(fwd["q_heads"], q_norm, cfg.norm_eps, d_q_heads)
+            d_k_heads, d_k_norm = rms_norm_vjp(fwd["k_heads"], k_norm, cfg.norm_eps, d_k_heads)
         else:  # over the whole projection, before the split
-            d_q_merged, d_q_norm = rms_norm_vjp(fwd["q"], p.get("q_norm"), cfg.norm_eps, merge(d_q_heads, H))
-            d_k_merged, d_k_norm = rms_norm_vjp(fwd["k"], p.get("k_norm"), cfg.norm_eps, merge(d_k_heads, Hkv))
+            d_q_merged, d_q_norm = rms_norm_vjp(fwd["q"], q_norm, cfg.norm_eps, merge(d_q_heads, H))
+            d_k_merged, d_k_norm = rms_norm_vjp(fwd["k"], k_norm, cfg.norm_eps, merge(d_k_heads, Hkv))
             d_q_heads, d_k_heads = split(d_q_merged, H), split(d_k_merged, Hkv)
         d_q_heads, d_k_heads, d_q_norm, d_k_norm = (r(a) for a in (d_q_heads, d_k_heads, d_q_norm, d_k_norm))
     stages.update(d_q_heads=d_q_heads, d_k_heads=d_k_heads)

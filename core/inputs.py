@@ -37,8 +37,9 @@ class MHAInputs:
     value: np.ndarray
     mask: np.ndarray | None
     batched: bool
-    positions: np.ndarray | None = None
-    kv_positions: np.ndarray | None = None
+    # Always set by prepare_inputs (the ignore tells a type checker so, once); None only here.
+    positions: np.ndarray = None  # type: ignore[assignment]
+    kv_positions: np.ndarray = None  # type: ignore[assignment]
 
     @property
     def batch(self) -> int:

@@ -74,12 +74,15 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
 
     # QK-norm: over each head's features after the split, or over the whole projection before it.
     q_normed, k_normed = q_heads, k_heads
+    q_norm, k_norm = p.get("q_norm"), p.get("k_norm")  # present exactly with qk_norm (validate_params)
     if cfg.qk_norm == "head":
-        q_normed = r(rms_norm(q_heads, p.get("q_norm"), cfg.norm_eps))  # (B, H, Nq, Dk)
-        k_normed = r(rms_norm(k_heads, p.get("k_norm"), cfg.norm_eps))  # (B, Hkv, Nk, Dk)
+        assert q_norm is not None and k_norm is not None
+        q_normed = r(rms_norm(q_heads, q_norm, cfg.norm_eps))  # (B, H, Nq, Dk)
+        k_normed = r(rms_norm(k_heads, k_norm, cfg.norm_eps))  # (B, Hkv, Nk, Dk)
     elif cfg.qk_norm == "projection":
-        q_normed = heads(r(rms_norm(q, p.get("q_norm"), cfg.norm_eps)), H, Dk)  # (B, H, Nq, Dk)
-        k_normed = heads(r(rms_norm(k, p.get("k_norm"), cfg.norm_eps)), Hkv, Dk)  # (B, Hkv, Nk, Dk)
+        assert q_norm is not None and k_norm is not None
+        q_normed = heads(r(rms_norm(q, q_norm, cfg.norm_eps)), H, Dk)  # (B, H, Nq, Dk)
+        k_normed = heads(r(rms_norm(k, k_norm, cfg.norm_eps)), Hkv, Dk)  # (B, Hkv, Nk, Dk)
     if cfg.qk_norm is not None:
         stages.update(q_normed=q_normed, k_normed=k_normed)
 

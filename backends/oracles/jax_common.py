@@ -121,7 +121,7 @@ class JaxOracle(Backend):
         empty = self._rows_empty_in_every_head(cfg, inputs)  # (B|1, Nq, 1) or None
         return OutputRows(
             rows=to_jax(empty, None, target),
-            b_o=to_jax(params.b_o if cfg.bias else np.zeros(cfg.d_model), dtype, target),
+            b_o=to_jax(params.b_o if cfg.output_bias else np.zeros(cfg.d_model), dtype, target),
             count=0 if empty is None else int(np.broadcast_to(empty, (inputs.batch, inputs.q_tokens, 1)).sum()),
         )
 

@@ -408,7 +408,9 @@ def _variant_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan, split,
         # (H,), or (Hkv, G) split like the heads; laid out against the scores in the pass (plan.sink)
         weights["sinks"] = params.sinks if cfg.group_size == 1 else split(params.sinks, "(g r) -> g r", sizes)
     if cfg.rel_buckets is not None:
-        weights["rel_bias"] = params.rel_bias  # (buckets, H): T5's table, gathered by bucket in the pass
+        # (buckets, H), or (buckets, Hkv, G) split like the heads: T5's table, gathered by bucket in the pass
+        rel = params.rel_bias
+        weights["rel_bias"] = rel if cfg.group_size == 1 else split(rel, "n (g r) -> n g r", sizes)
     return weights
 
 

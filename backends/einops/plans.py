@@ -94,7 +94,7 @@ class EinsumPlan:
     table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
     table_kv: str  # the same against k
     sink: str  # sinks, (H,) or split (Hkv, G) by `layer.canonical_weights` -> broadcastable against the scores
-    rel_bias: str  # T5's table gathered by bucket, (b, q, s, H) -> the layout of the scores
+    rel_bias: str  # T5's table (split (n, Hkv, G) by `layer.canonical_weights` under GQA) gathered -> the scores' layout
     # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
     # axes than the contract's; every other stage is shown as the pipeline holds it.
     stage_views: dict[str, str]
@@ -143,7 +143,7 @@ GQA_PLAN = EinsumPlan(
     table_q="b n k -> b n 1 1 k",
     table_kv="b n k -> b n 1 k",
     sink="g r -> 1 g 1 r 1",
-    rel_bias="b q s (g r) -> b g q r s",
+    rel_bias="b q s g r -> b g q r s",
     stage_views={
         "q_heads": "b n g r k -> b n (g r) k",
         "q_normed": "b n g r k -> b n (g r) k",

@@ -41,8 +41,9 @@ is, ``"(h k) -> h k"``). The sinks are split to broadcast against the scores (``
 ``"(g r) -> g r"`` once, then ``"g r -> 1 g 1 r 1"``). ALiBi's bias is made in NumPy at prepare time
 (`core.variants.alibi_bias`) and laid out like the mask; T5's table is gathered by bucket
 inside the pass (so its gradient flows) and the gathered ``(b, q, s, h)`` is put in the
-scores' layout by one named rearrange, ``"b q s h -> b h q s"``: the only rearrange of the
-forward pass that moves an axis, on a bias whose gather puts the head last.
+scores' layout by one named rearrange, ``"b q s h -> b h q s"`` (under GQA the table is split
+``"n (g r) -> n g r"`` first and the gather read ``"b q s g r -> b g q r s"``): the only
+rearrange of the forward pass that moves an axis, on a bias whose gather puts the head last.
 
 The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
 ``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
@@ -94,7 +95,7 @@ class EinsumPlan:
     table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
     table_kv: str  # the same against k
     sink: str  # sinks, (H,) or split (Hkv, G) by `layer.canonical_weights` -> broadcastable against the scores
-    rel_bias: str  # T5's table (split (n, Hkv, G) by `layer.canonical_weights` under GQA) gathered -> the scores' layout
+    rel_bias: str  # T5's table (split (n, Hkv, G) under GQA) gathered by bucket -> the scores' layout
     # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
     # axes than the contract's; every other stage is shown as the pipeline holds it.
     stage_views: dict[str, str]

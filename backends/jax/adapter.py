@@ -72,9 +72,8 @@ class JaxBackend(Backend):
             notes = dict(STAGE_NOTES)
             if cfg.rope is None:
                 for name in ("q", "k"):
-                    notes[f"{name}_rotated"] = (
-                        f"{name}_heads itself: no rotary embedding (cfg.rope is None); {XLA_LAYOUT}"
-                    )
+                    before = f"{name}_normed" if cfg.qk_norm is not None else f"{name}_heads"
+                    notes[f"{name}_rotated"] = f"{before} itself: no rotary embedding (cfg.rope is None); {XLA_LAYOUT}"
             return {
                 name: StageTensor(stages[name], axes, notes.get(name, XLA_LAYOUT), *variant_provenance(name, cfg))
                 for name, axes in stage_axes.items()

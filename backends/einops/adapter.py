@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, rotary_tables
 
 from .._inputs import convert_inputs
 from ..base import Backend, Prepared, check_device_name, tensor_to_numpy
@@ -21,6 +21,7 @@ from .layer import (
     canonical_weights,
     grouped_masks,
     run_pipeline,
+    score_tables,
     stage_tensors,
 )
 from .plans import (
@@ -31,6 +32,10 @@ from .vjp import prepare_einops_vjp  # the array library's own autodiff
 
 class EinopsBackend(Backend):
     """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
+
+    # Every variant with named axes, on every array library (`plans` shows how); the backward
+    # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.
+    variants = frozenset(VARIANTS)
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"
@@ -76,17 +81,20 @@ class EinopsBackend(Backend):
         if empty_rows_np is not None:
             info["empty_rows"] = int(empty_rows_np.sum())  # rows with no allowed key, in the mask's own broadcast form
 
+        scores_np = score_tables(cfg, inputs, plan, dtype)  # ALiBi's bias, T5's buckets: NumPy, untimed
+        bias_tables = {name: ops.asarray(table, cast=False) for name, table in scores_np.items()}
+
         def forward(*arrays):
-            return run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope)
+            return run_pipeline(ops, plan, *arrays, cfg=cfg)
 
         def stages_of(*arrays):
             record: dict = {}
-            run_pipeline(ops, plan, *arrays, scale=cfg.scale, rope=cfg.rope, record=record)
+            run_pipeline(ops, plan, *arrays, cfg=cfg, record=record)
             return record
 
-        args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables)
+        args = (weights, x_q, x_k, x_v, blocked, empty_rows, tables, bias_tables)
         if self.array_library == "jax":
-            # The closures capture ops (the dtype and device it converts to), the plan, scale and rope: all from these.
+            # The closures capture ops (the dtype and device it converts to), the plan and cfg: all from these.
             key = ("einops.jax", cfg, dtype, device)
             compiled = CompiledForward(forward, args, self.matmul_precision, key)
             jax_stages = lambda: stage_tensors(ops, plan, compiled.trace_and_run(stages_of), cfg.rope)  # noqa: E731

@@ -1,7 +1,9 @@
 """The einops pipeline: the einsum plans of `plans` run on NumPy, torch or JAX arrays.
 
 `NumpyOps`, `TorchOps` and `JaxOps` are the few array operations the pipeline needs that
-einops itself does not give (in-place updates, the masked softmax, conversions); `run_pipeline`
+einops itself does not give (in-place updates, the masked softmax, conversions, and the
+variants' arithmetic: rsqrt for RMSNorm, tanh for the softcap, the bias added, the softmax
+with a sink), each the library's own; `run_pipeline`
 is the forward pass, recorded stage by stage; `stage_tensors` says where each stage's memory
 comes from (a view, a copy or new), for the explainer.
 """
@@ -10,12 +12,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
+from mha_rosetta.core import STAGE_NAMES, MHAConfig, MHAInputs, MHAParams, allowed_positions
+from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 
 from .._layouts import XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from ..base import StageTensor
-from ..jax.common import block_until_ready, jax_target, softmax_with_empty_rows, to_jax
+from ..jax.common import (
+    block_until_ready,
+    capped,
+    jax_target,
+    plus_bias,
+    softmax_with_empty_rows,
+    softmax_with_sink,
+    to_jax,
+)
 from ..numpy.common import NumpyPrecision, softmax_inplace
 from ..torch.common import bool_tensor, optional_tensor
 from .plans import (
@@ -75,6 +86,34 @@ class NumpyOps:
         P = self.precision
         return P.store(softmax_inplace(P.operand(scores), empty_rows, axis=-1))
 
+    def rms_norm(self, x, weight, eps: float, pattern: str):
+        """``x * (mean of squares over ``pattern``'s reduced axes + eps)**-1/2 * weight`` (a new array)."""
+        import einops
+
+        P = self.precision
+        xs = P.operand(x)
+        mean_square = einops.reduce(xs * xs, pattern, "mean")
+        return P.store(xs / np.sqrt(mean_square + eps) * P.operand(weight))
+
+    def softcap(self, scores, cap: float):
+        P = self.precision
+        return P.store(cap * np.tanh(P.operand(scores) / cap))  # a new array: the scores are a stage
+
+    def add_score_bias(self, scores, bias):
+        P = self.precision
+        return P.store(P.operand(scores) + bias)  # the bias float32 or float64 (`score_tables`)
+
+    def take(self, table, index):
+        return table[index]
+
+    def softmax_with_sinks(self, scores, sinks):
+        """exp(s) / (exp(sink) + sum exp(s)) over the last axis; a row with no allowed key gives zeros."""
+        P = self.precision
+        s, sink = P.operand(scores), P.operand(sinks)
+        shift = np.maximum(s.max(axis=-1, keepdims=True), sink)  # finite: the sink is
+        exp = np.exp(s - shift)
+        return P.store(exp / (np.exp(sink - shift) + exp.sum(axis=-1, keepdims=True)))
+
     def snapshot(self, x):
         return x.copy()
 
@@ -132,6 +171,32 @@ class TorchOps(_EinopsOps):
         weights = self.torch.softmax(scores.masked_fill_(empty_rows, 0.0), dim=-1)
         return weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
 
+    def _compute(self, x):
+        """At least float32 (half precision computes the variants in float32, as the softmax does)."""
+        return x.float() if x.dtype in (self.torch.float16, self.torch.bfloat16) else x
+
+    def rms_norm(self, x, weight, eps: float, pattern: str):
+        import einops
+
+        xs = self._compute(x)
+        mean_square = einops.reduce(xs * xs, pattern, "mean")
+        return (xs * self.torch.rsqrt(mean_square + eps) * weight).to(x.dtype)
+
+    def softcap(self, scores, cap: float):
+        return (cap * self.torch.tanh(self._compute(scores) / cap)).to(scores.dtype)
+
+    def add_score_bias(self, scores, bias):
+        return (self._compute(scores) + bias).to(scores.dtype)  # out of place: autograd may need the scores
+
+    def take(self, table, index):
+        return table[index]
+
+    def softmax_with_sinks(self, scores, sinks):
+        s, sink = self._compute(scores), self._compute(sinks)
+        shift = self.torch.maximum(s.amax(dim=-1, keepdim=True), sink)  # finite: the sink is
+        exp = self.torch.exp(s - shift)
+        return (exp / (self.torch.exp(sink - shift) + exp.sum(dim=-1, keepdim=True))).to(scores.dtype)
+
     def snapshot(self, x):
         return x.clone()
 
@@ -165,6 +230,27 @@ class JaxOps(_EinopsOps):
     def softmax(self, scores, empty_rows):
         return softmax_with_empty_rows(scores)
 
+    def rms_norm(self, x, weight, eps: float, pattern: str):
+        import einops
+        import jax.numpy as jnp
+        from jax import lax
+
+        xs = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        mean_square = einops.reduce(xs * xs, pattern, "mean")
+        return (xs * lax.rsqrt(mean_square + eps) * weight).astype(x.dtype)
+
+    def softcap(self, scores, cap: float):
+        return capped(scores, cap)
+
+    def add_score_bias(self, scores, bias):
+        return plus_bias(scores, bias)
+
+    def take(self, table, index):
+        return table[index]
+
+    def softmax_with_sinks(self, scores, sinks):
+        return softmax_with_sink(scores, sinks)
+
     def snapshot(self, x):
         return x  # JAX arrays are immutable
 
@@ -194,6 +280,13 @@ def rotate_pairs(x, cos, sin, style: str, heads: str):
     return rotated if x_pass is None else einops.pack([rotated, x_pass], f"{heads} *")[0]  # (..., Dk)
 
 
+def _norm_pattern(heads: str, over: str) -> str:
+    """The einops.reduce pattern of QK-norm's mean of squares: over ``k`` ("head") or every head axis and ``k``."""
+    names = heads.split()  # "b n h" or "b n g r"
+    kept = names if over == "head" else names[:2] + ["1"] * (len(names) - 2)
+    return f"{heads} k -> {' '.join(kept)} 1"
+
+
 def run_pipeline(
     ops,
     plan: EinsumPlan,
@@ -204,38 +297,62 @@ def run_pipeline(
     blocked,
     empty_rows,
     tables=None,
+    score_tables=None,
     *,
-    scale: float,
-    rope: str | None = None,
+    cfg: MHAConfig,
     record: dict | None = None,
 ):
     """The forward pass in einsum form; ``record`` (a dict) receives the stage tensors when given.
 
+    ``score_tables`` (`score_tables`): ALiBi's bias in the scores' layout and T5's buckets, where on.
     Shapes below are for plain MHA; with GQA read (Hkv, G) for H in q and (Hkv, Nq, G)
     for (H, Nq) in the scores.
     """
     import einops
 
+    score_tables = score_tables or {}
     q = ops.einsum(plan.project_q, x_q, weights["w_q"])  # (B, Nq, H, Dk)
     k = ops.einsum(plan.project_k, x_k, weights["w_k"])  # (B, Nk, Hkv, Dk)
     v = ops.einsum(plan.project_v, x_v, weights["w_v"])  # (B, Nk, Hkv, Dv)
-    if weights["b_q"] is not None:
+    if weights["b_q"] is not None:  # bias="qkv": these three, and b_o is None below
         q = ops.add_bias(q, weights["b_q"])  # b_q as (H, Dk)
         k = ops.add_bias(k, weights["b_k"])  # b_k as (Hkv, Dk)
         v = ops.add_bias(v, weights["b_v"])  # b_v as (Hkv, Dv)
-    q_rotated, k_rotated = q, k  # without rope: the heads themselves
+    q_normed, k_normed = q, k
+    if cfg.qk_norm is not None:  # q_norm as (H, Dk) over the projection, (Dk,) per head
+        q_normed = ops.rms_norm(q, weights["q_norm"], cfg.norm_eps, _norm_pattern(plan.heads_q, cfg.qk_norm))
+        k_normed = ops.rms_norm(k, weights["k_norm"], cfg.norm_eps, _norm_pattern(plan.heads_kv, cfg.qk_norm))
+    q_rotated, k_rotated = q_normed, k_normed  # without rope: the (normed) heads themselves
     if tables is not None:
         q_cos, q_sin, k_cos, k_sin = tables  # (1|B, Nq, 1, r/2), (1|B, Nk, 1, r/2)
-        q_rotated = rotate_pairs(q, q_cos, q_sin, rope, plan.heads_q)  # (B, Nq, H, Dk)
-        k_rotated = rotate_pairs(k, k_cos, k_sin, rope, plan.heads_kv)  # (B, Nk, Hkv, Dk)
+        q_rotated = rotate_pairs(q_normed, q_cos, q_sin, cfg.rope, plan.heads_q)  # (B, Nq, H, Dk)
+        k_rotated = rotate_pairs(k_normed, k_cos, k_sin, cfg.rope, plan.heads_kv)  # (B, Nk, Hkv, Dk)
     # Scaling q (B*Nq*H*Dk numbers) is cheaper than scaling the scores (B*H*Nq*Nk).
-    scores = ops.einsum(plan.scores, ops.scale(q_rotated, scale), k_rotated)  # (B, H, Nq, Nk)
+    scores = ops.einsum(plan.scores, ops.scale(q_rotated, cfg.scale), k_rotated)  # (B, H, Nq, Nk)
+    order = ["scores"]  # the score stages made, in order
     if record is not None:
         record["scores"] = ops.snapshot(scores)  # the steps below may work in place
-    masked = scores if blocked is None else ops.mask(scores, blocked)
+    last = scores
+    if cfg.softcap is not None:
+        last = ops.softcap(last, cfg.softcap)  # (B, H, Nq, Nk)
+        order.append("capped_scores")
+        if record is not None:
+            record["capped_scores"] = ops.snapshot(last)
+    if cfg.has_score_bias:
+        bias = score_tables.get("alibi", 0.0)  # (1|B, H, Nq, Nk) in the scores' layout
+        if cfg.rel_buckets is not None:  # (1|B, Nq, Nk, H) gathered, then laid out as the scores
+            bias = bias + einops.rearrange(ops.take(weights["rel_bias"], score_tables["bucket"]), plan.rel_bias)
+        last = ops.add_score_bias(last, bias)
+        order.append("biased_scores")
+        if record is not None:
+            record["biased_scores"] = ops.snapshot(last)
+    masked = last if blocked is None else ops.mask(last, blocked)
     if record is not None:
         record["masked_scores"] = ops.snapshot(masked)
-    attention = ops.softmax(masked, empty_rows)  # (B, H, Nq, Nk)
+    if cfg.sinks:  # the sink in every denominator; rows with no allowed key come out zero by themselves
+        attention = ops.softmax_with_sinks(masked, einops.rearrange(weights["sinks"], plan.sink))
+    else:
+        attention = ops.softmax(masked, empty_rows)  # (B, H, Nq, Nk)
     context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
     merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
     output = ops.einsum(OUTPUT, merged, weights["w_o"])  # (B, Nq, D)
@@ -243,10 +360,12 @@ def run_pipeline(
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
         record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
+        if cfg.qk_norm is not None:
+            record.update(q_normed=q_normed, k_normed=k_normed)
         record.update(weights=attention, context=context, merged=merged, output=output)
         if ops.has_buffers:
             # The live buffers (not snapshots), to measure which step wrote into which.
-            record["buffers"] = {"scores": scores, "masked_scores": masked, "weights": attention}
+            record["buffers"] = {order[-1]: last, "masked_scores": masked, "weights": attention}
     return output
 
 
@@ -273,7 +392,48 @@ def canonical_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan) -> di
         "b_k": split(params.b_k, plan.bias_kv, kv_sizes),  # (Hkv, Dk)
         "b_v": split(params.b_v, plan.bias_kv, kv_sizes),  # (Hkv, Dv)
         "b_o": params.b_o,  # (D,)
+        **_variant_weights(cfg, params, plan, split, sizes, kv_sizes),
     }
+
+
+def _variant_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan, split, sizes, kv_sizes) -> dict:
+    """The variants' parameters the pipeline reads (only those present, as `MHAParams.as_dict` lists them)."""
+    weights = {}
+    if cfg.qk_norm == "projection":  # split like the biases: the projection's features are the heads'
+        weights["q_norm"] = split(params.q_norm, plan.bias_q, sizes)  # (H, Dk) or (Hkv, G, Dk)
+        weights["k_norm"] = split(params.k_norm, plan.bias_kv, kv_sizes)  # (Hkv, Dk)
+    elif cfg.qk_norm == "head":
+        weights["q_norm"], weights["k_norm"] = params.q_norm, params.k_norm  # (Dk,) each, every head's
+    if cfg.sinks:
+        # (H,), or (Hkv, G) split like the heads; laid out against the scores in the pass (plan.sink)
+        weights["sinks"] = params.sinks if cfg.group_size == 1 else split(params.sinks, "(g r) -> g r", sizes)
+    if cfg.rel_buckets is not None:
+        # (buckets, H), or (buckets, Hkv, G) split like the heads: T5's table, gathered by bucket in the pass
+        rel = params.rel_bias
+        weights["rel_bias"] = rel if cfg.group_size == 1 else split(rel, "n (g r) -> n g r", sizes)
+    return weights
+
+
+def score_tables(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan, dtype: str) -> dict[str, np.ndarray]:
+    """The NumPy tables the score bias reads, made at prepare time with `core.variants`.
+
+    ``alibi``: ALiBi's whole bias ``m_h (p_j - p_i)`` (`alibi_bias`, constants: the slopes are not
+    learned) laid out like the mask (``plan.mask``), float32 for half precision (the bias is
+    added in float32), else ``dtype``; ``bucket`` (1|B, Nq, Nk) int T5's buckets, which index
+    ``rel_bias`` inside the pass. Empty without ALiBi or relative bias.
+    """
+    import einops
+
+    tables: dict[str, np.ndarray] = {}
+    if cfg.alibi:
+        bias = alibi_bias(cfg.n_heads, inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk)
+        bias = einops.rearrange(bias, plan.mask, **axis_sizes(plan.mask, _head_sizes(cfg)))
+        tables["alibi"] = bias.astype(np.float64 if dtype == "float64" else np.float32)
+    if cfg.rel_buckets is not None:
+        distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk)
+        buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
+        tables["bucket"] = buckets.astype(np.int64)
+    return tables
 
 
 def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -326,8 +486,14 @@ def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
 
 def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, str, str | None]:
     """(note, relation, parent) of a pipeline stage but merged, as the forward pass made it."""
+    if name in ("q_normed", "k_normed"):
+        return "RMSNorm: einops.reduce(x * x, ..., 'mean'), then x * rsqrt(... + eps) * w", "new", f"{name[0]}_heads"
+    order = [stage for stage in ("scores", "capped_scores", "biased_scores") if stage in record]  # the last is masked
+    if name in ("capped_scores", "biased_scores"):
+        how = "softcap * tanh(s / softcap)" if name == "capped_scores" else "plus ALiBi / the gathered relative bias"
+        return how, "new", order[order.index(name) - 1]
     if name in ("q_rotated", "k_rotated"):
-        heads = f"{name[0]}_heads"
+        heads = f"{name[0]}_normed" if f"{name[0]}_normed" in record else f"{name[0]}_heads"
         if rope is None:
             return NO_ROPE_NOTE, "view", heads
         return (
@@ -337,7 +503,7 @@ def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, st
         )
     origin = _STAGE_ORIGINS.get(name, "")
     if name in _IN_PLACE_STEPS:
-        parent = _IN_PLACE_STEPS[name]
+        parent = order[-1] if name == "masked_scores" else _IN_PLACE_STEPS[name]
         if "buffers" in record and shares_memory(record["buffers"][name], record["buffers"][parent]):
             return f"{origin}, in place", "view", parent
         return origin, "new", parent
@@ -350,6 +516,8 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
 
     stages = {}
     for name, source in PIPELINE_TENSORS.items():
+        if source not in record:  # a variant's stage, and its variant is off
+            continue
         tensor, pattern = record[source], plan.stage_views.get(name)
         if name == "merged":
             note, relation = _rearranged(ops, record["merged"], record["context"], plan.merge)
@@ -360,7 +528,7 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
         if pattern is not None:  # the einsum's layout shown in the contract's axes, for inspection
             tensor = einops.rearrange(tensor, pattern)
             notes.append(f"shown as rearrange '{pattern}' of the einsum's {source}")
-        if ops.works_in_place and name in ("scores", "masked_scores"):
+        if ops.works_in_place and name in ("scores", "capped_scores", "biased_scores", "masked_scores"):
             notes.append("snapshot: the timed pass updates this buffer in place")
         stages[name] = StageTensor(tensor, STAGE_AXES[name], "; ".join(notes), relation, parent)
     for name, (heads, pattern) in MERGED_PROJECTIONS.items():
@@ -368,4 +536,4 @@ def stage_tensors(ops, plan: EinsumPlan, record: dict, rope: str | None = None) 
         tensor = einops.rearrange(source, pattern)  # (B, N, heads*d)
         note, relation = _rearranged(ops, tensor, source, pattern)
         stages[name] = StageTensor(tensor, STAGE_AXES[name], note, relation, heads)
-    return {name: stages[name] for name in STAGE_AXES}  # pipeline order
+    return {name: stages[name] for name in STAGE_NAMES if name in stages}  # pipeline order

@@ -34,12 +34,23 @@ features past ``r`` with ``einops.unpack``. No axis moves::
 
     pairs    = rearrange("b n h (k two) -> b n h k two")     # interleaved; "(two k)" for half
 
+The variants name their axes the same way. QK-norm takes the mean of squares with
+``einops.reduce``: over ``k`` per head (``"head"``: ``"b n h k -> b n h 1"``) or over the whole
+projection, ``(h k)`` (``"projection"``: ``"b n h k -> b n 1 1"``, its weight split as the bias
+is, ``"(h k) -> h k"``). The sinks are split to broadcast against the scores (``"h -> 1 h 1 1"``,
+``"(g r) -> g r"`` once, then ``"g r -> 1 g 1 r 1"``). ALiBi's bias is made in NumPy at prepare time
+(`core.variants.alibi_bias`) and laid out like the mask; T5's table is gathered by bucket
+inside the pass (so its gradient flows) and the gathered ``(b, q, s, h)`` is put in the
+scores' layout by one named rearrange, ``"b q s h -> b h q s"`` (under GQA the table is split
+``"n (g r) -> n g r"`` first and the gather read ``"b q s g r -> b g q r s"``): the only
+rearrange of the forward pass that moves an axis, on a bias whose gather puts the head last.
+
 The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
 ``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
 a few library ops, kept in one small namespace class per library (`NumpyOps`,
 `TorchOps`, `JaxOps`), which also does the in-place updates where the library allows
-them. In the forward pass every rearrange only splits or merges neighbouring axes (a
-reshape), and every change of axis order is an einsum output spec. The GQA scores are
+them. In the forward pass every rearrange but the relative bias's only splits or merges
+neighbouring axes (a reshape), and every change of axis order is an einsum output spec. The GQA scores are
 laid out ``(b, g, q, r, s)``, the order a batched matmul over (b, g) produces, so no
 library has to reorder the largest tensor after computing it. A test reads this
 module's source to prove it calls no transpose, permute, swapaxes or ``.T``.
@@ -60,6 +71,7 @@ from dataclasses import dataclass
 from mha_rosetta.core import MHAConfig
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES
+from ..jax.common import VARIANT_STAGE_AXES
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,8 @@ class EinsumPlan:
     heads_kv: str  # the same for k
     table_q: str  # rotary table (b, n, r/2) -> broadcastable against q
     table_kv: str  # the same against k
+    sink: str  # sinks, (H,) or split (Hkv, G) by `layer.canonical_weights` -> broadcastable against the scores
+    rel_bias: str  # T5's table (split (n, Hkv, G) under GQA) gathered by bucket -> the scores' layout
     # stage name -> rearrange to the stage's axes, for the stages this layout holds in other
     # axes than the contract's; every other stage is shown as the pipeline holds it.
     stage_views: dict[str, str]
@@ -105,6 +119,8 @@ MHA_PLAN = EinsumPlan(
     heads_kv="b n h",
     table_q="b n k -> b n 1 k",
     table_kv="b n k -> b n 1 k",
+    sink="h -> 1 h 1 1",
+    rel_bias="b q s h -> b h q s",
     stage_views={},
 )
 
@@ -127,10 +143,15 @@ GQA_PLAN = EinsumPlan(
     heads_kv="b n g",
     table_q="b n k -> b n 1 1 k",
     table_kv="b n k -> b n 1 k",
+    sink="g r -> 1 g 1 r 1",
+    rel_bias="b q s g r -> b g q r s",
     stage_views={
         "q_heads": "b n g r k -> b n (g r) k",
+        "q_normed": "b n g r k -> b n (g r) k",
         "q_rotated": "b n g r k -> b n (g r) k",
         "scores": "b g q r s -> b (g r) q s",
+        "capped_scores": "b g q r s -> b (g r) q s",
+        "biased_scores": "b g q r s -> b (g r) q s",
         "masked_scores": "b g q r s -> b (g r) q s",
         "weights": "b g q r s -> b (g r) q s",
         "context": "b q g r v -> b q (g r) v",
@@ -152,9 +173,12 @@ MERGED_PROJECTIONS = {
 # which the projection einsums write as q, k and v.
 PIPELINE_TENSORS = {name: name for name in TOKENS_FIRST_STAGE_AXES if name not in MERGED_PROJECTIONS}
 PIPELINE_TENSORS.update(q_heads="q", k_heads="k", v_heads="v")
+# The variants' stages, recorded under their own names when their variant is on.
+PIPELINE_TENSORS.update({name: name for name in VARIANT_STAGE_AXES})
 
-# Tokens first, heads after them, as the einsum output specs write them.
-STAGE_AXES = TOKENS_FIRST_STAGE_AXES
+# Tokens first, heads after them, as the einsum output specs write them (the variants'
+# stages too; `stage_tensors` returns those of the configuration, `jax.common.tokens_first_axes`).
+STAGE_AXES = {**TOKENS_FIRST_STAGE_AXES, **VARIANT_STAGE_AXES}
 
 
 def plan_for(cfg: MHAConfig) -> EinsumPlan:

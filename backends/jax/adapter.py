@@ -6,12 +6,14 @@ strategy, compiles the pass, wires `chunked` and `vjp` in and fills `Prepared.in
 
 from __future__ import annotations
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from typing import ClassVar
+
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from .._layouts import XLA_LAYOUT, xla_provenance
+from .._layouts import XLA_LAYOUT
 from ..base import STANDARD, Backend, Prepared, StageTensor
-from .chunked import CHUNKED_STAGE_AXES, chunked_attention
+from .chunked import CHUNKED_VARIANTS, chunked_attention, chunked_hidden
 from .common import (
     CompiledForward,
     check_matmul_precision,
@@ -21,9 +23,10 @@ from .common import (
     jax_params,
     jax_target,
     precision_info,
+    tokens_first_axes,
+    variant_provenance,
 )
 from .layer import (
-    STAGE_AXES,
     STAGE_NOTES,
     vmapped_pass,
 )
@@ -36,6 +39,10 @@ class JaxBackend(Backend):
     name = "jax"
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
     strategies = (STANDARD, CHUNKED)
+    # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries
+    # them all in its online softmax (`chunked`).
+    variants = frozenset(VARIANTS)
+    strategy_variants: ClassVar[dict[str, frozenset[str]]] = {CHUNKED: CHUNKED_VARIANTS}
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
         super().__init__(name)
@@ -51,11 +58,12 @@ class JaxBackend(Backend):
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
-        stage_axes, info, attend = STAGE_AXES, {}, None
+        stage_axes, info, attend, attend_extras = tokens_first_axes(cfg), {}, None, None
         if strategy == CHUNKED:
-            attend, chunk = chunked_attention(cfg, inputs, chunk)
-            stage_axes, info = CHUNKED_STAGE_AXES, {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE}
-        all_stages, forward, extras, key = vmapped_pass(cfg, inputs, dtype, target, attend, chunk)
+            attend, chunk, attend_extras, skipping = chunked_attention(cfg, inputs, chunk, dtype)
+            stage_axes = tokens_first_axes(cfg, chunked_hidden(cfg))
+            info = {"chunk": chunk, "stages": CHUNKED_STAGES_NOTE, "tile_skipping": skipping}
+        all_stages, forward, extras, key = vmapped_pass(cfg, inputs, dtype, target, attend, chunk, attend_extras)
 
         compiled = CompiledForward(forward, (weights, x_q, x_k, x_v, *extras), self.matmul_precision, key)
 
@@ -64,11 +72,10 @@ class JaxBackend(Backend):
             notes = dict(STAGE_NOTES)
             if cfg.rope is None:
                 for name in ("q", "k"):
-                    notes[f"{name}_rotated"] = (
-                        f"{name}_heads itself: no rotary embedding (cfg.rope is None); {XLA_LAYOUT}"
-                    )
+                    before = f"{name}_normed" if cfg.qk_norm is not None else f"{name}_heads"
+                    notes[f"{name}_rotated"] = f"{before} itself: no rotary embedding (cfg.rope is None); {XLA_LAYOUT}"
             return {
-                name: StageTensor(stages[name], axes, notes.get(name, XLA_LAYOUT), *xla_provenance(name, cfg.rope))
+                name: StageTensor(stages[name], axes, notes.get(name, XLA_LAYOUT), *variant_provenance(name, cfg))
                 for name, axes in stage_axes.items()
             }
 

@@ -4,14 +4,31 @@
 The recurrence is the one described in `_chunking`, written for one head as the JAX
 adapter writes everything: ``q (Nq, Dk)``, ``k (Nk, Dk)``, ``v (Nk, Dv)``. It replaces the
 adapter's attention step only (`layer._mha_one_item` takes it as ``attend``): the
-projections, rotary embedding, head split and merge are the adapter's own. XLA needs static
-shapes, so the token axes are padded up to whole blocks (padding keys are masked by
-their index, padding queries are cut off at the end): the blocks need not divide the
-token counts. `lax.map` walks the query blocks one after another (a `vmap` would hold
+projections, QK-norm, rotary embedding, head split and merge are the adapter's own. XLA
+needs static shapes, so the token axes are padded up to whole blocks (padding keys are
+masked by their index, padding queries are cut off at the end): the blocks need not divide
+the token counts. `lax.map` walks the query blocks one after another (a `vmap` would hold
 every tile at once); for each, `lax.fori_loop` walks the key blocks, and under a causal
 mask its trip count stops at the diagonal, so blocks above it are never computed. The
 causal mask is computed per tile from the indices; a user mask is read a tile at a time
 with `lax.dynamic_slice`. Under `vmap` each step computes one tile per head.
+
+The variants, carried tile by tile in the order of the stages:
+
+* the softcap and ALiBi are computed on each tile (ALiBi from the tile's positions:
+  ``slope * (p_j - p_i)``, no (Nq, Nk) table); T5's buckets are computed in NumPy at
+  prepare time (`core.variants.t5_buckets`, its float32 logarithm bit for bit) and read a
+  tile at a time like the user mask, the gather from ``rel_bias`` being the tile's own;
+* the window is computed per tile from the positions. With the default positions (the
+  indices) the key loop also starts at the first block the window reaches, and without
+  ``causal`` stops at the last, so whole tiles outside the window are never visited; with
+  other positions every tile is visited and masked (the positions need not be sorted);
+* the sinks start the online softmax: the running maximum starts at the head's sink
+  logit and the running total at ``exp(sink - sink) = 1``, so the sink is in every
+  denominator after the rescalings, and a row with no allowed key ends with a zero context.
+
+The scores, capped and biased scores and the weights are never held whole
+(`chunked_hidden`).
 """
 
 from __future__ import annotations
@@ -20,22 +37,53 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs
+from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
 from .._chunking import CHUNKED_HIDDEN_STAGES, resolve_chunk
-from .._layouts import TOKENS_FIRST_STAGE_AXES
 
-# Tokens first, like the rest of the JAX adapter; the score-like stages do not exist here.
-CHUNKED_STAGE_AXES = {name: axes for name, axes in TOKENS_FIRST_STAGE_AXES.items() if name not in CHUNKED_HIDDEN_STAGES}
+# Every variant is carried through the online softmax (the module docstring says how).
+CHUNKED_VARIANTS = frozenset(VARIANTS)
+# The variants' score stages, which the chunked step holds one tile at a time, like the scores.
+VARIANT_SCORE_STAGES = ("capped_scores", "biased_scores")
+
+
+def chunked_hidden(cfg: MHAConfig) -> tuple[str, ...]:
+    """The stages of ``cfg`` the chunked strategy never holds whole: every score-like stage."""
+    return tuple(dict.fromkeys((*CHUNKED_HIDDEN_STAGES, *VARIANT_SCORE_STAGES)))  # once, whoever lists them
 
 
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)  # ceil(n / block)
 
 
-def _chunked_one_head(q, k, v, allowed, *, scale, causal, q_block, k_block, n_k):
+def _key_block_range(q_start, n_k_blocks: int, *, cfg: MHAConfig, q_block: int, k_block: int, skip: bool):
+    """(first, stop) key blocks the query block starting at ``q_start`` must visit.
+
+    Causal (top-left, on the indices): keys from the block's last query + 1 on are masked, so
+    the loop stops there. ``skip`` (the positions are the indices): the window of W keys starts
+    W - 1 before the block's first query, and without causal ends W - 1 after its last.
+    """
+    import jax.numpy as jnp
+
+    first, stop = 0, n_k_blocks
+    if cfg.causal:
+        stop = jnp.minimum(n_k_blocks, (q_start + q_block + k_block - 1) // k_block)
+    if skip and cfg.window is not None:
+        first = jnp.maximum(0, (q_start - cfg.window + 1) // k_block)
+        if not cfg.causal:
+            stop = jnp.minimum(n_k_blocks, (q_start + q_block - 1 + cfg.window - 1) // k_block + 1)
+    return first, stop
+
+
+def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, k_block, n_k, skip):
     """Online-softmax attention of one head: q (Nq_pad, Dk), k (Nk_pad, Dk), v (Nk_pad, Dv),
-    allowed (Nq_pad, Nk_pad) or None; token axes padded to whole blocks. Returns (Nq_pad, Dv)."""
+    allowed (Nq_pad, Nk_pad) or None; token axes padded to whole blocks. Returns (Nq_pad, Dv).
+
+    ``head``: this head's ``sink``, ``slope`` and ``rel`` (buckets,) where its variants are on;
+    ``item``: this batch item's ``q_pos`` (Nq_pad,), ``k_pos`` (Nk_pad,) and ``bucket``
+    (Nq_pad, Nk_pad), where needed (`chunked_tables`).
+    """
     import jax.numpy as jnp
     from jax import lax
 
@@ -45,8 +93,9 @@ def _chunked_one_head(q, k, v, allowed, *, scale, causal, q_block, k_block, n_k)
 
     def one_query_block(i):
         q_start = i * q_block
-        queries = lax.dynamic_slice_in_dim(q, q_start, q_block) * scale  # (qb, Dk)
-        q_pos = q_start + jnp.arange(q_block)  # (qb,)
+        queries = lax.dynamic_slice_in_dim(q, q_start, q_block) * cfg.scale  # (qb, Dk)
+        q_idx = q_start + jnp.arange(q_block)  # (qb,)
+        q_pos = lax.dynamic_slice_in_dim(item["q_pos"], q_start, q_block) if "q_pos" in item else None  # (qb,)
 
         def one_key_block(j, carry):
             peak, total, acc = carry  # (qb, 1), (qb, 1), (qb, Dv)
@@ -54,10 +103,22 @@ def _chunked_one_head(q, k, v, allowed, *, scale, causal, q_block, k_block, n_k)
             keys = lax.dynamic_slice_in_dim(k, k_start, k_block)  # (kb, Dk)
             values = lax.dynamic_slice_in_dim(v, k_start, k_block)  # (kb, Dv)
             tile = queries @ keys.T  # (qb, kb): the one score tile of this head
-            k_pos = k_start + jnp.arange(k_block)  # (kb,)
-            ok = jnp.broadcast_to(k_pos[None, :] < n_k, tile.shape)  # padding keys are never attended to
-            if causal:
-                ok = ok & (k_pos[None, :] <= q_pos[:, None])
+            if cfg.softcap is not None:
+                tile = cfg.softcap * jnp.tanh(tile / cfg.softcap)
+            if q_pos is not None:
+                k_pos = lax.dynamic_slice_in_dim(item["k_pos"], k_start, k_block)  # (kb,)
+                distance = k_pos[None, :] - q_pos[:, None]  # (qb, kb): p_j - p_i
+            if cfg.alibi:
+                tile = tile + head["slope"].astype(compute) * distance.astype(compute)
+            if cfg.rel_buckets is not None:
+                bucket = lax.dynamic_slice(item["bucket"], (q_start, k_start), (q_block, k_block))  # (qb, kb)
+                tile = tile + head["rel"].astype(compute)[bucket]
+            k_idx = k_start + jnp.arange(k_block)  # (kb,)
+            ok = jnp.broadcast_to(k_idx[None, :] < n_k, tile.shape)  # padding keys are never attended to
+            if cfg.causal:
+                ok = ok & (k_idx[None, :] <= q_idx[:, None])
+            if cfg.window is not None:  # on the positions (core.variants.window_allowed)
+                ok = ok & ((distance > -cfg.window) if cfg.causal else (jnp.abs(distance) < cfg.window))
             if allowed is not None:  # a token axis of length 1 broadcasts (padding masks): read it whole
                 starts = [start if n > 1 else 0 for start, n in zip((q_start, k_start), allowed.shape, strict=True)]
                 sizes = [block if n > 1 else 1 for block, n in zip((q_block, k_block), allowed.shape, strict=True)]
@@ -70,15 +131,14 @@ def _chunked_one_head(q, k, v, allowed, *, scale, causal, q_block, k_block, n_k)
             rescale = jnp.exp(peak - shift)  # exp(old peak - new peak): 0 where nothing was seen
             return new_peak, total * rescale + p.sum(axis=-1, keepdims=True), acc * rescale + p @ values
 
-        # Causal (top-left): keys from the block's last query + 1 on are masked, so the loop stops there.
-        stop = jnp.minimum(n_k_blocks, (q_start + q_block + k_block - 1) // k_block) if causal else n_k_blocks
-        init = (
-            jnp.full((q_block, 1), -jnp.inf, compute),
-            jnp.zeros((q_block, 1), compute),
-            jnp.zeros((q_block, v.shape[-1]), compute),
-        )
-        _, total, acc = lax.fori_loop(0, stop, one_key_block, init)
-        # A query that saw no allowed key has total 0 and acc 0: dividing by 1 gives the spec's zero.
+        first, stop = _key_block_range(q_start, n_k_blocks, cfg=cfg, q_block=q_block, k_block=k_block, skip=skip)
+        acc = jnp.zeros((q_block, v.shape[-1]), compute)
+        if cfg.sinks:  # the sink is the first term of every row: peak = sink, total = exp(sink - sink) = 1
+            init = (jnp.full((q_block, 1), head["sink"], compute), jnp.ones((q_block, 1), compute), acc)
+        else:
+            init = (jnp.full((q_block, 1), -jnp.inf, compute), jnp.zeros((q_block, 1), compute), acc)
+        _, total, acc = lax.fori_loop(first, stop, one_key_block, init)
+        # A query that saw no allowed key has total 0 (or the sink's share) and acc 0: the spec's zero.
         return acc / jnp.where(total > 0, total, 1.0)  # (qb, Dv)
 
     n_q_blocks = q.shape[0] // q_block
@@ -93,11 +153,14 @@ def _pad_tokens(x, target: int):
     return jnp.pad(x, [(0, target - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-def _chunked_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis, chunk):
+def _chunked_all_heads(
+    q_heads, k_heads, v_heads, allowed, head, item, *, cfg: MHAConfig, head_mask_axis, chunk, skip: bool
+):
     """`_chunked_one_head` vmapped over the heads, the JAX adapter's way (`layer._attend_all_heads`).
 
     q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), rotated where rope is on;
-    ``allowed`` padded to whole blocks (`pad_mask_to_blocks`). Returns the context (Nq, H, Dv) only.
+    ``allowed`` padded to whole blocks (`pad_mask_to_blocks`); ``head`` (`layer.head_owned`) mapped
+    with the query heads, ``item`` (`chunked_tables`) shared by them. Returns the context (Nq, H, Dv) only.
     """
     import jax
 
@@ -108,24 +171,76 @@ def _chunked_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, he
     q_heads = _pad_tokens(q_heads, q_pad)  # (Nq_pad, H, Dk)
     k_heads = _pad_tokens(k_heads, k_pad)  # (Nk_pad, Hkv, Dk)
     v_heads = _pad_tokens(v_heads, k_pad)  # (Nk_pad, Hkv, Dv)
-    one_head = partial(_chunked_one_head, scale=cfg.scale, causal=cfg.causal, q_block=q_block, k_block=k_block, n_k=n_k)
+    one_head = partial(_chunked_one_head, cfg=cfg, q_block=q_block, k_block=k_block, n_k=n_k, skip=skip)
     if G == 1:
-        context = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=1)(q_heads, k_heads, v_heads, allowed)
+        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis, 0, None), out_axes=1)
+        context = over_heads(q_heads, k_heads, v_heads, allowed, head, item)  # (Nq_pad, H, Dv)
     else:
         # GQA as in the JAX adapter: the inner vmap shares a group's k and v (in_axes None), the outer maps the groups.
         q_groups = q_heads.reshape(q_pad, Hkv, G, Dk)  # (Nq_pad, Hkv, G, Dk)
-        over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis), out_axes=1)
-        over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis), out_axes=1)
-        context = over_groups(q_groups, k_heads, v_heads, allowed)  # (Nq_pad, Hkv, G, Dv)
+        head = {name: value.reshape(Hkv, G, *value.shape[1:]) for name, value in head.items()}  # (Hkv, G, ...)
+        over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis, 0, None), out_axes=1)
+        over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis, 0, None), out_axes=1)
+        context = over_groups(q_groups, k_heads, v_heads, allowed, head, item)  # (Nq_pad, Hkv, G, Dv)
     # (Nq, H, Dv): padding queries cut off, back in the storage dtype.
     return {"context": context[:n_q].reshape(n_q, H, Dv).astype(q_heads.dtype)}
 
 
-def chunked_attention(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] | None):
-    """(attend, chunk): the function that replaces `_attend_all_heads` in `layer._mha_one_item`,
-    and the blocks it uses (the defaults where None, cut to the token counts)."""
+def _positions_are_indices(inputs: MHAInputs) -> bool:
+    """True when the token positions are 0..N-1 (the defaults), so a window is a band of the indices."""
+    return all(
+        np.array_equal(positions, np.arange(positions.shape[-1])[None])
+        for positions in (inputs.positions, inputs.kv_positions)
+    )
+
+
+def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dtype: str) -> tuple[dict, dict]:
+    """The tables `_chunked_one_head` reads, padded to whole blocks, and their batch in_axes.
+
+    ``slopes`` (H,) ALiBi's per-head slopes (float32, float64 for float64; never per item), ``q_pos``/``k_pos`` (1|B, N_pad) int32 when the window or ALiBi reads the positions; ``bucket``
+    (1|B, Nq_pad, Nk_pad) int32, T5's buckets (`core.variants.t5_buckets`), with relative bias. A
+    table shared by every batch item loses its batch axis and is left unmapped. NumPy, untimed.
+    """
+    q_pad = _blocks(inputs.q_tokens, chunk[0]) * chunk[0]
+    k_pad = _blocks(inputs.kv_tokens, chunk[1]) * chunk[1]
+    tables = {}
+    if cfg.window is not None or cfg.alibi:
+        # Padding positions are never read: padding keys are masked by index, padding queries cut off.
+        tables["q_pos"] = np.pad(inputs.positions, [(0, 0), (0, q_pad - inputs.q_tokens)]).astype(np.int32)
+        tables["k_pos"] = np.pad(inputs.kv_positions, [(0, 0), (0, k_pad - inputs.kv_tokens)]).astype(np.int32)
+    if cfg.rel_buckets is not None:
+        distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk)
+        buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
+        pad = [(0, 0), (0, q_pad - inputs.q_tokens), (0, k_pad - inputs.kv_tokens)]
+        tables["bucket"] = np.pad(buckets, pad).astype(np.int32)  # (1|B, Nq_pad, Nk_pad)
+    axes = {}
+    if cfg.alibi:
+        float_dtype = np.float64 if dtype == "float64" else np.float32
+        tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
+    for name, table in tables.items():
+        if name == "slopes":
+            continue
+        shared = table.shape[0] == 1
+        tables[name], axes[name] = (table[0], None) if shared else (table, 0)
+    return tables, axes
+
+
+def chunked_attention(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] | None, dtype: str):
+    """(attend, chunk, (tables, axes), skipping): the function that replaces `_attend_all_heads` in
+    `layer._mha_one_item`, the blocks it uses (the defaults where None, cut to the token counts),
+    its per-item tables (`chunked_tables`) and, in words, which tiles it skips (for ``Prepared.info``).
+    ``attend``'s keywords are everything it closes over (`layer.vmapped_pass` keys the program by them)."""
     chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
-    return partial(_chunked_all_heads, chunk=chunk), chunk
+    skip = cfg.window is not None and _positions_are_indices(inputs)
+    skipping = "key blocks above the diagonal" if cfg.causal else "none"
+    if cfg.window is not None:
+        skipping = (
+            f"key blocks outside the window of {cfg.window} (and above the diagonal)"
+            if skip
+            else "none by index (custom positions): every tile masked by the window on the positions"
+        )
+    attend = partial(_chunked_all_heads, chunk=chunk, skip=skip)
+    return attend, chunk, chunked_tables(cfg, inputs, chunk, dtype), skipping
 
 
 def pad_mask_to_blocks(allowed, inputs: MHAInputs, chunk: tuple[int, int]):

@@ -36,9 +36,19 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, numpy_dtype, rotary_tables
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    allowed_positions,
+    numpy_dtype,
+    rotary_tables,
+    stage_names,
+)
+from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
 from .._inputs import convert_inputs
+from .._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
 from ..base import Prepared, tensor_to_numpy
 
 # Re-exported: the precision and device facts live in the framework layer.
@@ -134,6 +144,126 @@ def softmax_with_empty_rows(masked_scores):
     # A row with an allowed key holds exp(0) = 1 at its maximum, so total >= 1 and the
     # maximum changes nothing; an empty row has total 0 and exp 0, so it stays 0 / 1 = 0.
     return (exp / jnp.maximum(total, 1)).astype(masked_scores.dtype)
+
+
+# -- the variants (`core.variants`), in jnp ---------------------------------------------------
+# The tables (ALiBi's slopes and distances, T5's buckets) are computed in NumPy at prepare time
+# with `core.variants` and passed in as arguments, the way the rotary tables are; every
+# operation on the queries, keys and scores (RMSNorm, softcap, adding the bias, the sinks in
+# the softmax) is jnp's. Half precision computes each of them in float32 and rounds the result
+# back, as the softmax does.
+
+# The variant stages in the tokens-first layout of every JAX pass (and of einops): the normed
+# heads as the heads, the capped and biased scores as the scores.
+VARIANT_STAGE_AXES = {
+    "q_normed": TOKENS_FIRST_STAGE_AXES["q_heads"],
+    "k_normed": TOKENS_FIRST_STAGE_AXES["k_heads"],
+    "capped_scores": TOKENS_FIRST_STAGE_AXES["scores"],
+    "biased_scores": TOKENS_FIRST_STAGE_AXES["scores"],
+}
+
+
+def tokens_first_axes(cfg: MHAConfig, hidden: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """The axes of every stage of ``cfg``'s pipeline (`core.stage_names`) but ``hidden``, tokens first, in order."""
+    axes = {**TOKENS_FIRST_STAGE_AXES, **VARIANT_STAGE_AXES}
+    return {name: axes[name] for name in stage_names(cfg) if name not in hidden}
+
+
+def variant_provenance(name: str, cfg: MHAConfig) -> tuple[str, str | None]:
+    """(relation, parent) of stage ``name`` of an XLA pass, the variants' stages included: QK-norm makes
+    the normed heads from the heads (a new tensor) and the rotary turns those; the score variants are
+    each made from the score stage before them (`core.stages` order)."""
+    if name in ("q_normed", "k_normed"):
+        return "new", f"{name[0]}_heads"
+    if name in ("q_rotated", "k_rotated") and cfg.qk_norm is not None:
+        return ("view" if cfg.rope is None else "new"), f"{name[0]}_normed"
+    names = stage_names(cfg)
+    if name in ("capped_scores", "biased_scores", "masked_scores"):
+        return "new", names[names.index(name) - 1]
+    return xla_provenance(name, cfg.rope)
+
+
+def _compute_dtype(dtype):
+    import jax.numpy as jnp
+
+    return jnp.promote_types(dtype, jnp.float32)  # half precision computes in float32
+
+
+def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):
+    """RMSNorm over the last axis, ``x * rsqrt(mean(x**2) + eps) * weight`` (`core.variants.rms_norm`).
+
+    ``sum_squares(s, width)`` -> ``(s, width)`` lets a sharded pass replace the local sum of
+    squares (..., 1) and width by the whole projection's (a psum); None: this array is all of it.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+
+    compute = _compute_dtype(x.dtype)
+    xc = x.astype(compute)
+    total, width = jnp.sum(xc * xc, axis=-1, keepdims=True), x.shape[-1]  # (..., 1)
+    if sum_squares is not None:
+        total, width = sum_squares(total, width)
+    return (xc * lax.rsqrt(total / width + eps) * weight.astype(compute)).astype(x.dtype)
+
+
+def capped(scores, cap: float):
+    """The softcap ``cap * tanh(scores / cap)`` (`core.variants.softcap`), in at least float32."""
+    import jax.numpy as jnp
+
+    compute = _compute_dtype(scores.dtype)
+    return (cap * jnp.tanh(scores.astype(compute) / cap)).astype(scores.dtype)
+
+
+def plus_bias(scores, bias):
+    """``scores + bias``: the bias (float32 or float64, `score_bias_inputs`) added in at least float32."""
+    return (scores.astype(_compute_dtype(scores.dtype)) + bias).astype(scores.dtype)
+
+
+def softmax_with_sink(masked_scores, sink):
+    """Softmax over the last axis with one sink logit in every denominator (`core.variants.softmax_with_sinks`).
+
+    ``a_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``. The shift is ``max(row max, sink)``, finite
+    because the sink is, so a row with no allowed key gives exp(-inf) = 0 over exp(0) = 1: zeros,
+    the spec's answer, without a special case. ``sink`` None: `softmax_with_empty_rows`.
+    """
+    import jax.numpy as jnp
+
+    if sink is None:
+        return softmax_with_empty_rows(masked_scores)
+    compute = _compute_dtype(masked_scores.dtype)
+    scores, sink = masked_scores.astype(compute), sink.astype(compute)
+    shift = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)  # (..., 1)
+    exp = jnp.exp(scores - shift)
+    return (exp / (jnp.exp(sink - shift) + jnp.sum(exp, axis=-1, keepdims=True))).astype(masked_scores.dtype)
+
+
+def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[dict, dict]:
+    """The NumPy tables the score bias reads, and their batch in_axes for a vmap over the batch items.
+
+    ``slopes`` (H,) ALiBi's `alibi_slopes` (per head, never per item: in_axes None), ``distance``
+    (1|B, Nq, Nk) ``p_j - p_i`` as float (ALiBi), ``bucket`` (1|B, Nq, Nk) int32 T5's bucket of each
+    (query, key) pair, which indexes ``params.rel_bias`` inside the traced pass (so its gradient
+    flows). A table shared by every batch item loses its batch axis and is left unmapped. The
+    floats are float32 for half precision (the bias is added in float32, `plus_bias`), else ``dtype``.
+    Empty dicts without ALiBi or relative bias.
+    """
+    tables: dict = {}
+    axes: dict = {}
+    if not cfg.has_score_bias:
+        return tables, axes
+    float_dtype = np.float64 if dtype == "float64" else np.float32
+    distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk) int64
+    if cfg.alibi:
+        tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
+        tables["distance"] = distance.astype(float_dtype)
+    if cfg.rel_buckets is not None:
+        buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
+        tables["bucket"] = buckets.astype(np.int32)  # (1|B, Nq, Nk)
+    for name in ("distance", "bucket"):
+        if name in tables:
+            shared = tables[name].shape[0] == 1
+            tables[name], axes[name] = (tables[name][0], None) if shared else (tables[name], 0)
+    return tables, axes
 
 
 def allowed_for_heads(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:

@@ -19,6 +19,15 @@ The rotary embedding (``cfg.rope``) is written the same way: `_rotate_one_head` 
 features of one head, ``x (N, Dk)`` with tables ``(N, r/2)``, and is vmapped over the
 heads of q and of k (the tables unmapped: every head sees the same angles).
 
+The variants (`core.variants`) are written the same way. QK-norm normalises the merged
+projection ``(N, H*Dk)`` before the split (``"projection"``) or the heads ``(N, H, Dk)`` after
+it (``"head"``). Everything a head owns travels with it through the head vmaps in one dict:
+its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
+each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
+(ALiBi's distances, T5's buckets) are mapped by the batch vmap only. `_attend_one_head` then
+softcaps, adds the bias, masks and takes the softmax with the sink, in the order of the stages.
+Which variants are on is read from the static config, never from a traced value.
+
 Every head axis is mapped where it lies (``in_axes=1``: tokens stay first), and the
 context comes back with ``out_axes=1`` as ``(Nq, H, Dv)``, so neither the head split nor
 the merge needs a transpose: both are reshapes. Where XLA puts things in memory is its
@@ -30,26 +39,36 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from mha_rosetta.core import MHAConfig, MHAInputs, linear
+from mha_rosetta.core import MHAConfig, MHAInputs, linear, stage_names
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
 from .chunked import pad_mask_to_blocks
 from .common import (
     allowed_for_heads,
+    capped,
     jax_rotary_tables,
+    plus_bias,
+    rms_norm_last_axis,
     rotate_last_axis,
-    softmax_with_empty_rows,
+    score_bias_inputs,
+    softmax_with_sink,
     to_jax,
 )
 
-# The per-head results of `_attend_one_head`, and where vmap puts the head axis of each:
-# score-like tensors get the head axis first, (H, Nq, Nk); the context keeps tokens first,
-# (Nq, H, Dv), so that merging heads is a reshape.
-_HEAD_OUT_AXES = {"scores": 0, "masked_scores": 0, "weights": 0, "context": 1}
+# The score-like results of `_attend_one_head` (head axis first from the vmap, (H, Nq, Nk));
+# the context keeps tokens first, (Nq, H, Dv), so that merging heads is a reshape.
+_SCORE_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
 
 
-# The axes of every stage as `_mha_one_item` returns them (batched by the outer vmap):
-# tokens first, heads after them, so that the split and the merge are reshapes.
+def _head_out_axes(cfg: MHAConfig) -> dict[str, int]:
+    """Where the head vmaps put the head axis of each result of `_attend_one_head` for ``cfg``."""
+    present = set(stage_names(cfg))
+    return {**{name: 0 for name in _SCORE_STAGES if name in present}, "context": 1}
+
+
+# The axes of the 2017-23 stages as `_mha_one_item` returns them (batched by the outer vmap):
+# tokens first, heads after them, so that the split and the merge are reshapes. A
+# configuration's own list, the variants' stages included, is `common.tokens_first_axes(cfg)`.
 STAGE_AXES = TOKENS_FIRST_STAGE_AXES
 
 STAGE_NOTES = {
@@ -59,22 +78,54 @@ STAGE_NOTES = {
     "v_heads": f"reshape of v; vmap maps axis 1; {XLA_LAYOUT}",
     "q_rotated": f"_rotate_one_head vmapped over the heads (in_axes=1, out_axes=1); {XLA_LAYOUT}",
     "k_rotated": f"_rotate_one_head vmapped over the kv heads; {XLA_LAYOUT}",
+    "q_normed": f"RMSNorm (x * rsqrt(mean(x**2) + eps) * w) over the last axis; {XLA_LAYOUT}",
+    "k_normed": f"RMSNorm of the keys, the same way; {XLA_LAYOUT}",
+    "capped_scores": f"softcap * tanh(scores / softcap) per head; {XLA_LAYOUT}",
+    "biased_scores": f"plus the head's ALiBi slope * (p_j - p_i) and/or rel_bias.T[h][bucket]; {XLA_LAYOUT}",
     "scores": f"vmap out_axes=0 puts heads first; {XLA_LAYOUT}",
     "context": f"vmap out_axes=1 keeps tokens first; {XLA_LAYOUT}",
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {XLA_LAYOUT}",
 }
 
 
-def _attend_one_head(q, k, v, allowed, *, scale: float):
-    """Attention of one head, unbatched: q (Nq, Dk), k (Nk, Dk), v (Nk, Dv), allowed (Nq, Nk) or None."""
+def _attend_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig):
+    """Attention of one head, unbatched: q (Nq, Dk), k (Nk, Dk), v (Nk, Dv), allowed (Nq, Nk) or None.
+
+    ``head``: what this head owns (``sink`` (), ``slope`` (), ``rel`` (buckets,)), the entries its
+    variants need; ``item``: this batch item's tables (``distance`` (Nq, Nk), ``bucket`` (Nq, Nk)).
+    """
     import jax.numpy as jnp
 
     # Scaling q costs Nq*Dk multiplies instead of Nq*Nk on the scores (equinox and flax do the same).
-    scores = (q * scale) @ k.T  # (Nq, Nk)
-    masked = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
-    weights = softmax_with_empty_rows(masked)  # (Nq, Nk)
+    scores = (q * cfg.scale) @ k.T  # (Nq, Nk)
+    stages = {"scores": scores}
+    last = scores
+    if cfg.softcap is not None:
+        last = stages["capped_scores"] = capped(last, cfg.softcap)  # (Nq, Nk)
+    if cfg.has_score_bias:
+        bias = 0.0
+        if cfg.alibi:
+            bias = head["slope"] * item["distance"]  # (Nq, Nk): m_h (p_j - p_i)
+        if cfg.rel_buckets is not None:
+            bias = bias + head["rel"][item["bucket"]]  # (Nq, Nk): a gather of this head's bucket column
+        last = stages["biased_scores"] = plus_bias(last, bias)
+    masked = last if allowed is None else jnp.where(allowed, last, -jnp.inf)
+    weights = softmax_with_sink(masked, head.get("sink"))  # (Nq, Nk)
     context = weights @ v  # (Nq, Dv)
-    return {"scores": scores, "masked_scores": masked, "weights": weights, "context": context}
+    return {**stages, "masked_scores": masked, "weights": weights, "context": context}
+
+
+def head_owned(cfg: MHAConfig, params: dict, score_tables: dict) -> dict:
+    """What each query head owns for `_attend_one_head`, every entry (H, ...): sinks, ALiBi slopes, and
+    T5's table as ``rel_bias.T`` (H, buckets) (a transpose inside the traced pass: its gradient flows back)."""
+    head = {}
+    if cfg.sinks:
+        head["sink"] = params["sinks"]  # (H,)
+    if cfg.alibi:
+        head["slope"] = score_tables["slopes"]  # (H,)
+    if cfg.rel_buckets is not None:
+        head["rel"] = params["rel_bias"].T  # (buckets, H) -> (H, buckets)
+    return head
 
 
 def _rotate_one_head(x, cos, sin, *, style: str):
@@ -91,10 +142,11 @@ def _rotate_heads(heads, cos, sin, *, style: str | None):
     return jax.vmap(partial(_rotate_one_head, style=style), in_axes=(1, None, None), out_axes=1)(heads, cos, sin)
 
 
-def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, head_mask_axis: int | None):
+def _attend_all_heads(q_heads, k_heads, v_heads, allowed, head, item, *, cfg: MHAConfig, head_mask_axis: int | None):
     """`_attend_one_head` vmapped over every query head.
 
-    q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), the rotated ones where rope is on.
+    q_heads (Nq, H, Dk), k_heads (Nk, Hkv, Dk), v_heads (Nk, Hkv, Dv), the rotated ones where rope is on;
+    ``head`` (`head_owned`) mapped with the query heads, ``item`` shared by them.
 
     Returns scores-like stages (H, Nq, Nk) and the context (Nq, H, Dv).
     """
@@ -102,48 +154,90 @@ def _attend_all_heads(q_heads, k_heads, v_heads, allowed, *, cfg: MHAConfig, hea
 
     n_q, n_k = q_heads.shape[0], k_heads.shape[0]
     H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
-    one_head = partial(_attend_one_head, scale=cfg.scale)
+    one_head = partial(_attend_one_head, cfg=cfg)
+    out_axes = _head_out_axes(cfg)
     if G == 1:
         # Plain MHA: one vmap, every head with its own k and v. (A double vmap with G = 1
         # would compute the same numbers but costs XLA a copy of the scores.)
-        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
-        return over_heads(q_heads, k_heads, v_heads, allowed)
+        over_heads = jax.vmap(one_head, in_axes=(1, 1, 1, head_mask_axis, 0, None), out_axes=out_axes)
+        return over_heads(q_heads, k_heads, v_heads, allowed, head, item)
     q_heads = q_heads.reshape(n_q, Hkv, G, Dk)  # (Nq, Hkv, G, Dk): query head h = g*G + r
+    head = {name: value.reshape(Hkv, G, *value.shape[1:]) for name, value in head.items()}  # (Hkv, G, ...)
     # Inner vmap: the G query heads of one group share that group's k and v (in_axes None).
-    over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis), out_axes=_HEAD_OUT_AXES)
+    over_group = jax.vmap(one_head, in_axes=(1, None, None, head_mask_axis, 0, None), out_axes=out_axes)
     # Outer vmap: the Hkv groups, each with its own k and v.
-    over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis), out_axes=_HEAD_OUT_AXES)
-    heads = over_groups(q_heads, k_heads, v_heads, allowed)  # scores (Hkv, G, Nq, Nk), context (Nq, Hkv, G, Dv)
+    over_groups = jax.vmap(over_group, in_axes=(1, 1, 1, head_mask_axis, 0, None), out_axes=out_axes)
+    heads = over_groups(
+        q_heads, k_heads, v_heads, allowed, head, item
+    )  # scores (Hkv, G, Nq, Nk), context (Nq, Hkv, G, Dv)
     # (XLA:CPU still copies the GQA scores once to reorder them; the plain-MHA path does not.)
-    stages = {name: heads[name].reshape(H, n_q, n_k) for name in ("scores", "masked_scores", "weights")}  # (H, Nq, Nk)
+    stages = {name: heads[name].reshape(H, n_q, n_k) for name in out_axes if name != "context"}  # (H, Nq, Nk)
     return {**stages, "context": heads["context"].reshape(n_q, H, Dv)}  # context (Nq, H, Dv)
 
 
-def _mha_one_item(params, x_q, x_k, x_v, allowed, tables, *, cfg: MHAConfig, head_mask_axis: int | None, attend=None):
+def _qk_normed(cfg: MHAConfig, params: dict, q, k, q_heads, k_heads, sum_squares=None):
+    """The queries and keys after QK-norm, as heads (Nq, H, Dk) and (Nk, Hkv, Dk); the heads without it.
+
+    ``"projection"``: RMSNorm of the merged projections (N, heads*Dk), then the same reshape as the
+    split; ``"head"``: of each head's Dk features, one (Dk,) weight broadcast over the heads.
+    ``sum_squares``: a sharded pass's reduction of the projection statistics (`rms_norm_last_axis`).
+    """
+    eps = cfg.norm_eps
+    if cfg.qk_norm == "projection":
+        q_normed = rms_norm_last_axis(q, params["q_norm"], eps, sum_squares).reshape(q_heads.shape)  # (Nq, H, Dk)
+        k_normed = rms_norm_last_axis(k, params["k_norm"], eps, sum_squares).reshape(k_heads.shape)  # (Nk, Hkv, Dk)
+        return q_normed, k_normed
+    if cfg.qk_norm == "head":
+        return rms_norm_last_axis(q_heads, params["q_norm"], eps), rms_norm_last_axis(k_heads, params["k_norm"], eps)
+    return q_heads, k_heads
+
+
+def _mha_one_item(
+    params,
+    x_q,
+    x_k,
+    x_v,
+    allowed,
+    tables,
+    score_tables,
+    *,
+    cfg: MHAConfig,
+    head_mask_axis: int | None,
+    attend=None,
+    sum_squares=None,
+):
     """Every stage for one batch item: x_q (Nq, D), x_k (Nk, kdim), x_v (Nk, vdim).
 
     ``allowed`` is None, (Nq, Nk) shared by all heads (head_mask_axis None), or per head
     (head_mask_axis 0): (H, Nq, Nk) without GQA, (Hkv, G, Nq, Nk) with it. ``tables`` is
-    None or the rotary (q_cos, q_sin, k_cos, k_sin) of this item, (N, r/2) each. ``attend``
-    replaces `_attend_all_heads` (the chunked strategy's, which returns the context only).
+    None or the rotary (q_cos, q_sin, k_cos, k_sin) of this item, (N, r/2) each.
+    ``score_tables``: the score bias's tables of this item (`common.score_bias_inputs`; an
+    empty dict without ALiBi or relative bias). ``attend`` replaces `_attend_all_heads` (the
+    chunked strategy's, which returns the context only). ``sum_squares``: see `_qk_normed`.
     """
     n_q, n_k = x_q.shape[0], x_k.shape[0]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     q = linear(x_q, params["w_q"], params["b_q"])  # (Nq, H*Dk)
     k = linear(x_k, params["w_k"], params["b_k"])  # (Nk, Hkv*Dk)
-    v = linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (Nk, Hkv*Dv); bias="qkv": b_o is None below
     q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
     k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
     v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
+    q_normed, k_normed = _qk_normed(cfg, params, q, k, q_heads, k_heads, sum_squares)
     q_cos, q_sin, k_cos, k_sin = (None,) * 4 if tables is None else tables
-    q_rotated = _rotate_heads(q_heads, q_cos, q_sin, style=cfg.rope)  # (Nq, H, Dk)
-    k_rotated = _rotate_heads(k_heads, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
+    q_rotated = _rotate_heads(q_normed, q_cos, q_sin, style=cfg.rope)  # (Nq, H, Dk)
+    k_rotated = _rotate_heads(k_normed, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
+    head = head_owned(cfg, params, score_tables)
+    item = {name: value for name, value in score_tables.items() if name != "slopes"}
     attend = _attend_all_heads if attend is None else attend
-    heads = attend(q_rotated, k_rotated, v_heads, allowed, cfg=cfg, head_mask_axis=head_mask_axis)
+    heads = attend(q_rotated, k_rotated, v_heads, allowed, head, item, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
     output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
-    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
-    return {**stages, "k_rotated": k_rotated, **heads, "merged": merged, "output": output}
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
+    if cfg.qk_norm is not None:
+        stages.update(q_normed=q_normed, k_normed=k_normed)
+    stages.update(q_rotated=q_rotated, k_rotated=k_rotated)
+    return {**stages, **heads, "merged": merged, "output": output}
 
 
 def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):
@@ -181,31 +275,39 @@ def batched_tables(tables: tuple | None) -> tuple:
     )
 
 
-def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=None, chunk=None):
+def vmapped_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target, attend=None, chunk=None, attend_extras=None):
     """Every stage vmapped over heads and batch, the output-only forward, its extra arguments on
     ``target``, and the key that names this program (`common.shared_program`).
 
-    The extras are the mask and the rotary tables: ``forward(params, x_q, x_k, x_v, *extras)``.
-    ``attend`` and ``chunk``: the chunked strategy's attention step and its blocks, from
-    `chunked.chunked_attention` (so ``chunk`` says everything ``attend`` closes over).
+    The extras are the mask, the rotary tables and the score bias's tables:
+    ``forward(params, x_q, x_k, x_v, *extras)``. ``attend`` and ``chunk``: the chunked strategy's
+    attention step (a partial whose keywords say everything it closes over) and its blocks, from
+    `chunked.chunked_attention`, and ``attend_extras`` its per-item tables with their batch axes
+    (`chunked.chunked_tables`), passed in place of the score bias's tables.
     """
     import jax
 
     if attend is not None and chunk is None:
         raise ValueError("vmapped_pass: attend (the chunked step) needs the chunk it was made for; got chunk=None")
 
-    mask_cfg = cfg if attend is None else dataclasses.replace(cfg, causal=False)  # chunked: causal per tile
+    # The chunked step computes causality and the window per tile: its mask is the user's only.
+    mask_cfg = cfg if attend is None else dataclasses.replace(cfg, causal=False, window=None)
     allowed, batch_axis, head_axis = mask_for_vmap(mask_cfg, inputs)
     if attend is not None:
         allowed = pad_mask_to_blocks(allowed, inputs, chunk)
     tables, table_axes = batched_tables(jax_rotary_tables(cfg, inputs, dtype, target))
+    score_tables, score_axes = score_bias_inputs(cfg, inputs, dtype) if attend is None else attend_extras
+    score_tables = {name: to_jax(value, None, target) for name, value in score_tables.items()}
     one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis, attend=attend)
-    all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
+    all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, score_axes))
 
-    def forward(params, x_q, x_k, x_v, allowed, tables):
+    def forward(params, x_q, x_k, x_v, allowed, tables, score_tables):
         # Unused stages are dead code to XLA: the compiled forward computes only the output.
-        return all_stages(params, x_q, x_k, x_v, allowed, tables)["output"]
+        return all_stages(params, x_q, x_k, x_v, allowed, tables, score_tables)["output"]
 
-    # What the closures capture: the config, the chunked blocks, and the vmap axes (from the mask and table shapes).
-    key = ("jax.layer", cfg, None if attend is None else tuple(chunk), batch_axis, head_axis, table_axes)
-    return all_stages, forward, (to_jax(allowed, None, target), tables), key
+    # What the closures capture: the config, the chunked step's keywords (its blocks and whether it skips tiles
+    # by index), and the vmap axes (from the mask and table shapes).
+    axes = tuple(sorted(score_axes.items()))
+    attend_key = None if attend is None else tuple(sorted(attend.keywords.items()))
+    key = ("jax.layer", cfg, attend_key, batch_axis, head_axis, table_axes, axes)
+    return all_stages, forward, (to_jax(allowed, None, target), tables, score_tables), key

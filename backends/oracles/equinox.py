@@ -1,4 +1,11 @@
-"""The equinox oracle: ``equinox.nn.MultiheadAttention`` fed the canonical parameters (see `jax_common`)."""
+"""The equinox oracle: ``equinox.nn.MultiheadAttention`` fed the canonical parameters (see `jax_common`).
+
+The variants it can express: the window (in the boolean mask, `core.inputs.allowed_positions`)
+and ``bias="qkv"`` (its four ``use_*_bias`` switches are separate, so the output projection goes
+without). Everything on the scores is out of reach: the module computes the logits, the
+softmax and the weighted sum in one call, and its one hook, ``process_heads``, sees only q, k
+and v. The rest is unsupported, each with its reason (`unsupported_reason`).
+"""
 
 from __future__ import annotations
 
@@ -42,9 +49,25 @@ class EquinoxMHAOracle(JaxOracle):
         "rotary: the library's own eqx.nn.RotaryPositionalEmbedding, applied through the module's process_heads "
         "hook; it rotates halves (rope='half') at positions 0..N-1 only, so 'interleaved' and custom positions "
         "are unsupported (partial rotary: the module turns the first rope_dims features, the hook passes the rest)",
+        "window: in the boolean mask; bias='qkv': use_query/key/value_bias on, use_output_bias off",
     )
+    variants = frozenset({"window", "qkv_bias"})
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        scores = [name for name, on in (("softcap", cfg.softcap is not None), ("sinks", cfg.sinks)) if on]
+        scores += ["score bias (ALiBi, relative bias)"] if cfg.has_score_bias else []
+        if scores:
+            return (
+                f"equinox MultiheadAttention has no {', no '.join(scores)}: it computes the logits, the softmax and "
+                "the weighted sum in one call, and its process_heads hook sees only q, k and v"
+            )
+        if cfg.qk_norm is not None:
+            return (
+                f"equinox MultiheadAttention has no QK-norm (cfg.qk_norm={cfg.qk_norm!r}); its process_heads hook could "
+                "apply one, but the norm weights would then be the hook's, not the module's, and this oracle does not"
+            )
+        if cfg.rope_scaling is not None:
+            return "eqx.nn.RotaryPositionalEmbedding has no frequency scaling (only theta): rope_scaling is unsupported"
         if cfg.rope == "interleaved":
             return (
                 "equinox.nn.RotaryPositionalEmbedding rotates halves (rotate_half) only, not interleaved pairs; "
@@ -137,21 +160,27 @@ def loaded_equinox_mha(cfg: MHAConfig, params: MHAParams, dtype: str, target):
         output_size=cfg.d_model,
         qk_size=cfg.d_k,
         vo_size=cfg.d_v,
-        use_query_bias=cfg.bias,
-        use_key_bias=cfg.bias,
-        use_value_bias=cfg.bias,
-        use_output_bias=cfg.bias,
+        use_query_bias=cfg.qkv_bias,
+        use_key_bias=cfg.qkv_bias,
+        use_value_bias=cfg.qkv_bias,
+        use_output_bias=cfg.output_bias,  # bias="qkv": q, k and v only
         dtype=jnp.dtype(numpy_dtype(dtype)),
         key=jax.random.PRNGKey(0),
     )
     # The canonical (out, in) weights into the module's four Linear layers with eqx.tree_at.
-    weights, layers = to_equinox_weights(cfg, params), EQUINOX_NAMES.values()
-    parts = ("weight", "bias") if weights["query_proj"]["bias"] is not None else ("weight",)
+    weights = to_equinox_weights(cfg, params)
+    # Every layer's weight, and its bias where it has one (bias="qkv": not the output projection's).
+    slots = [
+        (layer, part)
+        for part in ("weight", "bias")
+        for layer in EQUINOX_NAMES.values()
+        if weights[layer][part] is not None
+    ]
 
     def leaves(module):
-        return [getattr(getattr(module, layer), part) for part in parts for layer in layers]
+        return [getattr(getattr(module, layer), part) for layer, part in slots]
 
-    values = [to_jax(weights[layer][part], dtype, target) for part in parts for layer in layers]
+    values = [to_jax(weights[layer][part], dtype, target) for layer, part in slots]
     loaded = eqx.tree_at(leaves, model, values)  # a new module; tree_at never mutates
     for leaf in jax.tree_util.tree_leaves(loaded):
         if isinstance(leaf, jax.ShapeDtypeStruct):

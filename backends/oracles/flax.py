@@ -1,4 +1,12 @@
-"""The flax oracle: ``flax.linen.MultiHeadDotProductAttention`` fed the canonical parameters (see `jax_common`)."""
+"""The flax oracle: ``flax.linen.MultiHeadDotProductAttention`` fed the canonical parameters (see `jax_common`).
+
+The variants it can express: the window (in the boolean mask, `core.inputs.allowed_positions`),
+and ALiBi and T5's relative bias through the module's ``attention_fn`` hook, which here is
+Flax's own ``flax.linen.dot_product_attention`` with its additive ``bias`` argument (ALiBi's
+bias from `core.variants.alibi_bias`, constants; T5's gathered from ``rel_bias`` by bucket in
+the traced pass, the table kept next to the module's tree so that its gradient comes back).
+The rest is unsupported, each with its reason (`unsupported_reason`).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from ..jax.common import (
     jax_target,
     to_jax,
 )
-from .jax_common import JaxOracle, scale_is_default, spec_rows
+from .jax_common import JaxOracle, bias_tables, gathered_bias, scale_is_default, spec_rows
 
 
 class FlaxMHAOracle(JaxOracle):
@@ -38,9 +46,26 @@ class FlaxMHAOracle(JaxOracle):
         "softmax in the computation dtype (float16 stays float16) unless force_fp32_for_softmax",
         "weights visible only through sow_weights=True and the 'intermediates' collection",
         "no rotary embedding: q and k are projected inside the module",
+        "window: in the boolean mask; ALiBi and the relative bias: attention_fn=flax.linen.dot_product_attention "
+        "with its bias argument",
     )
+    variants = frozenset({"window", "alibi", "rel_bias"})
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if cfg.softcap is not None:
+            return (
+                "Flax's dot_product_attention has no softcap: its logits go straight from the product to the "
+                "softmax (an attention_fn that capped them would be this project's attention, not Flax's)"
+            )
+        if cfg.sinks:
+            return "Flax's dot_product_attention has no sinks: its softmax has no extra term in the denominator"
+        if cfg.qk_norm is not None:
+            return (
+                "Flax's normalize_qk is a LayerNorm of each head (mean subtracted, no weight of the projection), "
+                f"not RMSNorm; cfg.qk_norm={cfg.qk_norm!r}"
+            )
+        if cfg.bias == "qkv":
+            return "Flax MultiHeadDotProductAttention has one use_bias for q, k, v and the output (bias='qkv')"
         if cfg.rope is not None:
             return (
                 f"Flax MultiHeadDotProductAttention has no rotary embedding (cfg.rope={cfg.rope!r}): "
@@ -77,20 +102,34 @@ class FlaxMHAOracle(JaxOracle):
         )
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         mask = to_jax(allowed_for_heads(cfg, inputs), None, target)  # (B|1, H|1, Nq, Nk), True = attend
+        if cfg.rel_buckets is not None:  # T5's table next to the module's tree: a primal, so its gradient comes back
+            tree = {**tree, "rel_bias": to_jax(params.rel_bias, dtype, target)}
+        score_tables = {name: to_jax(table, None, target) for name, table in bias_tables(cfg, inputs).items()}
 
-        def forward(tree, x_q, x_k, x_v, mask, rows, b_o):
-            output = module.apply({"params": tree}, x_q, x_k, x_v, mask=mask)  # (B, Nq, D)
+        def applied(tree, bias_tables):
+            """The module and its params: with a score bias, attention_fn is Flax's dot_product_attention given it."""
+            tree = dict(tree)
+            rel_table = tree.pop("rel_bias", None)
+            if not cfg.has_score_bias:
+                return module, tree
+            bias = gathered_bias(cfg, rel_table, bias_tables)  # (1|B, H, Nq, Nk)
+            return module.clone(attention_fn=partial(nn.dot_product_attention, bias=bias.astype(compute_dtype))), tree
+
+        def forward(tree, x_q, x_k, x_v, mask, rows, b_o, bias_tables):
+            layer, tree = applied(tree, bias_tables)
+            output = layer.apply({"params": tree}, x_q, x_k, x_v, mask=mask)  # (B, Nq, D)
             return spec_rows(output, b_o, rows)  # spec: a row with no allowed key outputs b_o
 
-        def stages(tree, x_q, x_k, x_v, mask, rows, b_o):
-            output, state = module.apply(
+        def stages(tree, x_q, x_k, x_v, mask, rows, b_o, bias_tables):
+            layer, tree = applied(tree, bias_tables)
+            output, state = layer.apply(
                 {"params": tree}, x_q, x_k, x_v, mask=mask, sow_weights=True, mutable=["intermediates"]
             )
             (weights,) = state["intermediates"]["attention_weights"]  # (B, H, Nq, Nk)
             rows_4d = None if rows is None else rows[:, None]  # (B|1, 1, Nq, 1)
             return {"weights": spec_rows(weights, 0, rows_4d), "output": spec_rows(output, b_o, rows)}
 
-        args = (tree, x_q, x_k, x_v, mask, spec.rows, spec.b_o)
+        args = (tree, x_q, x_k, x_v, mask, spec.rows, spec.b_o, score_tables)
         key = ("flax", cfg, dtype)  # what the closures capture: the module, built from cfg and the dtype
         compiled = CompiledForward(forward, args, self.matmul_precision, key)
         mapped = (
@@ -111,7 +150,10 @@ class FlaxMHAOracle(JaxOracle):
     half_precision_softmax = True
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
-        return gradients_to_canonical(cfg, partial(to_flax_params, cfg), grads)  # kernels (in, H, d) -> (out, in)
+        return gradients_to_canonical(cfg, partial(_flax_tree, cfg), grads)  # kernels (in, H, d) -> (out, in)
 
 
-# --- equinox.nn.MultiheadAttention ----------------------------------------------------------
+def _flax_tree(cfg: MHAConfig, params: MHAParams) -> dict:
+    """The oracle's first primal: the module's params tree, and T5's table next to it with relative bias."""
+    tree = to_flax_params(cfg, params)
+    return tree if cfg.rel_buckets is None else {**tree, "rel_bias": params.rel_bias}

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 
 from ..base import Backend, UnsupportedCase
 from ..jax.common import (
@@ -120,7 +121,7 @@ class JaxOracle(Backend):
         empty = self._rows_empty_in_every_head(cfg, inputs)  # (B|1, Nq, 1) or None
         return OutputRows(
             rows=to_jax(empty, None, target),
-            b_o=to_jax(params.b_o if cfg.bias else np.zeros(cfg.d_model), dtype, target),
+            b_o=to_jax(params.b_o if cfg.output_bias else np.zeros(cfg.d_model), dtype, target),
             count=0 if empty is None else int(np.broadcast_to(empty, (inputs.batch, inputs.q_tokens, 1)).sum()),
         )
 
@@ -131,6 +132,34 @@ class OutputRows(NamedTuple):
     rows: object  # (B|1, Nq, 1) bool JAX array, or None when no row is replaced
     b_o: object  # (D,) JAX array, zeros without bias
     count: int  # (batch item, query) rows replaced, for Prepared.info["empty_rows_mapped"]
+
+
+def bias_tables(cfg: MHAConfig, inputs: MHAInputs) -> dict[str, np.ndarray]:
+    """What an oracle's additive score ``bias`` is made of, NumPy at prepare time (`core.variants`), where on.
+
+    ``alibi``: ALiBi's whole bias ``m_h (p_j - p_i)`` (1|B, H, Nq, Nk) float32 (constants: the
+    slopes are not learned); ``bucket``: T5's bucket of each (query, key) pair (1|B, Nq, Nk) int32,
+    which indexes ``params.rel_bias`` inside the traced pass, so that its gradient flows.
+    """
+    tables = {}
+    if cfg.alibi:
+        tables["alibi"] = alibi_bias(cfg.n_heads, inputs.positions, inputs.kv_positions).astype(np.float32)
+    if cfg.rel_buckets is not None:
+        distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk)
+        buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
+        tables["bucket"] = buckets.astype(np.int32)
+    return tables
+
+
+def gathered_bias(cfg: MHAConfig, rel_table, tables: dict):
+    """The score bias (1|B, H, Nq, Nk) of `bias_tables` in jnp: ALiBi's plus ``rel_table`` (buckets, H) gathered."""
+    import jax.numpy as jnp
+
+    bias = tables.get("alibi")
+    if cfg.rel_buckets is not None:
+        rel = jnp.moveaxis(rel_table[tables["bucket"]], -1, 1)  # (1|B, Nq, Nk, H) -> (1|B, H, Nq, Nk)
+        bias = rel if bias is None else bias + rel
+    return bias
 
 
 def spec_rows(output, replacement, rows):

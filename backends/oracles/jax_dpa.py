@@ -1,14 +1,39 @@
-"""The jax-dpa oracle: ``jax.nn.dot_product_attention`` fed the canonical parameters (see `jax_common`)."""
+"""The jax-dpa oracle: ``jax.nn.dot_product_attention`` fed the canonical parameters (see `jax_common`).
+
+The variants, each in the library's own spelling where it has one:
+
+* the window: ``local_window_size=(W-1, 0)`` with ``is_causal=True``, ``(W-1, W-1)`` without
+  (two-sided), when the positions are the indices (the library counts its window on the
+  token indices); with other positions the window goes into the boolean ``mask``. Three
+  spellings of one window of W keys that include the query's own::
+
+      Hugging Face (Mistral, Gemma, gpt-oss)    sliding_window=W         p_i - W < p_j <= p_i
+      FlashAttention                            window_size=(W-1, 0)     W-1 keys left, 0 right
+      jax.nn.dot_product_attention              local_window_size=(W-1, 0), is_causal=True
+
+* ALiBi and T5's relative bias: the library's additive ``bias`` (B|1, N, T, S), ALiBi's from
+  `core.variants.alibi_bias` (constants), T5's gathered from ``params.rel_bias`` by bucket
+  inside the traced pass (so its gradient flows);
+* the sinks: the library has none, but it returns its logsumexp (``return_residual=True``),
+  and a sink only adds ``exp(sink)`` to each denominator, so the context is the library's
+  times ``sigmoid(lse - sink)`` (the way FlashAttention-based gpt-oss kernels fold it in).
+  Forward only: the library's custom VJP drops the residual's cotangent;
+* QK-norm and ``bias="qkv"``: in the oracle's own jnp projections (the library takes heads);
+* rope_scaling: the rotary tables of `core.rotary` (scaled frequencies), applied before the call;
+* the softcap: unsupported, the library never exposes the logits between the product and
+  the softmax (``bias`` is added, a tanh cannot be).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, linear
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, linear
 
-from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT, xla_provenance
+from .._layouts import XLA_LAYOUT
 from ..base import Prepared, StageTensor
 from ..jax.common import (
     CompiledForward,
@@ -19,17 +44,31 @@ from ..jax.common import (
     jax_params,
     jax_rotary_tables,
     jax_target,
+    rms_norm_last_axis,
     rotate_last_axis,
     to_jax,
+    tokens_first_axes,
+    variant_provenance,
 )
-from .jax_common import JaxOracle
+from .jax_common import JaxOracle, bias_tables, gathered_bias
+
+# The window spelled three ways (the module docstring), and this library's in words.
+WINDOW_SPELLINGS = (
+    "window of W keys including the query's own: Hugging Face sliding_window=W (p_i - W < p_j <= p_i), "
+    "FlashAttention window_size=(W-1, 0), jax.nn.dot_product_attention local_window_size=(W-1, 0) with "
+    "is_causal=True; without causal the two-sided |p_i - p_j| < W is local_window_size=(W-1, W-1)"
+)
 
 
-def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg: MHAConfig, is_causal: bool):
+def _dpa_stages(
+    params, x_q, x_k, x_v, mask, empty_context_rows, tables, bias_tables, *, cfg: MHAConfig, is_causal: bool, window
+):
     """Projections in jnp, attention by jax.nn.dot_product_attention in its (B, T, N, H) layout.
 
     ``tables``: None or the rotary (q_cos, q_sin, k_cos, k_sin), (1|B, N, r/2) each,
-    applied to the heads before the library call, as models around it do.
+    applied to the heads before the library call, as models around it do. ``bias_tables``:
+    ALiBi's bias (1|B, H, Nq, Nk) and T5's buckets (1|B, Nq, Nk), where on. ``window``: the
+    library's ``local_window_size``, or None (no window, or one in ``mask``).
     """
     import jax
     import jax.numpy as jnp
@@ -37,30 +76,56 @@ def _dpa_stages(params, x_q, x_k, x_v, mask, empty_context_rows, tables, *, cfg:
     batch, n_q, n_k = x_q.shape[0], x_q.shape[1], x_k.shape[1]
     q = linear(x_q, params["w_q"], params["b_q"])  # (B, Nq, H*Dk)
     k = linear(x_k, params["w_k"], params["b_k"])  # (B, Nk, Hkv*Dk)
-    v = linear(x_v, params["w_v"], params["b_v"])  # (B, Nk, Hkv*Dv)
+    v = linear(x_v, params["w_v"], params["b_v"])  # (B, Nk, Hkv*Dv); bias="qkv": b_o None below
     q_heads = q.reshape(batch, n_q, cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk): "BTNH"
     k_heads = k.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk): fewer heads = GQA
     v_heads = v.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv)
-    q_rotated, k_rotated = q_heads, k_heads
+    q_normed, k_normed = q_heads, k_heads
+    if cfg.qk_norm == "projection":  # RMSNorm of the whole projection, then the same split
+        q_normed = rms_norm_last_axis(q, params["q_norm"], cfg.norm_eps).reshape(q_heads.shape)
+        k_normed = rms_norm_last_axis(k, params["k_norm"], cfg.norm_eps).reshape(k_heads.shape)
+    elif cfg.qk_norm == "head":  # of each head's features, one (Dk,) weight
+        q_normed = rms_norm_last_axis(q_heads, params["q_norm"], cfg.norm_eps)
+        k_normed = rms_norm_last_axis(k_heads, params["k_norm"], cfg.norm_eps)
+    q_rotated, k_rotated = q_normed, k_normed
     if tables is not None:
         q_cos, q_sin, k_cos, k_sin = (table[:, :, None] for table in tables)  # (1|B, N, 1, r/2): every head
-        q_rotated = rotate_last_axis(q_heads, q_cos, q_sin, cfg.rope)  # (B, Nq, H, Dk)
-        k_rotated = rotate_last_axis(k_heads, k_cos, k_sin, cfg.rope)  # (B, Nk, Hkv, Dk)
-    context = jax.nn.dot_product_attention(
-        q_rotated, k_rotated, v_heads, mask=mask, scale=cfg.scale, is_causal=is_causal
-    )  # (B, Nq, H, Dv)
+        q_rotated = rotate_last_axis(q_normed, q_cos, q_sin, cfg.rope)  # (B, Nq, H, Dk)
+        k_rotated = rotate_last_axis(k_normed, k_cos, k_sin, cfg.rope)  # (B, Nk, Hkv, Dk)
+    bias = gathered_bias(cfg, params.get("rel_bias"), bias_tables)  # (1|B, H, Nq, Nk): "BNTS", or None
+    if bias is not None:
+        bias = bias.astype(q_rotated.dtype)  # the library adds it to its logits in the inputs' dtype
+    attend = partial(jax.nn.dot_product_attention, scale=cfg.scale, is_causal=is_causal, local_window_size=window)
+    if cfg.sinks:
+        context, lse = attend(q_rotated, k_rotated, v_heads, bias=bias, mask=mask, return_residual=True)
+        # lse (B, Nq, H) = log sum_j exp(s_j): the sink's share leaves sum/(sum + exp(sink)) = sigmoid(lse - sink).
+        keep = jax.nn.sigmoid(lse.astype(jnp.float32) - params["sinks"].astype(jnp.float32))  # (B, Nq, H)
+        context = (context * keep[..., None]).astype(context.dtype)  # (B, Nq, H, Dv)
+    else:
+        context = attend(q_rotated, k_rotated, v_heads, bias=bias, mask=mask)  # (B, Nq, H, Dv)
     if empty_context_rows is not None:
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
     merged = context.reshape(batch, n_q, cfg.context_width)  # (B, Nq, H*Dv)
     output = linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
-    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated)
-    return {**stages, "k_rotated": k_rotated, "context": context, "merged": merged, "output": output}
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
+    if cfg.qk_norm is not None:
+        stages.update(q_normed=q_normed, k_normed=k_normed)
+    stages.update(q_rotated=q_rotated, k_rotated=k_rotated)
+    return {**stages, "context": context, "merged": merged, "output": output}
 
 
-# BTNH is the tokens-first layout; the scores and weights stay inside dot_product_attention.
-_DPA_AXES = {
-    name: axes for name, axes in TOKENS_FIRST_STAGE_AXES.items() if name not in ("scores", "masked_scores", "weights")
-}
+def _window_by_index(cfg: MHAConfig, inputs: MHAInputs) -> tuple[int, int] | None:
+    """The library's ``local_window_size`` for ``cfg.window`` when the positions are the indices, else None."""
+    if cfg.window is None:
+        return None
+    for positions in (inputs.positions, inputs.kv_positions):
+        if not np.array_equal(positions, np.arange(positions.shape[-1])[None]):
+            return None  # the library counts its window on the indices: the spec's is on the positions
+    return (cfg.window - 1, 0) if cfg.causal else (cfg.window - 1, cfg.window - 1)
+
+
+# BTNH is the tokens-first layout; the score-like stages and the weights stay inside dot_product_attention.
+_DPA_HIDDEN = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
 
 
 class JaxDotProductAttentionOracle(JaxOracle):
@@ -83,9 +148,31 @@ class JaxDotProductAttentionOracle(JaxOracle):
         "is_causal=True is top-left aligned (query i sees keys 0..i), as the spec",
         "no attention weights returned: only the output (and the projections around it) are visible",
         "no rotary embedding of its own: the heads are rotated before the call (our rotate_last_axis), as models do",
+        WINDOW_SPELLINGS,
+        "local_window_size counts on the token indices; with other positions the window is passed in the mask",
+        "no softcap: the logits are never exposed between the product and the softmax (bias is only added)",
+        "no sinks of its own: the context is rescaled by sigmoid(lse - sink) from its logsumexp (return_residual)",
+        "ALiBi and the relative bias through bias=, in the inputs' dtype; QK-norm in the oracle's jnp projections",
     )
+    variants = frozenset(VARIANTS) - {"softcap"}
+    # The library's custom VJP drops the cotangent of its logsumexp residual (measured: the
+    # gradient of lse.sum() comes back all zeros), so the sinks' rescaling has no backward.
+    vjp_variants = variants - {"sinks"}
+
+    def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
+        if backward and cfg.sinks:
+            return (
+                "jax.nn.dot_product_attention's backward ignores the cotangent of its logsumexp (return_residual), "
+                "so the sinks, folded in through it, have no gradient there"
+            )
+        return super().variant_reason(cfg, strategy, backward)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if cfg.softcap is not None:
+            return (
+                f"jax.nn.dot_product_attention has no softcap (cfg.softcap={cfg.softcap:g}): the logits are never "
+                "exposed between the product and the softmax, and its bias= is only added"
+            )
         if cfg.d_v != cfg.d_k:
             return (
                 f"jax.nn.dot_product_attention needs value heads as wide as key heads (d_v={cfg.d_v} != d_k={cfg.d_k})"
@@ -108,18 +195,23 @@ class JaxDotProductAttentionOracle(JaxOracle):
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
-        # The library's is_causal when causality is the only mask, the combined mask otherwise.
-        is_causal = cfg.causal and inputs.mask is None
-        mask = None if is_causal else allowed_for_heads(cfg, inputs)  # (B|1, H|1, Nq, Nk), True = attend
+        # The library's is_causal (and local_window_size) when causality (and the window by index) is the only
+        # mask, the combined mask otherwise.
+        window = _window_by_index(cfg, inputs)
+        mask_cfg = cfg if window is None else dataclasses.replace(cfg, window=None)  # the library's window instead
+        # A window on other positions is in the mask, and so then is causality.
+        is_causal = cfg.causal and inputs.mask is None and (cfg.window is None or window is not None)
+        mask = None if is_causal else allowed_for_heads(mask_cfg, inputs)  # (B|1, H|1, Nq, Nk), True = attend
         empty = empty_query_rows(cfg, inputs)  # (B|1, H|1, Nq) or None
         empty_context_rows = None
         if empty is not None and self.spec_empty_rows:
             empty_context_rows = empty.transpose(0, 2, 1)[..., None]  # (B|1, Nq, H|1, 1): BTNH like the context
         tables = jax_rotary_tables(cfg, inputs, dtype, target)
         mask, empty_context_rows = to_jax(mask, None, target), to_jax(empty_context_rows, None, target)
-        args = (weights, x_q, x_k, x_v, mask, empty_context_rows, tables)
-        stages_fn = partial(_dpa_stages, cfg=cfg, is_causal=is_causal)
-        key = ("jax-dpa", cfg, is_causal)  # what stages_fn captures
+        score_tables = {name: to_jax(table, None, target) for name, table in bias_tables(cfg, inputs).items()}
+        args = (weights, x_q, x_k, x_v, mask, empty_context_rows, tables, score_tables)
+        stages_fn = partial(_dpa_stages, cfg=cfg, is_causal=is_causal, window=window)
+        key = ("jax-dpa", cfg, is_causal, window)  # what stages_fn captures
         compiled = CompiledForward(lambda *a: stages_fn(*a)["output"], args, self.matmul_precision, key)
 
         def native_stages() -> dict[str, StageTensor]:
@@ -130,14 +222,16 @@ class JaxDotProductAttentionOracle(JaxOracle):
                 + ("; rows with no allowed key zeroed (library: mean of V)" if empty_context_rows is not None else ""),
             }
             return {
-                name: StageTensor(stages[name], axes, note.get(name, XLA_LAYOUT), *xla_provenance(name, cfg.rope))
-                for name, axes in _DPA_AXES.items()
+                name: StageTensor(stages[name], axes, note.get(name, XLA_LAYOUT), *variant_provenance(name, cfg))
+                for name, axes in tokens_first_axes(cfg, _DPA_HIDDEN).items()
             }
 
         # Counted as (batch item, head, query) rows whose context was zeroed.
         full = (inputs.batch, cfg.n_heads, inputs.q_tokens)
         mapped = 0 if empty_context_rows is None else int(np.broadcast_to(empty, full).sum())
         info = self._info(dtype, device, is_causal=is_causal, empty_rows_mapped=mapped)
+        if cfg.window is not None:
+            info["window"] = f"local_window_size={window}" if window is not None else "in the mask (on the positions)"
         return compiled_prepared(compiled, native_stages, info)
 
 

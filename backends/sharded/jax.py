@@ -18,6 +18,24 @@ Which rows and columns each device holds is `core.sharding` (`shard_plan`,
 `shard_params`); GQA with fewer kv heads than devices replicates each kv head on whole
 groups of devices, as Megatron does.
 
+The variants' parameters are split by head the way the heads are (`variant_shards`), and
+what each split costs in collectives (``standard``; ``named_sharding`` leaves it to XLA):
+
+* sinks ``(H,)``, ALiBi's slopes (of the whole layer's H heads, `core.variants.alibi_slopes`:
+  a device's heads keep their global slopes, never those of a layer of H/world heads) and
+  T5's table ``rel_bias[:, heads]`` (its columns): each device holds its heads' entries; a
+  head's scores never leave its device, so these cost no collective;
+* head QK-norm's ``(d_k,)`` weights: replicated on every device, statistics per head: none;
+* projection QK-norm: its weights split like the rows of w_q and w_k (a device's features of
+  the projection), but its statistic is a mean over the *whole* projection: each device sums
+  the squares of its features and one ``lax.psum`` per projection (q, and k) adds them up
+  before the normalisation, two more psums of (B, N, 1) numbers (a kv head replicated on r
+  devices is counted r times, and so is its width, so the mean is right). Measured on the
+  check's OLMo-2-like case (4 heads, 2 kv heads, 4 devices): the compiled program holds 2
+  all-reduces where the other variants hold 1 (XLA:CPU combines the two psums into one);
+  ``named_sharding``'s partitioner chose 3 there;
+* the window, softcap and qkv bias: per score or per feature, nothing to communicate.
+
 Devices: ``--xla_force_host_platform_device_count`` only works before JAX starts, and the
 calling process may have started JAX already (the check runs the other JAX backends
 first). So the computation runs in a worker process that this backend starts (with the
@@ -33,7 +51,8 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import VARIANTS, MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
+from mha_rosetta.core.variants import alibi_slopes
 
 from ..base import STANDARD
 from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
@@ -64,6 +83,8 @@ class JaxShardedBackend(ShardedBackend):
     )
     strategies = (STANDARD, NAMED_SHARDING)
     rank_noun = "devices"
+    # Every variant, in both strategies (the module docstring says how each is split); forward only.
+    variants = frozenset(VARIANTS)
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)
@@ -116,6 +137,31 @@ def count_all_reduces(hlo_text: str) -> int:
     return sum(" all-reduce(" in line or " all-reduce-start(" in line for line in lines)
 
 
+def variant_shards(cfg: MHAConfig, params, world: int) -> list[dict]:
+    """The variants' parameters of each rank, by name (`core.shard_params` holds the projections'):
+    split by head the way the heads are, the head QK-norm weights replicated (module docstring)."""
+    plan = shard_plan(cfg, world)
+    Dk = cfg.d_k
+    slopes = alibi_slopes(cfg.n_heads) if cfg.alibi else None  # the whole layer's slopes, split below
+    shards = []
+    for rank in range(world):
+        heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)
+        own: dict = {}
+        if cfg.qk_norm == "head":
+            own["q_norm"], own["k_norm"] = params.q_norm, params.k_norm  # (Dk,): replicated
+        elif cfg.qk_norm == "projection":  # this rank's features of the projection, like the rows of w_q, w_k
+            own["q_norm"] = params.q_norm[heads.start * Dk : heads.stop * Dk]  # (H/world*Dk,)
+            own["k_norm"] = params.k_norm[kv.start * Dk : kv.stop * Dk]  # (local kv*Dk,)
+        if cfg.sinks:
+            own["sinks"] = params.sinks[heads.start : heads.stop]  # (H/world,)
+        if cfg.rel_buckets is not None:
+            own["rel_bias"] = params.rel_bias[:, heads.start : heads.stop]  # (buckets, H/world): its columns
+        if slopes is not None:
+            own["slopes"] = slopes[heads.start : heads.stop]  # (H/world,): the global slopes of its heads
+        shards.append(own)
+    return shards
+
+
 def _build(cfg, params, inputs, dtype, strategy, world):
     """Compile one case on a mesh of ``world`` devices (in the worker process)."""
     import jax
@@ -124,7 +170,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
 
     from .._layouts import TOKENS_FIRST_STAGE_AXES
     from ..base import StageTensor, canonical_stage
-    from ..jax.common import enable_float64_if_needed, shared_program
+    from ..jax.common import VARIANT_STAGE_AXES, enable_float64_if_needed, score_bias_inputs, shared_program
     from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
@@ -139,7 +185,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         if array is None:
             return None
         array = np.asarray(array)
-        array = array.astype(cast) if array.dtype != np.bool_ else array
+        array = array.astype(cast) if array.dtype.kind == "f" else array  # masks and T5 buckets keep theirs
         return jax.device_put(np.ascontiguousarray(array), NamedSharding(mesh, spec))
 
     x_q, x_k, x_v = (put(x, P()) for x in (inputs.query, inputs.key, inputs.value))  # replicated on every device
@@ -148,15 +194,30 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     if tables is not None:
         tables = tuple(put(table, P()) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
     tables, table_axes = batched_tables(tables)
+    # The score bias's tables: ALiBi's distances and T5's buckets depend on the tokens only (replicated);
+    # the slopes are per head, split with the heads below.
+    score_np, score_axes = score_bias_inputs(cfg, inputs, dtype)
+    score_tables = {name: put(table, P()) for name, table in score_np.items() if name != "slopes"}
+    collectives = ["one psum of the partial outputs"]
     if strategy == STANDARD:
         local_cfg = plan.local_cfg
         shards = shard_params(cfg, params, world)
+        own = variant_shards(cfg, params, world)
         # One block per rank, stacked on a leading axis that the mesh splits: (world, rows, in) etc.
         stacked = {
             name: put(np.stack([getattr(shard, name) for shard in shards]), P(MESH_AXIS))
             for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")
             if getattr(shards[0], name) is not None
         }
+        stacked.update({name: put(np.stack([o[name] for o in own]), P(MESH_AXIS)) for name in own[0]})
+        sum_squares = None
+        if cfg.qk_norm == "projection":
+
+            def sum_squares(total, width):
+                """This device's sum of squares of its features -> the whole projection's, and its width."""
+                return jax.lax.psum(total, MESH_AXIS), width * world
+
+            collectives.append("one psum each of q's and k's sums of squares (projection QK-norm)")
         # Each rank's mask (the user's mask cut to its heads, AND causal), shaped for the local vmaps.
         per_rank = [
             mask_for_vmap(local_cfg, dataclasses.replace(inputs, mask=shard_mask(inputs.mask, plan, rank)))
@@ -164,26 +225,29 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         ]
         _, batch_axis, head_axis = per_rank[0]
         allowed = None if per_rank[0][0] is None else put(np.stack([m[0] for m in per_rank]), P(MESH_AXIS))
-        one_item = partial(_mha_one_item, cfg=local_cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
+        one_item = partial(_mha_one_item, cfg=local_cfg, head_mask_axis=head_axis, sum_squares=sum_squares)
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, score_axes))
 
-        def local_stages(stacked, x_q, x_k, x_v, allowed, tables):
+        def local_stages(stacked, x_q, x_k, x_v, allowed, tables, score_tables):
             local = {name: stacked[name][0] if name in stacked else None for name in params.as_dict()}
             local["b_o"] = None  # added once, after the all-reduce
-            return all_stages(local, x_q, x_k, x_v, None if allowed is None else allowed[0], tables)
+            if "slopes" in stacked:  # this device's heads' ALiBi slopes
+                score_tables = {**score_tables, "slopes": stacked["slopes"][0]}
+            allowed = None if allowed is None else allowed[0]
+            return all_stages(local, x_q, x_k, x_v, allowed, tables, score_tables)
 
-        def body(stacked, b_o, x_q, x_k, x_v, allowed, tables):
-            partial_output = local_stages(stacked, x_q, x_k, x_v, allowed, tables)["output"]  # (B, Nq, D): its heads
-            output = jax.lax.psum(partial_output, MESH_AXIS)  # the one all-reduce
+        def body(stacked, b_o, x_q, x_k, x_v, allowed, tables, score_tables):
+            partial_output = local_stages(stacked, x_q, x_k, x_v, allowed, tables, score_tables)["output"]  # its heads
+            output = jax.lax.psum(partial_output, MESH_AXIS)  # the all-reduce of the partial outputs (B, Nq, D)
             return output if b_o is None else output + b_o
 
-        in_specs = (P(MESH_AXIS), P(), P(), P(), P(), P(MESH_AXIS), P())
+        in_specs = (P(MESH_AXIS), P(), P(), P(), P(), P(MESH_AXIS), P(), P())
         forward = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P())
-        args = (stacked, put(params.b_o, P()), x_q, x_k, x_v, allowed, tables)
+        args = (stacked, put(params.b_o, P()), x_q, x_k, x_v, allowed, tables, score_tables)
 
-        def stage_body(stacked, b_o, x_q, x_k, x_v, allowed, tables):
+        def stage_body(stacked, b_o, x_q, x_k, x_v, allowed, tables, score_tables):
             # Every stage of this device's heads, on a new leading axis that the mesh stacks.
-            stages = local_stages(stacked, x_q, x_k, x_v, allowed, tables)
+            stages = local_stages(stacked, x_q, x_k, x_v, allowed, tables, score_tables)
             return {name: value[None] for name, value in stages.items() if name != "output"}
 
         # Each rank's heads come back side by side (context on its head axis, merged on its features).
@@ -200,17 +264,25 @@ def _build(cfg, params, inputs, dtype, strategy, world):
             "b_k": P(MESH_AXIS) if split_kv else P(),
             "b_v": P(MESH_AXIS) if split_kv else P(),
             "b_o": P(),
+            # The variants: per-head entries split with the heads, head QK-norm weights replicated,
+            # projection QK-norm weights like the biases (XLA then chooses how to reduce its statistics).
+            "q_norm": P(MESH_AXIS) if cfg.qk_norm == "projection" else P(),
+            "k_norm": P(MESH_AXIS) if cfg.qk_norm == "projection" and split_kv else P(),
+            "sinks": P(MESH_AXIS),
+            "rel_bias": P(None, MESH_AXIS),  # its columns: one per head
         }
         weights = {name: put(array, specs[name]) for name, array in params.as_dict().items()}
+        if "slopes" in score_np:
+            score_tables["slopes"] = put(score_np["slopes"], P(MESH_AXIS))
         allowed, batch_axis, head_axis = mask_for_vmap(cfg, inputs)
         one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes))
+        all_stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, score_axes))
 
-        def forward(weights, x_q, x_k, x_v, allowed, tables):
-            return all_stages(weights, x_q, x_k, x_v, allowed, tables)["output"]
+        def forward(weights, x_q, x_k, x_v, allowed, tables, score_tables):
+            return all_stages(weights, x_q, x_k, x_v, allowed, tables, score_tables)["output"]
 
         forward = jax.jit(forward, out_shardings=NamedSharding(mesh, P()))
-        args = (weights, x_q, x_k, x_v, put(allowed, P()), tables)
+        args = (weights, x_q, x_k, x_v, put(allowed, P()), tables, score_tables)
 
         def stage_fn(*args):
             return {name: value[None] for name, value in all_stages(*args).items() if name != "output"}
@@ -221,7 +293,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     # The closures capture the mesh (its first ``world`` devices), the (local) config, the vmap axes and,
     # for named_sharding, the weight specs (from cfg and world): the same key, the same program, compiled once
     # per worker process (`jax.common.shared_program`).
-    key = ("jax-sharded", strategy, cfg, world, batch_axis, head_axis, table_axes)
+    key = ("jax-sharded", strategy, cfg, world, batch_axis, head_axis, table_axes, tuple(sorted(score_axes.items())))
     _, jitted = shared_program(key, forward)
     _, jitted_stages = shared_program(("stages", *key), stage_fn)
     with jax.default_matmul_precision("highest"):
@@ -232,6 +304,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
         "plan": plan.describe(),
         "how": how,
         "all_reduces": count_all_reduces(compiled.as_text()),
+        "collectives": "; ".join(collectives) if strategy == STANDARD else "chosen by XLA's partitioner",
         "matmul_precision": "highest",
     }
 
@@ -242,7 +315,9 @@ def _build(cfg, params, inputs, dtype, strategy, world):
             result = {name: np.asarray(value) for name, value in jitted_stages(*args).items()}
         per_rank = [
             {
-                name: canonical_stage(name, StageTensor(value[rank], TOKENS_FIRST_STAGE_AXES[name]))
+                name: canonical_stage(
+                    name, StageTensor(value[rank], {**TOKENS_FIRST_STAGE_AXES, **VARIANT_STAGE_AXES}[name])
+                )
                 for name, value in result.items()
             }
             for rank in range(len(next(iter(result.values()))))

@@ -147,7 +147,7 @@ class RowSampleMHA(LayerRecording):
         weight = self.q_norm if which == "q" else self.k_norm
         if self.norm_sum is None:
             return rms_norm(x, weight, self.cfg.norm_eps)  # F.rms_norm over the whole projection
-        squares = self.norm_sum((x * x).sum(dim=-1, keepdim=True))  # (B, N, 1), summed over the ranks
+        squares = self.norm_sum((x * x).sum(dim=-1, keepdim=True), which)  # (B, N, 1), summed over the ranks
         width = self.norm_widths[0 if which == "q" else 1]
         return rms_norm_of_sum(x, weight, self.cfg.norm_eps, squares, width)
 
@@ -364,7 +364,7 @@ class RowSampleMHA(LayerRecording):
         else:
             squares = sum((x * x).sum(dim=-1, keepdim=True) for x in heads)  # (B, N, 1): over every head's features
             if self.norm_sum is not None:
-                squares = self.norm_sum(squares)
+                squares = self.norm_sum(squares, which)
             width = self.norm_widths[0 if which == "q" else 1]
             normed = [
                 rms_norm_of_sum(x, weight[i * Dk : (i + 1) * Dk], cfg.norm_eps, squares, width)

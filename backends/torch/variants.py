@@ -136,5 +136,6 @@ def add_bias(scores, bias):
     return scores + bias if scores.requires_grad else scores.add_(bias)
 
 
-# torch-tp's hook for a projection-wide QK-norm: a sum of squares (..., N, 1) -> the same summed over every rank.
-SumReducer = Callable[[object], object]
+# torch-tp's hook for a projection-wide QK-norm: (a sum of squares (..., N, 1), "q" or "k") -> the same summed
+# over the whole projection (every rank's heads, each once).
+SumReducer = Callable[[object, str], object]

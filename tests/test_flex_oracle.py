@@ -16,7 +16,7 @@ pytest.importorskip("torch", reason="torch is not installed: pip install 'mha-ro
 pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention (torch >= 2.5)")
 
 from mha_rosetta.backends import UnsupportedCase, available_backends, get_backend
-from mha_rosetta.backends.oracles.flex import compiled_mode, flex_attend
+from mha_rosetta.backends.oracles.flex import TorchFlexOracle, compiled_mode, flex_attend
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import MHAConfig, MHAParams, assert_close, init_params, prepare_inputs, reference_mha
 
@@ -35,20 +35,35 @@ def _softmax_rows(scores: np.ndarray) -> np.ndarray:
     return exp / exp.sum(axis=-1, keepdims=True)
 
 
-def test_flex_is_a_registered_oracle():
+def test_flex_is_a_registered_oracle_that_compiles_the_half_dtypes_by_default():
     assert "torch-flex" in available_backends(kind="oracle")
-    assert get_backend("torch-flex").kind == "oracle"
+    backend = get_backend("torch-flex")
+    assert backend.kind == "oracle" and backend.compiled_dtypes == ("float16", "bfloat16")
+    cfg = MHAConfig(d_model=12, n_heads=3)
+    assert [compiled_mode(cfg, d, backend.compiled_dtypes) for d in ("float64", "float32", "bfloat16")] == [
+        False,
+        False,
+        True,
+    ]
+    with pytest.raises(ValueError, match=r"compiled_dtypes must name float32, float16 or bfloat16"):
+        TorchFlexOracle(compiled_dtypes=("float64",))
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])  # eager, then compiled
+def test_bfloat16_runs_the_compiled_kernel_on_a_variant_case():
+    case = SPEC_CASES["gemma2"]  # softcap, window, GQA, a custom scale: score_mod and mask_mod, compiled
+    prepared, _ = get_backend("torch-flex").prepare(case.cfg, case.params(), case.inputs().query, dtype="bfloat16")
+    assert prepared.info["mode"].startswith("torch.compile(flex_attention)")
+    assert_close(case.run(get_backend("torch-flex"), "bfloat16"), case.reference(), "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])  # eager, then compiled (when asked: not the default)
 def test_softcap_in_score_mod_matches_the_hand_computed_rows(dtype):
     cfg, params = _identity_layer(softcap=1.5)
     scores = X @ X.T  # s_ij = x_i . x_j: 4, 0, 2, -2 in the first row
     capped = 1.5 * np.tanh(scores / 1.5)  # 1.5 tanh(4 / 1.5) = 1.4852... for the largest
     expected = _softmax_rows(capped) @ X  # w_v = w_o = I: the output is the weighted tokens
-    backend = get_backend("torch-flex")
+    backend = TorchFlexOracle(compiled_dtypes=("float32",))
     prepared, _ = backend.prepare(cfg, params, X, dtype=dtype)
-    assert prepared.info["mode"] == ("eager (unfused)" if dtype == "float64" else prepared.info["mode"])
     assert ("compile" in prepared.info["mode"]) == (dtype != "float64")
     assert prepared.info["score_mod"] == "1.5 * tanh(s / 1.5)"
     assert_close(prepared.output()[0], expected, dtype)
@@ -90,8 +105,8 @@ def test_sinks_rescale_each_row_by_the_log_sum_exp_and_run_eagerly_in_every_dtyp
     expected = (exp / (np.exp(0.7) + exp.sum(axis=-1, keepdims=True))) @ X  # the sink takes its share
     backend = get_backend("torch-flex")
     assert_close(backend.run(cfg, params, X), expected, "float64")
-    assert not compiled_mode(cfg, "float32")  # the compiled CPU kernel returns no lse
-    prepared, _ = backend.prepare(cfg, params, X, dtype="float32")
+    assert not compiled_mode(cfg, "float32", ("float32",))  # even where float32 compiles: no lse from that kernel
+    prepared, _ = TorchFlexOracle(compiled_dtypes=("float32",)).prepare(cfg, params, X, dtype="float32")
     assert prepared.info["mode"] == "eager (unfused)" and prepared.info["sinks"] == "out * sigmoid(lse - sink_h)"
     assert_close(prepared.output()[0], expected, "float32")
 

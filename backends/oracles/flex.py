@@ -16,19 +16,22 @@ variants go where FlexAttention's API puts them:
   ``out * Z / (Z + exp(sink_h)) = out * sigmoid(lse - sink_h)``: exact, the way Hugging Face's
   flex path for gpt-oss adds them.
 
-Modes, per dtype: float64 runs eagerly (FlexAttention's unfused reference path, which has
-every dtype); float32, float16 and bfloat16 run ``torch.compile(flex_attention)`` (the
-fused kernel users time), except with sinks: the compiled CPU kernel returns no
-log-sum-exp (torch 2.13: "torch.compile on CPU only supports inference and return_lse is not
-supported yet"), so sink cases run eagerly in every dtype. One compiled function serves every
-case of a process (`_compiled_flex`), with static shapes: ``dynamic=True`` would reuse one
-program across token counts, but torch 2.13's dynamic-shape lowering of these programs fails
-(measured: "LoweringException: 'Mul' object has no attribute 'get_name'" for a window,
-"unbacked_bindings" for a softcap, a C++ compile error for ALiBi), so each new shape, dtype and
-score_mod/mask_mod compiles once and is reused after. Measured on this 2-core machine under
-load (indicative only): the first compile of a process 13-37 s, each later one 4-12 s, a reuse
-under a millisecond; `Prepared.compile` does it, untimed, and ``info["compile_seconds"]`` says
-how long it took. No backward: FlexAttention has none on the CPU (torch
+Modes, per dtype (``compiled_dtypes``): float16 and bfloat16 run ``torch.compile(flex_attention)``
+(the fused kernel users time, its running softmax in float32); float64 and, by default,
+float32 run eagerly (FlexAttention's unfused path, which has every dtype). Why not float32
+compiled too: each new shape, dtype and score_mod/mask_mod compiles once (static shapes:
+``dynamic=True`` would reuse one program across token counts, but torch 2.13's dynamic-shape
+lowering of these programs fails, measured: "LoweringException: 'Mul' object has no attribute
+'get_name'" for a window, "unbacked_bindings" for a softcap, a C++ compile error for ALiBi), and
+the check's cases are all different shapes: with float32 compiled the default check spent
+375 s of worker time (193 s wall on 2 workers, a cold inductor cache, this loaded 2-core
+machine: indicative only) in torch-flex alone, against about 60 s for the rest of it.
+``TorchFlexOracle(compiled_dtypes=("float32", "float16", "bfloat16"))`` runs float32 compiled
+as well. One compiled function serves every case of a process (`_compiled_flex`); a compile
+took 4-15 s here, the first of a process up to 37 s, a reuse under a millisecond.
+Sinks run eagerly in every dtype: the compiled CPU kernel returns no log-sum-exp (torch 2.13:
+"torch.compile on CPU only supports inference and return_lse is not supported yet").
+No backward: FlexAttention has none on the CPU (torch
 2.13 raises "FlexAttention does not support backward on CPU").
 """
 
@@ -58,7 +61,7 @@ from ..torch.common import (
 from ..torch.variants import ScoreBias
 from .torch import VariantReasons, projected_heads_pass
 
-EAGER_DTYPES = ("float64",)  # the rest compile
+COMPILED_DTYPES = ("float16", "bfloat16")  # the default; float64 and float32 run eagerly (module docstring)
 # Distinct (H, Hkv, Dk, dtype, score_mod, mask_mod) programs one process may compile before dynamo would fall
 # back to running eagerly behind our back (its default recompile_limit is 8; the check's cases need about 30).
 RECOMPILE_LIMIT = 128
@@ -87,9 +90,9 @@ def _eager_flex(*args, **kwargs):
         return flex_attention(*args, **kwargs)
 
 
-def compiled_mode(cfg: MHAConfig, dtype: str) -> bool:
-    """Whether ``dtype`` runs the compiled kernel (float64 and sink cases run eagerly; see the module docstring)."""
-    return dtype not in EAGER_DTYPES and not cfg.sinks
+def compiled_mode(cfg: MHAConfig, dtype: str, compiled_dtypes: tuple[str, ...] = COMPILED_DTYPES) -> bool:
+    """Whether ``dtype`` runs the compiled kernel: one of ``compiled_dtypes`` (never float64) and no sinks."""
+    return dtype in compiled_dtypes and dtype != "float64" and not cfg.sinks
 
 
 class TorchFlexOracle(VariantReasons, Backend):
@@ -103,8 +106,9 @@ class TorchFlexOracle(VariantReasons, Backend):
     variants = frozenset(VARIANTS)
     variant_why: ClassVar[dict[str, str]] = {}
     known_differences = (
-        "float64 runs eagerly (FlexAttention's unfused path); float32/float16/bfloat16 run torch.compile(flex_attention), "
-        "whose fused kernel sums in another order (and keeps its running softmax in float32)",
+        "float16/bfloat16 run torch.compile(flex_attention), whose fused kernel sums in another order and keeps its "
+        "running softmax in float32; float64 and float32 run eagerly (the unfused path), float32 to keep the check's "
+        "compile time down (compiled_dtypes says which)",
         "sinks: FlexAttention has no sink logit; the adapter rescales each row by sigmoid(lse - sink_h) from the "
         "returned log-sum-exp (exact), and runs them eagerly in every dtype (the compiled CPU kernel returns no lse)",
         "the softcap and ALiBi / T5's bias are the adapter's score_mod (the tables from core.variants, indexed inside); "
@@ -115,9 +119,17 @@ class TorchFlexOracle(VariantReasons, Backend):
         "no backward on the CPU: torch 2.13's FlexAttention raises for inputs that require grad there",
     )
 
-    def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
+    def __init__(
+        self, name: str | None = None, allow_tf32: bool = False, compiled_dtypes: tuple[str, ...] = COMPILED_DTYPES
+    ) -> None:
         super().__init__(name)
         self.allow_tf32 = bool(allow_tf32)
+        unknown = [d for d in compiled_dtypes if d not in ("float32", "float16", "bfloat16")]
+        if unknown:
+            raise ValueError(
+                f"compiled_dtypes must name float32, float16 or bfloat16 (float64 runs eagerly), got {unknown}"
+            )
+        self.compiled_dtypes = tuple(compiled_dtypes)
 
     def devices(self) -> tuple[str, ...]:
         return torch_devices()
@@ -132,7 +144,7 @@ class TorchFlexOracle(VariantReasons, Backend):
     ) -> Prepared:
         p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
-        compiled = compiled_mode(cfg, dtype)
+        compiled = compiled_mode(cfg, dtype, self.compiled_dtypes)
         attend, block_mask = flex_attend(cfg, inputs, dtype, device, compiled)
         forward = projected_heads_pass(cfg, inputs, dtype, device, attend, "flex_attention (score_mod, block mask)")
 

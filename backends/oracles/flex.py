@@ -23,9 +23,10 @@ compiled too: each new shape, dtype and score_mod/mask_mod compiles once (static
 ``dynamic=True`` would reuse one program across token counts, but torch 2.13's dynamic-shape
 lowering of these programs fails, measured: "LoweringException: 'Mul' object has no attribute
 'get_name'" for a window, "unbacked_bindings" for a softcap, a C++ compile error for ALiBi), and
-the check's cases are all different shapes: with float32 compiled the default check spent
-375 s of worker time (193 s wall on 2 workers, a cold inductor cache, this loaded 2-core
-machine: indicative only) in torch-flex alone, against about 60 s for the rest of it.
+the check's cases are all different shapes. torch-flex alone in the default check (34 cases,
+this loaded 2-core machine, indicative only), worker time summed over 2 workers: float16,
+bfloat16 and float32 compiled 375 s with a cold inductor cache; the half dtypes only, 164 s
+cold (87 s wall) and 33 s with the cache warm (20 s wall).
 ``TorchFlexOracle(compiled_dtypes=("float32", "float16", "bfloat16"))`` runs float32 compiled
 as well. One compiled function serves every case of a process (`_compiled_flex`); a compile
 took 4-15 s here, the first of a process up to 37 s, a reuse under a millisecond.

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import ClassVar
 
 import numpy as np
 
@@ -60,7 +59,7 @@ from ..torch.common import (
     with_matmul_precision,
 )
 from ..torch.variants import ScoreBias
-from .torch import VariantReasons, projected_heads_pass
+from .torch import projected_heads_pass
 
 COMPILED_DTYPES = ("float16", "bfloat16")  # the default; float64 and float32 run eagerly (module docstring)
 # Distinct (H, Hkv, Dk, dtype, score_mod, mask_mod) programs one process may compile before dynamo would fall
@@ -96,7 +95,7 @@ def compiled_mode(cfg: MHAConfig, dtype: str, compiled_dtypes: tuple[str, ...] =
     return dtype in compiled_dtypes and dtype != "float64" and not cfg.sinks
 
 
-class TorchFlexOracle(VariantReasons, Backend):
+class TorchFlexOracle(Backend):
     """``flex_attention`` with ``score_mod`` and a ``BlockMask``, on heads projected with ``F.linear``."""
 
     name = "torch-flex"
@@ -104,8 +103,7 @@ class TorchFlexOracle(VariantReasons, Backend):
         "torch.nn.attention.flex_attention on (B, H, N, d) heads: score_mod (softcap, ALiBi, T5 bias), "
         "a BlockMask from mask_mod (causal, window, the user's mask), sinks from the returned log-sum-exp"
     )
-    variants = frozenset(VARIANTS)
-    variant_why: ClassVar[dict[str, str]] = {}
+    variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
     known_differences = (
         "float16/bfloat16 run torch.compile(flex_attention), whose fused kernel sums in another order and keeps its "
         "running softmax in float32; float64 and float32 run eagerly (the unfused path), float32 to keep the check's "

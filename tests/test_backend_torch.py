@@ -173,3 +173,64 @@ def test_gpu_tf32_changes_float32_error():
         errors[allow] = float(np.max(np.abs(prepared.to_numpy(result) - expected)))
     assert errors[False] < 2e-5, errors
     assert errors[True] > 10 * errors[False], errors  # TF32 rounds products to ~1e-3 relative
+
+
+# -- the variants (issue 24) ---------------------------------------------------------------------------------
+
+
+def test_chunked_skips_the_key_tiles_outside_the_window(backend):
+    """12 tokens, blocks of 2, causal window 3: query block i needs key blocks i-1 and i only.
+
+    The causal walk visits blocks 0..i (21 tiles over the 6 query blocks); the window leaves
+    1 + 2 * 5 = 11 of them, so 10 are skipped whole, and the output is the oracle's.
+    """
+    cfg = MHAConfig(d_model=12, n_heads=2, causal=True, window=3)
+    params = init_params(cfg, seed=3)
+    x = np.random.default_rng(4).standard_normal((2, 12, 12))
+    prepared, _ = backend.prepare(cfg, params, x, strategy="chunked", chunk=(2, 2))
+    assert (prepared.info["tiles_visited"], prepared.info["tiles_skipped"]) == (11, 10)
+    assert_close(prepared.output(), reference_mha(cfg, params, x), "float64")
+
+
+def test_chunked_carries_softcap_bias_and_sinks_in_the_online_softmax(backend):
+    """Everything the tiles carry at once, with a row that sees no key (the sink alone: a zero context)."""
+    cfg = MHAConfig(
+        d_model=12, n_heads=4, n_kv_heads=2, causal=True, softcap=1.2, alibi=True, sinks=True, rel_buckets=6
+    )
+    params = init_params(cfg, seed=6)
+    x = np.random.default_rng(7).standard_normal((2, 7, 12))
+    mask = np.ones((2, 4, 7, 7), dtype=bool)
+    mask[1, 2, 4] = False  # query 4 of head 2 in item 1 may attend to nothing
+    for dtype in ("float64", "float32", "bfloat16"):
+        output = backend.run(cfg, params, x, mask=mask, dtype=dtype, strategy="chunked", chunk=(3, 2))
+        assert_close(output, reference_mha(cfg, params, x, mask=mask), dtype, what=dtype)
+
+
+def test_projection_qk_norm_per_head_adds_the_heads_sums_of_squares(backend):
+    """PER_HEAD never builds the projection: its projection-wide norm adds the heads' sums of squares. The same
+    numbers as the merged F.rms_norm, and not those of a per-head norm with the same weights."""
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, qk_norm="projection")
+    params = init_params(cfg, seed=8)
+    x = np.random.default_rng(9).standard_normal((2, 5, 16))
+    per_head = backend.run(cfg, params, x, strategy=PER_HEAD, return_stages=True)[1]
+    standard = backend.run(cfg, params, x, strategy=STANDARD, return_stages=True)[1]
+    reference = reference_mha(cfg, params, x, return_stages=True)[1]
+    for name in ("q_normed", "k_normed", "output"):
+        assert_close(per_head[name], reference[name], "float64", what=name)
+        assert_close(standard[name], reference[name], "float64", what=name)
+    q_heads = reference["q_heads"]  # (B, H, Nq, Dk): a per-head RMS differs from the projection's
+    per_head_rms = np.sqrt(np.mean(q_heads**2, axis=-1))
+    projection_rms = np.sqrt(np.mean(reference["q"] ** 2, axis=-1))[:, None]
+    assert np.max(np.abs(per_head_rms - projection_rms)) > 0.05
+
+
+def test_in_place_score_variants_leave_the_recorded_scores_alone(backend):
+    """The softcap and the bias work in place on the score buffer (inference); the recorded stages are snapshots."""
+    cfg = MHAConfig(d_model=12, n_heads=3, softcap=0.8, alibi=True)
+    params = init_params(cfg, seed=10)
+    x = np.random.default_rng(11).standard_normal((2, 6, 12))
+    _, stages = backend.run(cfg, params, x, return_stages=True)
+    reference = reference_mha(cfg, params, x, return_stages=True)[1]
+    for name in ("scores", "capped_scores", "biased_scores", "weights", "output"):
+        assert_close(stages[name], reference[name], "float64", what=name)
+    assert np.max(np.abs(stages["scores"])) > 0.8 >= np.max(np.abs(stages["capped_scores"]))  # the cap bites

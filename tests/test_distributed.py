@@ -101,6 +101,36 @@ def test_torch_tp_on_two_processes_matches_the_oracle_with_one_all_reduce(strate
 
 
 @requires("torch")
+@pytest.mark.parametrize("strategy", (STANDARD, "manual"))
+def test_torch_tp_splits_the_per_head_variants_by_head_with_no_more_collectives(strategy):
+    """6 heads over 2 ranks: rank 1's ALiBi slopes are the interleaved second series (heads 4 and 5 of BLOOM's
+    6-head slopes, not the 3-head series), its sinks and T5 columns are heads 3..5; the split costs no collective."""
+    cfg = MHAConfig(
+        d_model=18, n_heads=6, n_kv_heads=2, d_k=4, causal=True, window=4, alibi=True, sinks=True, rel_buckets=6
+    )
+    output, prepared, expected = _run(get_backend("torch-tp"), strategy, cfg=cfg)
+    assert np.max(np.abs(output - expected)) < 1e-13
+    assert prepared.info["all_reduces"] == 1 and sum(prepared.info["collectives"].values()) == 1
+
+
+@requires("torch")
+@pytest.mark.parametrize(
+    ("strategy", "n_kv_heads"),
+    [(STANDARD, 2), ("manual", 2), ("manual", 1)],  # one kv head: replicated on both ranks, its k sum halved
+)
+def test_torch_tp_projection_qk_norm_all_reduces_the_sum_of_squares(strategy, n_kv_heads):
+    """QK-norm over the whole projection needs every rank's features: one all-reduce each for q and k, 3 in all."""
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=n_kv_heads, d_k=4, qk_norm="projection", rope="half")
+    output, prepared, expected = _run(get_backend("torch-tp"), strategy, cfg=cfg)
+    assert np.max(np.abs(output - expected)) < 1e-13
+    assert prepared.info["all_reduces"] == 3  # the output's, q's sum of squares, k's sum of squares
+    head_cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=n_kv_heads, d_k=4, qk_norm="head", rope="half")
+    output, prepared, expected = _run(get_backend("torch-tp"), strategy, cfg=head_cfg)
+    assert np.max(np.abs(output - expected)) < 1e-13
+    assert prepared.info["all_reduces"] == 1  # over each head: the weight is replicated, nothing to add up
+
+
+@requires("torch")
 def test_torch_tp_fewer_kv_heads_than_ranks():
     backend = get_backend("torch-tp")
     cfg = MHAConfig(d_model=12, n_heads=4, n_kv_heads=1, kdim=10, vdim=14)  # MQA: one kv head, two ranks

@@ -290,7 +290,8 @@ def test_every_backend_gradients_match_the_oracle_on_every_spec_case(backend_nam
             assert all(ok.values()), (case.name, [n for n, good in ok.items() if not good])
     # Oracles refuse what their library cannot express (GQA, a custom scale, d_v != d_k), never everything.
     # The sharded backends (jax-sharded, torch-tp) are forward only: every case is refused with that reason.
-    forward_only = backend_name == "einops-numpy" or getattr(backend, "splits_heads", False)
+    # FlexAttention has no backward on the CPU (torch 2.13): torch-flex refuses every case there, with that reason.
+    forward_only = backend_name in ("einops-numpy", "torch-flex") or getattr(backend, "splits_heads", False)
     assert ran >= (0 if forward_only else 6), ran
 
 

@@ -18,7 +18,15 @@ from adapter_cases import CASE_BY_NAME, CASES, DTYPES, assert_stages_close, empt
 
 from mha_rosetta.backends import UnsupportedCase, get_backend
 from mha_rosetta.checks.cases import SpecCase
-from mha_rosetta.core import MHAConfig, assert_close, init_params, reference_mha, reference_stages
+from mha_rosetta.core import (
+    MHAConfig,
+    assert_close,
+    init_params,
+    reference_mha,
+    reference_mha_vjp,
+    reference_stages,
+    stage_names,
+)
 
 MHA_ORACLES = ("torch-mha", "torch-mha-seqfirst")
 
@@ -191,22 +199,35 @@ def test_sdpa_returns_b_o_for_an_empty_row():
 # -- scaled_dot_product_attention ---------------------------------------------------------------
 
 
+def _sdpa_for(case: SpecCase):
+    """torch-sdpa for ``case``; a softcap or sinks case skips with the library's reason (and only those do)."""
+    backend = get_backend("torch-sdpa")
+    reason = backend.unsupported_reason(case.cfg, "float64", "cpu", "standard")
+    if reason:
+        assert case.cfg.softcap is not None or case.cfg.sinks, reason
+        assert "scaled_dot_product_attention has no" in reason  # the library's reason, not the generic one
+        pytest.skip(reason)
+    return backend
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sdpa_matches_reference_on_every_case(case, dtype):
-    assert_close(
-        case.run(get_backend("torch-sdpa"), dtype), case.reference(), dtype, what=f"torch-sdpa/{dtype} on {case}"
-    )
+    backend = _sdpa_for(case)
+    assert_close(case.run(backend, dtype), case.reference(), dtype, what=f"torch-sdpa/{dtype} on {case}")
+
+
+# Inside the kernel: the scores and everything made from them before the weighted sum.
+SDPA_KERNEL_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sdpa_stages_outside_the_kernel_match_reference(case):
-    _, stages = case.run(get_backend("torch-sdpa"), return_stages=True)
+    _, stages = case.run(_sdpa_for(case), return_stages=True)
     reference = case.reference_stages()
-    assert "weights" not in stages and "scores" not in stages  # inside the fused kernel
-    assert_stages_close(
-        stages, reference, "float64", ("q", "k", "v", "q_heads", "k_heads", "v_heads", "context", "merged", "output")
-    )
+    assert not set(stages) & set(SDPA_KERNEL_STAGES)  # inside the fused kernel
+    outside = [name for name in stage_names(case.cfg) if name not in SDPA_KERNEL_STAGES]  # q_normed with QK-norm
+    assert_stages_close(stages, reference, "float64", outside)
 
 
 def test_sdpa_uses_is_causal_without_a_user_mask_and_a_bool_mask_with_one():
@@ -231,3 +252,61 @@ def test_oracles_say_what_they_are():
     assert "True = blocked" in get_backend("torch-mha").known_differences[0]
     assert "(N, B, E)" in get_backend("torch-mha-seqfirst").convention
     assert "NaN" in " ".join(get_backend("torch-mha").known_differences)
+
+
+# -- the variants (issue 24): what each torch oracle can express, and why not the rest ------------------------
+
+
+@pytest.mark.parametrize("name", MHA_ORACLES)
+def test_multihead_attention_adds_t5_bias_and_window_through_a_float_mask_with_the_tables_gradient(name):
+    """nn.MultiheadAttention takes T5's bias (and ALiBi) as a float attn_mask (B*H, Nq, Nk), the window as -inf in it;
+    the table's gradient flows back through the mask."""
+    cfg = MHAConfig(d_model=16, n_heads=4, causal=True, window=3, rel_buckets=6, rel_max_distance=7)
+    case = SpecCase("t5-window-default-scale", "T5 bias, window 3, default scale", cfg, q_tokens=7, seed=5)
+    backend = get_backend(name)
+    assert backend.unsupported_reason(cfg, "float64", "cpu", "standard") is None
+    assert_close(case.run(backend, "float64"), case.reference(), "float64")
+    _, stages = case.run(backend, return_stages=True)
+    assert_stages_close(stages, case.reference_stages(), "float64", ("weights", "output"))
+    prepared, _ = backend.prepare(cfg, case.params(), case.inputs().query)
+    B = case.inputs().query.shape[0]
+    assert prepared.info["attn_mask"].startswith(f"float64 ({B * 4}, 7, 7)")  # (B*H, Nq, Nk): a float mask per head
+    data = case.inputs()
+    args = (cfg, case.params(), data.query, data.key, data.value, data.mask)
+    expected = reference_mha_vjp(*args).tensors()
+    actual = backend.run_vjp(*args).tensors()
+    assert set(actual) == set(expected)
+    for tensor in expected:
+        assert_close(actual[tensor], expected[tensor], "float64", what=f"d {tensor}")
+    assert np.abs(actual["rel_bias"]).max() > 0.01  # the table's gradient is real, not the zeros of an unused leaf
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "why"),
+    [
+        ("torch-mha", {"softcap": 2.0}, "nn.MultiheadAttention has no softcap: the scores are never exposed"),
+        ("torch-mha", {"sinks": True}, "nn.MultiheadAttention has no sinks"),
+        ("torch-mha", {"qk_norm": "head"}, "nn.MultiheadAttention has no QK-norm"),
+        ("torch-mha", {"bias": "qkv"}, "one bias switch covers in_proj and out_proj together"),
+        ("torch-sdpa", {"softcap": 2.0}, "scaled_dot_product_attention has no softcap"),
+        ("torch-sdpa", {"sinks": True}, "scaled_dot_product_attention has no sinks"),
+    ],
+)
+def test_an_oracle_refuses_a_variant_its_library_cannot_express_with_the_librarys_reason(name, field, why):
+    cfg = MHAConfig(d_model=16, n_heads=4, **field)
+    backend = get_backend(name)
+    reason = backend.unsupported_reason(cfg, "float64", "cpu", "standard")
+    assert reason is not None and why in reason, reason
+    x = np.random.default_rng(0).standard_normal((2, 5, 16))
+    with pytest.raises(UnsupportedCase, match=why.split(":")[0]):  # prepare says the same, never runs without it
+        backend.prepare(cfg, init_params(cfg), x)
+
+
+def test_sdpa_runs_qk_norm_and_the_qkv_bias_in_its_own_code_before_the_kernel():
+    for cfg in (
+        MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, qk_norm="projection", bias="qkv"),
+        MHAConfig(d_model=24, n_heads=4, qk_norm="head", alibi=True, causal=True),
+    ):
+        case = SpecCase("sdpa-variants", "QK-norm, qkv bias / ALiBi", cfg, q_tokens=6, seed=3)
+        _, stages = case.run(get_backend("torch-sdpa"), return_stages=True)
+        assert_stages_close(stages, case.reference_stages(), "float64", ("q_normed", "k_normed", "output"))

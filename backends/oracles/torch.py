@@ -9,9 +9,13 @@ the adapter passes torch's raw result through, NaN included, so the check report
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import numpy as np
 
 from mha_rosetta.core import (
+    VARIANTS,
     MHAConfig,
     MHAInputs,
     MHAParams,
@@ -39,10 +43,40 @@ from ..torch.common import (
     torch_inputs,
     with_matmul_precision,
 )
+from ..torch.variants import ScoreBias, rms_norm
 from ..torch.vjp import INPUT_SLOTS, autograd_prepared, leaf
 
 
-class TorchMHAOracle(Backend):
+class VariantReasons:
+    """A mixin for an oracle whose library cannot express some variants: ``variant_why`` says why, per variant.
+
+    `Backend.variant_reason` names what is missing; this replaces that generic sentence with the
+    library's reason for each missing variant that has one (the generic one stays for the rest).
+    """
+
+    variant_why: ClassVar[dict[str, str]] = {}
+
+    def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
+        generic = super().variant_reason(cfg, strategy, backward)  # type: ignore[misc]
+        if generic is None:
+            return None
+        declared = self.strategy_variants.get(strategy, self.variants)  # type: ignore[attr-defined]
+        missing = [name for name in cfg.variants if name not in declared]
+        why = [self.variant_why[name] for name in missing if name in self.variant_why]
+        return "; ".join(why) if len(why) == len(missing) else f"{generic}; " + "; ".join(why) if why else generic
+
+
+def float_score_mask(bias, allowed, dtype):
+    """The additive float ``attn_mask`` of torch's kernels: the score bias where allowed, -inf where blocked.
+
+    ``bias`` (1|B, H, Nq, Nk) (float32 or float64, from `ScoreBias`); ``allowed`` a bool tensor
+    broadcastable to it, or None. Rounded to the kernel's ``dtype`` (torch wants the query's).
+    """
+    mask = bias.to(dtype)
+    return mask if allowed is None else mask.masked_fill(~allowed, float("-inf"))
+
+
+class TorchMHAOracle(VariantReasons, Backend):
     """``torch.nn.MultiheadAttention`` in eval mode, loaded with the canonical parameters.
 
     The timed pass calls the module as inference code does, ``need_weights=False``, which
@@ -50,8 +84,23 @@ class TorchMHAOracle(Backend):
     ``need_weights=True, average_attn_weights=False`` for the per-head weights.
     """
 
+    # The window is in the (boolean) attn_mask; ALiBi and T5's bias ride in a float attn_mask.
+    variants = frozenset({"window", "alibi", "rel_bias"})
+    variant_why: ClassVar[dict[str, str]] = {
+        "softcap": "nn.MultiheadAttention has no softcap: the scores are never exposed between the product and the "
+        "softmax",
+        "sinks": "nn.MultiheadAttention has no sinks: its softmax has no extra logit in the denominator",
+        "qk_norm_head": "nn.MultiheadAttention has no QK-norm: q and k are projected and split inside the module, "
+        "with no hook before the scores",
+        "qk_norm_projection": "nn.MultiheadAttention has no QK-norm: q and k are projected inside the module, with "
+        "no hook before the scores",
+        "qkv_bias": "nn.MultiheadAttention's one bias switch covers in_proj and out_proj together: no output "
+        "projection without a bias when q, k and v have one (bias='qkv')",
+    }
     known_differences = (
         "mask polarity: attn_mask True = blocked (the spec: True = may attend); the adapter passes ~allowed",
+        "ALiBi and T5's relative bias go in as a float attn_mask (B*H, Nq, Nk): the bias where allowed, -inf where "
+        "blocked; the bias tensor is built by the adapter (torch ScoreBias), the module only adds it",
         "sequence-first by default: (N, B, E) unless batch_first=True; the seq-first adapter transposes in prepare and back in to_numpy",
         "a 3-D attn_mask is (B*H, Nq, Nk), batch-major (index b*H + h); a 2-D one (Nq, Nk) is shared by all",
         "a query that may attend to no key: NaN from the fused fast path (eval, batch_first=True, self-attention, "
@@ -97,7 +146,7 @@ class TorchMHAOracle(Backend):
         module.requires_grad_(False)
         # Self-attention passes one tensor three times: torch's fast path checks identity.
         query, key, value = torch_inputs(inputs, dtype, device, layout=self._layout)
-        attn_mask = self._attn_mask(cfg, inputs, device)
+        attn_mask = self._attn_mask(cfg, inputs, dtype, device)(optional_tensor(params.rel_bias, dtype, device))
 
         def call(need_weights: bool):
             with torch.inference_mode():
@@ -128,7 +177,10 @@ class TorchMHAOracle(Backend):
 
         info = {
             "batch_first": self.batch_first,
-            "attn_mask": None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = blocked",
+            "attn_mask": None
+            if attn_mask is None
+            else f"{str(attn_mask.dtype).removeprefix('torch.')} {tuple(attn_mask.shape)}, "
+            + ("True = blocked" if attn_mask.dtype == torch.bool else "the score bias, -inf = blocked"),
             "fast_path_expected": fast_path_expected(cfg, self.batch_first, query is key is value),
             **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
@@ -138,10 +190,23 @@ class TorchMHAOracle(Backend):
         """(B, N, F) -> the module's layout: (N, B, F) when sequence-first."""
         return x if self.batch_first else x.transpose(0, 1).contiguous()
 
-    def _attn_mask(self, cfg: MHAConfig, inputs: MHAInputs, device: str):
-        return torch_blocked_mask(
-            allowed_positions(cfg, inputs), inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens, device
-        )
+    def _attn_mask(self, cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
+        """``attn_mask(rel_bias)``: the module's mask, boolean (True = blocked) or, with a score bias, float
+        (the bias, -inf where blocked), (Nq, Nk) or (B*H, Nq, Nk). A function of the T5 table (a leaf
+        under autograd), so its gradient flows through the mask."""
+        B, H, Nq, Nk = inputs.batch, cfg.n_heads, inputs.q_tokens, inputs.kv_tokens
+        allowed = allowed_positions(cfg, inputs)
+        if not cfg.has_score_bias:
+            blocked = torch_blocked_mask(allowed, B, H, Nq, Nk, device)
+            return lambda rel_bias: blocked
+        score_bias = ScoreBias(cfg, inputs, dtype, device)
+        allowed_t = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk) or None
+
+        def attn_mask(rel_bias):
+            mask = float_score_mask(score_bias(rel_bias), allowed_t, torch_dtype(dtype))  # (1|B, H, Nq, Nk)
+            return mask.expand(B, H, Nq, Nk).reshape(B * H, Nq, Nk)  # (B*H, Nq, Nk), index b*H + h, a copy
+
+        return attn_mask
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         """Autograd through the module itself; its parameters' gradients are a state dict."""
@@ -150,18 +215,23 @@ class TorchMHAOracle(Backend):
         query, key, value = (
             leaf(self._layout(to_tensor(x, dtype, device))) for x in (inputs.query, inputs.key, inputs.value)
         )
-        attn_mask = self._attn_mask(cfg, inputs, device)
+        attn_mask = self._attn_mask(cfg, inputs, dtype, device)
+        rel_bias = leaf(optional_tensor(params.rel_bias, dtype, device))  # T5's table, through the float mask
         parameters = dict(module.named_parameters())
-        leaves = {"d_x_q": query, "d_x_k": key, "d_x_v": value, **parameters}
+        leaves = {"d_x_q": query, "d_x_k": key, "d_x_v": value, **parameters, "rel_bias": rel_bias}
 
         def forward():
-            return module(query, key, value, attn_mask=attn_mask, need_weights=False)[0]
+            return module(query, key, value, attn_mask=attn_mask(rel_bias), need_weights=False)[0]
 
         def to_canonical(grads: dict) -> dict:
             rows = {slot: grads.pop(slot) for slot in INPUT_SLOTS}
-            canonical = from_torch_mha_state_dict(cfg, grads).as_dict()  # packed in_proj_weight -> w_q, w_k, w_v
+            table = {"rel_bias": grads.pop("rel_bias")} if "rel_bias" in grads else {}  # (buckets, H), canonical
+            # The module's state dict has no T5 table (it rides in the mask): convert under the same layer without it.
+            module_cfg = dataclasses.replace(cfg, rel_buckets=None)
+            canonical = from_torch_mha_state_dict(module_cfg, grads).as_dict()  # packed in_proj_weight -> w_q, w_k, w_v
             inputs_grads = {slot: g if self.batch_first else g.transpose(1, 0, 2) for slot, g in rows.items()}
-            return {**inputs_grads, **{name: g for name, g in canonical.items() if g is not None}}  # inputs (B, N, F)
+            canonical = {name: g for name, g in canonical.items() if g is not None}
+            return {**inputs_grads, **canonical, **table}  # inputs (B, N, F)
 
         info = {"batch_first": self.batch_first, "parameters": ", ".join(parameters)}
         d_output = self._layout(to_tensor(cotangent, dtype, device))
@@ -221,7 +291,7 @@ def fast_path_expected(cfg: MHAConfig, batch_first: bool, self_attention: bool) 
     return "yes" if not reasons else "no: " + ", ".join(reasons)
 
 
-class TorchSDPAOracle(Backend):
+class TorchSDPAOracle(VariantReasons, Backend):
     """``F.scaled_dot_product_attention`` on heads projected with ``F.linear``.
 
     Projections, head split and merge are in the timed region, as in a model. The mask is
@@ -235,6 +305,15 @@ class TorchSDPAOracle(Backend):
     """
 
     convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
+    # QK-norm, the qkv bias and rope scaling happen in the oracle's own code before the kernel; the
+    # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
+    variants = frozenset(VARIANTS) - {"softcap", "sinks"}
+    variant_why: ClassVar[dict[str, str]] = {
+        "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "
+        "and the softmax (an additive attn_mask cannot take a tanh)",
+        "sinks": "scaled_dot_product_attention has no sinks: its softmax has no extra logit in the denominator "
+        "and it returns no log-sum-exp to rescale by",
+    }
     known_differences = (
         "mask polarity: bool attn_mask True = may attend, like the spec (the opposite of nn.MultiheadAttention)",
         "is_causal=True is top-left aligned (query i sees keys j <= i), which matters when Nq != Nk",
@@ -243,6 +322,10 @@ class TorchSDPAOracle(Backend):
         "attn_mask and is_causal cannot be combined: a causal mask with a user mask is passed as one boolean mask",
         "scores and weights stay inside the fused kernel: only projections, heads, context, merged and output are stages",
         "no rotary embedding of its own: the heads are rotated before the call (our rotate_last_axis), as models do",
+        "ALiBi and T5's relative bias: a float attn_mask (the bias where allowed, -inf where blocked) built by the "
+        "adapter (torch ScoreBias) and rounded to the run's dtype; the kernel only adds it. A row whose float mask "
+        "is all -inf is not the boolean mask's zero row (none of the check's bias cases has one)",
+        "QK-norm is F.rms_norm in the oracle's own code before the kernel, as models write it",
     )
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
@@ -273,10 +356,11 @@ class TorchSDPAOracle(Backend):
 
         run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
 
+        bool_mask = None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"
         info = {
             "mask": "is_causal=True (top-left)"
             if use_is_causal
-            else (None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"),
+            else ("float: the score bias, -inf where blocked" if cfg.has_score_bias else bool_mask),
             "enable_gqa": cfg.n_kv_heads != cfg.n_heads,
             **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
@@ -300,47 +384,84 @@ class TorchSDPAOracle(Backend):
 def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
     """The SDPA oracle's pass for these inputs: ``(forward, attn_mask, use_is_causal)``.
 
-    ``forward(p, x_q, x_k, x_v, rec=None)`` runs the projections (``p``: the parameter
-    tensors by canonical name), the head split, the kernel, the merge and the output
-    projection, recording the stages when ``rec`` is given; the backward (`_prepare_vjp`)
-    differentiates this same function.
+    ``forward(p, x_q, x_k, x_v, rec=None)`` (see `projected_heads_pass`) runs the kernel on the
+    oracle's own projected, normed and rotated heads; the backward (`_prepare_vjp`)
+    differentiates this same function. ``attn_mask``: the boolean mask (True = may attend),
+    None with ``is_causal`` or without a mask; with ALiBi or T5's bias the kernel gets a float
+    mask instead, built in the forward from ``p["rel_bias"]`` so that autograd reaches the table.
     """
     import torch.nn.functional as F
 
-    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
-    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     # No user mask: is_causal says it all and lets torch pick its causal kernels.
-    use_is_causal = cfg.causal and inputs.mask is None
+    use_is_causal = cfg.causal and inputs.mask is None and not cfg.has_score_bias and cfg.window is None
     allowed = None if use_is_causal else allowed_positions(cfg, inputs)
     attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
-    gqa = {"enable_gqa": True} if Hkv != H else {}
+    score_bias = ScoreBias(cfg, inputs, dtype, device) if cfg.has_score_bias else None
+    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
+
+    def attend(p: dict, q_rotated, k_rotated, v_heads):
+        mask = attn_mask
+        if score_bias is not None:  # float: the bias where allowed, -inf where blocked, (1|B, H, Nq, Nk)
+            mask = float_score_mask(score_bias(p.get("rel_bias")), attn_mask, q_rotated.dtype)
+        return F.scaled_dot_product_attention(
+            q_rotated, k_rotated, v_heads, attn_mask=mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
+        )  # (B, H, Nq, Dv)
+
+    forward = projected_heads_pass(cfg, inputs, dtype, device, attend, "F.scaled_dot_product_attention (fused)")
+    return forward, attn_mask, use_is_causal
+
+
+def projected_heads_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, attend, kernel_note: str):
+    """``forward(p, x_q, x_k, x_v, rec=None)``: a model's code around a library's attention kernel.
+
+    ``F.linear`` projections (``p``: the parameter tensors by canonical name), QK-norm with
+    ``F.rms_norm`` (over the projection before the split, or each head after it), the head
+    split ``view(B, N, H, d).transpose(1, 2)``, rotary, then ``attend(p, q, k, v)`` (the
+    library's kernel: (B, H, Nq, Dk), (B, Hkv, Nk, Dk), (B, Hkv, Nk, Dv) -> context (B, H, Nq, Dv)),
+    the merge and the output projection; every stage outside the kernel is recorded when ``rec``
+    is given.
+    """
+    import torch.nn.functional as F
+
+    B, Nq = inputs.batch, inputs.q_tokens
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
+    eps = cfg.norm_eps
+
+    def split(x, n, d):  # (B, N, n*d) -> (B, n, N, d), a strided view
+        return x.view(B, x.shape[1], n, d).transpose(1, 2)
 
     def forward(p: dict, x_q, x_k, x_v, rec: StageRecorder | None = None):
         q = F.linear(x_q, p["w_q"], p["b_q"])  # (B, Nq, H*Dk)
         k = F.linear(x_k, p["w_k"], p["b_k"])  # (B, Nk, Hkv*Dk)
         v = F.linear(x_v, p["w_v"], p["b_v"])  # (B, Nk, Hkv*Dv)
-        q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), view
-        k_heads = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk), view
-        v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv), view
-        q_rotated, k_rotated = rotate(q_heads, "q"), rotate(k_heads, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-        context = F.scaled_dot_product_attention(
-            q_rotated, k_rotated, v_heads, attn_mask=attn_mask, is_causal=use_is_causal, scale=cfg.scale, **gqa
-        )  # (B, H, Nq, Dv)
+        q_heads, k_heads, v_heads = split(q, H, Dk), split(k, Hkv, Dk), split(v, Hkv, Dv)  # (B, n, N, d), views
+        q_normed, k_normed = q_heads, k_heads
+        if cfg.qk_norm == "projection":  # over the whole projection, then the same split
+            q_normed = split(rms_norm(q, p["q_norm"], eps), H, Dk)  # (B, H, Nq, Dk)
+            k_normed = split(rms_norm(k, p["k_norm"], eps), Hkv, Dk)  # (B, Hkv, Nk, Dk)
+        elif cfg.qk_norm == "head":
+            q_normed, k_normed = rms_norm(q_heads, p["q_norm"], eps), rms_norm(k_heads, p["k_norm"], eps)
+        q_rotated, k_rotated = rotate(q_normed, "q"), rotate(k_normed, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        context = attend(p, q_rotated, k_rotated, v_heads)  # (B, H, Nq, Dv)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
         output = F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
         if rec is not None:
             record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
             how = "view(B, N, H, d).transpose(1, 2)"
             record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
+            if cfg.qk_norm is not None:
+                how = f"F.rms_norm over {'the whole projection' if cfg.qk_norm == 'projection' else 'each head'}"
+                rec.record("q_normed", q_normed, HEADS_FIRST_SPLIT_AXES["q_heads"], how)
+                rec.record("k_normed", k_normed, HEADS_FIRST_SPLIT_AXES["k_heads"], how)
             how = "rotate_last_axis before the kernel"
-            record_rotated(rec, (q_heads, k_heads), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
-            rec.record("context", context, ("B", "H", "Nq", "Dv"), "F.scaled_dot_product_attention (fused)")
+            record_rotated(rec, (q_normed, k_normed), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
+            rec.record("context", context, ("B", "H", "Nq", "Dv"), kernel_note)
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
             rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
         return output
 
-    return forward, attn_mask, use_is_causal
+    return forward
 
 
 def sdpa_has_enable_gqa() -> bool:

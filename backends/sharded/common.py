@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
+from mha_rosetta.core.variants import alibi_slopes
 
 from ..base import Backend, Prepared, StageTensor
 from .workers import WorkerGroup, worker_prepared
@@ -93,3 +94,39 @@ def gather_heads(plan: ShardPlan, per_rank: list[dict]) -> dict[str, np.ndarray]
         ranks = range(0, plan.world, plan.kv_replicas) if shape[axis].startswith("Hkv") else range(plan.world)
         gathered[name] = np.concatenate([per_rank[rank][name] for rank in ranks], axis=axis)
     return gathered
+
+
+def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, rank: int) -> dict:
+    """The variants' parameters of ``rank``'s heads (`core.shard_params` splits the 2017-23 ones), by field name.
+
+    Split the way the heads are: the sinks ``(H,)`` and T5's table columns ``(buckets, H)``
+    by query head; QK-norm over each head has one ``(Dk,)`` weight for all heads, replicated;
+    over the whole projection its ``(H*Dk,)`` / ``(Hkv*Dk,)`` weights by the rows of the
+    rank's query / kv heads (the statistic over the whole width is the rank's business: an
+    all-reduce of the sum of squares). None where the variant is off. Copies, not views.
+    ALiBi's slopes are no parameter: see `alibi_slopes_of`.
+    """
+    heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)
+    Dk = cfg.d_k
+
+    def take(array, index):
+        return None if array is None else np.array(array[index], copy=True)
+
+    projection = cfg.qk_norm == "projection"
+    q_rows = slice(heads.start * Dk, heads.stop * Dk) if projection else slice(None)
+    k_rows = slice(kv.start * Dk, kv.stop * Dk) if projection else slice(None)
+    return {
+        "q_norm": take(params.q_norm, q_rows),  # (Hl*Dk,) or the shared (Dk,)
+        "k_norm": take(params.k_norm, k_rows),  # (local kv*Dk,) or the shared (Dk,)
+        "sinks": take(params.sinks, slice(heads.start, heads.stop)),  # (Hl,)
+        "rel_bias": take(params.rel_bias, (slice(None), slice(heads.start, heads.stop))),  # (buckets, Hl)
+    }
+
+
+def alibi_slopes_of(cfg: MHAConfig, plan: ShardPlan, rank: int) -> np.ndarray | None:
+    """The ALiBi slopes of ``rank``'s query heads: a slice of the whole layer's (the local head count's own
+    slopes would be another series), or None without ALiBi."""
+    if not cfg.alibi:
+        return None
+    heads = plan.heads_of(rank)
+    return alibi_slopes(cfg.n_heads)[heads.start : heads.stop]  # (Hl,)

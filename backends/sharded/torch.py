@@ -16,7 +16,23 @@ each holding ``H / world`` heads. Two ways PyTorch users write it, as two strate
   ``dist.all_reduce`` and ``+ b_o``.
 
 `CommDebugMode` counts the collectives of one forward pass (in `prepare`, untimed):
-`Prepared.info["all_reduces"]` is 1 for both strategies; the tests assert it.
+`Prepared.info["all_reduces"]` is 1 for both strategies (3 with a projection-wide QK-norm,
+below); the tests assert it.
+
+The variants (issue 24), split the way the heads are (`common.shard_variant_params`), and what
+each costs in collectives per forward pass:
+
+* sinks ``(H,)`` and T5's table columns ``(buckets, H)``: each rank keeps its query heads'
+  entries; ALiBi's slopes: each rank its heads' slice of the whole layer's series (the local
+  head count's own series would be other slopes). No collective: the positions, and so every
+  distance, bucket and window, are replicated with the inputs.
+* QK-norm over each head: the one ``(Dk,)`` weight replicated. No collective.
+* QK-norm over the whole projection: the weights by the rows of the rank's heads, but the
+  statistic ``mean(x**2)`` runs over every head's features: each rank sums its own squares
+  (``(B, N, 1)``) and **one all-reduce each for q and k** adds the ranks' sums (2 more, 3 in
+  all; ``B * (Nq + Nk)`` numbers, tiny next to the output's ``B * Nq * D``). With kv heads
+  replicated on ``r`` ranks the k sum counts each kv head ``r`` times and is divided by ``r``.
+* the window, softcap, qkv bias and rope scaling: rank-local arithmetic on its own heads.
 
 GQA: `ColwiseParallel` cuts the rows of ``w_k`` evenly, which keeps kv heads whole only
 when ``world`` divides the kv heads; with fewer kv heads than ranks the standard strategy
@@ -38,10 +54,10 @@ import tempfile
 
 import numpy as np
 
-from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import STAGE_BY_NAME, VARIANTS, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
 from ..base import STANDARD, StageTensor, tensor_to_numpy
-from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
+from .common import PREPARE_SECONDS, ShardedBackend, alibi_slopes_of, gather_heads, shard_variant_params
 from .workers import Programs, WorkerGroup, serve
 
 MANUAL = "manual"
@@ -55,6 +71,7 @@ class TorchTPBackend(ShardedBackend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
+    variants = frozenset(VARIANTS)  # each split as the module docstring says; forward only, as before
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)
@@ -143,10 +160,26 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
     plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg
     local_inputs = dataclasses.replace(inputs, mask=shard_mask(inputs.mask, plan, rank))
-    shard = shard_params(cfg, params, world)[rank]
+    # The 2017-23 parameters split by core.shard_params, the variants' by common.shard_variant_params.
+    shard = dataclasses.replace(shard_params(cfg, params, world)[rank], **shard_variant_params(cfg, params, plan, rank))
     b_o = None if params.b_o is None else to_tensor(params.b_o, dtype, "cpu")
+
+    def norm_sum(squares, which: str):
+        """A projection-wide QK-norm's statistic: this rank's sum of squares (B, N, 1) summed over the ranks."""
+        dist.all_reduce(squares)  # one all-reduce for q, one for k
+        return squares / plan.kv_replicas if which == "k" and plan.kv_replicas > 1 else squares
+
     # The torch adapter on this rank's heads, without b_o: its output is this rank's partial output.
-    layer = RowSampleMHA(local_cfg, dataclasses.replace(shard, b_o=None), local_inputs, dtype, "cpu")
+    layer = RowSampleMHA(
+        local_cfg,
+        dataclasses.replace(shard, b_o=None),
+        local_inputs,
+        dtype,
+        "cpu",
+        alibi_slopes=alibi_slopes_of(cfg, plan, rank),
+        norm_sum=norm_sum if cfg.qk_norm == "projection" else None,
+        norm_widths=(cfg.q_width, cfg.k_width),
+    )
 
     if strategy == STANDARD:
 

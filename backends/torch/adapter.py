@@ -6,7 +6,7 @@ strategy, wires `chunked` and `vjp` in, sets the matmul precision and fills `Pre
 
 from __future__ import annotations
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
@@ -30,6 +30,9 @@ class TorchBackend(Backend):
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+    # Every variant, in every strategy (chunked included: window tiles skipped, softcap, score bias
+    # and sinks carried in the online softmax), forward and backward (autograd; chunked is forward only).
+    variants = frozenset(VARIANTS)
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)
@@ -64,6 +67,9 @@ class TorchBackend(Backend):
         }
         if strategy == CHUNKED:
             info.update(chunk=layer.chunk, stages=CHUNKED_STAGES_NOTE)
+            if cfg.window is not None or inputs.mask is not None:
+                run(None)  # once, untimed: how many key tiles the window and the mask let it skip
+                info.update(tiles_visited=layer.tiles_visited, tiles_skipped=layer.tiles_skipped)
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )

@@ -6,6 +6,14 @@ are reductions over the last axis, and the accumulator update is ``P @ V_blk``. 
 the G query heads of a group into the row axis, as the standard strategy does, so one
 ``bmm`` per tile serves every head: one tile per head is alive at a time.
 
+Variants: the sliding window is read per tile from the token positions, and a key tile with
+no allowed position (outside the window, above the diagonal, or masked) is skipped whole;
+``tiles_skipped`` counts them. Each visited tile is softcapped and gets its ALiBi / T5 bias
+(`variants.ScoreBias` for the tile's positions) before its mask; the sinks start the running
+maximum at ``sink_h`` and the running sum at ``exp(sink_h - sink_h) = 1``, so the sink sits in
+every denominator and a query with no allowed key still ends with a zero context.
+QK-norm and the biases of the projections happen before the tiles, on whole heads.
+
 Half precision: the queries, keys and values are converted to float32 once (linear in the
 tokens), every tile and running sum is float32, and each query block's context is rounded
 back to the run's dtype when it is done.
@@ -13,10 +21,13 @@ back to the run's dtype when it is done.
 
 from __future__ import annotations
 
+from mha_rosetta.core.variants import window_allowed
+
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder
 from .common import bool_tensor
 from .layer import RowSampleMHA
+from .variants import add_bias, softcap
 
 HALF = ("float16", "bfloat16")
 
@@ -29,6 +40,7 @@ class ChunkedRowSampleMHA(RowSampleMHA):
     def __init__(self, cfg, params, inputs, dtype: str, device: str, chunk: tuple[int, int] | None) -> None:
         super().__init__(cfg, params, inputs, dtype, device, batched=False)
         self.user_mask = inputs.mask  # (1|B, 1|H, Nq, Nk) NumPy or None, True = may attend
+        self.positions, self.kv_positions = inputs.positions, inputs.kv_positions  # (1|B, N) int64, for the window
         self.device = device
         self.chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
         self.compute_dtype = self.torch.float32 if dtype in HALF else self.x_q.dtype
@@ -37,6 +49,11 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         """The tile's blocked positions as a torch bool tensor (1|B, 1|H, qb, kb); None: nothing
         blocked; False: everything blocked (the tile can be skipped)."""
         allowed = tile_allowed(self.user_mask, self.cfg.causal, q_range, k_range)
+        if self.cfg.window is not None:  # the window on the tile's positions, (1|B, 1, qb, kb)
+            (q_start, q_end), (k_start, k_end) = q_range, k_range
+            q_pos, k_pos = self.positions[:, q_start:q_end], self.kv_positions[:, k_start:k_end]  # views
+            window = window_allowed(self.cfg.window, self.cfg.causal, q_pos, k_pos)
+            allowed = window if allowed is None else allowed & window
         if allowed is None:
             return None
         if not allowed.any():
@@ -48,6 +65,7 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
         q_block, k_block = self.chunk
         self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
+        self.tiles_skipped = 0  # key tiles inside the walked range with nothing allowed (window, mask)
         q_heads, k_heads, v_heads = self._split_and_rotate(rec)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk/Dv), rotated
         cdt = self.compute_dtype
         # Each kv head's keys and values once, contiguous in the compute dtype (linear in Nk).
@@ -59,18 +77,27 @@ class ChunkedRowSampleMHA(RowSampleMHA):
             n_q = q_end - q_start
             # The G query heads of a group folded into the row axis: (B*Hkv, G*qb, Dk), a copy.
             queries = q_heads[:, :, q_start:q_end].to(cdt).reshape(B * Hkv, G * n_q, Dk) * self.cfg.scale
-            peak = torch.full((B, H, n_q, 1), float("-inf"), dtype=cdt, device=keys.device)  # running max per query
-            total = torch.zeros((B, H, n_q, 1), dtype=cdt, device=keys.device)  # running sum of exp(score - peak)
+            if self.sinks is None:
+                peak = torch.full((B, H, n_q, 1), float("-inf"), dtype=cdt, device=keys.device)  # running max
+                total = torch.zeros((B, H, n_q, 1), dtype=cdt, device=keys.device)  # running sum of exp(score - peak)
+            else:  # the sink is the first "key" of every row: max sink_h, sum exp(sink_h - sink_h) = 1
+                peak = self.sinks.to(cdt).view(1, H, 1, 1).expand(B, H, n_q, 1).clone()  # (B, H, qb, 1)
+                total = torch.ones((B, H, n_q, 1), dtype=cdt, device=keys.device)
             acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=keys.device)  # running sum of exp(score - peak) * v
             for k_start in range(0, key_block_end(q_end, Nk, self.cfg.causal), k_block):
                 k_end = min(k_start + k_block, Nk)
                 blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))
                 if blocked is False:
+                    self.tiles_skipped += 1
                     continue  # nothing in this tile may be attended to: it changes no sum
                 self.tiles_visited += 1
                 n_k = k_end - k_start
                 tile = torch.bmm(queries, keys[:, k_start:k_end].transpose(1, 2))  # (B*Hkv, G*qb, kb)
                 tile = tile.view(B, H, n_q, n_k)  # (B, H, qb, kb), view
+                if self.cfg.softcap is not None:
+                    tile = softcap(tile, self.cfg.softcap)  # in place
+                if self.score_bias is not None:  # (1|B, H, qb, kb) from the tile's positions
+                    tile = add_bias(tile, self.score_bias(self.rel_bias, (q_start, q_end), (k_start, k_end)))
                 if blocked is not None:
                     tile.masked_fill_(blocked, float("-inf"))
                 new_peak = torch.maximum(peak, tile.amax(dim=-1, keepdim=True))  # (B, H, qb, 1)
@@ -82,7 +109,7 @@ class ChunkedRowSampleMHA(RowSampleMHA):
                 update = torch.bmm(tile.view(B * Hkv, G * n_q, n_k), values[:, k_start:k_end])  # (B*Hkv, G*qb, Dv)
                 acc.mul_(rescale).add_(update.view(B, H, n_q, Dv))
                 peak = new_peak
-            # A query that saw no allowed key has total 0 and acc 0: dividing by 1 gives the spec's zero.
+            # A query that saw no allowed key has total 0 (1 with a sink) and acc 0: the spec's zero context.
             context[:, :, q_start:q_end] = acc / torch.where(total > 0, total, 1.0)
         if rec is not None:
             rec.record("context", context, ("B", "H", "Nq", "Dv"), "acc / l per query block (online softmax)")

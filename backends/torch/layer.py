@@ -21,6 +21,12 @@ known mistake: ``q.view(B, H, N, Dk)`` without the transpose).
 Rotary (``cfg.rope``) turns pairs of the last (feature) axis of each head, as Hugging Face
 and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interleaved".
 
+Variants (`core.variants`, in torch by `variants`): QK-norm with ``F.rms_norm`` on the merged
+projection before the split ("projection") or on the split heads ("head"), before rotary;
+the softcap, ALiBi / T5 bias, mask and the softmax with the sinks on the (B, H, Nq, Nk)
+scores, in pipeline order. Their stages (``q_normed`` ... ``biased_scores``) are recorded
+only when on.
+
 GPU float32: TF32 is off unless the backend is built with ``allow_tf32=True``; see
 `common`.
 """
@@ -40,6 +46,7 @@ from .common import (
     torch_inputs,
     torch_rotary_tables,
 )
+from .variants import ScoreBias, SumReducer, add_bias, rms_norm, rms_norm_of_sum, softcap, softmax_with_sinks
 
 HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
 ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
@@ -64,8 +71,21 @@ class RowSampleMHA(LayerRecording):
     ROTATE_HOW = ROTATE_HOW
 
     def __init__(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, batched: bool = True
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        inputs: MHAInputs,
+        dtype: str,
+        device: str,
+        batched: bool = True,
+        *,
+        alibi_slopes=None,
+        norm_sum: SumReducer | None = None,
+        norm_widths: tuple[int, int] | None = None,
     ) -> None:
+        """``alibi_slopes``, ``norm_sum`` and ``norm_widths`` are for a rank holding some of a layer's heads
+        (torch-tp): its slice of the layer's ALiBi slopes (NumPy (H,)), the all-reduce of a projection-wide
+        QK-norm's sum of squares, and the whole layer's (q, k) projection widths that sum is over."""
         import torch
         import torch.nn.functional as F
 
@@ -83,6 +103,13 @@ class RowSampleMHA(LayerRecording):
         self.b_q_heads = tensor(split_head_bias(params.b_q, cfg.n_heads))  # (H, Dk) or None
         self.b_k_heads = tensor(split_head_bias(params.b_k, cfg.n_kv_heads))  # (Hkv, Dk) or None
         self.b_v_heads = tensor(split_head_bias(params.b_v, cfg.n_kv_heads))  # (Hkv, Dv) or None
+        # The variants' parameters (None when off): QK-norm weights (Dk,) or (H*Dk,)/(Hkv*Dk,),
+        # one sink logit per head (H,), T5's table (buckets, H).
+        self.q_norm, self.k_norm = tensor(params.q_norm), tensor(params.k_norm)
+        self.sinks, self.rel_bias = tensor(params.sinks), tensor(params.rel_bias)
+        self.norm_sum = norm_sum
+        self.norm_widths = (cfg.q_width, cfg.k_width) if norm_widths is None else norm_widths
+        self.score_bias = ScoreBias(cfg, inputs, dtype, device, alibi_slopes) if cfg.has_score_bias else None
 
         # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
         self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
@@ -111,6 +138,43 @@ class RowSampleMHA(LayerRecording):
         v = F.linear(self.x_v, self.w_v, self.b_v)  # (B, Nk, Hkv*Dv)
         return q, k, v
 
+    def _norm_projection(self, x, which: str):
+        """A projection-wide QK-norm of the merged q or k (B, N, width): over every head's features at once.
+
+        A rank of torch-tp holds some heads' features only: the sum of squares is all-reduced
+        (``norm_sum``) and divided by the whole layer's width.
+        """
+        weight = self.q_norm if which == "q" else self.k_norm
+        if self.norm_sum is None:
+            return rms_norm(x, weight, self.cfg.norm_eps)  # F.rms_norm over the whole projection
+        squares = self.norm_sum((x * x).sum(dim=-1, keepdim=True), which)  # (B, N, 1), summed over the ranks
+        width = self.norm_widths[0 if which == "q" else 1]
+        return rms_norm_of_sum(x, weight, self.cfg.norm_eps, squares, width)
+
+    def _normed_split(self, rec, projections: tuple, heads: tuple, split):
+        """(q_normed, k_normed): the heads after QK-norm, recorded; the heads themselves without it.
+
+        ``split(x, n_heads)`` is the strategy's own head split (B, N, n*Dk) -> (B, n, N, Dk):
+        a projection-wide norm is taken before it, a per-head one after it.
+        """
+        cfg = self.cfg
+        if cfg.qk_norm is None:
+            return heads
+        (q, k, _), (q_heads, k_heads) = projections, heads
+        if cfg.qk_norm == "projection":
+            normed = (
+                split(self._norm_projection(q, "q"), cfg.n_heads),
+                split(self._norm_projection(k, "k"), cfg.n_kv_heads),
+            )
+            how, parents = "F.rms_norm over the whole projection, then the same head split", (None, None)
+        else:
+            normed = rms_norm(q_heads, self.q_norm, cfg.norm_eps), rms_norm(k_heads, self.k_norm, cfg.norm_eps)
+            how, parents = "F.rms_norm over each head's Dk features (one weight for every head)", ("q_heads", "k_heads")
+        if rec is not None:
+            for name, value, parent in zip(("q_normed", "k_normed"), normed, parents, strict=True):
+                rec.record(name, value, HEADS_FIRST_SPLIT_AXES[name.replace("normed", "heads")], how, "new", parent)
+        return normed
+
     def _rotate(self, x, which: str, head_axis: bool):
         """Query ("q") or key ("k") heads (..., N, Dk) with rotary applied; ``x`` itself without rope."""
         if self.rotary is None:
@@ -121,10 +185,17 @@ class RowSampleMHA(LayerRecording):
         return rotate_last_axis(x, cos, sin, self.cfg.rope)
 
     def _rotate_split(self, rec, q_heads, k_heads):
-        """(q_rotated, k_rotated) of the batched heads (B, H, N, Dk), recorded when ``rec`` is given."""
+        """(q_rotated, k_rotated) of the batched heads (B, H, N, Dk) (normed, with QK-norm), recorded when
+        ``rec`` is given."""
         rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
         if rec is not None:
             record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
+            if self.cfg.qk_norm is not None:  # turned from the normed heads, not the split ones
+                for name, value, parent in zip(("q_rotated", "k_rotated"), rotated, (q_heads, k_heads), strict=True):
+                    note, relation = (
+                        (ROTATE_HOW, "new") if value is not parent else ("the normed heads, no rope", "view")
+                    )
+                    rec.record(name, value, HEADS_FIRST_SPLIT_AXES[name], note, relation, name[0] + "_normed")
         return rotated
 
     def _merge(self, context, rec):
@@ -143,29 +214,49 @@ class RowSampleMHA(LayerRecording):
         return output
 
     def _mask_and_softmax(self, scores, blocked, empty_rows, rec, head: int | None, out=None):
-        """Mask in place, then softmax; rows with no allowed key get zeros, never NaN."""
-        torch = self.torch
+        """The score pipeline after the product: softcap, score bias, mask (in place), softmax with the sinks.
+
+        Rows with no allowed key get zeros, never NaN. ``head`` None: all heads (B, H, Nq, Nk);
+        else query head ``head``'s (B, Nq, Nk).
+        """
+        torch, cfg = self.torch, self.cfg
         axes = ("B", "H", "Nq", "Nk") if head is None else ("B", "Nq", "Nk")
         self._record(
             rec, "scores", head, scores, axes, "baddbmm(q, k^T, alpha=scale): the scale fused into the product"
         )
+        last, last_name = scores, "scores"  # the last score stage: masked_scores masks it
+        if cfg.softcap is not None:
+            capped = softcap(last, cfg.softcap)
+            how = "c * tanh(s / c)" + (", in place" if capped is last else "")
+            self._record(rec, "capped_scores", head, capped, axes, how, "view" if capped is last else "new", last_name)
+            last, last_name = capped, "capped_scores"
+        if self.score_bias is not None:
+            biased = add_bias(last, self.score_bias(self.rel_bias, head=head))
+            how = "+ slope_h (p_j - p_i) (ALiBi) / + rel_bias[bucket(p_j - p_i), h] (T5), the tables from NumPy"
+            self._record(rec, "biased_scores", head, biased, axes, how, "view" if biased is last else "new", last_name)
+            last, last_name = biased, "biased_scores"
         if blocked is not None:
-            scores.masked_fill_(blocked, float("-inf"))
+            last.masked_fill_(blocked, float("-inf"))
             note = "masked_fill_(blocked, -inf), in place"
-            self._record(rec, "masked_scores", head, scores, axes, note, "view", "scores")
+            self._record(rec, "masked_scores", head, last, axes, note, "view", last_name)
         elif rec is not None:
-            self._record(rec, "masked_scores", head, scores, axes, "no mask: the scores themselves", "view", "scores")
+            note = f"no mask: {last_name} itself"
+            self._record(rec, "masked_scores", head, last, axes, note, "view", last_name)
         if empty_rows is not None:
             # softmax of an all -inf row is 0/0. Such rows are known from the mask, so
             # give them finite logits first and zero their weights after: no NaN, ever.
-            scores.masked_fill_(empty_rows, 0.0)
-        weights = torch.softmax(scores, dim=-1) if out is None else torch.softmax(scores, dim=-1, out=out)
+            last.masked_fill_(empty_rows, 0.0)
+        if self.sinks is not None:
+            sinks = self.sinks.view(-1, 1, 1) if head is None else self.sinks[head].view(1, 1)  # (H, 1, 1) or (1, 1)
+            weights = softmax_with_sinks(last, sinks)
+            note = "torch.softmax over keys with the sink as one more column, dropped after; empty rows zeros"
+        else:
+            weights = torch.softmax(last, dim=-1) if out is None else torch.softmax(last, dim=-1, out=out)
+            note = "torch.softmax over keys; empty rows set to zeros"
         if empty_rows is not None:
             # Out of place under autograd: softmax's backward needs its own output unchanged.
-            weights = (
-                weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
-            )
-        note = "torch.softmax over keys; empty rows set to zeros"
+            inplace = not weights.requires_grad and self.sinks is None  # (with sinks: a view of the softmax)
+            weights = weights.masked_fill_(empty_rows, 0.0) if inplace else weights.masked_fill(empty_rows, 0.0)
         self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
         return weights
 
@@ -180,7 +271,12 @@ class RowSampleMHA(LayerRecording):
         v_heads = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv)
         if rec is not None:
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), "view(B, N, H, d).transpose(1, 2)")
-        q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+
+        def split(x, n):  # (B, N, n*Dk) -> (B, n, N, Dk), the same strided view
+            return x.view(B, x.shape[1], n, Dk).transpose(1, 2)
+
+        q_normed, k_normed = self._normed_split(rec, (q, k, v), (q_heads, k_heads), split)  # QK-norm
+        q_rotated, k_rotated = self._rotate_split(rec, q_normed, k_normed)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
         return q_rotated, k_rotated, v_heads
 
     def standard(self, rec: StageRecorder | None = None):
@@ -198,7 +294,12 @@ class RowSampleMHA(LayerRecording):
         if rec is not None:
             how = "the direct-reshape MISTAKE view(B, H, N, d), no transpose"
             self._record_split(rec, (q, k, v), (q_heads, k_heads, v_heads), how)
-        q_rotated, k_rotated = self._rotate_split(rec, q_heads, k_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+
+        def split(x, n):  # the same mistake on the normed projection
+            return x.view(B, n, x.shape[1], Dk)
+
+        q_normed, k_normed = self._normed_split(rec, (q, k, v), (q_heads, k_heads), split)  # QK-norm
+        q_rotated, k_rotated = self._rotate_split(rec, q_normed, k_normed)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
         merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
         if rec is not None:
@@ -242,22 +343,69 @@ class RowSampleMHA(LayerRecording):
         self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
         return context
 
+    def _normed_heads(self, rec, which: str, heads: list, merged=None) -> list:
+        """One head at a time: the heads (B, N, Dk) after QK-norm (the heads themselves without it), recorded whole.
+
+        A projection-wide norm needs every head's features: ``merged`` (SLICING: the merged
+        projection, normed before it is sliced) or, without it (PER_HEAD: the strategy never
+        builds the projection), the heads' sums of squares added up, one weight slice per head.
+        """
+        cfg = self.cfg
+        if cfg.qk_norm is None:
+            return heads
+        weight, Dk = (self.q_norm if which == "q" else self.k_norm), cfg.d_k
+        if cfg.qk_norm == "head":
+            normed = [rms_norm(x, weight, cfg.norm_eps) for x in heads]
+            how = "F.rms_norm of each head's Dk features"
+        elif merged is not None:
+            whole = self._norm_projection(merged, which)  # (B, N, n*Dk)
+            normed = [whole[:, :, i * Dk : (i + 1) * Dk] for i in range(len(heads))]  # column slices, views
+            how = "F.rms_norm over the whole projection, then column slices"
+        else:
+            squares = sum((x * x).sum(dim=-1, keepdim=True) for x in heads)  # (B, N, 1): over every head's features
+            if self.norm_sum is not None:
+                squares = self.norm_sum(squares, which)
+            width = self.norm_widths[0 if which == "q" else 1]
+            normed = [
+                rms_norm_of_sum(x, weight[i * Dk : (i + 1) * Dk], cfg.norm_eps, squares, width)
+                for i, x in enumerate(heads)
+            ]
+            how = "RMSNorm over the whole projection: the heads' sums of squares added up, each head its weight slice"
+        if rec is not None:
+            name, head_axis = f"{which}_normed", "H" if which == "q" else "Hkv"
+            note = how + " (one head at a time, stacked for inspection)"
+            rec.record(name, self.torch.stack(normed, 1), ("B", head_axis, "N" + which, "Dk"), note)
+        return normed
+
+    def _record_normed_rotation(self, rec, h: int, q_rotated, k_rotated) -> None:
+        """With QK-norm, q_rotated and k_rotated are turned from the normed heads: say so (per head)."""
+        if rec is None or self.cfg.qk_norm is None:
+            return
+        note, relation = (ROTATE_HOW, "new") if self.rotary is not None else ("the normed heads, no rope", "new")
+        axes = self.HEAD_SLICE_AXES
+        self._record(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, relation, "q_normed")
+        self._record(rec, "k_rotated", self.cfg.kv_head_of(h), k_rotated, axes["k_rotated"], note, relation, "k_normed")
+
     def slicing(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections()
         if rec is not None:
             self._record_projections(rec, q, k, v)
         contexts = []
+        q_heads = [q[:, :, h * Dk : (h + 1) * Dk] for h in range(H)]  # H x (B, Nq, Dk): column slices, strided views
+        k_heads = [k[:, :, g * Dk : (g + 1) * Dk] for g in range(Hkv)]  # Hkv x (B, Nk, Dk)
+        q_normed = self._normed_heads(rec, "q", q_heads, q)  # the heads themselves without QK-norm
+        k_normed = self._normed_heads(rec, "k", k_heads, k)
         # Each kv head's keys rotated once, before the loop over query heads.
-        k_rotated = [self._rotate(k[:, :, g * Dk : (g + 1) * Dk], "k", head_axis=False) for g in range(Hkv)]
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]
         for h in range(H):
             g = h // G
-            q_h = q[:, :, h * Dk : (h + 1) * Dk]  # (B, Nq, Dk): columns of head h, a strided view
-            k_g = k[:, :, g * Dk : (g + 1) * Dk]  # (B, Nk, Dk)
+            q_h, k_g = q_heads[h], k_heads[g]  # (B, Nq, Dk), (B, Nk, Dk)
             v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
-            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
+            q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Nq, Dk)
             note = "column slice of the merged projection"
             self._record_query_head(rec, h, q_h, k_g, v_g, q_rotated, k_rotated[g], note, "view")
+            self._record_normed_rotation(rec, h, q_rotated, k_rotated[g])
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
@@ -266,17 +414,19 @@ class RowSampleMHA(LayerRecording):
 
     def per_head(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        # Hkv x (B, Nk, Dk) and Hkv x (B, Nk, Dv)
+        # H x (B, Nq, Dk), Hkv x (B, Nk, Dk) and Hkv x (B, Nk, Dv): X @ W_h + b_h, each head its own matrix
+        q_heads = [self._project_head(self.x_q, self.w_q_heads, self.b_q_heads, h) for h in range(H)]
         k_heads = [self._project_head(self.x_k, self.w_k_heads, self.b_k_heads, g) for g in range(Hkv)]
         v_heads = [self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)]
-        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_heads]  # Hkv x (B, Nk, Dk)
+        q_normed, k_normed = self._normed_heads(rec, "q", q_heads), self._normed_heads(rec, "k", k_heads)
+        k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]  # Hkv x (B, Nk, Dk)
         head_note = "X @ W_h with the head's own matrix"
         contexts = []
         for h in range(H):
             g = h // G
-            q_h = self._project_head(self.x_q, self.w_q_heads, self.b_q_heads, h)  # (B, Nq, Dk) = X @ W_h + b_h
-            q_rotated = self._rotate(q_h, "q", head_axis=False)  # (B, Nq, Dk)
-            self._record_query_head(rec, h, q_h, k_heads[g], v_heads[g], q_rotated, k_rotated[g], head_note)
+            q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Nq, Dk)
+            self._record_query_head(rec, h, q_heads[h], k_heads[g], v_heads[g], q_rotated, k_rotated[g], head_note)
+            self._record_normed_rotation(rec, h, q_rotated, k_rotated[g])
             contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:

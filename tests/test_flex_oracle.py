@@ -35,12 +35,17 @@ def _softmax_rows(scores: np.ndarray) -> np.ndarray:
     return exp / exp.sum(axis=-1, keepdims=True)
 
 
-def test_flex_is_a_registered_oracle_that_compiles_the_half_dtypes_by_default():
+def test_flex_is_a_registered_oracle_that_runs_eagerly_unless_asked_to_compile(monkeypatch):
     assert "torch-flex" in available_backends(kind="oracle")
     backend = get_backend("torch-flex")
-    assert backend.kind == "oracle" and backend.compiled_dtypes == ("float16", "bfloat16")
+    assert backend.kind == "oracle"
+    monkeypatch.delenv("MHA_ROSETTA_FLEX_COMPILE", raising=False)
+    assert TorchFlexOracle().compiled_dtypes == ()  # the default check compiles nothing
+    monkeypatch.setenv("MHA_ROSETTA_FLEX_COMPILE", "1")
+    compiling = TorchFlexOracle()
+    assert compiling.compiled_dtypes == ("float16", "bfloat16")
     cfg = MHAConfig(d_model=12, n_heads=3)
-    assert [compiled_mode(cfg, d, backend.compiled_dtypes) for d in ("float64", "float32", "bfloat16")] == [
+    assert [compiled_mode(cfg, d, compiling.compiled_dtypes) for d in ("float64", "float32", "bfloat16")] == [
         False,
         False,
         True,
@@ -49,11 +54,21 @@ def test_flex_is_a_registered_oracle_that_compiles_the_half_dtypes_by_default():
         TorchFlexOracle(compiled_dtypes=("float64",))
 
 
+def test_bfloat16_runs_eagerly_by_default_on_a_variant_case(monkeypatch):
+    monkeypatch.delenv("MHA_ROSETTA_FLEX_COMPILE", raising=False)
+    case = SPEC_CASES["gemma2"]
+    backend = TorchFlexOracle()
+    prepared, _ = backend.prepare(case.cfg, case.params(), case.inputs().query, dtype="bfloat16")
+    assert prepared.info["mode"] == "eager (unfused)"
+    assert_close(case.run(backend, "bfloat16"), case.reference(), "bfloat16")
+
+
 def test_bfloat16_runs_the_compiled_kernel_on_a_variant_case():
     case = SPEC_CASES["gemma2"]  # softcap, window, GQA, a custom scale: score_mod and mask_mod, compiled
-    prepared, _ = get_backend("torch-flex").prepare(case.cfg, case.params(), case.inputs().query, dtype="bfloat16")
+    compiling = TorchFlexOracle(compiled_dtypes=("float16", "bfloat16"))
+    prepared, _ = compiling.prepare(case.cfg, case.params(), case.inputs().query, dtype="bfloat16")
     assert prepared.info["mode"].startswith("torch.compile(flex_attention)")
-    assert_close(case.run(get_backend("torch-flex"), "bfloat16"), case.reference(), "bfloat16")
+    assert_close(case.run(compiling, "bfloat16")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])  # eager, then compiled (when asked: not the default)

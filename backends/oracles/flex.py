@@ -16,10 +16,12 @@ variants go where FlexAttention's API puts them:
   ``out * Z / (Z + exp(sink_h)) = out * sigmoid(lse - sink_h)``: exact, the way Hugging Face's
   flex path for gpt-oss adds them.
 
-Modes, per dtype (``compiled_dtypes``): float16 and bfloat16 run ``torch.compile(flex_attention)``
-(the fused kernel users time, its running softmax in float32); float64 and, by default,
-float32 run eagerly (FlexAttention's unfused path, which has every dtype). Why not float32
-compiled too: each new shape, dtype and score_mod/mask_mod compiles once (static shapes:
+Modes, per dtype (``compiled_dtypes``): by default every dtype runs eagerly (FlexAttention's
+unfused path, which has every dtype and agrees within each dtype's tolerance); with
+``MHA_ROSETTA_FLEX_COMPILE=1`` float16 and bfloat16 run ``torch.compile(flex_attention)``
+(the fused kernel users time, its running softmax in float32). Why the compiled kernel is
+opt-in: it made the whole default check take 434 s cold instead of about a minute (measured on
+this loaded machine, so indicative), because each new shape, dtype and score_mod/mask_mod compiles once (static shapes:
 ``dynamic=True`` would reuse one program across token counts, but torch 2.13's dynamic-shape
 lowering of these programs fails, measured: "LoweringException: 'Mul' object has no attribute
 'get_name'" for a window, "unbacked_bindings" for a softcap, a C++ compile error for ALiBi), and
@@ -61,7 +63,17 @@ from ..torch.common import (
 from ..torch.variants import ScoreBias
 from .torch import projected_heads_pass
 
-COMPILED_DTYPES = ("float16", "bfloat16")  # the default; float64 and float32 run eagerly (module docstring)
+COMPILED_DTYPES = ("float16", "bfloat16")  # what MHA_ROSETTA_FLEX_COMPILE=1 compiles (module docstring)
+COMPILE_ENV = "MHA_ROSETTA_FLEX_COMPILE"
+
+
+def default_compiled_dtypes() -> tuple[str, ...]:
+    """`COMPILED_DTYPES` when ``MHA_ROSETTA_FLEX_COMPILE`` is set (and not "0"), else none: every dtype eager."""
+    import os
+
+    return COMPILED_DTYPES if os.environ.get(COMPILE_ENV, "0") not in ("", "0") else ()
+
+
 # Distinct (H, Hkv, Dk, dtype, score_mod, mask_mod) programs one process may compile before dynamo would fall
 # back to running eagerly behind our back (its default recompile_limit is 8; the check's cases need about 30).
 RECOMPILE_LIMIT = 128
@@ -105,9 +117,9 @@ class TorchFlexOracle(Backend):
     )
     variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
     known_differences = (
-        "float16/bfloat16 run torch.compile(flex_attention), whose fused kernel sums in another order and keeps its "
-        "running softmax in float32; float64 and float32 run eagerly (the unfused path), float32 to keep the check's "
-        "compile time down (compiled_dtypes says which)",
+        "every dtype runs eagerly (the unfused path); with MHA_ROSETTA_FLEX_COMPILE=1 float16/bfloat16 run "
+        "torch.compile(flex_attention), whose fused kernel sums in another order and keeps its running softmax in "
+        "float32 (opt-in: its compiles made the default check 434 s cold)",
         "sinks: FlexAttention has no sink logit; the adapter rescales each row by sigmoid(lse - sink_h) from the "
         "returned log-sum-exp (exact), and runs them eagerly in every dtype (the compiled CPU kernel returns no lse)",
         "the softcap and ALiBi / T5's bias are the adapter's score_mod (the tables from core.variants, indexed inside); "
@@ -119,10 +131,11 @@ class TorchFlexOracle(Backend):
     )
 
     def __init__(
-        self, name: str | None = None, allow_tf32: bool = False, compiled_dtypes: tuple[str, ...] = COMPILED_DTYPES
+        self, name: str | None = None, allow_tf32: bool = False, compiled_dtypes: tuple[str, ...] | None = None
     ) -> None:
         super().__init__(name)
         self.allow_tf32 = bool(allow_tf32)
+        compiled_dtypes = default_compiled_dtypes() if compiled_dtypes is None else compiled_dtypes
         unknown = [d for d in compiled_dtypes if d not in ("float32", "float16", "bfloat16")]
         if unknown:
             raise ValueError(

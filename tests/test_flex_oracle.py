@@ -68,7 +68,7 @@ def test_bfloat16_runs_the_compiled_kernel_on_a_variant_case():
     compiling = TorchFlexOracle(compiled_dtypes=("float16", "bfloat16"))
     prepared, _ = compiling.prepare(case.cfg, case.params(), case.inputs().query, dtype="bfloat16")
     assert prepared.info["mode"].startswith("torch.compile(flex_attention)")
-    assert_close(case.run(compiling, "bfloat16")
+    assert_close(case.run(compiling, "bfloat16"), case.reference(), "bfloat16")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])  # eager, then compiled (when asked: not the default)

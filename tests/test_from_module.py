@@ -380,9 +380,8 @@ OFFSET_NORMS = {"gemma3-sliding", "gemma3-global"}
 
 @pytest.mark.parametrize("name", list(HF_EXPECTED))
 def test_hugging_face_to_module_round_trips_exactly(name):
+    module = _randomised(_hf(name))  # skips, with the reason, without torch and transformers
     import torch
-
-    module = _randomised(_hf(name))
     if name in OFFSET_NORMS:
         module = module.float()  # the stored w of a real checkpoint (float32 or bfloat16)
     before = _torch_state(module)
@@ -411,6 +410,7 @@ def test_gemma3_float64_norm_weight_comes_back_to_one_ulp_of_one(name):
 
 
 def test_bert_layer_norm_is_left_alone_by_to_module():
+    _need("torch", "transformers")
     import torch
 
     module = _randomised(_hf("bert"))
@@ -442,6 +442,7 @@ def test_gpt2_upcast_attention_is_read_and_held_to_float32():
 
 
 def test_a_float32_module_is_read_in_float32_and_loaded_back_in_float32():
+    _need("torch", "transformers")
     import torch
 
     module = _randomised(_hf("llama")).float()
@@ -563,6 +564,7 @@ def _linen(**kwargs):
 
 
 def test_flax_linen_bound_module_from_and_to_module():
+    _need("jax", "flax")
     import jax
 
     module, variables = _linen()
@@ -627,6 +629,7 @@ def _equinox(**kwargs):
 
 
 def test_equinox_module_from_and_to_module():
+    _need("jax", "equinox")
     import equinox as eqx
     import jax
 
@@ -952,9 +955,8 @@ def test_softmax_float32_modules_agree_in_float64_once_their_softmax_keeps_float
     """BLOOM's scores come from alibi.baddbmm in the module's dtype, Gemma 2's softcap in the scores' dtype: with the
     softmax kept in float64 too (patched: softmax(..., dtype=torch.float32) is the one float32 step, with float64
     (cos, sin) for Gemma 2), each real module agrees with the spec in float64."""
+    module = _randomised(_hf(name))  # skips, with the reason, without torch and transformers
     import torch
-
-    module = _randomised(_hf(name))
     cfg = from_module(module).cfg
     x = _x(cfg.d_model, seed=6)
     options = {"implementation": "eager", "float64_rotary": True} if cfg.rope is not None else {}

@@ -6,7 +6,7 @@ from mha_rosetta.core.tables import markdown_table as table_lines
 
 from .report import cell_label
 from .rounds import cell_interval, cell_time, is_corrected, raw_interval
-from .variants import VARIANT_COLUMNS, variant_rows
+from .variants import VARIANT_COLUMNS, variant_pivot, variant_rows
 
 
 def _ms(seconds) -> str:
@@ -133,6 +133,9 @@ def markdown_table(report: dict) -> str:
     if any(cell.get("variant") is not None for cell in report["cells"]):
         lines += ["", "What each variant costs (its time over its baseline's, the same implementation and size):", ""]
         lines += table_lines(VARIANT_COLUMNS, variant_rows(report["cells"], cell_time))
+        columns, rows = variant_pivot(report["cells"], cell_time)
+        lines += ["", "The same, one column per implementation (ms, and the cost over the baseline):", ""]
+        lines += table_lines(columns, rows)
     warned = [cell for cell in report["cells"] if cell.get("warnings")]
     if warned:
         lines.append("")

@@ -100,4 +100,32 @@ def variant_rows(cells: list[dict], time_of) -> list[list[str]]:
     return rows
 
 
+def variant_pivot(cells: list[dict], time_of) -> tuple[list[str], list[list[str]]]:
+    """(columns, rows): one row per variant, one column per implementation, "ms (+cost%)" over its baseline.
+
+    The README's compact form of `variant_rows` (forward cells of one size; the first size if several).
+    """
+    forward = [c for c in cells if c.get("mode", "fwd") == "fwd"]
+    if not forward:
+        return [], []
+    tokens = forward[0]["tokens"]
+    by_key = {(c["implementation"], c.get("variant") or PLAIN): c for c in forward if c["tokens"] == tokens}
+    implementations = list(dict.fromkeys(c["implementation"] for c in forward))
+    rows = []
+    for variant, (_, baseline) in BENCH_VARIANTS.items():
+        if not any((impl, variant) in by_key for impl in implementations):
+            continue
+        row = [variant if baseline is None else f"{variant} (vs {baseline})"]
+        for impl in implementations:
+            cell, base = by_key.get((impl, variant)), by_key.get((impl, baseline)) if baseline else None
+            if cell is None or cell.get("status") != "ok":
+                row.append("unsupported" if cell is not None and cell.get("status") == "unsupported" else "")
+            elif base is None or base.get("status") != "ok":
+                row.append(f"{time_of(cell) * 1e3:.1f}")
+            else:
+                row.append(f"{time_of(cell) * 1e3:.1f} ({100 * (time_of(cell) / time_of(base) - 1):+.0f}%)")
+        rows.append(row)
+    return ["variant", *(f"`{impl}` ms" for impl in implementations)], rows
+
+
 VARIANT_COLUMNS = ("implementation", "variant", "N", "ms", "baseline ms", "cost ms", "cost %", "note")

@@ -382,6 +382,7 @@ OFFSET_NORMS = {"gemma3-sliding", "gemma3-global"}
 def test_hugging_face_to_module_round_trips_exactly(name):
     module = _randomised(_hf(name))  # skips, with the reason, without torch and transformers
     import torch
+
     if name in OFFSET_NORMS:
         module = module.float()  # the stored w of a real checkpoint (float32 or bfloat16)
     before = _torch_state(module)
@@ -957,6 +958,7 @@ def test_softmax_float32_modules_agree_in_float64_once_their_softmax_keeps_float
     (cos, sin) for Gemma 2), each real module agrees with the spec in float64."""
     module = _randomised(_hf(name))  # skips, with the reason, without torch and transformers
     import torch
+
     cfg = from_module(module).cfg
     x = _x(cfg.d_model, seed=6)
     options = {"implementation": "eager", "float64_rotary": True} if cfg.rope is not None else {}

@@ -109,8 +109,9 @@ def rotary_tables(cfg: MHAConfig, inputs) -> RotaryTables | None:
     if cfg.rope is None:
         return None
     seq_len = int(max(inputs.positions.max(), inputs.kv_positions.max())) + 1
-    factor = frequencies(cfg, seq_len)[1]
-    q_angles, k_angles = angles(cfg, inputs.positions, seq_len), angles(cfg, inputs.kv_positions, seq_len)
+    inv_freq, factor = frequencies(cfg, seq_len)  # once for queries and keys: (r/2,), a float
+    q_angles = inputs.positions[..., None].astype(np.float64) * inv_freq  # (1|B, Nq, r/2)
+    k_angles = inputs.kv_positions[..., None].astype(np.float64) * inv_freq  # (1|B, Nk, r/2)
     return RotaryTables(
         cfg.rope,
         rotated_dims(cfg),

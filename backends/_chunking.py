@@ -15,8 +15,9 @@ per head alive, so memory grows linearly with the tokens instead of quadraticall
 The sums run in another order than a full softmax, so results differ from the other
 strategies in the last bits (float64: about 1e-16 relative), never more.
 
-Masks: a causal mask is computed per tile from the token indices (never materialised),
-and key blocks that lie entirely above the diagonal are not visited at all; a user mask
+Masks: a causal mask is computed per tile from the token positions (never materialised;
+bottom-right on a decode step's positions, top-left with the default ones), and key blocks
+that lie entirely after every query's position are not visited at all; a user mask
 is read one tile at a time, and a tile with nothing allowed is skipped. A query with
 no allowed key ends with ``l = 0`` and ``acc = 0`` and gets a zero context, the spec's
 answer, without any 0/0. Half precision: the tiles and the running sums are float32.
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_rosetta.core.inputs import causal_allowed
 from mha_rosetta.core.variants import relative_distances, window_allowed
 
 CHUNKED = "chunked"
@@ -91,10 +93,21 @@ def resolve_chunk(chunk: tuple[int, int] | None, q_tokens: int, kv_tokens: int) 
     return min(q_block, q_tokens), min(k_block, kv_tokens)
 
 
-def key_block_end(q_end: int, kv_tokens: int, causal: bool) -> int:
-    """How far the keys of a query block ending at ``q_end`` go: under a (top-left) causal
-    mask query ``i`` sees keys ``j <= i``, so keys from ``q_end`` on are masked for the block."""
-    return min(kv_tokens, q_end) if causal else kv_tokens
+def key_block_end(q_range: tuple[int, int], kv_tokens: int, causal: bool, positions=None, kv_positions=None) -> int:
+    """How far the keys of a query block go: under the causal rule on positions (``p_j <= p_i``) every key
+    after the last one at or before the block's latest query position is masked in every batch item.
+
+    With the default positions that is the top-left ``min(kv_tokens, q_end)``; on a decode step's
+    positions (queries after the cached keys) it is bottom-right. Without positions: the indices.
+    """
+    q_start, q_end = q_range
+    if not causal:
+        return kv_tokens
+    if positions is None or kv_positions is None:
+        return min(kv_tokens, q_end)
+    latest = positions[:, q_start:q_end].max(axis=1)  # (1|B,): the block's latest query position per item
+    visible = np.flatnonzero(np.any(kv_positions <= latest[:, None], axis=0))  # keys some query may see
+    return int(visible[-1]) + 1 if visible.size else 0
 
 
 def tile_allowed(
@@ -110,7 +123,8 @@ def tile_allowed(
     """The allowed positions of one tile, (1|B, 1|H, q_block, k_block), True = may attend; None: all.
 
     ``mask`` is the caller's mask, 4-D broadcastable to (B, H, Nq, Nk) (`MHAInputs.mask`),
-    without the causal part: that is computed here from the indices of this tile only. With
+    without the causal part: that is computed here for this tile only, on the positions when given
+    (`core.inputs.causal_allowed`), else on the indices. With
     ``window`` (`MHAConfig.window`) the sliding window is computed here too, from the tile's
     token positions (``positions`` (1|B, Nq), ``kv_positions`` (1|B, Nk), `MHAInputs`).
     """
@@ -121,7 +135,12 @@ def tile_allowed(
         rows = slice(q_start, q_end) if mask.shape[2] > 1 else slice(None)
         cols = slice(k_start, k_end) if mask.shape[3] > 1 else slice(None)
         allowed = mask[:, :, rows, cols]  # (1|B, 1|H, qb|1, kb|1), a view
-    if causal and k_end - 1 > q_start:  # some key of the tile lies after some query: the diagonal crosses it
+    if causal and positions is not None and kv_positions is not None:  # on the positions (p_j <= p_i)
+        q_pos, k_pos = positions[:, q_start:q_end], kv_positions[:, k_start:k_end]  # views, (1|B, qb), (1|B, kb)
+        if k_pos.max() > q_pos.min():  # some key of the tile lies after some query: the diagonal crosses it
+            below = causal_allowed(q_pos, k_pos)  # (1|B, 1, qb, kb)
+            allowed = below if allowed is None else allowed & below
+    elif causal and k_end - 1 > q_start:  # no positions: the indices
         rows = np.arange(q_start, q_end)[:, None]  # (qb, 1)
         cols = np.arange(k_start, k_end)[None, :]  # (1, kb)
         below = (cols <= rows)[None, None]  # (1, 1, qb, kb)
@@ -180,7 +199,7 @@ def plan_tiles(
 ) -> TilePlan:
     """The tiles of the online softmax for resolved blocks ``chunk`` (`resolve_chunk`), decided before any score.
 
-    Causal: key blocks from the query block's end on are never visited (`key_block_end`);
+    Causal: key blocks after the block's last visible key are never visited (`key_block_end`, on positions);
     with ``window``, key blocks wholly outside it (`outside_window`) are not visited either.
     """
     q_block, k_block = chunk
@@ -189,7 +208,7 @@ def plan_tiles(
     for q_start in range(0, q_tokens, q_block):
         q_end = min(q_start + q_block, q_tokens)
         keys = []
-        starts = range(0, key_block_end(q_end, kv_tokens, causal), k_block)
+        starts = range(0, key_block_end((q_start, q_end), kv_tokens, causal, positions, kv_positions), k_block)
         above += n_k_blocks - len(starts)
         for k_start in starts:
             k_end = min(k_start + k_block, kv_tokens)

@@ -18,6 +18,14 @@ Design rules (the checks and the benchmarks rely on each one):
    adapter that does not say it implements a softcap is unsupported for a softcap case,
    with a reason, and never runs it without. `prepare` checks this even when a subclass's
    `unsupported_reason` forgets to ask the base class.
+7. Causality is on positions (`core.inputs.causal_allowed`). An adapter whose causal mask is
+   the top-left rule on indices (``is_causal=True``, tile skipping on indices) leaves
+   ``causal_on_positions`` False (or names the strategies in ``causal_on_indices_strategies``)
+   and is unsupported, with the reason, where the positions make the rule bottom-right.
+8. Decoding (`run_decode`) goes through the adapter's own KV cache, in its own layout
+   (``decode_caches``, ``decode_layouts``), keys cached after QK-norm and rotary and before
+   the GQA repeat, a sliding window as a ring buffer (`core.decode`). An adapter without one
+   is unsupported for decoding with ``decode_unsupported`` as the reason.
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ from mha_rosetta.core import (
     prepare_inputs,
     validate_params,
 )
+from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
 from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
+from mha_rosetta.core.inputs import causal_on_indices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
 from .entries import registered_entry
@@ -129,6 +139,35 @@ class Prepared:
 
 
 @dataclass
+class PreparedDecode:
+    """A whole decode run, already converted: the prefill forward, then each step through the cache.
+
+    run:          the prefill and every step (`core.decode.DecodeInputs.chunks`), nothing else;
+                  returns the native outputs of every token.
+    to_numpy:     native outputs -> NumPy (B, N, D) in token order; untimed.
+    step_stages:  runs again, untimed; for each chunk, its token-wise stage tensors
+                  (`core.decode.decode_stage_names`, the chunk's tokens on the token axis:
+                  the new keys as written to the cache), or None if none are exposed.
+    info:         at least ``cache``: ``{"kind", "layout", "slots", "bytes"}`` (the layout in the
+                  adapter's axis symbols, e.g. "(B, Hkv, T, Dk)"; ``slots`` per sequence; ``bytes``
+                  of K and V together), and ``compilations`` where a JIT compiles.
+    """
+
+    run: Callable[[], object]
+    to_numpy: Callable[[object], np.ndarray]
+    step_stages: Callable[[], list[dict[str, StageTensor]]] | None = None
+    synchronize: Callable[[object], None] = lambda result: None
+    compile: Callable[[], None] | None = None
+    info: dict = field(default_factory=dict)
+
+    def output(self) -> np.ndarray:
+        """The whole run, waited for and converted: (B, N, D)."""
+        result = self.run()
+        self.synchronize(result)
+        return self.to_numpy(result)
+
+
+@dataclass
 class PreparedVJP:
     """One forward+backward pass, already converted (the training-step analogue of `Prepared`).
 
@@ -200,6 +239,17 @@ class Backend:
     variants: frozenset[str] = frozenset()
     strategy_variants: ClassVar[dict[str, frozenset[str]]] = {}
     vjp_variants: frozenset[str] | None = None
+    # Rule 7: True where every strategy but chunked builds its causal mask from the positions.
+    causal_on_positions: bool = False
+    causal_on_indices_strategies: tuple[str, ...] = ()  # strategies whose causal rule is still on the indices
+    # Rule 8: the cache kinds run_decode offers (the first is the default; a window makes each a
+    # ring buffer), the strategies and variants its decode path implements, each kind's layout in
+    # words for the explainer, and, without any, why (e.g. "the library's API has no KV cache").
+    decode_caches: tuple[str, ...] = ()
+    decode_strategies: tuple[str, ...] = (STANDARD,)
+    decode_variants: frozenset[str] = frozenset()
+    decode_layouts: ClassVar[dict[str, str]] = {}
+    decode_unsupported: str = ""
 
     def __init__(self, name: str | None = None) -> None:
         # The registry passes the name it holds the backend under, so one class can
@@ -244,6 +294,17 @@ class Backend:
             return f"{self.name}: no {device} device present on this machine"
         return None
 
+    def positions_reason(self, cfg: MHAConfig, inputs: MHAInputs, strategy: str) -> str | None:
+        """Rule 7: why these inputs' positions are beyond this backend's causal mask, or None."""
+        index_rule = strategy in self.causal_on_indices_strategies
+        if not cfg.causal or causal_on_indices(inputs) or (self.causal_on_positions and not index_rule):
+            return None
+        how = f"{self.name}'s {strategy} strategy skips tiles" if index_rule else f"{self.name} masks"
+        return (
+            f"{how} on the top-left causal rule on indices (j <= i), and these positions make causality "
+            "bottom-right (a decode step: queries after cached keys)"
+        )
+
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
@@ -267,6 +328,7 @@ class Backend:
         if backward:
             cotangent = check_cotangent(cotangent, output_shape(cfg, args[0]))
         reason = self.variant_reason(cfg, strategy, backward) or self.unsupported_reason(cfg, dtype, device, strategy)
+        reason = reason or self.positions_reason(cfg, inputs, strategy)
         if backward and strategy == CHUNKED and not reason:
             reason = f"{self.name}: the chunked strategy is forward only (no backward pass)"
         if reason:
@@ -369,6 +431,147 @@ class Backend:
         native = prepared.run()
         prepared.synchronize(native)
         return grads_from_native(prepared.to_grads(native), inputs, key is not None, value is not None)
+
+    # -- decoding through a KV cache (rule 8) ------------------------------------------------
+    def decode_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str, cache: str | None) -> str | None:
+        """Why this backend cannot decode the case (rule 8), or None."""
+        if not self.decode_caches:
+            return f"{self.name} has no KV-cache decoding" + (
+                f": {self.decode_unsupported}" if self.decode_unsupported else ""
+            )
+        if cache is not None and cache not in self.decode_caches:
+            return f"{self.name} has no {cache!r} cache (it has {', '.join(self.decode_caches)})"
+        if strategy not in self.decode_strategies:
+            return f"{self.name} decodes with the {', '.join(self.decode_strategies)} strategy only, not {strategy!r}"
+        missing = [name for name in cfg.variants if name not in self.decode_variants]
+        if missing:
+            has = ", ".join(sorted(self.decode_variants)) or "none"
+            return f"{self.name}'s decode path does not implement {', '.join(missing)} (it implements: {has})"
+        if dtype not in self.dtypes:
+            return f"{self.name} does not support {dtype}"
+        if device not in self.devices():
+            return f"{self.name}: no {device} device present on this machine"
+        return None
+
+    def _decode_validate(self, cfg, params, dtype, device, strategy, cache):
+        dtype = check_dtype_name(dtype)
+        device = check_device_name(device)
+        validate_params(cfg, params)
+        reason = self.decode_reason(cfg, dtype, device, strategy, cache)
+        if reason:
+            raise UnsupportedCase(reason)
+        return dtype, device, cache or self.decode_caches[0]
+
+    def _prepare_decode_run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        inputs: DecodeInputs,
+        dtype: str,
+        device: str,
+        strategy: str,
+        cache: str,
+    ) -> PreparedDecode:
+        """Subclasses with a cache override this (rule 8); ``inputs`` is checked and batched."""
+        raise UnsupportedCase(f"{self.name} has no KV-cache decoding")
+
+    def _prepare_decode_step(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        *,
+        batch: int,
+        context: int,
+        step: int,
+        dtype: str,
+        device: str,
+        strategy: str,
+        cache: str,
+        seed: int,
+    ) -> Prepared:
+        """Subclasses override this for `bench --mode decode`: ``forward`` is one step of ``step`` tokens at
+        ``context`` cached tokens (the cache filled with arbitrary numbers; a window's ring already full)."""
+        raise UnsupportedCase(f"{self.name} has no decode step to time")
+
+    def prepare_decode_run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        x,
+        *,
+        prefill,
+        step=1,
+        mask=None,
+        positions=None,
+        dtype: str = "float64",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+        cache: str | None = None,
+    ) -> tuple[PreparedDecode, DecodeInputs]:
+        """Validate everything, then convert once for a whole decode run (`run_decode`'s arguments)."""
+        inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step, mask=mask, positions=positions)
+        dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
+        return self._prepare_decode_run(cfg, params, inputs, dtype, device, strategy, cache), inputs
+
+    def run_decode(
+        self, cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, mask=None, positions=None, **options
+    ):
+        """Prefill ``prefill`` tokens, then feed the rest ``step`` at a time through this backend's own cache.
+
+        ``x``: (B, N, d_model) or (N, d_model); ``mask``: a (B, N) or (N,) padding mask (True: a
+        real token); ``positions``: (B, N) or (N,), default ``0 .. N-1`` or ``cumsum(mask) - 1``.
+        ``options``: dtype, device, strategy, cache. Returns every token's output, (B, N, d_model)
+        (or (N, d_model)), which equals `core.decode.reference_decode` (the full causal forward).
+        """
+        prepared, inputs = self.prepare_decode_run(
+            cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions, **options
+        )
+        return inputs.unbatch(prepared.output())
+
+    def decode_stages(self, prepared: PreparedDecode, cfg: MHAConfig) -> list[dict[str, np.ndarray]] | None:
+        """Each chunk's token-wise stages in the canonical layout (batched), or None when none are exposed."""
+        if prepared.step_stages is None:
+            return None
+        names = set(decode_stage_names(cfg))
+        return [
+            {name: canonical_stage(name, stage) for name, stage in chunk.items() if name in names}
+            for chunk in prepared.step_stages()
+        ]
+
+    def prepare_decode(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        *,
+        context: int,
+        batch: int = 1,
+        step: int = 1,
+        dtype: str = "float32",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+        cache: str | None = None,
+        seed: int = 0,
+    ) -> Prepared:
+        """One decode step to time (`bench --mode decode`): ``forward`` feeds ``step`` new tokens to a cache
+        holding ``context`` tokens. ``info["cache"]`` says the cache's kind, layout, slots and bytes."""
+        for name, value, low in (("context", context, 0), ("batch", batch, 1), ("step", step, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not cfg.causal:
+            raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
+        dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
+        return self._prepare_decode_step(
+            cfg,
+            params,
+            batch=int(batch),
+            context=int(context),
+            step=int(step),
+            dtype=dtype,
+            device=device,
+            strategy=strategy,
+            cache=cache,
+            seed=seed,
+        )
 
     @staticmethod
     def canonical_stages(prepared: Prepared) -> dict[str, np.ndarray]:

@@ -377,6 +377,17 @@ SPEC_CASES: dict[str, SpecCase] = {
             dtypes=("float64",),
             seed=17,
         ),
+        SpecCase(
+            "causal_cache",
+            "a decode step as one forward: 3 causal queries at positions 4..6 over 7 cached keys at 0..6, so "
+            "causality on positions is bottom-right (is_causal=True would be top-left)",
+            MHAConfig(d_model=18, n_heads=5, n_kv_heads=1, d_k=4, rope="half", causal=True),
+            q_tokens=3,
+            kv_tokens=7,
+            position_offsets=(4, 4),
+            dtypes=("float64", "float32"),
+            seed=34,
+        ),
         # The variants of 2024-26 attention (issue 24): one case per variant, then the
         # combinations real models use. Sizes differ from the cases above and from each other.
         SpecCase(

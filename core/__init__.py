@@ -19,7 +19,7 @@ from .grad import (
     grad_stage_names,
     reference_mha_vjp,
 )
-from .inputs import MHAInputs, allowed_positions, causal_mask, prepare_inputs
+from .inputs import MHAInputs, allowed_positions, causal_allowed, causal_mask, causal_on_indices, prepare_inputs
 from .layouts import (
     from_dense_general_kernel,
     from_equinox_weights,
@@ -116,7 +116,9 @@ __all__ = [
     "allowed_positions",
     "apply_rotary",
     "assert_close",
+    "causal_allowed",
     "causal_mask",
+    "causal_on_indices",
     "check_cotangent",
     "check_dtype_name",
     "compare",

@@ -111,9 +111,11 @@ class MHAConfig:
     kv heads give grouped-query attention, one gives multi-query attention),
     ``kdim = vdim = d_model`` (self-attention widths) and ``scale = 1 / sqrt(d_k)``.
 
-    ``causal=True`` lets query ``i`` attend to key ``j`` only when ``j <= i``: the
-    top-left alignment of ``torch.nn.functional.scaled_dot_product_attention`` and
-    ``jax.nn.dot_product_attention`` (it matters only when q and kv token counts differ).
+    ``causal=True`` lets query ``i`` attend to key ``j`` only when ``p_j <= p_i``, on the
+    token positions (`core.inputs.causal_allowed`). With the default positions that is the
+    top-left rule ``j <= i`` of ``is_causal=True`` in torch's SDPA and
+    ``jax.nn.dot_product_attention``; on a decode step (queries at ``Nk-Nq .. Nk-1`` over
+    ``Nk`` cached keys) it is bottom-right, as in Hugging Face and FlashAttention.
 
     ``rope`` turns on rotary position embeddings (see `core.rotary`): queries and keys are
     rotated after the head split, before the scores. ``"half"`` pairs feature ``i`` with

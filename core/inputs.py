@@ -180,15 +180,49 @@ def causal_mask(q_tokens: int, kv_tokens: int) -> np.ndarray:
     return np.tril(np.ones((q_tokens, kv_tokens), dtype=bool))
 
 
+def causal_allowed(positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    """Causality on positions, bool (1|B, 1, Nq, Nk): key j is visible to query i iff ``p_j <= p_i``.
+
+    With the default positions and Nq = Nk this is the top-left rule ``j <= i``. For a decode
+    step (queries at ``Nk-Nq .. Nk-1`` over ``Nk`` cached keys at ``0 .. Nk-1``) it is the
+    bottom-right rule of Hugging Face and FlashAttention.
+    """
+    return (kv_positions[:, None, :] <= positions[:, :, None])[:, None]
+
+
+def causal_on_indices(inputs: MHAInputs) -> bool:
+    """True when causality on these positions is the top-left rule on indices (``j <= i``).
+
+    That is the rule of torch's ``is_causal=True``, ``jax.nn.dot_product_attention(is_causal=True)``
+    and the chunked strategies' tile skipping; an implementation that uses one of those is right
+    exactly when this holds (`Backend.causal_on_positions` says which do not need it).
+    """
+    q_pos, k_pos = inputs.positions, inputs.kv_positions  # (1|B, Nq), (1|B, Nk)
+    if np.array_equal(q_pos, np.arange(q_pos.shape[1])[None].repeat(len(q_pos), 0)) and np.array_equal(
+        k_pos, np.arange(k_pos.shape[1])[None].repeat(len(k_pos), 0)
+    ):
+        return True  # the default positions: nothing to compare
+    keys = np.arange(k_pos.shape[1])
+    for start in range(0, q_pos.shape[1], 256):  # a block of query rows at a time: memory O(256 Nk), not O(Nq Nk)
+        rows = np.arange(start, min(start + 256, q_pos.shape[1]))
+        by_positions = k_pos[:, None, :] <= q_pos[:, rows, None]  # (1|B, rows, Nk)
+        if not np.array_equal(
+            by_positions, np.broadcast_to(keys[None, None, :] <= rows[None, :, None], by_positions.shape)
+        ):
+            return False
+    return True
+
+
 def allowed_positions(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
     """The combined mask (user mask AND causal AND the window), 4 dims broadcastable to (B, H, Nq, Nk), or None.
 
-    The window is read on the token positions (`core.variants.window_allowed`); causal is
-    still the top-left rule on the indices, which with the default positions is the same.
+    Causality and the window are read on the token positions (`causal_allowed`,
+    `core.variants.window_allowed`): with the default positions that is the top-left rule on
+    indices, and on a decode step's positions it is bottom-right.
     """
     allowed = inputs.mask
     if cfg.causal:
-        causal = causal_mask(inputs.q_tokens, inputs.kv_tokens)[None, None]  # (1, 1, Nq, Nk)
+        causal = causal_allowed(inputs.positions, inputs.kv_positions)  # (1|B, 1, Nq, Nk)
         allowed = causal if allowed is None else allowed & causal
     if cfg.window is not None:
         window = window_allowed(cfg.window, cfg.causal, inputs.positions, inputs.kv_positions)  # (1|B, 1, Nq, Nk)

@@ -32,6 +32,7 @@ from mha_rosetta.backends import (
     missing_backends,
     register,
 )
+from mha_rosetta.core import prepare_inputs
 
 
 def _backend_params(strategies: str) -> list:
@@ -56,7 +57,11 @@ def _backend_params(strategies: str) -> list:
 
 def _backend(name: str, case, dtype: str, strategy: str):
     backend = get_backend(name)
-    reason = backend.unsupported_reason(case.cfg, dtype, "cpu", strategy)
+    data = case.inputs()
+    inputs = prepare_inputs(case.cfg, *data.arrays, data.positions, data.kv_positions)
+    reason = backend.unsupported_reason(case.cfg, dtype, "cpu", strategy) or backend.positions_reason(
+        case.cfg, inputs, strategy
+    )
     if reason:
         pytest.skip(reason)
     return backend

@@ -25,6 +25,7 @@ class OracleFake(Backend):
     """The float64 oracle rounded to the run's dtype: right on every case, with the dtypes a test gives it."""
 
     variants = frozenset(VARIANTS)  # it is the oracle, so it computes every variant
+    causal_on_positions = True  # and its causality is on positions
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy):
         stages, native = oracle_stages(cfg, params, inputs, dtype)

@@ -36,6 +36,7 @@ class EinopsBackend(Backend):
     # Every variant with named axes, on every array library (`plans` shows how); the backward
     # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.
     variants = frozenset(VARIANTS)
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"

@@ -26,6 +26,7 @@ class NumpyBackend(Backend):
     # Every variant, in every strategy, the chunked one included (`variants` says how each is laid out in
     # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.
     variants = frozenset(VARIANTS)
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None

@@ -52,6 +52,7 @@ class EquinoxMHAOracle(JaxOracle):
         "window: in the boolean mask; bias='qkv': use_query/key/value_bias on, use_output_bias off",
     )
     variants = frozenset({"window", "qkv_bias"})
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         scores = [name for name, on in (("softcap", cfg.softcap is not None), ("sinks", cfg.sinks)) if on]

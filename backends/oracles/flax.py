@@ -50,6 +50,7 @@ class FlaxMHAOracle(JaxOracle):
         "with its bias argument",
     )
     variants = frozenset({"window", "alibi", "rel_bias"})
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if cfg.softcap is not None:

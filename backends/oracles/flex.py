@@ -116,6 +116,7 @@ class TorchFlexOracle(Backend):
         "a BlockMask from mask_mod (causal, window, the user's mask), sinks from the returned log-sum-exp"
     )
     variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     known_differences = (
         "every dtype runs eagerly (the unfused path); with MHA_ROSETTA_FLEX_COMPILE=1 float16/bfloat16 run "
         "torch.compile(flex_attention), whose fused kernel sums in another order and keeps its running softmax in "
@@ -230,8 +231,8 @@ def flex_attend(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, comp
 
         def mask_mod(b, h, q_idx, kv_idx):
             allowed = torch.ones_like(q_idx, dtype=torch.bool) if user is None else user[b, h, q_idx, kv_idx]
-            if causal:
-                allowed = allowed & (kv_idx <= q_idx)
+            if causal:  # on positions (p_j <= p_i): bottom-right on a decode step, top-left by default
+                allowed = allowed & (k_pos[b, kv_idx] <= q_pos[b, q_idx])
             if window is not None:
                 distance = k_pos[b, kv_idx] - q_pos[b, q_idx]  # p_j - p_i
                 allowed = allowed & ((distance > -window) if causal else (distance.abs() < window))

@@ -31,7 +31,7 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, linear
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, causal_on_indices, linear
 
 from .._layouts import XLA_LAYOUT
 from ..base import Prepared, StageTensor
@@ -155,6 +155,7 @@ class JaxDotProductAttentionOracle(JaxOracle):
         "ALiBi and the relative bias through bias=, in the inputs' dtype; QK-norm in the oracle's jnp projections",
     )
     variants = frozenset(VARIANTS) - {"softcap"}
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # The library's custom VJP drops the cotangent of its logsumexp residual (measured: the
     # gradient of lse.sum() comes back all zeros), so the sinks' rescaling has no backward.
     vjp_variants = variants - {"sinks"}
@@ -200,7 +201,9 @@ class JaxDotProductAttentionOracle(JaxOracle):
         window = _window_by_index(cfg, inputs)
         mask_cfg = cfg if window is None else dataclasses.replace(cfg, window=None)  # the library's window instead
         # A window on other positions is in the mask, and so then is causality.
+        # is_causal is top-left on indices: a decode step's bottom-right causality goes in the mask instead.
         is_causal = cfg.causal and inputs.mask is None and (cfg.window is None or window is not None)
+        is_causal = is_causal and causal_on_indices(inputs)
         mask = None if is_causal else allowed_for_heads(mask_cfg, inputs)  # (B|1, H|1, Nq, Nk), True = attend
         empty = empty_query_rows(cfg, inputs)  # (B|1, H|1, Nq) or None
         empty_context_rows = None

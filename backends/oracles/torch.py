@@ -20,6 +20,7 @@ from mha_rosetta.core import (
     MHAInputs,
     MHAParams,
     allowed_positions,
+    causal_on_indices,
     from_torch_mha_state_dict,
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
@@ -86,6 +87,7 @@ class TorchMHAOracle(VariantReasons, Backend):
 
     # The window is in the (boolean) attn_mask; ALiBi and T5's bias ride in a float attn_mask.
     variants = frozenset({"window", "alibi", "rel_bias"})
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "nn.MultiheadAttention has no softcap: the scores are never exposed between the product and the "
         "softmax",
@@ -308,6 +310,7 @@ class TorchSDPAOracle(VariantReasons, Backend):
     # QK-norm, the qkv bias and rope scaling happen in the oracle's own code before the kernel; the
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
     variants = frozenset(VARIANTS) - {"softcap", "sinks"}
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "
         "and the softmax (an additive attn_mask cannot take a tanh)",
@@ -357,6 +360,8 @@ class TorchSDPAOracle(VariantReasons, Backend):
         run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
 
         bool_mask = None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"
+        if bool_mask and cfg.causal and not causal_on_indices(inputs):
+            bool_mask += " (causal bottom-right on these positions: is_causal=True would be top-left)"
         info = {
             "mask": "is_causal=True (top-left)"
             if use_is_causal
@@ -392,8 +397,10 @@ def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
     """
     import torch.nn.functional as F
 
-    # No user mask: is_causal says it all and lets torch pick its causal kernels.
+    # No user mask: is_causal says it all and lets torch pick its causal kernels, where its top-left rule
+    # is the positions' (a decode step's bottom-right causality goes in the explicit mask instead).
     use_is_causal = cfg.causal and inputs.mask is None and not cfg.has_score_bias and cfg.window is None
+    use_is_causal = use_is_causal and causal_on_indices(inputs)
     allowed = None if use_is_causal else allowed_positions(cfg, inputs)
     attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend
     score_bias = ScoreBias(cfg, inputs, dtype, device) if cfg.has_score_bias else None

@@ -85,6 +85,7 @@ class JaxShardedBackend(ShardedBackend):
     rank_noun = "devices"
     # Every variant, in both strategies (the module docstring says how each is split); forward only.
     variants = frozenset(VARIANTS)
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)

@@ -72,6 +72,7 @@ class TorchTPBackend(ShardedBackend):
     )
     strategies = (STANDARD, MANUAL)
     variants = frozenset(VARIANTS)  # each split as the module docstring says; forward only, as before
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)

@@ -33,6 +33,7 @@ class TorchBackend(Backend):
     # Every variant, in every strategy (chunked included: window tiles skipped, softcap, score bias
     # and sinks carried in the online softmax), forward and backward (autograd; chunked is forward only).
     variants = frozenset(VARIANTS)
+    causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)

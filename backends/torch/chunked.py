@@ -33,7 +33,7 @@ HALF = ("float16", "bfloat16")
 
 
 class ChunkedRowSampleMHA(RowSampleMHA):
-    """`RowSampleMHA` with the chunked strategy; the mask stays the caller's (causal by index)."""
+    """`RowSampleMHA` with the chunked strategy; the mask stays the caller's (causal on the positions, per tile)."""
 
     materialise_mask = False  # the causal part is computed per tile; see `_chunking.tile_allowed`
 
@@ -48,7 +48,9 @@ class ChunkedRowSampleMHA(RowSampleMHA):
     def _tile_blocked(self, q_range, k_range):
         """The tile's blocked positions as a torch bool tensor (1|B, 1|H, qb, kb); None: nothing
         blocked; False: everything blocked (the tile can be skipped)."""
-        allowed = tile_allowed(self.user_mask, self.cfg.causal, q_range, k_range)
+        allowed = tile_allowed(
+            self.user_mask, self.cfg.causal, q_range, k_range, positions=self.positions, kv_positions=self.kv_positions
+        )  # causal on the positions, (1|B, 1|H, qb, kb)
         if self.cfg.window is not None:  # the window on the tile's positions, (1|B, 1, qb, kb)
             (q_start, q_end), (k_start, k_end) = q_range, k_range
             q_pos, k_pos = self.positions[:, q_start:q_end], self.kv_positions[:, k_start:k_end]  # views
@@ -84,7 +86,8 @@ class ChunkedRowSampleMHA(RowSampleMHA):
                 peak = self.sinks.to(cdt).view(1, H, 1, 1).expand(B, H, n_q, 1).clone()  # (B, H, qb, 1)
                 total = torch.ones((B, H, n_q, 1), dtype=cdt, device=keys.device)
             acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=keys.device)  # running sum of exp(score - peak) * v
-            for k_start in range(0, key_block_end(q_end, Nk, self.cfg.causal), k_block):
+            stop = key_block_end((q_start, q_end), Nk, self.cfg.causal, self.positions, self.kv_positions)
+            for k_start in range(0, stop, k_block):
                 k_end = min(k_start + k_block, Nk)
                 blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))
                 if blocked is False:

@@ -335,7 +335,8 @@ def make_decode_probes(cfg: MHAConfig, seed: int = 0, *, prefill=None, step=None
             mask[0, :2] = False  # item 0 left-padded by two
         inputs = prepare_decode_inputs(cfg, np.zeros((BATCH, N, cfg.d_model)), prefill=p, step=s, mask=mask)
         x = rng.standard_normal((BATCH, N, cfg.d_model))
-        name = f"{label} (prefill {p}, step {s})" if (prefill, step) != (None, None) else label
+        # Given a prefill or a step, the labels would not hold: name the split itself.
+        name = label if (prefill, step) == (None, None) else f"prefill {p}, step {s}" + (", left-padded" * padded)
         probes.append(DecodeProbe(name, params, x, p, s, mask, inputs.positions))
     return probes
 

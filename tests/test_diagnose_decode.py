@@ -323,3 +323,43 @@ def test_the_command_line_refuses_prefill_without_decode():
                    cwd=ROOT)  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip() == "mha-rosetta diagnose: error: --prefill and --step need --decode (a decode loop)"
+
+
+BAD_LOOPS = """
+import os
+import time
+
+
+def hangs(params, x, prefill, step, mask, positions):
+    time.sleep(60)
+
+
+def exits(params, x, prefill, step, mask, positions):
+    os._exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("hangs", "the candidate did not return within 1 s on probe 'one token per step' (time limit per probe)"),
+        (
+            "exits",
+            "the candidate's process exited with status 3 on probe 'one token per step', without a result (a crash "
+            "in the candidate)",
+        ),
+    ],
+)
+def test_the_command_line_contains_a_decode_loop_that_hangs_or_crashes(tmp_path, name, message):
+    import os
+    import subprocess
+
+    (tmp_path / "bad_loops.py").write_text(BAD_LOOPS, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "mha_rosetta.cli.main", "diagnose", "--decode", f"bad_loops:{name}", *SIZES,
+         "--timeout", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip() == f"mha-rosetta diagnose: error: {message}"

@@ -394,7 +394,8 @@ def diagnose_decode(
 
     The arguments are the module docstring's (NumPy arrays of ``dtype``; positions (B, N) int64 always given).
     ``cfg`` must be causal (a decode loop is). ``prefill`` / ``step``: the one prefill length or tokens per step
-    the candidate supports, where it does not take any (default: the probes choose; a loop that takes one token
+    the candidate supports, where it does not take any (a prefill longer than the probes' tokens takes them all;
+    default: the probes choose; a loop that takes one token
     per step only is ``step=1``, and then top-left causality on multi-query steps cannot be seen: a note says
     so). ``like``, ``timeout``, ``announce`` as in `diagnose`. Returns a `Diagnosis`; raises `DiagnoseError`
     when the candidate cannot be diagnosed (raised, timed out, wrong shape or dtype, NaN everywhere).

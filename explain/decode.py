@@ -182,7 +182,7 @@ def cache_layouts(cfg: MHAConfig, dtype: str = "float32", backends: dict | None 
     """One row per implementation and cache kind; ``backends`` (name -> class or instance) defaults to the registry's.
 
     From the registry: every registered implementation (oracles have no cache), its class read without running
-    it; one that cannot load here shows why.
+    it or importing its framework; one whose module cannot load shows why.
     """
     per_token = kv_bytes_per_token(cfg, dtype)
     if backends is None:
@@ -190,7 +190,7 @@ def cache_layouts(cfg: MHAConfig, dtype: str = "float32", backends: dict | None 
     rows = []
     for name, backend in backends.items():
         if isinstance(backend, str):  # could not load: the reason
-            rows.append(CacheLayout(name, "", f"not installed here: {backend}", "-", None))
+            rows.append(CacheLayout(name, "", f"cannot load: {backend}", "-", None))
             continue
         caches = tuple(getattr(backend, "decode_caches", ()))
         layouts = dict(getattr(backend, "decode_layouts", {}))
@@ -206,16 +206,19 @@ def cache_layouts(cfg: MHAConfig, dtype: str = "float32", backends: dict | None 
 
 
 def _registered() -> dict:
-    from mha_rosetta.backends import missing_backends
+    """name -> class of every registered implementation, loaded without its framework (adapters import theirs
+    lazily, and the layouts are class attributes: true whether or not the framework is installed here)."""
     from mha_rosetta.backends.entries import REGISTRY
     from mha_rosetta.backends.registry import load_class
 
-    missing = missing_backends()
     out: dict = {}
     for name, entry in REGISTRY.items():
         if entry.kind not in ("implementation", None):
             continue
-        out[name] = missing[name] if name in missing else load_class(entry)
+        try:
+            out[name] = load_class(entry)
+        except (ImportError, TypeError) as error:  # a plugin whose module does not load: the reason
+            out[name] = str(error)
     return out
 
 

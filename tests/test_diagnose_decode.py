@@ -167,7 +167,7 @@ def test_positions_not_offset_rotate_every_single_token_step_at_position_0():
 
 
 # -- the diagnosis ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["gqa rope half", "gqa partial interleaved", "window 3", "alibi window"])
+@pytest.mark.parametrize("name", CONFIGS)
 def test_each_simulated_mistake_is_diagnosed_as_itself_ranked_first(name):
     cfg = CONFIGS[name]
     hypotheses = decode_hypotheses(cfg)
@@ -182,6 +182,17 @@ def test_each_simulated_mistake_is_diagnosed_as_itself_ranked_first(name):
         assert (first.code, first.detail) == (h.code, h.detail), (h.label, result.summary())
         assert first.residual <= 1.0
         assert first.code in DECODE_CAUSE_CODES
+        assert len(result.causes) == 1  # the probes separate the mistakes: no other explains every probe
+
+
+def test_a_window_of_one_key_hides_every_mistake_but_the_ring_and_blames_nothing_else():
+    cfg = replace(WINDOW, window=1)  # each query sees only itself: cached keys never matter
+    assert [h.detail for h in decode_hypotheses(cfg) if h.code == "decode_ring_off_by_one"] == [
+        "the ring keeps one slot more: a step sees the last 2 keys where the window holds 1"
+    ]
+    for h in decode_hypotheses(cfg):
+        result = diagnose_decode(_run(cfg, h.bug), cfg)
+        assert result.agrees == (h.code != "decode_ring_off_by_one"), h.label
 
 
 def test_the_oracle_agrees_and_reports_every_probe():

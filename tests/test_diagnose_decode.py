@@ -374,3 +374,59 @@ def test_the_command_line_contains_a_decode_loop_that_hangs_or_crashes(tmp_path,
     )  # fmt: skip
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.strip() == f"mha-rosetta diagnose: error: {message}"
+
+
+# -- every implementation's own decode path, diagnosed (each that has one; the rest skip with the reason) ---------
+def _implementations() -> list[str]:
+    from mha_rosetta.backends.entries import REGISTRY
+
+    return [name for name, entry in REGISTRY.items() if entry.kind == "implementation"]
+
+
+@pytest.mark.parametrize("cfg_name", ["gqa rope half", "window 3"])
+@pytest.mark.parametrize("backend_name", _implementations())
+def test_each_implementations_decode_path_is_diagnosed_as_agreeing(backend_name, cfg_name):
+    from mha_rosetta.backends import BackendNotInstalled, get_backend
+    from mha_rosetta.backends.base import STANDARD
+
+    cfg = CONFIGS[cfg_name]
+    try:
+        backend = get_backend(backend_name)
+    except BackendNotInstalled as error:
+        pytest.skip(str(error))
+    reason = backend.decode_reason(cfg, "float64", "cpu", STANDARD, None)
+    if reason is not None:
+        pytest.skip(reason)
+
+    def candidate(params, x, prefill, step, mask, positions):
+        return backend.run_decode(cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions,
+                                  dtype="float64", device="cpu")  # fmt: skip
+
+    result = diagnose_decode(candidate, cfg)
+    assert result.agrees, result.summary()
+
+
+def test_a_decode_path_through_run_decode_is_diagnosed_through_the_contract():
+    """A backend whose decode path (the contract's hook) makes a mistake: named through run_decode."""
+    from mha_rosetta.backends.base import Backend, PreparedDecode
+
+    class RotatesTwice(Backend):
+        decode_caches = ("dynamic",)
+        decode_variants = frozenset({"window"})
+        decode_layouts = {"dynamic": "(B, Hkv, T, Dk)"}  # noqa: RUF012 (the contract's ClassVar)
+
+        def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+            def run():
+                return simulate_decode(cfg, params, inputs.x, prefill=inputs.prefill, step=inputs.step,
+                                       mask=inputs.mask, positions=inputs.positions,
+                                       bug=DecodeBug(rotated_twice=True))  # fmt: skip
+
+            return PreparedDecode(run=run, to_numpy=lambda result: result)
+
+    backend = RotatesTwice(name="rotates-twice")
+
+    def candidate(params, x, prefill, step, mask, positions):
+        return backend.run_decode(WINDOW, params, x, prefill=prefill, step=step, mask=mask, positions=positions)
+
+    result = diagnose_decode(candidate, WINDOW)
+    assert [c.code for c in result.causes] == ["decode_rotated_twice"]

@@ -45,6 +45,14 @@ CAUSE_CODES = (
     "rope_scaling",
     "rel_bias",
 )
+# The decode mistakes (`diagnose.decode.diagnose_decode`): how a KV cache is kept, apart from the forward's.
+DECODE_CAUSE_CODES = (
+    "decode_positions_not_offset",
+    "decode_top_left_causal",
+    "decode_empty_slots_attended",
+    "decode_ring_off_by_one",
+    "decode_rotated_twice",
+)
 
 REPAIRS = "mha_rosetta.diagnose.repairs"
 

@@ -33,16 +33,21 @@ def json_number(value: float | None):
 
 
 def run_identity_json(run) -> dict:
-    """The keys that say which run a JSON entry is, shared by the forward and the gradient check (`checks.grad`)."""
-    return {
+    """The keys that say which run a JSON entry is, shared by the forward, gradient and decode checks.
+
+    ``cache`` (the decode check's KV-cache kind) appears only where there is one, so the
+    forward and gradient checks' JSON is unchanged.
+    """
+    identity = {
         "case": run.case,
         "implementation": run.label,
         "backend": run.impl.backend,
         "strategy": run.impl.strategy,
         "device": run.impl.device,
-        "dtype": run.dtype,
-        "kind": run.kind,
     }
+    if run.impl.cache:
+        identity["cache"] = run.impl.cache
+    return {**identity, "dtype": run.dtype, "kind": run.kind}
 
 
 def _run_json(run: Run) -> dict:

@@ -9,8 +9,9 @@ fails instead of passing by luck.
 
 Padding: ``"left"`` puts ``tokens - length`` pads before each item's real tokens (their
 positions are ``cumsum(mask) - 1``, so pads sit at -1, as ``generate`` computes them);
-``"right"`` puts them after. A window with right padding is refused by
-`core.decode.prepare_decode_inputs` (a ring buffer keeps slots by index), so no case asks for it.
+``"right"`` puts them after. With a window, a ring buffer keeps its slots by index, so the real
+tokens' positions must advance by one per token (`core.decode.prepare_decode_inputs` refuses
+anything else); the window is exercised with left padding and the right-padded case has none.
 
 ``caches``: the cache kinds the case runs (None: every kind each backend declares in
 ``decode_caches``). `DECODE_CASES` is the registry every list (``--cases``, ``--list``, the
@@ -307,7 +308,12 @@ DECODE_CASES: dict[str, DecodeCase] = {
             "rope_scaling",
             "linear rope scaling (factor 4) on half rotary",
             MHAConfig(
-                d_model=15, n_heads=3, d_k=6, rope="half", causal=True, rope_scaling={"rope_type": "linear", "factor": 4.0}
+                d_model=15,
+                n_heads=3,
+                d_k=6,
+                rope="half",
+                causal=True,
+                rope_scaling={"rope_type": "linear", "factor": 4.0},
             ),
             tokens=8,
             prefill=3,

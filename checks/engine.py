@@ -97,7 +97,16 @@ def run_job(
             group = _Group(case, dtype, [], oracle)
             for impl in impls:
                 task = Task(
-                    position, job, check, case, dtypes, impl.backend, impl.strategy, impl.device, dtype, cache=impl.cache
+                    position,
+                    job,
+                    check,
+                    case,
+                    dtypes,
+                    impl.backend,
+                    impl.strategy,
+                    impl.device,
+                    dtype,
+                    cache=impl.cache,
                 )
                 tasks.append(task)
                 group.indices.append(position)

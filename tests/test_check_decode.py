@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -32,7 +33,9 @@ class ChunkReference(Backend):
     name = "chunk-ref"
     decode_caches = ("tokens",)
     decode_variants = frozenset(VARIANTS)
-    decode_layouts = {"tokens": "(B, T, D): the tokens so far, projected again for each chunk"}
+    decode_layouts: ClassVar[dict[str, str]] = {
+        "tokens": "(B, T, D): the tokens so far, projected again for each chunk"
+    }
 
     def cache_view(self, cfg, inputs, index, start, stop):
         """The keys a chunk sees: token range (lo, hi) of the sequence (the new tokens are its last)."""
@@ -125,7 +128,7 @@ class EmptySlots(ChunkReference):
 
     name = "empty-slots"
     decode_caches = ("static",)
-    decode_layouts = {"static": "(B, N, D) preallocated"}
+    decode_layouts: ClassVar[dict[str, str]] = {"static": "(B, N, D) preallocated"}
 
     def cache_view(self, cfg, inputs, index, start, stop):
         return 0, stop
@@ -361,7 +364,7 @@ def test_the_plan_is_every_implementation_times_its_caches_times_the_cases_dtype
     class TwoCaches(ChunkReference):
         name = "two"
         decode_caches = ("dynamic", "static")
-        decode_layouts = {"dynamic": "grown", "static": "preallocated"}
+        decode_layouts: ClassVar[dict[str, str]] = {"dynamic": "grown", "static": "preallocated"}
 
     sel = type("Sel", (), {})()
     sel.implementations = lambda: iter([(TwoCaches(), "standard", "cpu"), (NoCache(), "standard", "cpu")])

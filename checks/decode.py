@@ -228,13 +228,21 @@ def _compare_pair(a: DecodeRun, b: DecodeRun, oracle: _DecodeOracle) -> DecodePa
 def decode_implementations(case: DecodeCase, sel: Selection):
     """``(backend, Implementation)`` for every selected implementation and cache kind of ``case``.
 
-    A backend without decoding gives one implementation with no cache kind (its runs are
-    unsupported, with the reason); otherwise one per kind in the case's ``caches`` (None:
-    every kind the backend declares).
+    A backend without decoding gives one implementation per device, with its first selected
+    strategy and no cache kind (its runs are unsupported, with the reason, which is the same
+    for every strategy); otherwise every selected strategy (one it does not decode with is
+    unsupported, with the reason) times each kind in the case's ``caches`` (None: every kind
+    the backend declares).
     """
+    seen = set()
     for backend, strategy, device in sel.implementations():
+        if not backend.decode_caches:
+            if (backend.name, device) not in seen:
+                seen.add((backend.name, device))
+                yield backend, Implementation(backend.name, strategy, device)
+            continue
         kinds = backend.decode_caches if case.caches is None else case.caches
-        for kind in kinds or ("",):
+        for kind in kinds:
             yield backend, Implementation(backend.name, strategy, device, kind)
 
 

@@ -367,8 +367,61 @@ def test_the_plan_is_every_implementation_times_its_caches_times_the_cases_dtype
         decode_layouts: ClassVar[dict[str, str]] = {"dynamic": "grown", "static": "preallocated"}
 
     sel = type("Sel", (), {})()
-    sel.implementations = lambda: iter([(TwoCaches(), "standard", "cpu"), (NoCache(), "standard", "cpu")])
+    two, none = TwoCaches(), NoCache()
+    chosen = [(two, "standard", "cpu"), (two, "per_head", "cpu"), (none, "standard", "cpu"), (none, "per_head", "cpu")]
+    sel.implementations = lambda: iter(chosen)
     sel.case_dtypes = lambda case: list(case.dtypes)
     plan = DECODE.plan(DECODE_CASES["gqa_rotary"], sel)
     assert [dtype for dtype, _ in plan] == ["float64", "float32", "float16"]
-    assert [impl.label for impl in plan[0][1]] == ["two[dynamic]", "two[static]", "no-cache"]
+    labels = ["two[dynamic]", "two[static]", "two:per_head[dynamic]", "two:per_head[static]", "no-cache"]
+    assert [impl.label for impl in plan[0][1]] == labels  # no decoding at all: one row, not one per strategy
+    oracle = DECODE.oracle(DECODE_CASES["gqa_rotary"], ())
+    run = DECODE.run(two, plan[0][1][2], "float64", oracle)
+    assert (run.status, run.reason) == (
+        Status.UNSUPPORTED,
+        "two decodes with the standard strategy only, not 'per_head'",
+    )
+
+
+# -- the command ----------------------------------------------------------------------------
+def test_check_decode_on_the_command_line_reports_where_and_exits_by_the_outcome(monkeypatch, capsys, tmp_path):
+    from mha_rosetta.checks import selection
+    from mha_rosetta.cli.main import main
+
+    fakes = {"good": [ChunkReference(), NoCache()], "wrong": [ChunkReference(), RotaryRestarts()]}
+    real_resolve = selection.resolve_backends
+    monkeypatch.setattr(
+        selection,
+        "resolve_backends",
+        lambda names: (fakes[names[0]], {}, {}) if names and names[0] in fakes else real_resolve(names),
+    )
+    path = tmp_path / "decode.json"
+    argv = ["check", "--decode", "--cases", "gqa_rotary,window_outgrown", "--dtypes", "float64", "--plain"]
+    assert main([*argv, "--backends", "good", "--jobs", "0", "--json", str(path), "--timings"]) == 0
+    out = capsys.readouterr().out
+    assert "decode, float64: agreement matrix" in out and "Timings, decode check" in out
+    assert "no-cache has no KV-cache decoding: the library's API has no KV cache" in out
+    assert "chunk-ref[tokens]  (B, T, D): the tokens so far" in out and "window_outgrown 3/11" in out
+    data = json.loads(path.read_text())
+    assert data["exit_status"] == 0 and data["tool"] == "mha-rosetta check --decode"
+    assert main([*argv, "--backends", "wrong", "--jobs", "0", "--markdown", "-"]) == 1
+    out = capsys.readouterr().out
+    assert "Decode: problems against the full forward" in out
+    assert (
+        "| gqa_rotary | float64 | rotary-restarts[tokens] | DISAGREE | step 1 (position 4) diverges at q_rotated |"
+        in out
+    )
+    assert "decode: FAIL: 4 failing comparison(s) (exit status 1)" in out  # a run and a pair on each case
+    assert main(["check", "--decode", "--cases", "causal"]) == 2
+    assert "cases: unknown decode case(s) 'causal'" in capsys.readouterr().err
+    assert main(["check", "--decode", "--grad"]) == 2
+    assert "--decode and --grad are separate checks" in capsys.readouterr().err
+
+
+def test_check_decode_list_names_the_decode_cases(capsys):
+    from mha_rosetta.cli.main import main
+
+    assert main(["check", "--decode", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("decode cases:\n  gqa_rotary ")
+    assert "B=3; N=8; prefill 4; step 1" in out and "left-padded, real lengths [8, 5, 3]" in out

@@ -180,23 +180,24 @@ def _run_one(backend, impl: Implementation, dtype: str, oracle: _DecodeOracle) -
     if result.ok and not impl.known_mistake:
         run.status = Status.AGREE
         return run
-    run.where = _where(run, oracle, dtype)
+    run.where, note = _where(run, oracle, dtype)
     if impl.known_mistake:
         run.status = Status.CAUGHT if run.where else Status.MISSED
         run.reason = run.where or "the known mistake agrees with the oracle in every chunk and stage it exposes"
-        return run
-    run.status = Status.DISAGREE
-    run.reason = f"{run.where}: {result.summary()}" if run.where else result.summary()
+    else:
+        run.status = Status.DISAGREE
+        run.reason = f"{run.where}: {result.summary()}" if run.where else result.summary()
+    run.reason += note
     return run
 
 
-def _where(run: DecodeRun, oracle: _DecodeOracle, dtype: str) -> str:
+def _where(run: DecodeRun, oracle: _DecodeOracle, dtype: str) -> tuple[str, str]:
+    """The run's `locate` against the oracle, and a note when its stages could not be had."""
     try:
-        stages = run.stages()
+        stages, note = run.stages(), ""
     except Exception as error:  # a broken stage dump must not hide the disagreement itself
-        run.reason = f"stages unavailable ({error_line(error)})"
-        stages = []
-    return locate(oracle.inputs, oracle.cfg, dtype, run.output, oracle.output, stages or None, oracle.stages)
+        stages, note = [], f"; stages unavailable ({error_line(error)})"
+    return locate(oracle.inputs, oracle.cfg, dtype, run.output, oracle.output, stages or None, oracle.stages), note
 
 
 def _compare_pair(a: DecodeRun, b: DecodeRun, oracle: _DecodeOracle) -> DecodePair:

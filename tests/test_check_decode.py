@@ -425,3 +425,20 @@ def test_check_decode_list_names_the_decode_cases(capsys):
     out = capsys.readouterr().out
     assert out.startswith("decode cases:\n  gqa_rotary ")
     assert "B=3; N=8; prefill 4; step 1" in out and "left-padded, real lengths [8, 5, 3]" in out
+
+
+def test_a_broken_stage_dump_still_reports_the_disagreement_by_its_output():
+    class BrokenStages(RotaryRestarts):
+        name = "broken-stages"
+
+        def chunk_stages(self, cfg, params, inputs):
+            chunks = super().chunk_stages(cfg, params, inputs)
+            if getattr(self, "_ran", False):
+                raise RuntimeError("no stages today")
+            self._ran = True
+            return chunks
+
+    run = _check([BrokenStages()], ["gqa_rotary"]).runs[0]
+    assert run.status is Status.DISAGREE
+    assert run.where == "step 1 (position 4) diverges at output"
+    assert run.reason.endswith("; stages unavailable (RuntimeError: no stages today)")

@@ -69,3 +69,10 @@ class FakeDecode(Backend):
         nbytes = k_cache.nbytes + v_cache.nbytes
         info = {"cache": {"kind": cache, "layout": LAYOUT, "slots": slots, "bytes": nbytes}}
         return Prepared(forward=forward, to_numpy=np.asarray, native_stages=dict, info=info)
+
+
+class FakeNoWindow(FakeDecode):
+    """The fake without a window in its decode path: a windowed cell is unsupported, with the reason."""
+
+    name = "fake-no-window"
+    decode_variants = frozenset()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -563,22 +564,21 @@ def readme_block(report: dict) -> str:
     settings = report["settings"]
     ok = [cell for cell in report["cells"] if cell.get("status") == "ok"]
     bandwidth = ", ".join(
-        f"{record['device']} {record['gbps']:.1f} GB/s ({record.get('library')})"
+        f"{record['device']}: {record['gbps']:.1f} GB/s, {record.get('library')}"
         for record in report.get("bandwidth", [])
         if record.get("gbps")
     )
-    lines = [
-        BEGIN,
-        "",
+    tokens = "token" if settings["step"] == 1 else "tokens"
+    intro = (
         f"`mha-rosetta bench --mode decode` (B={settings['batch']}, d_model {settings['d_model']}, "
         f"{settings['heads']} heads over {settings['kv_heads']} kv heads, d_k {settings['d_k']}, "
-        f"{settings['dtype']}, {settings['step']} token per step, {settings['threads']} thread(s), "
+        f"{settings['dtype']}, {settings['step']} {tokens} per step, {settings['threads']} thread(s), "
         f"{settings['rounds']} round(s)); the limit is the K and V bytes a step reads over the copy "
         f"bandwidth measured in the same run ({bandwidth or 'not measured'}). "
         f"The full tables: [docs/bench/{DOCS_NAME}.md](docs/bench/{DOCS_NAME}.md); "
-        f"the plot: [docs/bench/{DOCS_NAME}/{PLOT_NAME}](docs/bench/{DOCS_NAME}/{PLOT_NAME}).",
-        "",
-    ]
+        f"the plot: [docs/bench/{DOCS_NAME}/{PLOT_NAME}](docs/bench/{DOCS_NAME}/{PLOT_NAME})."
+    )
+    lines = [BEGIN, *textwrap.wrap(intro, width=100, break_on_hyphens=False, break_long_words=False), ""]
     if not ok:
         lines += ["No implementation could decode in this run (every cell's reason is in the full table).", ""]
     else:

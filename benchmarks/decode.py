@@ -474,11 +474,15 @@ def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
-def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None) -> dict:
+def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None, llc_bytes: int | None = None) -> dict:
     """Add the limit and what the step reaches of it, tokens per second, the prefill/step ratio and the cache's MiB.
 
     The figure used is `rounds.cell_time` (drift-corrected where the cell has it); the limit is the
-    K and V bytes the step reads (`bandwidth.kv_read_bytes`) over ``bandwidth_gbps``.
+    K and V bytes the step reads (`bandwidth.kv_read_bytes`) over ``bandwidth_gbps``. Where the step's
+    bytes (K, V and the weights) fit in the last-level cache (``llc_bytes``), the timed steps, which
+    read the same bytes again and again, may read them from the cache rather than from memory, while
+    the bandwidth is memory's: ``fits_last_level_cache`` says so, and % of the limit may pass 100%.
+    (In a real model the other layers' weights would flush the cache between two steps of a layer.)
     """
     from .bandwidth import kv_read_bytes, limit_fraction, limit_seconds, weight_bytes
     from .rounds import cell_interval, cell_time
@@ -492,6 +496,8 @@ def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None) -> dict:
         kv_read_bytes=kv, weight_bytes=weights, bandwidth_gbps=bandwidth_gbps,
         limit_s=limit_seconds(kv, bandwidth_gbps), limit_with_weights_s=limit_seconds(kv + weights, bandwidth_gbps),
     )  # fmt: skip
+    if llc_bytes:
+        cell["fits_last_level_cache"] = kv + weights <= llc_bytes
     cache = cell.get("cache_info")
     if isinstance(cache, dict) and isinstance(cache.get("bytes"), (int, float)):
         cell["cache_mb"] = cache["bytes"] / 2**20
@@ -519,8 +525,12 @@ def assemble_decode_report(
     from .rounds import FINISHED_STATUSES
 
     by_device = {record["device"]: record.get("gbps") for record in bandwidths}
+    llc = {record["device"]: record.get("llc_bytes") for record in bandwidths}
     workloads = run_references(cells)
-    enriched = [enrich_decode_cell(correct_cell(cell, workloads), by_device.get(cell["device"])) for cell in cells]
+    enriched = [
+        enrich_decode_cell(correct_cell(cell, workloads), by_device.get(cell["device"]), llc.get(cell["device"]))
+        for cell in cells
+    ]
     statuses = [cell.get("status") for cell in enriched]
     try:
         from mha_rosetta.report.provenance import provenance

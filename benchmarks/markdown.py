@@ -224,6 +224,16 @@ def decode_markdown(report: dict) -> str:
     lines.append("")
     lines += reference_lines(report)
     lines += table_lines(DECODE_COLUMNS, [decode_row(cell) for cell in report["cells"]])
+    cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache")]
+    if cached:
+        llc = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)
+        shown = ", ".join(f"{cell['implementation']} {cell['context']}" for cell in cached)
+        lines += [
+            "",
+            f"(!) The bytes these steps read (K, V and the weights) fit in the last-level cache "
+            f"({llc / 2**20:.0f} MiB): the repeated timed steps may read them from the cache, not from memory, so "
+            f"their % of the (memory) limit may pass 100%: {shown}",
+        ]
     layouts = {}
     for cell in report["cells"]:
         cache = cell.get("cache_info")

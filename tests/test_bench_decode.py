@@ -190,6 +190,9 @@ def test_a_cells_share_of_the_limit_from_a_fake_clock(fake):
     assert enriched["limit_fraction_with_weights"] == pytest.approx((256_000 + weights) / 0.256e9 / 2e-3)
     assert enriched["tokens_per_s"] == pytest.approx(500.0)
     assert enriched["cache_mb"] == pytest.approx(1001 * 2 * 16 * 2 * 4 / 2**20)  # the fake's context + step slots
+    assert "fits_last_level_cache" not in enriched  # no cache size known, nothing claimed
+    assert enrich_decode_cell(cell, 0.256, llc_bytes=256_000 + weights)["fits_last_level_cache"] is True
+    assert enrich_decode_cell(cell, 0.256, llc_bytes=256_000 + weights - 1)["fits_last_level_cache"] is False
     row = decode_row(enriched)
     assert row[3] == "1000" and row[4] == "2.000" and row[8] == "50.0%" and row[10] == "500"
 

@@ -458,10 +458,14 @@ def run_decode_sweep(
 
     merged = [cell for cell in (merge_visits(row) for row in visits) if cell is not None]
     merged_bandwidths = [b for b in (merge_bandwidths(rows) for rows in bandwidths.values()) if b is not None]
+    per_round = {device: [None if r is None else r.get("gbps") for r in rows] for device, rows in bandwidths.items()}
     rounds = {
-        "count": settings.rounds, "seed": settings.seed, "orders": orders, "wall_s": wall_s,
-        "bandwidth_gbps": {device: [None if r is None else r.get("gbps") for r in rows] for device, rows in bandwidths.items()},
-    }  # fmt: skip
+        "count": settings.rounds,
+        "seed": settings.seed,
+        "orders": orders,
+        "wall_s": wall_s,
+        "bandwidth_gbps": per_round,
+    }
     report = assemble_decode_report(
         settings.as_dict(), merged_bandwidths, merged, rounds=rounds, complete=not interrupted
     )

@@ -192,11 +192,8 @@ def decode_markdown(report: dict) -> str:
         text = f"{gbps:.2f} GB/s ({record.get('library')}" if gbps else "not measured"
         if gbps:
             text += f", {record.get('array_mb', 0):.0f} MiB arrays, {record.get('array_rule', '')}"
-            text += (
-                f"; the median of {len(measured)} rounds, {record['spread_gbps'][0]:.2f}-{record['spread_gbps'][1]:.2f})"
-                if len(measured) > 1
-                else ")"
-            )
+            low, high = record.get("spread_gbps") or (gbps, gbps)
+            text += f"; the median of {len(measured)} rounds, {low:.2f}-{high:.2f})" if len(measured) > 1 else ")"
         lines.append(f"Copy bandwidth {record['device']}, {record['threads']} thread(s): {text}  ")
         lines += [f"(!) {warning}  " for warning in record.get("warnings") or []]
     machine = report.get("machine", {})
@@ -224,10 +221,13 @@ def decode_markdown(report: dict) -> str:
     lines.append("")
     lines += reference_lines(report)
     lines += table_lines(DECODE_COLUMNS, [decode_row(cell) for cell in report["cells"]])
-    cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache")]
+    cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache") and cell.get("status") == "ok"]
     if cached:
         llc = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)
-        shown = ", ".join(f"{cell['implementation']} {cell['context']}" for cell in cached)
+        shown = ", ".join(
+            f"{cell['implementation']} {cell['context']}" + (f" W={cell['window']}" if cell.get("window") else "")
+            for cell in cached
+        )
         lines += [
             "",
             f"(!) The bytes these steps read (K, V and the weights) fit in the last-level cache "

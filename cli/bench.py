@@ -137,7 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--contexts",
         type=_int_list,
         metavar="LIST",
-        help="--mode decode: the cached tokens of each timed step, e.g. 1024,4096 (default from the preset)",
+        help="--mode decode: the cached tokens of each timed step, e.g. 1024,4096, for the full and the windowed "
+        "row alike (default from the preset)",
     )
     parser.add_argument(
         "--plugin",
@@ -442,9 +443,9 @@ def _decode_settings(args: argparse.Namespace):
         raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
     first = lambda values: None if values is None else values[0]  # noqa: E731
     return decode_settings(
-        name, implementations=args.backends, contexts=args.contexts, dtype=first(args.dtypes),
-        devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy, malloc=args.malloc,
-        rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
+        name, implementations=args.backends, contexts=args.contexts, window_contexts=args.contexts,
+        dtype=first(args.dtypes), devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy,
+        malloc=args.malloc, rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
         heads=first(args.heads), plugins=args.plugin,
     )  # fmt: skip
 

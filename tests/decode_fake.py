@@ -47,13 +47,16 @@ class FakeDecode(Backend):
         hkv, h, dk = cfg.n_kv_heads, cfg.n_heads, cfg.d_k
         k_cache = rng.standard_normal((batch, hkv, slots, dk)).astype(dt)  # (B, Hkv, T, Dk)
         v_cache = rng.standard_normal((batch, hkv, slots, dk)).astype(dt)  # (B, Hkv, T, Dv)
-        w_q, w_k, w_v, w_o = (np.asarray(getattr(params, name), dtype=dt) for name in ("w_q", "w_k", "w_v", "w_o"))
+        # (in, out) copies, C-contiguous: a one-token product is then one BLAS GEMV, not a strided loop
+        w_q, w_k, w_v, w_o = (
+            np.ascontiguousarray(np.asarray(getattr(params, name), dtype=dt).T) for name in ("w_q", "w_k", "w_v", "w_o")
+        )
         x = rng.standard_normal((batch, step, cfg.d_model)).astype(dt)  # (B, s, D)
 
         def forward():
-            q = (x @ w_q.T).reshape(batch, step, h, dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk): a view
-            k = (x @ w_k.T).reshape(batch, step, hkv, dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk): a view
-            v = (x @ w_v.T).reshape(batch, step, hkv, dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv): a view
+            q = (x @ w_q).reshape(batch, step, h, dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk): a view
+            k = (x @ w_k).reshape(batch, step, hkv, dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk): a view
+            v = (x @ w_v).reshape(batch, step, hkv, dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv): a view
             k_cache[:, :, -step:] = k  # the new keys into the last slots (an in-place write)
             v_cache[:, :, -step:] = v
             group = h // hkv
@@ -64,7 +67,7 @@ class FakeDecode(Backend):
             weights /= weights.sum(axis=-1, keepdims=True)
             context_ = (weights @ v_cache).reshape(batch, h, step, dk)  # (B, H, s, Dv): a view
             merged = context_.transpose(0, 2, 1, 3).reshape(batch, step, h * dk)  # (B, s, H Dv): a copy
-            return merged @ w_o.T  # (B, s, D)
+            return merged @ w_o  # (B, s, D)
 
         nbytes = k_cache.nbytes + v_cache.nbytes
         info = {"cache": {"kind": cache, "layout": LAYOUT, "slots": slots, "bytes": nbytes}}

@@ -195,7 +195,8 @@ def _time_prefill(backend, cfg, params, spec: DecodeCellSpec) -> dict:
         return {"prefill_status": "unsupported", "prefill_error": str(reason)}
     except MemoryError as error:
         return {"prefill_status": "error", "prefill_error": f"MemoryError: {error}"}
-    return {
+    compilations = _jsonable(prepared.info.get("compilations"))  # a JIT's count, of the last timed run
+    record = {
         "prefill_status": "ok",
         "prefill_median_s": timings["median_s"],
         "prefill_iqr_s": timings["iqr_s"],
@@ -203,7 +204,26 @@ def _time_prefill(backend, cfg, params, spec: DecodeCellSpec) -> dict:
         "prefill_repeats": timings["repeats"],
         "prefill_compile_s": timings["compile_s"],
         "prefill_first_call_s": timings["first_call_s"],
+        "prefill_compilations": compilations,
     }
+    if compiled_count(compilations):
+        record["prefill_warning"] = (
+            f"the prefill compiled during a timed run (info['compilations'] after the last one: {compilations}): "
+            "its time includes compilation"
+        )
+    return record
+
+
+def compiled_count(compilations) -> int:
+    """How many compilations a ``PreparedDecode.info["compilations"]`` record counts: an int, or a dict of
+    ints by program (JAX's ``{"prefill": 1, "step": 0}``); 0 for None or anything else."""
+    if isinstance(compilations, bool):
+        return 0
+    if isinstance(compilations, int):
+        return compilations
+    if isinstance(compilations, dict):
+        return sum(compiled_count(value) for value in compilations.values())
+    return 0
 
 
 def measure(spec: DecodeCellSpec) -> dict:
@@ -256,6 +276,8 @@ def measure(spec: DecodeCellSpec) -> dict:
         backend_info=info,
         **prefill,
     )
+    if record.get("prefill_warning"):
+        record["warnings"].append(record["prefill_warning"])
     if not isinstance(record["cache_info"], dict):
         record["warnings"].append("the prepared step has no info['cache'] record (kind, layout, slots, bytes)")
     return record

@@ -29,6 +29,7 @@ class FakeDecode(Backend):
     decode_caches = ("dynamic",)
     decode_variants = frozenset({"window"})
     decode_layouts: ClassVar[dict[str, str]] = {"dynamic": LAYOUT}
+    compiles_every_run = False
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy):
         raise NotImplementedError("the fake backend only decodes")
@@ -37,7 +38,10 @@ class FakeDecode(Backend):
         def run():
             return reference_decode(cfg, params, inputs.x, prefill=inputs.prefill, step=inputs.step, mask=inputs.mask)
 
-        return PreparedDecode(run=run, to_numpy=np.asarray, info={"cache": {"kind": cache, "layout": LAYOUT}})
+        info = {"cache": {"kind": cache, "layout": LAYOUT}, "compilations": {"prefill": 0, "step": 0}}
+        if self.compiles_every_run:  # a JIT that traces its programs anew in every run
+            info["compilations"] = {"prefill": 1, "step": 0}
+        return PreparedDecode(run=run, to_numpy=np.asarray, info=info)
 
     def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
         dt = numpy_dtype(dtype)
@@ -79,3 +83,10 @@ class FakeNoWindow(FakeDecode):
 
     name = "fake-no-window"
     decode_variants = frozenset()
+
+
+class FakeRecompiles(FakeDecode):
+    """The fake whose whole-run path reports a compilation in every run (as a JIT that re-traces would)."""
+
+    name = "fake-recompiles"
+    compiles_every_run = True

@@ -352,3 +352,23 @@ def test_contexts_set_the_full_and_the_windowed_row():
     assert settings.policy["min_repeats"] == 9 and settings.window == 4096 and settings.preset == "decode"
     quick = _decode_settings(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
     assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]
+
+
+def test_a_prefill_that_compiles_in_its_timed_runs_is_flagged(monkeypatch):
+    from mha_rosetta.benchmarks.decode import compiled_count
+
+    assert compiled_count({"prefill": 1, "step": 0}) == 1 and compiled_count(3) == 3
+    assert compiled_count(None) == 0 and compiled_count(True) == 0 and compiled_count({"a": {"b": 2}}) == 2
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    name = register_path("decode_fake:FakeRecompiles")
+    try:
+        spec = DecodeCellSpec(
+            implementation=name, context=32, policy=FAST, prefill_policy=FAST, plugins=["decode_fake:FakeRecompiles"],
+            **SMALL,
+        )  # fmt: skip
+        record = run_decode_cell(spec, timeout=120)
+        assert record["status"] == "ok", record.get("error")
+        assert record["prefill_compilations"] == {"prefill": 1, "step": 0}
+        assert any("its time includes compilation" in warning for warning in record["warnings"])
+    finally:
+        REGISTRY.pop(name, None)

@@ -209,8 +209,7 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
         if limits:
             name = "bandwidth limit (K, V reads)" + ("" if window is None else f", W={window}")
             axes.plot(
-                [p[0] for p in limits], [p[1] * 1e3 for p in limits], color="black", linestyle=style, marker="_",
-                markersize=14, label=name,
+                [p[0] for p in limits], [p[1] * 1e3 for p in limits], color="black", linestyle=style, label=name,
             )  # fmt: skip
     weighted = sorted(
         {
@@ -232,7 +231,7 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
     axes.set_ylabel(f"{what} time per step (ms; bars: range over rounds)")
     axes.set_title(
         f"decode, B={settings['batch']}, {settings['step']} token/step, d_model={settings['d_model']}, "
-        f"{settings['heads']}/{settings['kv_heads']} heads, d_k={settings['d_k']}, {settings['dtype']}, "
+        f"{settings['heads']}/{settings['kv_heads']} heads, d_k={settings['d_k']}, {settings['dtype']},\n"
         f"{settings['threads']} thread(s); copy bandwidth {bandwidth or 'not measured'}"
     )
     axes.grid(True, which="both", alpha=0.3)

@@ -404,6 +404,21 @@ def parent_reason(spec: DecodeCellSpec) -> str | None:
     return backend.decode_reason(decode_config(spec), spec.dtype, spec.device, spec.strategy, spec.cache)
 
 
+def estimate_decode_seconds(settings: DecodeSettings, cells: list[DecodeCellSpec]) -> float:
+    """The sweep's expected duration (`progress`' start-up times and repeat-policy rule), in seconds: every cell
+    that can decode (`parent_reason` is None) once per round, with its prefill, plus each round's bandwidth. An
+    estimate, not a measurement: a long context's prefill and a JIT's compilation make it longer."""
+    from .progress import _startup_s, _timed_s
+
+    runnable = [cell for cell in cells if parent_reason(cell) is None]
+    per_round = sum(
+        _startup_s(cell.implementation) + _timed_s(cell.policy) + (_timed_s(cell.prefill_policy) if cell.prefill else 0)
+        for cell in runnable
+    )
+    bandwidth = len(settings.devices) * (_startup_s("numpy") + 2 * _timed_s(settings.bandwidth_policy))
+    return settings.rounds * (per_round + bandwidth)
+
+
 CellRunner = Callable[[DecodeCellSpec, float], dict]
 BandwidthRunner = Callable[..., dict]
 

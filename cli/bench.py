@@ -481,7 +481,12 @@ def _publish_decode(args: argparse.Namespace, report: dict) -> str:
 def _run_decode(args: argparse.Namespace) -> int:
     """``--mode decode``: the decode sweep (`benchmarks.decode.run_decode_sweep`) and its outputs."""
     from mha_rosetta.backends.registry import register_path
-    from mha_rosetta.benchmarks.decode import expand_decode_cells, failed_decode_cells, run_decode_sweep
+    from mha_rosetta.benchmarks.decode import (
+        estimate_decode_seconds,
+        expand_decode_cells,
+        failed_decode_cells,
+        run_decode_sweep,
+    )
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.core.errors import INTERRUPTED
 
@@ -497,8 +502,11 @@ def _run_decode(args: argparse.Namespace) -> int:
         print("\n".join(labels))
         return 0
     cells = expand_decode_cells(settings, labels)
+    total = estimate_decode_seconds(settings, cells)
+    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
     print(
-        f"mha-rosetta bench: decode, {len(cells)} cells x {settings.rounds} round(s) after each round's copy bandwidth",
+        f"mha-rosetta bench: decode, {len(cells)} cells x {settings.rounds} round(s) after each round's copy "
+        f"bandwidth: about {when} (estimated from the repeat policy and typical start-up times)",
         file=sys.stderr,
         flush=True,
     )

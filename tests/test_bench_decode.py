@@ -268,6 +268,24 @@ def test_the_presets_cells():
     assert [cell.prefill for cell in cells[:6]] == [True, True, True, False, False, False]  # prefill_max 4096
 
 
+def test_the_estimate_counts_the_cells_that_can_run(fake):
+    from mha_rosetta.benchmarks.decode import estimate_decode_seconds
+    from mha_rosetta.benchmarks.progress import _startup_s, _timed_s
+
+    settings = decode_settings("decode-quick", rounds=2)
+    one = expand_decode_cells(settings, [fake])
+    per_cell = _startup_s(fake) + _timed_s(settings.policy)
+    prefills = sum(cell.prefill for cell in one) * _timed_s(settings.prefill_policy)
+    bandwidth = _startup_s("numpy") + 2 * _timed_s(settings.bandwidth_policy)
+    assert estimate_decode_seconds(settings, one) == pytest.approx(2 * (len(one) * per_cell + prefills + bandwidth))
+    name = register_path("decode_fake:FakeNoWindow")
+    try:  # a windowed cell of a backend without the window is not run, so it adds nothing
+        skipped = [DecodeCellSpec(implementation=name, context=8, window=4, prefill=False, **SMALL)]
+        assert estimate_decode_seconds(settings, skipped) == pytest.approx(2 * bandwidth)
+    finally:
+        REGISTRY.pop(name, None)
+
+
 # -- the command ---------------------------------------------------------------------------------
 def _main(argv):
     from mha_rosetta.cli.main import main

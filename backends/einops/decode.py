@@ -26,6 +26,8 @@ backend's). The rotary tables are the run's, once for every position (`numpy.dec
 
 from __future__ import annotations
 
+from collections import Counter
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,6 +36,7 @@ from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_allowed, ring_capacity
 
 from ..base import Prepared, PreparedDecode, tensor_to_numpy
+from ..jax.common import shared_program
 from .layer import attend, canonical_weights, grouped_allowed, project_heads, score_tables, stage_tensors
 from .plans import EinsumPlan, plan_for
 
@@ -49,6 +52,18 @@ CACHE_LAYOUTS = {
 def cache_pattern(plan: EinsumPlan) -> str:
     """The cache's named axes: the keys operand of the plan's scores einsum ("b s g k", "b s h k" for MHA)."""
     return plan.scores.split("->")[0].split(",")[1].strip()
+
+
+def put(ops, cache, slots, new, keep: int):
+    """``cache`` ("b s g k") with the last ``keep`` tokens of ``new`` ("b n g k") at ``slots`` (keep,) along "s".
+
+    The library's own write: in place on NumPy and torch arrays, ``.at[].set`` on JAX's immutable ones (inside
+    the jitted step, where XLA updates the donated buffer in place or copies it)."""
+    new = new[:, new.shape[1] - keep :]  # the tokens kept (all but a prefill longer than a ring)
+    if ops.library == "jax":
+        return cache.at[:, slots].set(new)
+    cache[:, slots] = new
+    return cache
 
 
 class NamedCache:
@@ -69,26 +84,27 @@ class NamedCache:
         """Bytes of K and V together (the positions and validity flags are bookkeeping, not counted)."""
         return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.keys, self.values))
 
-    def _put(self, cache, slots, new):
-        if self.ops.library == "jax":
-            return cache.at[:, slots].set(new)  # immutable: a new array (XLA may update in place under jit)
-        cache[:, slots] = new  # in place along "s"
-        return cache
+    def claim(self, positions: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, int]:
+        """Book a chunk's n tokens (positions, valid (B, n)): (the slots its kept tokens go to (keep,), keep).
 
-    def write(self, keys, values, positions: np.ndarray, valid: np.ndarray) -> None:
-        """The chunk's keys "b n g k", values "b n g v", positions and valid (B, n) at the next slots."""
+        A ring keeps the last ``min(n, slots)`` (token t in slot ``t % slots``); a static cache all n,
+        or `CacheFull` when they do not fit."""
         n = positions.shape[1]
         if self.ring is not None:
             keep = min(n, self.ring)  # a prefill longer than the ring keeps its last slots
             slots = np.arange(self.written + n - keep, self.written + n) % self.ring
-            cut = slice(n - keep, n)
         else:
             check_capacity(self.slots, self.written, n)
-            slots, cut = slice(self.written, self.written + n), slice(None)
-        self.keys = self._put(self.keys, slots, keys[:, cut])
-        self.values = self._put(self.values, slots, values[:, cut])
-        self.positions[:, slots], self.valid[:, slots] = positions[:, cut], valid[:, cut]
+            keep, slots = n, np.arange(self.written, self.written + n)
+        self.positions[:, slots], self.valid[:, slots] = positions[:, n - keep :], valid[:, n - keep :]
         self.written += n
+        return slots, keep
+
+    def write(self, keys, values, positions: np.ndarray, valid: np.ndarray) -> None:
+        """The chunk's keys "b n g k", values "b n g v", positions and valid (B, n) at the next slots."""
+        slots, keep = self.claim(positions, valid)
+        self.keys = put(self.ops, self.keys, slots, keys, keep)
+        self.values = put(self.ops, self.values, slots, values, keep)
 
     def info(self, pattern: str) -> dict:
         layout = f"(B, T, Hkv, Dk) '{pattern}'" + (f" ring of {self.ring} slots" if self.ring is not None else "")
@@ -97,9 +113,24 @@ class NamedCache:
 
 class EinopsDecoder:
     """The pipeline's weights, tokens and rotary tables for a run's tokens (B, N, D) at ``positions`` (B, N),
-    converted once; `chunk` feeds some of them through a `NamedCache`."""
+    converted once; `chunk` feeds some of them through a `NamedCache`.
 
-    def __init__(self, ops, cfg: MHAConfig, params: MHAParams, x: np.ndarray, positions: np.ndarray, dtype: str):
+    A chunk is a host half (NumPy: which slots, the mask and the score bias from the slots' positions) and
+    a device half (`device_step`: project, write, attend), which JAX runs jitted: one compilation per
+    chunk length and mask structure (the prefill, the step, a shorter last step), shared across prepares like
+    the forward's programs (`jax.common.shared_program`), counted in ``compilations``.
+    """
+
+    def __init__(
+        self,
+        ops,
+        cfg: MHAConfig,
+        params: MHAParams,
+        x: np.ndarray,
+        positions: np.ndarray,
+        dtype: str,
+        matmul_precision: str = "highest",
+    ):
         import einops
 
         self.ops, self.cfg, self.dtype = ops, cfg, dtype
@@ -112,6 +143,12 @@ class EinopsDecoder:
             q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
             k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
             self.tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # (1|B, N, 1[, 1], r/2)
+        self.compilations = 0  # of the timed step, traced and compiled while this decoder ran (JAX only)
+        self.matmul_precision = None
+        if ops.library == "jax":
+            from ..jax.common import effective_precision
+
+            self.matmul_precision = effective_precision(matmul_precision)
 
     def new_cache(self, batch: int, capacity: int, step: int) -> NamedCache:
         return NamedCache(self.ops, batch, self.cfg, capacity, ring_capacity(self.cfg, step))
@@ -121,27 +158,74 @@ class EinopsDecoder:
         ops, cfg, plan = self.ops, self.cfg, self.plan
         x = self.x[:, tokens]  # "b n d": the chunk's tokens
         tables = None if self.tables is None else tuple(table[:, tokens] for table in self.tables)
-        _, _, v, _, _, q_rotated, k_rotated = project_heads(
-            ops, plan, self.weights, x, x, x, tables, cfg=cfg, record=record
-        )
-        cache.write(k_rotated, v, positions, valid)
-        if cache.ring is not None and positions.shape[1] > cache.ring:  # a prefill longer than the ring
-            keys, values, k_positions, k_valid = k_rotated, v, positions, valid  # attends within itself
-        else:
-            keys, values, k_positions, k_valid = cache.keys, cache.values, cache.positions, cache.valid
+        slots, keep = cache.claim(positions, valid)
+        own = cache.ring is not None and positions.shape[1] > cache.ring  # a prefill longer than the ring
+        k_positions, k_valid = (positions, valid) if own else (cache.positions, cache.valid)
         allowed = decode_allowed(cfg, positions, k_positions, k_valid)  # (B, 1, n, T), NumPy
         blocked, empty_rows = (ops.asarray(m, cast=False) for m in grouped_allowed(cfg, allowed, plan))
-        slots = SimpleNamespace(positions=positions, kv_positions=k_positions)  # what score_tables reads
-        bias = {name: ops.asarray(t, cast=False) for name, t in score_tables(cfg, slots, plan, self.dtype).items()}
-        return attend(
-            ops, plan, self.weights, q_rotated, keys, values, blocked, empty_rows, bias, cfg=cfg, record=record
+        where = SimpleNamespace(positions=positions, kv_positions=k_positions)  # what score_tables reads
+        bias = {
+            name: ops.asarray(table, cast=False) for name, table in score_tables(cfg, where, plan, self.dtype).items()
+        }
+        args = (
+            self.weights,
+            x,
+            tables,
+            cache.keys,
+            cache.values,
+            ops.asarray(slots, cast=False),
+            blocked,
+            empty_rows,
+            bias,
         )
+        if self.matmul_precision is None:  # NumPy and torch: in place, as it runs
+            output, cache.keys, cache.values = device_step(ops, plan, cfg, *args, keep=keep, own=own, record=record)
+            return output
+        import jax
+
+        recorded = record is not None
+        key = ("einops.jax.decode", cfg, self.dtype, repr(ops.device), keep, own, recorded)
+        _, jitted = shared_program(key, partial(_jax_step, ops, plan, cfg, key, keep=keep, own=own, recorded=recorded))
+        traced = sum(TRACES.values())
+        with jax.default_matmul_precision(self.matmul_precision):
+            output, cache.keys, cache.values, stages = jitted(*args)
+        if recorded:
+            record.update(stages)  # the untimed stage dump: the same step with its stages as outputs
+        else:
+            self.compilations += sum(TRACES.values()) - traced
+        return output
+
+
+def device_step(
+    ops, plan, cfg, weights, x, tables, keys, values, slots, blocked, empty_rows, bias, *, keep, own, record=None
+):
+    """A chunk's device half: (output "b n o", keys, values). The chunk projected (`layer.project_heads`), its keys
+    and values written at ``slots`` (`put`), its queries attending (`layer.attend`) over the cache's slots, or over
+    its own keys when ``own`` (a prefill longer than a ring)."""
+    _, _, v, _, _, q_rotated, k_rotated = project_heads(ops, plan, weights, x, x, x, tables, cfg=cfg, record=record)
+    keys, values = put(ops, keys, slots, k_rotated, keep), put(ops, values, slots, v, keep)
+    over = (k_rotated, v) if own else (keys, values)
+    output = attend(ops, plan, weights, q_rotated, *over, blocked, empty_rows, bias, cfg=cfg, record=record)
+    return output, keys, values
+
+
+# Traces of each shared JAX step program (`_jax_step` counts itself while JAX traces it): how often it compiled.
+TRACES: Counter = Counter()
+
+
+def _jax_step(ops, plan, cfg, key, *args, keep, own, recorded):
+    """`device_step` as JAX traces it: its results and, when ``recorded``, its stage tensors (else an empty dict)."""
+    if not recorded:
+        TRACES[key] += 1  # Python runs here only while JAX traces: once per compilation
+    record = {} if recorded else None
+    return (*device_step(ops, plan, cfg, *args, keep=keep, own=own, record=record), record or {})
 
 
 def _numerics(backend, dtype: str, device: str, plan: EinsumPlan) -> dict:
     info = backend._numerics_info(dtype, device)
     info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'; cache '{cache_pattern(plan)}'"
-    info["execution"] = "eager: the steps are not jitted" if backend.array_library == "jax" else "eager"
+    if backend.array_library == "jax":
+        info["execution"] = "each chunk's device half jitted: one compilation per chunk length and mask structure"
     return info
 
 
@@ -158,7 +242,7 @@ def prepare_einops_decode_run(
     backend, ops, cfg, params, inputs: DecodeInputs, dtype: str, device: str
 ) -> PreparedDecode:
     """A whole decode run through a `NamedCache` (`Backend._prepare_decode_run`)."""
-    decoder = EinopsDecoder(ops, cfg, params, inputs.x, inputs.positions, dtype)
+    decoder = EinopsDecoder(ops, cfg, params, inputs.x, inputs.positions, dtype, backend.matmul_precision)
     positions, valid, chunks = inputs.positions, inputs.valid, inputs.chunks()
     capacity = cache_capacity(cfg, inputs.tokens, inputs.step)
 
@@ -173,7 +257,13 @@ def prepare_einops_decode_run(
                 records.append(record)
         return outputs
 
-    run = _precision_wrapped(backend, device, lambda: run_chunks(None))
+    def run():
+        outputs = run_chunks(None)
+        if backend.array_library == "jax":
+            info["compilations"] = decoder.compilations  # the jitted step's, over every run so far
+        return outputs
+
+    run = _precision_wrapped(backend, device, run)
 
     def step_stages():
         records: list = []
@@ -184,6 +274,8 @@ def prepare_einops_decode_run(
         return np.concatenate([tensor_to_numpy(out) for out in outputs], axis=1)  # (B, N, D)
 
     info = _numerics(backend, dtype, device, decoder.plan)
+    if backend.array_library == "jax":
+        info["compilations"] = 0  # none until the first run
     info["cache"] = decoder.new_cache(inputs.batch, capacity, inputs.step).info(cache_pattern(decoder.plan))
     return PreparedDecode(
         run, to_numpy, step_stages=step_stages, synchronize=lambda outs: ops.synchronize(outs[-1]), info=info
@@ -199,7 +291,7 @@ def prepare_einops_decode_step(backend, ops, cfg, params, *, batch, context, ste
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, step, cfg.d_model))  # the step's new tokens, "b n d"
     positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, n)
-    decoder = EinopsDecoder(ops, cfg, params, x, positions, dtype)
+    decoder = EinopsDecoder(ops, cfg, params, x, positions, dtype, backend.matmul_precision)
     cache = decoder.new_cache(batch, context + step, step)
     first = 0 if cache.ring is None else max(0, context - cache.ring)
     cache.written = first

@@ -18,10 +18,11 @@ pattern, `layer.grouped_allowed`); a window is a ring of ``ring_capacity(cfg, st
 t in slot ``t % slots``); ALiBi and T5's buckets from the slots' positions (`layer.score_tables`).
 
 One cache kind, ``"static"``: allocated once (``cache_capacity`` slots for a run) with a write
-index, writing past it is `core.decode.CacheFull`. A write is the library's own: an in-place
-slice assignment on NumPy and torch arrays, ``.at[].set`` on JAX's immutable ones. The steps run
-eagerly on every library (the JAX one op by op, not jitted: a jitted static cache is the jax
-backend's). The rotary tables are the run's, once for every position (`numpy.decode` says why).
+index, writing past it is `core.decode.CacheFull`. A write is the library's own (`put`): an in-place
+slice assignment on NumPy and torch arrays, ``.at[].set`` on JAX's immutable ones. On JAX arrays a
+chunk's device half is jitted (the mask and the slots are made on the host, in NumPy, and passed in),
+one compilation per chunk length and mask structure, counted in ``info["compilations"]``. The rotary
+tables are the run's, once for every position (`numpy.decode` says why).
 """
 
 from __future__ import annotations
@@ -315,6 +316,6 @@ def prepare_einops_decode_step(backend, ops, cfg, params, *, batch, context, ste
 
     info = {**_numerics(backend, dtype, device, decoder.plan), "context": context, "step": step}
     info["cache"] = cache.info(cache_pattern(decoder.plan))
-    return Prepared(
-        _precision_wrapped(backend, device, forward), tensor_to_numpy, native_stages, ops.synchronize, info=info
-    )
+    timed = _precision_wrapped(backend, device, forward)
+    warm = (lambda: ops.synchronize(timed())) if backend.array_library == "jax" else None  # traces and compiles
+    return Prepared(timed, tensor_to_numpy, native_stages, ops.synchronize, compile=warm, info=info)

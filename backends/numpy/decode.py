@@ -28,7 +28,9 @@ positions): its projections, QK-norm, rotary (the run's tables, sliced to the ch
 columns), its batched attention (`_attend_batched` with the chunk's own mask and score bias
 over the cache's columns), the variants (`variants.ColumnVariants.tile_bias` for ALiBi and T5
 from the slots' positions) and its precision policy (`common.NumpyPrecision`: half types
-stored, products and the softmax computed in float32; the cache is stored in the half type).
+stored, products and the softmax computed in float32; the cache is stored in the half type, so a
+half-precision step converts the cache's columns to float32 for its two products, a copy that is
+part of the step's time: NumPy has no half-precision BLAS).
 
 The rotary tables are the run's, computed once for every position of the sequence, as the
 full forward computes them; with dynamic (NTK) rope scaling this means 1 + the run's largest

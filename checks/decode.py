@@ -231,9 +231,11 @@ def decode_implementations(case: DecodeCase, sel: Selection):
 
     A backend without decoding gives one implementation per device, with its first selected
     strategy and no cache kind (its runs are unsupported, with the reason, which is the same
-    for every strategy); otherwise every selected strategy (one it does not decode with is
-    unsupported, with the reason) times each kind in the case's ``caches`` (None: every kind
-    the backend declares).
+    for every strategy); otherwise each strategy it decodes with (``decode_strategies``; with
+    ``--strategies`` given, every selected one, so that one it does not decode with is
+    unsupported with the reason) times each kind in the case's ``caches`` (None: every kind
+    the backend declares). The forward's other strategies (the known mistake, the chunked
+    tiles) are not decode paths: `decode_summary_lines` names them once instead of per run.
     """
     seen = set()
     for backend, strategy, device in sel.implementations():
@@ -241,6 +243,8 @@ def decode_implementations(case: DecodeCase, sel: Selection):
             if (backend.name, device) not in seen:
                 seen.add((backend.name, device))
                 yield backend, Implementation(backend.name, strategy, device)
+            continue
+        if sel.strategy_filter is None and strategy not in backend.decode_strategies:
             continue
         kinds = backend.decode_caches if case.caches is None else case.caches
         for kind in kinds:
@@ -317,6 +321,12 @@ def run_decode_check(
         decode_cases = names
     sel = resolve_selection(backends, strategies, devices, dtypes, decode_cases)
     settings = {**sel.settings, "oracle": "core.decode.reference_decode (the full causal float64 forward)"}
+    if sel.strategy_filter is None:  # the forward's strategies that are not decode paths, named once (not per run)
+        settings["not_decode_paths"] = {
+            b.name: [s for s in b.strategies if s not in b.decode_strategies]
+            for b in sel.backends
+            if b.decode_caches and set(b.strategies) - set(b.decode_strategies)
+        }
     result = DecodeCheckResult(settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken)
     decoding = progress and (lambda message: progress(f"decode {message}"))
     run_job(DECODE, sel, result, executor, decoding, on_update, started)

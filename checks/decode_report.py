@@ -52,12 +52,15 @@ def _grouped_unsupported(result: DecodeCheckResult) -> Block | None:
     for run in result.runs:
         if run.status is Status.UNSUPPORTED:
             where[(run.label, run.reason)].append(f"{run.case}/{run.dtype}")
-    if not where:
+    others = result.settings.get("not_decode_paths") or {}
+    if not where and not others:
         return None
     block = Block("Decode: unsupported (the implementation cannot decode this)", ["implementation", "where", "reason"])
     for (label, reason), items in where.items():
         shown = ", ".join(items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8 else "")
         block.rows.append([label, shown, reason])
+    for name, strategies in others.items():
+        block.rows.append([name, ", ".join(strategies), "forward strategies only: not decode paths (not run)"])
     return block
 
 

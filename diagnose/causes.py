@@ -148,7 +148,11 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
         for detail, knob, fix in (
             ("the diagonal is hidden too (key j < i)", "strict", "tril(ones(Nq, Nk)) (k=0), not triu(..., k=0)"),
             ("one key ahead is visible (key j <= i + 1)", "ahead", "tril(ones(Nq, Nk)), not tril(..., k=1)"),
-            ("aligned bottom-right", "bottom_right", "causality on positions; at the default ones query i sees keys j <= i"),
+            (
+                "aligned bottom-right",
+                "bottom_right",
+                "causality on positions; at the default ones query i sees keys j <= i",
+            ),
         ):
             yield Hypothesis(
                 "causal_offset",

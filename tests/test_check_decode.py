@@ -371,6 +371,13 @@ def test_the_plan_is_every_implementation_times_its_caches_times_the_cases_dtype
     chosen = [(two, "standard", "cpu"), (two, "per_head", "cpu"), (none, "standard", "cpu"), (none, "per_head", "cpu")]
     sel.implementations = lambda: iter(chosen)
     sel.case_dtypes = lambda case: list(case.dtypes)
+    sel.strategy_filter = None  # no --strategies: a strategy that is not a decode path is left out
+    assert [impl.label for impl in DECODE.plan(DECODE_CASES["gqa_rotary"], sel)[0][1]] == [
+        "two[dynamic]",
+        "two[static]",
+        "no-cache",
+    ]
+    sel.strategy_filter = ["standard", "per_head"]  # asked for by name: per_head is run, and unsupported
     plan = DECODE.plan(DECODE_CASES["gqa_rotary"], sel)
     assert [dtype for dtype, _ in plan] == ["float64", "float32", "float16"]
     labels = ["two[dynamic]", "two[static]", "two:per_head[dynamic]", "two:per_head[static]", "no-cache"]

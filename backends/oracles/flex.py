@@ -117,6 +117,11 @@ class TorchFlexOracle(Backend):
     )
     variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "not implemented: flex_attention has no KV cache of its own, and decoding through it needs a BlockMask "
+        "rebuilt over the cache's slots at every step (create_block_mask per step); torch-sdpa is the torch "
+        "oracle that decodes"
+    )
     known_differences = (
         "every dtype runs eagerly (the unfused path); with MHA_ROSETTA_FLEX_COMPILE=1 float16/bfloat16 run "
         "torch.compile(flex_attention), whose fused kernel sums in another order and keeps its running softmax in "

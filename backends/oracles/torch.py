@@ -46,6 +46,7 @@ from ..torch.common import (
 )
 from ..torch.variants import ScoreBias, rms_norm
 from ..torch.vjp import INPUT_SLOTS, autograd_prepared, leaf
+from .torch_decode import SDPA_DECODE_DIFFERENCES, SDPA_DECODE_LAYOUT, prepare_sdpa_decode_run
 
 
 class VariantReasons:
@@ -88,6 +89,10 @@ class TorchMHAOracle(VariantReasons, Backend):
     # The window is in the (boolean) attn_mask; ALiBi and T5's bias ride in a float attn_mask.
     variants = frozenset({"window", "alibi", "rel_bias"})
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "nn.MultiheadAttention's API has no KV cache: it projects whole query, key and value sequences inside the "
+        "module and returns no projected keys or values to keep between calls"
+    )
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "nn.MultiheadAttention has no softcap: the scores are never exposed between the product and the "
         "softmax",
@@ -311,6 +316,10 @@ class TorchSDPAOracle(VariantReasons, Backend):
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
     variants = frozenset(VARIANTS) - {"softcap", "sinks"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
+    decode_caches = ("dynamic",)
+    decode_variants = variants
+    decode_layouts: ClassVar[dict[str, str]] = {"dynamic": SDPA_DECODE_LAYOUT}
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "
         "and the softmax (an additive attn_mask cannot take a tanh)",
@@ -329,6 +338,7 @@ class TorchSDPAOracle(VariantReasons, Backend):
         "adapter (torch ScoreBias) and rounded to the run's dtype; the kernel only adds it. A row whose float mask "
         "is all -inf is not the boolean mask's zero row (none of the check's bias cases has one)",
         "QK-norm is F.rms_norm in the oracle's own code before the kernel, as models write it",
+        *SDPA_DECODE_DIFFERENCES,
     )
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
@@ -372,6 +382,9 @@ class TorchSDPAOracle(VariantReasons, Backend):
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
         )
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        return prepare_sdpa_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward's pass."""
@@ -418,7 +431,9 @@ def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
     return forward, attn_mask, use_is_causal
 
 
-def projected_heads_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, attend, kernel_note: str):
+def projected_heads_pass(
+    cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, attend, kernel_note: str, rotate=None
+):
     """``forward(p, x_q, x_k, x_v, rec=None)``: a model's code around a library's attention kernel.
 
     ``F.linear`` projections (``p``: the parameter tensors by canonical name), QK-norm with
@@ -426,13 +441,15 @@ def projected_heads_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: 
     split ``view(B, N, H, d).transpose(1, 2)``, rotary, then ``attend(p, q, k, v)`` (the
     library's kernel: (B, H, Nq, Dk), (B, Hkv, Nk, Dk), (B, Hkv, Nk, Dv) -> context (B, H, Nq, Dv)),
     the merge and the output projection; every stage outside the kernel is recorded when ``rec``
-    is given.
+    is given. ``rotate(heads, "q" | "k")`` defaults to the rotary of ``inputs``' positions (a decode
+    chunk passes its slice of the whole run's tables).
     """
     import torch.nn.functional as F
 
     B, Nq = inputs.batch, inputs.q_tokens
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-    rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
+    if rotate is None:
+        rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
     eps = cfg.norm_eps
 
     def split(x, n, d):  # (B, N, n*d) -> (B, n, N, d), a strided view

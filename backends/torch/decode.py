@@ -161,8 +161,8 @@ class DecodeRowSampleMHA(RowSampleMHA):
         self.scores_buffer = self.weights_buffer = None  # each step's scores have their own shape
         place = torch_device(device)
         self.x_all = to_tensor(x, dtype, device)  # (B, N, D)
-        self.positions_all = torch.from_numpy(np.ascontiguousarray(positions)).to(place)  # (B, N) int64
-        self.valid_all = torch.from_numpy(np.ascontiguousarray(valid)).to(place)  # (B, N) bool
+        self.positions_all = torch.from_numpy(np.array(positions, dtype=np.int64)).to(place)  # (B, N), a copy
+        self.valid_all = torch.from_numpy(np.array(valid, dtype=bool)).to(place)  # (B, N), a copy
         self.score_bias = None
         self.bias_tables = None
         self.tables = None
@@ -171,6 +171,7 @@ class DecodeRowSampleMHA(RowSampleMHA):
         """Rotary tables of ``positions`` (1|B, N) and the score bias over every distance ``kv_positions - positions``
         can take (the cache's slots hold some of ``kv_positions``)."""
         cfg = self.cfg
+        positions, kv_positions = np.array(positions, dtype=np.int64), np.array(kv_positions, dtype=np.int64)  # copies
         span = SimpleNamespace(positions=positions, kv_positions=kv_positions)
         self.tables = torch_rotary_tables(
             cfg, SimpleNamespace(positions=positions, kv_positions=positions), dtype, device

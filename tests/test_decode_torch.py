@@ -357,9 +357,28 @@ def test_the_timed_step_is_the_same_step_every_call_in_both_caches(variants, con
     np.testing.assert_allclose(outputs["dynamic"], outputs["static"], rtol=0, atol=1e-14)
 
 
-def test_the_timed_step_refuses_what_run_decode_refuses():
+def test_the_timed_step_refuses_bad_sizes():
     cfg = config()
     with pytest.raises(ValueError, match="context must be an int >= 0"):
         get_backend("torch").prepare_decode(cfg, init_params(cfg), context=-1)
-    with pytest.raises(UnsupportedCase, match="torch-sdpa has no decode step to time"):
-        get_backend("torch-sdpa").prepare_decode(cfg, init_params(cfg), context=4)
+    with pytest.raises(UnsupportedCase, match="torch-mha has no KV-cache decoding"):
+        get_backend("torch-mha").prepare_decode(cfg, init_params(cfg), context=4)
+
+
+@pytest.mark.parametrize(
+    ("variants", "context", "step"),
+    [({}, 0, 3), ({}, 12, 1), ({}, 12, 3), ({"window": 5}, 3, 2), ({"alibi": True}, 7, 2), ({"qk_norm": "head"}, 5, 1)],
+)
+def test_the_sdpa_oracle_times_the_same_step_as_ours(variants, context, step):
+    """One seed, one random cache (`random_cache`): the oracle's step equals torch's, dynamic and static."""
+    cfg = config(n_kv_heads=2, rope="half", **variants)
+    params = init_params(cfg, seed=19)
+    oracle = get_backend("torch-sdpa").prepare_decode(cfg, params, context=context, step=step, dtype="float64")
+    expected = oracle.output()
+    np.testing.assert_array_equal(expected, oracle.output())
+    assert oracle.info["cache"]["slots"] == context + step
+    for cache in ("dynamic", "static"):
+        ours = get_backend("torch").prepare_decode(
+            cfg, params, context=context, step=step, dtype="float64", cache=cache
+        )
+        assert_decode_close(ours.output(), expected, "float64", f"{cache} step at context {context}")

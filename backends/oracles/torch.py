@@ -46,7 +46,12 @@ from ..torch.common import (
 )
 from ..torch.variants import ScoreBias, rms_norm
 from ..torch.vjp import INPUT_SLOTS, autograd_prepared, leaf
-from .torch_decode import SDPA_DECODE_DIFFERENCES, SDPA_DECODE_LAYOUT, prepare_sdpa_decode_run
+from .torch_decode import (
+    SDPA_DECODE_DIFFERENCES,
+    SDPA_DECODE_LAYOUT,
+    prepare_sdpa_decode_run,
+    prepare_sdpa_decode_step,
+)
 
 
 class VariantReasons:
@@ -385,6 +390,19 @@ class TorchSDPAOracle(VariantReasons, Backend):
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_sdpa_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        return prepare_sdpa_decode_step(
+            cfg,
+            params,
+            batch=batch,
+            context=context,
+            step=step,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            allow_tf32=self.allow_tf32,
+        )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         """Autograd through ``F.linear`` projections and ``F.scaled_dot_product_attention``: the forward's pass."""

@@ -27,11 +27,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions, prepare_inputs
-from mha_rosetta.core.decode import DecodeInputs
+from mha_rosetta.core import MHAConfig, MHAParams
+from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
-from .._recording import StageRecorder
-from ..base import PreparedDecode, tensor_to_numpy
+from .._recording import StageRecorder, record_stages
+from ..base import Prepared, PreparedDecode, tensor_to_numpy
 from ..torch.common import (
     bool_tensor,
     in_inference_mode,
@@ -40,9 +40,11 @@ from ..torch.common import (
     rotate_last_axis,
     synchronizer,
     to_tensor,
+    torch_dtype,
     torch_rotary_tables,
     with_matmul_precision,
 )
+from ..torch.decode import random_cache
 from ..torch.variants import ScoreBias
 
 SDPA_DECODE_LAYOUT = (
@@ -68,14 +70,40 @@ def chunk_mask_kind(cfg: MHAConfig, allowed: np.ndarray) -> str:
     return "causal_lower_right" if (allowed == bottom_right).all() else "bool"
 
 
+def chunk_mask(cfg: MHAConfig, q_positions, kv_positions, kv_valid, dtype: str, device: str):
+    """``(kind, mask_of)`` for queries at ``q_positions`` (B, s) over cached keys at ``kv_positions`` (B, T),
+    ``kv_valid`` (B, T): `chunk_mask_kind` and ``mask_of(p)``, the ``attn_mask`` to pass (``p``: the parameter
+    tensors, whose T5 table a float mask reads)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from .torch import float_score_mask
+
+    q_positions, kv_positions = np.array(q_positions, dtype=np.int64), np.array(kv_positions, dtype=np.int64)
+    allowed = decode_allowed(cfg, q_positions, kv_positions, kv_valid)  # (B, 1, s, T), the rule on positions
+    kind = chunk_mask_kind(cfg, allowed)
+    s, T = allowed.shape[-2:]
+    if kind in ("none", "causal_lower_right"):
+        fixed = None if kind == "none" else causal_lower_right(s, T)
+        return kind, lambda p: fixed
+    allowed_t = bool_tensor(allowed, device)  # True = may attend
+    if kind == "bool":
+        return kind, lambda p: allowed_t
+    bias = ScoreBias(cfg, SimpleNamespace(positions=q_positions, kv_positions=kv_positions), dtype, device)
+
+    def float_mask(p):  # the bias where allowed, -inf where blocked, (B, H, s, T)
+        return float_score_mask(bias(p.get("rel_bias")), allowed_t, torch_dtype(dtype))
+
+    return kind, float_mask
+
+
 def prepare_sdpa_decode_run(
     cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, device: str, allow_tf32: bool = False
 ) -> PreparedDecode:
+    """A whole decode run, each chunk's pass and mask made here, its cache grown afresh by every run."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
 
-    from .torch import float_score_mask, projected_heads_pass  # the oracle's own model code around the kernel
+    from .torch import projected_heads_pass  # the oracle's own model code around the kernel
 
     p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
     x_all = to_tensor(inputs.x, dtype, device)  # (B, N, D)
@@ -85,24 +113,10 @@ def prepare_sdpa_decode_run(
     cache: dict = {}  # "k" (B, Hkv, T, Dk), "v" (B, Hkv, T, Dv): the growing cache of one run
 
     def chunk_pass(start: int, stop: int):
-        s, T = stop - start, stop
-        mask = None if inputs.mask is None else inputs.mask[:, None, None, :stop]  # (B, 1, 1, T): the padding
-        over = prepare_inputs(
-            cfg,
-            inputs.x[:, start:stop],
-            inputs.x[:, :stop],
-            None,
-            mask,
-            inputs.positions[:, start:stop],
-            inputs.positions[:, :stop],
+        s = stop - start
+        kind, mask_of = chunk_mask(
+            cfg, inputs.positions[:, start:stop], inputs.positions[:, :stop], inputs.valid[:, :stop], dtype, device
         )
-        allowed = allowed_positions(cfg, over)  # (1|B, 1, s, T): causal and window on positions, the padding
-        kind = chunk_mask_kind(cfg, allowed)
-        attn_mask = {"none": None, "causal_lower_right": causal_lower_right(s, T)}.get(kind)
-        allowed_t = bool_tensor(allowed, device)
-        if kind == "bool":
-            attn_mask = allowed_t
-        score_bias = ScoreBias(cfg, over, dtype, device) if kind == "float" else None
 
         def rotate(heads, which: str):
             if tables is None:
@@ -114,10 +128,7 @@ def prepare_sdpa_decode_run(
             k = k_rotated if start == 0 else torch.cat((cache["k"], k_rotated), dim=2)  # (B, Hkv, T, Dk)
             v = v_heads if start == 0 else torch.cat((cache["v"], v_heads), dim=2)  # (B, Hkv, T, Dv)
             cache["k"], cache["v"] = k, v
-            mask = attn_mask
-            if score_bias is not None:  # float: the bias where allowed, -inf where blocked, (1|B, H, s, T)
-                mask = float_score_mask(score_bias(p.get("rel_bias")), allowed_t, q_rotated.dtype)
-            return F.scaled_dot_product_attention(q_rotated, k, v, attn_mask=mask, scale=cfg.scale, **gqa)
+            return F.scaled_dot_product_attention(q_rotated, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
 
         sizes = SimpleNamespace(batch=inputs.batch, q_tokens=s)
         note = f"F.scaled_dot_product_attention over the cache ({kind} mask)"
@@ -160,4 +171,74 @@ def prepare_sdpa_decode_run(
         step_stages,
         synchronize=synchronizer(device),
         info=info,
+    )
+
+
+def prepare_sdpa_decode_step(
+    cfg: MHAConfig,
+    params: MHAParams,
+    *,
+    batch: int,
+    context: int,
+    step: int,
+    dtype: str,
+    device: str,
+    seed: int,
+    allow_tf32: bool = False,
+) -> Prepared:
+    """One timed step (`bench --mode decode`): ``step`` tokens at positions ``context ..`` onto ``context`` cached
+    tokens of random K and V (`torch.decode.random_cache`, the same numbers torch's caches get from one seed).
+    ``forward`` grows the cache with ``torch.cat`` and attends, dropping the grown cache (every call the same
+    step); a window is in the mask over every cached token."""
+    import torch
+    import torch.nn.functional as F
+
+    from .torch import projected_heads_pass
+
+    rng = np.random.default_rng(seed)
+    x = to_tensor(rng.standard_normal((batch, step, cfg.d_model)), dtype, device)  # (B, step, D), drawn first
+    k_old, v_old = random_cache(rng, cfg, batch, context, dtype, device)  # (B, Hkv, context, Dk|Dv)
+    total = context + step
+    q_positions = np.broadcast_to(np.arange(context, total, dtype=np.int64), (batch, step))  # (B, step)
+    kv_positions = np.broadcast_to(np.arange(total, dtype=np.int64), (batch, total))  # (B, T)
+    kind, mask_of = chunk_mask(cfg, q_positions, kv_positions, np.ones((batch, total), dtype=bool), dtype, device)
+    p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+    every = SimpleNamespace(positions=np.array(q_positions), kv_positions=np.array(q_positions))
+    tables = torch_rotary_tables(cfg, every, dtype, device)  # (B, step, r/2)
+    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
+
+    def rotate(heads, which: str):
+        if tables is None:
+            return heads
+        cos, sin = (t.unsqueeze(1) for t in tables[which])  # (B, 1, step, r/2)
+        return rotate_last_axis(heads, cos, sin, cfg.rope)
+
+    def attend(p: dict, q_rotated, k_rotated, v_heads):
+        k = torch.cat((k_old, k_rotated), dim=2)  # (B, Hkv, T, Dk): the grown cache, dropped after the call
+        v = torch.cat((v_old, v_heads), dim=2)  # (B, Hkv, T, Dv)
+        return F.scaled_dot_product_attention(q_rotated, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
+
+    note = f"F.scaled_dot_product_attention over the cache ({kind} mask)"
+    forward = projected_heads_pass(
+        cfg, SimpleNamespace(batch=batch, q_tokens=step), dtype, device, attend, note, rotate
+    )
+
+    def run(rec: StageRecorder | None):
+        return forward(p, x, x, x, rec)
+
+    run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
+    info = {
+        "cache": {
+            "kind": "dynamic",
+            "layout": SDPA_DECODE_LAYOUT,
+            "slots": total,
+            "bytes": batch * cfg.n_kv_heads * total * (cfg.d_k + cfg.d_v) * x.element_size(),
+        },
+        "mask": kind,
+        "context": context,
+        "step": step,
+        **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
+    }
+    return Prepared(
+        lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
     )

@@ -283,6 +283,16 @@ def prepare_torch_decode_run(
     return PreparedDecode(run_all, to_numpy, step_stages, synchronize=synchronizer(device), info=info)
 
 
+def random_cache(rng: np.random.Generator, cfg: MHAConfig, batch: int, tokens: int, dtype: str, device: str):
+    """The benchmark's cached K (B, Hkv, tokens, Dk) and V (B, Hkv, tokens, Dv): arbitrary numbers, drawn in that
+    order (after the step's x), so that two implementations given one seed hold the same cache."""
+    shape = (batch, cfg.n_kv_heads, tokens)
+    scale = 1.0 / np.sqrt(cfg.d_k)  # keys of about the size that rotated, normed ones have
+    k = to_tensor(rng.standard_normal((*shape, cfg.d_k)) * scale, dtype, device)  # (B, Hkv, tokens, Dk)
+    v = to_tensor(rng.standard_normal((*shape, cfg.d_v)), dtype, device)  # (B, Hkv, tokens, Dv)
+    return k, v
+
+
 def prepare_torch_decode_step(
     cfg: MHAConfig,
     params: MHAParams,
@@ -318,10 +328,7 @@ def prepare_torch_decode_step(
     slots = cache_capacity(cfg, total, step)
     kv = TorchKVCache(cache, batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
     if held:
-        scale = 1.0 / np.sqrt(cfg.d_k)  # keys of the size rotated, normed ones have (the numbers are arbitrary)
-        shape = (batch, cfg.n_kv_heads, held)
-        k_old = to_tensor(rng.standard_normal((*shape, cfg.d_k)) * scale, dtype, device)  # (B, Hkv, held, Dk)
-        v_old = to_tensor(rng.standard_normal((*shape, cfg.d_v)), dtype, device)  # (B, Hkv, held, Dv)
+        k_old, v_old = random_cache(rng, cfg, batch, held, dtype, device)
         old = torch.from_numpy(np.broadcast_to(kv_positions[:, :held], (batch, held)).copy()).to(k_old.device)
         kv.write(k_old, v_old, old, torch.ones_like(old, dtype=torch.bool), context - held)
     saved = kv.state()

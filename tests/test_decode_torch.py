@@ -199,7 +199,8 @@ def test_a_window_keeps_a_ring_of_w_minus_1_plus_step_slots(cache, prefill, step
     info = prepared.info["cache"]
     assert info["kind"] == cache and info["slots"] == ring
     assert info["bytes"] == 2 * cfg.n_kv_heads * ring * (cfg.d_k + cfg.d_v) * 8  # K and V, Hkv heads (never H)
-    assert info["layout"].startswith(f"(B, Hkv, {'T' if cache == 'dynamic' else 'C'}, Dk)")
+    assert info["layout"] == "(B, Hkv, T, Dk), (B, Hkv, T, Dv)"
+    assert get_backend("torch").decode_layouts[cache].startswith(f"(B, Hkv, {'T' if cache == 'dynamic' else 'C'}, Dk)")
 
 
 def test_without_a_window_the_caches_hold_every_token():

@@ -44,7 +44,7 @@ from ..torch.common import (
     torch_rotary_tables,
     with_matmul_precision,
 )
-from ..torch.decode import random_cache
+from ..torch.decode import CACHE_AXES, random_cache
 from ..torch.variants import ScoreBias
 
 SDPA_DECODE_LAYOUT = (
@@ -156,7 +156,7 @@ def prepare_sdpa_decode_run(
     info = {
         "cache": {
             "kind": "dynamic",
-            "layout": SDPA_DECODE_LAYOUT,
+            "layout": CACHE_AXES,
             "slots": slots,
             "bytes": inputs.batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
         },
@@ -230,7 +230,7 @@ def prepare_sdpa_decode_step(
     info = {
         "cache": {
             "kind": "dynamic",
-            "layout": SDPA_DECODE_LAYOUT,
+            "layout": CACHE_AXES,
             "slots": total,
             "bytes": batch * cfg.n_kv_heads * total * (cfg.d_k + cfg.d_v) * x.element_size(),
         },

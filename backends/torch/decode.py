@@ -51,6 +51,9 @@ from .layer import RowSampleMHA
 from .variants import ScoreBias
 
 DYNAMIC, STATIC = "dynamic", "static"
+CACHE_AXES = (
+    "(B, Hkv, T, Dk), (B, Hkv, T, Dv)"  # info["cache"]["layout"]: K and V, T the slots (DECODE_LAYOUTS in words)
+)
 DECODE_CACHES = (DYNAMIC, STATIC)
 DECODE_LAYOUTS = {
     DYNAMIC: "(B, Hkv, T, Dk) and (B, Hkv, T, Dv) grown with torch.cat on T every call, Hugging Face's DynamicCache "
@@ -216,10 +219,10 @@ class DecodeRowSampleMHA(RowSampleMHA):
 
 
 def _cache_info(kind: str, cfg: MHAConfig, batch: int, slots: int, itemsize: int) -> dict:
-    """``info["cache"]``: the kind, its layout in words, the slots per sequence and the bytes of K and V."""
+    """``info["cache"]``: the kind, its layout's axes, the slots per sequence and the bytes of K and V."""
     return {
         "kind": kind,
-        "layout": DECODE_LAYOUTS[kind],
+        "layout": CACHE_AXES,
         "slots": slots,
         "bytes": batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
     }

@@ -310,7 +310,6 @@ def test_an_unsupported_cache_or_strategy_says_why():
     ("name", "why"),
     [
         ("torch-mha", "nn.MultiheadAttention's API has no KV cache"),
-        ("torch-flex", "flex_attention has no KV cache of its own"),
         ("torch-tp", "a KV cache would have to stay on every rank"),
     ],
 )
@@ -320,6 +319,53 @@ def test_the_other_torch_paths_say_why_they_do_not_decode(name, why):
     assert backend.decode_caches == () and why in backend.decode_unsupported
     with pytest.raises(UnsupportedCase, match=f"{name} has no KV-cache decoding: .*{why}"):
         backend.run_decode(cfg, init_params(cfg), sequence(), prefill=1)
+
+
+# -- torch-flex: eager flex_attention is slow on the CPU (a BlockMask per chunk), so fewer runs --------------
+
+FLEX_CASES = {
+    "gqa_rope_window_left_padded": ({"n_kv_heads": 2, "rope": "half", "window": 3}, True, [(1, 1), (6, 2)]),
+    "partial_interleaved_right_padded": ({"n_kv_heads": 2, "rope": "interleaved", "rope_dims": 4}, False, [(3, 2)]),
+    "softcap_alibi": ({"softcap": 2.0, "alibi": True, "bias": False}, None, [(2, 3)]),
+    "sinks_t5_qk_norm": ({"sinks": True, "rel_buckets": 6, "rel_max_distance": 8, "qk_norm": "head"}, None, [(5, 1)]),
+}
+
+
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_the_flex_oracle_decodes_through_a_block_mask_over_its_cache(case):
+    overrides, left_padded, splits = FLEX_CASES[case]
+    cfg = config(**overrides)
+    params, x = init_params(cfg, seed=20), sequence(tokens=10)
+    mask = None
+    if left_padded is not None:
+        mask = np.ones((2, 10), dtype=bool)
+        if left_padded:
+            mask[1, :3] = False
+        else:
+            mask[0, -3:] = False
+    expected = reference_decode(cfg, params, x, prefill=1, mask=mask)
+    flex = get_backend("torch-flex")
+    for prefill, step in splits:
+        prepared, inputs = flex.prepare_decode_run(cfg, params, x, prefill=prefill, step=step, mask=mask)
+        assert_decode_close(prepared.output(), expected, "float64", f"flex {case} prefill={prefill} step={step}")
+        assert prepared.info["cache"]["slots"] == 10
+        last = inputs.chunks()[-1]
+        assert prepared.info["masks"][-1] == f"BlockMask (2, {cfg.n_heads}, {last[1] - last[0]}, 10)"
+
+
+def test_the_flex_oracle_step_stages():
+    cfg = config(n_kv_heads=2, rope="half", qk_norm="projection", window=3)
+    params, x = init_params(cfg, seed=21), sequence(tokens=7)
+    flex = get_backend("torch-flex")
+    prepared, inputs = flex.prepare_decode_run(cfg, params, x, prefill=3, step=2)
+    for i, (chunk, want) in enumerate(
+        zip(flex.decode_stages(prepared, cfg), reference_decode_stages(cfg, params, inputs), strict=True)
+    ):
+        assert set(chunk) == set(decode_stage_names(cfg))
+        for stage in decode_stage_names(cfg):
+            assert_decode_close(chunk[stage], want[stage], "float64", f"flex chunk {i} stage {stage}")
+    with pytest.raises(UnsupportedCase, match="torch-flex has no decode step to time"):
+        flex.prepare_decode(cfg, params, context=4)
 
 
 # -- the benchmark's step (prepare_decode) ------------------------------------------------------

@@ -1,4 +1,7 @@
-"""The torch SDPA oracle's decoding: its own growing cache and ``F.scaled_dot_product_attention`` per chunk.
+"""The torch oracles' decoding: a growing cache of their own and the library's kernel per chunk (SDPA here, flex).
+
+`prepare_growing_cache_run` is the run both share (torch-flex passes its ``flex_attention`` with a
+BlockMask per chunk, `oracles.flex.prepare_flex_decode_run`); the rest is SDPA's.
 
 Design rules (the contract is `core.decode`'s):
 
@@ -99,9 +102,46 @@ def chunk_mask(cfg: MHAConfig, q_positions, kv_positions, kv_valid, dtype: str, 
 def prepare_sdpa_decode_run(
     cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, device: str, allow_tf32: bool = False
 ) -> PreparedDecode:
-    """A whole decode run, each chunk's pass and mask made here, its cache grown afresh by every run."""
-    import torch
+    """A whole decode run through SDPA, each chunk's mask chosen here (`chunk_mask`)."""
     import torch.nn.functional as F
+
+    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
+
+    def kernel_for(start: int, stop: int):
+        kind, mask_of = chunk_mask(
+            cfg, inputs.positions[:, start:stop], inputs.positions[:, :stop], inputs.valid[:, :stop], dtype, device
+        )
+
+        def kernel(p: dict, q, k, v):  # (B, H, s, Dk) over the cache (B, Hkv, T, Dk), (B, Hkv, T, Dv)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
+
+        return kernel, kind
+
+    note = "F.scaled_dot_product_attention over the cache"
+    prepared = prepare_growing_cache_run(cfg, params, inputs, dtype, device, allow_tf32, kernel_for, note)
+    prepared.info.update(
+        is_causal="never: it is top-left; causal_lower_right or an explicit mask instead", enable_gqa=bool(gqa)
+    )
+    return prepared
+
+
+def prepare_growing_cache_run(
+    cfg: MHAConfig,
+    params: MHAParams,
+    inputs: DecodeInputs,
+    dtype: str,
+    device: str,
+    allow_tf32: bool,
+    kernel_for,
+    kernel_note: str,
+) -> PreparedDecode:
+    """A decode run of a torch oracle: the model code of `projected_heads_pass` per chunk, its keys and values
+    appended to a growing cache (every token kept, afresh each run), then ``kernel(p, q, k, v)`` over it.
+
+    ``kernel_for(start, stop) -> (kernel, mask)``, called here once per chunk (prepare time): the library's
+    attention of the chunk's queries over the cache and how it masks, in words (``info["masks"]``).
+    """
+    import torch
 
     from .torch import projected_heads_pass  # the oracle's own model code around the kernel
 
@@ -109,14 +149,10 @@ def prepare_sdpa_decode_run(
     x_all = to_tensor(inputs.x, dtype, device)  # (B, N, D)
     every = SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
     tables = torch_rotary_tables(cfg, every, dtype, device)  # (B, N, r/2): the whole run's, sliced per chunk
-    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
     cache: dict = {}  # "k" (B, Hkv, T, Dk), "v" (B, Hkv, T, Dv): the growing cache of one run
 
     def chunk_pass(start: int, stop: int):
-        s = stop - start
-        kind, mask_of = chunk_mask(
-            cfg, inputs.positions[:, start:stop], inputs.positions[:, :stop], inputs.valid[:, :stop], dtype, device
-        )
+        kernel, mask = kernel_for(start, stop)
 
         def rotate(heads, which: str):
             if tables is None:
@@ -128,11 +164,10 @@ def prepare_sdpa_decode_run(
             k = k_rotated if start == 0 else torch.cat((cache["k"], k_rotated), dim=2)  # (B, Hkv, T, Dk)
             v = v_heads if start == 0 else torch.cat((cache["v"], v_heads), dim=2)  # (B, Hkv, T, Dv)
             cache["k"], cache["v"] = k, v
-            return F.scaled_dot_product_attention(q_rotated, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
+            return kernel(p, q_rotated, k, v)  # (B, H, s, Dv)
 
-        sizes = SimpleNamespace(batch=inputs.batch, q_tokens=s)
-        note = f"F.scaled_dot_product_attention over the cache ({kind} mask)"
-        return projected_heads_pass(cfg, sizes, dtype, device, attend, note, rotate), kind
+        sizes = SimpleNamespace(batch=inputs.batch, q_tokens=stop - start)
+        return projected_heads_pass(cfg, sizes, dtype, device, attend, f"{kernel_note} ({mask})", rotate), mask
 
     chunks = inputs.chunks()
     passes = [chunk_pass(start, stop) for start, stop in chunks]
@@ -151,18 +186,9 @@ def prepare_sdpa_decode_run(
         run_all(recorders)
         return [recorder.stages() for recorder in recorders]
 
-    itemsize = x_all.element_size()
-    slots = inputs.tokens
     info = {
-        "cache": {
-            "kind": "dynamic",
-            "layout": CACHE_AXES,
-            "slots": slots,
-            "bytes": inputs.batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
-        },
-        "masks": [kind for _, kind in passes],
-        "is_causal": "never: it is top-left; causal_lower_right or an explicit mask instead",
-        "enable_gqa": bool(gqa),
+        "cache": growing_cache_info(cfg, inputs.batch, inputs.tokens, x_all.element_size()),
+        "masks": [mask for _, mask in passes],
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
     return PreparedDecode(
@@ -172,6 +198,15 @@ def prepare_sdpa_decode_run(
         synchronize=synchronizer(device),
         info=info,
     )
+
+
+def growing_cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int) -> dict:
+    return {
+        "kind": "dynamic",
+        "layout": CACHE_AXES,
+        "slots": slots,
+        "bytes": batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
+    }
 
 
 def prepare_sdpa_decode_step(
@@ -228,12 +263,7 @@ def prepare_sdpa_decode_step(
 
     run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
     info = {
-        "cache": {
-            "kind": "dynamic",
-            "layout": CACHE_AXES,
-            "slots": total,
-            "bytes": batch * cfg.n_kv_heads * total * (cfg.d_k + cfg.d_v) * x.element_size(),
-        },
+        "cache": growing_cache_info(cfg, batch, total, x.element_size()),
         "mask": kind,
         "context": context,
         "step": step,

@@ -1,7 +1,8 @@
 """The PyTorch adapter: `TorchBackend`, the row-sample layer of `layer` behind the `Backend` interface.
 
 `layer` says what the row-sample convention is and shows (its docstring); this module picks a
-strategy, wires `chunked` and `vjp` in, sets the matmul precision and fills `Prepared.info`.
+strategy, wires `chunked`, `vjp` and `decode` (KV-cache decoding, Hugging Face's cache layout,
+dynamic and static) in, sets the matmul precision and fills `Prepared.info`.
 """
 
 from __future__ import annotations

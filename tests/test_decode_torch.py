@@ -203,6 +203,16 @@ def test_a_window_keeps_a_ring_of_w_minus_1_plus_step_slots(cache, prefill, step
     assert get_backend("torch").decode_layouts[cache].startswith(f"(B, Hkv, {'T' if cache == 'dynamic' else 'C'}, Dk)")
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_sequence_shorter_than_the_ring_keeps_its_tokens_only(cache):
+    """cache_capacity: min(ring, tokens) slots, allocated whole by the static cache, grown to by the dynamic one."""
+    cfg = config(n_kv_heads=2, rope="half", window=8)
+    params, x = init_params(cfg, seed=22), sequence(tokens=6)
+    prepared, _ = get_backend("torch").prepare_decode_run(cfg, params, x, prefill=2, step=2, cache=cache)
+    assert_decode_close(prepared.output(), reference_decode(cfg, params, x, prefill=1), "float64", "short")
+    assert prepared.info["cache"]["slots"] == 6 < ring_capacity(cfg, 2)
+
+
 def test_without_a_window_the_caches_hold_every_token():
     cfg = config(n_kv_heads=2, rope="half")
     params, x = init_params(cfg, seed=13), sequence()

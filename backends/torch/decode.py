@@ -133,7 +133,8 @@ class TorchKVCache:
         if self.kind == DYNAMIC and token == self.slots and self.slots + s <= ring:
             self._cat(*chunk)  # still growing: token t lands in slot t
         else:
-            if self.slots < ring:  # the dynamic ring reaches its full size: empty slots are invalid until written
+            if self.kind == DYNAMIC and self.slots < ring:  # it reaches its full size; empty slots stay invalid
+                # (a static ring is allocated whole: min(ring, the run's tokens) slots, every t % ring < that)
                 grow = ring - self.slots
                 self._cat(
                     *(t.new_zeros((*t.shape[:2], grow, *t.shape[3:])) for t in chunk[:2]),

@@ -63,7 +63,7 @@ from ..torch.common import (
     with_matmul_precision,
 )
 from ..torch.variants import ScoreBias
-from .torch import projected_heads_pass
+from .torch_heads import projected_heads_pass
 
 COMPILED_DTYPES = ("float16", "bfloat16")  # what MHA_ROSETTA_FLEX_COMPILE=1 compiles (module docstring)
 COMPILE_ENV = "MHA_ROSETTA_FLEX_COMPILE"

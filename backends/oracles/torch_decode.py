@@ -49,6 +49,7 @@ from ..torch.common import (
 )
 from ..torch.decode import CACHE_AXES, random_cache
 from ..torch.variants import ScoreBias
+from .torch_heads import float_score_mask, projected_heads_pass  # the oracles' model code around the kernel
 
 SDPA_DECODE_LAYOUT = (
     "(B, Hkv, T, Dk) and (B, Hkv, T, Dv) grown with torch.cat on T, Hugging Face's DynamicCache layout; every token "
@@ -78,8 +79,6 @@ def chunk_mask(cfg: MHAConfig, q_positions, kv_positions, kv_valid, dtype: str, 
     ``kv_valid`` (B, T): `chunk_mask_kind` and ``mask_of(p)``, the ``attn_mask`` to pass (``p``: the parameter
     tensors, whose T5 table a float mask reads)."""
     from torch.nn.attention.bias import causal_lower_right
-
-    from .torch import float_score_mask
 
     q_positions, kv_positions = np.array(q_positions, dtype=np.int64), np.array(kv_positions, dtype=np.int64)
     allowed = decode_allowed(cfg, q_positions, kv_positions, kv_valid)  # (B, 1, s, T), the rule on positions
@@ -142,8 +141,6 @@ def prepare_growing_cache_run(
     attention of the chunk's queries over the cache and how it masks, in words (``info["masks"]``).
     """
     import torch
-
-    from .torch import projected_heads_pass  # the oracle's own model code around the kernel
 
     p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
     x_all = to_tensor(inputs.x, dtype, device)  # (B, N, D)
@@ -227,8 +224,6 @@ def prepare_sdpa_decode_step(
     step); a window is in the mask over every cached token."""
     import torch
     import torch.nn.functional as F
-
-    from .torch import projected_heads_pass
 
     rng = np.random.default_rng(seed)
     x = to_tensor(rng.standard_normal((batch, step, cfg.d_model)), dtype, device)  # (B, step, D), drawn first

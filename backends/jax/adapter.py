@@ -43,7 +43,6 @@ class JaxBackend(Backend):
     # them all in its online softmax (`chunked`).
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    causal_on_indices_strategies = (CHUNKED,)  # but the chunked loop's key-block bounds are on the indices
     strategy_variants: ClassVar[dict[str, frozenset[str]]] = {CHUNKED: CHUNKED_VARIANTS}
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:

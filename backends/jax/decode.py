@@ -34,6 +34,8 @@ over its tokens (attending within the prefill, whatever its length) that then wr
 `core.decode.CacheFull`, checked in Python before the step is called: inside the step,
 ``dynamic_update_slice`` would clamp the index and silently overwrite the last slots.
 
+Each run builds its own `JaxDecoder`, whose programs are jitted afresh (not shared across
+prepares through `common.shared_program`), so ``info["compilations"]`` is what that run cost.
 During a run the cache is donated to each step (``donate_argnums``): XLA writes the new slots in
 place instead of copying the cache. The benchmark's step (`prepare_decode_step`) repeats one
 step on one cache, so it cannot donate: each call copies the cache once (said in its info).

@@ -80,7 +80,7 @@ class FlaxMHAOracle(JaxOracle):
     }
 
     def decode_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str, cache: str | None) -> str | None:
-        if reason := self.unsupported_reason(cfg, dtype, device, strategy if strategy == STANDARD else STANDARD):
+        if reason := self.unsupported_reason(cfg, dtype, device, STANDARD):  # what its forward cannot express
             return reason
         if cfg.window is not None:
             return (
@@ -227,7 +227,8 @@ class FlaxMHAOracle(JaxOracle):
 
         def allocate(tree, x):
             compilations["allocate"] += 1  # runs only while JAX traces (and so compiles)
-            # The first decode=True call creates the zero cache for x's length (and computes nothing cached).
+            # The first decode=True call creates the zero cache for x's length; its output (an uncached
+            # forward over all of x) is discarded.
             _, variables = module.apply({"params": tree}, x, x, x, mutable=["cache"])
             return variables["cache"]
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names, ring_capacity
-from mha_rosetta.core.variants import t5_buckets
+from mha_rosetta.core.variants import alibi_slopes, t5_buckets
 
 from .._layouts import XLA_LAYOUT
 from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
@@ -251,8 +251,6 @@ class JaxDecoder:
         return (cos, sin, cos, sin)  # self-attention: the keys are the queries' tokens
 
     def _slopes(self) -> dict:
-        from mha_rosetta.core.variants import alibi_slopes
-
         if not self.cfg.alibi:
             return {}
         return {"slopes": to_jax(alibi_slopes(self.cfg.n_heads).astype(self.float_dtype), None, self.target)}

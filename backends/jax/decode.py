@@ -34,8 +34,10 @@ over its tokens (attending within the prefill, whatever its length) that then wr
 `core.decode.CacheFull`, checked in Python before the step is called: inside the step,
 ``dynamic_update_slice`` would clamp the index and silently overwrite the last slots.
 
-Each run builds its own `JaxDecoder`, whose programs are jitted afresh (not shared across
-prepares through `common.shared_program`), so ``info["compilations"]`` is what that run cost.
+The two programs are shared within a process (`common.shared_program`), keyed by what they
+close over (the config and the cache's slots); JAX's own cache then tells shapes and dtypes
+apart. `TRACES` counts every trace of each program key, and a decoder reports the traces made
+since it was built (`JaxDecoder.compilations`): a run that finds its programs compiled reports 0.
 During a run the cache is donated to each step (``donate_argnums``): XLA writes the new slots in
 place instead of copying the cache. The benchmark's step (`prepare_decode_step`) repeats one
 step on one cache, so it cannot donate: each call copies the cache once (said in its info).
@@ -43,6 +45,7 @@ step on one cache, so it cannot donate: each call copies the cache once (said in
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 from types import SimpleNamespace
 
@@ -59,6 +62,7 @@ from .common import (
     jax_params,
     jax_target,
     score_bias_inputs,
+    shared_program,
     to_jax,
     tokens_first_axes,
     variant_provenance,
@@ -153,6 +157,51 @@ def full_rotary_tables(cfg: MHAConfig, positions: np.ndarray) -> tuple | None:
     return None if tables is None else (tables.q_cos, tables.q_sin)
 
 
+# Every trace of each program key (`JaxDecoder.compilations` reads the count since a decoder was built).
+TRACES: Counter = Counter()
+
+
+def _prefill_program(
+    cfg: MHAConfig, capacity: int, key: tuple, axes, params, x, allowed, tables, cache, score_tables, q_pos, q_valid
+):
+    """The prefill: the adapter's forward over its P tokens, then its last min(P, T) keys written.
+
+    ``axes`` (static): the mask's batch and head in_axes (`layer.mask_for_vmap`) and the score
+    tables' batch in_axes (`common.score_bias_inputs`), as the forward's vmaps take them.
+    """
+    import jax
+
+    TRACES[key] += 1  # runs only while JAX traces (and so compiles) this program
+    batch_axis, head_axis, score_axes = axes
+    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
+    table_axes = None if tables is None else 0
+    stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, dict(score_axes)))(
+        params, x, x, x, allowed, tables, score_tables
+    )
+    P, T = x.shape[1], capacity
+    kept = min(P, T)  # a prefill longer than the ring keeps its last T tokens
+    slots = np.arange(P - kept, P) % T if cfg.window is not None else np.arange(kept)  # static: P and T are shapes
+    new = {"k_cache": stages["k_rotated"], "v_cache": stages["v_heads"], "k_pos": q_pos, "k_valid": q_valid}
+    cache = {name: cache[name].at[:, slots].set(new[name][:, P - kept :]) for name in _CACHE_NAMES}
+    return cache, {name: stages[name] for name in decode_stage_names(cfg)}
+
+
+def _step_program(cfg: MHAConfig, capacity: int, key: tuple, params, x, tables, extras, cache, index):
+    """One step of s tokens: x (B, s, D); the cache written at ``index`` (traced) and attended to."""
+    import jax
+
+    TRACES[key] += 1  # runs only while JAX traces (and so compiles) this program
+    attend = partial(_decode_attend, slots=capacity, ring=cfg.window is not None)
+    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=None, attend=attend)
+    item = {**cache, **extras, "index": index}
+    item_axes = {name: (None if name in ("slopes", "bucket_of", "index") else 0) for name in item}
+    table_axes = None if tables is None else 0
+    stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, None, table_axes, item_axes))(
+        params, x, x, x, None, tables, item
+    )
+    return {name: stages[name] for name in _CACHE_NAMES}, {name: stages[name] for name in decode_stage_names(cfg)}
+
+
 class JaxDecoder:
     """A static ``(B, T, Hkv, Dk)`` KV cache and the two jitted programs that fill it: the prefill and the step.
 
@@ -175,15 +224,12 @@ class JaxDecoder:
         matmul_precision: str,
         span: int,
     ) -> None:
-        import jax
 
         self.cfg, self.dtype, self.batch, self.capacity = cfg, dtype, batch, capacity
         self.ring = cfg.window is not None
         self.target = jax_target(dtype, device)
         self.weights = jax_params(params, dtype, self.target)
         self.precision = effective_precision(matmul_precision)
-        self.names = decode_stage_names(cfg)
-        self.compilations = {"prefill": 0, "step": 0}
         self.used = 0
         self.float_dtype = np.float64 if dtype == "float64" else np.float32  # the score bias's tables
         self.bucket_of = None if cfg.rel_buckets is None else to_jax(_bucket_table(cfg, span), None, self.target)
@@ -196,52 +242,23 @@ class JaxDecoder:
             "k_valid": to_jax(np.zeros((batch, T), bool), None, self.target),  # (B, T): False = never written / pad
         }
         self.bytes = batch * T * Hkv * (cfg.d_k + cfg.d_v) * np.dtype(storage).itemsize
+        # What the programs close over: the config and the slots (the ring and the stage names follow from cfg).
+        self._keys = {"prefill": ("jax.decode.prefill", cfg, capacity), "step": ("jax.decode.step", cfg, capacity)}
+        self._traces_at_start = {kind: TRACES[key] for kind, key in self._keys.items()}
         # The cache is donated: each step writes its slots in place (the old cache is dead after it).
-        self._prefill = jax.jit(self._prefill_fn, static_argnums=(0,), donate_argnums=(5,))
-        self._step = jax.jit(self._step_fn, donate_argnums=(4,))
-
-    # -- the traced programs ------------------------------------------------------------------
-    def _prefill_fn(self, axes, params, x, allowed, tables, cache, score_tables, q_pos, q_valid):
-        """The prefill: the adapter's forward over its P tokens, then its last min(P, T) keys written.
-
-        ``axes`` (static): the mask's batch and head in_axes (`layer.mask_for_vmap`) and the score
-        tables' batch in_axes (`common.score_bias_inputs`), as the forward's vmaps take them.
-        """
-        import jax
-
-        self.compilations["prefill"] += 1  # runs only while JAX traces (and so compiles) this program
-        batch_axis, head_axis, score_axes = axes
-        one_item = partial(_mha_one_item, cfg=self.cfg, head_mask_axis=head_axis)
-        table_axes = None if tables is None else 0
-        stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, dict(score_axes)))(
-            params, x, x, x, allowed, tables, score_tables
+        key = self._keys["prefill"]
+        _, self._prefill = shared_program(
+            key, partial(_prefill_program, cfg, capacity, key), static_argnums=(0,), donate_argnums=(5,)
         )
-        P, T = x.shape[1], self.capacity
-        kept = min(P, T)  # a prefill longer than the ring keeps its last T tokens
-        slots = np.arange(P - kept, P) % T if self.ring else np.arange(kept)  # static: P and T are shapes
-        new = {
-            "k_cache": stages["k_rotated"],
-            "v_cache": stages["v_heads"],
-            "k_pos": q_pos,
-            "k_valid": q_valid,
-        }
-        cache = {name: cache[name].at[:, slots].set(new[name][:, P - kept :]) for name in _CACHE_NAMES}
-        return cache, {name: stages[name] for name in self.names}
-
-    def _step_fn(self, params, x, tables, extras, cache, index):
-        """One step of s tokens: x (B, s, D); the cache written at ``index`` (traced) and attended to."""
-        import jax
-
-        self.compilations["step"] += 1  # runs only while JAX traces (and so compiles) this program
-        attend = partial(_decode_attend, slots=self.capacity, ring=self.ring)
-        one_item = partial(_mha_one_item, cfg=self.cfg, head_mask_axis=None, attend=attend)
-        item = {**cache, **extras, "index": index}
-        item_axes = {name: (None if name in ("slopes", "bucket_of", "index") else 0) for name in item}
-        table_axes = None if tables is None else 0
-        stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, None, table_axes, item_axes))(
-            params, x, x, x, None, tables, item
+        key = self._keys["step"]
+        self.step_program, self._step = shared_program(
+            key, partial(_step_program, cfg, capacity, key), donate_argnums=(4,)
         )
-        return {name: stages[name] for name in _CACHE_NAMES}, {name: stages[name] for name in self.names}
+
+    @property
+    def compilations(self) -> dict[str, int]:
+        """The traces (so the compilations) of the prefill and step programs since this decoder was built."""
+        return {kind: TRACES[key] - self._traces_at_start[kind] for kind, key in self._keys.items()}
 
     # -- driving them ---------------------------------------------------------------------------
     def _tables(self, tables):
@@ -399,8 +416,9 @@ def prepare_decode_step(
     """One jitted step of ``step`` tokens on a cache holding ``context`` tokens of random numbers (the benchmark's).
 
     Without a window the cache has ``context + step`` slots; with one it is the ring, full. The
-    step is compiled ahead (``compile``); the timed ``forward`` calls the executable on the same
-    cache every time (it cannot donate it, so each call also copies the cache once).
+    step is compiled ahead (``compile``, counted in ``info["compilations"]``); the timed ``forward``
+    calls the executable on the same cache every time (it cannot donate it, so each call also
+    copies the cache once).
     """
     import jax
 
@@ -436,12 +454,13 @@ def prepare_decode_step(
     tables = full_rotary_tables(cfg, np.arange(context + step)[None].repeat(batch, 0))
     tables = None if tables is None else tuple(table[:, context:] for table in tables)
     args = (decoder.weights, *decoder.step_args(x, positions, np.ones((batch, step), bool), tables))
-    jitted = jax.jit(decoder._step_fn)  # not donated: the timed call repeats on the same cache
+    jitted = jax.jit(decoder.step_program)  # not donated: the timed call repeats on the same cache
     state: dict = {}
 
     def compile_step() -> None:
         with jax.default_matmul_precision(decoder.precision):
             state["compiled"] = jitted.lower(*args).compile()
+        info["compilations"]["step"] += 1  # ahead of time, once: the timed forward calls the executable
 
     def forward():
         if "compiled" not in state:
@@ -455,5 +474,5 @@ def prepare_decode_step(
 
     info["cache"] = cache_info(decoder)
     info["cache_copied_per_call"] = True  # the benchmark's step is not donated (see the docstring)
-    info["compilations"] = decoder.compilations
+    info["compilations"] = {"step": 0}
     return Prepared(forward, tensor_to_numpy, native_stages, _block, compile=compile_step, info=info)

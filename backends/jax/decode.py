@@ -208,8 +208,8 @@ class JaxDecoder:
     ``capacity`` slots per sequence; ``ring`` (a window): slot ``t % capacity``, else `CacheFull`
     past it. `prefill` once, then `step` any number of times; each returns the chunk's token-wise
     stages (`core.decode.decode_stage_names`, tokens first), ``output`` among them. The cache is
-    `cache` (JAX arrays), `used` the tokens written so far. `compilations` counts each program's
-    traces, which is what JAX compiles.
+    `cache` (JAX arrays), `used` the tokens written so far. `compilations`: each program's traces
+    (which is what JAX compiles) since this decoder was built.
     """
 
     def __init__(
@@ -224,7 +224,6 @@ class JaxDecoder:
         matmul_precision: str,
         span: int,
     ) -> None:
-
         self.cfg, self.dtype, self.batch, self.capacity = cfg, dtype, batch, capacity
         self.ring = cfg.window is not None
         self.target = jax_target(dtype, device)

@@ -12,7 +12,8 @@ Rules every implementation follows (the decode check holds them to these):
   queries sit at the last positions of the cache, so the rule is bottom-right on indices.
 * Keys are cached after QK-norm and rotary and before the GQA repetition (Hugging Face's
   place): the cache holds ``Hkv`` heads, never ``H``.
-* The positions: given per token, ``(N,)`` or ``(B, N)``, never decreasing along a sequence.
+* The positions: given per token, ``(N,)`` or ``(B, N)``, never decreasing along a sequence,
+  and strictly increasing over the real tokens (pads may share a position: they are masked).
   Their default is ``0 .. N-1`` and, with a padding mask, ``cumsum(mask) - 1`` per item, as
   Hugging Face's ``generate`` computes them (left padding puts its pads at position -1, where
   they see only pads and give the spec's empty-row answer).
@@ -174,8 +175,17 @@ def prepare_decode_inputs(cfg: MHAConfig, x, *, prefill, step=1, mask=None, posi
             f"positions must not go backwards along a sequence: item {b} goes from {p[b, t]} at token {t} "
             f"to {p[b, t + 1]} at token {t + 1}"
         )
+    valid = np.ones((B, N), dtype=bool) if mask is None else mask
+    for b in range(B):  # a later real token at an earlier token's position would be visible before it is cached
+        real = p[b, valid[b]]
+        tie = np.flatnonzero(np.diff(real) == 0)
+        if tie.size:
+            t = int(np.flatnonzero(valid[b])[tie[0] + 1])
+            raise ValueError(
+                f"the real tokens' positions must strictly increase along a sequence (a cache cannot show a token "
+                f"the key of a later one at the same position): item {b} repeats position {p[b, t]} at token {t}"
+            )
     if cfg.window is not None:
-        valid = np.ones((B, N), dtype=bool) if mask is None else mask
         for b in range(B):
             real = np.flatnonzero(valid[b])
             offsets = p[b, real] - real

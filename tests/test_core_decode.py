@@ -99,6 +99,11 @@ def test_positions_from_a_padding_mask_are_cumsum_minus_one():
             ValueError,
             "must not go backwards.*from 2 at token 2",
         ),
+        (
+            {"prefill": 2, "positions": [0, 1, 2, 2, 3, 4, 5, 6, 7]},
+            ValueError,
+            "strictly increase.*repeats position 2 at token 3",
+        ),
         ({"prefill": 2, "positions": np.arange(8)}, ValueError, r"positions must have shape \(9,\) or \(batch=2, 9\)"),
         ({"prefill": 2, "mask": np.ones(9)}, TypeError, "padding mask"),
     ],

@@ -310,9 +310,9 @@ def test_flax_decode_takes_one_token_per_call_and_positions_on_its_cache_index()
     backend, params, x = _flax(), _params(FLAX_CFG), _x(FLAX_CFG)
     with pytest.raises(UnsupportedCase, match=r"one token per call.*step=2"):
         backend.run_decode(FLAX_CFG, params, x, prefill=2, step=2)
-    # Repeated positions: token 2 (position 1) is visible to token 1 (position 1) by positions, not by index.
+    # Repeated positions: token 2 (position 1) would be visible to token 1 by positions, not by index: core refuses.
     repeated = np.array([0, 1, *range(1, N - 1)])
-    with pytest.raises(UnsupportedCase, match="masks its slots by the cache index"):
+    with pytest.raises(ValueError, match="strictly increase"):
         backend.run_decode(FLAX_CFG, params, x, prefill=2, positions=repeated)
     # Positions with gaps still follow the index: supported, and equal to the full forward.
     _assert_decodes(backend, FLAX_CFG, x, prefill=2, step=1, positions=np.arange(N) * 2)

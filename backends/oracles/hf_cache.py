@@ -1,0 +1,305 @@
+"""A third-party decode oracle: Hugging Face's own attention modules driven through their own KV caches.
+
+``hf-attention`` builds the real ``transformers`` module of the configuration from a tiny config object
+(nothing is downloaded): ``LlamaAttention`` without a window, ``MistralAttention`` with one, loaded with the
+canonical parameters by `mha_rosetta.models.to_module` (the ``hf-llama`` / ``hf-mistral`` layouts, which
+also check that the module read back is ``cfg``). `run_decode` drives it as ``generate`` drives a model,
+the way ``MistralModel.forward`` does for each call:
+
+* a cache built from the model's config: ``DynamicCache(config=...)`` (cache kind "dynamic") or
+  ``StaticCache(config=..., max_cache_len=N)`` ("static"). With Mistral's ``sliding_window`` the library
+  itself picks its sliding layers (``DynamicSlidingWindowLayer``, ``StaticSlidingWindowLayer``): the ring
+  buffer is the library's, not ours;
+* ``position_ids`` of the call's tokens, and the rotary ``position_embeddings`` from the model's own rotary
+  module (``LlamaRotaryEmbedding`` / ``MistralRotaryEmbedding``, its float32 angles);
+* the 4-D mask from the model's own mask function (``create_causal_mask``, or
+  ``create_sliding_window_causal_mask`` with a window) given the 2-D padding mask of every token seen so far
+  and the cache, which says the query offset and the key length (transformers 5.x has no ``cache_position``:
+  the mask and ``StaticLayer`` read the write offset from the cache);
+* then the module itself: ``module(x, position_embeddings=..., attention_mask=..., cache=cache)``, with the
+  eager attention (Hugging Face's reference path, which also returns the weights whose last axis is the
+  number of key slots the call read: `info["cache"]["slots"]` is measured there).
+
+Design rules:
+
+* What the modules cannot express is `UnsupportedCase` with the layout's own reason (`Layout.unsupported_reason`:
+  ``rope='half'`` over every feature, bias on all four layers or none (Llama) or none (Mistral), no softcap,
+  sinks, ALiBi or QK-norm). ``decode_variants`` is exactly what runs: the window (Mistral) and
+  ``rope_scaling`` (Llama's ``config.rope_parameters``).
+* The masks are Hugging Face's, on cache indices: equal to the spec's rule on positions when the real
+  tokens' positions increase strictly (always true of ``arange`` and of ``cumsum(mask) - 1`` with left
+  padding); other positions are refused with the reason, never run under the other rule.
+* The float32 inside a float64 module (eager's softmax, the rotary angles) is declared, and a float64 run's
+  ``info`` names the tolerance that holds it (``tolerance_dtype``: "float32"), as `models` runs do
+  (``RealRun.precision``). The forward (`_prepare`, the full causal forward through the same module) is
+  offered in float32 only for that reason: the forward check holds float64 runs to float64's tolerance.
+* A query row with no allowed key (a left pad) is a uniform average in eager (its additive mask is the
+  dtype's minimum, not -inf); the decode run maps such rows to the spec's answer (zero weights: output =
+  b_o) and counts them in ``info["empty_rows_mapped"]``; the forward passes them through for the check's
+  empty-row rule.
+
+transformers and torch are imported inside the methods (base rule 4).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core.decode import DecodeInputs, check_capacity, decode_allowed
+
+from ..base import Backend, Prepared, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
+
+DYNAMIC, STATIC = "dynamic", "static"
+# Which torch dtype each offered dtype builds the module in.
+_TORCH_DTYPES = {"float64": "float64", "float32": "float32"}
+FLOAT32_INSIDE = (
+    "float32 inside a float64 module: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+    "rotary module's angles (inv_freq and positions in torch.float): a float64 run agrees at float32's level"
+)
+
+
+def family(cfg: MHAConfig) -> str:
+    """The layout whose real module runs ``cfg``: Mistral's where there is a window, Llama's otherwise."""
+    return "hf-llama" if cfg.window is None else "hf-mistral"
+
+
+def config_reason(cfg: MHAConfig) -> str | None:
+    """Why neither module can hold ``cfg`` (the layout's own reason, naming the module), or None."""
+    from mha_rosetta.models import get_layout
+
+    if not cfg.causal:
+        return "LlamaAttention / MistralAttention are causal decoder layers (is_causal=True), got causal=False"
+    if cfg.kdim != cfg.d_model or cfg.vdim != cfg.d_model:
+        return f"{family(cfg)}: self-attention only (kdim = vdim = d_model), got kdim={cfg.kdim}, vdim={cfg.vdim}"
+    reason = get_layout(family(cfg)).unsupported_reason(cfg)
+    return None if reason is None else f"{family(cfg)}: {reason}"
+
+
+def build_module(cfg: MHAConfig, params: MHAParams, dtype: str):
+    """The real module for ``cfg`` loaded with ``params`` (in ``dtype``), its config and its rotary module."""
+    import torch
+    import transformers
+
+    from mha_rosetta.models import to_module
+    from mha_rosetta.models._hf import hf_max_positions, hf_rope_parameters
+
+    common = {
+        "hidden_size": cfg.d_model,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.d_k,
+        "attention_dropout": 0.0,
+        "num_hidden_layers": 1,
+        "rope_parameters": hf_rope_parameters(cfg),
+        **hf_max_positions(cfg),
+    }
+    if cfg.window is None:
+        from transformers.models.llama.modeling_llama import LlamaAttention as Attention
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+
+        config = transformers.LlamaConfig(**common, attention_bias=bool(cfg.bias))
+    else:
+        from transformers.models.mistral.modeling_mistral import MistralAttention as Attention
+        from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary
+
+        config = transformers.MistralConfig(**common, sliding_window=cfg.window)
+    config._attn_implementation = "eager"  # Hugging Face's reference path (and it returns the weights)
+    module = Attention(config, layer_idx=0).double().eval()
+    module = to_module(cfg, params, module)  # the layout's converter; refuses a module built for another cfg
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    module = module.to(torch_dtype).requires_grad_(False)
+    rotary = Rotary(config)  # its forward computes the angles in float32 and returns x's dtype
+    return module, config, rotary
+
+
+def mask_function(cfg: MHAConfig):
+    """The model's own mask function, as ``MistralModel.forward`` picks it."""
+    from transformers import masking_utils
+
+    return masking_utils.create_causal_mask if cfg.window is None else masking_utils.create_sliding_window_causal_mask
+
+
+def positions_reason(inputs: DecodeInputs) -> str | None:
+    """Why Hugging Face's index-based masks would differ from the spec's rule on these positions, or None."""
+    valid = inputs.valid
+    for b in range(inputs.batch):
+        real = inputs.positions[b, valid[b]]
+        if np.any(np.diff(real) <= 0):
+            return (
+                "hf-attention: the model's mask functions are causal on cache indices, which equals the rule on "
+                f"positions only where the real tokens' positions increase strictly; item {b}'s do not"
+            )
+    return None
+
+
+def empty_rows(cfg: MHAConfig, inputs: DecodeInputs) -> np.ndarray:
+    """(B, N) bool: tokens whose query may attend to no key under the spec's rule (left pads)."""
+    p = inputs.positions
+    return ~decode_allowed(cfg, p, p, inputs.valid)[:, 0].any(axis=-1)  # (B, 1, N, N) -> (B, N)
+
+
+class HFAttentionOracle(Backend):
+    """``LlamaAttention`` / ``MistralAttention`` (eager) through ``DynamicCache`` / ``StaticCache``, as generate."""
+
+    convention = (
+        "transformers LlamaAttention / MistralAttention (eager) driven as generate does: the model's rotary "
+        "module, its mask function, DynamicCache or StaticCache (B, Hkv, T, Dk)"
+    )
+    dtypes = ("float64", "float32")
+    variants = frozenset({"window", "rope_scaling"})
+    causal_on_positions = False  # the forward's mask is create_causal_mask's, on indices (rule 7)
+    decode_caches = (DYNAMIC, STATIC)
+    decode_variants = frozenset({"window", "rope_scaling"})
+    decode_layouts: ClassVar[dict[str, str]] = {
+        DYNAMIC: "(B, Hkv, T, Dk) grown with torch.cat (DynamicLayer); with a window DynamicSlidingWindowLayer "
+        "keeps the last W - 1 and a call reads W - 1 + step",
+        STATIC: "(B, Hkv, max_cache_len, Dk) preallocated, written with index_copy_ at the cache's cumulative "
+        "length (StaticLayer); with a window StaticSlidingWindowLayer holds W slots, rolled by one per token",
+    }
+    known_differences = (
+        FLOAT32_INSIDE + "; info['tolerance_dtype'] = 'float32' says the tolerance that holds it (the forward is "
+        "offered in float32 only)",
+        "the causal and window masks (create_causal_mask, create_sliding_window_causal_mask) are on cache indices, "
+        "with the query offset read from the cache: the spec's rule on positions where real positions increase "
+        "strictly, refused otherwise",
+        "a query row with no allowed key (a left pad): eager's additive mask is the dtype's minimum, not -inf, so "
+        "the row is a uniform average of the values; decoding maps it to the spec's (output = b_o) and counts it "
+        "in info['empty_rows_mapped']",
+        "left pads at position -1 (cumsum(mask) - 1); generate puts 1 there (masked_fill(attention_mask == 0, 1)): "
+        "only the pad's own rotary differs, and nothing reads it (its key is masked, its row empty)",
+        "the positions' rotary tables come from the model's rotary module (float32 angles), not the spec's",
+    )
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        reason = super().unsupported_reason(cfg, dtype, device, strategy) or config_reason(cfg)
+        if reason is None and dtype != "float32":
+            reason = (
+                f"{self.name}'s forward runs in float32 only: {FLOAT32_INSIDE}, and the forward check holds a "
+                f"{dtype} run to {dtype}'s tolerance (run_decode takes float64, at float32's level)"
+            )
+        return reason
+
+    def decode_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str, cache: str | None) -> str | None:
+        return super().decode_reason(cfg, dtype, device, strategy, cache) or config_reason(cfg)
+
+    def _info(self, dtype: str) -> dict:
+        info = {"attention": "eager", "precision": "float32" if dtype == "float64" else dtype}
+        if dtype == "float64":
+            info.update(tolerance_dtype="float32", note=FLOAT32_INSIDE)
+        return info
+
+    # -- the forward: the full causal forward through the same module (no cache) ---------------
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        import torch
+
+        same = inputs.key is inputs.query or (
+            inputs.key.shape == inputs.query.shape
+            and np.array_equal(inputs.key, inputs.query)
+            and np.array_equal(inputs.value, inputs.query)
+        )
+        if not same or not np.array_equal(inputs.positions, inputs.kv_positions):
+            raise UnsupportedCase(f"{self.name}: a decoder layer attends to its own tokens (self-attention only)")
+        padding = None
+        if inputs.mask is not None:
+            mask = inputs.mask  # (1|B, 1|H, 1|Nq, Nk) bool
+            if mask.shape[1] != 1 or mask.shape[2] != 1:
+                raise UnsupportedCase(
+                    f"{self.name}: the model takes a 2-D padding mask (batch, tokens) only, got a mask of shape "
+                    f"{mask.shape} (per head or per query)"
+                )
+            padding = np.broadcast_to(mask[:, 0, 0, :], (inputs.batch, inputs.kv_tokens))  # (B, N)
+        module, config, rotary = build_module(cfg, params, dtype)
+        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+        x = torch.from_numpy(inputs.query).to(torch_dtype)  # (B, N, D), a copy
+        position_ids = torch.from_numpy(np.broadcast_to(inputs.positions, inputs.query.shape[:2]).copy())  # (B, N)
+        pad = None if padding is None else torch.from_numpy(padding.astype(np.int64))  # (B, N), 1 = real
+
+        def call():
+            with torch.no_grad():
+                mask4d = mask_function(cfg)(
+                    config=config, inputs_embeds=x, attention_mask=pad, cache=None, position_ids=position_ids
+                )
+                return module(x, position_embeddings=rotary(x, position_ids), attention_mask=mask4d)
+
+        def native_stages():
+            output, weights = call()
+            return {
+                "weights": StageTensor(weights, ("B", "H", "Nq", "Nk"), "eager_attention_forward's weights"),
+                "output": StageTensor(output, ("B", "Nq", "D"), "the module's output"),
+            }
+
+        return Prepared(lambda: call()[0], tensor_to_numpy, native_stages, info=self._info(dtype))
+
+    # -- decoding through the library's own cache ------------------------------------------------
+    def _prepare_decode_run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        inputs: DecodeInputs,
+        dtype: str,
+        device: str,
+        strategy: str,
+        cache: str,
+    ) -> PreparedDecode:
+        import torch
+        from transformers import DynamicCache, StaticCache
+
+        if reason := positions_reason(inputs):
+            raise UnsupportedCase(reason)
+        module, config, rotary = build_module(cfg, params, dtype)
+        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+        x = torch.from_numpy(inputs.x).to(torch_dtype)  # (B, N, D), a copy
+        positions = torch.from_numpy(inputs.positions)  # (B, N) int64, a view
+        pad = None if inputs.mask is None else torch.from_numpy(inputs.mask.astype(np.int64))  # (B, N), 1 = real
+        capacity = inputs.tokens  # StaticCache(max_cache_len=N); a sliding layer takes min(W, N) itself
+        empty = empty_rows(cfg, inputs)  # (B, N)
+        record: dict = {}
+
+        def run(capacity: int = capacity):
+            kv = DynamicCache(config=config) if cache == DYNAMIC else StaticCache(config=config, max_cache_len=capacity)
+            outputs, read = [], []
+            with torch.no_grad():
+                for start, stop in inputs.chunks():
+                    if cache == STATIC and cfg.window is None:
+                        check_capacity(capacity, start, stop - start)  # a write past max_cache_len: CacheFull
+                    chunk = x[:, start:stop]  # (B, s, D), a view
+                    position_ids = positions[:, start:stop]  # (B, s), a view
+                    mask4d = mask_function(cfg)(
+                        config=config,
+                        inputs_embeds=chunk,
+                        attention_mask=None if pad is None else pad[:, :stop],  # every token seen so far
+                        cache=kv,
+                        position_ids=position_ids,
+                    )
+                    output, weights = module(
+                        chunk, position_embeddings=rotary(chunk, position_ids), attention_mask=mask4d, cache=kv
+                    )
+                    outputs.append(output)
+                    read.append(weights.shape[-1])  # (B, H, s, slots read): the keys this call attended over
+            layer = kv.layers[0]
+            record.update(read=read, stored=layer.keys.shape[-2], bytes=layer.keys.nbytes + layer.values.nbytes)
+            return torch.cat(outputs, dim=1)  # (B, N, D), a copy
+
+        def to_numpy(result) -> np.ndarray:
+            output = tensor_to_numpy(result).astype(np.float64)  # (B, N, D)
+            bias = np.zeros(cfg.d_model) if params.b_o is None else params.b_o
+            output[empty] = bias  # the spec's empty row: zero weights, output = b_o
+            return output
+
+        run()  # once, untimed, so that info measures the cache the library really built
+        read = record["read"]
+        cache_info = {
+            "kind": cache,
+            "layout": self.decode_layouts[cache],
+            # the keys a step reads at most (the prefill's own when there is no step): W - 1 + step with a window
+            "slots": max(read[1:]) if len(read) > 1 else read[0],
+            "stored_slots": record["stored"],  # what the cache's tensors hold between calls
+            "bytes": record["bytes"],  # K and V together, as allocated (the stored slots)
+        }
+        info = {**self._info(dtype), "cache": cache_info, "empty_rows_mapped": int(empty.sum())}
+        return PreparedDecode(run, to_numpy, info=info)

@@ -75,6 +75,11 @@ def config_reason(cfg: MHAConfig) -> str | None:
     if cfg.kdim != cfg.d_model or cfg.vdim != cfg.d_model:
         return f"{family(cfg)}: self-attention only (kdim = vdim = d_model), got kdim={cfg.kdim}, vdim={cfg.vdim}"
     reason = get_layout(family(cfg)).unsupported_reason(cfg)
+    if reason is None and cfg.d_model % cfg.n_heads:
+        reason = (
+            f"transformers' config checks hidden_size % num_attention_heads == 0 (validate_architecture) even with "
+            f"an explicit head_dim, and d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}"
+        )
     return None if reason is None else f"{family(cfg)}: {reason}"
 
 
@@ -96,16 +101,21 @@ def build_module(cfg: MHAConfig, params: MHAParams, dtype: str):
         "rope_parameters": hf_rope_parameters(cfg),
         **hf_max_positions(cfg),
     }
+    Config = transformers.LlamaConfig if cfg.window is None else transformers.MistralConfig
+    family_kwargs = {"attention_bias": bool(cfg.bias)} if cfg.window is None else {"sliding_window": cfg.window}
+    from huggingface_hub.errors import StrictDataclassError  # the configs' own validation (transformers 5.x)
+
+    try:
+        config = Config(**common, **family_kwargs)
+    except (ValueError, StrictDataclassError) as error:
+        why = f"{family(cfg)}: transformers' {Config.__name__} refuses {cfg.describe()}: {error}"
+        raise UnsupportedCase(why) from error
     if cfg.window is None:
         from transformers.models.llama.modeling_llama import LlamaAttention as Attention
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
-
-        config = transformers.LlamaConfig(**common, attention_bias=bool(cfg.bias))
     else:
         from transformers.models.mistral.modeling_mistral import MistralAttention as Attention
         from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary
-
-        config = transformers.MistralConfig(**common, sliding_window=cfg.window)
     config._attn_implementation = "eager"  # Hugging Face's reference path (and it returns the weights)
     module = Attention(config, layer_idx=0).double().eval()
     module = to_module(cfg, params, module)  # the layout's converter; refuses a module built for another cfg

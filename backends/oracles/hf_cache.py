@@ -256,60 +256,251 @@ class HFAttentionOracle(Backend):
         strategy: str,
         cache: str,
     ) -> PreparedDecode:
-        import torch
-        from transformers import DynamicCache, StaticCache
-
         if reason := positions_reason(inputs):
             raise UnsupportedCase(reason)
-        module, config, rotary = build_module(cfg, params, dtype)
-        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
-        x = torch.from_numpy(inputs.x).to(torch_dtype)  # (B, N, D), a copy
-        positions = torch.from_numpy(inputs.positions)  # (B, N) int64, a view
-        pad = None if inputs.mask is None else torch.from_numpy(inputs.mask.astype(np.int64))  # (B, N), 1 = real
-        capacity = inputs.tokens  # StaticCache(max_cache_len=N); a sliding layer takes min(W, N) itself
+        driver = Driver(cfg, params, dtype)
         empty = empty_rows(cfg, inputs)  # (B, N)
         record: dict = {}
 
-        def run(capacity: int = capacity):
-            kv = DynamicCache(config=config) if cache == DYNAMIC else StaticCache(config=config, max_cache_len=capacity)
-            outputs, read = [], []
-            with torch.no_grad():
-                for start, stop in inputs.chunks():
-                    if cache == STATIC and cfg.window is None:
-                        check_capacity(capacity, start, stop - start)  # a write past max_cache_len: CacheFull
-                    chunk = x[:, start:stop]  # (B, s, D), a view
-                    position_ids = positions[:, start:stop]  # (B, s), a view
-                    mask4d = mask_function(cfg)(
-                        config=config,
-                        inputs_embeds=chunk,
-                        attention_mask=None if pad is None else pad[:, :stop],  # every token seen so far
-                        cache=kv,
-                        position_ids=position_ids,
-                    )
-                    output, weights = module(
-                        chunk, position_embeddings=rotary(chunk, position_ids), attention_mask=mask4d, cache=kv
-                    )
-                    outputs.append(output)
-                    read.append(weights.shape[-1])  # (B, H, s, slots read): the keys this call attended over
-            layer = kv.layers[0]
-            record.update(read=read, stored=layer.keys.shape[-2], bytes=layer.keys.nbytes + layer.values.nbytes)
-            return torch.cat(outputs, dim=1)  # (B, N, D), a copy
+        def run():
+            return driver.decode(inputs, cache, record=record)
 
         def to_numpy(result) -> np.ndarray:
-            output = tensor_to_numpy(result).astype(np.float64)  # (B, N, D)
-            bias = np.zeros(cfg.d_model) if params.b_o is None else params.b_o
-            output[empty] = bias  # the spec's empty row: zero weights, output = b_o
+            output = tensor_to_numpy(result).astype(np.float64)  # (B, N, D), a copy
+            output[empty] = np.zeros(cfg.d_model) if params.b_o is None else params.b_o  # the spec's empty row
             return output
+
+        def step_stages():
+            stages: list[dict] = []
+            driver.decode(inputs, cache, stages=stages)
+            return stages
 
         run()  # once, untimed, so that info measures the cache the library really built
         read = record["read"]
         cache_info = {
             "kind": cache,
             "layout": self.decode_layouts[cache],
-            # the keys a step reads at most (the prefill's own when there is no step): W - 1 + step with a window
+            # the most key slots a step's attention read (the prefill's when there is no step), measured on the
+            # weights: W - 1 + step with a window, whichever layer holds the ring
             "slots": max(read[1:]) if len(read) > 1 else read[0],
             "stored_slots": record["stored"],  # what the cache's tensors hold between calls
-            "bytes": record["bytes"],  # K and V together, as allocated (the stored slots)
+            "bytes": record["bytes"],  # K and V together, as allocated
         }
         info = {**self._info(dtype), "cache": cache_info, "empty_rows_mapped": int(empty.sum())}
-        return PreparedDecode(run, to_numpy, info=info)
+        return PreparedDecode(run, to_numpy, step_stages=step_stages, info=info)
+
+    def _prepare_decode_step(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        *,
+        batch: int,
+        context: int,
+        step: int,
+        dtype: str,
+        device: str,
+        strategy: str,
+        cache: str,
+        seed: int,
+    ) -> Prepared:
+        import torch
+
+        driver = Driver(cfg, params, dtype)
+        rng = np.random.default_rng(seed)
+        x = torch.from_numpy(rng.standard_normal((batch, context + step, cfg.d_model))).to(driver.torch_dtype)
+        positions = torch.arange(context + step).expand(batch, -1)  # (B, context + step), a view
+        capacity = context + step
+        kv = driver.new_cache(cache, capacity)
+        if context:  # the prefill: the cache holds context real tokens of random numbers (a window's ring full)
+            with torch.no_grad():
+                driver.call(kv, x[:, :context], positions[:, :context], None)
+        new, new_positions = x[:, context:], positions[:, context:]  # (B, step, D), (B, step): views
+        # a cache that grows is cut back after each step (a ring not yet full too); a full ring stays full
+        refill = cfg.window is None or context + step < cfg.window
+
+        def step_call():
+            with torch.no_grad():
+                output, weights = driver.call(kv, new, new_positions, None)
+            if refill:
+                kv.layers[0].crop(-step)  # back to context tokens (DynamicLayer: a slice; StaticLayer: the length)
+            return output, weights
+
+        def forward():
+            return step_call()[0]
+
+        read = step_call()[1].shape[-1]  # once, untimed: the key slots a step reads, measured on the weights
+        layer = kv.layers[0]
+        info = {
+            **self._info(dtype),
+            "cache": {
+                "kind": cache,
+                "layout": self.decode_layouts[cache],
+                "slots": read,
+                "stored_slots": layer.keys.shape[-2],
+                "bytes": layer.keys.nbytes + layer.values.nbytes,
+            },
+        }
+        return Prepared(
+            forward, tensor_to_numpy, lambda: {"output": StageTensor(forward(), ("B", "Nq", "D"))}, info=info
+        )
+
+
+class Driver:
+    """One real module, its config and rotary module, called as ``MistralModel.forward`` calls its layers."""
+
+    def __init__(self, cfg: MHAConfig, params: MHAParams, dtype: str) -> None:
+        import torch
+
+        self.cfg = cfg
+        self.params = params
+        self.module, self.config, self.rotary = build_module(cfg, params, dtype)
+        self.torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+
+    def new_cache(self, kind: str, capacity: int):
+        """The library's cache for the model's config: its sliding layers where the config has a window."""
+        from transformers import DynamicCache, StaticCache
+
+        if kind == DYNAMIC:
+            return DynamicCache(config=self.config)
+        return StaticCache(config=self.config, max_cache_len=capacity)  # a sliding layer takes min(W, capacity)
+
+    def call(self, kv, chunk, position_ids, pad):
+        """One call of the layer on ``chunk`` (B, s, D) at ``position_ids`` (B, s), as the model makes it.
+
+        ``pad``: the 2-D padding mask (B, tokens seen so far, this call's included), 1 = real, or None.
+        Returns the module's (output (B, s, D), weights (B, H, s, slots read)).
+        """
+        mask4d = mask_function(self.cfg)(
+            config=self.config, inputs_embeds=chunk, attention_mask=pad, cache=kv, position_ids=position_ids
+        )
+        cos_sin = self.rotary(chunk, position_ids)  # the model's rotary module: (B, s, Dk) each, float32 angles
+        return self.module(chunk, position_embeddings=cos_sin, attention_mask=mask4d, cache=kv)
+
+    def decode(self, inputs: DecodeInputs, kind: str, *, record: dict | None = None, stages: list | None = None):
+        """The prefill, then every step through a fresh cache of ``kind``: every token's output (B, N, D).
+
+        ``record`` gets the key slots each call read, the stored slots and the bytes; ``stages`` (a list) gets
+        each chunk's recorded stage tensors (`StageRecording`).
+        """
+        import torch
+
+        x = torch.from_numpy(inputs.x).to(self.torch_dtype)  # (B, N, D), a copy
+        positions = torch.from_numpy(inputs.positions)  # (B, N) int64, a view
+        pad = None if inputs.mask is None else torch.from_numpy(inputs.mask.astype(np.int64))  # (B, N), 1 = real
+        capacity = inputs.tokens  # StaticCache(max_cache_len=N): run_decode never writes past it
+        kv = self.new_cache(kind, capacity)
+        outputs, read = [], []
+        with torch.no_grad():
+            for start, stop in inputs.chunks():
+                if kind == STATIC and self.cfg.window is None:
+                    check_capacity(capacity, start, stop - start)  # a write past max_cache_len: CacheFull
+                args = (kv, x[:, start:stop], positions[:, start:stop], None if pad is None else pad[:, :stop])
+                if stages is None:
+                    output, weights = self.call(*args)
+                else:
+                    with StageRecording(self, kv) as recording:
+                        output, weights = self.call(*args)
+                    stages.append(recording.stages(self.cfg, output))
+                outputs.append(output)
+                read.append(weights.shape[-1])  # (B, H, s, slots read): the keys this call attended over
+        if record is not None:
+            layer = kv.layers[0]
+            record.update(read=read, stored=layer.keys.shape[-2], bytes=layer.keys.nbytes + layer.values.nbytes)
+        return torch.cat(outputs, dim=1)  # (B, N, D), a copy
+
+
+RECORDED = "mha-rosetta-eager-recorded"  # the eager attention, registered under this name, which also records
+_RECORDINGS: list[dict] = []  # the recording in progress (StageRecording), innermost last
+
+
+def _register_recorded() -> None:
+    """Register ``RECORDED`` in transformers' attention and mask interfaces, once (additive: a new name only).
+
+    It is the family's own ``eager_attention_forward`` and ``eager_mask``; it also keeps the rotated queries it
+    was given and the context it returned, which the module never exposes.
+    """
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    if RECORDED in AttentionInterface._global_mapping:
+        return
+
+    def recorded(module, query, key, value, attention_mask, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward  # the family's own
+        output, weights = eager(module, query, key, value, attention_mask, **kwargs)
+        if _RECORDINGS:
+            _RECORDINGS[-1].update(q_rotated=query, context=output)  # (B, H, s, Dk), (B, s, H, Dv)
+        return output, weights
+
+    AttentionInterface.register(RECORDED, recorded)
+    AttentionMaskInterface.register(RECORDED, eager_mask)
+
+
+class StageRecording:
+    """For one call: the module switched to ``RECORDED``, hooks on its linears and the cache's ``update`` wrapped."""
+
+    def __init__(self, driver: Driver, kv) -> None:
+        self.driver, self.kv = driver, kv
+        self.seen: dict = {}
+
+    def __enter__(self):
+        _register_recorded()
+        module, seen = self.driver.module, self.seen
+        self.before = self.driver.config._attn_implementation
+        self.driver.config._attn_implementation = RECORDED
+        keep = lambda name: lambda _module, _args, output: seen.__setitem__(name, output)  # noqa: E731
+        self.hooks = [
+            module.q_proj.register_forward_hook(keep("q")),
+            module.k_proj.register_forward_hook(keep("k")),
+            module.v_proj.register_forward_hook(keep("v")),
+            module.o_proj.register_forward_pre_hook(lambda _module, args: seen.__setitem__("merged", args[0])),
+        ]
+        update = self.kv.update
+
+        def recorded_update(key_states, value_states, *args, **kwargs):
+            seen.update(k_rotated=key_states, v_written=value_states)  # the new keys, as written to the cache
+            return update(key_states, value_states, *args, **kwargs)
+
+        self.kv.update = recorded_update  # this cache object only
+        _RECORDINGS.append(seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _RECORDINGS.remove(self.seen)
+        del self.kv.update  # the class's method again
+        for hook in self.hooks:
+            hook.remove()
+        self.driver.config._attn_implementation = self.before
+
+    def stages(self, cfg: MHAConfig, output) -> dict[str, StageTensor]:
+        """The chunk's stage tensors as the library held them (the chunk's tokens on the token axis)."""
+        seen, d = self.seen, cfg.d_k
+        B, s = output.shape[:2]
+        head_split = "view(B, s, -1, head_dim).transpose(1, 2), as the module splits them"
+
+        def heads(name):  # (B, s, G*d) -> (B, G, s, d), a view: the module's own split
+            return seen[name].view(B, s, -1, d).transpose(1, 2)
+
+        return {
+            "q": StageTensor(seen["q"], ("B", "Nq", "H*Dk"), "q_proj's output (forward hook)"),
+            "k": StageTensor(seen["k"], ("B", "Nk", "Hkv*Dk"), "k_proj's output (forward hook)"),
+            "v": StageTensor(seen["v"], ("B", "Nk", "Hkv*Dv"), "v_proj's output (forward hook)"),
+            "q_heads": StageTensor(heads("q"), ("B", "H", "Nq", "Dk"), head_split, "view", "q"),
+            "k_heads": StageTensor(heads("k"), ("B", "Hkv", "Nk", "Dk"), head_split, "view", "k"),
+            "v_heads": StageTensor(seen["v_written"], ("B", "Hkv", "Nk", "Dv"), "the values cache.update was given"),
+            "q_rotated": StageTensor(
+                seen["q_rotated"],
+                ("B", "H", "Nq", "Dk"),
+                "the queries the attention function was given",
+                "new",
+                "q_heads",
+            ),
+            "k_rotated": StageTensor(
+                seen["k_rotated"], ("B", "Hkv", "Nk", "Dk"), "the new keys cache.update was given", "new", "k_heads"
+            ),
+            "context": StageTensor(seen["context"], ("B", "Nq", "H", "Dv"), "the attention function's output"),
+            "merged": StageTensor(seen["merged"], ("B", "Nq", "H*Dv"), "o_proj's input (forward pre-hook)"),
+            "output": StageTensor(output, ("B", "Nq", "D"), "the module's output"),
+        }

@@ -376,18 +376,28 @@ class Driver:
         cos_sin = self.rotary(chunk, position_ids)  # the model's rotary module: (B, s, Dk) each, float32 angles
         return self.module(chunk, position_embeddings=cos_sin, attention_mask=mask4d, cache=kv)
 
-    def decode(self, inputs: DecodeInputs, kind: str, *, record: dict | None = None, stages: list | None = None):
+    def decode(
+        self,
+        inputs: DecodeInputs,
+        kind: str,
+        *,
+        capacity: int | None = None,
+        record: dict | None = None,
+        stages: list | None = None,
+    ):
         """The prefill, then every step through a fresh cache of ``kind``: every token's output (B, N, D).
 
-        ``record`` gets the key slots each call read, the stored slots and the bytes; ``stages`` (a list) gets
-        each chunk's recorded stage tensors (`StageRecording`).
+        ``capacity``: a static cache's ``max_cache_len`` (default N, which run_decode never exceeds); a write
+        past it is `CacheFull` before the library's ``index_copy_`` sees it. ``record`` gets the key slots each
+        call read, the stored slots and the bytes; ``stages`` (a list) gets each chunk's recorded stage tensors
+        (`StageRecording`).
         """
         import torch
 
         x = torch.from_numpy(inputs.x).to(self.torch_dtype)  # (B, N, D), a copy
         positions = torch.from_numpy(inputs.positions)  # (B, N) int64, a view
         pad = None if inputs.mask is None else torch.from_numpy(inputs.mask.astype(np.int64))  # (B, N), 1 = real
-        capacity = inputs.tokens  # StaticCache(max_cache_len=N): run_decode never writes past it
+        capacity = inputs.tokens if capacity is None else capacity
         kv = self.new_cache(kind, capacity)
         outputs, read = [], []
         with torch.no_grad():

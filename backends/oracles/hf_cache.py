@@ -217,12 +217,12 @@ class HFAttentionOracle(Backend):
         padding = None
         if inputs.mask is not None:
             mask = inputs.mask  # (1|B, 1|H, 1|Nq, Nk) bool
-            if mask.shape[1] != 1 or mask.shape[2] != 1:
+            if not np.array_equal(mask, np.broadcast_to(mask[:, :1, :1, :], mask.shape)):
                 raise UnsupportedCase(
                     f"{self.name}: the model takes a 2-D padding mask (batch, tokens) only, got a mask of shape "
-                    f"{mask.shape} (per head or per query)"
+                    f"{mask.shape} that differs between heads or queries"
                 )
-            padding = np.broadcast_to(mask[:, 0, 0, :], (inputs.batch, inputs.kv_tokens))  # (B, N)
+            padding = np.broadcast_to(mask[:, 0, 0, :], (inputs.batch, inputs.kv_tokens))  # (B, N), a view
         module, config, rotary = build_module(cfg, params, dtype)
         torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
         x = torch.from_numpy(inputs.query).to(torch_dtype)  # (B, N, D), a copy

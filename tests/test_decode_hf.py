@@ -156,6 +156,8 @@ def test_a_static_cache_past_its_capacity_is_cache_full():
         (MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", softcap=30.0), {}, "does not implement softcap"),
         (MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", qk_norm="head"), {}, "qk_norm_head"),
         (MHAConfig(d_model=16, n_heads=4, causal=True, rope="interleaved"), {}, "LlamaAttention applies rope='half'"),
+        (MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", rope_dims=2), {}, "rotates every feature"),
+        (MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", bias="qkv"), {}, "does not implement qkv_bias"),
         (MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", window=3), {}, "MistralAttention has no biases"),
         (GQA, {"cache": "paged"}, "no 'paged' cache"),
         (GQA, {"strategy": "per_head"}, "standard strategy only"),
@@ -171,6 +173,13 @@ def test_positions_the_index_masks_cannot_follow_are_refused(oracle):
     positions = np.array([0, 1, 2, 2, 3, 4, 5, 6, 7])  # two tokens at position 2 see each other in the spec
     with pytest.raises(UnsupportedCase, match="increase strictly"):
         oracle.run_decode(GQA, init_params(GQA), _x(), prefill=2, positions=positions)
+
+
+def test_the_forward_follows_positions_with_gaps(oracle):
+    params, x = init_params(GQA, seed=1), _x(tokens=5)
+    positions = np.array([0, 2, 3, 7, 8])  # increasing, so causal on indices; not one sequence of steps of one
+    output = oracle.run(GQA, params, x, positions=positions, dtype="float32")
+    assert compare(output, reference_mha(GQA, params, x, positions=positions), "float32").ok
 
 
 def test_the_forward_is_the_full_causal_forward_in_float32(oracle):

@@ -53,8 +53,6 @@ from mha_rosetta.core.decode import DecodeInputs, check_capacity, decode_allowed
 from ..base import Backend, Prepared, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
 
 DYNAMIC, STATIC = "dynamic", "static"
-# Which torch dtype each offered dtype builds the module in.
-_TORCH_DTYPES = {"float64": "float64", "float32": "float32"}
 FLOAT32_INSIDE = (
     "float32 inside a float64 module: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
     "rotary module's angles (inv_freq and positions in torch.float): a float64 run agrees at float32's level"
@@ -119,7 +117,7 @@ def build_module(cfg: MHAConfig, params: MHAParams, dtype: str):
     config._attn_implementation = "eager"  # Hugging Face's reference path (and it returns the weights)
     module = Attention(config, layer_idx=0).double().eval()
     module = to_module(cfg, params, module)  # the layout's converter; refuses a module built for another cfg
-    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    torch_dtype = getattr(torch, dtype)
     module = module.to(torch_dtype).requires_grad_(False)
     rotary = Rotary(config)  # its forward computes the angles in float32 and returns x's dtype
     return module, config, rotary
@@ -181,6 +179,9 @@ class HFAttentionOracle(Backend):
         "left pads at position -1 (cumsum(mask) - 1); generate puts 1 there (masked_fill(attention_mask == 0, 1)): "
         "only the pad's own rotary differs, and nothing reads it (its key is masked, its row empty)",
         "the positions' rotary tables come from the model's rotary module (float32 angles), not the spec's",
+        "without a cache and a 2-D mask, the mask functions read position_ids that do not advance by one as "
+        "packed sequences (find_packed_sequence_indices) and block attention across them: the forward builds "
+        "its mask from the indices alone",
     )
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
@@ -224,16 +225,16 @@ class HFAttentionOracle(Backend):
                 )
             padding = np.broadcast_to(mask[:, 0, 0, :], (inputs.batch, inputs.kv_tokens))  # (B, N), a view
         module, config, rotary = build_module(cfg, params, dtype)
-        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+        torch_dtype = getattr(torch, dtype)
         x = torch.from_numpy(inputs.query).to(torch_dtype)  # (B, N, D), a copy
         position_ids = torch.from_numpy(np.broadcast_to(inputs.positions, inputs.query.shape[:2]).copy())  # (B, N)
         pad = None if padding is None else torch.from_numpy(padding.astype(np.int64))  # (B, N), 1 = real
 
         def call():
             with torch.no_grad():
-                mask4d = mask_function(cfg)(
-                    config=config, inputs_embeds=x, attention_mask=pad, cache=None, position_ids=position_ids
-                )
+                # No position_ids for the mask: without a cache and a 2-D mask it would read positions that
+                # do not advance by one as packed sequences; rule 7 already refused positions off the indices.
+                mask4d = mask_function(cfg)(config=config, inputs_embeds=x, attention_mask=pad, cache=None)
                 return module(x, position_embeddings=rotary(x, position_ids), attention_mask=mask4d)
 
         def native_stages():
@@ -354,7 +355,7 @@ class Driver:
         self.cfg = cfg
         self.params = params
         self.module, self.config, self.rotary = build_module(cfg, params, dtype)
-        self.torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+        self.torch_dtype = getattr(torch, dtype)
 
     def new_cache(self, kind: str, capacity: int):
         """The library's cache for the model's config: its sliding layers where the config has a window."""

@@ -31,12 +31,21 @@ Design rules:
   padding); other positions are refused with the reason, never run under the other rule.
 * The float32 inside a float64 module (eager's softmax, the rotary angles) is declared, and a float64 run's
   ``info`` names the tolerance that holds it (``tolerance_dtype``: "float32"), as `models` runs do
-  (``RealRun.precision``). The forward (`_prepare`, the full causal forward through the same module) is
+  (``RealRun.precision``): the decode check compares such a run under ``core.tolerance_for(info["tolerance_dtype"])``
+  and calls the gap to float64's a known difference, as the gradient check does for a declared
+  ``half_precision_softmax``. The forward (`_prepare`, the full causal forward through the same module) is
   offered in float32 only for that reason: the forward check holds float64 runs to float64's tolerance.
 * A query row with no allowed key (a left pad) is a uniform average in eager (its additive mask is the
   dtype's minimum, not -inf); the decode run maps such rows to the spec's answer (zero weights: output =
   b_o) and counts them in ``info["empty_rows_mapped"]``; the forward passes them through for the check's
   empty-row rule.
+* The step stages are the library's tensors: forward hooks on the four linears (q, k, v, merged), the new
+  keys and values the module hands ``cache.update`` (k_rotated, v_heads) and, for the rotated queries and
+  the context, the family's own ``eager_attention_forward`` registered once in transformers' attention and
+  mask interfaces under a name of this project's (``RECORDED``: additive, the library's own names untouched).
+* The bench's step (`prepare_decode`): the prefill of ``context`` random tokens fills the cache once; each
+  timed call is one step (its mask, rotary and the module), after which a growing cache is cut back with the
+  layer's own ``crop``; a full ring stays full, so the step's cost does not drift.
 
 transformers and torch are imported inside the methods (base rule 4).
 """

@@ -8,6 +8,8 @@ Modules, one job each (none imports a framework at import time):
 - `flops`: the matmul FLOP count (formula in its docstring);
 - `cell`: one measured cell (``python -m mha_rosetta.benchmarks.cell '<json>'``);
 - `gemm`: the GEMM peak, same dtype, device and threads, best installed library;
+- `bandwidth`: the copy bandwidth, measured like the GEMM peak, and the limit of a decode step;
+- `decode`: ``bench --mode decode``, one KV-cache decode step per context (``python -m mha_rosetta.benchmarks.decode``);
 - `presets`: the named presets (the choices of ``bench --preset``);
 - `plan`: implementation names and groups, resolved from the registry;
 - `sweep`: the sweep: settings, cells, rounds and resume;

@@ -144,3 +144,109 @@ def markdown_table(report: dict) -> str:
             for warning in cell["warnings"]:
                 lines.append(f"- `{cell_label(cell)}` N={cell['tokens']}: {warning}")
     return "\n".join(lines) + "\n"
+
+
+# ``bench --mode decode`` (benchmarks.decode): one row per (implementation, window, context).
+DECODE_COLUMNS = (
+    "implementation", "cache", "W", "context", "step ms", "rounds ms", "KV MiB read", "limit ms", "% of limit",
+    "% with weights", "tokens/s", "prefill ms", "prefill / step", "cache slots", "cache MiB", "cores", "status",
+)  # fmt: skip
+
+
+def decode_row(cell: dict) -> list[str]:
+    """One decode table row (`DECODE_COLUMNS`); the figures are those `decode.enrich_decode_cell` added."""
+    ok = cell.get("status") == "ok"
+    cache = cell.get("cache_info") if isinstance(cell.get("cache_info"), dict) else {}
+    status = cell.get("status", "")
+    if not ok:
+        status += f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:160]
+    elif cell.get("warnings"):
+        status += " (drift)" if cell.get("drift") else " (!)"
+    if ok and cell.get("prefill_status") not in (None, "ok"):
+        status += f"; prefill {cell['prefill_status']}" + (
+            f": {cell['prefill_error'][:80]}" if cell.get("prefill_error") else ""
+        )
+    fraction = cell.get("limit_fraction")
+    with_weights = cell.get("limit_fraction_with_weights")
+    return [
+        f"`{cell['implementation']}`", str(cache.get("kind") or cell.get("cache") or ""),
+        "" if cell.get("window") is None else str(cell["window"]), str(cell["context"]),
+        _ms(cell.get("step_s")) if ok else "", round_range_text(cell) if ok else "",
+        f"{cell['kv_read_bytes'] / 2**20:.2f}" if cell.get("kv_read_bytes") is not None else "",
+        _ms(cell.get("limit_s")),
+        "" if fraction is None else f"{100 * fraction:.1f}%",
+        "" if with_weights is None else f"{100 * with_weights:.1f}%",
+        _fmt(cell.get("tokens_per_s"), ".0f"), _ms(cell.get("prefill_median_s")),
+        _fmt(cell.get("prefill_over_step"), ".0f"), str(cache.get("slots", "")),
+        _fmt(cell.get("cache_mb"), ".2f"), _fmt(cell.get("cpu_util"), ".2f"), status,
+    ]  # fmt: skip
+
+
+def decode_markdown(report: dict) -> str:
+    """A decode report as Markdown: the bandwidth, the layer, the rounds, one row per cell, the cache layouts."""
+    settings = report["settings"]
+    lines = []
+    for record in report.get("bandwidth", []):
+        gbps = record.get("gbps")
+        measured = [value for value in record.get("round_gbps") or [] if value is not None]
+        text = f"{gbps:.2f} GB/s ({record.get('library')}" if gbps else "not measured"
+        if gbps:
+            text += f", {record.get('array_mb', 0):.0f} MiB arrays, {record.get('array_rule', '')}"
+            low, high = record.get("spread_gbps") or (gbps, gbps)
+            text += f"; the median of {len(measured)} rounds, {low:.2f}-{high:.2f})" if len(measured) > 1 else ")"
+        lines.append(f"Copy bandwidth {record['device']}, {record['threads']} thread(s): {text}  ")
+        lines += [f"(!) {warning}  " for warning in record.get("warnings") or []]
+    machine = report.get("machine", {})
+    if machine:
+        lines.append(
+            f"Machine: {machine.get('cpu_model')}, {machine.get('cores')} cores, Python {machine.get('python')}  "
+        )
+    window = f"; the windowed row W={settings['window']}" if settings.get("window") else ""
+    lines.append(
+        f"Layer: d_model {settings['d_model']}, {settings['heads']} heads, {settings['kv_heads']} kv heads, "
+        f"d_k {settings['d_k']}, rope {settings.get('rope')}, {settings['dtype']}, B={settings['batch']}, "
+        f"{settings['step']} token(s) per step{window}  "
+    )
+    lines.append(
+        "Limit: the K and V bytes a step reads (B x slots x Hkv x (Dk + Dv) x itemsize; slots = the context, "
+        'at most the ring\'s W - 1 + step) over the copy bandwidth; "% with weights" adds the four projection '
+        "matrices the step also reads. Prefill: one forward of the context through the decode path "
+        "(prefill=context), raw median  "
+    )
+    rounds = report.get("rounds")
+    if rounds:
+        lines.append(
+            f"Rounds: {rounds['count']} (seed {rounds['seed']}), each visiting every cell once in a shuffled order  "
+        )
+    lines.append("")
+    lines += reference_lines(report)
+    lines += table_lines(DECODE_COLUMNS, [decode_row(cell) for cell in report["cells"]])
+    cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache") and cell.get("status") == "ok"]
+    if cached:
+        llc = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)
+        shown = ", ".join(
+            f"{cell['implementation']} {cell['context']}" + (f" W={cell['window']}" if cell.get("window") else "")
+            for cell in cached
+        )
+        lines += [
+            "",
+            f"(!) The bytes these steps read (K, V and the weights) fit in the last-level cache "
+            f"({llc / 2**20:.0f} MiB): the repeated timed steps may read them from the cache, not from memory, so "
+            f"their % of the (memory) limit may pass 100%: {shown}",
+        ]
+    layouts = {}
+    for cell in report["cells"]:
+        cache = cell.get("cache_info")
+        if isinstance(cache, dict) and cache.get("layout"):
+            layouts.setdefault((cell["implementation"], cache.get("kind")), cache["layout"])
+    if layouts:
+        lines += ["", "Cache layouts:", ""]
+        lines += [f"- `{label}` {kind}: {layout}" for (label, kind), layout in layouts.items()]
+    warned = [cell for cell in report["cells"] if cell.get("warnings")]
+    if warned:
+        lines += ["", "(!) warnings:"]
+        for cell in warned:
+            lines += [
+                f"- `{cell['implementation']}` context={cell['context']}: {warning}" for warning in cell["warnings"]
+            ]
+    return "\n".join(lines) + "\n"

@@ -166,3 +166,78 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
         )
         written.append(save_figure(plt, figure, directory / "gflops_at_reference_size.png"))
     return written
+
+
+def _decode_series_label(cell: dict) -> str:
+    return cell["implementation"] + ("" if cell.get("window") is None else f" (W={cell['window']})")
+
+
+def plot_decode(report: dict, directory: str | Path) -> list[Path]:
+    """``bench --mode decode``: the step time against the context (log-log, one line per implementation and
+    window, bars: the range over rounds) with the bandwidth limit of the K and V reads as black lines (solid
+    without a window, dotted with one), and below it each cache's memory (its O(W) with a window).
+    Returns the file written (PNG), or [] without a measured cell."""
+    from .decode import PLOT_NAME
+
+    ok = [cell for cell in report["cells"] if cell.get("status") == "ok" and cell.get("step_s")]
+    if not ok:
+        return []
+    plt, directory = pyplot_into(directory)
+    figure, (axes, memory_axes) = plt.subplots(
+        2, 1, figsize=(11, 9.5), sharex=True, gridspec_kw={"height_ratios": (3, 2)}
+    )
+    colors = plt.get_cmap("tab20").colors
+    labels = sorted({_decode_series_label(cell) for cell in ok})
+    for index, label in enumerate(labels):
+        cells = sorted((cell for cell in ok if _decode_series_label(cell) == label), key=lambda cell: cell["context"])
+        contexts = [cell["context"] for cell in cells]
+        medians = [cell["step_s"] * 1e3 for cell in cells]
+        below = [max(0.0, (cell["step_s"] - cell["step_spread_s"][0]) * 1e3) for cell in cells]
+        above = [max(0.0, (cell["step_spread_s"][1] - cell["step_s"]) * 1e3) for cell in cells]
+        colour, marker, dash = line_style(index)
+        axes.errorbar(
+            contexts, medians, yerr=[below, above], label=label, capsize=2, color=colors[colour], marker=marker,
+            linestyle=dash,
+        )  # fmt: skip
+        memory = [(cell["context"], cell["cache_mb"]) for cell in cells if cell.get("cache_mb") is not None]
+        if memory:
+            memory_axes.plot(
+                [m[0] for m in memory], [m[1] for m in memory], color=colors[colour], marker=marker, linestyle=dash
+            )
+    for window, style in ((None, "-"), *((w, ":") for w in sorted({c["window"] for c in ok if c.get("window")}))):
+        limits = sorted({(c["context"], c["limit_s"]) for c in ok if c.get("window") == window and c.get("limit_s")})
+        if limits:
+            name = "bandwidth limit (K, V reads)" + ("" if window is None else f", W={window}")
+            axes.plot(
+                [p[0] for p in limits], [p[1] * 1e3 for p in limits], color="black", linestyle=style, label=name,
+            )  # fmt: skip
+    weighted = sorted(
+        {
+            (c["context"], c["limit_with_weights_s"])
+            for c in ok
+            if c.get("window") is None and c.get("limit_with_weights_s")
+        }
+    )
+    if weighted:
+        axes.plot(
+            [p[0] for p in weighted], [p[1] * 1e3 for p in weighted], color="grey", linestyle="--",
+            label="bandwidth limit with the projection weights",
+        )  # fmt: skip
+    settings = report["settings"]
+    bandwidth = ", ".join(f"{b['gbps']:.1f} GB/s" for b in report.get("bandwidth", []) if b.get("gbps"))
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    what = "drift-corrected median" if any(is_corrected(cell) for cell in ok) else "median"
+    axes.set_ylabel(f"{what} time per step (ms; bars: range over rounds)")
+    axes.set_title(
+        f"decode, B={settings['batch']}, {settings['step']} token/step, d_model={settings['d_model']}, "
+        f"{settings['heads']}/{settings['kv_heads']} heads, d_k={settings['d_k']}, {settings['dtype']},\n"
+        f"{settings['threads']} thread(s); copy bandwidth {bandwidth or 'not measured'}"
+    )
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    memory_axes.set_yscale("log")
+    memory_axes.set_xlabel("context (cached tokens)")
+    memory_axes.set_ylabel("KV cache (MiB, info['cache']['bytes'])")
+    memory_axes.grid(True, which="both", alpha=0.3)
+    return [save_figure(plt, figure, directory / PLOT_NAME)]

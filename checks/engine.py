@@ -1,7 +1,7 @@
 """One engine for every check: plan the runs, execute them (here or in a worker pool), compare as they arrive.
 
-A check is a *job* (the forward check `agreement.FORWARD`, the gradient check `grad.GRADIENT`;
-a decode check plugs in the same way) with five parts:
+A check is a *job* (the forward check `agreement.FORWARD`, the gradient check `grad.GRADIENT`,
+the decode check `decode.DECODE`) with five parts:
 
 * ``oracle(case, dtypes)``: the float64 answer of one case, built once per case in the parent
   and once per case in each worker that runs it;
@@ -96,7 +96,18 @@ def run_job(
         for dtype, impls in plan:
             group = _Group(case, dtype, [], oracle)
             for impl in impls:
-                task = Task(position, job, check, case, dtypes, impl.backend, impl.strategy, impl.device, dtype)
+                task = Task(
+                    position,
+                    job,
+                    check,
+                    case,
+                    dtypes,
+                    impl.backend,
+                    impl.strategy,
+                    impl.device,
+                    dtype,
+                    cache=impl.cache,
+                )
                 tasks.append(task)
                 group.indices.append(position)
                 position += 1

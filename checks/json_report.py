@@ -1,4 +1,4 @@
-"""The check's machine-readable result: versioned JSON (`SCHEMA_VERSION`) of the forward and the gradient check.
+"""The check's machine-readable result: versioned JSON (`SCHEMA_VERSION`) of the forward, gradient and decode checks.
 
 Non-finite numbers appear as the strings "inf", "-inf" and "nan", because JSON has no literal
 for them. `write_json` writes atomically (`core.files.write_output`).
@@ -16,7 +16,7 @@ from mha_rosetta.core.errors import INTERRUPTED
 from mha_rosetta.report.provenance import provenance
 
 from .matrices import Cell, Matrix, build_matrices, worst_by_dtype, worst_cases
-from .results import STATUS_MEANING, CheckResult, GradCheckResult, Pair, Run
+from .results import STATUS_MEANING, CheckResult, DecodeCheckResult, GradCheckResult, Pair, Run
 
 SCHEMA_VERSION = 1
 
@@ -33,16 +33,21 @@ def json_number(value: float | None):
 
 
 def run_identity_json(run) -> dict:
-    """The keys that say which run a JSON entry is, shared by the forward and the gradient check (`checks.grad`)."""
-    return {
+    """The keys that say which run a JSON entry is, shared by the forward, gradient and decode checks.
+
+    ``cache`` (the decode check's KV-cache kind) appears only where there is one, so the
+    forward and gradient checks' JSON is unchanged.
+    """
+    identity = {
         "case": run.case,
         "implementation": run.label,
         "backend": run.impl.backend,
         "strategy": run.impl.strategy,
         "device": run.impl.device,
-        "dtype": run.dtype,
-        "kind": run.kind,
     }
+    if run.impl.cache:
+        identity["cache"] = run.impl.cache
+    return {**identity, "dtype": run.dtype, "kind": run.kind}
 
 
 def _run_json(run: Run) -> dict:
@@ -225,3 +230,30 @@ def grad_to_json(result: GradCheckResult) -> dict:
         "broken_backends": result.broken_backends,
         "timings": result.timings,
     }
+
+
+def decode_to_json(result: DecodeCheckResult) -> dict:
+    """``mha-rosetta check --decode --json``: the forward check's document (`to_json`) for decode runs.
+
+    Each run and pair adds ``where`` (the first chunk, its position and first divergent stage,
+    "" when it agrees); a run's ``cache`` (in its identity) and ``info["cache"]`` say which cache
+    it ran and its kind, layout, slots and bytes; each case lists its ``chunks``.
+    """
+    data = to_json(result)
+    data["tool"] = "mha-rosetta check --decode"
+    for entry, run in zip(data["runs"], result.runs, strict=True):
+        entry["where"] = run.where
+    for entry, pair in zip(data["pairs"], result.pairs, strict=True):
+        entry["where"] = pair.where
+    return data
+
+
+def write_decode_json(result: DecodeCheckResult, path: str, partial: bool = False) -> None:
+    """Write the decode check's JSON to ``path`` atomically (or stdout for "-"); ``partial`` as `write_json`'s."""
+    from mha_rosetta.core.files import write_output
+
+    data = decode_to_json(result)
+    if partial:
+        data["interrupted"], data["exit_status"] = True, INTERRUPTED
+        data["verdict"] = "interrupted: the results that finished are here (the check did not end)"
+    write_output(path, json.dumps(data, indent=1, default=str) + "\n")

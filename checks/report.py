@@ -296,17 +296,20 @@ def rich_available() -> bool:
     return importable("rich")
 
 
-def timing_blocks(result: CheckResult, grad=None) -> list[Block]:
-    """``check --timings``: per backend, seconds importing its libraries, compiling and running, per check."""
+def timing_blocks(result: CheckResult, grad=None, title: str = "forward check") -> list[Block]:
+    """``check --timings``: per backend, seconds importing its libraries, compiling and running, per check.
+
+    ``title`` names ``result``'s check ("decode check" for ``check --decode``).
+    """
     blocks = []
-    for title, timings in (("forward check", result.timings), ("gradient check", grad.timings if grad else {})):
+    for heading, timings in ((title, result.timings), ("gradient check", grad.timings if grad else {})):
         if not timings or not timings.get("backends"):
             continue
         rows = sorted(
             timings["backends"].items(), key=lambda item: -sum(item[1][k] for k in ("import", "compile", "run"))
         )
         block = Block(
-            f"Timings, {title}: {format_seconds(timings['wall'])} wall with "
+            f"Timings, {heading}: {format_seconds(timings['wall'])} wall with "
             + (f"{timings['jobs']} worker process(es)" if timings["jobs"] else "every run in this process"),
             ["backend", "runs", "import", "compile", "run", "total"],
         )

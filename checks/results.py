@@ -71,16 +71,21 @@ def worst_status(statuses: Iterable[Status]) -> Status | None:
 
 @dataclass(frozen=True)
 class Implementation:
-    """One (backend, strategy, device): a row and a column of the agreement matrix."""
+    """One (backend, strategy, device[, cache]): a row and a column of the agreement matrix.
+
+    ``cache`` is the decode check's KV-cache kind (`Backend.decode_caches`); "" everywhere else.
+    """
 
     backend: str
     strategy: str = STANDARD
     device: str = "cpu"
+    cache: str = ""
 
     @property
     def label(self) -> str:
-        """``torch``, ``numpy:per_head``, ``torch:direct_reshape@gpu``."""
+        """``torch``, ``numpy:per_head``, ``torch:direct_reshape@gpu``, ``torch[static]`` (a decode cache)."""
         label = self.backend if self.strategy == STANDARD else f"{self.backend}:{self.strategy}"
+        label = label if not self.cache else f"{label}[{self.cache}]"
         return label if self.device == "cpu" else f"{label}@{self.device}"
 
     @property
@@ -299,3 +304,30 @@ class GradCheckResult(Outcome):
         return (
             "gradients: OK: every implementation agrees or has a named known difference; every known mistake is caught"
         )
+
+
+@dataclass
+class DecodeRun(Run):
+    """One implementation's decode run (prefill, then steps through its cache) against the full-forward oracle.
+
+    ``output`` is every token's output, (B, N, D); ``where`` names the first chunk, its position
+    and its first divergent stage when the run disagrees ("step 3 (position 7) diverges at
+    q_rotated"); ``info["cache"]`` is the cache's kind, layout, slots and bytes.
+    """
+
+    where: str = ""
+
+
+@dataclass
+class DecodePair(Pair):
+    """Two decode runs of the same case and dtype, with ``where`` they part when they disagree."""
+
+    where: str = ""
+
+
+@dataclass
+class DecodeCheckResult(CheckResult):
+    """Everything ``mha-rosetta check --decode`` produced (``cases`` are `checks.decode_cases.DecodeCase`)."""
+
+    def verdict(self) -> str:
+        return "decode: " + super().verdict()

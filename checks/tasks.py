@@ -29,10 +29,11 @@ class Task:
     device: str
     dtype: str
     stages: bool = False  # a stage dump for a pair's first-divergence report instead of a run
+    cache: str = ""  # the decode check's KV-cache kind (`Implementation.cache`); "" for the others
 
     @property
     def impl(self) -> Implementation:
-        return Implementation(self.backend, self.strategy, self.device)
+        return Implementation(self.backend, self.strategy, self.device, self.cache)
 
     def describe(self) -> str:
         return f"{self.impl.label} on case {self.case.name} ({self.dtype})"

@@ -12,6 +12,9 @@ the spread. The estimated duration is printed before the sweep starts.
 Finished visits go to a partial file as they end, so an interrupted sweep can ``--resume``.
 ``--write-docs DIR`` writes DIR/bench/ and regenerates the benchmark block of DIR/benchmarks.md;
 ``--render JSON`` does the same from a saved report without measuring (`benchmarks.readme`).
+``--mode decode`` times one KV-cache decode step per implementation and context length
+(``--contexts``) against the copy bandwidth measured in the same run (`benchmarks.decode`);
+its ``--write-docs DIR`` writes DIR/bench/decode.{json,md}, the plot, and the README's decode block.
 Exit status: 0 when every cell was measured or is unsupported here, 1 when a cell failed,
 2 for bad arguments, 130 when interrupted (finished cells kept).
 """
@@ -60,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  mha-rosetta bench --questions-only\n"
         "  mha-rosetta bench --preset reference --rounds 3 --write-docs docs\n"
         "  mha-rosetta bench --render docs/bench/reference.json --write-docs docs\n"
+        "  mha-rosetta bench --mode decode --contexts 1024,8192 --backends numpy,torch\n"
+        "  mha-rosetta bench --mode decode --write-docs docs\n"
         "implementation names: registry backends (numpy, torch, torch-sdpa, ...), optionally\n"
         "':strategy' (numpy:slicing, torch:per_head), or the groups main, strategies, all.\n"
         "Lists take commas or repeated options: --backends numpy,torch --backends jax."
@@ -121,10 +126,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, metavar="S", help="the shuffle seed (default: drawn, and recorded)")
     parser.add_argument(
         "--mode",
-        choices=("fwd", "fwdbwd", "both"),
+        choices=("fwd", "fwdbwd", "both", "decode"),
         default="fwd",
         help="time the forward pass (default), forward+backward (run_vjp: a training step's attention, FLOPs "
-        "counted as 3x the forward's matrix products), or both, side by side",
+        "counted as 3x the forward's matrix products), or both, side by side; decode: one KV-cache decode "
+        "step per context length against the memory bandwidth (B=1, d_model 2048, 16 heads, 4 kv heads, "
+        "d_k 128, float32, 1k..32k tokens and a windowed row; --quick: a small layer at 256 and 1024)",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=_int_list,
+        metavar="LIST",
+        help="--mode decode: the cached tokens of each timed step, e.g. 1024,4096, for the full and the windowed "
+        "row alike (default from the preset)",
+    )
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        metavar="MODULE:CLASS",
+        help="--mode decode: register the Backend subclass at this import path, here and in every cell's "
+        "process (name it in --backends by its name)",
     )
     parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell (per round)")
     parser.add_argument("--min-time", type=float, metavar="S", help="minimum timed seconds per cell")
@@ -234,6 +255,9 @@ def _render_only(args: argparse.Namespace) -> int:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
     report.pop("baseline_comparison", None)  # compared again below when asked
+    if report.get("kind") == "decode":
+        _publish_decode(args, report)
+        return 0
     _publish(args, report, baseline)
     return 0
 
@@ -317,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
         return _render_only(args)
     if args.compare:
         return _compare_only(args)
+    if args.mode == "decode":
+        return _run_decode(args)
     try:
         settings = _settings(args)
         labels = resolve_implementations(settings.implementations)
@@ -374,6 +400,122 @@ def run(args: argparse.Namespace) -> int:
         return INTERRUPTED
     partial.unlink(missing_ok=True)  # the report holds everything now
     failures = failed_cells(report)
+    if failures:
+        print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)
+        return 1
+    return 0
+
+
+# Options of the forward sweep that a decode sweep does not take: named in the error, never ignored.
+_NOT_FOR_DECODE = (
+    ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"), ("baseline", "--baseline"),
+    ("resume", "--resume"), ("partial", "--partial"), ("questions", "--questions"),
+    ("questions_only", "--questions-only"), ("memory_budget", "--memory-budget"), ("preset", "--preset"),
+)  # fmt: skip
+
+
+def _decode_settings(args: argparse.Namespace):
+    from mha_rosetta.benchmarks.decode import decode_settings
+    from mha_rosetta.benchmarks.presets import DECODE_PRESETS
+
+    given = [flag for name, flag in _NOT_FOR_DECODE if getattr(args, name, None)]
+    if given:
+        raise ValueError(
+            f"--mode decode does not take {', '.join(given)} (it has --quick, --contexts and the shared options)"
+        )
+    for name, values in (
+        ("--dtypes", args.dtypes),
+        ("--batch", args.batch),
+        ("--d-model", args.d_model),
+        ("--heads", args.heads),
+    ):
+        if values is not None and len(values) != 1:
+            raise ValueError(f"--mode decode takes one value of {name}, got {values}")
+    name = "decode-quick" if args.quick else "decode"
+    policy = dict(DECODE_PRESETS[name]["policy"])
+    if args.repeats is not None:
+        policy["min_repeats"] = args.repeats
+        policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
+    if args.min_time is not None:
+        policy["min_time"] = args.min_time
+        policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
+    first = lambda values: None if values is None else values[0]  # noqa: E731
+    return decode_settings(
+        name, implementations=args.backends, contexts=args.contexts, window_contexts=args.contexts,
+        dtype=first(args.dtypes), devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy,
+        malloc=args.malloc, rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
+        heads=first(args.heads), plugins=args.plugin,
+    )  # fmt: skip
+
+
+def _publish_decode(args: argparse.Namespace, report: dict) -> str:
+    """The decode table on the terminal, and every file asked for (JSON, Markdown, the plot, the docs)."""
+    from mha_rosetta.benchmarks.markdown import decode_markdown
+
+    human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
+    table = decode_markdown(report)
+    human.write(table)
+    _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
+    _emit(args.markdown, table, label="Markdown")
+    try:
+        if args.plot:
+            from mha_rosetta.benchmarks.plots import plot_decode
+
+            for path in plot_decode(report, args.plot):
+                print(f"plot written to {path}", file=sys.stderr)
+        if args.write_docs:
+            from mha_rosetta.benchmarks.decode import write_decode_docs
+
+            for path in write_decode_docs(report, args.write_docs, table=table):
+                print(f"written: {path}", file=sys.stderr)
+    except ImportError:
+        print(
+            "mha-rosetta bench: no plots: matplotlib is not installed (pip install 'mha-rosetta[bench]')",
+            file=sys.stderr,
+        )
+    return table
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    """``--mode decode``: the decode sweep (`benchmarks.decode.run_decode_sweep`) and its outputs."""
+    from mha_rosetta.backends.registry import register_path
+    from mha_rosetta.benchmarks.decode import (
+        estimate_decode_seconds,
+        expand_decode_cells,
+        failed_decode_cells,
+        run_decode_sweep,
+    )
+    from mha_rosetta.benchmarks.plan import resolve_implementations
+    from mha_rosetta.core.errors import INTERRUPTED
+
+    try:
+        plugins = [register_path(path) for path in args.plugin or []]
+        settings = _decode_settings(args)
+        labels = resolve_implementations(settings.implementations)
+    except (ValueError, ImportError, TypeError) as error:
+        print(f"mha-rosetta bench: {error}", file=sys.stderr)
+        return 2
+    del plugins  # registered here (for the names) and again in every cell's process (settings.plugins)
+    if args.list:
+        print("\n".join(labels))
+        return 0
+    cells = expand_decode_cells(settings, labels)
+    total = estimate_decode_seconds(settings, cells)
+    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
+    print(
+        f"mha-rosetta bench: decode, {len(cells)} cells x {settings.rounds} round(s) after each round's copy "
+        f"bandwidth: about {when} (estimated from the repeat policy and typical start-up times)",
+        file=sys.stderr,
+        flush=True,
+    )
+    report = run_decode_sweep(settings, labels, progress=not args.no_progress)
+    _publish_decode(args, report)
+    if not report["complete"]:
+        print("interrupted: the finished cells are in the report", file=sys.stderr)
+        return INTERRUPTED
+    failures = failed_decode_cells(report)
     if failures:
         print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)
         return 1

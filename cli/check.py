@@ -1,4 +1,4 @@
-"""``mha-rosetta check``: argument parsing and printing around `checks.run_check`.
+"""``mha-rosetta check``: argument parsing and printing around `checks.run_check` (``--decode``: `checks.decode`).
 
 Exit status: 0 when every implementation agrees with the oracle and with every other
 (or differs only by a named known difference) and every known mistake is caught;
@@ -88,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
         "float64 backward oracle and each other; adds a 'grad' section to --json",
     )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="check KV-cache decoding instead: every implementation x cache kind x decode case x dtype, its prefill "
+        "and steps against the full causal forward and each other; --cases then names decode cases (see --list)",
+    )
 
 
 def _list(out) -> int:
@@ -102,6 +108,24 @@ def _list(out) -> int:
     for name in available_backends():
         backend = get_backend(name)
         print(f"  {name:20} {backend.kind:14} strategies {', '.join(backend.strategies)}", file=out)
+    for name, reason in missing_backends().items():
+        print(f"  {name:20} not installed: {reason}", file=out)
+    return 0
+
+
+def _list_decode(out) -> int:
+    from mha_rosetta.backends import available_backends, get_backend, missing_backends
+    from mha_rosetta.checks.decode_cases import DECODE_CASES
+
+    print("decode cases:", file=out)
+    for case in DECODE_CASES.values():
+        print(f"  {case.name:20} {case.description}", file=out)
+        print(f"  {'':20} {case.describe()}; dtypes {', '.join(case.dtypes)}", file=out)
+    print("installed backends:", file=out)
+    for name in available_backends():
+        backend = get_backend(name)
+        caches = ", ".join(backend.decode_caches) or "none: " + (backend.decode_unsupported or "no KV-cache decoding")
+        print(f"  {name:20} {backend.kind:14} decode caches {caches}", file=out)
     for name, reason in missing_backends().items():
         print(f"  {name:20} not installed: {reason}", file=out)
     return 0
@@ -127,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
     # With the JSON on stdout, the human-readable report moves to stderr.
     out = sys.stderr if args.json == "-" else sys.stdout
     if args.list:
-        return _list(out)
+        return _list_decode(out) if args.decode else _list(out)
+    if args.decode and args.grad:
+        print("mha-rosetta check: error: --decode and --grad are separate checks: run one at a time", file=sys.stderr)
+        return 2
     progress = None
     if not args.quiet and sys.stderr.isatty():
 
@@ -165,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         grad = grad or finished.get("grad")
         write_json(forward, args.json, grad, partial=not final)
 
+    if args.decode:
+        return _run_decode(args, selection, jobs, progress, out)
     try:
         with executor_for(jobs, timeout=args.timeout, cache=False if args.no_jax_cache else None) as executor:
             with _sigterm_as_interrupt():
@@ -207,6 +236,56 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.markdown}", file=out)
     # The worse of the two: INTERRUPTED (130) outranks 2 (error), 1 (failure) and 0.
     return max(result.exit_code, 0 if grad is None else grad.exit_code)
+
+
+def _run_decode(args: argparse.Namespace, selection: dict, jobs: int, progress, out) -> int:
+    """``check --decode``: the decode check on the same options, its report, JSON and exit status."""
+    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks.decode_report import decode_report_blocks, decode_summary_lines
+    from mha_rosetta.checks.engine import executor_for
+    from mha_rosetta.checks.json_report import write_decode_json
+    from mha_rosetta.checks.report import (
+        output_width,
+        print_rich,
+        render_markdown,
+        render_plain,
+        rich_available,
+        timing_blocks,
+    )
+
+    def save(result) -> None:  # rewritten as results arrive, marked interrupted until the check ends
+        if args.json and args.json != "-":
+            write_decode_json(result, args.json, partial=True)
+
+    try:
+        with executor_for(jobs, timeout=args.timeout, cache=False if args.no_jax_cache else None) as executor:
+            with _sigterm_as_interrupt():
+                result = run_decode_check(**selection, progress=progress, executor=executor, on_update=save)
+                _clear_progress(progress)
+    except ValueError as error:
+        print(f"mha-rosetta check: error: {error}", file=sys.stderr)
+        return 2
+    blocks = decode_report_blocks(result, per_case=args.per_case, quiet=args.quiet)
+    summary = decode_summary_lines(result)
+    if args.timings:
+        blocks += timing_blocks(result, title="decode check")
+    if args.markdown and args.markdown != "-":
+        from mha_rosetta.core.files import write_output
+
+        write_output(args.markdown, render_markdown(blocks, summary))
+    if args.markdown == "-":
+        out.write(render_markdown(blocks, summary))
+    elif rich_available() and not args.plain:
+        print_rich(blocks, summary, file=out)
+    else:
+        out.write(render_plain(blocks, summary, width=output_width(out)))
+    if args.json:
+        write_decode_json(result, args.json)
+        if args.json != "-":
+            print(f"wrote {args.json}", file=out)
+    if args.markdown and args.markdown != "-":
+        print(f"wrote {args.markdown}", file=out)
+    return result.exit_code
 
 
 @contextmanager

@@ -8,6 +8,13 @@ of the size options (`models.from_module`: a Hugging Face attention layer, ``nn.
 Keras, Flax or Equinox; a function there is called with no arguments to build it).
 ``--confusion`` prints the confusion table of the injected bugs instead.
 
+``mha-rosetta diagnose --decode mypkg.mod:my_decode --d-model 16 --heads 4 --kv-heads 2 --rope half``
+diagnoses a KV-cache decode loop instead (`diagnose.decode.diagnose_decode`): a callable
+``(params, x, prefill, step, mask, positions) -> output`` (B, N, d_model), against the full causal
+forward (``--decode`` implies ``--causal``). ``--prefill`` / ``--step``: the one prefill length or
+tokens per step the loop supports (default: the probes choose; ``--step 1`` leaves top-left causality
+on multi-query steps unseen, and a note says so).
+
 Exit status: 0 the candidate agrees with the oracle; 1 it disagrees (causes printed);
 2 it cannot be diagnosed (an import path that does not resolve, not callable, raised,
 timed out, crashed its process, wrong shape or dtype, NaN everywhere) or a bad option.
@@ -64,6 +71,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         old=("--dtype",),
         help="dtypes of the arrays fed to the candidate, one diagnosis each (default float64)",
     )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="the candidate is a KV-cache decode loop (params, x, prefill, step, mask, positions) -> output; "
+        "implies --causal",
+    )
+    parser.add_argument(
+        "--prefill", type=int, help="with --decode: the prefill length the loop supports (default: the probes')"
+    )
+    parser.add_argument(
+        "--step", type=int, help="with --decode: the tokens per step the loop supports (default: the probes')"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per probe (default 30)")
     parser.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH ('-' for stdout)")
     parser.add_argument(
@@ -112,7 +131,7 @@ def _config(args: argparse.Namespace):
         kdim=args.kdim,
         vdim=args.vdim,
         bias=not args.no_bias,
-        causal=args.causal,
+        causal=args.causal or bool(getattr(args, "decode", False)),  # a decode loop is causal
         scale=args.scale,
         rope=args.rope,
         rope_base=10000.0 if args.rope_base is None else args.rope_base,
@@ -146,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
         print("One diagnosis per bug, its evidence:\n")
         print(render_evidence(outcomes), end="")
         return 0 if all(o.correct for o in outcomes) else 1
+    if not args.decode and (args.prefill is not None or args.step is not None):
+        print("mha-rosetta diagnose: error: --prefill and --step need --decode (a decode loop)", file=sys.stderr)
+        return 2
+    if args.decode and args.confusion:
+        print("mha-rosetta diagnose: error: --confusion is the forward's table; drop --decode", file=sys.stderr)
+        return 2
     if args.candidate is None:
         print("mha-rosetta diagnose: error: give the candidate as MODULE:CALLABLE (or --confusion)", file=sys.stderr)
         return 2
@@ -155,17 +180,23 @@ def run(args: argparse.Namespace) -> int:
         timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
         # In a child process: a candidate that crashes or hangs in native code is reported, not fatal here.
         dtypes = args.dtypes or ["float64"]
-        results = [diagnose_import_path(args.candidate, cfg, dtype=dtype, timeout=timeout) for dtype in dtypes]
+        decode = {"prefill": args.prefill, "step": args.step} if args.decode else None
+        results = [
+            diagnose_import_path(args.candidate, cfg, dtype=dtype, timeout=timeout, decode=decode) for dtype in dtypes
+        ]
     except (DiagnoseError, ValueError, TypeError) as error:
         print(f"mha-rosetta diagnose: error: {error}", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout
     for dtype, result in zip(dtypes, results, strict=True):
         like = f", like {args.like}" if args.like else ""
-        print(f"{args.candidate} ({cfg.describe()}{like}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
+        loop = ", decode loop" if args.decode else ""
+        print(f"{args.candidate} ({cfg.describe()}{loop}{like}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
         print(result.summary(), file=out)
     if args.json:
         head = {"candidate": args.candidate, "config": cfg.describe(), **({"like": args.like} if args.like else {})}
+        if args.decode:
+            head["decode"] = {"prefill": args.prefill, "step": args.step}
         # One dtype: the diagnosis' fields at the top level (as before --dtypes took a list); several: one each.
         body = results[0].as_dict() if len(results) == 1 else {
             "agrees": all(result.agrees for result in results),

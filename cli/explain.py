@@ -8,6 +8,7 @@ column/row-sample article.
     mha-rosetta explain --png head_split.png  # the head split as a picture
     mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md, docs/head_split.png and docs/packings.png
     mha-rosetta explain --sharding --world 2 --heads 4   # which weight axis tensor parallelism cuts, and the all-reduce
+    mha-rosetta explain --decode              # KV-cache decoding: each cache's layout, where keys are cached, masks
 
 Exit status: 0 when every check holds, 1 when a non-speed claim is refuted or a weight
 layout fails its verification (a refuted speed claim is a finding, not a failure), 2 for
@@ -71,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--full-speed": "run the speed questions at full size instead of the quick preset",
         "--sharding": (
             "tensor parallelism instead: which axis of each stored weight is cut, and where the one all-reduce is"
+        ),
+        "--decode": (
+            "KV-cache decoding instead: each implementation's cache layout and bytes per token, where keys are "
+            "cached (computed), and the bottom-right vs top-left mask of a decode step"
         ),
     }
     for flag, text in switches.items():
@@ -158,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.sharding:
         return _run_sharding(args, cfg)
+    if args.decode:
+        return _run_decode(args, cfg)
     if args.backward:
         return _backward(args, cfg)
     write_docs = args.write_docs is not None
@@ -230,6 +237,19 @@ def _run_sharding(args: argparse.Namespace, cfg) -> int:
     if args.json != "-" or args.markdown not in (None, "-"):
         from mha_rosetta.core.files import write_output
 
+        write_output(args.markdown or "-", result.to_markdown())
+    return 0
+
+
+def _run_decode(args: argparse.Namespace, cfg) -> int:
+    """``--decode``: the KV-cache decoding section alone (`explain.decode`), as Markdown (and JSON with --json)."""
+    from mha_rosetta.core.files import write_output
+    from mha_rosetta.explain.decode import explain_decode
+
+    result = explain_decode(cfg, seed=args.seed)
+    if args.json:
+        _write_json(args.json, result.to_dict())
+    if args.json != "-" or args.markdown not in (None, "-"):
         write_output(args.markdown or "-", result.to_markdown())
     return 0
 

@@ -13,26 +13,37 @@ head [q_0; k_0; v_0; q_1; ...]) and unpacks in the other; its repair,
 `repairs.repack_qkv`, feeds it parameters whose rows are pre-permuted so that its wrong
 unpacking reads the right rows.
 
+`diagnose_decode(candidate, cfg)` (`diagnose.decode`) does the same for a KV-cache decode loop,
+``candidate(params, x, prefill, step, mask, positions) -> output``, against the full causal
+forward, naming the decode mistakes (`DECODE_CAUSE_CODES`: positions not offset, top-left
+causality on a step, a static cache's empty slots attended, the ring off by one, keys rotated
+twice).
+
 ``diagnose(candidate, like=module)`` takes the reference configuration from a real attention
 module (`mha_rosetta.models.from_module`) instead of an ``MHAConfig``.
 
 Imports NumPy, `core`, `backends` and (for ``like``) `models` only (no framework).
 """
 
-from .causes import CAUSE_CODES, Hypothesis, hypotheses
+from .causes import CAUSE_CODES, DECODE_CAUSE_CODES, Hypothesis, hypotheses
+from .decode import DecodeBug, diagnose_decode, simulate_decode
 from .diagnosis import DEFAULT_TIMEOUT_S, Cause, DiagnoseError, Diagnosis, diagnose, reference_config
 from .simulate import Bug, simulate
 
 __all__ = [
     "CAUSE_CODES",
+    "DECODE_CAUSE_CODES",
     "DEFAULT_TIMEOUT_S",
     "Bug",
     "Cause",
+    "DecodeBug",
     "DiagnoseError",
     "Diagnosis",
     "Hypothesis",
     "diagnose",
+    "diagnose_decode",
     "hypotheses",
     "reference_config",
     "simulate",
+    "simulate_decode",
 ]

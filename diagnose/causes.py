@@ -45,6 +45,14 @@ CAUSE_CODES = (
     "rope_scaling",
     "rel_bias",
 )
+# The decode mistakes (`diagnose.decode.diagnose_decode`): how a KV cache is kept, apart from the forward's.
+DECODE_CAUSE_CODES = (
+    "decode_positions_not_offset",
+    "decode_top_left_causal",
+    "decode_empty_slots_attended",
+    "decode_ring_off_by_one",
+    "decode_rotated_twice",
+)
 
 REPAIRS = "mha_rosetta.diagnose.repairs"
 
@@ -140,7 +148,11 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
         for detail, knob, fix in (
             ("the diagonal is hidden too (key j < i)", "strict", "tril(ones(Nq, Nk)) (k=0), not triu(..., k=0)"),
             ("one key ahead is visible (key j <= i + 1)", "ahead", "tril(ones(Nq, Nk)), not tril(..., k=1)"),
-            ("aligned bottom-right", "bottom_right", "top-left alignment, query i sees keys j <= i (core.causal_mask)"),
+            (
+                "aligned bottom-right",
+                "bottom_right",
+                "causality on positions; at the default ones query i sees keys j <= i",
+            ),
         ):
             yield Hypothesis(
                 "causal_offset",

@@ -71,11 +71,23 @@ def resolve_like(path: str):
     return obj
 
 
-def _child(path: str, cfg: MHAConfig, dtype: str, timeout: float, conn) -> None:
-    """The child's work: import the candidate, diagnose it, send ("result", Diagnosis) or ("error", kind, text)."""
+def _child(path: str, cfg: MHAConfig, dtype: str, timeout: float, conn, decode: dict | None = None) -> None:
+    """The child's work: import the candidate, diagnose it, send ("result", Diagnosis) or ("error", kind, text).
+
+    ``decode``: None for `diagnose`; ``{"prefill": ..., "step": ...}`` for `decode.diagnose_decode`.
+    """
     try:
         candidate = resolve_callable(path)
-        result = diagnose(candidate, cfg, dtype=dtype, timeout=timeout, announce=lambda *event: conn.send(event))
+
+        def announce(*event):
+            conn.send(event)
+
+        if decode is None:
+            result = diagnose(candidate, cfg, dtype=dtype, timeout=timeout, announce=announce)
+        else:
+            from .decode import diagnose_decode
+
+            result = diagnose_decode(candidate, cfg, dtype=dtype, timeout=timeout, announce=announce, **decode)
         conn.send(("result", result))
     except (DiagnoseError, ValueError, TypeError) as error:
         conn.send(("error", type(error).__name__, str(error)))
@@ -99,9 +111,18 @@ def _death(exitcode: int | None, path: str, probe: str | None) -> str:
 
 
 def diagnose_import_path(
-    path: str, cfg: MHAConfig, *, dtype: str = "float64", timeout: float, start_timeout: float = START_TIMEOUT_S
+    path: str,
+    cfg: MHAConfig,
+    *,
+    dtype: str = "float64",
+    timeout: float,
+    start_timeout: float = START_TIMEOUT_S,
+    decode: dict | None = None,
 ) -> Diagnosis:
     """`diagnose` of the callable at ``path`` (``"pkg.mod:name"``), run in a spawned child process.
+
+    ``decode={"prefill": ..., "step": ...}`` (each an int or None): `decode.diagnose_decode` instead, the
+    callable being a decode loop ``(params, x, prefill, step, mask, positions) -> output``.
 
     Raises `DiagnoseError` when the candidate cannot be diagnosed, as `diagnose` does, and also when
     its process dies (naming the exit status or signal and the probe) or a call overruns ``timeout``
@@ -111,7 +132,7 @@ def diagnose_import_path(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     context = multiprocessing.get_context("spawn")  # never fork: see the module docstring
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(path, cfg, dtype, timeout, sender), name=f"diagnose {path}")
+    child = context.Process(target=_child, args=(path, cfg, dtype, timeout, sender, decode), name=f"diagnose {path}")
     child.daemon = True  # never outlives this process, whatever happens below
     child.start()
     sender.close()  # the child holds the only write end: its death reads as EOF here

@@ -72,6 +72,7 @@ class BoxedBackend(Backend):
     convention = "the reference MHA, results in boxed arrays"
     requires = ("boxed",)
     dtypes = ("float64", "float32")
+    causal_on_positions = True  # it runs the reference, whose causality is on positions (Backend rule 7)
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy):
         args = (inputs.query, inputs.key, inputs.value, inputs.mask)

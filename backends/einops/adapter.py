@@ -15,6 +15,7 @@ from ..base import Backend, Prepared, check_device_name, tensor_to_numpy
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
 from ..numpy.common import NumpyPrecision
 from ..torch.common import torch_devices, with_matmul_precision
+from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_einops_decode_run, prepare_einops_decode_step
 from .layer import (
     ARRAY_LIBRARIES,
     OPS_BY_LIBRARY,
@@ -37,6 +38,11 @@ class EinopsBackend(Backend):
     # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8: the cache is the pipeline's own keys, "b s g k" (`decode`), on every array library; every variant
+    # (a step is the pipeline's two halves with the cache between them).
+    decode_caches = CACHE_KINDS
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts = CACHE_LAYOUTS
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"
@@ -108,6 +114,16 @@ class EinopsBackend(Backend):
         run.pipeline = (forward, args)  # the call itself, which the backward differentiates (`einops.vjp`)
         native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
         return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        ops = OPS_BY_LIBRARY[self.array_library](dtype, check_device_name(device))
+        return prepare_einops_decode_run(self, ops, cfg, params, inputs, dtype, device)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        ops = OPS_BY_LIBRARY[self.array_library](dtype, check_device_name(device))
+        return prepare_einops_decode_step(
+            self, ops, cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed
+        )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)

@@ -306,11 +306,23 @@ def run_pipeline(
 
     ``score_tables`` (`score_tables`): ALiBi's bias in the scores' layout and T5's buckets, where on.
     Shapes below are for plain MHA; with GQA read (Hkv, G) for H in q and (Hkv, Nq, G)
-    for (H, Nq) in the scores.
+    for (H, Nq) in the scores. The two halves, `project_heads` and `attend`, are what a
+    decode step (`decode`) runs with the cache's keys between them.
     """
-    import einops
+    _, _, v, _, _, q_rotated, k_rotated = project_heads(
+        ops, plan, weights, x_q, x_k, x_v, tables, cfg=cfg, record=record
+    )
+    return attend(
+        ops, plan, weights, q_rotated, k_rotated, v, blocked, empty_rows, score_tables, cfg=cfg, record=record
+    )
 
-    score_tables = score_tables or {}
+
+def project_heads(ops, plan: EinsumPlan, weights: dict, x_q, x_k, x_v, tables=None, *, cfg: MHAConfig, record=None):
+    """The token-wise half of the pass: (q, k, v, q_normed, k_normed, q_rotated, k_rotated), heads after tokens.
+
+    ``tables``: the rotary tables of these tokens, (1|B, N, 1, r/2) each (query cos, sin, key cos, sin).
+    ``record`` receives q, k, v, the normed and the rotated heads when given.
+    """
     q = ops.einsum(plan.project_q, x_q, weights["w_q"])  # (B, Nq, H, Dk)
     k = ops.einsum(plan.project_k, x_k, weights["w_k"])  # (B, Nk, Hkv, Dk)
     v = ops.einsum(plan.project_v, x_v, weights["w_v"])  # (B, Nk, Hkv, Dv)
@@ -327,6 +339,32 @@ def run_pipeline(
         q_cos, q_sin, k_cos, k_sin = tables  # (1|B, Nq, 1, r/2), (1|B, Nk, 1, r/2)
         q_rotated = rotate_pairs(q_normed, q_cos, q_sin, cfg.rope, plan.heads_q)  # (B, Nq, H, Dk)
         k_rotated = rotate_pairs(k_normed, k_cos, k_sin, cfg.rope, plan.heads_kv)  # (B, Nk, Hkv, Dk)
+    if record is not None:
+        record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
+        if cfg.qk_norm is not None:
+            record.update(q_normed=q_normed, k_normed=k_normed)
+    return q, k, v, q_normed, k_normed, q_rotated, k_rotated
+
+
+def attend(
+    ops,
+    plan: EinsumPlan,
+    weights: dict,
+    q_rotated,
+    k_rotated,
+    v,
+    blocked,
+    empty_rows,
+    score_tables=None,
+    *,
+    cfg: MHAConfig,
+    record: dict | None = None,
+):
+    """The attention half: scores of the queries against the keys ``k_rotated`` (B, Nk, Hkv, Dk) (a decode
+    step's: the cache's slots), the score variants, the mask, the softmax, the context and the output."""
+    import einops
+
+    score_tables = score_tables or {}
     # Scaling q (B*Nq*H*Dk numbers) is cheaper than scaling the scores (B*H*Nq*Nk).
     scores = ops.einsum(plan.scores, ops.scale(q_rotated, cfg.scale), k_rotated)  # (B, H, Nq, Nk)
     order = ["scores"]  # the score stages made, in order
@@ -359,9 +397,6 @@ def run_pipeline(
     if weights["b_o"] is not None:
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
-        record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
-        if cfg.qk_norm is not None:
-            record.update(q_normed=q_normed, k_normed=k_normed)
         record.update(weights=attention, context=context, merged=merged, output=output)
         if ops.has_buffers:
             # The live buffers (not snapshots), to measure which step wrote into which.
@@ -443,9 +478,13 @@ def grouped_masks(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan) -> tuple[
     empty_rows: the same with the key axis reduced to 1: True for rows with no allowed
                 key, or None if there are none.
     """
+    return grouped_allowed(cfg, allowed_positions(cfg, inputs), plan)  # (B|1, H|1, Nq, Nk) or None
+
+
+def grouped_allowed(cfg: MHAConfig, allowed: np.ndarray | None, plan: EinsumPlan):
+    """`grouped_masks` of an allowed mask (B|1, H|1, Nq, Nk) already made (a decode step's, over the cache)."""
     import einops
 
-    allowed = allowed_positions(cfg, inputs)  # (B|1, H|1, Nq, Nk) or None
     if allowed is None:
         return None, None
     # A mask shared by all heads keeps unit head axes: (g, r) = (1, 1).

@@ -13,6 +13,7 @@ from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared
 from .chunked import ChunkedColumnSampleMHA
 from .common import NumpyPrecision
+from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_numpy_decode_run, prepare_numpy_decode_step
 from .layer import ColumnSampleMHA, columns_to_rows
 from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
 
@@ -27,6 +28,10 @@ class NumpyBackend(Backend):
     # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8: keys stay columns, (B, Hkv, Dk, T); every variant (`decode` reuses the layer's pieces).
+    decode_caches = CACHE_KINDS
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts = CACHE_LAYOUTS
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
@@ -51,3 +56,11 @@ class NumpyBackend(Backend):
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         precision = NumpyPrecision.for_dtype(dtype)
         return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        return prepare_numpy_decode_run(cfg, params, inputs, dtype, cache)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        return prepare_numpy_decode_step(
+            cfg, params, batch=batch, context=context, step=step, dtype=dtype, cache=cache, seed=seed
+        )

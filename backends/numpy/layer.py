@@ -176,11 +176,15 @@ class ColumnSampleMHA(LayerRecording):
         v = self._project(self.w_v, self.b_v, self.x_v)  # (B, Hkv*Dv, Nk)
         return q, k, v
 
-    def _rotate(self, x: np.ndarray, which: str, head_axis: bool) -> np.ndarray:
-        """Query ("q") or key ("k") heads (..., Dk, N) rotated along their feature rows; ``x`` itself without rope."""
+    def _rotate(self, x: np.ndarray, which: str, head_axis: bool, tokens: slice | None = None) -> np.ndarray:
+        """Query ("q") or key ("k") heads (..., Dk, N) rotated along their feature rows; ``x`` itself without rope.
+
+        ``tokens``: the columns of the tables ``x``'s tokens are (a decode chunk's slice of the whole run); all."""
         if self.rotary is None:
             return x
         cos, sin = self.rotary[which]  # (1|B, r/2, N)
+        if tokens is not None:
+            cos, sin = cos[..., tokens], sin[..., tokens]  # (1|B, r/2, s): the chunk's columns, views
         if head_axis:
             cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
         return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
@@ -200,12 +204,14 @@ class ColumnSampleMHA(LayerRecording):
             return self._norm(q_heads, "q"), self._norm(k_heads, "k")
         return q_heads, k_heads
 
-    def _rotate_split(self, rec, projections: tuple, heads: tuple, how: str, split) -> tuple:
+    def _rotate_split(
+        self, rec, projections: tuple, heads: tuple, how: str, split, tokens: slice | None = None
+    ) -> tuple:
         """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk): QK-normed (`_normed_heads`,
-        the same ``split`` the heads were made with) and rotated; the split (made as ``how`` says), the norm and
-        the rotation recorded when ``rec`` is given."""
+        the same ``split`` the heads were made with) and rotated (``tokens``: `_rotate`'s); the split (made as
+        ``how`` says), the norm and the rotation recorded when ``rec`` is given."""
         normed = self._normed_heads(projections, heads, split)
-        rotated = self._rotate(normed[0], "q", head_axis=True), self._rotate(normed[1], "k", head_axis=True)
+        rotated = tuple(self._rotate(x, name, True, tokens) for x, name in zip(normed, ("q", "k"), strict=True))
         if rec is not None:
             self._record_split(rec, projections, heads, how)
             parents = ("q_heads", "k_heads")
@@ -311,9 +317,15 @@ class ColumnSampleMHA(LayerRecording):
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "the direct-reshape mistake undone", "copy", "context")
         return self._finish(merged, rec)
 
-    def _attend_batched(self, q_heads, k_heads, v_heads, rec) -> np.ndarray:
-        """Scores, mask, softmax and weighted sum for all heads at once -> (B, H, Dv, Nq)."""
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
+    def _attend_batched(self, q_heads, k_heads, v_heads, rec, keys: tuple | None = None) -> np.ndarray:
+        """Scores, mask, softmax and weighted sum for all heads at once -> (B, H, Dv, Nq).
+
+        ``keys``: a decode chunk's ``(mask, bias)`` over its keys (the cache's slots, `decode`), whose sizes the
+        arrays give; None: the layer's own mask, bias and score workspace, at the layer's sizes."""
+        B, H, Dk, Nq = q_heads.shape
+        Hkv, Dv, Nk = v_heads.shape[1:]
+        G = H // Hkv
+        mask, bias, workspace = (self.mask, None, self.workspace) if keys is None else (*keys, None)
         P = self.precision
         # Scaling the queries costs Dk*Nq multiplies per head instead of Nk*Nq on the
         # scores. In place (unless half precision makes a float32 copy): q is done.
@@ -323,9 +335,9 @@ class ColumnSampleMHA(LayerRecording):
         # lets one broadcast product serve a whole group; G = 1 is plain MHA.
         q_groups = queries.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view
         keys_t = k_heads[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T
-        scores = P.matmul(keys_t, q_groups, out=self.workspace)  # (B, Hkv, G, Nk, Nq)
+        scores = P.matmul(keys_t, q_groups, out=workspace)  # (B, Hkv, G, Nk, Nq)
         scores = P.store(scores).reshape(B, H, Nk, Nq)  # (B, H, Nk, Nq), view
-        weights = self._mask_and_softmax(scores, self.mask, rec, head=None)
+        weights = self._mask_and_softmax(scores, mask, rec, head=None, bias=bias)
         weight_groups = weights.reshape(B, Hkv, G, Nk, Nq)  # (B, Hkv, G, Nk, Nq), view
         # context_h = V_g @ A_h: (Dv, Nk) @ (Nk, Nq) = (Dv, Nq), column samples again.
         context = P.matmul(v_heads[:, :, None], weight_groups)  # (B, Hkv, G, Dv, Nq)
@@ -334,13 +346,15 @@ class ColumnSampleMHA(LayerRecording):
             rec.record("context", context, ("B", "H", "Dv", "Nq"), "V_g @ A_h per head: one column per query")
         return context
 
-    def _mask_and_softmax(self, scores, mask: MaskArrays | None, rec, head: int | None) -> np.ndarray:
+    def _mask_and_softmax(self, scores, mask: MaskArrays | None, rec, head: int | None, bias=None) -> np.ndarray:
         """Softcap, score bias, mask and softmax (with the sinks) over keys (axis -2), in place unless half precision.
 
         ``head`` None: the scores of every head (B, H, Nk, Nq); else query head ``head``'s (B, Nk, Nq).
+        ``bias``: these scores' own score bias (a decode chunk's, laid out like them); None: the layer's.
         """
         P, cfg = self.precision, self.cfg
-        bias, sinks = self.variants.head("bias", head), self.variants.head("sinks", head)
+        bias = self.variants.head("bias", head) if bias is None else bias
+        sinks = self.variants.head("sinks", head)
         axes = SCORE_AXES if head is None else ("B", "Nk", "Nq")
         if rec is None and head is None and not P.mixed:
             # The timed batched path: every step one cache-sized block at a time.

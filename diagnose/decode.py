@@ -1,0 +1,502 @@
+"""`diagnose_decode(candidate, cfg)`: does a KV-cache decode loop agree with the full causal forward, and if not, why.
+
+The candidate is a whole decode loop, the form a user wraps most easily (their own prefill and
+step calls inside one function)::
+
+    def candidate(params, x, prefill, step, mask, positions):
+        # params: core.MHAParams (canonical, NumPy); x: (B, N, d_model); mask: (B, N) bool padding mask
+        # (True = a real token) or None; positions: (B, N) int64, every token's position (always given)
+        cache = MyCache(...)
+        out = [my_forward(params, x[:, :prefill], positions[:, :prefill], cache)]  # fills the cache
+        for start in range(prefill, x.shape[1], step):
+            out.append(my_forward(params, x[:, start:start + step], positions[:, start:start + step], cache))
+        return np.concatenate(out, axis=1)  # (B, N, d_model): every token's output
+
+(a backend's decode path is ``lambda params, x, prefill, step, mask, positions: backend.run_decode(cfg, params,
+x, prefill=prefill, step=step, mask=mask, positions=positions)``). Why a function of its own and not a
+``decode=True`` path of `diagnose`: the candidate's signature, the probes (one sequence split into
+chunks, not query/key/value) and the hypotheses (how a cache is kept) are all different; what is shared
+is reused: the bounded calling (`calling`), the tolerance scoring and the `Diagnosis` it returns.
+
+Method, as `diagnose`'s: the candidate runs on designed decode probes (`make_decode_probes`); every
+decode mistake of `decode_hypotheses` is simulated on the same probes by `simulate_decode`, a NumPy
+decode loop with one switch per mistake (`DecodeBug`; no switch on, it equals `core.decode.reference_decode`);
+each hypothesis is scored by the candidate's worst distance from it in tolerances of the candidate's dtype.
+Only the real tokens' rows are compared (a pad's output is a convention, not an answer).
+
+The mistakes (`DECODE_CAUSE_CODES`), and how the simulation makes each one:
+
+- ``decode_positions_not_offset``: the rotary positions restart at 0 on each call (``arange(s)`` for a chunk
+  of s tokens) instead of the tokens' positions; the masks still read the right positions.
+- ``decode_top_left_causal``: a multi-query step masked with top-left causality on the cache's slots
+  (``is_causal=True`` over s queries and T > s keys: query i sees slots 0..i) instead of bottom-right. A
+  single-query step is unaffected where the code passes ``is_causal`` only when the step has more than one
+  query (Hugging Face's ``is_causal = query.shape[2] > 1``): its probe needs step >= 2. The detail "every
+  step" is the code that passes it on a single query too, which then sees only the oldest slot (flax #5591).
+- ``decode_empty_slots_attended``: a static cache (preallocated with zeros, N slots, or the ring's with a
+  window) whose unwritten slots are attended: each adds a score of 0 with a zero value (transformers #30400).
+- ``decode_ring_off_by_one``: the ring buffer keeps one slot too many or too few, so a decode step sees the
+  last W + 1 or W - 1 keys (transformers #29623, #37574); the prefill, a plain forward, is right.
+- ``decode_rotated_twice``: keys cached after rotary and rotated again by their positions on every read.
+
+The simulated loop writes each chunk's keys into the cache, then reads the cache (the prefill too), as
+Hugging Face's ``cache.update`` does: so a mistake of the read path shows on the prefill as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAParams,
+    apply_rotary,
+    check_dtype_name,
+    init_params,
+    linear,
+    lower_precision,
+    numpy_dtype,
+)
+from mha_rosetta.core.decode import decode_allowed, prepare_decode_inputs, ring_capacity
+from mha_rosetta.core.params import validate_params
+from mha_rosetta.core.rotary import frequencies
+from mha_rosetta.core.variants import rms_norm, score_bias, softcap, softmax_with_sinks
+
+from .calling import DiagnoseError, _as_output, _call
+from .causes import DECODE_CAUSE_CODES
+
+__all__ = [
+    "DECODE_CAUSE_CODES",
+    "DecodeBug",
+    "DecodeHypothesis",
+    "DecodeProbe",
+    "decode_hypotheses",
+    "diagnose_decode",
+    "make_decode_probes",
+    "simulate_decode",
+]
+
+
+@dataclass(frozen=True)
+class DecodeBug:
+    """One switch per decode mistake (the module docstring says what each does); all off: the spec."""
+
+    positions_not_offset: bool = False
+    top_left_causal: str | None = None  # "multi" (steps of more than one query) or "every" (every step)
+    empty_slots_attended: bool = False
+    ring_off_by: int = 0  # +1: the ring keeps one slot more (a step sees W + 1 keys); -1: one less
+    rotated_twice: bool = False
+
+    def combine(self, other: DecodeBug) -> DecodeBug:
+        """Both mistakes at once (switches of ``other`` that differ from the default win)."""
+        changes = {k: v for k, v in other.__dict__.items() if v != getattr(DecodeBug(), k)}
+        return replace(self, **changes)
+
+
+# -- the simulated decode loop ------------------------------------------------------------------
+def _rotate(cfg: MHAConfig, heads: np.ndarray, positions: np.ndarray, inv_freq, factor) -> np.ndarray:
+    """(B, n, T, Dk) heads turned by their (B, T) positions (unchanged without rope)."""
+    if cfg.rope is None:
+        return heads
+    angle = positions[..., None].astype(np.float64) * inv_freq  # (B, T, r/2)
+    cos, sin = factor * np.cos(angle)[:, None], factor * np.sin(angle)[:, None]  # (B, 1, T, r/2)
+    return apply_rotary(heads, cos, sin, cfg.rope)
+
+
+def simulate_decode(
+    cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, mask=None, positions=None, bug: DecodeBug = DecodeBug()
+) -> np.ndarray:
+    """Every token's output of a NumPy decode loop with ``bug``'s mistakes, (B, N, d_model) (or (N, d_model)).
+
+    The loop: each chunk (`core.decode.DecodeInputs.chunks`) is projected, split into heads, QK-normed and
+    rotated at its positions; its keys and values are appended to the cache ((B, Hkv, T, D), chronological
+    order, Hkv heads: before the GQA repeat); with a window the cache keeps its last ``ring_capacity`` slots
+    (after the prefill has attended within itself); the chunk's queries attend to the cache under
+    `core.decode.decode_allowed`. With no mistake it equals `core.decode.reference_decode`.
+    """
+    inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step, mask=mask, positions=positions)
+    validate_params(cfg, params)
+    if not isinstance(bug, DecodeBug):
+        raise TypeError(f"bug must be a DecodeBug, got {type(bug).__name__}")
+    if bug.ring_off_by and cfg.window is None:
+        raise ValueError("bug.ring_off_by needs a window (cfg.window): without one there is no ring buffer")
+    if cfg.window is not None and cfg.window + bug.ring_off_by < 1:
+        raise ValueError(f"bug.ring_off_by={bug.ring_off_by} leaves a window of {cfg.window + bug.ring_off_by} keys")
+    p = {name: None if a is None else np.asarray(a, dtype=np.float64) for name, a in params.as_dict().items()}
+    B, N = inputs.batch, inputs.tokens
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    valid = inputs.valid  # (B, N)
+    # The frequencies of the whole sequence, as the full forward computes them (dynamic scaling reads seq_len).
+    inv_freq, factor = frequencies(cfg, int(inputs.positions.max()) + 1) if cfg.rope else (None, 1.0)
+    step_cfg = cfg if not bug.ring_off_by else replace(cfg, window=cfg.window + bug.ring_off_by)
+    ring = ring_capacity(step_cfg, inputs.step)  # the candidate's ring (None without a window)
+    capacity = N if ring is None else ring  # a static cache's slots
+    kv_of = [cfg.kv_head_of(h) for h in range(H)]
+
+    K = np.zeros((B, Hkv, 0, Dk))  # the cache, chronological: (B, Hkv, T, Dk)
+    V = np.zeros((B, Hkv, 0, Dv))  # (B, Hkv, T, Dv)
+    K_pos = np.zeros((B, 0), dtype=np.int64)  # (B, T): each slot's position
+    K_valid = np.zeros((B, 0), dtype=bool)  # (B, T): the slot holds a real token
+    outputs = []
+    for start, stop in inputs.chunks():
+        s, is_step = stop - start, start > 0
+        xs = inputs.x[:, start:stop]  # (B, s, D) view
+        pos = inputs.positions[:, start:stop]  # (B, s)
+        q, k, v = linear(xs, p["w_q"], p["b_q"]), linear(xs, p["w_k"], p["b_k"]), linear(xs, p["w_v"], p["b_v"])
+        if cfg.qk_norm == "projection":
+            q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
+        k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
+        v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
+        if cfg.qk_norm == "head":
+            q_h, k_h = rms_norm(q_h, p["q_norm"], cfg.norm_eps), rms_norm(k_h, p["k_norm"], cfg.norm_eps)
+        rot_pos = np.broadcast_to(np.arange(s), (B, s)) if bug.positions_not_offset else pos  # (B, s)
+        q_h = _rotate(cfg, q_h, rot_pos, inv_freq, factor)
+        k_h = _rotate(cfg, k_h, rot_pos, inv_freq, factor)
+        # Write: append the chunk (copies), then a step's ring keeps its last slots.
+        K, V = np.concatenate([K, k_h], axis=2), np.concatenate([V, v_h], axis=2)
+        K_pos = np.concatenate([K_pos, pos], axis=1)
+        K_valid = np.concatenate([K_valid, valid[:, start:stop]], axis=1)
+        if ring is not None and is_step:
+            K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]
+        # Read.
+        keys = _rotate(cfg, K, K_pos, inv_freq, factor) if bug.rotated_twice else K  # (B, Hkv, T, Dk)
+        T = keys.shape[2]
+        top_left = bug.top_left_causal == "every" or (bug.top_left_causal == "multi" and s > 1)
+        if is_step and top_left:  # query i sees slots 0..i, whatever their positions; padding and window kept
+            allowed = (np.arange(T)[None, :] <= np.arange(s)[:, None])[None, None] & K_valid[:, None, None, :]
+            if cfg.window is not None:
+                allowed &= K_pos[:, None, None, :] > pos[:, None, :, None] - cfg.window
+        else:
+            allowed = decode_allowed(step_cfg if is_step else cfg, pos, K_pos, K_valid)  # (B, 1, s, T)
+        scores = cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2))  # (B, H, s, T)
+        if cfg.softcap is not None:
+            scores = softcap(scores, cfg.softcap)
+        bias = score_bias(cfg, p.get("rel_bias"), pos, K_pos)  # (B, H, s, T) or None
+        if bias is not None:
+            scores = scores + bias
+        masked = np.where(allowed, scores, -np.inf)  # (B, H, s, T)
+        values = V[:, kv_of]  # (B, H, T, Dv) copy
+        empty = max(0, capacity - T)  # a static cache's unwritten slots
+        if bug.empty_slots_attended and empty > 0:  # zero keys (score 0) and zero values, attended
+            masked = np.concatenate([masked, np.zeros((B, H, s, empty))], axis=-1)  # (B, H, s, T + E)
+            values = np.concatenate([values, np.zeros((B, H, empty, Dv))], axis=2)  # (B, H, T + E, Dv)
+        weights = softmax_with_sinks(masked, p.get("sinks"))
+        context = weights @ values  # (B, H, s, Dv)
+        merged = context.transpose(0, 2, 1, 3).reshape(B, s, H * Dv)  # (B, s, H, Dv) -> (B, s, H*Dv) copy
+        outputs.append(linear(merged, p["w_o"], p["b_o"]))  # (B, s, D)
+        if ring is not None and not is_step:  # the prefill attended within itself: now keep the ring's slots
+            K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]
+    return inputs.unbatch(np.concatenate(outputs, axis=1))  # (B, N, D)
+
+
+# -- the hypotheses -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeHypothesis:
+    code: str  # one of DECODE_CAUSE_CODES
+    detail: str
+    bug: DecodeBug
+    fix: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.code} ({self.detail})"
+
+
+def decode_hypotheses(cfg: MHAConfig) -> list[DecodeHypothesis]:
+    """Every decode mistake that can change an output for ``cfg`` (no rotary: nothing about rotary)."""
+    out = []
+    if cfg.rope is not None:
+        out.append(
+            DecodeHypothesis(
+                "decode_positions_not_offset",
+                "rotary positions restart at 0 on each call",
+                DecodeBug(positions_not_offset=True),
+                "rotate each new token at its own position (cache_position = past length + arange(step), or the "
+                "positions passed in), not at arange(step): the cache's keys sit at positions 0..T-1",
+            )
+        )
+    bottom_right = (
+        "a step's queries sit at the last positions of the cache, so causality is bottom-right (key j visible iff "
+        "p_j <= p_i): pass an explicit mask (torch.nn.attention.bias.causal_lower_right, or the positions' rule), "
+        "not is_causal=True, whose mask is top-left (query i sees slots 0..i)"
+    )
+    out.append(
+        DecodeHypothesis(
+            "decode_top_left_causal",
+            "is_causal=True (top-left) on steps of more than one query",
+            DecodeBug(top_left_causal="multi"),
+            bottom_right + "; a single-query step is unaffected, as it passes is_causal=False",
+        )
+    )
+    out.append(
+        DecodeHypothesis(
+            "decode_top_left_causal",
+            "top-left causality on every step: a single query sees only the oldest slot",
+            DecodeBug(top_left_causal="every"),
+            bottom_right + " (flax #5591)",
+        )
+    )
+    out.append(
+        DecodeHypothesis(
+            "decode_empty_slots_attended",
+            "a static cache's unwritten slots attended (score 0, value 0)",
+            DecodeBug(empty_slots_attended=True),
+            "mask every slot at or past the write index (the cache's valid length): with SDPA pass the mask, do not "
+            "drop it for is_causal on a preallocated cache (transformers #30400)",
+        )
+    )
+    if cfg.window is not None:
+        W = cfg.window
+        for off in (1, -1):
+            if W + off < 1:
+                continue
+            out.append(
+                DecodeHypothesis(
+                    "decode_ring_off_by_one",
+                    f"the ring keeps {'one slot more' if off > 0 else 'one slot less'}: a step sees the last "
+                    f"{W + off} keys where the window holds {W}",
+                    DecodeBug(ring_off_by=off),
+                    f"a window of W = {W} keys (the query's own included) needs a ring of W - 1 + step slots "
+                    f"(core.decode.ring_capacity: {W} for one token per step) and the window rule p_i - {W} < p_j "
+                    "on the slots' positions (transformers #29623, #37574)",
+                )
+            )
+    if cfg.rope is not None:
+        out.append(
+            DecodeHypothesis(
+                "decode_rotated_twice",
+                "keys cached after rotary and rotated again on read",
+                DecodeBug(rotated_twice=True),
+                "rotate keys once: either cache them rotated (Hugging Face's place, the contract's) and read them "
+                "as they are, or cache them unrotated and rotate on read, never both",
+            )
+        )
+    return out
+
+
+# -- the probes ---------------------------------------------------------------------------------
+BATCH = 2
+BASE_TOKENS = 9
+
+
+@dataclass(frozen=True)
+class DecodeProbe:
+    name: str
+    params: MHAParams
+    x: np.ndarray  # (B, N, d_model) float64
+    prefill: int
+    step: int
+    mask: np.ndarray | None  # (B, N) bool padding mask, or None
+    positions: np.ndarray  # (B, N) int64
+
+    @property
+    def rows(self) -> np.ndarray:
+        """(B, N): the rows compared (the real tokens; a pad's output is a convention)."""
+        return np.ones(self.x.shape[:2], dtype=bool) if self.mask is None else self.mask
+
+
+def probe_tokens(cfg: MHAConfig) -> int:
+    """The probes' sequence length: 9, or long enough that the sequence outgrows a window's ring twice."""
+    return BASE_TOKENS if cfg.window is None else max(BASE_TOKENS, 2 * (cfg.window + 2) + 3)
+
+
+def make_decode_probes(cfg: MHAConfig, seed: int = 0, *, prefill=None, step=None) -> list[DecodeProbe]:
+    """The decode probes: every split the mistakes need, or the one ``prefill`` / ``step`` the candidate takes.
+
+    Default splits (N tokens): one token per step from prefill 1 (every position offset, every empty slot, the
+    ring filled and outgrown); two tokens per step from prefill 3 (top-left causality shows); prefill N (no
+    step: the forward through the loop); a left-padded batch (item 0's first two tokens are pads, at position
+    -1); with a window, a prefill longer than the ring. A given ``prefill`` or ``step`` replaces that part of
+    every split (splits that become the same are run once).
+    """
+    N = probe_tokens(cfg)
+    rng = np.random.default_rng(seed)
+    params = init_params(cfg, seed=seed + 1)
+    splits = [("one token per step", 1, 1, False), ("two tokens per step", 3, 2, False)]
+    splits += [("prefill only", N, 1, False), ("left-padded batch", 3, 2, True)]
+    ring = ring_capacity(cfg, 1 if step is None else step)
+    if ring is not None and ring + 2 < N:
+        splits.append(("prefill past the ring", ring + 2, 1, False))
+    probes, seen = [], set()
+    for label, p, s, padded in splits:
+        p = p if prefill is None else min(prefill, N)
+        s = s if step is None else step
+        if (p, s, padded) in seen:
+            continue
+        seen.add((p, s, padded))
+        mask = None
+        if padded:
+            mask = np.ones((BATCH, N), dtype=bool)
+            mask[0, :2] = False  # item 0 left-padded by two
+        inputs = prepare_decode_inputs(cfg, np.zeros((BATCH, N, cfg.d_model)), prefill=p, step=s, mask=mask)
+        x = rng.standard_normal((BATCH, N, cfg.d_model))
+        # Given a prefill or a step, the labels would not hold: name the split itself.
+        name = label if (prefill, step) == (None, None) else f"prefill {p}, step {s}" + (", left-padded" * padded)
+        probes.append(DecodeProbe(name, params, x, p, s, mask, inputs.positions))
+    return probes
+
+
+# -- the diagnosis ------------------------------------------------------------------------------
+@dataclass
+class _DecodeFit:
+    hypothesis: DecodeHypothesis | None  # None: no mistake (the oracle)
+    bug: DecodeBug
+    per_probe: dict[str, tuple[float, float]]  # probe -> (max abs, in tolerances)
+    predictions: dict[str, np.ndarray]
+
+    @property
+    def score(self) -> float:
+        return max((ratio for _, ratio in self.per_probe.values()), default=0.0)
+
+    @property
+    def label(self) -> str:
+        return "no mistake" if self.hypothesis is None else self.hypothesis.label
+
+
+def _fit(cfg, observed, bug: DecodeBug, hypothesis, dtype: str) -> _DecodeFit:
+    from .diagnosis import _distance
+
+    per_probe, predictions = {}, {}
+    for probe, output in observed:
+        predicted = simulate_decode(
+            cfg, probe.params, probe.x, prefill=probe.prefill, step=probe.step, mask=probe.mask,
+            positions=probe.positions, bug=bug,
+        )  # fmt: skip
+        predictions[probe.name] = predicted
+        per_probe[probe.name] = _distance(output, predicted, probe.rows, dtype)
+    return _DecodeFit(hypothesis, bug, per_probe, predictions)
+
+
+def _same(a: _DecodeFit, b: _DecodeFit, observed, dtype: str) -> bool:
+    from .diagnosis import _distance
+
+    return all(_distance(a.predictions[p.name], b.predictions[p.name], p.rows, dtype)[1] <= 1.0 for p, _ in observed)
+
+
+def diagnose_decode(
+    candidate,
+    cfg: MHAConfig | None = None,
+    *,
+    like=None,
+    prefill: int | None = None,
+    step: int | None = None,
+    dtype: str = "float64",
+    timeout: float | None = None,
+    seed: int = 0,
+    announce: Callable[[str, str], None] | None = None,
+):
+    """Probe the decode loop ``candidate(params, x, prefill, step, mask, positions) -> (B, N, d_model)``.
+
+    The arguments are the module docstring's (NumPy arrays of ``dtype``; positions (B, N) int64 always given).
+    ``cfg`` must be causal (a decode loop is). ``prefill`` / ``step``: the one prefill length or tokens per step
+    the candidate supports, where it does not take any (a prefill longer than the probes' tokens takes them all;
+    default: the probes choose; a loop that takes one token
+    per step only is ``step=1``, and then top-left causality on multi-query steps cannot be seen: a note says
+    so). ``like``, ``timeout``, ``announce`` as in `diagnose`. Returns a `Diagnosis`; raises `DiagnoseError`
+    when the candidate cannot be diagnosed (raised, timed out, wrong shape or dtype, NaN everywhere).
+    """
+    from .diagnosis import DEFAULT_TIMEOUT_S, Cause, Diagnosis, reference_config
+
+    if not callable(candidate):
+        raise TypeError(
+            "candidate must be callable as candidate(params, x, prefill, step, mask, positions) -> output "
+            f"(B, N, d_model); got {type(candidate).__name__} {candidate!r:.80}"
+        )
+    cfg = reference_config(cfg, like)
+    if not cfg.causal:
+        raise ValueError("diagnose_decode needs a causal configuration (a decode loop is causal), got causal=False")
+    dtype = check_dtype_name(dtype)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    for name, value in (("prefill", prefill), ("step", step)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int (or None: the probes choose), got {value!r}")
+    np_dtype = numpy_dtype(dtype)
+    out_dtypes = {dtype}
+    observed = []
+    for probe in make_decode_probes(cfg, seed, prefill=prefill, step=step):
+        args = (probe.params.astype(np_dtype), probe.x.astype(np_dtype), probe.prefill, probe.step)
+        args += (None if probe.mask is None else probe.mask.copy(), probe.positions.copy())
+        result = _call(candidate, args, timeout, probe.name, announce)
+        output, out_dtype = _as_output(result, (*probe.x.shape[:2], cfg.d_model), probe.name)
+        if not observed and not np.isfinite(output).any():
+            raise DiagnoseError(f"the candidate returned NaN or inf everywhere on probe {probe.name!r}")
+        out_dtypes.add(out_dtype)
+        observed.append((probe, output))
+    tol_dtype = lower_precision(*out_dtypes)
+    notes = []
+    if all(probe.step == 1 for probe, _ in observed):
+        notes.append(
+            "every probe steps one token at a time: top-left causality on steps of more than one query cannot be "
+            "seen (a single-query step is unaffected by it); give step >= 2 to test it"
+        )
+
+    oracle = _fit(cfg, observed, DecodeBug(), None, tol_dtype)
+    errors = {name: err for name, (err, _) in oracle.per_probe.items()}
+    max_error = max(errors.values())
+    if oracle.score <= 1.0:
+        return Diagnosis(True, max_error, [], [], notes, errors, tol_dtype)
+
+    fits: list[_DecodeFit] = []
+    for hypothesis in decode_hypotheses(cfg):
+        fit = _fit(cfg, observed, hypothesis.bug, hypothesis, tol_dtype)
+        if _same(fit, oracle, observed, tol_dtype):
+            notes.append(f"{hypothesis.label} changes no probe's output here: not considered")
+            continue
+        if any(_same(fit, kept, observed, tol_dtype) for kept in fits):
+            continue  # the same outputs as one already listed (the first in order is kept)
+        fits.append(fit)
+    fits.sort(key=lambda f: f.score)
+    explained = [f for f in fits if f.score <= 1.0]
+    partial = False
+    if not explained:
+        pairs = []
+        for i, a in enumerate(fits):
+            for b in fits[i + 1 :]:
+                if a.hypothesis.code != b.hypothesis.code:
+                    pair = _fit(cfg, observed, a.bug.combine(b.bug), None, tol_dtype)
+                    if pair.score <= 1.0:
+                        pairs.append((pair.score, a, b))
+        if pairs:
+            _, a, b = min(pairs, key=lambda item: item[0])
+            explained = [a, b]
+            notes.append(f"no single mistake explains every probe; {a.label} and {b.label} together do")
+        else:
+            explained, partial = fits[:3], True
+            notes.append("no decode mistake (nor any pair) explains every probe; the best partial fits follow")
+            forward = [(p, o) for p, o in observed if p.prefill == p.x.shape[1]]
+            if forward and oracle.per_probe[forward[0][0].name][1] > 1.0:
+                name = forward[0][0].name
+                notes.append(
+                    f"the candidate already disagrees on probe {name!r}, which has no decode step (max abs "
+                    f"{oracle.per_probe[name][0]:.3g}): the error may be in its forward itself; diagnose that with "
+                    "mha_rosetta.diagnose.diagnose (its candidate: params, query, key, value, mask -> output)"
+                )
+    causes = []
+    for fit in explained:
+        shows = max(oracle.per_probe, key=lambda name: oracle.per_probe[name][1])
+        off = oracle.per_probe[shows][0]
+        err, ratio = fit.per_probe[shows]
+        away = "NaN or inf where the oracle is finite" if math.isinf(off) else f"{off:.3g} from the oracle"
+        parts = [
+            f"probe {shows!r}: {away}, {err:.2g} from this mistake "
+            f"({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
+        ]
+        rival = next((f for f in fits if f is not fit), None)
+        if rival is not None:
+            apart = max(rival.per_probe, key=lambda name: rival.per_probe[name][1])
+            by = rival.per_probe[apart][0]
+            parts.append(
+                f"next best, {rival.label}, misses probe {apart!r} by {'NaN or inf' if math.isinf(by) else f'{by:.3g}'}"
+            )
+        if partial:
+            parts.append(f"explains no probe set fully (worst probe at {fit.score:.3g}x tolerance)")
+        h = fit.hypothesis
+        causes.append(Cause(h.code, h.detail, "; ".join(parts), h.fix, fit.score))
+    return Diagnosis(False, max_error, causes, [], notes, errors, tol_dtype)

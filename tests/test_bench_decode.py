@@ -1,0 +1,392 @@
+"""``bench --mode decode``: the copy bandwidth, the limit arithmetic, a cell's figures, and the command end to end.
+
+The cells here decode with the NumPy fake of `decode_fake` (a cache of random K/V and one attention
+step), registered by path in the parent and in every measured child (``tests/`` on PYTHONPATH). No
+test asserts a speed: the timings come from a fake clock, or are only checked to be consistent with
+the bytes they were computed from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mha_rosetta.backends.registry import REGISTRY, register_path
+from mha_rosetta.benchmarks import bandwidth
+from mha_rosetta.benchmarks.bandwidth import (
+    array_mb_for,
+    cache_warning,
+    copy_bytes,
+    copy_program,
+    kv_read_bytes,
+    last_level_cache_bytes,
+    limit_fraction,
+    limit_seconds,
+    weight_bytes,
+)
+from mha_rosetta.benchmarks.decode import (
+    BEGIN,
+    END,
+    DecodeCellSpec,
+    decode_config,
+    decode_record,
+    decode_settings,
+    enrich_decode_cell,
+    expand_decode_cells,
+    parent_reason,
+    readme_block,
+    run_decode_cell,
+    time_prepared,
+)
+from mha_rosetta.benchmarks.markdown import decode_markdown, decode_row
+from mha_rosetta.benchmarks.pinning import choose_cpus
+from mha_rosetta.benchmarks.timing import RepeatPolicy
+from mha_rosetta.core import init_params
+from mha_rosetta.core.decode import ring_capacity
+
+TESTS = Path(__file__).resolve().parent
+PLUGIN = "decode_fake:FakeDecode"
+SMALL = dict(d_model=64, heads=4, kv_heads=2, d_k=16)  # a layer small enough for a child in a second
+FAST = dict(min_time=0.01, min_repeats=5, max_time=0.2, warmup=1)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake registered here, and ``tests/`` on the PYTHONPATH of every child started from now on."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    name = register_path(PLUGIN)
+    yield name
+    REGISTRY.pop(name, None)
+
+
+# -- the copy and its bytes ----------------------------------------------------------------------
+def test_copy_bytes_counts_one_read_and_one_write():
+    assert copy_bytes(1000, 8) == 16_000
+    assert copy_bytes(1, 4) == 8
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_the_copy_moves_the_bytes_it_says(library):
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
+    launch, sync, facts = copy_program(library, 1 << 20, "cpu")  # 1 MiB per array
+    src, dst = facts["arrays"]
+    assert facts["elements"] == (1 << 20) // facts["itemsize"]
+    assert facts["moved_bytes"] == 2 * (1 << 20)
+    dst[...] = -1  # what the copy must overwrite, every element (NumPy and torch alike)
+    launch()
+    sync()
+    values = np.asarray(dst)
+    assert values.shape == (facts["elements"],)
+    assert np.array_equal(values, np.arange(facts["elements"], dtype=values.dtype))
+    assert np.array_equal(values, np.asarray(src))
+
+
+def test_a_library_that_cannot_copy_says_why():
+    assert "NumPy has no GPU" in bandwidth.unsupported_reason("numpy", "gpu")
+    assert "library must be one of numpy, torch" in bandwidth.unsupported_reason("cupy", "cpu")
+    assert "device must be 'cpu' or 'gpu'" in bandwidth.unsupported_reason("numpy", "tpu")
+
+
+def test_the_measured_bandwidth_is_its_bytes_over_its_median():
+    record = bandwidth.measure_bandwidth("cpu", 1, None, array_mb=4, policy=FAST, libraries=["numpy"])
+    numpy_record = record["by_library"]["numpy"]
+    assert numpy_record["status"] == "ok", numpy_record
+    assert numpy_record["array_bytes"] == 4 << 20
+    assert numpy_record["moved_bytes"] == 8 << 20
+    assert numpy_record["gbps"] == pytest.approx(numpy_record["moved_bytes"] / numpy_record["median_s"] / 1e9)
+    assert numpy_record["best_gbps"] >= numpy_record["gbps"]  # the min sample is never slower than the median
+    assert record["library"] == "numpy" and record["gbps"] == numpy_record["gbps"]
+    assert record["array_mb"] == 4 and record["array_rule"] == "as requested"
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    for index, (level, kind, size) in enumerate(
+        [(1, "Data", "48K"), (1, "Instruction", "32K"), (3, "Unified", "480M")]
+    ):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "type").write_text(f"{kind}\n")
+        (folder / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path) == 480 * 2**20
+    assert last_level_cache_bytes(tmp_path / "missing") is None
+
+
+def test_the_array_size_is_far_beyond_the_cache_within_the_memory():
+    assert array_mb_for("cpu", None, 8 * 2**20, 100_000) == (512.0, "the default")
+    assert array_mb_for("cpu", None, 480 * 2**20, 100_000) == (1920.0, "4 x the last-level cache")
+    assert array_mb_for("cpu", None, 480 * 2**20, 4000) == (1000.0, "held to a quarter of the available memory")
+    assert array_mb_for("cpu", 64, 480 * 2**20, 4000) == (64.0, "as requested")
+    assert array_mb_for("gpu", None, None, None)[0] == bandwidth.GPU_ARRAY_MB
+    with pytest.raises(ValueError, match="array_mb must be a positive number of MiB, got -1"):
+        array_mb_for("cpu", -1, None, None)
+    assert "may be overstated" in cache_warning(64 * 2**20, 480 * 2**20)
+    assert cache_warning(2048 * 2**20, 480 * 2**20) is None
+
+
+# -- the limit arithmetic --------------------------------------------------------------------------
+def test_the_kv_bytes_of_a_step_by_hand():
+    # B=1, 1024 tokens, 4 kv heads, Dk = Dv = 128, float32: 1 x 1024 x 4 x 256 x 4 = 4 MiB
+    assert kv_read_bytes(1, 1024, 4, 128, 128, 4) == 4 * 2**20
+    # a window's ring of 4096 slots: 32k tokens read 4096 slots, 2k tokens their own 2048
+    assert kv_read_bytes(1, 32768, 4, 128, 128, 4, ring=4096) == 16 * 2**20
+    assert kv_read_bytes(1, 2048, 4, 128, 128, 4, ring=4096) == 8 * 2**20
+    assert kv_read_bytes(2, 10, 3, 5, 7, 2) == 2 * 10 * 3 * 12 * 2
+    # W_q and W_o (2048 x 2048) and W_k, W_v (2048 x 512), float32: 40 MiB
+    assert weight_bytes(2048, 16, 4, 128, 128, 4) == 40 * 2**20
+
+
+def test_the_limit_and_the_share_of_it_by_hand():
+    assert limit_seconds(4 * 2**20, 4 * 2**20 / 1e6) == pytest.approx(1e-3)  # 4 MiB at 4.19 GB/s: 1 ms
+    assert limit_seconds(1000, None) is None and limit_seconds(1000, 0.0) is None
+    assert limit_fraction(1e-3, 2e-3) == pytest.approx(0.5)
+    assert limit_fraction(None, 2e-3) is None and limit_fraction(1e-3, 0.0) is None
+
+
+# -- a cell --------------------------------------------------------------------------------------
+class FakeClock:
+    """A clock that moves only when the timed step runs: every step takes exactly ``per_call`` seconds."""
+
+    def __init__(self, per_call: float) -> None:
+        self.now, self.per_call = 0.0, per_call
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.per_call
+
+
+def test_a_cells_share_of_the_limit_from_a_fake_clock(fake):
+    from mha_rosetta.backends import get_backend
+
+    spec = DecodeCellSpec(implementation=fake, context=1000, **SMALL)
+    cfg = decode_config(spec)
+    prepared = get_backend(fake).prepare_decode(cfg, init_params(cfg, seed=0), context=1000, dtype="float32")
+    clock = FakeClock(2e-3)
+
+    def forward():
+        result = prepared.forward()
+        clock.tick()
+        return result
+
+    timings = time_prepared(forward, prepared.synchronize, None, RepeatPolicy(**FAST), clock=clock, cpu_clock=clock)
+    assert timings["median_s"] == pytest.approx(2e-3) and timings["iqr_s"] == pytest.approx(0.0)
+    assert timings["first_call_s"] == pytest.approx(2e-3) and timings["compile_s"] is None
+    cell = decode_record(spec, {"status": "ok", **timings, "cache_info": prepared.info["cache"]})
+    # K and V of 1000 tokens: 1000 x 2 kv heads x (16 + 16) x 4 bytes = 256 000 bytes; at 0.256 GB/s, 1 ms.
+    enriched = enrich_decode_cell(cell, 0.256)
+    assert enriched["kv_read_bytes"] == 256_000
+    assert enriched["limit_s"] == pytest.approx(1e-3)
+    assert enriched["step_s"] == pytest.approx(2e-3)
+    assert enriched["limit_fraction"] == pytest.approx(0.5)
+    weights = 64 * (4 * 16 + 2 * 16 + 2 * 16 + 4 * 16) * 4  # W_q, W_k, W_v, W_o in float32
+    assert enriched["weight_bytes"] == weights
+    assert enriched["limit_fraction_with_weights"] == pytest.approx((256_000 + weights) / 0.256e9 / 2e-3)
+    assert enriched["tokens_per_s"] == pytest.approx(500.0)
+    assert enriched["cache_mb"] == pytest.approx(1001 * 2 * 16 * 2 * 4 / 2**20)  # the fake's context + step slots
+    assert "fits_last_level_cache" not in enriched  # no cache size known, nothing claimed
+    assert enrich_decode_cell(cell, 0.256, llc_bytes=256_000 + weights)["fits_last_level_cache"] is True
+    assert enrich_decode_cell(cell, 0.256, llc_bytes=256_000 + weights - 1)["fits_last_level_cache"] is False
+    row = decode_row(enriched)
+    assert row[3] == "1000" and row[4] == "2.000" and row[8] == "50.0%" and row[10] == "500"
+
+
+def test_a_windowed_cell_reads_the_ring_and_holds_it(fake):
+    spec = DecodeCellSpec(implementation=fake, context=32768, window=4096, **{**SMALL, "kv_heads": 4, "d_k": 128})
+    assert decode_config(spec).window == 4096
+    enriched = enrich_decode_cell(decode_record(spec, {"status": "unsupported", "error": "not run"}), 10.0)
+    assert enriched["kv_read_bytes"] == 4096 * 4 * 256 * 4  # the ring's W - 1 + 1 slots, not 32768
+    assert enriched["limit_s"] == pytest.approx(4096 * 4 * 256 * 4 / 10e9)
+    assert "limit_fraction" not in enriched  # nothing measured, nothing claimed
+
+
+def test_a_decode_cell_in_a_fresh_child(fake):
+    cpus = choose_cpus(1)
+    plain = DecodeCellSpec(
+        implementation=fake, context=300, cpus=cpus, policy=FAST, prefill_policy=FAST, plugins=[PLUGIN], **SMALL
+    )
+    windowed = DecodeCellSpec(
+        implementation=fake, context=300, window=64, cpus=cpus, policy=FAST, prefill=False, plugins=[PLUGIN], **SMALL
+    )
+    for spec in (plain, windowed):
+        record = run_decode_cell(spec, timeout=120)
+        assert record["status"] == "ok", record.get("error") or record.get("stderr_tail")
+        assert record["median_s"] > 0 and record["repeats"] == len(record["samples_s"]) >= 5
+        assert len(record["paired_ratios"]) == record["repeats"]  # every sample paired with a reference
+        assert record["cache_info"]["kind"] == "dynamic"
+        assert record["affinity"] in (None, cpus)  # pinned to the chosen core where affinity exists
+    assert record["cache_info"]["slots"] == ring_capacity(decode_config(windowed), 1) == 64  # O(W), not 300
+    assert record["prefill_status"] == "skipped"
+
+
+def test_the_prefill_is_the_decode_paths_forward(fake):
+    spec = DecodeCellSpec(implementation=fake, context=64, policy=FAST, prefill_policy=FAST, plugins=[PLUGIN], **SMALL)
+    record = run_decode_cell(spec, timeout=120)
+    assert record["status"] == "ok", record.get("error")
+    assert record["prefill_status"] == "ok" and record["prefill_median_s"] > 0 and record["prefill_repeats"] >= 5
+    enriched = enrich_decode_cell(record, 10.0)
+    assert enriched["prefill_over_step"] == pytest.approx(record["prefill_median_s"] / enriched["step_s"])
+
+
+def test_an_unsupported_cell_says_why_without_a_child():
+    name = register_path("decode_fake:FakeNoWindow")
+    try:
+        spec = DecodeCellSpec(implementation=name, context=100, window=8, **SMALL)
+        assert "decode path does not implement window (it implements: none)" in parent_reason(spec)
+        assert parent_reason(DecodeCellSpec(implementation=name, context=100, **SMALL)) is None
+        static = DecodeCellSpec(implementation=name, context=100, cache="static", **SMALL)
+        assert "has no 'static' cache (it has dynamic)" in parent_reason(static)
+    finally:
+        REGISTRY.pop(name, None)
+
+
+def test_bad_cells_and_settings_name_the_argument():
+    with pytest.raises(ValueError, match=r"DecodeCellSpec\.context must be a positive int, got 0"):
+        DecodeCellSpec(implementation="numpy", context=0)
+    with pytest.raises(ValueError, match=r"DecodeCellSpec\.window must be a positive int, got -4"):
+        DecodeCellSpec(implementation="numpy", context=8, window=-4)
+    with pytest.raises(ValueError, match="decode preset must be one of decode, decode-quick, got 'huge'"):
+        decode_settings("huge")
+    with pytest.raises(ValueError, match="contexts must name at least one context length"):
+        decode_settings("decode-quick", contexts=[])
+
+
+def test_the_presets_cells():
+    settings = decode_settings("decode")
+    assert settings.contexts == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert (settings.d_model, settings.heads, settings.kv_heads, settings.d_k) == (2048, 16, 4, 128)
+    cells = expand_decode_cells(settings, ["numpy", "torch"])
+    assert len(cells) == 2 * (6 + 3)
+    windowed = [cell for cell in cells if cell.window is not None]
+    assert {cell.context for cell in windowed} == {2048, 8192, 32768} and {cell.window for cell in windowed} == {4096}
+    assert [cell.prefill for cell in cells[:6]] == [True, True, True, False, False, False]  # prefill_max 4096
+
+
+def test_the_estimate_counts_the_cells_that_can_run(fake):
+    from mha_rosetta.benchmarks.decode import estimate_decode_seconds
+    from mha_rosetta.benchmarks.progress import _startup_s, _timed_s
+
+    settings = decode_settings("decode-quick", rounds=2)
+    one = expand_decode_cells(settings, [fake])
+    per_cell = _startup_s(fake) + _timed_s(settings.policy)
+    prefills = sum(cell.prefill for cell in one) * _timed_s(settings.prefill_policy)
+    bandwidth = _startup_s("numpy") + 2 * _timed_s(settings.bandwidth_policy)
+    assert estimate_decode_seconds(settings, one) == pytest.approx(2 * (len(one) * per_cell + prefills + bandwidth))
+    name = register_path("decode_fake:FakeNoWindow")
+    try:  # a windowed cell of a backend without the window is not run, so it adds nothing
+        skipped = [DecodeCellSpec(implementation=name, context=8, window=4, prefill=False, **SMALL)]
+        assert estimate_decode_seconds(settings, skipped) == pytest.approx(2 * bandwidth)
+    finally:
+        REGISTRY.pop(name, None)
+
+
+# -- the command ---------------------------------------------------------------------------------
+def _main(argv):
+    from mha_rosetta.cli.main import main
+
+    return main(argv)
+
+
+def test_bench_mode_decode_quick_end_to_end(fake, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# project\n\n{BEGIN}\nold figures\n{END}\n\nthe rest\n", encoding="utf-8")
+    out = tmp_path / "decode.json"
+    argv = ["bench", "--mode", "decode", "--quick", "--plugin", PLUGIN, "--backends", fake, "--no-progress"]
+    code = _main([*argv, "--json", str(out), "--write-docs", str(docs)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    report = json.loads(out.read_text())
+    assert report["kind"] == "decode" and report["complete"] is True
+    assert report["summary"] == {"cells": 4, "ok": 4, "unsupported": 0, "failed": 0}
+    assert report["bandwidth"][0]["gbps"] > 0 and report["bandwidth"][0]["array_mb"] == 64
+    for cell in report["cells"]:
+        assert cell["bandwidth_gbps"] == report["bandwidth"][0]["gbps"]
+        assert cell["limit_s"] == pytest.approx(cell["kv_read_bytes"] / (cell["bandwidth_gbps"] * 1e9))
+        assert cell["limit_fraction"] == pytest.approx(cell["limit_s"] / cell["step_s"])
+        # The published figure: the paired, drift-corrected one, unless the cell disturbed its own reference
+        # (`report.disturbed_visits`: on a loaded machine the tiny quick steps can), then the raw median.
+        published = cell["median_s"] if cell.get("reference_disturbed") else cell["corrected_median_s"]
+        assert cell["step_s"] == published
+    windowed = [cell for cell in report["cells"] if cell["window"] == 128]
+    assert sorted(cell["context"] for cell in windowed) == [256, 1024]
+    assert {cell["cache_info"]["slots"] for cell in windowed} == {128}  # the ring holds W slots at 256 and 1024
+    assert (docs / "bench" / "decode.json").exists()
+    table = (docs / "bench" / "decode.md").read_text()
+    assert table == printed.out and "| `fake-decode` | dynamic | 128 | 1024 |" in table
+    text = readme.read_text()
+    assert "old figures" not in text and text.endswith("\n\nthe rest\n") and "% of KV limit" in text
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (docs / "bench" / "decode" / "decode_step_vs_context.png").stat().st_size > 0
+    # --render: the same table from the saved JSON, nothing measured
+    assert _main(["bench", "--render", str(out)]) == 0
+    assert capsys.readouterr().out == table
+
+
+def test_bench_mode_decode_refuses_what_it_does_not_take(capsys):
+    assert _main(["bench", "--mode", "decode", "--tokens", "64"]) == 2
+    assert "--mode decode does not take --tokens (decode: --contexts)" in capsys.readouterr().err
+    assert _main(["bench", "--mode", "decode", "--dtypes", "float32,float64"]) == 2
+    assert "--mode decode takes one value of --dtypes, got ['float32', 'float64']" in capsys.readouterr().err
+    assert _main(["bench", "--mode", "decode", "--plugin", "nowhere_at_all:Nothing"]) == 2
+    assert "nowhere_at_all" in capsys.readouterr().err
+
+
+def test_the_markdown_and_readme_block_of_a_report_without_measurements():
+    spec = DecodeCellSpec(implementation="numpy", context=1024, **SMALL)
+    cell = enrich_decode_cell(
+        decode_record(spec, {"status": "unsupported", "error": "numpy has no KV-cache decoding"}), 5.0
+    )
+    settings = decode_settings("decode-quick").as_dict()
+    report = {
+        "settings": settings,
+        "bandwidth": [{"device": "cpu", "threads": 1, "gbps": 5.0, "library": "numpy"}],
+        "cells": [cell],
+    }
+    table = decode_markdown(report)
+    assert (
+        "unsupported: numpy has no KV-cache decoding" in table and "Copy bandwidth cpu, 1 thread(s): 5.00 GB/s" in table
+    )
+    block = readme_block(report)
+    assert block.startswith(BEGIN) and block.rstrip().endswith(END)
+    assert "No implementation could decode in this run" in block
+
+
+def test_contexts_set_the_full_and_the_windowed_row():
+    from mha_rosetta.cli.bench import _decode_settings
+    from mha_rosetta.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "--mode", "decode", "--contexts", "512,2048", "--repeats", "9"])
+    settings = _decode_settings(args)
+    assert settings.contexts == [512, 2048] and settings.window_contexts == [512, 2048]
+    assert settings.policy["min_repeats"] == 9 and settings.window == 4096 and settings.preset == "decode"
+    quick = _decode_settings(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
+    assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]
+
+
+def test_a_prefill_that_compiles_in_its_timed_runs_is_flagged(monkeypatch):
+    from mha_rosetta.benchmarks.decode import compiled_count
+
+    assert compiled_count({"prefill": 1, "step": 0}) == 1 and compiled_count(3) == 3
+    assert compiled_count(None) == 0 and compiled_count(True) == 0 and compiled_count({"a": {"b": 2}}) == 2
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    name = register_path("decode_fake:FakeRecompiles")
+    try:
+        spec = DecodeCellSpec(
+            implementation=name, context=32, policy=FAST, prefill_policy=FAST, plugins=["decode_fake:FakeRecompiles"],
+            **SMALL,
+        )  # fmt: skip
+        record = run_decode_cell(spec, timeout=120)
+        assert record["status"] == "ok", record.get("error")
+        assert record["prefill_compilations"] == {"prefill": 1, "step": 0}
+        assert any("its time includes compilation" in warning for warning in record["warnings"])
+    finally:
+        REGISTRY.pop(name, None)

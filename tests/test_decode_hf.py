@@ -203,3 +203,18 @@ def test_the_bench_step_reads_the_cache_it_says(oracle, cache):
     assert prepared.info["cache"]["slots"] == 7
     ring = oracle.prepare_decode(WINDOW, init_params(WINDOW), context=8, step=2, cache=cache)
     assert ring.info["cache"]["slots"] == ring_capacity(WINDOW, 2)
+
+
+def test_the_decode_check_holds_a_float64_run_to_the_declared_float32_level(oracle):
+    from mha_rosetta.backends import get_backend as backend
+    from mha_rosetta.checks import Status, run_decode_check
+
+    result = run_decode_check(backends=[oracle, backend("numpy")], cases=["gqa_rotary"], dtypes=["float64"])
+    runs = [run for run in result.runs if run.impl.backend == "hf-attention"]
+    assert [run.impl.cache for run in runs] == ["dynamic", "static"]
+    assert all(run.status is Status.KNOWN_DIFFERENCE and "float32's level" in run.reason for run in runs)
+    assert all(run.max_abs > 1e-10 for run in runs)  # beyond float64's tolerance: the declaration is needed
+    pairs = [pair for pair in result.pairs if "hf-attention" in (pair.a.impl.backend, pair.b.impl.backend)]
+    assert pairs and all(pair.status in (Status.KNOWN_DIFFERENCE, Status.AGREE) for pair in pairs)
+    assert any(pair.status is Status.KNOWN_DIFFERENCE for pair in pairs)  # hf-attention against numpy
+    assert result.exit_status == 0

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from mha_rosetta.backends import CHUNKED, DEFAULT_CHUNK, STANDARD, UnsupportedCase, get_backend
 from mha_rosetta.checks.cases import SPEC_CASES, SpecCase
-from mha_rosetta.core import MHAConfig, assert_close, compare, init_params, prepare_inputs, reference_mha
+from mha_rosetta.core import MHAConfig, assert_close, compare, init_params, reference_mha
 
 ADAPTERS = ("numpy", "torch", "jax")
 CHUNKED_STAGE_NAMES = (
@@ -42,11 +42,6 @@ def test_chunked_matches_the_oracle_in_float64(name, case):
     backend = _adapter(name)
     if reason := backend.unsupported_reason(case.cfg, "float64", "cpu", CHUNKED):
         pytest.skip(reason)  # a variant this adapter's chunked strategy does not declare (Backend rule 6)
-    data = case.inputs()
-    if reason := backend.positions_reason(
-        case.cfg, prepare_inputs(case.cfg, *data.arrays, **data.positions_kwargs), CHUNKED
-    ):
-        pytest.skip(reason)  # tile skipping on indices: a bottom-right causal case is unsupported (Backend rule 7)
     # Blocks (3, 2) divide none of the cases' odd token counts: every block shape occurs.
     output = case.run(backend, "float64", CHUNKED, chunk=(3, 2))
     expected = case.reference()

@@ -27,6 +27,7 @@ from mha_rosetta.core import (
     compare,
     grad_tolerance,
     init_params,
+    prepare_inputs,
     reference_mha,
     reference_mha_vjp,
     reference_stages,
@@ -104,16 +105,34 @@ def test_key_block_range_skips_whole_tiles_outside_the_window():
 
     causal = MHAConfig(d_model=4, n_heads=1, causal=True, window=3)
     two_sided = dataclasses.replace(causal, causal=False)
-    # Causal: query 6 sees keys 4..6, query 8 keys 6..8: blocks 1 (keys 4-7) and 2 (8-11) of 5.
-    first, stop = _key_block_range(6, 5, cfg=causal, q_block=3, k_block=4, skip=True)
+    # Causal: query 6 sees keys 4..6, query 8 keys 6..8: blocks 1 (keys 4-7) and 2 (8-11) of 5; the
+    # causal stop (3) is the block's entry of the k_stop table (next test).
+    first, stop = _key_block_range(6, 3, 5, cfg=causal, q_block=3, k_block=4, skip=True)
     assert (int(first), int(stop)) == (1, 3)
     # Two-sided: keys 4..10, the same blocks; without skip (other positions) every block.
-    first, stop = _key_block_range(6, 5, cfg=two_sided, q_block=3, k_block=4, skip=True)
+    first, stop = _key_block_range(6, None, 5, cfg=two_sided, q_block=3, k_block=4, skip=True)
     assert (int(first), int(stop)) == (1, 3)
-    assert _key_block_range(6, 5, cfg=two_sided, q_block=3, k_block=4, skip=False) == (0, 5)
-    # Causal without skip still stops at the diagonal (top-left, on the indices).
-    first, stop = _key_block_range(6, 5, cfg=causal, q_block=3, k_block=4, skip=False)
+    assert _key_block_range(6, None, 5, cfg=two_sided, q_block=3, k_block=4, skip=False) == (0, 5)
+    # Causal without skip still stops where the table says.
+    first, stop = _key_block_range(6, 3, 5, cfg=causal, q_block=3, k_block=4, skip=False)
     assert (first, int(stop)) == (0, 3)
+
+
+def test_chunked_trip_counts_follow_the_positions():
+    """Hand-computed k_stop: the key blocks (of 4) each query block (of 3) visits under causal, on positions."""
+    from mha_rosetta.backends.jax.chunked import chunked_tables
+
+    cfg = MHAConfig(d_model=4, n_heads=1, causal=True)
+    # Top-left (default positions, 9 queries over 9 keys): queries 0-2 see keys 0..2 (block 0),
+    # 3-5 keys 0..5 (blocks 0-1), 6-8 keys 0..8 (blocks 0-2).
+    square = prepare_inputs(cfg, np.zeros((9, 4)))
+    np.testing.assert_array_equal(chunked_tables(cfg, square, (3, 4), "float64")[0]["k_stop"], [1, 2, 3])
+    # Bottom-right (a decode step: 3 queries at positions 6..8 over 9 cached keys at 0..8): every key
+    # up to 8 is visible to the last query, so all 3 blocks; on the indices it would be 1.
+    step = prepare_inputs(cfg, np.zeros((3, 4)), np.zeros((9, 4)), positions=np.arange(6, 9), kv_positions=np.arange(9))
+    np.testing.assert_array_equal(chunked_tables(cfg, step, (3, 4), "float64")[0]["k_stop"], [3])
+    # Queries 6..8 in blocks of 1: query 6 sees keys 0..6 (2 blocks), 7 and 8 their 8 and 9 keys (2, 3).
+    np.testing.assert_array_equal(chunked_tables(cfg, step, (1, 4), "float64")[0]["k_stop"], [2, 2, 3])
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -13,6 +13,7 @@ from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
 from ..base import STANDARD, Backend, Prepared, StageTensor
+from . import decode
 from .chunked import CHUNKED_VARIANTS, chunked_attention, chunked_hidden
 from .common import (
     CompiledForward,
@@ -43,8 +44,11 @@ class JaxBackend(Backend):
     # them all in its online softmax (`chunked`).
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    causal_on_indices_strategies = (CHUNKED,)  # but the chunked loop's key-block bounds are on the indices
     strategy_variants: ClassVar[dict[str, frozenset[str]]] = {CHUNKED: CHUNKED_VARIANTS}
+    # Rule 8: a static (B, T, Hkv, Dk) cache and one jitted step (`decode`), every variant.
+    decode_caches = (decode.STATIC,)
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts: ClassVar[dict[str, str]] = decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
         super().__init__(name)
@@ -94,4 +98,23 @@ class JaxBackend(Backend):
         info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         return jax_vjp_prepared(
             forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info, key
+        )
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
+        return decode.prepare_decode_run(cfg, params, inputs, dtype, device, self.matmul_precision, info)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
+        return decode.prepare_decode_step(
+            cfg,
+            params,
+            batch=batch,
+            context=context,
+            step=step,
+            dtype=dtype,
+            device=device,
+            matmul_precision=self.matmul_precision,
+            seed=seed,
+            info=info,
         )

@@ -9,8 +9,11 @@ needs static shapes, so the token axes are padded up to whole blocks (padding ke
 masked by their index, padding queries are cut off at the end): the blocks need not divide
 the token counts. `lax.map` walks the query blocks one after another (a `vmap` would hold
 every tile at once); for each, `lax.fori_loop` walks the key blocks, and under a causal
-mask its trip count stops at the diagonal, so blocks above it are never computed. The
-causal mask is computed per tile from the indices; a user mask is read a tile at a time
+mask its trip count stops at the last key block some query of the block may see, so blocks
+after every query's position are never computed. The causal mask is computed per tile from
+the token positions (``p_j <= p_i``, `core.inputs.causal_allowed`: top-left with the default
+positions, bottom-right on a decode step's), and the trip counts come from the same positions
+(`_chunking.key_block_end`, in NumPy at prepare time); a user mask is read a tile at a time
 with `lax.dynamic_slice`. Under `vmap` each step computes one tile per head.
 
 The variants, carried tile by tile in the order of the stages:
@@ -40,7 +43,7 @@ import numpy as np
 from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs
 from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
-from .._chunking import CHUNKED_HIDDEN_STAGES, resolve_chunk
+from .._chunking import CHUNKED_HIDDEN_STAGES, key_block_end, resolve_chunk
 
 # Every variant is carried through the online softmax (the module docstring says how).
 CHUNKED_VARIANTS = frozenset(VARIANTS)
@@ -57,18 +60,19 @@ def _blocks(n: int, block: int) -> int:
     return -(-n // block)  # ceil(n / block)
 
 
-def _key_block_range(q_start, n_k_blocks: int, *, cfg: MHAConfig, q_block: int, k_block: int, skip: bool):
+def _key_block_range(q_start, stop, n_k_blocks: int, *, cfg: MHAConfig, q_block: int, k_block: int, skip: bool):
     """(first, stop) key blocks the query block starting at ``q_start`` must visit.
 
-    Causal (top-left, on the indices): keys from the block's last query + 1 on are masked, so
-    the loop stops there. ``skip`` (the positions are the indices): the window of W keys starts
-    W - 1 before the block's first query, and without causal ends W - 1 after its last.
+    Causal: ``stop`` is the block's entry of the ``k_stop`` table (`chunked_tables`: on the positions,
+    the key blocks after the last one some query of the block may see are masked); without causal,
+    every block. ``skip`` (the positions are the indices): the window of W keys starts W - 1 before
+    the block's first query, and without causal ends W - 1 after its last.
     """
     import jax.numpy as jnp
 
-    first, stop = 0, n_k_blocks
-    if cfg.causal:
-        stop = jnp.minimum(n_k_blocks, (q_start + q_block + k_block - 1) // k_block)
+    first = 0
+    if not cfg.causal:
+        stop = n_k_blocks
     if skip and cfg.window is not None:
         first = jnp.maximum(0, (q_start - cfg.window + 1) // k_block)
         if not cfg.causal:
@@ -82,7 +86,8 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
 
     ``head``: this head's ``sink``, ``slope`` and ``rel`` (buckets,) where its variants are on;
     ``item``: this batch item's ``q_pos`` (Nq_pad,), ``k_pos`` (Nk_pad,) and ``bucket``
-    (Nq_pad, Nk_pad), where needed (`chunked_tables`).
+    (Nq_pad, Nk_pad), where needed, and the key-block trip counts ``k_stop`` (n_q_blocks,) under
+    causal (`chunked_tables`).
     """
     import jax.numpy as jnp
     from jax import lax
@@ -94,7 +99,6 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
     def one_query_block(i):
         q_start = i * q_block
         queries = lax.dynamic_slice_in_dim(q, q_start, q_block) * cfg.scale  # (qb, Dk)
-        q_idx = q_start + jnp.arange(q_block)  # (qb,)
         q_pos = lax.dynamic_slice_in_dim(item["q_pos"], q_start, q_block) if "q_pos" in item else None  # (qb,)
 
         def one_key_block(j, carry):
@@ -115,8 +119,8 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
                 tile = tile + head["rel"].astype(compute)[bucket]
             k_idx = k_start + jnp.arange(k_block)  # (kb,)
             ok = jnp.broadcast_to(k_idx[None, :] < n_k, tile.shape)  # padding keys are never attended to
-            if cfg.causal:
-                ok = ok & (k_idx[None, :] <= q_idx[:, None])
+            if cfg.causal:  # on the positions (core.inputs.causal_allowed): p_j <= p_i
+                ok = ok & (distance <= 0)
             if cfg.window is not None:  # on the positions (core.variants.window_allowed)
                 ok = ok & ((distance > -cfg.window) if cfg.causal else (jnp.abs(distance) < cfg.window))
             if allowed is not None:  # a token axis of length 1 broadcasts (padding masks): read it whole
@@ -131,7 +135,9 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
             rescale = jnp.exp(peak - shift)  # exp(old peak - new peak): 0 where nothing was seen
             return new_peak, total * rescale + p.sum(axis=-1, keepdims=True), acc * rescale + p @ values
 
-        first, stop = _key_block_range(q_start, n_k_blocks, cfg=cfg, q_block=q_block, k_block=k_block, skip=skip)
+        # The trip count in the loop index's integer type (int64 under x64), which the tile offsets share.
+        stop = item["k_stop"][i].astype(jnp.asarray(q_start).dtype) if cfg.causal else n_k_blocks
+        first, stop = _key_block_range(q_start, stop, n_k_blocks, cfg=cfg, q_block=q_block, k_block=k_block, skip=skip)
         acc = jnp.zeros((q_block, v.shape[-1]), compute)
         if cfg.sinks:  # the sink is the first term of every row: peak = sink, total = exp(sink - sink) = 1
             init = (jnp.full((q_block, 1), head["sink"], compute), jnp.ones((q_block, 1), compute), acc)
@@ -197,14 +203,17 @@ def _positions_are_indices(inputs: MHAInputs) -> bool:
 def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dtype: str) -> tuple[dict, dict]:
     """The tables `_chunked_one_head` reads, padded to whole blocks, and their batch in_axes.
 
-    ``slopes`` (H,) ALiBi's per-head slopes (float32, float64 for float64; never per item), ``q_pos``/``k_pos`` (1|B, N_pad) int32 when the window or ALiBi reads the positions; ``bucket``
-    (1|B, Nq_pad, Nk_pad) int32, T5's buckets (`core.variants.t5_buckets`), with relative bias. A
+    ``slopes`` (H,) ALiBi's per-head slopes (float32, float64 for float64; never per item), ``q_pos``/``k_pos``
+    (1|B, N_pad) int32 when causality, the window or ALiBi reads the positions; ``bucket``
+    (1|B, Nq_pad, Nk_pad) int32, T5's buckets (`core.variants.t5_buckets`), with relative bias;
+    ``k_stop`` (n_q_blocks,) int32 under causal, each query block's key-block trip count
+    (`_chunking.key_block_end` on the positions, one for every batch item, so never mapped). A
     table shared by every batch item loses its batch axis and is left unmapped. NumPy, untimed.
     """
     q_pad = _blocks(inputs.q_tokens, chunk[0]) * chunk[0]
     k_pad = _blocks(inputs.kv_tokens, chunk[1]) * chunk[1]
     tables = {}
-    if cfg.window is not None or cfg.alibi:
+    if cfg.causal or cfg.window is not None or cfg.alibi:
         # Padding positions are never read: padding keys are masked by index, padding queries cut off.
         tables["q_pos"] = np.pad(inputs.positions, [(0, 0), (0, q_pad - inputs.q_tokens)]).astype(np.int32)
         tables["k_pos"] = np.pad(inputs.kv_positions, [(0, 0), (0, k_pad - inputs.kv_tokens)]).astype(np.int32)
@@ -214,11 +223,27 @@ def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dt
         pad = [(0, 0), (0, q_pad - inputs.q_tokens), (0, k_pad - inputs.kv_tokens)]
         tables["bucket"] = np.pad(buckets, pad).astype(np.int32)  # (1|B, Nq_pad, Nk_pad)
     axes = {}
+    if cfg.causal:
+        q_block, k_block = chunk
+        stops = [
+            _blocks(
+                key_block_end(
+                    (q_start, min(q_start + q_block, inputs.q_tokens)),
+                    inputs.kv_tokens,
+                    True,
+                    inputs.positions,
+                    inputs.kv_positions,
+                ),
+                k_block,
+            )
+            for q_start in range(0, q_pad, q_block)
+        ]
+        tables["k_stop"], axes["k_stop"] = np.asarray(stops, dtype=np.int32), None  # (n_q_blocks,)
     if cfg.alibi:
         float_dtype = np.float64 if dtype == "float64" else np.float32
         tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
     for name, table in tables.items():
-        if name == "slopes":
+        if name in ("slopes", "k_stop"):
             continue
         shared = table.shape[0] == 1
         tables[name], axes[name] = (table[0], None) if shared else (table, 0)
@@ -232,10 +257,10 @@ def chunked_attention(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] 
     ``attend``'s keywords are everything it closes over (`layer.vmapped_pass` keys the program by them)."""
     chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
     skip = cfg.window is not None and _positions_are_indices(inputs)
-    skipping = "key blocks above the diagonal" if cfg.causal else "none"
+    skipping = "key blocks after every query's position (causal on the positions)" if cfg.causal else "none"
     if cfg.window is not None:
         skipping = (
-            f"key blocks outside the window of {cfg.window} (and above the diagonal)"
+            f"key blocks outside the window of {cfg.window} (and after every query's position)"
             if skip
             else "none by index (custom positions): every tile masked by the window on the positions"
         )

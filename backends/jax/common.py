@@ -287,18 +287,19 @@ def empty_query_rows(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
 _PROGRAMS: dict[tuple, tuple[Callable, Callable]] = {}
 
 
-def shared_program(key: tuple | None, fn: Callable) -> tuple[Callable, Callable]:
+def shared_program(key: tuple | None, fn: Callable, **jit_options) -> tuple[Callable, Callable]:
     """``(function, jitted)``: the pair first registered under ``key``, or ``fn`` and a new ``jax.jit(fn)``.
 
-    ``key`` must hold everything ``fn`` closes over (see the module docstring); None: no
-    sharing, ``fn`` is jitted afresh (and compiled again by every caller).
+    ``key`` must hold everything ``fn`` closes over (see the module docstring) and the
+    ``jit_options`` (``static_argnums``, ``donate_argnums``: `jax.jit`'s); None: no sharing,
+    ``fn`` is jitted afresh (and compiled again by every caller).
     """
     import jax
 
     if key is None:
-        return fn, jax.jit(fn)
+        return fn, jax.jit(fn, **jit_options)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = (fn, jax.jit(fn))
+        _PROGRAMS[key] = (fn, jax.jit(fn, **jit_options))
     return _PROGRAMS[key]
 
 

@@ -53,6 +53,10 @@ class EquinoxMHAOracle(JaxOracle):
     )
     variants = frozenset({"window", "qkv_bias"})
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "equinox.nn.MultiheadAttention has no KV cache: its __call__ takes whole query, key_ and value "
+        "sequences and keeps no state between calls"
+    )
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         scores = [name for name, on in (("softcap", cfg.softcap is not None), ("sinks", cfg.sinks)) if on]

@@ -6,20 +6,41 @@ Flax's own ``flax.linen.dot_product_attention`` with its additive ``bias`` argum
 bias from `core.variants.alibi_bias`, constants; T5's gathered from ``rel_bias`` by bucket in
 the traced pass, the table kept next to the module's tree so that its gradient comes back).
 The rest is unsupported, each with its reason (`unsupported_reason`).
+
+Decoding (`run_decode`) goes through Flax's own cache: the same module with ``decode=True``, its
+``cache`` collection (``cached_key``/``cached_value`` (B, T, H, head_dim), ``cache_index``)
+allocated for the whole sequence by a first call on all N tokens, then fed one token per call,
+the prefill included: the module refuses a query of more than one token once the cache exists,
+so a prefill of P tokens is P calls (the split changes nothing but where the outputs are cut).
+The module masks the cache itself with ``arange(T) <= cache_index`` (its one query against the
+slots written so far: the causal rule of a decode step, bottom-right); the call's ``mask`` adds
+the padding (pads are never keys). So it is supported exactly where that library can express the
+case: no rotary, no grouped kv heads, one token per step, positions that follow the cache index
+among the real tokens (the default ones and ``cumsum(mask) - 1``), no window (its cache is the
+full length, never a ring buffer) and none of the score variants (`decode_reason`).
+flax #5591 reports top-left causal masking on a decode step (a query that sees only key 0) when
+a causal mask made for the query's own length is passed to a cached call; this oracle passes no
+causal mask and leaves the step's causality to the module's cache index.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import ClassVar
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, to_flax_params
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, prepare_inputs, to_flax_params
+from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
 from .._grad_layout import gradients_to_canonical
-from ..base import Prepared, StageTensor
+from ..base import STANDARD, Prepared, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
 from ..jax.common import (
     CompiledForward,
     allowed_for_heads,
+    block_until_ready,
     compiled_prepared,
+    effective_precision,
     jax_inputs,
     jax_target,
     to_jax,
@@ -51,6 +72,22 @@ class FlaxMHAOracle(JaxOracle):
     )
     variants = frozenset({"window", "alibi", "rel_bias"})
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8: Flax's own decode=True cache (module docstring); no variant on its decode path.
+    decode_caches = ("static",)
+    decode_layouts: ClassVar[dict[str, str]] = {
+        "static": "(B, T, H, head_dim) cached_key / cached_value in the module's 'cache' collection, allocated "
+        "for the whole sequence, written with lax.dynamic_update_slice at cache_index, one token per call"
+    }
+
+    def decode_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str, cache: str | None) -> str | None:
+        if reason := self.unsupported_reason(cfg, dtype, device, STANDARD):  # what its forward cannot express
+            return reason
+        if cfg.window is not None:
+            return (
+                "Flax's decode cache holds the whole sequence (cached_key (B, T, H, head_dim) for every token): "
+                "no ring buffer, so a window's O(W) cache cannot be Flax's"
+            )
+        return super().decode_reason(cfg, dtype, device, strategy, cache)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if cfg.softcap is not None:
@@ -145,6 +182,103 @@ class FlaxMHAOracle(JaxOracle):
             }
 
         return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
+
+    def _prepare_decode_run(self, cfg, params, inputs: DecodeInputs, dtype, device, strategy, cache) -> PreparedDecode:
+        import flax.linen as nn
+        import jax
+        import jax.numpy as jnp
+
+        if inputs.step != 1:
+            raise UnsupportedCase(
+                f"Flax's decode=True cache takes one token per call (its query must be (B, 1, H, head_dim)); "
+                f"step={inputs.step}"
+            )
+        B, N = inputs.batch, inputs.tokens
+        valid, positions = inputs.valid, inputs.positions  # (B, N) each
+        # The module's own causal rule is on the cache index (key slot j <= the call's index i):
+        # it equals the rule on positions only where the real tokens' positions follow the index.
+        index = np.arange(N)
+        on_index = (index[None, :] <= index[:, None])[None, None] & valid[:, None, None, :]  # (B, 1, N, N)
+        if not np.array_equal(decode_allowed(cfg, positions, positions, valid), on_index):
+            raise UnsupportedCase(
+                "Flax's decode cache masks its slots by the cache index (arange(T) <= cache_index), not by "
+                "positions; these positions do not follow the index among the real tokens"
+            )
+        target = jax_target(dtype, device)
+        compute_dtype = jnp.dtype(numpy_dtype(dtype))
+        module = nn.MultiHeadDotProductAttention(
+            num_heads=cfg.n_heads,
+            qkv_features=cfg.q_width,
+            out_features=cfg.d_model,
+            use_bias=cfg.bias,
+            dtype=compute_dtype,
+            param_dtype=compute_dtype,
+            deterministic=True,
+            decode=True,
+        )
+        tree = jax.tree_util.tree_map(lambda array: to_jax(array, dtype, target), to_flax_params(cfg, params))
+        x = to_jax(inputs.x, dtype, target)  # (B, N, D)
+        # Pads are never keys: the call's mask (B, 1, 1, T); the module adds its own cache-index rule.
+        pad_mask = to_jax(np.ascontiguousarray(valid[:, None, None, :]), None, target)
+        full = prepare_inputs(cfg, inputs.x, mask=inputs.forward_mask(), positions=positions)
+        spec = self._output_rows(cfg, params, full, dtype, target)  # rows with no allowed key -> b_o
+        precision = effective_precision(self.matmul_precision)
+        compilations = {"allocate": 0, "step": 0}
+
+        def allocate(tree, x):
+            compilations["allocate"] += 1  # runs only while JAX traces (and so compiles)
+            # The first decode=True call creates the zero cache for x's length; its output (an uncached
+            # forward over all of x) is discarded.
+            _, variables = module.apply({"params": tree}, x, x, x, mutable=["cache"])
+            return variables["cache"]
+
+        def step(tree, cache, token, mask):
+            compilations["step"] += 1
+            out, variables = module.apply(
+                {"params": tree, "cache": cache}, token, token, token, mask=mask, mutable=["cache"]
+            )
+            return out, variables["cache"]  # (B, 1, D)
+
+        allocate_jit, step_jit = jax.jit(allocate), jax.jit(step, donate_argnums=(1,))
+        info = self._info(dtype, device, empty_rows_mapped=spec.count)
+        size = np.dtype(numpy_dtype(dtype)).itemsize
+        info["cache"] = {
+            "kind": "static",
+            "layout": "(B, T, H, Dk)",
+            "slots": N,
+            "bytes": 2 * B * N * cfg.q_width * size,
+        }
+        info["prefill"] = "fed one token per call: the module takes no chunk once its cache exists"
+        info["compilations"] = compilations
+
+        def outputs() -> list:
+            with jax.default_matmul_precision(precision):
+                cache = allocate_jit(tree, x)
+                tokens = []
+                for t in range(N):
+                    out, cache = step_jit(tree, cache, x[:, t : t + 1], pad_mask)
+                    tokens.append(out)
+            rows = None if spec.rows is None else jnp.broadcast_to(spec.rows, (B, N, 1))
+            return [
+                spec_rows(out, spec.b_o, None if rows is None else rows[:, t : t + 1]) for t, out in enumerate(tokens)
+            ]
+
+        def run():
+            return jnp.concatenate(outputs(), axis=1)  # (B, N, D)
+
+        def step_stages() -> list[dict[str, StageTensor]]:
+            tokens = outputs()
+            mapped = "; rows with no allowed key mapped to the spec" if spec.count else ""
+            return [
+                {
+                    "output": StageTensor(
+                        jnp.concatenate(tokens[start:stop], axis=1), ("B", "Nq", "D"), f"module output{mapped}"
+                    )
+                }
+                for start, stop in inputs.chunks()
+            ]
+
+        return PreparedDecode(run, tensor_to_numpy, step_stages, block_until_ready, info=info)
 
     maps_output_rows = True
     # Declared above: float16 logits are soft-maxed in float16, less accurate than the spec's float32 path.

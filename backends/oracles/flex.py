@@ -42,13 +42,15 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, prepare_inputs
+from mha_rosetta.core.decode import DecodeInputs
 
 from .._recording import StageRecorder, record_stages
-from ..base import Backend, Prepared, UnsupportedCase, tensor_to_numpy
+from ..base import Backend, Prepared, PreparedDecode, UnsupportedCase, tensor_to_numpy
 from ..torch.common import (
     in_inference_mode,
     no_gpu_reason,
@@ -61,7 +63,7 @@ from ..torch.common import (
     with_matmul_precision,
 )
 from ..torch.variants import ScoreBias
-from .torch import projected_heads_pass
+from .torch_heads import projected_heads_pass
 
 COMPILED_DTYPES = ("float16", "bfloat16")  # what MHA_ROSETTA_FLEX_COMPILE=1 compiles (module docstring)
 COMPILE_ENV = "MHA_ROSETTA_FLEX_COMPILE"
@@ -117,6 +119,13 @@ class TorchFlexOracle(Backend):
     )
     variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8 (`prepare_flex_decode_run`): the growing cache of the torch oracles, a BlockMask over it per chunk.
+    decode_caches = ("dynamic",)
+    decode_variants = variants
+    decode_layouts: ClassVar[dict[str, str]] = {
+        "dynamic": "(B, Hkv, T, Dk) and (B, Hkv, T, Dv) grown with torch.cat on T, Hugging Face's DynamicCache "
+        "layout; every token kept, the window in each chunk's BlockMask over the cache"
+    }
     known_differences = (
         "every dtype runs eagerly (the unfused path); with MHA_ROSETTA_FLEX_COMPILE=1 float16/bfloat16 run "
         "torch.compile(flex_attention), whose fused kernel sums in another order and keeps its running softmax in "
@@ -129,6 +138,8 @@ class TorchFlexOracle(Backend):
         "output are stages",
         "a query that may attend to no key: zeros and lse = -inf (torch 2.13 CPU), the spec's answer",
         "no backward on the CPU: torch 2.13's FlexAttention raises for inputs that require grad there",
+        "decoding: eager in every dtype (a compiled kernel would compile once per chunk shape), a BlockMask per "
+        "chunk over its growing cache (every token kept, memory O(N)), made in prepare; no timed decode step",
     )
 
     def __init__(
@@ -189,6 +200,9 @@ class TorchFlexOracle(Backend):
             compile=compile_once if compiled else None,
             info=info,
         )
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        return prepare_flex_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         if device == "cpu":
@@ -269,3 +283,28 @@ def flex_attend(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, comp
         return (context * share.unsqueeze(-1)).to(context.dtype)  # (B, H, Nq, Dv)
 
     return attend, block_mask
+
+
+def prepare_flex_decode_run(
+    cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, device: str, allow_tf32: bool = False
+) -> PreparedDecode:
+    """A decode run through eager flex_attention: each chunk's queries over the growing cache (`torch_decode`), its
+    score_mod and BlockMask those of `flex_attend` for the chunk's positions over the cached ones."""
+    from .torch_decode import prepare_growing_cache_run
+
+    def kernel_for(start: int, stop: int):
+        mask = None if inputs.mask is None else inputs.mask[:, None, None, :stop]  # (B, 1, 1, T): the padding
+        over = prepare_inputs(
+            cfg,
+            inputs.x[:, start:stop],
+            inputs.x[:, :stop],
+            None,
+            mask,
+            inputs.positions[:, start:stop],
+            inputs.positions[:, :stop],
+        )  # the chunk's queries over every cached token, for the masks and the score bias
+        attend, block_mask = flex_attend(cfg, over, dtype, device, compiled=False)
+        return attend, f"BlockMask {tuple(block_mask.shape)}"
+
+    note = "eager flex_attention over the cache"
+    return prepare_growing_cache_run(cfg, params, inputs, dtype, device, allow_tf32, kernel_for, note)

@@ -156,6 +156,10 @@ class JaxDotProductAttentionOracle(JaxOracle):
     )
     variants = frozenset(VARIANTS) - {"softcap"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "jax.nn.dot_product_attention is a function of whole q, k and v arrays: JAX's library has no KV cache "
+        "object to step (the jax adapter's static cache is this project's, not the library's)"
+    )
     # The library's custom VJP drops the cotangent of its logsumexp residual (measured: the
     # gradient of lse.sum() comes back all zeros), so the sinks' rescaling has no backward.
     vjp_variants = variants - {"sinks"}

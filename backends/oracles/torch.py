@@ -26,12 +26,10 @@ from mha_rosetta.core import (
     torch_mha_unsupported_reason,
 )
 
-from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
-from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
+from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
 from ..torch.common import (
     bool_tensor,
-    heads_rotator,
     in_inference_mode,
     no_gpu_reason,
     optional_tensor,
@@ -44,8 +42,15 @@ from ..torch.common import (
     torch_inputs,
     with_matmul_precision,
 )
-from ..torch.variants import ScoreBias, rms_norm
+from ..torch.variants import ScoreBias
 from ..torch.vjp import INPUT_SLOTS, autograd_prepared, leaf
+from .torch_decode import (
+    SDPA_DECODE_DIFFERENCES,
+    SDPA_DECODE_LAYOUT,
+    prepare_sdpa_decode_run,
+    prepare_sdpa_decode_step,
+)
+from .torch_heads import float_score_mask, projected_heads_pass
 
 
 class VariantReasons:
@@ -67,16 +72,6 @@ class VariantReasons:
         return "; ".join(why) if len(why) == len(missing) else f"{generic}; " + "; ".join(why) if why else generic
 
 
-def float_score_mask(bias, allowed, dtype):
-    """The additive float ``attn_mask`` of torch's kernels: the score bias where allowed, -inf where blocked.
-
-    ``bias`` (1|B, H, Nq, Nk) (float32 or float64, from `ScoreBias`); ``allowed`` a bool tensor
-    broadcastable to it, or None. Rounded to the kernel's ``dtype`` (torch wants the query's).
-    """
-    mask = bias.to(dtype)
-    return mask if allowed is None else mask.masked_fill(~allowed, float("-inf"))
-
-
 class TorchMHAOracle(VariantReasons, Backend):
     """``torch.nn.MultiheadAttention`` in eval mode, loaded with the canonical parameters.
 
@@ -88,6 +83,10 @@ class TorchMHAOracle(VariantReasons, Backend):
     # The window is in the (boolean) attn_mask; ALiBi and T5's bias ride in a float attn_mask.
     variants = frozenset({"window", "alibi", "rel_bias"})
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "nn.MultiheadAttention's API has no KV cache: it projects whole query, key and value sequences inside the "
+        "module and returns no projected keys or values to keep between calls"
+    )
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "nn.MultiheadAttention has no softcap: the scores are never exposed between the product and the "
         "softmax",
@@ -311,6 +310,10 @@ class TorchSDPAOracle(VariantReasons, Backend):
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
     variants = frozenset(VARIANTS) - {"softcap", "sinks"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
+    decode_caches = ("dynamic",)
+    decode_variants = variants
+    decode_layouts: ClassVar[dict[str, str]] = {"dynamic": SDPA_DECODE_LAYOUT}
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "
         "and the softmax (an additive attn_mask cannot take a tanh)",
@@ -329,6 +332,7 @@ class TorchSDPAOracle(VariantReasons, Backend):
         "adapter (torch ScoreBias) and rounded to the run's dtype; the kernel only adds it. A row whose float mask "
         "is all -inf is not the boolean mask's zero row (none of the check's bias cases has one)",
         "QK-norm is F.rms_norm in the oracle's own code before the kernel, as models write it",
+        *SDPA_DECODE_DIFFERENCES,
     )
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
@@ -371,6 +375,22 @@ class TorchSDPAOracle(VariantReasons, Backend):
         }
         return Prepared(
             lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
+        )
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        return prepare_sdpa_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        return prepare_sdpa_decode_step(
+            cfg,
+            params,
+            batch=batch,
+            context=context,
+            step=step,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            allow_tf32=self.allow_tf32,
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
@@ -416,59 +436,6 @@ def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
 
     forward = projected_heads_pass(cfg, inputs, dtype, device, attend, "F.scaled_dot_product_attention (fused)")
     return forward, attn_mask, use_is_causal
-
-
-def projected_heads_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, attend, kernel_note: str):
-    """``forward(p, x_q, x_k, x_v, rec=None)``: a model's code around a library's attention kernel.
-
-    ``F.linear`` projections (``p``: the parameter tensors by canonical name), QK-norm with
-    ``F.rms_norm`` (over the projection before the split, or each head after it), the head
-    split ``view(B, N, H, d).transpose(1, 2)``, rotary, then ``attend(p, q, k, v)`` (the
-    library's kernel: (B, H, Nq, Dk), (B, Hkv, Nk, Dk), (B, Hkv, Nk, Dv) -> context (B, H, Nq, Dv)),
-    the merge and the output projection; every stage outside the kernel is recorded when ``rec``
-    is given.
-    """
-    import torch.nn.functional as F
-
-    B, Nq = inputs.batch, inputs.q_tokens
-    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-    rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
-    eps = cfg.norm_eps
-
-    def split(x, n, d):  # (B, N, n*d) -> (B, n, N, d), a strided view
-        return x.view(B, x.shape[1], n, d).transpose(1, 2)
-
-    def forward(p: dict, x_q, x_k, x_v, rec: StageRecorder | None = None):
-        q = F.linear(x_q, p["w_q"], p["b_q"])  # (B, Nq, H*Dk)
-        k = F.linear(x_k, p["w_k"], p["b_k"])  # (B, Nk, Hkv*Dk)
-        v = F.linear(x_v, p["w_v"], p["b_v"])  # (B, Nk, Hkv*Dv)
-        q_heads, k_heads, v_heads = split(q, H, Dk), split(k, Hkv, Dk), split(v, Hkv, Dv)  # (B, n, N, d), views
-        q_normed, k_normed = q_heads, k_heads
-        if cfg.qk_norm == "projection":  # over the whole projection, then the same split
-            q_normed = split(rms_norm(q, p["q_norm"], eps), H, Dk)  # (B, H, Nq, Dk)
-            k_normed = split(rms_norm(k, p["k_norm"], eps), Hkv, Dk)  # (B, Hkv, Nk, Dk)
-        elif cfg.qk_norm == "head":
-            q_normed, k_normed = rms_norm(q_heads, p["q_norm"], eps), rms_norm(k_heads, p["k_norm"], eps)
-        q_rotated, k_rotated = rotate(q_normed, "q"), rotate(k_normed, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-        context = attend(p, q_rotated, k_rotated, v_heads)  # (B, H, Nq, Dv)
-        merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
-        output = F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
-        if rec is not None:
-            record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
-            how = "view(B, N, H, d).transpose(1, 2)"
-            record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
-            if cfg.qk_norm is not None:
-                how = f"F.rms_norm over {'the whole projection' if cfg.qk_norm == 'projection' else 'each head'}"
-                rec.record("q_normed", q_normed, HEADS_FIRST_SPLIT_AXES["q_heads"], how)
-                rec.record("k_normed", k_normed, HEADS_FIRST_SPLIT_AXES["k_heads"], how)
-            how = "rotate_last_axis before the kernel"
-            record_rotated(rec, (q_normed, k_normed), (q_rotated, k_rotated), HEADS_FIRST_SPLIT_AXES, how)
-            rec.record("context", context, ("B", "H", "Nq", "Dv"), kernel_note)
-            rec.record("merged", merged, ("B", "Nq", "H*Dv"), "transpose(1, 2).contiguous().view(B, N, H*Dv)")
-            rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
-        return output
-
-    return forward
 
 
 def sdpa_has_enable_gqa() -> bool:

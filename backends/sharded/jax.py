@@ -86,6 +86,10 @@ class JaxShardedBackend(ShardedBackend):
     # Every variant, in both strategies (the module docstring says how each is split); forward only.
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "not implemented: a head-parallel decode would keep each device's Hkv/world kv heads in its own cache "
+        "slice and psum each step's output; only the forward (and the jax adapter's single-device cache) exist"
+    )
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)

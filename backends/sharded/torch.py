@@ -73,6 +73,10 @@ class TorchTPBackend(ShardedBackend):
     strategies = (STANDARD, MANUAL)
     variants = frozenset(VARIANTS)  # each split as the module docstring says; forward only, as before
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    decode_unsupported = (
+        "not implemented: each rank runs one forward in a worker process and returns; a KV cache would have to "
+        "stay on every rank (its heads' keys and values) between calls, which the worker protocol does not keep"
+    )
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)

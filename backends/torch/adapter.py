@@ -1,7 +1,8 @@
 """The PyTorch adapter: `TorchBackend`, the row-sample layer of `layer` behind the `Backend` interface.
 
 `layer` says what the row-sample convention is and shows (its docstring); this module picks a
-strategy, wires `chunked` and `vjp` in, sets the matmul precision and fills `Prepared.info`.
+strategy, wires `chunked`, `vjp` and `decode` (KV-cache decoding, Hugging Face's cache layout,
+dynamic and static) in, sets the matmul precision and fills `Prepared.info`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .common import (
     torch_devices,
     with_matmul_precision,
 )
+from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_torch_decode_run, prepare_torch_decode_step
 from .layer import RowSampleMHA
 from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
@@ -34,6 +36,10 @@ class TorchBackend(Backend):
     # and sinks carried in the online softmax), forward and backward (autograd; chunked is forward only).
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
+    # Rule 8 (`decode`): Hugging Face's (B, Hkv, T, D) cache, growing or static, a ring with a window; every variant.
+    decode_caches = DECODE_CACHES
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts = DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)
@@ -78,3 +84,22 @@ class TorchBackend(Backend):
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, capacity=None):
+        """``capacity``: a static cache's slots (no window), default the run's tokens; a smaller one is how the
+        tests reach `CacheFull` (``prepare_decode_run`` always passes the default)."""
+        return prepare_torch_decode_run(cfg, params, inputs, dtype, device, cache, self.allow_tf32, capacity)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        return prepare_torch_decode_step(
+            cfg,
+            params,
+            batch=batch,
+            context=context,
+            step=step,
+            dtype=dtype,
+            device=device,
+            cache=cache,
+            seed=seed,
+            allow_tf32=self.allow_tf32,
+        )

@@ -86,12 +86,30 @@ class RowSampleMHA(LayerRecording):
         """``alibi_slopes``, ``norm_sum`` and ``norm_widths`` are for a rank holding some of a layer's heads
         (torch-tp): its slice of the layer's ALiBi slopes (NumPy (H,)), the all-reduce of a projection-wide
         QK-norm's sum of squares, and the whole layer's (q, k) projection widths that sum is over."""
+        self._convert_params(cfg, params, dtype, device, norm_sum, norm_widths)
+        self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
+        self.score_bias = ScoreBias(cfg, inputs, dtype, device, alibi_slopes) if cfg.has_score_bias else None
+
+        # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
+        self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
+        self.rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
+
+        # (1|B, 1|H, Nq, Nk), True = may attend; the chunked subclass reads tiles instead.
+        allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
+        self.blocked = None if allowed is None else bool_tensor(~allowed, device)
+        empty = None if allowed is None else ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
+        self.empty_rows = bool_tensor(empty, device) if empty is not None and empty.any() else None
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        shape = (B * Hkv, G * Nq, Nk)
+        self.scores_buffer = self.x_q.new_empty(shape) if batched else None
+        self.weights_buffer = self.x_q.new_empty(shape) if batched else None
+
+    def _convert_params(self, cfg: MHAConfig, params: MHAParams, dtype: str, device: str, norm_sum, norm_widths):
+        """The layer's parameters as tensors on the device, once (the decode layer shares this with the forward)."""
         import torch
         import torch.nn.functional as F
 
         self.torch, self.F, self.cfg = torch, F, cfg
-        self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
-
         tensor = partial(optional_tensor, dtype=dtype, device=device)
         # nn.Linear layout (out, in), used as is by F.linear.
         self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
@@ -109,23 +127,8 @@ class RowSampleMHA(LayerRecording):
         self.sinks, self.rel_bias = tensor(params.sinks), tensor(params.rel_bias)
         self.norm_sum = norm_sum
         self.norm_widths = (cfg.q_width, cfg.k_width) if norm_widths is None else norm_widths
-        self.score_bias = ScoreBias(cfg, inputs, dtype, device, alibi_slopes) if cfg.has_score_bias else None
-
-        # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
-        self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
-        self.rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
-
-        # (1|B, 1|H, Nq, Nk), True = may attend; the chunked subclass reads tiles instead.
-        allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
-        self.blocked = None if allowed is None else bool_tensor(~allowed, device)
-        empty = None if allowed is None else ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
-        self.empty_rows = bool_tensor(empty, device) if empty is not None and empty.any() else None
         # baddbmm with beta=0 ignores its first argument; a 0-dim zero broadcasts to any shape.
-        self.zero = torch.zeros((), dtype=self.x_q.dtype, device=self.x_q.device)
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
-        shape = (B * Hkv, G * Nq, Nk)
-        self.scores_buffer = self.x_q.new_empty(shape) if batched else None
-        self.weights_buffer = self.x_q.new_empty(shape) if batched else None
+        self.zero = torch.zeros((), dtype=self.w_q.dtype, device=self.w_q.device)
 
     # -- building blocks ------------------------------------------------------------------
     def _stack(self, arrays: list, axis: int):

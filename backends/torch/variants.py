@@ -110,7 +110,12 @@ class ScoreBias:
         ``rel_table`` is the layer's ``rel_bias`` tensor (buckets, H): gathered here, so its
         gradient flows back through this call.
         """
-        distance = self.distance(q_range, k_range)  # (1|B, qb, kb) int64
+        return self.of_distance(rel_table, self.distance(q_range, k_range), head)
+
+    def of_distance(self, rel_table, distance, head: int | None = None):
+        """The bias of the distances ``p_j - p_i`` (1|B, qb, kb) int64, each within this bias's range (T5's
+        table covers the distances of the positions it was made with): (1|B, H, qb, kb), or (1|B, qb, kb)
+        for one ``head``. A decode step passes its queries' distances to the cache's slots."""
         bias = None
         if self.slopes is not None:
             slopes = self.slopes if head is None else self.slopes[head : head + 1]  # (H,) or (1,)

@@ -192,5 +192,8 @@ register("torch-flex", BackendEntry(".oracles.flex", "TorchFlexOracle", ("torch"
 register("jax-dpa", BackendEntry(".oracles.jax_dpa", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
 register("flax", BackendEntry(".oracles.flax", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
 register("equinox", BackendEntry(".oracles.equinox", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
+# A decode oracle: Hugging Face's LlamaAttention / MistralAttention through their own KV caches.
+HF_ATTENTION = (".oracles.hf_cache", "HFAttentionOracle", ("torch", "transformers"), "torch,models")
+register("hf-attention", BackendEntry(*HF_ATTENTION, kind="oracle"))
 # Third-party packages' backends (entry-point group "mha_rosetta.backends"), none imported.
 discover_entry_points()

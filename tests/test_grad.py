@@ -291,7 +291,10 @@ def test_every_backend_gradients_match_the_oracle_on_every_spec_case(backend_nam
     # Oracles refuse what their library cannot express (GQA, a custom scale, d_v != d_k), never everything.
     # The sharded backends (jax-sharded, torch-tp) are forward only: every case is refused with that reason.
     # FlexAttention has no backward on the CPU (torch 2.13): torch-flex refuses every case there, with that reason.
-    forward_only = backend_name in ("einops-numpy", "torch-flex") or getattr(backend, "splits_heads", False)
+    # hf-attention is a decode oracle (Hugging Face's layers through their caches): no backward pass.
+    forward_only = backend_name in ("einops-numpy", "torch-flex", "hf-attention") or getattr(
+        backend, "splits_heads", False
+    )
     assert ran >= (0 if forward_only else 6), ran
 
 

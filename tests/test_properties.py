@@ -35,24 +35,38 @@ EXAMPLES.update({"jax-sharded": 4, "torch-tp": 6})
 DEFAULT_EXAMPLES = 25
 
 
+# A plain configuration and a decoder layer's (causal self-attention, rotate-half over every feature).
+PLAIN = MHAConfig(d_model=8, n_heads=2)
+DECODER = MHAConfig(d_model=8, n_heads=2, n_kv_heads=1, causal=True, rope="half", bias=False)
+
+
+def decoder_only(backend) -> bool:
+    """A backend that is a real decoder layer (hf-attention) refuses every draw but a decoder layer's."""
+    refuses = [backend.unsupported_reason(cfg, "float32", "cpu", STANDARD) for cfg in (PLAIN, DECODER)]
+    return refuses[0] is not None and refuses[1] is None
+
+
 @st.composite
-def spec_cases(draw, dtypes, plain_half_the_time=False):
+def spec_cases(draw, dtypes, plain_half_the_time=False, decoder=False):
     """A random small SpecCase. With ``plain_half_the_time`` half the draws keep to what every
     library can express (no GQA, d_v = d_k, d_model = heads * d_k, the default scale), so
-    that third-party oracles, which refuse the rest, still meet many valid examples."""
-    plain = plain_half_the_time and draw(st.booleans())
+    that third-party oracles, which refuse the rest, still meet many valid examples. With
+    ``decoder`` every draw is a decoder layer's: causal self-attention, GQA, rotate-half rotary
+    over every feature, d_model = heads * d_k, a key padding mask or none."""
+    plain = (plain_half_the_time and draw(st.booleans())) or decoder
     n_kv_heads = draw(st.integers(1, 3))
-    n_heads = n_kv_heads * (1 if plain else draw(st.integers(1, 3)))
+    n_heads = n_kv_heads * (draw(st.integers(1, 3)) if decoder or not plain else 1)
     # Distinct sizes: tokens, widths and head dims never coincide.
     q_tokens, kv_tokens, d_model, d_k, kdim, vdim = draw(
         st.lists(st.integers(1, 12), min_size=6, max_size=6, unique=True)
     )
+    d_k = 2 * max(1, d_k // 2) if decoder else d_k  # an even head: rotary turns every pair
     d_v = d_k if plain else draw(st.sampled_from([d_k, max(1, d_k - 1), d_k + 2]))
-    cross = draw(st.booleans())
+    cross = not decoder and draw(st.booleans())
     batch = draw(st.sampled_from([None, 1, 2, 3]))
     # Rotary in either convention, full or partial, where a head has a pair of features to turn.
-    rope = draw(st.sampled_from([None, "half", "interleaved"])) if d_k >= 2 else None
-    rope_dims = None if rope is None else 2 * draw(st.integers(1, d_k // 2))
+    rope = "half" if decoder else draw(st.sampled_from([None, "half", "interleaved"])) if d_k >= 2 else None
+    rope_dims = d_k if decoder else None if rope is None else 2 * draw(st.integers(1, d_k // 2))
     cfg = MHAConfig(
         d_model=n_heads * d_k if plain else d_model,
         n_heads=n_heads,
@@ -62,14 +76,16 @@ def spec_cases(draw, dtypes, plain_half_the_time=False):
         kdim=kdim if cross else None,
         vdim=vdim if cross else None,
         bias=draw(st.booleans()),
-        causal=draw(st.booleans()),
+        causal=decoder or draw(st.booleans()),
         scale=None if plain else draw(st.sampled_from([None, 0.3, 1.7])),
         rope=rope,
         rope_dims=rope_dims,
     )
     if not cross:
         kv_tokens = q_tokens
-    mask_kind = draw(st.sampled_from(["none", "padding", "random", "random per head"]))
+    mask_kind = draw(
+        st.sampled_from(["none", "padding"] if decoder else ["none", "padding", "random", "random per head"])
+    )
     key_lengths = None
     if mask_kind == "padding":
         key_lengths = tuple(draw(st.integers(0, kv_tokens)) for _ in range(batch or 1))
@@ -130,7 +146,7 @@ def test_every_implementation_agrees_with_the_reference(name):
         # has most draws redrawn by the assume() below; the examples that do run still compare.
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    @given(case=spec_cases(backend.dtypes, plain_half_the_time=backend.kind == "oracle"))
+    @given(case=spec_cases(backend.dtypes, plain_half_the_time=backend.kind == "oracle", decoder=decoder_only(backend)))
     def check(case):
         # Only examples the backend can express count (jax-dpa has no float64, torch-mha
         # no GQA, ...): Hypothesis draws again, so every example below really compares.

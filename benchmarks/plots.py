@@ -168,6 +168,9 @@ def plot_report(report: dict, directory: str | Path) -> list[Path]:
     return written
 
 
+DECODE_PLOT_NAME = "decode_step_vs_context.png"  # the one file `plot_decode` writes (benchmarks.decode links it)
+
+
 def _decode_series_label(cell: dict) -> str:
     return cell["implementation"] + ("" if cell.get("window") is None else f" (W={cell['window']})")
 
@@ -177,8 +180,6 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
     window, bars: the range over rounds) with the bandwidth limit of the K and V reads as black lines (solid
     without a window, dotted with one), and below it each cache's memory (its O(W) with a window).
     Returns the file written (PNG), or [] without a measured cell."""
-    from .decode import PLOT_NAME
-
     ok = [cell for cell in report["cells"] if cell.get("status") == "ok" and cell.get("step_s")]
     if not ok:
         return []
@@ -240,4 +241,4 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
     memory_axes.set_xlabel("context (cached tokens)")
     memory_axes.set_ylabel("KV cache (MiB, info['cache']['bytes'])")
     memory_axes.grid(True, which="both", alpha=0.3)
-    return [save_figure(plt, figure, directory / PLOT_NAME)]
+    return [save_figure(plt, figure, directory / DECODE_PLOT_NAME)]

@@ -205,6 +205,19 @@ def test_the_bench_step_reads_the_cache_it_says(oracle, cache):
     assert ring.info["cache"]["slots"] == ring_capacity(WINDOW, 2)
 
 
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_bench_step_fills_its_cache_in_blocks_with_the_same_numbers(oracle, cache, monkeypatch):
+    """The benchmark's prefill goes through the module a block at a time (memory O(block x context)):
+    the step after it reads the same cache as after one whole prefill."""
+    from mha_rosetta.backends.oracles import hf_cache
+
+    params = init_params(GQA, seed=2)
+    whole = oracle.prepare_decode(GQA, params, context=10, step=1, cache=cache, dtype="float64").output()
+    monkeypatch.setattr(hf_cache, "PREFILL_BLOCK", 3)  # 10 tokens in blocks of 3, 3, 3, 1
+    blocks = oracle.prepare_decode(GQA, params, context=10, step=1, cache=cache, dtype="float64").output()
+    assert np.max(np.abs(blocks - whole)) < 1e-6  # float32 softmax and rotary inside the module
+
+
 def test_the_decode_check_holds_a_float64_run_to_the_declared_float32_level(oracle):
     from mha_rosetta.backends import get_backend as backend
     from mha_rosetta.checks import Status, run_decode_check

@@ -321,9 +321,13 @@ class HFAttentionOracle(Backend):
         positions = torch.arange(context + step).expand(batch, -1)  # (B, context + step), a view
         capacity = context + step
         kv = driver.new_cache(cache, capacity)
-        if context:  # the prefill: the cache holds context real tokens of random numbers (a window's ring full)
-            with torch.no_grad():
-                driver.call(kv, x[:, :context], positions[:, :context], None)
+        # The prefill: the cache holds context real tokens of random numbers (a window's ring full), fed in
+        # blocks of PREFILL_BLOCK so that eager attention's scores stay (B, H, block, context), not
+        # (B, H, context, context): one 16k-token call was killed for memory on this 24 GiB machine.
+        with torch.no_grad():
+            for start in range(0, context, PREFILL_BLOCK):
+                stop = min(start + PREFILL_BLOCK, context)
+                driver.call(kv, x[:, start:stop], positions[:, start:stop], None)
         new, new_positions = x[:, context:], positions[:, context:]  # (B, step, D), (B, step): views
         # a cache that grows is cut back after each step (a ring not yet full too); a full ring stays full
         refill = cfg.window is None or context + step < cfg.window
@@ -353,6 +357,9 @@ class HFAttentionOracle(Backend):
         return Prepared(
             forward, tensor_to_numpy, lambda: {"output": StageTensor(forward(), ("B", "Nq", "D"))}, info=info
         )
+
+
+PREFILL_BLOCK = 1024  # tokens per call when the benchmark's step fills its cache
 
 
 class Driver:

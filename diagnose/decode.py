@@ -68,6 +68,7 @@ from mha_rosetta.core.variants import rms_norm, score_bias, softcap, softmax_wit
 
 from .calling import DiagnoseError, _as_output, _call
 from .causes import DECODE_CAUSE_CODES
+from .diagnosis import _Fit
 
 __all__ = [
     "DECODE_CAUSE_CODES",
@@ -342,16 +343,8 @@ def make_decode_probes(cfg: MHAConfig, seed: int = 0, *, prefill=None, step=None
 
 
 # -- the diagnosis ------------------------------------------------------------------------------
-@dataclass
-class _DecodeFit:
-    hypothesis: DecodeHypothesis | None  # None: no mistake (the oracle)
-    bug: DecodeBug
-    per_probe: dict[str, tuple[float, float]]  # probe -> (max abs, in tolerances)
-    predictions: dict[str, np.ndarray]
-
-    @property
-    def score(self) -> float:
-        return max((ratio for _, ratio in self.per_probe.values()), default=0.0)
+class _DecodeFit(_Fit):
+    """`diagnosis._Fit` (the hypothesis, its bug, per-probe distances, predictions) for a decode mistake."""
 
     @property
     def label(self) -> str:

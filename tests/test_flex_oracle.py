@@ -132,6 +132,30 @@ def test_flex_matches_the_oracle_on_the_variant_cases_in_float64(name):
     assert_close(case.run(get_backend("torch-flex"), "float64"), case.reference(), "float64")
 
 
+# score_mod (softcap, ALiBi, T5's buckets), mask_mod (causal on positions, window, padding), sinks, GQA, MQA.
+DIRECT_CASES = ["gemma2", "alibi", "t5_decoder", "causal_cache", "window_two_sided", "causal_padding", "gpt_oss", "mqa"]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_calling_the_op_directly_is_bit_identical_to_flex_attentions_own_eager_capture(monkeypatch, dtype):
+    # The oracle calls FlexAttention's op without the dynamo capture flex_attention adds in eager mode
+    # (`flex._eager_flex`, 21x faster); the capture, switched back on here, must give the very same bits.
+    from mha_rosetta.backends.oracles import flex
+
+    backend = get_backend("torch-flex")
+    direct = {name: SPEC_CASES[name].run(backend, dtype) for name in DIRECT_CASES}
+    captured_calls, direct_call = [], flex._eager_flex
+
+    def captured(*args, **kwargs):
+        captured_calls.append(1)
+        return direct_call(*args, direct=False, **kwargs)
+
+    monkeypatch.setattr(flex, "_eager_flex", captured)
+    for name in DIRECT_CASES:
+        np.testing.assert_array_equal(SPEC_CASES[name].run(backend, dtype), direct[name], err_msg=name)
+    assert len(captured_calls) == len(DIRECT_CASES)  # the capture really ran, once per case
+
+
 def test_a_row_with_no_allowed_key_is_zero_like_the_spec():
     cfg = MHAConfig(d_model=12, n_heads=3, sinks=True, causal=True)
     params = init_params(cfg)

@@ -88,6 +88,16 @@ def test_jax_sharded_bad_world_sizes():
     assert prepared.info["devices"] == 3
 
 
+def test_jax_sharded_worker_keeps_the_callers_xla_flags_and_adds_its_device_count(monkeypatch):
+    from mha_rosetta.backends.sharded.jax import JaxShardedBackend
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")  # the check's compile settings
+    group = JaxShardedBackend()._new_group()  # not started: only its environment is read
+    assert group.env["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=8"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert JaxShardedBackend()._new_group().env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+
+
 # -- torch-tp -------------------------------------------------------------------------------
 @requires("torch")
 @pytest.mark.parametrize("strategy", (STANDARD, "manual"))

@@ -47,6 +47,7 @@ the output. A dead worker is an error that says so, never a hang (`workers`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 
 import numpy as np
@@ -111,7 +112,11 @@ class JaxShardedBackend(ShardedBackend):
         return default_world(cfg, self.max_devices) if self.world is None else self.world
 
     def _new_group(self) -> WorkerGroup:
-        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={self.max_devices}", "JAX_PLATFORMS": "cpu"}
+        # The caller's XLA flags (the check's compile settings, a user's own) go along; the device count is added.
+        flags = " ".join(
+            (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={self.max_devices}")
+        )
+        env = {"XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
         return WorkerGroup(self.name, _worker_main, 1, env=env, start_timeout=PREPARE_SECONDS)
 
 

@@ -267,6 +267,11 @@ class Backend:
         """Devices present for this backend on this machine (always includes "cpu")."""
         return ("cpu",)
 
+    def has_device(self, device: str) -> bool:
+        """Whether ``device`` is present: the CPU always is (`devices` includes it), so asking about it imports
+        no framework; that keeps a check's parent process, which plans every run, free of torch and JAX."""
+        return device == "cpu" or device in self.devices()
+
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
         """The variants of ``cfg`` this backend does not implement for ``strategy`` (rule 6), as a reason, or None."""
         if not cfg.variants:
@@ -290,7 +295,7 @@ class Backend:
             return f"{self.name} has no strategy {strategy!r} (it has {', '.join(self.strategies)})"
         if dtype not in self.dtypes:
             return f"{self.name} does not support {dtype}"
-        if device not in self.devices():
+        if not self.has_device(device):
             return f"{self.name}: no {device} device present on this machine"
         return None
 
@@ -449,7 +454,7 @@ class Backend:
             return f"{self.name}'s decode path does not implement {', '.join(missing)} (it implements: {has})"
         if dtype not in self.dtypes:
             return f"{self.name} does not support {dtype}"
-        if device not in self.devices():
+        if not self.has_device(device):
             return f"{self.name}: no {device} device present on this machine"
         return None
 

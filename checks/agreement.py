@@ -328,7 +328,7 @@ def run_check(
     Bad names raise ValueError naming the option, the bad value and the accepted ones.
     """
     started = time.perf_counter()
-    sel = resolve_selection(backends, strategies, devices, dtypes, cases)
+    sel = resolve_selection(backends, strategies, devices, dtypes, cases, executor)
     declared = {
         b.name: tuple(getattr(b, "known_differences", ())) for b in sel.backends if getattr(b, "known_differences", ())
     }

@@ -342,7 +342,7 @@ def run_decode_check(
         decode_cases = get_decode_cases(None if names is None else _split(names))
     else:
         decode_cases = names
-    sel = resolve_selection(backends, strategies, devices, dtypes, decode_cases)
+    sel = resolve_selection(backends, strategies, devices, dtypes, decode_cases, executor)
     settings = {**sel.settings, "oracle": "core.decode.reference_decode (the full causal float64 forward)"}
     if sel.strategy_filter is None:  # the forward's strategies that are not decode paths, named once (not per run)
         settings["not_decode_paths"] = {

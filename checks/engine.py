@@ -35,13 +35,15 @@ from .tasks import InlineExecutor, Task
 UPDATE_SECONDS = 1.0  # at most one partial-result callback per second (each rewrites the JSON)
 
 
-def executor_for(jobs: int | None, timeout: float | None = None, cache: bool | None = None):
+def executor_for(
+    jobs: int | None, timeout: float | None = None, cache: bool | None = None, fast_compile: bool | None = None
+):
     """`InlineExecutor` for ``jobs`` 0 or None, else a `checks.pool.WorkerPool` of ``jobs`` workers."""
     if not jobs:
         return InlineExecutor()
     if not isinstance(jobs, int) or jobs < 0:
         raise ValueError(f"jobs: expected a whole number of worker processes (0: run here), got {jobs!r}")
-    return WorkerPool(jobs, timeout=timeout, cache=cache)
+    return WorkerPool(jobs, timeout=timeout, cache=cache, fast_compile=fast_compile)
 
 
 @dataclass
@@ -192,6 +194,8 @@ class _Timings:
         return {
             "jobs": self.executor.jobs,
             "timeout": self.executor.timeout,
+            "xla_flags": getattr(self.executor, "xla_flags", ""),  # what JAX compiled with (`checks.worker`)
+            "probe": getattr(self.executor, "probe_seconds", 0.0),  # the workers' import of the frameworks
             "wall": time.perf_counter() - self.started,
             "backends": {name: dict(entry) for name, entry in self.backends.items()},
         }

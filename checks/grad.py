@@ -252,7 +252,7 @@ def run_grad_check(
 ) -> GradCheckResult:
     """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
     started = time.perf_counter()
-    sel = resolve_selection(backends, strategies, devices, dtypes, cases)
+    sel = resolve_selection(backends, strategies, devices, dtypes, cases, executor)
     settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
     result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
 

@@ -100,27 +100,42 @@ class _Worker:
         self.process.join(STOP_SECONDS)
         self.conn.close()
 
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
+        """Ask an idle worker to stop (it returns from its loop; a running one is killed in `stop`)."""
         try:
             if self.task is None:
                 self.conn.send(("stop", None))
-                self.process.join(STOP_SECONDS)
         except (OSError, ValueError):
             pass
+
+    def stop(self, deadline: float | None = None) -> None:
+        """Wait until ``deadline`` (`time.perf_counter`; default: `STOP_SECONDS` from now) for it to exit, then kill."""
+        if deadline is None:
+            self.ask_to_stop()
+            deadline = time.perf_counter() + STOP_SECONDS
+        if self.task is None:
+            self.process.join(max(0.0, deadline - time.perf_counter()))
         self.kill()
 
 
 class WorkerPool:
-    """``jobs`` spawned workers; ``timeout``: seconds per run (None: no limit); ``cache``: JAX's disk cache."""
+    """``jobs`` spawned workers; ``timeout``: seconds per run (None: no limit); ``cache``: JAX's disk cache;
+    ``fast_compile``: XLA's fast compile settings (`worker.FAST_COMPILE_FLAGS`). None: on unless switched off."""
 
-    def __init__(self, jobs: int, timeout: float | None = None, cache: bool | None = None) -> None:
+    def __init__(
+        self, jobs: int, timeout: float | None = None, cache: bool | None = None, fast_compile: bool | None = None
+    ) -> None:
         if not isinstance(jobs, int) or jobs < 1:
             raise ValueError(f"jobs: expected a whole number of worker processes >= 1, got {jobs!r}")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout: expected a number of seconds > 0 (or None: no limit), got {timeout!r}")
         self.jobs, self.timeout = jobs, timeout
         self.context = multiprocessing.get_context("spawn")
-        self.environment = worker_module.jax_cache_environment(worker_module.cache_enabled(cache))
+        self.environment = worker_module.worker_environment(
+            worker_module.cache_enabled(cache), worker_module.fast_compile_enabled(fast_compile)
+        )
+        self.xla_flags = self.environment.get("XLA_FLAGS", "")
+        self.probe_seconds = 0.0  # the workers' import of the frameworks, before any run (`probe`)
         self.workers: list[_Worker] = []
         self.started_workers = 0
         self.pending: dict[str, deque] = defaultdict(deque)
@@ -170,13 +185,60 @@ class WorkerPool:
                     return item[2]
             self._step(backends)
 
+    def probe(self, modules) -> None:
+        """Import ``modules`` in the workers and take their answers as this process's (`core.probe.remember`).
+
+        Called before the check plans its runs, so that the frameworks are imported once, in the workers that
+        run them, and not a first time here: the parent process only plans and compares (NumPy). The top-level
+        libraries are dealt out to the workers in turn, so that the imports run side by side. A worker that
+        does not answer within the time limit, or dies, is replaced, and its libraries are probed here instead.
+        """
+        from mha_rosetta.core.probe import probe, remember
+
+        modules = list(dict.fromkeys(modules))
+        tops = list(dict.fromkeys(module.split(".")[0] for module in modules))
+        if not tops:
+            return
+        self._grow(min(self.jobs, len(tops)))
+        asked: dict = {}
+        for number, top in enumerate(tops):
+            asked.setdefault(self.workers[number % len(self.workers)], []).extend(
+                m for m in modules if m.split(".")[0] == top
+            )
+        started = time.perf_counter()
+        for worker, wanted in asked.items():
+            worker.conn.send(("probe", wanted))
+        left = dict(asked)
+        while left:
+            wait = None if self.timeout is None else max(0.0, started + self.timeout - time.perf_counter())
+            ready = connection.wait([w.conn for w in left] + [w.process.sentinel for w in left], wait)
+            for worker in list(left):
+                if worker.conn in ready:
+                    try:
+                        _status, answers, _timing = worker.conn.recv()
+                    except (EOFError, OSError):
+                        continue  # it died: below
+                    remember(answers)
+                    worker.imported.update(answer.module for answer in answers if answer.ok)
+                    del left[worker]
+                elif worker.process.sentinel in ready or not ready:  # dead, or out of time: probe here
+                    for module in left.pop(worker):
+                        probe(module)
+                    self._replace(worker)
+        self.probe_seconds = time.perf_counter() - started
+
     def close(self) -> None:
         """Stop every worker (killing one that is running or does not stop)."""
         if self.closed:
             return
         self.closed = True
+        # Every worker is asked first and then waited for, so that their exits (each shuts down its
+        # frameworks and a sharded backend's own processes, about 2.5 s) overlap instead of adding up.
         for worker in self.workers:
-            worker.stop()
+            worker.ask_to_stop()
+        deadline = time.perf_counter() + STOP_SECONDS
+        for worker in self.workers:
+            worker.stop(deadline)
         self.workers.clear()
         atexit.unregister(self.close)
 

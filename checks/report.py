@@ -321,5 +321,11 @@ def timing_blocks(result: CheckResult, grad=None, title: str = "forward check") 
             "seconds summed over the runs (in parallel workers they overlap): import = the backend's libraries in "
             "each worker that ran it; compile = JAX's compile events (tracing, lowering, XLA); run = the rest"
         )
+        flags = timings.get("xla_flags")
+        block.notes.append(
+            f"XLA_FLAGS: {flags}" + (" (--no-fast-compile: XLA's defaults)" if timings.get("jobs") else "")
+            if flags
+            else "XLA_FLAGS: none (XLA's default compile settings)"
+        )
         blocks.append(block)
     return blocks

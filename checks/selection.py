@@ -154,9 +154,15 @@ class Selection:
                         yield backend, strategy, device
 
 
-def resolve_selection(backends, strategies, devices, dtypes, cases) -> Selection:
-    """Resolve a check's options (see `run_check`); bad names raise ValueError naming the option."""
+def resolve_selection(backends, strategies, devices, dtypes, cases, executor=None) -> Selection:
+    """Resolve a check's options (see `run_check`); bad names raise ValueError naming the option.
+
+    ``executor``: one with a ``probe(modules)`` (the worker pool) imports the selected backends' libraries
+    in its workers, which run them, and tells this process the answers, so it never imports them itself.
+    """
     device_names = _resolve_devices(devices)
+    if hasattr(executor, "probe"):
+        executor.probe(_required_modules(backends))
     dtype_names, every_dtype = _resolve_dtypes(dtypes)
     if cases is None or all(isinstance(c, str) for c in _as_list(cases)):
         spec_cases = get_cases(None if cases is None else _split(cases))
@@ -165,6 +171,17 @@ def resolve_selection(backends, strategies, devices, dtypes, cases) -> Selection
     chosen, skipped, broken = resolve_backends(backends)
     strategy_filter = _resolve_strategies(strategies, chosen)
     return Selection(chosen, skipped, broken, strategy_filter, device_names, dtype_names, every_dtype, spec_cases)
+
+
+def _required_modules(backends) -> list[str]:
+    """The libraries the registered backends named in ``backends`` require (None: every registered backend)."""
+    if backends is None:
+        names = list(BACKEND_REGISTRY)
+    else:
+        names = []
+        for item in [backends] if isinstance(backends, str) else backends:
+            names += [] if isinstance(item, Backend) else _split(item)
+    return [module for name in names if name in BACKEND_REGISTRY for module in BACKEND_REGISTRY[name].requires]
 
 
 def _as_list(values) -> list:

@@ -7,6 +7,7 @@ import it and none of them imports another in a circle.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class InlineExecutor:
 
     def __init__(self) -> None:
         self.oracles: dict = {}
+        self.xla_flags = os.environ.get("XLA_FLAGS", "")  # this process's own: no fast compile settings here
 
     def map(self, tasks: list[Task], backends: dict) -> Iterator[tuple[Task, str, object, tuple]]:
         for task in tasks:

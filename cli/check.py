@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "also off with MHA_ROSETTA_JAX_CACHE=0)",
     )
     parser.add_argument(
+        "--no-fast-compile",
+        action="store_true",
+        help="compile with XLA's default settings in the workers (the check sets "
+        "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0, which halve its JAX compile time; "
+        "also off with MHA_ROSETTA_FAST_COMPILE=0; your own XLA_FLAGS always win)",
+    )
+    parser.add_argument(
         "--grad",
         action="store_true",
         help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
@@ -93,6 +100,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="check KV-cache decoding instead: every implementation x cache kind x decode case x dtype, its prefill "
         "and steps against the full causal forward and each other; --cases then names decode cases (see --list)",
+    )
+
+
+def _executor(args, jobs: int):
+    """The check's executor for these options (`checks.engine.executor_for`)."""
+    from mha_rosetta.checks.engine import executor_for
+
+    return executor_for(
+        jobs,
+        timeout=args.timeout,
+        cache=False if args.no_jax_cache else None,
+        fast_compile=False if args.no_fast_compile else None,
     )
 
 
@@ -133,7 +152,6 @@ def _list_decode(out) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.checks import run_check
-    from mha_rosetta.checks.engine import executor_for
     from mha_rosetta.checks.grad import run_grad_check
     from mha_rosetta.checks.grad_report import grad_report_blocks, grad_summary_lines
     from mha_rosetta.checks.json_report import write_json
@@ -195,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decode:
         return _run_decode(args, selection, jobs, progress, out)
     try:
-        with executor_for(jobs, timeout=args.timeout, cache=False if args.no_jax_cache else None) as executor:
+        with _executor(args, jobs) as executor:
             with _sigterm_as_interrupt():
                 result = run_check(**selection, progress=progress, executor=executor, on_update=save)
                 finished["forward"] = result
@@ -242,7 +260,6 @@ def _run_decode(args: argparse.Namespace, selection: dict, jobs: int, progress, 
     """``check --decode``: the decode check on the same options, its report, JSON and exit status."""
     from mha_rosetta.checks.decode import run_decode_check
     from mha_rosetta.checks.decode_report import decode_report_blocks, decode_summary_lines
-    from mha_rosetta.checks.engine import executor_for
     from mha_rosetta.checks.json_report import write_decode_json
     from mha_rosetta.checks.report import (
         output_width,
@@ -258,7 +275,7 @@ def _run_decode(args: argparse.Namespace, selection: dict, jobs: int, progress, 
             write_decode_json(result, args.json, partial=True)
 
     try:
-        with executor_for(jobs, timeout=args.timeout, cache=False if args.no_jax_cache else None) as executor:
+        with _executor(args, jobs) as executor:
             with _sigterm_as_interrupt():
                 result = run_decode_check(**selection, progress=progress, executor=executor, on_update=save)
                 _clear_progress(progress)

@@ -14,7 +14,6 @@ someone asks about it, and the answer is cached for the life of the process.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -54,9 +53,34 @@ class Probe:
         return f"{reason}; {remedy}" if remedy else reason
 
 
-@functools.cache
+# module -> its answer, for the life of the process (`probe`); `remember` adds answers found elsewhere.
+_ANSWERS: dict[str, Probe] = {}
+
+
 def probe(module: str) -> Probe:
     """Import ``module`` once (cached) and report whether that worked."""
+    if module not in _ANSWERS:
+        _ANSWERS[module] = _import(module)
+    return _ANSWERS[module]
+
+
+def _forget() -> None:
+    _ANSWERS.clear()
+
+
+probe.cache_clear = _forget  # type: ignore[attr-defined]  # forget every answer (tests pretend a library is absent)
+
+
+def remember(answers) -> None:
+    """Take ``answers`` (Probes) found by another process of this same interpreter, environment and path as
+    this process's own, without importing anything: a check's worker imports the frameworks to run them anyway,
+    so it probes them and its parent, which only plans and compares, stays free of them. An answer already
+    known here is kept."""
+    for answer in answers:
+        _ANSWERS.setdefault(answer.module, answer)
+
+
+def _import(module: str) -> Probe:
     try:
         if importlib.util.find_spec(module) is None:
             return Probe(module, installed=False)

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from misbehaving_adapters import Exits, Good, Hangs, Raises, ReturnsNaN, Spins, WrongShape
 
+from conftest import requires
 from mha_rosetta.checks import Status, run_check
 from mha_rosetta.checks.engine import executor_for
 from mha_rosetta.checks.pool import exit_description
 from mha_rosetta.checks.worker import jax_cache_dir, jax_cache_environment
+from mha_rosetta.cli.main import main as cli_main
 
 TIMEOUT = 4.0
 TESTS = Path(__file__).parent
@@ -111,6 +113,39 @@ def test_the_jax_cache_lives_in_the_users_cache_directory_and_can_be_turned_off(
 
     monkeypatch.setenv("MHA_ROSETTA_JAX_CACHE", "0")
     assert cache_enabled() is False and cache_enabled(True) is True
+
+
+def test_workers_compile_with_the_fast_xla_settings_unless_switched_off_and_the_users_flags_win(monkeypatch):
+    from mha_rosetta.checks.worker import FAST_COMPILE_FLAGS, fast_compile_enabled, worker_environment
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("MHA_ROSETTA_FAST_COMPILE", raising=False)
+    assert fast_compile_enabled() is True
+    assert worker_environment(False, True) == {"XLA_FLAGS": " ".join(FAST_COMPILE_FLAGS)}
+    assert worker_environment(False, False) == {}  # XLA's defaults: nothing set
+    # A user's own flags come last, so that one of theirs that sets the same option wins (XLA reads left to right).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")
+    assert worker_environment(False, True)["XLA_FLAGS"] == (
+        "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0 --xla_backend_optimization_level=2"
+    )
+    assert worker_environment(False, False) == {"XLA_FLAGS": "--xla_backend_optimization_level=2"}
+    monkeypatch.setenv("MHA_ROSETTA_FAST_COMPILE", "0")
+    assert fast_compile_enabled() is False and fast_compile_enabled(True) is True
+
+
+@requires("jax")
+@pytest.mark.parametrize("option", ([], ["--no-fast-compile"]))
+def test_the_json_says_which_xla_flags_the_workers_compiled_with(tmp_path, monkeypatch, option):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("MHA_ROSETTA_FAST_COMPILE", raising=False)
+    path = tmp_path / "check.json"
+    args = ["check", "--backends", "jax", "--cases", "gqa", "--jobs", "1", "--quiet"]
+    assert cli_main([*args, *option, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["summary"]["runs"]["agree"] >= 2  # jax and jax:chunked, compiled in the worker
+    assert report["timings"]["xla_flags"] == (
+        "" if option else "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+    )
 
 
 def _check_good_and(adapter: str, *, cases: str, timeout: int, json_path) -> list[str]:

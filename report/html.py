@@ -13,7 +13,7 @@ import json
 
 from .agreement import status_counts
 from .compare import Comparison, overlaps, ratio
-from .markdown import PROVENANCE_HEADER, ms, provenance_rows
+from .markdown import PROVENANCE_HEADER, limit_text, ms, provenance_rows
 from .runs import Run
 from .svg import (
     FAILING_COLOUR,
@@ -25,6 +25,7 @@ from .svg import (
     scaling_legend,
     scaling_plot,
     scaling_series,
+    size_axis,
 )
 
 
@@ -92,8 +93,9 @@ def bench_section(comparison: Comparison) -> str:
         out.append("</div></div>")
     for f, (family, lines) in enumerate(scaling_series(comparison).items()):
         out.append(f'<h3>Scaling: {esc(" · ".join(family))}</h3><div class="bench-group">')
-        out.append(scaling_plot(lines, f"scaling-{f}-abs", relative=False))
-        out.append(scaling_plot(lines, f"scaling-{f}-rel", relative=True))
+        axis = size_axis(family)
+        out.append(scaling_plot(lines, f"scaling-{f}-abs", relative=False, axis_name=axis))
+        out.append(scaling_plot(lines, f"scaling-{f}-rel", relative=True, axis_name=axis))
         out.append(scaling_legend(lines, comparison) + "</div>")
     out.append("</section>")
     return "".join(out)
@@ -104,6 +106,8 @@ def _bench_cell(comparison: Comparison, index: int, group, name: str) -> str:
     if figure is None:
         return "-"
     text = f'{ms(figure.seconds)} <span class="small">[{ms(figure.lo)}–{ms(figure.hi)}]</span>'
+    if figure.limit_fraction is not None:
+        text += f' <span class="small limit">{esc(limit_text(figure).lstrip(" ·"))}</span>'
     fastest = comparison.fastest(index, group)
     if fastest:
         text += f' <span class="small">×{figure.seconds / fastest:.2f} of fastest</span>'

@@ -43,11 +43,16 @@ def provenance_rows(runs: list[Run]) -> list[list[str]]:
 PROVENANCE_HEADER = ["run", "kind", "file", "created (UTC)", "CPU", "cores", "commit", "devices", "notes"]
 
 
+def limit_text(figure) -> str:
+    """A decode figure's share of the K/V read limit, as the decode table prints it (``5.3% of KV limit``)."""
+    return "" if figure.limit_fraction is None else f" · {100 * figure.limit_fraction:.1f}% of KV limit"
+
+
 def cell_text(comparison: Comparison, index: int, group, name: str) -> str:
     figure = comparison.cells[index].get((group, name))
     if figure is None:
         return "-"
-    text = f"{ms(figure.seconds)} [{ms(figure.lo)}–{ms(figure.hi)}]"
+    text = f"{ms(figure.seconds)} [{ms(figure.lo)}–{ms(figure.hi)}]" + limit_text(figure)
     reference = comparison.cells[0].get((group, name)) if index else None
     if reference is not None:
         r, lo, hi = ratio(figure, reference)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 import math
 
-from .agreement import matrix_cells
+from .agreement import matrix_cells, oracle_cells
 from .compare import DECODE, Comparison
 from .runs import Run
 
@@ -106,6 +106,49 @@ def heatmap_svg(run: Run, matrix: dict, ident: str) -> str:
         parts.append(
             f'<rect class="hm-cell" x="{left + cell["col"] * size}" y="{top + cell["row"] * size}" '
             f'width="{size - 1}" height="{size - 1}" fill="{colour}" fill-opacity="{opacity:.2f}" {attrs}/>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def oracle_grid_svg(run: Run, dtype: str, ident: str) -> str:
+    """The decode check's runs against the oracle as a grid: a row per implementation and cache kind, a column per
+    case; hover or click a cell for its status, errors, where it first parts from the oracle and the tolerance."""
+    cells = oracle_cells(run, dtype)
+    rows = list(dict.fromkeys(str(cell["implementation"]) for cell in cells))
+    named = [str(case.get("name")) for case in run.data.get("cases", []) if isinstance(case, dict)]
+    cols = [name for name in dict.fromkeys([*named, *(str(cell["case"]) for cell in cells)]) if name in
+            {str(cell["case"]) for cell in cells}]  # fmt: skip
+    size, left, top = 16, 170, 130
+    width, height = left + len(cols) * size + 90, top + len(rows) * size + 10
+    parts = [
+        f'<svg class="heatmap oracle-grid" id="{ident}" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="decode against the oracle {esc(dtype)}">'
+    ]
+    for i, label in enumerate(rows):
+        y = top + i * size + size * 0.7
+        parts.append(f'<text x="{left - 4}" y="{y:.1f}" text-anchor="end" class="axis">{esc(label)}</text>')
+    for j, label in enumerate(cols):
+        x = left + j * size + size * 0.7
+        parts.append(
+            f'<text x="{x:.1f}" y="{top - 4}" transform="rotate(-60 {x:.1f} {top - 4})" class="axis">{esc(label)}</text>'
+        )
+    for cell in cells:
+        colour, opacity = _cell_colour(cell)
+        data = {
+            "pair": f"{cell['implementation']} vs the full causal forward",
+            "status": cell["status"],
+            "case": cell["case"],
+            "max-abs": _num(cell["max_abs"]),
+            "max-rel": _num(cell["max_rel"]),
+            "stage": cell["where"],
+            "tolerance": f"atol {_num(cell['atol'])}, rtol {_num(cell['rtol'])} ({dtype})",
+        }
+        attrs = " ".join(f'data-{key}="{esc(value)}"' for key, value in data.items())
+        i, j = rows.index(str(cell["implementation"])), cols.index(str(cell["case"]))
+        parts.append(
+            f'<rect class="hm-cell" x="{left + j * size}" y="{top + i * size}" width="{size - 1}" '
+            f'height="{size - 1}" fill="{colour}" fill-opacity="{opacity:.2f}" {attrs}/>'
         )
     parts.append("</svg>")
     return "".join(parts)

@@ -368,3 +368,65 @@ def test_bench_baseline_and_compare_take_decode_reports(decode_pair, capsys):
     assert "--compare: A is a decode bench report and B a forward one; only reports of one kind are compared" in (
         capsys.readouterr().err
     )
+
+
+# -- the decode check (check --decode --json) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def decode_check_json(tmp_path_factory):
+    """The decode check of test_check_decode's fakes: one right, one whose rotary restarts at 0, one without a cache."""
+    from test_check_decode import ChunkReference, NoCache, RotaryRestarts
+
+    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks.json_report import write_decode_json
+
+    backends = [ChunkReference(), RotaryRestarts(), NoCache()]
+    result = run_decode_check(backends=backends, cases=["gqa_rotary", "two_per_step"], dtypes=["float64"])
+    target = tmp_path_factory.mktemp("decode-check") / "decode-check.json"
+    write_decode_json(result, str(target))
+    return target
+
+
+def test_the_decode_check_is_read_against_its_oracle_with_where_runs_part(decode_check_json):
+    from mha_rosetta.report.agreement import is_decode_check, oracle_rows
+
+    run = load_run(decode_check_json)
+    assert run.kind == "check" and is_decode_check(run) and run.provenance["tool"] == "mha-rosetta"
+    [(dtype, rows)] = oracle_rows(run).items()
+    assert dtype == "float64"
+    rows = {row["implementation"]: row for row in rows}
+    assert list(rows) == ["chunk-ref[tokens]", "rotary-restarts[tokens]", "no-cache"]
+    right, wrong, none = rows.values()
+    assert (right["status"], right["cases"], right["where"]) == (
+        "agree",
+        {"agree": 2},
+        "none (every stage within tolerance)",
+    )
+    assert (wrong["status"], wrong["cases"]) == ("DISAGREE", {"DISAGREE": 2})
+    # the worst of the two cases by max rel, and where it parts (test_check_decode names both: step 1, position 4)
+    runs = [r for r in run.data["runs"] if r["implementation"] == "rotary-restarts[tokens]"]
+    worst = max(runs, key=lambda r: r["max_rel"])
+    assert (wrong["case"], wrong["max_rel"]) == (worst["case"], worst["max_rel"])
+    assert wrong["where"] == worst["where"] == "step 1 (position 4) diverges at q_rotated"
+    assert (none["status"], none["where"]) == (
+        "unsupported",
+        "no-cache has no KV-cache decoding: the library's API has no KV cache",
+    )
+    # the pair matrix's tooltip names where the decode runs part, as the forward's names the stage
+    [cell] = [
+        c
+        for c in matrix_cells(run, run.data["matrices"][0])
+        if c["a"] == "chunk-ref[tokens]" and c["b"] == "rotary-restarts[tokens]"
+    ]
+    assert (cell["status"], cell["stage_b"]) == ("DISAGREE", "step 1 (position 4) diverges at q_rotated")
+    assert cell["stage_a"] == "none (every stage within tolerance)"
+    text = build_report([str(decode_check_json)]).markdown()
+    assert "Decode, float64, each implementation and cache kind against the full causal forward" in text
+    assert "(its worst case; tolerance atol 1e-10, rtol 1e-09)" in text
+    line = (
+        f"| rotary-restarts[tokens] | DISAGREE | DISAGREE 2 | {worst['case']} | {worst['max_abs']:.3g} | "
+        f"{worst['max_rel']:.3g} | step 1 (position 4) diverges at q_rotated |"
+    )
+    assert line in text
+    page = build_report([str(decode_check_json)]).html()
+    assert page.count('class="heatmap oracle-grid"') == 1
+    assert 'data-stage="step 1 (position 4) diverges at q_rotated"' in page

@@ -180,7 +180,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cell-runs; exit 0 when both targets are met, 1 when not",
     )
     parser.add_argument(
-        "--resume", action="store_true", help="keep the finished cells of an interrupted sweep and run the rest"
+        "--resume",
+        action="store_true",
+        help="keep the finished cells of an interrupted sweep and run the rest (forward or --mode decode, each from "
+        "its own partial file; a decode sweep resumes only on the machine that started it)",
     )
     parser.add_argument(
         "--partial", metavar="PATH", help="where finished cells are kept while running (default: <json>.partial.jsonl)"
@@ -335,7 +338,7 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.partial import default_partial_path
+    from mha_rosetta.benchmarks.partial import default_partial_path, partial_header
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
     from mha_rosetta.benchmarks.report import assemble_report, failed_cells
@@ -374,9 +377,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
 
+    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
+    if args.resume and (partial_header(partial) or {}).get("kind") == "decode":
+        print(
+            f"mha-rosetta bench: --resume: {partial} holds a decode sweep's finished cells, not a forward sweep's "
+            "(resume it with --mode decode, or run without --resume)",
+            file=sys.stderr,
+        )
+        return 2
     estimate = estimate_seconds(settings, expand_cells(settings, labels))
     print(f"mha-rosetta bench: {describe_estimate(estimate)}", file=sys.stderr, flush=True)
-    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     started = time.perf_counter()
     outcome = run_sweep(
         settings, partial_path=partial, resume=args.resume, progress=not args.no_progress, implementations=labels
@@ -429,8 +439,7 @@ def _load_baseline(args: argparse.Namespace, kind: str) -> dict | None:
 
 # Options of the forward sweep that a decode sweep does not take: named in the error, never ignored.
 _NOT_FOR_DECODE = (
-    ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"),
-    ("resume", "--resume"), ("partial", "--partial"), ("questions", "--questions"),
+    ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"), ("questions", "--questions"),
     ("questions_only", "--questions-only"), ("memory_budget", "--memory-budget"), ("preset", "--preset"),
 )  # fmt: skip
 
@@ -511,19 +520,25 @@ def _run_decode(args: argparse.Namespace) -> int:
     """``--mode decode``: the decode sweep (`benchmarks.decode.run_decode_sweep`) and its outputs."""
     from mha_rosetta.backends.registry import register_path
     from mha_rosetta.benchmarks.decode import (
+        check_decode_partial,
         estimate_decode_seconds,
         expand_decode_cells,
         failed_decode_cells,
         run_decode_sweep,
     )
+    from mha_rosetta.benchmarks.partial import default_partial_path
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.core.errors import INTERRUPTED
+    from mha_rosetta.report.provenance import host_id
 
+    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     try:
         plugins = [register_path(path) for path in args.plugin or []]
         settings = _decode_settings(args)
         labels = resolve_implementations(settings.implementations)
         baseline = _load_baseline(args, "decode")
+        if args.resume:
+            check_decode_partial(partial, host_id())  # refused before anything is measured
     except (ValueError, ImportError, TypeError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
@@ -540,11 +555,15 @@ def _run_decode(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    report = run_decode_sweep(settings, labels, progress=not args.no_progress)
+    report = run_decode_sweep(settings, labels, progress=not args.no_progress, partial_path=partial, resume=args.resume)
     _publish_decode(args, report, baseline)
     if not report["complete"]:
-        print("interrupted: the finished cells are in the report", file=sys.stderr)
+        print(
+            f"interrupted: the finished cells are in the report and in {partial}; rerun with --resume to finish",
+            file=sys.stderr,
+        )
         return INTERRUPTED
+    partial.unlink(missing_ok=True)  # the report holds everything now
     failures = failed_decode_cells(report)
     if failures:
         print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)

@@ -248,6 +248,7 @@ def test_help_says_the_rules(capsys):
     assert "[min, max] of its round medians, else median +- IQR/2" in text
     assert "the exit status is 1 when any cell's whole range is above the matching baseline cell's range" in text
     assert "more than PCT % slower; else 0" in text
+    assert "one table per context, window and step (context=32768 W=4096)" in text
 
 
 # -- decode files (bench --mode decode) ------------------------------------------------------------

@@ -173,6 +173,15 @@ class Comparison:
             )
         return text
 
+    def bandwidth_text(self) -> str:
+        """The copy bandwidth of each decode column (the yardstick of its % of KV limit), or "" without one."""
+        shown = [
+            f"{column.label}: {gbps:.2f} GB/s"
+            for column in self.columns
+            if (gbps := (column.run.data.get("bandwidth_gbps_by") or {}).get(column.device))
+        ]
+        return "Copy bandwidth (the K/V limit's yardstick), per column: " + "; ".join(shown) + "." if shown else ""
+
     def groups(self) -> list[tuple[str, str, str]]:
         return list(dict.fromkeys(key[0] for cells in self.cells for key in cells))
 

@@ -109,6 +109,7 @@ def bench_section(comparison: Comparison) -> str:
     out = [
         '<section id="bench"><h2>Benchmarks</h2>',
         f"<p>{esc(comparison.reading_rules())}</p>",
+        f"<p>{esc(comparison.bandwidth_text())}</p>" if comparison.bandwidth_text() else "",
         '<p><label>Filter implementations: <input id="filter" type="search" placeholder="e.g. torch"></label> '
         '<button type="button" id="view-absolute" class="view on">milliseconds</button>'
         '<button type="button" id="view-relative" class="view">relative to fastest</button></p>',

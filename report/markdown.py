@@ -66,6 +66,7 @@ def bench_markdown(comparison: Comparison) -> str:
     out = [
         "## Benchmarks\n",
         comparison.reading_rules() + "\n",
+        *([comparison.bandwidth_text() + "\n"] if comparison.bandwidth_text() else []),
     ]
     header = ["implementation", *(column.label for column in comparison.columns)]
     for group in comparison.groups():

@@ -1,16 +1,62 @@
-"""A report against a saved baseline: which cells moved beyond the threshold and beyond noise."""
+"""A report against a saved baseline: which cells moved beyond the threshold and beyond noise.
+
+Forward (and forward+backward) reports and decode reports (``bench --mode decode``, ``"kind": "decode"``)
+are compared by the same rule; a cell is matched by its identity (`comparison_key`: a decode cell's
+context, window and step among it), and a report is compared only with a baseline of its own kind.
+"""
 
 from __future__ import annotations
 
+from .decode import DECODE_IDENTITY
+from .decode import KIND as DECODE_KIND
 from .report import READABLE_SCHEMAS, headline_peak
 from .rounds import cell_interval, cell_time, intervals_overlap, is_corrected
 
 BASELINE_THRESHOLD = 0.10
+FORWARD_KEY = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
+# A decode cell's identity (`decode.DECODE_IDENTITY`) without the allocator rule, which the forward key leaves out too.
+DECODE_KEY = tuple(name for name in DECODE_IDENTITY if name != "malloc")
+# What a comparison row says of its cell, besides the figures.
+FORWARD_ROW = ("implementation", "device", "dtype", "batch", "tokens", "d_model", "heads")
+DECODE_ROW = ("implementation", "device", "dtype", "batch", "context", "window", "step", "d_model", "heads", "cache")
+
+
+def report_kind(report: dict) -> str:
+    """``"decode"`` for a ``bench --mode decode`` report, ``"forward"`` for every other bench report."""
+    return DECODE_KIND if report.get("kind") == DECODE_KIND else "forward"
+
+
+def is_decode_cell(cell: dict) -> bool:
+    return cell.get("mode") == DECODE_KIND
 
 
 def comparison_key(cell: dict) -> tuple:
-    fields = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
-    return (*(cell.get(name) for name in fields), cell.get("mode", "fwd"))
+    if is_decode_cell(cell):
+        return (*(cell.get(name) for name in DECODE_KEY), DECODE_KIND)
+    return (*(cell.get(name) for name in FORWARD_KEY), cell.get("mode", "fwd"))
+
+
+def cell_where(row: dict) -> str:
+    """A compared cell's size as the tables spell it: ``B=4 N=512``, or ``B=1 context=32768 W=4096``."""
+    if "context" not in row:
+        return f"B={row['batch']} N={row['tokens']}"
+    text = f"B={row['batch']} context={row['context']}" + (f" W={row['window']}" if row.get("window") else "")
+    text += f" step={row['step']}" if row.get("step") not in (None, 1) else ""
+    return text + (f" cache={row['cache']}" if row.get("cache") else "")
+
+
+def _row_fields(cell: dict) -> dict:
+    return {name: cell.get(name) for name in (DECODE_ROW if is_decode_cell(cell) else FORWARD_ROW)}
+
+
+def check_same_kind(report: dict, baseline: dict, option: str = "--baseline", names=("this report", "the baseline")):
+    """ValueError naming ``option`` unless ``report`` and ``baseline`` are both decode reports or both forward ones."""
+    mine, theirs = report_kind(report), report_kind(baseline)
+    if mine != theirs:
+        raise ValueError(
+            f"{option}: {names[1]} is a {theirs} bench report and {names[0]} a {mine} one; only reports of one kind "
+            "are compared (a decode step and a forward share no cell)"
+        )
 
 
 def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:
@@ -31,6 +77,7 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
             f"baseline schema is {baseline.get('schema')!r}; this version reads schemas "
             f"{', '.join(map(str, READABLE_SCHEMAS))}"
         )
+    check_same_kind(report, baseline)
     old = {comparison_key(cell): cell for cell in baseline.get("cells", [])}
     new = {comparison_key(cell): cell for cell in report.get("cells", [])}
     rows, flagged, noise, broken = [], [], [], []
@@ -39,9 +86,7 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
         if before is None:
             continue
         if before.get("status") == "ok" and cell.get("status") != "ok":
-            broken.append(
-                {"implementation": cell["implementation"], "tokens": cell["tokens"], "status": cell.get("status")}
-            )
+            broken.append({**_row_fields(cell), "status": cell.get("status")})
             continue
         if before.get("status") != "ok" or cell.get("status") != "ok":
             continue
@@ -51,8 +96,7 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
         beyond = abs(change) > threshold
         verdict = ("slower" if change > 0 else "faster") if beyond and not overlap else "same"
         row = {
-            "implementation": cell["implementation"], "device": cell["device"], "dtype": cell["dtype"],
-            "batch": cell["batch"], "tokens": cell["tokens"], "d_model": cell["d_model"], "heads": cell["heads"],
+            **_row_fields(cell),
             "baseline_median_s": cell_time(before), "median_s": cell_time(cell), "ratio": ratio, "change": verdict,
             "corrected": [is_corrected(before), is_corrected(cell)],
             "baseline_spread_s": cell_interval(before), "spread_s": cell_interval(cell), "intervals_overlap": overlap,
@@ -66,6 +110,7 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
         "threshold": threshold,
         "rule": "a change counts when the medians differ by more than the threshold and the intervals do not overlap",
         "gemm_peak": _peak_change(report, baseline),
+        **({"bandwidth": _bandwidth_change(report, baseline)} if report_kind(report) == DECODE_KIND else {}),
         "compared": rows,
         "flagged": flagged,
         "within_noise": noise,
@@ -82,6 +127,16 @@ def _peak_change(report: dict, baseline: dict) -> dict | None:
     if key is None or key != baseline_key or not gflops or not baseline_gflops:
         return None
     return {"key": key, "baseline_gflops": baseline_gflops, "gflops": gflops, "ratio": gflops / baseline_gflops}
+
+
+def _bandwidth_change(report: dict, baseline: dict) -> list[dict]:
+    """The copy bandwidth of each device both decode reports measured (the yardstick of their limits)."""
+    now, before = report.get("bandwidth_gbps_by") or {}, baseline.get("bandwidth_gbps_by") or {}
+    return [
+        {"device": device, "baseline_gbps": before[device], "gbps": gbps, "ratio": gbps / before[device]}
+        for device, gbps in now.items()
+        if gbps and before.get(device)
+    ]
 
 
 def _interval_ms(interval: list[float]) -> str:
@@ -101,19 +156,24 @@ def baseline_markdown(comparison: dict) -> str:
             f"- GEMM peak {peak['key']}: {peak['baseline_gflops']:.1f} -> {peak['gflops']:.1f} GFLOP/s "
             f"({peak['ratio'] - 1:+.0%}; the machine's own change, for scale)"
         )
+    for bandwidth in comparison.get("bandwidth") or []:
+        lines.append(
+            f"- copy bandwidth {bandwidth['device']}: {bandwidth['baseline_gbps']:.1f} -> {bandwidth['gbps']:.1f} GB/s "
+            f"({bandwidth['ratio'] - 1:+.0%}; the machine's own change, for scale)"
+        )
     for row in comparison["flagged"]:
         lines.append(
-            f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
+            f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: "
             f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> {row['median_s'] * 1e3:.3f} ms)"
         )
     for row in comparison.get("within_noise", []):
         lines.append(
-            f"- `{row['implementation']}` {row['device']} {row['dtype']} B={row['batch']} N={row['tokens']}: "
+            f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: "
             f"moved by {row['ratio'] - 1:+.0%} but within noise (the round ranges overlap: "
             f"{_interval_ms(row['baseline_spread_s'])} and {_interval_ms(row['spread_s'])} ms)"
         )
     for row in comparison["stopped_working"]:
-        lines.append(f"- `{row['implementation']}` N={row['tokens']}: worked in the baseline, now {row['status']}")
+        lines.append(f"- `{row['implementation']}` {cell_where(row)}: worked in the baseline, now {row['status']}")
     if not comparison["flagged"] and not comparison["stopped_working"]:
         lines.append(f"- no change beyond {threshold:.0%}")
     return "\n".join(lines) + "\n"

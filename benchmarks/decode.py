@@ -24,6 +24,13 @@ the cache (no steps follow). It is timed in the same child after the step, raw (
 to ``prefill_max`` tokens: beyond, a full causal forward's scores would not fit beside the other
 work on the machine, and the cell says so.
 
+An interrupted sweep keeps every finished visit and each round's bandwidth in a partial file (`partial`,
+one JSON line each, the forward sweep's format with the entry types ``decode-cell`` and ``bandwidth`` and a
+header of kind ``decode``); ``resume=True`` (``bench --mode decode --resume``) reloads them and the shuffle
+seed and runs the rest, as the forward sweep does. It resumes only on the machine that started it (the
+header's `report.provenance.host_id`): the cells and the bandwidth they are read against would otherwise
+come from two machines.
+
 The windowed row (``window``) is the same layer with a sliding window at ``window_contexts``: its
 step reads at most the ring's ``W - 1 + step`` slots (`core.decode.ring_capacity`), and its cache's
 ``slots`` stay there however long the context grows, which is the O(W) memory the table shows.
@@ -106,6 +113,10 @@ class DecodeCellSpec:
     def identity(self) -> dict:
         return {name: getattr(self, name) for name in DECODE_IDENTITY}
 
+    def key(self) -> str:
+        """The resume key: the same as `decode_cell_key` of its record."""
+        return json.dumps(self.identity(), sort_keys=True)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -115,6 +126,51 @@ class DecodeCellSpec:
         if unknown:
             raise ValueError(f"unknown decode cell spec fields {unknown}")
         return cls(**data)
+
+
+def decode_cell_key(record: dict) -> str:
+    """The resume key of a recorded decode cell (its `DECODE_IDENTITY` fields, as `DecodeCellSpec.key`)."""
+    return json.dumps({name: record.get(name) for name in DECODE_IDENTITY}, sort_keys=True)
+
+
+PARTIAL_KIND = KIND  # the header's "kind" in a decode sweep's partial file (a forward sweep's header has none)
+
+
+def load_decode_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[int, str], dict]]:
+    """(cell visits by (round, `decode_cell_key`), bandwidths by (round, device)) from a decode partial file."""
+    from .partial import partial_entries
+
+    cells: dict[tuple[int, str], dict] = {}
+    bandwidths: dict[tuple[int, str], dict] = {}
+    for entry in partial_entries(Path(path)):
+        round_index = entry.get("round", 0)
+        if entry.get("type") == "decode-cell":
+            cells[(round_index, decode_cell_key(entry["record"]))] = entry["record"]
+        elif entry.get("type") == "bandwidth":
+            bandwidths[(round_index, entry["record"].get("device"))] = entry["record"]
+    return cells, bandwidths
+
+
+def check_decode_partial(path: Path, host: str) -> dict | None:
+    """The header of the decode partial file at ``path`` (None when there is none), or ValueError naming the file
+    when it holds a forward sweep's visits or another machine's."""
+    from .partial import partial_header
+
+    header = partial_header(Path(path))
+    if header is None:
+        return None
+    if header.get("kind") != PARTIAL_KIND:
+        raise ValueError(
+            f"--resume: {path} holds a forward sweep's finished cells, not a decode sweep's "
+            "(give the decode sweep's --partial PATH, or run without --resume)"
+        )
+    if header.get("host_id") not in (None, host):
+        raise ValueError(
+            f"--resume: {path} was written on another machine (host id {header.get('host_id')}, this is {host}); "
+            "a decode sweep resumes only where it started: its cells and the bandwidth they are read against "
+            "would come from two machines"
+        )
+    return header
 
 
 def decode_config(spec: DecodeCellSpec):
@@ -438,35 +494,72 @@ def run_decode_sweep(
     progress: bool = True,
     cell_runner: CellRunner = run_decode_cell,
     bandwidth_runner: BandwidthRunner | None = None,
+    partial_path: str | Path | None = None,
+    resume: bool = False,
 ) -> dict:
     """Run every round (the bandwidth of each device first, then every cell once in a shuffled order) and
-    return the report (`assemble_decode_report`). Ctrl-C keeps what finished (``complete: false``)."""
+    return the report (`assemble_decode_report`). Ctrl-C keeps what finished (``complete: false``).
+
+    With ``partial_path`` every finished visit and bandwidth is appended there as it ends; ``resume=True``
+    reloads them (`check_decode_partial` first: a forward sweep's file or another machine's is refused) and the
+    seed of its header (unless ``settings.seed`` is given), and runs only the rest: visits that failed run
+    again, measured and unsupported ones do not, as in the forward sweep. ``settings.resumed_cells`` counts
+    the visits taken from the file.
+    """
+    from mha_rosetta.report.provenance import host_id
+
     from .bandwidth import measure_bandwidth
+    from .partial import append_entry, end_torn_line
     from .progress import Progress
-    from .rounds import draw_seed, round_orders
+    from .rounds import FINISHED_STATUSES, draw_seed, round_orders
 
     bandwidth_runner = bandwidth_runner or measure_bandwidth
+    host = host_id()
+    partial = None if partial_path is None else Path(partial_path)
+    done_cells: dict[tuple[int, str], dict] = {}
+    done_bandwidths: dict[tuple[int, str], dict] = {}
+    header = None
+    if partial is not None and resume:
+        header = check_decode_partial(partial, host)
+        done_cells, done_bandwidths = load_decode_partial(partial)
+        end_torn_line(partial)
     if settings.seed is None:
-        settings = replace(settings, seed=draw_seed())
+        seed = ((header or {}).get("settings") or {}).get("seed")
+        settings = replace(settings, seed=seed if isinstance(seed, int) else draw_seed())
+    if partial is not None:
+        if not resume:
+            partial.unlink(missing_ok=True)  # a fresh sweep: earlier partial results are not this run's
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        if not partial.exists() or header is None:
+            header = {"type": "header", "schema": 1, "kind": PARTIAL_KIND, "host_id": host}
+            append_entry(partial, {**header, "settings": settings.as_dict()})
+
+    def keep(entry: dict) -> None:
+        if partial is not None:
+            append_entry(partial, entry)
+
     cells = expand_decode_cells(settings, implementations)
     known = [parent_reason(spec) for spec in cells]
     orders = round_orders(len(cells), settings.rounds, settings.seed)
     bar = Progress(settings.rounds, len(settings.devices) + len(cells), enabled=progress)
     visits: list[list[dict | None]] = [[None] * settings.rounds for _ in cells]
     bandwidths: dict[str, list[dict | None]] = {device: [None] * settings.rounds for device in settings.devices}
-    interrupted, started, wall_s = False, time.perf_counter(), []
+    interrupted, started, wall_s, resumed = False, time.perf_counter(), [], 0
     try:
         for round_index, order in enumerate(orders):
             bar.start_round(round_index)
             round_start = time.perf_counter()
             for device in settings.devices:
                 bar.step(f"bandwidth {device}")
-                first = bandwidths[device][0] or {}
-                libraries = [first["library"]] if round_index and first.get("library") else None
-                record = bandwidth_runner(
-                    device, settings.threads, settings.cpus, array_mb=settings.array_mb,
-                    policy=dict(settings.bandwidth_policy), libraries=libraries, malloc=settings.malloc,
-                )  # fmt: skip
+                record = done_bandwidths.get((round_index, device))
+                if record is None or not record.get("gbps") or record.get("malloc", settings.malloc) != settings.malloc:
+                    first = bandwidths[device][0] or {}
+                    libraries = [first["library"]] if round_index and first.get("library") else None
+                    record = bandwidth_runner(
+                        device, settings.threads, settings.cpus, array_mb=settings.array_mb,
+                        policy=dict(settings.bandwidth_policy), libraries=libraries, malloc=settings.malloc,
+                    )  # fmt: skip
+                    keep({"type": "bandwidth", "round": round_index, "record": record})
                 bandwidths[device][round_index] = record
                 shown = f"{record['gbps']:.1f} GB/s ({record.get('library')})" if record.get("gbps") else "not measured"
                 bar.advance(f"copy bandwidth {device}: {shown}")
@@ -477,11 +570,17 @@ def run_decode_sweep(
                 elif any((visit or {}).get("status") == "unsupported" for visit in visits[index][:round_index]):
                     bar.advance(f"{spec.implementation} context={spec.context}: unsupported [not run again]")
                     continue
+                elif (done := done_cells.get((round_index, spec.key()))) and done.get("status") in FINISHED_STATUSES:
+                    visits[index][round_index] = done
+                    resumed += 1
+                    bar.advance(_describe(done) + " [resumed]")
+                    continue
                 else:
                     bar.step(f"{spec.implementation} context={spec.context}")
                     visit_start = time.perf_counter()
                     record = cell_runner(spec, settings.cell_timeout)
                     record["visit_wall_s"] = time.perf_counter() - visit_start
+                    keep({"type": "decode-cell", "round": round_index, "record": record})
                 visits[index][round_index] = record
                 bar.advance(_describe(record))
             wall_s.append(time.perf_counter() - round_start)
@@ -504,8 +603,9 @@ def run_decode_sweep(
         "bandwidth_gbps": per_round,
     }
     report = assemble_decode_report(
-        settings.as_dict(), merged_bandwidths, merged, rounds=rounds, complete=not interrupted
-    )
+        {**settings.as_dict(), "resumed_cells": resumed}, merged_bandwidths, merged, rounds=rounds,
+        complete=not interrupted,
+    )  # fmt: skip
     report["sweep_time"] = {"wall_s": time.perf_counter() - started}
     return report
 

@@ -4,6 +4,10 @@ An interrupted sweep (Ctrl-C, a crash, a closed laptop) keeps every finished vis
 ``resume=True`` reloads them (and the shuffle seed) and runs only the rest. Lines are
 appended flushed and synced, so a kill loses at most the visit that was running; a torn
 last line is ignored when read and ended before the next one is written.
+
+The forward sweep writes ``cell`` and ``gemm`` entries; the decode sweep (`benchmarks.decode`)
+``decode-cell`` and ``bandwidth`` entries under a header of ``"kind": "decode"``, and each refuses
+to resume from the other's file.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ def default_partial_path(json_path: str | None) -> Path:
     return Path("mha-rosetta-bench.partial.jsonl")
 
 
-def _partial_entries(path: Path):
+def partial_entries(path: Path):
+    """Every whole entry of a partial file, in order (`benchmarks.decode` reads its own entry types)."""
     if not path.exists():
         return
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -40,7 +45,7 @@ def load_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[in
     """
     cells: dict[tuple[int, str], dict] = {}
     peaks: dict[tuple[int, str], dict] = {}
-    for entry in _partial_entries(path):
+    for entry in partial_entries(path):
         round_index = entry.get("round", 0)
         if entry.get("type") == "cell":
             cells[(round_index, cell_key(entry["record"]))] = entry["record"]
@@ -52,7 +57,7 @@ def load_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[in
 
 def partial_header(path: Path) -> dict | None:
     """The header entry of a partial file (its settings, seed included), or None."""
-    return next((entry for entry in _partial_entries(path) if entry.get("type") == "header"), None)
+    return next((entry for entry in partial_entries(path) if entry.get("type") == "header"), None)
 
 
 def end_torn_line(path: Path) -> None:

@@ -17,7 +17,7 @@ read off the same output. Nothing is measured here.
 
 from __future__ import annotations
 
-from .baseline import comparison_key
+from .baseline import cell_where, check_same_kind, comparison_key, is_decode_cell
 from .report import cell_label
 from .rounds import cell_time, is_corrected, relative_range
 
@@ -38,6 +38,7 @@ def _ok(report: dict) -> dict[tuple, dict]:
 
 def compare_runs(first: dict, second: dict) -> dict:
     """The run and round agreement of two reports (see the module docstring), raw and corrected."""
+    check_same_kind(second, first, "--compare", ("B", "A"))  # decode with decode, forward with forward
     a, b = _ok(first), _ok(second)
     shared = [key for key in a if key in b]
     cells = []
@@ -45,8 +46,9 @@ def compare_runs(first: dict, second: dict) -> dict:
         pair = (a[key], b[key])
         cells.append(
             {
-                "label": cell_label(pair[0]),
-                "tokens": pair[0]["tokens"],
+                "label": pair[0]["implementation"] if is_decode_cell(pair[0]) else cell_label(pair[0]),
+                "tokens": pair[0].get("tokens"),  # None for a decode cell: its size is its context
+                "size": cell_where(pair[0]),
                 "corrected": all(is_corrected(cell) for cell in pair),
                 "figures_s": [cell_time(cell) for cell in pair],
                 "difference": relative_range([cell_time(cell) for cell in pair]),
@@ -103,9 +105,9 @@ def compare_markdown(comparison: dict) -> str:
         )
         figures = " / ".join(f"{value * 1e3:.3f}" for value in cell["figures_s"])
         kind = "corrected" if cell["corrected"] else "raw"
-        return [f"`{cell['label']}`", cell["tokens"], kind, figures, pct(cell["difference"]),
+        return [f"`{cell['label']}`", cell["size"], kind, figures, pct(cell["difference"]),
                 pct(cell["raw_difference"]), spreads, raw_spreads]  # fmt: skip
 
     rows = [row(cell) for cell in sorted(c["cells"], key=lambda cell: -(cell["difference"] or 0.0))]
-    header = ["cell", "N", "figure", "ms (A / B)", "A vs B", "raw A vs B", "round spread A, B", "raw round spread"]
+    header = ["cell", "size", "figure", "ms (A / B)", "A vs B", "raw A vs B", "round spread A, B", "raw round spread"]
     return "\n".join(lines + markdown_table(header, rows)) + "\n"

@@ -157,8 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline",
         metavar="PATH",
-        help="compare with a saved JSON report; a change counts when the medians differ by more than 10%% "
-        "and the round ranges do not overlap",
+        help="compare with a saved JSON report of the same kind (--mode decode: a decode report); a change "
+        "counts when the medians differ by more than 10%% and the round ranges do not overlap",
     )
     parser.add_argument(
         "--write-docs",
@@ -180,7 +180,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cell-runs; exit 0 when both targets are met, 1 when not",
     )
     parser.add_argument(
-        "--resume", action="store_true", help="keep the finished cells of an interrupted sweep and run the rest"
+        "--resume",
+        action="store_true",
+        help="keep the finished cells of an interrupted sweep and run the rest (forward or --mode decode, each from "
+        "its own partial file; a decode sweep resumes only on the machine that started it)",
     )
     parser.add_argument(
         "--partial", metavar="PATH", help="where finished cells are kept while running (default: <json>.partial.jsonl)"
@@ -246,17 +249,18 @@ def _emit(path: str | None, text: str, *, label: str) -> None:
 
 def _render_only(args: argparse.Namespace) -> int:
     """``--render JSON``: the outputs of a saved report, nothing measured."""
+    from mha_rosetta.benchmarks.baseline import report_kind
     from mha_rosetta.benchmarks.report import load_report
 
     try:
         report = load_report(args.render)
-        baseline = load_report(args.baseline) if args.baseline else None
+        baseline = _load_baseline(args, report_kind(report))
     except (ValueError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
     report.pop("baseline_comparison", None)  # compared again below when asked
     if report.get("kind") == "decode":
-        _publish_decode(args, report)
+        _publish_decode(args, report, baseline)
         return 0
     _publish(args, report, baseline)
     return 0
@@ -272,7 +276,11 @@ def _compare_only(args: argparse.Namespace) -> int:
     except (ValueError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
-    comparison = compare_runs(first, second)
+    try:
+        comparison = compare_runs(first, second)
+    except ValueError as error:
+        print(f"mha-rosetta bench: {error}", file=sys.stderr)
+        return 2
     (sys.stderr if args.json == "-" else sys.stdout).write(compare_markdown(comparison))
     _emit(args.json, json.dumps(comparison, indent=2) + "\n", label="JSON")
     return 0 if comparison["targets_met"] else 1
@@ -330,10 +338,10 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.partial import default_partial_path
+    from mha_rosetta.benchmarks.partial import default_partial_path, partial_header
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
-    from mha_rosetta.benchmarks.report import assemble_report, failed_cells, load_report
+    from mha_rosetta.benchmarks.report import assemble_report, failed_cells
     from mha_rosetta.benchmarks.sweep import expand_cells, run_sweep
     from mha_rosetta.core.errors import INTERRUPTED
 
@@ -346,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = _settings(args)
         labels = resolve_implementations(settings.implementations)
-        baseline = load_report(args.baseline) if args.baseline else None
+        baseline = _load_baseline(args, "forward")
     except (ValueError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
@@ -369,9 +377,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
 
+    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
+    if args.resume and (partial_header(partial) or {}).get("kind") == "decode":
+        print(
+            f"mha-rosetta bench: --resume: {partial} holds a decode sweep's finished cells, not a forward sweep's "
+            "(resume it with --mode decode, or run without --resume)",
+            file=sys.stderr,
+        )
+        return 2
     estimate = estimate_seconds(settings, expand_cells(settings, labels))
     print(f"mha-rosetta bench: {describe_estimate(estimate)}", file=sys.stderr, flush=True)
-    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     started = time.perf_counter()
     outcome = run_sweep(
         settings, partial_path=partial, resume=args.resume, progress=not args.no_progress, implementations=labels
@@ -406,10 +421,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_baseline(args: argparse.Namespace, kind: str) -> dict | None:
+    """``--baseline``'s report, refused before anything is measured when it is not a ``kind`` report."""
+    from mha_rosetta.benchmarks.baseline import report_kind
+    from mha_rosetta.benchmarks.report import load_report
+
+    if not args.baseline:
+        return None
+    baseline = load_report(args.baseline)
+    if report_kind(baseline) != kind:
+        raise ValueError(
+            f"--baseline: {args.baseline} is a {report_kind(baseline)} bench report and this is a {kind} one, "
+            f"which is compared only with a {kind} baseline (a decode step and a forward share no cell)"
+        )
+    return baseline
+
+
 # Options of the forward sweep that a decode sweep does not take: named in the error, never ignored.
 _NOT_FOR_DECODE = (
-    ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"), ("baseline", "--baseline"),
-    ("resume", "--resume"), ("partial", "--partial"), ("questions", "--questions"),
+    ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"), ("questions", "--questions"),
     ("questions_only", "--questions-only"), ("memory_budget", "--memory-budget"), ("preset", "--preset"),
 )  # fmt: skip
 
@@ -450,12 +480,20 @@ def _decode_settings(args: argparse.Namespace):
     )  # fmt: skip
 
 
-def _publish_decode(args: argparse.Namespace, report: dict) -> str:
-    """The decode table on the terminal, and every file asked for (JSON, Markdown, the plot, the docs)."""
+def _publish_decode(args: argparse.Namespace, report: dict, baseline: dict | None = None) -> str:
+    """The decode table on the terminal (with the baseline comparison where one is given), and every file asked
+    for (JSON, Markdown, the plot, the docs)."""
+    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
     from mha_rosetta.benchmarks.markdown import decode_markdown
 
     human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
     table = decode_markdown(report)
+    if baseline is not None:
+        try:
+            report["baseline_comparison"] = compare_to_baseline(report, baseline)
+            table += "\n" + baseline_markdown(report["baseline_comparison"])
+        except ValueError as error:
+            print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
     human.write(table)
     _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
     _emit(args.markdown, table, label="Markdown")
@@ -482,19 +520,26 @@ def _run_decode(args: argparse.Namespace) -> int:
     """``--mode decode``: the decode sweep (`benchmarks.decode.run_decode_sweep`) and its outputs."""
     from mha_rosetta.backends.registry import register_path
     from mha_rosetta.benchmarks.decode import (
+        check_decode_partial,
         estimate_decode_seconds,
         expand_decode_cells,
         failed_decode_cells,
         run_decode_sweep,
     )
+    from mha_rosetta.benchmarks.partial import default_partial_path
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.core.errors import INTERRUPTED
+    from mha_rosetta.report.provenance import host_id
 
+    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     try:
         plugins = [register_path(path) for path in args.plugin or []]
         settings = _decode_settings(args)
         labels = resolve_implementations(settings.implementations)
-    except (ValueError, ImportError, TypeError) as error:
+        baseline = _load_baseline(args, "decode")
+        if args.resume:
+            check_decode_partial(partial, host_id())  # refused before anything is measured
+    except (ValueError, ImportError, TypeError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
     del plugins  # registered here (for the names) and again in every cell's process (settings.plugins)
@@ -510,11 +555,15 @@ def _run_decode(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    report = run_decode_sweep(settings, labels, progress=not args.no_progress)
-    _publish_decode(args, report)
+    report = run_decode_sweep(settings, labels, progress=not args.no_progress, partial_path=partial, resume=args.resume)
+    _publish_decode(args, report, baseline)
     if not report["complete"]:
-        print("interrupted: the finished cells are in the report", file=sys.stderr)
+        print(
+            f"interrupted: the finished cells are in the report and in {partial}; rerun with --resume to finish",
+            file=sys.stderr,
+        )
         return INTERRUPTED
+    partial.unlink(missing_ok=True)  # the report holds everything now
     failures = failed_decode_cells(report)
     if failures:
         print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)

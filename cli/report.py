@@ -18,7 +18,12 @@ Ratios are to the first column; 'within noise' means the two ranges overlap.
 Regression gate: with --baseline FILE and --fail-on-regression PCT, the exit status is 1 when
 any cell's whole range is above the matching baseline cell's range (slower beyond noise) AND
 its figure is more than PCT % slower; else 0. Cells match by implementation, mode, dtype,
-shape and device; cells without a baseline cell are listed, not failed. Bad input: exit 2."""
+shape and device; cells without a baseline cell are listed, not failed. Bad input: exit 2.
+
+Decode files read the same way: a bench --mode decode file gives one table per context, window
+and step (context=32768 W=4096), each figure one decode step with its % of the K/V read limit;
+a check --decode file adds each implementation and cache kind against the full causal forward
+(worst case, worst error, where it first parts)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,6 +59,7 @@ class Report:
                             "range": [figure.lo, figure.hi],
                             "used": figure.used,
                             "range_rule": figure.range_rule,
+                            **({} if figure.limit_fraction is None else {"limit_fraction": figure.limit_fraction}),
                         }
                         for cells in comparison.cells
                     ],

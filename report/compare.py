@@ -12,6 +12,12 @@ The rules (also in ``mha-rosetta report --help`` and docs/report.md):
   its range lies wholly above the baseline cell's range (slower beyond noise) *and* its
   figure is more than PCT % above the baseline's figure. Cells are matched by
   implementation, mode, dtype, shape and device; unmatched cells are listed, never failed.
+- **Decode cells** (``bench --mode decode``, ``"mode": "decode"``): the same rules, on the time of one
+  decode step; a cell's shape is its context, window and tokens per step besides the layer
+  (`decode_shape_label`, in the words of the decode table: ``context=32768 W=4096``), so each
+  context and window is its own table; a cache kind chosen explicitly joins the implementation's
+  name (``torch[static]``); each figure carries the cell's share of the K/V read limit
+  (``limit_fraction``: the K and V bytes a step reads over the copy bandwidth of its own run).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class Figure:
     hi: float
     used: str  # "corrected_median_s" or "median_s"
     range_rule: str  # "round medians", "median ± iqr/2" or "single figure"
+    limit_fraction: float | None = None  # decode cells: the step's share of the K/V read limit
 
 
 @dataclass(frozen=True)
@@ -58,9 +65,34 @@ def shape_label(cell: dict) -> str:
     return " ".join(parts)
 
 
+DECODE = "decode"  # the mode of a `bench --mode decode` cell (benchmarks.decode.KIND)
+
+
+def decode_shape_label(cell: dict) -> str:
+    """A decode cell's shape: ``B1 context=32768 W=4096 step=1 d2048 h16 hkv4 dk128 rope=half``.
+
+    Context and window are spelled as the decode table and its warnings spell them (``context=``, ``W=``).
+    """
+    parts = [f"B{cell.get('batch')}", f"context={cell.get('context')}"]
+    if cell.get("window") is not None:
+        parts.append(f"W={cell['window']}")
+    parts += [f"step={cell.get('step')}", f"d{cell.get('d_model')}", f"h{cell.get('heads')}"]
+    parts += [f"hkv{cell.get('kv_heads')}", f"dk{cell.get('d_k')}"]
+    if cell.get("rope"):
+        parts.append(f"rope={cell['rope']}")
+    return " ".join(parts)
+
+
 def group_key(cell: dict) -> tuple[str, str, str]:
     """(mode, dtype, shape): the cells of one table, where ratios to the fastest make sense."""
-    return (str(cell.get("mode") or "fwd"), str(cell.get("dtype")), shape_label(cell))
+    mode = str(cell.get("mode") or "fwd")
+    return (mode, str(cell.get("dtype")), decode_shape_label(cell) if mode == DECODE else shape_label(cell))
+
+
+def implementation_name(cell: dict) -> str:
+    """The row name: the implementation, with a decode cell's explicitly chosen cache kind (``torch[static]``)."""
+    name = str(cell.get("implementation"))
+    return f"{name}[{cell['cache']}]" if cell.get("mode") == DECODE and cell.get("cache") else name
 
 
 def cell_figure(cell: dict) -> Figure | None:
@@ -75,7 +107,7 @@ def cell_figure(cell: dict) -> Figure | None:
             lo, hi, rule = float(spread[0]), float(spread[1]), "corrected round medians"
         else:
             lo, hi, rule = figure, figure, "single figure"
-        return Figure(figure, min(lo, figure), max(hi, figure), "corrected_median_s", rule)
+        return Figure(figure, min(lo, figure), max(hi, figure), "corrected_median_s", rule, _limit_fraction(cell))
     figure, used, scale = median, "median_s", 1.0
     spread, iqr = cell.get("spread_s"), cell.get("iqr_s")
     if spread and len(spread) == 2 and None not in spread:
@@ -84,7 +116,12 @@ def cell_figure(cell: dict) -> Figure | None:
         lo, hi, rule = median - float(iqr) / 2, median + float(iqr) / 2, "median ± iqr/2"
     else:
         lo, hi, rule = median, median, "single figure"
-    return Figure(figure, min(lo, median) * scale, max(hi, median) * scale, used, rule)
+    return Figure(figure, min(lo, median) * scale, max(hi, median) * scale, used, rule, _limit_fraction(cell))
+
+
+def _limit_fraction(cell: dict) -> float | None:
+    value = cell.get("limit_fraction")  # benchmarks.decode.enrich_decode_cell (decode cells only)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def columns(runs: list[Run]) -> list[Column]:
@@ -99,7 +136,7 @@ def column_cells(column: Column) -> dict[tuple, Figure]:
             continue
         figure = cell_figure(cell)
         if figure is not None:
-            out[(group_key(cell), str(cell.get("implementation")))] = figure
+            out[(group_key(cell), implementation_name(cell))] = figure
     return out
 
 
@@ -123,11 +160,27 @@ class Comparison:
         """How to read the benchmark tables (the figure, its range, the ratios), in the words both report formats print;
         the range is `cell_figure`'s."""
         used = ", ".join(sorted({figure.used for cells in self.cells for figure in cells.values()}))
-        return (
+        text = (
             f"Milliseconds per call [range]; figure used: {used} (corrected_median_s when a cell has it, else median_s). "
             "Range: min–max of the round medians, else median ± IQR/2. "
             "Ratios ×r [range] are to the first column; within noise: the two ranges overlap."
         )
+        if any(group[0] == DECODE for group in self.groups()):
+            text += (
+                " Decode tables (bench --mode decode): milliseconds per decode step at that context (W: the window); "
+                "% of KV limit: the K and V bytes the step reads over the copy bandwidth measured in its run, "
+                "divided by the step's time."
+            )
+        return text
+
+    def bandwidth_text(self) -> str:
+        """The copy bandwidth of each decode column (the yardstick of its % of KV limit), or "" without one."""
+        shown = [
+            f"{column.label}: {gbps:.2f} GB/s"
+            for column in self.columns
+            if (gbps := (column.run.data.get("bandwidth_gbps_by") or {}).get(column.device))
+        ]
+        return "Copy bandwidth (the K/V limit's yardstick), per column: " + "; ".join(shown) + "." if shown else ""
 
     def groups(self) -> list[tuple[str, str, str]]:
         return list(dict.fromkeys(key[0] for cells in self.cells for key in cells))

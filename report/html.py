@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import json
 
-from .agreement import status_counts
+from .agreement import is_decode_check, oracle_rows, status_counts
 from .compare import Comparison, overlaps, ratio
-from .markdown import PROVENANCE_HEADER, ms, provenance_rows
+from .markdown import (
+    DECODE_ORACLE_HEADER,
+    PROVENANCE_HEADER,
+    cases_text,
+    limit_text,
+    ms,
+    number_text,
+    provenance_rows,
+    tolerance_text,
+)
 from .runs import Run
 from .svg import (
     FAILING_COLOUR,
@@ -22,9 +31,11 @@ from .svg import (
     esc,
     heatmap_svg,
     legend_html,
+    oracle_grid_svg,
     scaling_legend,
     scaling_plot,
     scaling_series,
+    size_axis,
 )
 
 
@@ -57,7 +68,35 @@ def check_section(runs: list[Run]) -> str:
                 f"{heatmap_svg(run, matrix, f'hm-{r}-{m}')}</figure>"
             )
         out.append("</div>")
+        if is_decode_check(run):
+            out.append(decode_oracle_html(run, r))
     out.append("</section>")
+    return "".join(out)
+
+
+def decode_oracle_html(run: Run, r: int) -> str:
+    """The decode check against its oracle: per dtype, a grid (implementation x case) and the worst case of each."""
+    out = [
+        '<div class="decode-oracle"><p>Decode against the full causal forward (the oracle): a row per implementation '
+        "and cache kind, a column per decode case; hover a cell for where the run first parts from the oracle "
+        "(the step, its position and the first divergent stage).</p>"
+    ]
+    for d, (dtype, rows) in enumerate(oracle_rows(run).items()):
+        tolerance = tolerance_text((run.data.get("tolerances") or {}).get(dtype) or {})
+        out.append(
+            f'<div class="bench-group"><figure><figcaption><b>decode · {esc(dtype)}</b> '
+            f'<span class="small">vs the oracle, {esc(tolerance)}</span></figcaption>'
+            f"{oracle_grid_svg(run, dtype, f'oracle-{r}-{d}')}</figure>"
+        )
+        out.append('<table class="decode-oracle-table"><thead><tr>')
+        out += [f"<th>{esc(h)}</th>" for h in DECODE_ORACLE_HEADER]
+        out.append("</tr></thead><tbody>")
+        for row in rows:
+            cells = [row["implementation"], row["status"], cases_text(row), row["case"]]
+            cells += [number_text(row["max_abs"]), number_text(row["max_rel"]), row["where"]]
+            out.append("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in cells) + "</tr>")
+        out.append("</tbody></table></div>")
+    out.append("</div>")
     return "".join(out)
 
 
@@ -70,6 +109,7 @@ def bench_section(comparison: Comparison) -> str:
     out = [
         '<section id="bench"><h2>Benchmarks</h2>',
         f"<p>{esc(comparison.reading_rules())}</p>",
+        f"<p>{esc(comparison.bandwidth_text())}</p>" if comparison.bandwidth_text() else "",
         '<p><label>Filter implementations: <input id="filter" type="search" placeholder="e.g. torch"></label> '
         '<button type="button" id="view-absolute" class="view on">milliseconds</button>'
         '<button type="button" id="view-relative" class="view">relative to fastest</button></p>',
@@ -92,8 +132,9 @@ def bench_section(comparison: Comparison) -> str:
         out.append("</div></div>")
     for f, (family, lines) in enumerate(scaling_series(comparison).items()):
         out.append(f'<h3>Scaling: {esc(" · ".join(family))}</h3><div class="bench-group">')
-        out.append(scaling_plot(lines, f"scaling-{f}-abs", relative=False))
-        out.append(scaling_plot(lines, f"scaling-{f}-rel", relative=True))
+        axis = size_axis(family)
+        out.append(scaling_plot(lines, f"scaling-{f}-abs", relative=False, axis_name=axis))
+        out.append(scaling_plot(lines, f"scaling-{f}-rel", relative=True, axis_name=axis))
         out.append(scaling_legend(lines, comparison) + "</div>")
     out.append("</section>")
     return "".join(out)
@@ -104,6 +145,8 @@ def _bench_cell(comparison: Comparison, index: int, group, name: str) -> str:
     if figure is None:
         return "-"
     text = f'{ms(figure.seconds)} <span class="small">[{ms(figure.lo)}–{ms(figure.hi)}]</span>'
+    if figure.limit_fraction is not None:
+        text += f' <span class="small limit">{esc(limit_text(figure).lstrip(" ·"))}</span>'
     fastest = comparison.fastest(index, group)
     if fastest:
         text += f' <span class="small">×{figure.seconds / fastest:.2f} of fastest</span>'

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .agreement import status_counts
+from .agreement import is_decode_check, oracle_rows, status_counts
 from .compare import Comparison, overlaps, ratio
 from .runs import Run
 
@@ -43,11 +43,16 @@ def provenance_rows(runs: list[Run]) -> list[list[str]]:
 PROVENANCE_HEADER = ["run", "kind", "file", "created (UTC)", "CPU", "cores", "commit", "devices", "notes"]
 
 
+def limit_text(figure) -> str:
+    """A decode figure's share of the K/V read limit, as the decode table prints it (``5.3% of KV limit``)."""
+    return "" if figure.limit_fraction is None else f" · {100 * figure.limit_fraction:.1f}% of KV limit"
+
+
 def cell_text(comparison: Comparison, index: int, group, name: str) -> str:
     figure = comparison.cells[index].get((group, name))
     if figure is None:
         return "-"
-    text = f"{ms(figure.seconds)} [{ms(figure.lo)}–{ms(figure.hi)}]"
+    text = f"{ms(figure.seconds)} [{ms(figure.lo)}–{ms(figure.hi)}]" + limit_text(figure)
     reference = comparison.cells[0].get((group, name)) if index else None
     if reference is not None:
         r, lo, hi = ratio(figure, reference)
@@ -61,6 +66,7 @@ def bench_markdown(comparison: Comparison) -> str:
     out = [
         "## Benchmarks\n",
         comparison.reading_rules() + "\n",
+        *([comparison.bandwidth_text() + "\n"] if comparison.bandwidth_text() else []),
     ]
     header = ["implementation", *(column.label for column in comparison.columns)]
     for group in comparison.groups():
@@ -83,6 +89,41 @@ def check_markdown(runs: list[Run]) -> str:
         statuses = sorted({s for c in counts.values() for s in c})
         out.append(
             _table(["dtype", *statuses], [[d, *(str(c.get(s, 0)) for s in statuses)] for d, c in counts.items()])
+        )
+        if is_decode_check(run):
+            out.append(decode_oracle_markdown(run))
+    return "\n".join(out)
+
+
+def number_text(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def tolerance_text(row: dict) -> str:
+    return "-" if row.get("atol") is None else f"atol {row['atol']:.3g}, rtol {row['rtol']:.3g}"
+
+
+def cases_text(row: dict) -> str:
+    """How many of an implementation's cases had each status: ``agree 2, DISAGREE 1``."""
+    return ", ".join(f"{status} {count}" for status, count in row["cases"].items())
+
+
+DECODE_ORACLE_HEADER = ["implementation", "status", "cases", "worst case", "max abs", "max rel", "first divergence"]
+
+
+def decode_oracle_markdown(run: Run) -> str:
+    """The decode check's runs against the oracle: one table per dtype, a row per implementation and cache kind."""
+    out = []
+    for dtype, rows in oracle_rows(run).items():
+        tolerance = tolerance_text((run.data.get("tolerances") or {}).get(dtype) or {})
+        body = [
+            [str(row["implementation"]), row["status"], cases_text(row), str(row["case"]),
+             number_text(row["max_abs"]), number_text(row["max_rel"]), str(row["where"])]
+            for row in rows
+        ]  # fmt: skip
+        out.append(
+            f"Decode, {dtype}, each implementation and cache kind against the full causal forward (its worst case; "
+            f"tolerance {tolerance}):\n\n" + _table(DECODE_ORACLE_HEADER, body)
         )
     return "\n".join(out)
 

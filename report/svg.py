@@ -13,8 +13,8 @@ from __future__ import annotations
 import html
 import math
 
-from .agreement import matrix_cells
-from .compare import Comparison
+from .agreement import matrix_cells, oracle_cells
+from .compare import DECODE, Comparison
 from .runs import Run
 
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -111,6 +111,49 @@ def heatmap_svg(run: Run, matrix: dict, ident: str) -> str:
     return "".join(parts)
 
 
+def oracle_grid_svg(run: Run, dtype: str, ident: str) -> str:
+    """The decode check's runs against the oracle as a grid: a row per implementation and cache kind, a column per
+    case; hover or click a cell for its status, errors, where it first parts from the oracle and the tolerance."""
+    cells = oracle_cells(run, dtype)
+    rows = list(dict.fromkeys(str(cell["implementation"]) for cell in cells))
+    named = [str(case.get("name")) for case in run.data.get("cases", []) if isinstance(case, dict)]
+    cols = [name for name in dict.fromkeys([*named, *(str(cell["case"]) for cell in cells)]) if name in
+            {str(cell["case"]) for cell in cells}]  # fmt: skip
+    size, left, top = 16, 170, 130
+    width, height = left + len(cols) * size + 90, top + len(rows) * size + 10
+    parts = [
+        f'<svg class="heatmap oracle-grid" id="{ident}" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="decode against the oracle {esc(dtype)}">'
+    ]
+    for i, label in enumerate(rows):
+        y = top + i * size + size * 0.7
+        parts.append(f'<text x="{left - 4}" y="{y:.1f}" text-anchor="end" class="axis">{esc(label)}</text>')
+    for j, label in enumerate(cols):
+        x = left + j * size + size * 0.7
+        parts.append(
+            f'<text x="{x:.1f}" y="{top - 4}" transform="rotate(-60 {x:.1f} {top - 4})" class="axis">{esc(label)}</text>'
+        )
+    for cell in cells:
+        colour, opacity = _cell_colour(cell)
+        data = {
+            "pair": f"{cell['implementation']} vs the full causal forward",
+            "status": cell["status"],
+            "case": cell["case"],
+            "max-abs": _num(cell["max_abs"]),
+            "max-rel": _num(cell["max_rel"]),
+            "stage": cell["where"],
+            "tolerance": f"atol {_num(cell['atol'])}, rtol {_num(cell['rtol'])} ({dtype})",
+        }
+        attrs = " ".join(f'data-{key}="{esc(value)}"' for key, value in data.items())
+        i, j = rows.index(str(cell["implementation"])), cols.index(str(cell["case"]))
+        parts.append(
+            f'<rect class="hm-cell" x="{left + j * size}" y="{top + i * size}" width="{size - 1}" '
+            f'height="{size - 1}" fill="{colour}" fill-opacity="{opacity:.2f}" {attrs}/>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def _num(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -169,22 +212,41 @@ def dot_plot(comparison: Comparison, group, names: list[str], ident: str, relati
     return "".join(parts)
 
 
+SIZE_PREFIXES = ("N", "context=")  # a forward shape's tokens (``N512``), a decode shape's context (``context=1024``)
+
+
+def _size(part: str) -> int | None:
+    for prefix in SIZE_PREFIXES:
+        if part.startswith(prefix) and part[len(prefix) :].isdigit():
+            return int(part[len(prefix) :])
+    return None
+
+
+def size_axis(family: tuple) -> str:
+    """What a family's x axis counts: a decode step's cached tokens, else the tokens of a forward."""
+    return "context" if family[0] == DECODE else "tokens"
+
+
 def scaling_series(comparison: Comparison) -> dict[tuple, dict[tuple[str, int], dict[int, float]]]:
-    """``{(mode, dtype, shape without N): {(implementation, column): {tokens: seconds}}}`` for families of 2+ sizes."""
+    """``{(mode, dtype, shape without its size): {(implementation, column): {size: seconds}}}`` for families of
+    2+ sizes; the size is the forward's tokens N, or the decode step's context (a window is its own family)."""
     families: dict[tuple, dict[tuple[str, int], dict[int, float]]] = {}
     for i, cells in enumerate(comparison.cells):
         for (group, name), figure in cells.items():
             parts = group[2].split()
-            tokens = [int(part[1:]) for part in parts if part.startswith("N") and part[1:].isdigit()]
-            if len(tokens) != 1:
+            sizes = [(part, size) for part in parts if (size := _size(part)) is not None]
+            if len(sizes) != 1:
                 continue
-            family = (group[0], group[1], " ".join(part for part in parts if part != f"N{tokens[0]}"))
-            families.setdefault(family, {}).setdefault((name, i), {})[tokens[0]] = figure.seconds
+            family = (group[0], group[1], " ".join(part for part in parts if part != sizes[0][0]))
+            families.setdefault(family, {}).setdefault((name, i), {})[sizes[0][1]] = figure.seconds
     return {key: lines for key, lines in families.items() if len({n for line in lines.values() for n in line}) > 1}
 
 
-def scaling_plot(lines: dict[tuple[str, int], dict[int, float]], ident: str, relative: bool) -> str:
-    """Seconds (or × the fastest at that size) against tokens, log-log; one line per implementation and column."""
+def scaling_plot(
+    lines: dict[tuple[str, int], dict[int, float]], ident: str, relative: bool, axis_name: str = "tokens"
+) -> str:
+    """Seconds (or × the fastest at that size) against tokens (``axis_name``: `size_axis`), log-log; one line per
+    implementation and column."""
     sizes = sorted({n for line in lines.values() for n in line})
     fastest = {
         (n, col): min(line[n] for (_, c), line in lines.items() if c == col and n in line)
@@ -225,7 +287,7 @@ def scaling_plot(lines: dict[tuple[str, int], dict[int, float]], ident: str, rel
         parts.append(f'<text x="{left - 4}" y="{y_of(v) + 3:.1f}" text-anchor="end" class="axis">{label}</text>')
     axis = "× the fastest at that size (log)" if relative else "ms per call (log)"
     parts.append(
-        f'<text x="{left + plot_w / 2}" y="{height - 4}" text-anchor="middle" class="axis">tokens (log2) · {axis}</text>'
+        f'<text x="{left + plot_w / 2}" y="{height - 4}" text-anchor="middle" class="axis">{axis_name} (log2) · {axis}</text>'
     )
     for s, (key, line) in enumerate(sorted(lines.items())):
         colour, marker = series_style(s)
@@ -233,7 +295,8 @@ def scaling_plot(lines: dict[tuple[str, int], dict[int, float]], ident: str, rel
         path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in points)
         parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         for x, y, n in points:
-            tip = f' class="pt" data-tip="{esc(key[0])} · N={n}: {value(key, n):.3g}{"×" if relative else " ms"}"'
+            where = "N" if axis_name == "tokens" else axis_name
+            tip = f' class="pt" data-tip="{esc(key[0])} · {where}={n}: {value(key, n):.3g}{"×" if relative else " ms"}"'
             parts.append(marker_svg(marker, x, y, colour, 3.5, extra=tip))
     parts.append("</svg>")
     return "".join(parts)

@@ -305,6 +305,7 @@ def test_bench_mode_decode_quick_end_to_end(fake, tmp_path, capsys):
     assert code == 0, printed.err
     report = json.loads(out.read_text())
     assert report["kind"] == "decode" and report["complete"] is True
+    assert not (tmp_path / "decode.json.partial.jsonl").exists()  # kept while it ran, removed once complete
     assert report["summary"] == {"cells": 4, "ok": 4, "unsupported": 0, "failed": 0}
     assert report["bandwidth"][0]["gbps"] > 0 and report["bandwidth"][0]["array_mb"] == 64
     for cell in report["cells"]:
@@ -390,3 +391,83 @@ def test_a_prefill_that_compiles_in_its_timed_runs_is_flagged(monkeypatch):
         assert any("its time includes compilation" in warning for warning in record["warnings"])
     finally:
         REGISTRY.pop(name, None)
+
+
+# -- resume (fake runners: no processes) ----------------------------------------------------------
+class FakeDecodeRunners:
+    """A cell runner whose step takes 1 ms x the context / 256 and a bandwidth of 10 GB/s; the first visit of each
+    cell in ``fail`` fails; after ``stop_after`` cells it raises KeyboardInterrupt (Ctrl-C). It records every cell
+    it was asked to run."""
+
+    def __init__(self, stop_after: int | None = None, fail: set | None = None) -> None:
+        self.stop_after, self.fail, self.ran, self.bandwidths = stop_after, fail or set(), [], 0
+
+    def cell(self, spec: DecodeCellSpec, timeout: float) -> dict:
+        if self.stop_after is not None and len(self.ran) >= self.stop_after:
+            raise KeyboardInterrupt
+        self.ran.append((spec.context, spec.window))
+        if (spec.context, spec.window) in self.fail:  # fails its first visit only
+            self.fail.discard((spec.context, spec.window))
+            return decode_record(spec, {"status": "error", "error": "a crash"})
+        median = 1e-3 * spec.context / 256
+        return decode_record(spec, {"status": "ok", "median_s": median, "iqr_s": 0.0, "samples_s": [median] * 3})
+
+    def bandwidth(self, device, threads, cpus, **options) -> dict:
+        self.bandwidths += 1
+        return {"device": device, "threads": threads, "gbps": 10.0, "library": "numpy", "malloc": options["malloc"]}
+
+
+def _sweep(runners, partial, resume=False, seed=None):
+    from mha_rosetta.benchmarks.decode import run_decode_sweep
+
+    settings = decode_settings("decode-quick", implementations=["numpy"], rounds=2, seed=seed, **SMALL)
+    return run_decode_sweep(
+        settings, ["numpy"], progress=False, cell_runner=runners.cell, bandwidth_runner=runners.bandwidth,
+        partial_path=partial, resume=resume,
+    )  # fmt: skip
+
+
+def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_rest(tmp_path):
+    from mha_rosetta.benchmarks.decode import load_decode_partial
+
+    partial = tmp_path / "decode.partial.jsonl"
+    first = FakeDecodeRunners(stop_after=5, fail={(1024, None)})  # 4 cells a round (256, 1024; W=128 at both)
+    interrupted = _sweep(first, partial)
+    assert interrupted["complete"] is False and len(first.ran) == 5 and first.bandwidths == 2
+    kept, bandwidths = load_decode_partial(partial)
+    assert len(kept) == 5 and sorted(bandwidths) == [(0, "cpu"), (1, "cpu")]
+    second = FakeDecodeRunners()
+    resumed = _sweep(second, partial, resume=True)
+    assert resumed["complete"] is True and resumed["rounds"]["seed"] == interrupted["rounds"]["seed"]
+    assert resumed["rounds"]["orders"] == interrupted["rounds"]["orders"]  # the same shuffled orders
+    # 8 visits in all (whatever the drawn order): 4 kept as measured; the failed one (context 1024, round 1) and
+    # the 3 never reached run now
+    assert len(second.ran) == 4 and (1024, None) in second.ran and second.bandwidths == 0
+    assert resumed["settings"]["resumed_cells"] == 4
+    assert resumed["summary"] == {"cells": 4, "ok": 4, "unsupported": 0, "failed": 0}
+    by_context = {(cell["context"], cell["window"]): cell for cell in resumed["cells"]}
+    assert by_context[(1024, None)]["round_medians_s"] == [pytest.approx(4e-3)] * 2
+    # the limit: 1 x 1024 slots x 2 kv heads x (16 + 16) x 4 bytes over 10 GB/s = 26.2144 us, over 4 ms
+    assert by_context[(1024, None)]["limit_fraction"] == pytest.approx(262144 / 10e9 / 4e-3)
+
+
+def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, capsys):
+    from mha_rosetta.benchmarks.decode import check_decode_partial
+    from mha_rosetta.benchmarks.partial import append_entry
+    from mha_rosetta.report.provenance import host_id
+
+    forward = tmp_path / "forward.partial.jsonl"
+    append_entry(forward, {"type": "header", "schema": 1, "settings": {"seed": 3}})
+    with pytest.raises(ValueError, match="holds a forward sweep's finished cells, not a decode sweep's"):
+        check_decode_partial(forward, host_id())
+    assert _main(["bench", "--mode", "decode", "--resume", "--partial", str(forward)]) == 2
+    assert "holds a forward sweep's finished cells" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere.partial.jsonl"
+    append_entry(elsewhere, {"type": "header", "schema": 1, "kind": "decode", "host_id": "0" * 16, "settings": {}})
+    with pytest.raises(ValueError, match="was written on another machine"):
+        check_decode_partial(elsewhere, host_id())
+    decode = tmp_path / "decode.partial.jsonl"
+    _sweep(FakeDecodeRunners(stop_after=1), decode)
+    assert check_decode_partial(decode, host_id())["kind"] == "decode"
+    assert _main(["bench", "--resume", "--partial", str(decode), "--quick"]) == 2  # a forward sweep refuses it
+    assert "holds a decode sweep's finished cells, not a forward sweep's" in capsys.readouterr().err

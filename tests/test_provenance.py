@@ -144,6 +144,23 @@ def test_bench_report_has_provenance_beside_machine():
     assert report["provenance"]["tool"] == "mha-rosetta" and "cpu_model" in report["provenance"]
 
 
+def test_the_decode_bench_and_decode_check_json_have_provenance(tmp_path):
+    from mha_rosetta.benchmarks.decode import assemble_decode_report, decode_settings
+    from mha_rosetta.cli.main import main
+
+    report = assemble_decode_report(decode_settings("decode-quick").as_dict(), [], [])
+    assert report["kind"] == "decode" and report["provenance"]["tool"] == "mha-rosetta"
+    assert report["provenance"]["command"] == sys.argv and "cpu_model" in report["provenance"]
+    committed = json.loads((ROOT / "docs" / "bench" / "decode.json").read_text())
+    assert committed["provenance"]["git"]["commit"] and committed["provenance"]["created_utc"]
+    target = tmp_path / "decode-check.json"
+    argv = ["check", "--decode", "--backends", "numpy", "--cases", "plain_mha", "--dtypes", "float64", "--quiet"]
+    assert main([*argv, "--json", str(target)]) == 0
+    data = json.loads(target.read_text())
+    assert data["tool"] == "mha-rosetta check --decode" and data["provenance"]["command"] == sys.argv
+    assert data["provenance"]["libraries"]["numpy"] == data["versions"]["numpy"]
+
+
 def test_explain_json_has_provenance(tmp_path):
     from mha_rosetta.cli.main import main
 

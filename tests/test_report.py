@@ -248,3 +248,190 @@ def test_help_says_the_rules(capsys):
     assert "[min, max] of its round medians, else median +- IQR/2" in text
     assert "the exit status is 1 when any cell's whole range is above the matching baseline cell's range" in text
     assert "more than PCT % slower; else 0" in text
+    assert "one table per context, window and step (context=32768 W=4096)" in text
+
+
+# -- decode files (bench --mode decode) ------------------------------------------------------------
+def decode_file(path: Path, cells: list[tuple], *, host: str, gbps: float = 8.0) -> Path:
+    """A decode report assembled as `bench --mode decode` assembles it, from hand-made cells:
+    (implementation, context, window, median_s, [round low, round high])."""
+    from mha_rosetta.benchmarks.decode import DecodeCellSpec, assemble_decode_report, decode_record, decode_settings
+
+    records = []
+    for name, context, window, median, spread in cells:
+        spec = DecodeCellSpec(
+            implementation=name, context=context, window=window, d_model=64, heads=4, kv_heads=2, d_k=16
+        )
+        outcome = {"status": "ok", "median_s": median, "iqr_s": 0.0001, "round_medians_s": spread, "spread_s": spread}
+        records.append(decode_record(spec, outcome))
+    settings = decode_settings("decode-quick", d_model=64, heads=4, kv_heads=2, d_k=16).as_dict()
+    data = assemble_decode_report(settings, [{"device": "cpu", "threads": 1, "gbps": gbps}], records)
+    data["provenance"]["host"] = host
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def decode_pair(tmp_path):
+    base = decode_file(
+        tmp_path / "decode-base.json",
+        [
+            ("numpy", 1024, None, 0.0020, [0.0019, 0.0021]),
+            ("numpy", 4096, None, 0.0040, [0.0038, 0.0042]),
+            ("numpy", 4096, 256, 0.0025, [0.0024, 0.0026]),
+            ("torch", 1024, None, 0.0030, [0.0029, 0.0031]),
+        ],
+        host="old-box",
+    )
+    new = decode_file(
+        tmp_path / "decode-new.json",
+        [
+            ("numpy", 1024, None, 0.00205, [0.0020, 0.0021]),
+            ("numpy", 4096, None, 0.0060, [0.0059, 0.0061]),
+            ("numpy", 4096, 256, 0.0025, [0.0024, 0.0026]),
+        ],
+        host="new-box",
+    )
+    return base, new
+
+
+def test_decode_cells_are_one_table_per_context_and_window(decode_pair):
+    report = build_report(list(map(str, decode_pair)))
+    shapes = [group[2] for group in report.comparison.groups()]
+    assert report.comparison.groups()[0][:2] == ("decode", "float32")
+    assert shapes == [
+        "B1 context=1024 step=1 d64 h4 hkv2 dk16 rope=half",
+        "B1 context=4096 step=1 d64 h4 hkv2 dk16 rope=half",
+        "B1 context=4096 W=256 step=1 d64 h4 hkv2 dk16 rope=half",
+    ]
+    text = report.markdown()
+    # The K/V read limit: 1 x 1024 slots x 2 kv heads x (16 + 16) x 4 bytes = 262144 bytes over 8 GB/s = 32.768 us;
+    # over 2 ms: 1.6%. Ratio 2.05 / 2.0 = 1.025 (1.0250000000000001: ×1.03), its range [2.0 / 2.1, 2.1 / 1.9] = [0.95, 1.11]: within noise.
+    assert "### decode · float32 · B1 context=1024 step=1 d64 h4 hkv2 dk16 rope=half" in text
+    assert (
+        "| numpy | 2 [1.9–2.1] · 1.6% of KV limit | 2.05 [2–2.1] · 1.6% of KV limit ×1.03 [0.95–1.11] within noise |"
+        in text
+    )
+    assert "| torch | 3 [2.9–3.1] · 1.1% of KV limit | - |" in text  # 32.768 us / 3 ms
+    # 4096 slots: 131.072 us over 4 ms = 3.3%, over 6 ms = 2.2%; 6 / 4 = 1.5 [5.9 / 4.2, 6.1 / 3.8], beyond noise.
+    assert "| numpy | 4 [3.8–4.2] · 3.3% of KV limit | 6 [5.9–6.1] · 2.2% of KV limit ×1.50 [1.40–1.61] |" in text
+    # The window's ring of W - 1 + step = 256 slots: 32.768 us / 4 = 8.192 us over 2.5 ms = 0.3%.
+    assert "| numpy | 2.5 [2.4–2.6] · 0.3% of KV limit | 2.5 [2.4–2.6] · 0.3% of KV limit ×1.00" in text
+    assert "% of KV limit: the K and V bytes the step reads over the copy bandwidth" in text
+    assert (
+        "Copy bandwidth (the K/V limit's yardstick), per column: old-box @ " in text
+        and "· cpu · 1t: 8.00 GB/s; new-box @ " in text
+    )
+    data = report.to_json()
+    [row] = [r for r in data["bench"] if r["implementation"] == "torch"]
+    assert row["cells"][0]["limit_fraction"] == pytest.approx(262144 / 8e9 / 0.003) and row["cells"][1] is None
+
+
+def test_the_decode_gate_fails_only_the_cell_slower_beyond_noise(decode_pair, capsys):
+    base, new = map(str, decode_pair)
+    assert main(["report", new, "--baseline", base, "--fail-on-regression", "20", "--markdown", "-"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("regression:") == 1
+    assert "regression: numpy decode float32 B1 context=4096 step=1 d64 h4 hkv2 dk16 rope=half" in err
+    assert "+50.0 % (6 ms vs 4 ms, beyond noise)" in err
+    assert main(["report", new, "--baseline", base, "--fail-on-regression", "60", "--markdown", "-"]) == 0
+    gate = build_report([new], baseline=[base], threshold_pct=20).gate
+    assert gate["compared"] == 3 and gate["unmatched"] == []
+
+
+def test_the_committed_decode_file_has_a_table_per_context_with_its_share_of_the_limit():
+    report = build_report([str(BENCH / "decode.json")])
+    groups = report.comparison.groups()
+    assert len(groups) == 9 and all(len(report.comparison.implementations(group)) == 5 for group in groups)
+    text = report.markdown()
+    # docs/bench/decode.md (Intel Xeon, 2026-12-01): numpy at 1024, step 3.314 ms, rounds 3.043-3.481, 5.3% of limit;
+    # jax at 32768 with W=4096: 47.340 ms, 46.611-48.581, 1.5%.
+    assert "| numpy | 3.31 [3.04–3.48] · 5.3% of KV limit |" in text
+    window = text.split("### decode · float32 · B1 context=32768 W=4096", 1)[1].split("###", 1)[0]
+    assert "| jax | 47.3 [46.6–48.6] · 1.5% of KV limit |" in window
+    page = report.html()
+    assert "context (log2)" in page and page.count("5.3% of KV limit") == 1
+
+
+def test_bench_baseline_and_compare_take_decode_reports(decode_pair, capsys):
+    base, new = map(str, decode_pair)
+    assert main(["bench", "--render", new, "--baseline", base]) == 0
+    out = capsys.readouterr().out
+    assert "- copy bandwidth cpu: 8.0 -> 8.0 GB/s (+0%; the machine's own change, for scale)" in out
+    assert "- `numpy` cpu float32 B=1 context=4096: slower by 50% (4.000 ms -> 6.000 ms)" in out
+    assert "context=1024: moved" not in out and "W=256: moved" not in out  # 2.5%: neither flagged nor noted
+    quick = str(BENCH / "quick.json")
+    assert main(["bench", "--render", new, "--baseline", quick]) == 2
+    assert "is a forward bench report and this is a decode one" in capsys.readouterr().err
+    assert main(["bench", "--mode", "decode", "--baseline", quick]) == 2  # refused before anything is measured
+    assert "is a forward bench report and this is a decode one" in capsys.readouterr().err
+    assert main(["bench", "--compare", base, new]) == 1
+    out = capsys.readouterr().out
+    assert "| `numpy` | B=1 context=4096 | raw | 4.000 / 6.000 | 50.0% |" in out
+    assert "| `numpy` | B=1 context=4096 W=256 | raw | 2.500 / 2.500 | 0.0% |" in out
+    assert main(["bench", "--compare", base, quick]) == 2
+    assert "--compare: A is a decode bench report and B a forward one; only reports of one kind are compared" in (
+        capsys.readouterr().err
+    )
+
+
+# -- the decode check (check --decode --json) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def decode_check_json(tmp_path_factory):
+    """The decode check of test_check_decode's fakes: one right, one whose rotary restarts at 0, one without a cache."""
+    from test_check_decode import ChunkReference, NoCache, RotaryRestarts
+
+    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks.json_report import write_decode_json
+
+    backends = [ChunkReference(), RotaryRestarts(), NoCache()]
+    result = run_decode_check(backends=backends, cases=["gqa_rotary", "two_per_step"], dtypes=["float64"])
+    target = tmp_path_factory.mktemp("decode-check") / "decode-check.json"
+    write_decode_json(result, str(target))
+    return target
+
+
+def test_the_decode_check_is_read_against_its_oracle_with_where_runs_part(decode_check_json):
+    from mha_rosetta.report.agreement import is_decode_check, oracle_rows
+
+    run = load_run(decode_check_json)
+    assert run.kind == "check" and is_decode_check(run) and run.provenance["tool"] == "mha-rosetta"
+    [(dtype, rows)] = oracle_rows(run).items()
+    assert dtype == "float64"
+    rows = {row["implementation"]: row for row in rows}
+    assert list(rows) == ["chunk-ref[tokens]", "rotary-restarts[tokens]", "no-cache"]
+    right, wrong, none = rows.values()
+    assert (right["status"], right["cases"], right["where"]) == (
+        "agree",
+        {"agree": 2},
+        "none (every stage within tolerance)",
+    )
+    assert (wrong["status"], wrong["cases"]) == ("DISAGREE", {"DISAGREE": 2})
+    # the worst of the two cases by max rel, and where it parts (test_check_decode names both: step 1, position 4)
+    runs = [r for r in run.data["runs"] if r["implementation"] == "rotary-restarts[tokens]"]
+    worst = max(runs, key=lambda r: r["max_rel"])
+    assert (wrong["case"], wrong["max_rel"]) == (worst["case"], worst["max_rel"])
+    assert wrong["where"] == worst["where"] == "step 1 (position 4) diverges at q_rotated"
+    assert (none["status"], none["where"]) == (
+        "unsupported",
+        "no-cache has no KV-cache decoding: the library's API has no KV cache",
+    )
+    # the pair matrix's tooltip names where the decode runs part, as the forward's names the stage
+    [cell] = [
+        c
+        for c in matrix_cells(run, run.data["matrices"][0])
+        if c["a"] == "chunk-ref[tokens]" and c["b"] == "rotary-restarts[tokens]"
+    ]
+    assert (cell["status"], cell["stage_b"]) == ("DISAGREE", "step 1 (position 4) diverges at q_rotated")
+    assert cell["stage_a"] == "none (every stage within tolerance)"
+    text = build_report([str(decode_check_json)]).markdown()
+    assert "Decode, float64, each implementation and cache kind against the full causal forward" in text
+    assert "(its worst case; tolerance atol 1e-10, rtol 1e-09)" in text
+    line = (
+        f"| rotary-restarts[tokens] | DISAGREE | DISAGREE 2 | {worst['case']} | {worst['max_abs']:.3g} | "
+        f"{worst['max_rel']:.3g} | step 1 (position 4) diverges at q_rotated |"
+    )
+    assert line in text
+    page = build_report([str(decode_check_json)]).html()
+    assert page.count('class="heatmap oracle-grid"') == 1
+    assert 'data-stage="step 1 (position 4) diverges at q_rotated"' in page

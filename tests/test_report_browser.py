@@ -136,3 +136,45 @@ def test_filter_hides_rows_and_relative_view_switches(page, browser):
     browser.find_element(By.ID, "view-relative").click()
     assert relative.is_displayed() and not browser.find_element(By.CSS_SELECTOR, "svg.plot.absolute").is_displayed()
     assert "relative to the fastest" in relative.text
+
+
+@pytest.fixture(scope="module")
+def decode_page(tmp_path_factory) -> Path:
+    """A decode check (test_check_decode's fakes: one right, one whose rotary restarts at 0) and the decode bench."""
+    from test_check_decode import ChunkReference, RotaryRestarts
+
+    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks.json_report import write_decode_json
+
+    folder = tmp_path_factory.mktemp("decode-page")
+    check = folder / "decode-check.json"
+    result = run_decode_check(backends=[ChunkReference(), RotaryRestarts()], cases=["gqa_rotary"], dtypes=["float64"])
+    write_decode_json(result, str(check))
+    target = folder / "report.html"
+    assert main(["report", str(check), str(ROOT / "docs" / "bench" / "decode.json"), "--html", str(target)]) == 0
+    return target
+
+
+def test_the_decode_check_and_bench_render_and_the_oracle_grid_says_where_a_run_parts(decode_page, browser):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    browser.get(decode_page.as_uri())
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "ERROR", "WARNING")]
+    assert errors == [], errors
+    [grid] = browser.find_elements(By.CSS_SELECTOR, "svg.oracle-grid")
+    assert grid.size["width"] > 100 and grid.size["height"] > 100
+    [wrong] = [
+        cell
+        for cell in grid.find_elements(By.CSS_SELECTOR, ".hm-cell")
+        if cell.get_attribute("data-pair").startswith("rotary-restarts[tokens]")
+    ]
+    ActionChains(browser).move_to_element(wrong).perform()
+    tooltip = browser.find_element(By.ID, "tooltip")
+    assert tooltip.is_displayed()
+    assert tooltip.text.startswith("rotary-restarts[tokens] vs the full causal forward: DISAGREE")
+    assert "first divergent stage: step 1 (position 4) diverges at q_rotated" in tooltip.text
+    tables = browser.find_elements(By.CSS_SELECTOR, "table.bench-table")
+    assert len(tables) == 9  # docs/bench/decode.json: 6 contexts and 3 windowed ones, one table each
+    assert all(len(table.find_elements(By.CSS_SELECTOR, "tbody tr")) == 5 for table in tables)
+    assert "% of KV limit" in tables[0].text

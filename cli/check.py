@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile with XLA's default settings in the workers (the check sets "
         "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0, which halve its JAX compile time; "
-        "also off with MHA_ROSETTA_FAST_COMPILE=0; your own XLA_FLAGS always win)",
+        "off with MHA_ROSETTA_FAST_COMPILE=0 and with --devices gpu; your own XLA_FLAGS always win)",
     )
     parser.add_argument(
         "--grad",
@@ -111,8 +111,15 @@ def _executor(args, jobs: int):
         jobs,
         timeout=args.timeout,
         cache=False if args.no_jax_cache else None,
-        fast_compile=False if args.no_fast_compile else None,
+        # The fast settings are for XLA:CPU; a check that asks for a GPU compiles with XLA's defaults.
+        fast_compile=False if args.no_fast_compile or _asks_for_gpu(args.devices) else None,
     )
+
+
+def _asks_for_gpu(devices) -> bool:
+    from mha_rosetta.checks.selection import _split
+
+    return any(name in ("gpu", "all", "cuda") for name in _split(devices) or ())
 
 
 def _list(out) -> int:

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from mha_rosetta.backends._probe import import_failure, importable
+from mha_rosetta.checks.worker import fast_compile_enabled, xla_flags
 from mha_rosetta.core import MHAConfig, init_params
+
+# The suite compiles hundreds of small JAX programs, each run once: with the check's fast XLA:CPU settings
+# (`checks.worker.FAST_COMPILE_FLAGS`) tests/test_jax_variants.py and tests/test_backend_jax.py took 23.0 s
+# instead of 37.9 s here. Set before anything imports JAX; MHA_ROSETTA_FAST_COMPILE=0 (the gpu env,
+# scripts/gpu-run) keeps XLA's defaults, and flags of the caller's own XLA_FLAGS still win.
+if fast_compile_enabled() and "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = xla_flags(True)
 
 # Distinct sizes everywhere, so that no two axes can be swapped without a shape error:
 # batch 2, q tokens 7, kv tokens 5, d_model 15, 3 heads of d_k 5 (d_v 4 where it may differ).

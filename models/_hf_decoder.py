@@ -104,6 +104,33 @@ class Decoder:
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.package}.modeling_{self.package}")
 
+    def build(self, cfg: MHAConfig, options):
+        """A tiny float64 module of the family for ``cfg`` (layer 0, of ``cfg``'s layer type), not loaded.
+
+        The layout's runner loads it; `backends.oracles.hf_cache` builds its Llama and Mistral modules here too.
+        transformers' config validation raises ValueError (or its StrictDataclassError) for a ``cfg`` it refuses.
+        """
+        config_kwargs = {
+            "hidden_size": cfg.d_model,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.d_k,
+            "attention_dropout": 0.0,
+            "num_hidden_layers": 1,
+            "rope_parameters": hf_rope_parameters(cfg),
+            **hf_max_positions(cfg),
+            **({"attention_bias": bool(cfg.bias)} if self.attention_bias else {}),
+            **self.config_kwargs(cfg),
+        }
+        transformers = importlib.import_module("transformers")
+        config = hf_config(getattr(transformers, self.config_class)(**config_kwargs), options)
+        attention = getattr(self.modeling(), self.module)
+        return attention(config, layer_idx=0).double().eval()
+
+    def rotary(self, config):
+        """The family's rotary module for ``config`` (its forward computes the angles in float32)."""
+        return getattr(self.modeling(), self.rotary_class)(config)
+
 
 def layer_type(cfg: MHAConfig) -> str:
     """The ``config.layer_types`` entry of a layer with ``cfg``'s window."""
@@ -131,27 +158,8 @@ def decoder_layout(family: Decoder) -> Layout:
     """The `Layout` (with its runner and `from_module` reader) of one Llama-like family."""
     module_name = family.module
 
-    def build(cfg: MHAConfig, options):
-        """A tiny float64 module of the family for ``cfg`` (layer 0, of ``cfg``'s layer type)."""
-        config_kwargs = {
-            "hidden_size": cfg.d_model,
-            "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.d_k,
-            "attention_dropout": 0.0,
-            "num_hidden_layers": 1,
-            "rope_parameters": hf_rope_parameters(cfg),
-            **hf_max_positions(cfg),
-            **({"attention_bias": bool(cfg.bias)} if family.attention_bias else {}),
-            **family.config_kwargs(cfg),
-        }
-        transformers = importlib.import_module("transformers")
-        config = hf_config(getattr(transformers, family.config_class)(**config_kwargs), options)
-        attention = getattr(family.modeling(), module_name)
-        return attention(config, layer_idx=0).double().eval()
-
     def runner(cfg, state, x, padding, options):
-        module = build(cfg, options)
+        module = family.build(cfg, options)
         module.load_state_dict(torch_state(state), strict=True)
         return forward(module, cfg, x, padding, options)
 
@@ -161,10 +169,9 @@ def decoder_layout(family: Decoder) -> Layout:
                 f"{family.layout}: {module_name}'s model has _supports_sdpa = False (SDPA cannot hold its "
                 f"{', '.join(v for v in family.variants if v in ('softcap', 'sinks'))}); use implementation='eager'"
             )
-        rotary_class = getattr(family.modeling(), family.rotary_class)
         with hf_implementation(module.config, options) as config:
             rotary_kwargs = {"layer_type": module.layer_type} if family.layer_typed_rotary else {}
-            rotary = rotary_class(config).to(module.q_proj.weight.dtype)
+            rotary = family.rotary(config).to(module.q_proj.weight.dtype)
 
             def run(xt):
                 cos_sin = rotary_tables(cfg, options, rotary, xt, family.repeated_tables, **rotary_kwargs)

@@ -20,25 +20,25 @@ from ._hf_decoder import Decoder, decoder_layout
 
 MODULE = "LlamaAttention"
 
-LAYOUT = decoder_layout(
-    Decoder(
-        layout="hf-llama",
-        module=MODULE,
-        package="llama",
-        config_class="LlamaConfig",
-        rotary_class="LlamaRotaryEmbedding",
-        description="Llama (Hugging Face): q_proj/k_proj/v_proj/o_proj as nn.Linear (out, in), grouped kv heads",
-        variants=("rope_scaling",),  # Llama 3's "llama3" (and linear, dynamic, yarn) from config.rope_parameters
-        config_kwargs=lambda cfg: {},
-        attention_bias=True,
-        sliding_window=False,
-        causal_only=False,
-        notes=(
-            "bias: config.attention_bias puts a bias on all four layers (off for Llama itself)",
-            "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
-            "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
-            "query head h reads kv head h // (n_heads / n_kv_heads) (repeat_kv), the spec's grouping",
-        ),
-        example={"n_kv_heads": 2, "bias": False, "rope": "half"},
-    )
+DECODER = Decoder(
+    layout="hf-llama",
+    module=MODULE,
+    package="llama",
+    config_class="LlamaConfig",
+    rotary_class="LlamaRotaryEmbedding",
+    description="Llama (Hugging Face): q_proj/k_proj/v_proj/o_proj as nn.Linear (out, in), grouped kv heads",
+    variants=("rope_scaling",),  # Llama 3's "llama3" (and linear, dynamic, yarn) from config.rope_parameters
+    config_kwargs=lambda cfg: {},
+    attention_bias=True,
+    sliding_window=False,
+    causal_only=False,
+    notes=(
+        "bias: config.attention_bias puts a bias on all four layers (off for Llama itself)",
+        "float32 inside a float64 model: eager attention's softmax (softmax(..., dtype=torch.float32)) and the "
+        "rotary module's angles (inv_freq in torch.float); SDPA with float64 (cos, sin) keeps float64",
+        "query head h reads kv head h // (n_heads / n_kv_heads) (repeat_kv), the spec's grouping",
+    ),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half"},
 )
+
+LAYOUT = decoder_layout(DECODER)

@@ -1,17 +1,19 @@
 """The Hugging Face decoder attentions built like Llama's, and what each 2024-26 family changes in them.
 
-Qwen2, Mistral, Qwen3, OLMo 2, Gemma 2, Gemma 3 and gpt-oss all keep Llama's four ``nn.Linear`` layers
-(``q_proj (H*d, E)``, ``k_proj``/``v_proj (G*d, E)``, ``o_proj (E, H*d)``), Llama's ``view(B, N, -1, d)``
-head split, its rotate-half rotary and its ``repeat_kv`` grouping. `decoder_layout` builds one family's
-`Layout` from a `Decoder`: what it adds (QK-norm weights, sinks), which variants it has, how its config is
-written from an `MHAConfig` (the runner) and read back from a module instance (`from_module`).
+Llama itself (`hf_llama`), and Qwen2, Mistral, Qwen3, OLMo 2, Gemma 2, Gemma 3 and gpt-oss, which all keep
+Llama's four ``nn.Linear`` layers (``q_proj (H*d, E)``, ``k_proj``/``v_proj (G*d, E)``, ``o_proj (E, H*d)``),
+Llama's ``view(B, N, -1, d)`` head split, its rotate-half rotary and its ``repeat_kv`` grouping. `decoder_layout`
+builds one family's `Layout` from a `Decoder`: what it adds (QK-norm weights, sinks), which variants it has, how
+its config is written from an `MHAConfig` (the runner) and read back from a module instance (`from_module`).
 
 Design rules:
 
 * The reader reads the **instance**: its own ``scaling`` (Gemma's ``query_pre_attn_scalar**-0.5``), its own
   ``sliding_window`` attribute (None on a full-attention layer of ``config.layer_types``), ``is_causal``,
   which layers carry a bias, the eps of its norms, and the rotary of its layer type from
-  ``config.rope_parameters`` (`_module_io.hf_rope`).
+  ``config.rope_parameters`` (`_module_io.hf_rope`). A family that applies no window (Llama:
+  ``Decoder.sliding_window=False``) refuses a config whose ``sliding_window`` was set by hand, which its
+  code ignores, rather than read a window the module does not apply.
 * Where Hugging Face computes in float32 inside a float64 model on every path (the QK-norm's RMSNorm),
   `Decoder.float32` names it for `RealRun.note`, next to the causes `_hf.rotary_precision` names (the
   rotary module's angles, eager's float32 softmax); those runs are held to the float32 tolerance. The
@@ -47,6 +49,7 @@ from ._layout import (
     Layout,
     causal_only,
     default_scale,
+    rotary_is,
     same_head_dims,
     self_attention_widths,
     separate_linears,
@@ -83,12 +86,50 @@ class Decoder:
     # False where the model refuses SDPA (_supports_sdpa = False: Gemma 2's softcap, gpt-oss's sinks), whose
     # sdpa_attention_forward would drop the variant (sinks) or raise (softcap): the runner refuses it too
     sdpa: bool = True
-    rules: tuple = ()  # the family's own rules (its bias switch, its QK-norm)
+    # config.attention_bias puts a bias on all four linears or none (Llama, Qwen3, OLMo 2, Gemma, gpt-oss): the
+    # runner sets it from cfg.bias and a rule (after the family's own) refuses bias="qkv". False where the family's
+    # source fixes its biases (Qwen2's q/k/v only, Mistral's none): its own rules say which.
+    attention_bias: bool = False
+    # False where the module applies no window and its model ignores config.sliding_window (Llama): no "window"
+    # variant, and the reader refuses a config that sets one by hand
+    sliding_window: bool = True
+    # True: a decoder layer only (the causal_only rule; the reader refuses is_causal=False). False (Llama): the
+    # runner also runs it two-sided, with the model's bidirectional mask (`_hf.hf_mask`), and the reader reads
+    # causal from the instance's is_causal
+    causal_only: bool = True
+    rules: tuple = ()  # the family's own rules (its fixed biases, its QK-norm)
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
 
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.package}.modeling_{self.package}")
+
+    def build(self, cfg: MHAConfig, options):
+        """A tiny float64 module of the family for ``cfg`` (layer 0, of ``cfg``'s layer type), not loaded.
+
+        The layout's runner loads it; `backends.oracles.hf_cache` builds its Llama and Mistral modules here too.
+        transformers' config validation raises ValueError (or its StrictDataclassError) for a ``cfg`` it refuses.
+        """
+        config_kwargs = {
+            "hidden_size": cfg.d_model,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.d_k,
+            "attention_dropout": 0.0,
+            "num_hidden_layers": 1,
+            "rope_parameters": hf_rope_parameters(cfg),
+            **hf_max_positions(cfg),
+            **({"attention_bias": bool(cfg.bias)} if self.attention_bias else {}),
+            **self.config_kwargs(cfg),
+        }
+        transformers = importlib.import_module("transformers")
+        config = hf_config(getattr(transformers, self.config_class)(**config_kwargs), options)
+        attention = getattr(self.modeling(), self.module)
+        return attention(config, layer_idx=0).double().eval()
+
+    def rotary(self, config):
+        """The family's rotary module for ``config`` (its forward computes the angles in float32)."""
+        return getattr(self.modeling(), self.rotary_class)(config)
 
 
 def layer_type(cfg: MHAConfig) -> str:
@@ -117,26 +158,8 @@ def decoder_layout(family: Decoder) -> Layout:
     """The `Layout` (with its runner and `from_module` reader) of one Llama-like family."""
     module_name = family.module
 
-    def build(cfg: MHAConfig, options):
-        """A tiny float64 module of the family for ``cfg`` (layer 0, of ``cfg``'s layer type)."""
-        config_kwargs = {
-            "hidden_size": cfg.d_model,
-            "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.d_k,
-            "attention_dropout": 0.0,
-            "num_hidden_layers": 1,
-            "rope_parameters": hf_rope_parameters(cfg),
-            **hf_max_positions(cfg),
-            **family.config_kwargs(cfg),
-        }
-        transformers = importlib.import_module("transformers")
-        config = hf_config(getattr(transformers, family.config_class)(**config_kwargs), options)
-        attention = getattr(family.modeling(), module_name)
-        return attention(config, layer_idx=0).double().eval()
-
     def runner(cfg, state, x, padding, options):
-        module = build(cfg, options)
+        module = family.build(cfg, options)
         module.load_state_dict(torch_state(state), strict=True)
         return forward(module, cfg, x, padding, options)
 
@@ -146,10 +169,9 @@ def decoder_layout(family: Decoder) -> Layout:
                 f"{family.layout}: {module_name}'s model has _supports_sdpa = False (SDPA cannot hold its "
                 f"{', '.join(v for v in family.variants if v in ('softcap', 'sinks'))}); use implementation='eager'"
             )
-        rotary_class = getattr(family.modeling(), family.rotary_class)
         with hf_implementation(module.config, options) as config:
             rotary_kwargs = {"layer_type": module.layer_type} if family.layer_typed_rotary else {}
-            rotary = rotary_class(config).to(module.q_proj.weight.dtype)
+            rotary = family.rotary(config).to(module.q_proj.weight.dtype)
 
             def run(xt):
                 cos_sin = rotary_tables(cfg, options, rotary, xt, family.repeated_tables, **rotary_kwargs)
@@ -168,14 +190,21 @@ def decoder_layout(family: Decoder) -> Layout:
         if getattr(module, "layer_type", None) not in (None, "full_attention", "sliding_attention"):
             raise unexpressible(module, f"layer_type={module.layer_type!r}", "the spec has full and sliding layers")
         rope = hf_rope(module, config, module.head_dim, layer_type=getattr(module, "layer_type", None))
-        if not module.is_causal:  # Gemma's use_bidirectional_attention (EmbeddingGemma)
+        if family.causal_only and not module.is_causal:  # Gemma's use_bidirectional_attention (EmbeddingGemma)
             raise LayoutError(
                 f"{class_name(module)} has is_causal=False (config.use_bidirectional_attention): layout "
                 f"{family.layout!r} reads decoder layers only; the model's own mask then differs by layer type "
                 "(Gemma 3: |p_i - p_j| < sliding_window on sliding layers, after its config halves the window), "
                 "which this reader does not build"
             )
-        window = hf_window(module, config)
+        window = hf_window(module, config) if family.sliding_window else None
+        if not family.sliding_window and getattr(config, "sliding_window", None):
+            model = module_name.removesuffix("Attention") + "Model"  # transformers' names: LlamaAttention, LlamaModel
+            raise LayoutError(
+                f"{class_name(module)}'s config has sliding_window={config.sliding_window!r}, which {module_name} "
+                f"and {model} ignore (no window is applied): remove it, or build the family that applies it "
+                "(MistralAttention: hf-mistral)"
+            )
         try:
             return MHAConfig(
                 d_model=module.q_proj.in_features,
@@ -183,7 +212,7 @@ def decoder_layout(family: Decoder) -> Layout:
                 n_kv_heads=config.num_key_value_heads,
                 d_k=module.head_dim,
                 bias=hf_bias(module, module.q_proj, module.o_proj),
-                causal=True,
+                causal=bool(module.is_causal),
                 scale=module.scaling,
                 rope="half",
                 rope_base=rope.rope_base,
@@ -207,10 +236,11 @@ def decoder_layout(family: Decoder) -> Layout:
         rules=(
             same_head_dims(module_name),
             self_attention_widths(module_name),
-            causal_only(module_name),
+            *((causal_only(module_name),) if family.causal_only else ()),
             integer_pre_attn_scalar(module_name) if family.custom_scale else default_scale(module_name),
-            _rope_half(module_name),
+            rotary_is(("half",), module_name),
             *family.rules,
+            *((attention_bias_rule(module_name),) if family.attention_bias else ()),
         ),
         **packing,
         notes=family.notes,
@@ -223,17 +253,6 @@ def decoder_layout(family: Decoder) -> Layout:
     )
 
 
-def _rope_half(module: str):
-    def rule(cfg: MHAConfig) -> str | None:
-        if cfg.rope != "half" or cfg.rope_dims != cfg.d_k:
-            return (
-                f"MHAConfig.rope={cfg.rope!r}, rope_dims={cfg.rope_dims}: {module} rotates every feature, rope='half'"
-            )
-        return None
-
-    return rule
-
-
 def field_is(module: str, name: str, allowed: tuple, why: str):
     """A rule: ``MHAConfig.<name>`` is one of ``allowed`` (the module's fixed choice, ``why``)."""
 
@@ -244,6 +263,11 @@ def field_is(module: str, name: str, allowed: tuple, why: str):
         return None
 
     return rule
+
+
+def attention_bias_rule(module: str):
+    """``Decoder.attention_bias``'s rule: one config switch biases all four linears or none."""
+    return field_is(module, "bias", (True, False), "biases all four linears or none (config.attention_bias)")
 
 
 def integer_pre_attn_scalar(module: str):

@@ -12,7 +12,7 @@ Llama's four linears (`_hf_decoder`, biases with ``config.attention_bias``) and 
 
 from __future__ import annotations
 
-from ._hf_decoder import Decoder, decoder_layout, field_is, pre_attn_scalar, sliding_config
+from ._hf_decoder import Decoder, decoder_layout, pre_attn_scalar, sliding_config
 
 MODULE = "Gemma2Attention"
 
@@ -28,14 +28,13 @@ LAYOUT = decoder_layout(
         variants=("softcap", "window"),
         config_kwargs=lambda cfg: {
             **sliding_config(cfg),
-            "attention_bias": bool(cfg.bias),
             "query_pre_attn_scalar": pre_attn_scalar(cfg),  # the module's scaling = query_pre_attn_scalar**-0.5
             "attn_logit_softcapping": cfg.softcap,
         },
         read_extra=lambda module: {"softcap": module.attn_logit_softcapping},
         custom_scale=True,
         sdpa=False,
-        rules=(field_is(MODULE, "bias", (True, False), "biases all four linears or none (config.attention_bias)"),),
+        attention_bias=True,
         notes=(
             "scale = query_pre_attn_scalar**-0.5 (the module's scaling), not head_dim**-0.5",
             "the softcap sits between the scale and the mask; transformers PR #32865: SDPA silently dropped it "

@@ -26,7 +26,6 @@ def _config_kwargs(cfg) -> dict:
     return {
         "layer_types": [layer_type(cfg)],
         "sliding_window": cfg.window if cfg.window is not None else 4096,  # unused by a full-attention layer
-        "attention_bias": bool(cfg.bias),
         "query_pre_attn_scalar": pre_attn_scalar(cfg),
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"sliding_attention": rope, "full_attention": rope},  # this layer's type is the one read
@@ -50,10 +49,8 @@ LAYOUT = decoder_layout(
         custom_scale=True,
         layer_typed_rotary=True,
         float32=(NORM_FLOAT32,),
-        rules=(
-            field_is(MODULE, "qk_norm", ("head",), "normalises each head's q and k (Gemma3RMSNorm(head_dim))"),
-            field_is(MODULE, "bias", (True, False), "biases all four linears or none (config.attention_bias)"),
-        ),
+        attention_bias=True,
+        rules=(field_is(MODULE, "qk_norm", ("head",), "normalises each head's q and k (Gemma3RMSNorm(head_dim))"),),
         notes=(
             "q_norm.weight stores w and the norm multiplies by 1 + w: canonical q_norm = 1 + stored (a zero stored "
             "weight is the identity); a port that multiplies by w zeroes every query",

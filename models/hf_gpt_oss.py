@@ -30,7 +30,6 @@ LAYOUT = decoder_layout(
         variants=("sinks", "window", "rope_scaling"),
         config_kwargs=lambda cfg: {
             **sliding_config(cfg),
-            "attention_bias": bool(cfg.bias),
             "num_local_experts": 2,
             "num_experts_per_tok": 1,
         },
@@ -39,10 +38,8 @@ LAYOUT = decoder_layout(
         sdpa=False,
         repeated_tables=False,  # GptOssRotaryEmbedding returns cos, sin (1, N, d/2); _apply_rotary_emb splits q
         eager_softmax_float32=False,  # softmax(combined_logits, dtype=combined_logits.dtype)
-        rules=(
-            field_is(MODULE, "sinks", (True,), "has one sink logit per head (self.sinks)"),
-            field_is(MODULE, "bias", (True, False), "biases all four linears or none (config.attention_bias)"),
-        ),
+        attention_bias=True,
+        rules=(field_is(MODULE, "sinks", (True,), "has one sink logit per head (self.sinks)"),),
         notes=(
             "sinks: a_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik)); the row sums to less than one",
             "the model refuses SDPA (_supports_sdpa = False): sdpa_attention_forward ignores s_aux, so a module set "

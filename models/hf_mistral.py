@@ -11,23 +11,23 @@ from ._hf_decoder import Decoder, decoder_layout, field_is
 
 MODULE = "MistralAttention"
 
-LAYOUT = decoder_layout(
-    Decoder(
-        layout="hf-mistral",
-        module=MODULE,
-        package="mistral",
-        config_class="MistralConfig",
-        rotary_class="MistralRotaryEmbedding",
-        description="Mistral: Llama's q_proj/k_proj/v_proj/o_proj without bias; config.sliding_window on every layer",
-        variants=("window",),
-        config_kwargs=lambda cfg: {"sliding_window": cfg.window},
-        rules=(field_is(MODULE, "bias", (False,), "has no biases (nn.Linear(..., bias=False))"),),
-        notes=(
-            "window: key j is seen by query i iff i - W < j <= i (W keys, the query's own included); FlashAttention "
-            "spells it window_size=(W-1, 0): transformers #29623 was this off-by-one between the two",
-            "float32 inside a float64 model: eager attention's softmax and the rotary module's angles; SDPA with "
-            "float64 (cos, sin) keeps float64",
-        ),
-        example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "window": 3},
-    )
+DECODER = Decoder(
+    layout="hf-mistral",
+    module=MODULE,
+    package="mistral",
+    config_class="MistralConfig",
+    rotary_class="MistralRotaryEmbedding",
+    description="Mistral: Llama's q_proj/k_proj/v_proj/o_proj without bias; config.sliding_window on every layer",
+    variants=("window",),
+    config_kwargs=lambda cfg: {"sliding_window": cfg.window},
+    rules=(field_is(MODULE, "bias", (False,), "has no biases (nn.Linear(..., bias=False))"),),
+    notes=(
+        "window: key j is seen by query i iff i - W < j <= i (W keys, the query's own included); FlashAttention "
+        "spells it window_size=(W-1, 0): transformers #29623 was this off-by-one between the two",
+        "float32 inside a float64 model: eager attention's softmax and the rotary module's angles; SDPA with "
+        "float64 (cos, sin) keeps float64",
+    ),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "window": 3},
 )
+
+LAYOUT = decoder_layout(DECODER)

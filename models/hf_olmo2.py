@@ -22,14 +22,12 @@ LAYOUT = decoder_layout(
         rotary_class="Olmo2RotaryEmbedding",
         description="OLMo 2: Llama's linears and q_norm (H*d,) / k_norm (G*d,) RMSNorm over the whole projection",
         variants=("qk_norm_projection",),
-        config_kwargs=lambda cfg: {"attention_bias": bool(cfg.bias), "rms_norm_eps": cfg.norm_eps},
+        config_kwargs=lambda cfg: {"rms_norm_eps": cfg.norm_eps},
         read_extra=lambda module: {"qk_norm": "projection", "norm_eps": norm_eps(module)},
         extras=NORMS,
         float32=(NORM_FLOAT32,),
-        rules=(
-            field_is(MODULE, "qk_norm", ("projection",), "normalises the whole q and k projections"),
-            field_is(MODULE, "bias", (True, False), "biases all four linears or none (config.attention_bias)"),
-        ),
+        attention_bias=True,
+        rules=(field_is(MODULE, "qk_norm", ("projection",), "normalises the whole q and k projections"),),
         notes=(
             "q_norm.weight (H*d,) and k_norm.weight (G*d,): rows h*d:(h+1)*d scale head h, but the statistics "
             "are taken over all H*d features; sharding the heads needs the full sum of squares (one all-reduce)",

@@ -26,16 +26,13 @@ LAYOUT = decoder_layout(
         config_kwargs=lambda cfg: {
             **sliding_config(cfg),
             "use_sliding_window": cfg.window is not None,
-            "attention_bias": bool(cfg.bias),
             "rms_norm_eps": cfg.norm_eps,
         },
         read_extra=lambda module: {"qk_norm": "head", "norm_eps": norm_eps(module)},
         extras=NORMS,
         float32=(NORM_FLOAT32,),
-        rules=(
-            field_is(MODULE, "qk_norm", ("head",), "normalises each head's q and k (Qwen3RMSNorm(head_dim))"),
-            field_is(MODULE, "bias", (True, False), "biases all four linears or none (config.attention_bias)"),
-        ),
+        attention_bias=True,
+        rules=(field_is(MODULE, "qk_norm", ("head",), "normalises each head's q and k (Qwen3RMSNorm(head_dim))"),),
         notes=(
             "QK-norm over the head (d,), where OLMo 2 normalises the whole projection (H*d,): the one difference "
             "between the two, and the statistics differ (the mean over d features vs over H*d)",

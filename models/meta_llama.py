@@ -36,9 +36,9 @@ MODULE = "Meta's llama Attention"
 def _meta_llama(cfg, state, x, padding, options):
     """Meta's layout in HF's real LlamaAttention after the rope converter, checked against Meta's own rotary."""
     hf_cfg, hf_state = convert_layouts(cfg, state, LAYOUT, hf_llama.LAYOUT)
-    run = hf_llama.run_llama(hf_cfg, hf_state, x, padding, options, layout="meta-llama")
+    run = hf_llama.LAYOUT.runner(hf_cfg, hf_state, x, padding, options)
     reimplemented = meta_reference_forward(cfg, state, x, padding)
-    run.kind = "equivalent"
+    run.layout, run.kind = LAYOUT.name, "equivalent"
     run.module = (
         f"transformers LlamaAttention ({options.implementation}) after convert_state_dict(meta-llama -> hf-llama)"
     )

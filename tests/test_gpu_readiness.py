@@ -316,3 +316,37 @@ def test_the_speed_questions_find_a_gpu_as_the_sweep_does(monkeypatch, nodes):
     monkeypatch.setattr(os.path, "exists", lambda p: p in nodes if str(p).startswith("/dev/nvidia") else real(p))
     assert sweep.default_devices() == (["cpu", "gpu"] if nodes else ["cpu"])
     assert questions.question_targets() == [("numpy", "cpu"), ("torch", "cpu"), *([("torch", "gpu")] if nodes else [])]
+
+
+@requires("torch")
+@pytest.mark.parametrize("name", ["torch", "torch-mha", "torch-sdpa", "torch-flex"])
+def test_every_torch_backend_refuses_a_gpu_torch_cannot_see_with_torchs_reason(monkeypatch, name):
+    """`backends.torch.common.TorchDevices`: a torch backend's devices are torch's; a GPU torch does not see is
+    refused with torch's own reason, and with one there, `Backend`'s rules still follow."""
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.backends.torch import common as torch_common
+    from mha_rosetta.core import MHAConfig
+
+    backend, cfg = get_backend(name), MHAConfig(d_model=16, n_heads=4)
+    monkeypatch.setattr(torch_common, "torch_devices", lambda: ("cpu",))
+    assert backend.devices() == ("cpu",)
+    assert backend.unsupported_reason(cfg, "float32", "gpu", "standard") == (
+        f"{name}: torch sees no CUDA device on this machine (torch.cuda.is_available() is False)"
+    )
+    assert backend.unsupported_reason(cfg, "float32", "cpu", "standard") is None
+    monkeypatch.setattr(torch_common, "torch_devices", lambda: ("cpu", "gpu"))
+    assert backend.devices() == ("cpu", "gpu")
+    assert backend.unsupported_reason(cfg, "float32", "gpu", "standard") is None
+    assert backend.unsupported_reason(cfg, "float32", "gpu", "no_such").startswith(f"{name} has no strategy 'no_such'")
+
+
+@requires("torch")
+def test_a_torch_backends_own_rule_comes_before_the_missing_gpu(monkeypatch):
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.backends.torch import common as torch_common
+    from mha_rosetta.core import MHAConfig
+
+    monkeypatch.setattr(torch_common, "torch_devices", lambda: ("cpu",))
+    rope = MHAConfig(d_model=16, n_heads=4, rope="half")
+    reason = get_backend("torch-mha").unsupported_reason(rope, "float32", "gpu", "standard")
+    assert reason.startswith("nn.MultiheadAttention has no rotary embedding (cfg.rope='half')")

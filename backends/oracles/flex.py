@@ -52,13 +52,12 @@ from mha_rosetta.core.decode import DecodeInputs
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, PreparedDecode, UnsupportedCase, tensor_to_numpy
 from ..torch.common import (
+    TorchDevices,
     in_inference_mode,
-    no_gpu_reason,
     optional_tensor,
     precision_info,
     synchronizer,
     torch_device,
-    torch_devices,
     torch_inputs,
     with_matmul_precision,
 )
@@ -123,7 +122,7 @@ def compiled_mode(cfg: MHAConfig, dtype: str, compiled_dtypes: tuple[str, ...] =
     return dtype in compiled_dtypes and dtype != "float64" and not cfg.sinks
 
 
-class TorchFlexOracle(Backend):
+class TorchFlexOracle(TorchDevices, Backend):
     """``flex_attention`` with ``score_mod`` and a ``BlockMask``, on heads projected with ``F.linear``."""
 
     name = "torch-flex"
@@ -168,14 +167,6 @@ class TorchFlexOracle(Backend):
                 f"compiled_dtypes must name float32, float16 or bfloat16 (float64 runs eagerly), got {unknown}"
             )
         self.compiled_dtypes = tuple(compiled_dtypes)
-
-    def devices(self) -> tuple[str, ...]:
-        return torch_devices()
-
-    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
-            cfg, dtype, device, strategy
-        )
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str

@@ -91,45 +91,28 @@ def config_reason(cfg: MHAConfig) -> str | None:
 
 
 def build_module(cfg: MHAConfig, params: MHAParams, dtype: str):
-    """The real module for ``cfg`` loaded with ``params`` (in ``dtype``), its config and its rotary module."""
+    """The real module for ``cfg`` loaded with ``params`` (in ``dtype``), its config and its rotary module.
+
+    The module is built by the layout's own factory (`models._hf_decoder.Decoder.build`: Llama's, or
+    Mistral's with a window), with the eager attention, Hugging Face's reference path (it returns the weights).
+    """
     import torch
-    import transformers
-
-    from mha_rosetta.models import to_module
-    from mha_rosetta.models._hf import hf_max_positions, hf_rope_parameters
-
-    common = {
-        "hidden_size": cfg.d_model,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.d_k,
-        "attention_dropout": 0.0,
-        "num_hidden_layers": 1,
-        "rope_parameters": hf_rope_parameters(cfg),
-        **hf_max_positions(cfg),
-    }
-    Config = transformers.LlamaConfig if cfg.window is None else transformers.MistralConfig
-    family_kwargs = {"attention_bias": bool(cfg.bias)} if cfg.window is None else {"sliding_window": cfg.window}
     from huggingface_hub.errors import StrictDataclassError  # the configs' own validation (transformers 5.x)
 
+    from mha_rosetta.models import hf_llama, hf_mistral, to_module
+    from mha_rosetta.models._real import RunOptions
+
+    decoder = hf_llama.DECODER if cfg.window is None else hf_mistral.DECODER
     try:
-        config = Config(**common, **family_kwargs)
+        module = decoder.build(cfg, RunOptions(implementation="eager"))
     except (ValueError, StrictDataclassError) as error:
-        why = f"{family(cfg)}: transformers' {Config.__name__} refuses {cfg.describe()}: {error}"
+        why = f"{family(cfg)}: transformers' {decoder.config_class} refuses {cfg.describe()}: {error}"
         raise UnsupportedCase(why) from error
-    if cfg.window is None:
-        from transformers.models.llama.modeling_llama import LlamaAttention as Attention
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
-    else:
-        from transformers.models.mistral.modeling_mistral import MistralAttention as Attention
-        from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary
-    config._attn_implementation = "eager"  # Hugging Face's reference path (and it returns the weights)
-    module = Attention(config, layer_idx=0).double().eval()
     module = to_module(cfg, params, module)  # the layout's converter; refuses a module built for another cfg
     torch_dtype = getattr(torch, dtype)
     module = module.to(torch_dtype).requires_grad_(False)
-    rotary = Rotary(config)  # its forward computes the angles in float32 and returns x's dtype
-    return module, config, rotary
+    rotary = decoder.rotary(module.config)  # its forward computes the angles in float32 and returns x's dtype
+    return module, module.config, rotary
 
 
 def mask_function(cfg: MHAConfig):

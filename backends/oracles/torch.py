@@ -29,15 +29,14 @@ from mha_rosetta.core import (
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
 from ..torch.common import (
+    TorchDevices,
     bool_tensor,
     in_inference_mode,
-    no_gpu_reason,
     optional_tensor,
     precision_info,
     synchronizer,
     to_tensor,
     torch_device,
-    torch_devices,
     torch_dtype,
     torch_inputs,
     with_matmul_precision,
@@ -72,7 +71,7 @@ class VariantReasons:
         return "; ".join(why) if len(why) == len(missing) else f"{generic}; " + "; ".join(why) if why else generic
 
 
-class TorchMHAOracle(VariantReasons, Backend):
+class TorchMHAOracle(VariantReasons, TorchDevices, Backend):
     """``torch.nn.MultiheadAttention`` in eval mode, loaded with the canonical parameters.
 
     The timed pass calls the module as inference code does, ``need_weights=False``, which
@@ -123,20 +122,13 @@ class TorchMHAOracle(VariantReasons, Backend):
         if not self.name:
             self.name = "torch-mha" if self.batch_first else "torch-mha-seqfirst"
 
-    def devices(self) -> tuple[str, ...]:
-        return torch_devices()
-
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if cfg.rope is not None:
             return (
                 f"nn.MultiheadAttention has no rotary embedding (cfg.rope={cfg.rope!r}): it projects q and k inside "
                 "the module, with no hook to rotate them before the scores"
             )
-        return (
-            torch_mha_unsupported_reason(cfg)
-            or no_gpu_reason(self.name, device, self.devices())
-            or super().unsupported_reason(cfg, dtype, device, strategy)
-        )
+        return torch_mha_unsupported_reason(cfg) or super().unsupported_reason(cfg, dtype, device, strategy)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
@@ -292,7 +284,7 @@ def fast_path_expected(cfg: MHAConfig, batch_first: bool, self_attention: bool) 
     return "yes" if not reasons else "no: " + ", ".join(reasons)
 
 
-class TorchSDPAOracle(VariantReasons, Backend):
+class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     """``F.scaled_dot_product_attention`` on heads projected with ``F.linear``.
 
     Projections, head split and merge are in the timed region, as in a model. The mask is
@@ -341,15 +333,10 @@ class TorchSDPAOracle(VariantReasons, Backend):
         if not self.name:
             self.name = "torch-sdpa"
 
-    def devices(self) -> tuple[str, ...]:
-        return torch_devices()
-
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if cfg.n_kv_heads != cfg.n_heads and not sdpa_has_enable_gqa():
             return "this torch's scaled_dot_product_attention has no enable_gqa (torch >= 2.5 has it)"
-        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
-            cfg, dtype, device, strategy
-        )
+        return super().unsupported_reason(cfg, dtype, device, strategy)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str

@@ -14,11 +14,10 @@ from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
 from .chunked import ChunkedRowSampleMHA
 from .common import (
+    TorchDevices,
     in_inference_mode,
-    no_gpu_reason,
     precision_info,
     synchronizer,
-    torch_devices,
     with_matmul_precision,
 )
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_torch_decode_run, prepare_torch_decode_step
@@ -26,7 +25,7 @@ from .layer import RowSampleMHA
 from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
 
-class TorchBackend(Backend):
+class TorchBackend(TorchDevices, Backend):
     name = "torch"
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
@@ -44,14 +43,6 @@ class TorchBackend(Backend):
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)
         self.allow_tf32 = bool(allow_tf32)
-
-    def devices(self) -> tuple[str, ...]:
-        return torch_devices()
-
-    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        return no_gpu_reason(self.name, device, self.devices()) or super().unsupported_reason(
-            cfg, dtype, device, strategy
-        )
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None

@@ -114,6 +114,21 @@ def no_gpu_reason(backend_name: str, device: str, devices: tuple[str, ...]) -> s
     return None
 
 
+class TorchDevices:
+    """A mixin for a `Backend` that runs on torch: its devices are torch's, and a missing GPU is named as torch's.
+
+    Put it before `Backend` in the bases; a subclass's own `unsupported_reason` checks its own rules first and
+    then calls ``super()``, which reaches this one (the GPU) and then `Backend`'s (strategy, dtype, ...).
+    """
+
+    def devices(self) -> tuple[str, ...]:
+        return torch_devices()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        reason = no_gpu_reason(self.name, device, self.devices())  # type: ignore[attr-defined]
+        return reason or super().unsupported_reason(cfg, dtype, device, strategy)  # type: ignore[misc]
+
+
 def torch_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str) -> dict | None:
     """The rotary cos/sin tables as tensors ``(1|B, N, r/2)``: {"q": (cos, sin), "k": (cos, sin)}; None without rope."""
     tables = rotary_tables(cfg, inputs)

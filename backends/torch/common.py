@@ -125,8 +125,10 @@ class TorchDevices:
         return torch_devices()
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        reason = no_gpu_reason(self.name, device, self.devices())  # type: ignore[attr-defined]
-        return reason or super().unsupported_reason(cfg, dtype, device, strategy)  # type: ignore[misc]
+        # has_device: the CPU is always there, so planning a CPU run does not import torch (`Backend.has_device`).
+        if not self.has_device(device):  # type: ignore[attr-defined]
+            return no_gpu_reason(self.name, device, self.devices())  # type: ignore[attr-defined]
+        return super().unsupported_reason(cfg, dtype, device, strategy)  # type: ignore[misc]
 
 
 def torch_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str) -> dict | None:

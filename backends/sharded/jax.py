@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import partial
+from typing import ClassVar
 
 import numpy as np
 
@@ -56,6 +57,7 @@ from mha_rosetta.core import VARIANTS, MHAConfig, numpy_dtype, rotary_tables, sh
 from mha_rosetta.core.variants import alibi_slopes
 
 from ..base import STANDARD
+from . import jax_decode
 from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
 from .workers import Programs, WorkerGroup, serve
 
@@ -87,10 +89,12 @@ class JaxShardedBackend(ShardedBackend):
     # Every variant, in both strategies (the module docstring says how each is split); forward only.
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    decode_unsupported = (
-        "not implemented: a head-parallel decode would keep each device's Hkv/world kv heads in its own cache "
-        "slice and psum each step's output; only the forward (and the jax adapter's single-device cache) exist"
-    )
+    # Rule 8: head-parallel decoding (`jax_decode`): each device its kv heads' slice of a static cache, one
+    # psum per chunk, in the standard (shard_map) strategy, every variant.
+    decode_caches = (jax_decode.STATIC,)
+    decode_strategies = (STANDARD,)
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts: ClassVar[dict[str, str]] = jax_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)
@@ -137,8 +141,23 @@ def _worker_main(conn, rank: int, size: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
+    from .jax_decode import build_decode
+
+    # A decode run: built once, then run whole (prefill and steps) per request, its sharded cache kept here.
+    decoders = Programs(
+        lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
+            cfg, params, inputs, dtype, strategy, world
+        )
+    )
+    handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
+    handlers.update(
+        decode_prepare=decoders.prepare,
+        decode_run=lambda key: decoders[key]["run"](),
+        decode_fetch=lambda key: decoders[key]["fetch"](),
+        decode_stages=lambda key: decoders[key]["stages"](),  # one worker: the devices' heads already gathered
+    )
     conn.send(("ok", {"devices": len(jax.devices())}))
-    serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
+    serve(conn, handlers)
 
 
 def count_all_reduces(hlo_text: str) -> int:

@@ -196,7 +196,9 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
         }
         if bucket_of is not None:
             extras["bucket_of"] = bucket_of
-        return (x, chunk_tables(start, stop), extras), jax.device_put(np.int32(start), NamedSharding(mesh, P()))  # the write index: traced, 0-d
+        return (x, chunk_tables(start, stop), extras), jax.device_put(
+            np.int32(start), NamedSharding(mesh, P())
+        )  # the write index: traced, 0-d
 
     args = [chunk_args(start, stop) for start, stop in chunks]
     Hl, itemsize = plan.local_kv_heads, np.dtype(cast).itemsize

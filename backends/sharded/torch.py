@@ -51,12 +51,14 @@ import dataclasses
 import datetime
 import os
 import tempfile
+from typing import ClassVar
 
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, VARIANTS, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
 from ..base import STANDARD, StageTensor, tensor_to_numpy
+from . import torch_decode
 from .common import PREPARE_SECONDS, ShardedBackend, alibi_slopes_of, gather_heads, shard_variant_params
 from .workers import Programs, WorkerGroup, serve
 
@@ -73,10 +75,12 @@ class TorchTPBackend(ShardedBackend):
     strategies = (STANDARD, MANUAL)
     variants = frozenset(VARIANTS)  # each split as the module docstring says; forward only, as before
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    decode_unsupported = (
-        "not implemented: each rank runs one forward in a worker process and returns; a KV cache would have to "
-        "stay on every rank (its heads' keys and values) between calls, which the worker protocol does not keep"
-    )
+    # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
+    # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.
+    decode_caches = (torch_decode.DYNAMIC, torch_decode.STATIC)
+    decode_strategies = (STANDARD, MANUAL)
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts: ClassVar[dict[str, str]] = torch_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)
@@ -138,9 +142,20 @@ def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
+    from .torch_decode import build_decode
+
+    # A decode run: built once, then run whole (prefill and steps) per request, each rank keeping its heads' cache.
+    decoders = Programs(lambda *payload: build_decode(mesh, rank, world, *payload))
+    handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
+    handlers.update(
+        decode_prepare=decoders.prepare,
+        decode_run=lambda key: decoders[key]["run"](),
+        decode_fetch=lambda key: decoders[key]["fetch"](),
+        decode_stages=lambda key: decoders[key]["stages"](),
+    )
     conn.send(("ok", {"rank": rank, "world": world, "threads": torch.get_num_threads()}))
     try:
-        serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
+        serve(conn, handlers)
     finally:
         dist.destroy_process_group()
 

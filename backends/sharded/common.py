@@ -16,7 +16,7 @@ from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, Sha
 from mha_rosetta.core.decode import DecodeInputs
 from mha_rosetta.core.variants import alibi_slopes
 
-from ..base import Backend, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..base import Backend, Prepared, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
 from .workers import WorkerGroup, worker_prepared
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
@@ -113,6 +113,13 @@ class ShardedBackend(Backend):
             return self._decode_chunk_stages(answers, plan)
 
         return PreparedDecode(run, to_numpy, step_stages, info=info)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        raise UnsupportedCase(
+            f"{self.name} has no decode step to time: its decode runs whole (prefill and every step) in one request "
+            "to its worker processes, so one step on a prefilled cache is not a request it serves yet (run_decode "
+            "is supported)"
+        )
 
     def _decode_chunk_stages(self, answers: list, plan: ShardPlan) -> list[dict[str, StageTensor]]:
         """The workers' answers to "decode_stages" -> per chunk, canonical stage tensors. Each rank answers

@@ -36,6 +36,10 @@ what each split costs in collectives (``standard``; ``named_sharding`` leaves it
   ``named_sharding``'s partitioner chose 3 there;
 * the window, softcap and qkv bias: per score or per feature, nothing to communicate.
 
+Decoding through a KV cache (`jax_decode`, the ``standard`` strategy): each device keeps its kv
+heads' slice of a static cache sharded over ``"heads"``, one prefill and one step program, a psum
+per chunk.
+
 Devices: ``--xla_force_host_platform_device_count`` only works before JAX starts, and the
 calling process may have started JAX already (the check runs the other JAX backends
 first). So the computation runs in a worker process that this backend starts (with the
@@ -86,7 +90,7 @@ class JaxShardedBackend(ShardedBackend):
     )
     strategies = (STANDARD, NAMED_SHARDING)
     rank_noun = "devices"
-    # Every variant, in both strategies (the module docstring says how each is split); forward only.
+    # Every variant, in both strategies (the module docstring says how each is split); no backward pass.
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: head-parallel decoding (`jax_decode`): each device its kv heads' slice of a static cache, one

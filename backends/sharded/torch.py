@@ -39,6 +39,9 @@ when ``world`` divides the kv heads; with fewer kv heads than ranks the standard
 refuses the case (it would cut a kv head in half) while ``manual`` replicates each kv
 head on ``world / n_kv_heads`` ranks (Megatron's choice; see `core.sharding`).
 
+Decoding through a KV cache (`torch_decode`, both strategies): one request runs a whole decode in
+every rank, each keeping its heads' Hugging Face cache through it, one all-reduce per chunk.
+
 Processes: started by the first `prepare` and reused by later ones (starting torch costs
 seconds), torn down at exit or by `close()`. Every collective has a time limit
 (``timeout`` of the process group) and every request a deadline; a rank that dies is
@@ -73,7 +76,7 @@ class TorchTPBackend(ShardedBackend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
-    variants = frozenset(VARIANTS)  # each split as the module docstring says; forward only, as before
+    variants = frozenset(VARIANTS)  # each split as the module docstring says; no backward pass
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
     # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.

@@ -266,7 +266,30 @@ def test_torch_tp_unsupported_decode_says_why(torch_tp, torch_tp_4):
     mha = MHAConfig(d_model=12, n_heads=3, causal=True)
     with pytest.raises(UnsupportedCase, match=r"torch-tp: world=2 does not divide n_heads=3"):
         torch_tp.run_decode(mha, init_params(mha), np.zeros((9, 12)), prefill=2, strategy=MANUAL)
-    with pytest.raises(UnsupportedCase, match="no decode step to time"):
-        torch_tp.prepare_decode(cfg, params, context=8, strategy=MANUAL)
     with pytest.raises(ValueError, match="step must be at least 1"):
         torch_tp.run_decode(cfg, params, x, prefill=2, step=0)
+
+
+@requires("torch")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("case", ["gqa_rope_half", "window_outgrown"])
+def test_torch_tp_benchmark_step_is_the_torch_adapters_step_split_by_heads(torch_tp, torch_tp_4, case, cache):
+    """One seed gives torch and torch-tp the same step on the same cache (each rank keeps its kv heads' part)."""
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.core import assert_close
+
+    cfg, _ = DECODE_CASES[case]
+    params = init_params(cfg, seed=0)
+    options = {"context": 20, "batch": 2, "step": 2, "dtype": "float64", "cache": cache, "seed": 4}
+    expected = get_backend("torch").prepare_decode(cfg, params, **options).output()  # (B, 2, D)
+    for backend, strategy in [(torch_tp, STANDARD), (torch_tp, MANUAL), (torch_tp_4, MANUAL)]:
+        prepared = backend.prepare_decode(cfg, params, strategy=strategy, **options)
+        first, second = prepared.output(), prepared.output()
+        assert_close(first, expected, "float64", what=f"{backend.world}-rank {strategy} step")
+        np.testing.assert_array_equal(first, second)  # the cache is put back: every call is the same step
+        slots = 22 if cfg.window is None else ring_capacity(cfg, 2)
+        info = prepared.info["cache"]
+        assert info["slots"] == slots and info["bytes"] == backend.world * info["bytes_per_rank"]
+        stages = backend.canonical_stages(prepared)
+        assert_close(stages["output"], expected, "float64", what="the step's stages' output")
+        assert stages["k_rotated"].shape == (2, cfg.n_kv_heads, 2, cfg.d_k)  # the step's new keys, every kv head

@@ -16,7 +16,7 @@ from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, Sha
 from mha_rosetta.core.decode import DecodeInputs
 from mha_rosetta.core.variants import alibi_slopes
 
-from ..base import Backend, Prepared, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
+from ..base import Backend, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from .workers import WorkerGroup, worker_prepared
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
@@ -96,7 +96,7 @@ class ShardedBackend(Backend):
         world = self.world_for(cfg)
         plan = shard_plan(cfg, world)
         group = self.group()
-        payload = (cfg, params, inputs, dtype, strategy, world, cache)
+        payload = ("run", cfg, params, inputs, dtype, strategy, world, cache)
         what = f"preparing a {strategy} decode on {world} {self.rank_noun}"
         key, info = group.request("decode_prepare", payload, PREPARE_SECONDS, what=what)[0]
 
@@ -115,11 +115,29 @@ class ShardedBackend(Backend):
         return PreparedDecode(run, to_numpy, step_stages, info=info)
 
     def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        raise UnsupportedCase(
-            f"{self.name} has no decode step to time: its decode runs whole (prefill and every step) in one request "
-            "to its worker processes, so one step on a prefilled cache is not a request it serves yet (run_decode "
-            "is supported)"
-        )
+        """The benchmark's one step (`Backend.prepare_decode`) in the workers: "decode_prepare" with a "step"
+        payload builds each rank's cache of ``context`` random tokens; ``forward`` is one "decode_run" request
+        (each rank writes and attends its heads, one all-reduce, then restores its cache), so its time includes
+        the request's round trip to the workers, as the sharded forward's does."""
+        world = self.world_for(cfg)
+        plan = shard_plan(cfg, world)
+        group = self.group()
+        payload = ("step", cfg, params, batch, context, step, dtype, strategy, world, cache, seed)
+        what = f"preparing a {strategy} decode step at context {context} on {world} {self.rank_noun}"
+        key, info = group.request("decode_prepare", payload, PREPARE_SECONDS, what=what)[0]
+
+        def forward():
+            group.request("decode_run", key, FORWARD_SECONDS, what="running the decode step")
+            return key
+
+        def to_numpy(_token) -> np.ndarray:
+            return tensor_to_numpy(group.request("decode_fetch", key, FORWARD_SECONDS, what="fetching the output")[0])
+
+        def native_stages() -> dict[str, StageTensor]:
+            answers = group.request("decode_stages", key, FORWARD_SECONDS, what="gathering the step's stages")
+            return self._decode_chunk_stages(answers, plan)[0]
+
+        return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
 
     def _decode_chunk_stages(self, answers: list, plan: ShardPlan) -> list[dict[str, StageTensor]]:
         """The workers' answers to "decode_stages" -> per chunk, canonical stage tensors. Each rank answers

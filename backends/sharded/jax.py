@@ -60,7 +60,7 @@ import numpy as np
 from mha_rosetta.core import VARIANTS, MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 from mha_rosetta.core.variants import alibi_slopes
 
-from ..base import STANDARD
+from ..base import STANDARD, UnsupportedCase
 from . import jax_decode
 from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
 from .workers import Programs, WorkerGroup, serve
@@ -119,6 +119,12 @@ class JaxShardedBackend(ShardedBackend):
         """The rank count a case runs on: the one given, or the largest that splits the heads."""
         return default_world(cfg, self.max_devices) if self.world is None else self.world
 
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        raise UnsupportedCase(
+            f"{self.name} has no decode step to time yet: its worker builds whole decode runs (run_decode), not "
+            "one step on a prefilled sharded cache"
+        )
+
     def _new_group(self) -> WorkerGroup:
         # The caller's XLA flags (the check's compile settings, a user's own) go along; the device count is added.
         flags = " ".join(
@@ -148,11 +154,12 @@ def _worker_main(conn, rank: int, size: int) -> None:
     from .jax_decode import build_decode
 
     # A decode run: built once, then run whole (prefill and steps) per request, its sharded cache kept here.
-    decoders = Programs(
-        lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
+    builders = {
+        "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
             cfg, params, inputs, dtype, strategy, world
         )
-    )
+    }
+    decoders = Programs(lambda kind, *payload: builders[kind](*payload))
     handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
     handlers.update(
         decode_prepare=decoders.prepare,

@@ -145,10 +145,12 @@ def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
-    from .torch_decode import build_decode
+    from .torch_decode import build_decode, build_decode_step
 
-    # A decode run: built once, then run whole (prefill and steps) per request, each rank keeping its heads' cache.
-    decoders = Programs(lambda *payload: build_decode(mesh, rank, world, *payload))
+    # A decode run ("run": built once, then run whole, prefill and steps, per request, each rank keeping its
+    # heads' cache) or the benchmark's one step ("step"), by the payload's first entry.
+    builders = {"run": build_decode, "step": build_decode_step}
+    decoders = Programs(lambda kind, *payload: builders[kind](mesh, rank, world, *payload))
     handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
     handlers.update(
         decode_prepare=decoders.prepare,

@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
+
 from mha_rosetta.core import MHAConfig, MHAParams, shard_params, shard_plan
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, decode_stage_names, ring_capacity
 
@@ -45,20 +47,17 @@ DECODE_LAYOUTS = {
 CACHE_LAYOUT = "(B, Hkv_local, T, Dk), (B, Hkv_local, T, Dv) per rank"
 
 
-def build_decode(
-    mesh, rank, world, cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype, strategy, payload_world, cache
+def _rank_layer(
+    mesh, rank, world, cfg: MHAConfig, params: MHAParams, x, positions, valid, kv_positions, dtype, strategy
 ):
-    """One decode run on this rank: its layer, its cache kind, the run and what it exposes."""
-    if payload_world != world:
-        raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
+    """This rank's decode layer over ``x`` (B, s, D) at ``positions`` (B, s) (``kv_positions``: every position its
+    cache will hold, for the score bias's range), and the autograd mode its steps run in."""
     import torch
     import torch.distributed as dist
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    from .._recording import StageRecorder
-    from ..base import canonical_stage, tensor_to_numpy
-    from ..torch.common import to_tensor, torch_dtype
-    from ..torch.decode import DecodeRowSampleMHA, TorchKVCache
+    from ..torch.common import to_tensor
+    from ..torch.decode import DecodeRowSampleMHA
     from ..torch.variants import ScoreBias
     from .common import alibi_slopes_of, shard_variant_params
     from .torch import MANUAL, _head_parallel_module
@@ -100,23 +99,45 @@ def build_decode(
                 rec.record("output", output, ("B", "Nq", "D"), how)
             return output
 
-    layer = RankDecodeLayer(
-        local_cfg, dataclasses.replace(shard, b_o=None), inputs.x, inputs.positions, inputs.valid, dtype, "cpu"
-    )
+    layer = RankDecodeLayer(local_cfg, dataclasses.replace(shard, b_o=None), x, positions, valid, dtype, "cpu")
     if cfg.qk_norm == "projection":
         layer.norm_sum, layer.norm_widths = norm_sum, (cfg.q_width, cfg.k_width)  # the whole layer's widths
-    layer.set_position_tables(inputs.positions, inputs.positions, dtype, "cpu")
+    layer.set_position_tables(positions, kv_positions, dtype, "cpu")
     if layer.bias_tables is not None:  # the rank's slice of the layer's ALiBi slopes, not a local series
         _, lowest, highest = layer.bias_tables
-        span = SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
+        span = SimpleNamespace(
+            positions=np.array(positions, dtype=np.int64), kv_positions=np.array(kv_positions)
+        )  # copies
         bias = ScoreBias(local_cfg, span, dtype, "cpu", alibi_slopes_of(cfg, plan, rank))
         layer.bias_tables = (bias, lowest, highest)
+    # Under inference_mode DTensor resolves RowwiseParallel's partial sums with two all-gathers (sharded.torch).
+    return layer, torch.inference_mode if module is None else torch.no_grad
+
+
+def build_decode(
+    mesh, rank, world, cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype, strategy, payload_world, cache
+):
+    """One decode run on this rank: its layer, its cache kind, the run and what it exposes."""
+    if payload_world != world:
+        raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
+    import torch
+
+    from .._recording import StageRecorder
+    from ..base import canonical_stage, tensor_to_numpy
+    from ..torch.common import torch_dtype
+    from ..torch.decode import TorchKVCache
+    from .torch import MANUAL
+
+    plan = shard_plan(cfg, world)
+    local_cfg = plan.local_cfg
+    positions = inputs.positions
+    layer, mode = _rank_layer(
+        mesh, rank, world, cfg, params, inputs.x, positions, inputs.valid, positions, dtype, strategy
+    )
     ring = ring_capacity(cfg, inputs.step)
     slots = cache_capacity(cfg, inputs.tokens, inputs.step)
     chunks = inputs.chunks()
     names = [name for name in decode_stage_names(local_cfg) if name != "output"]
-    # Under inference_mode DTensor resolves RowwiseParallel's partial sums with two all-gathers (sharded.torch).
-    mode = torch.inference_mode if module is None else torch.no_grad
     state: dict = {}
 
     def run_all(recorders=None):
@@ -161,10 +182,102 @@ def build_decode(
             "one request runs the prefill and every step in each rank, its heads' cache kept through them; "
             + (
                 "dist.all_reduce of each chunk's partial outputs, + b_o"
-                if module is None
+                if strategy == MANUAL
                 else "parallelize_module q/k/v/o projections, RowwiseParallel's all-reduce per chunk"
             )
         ),
         "chunks": len(chunks),
+    }
+    return {"info": info, "run": run, "fetch": fetch, "stages": stages}
+
+
+def build_decode_step(
+    mesh,
+    rank,
+    world,
+    cfg: MHAConfig,
+    params: MHAParams,
+    batch,
+    context,
+    step,
+    dtype,
+    strategy,
+    payload_world,
+    cache,
+    seed,
+):
+    """The benchmark's one step on this rank (`Backend.prepare_decode`): ``step`` new tokens at positions
+    ``context ..`` onto its heads' cache already holding ``context`` tokens (a window's ring full).
+
+    The numbers are the torch adapter's (`torch.decode.prepare_torch_decode_step`): the step's x, then the
+    whole layer's random K and V (`torch.decode.random_cache`), of which each rank keeps its kv heads', so
+    that one seed gives torch and torch-tp the same step. Each call writes the step and then puts the
+    cache's state back, so every call times the same step (and its one all-reduce).
+    """
+    if payload_world != world:
+        raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
+    import torch
+
+    from .._recording import record_stages
+    from ..base import canonical_stage, tensor_to_numpy
+    from ..torch.decode import TorchKVCache, random_cache
+
+    plan = shard_plan(cfg, world)
+    rng = np.random.default_rng(seed)
+    ring = ring_capacity(cfg, step)
+    total = context + step
+    x = rng.standard_normal((batch, step, cfg.d_model))  # (B, step, D): the same on every rank
+    new_positions = np.broadcast_to(np.arange(context, total, dtype=np.int64), (batch, step))  # (B, step)
+    held = context if ring is None else min(context, ring)  # the tokens the cache keeps before the step
+    kv_positions = np.arange(context - held, total, dtype=np.int64)[None]  # (1, held + step)
+    valid = np.ones((batch, step), dtype=bool)
+    layer, mode = _rank_layer(
+        mesh, rank, world, cfg, params, x, np.ascontiguousarray(new_positions), valid, kv_positions, dtype, strategy
+    )
+    slots = cache_capacity(cfg, total, step)
+    kv = TorchKVCache(cache, batch, plan.local_cfg, ring=ring, capacity=slots, like=layer.w_q)
+    if held:
+        k_all, v_all = random_cache(rng, cfg, batch, held, dtype, "cpu")  # (B, Hkv, held, d): the whole layer's
+        heads = plan.kv_heads_of(rank)
+        k_old, v_old = k_all[:, heads.start : heads.stop], v_all[:, heads.start : heads.stop]  # this rank's, views
+        old = torch.from_numpy(np.broadcast_to(kv_positions[:, :held], (batch, held)).copy())
+        kv.write(k_old, v_old, old, torch.ones_like(old, dtype=torch.bool), context - held)
+    saved = kv.state()
+    state: dict = {}
+
+    def one_step(rec=None):
+        try:
+            with mode():
+                return layer.step(kv, 0, step, rec, token=context)  # (B, step, D), all-reduced
+        finally:
+            kv.restore(saved)
+
+    def run():
+        state["output"] = one_step()
+
+    def fetch():
+        return tensor_to_numpy(state["output"]) if rank == 0 else None
+
+    def stages():
+        """One chunk: this rank's canonical stages and the all-reduced output."""
+        recorded = record_stages(one_step)
+        names = [name for name in decode_stage_names(plan.local_cfg) if name != "output"]
+        local = {name: canonical_stage(name, recorded[name]) for name in names if name in recorded}
+        return [(local, tensor_to_numpy(recorded["output"].value))]
+
+    per_rank = batch * plan.local_kv_heads * slots * (cfg.d_k + cfg.d_v) * layer.w_q.element_size()
+    info = {
+        "cache": {
+            "kind": cache,
+            "layout": CACHE_LAYOUT,
+            "slots": slots,
+            "bytes": per_rank * world,  # every rank's K and V together (after the step)
+            "bytes_per_rank": per_rank,
+        },
+        "context": context,
+        "step": step,
+        "world": world,
+        "plan": plan.describe(),
+        "how": "one request per step: each rank writes its heads' keys, attends, one all-reduce; the cache restored",
     }
     return {"info": info, "run": run, "fetch": fetch, "stages": stages}

@@ -168,10 +168,32 @@ def test_jax_sharded_unsupported_decode_says_why(jax_sharded):
         jax_sharded.run_decode(cfg, params, x, prefill=2, strategy="named_sharding")
     with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static\)"):
         jax_sharded.run_decode(cfg, params, x, prefill=2, cache="dynamic")
-    with pytest.raises(UnsupportedCase, match="no decode step to time"):
-        jax_sharded.prepare_decode(cfg, params, context=8)
     with pytest.raises(ValueError, match="prefill must be between 1 and the sequence's 9 tokens, got 0"):
         jax_sharded.run_decode(cfg, params, x, prefill=0)
+
+
+@requires("jax")
+@pytest.mark.parametrize("case", ["gqa_rope_half", "window_outgrown"])
+def test_jax_sharded_benchmark_step_is_the_jax_adapters_step_split_by_heads(jax_sharded, case):
+    """One seed gives jax and jax-sharded the same step on the same cache (each device its kv heads' slice)."""
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.core import assert_close
+
+    cfg, _ = DECODE_CASES[case]
+    params = init_params(cfg, seed=0)
+    options = {"context": 20, "batch": 2, "step": 2, "dtype": "float64", "seed": 4}
+    expected = get_backend("jax").prepare_decode(cfg, params, **options).output()  # (B, 2, D)
+    prepared = jax_sharded.prepare_decode(cfg, params, **options)
+    first, second = prepared.output(), prepared.output()
+    assert_close(first, expected, "float64", what="jax-sharded's benchmark step")
+    np.testing.assert_array_equal(first, second)  # not donated: the same step on the same cache
+    assert prepared.info["compilations"] == {"step": 1}  # compiled ahead, called twice
+    info = prepared.info["cache"]
+    assert info["slots"] == (22 if cfg.window is None else ring_capacity(cfg, 2))
+    assert info["bytes"] == prepared.info["devices"] * info["bytes_per_device"]
+    stages = jax_sharded.canonical_stages(prepared)
+    assert_close(stages["output"], expected, "float64", what="the step's stages' output")
+    assert stages["k_rotated"].shape == (2, cfg.n_kv_heads, 2, cfg.d_k)  # the new keys of every kv head, once
 
 
 @requires("jax")

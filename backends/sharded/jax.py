@@ -60,7 +60,7 @@ import numpy as np
 from mha_rosetta.core import VARIANTS, MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 from mha_rosetta.core.variants import alibi_slopes
 
-from ..base import STANDARD, UnsupportedCase
+from ..base import STANDARD
 from . import jax_decode
 from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
 from .workers import Programs, WorkerGroup, serve
@@ -119,12 +119,6 @@ class JaxShardedBackend(ShardedBackend):
         """The rank count a case runs on: the one given, or the largest that splits the heads."""
         return default_world(cfg, self.max_devices) if self.world is None else self.world
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        raise UnsupportedCase(
-            f"{self.name} has no decode step to time yet: its worker builds whole decode runs (run_decode), not "
-            "one step on a prefilled sharded cache"
-        )
-
     def _new_group(self) -> WorkerGroup:
         # The caller's XLA flags (the check's compile settings, a user's own) go along; the device count is added.
         flags = " ".join(
@@ -151,13 +145,15 @@ def _worker_main(conn, rank: int, size: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
-    from .jax_decode import build_decode
+    from .jax_decode import build_decode, build_decode_step
 
-    # A decode run: built once, then run whole (prefill and steps) per request, its sharded cache kept here.
+    # A decode run ("run": built once, run whole per request, its sharded cache kept here) or the
+    # benchmark's one step ("step"), by the payload's first entry.
     builders = {
         "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
             cfg, params, inputs, dtype, strategy, world
-        )
+        ),
+        "step": build_decode_step,
     }
     decoders = Programs(lambda kind, *payload: builders[kind](*payload))
     handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}

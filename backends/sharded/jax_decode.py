@@ -35,11 +35,12 @@ replicated positions), head QK-norm weights replicated, projection QK-norm's psu
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs, shard_params, shard_plan
-from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names
+from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names, ring_capacity
 
 STATIC = "static"
 CACHE_LAYOUT = "(B, T, Hkv_local, Dk) per device"
@@ -60,17 +61,14 @@ def _count(key) -> None:
     TRACES[key] = TRACES.get(key, 0) + 1
 
 
-def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, strategy: str, world: int):
-    """One decode run on a mesh of ``world`` devices (in the worker process): its programs, device arrays and driver."""
+def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int) -> SimpleNamespace:
+    """The mesh, the weights placed on it as in the forward's standard strategy, and what both programs' bodies
+    share: each device's parameters, its ALiBi slopes and the psum that ends a chunk."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..base import StageTensor, canonical_stage
-    from ..jax.common import enable_float64_if_needed, score_bias_inputs, shared_program, tokens_first_axes
-    from ..jax.decode import _bucket_table, _decode_attend, full_rotary_tables
-    from ..jax.layer import _mha_one_item, mask_for_vmap
-    from .common import gather_heads
+    from ..jax.common import enable_float64_if_needed
     from .jax import MESH_AXIS, variant_shards
 
     enable_float64_if_needed(dtype)
@@ -97,7 +95,6 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
         if getattr(shards[0], name) is not None
     }
     stacked.update({name: put(np.stack([o[name] for o in own]), P(MESH_AXIS)) for name in own[0]})
-    b_o = put(params.b_o, P())
     names = list(params.as_dict())
     sum_squares = None
     if cfg.qk_norm == "projection":
@@ -118,6 +115,72 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
         output = jax.lax.psum(stages["output"], MESH_AXIS)  # the all-reduce of the partial outputs (B, s, D)
         output = output if b_o is None else output + b_o
         return output, {name: stages[name][None] for name in decode_stage_names(local) if name != "output"}
+
+    kv_spec = P(None, None, MESH_AXIS, None)  # (B, T, world*Hkv_local, d): each device its heads' slice
+    return SimpleNamespace(
+        mesh=mesh,
+        plan=plan,
+        local=local,
+        cast=cast,
+        put=put,
+        stacked=stacked,
+        b_o=put(params.b_o, P()),
+        sum_squares=sum_squares,
+        local_params=local_params,
+        slopes_of=slopes_of,
+        finish=finish,
+        kv_spec=kv_spec,
+        cache_specs={"k_cache": kv_spec, "v_cache": kv_spec, "k_pos": P(), "k_valid": P()},
+        replicated=lambda array: put(array, P()),
+    )
+
+
+def _step_program(w: SimpleNamespace, cfg: MHAConfig, world: int, T: int, table_axes):
+    """The step's shard_map (un-jitted) and its key: a chunk of s tokens written at a traced index and attended."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from ..jax.common import shared_program
+    from ..jax.decode import _decode_attend
+    from ..jax.layer import _mha_one_item
+    from .jax import MESH_AXIS
+
+    ring = cfg.window is not None
+
+    def step_body(stacked, b_o, x, tables, extras, cache, index):
+        _count(step_key)  # runs only while JAX traces (and so compiles) this program
+        attend = partial(_decode_attend, slots=T, ring=ring)
+        one_item = partial(_mha_one_item, cfg=w.local, head_mask_axis=None, attend=attend, sum_squares=w.sum_squares)
+        item = {**cache, **w.slopes_of(stacked, extras), "index": index}
+        item_axes = {name: (None if name in ("slopes", "bucket_of", "index") else 0) for name in item}
+        all_items = jax.vmap(one_item, in_axes=(None, 0, 0, 0, None, table_axes, item_axes))
+        stages = all_items(w.local_params(stacked), x, x, x, None, tables, item)
+        return {name: stages[name] for name in _CACHE_NAMES}, *w.finish(stages, b_o)
+
+    step_in = (P(MESH_AXIS), P(), P(), P(), P(), w.cache_specs, P())
+    out_specs = (w.cache_specs, P(), P(MESH_AXIS))
+    # What the body closes over: cfg, the mesh (world) and the slots; JAX's cache then tells shapes apart.
+    step_key = ("jax-sharded.decode.step", cfg, world, T, table_axes)
+    step_map = jax.shard_map(step_body, mesh=w.mesh, in_specs=step_in, out_specs=out_specs)
+    return step_key, shared_program(step_key, step_map, donate_argnums=(5,))
+
+
+def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, strategy: str, world: int):
+    """One decode run on a mesh of ``world`` devices (in the worker process): its programs, device arrays and driver."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ..base import StageTensor, canonical_stage
+    from ..jax.common import score_bias_inputs, shared_program, tokens_first_axes
+    from ..jax.decode import _bucket_table, full_rotary_tables
+    from ..jax.layer import _mha_one_item, mask_for_vmap
+    from .common import gather_heads
+    from .jax import MESH_AXIS
+
+    w = _sharded_weights(cfg, params, dtype, world)
+    mesh, plan, local, cast, put, stacked, b_o = w.mesh, w.plan, w.local, w.cast, w.put, w.stacked, w.b_o
+    sum_squares, local_params, slopes_of, finish = w.sum_squares, w.local_params, w.slopes_of, w.finish
 
     B, N = inputs.batch, inputs.tokens
     T = cache_capacity(cfg, N, inputs.step)
@@ -154,8 +217,7 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
         cache = {name: cache[name].at[:, slots].set(new[name][:, first - kept :]) for name in _CACHE_NAMES}
         return cache, *finish(stages, b_o)
 
-    kv_spec = P(None, None, MESH_AXIS, None)  # (B, T, world*Hkv_local, d): each device its heads' slice
-    cache_specs = {"k_cache": kv_spec, "v_cache": kv_spec, "k_pos": P(), "k_valid": P()}
+    kv_spec, cache_specs = w.kv_spec, w.cache_specs
     out_specs = (cache_specs, P(), P(MESH_AXIS))
     prefill_in = (P(MESH_AXIS), P(), P(), P(), P(), P(), cache_specs, P(), P())
     axes_key = (batch_axis, tuple(sorted(score_axes.items())), table_axes)
@@ -169,20 +231,7 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
     span = int(positions.max() - positions.min())
     bucket_of = None if cfg.rel_buckets is None else put(_bucket_table(cfg, span), P())
 
-    def step_body(stacked, b_o, x, tables, extras, cache, index):
-        _count(step_key)
-        attend = partial(_decode_attend, slots=T, ring=ring)
-        one_item = partial(_mha_one_item, cfg=local, head_mask_axis=None, attend=attend, sum_squares=sum_squares)
-        item = {**cache, **slopes_of(stacked, extras), "index": index}
-        item_axes = {name: (None if name in ("slopes", "bucket_of", "index") else 0) for name in item}
-        all_items = jax.vmap(one_item, in_axes=(None, 0, 0, 0, None, table_axes, item_axes))
-        stages = all_items(local_params(stacked), x, x, x, None, tables, item)
-        return {name: stages[name] for name in _CACHE_NAMES}, *finish(stages, b_o)
-
-    step_in = (P(MESH_AXIS), P(), P(), P(), P(), cache_specs, P())
-    step_key = ("jax-sharded.decode.step", cfg, world, T, table_axes)
-    step_map = jax.shard_map(step_body, mesh=mesh, in_specs=step_in, out_specs=out_specs)
-    _, step = shared_program(step_key, step_map, donate_argnums=(5,))
+    step_key, (_, step) = _step_program(w, cfg, world, T, table_axes)
 
     # -- every chunk's device arguments, put once -------------------------------------------
     def chunk_args(start, stop):
@@ -272,3 +321,107 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
         "matmul_precision": "highest",
     }
     return {"info": info, "run": run, "fetch": fetch, "stages": chunk_stages}
+
+
+def build_decode_step(cfg: MHAConfig, params: MHAParams, batch, context, step, dtype, strategy, world, cache, seed):
+    """The benchmark's one step (`Backend.prepare_decode`): ``step`` tokens at positions ``context ..`` onto the
+    sharded cache holding ``context`` tokens of random numbers (a window's ring full), compiled ahead.
+
+    The numbers are the jax adapter's (`jax.decode.prepare_decode_step`): the whole layer's K (B, T, Hkv, Dk),
+    then V, then the step's x, from ``seed``; each device holds its kv heads' slice, so that one seed gives
+    jax and jax-sharded the same step. The step program is the run's (`_step_program`), jitted here without
+    donation: the timed call repeats on the same cache (each call copies its slice of the cache once).
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ..base import StageTensor, canonical_stage
+    from ..jax.common import tokens_first_axes
+    from ..jax.decode import _bucket_table, full_rotary_tables
+    from .common import gather_heads
+
+    w = _sharded_weights(cfg, params, dtype, world)
+    plan = w.plan
+    ring = ring_capacity(cfg, step)
+    T = context + step if ring is None else ring
+    rng = np.random.default_rng(seed)
+    Hkv = cfg.n_kv_heads
+    k_all = rng.standard_normal((batch, T, Hkv, cfg.d_k))  # (B, T, Hkv, Dk): the whole layer's, as jax draws it
+    v_all = rng.standard_normal((batch, T, Hkv, cfg.d_v))
+    x = rng.standard_normal((batch, step, cfg.d_model))  # (B, s, D)
+
+    def split(array):  # (B, T, Hkv, d) -> (B, T, world*Hkv_local, d): device r's block is its kv heads
+        return np.concatenate(
+            [array[:, :, plan.kv_heads_of(r).start : plan.kv_heads_of(r).stop] for r in range(world)], axis=2
+        )
+
+    held = np.arange(max(0, context - T), context)  # the slots' tokens: the ring's last T (slot t % T)
+    k_pos = np.zeros(T, np.int32)
+    k_pos[held % T] = held
+    k_valid = np.zeros(T, bool)
+    k_valid[held % T] = True
+    kv_cache = {
+        "k_cache": w.put(split(k_all), w.kv_spec),
+        "v_cache": w.put(split(v_all), w.kv_spec),
+        "k_pos": w.replicated(np.broadcast_to(k_pos, (batch, T)).copy()),
+        "k_valid": w.replicated(np.broadcast_to(k_valid, (batch, T)).copy()),
+    }
+    positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, s)
+    tables = full_rotary_tables(cfg, np.arange(context + step)[None].repeat(batch, 0))
+    table_axes = None if tables is None else 0
+    if tables is not None:
+        cos, sin = (w.replicated(table[:, context:]) for table in tables)  # (B, s, r/2)
+        tables = (cos, sin, cos, sin)
+    extras = {
+        "q_pos": w.replicated(positions.astype(np.int32)),
+        "q_valid": w.replicated(np.ones((batch, step), bool)),
+    }
+    if cfg.rel_buckets is not None:
+        extras["bucket_of"] = w.replicated(_bucket_table(cfg, context + step))
+    index = jax.device_put(np.int32(context), NamedSharding(w.mesh, P()))  # the write index: traced, 0-d
+    args = (w.stacked, w.b_o, w.replicated(x), tables, extras, kv_cache, index)
+    _, (step_map, _) = _step_program(w, cfg, world, T, table_axes)
+    jitted = jax.jit(step_map)  # not donated: the timed call repeats on the same cache
+    with jax.default_matmul_precision("highest"):
+        compiled = jitted.lower(*args).compile()  # ahead of time, once
+    state: dict = {}
+
+    def run():
+        state["result"] = compiled(*args)
+        jax.block_until_ready(state["result"])
+
+    def fetch() -> np.ndarray:
+        return np.asarray(state["result"][1])  # (B, s, D)
+
+    axes = tokens_first_axes(w.local)
+
+    def stages() -> list:
+        _, output, stacked_stages = compiled(*args)
+        per_rank = [
+            {
+                name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
+                for name, value in stacked_stages.items()
+            }
+            for rank in range(world)
+        ]
+        return [(gather_heads(plan, per_rank), np.asarray(output))]
+
+    per_device = batch * T * plan.local_kv_heads * (cfg.d_k + cfg.d_v) * np.dtype(w.cast).itemsize
+    info = {
+        "cache": {
+            "kind": STATIC,
+            "layout": CACHE_LAYOUT,
+            "slots": T,
+            "bytes": per_device * world,  # K and V on every device together
+            "bytes_per_device": per_device,
+        },
+        "cache_copied_per_call": True,  # not donated (see the docstring)
+        "compilations": {"step": 1},  # compiled ahead, here; the timed forward calls the executable
+        "context": context,
+        "step": step,
+        "devices": world,
+        "plan": plan.describe(),
+        "matmul_precision": "highest",
+    }
+    return {"info": info, "run": run, "fetch": fetch, "stages": stages}

@@ -27,6 +27,10 @@ Head-parallel decoding as Megatron's and vLLM's tensor parallelism do it, on the
 * A window: the ring of `core.decode.ring_capacity` slots, written as the jax adapter writes it
   (`jax.decode._write`); without one, `core.decode.check_capacity` before each chunk.
 
+The benchmark's one step (`build_decode_step`, `Backend.prepare_decode`) is the run's step program,
+jitted without donation and compiled ahead, on a cache of the jax adapter's random numbers for the
+same seed (each device its kv heads' slice), so that its output equals the jax adapter's step.
+
 The variants ride along as in the sharded forward (`sharded.jax.variant_shards`): sinks, T5's
 table columns and ALiBi's slopes per device's heads (ALiBi's distances and T5's buckets from the
 replicated positions), head QK-norm weights replicated, projection QK-norm's psums.
@@ -245,9 +249,8 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
         }
         if bucket_of is not None:
             extras["bucket_of"] = bucket_of
-        return (x, chunk_tables(start, stop), extras), jax.device_put(
-            np.int32(start), NamedSharding(mesh, P())
-        )  # the write index: traced, 0-d
+        index = jax.device_put(np.int32(start), NamedSharding(mesh, P()))  # the write index: traced, 0-d
+        return (x, chunk_tables(start, stop), extras), index
 
     args = [chunk_args(start, stop) for start, stop in chunks]
     Hl, itemsize = plan.local_kv_heads, np.dtype(cast).itemsize

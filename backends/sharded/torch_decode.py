@@ -20,6 +20,9 @@ The two strategies, as in the forward (`sharded.torch`):
   step calls them for its chunk's projections and its output, and RowwiseParallel's all-reduce
   is the chunk's one collective. It refuses fewer kv heads than ranks, as the forward does.
 
+The benchmark's one step (`build_decode_step`, `Backend.prepare_decode`) is one request per call on a
+cache of the torch adapter's random numbers for the same seed, each rank keeping its kv heads' part.
+
 A projection-wide QK-norm adds its two all-reduces of the sums of squares per chunk (as in the
 forward); ALiBi's slopes are the rank's slice of the whole layer's series; sinks and T5's table
 columns are the rank's heads'.
@@ -40,9 +43,9 @@ DECODE_LAYOUTS = {
     DYNAMIC: "each rank its kv heads' (B, Hkv_local, T, Dk) and (B, Hkv_local, T, Dv), grown with torch.cat on T "
     "every step (Hugging Face's DynamicCache layout), kept through the run; with a window a ring of W - 1 + step "
     "slots",
-    STATIC: "each rank its kv heads' (B, Hkv_local, C, Dk) and (B, Hkv_local, C, Dv), preallocated and written at "
-    "a write index (Hugging Face's StaticCache layout), kept through the run; with a window a ring of W - 1 + step "
-    "slots",
+    STATIC: "each rank its kv heads' (B, Hkv_local, T, Dk) and (B, Hkv_local, T, Dv), preallocated to T slots "
+    "and written at a write index (Hugging Face's StaticCache layout), kept through the run; with a window a ring "
+    "of W - 1 + step slots",
 }
 CACHE_LAYOUT = "(B, Hkv_local, T, Dk), (B, Hkv_local, T, Dv) per rank"
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import partial
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -149,11 +150,12 @@ def _worker_main(conn, rank: int, size: int) -> None:
 
     # A decode run ("run": built once, run whole per request, its sharded cache kept here) or the
     # benchmark's one step ("step"), by the payload's first entry.
+    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards)  # what decode reuses
     builders = {
         "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
-            cfg, params, inputs, dtype, strategy, world
+            cfg, params, inputs, dtype, strategy, world, forward=forward_split
         ),
-        "step": build_decode_step,
+        "step": partial(build_decode_step, forward=forward_split),
     }
     decoders = Programs(lambda kind, *payload: builders[kind](*payload))
     handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}

@@ -65,16 +65,17 @@ def _count(key) -> None:
     TRACES[key] = TRACES.get(key, 0) + 1
 
 
-def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int) -> SimpleNamespace:
+def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int, forward: SimpleNamespace):
     """The mesh, the weights placed on it as in the forward's standard strategy, and what both programs' bodies
-    share: each device's parameters, its ALiBi slopes and the psum that ends a chunk."""
+    share: each device's parameters, its ALiBi slopes and the psum that ends a chunk. ``forward``: the
+    sharded forward's mesh axis and variant split (`sharded.jax` passes them: it imports this module)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from ..jax.common import enable_float64_if_needed
-    from .jax import MESH_AXIS, variant_shards
 
+    MESH_AXIS, variant_shards = forward.mesh_axis, forward.variant_shards
     enable_float64_if_needed(dtype)
     devices = jax.devices()
     if world > len(devices):
@@ -133,6 +134,7 @@ def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int) 
         local_params=local_params,
         slopes_of=slopes_of,
         finish=finish,
+        axis=MESH_AXIS,
         kv_spec=kv_spec,
         cache_specs={"k_cache": kv_spec, "v_cache": kv_spec, "k_pos": P(), "k_valid": P()},
         replicated=lambda array: put(array, P()),
@@ -147,9 +149,8 @@ def _step_program(w: SimpleNamespace, cfg: MHAConfig, world: int, T: int, table_
     from ..jax.common import shared_program
     from ..jax.decode import _decode_attend
     from ..jax.layer import _mha_one_item
-    from .jax import MESH_AXIS
 
-    ring = cfg.window is not None
+    MESH_AXIS, ring = w.axis, cfg.window is not None
 
     def step_body(stacked, b_o, x, tables, extras, cache, index):
         _count(step_key)  # runs only while JAX traces (and so compiles) this program
@@ -169,8 +170,11 @@ def _step_program(w: SimpleNamespace, cfg: MHAConfig, world: int, T: int, table_
     return step_key, shared_program(step_key, step_map, donate_argnums=(5,))
 
 
-def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, strategy: str, world: int):
-    """One decode run on a mesh of ``world`` devices (in the worker process): its programs, device arrays and driver."""
+def build_decode(
+    cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, strategy: str, world: int, *, forward
+):
+    """One decode run on a mesh of ``world`` devices (in the worker process): its programs, device arrays and driver.
+    ``forward``: `sharded.jax`'s mesh axis and variant split (see `_sharded_weights`)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -180,9 +184,9 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
     from ..jax.decode import _bucket_table, full_rotary_tables
     from ..jax.layer import _mha_one_item, mask_for_vmap
     from .common import gather_heads
-    from .jax import MESH_AXIS
 
-    w = _sharded_weights(cfg, params, dtype, world)
+    w = _sharded_weights(cfg, params, dtype, world, forward)
+    MESH_AXIS = w.axis
     mesh, plan, local, cast, put, stacked, b_o = w.mesh, w.plan, w.local, w.cast, w.put, w.stacked, w.b_o
     sum_squares, local_params, slopes_of, finish = w.sum_squares, w.local_params, w.slopes_of, w.finish
 
@@ -326,7 +330,9 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
     return {"info": info, "run": run, "fetch": fetch, "stages": chunk_stages}
 
 
-def build_decode_step(cfg: MHAConfig, params: MHAParams, batch, context, step, dtype, strategy, world, cache, seed):
+def build_decode_step(
+    cfg: MHAConfig, params: MHAParams, batch, context, step, dtype, strategy, world, cache, seed, *, forward
+):
     """The benchmark's one step (`Backend.prepare_decode`): ``step`` tokens at positions ``context ..`` onto the
     sharded cache holding ``context`` tokens of random numbers (a window's ring full), compiled ahead.
 
@@ -344,7 +350,7 @@ def build_decode_step(cfg: MHAConfig, params: MHAParams, batch, context, step, d
     from ..jax.decode import _bucket_table, full_rotary_tables
     from .common import gather_heads
 
-    w = _sharded_weights(cfg, params, dtype, world)
+    w = _sharded_weights(cfg, params, dtype, world, forward)
     plan = w.plan
     ring = ring_capacity(cfg, step)
     T = context + step if ring is None else ring

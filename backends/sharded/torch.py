@@ -54,6 +54,7 @@ import dataclasses
 import datetime
 import os
 import tempfile
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -150,7 +151,8 @@ def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
     # A decode run ("run": built once, then run whole, prefill and steps, per request, each rank keeping its
     # heads' cache) or the benchmark's one step ("step"), by the payload's first entry.
     builders = {"run": build_decode, "step": build_decode_step}
-    decoders = Programs(lambda kind, *payload: builders[kind](mesh, rank, world, *payload))
+    forward_parts = SimpleNamespace(mesh=mesh, head_parallel_module=_head_parallel_module)  # what decode reuses
+    decoders = Programs(lambda kind, *payload: builders[kind](forward_parts, rank, world, *payload))
     handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
     handlers.update(
         decode_prepare=decoders.prepare,

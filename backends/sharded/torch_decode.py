@@ -51,19 +51,20 @@ CACHE_LAYOUT = "(B, Hkv_local, T, Dk), (B, Hkv_local, T, Dv) per rank"
 
 
 def _rank_layer(
-    mesh, rank, world, cfg: MHAConfig, params: MHAParams, x, positions, valid, kv_positions, dtype, strategy
+    forward, rank, world, cfg: MHAConfig, params: MHAParams, x, positions, valid, kv_positions, dtype, strategy
 ):
     """This rank's decode layer over ``x`` (B, s, D) at ``positions`` (B, s) (``kv_positions``: every position its
-    cache will hold, for the score bias's range), and the autograd mode its steps run in."""
+    cache will hold, for the score bias's range), and the autograd mode its steps run in. ``forward``: the rank's
+    DeviceMesh and `sharded.torch`'s parallelised module builder (it passes them: it imports this module)."""
     import torch
     import torch.distributed as dist
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+    from ..base import STANDARD
     from ..torch.common import to_tensor
     from ..torch.decode import DecodeRowSampleMHA
     from ..torch.variants import ScoreBias
     from .common import alibi_slopes_of, shard_variant_params
-    from .torch import MANUAL, _head_parallel_module
 
     plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg
@@ -76,8 +77,8 @@ def _rank_layer(
         return squares / plan.kv_replicas if which == "k" and plan.kv_replicas > 1 else squares
 
     module = None
-    if strategy != MANUAL:
-        module = _head_parallel_module(cfg, params, dtype, mesh, attend=None)
+    if strategy == STANDARD:
+        module = forward.head_parallel_module(cfg, params, dtype, forward.mesh, attend=None)
 
     class RankDecodeLayer(DecodeRowSampleMHA):
         """The torch adapter's decode step on this rank's heads, its output all-reduced (module docstring)."""
@@ -118,7 +119,7 @@ def _rank_layer(
 
 
 def build_decode(
-    mesh, rank, world, cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype, strategy, payload_world, cache
+    forward, rank, world, cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype, strategy, payload_world, cache
 ):
     """One decode run on this rank: its layer, its cache kind, the run and what it exposes."""
     if payload_world != world:
@@ -126,16 +127,15 @@ def build_decode(
     import torch
 
     from .._recording import StageRecorder
-    from ..base import canonical_stage, tensor_to_numpy
+    from ..base import STANDARD, canonical_stage, tensor_to_numpy
     from ..torch.common import torch_dtype
     from ..torch.decode import TorchKVCache
-    from .torch import MANUAL
 
     plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg
     positions = inputs.positions
     layer, mode = _rank_layer(
-        mesh, rank, world, cfg, params, inputs.x, positions, inputs.valid, positions, dtype, strategy
+        forward, rank, world, cfg, params, inputs.x, positions, inputs.valid, positions, dtype, strategy
     )
     ring = ring_capacity(cfg, inputs.step)
     slots = cache_capacity(cfg, inputs.tokens, inputs.step)
@@ -185,7 +185,7 @@ def build_decode(
             "one request runs the prefill and every step in each rank, its heads' cache kept through them; "
             + (
                 "dist.all_reduce of each chunk's partial outputs, + b_o"
-                if strategy == MANUAL
+                if strategy != STANDARD
                 else "parallelize_module q/k/v/o projections, RowwiseParallel's all-reduce per chunk"
             )
         ),
@@ -195,7 +195,7 @@ def build_decode(
 
 
 def build_decode_step(
-    mesh,
+    forward,
     rank,
     world,
     cfg: MHAConfig,
@@ -235,7 +235,7 @@ def build_decode_step(
     kv_positions = np.arange(context - held, total, dtype=np.int64)[None]  # (1, held + step)
     valid = np.ones((batch, step), dtype=bool)
     layer, mode = _rank_layer(
-        mesh, rank, world, cfg, params, x, np.ascontiguousarray(new_positions), valid, kv_positions, dtype, strategy
+        forward, rank, world, cfg, params, x, np.ascontiguousarray(new_positions), valid, kv_positions, dtype, strategy
     )
     slots = cache_capacity(cfg, total, step)
     kv = TorchKVCache(cache, batch, plan.local_cfg, ring=ring, capacity=slots, like=layer.w_q)

@@ -242,7 +242,6 @@ def test_unsupported_decode_strategy_cache_and_libraries_say_why():
     fragments = {
         "jax-dpa": "no KV cache object to step",
         "equinox": "keeps no state between calls",
-        "jax-sharded": "not implemented: a head-parallel decode",
     }
     missing = missing_backends()  # equinox is not installed in the jax-only env: its reason is read where it is
     for name, fragment in fragments.items():

@@ -316,14 +316,8 @@ def test_an_unsupported_cache_or_strategy_says_why():
         sdpa.run_decode(softcapped, init_params(softcapped), x, prefill=1)
 
 
-@pytest.mark.parametrize(
-    ("name", "why"),
-    [
-        ("torch-mha", "nn.MultiheadAttention's API has no KV cache"),
-        ("torch-tp", "a KV cache would have to stay on every rank"),
-    ],
-)
-def test_the_other_torch_paths_say_why_they_do_not_decode(name, why):
+@pytest.mark.parametrize(("name", "why"), [("torch-mha", "nn.MultiheadAttention's API has no KV cache")])
+def test_the_other_torch_paths_say_why_they_do_not_decode(name, why):  # torch-tp decodes: test_decode_sharded.py
     cfg = config()
     backend = get_backend(name)
     assert backend.decode_caches == () and why in backend.decode_unsupported

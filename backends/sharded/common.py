@@ -13,13 +13,15 @@ from functools import partial
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
+from mha_rosetta.core.decode import DecodeInputs
 from mha_rosetta.core.variants import alibi_slopes
 
-from ..base import Backend, Prepared, StageTensor
+from ..base import Backend, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from .workers import WorkerGroup, worker_prepared
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
 FORWARD_SECONDS = 120.0
+DECODE_SECONDS = 300.0  # a whole decode run (the prefill and every step; jax-sharded compiles its two programs)
 
 
 class ShardedBackend(Backend):
@@ -64,6 +66,90 @@ class ShardedBackend(Backend):
             return f"{self.name}: {error}"
         reason = self.plan_reason(plan, strategy)
         return None if reason is None else f"{self.name}: {reason}"
+
+    def decode_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str, cache: str | None) -> str | None:
+        """The base's decode rules (rule 8), then the head plan's, as for the forward."""
+        reason = super().decode_reason(cfg, dtype, device, strategy, cache)
+        if reason:
+            return reason
+        try:
+            plan = shard_plan(cfg, self.world_for(cfg))
+        except ValueError as error:
+            return f"{self.name}: {error}"
+        reason = self.plan_reason(plan, strategy)
+        return None if reason is None else f"{self.name}: {reason}"
+
+    def _prepare_decode_run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        inputs: DecodeInputs,
+        dtype: str,
+        device: str,
+        strategy: str,
+        cache: str,
+    ) -> PreparedDecode:
+        """A whole decode run inside the workers: "decode_prepare" sends the case (each worker builds and keeps
+        its heads' part), "decode_run" runs the prefill and every step there (each rank's cache stays on it
+        between the steps), "decode_fetch" returns every token's output (rank 0's, all-reduced) and
+        "decode_stages" each chunk's stages, gathered by `_decode_chunk_stages`."""
+        world = self.world_for(cfg)
+        plan = shard_plan(cfg, world)
+        group = self.group()
+        payload = ("run", cfg, params, inputs, dtype, strategy, world, cache)
+        what = f"preparing a {strategy} decode on {world} {self.rank_noun}"
+        key, info = group.request("decode_prepare", payload, PREPARE_SECONDS, what=what)[0]
+
+        def run():
+            answer = group.request("decode_run", key, DECODE_SECONDS, what="running the decode")[0]
+            info.update(answer or {})  # e.g. jax-sharded's compilations of this run
+            return key
+
+        def to_numpy(_token) -> np.ndarray:
+            return tensor_to_numpy(group.request("decode_fetch", key, FORWARD_SECONDS, what="fetching the outputs")[0])
+
+        def step_stages() -> list[dict[str, StageTensor]]:
+            answers = group.request("decode_stages", key, DECODE_SECONDS, what="gathering the step stages")
+            return self._decode_chunk_stages(answers, plan)
+
+        return PreparedDecode(run, to_numpy, step_stages, info=info)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        """The benchmark's one step (`Backend.prepare_decode`) in the workers: "decode_prepare" with a "step"
+        payload builds each rank's cache of ``context`` random tokens; ``forward`` is one "decode_run" request
+        (each rank writes and attends its heads, one all-reduce, then restores its cache), so its time includes
+        the request's round trip to the workers, as the sharded forward's does."""
+        world = self.world_for(cfg)
+        plan = shard_plan(cfg, world)
+        group = self.group()
+        payload = ("step", cfg, params, batch, context, step, dtype, strategy, world, cache, seed)
+        what = f"preparing a {strategy} decode step at context {context} on {world} {self.rank_noun}"
+        key, info = group.request("decode_prepare", payload, PREPARE_SECONDS, what=what)[0]
+
+        def forward():
+            group.request("decode_run", key, FORWARD_SECONDS, what="running the decode step")
+            return key
+
+        def to_numpy(_token) -> np.ndarray:
+            return tensor_to_numpy(group.request("decode_fetch", key, FORWARD_SECONDS, what="fetching the output")[0])
+
+        def native_stages() -> dict[str, StageTensor]:
+            answers = group.request("decode_stages", key, FORWARD_SECONDS, what="gathering the step's stages")
+            return self._decode_chunk_stages(answers, plan)[0]
+
+        return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
+
+    def _decode_chunk_stages(self, answers: list, plan: ShardPlan) -> list[dict[str, StageTensor]]:
+        """The workers' answers to "decode_stages" -> per chunk, canonical stage tensors. Each rank answers
+        a list of ``(stages, output)`` per chunk: its heads' canonical stages and the all-reduced output."""
+        chunks = []
+        for number in range(len(answers[0])):
+            per_rank = [answer[number][0] for answer in answers]
+            stages = per_rank[0] if len(answers) == 1 else gather_heads(plan, per_rank)
+            stages["output"] = answers[0][number][1]
+            note = f"chunk {number}: each rank's heads ({plan.describe()}), side by side in rank order"
+            chunks.append({name: StageTensor(value, STAGE_BY_NAME[name].shape, note) for name, value in stages.items()})
+        return chunks
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str

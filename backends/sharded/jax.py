@@ -36,6 +36,10 @@ what each split costs in collectives (``standard``; ``named_sharding`` leaves it
   ``named_sharding``'s partitioner chose 3 there;
 * the window, softcap and qkv bias: per score or per feature, nothing to communicate.
 
+Decoding through a KV cache (`jax_decode`, the ``standard`` strategy): each device keeps its kv
+heads' slice of a static cache sharded over ``"heads"``, one prefill and one step program, a psum
+per chunk.
+
 Devices: ``--xla_force_host_platform_device_count`` only works before JAX starts, and the
 calling process may have started JAX already (the check runs the other JAX backends
 first). So the computation runs in a worker process that this backend starts (with the
@@ -49,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import partial
+from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 
@@ -56,6 +62,7 @@ from mha_rosetta.core import VARIANTS, MHAConfig, numpy_dtype, rotary_tables, sh
 from mha_rosetta.core.variants import alibi_slopes
 
 from ..base import STANDARD
+from . import jax_decode
 from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
 from .workers import Programs, WorkerGroup, serve
 
@@ -84,13 +91,15 @@ class JaxShardedBackend(ShardedBackend):
     )
     strategies = (STANDARD, NAMED_SHARDING)
     rank_noun = "devices"
-    # Every variant, in both strategies (the module docstring says how each is split); forward only.
+    # Every variant, in both strategies (the module docstring says how each is split); no backward pass.
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    decode_unsupported = (
-        "not implemented: a head-parallel decode would keep each device's Hkv/world kv heads in its own cache "
-        "slice and psum each step's output; only the forward (and the jax adapter's single-device cache) exist"
-    )
+    # Rule 8: head-parallel decoding (`jax_decode`): each device its kv heads' slice of a static cache, one
+    # psum per chunk, in the standard (shard_map) strategy, every variant.
+    decode_caches = (jax_decode.STATIC,)
+    decode_strategies = (STANDARD,)
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts: ClassVar[dict[str, str]] = jax_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)
@@ -137,8 +146,27 @@ def _worker_main(conn, rank: int, size: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
+    from .jax_decode import build_decode, build_decode_step
+
+    # A decode run ("run": built once, run whole per request, its sharded cache kept here) or the
+    # benchmark's one step ("step"), by the payload's first entry.
+    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards)  # what decode reuses
+    builders = {
+        "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
+            cfg, params, inputs, dtype, strategy, world, forward=forward_split
+        ),
+        "step": partial(build_decode_step, forward=forward_split),
+    }
+    decoders = Programs(lambda kind, *payload: builders[kind](*payload))
+    handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
+    handlers.update(
+        decode_prepare=decoders.prepare,
+        decode_run=lambda key: decoders[key]["run"](),
+        decode_fetch=lambda key: decoders[key]["fetch"](),
+        decode_stages=lambda key: decoders[key]["stages"](),  # one worker: the devices' heads already gathered
+    )
     conn.send(("ok", {"devices": len(jax.devices())}))
-    serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
+    serve(conn, handlers)
 
 
 def count_all_reduces(hlo_text: str) -> int:

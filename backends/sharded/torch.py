@@ -39,6 +39,9 @@ when ``world`` divides the kv heads; with fewer kv heads than ranks the standard
 refuses the case (it would cut a kv head in half) while ``manual`` replicates each kv
 head on ``world / n_kv_heads`` ranks (Megatron's choice; see `core.sharding`).
 
+Decoding through a KV cache (`torch_decode`, both strategies): one request runs a whole decode in
+every rank, each keeping its heads' Hugging Face cache through it, one all-reduce per chunk.
+
 Processes: started by the first `prepare` and reused by later ones (starting torch costs
 seconds), torn down at exit or by `close()`. Every collective has a time limit
 (``timeout`` of the process group) and every request a deadline; a rank that dies is
@@ -51,12 +54,15 @@ import dataclasses
 import datetime
 import os
 import tempfile
+from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, VARIANTS, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
 from ..base import STANDARD, StageTensor, tensor_to_numpy
+from . import torch_decode
 from .common import PREPARE_SECONDS, ShardedBackend, alibi_slopes_of, gather_heads, shard_variant_params
 from .workers import Programs, WorkerGroup, serve
 
@@ -71,12 +77,14 @@ class TorchTPBackend(ShardedBackend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
-    variants = frozenset(VARIANTS)  # each split as the module docstring says; forward only, as before
+    variants = frozenset(VARIANTS)  # each split as the module docstring says; no backward pass
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    decode_unsupported = (
-        "not implemented: each rank runs one forward in a worker process and returns; a KV cache would have to "
-        "stay on every rank (its heads' keys and values) between calls, which the worker protocol does not keep"
-    )
+    # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
+    # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.
+    decode_caches = (torch_decode.DYNAMIC, torch_decode.STATIC)
+    decode_strategies = (STANDARD, MANUAL)
+    decode_variants = frozenset(VARIANTS)
+    decode_layouts: ClassVar[dict[str, str]] = torch_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)
@@ -138,9 +146,23 @@ def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
+    from .torch_decode import build_decode, build_decode_step
+
+    # A decode run ("run": built once, then run whole, prefill and steps, per request, each rank keeping its
+    # heads' cache) or the benchmark's one step ("step"), by the payload's first entry.
+    builders = {"run": build_decode, "step": build_decode_step}
+    forward_parts = SimpleNamespace(mesh=mesh, head_parallel_module=_head_parallel_module)  # what decode reuses
+    decoders = Programs(lambda kind, *payload: builders[kind](forward_parts, rank, world, *payload))
+    handlers = {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages}
+    handlers.update(
+        decode_prepare=decoders.prepare,
+        decode_run=lambda key: decoders[key]["run"](),
+        decode_fetch=lambda key: decoders[key]["fetch"](),
+        decode_stages=lambda key: decoders[key]["stages"](),
+    )
     conn.send(("ok", {"rank": rank, "world": world, "threads": torch.get_num_threads()}))
     try:
-        serve(conn, {"prepare": programs.prepare, "forward": forward, "fetch": fetch, "stages": stages})
+        serve(conn, handlers)
     finally:
         dist.destroy_process_group()
 

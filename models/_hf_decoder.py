@@ -124,8 +124,11 @@ class Decoder:
         }
         transformers = importlib.import_module("transformers")
         config = hf_config(getattr(transformers, self.config_class)(**config_kwargs), options)
-        attention = getattr(self.modeling(), self.module)
-        return attention(config, layer_idx=0).double().eval()
+        module = getattr(self.modeling(), self.module)(config, layer_idx=0).double().eval()
+        # The instance's is_causal, as transformers' bidirectional models set it: with no mask at all (two-sided,
+        # no padding) SDPA falls back to it, and LlamaAttention's class default True made that run causal.
+        module.is_causal = bool(cfg.causal)
+        return module
 
     def rotary(self, config):
         """The family's rotary module for ``config`` (its forward computes the angles in float32)."""

@@ -174,6 +174,9 @@ SDPA_CASES = [
     ("hf-gpt2", MHAConfig(d_model=15, n_heads=3, causal=True), False),  # no mask at all: the module's own is_causal
     ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), False),
     ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False, causal=True), True),
+    # Two-sided: no mask at all reaches SDPA, so only the module's is_causal (False here) keeps it two-sided.
+    ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False), False),
+    ("hf-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, rope="half", bias=False), True),
     ("hf-gpt-neox", MHAConfig(d_model=24, n_heads=3, rope="half", rope_dims=4, causal=True), True),
     ("hf-bert", MHAConfig(d_model=15, n_heads=3), True),
     (

@@ -57,21 +57,14 @@ class ShardedBackend(Backend):
             self._group.close()
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        reason = super().unsupported_reason(cfg, dtype, device, strategy)
-        if reason:
-            return reason
-        try:
-            plan = shard_plan(cfg, self.world_for(cfg))
-        except ValueError as error:
-            return f"{self.name}: {error}"
-        reason = self.plan_reason(plan, strategy)
-        return None if reason is None else f"{self.name}: {reason}"
+        return super().unsupported_reason(cfg, dtype, device, strategy) or self._head_plan_reason(cfg, strategy)
 
     def decode_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str, cache: str | None) -> str | None:
         """The base's decode rules (rule 8), then the head plan's, as for the forward."""
-        reason = super().decode_reason(cfg, dtype, device, strategy, cache)
-        if reason:
-            return reason
+        return super().decode_reason(cfg, dtype, device, strategy, cache) or self._head_plan_reason(cfg, strategy)
+
+    def _head_plan_reason(self, cfg: MHAConfig, strategy: str) -> str | None:
+        """Why ``cfg``'s heads cannot be split over this backend's ranks for ``strategy``, or None."""
         try:
             plan = shard_plan(cfg, self.world_for(cfg))
         except ValueError as error:

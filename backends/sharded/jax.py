@@ -150,7 +150,8 @@ def _worker_main(conn, rank: int, size: int) -> None:
 
     # A decode run ("run": built once, run whole per request, its sharded cache kept here) or the
     # benchmark's one step ("step"), by the payload's first entry.
-    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards)  # what decode reuses
+    # What decode reuses (the mesh, its axis, the variant split).
+    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards, mesh_of=mesh_of)
     builders = {
         "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
             cfg, params, inputs, dtype, strategy, world, forward=forward_split
@@ -200,10 +201,21 @@ def variant_shards(cfg: MHAConfig, params, world: int) -> list[dict]:
     return shards
 
 
+def mesh_of(world: int):
+    """The 1-D mesh ``"heads"`` of the first ``world`` devices JAX sees (in the worker process)."""
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if world > len(devices):
+        raise ValueError(f"world={world} needs more devices than the {len(devices)} JAX sees")
+    return Mesh(np.array(devices[:world]), (MESH_AXIS,))
+
+
 def _build(cfg, params, inputs, dtype, strategy, world):
     """Compile one case on a mesh of ``world`` devices (in the worker process)."""
     import jax
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from .._layouts import TOKENS_FIRST_STAGE_AXES
@@ -212,10 +224,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
-    devices = jax.devices()
-    if world > len(devices):
-        raise ValueError(f"world={world} needs more devices than the {len(devices)} JAX sees")
-    mesh = Mesh(np.array(devices[:world]), (MESH_AXIS,))
+    mesh = mesh_of(world)
     plan = shard_plan(cfg, world)
     cast = numpy_dtype(dtype)
 

@@ -68,19 +68,16 @@ def _count(key) -> None:
 def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int, forward: SimpleNamespace):
     """The mesh, the weights placed on it as in the forward's standard strategy, and what both programs' bodies
     share: each device's parameters, its ALiBi slopes and the psum that ends a chunk. ``forward``: the
-    sharded forward's mesh axis and variant split (`sharded.jax` passes them: it imports this module)."""
+    sharded forward's mesh, its axis and variant split (`sharded.jax` passes them: it imports this module)."""
     import jax
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from ..jax.common import enable_float64_if_needed
 
     MESH_AXIS, variant_shards = forward.mesh_axis, forward.variant_shards
     enable_float64_if_needed(dtype)
-    devices = jax.devices()
-    if world > len(devices):
-        raise ValueError(f"world={world} needs more devices than the {len(devices)} JAX sees")
-    mesh = Mesh(np.array(devices[:world]), (MESH_AXIS,))
+    mesh = forward.mesh_of(world)
     plan = shard_plan(cfg, world)
     local = plan.local_cfg
     cast = numpy_dtype(dtype)

@@ -134,6 +134,12 @@ class WorkerGroup:
     def request(self, command: str, payloads, timeout: float, what: str = "") -> list:
         """Send ``(command, payload)`` to every rank (one payload for all, or a list of one per
         rank) and return their answers, in rank order."""
+        # A rank of a running group that died since the last request is that request's error, never a silent
+        # restart: the group's prepared programs died with it (close() empties `processes`, so a group torn down
+        # on purpose starts afresh below).
+        dead = next((rank for rank, process in enumerate(self.processes) if process.poll() is not None), None)
+        if dead is not None:
+            self._fail(self._death(dead, what or command))
         if not self.alive:
             self.start()
         if not isinstance(payloads, list):
@@ -142,6 +148,10 @@ class WorkerGroup:
             for conn, payload in zip(self.conns, payloads, strict=True):
                 conn.send((command, payload))
         except (BrokenPipeError, OSError) as error:
+            # A closed pipe is most often a rank that has just died: name it, as `_collect` would.
+            dead = self._dead_rank(exclude=-1, wait=DEATH_SECONDS)
+            if dead is not None:
+                self._fail(self._death(dead, what or command))
             self._fail(f"could not send {command!r}: {error}")
         return self._collect(what or command, timeout)
 

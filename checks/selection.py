@@ -59,9 +59,7 @@ def resolve_backends(backends) -> tuple[list[Backend], dict[str, str], dict[str,
         names: list = available_backends()
         skipped.update(missing_backends())
     else:
-        names = []
-        for item in [backends] if isinstance(backends, str) else backends:
-            names += [item] if isinstance(item, Backend) else _split(item)
+        names = _backend_items(backends)
     for name in names:
         if isinstance(name, Backend):
             chosen.append(name)
@@ -173,14 +171,17 @@ def resolve_selection(backends, strategies, devices, dtypes, cases, executor=Non
     return Selection(chosen, skipped, broken, strategy_filter, device_names, dtype_names, every_dtype, spec_cases)
 
 
+def _backend_items(backends) -> list:
+    """``backends`` (a name, "a,b", or an iterable of names and `Backend` instances) as a flat list."""
+    items: list = []
+    for item in [backends] if isinstance(backends, str) else backends:
+        items += [item] if isinstance(item, Backend) else _split(item)
+    return items
+
+
 def _required_modules(backends) -> list[str]:
     """The libraries the registered backends named in ``backends`` require (None: every registered backend)."""
-    if backends is None:
-        names = list(BACKEND_REGISTRY)
-    else:
-        names = []
-        for item in [backends] if isinstance(backends, str) else backends:
-            names += [] if isinstance(item, Backend) else _split(item)
+    names = list(BACKEND_REGISTRY) if backends is None else _backend_items(backends)
     return [module for name in names if name in BACKEND_REGISTRY for module in BACKEND_REGISTRY[name].requires]
 
 

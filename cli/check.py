@@ -117,9 +117,9 @@ def _executor(args, jobs: int):
 
 
 def _asks_for_gpu(devices) -> bool:
-    from mha_rosetta.checks.selection import _split
+    from mha_rosetta.checks.selection import _resolve_devices  # "cuda" and "all" as the check reads them
 
-    return any(name in ("gpu", "all", "cuda") for name in _split(devices) or ())
+    return "gpu" in _resolve_devices(devices)
 
 
 def _list(out) -> int:

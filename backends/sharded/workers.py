@@ -137,7 +137,7 @@ class WorkerGroup:
         # A rank of a running group that died since the last request is that request's error, never a silent
         # restart: the group's prepared programs died with it (close() empties `processes`, so a group torn down
         # on purpose starts afresh below).
-        dead = next((rank for rank, process in enumerate(self.processes) if process.poll() is not None), None)
+        dead = self._dead_rank(exclude=-1, wait=0.0)
         if dead is not None:
             self._fail(self._death(dead, what or command))
         if not self.alive:

@@ -204,7 +204,8 @@ def decode_markdown(report: dict) -> str:
     window = f"; the windowed row W={settings['window']}" if settings.get("window") else ""
     lines.append(
         f"Layer: d_model {settings['d_model']}, {settings['heads']} heads, {settings['kv_heads']} kv heads, "
-        f"d_k {settings['d_k']}, rope {settings.get('rope')}, {settings['dtype']}, B={settings['batch']}, "
+        f"d_k {settings['d_k']}, rope {settings.get('rope')}, "
+        f"{'biases' if settings.get('bias', True) else 'no biases'}, {settings['dtype']}, B={settings['batch']}, "
         f"{settings['step']} token(s) per step{window}  "
     )
     lines.append(

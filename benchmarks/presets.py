@@ -58,15 +58,16 @@ PRESETS: dict[str, dict] = {
 # ``bench --mode decode`` (benchmarks.decode): one decode step at a context length, timed against the
 # memory bandwidth. Fields of `decode.DecodeSettings`. The default is a decoder layer of a 1-3B model
 # (d_model 2048, 16 heads of d_k 128 over 4 kv heads: Llama 3's GQA ratio of 4 and head width 128,
-# half rotary), B=1, float32 (every implementation has it, and no CPU library here has fast 16-bit
-# kernels), one token per step; the windowed row is W = 4096 (Mistral 7B's, Gemma 2's local layers),
+# half rotary, no biases: the layer of Llama, Mistral and Gemma, so hf-attention runs it through the real
+# LlamaAttention; docs/decode.md measures what biases cost XLA:CPU's one-row products), B=1, float32 (every implementation has it, and no CPU library here has fast
+# 16-bit kernels), one token per step; the windowed row is W = 4096 (Mistral 7B's, Gemma 2's local layers),
 # at contexts below, at and beyond the ring. A prefill of the context is timed up to 4k tokens (at 8k
 # a full float32 score tensor is 16 x 8192^2 x 4 B = 4 GiB, too much beside the other engineers).
 DECODE_PRESETS: dict[str, dict] = {
     "decode": dict(
         implementations=["main"], contexts=[1024, 2048, 4096, 8192, 16384, 32768], window=4096,
         window_contexts=[2048, 8192, 32768], batch=1, step=1, d_model=2048, heads=16, kv_heads=4, d_k=128,
-        rope="half", dtype="float32", policy=dict(min_time=0.3, min_repeats=7, max_time=1.5, warmup=3),
+        rope="half", bias=False, dtype="float32", policy=dict(min_time=0.3, min_repeats=7, max_time=1.5, warmup=3),
         prefill_max=4096, prefill_policy=dict(min_time=0.2, min_repeats=3, max_time=2.0, warmup=1),
         bandwidth_policy=dict(min_time=0.5, min_repeats=7, max_time=2.0, warmup=2), rounds=3,
         cell_timeout=900.0,
@@ -74,7 +75,7 @@ DECODE_PRESETS: dict[str, dict] = {
     # Under a minute or two: a small layer at two short contexts, a window smaller than both, one round.
     "decode-quick": dict(
         implementations=["main"], contexts=[256, 1024], window=128, window_contexts=[256, 1024], batch=1, step=1,
-        d_model=256, heads=4, kv_heads=2, d_k=64, rope="half", dtype="float32",
+        d_model=256, heads=4, kv_heads=2, d_k=64, rope="half", bias=False, dtype="float32",
         policy=dict(min_time=0.05, min_repeats=5, max_time=0.3, warmup=1), prefill_max=1024,
         prefill_policy=dict(min_time=0.02, min_repeats=3, max_time=0.3, warmup=1), array_mb=64,
         bandwidth_policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=1), rounds=1, cell_timeout=120.0,

@@ -332,9 +332,18 @@ def headline_peak(report: dict) -> tuple[str | None, float | None]:
     return report.get("gemm_peak_key"), value
 
 
+def upgrade_decode_cells(data: dict) -> dict:
+    """A schema-1 decode report's cells with ``bias`` filled in: that layer had biases on all four
+    projections (schema 2 records it per cell; the preset's layer now has none). Other files as they are."""
+    if data.get("kind") == "decode" and data.get("schema") == 1:
+        for cell in data.get("cells", []):
+            cell.setdefault("bias", True)
+    return data
+
+
 def load_report(path: str | Path) -> dict:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     if not isinstance(data, dict) or "cells" not in data:
         raise ValueError(f"{path} is not a benchmark report (no 'cells')")
-    return data
+    return upgrade_decode_cells(data)

@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time the forward pass (default), forward+backward (run_vjp: a training step's attention, FLOPs "
         "counted as 3x the forward's matrix products), or both, side by side; decode: one KV-cache decode "
         "step per context length against the memory bandwidth (B=1, d_model 2048, 16 heads, 4 kv heads, "
-        "d_k 128, float32, 1k..32k tokens and a windowed row; --quick: a small layer at 256 and 1024)",
+        "d_k 128, no biases, float32, 1k..32k tokens and a windowed row; --quick: a small layer at 256 and 1024)",
     )
     parser.add_argument(
         "--contexts",

@@ -80,6 +80,8 @@ def decode_shape_label(cell: dict) -> str:
     parts += [f"hkv{cell.get('kv_heads')}", f"dk{cell.get('d_k')}"]
     if cell.get("rope"):
         parts.append(f"rope={cell['rope']}")
+    if cell.get("bias"):
+        parts.append("bias")  # a biased layer (schema-1 files, or a run that asked for one)
     return " ".join(parts)
 
 

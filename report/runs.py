@@ -90,6 +90,10 @@ def load_run(path: str | Path) -> Run:
         raise ValueError(
             f"report: {path}: bench schema {data.get('schema')!r} is not one this version reads ({', '.join(map(str, BENCH_SCHEMAS))})"
         )
+    if kind == "bench":
+        from mha_rosetta.benchmarks.report import upgrade_decode_cells
+
+        data = upgrade_decode_cells(data)
     run = Run(str(path), kind, data, data.get("provenance"))
     if run.provenance is None:
         run.notes.append("no provenance (written before it was recorded): labelled by file name")

@@ -471,3 +471,28 @@ def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, c
     assert check_decode_partial(decode, host_id())["kind"] == "decode"
     assert _main(["bench", "--resume", "--partial", str(decode), "--quick"]) == 2  # a forward sweep refuses it
     assert "holds a decode sweep's finished cells, not a forward sweep's" in capsys.readouterr().err
+
+
+def test_the_preset_layer_has_no_biases_and_a_schema_1_file_had_them(tmp_path):
+    """The decode layer is Llama's (no biases; MHAConfig.bias reaches every cell); a schema-1 file, whose cells
+    do not say, is read as the biased layer it timed, so a baseline never pairs the two layers."""
+    from mha_rosetta.benchmarks.baseline import comparison_key
+    from mha_rosetta.benchmarks.report import load_report
+    from mha_rosetta.report.compare import decode_shape_label
+
+    settings = decode_settings("decode")
+    cells = expand_decode_cells(settings, ["numpy"])
+    assert settings.bias is False and {cell.bias for cell in cells} == {False}
+    assert decode_config(cells[0]).bias is False and decode_config(cells[0]).output_bias is False
+    assert decode_config(DecodeCellSpec(implementation="numpy", context=8, bias=True)).bias is True
+    record = {**cells[0].identity(), "mode": "decode", "status": "ok"}
+    old = {key: value for key, value in record.items() if key != "bias"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": 1, "kind": "decode", "cells": [old]}))
+    loaded = load_report(path)["cells"][0]
+    assert loaded["bias"] is True
+    assert comparison_key(loaded) != comparison_key(record)
+    assert decode_shape_label(loaded) == decode_shape_label(record) + " bias"
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"schema": 2, "kind": "decode", "cells": [old]}))
+    assert "bias" not in load_report(new)["cells"][0]  # only schema 1 is filled in

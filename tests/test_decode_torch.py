@@ -368,8 +368,6 @@ def test_the_flex_oracle_step_stages():
         assert set(chunk) == set(decode_stage_names(cfg))
         for stage in decode_stage_names(cfg):
             assert_decode_close(chunk[stage], want[stage], "float64", f"flex chunk {i} stage {stage}")
-    with pytest.raises(UnsupportedCase, match="torch-flex has no decode step to time"):
-        flex.prepare_decode(cfg, params, context=4)
 
 
 # -- the benchmark's step (prepare_decode) ------------------------------------------------------
@@ -420,11 +418,12 @@ def test_the_timed_step_refuses_bad_sizes():
     ("variants", "context", "step"),
     [({}, 0, 3), ({}, 12, 1), ({}, 12, 3), ({"window": 5}, 3, 2), ({"alibi": True}, 7, 2), ({"qk_norm": "head"}, 5, 1)],
 )
-def test_the_sdpa_oracle_times_the_same_step_as_ours(variants, context, step):
-    """One seed, one random cache (`random_cache`): the oracle's step equals torch's, dynamic and static."""
+@pytest.mark.parametrize("oracle_name", ["torch-sdpa", "torch-flex"])
+def test_the_oracles_time_the_same_step_as_ours(oracle_name, variants, context, step):
+    """One seed, one random cache (`random_cache`): each oracle's step equals torch's, dynamic and static."""
     cfg = config(n_kv_heads=2, rope="half", **variants)
     params = init_params(cfg, seed=19)
-    oracle = get_backend("torch-sdpa").prepare_decode(cfg, params, context=context, step=step, dtype="float64")
+    oracle = get_backend(oracle_name).prepare_decode(cfg, params, context=context, step=step, dtype="float64")
     expected = oracle.output()
     np.testing.assert_array_equal(expected, oracle.output())
     assert oracle.info["cache"]["slots"] == context + step

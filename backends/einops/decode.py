@@ -259,9 +259,12 @@ def prepare_einops_decode_run(
         return outputs
 
     def run():
+        before = decoder.compilations
         outputs = run_chunks(None)
         if backend.array_library == "jax":
-            info["compilations"] = decoder.compilations  # the jitted step's, over every run so far
+            # This run's compilations, as JAX's adapter counts them (`bench --mode decode` flags a timed run
+            # that compiled); the count over every run so far flagged each prefill's first, untimed call.
+            info["compilations"] = decoder.compilations - before
         return outputs
 
     run = _precision_wrapped(backend, device, run)

@@ -152,7 +152,7 @@ class TorchFlexOracle(TorchDevices, Backend):
         "a query that may attend to no key: zeros and lse = -inf (torch 2.13 CPU), the spec's answer",
         "no backward on the CPU: torch 2.13's FlexAttention raises for inputs that require grad there",
         "decoding: eager in every dtype (a compiled kernel would compile once per chunk shape), a BlockMask per "
-        "chunk over its growing cache (every token kept, memory O(N)), made in prepare; no timed decode step",
+        "chunk over its growing cache (every token kept, memory O(N)), made in prepare; the timed step (bench --mode decode) is eager too, a BlockMask over the grown cache",
     )
 
     def __init__(
@@ -208,6 +208,12 @@ class TorchFlexOracle(TorchDevices, Backend):
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_flex_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        return prepare_flex_decode_step(
+            cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed,
+            allow_tf32=self.allow_tf32,
+        )  # fmt: skip
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         if device == "cpu":
@@ -313,3 +319,33 @@ def prepare_flex_decode_run(
 
     note = "eager flex_attention over the cache"
     return prepare_growing_cache_run(cfg, params, inputs, dtype, device, allow_tf32, kernel_for, note)
+
+
+def prepare_flex_decode_step(
+    cfg: MHAConfig,
+    params: MHAParams,
+    *,
+    batch: int,
+    context: int,
+    step: int,
+    dtype: str,
+    device: str,
+    seed: int,
+    allow_tf32: bool = False,
+) -> Prepared:
+    """One timed step (`bench --mode decode`): eager flex_attention of the step's queries over the grown cache,
+    its BlockMask (causal and the window on the positions) made here, once (`torch_decode.prepare_growing_cache_step`)."""
+    from .torch_decode import prepare_growing_cache_step
+
+    def kernel_for(q_positions, kv_positions):
+        B, T = kv_positions.shape
+        keys = np.broadcast_to(np.zeros((), dtype=np.float64), (B, T, cfg.d_model))  # a view: only its shape is read
+        over = prepare_inputs(cfg, keys[:, : q_positions.shape[1]], keys, None, None, q_positions, kv_positions)
+        attend, block_mask = flex_attend(cfg, over, dtype, device, compiled=False)
+        shape = None if block_mask is None else tuple(block_mask.shape)
+        return attend, f"eager flex_attention over the cache (BlockMask {shape})", {"block_mask": str(shape)}
+
+    return prepare_growing_cache_step(
+        cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed,
+        allow_tf32=allow_tf32, kernel_for=kernel_for,
+    )  # fmt: skip

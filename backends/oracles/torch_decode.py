@@ -218,12 +218,50 @@ def prepare_sdpa_decode_step(
     seed: int,
     allow_tf32: bool = False,
 ) -> Prepared:
-    """One timed step (`bench --mode decode`): ``step`` tokens at positions ``context ..`` onto ``context`` cached
-    tokens of random K and V (`torch.decode.random_cache`, the same numbers torch's caches get from one seed).
-    ``forward`` grows the cache with ``torch.cat`` and attends, dropping the grown cache (every call the same
-    step); a window is in the mask over every cached token."""
-    import torch
+    """One timed step (`bench --mode decode`) of the SDPA oracle (`prepare_growing_cache_step`); a window is in the
+    mask over every cached token."""
     import torch.nn.functional as F
+
+    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
+
+    def kernel_for(q_positions, kv_positions):
+        valid = np.ones(kv_positions.shape, dtype=bool)  # (B, T): every slot holds a token
+        kind, mask_of = chunk_mask(cfg, q_positions, kv_positions, valid, dtype, device)
+
+        def kernel(p: dict, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
+
+        return kernel, f"F.scaled_dot_product_attention over the cache ({kind} mask)", {"mask": kind}
+
+    return prepare_growing_cache_step(
+        cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed,
+        allow_tf32=allow_tf32, kernel_for=kernel_for,
+    )  # fmt: skip
+
+
+def prepare_growing_cache_step(
+    cfg: MHAConfig,
+    params: MHAParams,
+    *,
+    batch: int,
+    context: int,
+    step: int,
+    dtype: str,
+    device: str,
+    seed: int,
+    allow_tf32: bool,
+    kernel_for,
+) -> Prepared:
+    """One timed step (`bench --mode decode`) of a torch oracle: ``step`` tokens at positions ``context ..``
+    onto ``context`` cached tokens of random K and V (`torch.decode.random_cache`, the same numbers torch's
+    caches get from one seed). ``forward`` grows the cache with ``torch.cat`` and calls the library's kernel,
+    dropping the grown cache (every call the same step).
+
+    ``kernel_for(q_positions (B, s), kv_positions (B, T)) -> (kernel(p, q, k, v), note, info)``, called once
+    here: the library's attention of the step's queries over the grown cache, in words, and what it adds
+    to ``info``.
+    """
+    import torch
 
     rng = np.random.default_rng(seed)
     x = to_tensor(rng.standard_normal((batch, step, cfg.d_model)), dtype, device)  # (B, step, D), drawn first
@@ -231,11 +269,10 @@ def prepare_sdpa_decode_step(
     total = context + step
     q_positions = np.broadcast_to(np.arange(context, total, dtype=np.int64), (batch, step))  # (B, step)
     kv_positions = np.broadcast_to(np.arange(total, dtype=np.int64), (batch, total))  # (B, T)
-    kind, mask_of = chunk_mask(cfg, q_positions, kv_positions, np.ones((batch, total), dtype=bool), dtype, device)
+    kernel, note, kernel_info = kernel_for(q_positions, kv_positions)
     p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
     every = SimpleNamespace(positions=np.array(q_positions), kv_positions=np.array(q_positions))
     tables = torch_rotary_tables(cfg, every, dtype, device)  # (B, step, r/2)
-    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
 
     def rotate(heads, which: str):
         if tables is None:
@@ -246,9 +283,8 @@ def prepare_sdpa_decode_step(
     def attend(p: dict, q_rotated, k_rotated, v_heads):
         k = torch.cat((k_old, k_rotated), dim=2)  # (B, Hkv, T, Dk): the grown cache, dropped after the call
         v = torch.cat((v_old, v_heads), dim=2)  # (B, Hkv, T, Dv)
-        return F.scaled_dot_product_attention(q_rotated, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
+        return kernel(p, q_rotated, k, v)  # (B, H, step, Dv)
 
-    note = f"F.scaled_dot_product_attention over the cache ({kind} mask)"
     forward = projected_heads_pass(
         cfg, SimpleNamespace(batch=batch, q_tokens=step), dtype, device, attend, note, rotate
     )
@@ -259,7 +295,7 @@ def prepare_sdpa_decode_step(
     run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
     info = {
         "cache": growing_cache_info(cfg, batch, total, x.element_size()),
-        "mask": kind,
+        **kernel_info,
         "context": context,
         "step": step,
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),

@@ -59,7 +59,7 @@ PRESETS: dict[str, dict] = {
 # memory bandwidth. Fields of `decode.DecodeSettings`. The default is a decoder layer of a 1-3B model
 # (d_model 2048, 16 heads of d_k 128 over 4 kv heads: Llama 3's GQA ratio of 4 and head width 128,
 # half rotary, no biases: the layer of Llama, Mistral and Gemma, so hf-attention runs it through the real
-# LlamaAttention; docs/decode.md measures what biases cost XLA:CPU's one-row products), B=1, float32 (every implementation has it, and no CPU library here has fast
+# LlamaAttention; docs/benchmarks.md measures what biases cost XLA:CPU's one-row products), B=1, float32 (every implementation has it, and no CPU library here has fast
 # 16-bit kernels), one token per step; the windowed row is W = 4096 (Mistral 7B's, Gemma 2's local layers),
 # at contexts below, at and beyond the ring. A prefill of the context is timed up to 4k tokens (at 8k
 # a full float32 score tensor is 16 x 8192^2 x 4 B = 4 GiB, too much beside the other engineers).

@@ -38,6 +38,14 @@ PACKING_EXAMPLES = (
     ("per head", "hf-gpt-neox", "query_key_value.weight", "[q_h; k_h; v_h] for each head: GPT-NeoX / Pythia"),
     ("per group", "megatron", "linear_qkv.weight", "[q heads of g | k_g | v_g] for each kv group g: Megatron-LM"),
 )
+# Falcon holds all three in one tensor, chosen by FalconConfig's two switches (`falcon_packings_table`):
+# (packing, kv heads G, caption); the picture draws each from the hf-falcon converter below the three.
+FALCON_PACKINGS = (
+    ("Falcon per group", 2, "new_decoder_architecture=True: [q heads of g | k_g | v_g], G = num_kv_heads"),
+    ("Falcon one group", 1, "multi_query=True: [every q head | k | v], one kv head"),
+    ("Falcon per head", 4, "neither switch: [q_h; k_h; v_h] for each head, as GPT-NeoX"),
+)
+FALCON_TENSOR = "query_key_value.weight"
 
 
 def family_config(layout: str) -> MHAConfig:
@@ -307,25 +315,34 @@ def tensor_table(c: Checkpoint) -> tuple[str, list[str], list[list[str]]]:
     return title, ["stored tensor", "shape", "which slices belong to which role and head"], rows
 
 
-def packing_rows(layout_name: str, tensor: str) -> tuple[MHAConfig, np.ndarray]:
-    """(cfg, owner label per row) of a family's packed q/k/v weight, read back from its converter."""
+def packing_rows(layout_name: str, tensor: str, kv_heads: int | None = None) -> tuple[MHAConfig, np.ndarray]:
+    """(cfg, owner label per row) of a family's packed q/k/v weight, read back from its converter;
+    ``kv_heads`` replaces the family's example's (Falcon's packing follows it)."""
+    from dataclasses import replace
+
     from mha_rosetta.models import get_layout
 
     cfg = family_config(layout_name)
+    cfg = cfg if kv_heads is None else replace(cfg, n_kv_heads=kv_heads)
     numbers = get_layout(layout_name).to_state_dict(cfg, numbered_params(cfg))[tensor][:, 0]  # (rows,)
     return cfg, np.array([_owner(cfg, n) for n in numbers], dtype=object)
 
 
 def save_packing_png(path) -> str:
-    """The three packings of a fused q/k/v weight, row by row, coloured by head (matplotlib, Agg)."""
+    """The three packings of a fused q/k/v weight, then Falcon's three of its one ``query_key_value``, row by
+    row, coloured by role and labelled by head (matplotlib, Agg)."""
+    from mha_rosetta.models import get_layout
+
     from .head_split import pyplot, save_figure
 
     plt = pyplot("packing picture")
 
     role_colours = {"q": "#4c78a8", "k": "#f58518", "v": "#54a24b"}  # one colour per role; labels carry the head
-    figure, axes = plt.subplots(len(PACKING_EXAMPLES), 1, figsize=(12, 1.6 * len(PACKING_EXAMPLES) + 0.6))
-    for ax, (packing, layout_name, tensor, caption) in zip(axes, PACKING_EXAMPLES, strict=True):
-        cfg, owners = packing_rows(layout_name, tensor)
+    examples = [(packing, layout, tensor, caption, None) for packing, layout, tensor, caption in PACKING_EXAMPLES]
+    examples += [(packing, "hf-falcon", FALCON_TENSOR, caption, G) for packing, G, caption in FALCON_PACKINGS]
+    figure, axes = plt.subplots(len(examples), 1, figsize=(12, 1.6 * len(examples) + 0.6))
+    for ax, (packing, layout_name, tensor, caption, kv_heads) in zip(axes, examples, strict=True):
+        cfg, owners = packing_rows(layout_name, tensor, kv_heads)
         for row, owner in enumerate(owners):
             letter, head = owner.split()[0], owner.split()[-1]
             ax.add_patch(
@@ -339,19 +356,14 @@ def save_packing_png(path) -> str:
         ax.set_yticks([])
         ax.set_xticks(range(0, len(owners) + 1, cfg.d_k))
         ax.tick_params(axis="x", labelsize=7)
-        shape = get_layout_shape(layout_name, cfg, tensor)
+        shape = get_layout(layout_name).expected_shapes(cfg)[tensor]
         ax.set_title(f"{packing}: {layout_name} {tensor} {shape}  -  {caption}", fontsize=9, loc="left")
     axes[-1].set_xlabel(
         "row of the stored (out, in) weight; label = role + head (the kv head for k and v); blue q, orange k, green v"
     )
     figure.suptitle(
-        f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv groups)",
+        f"Three packings of q, k, v in one weight ({family_config('timm-vit').describe()}; Megatron with 2 kv "
+        "groups), then Falcon's three, one per FalconConfig, in one tensor name",
         fontsize=10,
     )
     return save_figure(figure, path)
-
-
-def get_layout_shape(layout_name: str, cfg: MHAConfig, tensor: str) -> tuple[int, ...]:
-    from mha_rosetta.models import get_layout
-
-    return get_layout(layout_name).expected_shapes(cfg)[tensor]

@@ -12,6 +12,8 @@ import pytest
 
 from mha_rosetta.explain import explain
 from mha_rosetta.explain.real_checkpoints import (
+    FALCON_PACKINGS,
+    FALCON_TENSOR,
     PACKING_EXAMPLES,
     checkpoint,
     family_config,
@@ -70,6 +72,15 @@ def test_packing_rows_of_the_three_examples():
     assert list(owners["blocks"][[0, 16, 32]]) == ["q head 0", "k head 0", "v head 0"]
     assert list(owners["per head"][[0, 4, 8, 12]]) == ["q head 0", "k head 0", "v head 0", "q head 1"]
     assert list(owners["per group"][[4, 8, 12, 16]]) == ["q head 1", "k kv head 0", "v kv head 0", "q head 2"]
+
+
+def test_falcons_three_packings_in_the_picture_come_from_its_converter():
+    """G = 2, 1 and 4 kv heads: per group, one group (multi_query) and per head, as `falcon_packings_table` says."""
+    owners = {G: packing_rows("hf-falcon", FALCON_TENSOR, G)[1] for _, G, _ in FALCON_PACKINGS}
+    assert [len(owners[G]) for G in (2, 1, 4)] == [32, 24, 48]
+    assert list(owners[2][[4, 8, 12, 16]]) == ["q head 1", "k kv head 0", "v kv head 0", "q head 2"]
+    assert list(owners[1][[12, 16, 20]]) == ["q head 3", "k kv head 0", "v kv head 0"]
+    assert list(owners[4][[0, 4, 8, 12]]) == ["q head 0", "k head 0", "v head 0", "q head 1"]
 
 
 def test_packing_png(tmp_path):

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from mha_rosetta.report.provenance import remember_start
+
+    remember_start()  # the JSON's git state is the code this command runs, however long it runs
     try:
         return _subcommand_module(args.command).run(args)
     except KeyboardInterrupt:

@@ -123,17 +123,35 @@ def tool_version() -> str:
         return "0+unknown"  # run from sources that were never installed
 
 
+# The checkout's state when the command started (`remember_start`): the code it runs. A sweep can run
+# for an hour and write its JSON at the end; a commit made meanwhile is not the code that measured.
+_START: dict = {}
+
+
+def _now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def remember_start() -> None:
+    """Record the git state and the time now, as a command starts (`cli.main` calls it for each command):
+    every later `provenance()` of this process reports them, not the state when its JSON is written."""
+    _START.update(git=git_state(), started_utc=_now_utc())
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """Everything a reader needs to know where a JSON result came from (schema `PROVENANCE_VERSION`).
 
-    ``argv``: the command line (default: ``sys.argv``). ``git`` is null outside a checkout.
+    ``argv``: the command line (default: ``sys.argv``). ``git`` is null outside a checkout; after
+    `remember_start` it is the state when the command started, and ``started_utc`` says when.
     """
+    started = {"started_utc": _START["started_utc"]} if _START else {}
     return {
         "provenance_version": PROVENANCE_VERSION,
         "tool": "mha-rosetta",
         "tool_version": tool_version(),
-        "git": git_state(),
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git": _START["git"] if _START else git_state(),
+        **started,
+        "created_utc": _now_utc(),
         "host": socket.gethostname(),
         "host_id": host_id(),
         "cpu_model": cpu_model(),

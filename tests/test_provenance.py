@@ -177,3 +177,25 @@ def test_diagnose_json_has_provenance():
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["agrees"] is True and data["provenance"]["tool"] == "mha-rosetta"
+
+
+def test_the_git_state_is_the_one_the_command_started_with(monkeypatch):
+    """A sweep writes its JSON at the end; a commit made while it ran is not the code that measured."""
+    states = iter([{"commit": "a" * 40, "dirty": False, "branch": "main"}, {"commit": "b" * 40, "dirty": True}])
+    monkeypatch.setattr(prov, "git_state", lambda root=None: next(states))
+    monkeypatch.setattr(prov, "_START", {})
+    prov.remember_start()
+    record = prov.provenance()
+    assert record["git"] == {"commit": "a" * 40, "dirty": False, "branch": "main"}
+    assert record["started_utc"] <= record["created_utc"]
+    monkeypatch.setattr(prov, "_START", {})  # no command started: the state now
+    live = prov.provenance()
+    assert live["git"]["commit"] == "b" * 40 and "started_utc" not in live
+
+
+def test_each_cli_command_records_its_start(tmp_path):
+    from mha_rosetta.cli.main import main
+
+    path = tmp_path / "claims.json"
+    assert main(["explain", "--claims", "--json", str(path)]) in (0, 1)
+    assert json.loads(path.read_text())["provenance"]["started_utc"]

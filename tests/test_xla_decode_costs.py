@@ -1,0 +1,49 @@
+"""scripts/xla-decode-costs runs and prints every figure docs/benchmarks.md cites (at a small size: no speed is asserted)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "xla-decode-costs"
+
+
+def load_script():
+    loader = importlib.machinery.SourceFileLoader("xla_decode_costs", str(SCRIPT))  # no .py suffix
+    spec = importlib.util.spec_from_loader("xla_decode_costs", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_script_prints_each_variant_and_the_cache_layouts(capsys):
+    pytest.importorskip("jax", reason="jax is not installed: pip install 'mha-rosetta[jax]'")
+    script = load_script()
+    script.main(64)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("jax ") and "D=64" in lines[0]
+    for rows, line in zip((" 1 row(s)", "16 row(s)"), lines[1:3], strict=True):
+        assert line.startswith(rows)
+        for name in ("x @ W.T:", "x @ W.T + b:", "barrier(x @ W.T) + b:", "x @ W_(in,out) + b:"):
+            assert name in line, line
+    assert "cache (T, Hkv, Dk)" in lines[3] and "cache (Hkv, T, Dk)" in lines[3] and "not donated" in lines[3]
+
+
+def test_the_two_cache_layouts_compute_the_same_attention():
+    """The timed functions compare layouts of one computation: the head-major einsum on the transposed cache
+    gives the sequence-major one's numbers."""
+    pytest.importorskip("jax", reason="jax is not installed: pip install 'mha-rosetta[jax]'")
+    import jax.numpy as jnp
+    import numpy as np
+
+    script = load_script()
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 2, 3, 8)), jnp.float32)  # (s, Hkv, G, Dk)
+    k = rng.standard_normal((10, 2, 8)).astype(np.float32)  # (T, Hkv, Dk)
+    functions = script.attention_functions()
+    by_token = functions["sequence_major"](q, jnp.asarray(k), jnp.asarray(k))
+    by_head = functions["head_major"](q, jnp.asarray(k.transpose(1, 0, 2)), jnp.asarray(k.transpose(1, 0, 2)))
+    np.testing.assert_allclose(np.asarray(by_token), np.asarray(by_head), rtol=1e-5, atol=1e-6)

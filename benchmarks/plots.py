@@ -232,7 +232,8 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
     axes.set_ylabel(f"{what} time per step (ms; bars: range over rounds)")
     axes.set_title(
         f"decode, B={settings['batch']}, {settings['step']} token/step, d_model={settings['d_model']}, "
-        f"{settings['heads']}/{settings['kv_heads']} heads, d_k={settings['d_k']}, {settings['dtype']},\n"
+        f"{settings['heads']}/{settings['kv_heads']} heads, d_k={settings['d_k']}, "
+        f"{'biases' if settings.get('bias', True) else 'no biases'}, {settings['dtype']},\n"
         f"{settings['threads']} thread(s); copy bandwidth {bandwidth or 'not measured'}"
     )
     axes.grid(True, which="both", alpha=0.3)

@@ -218,6 +218,8 @@ def test_compare_runs_counts_the_two_agreement_figures(tmp_path, capsys):
     text = compare_markdown(comparison)
     assert text.startswith("Run agreement: 1 of 2 cells within 5% (raw medians: 1 of 2)")
     assert "Round agreement: 3 of 4 cell-runs with round figures within 10% (raw: 2)" in text
+    assert comparison["cell_runs_needed"] == 4  # 36/38 of 4 cell-runs, rounded up: all 4
+    assert "95% of the cell-runs, 4 of 4, within 10%): NOT met" in text  # this comparison's count, not 36 of 38
     same = compare_runs(first, first)
     assert same["runs_agreeing"] == 2 and same["targets_met"] is True  # 4 of 4 within 10% >= 36/38
 

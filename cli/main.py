@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from mha_rosetta.report.provenance import remember_start
+    from mha_rosetta.report.provenance import forget_start, remember_start
 
     remember_start()  # the JSON's git state is the code this command runs, however long it runs
     try:
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print("interrupted; finished results were kept", file=sys.stderr)
         return INTERRUPTED
+    finally:
+        forget_start()  # a caller that runs several commands in one process gets each one's own start
 
 
 if __name__ == "__main__":

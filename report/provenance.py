@@ -138,6 +138,11 @@ def remember_start() -> None:
     _START.update(git=git_state(), started_utc=_now_utc())
 
 
+def forget_start() -> None:
+    """The command has ended (`cli.main`): later `provenance()` calls read the checkout again."""
+    _START.clear()
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """Everything a reader needs to know where a JSON result came from (schema `PROVENANCE_VERSION`).
 

@@ -199,3 +199,4 @@ def test_each_cli_command_records_its_start(tmp_path):
     path = tmp_path / "claims.json"
     assert main(["explain", "--claims", "--json", str(path)]) in (0, 1)
     assert json.loads(path.read_text())["provenance"]["started_utc"]
+    assert prov._START == {} and "started_utc" not in prov.provenance()  # forgotten when the command ends

@@ -724,11 +724,13 @@ def readme_block(report: dict) -> str:
         for record in report.get("bandwidth", [])
         if record.get("gbps")
     )
+    from .report import layer_biases
+
     tokens = "token" if settings["step"] == 1 else "tokens"
     intro = (
         f"`mha-rosetta bench --mode decode` (B={settings['batch']}, d_model {settings['d_model']}, "
         f"{settings['heads']} heads over {settings['kv_heads']} kv heads, d_k {settings['d_k']}, "
-        f"{'biases' if settings.get('bias', True) else 'no biases'}, "
+        f"{layer_biases(settings)}, "
         f"{settings['dtype']}, {settings['step']} {tokens} per step, {settings['threads']} thread(s), "
         f"{settings['rounds']} round(s)); the limit is the K and V bytes a step reads over the copy "
         f"bandwidth measured in the same run ({bandwidth or 'not measured'}). "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mha_rosetta.core.tables import markdown_table as table_lines
 
-from .report import cell_label
+from .report import cell_label, layer_biases
 from .rounds import cell_interval, cell_time, is_corrected, raw_interval
 from .variants import VARIANT_COLUMNS, variant_pivot, variant_rows
 
@@ -205,7 +205,7 @@ def decode_markdown(report: dict) -> str:
     lines.append(
         f"Layer: d_model {settings['d_model']}, {settings['heads']} heads, {settings['kv_heads']} kv heads, "
         f"d_k {settings['d_k']}, rope {settings.get('rope')}, "
-        f"{'biases' if settings.get('bias', True) else 'no biases'}, {settings['dtype']}, B={settings['batch']}, "
+        f"{layer_biases(settings)}, {settings['dtype']}, B={settings['batch']}, "
         f"{settings['step']} token(s) per step{window}  "
     )
     lines.append(

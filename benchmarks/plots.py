@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import REFERENCE_SIZE, cell_label
+from .report import REFERENCE_SIZE, cell_label, layer_biases
 from .rounds import cell_interval, cell_time, is_corrected, published
 
 MARKERS = "osD^v<>ph*"
@@ -233,7 +233,7 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
     axes.set_title(
         f"decode, B={settings['batch']}, {settings['step']} token/step, d_model={settings['d_model']}, "
         f"{settings['heads']}/{settings['kv_heads']} heads, d_k={settings['d_k']}, "
-        f"{'biases' if settings.get('bias', True) else 'no biases'}, {settings['dtype']},\n"
+        f"{layer_biases(settings)}, {settings['dtype']},\n"
         f"{settings['threads']} thread(s); copy bandwidth {bandwidth or 'not measured'}"
     )
     axes.grid(True, which="both", alpha=0.3)

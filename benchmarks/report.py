@@ -341,6 +341,12 @@ def upgrade_decode_cells(data: dict) -> dict:
     return data
 
 
+def layer_biases(settings: dict) -> str:
+    """``"biases"`` or ``"no biases"``: a decode report's layer, in words (schema-1 settings do not say; that
+    layer had biases, as `upgrade_decode_cells` reads its cells)."""
+    return "biases" if settings.get("bias", True) else "no biases"
+
+
 def load_report(path: str | Path) -> dict:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)

@@ -180,12 +180,18 @@ class _Timings:
     def __init__(self, executor) -> None:
         self.executor = executor
         self.started = time.perf_counter()
-        self.backends: dict[str, dict] = defaultdict(lambda: {"runs": 0, "import": 0.0, "compile": 0.0, "run": 0.0})
+        self.backends: dict[str, dict] = defaultdict(
+            lambda: {"runs": 0, "import": 0.0, "compile": 0.0, "run": 0.0, "loaded": 0, "stored": 0}
+        )
 
     def add(self, backend: str, timing: tuple) -> None:
-        import_seconds, compile_seconds, wall = timing
+        """``timing``: (import, compile, wall seconds[, executables loaded, stored]); the counts come from workers."""
+        import_seconds, compile_seconds, wall = timing[:3]
         entry = self.backends[backend]
         entry["runs"] += 1
+        if len(timing) == 5:
+            entry["loaded"] += timing[3]
+            entry["stored"] += timing[4]
         entry["import"] += import_seconds
         entry["compile"] += compile_seconds
         entry["run"] += max(wall - compile_seconds, 0.0)

@@ -311,15 +311,18 @@ def timing_blocks(result: CheckResult, grad=None, title: str = "forward check") 
         block = Block(
             f"Timings, {heading}: {format_seconds(timings['wall'])} wall with "
             + (f"{timings['jobs']} worker process(es)" if timings["jobs"] else "every run in this process"),
-            ["backend", "runs", "import", "compile", "run", "total"],
+            ["backend", "runs", "import", "compile", "run", "total", "programs"],
         )
         for name, entry in rows:
             total = entry["import"] + entry["compile"] + entry["run"]
             cells = [entry["import"], entry["compile"], entry["run"], total]
-            block.rows.append([name, str(entry["runs"]), *(f"{x:.2f} s" for x in cells)])
+            loaded, stored = entry.get("loaded", 0), entry.get("stored", 0)
+            programs = f"{loaded} read, {stored} new" if loaded or stored else ""
+            block.rows.append([name, str(entry["runs"]), *(f"{x:.2f} s" for x in cells), programs])
         block.notes.append(
             "seconds summed over the runs (in parallel workers they overlap): import = the backend's libraries in "
-            "each worker that ran it; compile = JAX's compile events (tracing, lowering, XLA); run = the rest"
+            "each worker that ran it; compile = JAX's compile events (tracing, lowering, XLA); run = the rest; "
+            "programs = compiled JAX programs read from the executable cache, and compiled and stored in it"
         )
         flags = timings.get("xla_flags")
         block.notes.append(

@@ -12,7 +12,8 @@ Design rules:
   (and a sharded backend's own worker processes and simulated devices) are paid once per
   worker, not once per run; the scheduler keeps a worker on one backend while it has work;
 * every answer carries the time spent importing the backend's libraries, compiling (JAX's
-  compile events) and running, for ``check --timings``.
+  compile events) and running, and how many programs it read from the executable cache and
+  how many it compiled into it (`backends.jax.executables`), for ``check --timings``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,20 @@ from pathlib import Path
 CACHE_SWITCH = "MHA_ROSETTA_JAX_CACHE"  # "0": no persistent compilation cache
 
 
-def jax_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/mha-rosetta/jax-cache``, or ``~/.cache/mha-rosetta/jax-cache``."""
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/mha-rosetta``, or ``~/.cache/mha-rosetta``: every compiled program the check keeps."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "mha-rosetta" / "jax-cache"
+    return Path(root) / "mha-rosetta"
+
+
+def jax_cache_dir() -> Path:
+    """JAX's persistent compilation cache: the programs the executable cache does not keep (``<root>/xla``)."""
+    return cache_root() / "xla"
+
+
+def executables_dir() -> Path:
+    """The project's own programs, compiled and serialized (`backends.jax.executables`): ``<root>/executables``."""
+    return cache_root() / "executables"
 
 
 def cache_enabled(flag: bool | None = None) -> bool:
@@ -77,7 +88,14 @@ def worker_environment(cache: bool, fast_compile: bool) -> dict[str, str]:
 
 
 def jax_cache_environment(enabled: bool) -> dict[str, str]:
-    """Environment variables that give JAX (read when it is imported) its persistent compilation cache.
+    """Environment variables that give the workers their caches of compiled JAX programs.
+
+    Two caches, both under `cache_root`: the project's own programs as executables, keyed by
+    what builds them (`backends.jax.executables`: a warm run skips tracing and lowering, which
+    JAX's cache cannot), and JAX's persistent compilation cache for every other program (a
+    user's adapter, a program without a key). The two never hold the same program (see there).
+    ``<root>/jax-cache``, the one cache of earlier versions, is no longer read: it held the
+    project's programs, which would keep them from ever reaching the executable cache.
 
     JAX writes a program to the cache only if compiling it took at least
     ``jax_persistent_cache_min_compile_time_secs`` (default 1 s) and its entry is large enough
@@ -85,9 +103,15 @@ def jax_cache_environment(enabled: bool) -> dict[str, str]:
     tens of milliseconds, so both thresholds are lifted (0 s, -1: no size limit). With the cache off
     nothing is set, and a directory the user set themselves is left alone.
     """
-    if not enabled or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if not enabled:
         return {}
+    from mha_rosetta.backends.jax.executables import SWITCH
+
+    executables = {SWITCH: str(executables_dir())}
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return executables
     return {
+        **executables,
         "JAX_COMPILATION_CACHE_DIR": str(jax_cache_dir()),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
@@ -122,6 +146,10 @@ def _load_backend(blob: bytes, requires: tuple[str, ...]):
     """The backend from its pickle, its libraries imported now (so the import time is measured apart)."""
     for module in requires:
         importlib.import_module(module)
+    if "jax" in sys.modules:  # one x64 setting for every program this worker traces (`executables.settle_x64`)
+        from mha_rosetta.backends.jax.executables import settle_x64
+
+        settle_x64()
     return pickle.loads(blob)
 
 
@@ -136,6 +164,8 @@ def main(conn, environment: dict[str, str]) -> None:
     os.environ.update(environment)  # before any framework is imported
     # Ctrl-C in a terminal reaches the whole process group: the parent stops the check and the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from mha_rosetta.backends.jax import executables  # the standard library only
+
     from .tasks import execute  # NumPy and the spec only, no framework
 
     backends: dict[str, object] = {}
@@ -164,13 +194,19 @@ def main(conn, environment: dict[str, str]) -> None:
                 import_seconds = time.perf_counter() - started
             clock.listen()
             compiled_before = clock.seconds
+            stored_before = (executables.STATS["loaded"], executables.STATS["compiled"])
             started = time.perf_counter()
-            answer = execute(task, backends[task.backend], oracles)
+            # The executable cache serves the project's own adapters only: its digest covers their source, not a user's.
+            ours = type(backends[task.backend]).__module__.startswith("mha_rosetta.")
+            with executables.allowed(ours):
+                answer = execute(task, backends[task.backend], oracles)
             if not task.stages:
                 answer = task.job.portable(answer)
             wall = time.perf_counter() - started
             clock.listen()  # the run may have imported JAX itself
-            timing = (import_seconds, clock.seconds - compiled_before, wall)
+            loaded = executables.STATS["loaded"] - stored_before[0]
+            stored = executables.STATS["compiled"] - stored_before[1]
+            timing = (import_seconds, clock.seconds - compiled_before, wall, loaded, stored)
             reply = ("ok", answer, timing)
         except Exception as error:  # the job itself catches a backend's errors; this is the worker's
             reply = ("error", f"the worker could not run it: {_error_text(error)}", (import_seconds, 0.0, 0.0))

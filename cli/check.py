@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-jax-cache",
         action="store_true",
-        help="do not use JAX's persistent compilation cache ($XDG_CACHE_HOME/mha-rosetta/jax-cache; "
-        "also off with MHA_ROSETTA_JAX_CACHE=0)",
+        help="do not keep compiled JAX programs between checks ($XDG_CACHE_HOME/mha-rosetta/: the project's "
+        "programs as executables, JAX's persistent cache for the rest; also off with MHA_ROSETTA_JAX_CACHE=0)",
     )
     parser.add_argument(
         "--no-fast-compile",

@@ -102,9 +102,11 @@ def test_exit_descriptions():
 def test_the_jax_cache_lives_in_the_users_cache_directory_and_can_be_turned_off(monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert jax_cache_dir() == tmp_path / "mha-rosetta" / "jax-cache"
+    assert jax_cache_dir() == tmp_path / "mha-rosetta" / "xla"
     environment = jax_cache_environment(True)
-    assert environment["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mha-rosetta" / "jax-cache")
+    assert environment["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mha-rosetta" / "xla")
+    # The project's own programs: compiled executables, keyed by what builds them (`backends.jax.executables`).
+    assert environment["MHA_ROSETTA_JAX_EXECUTABLES"] == str(tmp_path / "mha-rosetta" / "executables")
     # The check's programs compile in milliseconds: without these, JAX would cache none of them.
     assert environment["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
     assert environment["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] == "-1"

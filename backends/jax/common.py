@@ -296,10 +296,17 @@ def shared_program(key: tuple | None, fn: Callable, **jit_options) -> tuple[Call
     """
     import jax
 
+    from . import executables
+
     if key is None:
         return fn, jax.jit(fn, **jit_options)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = (fn, jax.jit(fn, **jit_options))
+        jitted = jax.jit(fn, **jit_options)
+        # Where the check's disk cache is on, its calls run stored executables (not with static arguments,
+        # whose values the digest does not see); everywhere else the plain jit.
+        if executables.directory() is not None and "static_argnums" not in jit_options:
+            jitted = executables.CachedJit(jitted, key)
+        _PROGRAMS[key] = (fn, jitted)
     return _PROGRAMS[key]
 
 
@@ -325,8 +332,10 @@ class CompiledForward:
     def compile(self) -> None:
         import jax
 
+        from .executables import compile_program
+
         with jax.default_matmul_precision(self.matmul_precision):
-            self._compiled = self._jitted.lower(*self.args).compile()
+            self._compiled = compile_program(self._jitted, self.args, self.key)
 
     def __call__(self):
         if self._compiled is None:

@@ -133,6 +133,10 @@ class JaxShardedBackend(ShardedBackend):
 def _worker_main(conn, rank: int, size: int) -> None:
     import jax
 
+    from ..jax.executables import settle_x64
+
+    settle_x64()  # in the check: one x64 setting for every program this process traces
+
     programs = Programs(_build)
 
     def forward(key):
@@ -221,6 +225,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     from .._layouts import TOKENS_FIRST_STAGE_AXES
     from ..base import StageTensor, canonical_stage
     from ..jax.common import VARIANT_STAGE_AXES, enable_float64_if_needed, score_bias_inputs, shared_program
+    from ..jax.executables import compile_program
     from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
@@ -344,7 +349,7 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     _, jitted = shared_program(key, forward)
     _, jitted_stages = shared_program(("stages", *key), stage_fn)
     with jax.default_matmul_precision("highest"):
-        compiled = jitted.lower(*args).compile()
+        compiled = compile_program(jitted, args, key)
     info = {
         "devices": world,
         "mesh": f"1-D mesh {MESH_AXIS!r} of {world} simulated CPU devices",

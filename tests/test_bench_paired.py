@@ -28,6 +28,8 @@ from mha_rosetta.benchmarks.timing import RepeatPolicy, time_interleaved, time_r
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench"
 # The reference report as committed before paired sampling (schema 1, AMD EPYC), kept as test data.
 SCHEMA_1 = Path(__file__).resolve().parent / "data" / "reference-schema1.json"
+# The same, committed with paired samples and corrected by the plain ratio (schema 2, Intel Xeon, 2026-12-01).
+SCHEMA_2 = Path(__file__).resolve().parent / "data" / "reference-schema2.json"
 REFERENCE_S = 0.002  # the fake reference product: 2 ms on an undisturbed host
 WORKLOAD = {"library": "numpy", "device": "cpu", "dtype": "float32", "n": 512, "flops": 2 * 512**3}
 PEAK = {"device": "cpu", "dtype": "float32", "threads": 1, "n": 1024, "gflops": 100.0, "library": "numpy",
@@ -224,7 +226,21 @@ def test_compare_runs_counts_the_two_agreement_figures(tmp_path, capsys):
     assert comparison["targets_met"] is False
     text = compare_markdown(comparison)
     assert text.startswith("Run agreement: 1 of 2 cells within 5% (raw medians: 1 of 2)")
-    assert "Round agreement: 3 of 4 cell-runs with round figures within 10% (raw: 2)" in text
+    # By report: A numpy 2.0% and torch 2.5% (2), B numpy 1.9% (1); raw A torch 0%, B torch 2.5% (1 each).
+    assert comparison["cell_runs_within_by_run"] == [2, 1] and comparison["raw_cell_runs_within_by_run"] == [1, 1]
+    assert "Round agreement: 3 of 4 cell-runs with round figures within 10% (A 2, B 1) (raw: 2 (A 1, B 1))" in text
+    assert comparison["ratio_runs_agreeing"] is None and "plain paired ratio" not in text  # no pairs recorded
+    # Paired reports: the plain ratio's figures (ratio medians x the run's 2 ms reference) are set beside; with
+    # ratios of the raw figures over 2 ms they count as the raw ones do.
+    paired = [{"reference": {"workloads": {reference_key(WORKLOAD): {"median_s": REFERENCE_S}}},
+               "cells": [{**cell, "reference": dict(WORKLOAD), "ratio_median": cell["median_s"] / REFERENCE_S,
+                          "round_ratio_medians": [value / REFERENCE_S for value in cell["round_medians_s"]]}
+                         for cell in report["cells"]]} for report in (first, second)]  # fmt: skip
+    plain = compare_runs(*paired)
+    assert plain["ratio_runs_agreeing"] == 1 and plain["ratio_cell_runs_within"] == 2
+    assert plain["ratio_cell_runs_within_by_run"] == [1, 1] and plain["runs_agreeing"] == 1  # the rule's: as before
+    assert "(raw medians: 1 of 2; plain paired ratio: 1 of 2)" in compare_markdown(plain)
+    assert "(raw: 2 (A 1, B 1); plain paired ratio: 2 (A 1, B 1))" in compare_markdown(plain)
     assert comparison["cell_runs_needed"] == 4  # 36/38 of 4 cell-runs, rounded up: all 4
     assert "95% of the cell-runs, 4 of 4, within 10%): NOT met" in text  # this comparison's count, not 36 of 38
     same = compare_runs(first, first)
@@ -364,11 +380,13 @@ def test_an_old_file_without_the_new_fields_loads_with_its_figures_re_derived(tm
     assert cell["reference_uncorrected"] == "its samples could not be told apart by round: raw figures only"
 
 
-def test_the_committed_schema_2_reference_loads_under_the_rule_and_renders():
-    # Written with the plain ratio; jax-dpa's first visit slowed its reference 2.6x (6.09 ms against 2.30) while
+def test_the_schema_2_reference_loads_under_the_rule_and_renders():
+    # docs/bench/reference.json as committed before the rule (kept as test data), written with the plain
+    # ratio; jax-dpa's first visit slowed its reference 2.6x (6.09 ms against 2.30) while
     # its own median stayed at 117-119 ms, which the old rule could only escape by dropping to raw figures.
-    report = load_report(DOCS / "reference.json")
-    assert report["recorrected_from"] == 2
+    assert json.loads(SCHEMA_2.read_text())["schema"] == 2
+    report = load_report(SCHEMA_2)
+    assert report["recorrected_from"] == 2 and report["schema"] == 3
     cells = {cell["implementation"]: cell for cell in report["cells"] if cell.get("status") == "ok"}
     assert len(cells) == 19 and all(cell["reference_pairs"] >= 27 for cell in cells.values())
     jax_dpa = cells["jax-dpa"]
@@ -377,3 +395,6 @@ def test_the_committed_schema_2_reference_loads_under_the_rule_and_renders():
     assert "reference disturbed" not in " ".join(jax_dpa["warnings"])
     assert max(cell["reference_beta"] for cell in cells.values()) == pytest.approx(0.59, abs=0.01)  # torch:per_head
     assert "| corrected ms | rounds ms | raw ms | raw rounds ms |" in markdown_table(report)
+    # Re-deriving is what the committed file now holds (re-rendered with bench --render ... --write-docs).
+    committed = {cell["implementation"]: cell for cell in load_report(DOCS / "reference.json")["cells"]}
+    assert all(committed[name]["corrected_median_s"] == cell["corrected_median_s"] for name, cell in cells.items())

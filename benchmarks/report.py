@@ -220,10 +220,13 @@ def run_references(cells: list[dict]) -> dict[str, dict]:
 # the fast one), clipped to [0, 1], and each sample becomes sample x (R / its reference) ^ beta, with
 # R the run's median reference. beta = 1 is the plain paired ratio, beta = 0 the raw sample. Measured
 # on two back-to-back reference runs (Intel Xeon, 2 cores, 2026-12-01, docs/benchmarks.md), where the
-# reference's round medians ranged 2.7-7.7 ms: cells within 5% across the runs 15 of 20 with this rule,
-# 14 raw, 10 with the plain ratio; cell-runs with rounds within 10% 29 of 40, 23 raw, 8 plain. A beta
-# from the three round medians alone, or shrunk toward 0 by its t-statistic, did no better (14 of 20);
-# a cell that slows its own reference shows it as a low slope, so no separate escape is needed.
+# reference's round medians ranged 2.7-7.7 ms (`scripts/correction-rules`): cells within 5% across the
+# runs 15 of 20 with this rule, 14 raw, 10 with the plain ratio; cell-runs with rounds within 10% 29 of
+# 40, 23 raw, 8 plain. Other betas did worse across the runs: from the within-visit pairs only (fast
+# drift) 13 and 25; shrunk toward 0 by its t-statistic 14 and 28; from the three round medians alone
+# 14 of 20 (its 32 of 40 rounds are the very points it was fitted to). A cell that slows its own
+# reference shows it as a slope near 0, so no separate escape is needed (dropping schema 2's raised
+# the pair from 14 and 26 to 15 and 29).
 MIN_PAIRS = 10  # fewer pairs than this: no slope is estimated, the cell keeps its raw figures (beta 0)
 _STILL = 1e-18  # a variance of the logs below this per pair (a spread of 1e-9: a clock's rounding) is no movement
 

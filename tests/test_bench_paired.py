@@ -398,3 +398,24 @@ def test_the_schema_2_reference_loads_under_the_rule_and_renders():
     # Re-deriving is what the committed file now holds (re-rendered with bench --render ... --write-docs).
     committed = {cell["implementation"]: cell for cell in load_report(DOCS / "reference.json")["cells"]}
     assert all(committed[name]["corrected_median_s"] == cell["corrected_median_s"] for name, cell in cells.items())
+
+
+def test_the_correction_rules_script_scores_each_rule_on_two_saved_runs(tmp_path, capsys):
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "correction-rules"))
+    paths = [tmp_path / "quiet.json", tmp_path / "disturbed.json"]
+    for path, report in zip(paths, (_run(None), _run("numpy")), strict=True):
+        path.write_text(json.dumps(report))
+    assert script["main"]([str(path) for path in paths]) == 0
+    rows = {row.split(" | ")[0].strip("| "): row for row in capsys.readouterr().out.splitlines()[2:]}
+    # numpy: 10 ms quiet, 12 ms raw with half its samples (and their references) 40% slower. Raw: 2 of 3 cells
+    # agree; every rule that sees the pairs (slope 1) puts it back at 10 ms; the round medians alone cannot (each
+    # visit has the same 12 ms and 2.4 ms medians: no slope). Every round agrees with the others under every rule.
+    expected = {"raw": 2, "plain ratio": 3, "pooled slope": 3, "within-visit slope": 3, "round-median slope": 2,
+                "pooled, shrunk": 3}  # fmt: skip
+    assert set(rows) == set(expected)
+    for rule, agreeing in expected.items():
+        assert rows[rule].startswith(f"| {rule} | {agreeing} of 3 | 6 of 6 (3, 3) |"), rows[rule]
+    assert script["main"]([str(paths[0])]) == 2
+    assert "usage: correction-rules A.json B.json" in capsys.readouterr().err

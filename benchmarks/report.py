@@ -318,7 +318,7 @@ def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
     median, round medians, spread, drift, GFLOP/s and % of peak of the corrected samples."""
     from .gemm import reference_key
 
-    if cell.get("status") != "ok" or not cell.get("reference") or not cell.get("reference_samples_s"):
+    if not cell.get("reference") or not cell.get("reference_samples_s"):
         return cell
     reference_s = workloads.get(reference_key(cell["reference"]), {}).get("median_s")
     samples, references = cell.get("samples_s") or [], cell["reference_samples_s"]
@@ -328,6 +328,7 @@ def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
     counts = visit_sample_counts(cell)
     if counts is None or sum(counts) != len(samples):
         cell["reference_uncorrected"] = "its samples could not be told apart by round: raw figures only"
+        cell["warnings"] = [*(cell.get("warnings") or []), f"not drift-corrected: {cell['reference_uncorrected']}"]
         return cell
     cell["round_sample_counts"] = counts  # recorded (schema 3) or found from the round medians (schema 2)
     fit = reference_fit(samples, references)

@@ -378,6 +378,7 @@ def test_an_old_file_without_the_new_fields_loads_with_its_figures_re_derived(tm
     cell = load_report(path)["cells"][0]
     assert "corrected_median_s" not in cell and cell_time(cell) == cell["median_s"]
     assert cell["reference_uncorrected"] == "its samples could not be told apart by round: raw figures only"
+    assert cell["warnings"] == [f"not drift-corrected: {cell['reference_uncorrected']}"]
 
 
 def test_the_schema_2_reference_loads_under_the_rule_and_renders():

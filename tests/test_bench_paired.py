@@ -388,6 +388,9 @@ def test_the_schema_2_reference_loads_under_the_rule_and_renders():
     assert json.loads(SCHEMA_2.read_text())["schema"] == 2
     report = load_report(SCHEMA_2)
     assert report["recorrected_from"] == 2 and report["schema"] == 3
+    from mha_rosetta.report.runs import load_run
+
+    assert load_run(SCHEMA_2).data["cells"] == report["cells"]  # `mha-rosetta report` reads it the same way
     cells = {cell["implementation"]: cell for cell in report["cells"] if cell.get("status") == "ok"}
     assert len(cells) == 19 and all(cell["reference_pairs"] >= 27 for cell in cells.values())
     jax_dpa = cells["jax-dpa"]

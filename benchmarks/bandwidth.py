@@ -332,3 +332,50 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -- a decode cell against the limit (here, not in `decode`, so that `report` can re-derive a loaded decode report) --
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+
+
+def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None, llc_bytes: int | None = None) -> dict:
+    """Add the limit and what the step reaches of it, tokens per second, the prefill/step ratio and the cache's MiB.
+
+    The figure used is `rounds.cell_time` (drift-corrected where the cell has it); the limit is the
+    K and V bytes the step reads (`bandwidth.kv_read_bytes`) over ``bandwidth_gbps``. Where the step's
+    bytes (K, V and the weights) fit in the last-level cache (``llc_bytes``), the timed steps, which
+    read the same bytes again and again, may read them from the cache rather than from memory, while
+    the bandwidth is memory's: ``fits_last_level_cache`` says so, and % of the limit may pass 100%.
+    (In a real model the other layers' weights would flush the cache between two steps of a layer.)
+    """
+    from .rounds import cell_interval, cell_time
+
+    cell = dict(cell)
+    itemsize = _itemsize(cell["dtype"])
+    ring = None if cell.get("window") is None else cell["window"] - 1 + cell["step"]
+    kv = kv_read_bytes(cell["batch"], cell["context"], cell["kv_heads"], cell["d_k"], cell["d_k"], itemsize, ring)
+    weights = weight_bytes(cell["d_model"], cell["heads"], cell["kv_heads"], cell["d_k"], cell["d_k"], itemsize)
+    cell.update(
+        kv_read_bytes=kv, weight_bytes=weights, bandwidth_gbps=bandwidth_gbps,
+        limit_s=limit_seconds(kv, bandwidth_gbps), limit_with_weights_s=limit_seconds(kv + weights, bandwidth_gbps),
+    )  # fmt: skip
+    if llc_bytes:
+        cell["fits_last_level_cache"] = kv + weights <= llc_bytes
+    cache = cell.get("cache_info")
+    if isinstance(cache, dict) and isinstance(cache.get("bytes"), (int, float)):
+        cell["cache_mb"] = cache["bytes"] / 2**20
+    if cell.get("status") != "ok":
+        return cell
+    step_s = cell_time(cell)
+    low, high = cell_interval(cell)
+    cell.update(
+        step_s=step_s,
+        step_spread_s=[low, high],
+        limit_fraction=limit_fraction(cell["limit_s"], step_s),
+        limit_fraction_with_weights=limit_fraction(cell["limit_with_weights_s"], step_s),
+        tokens_per_s=cell["batch"] * cell["step"] / step_s if step_s > 0 else None,
+    )
+    if cell.get("prefill_median_s") is not None and step_s > 0:
+        cell["prefill_over_step"] = cell["prefill_median_s"] / step_s
+    return cell

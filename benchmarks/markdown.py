@@ -87,8 +87,9 @@ def reference_lines(report: dict) -> list[str]:
         return []
     lines = [
         'Drift-corrected: every sample was followed by one sample of a fixed reference product; "corrected ms" '
-        "is the cell's median paired ratio (sample / reference) x the run's median reference time, \"raw ms\" "
-        "the plain median; rankings and comparisons use the corrected figure  "
+        "is the median of the cell's samples x (the run's median reference time / the sample's reference) ^ beta, "
+        "beta the cell's own slope of log(sample) on log(reference) in [0, 1] (0: the reference did not track it), "
+        '"raw ms" the plain median; rankings and comparisons use the corrected figure  '
     ]
     for key, workload in reference.get("workloads", {}).items():
         median = workload.get("median_s")
@@ -154,7 +155,7 @@ DECODE_COLUMNS = (
 
 
 def decode_row(cell: dict) -> list[str]:
-    """One decode table row (`DECODE_COLUMNS`); the figures are those `decode.enrich_decode_cell` added."""
+    """One decode table row (`DECODE_COLUMNS`); the figures are those `bandwidth.enrich_decode_cell` added."""
     ok = cell.get("status") == "ok"
     cache = cell.get("cache_info") if isinstance(cell.get("cache_info"), dict) else {}
     status = cell.get("status", "")

@@ -3,9 +3,10 @@
 Its renderers live beside it: `markdown` (the table), `plots` (PNG), `baseline` (a saved
 report compared).
 
-JSON layout (``schema`` 2)::
+JSON layout (``schema`` 3)::
 
-    {"schema": 2,
+    {"schema": 3,
+     "recorrected_from": 2,                 # only in a schema-2 file read by `load_report` (and written again)
      "complete": true,                      # false when the sweep was interrupted
      "machine": {"platform", "cpu_model", "cpu_flags", "cores", "allowed_cpus", "python",
                  "libraries": {name: version}, "blas": [threadpoolctl pools]},
@@ -24,7 +25,8 @@ JSON layout (``schema`` 2)::
                 "round_status", "samples_s", "reference", "reference_samples_s", "paired_ratios",
                 "ratio_median", "round_ratio_medians", "round_reference_medians_s", "corrected_median_s",
                 "corrected_round_medians_s", "corrected_spread_s", "corrected_drift", "corrected_gflops",
-                "corrected_peak_fraction", ...}],
+                "corrected_peak_fraction", "round_sample_counts", "reference_beta", "reference_correlation",
+                "reference_pairs", ...}],
      "reference": {"rule", "workloads": {key: {"library", "device", "dtype", "n", "flops",
                    "median_s", "visits"}}, "reference_s", "timed_s", "time_share"},
      "summary": {"cells", "ok", "unsupported", "failed", "warnings", "drift"},
@@ -41,12 +43,18 @@ all its samples pooled, ``round_medians_s`` has one median per round and ``sprea
 
 Schema 2 (paired samples, `benchmarks.rounds`): cells keep every raw sample (``samples_s``)
 and the reference sample that followed each one (``reference_samples_s``, the workload in
-``reference``), with their ratios. ``corrected_median_s`` is the cell's median paired ratio
-x the run's median reference time for that workload (``reference.workloads[key].median_s``:
-the median over every visit's median reference); ``corrected_spread_s`` is ``[min, max]``
-of the same per round; ``corrected_gflops`` and ``corrected_peak_fraction`` follow from it
-(the fraction against the median GEMM peak). ``drift`` now flags a cell by its corrected
-round spread (``corrected_drift``) where it has one; ``round_drift`` stays the raw one. Every
+``reference``), with their ratios. Schema 3 (the control-variate rule, `correct_cell`): each
+sample is corrected by (R / its reference) ^ ``reference_beta``, R the run's median reference
+time for that workload (``reference.workloads[key].median_s``: the median over every visit's
+median reference) and ``reference_beta`` the cell's slope of log(sample) on log(reference),
+clipped to [0, 1] (``reference_correlation`` and ``reference_pairs`` beside it);
+``corrected_median_s`` and ``corrected_round_medians_s`` (split by ``round_sample_counts``) are
+medians of the corrected samples, ``corrected_spread_s`` ``[min, max]`` of the rounds, and
+``corrected_gflops`` and ``corrected_peak_fraction`` follow (against the median GEMM peak).
+``drift`` flags a cell by its corrected round spread (``corrected_drift``) where it has one;
+``round_drift`` stays the raw one. Schema 2 wrote its corrected figures by the plain ratio
+(beta 1, or raw figures for a cell whose reference moved alone: ``reference_disturbed``);
+`load_report` re-derives them from the kept samples by today's rule (`upgrade_report`). Every
 other schema-1 field keeps its meaning, and schema-1 files still load (their cells have no
 corrected figures, so tables and comparisons use the raw ones: `rounds.cell_time`).
 ``reference.time_share`` is the reference's part of all timed work (cells + references).
@@ -66,6 +74,7 @@ see `pinning.malloc_env`); ``malloc_env`` what a cell's child really started wit
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -75,10 +84,19 @@ from pathlib import Path
 from mha_rosetta.backends.versions import library_versions
 from mha_rosetta.report.provenance import provenance
 
-from .rounds import DRIFT_THRESHOLD, FINISHED_STATUSES, round_fractions, spread
+from .rounds import (
+    DRIFT_THRESHOLD,
+    FINISHED_STATUSES,
+    drift_warning,
+    is_drift_warning,
+    relative_range,
+    round_fractions,
+    spread,
+)
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)  # schema 1: no paired references, raw figures only
+SCHEMA_VERSION = 3
+# schema 1: no paired references, raw figures only; 2: corrected by the plain ratio, re-derived at load
+READABLE_SCHEMAS = (1, 2, 3)
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
 PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
@@ -196,58 +214,137 @@ def run_references(cells: list[dict]) -> dict[str, dict]:
     return workloads
 
 
-# A visit whose median reference is this far from the run's median reference, while the cell's
-# own visit median moved by less than half as much, did not see host drift (which slows both):
-# the cell disturbed its reference. Measured on an Intel Xeon (2 cores, 1 thread, 2026-12-01):
-# jax-dpa's first visit slowed its NumPy reference 2.6x (6.1 ms against 2.3 ms) while its own
-# median stayed within 2%, which put a corrected round at 45 ms against a raw 117 ms.
-DISTURBED_REFERENCE = 0.25
+# The control-variate rule (issue 28). A cell's samples are corrected only as far as they are seen to
+# follow their reference: beta is the least-squares slope of log(sample) on log(the reference sample
+# right after it), over all the cell's pairs pooled (so it sees the visit-to-visit drift as well as
+# the fast one), clipped to [0, 1], and each sample becomes sample x (R / its reference) ^ beta, with
+# R the run's median reference. beta = 1 is the plain paired ratio, beta = 0 the raw sample. Measured
+# on two back-to-back reference runs (Intel Xeon, 2 cores, 2026-12-01, docs/benchmarks.md), where the
+# reference's round medians ranged 2.7-7.7 ms (`scripts/correction-rules`): cells within 5% across the
+# runs 15 of 20 with this rule, 14 raw, 10 with the plain ratio; cell-runs with rounds within 10% 29 of
+# 40, 23 raw, 8 plain. Other betas did worse across the runs: from the within-visit pairs only (fast
+# drift) 13 and 25; shrunk toward 0 by its t-statistic 14 and 28; from the three round medians alone
+# 14 of 20 (its 32 of 40 rounds are the very points it was fitted to). A cell that slows its own
+# reference shows it as a slope near 0, so no separate escape is needed (dropping schema 2's raised
+# the pair from 14 and 26 to 15 and 29).
+MIN_PAIRS = 10  # fewer pairs than this: no slope is estimated, the cell keeps its raw figures (beta 0)
+_STILL = 1e-18  # a variance of the logs below this per pair (a spread of 1e-9: a clock's rounding) is no movement
 
 
-def disturbed_visits(cell: dict, reference_s: float) -> list[int]:
-    """The visits (0-based) whose reference the cell itself disturbed (see `DISTURBED_REFERENCE`)."""
-    references = cell.get("round_reference_medians_s") or []
-    raws = cell.get("round_medians_s") or []
-    raw_median = statistics.median([value for value in raws if value]) if any(raws) else None
-    out = []
-    for index, value in enumerate(references):
-        if not value or not raw_median or index >= len(raws) or not raws[index]:
-            continue
-        moved = abs(value / reference_s - 1)
-        if moved > DISTURBED_REFERENCE and abs(raws[index] / raw_median - 1) < moved / 2:
-            out.append(index)
-    return out
+def reference_fit(samples: list[float], references: list[float]) -> dict:
+    """``{"beta", "correlation", "pairs"}``: how far a cell's samples follow their paired references.
+
+    ``beta`` is the slope of log(sample) on log(reference) (cov / var), clipped to [0, 1];
+    ``correlation`` the Pearson correlation of the two logs (None where either never moved).
+    Fewer than `MIN_PAIRS` pairs, or references that never moved, give beta 0.
+    """
+    if len(samples) != len(references):
+        raise ValueError(
+            f"reference_fit: samples and references must pair one to one; got {len(samples)} and {len(references)}"
+        )
+    pairs = len(samples)
+    if pairs < MIN_PAIRS:
+        return {"beta": 0.0, "correlation": None, "pairs": pairs}
+    xs, ys = [math.log(value) for value in references], [math.log(value) for value in samples]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    syy = sum((y - mean_y) ** 2 for y in ys)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    if sxx <= pairs * _STILL:
+        return {"beta": 0.0, "correlation": None, "pairs": pairs}
+    correlation = sxy / math.sqrt(sxx * syy) if syy > pairs * _STILL else None
+    return {"beta": min(1.0, max(0.0, sxy / sxx)), "correlation": correlation, "pairs": pairs}
+
+
+def visit_sample_counts(cell: dict) -> list[int] | None:
+    """How many of a cell's pooled samples each round's visit took: ``round_sample_counts`` where the cell
+    records it (schema 3), else the one split of the pooled samples whose parts have exactly the recorded
+    round medians of samples, paired ratios and references (schema 2; where several splits do, the first:
+    they differ only in samples on the same side of every median). None where no split does."""
+    if cell.get("round_sample_counts") is not None:
+        return list(cell["round_sample_counts"])
+    samples, ratios, references = (cell.get(name) or [] for name in _POOLED)
+    rounds = cell.get("round_medians_s") or []
+    wanted = [(cell.get(name) or [None] * len(rounds)) for name in ("round_ratio_medians", "round_reference_medians_s")]
+    targets = [(index, rounds[index], wanted[0][index], wanted[1][index]) for index in range(len(rounds))
+               if rounds[index] is not None]  # fmt: skip
+    if not samples or not targets:
+        return None
+
+    def fits(start: int, end: int, target: tuple) -> bool:
+        _index, median, ratio, reference = target
+        parts = ((samples, median), (ratios, ratio), (references, reference))
+        return all(want is None or statistics.median(values[start:end]) == want for values, want in parts)
+
+    def split(start: int, position: int) -> list[int] | None:
+        if position == len(targets) - 1:
+            return [len(samples) - start] if start < len(samples) and fits(start, len(samples), targets[-1]) else None
+        for end in range(start + 1, len(samples)):
+            if fits(start, end, targets[position]):
+                rest = split(end, position + 1)
+                if rest is not None:
+                    return [end - start, *rest]
+        return None
+
+    found = split(0, 0)
+    if found is None:
+        return None
+    counts = [0] * len(rounds)
+    for (index, *_), count in zip(targets, found, strict=True):
+        counts[index] = count
+    return counts
+
+
+_POOLED = ("samples_s", "paired_ratios", "reference_samples_s")
+# What `correct_cell` derives; a report re-derived under the current rule (`recorrect_report`) drops these first.
+CORRECTED_FIELDS = (
+    "corrected_median_s", "corrected_round_medians_s", "corrected_spread_s", "corrected_drift", "corrected_gflops",
+    "corrected_peak_fraction", "reference_beta", "reference_correlation", "reference_pairs", "reference_disturbed",
+    "reference_uncorrected",
+)  # fmt: skip
+
+
+def _flag_drift(cell: dict) -> None:
+    """``drift`` and its warning from the cell's published round figures (corrected where it has them)."""
+    drift = cell.get("corrected_drift", cell.get("round_drift"))
+    cell["drift"] = bool(drift is not None and drift > DRIFT_THRESHOLD)
+    kept = [warning for warning in cell.get("warnings") or [] if not is_drift_warning(warning)]
+    cell["warnings"] = kept + ([drift_warning(cell)] if cell["drift"] else [])
 
 
 def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
-    """Add the drift-corrected figures: the cell's paired ratios x its workload's run median reference time."""
+    """Add the drift-corrected figures by the control-variate rule (above `MIN_PAIRS`): every sample x
+    (the run's median reference for its workload / its own reference) ^ beta (`reference_fit`), and the
+    median, round medians, spread, drift, GFLOP/s and % of peak of the corrected samples."""
     from .gemm import reference_key
 
-    if cell.get("ratio_median") is None or not cell.get("reference"):
+    if not cell.get("reference") or not cell.get("reference_samples_s"):
         return cell
     reference_s = workloads.get(reference_key(cell["reference"]), {}).get("median_s")
-    if not reference_s:
+    samples, references = cell.get("samples_s") or [], cell["reference_samples_s"]
+    if not reference_s or len(samples) != len(references):
         return cell
     cell = dict(cell)
-    disturbed = disturbed_visits(cell, reference_s)
-    if disturbed:
-        # The pairing assumes that whatever slows the host slows the sample and its reference alike;
-        # here the reference moved on its own, so a ratio would carry the disturbance: raw figures only.
-        cell["reference_disturbed"] = (
-            f"visit(s) {', '.join(str(i + 1) for i in disturbed)}: the reference moved more than "
-            f"{DISTURBED_REFERENCE:.0%} from the run's median while the cell's own median did not follow "
-            "(the cell's runtime slowed its reference): raw figures only"
-        )
-        cell.pop("corrected_drift", None)  # the raw round spread flags the cell again
-        raw_drift = cell.get("round_drift")
-        cell["drift"] = bool(raw_drift is not None and raw_drift > DRIFT_THRESHOLD)
-        kept = [w for w in cell.get("warnings") or [] if not w.startswith("drift: the round medians of the paired")]
-        cell["warnings"] = [*kept, f"reference disturbed, {cell['reference_disturbed']}"]
+    counts = visit_sample_counts(cell)
+    if counts is None or sum(counts) != len(samples):
+        cell["reference_uncorrected"] = "its samples could not be told apart by round: raw figures only"
+        cell["warnings"] = [*(cell.get("warnings") or []), f"not drift-corrected: {cell['reference_uncorrected']}"]
         return cell
-    cell["corrected_median_s"] = cell["ratio_median"] * reference_s
-    rounds = [None if ratio is None else ratio * reference_s for ratio in cell.get("round_ratio_medians") or []]
+    cell["round_sample_counts"] = counts  # recorded (schema 3) or found from the round medians (schema 2)
+    fit = reference_fit(samples, references)
+    cell.update(reference_beta=fit["beta"], reference_correlation=fit["correlation"], reference_pairs=fit["pairs"])
+    corrected = [
+        sample * (reference_s / paired) ** fit["beta"] for sample, paired in zip(samples, references, strict=True)
+    ]
+    cell["corrected_median_s"] = statistics.median(corrected)
+    rounds, start = [], 0
+    for count in counts:
+        rounds.append(statistics.median(corrected[start : start + count]) if count else None)
+        start += count
     cell["corrected_round_medians_s"] = rounds
     cell["corrected_spread_s"] = spread(rounds) or [cell["corrected_median_s"]] * 2
+    cell["corrected_drift"] = relative_range(rounds)
+    _flag_drift(cell)
     if cell.get("flops"):
         cell["corrected_gflops"] = cell["flops"] / cell["corrected_median_s"] / 1e9
         peak = cell.get("gemm_peak_gflops")
@@ -255,13 +352,19 @@ def correct_cell(cell: dict, workloads: dict[str, dict]) -> dict:
     return cell
 
 
+CORRECTION_RULE = (
+    "corrected sample = sample x (the run's median reference time / the reference sample right after it) ^ beta, "
+    "beta = the cell's slope of log(sample) on log(reference) over all its pairs, clipped to [0, 1] "
+    f"(0, the raw sample, below {MIN_PAIRS} pairs); corrected median and round medians = those of the corrected samples"
+)
+
+
 def reference_summary(cells: list[dict], workloads: dict[str, dict]) -> dict:
     """The report's ``reference`` entry: the workloads, and the reference's share of the timed work."""
     reference_s = sum(cell.get("reference_total_s") or 0.0 for cell in cells)
     timed_s = sum(cell.get("timed_total_s") or 0.0 for cell in cells if cell.get("reference_total_s"))
     return {
-        "rule": "corrected = the cell's median paired ratio (sample / the reference sample right after it) "
-        "x the run's median reference time",
+        "rule": CORRECTION_RULE,
         "workloads": workloads,
         "reference_s": reference_s,
         "timed_s": timed_s,
@@ -347,9 +450,58 @@ def layer_biases(settings: dict) -> str:
     return "biases" if settings.get("bias", True) else "no biases"
 
 
+# Schema 2 wrote its corrected figures by the plain paired ratio (beta = 1), with an escape to the raw ones for
+# a cell that disturbed its reference; it kept every sample and its reference, so they are re-derived.
+PLAIN_RATIO_SCHEMA = 2
+
+
+def recorrect_report(data: dict) -> dict:
+    """``data`` (a loaded forward or decode report) with every paired cell's corrected figures re-derived
+    from its kept samples by today's rule (`correct_cell`), its drift flag and the ``reference`` entry
+    with them; cells without kept pairs are left as they are. The result is a schema-3 report (`SCHEMA_VERSION`)
+    whose ``recorrected_from`` names the schema it was written in."""
+    cells = data.get("cells") or []
+    if not any(cell.get("reference_samples_s") for cell in cells):
+        return data
+    workloads = run_references(cells)
+    decode = data.get("kind") == "decode"
+    if decode:
+        from .bandwidth import enrich_decode_cell
+
+        bandwidths = {record.get("device"): record for record in data.get("bandwidth") or []}
+    out = []
+    for cell in cells:
+        if cell.get("reference_samples_s"):
+            cell = correct_cell({k: v for k, v in cell.items() if k not in CORRECTED_FIELDS}, workloads)
+            if "corrected_median_s" not in cell and cell.get("status") == "ok":
+                _flag_drift(cell)  # raw figures: the raw round spread flags it
+            if decode:
+                record = bandwidths.get(cell.get("device")) or {}
+                cell = enrich_decode_cell(cell, record.get("gbps"), record.get("llc_bytes"))
+        out.append(cell)
+    upgraded = {**data, "schema": SCHEMA_VERSION, "recorrected_from": data.get("schema"), "cells": out}
+    upgraded["reference"] = reference_summary(out, workloads)
+    summary = dict(data.get("summary") or {})
+    if "drift" in summary:
+        summary["drift"] = sum(bool(cell.get("drift")) for cell in out)
+    if "warnings" in summary:
+        summary["warnings"] = sum(bool(cell.get("warnings")) for cell in out)
+    upgraded["summary"] = summary
+    return upgraded
+
+
+def upgrade_report(data: dict) -> dict:
+    """A loaded bench report read by today's rules: a schema-1 decode file's cells with ``bias``
+    (`upgrade_decode_cells`), a schema-2 file's corrected figures re-derived (`recorrect_report`)."""
+    data = upgrade_decode_cells(data)
+    if data.get("schema") == PLAIN_RATIO_SCHEMA:
+        data = recorrect_report(data)
+    return data
+
+
 def load_report(path: str | Path) -> dict:
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     if not isinstance(data, dict) or "cells" not in data:
         raise ValueError(f"{path} is not a benchmark report (no 'cells')")
-    return upgrade_decode_cells(data)
+    return upgrade_report(data)

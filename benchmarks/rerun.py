@@ -11,8 +11,10 @@ preset taken one after the other on one machine:
   target is at least `ROUND_TARGET_SHARE` of the cell-runs (36 of 38) within `ROUND_TARGET`
   (10%).
 
-The raw figures are given beside the corrected ones, so that what the correction buys can be
-read off the same output. Nothing is measured here.
+The raw figures are given beside the corrected ones, and, for paired reports, those of the
+plain paired ratio (beta = 1: ``ratio_median`` and ``round_ratio_medians`` x the run's median
+reference), so that what the correction buys can be read off the same output; the round
+agreement is also counted per report (A, B). Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ def _round_figures(cell: dict, raw: bool) -> list[float]:
     return [value for value in values or [] if value is not None]
 
 
+def _plain_ratio(cell: dict, report: dict) -> tuple[float | None, list[float]]:
+    """The plain paired ratio's figure and round figures (beta = 1), or (None, []) for a cell without pairs."""
+    from .gemm import reference_key
+
+    if cell.get("ratio_median") is None or not cell.get("reference"):
+        return None, []
+    workloads = (report.get("reference") or {}).get("workloads") or {}
+    reference_s = (workloads.get(reference_key(cell["reference"])) or {}).get("median_s")
+    if not reference_s:
+        return None, []
+    rounds = [value * reference_s for value in cell.get("round_ratio_medians") or [] if value is not None]
+    return cell["ratio_median"] * reference_s, rounds
+
+
 def _ok(report: dict) -> dict[tuple, dict]:
     return {comparison_key(cell): cell for cell in report.get("cells", []) if cell.get("status") == "ok"}
 
@@ -46,6 +62,7 @@ def compare_runs(first: dict, second: dict) -> dict:
     cells = []
     for key in shared:
         pair = (a[key], b[key])
+        plain = [_plain_ratio(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
         cells.append(
             {
                 "label": pair[0]["implementation"] if is_decode_cell(pair[0]) else cell_label(pair[0]),
@@ -58,17 +75,29 @@ def compare_runs(first: dict, second: dict) -> dict:
                 "raw_difference": relative_range([cell["median_s"] for cell in pair]),
                 "round_spreads": [relative_range(_round_figures(cell, raw=False)) for cell in pair],
                 "raw_round_spreads": [relative_range(_round_figures(cell, raw=True)) for cell in pair],
+                "ratio_difference": relative_range([figure for figure, _ in plain])
+                if all(f for f, _ in plain)
+                else None,
+                "ratio_round_spreads": [relative_range(rounds) for _, rounds in plain],
             }
         )
 
     def within(values: list, limit: float) -> int:
         return sum(value is not None and value <= limit for value in values)
 
-    runs = [spread for cell in cells for spread in cell["round_spreads"] if spread is not None]
-    raw_runs = [spread for cell in cells for spread in cell["raw_round_spreads"] if spread is not None]
+    def spreads(name: str, run: int | None = None) -> list[float]:
+        return [
+            value
+            for cell in cells
+            for index, value in enumerate(cell[name])
+            if value is not None and run in (None, index)
+        ]
+
+    runs, raw_runs = spreads("round_spreads"), spreads("raw_round_spreads")
     agreeing = within([cell["difference"] for cell in cells], RUN_TARGET)
     rounds_ok = within(runs, ROUND_TARGET)
     needed = math.ceil(ROUND_TARGET_SHARE * len(runs) - 1e-9)  # 36 of the issue's 38; 38 of 40 with 20 cells
+    paired = any(cell["ratio_difference"] is not None for cell in cells)
     return {
         "cells": cells,
         "compared": len(cells),
@@ -81,6 +110,14 @@ def compare_runs(first: dict, second: dict) -> dict:
         "cell_runs_within": rounds_ok,
         "cell_runs_needed": needed,
         "raw_cell_runs_within": within(raw_runs, ROUND_TARGET),
+        "cell_runs_within_by_run": [within(spreads("round_spreads", run), ROUND_TARGET) for run in (0, 1)],
+        "raw_cell_runs_within_by_run": [within(spreads("raw_round_spreads", run), ROUND_TARGET) for run in (0, 1)],
+        # The plain paired ratio (beta = 1), for paired reports: what the control-variate rule changed.
+        "ratio_runs_agreeing": within([cell["ratio_difference"] for cell in cells], RUN_TARGET) if paired else None,
+        "ratio_cell_runs_within": within(spreads("ratio_round_spreads"), ROUND_TARGET) if paired else None,
+        "ratio_cell_runs_within_by_run": [within(spreads("ratio_round_spreads", run), ROUND_TARGET) for run in (0, 1)]
+        if paired
+        else None,
         "targets_met": bool(cells) and agreeing == len(cells) and rounds_ok >= needed,
     }
 
@@ -90,11 +127,23 @@ def compare_markdown(comparison: dict) -> str:
     from mha_rosetta.core.tables import markdown_table
 
     c = comparison
+    by_run = " (A {}, B {})".format
+    plain_runs = (
+        f"; plain paired ratio: {c['ratio_runs_agreeing']} of {c['compared']}"
+        if c["ratio_runs_agreeing"] is not None
+        else ""
+    )
+    plain_rounds = (
+        f"; plain paired ratio: {c['ratio_cell_runs_within']}{by_run(*c['ratio_cell_runs_within_by_run'])}"
+        if c["ratio_cell_runs_within"] is not None
+        else ""
+    )
     lines = [
         f"Run agreement: {c['runs_agreeing']} of {c['compared']} cells within {c['run_target']:.0%} "
-        f"(raw medians: {c['raw_runs_agreeing']} of {c['compared']})  ",
+        f"(raw medians: {c['raw_runs_agreeing']} of {c['compared']}{plain_runs})  ",
         f"Round agreement: {c['cell_runs_within']} of {c['cell_runs']} cell-runs with round figures within "
-        f"{c['round_target']:.0%} (raw: {c['raw_cell_runs_within']})  ",
+        f"{c['round_target']:.0%}{by_run(*c['cell_runs_within_by_run'])} (raw: {c['raw_cell_runs_within']}"
+        f"{by_run(*c['raw_cell_runs_within_by_run'])}{plain_rounds})  ",
         f"Targets (every cell within {c['run_target']:.0%}; {ROUND_TARGET_SHARE:.0%} of the cell-runs, "
         f"{c['cell_runs_needed']} of {c['cell_runs']}, within {c['round_target']:.0%}): "
         f"{'met' if c['targets_met'] else 'NOT met'}",

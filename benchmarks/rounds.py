@@ -19,17 +19,20 @@ What a cell reports after R rounds:
 
 Paired samples (schema 2): every sample of a visit is followed by one sample of a fixed
 reference product (`gemm.reference_product`), and ``paired_ratios[i]`` is sample ``i`` over
-reference ``i``. A slowdown of the host lasting longer than a sample hits both and cancels in
-the ratio. A cell then also has:
+reference ``i``. A cell then also has:
 
+- ``reference_samples_s``, pooled like ``samples_s``, and ``round_sample_counts`` (schema 3):
+  how many of the pooled samples each round's visit took (0 where it measured nothing), so that
+  any per-sample correction can be taken round by round again;
 - ``ratio_median``: the median of all its paired ratios (every round's pooled), and
   ``round_ratio_medians`` one per round; ``round_reference_medians_s`` each visit's median
   reference time;
-- ``corrected_drift``: max / min of the round ratio medians minus 1; with pairing it is this
-  figure, not the raw ``round_drift``, that flags the cell (``drift``);
-- and, set by `report.assemble_report` (it needs every cell): ``corrected_median_s`` = the
-  ratio median x the run's median reference time (the median over every visit's median
-  reference), ``corrected_round_medians_s`` and ``corrected_spread_s`` likewise per round.
+- and, set by `report.correct_cell` (it needs the run's median reference, so every cell): the
+  control-variate correction, each sample x (the run's median reference / its own reference)
+  ^ beta, with beta the cell's own slope of log(sample) on log(reference), clipped to [0, 1]
+  (`report.reference_fit`). ``corrected_median_s``, ``corrected_round_medians_s``,
+  ``corrected_spread_s`` and ``corrected_drift`` come from the corrected samples; with them, it
+  is ``corrected_drift``, not the raw ``round_drift``, that flags the cell (``drift``).
 
 `cell_time` and `cell_interval` give the figure a table, ranking or verdict uses: the
 corrected one where the cell has it, the raw median (and round range) otherwise.
@@ -147,6 +150,25 @@ def busy_rounds(peaks: list[float | None], threshold: float = BUSY_THRESHOLD) ->
     return flagged
 
 
+def drift_warning(cell: dict, threshold: float = DRIFT_THRESHOLD) -> str:
+    """The warning of a cell flagged ``drift``: of its corrected round medians where it has them, else of its raw ones."""
+    if cell.get("corrected_drift") is not None:
+        return (
+            f"drift: the corrected round medians differ by {cell['corrected_drift']:.0%}, more than {threshold:.0%}, "
+            f"even after the correction (raw: {cell['round_drift']:.0%})"
+        )
+    low, high = cell["spread_s"]
+    return (
+        f"drift: the round medians differ by {cell['round_drift']:.0%} ({low * 1e3:.3f} to {high * 1e3:.3f} ms), "
+        f"more than {threshold:.0%}: the machine's load changed between rounds"
+    )
+
+
+def is_drift_warning(text: str) -> bool:
+    """Whether a warning is `drift_warning`'s (or an older report's: its paired-ratio and disturbed-reference ones)."""
+    return text.startswith(("drift: ", "reference disturbed, "))
+
+
 def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRESHOLD) -> dict | None:
     """One cell's record from its visits, one per round (None: that round did not reach it).
 
@@ -190,14 +212,14 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
     record["spread_s"] = spread(record["round_medians_s"])
     drift = relative_range(record["round_medians_s"])
     record["round_drift"] = drift
+    record["drift"] = bool(drift is not None and drift > drift_threshold)
     if "paired_ratios" in record:
+        record["round_sample_counts"] = [len(visit.get("samples_s") or []) if _field_if_ok(visit, "median_s") else 0
+                                         for visit in visits]  # fmt: skip
         record["ratio_median"] = statistics.median(record["paired_ratios"])
         record["round_ratio_medians"] = [_field_if_ok(visit, "ratio_median") for visit in visits]
         record["round_reference_medians_s"] = [_field_if_ok(visit, "reference_median_s") for visit in visits]
         record["reference_median_s"] = statistics.median(record["reference_samples_s"])
-        record["corrected_drift"] = relative_range(record["round_ratio_medians"])
-        drift = record["corrected_drift"]  # the published figure's drift flags the cell
-    record["drift"] = bool(drift is not None and drift > drift_threshold)
     for names, combine in _COMBINED_FIELDS:
         for name in names:
             values = [visit.get(name) for visit in oks if visit.get(name) is not None]
@@ -212,17 +234,8 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
             text = f"round {index + 1}: {warning}" if several else warning
             if text not in warnings:
                 warnings.append(text)
-    if record["drift"] and "corrected_drift" in record:
-        warnings.append(
-            f"drift: the round medians of the paired ratios differ by {drift:.0%}, more than {drift_threshold:.0%}, "
-            f"even after the correction (raw: {record['round_drift']:.0%})"
-        )
-    elif record["drift"]:
-        low, high = record["spread_s"]
-        warnings.append(
-            f"drift: the round medians differ by {drift:.0%} ({low * 1e3:.3f} to {high * 1e3:.3f} ms), "
-            f"more than {drift_threshold:.0%}: the machine's load changed between rounds"
-        )
+    if record["drift"]:
+        warnings.append(drift_warning(record, drift_threshold))
     record["warnings"] = warnings
     return record
 

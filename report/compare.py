@@ -122,7 +122,7 @@ def cell_figure(cell: dict) -> Figure | None:
 
 
 def _limit_fraction(cell: dict) -> float | None:
-    value = cell.get("limit_fraction")  # benchmarks.decode.enrich_decode_cell (decode cells only)
+    value = cell.get("limit_fraction")  # benchmarks.bandwidth.enrich_decode_cell (decode cells only)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 

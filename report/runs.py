@@ -2,8 +2,9 @@
 
 Design rules:
 - Any file the tool wrote loads, old ones included: a file without ``provenance`` is
-  labelled by its file name and whatever its ``machine`` block says; bench schema 1 and 2
-  both load (2 keeps ``samples_s`` and adds ``corrected_median_s`` and ``corrected_spread_s``; nothing else is read).
+  labelled by its file name and whatever its ``machine`` block says; bench schemas 1-3
+  load (2 keeps ``samples_s`` and adds ``corrected_median_s`` and ``corrected_spread_s``, re-derived at load by
+  today's rule, `benchmarks.report.upgrade_report`, as 3 writes them; nothing else is read).
 - The kind is told from the content, never from the file name: a check has ``matrices``,
   a bench ``cells``, an explain output ``claims`` (a dict with them, or the claims-only list).
 - A file that is none of these is an error naming the file and what was expected.
@@ -15,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_SCHEMAS = (1, 2)
+BENCH_SCHEMAS = (1, 2, 3)
 KINDS = ("check", "bench", "claims")
 
 
@@ -91,9 +92,9 @@ def load_run(path: str | Path) -> Run:
             f"report: {path}: bench schema {data.get('schema')!r} is not one this version reads ({', '.join(map(str, BENCH_SCHEMAS))})"
         )
     if kind == "bench":
-        from mha_rosetta.benchmarks.report import upgrade_decode_cells
+        from mha_rosetta.benchmarks.report import upgrade_report
 
-        data = upgrade_decode_cells(data)
+        data = upgrade_report(data)
     run = Run(str(path), kind, data, data.get("provenance"))
     if run.provenance is None:
         run.notes.append("no provenance (written before it was recorded): labelled by file name")

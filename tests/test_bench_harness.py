@@ -353,7 +353,7 @@ def test_report_has_the_schema_fields():
     report = assemble_report(
         {"threads": 1}, [PEAK], [_cell(), _cell("torch", status="error")], machine=machine_info([])
     )
-    assert report["schema"] == SCHEMA_VERSION == 2
+    assert report["schema"] == SCHEMA_VERSION == 3
     assert report["gemm_peak_gflops"] == 100.0  # a number, the cpu/float32 entry
     assert report["gemm_peak_key"] == "cpu/float32"
     assert report["gemm_peak_gflops_by"] == {"cpu/float32": 100.0}

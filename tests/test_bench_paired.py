@@ -1,8 +1,10 @@
 """Paired reference samples (issue 28): every timed sample is followed by one sample of a fixed
-reference product, and the published figures are the cells' median paired ratios x the run's
-median reference time. With a fake clock, a 40% slowdown injected into half of one cell's
-samples, hitting its reference alike, moves that cell's raw median and leaves its corrected
-figure, the rankings and the baseline verdict exactly where they were."""
+reference product, and the published figures are the control-variate correction: each sample x
+(the run's median reference / its own reference) ^ beta, beta the cell's slope of log(sample) on
+log(reference), clipped to [0, 1]. With a fake clock: a 40% slowdown injected into half of one
+cell's samples, hitting its reference alike (beta 1), moves that cell's raw median and leaves its
+corrected figure, the rankings and the baseline verdict exactly where they were; a reference
+slowed on its own (beta 0) leaves the corrected figure at the raw one, its spread not inflated."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from mha_rosetta.benchmarks.timing import RepeatPolicy, time_interleaved, time_r
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench"
 # The reference report as committed before paired sampling (schema 1, AMD EPYC), kept as test data.
 SCHEMA_1 = Path(__file__).resolve().parent / "data" / "reference-schema1.json"
+# The same, committed with paired samples and corrected by the plain ratio (schema 2, Intel Xeon, 2026-12-01).
+SCHEMA_2 = Path(__file__).resolve().parent / "data" / "reference-schema2.json"
 REFERENCE_S = 0.002  # the fake reference product: 2 ms on an undisturbed host
 WORKLOAD = {"library": "numpy", "device": "cpu", "dtype": "float32", "n": 512, "flops": 2 * 512**3}
 PEAK = {"device": "cpu", "dtype": "float32", "threads": 1, "n": 1024, "gflops": 100.0, "library": "numpy",
@@ -118,7 +122,12 @@ def test_a_slowdown_of_half_a_cells_samples_moves_its_raw_median_not_its_correct
             8.0
         )
     assert len(after["samples_s"]) == len(after["reference_samples_s"]) == len(after["paired_ratios"]) == 30
-    assert disturbed["schema"] == SCHEMA_VERSION == 2
+    # The disturbed cell's samples follow their references exactly (log 14/10 = log 2.8/2): beta 1, the plain
+    # ratio; in the quiet run no reference moved, so there is no slope to take: beta 0, the raw samples.
+    assert after["reference_beta"] == pytest.approx(1.0) and after["reference_correlation"] == pytest.approx(1.0)
+    assert before["reference_beta"] == 0.0 and before["reference_correlation"] is None
+    assert after["reference_pairs"] == 30 and after["round_sample_counts"] == [10, 10, 10]
+    assert disturbed["schema"] == SCHEMA_VERSION == 3
     # The verdicts do not move: the rankings read the same, and against the quiet run nothing changed ...
     assert ranking_sentences(disturbed["cells"]) == ranking_sentences(quiet["cells"])
     comparison = compare_to_baseline(disturbed, quiet)
@@ -217,7 +226,21 @@ def test_compare_runs_counts_the_two_agreement_figures(tmp_path, capsys):
     assert comparison["targets_met"] is False
     text = compare_markdown(comparison)
     assert text.startswith("Run agreement: 1 of 2 cells within 5% (raw medians: 1 of 2)")
-    assert "Round agreement: 3 of 4 cell-runs with round figures within 10% (raw: 2)" in text
+    # By report: A numpy 2.0% and torch 2.5% (2), B numpy 1.9% (1); raw A torch 0%, B torch 2.5% (1 each).
+    assert comparison["cell_runs_within_by_run"] == [2, 1] and comparison["raw_cell_runs_within_by_run"] == [1, 1]
+    assert "Round agreement: 3 of 4 cell-runs with round figures within 10% (A 2, B 1) (raw: 2 (A 1, B 1))" in text
+    assert comparison["ratio_runs_agreeing"] is None and "plain paired ratio" not in text  # no pairs recorded
+    # Paired reports: the plain ratio's figures (ratio medians x the run's 2 ms reference) are set beside; with
+    # ratios of the raw figures over 2 ms they count as the raw ones do.
+    paired = [{"reference": {"workloads": {reference_key(WORKLOAD): {"median_s": REFERENCE_S}}},
+               "cells": [{**cell, "reference": dict(WORKLOAD), "ratio_median": cell["median_s"] / REFERENCE_S,
+                          "round_ratio_medians": [value / REFERENCE_S for value in cell["round_medians_s"]]}
+                         for cell in report["cells"]]} for report in (first, second)]  # fmt: skip
+    plain = compare_runs(*paired)
+    assert plain["ratio_runs_agreeing"] == 1 and plain["ratio_cell_runs_within"] == 2
+    assert plain["ratio_cell_runs_within_by_run"] == [1, 1] and plain["runs_agreeing"] == 1  # the rule's: as before
+    assert "(raw medians: 1 of 2; plain paired ratio: 1 of 2)" in compare_markdown(plain)
+    assert "(raw: 2 (A 1, B 1); plain paired ratio: 2 (A 1, B 1))" in compare_markdown(plain)
     assert comparison["cell_runs_needed"] == 4  # 36/38 of 4 cell-runs, rounded up: all 4
     assert "95% of the cell-runs, 4 of 4, within 10%): NOT met" in text  # this comparison's count, not 36 of 38
     same = compare_runs(first, first)
@@ -254,40 +277,149 @@ def test_a_real_cell_pairs_every_sample_with_a_numpy_reference():
     assert record["timed_total_s"] + record["reference_total_s"] >= 0.05  # the budget counts both
 
 
-def _paired_cell(raw_ms: list[float], reference_ms: list[float]) -> dict:
-    """A finished cell with one visit per round: raw medians, reference medians and their ratios."""
-    ratios = [raw / ref for raw, ref in zip(raw_ms, reference_ms, strict=True)]
-    return {
-        "status": "ok",
-        "implementation": "x",
-        "median_s": sorted(raw_ms)[1] / 1e3,
-        "round_medians_s": [value / 1e3 for value in raw_ms],
-        "round_reference_medians_s": [value / 1e3 for value in reference_ms],
-        "round_ratio_medians": ratios,
-        "ratio_median": sorted(ratios)[1],
-        "round_drift": max(raw_ms) / min(raw_ms) - 1,
-        "corrected_drift": max(ratios) / min(ratios) - 1,
-        "drift": True,
-        "warnings": ["drift: the round medians of the paired ratios differ by 150%, more than 10%"],
-        "reference": {"library": "numpy", "device": "cpu", "dtype": "float32", "n": 512},
-    }
+def _reference_alone_visits(host: FakeHost) -> list[dict]:
+    """Three visits of 12 paired samples: the cell alternates 10 and 11 ms; its reference takes 2 ms, except in
+    the whole first visit and at samples 4-5 of the others, where it alone is slowed 2.6x (measured so: jax-dpa's
+    first visit on an Intel Xeon, 2026-12-01: 6.1 ms against 2.3 ms while its own median stayed within 2%).
+    The slowed references cover an even and an odd sample alike, so they do not covary with the cell at all."""
+    spec = CellSpec(implementation="numpy", batch=4, tokens=512, d_model=512, heads=8)
+    visits = []
+    for round_index in range(3):
+        cell_ms = [10.0 + index % 2 for index in range(12)]
+        ref_ms = [5.2 if round_index == 0 or index in (4, 5) else 2.0 for index in range(12)]
+        count = [0]
+
+        def run_once(count=count, cell_ms=cell_ms) -> None:
+            host.now += cell_ms[count[0]] / 1e3
+            count[0] += 1
+
+        def reference(count=count, ref_ms=ref_ms) -> None:
+            host.now += ref_ms[count[0] - 1] / 1e3
+
+        policy = RepeatPolicy(min_time=0.0, min_repeats=12, max_repeats=12, warmup=0)
+        timings = time_repeats(run_once, policy, clock=host.clock, cpu_clock=host.clock, reference=reference)
+        outcome = {"status": "ok", **timings, "flops": 8e9, "gflops": 8e9 / timings["median_s"] / 1e9,
+                   "reference": dict(WORKLOAD), "warnings": [], "cpu_util": 1.0}  # fmt: skip
+        visits.append(cell_record(spec, outcome))
+    return visits
 
 
-def test_a_cell_that_slows_its_own_reference_keeps_raw_figures_and_says_why():
-    # Measured (jax-dpa, 2026-12-01): the first visit's reference took 6.1 ms against the run's 2.3 ms
-    # while the cell's own median stayed at 117-119 ms; its paired ratio would put that round at 45 ms.
-    from mha_rosetta.benchmarks.report import correct_cell, run_references
+def test_a_reference_slowed_on_its_own_leaves_the_corrected_figure_at_the_raw_one():
+    cell = merge_visits(_reference_alone_visits(FakeHost()))
+    report = assemble_report({"threads": 1}, [PEAK], [cell], machine={})
+    out = report["cells"][0]
+    # Run median reference: the visits' medians are 5.2, 2.0 and 2.0 ms -> 2 ms.
+    assert report["reference"]["workloads"][reference_key(WORKLOAD)]["median_s"] == pytest.approx(0.002)
+    assert out["reference_beta"] == pytest.approx(0.0, abs=1e-12) and out["reference_correlation"] == pytest.approx(
+        0.0, abs=1e-12
+    )
+    # Raw: 18 samples of 10 ms and 18 of 11 -> 10.5 ms, and 10.5 ms in every round; the corrected figures are those.
+    assert out["median_s"] == pytest.approx(0.0105) and out["round_medians_s"] == pytest.approx([0.0105] * 3)
+    assert out["corrected_median_s"] == pytest.approx(0.0105)
+    assert out["corrected_round_medians_s"] == pytest.approx([0.0105] * 3)
+    assert out["corrected_spread_s"] == pytest.approx([0.0105, 0.0105]) and out["corrected_drift"] == pytest.approx(0)
+    assert out["drift"] is False and out["warnings"] == []
+    # The plain ratio (beta 1) would have put the first round at 10.5 / 5.2 x 2 = 4.04 ms: a 2.6x spread.
+    assert out["round_ratio_medians"][0] * 0.002 == pytest.approx(0.0105 / 2.6)
 
-    disturbed = _paired_cell([116.8, 119.4, 117.0], [6.09, 2.40, 2.41])
-    steady = _paired_cell([74.0, 73.2, 74.3], [2.27, 2.30, 2.29])
-    workloads = run_references([disturbed, steady])
-    out = correct_cell(disturbed, workloads)
-    assert "corrected_median_s" not in out and cell_time(out) == pytest.approx(0.117)
-    assert out["reference_disturbed"].startswith("visit(s) 1:") and "raw figures only" in out["reference_disturbed"]
-    assert out["drift"] is False and "corrected_drift" not in out  # raw rounds 117-119 ms: 2%, no drift
-    assert out["warnings"] == [f"reference disturbed, {out['reference_disturbed']}"]
-    # Host drift that slows a visit's sample and reference alike is what the pairing corrects.
-    drifting = _paired_cell([74.0, 103.6, 74.3], [2.27, 3.22, 2.29])
-    corrected = correct_cell(drifting, run_references([drifting, steady]))
-    assert "reference_disturbed" not in corrected
-    assert corrected["corrected_median_s"] == pytest.approx(drifting["ratio_median"] * 0.00229)
+
+def test_beta_is_the_slope_of_the_logs_by_hand():
+    from mha_rosetta.benchmarks.report import MIN_PAIRS, correct_cell, reference_fit
+
+    # log(reference / 2 ms) = x = +-0.2 alternately; log(sample / 10 ms) = 0.5 x + e, e = 0.1 x (1, 1, -1, -1, 1,
+    # 1, -1, -1, 0, 0), which sums to 0 and is orthogonal to x. Sxx = 10 x 0.04 = 0.4, Sxy = 0.5 Sxx = 0.2,
+    # Syy = 0.25 x 0.4 + 8 x 0.01 = 0.18: beta = 0.2 / 0.4 = 0.5, correlation = 0.2 / sqrt(0.4 x 0.18) = 0.745356.
+    x = [0.2 * (-1) ** index for index in range(10)]
+    e = [0.1 * value for value in (1, 1, -1, -1, 1, 1, -1, -1, 0, 0)]
+    references = [0.002 * math.exp(value) for value in x]
+    samples = [0.010 * math.exp(0.5 * xi + ei) for xi, ei in zip(x, e, strict=True)]
+    fit = reference_fit(samples, references)
+    assert fit["beta"] == pytest.approx(0.5) and fit["correlation"] == pytest.approx(0.745356, abs=1e-6)
+    assert fit["pairs"] == MIN_PAIRS == 10
+    # Clipped to [0, 1]: a slope of 1.5 counts as 1 (the plain ratio), a negative one as 0 (the raw samples).
+    assert reference_fit([0.010 * math.exp(1.5 * xi) for xi in x], references)["beta"] == 1.0
+    assert reference_fit([0.010 * math.exp(-0.5 * xi) for xi in x], references)["beta"] == 0.0
+    assert reference_fit(samples[:9], references[:9]) == {"beta": 0.0, "correlation": None, "pairs": 9}
+    with pytest.raises(ValueError, match="samples and references must pair one to one; got 10 and 9"):
+        reference_fit(samples, references[:9])
+    # Corrected samples: 10 ms x exp(0.5 x + e) x (2 ms / (2 ms x exp(x))) ^ 0.5 = 10 ms x exp(e).
+    cell = {"status": "ok", "implementation": "numpy", "reference": dict(WORKLOAD), "samples_s": samples,
+            "reference_samples_s": references, "round_sample_counts": [4, 6], "round_medians_s": [0.010, 0.010],
+            "round_drift": 0.0, "flops": 8e9, "gemm_peak_gflops": 100.0, "warnings": []}  # fmt: skip
+    out = correct_cell(cell, {reference_key(WORKLOAD): {"median_s": 0.002}})
+    # Round 1: 10 e^0.1, 10 e^0.1, 10 e^-0.1, 10 e^-0.1 -> 10 cosh(0.1) = 10.050 ms; round 2: e = 0.1, 0.1, -0.1,
+    # -0.1, 0, 0 -> 10 ms; all ten: 4 x e^0.1, 4 x e^-0.1, 2 x 1 -> 10 ms.
+    assert out["corrected_round_medians_s"] == pytest.approx([0.010 * math.cosh(0.1), 0.010])
+    assert out["corrected_median_s"] == pytest.approx(0.010) and out["corrected_gflops"] == pytest.approx(800.0)
+    assert out["corrected_drift"] == pytest.approx(math.cosh(0.1) - 1) and out["drift"] is False
+
+
+def test_an_old_file_without_the_new_fields_loads_with_its_figures_re_derived(tmp_path):
+    # A schema-2 file, written before the rule: the same report less what schema 3 added, its corrected figures
+    # those of the plain ratio. Loading re-derives them from the kept samples, round counts found from the medians.
+    new = _run("numpy")
+    added = ("round_sample_counts", "reference_beta", "reference_correlation", "reference_pairs")
+    old = {**new, "schema": 2, "cells": [{k: v for k, v in c.items() if k not in added} for c in new["cells"]]}
+    old["cells"][1]["corrected_median_s"] = 1.0  # what the plain ratio (or anything) had written is not read
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = load_report(path)
+    assert loaded["recorrected_from"] == 2 and loaded["reference"]["rule"] == new["reference"]["rule"]
+    for before, after in zip(new["cells"], loaded["cells"], strict=True):
+        for name in (*added[1:], "corrected_median_s", "corrected_round_medians_s", "corrected_spread_s", "drift"):
+            assert after[name] == pytest.approx(before[name]), name
+    # numpy's visits are told apart by their medians (10 and 14 ms samples, 12 ms per round); the other two cells'
+    # samples are all alike, so any split reproduces their round medians (the first is taken: [1, 1, 28]).
+    assert [cell["round_sample_counts"] for cell in loaded["cells"]] == [[10, 10, 10], [1, 1, 28], [1, 1, 28]]
+    assert "corrected ms" in markdown_table(loaded) and compare_to_baseline(loaded, new)["flagged"] == []
+    # Round medians that no split of the samples reproduces: raw figures only, and the reason.
+    broken = {**old, "cells": [{**old["cells"][0], "round_medians_s": [0.5, 0.5, 0.5]}]}
+    path.write_text(json.dumps(broken))
+    cell = load_report(path)["cells"][0]
+    assert "corrected_median_s" not in cell and cell_time(cell) == cell["median_s"]
+    assert cell["reference_uncorrected"] == "its samples could not be told apart by round: raw figures only"
+    assert cell["warnings"] == [f"not drift-corrected: {cell['reference_uncorrected']}"]
+
+
+def test_the_schema_2_reference_loads_under_the_rule_and_renders():
+    # docs/bench/reference.json as committed before the rule (kept as test data), written with the plain
+    # ratio; jax-dpa's first visit slowed its reference 2.6x (6.09 ms against 2.30) while
+    # its own median stayed at 117-119 ms, which the old rule could only escape by dropping to raw figures.
+    assert json.loads(SCHEMA_2.read_text())["schema"] == 2
+    report = load_report(SCHEMA_2)
+    assert report["recorrected_from"] == 2 and report["schema"] == 3
+    from mha_rosetta.report.runs import load_run
+
+    assert load_run(SCHEMA_2).data["cells"] == report["cells"]  # `mha-rosetta report` reads it the same way
+    cells = {cell["implementation"]: cell for cell in report["cells"] if cell.get("status") == "ok"}
+    assert len(cells) == 19 and all(cell["reference_pairs"] >= 27 for cell in cells.values())
+    jax_dpa = cells["jax-dpa"]
+    assert jax_dpa["reference_beta"] < 0.01 and jax_dpa["round_sample_counts"] == [9, 9, 9]
+    assert jax_dpa["corrected_median_s"] == pytest.approx(jax_dpa["median_s"], rel=0.01)
+    assert "reference disturbed" not in " ".join(jax_dpa["warnings"])
+    assert max(cell["reference_beta"] for cell in cells.values()) == pytest.approx(0.59, abs=0.01)  # torch:per_head
+    assert "| corrected ms | rounds ms | raw ms | raw rounds ms |" in markdown_table(report)
+    # Re-deriving is what the committed file now holds (re-rendered with bench --render ... --write-docs).
+    committed = {cell["implementation"]: cell for cell in load_report(DOCS / "reference.json")["cells"]}
+    assert all(committed[name]["corrected_median_s"] == cell["corrected_median_s"] for name, cell in cells.items())
+
+
+def test_the_correction_rules_script_scores_each_rule_on_two_saved_runs(tmp_path, capsys):
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "correction-rules"))
+    paths = [tmp_path / "quiet.json", tmp_path / "disturbed.json"]
+    for path, report in zip(paths, (_run(None), _run("numpy")), strict=True):
+        path.write_text(json.dumps(report))
+    assert script["main"]([str(path) for path in paths]) == 0
+    rows = {row.split(" | ")[0].strip("| "): row for row in capsys.readouterr().out.splitlines()[2:]}
+    # numpy: 10 ms quiet, 12 ms raw with half its samples (and their references) 40% slower. Raw: 2 of 3 cells
+    # agree; every rule that sees the pairs (slope 1) puts it back at 10 ms; the round medians alone cannot (each
+    # visit has the same 12 ms and 2.4 ms medians: no slope). Every round agrees with the others under every rule.
+    expected = {"raw": 2, "plain ratio": 3, "pooled slope": 3, "within-visit slope": 3, "round-median slope": 2,
+                "pooled, shrunk": 3}  # fmt: skip
+    assert set(rows) == set(expected)
+    for rule, agreeing in expected.items():
+        assert rows[rule].startswith(f"| {rule} | {agreeing} of 3 | 6 of 6 (3, 3) |"), rows[rule]
+    assert script["main"]([str(paths[0])]) == 2
+    assert "usage: correction-rules A.json B.json" in capsys.readouterr().err

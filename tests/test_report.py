@@ -118,7 +118,7 @@ def test_cli_exit_status_follows_the_gate(pair, capsys):
 def test_bad_files_are_named(tmp_path, capsys):
     (tmp_path / "x.json").write_text('{"hello": 1}')
     (tmp_path / "y.json").write_text("{")
-    bench_file(tmp_path / "z.json", [], schema=3)
+    bench_file(tmp_path / "z.json", [], schema=4)
     assert main(["report", str(tmp_path / "x.json")]) == 2
     assert (
         "x.json is not a check, bench or explain JSON (expected 'matrices', 'cells' or 'claims'; got dict with keys hello)"
@@ -126,7 +126,7 @@ def test_bad_files_are_named(tmp_path, capsys):
     )
     with pytest.raises(ValueError, match=r"y.json is not JSON \(Expecting"):
         load_run(tmp_path / "y.json")
-    with pytest.raises(ValueError, match="bench schema 3 is not one this version reads"):
+    with pytest.raises(ValueError, match="bench schema 4 is not one this version reads"):
         load_run(tmp_path / "z.json")
     with pytest.raises(ValueError, match="cannot read"):
         load_run(tmp_path / "missing.json")
@@ -217,9 +217,10 @@ def test_docs_report_command_runs_as_printed(capsys):
     assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
     argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
     assert main(argv) == 0
-    # torch-sdpa in the committed files (Intel Xeon, 2026-12-01): corrected median 52.0 ms, corrected
-    # round medians 51.7-52.4 ms; with 2 threads its reference was disturbed, so raw: 78.2 ms (75.3-79.4).
-    assert "| torch-sdpa | 52 [51.7–52.4] | 78.2 [75.3–79.4] ×1.50 [1.44–1.54] |" in capsys.readouterr().out
+    # torch-sdpa in the committed files (Intel Xeon, 2026-12-01, corrected by the control-variate rule): 51.6 ms,
+    # rounds 51.2-51.7 ms (beta 0.13); with 2 threads its samples did not follow the reference (beta 0): 78.2 ms
+    # (75.3-79.4), its raw figures.
+    assert "| torch-sdpa | 51.6 [51.2–51.7] | 78.2 [75.3–79.4] ×1.52 [1.45–1.55] |" in capsys.readouterr().out
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
@@ -349,13 +350,14 @@ def test_the_committed_decode_file_has_a_table_per_context_with_its_share_of_the
     # Every implementation that decodes (11), in each of the 9 contexts and windows.
     assert len(groups) == 9 and all(len(report.comparison.implementations(group)) == 11 for group in groups)
     text = report.markdown()
-    # docs/bench/decode.md (Intel Xeon, 2026-12-02): numpy at 1024, step 4.341 ms, rounds 4.221-4.476, 4.5% of limit;
-    # jax at 32768 with W=4096: 20.485 ms, 18.509-23.215, 3.8%.
-    assert "| numpy | 4.34 [4.22–4.48] · 4.5% of KV limit |" in text
+    # docs/bench/decode.md (Intel Xeon, 2026-12-02; corrected by the control-variate rule, issue 28): numpy at
+    # 1024, step 4.071 ms (beta 0.58), rounds 3.968-4.299, 4.8% of limit; jax at 32768 with W=4096: 20.710 ms
+    # (beta 0.29), 18.706-25.042, 3.8%.
+    assert "| numpy | 4.07 [3.97–4.3] · 4.8% of KV limit |" in text
     window = text.split("### decode · float32 · B1 context=32768 W=4096", 1)[1].split("###", 1)[0]
-    assert "| jax | 20.5 [18.5–23.2] · 3.8% of KV limit |" in window
+    assert "| jax | 20.7 [18.7–25] · 3.8% of KV limit |" in window
     page = report.html()
-    assert "context (log2)" in page and page.count("4.5% of KV limit") == 1
+    assert "context (log2)" in page and page.count('4.07 <span class="small">[3.97–4.3]</span>') == 1
 
 
 def test_bench_baseline_and_compare_take_decode_reports(decode_pair, capsys):

@@ -178,7 +178,7 @@ def write_json(result: CheckResult, path: str, grad=None, partial: bool = False)
     if partial:
         data["interrupted"], data["exit_status"] = True, INTERRUPTED
         data["verdict"] = "interrupted: the results that finished are here (the check did not end)"
-    write_output(path, json.dumps(data, indent=1, default=str) + "\n")
+    write_output(path, _json_text(data, partial))
 
 
 def grad_to_json(result: GradCheckResult) -> dict:
@@ -256,4 +256,10 @@ def write_decode_json(result: DecodeCheckResult, path: str, partial: bool = Fals
     if partial:
         data["interrupted"], data["exit_status"] = True, INTERRUPTED
         data["verdict"] = "interrupted: the results that finished are here (the check did not end)"
-    write_output(path, json.dumps(data, indent=1, default=str) + "\n")
+    write_output(path, _json_text(data, partial))
+
+
+def _json_text(data: dict, partial: bool) -> str:
+    """A partial file compact (JSON's C encoder: 0.045 s for the default check's 3.4 MB, against 0.15 s
+    indented; the command rewrites it as results arrive); the final one indented, to read and to diff."""
+    return (json.dumps(data, default=str) if partial else json.dumps(data, indent=1, default=str)) + "\n"

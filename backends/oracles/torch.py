@@ -426,8 +426,20 @@ def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
 
 
 def sdpa_has_enable_gqa() -> bool:
-    """torch >= 2.5 accepts enable_gqa in scaled_dot_product_attention."""
-    import torch
+    """torch >= 2.5 accepts enable_gqa in scaled_dot_product_attention.
 
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    Read from the installed distribution's metadata, not by importing torch: the check's parent
+    process plans the runs (this decides whether a GQA case is supported) and imports no
+    framework; importing torch there cost 1.7 s of its start. A torch without metadata (built
+    in place) is asked directly.
+    """
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        import torch
+
+        version = torch.__version__
+    major, minor = (int(part) for part in version.split(".")[:2])
     return (major, minor) >= (2, 5)

@@ -9,6 +9,7 @@ no test here asserts a speed.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -263,3 +264,39 @@ def test_the_partial_json_is_rewritten_at_most_once_per_interval(monkeypatch):
     result = run_check(backends="numpy", cases="self_attention,gqa,mqa,causal", on_update=updates.append)
     assert len({(run.case, run.dtype) for run in result.runs}) >= 4  # four groups finished...
     assert len(updates) == 2  # ...the first written at once, then only the final result
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """The live processes whose environment holds ``mark`` (a check run with it, and everything it started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if mark.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to list processes")
+def test_a_check_with_sharded_backends_leaves_no_process_behind(tmp_path):
+    """The workers end without the interpreter's shutdown (`checks.worker._leave`), after stopping their sharded
+    backends' own processes: when the command returns, none of them is left."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    mark = f"MHA_ROSETTA_TEST_MARK={tmp_path.name}"
+    env = {**os.environ, "MHA_ROSETTA_TEST_MARK": tmp_path.name, "XDG_CACHE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "mha_rosetta.cli", "check", "--cases", "heads_split", "--quiet"]
+    # Output to files, not pipes: a process left behind would hold a pipe open, and `run` would wait for it.
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        done = subprocess.run(
+            [*command, "--backends", "numpy,torch-tp,jax-sharded", "--jobs", "2"], env=env, stdout=out, stderr=err
+        )
+    assert done.returncode == 0, (tmp_path / "err").read_text()[-2000:]
+    assert "agree" in (tmp_path / "out").read_text()
+    # multiprocessing's resource tracker ends a moment after the command (its pipe closes): a few seconds' grace.
+    deadline = time.monotonic() + 5.0
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_marked(mark) == []

@@ -150,18 +150,39 @@ def busy_rounds(peaks: list[float | None], threshold: float = BUSY_THRESHOLD) ->
     return flagged
 
 
+# A cell whose visits differ while its paired reference's visit medians stayed within this: the host's
+# speed did not change, the cell's own process did. Measured on an Intel Xeon (2 cores, 1 thread,
+# 2026-12-02, two back-to-back reference sweeps): equinox's visits ran at 84-87 ms or at 103 ms, one speed
+# per process (round medians 103.7, 103.7, 84.4 and 86.2, 86.8, 102.7 ms), while the reference held
+# 2.47-2.53 ms; its two runs then differed by 17%, raw and corrected alike.
+STEADY_REFERENCE = 0.05
+
+
 def drift_warning(cell: dict, threshold: float = DRIFT_THRESHOLD) -> str:
-    """The warning of a cell flagged ``drift``: of its corrected round medians where it has them, else of its raw ones."""
+    """The warning of a cell flagged ``drift``: of its corrected round medians where it has them, else of its raw ones.
+
+    Where the cell's paired reference held steady over the same visits (`STEADY_REFERENCE`), it says
+    that the cell itself, not the host, changed speed from one process to the next.
+    """
+    reference = relative_range(cell.get("round_reference_medians_s") or [])
+    steady = reference is not None and reference <= STEADY_REFERENCE
     if cell.get("corrected_drift") is not None:
-        return (
+        text = (
             f"drift: the corrected round medians differ by {cell['corrected_drift']:.0%}, more than {threshold:.0%}, "
             f"even after the correction (raw: {cell['round_drift']:.0%})"
         )
-    low, high = cell["spread_s"]
-    return (
-        f"drift: the round medians differ by {cell['round_drift']:.0%} ({low * 1e3:.3f} to {high * 1e3:.3f} ms), "
-        f"more than {threshold:.0%}: the machine's load changed between rounds"
-    )
+    else:
+        low, high = cell["spread_s"]
+        text = (
+            f"drift: the round medians differ by {cell['round_drift']:.0%} ({low * 1e3:.3f} to {high * 1e3:.3f} ms), "
+            f"more than {threshold:.0%}" + ("" if steady else ": the machine's load changed between rounds")
+        )
+    if steady:
+        text += (
+            f"; its paired reference stayed within {reference:.0%} over those visits, so the host's speed held: "
+            "the cell itself ran at different speeds in different processes (more rounds narrow its median)"
+        )
+    return text
 
 
 def is_drift_warning(text: str) -> bool:

@@ -227,3 +227,26 @@ def test_render_writes_the_docs_and_the_readme_block_from_a_saved_report(tmp_pat
 def test_intervals_overlap():
     assert intervals_overlap([1, 2], [2, 3]) and intervals_overlap([1, 5], [2, 3])
     assert not intervals_overlap([1, 2], [2.5, 3])
+
+
+def test_drift_under_a_steady_reference_is_named_the_cells_own_not_the_hosts():
+    """equinox's visits on 2026-12-02: 103.7, 103.7 and 84.4 ms while its paired reference held 2.49-2.52 ms."""
+    from mha_rosetta.benchmarks.rounds import drift_warning
+
+    cell = {
+        "round_medians_s": [0.1037, 0.1037, 0.0844],
+        "spread_s": [0.0844, 0.1037],
+        "round_drift": 0.1037 / 0.0844 - 1,
+        "round_reference_medians_s": [0.00249, 0.00252, 0.00251],
+    }
+    text = drift_warning(cell)
+    assert text.startswith("drift: the round medians differ by 23% (84.400 to 103.700 ms)")
+    assert "load changed" not in text
+    assert "its paired reference stayed within 1% over those visits" in text
+    assert "the cell itself ran at different speeds in different processes" in text
+    cell["corrected_drift"] = 0.229
+    assert "even after the correction (raw: 23%); its paired reference stayed within 1%" in drift_warning(cell)
+    # The reference moved with the cell (5.6 ms against 2.5): the host, as before.
+    cell.pop("corrected_drift")
+    cell["round_reference_medians_s"] = [0.0025, 0.0025, 0.0056]
+    assert drift_warning(cell).endswith("the machine's load changed between rounds")

@@ -208,3 +208,24 @@ def test_an_executable_that_jaxs_own_cache_served_is_not_stored(tmp_path):
     answer = _child(fresh, env)
     assert answer["stats"] == {"compiled": 1}
     assert answer["xla"] == 0
+
+
+def test_a_static_arguments_value_names_its_own_entry(cache, monkeypatch, tmp_path):
+    """A jit's static arguments (the jax decoder's vmap axes) join the key; the executable takes the others."""
+    import jax.numpy as jnp
+
+    from mha_rosetta.backends.jax import common
+
+    def scaled(factor, x):
+        return x * factor[0]
+
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    _, jitted = common.shared_program(("scaled",), scaled, static_argnums=(0,))
+    np.testing.assert_array_equal(jitted((2.0,), x), [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(jitted((3.0,), x), [0.0, 3.0, 6.0])  # another static value: another program
+    assert cache.STATS["compiled"] == 2 and len(_entries(tmp_path)) == 2
+    monkeypatch.setattr(common, "_PROGRAMS", {})
+    _, jitted = common.shared_program(("scaled",), scaled, static_argnums=(0,))
+    np.testing.assert_array_equal(jitted((3.0,), x), [0.0, 3.0, 6.0])
+    np.testing.assert_array_equal(jitted((2.0,), x), [0.0, 2.0, 4.0])
+    assert cache.STATS["loaded"] == 2 and cache.STATS["compiled"] == 2

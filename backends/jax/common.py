@@ -302,10 +302,11 @@ def shared_program(key: tuple | None, fn: Callable, **jit_options) -> tuple[Call
         return fn, jax.jit(fn, **jit_options)
     if key not in _PROGRAMS:
         jitted = jax.jit(fn, **jit_options)
-        # Where the check's disk cache is on, its calls run stored executables (not with static arguments,
-        # whose values the digest does not see); everywhere else the plain jit.
-        if executables.directory() is not None and "static_argnums" not in jit_options:
-            jitted = executables.CachedJit(jitted, key)
+        # Where the check's disk cache is on, its calls run stored executables (static arguments' values join
+        # the key); everywhere else the plain jit.
+        if executables.directory() is not None:
+            static = jit_options.get("static_argnums", ())
+            jitted = executables.CachedJit(jitted, key, (static,) if isinstance(static, int) else tuple(static))
         _PROGRAMS[key] = (fn, jitted)
     return _PROGRAMS[key]
 

@@ -227,15 +227,20 @@ def store(where: Path, digest: str, compiled, args: tuple) -> bool:
     return True
 
 
-def compile_program(jitted, args: tuple, key: tuple | None):
+def compile_program(jitted, args: tuple, key: tuple | None, static_argnums: tuple[int, ...] = ()):
     """``jitted.lower(*args).compile()``, read from the cache when an entry exists and stored when not.
 
     Call it under the trace-time settings the program is compiled with (the matmul precision).
+    ``static_argnums``: the jit's; their values join the key (their text must name them), and the
+    executable, like JAX's own, takes the other arguments only.
     """
+    dynamic = tuple(arg for index, arg in enumerate(args) if index not in static_argnums)
+    if static_argnums and key is not None:
+        key = (*key, ("static", tuple(args[index] for index in static_argnums)))
     where = directory()
-    digest = None if where is None else program_digest(key, args)
+    digest = None if where is None else program_digest(key, dynamic)
     if digest is not None:
-        compiled = load(where, digest, args)
+        compiled = load(where, digest, dynamic)
         if compiled is not None:
             STATS["loaded"] += 1
             return compiled
@@ -252,7 +257,7 @@ def compile_program(jitted, args: tuple, key: tuple | None):
         compiled = jitted.lower(*args).compile()
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
-    if _JAX_CACHE_HITS[0] == served_before and store(where, digest, compiled, args):
+    if _JAX_CACHE_HITS[0] == served_before and store(where, digest, compiled, dynamic):
         STATS["compiled"] += 1
     else:  # served by JAX's cache (it would not run once stored), or not serializable
         STATS["uncached"] += 1
@@ -283,17 +288,19 @@ class CachedJit:
     `shared_program` hands it out only where the cache is on; ``lower`` and the rest are the jit's.
     """
 
-    def __init__(self, jitted: Callable, key: tuple) -> None:
-        self._jitted, self._key = jitted, key
+    def __init__(self, jitted: Callable, key: tuple, static_argnums: tuple[int, ...] = ()) -> None:
+        self._jitted, self._key, self._static = jitted, key, tuple(static_argnums)
         self._compiled: dict[str, object] = {}
 
     def __call__(self, *args):
-        digest = program_digest(self._key, args)
+        dynamic = tuple(arg for index, arg in enumerate(args) if index not in self._static)
+        key = (*self._key, ("static", tuple(args[index] for index in self._static))) if self._static else self._key
+        digest = program_digest(key, dynamic)
         if digest is None or directory() is None:
             return self._jitted(*args)
         if digest not in self._compiled:
-            self._compiled[digest] = compile_program(self._jitted, args, self._key)
-        return self._compiled[digest](*args)
+            self._compiled[digest] = compile_program(self._jitted, args, self._key, self._static)
+        return self._compiled[digest](*dynamic)
 
     def __getattr__(self, name: str):
         return getattr(self._jitted, name)

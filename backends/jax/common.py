@@ -96,12 +96,16 @@ def jax_inputs(inputs: MHAInputs, dtype: str, device) -> tuple:
     return convert_inputs(inputs, lambda array: to_jax(array, dtype, device))
 
 
+def numpy_rotary_tables(cfg: MHAConfig, inputs: MHAInputs) -> tuple | None:
+    """The rotary tables ``(q_cos, q_sin, k_cos, k_sin)``, NumPy ``(1|B, N, r/2)`` float64; None without rope."""
+    tables = rotary_tables(cfg, inputs)
+    return None if tables is None else (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin)
+
+
 def jax_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device) -> tuple | None:
     """The rotary tables ``(q_cos, q_sin, k_cos, k_sin)`` as JAX arrays ``(1|B, N, r/2)``; None without rope."""
-    tables = rotary_tables(cfg, inputs)
-    if tables is None:
-        return None
-    return tuple(to_jax(table, dtype, device) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+    tables = numpy_rotary_tables(cfg, inputs)
+    return None if tables is None else tuple(to_jax(table, dtype, device) for table in tables)
 
 
 def rotate_last_axis(x, cos, sin, style: str):

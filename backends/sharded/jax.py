@@ -244,8 +244,9 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     # The rotary tables depend on the tokens only, not on the heads: replicated, like the inputs.
     tables = rotary_tables(cfg, inputs)
     if tables is not None:
-        tables = tuple(put(table, P()) for table in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
-    tables, table_axes = batched_tables(tables)
+        tables = (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin)
+    tables, table_axes = batched_tables(tables)  # on the NumPy tables: a shared table's [0] is a view
+    tables = None if tables is None else tuple(put(table, P()) for table in tables)
     # The score bias's tables: ALiBi's distances and T5's buckets depend on the tokens only (replicated);
     # the slopes are per head, split with the heads below.
     score_np, score_axes = score_bias_inputs(cfg, inputs, dtype)

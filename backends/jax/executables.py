@@ -227,6 +227,15 @@ def store(where: Path, digest: str, compiled, args: tuple) -> bool:
     return True
 
 
+def _split_static(key: tuple | None, args: tuple, static_argnums: tuple[int, ...]) -> tuple[tuple | None, tuple]:
+    """``(key with the static arguments' values, the other arguments)``: what names and what calls the executable."""
+    if not static_argnums:
+        return key, args
+    dynamic = tuple(arg for index, arg in enumerate(args) if index not in static_argnums)
+    static = tuple(args[index] for index in static_argnums)
+    return (None if key is None else (*key, ("static", static))), dynamic
+
+
 def compile_program(jitted, args: tuple, key: tuple | None, static_argnums: tuple[int, ...] = ()):
     """``jitted.lower(*args).compile()``, read from the cache when an entry exists and stored when not.
 
@@ -234,9 +243,7 @@ def compile_program(jitted, args: tuple, key: tuple | None, static_argnums: tupl
     ``static_argnums``: the jit's; their values join the key (their text must name them), and the
     executable, like JAX's own, takes the other arguments only.
     """
-    dynamic = tuple(arg for index, arg in enumerate(args) if index not in static_argnums)
-    if static_argnums and key is not None:
-        key = (*key, ("static", tuple(args[index] for index in static_argnums)))
+    key, dynamic = _split_static(key, args, static_argnums)
     where = directory()
     digest = None if where is None else program_digest(key, dynamic)
     if digest is not None:
@@ -293,8 +300,7 @@ class CachedJit:
         self._compiled: dict[str, object] = {}
 
     def __call__(self, *args):
-        dynamic = tuple(arg for index, arg in enumerate(args) if index not in self._static)
-        key = (*self._key, ("static", tuple(args[index] for index in self._static))) if self._static else self._key
+        key, dynamic = _split_static(self._key, args, self._static)
         digest = program_digest(key, dynamic)
         if digest is None or directory() is None:
             return self._jitted(*args)

@@ -296,4 +296,12 @@ def _head_parallel_module(cfg: MHAConfig, params: MHAParams, dtype: str, mesh, a
 
     plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
     plan["o_proj"] = RowwiseParallel()
-    return parallelize_module(HeadParallelAttention(), mesh, plan)
+    # Every rank builds the module from the same canonical weights, so each can cut its own shard:
+    # src_data_rank=None (torch 2.7 and later) takes the local chunk, where the default (0) sends rank
+    # 0's: 7 scatters and a broadcast per module (CommDebugMode around parallelize_module, torch 2.13).
+    import inspect
+
+    same_weights = (
+        {"src_data_rank": None} if "src_data_rank" in inspect.signature(parallelize_module).parameters else {}
+    )
+    return parallelize_module(HeadParallelAttention(), mesh, plan, **same_weights)

@@ -250,6 +250,10 @@ class Backend:
     decode_variants: frozenset[str] = frozenset()
     decode_layouts: ClassVar[dict[str, str]] = {}
     decode_unsupported: str = ""
+    # True where the runs execute in processes of the backend's own (the sharded backends' ranks and
+    # mesh worker): the check's pool then keeps it in one worker, since a second worker joining it would
+    # start a second group of processes, importing and compiling again, on the same cores.
+    own_processes: bool = False
 
     def __init__(self, name: str | None = None) -> None:
         # The registry passes the name it holds the backend under, so one class can

@@ -9,7 +9,10 @@
   (longest-processing-time first, `estimated_seconds`), so the JAX backends that compile start
   first and the quick ones fill the end, and every worker stays busy until the last runs; among
   equal estimates it prefers one whose libraries it has already imported. When every backend
-  left is taken, an idle worker joins one (it imports and compiles again, but does not wait);
+  left is taken, an idle worker joins one (it imports and compiles again, but does not wait),
+  except a backend with processes of its own (`Backend.own_processes`: the sharded ones): a
+  second group of ranks on the same cores made torch-tp's 54 runs of the issue's 675-run check
+  take 15.9 s instead of 4.2 s alone (2 workers, 2 cores, warm, 2026-12-02);
 * a run past ``timeout`` seconds has its worker killed (SIGKILL) and replaced; a worker that dies
   (``os._exit``, a signal, a native crash) is replaced too; either way the run is answered as an
   error naming what happened, the implementation and the case, and the check goes on;
@@ -20,14 +23,18 @@
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
+import os
 import pickle
 import signal
 import time
 from collections import defaultdict, deque
 from multiprocessing import connection
+from pathlib import Path
 
 from mha_rosetta.backends import REGISTRY
+from mha_rosetta.backends.frameworks import startup_s
 
 from . import worker as worker_module
 from .tasks import execute
@@ -53,12 +60,92 @@ JAX_RUN_SECONDS = 0.5  # another backend that requires JAX (a plugin): it compil
 OTHER_RUN_SECONDS = 0.03  # NumPy and eager torch: about 0.02-0.13 s per run in the same measurement
 
 
-def estimated_seconds(name: str, requires: tuple[str, ...], runs: int) -> float:
-    """The scheduler's estimate of ``runs`` runs of backend ``name`` (`RUN_SECONDS`)."""
+HISTORY_FILE = "run-seconds.json"  # in the cache folder (`worker.cache_root`): seconds per run, last measured
+
+
+def estimated_seconds(name: str, requires: tuple[str, ...], runs: int, measured: float | None = None) -> float:
+    """The scheduler's estimate of ``runs`` runs of backend ``name``: ``measured`` seconds per run (what the
+    last check on this machine took, `load_history`) where there is one, else `RUN_SECONDS`."""
     # A per-framework branch kept here on purpose (one of the few outside backends/): it only orders
     # the dispatch of an unmeasured plugin, from the one fact that matters for that, JAX compiles.
     per_run = RUN_SECONDS.get(name, JAX_RUN_SECONDS if "jax" in requires else OTHER_RUN_SECONDS)
-    return per_run * runs
+    return (per_run if measured is None else measured) * runs
+
+
+def history_path() -> Path:
+    return worker_module.cache_root() / HISTORY_FILE
+
+
+def load_history() -> dict[str, float]:
+    """Seconds per run by ``"<job>|<backend>"``, as the last checks measured them here; {} if none or unreadable.
+
+    `RUN_SECONDS` was measured with an empty cache, where JAX's compiling is nearly all of the work;
+    with the executable cache warm, torch-tp's process group is the longest instead (0.13 s per run
+    against jax's 0.02, the issue's 675-run selection, 2026-12-02), and a schedule from the cold
+    figures started it last. So the pool orders by what the backends took last time on this machine.
+    """
+    try:
+        data = json.loads(history_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(k, str) and isinstance(v, (int, float)) and v >= 0}
+
+
+def save_history(measured: dict[str, list[float]]) -> None:
+    """Merge ``measured`` (``"<job>|<backend>"`` -> [seconds, runs]) into the history file, written whole."""
+    if not measured:
+        return
+    history = load_history()
+    history.update({key: seconds / runs for key, (seconds, runs) in measured.items() if runs})
+    path = history_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(history, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError:  # a read-only cache folder: the next check schedules from RUN_SECONDS
+        pass
+
+
+def history_key(task) -> str:
+    return f"{type(task.job).__name__}|{task.backend}"
+
+
+def deal_imports(tops: list[str], jobs: int) -> list[list[str]]:
+    """The top-level libraries ``tops`` dealt out to at most ``jobs`` workers, for the probe to import side by side.
+
+    A library that only ever runs on one framework (every registered backend that requires flax requires
+    JAX too; transformers, torch) goes to the worker that imports that framework, since importing it imports
+    the framework anyway. The groups then go, the longest first (`startup_s`), to the least loaded worker.
+    Dealt in turn instead, the default check had both workers import both torch and JAX: its probe took
+    3.1 s, and 1.8 s dealt this way (the issue's 675-run selection, warm, 2 workers, 2026-12-02).
+    """
+    from mha_rosetta.backends.frameworks import FRAMEWORKS
+
+    def anchor(top: str) -> str:
+        if top in FRAMEWORKS:
+            return top
+        alongside = [(set(e.requires) & set(FRAMEWORKS)) - {top} for e in REGISTRY.values() if top in e.requires]
+        common = set.intersection(*alongside) if alongside else set()
+        return next(iter(common)) if len(common) == 1 else top
+
+    groups: dict[str, list[str]] = {}
+    for top in tops:
+        groups.setdefault(anchor(top), []).append(top)
+
+    def cost(item: tuple[str, list[str]]) -> float:
+        base, members = item
+        return sum(startup_s(m) for m in members) + (0.0 if base in members else startup_s(base))
+
+    shares: list[list[str]] = [[] for _ in range(max(1, min(jobs, len(groups))))]
+    loads = [0.0] * len(shares)
+    for item in sorted(groups.items(), key=cost, reverse=True):
+        least = loads.index(min(loads))
+        shares[least].extend(item[1])
+        loads[least] += cost(item)
+    return [share for share in shares if share]
 
 
 def exit_description(exitcode: int | None) -> str:
@@ -135,6 +222,12 @@ class WorkerPool:
             worker_module.cache_enabled(cache), worker_module.fast_compile_enabled(fast_compile)
         )
         self.xla_flags = self.environment.get("XLA_FLAGS", "")
+        # Seconds per run as last measured here (`load_history`), and this pool's own measurements, saved on
+        # close; both only with the cache on (its folder holds the file).
+        self.keeps_history = worker_module.cache_enabled(cache)
+        self.history = load_history() if self.keeps_history else {}
+        self.measured: dict[str, list[float]] = {}
+        self.job_name = ""
         self.probe_seconds = 0.0  # the workers' import of the frameworks, before any run (`probe`)
         self.workers: list[_Worker] = []
         self.started_workers = 0
@@ -143,6 +236,7 @@ class WorkerPool:
         self.done: deque = deque()
         self.blobs: dict[str, bytes | None] = {}
         self.requires: dict[str, tuple[str, ...]] = {}
+        self.solo: set[str] = set()  # backends with processes of their own: never in two workers at once
         self.inline_oracles: dict = {}
         self.closed = False
         atexit.register(self.close)
@@ -151,6 +245,8 @@ class WorkerPool:
     def map(self, tasks: list, backends: dict):
         """Yield ``(task, "ok" | "error", answer, (import s, compile s, wall s))`` as each run finishes."""
         inline = deque()
+        if tasks:
+            self.job_name = type(tasks[0].job).__name__
         for task in tasks:
             if self._portable(task.backend, backends):
                 self.pending[task.backend].append(task)
@@ -190,8 +286,8 @@ class WorkerPool:
 
         Called before the check plans its runs, so that the frameworks are imported once, in the workers that
         run them, and not a first time here: the parent process only plans and compares (NumPy). The top-level
-        libraries are dealt out to the workers in turn, so that the imports run side by side. A worker that
-        does not answer within the time limit, or dies, is replaced, and its libraries are probed here instead.
+        libraries are dealt out to the workers by `deal_imports`, so that the imports run side by side. A worker
+        that does not answer within the time limit, or dies, is replaced, and its libraries are probed here.
         """
         from mha_rosetta.core.probe import probe, remember
 
@@ -199,12 +295,11 @@ class WorkerPool:
         tops = list(dict.fromkeys(module.split(".")[0] for module in modules))
         if not tops:
             return
-        self._grow(min(self.jobs, len(tops)))
+        dealt = deal_imports(tops, self.jobs)
+        self._grow(len(dealt))
         asked: dict = {}
-        for number, top in enumerate(tops):
-            asked.setdefault(self.workers[number % len(self.workers)], []).extend(
-                m for m in modules if m.split(".")[0] == top
-            )
+        for worker, share in zip(self.workers[: len(dealt)], dealt, strict=True):
+            asked[worker] = [m for m in modules if m.split(".")[0] in share]
         started = time.perf_counter()
         for worker, wanted in asked.items():
             worker.conn.send(("probe", wanted))
@@ -232,6 +327,8 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        if self.keeps_history:
+            save_history(self.measured)
         # Every worker is asked first and then waited for, so that their exits (each shuts down its
         # frameworks and a sharded backend's own processes, about 2.5 s) overlap instead of adding up.
         for worker in self.workers:
@@ -258,6 +355,8 @@ class WorkerPool:
                 self.blobs[name] = None
             entry = REGISTRY.get(name)
             self.requires[name] = tuple(entry.requires if entry else getattr(backend, "requires", ()))
+            if getattr(backend, "own_processes", False):
+                self.solo.add(name)
         return self.blobs[name] is not None
 
     def _grow(self, wanted: int) -> None:
@@ -285,11 +384,18 @@ class WorkerPool:
         if not left:
             return None
         claimed = {w.last for w in self._busy()}
-        choices = [name for name in left if name not in claimed] or left
+        choices = [name for name in left if name not in claimed] or [name for name in left if name not in self.solo]
+        if not choices:
+            return None
 
-        def priority(name: str) -> tuple[float, int]:  # the most work left first; then the libraries it has
-            work = estimated_seconds(name, self.requires[name], len(self.pending[name]))
-            return work, len(worker.imported.intersection(self.requires[name]))
+        def priority(name: str) -> tuple[float, int]:
+            """The most work left first, less the imports this worker would add (`startup_s`): with the warm
+            figures the worker that had imported JAX took torch-tp and the other jax-sharded, each importing
+            the other's framework (1.5 s each); then the libraries it has."""
+            measured = self.history.get(f"{self.job_name}|{name}")
+            work = estimated_seconds(name, self.requires[name], len(self.pending[name]), measured)
+            missing = sum(startup_s(module) for module in self.requires[name] if module not in worker.imported)
+            return work - missing, len(worker.imported.intersection(self.requires[name]))
 
         name = max(choices, key=priority)
         return self.pending[name].popleft()
@@ -297,8 +403,8 @@ class WorkerPool:
     def _dispatch(self) -> None:
         for worker in self._idle():
             task = self._choose(worker)
-            if task is None:
-                return
+            if task is None:  # nothing this worker may take; another idle one may still have its backend's runs
+                continue
             try:
                 worker.send(task, self.blobs[task.backend], self.requires[task.backend])
             except (OSError, ValueError):  # the worker died while idle: the task waits for its replacement
@@ -324,6 +430,10 @@ class WorkerPool:
             if worker.conn.poll():
                 status, answer, timing = worker.conn.recv()
                 worker.task = None
+                if not task.stages:  # a run's whole time in the worker: import, compile and run
+                    entry = self.measured.setdefault(history_key(task), [0.0, 0])
+                    entry[0] += timing[0] + timing[2]
+                    entry[1] += 1
                 self.done.append((task, status, answer, timing))
                 return
         except (EOFError, OSError):

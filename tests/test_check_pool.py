@@ -218,7 +218,7 @@ def test_the_scheduler_starts_the_longest_work_first_and_keeps_a_worker_on_its_b
 
     from mha_rosetta.checks.pool import WorkerPool
 
-    pool = WorkerPool(jobs=2)  # no worker starts until there is work to map
+    pool = WorkerPool(jobs=2, cache=False)  # no worker starts until there is work; no history of earlier checks
     try:
         pending = {"numpy": 135, "torch": 135, "flax": 27, "jax": 54, "einops-jax": 27}
         requires = {"numpy": (), "torch": ("torch",), "flax": ("flax", "jax"), "jax": ("jax",), "einops-jax": ("jax",)}
@@ -238,6 +238,90 @@ def test_the_scheduler_starts_the_longest_work_first_and_keeps_a_worker_on_its_b
     finally:
         pool.workers = []
         pool.close()
+
+
+def test_the_probe_deals_a_library_to_the_worker_that_imports_its_framework():
+    from mha_rosetta.checks.pool import deal_imports
+
+    tops = ["numpy", "torch", "jax", "einops", "flax", "equinox", "transformers"]
+    # flax and equinox run on JAX only, transformers on torch only (the registry's requires); einops on any.
+    assert deal_imports(tops, 2) == [["jax", "flax", "equinox"], ["torch", "transformers", "numpy", "einops"]]
+    assert deal_imports(tops, 1) == [["jax", "flax", "equinox", "torch", "transformers", "numpy", "einops"]]
+    assert deal_imports(["numpy"], 4) == [["numpy"]]  # no worker is asked for nothing
+
+
+def _pool_with(pending: dict, requires: dict, **options):
+    from collections import deque
+
+    from mha_rosetta.checks.pool import WorkerPool
+
+    pool = WorkerPool(jobs=2, **options)
+    for name, runs in pending.items():
+        pool.pending[name] = deque(f"{name}/{i}" for i in range(runs))
+        pool.requires[name] = requires[name]
+    return pool
+
+
+def test_a_backend_with_processes_of_its_own_is_not_joined_by_a_second_worker():
+    from types import SimpleNamespace
+
+    from mha_rosetta.backends.sharded.jax import JaxShardedBackend
+    from mha_rosetta.backends.sharded.torch import TorchTPBackend
+
+    assert TorchTPBackend.own_processes and JaxShardedBackend.own_processes
+    pool = _pool_with({"torch-tp": 10, "jax": 10}, {"torch-tp": ("torch",), "jax": ("jax",)}, cache=False)
+    try:
+        pool.solo = {"torch-tp"}
+        busy = SimpleNamespace(last="torch-tp", imported={"torch"}, task="torch-tp/x")
+        other = SimpleNamespace(last="jax", imported={"jax"}, task="jax/x")
+        idle = SimpleNamespace(last=None, imported=set(), task=None)
+        pool.workers = [busy, other, idle]
+        pool.pending["jax"].clear()
+        assert pool._choose(idle) is None  # torch-tp's runs wait for its worker: no second group of ranks
+        pool.pending["jax"].append("jax/9")
+        assert pool._choose(idle) == "jax/9"  # every backend is taken: an idle worker joins a plain one
+        pool.solo = set()
+        assert pool._choose(idle) == "torch-tp/0"  # without the rule it would join torch-tp (the most work)
+    finally:
+        pool.workers = []
+        pool.close()
+
+
+def test_the_scheduler_orders_by_the_seconds_measured_last_time_and_keeps_them(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from mha_rosetta.checks import pool as pool_module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MHA_ROSETTA_JAX_CACHE", raising=False)
+    pool_module.save_history({"ForwardJob|torch-tp": [14.4, 100], "ForwardJob|jax": [2.5, 100]})
+    assert pool_module.load_history() == {"ForwardJob|torch-tp": pytest.approx(0.144), "ForwardJob|jax": 0.025}
+    requires = {"torch-tp": ("torch",), "jax": ("jax",)}
+    pool = _pool_with({"torch-tp": 54, "jax": 54}, requires)
+    try:
+        pool.job_name = "ForwardJob"
+        fresh = SimpleNamespace(last=None, imported=set(), task=None)
+        pool.workers = [fresh]
+        # Measured: 54 x 0.144 s against 54 x 0.025 s (RUN_SECONDS, from an empty cache, says 0.33 against 1.5).
+        assert pool._choose(fresh) == "torch-tp/0"
+        # The imports a worker would add count against the work: one that has JAX takes jax when it is close.
+        pool.history["ForwardJob|jax"] = 0.120
+        has_jax = SimpleNamespace(last=None, imported={"jax"}, task=None)
+        pool.workers = [has_jax]
+        assert pool._choose(has_jax) == "jax/0"
+        pool.measured = {"ForwardJob|jax": [1.0, 4]}
+    finally:
+        pool.workers = []
+        pool.close()  # saves what it measured, merged into the file
+    assert pool_module.load_history()["ForwardJob|jax"] == pytest.approx(0.25)
+    assert pool_module.load_history()["ForwardJob|torch-tp"] == pytest.approx(0.144)
+    off = _pool_with({}, {}, cache=False)  # the cache switched off: no history read or written
+    assert off.history == {}
+    off.measured = {"ForwardJob|numpy": [1.0, 1]}
+    off.close()
+    assert "ForwardJob|numpy" not in pool_module.load_history()
+    pool_module.history_path().write_text("not json")
+    assert pool_module.load_history() == {}
 
 
 def test_the_parent_plans_a_gqa_check_without_importing_a_framework():

@@ -27,6 +27,7 @@ DECODE_SECONDS = 300.0  # a whole decode run (the prefill and every step; jax-sh
 class ShardedBackend(Backend):
     splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
     rank_noun = "ranks"  # what the plan's ranks are, for messages ("devices", "ranks")
+    own_processes = True  # the ranks (torch-tp) or the mesh worker (jax-sharded): `Backend.own_processes`
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__(name)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import tempfile
 from types import SimpleNamespace
@@ -172,7 +173,13 @@ def _count_all_reduces(counts: dict) -> int:
 
 
 def _collective_counter():
-    """A dispatch mode that counts the collectives run under it, by op (``counts``: name -> calls).
+    """A dispatch mode that counts the collectives run under it, by op (``counts``: name -> calls)."""
+    return _collective_counter_type()()
+
+
+@functools.cache
+def _collective_counter_type():
+    """The counter's class, built once per rank (its op list and torch's imports), not once per case.
 
     What `CommDebugMode` counts for this, without its module tracker: importing
     `torch.distributed.tensor.debug` cost each rank about 0.5 s (`python -X importtime`, torch 2.13),
@@ -211,7 +218,7 @@ def _collective_counter():
                 self.counts[str(packet)] += 1
             return func(*args, **(kwargs or {}))
 
-    return CollectiveCounter()
+    return CollectiveCounter
 
 
 def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_world):

@@ -180,6 +180,29 @@ def test_a_dead_rank_is_an_error_and_the_next_prepare_starts_a_new_group(reaped)
 
 
 @requires("torch")
+def test_torch_tp_rendezvous_folder_is_fresh_for_each_start_and_removed_on_close():
+    import os
+
+    from mha_rosetta.backends.sharded.torch import TorchTPBackend
+
+    backend = TorchTPBackend()
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=3, d_v=2, kdim=10, vdim=14)
+    try:
+        _run(backend, "manual", cfg=cfg)
+        first = backend.group().folder
+        assert os.path.basename(first).startswith("mha-rosetta-tp-") and os.path.isdir(first)
+        backend.group().processes[1].kill()  # the group is gone: the next prepare starts another
+        backend.group().processes[1].wait(10)
+        _run(backend, "manual", cfg=cfg)
+        second = backend.group().folder
+        assert second != first and os.path.isdir(second)
+        assert not os.path.exists(first)  # the dead group's folder went with it
+    finally:
+        backend.close()
+    assert not os.path.exists(second) and backend._group.folder is None
+
+
+@requires("torch")
 def test_the_check_reports_a_dead_rank_and_goes_on():
     from mha_rosetta.backends.sharded.torch import TorchTPBackend
 

@@ -54,7 +54,6 @@ import dataclasses
 import datetime
 import functools
 import os
-import tempfile
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -98,7 +97,6 @@ class TorchTPBackend(ShardedBackend):
                 f"world={world} processes x threads={threads} would put {world * threads} threads on {cores} core(s)"
             )
         self.world, self.threads = world, threads
-        self._store_dir: tempfile.TemporaryDirectory | None = None
 
     def world_for(self, cfg: MHAConfig) -> int:
         return self.world
@@ -119,17 +117,19 @@ class TorchTPBackend(ShardedBackend):
         return None
 
     def _new_group(self) -> WorkerGroup:
-        # A fresh rendezvous file for every group (gloo's FileStore must not be reused).
-        self._store_dir = tempfile.TemporaryDirectory(prefix="mha-rosetta-tp-")
-        store = os.path.join(self._store_dir.name, "store")
-        return WorkerGroup(self.name, _rank_main, self.world, args=(store, self.threads), start_timeout=PREPARE_SECONDS)
+        # A fresh rendezvous file for every start, in the group's own folder (gloo's FileStore must not be reused).
+        return WorkerGroup(
+            self.name, _rank_main, self.world, args=(self.threads,), start_timeout=PREPARE_SECONDS,
+            scratch="mha-rosetta-tp-",
+        )  # fmt: skip
 
 
 # -- the rank processes -----------------------------------------------------------------------
-def _rank_main(conn, rank: int, world: int, store: str, threads: int) -> None:
+def _rank_main(conn, rank: int, world: int, threads: int, folder: str) -> None:
     import torch
     import torch.distributed as dist
 
+    store = os.path.join(folder, "store")
     torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=COLLECTIVE_SECONDS)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)

@@ -25,9 +25,11 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import weakref
@@ -92,6 +94,12 @@ class WorkerGroup:
     """``size`` processes running ``target(conn, rank, size, *args)``, each with a pipe to this one.
 
     ``target`` must call `serve` (after its own set-up, which may include a first reply).
+
+    With ``scratch`` (a name prefix), every start makes a fresh folder for the processes' files
+    (torch-tp's rendezvous file: gloo's FileStore must not be reused) and passes its path as the
+    last argument: ``target(conn, rank, size, *args, folder)``. `close` removes it. The processes
+    end without the interpreter's shutdown (`_child_main`), so nothing of theirs would; before
+    this, every check left a ``mha-rosetta-tp-*`` folder in the temporary directory.
     """
 
     def __init__(
@@ -102,10 +110,12 @@ class WorkerGroup:
         args: tuple = (),
         env: dict | None = None,
         start_timeout: float = 120.0,
+        scratch: str | None = None,
     ) -> None:
         self.name, self.target, self.size, self.args = name, target, size, args
         self.env = dict(env or {})
         self.start_timeout = start_timeout
+        self.scratch, self.folder = scratch, None  # the prefix, and this start's folder (None: none now)
         self.processes: list = []
         self.conns: list = []
         atexit.register(self.close)
@@ -120,6 +130,10 @@ class WorkerGroup:
         self.close()
         env = {**os.environ, **self.env}
         target = f"{self.target.__module__}:{self.target.__qualname__}"
+        args = self.args
+        if self.scratch is not None:
+            self.folder = tempfile.mkdtemp(prefix=self.scratch)
+            args = (*args, self.folder)
         for rank in range(self.size):
             # A socket pair per rank: a fresh interpreter (`python -m`, not multiprocessing's
             # spawn, which would re-run the caller's main script) gets its end by descriptor.
@@ -130,7 +144,7 @@ class WorkerGroup:
             conn = Connection(ours.detach())
             self.processes.append(process)
             self.conns.append(conn)
-            conn.send(self.args)
+            conn.send(args)
         self._collect("starting", self.start_timeout)
 
     def request(self, command: str, payloads, timeout: float, what: str = "") -> list:
@@ -244,6 +258,9 @@ class WorkerGroup:
         for conn in self.conns:
             conn.close()
         self.processes, self.conns = [], []
+        if self.folder is not None:  # after the processes, which may still hold files in it
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
 
 _GROUPS: weakref.WeakSet = weakref.WeakSet()  # every group of this process, for `close_all`

@@ -304,7 +304,10 @@ def measure(spec: CellSpec) -> dict:
         flops=flops,
         gflops=flops / timings["median_s"] / 1e9 if timings["median_s"] > 0 else None,
         cpu_util=cpu_util,
-        warnings=cpu_warnings(cpu_util, spec.threads, spec.device),
+        warnings=[
+            *cpu_warnings(cpu_util, spec.threads, spec.device),
+            *filter(None, [pinning.page_fault_warning(timings["page_faults_per_call"], spec.malloc)]),
+        ],
         **memory,  # peak_mem_mb and how it was counted: MemoryProbe on a CPU, the device's peak on a GPU
         host_peak_growth_mb=host_growth,
         peak_rss_mb=rss_after,

@@ -333,7 +333,10 @@ def measure(spec: DecodeCellSpec) -> dict:
     record.update(
         status="ok",
         cpu_util=cpu_util,
-        warnings=pinning.cpu_warnings(cpu_util, spec.threads, spec.device),
+        warnings=[
+            *pinning.cpu_warnings(cpu_util, spec.threads, spec.device),
+            *filter(None, [pinning.page_fault_warning(timings["page_faults_per_call"], spec.malloc)]),
+        ],
         cache_info=info.get("cache"),
         backend_info=info,
         **prefill,

@@ -124,6 +124,10 @@ def markdown_table(report: dict) -> str:
     malloc = report.get("settings", {}).get("malloc")
     if malloc:
         rule = "glibc mmap/trim thresholds raised to 4 GiB" if malloc == "keep" else "the environment as it was"
+        # Reports before 2026-12-03 kept the threads' own arenas (pinning.malloc_env): their line says less.
+        one_arena = any((cell.get("malloc_env") or {}).get("MALLOC_ARENA_MAX") for cell in report["cells"])
+        if malloc == "keep" and one_arena:
+            rule += ", one arena for every thread"
         lines.append(f"Allocator: malloc={malloc} ({rule}), the same for every cell  ")
     if lines:
         lines.append("")

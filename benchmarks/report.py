@@ -19,7 +19,7 @@ JSON layout (``schema`` 3)::
      "cells": [{"implementation", "backend", "strategy", "device", "dtype", "batch", "tokens",
                 "kv_tokens", "d_model", "heads", "threads", "median_s", "iqr_s", "min_s",
                 "repeats", "compile_s", "first_call_s", "flops", "gflops",
-                "gemm_peak_gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "status",
+                "gemm_peak_gflops", "peak_fraction", "cpu_util", "peak_mem_mb", "page_faults_per_call", "status",
                 "error", "warnings", "malloc", "malloc_env", "thread_env",
                 "round_medians_s", "spread_s", "round_drift", "drift", "round_peak_fractions",
                 "round_status", "samples_s", "reference", "reference_samples_s", "paired_ratios",

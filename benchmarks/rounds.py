@@ -57,9 +57,10 @@ FINISHED_STATUSES = ("ok", "unsupported")
 # Per-visit figures that summarise to the median over the rounds, those whose maximum counts, and those summed.
 _COMBINED_FIELDS = (
     (("compile_s", "first_call_s", "cpu_util"), statistics.median),
-    (("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb"), max),
+    (("peak_mem_mb", "host_peak_growth_mb", "peak_rss_mb", "call_rss_peak_mb", "call_traced_peak_mb",
+      "page_faults_per_call"), max),
     (("timed_total_s", "span_wall_s", "span_cpu_s", "visit_wall_s", "reference_total_s"), sum),
-)
+)  # fmt: skip
 
 
 # A visit's per-sample lists, pooled over the rounds in the merged cell (sample i of reference_samples_s

@@ -8,7 +8,9 @@ seconds (the result then says ``stable: false``). Each sample times one call of
 dispatch (JAX, CUDA) is never timed as free.
 
 CPU time is read over the same span, so the caller can tell how many cores the timed
-region really used. Standard library only: this runs inside measured children.
+region really used, and so are this process's minor page faults (``page_faults_per_call``):
+a call that maps its buffers afresh pays for faulting them in every time. Standard library
+only: this runs inside measured children.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 STABLE_SPREAD = 0.10  # IQR / median below which more repeats would not move the median
+
+
+def minor_page_faults() -> int | None:
+    """This process's minor page faults so far (``getrusage``); None where the OS does not count them."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,9 @@ def time_repeats(
     samples: list[float] = []
     references: list[float] = []
     timed_total = reference_total = 0.0
+    # Read at the span's ends only, never between a sample's clock readings; the reference products
+    # reuse their buffers, so the count is the calls' (`pinning.malloc_env` says why that matters).
+    faults_start = minor_page_faults()
     wall_start, cpu_start = clock(), cpu_clock()
     while True:
         start = clock()
@@ -124,8 +138,10 @@ def time_repeats(
             if relative_spread(samples) <= STABLE_SPREAD or spent >= policy.max_time:
                 break
     wall, cpu = clock() - wall_start, cpu_clock() - cpu_start
+    faults_end = minor_page_faults()
     summary = summarize(samples)
     summary.update(
+        page_faults_per_call=None if faults_start is None else (faults_end - faults_start) / len(samples),
         stable=relative_spread(samples) <= STABLE_SPREAD,
         samples_s=samples,  # every sample: a sweep of several rounds pools them (benchmarks.rounds)
         timed_total_s=timed_total,

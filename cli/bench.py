@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("keep", "default"),
         default="keep",
         help="allocator rule for every measured process: 'keep' raises glibc's mmap and trim thresholds "
-        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) to 4 GiB so that large buffers are reused instead "
+        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) to 4 GiB and keeps every thread in the main arena "
+        "(MALLOC_ARENA_MAX=1) so that large buffers are reused instead "
         "of faulted in afresh on every call, the same for every framework; 'default' leaves the "
         "environment as it is (default: keep)",
     )

@@ -38,7 +38,7 @@ from mha_rosetta.benchmarks.questions import (
 )
 from mha_rosetta.benchmarks.report import SCHEMA_VERSION, assemble_report, machine_info, primary_peak
 from mha_rosetta.benchmarks.sweep import SweepSettings, run_sweep
-from mha_rosetta.benchmarks.timing import RepeatPolicy, summarize, time_repeats
+from mha_rosetta.benchmarks.timing import RepeatPolicy, minor_page_faults, summarize, time_repeats
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.files import write_text_atomic
 
@@ -128,6 +128,7 @@ def test_malloc_env_keep_raises_both_glibc_thresholds_and_default_adds_nothing()
     assert pinning.malloc_env("keep") == {
         "MALLOC_MMAP_THRESHOLD_": "4294967296",
         "MALLOC_TRIM_THRESHOLD_": "4294967296",
+        "MALLOC_ARENA_MAX": "1",
     }
     assert pinning.malloc_env() == pinning.malloc_env("keep")  # keep is the default
     assert pinning.malloc_env("default") == {}
@@ -271,6 +272,8 @@ def test_smoke_numpy_cell_in_a_pinned_fresh_process(monkeypatch):
     assert record["output_finite"] is True
     assert record["malloc"] == "keep"
     assert record["malloc_env"] == pinning.MALLOC_KEEP_ENV  # the child started with the allocator rule
+    if minor_page_faults() is not None:  # a tiny cell under the rule reuses its pages: under 1 MiB a call
+        assert 0 <= record["page_faults_per_call"] * os.sysconf("SC_PAGE_SIZE") < 2**20
     assert record["thread_env"]["PJRT_NPROC"] == "1" and record["thread_env"]["OPENBLAS_NUM_THREADS"] == "1"
     assert record["thread_env"]["JAX_PLATFORMS"] == "cpu"  # a CPU cell's child never starts JAX's CUDA client
     if pinning.affinity_supported():
@@ -395,7 +398,11 @@ def test_headline_peak_is_cpu_float32_else_the_first_measured():
 
 def test_markdown_names_the_allocator_rule():
     report = assemble_report({"threads": 1, "malloc": "keep"}, [PEAK], [_cell()], machine={})
-    assert "Allocator: malloc=keep (glibc mmap/trim thresholds raised to 4 GiB)" in markdown_table(report)
+    assert "Allocator: malloc=keep (glibc mmap/trim thresholds raised to 4 GiB), the same" in markdown_table(report)
+    # A cell started under today's rule (the thresholds and MALLOC_ARENA_MAX): the line says so.
+    cell = {**_cell(), "malloc_env": pinning.malloc_env("keep")}
+    report = assemble_report({"threads": 1, "malloc": "keep"}, [PEAK], [cell], machine={})
+    assert "(glibc mmap/trim thresholds raised to 4 GiB, one arena for every thread)" in markdown_table(report)
 
 
 def test_baseline_comparison_sets_the_peaks_side_by_side_and_reads_old_reports():
@@ -754,3 +761,68 @@ def test_the_progress_lines_count_rounds(tmp_path, monkeypatch, capsys):
     bar.advance("numpy N=8: 1.000 ms")
     bar.close()
     assert capsys.readouterr().err == "[round 2/2, 1/3] numpy N=8: 1.000 ms\n"
+
+
+_THREAD_ALLOCATIONS = r"""
+import ctypes, json, resource, threading
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+faults = []
+
+def work():  # what XLA:CPU does on its pool thread: two large temporaries (scores, weights), every call
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        buffers = [libc.malloc(40 << 20) for _ in range(2)]
+        for buffer in buffers:
+            libc.memset(buffer, 1, 40 << 20)
+        for buffer in buffers:
+            libc.free(buffer)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+print(json.dumps(faults))
+"""
+
+
+def _thread_faults(env: dict[str, str]) -> list[int]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    result = subprocess.run(
+        [sys.executable, "-c", _THREAD_ALLOCATIONS], env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="the allocator rule is made of glibc tunables")  # fmt: skip
+def test_the_allocator_rule_keeps_a_threads_large_buffers_mapped():
+    # Two buffers of 40 MiB written by a thread other than the main one, five times over: with the rule,
+    # only the first time faults pages in; every later call reuses them.
+    page = os.sysconf("SC_PAGE_SIZE")
+    keep = _thread_faults(pinning.malloc_env("keep"))
+    assert all(count < 0.05 * (40 << 20) / page for count in keep[1:]), keep
+    # The two thresholds alone (the rule before MALLOC_ARENA_MAX): the thread's arena holds heaps of at
+    # most 64 MiB, so the second buffer gets a heap of its own, which glibc unmaps whole once it is empty,
+    # whatever the trim threshold; every call then faults that buffer in again (10240 faults of 4 KiB).
+    thresholds_only = {k: v for k, v in pinning.malloc_env("keep").items() if k != "MALLOC_ARENA_MAX"}
+    again = _thread_faults(thresholds_only)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[always]" in thp.read_text():
+        pytest.skip("transparent huge pages are always on here: a fault maps 2 MiB, so counts say nothing of bytes")
+    assert all(count > 0.9 * (40 << 20) / page for count in again[1:]), again
+
+
+@pytest.mark.skipif(minor_page_faults() is None, reason="this OS does not count page faults")
+def test_a_call_that_faults_in_16_mib_or_more_is_warned_about():
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert pinning.page_fault_warning(None, "keep") is None
+    assert pinning.page_fault_warning((16 << 20) / page - 1, "keep") is None
+    warning = pinning.page_fault_warning((32 << 20) / page, "keep")
+    assert warning.startswith(f"each call faulted in 32 MiB of fresh pages ({(32 << 20) // page} page faults)")
+    assert "although the allocator rule 'keep' was on" in warning
+    assert "--malloc keep reuses them" in pinning.page_fault_warning((32 << 20) / page, "default")

@@ -21,8 +21,16 @@ def _fmt(value: float) -> str:
     return "inf" if not np.isfinite(value) else ("0" if value == 0 else f"{value:.0e}")
 
 
-def grad_report_blocks(result: GradCheckResult) -> list:
-    """One block per dtype: each implementation's worst gradient error against the oracle, and the pairs."""
+def grad_report_blocks(result: GradCheckResult, quiet: bool = False) -> list:
+    """One block per dtype: each implementation's worst gradient error against the oracle, and the pairs;
+    ``quiet`` (``check --grad --quiet``): only the runs that disagree, were missed or failed, as for the forward."""
+    if quiet:
+        problems = [run for run in result.runs if run.status in (Status.DISAGREE, Status.MISSED, Status.ERROR)]
+        if not problems:
+            return []
+        block = Block("Problems: gradients", ["status", "implementation", "case", "dtype", "reason"])
+        block.rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in problems]
+        return [block]
     blocks = []
     pair_worst: dict[tuple[str, str, str], tuple[float, Status]] = {}
     for pair in result.pairs:

@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
     if grad is not None:
-        blocks += grad_report_blocks(grad)
+        blocks += grad_report_blocks(grad, quiet=args.quiet)
         summary += grad_summary_lines(grad)
     if args.timings:
         blocks += timing_blocks(result, grad)

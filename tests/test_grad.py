@@ -370,6 +370,7 @@ def test_grad_check_passes_and_catches_the_direct_reshape_mistake():
     section = grad_to_json(result)
     assert section["exit_status"] == 0 and section["runs"] and section["pairs"]
     assert grad_report_blocks(result)
+    assert grad_report_blocks(result, quiet=True) == []  # --quiet: nothing but problems, and there are none
 
 
 def test_grad_check_names_a_transposed_weight_gradient():
@@ -396,6 +397,9 @@ def test_grad_check_names_a_transposed_weight_gradient():
     assert result.exit_status == 1
     run = next(r for r in result.runs if r.label == "numpy-transposed-dw")
     assert run.status is Status.DISAGREE and "w_q" in run.reason
+    (quiet,) = grad_report_blocks(result, quiet=True)  # --quiet keeps the problem, and only it
+    assert quiet.title == "Problems: gradients"
+    assert [row[:4] for row in quiet.rows] == [["DISAGREE", "numpy-transposed-dw", "self_attention", "float64"]]
 
 
 def test_cli_check_grad_writes_a_grad_section(tmp_path):

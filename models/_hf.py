@@ -132,7 +132,8 @@ def rotary_precision(options: RunOptions, eager_softmax_float32: bool = True) ->
     """Where a rotary HF family computes in float32 inside a float64 model, and so which tolerance applies.
 
     ``eager_softmax_float32``: the family's eager path is the shared ``eager_attention_forward``, whose softmax
-    is float32 (Llama, GPT-NeoX, Phi-3); Falcon's own eager path keeps the hidden states' dtype.
+    is float32 (Llama, GPT-NeoX, Phi-3, and Falcon from transformers 5.25); Falcon's own eager path, before,
+    kept the hidden states' dtype (`hf_falcon.falcon_eager_is_shared`).
     """
     causes = []
     if not options.float64_rotary:

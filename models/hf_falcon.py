@@ -42,10 +42,29 @@ MODULE = "FalconAttention"
 
 # Why Falcon's ALiBi is not the spec's (a known difference, transformers/models/falcon/modeling_falcon.py).
 FALCON_ALIBI = (
-    "Falcon divides the bias by sqrt(d) with the scores, (q.k + m_h p_j) / sqrt(d) (eager: attention_logits *= "
-    "inv_norm_factor; sdpa: alibi / sqrt(head_dim) in the mask), and rounds the slopes to bfloat16 "
+    "Falcon divides the bias by sqrt(d) with the scores, (q.k + m_h p_j) / sqrt(d) (alibi / sqrt(head_dim) in the "
+    "mask; before transformers 5.25 its own eager path scaled the biased logits, attention_logits *= "
+    "inv_norm_factor), and rounds the slopes to bfloat16 "
     "(slopes.bfloat16()); the spec adds m_h (p_j - p_i) to the scaled scores with float64 slopes"
 )
+
+
+def falcon_eager_is_shared() -> bool:
+    """True where ``FalconAttention``'s eager path is the shared ``eager_attention_forward`` (transformers 5.25 on),
+    whose softmax runs in float32; before, Falcon's own eager attention kept the hidden states' dtype."""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    return "eager_attention_forward" in FalconAttention.forward.__code__.co_names
+
+
+def falcon_takes_alibi() -> bool:
+    """True where ``FalconAttention.forward`` takes ``alibi=`` (before transformers 5.25; since, ``FalconModel``
+    folds ``alibi / sqrt(head_dim)`` into the additive attention mask)."""
+    import inspect
+
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    return "alibi" in inspect.signature(FalconAttention.forward).parameters
 
 
 def packing_switches(cfg: MHAConfig) -> dict[str, bool]:
@@ -90,14 +109,15 @@ def _forward(module, cfg, x, padding, options):
         def forward(xt):
             cos_sin = rotary_tables(cfg, options, FalconRotaryEmbedding(config), xt)
             mask = hf_mask(config, cfg, xt, padding)
-            return module(xt, alibi=None, attention_mask=mask, position_embeddings=cos_sin)[0]
+            alibi = {"alibi": None} if falcon_takes_alibi() else {}  # no ALiBi here (rotary); the keyword went in 5.25
+            return module(xt, attention_mask=mask, position_embeddings=cos_sin, **alibi)[0]
 
         packing = (
             "new_decoder_architecture" if module.new_decoder_architecture else
             "multi_query" if module.multi_query else "per head"
         )  # fmt: skip
         description = f"transformers FalconAttention, {packing} packing ({options.implementation})"
-        precision = rotary_precision(options, eager_softmax_float32=False)
+        precision = rotary_precision(options, eager_softmax_float32=falcon_eager_is_shared())
         return hf_forward("hf-falcon", module, description, x, forward, **precision)
 
 

@@ -399,9 +399,14 @@ def test_the_schema_2_reference_loads_under_the_rule_and_renders():
     assert "reference disturbed" not in " ".join(jax_dpa["warnings"])
     assert max(cell["reference_beta"] for cell in cells.values()) == pytest.approx(0.59, abs=0.01)  # torch:per_head
     assert "| corrected ms | rounds ms | raw ms | raw rounds ms |" in markdown_table(report)
-    # Re-deriving is what the committed file now holds (re-rendered with bench --render ... --write-docs).
-    committed = {cell["implementation"]: cell for cell in load_report(DOCS / "reference.json")["cells"]}
-    assert all(committed[name]["corrected_median_s"] == cell["corrected_median_s"] for name, cell in cells.items())
+    # The committed reference (measured afresh since) holds what the rule derives from its own samples.
+    from mha_rosetta.benchmarks.report import correct_cell, run_references
+
+    stored = json.loads((DOCS / "reference.json").read_text())["cells"]
+    workloads = run_references(stored)
+    ok = [cell for cell in stored if cell.get("status") == "ok"]
+    assert len(ok) >= 19 and all("corrected_median_s" in cell for cell in ok)
+    assert all(correct_cell(cell, workloads)["corrected_median_s"] == cell["corrected_median_s"] for cell in ok)
 
 
 def test_the_correction_rules_script_scores_each_rule_on_two_saved_runs(tmp_path, capsys):

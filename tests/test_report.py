@@ -217,10 +217,10 @@ def test_docs_report_command_runs_as_printed(capsys):
     assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
     argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
     assert main(argv) == 0
-    # torch-sdpa in the committed files (Intel Xeon, 2026-12-01, corrected by the control-variate rule): 51.6 ms,
-    # rounds 51.2-51.7 ms (beta 0.13); with 2 threads its samples did not follow the reference (beta 0): 78.2 ms
-    # (75.3-79.4), its raw figures.
-    assert "| torch-sdpa | 51.6 [51.2–51.7] | 78.2 [75.3–79.4] ×1.52 [1.45–1.55] |" in capsys.readouterr().out
+    # torch-sdpa in the committed files (Intel Xeon, 2026-12-03, corrected by the control-variate rule): 43.95 ms,
+    # rounds 42.61-44.98 ms (beta 0.67); with 2 threads its samples did not follow the reference (beta 0): 66.85 ms
+    # (63.14-68.07), its raw figures.
+    assert "| torch-sdpa | 44 [42.6–45] | 66.9 [63.1–68.1] ×1.52 [1.40–1.60] |" in capsys.readouterr().out
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
@@ -350,14 +350,14 @@ def test_the_committed_decode_file_has_a_table_per_context_with_its_share_of_the
     # Every implementation that decodes (11), in each of the 9 contexts and windows.
     assert len(groups) == 9 and all(len(report.comparison.implementations(group)) == 11 for group in groups)
     text = report.markdown()
-    # docs/bench/decode.md (Intel Xeon, 2026-12-02; corrected by the control-variate rule, issue 28): numpy at
-    # 1024, step 4.071 ms (beta 0.58), rounds 3.968-4.299, 4.8% of limit; jax at 32768 with W=4096: 20.710 ms
-    # (beta 0.29), 18.706-25.042, 3.8%.
-    assert "| numpy | 4.07 [3.97–4.3] · 4.8% of KV limit |" in text
+    # docs/bench/decode.md (Intel Xeon, 2026-12-03; corrected by the control-variate rule, issue 28): numpy at
+    # 1024, step 2.024 ms (beta 0.37), rounds 1.998-2.052, 8.3% of limit; jax at 32768 with W=4096: 12.696 ms
+    # (beta 0.78), 12.502-12.755, 5.3%.
+    assert "| numpy | 2.02 [2–2.05] · 8.3% of KV limit |" in text
     window = text.split("### decode · float32 · B1 context=32768 W=4096", 1)[1].split("###", 1)[0]
-    assert "| jax | 20.7 [18.7–25] · 3.8% of KV limit |" in window
+    assert "| jax | 12.7 [12.5–12.8] · 5.3% of KV limit |" in window
     page = report.html()
-    assert "context (log2)" in page and page.count('4.07 <span class="small">[3.97–4.3]</span>') == 1
+    assert "context (log2)" in page and page.count('2.02 <span class="small">[2–2.05]</span>') == 1
 
 
 def test_bench_baseline_and_compare_take_decode_reports(decode_pair, capsys):

@@ -61,8 +61,19 @@ FAST_COMPILE_SWITCH = "MHA_ROSETTA_FAST_COMPILE"  # "0": XLA's default compile s
 # loop emitters, 2.31 s with both; the whole default check 107 s -> 54 s cold (2 workers), with the
 # same verdicts field by field (docs/check.md). Neither setting licenses a reordering of floating-point
 # arithmetic (no fast-math), so they change compile time, not what is computed up to XLA's own
-# choices of order; benchmarks never use them.
-FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
+# choices of order; benchmarks never use them. The third compiles each program as one LLVM module
+# instead of splitting it for parallel codegen: on 2 cores the check's workers already keep both busy,
+# and each split part took memory mappings of its own (the jax adapter's 112 programs in one process:
+# 56 mappings a program, 20 with it; a process that compiled about 1200 programs reached Linux's
+# vm.max_map_count of 65530, and XLA then crashed in backend_compile_and_load, as the test suite did
+# in one process). The default check, cold, in turn (Intel Xeon, 2 workers, 2026-12-04): 28.4 and
+# 25.9 s without it, 22.8 and 22.9 s with it; the same statuses on all 1511 runs and 12401 pairs,
+# one run's worst error (equinox, rope_half, float32) 3.5e-7 instead of 2.9e-7.
+FAST_COMPILE_FLAGS = (
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 
 
 def fast_compile_enabled(flag: bool | None = None) -> bool:

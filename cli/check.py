@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-fast-compile",
         action="store_true",
         help="compile with XLA's default settings in the workers (the check sets "
-        "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0, which halve its JAX compile time; "
+        "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0 "
+        "--xla_cpu_parallel_codegen_split_count=1, which halve its JAX compile time; "
         "off with MHA_ROSETTA_FAST_COMPILE=0 and with --devices gpu; your own XLA_FLAGS always win)",
     )
     parser.add_argument(

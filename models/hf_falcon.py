@@ -104,12 +104,12 @@ def _falcon(cfg, state, x, padding, options):
 def _forward(module, cfg, x, padding, options):
     from transformers.models.falcon.modeling_falcon import FalconRotaryEmbedding
 
+    alibi = {"alibi": None} if falcon_takes_alibi() else {}  # no ALiBi here (rotary); the keyword went in 5.25
     with hf_implementation(module.config, options) as config:
 
         def forward(xt):
             cos_sin = rotary_tables(cfg, options, FalconRotaryEmbedding(config), xt)
             mask = hf_mask(config, cfg, xt, padding)
-            alibi = {"alibi": None} if falcon_takes_alibi() else {}  # no ALiBi here (rotary); the keyword went in 5.25
             return module(xt, attention_mask=mask, position_embeddings=cos_sin, **alibi)[0]
 
         packing = (

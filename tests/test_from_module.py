@@ -930,7 +930,7 @@ def test_falcons_alibi_is_the_known_difference_its_layout_error_names():
     x = _x(24, seed=4)
     batch, tokens = x.shape[:2]
     causal = np.triu(np.full((tokens, tokens), np.finfo(np.float64).min), 1)[None, None]  # additive, (1, 1, N, N)
-    from mha_rosetta.models.hf_falcon import falcon_takes_alibi
+    from mha_rosetta.models.hf_falcon import falcon_eager_is_shared, falcon_takes_alibi
 
     with torch.no_grad():
         alibi = build_alibi_tensor(torch.ones(batch, tokens, dtype=torch.long), 6, torch.float64)  # (B*H, 1, N)
@@ -961,8 +961,6 @@ def test_falcons_alibi_is_the_known_difference_its_layout_error_names():
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     context = (weights @ split[2]).transpose(0, 2, 1, 3).reshape(batch, tokens, 24)  # (B, H, N, d) -> (B, N, H*d): copy
-    from mha_rosetta.models.hf_falcon import falcon_eager_is_shared
-
     # The shared eager path (transformers 5.25 on) runs the softmax in float32: that tolerance then applies.
     precision = "float32" if falcon_eager_is_shared() else "float64"
     assert_close(out, context @ params.w_o.T + params.b_o, precision, what="Falcon's ALiBi written out")

@@ -65,8 +65,10 @@ def rounds_lines(report: dict) -> list[str]:
     rounds = report.get("rounds")
     if not rounds:
         return []
+    visits = rounds.get("visits", 1)
+    each = "once" if visits == 1 else f"{visits} times (each a fresh process, pooled into the round's median)"
     lines = [
-        f"Rounds: {rounds['count']} (seed {rounds['seed']}), each visiting every cell once in a shuffled order; "
+        f"Rounds: {rounds['count']} (seed {rounds['seed']}), each visiting every cell {each} in a shuffled order; "
         "a cell's median pools every round's samples, \"rounds ms\" is the range of its round medians  "
     ]
     for key, values in rounds.get("gemm_peaks_gflops", {}).items():

@@ -38,17 +38,18 @@ def partial_entries(path: Path):
             continue  # the line being written when the sweep was killed
 
 
-def load_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[tuple[int, str], dict]]:
-    """(cell visits by (round, cell key), GEMM peaks by (round, peak key)) from a partial file.
+def load_partial(path: Path) -> tuple[dict[tuple[int, int, str], dict], dict[tuple[int, str], dict]]:
+    """(cell visits by (round, visit, cell key), GEMM peaks by (round, peak key)) from a partial file.
 
-    A torn last line is ignored; entries written before rounds existed belong to round 0.
+    A torn last line is ignored; entries written before rounds existed belong to round 0, those
+    written before several visits a round (`rounds.pool_visits`) to visit 0.
     """
-    cells: dict[tuple[int, str], dict] = {}
+    cells: dict[tuple[int, int, str], dict] = {}
     peaks: dict[tuple[int, str], dict] = {}
     for entry in partial_entries(path):
         round_index = entry.get("round", 0)
         if entry.get("type") == "cell":
-            cells[(round_index, cell_key(entry["record"]))] = entry["record"]
+            cells[(round_index, entry.get("visit", 0), cell_key(entry["record"]))] = entry["record"]
         elif entry.get("type") == "gemm":
             peak = entry["record"]
             peaks[(round_index, gemm_key(peak["device"], peak["dtype"], peak["threads"]))] = peak

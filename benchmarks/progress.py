@@ -28,7 +28,7 @@ def _timed_s(policy: dict) -> float:
 
 
 def estimate_seconds(settings, cells: list[CellSpec]) -> dict:
-    """The sweep's expected duration: cells x rounds x seconds per visit, plus the GEMM peaks.
+    """The sweep's expected duration: cells x rounds x visits x seconds per visit, plus the GEMM peaks.
 
     The first round measures the peak with every installed library, later rounds with the
     winner only. An estimate from the repeat policy and `STARTUP_S`, not a measurement.
@@ -41,8 +41,12 @@ def estimate_seconds(settings, cells: list[CellSpec]) -> dict:
     peak_s = max(STARTUP_S.values()) / 2 + _timed_s(settings.gemm_policy)  # one library's peak, roughly
     libraries = max(len(installed_gemm_libraries()), 1)
     gemm_s = groups * peak_s * (libraries + (settings.rounds - 1))
-    total = sum(per_visit) * settings.rounds + gemm_s
-    return {"cells": len(cells), "rounds": settings.rounds, "per_cell_s": per_cell, "gemm_s": gemm_s, "total_s": total}
+    visits = getattr(settings, "visits", 1)  # the decode sweep visits each cell once a round
+    total = sum(per_visit) * settings.rounds * visits + gemm_s
+    return {
+        "cells": len(cells), "rounds": settings.rounds, "visits": visits, "per_cell_s": per_cell, "gemm_s": gemm_s,
+        "total_s": total,
+    }  # fmt: skip
 
 
 def describe_estimate(estimate: dict) -> str:
@@ -50,7 +54,9 @@ def describe_estimate(estimate: dict) -> str:
     total = estimate["total_s"]
     when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
     return (
-        f"{estimate['cells']} cells x {estimate['rounds']} round(s) x ~{estimate['per_cell_s']:.1f} s "
+        f"{estimate['cells']} cells x {estimate['rounds']} round(s) x "
+        + (f"{estimate['visits']} visits x " if estimate.get("visits", 1) > 1 else "")
+        + f"~{estimate['per_cell_s']:.1f} s "
         f"+ GEMM peaks ~{estimate['gemm_s']:.0f} s: about {when} (estimated from the repeat policy "
         "and typical start-up times)"
     )

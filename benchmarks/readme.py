@@ -97,7 +97,9 @@ def _describe_run(report: dict, threads: int) -> list[str]:
     where = f"{machine.get('cpu_model', 'an unnamed CPU')}, {machine.get('cores')} cores"
     text = f"{threads} thread{'s' if threads > 1 else ''}, {where}: {count} round{'s' if count > 1 else ''}"
     if rounds:
-        text += f", each visiting all {cells} cells once in a shuffled order (seed {rounds.get('seed')})"
+        visits = rounds.get("visits", 1)
+        each = "once" if visits == 1 else f"{visits} times, each visit a fresh process"
+        text += f", each visiting all {cells} cells {each} in a shuffled order (seed {rounds.get('seed')})"
     lines = [text + "."]
     for peak in report.get("gemm_peaks", []):
         if peak.get("device") != "cpu" or peak.get("dtype") != REFERENCE_SIZE["dtype"]:

@@ -198,7 +198,8 @@ def enrich_cell(cell: dict, peaks: dict[str, float | None], round_peaks: dict[st
 def run_references(cells: list[dict]) -> dict[str, dict]:
     """Every reference workload of the run, by `gemm.reference_key`, with its median time: the
     median over every measured visit of that visit's median reference (each visit counts once,
-    however many samples it took)."""
+    however many samples it took; with several visits a round, `rounds.pool_visits`, from the
+    ``visit_reference_medians_s`` the cells keep)."""
     from .gemm import reference_key
 
     workloads: dict[str, dict] = {}
@@ -207,7 +208,10 @@ def run_references(cells: list[dict]) -> dict[str, dict]:
             continue
         workload = {name: value for name, value in cell["reference"].items() if name != "versions"}
         entry = workloads.setdefault(reference_key(workload), {**workload, "visit_medians_s": []})
-        entry["visit_medians_s"] += [value for value in cell.get("round_reference_medians_s") or [] if value]
+        per_visit = [value for row in cell.get("visit_reference_medians_s") or [] for value in row or []]
+        entry["visit_medians_s"] += [
+            value for value in per_visit or cell.get("round_reference_medians_s") or [] if value
+        ]
     for entry in workloads.values():
         values = entry.pop("visit_medians_s")
         entry.update(median_s=statistics.median(values) if values else None, visits=len(values))

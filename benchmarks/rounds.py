@@ -4,6 +4,17 @@ A sweep of R rounds visits every cell once per round, in an order shuffled afres
 from one recorded seed, each visit a fresh process. Load from elsewhere on the machine then
 lands on different cells in different rounds instead of on one implementation's whole row.
 
+Visits per round (``visits``, V; 1 unless a preset says otherwise): every cell is visited V times
+a round, each a fresh process, the round's order shuffling all V x cells visits together, and the
+round's figures pool its V visits (`pool_visits`). Why: a cell's speed changes from one process to
+the next by more than its paired reference can correct. Measured on the Intel Xeon (2 cores, 1
+thread, 2026-12-04, reference size, numpy, torch, jax, torch-mha, einops-numpy): two visits of a
+cell started under 8 s apart differed by 1.6-2.5% (rms / sqrt 2) in their paired-ratio medians,
+as much as visits minutes apart (2.3-3.0%), and neither glibc's huge pages nor turning address
+randomization off changed it; the samples within a visit spread far less (0.9-1.6% for the
+visit's median). Only more processes average it out, and a round of V visits narrows its
+median by about sqrt V, so that the round medians, and two runs, agree more closely.
+
 What a cell reports after R rounds:
 
 - ``median_s``: the median over *all* its timed samples (every round's samples pooled);
@@ -77,12 +88,13 @@ def draw_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-def round_orders(count: int, rounds: int, seed: int) -> list[list[int]]:
-    """For each round, the order in which the ``count`` cells are visited (indices), from ``seed``."""
+def round_orders(count: int, rounds: int, seed: int, visits: int = 1) -> list[list[int]]:
+    """For each round, the order in which the ``count`` cells are visited (indices), from ``seed``:
+    every index ``visits`` times, shuffled together (one visit a round gives the orders it always gave)."""
     rng = random.Random(seed)
     orders = []
     for _ in range(rounds):
-        order = list(range(count))
+        order = list(range(count)) * visits
         rng.shuffle(order)
         orders.append(order)
     return orders
@@ -191,6 +203,51 @@ def is_drift_warning(text: str) -> bool:
     return text.startswith(("drift: ", "reference disturbed, "))
 
 
+def pool_visits(visits: list[dict | None]) -> dict | None:
+    """One round's record of a cell from that round's visits (``visits`` per round, each a fresh process).
+
+    One visit is returned as it is. Several: the samples (and their paired references and ratios)
+    pooled in visit order, the statistics taken again over them, per-visit figures combined as
+    `merge_visits` combines rounds, and each visit's median, ratio median and reference median kept
+    (``visit_medians_s``, ``visit_ratio_medians``, ``visit_reference_medians_s``). A failed visit makes
+    the round failed (its status, "visit k: ..." as the error; a resumed sweep runs that visit again);
+    a round whose visits were all unsupported is unsupported; None: none ran.
+    """
+    present = [(index, visit) for index, visit in enumerate(visits) if visit is not None]
+    if len(visits) == 1 or not present:
+        return visits[0] if visits else None
+    failed = [(index, visit) for index, visit in present if visit.get("status") not in FINISHED_STATUSES]
+    ok = [visit for _index, visit in present if visit.get("status") == "ok"]
+    if failed or not ok:
+        index, visit = (failed or present)[0]
+        return {**visit, "error": f"visit {index + 1}: {visit.get('error', '')}"} if failed else dict(visit)
+    record = dict(ok[0])
+    for name in _POOLED_FIELDS:
+        record.pop(name, None)
+        if all(visit.get(name) for visit in ok):
+            record[name] = [value for visit in ok for value in visit[name]]
+    if "samples_s" in record:
+        record.update(summarize(record["samples_s"]))
+    else:  # visits recorded without their samples: the median of the visit medians
+        record["median_s"] = statistics.median(visit["median_s"] for visit in ok)
+    record["visit_medians_s"] = [visit["median_s"] for visit in ok]
+    if "paired_ratios" in record:
+        record["ratio_median"] = statistics.median(record["paired_ratios"])
+        record["reference_median_s"] = statistics.median(record["reference_samples_s"])
+        record["visit_ratio_medians"] = [visit.get("ratio_median") for visit in ok]
+        record["visit_reference_medians_s"] = [visit.get("reference_median_s") for visit in ok]
+    for names, combine in _COMBINED_FIELDS:
+        for name in names:
+            values = [visit.get(name) for visit in ok if visit.get(name) is not None]
+            if values:
+                record[name] = combine(values)
+    record["stable"] = all(visit.get("stable", True) for visit in ok)
+    record["warnings"] = list(dict.fromkeys(
+        f"visit {index + 1}: {warning}" for index, visit in present for warning in visit.get("warnings") or []
+    ))  # fmt: skip
+    return record
+
+
 def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRESHOLD) -> dict | None:
     """One cell's record from its visits, one per round (None: that round did not reach it).
 
@@ -232,6 +289,10 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
             record[name] = [value for visit in oks for value in visit[name]]
     record["round_medians_s"] = [visit["median_s"] if (visit or {}).get("status") == "ok" else None for visit in visits]
     record["spread_s"] = spread(record["round_medians_s"])
+    # Several visits a round (`pool_visits`): each visit's figures, per round.
+    for name in ("visit_medians_s", "visit_ratio_medians", "visit_reference_medians_s"):
+        if any(_field_if_ok(visit, name) for visit in visits):
+            record[name] = [_field_if_ok(visit, name) for visit in visits]
     drift = relative_range(record["round_medians_s"])
     record["round_drift"] = drift
     record["drift"] = bool(drift is not None and drift > drift_threshold)

@@ -5,7 +5,8 @@ What it guarantees:
 - Every cell runs through `cell.run_cell` (a fresh process, pinned, thread knobs set
   before any import), with the same thread count for every framework, and the same
   allocator rule (``malloc``, see `pinning.malloc_env`) for every cell and GEMM peak.
-- Rounds (``rounds``, `benchmarks.rounds`): every cell is visited once per round, in an
+- Rounds (``rounds``, `benchmarks.rounds`): every cell is visited once per round (``visits``
+  times where a preset asks for more, each a fresh process, pooled into the round's figure), in an
   order shuffled afresh each round from one recorded seed, so that a burst of load from
   elsewhere on the machine lands on different cells in different rounds instead of on one
   implementation's whole row. A cell's figure is the median over all its samples, with the
@@ -52,6 +53,7 @@ from .rounds import (
     draw_seed,
     merge_peaks,
     merge_visits,
+    pool_visits,
     round_orders,
 )
 from .timing import RepeatPolicy
@@ -78,6 +80,7 @@ class SweepSettings:
     preset: str | None = None
     malloc: str = DEFAULT_MALLOC_MODE  # "keep": glibc keeps freed memory (pinning.malloc_env)
     rounds: int = 1  # every cell is visited once per round, in a shuffled order (benchmarks.rounds)
+    visits: int = 1  # visits of every cell per round, each a fresh process, pooled (rounds.pool_visits)
     # A cell whose predicted peak memory exceeds this (MiB) is skipped, not run (benchmarks.long);
     # None: half the available memory, at most 8 GiB.
     memory_budget_mb: float | None = None
@@ -89,6 +92,7 @@ class SweepSettings:
     def __post_init__(self) -> None:
         malloc_env(self.malloc)  # validates the mode
         require_positive_int("rounds", self.rounds)
+        require_positive_int("visits", self.visits)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
         if not self.modes:
@@ -180,6 +184,7 @@ def rounds_record(settings: SweepSettings, cells: list[CellSpec], orders, peaks_
     busy = sorted({index for values in round_peaks.values() for index in busy_rounds(values)})
     return {
         "count": settings.rounds,
+        "visits": settings.visits,
         "seed": settings.seed,
         "orders": [[f"{cells[i].implementation} N={cells[i].tokens}" for i in order] for order in orders],
         "gemm_peaks_gflops": round_peaks,
@@ -202,8 +207,8 @@ def run_sweep(
 ) -> SweepOutcome:
     """Run (or resume) the sweep; every finished visit is in ``partial_path`` as soon as it ends.
 
-    ``settings.rounds`` rounds; each measures the GEMM peaks, then visits every cell once in
-    its own shuffled order (`rounds.round_orders`, from ``settings.seed``; drawn and recorded
+    ``settings.rounds`` rounds; each measures the GEMM peaks, then visits every cell once
+    (``settings.visits`` times) in its own shuffled order (`rounds.round_orders`, from ``settings.seed``; drawn and recorded
     when None, or taken from the partial file's header on resume). A cell found unsupported
     is not visited again. Ctrl-C stops the sweep between or during visits: the outcome then
     holds what finished and ``interrupted=True`` (the caller writes what it has and exits 130).
@@ -225,9 +230,10 @@ def run_sweep(
         append_entry(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
 
     budget = memory_budget_mb(settings.memory_budget_mb)
-    orders = round_orders(len(cells), settings.rounds, settings.seed)
-    bar = Progress(settings.rounds, len(groups) + len(cells), enabled=progress)
-    visits: list[list[dict | None]] = [[None] * settings.rounds for _ in cells]
+    orders = round_orders(len(cells), settings.rounds, settings.seed, settings.visits)
+    bar = Progress(settings.rounds, len(groups) + len(cells) * settings.visits, enabled=progress)
+    # visits[cell][round][k]: the k-th visit of that cell in that round (None: not run)
+    visits: list[list[list[dict | None]]] = [[[None] * settings.visits for _ in range(settings.rounds)] for _ in cells]
     peaks_by_round: dict[tuple[int, str], dict] = {}
     wall_s: list[float] = []
     resumed = 0
@@ -253,15 +259,17 @@ def run_sweep(
                 gflops = peak.get("gflops")
                 shown = f"{gflops:.1f} GFLOP/s ({peak.get('library')})" if gflops else "not measurable"
                 bar.advance(f"GEMM peak {device} {dtype} n={peak.get('n')}: {shown}")
+            seen = [0] * len(cells)  # visits of each cell so far this round
             for index in order:
                 spec = cells[index]
-                earlier = [visit for visit in visits[index][:round_index] if visit is not None]
+                visit_index, seen[index] = seen[index], seen[index] + 1
+                earlier = [visit for row in visits[index][: round_index + 1] for visit in row if visit is not None]
                 if any(visit.get("status") == "unsupported" for visit in earlier):
                     bar.advance(describe_result(earlier[0]) + " [not run again]")
                     continue
-                previous = done_cells.get((round_index, spec.key()))
+                previous = done_cells.get((round_index, visit_index, spec.key()))
                 if previous is not None and previous.get("status") in FINISHED_STATUSES:
-                    visits[index][round_index] = previous
+                    visits[index][round_index][visit_index] = previous
                     resumed += 1
                     bar.advance(describe_result(previous) + " [resumed]")
                     continue
@@ -274,8 +282,10 @@ def run_sweep(
                 record = cell_record(spec, {"status": "unsupported", "error": skip}) if skip else None
                 record = record or cell_runner(spec, settings.cell_timeout)
                 record["visit_wall_s"] = time.perf_counter() - started
-                append_entry(partial_path, {"type": "cell", "round": round_index, "record": record})
-                visits[index][round_index] = record
+                append_entry(
+                    partial_path, {"type": "cell", "round": round_index, "visit": visit_index, "record": record}
+                )
+                visits[index][round_index][visit_index] = record
                 bar.advance(describe_result(record))
             wall_s.append(time.perf_counter() - round_start)
             bar.end_round()
@@ -283,7 +293,8 @@ def run_sweep(
         interrupted = True
     finally:
         bar.close()
-    merged_cells = [cell for cell in (merge_visits(row) for row in visits) if cell is not None]
+    by_cell = (merge_visits([pool_visits(round_visits) for round_visits in row]) for row in visits)
+    merged_cells = [cell for cell in by_cell if cell is not None]
     keys = [gemm_key(device, dtype, settings.threads) for device, dtype in groups]
     merged = (merge_peaks([peaks_by_round.get((index, key)) for index in range(settings.rounds)]) for key in keys)
     merged_peaks = [peak for peak in merged if peak is not None]

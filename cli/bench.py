@@ -8,7 +8,9 @@ A preset picks the sizes (``--quick``: under two minutes; ``default``: about ten
 ``reference``: B=4, N=512, D=512, H=8, float32); any size option overrides the preset.
 ``--rounds R`` visits every cell once per round in a shuffled order (3 rounds for default
 and reference, 1 for quick): medians pool every round, the range of the round medians is
-the spread. The estimated duration is printed before the sweep starts.
+the spread. ``--visits V`` visits every cell V times a round, each a fresh process, pooled
+into the round's figure (2 for reference, 1 for the others: `benchmarks.rounds` says why).
+The estimated duration is printed before the sweep starts.
 Finished visits go to a partial file as they end, so an interrupted sweep can ``--resume``.
 ``--write-docs DIR`` writes DIR/bench/ and regenerates the benchmark block of DIR/benchmarks.md;
 ``--render JSON`` does the same from a saved report without measuring (`benchmarks.readme`).
@@ -124,6 +126,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "samples and the range of its round medians is its spread (default: 3 for default and reference, "
         "1 for quick)",
     )
+    parser.add_argument(
+        "--visits",
+        type=int,
+        metavar="V",
+        help="visit every cell V times a round, each a fresh process, and pool them into the round's figure "
+        "(a cell's speed changes from one process to the next: more processes narrow its median; default: 2 for "
+        "reference, 1 for the others; not for --mode decode)",
+    )
     parser.add_argument("--seed", type=int, metavar="S", help="the shuffle seed (default: drawn, and recorded)")
     parser.add_argument(
         "--mode",
@@ -217,6 +227,8 @@ def _settings(args: argparse.Namespace):
         policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
     if args.rounds is not None and args.rounds < 1:
         raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
+    if args.visits is not None and args.visits < 1:
+        raise ValueError(f"--visits must be a positive int, got {args.visits}")
     return preset_settings(
         name,
         implementations=args.backends,
@@ -231,6 +243,7 @@ def _settings(args: argparse.Namespace):
         policy=policy,
         malloc=args.malloc,
         rounds=args.rounds,
+        visits=args.visits,
         seed=args.seed,
         memory_budget_mb=args.memory_budget,
         modes=["fwd", "fwdbwd"] if args.mode == "both" else [args.mode],
@@ -442,6 +455,7 @@ def _load_baseline(args: argparse.Namespace, kind: str) -> dict | None:
 _NOT_FOR_DECODE = (
     ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"), ("questions", "--questions"),
     ("questions_only", "--questions-only"), ("memory_budget", "--memory-budget"), ("preset", "--preset"),
+    ("visits", "--visits"),
 )  # fmt: skip
 
 

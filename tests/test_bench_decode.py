@@ -336,6 +336,10 @@ def test_bench_mode_decode_quick_end_to_end(fake, tmp_path, capsys):
 def test_bench_mode_decode_refuses_what_it_does_not_take(capsys):
     assert _main(["bench", "--mode", "decode", "--tokens", "64"]) == 2
     assert "--mode decode does not take --tokens (decode: --contexts)" in capsys.readouterr().err
+    assert _main(["bench", "--mode", "decode", "--visits", "2"]) == 2
+    assert "--mode decode does not take --visits" in capsys.readouterr().err
+    assert _main(["bench", "--visits", "0"]) == 2
+    assert "--visits must be a positive int, got 0" in capsys.readouterr().err
     assert _main(["bench", "--mode", "decode", "--dtypes", "float32,float64"]) == 2
     assert "--mode decode takes one value of --dtypes, got ['float32', 'float64']" in capsys.readouterr().err
     assert _main(["bench", "--mode", "decode", "--plugin", "nowhere_at_all:Nothing"]) == 2

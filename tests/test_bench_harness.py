@@ -540,6 +540,87 @@ def test_round_orders_are_seeded_shuffles_of_every_cell():
     assert len({tuple(order) for order in round_orders(8, 4, seed=0)}) > 1  # shuffled afresh each round
 
 
+def test_round_orders_with_several_visits_shuffle_every_visit_together():
+    from mha_rosetta.benchmarks.rounds import round_orders
+
+    assert round_orders(6, 3, seed=11, visits=1) == round_orders(6, 3, seed=11)  # one visit: the old orders
+    orders = round_orders(5, 2, seed=3, visits=2)
+    assert all(sorted(order) == sorted(list(range(5)) * 2) for order in orders)  # every cell twice a round
+    assert any(order[:5] != sorted(order[:5]) for order in orders)  # not cell by cell: shuffled together
+
+
+def test_several_visits_a_round_are_each_run_kept_and_pooled(tmp_path):
+    runners = FakeRunners()
+    partial = tmp_path / "p.jsonl"
+    outcome = _run(runners, partial, settings=_settings(rounds=2, visits=2))
+    assert sorted(_visited(runners)) == sorted(PLAN * 4)  # 4 cells x 2 rounds x 2 visits, each a process
+    assert outcome.rounds["visits"] == 2 and all(len(order) == 8 for order in outcome.rounds["orders"])
+    numpy8 = next(c for c in outcome.cells if c["implementation"] == "numpy" and c["tokens"] == 8)
+    # The fake's n-th visit takes 8 x (1 + n/100) ms: each round's median pools its two visits' samples.
+    entries = [json.loads(line) for line in partial.read_text().splitlines()]
+    mine = [e for e in entries if e["type"] == "cell" and e["record"]["implementation"] == "numpy"
+            and e["record"]["tokens"] == 8]  # fmt: skip
+    assert sorted((entry["round"], entry["visit"]) for entry in mine) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len(numpy8["samples_s"]) == 12
+    assert [len(medians) for medians in numpy8["visit_medians_s"]] == [2, 2]
+    for medians, pooled in zip(numpy8["visit_medians_s"], numpy8["round_medians_s"], strict=True):
+        assert pooled == pytest.approx(sum(medians) / 2)  # 6 samples, 3 at each: the median is their midpoint
+    kept, _peaks = load_partial(partial)
+    assert len(kept) == 16 and sorted({key[:2] for key in kept}) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_resume_runs_only_the_missing_visit_of_a_round(tmp_path):
+    partial = tmp_path / "p.jsonl"
+    first = FakeRunners(interrupt_at=11)
+    _run(first, partial, settings=_settings(rounds=2, visits=2))
+    assert len(first.cells) == 11
+    second = FakeRunners()
+    resumed = _run(second, partial, resume=True, settings=_settings(rounds=2, visits=2))
+    assert len(second.cells) == 16 - 11 and resumed.resumed_cells == 11
+    assert all(len(cell["samples_s"]) == 12 for cell in resumed.cells)
+
+
+def test_a_failed_visit_fails_its_round_and_names_the_visit():
+    from mha_rosetta.benchmarks.rounds import pool_visits
+
+    ok = {"status": "ok", "median_s": 1.0, "samples_s": [1.0, 1.0]}
+    failed = {"status": "timeout", "error": "no result within 120 s"}
+    assert pool_visits([ok]) is ok  # one visit a round: the visit itself
+    assert pool_visits([ok, failed]) == {**failed, "error": "visit 2: no result within 120 s"}
+    assert pool_visits([None, None]) is None
+    unsupported = {"status": "unsupported", "error": "not here"}
+    assert pool_visits([unsupported, None])["status"] == "unsupported"
+
+
+def test_pooled_visits_keep_their_pairs_in_order():
+    from mha_rosetta.benchmarks.rounds import pool_visits
+
+    first = {"status": "ok", "median_s": 2.0, "samples_s": [2.0, 2.0, 2.0], "reference_samples_s": [1.0] * 3,
+             "paired_ratios": [2.0] * 3, "ratio_median": 2.0, "reference_median_s": 1.0, "timed_total_s": 6.0,
+             "compile_s": 0.5, "peak_mem_mb": 10.0, "warnings": ["slow start"]}  # fmt: skip
+    second = {"status": "ok", "median_s": 3.0, "samples_s": [3.0, 3.0], "reference_samples_s": [1.5, 1.5],
+              "paired_ratios": [2.0, 2.0], "ratio_median": 2.0, "reference_median_s": 1.5, "timed_total_s": 6.0,
+              "compile_s": 0.7, "peak_mem_mb": 12.0, "warnings": []}  # fmt: skip
+    pooled = pool_visits([first, second])
+    assert pooled["samples_s"] == [2.0, 2.0, 2.0, 3.0, 3.0]
+    assert pooled["reference_samples_s"] == [1.0, 1.0, 1.0, 1.5, 1.5] and pooled["paired_ratios"] == [2.0] * 5
+    assert pooled["median_s"] == 2.0 and pooled["reference_median_s"] == 1.0 and pooled["repeats"] == 5
+    assert pooled["visit_medians_s"] == [2.0, 3.0] and pooled["visit_ratio_medians"] == [2.0, 2.0]
+    assert pooled["visit_reference_medians_s"] == [1.0, 1.5]
+    # The run's median reference counts every visit once, not every round once.
+    from mha_rosetta.benchmarks.report import run_references
+    from mha_rosetta.benchmarks.rounds import merge_visits
+
+    workload = {"library": "numpy", "device": "cpu", "dtype": "float32", "n": 512, "flops": 2 * 512**3}
+    third = {**second, "reference_samples_s": [4.0, 4.0], "reference_median_s": 4.0}
+    cell = merge_visits([pool_visits([first, second]), pool_visits([first, third])])
+    assert cell["visit_reference_medians_s"] == [[1.0, 1.5], [1.0, 4.0]]
+    (entry,) = run_references([{**cell, "reference": workload}]).values()
+    assert entry["visits"] == 4 and entry["median_s"] == 1.25  # the rounds' pooled medians would give 1.0
+    assert pooled["timed_total_s"] == 12.0 and pooled["compile_s"] == pytest.approx(0.6)
+    assert pooled["peak_mem_mb"] == 12.0 and pooled["warnings"] == ["visit 1: slow start"]
+
+
 def test_every_round_visits_every_cell_once_and_measures_the_peak(tmp_path):
     runners = FakeRunners()
     outcome = _run(runners, tmp_path / "p.jsonl", settings=_settings(rounds=3))

@@ -256,6 +256,36 @@ def test_compare_runs_counts_the_two_agreement_figures(tmp_path, capsys):
     assert main(["bench", "--compare", str(paths[0]), str(paths[0])]) == 0
 
 
+def test_compare_runs_puts_a_host_that_was_faster_for_a_whole_run_at_one_speed(capsys):
+    # Run B's host is 8% faster throughout: every cell and the reference product take 0.92x. The
+    # corrected figures (each in its run's milliseconds) differ by 8.7%; at one host speed they agree.
+    def report(scale: float) -> dict:
+        cells = [{**_cell(label, [t * scale] * 3, [t * scale] * 3), "reference": dict(WORKLOAD)}
+                 for label, t in (("numpy", 0.100), ("torch", 0.080))]  # fmt: skip
+        return {"reference": {"workloads": {reference_key(WORKLOAD): {"median_s": REFERENCE_S * scale}}},
+                "cells": cells}  # fmt: skip
+
+    comparison = compare_runs(report(1.0), report(0.92))
+    assert comparison["runs_agreeing"] == 0 and comparison["targets_met"] is False
+    assert math.isclose(comparison["reference_shift"], 0.92 - 1) and comparison["host_compared"] == 2
+    assert comparison["host_runs_agreeing"] == 2 and comparison["host_targets_met"] is True
+    assert all(math.isclose(cell["host_difference"], 0.0, abs_tol=1e-12) for cell in comparison["cells"])
+    text = compare_markdown(comparison)
+    assert "The host: the reference product's run median moved by -8.0% from A to B" in text
+    assert "At one host speed (B x A's median reference / B's): 2 of 2 cells within 5%; targets met" in text
+    # A cell that really changed (6% slower in B, beyond the host's 8%) still shows at one host speed.
+    slower = report(0.92)
+    slower["cells"][1] = {**_cell("torch", [0.080 * 0.92 * 1.06] * 3, [0.080 * 0.92 * 1.06] * 3),
+                          "reference": dict(WORKLOAD)}  # fmt: skip
+    changed = compare_runs(report(1.0), slower)
+    assert changed["host_runs_agreeing"] == 1 and changed["host_targets_met"] is False
+    torch = next(cell for cell in changed["cells"] if cell["label"] == "torch")
+    assert math.isclose(torch["host_difference"], 0.06)
+    # Unpaired reports: no host line.
+    unpaired = {"cells": [_cell("numpy", [0.1] * 3, [0.1] * 3)]}
+    assert "The host:" not in compare_markdown(compare_runs(unpaired, unpaired))
+
+
 def test_the_reference_workload_is_numpy_on_a_cpu_and_a_framework_of_the_cell_on_a_gpu():
     assert reference_library("cpu", ("torch",)) == "numpy" and REFERENCE_SIZES["cpu"] == 512
     assert reference_library("gpu", ("einops", "torch")) == "torch"

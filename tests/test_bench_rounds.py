@@ -189,6 +189,11 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
     assert "Rounds 2 and 3 are flagged busy: the GEMM peak was more than 5% below the best other round's." in only_one
     assert "The cells got a median of 0.40 of their core (CPU time / wall time)" in only_one
     assert "`mha-rosetta bench --preset reference --threads 2 --write-docs docs`" in only_one
+    # A flagged cell is named with the spread that flagged it: the corrected one where it has one.
+    one["cells"][0].update(drift=True, round_drift=0.22, corrected_drift=0.14, corrected_median_s=0.102)
+    one["cells"][1].update(drift=True, round_drift=0.04, corrected_drift=0.11, corrected_median_s=0.106)
+    flagged = " ".join(readme_block({1: one}).split())
+    assert "Flagged for drift (corrected round medians more than 10% apart): `numpy` (14%), `torch` (11%)." in flagged
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
     assert replace_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"
     with pytest.raises(ValueError, match="no generated benchmark block"):

@@ -217,10 +217,10 @@ def test_docs_report_command_runs_as_printed(capsys):
     assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
     argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
     assert main(argv) == 0
-    # torch-sdpa in the committed files (Intel Xeon, 2026-12-03, corrected by the control-variate rule): 43.95 ms,
-    # rounds 42.61-44.98 ms (beta 0.67); with 2 threads its samples did not follow the reference (beta 0): 66.85 ms
-    # (63.14-68.07), its raw figures.
-    assert "| torch-sdpa | 44 [42.6–45] | 66.9 [63.1–68.1] ×1.52 [1.40–1.60] |" in capsys.readouterr().out
+    # torch-sdpa in the committed files (Intel Xeon, 2026-12-04, 3 rounds of 2 visits, corrected by the
+    # control-variate rule): 38.88 ms, rounds 38.57-39.13 ms (beta 0.24); with 2 threads its samples did not
+    # follow the reference (beta 0): 69.70 ms (66.67-70.55), its raw figures. 69.70 / 38.88 = 1.79x.
+    assert "| torch-sdpa | 38.9 [38.6–39.1] | 69.7 [66.7–70.6] ×1.79 [1.70–1.83] |" in capsys.readouterr().out
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():

@@ -203,6 +203,17 @@ def is_drift_warning(text: str) -> bool:
     return text.startswith(("drift: ", "reference disturbed, "))
 
 
+def _combine_per_visit(record: dict, measured: list[dict]) -> None:
+    """Set ``record``'s per-visit figures (`_COMBINED_FIELDS`: medians, maxima, sums) and ``stable`` from
+    the measured visits (or rounds)."""
+    for names, combine in _COMBINED_FIELDS:
+        for name in names:
+            values = [visit.get(name) for visit in measured if visit.get(name) is not None]
+            if values:
+                record[name] = combine(values)
+    record["stable"] = all(visit.get("stable", True) for visit in measured)
+
+
 def pool_visits(visits: list[dict | None]) -> dict | None:
     """One round's record of a cell from that round's visits (``visits`` per round, each a fresh process).
 
@@ -236,12 +247,7 @@ def pool_visits(visits: list[dict | None]) -> dict | None:
         record["reference_median_s"] = statistics.median(record["reference_samples_s"])
         record["visit_ratio_medians"] = [visit.get("ratio_median") for visit in ok]
         record["visit_reference_medians_s"] = [visit.get("reference_median_s") for visit in ok]
-    for names, combine in _COMBINED_FIELDS:
-        for name in names:
-            values = [visit.get(name) for visit in ok if visit.get(name) is not None]
-            if values:
-                record[name] = combine(values)
-    record["stable"] = all(visit.get("stable", True) for visit in ok)
+    _combine_per_visit(record, ok)
     record["warnings"] = list(dict.fromkeys(
         f"visit {index + 1}: {warning}" for index, visit in present for warning in visit.get("warnings") or []
     ))  # fmt: skip
@@ -303,12 +309,7 @@ def merge_visits(visits: list[dict | None], drift_threshold: float = DRIFT_THRES
         record["round_ratio_medians"] = [_field_if_ok(visit, "ratio_median") for visit in visits]
         record["round_reference_medians_s"] = [_field_if_ok(visit, "reference_median_s") for visit in visits]
         record["reference_median_s"] = statistics.median(record["reference_samples_s"])
-    for names, combine in _COMBINED_FIELDS:
-        for name in names:
-            values = [visit.get(name) for visit in oks if visit.get(name) is not None]
-            if values:
-                record[name] = combine(values)
-    record["stable"] = all(visit.get("stable", True) for visit in oks)
+    _combine_per_visit(record, oks)
     if record.get("flops") and record["median_s"]:
         record["gflops"] = record["flops"] / record["median_s"] / 1e9
     warnings: list[str] = []

@@ -26,11 +26,11 @@ JSON layout (``schema`` 3)::
                 "ratio_median", "round_ratio_medians", "round_reference_medians_s", "corrected_median_s",
                 "corrected_round_medians_s", "corrected_spread_s", "corrected_drift", "corrected_gflops",
                 "corrected_peak_fraction", "round_sample_counts", "reference_beta", "reference_correlation",
-                "reference_pairs", ...}],
+                "reference_pairs", "visit_medians_s", "visit_ratio_medians", "visit_reference_medians_s", ...}],
      "reference": {"rule", "workloads": {key: {"library", "device", "dtype", "n", "flops",
                    "median_s", "visits"}}, "reference_s", "timed_s", "time_share"},
      "summary": {"cells", "ok", "unsupported", "failed", "warnings", "drift"},
-     "rounds": {"count", "seed", "orders", "gemm_peaks_gflops": {key: [per round]},
+     "rounds": {"count", "visits", "seed", "orders", "gemm_peaks_gflops": {key: [per round]},
                 "busy_rounds", "busy_threshold", "drift_threshold", "wall_s"}}
 
 Every field of schema 1 keeps its meaning, with one correction: ``peak_mem_mb`` on a CPU is

@@ -3,6 +3,15 @@
 Forward (and forward+backward) reports and decode reports (``bench --mode decode``, ``"kind": "decode"``)
 are compared by the same rule; a cell is matched by its identity (`comparison_key`: a decode cell's
 context, window and step among it), and a report is compared only with a baseline of its own kind.
+
+Paired reports (schema 2 and later) are also compared **at one host speed**, as ``bench --compare``
+does (`benchmarks.rerun`): each run's corrected figures are in that run's milliseconds, put at its own
+median reference product, so a host that ran a few percent faster for the whole of one run moves
+every figure with it. A cell paired with the same reference workload on both sides gets ``host_ratio``
+(its ratio x the baseline's median reference / the report's) and ``host_change`` (the same rule on
+the scaled figure and range), and the comparison lists where that verdict differs from the one in
+milliseconds (``host_differs``). The verdict and the exit status stay in milliseconds: against a
+baseline from another machine, the reference's own speed is part of what changed.
 """
 
 from __future__ import annotations
@@ -49,6 +58,34 @@ def _row_fields(cell: dict) -> dict:
     return {name: cell.get(name) for name in (DECODE_ROW if is_decode_cell(cell) else FORWARD_ROW)}
 
 
+def run_reference_s(cell: dict, report: dict) -> float | None:
+    """The run's median time of the reference product ``cell`` was paired with (None: unpaired)."""
+    from .gemm import reference_key
+
+    if not cell.get("reference"):
+        return None
+    workloads = (report.get("reference") or {}).get("workloads") or {}
+    return (workloads.get(reference_key(cell["reference"])) or {}).get("median_s")
+
+
+def host_scale(cell: dict, report: dict, before: dict, baseline: dict) -> float | None:
+    """The baseline's median reference over the report's, for two corrected cells paired with the same
+    reference workload (`gemm.reference_key`): the factor that puts the report's figures at the baseline
+    host's speed. None when either cell is raw or unpaired, or the two were paired with different products."""
+    from .gemm import reference_key
+
+    if not (is_corrected(cell) and is_corrected(before) and cell.get("reference") and before.get("reference")):
+        return None
+    if reference_key(cell["reference"]) != reference_key(before["reference"]):
+        return None
+    now, then = run_reference_s(cell, report), run_reference_s(before, baseline)
+    return then / now if now and then else None
+
+
+def _verdict(ratio: float, overlap: bool, threshold: float) -> str:
+    return ("slower" if ratio > 1.0 else "faster") if abs(ratio - 1.0) > threshold and not overlap else "same"
+
+
 def check_same_kind(report: dict, baseline: dict, option: str = "--baseline", names=("this report", "the baseline")):
     """ValueError naming ``option`` unless ``report`` and ``baseline`` are both decode reports or both forward ones."""
     mine, theirs = report_kind(report), report_kind(baseline)
@@ -91,26 +128,39 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
         if before.get("status") != "ok" or cell.get("status") != "ok":
             continue
         ratio = cell_time(cell) / cell_time(before)
-        change = ratio - 1.0
         overlap = intervals_overlap(cell_interval(cell), cell_interval(before))
-        beyond = abs(change) > threshold
-        verdict = ("slower" if change > 0 else "faster") if beyond and not overlap else "same"
+        verdict = _verdict(ratio, overlap, threshold)
         row = {
             **_row_fields(cell),
             "baseline_median_s": cell_time(before), "median_s": cell_time(cell), "ratio": ratio, "change": verdict,
             "corrected": [is_corrected(before), is_corrected(cell)],
             "baseline_spread_s": cell_interval(before), "spread_s": cell_interval(cell), "intervals_overlap": overlap,
         }  # fmt: skip
+        # The same rule at one host speed: the report's figure and range x (the baseline's median reference /
+        # the report's), both runs in the unit of the reference product's time (`benchmarks.rerun`'s reason).
+        scale = host_scale(cell, report, before, baseline)
+        if scale is not None:
+            row["host_scale"] = scale
+            row["host_ratio"] = ratio * scale
+            host_overlap = intervals_overlap([value * scale for value in cell_interval(cell)], cell_interval(before))
+            row["host_change"] = _verdict(row["host_ratio"], host_overlap, threshold)
         rows.append(row)
         if verdict != "same":
             flagged.append(row)
-        elif beyond:
+        elif abs(ratio - 1.0) > threshold:
             noise.append(row)
+    scales = sorted({row["host_scale"] for row in rows if "host_scale" in row})
     return {
         "threshold": threshold,
         "rule": "a change counts when the medians differ by more than the threshold and the intervals do not overlap",
         "gemm_peak": _peak_change(report, baseline),
         **({"bandwidth": _bandwidth_change(report, baseline)} if report_kind(report) == DECODE_KIND else {}),
+        # The host's speed between the runs (the reference product's run median, report over baseline), and the
+        # cells whose verdict at one host speed differs from the one in milliseconds. The verdict and the exit
+        # status stay in milliseconds: across machines the reference's speed is part of what differs.
+        "reference_shifts": [1.0 / scale - 1.0 for scale in reversed(scales)],
+        "host_compared": sum("host_scale" in row for row in rows),
+        "host_differs": [row for row in rows if row.get("host_change", row["change"]) != row["change"]],
         "compared": rows,
         "flagged": flagged,
         "within_noise": noise,
@@ -139,6 +189,11 @@ def _bandwidth_change(report: dict, baseline: dict) -> list[dict]:
     ]
 
 
+def _signed_percent(change: float) -> str:
+    """``+3%``; a change that rounds to nothing reads ``+0%``, never ``-0%``."""
+    return f"{round(change, 2) + 0.0:+.0%}"
+
+
 def _interval_ms(interval: list[float]) -> str:
     return f"{interval[0] * 1e3:.3f}-{interval[1] * 1e3:.3f}"
 
@@ -154,18 +209,42 @@ def baseline_markdown(comparison: dict) -> str:
     if peak:
         lines.append(
             f"- GEMM peak {peak['key']}: {peak['baseline_gflops']:.1f} -> {peak['gflops']:.1f} GFLOP/s "
-            f"({peak['ratio'] - 1:+.0%}; the machine's own change, for scale)"
+            f"({_signed_percent(peak['ratio'] - 1)}; the machine's own change, for scale)"
         )
     for bandwidth in comparison.get("bandwidth") or []:
         lines.append(
             f"- copy bandwidth {bandwidth['device']}: {bandwidth['baseline_gbps']:.1f} -> {bandwidth['gbps']:.1f} GB/s "
-            f"({bandwidth['ratio'] - 1:+.0%}; the machine's own change, for scale)"
+            f"({_signed_percent(bandwidth['ratio'] - 1)}; the machine's own change, for scale)"
         )
+    shifts = comparison.get("reference_shifts") or []
+    if shifts:
+        lines.append(
+            f"- reference product: its run median moved by {', '.join(f'{shift:+.1%}' for shift in shifts)} "
+            f"(the host's own speed; {comparison['host_compared']} cells also compared at one host speed: "
+            "this run's figures x the baseline's median reference / this run's)"
+        )
+
+    def at_one_speed(row: dict) -> str:
+        if "host_change" not in row:
+            return ""
+        said = (
+            "the same" if row["host_change"] == "same" else f"{row['host_change']} by {abs(row['host_ratio'] - 1):.0%}"
+        )
+        return f"; at one host speed {_signed_percent(row['host_ratio'] - 1)}, {said}"
+
     for row in comparison["flagged"]:
         lines.append(
             f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: "
-            f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> {row['median_s'] * 1e3:.3f} ms)"
+            f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> "
+            f"{row['median_s'] * 1e3:.3f} ms{at_one_speed(row)})"
         )
+    for row in comparison.get("host_differs", []):
+        if row["change"] == "same":
+            lines.append(
+                f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: the same in ms "
+                f"({_signed_percent(row['ratio'] - 1)}) but {row['host_change']} by {abs(row['host_ratio'] - 1):.0%} "
+                "at one host speed"
+            )
     for row in comparison.get("within_noise", []):
         lines.append(
             f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: "

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from .baseline import cell_where, check_same_kind, comparison_key, is_decode_cell
+from .baseline import cell_where, check_same_kind, comparison_key, is_decode_cell, run_reference_s
 from .report import cell_label
 from .rounds import cell_time, is_corrected, relative_range
 
@@ -48,21 +48,11 @@ def _round_figures(cell: dict, raw: bool) -> list[float]:
 
 def _plain_ratio(cell: dict, report: dict) -> tuple[float | None, list[float]]:
     """The plain paired ratio's figure and round figures (beta = 1), or (None, []) for a cell without pairs."""
-    reference_s = _reference_s(cell, report)
+    reference_s = run_reference_s(cell, report)
     if cell.get("ratio_median") is None or not reference_s:
         return None, []
     rounds = [value * reference_s for value in cell.get("round_ratio_medians") or [] if value is not None]
     return cell["ratio_median"] * reference_s, rounds
-
-
-def _reference_s(cell: dict, report: dict) -> float | None:
-    """The run's median time of the reference product ``cell`` was paired with (None: unpaired)."""
-    from .gemm import reference_key
-
-    if not cell.get("reference"):
-        return None
-    workloads = (report.get("reference") or {}).get("workloads") or {}
-    return (workloads.get(reference_key(cell["reference"])) or {}).get("median_s")
 
 
 def _ok(report: dict) -> dict[tuple, dict]:
@@ -78,7 +68,7 @@ def compare_runs(first: dict, second: dict) -> dict:
     for key in shared:
         pair = (a[key], b[key])
         plain = [_plain_ratio(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
-        references = [_reference_s(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
+        references = [run_reference_s(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
         # B at A's host speed: B's figure x (A's median reference / B's); None unless both are corrected.
         host = (
             [cell_time(pair[0]), cell_time(pair[1]) * references[0] / references[1]]

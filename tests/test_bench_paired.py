@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mha_rosetta.benchmarks.baseline import compare_to_baseline
+from mha_rosetta.benchmarks.baseline import _signed_percent, baseline_markdown, compare_to_baseline
 from mha_rosetta.benchmarks.cell import CellSpec, cell_record, run_cell
 from mha_rosetta.benchmarks.gemm import REFERENCE_SIZES, reference_key, reference_library
 from mha_rosetta.benchmarks.markdown import markdown_table
@@ -284,6 +284,55 @@ def test_compare_runs_puts_a_host_that_was_faster_for_a_whole_run_at_one_speed(c
     # Unpaired reports: no host line.
     unpaired = {"cells": [_cell("numpy", [0.1] * 3, [0.1] * 3)]}
     assert "The host:" not in compare_markdown(compare_runs(unpaired, unpaired))
+
+
+def test_the_baseline_comparison_also_reads_the_cells_at_one_host_speed():
+    # This run's host is 12% faster throughout: numpy and torch take 0.88x, and so does the reference
+    # product. In milliseconds both are flagged faster (beyond 10%, their ranges apart); at one host
+    # speed (x the baseline's median reference / this run's) they are the same. einops-numpy held its
+    # milliseconds while the host sped up: the same in ms, but 1/0.88 - 1 = 13.6% slower at one host speed.
+    def report(scale: float, held: float | None = None) -> dict:
+        cells = [{**_cell(label, [t * scale] * 3, [t * scale] * 3), "reference": dict(WORKLOAD)}
+                 for label, t in (("numpy", 0.100), ("torch", 0.080))]  # fmt: skip
+        cells.append({**_cell("einops-numpy", [held or 0.090 * scale] * 3, [held or 0.090 * scale] * 3),
+                      "reference": dict(WORKLOAD)})  # fmt: skip
+        return {"schema": SCHEMA_VERSION, "cells": cells,
+                "reference": {"workloads": {reference_key(WORKLOAD): {"median_s": REFERENCE_S * scale}}}}  # fmt: skip
+
+    comparison = compare_to_baseline(report(0.88, held=0.090), report(1.0))
+    assert comparison["reference_shifts"] == [pytest.approx(-0.12)]
+    assert comparison["host_compared"] == 3
+    rows = {row["implementation"]: row for row in comparison["compared"]}
+    assert {name: row["change"] for name, row in rows.items()} == {"numpy": "faster", "torch": "faster",
+                                                                  "einops-numpy": "same"}  # fmt: skip
+    assert {name: row["host_change"] for name, row in rows.items()} == {"numpy": "same", "torch": "same",
+                                                                       "einops-numpy": "slower"}  # fmt: skip
+    assert rows["numpy"]["host_ratio"] == pytest.approx(1.0) and rows["einops-numpy"]["host_ratio"] == pytest.approx(
+        1 / 0.88
+    )
+    assert [row["implementation"] for row in comparison["host_differs"]] == ["numpy", "torch", "einops-numpy"]
+    text = baseline_markdown(comparison)
+    assert "- reference product: its run median moved by -12.0% (the host's own speed; 3 cells" in text
+    assert (
+        "- `numpy` cpu float32 B=4 N=512: faster by 12% (100.000 ms -> 88.000 ms; at one host speed +0%, the same)"
+        in text
+    )
+    assert "- `einops-numpy` cpu float32 B=4 N=512: the same in ms (+0%) but slower by 14% at one host speed" in text
+    assert _signed_percent(-0.003) == "+0%" and _signed_percent(-0.12) == "-12%"  # never "-0%" (a ratio of 0.9999)
+    # The reports paired with different reference products, or a raw side: no host figures at all.
+    other = report(1.0)
+    for cell in other["cells"]:
+        cell["reference"] = {**WORKLOAD, "n": 1024}
+    assert compare_to_baseline(report(0.88), other)["host_compared"] == 0
+    raw = report(1.0)
+    raw["cells"] = [{k: v for k, v in cell.items() if not k.startswith("corrected")} for cell in raw["cells"]]
+    plain = compare_to_baseline(report(0.88), raw)
+    assert (
+        plain["host_compared"] == 0
+        and plain["reference_shifts"] == []
+        and "reference product" not in (baseline_markdown(plain))
+    )
+    assert all("host_change" not in row for row in plain["compared"])
 
 
 def test_the_reference_workload_is_numpy_on_a_cpu_and_a_framework_of_the_cell_on_a_gpu():

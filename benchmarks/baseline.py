@@ -189,6 +189,11 @@ def _bandwidth_change(report: dict, baseline: dict) -> list[dict]:
     ]
 
 
+def _row_name(row: dict) -> str:
+    """A compared cell as the list names it: the implementation in backticks, then device, dtype and size."""
+    return f"`{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}"
+
+
 def _signed_percent(change: float) -> str:
     """``+3%``; a change that rounds to nothing reads ``+0%``, never ``-0%``."""
     return f"{round(change, 2) + 0.0:+.0%}"
@@ -234,20 +239,20 @@ def baseline_markdown(comparison: dict) -> str:
 
     for row in comparison["flagged"]:
         lines.append(
-            f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: "
+            f"- {_row_name(row)}: "
             f"{row['change']} by {abs(row['ratio'] - 1):.0%} ({row['baseline_median_s'] * 1e3:.3f} ms -> "
             f"{row['median_s'] * 1e3:.3f} ms{at_one_speed(row)})"
         )
     for row in comparison.get("host_differs", []):
         if row["change"] == "same":
             lines.append(
-                f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: the same in ms "
+                f"- {_row_name(row)}: the same in ms "
                 f"({_signed_percent(row['ratio'] - 1)}) but {row['host_change']} by {abs(row['host_ratio'] - 1):.0%} "
                 "at one host speed"
             )
     for row in comparison.get("within_noise", []):
         lines.append(
-            f"- `{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}: "
+            f"- {_row_name(row)}: "
             f"moved by {row['ratio'] - 1:+.0%} but within noise (the round ranges overlap: "
             f"{_interval_ms(row['baseline_spread_s'])} and {_interval_ms(row['spread_s'])} ms)"
         )

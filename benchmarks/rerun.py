@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from .baseline import cell_where, check_same_kind, comparison_key, is_decode_cell, run_reference_s
+from .baseline import cell_where, check_same_kind, comparison_key, host_scale, is_decode_cell, run_reference_s
 from .report import cell_label
 from .rounds import cell_time, is_corrected, relative_range
 
@@ -69,12 +69,10 @@ def compare_runs(first: dict, second: dict) -> dict:
         pair = (a[key], b[key])
         plain = [_plain_ratio(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
         references = [run_reference_s(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
-        # B at A's host speed: B's figure x (A's median reference / B's); None unless both are corrected.
-        host = (
-            [cell_time(pair[0]), cell_time(pair[1]) * references[0] / references[1]]
-            if all(references) and all(is_corrected(cell) for cell in pair)
-            else None
-        )
+        # B at A's host speed: B's figure x (A's median reference / B's); None unless both are corrected and
+        # paired with one reference product (`baseline.host_scale`, the rule `--baseline` reads too).
+        scale = host_scale(pair[1], second, pair[0], first)
+        host = None if scale is None else [cell_time(pair[0]), cell_time(pair[1]) * scale]
         cells.append(
             {
                 "label": pair[0]["implementation"] if is_decode_cell(pair[0]) else cell_label(pair[0]),

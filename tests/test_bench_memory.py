@@ -121,7 +121,11 @@ def test_a_torch_tp_cell_counts_its_two_ranks():
     record = run_cell(spec, timeout=300)
     assert record["status"] == "ok", record.get("error") or record.get("stderr_tail")
     assert len(record["workers"]) == 2  # one process per rank, seen from the cell
+    # What cannot depend on the machine's load: both ranks seen, on the cell's cores, their CPU time read.
+    # Not that it is positive: CPU time moves in 10 ms ticks, and on a busy machine a rank's short timed
+    # span collected none (span_cpu_s 0.0 failed CI on a fresh clone, 2026-12-04).
     for worker in record["workers"]:
-        assert worker["span_cpu_s"] > 0 and set(worker["affinity"]) <= set(record["affinity"])
+        assert isinstance(worker["span_cpu_s"], float) and worker["span_cpu_s"] >= 0.0
+        assert set(worker["affinity"]) <= set(record["affinity"])
     assert record["span_cpu_s"] >= sum(worker["span_cpu_s"] for worker in record["workers"])
     assert record["peak_mem_mb"] is None and "worker processes" in record["peak_mem_method"]

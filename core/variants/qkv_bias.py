@@ -1,0 +1,44 @@
+"""Qwen2's biases: q, k and v biased, the output not (``bias="qkv"``; the projections' formula is `core.linear`)."""
+
+from __future__ import annotations
+
+from ._entry import BenchSpec, CaseSpec, CliOption, Variant
+
+# Qwen2's layer, GQA and rotary: the check case and the decode case read the same configuration.
+QWEN2_LIKE = dict(d_model=21, n_heads=3, n_kv_heads=1, rope="half", d_k=6, causal=True, bias="qkv")
+
+ENTRY = Variant(
+    name="qkv_bias",
+    summary='bias on q, k and v, none on the output (bias="qkv")',
+    fields=("bias",),
+    is_on=lambda cfg: cfg.bias == "qkv",
+    # MHAConfig validates `bias` itself: True and False are the 2017-23 layer's, "qkv" this variant's.
+    check_cases=(
+        CaseSpec(
+            "qkv_bias",
+            "Qwen2: q, k and v biased, the output not; grouped kv heads with rotary",
+            QWEN2_LIKE,
+            dict(dtypes=("float64", "float16"), seed=25),
+        ),
+    ),
+    decode_cases=(
+        CaseSpec(
+            "qkv_bias",
+            "Qwen2's biases on q, k and v and none on the output, GQA and rotary",
+            QWEN2_LIKE,
+            dict(tokens=8, prefill=3, seed=118),
+        ),
+    ),
+    bench=BenchSpec({"bias": "qkv"}, "plain"),
+    cli=(
+        CliOption(
+            "--qkv-bias",
+            dict(action="store_true", help="q, k and v biased, the output not (Qwen2)"),
+            lambda value: {"bias": "qkv"},
+            rank=40,
+            conflicts={"--no-bias": "q, k and v biased"},
+        ),
+    ),
+    demo_on={"bias": "qkv"},
+    demo_off={"bias": True},
+)

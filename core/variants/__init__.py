@@ -114,6 +114,21 @@ def validate_variants(cfg: Config) -> dict:
     return resolved
 
 
+def registry_cases(kind: str) -> list[CaseSpec]:
+    """The check (``kind="check"``) or decode (``"decode"``) cases of every entry and model, by their seed.
+
+    The entries' `Variant.check_cases` / `decode_cases` and the models' (`core.variants.models.MODELS`);
+    ``checks.cases`` and ``checks.decode_cases`` list them after their cases of the 2017-23 layer.
+    """
+    from .models import MODELS
+
+    if kind not in ("check", "decode"):
+        raise ValueError(f"kind must be 'check' or 'decode', got {kind!r}")
+    specs = [spec for entry in VARIANT_REGISTRY.values() for spec in getattr(entry, f"{kind}_cases")]
+    specs += [spec for model in MODELS.values() if (spec := getattr(model, kind)) is not None]
+    return sorted(specs, key=lambda spec: spec.seed)
+
+
 def score_bias(cfg: Config, rel_table, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray | None:
     """What ALiBi and T5's relative bias add to the scores, (1|B, H, Nq, Nk) float64, or None if neither is on."""
     bias = None
@@ -138,6 +153,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "param_spec",
+    "registry_cases",
     "relative_bias",
     "relative_bias_vjp",
     "relative_distances",

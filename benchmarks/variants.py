@@ -4,9 +4,9 @@ Every entry is one configuration at the cell's size, named by the variant it add
 configuration it is measured against (its ``baseline``): a variant's cost is its time over
 the baseline's, so the sliding window is measured against causal attention (the window is a
 causal mask with fewer keys), YaRN against plain rotary, and the others against plain
-attention. The settings are the models' own where one exists (Gemma 2's softcap 50, T5's 32
-buckets up to 128, gpt-oss's YaRN factor 32); the window is a quarter of the tokens, so that
-it blocks keys at every size the preset measures.
+attention. The settings are the models' own where one exists (each entry's `BenchSpec` names
+the model); the window is a quarter of the tokens, so that it blocks keys at every size the
+preset measures.
 
 Each variant's cell is its entry's (`Variant.bench` in `core.variants`: its `MHAConfig` keyword
 arguments and its baseline); the cells that are no variant (plain, causal, plain rotary) are the

@@ -80,7 +80,7 @@ def test_score_steps_come_in_pipeline_order_with_their_ops_methods():
     cfg = MHAConfig(d_model=12, n_heads=3, sinks=True, window=2, alibi=True, softcap=3.0, rel_buckets=8, causal=True)
     steps = score_steps(cfg)
     assert [(s.place, s.op, s.variant) for s in steps] == [
-        ("softcap", "softcap", "softcap"),
+        ("transform", "softcap", "softcap"),
         ("bias", "add_score_bias", "alibi"),
         ("bias", "add_score_bias", "rel_bias"),
         ("mask", "positional_mask", "window"),

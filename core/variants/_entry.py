@@ -19,13 +19,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 # An `MHAConfig`. `core.config` imports this package, so no module of it imports `core.config`, not
 # even for typing (tests/test_import_cycles.py counts type-only imports too).
 Config = Any
 
 # The places of the score pipeline, in the order it applies them (`score_steps` sorts by this):
-# scale * q.k -> softcap -> additive biases -> positional masks -> softmax (with sinks).
-SCORE_PLACES = ("scale", "softcap", "bias", "mask", "softmax")
+# scale * q.k -> an elementwise transform of the scores (the logit cap) -> additive biases ->
+# positional masks -> the softmax (and what joins its denominator).
+SCORE_PLACES = ("scale", "transform", "bias", "mask", "softmax")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class ScoreStep:
 
     place: one of `SCORE_PLACES`.
     op:    the name of the method on a framework's ops object that computes the step
-           (``"softcap"``, ``"add_score_bias"``, ``"positional_mask"``, ``"softmax_with_sinks"``).
+           (e.g. ``"add_score_bias"``, ``"positional_mask"``; each entry's module names its own).
     variant: the entry's name; filled in by `score_steps` (an entry leaves it empty).
     """
 
@@ -89,7 +92,7 @@ class CaseSpec:
 class CliOption:
     """One command-line option of ``mha-rosetta diagnose``'s variant group (`cli.variant_options`).
 
-    flag:   the option as typed (``--softcap``); its dest is the flag without dashes, ``-`` as ``_``.
+    flag:   the option as typed (``--window``); its dest is the flag without dashes, ``-`` as ``_``.
     kwargs: ``argparse.add_argument`` keyword arguments (type, choices, action, metavar, help).
     fields: ``fields(value)``, the `MHAConfig` fields the given value sets.
     needs:  the option this one is a part of (refused without it), or None.
@@ -124,6 +127,26 @@ class BenchSpec:
 
 
 @dataclass(frozen=True)
+class Explanation:
+    """The explainer's text of a variant (``explain``'s "Variants" section; `explain.variants` adds the stages).
+
+    fields: the `MHAConfig` fields that switch it on, as typed; formula; place: where it sits in the pipeline;
+    spellings: (library, how it spells the variant); pitfalls: known off-by-ones, with computed numbers.
+    """
+
+    fields: str
+    formula: str
+    place: str
+    spellings: list[tuple[str, str]]
+    pitfalls: list[str]
+
+
+def numbers(values, digits: int = 4) -> str:
+    """``values`` as ``"a, b, c"`` to ``digits`` significant digits (the explainer's computed figures)."""
+    return ", ".join(f"{v:.{digits}g}" for v in np.ravel(values))
+
+
+@dataclass(frozen=True)
 class Variant:
     """One variant of 2024-26 attention, with everything every consumer reads about it.
 
@@ -145,7 +168,10 @@ class Variant:
     cli:      its options of ``mha-rosetta diagnose``.
     demo_on:  the `MHAConfig` fields that switch it on in the explainer's demonstration layer.
     demo_off: the values that switch those fields off again.
-    explain:  ``explain()`` -> the explainer's entry for it (`core.variants.explainer.Explanation`).
+    explain:  ``explain(demo)`` -> its `Explanation`, the numbers computed from ``demo``, the explainer's
+              demonstration layer (`explain.variants.Demonstration`: ``demo.tokens``, ``demo.cfg`` and
+              ``demo.run(name)`` -> (cfg on, params on, stages on, cfg off, stages off); passed in, since
+              the oracle imports this package).
     diagnose_causes: diagnose's causes for it (another part of issue 42 fills these; empty until then).
     planted_mistakes: diagnose's planted mistakes of it (the same).
     layout_params: the parameters a model layout must store to hold it (`models._layout`).
@@ -167,7 +193,7 @@ class Variant:
     cli: tuple[CliOption, ...] = ()
     demo_on: Mapping[str, Any] = field(default_factory=dict)
     demo_off: Mapping[str, Any] = field(default_factory=dict)
-    explain: Callable[[], Any] | None = None
+    explain: Callable[[Any], Explanation] | None = None
     diagnose_causes: tuple = ()
     planted_mistakes: tuple = ()
 

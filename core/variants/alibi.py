@@ -7,8 +7,8 @@ import math
 import numpy as np
 
 from .._validate import require_bool
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, ScoreStep, Variant
-from ._shared import relative_distances
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
+from ._shared import relative_distances, softmax_with_empty_rows
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:
@@ -42,6 +42,43 @@ def _validate(cfg: Config) -> dict:
 
 # BLOOM's layer with 6 heads (not a power of two): the check case and the decode case read it.
 BLOOM_LIKE = dict(d_model=18, n_heads=6, causal=True, alibi=True)  # d_k = 3
+
+
+def explain(demo) -> Explanation:
+    on, _, stages, _, _ = demo.run("alibi")
+    H, d_k = on.n_heads, on.d_k
+    slopes = alibi_slopes(H)
+    power_of_two = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    positions = np.arange(demo.tokens)[None]
+    bloom = stages["scores"] + slopes[None, :, None, None] * positions[:, None, None, :]  # m_h * p_j
+    allowed = np.isfinite(stages["masked_scores"])
+    bloom_weights = softmax_with_empty_rows(np.where(allowed, bloom, -np.inf))
+    spec_bias = alibi_bias(H, positions, positions)
+    # The weights agree to rounding, and the last bits depend on the machine's BLAS kernels (3e-17 on an
+    # AMD EPYC, 6e-17 on an Intel Xeon, OpenBLAS 0.3.31): the page states the bound, not the digits.
+    weights_gap = np.abs(bloom_weights - stages["weights"]).max()
+    weights_gap_text = "under 1e-15" if weights_gap < 1e-15 else f"{weights_gap:.1g}"
+    return Explanation(
+        "alibi=True",
+        "s_h <- s_h + m_h * (p_j - p_i), BLOOM's slopes m_h",
+        "after the softcap, before the mask (with the relative bias)",
+        [
+            ("Hugging Face", "BLOOM: build_alibi_tensor / _get_alibi_slopes; MPT: attn_config alibi=True"),
+            ("Hugging Face", "Falcon: alibi=True, added before the 1/sqrt(d_k) scale"),
+            ("FlexAttention", "score_mod = lambda s, b, h, q, kv: s + slope[h] * (kv - q)"),
+            ("torch SDPA / JAX", "a float attn_mask / bias of m_h (p_j - p_i), (1, H, Nq, Nk)"),
+        ],
+        [
+            f"{H} heads (not a power of two): the slopes are {numbers(slopes)} (the 4-head series, then every "
+            f"other term of the 8-head one); the power-of-two formula 2**(-8k/{H}) gives {numbers(power_of_two)}",
+            f"Falcon's ALiBi path divides the bias by sqrt(d_k) too: with d_k = {d_k} its slopes are "
+            f"{numbers(slopes / math.sqrt(d_k))}",
+            f"BLOOM adds m_h * p_j, not m_h * (p_j - p_i): biased_scores differ by up to "
+            f"{np.abs(bloom - (stages['scores'] + spec_bias)).max():.3g} in the demonstration, the weights by "
+            f"{weights_gap_text} (a constant per row, which the softmax cancels)",
+        ],
+    )
+
 
 ENTRY = Variant(
     name="alibi",
@@ -79,4 +116,5 @@ ENTRY = Variant(
     ),
     demo_on={"alibi": True},
     demo_off={"alibi": False},
+    explain=explain,
 )

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from ._entry import BenchSpec, CaseSpec, CliOption, Variant
+from ._entry import BenchSpec, CaseSpec, CliOption, Explanation, Variant
 
 # Qwen2's layer, GQA and rotary: the check case and the decode case read the same configuration.
 QWEN2_LIKE = dict(d_model=21, n_heads=3, n_kv_heads=1, rope="half", d_k=6, causal=True, bias="qkv")
+
+
+def explain(demo) -> Explanation:
+    return Explanation(
+        "bias='qkv'",
+        "q, k, v = x @ w.T + b; out = merged @ w_o.T (no b_o)",
+        "the projections",
+        [
+            ("Hugging Face", "Qwen2: q_proj, k_proj, v_proj with bias=True, o_proj with bias=False"),
+            ("Hugging Face config", "attention_bias = True (Llama family, gpt-oss) biases all four: bias=True here"),
+        ],
+        ["a dropped b_k changes nothing (the softmax cancels q.b_k along a row): only b_q, b_v and b_o show"],
+    )
+
 
 ENTRY = Variant(
     name="qkv_bias",
@@ -41,4 +55,5 @@ ENTRY = Variant(
     ),
     demo_on={"bias": "qkv"},
     demo_off={"bias": True},
+    explain=explain,
 )

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .._validate import require_positive_int
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, ParamSpec, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
 from ._shared import relative_distances
 
 
@@ -90,6 +90,54 @@ def _validate(cfg: Config) -> dict:
     return {}
 
 
+def _bucket_edges(buckets: int, max_distance: int) -> list[tuple[int, float, float]]:
+    """(distance, T5's float32 log-position, the float64 one) where the exact log-position is a whole number.
+
+    The log-position ``log(d / max_exact) / log(max_distance / max_exact) * (n - max_exact)`` of a past
+    distance d (bidirectional halves, n = buckets / 2) is truncated to its bucket; on a whole number a
+    last-bit rounding down moves d to the bucket below.
+    """
+    n = buckets // 2
+    max_exact = n // 2
+    d = np.arange(max_exact + 1, max_distance)
+    f64 = np.log(d / max_exact) / math.log(max_distance / max_exact) * (n - max_exact)
+    f32 = (
+        np.log(d.astype(np.float32) / np.float32(max_exact))
+        / np.float32(math.log(max_distance / max_exact))
+        * np.float32(n - max_exact)
+    )
+    whole = np.abs(f64 - np.round(f64)) < 1e-9
+    return [(int(a), float(b), float(c)) for a, b, c in zip(d[whole], f32[whole], f64[whole], strict=True)]
+
+
+def explain(demo) -> Explanation:
+    distances = np.arange(-demo.tokens, demo.tokens + 1)  # p_j - p_i
+    encoder = t5_buckets(distances, 32, 128, True)
+    decoder = t5_buckets(distances, 32, 128, False)
+    edges = "; ".join(f"d = {d}: {v32!r} in float32, {v64!r} in float64" for d, v32, v64 in _bucket_edges(32, 128))
+    return Explanation(
+        "rel_buckets, rel_max_distance, rel_bidirectional",
+        "s_h <- s_h + rel_bias[bucket(p_j - p_i), h], T5's _relative_position_bucket",
+        "after the softcap, before the mask (with ALiBi)",
+        [
+            ("Hugging Face config", "relative_attention_num_buckets = 32, relative_attention_max_distance = 128 (T5)"),
+            (
+                "Hugging Face",
+                "relative_attention_bias = Embedding(buckets, n_heads) in layer 0, shared; T5 has scale 1",
+            ),
+            ("Hugging Face", "bidirectional = not is_decoder: the encoder both ways, the decoder past keys only"),
+        ],
+        [
+            f"32 buckets, max distance 128, p_j - p_i = {distances[0]} .. {distances[-1]}: encoder buckets "
+            f"{[int(b) for b in encoder]}, decoder {[int(b) for b in decoder]}",
+            f"T5 takes the logarithm in float32; at the bucket edges, where the exact log-position is a whole "
+            f"number, it is {edges}: a log that rounds one last bit down puts that distance in the bucket below",
+            "the distance is key minus query (memory_position - context_position); query minus key exchanges the "
+            "encoder's halves and puts every past key of the decoder in bucket 0",
+        ],
+    )
+
+
 # The T5 decoder's layer (causal, past distances only, no scaling): the check case and the decode case read it.
 T5_DECODER = dict(
     d_model=16,
@@ -145,7 +193,7 @@ ENTRY = Variant(
             dict(tokens=11, prefill=3, seed=116),
         ),
     ),
-    bench=BenchSpec({"rel_buckets": 32, "rel_max_distance": 128}, "plain"),
+    bench=BenchSpec({"rel_buckets": 32, "rel_max_distance": 128}, "plain"),  # T5's own
     cli=(
         CliOption(
             "--rel-buckets",
@@ -170,4 +218,5 @@ ENTRY = Variant(
     ),
     demo_on={"rel_buckets": 8, "rel_max_distance": 5, "rel_bidirectional": False},
     demo_off={"rel_buckets": None, "rel_max_distance": 128, "rel_bidirectional": True},
+    explain=explain,
 )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..rope_scaling import scaled_frequencies, validate_rope_scaling
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Variant
+from ..rope_scaling import scaled_frequencies, validate_rope_scaling, yarn_attention_factor
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, Variant, numbers
 
 
 def _validate(cfg: Config) -> dict:
@@ -34,6 +34,40 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object (a dict), got {text!r}")
     return value
+
+
+def explain(demo) -> Explanation:
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama3["original_max_position_embeddings"] = 8192
+    plain, _ = scaled_frequencies(8, 500000.0, None, demo.tokens)
+    scaled, _ = scaled_frequencies(8, 500000.0, llama3, demo.tokens)
+    linear, _ = scaled_frequencies(8, 500000.0, {"rope_type": "linear", "factor": 8.0}, demo.tokens)
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    attention = yarn_attention_factor(validate_rope_scaling(yarn))  # its defaults filled in
+    return Explanation(
+        "rope_scaling (a dict in Hugging Face's form)",
+        "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn); yarn's factor on cos and sin",
+        "the rotary tables (q_rotated, k_rotated)",
+        [
+            (
+                "Hugging Face config",
+                "rope_scaling = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, "
+                "'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192} (Llama 3.1)",
+            ),
+            (
+                "Hugging Face config",
+                "rope_scaling = {'rope_type': 'yarn', 'factor': 32.0, 'beta_fast': 32.0, "
+                "'beta_slow': 1.0, 'original_max_position_embeddings': 4096, 'truncate': False} (gpt-oss)",
+            ),
+            ("transformers", "ROPE_INIT_FUNCTIONS[rope_type]; the legacy key 'type' is read as 'rope_type'"),
+        ],
+        [
+            f"llama3 (d_k 8, base 500000) divides each pair's frequency by {numbers(plain / scaled, 3)}; "
+            f"linear would divide all by {numbers(plain / linear, 3)}: the high frequencies are where they differ",
+            f"yarn with factor 32 multiplies cos and sin by {attention:.4g}, so the rotated part of each score by "
+            f"{attention**2:.3g}",
+        ],
+    )
 
 
 ENTRY = Variant(
@@ -88,4 +122,5 @@ ENTRY = Variant(
     ),
     demo_on={"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     demo_off={"rope_scaling": None},
+    explain=explain,
 )

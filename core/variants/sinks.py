@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_bool
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, ParamSpec, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
 from ._shared import softmax_with_empty_rows
 
 
@@ -37,6 +37,28 @@ def sink_vjp(weights: np.ndarray, row_dot: np.ndarray):
 def _validate(cfg: Config) -> dict:
     require_bool("sinks", cfg.sinks)
     return {}
+
+
+def explain(demo) -> Explanation:
+    _, _, stages, _, _ = demo.run("sinks")
+    sums = stages["weights"].sum(axis=-1)  # (B, H, Nq)
+    return Explanation(
+        "sinks=True",
+        "a_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik))",
+        "in the softmax's denominator",
+        [
+            (
+                "Hugging Face",
+                "gpt-oss: self_attn.sinks (n_heads,): concatenated as one more logit column, softmax, "
+                "then dropped (probs[..., :-1])",
+            ),
+            ("any library", "one more key with logit sink_h and a zero value vector"),
+        ],
+        [
+            f"rows sum to less than 1: in the demonstration between {sums.min():.3g} and {sums.max():.3g}",
+            "a sink that keeps its column with a value vector (a sink token) adds that value: the sink's value must be zero",
+        ],
+    )
 
 
 ENTRY = Variant(
@@ -77,4 +99,5 @@ ENTRY = Variant(
     ),
     demo_on={"sinks": True},
     demo_off={"sinks": False},
+    explain=explain,
 )

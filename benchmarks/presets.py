@@ -1,11 +1,31 @@
 """The named sweep presets: the registry that ``bench --preset`` offers its choices from.
 
-Plain data (`sweep.SweepSettings` fields), no import: the command line reads it while it
-builds its parser, before anything is measured. `sweep.preset_settings` turns a name into
-settings; a new preset is one entry here and shows up in ``bench --preset`` and its help.
+Plain data (`sweep.SweepSettings` fields): the command line reads it while it builds its parser,
+before anything is measured, so it imports only registries (the variants' and the backends',
+no framework). `sweep.preset_settings` turns a name into settings; a new preset is one entry here
+and shows up in ``bench --preset`` and its help.
 """
 
 from __future__ import annotations
+
+from mha_rosetta.backends import REGISTRY
+
+from .variants import BENCH_VARIANTS
+
+# The fused references the GPU preset times beside our adapters: the one kernel each library fuses
+# (nn.MultiheadAttention's fast path, SDPA, jax.nn.dot_product_attention). The others are a layout of
+# one of these (torch-mha-seqfirst), unfused unless compiled (torch-flex), module stacks (flax,
+# equinox), or a decode oracle (hf-attention).
+FUSED_REFERENCES = ["torch-mha", "torch-sdpa", "jax-dpa"]
+# Our adapters that run on a GPU: every implementation of the registry on torch or JAX (the sharded
+# ones apart: they split the heads over processes on one machine).
+GPU_IMPLEMENTATIONS = [
+    name
+    for name, entry in REGISTRY.items()
+    if entry.kind == "implementation"
+    and {"torch", "jax"} & set(entry.requires)
+    and not entry.module.startswith(".sharded")
+]
 
 PRESETS: dict[str, dict] = {
     # Under two minutes on 2 cores: every installed implementation, two small sizes, short budgets, one round.
@@ -36,13 +56,12 @@ PRESETS: dict[str, dict] = {
         implementations=["main"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
         policy=dict(min_time=0.5, min_repeats=5, max_time=1.5, warmup=2),
         gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
-        variants=["plain", "causal", "window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi",
-                  "rel_bias", "sinks", "rope", "rope_yarn"],
+        variants=list(BENCH_VARIANTS),
     ),
     # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
     # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.
     "gpu": dict(
-        implementations=["torch", "jax", "einops-torch", "einops-jax", "torch-mha", "torch-sdpa", "jax-dpa"],
+        implementations=GPU_IMPLEMENTATIONS + FUSED_REFERENCES,
         tokens=[512, 4096, 16384], batch=[4], d_model=[512], heads=[8], dtypes=["float32", "bfloat16", "float16"],
         policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=2),
         gemm_policy=dict(min_time=0.2, min_repeats=5, max_time=1.0, warmup=3), cell_timeout=60.0, rounds=1,

@@ -4,45 +4,44 @@ Every entry is one configuration at the cell's size, named by the variant it add
 configuration it is measured against (its ``baseline``): a variant's cost is its time over
 the baseline's, so the sliding window is measured against causal attention (the window is a
 causal mask with fewer keys), YaRN against plain rotary, and the others against plain
-attention. The settings are the models' own where one exists (Gemma 2's softcap 50, T5's 32
-buckets up to 128, gpt-oss's YaRN factor 32); the window is a quarter of the tokens, so that
-it blocks keys at every size the preset measures.
+attention. The settings are the models' own where one exists (each entry's `BenchSpec` names
+the model); the window is a quarter of the tokens, so that it blocks keys at every size the
+preset measures.
 
-Plain data and `MHAConfig` keyword arguments only: the registry drives the preset, the cell
-field ``variant``, the table and its README block; a new entry is one line here.
+Each variant's cell is its entry's (`Variant.bench` in `core.variants`: its `MHAConfig` keyword
+arguments and its baseline); the cells that are no variant (plain, causal, plain rotary) are the
+baselines here. The table drives the preset, the cell field ``variant``, the table and its README
+block; a new variant's cell is its entry's `BenchSpec`.
 """
 
 from __future__ import annotations
 
+from mha_rosetta.core.variants import VARIANT_REGISTRY
+
 PLAIN = "plain"
 
-# name -> (MHAConfig overrides, baseline name). "window" gets W = tokens // 4 at build time.
-BENCH_VARIANTS: dict[str, tuple[dict, str | None]] = {
+# The cells that are no variant: what the variants are measured against (name -> overrides, baseline).
+BASELINES: dict[str, tuple[dict, str | None]] = {
     PLAIN: ({}, None),
     "causal": ({"causal": True}, PLAIN),
-    "window": ({"causal": True, "window": "tokens/4"}, "causal"),
-    "softcap": ({"softcap": 50.0}, PLAIN),
-    "qk_norm_head": ({"qk_norm": "head"}, PLAIN),
-    "qk_norm_projection": ({"qk_norm": "projection"}, PLAIN),
-    "qkv_bias": ({"bias": "qkv"}, PLAIN),
-    "alibi": ({"alibi": True}, PLAIN),
-    "rel_bias": ({"rel_buckets": 32, "rel_max_distance": 128}, PLAIN),
-    "sinks": ({"sinks": True}, PLAIN),
     "rope": ({"rope": "half"}, PLAIN),
-    "rope_yarn": (
-        {
-            "rope": "half",
-            "rope_scaling": {
-                "rope_type": "yarn",
-                "factor": 32.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "original_max_position_embeddings": 4096,
-            },
-        },
-        "rope",
-    ),
 }
+
+
+def _bench_variants() -> dict[str, tuple[dict, str | None]]:
+    """Plain first, then each entry's cell in registry order, preceded by its baseline where not yet listed."""
+    table = {PLAIN: BASELINES[PLAIN]}
+    for entry in VARIANT_REGISTRY.values():
+        if entry.bench is None:
+            continue
+        baseline = entry.bench.baseline
+        table.setdefault(baseline, BASELINES[baseline])
+        table[entry.bench.label or entry.name] = (dict(entry.bench.overrides), baseline)
+    return table
+
+
+# name -> (MHAConfig overrides, baseline name). "window" gets W = tokens // 4 at build time.
+BENCH_VARIANTS: dict[str, tuple[dict, str | None]] = _bench_variants()
 
 
 def check_variant(name: str | None) -> str | None:

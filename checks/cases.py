@@ -33,6 +33,7 @@ from mha_rosetta.core import (
     reference_mha,
     reference_stages,
 )
+from mha_rosetta.core.variants import registry_cases
 
 ALL_DTYPES = DTYPE_NAMES  # float64, float32, float16, bfloat16
 
@@ -388,181 +389,14 @@ SPEC_CASES: dict[str, SpecCase] = {
             dtypes=("float64", "float32"),
             seed=34,
         ),
-        # The variants of 2024-26 attention (issue 24): one case per variant, then the
-        # combinations real models use. Sizes differ from the cases above and from each other.
-        SpecCase(
-            "window",
-            "causal sliding window of 3 keys (the query's own and the 2 before it)",
-            MHAConfig(d_model=14, n_heads=2, causal=True, window=3),  # d_k = 7
-            batch=3,
-            q_tokens=8,
-            dtypes=("float64", "float32"),
-            seed=19,
-        ),
-        SpecCase(
-            "window_two_sided",
-            "a window without causal: keys within 2 positions either side (|p_i - p_j| < 3)",
-            MHAConfig(d_model=14, n_heads=2, window=3),
-            batch=3,
-            q_tokens=6,
-            dtypes=("float64",),
-            seed=20,
-        ),
-        SpecCase(
-            "window_longer",
-            "a window of 16 keys over 7 tokens: the same as plain causal attention",
-            MHAConfig(d_model=15, n_heads=3, causal=True, window=16),
-            dtypes=("float32",),
-            seed=21,
-        ),
-        SpecCase(
-            "softcap",
-            "logit softcap c = 1.5: scores become 1.5 tanh(s / 1.5), so the larger ones are pressed down",
-            MHAConfig(d_model=18, n_heads=3, softcap=1.5),  # d_k = 6
-            dtypes=("float64", "float32"),
-            seed=22,
-        ),
-        SpecCase(
-            "qk_norm_head",
-            "Qwen3: RMSNorm of each head's queries and keys (one weight of d_k per side), before rotary",
-            MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
-            q_tokens=6,
-            dtypes=("float64", "bfloat16"),
-            seed=23,
-        ),
-        SpecCase(
-            "qk_norm_projection",
-            "OLMo 2: RMSNorm over the whole q and k projections (before the head split)",
-            MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="projection"),
-            q_tokens=6,
-            dtypes=("float64", "float32"),
-            seed=24,
-        ),
-        SpecCase(
-            "qkv_bias",
-            "Qwen2: q, k and v biased, the output not; grouped kv heads with rotary",
-            MHAConfig(d_model=21, n_heads=3, n_kv_heads=1, rope="half", d_k=6, causal=True, bias="qkv"),
-            dtypes=("float64", "float16"),
-            seed=25,
-        ),
-        SpecCase(
-            "alibi",
-            "BLOOM: ALiBi with 6 heads (not a power of two: the interleaved second slope series)",
-            MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),  # d_k = 3
-            q_tokens=9,
-            dtypes=("float64", "float32"),
-            seed=26,
-        ),
-        SpecCase(
-            "sinks",
-            "attention sinks: one learned logit per head in the softmax denominator (rows sum to less than 1)",
-            MHAConfig(d_model=20, n_heads=5, sinks=True),  # d_k = 4
-            dtypes=("float64", "float32"),
-            seed=27,
-        ),
-        SpecCase(
-            "t5_encoder",
-            "T5 encoder: learned bidirectional relative position buckets (8 buckets, max distance 5), no scaling",
-            MHAConfig(d_model=16, n_heads=4, d_k=5, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5),
-            q_tokens=9,
-            dtypes=("float64", "float32"),
-            seed=28,
-        ),
-        SpecCase(
-            "t5_decoder",
-            "T5 decoder: causal, past distances only (6 buckets, max distance 7), no scaling",
-            MHAConfig(
-                d_model=16,
-                n_heads=4,
-                d_k=3,
-                bias=False,
-                scale=1.0,
-                causal=True,
-                rel_buckets=6,
-                rel_max_distance=7,
-                rel_bidirectional=False,
-            ),
-            q_tokens=10,
-            dtypes=("float64",),
-            seed=29,
-        ),
-        SpecCase(
-            "mistral",
-            "Mistral: grouped kv heads, rotary, causal sliding window of 4, no biases",
-            MHAConfig(d_model=32, n_heads=4, n_kv_heads=2, rope="half", causal=True, window=4, bias=False),  # d_k = 8
-            q_tokens=9,
-            dtypes=("float64", "float32"),
-            seed=30,
-        ),
-        SpecCase(
-            "gemma2",
-            "Gemma 2: softcap 2, a window of 5, query_pre_attn_scalar 16 (scale 1/4, not 1/sqrt(d_k)), GQA",
-            MHAConfig(
-                d_model=22,
-                n_heads=2,
-                n_kv_heads=1,
-                d_k=10,
-                rope="half",
-                causal=True,
-                window=5,
-                softcap=2.0,
-                scale=0.25,
-                bias=False,
-            ),
-            batch=3,
-            q_tokens=8,
-            dtypes=("float64", "bfloat16"),
-            seed=31,
-        ),
-        SpecCase(
-            "llama3",
-            "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",
-            MHAConfig(
-                d_model=26,
-                n_heads=3,
-                d_k=8,
-                rope="half",
-                rope_base=500000.0,
-                causal=True,
-                bias=False,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                },
-            ),
-            dtypes=("float64", "float32"),
-            seed=32,
-        ),
-        SpecCase(
-            "gpt_oss",
-            "gpt-oss: sinks, a window of 4, biases, YaRN (factor 32, beta 32/1, original 4096, no truncation), GQA",
-            MHAConfig(
-                d_model=30,
-                n_heads=4,
-                n_kv_heads=2,
-                d_k=6,
-                rope="half",
-                rope_base=150000.0,
-                causal=True,
-                window=4,
-                sinks=True,
-                rope_scaling={
-                    "rope_type": "yarn",
-                    "factor": 32.0,
-                    "beta_fast": 32.0,
-                    "beta_slow": 1.0,
-                    "original_max_position_embeddings": 4096,
-                    "truncate": False,
-                },
-            ),
-            q_tokens=9,
-            dtypes=("float64", "float32"),
-            seed=33,
-        ),
     )
+}
+# The variants of 2024-26 attention (issue 24): each variant's cases, then the combinations real models
+# use (`core.variants`: the entries' and `core.variants.models`' cases, by seed). Sizes differ from the
+# cases above and from each other.
+SPEC_CASES |= {
+    spec.name: SpecCase(spec.name, spec.description, MHAConfig(**spec.config), **spec.options)
+    for spec in registry_cases("check")
 }
 
 

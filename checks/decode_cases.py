@@ -26,6 +26,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, init_params
 from mha_rosetta.core.decode import DecodeInputs, prepare_decode_inputs, ring_capacity
+from mha_rosetta.core.variants import registry_cases
 
 from .cases import ALL_DTYPES
 
@@ -130,15 +131,6 @@ class DecodeCase:
     def __str__(self) -> str:
         return self.name
 
-
-_YARN = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "original_max_position_embeddings": 4096,
-    "truncate": False,
-}
 
 DECODE_CASES: dict[str, DecodeCase] = {
     case.name: case
@@ -245,140 +237,13 @@ DECODE_CASES: dict[str, DecodeCase] = {
             prefill=3,
             seed=110,
         ),
-        # The variants of core.VARIANTS, one case each or combined as real models do.
-        DecodeCase(
-            "softcap",
-            "softcap 1.5 on the scores",
-            MHAConfig(d_model=18, n_heads=3, d_k=6, rope="half", causal=True, softcap=1.5),
-            tokens=8,
-            prefill=3,
-            seed=111,
-        ),
-        DecodeCase(
-            "qk_norm_head",
-            "RMSNorm of each head's queries and keys before rotary (the cache holds normed, rotated keys)",
-            MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
-            tokens=8,
-            prefill=3,
-            seed=112,
-        ),
-        DecodeCase(
-            "qk_norm_projection",
-            "RMSNorm over the whole q and k projections (OLMo 2), GQA and rotary",
-            MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=10, rope="half", causal=True, qk_norm="projection"),
-            tokens=7,
-            prefill=2,
-            seed=113,
-        ),
-        DecodeCase(
-            "alibi",
-            "ALiBi slopes on the distance of positions (no rotary)",
-            MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),  # d_k = 3
-            tokens=9,
-            prefill=4,
-            seed=114,
-        ),
-        DecodeCase(
-            "sinks",
-            "one learned sink logit per head in the softmax denominator",
-            MHAConfig(d_model=20, n_heads=5, causal=True, sinks=True),  # d_k = 4
-            tokens=8,
-            prefill=2,
-            seed=115,
-        ),
-        DecodeCase(
-            "rel_bias",
-            "T5 decoder's relative position buckets (causal, 6 buckets, max distance 7), no scaling",
-            MHAConfig(
-                d_model=16,
-                n_heads=4,
-                d_k=3,
-                bias=False,
-                scale=1.0,
-                causal=True,
-                rel_buckets=6,
-                rel_max_distance=7,
-                rel_bidirectional=False,
-            ),
-            tokens=11,
-            prefill=3,
-            seed=116,
-        ),
-        DecodeCase(
-            "rope_scaling",
-            "linear rope scaling (factor 4) on half rotary",
-            MHAConfig(
-                d_model=15,
-                n_heads=3,
-                d_k=6,
-                rope="half",
-                causal=True,
-                rope_scaling={"rope_type": "linear", "factor": 4.0},
-            ),
-            tokens=8,
-            prefill=3,
-            seed=117,
-        ),
-        DecodeCase(
-            "qkv_bias",
-            "Qwen2's biases on q, k and v and none on the output, GQA and rotary",
-            MHAConfig(d_model=21, n_heads=3, n_kv_heads=1, d_k=6, rope="half", causal=True, bias="qkv"),
-            tokens=8,
-            prefill=3,
-            seed=118,
-        ),
-        DecodeCase(
-            "gemma2",
-            "Gemma 2: a window of 4 the sequence outgrows, softcap 2, scale 1/4, GQA, rotary",
-            MHAConfig(
-                d_model=22,
-                n_heads=2,
-                n_kv_heads=1,
-                d_k=10,
-                rope="half",
-                causal=True,
-                window=4,
-                softcap=2.0,
-                scale=0.25,
-                bias=False,
-            ),
-            batch=3,
-            tokens=10,
-            prefill=3,
-            dtypes=("float64", "bfloat16"),
-            seed=119,
-        ),
-        DecodeCase(
-            "qwen3",
-            "Qwen3: per-head qk_norm, GQA, rotary, no biases, two tokens a step",
-            MHAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
-            batch=2,
-            tokens=9,
-            prefill=4,
-            step=2,
-            seed=120,
-        ),
-        DecodeCase(
-            "gpt_oss",
-            "gpt-oss: sinks, a window of 4 the sequence outgrows, biases, YaRN, GQA",
-            MHAConfig(
-                d_model=30,
-                n_heads=4,
-                n_kv_heads=2,
-                d_k=6,
-                rope="half",
-                rope_base=150000.0,
-                causal=True,
-                window=4,
-                sinks=True,
-                rope_scaling=_YARN,
-            ),
-            batch=2,
-            tokens=10,
-            prefill=5,
-            seed=121,
-        ),
     )
+}
+# The variants of core.VARIANTS, one case each or combined as real models do (`core.variants`: the
+# entries' and `core.variants.models`' decode cases, by seed).
+DECODE_CASES |= {
+    spec.name: DecodeCase(spec.name, spec.description, MHAConfig(**spec.config), **spec.options)
+    for spec in registry_cases("decode")
 }
 
 

@@ -5,7 +5,7 @@ lives here: the configuration, the canonical parameter layout and its converters
 the stage contract, the float64 oracle and the tolerance table.
 """
 
-from .config import QK_NORMS, ROPE_STYLES, VARIANTS, MHAConfig
+from .config import ROPE_STYLES, VARIANTS, MHAConfig
 from .dtypes import DTYPE_NAMES, check_dtype_name, numpy_dtype
 from .errors import error_line
 from .grad import (
@@ -74,14 +74,20 @@ from .tolerances import (
     tolerance_for,
 )
 from .variants import (
+    QK_NORMS,
+    VARIANT_REGISTRY,
+    Variant,
     alibi_bias,
     alibi_slopes,
     relative_bias,
     rms_norm,
     score_bias,
+    score_steps,
     softcap,
     softmax_with_sinks,
     t5_buckets,
+    variant,
+    variants_on,
     window_allowed,
 )
 
@@ -101,6 +107,7 @@ __all__ = [
     "TOLERANCES",
     "VARIANTS",
     "VARIANT_PARAM_NAMES",
+    "VARIANT_REGISTRY",
     "VARIANT_STAGES",
     "Comparison",
     "MHAConfig",
@@ -111,6 +118,7 @@ __all__ = [
     "ShardPlan",
     "Stage",
     "Tolerance",
+    "Variant",
     "alibi_bias",
     "alibi_slopes",
     "allowed_positions",
@@ -151,6 +159,7 @@ __all__ = [
     "rotary_pairs",
     "rotary_tables",
     "score_bias",
+    "score_steps",
     "shard_mask",
     "shard_params",
     "shard_plan",
@@ -174,5 +183,7 @@ __all__ = [
     "torch_mha_unsupported_reason",
     "unshard_params",
     "validate_params",
+    "variant",
+    "variants_on",
     "window_allowed",
 ]

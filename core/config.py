@@ -11,72 +11,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from .rope_scaling import describe_rope_scaling, validate_rope_scaling
-
-
-def _require_positive_int(name: str, value: object) -> None:
-    # bool is an int subclass; MHAConfig(d_model=True) is a typo, not a width.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"MHAConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"MHAConfig.{name} must be a positive int, got {value}")
-
+from ._validate import require_bool, require_positive_int
+from .rope_scaling import describe_rope_scaling
+from .variants import VARIANT_REGISTRY, validate_variants, variants_on
 
 # The two rotary conventions, by the pairs of features they rotate together (`core.rotary`).
 ROPE_STYLES = ("half", "interleaved")
 
-# Where QK-norm takes its statistics (`core.variants.rms_norm`): over each head's d_k features
-# with one (d_k,) weight (Qwen3, Gemma 3), or over the whole projection before the head split
-# with (n_heads*d_k,) / (n_kv_heads*d_k,) weights (OLMo 2).
-QK_NORMS = ("head", "projection")
-
 # The variants of the 2024-26 models, by the name an implementation declares in
-# `Backend.variants` when it implements one. `MHAConfig.variants` lists those a configuration
-# switches on; an implementation that does not declare one is unsupported for it, with a
-# reason, never run without it. One name per rule an implementation must get right.
-VARIANTS = (
-    "window",  # sliding window of W keys including the query's own position
-    "softcap",  # c * tanh(s / c) on the scaled scores
-    "qk_norm_head",  # RMSNorm of each head's queries and keys
-    "qk_norm_projection",  # RMSNorm over the whole q and k projections
-    "qkv_bias",  # bias on q, k and v, none on the output (bias="qkv")
-    "alibi",  # m_h * (p_j - p_i) added to the scores
-    "rel_bias",  # T5's learned relative position buckets added to the scores
-    "sinks",  # one learned logit per head in the softmax denominator
-    "rope_scaling",  # scaled rotary frequencies (linear, dynamic, llama3, yarn)
-)
-
-
-def _require_positive_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"MHAConfig.{name} must be a finite positive number, got {value!r}")
-    return float(value)
-
-
-def _check_t5_buckets(buckets: int | None, max_distance: object, bidirectional: object) -> None:
-    """T5's bucket function needs exact buckets below a log-spaced range that reaches max_distance."""
-    if not isinstance(bidirectional, bool):
-        raise TypeError(f"MHAConfig.rel_bidirectional must be a bool, got {bidirectional!r}")
-    _require_positive_int("rel_max_distance", max_distance)
-    if buckets is None:
-        return
-    _require_positive_int("rel_buckets", buckets)
-    # Bidirectional: half the buckets per sign. Half of those (max_exact) are one distance each,
-    # the rest log-spaced from max_exact to max_distance, so both halves need at least one bucket.
-    per_side = buckets // 2 if bidirectional else buckets
-    max_exact = per_side // 2
-    if max_exact < 1 or (bidirectional and buckets % 2):
-        need = "an even number of at least 4" if bidirectional else "at least 2"
-        raise ValueError(
-            f"MHAConfig.rel_buckets must be {need} (T5's buckets: half exact distances, half log-spaced"
-            f"{', per sign' if bidirectional else ''}), got {buckets}"
-        )
-    assert isinstance(max_distance, int)  # _require_positive_int proved it
-    if max_distance <= max_exact:
-        raise ValueError(
-            f"MHAConfig.rel_max_distance must exceed the {max_exact} exact-distance buckets "
-            f"(rel_buckets={buckets}), got {max_distance}"
-        )
+# `Backend.variants` when it implements one: the names of `core.variants.VARIANT_REGISTRY`, in
+# its order. `MHAConfig.variants` lists those a configuration switches on; an implementation
+# that does not declare one is unsupported for it, with a reason, never run without it. One
+# name per rule an implementation must get right (each entry's `summary` says which).
+VARIANTS = tuple(VARIANT_REGISTRY)
 
 
 def _resolve_rope(rope: str | None, base: float, dims: int | None, d_k: int) -> int | None:
@@ -96,7 +43,7 @@ def _resolve_rope(rope: str | None, base: float, dims: int | None, d_k: int) -> 
                 "pass an even rope_dims < d_k for partial rotary"
             )
         return d_k
-    _require_positive_int("rope_dims", dims)
+    require_positive_int("rope_dims", dims)
     if dims % 2 or dims > d_k:
         raise ValueError(f"MHAConfig.rope_dims must be even and at most d_k={d_k}, got {dims}")
     return dims
@@ -175,20 +122,17 @@ class MHAConfig:
     def __post_init__(self) -> None:
         # Resolved defaults are written back with object.__setattr__ (the dataclass is
         # frozen), so that after construction cfg.d_k and friends are always ints.
-        _require_positive_int("d_model", self.d_model)
-        _require_positive_int("n_heads", self.n_heads)
+        require_positive_int("d_model", self.d_model)
+        require_positive_int("n_heads", self.n_heads)
         for name in ("d_k", "d_v", "n_kv_heads", "kdim", "vdim"):
             value = getattr(self, name)
             if value is not None:
-                _require_positive_int(name, value)
+                require_positive_int(name, value)
         if self.bias != "qkv" and not isinstance(self.bias, bool):
             raise TypeError(
                 f"MHAConfig.bias must be True, False or 'qkv' (q, k, v biased, not the output), got {self.bias!r}"
             )
-        for name in ("causal", "alibi", "sinks"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"MHAConfig.{name} must be a bool, got {value!r} ({type(value).__name__})")
+        require_bool("causal", self.causal)
 
         if self.d_k is None and self.d_model % self.n_heads:
             raise ValueError(
@@ -210,16 +154,7 @@ class MHAConfig:
             raise ValueError(f"MHAConfig.scale must be a finite positive number, got {self.scale!r}")
 
         rope_dims = _resolve_rope(self.rope, self.rope_base, self.rope_dims, d_k)
-        rope_scaling = _resolve_rope_scaling(self.rope, self.rope_scaling)
-        if self.window is not None:
-            _require_positive_int("window", self.window)
-        softcap = None if self.softcap is None else _require_positive_number("softcap", self.softcap)
-        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
-            raise ValueError(
-                f"MHAConfig.qk_norm must be None or one of {', '.join(map(repr, QK_NORMS))}, got {self.qk_norm!r}"
-            )
-        norm_eps = _require_positive_number("norm_eps", self.norm_eps)
-        _check_t5_buckets(self.rel_buckets, self.rel_max_distance, self.rel_bidirectional)
+        resolved = validate_variants(self)  # each entry checks its fields (core.variants), in registry order
 
         object.__setattr__(self, "d_k", d_k)
         object.__setattr__(self, "d_v", d_v)
@@ -229,9 +164,8 @@ class MHAConfig:
         object.__setattr__(self, "scale", float(scale))
         object.__setattr__(self, "rope_base", float(self.rope_base))
         object.__setattr__(self, "rope_dims", rope_dims)
-        object.__setattr__(self, "rope_scaling", rope_scaling)
-        object.__setattr__(self, "softcap", softcap)
-        object.__setattr__(self, "norm_eps", norm_eps)
+        for name, value in resolved.items():  # softcap and norm_eps as floats, rope_scaling normalised
+            object.__setattr__(self, name, value)
 
     def __hash__(self) -> int:
         # rope_scaling is a dict (unhashable); hash its sorted items instead.
@@ -251,23 +185,12 @@ class MHAConfig:
     @property
     def variants(self) -> tuple[str, ...]:
         """The `VARIANTS` this configuration switches on, in `VARIANTS` order (empty: 2017-23 attention)."""
-        on = {
-            "window": self.window is not None,
-            "softcap": self.softcap is not None,
-            "qk_norm_head": self.qk_norm == "head",
-            "qk_norm_projection": self.qk_norm == "projection",
-            "qkv_bias": self.bias == "qkv",
-            "alibi": self.alibi,
-            "rel_bias": self.rel_buckets is not None,
-            "sinks": self.sinks,
-            "rope_scaling": self.rope_scaling is not None,
-        }
-        return tuple(name for name in VARIANTS if on[name])
+        return tuple(entry.name for entry in variants_on(self))
 
     @property
     def has_score_bias(self) -> bool:
         """True when something is added to the scores (ALiBi or T5's relative bias): the biased_scores stage."""
-        return self.alibi or self.rel_buckets is not None
+        return any(e.score_step is not None and e.score_step.place == "bias" for e in variants_on(self))
 
     # Derived sizes, named once so that no module recomputes them differently.
     @property
@@ -337,14 +260,6 @@ class MHAConfig:
         if self.sinks:
             parts.append("sinks")
         return " ".join(parts)
-
-
-def _resolve_rope_scaling(rope: str | None, rope_scaling: object) -> dict | None:
-    if rope_scaling is None:
-        return None
-    if rope is None:
-        raise ValueError(f"MHAConfig.rope_scaling={rope_scaling!r} needs rope='half' or 'interleaved' (rope is None)")
-    return validate_rope_scaling(rope_scaling)
 
 
 def _hashable(value: object) -> object:

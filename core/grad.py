@@ -58,7 +58,7 @@ from .params import PARAM_NAMES, MHAParams
 from .reference import forward_stages, reference_stages
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import relative_bias_vjp, rms_norm_vjp
+from .variants import relative_bias_vjp, rms_norm_vjp, sink_vjp, softcap_vjp
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -238,7 +238,7 @@ def reference_mha_vjp(
         row_dot = np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)  # (B, Nq, 1)
         d_masked[:, h] = r(a * (d_weights[:, h] - row_dot))
         if d_sinks is not None:  # the sink's weight 1 - sum_j A_ij times (0 - row_dot)
-            d_sinks[h] = -np.sum((1.0 - a.sum(axis=-1, keepdims=True)) * row_dot)
+            d_sinks[h] = sink_vjp(a, row_dot)
     d_v_heads = r(d_v_heads)
     stages.update(d_weights=d_weights, d_v_heads=d_v_heads)
 
@@ -251,7 +251,7 @@ def reference_mha_vjp(
             d_rel_bias = r(relative_bias_vjp(cfg, d_last, inputs.positions, inputs.kv_positions))
     if cfg.softcap is not None:
         stages["d_capped_scores"] = d_last
-        d_last = r(d_last * (1.0 - np.tanh(fwd["scores"] / cfg.softcap) ** 2))
+        d_last = r(softcap_vjp(fwd["scores"], cfg.softcap, d_last))
     d_scores = stages["d_scores"] = d_last
 
     d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)

@@ -17,13 +17,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .config import MHAConfig, require_config
+from .variants import param_spec
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
-# The learned parameters of the variants (`core.variants`), each present only when its
-# MHAConfig field switches it on: QK-norm weights, one sink logit per head, T5's bucket table.
-VARIANT_PARAM_NAMES = ("q_norm", "k_norm", "sinks", "rel_bias")
-PARAM_NAMES = (*WEIGHT_NAMES, *BIAS_NAMES, *VARIANT_PARAM_NAMES)
 
 
 @dataclass(frozen=True)
@@ -65,6 +62,13 @@ class MHAParams:
         return MHAParams(**cast)  # the weights are arrays, the biases arrays or None, as in self
 
 
+# The learned parameters of the variants (each a `ParamSpec` of its entry in `core.variants`), each
+# present only when its MHAConfig field switches it on: QK-norm weights, one sink logit per head,
+# T5's bucket table. In MHAParams' field order, the order init_params draws them in.
+PARAM_NAMES = tuple(f.name for f in fields(MHAParams))
+VARIANT_PARAM_NAMES = PARAM_NAMES[len(WEIGHT_NAMES) + len(BIAS_NAMES) :]
+
+
 def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
     """Shape of every canonical parameter for ``cfg`` (None: absent for this configuration, see `absent_because`)."""
     weights: dict[str, tuple[int, ...]] = {
@@ -78,11 +82,8 @@ def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
         shapes[b_name] = (weights[w_name][0],) if cfg.qkv_bias else None
     if not cfg.output_bias:
         shapes["b_o"] = None
-    head = cfg.qk_norm == "head"
-    shapes["q_norm"] = None if cfg.qk_norm is None else ((cfg.d_k,) if head else (cfg.q_width,))
-    shapes["k_norm"] = None if cfg.qk_norm is None else ((cfg.d_k,) if head else (cfg.k_width,))
-    shapes["sinks"] = (cfg.n_heads,) if cfg.sinks else None
-    shapes["rel_bias"] = None if cfg.rel_buckets is None else (cfg.rel_buckets, cfg.n_heads)
+    for name in VARIANT_PARAM_NAMES:
+        shapes[name] = param_spec(name).shape(cfg)
     return shapes
 
 
@@ -90,7 +91,7 @@ def absent_because(cfg: MHAConfig, name: str) -> str:
     """The field of ``cfg`` that decides whether parameter ``name`` exists, with its value (for errors)."""
     if name in BIAS_NAMES:
         return f"cfg.bias is {cfg.bias!r}"
-    field = {"q_norm": "qk_norm", "k_norm": "qk_norm", "sinks": "sinks", "rel_bias": "rel_buckets"}[name]
+    field = param_spec(name).field
     return f"cfg.{field} is {getattr(cfg, field)!r}"
 
 
@@ -131,7 +132,8 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
     far from the float16 limit (65504) at every size the tests and benchmarks use.
 
     The variants' parameters come from a second generator, so that switching a variant on
-    leaves every other parameter's numbers as they were, and none is trivial: QK-norm
+    leaves every other parameter's numbers as they were, and none is trivial: each is
+    ``centre + spread * N(0, 1)`` with its entry's figures (`core.variants.ParamSpec`): QK-norm
     weights ``1 + 0.3 N(0, 1)`` (not all one, so a dropped weight shows), sink logits
     ``N(0, 1)`` (the size of a score, so a sink takes a visible share of each row) and T5
     bucket biases ``0.5 N(0, 1)``.
@@ -146,9 +148,7 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
     for name in BIAS_NAMES:
         arrays[name] = None if shapes[name] is None else 0.1 * rng.standard_normal(shapes[name])
     variant_rng = np.random.default_rng((seed, 24))  # 24: the issue that added the variants
-    spread = {"q_norm": (1.0, 0.3), "k_norm": (1.0, 0.3), "sinks": (0.0, 1.0), "rel_bias": (0.0, 0.5)}
     for name in VARIANT_PARAM_NAMES:
-        shape = shapes[name]
-        centre, scale = spread[name]
-        arrays[name] = None if shape is None else centre + scale * variant_rng.standard_normal(shape)
+        shape, spec = shapes[name], param_spec(name)
+        arrays[name] = None if shape is None else spec.centre + spec.spread * variant_rng.standard_normal(shape)
     return MHAParams(**arrays)

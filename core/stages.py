@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import MHAConfig
+from .variants import stage_owners
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,16 @@ STAGES: tuple[Stage, ...] = (
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 STAGE_BY_NAME = {stage.name: stage for stage in STAGES}
 
-# The stages that exist only with a variant, and the rule that switches each on.
-VARIANT_STAGES = {
-    "q_normed": lambda cfg: cfg.qk_norm is not None,
-    "k_normed": lambda cfg: cfg.qk_norm is not None,
-    "capped_scores": lambda cfg: cfg.softcap is not None,
-    "biased_scores": lambda cfg: cfg.has_score_bias,
-}
+
+def _any_on(owners):
+    return lambda cfg: any(entry.is_on(cfg) for entry in owners)
+
+
+# The stages that exist only with a variant (each entry's `stages` in `core.variants`), and the rule
+# that switches each on: any of the variants that add it is on.
+_OWNERS = stage_owners()
+assert set(_OWNERS) <= set(STAGE_NAMES), "a variant names a stage that core.stages.STAGES lacks"
+VARIANT_STAGES = {name: _any_on(_OWNERS[name]) for name in STAGE_NAMES if name in _OWNERS}
 # The 2017-23 pipeline: the stages every implementation exposes for every configuration.
 BASE_STAGE_NAMES = tuple(name for name in STAGE_NAMES if name not in VARIANT_STAGES)
 

@@ -38,6 +38,7 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.config import require_config
 from mha_rosetta.core.layouts import _to_numpy  # torch tensors and JAX/Keras arrays -> NumPy, no framework import
+from mha_rosetta.core.variants import param_spec, variant
 
 from ._errors import LayoutError
 from ._module_io import ModuleReader
@@ -81,6 +82,12 @@ class Layout:
     example: Mapping = field(default_factory=dict, hash=False)
     # The `core.config.VARIANTS` the real module has (a window, QK-norm, sinks...); cfg.variants outside it is refused.
     variants: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # The hook a layout reads a variant by: its registry entry (`core.variants`); a name that is none
+        # (a typo, a variant not yet registered) is a KeyError naming the registry's variants.
+        for name in self.variants:
+            variant(name)
 
     def unsupported_reason(self, cfg: MHAConfig) -> str | None:
         """Why this family's real module cannot hold ``cfg`` (a variant it lacks, or the first rule that fails), or None."""
@@ -324,6 +331,8 @@ def separate_linears(
     """
     extras = dict(extras or {})
     offsets = dict(offsets or {})
+    for canonical in extras:
+        param_spec(canonical)  # a variant's parameter (`Variant.params`): KeyError for any other name
 
     def names(cfg: MHAConfig) -> dict[str, str]:
         # canonical name -> stored name, for the parameters cfg has

@@ -1,0 +1,202 @@
+"""The entry type of the variant registry (`Variant`) and the small types its fields are made of.
+
+A `Variant` holds, in one place, everything the project knows about one variant of 2024-26
+attention: the `MHAConfig` fields it reads and their validation, the parameters it adds and
+how `init_params` draws them, its stages and its place in the score pipeline, its float64
+formulas, its check and decode cases, its bench entry, its command-line options, the
+explainer's demonstration, diagnose's causes and planted mistakes, and what a model layout
+reads to hold it. The consumers (core, checks, cli, benchmarks, explain, diagnose, models)
+iterate `core.variants.VARIANT_REGISTRY` instead of keeping a table of their own.
+
+Plain data and functions of NumPy only. No module here imports `core.config`: it imports the
+registry (its `VARIANTS` and `MHAConfig.variants` come from it), so an entry describes
+configurations as keyword arguments (`CaseSpec.config`) rather than building one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# An `MHAConfig`. `core.config` imports this package, so no module of it imports `core.config`, not
+# even for typing (tests/test_import_cycles.py counts type-only imports too).
+Config = Any
+
+# The places of the score pipeline, in the order it applies them (`score_steps` sorts by this):
+# scale * q.k -> an elementwise transform of the scores (the logit cap) -> additive biases ->
+# positional masks -> the softmax (and what joins its denominator).
+SCORE_PLACES = ("scale", "transform", "bias", "mask", "softmax")
+
+
+@dataclass(frozen=True)
+class ScoreStep:
+    """Where a variant acts in the score pipeline, and the ops method an array library implements for it.
+
+    place: one of `SCORE_PLACES`.
+    op:    the name of the method on a framework's ops object that computes the step
+           (e.g. ``"add_score_bias"``, ``"positional_mask"``; each entry's module names its own).
+    variant: the entry's name; filled in by `score_steps` (an entry leaves it empty).
+    """
+
+    place: str
+    op: str
+    variant: str = ""
+
+    def __post_init__(self) -> None:
+        if self.place not in SCORE_PLACES:
+            raise ValueError(f"ScoreStep.place must be one of {SCORE_PLACES}, got {self.place!r}")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A learned parameter a variant adds to `MHAParams` (present only while the variant is on).
+
+    name:   the `MHAParams` field.
+    field:  the `MHAConfig` field that decides whether it exists (for the refusal texts).
+    shape:  ``shape(cfg)``, its canonical shape, or None where ``cfg`` has no such parameter.
+    centre, spread: `init_params` draws ``centre + spread * N(0, 1)`` from the variants' generator
+            (in `MHAParams` field order, so a seed gives the same numbers as it always has).
+    """
+
+    name: str
+    field: str
+    shape: Callable[[Config], tuple[int, ...] | None]
+    centre: float
+    spread: float
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """A check or decode case as data: ``checks`` builds its `SpecCase` / `DecodeCase` from it.
+
+    config:  `MHAConfig` keyword arguments.
+    options: the case's other keyword arguments (batch, q_tokens or tokens, prefill, dtypes, seed, ...).
+             The seed is the case's number: the cases of the entries and of `core.variants.models`
+             are listed by it.
+    """
+
+    name: str
+    description: str
+    config: Mapping[str, Any]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        return int(self.options.get("seed", 0))
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """One command-line option of ``mha-rosetta diagnose``'s variant group (`cli.variant_options`).
+
+    flag:   the option as typed (``--window``); its dest is the flag without dashes, ``-`` as ``_``.
+    kwargs: ``argparse.add_argument`` keyword arguments (type, choices, action, metavar, help).
+    fields: ``fields(value)``, the `MHAConfig` fields the given value sets.
+    needs:  the option this one is a part of (refused without it), or None.
+    rank:   its place in the group's help (the order the help text has always had).
+    conflicts: another option of the command it contradicts -> what this one means (for the refusal).
+    """
+
+    flag: str
+    kwargs: Mapping[str, Any]
+    fields: Callable[[Any], dict]
+    needs: str | None = None
+    rank: int = 0
+    conflicts: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """The variant's cell of ``bench --preset variants`` (`benchmarks.variants`).
+
+    overrides: `MHAConfig` keyword arguments at the cell's size; ``"tokens/4"`` is resolved per size.
+    baseline:  the bench entry it is measured against (its cost is its time over the baseline's).
+    label:     the bench entry's name, where it is not the variant's (``rope_yarn``).
+    """
+
+    overrides: Mapping[str, Any]
+    baseline: str
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The explainer's text of a variant (``explain``'s "Variants" section; `explain.variants` adds the stages).
+
+    fields: the `MHAConfig` fields that switch it on, as typed; formula; place: where it sits in the pipeline;
+    spellings: (library, how it spells the variant); pitfalls: known off-by-ones, with computed numbers.
+    """
+
+    fields: str
+    formula: str
+    place: str
+    spellings: list[tuple[str, str]]
+    pitfalls: list[str]
+
+
+def numbers(values, digits: int = 4) -> str:
+    """``values`` as ``"a, b, c"`` to ``digits`` significant digits (the explainer's computed figures)."""
+    return ", ".join(f"{v:.{digits}g}" for v in np.ravel(values))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One variant of 2024-26 attention, with everything every consumer reads about it.
+
+    name:     the name an implementation declares in `Backend.variants` (`core.VARIANTS`).
+    summary:  one line: what the variant does.
+    fields:   the `MHAConfig` fields it reads.
+    is_on:    ``is_on(cfg)``: whether ``cfg`` switches it on (`MHAConfig.variants`).
+    validate: ``validate(cfg)`` raises for a bad value of its fields (naming the field, the rule and the
+              value) and returns the resolved values `MHAConfig` writes back ({} for none). Entries that
+              share fields share the function, and `MHAConfig` runs each function once.
+    params:   the parameters it adds (`ParamSpec`).
+    stages:   the stages of `core.stages` that exist only with it.
+    score_step: its place in the score pipeline and the ops method for it, or None (it acts elsewhere).
+    forward, backward: its float64 formula and that formula's vector-Jacobian product (None: none of
+              its own, e.g. a mask has no gradient); each function documents its arguments.
+    check_cases, decode_cases: its cases of ``mha-rosetta check`` and ``check --decode``. The combinations
+              real models use are in `core.variants.models`.
+    bench:    its cell of ``bench --preset variants``, or None.
+    cli:      its options of ``mha-rosetta diagnose``.
+    demo_on:  the `MHAConfig` fields that switch it on in the explainer's demonstration layer.
+    demo_off: the values that switch those fields off again.
+    explain:  ``explain(demo)`` -> its `Explanation`, the numbers computed from ``demo``, the explainer's
+              demonstration layer (`explain.variants.Demonstration`: ``demo.tokens``, ``demo.cfg`` and
+              ``demo.run(name)`` -> (cfg on, params on, stages on, cfg off, stages off); passed in, since
+              the oracle imports this package).
+    diagnose_causes: diagnose's causes for it (another part of issue 42 fills these; empty until then).
+    planted_mistakes: diagnose's planted mistakes of it (the same).
+    layout_params: the parameters a model layout must store to hold it (`models._layout`).
+    """
+
+    name: str
+    summary: str
+    fields: tuple[str, ...]
+    is_on: Callable[[Config], bool]
+    validate: Callable[[Config], dict] | None = None
+    params: tuple[ParamSpec, ...] = ()
+    stages: tuple[str, ...] = ()
+    score_step: ScoreStep | None = None
+    forward: Callable | None = None
+    backward: Callable | None = None
+    check_cases: tuple[CaseSpec, ...] = ()
+    decode_cases: tuple[CaseSpec, ...] = ()
+    bench: BenchSpec | None = None
+    cli: tuple[CliOption, ...] = ()
+    demo_on: Mapping[str, Any] = field(default_factory=dict)
+    demo_off: Mapping[str, Any] = field(default_factory=dict)
+    explain: Callable[[Any], Explanation] | None = None
+    diagnose_causes: tuple = ()
+    planted_mistakes: tuple = ()
+
+    @property
+    def layout_params(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.params)

@@ -1,0 +1,135 @@
+"""The real models' attention layers the checks run, as one table: `MODELS`.
+
+Each is a small layer with the variants a model combines (Gemma 2's softcap and window, gpt-oss's
+sinks, window and YaRN, ...), at sizes that differ from every other case. ``mha-rosetta check`` and
+``check --decode`` read their configurations from here, so that a model is written once: its
+check case (`Model.check`) and its decode case (`Model.decode`) run the same layer. The cases of a
+single variant are in its entry (`core.variants.VARIANT_REGISTRY`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._entry import CaseSpec
+
+# gpt-oss's YaRN (original context 4096, factor 32, no truncation).
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 4096,
+    "truncate": False,
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model's layer (`MHAConfig` keyword arguments) and its cases (None: the model has no such case)."""
+
+    config: dict[str, Any]
+    check: CaseSpec | None = None
+    decode: CaseSpec | None = None
+
+
+def _model(config: dict, check: tuple[str, str, dict] | None = None, decode: tuple[str, str, dict] | None = None):
+    """A `Model` whose cases, (name, description, options), read its one configuration."""
+    return Model(
+        config,
+        None if check is None else CaseSpec(check[0], check[1], config, check[2]),
+        None if decode is None else CaseSpec(decode[0], decode[1], config, decode[2]),
+    )
+
+
+MODELS: dict[str, Model] = {
+    "mistral": _model(
+        dict(d_model=32, n_heads=4, n_kv_heads=2, rope="half", causal=True, window=4, bias=False),  # d_k = 8
+        check=(
+            "mistral",
+            "Mistral: grouped kv heads, rotary, causal sliding window of 4, no biases",
+            dict(q_tokens=9, dtypes=("float64", "float32"), seed=30),
+        ),
+    ),
+    # One window for both cases (they had 5 and 4): 4, which 8 query tokens and a 10-token decode outgrow.
+    "gemma2": _model(
+        dict(
+            d_model=22,
+            n_heads=2,
+            n_kv_heads=1,
+            d_k=10,
+            rope="half",
+            causal=True,
+            window=4,
+            softcap=2.0,
+            scale=0.25,
+            bias=False,
+        ),
+        check=(
+            "gemma2",
+            "Gemma 2: softcap 2, a window of 4, query_pre_attn_scalar 16 (scale 1/4, not 1/sqrt(d_k)), GQA",
+            dict(batch=3, q_tokens=8, dtypes=("float64", "bfloat16"), seed=31),
+        ),
+        decode=(
+            "gemma2",
+            "Gemma 2: a window of 4 the sequence outgrows, softcap 2, scale 1/4, GQA, rotary",
+            dict(batch=3, tokens=10, prefill=3, dtypes=("float64", "bfloat16"), seed=119),
+        ),
+    ),
+    "llama3": _model(
+        dict(
+            d_model=26,
+            n_heads=3,
+            d_k=8,
+            rope="half",
+            rope_base=500000.0,
+            causal=True,
+            bias=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        check=(
+            "llama3",
+            "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",
+            dict(dtypes=("float64", "float32"), seed=32),
+        ),
+    ),
+    "qwen3": _model(
+        dict(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
+        decode=(
+            "qwen3",
+            "Qwen3: per-head qk_norm, GQA, rotary, no biases, two tokens a step",
+            dict(batch=2, tokens=9, prefill=4, step=2, seed=120),
+        ),
+    ),
+    "gpt_oss": _model(
+        dict(
+            d_model=30,
+            n_heads=4,
+            n_kv_heads=2,
+            d_k=6,
+            rope="half",
+            rope_base=150000.0,
+            causal=True,
+            window=4,
+            sinks=True,
+            rope_scaling=GPT_OSS_YARN,
+        ),
+        check=(
+            "gpt_oss",
+            "gpt-oss: sinks, a window of 4, biases, YaRN (factor 32, beta 32/1, original 4096, no truncation), GQA",
+            dict(q_tokens=9, dtypes=("float64", "float32"), seed=33),
+        ),
+        decode=(
+            "gpt_oss",
+            "gpt-oss: sinks, a window of 4 the sequence outgrows, biases, YaRN, GQA",
+            dict(batch=2, tokens=10, prefill=5, seed=121),
+        ),
+    ),
+}

@@ -1,0 +1,172 @@
+"""QK-norm: RMSNorm of the queries and keys before rotary, over each head (Qwen3, Gemma 3) or over the
+whole projection before the head split (OLMo 2). Two variants, one formula: ``qk_norm_head`` and
+``qk_norm_projection``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._validate import require_positive_number
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, Variant, numbers
+
+# Where QK-norm takes its statistics (`rms_norm`): over each head's d_k features
+# with one (d_k,) weight (Qwen3, Gemma 3), or over the whole projection before the head split
+# with (n_heads*d_k,) / (n_kv_heads*d_k,) weights (OLMo 2).
+QK_NORMS = ("head", "projection")
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x**2, last axis) + eps) * weight``: RMSNorm over the last axis (a new array)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rms_norm_vjp(x: np.ndarray, weight: np.ndarray, eps: float, d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d_x, d_weight summed over every leading axis) of `rms_norm` for the cotangent ``d_y``.
+
+    With ``r = (mean(x**2) + eps) ** -1/2`` and ``g = d_y * weight``:
+    ``d_x = r g - x r**3 mean(g x)`` (the mean over the normalised axis), ``d_weight = sum(d_y x r)``.
+    """
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    g = d_y * weight
+    d_x = r * g - x * r**3 * np.mean(g * x, axis=-1, keepdims=True)
+    d_weight = (d_y * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+    return d_x, d_weight
+
+
+def _validate(cfg: Config) -> dict:
+    if cfg.qk_norm is not None and cfg.qk_norm not in QK_NORMS:
+        raise ValueError(
+            f"MHAConfig.qk_norm must be None or one of {', '.join(map(repr, QK_NORMS))}, got {cfg.qk_norm!r}"
+        )
+    return {"norm_eps": require_positive_number("norm_eps", cfg.norm_eps)}
+
+
+def _norm_shape(side: str):
+    """The shape of ``q_norm`` (side "q") or ``k_norm`` ("k"): (d_k,) per head, the projection's width otherwise."""
+
+    def shape(cfg: Config) -> tuple[int, ...] | None:
+        if cfg.qk_norm is None:
+            return None
+        return (cfg.d_k,) if cfg.qk_norm == "head" else ((cfg.q_width,) if side == "q" else (cfg.k_width,))
+
+    return shape
+
+
+# Weights 1 + 0.3 N(0, 1): not all one, so that a dropped weight shows.
+PARAMS = (
+    ParamSpec("q_norm", "qk_norm", _norm_shape("q"), centre=1.0, spread=0.3),
+    ParamSpec("k_norm", "qk_norm", _norm_shape("k"), centre=1.0, spread=0.3),
+)
+STAGES = ("q_normed", "k_normed")
+_OPTIONS = (
+    CliOption(
+        "--qk-norm",
+        dict(choices=QK_NORMS, help="RMSNorm of q and k: per head or projection"),
+        lambda value: {"qk_norm": value},
+        rank=30,
+    ),
+    CliOption(
+        "--norm-eps",
+        dict(type=float, help="the QK-norm's epsilon (default 1e-6)"),
+        lambda value: {"norm_eps": value},
+        needs="--qk-norm",
+        rank=31,
+    ),
+)
+# Qwen3's layer: the check case and the decode case read the same configuration.
+QWEN3_LIKE = dict(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False)
+
+
+def _explainer(place: str):
+    def explain(demo) -> Explanation:
+        on, _, stages, _, _ = demo.run(f"qk_norm_{place}")
+        q = stages["q"][0, 0]  # token 0, (H*Dk,)
+        per_head = np.sqrt(np.mean(q.reshape(on.n_heads, on.d_k) ** 2, axis=-1) + on.norm_eps)  # (H,)
+        whole = math.sqrt(float(np.mean(q**2)) + on.norm_eps)
+        spellings = {
+            "head": [
+                ("Hugging Face", "Qwen3 / Gemma 3: self_attn.q_norm, k_norm = RMSNorm(head_dim), weight (head_dim,)"),
+                ("Hugging Face", "Gemma 3's RMSNorm multiplies by (1 + weight): load weight + 1 as the spec's q_norm"),
+            ],
+            "projection": [
+                ("Hugging Face", "OLMo 2: self_attn.q_norm (n_heads*head_dim,), k_norm (n_kv_heads*head_dim,)"),
+            ],
+        }[place]
+        where = {"head": "after the head split, before rotary", "projection": "before the head split (then rotary)"}
+        formula = {
+            "head": "q_h <- q_h / sqrt(mean_d(q_h**2) + eps) * w, one w (d_k,) for every head; k the same",
+            "projection": "q <- q / sqrt(mean(q**2 over all H*d_k) + eps) * w, w (H*d_k,); k over Hkv*d_k",
+        }
+        return Explanation(
+            f"qk_norm={place!r}, norm_eps",
+            formula[place],
+            where[place],
+            spellings,
+            [
+                f"head and projection take different statistics: for token 0 of the demonstration the RMS of each "
+                f"head is {numbers(per_head, 3)}, of the whole projection {whole:.3g}: taking one for the other scales "
+                "each head by their ratio (Qwen3 and OLMo 2 differ exactly there)",
+            ],
+        )
+
+    return explain
+
+
+def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: tuple[CliOption, ...] = ()) -> Variant:
+    """The entry of QK-norm at ``place`` ("head" or "projection"): one formula, one option, two variants."""
+    return Variant(
+        name=f"qk_norm_{place}",
+        summary=summary,
+        fields=("qk_norm", "norm_eps"),
+        is_on=lambda cfg: cfg.qk_norm == place,
+        validate=_validate,
+        params=PARAMS,
+        stages=STAGES,
+        forward=rms_norm,
+        backward=rms_norm_vjp,
+        check_cases=(check,),
+        decode_cases=(decode,),
+        bench=BenchSpec({"qk_norm": place}, "plain"),
+        cli=cli,
+        demo_on={"qk_norm": place},
+        demo_off={"qk_norm": None},
+        explain=_explainer(place),
+    )
+
+
+HEAD = _variant(
+    "head",
+    "RMSNorm of each head's queries and keys",
+    CaseSpec(
+        "qk_norm_head",
+        "Qwen3: RMSNorm of each head's queries and keys (one weight of d_k per side), before rotary",
+        QWEN3_LIKE,
+        dict(q_tokens=6, dtypes=("float64", "bfloat16"), seed=23),
+    ),
+    CaseSpec(
+        "qk_norm_head",
+        "RMSNorm of each head's queries and keys before rotary (the cache holds normed, rotated keys)",
+        QWEN3_LIKE,
+        dict(tokens=8, prefill=3, seed=112),
+    ),
+    cli=_OPTIONS,  # one set of options for both: the value of --qk-norm picks the variant
+)
+PROJECTION = _variant(
+    "projection",
+    "RMSNorm over the whole q and k projections",
+    CaseSpec(
+        "qk_norm_projection",
+        "OLMo 2: RMSNorm over the whole q and k projections (before the head split)",
+        dict(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="projection"),
+        dict(q_tokens=6, dtypes=("float64", "float32"), seed=24),
+    ),
+    CaseSpec(
+        "qk_norm_projection",
+        "RMSNorm over the whole q and k projections (OLMo 2), GQA and rotary",
+        dict(d_model=24, n_heads=4, n_kv_heads=2, d_k=10, rope="half", causal=True, qk_norm="projection"),
+        dict(tokens=7, prefill=2, seed=113),
+    ),
+)

@@ -1,0 +1,103 @@
+"""Attention sinks (gpt-oss): one learned logit per head in the softmax denominator only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._validate import require_bool
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
+from ._shared import softmax_with_empty_rows
+
+
+def softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """Softmax over the last axis of (B, H, Nq, Nk) scores, with head h's sink in every denominator.
+
+    ``a_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik))``: the sink takes a share of each row and
+    gives nothing back, so a row sums to less than 1. A row with no allowed key is all zeros
+    (the spec's rule, with or without sinks). ``sinks`` None is the plain softmax.
+    """
+    if sinks is None:
+        return softmax_with_empty_rows(scores)
+    sink = np.broadcast_to(np.asarray(sinks, dtype=scores.dtype)[None, :, None, None], (*scores.shape[:-1], 1))
+    row_max = np.maximum(np.max(scores, axis=-1, keepdims=True), sink)  # finite: the sink always is
+    exp = np.exp(scores - row_max)
+    return exp / (np.exp(sink - row_max) + np.sum(exp, axis=-1, keepdims=True))
+
+
+def sink_vjp(weights: np.ndarray, row_dot: np.ndarray):
+    """One head's sink gradient: the sink's weight ``1 - sum_j A_ij`` times ``(0 - row_dot)``, summed.
+
+    ``weights`` (B, Nq, Nk) are the head's attention weights, ``row_dot`` (B, Nq, 1) is
+    ``sum_j dA_ij A_ij``, the softmax backward's row term (the sink's own score gradient is
+    ``A_sink (0 - row_dot)``: its value vector is zero).
+    """
+    return -np.sum((1.0 - weights.sum(axis=-1, keepdims=True)) * row_dot)
+
+
+def _validate(cfg: Config) -> dict:
+    require_bool("sinks", cfg.sinks)
+    return {}
+
+
+def explain(demo) -> Explanation:
+    _, _, stages, _, _ = demo.run("sinks")
+    sums = stages["weights"].sum(axis=-1)  # (B, H, Nq)
+    return Explanation(
+        "sinks=True",
+        "a_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik))",
+        "in the softmax's denominator",
+        [
+            (
+                "Hugging Face",
+                "gpt-oss: self_attn.sinks (n_heads,): concatenated as one more logit column, softmax, "
+                "then dropped (probs[..., :-1])",
+            ),
+            ("any library", "one more key with logit sink_h and a zero value vector"),
+        ],
+        [
+            f"rows sum to less than 1: in the demonstration between {sums.min():.3g} and {sums.max():.3g}",
+            "a sink that keeps its column with a value vector (a sink token) adds that value: the sink's value must be zero",
+        ],
+    )
+
+
+ENTRY = Variant(
+    name="sinks",
+    summary="one learned logit per head in the softmax denominator",
+    fields=("sinks",),
+    is_on=lambda cfg: cfg.sinks,
+    validate=_validate,
+    # Sink logits N(0, 1): the size of a score, so that a sink takes a visible share of each row.
+    params=(ParamSpec("sinks", "sinks", lambda cfg: (cfg.n_heads,) if cfg.sinks else None, centre=0.0, spread=1.0),),
+    score_step=ScoreStep("softmax", "softmax_with_sinks"),
+    forward=softmax_with_sinks,
+    backward=sink_vjp,
+    check_cases=(
+        CaseSpec(
+            "sinks",
+            "attention sinks: one learned logit per head in the softmax denominator (rows sum to less than 1)",
+            dict(d_model=20, n_heads=5, sinks=True),  # d_k = 4
+            dict(dtypes=("float64", "float32"), seed=27),
+        ),
+    ),
+    decode_cases=(
+        CaseSpec(
+            "sinks",
+            "one learned sink logit per head in the softmax denominator",
+            dict(d_model=20, n_heads=5, causal=True, sinks=True),  # d_k = 4
+            dict(tokens=8, prefill=2, seed=115),
+        ),
+    ),
+    bench=BenchSpec({"sinks": True}, "plain"),
+    cli=(
+        CliOption(
+            "--sinks",
+            dict(action="store_true", help="one learned logit per head in the softmax denominator"),
+            lambda value: {"sinks": True},
+            rank=60,
+        ),
+    ),
+    demo_on={"sinks": True},
+    demo_off={"sinks": False},
+    explain=explain,
+)

@@ -1,0 +1,105 @@
+"""The sliding window: W keys including the query's own position, on the token positions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._validate import require_positive_int
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant
+from ._shared import relative_distances
+
+
+def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    """The sliding window on positions, bool (1|B, 1, Nq, Nk): W keys including the query's own.
+
+    Causal: ``p_i - W < p_j`` (the causal mask adds ``p_j <= p_i``); otherwise two-sided,
+    ``|p_i - p_j| < W``.
+    """
+    distance = relative_distances(positions, kv_positions)  # (1|B, Nq, Nk), p_j - p_i
+    allowed = distance > -window if causal else np.abs(distance) < window
+    return allowed[:, None]
+
+
+def _validate(cfg: Config) -> dict:
+    if cfg.window is not None:
+        require_positive_int("window", cfg.window)
+    return {}
+
+
+def explain(demo) -> Explanation:
+    W = ENTRY.demo_on["window"]
+    tokens = demo.tokens
+    positions = np.arange(tokens)[None]
+    i, j = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+
+    def flash(left: int, right: int) -> np.ndarray:  # FlashAttention's window_size=(left, right), causal
+        return (j >= i - left) & (j <= i + right) & (j <= i)
+
+    spec = window_allowed(W, True, positions, positions)[0, 0] & (j <= i)  # (N, N)
+    same = bool(np.array_equal(spec, flash(W - 1, 0)))
+    return Explanation(
+        "window=W",
+        "key j visible to query i iff p_i - W < p_j <= p_i (causal); |p_i - p_j| < W without causal",
+        "in the mask, with causal and the user's mask",
+        [
+            (
+                "Hugging Face config",
+                f"sliding_window = {W} (Mistral, Gemma 2, gpt-oss): W keys, the query's own included",
+            ),
+            ("FlashAttention", f"flash_attn_func(..., causal=True, window_size=({W - 1}, 0))"),
+            ("JAX", f"jax.nn.dot_product_attention(..., is_causal=True, local_window_size=({W - 1}, 0))"),
+            ("FlexAttention", f"mask_mod = lambda b, h, q, kv: (kv <= q) & (q - kv < {W}); create_block_mask"),
+        ],
+        [
+            f"W = {W} is window_size=({W - 1}, 0): the same mask over {tokens} tokens: {'yes' if same else 'NO'} "
+            f"(keys per query {[int(n) for n in spec.sum(axis=1)]})",
+            f"window_size=({W}, 0) taken for a window of {W} keys lets {W + 1} through (keys per query "
+            f"{[int(n) for n in flash(W, 0).sum(axis=1)]}): eager and flash disagreed by this one key (transformers #29623, #39408)",
+        ],
+    )
+
+
+ENTRY = Variant(
+    name="window",
+    summary="sliding window of W keys including the query's own position",
+    fields=("window",),
+    is_on=lambda cfg: cfg.window is not None,
+    validate=_validate,
+    score_step=ScoreStep("mask", "positional_mask"),
+    forward=window_allowed,
+    check_cases=(
+        CaseSpec(
+            "window",
+            "causal sliding window of 3 keys (the query's own and the 2 before it)",
+            dict(d_model=14, n_heads=2, causal=True, window=3),  # d_k = 7
+            dict(batch=3, q_tokens=8, dtypes=("float64", "float32"), seed=19),
+        ),
+        CaseSpec(
+            "window_two_sided",
+            "a window without causal: keys within 2 positions either side (|p_i - p_j| < 3)",
+            dict(d_model=14, n_heads=2, window=3),
+            dict(batch=3, q_tokens=6, dtypes=("float64",), seed=20),
+        ),
+        CaseSpec(
+            "window_longer",
+            "a window of 16 keys over 7 tokens: the same as plain causal attention",
+            dict(d_model=15, n_heads=3, causal=True, window=16),
+            dict(dtypes=("float32",), seed=21),
+        ),
+    ),
+    # The window's decode cases are the cache's (a ring buffer outgrown, a prefill longer than the
+    # ring, left padding): `checks.decode_cases` lists them with the other cache cases.
+    # A quarter of the tokens, so that it blocks keys at every size; against causal (a causal mask with fewer keys).
+    bench=BenchSpec({"causal": True, "window": "tokens/4"}, "causal"),
+    cli=(
+        CliOption(
+            "--window",
+            dict(type=int, help="sliding window of W keys, the query's own included"),
+            lambda value: {"window": value},
+            rank=10,
+        ),
+    ),
+    demo_on={"window": 3},
+    demo_off={"window": None},
+    explain=explain,
+)

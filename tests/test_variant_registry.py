@@ -1,0 +1,115 @@
+"""The variant registry (`core.variants.VARIANT_REGISTRY`): every list the project keeps of the variants is its.
+
+Each test reads a fact two ways, from the registry and from the consumer that used to keep its
+own table, and asserts they are the same, so that a new entry shows up everywhere or fails here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_rosetta.core import (
+    STAGE_NAMES,
+    VARIANT_PARAM_NAMES,
+    VARIANT_REGISTRY,
+    VARIANT_STAGES,
+    VARIANTS,
+    MHAConfig,
+    init_params,
+    score_steps,
+    variant,
+    variants_on,
+)
+from mha_rosetta.core.params import expected_param_shapes
+from mha_rosetta.core.variants import SCORE_PLACES, param_spec
+from mha_rosetta.core.variants.models import MODELS
+
+
+def test_the_variant_names_are_the_registry_in_its_order():
+    assert (
+        VARIANTS
+        == tuple(VARIANT_REGISTRY)
+        == (
+            "window",
+            "softcap",
+            "qk_norm_head",
+            "qk_norm_projection",
+            "qkv_bias",
+            "alibi",
+            "rel_bias",
+            "sinks",
+            "rope_scaling",
+        )
+    )
+    assert all(name == entry.name for name, entry in VARIANT_REGISTRY.items())
+
+
+def test_an_unknown_variant_is_refused_with_the_known_names():
+    with pytest.raises(KeyError, match="unknown variant 'temperature'; known variants: window, softcap"):
+        variant("temperature")
+
+
+def test_every_variant_parameter_belongs_to_an_entry_and_shapes_come_from_it():
+    owned = {spec.name for entry in VARIANT_REGISTRY.values() for spec in entry.params}
+    assert owned == set(VARIANT_PARAM_NAMES) == {"q_norm", "k_norm", "sinks", "rel_bias"}
+    cfg = MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, qk_norm="projection", sinks=True, rel_buckets=8)
+    shapes = expected_param_shapes(cfg)
+    assert [shapes[name] for name in VARIANT_PARAM_NAMES] == [(24,), (12,), (4,), (8, 4)]
+    assert param_spec("rel_bias").field == "rel_buckets"
+
+
+def test_init_params_draws_each_variant_parameter_from_its_entry():
+    cfg = MHAConfig(d_model=12, n_heads=3, qk_norm="head", sinks=True)
+    params = init_params(cfg, seed=5)
+    rng = np.random.default_rng((5, 24))  # the variants' generator, in MHAParams field order
+    assert np.array_equal(params.q_norm, 1.0 + 0.3 * rng.standard_normal(4))
+    assert np.array_equal(params.k_norm, 1.0 + 0.3 * rng.standard_normal(4))
+    assert np.array_equal(params.sinks, 0.0 + 1.0 * rng.standard_normal(3))
+
+
+def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
+    from_entries = {stage for entry in VARIANT_REGISTRY.values() for stage in entry.stages}
+    assert set(VARIANT_STAGES) == from_entries == {"q_normed", "k_normed", "capped_scores", "biased_scores"}
+    assert list(VARIANT_STAGES) == [name for name in STAGE_NAMES if name in from_entries]
+    assert VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, rel_buckets=8))
+    assert not VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, softcap=2.0))
+
+
+def test_score_steps_come_in_pipeline_order_with_their_ops_methods():
+    cfg = MHAConfig(d_model=12, n_heads=3, sinks=True, window=2, alibi=True, softcap=3.0, rel_buckets=8, causal=True)
+    steps = score_steps(cfg)
+    assert [(s.place, s.op, s.variant) for s in steps] == [
+        ("transform", "softcap", "softcap"),
+        ("bias", "add_score_bias", "alibi"),
+        ("bias", "add_score_bias", "rel_bias"),
+        ("mask", "positional_mask", "window"),
+        ("softmax", "softmax_with_sinks", "sinks"),
+    ]
+    assert [SCORE_PLACES.index(s.place) for s in steps] == sorted(SCORE_PLACES.index(s.place) for s in steps)
+    assert score_steps(MHAConfig(d_model=12, n_heads=3, qk_norm="head")) == ()
+
+
+def test_variants_on_and_cfg_variants_agree():
+    cfg = MHAConfig(d_model=12, n_heads=3, bias="qkv", rope="half", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert tuple(e.name for e in variants_on(cfg)) == cfg.variants == ("qkv_bias", "rope_scaling")
+
+
+def test_every_variant_has_a_check_case_and_the_case_numbers_are_unique():
+    checked = set()
+    seeds = []
+    for spec in [c for e in VARIANT_REGISTRY.values() for c in e.check_cases] + [
+        m.check for m in MODELS.values() if m.check is not None
+    ]:
+        checked |= set(MHAConfig(**spec.config).variants)
+        seeds.append(spec.seed)
+    assert checked == set(VARIANTS)
+    assert len(seeds) == len(set(seeds))
+
+
+def test_validation_lives_in_the_entries_with_its_words():
+    with pytest.raises(ValueError, match=r"MHAConfig.softcap must be a finite positive number, got 0"):
+        MHAConfig(d_model=12, n_heads=3, softcap=0)
+    with pytest.raises(TypeError, match=r"MHAConfig.sinks must be a bool, got 1 \(int\)"):
+        MHAConfig(d_model=12, n_heads=3, sinks=1)
+    assert MHAConfig(d_model=12, n_heads=3, softcap=2).softcap == 2.0  # resolved to a float by its entry

@@ -66,7 +66,7 @@ def claim_5(setup: Setup) -> ClaimResult:
         evidence.append("torch not installed: batched permute not shown")
     stages, why = _backend_stages("torch", setup)
     if stages is not None and "q_heads" in stages and "q" in stages:
-        from mha_rosetta.backends.base import canonical_stage
+        from mha_rosetta.backends import canonical_stage
 
         q_stage, heads_stage = canonical_stage("q", stages["q"]), canonical_stage("q_heads", stages["q_heads"])
         adapter_ok = all(np.array_equal(heads_stage[:, h], q_stage[..., h * Dk : (h + 1) * Dk]) for h in range(H))

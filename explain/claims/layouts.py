@@ -35,7 +35,7 @@ def claim_1(setup: Setup) -> ClaimResult:
     numpy_stages, why_numpy = _backend_stages("numpy", setup)
     torch_stages, why_torch = _backend_stages("torch", setup)
     if numpy_stages is not None and torch_stages is not None and "q" in numpy_stages and "q" in torch_stages:
-        from mha_rosetta.backends.base import canonical_stage
+        from mha_rosetta.backends import canonical_stage
 
         q_col = numpy_stages["q"]
         q_row = torch_stages["q"]

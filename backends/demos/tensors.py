@@ -12,8 +12,9 @@ import warnings
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, error_line, to_torch_mha_state_dict
+from mha_rosetta.core import MHAConfig, MHAParams, error_line, to_torch_mha_state_dict, torch_mha_unsupported_reason
 
+from ..base import UnsupportedCase
 from ..frameworks import shares_memory
 from ._needs import needs
 
@@ -95,7 +96,11 @@ def view_after_transpose(heads: int, tokens: int, d_v: int) -> dict:
 def torch_mha_axis_order(cfg: MHAConfig, params: MHAParams, x: np.ndarray) -> dict:
     """nn.MultiheadAttention holding ``params`` (float64), default and ``batch_first=True``, fed ``x (B, N, E)``:
     the default's ``batch_first`` and three outputs, each (B, N, E) NumPy: the default fed (N, B, E) as it
-    expects, the default fed (B, N, E) (read as (L=B, N=N, E): no error), and batch_first=True fed (B, N, E)."""
+    expects, the default fed (B, N, E) (read as (L=B, N=N, E): no error), and batch_first=True fed (B, N, E).
+    A configuration nn.MultiheadAttention cannot hold raises `UnsupportedCase` with the reason."""
+    reason = torch_mha_unsupported_reason(cfg)
+    if reason:
+        raise UnsupportedCase(reason)
     import torch
 
     state = {name: torch.from_numpy(value) for name, value in to_torch_mha_state_dict(cfg, params).items()}

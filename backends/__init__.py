@@ -8,6 +8,7 @@ backends, `register`, `get_backend`, plugin discovery through the entry-point gr
 from __future__ import annotations
 
 from ._chunking import CHUNKED, DEFAULT_CHUNK
+from ._probe import import_failure, installed
 from .base import (
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
@@ -20,9 +21,18 @@ from .base import (
     PreparedVJP,
     StageTensor,
     UnsupportedCase,
+    canonical_stage,
     check_device_name,
 )
-from .registry import REGISTRY, BackendEntry, available_backends, get_backend, missing_backends, register
+from .registry import (
+    REGISTRY,
+    BackendEntry,
+    available_backends,
+    get_backend,
+    missing_backends,
+    register,
+    registered_classes,
+)
 
 __all__ = [
     "CHUNKED",
@@ -41,8 +51,12 @@ __all__ = [
     "StageTensor",
     "UnsupportedCase",
     "available_backends",
+    "canonical_stage",
     "check_device_name",
     "get_backend",
+    "import_failure",
+    "installed",
     "missing_backends",
     "register",
+    "registered_classes",
 ]

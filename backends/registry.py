@@ -91,6 +91,22 @@ def load_class(entry: BackendEntry) -> type[Backend]:
     return obj
 
 
+def registered_classes(kind: str | None = None) -> dict[str, type[Backend] | str]:
+    """name -> class of every registered backend of ``kind`` (None: every kind), loaded without its framework
+    (adapters import theirs lazily, so class attributes are readable whether or not it is installed here), or
+    the reason its module does not load. A plugin named by a path says its kind only once loaded: it counts
+    as any kind."""
+    out: dict[str, type[Backend] | str] = {}
+    for name, entry in REGISTRY.items():
+        if kind is not None and entry.kind not in (kind, None):
+            continue
+        try:
+            out[name] = load_class(entry)
+        except (ImportError, TypeError) as error:  # a plugin whose module does not load: the reason
+            out[name] = str(error)
+    return out
+
+
 def _missing_modules(entry: BackendEntry) -> list[str]:
     return [module for module in entry.requires if import_failure(module)]
 

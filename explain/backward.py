@@ -10,18 +10,16 @@ backward pass and measures the difference.
 
 The bug: grouped-query attention written by repeating each kv head for its G query heads is
 correct in the forward, but the backward must *sum* the G gradients that come back to a
-repeated head. `NoGroupSumBackend` takes the first one instead. The forward check passes it;
-the gradient check (`checks.grad`) names it: `gqa_demonstration`.
+repeated head. `NoGroupSumBackend` (planted in `backends.demos`, with the numpy adapter it is built
+on) takes the first one instead. The forward check passes it; the gradient check (`checks.grad`)
+names it: `gqa_demonstration`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.backends.numpy import NumpyBackend
-from mha_rosetta.backends.numpy.common import NumpyPrecision
-from mha_rosetta.backends.numpy.layer import ColumnSampleMHA
-from mha_rosetta.backends.numpy.vjp import ColumnSampleVJP, prepare_numpy_vjp
+from mha_rosetta.backends.demos import NoGroupSumBackend, NoGroupSumVJP
 from mha_rosetta.core import MHAConfig, init_params, reference_mha_vjp, reference_stages
 
 
@@ -67,27 +65,6 @@ WEIGHT_HEADERS = [
     "max |dW_A - (dW_B).T|",
     "max |dW_A - oracle|",
 ]
-
-
-class NoGroupSumVJP(ColumnSampleVJP):
-    """The bug: a repeated kv head keeps the gradient of its group's first query head only."""
-
-    @staticmethod
-    def group_sum(d_heads: np.ndarray) -> np.ndarray:
-        return d_heads[:, :, 0]  # should be d_heads.sum(axis=2)
-
-
-class NoGroupSumBackend(NumpyBackend):
-    """The numpy adapter (correct forward) with the GQA backward that forgets to sum over the group."""
-
-    name = "numpy:gqa-no-sum"
-    strategies = ("standard",)
-
-    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        precision = NumpyPrecision.for_dtype(dtype)
-        return prepare_numpy_vjp(
-            ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy, vjp_class=NoGroupSumVJP
-        )
 
 
 def gqa_demonstration() -> dict:
@@ -147,3 +124,13 @@ def backward_blocks(cfg: MHAConfig, batch: int, tokens: int, seed: int) -> tuple
         f"gradients that differ and the first divergent backward stage ({demo['divergent_stage']})."
     )
     return [weights, bug], demo["caught"]
+
+
+__all__ = [
+    "WEIGHT_HEADERS",
+    "NoGroupSumBackend",
+    "NoGroupSumVJP",
+    "backward_blocks",
+    "gqa_demonstration",
+    "weight_gradient_rows",
+]

@@ -186,7 +186,9 @@ def cache_layouts(cfg: MHAConfig, dtype: str = "float32", backends: dict | None 
     """
     per_token = kv_bytes_per_token(cfg, dtype)
     if backends is None:
-        backends = _registered()
+        from mha_rosetta.backends import registered_classes
+
+        backends = registered_classes("implementation")  # read without their frameworks
     rows = []
     for name, backend in backends.items():
         if isinstance(backend, str):  # could not load: the reason
@@ -203,23 +205,6 @@ def cache_layouts(cfg: MHAConfig, dtype: str = "float32", backends: dict | None 
             words = layout or "(no layout declared in decode_layouts)"
             rows.append(CacheLayout(name, cache, words, step_appends(layout) if layout else "-", per_token))
     return rows
-
-
-def _registered() -> dict:
-    """name -> class of every registered implementation, loaded without its framework (adapters import theirs
-    lazily, and the layouts are class attributes: true whether or not the framework is installed here)."""
-    from mha_rosetta.backends.entries import REGISTRY
-    from mha_rosetta.backends.registry import load_class
-
-    out: dict = {}
-    for name, entry in REGISTRY.items():
-        if entry.kind not in ("implementation", None):
-            continue
-        try:
-            out[name] = load_class(entry)
-        except (ImportError, TypeError) as error:  # a plugin whose module does not load: the reason
-            out[name] = str(error)
-    return out
 
 
 # -- (b) where keys are cached ------------------------------------------------------------------

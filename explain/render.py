@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from mha_rosetta.backends._probe import importable
+from mha_rosetta.backends import installed
 from mha_rosetta.core import STAGE_BY_NAME, STAGE_NAMES
 from mha_rosetta.core.tables import (
     Table,
@@ -240,7 +240,7 @@ def print_rich(explanation, file=None) -> None:
 
 
 def print_explanation(explanation, plain: bool = False, file=None) -> None:
-    if plain or not importable("rich"):
+    if plain or not installed("rich"):
         (file or sys.stdout).write(render_text(explanation, output_width(file)))
     else:
         print_rich(explanation, file=file)

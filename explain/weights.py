@@ -17,8 +17,13 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.backends._probe import import_failure
-from mha_rosetta.backends._probe import importable as _installed  # imports the library once to be sure it loads
+from mha_rosetta.backends.demos import (
+    LibraryMissing,
+    equinox_query_weight_shape,
+    flax_kernel_shapes,
+    torch_linear,
+    torch_mha_state_round_trip,
+)
 from mha_rosetta.core import (
     MHAConfig,
     MHAParams,
@@ -83,45 +88,29 @@ def _layout(
 
 def _torch_linear_evidence(cfg: MHAConfig, params: MHAParams, x: np.ndarray) -> str:
     """Load w_q into a real nn.Linear and measure what it computes."""
-    import torch
-
-    linear = torch.nn.Linear(cfg.d_model, cfg.q_width, bias=cfg.bias, dtype=torch.float64)
-    with torch.no_grad():
-        linear.weight.copy_(torch.from_numpy(params.w_q))
-        if cfg.bias:
-            linear.bias.copy_(torch.from_numpy(params.b_q))
-        y = linear(torch.from_numpy(x)).numpy()
+    y, shape = torch_linear(params.w_q, params.b_q if cfg.bias else None, x)
     expected = x @ params.w_q.T + (params.b_q if cfg.bias else 0.0)
     error = float(np.max(np.abs(y - expected)))
-    shape = tuple(linear.weight.shape)
     status = "" if shape == params.w_q.shape and error < 1e-12 else "FAILED "
     return f"{status}real nn.Linear({cfg.d_model}, {cfg.q_width}).weight.shape = {shape}; max |linear(x) - (x @ W.T + b)| = {error:.1e}"
 
 
 def _torch_mha_evidence(cfg: MHAConfig, params: MHAParams) -> str:
     """Load the state dict into a real nn.MultiheadAttention and read it back."""
-    from mha_rosetta.backends.oracles.torch import loaded_torch_mha
-
-    module = loaded_torch_mha(cfg, params, "float64", "cpu", batch_first=False)  # strict: every name and shape
-    back = from_torch_mha_state_dict(cfg, module.state_dict())
+    back, shapes = torch_mha_state_round_trip(cfg, params)  # strict: every name and shape
     same = all(
         (a is None and b is None) or np.array_equal(a, b)
         for a, b in zip(back.as_dict().values(), params.as_dict().values(), strict=True)
     )
-    names = ", ".join(f"{name} {tuple(value.shape)}" for name, value in module.state_dict().items())
+    names = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
     status = "" if same else "FAILED "
     return f"{status}real nn.MultiheadAttention loaded it (strict) and gave every parameter back exactly: {names}"
 
 
 def _flax_evidence(cfg: MHAConfig) -> str:
     """Shapes of the real Flax module's parameters, from its initialiser (nothing computed)."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    module = nn.MultiHeadDotProductAttention(num_heads=cfg.n_heads, qkv_features=cfg.q_width, out_features=cfg.d_model)
-    shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 2, cfg.d_model)))["params"]
-    query, out = tuple(shapes["query"]["kernel"].shape), tuple(shapes["out"]["kernel"].shape)
+    kernels = flax_kernel_shapes(cfg.n_heads, cfg.q_width, cfg.d_model, out_features=cfg.d_model)
+    query, out = kernels["query"], kernels["out"]
     expected_query = (cfg.d_model, cfg.n_heads, cfg.d_k)
     expected_out = (cfg.n_heads, cfg.d_v, cfg.d_model)
     status = "" if (query, out) == (expected_query, expected_out) else "FAILED "
@@ -132,27 +121,18 @@ def _flax_evidence(cfg: MHAConfig) -> str:
 
 
 def _equinox_evidence(cfg: MHAConfig) -> str:
-    import equinox as eqx
-    import jax
-
-    module = eqx.nn.MultiheadAttention(
-        num_heads=cfg.n_heads,
-        query_size=cfg.d_model,
-        key_size=cfg.kdim,
-        value_size=cfg.vdim,
-        qk_size=cfg.d_k,
-        vo_size=cfg.d_v,
-        key=jax.random.PRNGKey(0),
-    )
-    shape = tuple(module.query_proj.weight.shape)
+    sizes = {"key_size": cfg.kdim, "value_size": cfg.vdim, "qk_size": cfg.d_k, "vo_size": cfg.d_v}
+    shape = equinox_query_weight_shape(cfg.n_heads, cfg.d_model, **sizes)
     status = "" if shape == (cfg.q_width, cfg.d_model) else "FAILED "
     return f"{status}real equinox MultiheadAttention(qk_size={cfg.d_k}) holds query_proj.weight {shape}"
 
 
-def _library_evidence(module: str, make: Callable[[], str]) -> list[str]:
-    if not _installed(module):
-        return [f"{import_failure(module)}: real-module check skipped"]
-    return [make()]
+def _library_evidence(make: Callable[[], str]) -> list[str]:
+    """``make()``'s evidence from a real module, or why its library cannot build it here."""
+    try:
+        return [make()]
+    except LibraryMissing as missing:
+        return [f"{missing.reason}: real-module check skipped"]
 
 
 def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, scorer: int = 0) -> list[WeightLayout]:
@@ -220,7 +200,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             w,
             w,
             w[row],
-            _library_evidence("torch", lambda: _torch_linear_evidence(cfg, params, x)),
+            _library_evidence(lambda: _torch_linear_evidence(cfg, params, x)),
         )
     )
     reason = torch_mha_unsupported_reason(cfg)
@@ -242,7 +222,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
                 block,
                 back,
                 block[row],
-                _library_evidence("torch", lambda: _torch_mha_evidence(cfg, params)),
+                _library_evidence(lambda: _torch_mha_evidence(cfg, params)),
             )
         )
     else:
@@ -291,7 +271,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             kernel,
             from_dense_general_kernel(kernel),
             kernel[:, h, j],
-            _library_evidence("flax", lambda: _flax_evidence(cfg)) if cfg.n_kv_heads == H and Dv == Dk else [],
+            _library_evidence(lambda: _flax_evidence(cfg)) if cfg.n_kv_heads == H and Dv == Dk else [],
         )
     )
     eqx_weights = to_equinox_weights(cfg, params)
@@ -306,7 +286,7 @@ def weight_layouts(cfg: MHAConfig, params: MHAParams, head: int | None = None, s
             eqx_weights["query_proj"]["weight"],
             from_equinox_weights(cfg, eqx_weights).w_q,
             eqx_weights["query_proj"]["weight"][row],
-            _library_evidence("equinox", lambda: _equinox_evidence(cfg)),
+            _library_evidence(lambda: _equinox_evidence(cfg)),
         )
     )
 

@@ -88,9 +88,13 @@ def test_claim_2_linear_weight_is_out_in(seed_setup):
 
 
 def test_claim_2_skips_without_torch(seed_setup, monkeypatch):
-    monkeypatch.setattr(claims_module.layouts, "_installed", lambda module: module != "torch")
+    import mha_rosetta.core.probe as probe_module
+
+    # The probe's answer for torch, as on a machine without it: every demonstration that needs torch skips.
+    monkeypatch.setitem(probe_module._ANSWERS, "torch", probe_module.Probe("torch", installed=False))
     result = claims_module.claim_2(seed_setup)
     assert result.verdict == "skipped: torch not installed"
+    assert result.evidence == ["needs torch.nn.Linear"]
 
 
 def test_claim_3_layout_facts(seed_setup):

@@ -14,6 +14,7 @@ from conftest import python_stdout
     [
         "mha_rosetta.core",
         "mha_rosetta.backends",
+        "mha_rosetta.backends.demos",
         "mha_rosetta.models",
         "mha_rosetta.cli.main",
         "mha_rosetta.diagnose.confusion",

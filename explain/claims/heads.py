@@ -8,11 +8,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mha_rosetta.backends._probe import importable as _installed
+from mha_rosetta.backends.demos import LibraryMissing, batched_head_split
 from mha_rosetta.core import MHAConfig, linear, merge_head_matrices, reference_mha, split_head_matrices
 
 from ..head_split import head_splits
-from ..memory import shares_memory
 from ..seed_setup import Setup
 from .registry import (
     CONFIRMED,
@@ -44,29 +43,25 @@ def claim_5(setup: Setup) -> ClaimResult:
     ]
     measured = {"unbatched_exact": unbatched_ok}
     ok = unbatched_ok
-    if _installed("torch"):
-        import torch
-
-        qt = torch.from_numpy(q_batched)
-        B = qt.shape[0]
-        heads_t = qt.view(B, N, H, Dk).permute(0, 2, 1, 3)  # (B, N, H, Dk) -> (B, H, N, Dk)
+    try:
+        torch_split = batched_head_split(q_batched, H)  # torch: view(B, N, H, Dk).permute(0, 2, 1, 3)
+    except LibraryMissing:
+        evidence.append("torch not installed: batched permute not shown")
+    else:
+        heads_t, B = torch_split["heads"], q_batched.shape[0]  # (B, H, N, Dk)
         batched_ok = all(
-            np.array_equal(heads_t[b, h].numpy(), q_batched[b, :, h * Dk : (h + 1) * Dk])
-            for b in range(B)
-            for h in range(H)
+            np.array_equal(heads_t[b, h], q_batched[b, :, h * Dk : (h + 1) * Dk]) for b in range(B) for h in range(H)
         )
         measured["batched_exact"] = batched_ok
-        measured["batched_is_view"] = shares_memory(heads_t, qt)
+        measured["batched_is_view"] = torch_split["is_view"]
         ok = ok and batched_ok
         evidence.append(
-            f"torch: {tuple(qt.shape)} -> view {(B, N, H, Dk)} -> permute(0, 2, 1, 3) {tuple(heads_t.shape)}, strides "
-            f"{tuple(heads_t.stride())} (a view: {measured['batched_is_view']}); [b, h] == Q[b, :, h*Dk:(h+1)*Dk] exactly: {batched_ok}"
+            f"torch: {torch_split['shape']} -> view {(B, N, H, Dk)} -> permute(0, 2, 1, 3) {torch_split['heads_shape']}, strides "
+            f"{torch_split['strides']} (a view: {measured['batched_is_view']}); [b, h] == Q[b, :, h*Dk:(h+1)*Dk] exactly: {batched_ok}"
         )
-    else:
-        evidence.append("torch not installed: batched permute not shown")
     stages, why = _backend_stages("torch", setup)
     if stages is not None and "q_heads" in stages and "q" in stages:
-        from mha_rosetta.backends.base import canonical_stage
+        from mha_rosetta.backends import canonical_stage
 
         q_stage, heads_stage = canonical_stage("q", stages["q"]), canonical_stage("q_heads", stages["q_heads"])
         adapter_ok = all(np.array_equal(heads_stage[:, h], q_stage[..., h * Dk : (h + 1) * Dk]) for h in range(H))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.backends._probe import importable as _installed
+from mha_rosetta.backends import installed
+from mha_rosetta.backends.demos import LibraryMissing, linear_weight_facts
 from mha_rosetta.backends.frameworks import get_framework
-from mha_rosetta.core import compare, error_line
+from mha_rosetta.core import compare
 
 from ..memory import shares_memory, strides_in_elements
 from ..seed_setup import Setup
@@ -35,7 +36,7 @@ def claim_1(setup: Setup) -> ClaimResult:
     numpy_stages, why_numpy = _backend_stages("numpy", setup)
     torch_stages, why_torch = _backend_stages("torch", setup)
     if numpy_stages is not None and torch_stages is not None and "q" in numpy_stages and "q" in torch_stages:
-        from mha_rosetta.backends.base import canonical_stage
+        from mha_rosetta.backends import canonical_stage
 
         q_col = numpy_stages["q"]
         q_row = torch_stages["q"]
@@ -56,30 +57,17 @@ def claim_1(setup: Setup) -> ClaimResult:
     "nn.Linear.weight is (out, in) and computes x @ W.T + b",
 )
 def claim_2(setup: Setup) -> ClaimResult:
-    if not _installed("torch"):
+    try:
+        measured = linear_weight_facts()  # the article's nn.Linear(in_features=4, out_features=2), seeded
+    except LibraryMissing:
         return _result(2, "skipped: torch not installed", ["needs torch.nn.Linear"])
-    import torch
-
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(in_features=4, out_features=2, dtype=torch.float64)  # the article's example
-    x = torch.randn(3, 4, dtype=torch.float64)  # (N, in): 3 row samples
-    with torch.no_grad():
-        y = linear(x)
-        by_hand = x @ linear.weight.T + linear.bias
-        difference = float((y - by_hand).abs().max())
-        try:
-            x @ linear.weight  # (3, 4) @ (2, 4): the weight must be transposed first
-            raised = "no error"
-        except RuntimeError as error:
-            raised = error_line(error)
-    shape = tuple(linear.weight.shape)
+    shape, difference, raised = measured["weight_shape"], measured["max_abs"], measured["x_at_w_error"]
     ok = shape == (2, 4) and difference <= 1e-12 and raised != "no error"
     evidence = [
         f"nn.Linear(in_features=4, out_features=2).weight.shape = {shape} (out, in)",
         f"max |linear(x) - (x @ W.T + b)| = {difference:.1e}",
         f"x @ W without .T raises {raised}",
     ]
-    measured = {"weight_shape": shape, "max_abs": difference, "x_at_w_error": raised}
     return _result(2, CONFIRMED if ok else REFUTED, evidence, measured)
 
 
@@ -105,13 +93,18 @@ def claim_3(setup: Setup) -> ClaimResult:
     return _result(3, SPEED_NOT_RUN, evidence, measured)
 
 
+# The libraries whose arrays claim 4 walks: the article's NumPy, and torch; JAX arrays are immutable and XLA
+# chooses their buffers, so there are no views of them to show.
+CLAIM_4_LIBRARIES = ("numpy", "torch")
+
+
 @claim(
     4,
     "reshape/transpose chains lose nothing: (32, 8) -> (4, 8, 8) -> (4, 8, 2, 4) -> (4, 2, 8, 4); row 5 lands at D[0, 0, 5] and D[0, 1, 5]",
 )
 def claim_4(setup: Setup) -> ClaimResult:
     evidence, measured, ok = [], {}, True
-    libraries = ["numpy"] + (["torch"] if _installed("torch") else [])
+    libraries = [library for library in CLAIM_4_LIBRARIES if installed(library)]
     row = lambda t, i: np.asarray(t[i])  # noqa: E731  (row i of a NumPy array or a torch tensor, as NumPy)
     for library in libraries:
         xp = get_framework(library).namespace()

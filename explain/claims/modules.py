@@ -4,12 +4,11 @@ transpose, and the article's worked numbers.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
-from mha_rosetta.backends._probe import importable as _installed
-from mha_rosetta.core import error_line, linear, reference_mha, to_torch_mha_state_dict, torch_mha_unsupported_reason
+from mha_rosetta.backends import UnsupportedCase
+from mha_rosetta.backends.demos import LibraryMissing, torch_linear, torch_mha_axis_order, view_after_transpose
+from mha_rosetta.core import error_line, linear, reference_mha
 
 from ..memory import shares_memory
 from ..seed_setup import Setup
@@ -25,42 +24,22 @@ def claim_9(setup: Setup) -> ClaimResult:
     cfg = setup.cfg
     H, N, Dv = cfg.n_heads, setup.tokens, cfg.d_v
     evidence, measured, ok = [], {}, True
-    if _installed("torch"):
-        import torch
-
-        context = torch.arange(H * N * Dv, dtype=torch.float64).reshape(H, N, Dv)  # (H, N, Dv): heads first
-        swapped = context.transpose(0, 1)  # (N, H, Dv), a view with permuted strides
-        try:
-            swapped.view(N, H * Dv)
-            view_error = "no error"
-        except RuntimeError as error:
-            view_error = error_line(error)
-        made_contiguous = swapped.contiguous()  # (N, H, Dv), new memory in row-major order
-        merged = made_contiguous.view(N, H * Dv)  # (N, H*Dv), now a view of that copy
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            reshaped = swapped.reshape(N, H * Dv)  # (N, H*Dv): copies because it must
-        measured["torch"] = {
-            "transposed_contiguous": swapped.is_contiguous(),
-            "view_error": view_error,
-            "contiguous_copies": not shares_memory(made_contiguous, context),
-            "reshape_copies": not shares_memory(reshaped, context),
-            "reshape_warnings": len(caught),
-            "reshape_of_contiguous_is_view": shares_memory(context.reshape(H * N * Dv), context),
-            "same_values": bool(torch.equal(reshaped, merged)),
-        }
-        facts = measured["torch"]
+    try:
+        torch_facts = view_after_transpose(H, N, Dv)  # torch: context (H, N, Dv).transpose(0, 1), then merged
+    except LibraryMissing:
+        evidence.append("torch not installed: view/contiguous shown with NumPy only")
+    else:
+        facts = measured["torch"] = torch_facts["measured"]
+        view_error = facts["view_error"]
         ok = ok and view_error != "no error" and facts["contiguous_copies"] and facts["reshape_copies"]
         ok = ok and facts["reshape_warnings"] == 0 and facts["same_values"]
         evidence += [
-            f"torch: context {tuple(context.shape)}.transpose(0, 1) has strides {tuple(swapped.stride())}, contiguous: {swapped.is_contiguous()}",
+            f"torch: context {torch_facts['context_shape']}.transpose(0, 1) has strides {torch_facts['transposed_strides']}, contiguous: {facts['transposed_contiguous']}",
             f".view({N}, {H * Dv}) raises {view_error}",
             f".contiguous() copies (new storage: {facts['contiguous_copies']}), then .view works",
             f".reshape({N}, {H * Dv}) copies (new storage: {facts['reshape_copies']}) with {facts['reshape_warnings']} warnings; "
             f"on a contiguous tensor reshape is a view: {facts['reshape_of_contiguous_is_view']}",
         ]
-    else:
-        evidence.append("torch not installed: view/contiguous shown with NumPy only")
     context_np = np.arange(H * N * Dv, dtype=np.float64).reshape(H, N, Dv)  # (H, N, Dv)
     swapped_np = context_np.transpose(1, 0, 2)  # (N, H, Dv), a view
     try:
@@ -89,47 +68,28 @@ def claim_9(setup: Setup) -> ClaimResult:
     plain_mha_only=True,
 )
 def claim_10(setup: Setup) -> ClaimResult:
-    if not _installed("torch"):
+    try:
+        outputs = torch_mha_axis_order(setup.cfg, setup.params, setup.x)
+    except LibraryMissing:
         return _result(10, "skipped: torch not installed", ["needs torch.nn.MultiheadAttention"])
-    reason = torch_mha_unsupported_reason(setup.cfg)
-    if reason:
-        return _result(10, "skipped: configuration not expressible as nn.MultiheadAttention", [reason])
-    import torch
-
+    except UnsupportedCase as reason:
+        return _result(10, "skipped: configuration not expressible as nn.MultiheadAttention", [str(reason)])
     cfg, params, x = setup.cfg, setup.params, setup.x
     reference = reference_mha(cfg, params, x)
-    state = {name: torch.from_numpy(value) for name, value in to_torch_mha_state_dict(cfg, params).items()}
-    default = torch.nn.MultiheadAttention(cfg.d_model, cfg.n_heads, bias=cfg.bias, dtype=torch.float64)
-    default.load_state_dict(state)
-    batch_first = torch.nn.MultiheadAttention(
-        cfg.d_model, cfg.n_heads, bias=cfg.bias, dtype=torch.float64, batch_first=True
-    )
-    batch_first.load_state_dict(state)
-    xt = torch.from_numpy(x)  # (B, N, E)
-    with torch.no_grad():
-        seq_first_in = xt.transpose(0, 1)  # (N, B, E): what the default expects
-        out_seq_first = default(seq_first_in, seq_first_in, seq_first_in, need_weights=False)[0].transpose(
-            0, 1
-        )  # (B, N, E)
-        out_misfed = default(xt, xt, xt, need_weights=False)[0]  # (B, N, E) read as (L=B, N=N, E): no error
-        out_batch_first = batch_first(xt, xt, xt, need_weights=False)[0]  # (B, N, E)
-    errors = {
-        "seq_first_input": _max_abs(out_seq_first.numpy(), reference),
-        "batch_first_input_to_default": _max_abs(out_misfed.numpy(), reference),
-        "batch_first_true": _max_abs(out_batch_first.numpy(), reference),
-    }
-    measured = {"default_batch_first": default.batch_first, "errors": errors}
+    default_batch_first = outputs.pop("default_batch_first")
+    errors = {name: _max_abs(output, reference) for name, output in outputs.items()}
+    measured = {"default_batch_first": default_batch_first, "errors": errors}
     ok = (
-        default.batch_first is False
+        default_batch_first is False
         and errors["seq_first_input"] <= 1e-10
         and errors["batch_first_true"] <= 1e-10
         and errors["batch_first_input_to_default"] > 1e-3
     )
     B, N, E = x.shape
     evidence = [
-        f"nn.MultiheadAttention({cfg.d_model}, {cfg.n_heads}).batch_first = {default.batch_first}",
+        f"nn.MultiheadAttention({cfg.d_model}, {cfg.n_heads}).batch_first = {default_batch_first}",
         f"default module fed (N, B, E) = {(N, B, E)}: max error vs oracle {errors['seq_first_input']:.1e}",
-        f"default module fed (B, N, E) = {(B, N, E)}: no error raised, output shape {tuple(out_misfed.shape)}, "
+        f"default module fed (B, N, E) = {(B, N, E)}: no error raised, output shape {outputs['batch_first_input_to_default'].shape}, "
         f"max error {errors['batch_first_input_to_default']:.2f} (it attended across the batch instead of the tokens)",
         f"batch_first=True fed (B, N, E): max error {errors['batch_first_true']:.1e}",
     ]
@@ -195,13 +155,12 @@ def claim_12(setup: Setup) -> ClaimResult:
         "column samples (W_A @ x)": float((w_a @ token[:, None])[0, 0]),
         "row samples (x @ W_B)": float((token[None, :] @ w_b)[0, 0]),
     }
-    if _installed("torch"):
-        import torch
-
-        linear = torch.nn.Linear(d_model, 4, bias=False, dtype=torch.float64)
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(w_a))  # nn.Linear.weight is W_A: scorer 0 is row 0
-            scores["torch nn.Linear"] = float(linear(torch.from_numpy(token))[0])
+    try:
+        scores["torch nn.Linear"] = float(
+            torch_linear(w_a, None, token)[0][0]
+        )  # nn.Linear.weight is W_A: scorer 0 is row 0
+    except LibraryMissing:
+        pass
     a = np.arange(1, 17).reshape(4, 4)  # 4 tokens of 4 numbers
     d = a.reshape(2, 2, 4).reshape(2, 2, 2, 2).transpose(0, 2, 1, 3)  # (2, 2, 4) -> (2, 2, 2, 2) -> swap axes 1, 2
     blocks = {f"D[{g}, {s}]": d[g, s].tolist() for g in range(2) for s in range(2)}

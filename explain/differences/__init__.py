@@ -7,16 +7,17 @@ what a row with nothing to attend to became, which shapes a module created. A li
 that is not installed turns its line into a skip with the reason; a demonstration that
 needs a GPU is skipped on a machine without one.
 
-The package: `calls` (the `Difference` result and the library calls), `masks` and `modules` (the
-demonstrations), and here the catalogue `DEMONSTRATIONS` and `run_differences`.
+The package: `calls` (the `Difference` result and the loop that runs library calls into rows), `masks` and
+`modules` (the demonstrations), and here the catalogue `DEMONSTRATIONS` and `run_differences`. The library
+calls themselves live in `mha_rosetta.backends.demos`, with the other framework code: nothing here imports
+a framework.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 
-from mha_rosetta.backends._probe import importable as _installed  # imports the library once to be sure it loads
+from mha_rosetta.backends.demos import jax_on_cpu_at_highest
 
 from ..seed_setup import Setup, make_setup
 from .calls import Difference
@@ -37,29 +38,11 @@ DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
 ON_THE_DEVICE = ("tf32_default",)
 
 
-@contextmanager
-def jax_on_cpu_at_highest():
-    """JAX work inside runs on the CPU with float32 products at full precision ("highest").
-
-    On a machine whose JAX has a GPU, the default device is the GPU and its default float32
-    matmul precision may be TF32 (errors ~1e-3): the demonstrations' verdicts (which keys a
-    query used, what an empty row became, at atol 1e-4) must not depend on that. Without
-    JAX installed it does nothing.
-    """
-    if not _installed("jax"):
-        yield
-        return
-    import jax
-
-    with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
-        yield
-
-
 def run_differences(setup: Setup | None = None, keys: list[str] | None = None) -> list[Difference]:
     """Run the demonstrations (all by default) on ``setup`` (default: the article's configuration).
 
     Every demonstration but `ON_THE_DEVICE` runs its JAX calls on the CPU at "highest"
-    precision (`jax_on_cpu_at_highest`), so a CUDA-JAX machine gives the same verdicts.
+    precision (`backends.demos.jax_on_cpu_at_highest`), so a CUDA-JAX machine gives the same verdicts.
     """
     setup = make_setup() if setup is None else setup
     keys = list(DEMONSTRATIONS) if keys is None else keys

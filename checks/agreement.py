@@ -25,7 +25,6 @@ A run that raises is recorded as an error and the check goes on with the next on
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -46,9 +45,8 @@ from mha_rosetta.core import compare as core_compare
 from .cases import SpecCase
 from .devices import frameworks_without_gpu
 from .divergence import Divergence, first_divergence
-from .engine import run_job
 from .results import CheckResult, Implementation, Pair, Run, Status
-from .selection import Selection, _split, case_dtypes_for, resolve_selection
+from .selection import Selection, _split, case_dtypes_for
 
 
 # -- the oracle and one run ---------------------------------------------------------------
@@ -251,6 +249,26 @@ def _compare_pair(a: Run, b: Run, oracle: _Oracle) -> Pair:
 class ForwardJob:
     """The forward check as an engine job (`checks.engine`): oracle, plan, one run, stages, pairs."""
 
+    label = ""  # the progress messages' prefix (`checks.facade.run_check`)
+
+    def select_cases(self, cases):
+        """``cases`` as `selection.resolve_selection` takes them: spec case names or `SpecCase` objects."""
+        return cases
+
+    def new_result(self, sel: Selection, devices) -> CheckResult:
+        """The empty result of this selection: its settings, the backends' declared differences, GPU readiness."""
+        declared = {
+            b.name: tuple(getattr(b, "known_differences", ()))
+            for b in sel.backends
+            if getattr(b, "known_differences", ())
+        }
+        result = CheckResult(
+            sel.settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken, declared_differences=declared
+        )
+        if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
+            result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
+        return result
+
     def oracle(self, case: SpecCase, dtypes) -> tuple[_Oracle, np.ndarray]:
         oracle = _oracle(case)
         return oracle, _uniform_fallback_output(oracle)
@@ -296,47 +314,3 @@ class ForwardJob:
 
 
 FORWARD = ForwardJob()
-
-
-def run_check(
-    backends=None,
-    strategies=None,
-    devices=None,
-    dtypes=None,
-    cases=None,
-    progress: Callable[[str], None] | None = None,
-    executor=None,
-    on_update: Callable[[CheckResult], None] | None = None,
-) -> CheckResult:
-    """Run every selected implementation on every selected case and compare all pairs.
-
-    backends:   None (every installed backend), names ("numpy,torch" or a list) or Backend objects.
-    strategies: None (each backend's own strategies) or names to keep.
-    devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all". Naming the GPU makes every
-                installed GPU-capable framework that sees none an error (`checks.devices`);
-                "all" runs on whatever devices are present.
-    dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`), and an
-                implementation that supports none of those runs it in the first requested
-                dtype it supports (`case_dtypes_for`), so every implementation gets every case;
-                "all": every case in every dtype (the exhaustive product).
-    cases:      None (every spec case), names, or SpecCase objects.
-    progress:   called with a short message as each case and dtype starts.
-    executor:   None (every run in this process) or an open executor (`engine.executor_for`:
-                a worker pool with time limits), kept by the caller across checks.
-    on_update:  called with the result so far as results arrive, and at the end (`engine.run_job`).
-
-    Bad names raise ValueError naming the option, the bad value and the accepted ones.
-    """
-    started = time.perf_counter()
-    sel = resolve_selection(backends, strategies, devices, dtypes, cases, executor)
-    declared = {
-        b.name: tuple(getattr(b, "known_differences", ())) for b in sel.backends if getattr(b, "known_differences", ())
-    }
-    result = CheckResult(
-        sel.settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken, declared_differences=declared
-    )
-    if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
-        result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
-
-    run_job(FORWARD, sel, result, executor, progress, on_update, started)
-    return result

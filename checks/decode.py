@@ -28,7 +28,6 @@ streamed JSON, timings).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -45,9 +44,8 @@ from mha_rosetta.core.stages import STAGE_BY_NAME
 
 from .agreement import compare, failure_status
 from .decode_cases import DecodeCase, get_decode_cases
-from .engine import run_job
 from .results import DecodeCheckResult, DecodePair, DecodeRun, Implementation, Status
-from .selection import Selection, _split, resolve_selection
+from .selection import Selection, _split
 
 
 # -- the oracle ---------------------------------------------------------------------------
@@ -277,6 +275,28 @@ def decode_implementations(case: DecodeCase, sel: Selection):
 class DecodeJob:
     """The decode check as an engine job (`checks.engine`): oracle, plan, one run, stages, pairs."""
 
+    label = "decode"  # the progress messages' prefix (`checks.facade.run_check`)
+
+    def select_cases(self, cases) -> list[DecodeCase]:
+        """None (every decode case), names of `checks.decode_cases.DECODE_CASES`, or `DecodeCase` objects.
+
+        Bad names raise ValueError naming the option.
+        """
+        names = None if cases is None else [cases] if isinstance(cases, (str, DecodeCase)) else list(cases)
+        if names is None or all(isinstance(name, str) for name in names):
+            return get_decode_cases(None if names is None else _split(names))
+        return names
+
+    def new_result(self, sel: Selection, devices) -> DecodeCheckResult:
+        settings = {**sel.settings, "oracle": "core.decode.reference_decode (the full causal float64 forward)"}
+        if sel.strategy_filter is None:  # the forward's strategies that are not decode paths, named once (not per run)
+            settings["not_decode_paths"] = {
+                b.name: [s for s in b.strategies if s not in b.decode_strategies]
+                for b in sel.backends
+                if b.decode_caches and set(b.strategies) - set(b.decode_strategies)
+            }
+        return DecodeCheckResult(settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken)
+
     def oracle(self, case: DecodeCase, dtypes) -> _DecodeOracle:
         return _decode_oracle(case)
 
@@ -321,36 +341,8 @@ class DecodeJob:
 DECODE = DecodeJob()
 
 
-def run_decode_check(
-    backends=None,
-    strategies=None,
-    devices=None,
-    dtypes=None,
-    cases=None,
-    progress: Callable[[str], None] | None = None,
-    executor=None,
-    on_update: Callable[[DecodeCheckResult], None] | None = None,
-) -> DecodeCheckResult:
-    """Every selected implementation's decoding on every selected decode case; options as `run_check`'s.
+def run_decode_check(*args, **kwargs) -> DecodeCheckResult:
+    """Deprecated: use `checks.run_check` with ``kind="decode"`` (the same arguments, the same result)."""
+    from .facade import deprecated_alias
 
-    ``cases``: None (every decode case), names of `checks.decode_cases.DECODE_CASES`, or
-    `DecodeCase` objects. Bad names raise ValueError naming the option.
-    """
-    started = time.perf_counter()
-    names = None if cases is None else [cases] if isinstance(cases, (str, DecodeCase)) else list(cases)
-    if names is None or all(isinstance(name, str) for name in names):
-        decode_cases = get_decode_cases(None if names is None else _split(names))
-    else:
-        decode_cases = names
-    sel = resolve_selection(backends, strategies, devices, dtypes, decode_cases, executor)
-    settings = {**sel.settings, "oracle": "core.decode.reference_decode (the full causal float64 forward)"}
-    if sel.strategy_filter is None:  # the forward's strategies that are not decode paths, named once (not per run)
-        settings["not_decode_paths"] = {
-            b.name: [s for s in b.strategies if s not in b.decode_strategies]
-            for b in sel.backends
-            if b.decode_caches and set(b.strategies) - set(b.decode_strategies)
-        }
-    result = DecodeCheckResult(settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken)
-    decoding = progress and (lambda message: progress(f"decode {message}"))
-    run_job(DECODE, sel, result, executor, decoding, on_update, started)
-    return result
+    return deprecated_alias("run_decode_check", "decode", args, kwargs)

@@ -22,7 +22,6 @@ backward stages, else the worst gradient tensor.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -42,9 +41,8 @@ from mha_rosetta.core import (
 from .agreement import compare, failure_status
 from .cases import SpecCase
 from .divergence import first_divergence
-from .engine import run_job
 from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError
-from .selection import Selection, resolve_selection
+from .selection import Selection
 
 
 @dataclass
@@ -202,6 +200,16 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
 class GradientJob:
     """The gradient check as an engine job (`checks.engine`)."""
 
+    label = "gradients"  # the progress messages' prefix (`checks.facade.run_check`)
+
+    def select_cases(self, cases):
+        """Spec cases, as the forward check takes them."""
+        return cases
+
+    def new_result(self, sel: Selection, devices) -> GradCheckResult:
+        settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
+        return GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
+
     def oracle(self, case: SpecCase, dtypes) -> _GradOracle:
         return _grad_oracle(case, dtypes)
 
@@ -240,22 +248,8 @@ class GradientJob:
 GRADIENT = GradientJob()
 
 
-def run_grad_check(
-    backends=None,
-    strategies=None,
-    devices=None,
-    dtypes=None,
-    cases=None,
-    progress: Callable[[str], None] | None = None,
-    executor=None,
-    on_update: Callable[[GradCheckResult], None] | None = None,
-) -> GradCheckResult:
-    """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
-    started = time.perf_counter()
-    sel = resolve_selection(backends, strategies, devices, dtypes, cases, executor)
-    settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
-    result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
+def run_grad_check(*args, **kwargs) -> GradCheckResult:
+    """Deprecated: use `checks.run_check` with ``kind="grad"`` (the same arguments, the same result)."""
+    from .facade import deprecated_alias
 
-    gradients = progress and (lambda message: progress(f"gradients {message}"))
-    run_job(GRADIENT, sel, result, executor, gradients, on_update, started)
-    return result
+    return deprecated_alias("run_grad_check", "grad", args, kwargs)

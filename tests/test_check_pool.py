@@ -344,8 +344,7 @@ def test_the_parent_plans_a_gqa_check_without_importing_a_framework():
 def test_the_partial_json_is_rewritten_at_most_once_per_interval(monkeypatch):
     """One update when the first group finishes, then none until the interval has passed, and the last at the end
     (it was rewritten after every group: 67 rewrites of a 3.9 MB file in the default check)."""
-    from mha_rosetta.checks import engine
-    from mha_rosetta.checks.agreement import run_check
+    from mha_rosetta.checks import engine, run_check
 
     updates = []
     monkeypatch.setattr(engine, "UPDATE_SECONDS", 1e9)

@@ -232,21 +232,20 @@ def _run_sharding(args: argparse.Namespace, cfg) -> int:
     except (ValueError, TypeError) as error:
         print(f"mha-rosetta explain --sharding: {error}", file=sys.stderr)
         return 2
-    if args.json:
-        _write_json(args.json, result.to_dict())
-    if args.json != "-" or args.markdown not in (None, "-"):
-        from mha_rosetta.core.files import write_output
-
-        write_output(args.markdown or "-", result.to_markdown())
-    return 0
+    return _write_section(args, result)
 
 
 def _run_decode(args: argparse.Namespace, cfg) -> int:
     """``--decode``: the KV-cache decoding section alone (`explain.decode`), as Markdown (and JSON with --json)."""
-    from mha_rosetta.core.files import write_output
     from mha_rosetta.explain.decode import explain_decode
 
-    result = explain_decode(cfg, seed=args.seed)
+    return _write_section(args, explain_decode(cfg, seed=args.seed))
+
+
+def _write_section(args: argparse.Namespace, result) -> int:
+    """One section alone (``--sharding``, ``--decode``): its JSON with --json, its Markdown unless the JSON has stdout."""
+    from mha_rosetta.core.files import write_output
+
     if args.json:
         _write_json(args.json, result.to_dict())
     if args.json != "-" or args.markdown not in (None, "-"):

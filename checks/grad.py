@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from itertools import combinations
 
 import numpy as np
 
@@ -41,7 +40,8 @@ from mha_rosetta.core import (
 from .agreement import compare, failure_status
 from .cases import SpecCase
 from .divergence import first_divergence
-from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError
+from .engine import Job
+from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError, settle_known_mistake
 from .selection import Selection
 
 
@@ -179,15 +179,7 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
         if not result.ok:
             bad.append(name)
     pair = GradPair(oracle.case.name, a, b, dtype, Status.AGREE, worst_name, worst_abs)
-    mistakes = (a.impl.known_mistake, b.impl.known_mistake)
-    if not bad:
-        if mistakes[0] != mistakes[1]:
-            mistake = a if mistakes[0] else b
-            pair.status = Status.CAUGHT if mistake.status is Status.CAUGHT else Status.MISSED
-            pair.reason = f"gradients agree; {mistake.label}: {mistake.reason}"
-        return pair
-    if any(mistakes):
-        pair.status = Status.CAUGHT
+    if settle_known_mistake(pair, a, b, not bad, "gradients"):
         return pair
     known = [run for run in (a, b) if run.status is Status.KNOWN_DIFFERENCE]
     if known:
@@ -197,14 +189,11 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
     return pair
 
 
-class GradientJob:
+class GradientJob(Job):
     """The gradient check as an engine job (`checks.engine`)."""
 
-    label = "gradients"  # the progress messages' prefix (`checks.facade.run_check`)
-
-    def select_cases(self, cases):
-        """Spec cases, as the forward check takes them."""
-        return cases
+    record = GradRun
+    label = "gradients"
 
     def new_result(self, sel: Selection, devices) -> GradCheckResult:
         settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
@@ -223,16 +212,15 @@ class GradientJob:
     def portable(self, run: GradRun) -> GradRun:
         return run  # numbers and NumPy gradients only
 
-    def pairs(self, runs: list[GradRun], oracle: _GradOracle) -> list[GradPair]:
-        compared = [run for run in runs if run.compared and run.grads is not None]
-        return [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
+    def comparable(self, run: GradRun) -> bool:
+        return run.compared and run.grads is not None
+
+    def compare_pair(self, a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
+        return _compare_pair(a, b, oracle)
 
     def release(self, runs: list[GradRun]) -> None:
         for run in runs:
             run.grads = None  # keep the numbers, drop the arrays
-
-    def failed(self, case: SpecCase, impl: Implementation, dtype: str, kind: str, reason: str) -> GradRun:
-        return GradRun(case.name, impl, dtype, kind, Status.ERROR, reason)
 
     def oracle_failed(self, case: SpecCase, sel: Selection, error: Exception) -> list[GradRun]:
         reason = f"gradient oracle failed: {error_line(error)}"

@@ -21,16 +21,14 @@ DEFAULT_TIMEOUT = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_list, add_markdown
+    from .options import add_backend_classes, add_json, add_list, add_markdown, add_plain, add_switch
 
     parser.epilog = (
         "Lists take commas or repeated options: --dtypes float32,float16 or --dtypes float32 --dtypes float16."
     )
     add_list(parser, "--backends", help="backends to run (default: every installed one)")
-    parser.add_argument(
-        "--backend",
-        action="append",
-        metavar="MODULE:CLASS",
+    add_backend_classes(
+        parser,
         help="your own adapter, a Backend subclass by import path (e.g. mypkg.attention:MyBackend); repeatable. "
         "Without --backends only these run (against the oracle); add --backends to compare with ours too",
     )
@@ -47,11 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "implementation supports (default: all four); 'all' runs every case in every dtype",
     )
     add_list(parser, "--cases", help="spec cases to run (default: all; see --list)")
-    parser.add_argument(
-        "--json", metavar="PATH", help="write the machine-readable result to PATH ('-' for stdout), atomically"
-    )
-    add_markdown(parser, what="the report", bare_was="print Markdown instead of terminal tables")
-    parser.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    add_json(parser, help="write the machine-readable result to PATH ('-' for stdout), atomically")
+    add_markdown(parser, what="the report")
+    add_plain(parser)
     parser.add_argument(
         "--per-case", action="store_true", help="one agreement matrix per case instead of the worst over all cases"
     )
@@ -91,15 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--xla_cpu_parallel_codegen_split_count=1, which halve its JAX compile time; "
         "off with MHA_ROSETTA_FAST_COMPILE=0 and with --devices gpu; your own XLA_FLAGS always win)",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--grad",
-        action="store_true",
         help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
         "float64 backward oracle and each other; adds a 'grad' section to --json",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--decode",
-        action="store_true",
         help="check KV-cache decoding instead: every implementation x cache kind x decode case x dtype, its prefill "
         "and steps against the full causal forward and each other; --cases then names decode cases (see --list)",
     )

@@ -3,11 +3,13 @@
 - `cases`: the spec cases (small, named, distinct sizes; each says its dtypes).
 - `results`: the results model (statuses, runs, pairs, the exit-status rule).
 - `selection`: resolving the options into what a check runs.
-- `agreement`: the forward check, `run_check(...) -> CheckResult`: every installed
+- `facade`: every check's one entry point, `run_check(..., kind="forward" | "grad" | "decode")`.
+- `agreement`: the forward check (``kind="forward"`` -> `CheckResult`): every installed
   implementation against the float64 oracle and against each other, one status per comparison.
-- `grad`: the gradient check, `run_grad_check(...) -> GradCheckResult`.
-- `decode_cases` and `decode`: the decode check, `run_decode_check(...) -> DecodeCheckResult`: every
+- `grad`: the gradient check (``kind="grad"`` -> `GradCheckResult`).
+- `decode_cases` and `decode`: the decode check (``kind="decode"`` -> `DecodeCheckResult`): every
   implementation's KV-cache decoding (prefill, then steps) against the full causal forward.
+  (`grad.run_grad_check` and `decode.run_decode_check` are deprecated aliases of `run_check`.)
 - `engine`: one engine for every check (plan, execute, compare as results arrive); `pool`
   and `worker`: its spawned worker processes, with time limits and the JAX compilation cache.
 - `divergence`: the first stage in pipeline order where two stage dicts differ.
@@ -20,14 +22,15 @@ The ``mha-rosetta check`` command and the tests share `run_check`; the command a
 argument parsing, the worker pool (`engine.executor_for`) and printing. Importing this package imports no framework.
 """
 
-from .agreement import run_check
 from .cases import SPEC_CASES, CaseInputs, SpecCase, get_cases
 from .decode import run_decode_check
 from .decode_cases import DECODE_CASES, DecodeCase, get_decode_cases
 from .divergence import Divergence, first_divergence
+from .facade import CHECKS, run_check
 from .results import FAILING, STATUS_MEANING, CheckResult, Implementation, Pair, Run, Status
 
 __all__ = [
+    "CHECKS",
     "DECODE_CASES",
     "FAILING",
     "SPEC_CASES",

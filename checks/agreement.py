@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import combinations
+from functools import partial
 
 import numpy as np
 
@@ -46,9 +46,9 @@ from mha_rosetta.core import compare as core_compare
 from .cases import SpecCase
 from .devices import frameworks_without_gpu
 from .divergence import Divergence, first_divergence
-from .engine import run_job
-from .results import CheckResult, Implementation, Pair, Run, Status
-from .selection import Selection, _split, case_dtypes_for, resolve_selection
+from .engine import Job
+from .results import CheckResult, Implementation, Pair, Run, Status, settle_known_mistake
+from .selection import Selection, _split, case_dtypes_for
 
 
 # -- the oracle and one run ---------------------------------------------------------------
@@ -143,23 +143,35 @@ def _prepare(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
     return prepared
 
 
+def run_output(run: Run, prepare: Callable, expected_shape: tuple, axes: str):
+    """``prepare()``, then its output into ``run`` (with its seconds and info); the prepared run, or None when
+    it raised (the run's status and reason say how: `failure_status`) or its output has another shape than
+    ``expected_shape`` (``axes`` names them). A failing cell is reported and the check goes on."""
+    started = time.perf_counter()
+    try:
+        prepared = prepare()
+        output = np.asarray(prepared.output())
+    except Exception as error:
+        run.status, run.reason = failure_status(error)
+        return None
+    run.seconds = time.perf_counter() - started
+    run.info = dict(prepared.info)
+    if output.shape != expected_shape:
+        run.reason = f"output has shape {output.shape}, expected {expected_shape} ({axes})"
+        return None
+    run.output = output
+    return prepared
+
+
 def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _Oracle, uniform: np.ndarray) -> Run:
     case = oracle.case
     run = Run(case.name, Implementation(backend.name, strategy, device), dtype, backend.kind, Status.ERROR)
-    started = time.perf_counter()
-    try:
-        prepared = _prepare(backend, strategy, device, dtype, oracle)
-        output = np.asarray(prepared.output())
-    except Exception as error:  # a failing cell is reported and the check goes on
-        run.status, run.reason = failure_status(error)
-        return run
-    run.seconds = time.perf_counter() - started
-    run.info = dict(prepared.info)
     expected = oracle.stages["output"]
-    if output.shape != expected.shape:
-        run.reason = f"output has shape {output.shape}, expected {expected.shape} (batch, q_tokens, d_model)"
+    prepare = partial(_prepare, backend, strategy, device, dtype, oracle)
+    prepared = run_output(run, prepare, expected.shape, "batch, q_tokens, d_model")
+    if prepared is None:
         return run
-    run.output = output
+    output = run.output
     run.stage_source = lambda: backend.canonical_stages(prepared)
 
     result = compare(output, expected, dtype)
@@ -219,17 +231,7 @@ def _compare_pair(a: Run, b: Run, oracle: _Oracle) -> Pair:
     dtype = lower_precision(a.dtype, b.dtype)
     result = compare(a.output, b.output, dtype)
     pair = Pair(oracle.case.name, a, b, dtype, Status.AGREE, result.max_abs, result.max_rel)
-    mistakes = (a.impl.known_mistake, b.impl.known_mistake)
-    if result.ok:
-        if mistakes[0] != mistakes[1]:
-            mistake = a if mistakes[0] else b
-            if mistake.status is Status.CAUGHT:  # caught at a stage against the oracle
-                pair.status, pair.reason = Status.CAUGHT, f"outputs agree; {mistake.label}: {mistake.reason}"
-            else:
-                pair.status, pair.reason = Status.MISSED, "the known mistake agrees with a correct implementation"
-        return pair
-    if any(mistakes):
-        pair.status = Status.CAUGHT
+    if settle_known_mistake(pair, a, b, result.ok, "outputs", "the known mistake agrees with a correct implementation"):
         return pair
     known_sides = [run for run in (a, b) if run.status is Status.KNOWN_DIFFERENCE]
     if known_sides:
@@ -248,8 +250,22 @@ def _compare_pair(a: Run, b: Run, oracle: _Oracle) -> Pair:
 
 
 # -- the job and the check ----------------------------------------------------------------
-class ForwardJob:
+class ForwardJob(Job):
     """The forward check as an engine job (`checks.engine`): oracle, plan, one run, stages, pairs."""
+
+    def new_result(self, sel: Selection, devices) -> CheckResult:
+        """The empty result of this selection: its settings, the backends' declared differences, GPU readiness."""
+        declared = {
+            b.name: tuple(getattr(b, "known_differences", ()))
+            for b in sel.backends
+            if getattr(b, "known_differences", ())
+        }
+        result = CheckResult(
+            sel.settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken, declared_differences=declared
+        )
+        if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
+            result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
+        return result
 
     def oracle(self, case: SpecCase, dtypes) -> tuple[_Oracle, np.ndarray]:
         oracle = _oracle(case)
@@ -266,25 +282,12 @@ class ForwardJob:
     def run(self, backend: Backend, impl: Implementation, dtype: str, oracle) -> Run:
         return _run_one(backend, impl.strategy, impl.device, dtype, *oracle)
 
-    def portable(self, run: Run) -> Run:
-        """The run without its stage source (a closure over the prepared pass); stages already computed stay."""
-        run.stage_source = None
-        return run
-
     def stages(self, backend: Backend, impl: Implementation, dtype: str, oracle) -> dict:
         prepared = _prepare(backend, impl.strategy, impl.device, dtype, oracle[0])
         return backend.canonical_stages(prepared)
 
-    def pairs(self, runs: list[Run], oracle) -> list[Pair]:
-        compared = [run for run in runs if run.compared]
-        return [_compare_pair(a, b, oracle[0]) for a, b in combinations(compared, 2)]
-
-    def release(self, runs: list[Run]) -> None:
-        for run in runs:  # the stage tensors of this case are no longer needed
-            run.release_stages()
-
-    def failed(self, case: SpecCase, impl: Implementation, dtype: str, kind: str, reason: str) -> Run:
-        return Run(case.name, impl, dtype, kind, Status.ERROR, reason)
+    def compare_pair(self, a: Run, b: Run, oracle) -> Pair:
+        return _compare_pair(a, b, oracle[0])
 
     def oracle_failed(self, case: SpecCase, sel: Selection, error: Exception) -> list[Run]:
         reason = f"oracle failed: {error_line(error)}"
@@ -296,47 +299,3 @@ class ForwardJob:
 
 
 FORWARD = ForwardJob()
-
-
-def run_check(
-    backends=None,
-    strategies=None,
-    devices=None,
-    dtypes=None,
-    cases=None,
-    progress: Callable[[str], None] | None = None,
-    executor=None,
-    on_update: Callable[[CheckResult], None] | None = None,
-) -> CheckResult:
-    """Run every selected implementation on every selected case and compare all pairs.
-
-    backends:   None (every installed backend), names ("numpy,torch" or a list) or Backend objects.
-    strategies: None (each backend's own strategies) or names to keep.
-    devices:    None (cpu), names ("cpu", "gpu", "cuda") or "all". Naming the GPU makes every
-                installed GPU-capable framework that sees none an error (`checks.devices`);
-                "all" runs on whatever devices are present.
-    dtypes:     None or names: each case runs those of them it lists (`SpecCase.dtypes`), and an
-                implementation that supports none of those runs it in the first requested
-                dtype it supports (`case_dtypes_for`), so every implementation gets every case;
-                "all": every case in every dtype (the exhaustive product).
-    cases:      None (every spec case), names, or SpecCase objects.
-    progress:   called with a short message as each case and dtype starts.
-    executor:   None (every run in this process) or an open executor (`engine.executor_for`:
-                a worker pool with time limits), kept by the caller across checks.
-    on_update:  called with the result so far as results arrive, and at the end (`engine.run_job`).
-
-    Bad names raise ValueError naming the option, the bad value and the accepted ones.
-    """
-    started = time.perf_counter()
-    sel = resolve_selection(backends, strategies, devices, dtypes, cases, executor)
-    declared = {
-        b.name: tuple(getattr(b, "known_differences", ())) for b in sel.backends if getattr(b, "known_differences", ())
-    }
-    result = CheckResult(
-        sel.settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken, declared_differences=declared
-    )
-    if "gpu" in sel.devices and _split(devices) != ["all"]:  # "all": whatever devices are here
-        result.frameworks_without_gpu = frameworks_without_gpu(sel.backends)
-
-    run_job(FORWARD, sel, result, executor, progress, on_update, started)
-    return result

@@ -27,10 +27,8 @@ streamed JSON, timings).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import combinations
+from functools import partial
 
 import numpy as np
 
@@ -43,11 +41,11 @@ from mha_rosetta.core.decode import (
 )
 from mha_rosetta.core.stages import STAGE_BY_NAME
 
-from .agreement import compare, failure_status
+from .agreement import compare, run_output
 from .decode_cases import DecodeCase, get_decode_cases
-from .engine import run_job
-from .results import DecodeCheckResult, DecodePair, DecodeRun, Implementation, Status
-from .selection import Selection, _split, resolve_selection
+from .engine import Job
+from .results import DecodeCheckResult, DecodePair, DecodeRun, Implementation, Status, settle_known_mistake
+from .selection import Selection, _split
 
 
 # -- the oracle ---------------------------------------------------------------------------
@@ -159,20 +157,13 @@ def _unsupported(case: DecodeCase, impl: Implementation, dtype: str, kind: str, 
 def _run_one(backend, impl: Implementation, dtype: str, oracle: _DecodeOracle) -> DecodeRun:
     case = oracle.case
     run = DecodeRun(case.name, impl, dtype, backend.kind, Status.ERROR)
-    started = time.perf_counter()
-    try:
-        prepared = _prepare(backend, impl, dtype, oracle)
-        output = np.asarray(prepared.output())
-    except Exception as error:  # a failing cell is reported and the check goes on
-        run.status, run.reason = failure_status(error)
-        return run
-    run.seconds = time.perf_counter() - started
-    run.info = dict(prepared.info)
     expected = oracle.output
-    if output.shape != expected.shape:
-        run.reason = f"output has shape {output.shape}, expected {expected.shape} (batch, tokens, d_model)"
+    prepared = run_output(
+        run, partial(_prepare, backend, impl, dtype, oracle), expected.shape, "batch, tokens, d_model"
+    )
+    if prepared is None:
         return run
-    run.output = output
+    output = run.output
     run.stage_source = lambda: _stages_of(backend, prepared, oracle.cfg)
     result = compare(output, expected, dtype)
     run.tolerance = result.tolerance
@@ -223,19 +214,12 @@ def _compare_pair(a: DecodeRun, b: DecodeRun, oracle: _DecodeOracle) -> DecodePa
     dtype = lower_precision(a.dtype, b.dtype)
     result = compare(a.output, b.output, dtype)
     pair = DecodePair(oracle.case.name, a, b, dtype, Status.AGREE, result.max_abs, result.max_rel)
-    mistakes = (a.impl.known_mistake, b.impl.known_mistake)
+    mistake = a.impl.known_mistake or b.impl.known_mistake
     level = lower_precision(_level(a), _level(b))
-    if not result.ok and not any(mistakes) and level != dtype and (declared := compare(a.output, b.output, level)).ok:
+    if not result.ok and not mistake and level != dtype and (declared := compare(a.output, b.output, level)).ok:
         pair.status, pair.reason = Status.KNOWN_DIFFERENCE, _declared_level_reason(dtype, level, result, declared)
         return pair
-    if result.ok:
-        if mistakes[0] != mistakes[1]:
-            mistake = a if mistakes[0] else b
-            pair.status = Status.CAUGHT if mistake.status is Status.CAUGHT else Status.MISSED
-            pair.reason = f"outputs agree; {mistake.label}: {mistake.reason}"
-        return pair
-    if any(mistakes):
-        pair.status = Status.CAUGHT
+    if settle_known_mistake(pair, a, b, result.ok, "outputs"):
         return pair
     pair.status = Status.DISAGREE
     try:
@@ -274,8 +258,31 @@ def decode_implementations(case: DecodeCase, sel: Selection):
             yield backend, Implementation(backend.name, strategy, device, kind)
 
 
-class DecodeJob:
+class DecodeJob(Job):
     """The decode check as an engine job (`checks.engine`): oracle, plan, one run, stages, pairs."""
+
+    record = DecodeRun
+    label = "decode"
+
+    def select_cases(self, cases) -> list[DecodeCase]:
+        """None (every decode case), names of `checks.decode_cases.DECODE_CASES`, or `DecodeCase` objects.
+
+        Bad names raise ValueError naming the option.
+        """
+        names = None if cases is None else [cases] if isinstance(cases, (str, DecodeCase)) else list(cases)
+        if names is None or all(isinstance(name, str) for name in names):
+            return get_decode_cases(None if names is None else _split(names))
+        return names
+
+    def new_result(self, sel: Selection, devices) -> DecodeCheckResult:
+        settings = {**sel.settings, "oracle": "core.decode.reference_decode (the full causal float64 forward)"}
+        if sel.strategy_filter is None:  # the forward's strategies that are not decode paths, named once (not per run)
+            settings["not_decode_paths"] = {
+                b.name: [s for s in b.strategies if s not in b.decode_strategies]
+                for b in sel.backends
+                if b.decode_caches and set(b.strategies) - set(b.decode_strategies)
+            }
+        return DecodeCheckResult(settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken)
 
     def oracle(self, case: DecodeCase, dtypes) -> _DecodeOracle:
         return _decode_oracle(case)
@@ -290,24 +297,11 @@ class DecodeJob:
             return _unsupported(oracle.case, impl, dtype, backend.kind, reason)
         return _run_one(backend, impl, dtype, oracle)
 
-    def portable(self, run: DecodeRun) -> DecodeRun:
-        """The run without its stage source (a closure over the prepared run); stages already computed stay."""
-        run.stage_source = None
-        return run
-
     def stages(self, backend, impl: Implementation, dtype: str, oracle: _DecodeOracle) -> list[dict]:
         return _stages_of(backend, _prepare(backend, impl, dtype, oracle), oracle.cfg)
 
-    def pairs(self, runs: list[DecodeRun], oracle: _DecodeOracle) -> list[DecodePair]:
-        compared = [run for run in runs if run.compared]
-        return [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
-
-    def release(self, runs: list[DecodeRun]) -> None:
-        for run in runs:
-            run.release_stages()
-
-    def failed(self, case: DecodeCase, impl: Implementation, dtype: str, kind: str, reason: str) -> DecodeRun:
-        return DecodeRun(case.name, impl, dtype, kind, Status.ERROR, reason)
+    def compare_pair(self, a: DecodeRun, b: DecodeRun, oracle: _DecodeOracle) -> DecodePair:
+        return _compare_pair(a, b, oracle)
 
     def oracle_failed(self, case: DecodeCase, sel: Selection, error: Exception) -> list[DecodeRun]:
         reason = f"decode oracle failed: {error_line(error)}"
@@ -321,36 +315,8 @@ class DecodeJob:
 DECODE = DecodeJob()
 
 
-def run_decode_check(
-    backends=None,
-    strategies=None,
-    devices=None,
-    dtypes=None,
-    cases=None,
-    progress: Callable[[str], None] | None = None,
-    executor=None,
-    on_update: Callable[[DecodeCheckResult], None] | None = None,
-) -> DecodeCheckResult:
-    """Every selected implementation's decoding on every selected decode case; options as `run_check`'s.
+def run_decode_check(*args, **kwargs) -> DecodeCheckResult:
+    """Deprecated: use `checks.run_check` with ``kind="decode"`` (the same arguments, the same result)."""
+    from .facade import deprecated_alias
 
-    ``cases``: None (every decode case), names of `checks.decode_cases.DECODE_CASES`, or
-    `DecodeCase` objects. Bad names raise ValueError naming the option.
-    """
-    started = time.perf_counter()
-    names = None if cases is None else [cases] if isinstance(cases, (str, DecodeCase)) else list(cases)
-    if names is None or all(isinstance(name, str) for name in names):
-        decode_cases = get_decode_cases(None if names is None else _split(names))
-    else:
-        decode_cases = names
-    sel = resolve_selection(backends, strategies, devices, dtypes, decode_cases, executor)
-    settings = {**sel.settings, "oracle": "core.decode.reference_decode (the full causal float64 forward)"}
-    if sel.strategy_filter is None:  # the forward's strategies that are not decode paths, named once (not per run)
-        settings["not_decode_paths"] = {
-            b.name: [s for s in b.strategies if s not in b.decode_strategies]
-            for b in sel.backends
-            if b.decode_caches and set(b.strategies) - set(b.decode_strategies)
-        }
-    result = DecodeCheckResult(settings, sel.cases, sel.skipped, [], [], broken_backends=sel.broken)
-    decoding = progress and (lambda message: progress(f"decode {message}"))
-    run_job(DECODE, sel, result, executor, decoding, on_update, started)
-    return result
+    return deprecated_alias("run_decode_check", "decode", args, kwargs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .matrices import build_matrices
-from .report import MAX_LISTED, RICH_STYLES, Block, matrix_block, summary_lines
+from .report import Block, matrix_block, problem_blocks, summary_lines
 from .results import DecodeCheckResult, Status
 
 
@@ -65,26 +65,18 @@ def _grouped_unsupported(result: DecodeCheckResult) -> Block | None:
 
 
 def _problem_blocks(result: DecodeCheckResult) -> list[Block]:
-    bad_runs = [r for r in result.runs if r.status in (Status.DISAGREE, Status.MISSED, Status.ERROR)]
-    bad_pairs = [p for p in result.pairs if p.status in (Status.DISAGREE, Status.MISSED)]
-    blocks = []
-    for title, what, bad in (
-        ("Decode: problems against the full forward", "implementation", [(r, r.label) for r in bad_runs]),
-        ("Decode: problems between implementations", "pair", [(p, f"{p.a.label} vs {p.b.label}") for p in bad_pairs]),
-    ):
-        if not bad:
-            continue
-        block = Block(title, ["case", "dtype", what, "status", "where", "details"])
-        for item, label in bad[:MAX_LISTED]:
-            details = (
-                item.reason[len(item.where) + 2 :] if item.where and item.reason.startswith(item.where) else item.reason
-            )
-            block.rows.append([item.case, item.dtype, label, str(item.status), item.where or "-", details])
-            block.styles.append([None, None, None, RICH_STYLES[item.status], None, None])
-        if len(bad) > MAX_LISTED:
-            block.notes.append(f"... and {len(bad) - MAX_LISTED} more (see --json)")
-        blocks.append(block)
-    return blocks
+    return problem_blocks(
+        result,
+        ("Decode: problems against the full forward", "Decode: problems between implementations"),
+        "where",
+        lambda item: item.where or "-",
+        _details,
+    )
+
+
+def _details(item) -> str:
+    """The reason without the ``where`` it starts with (the column beside it says that)."""
+    return item.reason[len(item.where) + 2 :] if item.where and item.reason.startswith(item.where) else item.reason
 
 
 def decode_report_blocks(result: DecodeCheckResult, per_case: bool = False, quiet: bool = False) -> list[Block]:

@@ -14,6 +14,10 @@ the decode check `decode.DECODE`) with five parts:
 * ``stages(backend, impl, dtype, oracle)`` (forward only): a run's stage tensors, fetched from a
   worker when a disagreeing pair needs them for its first-divergence report.
 
+`Job` holds what the jobs share (``pairs`` from ``compare_pair``, ``failed`` from the job's
+``record`` class, ``portable``, ``release``); `checks.facade.run_check` adds ``select_cases``,
+``new_result`` and ``label`` and runs any of them.
+
 The engine hands the runs to an executor: `InlineExecutor` (in this process, in report order:
 the library default, and the only one that accepts a backend object that does not pickle) or
 `checks.pool.WorkerPool` (spawned workers, time limits; ``mha-rosetta check``'s default). Results
@@ -27,9 +31,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import combinations
 
 from .cases import SpecCase
 from .pool import WorkerPool
+from .results import Run, Status
 from .tasks import InlineExecutor, Task
 
 UPDATE_SECONDS = 1.0  # at most one partial-result callback per second (each rewrites the JSON)
@@ -48,6 +54,40 @@ def executor_for(
     if not isinstance(jobs, int) or jobs < 0:
         raise ValueError(f"jobs: expected a whole number of worker processes (0: run here), got {jobs!r}")
     return WorkerPool(jobs, timeout=timeout, cache=cache, fast_compile=fast_compile)
+
+
+class Job:
+    """What every check's job shares; a job sets ``record`` and ``label`` and writes ``compare_pair``."""
+
+    record: type = Run  # the record of one run (`results.Run`, `GradRun`, `DecodeRun`)
+    label = ""  # the prefix of its progress messages (`checks.facade.run_check`)
+
+    def select_cases(self, cases):
+        """``cases`` as `selection.resolve_selection` takes them: spec case names or `SpecCase` objects."""
+        return cases
+
+    def comparable(self, record) -> bool:
+        """Whether ``record`` takes part in the pairs (it produced what is compared)."""
+        return record.compared
+
+    def compare_pair(self, a, b, oracle):
+        raise NotImplementedError
+
+    def pairs(self, records: list, oracle) -> list:
+        compared = [record for record in records if self.comparable(record)]
+        return [self.compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
+
+    def portable(self, record):
+        """The record without its stage source (a closure over the prepared run); stages already computed stay."""
+        record.stage_source = None
+        return record
+
+    def release(self, records: list) -> None:
+        for record in records:  # the stage tensors of this group are no longer needed
+            record.release_stages()
+
+    def failed(self, case: SpecCase, impl, dtype: str, kind: str, reason: str):
+        return self.record(case.name, impl, dtype, kind, Status.ERROR, reason)
 
 
 @dataclass

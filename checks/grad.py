@@ -22,9 +22,7 @@ backward stages, else the worst gradient tensor.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import combinations
 
 import numpy as np
 
@@ -42,9 +40,9 @@ from mha_rosetta.core import (
 from .agreement import compare, failure_status
 from .cases import SpecCase
 from .divergence import first_divergence
-from .engine import run_job
-from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError
-from .selection import Selection, resolve_selection
+from .engine import Job
+from .results import GradCheckResult, GradPair, GradRun, Implementation, Status, TensorError, settle_known_mistake
+from .selection import Selection
 
 
 @dataclass
@@ -181,15 +179,7 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
         if not result.ok:
             bad.append(name)
     pair = GradPair(oracle.case.name, a, b, dtype, Status.AGREE, worst_name, worst_abs)
-    mistakes = (a.impl.known_mistake, b.impl.known_mistake)
-    if not bad:
-        if mistakes[0] != mistakes[1]:
-            mistake = a if mistakes[0] else b
-            pair.status = Status.CAUGHT if mistake.status is Status.CAUGHT else Status.MISSED
-            pair.reason = f"gradients agree; {mistake.label}: {mistake.reason}"
-        return pair
-    if any(mistakes):
-        pair.status = Status.CAUGHT
+    if settle_known_mistake(pair, a, b, not bad, "gradients"):
         return pair
     known = [run for run in (a, b) if run.status is Status.KNOWN_DIFFERENCE]
     if known:
@@ -199,8 +189,15 @@ def _compare_pair(a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
     return pair
 
 
-class GradientJob:
+class GradientJob(Job):
     """The gradient check as an engine job (`checks.engine`)."""
+
+    record = GradRun
+    label = "gradients"
+
+    def new_result(self, sel: Selection, devices) -> GradCheckResult:
+        settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
+        return GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
 
     def oracle(self, case: SpecCase, dtypes) -> _GradOracle:
         return _grad_oracle(case, dtypes)
@@ -215,16 +212,15 @@ class GradientJob:
     def portable(self, run: GradRun) -> GradRun:
         return run  # numbers and NumPy gradients only
 
-    def pairs(self, runs: list[GradRun], oracle: _GradOracle) -> list[GradPair]:
-        compared = [run for run in runs if run.compared and run.grads is not None]
-        return [_compare_pair(a, b, oracle) for a, b in combinations(compared, 2)]
+    def comparable(self, run: GradRun) -> bool:
+        return run.compared and run.grads is not None
+
+    def compare_pair(self, a: GradRun, b: GradRun, oracle: _GradOracle) -> GradPair:
+        return _compare_pair(a, b, oracle)
 
     def release(self, runs: list[GradRun]) -> None:
         for run in runs:
             run.grads = None  # keep the numbers, drop the arrays
-
-    def failed(self, case: SpecCase, impl: Implementation, dtype: str, kind: str, reason: str) -> GradRun:
-        return GradRun(case.name, impl, dtype, kind, Status.ERROR, reason)
 
     def oracle_failed(self, case: SpecCase, sel: Selection, error: Exception) -> list[GradRun]:
         reason = f"gradient oracle failed: {error_line(error)}"
@@ -240,22 +236,8 @@ class GradientJob:
 GRADIENT = GradientJob()
 
 
-def run_grad_check(
-    backends=None,
-    strategies=None,
-    devices=None,
-    dtypes=None,
-    cases=None,
-    progress: Callable[[str], None] | None = None,
-    executor=None,
-    on_update: Callable[[GradCheckResult], None] | None = None,
-) -> GradCheckResult:
-    """Every selected implementation's gradients on every selected case; options as `run_check`'s."""
-    started = time.perf_counter()
-    sel = resolve_selection(backends, strategies, devices, dtypes, cases, executor)
-    settings = {**sel.settings, "cotangent": "core.default_cotangent (fixed standard normal, never all-ones)"}
-    result = GradCheckResult(settings, sel.cases, sel.skipped, sel.broken)
+def run_grad_check(*args, **kwargs) -> GradCheckResult:
+    """Deprecated: use `checks.run_check` with ``kind="grad"`` (the same arguments, the same result)."""
+    from .facade import deprecated_alias
 
-    gradients = progress and (lambda message: progress(f"gradients {message}"))
-    run_job(GRADIENT, sel, result, executor, gradients, on_update, started)
-    return result
+    return deprecated_alias("run_grad_check", "grad", args, kwargs)

@@ -42,33 +42,33 @@ from .tasks import execute
 WAIT_SECONDS = 0.5  # the longest a wait sleeps before looking at the clocks again
 STOP_SECONDS = 3.0
 
-# Seconds per run of the slow backends, from `check --timings` (the default check, cold cache,
-# 2 workers, on a 2-core machine under a load of about 8, 2026-12-01): jax 82 s over 54 runs,
-# jax-sharded 60 s / 54 (its mesh worker compiles), einops-jax 29 s / 27, equinox 23 s / 27,
-# jax-dpa 11 s / 27, torch-tp 18 s / 54 (its process group), flax 6 s / 27. Only the ratios
-# matter: they order the dispatch, they never limit a run.
-RUN_SECONDS = {
-    "jax": 1.5,
-    "jax-sharded": 1.1,
-    "einops-jax": 1.1,
-    "equinox": 0.8,
-    "jax-dpa": 0.4,
-    "torch-tp": 0.33,
-    "flax": 0.23,
-}
-JAX_RUN_SECONDS = 0.5  # another backend that requires JAX (a plugin): it compiles each program
+# Seconds per run before this machine has measured any (`load_history`), from what the registry says
+# of a backend: one that requires JAX compiles each program, one with processes of its own
+# (`Backend.own_processes`: the sharded ones) starts and drives them. From `check --timings` (the
+# default check, cold cache, 2 workers, on a 2-core machine under a load of about 8, 2026-12-01): the
+# backends that require JAX took 0.2 to 1.5 s a run (jax 82 s over 54 runs, jax-sharded 60 s / 54,
+# einops-jax 29 s / 27, equinox 23 s / 27, jax-dpa 11 s / 27, flax 6 s / 27), torch-tp 18 s / 54
+# (0.33 s a run against eager torch's 0.03: its process group). Only the ratios matter: they order
+# the dispatch, they never limit a run.
+JAX_RUN_SECONDS = 0.5  # a backend that requires JAX: it compiles each program
+PROCESS_RUN_SECONDS = 0.3  # added for a backend with processes of its own
 OTHER_RUN_SECONDS = 0.03  # NumPy and eager torch: about 0.02-0.13 s per run in the same measurement
 
 
 HISTORY_FILE = "run-seconds.json"  # in the cache folder (`worker.cache_root`): seconds per run, last measured
 
 
-def estimated_seconds(name: str, requires: tuple[str, ...], runs: int, measured: float | None = None) -> float:
-    """The scheduler's estimate of ``runs`` runs of backend ``name``: ``measured`` seconds per run (what the
-    last check on this machine took, `load_history`) where there is one, else `RUN_SECONDS`."""
+def estimated_seconds(
+    requires: tuple[str, ...], runs: int, measured: float | None = None, own_processes: bool = False
+) -> float:
+    """The scheduler's estimate of ``runs`` runs of a backend: ``measured`` seconds per run (what the last
+    check on this machine took, `load_history`) where there is one, else what its registry entry's
+    ``requires`` and its ``own_processes`` say (`JAX_RUN_SECONDS`, `PROCESS_RUN_SECONDS`, `OTHER_RUN_SECONDS`)."""
     # A per-framework branch kept here on purpose (one of the few outside backends/): it only orders
-    # the dispatch of an unmeasured plugin, from the one fact that matters for that, JAX compiles.
-    per_run = RUN_SECONDS.get(name, JAX_RUN_SECONDS if "jax" in requires else OTHER_RUN_SECONDS)
+    # the dispatch of a backend not yet measured here, from the one fact that matters for that, JAX compiles.
+    per_run = (JAX_RUN_SECONDS if "jax" in requires else OTHER_RUN_SECONDS) + (
+        PROCESS_RUN_SECONDS if own_processes else 0
+    )
     return (per_run if measured is None else measured) * runs
 
 
@@ -79,7 +79,7 @@ def history_path() -> Path:
 def load_history() -> dict[str, float]:
     """Seconds per run by ``"<job>|<backend>"``, as the last checks measured them here; {} if none or unreadable.
 
-    `RUN_SECONDS` was measured with an empty cache, where JAX's compiling is nearly all of the work;
+    `JAX_RUN_SECONDS` was measured with an empty cache, where JAX's compiling is nearly all of the work;
     with the executable cache warm, torch-tp's process group is the longest instead (0.13 s per run
     against jax's 0.02, the issue's 675-run selection, 2026-12-02), and a schedule from the cold
     figures started it last. So the pool orders by what the backends took last time on this machine.
@@ -105,7 +105,7 @@ def save_history(measured: dict[str, list[float]]) -> None:
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
         temporary.write_text(json.dumps(history, indent=1, sort_keys=True))
         os.replace(temporary, path)
-    except OSError:  # a read-only cache folder: the next check schedules from RUN_SECONDS
+    except OSError:  # a read-only cache folder: the next check schedules from the registry (`estimated_seconds`)
         pass
 
 
@@ -393,7 +393,7 @@ class WorkerPool:
             figures the worker that had imported JAX took torch-tp and the other jax-sharded, each importing
             the other's framework (1.5 s each); then the libraries it has."""
             measured = self.history.get(f"{self.job_name}|{name}")
-            work = estimated_seconds(name, self.requires[name], len(self.pending[name]), measured)
+            work = estimated_seconds(self.requires[name], len(self.pending[name]), measured, name in self.solo)
             missing = sum(startup_s(module) for module in self.requires[name] if module not in worker.imported)
             return work - missing, len(worker.imported.intersection(self.requires[name]))
 

@@ -2,18 +2,20 @@
 
 `tf32_table` runs every float32 matmul-precision setting the adapters offer and reports
 its error against float64, twice: on one square product (``n``^3, default 1024^3) and
-through the whole attention layer (the adapters, against the float64 oracle):
+through the whole attention layer (the adapters, against the float64 oracle). The settings
+are run by the framework side, `backends.precision.precision_runs` (this module imports no
+framework):
 
 - torch with TF32 off and on (`backends.torch.common.matmul_precision`, cuBLAS and cuDNN switches);
-- JAX at every name of ``jax.default_matmul_precision`` (`backends.frameworks.jax.MATMUL_PRECISIONS`),
-  with the precision each name lowers to (`backends.frameworks.jax.LOWERED_PRECISION`).
+- JAX at every name of ``jax.default_matmul_precision`` (`backends.jax.common.MATMUL_PRECISIONS`),
+  with the precision each name lowers to (`backends.jax.common.LOWERED_PRECISION`).
 
 On a CPU every row is plain float32 (TF32 does not exist there): errors of order 1e-5 on
 the product, the same for every setting. On an NVIDIA GPU since Ampere, rows that allow
 TF32 show errors of order 1e-2 on the product (10-bit mantissa, 1024-term sums).
 
-`empty_row_answers` asks torch what its attention kernels return for a query row that may
-attend to no key (NaN, zeros, or an average), on the given device; `sdpa_float32_error`
+`empty_row_answers` (`backends.precision`) asks torch what its attention kernels return for a
+query row that may attend to no key (NaN, zeros, or an average), on the given device; `sdpa_float32_error`
 compares SDPA's float32 error with TF32 off against the plain float32 product's, which
 shows whether SDPA's float32 kernels use tensor cores whatever ``allow_tf32`` says.
 
@@ -25,20 +27,32 @@ Command line (used by ``scripts/gpu-run``)::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, error_line, init_params, reference_mha
+from mha_rosetta.backends.precision import (  # the framework side: torch and JAX imported when called
+    PrecisionRun,
+    empty_row_answers,
+    gpu_questions,
+    precision_runs,
+    sdpa_float32_error,
+)
+from mha_rosetta.core import MHAConfig, init_params, reference_mha
+
+__all__ = [
+    "MHA_SIZE",
+    "empty_row_answers",
+    "gpu_questions",
+    "main",
+    "sdpa_float32_error",
+    "tf32_markdown",
+    "tf32_table",
+]
 
 # "Through the full MHA": one layer at the reference width, small enough for a CPU test.
 MHA_SIZE = {"batch": 2, "tokens": 256, "d_model": 512, "heads": 8}
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _errors(result: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
@@ -47,16 +61,16 @@ def _errors(result: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     return diff, diff / float(np.max(np.abs(exact)))
 
 
-def _row(library: str, version: str, setting: str, lowered: str, tf32: bool, device: str, gemm, exact, output, mha):
+def _row(run: PrecisionRun, device: str, exact: np.ndarray, reference: np.ndarray) -> dict:
     """One table row: the setting, and the product's and the layer's errors against float64."""
-    gemm_abs, gemm_rel = _errors(gemm, exact)
-    mha_abs, mha_rel = _errors(output, mha[3])
+    gemm_abs, gemm_rel = _errors(run.product, exact)
+    mha_abs, mha_rel = _errors(run.output, reference)
     return {
-        "library": library,
-        "version": version,
-        "setting": setting,
-        "lowered": lowered,
-        "tf32_allowed": tf32 and device == "gpu",
+        "library": run.library,
+        "version": run.version,
+        "setting": run.setting,
+        "lowered": run.lowered,
+        "tf32_allowed": run.tf32 and device == "gpu",
         "device": device,
         "gemm_max_abs": gemm_abs,
         "gemm_max_rel": gemm_rel,
@@ -70,50 +84,6 @@ def _mha_problem(size: dict):
     params = init_params(cfg, seed=0)
     x = np.random.default_rng(1).standard_normal((size["batch"], size["tokens"], size["d_model"]))
     return cfg, params, x, reference_mha(cfg, params, x)
-
-
-def _torch_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha) -> list[dict]:
-    import torch
-
-    from mha_rosetta.backends.torch.adapter import TorchBackend
-    from mha_rosetta.backends.torch.common import matmul_precision, tf32_switches, to_tensor
-
-    cfg, params, x, _reference = mha
-    ta, tb = to_tensor(a, "float32", device), to_tensor(b, "float32", device)
-    rows = []
-    for allow in (False, True):
-        with matmul_precision(allow):
-            switches = tf32_switches()
-            product = (ta @ tb).double().cpu().numpy()
-        output = TorchBackend(allow_tf32=allow).run(cfg, params, x, dtype="float32", device=device)
-        lowered = f"{switches['api']}: matmul {switches['matmul']}, cudnn {switches['cudnn']}"
-        rows.append(
-            _row("torch", torch.__version__, f"allow_tf32={allow}", lowered, allow, device, product, exact, output, mha)
-        )
-    return rows
-
-
-def _jax_rows(device: str, a: np.ndarray, b: np.ndarray, exact: np.ndarray, mha) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-
-    from mha_rosetta.backends.jax.adapter import JaxBackend
-    from mha_rosetta.backends.jax.common import LOWERED_PRECISION, MATMUL_PRECISIONS, allows_tf32, jax_device
-
-    cfg, params, x, _reference = mha
-    target = jax_device(device)
-    ja = jax.device_put(np.asarray(a, dtype=np.float32), target)
-    jb = jax.device_put(np.asarray(b, dtype=np.float32), target)
-    rows = []
-    for name in MATMUL_PRECISIONS:
-        with jax.default_matmul_precision(name):  # a tracing-time setting: jit inside it
-            product = np.asarray(jax.jit(jnp.matmul)(ja, jb), dtype=np.float64)
-        output = JaxBackend(matmul_precision=name).run(cfg, params, x, dtype="float32", device=device)
-        setting, lowered = f"default_matmul_precision={name!r}", LOWERED_PRECISION[name]
-        rows.append(
-            _row("jax", jax.__version__, setting, lowered, allows_tf32(name), device, product, exact, output, mha)
-        )
-    return rows
 
 
 def tf32_table(device: str = "cpu", n: int = 1024, mha_size: dict | None = None) -> list[dict]:
@@ -132,13 +102,8 @@ def tf32_table(device: str = "cpu", n: int = 1024, mha_size: dict | None = None)
     a = rng.standard_normal((n, n)).astype(np.float32)  # (n, n): float32 values, held exactly in float64
     b = rng.standard_normal((n, n)).astype(np.float32)
     exact = a.astype(np.float64) @ b.astype(np.float64)  # (n, n) float64 reference of the same inputs
-    mha = _mha_problem(mha_size or MHA_SIZE)
-    rows: list[dict] = []
-    if _installed("torch"):
-        rows += _torch_rows(device, a, b, exact, mha)
-    if _installed("jax"):
-        rows += _jax_rows(device, a, b, exact, mha)
-    return rows
+    cfg, params, x, reference = _mha_problem(mha_size or MHA_SIZE)
+    return [_row(run, device, exact, reference) for run in precision_runs(device, a, b, cfg, params, x)]
 
 
 def tf32_markdown(rows: list[dict], n: int = 1024) -> str:
@@ -153,97 +118,6 @@ def tf32_markdown(rows: list[dict], n: int = 1024) -> str:
             f"{row['gemm_max_rel']:.1e} | {row['mha_max_abs']:.2e} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def empty_row_answers(device: str = "cpu") -> dict[str, str]:
-    """What torch's attention returns on ``device`` for a query row that may attend to no key.
-
-    float32, 4 tokens, query 0 fully masked. Each answer is "NaN", "zeros" (the spec's
-    zero context), "mean of values" or "other"; a call that raises gives its error.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from mha_rosetta.backends.torch.common import torch_device
-
-    target = torch_device(device)
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 4, 8, generator=generator).to(target) for _ in range(3))  # (B, H, N, d)
-    allowed = torch.ones(4, 4, dtype=torch.bool, device=target)
-    allowed[0] = False  # query 0 may attend to nothing
-
-    def classify(row: torch.Tensor, values: torch.Tensor) -> str:
-        row = row.double().cpu()
-        if torch.isnan(row).any():
-            return "NaN"
-        if torch.all(row == 0):
-            return "zeros"
-        if torch.allclose(row, values.double().cpu().mean(dim=0), atol=1e-5):
-            return "mean of values"
-        return f"other ({row.tolist()[:3]}...)"
-
-    answers: dict[str, str] = {}
-    calls = {
-        "F.scaled_dot_product_attention(attn_mask)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)[
-            0, 0, 0
-        ],
-    }
-    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(target).eval()
-    x = torch.randn(1, 4, 8, generator=generator).to(target)  # (B, N, E)
-    for need_weights in (False, True):
-        calls[f"nn.MultiheadAttention(need_weights={need_weights})"] = lambda need_weights=need_weights: mha(
-            x, x, x, attn_mask=~allowed, need_weights=need_weights
-        )[0][0, 0]
-    for label, call in calls.items():
-        try:
-            with torch.no_grad():
-                row = call()
-            # SDPA's row 0 against the mean of v; nn.MHA's output row against its output bias alone
-            # would need the layer's internals, so NaN/zeros/other is what it reports.
-            answers[label] = classify(row, v[0, 0])
-        except Exception as error:  # a kernel refusing the case is the answer
-            answers[label] = f"raised {error_line(error)}"
-    return answers
-
-
-def sdpa_float32_error(device: str = "cpu", tokens: int = 1024, width: int = 64) -> dict[str, float]:
-    """Max abs error against float64 of float32 SDPA and of the same attention by hand, TF32 off.
-
-    If SDPA's error is far above the by-hand error (order 1e-3 against 1e-6), its float32
-    kernels use tensor cores whatever ``allow_tf32`` says.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from mha_rosetta.backends.torch.common import matmul_precision, torch_device
-
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 8, tokens, width, generator=generator, dtype=torch.float64) for _ in range(3))
-    exact = F.scaled_dot_product_attention(q, k, v)  # float64 on the CPU: the reference
-    target = torch_device(device)
-    q32, k32, v32 = (t.to(target, torch.float32) for t in (q, k, v))
-    with matmul_precision(False), torch.no_grad():
-        sdpa = F.scaled_dot_product_attention(q32, k32, v32).double().cpu()
-        weights = torch.softmax(q32 @ k32.transpose(-1, -2) / width**0.5, dim=-1)  # (1, 8, N, N)
-        by_hand = (weights @ v32).double().cpu()
-    return {
-        "sdpa_float32_max_abs": float((sdpa - exact).abs().max()),
-        "by_hand_float32_max_abs": float((by_hand - exact).abs().max()),
-    }
-
-
-def gpu_questions(device: str) -> dict:
-    """The answers a first GPU run must record (see the module docstring); torch only."""
-    if not _installed("torch"):
-        return {"skipped": "torch is not installed"}
-    from mha_rosetta.backends.torch.common import tf32_switches
-
-    return {
-        "device": device,
-        "empty_row": empty_row_answers(device),
-        "sdpa_float32": sdpa_float32_error(device),
-        "tf32_switches_after": tf32_switches(),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

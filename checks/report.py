@@ -185,19 +185,33 @@ def _mistake_blocks(result: CheckResult) -> list[Block]:
 
 
 def _problem_blocks(result: CheckResult) -> list[Block]:
+    return problem_blocks(
+        result,
+        ("Problems against the oracle", "Problems between implementations"),
+        "first divergent stage",
+        lambda item: item.divergence.summary() if item.divergence else "-",
+        lambda item: item.reason,
+    )
+
+
+def problem_blocks(result, titles: tuple[str, str], where: str, where_of, details_of) -> list[Block]:
+    """The runs, then the pairs, that disagree, were missed or failed: one block each, at most `MAX_LISTED` rows.
+
+    ``titles``: the two blocks' titles; ``where``: the header of the column that says where an item parts
+    (``where_of(item)``); ``details_of(item)``: the last column. Used by the forward and the decode check.
+    """
     bad_runs = [r for r in result.runs if r.status in (Status.DISAGREE, Status.MISSED, Status.ERROR)]
     bad_pairs = [p for p in result.pairs if p.status in (Status.DISAGREE, Status.MISSED)]
     blocks = []
     for title, what, bad in (
-        ("Problems against the oracle", "implementation", [(r, r.label) for r in bad_runs]),
-        ("Problems between implementations", "pair", [(p, f"{p.a.label} vs {p.b.label}") for p in bad_pairs]),
+        (titles[0], "implementation", [(r, r.label) for r in bad_runs]),
+        (titles[1], "pair", [(p, f"{p.a.label} vs {p.b.label}") for p in bad_pairs]),
     ):
         if not bad:
             continue
-        block = Block(title, ["case", "dtype", what, "status", "first divergent stage", "details"])
+        block = Block(title, ["case", "dtype", what, "status", where, "details"])
         for item, label in bad[:MAX_LISTED]:
-            stage = item.divergence.summary() if item.divergence else "-"
-            block.rows.append([item.case, item.dtype, label, str(item.status), stage, item.reason])
+            block.rows.append([item.case, item.dtype, label, str(item.status), where_of(item), details_of(item)])
             block.styles.append([None, None, None, RICH_STYLES[item.status], None, None])
         if len(bad) > MAX_LISTED:
             block.notes.append(f"... and {len(bad) - MAX_LISTED} more (see --json)")

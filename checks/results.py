@@ -154,6 +154,28 @@ class Pair:
     divergence: Divergence | None = None
 
 
+def settle_known_mistake(pair, a, b, agree: bool, what: str, missed: str = "") -> bool:
+    """Set ``pair``'s status where a known mistake decides it; True when it did (the pair is then final).
+
+    ``what`` (``"outputs"``, ``"gradients"``) agree with a known mistake on one side: CAUGHT where the
+    mistake was caught at a stage against the oracle, else MISSED (``missed``: its reason, else the
+    mistake's own). They differ with a mistake on either side: CAUGHT. Any other pair: False.
+    """
+    mistakes = (a.impl.known_mistake, b.impl.known_mistake)
+    if agree:
+        if mistakes[0] != mistakes[1]:
+            mistake = a if mistakes[0] else b
+            pair.status = Status.CAUGHT if mistake.status is Status.CAUGHT else Status.MISSED
+            pair.reason = f"{what} agree; {mistake.label}: {mistake.reason}"
+            if pair.status is Status.MISSED and missed:
+                pair.reason = missed
+        return True
+    if any(mistakes):
+        pair.status = Status.CAUGHT
+        return True
+    return False
+
+
 class Outcome:
     """The exit-status rule of the forward check (`CheckResult`) and the gradient check (`checks.grad`).
 

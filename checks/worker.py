@@ -13,7 +13,8 @@ Design rules:
   worker, not once per run; the scheduler keeps a worker on one backend while it has work;
 * every answer carries the time spent importing the backend's libraries, compiling (JAX's
   compile events) and running, and how many programs it read from the executable cache and
-  how many it compiled into it (`backends.jax.executables`), for ``check --timings``.
+  how many it compiled into it (`backends.compiling`: JAX's, asked there, never imported here), for
+  ``check --timings``.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def jax_cache_environment(enabled: bool) -> dict[str, str]:
     """
     if not enabled:
         return {}
-    from mha_rosetta.backends.jax.executables import SWITCH
+    from mha_rosetta.backends.compiling import EXECUTABLES_SWITCH
 
-    executables = {SWITCH: str(executables_dir())}
+    executables = {EXECUTABLES_SWITCH: str(executables_dir())}
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return executables
     return {
@@ -129,38 +130,13 @@ def jax_cache_environment(enabled: bool) -> dict[str, str]:
     }
 
 
-class _CompileClock:
-    """Seconds spent compiling, summed from JAX's compile events once JAX is imported.
-
-    The one framework named in `checks/`: JAX is the library whose compilation dominates the
-    check, and its `jax.monitoring` events are how it reports it; eager libraries compile nothing.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.listening = False
-
-    def listen(self) -> None:
-        if self.listening or "jax" not in sys.modules:
-            return
-        import jax.monitoring
-
-        def on_event(event: str, duration: float, **_) -> None:
-            if event.startswith("/jax/core/compile/"):  # tracing, lowering and the backend compile
-                self.seconds += duration
-
-        jax.monitoring.register_event_duration_secs_listener(on_event)
-        self.listening = True
-
-
 def _load_backend(blob: bytes, requires: tuple[str, ...]):
     """The backend from its pickle, its libraries imported now (so the import time is measured apart)."""
+    from mha_rosetta.backends.compiling import settle_imports
+
     for module in requires:
         importlib.import_module(module)
-    if "jax" in sys.modules:  # one x64 setting for every program this worker traces (`executables.settle_x64`)
-        from mha_rosetta.backends.jax.executables import settle_x64
-
-        settle_x64()
+    settle_imports()  # one x64 setting for every program this worker traces
     return pickle.loads(blob)
 
 
@@ -191,13 +167,13 @@ def main(conn, environment: dict[str, str]) -> None:
     os.environ.update(environment)  # before any framework is imported
     # Ctrl-C in a terminal reaches the whole process group: the parent stops the check and the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from mha_rosetta.backends.jax import executables  # the standard library only
+    from mha_rosetta.backends import compiling  # the standard library only
 
     from .tasks import execute  # NumPy and the spec only, no framework
 
     backends: dict[str, object] = {}
     oracles: dict = {}
-    clock = _CompileClock()
+    clock = compiling.CompileClock()  # JAX's compile events, once JAX is imported
     while True:
         try:
             message = conn.recv()
@@ -221,18 +197,17 @@ def main(conn, environment: dict[str, str]) -> None:
                 import_seconds = time.perf_counter() - started
             clock.listen()
             compiled_before = clock.seconds
-            stored_before = (executables.STATS["loaded"], executables.STATS["compiled"])
+            stored_before = compiling.cache_counts()
             started = time.perf_counter()
             # The executable cache serves the project's own adapters only: its digest covers their source, not a user's.
             ours = type(backends[task.backend]).__module__.startswith("mha_rosetta.")
-            with executables.allowed(ours):
+            with compiling.cache_allowed(ours):
                 answer = execute(task, backends[task.backend], oracles)
             if not task.stages:
                 answer = task.job.portable(answer)
             wall = time.perf_counter() - started
             clock.listen()  # the run may have imported JAX itself
-            loaded = executables.STATS["loaded"] - stored_before[0]
-            stored = executables.STATS["compiled"] - stored_before[1]
+            loaded, stored = (now - before for now, before in zip(compiling.cache_counts(), stored_before, strict=True))
             timing = (import_seconds, clock.seconds - compiled_before, wall, loaded, stored)
             reply = ("ok", answer, timing)
         except Exception as error:  # the job itself catches a backend's errors; this is the worker's

@@ -50,18 +50,29 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+class _PresetAction(argparse.Action):
+    """``--preset NAME``; ``quick`` sets the quick flag instead (what the deprecated ``--quick`` sets), so that
+    both spellings give the same settings, the forward's and ``--mode decode``'s alike."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "quick":
+            namespace.quick = True
+        else:
+            setattr(namespace, self.dest, values)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mha_rosetta.benchmarks.presets import PRESETS  # plain data: nothing measured or imported
 
-    from .options import add_list, add_markdown
+    from .options import add_backend_classes, add_choice, add_json, add_list, add_markdown, deprecated, mark_deprecated
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
-        "  mha-rosetta bench --quick\n"
+        "  mha-rosetta bench --preset quick\n"
         "  mha-rosetta bench --preset reference --json ref.json --markdown ref.md --plot plots/\n"
         "  mha-rosetta bench --backends numpy,numpy:slicing,torch-sdpa --tokens 128,512 --threads 2\n"
-        "  mha-rosetta bench --quick --json new.json --baseline old.json\n"
+        "  mha-rosetta bench --preset quick --json new.json --baseline old.json\n"
         "  mha-rosetta bench --questions-only\n"
         "  mha-rosetta bench --preset reference --rounds 3 --write-docs docs\n"
         "  mha-rosetta bench --render docs/bench/reference.json --write-docs docs\n"
@@ -72,16 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Lists take commas or repeated options: --backends numpy,torch --backends jax."
     )
     preset = parser.add_mutually_exclusive_group()
-    preset.add_argument(
-        "--quick",
-        action="store_true",
-        help="the quick preset: every installed implementation at two small sizes (< 2 min)",
-    )
+    quick = preset.add_argument("--quick", action="store_true", help=deprecated("--preset quick"))
+    mark_deprecated(quick, "--preset quick")
     preset.add_argument(
         "--preset",
         choices=tuple(PRESETS),
         default=None,
-        help="size preset (default: default); long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
+        action=_PresetAction,
+        help="size preset (default: default); quick: every installed implementation at two small sizes (< 2 min); "
+        "long: B=1, H=8, D=512, 1k..32k tokens, memory budget, slopes",
     )
     add_list(
         parser,
@@ -135,14 +145,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reference, 1 for the others; not for --mode decode)",
     )
     parser.add_argument("--seed", type=int, metavar="S", help="the shuffle seed (default: drawn, and recorded)")
-    parser.add_argument(
+    add_choice(
+        parser,
         "--mode",
-        choices=("fwd", "fwdbwd", "both", "decode"),
+        choices=("fwd", "grad", "both", "decode"),
+        renamed={"grad": "fwdbwd"},  # the cells' and the JSON's name of forward+backward (`benchmarks.flops.MODES`)
+        old={"fwdbwd": "grad"},
         default="fwd",
-        help="time the forward pass (default), forward+backward (run_vjp: a training step's attention, FLOPs "
+        help="time the forward pass (default), forward+backward (grad; run_vjp: a training step's attention, FLOPs "
         "counted as 3x the forward's matrix products), or both, side by side; decode: one KV-cache decode "
         "step per context length against the memory bandwidth (B=1, d_model 2048, 16 heads, 4 kv heads, "
-        "d_k 128, no biases, float32, 1k..32k tokens and a windowed row; --quick: a small layer at 256 and 1024)",
+        "d_k 128, no biases, float32, 1k..32k tokens and a windowed row; --preset quick: a small layer at 256 and "
+        "1024)",
     )
     parser.add_argument(
         "--contexts",
@@ -151,16 +165,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--mode decode: the cached tokens of each timed step, e.g. 1024,4096, for the full and the windowed "
         "row alike (default from the preset)",
     )
-    parser.add_argument(
-        "--plugin",
-        action="append",
-        metavar="MODULE:CLASS",
+    add_backend_classes(
+        parser,
+        dest="plugin",
+        old=("--plugin",),
         help="--mode decode: register the Backend subclass at this import path, here and in every cell's "
         "process (name it in --backends by its name)",
     )
     parser.add_argument("--repeats", type=int, metavar="N", help="minimum timed repeats per cell (per round)")
     parser.add_argument("--min-time", type=float, metavar="S", help="minimum timed seconds per cell")
-    parser.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH ('-' for stdout)")
+    add_json(parser, help="write the versioned JSON report to PATH ('-' for stdout)")
     add_markdown(parser, what="the table")
     parser.add_argument(
         "--plot", metavar="DIR", help="write PNG plots (time vs tokens, GFLOP/s at the reference size) to DIR"

@@ -1,4 +1,4 @@
-"""``mha-rosetta check``: argument parsing and printing around `checks.run_check` (``--decode``: `checks.decode`).
+"""``mha-rosetta check``: argument parsing and printing around `checks.run_check` (``--grad``, ``--decode``: its kinds).
 
 Exit status: 0 when every implementation agrees with the oracle and with every other
 (or differs only by a named known difference) and every known mistake is caught;
@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from contextlib import contextmanager
+from functools import partial
 
 # Seconds one run may take: the slowest run of the default check (a sharded backend's first
 # run, which starts its processes, or a first JAX compilation) takes a few seconds.
@@ -20,16 +21,14 @@ DEFAULT_TIMEOUT = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_list, add_markdown
+    from .options import add_backend_classes, add_json, add_list, add_markdown, add_plain, add_switch
 
     parser.epilog = (
         "Lists take commas or repeated options: --dtypes float32,float16 or --dtypes float32 --dtypes float16."
     )
     add_list(parser, "--backends", help="backends to run (default: every installed one)")
-    parser.add_argument(
-        "--backend",
-        action="append",
-        metavar="MODULE:CLASS",
+    add_backend_classes(
+        parser,
         help="your own adapter, a Backend subclass by import path (e.g. mypkg.attention:MyBackend); repeatable. "
         "Without --backends only these run (against the oracle); add --backends to compare with ours too",
     )
@@ -46,11 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "implementation supports (default: all four); 'all' runs every case in every dtype",
     )
     add_list(parser, "--cases", help="spec cases to run (default: all; see --list)")
-    parser.add_argument(
-        "--json", metavar="PATH", help="write the machine-readable result to PATH ('-' for stdout), atomically"
-    )
-    add_markdown(parser, what="the report", bare_was="print Markdown instead of terminal tables")
-    parser.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    add_json(parser, help="write the machine-readable result to PATH ('-' for stdout), atomically")
+    add_markdown(parser, what="the report")
+    add_plain(parser)
     parser.add_argument(
         "--per-case", action="store_true", help="one agreement matrix per case instead of the worst over all cases"
     )
@@ -90,15 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--xla_cpu_parallel_codegen_split_count=1, which halve its JAX compile time; "
         "off with MHA_ROSETTA_FAST_COMPILE=0 and with --devices gpu; your own XLA_FLAGS always win)",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--grad",
-        action="store_true",
         help="also check every implementation's backward pass (gradients of inputs and parameters) against the "
         "float64 backward oracle and each other; adds a 'grad' section to --json",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--decode",
-        action="store_true",
         help="check KV-cache decoding instead: every implementation x cache kind x decode case x dtype, its prefill "
         "and steps against the full causal forward and each other; --cases then names decode cases (see --list)",
     )
@@ -123,36 +120,33 @@ def _asks_for_gpu(devices) -> bool:
     return "gpu" in _resolve_devices(devices)
 
 
-def _list(out) -> int:
+def _list(out, decode: bool) -> int:
+    """``--list``: the spec cases (``--decode``: the decode cases) and every backend, installed or not."""
     from mha_rosetta.backends import available_backends, get_backend, missing_backends
-    from mha_rosetta.checks import SPEC_CASES
 
-    print("spec cases:", file=out)
-    for case in SPEC_CASES.values():
-        print(f"  {case.name:18} {case.description}", file=out)
-        print(f"  {'':18} {case.describe()}; dtypes {', '.join(case.dtypes)}", file=out)
+    if decode:
+        from mha_rosetta.checks.decode_cases import DECODE_CASES as cases
+
+        title, width = "decode cases", 20
+    else:
+        from mha_rosetta.checks import SPEC_CASES as cases
+
+        title, width = "spec cases", 18
+    print(f"{title}:", file=out)
+    for case in cases.values():
+        print(f"  {case.name:{width}} {case.description}", file=out)
+        print(f"  {'':{width}} {case.describe()}; dtypes {', '.join(case.dtypes)}", file=out)
     print("installed backends:", file=out)
     for name in available_backends():
         backend = get_backend(name)
-        print(f"  {name:20} {backend.kind:14} strategies {', '.join(backend.strategies)}", file=out)
-    for name, reason in missing_backends().items():
-        print(f"  {name:20} not installed: {reason}", file=out)
-    return 0
-
-
-def _list_decode(out) -> int:
-    from mha_rosetta.backends import available_backends, get_backend, missing_backends
-    from mha_rosetta.checks.decode_cases import DECODE_CASES
-
-    print("decode cases:", file=out)
-    for case in DECODE_CASES.values():
-        print(f"  {case.name:20} {case.description}", file=out)
-        print(f"  {'':20} {case.describe()}; dtypes {', '.join(case.dtypes)}", file=out)
-    print("installed backends:", file=out)
-    for name in available_backends():
-        backend = get_backend(name)
-        caches = ", ".join(backend.decode_caches) or "none: " + (backend.decode_unsupported or "no KV-cache decoding")
-        print(f"  {name:20} {backend.kind:14} decode caches {caches}", file=out)
+        if decode:
+            caches = ", ".join(backend.decode_caches) or "none: " + (
+                backend.decode_unsupported or "no KV-cache decoding"
+            )
+            what = f"decode caches {caches}"
+        else:
+            what = f"strategies {', '.join(backend.strategies)}"
+        print(f"  {name:20} {backend.kind:14} {what}", file=out)
     for name, reason in missing_backends().items():
         print(f"  {name:20} not installed: {reason}", file=out)
     return 0
@@ -160,24 +154,12 @@ def _list_decode(out) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.checks import run_check
-    from mha_rosetta.checks.grad import run_grad_check
-    from mha_rosetta.checks.grad_report import grad_report_blocks, grad_summary_lines
-    from mha_rosetta.checks.json_report import write_json
-    from mha_rosetta.checks.report import (
-        output_width,
-        print_rich,
-        render_markdown,
-        render_plain,
-        report_blocks,
-        rich_available,
-        summary_lines,
-        timing_blocks,
-    )
+    from mha_rosetta.checks.json_report import write_decode_json, write_json
 
     # With the JSON on stdout, the human-readable report moves to stderr.
     out = sys.stderr if args.json == "-" else sys.stdout
     if args.list:
-        return _list_decode(out) if args.decode else _list(out)
+        return _list(out, args.decode)
     if args.decode and args.grad:
         print("mha-rosetta check: error: --decode and --grad are separate checks: run one at a time", file=sys.stderr)
         return 2
@@ -198,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"mha-rosetta check: error: --backend: {type(error).__name__}: {error}", file=sys.stderr)
             return 2
         backends = [*(backends or []), *plugins]
-    # The same selection for the forward check and the gradient check (--backend classes included).
+    # The same selection for every kind of check (--backend classes included).
     selection = dict(
         backends=backends, strategies=args.strategies, devices=args.devices, dtypes=args.dtypes, cases=args.cases
     )
@@ -207,36 +189,62 @@ def run(args: argparse.Namespace) -> int:
         what = f"--jobs: expected 0 or more, got {jobs}" if jobs < 0 else f"--timeout: expected > 0, got {args.timeout}"
         print(f"mha-rosetta check: error: {what}", file=sys.stderr)
         return 2
+    # The kinds of check, in order, on the same selection and workers (`checks.facade.CHECKS`).
+    kinds = ["decode"] if args.decode else ["forward", "grad"] if args.grad else ["forward"]
+    results: dict = {}  # kind -> its finished result
+
+    def write(found: dict, interim: bool = False) -> None:
+        if "decode" in found:
+            write_decode_json(found["decode"], args.json, partial=interim)
+        else:
+            write_json(found["forward"], args.json, found.get("grad"), partial=interim)
+
     # --json is rewritten as results arrive (atomically), marked interrupted until the check ends,
     # so a check stopped by anything (Ctrl-C, SIGTERM, SIGKILL) leaves a valid JSON of what finished.
-    finished: dict = {}
+    def save(kind: str, result) -> None:
+        if args.json and args.json != "-":
+            write({**results, kind: result}, interim=True)
 
-    def save(forward=None, grad=None, final: bool = False) -> None:
-        if not args.json or args.json == "-":
-            return
-        forward = forward or finished.get("forward")
-        grad = grad or finished.get("grad")
-        write_json(forward, args.json, grad, partial=not final)
-
-    if args.decode:
-        return _run_decode(args, selection, jobs, progress, out)
     try:
         with _executor(args, jobs) as executor:
             with _sigterm_as_interrupt():
-                result = run_check(**selection, progress=progress, executor=executor, on_update=save)
-                finished["forward"] = result
-                _clear_progress(progress)
-                grad = None
-                if args.grad and not result.interrupted:  # the gradient check on the same selection and workers
-                    grad = run_grad_check(
-                        **selection, progress=progress, executor=executor, on_update=lambda g: save(result, g)
+                for kind in kinds:
+                    if any(result.interrupted for result in results.values()):
+                        break  # the gradient check runs only after a whole forward check
+                    update = partial(save, kind)
+                    results[kind] = run_check(
+                        **selection, kind=kind, progress=progress, executor=executor, on_update=update
                     )
-                    finished["grad"] = grad
                     _clear_progress(progress)
     except ValueError as error:
         print(f"mha-rosetta check: error: {error}", file=sys.stderr)
         return 2
+    _print_report(args, out, *_report(args, results))
+    if args.json:
+        write(results)
+        if args.json != "-":
+            print(f"wrote {args.json}", file=out)
+    if args.markdown and args.markdown != "-":
+        print(f"wrote {args.markdown}", file=out)
+    # The worst of them: INTERRUPTED (130) outranks 2 (error), 1 (failure) and 0.
+    return max(result.exit_code for result in results.values())
 
+
+def _report(args: argparse.Namespace, results: dict) -> tuple[list, list[str]]:
+    """The report's blocks and summary lines for the checks that ran (``results``: kind -> result)."""
+    from mha_rosetta.checks.report import timing_blocks
+
+    if "decode" in results:
+        from mha_rosetta.checks.decode_report import decode_report_blocks, decode_summary_lines
+
+        result = results["decode"]
+        blocks = decode_report_blocks(result, per_case=args.per_case, quiet=args.quiet)
+        timings = timing_blocks(result, title="decode check") if args.timings else []
+        return blocks + timings, decode_summary_lines(result)
+    from mha_rosetta.checks.grad_report import grad_report_blocks, grad_summary_lines
+    from mha_rosetta.checks.report import report_blocks, summary_lines
+
+    result, grad = results["forward"], results.get("grad")
     blocks = report_blocks(result, per_case=args.per_case, quiet=args.quiet)
     summary = summary_lines(result)
     if grad is not None:
@@ -244,56 +252,13 @@ def run(args: argparse.Namespace) -> int:
         summary += grad_summary_lines(grad)
     if args.timings:
         blocks += timing_blocks(result, grad)
-    if args.markdown and args.markdown != "-":  # a file: the terminal report is printed as well
-        from mha_rosetta.core.files import write_output
-
-        write_output(args.markdown, render_markdown(blocks, summary))
-    if args.markdown == "-":
-        out.write(render_markdown(blocks, summary))
-    elif rich_available() and not args.plain:
-        print_rich(blocks, summary, file=out)
-    else:
-        out.write(render_plain(blocks, summary, width=output_width(out)))
-    if args.json:
-        write_json(result, args.json, grad)
-        if args.json != "-":
-            print(f"wrote {args.json}", file=out)
-    if args.markdown and args.markdown != "-":
-        print(f"wrote {args.markdown}", file=out)
-    # The worse of the two: INTERRUPTED (130) outranks 2 (error), 1 (failure) and 0.
-    return max(result.exit_code, 0 if grad is None else grad.exit_code)
+    return blocks, summary
 
 
-def _run_decode(args: argparse.Namespace, selection: dict, jobs: int, progress, out) -> int:
-    """``check --decode``: the decode check on the same options, its report, JSON and exit status."""
-    from mha_rosetta.checks.decode import run_decode_check
-    from mha_rosetta.checks.decode_report import decode_report_blocks, decode_summary_lines
-    from mha_rosetta.checks.json_report import write_decode_json
-    from mha_rosetta.checks.report import (
-        output_width,
-        print_rich,
-        render_markdown,
-        render_plain,
-        rich_available,
-        timing_blocks,
-    )
+def _print_report(args: argparse.Namespace, out, blocks: list, summary: list[str]) -> None:
+    """Markdown to ``--markdown``'s file (the terminal report is printed as well) or to stdout, else tables."""
+    from mha_rosetta.checks.report import output_width, print_rich, render_markdown, render_plain, rich_available
 
-    def save(result) -> None:  # rewritten as results arrive, marked interrupted until the check ends
-        if args.json and args.json != "-":
-            write_decode_json(result, args.json, partial=True)
-
-    try:
-        with _executor(args, jobs) as executor:
-            with _sigterm_as_interrupt():
-                result = run_decode_check(**selection, progress=progress, executor=executor, on_update=save)
-                _clear_progress(progress)
-    except ValueError as error:
-        print(f"mha-rosetta check: error: {error}", file=sys.stderr)
-        return 2
-    blocks = decode_report_blocks(result, per_case=args.per_case, quiet=args.quiet)
-    summary = decode_summary_lines(result)
-    if args.timings:
-        blocks += timing_blocks(result, title="decode check")
     if args.markdown and args.markdown != "-":
         from mha_rosetta.core.files import write_output
 
@@ -304,13 +269,6 @@ def _run_decode(args: argparse.Namespace, selection: dict, jobs: int, progress, 
         print_rich(blocks, summary, file=out)
     else:
         out.write(render_plain(blocks, summary, width=output_width(out)))
-    if args.json:
-        write_decode_json(result, args.json)
-        if args.json != "-":
-            print(f"wrote {args.json}", file=out)
-    if args.markdown and args.markdown != "-":
-        print(f"wrote {args.markdown}", file=out)
-    return result.exit_code
 
 
 @contextmanager

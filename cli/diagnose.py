@@ -31,7 +31,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_list
+    from .options import add_json, add_list, add_switch
     from .variant_options import add_variant_arguments
 
     add_variant_arguments(parser)  # --window, --softcap, --qk-norm, ... (core.VARIANTS)
@@ -71,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         old=("--dtype",),
         help="dtypes of the arrays fed to the candidate, one diagnosis each (default float64)",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--decode",
-        action="store_true",
         help="the candidate is a KV-cache decode loop (params, x, prefill, step, mask, positions) -> output; "
         "implies --causal",
     )
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step", type=int, help="with --decode: the tokens per step the loop supports (default: the probes')"
     )
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per probe (default 30)")
-    parser.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH ('-' for stdout)")
+    add_json(parser, help="write the diagnosis as JSON to PATH ('-' for stdout)")
     parser.add_argument(
         "--confusion",
         action="store_true",

@@ -4,7 +4,7 @@ column/row-sample article.
     mha-rosetta explain                       # the column/row-sample article's 6 tokens, d_model 12, 3 heads of d_k 4
     mha-rosetta explain --claims              # every claim with its evidence and verdict
     mha-rosetta explain --claims --json -     # the claims as JSON: [{"claim", "title", "verdict", "evidence"}, ...]
-    mha-rosetta explain --markdown            # the same tables as Markdown
+    mha-rosetta explain --markdown -          # the same tables as Markdown
     mha-rosetta explain --png head_split.png  # the head split as a picture
     mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md, docs/head_split.png and docs/packings.png
     mha-rosetta explain --sharding --world 2 --heads 4   # which weight axis tensor parallelism cuts, and the all-reduce
@@ -36,7 +36,7 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_list, add_markdown
+    from .options import add_json, add_list, add_markdown, add_plain, add_switch
 
     size = parser.add_argument_group("configuration (defaults: the column/row-sample article's example)")
     size.add_argument(
@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="parts to show: stages, weights, head_split, checkpoints, differences, variants, claims "
         "(default: all but claims)",
     )
-    switches = {  # the on/off options (store_true)
-        "--backward": (
+    switches = {  # the on/off options (store_true); --grad was --backward
+        "--grad": (
             "the backward pass: weight gradients in both conventions and a GQA backward-only bug caught by check --grad"
         ),
         "--claims": "run the article's 12 claims and print claim, evidence and verdict",
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     }
     for flag, text in switches.items():
-        parser.add_argument(flag, action="store_true", help=text)
+        add_switch(parser, flag, help=text, old=("--backward",) if flag == "--grad" else ())
     parser.add_argument("--threads", type=_positive_int, default=1, help="threads for the speed questions (default 1)")
     parser.add_argument(
         "--world",
@@ -88,11 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --sharding: ranks (default: the most, up to 4, that split the heads)",
     )
     out = parser.add_argument_group("output")
-    add_markdown(out, what="the tables", bare_was="print Markdown instead of terminal tables")
-    out.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
-    out.add_argument(
-        "--json",
-        metavar="PATH",
+    add_markdown(out, what="the tables")
+    add_plain(out)
+    add_json(
+        out,
         help="write JSON to PATH ('-' for stdout); with --claims alone the list of claims, otherwise the whole explanation",
     )
     out.add_argument("--png", metavar="PATH", help="draw the head split (correct vs direct reshape) to PATH")
@@ -165,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_sharding(args, cfg)
     if args.decode:
         return _run_decode(args, cfg)
-    if args.backward:
+    if args.grad:
         return _backward(args, cfg)
     write_docs = args.write_docs is not None
     if write_docs:
@@ -232,21 +231,20 @@ def _run_sharding(args: argparse.Namespace, cfg) -> int:
     except (ValueError, TypeError) as error:
         print(f"mha-rosetta explain --sharding: {error}", file=sys.stderr)
         return 2
-    if args.json:
-        _write_json(args.json, result.to_dict())
-    if args.json != "-" or args.markdown not in (None, "-"):
-        from mha_rosetta.core.files import write_output
-
-        write_output(args.markdown or "-", result.to_markdown())
-    return 0
+    return _write_section(args, result)
 
 
 def _run_decode(args: argparse.Namespace, cfg) -> int:
     """``--decode``: the KV-cache decoding section alone (`explain.decode`), as Markdown (and JSON with --json)."""
-    from mha_rosetta.core.files import write_output
     from mha_rosetta.explain.decode import explain_decode
 
-    result = explain_decode(cfg, seed=args.seed)
+    return _write_section(args, explain_decode(cfg, seed=args.seed))
+
+
+def _write_section(args: argparse.Namespace, result) -> int:
+    """One section alone (``--sharding``, ``--decode``): its JSON with --json, its Markdown unless the JSON has stdout."""
+    from mha_rosetta.core.files import write_output
+
     if args.json:
         _write_json(args.json, result.to_dict())
     if args.json != "-" or args.markdown not in (None, "-"):
@@ -255,7 +253,7 @@ def _run_decode(args: argparse.Namespace, cfg) -> int:
 
 
 def _backward(args: argparse.Namespace, cfg) -> int:
-    """``--backward``: the backward section alone (`explain.backward`); exit 1 if the demonstrated bug went unseen."""
+    """``--grad``: the backward section alone (`explain.backward`); exit 1 if the demonstrated bug went unseen."""
     from mha_rosetta.checks.report import render_markdown, render_plain
     from mha_rosetta.core.files import write_output
     from mha_rosetta.core.tables import output_width
@@ -267,6 +265,6 @@ def _backward(args: argparse.Namespace, cfg) -> int:
         + ("caught by the gradient check, missed by the forward check" if caught else "NOT caught")
     ]
     text = render_markdown(blocks, summary) if args.markdown else render_plain(blocks, summary, output_width())
-    text = text.replace("# mha-rosetta check", "# mha-rosetta explain --backward", 1)
+    text = text.replace("# mha-rosetta check", "# mha-rosetta explain --grad", 1)
     write_output(args.markdown if args.markdown else "-", text)
     return 0 if caught else 1

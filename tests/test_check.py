@@ -360,6 +360,32 @@ def test_bad_options_name_the_option_and_the_accepted_values(option, value, mess
     assert message in str(info.value)
 
 
+def test_one_facade_runs_every_kind_and_the_old_names_are_its_deprecated_aliases():
+    from mha_rosetta.checks import CHECKS
+    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks.grad import run_grad_check
+
+    assert list(CHECKS) == ["forward", "grad", "decode"]
+    options = {"backends": ["numpy"], "dtypes": ["float64"], "strategies": [STANDARD]}
+    for kind, case, old in (("grad", "self_attention", run_grad_check), ("decode", "gqa_rotary", run_decode_check)):
+        result = run_check(cases=[case], kind=kind, **options)
+        assert type(result).__name__ == {"grad": "GradCheckResult", "decode": "DecodeCheckResult"}[kind]
+        assert result.runs and all(run.status is Status.AGREE for run in result.runs), result.runs
+        with pytest.warns(
+            DeprecationWarning, match=rf"{old.__name__} is deprecated: use run_check\(\.\.\., kind='{kind}'\)"
+        ):
+            again = old(cases=[case], **options)
+        assert [(r.label, r.case, r.dtype, r.status) for r in again.runs] == [
+            (r.label, r.case, r.dtype, r.status) for r in result.runs
+        ]
+    forward = run_check(cases=["self_attention"], **options)
+    assert type(forward).__name__ == "CheckResult" and forward.exit_status == 0
+    with pytest.raises(ValueError, match="kind: expected one of forward, grad, decode; got 'backward'"):
+        run_check(kind="backward")
+    with pytest.raises(ValueError, match="self_attention"):  # a decode check takes decode cases only
+        run_check(cases=["self_attention"], kind="decode", **options)
+
+
 def test_case_dtypes_limit_what_runs_unless_all_are_asked_for():
     cases = ["self_attention", "no_bias"]
     assert SPEC_CASES["self_attention"].dtypes == ("float64", "bfloat16")

@@ -18,8 +18,8 @@ import pytest
 
 from mha_rosetta.backends import Backend, StageTensor
 from mha_rosetta.backends.base import PreparedDecode
-from mha_rosetta.checks import Status
-from mha_rosetta.checks.decode import DECODE, locate, run_decode_check
+from mha_rosetta.checks import Status, run_check
+from mha_rosetta.checks.decode import DECODE, locate
 from mha_rosetta.checks.decode_cases import DECODE_CASES, DecodeCase, get_decode_cases
 from mha_rosetta.checks.engine import executor_for
 from mha_rosetta.checks.json_report import decode_to_json, to_json
@@ -164,7 +164,7 @@ class HangsDecoding(ChunkReference):
 
 
 def _check(backends, cases, dtypes=("float64",), **options):
-    return run_decode_check(backends=list(backends), cases=list(cases), dtypes=list(dtypes), **options)
+    return run_check(backends=list(backends), cases=list(cases), dtypes=list(dtypes), kind="decode", **options)
 
 
 def _runs(result, backend: str) -> dict:
@@ -323,8 +323,6 @@ def test_locate_finds_the_first_token_of_a_two_token_step():
 
 # -- the engine: JSON, workers, time limits ---------------------------------------------------
 def test_the_json_carries_the_cache_and_where_and_the_forward_json_is_unchanged():
-    from mha_rosetta.checks import run_check
-
     result = _check([ChunkReference(), RotaryRestarts(), NoCache()], ["gqa_rotary"])
     data = json.loads(json.dumps(decode_to_json(result), default=str))
     assert data["tool"] == "mha-rosetta check --decode"

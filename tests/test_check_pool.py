@@ -208,13 +208,21 @@ def test_sigterm_leaves_a_valid_json_of_what_finished_marked_interrupted(tmp_pat
 
 
 def test_estimated_seconds_put_the_compiling_backends_first():
-    from mha_rosetta.checks.pool import JAX_RUN_SECONDS, OTHER_RUN_SECONDS, RUN_SECONDS, estimated_seconds
+    from mha_rosetta.backends import REGISTRY, get_backend
+    from mha_rosetta.checks.pool import JAX_RUN_SECONDS, OTHER_RUN_SECONDS, PROCESS_RUN_SECONDS, estimated_seconds
 
-    assert estimated_seconds("jax", ("jax",), 54) == pytest.approx(RUN_SECONDS["jax"] * 54)
-    assert estimated_seconds("my-jax-plugin", ("jax",), 10) == pytest.approx(JAX_RUN_SECONDS * 10)
-    assert estimated_seconds("my-plugin", (), 10) == pytest.approx(OTHER_RUN_SECONDS * 10)
+    assert estimated_seconds(("jax",), 54) == pytest.approx(JAX_RUN_SECONDS * 54)
+    assert estimated_seconds(("jax", "flax"), 10) == pytest.approx(JAX_RUN_SECONDS * 10)
+    assert estimated_seconds((), 10) == pytest.approx(OTHER_RUN_SECONDS * 10)
+    assert estimated_seconds(("torch",), 10, own_processes=True) == pytest.approx(
+        (OTHER_RUN_SECONDS + PROCESS_RUN_SECONDS) * 10
+    )
+    assert estimated_seconds(("jax",), 10, measured=0.02) == pytest.approx(0.2)  # measured here: that wins
     # 135 NumPy runs are less work than 27 einops-jax runs, though they are five times as many.
-    assert estimated_seconds("numpy", (), 135) < estimated_seconds("einops-jax", ("jax", "einops"), 27)
+    assert estimated_seconds(REGISTRY["numpy"].requires, 135) < estimated_seconds(REGISTRY["einops-jax"].requires, 27)
+    # torch-tp's process group: more than eager torch, less than a JAX backend (0.33 s a run measured cold).
+    tp = estimated_seconds(REGISTRY["torch-tp"].requires, 54, own_processes=get_backend("torch-tp").own_processes)
+    assert estimated_seconds(REGISTRY["torch"].requires, 54) < tp < estimated_seconds(REGISTRY["jax"].requires, 54)
 
 
 def test_the_scheduler_starts_the_longest_work_first_and_keeps_a_worker_on_its_backend():
@@ -232,13 +240,13 @@ def test_the_scheduler_starts_the_longest_work_first_and_keeps_a_worker_on_its_b
         first = SimpleNamespace(last=None, imported=set(), task=None)
         second = SimpleNamespace(last=None, imported=set(), task=None)
         pool.workers = [first, second]
-        assert pool._choose(first) == "jax/0"  # 54 x 1.5 s: the most work, though numpy has more runs
+        assert pool._choose(first) == "jax/0"  # 54 x 0.5 s: the most work, though numpy has more runs
         first.last, first.task, first.imported = "jax", "jax/0", {"jax"}
         assert pool._choose(second) == "einops-jax/0"  # jax is taken: the next most work
         second.last, second.task = "einops-jax", "einops-jax/0"
         assert pool._choose(first) == "jax/1"  # a worker stays on its backend while it has runs
         pool.pending["jax"].clear()
-        assert pool._choose(first) == "flax/0"  # then flax (6 s) before torch and numpy (4 s each)
+        assert pool._choose(first) == "flax/0"  # then flax (13.5 s) before torch and numpy (4 s each)
     finally:
         pool.workers = []
         pool.close()
@@ -306,7 +314,7 @@ def test_the_scheduler_orders_by_the_seconds_measured_last_time_and_keeps_them(m
         pool.job_name = "ForwardJob"
         fresh = SimpleNamespace(last=None, imported=set(), task=None)
         pool.workers = [fresh]
-        # Measured: 54 x 0.144 s against 54 x 0.025 s (RUN_SECONDS, from an empty cache, says 0.33 against 1.5).
+        # Measured: 54 x 0.144 s against 54 x 0.025 s (from the registry alone: 0.33 against 0.5, an empty cache's).
         assert pool._choose(fresh) == "torch-tp/0"
         # The imports a worker would add count against the work: one that has JAX takes jax when it is close.
         pool.history["ForwardJob|jax"] = 0.120
@@ -344,8 +352,7 @@ def test_the_parent_plans_a_gqa_check_without_importing_a_framework():
 def test_the_partial_json_is_rewritten_at_most_once_per_interval(monkeypatch):
     """One update when the first group finishes, then none until the interval has passed, and the last at the end
     (it was rewritten after every group: 67 rewrites of a 3.9 MB file in the default check)."""
-    from mha_rosetta.checks import engine
-    from mha_rosetta.checks.agreement import run_check
+    from mha_rosetta.checks import engine, run_check
 
     updates = []
     monkeypatch.setattr(engine, "UPDATE_SECONDS", 1e9)

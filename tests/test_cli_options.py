@@ -62,11 +62,81 @@ def test_help_marks_the_old_spelling(capsys):
     with pytest.raises(SystemExit):
         parse("bench", "--help")
     text = " ".join(capsys.readouterr().out.split())
-    assert "--implementations LIST old spelling of --backends" in text
+    assert "--implementations LIST deprecated: use --backends" in text
+    assert (
+        "--quick deprecated: use --preset quick" in text and "--plugin MODULE:CLASS deprecated: use --backend" in text
+    )
+    assert "--mode {fwd,grad,both,decode}" in text and "fwdbwd: deprecated: use grad" in text
     with pytest.raises(SystemExit):
         parse("explain", "--help")
     text = " ".join(capsys.readouterr().out.split())
-    assert "--markdown [PATH]" in text and "the bare flag is the old spelling" in text
+    assert "--markdown [PATH]" in text and "the flag alone: deprecated: use --markdown -" in text
+    assert "--backward deprecated: use --grad" in text
+
+
+def test_every_old_spelling_is_listed_with_its_new_one():
+    from mha_rosetta.cli.options import BARE, deprecated_spellings
+
+    assert sorted(deprecated_spellings(PARSER)) == sorted(
+        [
+            ("bench", "--implementations", None, "--backends"),
+            ("bench", "--quick", None, "--preset quick"),
+            ("bench", "--plugin", None, "--backend"),
+            ("bench", "--mode", "fwdbwd", "--mode grad"),
+            ("diagnose", "--dtype", None, "--dtypes"),
+            ("explain", "--backward", None, "--grad"),
+            *[(command, "--markdown", BARE, "--markdown -") for command in ("check", "bench", "explain")],
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (["bench", "--quick"], ["bench", "--preset", "quick"]),
+        (["bench", "--mode", "decode", "--quick"], ["bench", "--mode", "decode", "--preset", "quick"]),
+        (["bench", "--mode", "fwdbwd"], ["bench", "--mode", "grad"]),
+        (["bench", "--plugin", "m:C", "--plugin", "n:D"], ["bench", "--backend", "m:C", "--backend", "n:D"]),
+        (["explain", "--backward"], ["explain", "--grad"]),
+        (["check", "--markdown"], ["check", "--markdown", "-"]),
+    ],
+)
+def test_an_old_spelling_gives_what_the_new_one_gives(old, new):
+    assert vars(parse(*old)) == vars(parse(*new))
+
+
+def test_the_new_bench_spellings_reach_the_settings_the_old_ones_did():
+    from mha_rosetta.cli.bench import _decode_settings, _settings
+
+    quick = _settings(parse("bench", "--preset", "quick", "--mode", "grad"))
+    assert quick == _settings(parse("bench", "--quick", "--mode", "fwdbwd"))
+    assert quick.modes == ["fwdbwd"] and quick.preset == "quick"  # the cells' and the JSON's name stays fwdbwd
+    assert _settings(parse("bench", "--preset", "reference")).preset == "reference"
+    decode = _decode_settings(parse("bench", "--mode", "decode", "--preset", "quick"))
+    assert decode == _decode_settings(parse("bench", "--mode", "decode", "--quick")) and decode.preset == "decode-quick"
+    with pytest.raises(SystemExit):
+        parse("bench", "--quick", "--preset", "quick")  # one preset: still mutually exclusive
+
+
+def test_the_readme_and_the_docs_print_no_old_spelling():
+    import shlex
+
+    from test_docs_commands import PAGES, printed_commands
+
+    from mha_rosetta.cli.options import BARE, deprecated_spellings
+
+    old = deprecated_spellings(PARSER)
+    found = []
+    for page in PAGES:
+        for command in printed_commands(page.read_text(encoding="utf-8")):
+            words = shlex.split(command)[1:]
+            for sub, option, value, new in old:
+                if words[0] != sub or option not in words:
+                    continue
+                given = words[words.index(option) + 1 :][:1]
+                if value is None or (value == BARE and (not given or given[0].startswith("--"))) or given == [value]:
+                    found.append(f"{page.name}: {command}: {option} {value or ''} -> {new}")
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("command", ["check", "bench", "explain"])

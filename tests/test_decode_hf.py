@@ -220,9 +220,9 @@ def test_the_bench_step_fills_its_cache_in_blocks_with_the_same_numbers(oracle, 
 
 def test_the_decode_check_holds_a_float64_run_to_the_declared_float32_level(oracle):
     from mha_rosetta.backends import get_backend as backend
-    from mha_rosetta.checks import Status, run_decode_check
+    from mha_rosetta.checks import Status, run_check
 
-    result = run_decode_check(backends=[oracle, backend("numpy")], cases=["gqa_rotary"], dtypes=["float64"])
+    result = run_check(backends=[oracle, backend("numpy")], cases=["gqa_rotary"], dtypes=["float64"], kind="decode")
     runs = [run for run in result.runs if run.impl.backend == "hf-attention"]
     assert [run.impl.cache for run in runs] == ["dynamic", "static"]
     assert all(run.status is Status.KNOWN_DIFFERENCE and "float32's level" in run.reason for run in runs)

@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, UnsupportedCase, get_backend, missing_backends
-from mha_rosetta.checks import SPEC_CASES, Status
-from mha_rosetta.checks.grad import run_grad_check
+from mha_rosetta.checks import SPEC_CASES, Status, run_check
 from mha_rosetta.checks.grad_report import grad_report_blocks
 from mha_rosetta.checks.json_report import grad_to_json
 from mha_rosetta.core import (
@@ -360,7 +359,9 @@ def test_property_numpy_backward_matches_the_oracle_and_finite_differences(drawn
 def test_grad_check_passes_and_catches_the_direct_reshape_mistake():
     # torch (autograd) exposes no backward stages: its mistake on MQA is traced through the forward stages.
     backends = "numpy" if "torch" in missing_backends() else "numpy,torch"
-    result = run_grad_check(backends=backends, cases="self_attention,gqa,mqa", dtypes="float64,float16,bfloat16")
+    result = run_check(
+        backends=backends, cases="self_attention,gqa,mqa", dtypes="float64,float16,bfloat16", kind="grad"
+    )
     assert result.exit_status == 0, result.verdict()
     mistakes = [r for r in result.runs if r.impl.strategy == "direct_reshape"]
     assert mistakes and all(r.status is Status.CAUGHT for r in mistakes)
@@ -391,8 +392,12 @@ def test_grad_check_names_a_transposed_weight_gradient():
             return prepared
 
     bad = TransposedGrad("numpy-transposed-dw")
-    result = run_grad_check(
-        backends=[bad, get_backend("numpy")], strategies="standard", cases="self_attention", dtypes="float64"
+    result = run_check(
+        backends=[bad, get_backend("numpy")],
+        strategies="standard",
+        cases="self_attention",
+        dtypes="float64",
+        kind="grad",
     )
     assert result.exit_status == 1
     run = next(r for r in result.runs if r.label == "numpy-transposed-dw")
@@ -475,6 +480,6 @@ def test_an_interrupted_gradient_check_exits_130_through_its_result(monkeypatch,
         raise KeyboardInterrupt
 
     monkeypatch.setattr(grad_module, "_run_one", ctrl_c)
-    result = run_grad_check(backends=["numpy"], cases=["self_attention"], dtypes=["float64"])
+    result = run_check(backends=["numpy"], cases=["self_attention"], dtypes=["float64"], kind="grad")
     assert result.interrupted and result.exit_status == 2 and result.exit_code == 130  # nothing compared, yet 130
     assert main([*argv, "--grad", "--jobs", "0"]) == 130  # in this process, where the patch is

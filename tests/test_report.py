@@ -391,11 +391,11 @@ def decode_check_json(tmp_path_factory):
     """The decode check of test_check_decode's fakes: one right, one whose rotary restarts at 0, one without a cache."""
     from test_check_decode import ChunkReference, NoCache, RotaryRestarts
 
-    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks import run_check
     from mha_rosetta.checks.json_report import write_decode_json
 
     backends = [ChunkReference(), RotaryRestarts(), NoCache()]
-    result = run_decode_check(backends=backends, cases=["gqa_rotary", "two_per_step"], dtypes=["float64"])
+    result = run_check(backends=backends, cases=["gqa_rotary", "two_per_step"], dtypes=["float64"], kind="decode")
     target = tmp_path_factory.mktemp("decode-check") / "decode-check.json"
     write_decode_json(result, str(target))
     return target

@@ -153,12 +153,14 @@ def decode_page(tmp_path_factory) -> Path:
     """A decode check (test_check_decode's fakes: one right, one whose rotary restarts at 0) and the decode bench."""
     from test_check_decode import ChunkReference, RotaryRestarts
 
-    from mha_rosetta.checks.decode import run_decode_check
+    from mha_rosetta.checks import run_check
     from mha_rosetta.checks.json_report import write_decode_json
 
     folder = tmp_path_factory.mktemp("decode-page")
     check = folder / "decode-check.json"
-    result = run_decode_check(backends=[ChunkReference(), RotaryRestarts()], cases=["gqa_rotary"], dtypes=["float64"])
+    result = run_check(
+        backends=[ChunkReference(), RotaryRestarts()], cases=["gqa_rotary"], dtypes=["float64"], kind="decode"
+    )
     write_decode_json(result, str(check))
     target = folder / "report.html"
     assert main(["report", str(check), str(ROOT / "docs" / "bench" / "decode.json"), "--html", str(target)]) == 0

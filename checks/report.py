@@ -305,9 +305,9 @@ def print_rich(blocks: list[Block], summary: list[str], file=None) -> None:
 
 
 def rich_available() -> bool:
-    from mha_rosetta.backends._probe import importable
+    from mha_rosetta.backends import installed
 
-    return importable("rich")
+    return installed("rich")
 
 
 def timing_blocks(result: CheckResult, grad=None, title: str = "forward check") -> list[Block]:

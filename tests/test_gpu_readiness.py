@@ -230,7 +230,7 @@ def test_every_install_env_runs_the_main_job_before_any_test_tool():
     for extra in ("torch", "jax", "einops", "flax", "equinox"):
         assert parser[f"testenv:{extra}"]["extras"].strip() == extra
     assert parser["testenv:bench-only"]["extras"].strip() == "bench"
-    assert "bench --quick" in parser["testenv:bench-only"]["commands"]
+    assert "bench --preset quick" in parser["testenv:bench-only"]["commands"]
     env_list = parser["tox"]["env_list"].replace(",", " ").split()
     assert {"numpy", "torch", "jax", "einops", "flax", "equinox", "bench-only"} <= set(env_list)
 

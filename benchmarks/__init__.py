@@ -18,6 +18,8 @@ Modules, one job each (none imports a framework at import time):
 - `report`: the versioned JSON document and the machine it ran on;
 - `markdown`, `plots`, `baseline`: the report as a table, as PNG plots, and against a saved one;
 - `rerun`: do two runs agree (``bench --compare A.json B.json``)?
+- `verdict`: the one rule that compares two runs (which cell is which, its figure and range, slower or not),
+  read by ``--baseline``, ``--compare`` and ``report --fail-on-regression``;
 - `readme`: the published docs/bench/ files and the generated benchmark block of docs/benchmarks.md;
 - `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 

@@ -134,9 +134,12 @@ def cell_time(cell: dict) -> float:
 
 
 def cell_interval(cell: dict) -> list[float]:
-    """The spread of `cell_time`: ``corrected_spread_s`` where the cell has it, else `raw_interval`."""
+    """The spread of `cell_time`: a corrected cell's ``corrected_spread_s`` (its corrected median alone where it
+    has none), a raw cell's `raw_interval`. Never the raw range of a corrected figure: a range is of the figure used."""
+    if not is_corrected(cell):
+        return raw_interval(cell)
     corrected = cell.get("corrected_spread_s")
-    return raw_interval(cell) if corrected is None else list(corrected)
+    return list(corrected) if corrected else [cell["corrected_median_s"]] * 2
 
 
 def is_corrected(cell: dict) -> bool:

@@ -481,7 +481,7 @@ def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, c
 def test_the_preset_layer_has_no_biases_and_a_schema_1_file_had_them(tmp_path):
     """The decode layer is Llama's (no biases; MHAConfig.bias reaches every cell); a schema-1 file, whose cells
     do not say, is read as the biased layer it timed, so a baseline never pairs the two layers."""
-    from mha_rosetta.benchmarks.baseline import comparison_key
+    from mha_rosetta.benchmarks.verdict import comparison_key
     from mha_rosetta.benchmarks.report import load_report
     from mha_rosetta.report.compare import decode_shape_label
 

@@ -213,12 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the implementations a sweep would run, then exit")
 
 
-def _settings(args: argparse.Namespace):
-    from mha_rosetta.benchmarks.sweep import preset_settings
-
-    name = "quick" if args.quick else (args.preset or "default")
-    base = preset_settings(name)
-    policy = dict(base.policy)
+def _policy(args: argparse.Namespace, preset: dict) -> dict:
+    """The preset's repeat policy with ``--repeats`` and ``--min-time`` (each raising its maximum to match),
+    after ``--rounds`` is checked: the same for the forward and the decode sweep."""
+    policy = dict(preset)
     if args.repeats is not None:
         policy["min_repeats"] = args.repeats
         policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
@@ -227,6 +225,14 @@ def _settings(args: argparse.Namespace):
         policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
     if args.rounds is not None and args.rounds < 1:
         raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
+    return policy
+
+
+def _settings(args: argparse.Namespace):
+    from mha_rosetta.benchmarks.sweep import preset_settings
+
+    name = "quick" if args.quick else (args.preset or "default")
+    policy = _policy(args, preset_settings(name).policy)
     if args.visits is not None and args.visits < 1:
         raise ValueError(f"--visits must be a positive int, got {args.visits}")
     return preset_settings(
@@ -303,20 +309,9 @@ def _compare_only(args: argparse.Namespace) -> int:
 def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> str:
     """Print the table and write every file asked for (JSON, Markdown, plots, docs); returns the table."""
     from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
     from mha_rosetta.benchmarks.markdown import markdown_table
-    from mha_rosetta.benchmarks.plots import plot_report
 
-    human = (
-        sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
-    )  # with the JSON on stdout, people read stderr
-    table = markdown_table(report)
-    if baseline is not None:
-        try:
-            report["baseline_comparison"] = compare_to_baseline(report, baseline)
-            table += "\n" + baseline_markdown(report["baseline_comparison"])
-        except ValueError as error:
-            print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
+    table = markdown_table(report) + _baseline_text(report, baseline)
     if len({cell.get("tokens") for cell in report["cells"]}) > 1:
         from mha_rosetta.benchmarks.long import long_markdown
 
@@ -325,22 +320,53 @@ def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> s
         questions = speed_questions.questions_markdown(report["questions"])
         table += "\nSpeed questions (the column/row-sample article's claims):\n\n" + questions
 
+    def plots(directory: str):
+        from mha_rosetta.benchmarks.plots import plot_report
+
+        yield from plot_report(report, directory)
+        if report["settings"].get("preset") == "long":
+            from mha_rosetta.benchmarks.long import plot_long
+
+            yield from plot_long(report["cells"], directory)
+
+    def docs(directory: str):
+        from mha_rosetta.benchmarks.readme import write_docs
+
+        return write_docs(report, directory, table=table)
+
+    return _write_outputs(args, report, table, plots, docs)
+
+
+def _baseline_text(report: dict, baseline: dict | None) -> str:
+    """``--baseline``'s comparison (`benchmarks.baseline`), kept in the report, as the lines the table ends with."""
+    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
+
+    if baseline is None:
+        return ""
+    try:
+        report["baseline_comparison"] = compare_to_baseline(report, baseline)
+    except ValueError as error:
+        print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
+        return ""
+    return "\n" + baseline_markdown(report["baseline_comparison"])
+
+
+def _write_outputs(args: argparse.Namespace, report: dict, table: str, plots, docs) -> str:
+    """The output tail of a forward or decode report: the table on the terminal (stderr when the JSON or the
+    Markdown goes to stdout), the JSON and the Markdown, then ``plots(DIR)`` and ``docs(DIR)`` (each yields the
+    paths it wrote) for ``--plot`` and ``--write-docs``; returns the table."""
+    human = (
+        sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
+    )  # with the JSON on stdout, people read stderr
     human.write(table)
     _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
     _emit(args.markdown, table, label="Markdown")
     try:
         if args.plot:
-            for path in plot_report(report, args.plot):
+            for path in plots(args.plot):
                 print(f"plot written to {path}", file=sys.stderr)
-            if report["settings"].get("preset") == "long":
-                from mha_rosetta.benchmarks.long import plot_long
-
-                for path in plot_long(report["cells"], args.plot):
-                    print(f"plot written to {path}", file=sys.stderr)
         if args.write_docs:
-            from mha_rosetta.benchmarks.readme import write_docs
-
-            for path in write_docs(report, args.write_docs, table=table):
+            for path in docs(args.write_docs):
                 print(f"written: {path}", file=sys.stderr)
     except ImportError:
         print(
@@ -477,15 +503,7 @@ def _decode_settings(args: argparse.Namespace):
         if values is not None and len(values) != 1:
             raise ValueError(f"--mode decode takes one value of {name}, got {values}")
     name = "decode-quick" if args.quick else "decode"
-    policy = dict(DECODE_PRESETS[name]["policy"])
-    if args.repeats is not None:
-        policy["min_repeats"] = args.repeats
-        policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
-    if args.min_time is not None:
-        policy["min_time"] = args.min_time
-        policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
-    if args.rounds is not None and args.rounds < 1:
-        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
+    policy = _policy(args, DECODE_PRESETS[name]["policy"])
     first = lambda values: None if values is None else values[0]  # noqa: E731
     return decode_settings(
         name, implementations=args.backends, contexts=args.contexts, window_contexts=args.contexts,
@@ -498,37 +516,21 @@ def _decode_settings(args: argparse.Namespace):
 def _publish_decode(args: argparse.Namespace, report: dict, baseline: dict | None = None) -> str:
     """The decode table on the terminal (with the baseline comparison where one is given), and every file asked
     for (JSON, Markdown, the plot, the docs)."""
-    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
     from mha_rosetta.benchmarks.markdown import decode_markdown
 
-    human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
-    table = decode_markdown(report)
-    if baseline is not None:
-        try:
-            report["baseline_comparison"] = compare_to_baseline(report, baseline)
-            table += "\n" + baseline_markdown(report["baseline_comparison"])
-        except ValueError as error:
-            print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
-    human.write(table)
-    _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
-    _emit(args.markdown, table, label="Markdown")
-    try:
-        if args.plot:
-            from mha_rosetta.benchmarks.plots import plot_decode
+    table = decode_markdown(report) + _baseline_text(report, baseline)
 
-            for path in plot_decode(report, args.plot):
-                print(f"plot written to {path}", file=sys.stderr)
-        if args.write_docs:
-            from mha_rosetta.benchmarks.decode import write_decode_docs
+    def plots(directory: str):
+        from mha_rosetta.benchmarks.plots import plot_decode
 
-            for path in write_decode_docs(report, args.write_docs, table=table):
-                print(f"written: {path}", file=sys.stderr)
-    except ImportError:
-        print(
-            "mha-rosetta bench: no plots: matplotlib is not installed (pip install 'mha-rosetta[bench]')",
-            file=sys.stderr,
-        )
-    return table
+        return plot_decode(report, directory)
+
+    def docs(directory: str):
+        from mha_rosetta.benchmarks.decode import write_decode_docs
+
+        return write_decode_docs(report, directory, table=table)
+
+    return _write_outputs(args, report, table, plots, docs)
 
 
 def _run_decode(args: argparse.Namespace) -> int:

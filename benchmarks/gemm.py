@@ -177,11 +177,27 @@ def time_back_to_back(
     return {**timings, "back_to_back": k, "syncs": counted["syncs"]}
 
 
+def time_program(launch: Callable[[], None], sync: Callable[[], None], policy, device: str) -> dict:
+    """The timings of a (launch, sync) program (a product here, a copy in `bandwidth`): on a GPU samples of
+    back-to-back launches (`time_back_to_back`); on a CPU warm-up, then one launch and sync per sample."""
+    from .timing import time_repeats, warm_up
+
+    if device == "gpu":
+        return time_back_to_back(launch, sync, policy)
+
+    def run_once() -> None:
+        launch()
+        sync()
+
+    warm_up(run_once, policy)
+    return time_repeats(run_once, policy)
+
+
 def measure(spec: dict) -> dict:
     """Time one square product in this process (a fresh pinned child)."""
     from . import pinning
     from .flops import gemm_flops
-    from .timing import RepeatPolicy, time_repeats, warm_up
+    from .timing import RepeatPolicy
 
     library, dtype, device = spec["library"], spec["dtype"], spec.get("device", "cpu")
     n = gemm_size(dtype, device, int(spec.get("n", DEFAULT_GEMM_SIZE)))
@@ -208,16 +224,7 @@ def measure(spec: dict) -> dict:
                 break
             n //= 2
         pools = pinning.thread_pool_report()
-        if device == "gpu":
-            timings = time_back_to_back(launch, sync, policy)
-        else:
-
-            def run_once() -> None:
-                launch()
-                sync()
-
-            warm_up(run_once, policy)
-            timings = time_repeats(run_once, policy)
+        timings = time_program(launch, sync, policy, device)
     # The median, as for the cells, so that peak_fraction compares like with like.
     flops = gemm_flops(n, n, n)
     cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])

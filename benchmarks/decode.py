@@ -28,7 +28,7 @@ An interrupted sweep keeps every finished visit and each round's bandwidth in a 
 one JSON line each, the forward sweep's format with the entry types ``decode-cell`` and ``bandwidth`` and a
 header of kind ``decode``); ``resume=True`` (``bench --mode decode --resume``) reloads them and the shuffle
 seed and runs the rest, as the forward sweep does. It resumes only on the machine that started it (the
-header's `report.provenance.host_id`): the cells and the bandwidth they are read against would otherwise
+header's `provenance.host_id`): the cells and the bandwidth they are read against would otherwise
 come from two machines.
 
 The windowed row (``window``) is the same layer with a sliding window at ``window_contexts``: its
@@ -517,11 +517,10 @@ def run_decode_sweep(
     again, measured and unsupported ones do not, as in the forward sweep. ``settings.resumed_cells`` counts
     the visits taken from the file.
     """
-    from mha_rosetta.report.provenance import host_id
-
     from .bandwidth import measure_bandwidth
     from .partial import append_entry, end_torn_line
     from .progress import Progress
+    from .provenance import host_id
     from .rounds import FINISHED_STATUSES, draw_seed, round_orders
 
     bandwidth_runner = bandwidth_runner or measure_bandwidth
@@ -638,7 +637,7 @@ def assemble_decode_report(
     ]
     statuses = [cell.get("status") for cell in enriched]
     try:
-        from mha_rosetta.report.provenance import provenance
+        from .provenance import provenance
 
         origin = provenance()
     except Exception as error:  # provenance is a record, never a reason to lose a sweep

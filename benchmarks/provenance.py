@@ -1,4 +1,7 @@
-"""Where a result came from: one function, `provenance()`, called by every JSON writer.
+"""Where a result came from: one function, `provenance()`, called by every JSON writer, and the CPU's model.
+
+It sits in `benchmarks`, below `report` (which reads results) and beside the writers (check, bench,
+explain, diagnose), so that every one of them may import it without a cycle.
 
 Design rules:
 - Standard library only, and no framework is imported: library versions are read from the
@@ -23,9 +26,6 @@ from pathlib import Path
 
 PROVENANCE_VERSION = 1
 GIT_TIMEOUT_S = 2.0
-# The frameworks and the libraries that change numbers or timings; the registry's own list
-# (`mha_rosetta.backends.versions.versioned_packages`) is added when it can be read.
-BASE_PACKAGES = ("mha-rosetta", "numpy", "ml_dtypes", "torch", "jax", "jaxlib", "einops", "flax", "equinox")
 # The package's source root: the folder holding core/, report/ ... (a checkout, or site-packages).
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,17 +73,31 @@ def host_id() -> str:
     return hashlib.sha256(("mha-rosetta:" + socket.gethostname()).encode()).hexdigest()[:16]
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what `platform` says."""
+INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and its vector-unit flags (`INTERESTING_CPU_FLAGS`), from /proc/cpuinfo where it
+    exists (the first processor's), else what `platform` says and no flags."""
+    model, flags = None, []
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
         text = ""
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() in ("model name", "Model") and value.strip():
-            return value.strip()
-    return platform.processor() or platform.machine()
+        name = name.strip()
+        if name in ("model name", "Model") and value.strip() and model is None:
+            model = value.strip()
+        elif name in ("flags", "Features") and not flags:
+            present = set(value.split())
+            flags = [flag for flag in INTERESTING_CPU_FLAGS if flag in present]
+    return model or platform.processor() or platform.machine(), flags
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` says."""
+    return cpu_model_and_flags()[0]
 
 
 def allowed_cores() -> int | None:
@@ -94,26 +108,16 @@ def allowed_cores() -> int | None:
         return None
 
 
-def _package_names() -> tuple[str, ...]:
-    names = list(BASE_PACKAGES)
-    try:  # the registry's list: every module a registered backend requires (imports no framework)
-        from mha_rosetta.backends.versions import versioned_packages
+def package_versions() -> dict[str, str]:
+    """Installed version of each package the registry names (`backends.versions.library_versions`: this
+    project, every module a registered backend requires, the supporting libraries; metadata only, nothing
+    imported); absent ones left out, and none at all where the registry cannot be read."""
+    try:
+        from mha_rosetta.backends.versions import library_versions
 
-        names += [name for name in versioned_packages() if name not in names]
+        return library_versions()
     except Exception:  # provenance must not fail because the registry could not be read
-        pass
-    return tuple(names)
-
-
-def package_versions(names: tuple[str, ...] | None = None) -> dict[str, str]:
-    """Installed version of each package (metadata only, nothing imported); absent ones left out."""
-    versions = {}
-    for name in _package_names() if names is None else names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
+        return {}
 
 
 def tool_version() -> str:

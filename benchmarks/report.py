@@ -82,8 +82,8 @@ import sys
 from pathlib import Path
 
 from mha_rosetta.backends.versions import library_versions
-from mha_rosetta.report.provenance import provenance
 
+from .provenance import cpu_model_and_flags, provenance
 from .rounds import (
     DRIFT_THRESHOLD,
     FINISHED_STATUSES,
@@ -100,28 +100,9 @@ READABLE_SCHEMAS = (1, 2, 3)
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
 PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
-INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
 
 
 # -- machine ----------------------------------------------------------------------------------
-
-
-def cpu_model_and_flags() -> tuple[str, list[str]]:
-    """The CPU's model name and its vector-unit flags, from /proc/cpuinfo where it exists."""
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return model, flags
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("model name", "Model") and value.strip():
-            model = value.strip()
-        elif name in ("flags", "Features") and not flags:
-            present = set(value.split())
-            flags = [flag for flag in INTERESTING_CPU_FLAGS if flag in present]
-    return model, flags
 
 
 def blas_pools(gemm_peaks: list[dict]) -> list[dict]:
@@ -396,7 +377,7 @@ def assemble_report(
         "schema": SCHEMA_VERSION,
         "complete": complete,
         "machine": machine if machine is not None else machine_info(gemm_peaks),
-        "provenance": provenance(),  # mha_rosetta.report.provenance: commit, host, CPU, command line
+        "provenance": provenance(),  # benchmarks.provenance: commit, host, CPU, command line
         "settings": settings,
         "gemm_peak_gflops": primary_gflops,
         "gemm_peak_key": primary_key,

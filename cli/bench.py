@@ -404,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
 
     if args.questions_only:
-        from mha_rosetta.report.provenance import provenance
+        from mha_rosetta.benchmarks.provenance import provenance
 
         answers = speed_questions.run_speed_questions(
             threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
@@ -545,8 +545,8 @@ def _run_decode(args: argparse.Namespace) -> int:
     )
     from mha_rosetta.benchmarks.partial import default_partial_path
     from mha_rosetta.benchmarks.plan import resolve_implementations
+    from mha_rosetta.benchmarks.provenance import host_id
     from mha_rosetta.core.errors import INTERRUPTED
-    from mha_rosetta.report.provenance import host_id
 
     partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     try:

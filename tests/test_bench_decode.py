@@ -459,7 +459,7 @@ def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_res
 def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, capsys):
     from mha_rosetta.benchmarks.decode import check_decode_partial
     from mha_rosetta.benchmarks.partial import append_entry
-    from mha_rosetta.report.provenance import host_id
+    from mha_rosetta.benchmarks.provenance import host_id
 
     forward = tmp_path / "forward.partial.jsonl"
     append_entry(forward, {"type": "header", "schema": 1, "settings": {"seed": 3}})
@@ -481,8 +481,8 @@ def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, c
 def test_the_preset_layer_has_no_biases_and_a_schema_1_file_had_them(tmp_path):
     """The decode layer is Llama's (no biases; MHAConfig.bias reaches every cell); a schema-1 file, whose cells
     do not say, is read as the biased layer it timed, so a baseline never pairs the two layers."""
-    from mha_rosetta.benchmarks.verdict import comparison_key
     from mha_rosetta.benchmarks.report import load_report
+    from mha_rosetta.benchmarks.verdict import comparison_key
     from mha_rosetta.report.compare import decode_shape_label
 
     settings = decode_settings("decode")

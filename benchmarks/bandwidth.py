@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
-from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
+from .gemm import best_uncontended
+from .pinning import DEFAULT_MALLOC_MODE, malloc_env
 
 if TYPE_CHECKING:
     from mha_rosetta.backends.frameworks import CopyProgram
@@ -220,29 +221,18 @@ def measure_bandwidth(
             by_library[library] = {"status": "unsupported", "error": reason}
             continue
         spec = dict(library=library, device=device, array_mb=size_mb, threads=threads, cpus=cpus, policy=policy or {})
-        best = run_fresh(
-            "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
-        )
-        attempts = 1
-        while attempts <= retries and best.get("status") == "ok" and _contended(best, device, threads):
-            again = run_fresh(
+
+        def run(_best: dict | None, spec: dict = spec) -> dict:
+            return run_fresh(
                 "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
             )
-            attempts += 1
-            if again.get("status") == "ok" and again["gbps"] > best["gbps"]:
-                best = again
-        best["attempts"] = attempts
-        by_library[library] = best
+
+        by_library[library] = best_uncontended(run, "gbps", device, threads, retries)
     record = summarize_bandwidth(device, threads, by_library)
     record.update(array_mb=size_mb, array_rule=why, llc_bytes=llc, malloc=malloc)
     warning = cache_warning(int(size_mb * 2**20), llc)
     record["warnings"] = [warning] if warning else []
     return record
-
-
-def _contended(result: dict, device: str, threads: int) -> bool:
-    util = result.get("cpu_util")
-    return device == "cpu" and threads == 1 and util is not None and util < CONTENDED_BELOW
 
 
 def summarize_bandwidth(device: str, threads: int, by_library: dict[str, dict]) -> dict:

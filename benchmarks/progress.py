@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from mha_rosetta.backends import REGISTRY
 from mha_rosetta.backends.frameworks import FRAMEWORKS, LIBRARY_STARTUP_S, startup_s
@@ -86,6 +87,16 @@ class Progress:
             self._task = self._rich.add_task("round 1", total=visits)
         except ImportError:
             self._rich = None
+
+    def each_round(self, orders: list, wall_s: list[float]):
+        """(round index, its visit order) for each round of a sweep, forward or decode: the round started and ended
+        on the bars around the caller's visits, and its wall time appended to ``wall_s`` once it is done."""
+        for index, order in enumerate(orders):
+            self.start_round(index)
+            started = time.perf_counter()
+            yield index, order
+            wall_s.append(time.perf_counter() - started)
+            self.end_round()
 
     def start_round(self, index: int) -> None:
         self.round, self.done = index, 0

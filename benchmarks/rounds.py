@@ -38,10 +38,10 @@ reference ``i``. A cell then also has:
 - ``ratio_median``: the median of all its paired ratios (every round's pooled), and
   ``round_ratio_medians`` one per round; ``round_reference_medians_s`` each visit's median
   reference time;
-- and, set by `report.correct_cell` (it needs the run's median reference, so every cell): the
+- and, set by `correction.correct_cell` (it needs the run's median reference, so every cell): the
   control-variate correction, each sample x (the run's median reference / its own reference)
   ^ beta, with beta the cell's own slope of log(sample) on log(reference), clipped to [0, 1]
-  (`report.reference_fit`). ``corrected_median_s``, ``corrected_round_medians_s``,
+  (`correction.reference_fit`). ``corrected_median_s``, ``corrected_round_medians_s``,
   ``corrected_spread_s`` and ``corrected_drift`` come from the corrected samples; with them, it
   is ``corrected_drift``, not the raw ``round_drift``, that flags the cell (``drift``).
 

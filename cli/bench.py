@@ -381,9 +381,8 @@ def run(args: argparse.Namespace) -> int:
     from mha_rosetta.benchmarks.partial import default_partial_path, partial_header
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
-    from mha_rosetta.benchmarks.report import assemble_report, failed_cells
+    from mha_rosetta.benchmarks.report import assemble_report
     from mha_rosetta.benchmarks.sweep import expand_cells, run_sweep
-    from mha_rosetta.core.errors import INTERRUPTED
 
     if args.render:
         return _render_only(args)
@@ -447,13 +446,20 @@ def run(args: argparse.Namespace) -> int:
             report["complete"] = False
 
     _publish(args, report, baseline)
-    if outcome.interrupted:
-        print(
-            f"interrupted: {len(outcome.cells)} finished cells kept in {partial}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
+    kept = f"{len(outcome.cells)} finished cells kept in {partial}" if outcome.interrupted else None
+    return _exit_status(report, partial, kept)
+
+
+def _exit_status(report: dict, partial: Path, interrupted: str | None) -> int:
+    """How a sweep ends, forward or decode: interrupted (``interrupted`` says what was kept where), or the partial
+    file removed (the report holds everything now) and 1 when a cell failed, else 0."""
+    from mha_rosetta.benchmarks.report import failed_cells
+    from mha_rosetta.core.errors import INTERRUPTED
+
+    if interrupted is not None:
+        print(f"interrupted: {interrupted}; rerun with --resume to finish", file=sys.stderr)
         return INTERRUPTED
-    partial.unlink(missing_ok=True)  # the report holds everything now
+    partial.unlink(missing_ok=True)
     failures = failed_cells(report)
     if failures:
         print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)
@@ -486,7 +492,7 @@ _NOT_FOR_DECODE = (
 
 
 def _decode_settings(args: argparse.Namespace):
-    from mha_rosetta.benchmarks.decode import decode_settings
+    from mha_rosetta.benchmarks.decode_sweep import decode_settings
     from mha_rosetta.benchmarks.presets import DECODE_PRESETS
 
     given = [flag for name, flag in _NOT_FOR_DECODE if getattr(args, name, None)]
@@ -526,7 +532,7 @@ def _publish_decode(args: argparse.Namespace, report: dict, baseline: dict | Non
         return plot_decode(report, directory)
 
     def docs(directory: str):
-        from mha_rosetta.benchmarks.decode import write_decode_docs
+        from mha_rosetta.benchmarks.decode_docs import write_decode_docs
 
         return write_decode_docs(report, directory, table=table)
 
@@ -534,19 +540,17 @@ def _publish_decode(args: argparse.Namespace, report: dict, baseline: dict | Non
 
 
 def _run_decode(args: argparse.Namespace) -> int:
-    """``--mode decode``: the decode sweep (`benchmarks.decode.run_decode_sweep`) and its outputs."""
+    """``--mode decode``: the decode sweep (`benchmarks.decode_sweep.run_decode_sweep`) and its outputs."""
     from mha_rosetta.backends.registry import register_path
-    from mha_rosetta.benchmarks.decode import (
+    from mha_rosetta.benchmarks.decode_sweep import (
         check_decode_partial,
         estimate_decode_seconds,
         expand_decode_cells,
-        failed_decode_cells,
         run_decode_sweep,
     )
     from mha_rosetta.benchmarks.partial import default_partial_path
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.benchmarks.provenance import host_id
-    from mha_rosetta.core.errors import INTERRUPTED
 
     partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     try:
@@ -574,15 +578,5 @@ def _run_decode(args: argparse.Namespace) -> int:
     )
     report = run_decode_sweep(settings, labels, progress=not args.no_progress, partial_path=partial, resume=args.resume)
     _publish_decode(args, report, baseline)
-    if not report["complete"]:
-        print(
-            f"interrupted: the finished cells are in the report and in {partial}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return INTERRUPTED
-    partial.unlink(missing_ok=True)  # the report holds everything now
-    failures = failed_decode_cells(report)
-    if failures:
-        print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)
-        return 1
-    return 0
+    kept = None if report["complete"] else f"the finished cells are in the report and in {partial}"
+    return _exit_status(report, partial, kept)

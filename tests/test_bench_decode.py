@@ -22,26 +22,16 @@ from mha_rosetta.benchmarks.bandwidth import (
     cache_warning,
     copy_bytes,
     copy_program,
+    enrich_decode_cell,
     kv_read_bytes,
     last_level_cache_bytes,
     limit_fraction,
     limit_seconds,
     weight_bytes,
 )
-from mha_rosetta.benchmarks.decode import (
-    BEGIN,
-    END,
-    DecodeCellSpec,
-    decode_config,
-    decode_record,
-    decode_settings,
-    enrich_decode_cell,
-    expand_decode_cells,
-    parent_reason,
-    readme_block,
-    run_decode_cell,
-    time_prepared,
-)
+from mha_rosetta.benchmarks.decode import DecodeCellSpec, decode_config, decode_record, run_decode_cell, time_prepared
+from mha_rosetta.benchmarks.decode_docs import BEGIN, END, readme_block
+from mha_rosetta.benchmarks.decode_sweep import decode_settings, expand_decode_cells, parent_reason
 from mha_rosetta.benchmarks.markdown import decode_markdown, decode_row
 from mha_rosetta.benchmarks.pinning import choose_cpus
 from mha_rosetta.benchmarks.timing import RepeatPolicy
@@ -269,7 +259,7 @@ def test_the_presets_cells():
 
 
 def test_the_estimate_counts_the_cells_that_can_run(fake):
-    from mha_rosetta.benchmarks.decode import estimate_decode_seconds
+    from mha_rosetta.benchmarks.decode_sweep import estimate_decode_seconds
     from mha_rosetta.benchmarks.progress import _startup_s, _timed_s
 
     settings = decode_settings("decode-quick", rounds=2)
@@ -312,7 +302,7 @@ def test_bench_mode_decode_quick_end_to_end(fake, tmp_path, capsys):
         assert cell["bandwidth_gbps"] == report["bandwidth"][0]["gbps"]
         assert cell["limit_s"] == pytest.approx(cell["kv_read_bytes"] / (cell["bandwidth_gbps"] * 1e9))
         assert cell["limit_fraction"] == pytest.approx(cell["limit_s"] / cell["step_s"])
-        # The published figure: the drift-corrected one (`report.correct_cell`), which is the raw median where
+        # The published figure: the drift-corrected one (`correction.correct_cell`), which is the raw median where
         # the step's samples did not follow their references (beta 0: on a loaded machine the tiny quick steps can).
         assert cell["step_s"] == cell["corrected_median_s"] and 0.0 <= cell["reference_beta"] <= 1.0
         if cell["reference_beta"] == 0.0:
@@ -423,7 +413,7 @@ class FakeDecodeRunners:
 
 
 def _sweep(runners, partial, resume=False, seed=None):
-    from mha_rosetta.benchmarks.decode import run_decode_sweep
+    from mha_rosetta.benchmarks.decode_sweep import run_decode_sweep
 
     settings = decode_settings("decode-quick", implementations=["numpy"], rounds=2, seed=seed, **SMALL)
     return run_decode_sweep(
@@ -433,7 +423,7 @@ def _sweep(runners, partial, resume=False, seed=None):
 
 
 def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_rest(tmp_path):
-    from mha_rosetta.benchmarks.decode import load_decode_partial
+    from mha_rosetta.benchmarks.decode_sweep import load_decode_partial
 
     partial = tmp_path / "decode.partial.jsonl"
     first = FakeDecodeRunners(stop_after=5, fail={(1024, None)})  # 4 cells a round (256, 1024; W=128 at both)
@@ -457,7 +447,7 @@ def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_res
 
 
 def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, capsys):
-    from mha_rosetta.benchmarks.decode import check_decode_partial
+    from mha_rosetta.benchmarks.decode_sweep import check_decode_partial
     from mha_rosetta.benchmarks.partial import append_entry
     from mha_rosetta.benchmarks.provenance import host_id
 

@@ -145,7 +145,7 @@ def test_bench_report_has_provenance_beside_machine():
 
 
 def test_the_decode_bench_and_decode_check_json_have_provenance(tmp_path):
-    from mha_rosetta.benchmarks.decode import assemble_decode_report, decode_settings
+    from mha_rosetta.benchmarks.decode_sweep import assemble_decode_report, decode_settings
     from mha_rosetta.cli.main import main
 
     report = assemble_decode_report(decode_settings("decode-quick").as_dict(), [], [])

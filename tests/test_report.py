@@ -264,7 +264,8 @@ def test_help_says_the_rules(capsys):
 def decode_file(path: Path, cells: list[tuple], *, host: str, gbps: float = 8.0) -> Path:
     """A decode report assembled as `bench --mode decode` assembles it, from hand-made cells:
     (implementation, context, window, median_s, [round low, round high])."""
-    from mha_rosetta.benchmarks.decode import DecodeCellSpec, assemble_decode_report, decode_record, decode_settings
+    from mha_rosetta.benchmarks.decode import DecodeCellSpec, decode_record
+    from mha_rosetta.benchmarks.decode_sweep import assemble_decode_report, decode_settings
 
     records = []
     for name, context, window, median, spread in cells:

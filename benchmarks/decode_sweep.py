@@ -178,6 +178,17 @@ def estimate_decode_seconds(settings: DecodeSettings, cells: list[DecodeCellSpec
     return settings.rounds * (per_round + bandwidth)
 
 
+def describe_decode_estimate(settings: DecodeSettings, cells: list[DecodeCellSpec]) -> str:
+    """One line for the terminal: how many cells and rounds, and about how long (`estimate_decode_seconds`)."""
+    from .progress import duration_text
+
+    return (
+        f"decode, {len(cells)} cells x {settings.rounds} round(s) after each round's copy bandwidth: about "
+        f"{duration_text(estimate_decode_seconds(settings, cells))} (estimated from the repeat policy and typical "
+        "start-up times)"
+    )
+
+
 CellRunner = Callable[[DecodeCellSpec, float], dict]
 BandwidthRunner = Callable[..., dict]
 

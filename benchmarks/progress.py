@@ -50,10 +50,14 @@ def estimate_seconds(settings, cells: list[CellSpec]) -> dict:
     }  # fmt: skip
 
 
+def duration_text(seconds: float) -> str:
+    """An estimated duration as the terminal says it: ``40 s``, or ``3.6 min`` from 90 s on."""
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def describe_estimate(estimate: dict) -> str:
     """One line for the terminal: ``16 cells x 3 rounds x ~4.1 s + GEMM peaks ~20 s: about 3.6 min``."""
-    total = estimate["total_s"]
-    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
+    when = duration_text(estimate["total_s"])
     return (
         f"{estimate['cells']} cells x {estimate['rounds']} round(s) x "
         + (f"{estimate['visits']} visits x " if estimate.get("visits", 1) > 1 else "")

@@ -357,14 +357,14 @@ def test_the_markdown_and_readme_block_of_a_report_without_measurements():
 
 
 def test_contexts_set_the_full_and_the_windowed_row():
-    from mha_rosetta.cli.bench import _decode_settings
+    from mha_rosetta.cli.bench_decode import decode_settings_of
     from mha_rosetta.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--mode", "decode", "--contexts", "512,2048", "--repeats", "9"])
-    settings = _decode_settings(args)
+    settings = decode_settings_of(args)
     assert settings.contexts == [512, 2048] and settings.window_contexts == [512, 2048]
     assert settings.policy["min_repeats"] == 9 and settings.window == 4096 and settings.preset == "decode"
-    quick = _decode_settings(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
+    quick = decode_settings_of(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
     assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]
 
 

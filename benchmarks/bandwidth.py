@@ -5,8 +5,8 @@ key and value. Its physical limit is not the GEMM peak but the memory bandwidth,
 --mode decode`` measures that in the same run as its cells, the same way as the GEMM peak
 (`gemm`): in fresh pinned processes, with the cells' threads and allocator rule, warm-up, then
 adaptive repeats (`timing.time_repeats`), the median kept with the IQR and the round spread;
-once per library that can do the copy (NumPy on a CPU, PyTorch on a CPU and a GPU), the best
-named.
+once per library of the framework layer that offers the copy (`Framework.copy_program`: NumPy on a
+CPU, PyTorch on a CPU and a GPU), the best named.
 
 The workload is STREAM's *copy* (``dst[:] = src``), counted as STREAM counts it: 2 x the array's
 bytes per copy (one read, one write; the write-allocate read a CPU may add is not counted, as in
@@ -19,7 +19,7 @@ use, and at least `LLC_FACTOR` x the last-level cache where `last_level_cache_by
 unless the memory budget forbids (the record then says so: a copy that partly runs from cache
 overstates the bandwidth). Both arrays are written once before timing, so page faults are not
 timed. On a GPU (PyTorch's ``copy_`` on the device, float32) the samples are back-to-back copies
-closed by one synchronisation (`gemm.time_back_to_back`), as for the GPU GEMM peak.
+closed by one synchronisation (`gemm.time_program`), as for the GPU GEMM peak.
 
 The limit of one decode step (`kv_read_bytes`, `limit_seconds`): the bytes of K and V it must
 read, ``B x slots x Hkv x (Dk + Dv) x itemsize`` with ``slots`` the context (with a window at most
@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
-from .pinning import CONTENDED_BELOW, DEFAULT_MALLOC_MODE, malloc_env
+from .gemm import best_uncontended
+from .pinning import DEFAULT_MALLOC_MODE, malloc_env
 
-BANDWIDTH_LIBRARIES = ("numpy", "torch")  # the libraries offered, in the order they are measured
+if TYPE_CHECKING:
+    from mha_rosetta.backends.frameworks import CopyProgram
+
 DEFAULT_ARRAY_MB = 512  # per array on a CPU: two of them are live (1 GiB in all)
 GPU_ARRAY_MB = 1024  # per array on a GPU: far beyond any GPU's L2 (an H200's is 60 MiB)
 LLC_FACTOR = 4  # an array at least this many times the last-level cache
@@ -70,65 +73,52 @@ def last_level_cache_bytes(root: str | Path = "/sys/devices/system/cpu/cpu0/cach
     return None if best is None else best[1]
 
 
+def _frameworks() -> dict:
+    # The framework layer's libraries, in its order; imported when asked (a measured child pins itself first).
+    from mha_rosetta.backends.frameworks import FRAMEWORKS
+
+    return FRAMEWORKS
+
+
+def bandwidth_libraries() -> list[str]:
+    """The libraries offered, in the order they are measured: the framework layer's with a copy program."""
+    from mha_rosetta.backends.frameworks import copy_libraries
+
+    return copy_libraries()
+
+
 def unsupported_reason(library: str, device: str) -> str | None:
-    """Why ``library`` cannot measure a copy on ``device`` here, or None."""
-    if library not in BANDWIDTH_LIBRARIES:
-        return f"library must be one of {', '.join(BANDWIDTH_LIBRARIES)}, got {library!r}"
+    """Why ``library`` cannot measure a copy on ``device`` here, or None (then `Framework.copy_unsupported`)."""
+    offered = bandwidth_libraries()
+    if library not in offered:
+        return f"library must be one of {', '.join(offered)}, got {library!r}"
     if device not in ("cpu", "gpu"):
         return f"device must be 'cpu' or 'gpu', got {device!r}"
     if importlib.util.find_spec(library) is None:
         return f"{library} is not installed"
-    if library == "numpy" and device == "gpu":
-        return "NumPy has no GPU: the device copy is PyTorch's"
-    return None
+    return _frameworks()[library].copy_unsupported(device)
 
 
-def copy_program(library: str, array_bytes: int, device: str) -> tuple[Callable[[], None], Callable[[], None], dict]:
-    """(launch, sync, facts) of one copy of an ``array_bytes`` array; facts: elements, itemsize, moved_bytes,
-    and ``arrays`` (source, destination) so that a caller can check what was copied."""
-    if library == "numpy":
-        import numpy as np
-
-        elements = max(1, array_bytes // 8)
-        src = np.arange(elements, dtype=np.float64)  # (elements,) written here: its pages are faulted in
-        dst = np.zeros_like(src)  # np.zeros may map untouched pages: the first copy below faults them in
-
-        def launch() -> None:
-            np.copyto(dst, src)
-
-        def sync() -> None:
-            return None
-
-        facts = {"library": "numpy", "version": np.__version__, "dtype": "float64", "itemsize": 8}
-    elif library == "torch":
-        import torch
-
-        target = "cuda" if device == "gpu" else "cpu"
-        elements = max(1, array_bytes // 4)
-        src = torch.arange(elements, dtype=torch.float32, device=target)  # exact up to 2**24, enough to check
-        dst = torch.zeros_like(src)
-
-        def launch() -> None:
-            dst.copy_(src)
-
-        def sync() -> None:
-            if target == "cuda":
-                torch.cuda.synchronize()
-
-        facts = {"library": "torch", "version": torch.__version__, "dtype": "float32", "itemsize": 4}
-    else:
-        raise ValueError(f"library must be one of {', '.join(BANDWIDTH_LIBRARIES)}, got {library!r}")
+def copy_program(library: str, array_bytes: int, device: str) -> CopyProgram:
+    """(launch, sync, facts) of one copy of an ``array_bytes`` array (`Framework.copy_program`), its destination
+    touched once, untimed; facts: elements, itemsize, moved_bytes, and ``arrays`` (source, destination) so that
+    a caller can check what was copied."""
+    offered = bandwidth_libraries()
+    program = _frameworks()[library].copy_program(array_bytes, device) if library in offered else None
+    if program is None:
+        raise ValueError(f"library must be one of {', '.join(offered)}, got {library!r}")
+    launch, sync, facts = program
     launch()  # the first touch of the destination, untimed
     sync()
-    facts.update(elements=elements, moved_bytes=copy_bytes(elements, facts["itemsize"]), arrays=(src, dst))
+    facts["moved_bytes"] = copy_bytes(facts["elements"], facts["itemsize"])
     return launch, sync, facts
 
 
 def measure(spec: dict) -> dict:
     """Time the copy in this process (a fresh pinned child)."""
     from . import pinning
-    from .gemm import time_back_to_back
-    from .timing import RepeatPolicy, time_repeats, warm_up
+    from .gemm import time_program
+    from .timing import RepeatPolicy
 
     library, device = spec["library"], spec.get("device", "cpu")
     reason = unsupported_reason(library, device)
@@ -142,16 +132,7 @@ def measure(spec: dict) -> dict:
         launch, sync, facts = copy_program(library, array_bytes, device)
         facts.pop("arrays")
         pools = pinning.thread_pool_report()
-        if device == "gpu":
-            timings = time_back_to_back(launch, sync, policy)
-        else:
-
-            def run_once() -> None:
-                launch()
-                sync()
-
-            warm_up(run_once, policy)
-            timings = time_repeats(run_once, policy)
+        timings = time_program(launch, sync, policy, device)
     moved = facts["moved_bytes"]
     cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
     return {
@@ -234,35 +215,24 @@ def measure_bandwidth(
     llc = last_level_cache_bytes() if device == "cpu" else None
     size_mb, why = array_mb_for(device, array_mb, llc, _available_mb() if device == "cpu" else None)
     by_library: dict[str, dict] = {}
-    for library in BANDWIDTH_LIBRARIES if libraries is None else libraries:
+    for library in bandwidth_libraries() if libraries is None else libraries:
         reason = unsupported_reason(library, device)
         if reason:
             by_library[library] = {"status": "unsupported", "error": reason}
             continue
         spec = dict(library=library, device=device, array_mb=size_mb, threads=threads, cpus=cpus, policy=policy or {})
-        best = run_fresh(
-            "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
-        )
-        attempts = 1
-        while attempts <= retries and best.get("status") == "ok" and _contended(best, device, threads):
-            again = run_fresh(
+
+        def run(_best: dict | None, spec: dict = spec) -> dict:
+            return run_fresh(
                 "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
             )
-            attempts += 1
-            if again.get("status") == "ok" and again["gbps"] > best["gbps"]:
-                best = again
-        best["attempts"] = attempts
-        by_library[library] = best
+
+        by_library[library] = best_uncontended(run, "gbps", device, threads, retries)
     record = summarize_bandwidth(device, threads, by_library)
     record.update(array_mb=size_mb, array_rule=why, llc_bytes=llc, malloc=malloc)
     warning = cache_warning(int(size_mb * 2**20), llc)
     record["warnings"] = [warning] if warning else []
     return record
-
-
-def _contended(result: dict, device: str, threads: int) -> bool:
-    util = result.get("cpu_util")
-    return device == "cpu" and threads == 1 and util is not None and util < CONTENDED_BELOW
 
 
 def summarize_bandwidth(device: str, threads: int, by_library: dict[str, dict]) -> dict:

@@ -1,8 +1,10 @@
 """A report against a saved baseline: which cells moved beyond the threshold and beyond noise.
 
 Forward (and forward+backward) reports and decode reports (``bench --mode decode``, ``"kind": "decode"``)
-are compared by the same rule; a cell is matched by its identity (`comparison_key`: a decode cell's
-context, window and step among it), and a report is compared only with a baseline of its own kind.
+are compared by the one rule that ``report --fail-on-regression`` and ``bench --compare`` read too
+(`benchmarks.verdict`): a cell is matched by its identity (`comparison_key`: a decode cell's context,
+window and step among it), read by its figure and range (`cell_figure`), and judged by `verdict`; a
+report is compared only with a baseline of its own kind.
 
 Paired reports (schema 2 and later) are also compared **at one host speed**, as ``bench --compare``
 does (`benchmarks.rerun`): each run's corrected figures are in that run's milliseconds, put at its own
@@ -16,33 +18,25 @@ baseline from another machine, the reference's own speed is part of what changed
 
 from __future__ import annotations
 
-from .decode import DECODE_IDENTITY
-from .decode import KIND as DECODE_KIND
-from .report import READABLE_SCHEMAS, headline_peak
-from .rounds import cell_interval, cell_time, intervals_overlap, is_corrected
+from .report import READABLE_SCHEMAS, cell_label, headline_peak
+from .rounds import is_corrected
+from .verdict import (
+    DECODE_KIND,
+    RULE,
+    cell_figure,
+    check_same_kind,
+    comparison_key,
+    host_scale,
+    is_decode_cell,
+    overlaps,
+    report_kind,
+    verdict,
+)
 
 BASELINE_THRESHOLD = 0.10
-FORWARD_KEY = ("implementation", "device", "dtype", "batch", "tokens", "kv_tokens", "d_model", "heads", "threads")
-# A decode cell's identity (`decode.DECODE_IDENTITY`) without the allocator rule, which the forward key leaves out too.
-DECODE_KEY = tuple(name for name in DECODE_IDENTITY if name != "malloc")
 # What a comparison row says of its cell, besides the figures.
 FORWARD_ROW = ("implementation", "device", "dtype", "batch", "tokens", "d_model", "heads")
 DECODE_ROW = ("implementation", "device", "dtype", "batch", "context", "window", "step", "d_model", "heads", "cache")
-
-
-def report_kind(report: dict) -> str:
-    """``"decode"`` for a ``bench --mode decode`` report, ``"forward"`` for every other bench report."""
-    return DECODE_KIND if report.get("kind") == DECODE_KIND else "forward"
-
-
-def is_decode_cell(cell: dict) -> bool:
-    return cell.get("mode") == DECODE_KIND
-
-
-def comparison_key(cell: dict) -> tuple:
-    if is_decode_cell(cell):
-        return (*(cell.get(name) for name in DECODE_KEY), DECODE_KIND)
-    return (*(cell.get(name) for name in FORWARD_KEY), cell.get("mode", "fwd"))
 
 
 def cell_where(row: dict) -> str:
@@ -54,57 +48,26 @@ def cell_where(row: dict) -> str:
     return text + (f" cache={row['cache']}" if row.get("cache") else "")
 
 
+# A forward cell's mode and variant, where it has them: part of its name (`report.cell_label`: ``numpy fwd+bwd [softcap]``).
+FORWARD_NAME = ("mode", "variant")
+
+
 def _row_fields(cell: dict) -> dict:
-    return {name: cell.get(name) for name in (DECODE_ROW if is_decode_cell(cell) else FORWARD_ROW)}
-
-
-def run_reference_s(cell: dict, report: dict) -> float | None:
-    """The run's median time of the reference product ``cell`` was paired with (None: unpaired)."""
-    from .gemm import reference_key
-
-    if not cell.get("reference"):
-        return None
-    workloads = (report.get("reference") or {}).get("workloads") or {}
-    return (workloads.get(reference_key(cell["reference"])) or {}).get("median_s")
-
-
-def host_scale(cell: dict, report: dict, before: dict, baseline: dict) -> float | None:
-    """The baseline's median reference over the report's, for two corrected cells paired with the same
-    reference workload (`gemm.reference_key`): the factor that puts the report's figures at the baseline
-    host's speed. None when either cell is raw or unpaired, or the two were paired with different products."""
-    from .gemm import reference_key
-
-    if not (is_corrected(cell) and is_corrected(before) and cell.get("reference") and before.get("reference")):
-        return None
-    if reference_key(cell["reference"]) != reference_key(before["reference"]):
-        return None
-    now, then = run_reference_s(cell, report), run_reference_s(before, baseline)
-    return then / now if now and then else None
-
-
-def _verdict(ratio: float, overlap: bool, threshold: float) -> str:
-    return ("slower" if ratio > 1.0 else "faster") if abs(ratio - 1.0) > threshold and not overlap else "same"
-
-
-def check_same_kind(report: dict, baseline: dict, option: str = "--baseline", names=("this report", "the baseline")):
-    """ValueError naming ``option`` unless ``report`` and ``baseline`` are both decode reports or both forward ones."""
-    mine, theirs = report_kind(report), report_kind(baseline)
-    if mine != theirs:
-        raise ValueError(
-            f"{option}: {names[1]} is a {theirs} bench report and {names[0]} a {mine} one; only reports of one kind "
-            "are compared (a decode step and a forward share no cell)"
-        )
+    if is_decode_cell(cell):
+        return {name: cell.get(name) for name in DECODE_ROW}
+    named = {name: cell[name] for name in FORWARD_NAME if cell.get(name) is not None}
+    return {**{name: cell.get(name) for name in FORWARD_ROW}, **named}
 
 
 def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELINE_THRESHOLD) -> dict:
     """Time of every cell against the same cell in ``baseline``, with their intervals.
 
-    The time is `rounds.cell_time`: the drift-corrected median where a cell has one (schema
-    2), else the raw median; ``corrected`` says which, for the baseline and the report.
+    By `benchmarks.verdict`'s rule: the time is the drift-corrected median where a cell has one
+    (schema 2), else the raw median (``corrected`` says which, for the baseline and the report).
     A change counts ("slower" or "faster") only when the times differ by more than
-    ``threshold`` (0.10 = 10%) *and* the two cells' intervals (`rounds.cell_interval`: the
-    range of their round figures; a report without rounds has its median alone) do not overlap;
-    a change beyond the threshold whose intervals overlap is "within noise". Cells present
+    ``threshold`` (0.10 = 10%) *and* the two cells' intervals (the range of their round figures;
+    a cell without rounds is its figure alone) do not overlap; a change beyond the threshold
+    whose intervals overlap is "within noise". Cells present
     on one side only are listed, as are cells that stopped working. The two headline GEMM
     peaks are set side by side (``gemm_peak``): when the peak moved too, the machine
     changed, not (only) the implementations.
@@ -127,14 +90,14 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
             continue
         if before.get("status") != "ok" or cell.get("status") != "ok":
             continue
-        ratio = cell_time(cell) / cell_time(before)
-        overlap = intervals_overlap(cell_interval(cell), cell_interval(before))
-        verdict = _verdict(ratio, overlap, threshold)
+        now, then = cell_figure(cell), cell_figure(before)
+        ratio = now.seconds / then.seconds
+        change = verdict(now, then, threshold)
         row = {
             **_row_fields(cell),
-            "baseline_median_s": cell_time(before), "median_s": cell_time(cell), "ratio": ratio, "change": verdict,
+            "baseline_median_s": then.seconds, "median_s": now.seconds, "ratio": ratio, "change": change,
             "corrected": [is_corrected(before), is_corrected(cell)],
-            "baseline_spread_s": cell_interval(before), "spread_s": cell_interval(cell), "intervals_overlap": overlap,
+            "baseline_spread_s": then.interval, "spread_s": now.interval, "intervals_overlap": overlaps(now, then),
         }  # fmt: skip
         # The same rule at one host speed: the report's figure and range x (the baseline's median reference /
         # the report's), both runs in the unit of the reference product's time (`benchmarks.rerun`'s reason).
@@ -142,17 +105,16 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
         if scale is not None:
             row["host_scale"] = scale
             row["host_ratio"] = ratio * scale
-            host_overlap = intervals_overlap([value * scale for value in cell_interval(cell)], cell_interval(before))
-            row["host_change"] = _verdict(row["host_ratio"], host_overlap, threshold)
+            row["host_change"] = verdict(now.scaled(scale), then, threshold)
         rows.append(row)
-        if verdict != "same":
+        if change != "same":
             flagged.append(row)
         elif abs(ratio - 1.0) > threshold:
             noise.append(row)
     scales = sorted({row["host_scale"] for row in rows if "host_scale" in row})
     return {
         "threshold": threshold,
-        "rule": "a change counts when the medians differ by more than the threshold and the intervals do not overlap",
+        "rule": RULE,
         "gemm_peak": _peak_change(report, baseline),
         **({"bandwidth": _bandwidth_change(report, baseline)} if report_kind(report) == DECODE_KIND else {}),
         # The host's speed between the runs (the reference product's run median, report over baseline), and the
@@ -191,7 +153,12 @@ def _bandwidth_change(report: dict, baseline: dict) -> list[dict]:
 
 def _row_name(row: dict) -> str:
     """A compared cell as the list names it: the implementation in backticks, then device, dtype and size."""
-    return f"`{row['implementation']}` {row['device']} {row['dtype']} {cell_where(row)}"
+    return f"`{_label(row)}` {row['device']} {row['dtype']} {cell_where(row)}"
+
+
+def _label(row: dict) -> str:
+    """The implementation as the tables name it: a forward cell's mode and variant with it (`report.cell_label`)."""
+    return row["implementation"] if "context" in row else cell_label(row)
 
 
 def _signed_percent(change: float) -> str:
@@ -257,7 +224,7 @@ def baseline_markdown(comparison: dict) -> str:
             f"{_interval_ms(row['baseline_spread_s'])} and {_interval_ms(row['spread_s'])} ms)"
         )
     for row in comparison["stopped_working"]:
-        lines.append(f"- `{row['implementation']}` {cell_where(row)}: worked in the baseline, now {row['status']}")
+        lines.append(f"- `{_label(row)}` {cell_where(row)}: worked in the baseline, now {row['status']}")
     if not comparison["flagged"] and not comparison["stopped_working"]:
         lines.append(f"- no change beyond {threshold:.0%}")
     return "\n".join(lines) + "\n"

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from .flops import mode_flops
 from .fresh import child_main, error_result, run_fresh
@@ -67,8 +67,43 @@ def implementation_label(backend: str, strategy: str) -> str:
     return backend if strategy == STANDARD_STRATEGY else f"{backend}:{strategy}"
 
 
+class MeasuredSpec:
+    """What the spec of a measured cell shares, forward (`CellSpec`) or decode (`decode.DecodeCellSpec`), each a
+    dataclass of plain data that travels as JSON: the implementation label split into backend and strategy, a
+    resume key from its `identity`, and its JSON form."""
+
+    spec_name = "cell spec"  # what its errors call it
+    implementation: str
+
+    @property
+    def backend(self) -> str:
+        return split_implementation(self.implementation)[0]
+
+    @property
+    def strategy(self) -> str:
+        return split_implementation(self.implementation)[1]
+
+    def identity(self) -> dict:
+        raise NotImplementedError
+
+    def key(self) -> str:
+        """A stable string for resuming: equal keys mean the same measurement."""
+        return json.dumps(self.identity(), sort_keys=True)
+
+    def to_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]  # every subclass is a dataclass
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        known = {spec_field.name for spec_field in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.spec_name} fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
 @dataclass
-class CellSpec:
+class CellSpec(MeasuredSpec):
     """Everything a child needs to measure one cell. Plain data: it travels as JSON."""
 
     implementation: str
@@ -100,33 +135,10 @@ class CellSpec:
         mode_flops(1, self.mode)  # validates the timing mode
         check_variant(self.variant)
 
-    @property
-    def backend(self) -> str:
-        return split_implementation(self.implementation)[0]
-
-    @property
-    def strategy(self) -> str:
-        return split_implementation(self.implementation)[1]
-
     def identity(self) -> dict:
         identity = {name: getattr(self, name) for name in IDENTITY_FIELDS}
         identity = identity if self.mode == "fwd" else {**identity, "mode": self.mode}  # old records: forward
         return identity if self.variant is None else {**identity, "variant": self.variant}  # old records: plain
-
-    def key(self) -> str:
-        """A stable string for resuming: equal keys mean the same measurement."""
-        return json.dumps(self.identity(), sort_keys=True)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CellSpec:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown cell spec fields {unknown}; known: {sorted(known)}")
-        return cls(**data)
 
 
 def cell_key(result: dict) -> str:

@@ -7,8 +7,9 @@ callable waits for its result (CUDA synchronisation), so asynchronous work is ti
 
 Row samples everywhere (``X`` is ``(B, N, D)``), weights in the ``(out, in)`` layout of
 ``nn.Linear`` — the convention of the column/row-sample article's examples. NumPy and PyTorch variants are
-written the way a user of that library would write them. Frameworks are imported inside
-the builders: this module is imported by measured children only.
+written the way a user of that library would write them. NumPy is imported inside the builders; PyTorch,
+its device, its synchronisation and its random arrays come from the framework layer
+(`Framework.kernel_arrays`), so this module imports no framework: it is imported by measured children only.
 """
 
 from __future__ import annotations
@@ -129,25 +130,11 @@ def numpy_merge_copy(batch: int, tokens: int, heads: int, d_k: int, dtype: str =
 
 def _torch_setup(device: str, dtype: str):
     """torch, a ``sync(result)`` that waits for the device and returns the result, and ``make(*shape)``:
-    standard normal draws from one generator seeded 0, on the device in ``dtype``."""
-    import torch
+    standard normal draws from one generator seeded 0, on the device in ``dtype`` (the framework layer's
+    `Framework.kernel_arrays`, which also holds float32 products to float32 on a GPU: TF32 off)."""
+    from mha_rosetta.backends.frameworks import get_framework
 
-    target = "cuda" if device == "gpu" else "cpu"
-    if target == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
-        torch.backends.cuda.matmul.allow_tf32 = False
-    generator = torch.Generator().manual_seed(0)
-
-    def sync(result):
-        if target == "cuda":
-            torch.cuda.synchronize()
-        return result
-
-    def make(*shape):
-        return torch.randn(*shape, generator=generator).to(device=target, dtype=getattr(torch, dtype))
-
-    return torch, sync, make
+    return get_framework("torch").kernel_arrays(device, dtype)
 
 
 def torch_heads(batch: int, tokens: int, d_model: int, heads: int, dtype: str = "float32", device: str = "cpu") -> dict:

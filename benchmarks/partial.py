@@ -5,7 +5,7 @@ An interrupted sweep (Ctrl-C, a crash, a closed laptop) keeps every finished vis
 appended flushed and synced, so a kill loses at most the visit that was running; a torn
 last line is ignored when read and ended before the next one is written.
 
-The forward sweep writes ``cell`` and ``gemm`` entries; the decode sweep (`benchmarks.decode`)
+The forward sweep writes ``cell`` and ``gemm`` entries; the decode sweep (`benchmarks.decode_sweep`)
 ``decode-cell`` and ``bandwidth`` entries under a header of ``"kind": "decode"``, and each refuses
 to resume from the other's file.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from mha_rosetta.backends import REGISTRY
 from mha_rosetta.backends.frameworks import FRAMEWORKS, LIBRARY_STARTUP_S, startup_s
@@ -49,10 +50,14 @@ def estimate_seconds(settings, cells: list[CellSpec]) -> dict:
     }  # fmt: skip
 
 
+def duration_text(seconds: float) -> str:
+    """An estimated duration as the terminal says it: ``40 s``, or ``3.6 min`` from 90 s on."""
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def describe_estimate(estimate: dict) -> str:
     """One line for the terminal: ``16 cells x 3 rounds x ~4.1 s + GEMM peaks ~20 s: about 3.6 min``."""
-    total = estimate["total_s"]
-    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
+    when = duration_text(estimate["total_s"])
     return (
         f"{estimate['cells']} cells x {estimate['rounds']} round(s) x "
         + (f"{estimate['visits']} visits x " if estimate.get("visits", 1) > 1 else "")
@@ -86,6 +91,16 @@ class Progress:
             self._task = self._rich.add_task("round 1", total=visits)
         except ImportError:
             self._rich = None
+
+    def each_round(self, orders: list, wall_s: list[float]):
+        """(round index, its visit order) for each round of a sweep, forward or decode: the round started and ended
+        on the bars around the caller's visits, and its wall time appended to ``wall_s`` once it is done."""
+        for index, order in enumerate(orders):
+            self.start_round(index)
+            started = time.perf_counter()
+            yield index, order
+            wall_s.append(time.perf_counter() - started)
+            self.end_round()
 
     def start_round(self, index: int) -> None:
         self.round, self.done = index, 0

@@ -235,14 +235,22 @@ def answer_question(claim: int, measurements: list[dict]) -> dict:
 
 
 def question_targets() -> list[tuple[str, str]]:
-    """(library, device) pairs to measure: NumPy on the CPU; PyTorch on the CPU and, with a GPU, on CUDA."""
+    """(library, device) pairs to measure: each library with kernels here (`microbench.BUILDERS`: NumPy, PyTorch)
+    that is installed, on the CPU, and on the GPU too where the framework layer says it drives one and a GPU is
+    present."""
+    from mha_rosetta.backends.frameworks import get_framework
+
+    from .microbench import BUILDERS
     from .sweep import default_devices  # here, not at the top: the measured children must not import NumPy early
 
-    targets = [("numpy", "cpu")]
-    if importlib.util.find_spec("torch") is not None:
-        targets.append(("torch", "cpu"))
-        if "gpu" in default_devices():  # the sweep's test: the driver's device nodes, no framework imported
-            targets.append(("torch", "gpu"))
+    targets = []
+    for library in dict.fromkeys(library for _claim, library in BUILDERS):
+        if importlib.util.find_spec(library) is None:
+            continue
+        targets.append((library, "cpu"))
+        # The sweep's test for a GPU: the driver's device nodes, no framework imported.
+        if get_framework(library).drives_gpu and "gpu" in default_devices():
+            targets.append((library, "gpu"))
     return targets
 
 

@@ -79,7 +79,8 @@ def _with_range(cell: dict) -> str:
     return f"{_ms(cell_time(cell))} ms" + (f" ({spread})" if spread else "")
 
 
-def _pct(fraction: float | None) -> str:
+def percent(fraction: float | None) -> str:
+    """``42%``, or "" without a figure (the generated blocks' percentages, forward and decode)."""
     return "" if fraction is None else f"{100 * fraction:.0f}%"
 
 
@@ -139,7 +140,7 @@ def _table(first: list[dict], second: dict[str, dict] | None) -> list[str]:
     for cell in first:
         row = [
             f"`{cell['implementation']}`", _ms(cell_time(cell)), _range(cell), f"{published(cell, 'gflops') or 0:.1f}",
-            _pct(published(cell, "peak_fraction")), "" if cell.get("cpu_util") is None else f"{cell['cpu_util']:.2f}",
+            percent(published(cell, "peak_fraction")), "" if cell.get("cpu_util") is None else f"{cell['cpu_util']:.2f}",
         ]  # fmt: skip
         if second is not None:
             other = second.get(cell["implementation"])
@@ -150,7 +151,7 @@ def _table(first: list[dict], second: dict[str, dict] | None) -> list[str]:
                 row += [
                     _ms(cell_time(other)),
                     _range(other),
-                    _pct(published(other, "peak_fraction")),
+                    percent(published(other, "peak_fraction")),
                     f"{speedup:.2f}x",
                 ]
         rows.append(row)
@@ -325,12 +326,14 @@ def _bullets(sentences: list[str]) -> list[str]:
     return [line for sentence in sentences for line in _wrap(sentence, bullet=True)]
 
 
-def replace_block(readme: str, block: str) -> str:
-    """``readme`` with the text from `BEGIN` to `END` (inclusive) replaced by ``block``."""
-    start, end = readme.find(BEGIN), readme.find(END)
+def replace_block(readme: str, block: str, markers: tuple[str, str] = (BEGIN, END), what: str = "benchmark") -> str:
+    """``readme`` with the text from the first of ``markers`` to the second (inclusive) replaced by ``block``:
+    the benchmark block by default (`BEGIN`, `END`), the decode block with `decode_docs`' markers."""
+    begin, end_marker = markers
+    start, end = readme.find(begin), readme.find(end_marker)
     if start < 0 or end < start:
-        raise ValueError(f"the page has no generated benchmark block (the markers {BEGIN!r} ... {END!r})")
-    return readme[:start] + block.rstrip("\n") + readme[end + len(END) :]
+        raise ValueError(f"the page has no generated {what} block (the markers {begin!r} ... {end_marker!r})")
+    return readme[:start] + block.rstrip("\n") + readme[end + len(end_marker) :]
 
 
 def block_page_path(docs: str | Path) -> Path:

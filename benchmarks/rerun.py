@@ -1,7 +1,8 @@
 """Do two runs of the same sweep agree? The repeatability figures of issue 28, from two JSON files.
 
 ``bench --compare A.json B.json`` (or `compare_runs`) reports, for two reports of the same
-preset taken one after the other on one machine:
+preset taken one after the other on one machine (cells matched and read by `benchmarks.verdict`'s rule,
+as ``--baseline`` and ``report --fail-on-regression`` match and read them):
 
 - **run agreement**: for every cell measured in both, max / min - 1 of the two figures
   (`rounds.cell_time`: drift-corrected where the cells have it, raw otherwise); the target is
@@ -31,9 +32,10 @@ from __future__ import annotations
 
 import math
 
-from .baseline import cell_where, check_same_kind, comparison_key, host_scale, is_decode_cell, run_reference_s
+from .baseline import cell_where
 from .report import cell_label
 from .rounds import cell_time, is_corrected, relative_range
+from .verdict import check_same_kind, comparison_key, host_scale, is_decode_cell, run_reference_s
 
 RUN_TARGET = 0.05  # two back-to-back runs agree within this on every cell
 ROUND_TARGET = 0.10  # a cell's round figures agree within this ...
@@ -70,7 +72,7 @@ def compare_runs(first: dict, second: dict) -> dict:
         plain = [_plain_ratio(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
         references = [run_reference_s(cell, report) for cell, report in zip(pair, (first, second), strict=True)]
         # B at A's host speed: B's figure x (A's median reference / B's); None unless both are corrected and
-        # paired with one reference product (`baseline.host_scale`, the rule `--baseline` reads too).
+        # paired with one reference product (`verdict.host_scale`, the rule `--baseline` reads too).
         scale = host_scale(pair[1], second, pair[0], first)
         host = None if scale is None else [cell_time(pair[0]), cell_time(pair[1]) * scale]
         cells.append(

@@ -38,10 +38,10 @@ reference ``i``. A cell then also has:
 - ``ratio_median``: the median of all its paired ratios (every round's pooled), and
   ``round_ratio_medians`` one per round; ``round_reference_medians_s`` each visit's median
   reference time;
-- and, set by `report.correct_cell` (it needs the run's median reference, so every cell): the
+- and, set by `correction.correct_cell` (it needs the run's median reference, so every cell): the
   control-variate correction, each sample x (the run's median reference / its own reference)
   ^ beta, with beta the cell's own slope of log(sample) on log(reference), clipped to [0, 1]
-  (`report.reference_fit`). ``corrected_median_s``, ``corrected_round_medians_s``,
+  (`correction.reference_fit`). ``corrected_median_s``, ``corrected_round_medians_s``,
   ``corrected_spread_s`` and ``corrected_drift`` come from the corrected samples; with them, it
   is ``corrected_drift``, not the raw ``round_drift``, that flags the cell (``drift``).
 
@@ -134,9 +134,12 @@ def cell_time(cell: dict) -> float:
 
 
 def cell_interval(cell: dict) -> list[float]:
-    """The spread of `cell_time`: ``corrected_spread_s`` where the cell has it, else `raw_interval`."""
+    """The spread of `cell_time`: a corrected cell's ``corrected_spread_s`` (its corrected median alone where it
+    has none), a raw cell's `raw_interval`. Never the raw range of a corrected figure: a range is of the figure used."""
+    if not is_corrected(cell):
+        return raw_interval(cell)
     corrected = cell.get("corrected_spread_s")
-    return raw_interval(cell) if corrected is None else list(corrected)
+    return list(corrected) if corrected else [cell["corrected_median_s"]] * 2
 
 
 def is_corrected(cell: dict) -> bool:

@@ -239,9 +239,7 @@ def run_sweep(
     resumed = 0
     interrupted = False
     try:
-        for round_index, order in enumerate(orders):
-            bar.start_round(round_index)
-            round_start = time.perf_counter()
+        for round_index, order in bar.each_round(orders, wall_s):
             for device, dtype in groups:
                 key = gemm_key(device, dtype, settings.threads)
                 peak = done_peaks.get((round_index, key))
@@ -287,8 +285,6 @@ def run_sweep(
                 )
                 visits[index][round_index][visit_index] = record
                 bar.advance(describe_result(record))
-            wall_s.append(time.perf_counter() - round_start)
-            bar.end_round()
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -19,6 +19,9 @@ Finished visits go to a partial file as they end, so an interrupted sweep can ``
 its ``--write-docs DIR`` writes DIR/bench/decode.{json,md}, the plot, and the README's decode block.
 Exit status: 0 when every cell was measured or is unsupported here, 1 when a cell failed,
 2 for bad arguments, 130 when interrupted (finished cells kept).
+
+Here: the options, the forward sweep's settings and its run. The decode mode is `cli.bench_decode`; what
+bench writes (tables, files, ``--baseline``, ``--render``, ``--compare``) and its exit status, `cli.bench_outputs`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from .bench_outputs import (
+    compare_only,
+    exit_status,
+    load_baseline,
+    publish,
+    publish_questions,
+    render_only,
+)
 
 
 def _variant_list(text: str) -> list[str]:
@@ -227,12 +239,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the implementations a sweep would run, then exit")
 
 
-def _settings(args: argparse.Namespace):
-    from mha_rosetta.benchmarks.sweep import preset_settings
-
-    name = "quick" if args.quick else (args.preset or "default")
-    base = preset_settings(name)
-    policy = dict(base.policy)
+def repeat_policy(args: argparse.Namespace, preset: dict) -> dict:
+    """The preset's repeat policy with ``--repeats`` and ``--min-time`` (each raising its maximum to match),
+    after ``--rounds`` is checked: the same for the forward and the decode sweep."""
+    policy = dict(preset)
     if args.repeats is not None:
         policy["min_repeats"] = args.repeats
         policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
@@ -241,6 +251,14 @@ def _settings(args: argparse.Namespace):
         policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
     if args.rounds is not None and args.rounds < 1:
         raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
+    return policy
+
+
+def _settings(args: argparse.Namespace):
+    from mha_rosetta.benchmarks.sweep import preset_settings
+
+    name = "quick" if args.quick else (args.preset or "default")
+    policy = repeat_policy(args, preset_settings(name).policy)
     if args.visits is not None and args.visits < 1:
         raise ValueError(f"--visits must be a positive int, got {args.visits}")
     return preset_settings(
@@ -265,145 +283,37 @@ def _settings(args: argparse.Namespace):
     )
 
 
-def _emit(path: str | None, text: str, *, label: str) -> None:
-    from mha_rosetta.core.files import write_output
-
-    if path is None:
-        return
-    write_output(path, text)
-    if path != "-":
-        print(f"{label} written to {path}", file=sys.stderr)
-
-
-def _render_only(args: argparse.Namespace) -> int:
-    """``--render JSON``: the outputs of a saved report, nothing measured."""
-    from mha_rosetta.benchmarks.baseline import report_kind
-    from mha_rosetta.benchmarks.report import load_report
-
-    try:
-        report = load_report(args.render)
-        baseline = _load_baseline(args, report_kind(report))
-    except (ValueError, OSError, json.JSONDecodeError) as error:
-        print(f"mha-rosetta bench: {error}", file=sys.stderr)
-        return 2
-    report.pop("baseline_comparison", None)  # compared again below when asked
-    if report.get("kind") == "decode":
-        _publish_decode(args, report, baseline)
-        return 0
-    _publish(args, report, baseline)
-    return 0
-
-
-def _compare_only(args: argparse.Namespace) -> int:
-    """``--compare A B``: the run and round agreement of two saved reports (`benchmarks.rerun`)."""
-    from mha_rosetta.benchmarks.report import load_report
-    from mha_rosetta.benchmarks.rerun import compare_markdown, compare_runs
-
-    try:
-        first, second = (load_report(path) for path in args.compare)
-    except (ValueError, OSError, json.JSONDecodeError) as error:
-        print(f"mha-rosetta bench: {error}", file=sys.stderr)
-        return 2
-    try:
-        comparison = compare_runs(first, second)
-    except ValueError as error:
-        print(f"mha-rosetta bench: {error}", file=sys.stderr)
-        return 2
-    (sys.stderr if args.json == "-" else sys.stdout).write(compare_markdown(comparison))
-    _emit(args.json, json.dumps(comparison, indent=2) + "\n", label="JSON")
-    return 0 if comparison["targets_met"] else 1
-
-
-def _publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> str:
-    """Print the table and write every file asked for (JSON, Markdown, plots, docs); returns the table."""
-    from mha_rosetta.benchmarks import questions as speed_questions
-    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
-    from mha_rosetta.benchmarks.markdown import markdown_table
-    from mha_rosetta.benchmarks.plots import plot_report
-
-    human = (
-        sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
-    )  # with the JSON on stdout, people read stderr
-    table = markdown_table(report)
-    if baseline is not None:
-        try:
-            report["baseline_comparison"] = compare_to_baseline(report, baseline)
-            table += "\n" + baseline_markdown(report["baseline_comparison"])
-        except ValueError as error:
-            print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
-    if len({cell.get("tokens") for cell in report["cells"]}) > 1:
-        from mha_rosetta.benchmarks.long import long_markdown
-
-        table += "\n" + long_markdown(report["cells"])
-    if report.get("questions"):
-        questions = speed_questions.questions_markdown(report["questions"])
-        table += "\nSpeed questions (the column/row-sample article's claims):\n\n" + questions
-
-    human.write(table)
-    _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
-    _emit(args.markdown, table, label="Markdown")
-    try:
-        if args.plot:
-            for path in plot_report(report, args.plot):
-                print(f"plot written to {path}", file=sys.stderr)
-            if report["settings"].get("preset") == "long":
-                from mha_rosetta.benchmarks.long import plot_long
-
-                for path in plot_long(report["cells"], args.plot):
-                    print(f"plot written to {path}", file=sys.stderr)
-        if args.write_docs:
-            from mha_rosetta.benchmarks.readme import write_docs
-
-            for path in write_docs(report, args.write_docs, table=table):
-                print(f"written: {path}", file=sys.stderr)
-    except ImportError:
-        print(
-            "mha-rosetta bench: no plots: matplotlib is not installed (pip install 'mha-rosetta[bench]')",
-            file=sys.stderr,
-        )
-    return table
-
-
 def run(args: argparse.Namespace) -> int:
     from mha_rosetta.benchmarks import questions as speed_questions
     from mha_rosetta.benchmarks.partial import default_partial_path, partial_header
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
-    from mha_rosetta.benchmarks.report import assemble_report, failed_cells
+    from mha_rosetta.benchmarks.report import assemble_report
     from mha_rosetta.benchmarks.sweep import expand_cells, run_sweep
-    from mha_rosetta.core.errors import INTERRUPTED
 
     if args.render:
-        return _render_only(args)
+        return render_only(args)
     if args.compare:
-        return _compare_only(args)
+        return compare_only(args)
     if args.mode == "decode":
-        return _run_decode(args)
+        from .bench_decode import run_decode
+
+        return run_decode(args)
     try:
         settings = _settings(args)
         labels = resolve_implementations(settings.implementations)
-        baseline = _load_baseline(args, "forward")
+        baseline = load_baseline(args, "forward")
     except (ValueError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2
     if args.list:
         print("\n".join(labels))
         return 0
-    human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
-
     if args.questions_only:
-        from mha_rosetta.report.provenance import provenance
-
         answers = speed_questions.run_speed_questions(
             threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
         )
-        human.write(speed_questions.questions_markdown(answers))
-        _emit(
-            args.json,
-            json.dumps({"schema": 1, "questions": answers, "provenance": provenance()}, indent=2) + "\n",
-            label="JSON",
-        )
-        return 0
+        return publish_questions(args, answers)
 
     partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     if args.resume and (partial_header(partial) or {}).get("kind") == "decode":
@@ -434,167 +344,6 @@ def run(args: argparse.Namespace) -> int:
             outcome.interrupted = True
             report["complete"] = False
 
-    _publish(args, report, baseline)
-    if outcome.interrupted:
-        print(
-            f"interrupted: {len(outcome.cells)} finished cells kept in {partial}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return INTERRUPTED
-    partial.unlink(missing_ok=True)  # the report holds everything now
-    failures = failed_cells(report)
-    if failures:
-        print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _load_baseline(args: argparse.Namespace, kind: str) -> dict | None:
-    """``--baseline``'s report, refused before anything is measured when it is not a ``kind`` report."""
-    from mha_rosetta.benchmarks.baseline import report_kind
-    from mha_rosetta.benchmarks.report import load_report
-
-    if not args.baseline:
-        return None
-    baseline = load_report(args.baseline)
-    if report_kind(baseline) != kind:
-        raise ValueError(
-            f"--baseline: {args.baseline} is a {report_kind(baseline)} bench report and this is a {kind} one, "
-            f"which is compared only with a {kind} baseline (a decode step and a forward share no cell)"
-        )
-    return baseline
-
-
-# Options of the forward sweep that a decode sweep does not take: named in the error, never ignored.
-_NOT_FOR_DECODE = (
-    ("tokens", "--tokens (decode: --contexts)"), ("variants", "--variants"), ("questions", "--questions"),
-    ("questions_only", "--questions-only"), ("memory_budget", "--memory-budget"), ("preset", "--preset"),
-    ("visits", "--visits"),
-)  # fmt: skip
-
-
-def _decode_settings(args: argparse.Namespace):
-    from mha_rosetta.benchmarks.decode import decode_settings
-    from mha_rosetta.benchmarks.presets import DECODE_PRESETS
-
-    given = [flag for name, flag in _NOT_FOR_DECODE if getattr(args, name, None)]
-    if given:
-        raise ValueError(
-            f"--mode decode does not take {', '.join(given)} (it has --quick, --contexts and the shared options)"
-        )
-    for name, values in (
-        ("--dtypes", args.dtypes),
-        ("--batch", args.batch),
-        ("--d-model", args.d_model),
-        ("--heads", args.heads),
-    ):
-        if values is not None and len(values) != 1:
-            raise ValueError(f"--mode decode takes one value of {name}, got {values}")
-    name = "decode-quick" if args.quick else "decode"
-    policy = dict(DECODE_PRESETS[name]["policy"])
-    if args.repeats is not None:
-        policy["min_repeats"] = args.repeats
-        policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
-    if args.min_time is not None:
-        policy["min_time"] = args.min_time
-        policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
-    if args.rounds is not None and args.rounds < 1:
-        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
-    first = lambda values: None if values is None else values[0]  # noqa: E731
-    return decode_settings(
-        name, implementations=args.backends, contexts=args.contexts, window_contexts=args.contexts,
-        dtype=first(args.dtypes), devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy,
-        malloc=args.malloc, rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
-        heads=first(args.heads), plugins=args.plugin,
-    )  # fmt: skip
-
-
-def _publish_decode(args: argparse.Namespace, report: dict, baseline: dict | None = None) -> str:
-    """The decode table on the terminal (with the baseline comparison where one is given), and every file asked
-    for (JSON, Markdown, the plot, the docs)."""
-    from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
-    from mha_rosetta.benchmarks.markdown import decode_markdown
-
-    human = sys.stderr if "-" in (args.json, args.markdown) else sys.stdout
-    table = decode_markdown(report)
-    if baseline is not None:
-        try:
-            report["baseline_comparison"] = compare_to_baseline(report, baseline)
-            table += "\n" + baseline_markdown(report["baseline_comparison"])
-        except ValueError as error:
-            print(f"mha-rosetta bench: baseline not compared: {error}", file=sys.stderr)
-    human.write(table)
-    _emit(args.json, json.dumps(report, indent=2, allow_nan=True) + "\n", label="JSON")
-    _emit(args.markdown, table, label="Markdown")
-    try:
-        if args.plot:
-            from mha_rosetta.benchmarks.plots import plot_decode
-
-            for path in plot_decode(report, args.plot):
-                print(f"plot written to {path}", file=sys.stderr)
-        if args.write_docs:
-            from mha_rosetta.benchmarks.decode import write_decode_docs
-
-            for path in write_decode_docs(report, args.write_docs, table=table):
-                print(f"written: {path}", file=sys.stderr)
-    except ImportError:
-        print(
-            "mha-rosetta bench: no plots: matplotlib is not installed (pip install 'mha-rosetta[bench]')",
-            file=sys.stderr,
-        )
-    return table
-
-
-def _run_decode(args: argparse.Namespace) -> int:
-    """``--mode decode``: the decode sweep (`benchmarks.decode.run_decode_sweep`) and its outputs."""
-    from mha_rosetta.backends.registry import register_path
-    from mha_rosetta.benchmarks.decode import (
-        check_decode_partial,
-        estimate_decode_seconds,
-        expand_decode_cells,
-        failed_decode_cells,
-        run_decode_sweep,
-    )
-    from mha_rosetta.benchmarks.partial import default_partial_path
-    from mha_rosetta.benchmarks.plan import resolve_implementations
-    from mha_rosetta.core.errors import INTERRUPTED
-    from mha_rosetta.report.provenance import host_id
-
-    partial = Path(args.partial) if args.partial else default_partial_path(args.json)
-    try:
-        plugins = [register_path(path) for path in args.plugin or []]
-        settings = _decode_settings(args)
-        labels = resolve_implementations(settings.implementations)
-        baseline = _load_baseline(args, "decode")
-        if args.resume:
-            check_decode_partial(partial, host_id())  # refused before anything is measured
-    except (ValueError, ImportError, TypeError, OSError, json.JSONDecodeError) as error:
-        print(f"mha-rosetta bench: {error}", file=sys.stderr)
-        return 2
-    del plugins  # registered here (for the names) and again in every cell's process (settings.plugins)
-    if args.list:
-        print("\n".join(labels))
-        return 0
-    cells = expand_decode_cells(settings, labels)
-    total = estimate_decode_seconds(settings, cells)
-    when = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
-    print(
-        f"mha-rosetta bench: decode, {len(cells)} cells x {settings.rounds} round(s) after each round's copy "
-        f"bandwidth: about {when} (estimated from the repeat policy and typical start-up times)",
-        file=sys.stderr,
-        flush=True,
-    )
-    report = run_decode_sweep(settings, labels, progress=not args.no_progress, partial_path=partial, resume=args.resume)
-    _publish_decode(args, report, baseline)
-    if not report["complete"]:
-        print(
-            f"interrupted: the finished cells are in the report and in {partial}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return INTERRUPTED
-    partial.unlink(missing_ok=True)  # the report holds everything now
-    failures = failed_decode_cells(report)
-    if failures:
-        print(f"mha-rosetta bench: {len(failures)} cell(s) failed (see the status column)", file=sys.stderr)
-        return 1
-    return 0
+    publish(args, report, baseline)
+    kept = f"{len(outcome.cells)} finished cells kept in {partial}" if outcome.interrupted else None
+    return exit_status(report, partial, kept)

@@ -1,6 +1,7 @@
 """``mha-rosetta report``: merge check, bench and explain JSON files into one comparison.
 
-The rules it applies are `mha_rosetta.report.compare`'s, and the epilog says them.
+The rules it applies are `mha_rosetta.report.compare`'s (its comparison of two runs is
+`mha_rosetta.benchmarks.verdict`'s, as for ``bench --baseline``), and the epilog says them.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import sys
 
 EPILOG = """\
 Each bench cell's figure is its corrected_median_s (drift-corrected, with the corrected round spread) when present, else its median_s;
-its range is [min, max] of its round medians, else median +- IQR/2. Each column is one run and
+its range is [min, max] of its round medians, else the figure alone. Each column is one run and
 device, labelled machine @ commit · device · threads (files without provenance: by file name).
 Ratios are to the first column; 'within noise' means the two ranges overlap.
 
 Regression gate: with --baseline FILE and --fail-on-regression PCT, the exit status is 1 when
 any cell's whole range is above the matching baseline cell's range (slower beyond noise) AND
-its figure is more than PCT % slower; else 0. Cells match by implementation, mode, dtype,
-shape and device; cells without a baseline cell are listed, not failed. Bad input: exit 2.
+its figure is more than PCT % slower; else 0 (the rule of bench --baseline). Cells match by
+implementation, variant, mode, dtype, shape, threads and device; cells without a baseline cell
+are listed, not failed. Bad input: exit 2.
 
 Decode files read the same way: a bench --mode decode file gives one table per context, window
 and step (context=32768 W=4096), each figure one decode step with its % of the K/V read limit;

@@ -1,10 +1,13 @@
-"""Results that travel: provenance for every JSON the tool writes, and one report across runs.
+"""Results that travel: one report across runs, and the provenance every JSON the tool writes carries.
 
-- `provenance`: who, where and from what a result came (standard library only; it never
-  imports a framework, it reads versions from the installed packages' metadata).
+`report` sits above `benchmarks`: it reads bench files through `benchmarks` (upgrades, the comparison
+rule of `benchmarks.verdict`), and `benchmarks` never imports `report`.
+
+- `provenance`: the old name of `mha_rosetta.benchmarks.provenance` (who, where and from what a result
+  came; standard library only, versions read from metadata), kept for the importers that use it.
 - `runs`: check, bench and explain JSON files loaded into one shape, old files (no provenance) included.
 - `compare`: one comparison of the bench runs (ratios, spread, "within noise") and the
-  regression gate against a baseline; its docstring states the rules.
+  regression gate against a baseline; its docstring states the rules (those of `benchmarks.verdict`).
 - `agreement`: the check's matrices read back cell by cell (worst case, first divergent stage).
 - `build`: `build_report(files, baseline=..., threshold_pct=...)`, the one entry point.
 - `markdown` and `html`: the renderings; the HTML page is one self-contained file.

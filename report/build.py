@@ -27,7 +27,7 @@ class Report:
         return render_html(self.runs, self.comparison, self.gate)
 
     def to_json(self) -> dict:
-        from .provenance import provenance
+        from mha_rosetta.benchmarks.provenance import provenance
 
         comparison = self.comparison
         return {

@@ -1,17 +1,18 @@
 """One comparison of bench runs, and the regression gate against a baseline.
 
-The rules (also in ``mha-rosetta report --help`` and docs/report.md):
+The rules (also in ``mha-rosetta report --help`` and docs/report.md) are those of every comparison of two
+runs, ``bench --baseline`` and ``bench --compare`` included: `mha_rosetta.benchmarks.verdict`.
 - **Figure**: a cell's ``corrected_median_s`` (drift-corrected, bench schema 2) when present, else its ``median_s``;
   each cell says which it used.
-- **Range** (the cell's own spread): ``[min, max]`` of its round medians (``spread_s``) when
-  it had rounds, else ``median ± iqr/2`` (``iqr_s``), else the figure alone; scaled by
-  for ``corrected_median_s`` the range is ``corrected_spread_s`` (its corrected round medians).
+- **Range** (the cell's own spread): ``[min, max]`` of the round medians of the figure used
+  (``corrected_spread_s`` for ``corrected_median_s``, ``spread_s`` for ``median_s``), else the figure alone.
 - **Ratio** of a cell to the same cell in the first column (the reference), with its range
   ``[lo/hi_ref, hi/lo_ref]``; **within noise** when the two ranges overlap.
 - **Regression** (``--baseline FILE --fail-on-regression PCT``): a cell is a regression when
-  its range lies wholly above the baseline cell's range (slower beyond noise) *and* its
-  figure is more than PCT % above the baseline's figure. Cells are matched by
-  implementation, mode, dtype, shape and device; unmatched cells are listed, never failed.
+  `verdict.verdict` calls it slower at PCT %: its range lies wholly above the baseline cell's range
+  (slower beyond noise) *and* its figure is more than PCT % above the baseline's figure. Cells are
+  matched by `verdict.comparison_key` (implementation, variant, mode, dtype, shape, threads and
+  device); unmatched cells are listed, never failed.
 - **Decode cells** (``bench --mode decode``, ``"mode": "decode"``): the same rules, on the time of one
   decode step; a cell's shape is its context, window and tokens per step besides the layer
   (`decode_shape_label`, in the words of the decode table: ``context=32768 W=4096``), so each
@@ -24,22 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mha_rosetta.benchmarks.verdict import DECODE_KIND as DECODE
+from mha_rosetta.benchmarks.verdict import Figure, cell_figure, comparison_key, overlaps, ratio, verdict
+
 from .runs import Run
 
-FINISHED = ("ok",)
-SHAPE_FIELDS = ("batch", "tokens", "kv_tokens", "d_model", "heads", "kv_heads", "causal")
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One bench cell as the report reads it: seconds, its range, and which field gave them."""
-
-    seconds: float
-    lo: float
-    hi: float
-    used: str  # "corrected_median_s" or "median_s"
-    range_rule: str  # "round medians", "median ± iqr/2" or "single figure"
-    limit_fraction: float | None = None  # decode cells: the step's share of the K/V read limit
+__all__ = ["DECODE", "Comparison", "Figure", "cell_figure", "compare", "overlaps", "ratio", "regressions"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +54,6 @@ def shape_label(cell: dict) -> str:
     if cell.get("causal"):
         parts.append("causal")
     return " ".join(parts)
-
-
-DECODE = "decode"  # the mode of a `bench --mode decode` cell (benchmarks.decode.KIND)
 
 
 def decode_shape_label(cell: dict) -> str:
@@ -92,63 +80,27 @@ def group_key(cell: dict) -> tuple[str, str, str]:
 
 
 def implementation_name(cell: dict) -> str:
-    """The row name: the implementation, with a decode cell's explicitly chosen cache kind (``torch[static]``)."""
+    """The row name: the implementation, with a decode cell's explicitly chosen cache kind (``torch[static]``)
+    or a forward cell's variant (``numpy [softcap]``, as `benchmarks.report.cell_label` names it)."""
     name = str(cell.get("implementation"))
-    return f"{name}[{cell['cache']}]" if cell.get("mode") == DECODE and cell.get("cache") else name
-
-
-def cell_figure(cell: dict) -> Figure | None:
-    """The cell's figure and range by the module's rules; None when it did not finish."""
-    if cell.get("status") not in FINISHED or cell.get("median_s") is None:
-        return None
-    median = float(cell["median_s"])
-    corrected = cell.get("corrected_median_s")  # bench schema 2 (benchmarks.report.correct_cell)
-    if corrected is not None:
-        figure, spread = float(corrected), cell.get("corrected_spread_s")
-        if spread and len(spread) == 2 and None not in spread:
-            lo, hi, rule = float(spread[0]), float(spread[1]), "corrected round medians"
-        else:
-            lo, hi, rule = figure, figure, "single figure"
-        return Figure(figure, min(lo, figure), max(hi, figure), "corrected_median_s", rule, _limit_fraction(cell))
-    figure, used, scale = median, "median_s", 1.0
-    spread, iqr = cell.get("spread_s"), cell.get("iqr_s")
-    if spread and len(spread) == 2 and None not in spread:
-        lo, hi, rule = float(spread[0]), float(spread[1]), "round medians"
-    elif iqr is not None:
-        lo, hi, rule = median - float(iqr) / 2, median + float(iqr) / 2, "median ± iqr/2"
-    else:
-        lo, hi, rule = median, median, "single figure"
-    return Figure(figure, min(lo, median) * scale, max(hi, median) * scale, used, rule, _limit_fraction(cell))
-
-
-def _limit_fraction(cell: dict) -> float | None:
-    value = cell.get("limit_fraction")  # benchmarks.bandwidth.enrich_decode_cell (decode cells only)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if cell.get("mode") == DECODE:
+        return f"{name}[{cell['cache']}]" if cell.get("cache") else name
+    return name if cell.get("variant") is None else f"{name} [{cell['variant']}]"
 
 
 def columns(runs: list[Run]) -> list[Column]:
     return [Column(run, device) for run in runs if run.kind == "bench" for device in run.devices()]
 
 
+def column_figures(column: Column) -> list[tuple[dict, Figure]]:
+    """(cell, `cell_figure`) of each of a column's finished cells, in the run's order."""
+    cells = (cell for cell in column.run.data.get("cells", []) if str(cell.get("device", "cpu")) == column.device)
+    return [(cell, figure) for cell in cells if (figure := cell_figure(cell)) is not None]
+
+
 def column_cells(column: Column) -> dict[tuple, Figure]:
     """``{(group key, implementation): Figure}`` of a column's finished cells."""
-    out = {}
-    for cell in column.run.data.get("cells", []):
-        if str(cell.get("device", "cpu")) != column.device:
-            continue
-        figure = cell_figure(cell)
-        if figure is not None:
-            out[(group_key(cell), implementation_name(cell))] = figure
-    return out
-
-
-def overlaps(a: Figure, b: Figure) -> bool:
-    return a.lo <= b.hi and b.lo <= a.hi
-
-
-def ratio(a: Figure, reference: Figure) -> tuple[float, float, float]:
-    """a / reference with its range [a.lo/ref.hi, a.hi/ref.lo]."""
-    return a.seconds / reference.seconds, a.lo / reference.hi, a.hi / max(reference.lo, 1e-300)
+    return {(group_key(cell), implementation_name(cell)): figure for cell, figure in column_figures(column)}
 
 
 @dataclass
@@ -164,7 +116,7 @@ class Comparison:
         used = ", ".join(sorted({figure.used for cells in self.cells for figure in cells.values()}))
         text = (
             f"Milliseconds per call [range]; figure used: {used} (corrected_median_s when a cell has it, else median_s). "
-            "Range: min–max of the round medians, else median ± IQR/2. "
+            "Range: min–max of the round medians, else the figure alone. "
             "Ratios ×r [range] are to the first column; within noise: the two ranges overlap."
         )
         if any(group[0] == DECODE for group in self.groups()):
@@ -202,32 +154,35 @@ def compare(runs: list[Run]) -> Comparison:
 
 
 def regressions(baseline: list[Run], runs: list[Run], threshold_pct: float) -> dict:
-    """The gate: ``{"regressions": [...], "compared": n, "unmatched": [...]}`` by the module's rule."""
+    """The gate: ``{"regressions": [...], "compared": n, "unmatched": [...]}``: the cells `verdict.verdict` calls
+    slower at ``threshold_pct`` % against the cell of the same `verdict.comparison_key` in ``baseline`` (the first
+    baseline file that has it)."""
     if threshold_pct < 0:
         raise ValueError(f"--fail-on-regression: expected a percentage >= 0, got {threshold_pct}")
     base: dict[tuple, tuple[Figure, str]] = {}
     for column in columns(baseline):
-        for key, figure in column_cells(column).items():
-            base.setdefault((column.device, *key), (figure, column.label))
+        for cell, figure in column_figures(column):
+            base.setdefault(comparison_key(cell), (figure, column.label))
     found, unmatched, compared = [], [], 0
     for column in columns(runs):
-        for (group, name), figure in column_cells(column).items():
-            reference = base.get((column.device, group, name))
-            where = f"{name} {' '.join(group)} on {column.label}"
+        for key, (cell, figure) in {
+            comparison_key(cell): (cell, figure) for cell, figure in column_figures(column)
+        }.items():
+            reference = base.get(key)
+            where = f"{implementation_name(cell)} {' '.join(group_key(cell))} on {column.label}"
             if reference is None:
                 unmatched.append(where)
                 continue
             compared += 1
             ref, ref_label = reference
-            change = figure.seconds / ref.seconds - 1
-            if figure.lo > ref.hi and change * 100 > threshold_pct:
+            if verdict(figure, ref, threshold_pct / 100) == "slower":
                 found.append(
                     {
                         "cell": where,
                         "baseline": ref_label,
                         "baseline_s": ref.seconds,
                         "seconds": figure.seconds,
-                        "change_pct": 100 * change,
+                        "change_pct": 100 * (figure.seconds / ref.seconds - 1),
                         "range": [figure.lo, figure.hi],
                         "baseline_range": [ref.lo, ref.hi],
                         "used": figure.used,

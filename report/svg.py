@@ -72,6 +72,33 @@ def _cell_colour(cell: dict) -> tuple[str, float]:
     return STATUS_COLOURS.get(status, FAILING_COLOUR), 0.9
 
 
+def _axis_labels(rows: list[str], cols: list[str], left: int, top: int, size: int) -> list[str]:
+    """A grid's labels as SVG text: each row's right-aligned left of the grid, each column's rotated above it
+    (row i, then column i)."""
+    parts = []
+    for i in range(max(len(rows), len(cols))):
+        if i < len(rows):
+            y = top + i * size + size * 0.7
+            parts.append(f'<text x="{left - 4}" y="{y:.1f}" text-anchor="end" class="axis">{esc(rows[i])}</text>')
+        if i < len(cols):
+            x = left + i * size + size * 0.7
+            parts.append(
+                f'<text x="{x:.1f}" y="{top - 4}" transform="rotate(-60 {x:.1f} {top - 4})" class="axis">'
+                f"{esc(cols[i])}</text>"
+            )
+    return parts
+
+
+def _hover_cell(x: int, y: int, size: int, cell: dict, data: dict) -> str:
+    """One grid cell at (x, y), coloured by its status (`_cell_colour`), with ``data`` for the hover text."""
+    colour, opacity = _cell_colour(cell)
+    attrs = " ".join(f'data-{key}="{esc(value)}"' for key, value in data.items())
+    return (
+        f'<rect class="hm-cell" x="{x}" y="{y}" width="{size - 1}" height="{size - 1}" fill="{colour}" '
+        f'fill-opacity="{opacity:.2f}" {attrs}/>'
+    )
+
+
 def heatmap_svg(run: Run, matrix: dict, ident: str) -> str:
     labels = matrix.get("labels", [])
     n, size, left, top = len(labels), 16, 170, 170
@@ -80,19 +107,12 @@ def heatmap_svg(run: Run, matrix: dict, ident: str) -> str:
         f'<svg class="heatmap" id="{ident}" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         f'role="img" aria-label="agreement matrix {esc(matrix.get("dtype"))}">'
     ]
-    for i, label in enumerate(labels):
-        y = top + i * size + size * 0.7
-        parts.append(f'<text x="{left - 4}" y="{y:.1f}" text-anchor="end" class="axis">{esc(label)}</text>')
-        x = left + i * size + size * 0.7
-        parts.append(
-            f'<text x="{x:.1f}" y="{top - 4}" transform="rotate(-60 {x:.1f} {top - 4})" class="axis">{esc(label)}</text>'
-        )
+    parts += _axis_labels(labels, labels, left, top, size)
     for i in range(n):
         parts.append(
             f'<rect x="{left + i * size}" y="{top + i * size}" width="{size - 1}" height="{size - 1}" fill="#f4f4f4"/>'
         )
     for cell in matrix_cells(run, matrix):
-        colour, opacity = _cell_colour(cell)
         data = {
             "pair": f"{cell['a']} × {cell['b']}",
             "status": cell["status"],
@@ -102,11 +122,7 @@ def heatmap_svg(run: Run, matrix: dict, ident: str) -> str:
             "stage": f"{cell['a']}: {cell['stage_a']}; {cell['b']}: {cell['stage_b']}",
             "tolerance": f"atol {_num(cell['atol'])}, rtol {_num(cell['rtol'])} ({matrix.get('dtype')})",
         }
-        attrs = " ".join(f'data-{key}="{esc(value)}"' for key, value in data.items())
-        parts.append(
-            f'<rect class="hm-cell" x="{left + cell["col"] * size}" y="{top + cell["row"] * size}" '
-            f'width="{size - 1}" height="{size - 1}" fill="{colour}" fill-opacity="{opacity:.2f}" {attrs}/>'
-        )
+        parts.append(_hover_cell(left + cell["col"] * size, top + cell["row"] * size, size, cell, data))
     parts.append("</svg>")
     return "".join(parts)
 
@@ -125,16 +141,8 @@ def oracle_grid_svg(run: Run, dtype: str, ident: str) -> str:
         f'<svg class="heatmap oracle-grid" id="{ident}" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" aria-label="decode against the oracle {esc(dtype)}">'
     ]
-    for i, label in enumerate(rows):
-        y = top + i * size + size * 0.7
-        parts.append(f'<text x="{left - 4}" y="{y:.1f}" text-anchor="end" class="axis">{esc(label)}</text>')
-    for j, label in enumerate(cols):
-        x = left + j * size + size * 0.7
-        parts.append(
-            f'<text x="{x:.1f}" y="{top - 4}" transform="rotate(-60 {x:.1f} {top - 4})" class="axis">{esc(label)}</text>'
-        )
+    parts += _axis_labels(rows, cols, left, top, size)
     for cell in cells:
-        colour, opacity = _cell_colour(cell)
         data = {
             "pair": f"{cell['implementation']} vs the full causal forward",
             "status": cell["status"],
@@ -144,12 +152,8 @@ def oracle_grid_svg(run: Run, dtype: str, ident: str) -> str:
             "stage": cell["where"],
             "tolerance": f"atol {_num(cell['atol'])}, rtol {_num(cell['rtol'])} ({dtype})",
         }
-        attrs = " ".join(f'data-{key}="{esc(value)}"' for key, value in data.items())
         i, j = rows.index(str(cell["implementation"])), cols.index(str(cell["case"]))
-        parts.append(
-            f'<rect class="hm-cell" x="{left + j * size}" y="{top + i * size}" width="{size - 1}" '
-            f'height="{size - 1}" fill="{colour}" fill-opacity="{opacity:.2f}" {attrs}/>'
-        )
+        parts.append(_hover_cell(left + j * size, top + i * size, size, cell, data))
     parts.append("</svg>")
     return "".join(parts)
 

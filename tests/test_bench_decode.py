@@ -22,26 +22,16 @@ from mha_rosetta.benchmarks.bandwidth import (
     cache_warning,
     copy_bytes,
     copy_program,
+    enrich_decode_cell,
     kv_read_bytes,
     last_level_cache_bytes,
     limit_fraction,
     limit_seconds,
     weight_bytes,
 )
-from mha_rosetta.benchmarks.decode import (
-    BEGIN,
-    END,
-    DecodeCellSpec,
-    decode_config,
-    decode_record,
-    decode_settings,
-    enrich_decode_cell,
-    expand_decode_cells,
-    parent_reason,
-    readme_block,
-    run_decode_cell,
-    time_prepared,
-)
+from mha_rosetta.benchmarks.decode import DecodeCellSpec, decode_config, decode_record, run_decode_cell, time_prepared
+from mha_rosetta.benchmarks.decode_docs import BEGIN, END, readme_block
+from mha_rosetta.benchmarks.decode_sweep import decode_settings, expand_decode_cells, parent_reason
 from mha_rosetta.benchmarks.markdown import decode_markdown, decode_row
 from mha_rosetta.benchmarks.pinning import choose_cpus
 from mha_rosetta.benchmarks.timing import RepeatPolicy
@@ -269,7 +259,7 @@ def test_the_presets_cells():
 
 
 def test_the_estimate_counts_the_cells_that_can_run(fake):
-    from mha_rosetta.benchmarks.decode import estimate_decode_seconds
+    from mha_rosetta.benchmarks.decode_sweep import estimate_decode_seconds
     from mha_rosetta.benchmarks.progress import _startup_s, _timed_s
 
     settings = decode_settings("decode-quick", rounds=2)
@@ -312,7 +302,7 @@ def test_bench_mode_decode_quick_end_to_end(fake, tmp_path, capsys):
         assert cell["bandwidth_gbps"] == report["bandwidth"][0]["gbps"]
         assert cell["limit_s"] == pytest.approx(cell["kv_read_bytes"] / (cell["bandwidth_gbps"] * 1e9))
         assert cell["limit_fraction"] == pytest.approx(cell["limit_s"] / cell["step_s"])
-        # The published figure: the drift-corrected one (`report.correct_cell`), which is the raw median where
+        # The published figure: the drift-corrected one (`correction.correct_cell`), which is the raw median where
         # the step's samples did not follow their references (beta 0: on a loaded machine the tiny quick steps can).
         assert cell["step_s"] == cell["corrected_median_s"] and 0.0 <= cell["reference_beta"] <= 1.0
         if cell["reference_beta"] == 0.0:
@@ -367,14 +357,14 @@ def test_the_markdown_and_readme_block_of_a_report_without_measurements():
 
 
 def test_contexts_set_the_full_and_the_windowed_row():
-    from mha_rosetta.cli.bench import _decode_settings
+    from mha_rosetta.cli.bench_decode import decode_settings_of
     from mha_rosetta.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--mode", "decode", "--contexts", "512,2048", "--repeats", "9"])
-    settings = _decode_settings(args)
+    settings = decode_settings_of(args)
     assert settings.contexts == [512, 2048] and settings.window_contexts == [512, 2048]
     assert settings.policy["min_repeats"] == 9 and settings.window == 4096 and settings.preset == "decode"
-    quick = _decode_settings(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
+    quick = decode_settings_of(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
     assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]
 
 
@@ -423,7 +413,7 @@ class FakeDecodeRunners:
 
 
 def _sweep(runners, partial, resume=False, seed=None):
-    from mha_rosetta.benchmarks.decode import run_decode_sweep
+    from mha_rosetta.benchmarks.decode_sweep import run_decode_sweep
 
     settings = decode_settings("decode-quick", implementations=["numpy"], rounds=2, seed=seed, **SMALL)
     return run_decode_sweep(
@@ -433,7 +423,7 @@ def _sweep(runners, partial, resume=False, seed=None):
 
 
 def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_rest(tmp_path):
-    from mha_rosetta.benchmarks.decode import load_decode_partial
+    from mha_rosetta.benchmarks.decode_sweep import load_decode_partial
 
     partial = tmp_path / "decode.partial.jsonl"
     first = FakeDecodeRunners(stop_after=5, fail={(1024, None)})  # 4 cells a round (256, 1024; W=128 at both)
@@ -457,9 +447,9 @@ def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_res
 
 
 def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, capsys):
-    from mha_rosetta.benchmarks.decode import check_decode_partial
+    from mha_rosetta.benchmarks.decode_sweep import check_decode_partial
     from mha_rosetta.benchmarks.partial import append_entry
-    from mha_rosetta.report.provenance import host_id
+    from mha_rosetta.benchmarks.provenance import host_id
 
     forward = tmp_path / "forward.partial.jsonl"
     append_entry(forward, {"type": "header", "schema": 1, "settings": {"seed": 3}})
@@ -481,8 +471,8 @@ def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, c
 def test_the_preset_layer_has_no_biases_and_a_schema_1_file_had_them(tmp_path):
     """The decode layer is Llama's (no biases; MHAConfig.bias reaches every cell); a schema-1 file, whose cells
     do not say, is read as the biased layer it timed, so a baseline never pairs the two layers."""
-    from mha_rosetta.benchmarks.baseline import comparison_key
     from mha_rosetta.benchmarks.report import load_report
+    from mha_rosetta.benchmarks.verdict import comparison_key
     from mha_rosetta.report.compare import decode_shape_label
 
     settings = decode_settings("decode")

@@ -403,7 +403,7 @@ def test_a_reference_slowed_on_its_own_leaves_the_corrected_figure_at_the_raw_on
 
 
 def test_beta_is_the_slope_of_the_logs_by_hand():
-    from mha_rosetta.benchmarks.report import MIN_PAIRS, correct_cell, reference_fit
+    from mha_rosetta.benchmarks.correction import MIN_PAIRS, correct_cell, reference_fit
 
     # log(reference / 2 ms) = x = +-0.2 alternately; log(sample / 10 ms) = 0.5 x + e, e = 0.1 x (1, 1, -1, -1, 1,
     # 1, -1, -1, 0, 0), which sums to 0 and is orthogonal to x. Sxx = 10 x 0.04 = 0.4, Sxy = 0.5 Sxx = 0.2,
@@ -479,7 +479,7 @@ def test_the_schema_2_reference_loads_under_the_rule_and_renders():
     assert max(cell["reference_beta"] for cell in cells.values()) == pytest.approx(0.59, abs=0.01)  # torch:per_head
     assert "| corrected ms | rounds ms | raw ms | raw rounds ms |" in markdown_table(report)
     # The committed reference (measured afresh since) holds what the rule derives from its own samples.
-    from mha_rosetta.benchmarks.report import correct_cell, run_references
+    from mha_rosetta.benchmarks.correction import correct_cell, run_references
 
     stored = json.loads((DOCS / "reference.json").read_text())["cells"]
     workloads = run_references(stored)

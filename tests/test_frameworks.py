@@ -162,3 +162,38 @@ def test_register_framework_checks_its_argument():
 def test_startup_estimates_cover_every_framework_and_helper_library():
     assert layer.startup_s("torch") == 2.5 and layer.startup_s("jax") == 1.5 and layer.startup_s("numpy") == 0.5
     assert layer.startup_s("flax") == 2.0 and layer.startup_s("unheard-of") == 0.5
+
+
+def test_the_copy_bandwidth_asks_the_layer_which_libraries_copy_and_why_not():
+    assert layer.copy_libraries() == ["numpy", "torch"]  # JAX offers no copy program
+    numpy, jax = get_framework("numpy"), get_framework("jax")
+    assert (numpy.copy_dtype, numpy.copy_unsupported("cpu")) == ("float64", None)
+    assert numpy.copy_unsupported("gpu") == "NumPy has no GPU: the device copy is PyTorch's"
+    assert jax.copy_unsupported("cpu") == "jax offers no copy program" and jax.copy_program(1024, "cpu") is None
+    launch, sync, facts = numpy.copy_program(8 * 1000 + 5, "cpu")  # whole elements only: 1000 float64
+    source, destination = facts["arrays"]
+    assert (facts["elements"], facts["itemsize"], facts["dtype"]) == (1000, 8, "float64")
+    assert destination.sum() == 0.0
+    launch()
+    sync()
+    assert np.array_equal(destination, np.arange(1000.0)) and destination is not source
+
+
+@requires("torch")
+def test_torch_copy_program_and_kernel_arrays():
+    import torch
+
+    torch_layer = get_framework("torch")
+    launch, sync, facts = torch_layer.copy_program(4 * 257, "cpu")
+    launch()
+    sync()
+    assert (facts["elements"], facts["dtype"]) == (257, "float32")
+    assert torch.equal(facts["arrays"][1], torch.arange(257, dtype=torch.float32))
+    module, wait, make = torch_layer.kernel_arrays("cpu", "float32")
+    first = make(2, 3)
+    # One generator seeded 0, drawn in order: the draws a benchmark kernel always had.
+    expected = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    assert module is torch and wait(first) is first and torch.equal(first, expected)
+    assert not torch.equal(make(2, 3), expected)  # the next draw
+    with pytest.raises(NotImplementedError, match="numpy has no benchmark kernels"):
+        get_framework("numpy").kernel_arrays("cpu", "float32")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires, run_cli
-from mha_rosetta.report import provenance as prov
+from mha_rosetta.benchmarks import provenance as prov
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = ("torch", "jax", "jaxlib", "einops", "flax", "equinox", "keras", "transformers")
@@ -102,7 +102,7 @@ def test_no_checkout_or_no_git_gives_none(tmp_path, monkeypatch):
 def test_provenance_imports_no_framework():
     code = (
         "import sys, json\n"
-        "from mha_rosetta.report.provenance import provenance\n"
+        "from mha_rosetta.benchmarks.provenance import provenance\n"
         "p = provenance()\n"
         f"print(json.dumps([sorted(m for m in {FRAMEWORKS!r} if m in sys.modules), sorted(p['libraries'])]))\n"
     )
@@ -145,7 +145,7 @@ def test_bench_report_has_provenance_beside_machine():
 
 
 def test_the_decode_bench_and_decode_check_json_have_provenance(tmp_path):
-    from mha_rosetta.benchmarks.decode import assemble_decode_report, decode_settings
+    from mha_rosetta.benchmarks.decode_sweep import assemble_decode_report, decode_settings
     from mha_rosetta.cli.main import main
 
     report = assemble_decode_report(decode_settings("decode-quick").as_dict(), [], [])

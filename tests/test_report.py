@@ -60,8 +60,9 @@ def test_figure_and_range_rules():
         "median_s",
         "round medians",
     )
-    iqr = cell_figure({**SHAPE, "median_s": 0.020, "iqr_s": 0.002})
-    assert (iqr.lo, iqr.hi) == pytest.approx((0.019, 0.021)) and iqr.range_rule == "median ± iqr/2"
+    # No round medians: the figure alone, whatever the IQR of its samples (the rule of `bench --baseline` too).
+    alone = cell_figure({**SHAPE, "median_s": 0.020, "iqr_s": 0.002})
+    assert (alone.lo, alone.hi) == (0.020, 0.020) and alone.range_rule == "single figure"
     corrected = cell_figure(
         {
             **SHAPE,
@@ -95,10 +96,12 @@ def test_gate_rule_by_hand(pair):
     assert gate["compared"] == 2 and gate["unmatched"] == [
         "c fwd float32 B4 N512 d512 h8 on new-box @ 01234567+dirty · cpu · 1t"
     ]
-    [found] = gate["regressions"]  # a: 25 % slower and beyond noise; b: +2.5 % within noise
+    [found] = gate["regressions"]  # a: 25 % slower and beyond noise; b: +2.5 %, under the threshold
     assert found["cell"].startswith("a ") and found["change_pct"] == pytest.approx(25.0)
     assert regressions(list(base), new, 30)["regressions"] == []  # beyond noise but under the threshold
-    assert [g["cell"][0] for g in regressions(list(base), new, 0)["regressions"]] == ["a"]  # b stays within noise
+    # b has no round medians: its range is its figure alone, so at 0 % its +2.5 % counts (no IQR band).
+    assert [g["cell"][0] for g in regressions(list(base), new, 0)["regressions"]] == ["a", "b"]
+    assert [g["cell"][0] for g in regressions(list(base), new, 3)["regressions"]] == ["a"]
     with pytest.raises(ValueError, match="--fail-on-regression: expected a percentage >= 0, got -1"):
         regressions(list(base), new, -1)
 
@@ -250,7 +253,8 @@ def test_help_says_the_rules(capsys):
         main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "corrected_median_s (drift-corrected, with the corrected round spread) when present" in text
-    assert "[min, max] of its round medians, else median +- IQR/2" in text
+    assert "[min, max] of its round medians, else the figure alone" in text
+    assert "Cells match by implementation, variant, mode, dtype, shape, threads and device" in text
     assert "the exit status is 1 when any cell's whole range is above the matching baseline cell's range" in text
     assert "more than PCT % slower; else 0" in text
     assert "one table per context, window and step (context=32768 W=4096)" in text
@@ -260,7 +264,8 @@ def test_help_says_the_rules(capsys):
 def decode_file(path: Path, cells: list[tuple], *, host: str, gbps: float = 8.0) -> Path:
     """A decode report assembled as `bench --mode decode` assembles it, from hand-made cells:
     (implementation, context, window, median_s, [round low, round high])."""
-    from mha_rosetta.benchmarks.decode import DecodeCellSpec, assemble_decode_report, decode_record, decode_settings
+    from mha_rosetta.benchmarks.decode import DecodeCellSpec, decode_record
+    from mha_rosetta.benchmarks.decode_sweep import assemble_decode_report, decode_settings
 
     records = []
     for name, context, window, median, spread in cells:

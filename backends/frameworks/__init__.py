@@ -6,8 +6,8 @@ In the spirit of einops' ``_backends.py``. Design rules:
    `jax.JaxFramework`), each filling in `interface.Framework`: recognising its arrays and
    converting them to NumPy, copies and memory sharing for stage recording, strides and
    contiguity for the explainer, synchronising, probing for a GPU, peak device memory,
-   threads in a pinned benchmark child, the GEMM-peak product, precision and TF32 facts,
-   a start-up estimate.
+   threads in a pinned benchmark child, the GEMM-peak product, the copy-bandwidth program,
+   the arrays of a benchmark kernel, precision and TF32 facts, a start-up estimate.
 2. A library is imported inside the methods of its class only, when a question about it
    is asked; importing this package imports NumPy and nothing else. An array is
    recognised by its type's module name, so asking about a NumPy array never imports torch.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-from .interface import UNKNOWN_LAYOUT, Framework, GemmProgram, numpy_like, upcast_bfloat16
+from .interface import UNKNOWN_LAYOUT, CopyProgram, Framework, GemmProgram, Program, numpy_like, upcast_bfloat16
 from .jax import XLA_MANAGED, JaxFramework
 from .numpy import NumpyFramework
 from .torch import TorchFramework
@@ -135,6 +135,11 @@ def startup_s(module: str) -> float:
     return LIBRARY_STARTUP_S.get(module, 0.5)
 
 
+def copy_libraries() -> list[str]:
+    """The registered libraries that offer the copy-bandwidth program (`Framework.copy_dtype`), in registry order."""
+    return [name for name, framework in FRAMEWORKS.items() if framework.copy_dtype is not None]
+
+
 def in_order(names) -> list[Framework]:
     """The registered frameworks among ``names``, in registry order (unregistered names are skipped)."""
     return [framework for name, framework in FRAMEWORKS.items() if name in set(names)]
@@ -145,10 +150,13 @@ __all__ = [
     "LIBRARY_STARTUP_S",
     "UNKNOWN_LAYOUT",
     "XLA_MANAGED",
+    "CopyProgram",
     "Framework",
     "GemmProgram",
+    "Program",
     "array_library",
     "contiguity",
+    "copy_libraries",
     "framework_of",
     "get_framework",
     "gpu_frameworks",

@@ -4,8 +4,8 @@ A `Framework` answers, for its own arrays and its own runtime, every question th
 outside the adapters would otherwise answer by branching on a library's name: which
 arrays are its, how they become NumPy, how they are copied and whether two of them share
 memory, their strides and contiguity, how to wait for a device, whether a GPU is seen,
-the peak device memory, threads in a benchmark child, the GEMM-peak product, precision
-facts and a start-up estimate. The defaults here are those of a library with none of
+the peak device memory, threads in a benchmark child, the GEMM-peak product, the
+bandwidth's copy, the arrays of a benchmark kernel, precision facts and a start-up estimate. The defaults here are those of a library with none of
 these facilities (a CPU-only array type following NumPy's protocol), so a new library
 overrides only what it has. Nothing here imports a framework.
 """
@@ -21,9 +21,11 @@ from collections.abc import Callable
 
 UNKNOWN_LAYOUT = "n/a, not readable from this array type"
 
-# (launch, sync, facts): ``launch()`` starts one product (asynchronous on a GPU and for JAX),
+# (launch, sync, facts): ``launch()`` starts one product or copy (asynchronous on a GPU and for JAX),
 # ``sync()`` waits for everything launched, ``facts`` says what ran.
-GemmProgram = tuple[Callable[[], None], Callable[[], None], dict]
+Program = tuple[Callable[[], None], Callable[[], None], dict]
+GemmProgram = Program  # the GEMM peak's and the paired reference's product (`Framework.gemm_program`)
+CopyProgram = Program  # the copy bandwidth's STREAM copy (`Framework.copy_program`)
 
 
 def numpy_like(value) -> bool:
@@ -126,6 +128,30 @@ class Framework:
     def gemm_program(self, n: int, dtype: str, device: str) -> GemmProgram | None:
         """The square ``n`` x ``n`` product of the GEMM peak and the paired reference; None: not offered."""
         return None
+
+    # -- the copy bandwidth ------------------------------------------------------------------
+
+    copy_dtype: str | None = None  # the dtype of its STREAM copy (`copy_program`); None: it offers no copy
+
+    def copy_unsupported(self, device: str) -> str | None:
+        """Why this library cannot time its copy on ``device``, or None."""
+        if self.copy_dtype is None:
+            return f"{self.name} offers no copy program"
+        return None if device == "cpu" or self.drives_gpu else f"{self.name} runs on the CPU only"
+
+    def copy_program(self, array_bytes: int, device: str) -> CopyProgram | None:
+        """STREAM's copy ``dst[:] = src`` of a `copy_dtype` array of about ``array_bytes`` bytes on ``device``
+        (`benchmarks.bandwidth`); ``facts``: library, version, dtype, itemsize, elements and ``arrays``
+        (source, destination), so that a caller can check what was copied; None: not offered."""
+        return None
+
+    # -- the arrays of a benchmark kernel ------------------------------------------------------
+
+    def kernel_arrays(self, device: str, dtype: str):
+        """(the library's module, ``sync(result)``, ``make(*shape)``) for a benchmark kernel written in the
+        library's own idiom (`benchmarks.microbench`): ``sync`` waits for the device and returns the result,
+        ``make`` draws standard normals from one generator seeded 0, on ``device``, in ``dtype``."""
+        raise NotImplementedError(f"{self.name} has no benchmark kernels")
 
 
 def env_note(name: str) -> str:

@@ -1,7 +1,7 @@
 """NumPy in the framework layer: the canonical arrays every other library converts to.
 
 CPU only and synchronous; strides and sharing come from NumPy's own protocol (the
-interface's defaults). Its BLAS covers float32/float64 only: float16/bfloat16 products are
+interface's defaults). Its copy (the bandwidth's) is float64, 8 bytes an element. Its BLAS covers float32/float64 only: float16/bfloat16 products are
 plain loops, minutes at n=1024 and no measure of the machine, so they give no GEMM peak.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     pass
 
-from .interface import Framework, GemmProgram
+from .interface import CopyProgram, Framework, GemmProgram
 
 _BLAS_DTYPES = ("float32", "float64")
 
@@ -21,6 +21,7 @@ class NumpyFramework(Framework):
     name = "numpy"
     modules = ("numpy",)
     startup_s = 0.5
+    copy_dtype = "float64"
 
     def owns(self, value) -> bool:
         import numpy as np
@@ -53,3 +54,19 @@ class NumpyFramework(Framework):
             np.matmul(a, b, out=out)
 
         return launch, lambda: None, {"numpy": np.__version__, "operand_dtype": str(a.dtype)}
+
+    def copy_unsupported(self, device: str) -> str | None:
+        return None if device == "cpu" else "NumPy has no GPU: the device copy is PyTorch's"
+
+    def copy_program(self, array_bytes: int, device: str) -> CopyProgram:
+        import numpy as np
+
+        elements = max(1, array_bytes // 8)
+        src = np.arange(elements, dtype=np.float64)  # (elements,) written here: its pages are faulted in
+        dst = np.zeros_like(src)  # np.zeros may map untouched pages: the first copy faults them in
+
+        def launch() -> None:
+            np.copyto(dst, src)
+
+        facts = {"library": "numpy", "version": np.__version__, "dtype": "float64", "itemsize": 8}
+        return launch, lambda: None, {**facts, "elements": elements, "arrays": (src, dst)}

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 from collections.abc import Callable
 
 from .._tf32 import forced_note, tf32_forced
-from .interface import Framework, GemmProgram, env_note
+from .interface import CopyProgram, Framework, GemmProgram, env_note
 
 
 def torch_devices() -> tuple[str, ...]:
@@ -109,6 +109,7 @@ class TorchFramework(Framework):
     modules = ("torch",)
     drives_gpu = True
     startup_s = 2.5
+    copy_dtype = "float32"
 
     def namespace(self):
         import torch
@@ -209,3 +210,38 @@ class TorchFramework(Framework):
 
         sync = torch.cuda.synchronize if target == "cuda" else (lambda: None)
         return launch, sync, facts
+
+    def copy_program(self, array_bytes: int, device: str) -> CopyProgram:
+        import torch
+
+        target = "cuda" if device == "gpu" else "cpu"
+        elements = max(1, array_bytes // 4)
+        src = torch.arange(elements, dtype=torch.float32, device=target)  # exact up to 2**24, enough to check
+        dst = torch.zeros_like(src)
+
+        def launch() -> None:
+            dst.copy_(src)
+
+        sync = torch.cuda.synchronize if target == "cuda" else (lambda: None)
+        facts = {"library": "torch", "version": torch.__version__, "dtype": "float32", "itemsize": 4}
+        return launch, sync, {**facts, "elements": elements, "arrays": (src, dst)}
+
+    def kernel_arrays(self, device: str, dtype: str):
+        import torch
+
+        target = "cuda" if device == "gpu" else "cpu"
+        if target == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("torch sees no CUDA device")
+            set_tf32_switches(tf32_state(False, tf32_switches()["api"]))  # float32 products in float32
+        generator = torch.Generator().manual_seed(0)
+
+        def sync(result):
+            if target == "cuda":
+                torch.cuda.synchronize()
+            return result
+
+        def make(*shape):
+            return torch.randn(*shape, generator=generator).to(device=target, dtype=getattr(torch, dtype))
+
+        return torch, sync, make

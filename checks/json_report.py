@@ -11,9 +11,9 @@ import json
 import math
 
 from mha_rosetta.backends.versions import library_versions
+from mha_rosetta.benchmarks.provenance import provenance
 from mha_rosetta.core import TOLERANCES
 from mha_rosetta.core.errors import INTERRUPTED
-from mha_rosetta.report.provenance import provenance
 
 from .matrices import Cell, Matrix, build_matrices, worst_by_dtype, worst_cases
 from .results import STATUS_MEANING, CheckResult, DecodeCheckResult, GradCheckResult, Pair, Run
@@ -134,7 +134,7 @@ def to_json(result: CheckResult) -> dict:
         "seconds": result.seconds,
         "settings": result.settings,
         "versions": library_versions(),
-        "provenance": result.provenance,  # mha_rosetta.report.provenance: commit, host, CPU, command line
+        "provenance": result.provenance,  # mha_rosetta.benchmarks.provenance: commit, host, CPU, command line
         "tolerances": {name: {"atol": t.atol, "rtol": t.rtol} for name, t in TOLERANCES.items()},
         "statuses": {str(status): meaning for status, meaning in STATUS_MEANING.items()},
         "summary": {

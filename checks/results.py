@@ -225,7 +225,7 @@ class CheckResult(Outcome):
     seconds: float = 0.0
     interrupted: bool = False
     broken_backends: dict[str, str] = field(default_factory=dict)  # installed, but the adapter failed to load
-    # Where the result came from (`report.provenance`), stamped by its first JSON write and kept:
+    # Where the result came from (`benchmarks.provenance`), stamped by its first JSON write and kept:
     # the command rewrites the JSON as results arrive, and git and the metadata are read once.
     provenance: dict = field(default_factory=dict, repr=False)
     # --devices gpu: installed frameworks that see no GPU (`checks.devices`), each an error.

@@ -4,7 +4,7 @@ Each cell runs in a fresh process pinned to ``--threads`` cores (default 1) by C
 affinity and every thread knob, and is checked afterwards by CPU time / wall time.
 ``--malloc keep`` (the default) gives every cell and GEMM-peak process the same allocator
 rule (`pinning.malloc_env`), so large temporaries cost the same in every framework.
-A preset picks the sizes (``--quick``: under two minutes; ``default``: about ten;
+A preset picks the sizes (``--preset quick``: under two minutes; ``default``: about ten;
 ``reference``: B=4, N=512, D=512, H=8, float32); any size option overrides the preset.
 ``--rounds R`` visits every cell once per round in a shuffled order (3 rounds for default
 and reference, 1 for quick): medians pool every round, the range of the round medians is

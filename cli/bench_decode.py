@@ -29,7 +29,7 @@ def decode_settings_of(args: argparse.Namespace):
     given = [flag for name, flag in _NOT_FOR_DECODE if getattr(args, name, None)]
     if given:
         raise ValueError(
-            f"--mode decode does not take {', '.join(given)} (it has --quick, --contexts and the shared options)"
+            f"--mode decode does not take {', '.join(given)} (it has --preset quick, --contexts and the shared options)"
         )
     for name, values in (
         ("--dtypes", args.dtypes),

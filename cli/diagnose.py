@@ -140,10 +140,10 @@ def _config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from mha_rosetta.benchmarks.provenance import provenance
     from mha_rosetta.core.files import write_output
     from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError
     from mha_rosetta.diagnose.isolated import diagnose_import_path
-    from mha_rosetta.report.provenance import provenance
 
     from .variant_options import with_variants
 

@@ -114,8 +114,8 @@ def _names(given: list[str] | None, known, option: str, what: str, listed: str) 
 
 
 def _write_json(target: str, payload) -> None:
+    from mha_rosetta.benchmarks.provenance import provenance
     from mha_rosetta.core.files import write_output
-    from mha_rosetta.report.provenance import provenance
 
     write_output(target, json.dumps({**payload, "provenance": provenance()}, indent=2, default=str) + "\n")
     if target != "-":

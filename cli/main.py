@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from mha_rosetta.report.provenance import forget_start, remember_start
+    from mha_rosetta.benchmarks.provenance import forget_start, remember_start
 
     remember_start()  # the JSON's git state is the code this command runs, however long it runs
     try:

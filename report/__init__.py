@@ -1,10 +1,8 @@
-"""Results that travel: one report across runs, and the provenance every JSON the tool writes carries.
+"""Results that travel: one report across runs (the provenance every JSON carries is `benchmarks.provenance`).
 
 `report` sits above `benchmarks`: it reads bench files through `benchmarks` (upgrades, the comparison
 rule of `benchmarks.verdict`), and `benchmarks` never imports `report`.
 
-- `provenance`: the old name of `mha_rosetta.benchmarks.provenance` (who, where and from what a result
-  came; standard library only, versions read from metadata), kept for the importers that use it.
 - `runs`: check, bench and explain JSON files loaded into one shape, old files (no provenance) included.
 - `compare`: one comparison of the bench runs (ratios, spread, "within noise") and the
   regression gate against a baseline; its docstring states the rules (those of `benchmarks.verdict`).

@@ -35,12 +35,3 @@ def test_the_walk_sees_function_local_imports(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("def f():\n    import torch\n    from mha_rosetta.report.runs import load_run\n")
     assert imported_modules(sample) == {"torch", "mha_rosetta.report.runs"}
-
-
-def test_report_provenance_is_benchmarks_provenance():
-    """The old module name re-exports the same functions (one start state, one `provenance`)."""
-    from mha_rosetta.benchmarks import provenance as moved
-    from mha_rosetta.report import provenance as kept
-
-    assert kept.provenance is moved.provenance and kept.remember_start is moved.remember_start
-    assert set(kept.__all__) <= set(dir(moved))

@@ -106,7 +106,8 @@ def test_an_old_spelling_gives_what_the_new_one_gives(old, new):
 
 
 def test_the_new_bench_spellings_reach_the_settings_the_old_ones_did():
-    from mha_rosetta.cli.bench import _decode_settings, _settings
+    from mha_rosetta.cli.bench import _settings
+    from mha_rosetta.cli.bench_decode import decode_settings_of as _decode_settings
 
     quick = _settings(parse("bench", "--preset", "quick", "--mode", "grad"))
     assert quick == _settings(parse("bench", "--quick", "--mode", "fwdbwd"))

@@ -64,11 +64,12 @@ from mha_rosetta.core import (
 from mha_rosetta.core.decode import decode_allowed, prepare_decode_inputs, ring_capacity
 from mha_rosetta.core.params import validate_params
 from mha_rosetta.core.rotary import frequencies
-from mha_rosetta.core.variants import rms_norm, score_bias, softcap, softmax_with_sinks
+from mha_rosetta.core.variants import score_bias
 
 from .calling import DiagnoseError, _as_output, _call
 from .causes import DECODE_CAUSE_CODES
 from .diagnosis import _Fit
+from .simulate import normed, transformed, weights_of
 
 __all__ = [
     "DECODE_CAUSE_CODES",
@@ -127,7 +128,9 @@ def simulate_decode(
         raise ValueError("bug.ring_off_by needs a window (cfg.window): without one there is no ring buffer")
     if cfg.window is not None and cfg.window + bug.ring_off_by < 1:
         raise ValueError(f"bug.ring_off_by={bug.ring_off_by} leaves a window of {cfg.window + bug.ring_off_by} keys")
-    p = {name: None if a is None else np.asarray(a, dtype=np.float64) for name, a in params.as_dict().items()}
+    p = MHAParams(
+        **{name: None if a is None else np.asarray(a, dtype=np.float64) for name, a in params.as_dict().items()}
+    )
     B, N = inputs.batch, inputs.tokens
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     valid = inputs.valid  # (B, N)
@@ -147,14 +150,12 @@ def simulate_decode(
         s, is_step = stop - start, start > 0
         xs = inputs.x[:, start:stop]  # (B, s, D) view
         pos = inputs.positions[:, start:stop]  # (B, s)
-        q, k, v = linear(xs, p["w_q"], p["b_q"]), linear(xs, p["w_k"], p["b_k"]), linear(xs, p["w_v"], p["b_v"])
-        if cfg.qk_norm == "projection":
-            q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q, k, v = linear(xs, p.w_q, p.b_q), linear(xs, p.w_k, p.b_k), linear(xs, p.w_v, p.b_v)
+        q, k = normed(cfg, p, q, k, "projection")  # the variants' steps (a projection QK-norm)
         q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
         k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
         v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
-        if cfg.qk_norm == "head":
-            q_h, k_h = rms_norm(q_h, p["q_norm"], cfg.norm_eps), rms_norm(k_h, p["k_norm"], cfg.norm_eps)
+        q_h, k_h = normed(cfg, p, q_h, k_h, "heads")  # (a head QK-norm)
         rot_pos = np.broadcast_to(np.arange(s), (B, s)) if bug.positions_not_offset else pos  # (B, s)
         q_h = _rotate(cfg, q_h, rot_pos, inv_freq, factor)
         k_h = _rotate(cfg, k_h, rot_pos, inv_freq, factor)
@@ -174,10 +175,8 @@ def simulate_decode(
                 allowed &= K_pos[:, None, None, :] > pos[:, None, :, None] - cfg.window
         else:
             allowed = decode_allowed(step_cfg if is_step else cfg, pos, K_pos, K_valid)  # (B, 1, s, T)
-        scores = cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2))  # (B, H, s, T)
-        if cfg.softcap is not None:
-            scores = softcap(scores, cfg.softcap)
-        bias = score_bias(cfg, p.get("rel_bias"), pos, K_pos)  # (B, H, s, T) or None
+        scores = transformed(cfg, cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2)))  # (B, H, s, T), the logit cap
+        bias = score_bias(cfg, p.rel_bias, pos, K_pos)  # (B, H, s, T) or None: as the spec adds the biases
         if bias is not None:
             scores = scores + bias
         masked = np.where(allowed, scores, -np.inf)  # (B, H, s, T)
@@ -186,10 +185,10 @@ def simulate_decode(
         if bug.empty_slots_attended and empty > 0:  # zero keys (score 0) and zero values, attended
             masked = np.concatenate([masked, np.zeros((B, H, s, empty))], axis=-1)  # (B, H, s, T + E)
             values = np.concatenate([values, np.zeros((B, H, empty, Dv))], axis=2)  # (B, H, T + E, Dv)
-        weights = softmax_with_sinks(masked, p.get("sinks"))
+        weights = weights_of(cfg, p, masked)  # (with a sink logit)
         context = weights @ values  # (B, H, s, Dv)
         merged = context.transpose(0, 2, 1, 3).reshape(B, s, H * Dv)  # (B, s, H, Dv) -> (B, s, H*Dv) copy
-        outputs.append(linear(merged, p["w_o"], p["b_o"]))  # (B, s, D)
+        outputs.append(linear(merged, p.w_o, p.b_o))  # (B, s, D)
         if ring is not None and not is_step:  # the prefill attended within itself: now keep the ring's slots
             K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]
     return inputs.unbatch(np.concatenate(outputs, axis=1))  # (B, N, D)

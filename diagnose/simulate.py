@@ -74,10 +74,6 @@ class Bug:
     # The variants' mistakes: (variant, a `DiagnoseCause.mistake` of its entry), e.g. (("window", "one_more"),).
     mistakes: tuple[tuple[str, str], ...] = ()
 
-    def mistake(self, variant: str) -> str | None:
-        """The mistake made in ``variant`` (None: it is done right)."""
-        return dict(self.mistakes).get(variant)
-
     def combine(self, other: Bug) -> Bug:
         """Both bugs at once (knobs of ``other`` that differ from the default win; the variants' mistakes add up)."""
         changes = {k: v for k, v in other.__dict__.items() if v != getattr(Bug(), k)}

@@ -17,11 +17,18 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from mha_rosetta.core import MHAConfig, expected_param_shapes, to_interleaved_params, to_rotate_half_params
-from mha_rosetta.core.rope_scaling import describe_rope_scaling
-from mha_rosetta.core.variants import alibi_slopes
+from mha_rosetta.core.variants import VARIANT_REGISTRY, Variant, variants_on
+from mha_rosetta.core.variants._diagnose import REPAIRS
 
 from . import repairs
 from .simulate import Bug, other_rope_style, packing_applies
+
+
+def diagnosed_variants(entries=None) -> list[Variant]:
+    """The registry's entries that diagnose knows (`Variant.diagnose`), in diagnose's order (`DiagnoseSpec.rank`)."""
+    entries = VARIANT_REGISTRY.values() if entries is None else entries
+    return sorted((e for e in entries if e.diagnose is not None), key=lambda e: e.diagnose.rank)
+
 
 CAUSE_CODES = (
     "weight_transposed",
@@ -36,14 +43,9 @@ CAUSE_CODES = (
     "gqa_grouping",
     "bias",
     "rope_convention",
-    # The variants' mistakes: each is a hypothesis only when the configuration has the variant.
-    "softcap",
-    "window",
-    "alibi",
-    "qk_norm",
-    "sinks",
-    "rope_scaling",
-    "rel_bias",
+    # The variants' mistakes (their entries' `DiagnoseCause`s): each is a hypothesis only when the configuration
+    # has the variant.
+    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes),
 )
 # The decode mistakes (`diagnose.decode.diagnose_decode`): how a KV cache is kept, apart from the forward's.
 DECODE_CAUSE_CODES = (
@@ -53,8 +55,6 @@ DECODE_CAUSE_CODES = (
     "decode_ring_off_by_one",
     "decode_rotated_twice",
 )
-
-REPAIRS = "mha_rosetta.diagnose.repairs"
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             )
     s = cfg.scale
     # With QK-norm the scores are linear in the norm's weight, not in w_q (the norm undoes a scaled w_q).
-    rescale = repairs.rescale_query if cfg.qk_norm is None else repairs.rescale_query_norm
+    normed = any(entry.diagnose.normalises_qk for entry in diagnosed_variants(variants_on(cfg)))
+    rescale = repairs.rescale_query_norm if normed else repairs.rescale_query
     for detail, factor in (
         ("missing: scores not scaled", 1.0),
         ("applied twice", s * s),
@@ -181,15 +182,15 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             lambda cfg, p, m: (repairs.reorder_output_columns(cfg, p), m),
         )
     if 1 < cfg.n_kv_heads < cfg.n_heads:
+        # ALiBi's slopes belong to the head slot, not to the weights: no reordering can move them.
+        fixed = any(entry.diagnose.head_slots for entry in diagnosed_variants(variants_on(cfg)))
         yield Hypothesis(
             "gqa_grouping",
             "kv heads tiled (h % Hkv) instead of repeated (h // group)",
             Bug(gqa_tiled=True),
             "query head h reads kv head h // (H / Hkv): repeat_interleave(k, group, dim=1), "
-            "not k.repeat(1, group, 1, 1)"
-            + ("" if cfg.alibi else f"; or feed {REPAIRS}.regroup_query_heads(cfg, params)"),
-            # ALiBi's slopes belong to the head slot, not to the weights: no reordering can move them.
-            None if cfg.alibi else lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
+            "not k.repeat(1, group, 1, 1)" + ("" if fixed else f"; or feed {REPAIRS}.regroup_query_heads(cfg, params)"),
+            None if fixed else lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
         )
     if cfg.bias:
         biases = ("b_q", "b_k", "b_v", "b_o") if cfg.output_bias else ("b_q", "b_k", "b_v")  # bias="qkv": no b_o
@@ -219,7 +220,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             f"loaded without the q/k row permutation between the conventions): rotate with rope={cfg.rope!r}, or "
             + (
                 f"feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]"
-                if cfg.qk_norm is None
+                if not normed
                 else f"feed {REPAIRS}.convert_rotary_pairing(cfg, params, mha_rosetta.core.{converter.__name__}) "
                 "(the QK-norm weights permuted too)"
             ),
@@ -235,133 +236,13 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
 
 
 def _variant_hypotheses(cfg: MHAConfig) -> Iterator[Hypothesis]:
-    """The variants' mistakes (`variant_steps` simulates them), each only when ``cfg`` has the variant."""
-    if cfg.softcap is not None:
-        c = f"{cfg.softcap:g}"
-        yield Hypothesis(
-            "softcap",
-            "applied after the mask (a blocked score becomes -c, not -inf)",
-            Bug(softcap="after_mask"),
-            f"cap the scores before any bias and the mask: s = {c} * tanh(s / {c}) right after the scale; capped after "
-            f"the mask, a blocked score becomes -{c} and keeps the weight exp(-{c}) it should not have",
-        )
-        yield Hypothesis(
-            "softcap",
-            "not applied (the scores are not capped)",
-            Bug(softcap="dropped"),
-            f"apply s = {c} * tanh(s / {c}) after the scale, before any bias and the mask (Gemma 2's "
-            "attn_logit_softcapping; SDPA has no softcap and dropped it silently, transformers PR #32865): "
-            f"use eager attention, FlexAttention's score_mod or FlashAttention's softcap={c}",
-        )
-    if cfg.window is not None:
-        W = cfg.window
-        rule = f"p_i - {W} < p_j <= p_i" if cfg.causal else f"|p_i - p_j| < {W}"
-        flash = f"({W - 1}, 0)" if cfg.causal else f"({W - 1}, {W - 1})"
-        yield Hypothesis(
-            "window",
-            f"{W + 1} keys where the window holds {W} (the query's own included)",
-            Bug(window="one_more"),
-            f"the window holds W = {W} keys including the query's own: key j visible iff {rule} (Hugging Face's "
-            f"sliding_window = {W}); FlashAttention spells it window_size={flash}, and one more there is one key "
-            f"more (transformers #29623, #39408); or feed {REPAIRS}.window_mask(cfg, mask), which the candidate's "
-            "wider window then cuts to the spec's",
-            lambda cfg, p, m: (p, repairs.window_mask(cfg, m)),
-            needs_mask=True,
-        )
-        if cfg.causal and W > 1:  # a window of one key is the diagonal from either end
-            yield Hypothesis(
-                "window",
-                f"counted from the wrong end: the {W} keys from the query's own forward (the causal mask leaves the "
-                "diagonal)",
-                Bug(window="future"),
-                f"the window reaches back from the query: key j visible iff {rule}; FlashAttention's "
-                f"window_size=(left, right) is {flash}, not (0, {W - 1})",
-            )
-    if cfg.alibi:
-        H = cfg.n_heads
-        slopes = ", ".join(f"{m:.4g}" for m in alibi_slopes(H))
-        if H & (H - 1):
-            yield Hypothesis(
-                "alibi",
-                f"slopes 2**(-8k/{H}) for {H} heads: the power-of-two formula",
-                Bug(alibi="power_of_two"),
-                f"{H} is not a power of two: the slopes are the series for the power of two below it, then every "
-                f"other term of the series for twice that (BLOOM's _get_alibi_slopes; core.alibi_slopes({H}) = "
-                f"[{slopes}])",
-            )
-        yield Hypothesis(
-            "alibi",
-            "the sign flipped: m_h (p_i - p_j), past keys raised instead of lowered",
-            Bug(alibi="sign"),
-            "add m_h (p_j - p_i) to head h's scores: zero on the diagonal, negative for past keys (BLOOM's m_h p_j "
-            f"differs by a constant per row, which the softmax cancels); slopes core.alibi_slopes({H}) = [{slopes}]",
-        )
-    if cfg.qk_norm is not None:
-        other = "head" if cfg.qk_norm == "projection" else "projection"
-        where = {
-            "head": "over each head's d_k features after the head split, one (d_k,) weight for every head (Qwen3, "
-            "Gemma 3)",
-            "projection": "over all n_heads*d_k (n_kv_heads*d_k for keys) features before the head split (OLMo 2)",
-        }
-        yield Hypothesis(
-            "qk_norm",
-            f"over the {other} where the spec normalises over the {cfg.qk_norm}",
-            Bug(qk_norm=other),
-            f"take the RMSNorm {where[cfg.qk_norm]}, not {where[other]}",
-        )
-    if cfg.sinks:
-        yield Hypothesis(
-            "sinks",
-            "ignored: the plain softmax",
-            Bug(sinks="ignored"),
-            "put head h's sink in every row's denominator, a_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik)): "
-            "gpt-oss concatenates the sink as one more logit column, takes the softmax, and drops that column",
-        )
-        yield Hypothesis(
-            "sinks",
-            "the sink's weight multiplies a value (the first key's) instead of being dropped",
-            Bug(sinks="value"),
-            "the sink takes a share of each row and gives nothing back: drop its column after the softmax "
-            "(gpt-oss's probs[..., :-1]), do not pair it with a value row (a sink token)",
-        )
-    if cfg.rope_scaling is not None:
-        spec = describe_rope_scaling(cfg.rope_scaling)
-        fix = (
-            f"scale the rotary frequencies as rope_scaling says, {spec} (transformers' "
-            "ROPE_INIT_FUNCTIONS[rope_type], core.rope_scaling.scaled_frequencies), YaRN's attention factor on cos "
-            "and sin included"
-        )
-        if cfg.rope_scaling["rope_type"] != "linear":
-            yield Hypothesis(
-                "rope_scaling",
-                f"linear (every frequency / {cfg.rope_scaling['factor']:g}) where the spec's type is "
-                f"{cfg.rope_scaling['rope_type']!r}",
-                Bug(rope_scaling="linear"),
-                fix,
-            )
-        yield Hypothesis(
-            "rope_scaling", f"ignored: the plain frequencies where the spec has {spec}", Bug(rope_scaling="none"), fix
-        )
-    if cfg.rel_buckets is not None:
-        fix = (
-            "T5 buckets relative_position = memory_position - context_position (key minus query, p_j - p_i) in "
-            "_relative_position_bucket"
-        )
-        if cfg.rel_bidirectional:
-            yield Hypothesis(
-                "rel_bias",
-                "buckets of p_i - p_j (query minus key): future and past exchanged",
-                Bug(rel_direction=True),
-                f"{fix}; or feed {REPAIRS}.mirror_relative_buckets(cfg, params), the table with its halves exchanged",
-                lambda cfg, p, m: (repairs.mirror_relative_buckets(cfg, p), m),
-            )
-        else:
-            yield Hypothesis(
-                "rel_bias",
-                "buckets of p_i - p_j (query minus key): every past key in bucket 0",
-                Bug(rel_direction=True),
-                fix,
-            )
+    """The variants' mistakes (each entry's `DiagnoseCause`s, simulated by its steps), only those ``cfg`` has."""
+    for entry in diagnosed_variants(variants_on(cfg)):
+        for cause in entry.diagnose_causes:
+            if cause.applies(cfg):
+                detail, fix = cause.words(cfg)
+                bug = Bug(mistakes=((entry.name, cause.mistake),))
+                yield Hypothesis(cause.code, detail, bug, fix, cause.repair, cause.needs_mask)
 
 
 def _pairs(style: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
-from .causes import CAUSE_CODES, hypotheses
+from .causes import CAUSE_CODES, diagnosed_variants, hypotheses
 from .diagnosis import diagnose
 from .injected import BUGS, bugs_for, numpy_candidate, torch_candidate
 from .probes import make_probes
@@ -32,56 +32,9 @@ SETTINGS: dict[str, MHAConfig] = {
     "rotary": MHAConfig(d_model=12, n_heads=3, rope="half"),  # d_k = 4, every feature rotated
     # GQA, causal and partial interleaved rotary at once: d_k = 6, the first 4 features rotated.
     "rotary-gqa": MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", rope_dims=4),
-    # The variants (each bug of `injected_variants` runs where its variant is on), as the models combine them.
-    # Gemma 2's: softcap, causal window of 3, a scale of its own, GQA, rotary; d_k = 6.
-    "softcap-window": MHAConfig(
-        d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="half", window=3, softcap=1.5, scale=0.3, bias=False
-    ),
-    "alibi": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),  # BLOOM's: 6 heads, d_k = 3
-    # Qwen3's head QK-norm with Qwen2's q/k/v bias and Llama 3.1's rope scaling; d_k = 8.
-    "qk-norm-head": MHAConfig(
-        d_model=24,
-        n_heads=3,
-        d_k=8,
-        causal=True,
-        rope="half",
-        bias="qkv",
-        qk_norm="head",
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        rope_base=500000.0,
-    ),
-    # OLMo 2's projection QK-norm, with a two-sided window of 3 (no causal); d_k = 5.
-    "qk-norm-projection": MHAConfig(d_model=20, n_heads=4, qk_norm="projection", window=3, bias=False),
-    # gpt-oss's: sinks, a causal window of 3, biases, YaRN, GQA; d_k = 6.
-    "sinks-yarn": MHAConfig(
-        d_model=24,
-        n_heads=4,
-        n_kv_heads=2,
-        causal=True,
-        rope="half",
-        rope_base=150000.0,
-        window=3,
-        sinks=True,
-        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False},
-    ),
-    # T5's relative buckets: the encoder (both directions, no scale) and the decoder (past only, causal).
-    "t5-encoder": MHAConfig(d_model=16, n_heads=4, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5),
-    "t5-decoder": MHAConfig(
-        d_model=16,
-        n_heads=4,
-        bias=False,
-        scale=1.0,
-        causal=True,
-        rel_buckets=6,
-        rel_max_distance=7,
-        rel_bidirectional=False,
-    ),
+    # The variants, as the models combine them: each entry's settings (`DiagnoseSpec.settings`), where each bug
+    # of the variants (`injected.VARIANT_BUGS`) runs when its variant is on.
+    **{name: MHAConfig(**config) for entry in diagnosed_variants() for name, config in entry.diagnose.settings},
 }
 # The settings with a variant on (`MHAConfig.variants`): their table is printed apart (`render_tables`).
 VARIANT_SETTINGS = tuple(name for name, cfg in SETTINGS.items() if cfg.variants)
@@ -106,12 +59,23 @@ def frameworks_present() -> list[str]:
     return [name for name in FRAMEWORKS if importlib.util.find_spec(name) is not None]  # numpy is always there
 
 
+def _spells(framework: str, cfg: MHAConfig) -> bool:
+    """Whether ``framework``'s candidate spells every variant of ``cfg`` (a new entry's: in NumPy first)."""
+    try:
+        FRAMEWORKS[framework](cfg)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def confusion(settings=None, frameworks=None) -> list[Outcome]:
     settings = SETTINGS if settings is None else {name: SETTINGS[name] for name in settings}
     frameworks = frameworks_present() if frameworks is None else list(frameworks)
     outcomes = []
     for setting, cfg in settings.items():
         for framework in frameworks:
+            if not _spells(framework, cfg):
+                continue
             for bug in bugs_for(cfg):
                 result = diagnose(FRAMEWORKS[framework](cfg, bug), cfg)
                 first = result.causes[0] if result.causes else None

@@ -45,7 +45,6 @@ Hugging Face's ``cache.update`` does: so a mistake of the read path shows on the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -64,11 +63,12 @@ from mha_rosetta.core import (
 from mha_rosetta.core.decode import decode_allowed, prepare_decode_inputs, ring_capacity
 from mha_rosetta.core.params import validate_params
 from mha_rosetta.core.rotary import frequencies
-from mha_rosetta.core.variants import rms_norm, score_bias, softcap, softmax_with_sinks
+from mha_rosetta.core.variants import score_bias
 
 from .calling import DiagnoseError, _as_output, _call
 from .causes import DECODE_CAUSE_CODES
-from .diagnosis import _Fit
+from .diagnosis import _evidence, _explaining_pair, _Fit
+from .simulate import normed, transformed, weights_of
 
 __all__ = [
     "DECODE_CAUSE_CODES",
@@ -91,6 +91,11 @@ class DecodeBug:
     empty_slots_attended: bool = False
     ring_off_by: int = 0  # +1: the ring keeps one slot more (a step sees W + 1 keys); -1: one less
     rotated_twice: bool = False
+
+    @property
+    def rotary(self) -> bool:
+        """A mistake of the rotary positions: no output without rotary shows it."""
+        return self.positions_not_offset or self.rotated_twice
 
     def combine(self, other: DecodeBug) -> DecodeBug:
         """Both mistakes at once (switches of ``other`` that differ from the default win)."""
@@ -127,7 +132,9 @@ def simulate_decode(
         raise ValueError("bug.ring_off_by needs a window (cfg.window): without one there is no ring buffer")
     if cfg.window is not None and cfg.window + bug.ring_off_by < 1:
         raise ValueError(f"bug.ring_off_by={bug.ring_off_by} leaves a window of {cfg.window + bug.ring_off_by} keys")
-    p = {name: None if a is None else np.asarray(a, dtype=np.float64) for name, a in params.as_dict().items()}
+    p = MHAParams(
+        **{name: None if a is None else np.asarray(a, dtype=np.float64) for name, a in params.as_dict().items()}
+    )
     B, N = inputs.batch, inputs.tokens
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     valid = inputs.valid  # (B, N)
@@ -147,14 +154,12 @@ def simulate_decode(
         s, is_step = stop - start, start > 0
         xs = inputs.x[:, start:stop]  # (B, s, D) view
         pos = inputs.positions[:, start:stop]  # (B, s)
-        q, k, v = linear(xs, p["w_q"], p["b_q"]), linear(xs, p["w_k"], p["b_k"]), linear(xs, p["w_v"], p["b_v"])
-        if cfg.qk_norm == "projection":
-            q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q, k, v = linear(xs, p.w_q, p.b_q), linear(xs, p.w_k, p.b_k), linear(xs, p.w_v, p.b_v)
+        q, k = normed(cfg, p, q, k, "projection")  # the variants' steps (a projection QK-norm)
         q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
         k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
         v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
-        if cfg.qk_norm == "head":
-            q_h, k_h = rms_norm(q_h, p["q_norm"], cfg.norm_eps), rms_norm(k_h, p["k_norm"], cfg.norm_eps)
+        q_h, k_h = normed(cfg, p, q_h, k_h, "heads")  # (a head QK-norm)
         rot_pos = np.broadcast_to(np.arange(s), (B, s)) if bug.positions_not_offset else pos  # (B, s)
         q_h = _rotate(cfg, q_h, rot_pos, inv_freq, factor)
         k_h = _rotate(cfg, k_h, rot_pos, inv_freq, factor)
@@ -174,10 +179,8 @@ def simulate_decode(
                 allowed &= K_pos[:, None, None, :] > pos[:, None, :, None] - cfg.window
         else:
             allowed = decode_allowed(step_cfg if is_step else cfg, pos, K_pos, K_valid)  # (B, 1, s, T)
-        scores = cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2))  # (B, H, s, T)
-        if cfg.softcap is not None:
-            scores = softcap(scores, cfg.softcap)
-        bias = score_bias(cfg, p.get("rel_bias"), pos, K_pos)  # (B, H, s, T) or None
+        scores = transformed(cfg, cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2)))  # (B, H, s, T), the logit cap
+        bias = score_bias(cfg, p.rel_bias, pos, K_pos)  # (B, H, s, T) or None: as the spec adds the biases
         if bias is not None:
             scores = scores + bias
         masked = np.where(allowed, scores, -np.inf)  # (B, H, s, T)
@@ -186,10 +189,10 @@ def simulate_decode(
         if bug.empty_slots_attended and empty > 0:  # zero keys (score 0) and zero values, attended
             masked = np.concatenate([masked, np.zeros((B, H, s, empty))], axis=-1)  # (B, H, s, T + E)
             values = np.concatenate([values, np.zeros((B, H, empty, Dv))], axis=2)  # (B, H, T + E, Dv)
-        weights = softmax_with_sinks(masked, p.get("sinks"))
+        weights = weights_of(cfg, p, masked)  # (with a sink logit)
         context = weights @ values  # (B, H, s, Dv)
         merged = context.transpose(0, 2, 1, 3).reshape(B, s, H * Dv)  # (B, s, H, Dv) -> (B, s, H*Dv) copy
-        outputs.append(linear(merged, p["w_o"], p["b_o"]))  # (B, s, D)
+        outputs.append(linear(merged, p.w_o, p.b_o))  # (B, s, D)
         if ring is not None and not is_step:  # the prefill attended within itself: now keep the ring's slots
             K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]
     return inputs.unbatch(np.concatenate(outputs, axis=1))  # (B, N, D)
@@ -209,75 +212,62 @@ class DecodeHypothesis:
 
 
 def decode_hypotheses(cfg: MHAConfig) -> list[DecodeHypothesis]:
-    """Every decode mistake that can change an output for ``cfg`` (no rotary: nothing about rotary)."""
-    out = []
-    if cfg.rope is not None:
-        out.append(
-            DecodeHypothesis(
-                "decode_positions_not_offset",
-                "rotary positions restart at 0 on each call",
-                DecodeBug(positions_not_offset=True),
-                "rotate each new token at its own position (cache_position = past length + arange(step), or the "
-                "positions passed in), not at arange(step): the cache's keys sit at positions 0..T-1",
-            )
-        )
+    """Every decode mistake that can change an output for ``cfg`` (no rotary: nothing about rotary; no window: no ring)."""
     bottom_right = (
         "a step's queries sit at the last positions of the cache, so causality is bottom-right (key j visible iff "
         "p_j <= p_i): pass an explicit mask (torch.nn.attention.bias.causal_lower_right, or the positions' rule), "
         "not is_causal=True, whose mask is top-left (query i sees slots 0..i)"
     )
-    out.append(
+    W = cfg.window
+    every = [
+        DecodeHypothesis(
+            "decode_positions_not_offset",
+            "rotary positions restart at 0 on each call",
+            DecodeBug(positions_not_offset=True),
+            "rotate each new token at its own position (cache_position = past length + arange(step), or the "
+            "positions passed in), not at arange(step): the cache's keys sit at positions 0..T-1",
+        ),
         DecodeHypothesis(
             "decode_top_left_causal",
             "is_causal=True (top-left) on steps of more than one query",
             DecodeBug(top_left_causal="multi"),
             bottom_right + "; a single-query step is unaffected, as it passes is_causal=False",
-        )
-    )
-    out.append(
+        ),
         DecodeHypothesis(
             "decode_top_left_causal",
             "top-left causality on every step: a single query sees only the oldest slot",
             DecodeBug(top_left_causal="every"),
             bottom_right + " (flax #5591)",
-        )
-    )
-    out.append(
+        ),
         DecodeHypothesis(
             "decode_empty_slots_attended",
             "a static cache's unwritten slots attended (score 0, value 0)",
             DecodeBug(empty_slots_attended=True),
             "mask every slot at or past the write index (the cache's valid length): with SDPA pass the mask, do not "
             "drop it for is_causal on a preallocated cache (transformers #30400)",
-        )
-    )
-    if cfg.window is not None:
-        W = cfg.window
-        for off in (1, -1):
-            if W + off < 1:
-                continue
-            out.append(
-                DecodeHypothesis(
-                    "decode_ring_off_by_one",
-                    f"the ring keeps {'one slot more' if off > 0 else 'one slot less'}: a step sees the last "
-                    f"{W + off} keys where the window holds {W}",
-                    DecodeBug(ring_off_by=off),
-                    f"a window of W = {W} keys (the query's own included) needs a ring of W - 1 + step slots "
-                    f"(core.decode.ring_capacity: {W} for one token per step) and the window rule p_i - {W} < p_j "
-                    "on the slots' positions (transformers #29623, #37574)",
-                )
-            )
-    if cfg.rope is not None:
-        out.append(
+        ),
+        *(
             DecodeHypothesis(
-                "decode_rotated_twice",
-                "keys cached after rotary and rotated again on read",
-                DecodeBug(rotated_twice=True),
-                "rotate keys once: either cache them rotated (Hugging Face's place, the contract's) and read them "
-                "as they are, or cache them unrotated and rotate on read, never both",
+                "decode_ring_off_by_one",
+                f"the ring keeps {'one slot more' if off > 0 else 'one slot less'}: a step sees the last "
+                f"{W + off} keys where the window holds {W}",
+                DecodeBug(ring_off_by=off),
+                f"a window of W = {W} keys (the query's own included) needs a ring of W - 1 + step slots "
+                f"(core.decode.ring_capacity: {W} for one token per step) and the window rule p_i - {W} < p_j "
+                "on the slots' positions (transformers #29623, #37574)",
             )
-        )
-    return out
+            for off in (1, -1)
+            if W is not None and W + off >= 1
+        ),
+        DecodeHypothesis(
+            "decode_rotated_twice",
+            "keys cached after rotary and rotated again on read",
+            DecodeBug(rotated_twice=True),
+            "rotate keys once: either cache them rotated (Hugging Face's place, the contract's) and read them "
+            "as they are, or cache them unrotated and rotate on read, never both",
+        ),
+    ]
+    return [h for h in every if cfg.rope is not None or not h.bug.rotary]
 
 
 # -- the probes ---------------------------------------------------------------------------------
@@ -449,17 +439,10 @@ def diagnose_decode(
     explained = [f for f in fits if f.score <= 1.0]
     partial = False
     if not explained:
-        pairs = []
-        for i, a in enumerate(fits):
-            for b in fits[i + 1 :]:
-                if a.hypothesis.code != b.hypothesis.code:
-                    pair = _fit(cfg, observed, a.bug.combine(b.bug), None, tol_dtype)
-                    if pair.score <= 1.0:
-                        pairs.append((pair.score, a, b))
-        if pairs:
-            _, a, b = min(pairs, key=lambda item: item[0])
-            explained = [a, b]
-            notes.append(f"no single mistake explains every probe; {a.label} and {b.label} together do")
+        pair = _explaining_pair(fits, lambda bug: _fit(cfg, observed, bug, None, tol_dtype))
+        if pair:
+            explained = list(pair)
+            notes.append(f"no single mistake explains every probe; {pair[0].label} and {pair[1].label} together do")
         else:
             explained, partial = fits[:3], True
             notes.append("no decode mistake (nor any pair) explains every probe; the best partial fits follow")
@@ -473,23 +456,7 @@ def diagnose_decode(
                 )
     causes = []
     for fit in explained:
-        shows = max(oracle.per_probe, key=lambda name: oracle.per_probe[name][1])
-        off = oracle.per_probe[shows][0]
-        err, ratio = fit.per_probe[shows]
-        away = "NaN or inf where the oracle is finite" if math.isinf(off) else f"{off:.3g} from the oracle"
-        parts = [
-            f"probe {shows!r}: {away}, {err:.2g} from this mistake "
-            f"({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
-        ]
-        rival = next((f for f in fits if f is not fit), None)
-        if rival is not None:
-            apart = max(rival.per_probe, key=lambda name: rival.per_probe[name][1])
-            by = rival.per_probe[apart][0]
-            parts.append(
-                f"next best, {rival.label}, misses probe {apart!r} by {'NaN or inf' if math.isinf(by) else f'{by:.3g}'}"
-            )
-        if partial:
-            parts.append(f"explains no probe set fully (worst probe at {fit.score:.3g}x tolerance)")
         h = fit.hypothesis
-        causes.append(Cause(h.code, h.detail, "; ".join(parts), h.fix, fit.score))
+        evidence = "; ".join(_evidence(fit, fits, oracle, partial, "mistake"))
+        causes.append(Cause(h.code, h.detail, evidence, h.fix, fit.score))
     return Diagnosis(False, max_error, causes, [], notes, errors, tol_dtype)

@@ -255,19 +255,10 @@ def diagnose(
     explained = [f for f in fits if f.score <= 1.0]
     partial = False
     if not explained:
-        pairs = []
-        best = fits[:PAIR_CANDIDATES]
-        for i, a in enumerate(best):
-            for b in best[i + 1 :]:
-                if a.hypothesis.code == b.hypothesis.code:
-                    continue
-                pair = _fit(cfg, observed, a.bug.combine(b.bug), None, tol_dtype)
-                if pair.score <= 1.0:
-                    pairs.append((pair.score, a, b))
-        if pairs:
-            _, a, b = min(pairs, key=lambda item: item[0])
-            explained = [a, b]
-            notes.append(f"no single cause explains every probe; {a.label} and {b.label} together do")
+        pair = _explaining_pair(fits[:PAIR_CANDIDATES], lambda bug: _fit(cfg, observed, bug, None, tol_dtype))
+        if pair:
+            explained = list(pair)
+            notes.append(f"no single cause explains every probe; {pair[0].label} and {pair[1].label} together do")
         else:
             explained, partial = fits[:3], True
             notes.append(
@@ -299,14 +290,30 @@ def _ignores_key_value(run, probe: Probe, output: np.ndarray) -> bool:
         return False
 
 
-def _cause(cfg, fit: _Fit, fits: list[_Fit], oracle: _Fit, run, observed, partial: bool, dtype: str) -> Cause:
-    hypothesis = fit.hypothesis
+def _explaining_pair(fits: list[_Fit], fit_bug: Callable) -> tuple[_Fit, _Fit] | None:
+    """The two of ``fits`` (different codes) whose bugs together, ``fit_bug(bug)``, fit every probe best, or None."""
+    pairs = []
+    for i, a in enumerate(fits):
+        for b in fits[i + 1 :]:
+            if a.hypothesis.code != b.hypothesis.code:
+                pair = fit_bug(a.bug.combine(b.bug))
+                if pair.score <= 1.0:
+                    pairs.append((pair.score, a, b))
+    if not pairs:
+        return None
+    _, a, b = min(pairs, key=lambda item: item[0])
+    return a, b
+
+
+def _evidence(fit: _Fit, fits: list[_Fit], oracle: _Fit, partial: bool, noun: str = "cause") -> list[str]:
+    """The sentences that explain a cause (or a decode ``noun="mistake"``): the probe that shows it best, the one
+    that rules out the next best fit, and whether it explains only part of the probes."""
     shows = max(oracle.per_probe, key=lambda name: oracle.per_probe[name][1])
     off, _ = oracle.per_probe[shows]
     err, ratio = fit.per_probe[shows]
     away = "NaN or inf where the oracle is finite" if math.isinf(off) else f"{off:.3g} from the oracle"
     parts = [
-        f"probe {shows!r}: {away}, {err:.2g} from this cause ({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
+        f"probe {shows!r}: {away}, {err:.2g} from this {noun} ({'within' if ratio <= 1 else f'{ratio:.3g}x'} tolerance)"
     ]
     rival = next((f for f in fits if f is not fit), None)
     if rival is not None:
@@ -317,6 +324,12 @@ def _cause(cfg, fit: _Fit, fits: list[_Fit], oracle: _Fit, run, observed, partia
         )
     if partial:
         parts.append(f"explains no probe set fully (worst probe at {fit.score:.3g}x tolerance)")
+    return parts
+
+
+def _cause(cfg, fit: _Fit, fits: list[_Fit], oracle: _Fit, run, observed, partial: bool, dtype: str) -> Cause:
+    hypothesis = fit.hypothesis
+    parts = _evidence(fit, fits, oracle, partial)
     if hypothesis.repair is not None:
         parts.append(_verify_repair(cfg, hypothesis, run, observed, oracle, dtype))
     return Cause(hypothesis.code, hypothesis.detail, "; ".join(parts), hypothesis.fix, fit.score)

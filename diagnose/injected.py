@@ -5,19 +5,32 @@
 take canonical `MHAParams` and return the output, with the bug named by ``bug`` (a key of
 `BUGS`) or none. They are independent code from `diagnose.simulate`, so diagnosing them
 tests the simulator, and they feed the confusion table (`diagnose.confusion`) and the
-example of docs/your-own-implementation.md. torch is imported inside `torch_candidate` only.
-The variants (and their mistakes, `VARIANT_BUGS`) are written in `injected_variants`.
+example of docs/your-own-implementation.md.
+
+The variants and the bugs planted in them (`VARIANT_BUGS`) are their registry entries'
+(`core.variants`: each entry's `PlantedMistake`s, and its NumPy `PlantedSteps` written apart
+from its simulated steps, the way ported code writes them). The torch candidate, the
+variants' torch spellings with it, is `backends.injected_torch` (torch imported there, inside
+its functions): `torch_candidate` here checks the bug and hands it the variant mistakes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from mha_rosetta.backends import injected_torch
 from mha_rosetta.core import MHAConfig
+from mha_rosetta.core.variants import variants_on
+from mha_rosetta.core.variants._diagnose import steps_at
 
-from . import injected_variants as iv
+from .causes import diagnosed_variants
 from .probes import Q_TOKENS
 from .simulate import packing_applies
+
+# The bugs planted in the variants, in diagnose's order (an entry's `PlantedMistake`s; the QK-norm pair shares its two).
+_PLANTED = {m.name: m for entry in diagnosed_variants() for m in entry.planted_mistakes}
+# bug -> (the cause code it must be diagnosed as, what the code does wrong); `BUGS` adds them.
+VARIANT_BUGS: dict[str, tuple[str, str]] = {name: (m.code, m.what) for name, m in _PLANTED.items()}
 
 # bug -> (the cause code it must be diagnosed as, what the code does wrong)
 BUGS: dict[str, tuple[str, str]] = {
@@ -38,7 +51,7 @@ BUGS: dict[str, tuple[str, str]] = {
     "b_o dropped": ("bias", "output projection without its bias"),
     "rope pairs swapped": ("rope_convention", "rotate_half where the weights are interleaved, or the reverse"),
     "rope missing": ("rope_convention", "q and k used without the rotary embedding"),
-    **iv.VARIANT_BUGS,
+    **VARIANT_BUGS,
 }
 
 
@@ -61,9 +74,21 @@ def bugs_for(cfg: MHAConfig) -> list[str]:
         # With two rotated features the two pairings are the same pair.
         "rope pairs swapped": cfg.rope is not None and cfg.rope_dims > 2,
         "rope missing": cfg.rope is not None,
-        **iv.variant_bugs_for(cfg, Q_TOKENS),
+        # A variant's bugs run only with their variant.
+        **dict.fromkeys(VARIANT_BUGS, False),
+        **{m.name: m.applies(cfg, Q_TOKENS) for entry in variants_on(cfg) for m in entry.planted_mistakes},
     }
     return [name for name in BUGS if runs.get(name, True)]
+
+
+def planted_mistakes(cfg: MHAConfig, bug: str | None) -> dict[str, str]:
+    """variant -> the mistake ``bug`` plants in it, among ``cfg``'s variants (empty: a 2017-23 bug, or none)."""
+    return {e.name: m.mistake for e in variants_on(cfg) for m in e.planted_mistakes if m.name == bug}
+
+
+def _steps(cfg: MHAConfig, place: str, mistakes: dict[str, str]):
+    """(step, mistake) of each variant of ``cfg`` at ``place`` (a field of `PlantedSteps`), in registry order."""
+    return steps_at(variants_on(cfg), place, mistakes, lambda e: e.diagnose and e.diagnose.planted)
 
 
 def _check_bug(bug: str | None) -> None:
@@ -84,6 +109,7 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
     """A NumPy attention with ``bug`` injected: candidate(params, query, key, value, mask) -> output."""
     _check_bug(bug)
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    mistakes = planted_mistakes(cfg, bug)
 
     def candidate(params, query, key, value, mask):
         w_q, w_k, w_v, w_o = params.w_q, params.w_k, params.w_v, params.w_o
@@ -112,22 +138,19 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
         q = linear(query, w_q, b_q, bug == "w_q transposed")  # (B, Nq, H*Dk)
         k = linear(key, w_k, b_k)  # (B, Nk, Hkv*Dk)
         v = linear(value, w_v, b_v)  # (B, Nk, Hkv*Dv)
-        place = iv.norm_place(cfg, bug)
-        if place is not None:
-            w_qn, w_kn = iv.norm_weights(cfg, bug, params, place)
-        if place == "projection":
-            q, k = iv.numpy_rms_norm(q, w_qn, cfg.norm_eps), iv.numpy_rms_norm(k, w_kn, cfg.norm_eps)
+        for step, mistake in _steps(cfg, "projection", mistakes):  # a projection QK-norm
+            q, k = step(cfg, params, q, k, mistake)
         if bug == "direct reshape":
             q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
         else:
             q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
             k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
             v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
-        if place == "head":
-            q, k = iv.numpy_rms_norm(q, w_qn, cfg.norm_eps), iv.numpy_rms_norm(k, w_kn, cfg.norm_eps)
+        for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
+            q, k = step(cfg, params, q, k, mistake)
         style = _rope_style(cfg, bug)
-        if style is not None:
-            scaled = iv.rope_frequencies(cfg, bug, max(Nq, Nk))
+        if style is not None:  # with the frequencies of rope scaling, or None: the plain ones
+            scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
             q, k = _numpy_rotary(q, style, cfg, scaled), _numpy_rotary(k, style, cfg, scaled)
         if Hkv != H:
             group = H // Hkv
@@ -141,24 +164,28 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
         scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, Nq, Nk)
         if bug != "scale missing":
             scores = scores * scale
-        scores = iv.numpy_score_variants(cfg, bug, params, scores)  # softcap, ALiBi, T5's bias
+        for step, mistake in _steps(cfg, "transform", mistakes):  # the logit cap
+            scores = step(cfg, scores, mistake)
+        for step, mistake in _steps(cfg, "bias", mistakes):  # ALiBi, T5's bias
+            scores = scores + step(cfg, params, Nq, Nk, mistake)  # (B, H, Nq, Nk)
         allowed = np.ones((Nq, Nk), dtype=bool)
         if cfg.causal:
             allowed = np.tril(allowed, -1 if bug == "causal hides diagonal" else 0)
-        window = iv.numpy_window(cfg, bug, Nq, Nk)
-        if window is not None:
-            allowed = allowed & window
+        for step, mistake in _steps(cfg, "mask", mistakes):  # the window
+            allowed = allowed & step(cfg, Nq, Nk, mistake)
         if mask is not None:
             allowed = allowed & (~mask if bug == "mask inverted" else mask)
         scores = np.where(allowed, scores, -np.inf)
-        if bug == "softcap after mask":
-            scores = cfg.softcap * np.tanh(scores / cfg.softcap)
-        scores, v, drop_sink = iv.numpy_sink_column(cfg, bug, params, scores, v)  # (B, H, Nq, Nk[+1])
+        for step, mistake in _steps(cfg, "masked", mistakes):  # a logit cap moved after the mask
+            scores = step(cfg, scores, mistake)
+        drop = False
+        for step, mistake in _steps(cfg, "columns", mistakes):  # a sink column: (B, H, Nq, Nk+1)
+            scores, v, drop = step(cfg, params, scores, v, mistake)
         axis = -2 if bug == "softmax over queries" else -1
         with np.errstate(invalid="ignore"):
             e = np.exp(scores - scores.max(axis=axis, keepdims=True))
             weights = e / e.sum(axis=axis, keepdims=True)
-        if drop_sink:
+        if drop:
             weights = weights[..., :-1]  # (B, H, Nq, Nk) view: the sink's column dropped
         context = weights @ v  # (B, H, Nq, Dv)
         if bug == "merge (Dv, H)":
@@ -173,7 +200,7 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
 def _numpy_rotary(x, style: str, cfg: MHAConfig, scaled=None):
     """Rotate the first rope_dims features of (B, heads, N, d) by position: half = rotate_half, else pairs.
 
-    ``scaled``: (inv_freq, factor on cos and sin) of scaled rotary (`injected_variants.rope_frequencies`).
+    ``scaled``: (inv_freq, factor on cos and sin) of scaled rotary (the rope scaling entry's planted step).
     """
     r = cfg.rope_dims
     theta = np.arange(x.shape[2])[:, None] / cfg.rope_base ** (np.arange(0, r, 2) / r)  # (N, r/2)
@@ -194,114 +221,6 @@ def _numpy_rotary(x, style: str, cfg: MHAConfig, scaled=None):
 
 
 def torch_candidate(cfg: MHAConfig, bug: str | None = None):
-    """The same bugs in torch idioms (F.linear, view/transpose, masked_fill); returns a torch tensor."""
-    import torch
-    import torch.nn.functional as F
-
+    """The same bugs in torch idioms (`backends.injected_torch`: F.linear, view/transpose, masked_fill); returns a torch tensor."""
     _check_bug(bug)
-    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
-
-    def candidate(params, query, key, value, mask):
-        t = {
-            name: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
-            for name, a in params.as_dict().items()
-        }
-        if bug == "q/k swapped":
-            t["w_q"], t["w_k"], t["b_q"], t["b_k"] = t["w_k"], t["w_q"], t["b_k"], t["b_q"]
-        if bug == "k/v swapped":
-            t["w_k"], t["w_v"], t["b_k"], t["b_v"] = t["w_v"], t["w_k"], t["b_v"], t["b_k"]
-        if bug == "packed blocks, read per head":
-            in_proj = torch.cat([t["w_q"], t["w_k"], t["w_v"]])  # (3E, E) like nn.MultiheadAttention
-            w = in_proj.view(H, 3, Dk, -1)  # the bug: read per head
-            t["w_q"], t["w_k"], t["w_v"] = (w[:, i].reshape(H * Dk, -1) for i in range(3))
-            if t["b_q"] is not None:
-                b = torch.cat([t["b_q"], t["b_k"], t["b_v"]]).view(H, 3, Dk)
-                t["b_q"], t["b_k"], t["b_v"] = (b[:, i].reshape(H * Dk) for i in range(3))
-        if bug in ("b_q dropped", "b_o dropped"):
-            t[bug[:3]] = None
-        x_q, x_k, x_v = (torch.from_numpy(a) for a in (query, key, value))
-        B, Nq, Nk = x_q.shape[0], x_q.shape[1], x_k.shape[1]
-        w_q = t["w_q"].T if bug == "w_q transposed" else t["w_q"]
-        q = F.linear(x_q, w_q, t["b_q"])  # (B, Nq, H*Dk)
-        k = F.linear(x_k, t["w_k"], t["b_k"])  # (B, Nk, Hkv*Dk)
-        v = F.linear(x_v, t["w_v"], t["b_v"])  # (B, Nk, Hkv*Dv)
-        place = iv.norm_place(cfg, bug)
-        if place is not None:
-            w_qn, w_kn = (torch.from_numpy(np.ascontiguousarray(w)) for w in iv.norm_weights(cfg, bug, params, place))
-        if place == "projection":
-            q, k = iv.torch_rms_norm(q, w_qn, cfg.norm_eps), iv.torch_rms_norm(k, w_kn, cfg.norm_eps)
-        if bug == "direct reshape":
-            q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
-        else:
-            q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
-            k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
-            v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
-        if place == "head":
-            q, k = iv.torch_rms_norm(q, w_qn, cfg.norm_eps), iv.torch_rms_norm(k, w_kn, cfg.norm_eps)
-        style = _rope_style(cfg, bug)
-        if style is not None:
-            scaled = iv.rope_frequencies(cfg, bug, max(Nq, Nk))
-            q, k = _torch_rotary(q, style, cfg, scaled), _torch_rotary(k, style, cfg, scaled)
-        if Hkv != H:
-            group = H // Hkv
-            if bug == "kv heads tiled":
-                k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # (B, H, Nk, d): tiled
-            else:
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Nk, d)
-        scale = cfg.scale
-        if bug == "scale twice":
-            q = q * scale
-        scores = q @ k.transpose(-2, -1)  # (B, H, Nq, Nk)
-        if bug != "scale missing":
-            scores = scores * scale
-        scores = iv.torch_score_variants(cfg, bug, t, scores)  # softcap, ALiBi, T5's bias
-        blocked = torch.zeros(Nq, Nk, dtype=torch.bool)
-        if cfg.causal:
-            offset = 0 if bug == "causal hides diagonal" else 1
-            blocked = torch.ones(Nq, Nk, dtype=torch.bool).triu(offset)
-        outside = iv.torch_window_blocked(cfg, bug, Nq, Nk)
-        if outside is not None:
-            blocked = blocked | outside
-        if mask is not None:
-            m = torch.from_numpy(np.asarray(mask))
-            blocked = blocked | (m if bug == "mask inverted" else ~m)
-        scores = scores.masked_fill(blocked, float("-inf"))
-        if bug == "softcap after mask":
-            scores = torch.tanh(scores / cfg.softcap) * cfg.softcap
-        scores, v, drop_sink = iv.torch_sink_column(cfg, bug, t, scores, v)  # (B, H, Nq, Nk[+1])
-        weights = torch.softmax(scores, dim=-2 if bug == "softmax over queries" else -1)
-        if drop_sink:
-            weights = weights[..., :-1]  # (B, H, Nq, Nk) view: gpt-oss drops the sink's column
-        context = weights @ v  # (B, H, Nq, Dv)
-        if bug == "merge (Dv, H)":
-            merged = context.permute(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
-        else:
-            merged = context.transpose(1, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv) copy
-        w_o = t["w_o"].T if bug == "w_o transposed" else t["w_o"]
-        return F.linear(merged, w_o, t["b_o"])
-
-    return candidate
-
-
-def _torch_rotary(x, style: str, cfg: MHAConfig, scaled=None):
-    """Hugging Face's rotate_half for "half", Meta's complex multiplication for "interleaved".
-
-    ``scaled``: (inv_freq, factor on cos and sin) of scaled rotary (`injected_variants.rope_frequencies`).
-    """
-    import torch
-
-    r = cfg.rope_dims
-    inv_freq = 1.0 / cfg.rope_base ** (torch.arange(0, r, 2, dtype=torch.float64) / r)  # (r/2,)
-    factor = 1.0
-    if scaled is not None:
-        inv_freq, factor = torch.from_numpy(scaled[0]), scaled[1]
-    freqs = torch.outer(torch.arange(x.shape[2], dtype=torch.float64), inv_freq)  # (N, r/2)
-    rot, rest = x[..., :r], x[..., r:]
-    if style == "half":
-        emb = torch.cat([freqs, freqs], dim=-1)  # (N, r)
-        x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-        turned = rot * (emb.cos() * factor) + torch.cat([-x2, x1], dim=-1) * (emb.sin() * factor)
-    else:
-        pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], r // 2, 2).contiguous())  # (..., r/2) complex
-        turned = torch.view_as_real(pairs * torch.polar(factor * torch.ones_like(freqs), freqs)).flatten(-2)  # (..., r)
-    return torch.cat([turned, rest], dim=-1)
+    return injected_torch.torch_candidate(cfg, bug, planted_mistakes(cfg, bug), _rope_style(cfg, bug))

@@ -14,8 +14,29 @@ from dataclasses import replace
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
+from mha_rosetta.core.variants import variants_on
+
+# The variants' repairs are their entries' (`core.variants`, each `DiagnoseCause.repair`); these are the functions
+# the causes' fixes name.
+from mha_rosetta.core.variants.rel_bias import mirror_relative_buckets
+from mha_rosetta.core.variants.window import window_mask
 
 from .simulate import Bug, params_as_used
+
+__all__ = [
+    "convert_rotary_pairing",
+    "invert_mask",
+    "mirror_relative_buckets",
+    "regroup_query_heads",
+    "reorder_output_columns",
+    "repack_qkv",
+    "rescale_query",
+    "rescale_query_norm",
+    "swap_projections",
+    "tiled_query_head_order",
+    "transpose_weight",
+    "window_mask",
+]
 
 
 def transpose_weight(params: MHAParams, name: str) -> MHAParams:
@@ -77,40 +98,10 @@ def regroup_query_heads(cfg: MHAConfig, params: MHAParams) -> MHAParams:
     w_o = params.w_o.reshape(d_model, H, Dv)[:, order].reshape(d_model, H * Dv)  # (D, H, Dv) columns regrouped, copy
     # The per-head parameters of the variants move with their heads (ALiBi's slopes cannot: no repair there).
     extra = {}
-    if cfg.qk_norm == "projection":
-        extra["q_norm"] = params.q_norm.reshape(H, Dk)[order].reshape(H * Dk)  # (H, Dk) rows regrouped, copy
-    if params.sinks is not None:
-        extra["sinks"] = params.sinks[order]
-    if params.rel_bias is not None:
-        extra["rel_bias"] = params.rel_bias[:, order]  # (buckets, H) columns regrouped, copy
+    for entry in variants_on(cfg):
+        if entry.diagnose is not None and entry.diagnose.regroup_heads is not None:
+            extra.update(entry.diagnose.regroup_heads(cfg, params, order))
     return replace(params, w_q=w_q, b_q=b_q, w_o=w_o, **extra)
-
-
-def window_mask(cfg: MHAConfig, mask):
-    """The (B, 1, Nq, Nk) mask AND the spec's window (positions 0..N-1), for code whose window is wider than W.
-
-    A candidate that lets W + 1 keys through computes its own window AND this mask, which is
-    the spec's window of W. ``mask`` must be an array (start from an all-True one); it is not
-    its own inverse: the candidate's code must still be fixed.
-    """
-    from mha_rosetta.core.variants import window_allowed
-
-    mask = np.asarray(mask, dtype=bool)
-    q_tokens, kv_tokens = mask.shape[-2:]
-    allowed = window_allowed(cfg.window, cfg.causal, np.arange(q_tokens)[None], np.arange(kv_tokens)[None])
-    return mask & allowed  # (1, 1, Nq, Nk) broadcast to the mask's shape
-
-
-def mirror_relative_buckets(cfg: MHAConfig, params: MHAParams) -> MHAParams:
-    """T5's table for code that buckets p_i - p_j: its two halves exchanged (bidirectional buckets; self-inverse).
-
-    With n = rel_buckets / 2, distance d > 0 falls in bucket n + f(d) and -d in f(d), while
-    d = 0 is bucket 0 either way; so bucket x and bucket n + x trade places for x = 1 .. n-1.
-    """
-    n = cfg.rel_buckets // 2
-    order = np.arange(cfg.rel_buckets)
-    order[1:n], order[n + 1 :] = np.arange(n + 1, 2 * n), np.arange(1, n)
-    return replace(params, rel_bias=params.rel_bias[order])  # (buckets, H) rows exchanged, copy
 
 
 def rescale_query_norm(params: MHAParams, factor: float) -> MHAParams:

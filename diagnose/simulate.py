@@ -25,9 +25,15 @@ Every knob says what the candidate does instead of the spec:
 - ``bias_dropped``: biases left out (names); ``bias_misplaced``: ``"b_o before w_o"``.
 - ``rope``: ``"other"`` rotates with the other pairing than ``cfg.rope`` (interleaved for
   half, or the reverse), ``"none"`` leaves q and k unrotated.
-- The variants' knobs (``qk_norm``, ``rope_scaling``, ``softcap``, ``alibi``, ``rel_direction``,
-  ``window``, ``sinks``): what each does, and the variants' steps themselves, are in
-  `diagnose.variant_steps`. Each only acts when the configuration has its variant.
+- ``mistakes``: (variant, mistake) pairs, the variants' mistakes. The variants' steps, right and
+  mistaken, are their registry entries' (`core.variants`: each entry's ``diagnose.simulated``,
+  `SimulatedSteps`, with the mistakes its `DiagnoseCause`s name); the simulator runs the steps of
+  the variants the configuration has, in registry order, at the places `SimulatedSteps` lists:
+  the projection's QK-norm before the head split, the head QK-norm after it, the rotary
+  frequencies, the scores' transform (the logit cap) and biases (ALiBi, T5), the window in the mask,
+  what a candidate does after the mask (a logit cap moved there), the softmax (with a sink) and
+  what it adds to the context (a sink with a value). Positions are the defaults ``0 .. N-1`` of
+  queries and keys (the probes pass none).
 """
 
 from __future__ import annotations
@@ -46,9 +52,8 @@ from mha_rosetta.core import (
     softmax_with_empty_rows,
 )
 from mha_rosetta.core.config import ROPE_STYLES
-from mha_rosetta.core.variants import softmax_with_sinks
-
-from . import variant_steps
+from mha_rosetta.core.variants import variants_on
+from mha_rosetta.core.variants._diagnose import steps_at
 
 
 @dataclass(frozen=True)
@@ -66,19 +71,41 @@ class Bug:
     bias_dropped: tuple[str, ...] = ()
     bias_misplaced: str | None = None
     rope: str | None = None
-    # The variants' mistakes (`variant_steps`).
-    qk_norm: str | None = None  # where the candidate normalises instead: "head" or "projection"
-    rope_scaling: str | None = None  # the rope_type it scales with instead: "none" or "linear"
-    softcap: str | None = None  # "dropped" or "after_mask"
-    alibi: str | None = None  # "power_of_two" (slopes) or "sign"
-    rel_direction: bool = False  # T5 buckets of p_i - p_j
-    window: str | None = None  # "one_more" (W + 1 keys) or "future" (counted from the wrong end)
-    sinks: str | None = None  # "ignored" or "value"
+    # The variants' mistakes: (variant, a `DiagnoseCause.mistake` of its entry), e.g. (("window", "one_more"),).
+    mistakes: tuple[tuple[str, str], ...] = ()
 
     def combine(self, other: Bug) -> Bug:
-        """Both bugs at once (knobs of ``other`` that differ from the default win)."""
+        """Both bugs at once (knobs of ``other`` that differ from the default win; the variants' mistakes add up)."""
         changes = {k: v for k, v in other.__dict__.items() if v != getattr(Bug(), k)}
+        if other.mistakes:
+            changes["mistakes"] = tuple({**dict(self.mistakes), **dict(other.mistakes)}.items())
         return replace(self, **changes)
+
+
+def _variant_steps(cfg: MHAConfig, place: str, bug: Bug):
+    """(step, mistake) of each variant of ``cfg`` that acts at ``place`` (a field of `SimulatedSteps`), in registry order."""
+    return steps_at(variants_on(cfg), place, dict(bug.mistakes), lambda e: e.diagnose and e.diagnose.simulated)
+
+
+def normed(cfg: MHAConfig, p: MHAParams, q, k, place: str, bug: Bug = Bug()):
+    """q and k after the variants' steps at ``place``: "projection" (before the head split) or "heads" (after it)."""
+    for step, mistake in _variant_steps(cfg, place, bug):
+        q, k = step(cfg, p, q, k, mistake)
+    return q, k
+
+
+def transformed(cfg: MHAConfig, scores, bug: Bug = Bug()):
+    """The scaled (B, H, Nq, Nk) scores after the variants' elementwise transforms (the logit cap)."""
+    for step, mistake in _variant_steps(cfg, "transform", bug):
+        scores = step(cfg, scores, mistake)
+    return scores
+
+
+def weights_of(cfg: MHAConfig, p: MHAParams, masked, bug: Bug = Bug()):
+    """The softmax over keys of the masked (B, H, Nq, Nk) scores: a variant's (with a sink logit), or the spec's plain one."""
+    for step, mistake in _variant_steps(cfg, "softmax", bug):
+        return step(cfg, p, masked, mistake)
+    return softmax_with_empty_rows(masked)
 
 
 def pack_qkv(cfg: MHAConfig, w_q, w_k, w_v, layout: str) -> np.ndarray:
@@ -132,7 +159,7 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     q = linear(query, p.w_q, p.b_q)  # (B, Nq, H*Dk)
     k = linear(key, p.w_k, p.b_k)  # (B, Nk, Hkv*Dk)
     v = linear(value, p.w_v, p.b_v)  # (B, Nk, Hkv*Dv)
-    q, k = variant_steps.projection_normed(cfg, p, q, k, bug)  # qk_norm="projection": before the split
+    q, k = normed(cfg, p, q, k, "projection", bug)  # a projection QK-norm: before the split
     if bug.head_split:
         q_h = q.reshape(B, H, Nq, Dk)  # the mistake: a reshape without the transpose mixes tokens and heads
         k_h = k.reshape(B, Hkv, Nk, Dk)
@@ -141,23 +168,27 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         q_h = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk) view
         k_h = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk) view
         v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
-    q_h, k_h = variant_steps.head_normed(cfg, p, q_h, k_h, bug)  # qk_norm="head": after the split
+    q_h, k_h = normed(cfg, p, q_h, k_h, "heads", bug)  # a head QK-norm: after the split
     seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
     q_h, k_h = rotate(cfg, q_h, bug, seq_len), rotate(cfg, k_h, bug, seq_len)
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
     scale = cfg.scale if bug.scale is None else bug.scale
     scores = scale * (q_h @ k_h[:, kv_of].swapaxes(-1, -2))  # (B, H, Nq, Nk)
-    scores = variant_steps.capped_and_biased(cfg, p, scores, bug)  # softcap, then ALiBi / T5's bias
+    scores = transformed(cfg, scores, bug)  # the logit cap
+    for step, mistake in _variant_steps(cfg, "bias", bug):  # ALiBi, T5's bias
+        scores = scores + step(cfg, p, *_positions(Nq, Nk), mistake)  # (B, H, Nq, Nk)
     allowed = allowed_under(cfg, Nq, Nk, mask, bug)
     masked = scores if allowed is None else np.where(allowed, scores, -np.inf)
-    masked = variant_steps.capped_after_mask(cfg, masked, bug)
+    for step, mistake in _variant_steps(cfg, "masked", bug):  # a logit cap moved after the mask
+        masked = step(cfg, masked, mistake)
     if bug.softmax_axis == -1:
-        weights = softmax_with_sinks(masked, variant_steps.sink_logits(cfg, p, bug))  # (B, H, Nq, Nk)
+        weights = weights_of(cfg, p, masked, bug)  # (B, H, Nq, Nk)
     else:  # normalised over queries: a sink column is normalised on its own and dropped
         weights = np.swapaxes(softmax_with_empty_rows(np.swapaxes(masked, -1, -2)), -1, -2)
     context = weights @ v_h[:, kv_of]  # (B, H, Nq, Dv)
-    context = context + variant_steps.sink_value(cfg, weights, v_h[:, kv_of], bug)
+    for step, mistake in _variant_steps(cfg, "context", bug):  # a sink with a value
+        context = context + step(cfg, weights, v_h[:, kv_of], mistake)
     if bug.head_split == "direct_undone":
         merged = context.reshape(B, Nq, H * Dv)  # the inverse of the direct reshape
     elif bug.merge_order:
@@ -181,13 +212,11 @@ def rotate(cfg: MHAConfig, heads: np.ndarray, bug: Bug = Bug(), seq_len: int | N
     if cfg.rope is None or bug.rope == "none":
         return heads
     style = other_rope_style(cfg.rope) if bug.rope == "other" else cfg.rope
-    if cfg.rope_scaling is not None or bug.rope_scaling is not None:
-        seq_len = heads.shape[-2] if seq_len is None else seq_len
-        inv_freq, factor = variant_steps.scaled_rotary_frequencies(cfg, seq_len, bug)  # (r/2,), YaRN's factor
-        angle = np.arange(heads.shape[-2])[:, None] * inv_freq  # (N, r/2)
-        return apply_rotary(heads, factor * np.cos(angle), factor * np.sin(angle), style)
-    angle = np.arange(heads.shape[-2])[:, None] * inverse_frequencies(cfg.rope_dims, cfg.rope_base)  # (N, r/2)
-    return apply_rotary(heads, np.cos(angle), np.sin(angle), style)
+    inv_freq, factor = inverse_frequencies(cfg.rope_dims, cfg.rope_base), 1.0  # (r/2,); the factor: YaRN's
+    for step, mistake in _variant_steps(cfg, "frequencies", bug):  # rope scaling
+        inv_freq, factor = step(cfg, heads.shape[-2] if seq_len is None else seq_len, mistake)
+    angle = np.arange(heads.shape[-2])[:, None] * inv_freq  # (N, r/2)
+    return apply_rotary(heads, factor * np.cos(angle), factor * np.sin(angle), style)
 
 
 def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug = Bug()):
@@ -205,7 +234,11 @@ def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug 
             "bottom_right": j <= i + (kv_tokens - q_tokens),
         }[bug.causal][None, None]  # (1, 1, Nq, Nk)
         allowed = causal if allowed is None else allowed & causal
-    window = variant_steps.window_allowed(cfg, q_tokens, kv_tokens, bug)  # (1, 1, Nq, Nk) or None
-    if window is not None:
+    for step, mistake in _variant_steps(cfg, "allowed", bug):  # the window
+        window = step(cfg, *_positions(q_tokens, kv_tokens), mistake)  # (1, 1, Nq, Nk)
         allowed = window if allowed is None else allowed & window
     return allowed
+
+
+def _positions(q_tokens: int, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.arange(q_tokens)[None], np.arange(kv_tokens)[None]  # (1, Nq), (1, Nk)

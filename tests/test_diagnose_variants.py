@@ -18,12 +18,13 @@ import pytest
 
 from conftest import requires, run_cli
 from mha_rosetta.backends import get_backend, missing_backends
+from mha_rosetta.backends.injected_torch import torch_alibi_slopes
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
+from mha_rosetta.core.variants.alibi import numpy_alibi_slopes
 from mha_rosetta.diagnose import Bug, diagnose, hypotheses, repairs, simulate
 from mha_rosetta.diagnose.confusion import SETTINGS, VARIANT_SETTINGS
-from mha_rosetta.diagnose.injected import bugs_for, numpy_candidate, torch_candidate
-from mha_rosetta.diagnose.injected_variants import VARIANT_BUGS, numpy_alibi_slopes, torch_alibi_slopes
+from mha_rosetta.diagnose.injected import VARIANT_BUGS, bugs_for, numpy_candidate, torch_candidate
 
 # Each variant bug's cause detail (the code is VARIANT_BUGS[bug][0]).
 DETAILS = {
@@ -152,7 +153,7 @@ def test_the_sink_with_a_value_is_the_first_keys_value():
     eye = np.eye(2)
     params = replace(init_params(cfg, seed=0), w_q=eye, w_k=eye, w_v=eye, w_o=eye, sinks=np.array([0.5]))
     x = np.array([[[1.0, 0.0], [0.0, 2.0]]])  # (1, 2, 2)
-    got = simulate(cfg, params, x, x, x, None, Bug(sinks="value"))
+    got = simulate(cfg, params, x, x, x, None, Bug(mistakes=(("sinks", "value"),)))
     s = x[0] @ x[0].T  # (2, 2) scores
     e = np.exp(s)
     denominator = np.exp(0.5) + e.sum(axis=1, keepdims=True)

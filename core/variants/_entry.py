@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake
+
 # An `MHAConfig`. `core.config` imports this package, so no module of it imports `core.config`, not
 # even for typing (tests/test_import_cycles.py counts type-only imports too).
 Config = Any
@@ -172,8 +174,9 @@ class Variant:
               demonstration layer (`explain.variants.Demonstration`: ``demo.tokens``, ``demo.cfg`` and
               ``demo.run(name)`` -> (cfg on, params on, stages on, cfg off, stages off); passed in, since
               the oracle imports this package).
-    diagnose_causes: diagnose's causes for it (another part of issue 42 fills these; empty until then).
-    planted_mistakes: diagnose's planted mistakes of it (the same).
+    diagnose: what ``mha-rosetta diagnose`` knows of it (`DiagnoseSpec`, in `_diagnose`), or None: its causes
+              (``diagnose_causes``), the bugs its candidates plant in it (``planted_mistakes``), its steps in the
+              simulator and in those candidates, its settings of the confusion table.
     layout_params: the parameters a model layout must store to hold it (`models._layout`).
     """
 
@@ -194,9 +197,16 @@ class Variant:
     demo_on: Mapping[str, Any] = field(default_factory=dict)
     demo_off: Mapping[str, Any] = field(default_factory=dict)
     explain: Callable[[Any], Explanation] | None = None
-    diagnose_causes: tuple = ()
-    planted_mistakes: tuple = ()
+    diagnose: DiagnoseSpec | None = None
 
     @property
     def layout_params(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.params)
+
+    @property
+    def diagnose_causes(self) -> tuple[DiagnoseCause, ...]:
+        return () if self.diagnose is None else self.diagnose.causes
+
+    @property
+    def planted_mistakes(self) -> tuple[PlantedMistake, ...]:
+        return () if self.diagnose is None else self.diagnose.mistakes

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from .._validate import require_bool
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
 from ._shared import relative_distances, softmax_with_empty_rows
 
@@ -80,6 +81,84 @@ def explain(demo) -> Explanation:
     )
 
 
+# -- diagnose: the power-of-two slope formula for any head count, or the sign flipped -------------------------------
+def _slopes_text(cfg: Config) -> str:
+    return f"core.alibi_slopes({cfg.n_heads}) = [{', '.join(f'{m:.4g}' for m in alibi_slopes(cfg.n_heads))}]"
+
+
+def _power_of_two_fix(cfg: Config) -> str:
+    H = cfg.n_heads
+    return (
+        f"{H} is not a power of two: the slopes are the series for the power of two below it, then every "
+        f"other term of the series for twice that (BLOOM's _get_alibi_slopes; {_slopes_text(cfg)})"
+    )
+
+
+def _sign_fix(cfg: Config) -> str:
+    return (
+        "add m_h (p_j - p_i) to head h's scores: zero on the diagonal, negative for past keys (BLOOM's m_h p_j "
+        f"differs by a constant per row, which the softmax cancels); slopes {_slopes_text(cfg)}"
+    )
+
+
+def _simulated_bias(cfg: Config, p, positions, kv_positions, mistake):
+    distance = relative_distances(positions, kv_positions)  # (1|B, Nq, Nk), p_j - p_i
+    if mistake == "power_of_two":
+        slopes = 2.0 ** (-8.0 * np.arange(1, cfg.n_heads + 1) / cfg.n_heads)  # (H,), right for 2**k heads only
+    else:
+        slopes = alibi_slopes(cfg.n_heads)  # (H,)
+    sign = -1.0 if mistake == "sign" else 1.0
+    return sign * slopes[None, :, None, None] * distance[:, None]  # (1|B, H, Nq, Nk)
+
+
+def numpy_alibi_slopes(n_heads: int, power_of_two_formula: bool) -> np.ndarray:
+    """The NumPy candidate's slopes: BLOOM's, written apart from `alibi_slopes`, or the power-of-two formula."""
+    if power_of_two_formula or not n_heads & (n_heads - 1):
+        return 2.0 ** (-8.0 * np.arange(1, n_heads + 1) / n_heads)
+    c = 1 << (n_heads.bit_length() - 1)  # the power of two below n_heads
+    first = 2.0 ** (-8.0 * np.arange(1, c + 1) / c)
+    second = 2.0 ** (-4.0 * np.arange(1, 2 * (n_heads - c), 2) / c)  # odd terms of the 2c series
+    return np.concatenate([first, second])
+
+
+def _planted_bias(cfg: Config, params, q_tokens: int, kv_tokens: int, mistake):
+    i, j = np.arange(q_tokens)[:, None], np.arange(kv_tokens)[None, :]
+    slopes = numpy_alibi_slopes(cfg.n_heads, mistake == "power_of_two")
+    offset = (i - j) if mistake == "sign" else (j - i)  # (Nq, Nk)
+    return slopes[:, None, None] * offset  # (H, Nq, Nk)
+
+
+DIAGNOSE = DiagnoseSpec(
+    rank=30,
+    causes=(
+        DiagnoseCause(
+            "alibi",
+            "power_of_two",
+            lambda cfg: f"slopes 2**(-8k/{cfg.n_heads}) for {cfg.n_heads} heads: the power-of-two formula",
+            _power_of_two_fix,
+            when=lambda cfg: bool(cfg.n_heads & (cfg.n_heads - 1)),
+        ),
+        DiagnoseCause(
+            "alibi", "sign", "the sign flipped: m_h (p_i - p_j), past keys raised instead of lowered", _sign_fix
+        ),
+    ),
+    mistakes=(
+        PlantedMistake(
+            "alibi power-of-two slopes",
+            "alibi",
+            "slopes 2**(-8k/H) whatever H",
+            "power_of_two",
+            runs=lambda cfg, q_tokens: bool(cfg.n_heads & (cfg.n_heads - 1)),
+        ),
+        PlantedMistake("alibi sign", "alibi", "m_h (p_i - p_j) added instead of m_h (p_j - p_i)", "sign"),
+    ),
+    settings=(("alibi", BLOOM_LIKE),),
+    simulated=SimulatedSteps(bias=_simulated_bias),
+    planted=PlantedSteps(bias=_planted_bias),
+    head_slots=True,
+)
+
+
 ENTRY = Variant(
     name="alibi",
     summary="m_h * (p_j - p_i) added to the scores",
@@ -117,4 +196,5 @@ ENTRY = Variant(
     demo_on={"alibi": True},
     demo_off={"alibi": False},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

@@ -10,7 +10,9 @@ import math
 import numpy as np
 
 from .._validate import require_positive_number
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, Variant, numbers
+from .models import MODELS
 
 # Where QK-norm takes its statistics (`rms_norm`): over each head's d_k features
 # with one (d_k,) weight (Qwen3, Gemma 3), or over the whole projection before the head split
@@ -115,6 +117,116 @@ def _explainer(place: str):
     return explain
 
 
+# -- diagnose: the norm taken over the other place (each head's features, or the whole projection) ------------------
+_WHERE = {
+    "head": "over each head's d_k features after the head split, one (d_k,) weight for every head (Qwen3, Gemma 3)",
+    "projection": "over all n_heads*d_k (n_kv_heads*d_k for keys) features before the head split (OLMo 2)",
+}
+
+
+def _other(place: str) -> str:
+    return "head" if place == "projection" else "projection"
+
+
+def _cause(place: str) -> DiagnoseCause:
+    """The cause of a candidate that normalises over the other place than ``place``, the spec's."""
+    other = _other(place)
+    return DiagnoseCause(
+        "qk_norm",
+        other,  # the place the candidate normalises at
+        f"over the {other} where the spec normalises over the {place}",
+        f"take the RMSNorm {_WHERE[place]}, not {_WHERE[other]}",
+    )
+
+
+def _simulated_projection(cfg: Config, p, q, k, mistake):
+    """q (B, Nq, H*Dk), k (B, Nk, Hkv*Dk) after a projection RMSNorm, if the simulated candidate takes one there."""
+    if (mistake or cfg.qk_norm) != "projection":
+        return q, k
+    w_q, w_k = p.q_norm, p.k_norm
+    if cfg.qk_norm == "head":  # the mistake: the one (d_k,) weight tiled over the heads
+        w_q, w_k = np.tile(w_q, cfg.n_heads), np.tile(w_k, cfg.n_kv_heads)  # (H*Dk,), (Hkv*Dk,)
+    return rms_norm(q, w_q, cfg.norm_eps), rms_norm(k, w_k, cfg.norm_eps)
+
+
+def _simulated_heads(cfg: Config, p, q_h, k_h, mistake):
+    """q_h (B, H, Nq, Dk), k_h (B, Hkv, Nk, Dk) after a per-head RMSNorm, if the simulated candidate takes one there."""
+    if (mistake or cfg.qk_norm) != "head":
+        return q_h, k_h
+    w_q, w_k = p.q_norm, p.k_norm
+    if cfg.qk_norm == "projection":  # the mistake: each head's slice of the projection weight
+        w_q = w_q.reshape(cfg.n_heads, 1, cfg.d_k)  # (H, 1, Dk) view, broadcast over tokens
+        w_k = w_k.reshape(cfg.n_kv_heads, 1, cfg.d_k)  # (Hkv, 1, Dk) view
+    return rms_norm(q_h, w_q, cfg.norm_eps), rms_norm(k_h, w_k, cfg.norm_eps)
+
+
+def norm_weights(cfg: Config, params, place: str):
+    """The spec's q_norm and k_norm shaped for the place a planted candidate normalises at (NumPy arrays)."""
+    w_q, w_k = params.q_norm, params.k_norm
+    if place == cfg.qk_norm:
+        return w_q, w_k
+    if place == "projection":  # a (d_k,) head weight tiled over the heads
+        return np.tile(w_q, cfg.n_heads), np.tile(w_k, cfg.n_kv_heads)  # (H*Dk,), (Hkv*Dk,)
+    return w_q.reshape(cfg.n_heads, 1, cfg.d_k), w_k.reshape(cfg.n_kv_heads, 1, cfg.d_k)  # per head slices, views
+
+
+def numpy_rms_norm(x, w, eps):
+    return x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + eps) * w
+
+
+def planted_norm(at: str, rms):
+    """The planted candidates' QK-norm step at ``at`` ("projection" or "head") with their RMSNorm ``rms(x, w, eps)``.
+
+    The mistake is the place the candidate normalises at (its weights `norm_weights` shapes for it); the torch
+    candidate passes ``torch.rsqrt``'s.
+    """
+
+    def step(cfg: Config, params, q, k, mistake):
+        place = mistake or cfg.qk_norm
+        if place != at:
+            return q, k
+        w_q, w_k = norm_weights(cfg, params, place)
+        return rms(q, w_q, cfg.norm_eps), rms(k, w_k, cfg.norm_eps)
+
+    return step
+
+
+def _regroup(cfg: Config, params, order) -> dict:
+    if cfg.qk_norm != "projection":  # one (d_k,) weight for every head: nothing per head
+        return {}
+    H, Dk = cfg.n_heads, cfg.d_k
+    return {"q_norm": params.q_norm.reshape(H, Dk)[order].reshape(H * Dk)}  # (H, Dk) rows regrouped, copy
+
+
+# Both entries plant both mistakes (each runs where the spec normalises at the other place), in this order.
+MISTAKES = (
+    PlantedMistake(
+        "qk-norm per head",
+        "qk_norm",
+        "RMSNorm of each head's slice where the projection is normalised",
+        "head",
+        runs=lambda cfg, q_tokens: cfg.qk_norm == "projection" and cfg.n_heads > 1,
+    ),
+    PlantedMistake(
+        "qk-norm over projection",
+        "qk_norm",
+        "RMSNorm of the whole projection where each head is normalised",
+        "projection",
+        runs=lambda cfg, q_tokens: cfg.qk_norm == "head" and cfg.n_heads > 1,
+    ),
+)
+SIMULATED = SimulatedSteps(projection=_simulated_projection, heads=_simulated_heads)
+PLANTED = PlantedSteps(
+    projection=planted_norm("projection", numpy_rms_norm), heads=planted_norm("head", numpy_rms_norm)
+)
+SETTINGS = {
+    # Llama 3.1's layer (its rope scaling) with Qwen3's head QK-norm and Qwen2's q/k/v bias; d_k = 8.
+    "head": dict(MODELS["llama3"].config, d_model=24, bias="qkv", qk_norm="head"),
+    # OLMo 2's projection QK-norm, with a two-sided window of 3 (no causal); d_k = 5.
+    "projection": dict(d_model=20, n_heads=4, qk_norm="projection", window=3, bias=False),
+}
+
+
 def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: tuple[CliOption, ...] = ()) -> Variant:
     """The entry of QK-norm at ``place`` ("head" or "projection"): one formula, one option, two variants."""
     return Variant(
@@ -134,6 +246,16 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
         demo_on={"qk_norm": place},
         demo_off={"qk_norm": None},
         explain=_explainer(place),
+        diagnose=DiagnoseSpec(
+            rank=40,
+            causes=(_cause(place),),
+            mistakes=MISTAKES,
+            settings=((f"qk-norm-{place}", SETTINGS[place]),),
+            simulated=SIMULATED,
+            planted=PLANTED,
+            normalises_qk=True,
+            regroup_heads=_regroup,
+        ),
     )
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from .._validate import require_positive_int
+from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
 from ._shared import relative_distances
 
@@ -151,6 +153,73 @@ T5_DECODER = dict(
     rel_bidirectional=False,
 )
 
+
+# -- diagnose: the distance measured query minus key -------------------------------------------------------------
+def mirror_relative_buckets(cfg: Config, params):
+    """T5's table for code that buckets p_i - p_j: its two halves exchanged (bidirectional buckets; self-inverse).
+
+    With n = rel_buckets / 2, distance d > 0 falls in bucket n + f(d) and -d in f(d), while
+    d = 0 is bucket 0 either way; so bucket x and bucket n + x trade places for x = 1 .. n-1
+    (`diagnose.repairs` has it).
+    """
+    n = cfg.rel_buckets // 2
+    order = np.arange(cfg.rel_buckets)
+    order[1:n], order[n + 1 :] = np.arange(n + 1, 2 * n), np.arange(1, n)
+    return replace(params, rel_bias=params.rel_bias[order])  # (buckets, H) rows exchanged, copy
+
+
+_FIX = (
+    "T5 buckets relative_position = memory_position - context_position (key minus query, p_j - p_i) in "
+    "_relative_position_bucket"
+)
+
+
+def _simulated_bias(cfg: Config, p, positions, kv_positions, mistake):
+    distance = relative_distances(positions, kv_positions)  # (1|B, Nq, Nk), p_j - p_i
+    measured = -distance if mistake == "reversed" else distance
+    bucket = t5_buckets(measured, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)  # (1|B, Nq, Nk)
+    return np.moveaxis(p.rel_bias[bucket], -1, 1)  # (1|B, Nq, Nk, H) -> (1|B, H, Nq, Nk)
+
+
+def _planted_bias(cfg: Config, params, q_tokens: int, kv_tokens: int, mistake):
+    i, j = np.arange(q_tokens)[:, None], np.arange(kv_tokens)[None, :]
+    relative = (i - j) if mistake == "reversed" else (j - i)  # memory minus context in T5
+    bucket = t5_buckets(relative, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)  # (Nq, Nk)
+    return params.rel_bias[bucket].transpose(2, 0, 1)  # (Nq, Nk, H) -> (H, Nq, Nk)
+
+
+DIAGNOSE = DiagnoseSpec(
+    rank=70,
+    causes=(
+        DiagnoseCause(
+            "rel_bias",
+            "reversed",
+            "buckets of p_i - p_j (query minus key): future and past exchanged",
+            f"{_FIX}; or feed {REPAIRS}.mirror_relative_buckets(cfg, params), the table with its halves exchanged",
+            when=lambda cfg: cfg.rel_bidirectional,
+            repair=lambda cfg, p, m: (mirror_relative_buckets(cfg, p), m),
+        ),
+        DiagnoseCause(
+            "rel_bias",
+            "reversed",
+            "buckets of p_i - p_j (query minus key): every past key in bucket 0",
+            _FIX,
+            when=lambda cfg: not cfg.rel_bidirectional,
+        ),
+    ),
+    mistakes=(PlantedMistake("t5 buckets reversed", "rel_bias", "relative_position = query - key", "reversed"),),
+    # T5's relative buckets: the encoder (both directions, no scale) and the decoder (past only, causal), with
+    # d_k = 4 (square projections: the transposed-weight bugs run).
+    settings=(
+        ("t5-encoder", dict(d_model=16, n_heads=4, bias=False, scale=1.0, rel_buckets=8, rel_max_distance=5)),
+        ("t5-decoder", dict(T5_DECODER, d_k=None)),
+    ),
+    simulated=SimulatedSteps(bias=_simulated_bias),
+    planted=PlantedSteps(bias=_planted_bias),
+    regroup_heads=lambda cfg, params, order: {"rel_bias": params.rel_bias[:, order]},  # (buckets, H) columns
+)
+
+
 ENTRY = Variant(
     name="rel_bias",
     summary="T5's learned relative position buckets added to the scores",
@@ -219,4 +288,5 @@ ENTRY = Variant(
     demo_on={"rel_buckets": 8, "rel_max_distance": 5, "rel_bidirectional": False},
     demo_off={"rel_buckets": None, "rel_max_distance": 128, "rel_bidirectional": True},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..rope_scaling import scaled_frequencies, validate_rope_scaling, yarn_attention_factor
+from ..rope_scaling import describe_rope_scaling, scaled_frequencies, validate_rope_scaling, yarn_attention_factor
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, Variant, numbers
 
 
@@ -70,6 +71,77 @@ def explain(demo) -> Explanation:
     )
 
 
+# -- diagnose: the scaling read as linear, or ignored --------------------------------------------------------------
+def mistaken_rope_scaling(cfg: Config, rope_type: str) -> dict | None:
+    """The rope_scaling a candidate with the wrong type uses: None for ``"none"``, else ``rope_type`` with cfg's factor."""
+    if rope_type == "none":
+        return None
+    assert cfg.rope_scaling is not None and rope_type == "linear"
+    return {"rope_type": "linear", "factor": cfg.rope_scaling["factor"]}
+
+
+def _fix(cfg: Config) -> str:
+    return (
+        f"scale the rotary frequencies as rope_scaling says, {describe_rope_scaling(cfg.rope_scaling)} (transformers' "
+        "ROPE_INIT_FUNCTIONS[rope_type], core.rope_scaling.scaled_frequencies), YaRN's attention factor on cos "
+        "and sin included"
+    )
+
+
+def _simulated_frequencies(cfg: Config, seq_len: int, mistake):
+    """(inv_freq (r/2,), the factor on cos and sin) the simulated candidate rotates with (no scaling: the plain ones)."""
+    scaling = cfg.rope_scaling if mistake is None else mistaken_rope_scaling(cfg, mistake)
+    return scaled_frequencies(cfg.rope_dims, cfg.rope_base, scaling, seq_len)
+
+
+def _planted_frequencies(cfg: Config, seq_len: int, mistake):
+    """(inv_freq, factor on cos and sin) for scaled rotary, or None for the plain frequencies."""
+    scaling = cfg.rope_scaling
+    if mistake == "none":
+        scaling = None
+    elif mistake == "linear":
+        scaling = {"rope_type": "linear", "factor": scaling["factor"]}
+    if scaling is None:
+        return None
+    return scaled_frequencies(cfg.rope_dims, cfg.rope_base, scaling, seq_len)
+
+
+DIAGNOSE = DiagnoseSpec(
+    rank=60,
+    causes=(
+        DiagnoseCause(
+            "rope_scaling",
+            "linear",
+            lambda cfg: (
+                f"linear (every frequency / {cfg.rope_scaling['factor']:g}) where the spec's type is "
+                f"{cfg.rope_scaling['rope_type']!r}"
+            ),
+            _fix,
+            when=lambda cfg: cfg.rope_scaling["rope_type"] != "linear",
+        ),
+        DiagnoseCause(
+            "rope_scaling",
+            "none",
+            lambda cfg: f"ignored: the plain frequencies where the spec has {describe_rope_scaling(cfg.rope_scaling)}",
+            _fix,
+        ),
+    ),
+    mistakes=(
+        PlantedMistake(
+            "rope scaling linear",
+            "rope_scaling",
+            "rope_scaling read as linear with its factor",
+            "linear",
+            runs=lambda cfg, q_tokens: cfg.rope_scaling["rope_type"] != "linear",
+        ),
+        PlantedMistake("rope scaling ignored", "rope_scaling", "the plain rotary frequencies", "none"),
+    ),
+    simulated=SimulatedSteps(frequencies=_simulated_frequencies),
+    # The mistake is which rope_scaling is passed, not the formula: both candidates read these frequencies.
+    planted=PlantedSteps(frequencies=_planted_frequencies),
+)
+
+
 ENTRY = Variant(
     name="rope_scaling",
     summary="scaled rotary frequencies (linear, dynamic, llama3, yarn)",
@@ -123,4 +195,5 @@ ENTRY = Variant(
     demo_on={"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     demo_off={"rope_scaling": None},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_bool
+from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
 from ._shared import softmax_with_empty_rows
+from .models import GPT_OSS_YARN
 
 
 def softmax_with_sinks(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
@@ -61,6 +63,60 @@ def explain(demo) -> Explanation:
     )
 
 
+# -- diagnose: the sinks ignored, or a sink with a value ----------------------------------------------------------
+def _simulated_softmax(cfg: Config, p, masked, mistake):
+    return softmax_with_sinks(masked, None if mistake == "ignored" else p.sinks)
+
+
+def _simulated_value(cfg: Config, weights, values, mistake):
+    """What a sink with a value adds to the context: its share of each row times the first key's value, or 0."""
+    if mistake != "value":
+        return 0.0
+    share = 1.0 - weights.sum(axis=-1, keepdims=True)  # (B, H, Nq, 1): the sink's weight
+    return share * values[:, :, :1]  # (B, H, Nq, Dv)
+
+
+def _planted_column(cfg: Config, params, scores, v, mistake):
+    """gpt-oss's sink: one more logit column (and, mistaken, a value row); (scores, v, drop the column after)."""
+    if mistake == "ignored":
+        return scores, v, False
+    sink = np.broadcast_to(params.sinks[:, None, None], (*scores.shape[:-1], 1))  # (B, H, Nq, 1)
+    scores = np.concatenate([scores, sink], axis=-1)  # (B, H, Nq, Nk+1)
+    if mistake == "value":
+        return scores, np.concatenate([v, v[:, :, :1]], axis=2), False  # (B, H, Nk+1, Dv): the first key's value
+    return scores, v, True
+
+
+DIAGNOSE = DiagnoseSpec(
+    rank=50,
+    causes=(
+        DiagnoseCause(
+            "sinks",
+            "ignored",
+            "ignored: the plain softmax",
+            "put head h's sink in every row's denominator, a_ij = exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik)): "
+            "gpt-oss concatenates the sink as one more logit column, takes the softmax, and drops that column",
+        ),
+        DiagnoseCause(
+            "sinks",
+            "value",
+            "the sink's weight multiplies a value (the first key's) instead of being dropped",
+            "the sink takes a share of each row and gives nothing back: drop its column after the softmax "
+            "(gpt-oss's probs[..., :-1]), do not pair it with a value row (a sink token)",
+        ),
+    ),
+    mistakes=(
+        PlantedMistake("sinks ignored", "sinks", "the plain softmax, no sink column", "ignored"),
+        PlantedMistake("sink with a value", "sinks", "the sink column kept, with the first key's value", "value"),
+    ),
+    # gpt-oss's: sinks, a causal window of 3, biases, YaRN (its defaults of beta_fast and beta_slow), GQA; d_k = 6.
+    settings=(("sinks-yarn", dict(GQA_ROTARY, rope_base=150000.0, window=3, sinks=True, rope_scaling=GPT_OSS_YARN)),),
+    simulated=SimulatedSteps(softmax=_simulated_softmax, context=_simulated_value),
+    planted=PlantedSteps(columns=_planted_column),
+    regroup_heads=lambda cfg, params, order: {"sinks": params.sinks[order]},
+)
+
+
 ENTRY = Variant(
     name="sinks",
     summary="one learned logit per head in the softmax denominator",
@@ -100,4 +156,5 @@ ENTRY = Variant(
     demo_on={"sinks": True},
     demo_off={"sinks": False},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_positive_number
+from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
 from ._shared import softmax_with_empty_rows
 
@@ -56,6 +57,66 @@ def explain(demo) -> Explanation:
     )
 
 
+# -- diagnose: the cap moved after the mask, or dropped ------------------------------------------------------------
+def _after_mask_fix(cfg: Config) -> str:
+    c = f"{cfg.softcap:g}"
+    return (
+        f"cap the scores before any bias and the mask: s = {c} * tanh(s / {c}) right after the scale; capped after "
+        f"the mask, a blocked score becomes -{c} and keeps the weight exp(-{c}) it should not have"
+    )
+
+
+def _dropped_fix(cfg: Config) -> str:
+    c = f"{cfg.softcap:g}"
+    return (
+        f"apply s = {c} * tanh(s / {c}) after the scale, before any bias and the mask (Gemma 2's "
+        "attn_logit_softcapping; SDPA has no softcap and dropped it silently, transformers PR #32865): "
+        f"use eager attention, FlexAttention's score_mod or FlashAttention's softcap={c}"
+    )
+
+
+def _simulated_cap(cfg: Config, scores, mistake):  # neither mistake caps the scores here
+    return scores if mistake is not None else softcap(scores, cfg.softcap)
+
+
+def _simulated_after_mask(cfg: Config, masked, mistake):  # blocked scores become c * tanh(-inf) = -c
+    return softcap(masked, cfg.softcap) if mistake == "after_mask" else masked
+
+
+def _planted_cap(cfg: Config, scores, mistake):
+    return cfg.softcap * np.tanh(scores / cfg.softcap) if mistake is None else scores
+
+
+def _planted_after_mask(cfg: Config, scores, mistake):
+    return cfg.softcap * np.tanh(scores / cfg.softcap) if mistake == "after_mask" else scores
+
+
+DIAGNOSE = DiagnoseSpec(
+    rank=10,
+    causes=(
+        DiagnoseCause(
+            "softcap", "after_mask", "applied after the mask (a blocked score becomes -c, not -inf)", _after_mask_fix
+        ),
+        DiagnoseCause("softcap", "dropped", "not applied (the scores are not capped)", _dropped_fix),
+    ),
+    mistakes=(
+        PlantedMistake(
+            "softcap after mask",
+            "softcap",
+            "masked_fill(-inf), then c * tanh(s / c): blocked scores become -c",
+            "after_mask",
+        ),
+        PlantedMistake(
+            "softcap dropped", "softcap", "scores never capped (SDPA with Gemma 2's attn_logit_softcapping)", "dropped"
+        ),
+    ),
+    # Gemma 2's: softcap, causal window of 3, a scale of its own, GQA, rotary; d_k = 6.
+    settings=(("softcap-window", dict(GQA_ROTARY, window=3, softcap=1.5, scale=0.3, bias=False)),),
+    simulated=SimulatedSteps(transform=_simulated_cap, masked=_simulated_after_mask),
+    planted=PlantedSteps(transform=_planted_cap, masked=_planted_after_mask),
+)
+
+
 ENTRY = Variant(
     name="softcap",
     summary="c * tanh(s / c) on the scaled scores",
@@ -94,4 +155,5 @@ ENTRY = Variant(
     demo_on={"softcap": 2.0},
     demo_off={"softcap": None},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_positive_int
+from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant
 from ._shared import relative_distances
 
@@ -59,6 +60,107 @@ def explain(demo) -> Explanation:
     )
 
 
+# -- diagnose: one key more (FlashAttention's window_size read as W keys), or counted from the wrong end --------------
+def window_mask(cfg: Config, mask):
+    """The (B, 1, Nq, Nk) mask AND the spec's window (positions 0..N-1), for code whose window is wider than W.
+
+    A candidate that lets W + 1 keys through computes its own window AND this mask, which is
+    the spec's window of W. ``mask`` must be an array (start from an all-True one); it is not
+    its own inverse: the candidate's code must still be fixed (`diagnose.repairs` has it).
+    """
+    mask = np.asarray(mask, dtype=bool)
+    q_tokens, kv_tokens = mask.shape[-2:]
+    allowed = window_allowed(cfg.window, cfg.causal, np.arange(q_tokens)[None], np.arange(kv_tokens)[None])
+    return mask & allowed  # (1, 1, Nq, Nk) broadcast to the mask's shape
+
+
+def _rule(cfg: Config) -> tuple[str, str]:
+    """(the spec's rule in positions, FlashAttention's window_size of it)."""
+    W = cfg.window
+    if cfg.causal:
+        return f"p_i - {W} < p_j <= p_i", f"({W - 1}, 0)"
+    return f"|p_i - p_j| < {W}", f"({W - 1}, {W - 1})"
+
+
+def _one_more_fix(cfg: Config) -> str:
+    (rule, flash), W = _rule(cfg), cfg.window
+    return (
+        f"the window holds W = {W} keys including the query's own: key j visible iff {rule} (Hugging Face's "
+        f"sliding_window = {W}); FlashAttention spells it window_size={flash}, and one more there is one key "
+        f"more (transformers #29623, #39408); or feed {REPAIRS}.window_mask(cfg, mask), which the candidate's "
+        "wider window then cuts to the spec's"
+    )
+
+
+def _wrong_end_fix(cfg: Config) -> str:
+    rule, flash = _rule(cfg)
+    return (
+        f"the window reaches back from the query: key j visible iff {rule}; FlashAttention's "
+        f"window_size=(left, right) is {flash}, not (0, {cfg.window - 1})"
+    )
+
+
+def _simulated_window(cfg: Config, positions, kv_positions, mistake):
+    d = relative_distances(positions, kv_positions)[:, None]  # (1|B, 1, Nq, Nk), p_j - p_i
+    w = cfg.window + 1 if mistake == "one_more" else cfg.window
+    if mistake == "future":
+        return (d >= 0) & (d < w)
+    return d > -w if cfg.causal else np.abs(d) < w
+
+
+def _planted_window(cfg: Config, q_tokens: int, kv_tokens: int, mistake):
+    """(Nq, Nk) bool: the keys the NumPy candidate's window lets through."""
+    i, j = np.arange(q_tokens)[:, None], np.arange(kv_tokens)[None, :]
+    w = cfg.window + 1 if mistake == "one_more" else cfg.window
+    if mistake == "future":
+        return (j >= i) & (j < i + w)
+    return (j > i - w) if cfg.causal else (np.abs(i - j) < w)
+
+
+DIAGNOSE = DiagnoseSpec(
+    rank=20,
+    causes=(
+        DiagnoseCause(
+            "window",
+            "one_more",
+            lambda cfg: f"{cfg.window + 1} keys where the window holds {cfg.window} (the query's own included)",
+            _one_more_fix,
+            repair=lambda cfg, p, m: (p, window_mask(cfg, m)),
+            needs_mask=True,
+        ),
+        DiagnoseCause(
+            "window",
+            "future",
+            lambda cfg: (
+                f"counted from the wrong end: the {cfg.window} keys from the query's own forward (the causal "
+                "mask leaves the diagonal)"
+            ),
+            _wrong_end_fix,
+            when=lambda cfg: cfg.causal and cfg.window > 1,  # a window of one key is the diagonal from either end
+        ),
+    ),
+    mistakes=(
+        # One more key shows only where the window is shorter than the probes.
+        PlantedMistake(
+            "window W+1",
+            "window",
+            "FlashAttention's window_size=(W, 0) for a window of W keys",
+            "one_more",
+            runs=lambda cfg, q_tokens: cfg.window < q_tokens,
+        ),
+        PlantedMistake(
+            "window wrong end",
+            "window",
+            "keys i <= j < i + W instead of i - W < j <= i",
+            "future",
+            runs=lambda cfg, q_tokens: cfg.causal and cfg.window > 1,  # a window of one key: the diagonal either way
+        ),
+    ),
+    simulated=SimulatedSteps(allowed=_simulated_window),
+    planted=PlantedSteps(mask=_planted_window),
+)
+
+
 ENTRY = Variant(
     name="window",
     summary="sliding window of W keys including the query's own position",
@@ -102,4 +204,5 @@ ENTRY = Variant(
     demo_on={"window": 3},
     demo_off={"window": None},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

@@ -1,0 +1,190 @@
+"""What ``mha-rosetta diagnose`` knows of a variant: the types of `Variant.diagnose` (`DiagnoseSpec`).
+
+A variant's entry holds, in one place, the mistakes people make in it as diagnose names them
+(`DiagnoseCause`: the cause code, the detail and the fix in words, the repair), the bugs diagnose's
+candidates plant in it (`PlantedMistake`), its steps in diagnose's two NumPy pipelines, right or
+with one of those mistakes (`SimulatedSteps`: the simulator's; `PlantedSteps`: the candidate's,
+written apart so that diagnosing the candidate tests the simulator), the layers the confusion
+table plants them in, and what diagnose's causes of the 2017-23 layer need to know of it.
+`mha_rosetta.diagnose` iterates the registry for all of it: a new entry with causes, mistakes and
+steps appears in ``diagnose --confusion`` with no edit there.
+
+Plain data and NumPy, as the rest of the package (`_entry`'s docstring says why nothing here imports `core.config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# An `MHAConfig`, as `_entry.Config` (which imports this module).
+Config = Any
+# Diagnose's texts name its functions by their public path; a repair is a function of the entry's module.
+REPAIRS = "mha_rosetta.diagnose.repairs"
+# The layer the confusion table's settings of Gemma 2 and gpt-oss build on: GQA, causal, rotary; d_k = 6.
+GQA_ROTARY = dict(d_model=24, n_heads=4, n_kv_heads=2, causal=True, rope="half")
+
+
+def _text(text: str | Callable[[Config], str], cfg: Config) -> str:
+    return text(cfg) if callable(text) else text
+
+
+@dataclass(frozen=True)
+class DiagnoseCause:
+    """A mistake people make in a variant, as ``mha-rosetta diagnose`` names it: one hypothesis of `diagnose.causes`.
+
+    code:    its cause code (the variant's part of `diagnose.CAUSE_CODES`; the variants' causes are hypotheses
+             only when the configuration has the variant).
+    mistake: what the variant's simulated steps (`DiagnoseSpec.simulated`) read to make the mistake.
+    detail, fix: which mistake, and the fix in words with the function to call: a string, or ``text(cfg)``.
+    when:    ``when(cfg)``: whether the mistake can happen in ``cfg`` (which has the variant); None: always.
+    repair:  ``repair(cfg, params, mask) -> (params, mask)``, what a candidate with the mistake must be fed to
+             compute the spec's answer (`diagnose` runs the candidate again with it), or None where only the code
+             can change.
+    needs_mask: the repair adds to the mask (`diagnose` gives it an all-True one where the probe has none).
+    """
+
+    code: str
+    mistake: str
+    detail: str | Callable[[Config], str]
+    fix: str | Callable[[Config], str]
+    when: Callable[[Config], bool] | None = None
+    repair: Callable | None = None
+    needs_mask: bool = False
+
+    def applies(self, cfg: Config) -> bool:
+        return self.when is None or self.when(cfg)
+
+    def words(self, cfg: Config) -> tuple[str, str]:
+        """(detail, fix) for ``cfg``."""
+        return _text(self.detail, cfg), _text(self.fix, cfg)
+
+
+@dataclass(frozen=True)
+class PlantedMistake:
+    """A bug `diagnose`'s candidates plant in a variant (`diagnose.injected.BUGS`; a column of ``diagnose --confusion``).
+
+    name:    the bug's name; code: the cause code it must be diagnosed as; what: what the candidate's code does wrong.
+    mistake: what the candidates' steps of the variant (`DiagnoseSpec.planted`) read to plant it.
+    runs:    ``runs(cfg, q_tokens)``: whether it runs and changes the output in ``cfg`` (which has the variant),
+             with probes of ``q_tokens`` queries; None: always.
+    """
+
+    name: str
+    code: str
+    what: str
+    mistake: str
+    runs: Callable[[Config, int], bool] | None = None
+
+    def applies(self, cfg: Config, q_tokens: int) -> bool:
+        return self.runs is None or self.runs(cfg, q_tokens)
+
+
+@dataclass(frozen=True)
+class SimulatedSteps:
+    """A variant's steps in `diagnose`'s simulator (`diagnose.simulate`, and the decode loop's `simulate_decode`).
+
+    Each takes the mistake last: None (the spec) or a `DiagnoseCause.mistake`. The simulator runs the steps of the
+    variants a configuration has, in registry order, at these places (a step left None: the variant does nothing
+    there); ``p`` is `MHAParams`, float64:
+
+    projection(cfg, p, q, k, mistake) -> (q, k): (B, Nq, H*Dk) and (B, Nk, Hkv*Dk), before the head split.
+    heads(cfg, p, q_h, k_h, mistake) -> (q_h, k_h): (B, H, Nq, Dk) and (B, Hkv, Nk, Dk), after it.
+    frequencies(cfg, seq_len, mistake) -> (inv_freq (r/2,), the factor on cos and sin) of the rotary embedding.
+    transform(cfg, scores, mistake) -> the scaled (B, H, Nq, Nk) scores transformed elementwise.
+    bias(cfg, p, positions, kv_positions, mistake) -> what it adds to the scores, (1|B, H, Nq, Nk) (positions
+        (1|B, Nq) and (1|B, Nk)).
+    allowed(cfg, positions, kv_positions, mistake) -> bool (1|B, 1, Nq, Nk): the keys it lets through.
+    masked(cfg, masked, mistake) -> the scores after the mask.
+    softmax(cfg, p, masked, mistake) -> the weights (B, H, Nq, Nk) (one variant's at the most).
+    context(cfg, weights, values, mistake) -> what it adds to the context (B, H, Nq, Dv), or 0.
+    """
+
+    projection: Callable | None = None
+    heads: Callable | None = None
+    frequencies: Callable | None = None
+    transform: Callable | None = None
+    bias: Callable | None = None
+    allowed: Callable | None = None
+    masked: Callable | None = None
+    softmax: Callable | None = None
+    context: Callable | None = None
+
+
+@dataclass(frozen=True)
+class PlantedSteps:
+    """A variant's steps in a candidate with planted bugs (`diagnose.injected`), written apart from the simulator's.
+
+    The NumPy candidate's are the entry's (`DiagnoseSpec.planted`); the torch candidate's, in torch idioms, are
+    `backends.injected_torch`'s. Each takes the mistake last: None (the variant done right) or a
+    `PlantedMistake.mistake`; ``params`` is the canonical `MHAParams` (NumPy) the candidate was given:
+
+    projection(cfg, params, q, k, mistake) -> (q, k) before the head split; heads(...) the same after it.
+    frequencies(cfg, seq_len, mistake) -> (inv_freq, factor on cos and sin), NumPy, or None (the plain ones).
+    transform(cfg, scores, mistake) -> the scaled scores transformed elementwise.
+    bias(cfg, params, q_tokens, kv_tokens, mistake) -> what it adds to the (B, H, Nq, Nk) scores (at positions
+        0..N-1), or None.
+    mask(cfg, q_tokens, kv_tokens, mistake) -> (Nq, Nk) bool in the candidate's polarity (NumPy: True = allowed;
+        torch: True = blocked), or None.
+    masked(cfg, scores, mistake) -> the scores after the mask.
+    columns(cfg, params, scores, v, mistake) -> (scores, v, drop): the columns it adds to the softmax's scores
+        (and rows to the values), and whether the candidate drops them after the softmax.
+    """
+
+    projection: Callable | None = None
+    heads: Callable | None = None
+    frequencies: Callable | None = None
+    transform: Callable | None = None
+    bias: Callable | None = None
+    mask: Callable | None = None
+    masked: Callable | None = None
+    columns: Callable | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(getattr(self, name) is None for name in self.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class DiagnoseSpec:
+    """What `diagnose` knows of a variant (`Variant.diagnose`).
+
+    rank:      its place in diagnose's vocabulary and tables (the order of `diagnose.CAUSE_CODES`, of the planted
+               bugs and of the confusion table's settings, which it has always had); equal ranks keep registry order.
+    causes:    its `DiagnoseCause`s (`Variant.diagnose_causes`); mistakes: its `PlantedMistake`s
+               (`Variant.planted_mistakes`).
+    settings:  (name, `MHAConfig` keyword arguments): the layers ``diagnose --confusion`` plants mistakes in, each
+               a combination a model uses.
+    simulated: its `SimulatedSteps`; planted: the NumPy candidate's `PlantedSteps`.
+    normalises_qk: it normalises q and k after the projections (QK-norm): the scores are linear in the norm's
+               weight, not in w_q (the scale cause's repair rescales q_norm), and the rotary converters permute
+               its weights too (the rope_convention cause's fix says so).
+    regroup_heads: ``regroup_heads(cfg, params, order)`` -> its parameters of the query heads reordered by
+               ``order`` (a dict for `dataclasses.replace`; `diagnose.repairs.regroup_query_heads`), or None.
+    head_slots: its per-head values belong to the head slot, not to a parameter (ALiBi's slopes): no reordering of
+               the parameters moves them, so the gqa_grouping cause has no repair.
+    """
+
+    rank: int
+    causes: tuple[DiagnoseCause, ...] = ()
+    mistakes: tuple[PlantedMistake, ...] = ()
+    settings: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    simulated: SimulatedSteps = SimulatedSteps()
+    planted: PlantedSteps = PlantedSteps()
+    normalises_qk: bool = False
+    regroup_heads: Callable | None = None
+    head_slots: bool = False
+
+
+def steps_at(entries: Iterable, place: str, mistakes: Mapping[str, str], steps_of: Callable) -> Iterator:
+    """(step, mistake) of each of ``entries`` (`Variant`s, in order) that acts at ``place``, a field of its steps.
+
+    ``steps_of(entry)``: its `SimulatedSteps` or `PlantedSteps` (or None); ``mistakes``: variant -> the mistake
+    made in it (absent: done right). Diagnose's simulator and both planted candidates run their variants so.
+    """
+    for entry in entries:
+        steps = steps_of(entry)
+        step = None if steps is None else getattr(steps, place)
+        if step is not None:
+            yield step, mistakes.get(entry.name)

@@ -26,8 +26,7 @@ import math
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants import variant, variants_on
-from mha_rosetta.core.variants._diagnose import PlantedSteps, steps_at
+from mha_rosetta.core.variants import PlantedSteps, steps_at, variant, variants_on
 from mha_rosetta.core.variants.qk_norm import planted_norm
 
 

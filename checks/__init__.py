@@ -9,7 +9,7 @@
 - `grad`: the gradient check (``kind="grad"`` -> `GradCheckResult`).
 - `decode_cases` and `decode`: the decode check (``kind="decode"`` -> `DecodeCheckResult`): every
   implementation's KV-cache decoding (prefill, then steps) against the full causal forward.
-  (`grad.run_grad_check` and `decode.run_decode_check` are deprecated aliases of `run_check`.)
+  (`run_grad_check` and `run_decode_check` are its deprecated aliases, kept for old scripts.)
 - `engine`: one engine for every check (plan, execute, compare as results arrive); `pool`
   and `worker`: its spawned worker processes, with time limits and the JAX compilation cache.
 - `divergence`: the first stage in pipeline order where two stage dicts differ.
@@ -23,10 +23,9 @@ argument parsing, the worker pool (`engine.executor_for`) and printing. Importin
 """
 
 from .cases import SPEC_CASES, CaseInputs, SpecCase, get_cases
-from .decode import run_decode_check
 from .decode_cases import DECODE_CASES, DecodeCase, get_decode_cases
 from .divergence import Divergence, first_divergence
-from .facade import CHECKS, run_check
+from .facade import CHECKS, run_check, run_decode_check, run_grad_check
 from .results import FAILING, STATUS_MEANING, CheckResult, Implementation, Pair, Run, Status
 
 __all__ = [
@@ -49,4 +48,5 @@ __all__ = [
     "get_decode_cases",
     "run_check",
     "run_decode_check",
+    "run_grad_check",
 ]

@@ -313,10 +313,3 @@ class DecodeJob(Job):
 
 
 DECODE = DecodeJob()
-
-
-def run_decode_check(*args, **kwargs) -> DecodeCheckResult:
-    """Deprecated: use `checks.run_check` with ``kind="decode"`` (the same arguments, the same result)."""
-    from .facade import deprecated_alias
-
-    return deprecated_alias("run_decode_check", "decode", args, kwargs)

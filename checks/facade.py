@@ -71,7 +71,17 @@ def run_check(
     return result
 
 
-def deprecated_alias(name: str, kind: str, args: tuple, kwargs: dict):
+def _deprecated_alias(name: str, kind: str, args: tuple, kwargs: dict):
     """``name(*args, **kwargs)``, an old facade: a DeprecationWarning, then `run_check` of ``kind``."""
     warnings.warn(f"{name} is deprecated: use run_check(..., kind={kind!r})", DeprecationWarning, stacklevel=3)
     return run_check(*args, **kwargs, kind=kind)
+
+
+def run_grad_check(*args, **kwargs) -> GradCheckResult:
+    """Deprecated: use `run_check` with ``kind="grad"`` (the same arguments, the same result)."""
+    return _deprecated_alias("run_grad_check", "grad", args, kwargs)
+
+
+def run_decode_check(*args, **kwargs) -> DecodeCheckResult:
+    """Deprecated: use `run_check` with ``kind="decode"`` (the same arguments, the same result)."""
+    return _deprecated_alias("run_decode_check", "decode", args, kwargs)

@@ -234,10 +234,3 @@ class GradientJob(Job):
 
 
 GRADIENT = GradientJob()
-
-
-def run_grad_check(*args, **kwargs) -> GradCheckResult:
-    """Deprecated: use `checks.run_check` with ``kind="grad"`` (the same arguments, the same result)."""
-    from .facade import deprecated_alias
-
-    return deprecated_alias("run_grad_check", "grad", args, kwargs)

@@ -40,6 +40,7 @@ from .bench_outputs import (
     publish_questions,
     render_only,
 )
+from .options import repeat_policy
 
 
 def _variant_list(text: str) -> list[str]:
@@ -237,21 +238,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list the implementations a sweep would run, then exit")
-
-
-def repeat_policy(args: argparse.Namespace, preset: dict) -> dict:
-    """The preset's repeat policy with ``--repeats`` and ``--min-time`` (each raising its maximum to match),
-    after ``--rounds`` is checked: the same for the forward and the decode sweep."""
-    policy = dict(preset)
-    if args.repeats is not None:
-        policy["min_repeats"] = args.repeats
-        policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
-    if args.min_time is not None:
-        policy["min_time"] = args.min_time
-        policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
-    if args.rounds is not None and args.rounds < 1:
-        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
-    return policy
 
 
 def _settings(args: argparse.Namespace):

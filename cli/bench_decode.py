@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from .bench import repeat_policy
 from .bench_outputs import exit_status, load_baseline, publish_decode
+from .options import repeat_policy
 
 # Options of the forward sweep that a decode sweep does not take: named in the error, never ignored.
 _NOT_FOR_DECODE = (

@@ -148,3 +148,18 @@ def deprecated_spellings(parser: argparse.ArgumentParser) -> list[tuple[str, str
         for value, new in getattr(action, "deprecated", {}).items():
             found.append(("", action.option_strings[0], value, new))
     return found
+
+
+def repeat_policy(args: argparse.Namespace, preset: dict) -> dict:
+    """The preset's repeat policy with ``--repeats`` and ``--min-time`` (each raising its maximum to match),
+    after ``--rounds`` is checked: the same for the forward and the decode sweep."""
+    policy = dict(preset)
+    if args.repeats is not None:
+        policy["min_repeats"] = args.repeats
+        policy["max_repeats"] = max(policy.get("max_repeats", args.repeats), args.repeats)
+    if args.min_time is not None:
+        policy["min_time"] = args.min_time
+        policy["max_time"] = max(policy.get("max_time", args.min_time), args.min_time)
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds must be a positive int, got {args.rounds}")
+    return policy

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from mha_rosetta.core import MHAConfig, expected_param_shapes, to_interleaved_params, to_rotate_half_params
-from mha_rosetta.core.variants import VARIANT_REGISTRY, Variant, variants_on
-from mha_rosetta.core.variants._diagnose import REPAIRS
+from mha_rosetta.core.variants import REPAIRS, VARIANT_REGISTRY, Variant, variants_on
 
 from . import repairs
 from .simulate import Bug, other_rope_style, packing_applies

@@ -20,8 +20,7 @@ import numpy as np
 
 from mha_rosetta.backends import injected_torch
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants import variants_on
-from mha_rosetta.core.variants._diagnose import steps_at
+from mha_rosetta.core.variants import steps_at, variants_on
 
 from .causes import diagnosed_variants
 from .probes import Q_TOKENS

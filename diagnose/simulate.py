@@ -52,8 +52,7 @@ from mha_rosetta.core import (
     softmax_with_empty_rows,
 )
 from mha_rosetta.core.config import ROPE_STYLES
-from mha_rosetta.core.variants import variants_on
-from mha_rosetta.core.variants._diagnose import steps_at
+from mha_rosetta.core.variants import steps_at, variants_on
 
 
 @dataclass(frozen=True)

@@ -361,9 +361,7 @@ def test_bad_options_name_the_option_and_the_accepted_values(option, value, mess
 
 
 def test_one_facade_runs_every_kind_and_the_old_names_are_its_deprecated_aliases():
-    from mha_rosetta.checks import CHECKS
-    from mha_rosetta.checks.decode import run_decode_check
-    from mha_rosetta.checks.grad import run_grad_check
+    from mha_rosetta.checks import CHECKS, run_decode_check, run_grad_check
 
     assert list(CHECKS) == ["forward", "grad", "decode"]
     options = {"backends": ["numpy"], "dtypes": ["float64"], "strategies": [STANDARD]}

@@ -23,7 +23,7 @@ THROWAWAY = """
 import json
 import numpy as np
 from mha_rosetta.core.variants import VARIANT_REGISTRY, Variant
-from mha_rosetta.core.variants._diagnose import (
+from mha_rosetta.core.variants import (
     DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps,
 )
 

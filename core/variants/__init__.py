@@ -17,7 +17,8 @@ compute the same numbers in their own frameworks and conventions.
 
 `VARIANT_REGISTRY` maps each variant's name to its entry (`Variant`, in `_entry`): its
 `MHAConfig` fields and their validation, its parameters, stages, score step, formulas, cases,
-bench cell, command-line options and explainer demonstration. Its order is `core.VARIANTS`'
+bench cell, command-line options, explainer demonstration and what diagnose knows of it (its causes,
+planted mistakes and simulator steps: `Variant.diagnose`, the types in `_diagnose`). Its order is `core.VARIANTS`'
 (the checks and the reports list variants in it). A new variant is one module here and one line
 in `VARIANT_REGISTRY`.
 """
@@ -36,6 +37,7 @@ from . import rope_scaling as _rope_scaling
 from . import sinks as _sinks
 from . import softcap as _softcap
 from . import window as _window
+from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps, steps_at
 from ._entry import SCORE_PLACES, BenchSpec, CaseSpec, CliOption, Config, ParamSpec, ScoreStep, Variant
 from ._shared import relative_distances, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
@@ -142,13 +144,19 @@ def score_bias(cfg: Config, rel_table, positions: np.ndarray, kv_positions: np.n
 
 __all__ = [
     "QK_NORMS",
+    "REPAIRS",
     "SCORE_PLACES",
     "VARIANT_REGISTRY",
     "BenchSpec",
     "CaseSpec",
     "CliOption",
+    "DiagnoseCause",
+    "DiagnoseSpec",
     "ParamSpec",
+    "PlantedMistake",
+    "PlantedSteps",
     "ScoreStep",
+    "SimulatedSteps",
     "Variant",
     "alibi_bias",
     "alibi_slopes",
@@ -167,6 +175,7 @@ __all__ = [
     "softmax_with_empty_rows",
     "softmax_with_sinks",
     "stage_owners",
+    "steps_at",
     "t5_buckets",
     "validate_variants",
     "variant",

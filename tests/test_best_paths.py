@@ -295,43 +295,53 @@ def test_the_torch_step_allocates_nothing_that_grows_with_the_context():
 
 
 # -- fairness: NumPy's step reads each kv head once --------------------------------------------------
-# d_k 5, 3 query heads per kv head, one token a step: the cache's (slots, 5) operands are told apart from
-# the weights' (3, slots) by shape.
-GROUPED = MHAConfig(d_model=30, n_heads=6, n_kv_heads=2, d_k=5, rope="half", rope_dims=4, causal=True)
+GROUPED = MHAConfig(d_model=30, n_heads=6, n_kv_heads=2, d_k=6, d_v=5, rope="half", causal=True)
+
+
+def _owner(array):
+    """The array that owns ``array``'s memory (a view's base; NumPy keeps one level)."""
+    return array if not isinstance(array, np.ndarray) or array.base is None else array.base
 
 
 class MatmulMeter:
-    """Counts what ``np.matmul`` reads of the cache: for each call, each operand whose last two axes are
-    (slots, d) or (d, slots) for d in (Dk, Dv), read once per product of the broadcast batch."""
+    """Counts what ``np.matmul`` reads of the cache: each operand that is a view of an array shaped like the keys'
+    or the values' cache (``owners``), read once per product of the broadcast batch."""
 
-    def __init__(self, slots: int, widths: tuple[int, ...]) -> None:
-        self.slots, self.widths, self.calls, self.elements = slots, widths, 0, 0
+    def __init__(self, owners: tuple[tuple[int, ...], ...]) -> None:
+        self.owners, self.calls, self.elements = owners, 0, 0
         self._matmul = np.matmul
 
     def __call__(self, a, b, *args, **kwargs):
         batch = math.prod(np.broadcast_shapes(np.shape(a)[:-2], np.shape(b)[:-2]))
         for operand in (a, b):
-            inner = tuple(np.shape(operand)[-2:])
-            if any(inner in ((self.slots, d), (d, self.slots)) for d in self.widths):
+            if np.shape(_owner(operand)) in self.owners:
                 self.calls += 1
-                self.elements += batch * inner[0] * inner[1]
+                self.elements += batch * math.prod(np.shape(operand)[-2:])
         return self._matmul(a, b, *args, **kwargs)
 
 
-def test_the_numpy_step_reads_each_kv_head_once(monkeypatch):
+@pytest.mark.parametrize("context", [37, 2500])  # one block of slots, and three (`best.numpy.KV_BLOCK`)
+def test_the_numpy_step_reads_each_kv_head_once(monkeypatch, context):
+    from mha_rosetta.backends.best.numpy import KV_BLOCK
+
     best = _best("numpy-best")
-    context, batch = 37, 2
-    slots = context + 1
-    prepared = best.prepare_decode(GROUPED, init_params(GROUPED, seed=0), context=context, batch=batch)
-    meter = MatmulMeter(slots, (GROUPED.d_k, GROUPED.d_v))
+    batch, slots, Hkv, Dk, Dv = 2, context + 1, GROUPED.n_kv_heads, GROUPED.d_k, GROUPED.d_v
+    params = init_params(GROUPED, seed=0)
+    prepared = best.prepare_decode(GROUPED, params, context=context, batch=batch, dtype="float64", seed=1)
+    meter = MatmulMeter(((batch, Hkv, Dk, slots), (batch, Hkv, slots, Dv)))  # keys as columns, values as rows
     monkeypatch.setattr(np, "matmul", meter)
-    prepared.forward()
+    output = prepared.forward()
     monkeypatch.undo()
-    assert meter.calls == 2  # one product reads the keys, one the values
-    assert meter.elements == batch * GROUPED.n_kv_heads * slots * (GROUPED.d_k + GROUPED.d_v)  # each head once
-    # The meter sees a product broadcast over the group: it reads each kv head once per query head.
-    G, keys = GROUPED.group_size, np.ones((batch, GROUPED.n_kv_heads, slots, GROUPED.d_k))
-    queries = np.ones((batch, GROUPED.n_kv_heads, G, 1, GROUPED.d_k))  # (B, Hkv, G, s, Dk)
-    broadcast = MatmulMeter(slots, (GROUPED.d_k,))
-    broadcast(queries, keys[:, :, None].swapaxes(-1, -2))  # (B, Hkv, 1, Dk, T): one GEMV per query head
-    assert broadcast.elements == G * keys.size
+    assert meter.calls == 2 * math.ceil(slots / KV_BLOCK)  # one product per block for the keys, one for the values
+    assert meter.elements == batch * Hkv * slots * (Dk + Dv)  # every kv head's keys and values once
+    data = decode_step_inputs(GROUPED, batch=batch, context=context, step=1, seed=1)
+    assert_close(output, expected_step(GROUPED, params, data), "float64", what=f"the blocked step at {slots} slots")
+
+
+def test_the_meter_sees_a_product_broadcast_over_the_group():
+    """The same meter on the product a broadcast over the group makes: each kv head read once per query head."""
+    G, keys = GROUPED.group_size, np.ones((2, GROUPED.n_kv_heads, 38, GROUPED.d_k))  # (B, Hkv, T, Dk)
+    queries = np.ones((2, GROUPED.n_kv_heads, G, 1, GROUPED.d_k))  # (B, Hkv, G, s, Dk)
+    broadcast = MatmulMeter((keys.shape,))
+    broadcast(queries, keys[:, :, None].swapaxes(-1, -2))  # (B, Hkv, 1, Dk, T): one product per query head
+    assert broadcast.calls == 1 and broadcast.elements == G * keys.size

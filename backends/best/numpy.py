@@ -1,22 +1,29 @@
 """``numpy-best``: NumPy as its best users write it, forward, backward (by hand) and a grouped-GEMM decode step.
 
-Row samples, ``x @ W.T + b`` (the ``(out, in)`` weight handed to BLAS with its transpose flag, no
-copy). Three choices, each measured or forced by what NumPy has:
+Row samples, ``x @ W + b`` with the weights stored ``(in, out)`` (transposed once, at prepare): a
+one-row product reads them 18% faster than ``x @ W.T`` on the canonical ``(out, in)`` weight
+(d_model 2048, float32, one core, CPU time: 0.65 against 0.79 ms a matrix). Measured, each choice
+below, on this machine (loaded: figures are CPU time, the best of several rounds):
 
 * The forward loops over (batch item, query head) and hands BLAS the head's column slices of the
   projections, ``q[b, :, h*Dk:(h+1)*Dk]`` (rows strided by ``H*Dk``, which BLAS reads as its leading
   dimension): no head transpose, no (B, H, N, N) score tensor, one (Nq, Nk) workspace reused by
-  every head, and the context written straight into its columns of the merged heads. On this
-  kind of machine a per-head slicing loop beat NumPy's batched pipeline (DESIGN.md: 96 against
-  77 GFLOP/s); here, B=4, N=512, D=512, H=8, float32, one core: 162-173 ms looping against
-  181-210 ms batched (a shared machine: the spread is the load). The scale goes on the queries,
-  (Nq, H*Dk) numbers, not on every score.
+  every head, and the context written straight into its columns of the merged heads; the scale goes
+  on the queries, (Nq, H*Dk) numbers, not on every score. At B=4, N=512, D=512, H=8, float32: 80.9 ms
+  (80 GFLOP/s, the GEMM peak about 100) against 90.5 ms (71) for NumPy's batched pipeline
+  (DESIGN.md saw the same order: 96 against 77 GFLOP/s).
 * NumPy has no autodiff: the backward is written by hand (`forward_backward`), the same loop.
-* The decode step folds each group's query heads into the rows of one product per kv head:
-  ``(B, Hkv, G*s, Dk) @ (B, Hkv, Dk, T)``, so each kv head's keys and values are read once per
-  step, where a broadcast over the group reads them G times (16 GEMVs per step at 16 heads on 4
-  kv heads, issue 43). The cache is static, ``(B, Hkv, C, d)``, written by slice assignment and
-  read up to the write index.
+* The decode step folds each group's query heads into the rows of one product per kv head,
+  ``(B, Hkv, G*s, Dk) @ (B, Hkv, Dk, T)``, so each kv head's keys and values are read once per step,
+  where a broadcast over the group reads them G times (16 GEMVs per step at 16 heads on 4 kv heads,
+  issue 43). The cache is static, allocated once, written by slice assignment and read up to the
+  write index, in blocks of `KV_BLOCK` slots; keys as columns ``(B, Hkv, Dk, C)`` and values as rows
+  ``(B, Hkv, C, Dv)``, the orientations OpenBLAS reads fastest here (keys as rows: 4.5 against 1.9 ms at
+  8k slots; values as rows or columns alike). A step at 16 heads on 4 of 128, d_model 2048: 2.39 /
+  5.32 / 13.59 ms at 1k / 8k / 32k tokens, against 2.53 / 5.74 / 19.56 for the numpy adapter. The
+  scores' product stays the slow part (about 9 GB/s of keys at 32k, where a read stream gets 26):
+  OpenBLAS's 4-row products with a 128-long contraction are no faster in any orientation or tiling
+  tried here, a NumPy limit to name.
 """
 
 from __future__ import annotations
@@ -48,11 +55,17 @@ from .common import (
     run_rotary_tables,
 )
 
-CACHE_LAYOUT = "(B, Hkv, C, Dk), (B, Hkv, C, Dv)"
+CACHE_LAYOUT = "(B, Hkv, Dk, C), (B, Hkv, C, Dv)"
 DECODE_LAYOUTS = {
-    STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens, written by slice assignment and read up to the "
-    "write index; each group's query heads folded into the rows of one product per kv head"
+    STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens (keys as columns, values as rows), written by slice "
+    "assignment and read up to the write index in blocks of 1024 slots; each group's query heads folded into the "
+    "rows of one product per kv head"
 }
+# The decode step reads the cache in blocks of this many slots. OpenBLAS packs each product's operands, and a
+# product over the whole cache packs a panel far larger than L2: measured here (one core, 4 kv heads of 128,
+# 4 query heads each, CPU time): keys at 32k slots 12.3 ms in one product, 7.2-7.5 ms in blocks of 1024 (12.2 in
+# blocks of 2048); values 7.8 ms as one product of columns, 3.0 ms as blocks of 1024 rows (28 GB/s at 8k).
+KV_BLOCK = 1024
 # The score stages the forward's loop fills one (item, head) at a time, with how.
 SCORE_STAGES = {
     "scores": "np.matmul(q_h * scale, k_g.T) into one (Nq, Nk) workspace per (item, head)",
@@ -66,15 +79,18 @@ class NumpyBestLayer:
 
     def __init__(self, cfg: MHAConfig, params: MHAParams, dtype: str) -> None:
         self.cfg, self.dtype = cfg, numpy_dtype(dtype)
+        # The weights stored (in, out), transposed once here: x @ W reads them row by row.
         self.p = {
-            name: None if value is None else np.ascontiguousarray(value, dtype=self.dtype)
+            name: None
+            if value is None
+            else np.ascontiguousarray(value.T if name.startswith("w_") else value, self.dtype)
             for name, value in params.as_dict().items()
         }
 
     # -- the pieces every pass shares -------------------------------------------------------------
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """``x @ W.T + b`` for projection ``name`` (q, k, v, o): (..., in) -> (..., out), a new array."""
-        y = x @ self.p[f"w_{name}"].T  # the (out, in) weight's transpose is a view: BLAS's transpose flag
+        y = x @ self.p[f"w_{name}"]  # W.T, stored (in, out)
         bias = self.p[f"b_{name}"]
         if bias is not None:
             y += bias
@@ -173,7 +189,7 @@ class NumpyBestLayer:
         context = self._attend(q_rotated, k_rotated, v_heads, mask, {"weights": weights})  # (B, Nq, H, Dv)
         merged = context.reshape(B, Nq, -1)  # (B, Nq, H*Dv)
         grads = {"w_o": _weight_grad(d_output, merged)}
-        d_context = (d_output @ self.p["w_o"]).reshape(B, Nq, H, cfg.d_v)  # (B, Nq, H, Dv)
+        d_context = (d_output @ self.p["w_o"].T).reshape(B, Nq, H, cfg.d_v)  # (B, Nq, H, Dv)
         d_q = np.empty_like(q_rotated)  # (B, Nq, H, Dk)
         d_k = np.zeros_like(k_rotated)  # (B, Nk, Hkv, Dk): the group's query heads add up
         d_v = np.zeros_like(v_heads)  # (B, Nk, Hkv, Dv)
@@ -194,7 +210,7 @@ class NumpyBestLayer:
             d_k = apply_rotary(d_k, k_tables[0], -k_tables[1], cfg.rope)
         for name, d, x in (("q", d_q, x_q), ("k", d_k, x_k), ("v", d_v, x_v)):
             d = d.reshape(B, d.shape[1], -1)  # (B, N, n*d)
-            grads[f"d_x_{name}"] = d @ self.p[f"w_{name}"]  # (B, N, in)
+            grads[f"d_x_{name}"] = d @ self.p[f"w_{name}"].T  # (B, N, in): the canonical (out, in) weight
             grads[f"w_{name}"] = _weight_grad(d, x)
             if self.p[f"b_{name}"] is not None:
                 grads[f"b_{name}"] = d.sum(axis=(0, 1))
@@ -212,17 +228,22 @@ class NumpyBestLayer:
         Hkv, G = cfg.n_kv_heads, cfg.group_size
         _, (_, _, v_heads), (q_rotated, k_rotated) = self.heads(x, x, x, tables, tables)
         stop = start + s
-        cache.k[:, :, start:stop] = k_rotated.transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) into the cache, in place
-        cache.v[:, :, start:stop] = v_heads.transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv)
+        cache.k[..., start:stop] = k_rotated.transpose(0, 2, 3, 1)  # (B, Hkv, Dk, s): keys as columns, in place
+        cache.v[:, :, start:stop] = v_heads.transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv): values as rows
         q = (q_rotated * self.dtype.type(cfg.scale)).reshape(B, s, Hkv, G, cfg.d_k)  # (B, s, Hkv, G, Dk)
         q = q.transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * s, cfg.d_k)  # (B, Hkv, G*s, Dk): a copy of s*H*Dk numbers
-        scores = np.matmul(q, cache.k[:, :, :stop].swapaxes(-1, -2))  # (B, Hkv, G*s, T): one GEMM per kv head
+        blocks = [slice(t, min(t + KV_BLOCK, stop)) for t in range(0, stop, KV_BLOCK)]
+        scores = np.empty((B, Hkv, G * s, stop), dtype=self.dtype)  # (B, Hkv, G*s, T)
+        for block in blocks:  # one GEMM per kv head and block of slots: each key read once
+            np.matmul(q, cache.k[..., block], out=scores[..., block])
         empty = None
         if folded is not None:
             np.copyto(scores, -np.inf, where=folded.blocked)
             empty = folded.empty_rows
         softmax_inplace(scores, empty)
-        context = np.matmul(scores, cache.v[:, :, :stop])  # (B, Hkv, G*s, Dv): each kv head's values read once
+        context = np.zeros((B, Hkv, G * s, cfg.d_v), dtype=self.dtype)  # (B, Hkv, G*s, Dv)
+        for block in blocks:  # each value read once
+            context += np.matmul(scores[..., block], cache.v[:, :, block])
         merged = context.reshape(B, Hkv, G, s, cfg.d_v).transpose(0, 3, 1, 2, 4).reshape(B, s, -1)  # (B, s, H*Dv)
         return self.linear(merged, "o")  # (B, s, D)
 
@@ -238,14 +259,14 @@ def _weight_grad(d_y: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 class NumpyStaticCache:
-    """K (B, Hkv, C, Dk) and V (B, Hkv, C, Dv), allocated once; slots are written in place."""
+    """K as columns (B, Hkv, Dk, C) and V as rows (B, Hkv, C, Dv), allocated once; slots are written in place."""
 
     def __init__(self, cfg: MHAConfig, batch: int, slots: int, dtype: np.dtype) -> None:
-        self.k = np.zeros((batch, cfg.n_kv_heads, slots, cfg.d_k), dtype=dtype)
-        self.v = np.zeros((batch, cfg.n_kv_heads, slots, cfg.d_v), dtype=dtype)
+        self.k = np.zeros((batch, cfg.n_kv_heads, cfg.d_k, slots), dtype=dtype)  # (B, Hkv, Dk, C): keys as columns
+        self.v = np.zeros((batch, cfg.n_kv_heads, slots, cfg.d_v), dtype=dtype)  # (B, Hkv, C, Dv): values as rows
 
     def info(self, cfg: MHAConfig) -> dict:
-        return cache_info(cfg, self.k.shape[0], self.k.shape[2], self.k.itemsize, CACHE_LAYOUT)
+        return cache_info(cfg, self.k.shape[0], self.k.shape[3], self.k.itemsize, CACHE_LAYOUT)
 
 
 def folded_mask(chunk_allowed: np.ndarray | None, group: int) -> MaskArrays | None:
@@ -319,7 +340,7 @@ class NumpyBestBackend(BestPath, Backend):
         layer = NumpyBestLayer(cfg, params, dtype)
         data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
         kv = NumpyStaticCache(cfg, batch, context + step, layer.dtype)
-        kv.k[:, :, :context], kv.v[:, :, :context] = data.k, data.v
+        kv.k[..., :context], kv.v[:, :, :context] = data.k.swapaxes(-1, -2), data.v  # keys as columns
         x = np.ascontiguousarray(data.x, dtype=layer.dtype)  # (B, s, D)
         tables = layer.tables(data.tables)
         mask = folded_mask(data.allowed, cfg.group_size)

@@ -188,13 +188,14 @@ CONTEXTS = (1030, 4102)  # slots 1031 and 4103
 
 _HLO_PROGRAM = """
 import json, sys
+from mha_rosetta.backends.best.common import decode_step_inputs
 from mha_rosetta.backends.best.jax import step_program
 from mha_rosetta.core import MHAConfig, init_params
 cfg = MHAConfig(**json.loads(sys.argv[1]))
 out = {}
 for context, donate in json.loads(sys.argv[2]):
-    decoder, args = step_program(cfg, init_params(cfg, seed=0), batch=2, context=context, step=1, dtype="float32",
-                                 donate=donate)
+    data = decode_step_inputs(cfg, batch=2, context=context, step=1, seed=0)
+    decoder, args = step_program(cfg, init_params(cfg, seed=0), data, "float32", donate=donate)
     out[f"{context}-{donate}"] = decoder.executable(*args).as_text()
 print(json.dumps(out))
 """

@@ -21,6 +21,8 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
+from ..base import StageTensor
+
 # The variants a best path implements: the qkv bias is an absent output bias; rope scaling lives in the
 # rotary tables (`core.rotary_tables`), which every path takes from core.
 BEST_VARIANTS = frozenset({"qkv_bias", "rope_scaling"})
@@ -79,6 +81,11 @@ def cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int, layout: st
         "slots": slots,
         "bytes": batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
     }
+
+
+def output_stage(output) -> dict[str, StageTensor]:
+    """A timed decode step's `Prepared.native_stages`: its output (B, s, D), the one stage it exposes."""
+    return {"output": StageTensor(output, ("B", "Nq", "D"), "the step's output (its only stage exposed)")}
 
 
 def folded_allowed(allowed: np.ndarray, group: int) -> np.ndarray:

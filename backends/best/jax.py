@@ -48,10 +48,12 @@ from ..jax.vjp import jax_vjp_prepared
 from .common import (
     STATIC,
     BestPath,
+    DecodeStepInputs,
     cache_info,
     decode_chunks,
     decode_step_inputs,
     folded_allowed,
+    output_stage,
     run_rotary_tables,
 )
 
@@ -367,30 +369,18 @@ class JaxBestBackend(BestPath, Backend):
         )
 
     def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_decode_step(
-            cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed
-        )
+        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
+        return prepare_decode_step(cfg, params, data, dtype, device)
 
 
 def prepare_decode_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    seed: int,
-    donate: bool = True,
+    cfg: MHAConfig, params: MHAParams, data: DecodeStepInputs, dtype: str, device: str, donate: bool = True
 ) -> Prepared:
-    """One timed step on a cache of ``context + step`` slots holding ``context`` tokens: each call donates the
-    cache the last call returned and keeps the one it returns, writing the same slots every time (so every call
-    is the same step). ``donate=False`` only to show what donation saves (tests/test_best_paths.py);
+    """One timed step of ``data`` (`common.decode_step_inputs`) on a cache of ``context + step`` slots: each call
+    donates the cache the last call returned and keeps the one it returns, writing the same slots every time (so
+    every call is the same step). ``donate=False`` only to show what donation saves (tests/test_best_paths.py);
     `step_program` gives the same compiled step, for reading its HLO."""
-    decoder, args = step_program(
-        cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed, donate=donate
-    )
+    decoder, args = step_program(cfg, params, data, dtype, device, donate)
     x, _, _, index, tables, allowed = args
     state = list(args[1:3])  # the caches, replaced by each call's
 
@@ -398,14 +388,11 @@ def prepare_decode_step(
         output, state[0], state[1] = decoder(x, state[0], state[1], index, tables, allowed)
         return output
 
-    def native_stages():
-        return {"output": StageTensor(forward(), ("B", "Nq", "D"), "the step's output (its only stage exposed)")}
-
     itemsize = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
     info = {
-        "cache": cache_info(cfg, batch, context + step, itemsize, CACHE_LAYOUT),
-        "context": context,
-        "step": step,
+        "cache": cache_info(cfg, data.x.shape[0], data.context + data.step, itemsize, CACHE_LAYOUT),
+        "context": data.context,
+        "step": data.step,
         "donated": "the cache, to every call" if donate else "nothing: each call copies the cache",
         **precision_info(device=device, dtype=dtype, matmul_precision=MATMUL_PRECISION),
     }
@@ -414,40 +401,25 @@ def prepare_decode_step(
         decoder.executable(*args)
         info["compilations"] = decoder.compilations
 
-    return Prepared(forward, tensor_to_numpy, native_stages, block_until_ready, compile=compile_step, info=info)
+    return Prepared(
+        forward, tensor_to_numpy, lambda: output_stage(forward()), block_until_ready, compile=compile_step, info=info
+    )
 
 
 def step_program(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str = "cpu",
-    seed: int = 0,
-    donate: bool = True,
+    cfg: MHAConfig, params: MHAParams, data: DecodeStepInputs, dtype: str, device: str = "cpu", donate: bool = True
 ) -> tuple[StaticDecoder, tuple]:
     """The timed step's decoder and its arguments after the weights: (x, k_cache, v_cache, index, tables, allowed).
 
     ``decoder.executable(*args).as_text()`` is the compiled step's HLO (what the fairness test reads).
     """
     decoder = StaticDecoder(cfg, params, dtype, device, donate)
-    target, slots = decoder.target, context + step
-    data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
-    rows = batch * cfg.n_kv_heads
+    batch, context, step = data.x.shape[0], data.context, data.step
+    target, slots, rows = decoder.target, context + step, batch * cfg.n_kv_heads
     k_cache, v_cache = (np.zeros((rows, slots, width)) for width in (cfg.d_k, cfg.d_v))
     k_cache[:, :context] = data.k.reshape(rows, context, cfg.d_k)  # (B, Hkv, context, Dk) -> (B*Hkv, context, Dk)
     v_cache[:, :context] = data.v.reshape(rows, context, cfg.d_v)
     tables = None if data.tables is None else tuple(to_jax(t, dtype, target) for t in data.tables)
     allowed = to_jax(_folded_for_cache(cfg, data.allowed, batch, step, slots, slots), None, target)
-    args = (
-        to_jax(data.x, dtype, target),
-        to_jax(k_cache, dtype, target),
-        to_jax(v_cache, dtype, target),
-        _index(context, target),
-        tables,
-        allowed,
-    )
-    return decoder, args
+    args = (to_jax(data.x, dtype, target), to_jax(k_cache, dtype, target), to_jax(v_cache, dtype, target))
+    return decoder, (*args, _index(context, target), tables, allowed)

@@ -41,8 +41,8 @@ from mha_rosetta.core import (
 )
 
 from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
-from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads
-from ..base import Backend, Prepared, PreparedDecode, PreparedVJP, StageTensor
+from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
+from ..base import Backend, Prepared, PreparedDecode, PreparedVJP
 from ..numpy.common import MaskArrays, softmax_inplace
 from .common import (
     STATIC,
@@ -52,6 +52,7 @@ from .common import (
     decode_chunks,
     decode_step_inputs,
     folded_allowed,
+    output_stage,
     run_rotary_tables,
 )
 
@@ -299,13 +300,8 @@ class NumpyBestBackend(BestPath, Backend):
         def run(rec: StageRecorder | None):
             return layer.forward(*args, rec)
 
-        def native_stages():
-            rec = StageRecorder()
-            run(rec)
-            return rec.stages()
-
         info = {"layout": "row samples (B, tokens, features)", "loop": "(batch item, head) on column slices"}
-        return Prepared(forward=lambda: run(None), to_numpy=np.asarray, native_stages=native_stages, info=info)
+        return Prepared(lambda: run(None), np.asarray, lambda: record_stages(run), info=info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy) -> PreparedVJP:
         layer = NumpyBestLayer(cfg, params, dtype)
@@ -348,8 +344,5 @@ class NumpyBestBackend(BestPath, Backend):
         def forward():  # every call writes the same slots: each timed call is the same step
             return layer.decode_step(kv, x, context, tables, mask)
 
-        def native_stages():
-            return {"output": StageTensor(forward(), ("B", "Nq", "D"), "the step's output (its only stage exposed)")}
-
         info = {"cache": kv.info(cfg), "context": context, "step": step}
-        return Prepared(forward, np.asarray, native_stages, info=info)
+        return Prepared(forward, np.asarray, lambda: output_stage(forward()), info=info)

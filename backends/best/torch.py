@@ -29,7 +29,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions
 from mha_rosetta.core.decode import DecodeInputs
 
-from .._recording import StageRecorder
+from .._recording import StageRecorder, record_stages
 from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..oracles.torch import TorchSDPAOracle
 from ..oracles.torch_heads import projected_heads_pass
@@ -47,6 +47,7 @@ from ..torch.common import (
 from .common import (
     STATIC,
     BestPath,
+    DecodeStepInputs,
     cache_info,
     decode_chunks,
     decode_step_inputs,
@@ -96,7 +97,8 @@ class TorchBestBackend(BestPath, TorchSDPAOracle):
         return prepare_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
 
     def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_decode_step(cfg, params, batch, context, step, dtype, device, seed, self.allow_tf32)
+        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
+        return prepare_decode_step(cfg, params, data, dtype, device, self.allow_tf32)
 
 
 def score_stages(cfg: MHAConfig, q_rotated, k_rotated, allowed: np.ndarray | None) -> dict[str, StageTensor]:
@@ -214,46 +216,31 @@ def prepare_decode_run(
 
 
 def prepare_decode_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    seed: int,
-    allow_tf32: bool = False,
+    cfg: MHAConfig, params: MHAParams, data: DecodeStepInputs, dtype: str, device: str, allow_tf32: bool = False
 ) -> Prepared:
-    """One timed step: ``step`` tokens written at slot ``context`` of a cache of ``context + step`` slots that
-    holds ``context`` tokens (`common.decode_step_inputs`); every call writes the same slots, so each timed call
-    is the same step, and allocates nothing that grows with the context."""
-    data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
+    """One timed step: ``data.step`` tokens written at slot ``data.context`` of a cache of ``context + step`` slots
+    that holds the context (`common.decode_step_inputs`); every call writes the same slots, so each timed call is
+    the same step, and allocates nothing that grows with the context."""
+    context, batch = data.context, data.x.shape[0]
     p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
     x = to_tensor(data.x, dtype, device)  # (B, s, D)
-    cache = TorchStaticCache(cfg, batch, context + step, x)
-    cache.k[:, :, :context], cache.v[:, :, :context] = (
-        to_tensor(data.k, dtype, device),
-        to_tensor(data.v, dtype, device),
-    )
+    cache = TorchStaticCache(cfg, batch, context + data.step, x)
+    cache.k[:, :, :context], cache.v[:, :, :context] = (to_tensor(a, dtype, device) for a in (data.k, data.v))
     mask = _folded_mask(data.allowed, cfg.group_size, device)
-    forward = folded_step(cfg, batch, step, dtype, device, _tables(data.tables, dtype, device), mask)
+    forward = folded_step(cfg, batch, data.step, dtype, device, _tables(data.tables, dtype, device), mask)
 
     def run(rec: StageRecorder | None):
         return forward(p, x, cache, context, rec)
 
     run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
-
-    def native_stages():
-        rec = StageRecorder()
-        run(rec)
-        return rec.stages()
-
     info = {
         "cache": cache.info(cfg),
         "context": context,
-        "step": step,
+        "step": data.step,
         "mask": "none: one token sees every slot" if mask is None else "bool, the group folded",
         "torch_dtype": str(torch_dtype(dtype)).removeprefix("torch."),
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return Prepared(lambda: run(None), tensor_to_numpy, native_stages, synchronize=synchronizer(device), info=info)
+    return Prepared(
+        lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
+    )

@@ -22,12 +22,12 @@ from mha_rosetta.core import MHAConfig, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
 from ..base import StageTensor
+from ..numpy.common import HALF_TYPES
 
 # The variants a best path implements: the qkv bias is an absent output bias; rope scaling lives in the
 # rotary tables (`core.rotary_tables`), which every path takes from core.
 BEST_VARIANTS = frozenset({"qkv_bias", "rope_scaling"})
 BEST_DTYPES = ("float64", "float32")
-HALF_TYPES = ("float16", "bfloat16")
 STATIC = "static"
 NOT_A_BEST_PATH = (
     "a best path implements the layer the timings compare (GQA, rotary, the causal and padding masks, a static "

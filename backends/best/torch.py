@@ -107,13 +107,12 @@ def score_stages(cfg: MHAConfig, q_rotated, k_rotated, allowed: np.ndarray | Non
 
     k = k_rotated.repeat_interleave(cfg.group_size, dim=1)  # (B, H, Nk, Dk): a copy, for inspection only
     scores = cfg.scale * (q_rotated @ k.transpose(-1, -2))  # (B, H, Nq, Nk)
-    masked = scores
+    masked, weights = scores, torch.softmax(scores, dim=-1)
     if allowed is not None:
-        blocked = ~torch.from_numpy(np.ascontiguousarray(allowed)).to(scores.device)  # (1|B, 1|H, Nq, Nk)
-        masked = scores.masked_fill(blocked, float("-inf"))
-    row_max = masked.amax(dim=-1, keepdim=True)
-    exp = torch.exp(masked - torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max))
-    weights = exp / exp.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(exp.dtype).tiny)  # an empty row: zeros
+        allowed_t = torch.from_numpy(np.ascontiguousarray(allowed)).to(scores.device)  # (1|B, 1|H, Nq, Nk)
+        empty = ~allowed_t.any(dim=-1, keepdim=True)  # a row with no allowed key: zeros (the spec's), never 0/0
+        masked = scores.masked_fill(~allowed_t, float("-inf"))
+        weights = torch.softmax(masked.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     axes = ("B", "H", "Nq", "Nk")
     return {
         "scores": StageTensor(scores, axes, RECOMPUTED),

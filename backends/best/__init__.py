@@ -7,9 +7,9 @@ library's best users write it, for the forward, the backward and the decode step
 against the same float64 oracle as everything else (issue 43). One module per framework, each
 importing its library inside its functions:
 
-* `numpy`: row samples ``x @ W.T``; the forward one BLAS product per (batch item, head) on the
-  heads' column slices (no head transposes; a per-head loop beat the batched pipeline on this
-  kind of machine, DESIGN.md), one score workspace reused; the backward by hand (NumPy has no
+* `numpy`: row samples ``x @ W``, W stored ``(in, out)``; the forward one BLAS product per (batch
+  item, head) on the heads' column slices (no head transposes; a per-head loop beat the batched
+  pipeline on this kind of machine, DESIGN.md), one score workspace reused; the backward by hand (NumPy has no
   autodiff); the decode step a grouped GEMM: each group's query heads folded into the rows of one
   product per kv head, so each kv head is read once per step, not once per query head.
 * `torch`: ``F.linear`` + ``F.scaled_dot_product_attention`` (the ``torch-sdpa`` oracle's own

@@ -90,7 +90,7 @@ class NumpyBestLayer:
 
     # -- the pieces every pass shares -------------------------------------------------------------
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """``x @ W.T + b`` for projection ``name`` (q, k, v, o): (..., in) -> (..., out), a new array."""
+        """``x @ W + b``, W stored (in, out), for projection ``name`` (q, k, v, o): (..., in) -> (..., out), a new array."""
         y = x @ self.p[f"w_{name}"]  # W.T, stored (in, out)
         bias = self.p[f"b_{name}"]
         if bias is not None:
@@ -130,7 +130,7 @@ class NumpyBestLayer:
         merged = context.reshape(B, Nq, -1)  # (B, Nq, H*Dv), a view
         output = self.linear(merged, "o")  # (B, Nq, D)
         if rec is not None and dump is not None:
-            record_projections(rec, projections, ROW_SAMPLE_PROJECTION_AXES, "x @ W.T + b")
+            record_projections(rec, projections, ROW_SAMPLE_PROJECTION_AXES, "x @ W + b, W stored (in, out)")
             axes = TOKENS_FIRST_STAGE_AXES
             record_split_heads(rec, projections, heads, axes, "reshape(B, N, n, d): head h owns columns h*d:(h+1)*d")
             record_rotated(rec, heads[:2], (q_rotated, k_rotated), axes, "core.apply_rotary on (B, N, n, d)")
@@ -138,7 +138,7 @@ class NumpyBestLayer:
                 rec.record(name, dump[name], axes[name], note)
             rec.record("context", context, axes["context"], "np.matmul(weights, v_g, out=its columns of merged)")
             rec.record("merged", merged, axes["merged"], "reshape(B, Nq, H*Dv) of the context", "view", "context")
-            rec.record("output", output, axes["output"], "merged @ W_o.T + b_o")
+            rec.record("output", output, axes["output"], "merged @ W_o + b_o, W_o stored (in, out)")
         return output
 
     def _attend(self, q_rotated, k_rotated, v_heads, mask: MaskArrays | None, dump: dict | None = None):
@@ -288,8 +288,9 @@ def _forward_inputs(layer: NumpyBestLayer, cfg: MHAConfig, inputs: MHAInputs) ->
 class NumpyBestBackend(BestPath, Backend):
     name = "numpy-best"
     convention = (
-        "NumPy at its best: x @ W.T on row samples, one BLAS product per (item, head) on the heads' column slices; "
-        "a hand-written backward; decoding a static cache with each group's query heads folded into one GEMM per kv head"
+        "NumPy at its best: x @ W on row samples (W stored (in, out)), one BLAS product per (item, head) on the "
+        "heads' column slices; a hand-written backward; decoding a static cache with each group's query heads folded "
+        "into one GEMM per kv head"
     )
     decode_layouts = DECODE_LAYOUTS
 

@@ -196,6 +196,10 @@ EINOPS = (".einops.adapter", "EinopsBackend")
 register("einops-numpy", BackendEntry(*EINOPS, ("einops",), "einops", {"array_library": "numpy"}))
 register("einops-torch", BackendEntry(*EINOPS, ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
 register("einops-jax", BackendEntry(*EINOPS, ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
+# Each framework at its best (issue 43): the paths a comparison of frameworks times, beside the conventions.
+register("numpy-best", BackendEntry(".best.numpy", "NumpyBestBackend", ("numpy",), "test"))
+register("torch-best", BackendEntry(".best.torch", "TorchBestBackend", ("torch",), "torch"))
+register("jax-best", BackendEntry(".best.jax", "JaxBestBackend", ("jax",), "jax"))
 # The same layer split over several devices or processes by heads (tensor parallelism).
 register("jax-sharded", BackendEntry(".sharded.jax", "JaxShardedBackend", ("jax",), "jax"))
 register("torch-tp", BackendEntry(".sharded.torch", "TorchTPBackend", ("torch",), "torch"))

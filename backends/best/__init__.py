@@ -1,0 +1,28 @@
+"""Each framework at its best: ``numpy-best``, ``torch-best`` and ``jax-best``.
+
+The convention adapters (`backends.numpy`, `.torch`, `.jax`, `.einops`) teach a convention and
+are checked against each other; they are never a framework's speed. A figure that compares
+frameworks compares what each framework can do, so each has a path written the way that
+library's best users write it, for the forward, the backward and the decode step, checked
+against the same float64 oracle as everything else (issue 43). One module per framework, each
+importing its library inside its functions:
+
+* `numpy`: row samples ``x @ W``, W stored ``(in, out)``; the forward one BLAS product per (batch
+  item, head) on the heads' column slices (no head transposes; a per-head loop beat the batched
+  pipeline on this kind of machine, DESIGN.md), one score workspace reused; the backward by hand (NumPy has no
+  autodiff); the decode step a grouped GEMM: each group's query heads folded into the rows of one
+  product per kv head, so each kv head is read once per step, not once per query head.
+* `torch`: ``F.linear`` + ``F.scaled_dot_product_attention`` (the ``torch-sdpa`` oracle's own
+  pass, `oracles.torch.sdpa_pass`), autograd for the backward; decoding a static cache written in
+  place (slice assignment, never ``torch.cat``) read up to its write index, the group folded into
+  the query axis (CPU SDPA with ``enable_gqa`` re-reads K and V per query head).
+* `jax`: one jitted function, the weights stored ``(in, out)`` so that ``x @ W`` is what XLA
+  reads without a transpose, ``jax.vjp`` of it for the backward; the decode step jitted with its
+  cache donated (``donate_argnums``: written in place), in the layout XLA reads without a copy.
+
+What each of them must do is asserted, not timed, by ``tests/test_best_paths.py`` (the fairness
+test: the JAX step's program holds no copy of its cache, torch's step allocates nothing that
+grows with the context, NumPy's step reads each kv head once). They implement the layer the
+timings compare (GQA, rotary, the causal and padding masks, the qkv bias, rope scaling) in
+float32 and float64, and refuse everything else with a reason (`common.BestPath`).
+"""

@@ -1,0 +1,425 @@
+"""``jax-best``: JAX as its best users write it: one jitted function, ``jax.vjp`` of it, a donated decode step.
+
+* The forward is one ``jax.jit`` program. The weights are stored ``(in, out)`` (transposed once, at
+  prepare) so that the projections are ``x @ W``: XLA:CPU compiles ``x @ W.T`` on the canonical
+  ``(out, in)`` weights to loop fusions that transpose them (about 3.4 ms of a 1k-token decode step
+  at d_model 2048, issue 43). GQA folds each group's query heads into the query rows of their kv
+  head, heads first (``einsum("bhqd,bhkd->bhqk")``): no repeated keys or values, no move of the scores.
+* The backward is ``jax.vjp`` of that function, the forward and the pullback in one jitted program
+  (`backends.jax.vjp.jax_vjp_prepared`); the weights' gradients come back ``(in, out)`` and are
+  transposed to the canonical layout outside the timed region.
+* The decode step is one jitted function whose cache is donated (``donate_argnums``): XLA writes the
+  step's slots in place (``lax.dynamic_update_slice`` at a traced index) instead of copying the cache
+  every step (2.1x by itself, issue 43). The cache is ``(B*Hkv, C, d)``, one batch axis: read from
+  the HLO (jaxlib 0.10.2, XLA:CPU), a ``(B, T, Hkv, d)`` cache is transposed every step, and a
+  ``(B, Hkv, T, d)`` one, whose product drops the unit batch axis, made XLA duplicate the value
+  cache's update into the context product's fusion and copy the donated cache four times per step
+  (8k tokens: 16 MiB each); with the batch and kv-head axes merged the compiled step holds no copy
+  and no transpose of either cache (tests/test_best_paths.py reads the HLO). The timed step keeps the
+  cache each call returns and donates it to the next, as a generation loop does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables
+
+from .._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
+from ..base import Backend, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..jax.common import (
+    CompiledForward,
+    block_until_ready,
+    compiled_prepared,
+    effective_precision,
+    jax_devices,
+    jax_inputs,
+    jax_target,
+    precision_info,
+    rotate_last_axis,
+    shared_program,
+    softmax_with_empty_rows,
+    to_jax,
+)
+from ..jax.vjp import jax_vjp_prepared
+from .common import (
+    STATIC,
+    BestPath,
+    DecodeStepInputs,
+    cache_info,
+    decode_chunks,
+    decode_step_inputs,
+    folded_allowed,
+    output_stage,
+    run_rotary_tables,
+)
+
+MATMUL_PRECISION = "highest"  # float32 throughout (a GPU's TF32 only where forced)
+CACHE_LAYOUT = "(B*Hkv, C, Dk), (B*Hkv, C, Dv)"
+DECODE_LAYOUTS = {
+    STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens, the batch and kv-head axes merged (the layout "
+    "XLA:CPU reads without a copy or a transpose), written in place by lax.dynamic_update_slice at a traced index "
+    "inside one jitted step whose cache is donated"
+}
+# Traces of each program key (a counter bumped inside the traced functions, which run only when JAX traces).
+TRACES: Counter = Counter()
+
+
+# -- the programs ---------------------------------------------------------------------------------------
+def _linear(p: dict, x, name: str):
+    """``x @ W + b`` with W stored (in, out): (..., in) -> (..., out)."""
+    y = x @ p[f"w_{name}"]
+    bias = p[f"b_{name}"]
+    return y if bias is None else y + bias
+
+
+def _rotate(cfg: MHAConfig, heads, tables):
+    """Rotary on heads (B, N, n, Dk) with tables (cos, sin) (1|B, N, r/2); the heads themselves without rope."""
+    if tables is None:
+        return heads
+    cos, sin = (t[:, :, None, :] for t in tables)  # (1|B, N, 1, r/2)
+    return rotate_last_axis(heads, cos, sin, cfg.rope)
+
+
+def _softmax(scores, allowed):
+    """Softmax over the keys; with a mask, a row with no allowed key gives zeros (the spec's answer). Without
+    one no row can be empty, and ``jax.nn.softmax`` skips that test (4% of a forward at B=4, N=512, D=512)."""
+    import jax
+
+    return jax.nn.softmax(scores, axis=-1) if allowed is None else softmax_with_empty_rows(scores)
+
+
+def best_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, tables, allowed, stages: bool = False):
+    """The forward, (B, Nq, D); with ``stages`` every stage by name instead (the untimed stage dump).
+
+    ``tables``: (q_cos, q_sin, k_cos, k_sin) (1|B, N, r/2) or None; ``allowed``: (1|B, Hkv|1, G*Nq, Nk)
+    bool (True = may attend; `folded_forward_allowed`) or None.
+    """
+    import jax.numpy as jnp
+
+    B, Nq, _ = x_q.shape
+    Nk = x_k.shape[1]
+    H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
+    q, k, v = _linear(p, x_q, "q"), _linear(p, x_k, "k"), _linear(p, x_v, "v")  # (B, N, n*d)
+    q_heads, k_heads = q.reshape(B, Nq, H, Dk), k.reshape(B, Nk, Hkv, Dk)
+    v_heads = v.reshape(B, Nk, Hkv, Dv)
+    q_rotated = _rotate(cfg, q_heads, None if tables is None else tables[:2])  # (B, Nq, H, Dk)
+    k_rotated = _rotate(cfg, k_heads, None if tables is None else tables[2:])  # (B, Nk, Hkv, Dk)
+    # Heads first for the products (the activations' transposes, O(N D), are all XLA moves), each group's query
+    # heads folded into the query rows of their kv head, (B, Hkv, G*Nq, Dk): 4-D products with no unit axis.
+    # Tokens first, XLA transposed the scores (B=4, N=512, D=512, 8 heads on 2, float32, CPU time: 130 ms; heads
+    # first 104, the jax adapter 111); a unit group axis (G=1) made it copy them.
+    q_folded = (q_rotated * cfg.scale).reshape(B, Nq, Hkv, G, Dk).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Nq, Dk)
+    k_first, v_first = k_rotated.transpose(0, 2, 1, 3), v_heads.transpose(0, 2, 1, 3)  # (B, Hkv, Nk, d)
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q_folded, k_first)  # (B, Hkv, G*Nq, Nk)
+    masked = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
+    weights = _softmax(masked, allowed)
+    context = jnp.einsum("bhqk,bhkd->bhqd", weights, v_first)  # (B, Hkv, G*Nq, Dv)
+    context = context.reshape(B, Hkv, G, Nq, Dv).transpose(0, 3, 1, 2, 4).reshape(B, Nq, H, Dv)  # (B, Nq, H, Dv)
+    merged = context.reshape(B, Nq, H * Dv)
+    output = _linear(p, merged, "o")  # (B, Nq, D)
+    if not stages:
+        return output
+    by_head = (B, H, Nq, Nk)
+    return dict(
+        q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, q_rotated=q_rotated, k_rotated=k_rotated,
+        scores=scores.reshape(by_head), masked_scores=masked.reshape(by_head), weights=weights.reshape(by_head),
+        context=context, merged=merged, output=output,
+    )  # fmt: skip
+
+
+def best_step(cfg: MHAConfig, key: tuple, p: dict, x, k_cache, v_cache, index, tables, allowed):
+    """One decode chunk: ``x`` (B, s, D) written to slots ``index ..`` of the caches (B*Hkv, C, d), then attending
+    over every slot; returns (output (B, s, D), k_cache, v_cache).
+
+    ``tables``: (cos, sin) (1|B, s, r/2) or None; ``allowed``: (B*Hkv, G*s, C) bool, the folded query rows'
+    slots (`common.folded_allowed`), or None when every slot is seen.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+
+    TRACES[key] += 1  # runs when JAX traces, so it counts compilations
+    B, s, _ = x.shape
+    H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
+    q = _rotate(cfg, _linear(p, x, "q").reshape(B, s, H, Dk), tables)  # (B, s, H, Dk)
+    k = _rotate(cfg, _linear(p, x, "k").reshape(B, s, Hkv, Dk), tables)  # (B, s, Hkv, Dk)
+    v = _linear(p, x, "v").reshape(B, s, Hkv, Dv)  # (B, s, Hkv, Dv)
+    zero = jnp.zeros((), index.dtype)
+    k_cache = lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).reshape(B * Hkv, s, Dk), (zero, index, zero))
+    v_cache = lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).reshape(B * Hkv, s, Dv), (zero, index, zero))
+    q = (q * cfg.scale).reshape(B, s, Hkv, G, Dk).transpose(0, 2, 3, 1, 4).reshape(B * Hkv, G * s, Dk)
+    scores = jnp.einsum("nqd,ntd->nqt", q, k_cache)  # (B*Hkv, G*s, C): each kv head read once
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, -jnp.inf)
+    context = jnp.einsum("nqt,ntd->nqd", _softmax(scores, allowed), v_cache)  # (B*Hkv, G*s, Dv)
+    merged = context.reshape(B, Hkv, G, s, Dv).transpose(0, 3, 1, 2, 4).reshape(B, s, H * Dv)  # (B, s, H*Dv)
+    return _linear(p, merged, "o"), k_cache, v_cache
+
+
+# -- converting once --------------------------------------------------------------------------------------
+def weights_in_out(params: MHAParams, dtype: str, target) -> dict:
+    """w_q ... w_o transposed to (in, out) (contiguous copies, once), biases as they are: JAX arrays on ``target``."""
+    return {
+        name: to_jax(None if value is None else (value.T if name.startswith("w_") else value), dtype, target)
+        for name, value in params.as_dict().items()
+    }
+
+
+def folded_forward_allowed(cfg: MHAConfig, allowed: np.ndarray | None) -> np.ndarray | None:
+    """(1|B, 1|H, Nq, Nk) -> (1|B, Hkv|1, G*Nq, Nk), the folded query rows of `best_forward`'s scores; None stays.
+
+    Head h = g*G + i of a per-head mask is row block i of kv head g (a reshape); a mask shared by the heads
+    repeats for each of a group's G heads (`common.folded_allowed`)."""
+    if allowed is None:
+        return None
+    allowed = np.ascontiguousarray(allowed)
+    b, h, Nq, Nk = allowed.shape
+    if h == 1:
+        return np.ascontiguousarray(folded_allowed(allowed, cfg.group_size))  # (1|B, 1, G*Nq, Nk)
+    return allowed.reshape(b, cfg.n_kv_heads, cfg.group_size * Nq, Nk)  # (1|B, Hkv, G*Nq, Nk)
+
+
+def forward_args(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target) -> tuple:
+    """(p, x_q, x_k, x_v, tables, allowed) on ``target``: `best_forward`'s arguments."""
+    tables = rotary_tables(cfg, inputs)
+    if tables is not None:
+        tables = tuple(to_jax(t, dtype, target) for t in (tables.q_cos, tables.q_sin, tables.k_cos, tables.k_sin))
+    allowed = to_jax(folded_forward_allowed(cfg, allowed_positions(cfg, inputs)), None, target)
+    return (weights_in_out(params, dtype, target), *jax_inputs(inputs, dtype, target), tables, allowed)
+
+
+class StaticDecoder:
+    """The jitted `best_step` (its caches donated unless ``donate=False``) and its executables by argument shapes."""
+
+    def __init__(self, cfg: MHAConfig, params: MHAParams, dtype: str, device: str, donate: bool = True) -> None:
+        self.cfg, self.dtype = cfg, dtype
+        self.target = jax_target(dtype, device)
+        self.p = weights_in_out(params, dtype, self.target)
+        self.key = ("best.jax.step", cfg, donate)
+        self._traces_at_start = TRACES[self.key]
+        _, self.jitted = shared_program(
+            self.key, partial(best_step, cfg, self.key), donate_argnums=(2, 3) if donate else ()
+        )
+        self.precision = effective_precision(MATMUL_PRECISION)
+        self._compiled: dict = {}
+
+    @property
+    def compilations(self) -> int:
+        return TRACES[self.key] - self._traces_at_start
+
+    def empty_cache(self, batch: int, slots: int):
+        """Zeroed caches (B*Hkv, C, Dk) and (B*Hkv, C, Dv) on the device."""
+        import jax.numpy as jnp
+
+        cfg, rows = self.cfg, batch * self.cfg.n_kv_heads
+        with _on(self.target):
+            return jnp.zeros((rows, slots, cfg.d_k), self.dtype), jnp.zeros((rows, slots, cfg.d_v), self.dtype)
+
+    def executable(self, x, k_cache, v_cache, index, tables, allowed):
+        """The compiled step for these arguments' shapes (compiled here the first time, under the precision)."""
+        import jax
+
+        from ..jax.executables import compile_program
+
+        signature = (x.shape, k_cache.shape, None if tables is None else tables[0].shape, allowed is None)
+        if signature not in self._compiled:
+            args = (self.p, x, k_cache, v_cache, index, tables, allowed)
+            with jax.default_matmul_precision(self.precision):
+                self._compiled[signature] = compile_program(self.jitted, args, self.key)
+        return self._compiled[signature]
+
+    def __call__(self, x, k_cache, v_cache, index, tables, allowed):
+        """(output (B, s, D), k_cache, v_cache); the caches passed in are donated (dead after the call)."""
+        return self.executable(x, k_cache, v_cache, index, tables, allowed)(
+            self.p, x, k_cache, v_cache, index, tables, allowed
+        )
+
+
+def _on(target):
+    import jax
+
+    return jax.default_device(target)
+
+
+def _index(value: int, target):
+    import jax
+
+    return jax.device_put(np.int32(value), target)  # a traced scalar: one program for every write index
+
+
+def _folded_for_cache(cfg: MHAConfig, allowed: np.ndarray | None, batch: int, tokens: int, stop: int, slots: int):
+    """The slots each folded query row of a chunk sees, (B*Hkv, G*s, C), over every slot of the cache (the slots
+    from ``stop`` on are not written yet: blocked); None when the chunk sees every one of the C slots.
+
+    ``allowed``: the chunk's pattern (B, 1, s, stop) over the slots written, None when it sees all of them.
+    """
+    if allowed is None and stop == slots:
+        return None
+    if allowed is None:
+        allowed = np.ones((batch, 1, tokens, stop), dtype=bool)
+    folded = folded_allowed(allowed, cfg.group_size)  # (B, 1, G*s, stop)
+    full = np.zeros((batch, cfg.n_kv_heads, folded.shape[2], slots), dtype=bool)
+    full[..., :stop] = folded  # broadcast over the kv heads
+    return full.reshape(batch * cfg.n_kv_heads, folded.shape[2], slots)
+
+
+class JaxBestBackend(BestPath, Backend):
+    name = "jax-best"
+    convention = (
+        "JAX at its best: one jax.jit program, weights stored (in, out) so XLA reads x @ W without a transpose, "
+        "jax.vjp for the backward; decoding one jitted step with its (B*Hkv, C, d) cache donated"
+    )
+    decode_layouts = DECODE_LAYOUTS
+
+    def devices(self) -> tuple[str, ...]:
+        return jax_devices()
+
+    def _prepare(self, cfg, params, inputs, dtype, device, strategy) -> Prepared:
+        target = jax_target(dtype, device)
+        key = ("best.jax.forward", cfg)
+        compiled = CompiledForward(
+            partial(best_forward, cfg), forward_args(cfg, params, inputs, dtype, target), MATMUL_PRECISION, key
+        )
+
+        def native_stages() -> dict[str, StageTensor]:
+            stages = compiled.trace_and_run(partial(best_forward, cfg, stages=True))
+            return {
+                name: StageTensor(
+                    value,
+                    TOKENS_FIRST_STAGE_AXES[name],
+                    "best_forward's stage dump (jitted apart)",
+                    *xla_provenance(name, cfg.rope),
+                )
+                for name, value in stages.items()
+            }
+
+        info = {
+            "weights": "(in, out), x @ W",
+            **precision_info(device=device, dtype=dtype, matmul_precision=MATMUL_PRECISION),
+        }
+        return compiled_prepared(compiled, native_stages, info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        target = jax_target(dtype, device)
+        p, x_q, x_k, x_v, tables, allowed = forward_args(cfg, params, inputs, dtype, target)
+
+        def to_canonical(grads: dict) -> dict:  # the weights' gradients (in, out) -> (out, in)
+            return {
+                name: tensor_to_numpy(g).T if name.startswith("w_") else tensor_to_numpy(g)
+                for name, g in grads.items()
+                if g is not None
+            }
+
+        info = {"weights": "(in, out): their gradients transposed back outside the timed region"}
+        return jax_vjp_prepared(
+            partial(best_forward, cfg),
+            (p, x_q, x_k, x_v),
+            (tables, allowed),
+            cotangent,
+            dtype,
+            target,
+            MATMUL_PRECISION,
+            to_canonical,
+            info,
+            ("best.jax.forward", cfg),
+        )
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
+        decoder = StaticDecoder(cfg, params, dtype, device)
+        target, slots = decoder.target, inputs.tokens
+        tables = run_rotary_tables(cfg, inputs.positions)  # (1|B, N, r/2) or None
+        calls = []
+        for chunk in decode_chunks(cfg, inputs):
+            span = slice(chunk.start, chunk.stop)
+            chunk_tables = None if tables is None else tuple(to_jax(t[:, span], dtype, target) for t in tables)
+            folded = _folded_for_cache(cfg, chunk.allowed, inputs.batch, chunk.stop - chunk.start, chunk.stop, slots)
+            allowed = to_jax(folded, None, target)
+            calls.append((to_jax(inputs.x[:, span], dtype, target), _index(chunk.start, target), chunk_tables, allowed))
+
+        def run():
+            k_cache, v_cache = decoder.empty_cache(inputs.batch, slots)  # a fresh cache per run
+            outputs = []
+            for x, index, chunk_tables, allowed in calls:
+                output, k_cache, v_cache = decoder(x, k_cache, v_cache, index, chunk_tables, allowed)
+                outputs.append(output)
+            info["compilations"] = decoder.compilations
+            return outputs
+
+        def compile_all() -> None:
+            k_cache, v_cache = decoder.empty_cache(inputs.batch, slots)
+            for x, index, chunk_tables, allowed in calls:
+                decoder.executable(x, k_cache, v_cache, index, chunk_tables, allowed)
+            info["compilations"] = decoder.compilations
+
+        itemsize = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
+        info = {
+            "cache": cache_info(cfg, inputs.batch, slots, itemsize, CACHE_LAYOUT),
+            "donated": "the cache, to every step (donate_argnums)",
+            **precision_info(device=device, dtype=dtype, matmul_precision=MATMUL_PRECISION),
+        }
+        return PreparedDecode(
+            run,
+            lambda outputs: np.concatenate([tensor_to_numpy(o) for o in outputs], axis=1),
+            synchronize=block_until_ready,
+            compile=compile_all,
+            info=info,
+        )
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
+        return prepare_decode_step(cfg, params, data, dtype, device)
+
+
+def prepare_decode_step(
+    cfg: MHAConfig, params: MHAParams, data: DecodeStepInputs, dtype: str, device: str, donate: bool = True
+) -> Prepared:
+    """One timed step of ``data`` (`common.decode_step_inputs`) on a cache of ``context + step`` slots: each call
+    donates the cache the last call returned and keeps the one it returns, writing the same slots every time (so
+    every call is the same step). ``donate=False`` only to show what donation saves (tests/test_best_paths.py);
+    `step_program` gives the same compiled step, for reading its HLO."""
+    decoder, args = step_program(cfg, params, data, dtype, device, donate)
+    x, _, _, index, tables, allowed = args
+    state = list(args[1:3])  # the caches, replaced by each call's
+
+    def forward():
+        output, state[0], state[1] = decoder(x, state[0], state[1], index, tables, allowed)
+        return output
+
+    itemsize = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
+    info = {
+        "cache": cache_info(cfg, data.x.shape[0], data.context + data.step, itemsize, CACHE_LAYOUT),
+        "context": data.context,
+        "step": data.step,
+        "donated": "the cache, to every call" if donate else "nothing: each call copies the cache",
+        **precision_info(device=device, dtype=dtype, matmul_precision=MATMUL_PRECISION),
+    }
+
+    def compile_step() -> None:
+        decoder.executable(*args)
+        info["compilations"] = decoder.compilations
+
+    return Prepared(
+        forward, tensor_to_numpy, lambda: output_stage(forward()), block_until_ready, compile=compile_step, info=info
+    )
+
+
+def step_program(
+    cfg: MHAConfig, params: MHAParams, data: DecodeStepInputs, dtype: str, device: str = "cpu", donate: bool = True
+) -> tuple[StaticDecoder, tuple]:
+    """The timed step's decoder and its arguments after the weights: (x, k_cache, v_cache, index, tables, allowed).
+
+    ``decoder.executable(*args).as_text()`` is the compiled step's HLO (what the fairness test reads).
+    """
+    decoder = StaticDecoder(cfg, params, dtype, device, donate)
+    batch, context, step = data.x.shape[0], data.context, data.step
+    target, slots, rows = decoder.target, context + step, batch * cfg.n_kv_heads
+    k_cache, v_cache = (np.zeros((rows, slots, width)) for width in (cfg.d_k, cfg.d_v))
+    k_cache[:, :context] = data.k.reshape(rows, context, cfg.d_k)  # (B, Hkv, context, Dk) -> (B*Hkv, context, Dk)
+    v_cache[:, :context] = data.v.reshape(rows, context, cfg.d_v)
+    tables = None if data.tables is None else tuple(to_jax(t, dtype, target) for t in data.tables)
+    allowed = to_jax(_folded_for_cache(cfg, data.allowed, batch, step, slots, slots), None, target)
+    args = (to_jax(data.x, dtype, target), to_jax(k_cache, dtype, target), to_jax(v_cache, dtype, target))
+    return decoder, (*args, _index(context, target), tables, allowed)

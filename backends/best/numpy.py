@@ -1,0 +1,349 @@
+"""``numpy-best``: NumPy as its best users write it, forward, backward (by hand) and a grouped-GEMM decode step.
+
+Row samples, ``x @ W + b`` with the weights stored ``(in, out)`` (transposed once, at prepare): a
+one-row product reads them 18% faster than ``x @ W.T`` on the canonical ``(out, in)`` weight
+(d_model 2048, float32, one core, CPU time: 0.65 against 0.79 ms a matrix). Measured, each choice
+below, on this machine (loaded: figures are CPU time, the best of several rounds):
+
+* The forward loops over (batch item, query head) and hands BLAS the head's column slices of the
+  projections, ``q[b, :, h*Dk:(h+1)*Dk]`` (rows strided by ``H*Dk``, which BLAS reads as its leading
+  dimension): no head transpose, no (B, H, N, N) score tensor, one (Nq, Nk) workspace reused by
+  every head, and the context written straight into its columns of the merged heads; the scale goes
+  on the queries, (Nq, H*Dk) numbers, not on every score. At B=4, N=512, D=512, H=8, float32: 80.9 ms
+  (80 GFLOP/s, the GEMM peak about 100) against 90.5 ms (71) for NumPy's batched pipeline
+  (DESIGN.md saw the same order: 96 against 77 GFLOP/s).
+* NumPy has no autodiff: the backward is written by hand (`forward_backward`), the same loop.
+* The decode step folds each group's query heads into the rows of one product per kv head,
+  ``(B, Hkv, G*s, Dk) @ (B, Hkv, Dk, T)``, so each kv head's keys and values are read once per step,
+  where a broadcast over the group reads them G times (16 GEMVs per step at 16 heads on 4 kv heads,
+  issue 43). The cache is static, allocated once, written by slice assignment and read up to the
+  write index, in blocks of `KV_BLOCK` slots; keys as columns ``(B, Hkv, Dk, C)`` and values as rows
+  ``(B, Hkv, C, Dv)``, the orientations OpenBLAS reads fastest here (keys as rows: 4.5 against 1.9 ms at
+  8k slots; values as rows or columns alike). A step at 16 heads on 4 of 128, d_model 2048: 2.39 /
+  5.32 / 13.59 ms at 1k / 8k / 32k tokens, against 2.53 / 5.74 / 19.56 for the numpy adapter. The
+  scores' product stays the slow part (about 9 GB/s of keys at 32k, where a read stream gets 26):
+  OpenBLAS's 4-row products with a 128-long contraction are no faster in any orientation or tiling
+  tried here, a NumPy limit to name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAInputs,
+    MHAParams,
+    allowed_positions,
+    apply_rotary,
+    numpy_dtype,
+    rotary_tables,
+)
+
+from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
+from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
+from ..base import Backend, Prepared, PreparedDecode, PreparedVJP
+from ..numpy.common import MaskArrays, softmax_inplace
+from .common import (
+    STATIC,
+    BestPath,
+    DecodeChunk,
+    cache_info,
+    decode_chunks,
+    decode_step_inputs,
+    folded_allowed,
+    output_stage,
+    run_rotary_tables,
+)
+
+CACHE_LAYOUT = "(B, Hkv, Dk, C), (B, Hkv, C, Dv)"
+DECODE_LAYOUTS = {
+    STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens (keys as columns, values as rows), written by slice "
+    "assignment and read up to the write index in blocks of 1024 slots; each group's query heads folded into the "
+    "rows of one product per kv head"
+}
+# The decode step reads the cache in blocks of this many slots. OpenBLAS packs each product's operands, and a
+# product over the whole cache packs a panel far larger than L2: measured here (one core, 4 kv heads of 128,
+# 4 query heads each, CPU time): keys at 32k slots 12.3 ms in one product, 7.2-7.5 ms in blocks of 1024 (12.2 in
+# blocks of 2048); values 7.8 ms as one product of columns, 3.0 ms as blocks of 1024 rows (28 GB/s at 8k).
+KV_BLOCK = 1024
+# The score stages the forward's loop fills one (item, head) at a time, with how.
+SCORE_STAGES = {
+    "scores": "np.matmul(q_h * scale, k_g.T) into one (Nq, Nk) workspace per (item, head)",
+    "masked_scores": "np.copyto(-inf, where=blocked) in place",
+    "weights": "softmax over the keys in place (numpy.common.softmax_inplace)",
+}
+
+
+class NumpyBestLayer:
+    """One layer's parameters in the run's dtype (float32 or float64), and its forward, backward and decode step."""
+
+    def __init__(self, cfg: MHAConfig, params: MHAParams, dtype: str) -> None:
+        self.cfg, self.dtype = cfg, numpy_dtype(dtype)
+        # The weights stored (in, out), transposed once here: x @ W reads them row by row.
+        self.p = {
+            name: None
+            if value is None
+            else np.ascontiguousarray(value.T if name.startswith("w_") else value, self.dtype)
+            for name, value in params.as_dict().items()
+        }
+
+    # -- the pieces every pass shares -------------------------------------------------------------
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """``x @ W + b``, W stored (in, out), for projection ``name`` (q, k, v, o): (..., in) -> (..., out), a new array."""
+        y = x @ self.p[f"w_{name}"]  # W.T, stored (in, out)
+        bias = self.p[f"b_{name}"]
+        if bias is not None:
+            y += bias
+        return y
+
+    def rotate(self, heads: np.ndarray, tables) -> np.ndarray:
+        """Rotary on heads (B, N, n, Dk) with tables (cos, sin) (1|B, N, 1, r/2); the heads themselves without rope."""
+        return heads if tables is None else apply_rotary(heads, *tables, self.cfg.rope)  # a new array
+
+    def tables(self, tables, head_axis: bool = True):
+        """(cos, sin) float64 (1|B, N, r/2) -> the run's dtype, with a head axis (1|B, N, 1, r/2); None stays."""
+        if tables is None:
+            return None
+        return tuple(np.asarray(t[..., None, :] if head_axis else t, dtype=self.dtype) for t in tables)
+
+    def heads(self, x_q, x_k, x_v, q_tables, k_tables):
+        """Projections (B, N, n*d), their heads (B, N, n, d), views, and the rotated q and k heads."""
+        cfg = self.cfg
+        q, k, v = self.linear(x_q, "q"), self.linear(x_k, "k"), self.linear(x_v, "v")  # (B, N, n*d)
+        q_heads = q.reshape(*q.shape[:2], cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk), a view
+        k_heads = k.reshape(*k.shape[:2], cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk), a view
+        v_heads = v.reshape(*v.shape[:2], cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv), a view
+        return (q, k, v), (q_heads, k_heads, v_heads), (self.rotate(q_heads, q_tables), self.rotate(k_heads, k_tables))
+
+    # -- the forward ----------------------------------------------------------------------------------
+    def forward(self, x_q, x_k, x_v, q_tables, k_tables, mask: MaskArrays | None, rec: StageRecorder | None = None):
+        """(B, Nq, D): one BLAS product per (batch item, head) on the heads' column slices.
+
+        ``mask``: the blocked positions (1|B, 1|H, Nq, Nk) and empty rows, or None.
+        """
+        projections, heads, (q_rotated, k_rotated) = self.heads(x_q, x_k, x_v, q_tables, k_tables)
+        B, Nq, H, _ = q_rotated.shape
+        shape = (B, H, Nq, k_rotated.shape[1])
+        dump = None if rec is None else {name: np.empty(shape, self.dtype) for name in SCORE_STAGES}
+        context = self._attend(q_rotated, k_rotated, heads[2], mask, dump)  # (B, Nq, H, Dv)
+        merged = context.reshape(B, Nq, -1)  # (B, Nq, H*Dv), a view
+        output = self.linear(merged, "o")  # (B, Nq, D)
+        if rec is not None and dump is not None:
+            record_projections(rec, projections, ROW_SAMPLE_PROJECTION_AXES, "x @ W + b, W stored (in, out)")
+            axes = TOKENS_FIRST_STAGE_AXES
+            record_split_heads(rec, projections, heads, axes, "reshape(B, N, n, d): head h owns columns h*d:(h+1)*d")
+            record_rotated(rec, heads[:2], (q_rotated, k_rotated), axes, "core.apply_rotary on (B, N, n, d)")
+            for name, note in SCORE_STAGES.items():
+                rec.record(name, dump[name], axes[name], note)
+            rec.record("context", context, axes["context"], "np.matmul(weights, v_g, out=its columns of merged)")
+            rec.record("merged", merged, axes["merged"], "reshape(B, Nq, H*Dv) of the context", "view", "context")
+            rec.record("output", output, axes["output"], "merged @ W_o + b_o, W_o stored (in, out)")
+        return output
+
+    def _attend(self, q_rotated, k_rotated, v_heads, mask: MaskArrays | None, dump: dict | None = None):
+        """Every (batch item, head): scores into one workspace, mask, softmax, context into its columns (B, Nq, H, Dv).
+
+        ``dump``: arrays (B, H, Nq, Nk) by the names of `SCORE_STAGES` to copy those stages into (untimed
+        passes: the stage dump, the backward's weights), or None.
+        """
+        cfg = self.cfg
+        B, Nq, H, _ = q_rotated.shape
+        Nk = k_rotated.shape[1]
+        q_scaled = q_rotated * self.dtype.type(cfg.scale)  # (B, Nq, H, Dk): the scale on Nq*H*Dk numbers
+        context = np.empty((B, Nq, H, cfg.d_v), dtype=self.dtype)  # every head's columns, side by side
+        scores = np.empty((Nq, Nk), dtype=self.dtype)  # one workspace for every (item, head)
+        dump = dump or {}
+
+        def keep(name: str, b: int, h: int) -> None:
+            if name in dump:
+                dump[name][b, h] = scores
+
+        for h in range(H):
+            g = cfg.kv_head_of(h)
+            head_mask = None if mask is None else mask.for_head(h)
+            for b in range(B):
+                np.matmul(q_scaled[b, :, h], k_rotated[b, :, g].T, out=scores)  # (Nq, Nk)
+                keep("scores", b, h)
+                empty = None
+                if head_mask is not None:
+                    np.copyto(scores, -np.inf, where=_item(head_mask.blocked, b))
+                    empty = None if head_mask.empty_rows is None else _item(head_mask.empty_rows, b)
+                keep("masked_scores", b, h)
+                softmax_inplace(scores, empty)
+                keep("weights", b, h)
+                np.matmul(scores, v_heads[b, :, g], out=context[b, :, h])  # (Nq, Dv), into its columns
+        return context
+
+    # -- the backward, by hand ------------------------------------------------------------------------
+    def forward_backward(self, x_q, x_k, x_v, q_tables, k_tables, mask: MaskArrays | None, d_output) -> dict:
+        """The gradients of ``<d_output, forward(...)>`` (the formulas of `core.grad`), the forward's loop again.
+
+        Returns ``d_x_q``, ``d_x_k``, ``d_x_v`` (B, N, F) and the parameters' gradients in the canonical
+        ``(out, in)`` layout (biases only where the layer has them).
+        """
+        cfg = self.cfg
+        _, (_, _, v_heads), (q_rotated, k_rotated) = self.heads(x_q, x_k, x_v, q_tables, k_tables)
+        B, Nq, H, _ = q_rotated.shape
+        Nk = k_rotated.shape[1]
+        weights = np.empty((B, H, Nq, Nk), dtype=self.dtype)  # kept for the backward
+        context = self._attend(q_rotated, k_rotated, v_heads, mask, {"weights": weights})  # (B, Nq, H, Dv)
+        merged = context.reshape(B, Nq, -1)  # (B, Nq, H*Dv)
+        grads = {"w_o": _weight_grad(d_output, merged)}
+        d_context = (d_output @ self.p["w_o"].T).reshape(B, Nq, H, cfg.d_v)  # (B, Nq, H, Dv)
+        d_q = np.empty_like(q_rotated)  # (B, Nq, H, Dk)
+        d_k = np.zeros_like(k_rotated)  # (B, Nk, Hkv, Dk): the group's query heads add up
+        d_v = np.zeros_like(v_heads)  # (B, Nk, Hkv, Dv)
+        d_scores = np.empty((Nq, Nk), dtype=self.dtype)
+        for h in range(H):
+            g = cfg.kv_head_of(h)
+            for b in range(B):
+                a, d_c = weights[b, h], d_context[b, :, h]  # (Nq, Nk), (Nq, Dv)
+                np.matmul(d_c, v_heads[b, :, g].T, out=d_scores)  # d_weights
+                d_v[b, :, g] += a.T @ d_c
+                d_scores -= np.sum(d_scores * a, axis=-1, keepdims=True)  # softmax backward: A * (dA - rowsum)
+                d_scores *= a
+                d_scores *= cfg.scale
+                np.matmul(d_scores, k_rotated[b, :, g], out=d_q[b, :, h])
+                d_k[b, :, g] += d_scores.T @ q_rotated[b, :, h]
+        if q_tables is not None:  # a rotation's transpose: the same tables with sin negated
+            d_q = apply_rotary(d_q, q_tables[0], -q_tables[1], cfg.rope)
+            d_k = apply_rotary(d_k, k_tables[0], -k_tables[1], cfg.rope)
+        for name, d, x in (("q", d_q, x_q), ("k", d_k, x_k), ("v", d_v, x_v)):
+            d = d.reshape(B, d.shape[1], -1)  # (B, N, n*d)
+            grads[f"d_x_{name}"] = d @ self.p[f"w_{name}"].T  # (B, N, in): the canonical (out, in) weight
+            grads[f"w_{name}"] = _weight_grad(d, x)
+            if self.p[f"b_{name}"] is not None:
+                grads[f"b_{name}"] = d.sum(axis=(0, 1))
+        if self.p["b_o"] is not None:
+            grads["b_o"] = d_output.sum(axis=(0, 1))
+        return grads
+
+    # -- the decode step ------------------------------------------------------------------------------
+    def decode_step(self, cache: NumpyStaticCache, x, start: int, tables, folded: MaskArrays | None):
+        """Tokens ``x`` (B, s, D) written to slots ``start .. start+s-1``, then attending over slots ``0 ..
+        start+s-1``: (B, s, D). ``tables`` (cos, sin) (1|B, s, 1, r/2) or None; ``folded``: the mask of
+        the folded query rows (B, 1, G*s, T) (`common.folded_allowed`), or None when every slot is seen."""
+        cfg = self.cfg
+        B, s = x.shape[:2]
+        Hkv, G = cfg.n_kv_heads, cfg.group_size
+        _, (_, _, v_heads), (q_rotated, k_rotated) = self.heads(x, x, x, tables, tables)
+        stop = start + s
+        cache.k[..., start:stop] = k_rotated.transpose(0, 2, 3, 1)  # (B, Hkv, Dk, s): keys as columns, in place
+        cache.v[:, :, start:stop] = v_heads.transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv): values as rows
+        q = (q_rotated * self.dtype.type(cfg.scale)).reshape(B, s, Hkv, G, cfg.d_k)  # (B, s, Hkv, G, Dk)
+        q = q.transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * s, cfg.d_k)  # (B, Hkv, G*s, Dk): a copy of s*H*Dk numbers
+        blocks = [slice(t, min(t + KV_BLOCK, stop)) for t in range(0, stop, KV_BLOCK)]
+        scores = np.empty((B, Hkv, G * s, stop), dtype=self.dtype)  # (B, Hkv, G*s, T)
+        for block in blocks:  # one GEMM per kv head and block of slots: each key read once
+            np.matmul(q, cache.k[..., block], out=scores[..., block])
+        empty = None
+        if folded is not None:
+            np.copyto(scores, -np.inf, where=folded.blocked)
+            empty = folded.empty_rows
+        softmax_inplace(scores, empty)
+        context = np.zeros((B, Hkv, G * s, cfg.d_v), dtype=self.dtype)  # (B, Hkv, G*s, Dv)
+        for block in blocks:  # each value read once
+            context += np.matmul(scores[..., block], cache.v[:, :, block])
+        merged = context.reshape(B, Hkv, G, s, cfg.d_v).transpose(0, 3, 1, 2, 4).reshape(B, s, -1)  # (B, s, H*Dv)
+        return self.linear(merged, "o")  # (B, s, D)
+
+
+def _item(array: np.ndarray, b: int) -> np.ndarray:
+    """Batch item ``b`` of a (1|B, ...) array."""
+    return array[b if array.shape[0] > 1 else 0]
+
+
+def _weight_grad(d_y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``y = x @ W.T``: dW (out, in) = dY^T X over every token of every item."""
+    return d_y.reshape(-1, d_y.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+class NumpyStaticCache:
+    """K as columns (B, Hkv, Dk, C) and V as rows (B, Hkv, C, Dv), allocated once; slots are written in place."""
+
+    def __init__(self, cfg: MHAConfig, batch: int, slots: int, dtype: np.dtype) -> None:
+        self.k = np.zeros((batch, cfg.n_kv_heads, cfg.d_k, slots), dtype=dtype)  # (B, Hkv, Dk, C): keys as columns
+        self.v = np.zeros((batch, cfg.n_kv_heads, slots, cfg.d_v), dtype=dtype)  # (B, Hkv, C, Dv): values as rows
+
+    def info(self, cfg: MHAConfig) -> dict:
+        return cache_info(cfg, self.k.shape[0], self.k.shape[3], self.k.itemsize, CACHE_LAYOUT)
+
+
+def folded_mask(chunk_allowed: np.ndarray | None, group: int) -> MaskArrays | None:
+    return None if chunk_allowed is None else MaskArrays.from_allowed(folded_allowed(chunk_allowed, group))
+
+
+def _forward_inputs(layer: NumpyBestLayer, cfg: MHAConfig, inputs: MHAInputs) -> tuple:
+    """(x_q, x_k, x_v, q_tables, k_tables, mask) in the run's dtype: what `forward` and the backward take."""
+    cast = {id(a): np.ascontiguousarray(a, dtype=layer.dtype) for a in (inputs.query, inputs.key, inputs.value)}
+    x_q, x_k, x_v = (cast[id(a)] for a in (inputs.query, inputs.key, inputs.value))  # one array per distinct input
+    tables = rotary_tables(cfg, inputs)
+    q_tables = None if tables is None else layer.tables((tables.q_cos, tables.q_sin))
+    k_tables = None if tables is None else layer.tables((tables.k_cos, tables.k_sin))
+    mask = MaskArrays.from_allowed(allowed_positions(cfg, inputs))  # (1|B, 1|H, Nq, Nk) blocked, empty rows
+    return x_q, x_k, x_v, q_tables, k_tables, mask
+
+
+class NumpyBestBackend(BestPath, Backend):
+    name = "numpy-best"
+    convention = (
+        "NumPy at its best: x @ W on row samples (W stored (in, out)), one BLAS product per (item, head) on the "
+        "heads' column slices; a hand-written backward; decoding a static cache with each group's query heads folded "
+        "into one GEMM per kv head"
+    )
+    decode_layouts = DECODE_LAYOUTS
+
+    def _prepare(self, cfg, params, inputs, dtype, device, strategy) -> Prepared:
+        layer = NumpyBestLayer(cfg, params, dtype)
+        args = _forward_inputs(layer, cfg, inputs)
+
+        def run(rec: StageRecorder | None):
+            return layer.forward(*args, rec)
+
+        info = {"layout": "row samples (B, tokens, features)", "loop": "(batch item, head) on column slices"}
+        return Prepared(lambda: run(None), np.asarray, lambda: record_stages(run), info=info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy) -> PreparedVJP:
+        layer = NumpyBestLayer(cfg, params, dtype)
+        x_q, x_k, x_v, q_tables, k_tables, mask = _forward_inputs(layer, cfg, inputs)
+        d_output = np.ascontiguousarray(cotangent, dtype=layer.dtype)  # (B, Nq, D)
+
+        def run():
+            return layer.forward_backward(x_q, x_k, x_v, q_tables, k_tables, mask, d_output)
+
+        info = {"backward": "by hand (NumPy has no autodiff): the forward's loop over (item, head), then back"}
+        return PreparedVJP(run, lambda grads: {name: np.asarray(g) for name, g in grads.items()}, info=info)
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
+        layer = NumpyBestLayer(cfg, params, dtype)
+        x = np.ascontiguousarray(inputs.x, dtype=layer.dtype)  # (B, N, D)
+        tables = layer.tables(run_rotary_tables(cfg, inputs.positions))  # (1|B, N, 1, r/2) or None
+        chunks = decode_chunks(cfg, inputs)
+        masks = [folded_mask(chunk.allowed, cfg.group_size) for chunk in chunks]
+        info = {"cache": cache_info(cfg, inputs.batch, inputs.tokens, layer.dtype.itemsize, CACHE_LAYOUT)}
+
+        def call(kv: NumpyStaticCache, chunk: DecodeChunk, mask):
+            chunk_tables = None if tables is None else tuple(t[:, chunk.start : chunk.stop] for t in tables)
+            return layer.decode_step(kv, x[:, chunk.start : chunk.stop], chunk.start, chunk_tables, mask)
+
+        def run():
+            kv = NumpyStaticCache(cfg, inputs.batch, inputs.tokens, layer.dtype)  # a fresh cache per run
+            return [call(kv, chunk, mask) for chunk, mask in zip(chunks, masks, strict=True)]
+
+        return PreparedDecode(run, lambda outputs: np.concatenate(outputs, axis=1), info=info)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        layer = NumpyBestLayer(cfg, params, dtype)
+        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
+        kv = NumpyStaticCache(cfg, batch, context + step, layer.dtype)
+        kv.k[..., :context], kv.v[:, :, :context] = data.k.swapaxes(-1, -2), data.v  # keys as columns
+        x = np.ascontiguousarray(data.x, dtype=layer.dtype)  # (B, s, D)
+        tables = layer.tables(data.tables)
+        mask = folded_mask(data.allowed, cfg.group_size)
+
+        def forward():  # every call writes the same slots: each timed call is the same step
+            return layer.decode_step(kv, x, context, tables, mask)
+
+        info = {"cache": kv.info(cfg), "context": context, "step": step}
+        return Prepared(forward, np.asarray, lambda: output_stage(forward()), info=info)

@@ -1,0 +1,208 @@
+"""The decode limit that counts every byte: what a step reads, how fast one core reads, where the cache ends.
+
+A decode step does almost no arithmetic per byte, so its limit is the time to read what it must
+read. Issue 43 found three faults in the first limit (`bandwidth`), and this module is the
+corrected one (NumPy and the standard library only; not wired into ``bench`` yet):
+
+* **The bytes** (`step_bytes`): K and V of every slot the step attends (the context and the step's
+  own tokens, at most a window's ring), *and* every parameter of the layer (the four projections,
+  91% of a step's bytes at 1k tokens and 24% at 32k for the decode preset's Llama-3-like layer),
+  biases and the variants' small parameters included. The first limit counted K and V only.
+* **The bandwidth** (`read_bandwidth`): a read stream, ``np.sum`` over a float64 array, the way a
+  step reads its cache and weights, timed in this process (pin it first: the limit is the pinned
+  cores'). The first limit used STREAM's copy counted as twice the bytes (25.1 GB/s here), while a
+  read stream on one core gets 15.3-17.8 GB/s (issue 43; 16.6 GB/s for ``np.sum`` over 256 MiB
+  here, a loaded machine).
+* **The cache** (`measure_llc`): read bandwidth against array size, and the largest size that
+  still reads clearly faster than memory. Linux's sysfs reports a 480 MiB last-level cache here
+  while reads slow down above 48-128 MiB (one sweep here, one pinned core, a loaded machine:
+  44-48 GB/s up to 16 MiB, 34-35 at 32-64 MiB, 16.4-16.9 at 128-256 MiB: the cache ends at
+  64 MiB), so the size is measured, never read from sysfs; the bandwidth is then measured over
+  arrays larger than it (`measure_read_limit`), and each cell's working set can be reported
+  against it (`fits_in_cache`).
+
+The arithmetic is separate from the clock and the reader, so that tests check it on hand-computed
+bytes and a fake clock; nothing here asserts a measured speed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mha_rosetta.core import MHAConfig, expected_param_shapes, numpy_dtype
+from mha_rosetta.core.decode import cache_capacity
+
+from .bandwidth import limit_seconds
+
+MiB = 2**20
+# The sweep of `measure_llc`: 1 MiB to 512 MiB by doubling (the largest well past any server's last-level cache
+# a core can use, and 4x the 128 MiB above which reads here run at memory speed).
+LLC_SWEEP = tuple(MiB << n for n in range(10))
+# A size is "in cache" while it reads at least this much faster than memory: the median of the sweep's
+# `MEMORY_TAIL` largest sizes (128 to 512 MiB by default, all past the cache, so one noisy figure moves nothing).
+CACHE_SPEEDUP = 1.25
+MEMORY_TAIL = 3
+# The bandwidth is measured over arrays at least this many times the measured last-level cache.
+LLC_FACTOR = 4
+READ_KERNEL = "np.sum over a float64 array (one read stream, no writes)"
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """The bytes one decode step reads: ``kv`` (K and V of every slot it attends), ``weights`` (w_q, w_k, w_v,
+    w_o) and ``other`` (biases, QK-norm weights, sinks, T5's table: every other parameter)."""
+
+    kv: int
+    weights: int
+    other: int
+
+    @property
+    def parameters(self) -> int:
+        return self.weights + self.other
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.weights + self.other
+
+
+def step_bytes(cfg: MHAConfig, context: int, dtype: str, *, batch: int = 1, step: int = 1) -> StepBytes:
+    """What a step of ``step`` tokens over ``context`` cached ones reads, in ``dtype``.
+
+    K and V: ``batch x slots x Hkv x (Dk + Dv) x itemsize`` with ``slots`` the context and the step's
+    tokens (at most the window's ring, `core.decode.cache_capacity`); the parameters once each (their
+    shapes from `core.expected_param_shapes`), whatever the batch.
+    """
+    for name, value, low in (("context", context, 0), ("batch", batch, 1), ("step", step, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    itemsize = numpy_dtype(dtype).itemsize
+    slots = cache_capacity(cfg, context + step, step)
+    kv = batch * slots * cfg.n_kv_heads * (cfg.d_k + cfg.d_v) * itemsize
+    sizes = {name: math.prod(shape) for name, shape in expected_param_shapes(cfg).items() if shape is not None}
+    weights = sum(size for name, size in sizes.items() if name.startswith("w_"))
+    return StepBytes(kv, weights * itemsize, (sum(sizes.values()) - weights) * itemsize)
+
+
+def decode_limit_s(nbytes: int | StepBytes, read_gbps: float | None) -> float | None:
+    """The time to read ``nbytes`` (or a `StepBytes`' total) at ``read_gbps`` (1e9 bytes per second): the step's
+    limit; None without a bandwidth."""
+    return limit_seconds(nbytes.total if isinstance(nbytes, StepBytes) else nbytes, read_gbps)
+
+
+def fits_in_cache(nbytes: int | StepBytes, llc_bytes: int | None) -> bool | None:
+    """Whether a working set of ``nbytes`` fits the measured last-level cache (a timed loop over the same step
+    may then read it from the cache, faster than the memory the limit assumes); None when the size is unknown."""
+    if llc_bytes is None:
+        return None
+    return (nbytes.total if isinstance(nbytes, StepBytes) else nbytes) <= llc_bytes
+
+
+def _sum(array) -> None:
+    array.sum()
+
+
+def read_bandwidth(
+    array_bytes: int,
+    *,
+    repeats: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+    read: Callable[[object], object] = _sum,
+) -> dict:
+    """The read stream's bandwidth over a float64 array of ``array_bytes`` (rounded down to whole elements).
+
+    The array is written before timing (its pages faulted in), read once untimed, then ``repeats`` times
+    between two readings of ``clock``. Returns ``{"gbps"`` (the median's, 1e9 bytes per second), ``"best_gbps"``,
+    ``"median_s"``, ``"samples_s"``, ``"array_bytes"``, ``"kernel"}``.
+    """
+    import numpy as np
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    elements = array_bytes // 8
+    if elements < 1:
+        raise ValueError(f"array_bytes must hold at least one float64 (8 bytes), got {array_bytes!r}")
+    array = np.ones(elements)  # written: every page faulted in before the timing
+    read(array)  # warm: the first pass may still fault or fill TLBs
+    samples = []
+    for _ in range(repeats):
+        start = clock()
+        read(array)
+        samples.append(clock() - start)
+    nbytes = elements * 8
+    median = statistics.median(samples)
+    return {
+        "gbps": nbytes / median / 1e9 if median > 0 else None,
+        "best_gbps": nbytes / min(samples) / 1e9 if min(samples) > 0 else None,
+        "median_s": median,
+        "samples_s": samples,
+        "array_bytes": nbytes,
+        "kernel": READ_KERNEL,
+    }
+
+
+def measure_llc(
+    sizes: Sequence[int] = LLC_SWEEP,
+    *,
+    bandwidth: Callable[[int], float] | None = None,
+    speedup: float = CACHE_SPEEDUP,
+    tail: int = MEMORY_TAIL,
+) -> dict:
+    """The last-level cache's size as reads see it, from read bandwidth against array size (``sizes``, bytes).
+
+    Memory speed is the median bandwidth of the ``tail`` largest sizes (at most all but the smallest). Going up
+    the sizes, the cache ends before the first size that reads less than ``speedup`` x memory speed: the size
+    before it is the cache's (None when the smallest already reads at memory speed). ``bandwidth(size) -> GB/s``,
+    default `read_bandwidth`'s median. Returns ``{"llc_bytes", "memory_gbps", "curve": [[size, gbps], ...],
+    "settled", "rule"}``; ``settled`` is False when the tail's figures spread by more than 25% of memory speed
+    (a noisy machine, or a sweep that does not reach memory speed).
+    """
+    sizes = sorted(set(sizes))
+    if len(sizes) < 2:
+        raise ValueError(f"sizes must hold at least two array sizes to compare, got {sizes!r}")
+    if bandwidth is None:
+
+        def bandwidth(size: int) -> float:
+            return read_bandwidth(size)["gbps"]
+
+    curve = [(size, bandwidth(size)) for size in sizes]
+    memory_tail = [gbps for _, gbps in curve[-min(tail, len(curve) - 1) :]]
+    memory = statistics.median(memory_tail)
+    first_slow = next(
+        index for index, (_, gbps) in enumerate(curve) if gbps < speedup * memory or index == len(curve) - 1
+    )
+    return {
+        "llc_bytes": curve[first_slow - 1][0] if first_slow else None,
+        "memory_gbps": memory,
+        "curve": [list(point) for point in curve],
+        "settled": max(memory_tail) - min(memory_tail) <= 0.25 * memory,
+        "rule": f"the largest array before the first read under {speedup:g}x memory speed (the median of the "
+        f"{len(memory_tail)} largest of the sweep), {READ_KERNEL}",
+    }
+
+
+def limit_array_bytes(llc_bytes: int | None, factor: int = LLC_FACTOR, floor: int = LLC_SWEEP[-1]) -> int:
+    """The array the bandwidth is measured over: ``factor`` x the measured cache, and at least ``floor``."""
+    return max(floor, factor * llc_bytes) if llc_bytes else floor
+
+
+def measure_read_limit(
+    cpus: list[int] | None = None,
+    *,
+    sizes: Sequence[int] = LLC_SWEEP,
+    repeats: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
+    """The machine's side of the decode limit, in one run on the pinned ``cpus`` (None: as this process is):
+    the last-level cache measured (`measure_llc`), then the read bandwidth over an array `LLC_FACTOR` x larger
+    and no smaller than the sweep's largest (`limit_array_bytes`). Returns ``{"read_gbps", "read", "llc", "cpus"}``; divide a step's `step_bytes` by
+    ``read_gbps`` (`decode_limit_s`)."""
+    from .pinning import pin_current_process
+
+    pinned = pin_current_process(cpus)
+    llc = measure_llc(sizes, bandwidth=lambda size: read_bandwidth(size, repeats=repeats, clock=clock)["gbps"])
+    read = read_bandwidth(limit_array_bytes(llc["llc_bytes"], floor=max(sizes)), repeats=repeats, clock=clock)
+    return {"read_gbps": read["gbps"], "read": read, "llc": llc, "cpus": pinned}

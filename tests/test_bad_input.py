@@ -414,6 +414,11 @@ def test_every_implementation_gives_the_documented_value(case, backend_name):
         pytest.skip(backend.unsupported_reason(case.cfg, case.dtype, "cpu", "standard"))
     expected = reference_mha(case.cfg, params, case.query, case.key, case.value, case.mask)
     actual = backend.run(case.cfg, params, case.query, case.key, case.value, case.mask, dtype=case.dtype)
+    if case.id == "nan-in-one-query-token" and any("NaN in one query token" in d for d in backend.known_differences):
+        # A declared difference (torch-best: CPU SDPA's fused kernel zeroes a NaN query's row), held to what
+        # it declares: that token's output is the output bias, the others follow the spec.
+        np.testing.assert_allclose(actual[0, 2], params.b_o, rtol=0, atol=1e-5)
+        expected[0, 2] = actual[0, 2]
     # NaN positions must match exactly (compare treats NaN as equal only to NaN).
     result = compare(actual, expected, case.dtype, rtol=5e-2 if case.dtype == "float16" else None)
     assert result.ok, f"{backend_name} on {case.id}: {result.summary()}"

@@ -44,6 +44,8 @@ from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs
 from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
 from .._chunking import CHUNKED_HIDDEN_STAGES, key_block_end, resolve_chunk
+from ..frameworks.ops import masked_scores
+from ..frameworks.ops_jax import TRACED_OPS
 
 # Every variant is carried through the online softmax (the module docstring says how).
 CHUNKED_VARIANTS = frozenset(VARIANTS)
@@ -107,16 +109,16 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
             keys = lax.dynamic_slice_in_dim(k, k_start, k_block)  # (kb, Dk)
             values = lax.dynamic_slice_in_dim(v, k_start, k_block)  # (kb, Dv)
             tile = queries @ keys.T  # (qb, kb): the one score tile of this head
-            if cfg.softcap is not None:
-                tile = cfg.softcap * jnp.tanh(tile / cfg.softcap)
             if q_pos is not None:
                 k_pos = lax.dynamic_slice_in_dim(item["k_pos"], k_start, k_block)  # (kb,)
                 distance = k_pos[None, :] - q_pos[:, None]  # (qb, kb): p_j - p_i
+            bias = None
             if cfg.alibi:
-                tile = tile + head["slope"].astype(compute) * distance.astype(compute)
+                bias = head["slope"].astype(compute) * distance.astype(compute)
             if cfg.rel_buckets is not None:
                 bucket = lax.dynamic_slice(item["bucket"], (q_start, k_start), (q_block, k_block))  # (qb, kb)
-                tile = tile + head["rel"].astype(compute)[bucket]
+                rel = head["rel"].astype(compute)[bucket]
+                bias = rel if bias is None else bias + rel
             k_idx = k_start + jnp.arange(k_block)  # (kb,)
             ok = jnp.broadcast_to(k_idx[None, :] < n_k, tile.shape)  # padding keys are never attended to
             if cfg.causal:  # on the positions (core.inputs.causal_allowed): p_j <= p_i
@@ -127,7 +129,7 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
                 starts = [start if n > 1 else 0 for start, n in zip((q_start, k_start), allowed.shape, strict=True)]
                 sizes = [block if n > 1 else 1 for block, n in zip((q_block, k_block), allowed.shape, strict=True)]
                 ok = ok & lax.dynamic_slice(allowed, starts, sizes)
-            tile = jnp.where(ok, tile, -jnp.inf)
+            tile = masked_scores(TRACED_OPS, cfg, tile, bias=bias, blocked=~ok)  # the compute dtype throughout
             new_peak = jnp.maximum(peak, tile.max(axis=-1, keepdims=True))
             # Nothing allowed yet: peak stays -inf and the shift is 0, so exp(-inf) = 0, never NaN.
             shift = jnp.where(jnp.isneginf(new_peak), 0.0, new_peak)

@@ -17,7 +17,8 @@ import numpy as np
 
 from .._chunking import plan_tiles, resolve_chunk, tile_allowed, tile_distances
 from .._recording import StageRecorder, relation_to
-from .common import softcap_inplace
+from ..frameworks.ops import masked_scores
+from ..frameworks.ops_numpy import NumpyOps
 from .layer import ColumnSampleMHA, _split_reshape
 
 
@@ -79,6 +80,7 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         sinks = self.variants.sinks  # (1, H, 1, 1) or None
         sinks = None if sinks is None else sinks.reshape(1, Hkv, G, 1, 1)  # a view, one logit per query head
         context = np.empty((B, Hkv, G, Dv, Nq), dtype=P.storage)  # linear in the tokens
+        tile_ops = NumpyOps(P.compute.name, keys_axis=-2)  # the score steps on the tiles, never rounded to storage
         for (q_start, q_end), key_blocks in self.plan.blocks:
             queries = P.operand(q_groups[..., q_start:q_end]) * cfg.scale  # (B, Hkv, G, Dk, qb), a copy
             n_q = q_end - q_start
@@ -96,13 +98,9 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
                     continue  # nothing in this tile may be attended to: it changes no sum
                 self.tiles_visited += 1
                 tile = np.matmul(P.operand(keys_t[..., k_start:k_end, :]), queries)  # (B, Hkv, G, kb, qb)
-                if cfg.softcap is not None:
-                    softcap_inplace(tile, cfg.softcap)
                 bias = self._tile_bias((q_start, q_end), (k_start, k_end))
-                if bias is not None:
-                    tile += bias  # after the softcap, before the mask: the pipeline's order
-                if allowed is not None:
-                    np.copyto(tile, -np.inf, where=~allowed)
+                blocked = None if allowed is None else ~allowed
+                tile = masked_scores(tile_ops, cfg, tile, bias=bias, blocked=blocked)  # in place, the compute dtype
                 new_peak = np.maximum(peak, tile.max(axis=-2, keepdims=True))  # (B, Hkv, G, 1, qb)
                 # A query with nothing allowed yet keeps peak -inf; shifting by 0 leaves its
                 # exp(-inf) = 0 instead of -inf - (-inf) = NaN.

@@ -25,9 +25,9 @@ from mha_rosetta.core.variants import window_allowed
 
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder
+from ..frameworks.ops import masked_scores
 from .common import bool_tensor
 from .layer import RowSampleMHA
-from .variants import add_bias, softcap
 
 HALF = ("float16", "bfloat16")
 
@@ -97,12 +97,10 @@ class ChunkedRowSampleMHA(RowSampleMHA):
                 n_k = k_end - k_start
                 tile = torch.bmm(queries, keys[:, k_start:k_end].transpose(1, 2))  # (B*Hkv, G*qb, kb)
                 tile = tile.view(B, H, n_q, n_k)  # (B, H, qb, kb), view
-                if self.cfg.softcap is not None:
-                    tile = softcap(tile, self.cfg.softcap)  # in place
-                if self.score_bias is not None:  # (1|B, H, qb, kb) from the tile's positions
-                    tile = add_bias(tile, self.score_bias(self.rel_bias, (q_start, q_end), (k_start, k_end)))
-                if blocked is not None:
-                    tile.masked_fill_(blocked, float("-inf"))
+                bias = None  # (1|B, H, qb, kb) from the tile's positions
+                if self.score_bias is not None:
+                    bias = self.score_bias(self.rel_bias, (q_start, q_end), (k_start, k_end))
+                tile = masked_scores(self.ops, self.cfg, tile, bias=bias, blocked=blocked)  # in place
                 new_peak = torch.maximum(peak, tile.amax(dim=-1, keepdim=True))  # (B, H, qb, 1)
                 # Nothing allowed yet: peak stays -inf and the shift is 0, so exp(-inf) = 0, never NaN.
                 shift = torch.where(torch.isneginf(new_peak), 0.0, new_peak)

@@ -17,7 +17,7 @@ from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 from .._layouts import XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from ..base import StageTensor
-from ..frameworks.ops import OPS_BY_LIBRARY, score_steps
+from ..frameworks.ops import OPS_BY_LIBRARY, STEP_HOW, score_steps
 from .plans import (
     MERGED_PROJECTIONS,
     OUTPUT,
@@ -263,8 +263,8 @@ _STAGE_ORIGINS = {
     "k_heads": "the projection einsum writes the heads directly",
     "v_heads": "the projection einsum writes the heads directly",
     "scores": "einsum output spec puts heads before tokens",
-    "capped_scores": "softcap * tanh(s / softcap)",
-    "biased_scores": "plus ALiBi / the gathered relative bias",
+    "capped_scores": STEP_HOW["capped_scores"],
+    "biased_scores": STEP_HOW["biased_scores"] + ", the relative bias gathered by bucket",
     "masked_scores": "blocked positions filled with -inf",
     "weights": "softmax of the masked scores",
     "context": "einsum output spec keeps tokens first",

@@ -20,6 +20,7 @@ The ops interface (each method takes and returns the library's arrays):
 * ``softmax(scores, empty_rows, sinks=None, out=None)``: over the key axis, rows with no allowed key
   (``empty_rows``, the mask with its key axis reduced to 1, or None) all zeros, each head's sink
   logit (broadcastable against the scores with a key axis of 1) in every denominator;
+* ``full(shape, value, dtype, like=None)`` and ``broadcast(array, shape, dtype)``: new arrays (`online_start`);
 * ``in_blocks(steps, scores, **parts)`` (optional): run ``steps`` on blocks of the scores (NumPy's
   cache-sized blocks); without it, on the whole;
 * ``softmax_backward(weights, d_weights, sinks)`` and ``softcap_backward(d_capped, scores, cap)``:
@@ -47,13 +48,15 @@ OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
 class ScoreStep:
     """One step of the score pipeline: the stage it makes and how, on an ops object.
 
-    ``forward(ops, cfg, scores, parts)`` -> the stage (``parts``: the caller's ``bias``, ``blocked``);
+    ``how``: the step in words, for the stage notes every adapter records (each adds its own layout
+    and whether it wrote in place). ``forward(ops, cfg, scores, parts)`` -> the stage (``parts``: the caller's ``bias``, ``blocked``);
     ``backward(ops, cfg, d_stage, step_input)`` -> the gradient of its input (None: the identity, an
     addition or a mask, whose blocked cells the softmax's backward already gave zero); ``saves_input``:
     the backward reads the step's input (kept by `score_steps` when asked to save).
     """
 
     stage: str
+    how: str
     forward: Callable
     backward: Callable | None = None
     saves_input: bool = False
@@ -72,6 +75,7 @@ SCORE_STEPS: tuple[tuple[tuple[str, ...], ScoreStep], ...] = (
         ("softcap",),
         ScoreStep(
             "capped_scores",
+            "c * tanh(s / c)",
             forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
             backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
             saves_input=True,
@@ -79,18 +83,25 @@ SCORE_STEPS: tuple[tuple[tuple[str, ...], ScoreStep], ...] = (
     ),
     (
         ("alibi", "rel_bias"),  # one bias, both tables summed in the scores' layout by the caller
-        ScoreStep("biased_scores", forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"])),
+        ScoreStep(
+            "biased_scores",
+            "+ ALiBi's m_h (p_j - p_i) / T5's rel_bias[bucket(p_j - p_i), h]",
+            forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"]),
+        ),
     ),
     (
         ("causal", "window", "mask"),  # the positional mask: always a stage, the last score itself without one
         ScoreStep(
             "masked_scores",
+            "blocked positions set to -inf",
             forward=lambda ops, cfg, scores, parts: (
                 scores if parts["blocked"] is None else ops.mask(scores, parts["blocked"])
             ),
         ),
     ),
 )
+
+STEP_HOW = {step.stage: step.how for _, step in SCORE_STEPS}  # stage -> the step that makes it, in words
 
 # on_stage(name, value, parent_name, parent_value): called after each step with the live arrays (a recorder
 # snapshots what it keeps: the next step may work in place).
@@ -155,6 +166,20 @@ def score_steps(
     if saved is not None:
         saved["weights"] = weights
     return weights
+
+
+def online_start(ops, sinks, shape, dtype, like=None) -> tuple:
+    """(peak, total): where an online softmax (the chunked paths, `_chunking`) starts each query's running
+    maximum and sum, ``shape`` (a key axis of 1) in ``dtype`` (on ``like``'s device).
+
+    With ``sinks`` (broadcastable to ``shape``: each head's logit) the sink is the first term of every
+    row, ``peak = sink`` and ``total = exp(sink - sink) = 1``, so the recurrence rescales it with every
+    other term and it sits in every denominator; a query with no allowed key ends with a zero context.
+    Without sinks: ``(-inf, 0)``.
+    """
+    if sinks is None:
+        return ops.full(shape, float("-inf"), dtype, like), ops.full(shape, 0.0, dtype, like)
+    return ops.broadcast(sinks, shape, dtype), ops.full(shape, 1.0, dtype, like)
 
 
 def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None):

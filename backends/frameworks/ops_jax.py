@@ -96,6 +96,16 @@ class JaxOps:
 
     synchronize = staticmethod(block_until_ready)
 
+    def full(self, shape, value: float, dtype, like=None):
+        import jax.numpy as jnp
+
+        return jnp.full(shape, value, dtype)
+
+    def broadcast(self, array, shape, dtype):
+        import jax.numpy as jnp
+
+        return jnp.full(shape, array, dtype)
+
     # -- the score steps --------------------------------------------------------------------
     def softcap(self, scores, cap: float):
         """``cap * tanh(scores / cap)`` (`core.variants.softcap`), in at least float32."""

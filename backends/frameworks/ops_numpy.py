@@ -200,6 +200,12 @@ class NumpyOps:
     def synchronize(self, result) -> None:
         return None
 
+    def full(self, shape, value: float, dtype, like=None):
+        return np.full(shape, value, dtype=dtype)
+
+    def broadcast(self, array, shape, dtype):
+        return np.broadcast_to(array, shape).astype(dtype)  # a copy, updated in place later
+
     # -- the score steps: compute dtype in, storage out; in place at full precision ----------
     def softcap(self, scores, cap: float):
         """``cap * tanh(scores / cap)`` (`core.variants.softcap`)."""

@@ -107,6 +107,12 @@ class TorchOps:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
+    def full(self, shape, value: float, dtype, like=None):
+        return self.torch.full(shape, value, dtype=dtype, device=self.device if like is None else like.device)
+
+    def broadcast(self, array, shape, dtype):
+        return array.to(dtype).expand(shape).clone()  # a copy, updated in place later
+
     # -- the score steps --------------------------------------------------------------------
     def softcap(self, scores, cap: float):
         """``cap * tanh(scores / cap)`` (`core.variants.softcap`): in place on the scores' own buffer unless

@@ -42,7 +42,7 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, linear, stage_names
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
-from ..frameworks.ops import score_steps
+from ..frameworks.ops import STEP_HOW, score_steps
 from ..frameworks.ops_jax import TRACED_OPS
 from .chunked import pad_mask_to_blocks
 from .common import (
@@ -79,8 +79,8 @@ STAGE_NOTES = {
     "k_rotated": f"_rotate_one_head vmapped over the kv heads; {XLA_LAYOUT}",
     "q_normed": f"RMSNorm (x * rsqrt(mean(x**2) + eps) * w) over the last axis; {XLA_LAYOUT}",
     "k_normed": f"RMSNorm of the keys, the same way; {XLA_LAYOUT}",
-    "capped_scores": f"softcap * tanh(scores / softcap) per head; {XLA_LAYOUT}",
-    "biased_scores": f"plus the head's ALiBi slope * (p_j - p_i) and/or rel_bias.T[h][bucket]; {XLA_LAYOUT}",
+    "capped_scores": f"{STEP_HOW['capped_scores']} per head; {XLA_LAYOUT}",
+    "biased_scores": f"{STEP_HOW['biased_scores']} per head, rel_bias.T[h] gathered by bucket; {XLA_LAYOUT}",
     "scores": f"vmap out_axes=0 puts heads first; {XLA_LAYOUT}",
     "context": f"vmap out_axes=1 keeps tokens first; {XLA_LAYOUT}",
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {XLA_LAYOUT}",

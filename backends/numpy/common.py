@@ -1,9 +1,8 @@
 """NumPy building blocks shared by the NumPy-array adapters: the precision policy and the mask.
 
 The precision policy (`NumpyPrecision`: half types stored, computed in float32) and the score
-steps (softcap, score bias, mask, the softmax in place, in L2-sized blocks) are NumPy's ops
-object's (`frameworks.ops_numpy`); this module holds the mask as the column-sample adapter
-prepares it once (`MaskArrays`).
+steps (in place, in L2-sized blocks) are NumPy's ops object's (`frameworks.ops_numpy`); this
+module holds the mask as the column-sample adapter prepares it once (`MaskArrays`).
 """
 
 from __future__ import annotations

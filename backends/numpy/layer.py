@@ -22,9 +22,10 @@ What follows from that layout, and what this adapter shows:
   with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
 * the variants of 2024-26 models (`variants`): QK-norm takes its statistic down each token's
   column, over a head's Dk rows or over every row of the merged projection before the split;
-  the softcap and the score bias (ALiBi, T5's buckets, laid out ``(1|B, H, Nk, Nq)`` like the
-  scores) act on the key-row, query-column scores; the sinks join each query column's softmax
-  denominator. Each step's stage (``q_normed`` ... ``biased_scores``) exists only with its variant;
+  the score steps (`frameworks.ops.score_steps` on NumPy's ops object, keys on axis -2) act on
+  the key-row, query-column scores, the score bias laid out ``(1|B, H, Nk, Nq)`` like them and
+  each head's sink ``(1, H, 1, 1)`` against each query column's maximum. Each step's stage
+  (``q_normed`` ... ``biased_scores``) exists only with its variant;
 * merging heads is the inverse reshape ``(B, H, Dv, N) -> (B, H*Dv, N)``, again a view;
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
@@ -52,7 +53,7 @@ from .._inputs import convert_inputs
 from .._layouts import head_slice_axes, heads_axes, layer_sizes
 from .._recording import QKV, LayerRecording, StageRecorder, relation_to, rotation_provenance
 from ..base import tensor_to_numpy
-from ..frameworks.ops import score_steps
+from ..frameworks.ops import STEP_HOW, score_steps
 from ..frameworks.ops_numpy import NumpyOps
 from .common import MaskArrays, NumpyPrecision
 from .variants import ColumnVariants, rms_norm_rows
@@ -72,9 +73,7 @@ HEAD_SLICE_AXES = {**head_slice_axes(COLUMN_SAMPLE_AXES), "q_normed": ("B", "Dk"
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
 # How each score step's stage is made here (`_mask_and_softmax`), as the recording says.
 SCORE_STEP_NOTES = {
-    "capped_scores": "softcap * tanh(scores / softcap), in place",
-    "biased_scores": "plus the score bias (ALiBi m_h (p_j - p_i), T5's rel_bias[bucket, h]), in place",
-    "masked_scores": "blocked positions set to -inf, in place",
+    **{stage: f"{how}, in place" for stage, how in STEP_HOW.items()},
     "weights": "softmax over keys (each query's column), in place; empty columns are zeros",
 }
 NORM_HOW = {

@@ -26,11 +26,10 @@ gives each head's matrix its own ``dW_h = dQ_h @ X.T`` (row block h of ``dW_q``)
 
 The variants (`core.variants`), each undone in reverse pipeline order, in the same layout:
 
-* sinks: the softmax backward is unchanged; each head's sink logit gets
-  ``d_sink_h = -sum over batch and query columns of (1 - sum over keys of A) * sum over keys of dA * A``;
-* ALiBi and T5's relative bias are added: ``d_capped_scores = d_biased_scores``, and each
-  bucket's entry of ``rel_bias`` sums the score gradients of the (key, query) cells that read it;
-* softcap: ``dS = d_capped_scores * (1 - tanh(S / c)**2)``;
+* the score steps: `frameworks.ops.score_steps_backward` on NumPy's ops object (keys on axis -2),
+  which gives each head's sink its gradient per query column, summed here over batch and queries;
+  the score bias is added, so its gradient passes through, and each bucket's entry of ``rel_bias``
+  sums the score gradients of the (key, query) cells that read it;
 * QK-norm: RMSNorm's backward down each token's column (`variants.rms_norm_rows_vjp`), over each
   head's Dk rows or over all the projection's rows (the per-head strategy sums the
   projection's statistics over its heads' row blocks, as its forward does); the weights'
@@ -151,7 +150,7 @@ class ColumnSampleVJP:
         cfg, V = L.cfg, L.variants
         shape = (*np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), k.shape[-1], q.shape[-1])
         scores = r(cfg.scale * np.matmul(_swap(k), q)).reshape(scores_shape)  # (..., Nk, Nq)
-        steps: dict = {}  # the weights and each step's input its backward reads (the scores before the softcap)
+        steps: dict = {}  # the weights and each step's input its backward reads
         blocked, empty = (None, None) if mask is None else (mask.blocked, mask.empty_rows)
         bias, sinks = V.head("bias", head), V.head("sinks", head)
         weights = score_steps(

@@ -23,7 +23,7 @@ and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interl
 
 Variants (`core.variants`, in torch by `variants`): QK-norm with ``F.rms_norm`` on the merged
 projection before the split ("projection") or on the split heads ("head"), before rotary;
-the softcap, ALiBi / T5 bias, mask and the softmax with the sinks on the (B, H, Nq, Nk)
+the score steps (`frameworks.ops.score_steps` on torch's ops object) on the (B, H, Nq, Nk)
 scores, in pipeline order. Their stages (``q_normed`` ... ``biased_scores``) are recorded
 only when on.
 
@@ -39,7 +39,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
-from ..frameworks.ops import score_steps
+from ..frameworks.ops import STEP_HOW, score_steps
 from ..frameworks.ops_torch import TorchOps
 from .common import (
     bool_tensor,
@@ -57,9 +57,9 @@ ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rot
 def _step_note(stage: str, in_place: bool, parent: str, masked: bool, sinks: bool) -> str:
     """How this adapter makes a score stage (`RowSampleMHA._mask_and_softmax`), as its recording says."""
     if stage == "capped_scores":
-        return "c * tanh(s / c)" + (", in place" if in_place else "")
+        return STEP_HOW[stage] + (", in place" if in_place else "")
     if stage == "biased_scores":
-        return "+ slope_h (p_j - p_i) (ALiBi) / + rel_bias[bucket(p_j - p_i), h] (T5), the tables from NumPy"
+        return STEP_HOW[stage] + ", the tables from NumPy"
     if stage == "masked_scores":
         return "masked_fill_(blocked, -inf), in place" if masked else f"no mask: {parent} itself"
     if sinks:

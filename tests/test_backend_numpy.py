@@ -141,7 +141,9 @@ def test_blocked_softmax_equals_whole_tensor_softmax(mask_shape, block_bytes):
     ops = NumpyOps("float64", keys_axis=-2, block_bytes=block_bytes)
     cfg = MHAConfig(d_model=8, n_heads=4)  # no variant: the mask and the softmax only
     blocked = score_steps(ops, cfg, scores.copy(), blocked=mask.blocked, empty_rows=mask.empty_rows)
-    whole = ops.softmax(ops.mask(scores.copy(), mask.blocked), mask.empty_rows)  # the steps on the whole tensor
+    whole = ops.softmax(
+        ops.positional_mask(scores.copy(), mask.blocked), mask.empty_rows
+    )  # the steps on the whole tensor
     np.testing.assert_array_equal(blocked, whole)
     np.testing.assert_allclose(whole, _spec_softmax(scores, allowed_qk, axis=-2), rtol=1e-12, atol=1e-15)
     np.testing.assert_array_equal(blocked[0, 0, :, 2], 0.0)

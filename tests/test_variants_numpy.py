@@ -120,7 +120,7 @@ def test_blocked_scores_pipeline_equals_the_steps_and_the_spec():
     cfg = MHAConfig(d_model=8, n_heads=4, softcap=2.5, alibi=True, sinks=True)  # the steps on; the bias is given
     ops = NumpyOps("float64", keys_axis=-2)
     whole = ops.add_score_bias(ops.softcap(scores.copy(), 2.5), bias)
-    whole = ops.softmax(ops.mask(whole, mask.blocked), mask.empty_rows, sinks=sinks)
+    whole = ops.softmax(ops.positional_mask(whole, mask.blocked), mask.empty_rows, sinks=sinks)
     spec_scores = np.where(allowed.swapaxes(-1, -2), 2.5 * np.tanh(scores / 2.5) + bias, -np.inf)
     spec = softmax_with_sinks(spec_scores.swapaxes(-1, -2), sinks[0, :, 0, 0]).swapaxes(-1, -2)
     np.testing.assert_allclose(whole, spec, rtol=1e-14, atol=1e-300)

@@ -15,8 +15,8 @@ An adapter whose point is a library's own idiom keeps that idiom instead (FlexAt
 
 The ops interface (each method takes and returns the library's arrays):
 
-* ``softcap(scores, cap)``, ``add_score_bias(scores, bias)``, ``mask(scores, blocked)``: one step each,
-  possibly in place (the caller snapshots what it records);
+* ``softcap(scores, cap)``, ``add_score_bias(scores, bias)``, ``positional_mask(scores, blocked)``: one
+  step each, possibly in place (the caller snapshots what it records);
 * ``softmax(scores, empty_rows, sinks=None, out=None)``: over the key axis, rows with no allowed key
   (``empty_rows``, the mask with its key axis reduced to 1, or None) all zeros, each head's sink
   logit (broadcastable against the scores with a key axis of 1) in every denominator;
@@ -90,12 +90,12 @@ SCORE_STEPS: tuple[tuple[tuple[str, ...], ScoreStep], ...] = (
         ),
     ),
     (
-        ("causal", "window", "mask"),  # the positional mask: always a stage, the last score itself without one
+        ("window",),  # with causality and the user's mask: always a stage, the last score itself without one
         ScoreStep(
             "masked_scores",
             "blocked positions set to -inf",
             forward=lambda ops, cfg, scores, parts: (
-                scores if parts["blocked"] is None else ops.mask(scores, parts["blocked"])
+                scores if parts["blocked"] is None else ops.positional_mask(scores, parts["blocked"])
             ),
         ),
     ),

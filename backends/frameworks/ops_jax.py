@@ -117,7 +117,7 @@ class JaxOps:
         """``scores + bias``: the bias (float32 or float64) added in at least float32."""
         return (scores.astype(compute_dtype(scores.dtype)) + bias).astype(scores.dtype)
 
-    def mask(self, scores, blocked):
+    def positional_mask(self, scores, blocked):
         import jax.numpy as jnp
 
         return jnp.where(blocked, -jnp.inf, scores)

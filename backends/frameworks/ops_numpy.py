@@ -223,7 +223,7 @@ class NumpyOps:
         biased += bias
         return P.store(biased)
 
-    def mask(self, scores, blocked):
+    def positional_mask(self, scores, blocked):
         np.copyto(scores, -np.inf, where=blocked)  # in place
         return scores
 

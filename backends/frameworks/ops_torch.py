@@ -133,7 +133,7 @@ class TorchOps:
         bias = bias.to(scores.dtype)
         return scores + bias if scores.requires_grad else scores.add_(bias)
 
-    def mask(self, scores, blocked):
+    def positional_mask(self, scores, blocked):
         return scores.masked_fill_(blocked, float("-inf"))
 
     def softmax(self, scores, empty_rows, sinks=None, out=None):

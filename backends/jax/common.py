@@ -64,7 +64,10 @@ from ..frameworks.jax import (  # noqa: F401
 )
 
 # Re-exported: the conversions and the synchronisation are JAX's ops object's module's.
-from ..frameworks.ops_jax import block_until_ready, compute_dtype, jax_target, to_jax  # noqa: F401
+from ..frameworks.ops_jax import TRACED_OPS, block_until_ready, compute_dtype, jax_target, to_jax  # noqa: F401
+
+# The softmax with the spec's zeros for a row with no allowed key, under the name it had here: JAX's ops object's.
+softmax_with_empty_rows = TRACED_OPS.softmax
 
 
 def jax_params(params: MHAParams, dtype: str, device) -> dict:

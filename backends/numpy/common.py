@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Re-exported: the adapters, the explainer and the tests import the precision policy from here.
-from ..frameworks.ops_numpy import HALF_TYPES, NumpyPrecision  # noqa: F401
+# Re-exported: the adapters, the explainer and the tests import the precision policy (and the in-place
+# softmax) from here.
+from ..frameworks.ops_numpy import HALF_TYPES, NumpyPrecision, softmax_inplace  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -217,9 +217,15 @@ class NumpyOps:
         return P.store(capped)
 
     def add_score_bias(self, scores, bias):
-        """``scores + bias``, the bias in the compute dtype, added at full precision and rounded once."""
+        """``scores + bias``, the bias in the compute dtype, added at full precision and rounded once.
+
+        In place on a C-contiguous buffer (the numpy adapter's); a strided one (np.einsum's output) is added
+        into a new array, which NumPy lays out contiguous: the softmax after it then reads rows in memory order.
+        """
         P = self.precision
         biased = P.operand(scores)
+        if not biased.flags.c_contiguous:
+            return P.store(biased + bias)
         biased += bias
         return P.store(biased)
 

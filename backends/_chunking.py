@@ -29,12 +29,12 @@ The variants (`core.variants`) inside the tiles:
   query is never visited (`plan_tiles` decides that from the blocks' positions alone, at
   prepare time, and counts what it skipped); the band along the diagonal is what remains,
   about ``N / q_block * (window / k_block + 2)`` tiles instead of ``N**2 / (2 q_block k_block)``;
-* the softcap ``c * tanh(s / c)`` is applied to each tile's scores, then the score bias
-  (ALiBi, T5's buckets) of the tile's positions is added (`tile_distances`), before the mask;
+* each tile's scores go through the score steps before the softmax (`frameworks.ops.masked_scores`),
+  the score bias that of the tile's positions (`tile_distances`);
 * the sinks sit in the denominator only: each query starts with ``m = sink_h`` and
-  ``l = 1`` (the sink's own ``exp(sink - m)``) and ``acc = 0``, so the recurrence rescales the
-  sink's term with every other. A query with no allowed key then ends with ``acc = 0``: a
-  zero context, as the spec says.
+  ``l = 1`` (the sink's own ``exp(sink - m)``) and ``acc = 0`` (`frameworks.ops.online_start`),
+  so the recurrence rescales the sink's term with every other. A query with no allowed key then
+  ends with ``acc = 0``: a zero context, as the spec says.
 
 QK-norm, the qkv biases and rope scaling act on whole heads before the blocks (their tables
 and statistics are linear in the tokens), so they come without a change to the tiles.

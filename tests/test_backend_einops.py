@@ -121,8 +121,8 @@ def test_numpy_einsum_with_explicit_path_equals_einops_einsum():
     """The NumPy fast path (explicit contraction path) computes what einops.einsum computes."""
     import einops
 
-    from mha_rosetta.backends.einops.layer import NumpyOps
     from mha_rosetta.backends.einops.plans import GQA_PLAN
+    from mha_rosetta.backends.frameworks.ops_numpy import NumpyOps
 
     rng = np.random.default_rng(6)
     q = rng.standard_normal((2, 7, 2, 3, 5))  # (B, Nq, Hkv, G, Dk)

@@ -7,13 +7,9 @@ import pytest
 from adapter_cases import CASES, empty_rows_case
 
 from mha_rosetta.backends import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, UnsupportedCase, get_backend
-from mha_rosetta.backends.numpy.common import (
-    MaskArrays,
-    NumpyPrecision,
-    apply_mask_inplace,
-    softmax_blocks_inplace,
-    softmax_inplace,
-)
+from mha_rosetta.backends.frameworks.ops import score_steps
+from mha_rosetta.backends.frameworks.ops_numpy import NumpyOps, softmax_inplace
+from mha_rosetta.backends.numpy.common import MaskArrays, NumpyPrecision
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
 
 CORRECT_STRATEGIES = (STANDARD, PER_HEAD, SLICING)
@@ -142,8 +138,12 @@ def test_blocked_softmax_equals_whole_tensor_softmax(mask_shape, block_bytes):
     allowed = allowed_qk.swapaxes(-1, -2)  # caller's (.., Nq, Nk) orientation
     mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
     assert mask.empty_rows is not None
-    blocked = softmax_blocks_inplace(scores.copy(), mask, block_bytes=block_bytes)
-    whole = softmax_inplace(apply_mask_inplace(scores.copy(), mask), mask.empty_rows, axis=-2)
+    ops = NumpyOps("float64", keys_axis=-2, block_bytes=block_bytes)
+    cfg = MHAConfig(d_model=8, n_heads=4)  # no variant: the mask and the softmax only
+    blocked = score_steps(ops, cfg, scores.copy(), blocked=mask.blocked, empty_rows=mask.empty_rows)
+    whole = ops.softmax(
+        ops.positional_mask(scores.copy(), mask.blocked), mask.empty_rows
+    )  # the steps on the whole tensor
     np.testing.assert_array_equal(blocked, whole)
     np.testing.assert_allclose(whole, _spec_softmax(scores, allowed_qk, axis=-2), rtol=1e-12, atol=1e-15)
     np.testing.assert_array_equal(blocked[0, 0, :, 2], 0.0)

@@ -113,7 +113,7 @@ def test_a_window_is_a_ring_of_w_minus_1_plus_step_slots(library, step):
 def _decoder_run(library, cfg, prefill, step):
     """A run chunk by chunk through `EinopsDecoder`, returning the cache as it ends and the full forward's stages."""
     from mha_rosetta.backends.einops.decode import EinopsDecoder
-    from mha_rosetta.backends.einops.layer import OPS_BY_LIBRARY
+    from mha_rosetta.backends.frameworks.ops import OPS_BY_LIBRARY
 
     x, _ = decode_run_inputs(cfg, None)
     inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step)
@@ -158,7 +158,7 @@ def test_a_wrapped_ring_holds_the_last_tokens_at_t_mod_slots(library):
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_the_static_cache_refuses_to_overflow(library):
     from mha_rosetta.backends.einops.decode import NamedCache
-    from mha_rosetta.backends.einops.layer import OPS_BY_LIBRARY
+    from mha_rosetta.backends.frameworks.ops import OPS_BY_LIBRARY
 
     cfg = MHAConfig(d_model=8, n_heads=2, causal=True)
     ops = OPS_BY_LIBRARY[library]("float32", "cpu")

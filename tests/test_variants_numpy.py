@@ -14,13 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mha_rosetta.backends import PER_HEAD, SLICING, STANDARD, get_backend
-from mha_rosetta.backends.numpy.common import (
-    MaskArrays,
-    apply_mask_inplace,
-    softcap_inplace,
-    softmax_blocks_inplace,
-    softmax_inplace,
-)
+from mha_rosetta.backends.frameworks.ops import score_steps
+from mha_rosetta.backends.frameworks.ops_numpy import NumpyOps
+from mha_rosetta.backends.numpy.common import MaskArrays
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import (
     MHAConfig,
@@ -113,7 +109,7 @@ def test_sinks_take_their_share_of_each_query_column(backend, strategy):
 
 
 def test_blocked_scores_pipeline_equals_the_steps_and_the_spec():
-    """softmax_blocks_inplace's softcap, bias, mask and sinks per block: the whole-tensor steps, bit for bit."""
+    """NumPy's score steps per block (softcap, bias, mask and sinks): the whole-tensor steps, bit for bit."""
     rng = np.random.default_rng(11)
     scores = rng.standard_normal((3, 4, 6, 5)) * 4  # (B, H, Nk, Nq)
     bias = rng.standard_normal((1, 4, 6, 5))
@@ -121,14 +117,18 @@ def test_blocked_scores_pipeline_equals_the_steps_and_the_spec():
     allowed = rng.random((3, 1, 5, 6)) > 0.4  # (B, 1, Nq, Nk)
     allowed[0, 0, 2] = False  # query 2 of item 0 sees nothing: its column is all zeros
     mask = MaskArrays.from_allowed(allowed, keys_axis=-2)
-    whole = softcap_inplace(scores.copy(), 2.5) + bias
-    whole = softmax_inplace(apply_mask_inplace(whole, mask), mask.empty_rows, axis=-2, sinks=sinks)
+    cfg = MHAConfig(d_model=8, n_heads=4, softcap=2.5, alibi=True, sinks=True)  # the steps on; the bias is given
+    ops = NumpyOps("float64", keys_axis=-2)
+    whole = ops.add_score_bias(ops.softcap(scores.copy(), 2.5), bias)
+    whole = ops.softmax(ops.positional_mask(whole, mask.blocked), mask.empty_rows, sinks=sinks)
     spec_scores = np.where(allowed.swapaxes(-1, -2), 2.5 * np.tanh(scores / 2.5) + bias, -np.inf)
     spec = softmax_with_sinks(spec_scores.swapaxes(-1, -2), sinks[0, :, 0, 0]).swapaxes(-1, -2)
     np.testing.assert_allclose(whole, spec, rtol=1e-14, atol=1e-300)
     np.testing.assert_array_equal(whole[0, :, :, 2], 0.0)
     for block_bytes in (1 << 20, 4 * 6 * 5 * 8, 1):  # one block, per batch item, per (item, head)
-        blocked = softmax_blocks_inplace(scores.copy(), mask, block_bytes, softcap=2.5, bias=bias, sinks=sinks)
+        ops = NumpyOps("float64", keys_axis=-2, block_bytes=block_bytes)
+        parts = {"bias": bias, "blocked": mask.blocked, "empty_rows": mask.empty_rows, "sinks": sinks}
+        blocked = score_steps(ops, cfg, scores.copy(), **parts)
         np.testing.assert_array_equal(blocked, whole)
 
 

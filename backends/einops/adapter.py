@@ -12,13 +12,13 @@ from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, rotary_t
 
 from .._inputs import convert_inputs
 from ..base import Backend, Prepared, check_device_name, tensor_to_numpy
+from ..frameworks.ops import OPS_BY_LIBRARY
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
 from ..numpy.common import NumpyPrecision
 from ..torch.common import torch_devices, with_matmul_precision
 from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_einops_decode_run, prepare_einops_decode_step
 from .layer import (
     ARRAY_LIBRARIES,
-    OPS_BY_LIBRARY,
     canonical_weights,
     grouped_masks,
     run_pipeline,

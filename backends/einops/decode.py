@@ -9,7 +9,7 @@ two (`layer.project_heads`, then `layer.attend`) with the cache between them::
     q, k, v  = project_heads(x[:, step])      # "b n d, g k d -> b n g k": the step's tokens, QK-normed, rotated
     cache    = cache with k written at its slots   # along "s"; no axis moves
     scores   = einsum("b q g r k, b s g k -> b g q r s", q, cache)   # one row per new query, all slots
-    ...      = attend's softcap, bias, mask, softmax, context, merge, output
+    ...      = attend's score steps (`frameworks.ops.score_steps`), context, merge, output
 
 The rules are those of `core.decode`: keys cached after QK-norm and rotary and before the GQA
 repeat (``g`` kv heads in the cache; the scores einsum shares them across ``r``); causality and

@@ -1,11 +1,10 @@
 """The einops pipeline: the einsum plans of `plans` run on NumPy, torch or JAX arrays.
 
-`NumpyOps`, `TorchOps` and `JaxOps` are the few array operations the pipeline needs that
-einops itself does not give (in-place updates, the masked softmax, conversions, and the
-variants' arithmetic: rsqrt for RMSNorm, tanh for the softcap, the bias added, the softmax
-with a sink), each the library's own; `run_pipeline`
-is the forward pass, recorded stage by stage; `stage_tensors` says where each stage's memory
-comes from (a view, a copy or new), for the explainer.
+The few array operations the pipeline needs that einops itself does not give (in-place updates,
+conversions, RMSNorm's rsqrt, and the score steps: `frameworks.ops.score_steps`) are the array
+library's ops object's (`frameworks.ops.OPS_BY_LIBRARY`), the same objects every other adapter
+runs its scores through; `run_pipeline` is the forward pass, recorded stage by stage;
+`stage_tensors` says where each stage's memory comes from (a view, a copy or new), for the explainer.
 """
 
 from __future__ import annotations
@@ -18,17 +17,7 @@ from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 from .._layouts import XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from ..base import StageTensor
-from ..jax.common import (
-    block_until_ready,
-    capped,
-    jax_target,
-    plus_bias,
-    softmax_with_empty_rows,
-    softmax_with_sink,
-    to_jax,
-)
-from ..numpy.common import NumpyPrecision, softmax_inplace
-from ..torch.common import bool_tensor, optional_tensor
+from ..frameworks.ops import OPS_BY_LIBRARY, STEP_HOW, score_steps
 from .plans import (
     MERGED_PROJECTIONS,
     OUTPUT,
@@ -38,226 +27,7 @@ from .plans import (
     axis_sizes,
 )
 
-ARRAY_LIBRARIES = ("numpy", "torch", "jax")
-
-# For two operands NumPy has a single contraction path; giving it explicitly makes
-# np.einsum take its batched-matmul route without searching for a path on every call.
-NUMPY_TWO_OPERAND_PATH = ["einsum_path", (0, 1)]
-
-
-class NumpyOps:
-    """NumPy arrays: in-place updates, np.einsum with an explicit path, the NumPy adapter's precision policy.
-
-    Half types are stored as such and computed in float32 (`numpy.common.NumpyPrecision`):
-    ml_dtypes' bfloat16 has no einsum loops and float16 has no BLAS.
-    """
-
-    library = "numpy"
-    works_in_place = True
-    has_buffers = True  # view or copy is measurable (np.shares_memory)
-
-    def __init__(self, dtype: str, device: str) -> None:
-        self.precision = NumpyPrecision.for_dtype(dtype)
-
-    def asarray(self, array: np.ndarray | None, cast: bool = True):
-        if array is None:
-            return None
-        return self.precision.round_to_storage(array) if cast else np.ascontiguousarray(array)
-
-    def einsum(self, pattern: str, a, b):
-        P = self.precision
-        subscripts = pattern.replace(" ", "")  # single-letter names: "b n d, e d -> b n e" -> "bnd,ed->bne"
-        result = np.einsum(subscripts, P.operand(a), P.operand(b), optimize=NUMPY_TWO_OPERAND_PATH)
-        return P.store(result)
-
-    def add_bias(self, y, bias):
-        y += bias  # in place: the einsum result is ours to change
-        return y
-
-    def scale(self, q, factor: float):
-        return q * np.asarray(factor, dtype=q.dtype)  # a new array: q itself is a stage tensor
-
-    def mask(self, scores, blocked):
-        np.copyto(scores, -np.inf, where=blocked)  # in place
-        return scores
-
-    def softmax(self, scores, empty_rows):
-        """In place over the last axis (unless half precision); rows with no allowed key become zeros (spec)."""
-        P = self.precision
-        return P.store(softmax_inplace(P.operand(scores), empty_rows, axis=-1))
-
-    def rms_norm(self, x, weight, eps: float, pattern: str):
-        """``x * (mean of squares over ``pattern``'s reduced axes + eps)**-1/2 * weight`` (a new array)."""
-        import einops
-
-        P = self.precision
-        xs = P.operand(x)
-        mean_square = einops.reduce(xs * xs, pattern, "mean")
-        return P.store(xs / np.sqrt(mean_square + eps) * P.operand(weight))
-
-    def softcap(self, scores, cap: float):
-        P = self.precision
-        return P.store(cap * np.tanh(P.operand(scores) / cap))  # a new array: the scores are a stage
-
-    def add_score_bias(self, scores, bias):
-        P = self.precision
-        return P.store(P.operand(scores) + bias)  # the bias float32 or float64 (`score_tables`)
-
-    def take(self, table, index):
-        return table[index]
-
-    def softmax_with_sinks(self, scores, sinks):
-        """exp(s) / (exp(sink) + sum exp(s)) over the last axis; a row with no allowed key gives zeros."""
-        P = self.precision
-        s, sink = P.operand(scores), P.operand(sinks)
-        shift = np.maximum(s.max(axis=-1, keepdims=True), sink)  # finite: the sink is
-        exp = np.exp(s - shift)
-        return P.store(exp / (np.exp(sink - shift) + exp.sum(axis=-1, keepdims=True)))
-
-    def snapshot(self, x):
-        return x.copy()
-
-    def synchronize(self, result) -> None:
-        return None
-
-
-class _EinopsOps:
-    """torch and JAX arrays: einops.einsum as written, and a plain product for the scale."""
-
-    def einsum(self, pattern: str, a, b):
-        import einops
-
-        return einops.einsum(a, b, pattern)
-
-    def scale(self, q, factor: float):
-        return q * factor
-
-
-class TorchOps(_EinopsOps):
-    """torch tensors: in-place updates, torch's fused softmax, CUDA when asked for."""
-
-    library = "torch"
-    works_in_place = True
-    has_buffers = True  # view or copy is measurable (untyped_storage)
-
-    def __init__(self, dtype: str, device: str) -> None:
-        import torch
-
-        self.torch = torch
-        self.dtype_name, self.device_name = dtype, device
-        self.dtype = getattr(torch, dtype)
-        self.device = torch.device("cuda" if device == "gpu" else "cpu")
-
-    def asarray(self, array: np.ndarray | None, cast: bool = True):
-        # cast=False: the masks, booleans as they are
-        return (
-            optional_tensor(array, self.dtype_name, self.device_name) if cast else bool_tensor(array, self.device_name)
-        )
-
-    def add_bias(self, y, bias):
-        return y.add_(bias)
-
-    def mask(self, scores, blocked):
-        return scores.masked_fill_(blocked, float("-inf"))
-
-    def softmax(self, scores, empty_rows):
-        # torch.softmax gives NaN for a row of all -inf; the spec wants zeros there. The
-        # rows are known from the mask before the timed region, so one masked fill fixes them.
-        if empty_rows is None:
-            return self.torch.softmax(scores, dim=-1)
-        # Finite logits first: softmax of an all -inf row is NaN, and a fill after it would hide
-        # the NaN in the forward but not in the backward (0 * NaN); then zero those rows' weights,
-        # out of place under autograd (softmax's backward needs its own output unchanged).
-        weights = self.torch.softmax(scores.masked_fill_(empty_rows, 0.0), dim=-1)
-        return weights.masked_fill(empty_rows, 0.0) if weights.requires_grad else weights.masked_fill_(empty_rows, 0.0)
-
-    def _compute(self, x):
-        """At least float32 (half precision computes the variants in float32, as the softmax does)."""
-        return x.float() if x.dtype in (self.torch.float16, self.torch.bfloat16) else x
-
-    def rms_norm(self, x, weight, eps: float, pattern: str):
-        import einops
-
-        xs = self._compute(x)
-        mean_square = einops.reduce(xs * xs, pattern, "mean")
-        return (xs * self.torch.rsqrt(mean_square + eps) * weight).to(x.dtype)
-
-    def softcap(self, scores, cap: float):
-        return (cap * self.torch.tanh(self._compute(scores) / cap)).to(scores.dtype)
-
-    def add_score_bias(self, scores, bias):
-        return (self._compute(scores) + bias).to(scores.dtype)  # out of place: autograd may need the scores
-
-    def take(self, table, index):
-        return table[index]
-
-    def softmax_with_sinks(self, scores, sinks):
-        s, sink = self._compute(scores), self._compute(sinks)
-        shift = self.torch.maximum(s.amax(dim=-1, keepdim=True), sink)  # finite: the sink is
-        exp = self.torch.exp(s - shift)
-        return (exp / (self.torch.exp(sink - shift) + exp.sum(dim=-1, keepdim=True))).to(scores.dtype)
-
-    def snapshot(self, x):
-        return x.clone()
-
-    def synchronize(self, result) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-
-
-class JaxOps(_EinopsOps):
-    """JAX arrays: functional updates, traced once and compiled by `jax.jit`."""
-
-    library = "jax"
-    works_in_place = False
-    has_buffers = False  # XLA places the buffers; nothing to measure
-
-    def __init__(self, dtype: str, device: str) -> None:
-        self.dtype_name = dtype
-        self.device = jax_target(dtype, device)
-
-    def asarray(self, array: np.ndarray | None, cast: bool = True):
-        return to_jax(array, self.dtype_name if cast else None, self.device)
-
-    def add_bias(self, y, bias):
-        return y + bias
-
-    def mask(self, scores, blocked):
-        import jax.numpy as jnp
-
-        return jnp.where(blocked, -jnp.inf, scores)
-
-    def softmax(self, scores, empty_rows):
-        return softmax_with_empty_rows(scores)
-
-    def rms_norm(self, x, weight, eps: float, pattern: str):
-        import einops
-        import jax.numpy as jnp
-        from jax import lax
-
-        xs = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        mean_square = einops.reduce(xs * xs, pattern, "mean")
-        return (xs * lax.rsqrt(mean_square + eps) * weight).astype(x.dtype)
-
-    def softcap(self, scores, cap: float):
-        return capped(scores, cap)
-
-    def add_score_bias(self, scores, bias):
-        return plus_bias(scores, bias)
-
-    def take(self, table, index):
-        return table[index]
-
-    def softmax_with_sinks(self, scores, sinks):
-        return softmax_with_sink(scores, sinks)
-
-    def snapshot(self, x):
-        return x  # JAX arrays are immutable
-
-    synchronize = staticmethod(block_until_ready)
-
-
-OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
+ARRAY_LIBRARIES = tuple(OPS_BY_LIBRARY)  # numpy, torch, jax: the libraries with an ops object
 
 
 # The feature pairs of each rotary convention, as the grouping of one head's features:
@@ -367,40 +137,33 @@ def attend(
     score_tables = score_tables or {}
     # Scaling q (B*Nq*H*Dk numbers) is cheaper than scaling the scores (B*H*Nq*Nk).
     scores = ops.einsum(plan.scores, ops.scale(q_rotated, cfg.scale), k_rotated)  # (B, H, Nq, Nk)
-    order = ["scores"]  # the score stages made, in order
-    if record is not None:
-        record["scores"] = ops.snapshot(scores)  # the steps below may work in place
-    last = scores
-    if cfg.softcap is not None:
-        last = ops.softcap(last, cfg.softcap)  # (B, H, Nq, Nk)
-        order.append("capped_scores")
-        if record is not None:
-            record["capped_scores"] = ops.snapshot(last)
+    bias = None
     if cfg.has_score_bias:
         bias = score_tables.get("alibi", 0.0)  # (1|B, H, Nq, Nk) in the scores' layout
         if cfg.rel_buckets is not None:  # (1|B, Nq, Nk, H) gathered, then laid out as the scores
             bias = bias + einops.rearrange(ops.take(weights["rel_bias"], score_tables["bucket"]), plan.rel_bias)
-        last = ops.add_score_bias(last, bias)
-        order.append("biased_scores")
-        if record is not None:
-            record["biased_scores"] = ops.snapshot(last)
-    masked = last if blocked is None else ops.mask(last, blocked)
+    sinks = einops.rearrange(weights["sinks"], plan.sink) if cfg.sinks else None  # against the scores
+    on_stage = None
     if record is not None:
-        record["masked_scores"] = ops.snapshot(masked)
-    if cfg.sinks:  # the sink in every denominator; rows with no allowed key come out zero by themselves
-        attention = ops.softmax_with_sinks(masked, einops.rearrange(weights["sinks"], plan.sink))
-    else:
-        attention = ops.softmax(masked, empty_rows)  # (B, H, Nq, Nk)
+        record["scores"] = ops.snapshot(scores)  # the steps below may work in place
+        buffers = {"scores": scores}  # the live buffers (not snapshots), to measure which step wrote into which
+
+        def on_stage(name, value, parent, before):
+            record[name] = value if name == "weights" else ops.snapshot(value)
+            buffers[name] = value
+
+    attention = score_steps(
+        ops, cfg, scores, bias=bias, blocked=blocked, empty_rows=empty_rows, sinks=sinks, on_stage=on_stage
+    )  # (B, H, Nq, Nk)
     context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
     merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
     output = ops.einsum(OUTPUT, merged, weights["w_o"])  # (B, Nq, D)
     if weights["b_o"] is not None:
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
-        record.update(weights=attention, context=context, merged=merged, output=output)
+        record.update(context=context, merged=merged, output=output)
         if ops.has_buffers:
-            # The live buffers (not snapshots), to measure which step wrote into which.
-            record["buffers"] = {order[-1]: last, "masked_scores": masked, "weights": attention}
+            record["buffers"] = buffers
     return output
 
 
@@ -500,6 +263,8 @@ _STAGE_ORIGINS = {
     "k_heads": "the projection einsum writes the heads directly",
     "v_heads": "the projection einsum writes the heads directly",
     "scores": "einsum output spec puts heads before tokens",
+    "capped_scores": STEP_HOW["capped_scores"],
+    "biased_scores": STEP_HOW["biased_scores"] + ", the relative bias gathered by bucket",
     "masked_scores": "blocked positions filled with -inf",
     "weights": "softmax of the masked scores",
     "context": "einsum output spec keeps tokens first",
@@ -507,8 +272,8 @@ _STAGE_ORIGINS = {
 }
 
 
-# The steps that may write into their input's buffer: stage -> the stage it is made from.
-_IN_PLACE_STEPS = {"masked_scores": "scores", "weights": "masked_scores"}
+# The score steps' stages in order (`frameworks.ops.score_steps`): each may write into the buffer of the one before.
+_SCORE_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
 
 
 def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:
@@ -527,10 +292,6 @@ def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, st
     """(note, relation, parent) of a pipeline stage but merged, as the forward pass made it."""
     if name in ("q_normed", "k_normed"):
         return "RMSNorm: einops.reduce(x * x, ..., 'mean'), then x * rsqrt(... + eps) * w", "new", f"{name[0]}_heads"
-    order = [stage for stage in ("scores", "capped_scores", "biased_scores") if stage in record]  # the last is masked
-    if name in ("capped_scores", "biased_scores"):
-        how = "softcap * tanh(s / softcap)" if name == "capped_scores" else "plus ALiBi / the gathered relative bias"
-        return how, "new", order[order.index(name) - 1]
     if name in ("q_rotated", "k_rotated"):
         heads = f"{name[0]}_normed" if f"{name[0]}_normed" in record else f"{name[0]}_heads"
         if rope is None:
@@ -541,8 +302,9 @@ def _provenance(ops, name: str, record: dict, rope: str | None) -> tuple[str, st
             heads,
         )
     origin = _STAGE_ORIGINS.get(name, "")
-    if name in _IN_PLACE_STEPS:
-        parent = order[-1] if name == "masked_scores" else _IN_PLACE_STEPS[name]
+    order = [stage for stage in _SCORE_STAGES if stage in record]  # the score stages this pass made
+    if name in order[1:]:
+        parent = order[order.index(name) - 1]
         if "buffers" in record and shares_memory(record["buffers"][name], record["buffers"][parent]):
             return f"{origin}, in place", "view", parent
         return origin, "new", parent

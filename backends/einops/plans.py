@@ -47,9 +47,9 @@ rearrange of the forward pass that moves an axis, on a bias whose gather puts th
 
 The same code runs on NumPy, torch and JAX arrays: ``einops.einsum`` and
 ``einops.rearrange`` dispatch on the array type. Scaling, masking and the softmax need
-a few library ops, kept in one small namespace class per library (`NumpyOps`,
-`TorchOps`, `JaxOps`), which also does the in-place updates where the library allows
-them. In the forward pass every rearrange but the relative bias's only splits or merges
+a few library ops: each library's ops object of the framework layer (`frameworks.ops`,
+the one every adapter runs its score steps through), which also does the in-place updates
+where the library allows them. In the forward pass every rearrange but the relative bias's only splits or merges
 neighbouring axes (a reshape), and every change of axis order is an einsum output spec. The GQA scores are
 laid out ``(b, g, q, r, s)``, the order a batched matmul over (b, g) produces, so no
 library has to reorder the largest tensor after computing it. A test reads this

@@ -20,7 +20,8 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._grad_layout import gradients_to_canonical
 from ..base import STANDARD, UnsupportedCase
-from .layer import OPS_BY_LIBRARY, canonical_weights
+from ..frameworks.ops import OPS_BY_LIBRARY
+from .layer import canonical_weights
 from .plans import plan_for
 
 NUMPY_REASON = (

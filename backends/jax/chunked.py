@@ -18,17 +18,15 @@ with `lax.dynamic_slice`. Under `vmap` each step computes one tile per head.
 
 The variants, carried tile by tile in the order of the stages:
 
-* the softcap and ALiBi are computed on each tile (ALiBi from the tile's positions:
-  ``slope * (p_j - p_i)``, no (Nq, Nk) table); T5's buckets are computed in NumPy at
+* the score steps run on each tile (`frameworks.ops.masked_scores`), ALiBi's bias from the tile's
+  positions (``slope * (p_j - p_i)``, no (Nq, Nk) table); T5's buckets are computed in NumPy at
   prepare time (`core.variants.t5_buckets`, its float32 logarithm bit for bit) and read a
   tile at a time like the user mask, the gather from ``rel_bias`` being the tile's own;
 * the window is computed per tile from the positions. With the default positions (the
   indices) the key loop also starts at the first block the window reaches, and without
   ``causal`` stops at the last, so whole tiles outside the window are never visited; with
   other positions every tile is visited and masked (the positions need not be sorted);
-* the sinks start the online softmax: the running maximum starts at the head's sink
-  logit and the running total at ``exp(sink - sink) = 1``, so the sink is in every
-  denominator after the rescalings, and a row with no allowed key ends with a zero context.
+* the sinks start the online softmax (`frameworks.ops.online_start`, as `_chunking` says).
 
 The scores, capped and biased scores and the weights are never held whole
 (`chunked_hidden`).
@@ -44,6 +42,8 @@ from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs
 from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
 from .._chunking import CHUNKED_HIDDEN_STAGES, key_block_end, resolve_chunk
+from ..frameworks.ops import masked_scores, online_start
+from ..frameworks.ops_jax import TRACED_OPS
 
 # Every variant is carried through the online softmax (the module docstring says how).
 CHUNKED_VARIANTS = frozenset(VARIANTS)
@@ -107,16 +107,16 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
             keys = lax.dynamic_slice_in_dim(k, k_start, k_block)  # (kb, Dk)
             values = lax.dynamic_slice_in_dim(v, k_start, k_block)  # (kb, Dv)
             tile = queries @ keys.T  # (qb, kb): the one score tile of this head
-            if cfg.softcap is not None:
-                tile = cfg.softcap * jnp.tanh(tile / cfg.softcap)
             if q_pos is not None:
                 k_pos = lax.dynamic_slice_in_dim(item["k_pos"], k_start, k_block)  # (kb,)
                 distance = k_pos[None, :] - q_pos[:, None]  # (qb, kb): p_j - p_i
+            bias = None
             if cfg.alibi:
-                tile = tile + head["slope"].astype(compute) * distance.astype(compute)
+                bias = head["slope"].astype(compute) * distance.astype(compute)
             if cfg.rel_buckets is not None:
                 bucket = lax.dynamic_slice(item["bucket"], (q_start, k_start), (q_block, k_block))  # (qb, kb)
-                tile = tile + head["rel"].astype(compute)[bucket]
+                rel = head["rel"].astype(compute)[bucket]
+                bias = rel if bias is None else bias + rel
             k_idx = k_start + jnp.arange(k_block)  # (kb,)
             ok = jnp.broadcast_to(k_idx[None, :] < n_k, tile.shape)  # padding keys are never attended to
             if cfg.causal:  # on the positions (core.inputs.causal_allowed): p_j <= p_i
@@ -127,7 +127,7 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
                 starts = [start if n > 1 else 0 for start, n in zip((q_start, k_start), allowed.shape, strict=True)]
                 sizes = [block if n > 1 else 1 for block, n in zip((q_block, k_block), allowed.shape, strict=True)]
                 ok = ok & lax.dynamic_slice(allowed, starts, sizes)
-            tile = jnp.where(ok, tile, -jnp.inf)
+            tile = masked_scores(TRACED_OPS, cfg, tile, bias=bias, blocked=~ok)  # the compute dtype throughout
             new_peak = jnp.maximum(peak, tile.max(axis=-1, keepdims=True))
             # Nothing allowed yet: peak stays -inf and the shift is 0, so exp(-inf) = 0, never NaN.
             shift = jnp.where(jnp.isneginf(new_peak), 0.0, new_peak)
@@ -139,11 +139,8 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
         stop = item["k_stop"][i].astype(jnp.asarray(q_start).dtype) if cfg.causal else n_k_blocks
         first, stop = _key_block_range(q_start, stop, n_k_blocks, cfg=cfg, q_block=q_block, k_block=k_block, skip=skip)
         acc = jnp.zeros((q_block, v.shape[-1]), compute)
-        if cfg.sinks:  # the sink is the first term of every row: peak = sink, total = exp(sink - sink) = 1
-            init = (jnp.full((q_block, 1), head["sink"], compute), jnp.ones((q_block, 1), compute), acc)
-        else:
-            init = (jnp.full((q_block, 1), -jnp.inf, compute), jnp.zeros((q_block, 1), compute), acc)
-        _, total, acc = lax.fori_loop(first, stop, one_key_block, init)
+        peak, total = online_start(TRACED_OPS, head.get("sink"), (q_block, 1), compute)  # from the sink, where on
+        _, total, acc = lax.fori_loop(first, stop, one_key_block, (peak, total, acc))
         # A query that saw no allowed key has total 0 (or the sink's share) and acc 0: the spec's zero.
         return acc / jnp.where(total > 0, total, 1.0)  # (qb, Dv)
 

@@ -41,7 +41,6 @@ from mha_rosetta.core import (
     MHAInputs,
     MHAParams,
     allowed_positions,
-    numpy_dtype,
     rotary_tables,
     stage_names,
 )
@@ -64,26 +63,11 @@ from ..frameworks.jax import (  # noqa: F401
     precision_info,
 )
 
+# Re-exported: the conversions and the synchronisation are JAX's ops object's module's.
+from ..frameworks.ops_jax import TRACED_OPS, block_until_ready, compute_dtype, jax_target, to_jax  # noqa: F401
 
-def jax_target(dtype: str, device: str):
-    """What every JAX adapter does first in `prepare`: float64 on where asked, then the device."""
-    enable_float64_if_needed(dtype)
-    return jax_device(device)
-
-
-def to_jax(array: np.ndarray | None, dtype: str | None, device):
-    """A NumPy array -> a JAX array of ``dtype`` (None: keep, e.g. bool masks) placed on ``device``.
-
-    The cast happens in NumPy first (bfloat16 through ml_dtypes, rounding straight
-    from float64), so every adapter rounds the canonical float64 data the same way.
-    """
-    if array is None:
-        return None
-    import jax
-
-    if dtype is not None:
-        array = np.asarray(array).astype(numpy_dtype(dtype))
-    return jax.device_put(np.ascontiguousarray(array), device)
+# The softmax with the spec's zeros for a row with no allowed key, under the name it had here: JAX's ops object's.
+softmax_with_empty_rows = TRACED_OPS.softmax
 
 
 def jax_params(params: MHAParams, dtype: str, device) -> dict:
@@ -129,33 +113,12 @@ def rotate_last_axis(x, cos, sin, style: str):
     return rotated if r == x.shape[-1] else jnp.concatenate([rotated, x[..., r:]], axis=-1)  # (..., N, Dk)
 
 
-def softmax_with_empty_rows(masked_scores):
-    """Softmax over the last axis with the spec's answer for a row with no allowed key: zeros.
-
-    Half-precision scores are exponentiated and summed in float32 (as equinox and
-    ``jax.nn.dot_product_attention`` do) and the weights rounded back to their dtype.
-    """
-    import jax.numpy as jnp
-
-    compute_dtype = jnp.promote_types(masked_scores.dtype, jnp.float32)
-    scores = masked_scores.astype(compute_dtype)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    # A row of all -inf (nothing allowed) would give -inf - (-inf) = NaN; shifting it by 0
-    # instead leaves exp(-inf) = 0 everywhere in that row.
-    row_max = jnp.where(jnp.isneginf(row_max), 0, row_max)
-    exp = jnp.exp(scores - row_max)
-    total = jnp.sum(exp, axis=-1, keepdims=True)
-    # A row with an allowed key holds exp(0) = 1 at its maximum, so total >= 1 and the
-    # maximum changes nothing; an empty row has total 0 and exp 0, so it stays 0 / 1 = 0.
-    return (exp / jnp.maximum(total, 1)).astype(masked_scores.dtype)
-
-
 # -- the variants (`core.variants`), in jnp ---------------------------------------------------
 # The tables (ALiBi's slopes and distances, T5's buckets) are computed in NumPy at prepare time
 # with `core.variants` and passed in as arguments, the way the rotary tables are; every
-# operation on the queries, keys and scores (RMSNorm, softcap, adding the bias, the sinks in
-# the softmax) is jnp's. Half precision computes each of them in float32 and rounds the result
-# back, as the softmax does.
+# operation on the queries and keys (RMSNorm) is jnp's, and the score steps are JAX's ops
+# object's (`frameworks.ops_jax.JaxOps`). Half precision computes each of them in float32 and
+# rounds the result back, as the softmax does.
 
 # The variant stages in the tokens-first layout of every JAX pass (and of einops): the normed
 # heads as the heads, the capped and biased scores as the scores.
@@ -187,12 +150,6 @@ def variant_provenance(name: str, cfg: MHAConfig) -> tuple[str, str | None]:
     return xla_provenance(name, cfg.rope)
 
 
-def _compute_dtype(dtype):
-    import jax.numpy as jnp
-
-    return jnp.promote_types(dtype, jnp.float32)  # half precision computes in float32
-
-
 def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):
     """RMSNorm over the last axis, ``x * rsqrt(mean(x**2) + eps) * weight`` (`core.variants.rms_norm`).
 
@@ -202,43 +159,12 @@ def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):
     import jax.numpy as jnp
     from jax import lax
 
-    compute = _compute_dtype(x.dtype)
+    compute = compute_dtype(x.dtype)
     xc = x.astype(compute)
     total, width = jnp.sum(xc * xc, axis=-1, keepdims=True), x.shape[-1]  # (..., 1)
     if sum_squares is not None:
         total, width = sum_squares(total, width)
     return (xc * lax.rsqrt(total / width + eps) * weight.astype(compute)).astype(x.dtype)
-
-
-def capped(scores, cap: float):
-    """The softcap ``cap * tanh(scores / cap)`` (`core.variants.softcap`), in at least float32."""
-    import jax.numpy as jnp
-
-    compute = _compute_dtype(scores.dtype)
-    return (cap * jnp.tanh(scores.astype(compute) / cap)).astype(scores.dtype)
-
-
-def plus_bias(scores, bias):
-    """``scores + bias``: the bias (float32 or float64, `score_bias_inputs`) added in at least float32."""
-    return (scores.astype(_compute_dtype(scores.dtype)) + bias).astype(scores.dtype)
-
-
-def softmax_with_sink(masked_scores, sink):
-    """Softmax over the last axis with one sink logit in every denominator (`core.variants.softmax_with_sinks`).
-
-    ``a_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``. The shift is ``max(row max, sink)``, finite
-    because the sink is, so a row with no allowed key gives exp(-inf) = 0 over exp(0) = 1: zeros,
-    the spec's answer, without a special case. ``sink`` None: `softmax_with_empty_rows`.
-    """
-    import jax.numpy as jnp
-
-    if sink is None:
-        return softmax_with_empty_rows(masked_scores)
-    compute = _compute_dtype(masked_scores.dtype)
-    scores, sink = masked_scores.astype(compute), sink.astype(compute)
-    shift = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)  # (..., 1)
-    exp = jnp.exp(scores - shift)
-    return (exp / (jnp.exp(sink - shift) + jnp.sum(exp, axis=-1, keepdims=True))).astype(masked_scores.dtype)
 
 
 def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[dict, dict]:
@@ -248,7 +174,7 @@ def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[di
     (1|B, Nq, Nk) ``p_j - p_i`` as float (ALiBi), ``bucket`` (1|B, Nq, Nk) int32 T5's bucket of each
     (query, key) pair, which indexes ``params.rel_bias`` inside the traced pass (so its gradient
     flows). A table shared by every batch item loses its batch axis and is left unmapped. The
-    floats are float32 for half precision (the bias is added in float32, `plus_bias`), else ``dtype``.
+    floats are float32 for half precision (the bias is added in float32, `JaxOps.add_score_bias`), else ``dtype``.
     Empty dicts without ALiBi or relative bias.
     """
     tables: dict = {}
@@ -354,12 +280,6 @@ class CompiledForward:
         _, jitted = shared_program(None if self.key is None else ("stages", *self.key), fn)
         with jax.default_matmul_precision(self.matmul_precision):
             return jitted(*self.args)
-
-
-def block_until_ready(result) -> None:
-    import jax
-
-    jax.block_until_ready(result)
 
 
 def compiled_prepared(

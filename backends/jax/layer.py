@@ -25,7 +25,7 @@ it (``"head"``). Everything a head owns travels with it through the head vmaps i
 its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
 each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
 (ALiBi's distances, T5's buckets) are mapped by the batch vmap only. `_attend_one_head` then
-softcaps, adds the bias, masks and takes the softmax with the sink, in the order of the stages.
+runs the score steps on JAX's ops object (`frameworks.ops.score_steps`), in the order of the stages.
 Which variants are on is read from the static config, never from a traced value.
 
 Every head axis is mapped where it lies (``in_axes=1``: tokens stay first), and the
@@ -42,16 +42,15 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, linear, stage_names
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
+from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.ops_jax import TRACED_OPS
 from .chunked import pad_mask_to_blocks
 from .common import (
     allowed_for_heads,
-    capped,
     numpy_rotary_tables,
-    plus_bias,
     rms_norm_last_axis,
     rotate_last_axis,
     score_bias_inputs,
-    softmax_with_sink,
     to_jax,
 )
 
@@ -80,8 +79,8 @@ STAGE_NOTES = {
     "k_rotated": f"_rotate_one_head vmapped over the kv heads; {XLA_LAYOUT}",
     "q_normed": f"RMSNorm (x * rsqrt(mean(x**2) + eps) * w) over the last axis; {XLA_LAYOUT}",
     "k_normed": f"RMSNorm of the keys, the same way; {XLA_LAYOUT}",
-    "capped_scores": f"softcap * tanh(scores / softcap) per head; {XLA_LAYOUT}",
-    "biased_scores": f"plus the head's ALiBi slope * (p_j - p_i) and/or rel_bias.T[h][bucket]; {XLA_LAYOUT}",
+    "capped_scores": f"{STEP_HOW['capped_scores']} per head; {XLA_LAYOUT}",
+    "biased_scores": f"{STEP_HOW['biased_scores']} per head, rel_bias.T[h] gathered by bucket; {XLA_LAYOUT}",
     "scores": f"vmap out_axes=0 puts heads first; {XLA_LAYOUT}",
     "context": f"vmap out_axes=1 keeps tokens first; {XLA_LAYOUT}",
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {XLA_LAYOUT}",
@@ -94,25 +93,24 @@ def _attend_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig):
     ``head``: what this head owns (``sink`` (), ``slope`` (), ``rel`` (buckets,)), the entries its
     variants need; ``item``: this batch item's tables (``distance`` (Nq, Nk), ``bucket`` (Nq, Nk)).
     """
-    import jax.numpy as jnp
-
     # Scaling q costs Nq*Dk multiplies instead of Nq*Nk on the scores (equinox and flax do the same).
     scores = (q * cfg.scale) @ k.T  # (Nq, Nk)
     stages = {"scores": scores}
-    last = scores
-    if cfg.softcap is not None:
-        last = stages["capped_scores"] = capped(last, cfg.softcap)  # (Nq, Nk)
+    bias = None
     if cfg.has_score_bias:
         bias = 0.0
         if cfg.alibi:
             bias = head["slope"] * item["distance"]  # (Nq, Nk): m_h (p_j - p_i)
         if cfg.rel_buckets is not None:
             bias = bias + head["rel"][item["bucket"]]  # (Nq, Nk): a gather of this head's bucket column
-        last = stages["biased_scores"] = plus_bias(last, bias)
-    masked = last if allowed is None else jnp.where(allowed, last, -jnp.inf)
-    weights = softmax_with_sink(masked, head.get("sink"))  # (Nq, Nk)
+    blocked = None if allowed is None else ~allowed  # the JAX convention masks by what is allowed
+
+    def keep(name, value, parent, before):
+        stages[name] = value
+
+    weights = score_steps(TRACED_OPS, cfg, scores, bias=bias, blocked=blocked, sinks=head.get("sink"), on_stage=keep)
     context = weights @ v  # (Nq, Dv)
-    return {**stages, "masked_scores": masked, "weights": weights, "context": context}
+    return {**stages, "context": context}
 
 
 def head_owned(cfg: MHAConfig, params: dict, score_tables: dict) -> dict:

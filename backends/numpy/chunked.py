@@ -6,9 +6,9 @@ and sum are reductions over axis -2 (the keys), one value per query column, and 
 accumulator update ``V_blk @ P`` is ``(Dv, k_block) @ (k_block, q_block)``, a plain
 product, exactly as in the full column-sample pipeline. All heads (and GQA groups, as
 ``(B, Hkv, G, ...)``) are handled by one broadcast product per tile, so one tile per head
-is alive at a time. The variants inside the tiles (window, softcap, score bias, sinks) are
-those `_chunking` describes; the score bias of a tile comes from its positions
-(`variants.ColumnVariants.tile_bias`, the same function the full strategies use).
+is alive at a time. The variants inside the tiles are those `_chunking` describes, each tile's
+score steps NumPy's ops object's in the compute dtype; the score bias of a tile comes from its
+positions (`variants.ColumnVariants.tile_bias`, the same function the full strategies use).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 
 from .._chunking import plan_tiles, resolve_chunk, tile_allowed, tile_distances
 from .._recording import StageRecorder, relation_to
-from .common import softcap_inplace
+from ..frameworks.ops import masked_scores, online_start
+from ..frameworks.ops_numpy import NumpyOps
 from .layer import ColumnSampleMHA, _split_reshape
 
 
@@ -79,16 +80,12 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         sinks = self.variants.sinks  # (1, H, 1, 1) or None
         sinks = None if sinks is None else sinks.reshape(1, Hkv, G, 1, 1)  # a view, one logit per query head
         context = np.empty((B, Hkv, G, Dv, Nq), dtype=P.storage)  # linear in the tokens
+        tile_ops = NumpyOps(P.compute.name, keys_axis=-2)  # the score steps on the tiles, never rounded to storage
         for (q_start, q_end), key_blocks in self.plan.blocks:
             queries = P.operand(q_groups[..., q_start:q_end]) * cfg.scale  # (B, Hkv, G, Dk, qb), a copy
             n_q = q_end - q_start
-            running = (B, Hkv, G, 1, n_q)
-            if sinks is None:
-                peak = np.full(running, -np.inf, dtype=P.compute)  # running max, one per query column
-                total = np.zeros(running, dtype=P.compute)  # running sum of exp(score - peak)
-            else:  # the sink is in every denominator: start from it, exp(sink - peak) = 1
-                peak = np.broadcast_to(sinks, running).astype(P.compute)  # a copy, updated below
-                total = np.ones(running, dtype=P.compute)
+            # The running max and sum of exp(score - peak), one per query column (from the sink, where on).
+            peak, total = online_start(tile_ops, sinks, (B, Hkv, G, 1, n_q), P.compute)
             acc = np.zeros((B, Hkv, G, Dv, n_q), dtype=P.compute)  # running sum of exp(score - peak) * v
             for k_start, k_end in key_blocks:
                 allowed = self._tile_allowed((q_start, q_end), (k_start, k_end))
@@ -96,13 +93,9 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
                     continue  # nothing in this tile may be attended to: it changes no sum
                 self.tiles_visited += 1
                 tile = np.matmul(P.operand(keys_t[..., k_start:k_end, :]), queries)  # (B, Hkv, G, kb, qb)
-                if cfg.softcap is not None:
-                    softcap_inplace(tile, cfg.softcap)
                 bias = self._tile_bias((q_start, q_end), (k_start, k_end))
-                if bias is not None:
-                    tile += bias  # after the softcap, before the mask: the pipeline's order
-                if allowed is not None:
-                    np.copyto(tile, -np.inf, where=~allowed)
+                blocked = None if allowed is None else ~allowed
+                tile = masked_scores(tile_ops, cfg, tile, bias=bias, blocked=blocked)  # in place, the compute dtype
                 new_peak = np.maximum(peak, tile.max(axis=-2, keepdims=True))  # (B, Hkv, G, 1, qb)
                 # A query with nothing allowed yet keeps peak -inf; shifting by 0 leaves its
                 # exp(-inf) = 0 instead of -inf - (-inf) = NaN.

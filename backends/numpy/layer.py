@@ -22,9 +22,10 @@ What follows from that layout, and what this adapter shows:
   with cos/sin tables laid out like the data, one column per token ``(r/2, N)``;
 * the variants of 2024-26 models (`variants`): QK-norm takes its statistic down each token's
   column, over a head's Dk rows or over every row of the merged projection before the split;
-  the softcap and the score bias (ALiBi, T5's buckets, laid out ``(1|B, H, Nk, Nq)`` like the
-  scores) act on the key-row, query-column scores; the sinks join each query column's softmax
-  denominator. Each step's stage (``q_normed`` ... ``biased_scores``) exists only with its variant;
+  the score steps (`frameworks.ops.score_steps` on NumPy's ops object, keys on axis -2) act on
+  the key-row, query-column scores, the score bias laid out ``(1|B, H, Nk, Nq)`` like them and
+  each head's sink ``(1, H, 1, 1)`` against each query column's maximum. Each step's stage
+  (``q_normed`` ... ``biased_scores``) exists only with its variant;
 * merging heads is the inverse reshape ``(B, H, Dv, N) -> (B, H*Dv, N)``, again a view;
 * the output ``W_o @ merged + b_o`` is ``(B, D, Nq)``. Only `to_numpy` (untimed) turns it
   back into the row-sample exchange layout; `prepare` (untimed) turns inputs into columns.
@@ -52,14 +53,9 @@ from .._inputs import convert_inputs
 from .._layouts import head_slice_axes, heads_axes, layer_sizes
 from .._recording import QKV, LayerRecording, StageRecorder, relation_to, rotation_provenance
 from ..base import tensor_to_numpy
-from .common import (
-    MaskArrays,
-    NumpyPrecision,
-    apply_mask_inplace,
-    softcap_inplace,
-    softmax_blocks_inplace,
-    softmax_inplace,
-)
+from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.ops_numpy import NumpyOps
+from .common import MaskArrays, NumpyPrecision
 from .variants import ColumnVariants, rms_norm_rows
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
@@ -75,6 +71,11 @@ COLUMN_SAMPLE_AXES = {
 # q_heads: (B, Dk, Nq), the head axis stacked back in later
 HEAD_SLICE_AXES = {**head_slice_axes(COLUMN_SAMPLE_AXES), "q_normed": ("B", "Dk", "Nq"), "k_normed": ("B", "Dk", "Nk")}
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
+# How each score step's stage is made here (`_mask_and_softmax`), as the recording says.
+SCORE_STEP_NOTES = {
+    **{stage: f"{how}, in place" for stage, how in STEP_HOW.items()},
+    "weights": "softmax over keys (each query's column), in place; empty columns are zeros",
+}
 NORM_HOW = {
     "head": "RMSNorm down each token's column, over the Dk feature rows of each head's block",
     "projection": "RMSNorm down each token's column, over every row of the merged projection, before the split",
@@ -114,6 +115,7 @@ class ColumnSampleMHA(LayerRecording):
     ) -> None:
         self.cfg = cfg
         self.precision = P = precision
+        self.ops = NumpyOps(precision.name, keys_axis=-2)  # the score steps, over keys on axis -2
         self.sizes = layer_sizes(cfg, inputs)  # (B, Nq, Nk, H, Hkv, G, Dk, Dv)
         B, Nq, Nk = self.sizes[:3]
 
@@ -347,42 +349,41 @@ class ColumnSampleMHA(LayerRecording):
         return context
 
     def _mask_and_softmax(self, scores, mask: MaskArrays | None, rec, head: int | None, bias=None) -> np.ndarray:
-        """Softcap, score bias, mask and softmax (with the sinks) over keys (axis -2), in place unless half precision.
+        """The score steps (`frameworks.ops.score_steps`) over keys (axis -2), in place unless half precision;
+        outside a recording one cache-sized block at a time (`NumpyOps.in_blocks`).
 
         ``head`` None: the scores of every head (B, H, Nk, Nq); else query head ``head``'s (B, Nk, Nq).
         ``bias``: these scores' own score bias (a decode chunk's, laid out like them); None: the layer's.
         """
-        P, cfg = self.precision, self.cfg
         bias = self.variants.head("bias", head) if bias is None else bias
-        sinks = self.variants.head("sinks", head)
         axes = SCORE_AXES if head is None else ("B", "Nk", "Nq")
-        if rec is None and head is None and not P.mixed:
-            # The timed batched path: every step one cache-sized block at a time.
-            return softmax_blocks_inplace(scores, mask, softcap=cfg.softcap, bias=bias, sinks=sinks)
-        self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
-        last = "scores"
-        if cfg.softcap is not None:
-            capped = P.store(softcap_inplace(P.operand(scores), cfg.softcap))
-            note = "softcap * tanh(scores / softcap), in place"
-            self._record(rec, "capped_scores", head, capped, axes, note, relation_to(capped, scores, "new"), last)
-            scores, last = capped, "capped_scores"
-        if bias is not None:
-            biased = P.operand(scores)  # the scores themselves at full precision: added in place
-            biased += bias  # (1|B, [H,] Nk, Nq): one column per query, like the scores
-            biased = P.store(biased)
-            note = "plus the score bias (ALiBi m_h (p_j - p_i), T5's rel_bias[bucket, h]), in place"
-            self._record(rec, "biased_scores", head, biased, axes, note, relation_to(biased, scores, "new"), last)
-            scores, last = biased, "biased_scores"
-        apply_mask_inplace(scores, mask)
-        self._record(rec, "masked_scores", head, scores, axes, "blocked positions set to -inf, in place", "view", last)
-        weights = P.operand(scores)
-        softmax_inplace(weights, None if mask is None else mask.empty_rows, axis=-2, sinks=sinks)
-        weights = P.store(weights)
-        note = "softmax over keys (each query's column), in place; empty columns are zeros"
-        if sinks is not None:
-            note += "; each head's sink in every denominator"
-        self._record(rec, "weights", head, weights, axes, note, relation_to(weights, scores, "new"), "masked_scores")
-        return weights
+        on_stage = None
+        if rec is not None:
+            self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
+
+            def on_stage(name, value, parent, before):
+                relation = "view" if name == "masked_scores" else relation_to(value, before, "new")
+                self._record(rec, name, head, value, axes, self._step_note(name), relation, parent)
+
+        empty_rows = None if mask is None else mask.empty_rows
+        blocked = None if mask is None else mask.blocked
+        sinks = self.variants.head("sinks", head)
+        return score_steps(
+            self.ops,
+            self.cfg,
+            scores,
+            bias=bias,
+            blocked=blocked,
+            empty_rows=empty_rows,
+            sinks=sinks,
+            on_stage=on_stage,
+        )
+
+    def _step_note(self, stage: str) -> str:
+        """How this adapter makes a score stage, as its recording says."""
+        if stage == "weights" and self.cfg.sinks:
+            return SCORE_STEP_NOTES[stage] + "; each head's sink in every denominator"
+        return SCORE_STEP_NOTES[stage]
 
     # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
     def _attend_one_head(self, h: int, q_h, k_g, v_g, rec) -> np.ndarray:

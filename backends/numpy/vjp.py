@@ -26,11 +26,10 @@ gives each head's matrix its own ``dW_h = dQ_h @ X.T`` (row block h of ``dW_q``)
 
 The variants (`core.variants`), each undone in reverse pipeline order, in the same layout:
 
-* sinks: the softmax backward is unchanged; each head's sink logit gets
-  ``d_sink_h = -sum over batch and query columns of (1 - sum over keys of A) * sum over keys of dA * A``;
-* ALiBi and T5's relative bias are added: ``d_capped_scores = d_biased_scores``, and each
-  bucket's entry of ``rel_bias`` sums the score gradients of the (key, query) cells that read it;
-* softcap: ``dS = d_capped_scores * (1 - tanh(S / c)**2)``;
+* the score steps: `frameworks.ops.score_steps_backward` on NumPy's ops object (keys on axis -2),
+  which gives each head's sink its gradient per query column, summed here over batch and queries;
+  the score bias is added, so its gradient passes through, and each bucket's entry of ``rel_bias``
+  sums the score gradients of the (key, query) cells that read it;
 * QK-norm: RMSNorm's backward down each token's column (`variants.rms_norm_rows_vjp`), over each
   head's Dk rows or over all the projection's rows (the per-head strategy sums the
   projection's statistics over its heads' row blocks, as its forward does); the weights'
@@ -48,7 +47,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
-from .common import apply_mask_inplace, softmax_inplace
+from ..frameworks.ops import score_steps, score_steps_backward
 from .layer import _merge_reshape, _split_direct, _split_reshape, rotate_rows  # the forward's own splits, rotation
 from .variants import rms_norm_rows_vjp
 
@@ -145,55 +144,45 @@ class ColumnSampleVJP:
         q (..., Dk, Nq), k (..., Dk, Nk), v (..., Dv, Nk) broadcast together; ``mask`` is a
         `MaskArrays` for the scores viewed as ``scores_shape`` ((B, H, Nk, Nq) with ``head`` None,
         or (B, Nk, Nq) for query head ``head``). ``saved`` is what `_attend_backward` reads: the
-        weights (..., Nk, Nq), ``tanh(S / c)`` with a softcap, the head and the scores' shape.
+        weights (..., Nk, Nq), what the score steps saved for their backward, the head and the scores' shape.
         """
         r, L = self.round, self.layer
         cfg, V = L.cfg, L.variants
         shape = (*np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), k.shape[-1], q.shape[-1])
         scores = r(cfg.scale * np.matmul(_swap(k), q)).reshape(scores_shape)  # (..., Nk, Nq)
-        tanh = None
-        if cfg.softcap is not None:
-            tanh = np.tanh(scores / cfg.softcap)  # kept: the softcap's derivative is 1 - tanh**2
-            scores = r(cfg.softcap * tanh)
-        bias = V.head("bias", head)
-        if bias is not None:
-            scores = r(scores + bias)  # (1|B, [H,] Nk, Nq), one column per query like the scores
-        apply_mask_inplace(scores, mask)
-        empty = None if mask is None else mask.empty_rows
-        weights = r(softmax_inplace(scores, empty, axis=-2, sinks=V.head("sinks", head))).reshape(shape)
-        saved = {"weights": weights, "tanh": tanh, "head": head, "scores_shape": scores_shape}
+        steps: dict = {}  # the weights and each step's input its backward reads
+        blocked, empty = (None, None) if mask is None else (mask.blocked, mask.empty_rows)
+        bias, sinks = V.head("bias", head), V.head("sinks", head)
+        weights = score_steps(
+            L.ops, cfg, scores, bias=bias, blocked=blocked, empty_rows=empty, sinks=sinks, saved=steps
+        )  # (..., Nk, Nq), one column per query like the scores
+        weights = L.precision.operand(weights).reshape(shape)
+        saved = {"weights": weights, "steps": steps, "head": head, "scores_shape": scores_shape}
         return saved, r(np.matmul(v, weights))  # (..., Nk, Nq), (..., Dv, Nq)
 
     def _attend_backward(self, q, k, v, saved, d_context):
         """(dQ, dK, dV, inner) for the same broadcast shapes as `_attend` (dK, dV before any group sum).
 
         ``inner`` holds the score-side backward stages (d_weights, d_biased_scores, d_capped_scores,
-        d_scores, as present); the sinks' and the relative bias's gradients are added into
-        ``self.d_sinks`` / ``self.d_rel_bias``.
+        d_scores, as present: `frameworks.ops.score_steps_backward`); the sinks' and the relative
+        bias's gradients are added into ``self.d_sinks`` / ``self.d_rel_bias``.
         """
-        r, cfg = self.round, self.layer.cfg
+        r, L = self.round, self.layer
+        cfg, P = L.cfg, L.precision
         weights, head, scores_shape = saved["weights"], saved["head"], saved["scores_shape"]
         d_weights = r(np.matmul(_swap(v), d_context))  # (..., Nk, Nq): dA = V^T dC
         d_v = np.matmul(d_context, _swap(weights))  # (..., Dv, Nk): dV = dC A^T
-        # Softmax over keys (axis -2) backward; blocked keys and empty columns have A = 0.
-        row_dot = np.sum(d_weights * weights, axis=-2, keepdims=True)  # (..., 1, Nq): one per query
-        d_scores = r(weights * (d_weights - row_dot))  # (..., Nk, Nq)
-        if self.d_sinks is not None:  # the sink's weight 1 - sum_keys A, times its cotangent 0 - row_dot
-            per_query = -(1.0 - weights.sum(axis=-2, keepdims=True)) * row_dot  # (..., 1, Nq)
+        # The score steps undone (softmax over keys, axis -2; blocked keys and empty columns have A = 0).
+        d_scores, per_query, inner = score_steps_backward(L.ops, cfg, d_weights, saved["steps"], weights.shape)
+        d_scores, inner = P.operand(d_scores), {name: P.operand(d) for name, d in inner.items()}
+        if per_query is not None:  # the sink's gradient per query, (..., 1, Nq)
             per_query = per_query.reshape(*scores_shape[:-2], -1)  # (B, H, Nq) or (B, Nq), a view
             if head is None:
                 self.d_sinks += per_query.sum(axis=(0, 2))
             else:
                 self.d_sinks[head] += per_query.sum()
-        inner = {"d_weights": d_weights}
-        if cfg.has_score_bias:  # added to the scores: its gradient passes through unchanged
-            inner["d_biased_scores"] = d_scores
-            if self.d_rel_bias is not None:
-                self._add_bucket_grads(d_scores.reshape(scores_shape), head)
-        if cfg.softcap is not None:
-            inner["d_capped_scores"] = d_scores
-            d_scores = r(d_scores * (1.0 - saved["tanh"].reshape(d_scores.shape) ** 2))
-        inner["d_scores"] = d_scores
+        if self.d_rel_bias is not None:  # each bucket sums the gradients of the cells that read it
+            self._add_bucket_grads(inner["d_biased_scores"].reshape(scores_shape), head)
         d_q = r(cfg.scale * np.matmul(k, d_scores))  # (..., Dk, Nq): dQ = scale K dS
         d_k = cfg.scale * np.matmul(q, _swap(d_scores))  # (..., Dk, Nk): dK = scale Q dS^T
         return d_q, d_k, d_v, inner

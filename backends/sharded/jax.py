@@ -34,7 +34,7 @@ what each split costs in collectives (``standard``; ``named_sharding`` leaves it
   check's OLMo-2-like case (4 heads, 2 kv heads, 4 devices): the compiled program holds 2
   all-reduces where the other variants hold 1 (XLA:CPU combines the two psums into one);
   ``named_sharding``'s partitioner chose 3 there;
-* the window, softcap and qkv bias: per score or per feature, nothing to communicate.
+* the window, the other score steps and the qkv bias: per score or per feature, nothing to communicate.
 
 Decoding through a KV cache (`jax_decode`, the ``standard`` strategy): each device keeps its kv
 heads' slice of a static cache sharded over ``"heads"``, one prefill and one step program, a psum

@@ -32,7 +32,7 @@ each costs in collectives per forward pass:
   (``(B, N, 1)``) and **one all-reduce each for q and k** adds the ranks' sums (2 more, 3 in
   all; ``B * (Nq + Nk)`` numbers, tiny next to the output's ``B * Nq * D``). With kv heads
   replicated on ``r`` ranks the k sum counts each kv head ``r`` times and is divided by ``r``.
-* the window, softcap, qkv bias and rope scaling: rank-local arithmetic on its own heads.
+* the window, the other score steps, the qkv bias and rope scaling: rank-local arithmetic on its own heads.
 
 GQA: `ColwiseParallel` cuts the rows of ``w_k`` evenly, which keeps kv heads whole only
 when ``world`` divides the kv heads; with fewer kv heads than ranks the standard strategy

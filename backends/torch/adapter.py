@@ -31,8 +31,8 @@ class TorchBackend(TorchDevices, Backend):
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
-    # Every variant, in every strategy (chunked included: window tiles skipped, softcap, score bias
-    # and sinks carried in the online softmax), forward and backward (autograd; chunked is forward only).
+    # Every variant, in every strategy (chunked included: window tiles skipped, the score steps on each tile,
+    # the sinks in the online softmax), forward and backward (autograd; chunked is forward only).
     variants = frozenset(VARIANTS)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`decode`): Hugging Face's (B, Hkv, T, D) cache, growing or static, a ring with a window; every variant.

@@ -8,10 +8,9 @@ the G query heads of a group into the row axis, as the standard strategy does, s
 
 Variants: the sliding window is read per tile from the token positions, and a key tile with
 no allowed position (outside the window, above the diagonal, or masked) is skipped whole;
-``tiles_skipped`` counts them. Each visited tile is softcapped and gets its ALiBi / T5 bias
-(`variants.ScoreBias` for the tile's positions) before its mask; the sinks start the running
-maximum at ``sink_h`` and the running sum at ``exp(sink_h - sink_h) = 1``, so the sink sits in
-every denominator and a query with no allowed key still ends with a zero context.
+``tiles_skipped`` counts them. Each visited tile goes through the score steps before the softmax
+(`frameworks.ops.masked_scores`, its bias `variants.ScoreBias` for the tile's positions); the
+sinks start the online softmax (`frameworks.ops.online_start`, as `_chunking` says).
 QK-norm and the biases of the projections happen before the tiles, on whole heads.
 
 Half precision: the queries, keys and values are converted to float32 once (linear in the
@@ -25,9 +24,9 @@ from mha_rosetta.core.variants import window_allowed
 
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder
+from ..frameworks.ops import masked_scores, online_start
 from .common import bool_tensor
 from .layer import RowSampleMHA
-from .variants import add_bias, softcap
 
 HALF = ("float16", "bfloat16")
 
@@ -74,17 +73,14 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         keys = k_heads.to(cdt).reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
         values = v_heads.to(cdt).reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
         context = v_heads.new_empty((B, H, Nq, Dv))  # linear in the tokens
+        sinks = None if self.sinks is None else self.sinks.view(1, H, 1, 1)  # one logit per query head
         for q_start in range(0, Nq, q_block):
             q_end = min(q_start + q_block, Nq)
             n_q = q_end - q_start
             # The G query heads of a group folded into the row axis: (B*Hkv, G*qb, Dk), a copy.
             queries = q_heads[:, :, q_start:q_end].to(cdt).reshape(B * Hkv, G * n_q, Dk) * self.cfg.scale
-            if self.sinks is None:
-                peak = torch.full((B, H, n_q, 1), float("-inf"), dtype=cdt, device=keys.device)  # running max
-                total = torch.zeros((B, H, n_q, 1), dtype=cdt, device=keys.device)  # running sum of exp(score - peak)
-            else:  # the sink is the first "key" of every row: max sink_h, sum exp(sink_h - sink_h) = 1
-                peak = self.sinks.to(cdt).view(1, H, 1, 1).expand(B, H, n_q, 1).clone()  # (B, H, qb, 1)
-                total = torch.ones((B, H, n_q, 1), dtype=cdt, device=keys.device)
+            # The running max and sum of exp(score - peak), (B, H, qb, 1) (from the sink, where on).
+            peak, total = online_start(self.ops, sinks, (B, H, n_q, 1), cdt, like=keys)
             acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=keys.device)  # running sum of exp(score - peak) * v
             stop = key_block_end((q_start, q_end), Nk, self.cfg.causal, self.positions, self.kv_positions)
             for k_start in range(0, stop, k_block):
@@ -97,12 +93,10 @@ class ChunkedRowSampleMHA(RowSampleMHA):
                 n_k = k_end - k_start
                 tile = torch.bmm(queries, keys[:, k_start:k_end].transpose(1, 2))  # (B*Hkv, G*qb, kb)
                 tile = tile.view(B, H, n_q, n_k)  # (B, H, qb, kb), view
-                if self.cfg.softcap is not None:
-                    tile = softcap(tile, self.cfg.softcap)  # in place
-                if self.score_bias is not None:  # (1|B, H, qb, kb) from the tile's positions
-                    tile = add_bias(tile, self.score_bias(self.rel_bias, (q_start, q_end), (k_start, k_end)))
-                if blocked is not None:
-                    tile.masked_fill_(blocked, float("-inf"))
+                bias = None  # (1|B, H, qb, kb) from the tile's positions
+                if self.score_bias is not None:
+                    bias = self.score_bias(self.rel_bias, (q_start, q_end), (k_start, k_end))
+                tile = masked_scores(self.ops, self.cfg, tile, bias=bias, blocked=blocked)  # in place
                 new_peak = torch.maximum(peak, tile.amax(dim=-1, keepdim=True))  # (B, H, qb, 1)
                 # Nothing allowed yet: peak stays -inf and the shift is 0, so exp(-inf) = 0, never NaN.
                 shift = torch.where(torch.isneginf(new_peak), 0.0, new_peak)

@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 
-import numpy as np
-
 from mha_rosetta.core import MHAConfig, MHAInputs, rotary_tables
 
 from .._inputs import convert_inputs
 from .._tf32 import tf32_forced
 
-# Re-exported: the torch adapters and oracles import these from here.
+# Re-exported: the torch adapters and oracles import these from here (the conversions are torch's ops object's).
+from ..frameworks.ops_torch import bool_tensor, optional_tensor, to_tensor, torch_device, torch_dtype  # noqa: F401
 from ..frameworks.torch import (  # noqa: F401
     precision_info,
     set_tf32_switches,
@@ -29,48 +28,12 @@ from ..frameworks.torch import (  # noqa: F401
 )
 
 
-def torch_dtype(name: str):
-    """One of core.DTYPE_NAMES -> the torch dtype of the same name (torch has all four)."""
-    import torch
-
-    return getattr(torch, name)
-
-
-def torch_device(device: str):
-    """Our device name ("cpu", "gpu") -> torch.device."""
-    import torch
-
-    return torch.device("cuda" if device == "gpu" else "cpu")
-
-
-def to_tensor(array, dtype: str, device: str):
-    """A NumPy array (any float dtype, bfloat16 included) -> contiguous torch tensor.
-
-    Goes through float64, which holds every float16/bfloat16/float32 value exactly, so
-    the only rounding is the one to ``dtype``, the same as every other backend's.
-    """
-    import torch
-
-    host = torch.from_numpy(np.ascontiguousarray(np.asarray(array, dtype=np.float64)))
-    return host.to(device=torch_device(device), dtype=torch_dtype(dtype)).contiguous()
-
-
-def optional_tensor(array, dtype: str, device: str):
-    return None if array is None else to_tensor(array, dtype, device)
-
-
 def torch_inputs(inputs, dtype: str, device: str, layout: Callable = lambda x: x) -> tuple:
     """(x_q, x_k, x_v) as tensors, ``layout`` applied to each; self-attention stays one tensor.
 
     torch's fast paths check that identity (query is key is value), as a caller's code has it.
     """
     return convert_inputs(inputs, lambda array: layout(to_tensor(array, dtype, device)))
-
-
-def bool_tensor(array: np.ndarray | None, device: str):
-    import torch
-
-    return None if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(torch_device(device))
 
 
 @contextmanager

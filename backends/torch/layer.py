@@ -23,7 +23,7 @@ and Meta code do: two slices for "half", ``unflatten(-1, (r/2, 2))`` for "interl
 
 Variants (`core.variants`, in torch by `variants`): QK-norm with ``F.rms_norm`` on the merged
 projection before the split ("projection") or on the split heads ("head"), before rotary;
-the softcap, ALiBi / T5 bias, mask and the softmax with the sinks on the (B, H, Nq, Nk)
+the score steps (`frameworks.ops.score_steps` on torch's ops object) on the (B, H, Nq, Nk)
 scores, in pipeline order. Their stages (``q_normed`` ... ``biased_scores``) are recorded
 only when on.
 
@@ -39,6 +39,8 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
+from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.ops_torch import TorchOps
 from .common import (
     bool_tensor,
     optional_tensor,
@@ -46,10 +48,23 @@ from .common import (
     torch_inputs,
     torch_rotary_tables,
 )
-from .variants import ScoreBias, SumReducer, add_bias, rms_norm, rms_norm_of_sum, softcap, softmax_with_sinks
+from .variants import ScoreBias, SumReducer, rms_norm, rms_norm_of_sum
 
 HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
 ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
+
+
+def _step_note(stage: str, in_place: bool, parent: str, masked: bool, sinks: bool) -> str:
+    """How this adapter makes a score stage (`RowSampleMHA._mask_and_softmax`), as its recording says."""
+    if stage == "capped_scores":
+        return STEP_HOW[stage] + (", in place" if in_place else "")
+    if stage == "biased_scores":
+        return STEP_HOW[stage] + ", the tables from NumPy"
+    if stage == "masked_scores":
+        return "masked_fill_(blocked, -inf), in place" if masked else f"no mask: {parent} itself"
+    if sinks:
+        return "torch.softmax over keys with the sink as one more column, dropped after; empty rows zeros"
+    return "torch.softmax over keys; empty rows set to zeros"
 
 
 class RowSampleMHA(LayerRecording):
@@ -110,6 +125,7 @@ class RowSampleMHA(LayerRecording):
         import torch.nn.functional as F
 
         self.torch, self.F, self.cfg = torch, F, cfg
+        self.ops = TorchOps()  # the score steps
         tensor = partial(optional_tensor, dtype=dtype, device=device)
         # nn.Linear layout (out, in), used as is by F.linear.
         self.w_q, self.w_k, self.w_v, self.w_o = (tensor(w) for w in (params.w_q, params.w_k, params.w_v, params.w_o))
@@ -217,51 +233,30 @@ class RowSampleMHA(LayerRecording):
         return output
 
     def _mask_and_softmax(self, scores, blocked, empty_rows, rec, head: int | None, out=None):
-        """The score pipeline after the product: softcap, score bias, mask (in place), softmax with the sinks.
+        """The score steps after the product (`frameworks.ops.score_steps` on torch's ops object), in place
+        where autograd allows; the weights into ``out`` where given.
 
         Rows with no allowed key get zeros, never NaN. ``head`` None: all heads (B, H, Nq, Nk);
         else query head ``head``'s (B, Nq, Nk).
         """
-        torch, cfg = self.torch, self.cfg
         axes = ("B", "H", "Nq", "Nk") if head is None else ("B", "Nq", "Nk")
         self._record(
             rec, "scores", head, scores, axes, "baddbmm(q, k^T, alpha=scale): the scale fused into the product"
         )
-        last, last_name = scores, "scores"  # the last score stage: masked_scores masks it
-        if cfg.softcap is not None:
-            capped = softcap(last, cfg.softcap)
-            how = "c * tanh(s / c)" + (", in place" if capped is last else "")
-            self._record(rec, "capped_scores", head, capped, axes, how, "view" if capped is last else "new", last_name)
-            last, last_name = capped, "capped_scores"
-        if self.score_bias is not None:
-            biased = add_bias(last, self.score_bias(self.rel_bias, head=head))
-            how = "+ slope_h (p_j - p_i) (ALiBi) / + rel_bias[bucket(p_j - p_i), h] (T5), the tables from NumPy"
-            self._record(rec, "biased_scores", head, biased, axes, how, "view" if biased is last else "new", last_name)
-            last, last_name = biased, "biased_scores"
-        if blocked is not None:
-            last.masked_fill_(blocked, float("-inf"))
-            note = "masked_fill_(blocked, -inf), in place"
-            self._record(rec, "masked_scores", head, last, axes, note, "view", last_name)
-        elif rec is not None:
-            note = f"no mask: {last_name} itself"
-            self._record(rec, "masked_scores", head, last, axes, note, "view", last_name)
-        if empty_rows is not None:
-            # softmax of an all -inf row is 0/0. Such rows are known from the mask, so
-            # give them finite logits first and zero their weights after: no NaN, ever.
-            last.masked_fill_(empty_rows, 0.0)
+        on_stage = None
+        if rec is not None:
+
+            def on_stage(name, value, parent, before):
+                note = _step_note(name, value is before, parent, blocked is not None, self.sinks is not None)
+                relation = "view" if value is before and name != "weights" else "new"
+                self._record(rec, name, head, value, axes, note, relation, parent)
+
+        bias = None if self.score_bias is None else self.score_bias(self.rel_bias, head=head)
+        sinks = None
         if self.sinks is not None:
             sinks = self.sinks.view(-1, 1, 1) if head is None else self.sinks[head].view(1, 1)  # (H, 1, 1) or (1, 1)
-            weights = softmax_with_sinks(last, sinks)
-            note = "torch.softmax over keys with the sink as one more column, dropped after; empty rows zeros"
-        else:
-            weights = torch.softmax(last, dim=-1) if out is None else torch.softmax(last, dim=-1, out=out)
-            note = "torch.softmax over keys; empty rows set to zeros"
-        if empty_rows is not None:
-            # Out of place under autograd: softmax's backward needs its own output unchanged.
-            inplace = not weights.requires_grad and self.sinks is None  # (with sinks: a view of the softmax)
-            weights = weights.masked_fill_(empty_rows, 0.0) if inplace else weights.masked_fill(empty_rows, 0.0)
-        self._record(rec, "weights", head, weights, axes, note, "new", "masked_scores")
-        return weights
+        parts = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows, "sinks": sinks}
+        return score_steps(self.ops, self.cfg, scores, **parts, out=out, on_stage=on_stage)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def _split_and_rotate(self, rec, projections: tuple | None = None):

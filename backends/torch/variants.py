@@ -7,13 +7,10 @@ What is computed where (the rule every torch path here keeps):
   slopes (``alibi_slopes``), the token positions, and T5's bucket of every possible
   distance (a lookup table over ``min(p_j - p_i) .. max(p_j - p_i)``, linear in the tokens).
 * Everything on the scores is torch's own arithmetic: ``F.rms_norm`` (or its formula, where
-  the statistic is a sum over heads or ranks), ``tanh`` for the softcap, the bias
-  ``slope_h * (p_j - p_i)`` and the table gather ``rel_bias[bucket]`` (so autograd reaches
-  ``rel_bias``), and the sinks as one more logit column in ``torch.softmax``, dropped after
-  it (how gpt-oss's reference code writes it).
-
-In place where nothing needs the old values (inference), out of place under autograd
-(``tanh``'s backward reads its own output, which a later in-place step would change).
+  the statistic is a sum over heads or ranks) here, the bias ``slope_h * (p_j - p_i)`` and the
+  table gather ``rel_bias[bucket]`` (so autograd reaches ``rel_bias``) in `ScoreBias`, and the
+  score steps themselves in torch's ops object (`frameworks.ops_torch.TorchOps`, run by
+  `frameworks.ops.score_steps`).
 """
 
 from __future__ import annotations
@@ -44,27 +41,6 @@ def rms_norm_of_sum(x, weight, eps: float, sum_of_squares, width: int):
     import torch
 
     return x * torch.rsqrt(sum_of_squares / width + eps) * weight
-
-
-def softcap(scores, cap: float):
-    """``cap * tanh(scores / cap)``: in place (the same tensor back) unless autograd tracks ``scores``."""
-    import torch
-
-    if scores.requires_grad:
-        return torch.tanh(scores / cap) * cap
-    return scores.div_(cap).tanh_().mul_(cap)
-
-
-def softmax_with_sinks(scores, sinks):
-    """Softmax over the keys with head h's sink logit in every denominator; ``sinks`` (1|H, 1, 1) broadcasts.
-
-    The sink is appended as one more key column, the softmax taken over Nk + 1, and the
-    column dropped (a view): ``exp(s_ij) / (exp(sink_h) + sum_k exp(s_ik))``.
-    """
-    import torch
-
-    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)  # (..., Nq, 1), a broadcast view
-    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]  # (..., Nq, Nk), a view
 
 
 class ScoreBias:
@@ -127,18 +103,6 @@ class ScoreBias:
             bias = rel if bias is None else bias + rel
         assert bias is not None, "ScoreBias is made only with cfg.has_score_bias"
         return bias if head is None else bias[:, 0]  # (1|B, H, qb, kb) or (1|B, qb, kb)
-
-
-def add_bias(scores, bias):
-    """``scores + bias`` rounded once to the scores' dtype; in place unless autograd tracks ``scores``.
-
-    Half precision adds in the bias's float32 and rounds the sum (one rounding, as the spec's
-    rounded path has it), which needs a new tensor.
-    """
-    if scores.dtype != bias.dtype and scores.element_size() < 4:
-        return (scores.to(bias.dtype) + bias).to(scores.dtype)
-    bias = bias.to(scores.dtype)
-    return scores + bias if scores.requires_grad else scores.add_(bias)
 
 
 # torch-tp's hook for a projection-wide QK-norm: (a sum of squares (..., N, 1), "q" or "k") -> the same summed

@@ -1,0 +1,205 @@
+"""The score pipeline, written once: the steps between ``scale * q.k^T`` and the weights, on an ops object.
+
+Every adapter and every path (forward, chunked, decode, sharded, the hand-written backward) runs
+its scores through `score_steps` (or, for a chunked tile that feeds an online softmax,
+`masked_scores`), on its library's ops object (`ops_numpy.NumpyOps`, `ops_torch.TorchOps`,
+`ops_jax.JaxOps`). The ops object holds the library's own primitive for each step (in place
+where the library can, its precision policy, its measured tricks); this module holds their
+order and which variant turns each on. What stays in each convention is only what differs
+between conventions: the layout of the scores and of what is added to them (the bias in the
+scores' layout, the mask as ``blocked``, True where a query may not attend, broadcastable
+against the scores), the head split, the cache.
+
+An adapter whose point is a library's own idiom keeps that idiom instead (FlexAttention's
+``score_mod``, ``jax.nn.dot_product_attention``'s ``bias``, SDPA's float mask).
+
+The ops interface (each method takes and returns the library's arrays):
+
+* ``softcap(scores, cap)``, ``add_score_bias(scores, bias)``, ``positional_mask(scores, blocked)``: one
+  step each, possibly in place (the caller snapshots what it records);
+* ``softmax(scores, empty_rows, sinks=None, out=None)``: over the key axis, rows with no allowed key
+  (``empty_rows``, the mask with its key axis reduced to 1, or None) all zeros, each head's sink
+  logit (broadcastable against the scores with a key axis of 1) in every denominator;
+* ``full(shape, value, dtype, like=None)`` and ``broadcast(array, shape, dtype)``: new arrays (`online_start`);
+* ``in_blocks(steps, scores, **parts)`` (optional): run ``steps`` on blocks of the scores (NumPy's
+  cache-sized blocks); without it, on the whole;
+* ``softmax_backward(weights, d_weights, sinks)`` and ``softcap_backward(d_capped, scores, cap)``:
+  what a hand-written backward needs (`score_steps_backward`; NumPy's only, the others differentiate
+  with autograd).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mha_rosetta.core import MHAConfig
+from mha_rosetta.core.stages import VARIANT_STAGES
+
+from .ops_jax import JaxOps
+from .ops_numpy import NumpyOps
+from .ops_torch import TorchOps
+
+# library name -> its ops class, ``cls(dtype, device)`` (the classes import their library when made).
+OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
+
+
+@dataclass(frozen=True)
+class ScoreStep:
+    """One step of the score pipeline: the stage it makes and how, on an ops object.
+
+    ``how``: the step in words, for the stage notes every adapter records (each adds its own layout
+    and whether it wrote in place). ``forward(ops, cfg, scores, parts)`` -> the stage (``parts``: the caller's ``bias``, ``blocked``);
+    ``backward(ops, cfg, d_stage, step_input)`` -> the gradient of its input (None: the identity, an
+    addition or a mask, whose blocked cells the softmax's backward already gave zero); ``saves_input``:
+    the backward reads the step's input (kept by `score_steps` when asked to save).
+    """
+
+    stage: str
+    how: str
+    forward: Callable
+    backward: Callable | None = None
+    saves_input: bool = False
+
+    def on(self, cfg: MHAConfig) -> bool:
+        """Whether ``cfg`` has this step: a variant's stage only with its variant (`core.stages.VARIANT_STAGES`)."""
+        rule = VARIANT_STAGES.get(self.stage)
+        return True if rule is None else bool(rule(cfg))
+
+
+# The score steps in the spec's order (`core.stages`), each with the variants that it carries: the one
+# list every path iterates. Core's variant registry (a variant's place in the score pipeline) is meant
+# to replace this list: keep it the only place that orders the steps.
+SCORE_STEPS: tuple[tuple[tuple[str, ...], ScoreStep], ...] = (
+    (
+        ("softcap",),
+        ScoreStep(
+            "capped_scores",
+            "c * tanh(s / c)",
+            forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
+            backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
+            saves_input=True,
+        ),
+    ),
+    (
+        ("alibi", "rel_bias"),  # one bias, both tables summed in the scores' layout by the caller
+        ScoreStep(
+            "biased_scores",
+            "+ ALiBi's m_h (p_j - p_i) / T5's rel_bias[bucket(p_j - p_i), h]",
+            forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"]),
+        ),
+    ),
+    (
+        ("window",),  # with causality and the user's mask: always a stage, the last score itself without one
+        ScoreStep(
+            "masked_scores",
+            "blocked positions set to -inf",
+            forward=lambda ops, cfg, scores, parts: (
+                scores if parts["blocked"] is None else ops.positional_mask(scores, parts["blocked"])
+            ),
+        ),
+    ),
+)
+
+STEP_HOW = {step.stage: step.how for _, step in SCORE_STEPS}  # stage -> the step that makes it, in words
+
+# on_stage(name, value, parent_name, parent_value): called after each step with the live arrays (a recorder
+# snapshots what it keeps: the next step may work in place).
+OnStage = Callable[[str, object, str, object], None]
+
+
+def masked_scores(ops, cfg: MHAConfig, scores, *, bias=None, blocked=None, on_stage: OnStage | None = None, saved=None):
+    """The score steps before the softmax that ``cfg`` turns on, in order: softcap, score bias, mask.
+
+    ``scores`` (``scale * q.k^T``, the caller's layout), ``bias`` (ALiBi plus T5's bias, broadcastable
+    against them; read only with a score bias), ``blocked`` (bool, True = may not attend; None: nothing
+    blocked). ``saved`` (a dict): receives the inputs the backward reads, by stage name.
+    """
+    parts = {"bias": bias, "blocked": blocked}
+    name, last = "scores", scores
+    for _, step in SCORE_STEPS:
+        if not step.on(cfg):
+            continue
+        if saved is not None and step.saves_input:
+            saved[name] = ops.snapshot(last)  # the step may work in place
+        value = step.forward(ops, cfg, last, parts)
+        if on_stage is not None:
+            on_stage(step.stage, value, name, last)
+        name, last = step.stage, value
+    return last
+
+
+def score_steps(
+    ops,
+    cfg: MHAConfig,
+    scores,
+    *,
+    bias=None,
+    blocked=None,
+    empty_rows=None,
+    sinks=None,
+    out=None,
+    on_stage: OnStage | None = None,
+    saved: dict | None = None,
+):
+    """``scores`` -> the weights: `masked_scores`, then the softmax with the sinks (``sinks``: each head's
+    logit, broadcastable against the scores with a key axis of 1, None without them).
+
+    ``empty_rows``: the rows with no allowed key (the mask with its key axis of length 1), or None.
+    ``out``: a buffer for the weights (torch). Neither recording (``on_stage``) nor saving for the
+    backward (``saved``: the steps' inputs and the ``weights``): the library may run the steps
+    block by block (``ops.in_blocks``: NumPy walks L2-sized blocks).
+    """
+    sinks = sinks if cfg.sinks else None
+
+    def steps(block, bias=None, blocked=None, empty_rows=None, sinks=None, out=None):
+        masked = masked_scores(ops, cfg, block, bias=bias, blocked=blocked, on_stage=on_stage, saved=saved)
+        weights = ops.softmax(masked, empty_rows, sinks, out=out)
+        if on_stage is not None:
+            on_stage("weights", weights, "masked_scores", masked)
+        return weights
+
+    parts = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows, "sinks": sinks}
+    if on_stage is None and saved is None and out is None and hasattr(ops, "in_blocks"):
+        return ops.in_blocks(steps, scores, **parts)
+    weights = steps(scores, **parts, out=out)
+    if saved is not None:
+        saved["weights"] = weights
+    return weights
+
+
+def online_start(ops, sinks, shape, dtype, like=None) -> tuple:
+    """(peak, total): where an online softmax (the chunked paths, `_chunking`) starts each query's running
+    maximum and sum, ``shape`` (a key axis of 1) in ``dtype`` (on ``like``'s device).
+
+    With ``sinks`` (broadcastable to ``shape``: each head's logit) the sink is the first term of every
+    row, ``peak = sink`` and ``total = exp(sink - sink) = 1``, so the recurrence rescales it with every
+    other term and it sits in every denominator; a query with no allowed key ends with a zero context.
+    Without sinks: ``(-inf, 0)``.
+    """
+    if sinks is None:
+        return ops.full(shape, float("-inf"), dtype, like), ops.full(shape, 0.0, dtype, like)
+    return ops.broadcast(sinks, shape, dtype), ops.full(shape, 1.0, dtype, like)
+
+
+def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None):
+    """The backward of `score_steps`: (d_scores, d_sinks per query or None, the stages' gradients by name).
+
+    ``saved``: what `score_steps` saved (the weights, each step's input it needs); ``shape``: the layout
+    the saved arrays are viewed in to match ``d_weights`` (None: as saved). The gradients are named
+    ``d_<stage>`` after the stage each is the gradient of: ``d_weights``, then walking the steps back,
+    each step's input (``d_biased_scores`` ... ``d_scores``).
+    """
+
+    def view(array):
+        return array if shape is None else array.reshape(shape)
+
+    d_last, d_sinks = ops.softmax_backward(view(saved["weights"]), d_weights, cfg.sinks)
+    grads = {"d_weights": d_weights}
+    names = ["scores"] + [step.stage for _, step in SCORE_STEPS if step.on(cfg)]  # each step's input, then its stage
+    on = [step for _, step in SCORE_STEPS if step.on(cfg)]
+    for step, input_name in zip(reversed(on), reversed(names[:-1]), strict=True):
+        if step.backward is not None:
+            d_last = step.backward(ops, cfg, d_last, view(saved[input_name]))
+        grads[f"d_{input_name}"] = d_last
+    return d_last, d_sinks, grads

@@ -44,7 +44,9 @@ def explain(demo) -> Explanation:
     scaled, _ = scaled_frequencies(8, 500000.0, llama3, demo.tokens)
     linear, _ = scaled_frequencies(8, 500000.0, {"rope_type": "linear", "factor": 8.0}, demo.tokens)
     yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
-    attention = yarn_attention_factor(validate_rope_scaling(yarn))  # its defaults filled in
+    resolved = validate_rope_scaling(yarn)  # its defaults filled in (a dict: yarn is not None)
+    assert resolved is not None
+    attention = yarn_attention_factor(resolved)
     return Explanation(
         "rope_scaling (a dict in Hugging Face's form)",
         "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn); yarn's factor on cos and sin",

@@ -200,3 +200,28 @@ def test_numpy_backward_of_the_steps_matches_central_differences(cfg, names):
             assert d_sinks[:, h].sum() == pytest.approx(numeric, rel=1e-6, abs=1e-9), h
     else:
         assert d_sinks is None
+
+
+def test_the_steps_come_from_core_s_registry_and_an_unknown_op_is_named(monkeypatch):
+    """The order and the variants of `SCORE_STEPS` are the registry's; an op the ops module cannot run is refused by name."""
+    from dataclasses import replace
+
+    from mha_rosetta.backends.frameworks import ops
+    from mha_rosetta.core.variants import VARIANT_REGISTRY, ScoreStep
+
+    # Moved after the mask in the registry, the softcap runs after it (the mistake diagnose plants).
+    moved = {
+        **VARIANT_REGISTRY,
+        "softcap": replace(VARIANT_REGISTRY["softcap"], score_step=ScoreStep("mask", "softcap")),
+    }
+    monkeypatch.setattr(ops, "VARIANT_REGISTRY", moved)
+    steps = ops._steps_in_registry_order()
+    assert [variants for variants, _ in steps] == [("alibi", "rel_bias"), ("window",), ("softcap",)]
+    assert [step.stage for _, step in steps] == ["biased_scores", "masked_scores", "capped_scores"]
+    unknown = {
+        **VARIANT_REGISTRY,
+        "softcap": replace(VARIANT_REGISTRY["softcap"], score_step=ScoreStep("transform", "temperature")),
+    }
+    monkeypatch.setattr(ops, "VARIANT_REGISTRY", unknown)
+    with pytest.raises(KeyError, match=r"score op 'temperature' \(variant 'softcap'\).*add it to OP_STEPS"):
+        ops._steps_in_registry_order()

@@ -4,8 +4,9 @@ Every adapter and every path (forward, chunked, decode, sharded, the hand-writte
 its scores through `score_steps` (or, for a chunked tile that feeds an online softmax,
 `masked_scores`), on its library's ops object (`ops_numpy.NumpyOps`, `ops_torch.TorchOps`,
 `ops_jax.JaxOps`). The ops object holds the library's own primitive for each step (in place
-where the library can, its precision policy, its measured tricks); this module holds their
-order and which variant turns each on. What stays in each convention is only what differs
+where the library can, its precision policy, its measured tricks); core's variant registry holds
+their order and which variant turns each on (each entry's ``score_step``); this module, how each
+op is called (`OP_STEPS`). What stays in each convention is only what differs
 between conventions: the layout of the scores and of what is added to them (the bias in the
 scores' layout, the mask as ``blocked``, True where a query may not attend, broadcastable
 against the scores), the head split, the cache.
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.stages import VARIANT_STAGES
+from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY
 
 from .ops_jax import JaxOps
 from .ops_numpy import NumpyOps
@@ -67,39 +69,58 @@ class ScoreStep:
         return True if rule is None else bool(rule(cfg))
 
 
-# The score steps in the spec's order (`core.stages`), each with the variants that it carries: the one
-# list every path iterates. Core's variant registry (a variant's place in the score pipeline) is meant
-# to replace this list: keep it the only place that orders the steps.
-SCORE_STEPS: tuple[tuple[tuple[str, ...], ScoreStep], ...] = (
-    (
-        ("softcap",),
-        ScoreStep(
-            "capped_scores",
-            "c * tanh(s / c)",
-            forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
-            backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
-            saves_input=True,
+# How each score op of core's variant registry runs on an ops object: the stage it makes, in words, and
+# what it reads (``ScoreStep.op`` of an entry's ``score_step`` -> the step). The registry says which ops
+# there are, where each sits in the pipeline and which variants turn it on (`core.variants.score_steps`);
+# this table says only how to call each on a library's ops object. A new score op is one entry here and
+# one method on each ops class.
+OP_STEPS: dict[str, ScoreStep] = {
+    "softcap": ScoreStep(
+        "capped_scores",
+        "c * tanh(s / c)",
+        forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
+        backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
+        saves_input=True,
+    ),
+    # One bias, ALiBi's and T5's tables summed in the scores' layout by the caller (adding them one at a
+    # time would round differently where both are on).
+    "add_score_bias": ScoreStep(
+        "biased_scores",
+        "+ ALiBi's m_h (p_j - p_i) / T5's rel_bias[bucket(p_j - p_i), h]",
+        forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"]),
+    ),
+    # With causality and the user's mask as well as the window: always a stage, the last score itself without one.
+    "positional_mask": ScoreStep(
+        "masked_scores",
+        "blocked positions set to -inf",
+        forward=lambda ops, cfg, scores, parts: (
+            scores if parts["blocked"] is None else ops.positional_mask(scores, parts["blocked"])
         ),
     ),
-    (
-        ("alibi", "rel_bias"),  # one bias, both tables summed in the scores' layout by the caller
-        ScoreStep(
-            "biased_scores",
-            "+ ALiBi's m_h (p_j - p_i) / T5's rel_bias[bucket(p_j - p_i), h]",
-            forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"]),
-        ),
-    ),
-    (
-        ("window",),  # with causality and the user's mask: always a stage, the last score itself without one
-        ScoreStep(
-            "masked_scores",
-            "blocked positions set to -inf",
-            forward=lambda ops, cfg, scores, parts: (
-                scores if parts["blocked"] is None else ops.positional_mask(scores, parts["blocked"])
-            ),
-        ),
-    ),
-)
+}
+
+
+def _steps_in_registry_order() -> tuple[tuple[tuple[str, ...], ScoreStep], ...]:
+    """(the variants that turn a step on, the step) for each score op before the softmax, in the pipeline
+    order of core's registry (`SCORE_PLACES`; registry order within a place). The softmax's sinks are the
+    ops object's ``softmax(..., sinks=)``."""
+    by_op: dict[str, list[str]] = {}
+    entries = [(name, entry.score_step) for name, entry in VARIANT_REGISTRY.items() if entry.score_step is not None]
+    for name, step in sorted(entries, key=lambda item: SCORE_PLACES.index(item[1].place)):
+        if step.place == "softmax":
+            continue
+        if step.op not in OP_STEPS:
+            raise KeyError(
+                f"core's variant registry names the score op {step.op!r} (variant {name!r}), which "
+                f"backends/frameworks/ops.py cannot run: add it to OP_STEPS and a method {step.op} to each ops class"
+            )
+        by_op.setdefault(step.op, []).append(name)
+    return tuple((tuple(names), OP_STEPS[op]) for op, names in by_op.items())
+
+
+# The score steps in the spec's order, each with the variants that it carries: the one list every path
+# iterates, derived from core's registry.
+SCORE_STEPS: tuple[tuple[tuple[str, ...], ScoreStep], ...] = _steps_in_registry_order()
 
 STEP_HOW = {step.stage: step.how for _, step in SCORE_STEPS}  # stage -> the step that makes it, in words
 

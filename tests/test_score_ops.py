@@ -225,3 +225,28 @@ def test_the_steps_come_from_core_s_registry_and_an_unknown_op_is_named(monkeypa
     monkeypatch.setattr(ops, "VARIANT_REGISTRY", unknown)
     with pytest.raises(KeyError, match=r"score op 'temperature' \(variant 'softcap'\).*add it to OP_STEPS"):
         ops._steps_in_registry_order()
+
+
+def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run(monkeypatch):
+    """`RegistryVariants`: every registered variant whose score op the library's ops class has, read when asked."""
+    from dataclasses import replace
+
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.backends.frameworks import ops
+    from mha_rosetta.core import VARIANTS
+    from mha_rosetta.core.variants import VARIANT_REGISTRY, ScoreStep
+
+    numpy = get_backend("numpy")
+    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS)
+    # A variant registered after import whose op no ops class has: left out, for every adapter and path.
+    tempered = replace(
+        VARIANT_REGISTRY["softcap"], name="temperature", score_step=ScoreStep("transform", "temperature")
+    )
+    monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "temperature": tempered})
+    assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS)
+    # Once the NumPy ops class has the method, the NumPy adapter declares it; einops (all three libraries) does not yet.
+    monkeypatch.setattr(ops.NumpyOps, "temperature", lambda self, scores, t: scores / t, raising=False)
+    assert "temperature" in numpy.variants and "temperature" in numpy.decode_variants
+    assert "temperature" not in get_backend("einops-numpy").variants
+    with pytest.raises(ValueError, match="libraries must be among numpy, torch, jax"):
+        ops.RegistryVariants("mlx")

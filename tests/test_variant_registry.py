@@ -84,7 +84,7 @@ def test_score_steps_come_in_pipeline_order_with_their_ops_methods():
         ("bias", "add_score_bias", "alibi"),
         ("bias", "add_score_bias", "rel_bias"),
         ("mask", "positional_mask", "window"),
-        ("softmax", "softmax_with_sinks", "sinks"),
+        ("softmax", "softmax", "sinks"),
     ]
     assert [SCORE_PLACES.index(s.place) for s in steps] == sorted(SCORE_PLACES.index(s.place) for s in steps)
     assert score_steps(MHAConfig(d_model=12, n_heads=3, qk_norm="head")) == ()

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
 
 from .._inputs import convert_inputs
 from ..base import Backend, Prepared, check_device_name, tensor_to_numpy
-from ..frameworks.ops import OPS_BY_LIBRARY
+from ..frameworks.ops import OPS_BY_LIBRARY, RegistryVariants
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
 from ..numpy.common import NumpyPrecision
 from ..torch.common import torch_devices, with_matmul_precision
@@ -36,12 +36,12 @@ class EinopsBackend(Backend):
 
     # Every variant with named axes, on every array library (`plans` shows how); the backward
     # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.
-    variants = frozenset(VARIANTS)
+    variants = RegistryVariants("numpy", "torch", "jax")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: the cache is the pipeline's own keys, "b s g k" (`decode`), on every array library; every variant
     # (a step is the pipeline's two halves with the cache between them).
     decode_caches = CACHE_KINDS
-    decode_variants = frozenset(VARIANTS)
+    decode_variants = RegistryVariants("numpy", "torch", "jax")
     decode_layouts = CACHE_LAYOUTS
 
     def __init__(

@@ -224,3 +224,32 @@ def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None
             d_last = step.backward(ops, cfg, d_last, view(saved[input_name]))
         grads[f"d_{input_name}"] = d_last
     return d_last, d_sinks, grads
+
+
+class RegistryVariants:
+    """An adapter's capability set, read from core's registry each time it is asked, never kept in a list.
+
+    Our adapters run the score steps through their library's ops object (`score_steps`), and apply the
+    variants that act outside the score pipeline (an entry without a ``score_step``: QK-norm, the qkv
+    bias, rope scaling) in their projections and rotary. So an adapter implements every registered
+    variant whose score op its ops class has a method for, and every variant without one. A variant
+    registered after import is included; one whose op a library's ops class lacks is left out, and the
+    adapter refuses it with the reason (`Backend.variant_reason`). ``libraries``: the ops classes that
+    must all have the op (einops runs on all three); ``without``: variants a path does not implement.
+    Used as a class attribute: ``variants = RegistryVariants("numpy")``; reads as a frozenset.
+    """
+
+    def __init__(self, *libraries: str, without: frozenset[str] = frozenset()) -> None:
+        unknown = [name for name in libraries if name not in OPS_BY_LIBRARY]
+        if not libraries or unknown:
+            raise ValueError(f"libraries must be among {', '.join(OPS_BY_LIBRARY)}, got {libraries!r}")
+        self.libraries, self.without = libraries, frozenset(without)
+
+    def __get__(self, obj, owner=None) -> frozenset[str]:
+        classes = [OPS_BY_LIBRARY[name] for name in self.libraries]
+        return frozenset(
+            name
+            for name, entry in VARIANT_REGISTRY.items()
+            if name not in self.without
+            and (entry.score_step is None or all(hasattr(cls, entry.score_step.op) for cls in classes))
+        )

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
 from ..base import STANDARD, Backend, Prepared, StageTensor
+from ..frameworks.ops import RegistryVariants
 from . import decode
 from .chunked import CHUNKED_VARIANTS, chunked_attention, chunked_hidden
 from .common import (
@@ -42,12 +43,12 @@ class JaxBackend(Backend):
     strategies = (STANDARD, CHUNKED)
     # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries
     # them all in its online softmax (`chunked`).
-    variants = frozenset(VARIANTS)
+    variants = RegistryVariants("jax")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     strategy_variants: ClassVar[dict[str, frozenset[str]]] = {CHUNKED: CHUNKED_VARIANTS}
     # Rule 8: a static (B, T, Hkv, Dk) cache and one jitted step (`decode`), every variant.
     decode_caches = (decode.STATIC,)
-    decode_variants = frozenset(VARIANTS)
+    decode_variants = RegistryVariants("jax")
     decode_layouts: ClassVar[dict[str, str]] = decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:

@@ -6,11 +6,12 @@ only picks a strategy, wires `chunked` and `vjp` in, and fills `Prepared.info`.
 
 from __future__ import annotations
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared
+from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedColumnSampleMHA
 from .common import NumpyPrecision
 from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_numpy_decode_run, prepare_numpy_decode_step
@@ -26,11 +27,11 @@ class NumpyBackend(Backend):
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
     # Every variant, in every strategy, the chunked one included (`variants` says how each is laid out in
     # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.
-    variants = frozenset(VARIANTS)
+    variants = RegistryVariants("numpy")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: keys stay columns, (B, Hkv, Dk, T); every variant (`decode` reuses the layer's pieces).
     decode_caches = CACHE_KINDS
-    decode_variants = frozenset(VARIANTS)
+    decode_variants = RegistryVariants("numpy")
     decode_layouts = CACHE_LAYOUTS
 
     def _prepare(

@@ -58,10 +58,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 from mha_rosetta.core.variants import alibi_slopes
 
 from ..base import STANDARD
+from ..frameworks.ops import RegistryVariants
 from . import jax_decode
 from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
 from .workers import Programs, WorkerGroup, serve
@@ -92,13 +93,13 @@ class JaxShardedBackend(ShardedBackend):
     strategies = (STANDARD, NAMED_SHARDING)
     rank_noun = "devices"
     # Every variant, in both strategies (the module docstring says how each is split); no backward pass.
-    variants = frozenset(VARIANTS)
+    variants = RegistryVariants("jax")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: head-parallel decoding (`jax_decode`): each device its kv heads' slice of a static cache, one
     # psum per chunk, in the standard (shard_map) strategy, every variant.
     decode_caches = (jax_decode.STATIC,)
     decode_strategies = (STANDARD,)
-    decode_variants = frozenset(VARIANTS)
+    decode_variants = RegistryVariants("jax")
     decode_layouts: ClassVar[dict[str, str]] = jax_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:

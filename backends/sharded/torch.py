@@ -59,9 +59,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import STAGE_BY_NAME, VARIANTS, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
+from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
 from ..base import STANDARD, StageTensor, tensor_to_numpy
+from ..frameworks.ops import RegistryVariants
 from . import torch_decode
 from .common import PREPARE_SECONDS, ShardedBackend, alibi_slopes_of, gather_heads, shard_variant_params
 from .workers import Programs, WorkerGroup, serve
@@ -77,13 +78,13 @@ class TorchTPBackend(ShardedBackend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
-    variants = frozenset(VARIANTS)  # each split as the module docstring says; no backward pass
+    variants = RegistryVariants("torch")  # each split as the module docstring says; no backward pass
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
     # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.
     decode_caches = (torch_decode.DYNAMIC, torch_decode.STATIC)
     decode_strategies = (STANDARD, MANUAL)
-    decode_variants = frozenset(VARIANTS)
+    decode_variants = RegistryVariants("torch")
     decode_layouts: ClassVar[dict[str, str]] = torch_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:

@@ -7,11 +7,12 @@ dynamic and static) in, sets the matmul precision and fills `Prepared.info`.
 
 from __future__ import annotations
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedRowSampleMHA
 from .common import (
     TorchDevices,
@@ -33,11 +34,11 @@ class TorchBackend(TorchDevices, Backend):
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
     # Every variant, in every strategy (chunked included: window tiles skipped, the score steps on each tile,
     # the sinks in the online softmax), forward and backward (autograd; chunked is forward only).
-    variants = frozenset(VARIANTS)
+    variants = RegistryVariants("torch")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`decode`): Hugging Face's (B, Hkv, T, D) cache, growing or static, a ring with a window; every variant.
     decode_caches = DECODE_CACHES
-    decode_variants = frozenset(VARIANTS)
+    decode_variants = RegistryVariants("torch")
     decode_layouts = DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:

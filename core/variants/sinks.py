@@ -125,7 +125,7 @@ ENTRY = Variant(
     validate=_validate,
     # Sink logits N(0, 1): the size of a score, so that a sink takes a visible share of each row.
     params=(ParamSpec("sinks", "sinks", lambda cfg: (cfg.n_heads,) if cfg.sinks else None, centre=0.0, spread=1.0),),
-    score_step=ScoreStep("softmax", "softmax_with_sinks"),
+    score_step=ScoreStep("softmax", "softmax"),  # the ops objects' softmax(scores, empty_rows, sinks=)
     forward=softmax_with_sinks,
     backward=sink_vjp,
     check_cases=(

@@ -115,11 +115,20 @@ def copy_program(library: str, array_bytes: int, device: str) -> CopyProgram:
 
 
 def measure(spec: dict) -> dict:
-    """Time the copy in this process (a fresh pinned child)."""
+    """Time the copy in this process (a fresh pinned child); with ``spec["kernel"] == "read"``, the decode
+    limit's side of the machine instead: the last-level cache measured and a read stream over arrays larger
+    than it (`limits.measure_read_limit`)."""
     from . import pinning
     from .gemm import time_program
     from .timing import RepeatPolicy
 
+    if spec.get("kernel") == "read":
+        from .limits import READ_KERNEL, measure_read_limit
+
+        pinning.configure_frameworks(int(spec.get("threads", 1)), ("numpy",))
+        with pinning.limit_thread_pools(int(spec.get("threads", 1))):
+            result = measure_read_limit(spec.get("cpus"))
+        return {"status": "ok", "kernel": READ_KERNEL, **result}
     library, device = spec["library"], spec.get("device", "cpu")
     reason = unsupported_reason(library, device)
     if reason:
@@ -230,6 +239,18 @@ def measure_bandwidth(
         by_library[library] = best_uncontended(run, "gbps", device, threads, retries)
     record = summarize_bandwidth(device, threads, by_library)
     record.update(array_mb=size_mb, array_rule=why, llc_bytes=llc, malloc=malloc)
+    if device == "cpu" and (libraries is None or "numpy" in libraries):
+        # The decode limit's own figures (issue 43): a read stream, the way a step reads its cache and weights,
+        # over arrays larger than the last-level cache as measured (sysfs's figure is not what reads see).
+        spec = dict(kernel="read", library="numpy", device=device, threads=threads, cpus=cpus)
+        read = run_fresh(
+            "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
+        )
+        record.update(
+            read_gbps=read.get("read_gbps"),
+            measured_llc_bytes=(read.get("llc") or {}).get("llc_bytes"),
+            read=read,
+        )
     warning = cache_warning(int(size_mb * 2**20), llc)
     record["warnings"] = [warning] if warning else []
     return record
@@ -263,6 +284,11 @@ def merge_bandwidths(records: list[dict | None]) -> dict | None:
     merged["round_gbps"] = rounds
     merged["gbps"] = statistics.median(measured) if measured else None
     merged["spread_gbps"] = [min(measured), max(measured)] if measured else None
+    reads = [record.get("read_gbps") for record in present if record.get("read_gbps")]
+    caches = [record.get("measured_llc_bytes") for record in present if record.get("measured_llc_bytes")]
+    merged["round_read_gbps"] = [None if record is None else record.get("read_gbps") for record in records]
+    merged["read_gbps"] = statistics.median(reads) if reads else None
+    merged["measured_llc_bytes"] = min(caches) if caches else None  # the smallest: the cells that fit fit every round
     return merged
 
 
@@ -309,7 +335,14 @@ def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
-def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None, llc_bytes: int | None = None) -> dict:
+def enrich_decode_cell(
+    cell: dict,
+    bandwidth_gbps: float | None,
+    llc_bytes: int | None = None,
+    *,
+    read_gbps: float | None = None,
+    measured_llc_bytes: int | None = None,
+) -> dict:
     """Add the limit and what the step reaches of it, tokens per second, the prefill/step ratio and the cache's MiB.
 
     The figure used is `rounds.cell_time` (drift-corrected where the cell has it); the limit is the
@@ -318,6 +351,12 @@ def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None, llc_bytes: int 
     read the same bytes again and again, may read them from the cache rather than from memory, while
     the bandwidth is memory's: ``fits_last_level_cache`` says so, and % of the limit may pass 100%.
     (In a real model the other layers' weights would flush the cache between two steps of a layer.)
+
+    The headline limit (issue 43) counts every byte a step reads, K, V and the weights, over the read
+    bandwidth (``read_gbps``, `limits.read_bandwidth`) measured in the same run over arrays larger than
+    the last-level cache as measured (``measured_llc_bytes``): ``read_limit_s`` and ``read_limit_fraction``,
+    with ``fits_measured_cache`` where those bytes fit in the measured cache. The K+V limit over the copy
+    bandwidth stays as ``limit_s`` / ``limit_fraction`` (the old column).
     """
     from .rounds import cell_interval, cell_time
 
@@ -332,6 +371,10 @@ def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None, llc_bytes: int 
     )  # fmt: skip
     if llc_bytes:
         cell["fits_last_level_cache"] = kv + weights <= llc_bytes
+    cell.update(read_gbps=read_gbps, read_limit_s=limit_seconds(kv + weights, read_gbps))
+    if measured_llc_bytes:
+        cell["measured_llc_bytes"] = measured_llc_bytes
+        cell["fits_measured_cache"] = kv + weights <= measured_llc_bytes
     cache = cell.get("cache_info")
     if isinstance(cache, dict) and isinstance(cache.get("bytes"), (int, float)):
         cell["cache_mb"] = cache["bytes"] / 2**20
@@ -344,6 +387,7 @@ def enrich_decode_cell(cell: dict, bandwidth_gbps: float | None, llc_bytes: int 
         step_spread_s=[low, high],
         limit_fraction=limit_fraction(cell["limit_s"], step_s),
         limit_fraction_with_weights=limit_fraction(cell["limit_with_weights_s"], step_s),
+        read_limit_fraction=limit_fraction(cell["read_limit_s"], step_s),
         tokens_per_s=cell["batch"] * cell["step"] / step_s if step_s > 0 else None,
     )
     if cell.get("prefill_median_s") is not None and step_s > 0:

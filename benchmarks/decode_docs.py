@@ -16,6 +16,24 @@ END = "<!-- decode-bench:end -->"
 DOCS_NAME = "decode"  # docs/bench/decode.json, .md, and the plot in docs/bench/decode/
 
 
+def limit_sentence(report: dict, copy: str) -> str:
+    """What the table's two limits are, with the bandwidths of this run (the read limit where it was measured)."""
+    reads = [record for record in report.get("bandwidth", []) if record.get("read_gbps")]
+    old = f"the K and V bytes over the copy bandwidth ({copy or 'not measured'})"
+    if not reads:
+        return f"The limit is {old}."
+    read = ", ".join(
+        f"{record['device']}: {record['read_gbps']:.1f} GB/s"
+        + (f", cache {record['measured_llc_bytes'] / 2**20:.0f} MiB" if record.get("measured_llc_bytes") else "")
+        for record in reads
+    )
+    return (
+        "% of limit: every byte a step reads (K, V and the weights) over a read bandwidth measured in the same run "
+        f"on the pinned core, over arrays larger than the last-level cache as measured ({read}); % of KV limit: "
+        f"{old}, the old figure; x its best: the step over its framework's best path at the same context."
+    )
+
+
 def readme_block(report: dict) -> str:
     """The README's decode block: how it was measured, a short table (one row per implementation at the
     shortest and longest full context, and the windowed row at its longest), and the links."""
@@ -34,8 +52,7 @@ def readme_block(report: dict) -> str:
         f"{settings['heads']} heads over {settings['kv_heads']} kv heads, d_k {settings['d_k']}, "
         f"{layer_biases(settings)}, "
         f"{settings['dtype']}, {settings['step']} {tokens} per step, {settings['threads']} thread(s), "
-        f"{settings['rounds']} round(s)); the limit is the K and V bytes a step reads over the copy "
-        f"bandwidth measured in the same run ({bandwidth or 'not measured'}). "
+        f"{settings['rounds']} round(s)). {limit_sentence(report, bandwidth)} "
         f"The full tables: [docs/bench/{DOCS_NAME}.md](docs/bench/{DOCS_NAME}.md); "
         f"the plot: [docs/bench/{DOCS_NAME}/{DECODE_PLOT_NAME}](docs/bench/{DOCS_NAME}/{DECODE_PLOT_NAME})."
     )
@@ -55,13 +72,24 @@ def readme_block(report: dict) -> str:
                         f"`{cell['implementation']}`" + (f" (W={cell['window']})" if windowed else ""),
                         str(cell["context"]),
                         f"{cell['step_s'] * 1e3:.3f}",
+                        "" if cell.get("over_best") is None else f"{cell['over_best']:.2f}",
+                        percent(cell.get("read_limit_fraction")),
                         percent(cell.get("limit_fraction")),
                         f"{cell['tokens_per_s']:.0f}" if cell.get("tokens_per_s") else "",
                         "" if cell.get("cache_mb") is None else f"{cell['cache_mb']:.1f}",
                     ]
                 )
         rows.sort(key=lambda row: (row[0].startswith("`") and "(W=" in row[0], int(row[1]), row[0]))
-        columns = ["implementation", "context", "step ms", "% of KV limit", "tokens/s", "cache MiB"]
+        columns = [
+            "implementation",
+            "context",
+            "step ms",
+            "x its best",
+            "% of limit",
+            "% of KV limit",
+            "tokens/s",
+            "cache MiB",
+        ]
         lines += [*table_lines(columns, rows), ""]
     lines.append(END)
     return "\n".join(lines) + "\n"

@@ -320,6 +320,26 @@ def run_decode_sweep(
 
 
 # -- the report ------------------------------------------------------------------------------------
+def best_of_framework(cells: list[dict]) -> None:
+    """Each decoded cell's time over its framework's best path at the same context, window and device
+    (``over_best``, with the best path's name in ``best_path``), where the run timed that best path.
+
+    Our convention adapters are never a framework's speed (issue 43): this is the gap the table names.
+    """
+    from mha_rosetta.backends.best import best_path_for
+
+    def key(cell: dict) -> tuple:
+        return (cell.get("device"), cell.get("dtype"), cell.get("context"), cell.get("window"), cell.get("step"))
+
+    best = {(cell["implementation"], *key(cell)): cell for cell in cells if cell.get("status") == "ok"}
+    for cell in cells:
+        path = best_path_for(cell["implementation"])
+        reference = best.get((path, *key(cell)))
+        if cell.get("status") != "ok" or reference is None or not reference.get("step_s"):
+            continue
+        cell.update(best_path=path, over_best=cell["step_s"] / reference["step_s"])
+
+
 def assemble_decode_report(
     settings: dict, bandwidths: list[dict], cells: list[dict], *, rounds: dict | None = None, complete: bool = True
 ) -> dict:
@@ -327,13 +347,19 @@ def assemble_decode_report(
     from .correction import correct_cell, reference_summary, run_references
     from .report import machine_info, status_summary
 
-    by_device = {record["device"]: record.get("gbps") for record in bandwidths}
-    llc = {record["device"]: record.get("llc_bytes") for record in bandwidths}
+    by_device = {record["device"]: record for record in bandwidths}
     workloads = run_references(cells)
     enriched = [
-        enrich_decode_cell(correct_cell(cell, workloads), by_device.get(cell["device"]), llc.get(cell["device"]))
+        enrich_decode_cell(
+            correct_cell(cell, workloads),
+            by_device.get(cell["device"], {}).get("gbps"),
+            by_device.get(cell["device"], {}).get("llc_bytes"),
+            read_gbps=by_device.get(cell["device"], {}).get("read_gbps"),
+            measured_llc_bytes=by_device.get(cell["device"], {}).get("measured_llc_bytes"),
+        )
         for cell in cells
     ]
+    best_of_framework(enriched)
     try:
         from .provenance import provenance
 
@@ -348,7 +374,7 @@ def assemble_decode_report(
         "provenance": origin,
         "settings": settings,
         "bandwidth": bandwidths,
-        "bandwidth_gbps_by": by_device,
+        "bandwidth_gbps_by": {device: record.get("gbps") for device, record in by_device.items()},
         "cells": enriched,
         "summary": status_summary(enriched),
         **({"rounds": rounds} if rounds else {}),

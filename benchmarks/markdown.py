@@ -155,9 +155,14 @@ def markdown_table(report: dict) -> str:
 
 # ``bench --mode decode`` (benchmarks.decode): one row per (implementation, window, context).
 DECODE_COLUMNS = (
-    "implementation", "cache", "W", "context", "step ms", "rounds ms", "KV MiB read", "limit ms", "% of limit",
-    "% with weights", "tokens/s", "prefill ms", "prefill / step", "cache slots", "cache MiB", "cores", "status",
+    "implementation", "cache", "W", "context", "step ms", "rounds ms", "x its best", "% of read limit", "KV MiB read",
+    "KV limit ms", "% of KV limit", "% with weights", "tokens/s", "prefill ms", "prefill / step", "cache slots",
+    "cache MiB", "cores", "status",
 )  # fmt: skip
+
+
+def _percent(fraction: float | None) -> str:
+    return "" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def decode_row(cell: dict) -> list[str]:
@@ -179,10 +184,10 @@ def decode_row(cell: dict) -> list[str]:
         f"`{cell['implementation']}`", str(cache.get("kind") or cell.get("cache") or ""),
         "" if cell.get("window") is None else str(cell["window"]), str(cell["context"]),
         _ms(cell.get("step_s")) if ok else "", round_range_text(cell) if ok else "",
+        _fmt(cell.get("over_best"), ".2f"), _percent(cell.get("read_limit_fraction")),
         f"{cell['kv_read_bytes'] / 2**20:.2f}" if cell.get("kv_read_bytes") is not None else "",
         _ms(cell.get("limit_s")),
-        "" if fraction is None else f"{100 * fraction:.1f}%",
-        "" if with_weights is None else f"{100 * with_weights:.1f}%",
+        _percent(fraction), _percent(with_weights),
         _fmt(cell.get("tokens_per_s"), ".0f"), _ms(cell.get("prefill_median_s")),
         _fmt(cell.get("prefill_over_step"), ".0f"), str(cache.get("slots", "")),
         _fmt(cell.get("cache_mb"), ".2f"), _fmt(cell.get("cpu_util"), ".2f"), status,
@@ -202,6 +207,12 @@ def decode_markdown(report: dict) -> str:
             low, high = record.get("spread_gbps") or (gbps, gbps)
             text += f"; the median of {len(measured)} rounds, {low:.2f}-{high:.2f})" if len(measured) > 1 else ")"
         lines.append(f"Copy bandwidth {record['device']}, {record['threads']} thread(s): {text}  ")
+        if record.get("read_gbps"):
+            cache = record.get("measured_llc_bytes")
+            lines.append(
+                f"Read bandwidth {record['device']}: {record['read_gbps']:.2f} GB/s (np.sum over arrays larger than "
+                f"the last-level cache as measured, {'not found' if not cache else f'{cache / 2**20:.0f} MiB'})  "
+            )
         lines += [f"(!) {warning}  " for warning in record.get("warnings") or []]
     machine = report.get("machine", {})
     if machine:
@@ -216,7 +227,12 @@ def decode_markdown(report: dict) -> str:
         f"{settings['step']} token(s) per step{window}  "
     )
     lines.append(
-        "Limit: the K and V bytes a step reads (B x slots x Hkv x (Dk + Dv) x itemsize; slots = the context, "
+        '"% of read limit": every byte a step reads (K, V and the four projection matrices) over the read '
+        'bandwidth; "x its best": the step over its framework\'s best path (numpy-best, torch-best, jax-best) '
+        "at the same context, where this run timed it  "
+    )
+    lines.append(
+        "KV limit: the K and V bytes a step reads (B x slots x Hkv x (Dk + Dv) x itemsize; slots = the context, "
         'at most the ring\'s W - 1 + step) over the copy bandwidth; "% with weights" adds the four projection '
         "matrices the step also reads. Prefill: one forward of the context through the decode path "
         "(prefill=context), raw median  "

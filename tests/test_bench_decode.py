@@ -184,7 +184,34 @@ def test_a_cells_share_of_the_limit_from_a_fake_clock(fake):
     assert enrich_decode_cell(cell, 0.256, llc_bytes=256_000 + weights)["fits_last_level_cache"] is True
     assert enrich_decode_cell(cell, 0.256, llc_bytes=256_000 + weights - 1)["fits_last_level_cache"] is False
     row = decode_row(enriched)
-    assert row[3] == "1000" and row[4] == "2.000" and row[8] == "50.0%" and row[10] == "500"
+    assert row[3] == "1000" and row[4] == "2.000" and row[10] == "50.0%" and row[12] == "500"
+    assert row[6] == row[7] == "" and enriched["read_limit_s"] is None  # no read bandwidth measured, no read limit
+    # The limit that counts every byte (issue 43): K, V and the weights over a read bandwidth of 0.5 GB/s,
+    # (256 000 + 49 152) / 0.5e9 = 0.610 ms, 30.5% of the 2 ms step; 305 152 bytes fit a 300 KiB cache, not 256 KiB.
+    read = enrich_decode_cell(cell, 0.256, read_gbps=0.5, measured_llc_bytes=300 * 1024)
+    assert weights == 49_152 and read["read_limit_s"] == pytest.approx(305_152 / 0.5e9)
+    assert read["read_limit_fraction"] == pytest.approx(305_152 / 0.5e9 / 2e-3)
+    assert read["fits_measured_cache"] is True
+    assert enrich_decode_cell(cell, 0.256, read_gbps=0.5, measured_llc_bytes=256 * 1024)["fits_measured_cache"] is False
+    assert decode_row(read)[7] == "30.5%"
+
+
+def test_each_cell_is_read_against_its_frameworks_best_path():
+    """``over_best``: the step over the best path of the framework it computes in, same context and window."""
+    from mha_rosetta.benchmarks.decode_sweep import best_of_framework
+
+    def cell(name, context, step_s, window=None, status="ok"):
+        return dict(implementation=name, device="cpu", dtype="float32", context=context, window=window, step=1,
+                    status=status, step_s=step_s)  # fmt: skip
+
+    cells = [
+        cell("numpy-best", 1024, 2e-3), cell("numpy", 1024, 3e-3), cell("einops-numpy", 1024, 5e-3),
+        cell("jax", 1024, 8e-3), cell("numpy", 2048, 4e-3), cell("numpy", 1024, 9e-3, window=512),
+        cell("torch", 1024, None, status="unsupported"),
+    ]  # fmt: skip
+    best_of_framework(cells)
+    assert [c.get("over_best") for c in cells] == [1.0, 1.5, 2.5, None, None, None, None]
+    assert cells[1]["best_path"] == cells[2]["best_path"] == "numpy-best"  # einops on NumPy arrays: NumPy's best
 
 
 def test_a_windowed_cell_reads_the_ring_and_holds_it(fake):

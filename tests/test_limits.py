@@ -125,3 +125,19 @@ def test_the_bandwidth_is_read_over_arrays_beyond_the_cache():
     assert result["read"]["array_bytes"] == 32 * 1024
     assert result["read_gbps"] == pytest.approx(32 * 1024 / 1e-3 / 1e9)
     assert result["cpus"] is None
+
+
+def test_the_rounds_read_bandwidth_is_their_median_and_the_cache_their_smallest():
+    from mha_rosetta.benchmarks.bandwidth import merge_bandwidths
+
+    rounds = [
+        {"device": "cpu", "gbps": 25.0, "read_gbps": 16.0, "measured_llc_bytes": 64 * 2**20},
+        None,  # a round whose bandwidth was lost
+        {"device": "cpu", "gbps": 24.0, "read_gbps": 17.0, "measured_llc_bytes": 32 * 2**20},
+        {"device": "cpu", "gbps": 26.0, "read_gbps": 15.5, "measured_llc_bytes": 64 * 2**20},
+    ]
+    merged = merge_bandwidths(rounds)
+    assert merged["gbps"] == 25.0 and merged["read_gbps"] == 16.0
+    assert merged["round_read_gbps"] == [16.0, None, 17.0, 15.5]
+    assert merged["measured_llc_bytes"] == 32 * 2**20  # a step that fits the smallest fits every round's
+    assert merge_bandwidths([{"device": "cpu", "gbps": 25.0}])["read_gbps"] is None  # an old run: no read limit

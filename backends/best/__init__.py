@@ -26,3 +26,21 @@ grows with the context, NumPy's step reads each kv head once). They implement th
 timings compare (GQA, rotary, the causal and padding masks, the qkv bias, rope scaling) in
 float32 and float64, and refuse everything else with a reason (`common.BestPath`).
 """
+
+from __future__ import annotations
+
+# The best path of each framework, by the array library an implementation computes in (the last of its
+# registry's ``requires`` that is one of these: einops-torch computes in torch, numpy-best in NumPy).
+BEST_BY_LIBRARY = {"numpy": "numpy-best", "torch": "torch-best", "jax": "jax-best"}
+
+
+def best_path_for(implementation: str) -> str | None:
+    """The name of the best path ``implementation`` is compared with (``"einops-jax"`` -> ``"jax-best"``,
+    ``"torch:slicing"`` -> ``"torch-best"``), or None for an implementation the registry does not know."""
+    from mha_rosetta.backends.registry import REGISTRY
+
+    entry = REGISTRY.get(implementation.split(":")[0])
+    if entry is None:
+        return None
+    libraries = [module for module in entry.requires if module in BEST_BY_LIBRARY]
+    return BEST_BY_LIBRARY[libraries[-1]] if libraries else BEST_BY_LIBRARY["numpy"]

@@ -239,7 +239,7 @@ def measure_bandwidth(
         by_library[library] = best_uncontended(run, "gbps", device, threads, retries)
     record = summarize_bandwidth(device, threads, by_library)
     record.update(array_mb=size_mb, array_rule=why, llc_bytes=llc, malloc=malloc)
-    if device == "cpu" and (libraries is None or "numpy" in libraries):
+    if device == "cpu":
         # The decode limit's own figures (issue 43): a read stream, the way a step reads its cache and weights,
         # over arrays larger than the last-level cache as measured (sysfs's figure is not what reads see).
         spec = dict(kernel="read", library="numpy", device=device, threads=threads, cpus=cpus)

@@ -92,6 +92,11 @@ def test_the_measured_bandwidth_is_its_bytes_over_its_median():
     assert numpy_record["best_gbps"] >= numpy_record["gbps"]  # the min sample is never slower than the median
     assert record["library"] == "numpy" and record["gbps"] == numpy_record["gbps"]
     assert record["array_mb"] == 4 and record["array_rule"] == "as requested"
+    # The decode limit's read stream, in its own pinned child: what it read and the cache it found.
+    read = record["read"]
+    assert read["status"] == "ok" and record["read_gbps"] == read["read_gbps"] == read["read"]["gbps"]
+    assert read["read"]["array_bytes"] >= 4 * (read["llc"]["llc_bytes"] or 0)  # past the measured cache
+    assert record["measured_llc_bytes"] == read["llc"]["llc_bytes"]
 
 
 def test_the_last_level_cache_is_read_from_sysfs(tmp_path):

@@ -208,7 +208,7 @@ def test_sigterm_leaves_a_valid_json_of_what_finished_marked_interrupted(tmp_pat
 
 
 def test_estimated_seconds_put_the_compiling_backends_first():
-    from mha_rosetta.backends import REGISTRY, get_backend
+    from mha_rosetta.backends import REGISTRY
     from mha_rosetta.checks.pool import JAX_RUN_SECONDS, OTHER_RUN_SECONDS, PROCESS_RUN_SECONDS, estimated_seconds
 
     assert estimated_seconds(("jax",), 54) == pytest.approx(JAX_RUN_SECONDS * 54)
@@ -221,7 +221,9 @@ def test_estimated_seconds_put_the_compiling_backends_first():
     # 135 NumPy runs are less work than 27 einops-jax runs, though they are five times as many.
     assert estimated_seconds(REGISTRY["numpy"].requires, 135) < estimated_seconds(REGISTRY["einops-jax"].requires, 27)
     # torch-tp's process group: more than eager torch, less than a JAX backend (0.33 s a run measured cold).
-    tp = estimated_seconds(REGISTRY["torch-tp"].requires, 54, own_processes=get_backend("torch-tp").own_processes)
+    from mha_rosetta.backends.sharded.torch import TorchTPBackend  # the class: torch is imported only when it runs
+
+    tp = estimated_seconds(REGISTRY["torch-tp"].requires, 54, own_processes=TorchTPBackend.own_processes)
     assert estimated_seconds(REGISTRY["torch"].requires, 54) < tp < estimated_seconds(REGISTRY["jax"].requires, 54)
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
 from .gemm import best_uncontended
+from .limits import limit_seconds
 from .pinning import DEFAULT_MALLOC_MODE, malloc_env
 
 if TYPE_CHECKING:
@@ -306,13 +307,6 @@ def weight_bytes(d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int, it
     """Bytes of the four projection matrices a step reads once: W_q (D, H Dk), W_k (D, Hkv Dk), W_v (D, Hkv Dv),
     W_o (H Dv, D) (biases, a few KiB, left out)."""
     return d_model * (heads * d_k + kv_heads * d_k + kv_heads * d_v + heads * d_v) * itemsize
-
-
-def limit_seconds(nbytes: int, gbps: float | None) -> float | None:
-    """The time to read ``nbytes`` at ``gbps`` (1e9 bytes per second), or None without a bandwidth."""
-    if not gbps or gbps <= 0:
-        return None
-    return nbytes / (gbps * 1e9)
 
 
 def limit_fraction(limit_s: float | None, step_s: float | None) -> float | None:

@@ -32,11 +32,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mha_rosetta.core import MHAConfig, expected_param_shapes, numpy_dtype
-from mha_rosetta.core.decode import cache_capacity
+if TYPE_CHECKING:
+    from mha_rosetta.core import MHAConfig
 
-from .bandwidth import limit_seconds
+# core (NumPy) is imported inside the functions that need it: `bandwidth` imports this module, and the
+# bandwidth child imports `bandwidth` before it pins itself (nothing heavy may load before the pin).
 
 MiB = 2**20
 # The sweep of `measure_llc`: 1 MiB to 512 MiB by doubling (the largest well past any server's last-level cache
@@ -79,12 +81,22 @@ def step_bytes(cfg: MHAConfig, context: int, dtype: str, *, batch: int = 1, step
     for name, value, low in (("context", context, 0), ("batch", batch, 1), ("step", step, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    from mha_rosetta.core import expected_param_shapes, numpy_dtype
+    from mha_rosetta.core.decode import cache_capacity
+
     itemsize = numpy_dtype(dtype).itemsize
     slots = cache_capacity(cfg, context + step, step)
     kv = batch * slots * cfg.n_kv_heads * (cfg.d_k + cfg.d_v) * itemsize
     sizes = {name: math.prod(shape) for name, shape in expected_param_shapes(cfg).items() if shape is not None}
     weights = sum(size for name, size in sizes.items() if name.startswith("w_"))
     return StepBytes(kv, weights * itemsize, (sum(sizes.values()) - weights) * itemsize)
+
+
+def limit_seconds(nbytes: int, gbps: float | None) -> float | None:
+    """The time to read ``nbytes`` at ``gbps`` (1e9 bytes per second), or None without a bandwidth."""
+    if not gbps or gbps <= 0:
+        return None
+    return nbytes / (gbps * 1e9)
 
 
 def decode_limit_s(nbytes: int | StepBytes, read_gbps: float | None) -> float | None:

@@ -308,6 +308,7 @@ def test_measured_children_import_no_numpy_or_framework_before_pinning():
     # The child pins itself in main(); everything imported before that must be light.
     code = (
         "import sys, mha_rosetta.benchmarks.cell, mha_rosetta.benchmarks.gemm, mha_rosetta.benchmarks.questions\n"
+        "import mha_rosetta.benchmarks.bandwidth\n"
         "print(','.join(m for m in ('numpy', 'torch', 'jax') if m in sys.modules))\n"
     )
     assert python_stdout(code) == ""

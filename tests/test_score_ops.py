@@ -244,8 +244,14 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     )
     monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "temperature": tempered})
     assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS)
-    # Once the NumPy ops class has the method, the NumPy adapter declares it; einops (all three libraries) does not yet.
+    # The NumPy ops class has the method, but the pipeline (built from the registry at import) does not carry
+    # the step: still refused, never run without it.
     monkeypatch.setattr(ops.NumpyOps, "temperature", lambda self, scores, t: scores / t, raising=False)
+    assert "temperature" not in numpy.variants
+    # Once the pipeline carries it (its call in OP_STEPS, the steps rebuilt from the registry), NumPy declares it;
+    # einops (all three libraries) does not yet.
+    monkeypatch.setitem(ops.OP_STEPS, "temperature", ops.OP_STEPS["softcap"])
+    monkeypatch.setattr(ops, "SCORE_STEPS", ops._steps_in_registry_order())
     assert "temperature" in numpy.variants and "temperature" in numpy.decode_variants
     every_library = ops.RegistryVariants("numpy", "torch", "jax")  # the einops adapter's (any array library)
     assert "temperature" not in every_library.__get__(None, object)

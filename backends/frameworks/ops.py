@@ -232,9 +232,10 @@ class RegistryVariants:
     Our adapters run the score steps through their library's ops object (`score_steps`), and apply the
     variants that act outside the score pipeline (an entry without a ``score_step``: QK-norm, the qkv
     bias, rope scaling) in their projections and rotary. So an adapter implements every registered
-    variant whose score op its ops class has a method for, and every variant without one. A variant
-    registered after import is included; one whose op a library's ops class lacks is left out, and the
-    adapter refuses it with the reason (`Backend.variant_reason`). ``libraries``: the ops classes that
+    variant whose score op its ops class has a method for and the pipeline carries (`SCORE_STEPS`), and
+    every variant without a score step. One whose op a library's ops class lacks, or that the pipeline
+    does not carry (registered after `SCORE_STEPS` was built), is left out, and the adapter refuses it
+    with the reason (`Backend.variant_reason`). ``libraries``: the ops classes that
     must all have the op (einops runs on all three); ``without``: variants a path does not implement.
     Used as a class attribute: ``variants = RegistryVariants("numpy")``; reads as a frozenset.
     """
@@ -247,9 +248,18 @@ class RegistryVariants:
 
     def __get__(self, obj, owner=None) -> frozenset[str]:
         classes = [OPS_BY_LIBRARY[name] for name in self.libraries]
+        # A score step before the softmax runs only if the pipeline carries it (`SCORE_STEPS`, built from the
+        # registry at import): a variant the pipeline would skip is never declared, so it is refused, not run without.
+        carried = {name for names, _ in SCORE_STEPS for name in names}
         return frozenset(
             name
             for name, entry in VARIANT_REGISTRY.items()
             if name not in self.without
-            and (entry.score_step is None or all(hasattr(cls, entry.score_step.op) for cls in classes))
+            and (
+                entry.score_step is None
+                or (
+                    all(hasattr(cls, entry.score_step.op) for cls in classes)
+                    and (entry.score_step.place == "softmax" or name in carried)
+                )
+            )
         )

@@ -7,8 +7,9 @@ backends, `register`, `get_backend`, plugin discovery through the entry-point gr
 
 from __future__ import annotations
 
-from ._chunking import CHUNKED, DEFAULT_CHUNK
+from ._chunking import CHECK_CHUNK, CHUNKED, DEFAULT_CHUNK
 from ._probe import import_failure, installed
+from ._tf32 import tf32_forced
 from .base import (
     DIRECT_RESHAPE,
     KNOWN_WRONG_STRATEGIES,
@@ -35,6 +36,7 @@ from .registry import (
 )
 
 __all__ = [
+    "CHECK_CHUNK",
     "CHUNKED",
     "DEFAULT_CHUNK",
     "DIRECT_RESHAPE",
@@ -59,4 +61,5 @@ __all__ = [
     "missing_backends",
     "register",
     "registered_classes",
+    "tf32_forced",
 ]

@@ -309,7 +309,7 @@ def measure_gemm_peak(
         by_library[library] = best_uncontended(run, "gflops", device, threads, retries)
     record = {**summarize_peak(device, dtype, threads, n, by_library), "malloc": malloc}
     if device == "gpu" and dtype == "float32":
-        from mha_rosetta.backends._tf32 import tf32_forced
+        from mha_rosetta.backends import tf32_forced
 
         record["tf32"] = tf32_forced()  # the children read the same switch (`Framework.gemm_program`)
     return record

@@ -31,8 +31,7 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.backends import CHUNKED, Backend, BackendNotInstalled, UnsupportedCase
-from mha_rosetta.backends._chunking import CHECK_CHUNK
+from mha_rosetta.backends import CHECK_CHUNK, CHUNKED, Backend, BackendNotInstalled, UnsupportedCase
 from mha_rosetta.core import (
     Comparison,
     MHAConfig,

@@ -349,16 +349,18 @@ def assemble_decode_report(
 
     by_device = {record["device"]: record for record in bandwidths}
     workloads = run_references(cells)
-    enriched = [
-        enrich_decode_cell(
+
+    def enrich(cell: dict) -> dict:
+        record = by_device.get(cell["device"], {})
+        return enrich_decode_cell(
             correct_cell(cell, workloads),
-            by_device.get(cell["device"], {}).get("gbps"),
-            by_device.get(cell["device"], {}).get("llc_bytes"),
-            read_gbps=by_device.get(cell["device"], {}).get("read_gbps"),
-            measured_llc_bytes=by_device.get(cell["device"], {}).get("measured_llc_bytes"),
+            record.get("gbps"),
+            record.get("llc_bytes"),
+            read_gbps=record.get("read_gbps"),
+            measured_llc_bytes=record.get("measured_llc_bytes"),
         )
-        for cell in cells
-    ]
+
+    enriched = [enrich(cell) for cell in cells]
     best_of_framework(enriched)
     try:
         from .provenance import provenance

@@ -161,8 +161,9 @@ DECODE_COLUMNS = (
 )  # fmt: skip
 
 
-def _percent(fraction: float | None) -> str:
-    return "" if fraction is None else f"{100 * fraction:.1f}%"
+def percent(fraction: float | None, digits: int = 0) -> str:
+    """``42%`` (``digits`` decimals), or "" without a figure: the generated blocks (0) and the full tables (1)."""
+    return "" if fraction is None else f"{100 * fraction:.{digits}f}%"
 
 
 def decode_row(cell: dict) -> list[str]:
@@ -184,10 +185,10 @@ def decode_row(cell: dict) -> list[str]:
         f"`{cell['implementation']}`", str(cache.get("kind") or cell.get("cache") or ""),
         "" if cell.get("window") is None else str(cell["window"]), str(cell["context"]),
         _ms(cell.get("step_s")) if ok else "", round_range_text(cell) if ok else "",
-        _fmt(cell.get("over_best"), ".2f"), _percent(cell.get("read_limit_fraction")),
+        _fmt(cell.get("over_best"), ".2f"), percent(cell.get("read_limit_fraction"), 1),
         f"{cell['kv_read_bytes'] / 2**20:.2f}" if cell.get("kv_read_bytes") is not None else "",
         _ms(cell.get("limit_s")),
-        _percent(fraction), _percent(with_weights),
+        percent(fraction, 1), percent(with_weights, 1),
         _fmt(cell.get("tokens_per_s"), ".0f"), _ms(cell.get("prefill_median_s")),
         _fmt(cell.get("prefill_over_step"), ".0f"), str(cache.get("slots", "")),
         _fmt(cell.get("cache_mb"), ".2f"), _fmt(cell.get("cpu_util"), ".2f"), status,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mha_rosetta.core.tables import markdown_table as table_lines
 
-from .markdown import markdown_table, round_range_text
+from .markdown import markdown_table, percent, round_range_text
 from .pinning import CONTENDED_BELOW
 from .plots import plot_report, reference_cells
 from .report import REFERENCE_SIZE, load_report
@@ -77,11 +77,6 @@ def _with_range(cell: dict) -> str:
     """``81.0 ms (79.9-83.1)``, or ``81.0 ms`` with one round."""
     spread = _range(cell)
     return f"{_ms(cell_time(cell))} ms" + (f" ({spread})" if spread else "")
-
-
-def percent(fraction: float | None) -> str:
-    """``42%``, or "" without a figure (the generated blocks' percentages, forward and decode)."""
-    return "" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def _cpu_peak(report: dict) -> float | None:

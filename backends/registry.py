@@ -193,6 +193,7 @@ register("numpy", BackendEntry(".numpy.adapter", "NumpyBackend", ("numpy",), "te
 register("torch", BackendEntry(".torch.adapter", "TorchBackend", ("torch",), "torch"))
 register("jax", BackendEntry(".jax.adapter", "JaxBackend", ("jax",), "jax"))
 EINOPS = (".einops.adapter", "EinopsBackend")
+register("mlx", BackendEntry(".mlx.adapter", "MlxBackend", ("mlx",), "mlx"))
 register("einops-numpy", BackendEntry(*EINOPS, ("einops",), "einops", {"array_library": "numpy"}))
 register("einops-torch", BackendEntry(*EINOPS, ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
 register("einops-jax", BackendEntry(*EINOPS, ("einops", "jax"), "einops,jax", {"array_library": "jax"}))

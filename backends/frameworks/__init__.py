@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 from .interface import UNKNOWN_LAYOUT, CopyProgram, Framework, GemmProgram, Program, numpy_like, upcast_bfloat16
 from .jax import XLA_MANAGED, JaxFramework
+from .mlx import MlxFramework
 from .numpy import NumpyFramework
 from .torch import TorchFramework
 
@@ -37,6 +38,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "numpy": NumpyFramework(),
     "torch": TorchFramework(),
     "jax": JaxFramework(),
+    "mlx": MlxFramework(),
 }
 
 # Libraries that backends require without arrays of their own (they run on one of the above):

@@ -1,0 +1,133 @@
+"""The MLX adapter: `MlxBackend`, mlx-lm's attention (`layer.MlxAttention`) behind the `Backend` interface.
+
+The forward is built lazily and evaluated by ``mx.eval`` (`Prepared.synchronize`: the timed region
+ends there); the backward is ``mx.vjp`` of the same pure function, the three inputs as three
+primals even for self-attention; decoding goes through mlx-lm's caches (`decode`). float64 runs on
+the CPU only, held to float32's tolerance (`frameworks.mlx.FLOAT64_LIMIT`, declared in
+``info["tolerance_dtype"]``).
+"""
+
+from __future__ import annotations
+
+from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions, rotary_tables
+from mha_rosetta.core.params import PARAM_NAMES
+from mha_rosetta.core.variants import relative_distances
+
+from .._inputs import convert_inputs
+from .._recording import record_stages
+from ..base import STANDARD, Backend, Prepared, PreparedVJP, tensor_to_numpy
+from ..frameworks.mlx import FLOAT64_LIMIT, mlx_devices, mlx_stream, precision_info, to_mlx
+from ..frameworks.ops import RegistryVariants
+from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_mlx_decode_run, prepare_mlx_decode_step
+from .layer import MlxAttention, mlx_tables
+
+INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")
+
+
+class MlxDevices:
+    """A mixin for a `Backend` on MLX: its devices are MLX's; float64 only on the CPU (MLX has none on a GPU)."""
+
+    def devices(self) -> tuple[str, ...]:
+        return mlx_devices()
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if device == "gpu" and dtype == "float64":
+            return f"{self.name}: MLX has no float64 on the GPU (Metal); float64 runs on the CPU stream only"  # type: ignore[attr-defined]
+        return super().unsupported_reason(cfg, dtype, device, strategy)  # type: ignore[misc]
+
+
+def layer_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> dict:
+    """What `MlxAttention.forward` reads beside the parameters, converted once: the three inputs (self-attention
+    keeps one array), the rotary tables, the blocked mask and the score bias's distances."""
+    x_q, x_k, x_v = convert_inputs(inputs, lambda array: to_mlx(array, dtype))  # (B, N, features) each
+    allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk) True = may attend, or None
+    distance = relative_distances(inputs.positions, inputs.kv_positions) if cfg.has_score_bias else None
+    return {
+        "x_q": x_q,
+        "x_k": x_k,
+        "x_v": x_v,
+        "tables": mlx_tables(rotary_tables(cfg, inputs), dtype),
+        "blocked": None if allowed is None else to_mlx(~allowed, None),
+        "distance": distance,
+    }
+
+
+class MlxBackend(MlxDevices, Backend):
+    name = "mlx"
+    convention = (
+        "mlx-lm: nn.Linear (out, in) as mx.addmm(b, x, W.T); heads by reshape(B, L, H, -1).transpose(0, 2, 1, 3); "
+        "nn.RoPE(traditional=...) for interleaved/half; GQA without tiling; lazy, mx.eval is the sync"
+    )
+    strategies = (STANDARD,)
+    variants = RegistryVariants("mlx")  # every variant: the score steps on MlxOps, the others in the projections
+    causal_on_positions = True  # the mask comes from the positions (base rule 7), never mask="causal"
+    known_differences = (FLOAT64_LIMIT,)
+    decode_caches = DECODE_CACHES
+    decode_variants = RegistryVariants("mlx")
+    decode_layouts = DECODE_LAYOUTS
+
+    def _prepare(self, cfg, params, inputs, dtype, device, strategy) -> Prepared:
+        import mlx.core as mx
+
+        layer = MlxAttention(cfg, params, dtype)
+        given = layer_inputs(cfg, inputs, dtype)
+        stream = mlx_stream(device)
+
+        def run(rec=None):
+            with mx.stream(stream):
+                return layer.forward(layer.params, **given, rec=rec)
+
+        info = {
+            "layout": "row samples (B, L, features); heads (B, H, L, d) as mlx-lm splits them",
+            "strategy": strategy,
+            "device": str(stream),
+            "rope": f"nn.RoPE(traditional={layer.traditional})" if cfg.rope else None,
+            "gqa": "queries grouped (B, Hkv, G, L, d) against keys (B, Hkv, 1, S, d): no tiling",
+            "sync": "mx.eval (lazy evaluation)",
+            **precision_info(dtype),
+        }
+        return Prepared(
+            forward=run,
+            to_numpy=tensor_to_numpy,
+            native_stages=lambda: record_stages(run),
+            synchronize=mx.eval,
+            info=info,
+        )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy) -> PreparedVJP:
+        import mlx.core as mx
+
+        layer = MlxAttention(cfg, params, dtype)
+        given = layer_inputs(cfg, inputs, dtype)
+        # Three primals for the three inputs, even for self-attention: each slot gets its own gradient.
+        names = [*INPUT_SLOTS, *layer.params]
+        primals = [given["x_q"], given["x_k"], given["x_v"], *layer.params.values()]
+        cot = to_mlx(cotangent, dtype)
+        stream = mlx_stream(device)
+
+        def forward(*values):
+            slots = dict(zip(names, values, strict=True))
+            p = {name: slots[name] for name in layer.params}
+            x = (slots[name] for name in INPUT_SLOTS)
+            return [layer.forward(p, *x, given["tables"], given["blocked"], given["distance"])]
+
+        def run():
+            with mx.stream(stream):
+                _, grads = mx.vjp(forward, primals, [cot])
+            return dict(zip(names, grads, strict=True))
+
+        def to_grads(native: dict) -> dict:
+            return {
+                name: tensor_to_numpy(grad) for name, grad in native.items() if name in (*INPUT_SLOTS, *PARAM_NAMES)
+            }
+
+        info = {"backward": "mx.vjp", "strategy": strategy, **precision_info(dtype)}
+        return PreparedVJP(run, to_grads, synchronize=lambda grads: mx.eval(list(grads.values())), info=info)
+
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        return prepare_mlx_decode_run(cfg, params, inputs, dtype, device, cache)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        return prepare_mlx_decode_step(
+            cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, cache=cache, seed=seed
+        )

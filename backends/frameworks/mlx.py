@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 from .interface import Framework, GemmProgram
 
 MLX_LAZY = "n/a, MLX arrays expose no strides (lazy graph values; mx.eval allocates their buffers)"
+# dtype -> the level whose tolerance holds an MLX run of it (the checks read it: `info["tolerance_dtype"]`,
+# and `tolerance_levels` on the backward); the reason is `FLOAT64_LIMIT`.
+TOLERANCE_LEVELS = {"float64": "float32"}
 FLOAT64_LIMIT = (
     "MLX float64 (CPU only): mx.exp, mx.sin and mx.cos are float32-accurate, so softmax and rotary are about 4e-8 "
     "off in float64; the run is held to float32's tolerance (info['tolerance_dtype'])"
@@ -87,8 +90,8 @@ def precision_info(dtype: str) -> dict:
     import mlx.core as mx
 
     info = {"mlx": mx.__version__, "half_precision": "score steps and softmax in float32, rounded once"}
-    if dtype == "float64":
-        info.update(tolerance_dtype="float32", precision_limit=FLOAT64_LIMIT)
+    if dtype in TOLERANCE_LEVELS:
+        info.update(tolerance_dtype=TOLERANCE_LEVELS[dtype], precision_limit=FLOAT64_LIMIT)
     return info
 
 

@@ -16,7 +16,7 @@ from mha_rosetta.core.variants import relative_distances
 from .._inputs import convert_inputs
 from .._recording import record_stages
 from ..base import STANDARD, Backend, Prepared, PreparedVJP, tensor_to_numpy
-from ..frameworks.mlx import FLOAT64_LIMIT, mlx_devices, mlx_stream, precision_info, to_mlx
+from ..frameworks.mlx import FLOAT64_LIMIT, TOLERANCE_LEVELS, mlx_devices, mlx_stream, precision_info, to_mlx
 from ..frameworks.ops import RegistryVariants
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_mlx_decode_run, prepare_mlx_decode_step
 from .layer import MlxAttention, mlx_tables
@@ -62,6 +62,7 @@ class MlxBackend(MlxDevices, Backend):
     variants = RegistryVariants("mlx")  # every variant: the score steps on MlxOps, the others in the projections
     causal_on_positions = True  # the mask comes from the positions (base rule 7), never mask="causal"
     known_differences = (FLOAT64_LIMIT,)
+    tolerance_levels = TOLERANCE_LEVELS  # the backward's declaration (the forward's: info["tolerance_dtype"])
     decode_caches = DECODE_CACHES
     decode_variants = RegistryVariants("mlx")
     decode_layouts = DECODE_LAYOUTS

@@ -213,6 +213,8 @@ register("torch-flex", BackendEntry(".oracles.flex", "TorchFlexOracle", ("torch"
 register("jax-dpa", BackendEntry(".oracles.jax_dpa", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
 register("flax", BackendEntry(".oracles.flax", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
 register("equinox", BackendEntry(".oracles.equinox", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
+register("mlx-sdpa", BackendEntry(".oracles.mlx", "MlxSDPAOracle", ("mlx",), "mlx", kind="oracle"))
+register("mlx-mha", BackendEntry(".oracles.mlx", "MlxMHAOracle", ("mlx",), "mlx", kind="oracle"))
 # A decode oracle: Hugging Face's LlamaAttention / MistralAttention through their own KV caches.
 HF_ATTENTION = (".oracles.hf_cache", "HFAttentionOracle", ("torch", "transformers"), "torch,models")
 register("hf-attention", BackendEntry(*HF_ATTENTION, kind="oracle"))

@@ -52,6 +52,33 @@ def layer_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> dict:
     }
 
 
+def prepare_mlx_vjp(forward, params: dict, given: dict, cotangent, dtype: str, device: str, info: dict) -> PreparedVJP:
+    """``mx.vjp`` of ``forward(p, x_q, x_k, x_v)`` (the parameters by name, the three inputs): the timed ``run`` is
+    the forward and its backward of ``cotangent``. The inputs are three primals even for self-attention, so each
+    slot gets its own gradient; the parameters' gradients are already canonical (``(out, in)`` as held)."""
+    import mlx.core as mx
+
+    names = [*INPUT_SLOTS, *params]
+    primals = [given["x_q"], given["x_k"], given["x_v"], *params.values()]
+    cot = to_mlx(cotangent, dtype)
+    stream = mlx_stream(device)
+
+    def pure(*values):
+        slots = dict(zip(names, values, strict=True))
+        return [forward({name: slots[name] for name in params}, *(slots[name] for name in INPUT_SLOTS))]
+
+    def run():
+        with mx.stream(stream):
+            _, grads = mx.vjp(pure, primals, [cot])
+        return dict(zip(names, grads, strict=True))
+
+    def to_grads(native: dict) -> dict:
+        return {name: tensor_to_numpy(grad) for name, grad in native.items() if name in (*INPUT_SLOTS, *PARAM_NAMES)}
+
+    info = {"backward": "mx.vjp", **info}
+    return PreparedVJP(run, to_grads, synchronize=lambda grads: mx.eval(list(grads.values())), info=info)
+
+
 class MlxBackend(MlxDevices, Backend):
     name = "mlx"
     convention = (
@@ -96,34 +123,14 @@ class MlxBackend(MlxDevices, Backend):
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy) -> PreparedVJP:
-        import mlx.core as mx
-
         layer = MlxAttention(cfg, params, dtype)
         given = layer_inputs(cfg, inputs, dtype)
-        # Three primals for the three inputs, even for self-attention: each slot gets its own gradient.
-        names = [*INPUT_SLOTS, *layer.params]
-        primals = [given["x_q"], given["x_k"], given["x_v"], *layer.params.values()]
-        cot = to_mlx(cotangent, dtype)
-        stream = mlx_stream(device)
 
-        def forward(*values):
-            slots = dict(zip(names, values, strict=True))
-            p = {name: slots[name] for name in layer.params}
-            x = (slots[name] for name in INPUT_SLOTS)
-            return [layer.forward(p, *x, given["tables"], given["blocked"], given["distance"])]
+        def forward(p, x_q, x_k, x_v):
+            return layer.forward(p, x_q, x_k, x_v, given["tables"], given["blocked"], given["distance"])
 
-        def run():
-            with mx.stream(stream):
-                _, grads = mx.vjp(forward, primals, [cot])
-            return dict(zip(names, grads, strict=True))
-
-        def to_grads(native: dict) -> dict:
-            return {
-                name: tensor_to_numpy(grad) for name, grad in native.items() if name in (*INPUT_SLOTS, *PARAM_NAMES)
-            }
-
-        info = {"backward": "mx.vjp", "strategy": strategy, **precision_info(dtype)}
-        return PreparedVJP(run, to_grads, synchronize=lambda grads: mx.eval(list(grads.values())), info=info)
+        info = {"strategy": strategy, **precision_info(dtype)}
+        return prepare_mlx_vjp(forward, layer.params, given, cotangent, dtype, device, info)
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_mlx_decode_run(cfg, params, inputs, dtype, device, cache)

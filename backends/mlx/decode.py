@@ -1,8 +1,9 @@
 """KV-cache decoding in MLX, through mlx-lm's cache idiom (``mlx_lm/models/cache.py``).
 
 * ``KVCache``: keys ``(B, Hkv, T, Dk)`` and values ``(B, Hkv, T, Dv)`` preallocated in steps of
-  ``step`` slots (mlx-lm's 256): when a write does not fit, ``ceil(s / step) * step`` more zero slots
-  are concatenated on the token axis, and ``update_and_fetch`` writes the new keys at the offset
+  ``step`` slots (mlx-lm's 256): when ``s`` new tokens do not fit, ``ceil(s / step) * step`` more zero
+  slots are concatenated on the token axis (after cutting the cache to its offset when that is not a
+  multiple of ``step``; a test holds the allocation equal to ``mlx_lm.models.cache.KVCache``'s), and ``update_and_fetch`` writes the new keys at the offset
   (``keys[..., prev:offset, :] = new``) and returns the written slots. Growth by a fixed step (not
   doubling) is mlx-lm's choice: O(T / step) reallocations, each a copy of the whole cache.
 * With a sliding window the cache is mlx-lm's ``RotatingKVCache``: a ring of ``W - 1 + step``
@@ -54,18 +55,24 @@ class MlxKVCache:
     def slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def _grow(self, keys, values, needed: int) -> None:
-        """mlx-lm's growth: concatenate ``ceil(new / step) * step`` zero slots (a ring: its slots, once)."""
+    def _grow(self, keys, values) -> None:
+        """mlx-lm's growth (``KVCache.update_and_fetch``): ``ceil(s / step) * step`` zero slots for ``s`` new tokens,
+        concatenated after the written ones (a cache whose offset is not a multiple of ``step`` is first cut
+        to it); a ring: its slots, once."""
         import mlx.core as mx
 
-        B, Hkv, _, Dk = keys.shape
-        add = self.ring if self.ring is not None else -(-(needed - self.slots) // self.step) * self.step
+        B, Hkv, s, Dk = keys.shape
+        add = self.ring if self.ring is not None else (self.step + s - 1) // self.step * self.step
         new_k = mx.zeros((B, Hkv, add, Dk), dtype=keys.dtype)
         new_v = mx.zeros((B, Hkv, add, values.shape[-1]), dtype=values.dtype)
         new_p, new_valid = np.zeros((B, add), dtype=np.int64), np.zeros((B, add), dtype=bool)
         if self.keys is None:
             self.keys, self.values, self.positions, self.valid = new_k, new_v, new_p, new_valid
             return
+        prev = self.offset
+        if prev % self.step != 0:  # mlx-lm: self.keys = self.keys[..., :prev, :]
+            self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+            self.positions, self.valid = self.positions[:, :prev], self.valid[:, :prev]
         self.keys = mx.concatenate([self.keys, new_k], axis=2)  # (B, Hkv, slots + add, Dk): a copy of the cache
         self.values = mx.concatenate([self.values, new_v], axis=2)
         self.positions = np.concatenate([self.positions, new_p], axis=1)
@@ -79,7 +86,7 @@ class MlxKVCache:
 
         s = keys.shape[2]
         if self.keys is None or (self.ring is None and self.offset + s > self.slots):
-            self._grow(keys, values, self.offset + s)
+            self._grow(keys, values)
         if self.ring is not None:
             keep = min(s, self.ring)  # a prefill longer than the ring keeps its last tokens
             slots = np.arange(self.offset + s - keep, self.offset + s) % self.ring  # (keep,)

@@ -280,3 +280,40 @@ def test_missing_mlx_is_a_skip_with_the_install_command(monkeypatch):
             get_backend("mlx-sdpa")
     finally:
         probe.cache_clear()
+
+
+# -- the chunked strategy ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields",
+    [{"causal": True}, {"n_kv_heads": 1, "window": 3, "causal": True}, {"softcap": 5.0, "alibi": True, "sinks": True}],
+    ids=lambda f: ",".join(f),
+)
+def test_chunked_agrees_with_the_oracle_and_skips_tiles_outside_the_window(fields):
+    cfg = MHAConfig(d_model=18, n_heads=3, **fields)
+    params = init_params(cfg, seed=6)
+    x = RNG.standard_normal((2, 11, 18))
+    mask = np.ones((2, 1, 1, 11), dtype=bool)
+    mask[1, ..., :4] = False  # padding: item 1's first four keys
+    prepared, _ = get_backend("mlx").prepare(
+        cfg, params, x, mask=mask, dtype="float32", strategy="chunked", chunk=(3, 4)
+    )
+    assert compare(prepared.output(), reference_mha(cfg, params, x, mask=mask), "float32").ok
+    counts = prepared.info["tiles_planned"]
+    assert counts["total"] == 4 * 3  # ceil(11 / 3) query blocks x ceil(11 / 4) key blocks
+    if cfg.causal:
+        assert counts["above_diagonal"] > 0
+    if cfg.window is not None:
+        assert counts["outside_window"] > 0
+    assert prepared.info["tiles_visited"] == counts["planned"] - prepared.info["tiles_skipped"]
+
+
+def test_chunked_exposes_no_scores_and_says_why():
+    cfg = MHAConfig(d_model=15, n_heads=3, causal=True)
+    _, stages = get_backend("mlx").run(
+        cfg, init_params(cfg, seed=0), X, dtype="float32", strategy="chunked", chunk=3, return_stages=True
+    )
+    assert "weights" not in stages and "scores" not in stages and stages["context"].shape == (2, 3, 7, 5)
+    with pytest.raises(UnsupportedCase, match="does not expose attention weights"):
+        get_backend("mlx").run(
+            cfg, init_params(cfg, seed=0), X, dtype="float32", strategy="chunked", return_weights=True
+        )

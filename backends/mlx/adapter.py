@@ -13,11 +13,13 @@ from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions, rotary_tab
 from mha_rosetta.core.params import PARAM_NAMES
 from mha_rosetta.core.variants import relative_distances
 
+from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._inputs import convert_inputs
 from .._recording import record_stages
 from ..base import STANDARD, Backend, Prepared, PreparedVJP, tensor_to_numpy
 from ..frameworks.mlx import FLOAT64_LIMIT, TOLERANCE_LEVELS, mlx_devices, mlx_stream, precision_info, to_mlx
 from ..frameworks.ops import RegistryVariants
+from .chunked import ChunkedMlxAttention
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_mlx_decode_run, prepare_mlx_decode_step
 from .layer import MlxAttention, mlx_tables
 
@@ -36,12 +38,13 @@ class MlxDevices:
         return super().unsupported_reason(cfg, dtype, device, strategy)  # type: ignore[misc]
 
 
-def layer_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> dict:
+def layer_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str, mask: bool = True) -> dict:
     """What `MlxAttention.forward` reads beside the parameters, converted once: the three inputs (self-attention
-    keeps one array), the rotary tables, the blocked mask and the score bias's distances."""
+    keeps one array), the rotary tables, the blocked mask and the score bias's distances (``mask=False``: neither,
+    the chunked strategy makes them per tile: they are quadratic in the tokens)."""
     x_q, x_k, x_v = convert_inputs(inputs, lambda array: to_mlx(array, dtype))  # (B, N, features) each
-    allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk) True = may attend, or None
-    distance = relative_distances(inputs.positions, inputs.kv_positions) if cfg.has_score_bias else None
+    allowed = allowed_positions(cfg, inputs) if mask else None  # (1|B, 1|H, Nq, Nk) True = may attend, or None
+    distance = relative_distances(inputs.positions, inputs.kv_positions) if cfg.has_score_bias and mask else None
     return {
         "x_q": x_q,
         "x_k": x_k,
@@ -85,7 +88,9 @@ class MlxBackend(MlxDevices, Backend):
         "mlx-lm: nn.Linear (out, in) as mx.addmm(b, x, W.T); heads by reshape(B, L, H, -1).transpose(0, 2, 1, 3); "
         "nn.RoPE(traditional=...) for interleaved/half; GQA without tiling; lazy, mx.eval is the sync"
     )
-    strategies = (STANDARD,)
+    strategies = (STANDARD, CHUNKED)
+    # Every variant in both strategies (chunked: window tiles skipped, the score steps on each tile, the sinks in
+    # the online softmax); the backward on the standard strategy (chunked is forward only).
     variants = RegistryVariants("mlx")  # every variant: the score steps on MlxOps, the others in the projections
     causal_on_positions = True  # the mask comes from the positions (base rule 7), never mask="causal"
     known_differences = (FLOAT64_LIMIT,)
@@ -94,16 +99,17 @@ class MlxBackend(MlxDevices, Backend):
     decode_variants = RegistryVariants("mlx")
     decode_layouts = DECODE_LAYOUTS
 
-    def _prepare(self, cfg, params, inputs, dtype, device, strategy) -> Prepared:
+    def _prepare(self, cfg, params, inputs, dtype, device, strategy, chunk=None) -> Prepared:
         import mlx.core as mx
 
         layer = MlxAttention(cfg, params, dtype)
-        given = layer_inputs(cfg, inputs, dtype)
+        given = layer_inputs(cfg, inputs, dtype, mask=strategy != CHUNKED)
         stream = mlx_stream(device)
+        runner = ChunkedMlxAttention(layer, inputs, chunk) if strategy == CHUNKED else layer
 
         def run(rec=None):
             with mx.stream(stream):
-                return layer.forward(layer.params, **given, rec=rec)
+                return runner.forward(layer.params, **given, rec=rec)
 
         info = {
             "layout": "row samples (B, L, features); heads (B, H, L, d) as mlx-lm splits them",
@@ -114,6 +120,10 @@ class MlxBackend(MlxDevices, Backend):
             "sync": "mx.eval (lazy evaluation)",
             **precision_info(dtype),
         }
+        if strategy == CHUNKED:
+            mx.eval(run())  # once, untimed: how many key tiles the window and the mask let it skip
+            info.update(chunk=runner.chunk, stages=CHUNKED_STAGES_NOTE, tiles_visited=runner.tiles_visited)
+            info.update(tiles_skipped=runner.tiles_skipped, tiles_planned=runner.plan.counts)
         return Prepared(
             forward=run,
             to_numpy=tensor_to_numpy,

@@ -7,8 +7,6 @@ here is what is MLX's own: the float64 traps, nn.Linear's (out, in), nn.RoPE's `
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -259,27 +257,6 @@ def test_mha_oracle_agrees_and_refuses_what_the_module_cannot_express():
     assert "no rotary" in mha.unsupported_reason(rope, "float32", "cpu", "standard")
     scaled = MHAConfig(d_model=15, n_heads=3, scale=0.1)
     assert "fixes the scale" in mha.unsupported_reason(scaled, "float32", "cpu", "standard")
-
-
-def test_missing_mlx_is_a_skip_with_the_install_command(monkeypatch):
-    from mha_rosetta.backends import BackendNotInstalled, available_backends, missing_backends
-    from mha_rosetta.backends._probe import probe
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "mlx" else real_find_spec(name, *a)
-    )
-    probe.cache_clear()
-    try:
-        assert not {"mlx", "mlx-sdpa", "mlx-mha"} & set(available_backends())
-        assert (
-            missing_backends()["mlx"]
-            == "backend 'mlx' needs mlx, which is not installed: pip install 'mha-rosetta[mlx]'"
-        )
-        with pytest.raises(BackendNotInstalled, match=r"pip install 'mha-rosetta\[mlx\]'"):
-            get_backend("mlx-sdpa")
-    finally:
-        probe.cache_clear()
 
 
 # -- the chunked strategy ------------------------------------------------------------------------

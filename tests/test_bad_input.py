@@ -261,24 +261,25 @@ def test_unknown_backend_lists_the_registered_ones():
         get_backend("tensorflow")
 
 
-def test_missing_backend_gives_the_install_command(monkeypatch):
-    # Pretend torch is absent: the probe asks importlib.util.find_spec first, so patch that
+@pytest.mark.parametrize(("backend", "library"), [("torch", "torch"), ("mlx-sdpa", "mlx")])
+def test_missing_backend_gives_the_install_command(monkeypatch, backend, library):
+    # Pretend the library is absent: the probe asks importlib.util.find_spec first, so patch that
     # and forget the probe's cached answers (before and after).
     from mha_rosetta.backends._probe import probe
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name == library else real_find_spec(name, *a)
     )
     probe.cache_clear()
     try:
-        assert "torch" not in available_backends()
+        assert backend not in available_backends()
         assert (
-            missing_backends()["torch"]
-            == "backend 'torch' needs torch, which is not installed: pip install 'mha-rosetta[torch]'"
+            missing_backends()[backend]
+            == f"backend '{backend}' needs {library}, which is not installed: pip install 'mha-rosetta[{library}]'"
         )
-        with pytest.raises(BackendNotInstalled, match=r"pip install 'mha-rosetta\[torch\]'"):
-            get_backend("torch")
+        with pytest.raises(BackendNotInstalled, match=rf"pip install 'mha-rosetta\[{library}\]'"):
+            get_backend(backend)
     finally:
         probe.cache_clear()
 

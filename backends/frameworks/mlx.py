@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-from .interface import Framework, GemmProgram
+from .interface import GemmProgram, OpaqueLayout
 
 MLX_LAZY = "n/a, MLX exposes no strides (lazy)"  # its buffers are allocated at mx.eval
 # dtype -> the level whose tolerance holds an MLX run of it (the checks read it: `info["tolerance_dtype"]`,
@@ -96,7 +96,7 @@ def precision_info(dtype: str) -> dict:
     return info
 
 
-class MlxFramework(Framework):
+class MlxFramework(OpaqueLayout):
     name = "mlx"
     modules = ("mlx",)
     drives_gpu = True
@@ -119,15 +119,6 @@ class MlxFramework(Framework):
 
     def snapshot(self, value):
         return value  # immutable
-
-    def shares_memory(self, a, b) -> None:
-        return None
-
-    def strides(self, value) -> None:
-        return None
-
-    def contiguity(self, value) -> None:
-        return None
 
     def synchronize(self, value) -> None:
         import mlx.core as mx

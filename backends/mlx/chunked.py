@@ -40,19 +40,14 @@ class ChunkedMlxAttention:
         self.tiles_visited = self.tiles_skipped = 0
 
     def _tile_blocked(self, q_range, k_range):
-        """The tile's blocked positions as an MLX bool (1|B, 1|H, qb, kb); None: nothing blocked; False: all."""
-        allowed = tile_allowed(
-            self.mask,
-            self.cfg.causal,
-            q_range,
-            k_range,
-            window=self.cfg.window,
-            positions=self.positions,
-            kv_positions=self.kv_positions,
-        )
-        if allowed is None:
-            return None
-        return False if not allowed.any() else to_mlx(~allowed, None)
+        """The tile's blocked positions as an MLX bool (1|B, 1|H, qb, kb); None: nothing blocked; False: all (the
+        tile is skipped). Counts the tiles visited and skipped."""
+        where = {"window": self.cfg.window, "positions": self.positions, "kv_positions": self.kv_positions}
+        allowed = tile_allowed(self.mask, self.cfg.causal, q_range, k_range, **where)  # (1|B, 1|H, qb, kb)
+        skip = allowed is not None and not allowed.any()  # nothing in the tile may be attended to: no sum changes
+        self.tiles_skipped += skip
+        self.tiles_visited += not skip
+        return False if skip else None if allowed is None else to_mlx(~allowed, None)
 
     def attend(self, p: dict, q, k, v):
         """Context (B, H, Nq, Dv) by the online softmax over the planned tiles."""
@@ -73,9 +68,7 @@ class ChunkedMlxAttention:
             for k_start, k_end in key_tiles:
                 blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))
                 if blocked is False:
-                    self.tiles_skipped += 1
-                    continue  # nothing in this tile may be attended to: it changes no sum
-                self.tiles_visited += 1
+                    continue
                 n_k = k_end - k_start
                 tile = (queries @ keys[:, :, :, k_start:k_end].swapaxes(-1, -2)).reshape(B, H, n_q, n_k)
                 bias = None

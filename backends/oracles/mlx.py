@@ -70,6 +70,16 @@ def sdpa_mask(cfg: MHAConfig, inputs: MHAInputs, layer: MlxAttention, given: dic
     return layer.mx.logical_not(given["blocked"]), "bool, True = may attend"
 
 
+def refuse_kernel_backward(name: str, cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> None:
+    """`UnsupportedCase` where the kernel's backward (``mx.vjp`` of it) cannot be compared: half precision
+    (`HALF_BACKWARD`), or a query row with no allowed key (its gradients are the mean of V's)."""
+    if dtype in ("float16", "bfloat16"):
+        raise UnsupportedCase(HALF_BACKWARD)
+    allowed = allowed_positions(cfg, inputs)
+    if allowed is not None and not allowed.any(axis=-1).all():
+        raise UnsupportedCase(f"{name} backward: {MEAN_OF_V}; its gradients are that answer's, not the spec's")
+
+
 class MlxSDPAOracle(VariantReasons, MlxDevices, Backend):
     """``mx.fast.scaled_dot_product_attention`` on heads projected and rotated as mlx-lm does (see the module)."""
 
@@ -128,11 +138,7 @@ class MlxSDPAOracle(VariantReasons, MlxDevices, Backend):
         return forward
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        if dtype in ("float16", "bfloat16"):
-            raise UnsupportedCase(HALF_BACKWARD)
-        allowed = allowed_positions(cfg, inputs)
-        if allowed is not None and not allowed.any(axis=-1).all():
-            raise UnsupportedCase(f"{self.name} backward: {MEAN_OF_V}; its gradients are that answer's, not the spec's")
+        refuse_kernel_backward(self.name, cfg, inputs, dtype)
         layer = MlxAttention(cfg, params, dtype)
         given = layer_inputs(cfg, inputs, dtype)
         mask, how = sdpa_mask(cfg, inputs, layer, given)
@@ -173,24 +179,48 @@ class MlxMHAOracle(VariantReasons, MlxDevices, Backend):
             return "mlx.nn.MultiHeadAttention has one bias flag for all four projections, not q, k and v only"
         return super().unsupported_reason(cfg, dtype, device, strategy)
 
-    def _prepare(self, cfg, params: MHAParams, inputs, dtype, device, strategy=STANDARD) -> Prepared:
-        import mlx.core as mx
+    PROJECTIONS: ClassVar[dict[str, str]] = {"query_proj": "q", "key_proj": "k", "value_proj": "v", "out_proj": "o"}
+
+    def _module(self, cfg: MHAConfig, params: MHAParams, dtype: str):
+        """``nn.MultiHeadAttention`` holding the canonical weights, and those weights by canonical name."""
         import mlx.nn as nn
 
         H, Dk, Dv = cfg.n_heads, cfg.d_k, cfg.d_v
         module = nn.MultiHeadAttention(
             H * Dk, H, cfg.d_model, cfg.kdim, cfg.vdim, value_dims=H * Dv, value_output_dims=cfg.d_model, bias=cfg.bias
         )
-        names = {"query_proj": "q", "key_proj": "k", "value_proj": "v", "out_proj": "o"}
-        weights = [(f"{mod}.weight", to_mlx(getattr(params, f"w_{x}"), dtype)) for mod, x in names.items()]
-        if cfg.bias:
-            weights += [(f"{mod}.bias", to_mlx(getattr(params, f"b_{x}"), dtype)) for mod, x in names.items()]
-        module.load_weights(weights)  # strict: every parameter of the module, in (out, in)
+        names = [f"w_{x}" for x in self.PROJECTIONS.values()] + (
+            [f"b_{x}" for x in self.PROJECTIONS.values()] * cfg.bias
+        )
+        weights = {name: to_mlx(getattr(params, name), dtype) for name in names}  # (out, in): nn.Linear's own layout
+        module.load_weights(self._tree(weights))  # strict: every parameter of the module
         module.eval()
+        return module, weights
+
+    def _tree(self, weights: dict) -> list:
+        """Canonical names -> the module's parameter paths (``query_proj.weight`` ...)."""
+        kind = {"w": "weight", "b": "bias"}
+        return [
+            (f"{mod}.{kind[name[0]]}", weights[name])
+            for mod, x in self.PROJECTIONS.items()
+            for name in weights
+            if name[2:] == x
+        ]
+
+    @staticmethod
+    def _mask(cfg: MHAConfig, inputs, given: dict):
+        import mlx.core as mx
+
+        if bottom_right_causal(cfg, inputs):
+            return "causal"
+        return None if given["blocked"] is None else mx.logical_not(given["blocked"])  # bool, True = may attend
+
+    def _prepare(self, cfg, params: MHAParams, inputs, dtype, device, strategy=STANDARD) -> Prepared:
+        import mlx.core as mx
+
+        module, _ = self._module(cfg, params, dtype)
         given = layer_inputs(cfg, inputs, dtype)
-        mask = "causal" if bottom_right_causal(cfg, inputs) else None
-        if mask is None and given["blocked"] is not None:
-            mask = mx.logical_not(given["blocked"])  # bool, True = may attend
+        mask = self._mask(cfg, inputs, given)
         stream = mlx_stream(device)
 
         def run(rec=None):
@@ -208,6 +238,22 @@ class MlxMHAOracle(VariantReasons, MlxDevices, Backend):
             synchronize=mx.eval,
             info={**info, **precision_info(dtype)},
         )
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        """``mx.vjp`` through the module: its parameters set from the primals (``module.update``, as
+        ``nn.value_and_grad`` does), so the weights' gradients come back in its (out, in) layout."""
+        from mlx.utils import tree_unflatten
+
+        refuse_kernel_backward(self.name, cfg, inputs, dtype)
+        module, weights = self._module(cfg, params, dtype)
+        given = layer_inputs(cfg, inputs, dtype)
+        mask = self._mask(cfg, inputs, given)
+
+        def forward(p, x_q, x_k, x_v):
+            module.update(tree_unflatten(self._tree(p)))
+            return module(x_q, x_k, x_v, mask=mask)
+
+        return prepare_mlx_vjp(forward, weights, given, cotangent, dtype, device, precision_info(dtype))
 
 
 __all__ = ["MlxMHAOracle", "MlxSDPAOracle"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.backends.demos.mlx import (
+from mha_rosetta.backends.demos import (
     mlx_causal_weights,
     mlx_float64_facts,
     mlx_fully_masked_row,

@@ -294,3 +294,26 @@ def test_chunked_exposes_no_scores_and_says_why():
         get_backend("mlx").run(
             cfg, init_params(cfg, seed=0), X, dtype="float32", strategy="chunked", return_weights=True
         )
+
+
+# -- explain's MLX section ---------------------------------------------------------------------
+def test_explain_shows_mlx_causal_bottom_right_against_torch_top_left():
+    pytest.importorskip("torch")
+    from mha_rosetta.explain.differences import run_differences
+
+    section = run_differences(keys=["mlx_conventions"])[0]
+    assert section.status == "demonstrated"
+    rows = dict(section.rows)
+    mlx_row = next(out for run, out in rows.items() if 'mask="causal"' in run and "mx.fast" in run)
+    torch_row = next(out for run, out in rows.items() if "is_causal=True" in run)
+    assert mlx_row == "query 0 sees keys [0, 1, 2, 3]; query 1 sees keys [0, 1, 2, 3, 4]"  # the last query, last key
+    assert torch_row == "query 0 sees keys [0]; query 1 sees keys [0, 1]"  # the first query, first key
+    rope = next(out for run, out in rows.items() if "nn.RoPE" in run)
+    import re
+
+    rounding, order_one = r"max error \d\.\de-0[5-8]", r"max error \d\.\de\+00"  # float32 rounding; a wrong rotation
+    assert re.search(rf"traditional=True vs spec 'interleaved': {rounding}", rope), rope
+    assert re.search(rf"traditional=False vs spec 'half': {rounding}", rope), rope
+    assert re.search(rf"traditional=False vs spec 'interleaved': {order_one}", rope), rope
+    assert next(out for run, out in rows.items() if "no allowed key" in run).startswith("the mean of V")
+    assert "mx.array(np_float64): float32" in next(out for run, out in rows.items() if "float64" in run)

@@ -10,14 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.backends.demos import (
-    mlx_causal_weights,
-    mlx_float64_facts,
-    mlx_fully_masked_row,
-    mlx_linear_weight_shape,
-    mlx_rope_errors,
-    torch_causal_weights,
-)
+from mha_rosetta.backends import demos
 
 from ..seed_setup import Setup
 from .calls import Difference, library_rows
@@ -52,24 +45,24 @@ def mlx_conventions(setup: Setup) -> Difference:
     runs = [
         (
             f'mx.fast.scaled_dot_product_attention(mask="causal"), {Q_TOKENS} queries over {K_TOKENS} keys',
-            lambda: mlx_causal_weights(Q_TOKENS, K_TOKENS),
+            lambda: demos.mlx_causal_weights(Q_TOKENS, K_TOKENS),
             _keys_per_query,
         ),
         (
             f"F.scaled_dot_product_attention(is_causal=True), the same {Q_TOKENS} x {K_TOKENS}",
-            lambda: torch_causal_weights(Q_TOKENS, K_TOKENS),
+            lambda: demos.torch_causal_weights(Q_TOKENS, K_TOKENS),
             _keys_per_query,
         ),
-        ("nn.RoPE(d_k, traditional=...) against the spec's rotary styles", mlx_rope_errors, _rope),
-        ("mx.fast.scaled_dot_product_attention, a query with no allowed key", mlx_fully_masked_row, _empty_row),
+        ("nn.RoPE(d_k, traditional=...) against the spec's rotary styles", demos.mlx_rope_errors, _rope),
+        ("mx.fast.scaled_dot_product_attention, a query with no allowed key", demos.mlx_fully_masked_row, _empty_row),
         (
             f"nn.Linear({cfg.d_model}, {cfg.n_heads * cfg.d_k}).weight.shape",
-            lambda: mlx_linear_weight_shape(cfg.d_model, cfg.n_heads * cfg.d_k),
+            lambda: demos.mlx_linear_weight_shape(cfg.d_model, cfg.n_heads * cfg.d_k),
             lambda shape: f"{shape}: (out, in), the canonical layout and torch's; x @ W.T + b (mx.addmm)",
         ),
         (
             "float64 on the CPU",
-            mlx_float64_facts,
+            demos.mlx_float64_facts,
             lambda facts: ", ".join(f"{k}: {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in facts.items()),
         ),
     ]

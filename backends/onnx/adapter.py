@@ -1,0 +1,209 @@
+"""Backends ``onnx`` (ONNX Runtime, CPU) and ``onnx-reference`` (onnx's ReferenceEvaluator): one graph, two runtimes.
+
+The graph is `graph.build`'s: the spec's layer exported around the standard ``Attention`` op
+(opset 23, or 24 with ``opset=24``). Both backends are third-party runtimes of a standard op,
+so they are oracles: where the op's convention differs from the spec, their raw answer is
+passed through and the check names it from `known.KNOWN` (`known_answers`): nothing is mapped
+in the adapter. The timed region is one ``InferenceSession.run`` (or ``ReferenceEvaluator.run``)
+on NumPy feeds prepared outside it. ORT's thread pools are pinned per session through
+``SessionOptions`` (`frameworks.onnx.session_options`), from the benchmark child's thread count.
+
+Which causal rule the op gets (its ``is_causal`` is ``j <= i + past``, on indices):
+
+* causality alone, the positions the indices: ``is_causal=1``;
+* causality alone, queries after cached keys (positions ``P..`` over keys ``0..``, a decode step
+  written as one forward): the first ``P`` keys go in as ``past_key``/``past_value`` (sliced in
+  the graph) and ``is_causal=1``, the op's own offset;
+* anything else (padding, a window, other positions, ALiBi/T5 bias): all in ``attn_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, causal_on_indices
+from mha_rosetta.core.rotary import rotary_tables
+from mha_rosetta.core.variants import score_bias
+
+from ..base import Backend, Prepared, StageTensor
+from ..frameworks.onnx import session_options
+from .graph import ONNX_DTYPES, GraphSpec, build, full_tables, opsets
+from .known import KNOWN, known_answer
+
+ONNX_VARIANTS = frozenset(
+    {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
+)
+STAGE_AXES = {
+    "q": ("B", "Nq", "H*Dk"),
+    "k": ("B", "Nk", "Hkv*Dk"),
+    "v": ("B", "Nk", "Hkv*Dv"),
+    "q_heads": ("B", "H", "Nq", "Dk"),
+    "k_heads": ("B", "Hkv", "Nk", "Dk"),
+    "v_heads": ("B", "Hkv", "Nk", "Dv"),
+    "q_normed": ("B", "H", "Nq", "Dk"),
+    "k_normed": ("B", "Hkv", "Nk", "Dk"),
+    "q_rotated": ("B", "H", "Nq", "Dk"),
+    "k_rotated": ("B", "Hkv", "Nk", "Dk"),
+    "weights": ("B", "H", "Nq", "Nk"),
+    "context": ("B", "H", "Nq", "Dv"),
+    "merged": ("B", "Nq", "H*Dv"),
+    "output": ("B", "Nq", "D"),
+}
+HIDDEN_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores")
+HIDDEN_NOTE = (
+    "the fused Attention node hides scores, capped_scores, biased_scores and masked_scores; it shows the weights "
+    "(a second node with qk_matmul_output_mode=3) and every tensor around it"
+)
+
+
+def past_offset(cfg: MHAConfig, inputs: MHAInputs) -> int | None:
+    """``P`` when causality alone makes queries at ``P..P+Nq-1`` see keys at ``0..Nk-1`` (bottom-right), else None."""
+    n_q, n_k = inputs.q_tokens, inputs.kv_tokens
+    if not cfg.causal or inputs.mask is not None or cfg.window is not None or cfg.has_score_bias or n_k <= n_q:
+        return None
+    offset = n_k - n_q
+    if np.all(inputs.positions == np.arange(offset, n_k)) and np.all(inputs.kv_positions == np.arange(n_k)):
+        return offset
+    return None
+
+
+def float_mask(cfg: MHAConfig, params: MHAParams, q_positions, k_positions, allowed, dtype: str) -> np.ndarray:
+    """ALiBi/T5's score bias where allowed and -inf where blocked, (1|B, H, Nq, Nk), as the op's float attn_mask."""
+    bias = score_bias(cfg, params.rel_bias, q_positions, k_positions)  # (1|B, H, Nq, Nk)
+    if allowed is not None:
+        bias = np.where(allowed, bias, -np.inf)
+    return bias.astype(dtype)
+
+
+def make_runner(model, reference: bool):
+    """``run(feeds, names) -> list`` of ORT (CPU, pinned threads) or of the ReferenceEvaluator."""
+    if reference:
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        return lambda feeds, names=None: evaluator.run(names, feeds)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    return lambda feeds, names=None: session.run(names, feeds)
+
+
+class OnnxBackend(Backend):
+    """The spec's layer as an ONNX graph around ``Attention``, run by ONNX Runtime on the CPU."""
+
+    name = "onnx"
+    reference = False  # True: onnx.reference.ReferenceEvaluator runs the graph instead of ORT
+    convention = (
+        "an ONNX graph: MatMul+Add projections (weights (in, out)), Reshape+Transpose to (B, H, N, d), the standard "
+        "Attention op (opset 23/24; scale, is_causal, softcap attributes; bool attn_mask True = attend; "
+        "past_key/present_key cache), run by ONNX Runtime"
+    )
+    dtypes = ONNX_DTYPES
+    variants = ONNX_VARIANTS
+    causal_on_positions = True  # is_causal only where the op's rule equals the positions' (see attention_plan)
+    decode_caches = ("past_key",)
+    decode_variants = ONNX_VARIANTS
+    decode_layouts: ClassVar[dict[str, str]] = {"past_key": "(B, Hkv, T, Dk): past_key in, present_key out"}
+    known_differences = (
+        *(
+            KNOWN[name].line()
+            for name in ("sqrt_scale", "causal_past_top_left", "empty_rows_zero", "qk_mode_numbering")
+        ),
+        "float16/bfloat16 are not run: this backend builds float32 and float64 graphs",
+        "no sinks: the Attention op's softmax has no extra logit (refused)",
+        HIDDEN_NOTE,
+    )
+
+    def __init__(self, name: str | None = None, opset: int = 23, fold_scale: bool = False) -> None:
+        super().__init__(name)
+        self.opset, self.fold_scale = int(opset), bool(fold_scale)
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+        if self.opset not in opsets():
+            return f"{self.name}: the installed onnx has no Attention op at opset {self.opset} (it has {opsets()})"
+        if cfg.sinks:
+            return "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
+        if dtype not in ONNX_DTYPES:
+            return f"{self.name} builds float32 and float64 graphs only, not {dtype}"
+        if device != "cpu":
+            return f"{self.name} runs ONNX Runtime's CPU provider only (no CUDA provider installed; see docs/onnx.md)"
+        return super().unsupported_reason(cfg, dtype, device, strategy)
+
+    def known_answers(self, cfg: MHAConfig, params: MHAParams, args: tuple, stages: dict, info: dict) -> list:
+        """The outputs the op's known differences give on this case (`known.known_answer`), for the check."""
+        return [] if info.get("fold_scale") else [known_answer("sqrt_scale", cfg, params, args, stages)]
+
+    def _graph(self, cfg: MHAConfig, dtype: str, **switches):
+        return GraphSpec(cfg, dtype, self.opset, fold_scale=self.fold_scale, rope=cfg.rope is not None, **switches)
+
+    def _feeds(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, mask) -> dict:
+        feeds = {"x_q": inputs.query.astype(dtype), "x_k": inputs.key.astype(dtype), "x_v": inputs.value.astype(dtype)}
+        if mask is not None:
+            feeds["attn_mask"] = mask
+        tables = rotary_tables(cfg, inputs)
+        if tables is not None:
+            for which, cos, sin in (("q", tables.q_cos, tables.q_sin), ("k", tables.k_cos, tables.k_sin)):
+                full_cos, full_sin = full_tables(cfg.rope, cfg.d_k, cos, sin)  # (1|B, 1, N, Dk)
+                feeds[f"{which}_cos"], feeds[f"{which}_sin"] = full_cos.astype(dtype), full_sin.astype(dtype)
+        return feeds
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        is_causal, past, mask = self._plan(cfg, params, inputs, dtype)
+        kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+        spec = self._graph(cfg, dtype, is_causal=is_causal, mask=kind, past_split=past)
+        model, _ = build(spec, params)  # the weights cast to the graph dtype as initializers
+        run = make_runner(model, self.reference)
+        stage_model, names = build(GraphSpec(**{**spec.__dict__, "stages": True, "weights_output": True}), params)
+        feeds = self._feeds(cfg, params, inputs, dtype, mask)
+
+        def forward():
+            return run(feeds, ["output"])[0]
+
+        def native_stages() -> dict[str, StageTensor]:
+            runner = make_runner(stage_model, self.reference)
+            values = dict(zip(names, runner(feeds, list(names.values())), strict=True))
+            return {name: StageTensor(values[name], STAGE_AXES[name], self._note(name, spec)) for name in names}
+
+        info = {
+            "runtime": "onnx.reference.ReferenceEvaluator" if self.reference else "onnxruntime CPUExecutionProvider",
+            "opset": self.opset,
+            "is_causal": is_causal,
+            "past_key_tokens": past,
+            "attn_mask": None if mask is None else f"{mask.dtype} {tuple(mask.shape)}",
+            "fold_scale": self.fold_scale,
+            "stages_hidden": list(HIDDEN_STAGES),
+            "stages_note": HIDDEN_NOTE,
+            "known_differences": list(self.known_differences),
+        }
+        return Prepared(forward, lambda output: np.asarray(output, dtype=np.float64), native_stages, info=info)
+
+    def _plan(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str):
+        plain = cfg.causal and inputs.mask is None and cfg.window is None and not cfg.has_score_bias
+        if plain and causal_on_indices(inputs):
+            return True, 0, None
+        if (past := past_offset(cfg, inputs)) is not None:
+            return True, past, None
+        allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk) or None
+        if cfg.has_score_bias:
+            return False, 0, float_mask(cfg, params, inputs.positions, inputs.kv_positions, allowed, dtype)
+        return False, 0, allowed
+
+    @staticmethod
+    def _note(name: str, spec: GraphSpec) -> str:
+        if name == "weights":
+            return "a second Attention node with qk_matmul_output_mode=3 (after the softmax)"
+        if name == "context":
+            return f"the Attention node's Y (is_causal={int(spec.is_causal)}, past_key tokens={spec.past_split})"
+        return "a graph output of the exported graph"
+
+
+class OnnxReferenceBackend(OnnxBackend):
+    """The same graph run by onnx's ReferenceEvaluator (Python/NumPy, the spec's executable reading)."""
+
+    name = "onnx-reference"
+    reference = True
+    convention = OnnxBackend.convention.replace("run by ONNX Runtime", "run by onnx.reference.ReferenceEvaluator")

@@ -77,6 +77,19 @@ def float_mask(cfg: MHAConfig, params: MHAParams, q_positions, k_positions, allo
     return bias.astype(dtype)
 
 
+def op_plan(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str):
+    """(is_causal, past keys split off, attn_mask or None) for the op, as the module docstring says."""
+    plain = cfg.causal and inputs.mask is None and cfg.window is None and not cfg.has_score_bias
+    if plain and causal_on_indices(inputs):
+        return True, 0, None
+    if (past := past_offset(cfg, inputs)) is not None:
+        return True, past, None
+    allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk) or None
+    if cfg.has_score_bias:
+        return False, 0, float_mask(cfg, params, inputs.positions, inputs.kv_positions, allowed, dtype)
+    return False, 0, allowed
+
+
 def make_runner(model, reference: bool):
     """``run(feeds, names) -> list`` of ORT (CPU, pinned threads) or of the ReferenceEvaluator."""
     if reference:
@@ -152,7 +165,7 @@ class OnnxBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        is_causal, past, mask = self._plan(cfg, params, inputs, dtype)
+        is_causal, past, mask = op_plan(cfg, params, inputs, dtype)
         kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
         spec = self._graph(cfg, dtype, is_causal=is_causal, mask=kind, past_split=past)
         model, _ = build(spec, params)  # the weights cast to the graph dtype as initializers
@@ -180,17 +193,6 @@ class OnnxBackend(Backend):
             "known_differences": list(self.known_differences),
         }
         return Prepared(forward, lambda output: np.asarray(output, dtype=np.float64), native_stages, info=info)
-
-    def _plan(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str):
-        plain = cfg.causal and inputs.mask is None and cfg.window is None and not cfg.has_score_bias
-        if plain and causal_on_indices(inputs):
-            return True, 0, None
-        if (past := past_offset(cfg, inputs)) is not None:
-            return True, past, None
-        allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk) or None
-        if cfg.has_score_bias:
-            return False, 0, float_mask(cfg, params, inputs.positions, inputs.kv_positions, allowed, dtype)
-        return False, 0, allowed
 
     @staticmethod
     def _note(name: str, spec: GraphSpec) -> str:

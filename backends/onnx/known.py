@@ -14,6 +14,8 @@ repeats each):
   attribute is a float32) in ORT and in the ReferenceEvaluator, even in a float64 graph: the
   output equals the spec's with ``scale' = float32(sqrt(float32(scale)))**2`` to 2e-16 and is
   2.8e-8 (relative) from the exact one. ``torch.onnx.ops.attention`` computes it in float64.
+* ``export_scale_float32``: ``torch.onnx.export`` stores SDPA's scale as a float32 constant
+  (float64 output 1.3e-8 from the exact spec, 4e-16 from ``scale = float32(scale)``).
 * ``softcap_after_mask``: the spec caps before the mask (onnx #7865, #7867); torch's
   ``torch.onnx.ops.attention`` caps after it, so a blocked logit becomes ``-softcap`` and keeps
   weight (0.37 max abs on a 3x5 case with softcap 2).
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions, prepare_inputs
+from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions, prepare_inputs, reference_stages
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,13 @@ KNOWN = {
             "spec unless the scale is folded into Q",
             "ONNX Attention (opset 23/24) 'scale' attribute type; measured: onnxruntime 1.32 and onnx 1.23 "
             "ReferenceEvaluator, float64",
+        ),
+        KnownDifference(
+            "export_scale_float32",
+            "torch.onnx.export (dynamo) decomposes F.scaled_dot_product_attention into MatMul/Mul/Softmax (opset 20, "
+            "no Attention op) with the scale stored as a float32 constant, even in a float64 graph: float64 outputs "
+            "use float32(scale)",
+            "measured: torch 2.13 torch.onnx.export(dynamo=True) with onnxscript 0.7, run by onnxruntime 1.32",
         ),
         KnownDifference(
             "softcap_after_mask",
@@ -98,6 +107,10 @@ def float32_sqrt_scale(scale: float) -> float:
     return root * root
 
 
+# The scale each difference really applies, from the spec's (the cap and the bias follow the logits).
+SCALE_APPLIED = {"sqrt_scale": float32_sqrt_scale, "export_scale_float32": lambda scale: float(np.float32(scale))}
+
+
 def _output_from_logits(cfg: MHAConfig, params: MHAParams, stages: dict, logits: np.ndarray) -> np.ndarray:
     """Softmax (a row of -inf only: zeros, the op's guard), then the context, merge and output projection."""
     top = logits.max(axis=-1, keepdims=True)
@@ -124,11 +137,8 @@ def known_answer(name: str, cfg: MHAConfig, params: MHAParams, args: tuple, stag
     allowed = allowed_positions(cfg, inputs)
     full = stages["scores"].shape  # (B, H, Nq, Nk)
     allowed = np.ones(full, bool) if allowed is None else np.broadcast_to(allowed, full)
-    if name == "sqrt_scale":
-        ratio = float32_sqrt_scale(cfg.scale) / cfg.scale  # every logit is scaled by it; the cap and bias follow
-        changed = dataclasses.replace(cfg, scale=cfg.scale * ratio)
-        from mha_rosetta.core import reference_stages  # float64 spec with the scale the op applies
-
+    if name in SCALE_APPLIED:  # the spec in float64 with the scale the library really applies
+        changed = dataclasses.replace(cfg, scale=SCALE_APPLIED[name](cfg.scale))
         return KnownAnswer(KNOWN[name], reference_stages(changed, params, *args)["output"])
     if name == "softcap_after_mask":
         masked = np.where(allowed, stages["scores"], -np.inf)  # (B, H, Nq, Nk): scores + mask, then the cap
@@ -141,6 +151,6 @@ def known_answer(name: str, cfg: MHAConfig, params: MHAParams, args: tuple, stag
         logits = np.where(library, pre_mask_logits(stages), -np.inf)
         return KnownAnswer(KNOWN[name], _output_from_logits(cfg, params, stages, logits))
     raise ValueError(
-        f"known difference {name!r} has no output answer (answers: sqrt_scale, softcap_after_mask, "
+        f"known difference {name!r} has no output answer (answers: {', '.join(SCALE_APPLIED)}, softcap_after_mask, "
         "causal_past_top_left)"
     )

@@ -194,6 +194,16 @@ class OnnxBackend(Backend):
         }
         return Prepared(forward, lambda output: np.asarray(output, dtype=np.float64), native_stages, info=info)
 
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+        from .decode import prepare_decode_run
+
+        return prepare_decode_run(self, cfg, params, inputs, dtype)
+
+    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+        from .decode import prepare_decode_step
+
+        return prepare_decode_step(self, cfg, params, batch=batch, context=context, step=step, dtype=dtype, seed=seed)
+
     @staticmethod
     def _note(name: str, spec: GraphSpec) -> str:
         if name == "weights":

@@ -51,6 +51,7 @@ STAGE_AXES = {
     "merged": ("B", "Nq", "H*Dv"),
     "output": ("B", "Nq", "D"),
 }
+NO_SINKS = "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
 HIDDEN_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores")
 HIDDEN_NOTE = (
     "the fused Attention node hides scores, capped_scores, biased_scores and masked_scores; it shows the weights "
@@ -125,7 +126,7 @@ class OnnxBackend(Backend):
             for name in ("sqrt_scale", "causal_past_top_left", "empty_rows_zero", "qk_mode_numbering")
         ),
         "float16/bfloat16 are not run: this backend builds float32 and float64 graphs",
-        "no sinks: the Attention op's softmax has no extra logit (refused)",
+        f"{NO_SINKS} (refused)",
         HIDDEN_NOTE,
     )
 
@@ -133,11 +134,14 @@ class OnnxBackend(Backend):
         super().__init__(name)
         self.opset, self.fold_scale = int(opset), bool(fold_scale)
 
+    def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
+        if cfg.sinks:  # the one variant of the spec the op cannot take, with its reason
+            return f"{self.name}: {NO_SINKS}"
+        return super().variant_reason(cfg, strategy, backward)
+
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if self.opset not in opsets():
             return f"{self.name}: the installed onnx has no Attention op at opset {self.opset} (it has {opsets()})"
-        if cfg.sinks:
-            return "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
         if dtype not in ONNX_DTYPES:
             return f"{self.name} builds float32 and float64 graphs only, not {dtype}"
         if device != "cpu":

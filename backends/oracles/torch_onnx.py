@@ -29,7 +29,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
-from ..onnx.adapter import ONNX_VARIANTS, op_plan
+from ..onnx.adapter import NO_SINKS, ONNX_VARIANTS, op_plan
 from ..onnx.known import KNOWN, known_answer
 from ..torch.common import optional_tensor, torch_dtype, torch_inputs
 from .torch_heads import projected_heads_pass
@@ -64,9 +64,12 @@ class TorchOnnxOracle(Backend):
         "ONNX Runtime; no variants; only the output is a stage",
     )
 
-    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
+    def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
         if cfg.sinks:
-            return "torch.onnx.ops.attention has no sinks: the ONNX Attention op's softmax takes no extra logit"
+            return f"{self.name}: torch.onnx.ops.attention follows the op: {NO_SINKS}"
+        return super().variant_reason(cfg, strategy, backward)
+
+    def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if device != "cpu":
             return f"{self.name} runs on the CPU here (ONNX Runtime's CPU provider; torch CPU build)"
         if strategy == EXPORT and (cfg.rope is not None or cfg.causal or cfg.n_kv_heads != cfg.n_heads):

@@ -20,8 +20,9 @@ pytest.importorskip("onnxruntime", reason="onnxruntime is not installed: pip ins
 from adapter_cases import CASE_BY_NAME, CASES, assert_stages_close
 
 from mha_rosetta.backends import UnsupportedCase, get_backend
-from mha_rosetta.backends.onnx.adapter import HIDDEN_STAGES, OnnxBackend, OnnxReferenceBackend, op_plan
+from mha_rosetta.backends.onnx.adapter import HIDDEN_STAGES, OnnxBackend, OnnxReferenceBackend
 from mha_rosetta.backends.onnx.known import float32_sqrt_scale, known_answer
+from mha_rosetta.backends.onnx.runtime import op_plan
 from mha_rosetta.core import MHAConfig, assert_close, compare, init_params, prepare_inputs
 from mha_rosetta.core.decode import reference_decode
 

@@ -23,14 +23,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, causal_on_indices
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.rotary import rotary_tables
-from mha_rosetta.core.variants import score_bias
 
 from ..base import Backend, Prepared, StageTensor
-from ..frameworks.onnx import session_options
+from .decode import prepare_decode_run, prepare_decode_step
 from .graph import ONNX_DTYPES, GraphSpec, build, full_tables, opsets
 from .known import KNOWN, known_answer
+from .runtime import make_runner, op_plan
 
 ONNX_VARIANTS = frozenset(
     {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
@@ -57,51 +57,6 @@ HIDDEN_NOTE = (
     "the fused Attention node hides scores, capped_scores, biased_scores and masked_scores; it shows the weights "
     "(a second node with qk_matmul_output_mode=3) and every tensor around it"
 )
-
-
-def past_offset(cfg: MHAConfig, inputs: MHAInputs) -> int | None:
-    """``P`` when causality alone makes queries at ``P..P+Nq-1`` see keys at ``0..Nk-1`` (bottom-right), else None."""
-    n_q, n_k = inputs.q_tokens, inputs.kv_tokens
-    if not cfg.causal or inputs.mask is not None or cfg.window is not None or cfg.has_score_bias or n_k <= n_q:
-        return None
-    offset = n_k - n_q
-    if np.all(inputs.positions == np.arange(offset, n_k)) and np.all(inputs.kv_positions == np.arange(n_k)):
-        return offset
-    return None
-
-
-def float_mask(cfg: MHAConfig, params: MHAParams, q_positions, k_positions, allowed, dtype: str) -> np.ndarray:
-    """ALiBi/T5's score bias where allowed and -inf where blocked, (1|B, H, Nq, Nk), as the op's float attn_mask."""
-    bias = score_bias(cfg, params.rel_bias, q_positions, k_positions)  # (1|B, H, Nq, Nk)
-    if allowed is not None:
-        bias = np.where(allowed, bias, -np.inf)
-    return bias.astype(dtype)
-
-
-def op_plan(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str):
-    """(is_causal, past keys split off, attn_mask or None) for the op, as the module docstring says."""
-    plain = cfg.causal and inputs.mask is None and cfg.window is None and not cfg.has_score_bias
-    if plain and causal_on_indices(inputs):
-        return True, 0, None
-    if (past := past_offset(cfg, inputs)) is not None:
-        return True, past, None
-    allowed = allowed_positions(cfg, inputs)  # (1|B, 1|H, Nq, Nk) or None
-    if cfg.has_score_bias:
-        return False, 0, float_mask(cfg, params, inputs.positions, inputs.kv_positions, allowed, dtype)
-    return False, 0, allowed
-
-
-def make_runner(model, reference: bool):
-    """``run(feeds, names) -> list`` of ORT (CPU, pinned threads) or of the ReferenceEvaluator."""
-    if reference:
-        from onnx.reference import ReferenceEvaluator
-
-        evaluator = ReferenceEvaluator(model)
-        return lambda feeds, names=None: evaluator.run(names, feeds)
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
-    return lambda feeds, names=None: session.run(names, feeds)
 
 
 class OnnxBackend(Backend):
@@ -199,13 +154,9 @@ class OnnxBackend(Backend):
         return Prepared(forward, lambda output: np.asarray(output, dtype=np.float64), native_stages, info=info)
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
-        from .decode import prepare_decode_run
-
         return prepare_decode_run(self, cfg, params, inputs, dtype)
 
     def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        from .decode import prepare_decode_step
-
         return prepare_decode_step(self, cfg, params, batch=batch, context=context, step=step, dtype=dtype, seed=seed)
 
     @staticmethod

@@ -28,6 +28,7 @@ from mha_rosetta.core.rotary import rotary_tables
 from ..base import Prepared, PreparedDecode, StageTensor
 from .graph import GraphSpec, build, full_tables
 from .known import KNOWN
+from .runtime import float_mask, make_runner
 
 
 def _mask_kind(cfg: MHAConfig, padded: bool) -> str | None:
@@ -49,8 +50,6 @@ class StepGraph:
     """The step graph of one run, its runner, and the feeds of one chunk."""
 
     def __init__(self, backend, cfg: MHAConfig, params: MHAParams, dtype: str, mask: str | None) -> None:
-        from .adapter import make_runner
-
         spec = GraphSpec(
             cfg, dtype, backend.opset, is_causal=mask is None and cfg.causal, mask=mask,
             rope=cfg.rope is not None, past=True, fold_scale=backend.fold_scale,
@@ -67,8 +66,6 @@ class StepGraph:
         if self.mask is not None:
             allowed = decode_allowed(self.cfg, q_pos, k_pos, k_valid)  # (B, 1, s, T)
             if self.mask == "float":
-                from .adapter import float_mask
-
                 feeds["attn_mask"] = float_mask(self.cfg, self.params, q_pos, k_pos, allowed, self.dtype)
             else:
                 feeds["attn_mask"] = allowed

@@ -29,8 +29,9 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
-from ..onnx.adapter import NO_SINKS, ONNX_VARIANTS, op_plan
+from ..onnx.adapter import NO_SINKS, ONNX_VARIANTS
 from ..onnx.known import KNOWN, known_answer
+from ..onnx.runtime import make_runner, op_plan
 from ..torch.common import optional_tensor, torch_dtype, torch_inputs
 from .torch_heads import projected_heads_pass
 
@@ -131,8 +132,6 @@ def _exported(cfg: MHAConfig, inputs: MHAInputs, dtype: str, p: dict, xs: tuple)
     """``torch.onnx.export(dynamo=True)`` of the layer around SDPA, run by ORT (threads pinned per session)."""
     import torch
     import torch.nn.functional as F
-
-    from ..onnx.adapter import make_runner
 
     def attend(p, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scale)

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.rotary import rotary_tables
 
 from ..base import Backend, Prepared, StageTensor
@@ -35,22 +35,6 @@ from .runtime import make_runner, op_plan
 ONNX_VARIANTS = frozenset(
     {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
 )
-STAGE_AXES = {
-    "q": ("B", "Nq", "H*Dk"),
-    "k": ("B", "Nk", "Hkv*Dk"),
-    "v": ("B", "Nk", "Hkv*Dv"),
-    "q_heads": ("B", "H", "Nq", "Dk"),
-    "k_heads": ("B", "Hkv", "Nk", "Dk"),
-    "v_heads": ("B", "Hkv", "Nk", "Dv"),
-    "q_normed": ("B", "H", "Nq", "Dk"),
-    "k_normed": ("B", "Hkv", "Nk", "Dk"),
-    "q_rotated": ("B", "H", "Nq", "Dk"),
-    "k_rotated": ("B", "Hkv", "Nk", "Dk"),
-    "weights": ("B", "H", "Nq", "Nk"),
-    "context": ("B", "H", "Nq", "Dv"),
-    "merged": ("B", "Nq", "H*Dv"),
-    "output": ("B", "Nq", "D"),
-}
 NO_SINKS = "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
 HIDDEN_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores")
 HIDDEN_NOTE = (
@@ -138,7 +122,10 @@ class OnnxBackend(Backend):
         def native_stages() -> dict[str, StageTensor]:
             runner = make_runner(stage_model, self.reference)
             values = dict(zip(names, runner(feeds, list(names.values())), strict=True))
-            return {name: StageTensor(values[name], STAGE_AXES[name], self._note(name, spec)) for name in names}
+            shown = {
+                name: StageTensor(values[name], STAGE_BY_NAME[name].shape, self._note(name, spec)) for name in names
+            }
+            return shown  # every graph output is in the canonical layout already
 
         info = {
             "runtime": "onnx.reference.ReferenceEvaluator" if self.reference else "onnxruntime CPUExecutionProvider",

@@ -215,6 +215,9 @@ def _run_one(backend: Backend, strategy: str, device: str, dtype: str, oracle: _
             run.reason = result.summary()
     if run.status in (Status.DISAGREE, Status.CAUGHT):
         run.divergence = _divergence(oracle.stages, run, dtype)
+        if run.divergence is not None and run.info.get("stages_note"):  # a fused node: say what it can show
+            shown = ", ".join(run.divergence.compared)
+            run.reason += f"; {run.label} can show only the stages {shown} ({run.info['stages_note']})"
     return run
 
 

@@ -123,3 +123,21 @@ def test_an_output_on_no_answer_stays_a_disagreement():
     answer = known_answer("sqrt_scale", case.cfg, case.params(), args, case.reference_stages()).output
     assert not compare(answer + 1e-6, answer, "float64").ok
     assert not compare(answer, case.reference(), "float64").ok  # the difference is real at float64's tolerance
+
+
+def test_a_disagreement_says_which_stages_the_fused_node_can_show():
+    """Without its known answer the op's float64 output is a disagreement, and the report lists what it exposes."""
+    from mha_rosetta.backends.onnx.adapter import OnnxBackend
+
+    class Unexcused(OnnxBackend):
+        def known_answers(self, *args):
+            return []
+
+    result = run_check(
+        backends=[Unexcused(name="onnx-unexcused")], cases=[CASE_BY_NAME["self_attention"]], dtypes=["float64"]
+    )
+    run = next(run for run in result.runs if run.label == "onnx-unexcused")
+    assert run.status is Status.DISAGREE
+    assert run.divergence.stage == "weights"  # the first stage the fused node shows after the hidden scores
+    assert "scores" not in run.divergence.compared and "weights" in run.divergence.compared
+    assert "can show only the stages q, k, v, q_heads" in run.reason and "hides scores" in run.reason

@@ -84,7 +84,10 @@ class OnnxBackend(Backend):
         if dtype not in ONNX_DTYPES:
             return f"{self.name} builds float32 and float64 graphs only, not {dtype}"
         if device != "cpu":
-            return f"{self.name} runs ONNX Runtime's CPU provider only (no CUDA provider installed; see docs/onnx.md)"
+            return (
+                f"{self.name}: no {device} device present on this machine for it: it runs ONNX Runtime's CPU "
+                "provider (no CUDA build installed; docs/onnx.md)"
+            )
         return super().unsupported_reason(cfg, dtype, device, strategy)
 
     def known_answers(self, cfg: MHAConfig, params: MHAParams, args: tuple, stages: dict, info: dict) -> list:

@@ -72,7 +72,7 @@ class TorchOnnxOracle(Backend):
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
         if device != "cpu":
-            return f"{self.name} runs on the CPU here (ONNX Runtime's CPU provider; torch CPU build)"
+            return f"{self.name}: no {device} device present on this machine for it (ONNX Runtime's CPU provider only)"
         if strategy == EXPORT and (cfg.rope is not None or cfg.causal or cfg.n_kv_heads != cfg.n_heads):
             return (
                 f"{self.name}:export exports the plain layer (no rotary, no causal mask, no GQA): the exported "

@@ -138,6 +138,6 @@ def test_a_disagreement_says_which_stages_the_fused_node_can_show():
     )
     run = next(run for run in result.runs if run.label == "onnx-unexcused")
     assert run.status is Status.DISAGREE
-    assert run.divergence.stage == "weights"  # the first stage the fused node shows after the hidden scores
-    assert "scores" not in run.divergence.compared and "weights" in run.divergence.compared
-    assert "can show only the stages q, k, v, q_heads" in run.reason and "hides scores" in run.reason
+    assert run.divergence.stage == "scores"  # the float32 square root of the scale shows first in the scores
+    assert "biased_scores" not in run.divergence.compared and "weights" in run.divergence.compared
+    assert "can show only the stages q, k, v, q_heads" in run.reason and "never the biased scores" in run.reason

@@ -19,6 +19,7 @@ Which causal rule the op gets (its ``is_causal`` is ``j <= i + past``, on indice
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.rotary import rotary_tables
 
-from ..base import Backend, Prepared, StageTensor
+from ..base import Backend, Prepared, StageTensor, UnsupportedCase
 from .decode import prepare_decode_run, prepare_decode_step
 from .graph import ONNX_DTYPES, GraphSpec, build, full_tables, opsets
 from .known import KNOWN, known_answer
@@ -36,10 +37,11 @@ ONNX_VARIANTS = frozenset(
     {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
 )
 NO_SINKS = "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
-HIDDEN_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores")
 HIDDEN_NOTE = (
-    "the fused Attention node hides scores, capped_scores, biased_scores and masked_scores; it shows the weights "
-    "(a second node with qk_matmul_output_mode=3) and every tensor around it"
+    "the Attention node fuses the scores, the softcap, the mask and the softmax; its qk_matmul_output shows the "
+    "scores (mode 0), the capped scores (1), the masked scores (2) and the weights (3), one more node each "
+    "(onnx #7913 numbering), never the biased scores apart from the mask they ride in, and the "
+    "ReferenceEvaluator's mode 0 returns the capped scores under a softcap, so onnx-reference shows no scores then"
 )
 
 
@@ -116,7 +118,8 @@ class OnnxBackend(Backend):
         spec = self._graph(cfg, dtype, is_causal=is_causal, mask=kind, past_split=past)
         model, _ = build(spec, params)  # the weights cast to the graph dtype as initializers
         run = make_runner(model, self.reference)
-        stage_model, names = build(GraphSpec(**{**spec.__dict__, "stages": True, "weights_output": True}), params)
+        modes = self._qk_modes(cfg, is_causal or mask is not None)
+        stage_model, names = build(dataclasses.replace(spec, stages=True, qk_modes=modes), params)
         feeds = self._feeds(cfg, params, inputs, dtype, mask)
 
         def forward():
@@ -125,6 +128,9 @@ class OnnxBackend(Backend):
         def native_stages() -> dict[str, StageTensor]:
             runner = make_runner(stage_model, self.reference)
             values = dict(zip(names, runner(feeds, list(names.values())), strict=True))
+            if "masked_scores" in values:  # ORT fills blocked logits with the lowest finite float (measured, 1.32)
+                masked = values["masked_scores"]
+                values["masked_scores"] = np.where(masked <= np.finfo(masked.dtype).min, -np.inf, masked)
             shown = {
                 name: StageTensor(values[name], STAGE_BY_NAME[name].shape, self._note(name, spec)) for name in names
             }
@@ -137,11 +143,19 @@ class OnnxBackend(Backend):
             "past_key_tokens": past,
             "attn_mask": None if mask is None else f"{mask.dtype} {tuple(mask.shape)}",
             "fold_scale": self.fold_scale,
-            "stages_hidden": list(HIDDEN_STAGES),
+            "stages_hidden": [
+                name for name in ("scores", "capped_scores", "biased_scores", "masked_scores") if name not in names
+            ],
             "stages_note": HIDDEN_NOTE,
             "known_differences": list(self.known_differences),
         }
         return Prepared(forward, lambda output: np.asarray(output, dtype=np.float64), native_stages, info=info)
+
+    def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        raise UnsupportedCase(
+            f"{self.name} has no backward pass: an inference session computes no gradients (ONNX Runtime's training "
+            "graphs and onnx's gradient ops are not part of this backend)"
+        )
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_decode_run(self, cfg, params, inputs, dtype)
@@ -149,10 +163,24 @@ class OnnxBackend(Backend):
     def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
         return prepare_decode_step(self, cfg, params, batch=batch, context=context, step=step, dtype=dtype, seed=seed)
 
+    def _qk_modes(self, cfg: MHAConfig, masked: bool) -> tuple[tuple[int, str], ...]:
+        """The op's qk outputs that are spec stages, in the spec's numbering (onnx #7913); the ReferenceEvaluator's
+        mode 0 returns the capped scores when a softcap is set (measured, onnx 1.23), so it shows no scores then."""
+        modes = [(3, "weights")]
+        if not (self.reference and cfg.softcap is not None):
+            modes.append((0, "scores"))
+        if cfg.softcap is not None:
+            modes.append((1, "capped_scores"))
+        if masked:
+            modes.append((2, "masked_scores"))
+        return tuple(modes)
+
     @staticmethod
     def _note(name: str, spec: GraphSpec) -> str:
-        if name == "weights":
-            return "a second Attention node with qk_matmul_output_mode=3 (after the softmax)"
+        if name == "masked_scores":
+            return "qk_matmul_output_mode=2 of a node of its own; ORT's lowest finite float for blocked shown as -inf"
+        if name in ("scores", "capped_scores", "weights"):
+            return "the qk_matmul_output of an Attention node of its own (qk_matmul_output_mode, the spec's numbering)"
         if name == "context":
             return f"the Attention node's Y (is_causal={int(spec.is_causal)}, past_key tokens={spec.past_split})"
         return "a graph output of the exported graph"

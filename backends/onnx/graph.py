@@ -52,7 +52,9 @@ class GraphSpec:
     past: bool = False  # past_key/past_value inputs, present_key/present_value outputs
     past_split: int = 0  # > 0: the first keys go in as past_key/past_value, sliced in the graph (the op's offset)
     fold_scale: bool = False
-    weights_output: bool = False  # a second Attention node with qk_matmul_output_mode=3 (the weights)
+    # (qk_matmul_output_mode, stage name): one more Attention node per entry, whose qk output is that stage
+    # (the spec's numbering, onnx #7913: 0 scores, 1 after the softcap, 2 after softcap and mask, 3 weights)
+    qk_modes: tuple[tuple[int, str], ...] = ()
     stages: bool = False  # every intermediate tensor as a graph output too
 
 
@@ -193,10 +195,11 @@ def build(spec: GraphSpec, params: MHAParams):
     while attention_inputs and attention_inputs[-1] == "":
         attention_inputs.pop()
     b.nodes.append(helper.make_node("Attention", attention_inputs, outputs_named, **attrs))  # (B, H, Nq, Dv)
-    if spec.weights_output:  # the op's softmax, shown by a second node (the first keeps the fused path)
-        weights_out = ["context_again", "", "", "weights"]  # Y must be named; only the weights are read
-        b.nodes.append(helper.make_node("Attention", attention_inputs, weights_out, qk_matmul_output_mode=3, **attrs))
-        stages["weights"] = "weights"
+    for mode, stage in spec.qk_modes:  # the fused node's insides, each shown by a node of its own
+        present = [f"present_key_{mode}", f"present_value_{mode}"] if len(attention_inputs) > 4 else ["", ""]
+        outputs = [f"context_mode_{mode}", *present, stage]  # Y (and present_*, with a past) must be named
+        b.nodes.append(helper.make_node("Attention", attention_inputs, outputs, qk_matmul_output_mode=mode, **attrs))
+        stages[stage] = stage
     merged = b.add("Transpose", ["context"], perm=[0, 2, 1, 3])  # (B, Nq, H, Dv)
     merged = b.add("Reshape", [merged, b.const("merged_shape", np.array([0, 0, cfg.context_width]), "int64")], "merged")
     b_o = params.b_o if cfg.output_bias else None

@@ -96,11 +96,8 @@ def test_stages_around_and_inside_the_fused_node(name, case_name):
     shown |= {"q_rotated", "k_rotated"} if case.cfg.rope else set()
     shown |= {"q_normed", "k_normed"} if case.cfg.qk_norm else set()
     shown |= {"capped_scores"} if case.cfg.softcap else set()
-    shown |= (
-        {"masked_scores"}
-        if "masked_scores" in reference and case.cfg.causal or case.inputs().mask is not None
-        else set()
-    )
+    masked = case.cfg.causal or case.cfg.window or case.cfg.has_score_bias or case.inputs().mask is not None
+    shown |= {"masked_scores"} if masked else set()
     shown |= set() if name == "onnx-reference" and case.cfg.softcap else {"scores"}  # its mode 0 is capped then
     assert set(stages) == shown
     assert_stages_close(stages, reference, "float32", shown)

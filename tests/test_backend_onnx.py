@@ -189,3 +189,15 @@ def test_session_threads_follow_the_benchmark_pinning():
     finally:
         layer._SESSION_THREADS["threads"] = saved
     assert not get_framework("onnxruntime").owns(np.zeros(2))  # its arrays are NumPy's: NumPy answers for them
+
+
+def test_the_decode_check_names_the_float32_square_root_in_float64():
+    from mha_rosetta.checks import Status, run_check
+
+    result = run_check(kind="decode", backends="onnx,numpy", cases=["plain_mha"], dtypes=["float64", "float32"])
+    runs = {(run.label, run.dtype): run for run in result.runs}
+    onnx64 = runs[("onnx[past_key]", "float64")]
+    assert onnx64.status is Status.KNOWN_DIFFERENCE
+    assert "known difference sqrt_scale" in onnx64.reason and "[source: ONNX Attention" in onnx64.reason
+    assert runs[("onnx[past_key]", "float32")].status is Status.AGREE
+    assert result.exit_status == 0

@@ -69,6 +69,10 @@ def test_opset_24_runs_where_installed_onnx_has_it():
     if backend.unsupported_reason(case.cfg, "float32", "cpu", "standard"):
         pytest.skip("the installed onnx has no opset 24")
     assert_close(case.run(backend, "float32"), case.reference(), "float32")
+    for name in NAMES:  # the opset24 strategy: what the check runs beside opset 23
+        output, stages = case.run(get_backend(name), "float32", strategy="opset24", return_stages=True)
+        assert_close(output, case.reference(), "float32")
+        assert_stages_close(stages, case.reference_stages(), "float32", ("masked_scores", "weights", "context"))
     assert "opset 25" in OnnxBackend(opset=25).unsupported_reason(case.cfg, "float32", "cpu", "standard")
 
 

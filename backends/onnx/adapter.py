@@ -1,7 +1,8 @@
 """Backends ``onnx`` (ONNX Runtime, CPU) and ``onnx-reference`` (onnx's ReferenceEvaluator): one graph, two runtimes.
 
 The graph is `graph.build`'s: the spec's layer exported around the standard ``Attention`` op
-(opset 23, or 24 with ``opset=24``). Both backends are third-party runtimes of a standard op,
+(opset 23 as the ``standard`` strategy, or ``opset=24``; the ``opset24`` strategy runs opset 24 where the
+installed onnx has it, so the check covers both). Both backends are third-party runtimes of a standard op,
 so they are oracles: where the op's convention differs from the spec, their raw answer is
 passed through and the check names it from `known.KNOWN` (`known_answers`): nothing is mapped
 in the adapter. The timed region is one ``InferenceSession.run`` (or ``ReferenceEvaluator.run``)
@@ -36,6 +37,7 @@ from .runtime import make_runner, op_plan
 ONNX_VARIANTS = frozenset(
     {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
 )
+OPSET24 = "opset24"  # the strategy that builds the same graph at opset 24
 NO_SINKS = "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
 HIDDEN_NOTE = (
     "the Attention node fuses the scores, the softcap, the mask and the softmax; its qk_matmul_output shows the "
@@ -71,6 +73,8 @@ class OnnxBackend(Backend):
         HIDDEN_NOTE,
     )
 
+    strategies = ("standard", OPSET24)
+
     def __init__(self, name: str | None = None, opset: int = 23, fold_scale: bool = False) -> None:
         super().__init__(name)
         self.opset, self.fold_scale = int(opset), bool(fold_scale)
@@ -81,8 +85,9 @@ class OnnxBackend(Backend):
         return super().variant_reason(cfg, strategy, backward)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        if self.opset not in opsets():
-            return f"{self.name}: the installed onnx has no Attention op at opset {self.opset} (it has {opsets()})"
+        opset = self._opset(strategy)
+        if opset not in opsets():
+            return f"{self.name}: the installed onnx has no Attention op at opset {opset} (it has {opsets()})"
         if dtype not in ONNX_DTYPES:
             return f"{self.name} builds float32 and float64 graphs only, not {dtype}"
         if device != "cpu":
@@ -97,7 +102,10 @@ class OnnxBackend(Backend):
         return [] if info.get("fold_scale") else [known_answer("sqrt_scale", cfg, params, args, stages)]
 
     def _graph(self, cfg: MHAConfig, dtype: str, **switches):
-        return GraphSpec(cfg, dtype, self.opset, fold_scale=self.fold_scale, rope=cfg.rope is not None, **switches)
+        return GraphSpec(cfg, dtype, fold_scale=self.fold_scale, rope=cfg.rope is not None, **switches)
+
+    def _opset(self, strategy: str) -> int:
+        return 24 if strategy == OPSET24 else self.opset
 
     def _feeds(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, mask) -> dict:
         feeds = {"x_q": inputs.query.astype(dtype), "x_k": inputs.key.astype(dtype), "x_v": inputs.value.astype(dtype)}
@@ -115,7 +123,7 @@ class OnnxBackend(Backend):
     ) -> Prepared:
         is_causal, past, mask = op_plan(cfg, params, inputs, dtype)
         kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
-        spec = self._graph(cfg, dtype, is_causal=is_causal, mask=kind, past_split=past)
+        spec = self._graph(cfg, dtype, opset=self._opset(strategy), is_causal=is_causal, mask=kind, past_split=past)
         model, _ = build(spec, params)  # the weights cast to the graph dtype as initializers
         run = make_runner(model, self.reference)
         modes = self._qk_modes(cfg, is_causal or mask is not None)
@@ -138,7 +146,7 @@ class OnnxBackend(Backend):
 
         info = {
             "runtime": "onnx.reference.ReferenceEvaluator" if self.reference else "onnxruntime CPUExecutionProvider",
-            "opset": self.opset,
+            "opset": spec.opset,
             "is_causal": is_causal,
             "past_key_tokens": past,
             "attn_mask": None if mask is None else f"{mask.dtype} {tuple(mask.shape)}",

@@ -65,17 +65,14 @@ class _Builder:
     initializers: list = field(default_factory=list)
     count: int = 0
 
-    def add(self, op: str, inputs: list[str], name: str | None = None, outputs: int = 1, **attrs) -> str | list:
+    def add(self, op: str, inputs: list[str], name: str | None = None, **attrs) -> str:
+        """One node of one output, named ``name`` (a stage) or numbered; returns the output's name."""
         from onnx import helper
 
         self.count += 1
-        names = (
-            [name or f"{op.lower()}_{self.count}"]
-            if outputs == 1
-            else [f"{op.lower()}_{self.count}_{i}" for i in range(outputs)]
-        )
-        self.nodes.append(helper.make_node(op, inputs, names, **attrs))
-        return names[0] if outputs == 1 else names
+        output = name or f"{op.lower()}_{self.count}"
+        self.nodes.append(helper.make_node(op, inputs, [output], **attrs))
+        return output
 
     def const(self, name: str, value: np.ndarray, dtype: str | None = None) -> str:
         from onnx import numpy_helper
@@ -137,7 +134,7 @@ def _rotate(b: _Builder, x: str, which: str, rotation: str, name: str) -> str:
 
 
 def build(spec: GraphSpec, params: MHAParams):
-    """The `onnx.ModelProto` of ``spec``, with ``params`` as initializers (in ``spec.dtype``)."""
+    """(the `onnx.ModelProto` of ``spec`` with ``params`` as initializers in ``spec.dtype``, stage name -> output)."""
     from onnx import TensorProto, helper
 
     cfg, b = spec.cfg, _Builder(spec.dtype)
@@ -212,7 +209,7 @@ def build(spec: GraphSpec, params: MHAParams):
     graph = helper.make_graph(b.nodes, "mha_rosetta_attention", inputs, outputs, b.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)], producer_name="mha-rosetta")
     model.ir_version = min(model.ir_version, 10)  # what ONNX Runtime 1.32 reads
-    return model, {name: node for name, node in stages.items()}
+    return model, stages  # stage name -> the graph output that holds it
 
 
 def _half(cfg: MHAConfig) -> int:

@@ -22,11 +22,11 @@ VALUES = np.arange(6, dtype=np.float64).reshape(2, 3) / 4
 
 
 def test_registry_is_keyed_by_library_name_in_preference_order():
-    assert list(FRAMEWORKS) == ["numpy", "torch", "jax"]
+    assert list(FRAMEWORKS) == ["numpy", "torch", "jax", "onnxruntime"]
     assert all(framework.name == name for name, framework in FRAMEWORKS.items())
     assert [name for name, f in FRAMEWORKS.items() if f.drives_gpu] == ["torch", "jax"]
     assert get_framework("numpy").namespace() is np
-    with pytest.raises(ValueError, match="framework must be one of numpy, torch, jax; got 'cupy'"):
+    with pytest.raises(ValueError, match="framework must be one of numpy, torch, jax, onnxruntime; got 'cupy'"):
         get_framework("cupy")
 
 

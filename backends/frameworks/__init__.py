@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 from .interface import UNKNOWN_LAYOUT, CopyProgram, Framework, GemmProgram, Program, numpy_like, upcast_bfloat16
 from .jax import XLA_MANAGED, JaxFramework
 from .numpy import NumpyFramework
+from .onnx import OnnxRuntimeFramework
 from .torch import TorchFramework
 
 # library name -> its framework; the order is the order of preference where several could answer
@@ -37,11 +38,12 @@ FRAMEWORKS: dict[str, Framework] = {
     "numpy": NumpyFramework(),
     "torch": TorchFramework(),
     "jax": JaxFramework(),
+    "onnxruntime": OnnxRuntimeFramework(),
 }
 
 # Libraries that backends require without arrays of their own (they run on one of the above):
 # seconds a fresh child spends importing them, as `Framework.startup_s`.
-LIBRARY_STARTUP_S = {"einops": 0.5, "flax": 2.0, "equinox": 2.0}
+LIBRARY_STARTUP_S = {"einops": 0.5, "flax": 2.0, "equinox": 2.0, "onnx": 0.5, "onnxscript": 1.0}
 
 
 def register_framework(framework: Framework) -> Framework:

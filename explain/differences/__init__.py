@@ -23,6 +23,7 @@ from ..seed_setup import Setup, make_setup
 from .calls import Difference
 from .masks import fully_masked_row, mask_polarity, sequence_first
 from .modules import head_size_arguments, scale_placement, tf32_default
+from .onnx import onnx_attention
 
 DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
     "mask_polarity": mask_polarity,
@@ -31,6 +32,7 @@ DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
     "scale_placement": scale_placement,
     "head_size_arguments": head_size_arguments,
     "tf32_default": tf32_default,
+    "onnx_attention": onnx_attention,
 }
 
 

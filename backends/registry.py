@@ -218,5 +218,11 @@ register("mlx-mha", BackendEntry(".oracles.mlx", "MlxMHAOracle", ("mlx",), "mlx"
 # A decode oracle: Hugging Face's LlamaAttention / MistralAttention through their own KV caches.
 HF_ATTENTION = (".oracles.hf_cache", "HFAttentionOracle", ("torch", "transformers"), "torch,models")
 register("hf-attention", BackendEntry(*HF_ATTENTION, kind="oracle"))
+# ONNX (issue 44): the spec's layer around the standard Attention op, in ONNX Runtime and onnx's reference.
+register("onnx", BackendEntry(".onnx.adapter", "OnnxBackend", ("onnx", "onnxruntime"), "onnx", kind="oracle"))
+ONNX_REF = (".onnx.adapter", "OnnxReferenceBackend", ("onnx",), "onnx")
+register("onnx-reference", BackendEntry(*ONNX_REF, kind="oracle"))
+TORCH_ONNX = (".oracles.torch_onnx", "TorchOnnxOracle", ("torch", "onnx", "onnxruntime", "onnxscript"), "onnx,torch")
+register("torch-onnx", BackendEntry(*TORCH_ONNX, kind="oracle"))
 # Third-party packages' backends (entry-point group "mha_rosetta.backends"), none imported.
 discover_entry_points()

@@ -175,6 +175,8 @@ def _run_one(backend, impl: Implementation, dtype: str, oracle: _DecodeOracle) -
     if level != dtype and not impl.known_mistake and (declared := compare(output, expected, level)).ok:
         run.status = Status.KNOWN_DIFFERENCE
         run.reason = declared_level_reason(dtype, level, result, declared)
+        if run.info.get("known_difference"):  # the oracle names the difference and its source (ONNX's sqrt_scale)
+            run.reason += f"; known difference {run.info['known_difference']}: {run.info.get('note', '')}"
         return run
     run.where, note = _where(run, oracle, dtype)
     if impl.known_mistake:

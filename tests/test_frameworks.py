@@ -22,11 +22,11 @@ VALUES = np.arange(6, dtype=np.float64).reshape(2, 3) / 4
 
 
 def test_registry_is_keyed_by_library_name_in_preference_order():
-    assert list(FRAMEWORKS) == ["numpy", "torch", "jax", "mlx"]
+    assert list(FRAMEWORKS) == ["numpy", "torch", "jax", "onnxruntime", "mlx"]
     assert all(framework.name == name for name, framework in FRAMEWORKS.items())
     assert [name for name, f in FRAMEWORKS.items() if f.drives_gpu] == ["torch", "jax", "mlx"]
     assert get_framework("numpy").namespace() is np
-    with pytest.raises(ValueError, match="framework must be one of numpy, torch, jax, mlx; got 'cupy'"):
+    with pytest.raises(ValueError, match="framework must be one of numpy, torch, jax, onnxruntime, mlx; got 'cupy'"):
         get_framework("cupy")
 
 

@@ -30,6 +30,7 @@ from .interface import UNKNOWN_LAYOUT, CopyProgram, Framework, GemmProgram, Prog
 from .jax import XLA_MANAGED, JaxFramework
 from .mlx import MlxFramework
 from .numpy import NumpyFramework
+from .onnx import OnnxRuntimeFramework
 from .torch import TorchFramework
 
 # library name -> its framework; the order is the order of preference where several could answer
@@ -38,12 +39,13 @@ FRAMEWORKS: dict[str, Framework] = {
     "numpy": NumpyFramework(),
     "torch": TorchFramework(),
     "jax": JaxFramework(),
+    "onnxruntime": OnnxRuntimeFramework(),
     "mlx": MlxFramework(),
 }
 
 # Libraries that backends require without arrays of their own (they run on one of the above):
 # seconds a fresh child spends importing them, as `Framework.startup_s`.
-LIBRARY_STARTUP_S = {"einops": 0.5, "flax": 2.0, "equinox": 2.0}
+LIBRARY_STARTUP_S = {"einops": 0.5, "flax": 2.0, "equinox": 2.0, "onnx": 0.5, "onnxscript": 1.0}
 
 
 def register_framework(framework: Framework) -> Framework:

@@ -24,6 +24,7 @@ from .calls import Difference
 from .masks import fully_masked_row, mask_polarity, sequence_first
 from .mlx import mlx_conventions
 from .modules import head_size_arguments, scale_placement, tf32_default
+from .onnx import onnx_attention
 
 DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
     "mask_polarity": mask_polarity,
@@ -32,6 +33,7 @@ DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
     "scale_placement": scale_placement,
     "head_size_arguments": head_size_arguments,
     "tf32_default": tf32_default,
+    "onnx_attention": onnx_attention,
     "mlx_conventions": mlx_conventions,
 }
 

@@ -1,0 +1,6 @@
+"""ONNX: the spec's layer exported around the standard ``Attention`` op, run by ONNX Runtime and onnx's reference.
+
+`graph` builds the model, `adapter` runs it (``onnx``, ``onnx-reference``), `decode` steps it
+through ``past_key``/``present_key``, `known` holds the op's known differences and their answers.
+Nothing here imports onnx or onnxruntime at module import.
+"""

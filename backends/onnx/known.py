@@ -1,0 +1,156 @@
+"""The known differences of ONNX's ``Attention`` op and its runtimes, each with its source, and their answers.
+
+One table (`KNOWN`) says each difference once; the backends quote it in ``known_differences``,
+the explainer prints it (`explain.differences.onnx`), and `known_answer` computes, in float64
+NumPy from the oracle's own stage tensors, the output a library gives *because of* the
+difference. The check (`checks.agreement`) compares a run that leaves the spec with these
+answers: a run that lands on one within its dtype's tolerance is a known difference, named
+with its source, and anything else stays a disagreement. Nothing passes silently.
+
+Measured here (onnx 1.23, onnxruntime 1.32, torch 2.13, CPU, float64; `tests/test_onnx_known.py`
+repeats each):
+
+* ``sqrt_scale``: the op multiplies Q and K each by ``sqrt(scale)``, taken in float32 (the
+  attribute is a float32) in ORT and in the ReferenceEvaluator, even in a float64 graph: the
+  output equals the spec's with ``scale' = float32(sqrt(float32(scale)))**2`` to 2e-16 and is
+  2.8e-8 (relative) from the exact one. ``torch.onnx.ops.attention`` computes it in float64.
+* ``export_scale_float32``: ``torch.onnx.export`` stores SDPA's scale as a float32 constant
+  (float64 output 1.3e-8 from the exact spec, 4e-16 from ``scale = float32(scale)``).
+* ``softcap_after_mask``: the spec caps before the mask (onnx #7865, #7867); torch's
+  ``torch.onnx.ops.attention`` caps after it, so a blocked logit becomes ``-softcap`` and keeps
+  weight (0.37 max abs on a 3x5 case with softcap 2).
+* ``causal_past_top_left``: with ``past_key``, ORT and the ReferenceEvaluator offset causality by
+  the past length (bottom-right, the errata of onnx #8068); ``torch.onnx.ops.attention`` stays
+  top-left on indices, so queries miss the keys after their own index.
+* ``empty_rows_zero``: a query row with no allowed key gives 0 in ORT, the ReferenceEvaluator and
+  ``torch.onnx.ops.attention`` (the spec's answer too); SDPA gives NaN, MLX's SDPA the mean of V.
+* ``qk_mode_numbering``: modes 1 and 2 of ``qk_matmul_output_mode`` were swapped (onnx #7913).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions, prepare_inputs, reference_stages
+
+
+@dataclass(frozen=True)
+class KnownDifference:
+    name: str
+    text: str
+    source: str
+
+    def line(self) -> str:
+        return f"{self.text} [source: {self.source}]"
+
+
+KNOWN = {
+    known.name: known
+    for known in (
+        KnownDifference(
+            "sqrt_scale",
+            "the Attention op multiplies Q and K each by sqrt(scale), the square root taken in float32 (the scale "
+            "attribute is a float32) even in a float64 graph: float64 outputs are ~3e-8 (relative) from the exact "
+            "spec unless the scale is folded into Q",
+            "ONNX Attention (opset 23/24) 'scale' attribute type; measured: onnxruntime 1.32 and onnx 1.23 "
+            "ReferenceEvaluator, float64",
+        ),
+        KnownDifference(
+            "export_scale_float32",
+            "torch.onnx.export (dynamo) decomposes F.scaled_dot_product_attention into MatMul/Mul/Softmax (opset 20, "
+            "no Attention op) with the scale stored as a float32 constant, even in a float64 graph: float64 outputs "
+            "use float32(scale)",
+            "measured: torch 2.13 torch.onnx.export(dynamo=True) with onnxscript 0.7, run by onnxruntime 1.32",
+        ),
+        KnownDifference(
+            "softcap_after_mask",
+            "torch.onnx.ops.attention applies the softcap after the mask (a blocked logit becomes -softcap and keeps "
+            "weight); the spec applies it before the mask",
+            "onnx #7865, #7867 (spec order: softcap, then mask); measured: torch 2.13 torch.onnx.ops.attention",
+        ),
+        KnownDifference(
+            "causal_past_top_left",
+            "with past_key and is_causal=1, torch.onnx.ops.attention masks top-left on indices (j <= i), ignoring "
+            "the past length; the op's spec, ONNX Runtime and the ReferenceEvaluator use j <= i + past",
+            "onnx errata #8068 (offset-aware, bottom-right causal); measured: torch 2.13 torch.onnx.ops.attention",
+        ),
+        KnownDifference(
+            "empty_rows_zero",
+            "a query row with no allowed key gives a zero row (as the spec); SDPA gives NaN, MLX SDPA the mean of V",
+            "ONNX Attention spec (fully-masked-row guard); measured: onnxruntime 1.32, onnx 1.23, torch 2.13",
+        ),
+        KnownDifference(
+            "qk_mode_numbering",
+            "qk_matmul_output_mode 1 and 2 were swapped: the spec and ONNX Runtime now read 1 = after the softcap, "
+            "2 = after softcap and mask; torch.onnx.ops.attention still reads 1 = after the mask, 2 = mask then "
+            "softcap; the ReferenceEvaluator's mode 0 returns the capped scores when a softcap is set",
+            "onnx #7913; measured: onnxruntime 1.32, onnx 1.23 ReferenceEvaluator, torch 2.13",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class KnownAnswer:
+    """The output a library gives because of one known difference, (B, Nq, D) float64."""
+
+    known: KnownDifference
+    output: np.ndarray
+
+
+def float32_sqrt_scale(scale: float) -> float:
+    """The scale the op really applies: ``float32(sqrt(float32(scale)))`` squared, in float64."""
+    root = float(np.sqrt(np.float32(scale)))
+    return root * root
+
+
+# The scale each difference really applies, from the spec's (the cap and the bias follow the logits).
+SCALE_APPLIED = {"sqrt_scale": float32_sqrt_scale, "export_scale_float32": lambda scale: float(np.float32(scale))}
+
+
+def _output_from_logits(cfg: MHAConfig, params: MHAParams, stages: dict, logits: np.ndarray) -> np.ndarray:
+    """Softmax (a row of -inf only: zeros, the op's guard), then the context, merge and output projection."""
+    top = logits.max(axis=-1, keepdims=True)
+    finite = np.isfinite(top)
+    exp = np.exp(logits - np.where(finite, top, 0.0))  # (B, H, Nq, Nk); exp(-inf) = 0
+    total = exp.sum(axis=-1, keepdims=True)
+    weights = np.divide(exp, total, out=np.zeros_like(exp), where=total > 0)
+    group = cfg.n_heads // cfg.n_kv_heads
+    values = np.repeat(stages["v_heads"], group, axis=1)  # (B, H, Nk, Dv), a copy: query head h reads h // G
+    context = np.einsum("bhqk,bhkd->bqhd", weights, values)  # (B, Nq, H, Dv), new
+    merged = context.reshape(*context.shape[:2], cfg.context_width)  # (B, Nq, H*Dv) view
+    output = merged @ params.w_o.T
+    return output + params.b_o if cfg.output_bias else output
+
+
+def pre_mask_logits(stages: dict) -> np.ndarray:
+    """The last score stage before the mask: the biased, else the capped, else the scaled scores (B, H, Nq, Nk)."""
+    return next(stages[name] for name in ("biased_scores", "capped_scores", "scores") if name in stages)
+
+
+def known_answer(name: str, cfg: MHAConfig, params: MHAParams, args: tuple, stages: dict) -> KnownAnswer:
+    """The output of difference ``name`` on the case (``args``: query, key, value, mask, positions, kv_positions)."""
+    inputs = prepare_inputs(cfg, *args)
+    allowed = allowed_positions(cfg, inputs)
+    full = stages["scores"].shape  # (B, H, Nq, Nk)
+    allowed = np.ones(full, bool) if allowed is None else np.broadcast_to(allowed, full)
+    if name in SCALE_APPLIED:  # the spec in float64 with the scale the library really applies
+        changed = dataclasses.replace(cfg, scale=SCALE_APPLIED[name](cfg.scale))
+        return KnownAnswer(KNOWN[name], reference_stages(changed, params, *args)["output"])
+    if name == "softcap_after_mask":
+        masked = np.where(allowed, stages["scores"], -np.inf)  # (B, H, Nq, Nk): scores + mask, then the cap
+        logits = cfg.softcap * np.tanh(masked / cfg.softcap)  # a blocked -inf becomes -softcap
+        return KnownAnswer(KNOWN[name], _output_from_logits(cfg, params, stages, logits))
+    if name == "causal_past_top_left":
+        other = allowed_positions(dataclasses.replace(cfg, causal=False), inputs)  # padding and window only
+        top_left = np.tril(np.ones(full[-2:], bool))  # (Nq, Nk): j <= i on indices
+        library = top_left if other is None else np.broadcast_to(other, full) & top_left
+        logits = np.where(library, pre_mask_logits(stages), -np.inf)
+        return KnownAnswer(KNOWN[name], _output_from_logits(cfg, params, stages, logits))
+    raise ValueError(
+        f"known difference {name!r} has no output answer (answers: {', '.join(SCALE_APPLIED)}, softcap_after_mask, "
+        "causal_past_top_left)"
+    )

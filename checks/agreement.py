@@ -234,6 +234,12 @@ def declared_level(info: dict, dtype: str) -> str:
     return lower_precision(dtype, declared) if declared else dtype
 
 
+def backend_level(backend, dtype: str) -> str:
+    """The dtype whose tolerance holds ``backend``'s ``dtype`` runs where no run's info is at hand (the backward,
+    a test): its own, or the level the backend declares (``tolerance_levels``: MLX's float64 -> float32)."""
+    return getattr(backend, "tolerance_levels", {}).get(dtype, dtype)
+
+
 def declared_level_reason(dtype: str, level: str, result, declared) -> str:
     return (
         f"the library computes at {level}'s level inside a {dtype} run (declared: info['tolerance_dtype']): max abs "

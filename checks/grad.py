@@ -37,7 +37,7 @@ from mha_rosetta.core import (
     reference_stages,
 )
 
-from .agreement import compare, failure_status
+from .agreement import backend_level, compare, failure_status
 from .cases import SpecCase
 from .divergence import first_divergence
 from .engine import Job
@@ -145,8 +145,8 @@ def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracl
                 f"2x the spec path, within the {dtype} gradient table (atol {table[bad[0]].atol:.2g})"
             )
             return run
-    level = getattr(backend, "tolerance_levels", {}).get(dtype)  # a precision limit the adapter declares
-    if level and all(t.ok for t in _tensor_errors(grads, oracle, level).values()):
+    level = backend_level(backend, dtype)  # a precision limit the adapter declares
+    if level != dtype and all(t.ok for t in _tensor_errors(grads, oracle, level).values()):
         run.status = Status.KNOWN_DIFFERENCE
         run.reason = f"the library computes at {level}'s level inside a {dtype} run (declared): {', '.join(bad)} "
         run.reason += f"beyond {dtype}'s gradient table, within {level}'s"

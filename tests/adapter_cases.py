@@ -14,6 +14,7 @@ import numpy as np
 from conftest import BATCH, KV_TOKENS, Q_TOKENS
 from mha_rosetta.backends import CHUNKED, DIRECT_RESHAPE
 from mha_rosetta.backends._chunking import CHUNKED_HIDDEN_STAGES
+from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.checks.cases import SPEC_CASES, SpecCase
 from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, stage_names
 
@@ -115,17 +116,11 @@ def empty_rows_case(cfg: MHAConfig, cross: bool = True) -> SpecCase:
     )
 
 
-def declared_level(backend, dtype: str) -> str:
-    """The dtype whose tolerance holds ``backend``'s ``dtype`` runs: its own, or the lower level the backend declares
-    (``tolerance_levels``: MLX's float64, whose exp/sin/cos are float32-accurate; the check reports it)."""
-    return getattr(backend, "tolerance_levels", {}).get(dtype, dtype)
-
-
 def assert_output_matches_reference(backend, case: SpecCase, dtype: str, strategy: str) -> None:
     output = case.run(backend, dtype, strategy)
     expected = case.reference()
     assert output.shape == expected.shape
-    level = declared_level(backend, dtype)
+    level = backend_level(backend, dtype)
     assert_close(output, expected, level, what=f"{backend.name}/{strategy}/{dtype} (held at {level}) on {case}")
 
 
@@ -133,7 +128,7 @@ def assert_every_stage_matches_reference(backend, case: SpecCase, dtype: str, st
     _, stages = case.run(backend, dtype, strategy, return_stages=True)
     # The chunked strategy never holds the whole scores or weights: every other stage.
     names = [n for n in stage_names(case.cfg) if strategy != CHUNKED or n not in CHUNKED_HIDDEN_STAGES]
-    assert_stages_close(stages, case.reference_stages(), declared_level(backend, dtype), names)
+    assert_stages_close(stages, case.reference_stages(), backend_level(backend, dtype), names)
 
 
 def assert_direct_reshape_is_caught_at_q_heads(backend, case: SpecCase, dtype: str) -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, UnsupportedCase, get_backend, missing_backends
 from mha_rosetta.checks import SPEC_CASES, Status, run_check
+from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.checks.grad_report import grad_report_blocks
 from mha_rosetta.checks.json_report import grad_to_json
 from mha_rosetta.core import (
@@ -281,7 +282,7 @@ def test_every_backend_gradients_match_the_oracle_on_every_spec_case(backend_nam
         ran += 1
         actual = grads.tensors()
         assert set(actual) == set(expected), case.name
-        level = getattr(backend, "tolerance_levels", {}).get(dtype, dtype)  # a declared limit (MLX's float64)
+        level = backend_level(backend, dtype)  # a declared limit (MLX's float64)
         ok = {n: compare(actual[n], e, level, **vars(grad_tolerance(level, e))).ok for n, e in expected.items()}
         if strategy in KNOWN_WRONG_STRATEGIES:
             # One kv head: the wrong split is undone the same way and cancels (the check finds it at a stage).

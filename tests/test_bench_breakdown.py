@@ -1,0 +1,182 @@
+"""``bench --breakdown``: the stage cuts compose to the adapter's output, the framework inspectors find the copies
+and the context-sized allocations that are there (and none where there are none), and the option is checked.
+No timing is asserted: the breakdown's figures are measured, never tested."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_rosetta.backends import get_backend
+from mha_rosetta.backends.inspect_programs import grows_with_context, hlo_moves
+from mha_rosetta.backends.stage_programs import NoCut, PerHeadStages, stage_programs
+from mha_rosetta.cli.main import main as cli_main
+from mha_rosetta.core import MHAConfig, init_params
+from mha_rosetta.core.tolerances import assert_close
+
+# Distinct sizes: 6 heads in 3 kv groups of 2, d_k 4, d_model 18, 7 tokens, batch 2.
+CFG = MHAConfig(d_model=18, n_heads=6, n_kv_heads=3, d_k=4)
+DECODE_CFG = MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=6, causal=True, rope="half")
+FORWARD_PATHS = ("numpy", "torch", "jax", "numpy-best", "torch-best", "jax-best")
+TINY_POLICY = {"min_time": 0.0, "min_repeats": 3, "max_repeats": 3, "max_time": 1.0, "warmup": 1}
+
+
+def _backend(name: str):
+    framework = {"numpy": "numpy", "torch": "torch", "jax": "jax"}[name.split("-")[0]]
+    if framework != "numpy":
+        pytest.importorskip(framework, reason=f"{name} needs {framework}")
+    return get_backend(name)
+
+
+def _forward(name: str, strategy: str = "standard"):
+    backend = _backend(name)
+    x = np.random.default_rng(1).standard_normal((2, 7, CFG.d_model))  # (B, N, D)
+    prepared, _ = backend.prepare(CFG, init_params(CFG, seed=0), x, None, None, dtype="float32", device="cpu",
+                                  strategy=strategy)  # fmt: skip
+    return backend, prepared
+
+
+@pytest.mark.parametrize("name", FORWARD_PATHS)
+def test_the_last_cut_of_a_forward_is_its_output(name):
+    backend, prepared = _forward(name)
+    cuts = stage_programs(prepared, backend.requires)
+    groups = [group for group, _ in cuts.groups]
+    assert groups[0] == "projections" and groups[-1] == "output"
+    with cuts.active():
+        outputs = [cuts.program(index)() for index in range(len(groups))]
+        empty = cuts.baseline()()  # stops before any stage (NumPy, torch: nothing), or computes a constant (JAX)
+    assert np.size(empty) == (1 if "jax" in backend.requires else 0)
+    assert_close(prepared.to_numpy(outputs[-1][-1]), prepared.output(), "float32", what=f"{name}: the full cut")
+    # Each cut returns its own stage: the projections cut gives q, k, v with the projections' widths.
+    widths = sorted(int(np.prod(np.shape(value))) for value in outputs[0])
+    assert widths == sorted([2 * 7 * 24, 2 * 7 * 12, 2 * 7 * 12])
+
+
+def test_torch_best_names_the_stages_its_fused_kernel_keeps_inside():
+    backend, prepared = _forward("torch-best")
+    groups = [group for group, _ in stage_programs(prepared, backend.requires).groups]
+    assert "scores + softmax + context (fused)" in groups and "scores" not in groups
+
+
+def test_a_per_head_strategy_is_refused_with_its_reason():
+    backend, prepared = _forward("numpy", "slicing")
+    with pytest.raises(PerHeadStages, match="one head at a time"):
+        stage_programs(prepared, backend.requires)
+
+
+def _decode_step(name: str, context: int):
+    backend = _backend(name)
+    prepared = backend.prepare_decode(DECODE_CFG, init_params(DECODE_CFG, seed=0), context=context, batch=1, step=1,
+                                      dtype="float32", device="cpu", seed=0)  # fmt: skip
+    return backend, prepared
+
+
+@pytest.mark.parametrize("name", ("numpy", "torch", "torch-best"))
+def test_the_last_cut_of_a_decode_step_is_its_output(name):
+    backend, prepared = _decode_step(name, 9)
+    cuts = stage_programs(prepared, backend.requires)
+    with cuts.active():
+        last = cuts.program(len(cuts.groups) - 1)()
+    assert_close(prepared.to_numpy(last[-1]), prepared.output(), "float32", what=f"{name}: the decode step's cut")
+
+
+def test_a_decode_step_that_records_no_stage_says_so():
+    backend, prepared = _decode_step("numpy-best", 9)
+    with pytest.raises(NoCut, match="records no stage"):
+        stage_programs(prepared, backend.requires)
+
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_transpose (param_0: f32[2,3,4]) -> f32[4,3,2] {
+  %param_0 = f32[2,3,4]{2,1,0} parameter(0)
+  ROOT %transpose.1 = f32[4,3,2]{2,1,0} transpose(%param_0), dimensions={2,1,0}
+}
+
+%fused_add (param_0: f32[5]) -> f32[5] {
+  %param_0 = f32[5]{0} parameter(0)
+  ROOT %add.0 = f32[5]{0} add(%param_0, %param_0)
+}
+
+ENTRY %main.2 (a: f32[2,3,4], b: f32[5], c: f64[7,3]) -> (f32[4,3,2], f32[5], f64[7,3]) {
+  %a = f32[2,3,4]{2,1,0} parameter(0)
+  %b = f32[5]{0} parameter(1)
+  %c = f64[7,3]{1,0} parameter(2)
+  %transpose_fusion = f32[4,3,2]{2,1,0} fusion(%a), kind=kLoop, calls=%fused_transpose
+  %add_fusion = f32[5]{0} fusion(%b), kind=kLoop, calls=%fused_add
+  %copy.3 = f64[7,3]{0,1} copy(%c)
+  ROOT %tuple = (f32[4,3,2]{2,1,0}, f32[5]{0}, f64[7,3]{0,1}) tuple(%transpose_fusion, %add_fusion, %copy.3)
+}
+"""
+
+
+def test_hlo_moves_names_copies_and_fusions_rooted_in_a_transpose_with_their_bytes():
+    moves = hlo_moves(HLO)
+    assert [(m["instruction"], m["opcode"], m["shape"], m["bytes"]) for m in moves] == [
+        ("transpose_fusion", "fusion(transpose)", [4, 3, 2], 24 * 4),
+        ("copy.3", "copy", [7, 3], 21 * 8),
+    ]
+
+
+def test_grows_with_context_matches_each_operator_by_occurrence():
+    at_context = [{"op": "cat", "bytes": 1000}, {"op": "cat", "bytes": 64}, {"op": "mm", "bytes": 10}]
+    at_half = [{"op": "cat", "bytes": 500}, {"op": "cat", "bytes": 64}]
+    assert [entry["grows"] for entry in grows_with_context(at_context, at_half)] == [True, False, None]
+
+
+def _torch_growth(name: str, context: int) -> list[dict]:
+    from mha_rosetta.backends.inspect_programs import torch_allocations
+
+    entries = []
+    for tokens in (context, context // 2):
+        _, prepared = _decode_step(name, tokens)
+        prepared.forward()  # warm
+        entries.append(torch_allocations(prepared.forward))
+    return grows_with_context(*entries)
+
+
+def test_torch_allocations_find_the_dynamic_cache_growth_and_none_for_torch_best():
+    context = 64
+    cache_bytes = 1 * DECODE_CFG.n_kv_heads * (context + 1) * DECODE_CFG.d_k * 4  # K after the step, float32
+    grown = [entry for entry in _torch_growth("torch", context) if entry["grows"]]
+    assert any(entry["op"] == "aten::cat" and entry["bytes"] >= cache_bytes for entry in grown), grown
+    # torch-best may keep a scores-sized buffer (SDPA's, O(H T) floats: 584 B at context 64, the step's own work);
+    # nothing the size of a cache (O(Hkv T Dk)) grows with the context.
+    best = [entry for entry in _torch_growth("torch-best", context) if entry["grows"]]
+    assert [entry for entry in best if entry["bytes"] >= cache_bytes] == [], best
+
+
+def _decode_breakdown(name: str) -> dict:
+    from mha_rosetta.benchmarks.breakdown import run_breakdown_cell
+    from mha_rosetta.benchmarks.decode import DecodeCellSpec
+
+    cell = DecodeCellSpec(implementation=name, context=40, d_model=24, heads=4, kv_heads=2, d_k=6, policy=TINY_POLICY)
+    record = run_breakdown_cell("decode", cell, timeout=300)
+    assert record["status"] == "ok", record
+    return record
+
+
+def test_the_hlo_of_the_jax_adapters_undonated_step_copies_its_cache_and_jax_bests_does_not():
+    pytest.importorskip("jax", reason="the HLO inspection needs jax")
+    adapter = _decode_breakdown("jax")["inspection"]
+    cache_shape = [1, 41, 2, 6]  # (B, T, Hkv, Dk): context 40 + the step's slot
+    copies = [move for module in adapter["modules"] for move in module["moves"] if move["shape"] == cache_shape]
+    assert copies and all(move["bytes"] == 41 * 2 * 6 * 4 for move in copies)
+    assert adapter["recompiles"] == []
+    best = _decode_breakdown("jax-best")["inspection"]
+    assert [module for module in best["modules"] if module["moves"]] == []
+    assert best["recompiles"] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--breakdown"], "--breakdown needs --backends"),
+        (["--breakdown", "--backends", "numpy", "--mode", "both"], "a forward (--mode fwd) or a decode step"),
+        (["--breakdown", "--backends", "numpy", "--rounds", "2"], "--breakdown does not take --rounds"),
+        (["--breakdown", "--backends", "nosuch"], "nosuch"),
+    ],
+)
+def test_the_option_refuses_bad_input_with_a_clear_error(argv, message, capsys):
+    assert cli_main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err

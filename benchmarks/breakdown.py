@@ -84,11 +84,14 @@ def _inspect(kind: str, cell, backend, prepared, dump: str | None) -> dict:
 
     requires = backend.requires
     found: dict = {"framework": next((name for name in ("jax", "torch", "numpy") if name in requires), None)}
-    half = None
-    if kind == "decode" and cell.context >= 2:
-        half = _prepare(kind, cell, backend, context=cell.context // 2)
-        half.forward()  # compiled and warm, like the cell's
+
+    def at_half():  # the same step at half the context, warm (its JAX modules would be listed too: not asked there)
         found["half_context"] = cell.context // 2
+        half = _prepare(kind, cell, backend, context=cell.context // 2)
+        half.forward()
+        return half
+
+    half_asked = kind == "decode" and cell.context >= 2
     if found["framework"] == "jax":
         if dump is None:
             found["error"] = "no XLA dump directory was given to this process"
@@ -100,16 +103,16 @@ def _inspect(kind: str, cell, backend, prepared, dump: str | None) -> dict:
         found["modules"] = inspect.module_moves(after)
     elif found["framework"] == "torch":
         at_context = inspect.torch_allocations(_call(prepared), cell.device)
-        found["allocations"] = (
-            at_context
-            if half is None
-            else inspect.grows_with_context(at_context, inspect.torch_allocations(_call(half), cell.device))
-        )
+        if half_asked:
+            at_context = inspect.grows_with_context(
+                at_context, inspect.torch_allocations(_call(at_half()), cell.device)
+            )
+        found["allocations"] = at_context
     else:
         peak = inspect.traced_peak_bytes(_call(prepared))
         found["peak_bytes"] = peak
-        if half is not None:
-            found["peak_bytes_half"] = inspect.traced_peak_bytes(_call(half))
+        if half_asked:
+            found["peak_bytes_half"] = inspect.traced_peak_bytes(_call(at_half()))
             found["peak_grows"] = found["peak_bytes_half"] <= 0.75 * peak
         if kind == "fwd":
             stages = prepared.native_stages()

@@ -136,6 +136,23 @@ def torch_allocations(call: Callable[[], object], device: str = "cpu") -> list[d
     return kept
 
 
+def torch_operator_times(call: Callable[[], object], calls: int = 10, device: str = "cpu") -> list[dict]:
+    """Where ``calls`` calls of ``call()`` spend their time by torch's own profiler: each operator's self time
+    per call (``[{"op", "calls", "self_s"}]``, the largest first), what a fused kernel's time is seen by."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "gpu" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            call()
+    rows = [
+        {"op": entry.key, "calls": entry.count / calls, "self_s": entry.self_cpu_time_total / 1e6 / calls}
+        for entry in prof.key_averages()
+        if entry.self_cpu_time_total > 0
+    ]
+    return sorted(rows, key=lambda row: -row["self_s"])
+
+
 def traced_peak_bytes(call: Callable[[], object]) -> int:
     """The peak of traced memory (NumPy reports its buffers to ``tracemalloc``) during one ``call()``, above
     what was held before it: its temporaries and its result."""

@@ -48,9 +48,7 @@ STAGE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 assert {name for _, names in STAGE_GROUPS for name in names} == set(STAGE_NAMES)  # one table, every stage
 
 
-# Steps every forward runs: when the pass records none of their tensors (SDPA's fused kernel keeps the scores and
-# weights inside), their time is in the next stage it records, whose row says so.
-_ALWAYS = ("projections", "head split", "scores", "softmax", "context", "merge", "output")
+_FRAMES_UP = 6  # how many frames above a first record `_ListingRecorder` reads: the recording helpers and the pass
 
 
 class NoCut(ValueError):
@@ -136,15 +134,9 @@ class StagePrograms:
 
     def __init__(self, prepared: Prepared, present: list[str], requires: tuple[str, ...]) -> None:
         self.prepared = prepared
-        self.groups: list[tuple[str, tuple[str, ...]]] = []
-        fused: list[str] = []  # stages the pass does not record (a fused kernel's): timed with the next one it does
-        for group, names in STAGE_GROUPS:
-            kept = tuple(name for name in names if name in present)
-            if not kept:
-                fused += [group] if group in _ALWAYS else []
-                continue
-            self.groups.append((" + ".join([*fused, group]) + (" (fused)" if fused else ""), kept))
-            fused = []
+        # A stage the pass does not record (a fused kernel keeps it inside) is timed with the next one it records.
+        kept = [(group, tuple(name for name in names if name in present)) for group, names in STAGE_GROUPS]
+        self.groups = [(group, names) for group, names in kept if names]
         self._jax = _jax_stage_dump(prepared) if "jax" in requires else None
         if "jax" in requires and self._jax is None:
             raise NoCut(
@@ -235,18 +227,37 @@ class StagePrograms:
 
 
 class _ListingRecorder(_recording.StageRecorder):
-    """Records as usual, and lists the names recorded through it (a stage recomputed beside the pass is not)."""
+    """Records as usual, and lists the names recorded through it (a stage recomputed beside the pass is not).
+
+    At the first record it also keeps every local of the frames above it (the pass's). If the output recorded
+    last was already among them, the pass computed everything before recording anything: a cut would stop
+    it after its work, so no cut splits its time (`recorded_after_output`).
+    """
 
     def __init__(self, listed: list[str]) -> None:
         super().__init__()
         self.listed = listed
+        self.first_locals: list | None = None
+        self.output = None
 
     def record(self, name, value, *args, **kwargs) -> None:
+        if self.first_locals is None:
+            frame, self.first_locals = sys._getframe(1), []
+            for _ in range(_FRAMES_UP):
+                if frame is None:
+                    break
+                self.first_locals += list(frame.f_locals.values())
+                frame = frame.f_back
         self.listed.append(name)
+        if name == "output":
+            self.output = value
         super().record(name, value, *args, **kwargs)
 
     def record_head(self, name, head, *args, **kwargs) -> None:
         raise PerHeadStages(f"the pass computes stage {name!r} one head at a time: a cut would time one head only")
+
+    def recorded_after_output(self) -> bool:
+        return self.output is not None and any(value is self.output for value in self.first_locals or ())
 
 
 def stage_programs(prepared: Prepared, requires: tuple[str, ...]) -> StagePrograms:
@@ -254,8 +265,19 @@ def stage_programs(prepared: Prepared, requires: tuple[str, ...]) -> StageProgra
     untimed stage dump that says which stages the pass itself records. Raises `NoCut` (`PerHeadStages` for a
     per-head strategy) where no cut exists."""
     listed: list[str] = []
-    with _recorder_factory(lambda: _ListingRecorder(listed)):
+    recorders: list[_ListingRecorder] = []
+
+    def listing() -> _ListingRecorder:
+        recorders.append(_ListingRecorder(listed))
+        return recorders[-1]
+
+    with _recorder_factory(listing):
         recorded = prepared.native_stages()
+    if any(recorder.recorded_after_output() for recorder in recorders):
+        raise NoCut(
+            "the pass records its stages after it has computed its output (the output already existed when it "
+            "recorded its first stage): a cut would stop it after all its work, so no cut splits its time"
+        )
     if not listed and "jax" not in requires:
         raise NoCut(f"the pass records no stage through a recorder (its stage dump holds {sorted(recorded)} only)")
     return StagePrograms(prepared, listed or list(recorded), requires)

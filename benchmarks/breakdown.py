@@ -102,6 +102,7 @@ def _inspect(kind: str, cell, backend, prepared, dump: str | None) -> dict:
         found["recompiles"] = sorted(set(after) - set(before))
         found["modules"] = inspect.module_moves(after)
     elif found["framework"] == "torch":
+        found["operators"] = inspect.torch_operator_times(_call(prepared), device=cell.device)
         at_context = inspect.torch_allocations(_call(prepared), cell.device)
         if half_asked:
             at_context = inspect.grows_with_context(

@@ -78,6 +78,11 @@ def _torch_lines(found: dict) -> list[str]:
     if "half_context" in found:
         grows = [entry for entry in allocations if entry.get("grows")]
         lines[0] += f" Grows with the context (against context {found['half_context']}): {len(grows)}."
+    operators = found.get("operators", [])
+    if operators:
+        lines += ["", "Operators by self time per call (torch.profiler over 10 calls, its own overhead included):", ""]
+        lines += ["| op | calls per call | self ms per call |", "| --- | ---: | ---: |"]
+        lines += [f"| {row['op']} | {row['calls']:.3g} | {_ms(row['self_s'])} |" for row in operators[:12]]
     if not allocations:
         return lines
     lines += ["", "| op | input shapes | bytes | grows with the context |", "| --- | --- | ---: | --- |"]

@@ -17,8 +17,12 @@ How a program is cut, without the adapter's help:
   program (a stage returned must be written out, where the whole program may fuse it away): that is the
   cost of the method, visible as the gap between the last cut and the untouched forward.
 
-A strategy that computes its stages one head at a time (slicing, per_head) is refused: a cut would stop
-after the first head. Nothing here imports a framework at module import.
+No cut is made (`NoCut`, with the reason) where it would mislead: a strategy that computes its stages one
+head at a time (slicing, per_head: a cut would stop after the first head); a pass that records its stages
+after computing its output (numpy-best, torch-best: a cut would stop it after all its work). The second is
+checked on every pass, not listed: the first record keeps the locals of the frames above it, and if the
+output recorded last is among them, it existed before any stage was recorded (conservative: a pass that
+preallocates its output in a local is refused too). Nothing here imports a framework at module import.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ STAGE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("merge", ("merged",)),
     ("output", ("output",)),
 )
-assert {name for _, names in STAGE_GROUPS for name in names} == set(STAGE_NAMES)  # one table, every stage
 
 
 _FRAMES_UP = 6  # how many frames above a first record `_ListingRecorder` reads: the recording helpers and the pass

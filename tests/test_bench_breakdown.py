@@ -4,14 +4,17 @@ No timing is asserted: the breakdown's figures are measured, never tested."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from mha_rosetta.backends import get_backend
 from mha_rosetta.backends.inspect_programs import grows_with_context, hlo_moves
-from mha_rosetta.backends.stage_programs import NoCut, PerHeadStages, stage_programs
+from mha_rosetta.backends.stage_programs import STAGE_GROUPS, NoCut, PerHeadStages, stage_programs
 from mha_rosetta.cli.main import main as cli_main
 from mha_rosetta.core import MHAConfig, init_params
+from mha_rosetta.core.stages import STAGE_NAMES
 from mha_rosetta.core.tolerances import assert_close
 
 # Distinct sizes: 6 heads in 3 kv groups of 2, d_k 4, d_model 18, 7 tokens, batch 2.
@@ -34,6 +37,11 @@ def _forward(name: str, strategy: str = "standard"):
     prepared, _ = backend.prepare(CFG, init_params(CFG, seed=0), x, None, None, dtype="float32", device="cpu",
                                   strategy=strategy)  # fmt: skip
     return backend, prepared
+
+
+def test_the_breakdowns_stages_hold_every_pipeline_stage_once_in_order():
+    grouped = [name for _, names in STAGE_GROUPS for name in names]
+    assert grouped == list(STAGE_NAMES)
 
 
 @pytest.mark.parametrize("name", FORWARD_PATHS)
@@ -187,3 +195,21 @@ def test_the_hlo_of_the_jax_adapters_undonated_step_copies_its_cache_and_jax_bes
 def test_the_option_refuses_bad_input_with_a_clear_error(argv, message, capsys):
     assert cli_main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_command_writes_a_breakdown_report_of_each_cell(tmp_path, capsys):
+    out = tmp_path / "breakdown.json"
+    argv = ["bench", "--breakdown", "--backends", "numpy,numpy:slicing", "--batch", "2", "--tokens", "9",
+            "--d-model", "12", "--heads", "3", "--repeats", "3", "--min-time", "0", "--no-progress", "--json", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["kind"] == "breakdown" and report["mode"] == "fwd"
+    numpy_cell, slicing_cell = report["cells"]
+    assert numpy_cell["status"] == slicing_cell["status"] == "ok"
+    assert [row["stage"] for row in numpy_cell["stages"]] == [
+        "projections", "head split", "rotary", "scores", "softmax", "context", "merge", "output",
+    ]  # fmt: skip
+    assert numpy_cell["inspection"]["stage_copies"] == []  # the column-sample head split is a view
+    assert "one head at a time" in slicing_cell["no_stages"] and "stages" not in slicing_cell
+    table = capsys.readouterr().out
+    assert "### numpy: forward, B=2, N=9, D=12, H=3" in table and "| softmax |" in table

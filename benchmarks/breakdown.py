@@ -115,14 +115,20 @@ def _inspect(kind: str, cell, backend, prepared, dump: str | None) -> dict:
         if half_asked:
             found["peak_bytes_half"] = inspect.traced_peak_bytes(_call(at_half()))
             found["peak_grows"] = found["peak_bytes_half"] <= 0.75 * peak
-        if kind == "fwd":
-            stages = prepared.native_stages()
-            found["stage_copies"] = [
-                {"stage": name, "from": stage.parent, "bytes": int(getattr(stage.value, "nbytes", 0))}
-                for name, stage in stages.items()
-                if stage.relation == "copy"
-            ]
+    if found["framework"] != "jax":  # NumPy's and torch's stages say whether each is a view or a copy (measured)
+        found["stage_copies"] = [
+            {"stage": name, "from": stage.parent, "bytes": _nbytes(stage.value)}
+            for name, stage in prepared.native_stages().items()
+            if stage.relation == "copy"
+        ]
     return found
+
+
+def _nbytes(value) -> int:
+    """A stage tensor's bytes: NumPy's ``nbytes``, torch's ``numel() * element_size()``."""
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    return int(value.numel() * value.element_size())
 
 
 def _stage_times(stage_names: list[str], samples: dict[str, list[float]]) -> list[dict]:

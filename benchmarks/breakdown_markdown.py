@@ -75,6 +75,7 @@ def _torch_lines(found: dict) -> list[str]:
     allocations = found.get("allocations", [])
     total = sum(entry["bytes"] for entry in allocations)
     lines = [f"torch.profiler (profile_memory): {len(allocations)} operator(s) kept memory, {_size(total)} in all."]
+    lines += _copy_lines(found)
     if "half_context" in found:
         grows = [entry for entry in allocations if entry.get("grows")]
         lines[0] += f" Grows with the context (against context {found['half_context']}): {len(grows)}."
@@ -103,11 +104,16 @@ def _numpy_lines(found: dict) -> list[str]:
             f"; at context {found['half_context']}: {_size(found['peak_bytes_half'])} (it {grows} with the context)"
         )
     lines[0] += "."
+    return lines + _copy_lines(found)
+
+
+def _copy_lines(found: dict) -> list[str]:
+    """The stage tensors the adapter made as copies of their parent (NumPy, torch: measured by the adapter)."""
     copies = found.get("stage_copies")
-    if copies is not None:
-        named = ", ".join(f"{copy['stage']} from {copy['from']} ({_size(copy['bytes'])})" for copy in copies)
-        lines += ["", f"Stage tensors made as copies of their parent: {named or 'none (every reshape a view)'}."]
-    return lines
+    if copies is None:
+        return []
+    named = ", ".join(f"{copy['stage']} from {copy['from']} ({_size(copy['bytes'])})" for copy in copies)
+    return ["", f"Stage tensors made as copies of their parent: {named or 'none (every reshape a view)'}."]
 
 
 def cell_markdown(cell: dict) -> str:

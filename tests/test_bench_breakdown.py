@@ -213,3 +213,19 @@ def test_the_command_writes_a_breakdown_report_of_each_cell(tmp_path, capsys):
     assert "one head at a time" in slicing_cell["no_stages"] and "stages" not in slicing_cell
     table = capsys.readouterr().out
     assert "### numpy: forward, B=2, N=9, D=12, H=3" in table and "| softmax |" in table
+
+
+def test_a_torch_forward_names_its_merge_copy_and_its_allocations():
+    pytest.importorskip("torch", reason="the torch inspection needs torch")
+    from mha_rosetta.benchmarks.breakdown import run_breakdown_cell
+    from mha_rosetta.benchmarks.cell import CellSpec
+
+    cell = CellSpec(implementation="torch", batch=2, tokens=9, d_model=12, heads=3, policy=TINY_POLICY)
+    record = run_breakdown_cell("fwd", cell, timeout=300)
+    assert record["status"] == "ok", record
+    found = record["inspection"]
+    # transpose(1, 2).contiguous() before the merge: (B, N, H, Dv) float32 = 2 * 9 * 3 * 4 * 4 bytes
+    assert found["stage_copies"] == [{"stage": "merged", "from": "context", "bytes": 2 * 9 * 3 * 4 * 4}]
+    # the four projections' outputs, each (B*N, D) float32, among the operators that kept memory
+    assert sum(entry["op"] == "aten::addmm" and entry["bytes"] == 2 * 9 * 12 * 4 for entry in found["allocations"]) == 4
+    assert any(row["op"] == "aten::addmm" and row["calls"] == 4 for row in found["operators"])

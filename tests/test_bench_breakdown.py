@@ -229,3 +229,15 @@ def test_a_torch_forward_names_its_merge_copy_and_its_allocations():
     # the four projections' outputs, each (B*N, D) float32, among the operators that kept memory
     assert sum(entry["op"] == "aten::addmm" and entry["bytes"] == 2 * 9 * 12 * 4 for entry in found["allocations"]) == 4
     assert any(row["op"] == "aten::addmm" and row["calls"] == 4 for row in found["operators"])
+
+
+def test_the_breakdown_child_imports_no_numpy_or_framework_before_pinning():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mha_rosetta.benchmarks.breakdown\n"
+        "print(','.join(m for m in ('numpy', 'torch', 'jax') if m in sys.modules))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == ""

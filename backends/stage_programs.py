@@ -282,5 +282,5 @@ def stage_programs(prepared: Prepared, requires: tuple[str, ...]) -> StageProgra
             "recorded its first stage): a cut would stop it after all its work, so no cut splits its time"
         )
     if not listed and "jax" not in requires:
-        raise NoCut(f"the pass records no stage through a recorder (its stage dump holds {sorted(recorded)} only)")
+        raise NoCut(f"the pass records no stage through a recorder (its stage dump, {sorted(recorded)}, is made apart)")
     return StagePrograms(prepared, listed or list(recorded), requires)

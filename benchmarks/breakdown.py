@@ -92,6 +92,9 @@ def _inspect(kind: str, cell, backend, prepared, dump: str | None) -> dict:
         return half
 
     half_asked = kind == "decode" and cell.context >= 2
+    if found["framework"] is None:
+        found["error"] = f"no inspection is written for {', '.join(requires)} (only NumPy, torch and JAX)"
+        return found
     if found["framework"] == "jax":
         if dump is None:
             found["error"] = "no XLA dump directory was given to this process"

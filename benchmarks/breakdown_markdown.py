@@ -127,6 +127,8 @@ def cell_markdown(cell: dict) -> str:
         lines.append(f"Whole program: {_ms(whole['median_s'])} ms (IQR {_ms(whole['iqr_s'])}); no stage times: "
                      f"{cell['no_stages']}.")  # fmt: skip
     found = cell.get("inspection", {})
+    if found.get("error"):
+        return "\n".join([*lines, "", f"Not inspected: {found['error']}.", ""])
     render = {"jax": _jax_lines, "torch": _torch_lines}.get(found.get("framework"), _numpy_lines)
     lines += ["", *render(found), ""]
     return "\n".join(lines)

@@ -117,7 +117,8 @@ def _inspect(kind: str, cell, backend, prepared, dump: str | None) -> dict:
         found["peak_bytes"] = peak
         if half_asked:
             found["peak_bytes_half"] = inspect.traced_peak_bytes(_call(at_half()))
-            found["peak_grows"] = found["peak_bytes_half"] <= 0.75 * peak
+            # the growth from half the context to the whole: 2 where all of it is proportional to the context
+            found["peak_ratio"] = peak / found["peak_bytes_half"] if found["peak_bytes_half"] else None
     if found["framework"] != "jax":  # NumPy's and torch's stages say whether each is a view or a copy (measured)
         found["stage_copies"] = [
             {"stage": name, "from": stage.parent, "bytes": _nbytes(stage.value)}

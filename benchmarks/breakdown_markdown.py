@@ -99,10 +99,9 @@ def _torch_lines(found: dict) -> list[str]:
 def _numpy_lines(found: dict) -> list[str]:
     lines = [f"Peak traced memory of one call above what it held (tracemalloc): {_size(found.get('peak_bytes', 0))}"]
     if "peak_bytes_half" in found:
-        grows = "grows" if found["peak_grows"] else "does not grow"
-        lines[0] += (
-            f"; at context {found['half_context']}: {_size(found['peak_bytes_half'])} (it {grows} with the context)"
-        )
+        ratio = found["peak_ratio"]
+        growth = "" if ratio is None else f" (x{ratio:.2f} from half the context to the whole; x2 if all of it grew)"
+        lines[0] += f"; at context {found['half_context']}: {_size(found['peak_bytes_half'])}{growth}"
     lines[0] += "."
     return lines + _copy_lines(found)
 

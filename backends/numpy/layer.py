@@ -1,5 +1,9 @@
 """The NumPy layer: multi-head attention in column samples, ``Y = W @ X + b``.
 
+A catalogue, over 400 lines on purpose: the column-sample layer's four head-split strategies (standard,
+direct_reshape, slicing, per_head), a method each, and the steps they share (projections, QK-norm, rotary,
+mask and softmax, merge), in one class so that the convention reads top to bottom.
+
 Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
 every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
 ``Y = W @ X``, so each row of ``W`` is a scorer that reads one column (token) and writes

@@ -61,6 +61,33 @@ _CACHE_NAMES = ("k_cache", "v_cache", "k_pos", "k_valid")
 TRACES: dict = {}
 
 
+def gathered_stages(plan, world: int, axes: dict, stacked_stages: dict) -> dict:
+    """One chunk's stages as the devices hold them, stacked on axis 0 (one slice a device) -> canonical, each
+    device's heads gathered into the whole layer's (`common.gather_heads`)."""
+    from ..base import StageTensor, canonical_stage
+    from .common import gather_heads
+
+    per_rank = [
+        {
+            name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
+            for name, value in stacked_stages.items()
+        }
+        for rank in range(world)
+    ]
+    return gather_heads(plan, per_rank)
+
+
+def cache_record(slots: int, per_device: int, world: int) -> dict:
+    """``info["cache"]`` of the sharded static cache: ``per_device`` bytes of K and V on each of ``world`` devices."""
+    return {
+        "kind": STATIC,
+        "layout": CACHE_LAYOUT,
+        "slots": slots,
+        "bytes": per_device * world,  # K and V on every device together (a replicated kv head counted per copy)
+        "bytes_per_device": per_device,
+    }
+
+
 def _count(key) -> None:
     TRACES[key] = TRACES.get(key, 0) + 1
 
@@ -176,11 +203,9 @@ def build_decode(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..base import StageTensor, canonical_stage
     from ..jax.common import score_bias_inputs, shared_program, tokens_first_axes
     from ..jax.decode_programs import _bucket_table, full_rotary_tables
     from ..jax.layer import _mha_one_item, mask_for_vmap
-    from .common import gather_heads
 
     w = _sharded_weights(cfg, params, dtype, world, forward)
     MESH_AXIS = w.axis
@@ -298,24 +323,11 @@ def build_decode(
         run()
         out = []
         for output, stacked_stages in zip(state["outputs"], state["stages"], strict=True):
-            per_rank = [
-                {
-                    name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
-                    for name, value in stacked_stages.items()
-                }
-                for rank in range(world)
-            ]
-            out.append((gather_heads(plan, per_rank), np.asarray(output)))
+            out.append((gathered_stages(plan, world, axes, stacked_stages), np.asarray(output)))
         return out
 
     info = {
-        "cache": {
-            "kind": STATIC,
-            "layout": CACHE_LAYOUT,
-            "slots": T,
-            "bytes": per_device * world,  # K and V on every device together (a replicated kv head counted per copy)
-            "bytes_per_device": per_device,
-        },
+        "cache": cache_record(T, per_device, world),
         "cache_sharding": f"NamedSharding(mesh, {kv_spec}) over a 1-D mesh {MESH_AXIS!r} of {world} devices",
         "ring_buffer": ring,
         "devices": world,

@@ -8,7 +8,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import ring_capacity
 
-from .jax_decode import CACHE_LAYOUT, STATIC, _sharded_weights, _step_program
+from .jax_decode import _sharded_weights, _step_program, cache_record, gathered_stages
 
 
 def build_decode_step(
@@ -26,10 +26,8 @@ def build_decode_step(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..base import StageTensor, canonical_stage
     from ..jax.common import tokens_first_axes
     from ..jax.decode_programs import _bucket_table, full_rotary_tables
-    from .common import gather_heads
 
     w = _sharded_weights(cfg, params, dtype, world, forward)
     plan = w.plan
@@ -88,24 +86,11 @@ def build_decode_step(
 
     def stages() -> list:
         _, output, stacked_stages = compiled(*args)
-        per_rank = [
-            {
-                name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
-                for name, value in stacked_stages.items()
-            }
-            for rank in range(world)
-        ]
-        return [(gather_heads(plan, per_rank), np.asarray(output))]
+        return [(gathered_stages(plan, world, axes, stacked_stages), np.asarray(output))]
 
     per_device = batch * T * plan.local_kv_heads * (cfg.d_k + cfg.d_v) * np.dtype(w.cast).itemsize
     info = {
-        "cache": {
-            "kind": STATIC,
-            "layout": CACHE_LAYOUT,
-            "slots": T,
-            "bytes": per_device * world,  # K and V on every device together
-            "bytes_per_device": per_device,
-        },
+        "cache": cache_record(T, per_device, world),
         "cache_copied_per_call": True,  # not donated (see the docstring)
         "compilations": {"step": 1},  # compiled ahead, here; the timed forward calls the executable
         "context": context,

@@ -30,194 +30,77 @@ Design rules (the checks and the benchmarks rely on each one):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 
 from mha_rosetta.core import (
     DTYPE_NAMES,
-    STAGE_BY_NAME,
     MHAConfig,
     MHAGrads,
     MHAInputs,
     MHAParams,
     check_cotangent,
     check_dtype_name,
-    fold_defaulted_inputs,
     prepare_inputs,
     validate_params,
 )
-from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
-from mha_rosetta.core.grad import GRAD_PARAM_NAMES, GRAD_STAGES, output_shape
+from mha_rosetta.core.grad import output_shape
 from mha_rosetta.core.inputs import causal_on_indices
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
+from .decoding import DecodeMixin, DecodeStep
 from .entries import registered_entry
-from .frameworks import to_numpy as tensor_to_numpy  # the adapters' name for the layer's conversion
+from .prepared import (
+    RELATIONS,
+    Prepared,
+    PreparedDecode,
+    PreparedVJP,
+    StageTensor,
+    canonical_stage,
+    grads_from_native,
+    tensor_to_numpy,  # the adapters' name for the framework layer's conversion
+)
+from .vocabulary import (
+    DEVICE_ALIASES,
+    DEVICE_NAMES,
+    DIRECT_RESHAPE,
+    KNOWN_WRONG_STRATEGIES,
+    PER_HEAD,
+    SLICING,
+    STANDARD,
+    BackendNotInstalled,
+    UnsupportedCase,
+    check_device_name,
+)
 
-DEVICE_NAMES = ("cpu", "gpu")
-DEVICE_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
-
-# The column/row-sample article's head-split strategies. "direct_reshape" is the known mistake
-# (reshape (N, D) straight to (H, N, Dk)); it is kept to prove that the checks catch it.
-STANDARD = "standard"
-PER_HEAD = "per_head"
-SLICING = "slicing"
-DIRECT_RESHAPE = "direct_reshape"
-KNOWN_WRONG_STRATEGIES = frozenset({DIRECT_RESHAPE})
-
-
-class BackendNotInstalled(ImportError):
-    """A backend's framework is missing; the message carries the install command."""
-
-
-class UnsupportedCase(ValueError):
-    """The backend cannot run this (config, dtype, device, strategy); the message says why."""
-
-
-def check_device_name(device: object) -> str:
-    """Normalise a device name ("cpu", "gpu"; "cuda" is accepted for "gpu")."""
-    if not isinstance(device, str) or device.lower() not in DEVICE_ALIASES:
-        raise ValueError(f"device must be one of {', '.join(DEVICE_NAMES)} ('cuda' means 'gpu'); got {device!r}")
-    return DEVICE_ALIASES[device.lower()]
-
-
-RELATIONS = ("view", "copy", "new")
-
-
-@dataclass
-class StageTensor:
-    """One stage tensor as an adapter holds it, with the meaning of each axis.
-
-    ``axes`` uses the symbols of `core.stages` (B, Nq, Nk, H, Hkv, Dk, Dv, D and the
-    merged widths H*Dk, Hkv*Dk, Hkv*Dv, H*Dv), so the column-sample query projection
-    is ``axes=("B", "H*Dk", "Nq")`` and its canonical form follows by a transpose.
-    """
-
-    value: object  # a NumPy array, torch tensor or JAX array
-    axes: tuple[str, ...]
-    note: str = ""  # how the step made it, in words, for the explainer (e.g. "view(B, N, H, d).transpose(1, 2)")
-    # Provenance, filled where the tensor is made: "view" (the live tensor used ``parent``'s
-    # memory: a reshape, a slice, an in-place step), "copy" (``parent``'s numbers moved to
-    # fresh memory) or "new" (a computation wrote fresh memory; ``parent`` is the stage it
-    # was computed from, or None when it has several inputs).
-    relation: str = "new"
-    parent: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.relation not in RELATIONS:
-            raise ValueError(f"relation must be one of {', '.join(RELATIONS)}; got {self.relation!r}")
-        if self.relation != "new" and self.parent is None:
-            raise ValueError(f"a {self.relation} needs the stage it was made from (parent); got None")
+# What the adapters import from here; the result types live in `prepared`, the names and refusals in
+# `vocabulary`, the decode half of the interface in `decoding`.
+__all__ = [
+    "DEVICE_ALIASES",
+    "DEVICE_NAMES",
+    "DIRECT_RESHAPE",
+    "KNOWN_WRONG_STRATEGIES",
+    "PER_HEAD",
+    "RELATIONS",
+    "SLICING",
+    "STANDARD",
+    "Backend",
+    "BackendNotInstalled",
+    "DecodeStep",
+    "Prepared",
+    "PreparedDecode",
+    "PreparedVJP",
+    "StageTensor",
+    "UnsupportedCase",
+    "canonical_stage",
+    "check_device_name",
+    "grads_from_native",
+    "tensor_to_numpy",
+]
 
 
-@dataclass
-class Prepared:
-    """Everything needed to run and inspect one forward pass, already converted.
-
-    forward:      the timed region; returns the native result.
-    synchronize:  waits until a native result is computed (GPU, async dispatch).
-    to_numpy:     native result -> NumPy output (B, Nq, D); untimed.
-    native_stages: runs the pass again, untimed, and returns its stage tensors.
-    compile:      optional ahead-of-time compilation (JIT backends), timed apart.
-    """
-
-    forward: Callable[[], object]
-    to_numpy: Callable[[object], np.ndarray]
-    native_stages: Callable[[], dict[str, StageTensor]]
-    synchronize: Callable[[object], None] = lambda result: None
-    compile: Callable[[], None] | None = None
-    info: dict = field(default_factory=dict)  # e.g. {"tf32": False, "matmul_precision": "highest"}
-
-    def output(self) -> np.ndarray:
-        """One forward pass, waited for and converted: the batched NumPy output (B, Nq, D)."""
-        result = self.forward()
-        self.synchronize(result)
-        return self.to_numpy(result)
-
-
-@dataclass
-class PreparedDecode:
-    """A whole decode run, already converted: the prefill forward, then each step through the cache.
-
-    run:          the prefill and every step (`core.decode.DecodeInputs.chunks`), nothing else;
-                  returns the native outputs of every token.
-    to_numpy:     native outputs -> NumPy (B, N, D) in token order; untimed.
-    step_stages:  runs again, untimed; for each chunk, its token-wise stage tensors
-                  (`core.decode.decode_stage_names`, the chunk's tokens on the token axis:
-                  the new keys as written to the cache), or None if none are exposed.
-    info:         at least ``cache``: ``{"kind", "layout", "slots", "bytes"}`` (the layout in the
-                  adapter's axis symbols, e.g. "(B, Hkv, T, Dk)"; ``slots`` per sequence; ``bytes``
-                  of K and V together), and ``compilations`` where a JIT compiles.
-    """
-
-    run: Callable[[], object]
-    to_numpy: Callable[[object], np.ndarray]
-    step_stages: Callable[[], list[dict[str, StageTensor]]] | None = None
-    synchronize: Callable[[object], None] = lambda result: None
-    compile: Callable[[], None] | None = None
-    info: dict = field(default_factory=dict)
-
-    def output(self) -> np.ndarray:
-        """The whole run, waited for and converted: (B, N, D)."""
-        result = self.run()
-        self.synchronize(result)
-        return self.to_numpy(result)
-
-
-@dataclass
-class PreparedVJP:
-    """One forward+backward pass, already converted (the training-step analogue of `Prepared`).
-
-    run:         the timed region: the forward pass and the backward pass of the prepared
-                 cotangent, nothing else; returns the native gradients.
-    to_grads:    native gradients -> a dict of NumPy arrays, untimed: ``d_x_q (B, Nq, D)``,
-                 ``d_x_k``, ``d_x_v`` (the three inputs as separate variables, even when they
-                 are one array), ``w_q`` ... ``b_o`` in the canonical layout (biases absent
-                 without bias), and optionally ``stages``: backward stages as `StageTensor`.
-    """
-
-    run: Callable[[], object]
-    to_grads: Callable[[object], dict]
-    synchronize: Callable[[object], None] = lambda result: None
-    compile: Callable[[], None] | None = None
-    info: dict = field(default_factory=dict)
-
-
-def canonical_stage(name: str, stage: StageTensor, label: str | None = None) -> np.ndarray:
-    """Transpose a native stage tensor into the canonical axis order of `core.stages`.
-
-    ``label`` names it in errors when it is not the forward stage itself (a gradient of it).
-    """
-    canonical_axes = STAGE_BY_NAME[name].shape
-    if sorted(stage.axes) != sorted(canonical_axes):
-        raise ValueError(
-            f"stage {label or name!r} has axes {stage.axes}, which are not a permutation of {canonical_axes}"
-        )
-    array = tensor_to_numpy(stage.value)
-    return np.transpose(array, [stage.axes.index(symbol) for symbol in canonical_axes])
-
-
-def grads_from_native(grads: dict, inputs: MHAInputs, key_given: bool, value_given: bool) -> MHAGrads:
-    """A `PreparedVJP.to_grads` dict -> `MHAGrads` in the caller's form (defaulted inputs folded)."""
-    d_query, d_key, d_value = fold_defaulted_inputs(
-        grads["d_x_q"], grads["d_x_k"], grads["d_x_v"], key_given, value_given
-    )
-    params = MHAParams(**{name: grads.get(name) for name in GRAD_PARAM_NAMES})  # type: ignore[arg-type]  # biases may be None
-    forward_stage = dict(GRAD_STAGES)
-    stages = {
-        name: canonical_stage(forward_stage[name], stage, name) for name, stage in grads.get("stages", {}).items()
-    }
-
-    def unbatched(d):
-        return None if d is None else inputs.unbatch(d)
-
-    return MHAGrads(unbatched(d_query), unbatched(d_key), unbatched(d_value), params, stages)
-
-
-class Backend:
+class Backend(DecodeMixin):
     """Base class of every adapter. Subclasses set the class attributes and `_prepare`."""
 
     name: str = ""
@@ -461,126 +344,6 @@ class Backend:
         if not self.has_device(device):
             return f"{self.name}: no {device} device present on this machine"
         return None
-
-    def _decode_validate(self, cfg, params, dtype, device, strategy, cache):
-        dtype = check_dtype_name(dtype)
-        device = check_device_name(device)
-        validate_params(cfg, params)
-        reason = self.decode_reason(cfg, dtype, device, strategy, cache)
-        if reason:
-            raise UnsupportedCase(reason)
-        return dtype, device, cache or self.decode_caches[0]
-
-    def _prepare_decode_run(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        inputs: DecodeInputs,
-        dtype: str,
-        device: str,
-        strategy: str,
-        cache: str,
-    ) -> PreparedDecode:
-        """Subclasses with a cache override this (rule 8); ``inputs`` is checked and batched."""
-        raise UnsupportedCase(f"{self.name} has no KV-cache decoding")
-
-    def _prepare_decode_step(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        *,
-        batch: int,
-        context: int,
-        step: int,
-        dtype: str,
-        device: str,
-        strategy: str,
-        cache: str,
-        seed: int,
-    ) -> Prepared:
-        """Subclasses override this for `bench --mode decode`: ``forward`` is one step of ``step`` tokens at
-        ``context`` cached tokens (the cache filled with arbitrary numbers; a window's ring already full)."""
-        raise UnsupportedCase(f"{self.name} has no decode step to time")
-
-    def prepare_decode_run(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        x,
-        *,
-        prefill,
-        step=1,
-        mask=None,
-        positions=None,
-        dtype: str = "float64",
-        device: str = "cpu",
-        strategy: str = STANDARD,
-        cache: str | None = None,
-    ) -> tuple[PreparedDecode, DecodeInputs]:
-        """Validate everything, then convert once for a whole decode run (`run_decode`'s arguments)."""
-        inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step, mask=mask, positions=positions)
-        dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
-        return self._prepare_decode_run(cfg, params, inputs, dtype, device, strategy, cache), inputs
-
-    def run_decode(
-        self, cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, mask=None, positions=None, **options
-    ):
-        """Prefill ``prefill`` tokens, then feed the rest ``step`` at a time through this backend's own cache.
-
-        ``x``: (B, N, d_model) or (N, d_model); ``mask``: a (B, N) or (N,) padding mask (True: a
-        real token); ``positions``: (B, N) or (N,), default ``0 .. N-1`` or ``cumsum(mask) - 1``.
-        ``options``: dtype, device, strategy, cache. Returns every token's output, (B, N, d_model)
-        (or (N, d_model)), which equals `core.decode.reference_decode` (the full causal forward).
-        """
-        prepared, inputs = self.prepare_decode_run(
-            cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions, **options
-        )
-        return inputs.unbatch(prepared.output())
-
-    def decode_stages(self, prepared: PreparedDecode, cfg: MHAConfig) -> list[dict[str, np.ndarray]] | None:
-        """Each chunk's token-wise stages in the canonical layout (batched), or None when none are exposed."""
-        if prepared.step_stages is None:
-            return None
-        names = set(decode_stage_names(cfg))
-        return [
-            {name: canonical_stage(name, stage) for name, stage in chunk.items() if name in names}
-            for chunk in prepared.step_stages()
-        ]
-
-    def prepare_decode(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        *,
-        context: int,
-        batch: int = 1,
-        step: int = 1,
-        dtype: str = "float32",
-        device: str = "cpu",
-        strategy: str = STANDARD,
-        cache: str | None = None,
-        seed: int = 0,
-    ) -> Prepared:
-        """One decode step to time (`bench --mode decode`): ``forward`` feeds ``step`` new tokens to a cache
-        holding ``context`` tokens. ``info["cache"]`` says the cache's kind, layout, slots and bytes."""
-        for name, value, low in (("context", context, 0), ("batch", batch, 1), ("step", step, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not cfg.causal:
-            raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
-        dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
-        return self._prepare_decode_step(
-            cfg,
-            params,
-            batch=int(batch),
-            context=int(context),
-            step=int(step),
-            dtype=dtype,
-            device=device,
-            strategy=strategy,
-            cache=cache,
-            seed=seed,
-        )
 
     @staticmethod
     def canonical_stages(prepared: Prepared) -> dict[str, np.ndarray]:

@@ -1,5 +1,8 @@
 """The spec cases: small named configurations that together touch every MHAConfig feature.
 
+A catalogue, over 400 lines on purpose: the check's cases, one entry each, so that every MHAConfig
+feature's case is found in one list.
+
 Each case uses sizes that differ from one another (batch, tokens, d_model, heads, d_k,
 d_v, kdim, vdim), so that an implementation which swaps two axes fails with a shape
 error or a wrong number instead of passing by luck.

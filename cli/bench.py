@@ -14,6 +14,7 @@ The estimated duration is printed before the sweep starts.
 Finished visits go to a partial file as they end, so an interrupted sweep can ``--resume``.
 ``--write-docs DIR`` writes DIR/bench/ and regenerates the benchmark block of DIR/benchmarks.md;
 ``--render JSON`` does the same from a saved report without measuring (`benchmarks.readme`).
+``--breakdown`` says where each chosen cell's time goes, stage by stage, and what it copies (`cli.bench_breakdown`).
 ``--mode decode`` times one KV-cache decode step per implementation and context length
 (``--contexts``) against the copy bandwidth measured in the same run (`benchmarks.decode`);
 its ``--write-docs DIR`` writes DIR/bench/decode.{json,md}, the plot, and the README's decode block.
@@ -238,6 +239,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list the implementations a sweep would run, then exit")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="where each cell's time goes: every stage timed by cutting the program after it, and the copies, "
+        "transposes, allocations and recompiles its framework reports (cli.bench_breakdown; --mode fwd or decode; "
+        "needs --backends; the forward at the reference size unless sizes are given)",
+    )
 
 
 def _settings(args: argparse.Namespace):
@@ -281,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         return render_only(args)
     if args.compare:
         return compare_only(args)
+    if args.breakdown:
+        from .bench_breakdown import run_breakdown
+
+        return run_breakdown(args, _settings)
     if args.mode == "decode":
         from .bench_decode import run_decode
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import MHAConfig
+from .inputs import BatchedTokens
 from .params import MHAParams
 from .reference import reference_stages
 from .stages import STAGE_BY_NAME, stage_names
@@ -62,7 +63,7 @@ class CacheFull(ValueError):
 
 
 @dataclass(frozen=True)
-class DecodeInputs:
+class DecodeInputs(BatchedTokens):
     """One decode run's inputs, checked and batched.
 
     x:         (B, N, d_model) float64, the whole sequence (prefill and the tokens fed after it).
@@ -79,14 +80,6 @@ class DecodeInputs:
     prefill: int
     step: int
     batched: bool
-
-    @property
-    def batch(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def tokens(self) -> int:
-        return self.x.shape[1]
 
     @property
     def valid(self) -> np.ndarray:

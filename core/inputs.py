@@ -20,6 +20,20 @@ from .config import MHAConfig, require_config
 from .variants import window_allowed
 
 
+class BatchedTokens:
+    """``batch`` and ``tokens`` of a record whose ``x`` is a batch of row samples, (B, N, features)."""
+
+    x: np.ndarray
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[1]
+
+
 @dataclass(frozen=True)
 class MHAInputs:
     """Inputs in batched form: ``query (B, Nq, D)``, ``key (B, Nk, kdim)``, ``value (B, Nk, vdim)``.

@@ -12,26 +12,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, init_params
+from mha_rosetta.core.inputs import BatchedTokens
 
 SEED_TOKENS, SEED_D_MODEL, SEED_HEADS, SEED_D_K = 6, 12, 3, 4
 DEFAULT_BATCH = 2
 
 
 @dataclass(frozen=True)
-class Setup:
+class Setup(BatchedTokens):
     """One configuration with its parameters and an input batch (row samples, float64)."""
 
     cfg: MHAConfig
     params: MHAParams
     x: np.ndarray  # (batch, tokens, d_model)
-
-    @property
-    def batch(self) -> int:
-        return self.x.shape[0]
-
-    @property
-    def tokens(self) -> int:
-        return self.x.shape[1]
 
 
 def seed_config() -> MHAConfig:

@@ -1,5 +1,8 @@
 """`Layout`: one checkpoint family's weight layout, tied to the canonical `MHAParams`.
 
+A catalogue, over 400 lines on purpose: the rules a real module sets on a configuration and the
+packings of its tensors, which every family's layout (`models/hf_*.py` and the others) picks from.
+
 A layout knows four things about a family, and nothing about its framework:
 
 * which configurations its real module can hold (`Layout.unsupported_reason`): the

@@ -18,19 +18,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig
 
 from ._hf import hf_forward, hf_mask
-from ._layout import (
-    PER_HEAD,
-    Layout,
-    bias_is,
-    causal_only,
-    default_scale,
-    fused_qkv,
-    head_dim_is_width_over_heads,
-    no_grouped_kv,
-    rotary_is,
-    same_head_dims,
-    self_attention_widths,
-)
+from ._layout import PER_HEAD, Layout, bias_is, causal_only, classic_heads, default_scale, fused_qkv, rotary_is
 from ._module_io import torch_reader, unexpressible
 from ._packing import pack_groups, unpack_groups
 from ._real import HF_REQUIRES, torch_state
@@ -102,10 +90,7 @@ LAYOUT = Layout(
     source="transformers/models/bloom/modeling_bloom.py (BloomAttention._reshape, build_alibi_tensor)",
     split="fused_qkv.view(B, N, H, 3, d) -> [..., 0, :], [..., 1, :], [..., 2, :]",
     rules=(
-        no_grouped_kv(MODULE),
-        head_dim_is_width_over_heads(MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *classic_heads(MODULE),
         bias_is(True, "BLOOM's query_key_value and dense are nn.Linear with bias"),
         default_scale(MODULE),
         causal_only(MODULE),

@@ -14,18 +14,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig
 
 from ._hf import hf_forward, hf_mask
-from ._layout import (
-    BLOCKS,
-    Layout,
-    bias_is,
-    causal_only,
-    fused_qkv,
-    head_dim_is_width_over_heads,
-    no_grouped_kv,
-    rotary_is,
-    same_head_dims,
-    self_attention_widths,
-)
+from ._layout import BLOCKS, Layout, bias_is, causal_only, classic_heads, fused_qkv, rotary_is
 from ._module_io import torch_reader, unexpressible
 from ._packing import pack_blocks, unpack_blocks
 from ._real import HF_REQUIRES, torch_state
@@ -106,10 +95,7 @@ LAYOUT = Layout(
     source="transformers/models/mpt/modeling_mpt.py (MptAttention, build_mpt_alibi_tensor)",
     split="mixed_qkv.chunk(3, dim=2); each .reshape(B, N, H, d).transpose(1, 2)",
     rules=(
-        no_grouped_kv(MODULE),
-        head_dim_is_width_over_heads(MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *classic_heads(MODULE),
         bias_is(False, "MPT's Wqkv and out_proj are nn.Linear(..., bias=False)"),
         causal_only(MODULE),
         rotary_is((None,), MODULE),

@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.backends import Backend, Prepared
-from mha_rosetta.backends.base import PreparedDecode
+from mha_rosetta.backends.base import DecodeStep, PreparedDecode
 from mha_rosetta.core import numpy_dtype
 from mha_rosetta.core.decode import reference_decode, ring_capacity
 
@@ -43,9 +43,10 @@ class FakeDecode(Backend):
             info["compilations"] = {"prefill": 1, "step": 0}
         return PreparedDecode(run=run, to_numpy=np.asarray, info=info)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        batch, context, step, dtype, cache = job.batch, job.context, job.step, job.dtype, job.cache
         dt = numpy_dtype(dtype)
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(job.seed)
         ring = ring_capacity(cfg, step)
         slots = context + step if ring is None else ring  # the ring is full; a growing cache holds context + step
         hkv, h, dk = cfg.n_kv_heads, cfg.n_heads, cfg.d_k

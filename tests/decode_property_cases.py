@@ -101,3 +101,11 @@ def assert_decode_matches(backend, cfg, x, mask, prefill, step, dtype, stages=Tr
             check = compare(got[name], value, dtype)
             assert check.ok, f"chunk {number} ({inputs.chunks()[number]}) diverges at {name}: {check}"
     return prepared
+
+
+def assert_variant_decodes(backend, variant: str, prefill: int, step: int) -> None:
+    """``VARIANT_CFGS[variant]`` decoded on a left-padded batch: in float64 with its stages, in float32 without."""
+    cfg = VARIANT_CFGS[variant]
+    x, mask = decode_run_inputs(cfg, "left")
+    assert_decode_matches(backend, cfg, x, mask, prefill, step, "float64")
+    assert_decode_matches(backend, cfg, x, mask, prefill, step, "float32", stages=False)

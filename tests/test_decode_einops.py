@@ -18,6 +18,7 @@ from decode_property_cases import (
     TOKENS,
     VARIANT_CFGS,
     assert_decode_matches,
+    assert_variant_decodes,
     decode_run_inputs,
 )
 
@@ -91,11 +92,7 @@ def test_every_variant_is_declared_for_decoding(library):
 @pytest.mark.parametrize("variant", sorted(VARIANT_CFGS))
 @pytest.mark.parametrize(("library", "split"), _library_splits([(1, 1), (2, 2), (6, 1)], [(2, 2)]))
 def test_decode_with_each_variant(library, split, variant):
-    cfg = VARIANT_CFGS[variant]
-    x, mask = decode_run_inputs(cfg, "left")
-    backend = backend_for(library)
-    assert_decode_matches(backend, cfg, x, mask, *split, "float64")
-    assert_decode_matches(backend, cfg, x, mask, *split, "float32", stages=False)
+    assert_variant_decodes(backend_for(library), variant, *split)
 
 
 @pytest.mark.parametrize("step", [1, 2, 3])

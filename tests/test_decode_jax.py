@@ -176,7 +176,7 @@ def test_the_ring_write_that_straddles_the_end_wraps_to_slot_0():
     import jax.numpy as jnp
     from jax import lax
 
-    from mha_rosetta.backends.jax.decode import _write
+    from mha_rosetta.backends.jax.decode_programs import _write
 
     cache = jnp.arange(5.0)[:, None]  # (T=5, 1): slot t holds t
     new = jnp.array([[10.0], [11.0]])  # (s=2, 1): tokens 9 and 10 of the sequence

@@ -16,6 +16,7 @@ from decode_property_cases import (
     TOKENS,
     VARIANT_CFGS,
     assert_decode_matches,
+    assert_variant_decodes,
     decode_run_inputs,
 )
 
@@ -61,10 +62,7 @@ def test_every_variant_is_declared_for_decoding():
 @pytest.mark.parametrize("split", [(1, 1), (2, 2), (6, 1)], ids=lambda s: f"prefill{s[0]}-step{s[1]}")
 @pytest.mark.parametrize("variant", sorted(VARIANT_CFGS))
 def test_decode_with_each_variant(variant, split):
-    cfg = VARIANT_CFGS[variant]
-    x, mask = decode_run_inputs(cfg, "left")
-    assert_decode_matches(BACKEND, cfg, x, mask, *split, "float64")
-    assert_decode_matches(BACKEND, cfg, x, mask, *split, "float32", stages=False)
+    assert_variant_decodes(BACKEND, variant, *split)
 
 
 @pytest.mark.parametrize("step", [1, 2, 3])

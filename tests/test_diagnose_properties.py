@@ -37,15 +37,20 @@ def configs(draw):
     )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs())
-def test_random_configs_correct_agrees_and_each_bug_is_named_first(cfg):
+def assert_agrees_and_each_bug_is_named_first(cfg):
+    """The correct candidate agrees, and each planted mistake that ``cfg`` can show is the first cause named."""
     assert diagnose(numpy_candidate(cfg), cfg).agrees
     named = {}
     for bug in bugs_for(cfg):
         causes = diagnose(numpy_candidate(cfg, bug), cfg).causes
         named[bug] = causes[0].code if causes else "agrees"
     assert named == {bug: BUGS[bug][0] for bug in bugs_for(cfg)}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs())
+def test_random_configs_correct_agrees_and_each_bug_is_named_first(cfg):
+    assert_agrees_and_each_bug_is_named_first(cfg)
 
 
 @st.composite
@@ -74,9 +79,4 @@ def variant_configs(draw):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=variant_configs())
 def test_random_variant_configs_correct_agrees_and_each_bug_is_named_first(cfg):
-    assert diagnose(numpy_candidate(cfg), cfg).agrees
-    named = {}
-    for bug in bugs_for(cfg):
-        causes = diagnose(numpy_candidate(cfg, bug), cfg).causes
-        named[bug] = causes[0].code if causes else "agrees"
-    assert named == {bug: BUGS[bug][0] for bug in bugs_for(cfg)}
+    assert_agrees_and_each_bug_is_named_first(cfg)

@@ -42,7 +42,7 @@ from mha_rosetta.core import (
 
 from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
 from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
-from ..base import Backend, Prepared, PreparedDecode, PreparedVJP
+from ..base import Backend, DecodeStep, Prepared, PreparedDecode, PreparedVJP
 from ..numpy.common import MaskArrays, softmax_inplace
 from .common import (
     STATIC,
@@ -333,9 +333,10 @@ class NumpyBestBackend(BestPath, Backend):
 
         return PreparedDecode(run, lambda outputs: np.concatenate(outputs, axis=1), info=info)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        layer = NumpyBestLayer(cfg, params, dtype)
-        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        batch, context, step = job.batch, job.context, job.step
+        layer = NumpyBestLayer(cfg, params, job.dtype)
+        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=job.seed)
         kv = NumpyStaticCache(cfg, batch, context + step, layer.dtype)
         kv.k[..., :context], kv.v[:, :, :context] = data.k.swapaxes(-1, -2), data.v  # keys as columns
         x = np.ascontiguousarray(data.x, dtype=layer.dtype)  # (B, s, D)

@@ -30,7 +30,7 @@ from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions
 from mha_rosetta.core.decode import DecodeInputs
 
 from .._recording import StageRecorder, record_stages
-from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..oracles.torch import TorchSDPAOracle
 from ..oracles.torch_heads import projected_heads_pass
 from ..torch.common import (
@@ -96,9 +96,9 @@ class TorchBestBackend(BestPath, TorchSDPAOracle):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
         return prepare_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=seed)
-        return prepare_decode_step(cfg, params, data, dtype, device, self.allow_tf32)
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        data = decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
+        return prepare_decode_step(cfg, params, data, job.dtype, job.device, self.allow_tf32)
 
 
 def score_stages(cfg: MHAConfig, q_rotated, k_rotated, allowed: np.ndarray | None) -> dict[str, StageTensor]:

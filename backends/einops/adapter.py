@@ -11,7 +11,7 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
 
 from .._inputs import convert_inputs
-from ..base import Backend, Prepared, check_device_name, tensor_to_numpy
+from ..base import Backend, DecodeStep, Prepared, check_device_name, tensor_to_numpy
 from ..frameworks.ops import OPS_BY_LIBRARY, RegistryVariants
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
 from ..numpy.common import NumpyPrecision
@@ -119,11 +119,9 @@ class EinopsBackend(Backend):
         ops = OPS_BY_LIBRARY[self.array_library](dtype, check_device_name(device))
         return prepare_einops_decode_run(self, ops, cfg, params, inputs, dtype, device)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        ops = OPS_BY_LIBRARY[self.array_library](dtype, check_device_name(device))
-        return prepare_einops_decode_step(
-            self, ops, cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed
-        )
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        ops = OPS_BY_LIBRARY[self.array_library](job.dtype, check_device_name(job.device))
+        return prepare_einops_decode_step(self, ops, cfg, params, job)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)

@@ -36,7 +36,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_allowed, ring_capacity
 
-from ..base import Prepared, PreparedDecode, tensor_to_numpy
+from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from ..jax.common import shared_program
 from .layer import attend, canonical_weights, grouped_allowed, project_heads, score_tables, stage_tensors
 from .plans import EinsumPlan, plan_for
@@ -286,15 +286,16 @@ def prepare_einops_decode_run(
     )
 
 
-def prepare_einops_decode_step(backend, ops, cfg, params, *, batch, context, step, dtype, device, seed) -> Prepared:
+def prepare_einops_decode_step(backend, ops, cfg, params, job: DecodeStep) -> Prepared:
     """One step of ``step`` tokens on a cache holding ``context`` tokens of random numbers (`bench --mode decode`).
 
     Every call of ``forward`` writes the same step at the same slots (the write index is set back),
     so each timed call is the same step at the same context; a ring is already full.
     """
-    rng = np.random.default_rng(seed)
+    batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
+    rng = np.random.default_rng(job.seed)
     x = rng.standard_normal((batch, step, cfg.d_model))  # the step's new tokens, "b n d"
-    positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, n)
+    positions = job.positions()  # (B, n)
     decoder = EinopsDecoder(ops, cfg, params, x, positions, dtype, backend.matmul_precision)
     cache = decoder.new_cache(batch, context + step, step)
     first = 0 if cache.ring is None else max(0, context - cache.ring)

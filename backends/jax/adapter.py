@@ -12,7 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
-from ..base import STANDARD, Backend, Prepared, StageTensor
+from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
 from . import decode
 from .chunked import CHUNKED_VARIANTS, chunked_attention, chunked_hidden
@@ -105,17 +105,6 @@ class JaxBackend(Backend):
         info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
         return decode.prepare_decode_run(cfg, params, inputs, dtype, device, self.matmul_precision, info)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
-        return decode.prepare_decode_step(
-            cfg,
-            params,
-            batch=batch,
-            context=context,
-            step=step,
-            dtype=dtype,
-            device=device,
-            matmul_precision=self.matmul_precision,
-            seed=seed,
-            info=info,
-        )
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        info = precision_info(device=job.device, dtype=job.dtype, matmul_precision=self.matmul_precision)
+        return decode.prepare_decode_step(cfg, params, job, self.matmul_precision, info)

@@ -45,18 +45,16 @@ step on one cache, so it cannot donate: each call copies the cache once (said in
 
 from __future__ import annotations
 
-from collections import Counter
 from functools import partial
-from types import SimpleNamespace
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs, rotary_tables
-from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names, ring_capacity
-from mha_rosetta.core.variants import alibi_slopes, t5_buckets
+from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs
+from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, ring_capacity
+from mha_rosetta.core.variants import alibi_slopes
 
 from .._layouts import XLA_LAYOUT
-from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from .common import (
     effective_precision,
     jax_params,
@@ -67,7 +65,8 @@ from .common import (
     tokens_first_axes,
     variant_provenance,
 )
-from .layer import STAGE_NOTES, _attend_all_heads, _mha_one_item, mask_for_vmap
+from .decode_programs import TRACES, _bucket_table, _prefill_program, _step_program, full_rotary_tables
+from .layer import STAGE_NOTES, mask_for_vmap
 
 STATIC = "static"
 CACHE_LAYOUT = "(B, T, Hkv, Dk)"
@@ -78,128 +77,6 @@ DECODE_LAYOUTS = {
         "W - 1 + step slots"
     )
 }
-# The per-item cache arrays, as the step's vmapped item dict carries them (batch axis 0).
-_CACHE_NAMES = ("k_cache", "v_cache", "k_pos", "k_valid")
-
-
-def _write(cache, new, index, *, slots: int, ring: bool):
-    """One item's cache (T, ...) with ``new`` (s, ...) written at token ``index`` (a traced int32 scalar).
-
-    Not a ring: one ``dynamic_update_slice`` at ``index`` (the caller checked the capacity). A
-    ring: token t in slot ``t % T``; one token is a dynamic slice at ``index % T``, several may
-    straddle the end and are a scatter on the wrapped slots (s <= T, so the slots are distinct).
-    """
-    import jax.numpy as jnp
-    from jax import lax
-
-    s = new.shape[0]
-    zeros = (jnp.zeros((), index.dtype),) * (cache.ndim - 1)  # start indices share one integer type
-    if not ring:
-        return lax.dynamic_update_slice(cache, new, (index, *zeros))
-    if s == 1:
-        return lax.dynamic_update_slice(cache, new, (index % slots, *zeros))
-    return cache.at[(index + jnp.arange(s, dtype=index.dtype)) % slots].set(new)  # (T, ...)
-
-
-def _decode_attend(
-    q_rotated, k_rotated, v_heads, allowed, head, item, *, cfg: MHAConfig, head_mask_axis, slots: int, ring: bool
-):
-    """`layer._mha_one_item`'s attention step for one item of a decode step: write, then attend to the cache.
-
-    q_rotated (s, H, Dk), k_rotated (s, Hkv, Dk), v_heads (s, Hkv, Dv): the step's new tokens;
-    ``item``: this item's cache (``k_cache`` (T, Hkv, Dk), ``v_cache`` (T, Hkv, Dv), ``k_pos`` (T,),
-    ``k_valid`` (T,)), the step's ``q_pos`` (s,) and ``q_valid`` (s,), the write ``index`` and, with
-    T5's bias, ``bucket_of`` (the bucket of every distance from ``-span``, `_bucket_table`). Returns
-    the context (s, H, Dv) and the updated cache.
-    """
-    import jax.numpy as jnp
-
-    write = partial(_write, index=item["index"], slots=slots, ring=ring)
-    cache = {
-        "k_cache": write(item["k_cache"], k_rotated),  # after QK-norm and rotary, Hkv heads: never repeated
-        "v_cache": write(item["v_cache"], v_heads),
-        "k_pos": write(item["k_pos"], item["q_pos"]),
-        "k_valid": write(item["k_valid"], item["q_valid"]),
-    }
-    q_pos, k_pos = item["q_pos"][:, None], cache["k_pos"][None, :]  # (s, 1), (1, T)
-    # core.decode.decode_allowed in jnp: causal and window on the positions, only written real slots.
-    allowed = (k_pos <= q_pos) & cache["k_valid"][None, :]  # (s, T)
-    if cfg.window is not None:
-        allowed = allowed & (k_pos > q_pos - cfg.window)
-    scores_item = {}
-    if cfg.has_score_bias:
-        distance = k_pos - q_pos  # (s, T): p_j - p_i
-        if cfg.alibi:
-            scores_item["distance"] = distance.astype(head["slope"].dtype)
-        if cfg.rel_buckets is not None:
-            table = item["bucket_of"]  # (2 span + 1,)
-            span = (table.shape[0] - 1) // 2
-            scores_item["bucket"] = table[jnp.clip(distance + span, 0, 2 * span)]  # (s, T); masked pairs clip
-    heads = _attend_all_heads(
-        q_rotated, cache["k_cache"], cache["v_cache"], allowed, head, scores_item, cfg=cfg, head_mask_axis=None
-    )
-    return {"context": heads["context"], **cache}  # context (s, H, Dv)
-
-
-def _bucket_table(cfg: MHAConfig, span: int) -> np.ndarray:
-    """T5's bucket of every distance ``-span .. span`` (`core.variants.t5_buckets`), int32 (2 span + 1,)."""
-    distance = np.arange(-span, span + 1, dtype=np.int64)
-    return t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional).astype(np.int32)
-
-
-def full_rotary_tables(cfg: MHAConfig, positions: np.ndarray) -> tuple | None:
-    """The rotary tables ``(cos, sin)`` (B, N, r/2) of every token's position, or None without rope.
-
-    From the whole sequence at once (`core.rotary_tables`), so that a scaling that reads the
-    sequence length sees the full forward's; queries and keys share them (self-attention).
-    """
-    tables = rotary_tables(cfg, SimpleNamespace(positions=positions, kv_positions=positions))
-    return None if tables is None else (tables.q_cos, tables.q_sin)
-
-
-# Every trace of each program key (`JaxDecoder.compilations` reads the count since a decoder was built).
-TRACES: Counter = Counter()
-
-
-def _prefill_program(
-    cfg: MHAConfig, capacity: int, key: tuple, axes, params, x, allowed, tables, cache, score_tables, q_pos, q_valid
-):
-    """The prefill: the adapter's forward over its P tokens, then its last min(P, T) keys written.
-
-    ``axes`` (static): the mask's batch and head in_axes (`layer.mask_for_vmap`) and the score
-    tables' batch in_axes (`common.score_bias_inputs`), as the forward's vmaps take them.
-    """
-    import jax
-
-    TRACES[key] += 1  # runs only while JAX traces (and so compiles) this program
-    batch_axis, head_axis, score_axes = axes
-    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=head_axis)
-    table_axes = None if tables is None else 0
-    stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, dict(score_axes)))(
-        params, x, x, x, allowed, tables, score_tables
-    )
-    P, T = x.shape[1], capacity
-    kept = min(P, T)  # a prefill longer than the ring keeps its last T tokens
-    slots = np.arange(P - kept, P) % T if cfg.window is not None else np.arange(kept)  # static: P and T are shapes
-    new = {"k_cache": stages["k_rotated"], "v_cache": stages["v_heads"], "k_pos": q_pos, "k_valid": q_valid}
-    cache = {name: cache[name].at[:, slots].set(new[name][:, P - kept :]) for name in _CACHE_NAMES}
-    return cache, {name: stages[name] for name in decode_stage_names(cfg)}
-
-
-def _step_program(cfg: MHAConfig, capacity: int, key: tuple, params, x, tables, extras, cache, index):
-    """One step of s tokens: x (B, s, D); the cache written at ``index`` (traced) and attended to."""
-    import jax
-
-    TRACES[key] += 1  # runs only while JAX traces (and so compiles) this program
-    attend = partial(_decode_attend, slots=capacity, ring=cfg.window is not None)
-    one_item = partial(_mha_one_item, cfg=cfg, head_mask_axis=None, attend=attend)
-    item = {**cache, **extras, "index": index}
-    item_axes = {name: (None if name in ("slopes", "bucket_of", "index") else 0) for name in item}
-    table_axes = None if tables is None else 0
-    stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, None, table_axes, item_axes))(
-        params, x, x, x, None, tables, item
-    )
-    return {name: stages[name] for name in _CACHE_NAMES}, {name: stages[name] for name in decode_stage_names(cfg)}
 
 
 class JaxDecoder:
@@ -400,17 +277,7 @@ def _block(result) -> None:
 
 
 def prepare_decode_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    matmul_precision: str,
-    seed: int,
-    info: dict,
+    cfg: MHAConfig, params: MHAParams, job: DecodeStep, matmul_precision: str, info: dict
 ) -> Prepared:
     """One jitted step of ``step`` tokens on a cache holding ``context`` tokens of random numbers (the benchmark's).
 
@@ -421,10 +288,11 @@ def prepare_decode_step(
     """
     import jax
 
+    batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
     ring = ring_capacity(cfg, step)
     capacity = context + step if ring is None else ring
-    rng = np.random.default_rng(seed)
-    positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, s)
+    rng = np.random.default_rng(job.seed)
+    positions = job.positions()  # (B, s)
     decoder = JaxDecoder(
         cfg,
         params,

@@ -16,7 +16,7 @@ from mha_rosetta.core.variants import relative_distances
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._inputs import convert_inputs
 from .._recording import record_stages
-from ..base import STANDARD, Backend, Prepared, PreparedVJP, tensor_to_numpy
+from ..base import STANDARD, Backend, DecodeStep, Prepared, PreparedVJP, tensor_to_numpy
 from ..frameworks.mlx import FLOAT64_LIMIT, TOLERANCE_LEVELS, mlx_devices, mlx_stream, precision_info, to_mlx
 from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedMlxAttention
@@ -145,7 +145,5 @@ class MlxBackend(MlxDevices, Backend):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_mlx_decode_run(cfg, params, inputs, dtype, device, cache)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_mlx_decode_step(
-            cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, cache=cache, seed=seed
-        )
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        return prepare_mlx_decode_step(cfg, params, job)

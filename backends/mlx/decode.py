@@ -24,7 +24,7 @@ from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed, ring_capacity
 
 from .._recording import StageRecorder
-from ..base import Prepared, PreparedDecode, tensor_to_numpy
+from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from ..frameworks.mlx import mlx_stream, precision_info, to_mlx
 from .layer import MlxAttention, mlx_tables
 
@@ -189,14 +189,15 @@ def prepare_mlx_decode_run(cfg, params, inputs: DecodeInputs, dtype: str, device
     )
 
 
-def prepare_mlx_decode_step(cfg, params, *, batch, context, step, dtype, device, cache, seed) -> Prepared:
-    """One step of ``step`` tokens on a cache holding ``context`` tokens of random numbers (`bench --mode decode`);
-    every call writes the same step at the same place (`MlxKVCache.rewind`)."""
+def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
+    """One step of ``job.step`` tokens on a cache holding ``job.context`` tokens of random numbers (`bench --mode
+    decode`); every call writes the same step at the same place (`MlxKVCache.rewind`)."""
     import mlx.core as mx
 
-    rng = np.random.default_rng(seed)
+    batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
+    rng = np.random.default_rng(job.seed)
     x = rng.standard_normal((batch, step, cfg.d_model))  # the step's new tokens, (B, s, D)
-    positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, s)
+    positions = job.positions()  # (B, s)
     decoder = MlxDecoder(cfg, params, x, positions, dtype)
     state = decoder.new_cache(step)
     first = 0 if state.ring is None else max(0, context - state.ring)

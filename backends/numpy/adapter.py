@@ -10,7 +10,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
-from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedColumnSampleMHA
 from .common import NumpyPrecision
@@ -61,7 +61,5 @@ class NumpyBackend(Backend):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_numpy_decode_run(cfg, params, inputs, dtype, cache)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_numpy_decode_step(
-            cfg, params, batch=batch, context=context, step=step, dtype=dtype, cache=cache, seed=seed
-        )
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        return prepare_numpy_decode_step(cfg, params, job)

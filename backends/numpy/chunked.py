@@ -19,7 +19,7 @@ from .._chunking import plan_tiles, resolve_chunk, tile_allowed, tile_distances
 from .._recording import StageRecorder, relation_to
 from ..frameworks.ops import masked_scores, online_start
 from ..frameworks.ops_numpy import NumpyOps
-from .layer import ColumnSampleMHA, _split_reshape
+from .layer import ColumnSampleMHA
 
 
 class ChunkedColumnSampleMHA(ColumnSampleMHA):
@@ -67,13 +67,7 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         P, cfg = self.precision, self.cfg
         self.tiles_visited = 0  # score tiles computed (skipped ones not counted): the tests read it
-        q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
-        q_heads = _split_reshape(q, H)  # (B, H, Dk, Nq), view: head h owns rows h*Dk:(h+1)*Dk
-        k_heads = _split_reshape(k, Hkv)  # (B, Hkv, Dk, Nk), view
-        v_heads = _split_reshape(v, Hkv)  # (B, Hkv, Dv, Nk), view
-        how = "reshape of the row axis, no transpose"
-        heads = (q_heads, k_heads, v_heads)
-        q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape)  # QK-normed, rotated
+        q_rotated, k_rotated, v_heads = self._standard_heads(rec)  # the standard split's, QK-normed and rotated
         q_groups = q_rotated.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view: query head h = g*G + r
         keys_t = k_rotated[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T, shared by the group
         values = v_heads[:, :, None]  # (B, Hkv, 1, Dv, Nk), view

@@ -52,7 +52,7 @@ from mha_rosetta.core.decode import (
 )
 
 from .._recording import StageRecorder, relation_to
-from ..base import Prepared, PreparedDecode
+from ..base import DecodeStep, Prepared, PreparedDecode
 from .common import MaskArrays, NumpyPrecision
 from .layer import ColumnSampleMHA, _split_reshape, columns_to_rows
 
@@ -255,7 +255,7 @@ def prepare_numpy_decode_run(cfg, params, inputs: DecodeInputs, dtype: str, cach
     return PreparedDecode(run, to_numpy, step_stages=lambda: run_chunks(record=True)[1], info=info)
 
 
-def prepare_numpy_decode_step(cfg, params, *, batch, context, step, dtype, cache, seed) -> Prepared:
+def prepare_numpy_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     """One step of ``step`` tokens on a cache holding ``context`` tokens of random numbers (`bench --mode decode`).
 
     The cache is allocated once with room for the step (``context + step`` columns, or the ring's
@@ -264,12 +264,13 @@ def prepare_numpy_decode_step(cfg, params, *, batch, context, step, dtype, cache
     growing cache has between doublings (a doubling's copy is amortised over the columns it makes
     room for, and is not in the timed step).
     """
-    rng = np.random.default_rng(seed)
+    batch, context, step, dtype = job.batch, job.context, job.step, job.dtype
+    rng = np.random.default_rng(job.seed)
     D, Hkv, Dk, Dv = cfg.d_model, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     x = rng.standard_normal((batch, step, D))  # the step's new tokens, (B, s, D)
-    positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, s)
+    positions = job.positions()  # (B, s)
     decoder = ColumnSampleDecoder(cfg, params, x, positions, NumpyPrecision.for_dtype(dtype))
-    state = decoder.new_cache(cache, context + step, step)
+    state = decoder.new_cache(job.cache, context + step, step)
     # The cached tokens' keys and values: arbitrary numbers, the last ones a ring keeps (all of them without a ring).
     first = 0 if state.ring is None else max(0, context - state.ring)
     state.rewind(first)

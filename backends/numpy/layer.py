@@ -1,5 +1,9 @@
 """The NumPy layer: multi-head attention in column samples, ``Y = W @ X + b``.
 
+A catalogue, over 400 lines on purpose: the column-sample layer's four head-split strategies (standard,
+direct_reshape, slicing, per_head), a method each, and the steps they share (projections, QK-norm, rotary,
+mask and softmax, merge), in one class so that the convention reads top to bottom.
+
 Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
 every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
 ``Y = W @ X``, so each row of ``W`` is a scorer that reads one column (token) and writes
@@ -283,17 +287,24 @@ class ColumnSampleMHA(LayerRecording):
         return output
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
-    def standard(self, rec: StageRecorder | None = None) -> np.ndarray:
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+    def _standard_heads(self, rec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The standard split's (q_rotated (B, H, Dk, Nq), k_rotated (B, Hkv, Dk, Nk), v_heads (B, Hkv, Dv, Nk)):
+        projected, split, QK-normed and rotated (recorded when ``rec`` is given); the chunked strategy's too."""
+        H, Hkv = self.cfg.n_heads, self.cfg.n_kv_heads
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         # Head h owns rows h*Dk:(h+1)*Dk: splitting the row axis is a reshape, a view,
         # and no transpose is needed (unlike row samples' view + transpose(1, 2)).
-        q_heads = _split_reshape(q, H)  # (B, H, Dk, Nq)
-        k_heads = _split_reshape(k, Hkv)  # (B, Hkv, Dk, Nk)
-        v_heads = _split_reshape(v, Hkv)  # (B, Hkv, Dv, Nk)
+        q_heads = _split_reshape(q, H)  # (B, H, Dk, Nq), view
+        k_heads = _split_reshape(k, Hkv)  # (B, Hkv, Dk, Nk), view
+        v_heads = _split_reshape(v, Hkv)  # (B, Hkv, Dv, Nk), view
         how = "reshape of the row axis, no transpose"
         heads = (q_heads, k_heads, v_heads)
         q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape)  # QK-normed, rotated
+        return q_rotated, k_rotated, v_heads
+
+    def standard(self, rec: StageRecorder | None = None) -> np.ndarray:
+        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
+        q_rotated, k_rotated, v_heads = self._standard_heads(rec)
         context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
         merged = context.reshape(B, H * Dv, Nq)  # (B, H*Dv, Nq): heads stacked as row blocks
         if rec is not None:

@@ -1,5 +1,9 @@
 """The NumPy adapter's backward pass, written by hand in column samples.
 
+A catalogue, over 400 lines on purpose: the hand-written backward of each head-split strategy of
+`backends.numpy.layer` and of the steps they share, in one class, read against the forward it
+differentiates.
+
 NumPy has no automatic differentiation, so this is the backward a column-sample user
 writes. Every projection is ``Y = W @ X + b`` with ``X`` of shape ``(in, tokens)``, and its
 gradients are the column-sample formulas::

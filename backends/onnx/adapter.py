@@ -29,6 +29,7 @@ from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.rotary import rotary_tables
 
 from ..base import Backend, Prepared, StageTensor, UnsupportedCase
+from ..decoding import DecodeStep
 from .decode import prepare_decode_run, prepare_decode_step
 from .graph import ONNX_DTYPES, GraphSpec, build, full_tables, opsets
 from .known import KNOWN, known_answer
@@ -168,8 +169,8 @@ class OnnxBackend(Backend):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_decode_run(self, cfg, params, inputs, dtype)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_decode_step(self, cfg, params, batch=batch, context=context, step=step, dtype=dtype, seed=seed)
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        return prepare_decode_step(self, cfg, params, job)
 
     def _qk_modes(self, cfg: MHAConfig, masked: bool) -> tuple[tuple[int, str], ...]:
         """The op's qk outputs that are spec stages, in the spec's numbering (onnx #7913); the ReferenceEvaluator's

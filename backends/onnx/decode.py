@@ -26,6 +26,7 @@ from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 from mha_rosetta.core.rotary import rotary_tables
 
 from ..base import Prepared, PreparedDecode, StageTensor
+from ..decoding import DecodeStep
 from .graph import GraphSpec, build, full_tables
 from .known import KNOWN
 from .runtime import float_mask, make_runner
@@ -123,9 +124,10 @@ def prepare_decode_run(backend, cfg: MHAConfig, params: MHAParams, inputs: Decod
     return PreparedDecode(run, lambda out: np.asarray(out, dtype=np.float64), info=info)
 
 
-def prepare_decode_step(backend, cfg: MHAConfig, params: MHAParams, *, batch, context, step, dtype, seed) -> Prepared:
-    """One timed call (`bench --mode decode`): ``step`` new tokens over a past of ``context`` arbitrary slots
-    (a window's past holds its last ``W - 1``); one ``InferenceSession.run``."""
+def prepare_decode_step(backend, cfg: MHAConfig, params: MHAParams, job: DecodeStep) -> Prepared:
+    """One timed call (`bench --mode decode`): ``job.step`` new tokens over a past of ``job.context`` arbitrary
+    slots (a window's past holds its last ``W - 1``); one ``InferenceSession.run``."""
+    batch, context, step, dtype, seed = job.batch, job.context, job.step, job.dtype, job.seed
     rng = np.random.default_rng(seed)
     past = context if cfg.window is None else min(context, cfg.window - 1)
     graph = StepGraph(backend, cfg, params, dtype, _mask_kind(cfg, False))

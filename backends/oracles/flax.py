@@ -122,22 +122,12 @@ class FlaxMHAOracle(JaxOracle):
     ) -> Prepared:
         import flax.linen as nn
         import jax
-        import jax.numpy as jnp
 
         target = jax_target(dtype, device)
         spec = self._output_rows(cfg, params, inputs, dtype, target)
         # Kernels (in, H, head_dim), out kernel (H, head_dim, D), each a JAX array on the target.
         tree = jax.tree_util.tree_map(lambda array: to_jax(array, dtype, target), to_flax_params(cfg, params))
-        compute_dtype = jnp.dtype(numpy_dtype(dtype))
-        module = nn.MultiHeadDotProductAttention(
-            num_heads=cfg.n_heads,
-            qkv_features=cfg.q_width,
-            out_features=cfg.d_model,
-            use_bias=cfg.bias,
-            dtype=compute_dtype,
-            param_dtype=compute_dtype,
-            deterministic=True,
-        )
+        module = flax_module(cfg, dtype)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
         mask = to_jax(allowed_for_heads(cfg, inputs), None, target)  # (B|1, H|1, Nq, Nk), True = attend
         if cfg.rel_buckets is not None:  # T5's table next to the module's tree: a primal, so its gradient comes back
@@ -151,7 +141,7 @@ class FlaxMHAOracle(JaxOracle):
             if not cfg.has_score_bias:
                 return module, tree
             bias = gathered_bias(cfg, rel_table, bias_tables)  # (1|B, H, Nq, Nk)
-            return module.clone(attention_fn=partial(nn.dot_product_attention, bias=bias.astype(compute_dtype))), tree
+            return module.clone(attention_fn=partial(nn.dot_product_attention, bias=bias.astype(module.dtype))), tree
 
         def forward(tree, x_q, x_k, x_v, mask, rows, b_o, bias_tables):
             layer, tree = applied(tree, bias_tables)
@@ -184,7 +174,6 @@ class FlaxMHAOracle(JaxOracle):
         return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
 
     def _prepare_decode_run(self, cfg, params, inputs: DecodeInputs, dtype, device, strategy, cache) -> PreparedDecode:
-        import flax.linen as nn
         import jax
         import jax.numpy as jnp
 
@@ -205,17 +194,7 @@ class FlaxMHAOracle(JaxOracle):
                 "positions; these positions do not follow the index among the real tokens"
             )
         target = jax_target(dtype, device)
-        compute_dtype = jnp.dtype(numpy_dtype(dtype))
-        module = nn.MultiHeadDotProductAttention(
-            num_heads=cfg.n_heads,
-            qkv_features=cfg.q_width,
-            out_features=cfg.d_model,
-            use_bias=cfg.bias,
-            dtype=compute_dtype,
-            param_dtype=compute_dtype,
-            deterministic=True,
-            decode=True,
-        )
+        module = flax_module(cfg, dtype, decode=True)
         tree = jax.tree_util.tree_map(lambda array: to_jax(array, dtype, target), to_flax_params(cfg, params))
         x = to_jax(inputs.x, dtype, target)  # (B, N, D)
         # Pads are never keys: the call's mask (B, 1, 1, T); the module adds its own cache-index rule.
@@ -286,6 +265,25 @@ class FlaxMHAOracle(JaxOracle):
 
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
         return gradients_to_canonical(cfg, partial(_flax_tree, cfg), grads)  # kernels (in, H, d) -> (out, in)
+
+
+def flax_module(cfg: MHAConfig, dtype: str, decode: bool = False):
+    """``nn.MultiHeadDotProductAttention`` for ``cfg``, computing and holding its parameters in ``dtype``; with
+    ``decode`` it keeps its own KV cache (the forward's module and the decode run's are otherwise the same)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    compute_dtype = jnp.dtype(numpy_dtype(dtype))
+    return nn.MultiHeadDotProductAttention(
+        num_heads=cfg.n_heads,
+        qkv_features=cfg.q_width,
+        out_features=cfg.d_model,
+        use_bias=cfg.bias,
+        dtype=compute_dtype,
+        param_dtype=compute_dtype,
+        deterministic=True,
+        decode=decode,
+    )
 
 
 def _flax_tree(cfg: MHAConfig, params: MHAParams) -> dict:

@@ -50,7 +50,7 @@ from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, prepare_
 from mha_rosetta.core.decode import DecodeInputs
 
 from .._recording import StageRecorder, record_stages
-from ..base import Backend, Prepared, PreparedDecode, UnsupportedCase, tensor_to_numpy
+from ..base import Backend, DecodeStep, Prepared, PreparedDecode, UnsupportedCase, tensor_to_numpy
 from ..torch.common import (
     TorchDevices,
     in_inference_mode,
@@ -209,11 +209,8 @@ class TorchFlexOracle(TorchDevices, Backend):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_flex_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_flex_decode_step(
-            cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed,
-            allow_tf32=self.allow_tf32,
-        )  # fmt: skip
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        return prepare_flex_decode_step(cfg, params, job, self.allow_tf32)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         if device == "cpu":
@@ -321,18 +318,7 @@ def prepare_flex_decode_run(
     return prepare_growing_cache_run(cfg, params, inputs, dtype, device, allow_tf32, kernel_for, note)
 
 
-def prepare_flex_decode_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    seed: int,
-    allow_tf32: bool = False,
-) -> Prepared:
+def prepare_flex_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep, allow_tf32: bool = False) -> Prepared:
     """One timed step (`bench --mode decode`): eager flex_attention of the step's queries over the grown cache,
     its BlockMask (causal and the window on the positions) made here, once (`torch_decode.prepare_growing_cache_step`)."""
     from .torch_decode import prepare_growing_cache_step
@@ -341,11 +327,8 @@ def prepare_flex_decode_step(
         B, T = kv_positions.shape
         keys = np.broadcast_to(np.zeros((), dtype=np.float64), (B, T, cfg.d_model))  # a view: only its shape is read
         over = prepare_inputs(cfg, keys[:, : q_positions.shape[1]], keys, None, None, q_positions, kv_positions)
-        attend, block_mask = flex_attend(cfg, over, dtype, device, compiled=False)
+        attend, block_mask = flex_attend(cfg, over, job.dtype, job.device, compiled=False)
         shape = None if block_mask is None else tuple(block_mask.shape)
         return attend, f"eager flex_attention over the cache (BlockMask {shape})", {"block_mask": str(shape)}
 
-    return prepare_growing_cache_step(
-        cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed,
-        allow_tf32=allow_tf32, kernel_for=kernel_for,
-    )  # fmt: skip
+    return prepare_growing_cache_step(cfg, params, job, allow_tf32, kernel_for)

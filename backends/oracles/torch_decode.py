@@ -34,7 +34,7 @@ from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
 from .._recording import StageRecorder, record_stages
-from ..base import Prepared, PreparedDecode, tensor_to_numpy
+from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from ..torch.common import (
     bool_tensor,
     in_inference_mode,
@@ -206,18 +206,7 @@ def growing_cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int) ->
     }
 
 
-def prepare_sdpa_decode_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    seed: int,
-    allow_tf32: bool = False,
-) -> Prepared:
+def prepare_sdpa_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep, allow_tf32: bool = False) -> Prepared:
     """One timed step (`bench --mode decode`) of the SDPA oracle (`prepare_growing_cache_step`); a window is in the
     mask over every cached token."""
     import torch.nn.functional as F
@@ -226,31 +215,18 @@ def prepare_sdpa_decode_step(
 
     def kernel_for(q_positions, kv_positions):
         valid = np.ones(kv_positions.shape, dtype=bool)  # (B, T): every slot holds a token
-        kind, mask_of = chunk_mask(cfg, q_positions, kv_positions, valid, dtype, device)
+        kind, mask_of = chunk_mask(cfg, q_positions, kv_positions, valid, job.dtype, job.device)
 
         def kernel(p: dict, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
 
         return kernel, f"F.scaled_dot_product_attention over the cache ({kind} mask)", {"mask": kind}
 
-    return prepare_growing_cache_step(
-        cfg, params, batch=batch, context=context, step=step, dtype=dtype, device=device, seed=seed,
-        allow_tf32=allow_tf32, kernel_for=kernel_for,
-    )  # fmt: skip
+    return prepare_growing_cache_step(cfg, params, job, allow_tf32, kernel_for)
 
 
 def prepare_growing_cache_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    seed: int,
-    allow_tf32: bool,
-    kernel_for,
+    cfg: MHAConfig, params: MHAParams, job: DecodeStep, allow_tf32: bool, kernel_for
 ) -> Prepared:
     """One timed step (`bench --mode decode`) of a torch oracle: ``step`` tokens at positions ``context ..``
     onto ``context`` cached tokens of random K and V (`torch.decode.random_cache`, the same numbers torch's
@@ -263,11 +239,12 @@ def prepare_growing_cache_step(
     """
     import torch
 
-    rng = np.random.default_rng(seed)
+    batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
+    rng = np.random.default_rng(job.seed)
     x = to_tensor(rng.standard_normal((batch, step, cfg.d_model)), dtype, device)  # (B, step, D), drawn first
     k_old, v_old = random_cache(rng, cfg, batch, context, dtype, device)  # (B, Hkv, context, Dk|Dv)
     total = context + step
-    q_positions = np.broadcast_to(np.arange(context, total, dtype=np.int64), (batch, step))  # (B, step)
+    q_positions = job.positions()  # (B, step)
     kv_positions = np.broadcast_to(np.arange(total, dtype=np.int64), (batch, total))  # (B, T)
     kernel, note, kernel_info = kernel_for(q_positions, kv_positions)
     p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}

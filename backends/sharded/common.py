@@ -13,10 +13,9 @@ from functools import partial
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
-from mha_rosetta.core.decode import DecodeInputs
 from mha_rosetta.core.variants import alibi_slopes
 
-from ..base import Backend, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..base import Backend, DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from .workers import WorkerGroup, worker_prepared
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
@@ -73,16 +72,7 @@ class ShardedBackend(Backend):
         reason = self.plan_reason(plan, strategy)
         return None if reason is None else f"{self.name}: {reason}"
 
-    def _prepare_decode_run(
-        self,
-        cfg: MHAConfig,
-        params: MHAParams,
-        inputs: DecodeInputs,
-        dtype: str,
-        device: str,
-        strategy: str,
-        cache: str,
-    ) -> PreparedDecode:
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
         """A whole decode run inside the workers: "decode_prepare" sends the case (each worker builds and keeps
         its heads' part), "decode_run" runs the prefill and every step there (each rank's cache stays on it
         between the steps), "decode_fetch" returns every token's output (rank 0's, all-reduced) and
@@ -108,7 +98,7 @@ class ShardedBackend(Backend):
 
         return PreparedDecode(run, to_numpy, step_stages, info=info)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         """The benchmark's one step (`Backend.prepare_decode`) in the workers: "decode_prepare" with a "step"
         payload builds each rank's cache of ``context`` random tokens; ``forward`` is one "decode_run" request
         (each rank writes and attends its heads, one all-reduce, then restores its cache), so its time includes
@@ -116,8 +106,20 @@ class ShardedBackend(Backend):
         world = self.world_for(cfg)
         plan = shard_plan(cfg, world)
         group = self.group()
-        payload = ("step", cfg, params, batch, context, step, dtype, strategy, world, cache, seed)
-        what = f"preparing a {strategy} decode step at context {context} on {world} {self.rank_noun}"
+        payload = (
+            "step",
+            cfg,
+            params,
+            job.batch,
+            job.context,
+            job.step,
+            job.dtype,
+            job.strategy,
+            world,
+            job.cache,
+            job.seed,
+        )
+        what = f"preparing a {job.strategy} decode step at context {job.context} on {world} {self.rank_noun}"
         key, info = group.request("decode_prepare", payload, PREPARE_SECONDS, what=what)[0]
 
         def forward():

@@ -151,7 +151,8 @@ def _worker_main(conn, rank: int, size: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
-    from .jax_decode import build_decode, build_decode_step
+    from .jax_decode import build_decode
+    from .jax_decode_step import build_decode_step
 
     # A decode run ("run": built once, run whole per request, its sharded cache kept here) or the
     # benchmark's one step ("step"), by the payload's first entry.

@@ -14,7 +14,7 @@ Head-parallel decoding as Megatron's and vLLM's tensor parallelism do it, on the
 * Two programs, each a `jax.shard_map` inside one `jax.jit`: the prefill (the adapter's own
   per-item function on the device's heads over the prefill's tokens, then its last
   ``min(P, T)`` keys written) and the step (the same function with the jax adapter's
-  `jax.decode._decode_attend` as its attention: write at a traced index, attend over every
+  `jax.decode_programs._decode_attend` as its attention: write at a traced index, attend over every
   slot with the positions' rule). Each ends in one ``lax.psum`` of the partial outputs over
   ``"heads"`` (and ``+ b_o`` once, after it); a projection-wide QK-norm adds its two psums
   of sums of squares, as in the forward. The step's shapes are the same at every step, so
@@ -25,9 +25,9 @@ Head-parallel decoding as Megatron's and vLLM's tensor parallelism do it, on the
   in place, from the prefill to the last step of a run, all inside the mesh worker process;
   only every chunk's output (and, when asked, its stages) leave it.
 * A window: the ring of `core.decode.ring_capacity` slots, written as the jax adapter writes it
-  (`jax.decode._write`); without one, `core.decode.check_capacity` before each chunk.
+  (`jax.decode_programs._write`); without one, `core.decode.check_capacity` before each chunk.
 
-The benchmark's one step (`build_decode_step`, `Backend.prepare_decode`) is the run's step program,
+The benchmark's one step (`jax_decode_step.build_decode_step`, `Backend.prepare_decode`) is the run's step program,
 jitted without donation and compiled ahead, on a cache of the jax adapter's random numbers for the
 same seed (each device its kv heads' slice), so that its output equals the jax adapter's step.
 
@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs, shard_params, shard_plan
-from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names, ring_capacity
+from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names
 
 STATIC = "static"
 CACHE_LAYOUT = "(B, T, Hkv_local, Dk) per device"
@@ -59,6 +59,33 @@ DECODE_LAYOUTS = {
 _CACHE_NAMES = ("k_cache", "v_cache", "k_pos", "k_valid")
 # Every trace of each program key (a run reports the traces it caused: what JAX compiled for it).
 TRACES: dict = {}
+
+
+def gathered_stages(plan, world: int, axes: dict, stacked_stages: dict) -> dict:
+    """One chunk's stages as the devices hold them, stacked on axis 0 (one slice a device) -> canonical, each
+    device's heads gathered into the whole layer's (`common.gather_heads`)."""
+    from ..base import StageTensor, canonical_stage
+    from .common import gather_heads
+
+    per_rank = [
+        {
+            name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
+            for name, value in stacked_stages.items()
+        }
+        for rank in range(world)
+    ]
+    return gather_heads(plan, per_rank)
+
+
+def cache_record(slots: int, per_device: int, world: int) -> dict:
+    """``info["cache"]`` of the sharded static cache: ``per_device`` bytes of K and V on each of ``world`` devices."""
+    return {
+        "kind": STATIC,
+        "layout": CACHE_LAYOUT,
+        "slots": slots,
+        "bytes": per_device * world,  # K and V on every device together (a replicated kv head counted per copy)
+        "bytes_per_device": per_device,
+    }
 
 
 def _count(key) -> None:
@@ -144,7 +171,7 @@ def _step_program(w: SimpleNamespace, cfg: MHAConfig, world: int, T: int, table_
     from jax.sharding import PartitionSpec as P
 
     from ..jax.common import shared_program
-    from ..jax.decode import _decode_attend
+    from ..jax.decode_programs import _decode_attend
     from ..jax.layer import _mha_one_item
 
     MESH_AXIS, ring = w.axis, cfg.window is not None
@@ -176,11 +203,9 @@ def build_decode(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..base import StageTensor, canonical_stage
     from ..jax.common import score_bias_inputs, shared_program, tokens_first_axes
-    from ..jax.decode import _bucket_table, full_rotary_tables
+    from ..jax.decode_programs import _bucket_table, full_rotary_tables
     from ..jax.layer import _mha_one_item, mask_for_vmap
-    from .common import gather_heads
 
     w = _sharded_weights(cfg, params, dtype, world, forward)
     MESH_AXIS = w.axis
@@ -298,24 +323,11 @@ def build_decode(
         run()
         out = []
         for output, stacked_stages in zip(state["outputs"], state["stages"], strict=True):
-            per_rank = [
-                {
-                    name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
-                    for name, value in stacked_stages.items()
-                }
-                for rank in range(world)
-            ]
-            out.append((gather_heads(plan, per_rank), np.asarray(output)))
+            out.append((gathered_stages(plan, world, axes, stacked_stages), np.asarray(output)))
         return out
 
     info = {
-        "cache": {
-            "kind": STATIC,
-            "layout": CACHE_LAYOUT,
-            "slots": T,
-            "bytes": per_device * world,  # K and V on every device together (a replicated kv head counted per copy)
-            "bytes_per_device": per_device,
-        },
+        "cache": cache_record(T, per_device, world),
         "cache_sharding": f"NamedSharding(mesh, {kv_spec}) over a 1-D mesh {MESH_AXIS!r} of {world} devices",
         "ring_buffer": ring,
         "devices": world,
@@ -325,109 +337,3 @@ def build_decode(
         "matmul_precision": "highest",
     }
     return {"info": info, "run": run, "fetch": fetch, "stages": chunk_stages}
-
-
-def build_decode_step(
-    cfg: MHAConfig, params: MHAParams, batch, context, step, dtype, strategy, world, cache, seed, *, forward
-):
-    """The benchmark's one step (`Backend.prepare_decode`): ``step`` tokens at positions ``context ..`` onto the
-    sharded cache holding ``context`` tokens of random numbers (a window's ring full), compiled ahead.
-
-    The numbers are the jax adapter's (`jax.decode.prepare_decode_step`): the whole layer's K (B, T, Hkv, Dk),
-    then V, then the step's x, from ``seed``; each device holds its kv heads' slice, so that one seed gives
-    jax and jax-sharded the same step. The step program is the run's (`_step_program`), jitted here without
-    donation: the timed call repeats on the same cache (each call copies its slice of the cache once).
-    """
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ..base import StageTensor, canonical_stage
-    from ..jax.common import tokens_first_axes
-    from ..jax.decode import _bucket_table, full_rotary_tables
-    from .common import gather_heads
-
-    w = _sharded_weights(cfg, params, dtype, world, forward)
-    plan = w.plan
-    ring = ring_capacity(cfg, step)
-    T = context + step if ring is None else ring
-    rng = np.random.default_rng(seed)
-    Hkv = cfg.n_kv_heads
-    k_all = rng.standard_normal((batch, T, Hkv, cfg.d_k))  # (B, T, Hkv, Dk): the whole layer's, as jax draws it
-    v_all = rng.standard_normal((batch, T, Hkv, cfg.d_v))
-    x = rng.standard_normal((batch, step, cfg.d_model))  # (B, s, D)
-
-    def split(array):  # (B, T, Hkv, d) -> (B, T, world*Hkv_local, d): device r's block is its kv heads
-        return np.concatenate(
-            [array[:, :, plan.kv_heads_of(r).start : plan.kv_heads_of(r).stop] for r in range(world)], axis=2
-        )
-
-    held = np.arange(max(0, context - T), context)  # the slots' tokens: the ring's last T (slot t % T)
-    k_pos = np.zeros(T, np.int32)
-    k_pos[held % T] = held
-    k_valid = np.zeros(T, bool)
-    k_valid[held % T] = True
-    kv_cache = {
-        "k_cache": w.put(split(k_all), w.kv_spec),
-        "v_cache": w.put(split(v_all), w.kv_spec),
-        "k_pos": w.replicated(np.broadcast_to(k_pos, (batch, T)).copy()),
-        "k_valid": w.replicated(np.broadcast_to(k_valid, (batch, T)).copy()),
-    }
-    positions = np.broadcast_to(np.arange(context, context + step, dtype=np.int64), (batch, step))  # (B, s)
-    tables = full_rotary_tables(cfg, np.arange(context + step)[None].repeat(batch, 0))
-    table_axes = None if tables is None else 0
-    if tables is not None:
-        cos, sin = (w.replicated(table[:, context:]) for table in tables)  # (B, s, r/2)
-        tables = (cos, sin, cos, sin)
-    extras = {
-        "q_pos": w.replicated(positions.astype(np.int32)),
-        "q_valid": w.replicated(np.ones((batch, step), bool)),
-    }
-    if cfg.rel_buckets is not None:
-        extras["bucket_of"] = w.replicated(_bucket_table(cfg, context + step))
-    index = jax.device_put(np.int32(context), NamedSharding(w.mesh, P()))  # the write index: traced, 0-d
-    args = (w.stacked, w.b_o, w.replicated(x), tables, extras, kv_cache, index)
-    _, (step_map, _) = _step_program(w, cfg, world, T, table_axes)
-    jitted = jax.jit(step_map)  # not donated: the timed call repeats on the same cache
-    with jax.default_matmul_precision("highest"):
-        compiled = jitted.lower(*args).compile()  # ahead of time, once
-    state: dict = {}
-
-    def run():
-        state["result"] = compiled(*args)
-        jax.block_until_ready(state["result"])
-
-    def fetch() -> np.ndarray:
-        return np.asarray(state["result"][1])  # (B, s, D)
-
-    axes = tokens_first_axes(w.local)
-
-    def stages() -> list:
-        _, output, stacked_stages = compiled(*args)
-        per_rank = [
-            {
-                name: canonical_stage(name, StageTensor(np.asarray(value)[rank], axes[name]))
-                for name, value in stacked_stages.items()
-            }
-            for rank in range(world)
-        ]
-        return [(gather_heads(plan, per_rank), np.asarray(output))]
-
-    per_device = batch * T * plan.local_kv_heads * (cfg.d_k + cfg.d_v) * np.dtype(w.cast).itemsize
-    info = {
-        "cache": {
-            "kind": STATIC,
-            "layout": CACHE_LAYOUT,
-            "slots": T,
-            "bytes": per_device * world,  # K and V on every device together
-            "bytes_per_device": per_device,
-        },
-        "cache_copied_per_call": True,  # not donated (see the docstring)
-        "compilations": {"step": 1},  # compiled ahead, here; the timed forward calls the executable
-        "context": context,
-        "step": step,
-        "devices": world,
-        "plan": plan.describe(),
-        "matmul_precision": "highest",
-    }
-    return {"info": info, "run": run, "fetch": fetch, "stages": stages}

@@ -11,7 +11,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._recording import record_stages
-from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, Prepared, tensor_to_numpy
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedRowSampleMHA
 from .common import (
@@ -82,16 +82,5 @@ class TorchBackend(TorchDevices, Backend):
         tests reach `CacheFull` (``prepare_decode_run`` always passes the default)."""
         return prepare_torch_decode_run(cfg, params, inputs, dtype, device, cache, self.allow_tf32, capacity)
 
-    def _prepare_decode_step(self, cfg, params, *, batch, context, step, dtype, device, strategy, cache, seed):
-        return prepare_torch_decode_step(
-            cfg,
-            params,
-            batch=batch,
-            context=context,
-            step=step,
-            dtype=dtype,
-            device=device,
-            cache=cache,
-            seed=seed,
-            allow_tf32=self.allow_tf32,
-        )
+    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        return prepare_torch_decode_step(cfg, params, job, self.allow_tf32)

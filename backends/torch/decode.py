@@ -36,7 +36,7 @@ from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, ring_capacity
 
 from .._recording import StageRecorder, record_stages
-from ..base import Prepared, PreparedDecode, tensor_to_numpy
+from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from .common import (
     in_inference_mode,
     precision_info,
@@ -297,19 +297,7 @@ def random_cache(rng: np.random.Generator, cfg: MHAConfig, batch: int, tokens: i
     return k, v
 
 
-def prepare_torch_decode_step(
-    cfg: MHAConfig,
-    params: MHAParams,
-    *,
-    batch: int,
-    context: int,
-    step: int,
-    dtype: str,
-    device: str,
-    cache: str,
-    seed: int,
-    allow_tf32: bool = False,
-) -> Prepared:
+def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep, allow_tf32: bool = False) -> Prepared:
     """One timed decode step (`bench --mode decode`): ``step`` new tokens at positions ``context ..`` onto a
     cache already holding ``context`` tokens of random K and V (a window's ring full with the last ones).
 
@@ -320,17 +308,18 @@ def prepare_torch_decode_step(
     """
     import torch
 
-    rng = np.random.default_rng(seed)
+    batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
+    rng = np.random.default_rng(job.seed)
     ring = ring_capacity(cfg, step)
     total = context + step
     x = rng.standard_normal((batch, step, cfg.d_model))  # (B, step, D)
-    new_positions = np.broadcast_to(np.arange(context, total, dtype=np.int64), (batch, step))  # (B, step)
+    new_positions = job.positions()  # (B, step)
     layer = DecodeRowSampleMHA(cfg, params, x, new_positions, np.ones((batch, step), dtype=bool), dtype, device)
     held = context if ring is None else min(context, ring)  # the tokens the cache keeps before the step
     kv_positions = np.arange(context - held, total, dtype=np.int64)[None]  # (1, held + step)
     layer.set_position_tables(np.ascontiguousarray(new_positions[:1]), kv_positions, dtype, device)
     slots = cache_capacity(cfg, total, step)
-    kv = TorchKVCache(cache, batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
+    kv = TorchKVCache(job.cache, batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
     if held:
         k_old, v_old = random_cache(rng, cfg, batch, held, dtype, device)
         old = torch.from_numpy(np.broadcast_to(kv_positions[:, :held], (batch, held)).copy()).to(k_old.device)
@@ -345,7 +334,7 @@ def prepare_torch_decode_step(
 
     run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
     info = {
-        "cache": _cache_info(cache, cfg, batch, slots, layer.w_q.element_size()),  # after the step
+        "cache": _cache_info(job.cache, cfg, batch, slots, layer.w_q.element_size()),  # after the step
         "context": context,
         "step": step,
         "torch_dtype": str(torch_dtype(dtype)).removeprefix("torch."),

@@ -1,5 +1,9 @@
 """The PyTorch layer: multi-head attention in row samples, the way ``nn.Linear`` code does it.
 
+A catalogue, over 400 lines on purpose: the row-sample layer's four head-split strategies (standard,
+direct_reshape, slicing, per_head), a method each, and the steps they share (projections, QK-norm, rotary,
+mask and softmax, merge), in one class so that the convention reads top to bottom.
+
 Convention B of the column/row-sample article, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
 Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
 ``nn.Linear.weight`` layout ``(out, in)`` and a projection is ``F.linear(x, W, b)``,

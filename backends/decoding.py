@@ -1,0 +1,141 @@
+"""Rule 8 of `backends.base`: decoding through an adapter's own KV cache, the part of `Backend` that
+validates a decode request and hands it to the adapter's ``_prepare_decode_run`` or, for one timed step,
+``_prepare_decode_step`` (with a `DecodeStep`, the one bundle of what that step is asked to be)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, validate_params
+from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
+
+from .prepared import Prepared, PreparedDecode, canonical_stage
+from .vocabulary import STANDARD, UnsupportedCase, check_device_name
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One timed decode step as `Backend.prepare_decode` validated it (`bench --mode decode`): ``step`` new
+    tokens at positions ``context ..`` onto a cache holding ``context`` tokens, ``batch`` sequences, the
+    cache's numbers drawn from ``seed``. ``cache`` is the cache kind (the adapter's default filled in)."""
+
+    batch: int
+    context: int
+    step: int
+    dtype: str
+    device: str
+    strategy: str
+    cache: str
+    seed: int
+
+    def positions(self) -> np.ndarray:
+        """The step's tokens' positions, ``context .. context + step - 1`` in every sequence: (B, s), a broadcast view."""
+        return np.broadcast_to(
+            np.arange(self.context, self.context + self.step, dtype=np.int64), (self.batch, self.step)
+        )
+
+
+class DecodeMixin:
+    """The decode half of `Backend` (rule 8); `Backend` supplies ``decode_reason`` and the capability sets."""
+
+    name: str
+    decode_caches: tuple[str, ...]
+
+    def _decode_validate(self, cfg, params, dtype, device, strategy, cache):
+        dtype = check_dtype_name(dtype)
+        device = check_device_name(device)
+        validate_params(cfg, params)
+        reason = self.decode_reason(cfg, dtype, device, strategy, cache)
+        if reason:
+            raise UnsupportedCase(reason)
+        return dtype, device, cache or self.decode_caches[0]
+
+    def _prepare_decode_run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        inputs: DecodeInputs,
+        dtype: str,
+        device: str,
+        strategy: str,
+        cache: str,
+    ) -> PreparedDecode:
+        """Subclasses with a cache override this (rule 8); ``inputs`` is checked and batched."""
+        raise UnsupportedCase(f"{self.name} has no KV-cache decoding")
+
+    def _prepare_decode_step(self, cfg: MHAConfig, params: MHAParams, job: DecodeStep) -> Prepared:
+        """Subclasses override this for `bench --mode decode`: ``forward`` is one step of ``job.step`` tokens at
+        ``job.context`` cached tokens (the cache filled with arbitrary numbers; a window's ring already full)."""
+        raise UnsupportedCase(f"{self.name} has no decode step to time")
+
+    def prepare_decode_run(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        x,
+        *,
+        prefill,
+        step=1,
+        mask=None,
+        positions=None,
+        dtype: str = "float64",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+        cache: str | None = None,
+    ) -> tuple[PreparedDecode, DecodeInputs]:
+        """Validate everything, then convert once for a whole decode run (`run_decode`'s arguments)."""
+        inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step, mask=mask, positions=positions)
+        dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
+        return self._prepare_decode_run(cfg, params, inputs, dtype, device, strategy, cache), inputs
+
+    def run_decode(
+        self, cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, mask=None, positions=None, **options
+    ):
+        """Prefill ``prefill`` tokens, then feed the rest ``step`` at a time through this backend's own cache.
+
+        ``x``: (B, N, d_model) or (N, d_model); ``mask``: a (B, N) or (N,) padding mask (True: a
+        real token); ``positions``: (B, N) or (N,), default ``0 .. N-1`` or ``cumsum(mask) - 1``.
+        ``options``: dtype, device, strategy, cache. Returns every token's output, (B, N, d_model)
+        (or (N, d_model)), which equals `core.decode.reference_decode` (the full causal forward).
+        """
+        prepared, inputs = self.prepare_decode_run(
+            cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions, **options
+        )
+        return inputs.unbatch(prepared.output())
+
+    def decode_stages(self, prepared: PreparedDecode, cfg: MHAConfig) -> list[dict[str, np.ndarray]] | None:
+        """Each chunk's token-wise stages in the canonical layout (batched), or None when none are exposed."""
+        if prepared.step_stages is None:
+            return None
+        names = set(decode_stage_names(cfg))
+        return [
+            {name: canonical_stage(name, stage) for name, stage in chunk.items() if name in names}
+            for chunk in prepared.step_stages()
+        ]
+
+    def prepare_decode(
+        self,
+        cfg: MHAConfig,
+        params: MHAParams,
+        *,
+        context: int,
+        batch: int = 1,
+        step: int = 1,
+        dtype: str = "float32",
+        device: str = "cpu",
+        strategy: str = STANDARD,
+        cache: str | None = None,
+        seed: int = 0,
+    ) -> Prepared:
+        """One decode step to time (`bench --mode decode`): ``forward`` feeds ``step`` new tokens to a cache
+        holding ``context`` tokens. ``info["cache"]`` says the cache's kind, layout, slots and bytes."""
+        for name, value, low in (("context", context, 0), ("batch", batch, 1), ("step", step, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not cfg.causal:
+            raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
+        dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
+        job = DecodeStep(int(batch), int(context), int(step), dtype, device, strategy, cache, seed)
+        return self._prepare_decode_step(cfg, params, job)

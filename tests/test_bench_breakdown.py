@@ -1,0 +1,243 @@
+"""``bench --breakdown``: the stage cuts compose to the adapter's output, the framework inspectors find the copies
+and the context-sized allocations that are there (and none where there are none), and the option is checked.
+No timing is asserted: the breakdown's figures are measured, never tested."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mha_rosetta.backends import get_backend
+from mha_rosetta.backends.inspect_programs import grows_with_context, hlo_moves
+from mha_rosetta.backends.stage_programs import STAGE_GROUPS, NoCut, PerHeadStages, stage_programs
+from mha_rosetta.cli.main import main as cli_main
+from mha_rosetta.core import MHAConfig, init_params
+from mha_rosetta.core.stages import STAGE_NAMES
+from mha_rosetta.core.tolerances import assert_close
+
+# Distinct sizes: 6 heads in 3 kv groups of 2, d_k 4, d_model 18, 7 tokens, batch 2.
+CFG = MHAConfig(d_model=18, n_heads=6, n_kv_heads=3, d_k=4)
+DECODE_CFG = MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=6, causal=True, rope="half")
+FORWARD_PATHS = ("numpy", "torch", "jax", "jax-best")  # the paths whose forward records each stage as it goes
+TINY_POLICY = {"min_time": 0.0, "min_repeats": 3, "max_repeats": 3, "max_time": 1.0, "warmup": 1}
+
+
+def _backend(name: str):
+    framework = {"numpy": "numpy", "torch": "torch", "jax": "jax"}[name.split("-")[0]]
+    if framework != "numpy":
+        pytest.importorskip(framework, reason=f"{name} needs {framework}")
+    return get_backend(name)
+
+
+def _forward(name: str, strategy: str = "standard"):
+    backend = _backend(name)
+    x = np.random.default_rng(1).standard_normal((2, 7, CFG.d_model))  # (B, N, D)
+    prepared, _ = backend.prepare(CFG, init_params(CFG, seed=0), x, None, None, dtype="float32", device="cpu",
+                                  strategy=strategy)  # fmt: skip
+    return backend, prepared
+
+
+def test_the_breakdowns_stages_hold_every_pipeline_stage_once_in_order():
+    grouped = [name for _, names in STAGE_GROUPS for name in names]
+    assert grouped == list(STAGE_NAMES)
+
+
+@pytest.mark.parametrize("name", FORWARD_PATHS)
+def test_the_last_cut_of_a_forward_is_its_output(name):
+    backend, prepared = _forward(name)
+    cuts = stage_programs(prepared, backend.requires)
+    groups = [group for group, _ in cuts.groups]
+    assert groups[0] == "projections" and groups[-1] == "output"
+    with cuts.active():
+        outputs = [cuts.program(index)() for index in range(len(groups))]
+        empty = cuts.baseline()()  # stops before any stage (NumPy, torch: nothing), or computes a constant (JAX)
+    assert np.size(empty) == (1 if "jax" in backend.requires else 0)
+    assert_close(prepared.to_numpy(outputs[-1][-1]), prepared.output(), "float32", what=f"{name}: the full cut")
+    # Each cut returns its own stage: the projections cut gives q, k, v with the projections' widths.
+    widths = sorted(int(np.prod(np.shape(value))) for value in outputs[0])
+    assert widths == sorted([2 * 7 * 24, 2 * 7 * 12, 2 * 7 * 12])
+
+
+@pytest.mark.parametrize("name", ("numpy-best", "torch-best"))
+def test_a_pass_that_records_its_stages_after_its_output_is_not_cut(name):
+    backend, prepared = _forward(name)
+    with pytest.raises(NoCut, match="after it has computed its output"):
+        stage_programs(prepared, backend.requires)
+
+
+def test_a_per_head_strategy_is_refused_with_its_reason():
+    backend, prepared = _forward("numpy", "slicing")
+    with pytest.raises(PerHeadStages, match="one head at a time"):
+        stage_programs(prepared, backend.requires)
+
+
+def _decode_step(name: str, context: int):
+    backend = _backend(name)
+    prepared = backend.prepare_decode(DECODE_CFG, init_params(DECODE_CFG, seed=0), context=context, batch=1, step=1,
+                                      dtype="float32", device="cpu", seed=0)  # fmt: skip
+    return backend, prepared
+
+
+@pytest.mark.parametrize("name", ("numpy", "torch"))
+def test_the_last_cut_of_a_decode_step_is_its_output(name):
+    backend, prepared = _decode_step(name, 9)
+    cuts = stage_programs(prepared, backend.requires)
+    with cuts.active():
+        last = cuts.program(len(cuts.groups) - 1)()
+    assert_close(prepared.to_numpy(last[-1]), prepared.output(), "float32", what=f"{name}: the decode step's cut")
+
+
+@pytest.mark.parametrize(("name", "reason"), [("numpy-best", "records no stage"), ("torch-best", "after it has")])
+def test_a_decode_step_that_cannot_be_cut_says_why(name, reason):
+    backend, prepared = _decode_step(name, 9)
+    with pytest.raises(NoCut, match=reason):
+        stage_programs(prepared, backend.requires)
+
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_transpose (param_0: f32[2,3,4]) -> f32[4,3,2] {
+  %param_0 = f32[2,3,4]{2,1,0} parameter(0)
+  ROOT %transpose.1 = f32[4,3,2]{2,1,0} transpose(%param_0), dimensions={2,1,0}
+}
+
+%fused_add (param_0: f32[5]) -> f32[5] {
+  %param_0 = f32[5]{0} parameter(0)
+  ROOT %add.0 = f32[5]{0} add(%param_0, %param_0)
+}
+
+ENTRY %main.2 (a: f32[2,3,4], b: f32[5], c: f64[7,3]) -> (f32[4,3,2], f32[5], f64[7,3]) {
+  %a = f32[2,3,4]{2,1,0} parameter(0)
+  %b = f32[5]{0} parameter(1)
+  %c = f64[7,3]{1,0} parameter(2)
+  %transpose_fusion = f32[4,3,2]{2,1,0} fusion(%a), kind=kLoop, calls=%fused_transpose
+  %add_fusion = f32[5]{0} fusion(%b), kind=kLoop, calls=%fused_add
+  %copy.3 = f64[7,3]{0,1} copy(%c)
+  ROOT %tuple = (f32[4,3,2]{2,1,0}, f32[5]{0}, f64[7,3]{0,1}) tuple(%transpose_fusion, %add_fusion, %copy.3)
+}
+"""
+
+
+def test_hlo_moves_names_copies_and_fusions_rooted_in_a_transpose_with_their_bytes():
+    moves = hlo_moves(HLO)
+    assert [(m["instruction"], m["opcode"], m["shape"], m["bytes"]) for m in moves] == [
+        ("transpose_fusion", "fusion(transpose)", [4, 3, 2], 24 * 4),
+        ("copy.3", "copy", [7, 3], 21 * 8),
+    ]
+
+
+def test_grows_with_context_matches_each_operator_by_occurrence():
+    at_context = [{"op": "cat", "bytes": 1000}, {"op": "cat", "bytes": 64}, {"op": "mm", "bytes": 10}]
+    at_half = [{"op": "cat", "bytes": 500}, {"op": "cat", "bytes": 64}]
+    assert [entry["grows"] for entry in grows_with_context(at_context, at_half)] == [True, False, None]
+
+
+def _torch_growth(name: str, context: int) -> list[dict]:
+    from mha_rosetta.backends.inspect_programs import torch_allocations
+
+    entries = []
+    for tokens in (context, context // 2):
+        _, prepared = _decode_step(name, tokens)
+        prepared.forward()  # warm
+        entries.append(torch_allocations(prepared.forward))
+    return grows_with_context(*entries)
+
+
+def test_torch_allocations_find_the_dynamic_cache_growth_and_none_for_torch_best():
+    context = 64
+    cache_bytes = 1 * DECODE_CFG.n_kv_heads * (context + 1) * DECODE_CFG.d_k * 4  # K after the step, float32
+    grown = [entry for entry in _torch_growth("torch", context) if entry["grows"]]
+    assert any(entry["op"] == "aten::cat" and entry["bytes"] >= cache_bytes for entry in grown), grown
+    # torch-best may keep a scores-sized buffer (SDPA's, O(H T) floats: 584 B at context 64, the step's own work);
+    # nothing the size of a cache (O(Hkv T Dk)) grows with the context.
+    best = [entry for entry in _torch_growth("torch-best", context) if entry["grows"]]
+    assert [entry for entry in best if entry["bytes"] >= cache_bytes] == [], best
+
+
+def _decode_breakdown(name: str) -> dict:
+    from mha_rosetta.benchmarks.breakdown import run_breakdown_cell
+    from mha_rosetta.benchmarks.decode import DecodeCellSpec
+
+    cell = DecodeCellSpec(implementation=name, context=40, d_model=24, heads=4, kv_heads=2, d_k=6, policy=TINY_POLICY)
+    record = run_breakdown_cell("decode", cell, timeout=300)
+    assert record["status"] == "ok", record
+    return record
+
+
+def test_the_hlo_of_the_jax_adapters_undonated_step_copies_its_cache_and_jax_bests_does_not():
+    pytest.importorskip("jax", reason="the HLO inspection needs jax")
+    from mha_rosetta.benchmarks.breakdown_markdown import cell_markdown
+
+    record = _decode_breakdown("jax")
+    assert "no stage times: this JAX program exposes no jitted stage dump" in cell_markdown(record)
+    assert "| copy | f32[1, 41, 2, 6] | 1.92 KiB |" in cell_markdown(record)  # the cache, copied by the step
+    adapter = record["inspection"]
+    cache_shape = [1, 41, 2, 6]  # (B, T, Hkv, Dk): context 40 + the step's slot
+    copies = [move for module in adapter["modules"] for move in module["moves"] if move["shape"] == cache_shape]
+    assert copies and all(move["bytes"] == 41 * 2 * 6 * 4 for move in copies)
+    assert adapter["recompiles"] == []
+    best = _decode_breakdown("jax-best")["inspection"]
+    assert [module for module in best["modules"] if module["moves"]] == []
+    assert best["recompiles"] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--breakdown"], "--breakdown needs --backends"),
+        (["--breakdown", "--backends", "numpy", "--mode", "both"], "a forward (--mode fwd) or a decode step"),
+        (["--breakdown", "--backends", "numpy", "--rounds", "2"], "--breakdown does not take --rounds"),
+        (["--breakdown", "--backends", "nosuch"], "nosuch"),
+    ],
+)
+def test_the_option_refuses_bad_input_with_a_clear_error(argv, message, capsys):
+    assert cli_main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_writes_a_breakdown_report_of_each_cell(tmp_path, capsys):
+    out = tmp_path / "breakdown.json"
+    argv = ["bench", "--breakdown", "--backends", "numpy,numpy:slicing", "--batch", "2", "--tokens", "9",
+            "--d-model", "12", "--heads", "3", "--repeats", "3", "--min-time", "0", "--no-progress", "--json", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["kind"] == "breakdown" and report["mode"] == "fwd"
+    numpy_cell, slicing_cell = report["cells"]
+    assert numpy_cell["status"] == slicing_cell["status"] == "ok"
+    assert [row["stage"] for row in numpy_cell["stages"]] == [
+        "projections", "head split", "rotary", "scores", "softmax", "context", "merge", "output",
+    ]  # fmt: skip
+    assert numpy_cell["inspection"]["stage_copies"] == []  # the column-sample head split is a view
+    assert "one head at a time" in slicing_cell["no_stages"] and "stages" not in slicing_cell
+    table = capsys.readouterr().out
+    assert "### numpy: forward, B=2, N=9, D=12, H=3" in table and "| softmax |" in table
+
+
+def test_a_torch_forward_names_its_merge_copy_and_its_allocations():
+    pytest.importorskip("torch", reason="the torch inspection needs torch")
+    from mha_rosetta.benchmarks.breakdown import run_breakdown_cell
+    from mha_rosetta.benchmarks.cell import CellSpec
+
+    cell = CellSpec(implementation="torch", batch=2, tokens=9, d_model=12, heads=3, policy=TINY_POLICY)
+    record = run_breakdown_cell("fwd", cell, timeout=300)
+    assert record["status"] == "ok", record
+    found = record["inspection"]
+    # transpose(1, 2).contiguous() before the merge: (B, N, H, Dv) float32 = 2 * 9 * 3 * 4 * 4 bytes
+    assert found["stage_copies"] == [{"stage": "merged", "from": "context", "bytes": 2 * 9 * 3 * 4 * 4}]
+    # the four projections' outputs, each (B*N, D) float32, among the operators that kept memory
+    assert sum(entry["op"] == "aten::addmm" and entry["bytes"] == 2 * 9 * 12 * 4 for entry in found["allocations"]) == 4
+    assert any(row["op"] == "aten::addmm" and row["calls"] == 4 for row in found["operators"])
+
+
+def test_the_breakdown_child_imports_no_numpy_or_framework_before_pinning():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mha_rosetta.benchmarks.breakdown\n"
+        "print(','.join(m for m in ('numpy', 'torch', 'jax') if m in sys.modules))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == ""

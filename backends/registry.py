@@ -193,6 +193,7 @@ register("numpy", BackendEntry(".numpy.adapter", "NumpyBackend", ("numpy",), "te
 register("torch", BackendEntry(".torch.adapter", "TorchBackend", ("torch",), "torch"))
 register("jax", BackendEntry(".jax.adapter", "JaxBackend", ("jax",), "jax"))
 EINOPS = (".einops.adapter", "EinopsBackend")
+register("mlx", BackendEntry(".mlx.adapter", "MlxBackend", ("mlx",), "mlx"))
 register("einops-numpy", BackendEntry(*EINOPS, ("einops",), "einops", {"array_library": "numpy"}))
 register("einops-torch", BackendEntry(*EINOPS, ("einops", "torch"), "einops,torch", {"array_library": "torch"}))
 register("einops-jax", BackendEntry(*EINOPS, ("einops", "jax"), "einops,jax", {"array_library": "jax"}))
@@ -212,6 +213,8 @@ register("torch-flex", BackendEntry(".oracles.flex", "TorchFlexOracle", ("torch"
 register("jax-dpa", BackendEntry(".oracles.jax_dpa", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))
 register("flax", BackendEntry(".oracles.flax", "FlaxMHAOracle", ("flax", "jax"), "flax", kind="oracle"))
 register("equinox", BackendEntry(".oracles.equinox", "EquinoxMHAOracle", ("equinox", "jax"), "equinox", kind="oracle"))
+register("mlx-sdpa", BackendEntry(".oracles.mlx", "MlxSDPAOracle", ("mlx",), "mlx", kind="oracle"))
+register("mlx-mha", BackendEntry(".oracles.mlx", "MlxMHAOracle", ("mlx",), "mlx", kind="oracle"))
 # A decode oracle: Hugging Face's LlamaAttention / MistralAttention through their own KV caches.
 HF_ATTENTION = (".oracles.hf_cache", "HFAttentionOracle", ("torch", "transformers"), "torch,models")
 register("hf-attention", BackendEntry(*HF_ATTENTION, kind="oracle"))

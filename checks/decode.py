@@ -41,7 +41,7 @@ from mha_rosetta.core.decode import (
 )
 from mha_rosetta.core.stages import STAGE_BY_NAME
 
-from .agreement import compare, run_output
+from .agreement import compare, declared_level, declared_level_reason, run_output
 from .decode_cases import DecodeCase, get_decode_cases
 from .engine import Job
 from .results import DecodeCheckResult, DecodePair, DecodeRun, Implementation, Status, settle_known_mistake
@@ -174,7 +174,7 @@ def _run_one(backend, impl: Implementation, dtype: str, oracle: _DecodeOracle) -
     level = _level(run)
     if level != dtype and not impl.known_mistake and (declared := compare(output, expected, level)).ok:
         run.status = Status.KNOWN_DIFFERENCE
-        run.reason = _declared_level_reason(dtype, level, result, declared)
+        run.reason = declared_level_reason(dtype, level, result, declared)
         if run.info.get("known_difference"):  # the oracle names the difference and its source (ONNX's sqrt_scale)
             run.reason += f"; known difference {run.info['known_difference']}: {run.info.get('note', '')}"
         return run
@@ -190,17 +190,9 @@ def _run_one(backend, impl: Implementation, dtype: str, oracle: _DecodeOracle) -
 
 
 def _level(run: DecodeRun) -> str:
-    """The dtype whose tolerance holds ``run``: its own, or the lower level a third-party oracle declares in
-    ``info["tolerance_dtype"]`` (hf-attention: float32 softmax and rotary angles inside a float64 module)."""
-    declared = run.info.get("tolerance_dtype") if run.kind == "oracle" else None
-    return lower_precision(run.dtype, declared) if declared else run.dtype
-
-
-def _declared_level_reason(dtype: str, level: str, result, declared) -> str:
-    return (
-        f"the library computes at {level}'s level inside a {dtype} run (declared: info['tolerance_dtype']): max abs "
-        f"{result.max_abs:.3g} beyond {dtype}'s tolerance, within {level}'s (atol {declared.tolerance.atol:.2g})"
-    )
+    """The dtype whose tolerance holds ``run``: its own, or the lower level its adapter declares in
+    ``info["tolerance_dtype"]`` (`agreement.declared_level`)."""
+    return declared_level(run.info, run.dtype)
 
 
 def _where(run: DecodeRun, oracle: _DecodeOracle, dtype: str) -> tuple[str, str]:
@@ -219,7 +211,7 @@ def _compare_pair(a: DecodeRun, b: DecodeRun, oracle: _DecodeOracle) -> DecodePa
     mistake = a.impl.known_mistake or b.impl.known_mistake
     level = lower_precision(_level(a), _level(b))
     if not result.ok and not mistake and level != dtype and (declared := compare(a.output, b.output, level)).ok:
-        pair.status, pair.reason = Status.KNOWN_DIFFERENCE, _declared_level_reason(dtype, level, result, declared)
+        pair.status, pair.reason = Status.KNOWN_DIFFERENCE, declared_level_reason(dtype, level, result, declared)
         return pair
     if settle_known_mistake(pair, a, b, result.ok, "outputs"):
         return pair

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from mha_rosetta.backends.base import tensor_to_numpy
+from mha_rosetta.backends.frameworks import framework_of
 
 
 class DiagnoseError(ValueError):
@@ -24,7 +25,10 @@ def _call(candidate, args: tuple, timeout: float, probe: str, announce=None):
 
     def work():
         try:
-            box["result"] = candidate(*args)
+            box["result"] = result = candidate(*args)
+            framework = framework_of(result)
+            if framework is not None:  # computed here: MLX's lazy graph runs only on this thread's stream
+                framework.synchronize(result)
         except BaseException as error:  # handed to the caller, which names the probe
             box["error"] = error
 
@@ -56,7 +60,7 @@ def _as_output(result, expected_shape: tuple[int, ...], probe: str) -> tuple[np.
     except Exception as error:
         raise DiagnoseError(
             f"the candidate returned {type(result).__name__} on probe {probe!r}, which is not an array "
-            f"(NumPy, torch or JAX) of shape {expected_shape}: {error}"
+            f"(NumPy, torch, JAX or MLX) of shape {expected_shape}: {error}"
         ) from error
     if array.dtype.kind != "f":
         raise DiagnoseError(

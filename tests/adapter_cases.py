@@ -14,6 +14,7 @@ import numpy as np
 from conftest import BATCH, KV_TOKENS, Q_TOKENS
 from mha_rosetta.backends import CHUNKED, DIRECT_RESHAPE
 from mha_rosetta.backends._chunking import CHUNKED_HIDDEN_STAGES
+from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.checks.cases import SPEC_CASES, SpecCase
 from mha_rosetta.core import STAGE_NAMES, MHAConfig, assert_close, compare, stage_names
 
@@ -119,14 +120,15 @@ def assert_output_matches_reference(backend, case: SpecCase, dtype: str, strateg
     output = case.run(backend, dtype, strategy)
     expected = case.reference()
     assert output.shape == expected.shape
-    assert_close(output, expected, dtype, what=f"{backend.name}/{strategy}/{dtype} on {case}")
+    level = backend_level(backend, dtype)
+    assert_close(output, expected, level, what=f"{backend.name}/{strategy}/{dtype} (held at {level}) on {case}")
 
 
 def assert_every_stage_matches_reference(backend, case: SpecCase, dtype: str, strategy: str) -> None:
     _, stages = case.run(backend, dtype, strategy, return_stages=True)
     # The chunked strategy never holds the whole scores or weights: every other stage.
     names = [n for n in stage_names(case.cfg) if strategy != CHUNKED or n not in CHUNKED_HIDDEN_STAGES]
-    assert_stages_close(stages, case.reference_stages(), dtype, names)
+    assert_stages_close(stages, case.reference_stages(), backend_level(backend, dtype), names)
 
 
 def assert_direct_reshape_is_caught_at_q_heads(backend, case: SpecCase, dtype: str) -> None:

@@ -78,6 +78,9 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
         if run.impl.known_mistake:
             assert run.status is Status.CAUGHT, where
             assert run.divergence is not None and run.divergence.stage == "q_heads", where
+        elif run.status is Status.KNOWN_DIFFERENCE and run.info.get("tolerance_dtype"):
+            # A precision limit the backend declares (MLX's float64): held to that level, and said so.
+            assert "declared" in run.reason and run.info["tolerance_dtype"] != dtype, where
         elif run.status is Status.KNOWN_DIFFERENCE:
             assert backend.kind == "oracle", where  # our own implementations follow the spec exactly
             # rows with no allowed key, or an output on the answer of a difference the oracle names (ONNX)
@@ -111,8 +114,8 @@ def test_all_pairs_agree(device, dtype):
     for pair in result.pairs:
         if pair.a.impl.known_mistake != pair.b.impl.known_mistake:
             assert pair.status is Status.CAUGHT
-        elif pair.status is Status.KNOWN_DIFFERENCE:
-            assert "oracle" in (pair.a.kind, pair.b.kind)
+        elif pair.status is Status.KNOWN_DIFFERENCE:  # an oracle's convention, or a declared precision limit
+            assert "oracle" in (pair.a.kind, pair.b.kind) or "declared" in pair.reason
     assert result.exit_status == 0, result.verdict()
 
 

@@ -22,11 +22,11 @@ VALUES = np.arange(6, dtype=np.float64).reshape(2, 3) / 4
 
 
 def test_registry_is_keyed_by_library_name_in_preference_order():
-    assert list(FRAMEWORKS) == ["numpy", "torch", "jax", "onnxruntime"]
+    assert list(FRAMEWORKS) == ["numpy", "torch", "jax", "onnxruntime", "mlx"]
     assert all(framework.name == name for name, framework in FRAMEWORKS.items())
-    assert [name for name, f in FRAMEWORKS.items() if f.drives_gpu] == ["torch", "jax"]
+    assert [name for name, f in FRAMEWORKS.items() if f.drives_gpu] == ["torch", "jax", "mlx"]
     assert get_framework("numpy").namespace() is np
-    with pytest.raises(ValueError, match="framework must be one of numpy, torch, jax, onnxruntime; got 'cupy'"):
+    with pytest.raises(ValueError, match="framework must be one of numpy, torch, jax, onnxruntime, mlx; got 'cupy'"):
         get_framework("cupy")
 
 
@@ -34,7 +34,7 @@ def test_importing_the_layer_and_asking_about_numpy_imports_no_framework():
     code = (
         "import sys, numpy as np; from mha_rosetta.backends import frameworks as f; "
         "a = np.ones((2, 3)); f.to_numpy(a); f.strides_in_elements(a.T); f.contiguity(a); f.shares_memory(a, a.T); "
-        "print(sorted(m for m in ('torch', 'jax', 'einops') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'jax', 'einops', 'mlx') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

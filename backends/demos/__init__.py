@@ -19,7 +19,7 @@ Design rules:
 3. The modules: `attention` (each library's attention called on the canonical parameters, axis order),
    `modules` (real modules' parameter shapes and head sizes; canonical weights loaded into them),
    `precision` (TF32), `tensors` (torch tensors for the article's claims), `planted` (a planted
-   backward-only bug built on the numpy adapter).
+   backward-only bug built on the numpy adapter), `mlx` (MLX's conventions beside torch's).
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ from .attention import (
     sdpa_and_dpa_axis_order,
     torch_mha_call,
     torch_sdpa_call,
+)
+from .mlx import (
+    mlx_causal_weights,
+    mlx_float64_facts,
+    mlx_fully_masked_row,
+    mlx_linear_weight_shape,
+    mlx_rope_errors,
+    torch_causal_weights,
 )
 from .modules import (
     equinox_query_weight_shape,
@@ -68,10 +76,16 @@ __all__ = [
     "jax_on_cpu_at_highest",
     "keras_query_kernel_shape",
     "linear_weight_facts",
+    "mlx_causal_weights",
+    "mlx_float64_facts",
+    "mlx_fully_masked_row",
+    "mlx_linear_weight_shape",
+    "mlx_rope_errors",
     "needs",
     "output_from_context",
     "run_installed",
     "sdpa_and_dpa_axis_order",
+    "torch_causal_weights",
     "torch_linear",
     "torch_mha_axis_order",
     "torch_mha_call",

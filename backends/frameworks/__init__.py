@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 from .interface import UNKNOWN_LAYOUT, CopyProgram, Framework, GemmProgram, Program, numpy_like, upcast_bfloat16
 from .jax import XLA_MANAGED, JaxFramework
+from .mlx import MlxFramework
 from .numpy import NumpyFramework
 from .onnx import OnnxRuntimeFramework
 from .torch import TorchFramework
@@ -39,6 +40,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "torch": TorchFramework(),
     "jax": JaxFramework(),
     "onnxruntime": OnnxRuntimeFramework(),
+    "mlx": MlxFramework(),
 }
 
 # Libraries that backends require without arrays of their own (they run on one of the above):

@@ -154,6 +154,20 @@ class Framework:
         raise NotImplementedError(f"{self.name} has no benchmark kernels")
 
 
+class OpaqueLayout(Framework):
+    """A library whose arrays are immutable values in buffers it places itself (JAX's XLA, MLX): strides,
+    contiguity and memory sharing have no answer (its `layout_unknown` says why), never a guess."""
+
+    def shares_memory(self, a, b) -> None:
+        return None
+
+    def strides(self, value) -> None:
+        return None
+
+    def contiguity(self, value) -> None:
+        return None
+
+
 def env_note(name: str) -> str:
     """`` (NAME='value')`` when the environment variable is set (it may hide a GPU), else empty."""
     import os

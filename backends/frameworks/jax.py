@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 from .._tf32 import forced_note, tf32_forced
-from .interface import Framework, GemmProgram, env_note, upcast_bfloat16
+from .interface import GemmProgram, OpaqueLayout, env_note, upcast_bfloat16
 
 XLA_MANAGED = "n/a, XLA-managed"
 
@@ -97,7 +97,7 @@ def precision_info(*, device: str, dtype: str, matmul_precision: str) -> dict:
     return info
 
 
-class JaxFramework(Framework):
+class JaxFramework(OpaqueLayout):
     name = "jax"
     modules = ("jax", "jaxlib")
     drives_gpu = True
@@ -114,15 +114,6 @@ class JaxFramework(Framework):
         import numpy as np
 
         return upcast_bfloat16(np.asarray(value))
-
-    def shares_memory(self, a, b) -> None:
-        return None
-
-    def strides(self, value) -> None:
-        return None
-
-    def contiguity(self, value) -> None:
-        return None
 
     def synchronize(self, value) -> None:
         block = getattr(value, "block_until_ready", None)

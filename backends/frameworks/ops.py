@@ -39,11 +39,12 @@ from mha_rosetta.core.stages import VARIANT_STAGES
 from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY
 
 from .ops_jax import JaxOps
+from .ops_mlx import MlxOps
 from .ops_numpy import NumpyOps
 from .ops_torch import TorchOps
 
 # library name -> its ops class, ``cls(dtype, device)`` (the classes import their library when made).
-OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps}
+OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps, "mlx": MlxOps}
 
 
 @dataclass(frozen=True)

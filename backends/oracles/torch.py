@@ -71,6 +71,8 @@ class VariantReasons:
         if generic is None:
             return None
         declared = self.strategy_variants.get(strategy, self.variants)  # type: ignore[attr-defined]
+        if backward and self.vjp_variants is not None:  # type: ignore[attr-defined]
+            declared = declared & self.vjp_variants  # type: ignore[attr-defined]
         missing = [name for name in cfg.variants if name not in declared]
         why = [self.variant_why[name] for name in missing if name in self.variant_why]
         return "; ".join(why) if len(why) == len(missing) else f"{generic}; " + "; ".join(why) if why else generic

@@ -22,6 +22,7 @@ from mha_rosetta.backends.demos import jax_on_cpu_at_highest
 from ..seed_setup import Setup, make_setup
 from .calls import Difference
 from .masks import fully_masked_row, mask_polarity, sequence_first
+from .mlx import mlx_conventions
 from .modules import head_size_arguments, scale_placement, tf32_default
 from .onnx import onnx_attention
 
@@ -33,6 +34,7 @@ DEMONSTRATIONS: dict[str, Callable[[Setup], Difference]] = {
     "head_size_arguments": head_size_arguments,
     "tf32_default": tf32_default,
     "onnx_attention": onnx_attention,
+    "mlx_conventions": mlx_conventions,
 }
 
 
@@ -69,6 +71,7 @@ __all__ = [
     "head_size_arguments",
     "jax_on_cpu_at_highest",
     "mask_polarity",
+    "mlx_conventions",
     "run_differences",
     "scale_placement",
     "sequence_first",

@@ -19,7 +19,8 @@ Design rules:
 3. The modules: `attention` (each library's attention called on the canonical parameters, axis order),
    `modules` (real modules' parameter shapes and head sizes; canonical weights loaded into them),
    `precision` (TF32), `tensors` (torch tensors for the article's claims), `planted` (a planted
-   backward-only bug built on the numpy adapter), `mlx` (MLX's conventions beside torch's).
+   backward-only bug built on the numpy adapter), `mlx` (MLX's conventions beside torch's), `onnx` (the ONNX
+   Attention op's known differences, measured in three runtimes).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .modules import (
     torch_mha_head_size,
     torch_mha_state_round_trip,
 )
+from .onnx import onnx_findings, onnx_known_differences, onnx_runtimes
 from .planted import NoGroupSumBackend, NoGroupSumVJP
 from .precision import float32_matmul_defaults, float32_matmul_on_gpu
 from .tensors import batched_head_split, linear_weight_facts, torch_mha_axis_order, view_after_transpose
@@ -82,6 +84,9 @@ __all__ = [
     "mlx_linear_weight_shape",
     "mlx_rope_errors",
     "needs",
+    "onnx_findings",
+    "onnx_known_differences",
+    "onnx_runtimes",
     "output_from_context",
     "run_installed",
     "sdpa_and_dpa_axis_order",

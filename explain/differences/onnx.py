@@ -8,9 +8,7 @@ the same one the check quotes when it finds a difference in a run.
 
 from __future__ import annotations
 
-from mha_rosetta.backends.demos import LibraryMissing
-from mha_rosetta.backends.onnx.known import KNOWN
-from mha_rosetta.backends.onnx.probe import RUNTIME_LABELS, RUNTIMES, findings
+from mha_rosetta.backends.demos import LibraryMissing, onnx_findings, onnx_known_differences, onnx_runtimes
 from mha_rosetta.core import error_line
 
 from ..seed_setup import Setup
@@ -21,23 +19,24 @@ TITLE = "ONNX Attention (opset 23/24): sqrt(scale), softcap order, causal offset
 
 def onnx_attention(setup: Setup) -> Difference:
     """Every entry of `KNOWN`, as each runtime does it (the setup's layer is not needed: the op is called bare)."""
+    runtimes, labels = onnx_runtimes()
     measured: dict[str, dict[str, str]] = {}
     skipped = []
-    for runtime in RUNTIMES:
+    for runtime in runtimes:
         try:
-            measured[runtime] = findings(runtime)
+            measured[runtime] = onnx_findings(runtime)
         except LibraryMissing as missing:
-            skipped.append(f"{RUNTIME_LABELS[runtime]}: {missing.reason}")
+            skipped.append(f"{labels[runtime]}: {missing.reason}")
         except Exception as error:  # a runtime refusing the call is itself the evidence
-            skipped.append(f"{RUNTIME_LABELS[runtime]}: raised {error_line(error)}")
+            skipped.append(f"{labels[runtime]}: raised {error_line(error)}")
     if not measured:
         return Difference("onnx_attention", TITLE, "skipped: " + "; ".join(skipped))
     rows = []
-    for name, known in KNOWN.items():
+    for name, known in onnx_known_differences().items():
         if name == "export_scale_float32":
             continue  # a property of torch.onnx.export's graph, shown by the check's torch-onnx:export runs
         rows.append((f"{name}: {known.text}", f"source: {known.source}"))
-        rows += [(f"  {RUNTIME_LABELS[runtime]}", found[name]) for runtime, found in measured.items()]
+        rows += [(f"  {labels[runtime]}", found[name]) for runtime, found in measured.items()]
     rows += [(f"  {line}", "skipped") for line in skipped]
     takeaway = (
         "fold the scale into Q for float64 graphs; do not trust torch.onnx.ops.attention's eager answer for softcap "

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, prepare_inputs
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs
 
 from .._recording import StageRecorder, record_stages
@@ -130,7 +130,21 @@ class TorchFlexOracle(TorchDevices, Backend):
         "torch.nn.attention.flex_attention on (B, H, N, d) heads: score_mod (softcap, ALiBi, T5 bias), "
         "a BlockMask from mask_mod (causal, window, the user's mask), sinks from the returned log-sum-exp"
     )
-    variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
+    # Every one of the package's, written out (a library's idiom is the reason): score_mod, mask_mod, the sinks from
+    # the lse, QK-norm and biases outside. A variant registered later is not in its score_mod, so it is refused.
+    variants = frozenset(
+        {
+            "window",
+            "softcap",
+            "qk_norm_head",
+            "qk_norm_projection",
+            "qkv_bias",
+            "alibi",
+            "rel_bias",
+            "sinks",
+            "rope_scaling",
+        }
+    )
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`prepare_flex_decode_run`): the growing cache of the torch oracles, a BlockMask over it per chunk.
     decode_caches = ("dynamic",)

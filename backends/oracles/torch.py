@@ -15,7 +15,6 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import (
-    VARIANTS,
     MHAConfig,
     MHAInputs,
     MHAParams,
@@ -300,7 +299,10 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
     # QK-norm, the qkv bias and rope scaling happen in the oracle's own code before the kernel; the
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
-    variants = frozenset(VARIANTS) - {"softcap", "sinks"}
+    # Written out, not derived: a library's idiom is the reason (a variant registered later is not in the kernel).
+    variants = frozenset(
+        {"window", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
+    )
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
     decode_caches = ("dynamic",)

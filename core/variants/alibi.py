@@ -36,6 +36,10 @@ def alibi_bias(n_heads: int, positions: np.ndarray, kv_positions: np.ndarray) ->
     return alibi_slopes(n_heads)[None, :, None, None] * distance[:, None]
 
 
+def _forward(cfg: Config, p, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    return alibi_bias(cfg.n_heads, positions, kv_positions)  # the registry's bias step (`ScoreStep`)
+
+
 def _validate(cfg: Config) -> dict:
     require_bool("alibi", cfg.alibi)
     return {}
@@ -167,7 +171,7 @@ ENTRY = Variant(
     validate=_validate,
     stages=("biased_scores",),
     score_step=ScoreStep("bias", "add_score_bias"),
-    forward=alibi_bias,
+    forward=_forward,
     check_cases=(
         CaseSpec(
             "alibi",

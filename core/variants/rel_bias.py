@@ -65,6 +65,14 @@ def relative_bias_vjp(cfg: Config, d_bias: np.ndarray, positions: np.ndarray, kv
     return d_table
 
 
+def _forward(cfg: Config, p, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    return relative_bias(cfg, p["rel_bias"], positions, kv_positions)  # the registry's bias step (`ScoreStep`)
+
+
+def _backward(cfg: Config, d_biased: np.ndarray, positions: np.ndarray, kv_positions: np.ndarray) -> dict:
+    return {"rel_bias": relative_bias_vjp(cfg, d_biased, positions, kv_positions)}
+
+
 def _validate(cfg: Config) -> dict:
     """T5's bucket function needs exact buckets below a log-spaced range that reaches max_distance."""
     buckets, max_distance, bidirectional = cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional
@@ -238,8 +246,8 @@ ENTRY = Variant(
     ),
     stages=("biased_scores",),
     score_step=ScoreStep("bias", "add_score_bias"),
-    forward=relative_bias,
-    backward=relative_bias_vjp,
+    forward=_forward,
+    backward=_backward,
     check_cases=(
         CaseSpec(
             "t5_encoder",

@@ -36,6 +36,14 @@ def sink_vjp(weights: np.ndarray, row_dot: np.ndarray):
     return -np.sum((1.0 - weights.sum(axis=-1, keepdims=True)) * row_dot)
 
 
+def _forward(cfg: Config, p, masked: np.ndarray) -> np.ndarray:  # the registry's softmax step (`ScoreStep`)
+    return softmax_with_sinks(masked, p["sinks"])
+
+
+def _backward(cfg: Config, weights: np.ndarray, row_dot: np.ndarray) -> dict:
+    return {"sinks": sink_vjp(weights, row_dot)}
+
+
 def _validate(cfg: Config) -> dict:
     require_bool("sinks", cfg.sinks)
     return {}
@@ -126,8 +134,8 @@ ENTRY = Variant(
     # Sink logits N(0, 1): the size of a score, so that a sink takes a visible share of each row.
     params=(ParamSpec("sinks", "sinks", lambda cfg: (cfg.n_heads,) if cfg.sinks else None, centre=0.0, spread=1.0),),
     score_step=ScoreStep("softmax", "softmax"),  # the ops objects' softmax(scores, empty_rows, sinks=)
-    forward=softmax_with_sinks,
-    backward=sink_vjp,
+    forward=_forward,
+    backward=_backward,
     check_cases=(
         CaseSpec(
             "sinks",

@@ -20,6 +20,14 @@ def softcap_vjp(scores: np.ndarray, cap: float, d_capped: np.ndarray) -> np.ndar
     return d_capped * (1.0 - np.tanh(scores / cap) ** 2)
 
 
+def _forward(cfg: Config, scores: np.ndarray) -> np.ndarray:  # the registry's transform step (`ScoreStep`)
+    return softcap(scores, cfg.softcap)
+
+
+def _backward(cfg: Config, scores: np.ndarray, d_capped: np.ndarray) -> np.ndarray:
+    return softcap_vjp(scores, cfg.softcap, d_capped)
+
+
 def _validate(cfg: Config) -> dict:
     return {"softcap": None if cfg.softcap is None else require_positive_number("softcap", cfg.softcap)}
 
@@ -125,8 +133,8 @@ ENTRY = Variant(
     validate=_validate,
     stages=("capped_scores",),
     score_step=ScoreStep("transform", "softcap"),
-    forward=softcap,
-    backward=softcap_vjp,
+    forward=_forward,
+    backward=_backward,
     check_cases=(
         CaseSpec(
             "softcap",

@@ -21,6 +21,10 @@ def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_position
     return allowed[:, None]
 
 
+def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    return window_allowed(cfg.window, cfg.causal, positions, kv_positions)  # the registry's mask step (`ScoreStep`)
+
+
 def _validate(cfg: Config) -> dict:
     if cfg.window is not None:
         require_positive_int("window", cfg.window)
@@ -168,7 +172,7 @@ ENTRY = Variant(
     is_on=lambda cfg: cfg.window is not None,
     validate=_validate,
     score_step=ScoreStep("mask", "positional_mask"),
-    forward=window_allowed,
+    forward=_forward,
     check_cases=(
         CaseSpec(
             "window",

@@ -13,8 +13,8 @@ Design rules (the checks and the benchmarks rely on each one):
 4. The framework is imported inside the adapter's methods, never at module import.
 5. A configuration, dtype, device or strategy the adapter cannot run gives a reason
    string from `unsupported_reason`, never a crash half-way through a check.
-6. A variant of `core.VARIANTS` runs only where the adapter declares it (``variants``, per
-   strategy in ``strategy_variants``, for the backward pass in ``vjp_variants``): an
+6. A variant of `core.VARIANTS` runs only where the adapter declares it (``variants``, for
+   the backward pass in ``vjp_variants``, for decoding in ``decode_variants``): an
    adapter that does not say it implements a softcap is unsupported for a softcap case,
    with a reason, and never runs it without. `prepare` checks this even when a subclass's
    `unsupported_reason` forgets to ask the base class.
@@ -85,6 +85,16 @@ def check_device_name(device: object) -> str:
 
 
 RELATIONS = ("view", "copy", "new")
+
+
+class SameAs:
+    """A class attribute that reads another one's value unless a subclass sets its own (``decode_variants``: ``variants``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return getattr(owner if obj is None else obj, self.name)
 
 
 @dataclass
@@ -234,10 +244,11 @@ class Backend:
     # The check names these instead of hiding them. If the adapter maps an answer back to
     # the spec's, it counts the rows in ``Prepared.info["empty_rows_mapped"]``.
     known_differences: tuple[str, ...] = ()
-    # The variants of core.VARIANTS this adapter implements (rule 6), for every strategy unless
-    # strategy_variants names the strategy; vjp_variants (None: the same) for its backward pass.
+    # The variants of core.VARIANTS this adapter implements (rule 6), for every strategy; vjp_variants
+    # (None: the same) for its backward pass. Ours derive it from core's registry and their library's ops
+    # object (`frameworks.ops.RegistryVariants`); a third-party oracle lists the package's own variants
+    # its library's idiom has (`core.variants.BUILTIN_VARIANTS` less what it lacks).
     variants: frozenset[str] = frozenset()
-    strategy_variants: ClassVar[dict[str, frozenset[str]]] = {}
     vjp_variants: frozenset[str] | None = None
     # Rule 7: True where every strategy but chunked builds its causal mask from the positions.
     causal_on_positions: bool = False
@@ -247,7 +258,7 @@ class Backend:
     # words for the explainer, and, without any, why (e.g. "the library's API has no KV cache").
     decode_caches: tuple[str, ...] = ()
     decode_strategies: tuple[str, ...] = (STANDARD,)
-    decode_variants: frozenset[str] = frozenset()
+    decode_variants: frozenset[str] = SameAs("variants")  # type: ignore[assignment]  # a decode path has what its forward has
     decode_layouts: ClassVar[dict[str, str]] = {}
     decode_unsupported: str = ""
     # True where the runs execute in processes of the backend's own (the sharded backends' ranks and
@@ -280,7 +291,7 @@ class Backend:
         """The variants of ``cfg`` this backend does not implement for ``strategy`` (rule 6), as a reason, or None."""
         if not cfg.variants:
             return None
-        declared = self.strategy_variants.get(strategy, self.variants)
+        declared = self.variants
         if backward and self.vjp_variants is not None:
             declared = declared & self.vjp_variants
         missing = [name for name in cfg.variants if name not in declared]

@@ -24,6 +24,7 @@ from mha_rosetta.core import (
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
+from mha_rosetta.core.variants import BUILTIN_VARIANTS
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
@@ -64,7 +65,7 @@ class VariantReasons:
         generic = super().variant_reason(cfg, strategy, backward)  # type: ignore[misc]
         if generic is None:
             return None
-        declared = self.strategy_variants.get(strategy, self.variants)  # type: ignore[attr-defined]
+        declared = self.variants  # type: ignore[attr-defined]
         missing = [name for name in cfg.variants if name not in declared]
         why = [self.variant_why[name] for name in missing if name in self.variant_why]
         return "; ".join(why) if len(why) == len(missing) else f"{generic}; " + "; ".join(why) if why else generic
@@ -299,14 +300,12 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
     # QK-norm, the qkv bias and rope scaling happen in the oracle's own code before the kernel; the
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
-    # Written out, not derived: a library's idiom is the reason (a variant registered later is not in the kernel).
-    variants = frozenset(
-        {"window", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
-    )
+    # The package's own variants but two (a library's idiom is the reason; one registered from outside is not in the
+    # kernel, so it is refused).
+    variants = BUILTIN_VARIANTS - {"softcap", "sinks"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
     decode_caches = ("dynamic",)
-    decode_variants = variants
     decode_layouts: ClassVar[dict[str, str]] = {"dynamic": SDPA_DECODE_LAYOUT}
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "

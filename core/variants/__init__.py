@@ -75,6 +75,9 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
     )
 }
+# The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
+# library's kernel knows those forms and no later one (backends/oracles list theirs from it).
+BUILTIN_VARIANTS: frozenset[str] = frozenset(VARIANT_REGISTRY)
 
 
 # What core built from the registry when it was imported (MHAConfig's fields, the stage table): an entry
@@ -217,6 +220,7 @@ def allowed_by_masks(cfg: Config, positions: np.ndarray, kv_positions: np.ndarra
 
 
 __all__ = [
+    "BUILTIN_VARIANTS",
     "QK_NORMS",
     "REPAIRS",
     "SCORE_PLACES",

@@ -161,6 +161,21 @@ class CliOption:
         return self.flag.lstrip("-").replace("-", "_")
 
 
+def value_option(flag: str, field: str, help: str, *, rank: int, needs: str | None = None, **kwargs) -> CliOption:
+    """An option whose value sets one `MHAConfig` field (``--window 3`` -> ``{"window": 3}``); ``kwargs``: type, choices, metavar."""
+    return CliOption(flag, dict(kwargs, help=help), lambda value: {field: value}, needs=needs, rank=rank)
+
+
+def switch_option(flag: str, sets: Mapping[str, Any], help: str, *, rank: int, **kwargs) -> CliOption:
+    """A switch that sets `MHAConfig` fields to fixed values (``--alibi`` -> ``{"alibi": True}``); ``kwargs``: needs, conflicts."""
+    return CliOption(flag, dict(action="store_true", help=help), lambda value: dict(sets), rank=rank, **kwargs)
+
+
+def demo(field: str, on: Any, off: Any) -> dict:
+    """`Variant.demo_on` and ``demo_off`` of a variant one field switches, as keyword arguments (``**demo(...)``)."""
+    return dict(demo_on={field: on}, demo_off={field: off})
+
+
 @dataclass(frozen=True)
 class BenchSpec:
     """The variant's cell of ``bench --preset variants`` (`benchmarks.variants`).

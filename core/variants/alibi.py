@@ -8,7 +8,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, switch_option
 from ._shared import relative_distances, softmax_with_empty_rows
 
 
@@ -189,16 +189,8 @@ ENTRY = Variant(
         ),
     ),
     bench=BenchSpec({"alibi": True}, "plain"),
-    cli=(
-        CliOption(
-            "--alibi",
-            dict(action="store_true", help="ALiBi: m_h (p_j - p_i) added to the scores"),
-            lambda value: {"alibi": True},
-            rank=50,
-        ),
-    ),
-    demo_on={"alibi": True},
-    demo_off={"alibi": False},
+    cli=(switch_option("--alibi", {"alibi": True}, "ALiBi: m_h (p_j - p_i) added to the scores", rank=50),),
+    **demo("alibi", True, False),
     explain=explain,
     diagnose=DIAGNOSE,
 )

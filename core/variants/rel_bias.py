@@ -9,7 +9,7 @@ import numpy as np
 
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, switch_option, value_option
 from ._shared import relative_distances
 
 
@@ -272,25 +272,23 @@ ENTRY = Variant(
     ),
     bench=BenchSpec({"rel_buckets": 32, "rel_max_distance": 128}, "plain"),  # T5's own
     cli=(
-        CliOption(
-            "--rel-buckets",
-            dict(type=int, help="T5's relative position buckets (params.rel_bias)"),
-            lambda value: {"rel_buckets": value},
-            rank=70,
+        value_option(
+            "--rel-buckets", "rel_buckets", "T5's relative position buckets (params.rel_bias)", rank=70, type=int
         ),
-        CliOption(
+        value_option(
             "--rel-max-distance",
-            dict(type=int, help="T5's max distance (default 128)"),
-            lambda value: {"rel_max_distance": value},
-            needs="--rel-buckets",
+            "rel_max_distance",
+            "T5's max distance (default 128)",
             rank=71,
-        ),
-        CliOption(
-            "--rel-decoder",
-            dict(action="store_true", help="T5's decoder buckets: past keys only"),
-            lambda value: {"rel_bidirectional": False},
             needs="--rel-buckets",
+            type=int,
+        ),
+        switch_option(
+            "--rel-decoder",
+            {"rel_bidirectional": False},
+            "T5's decoder buckets: past keys only",
             rank=72,
+            needs="--rel-buckets",
         ),
     ),
     demo_on={"rel_buckets": 8, "rel_max_distance": 5, "rel_bidirectional": False},

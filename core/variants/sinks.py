@@ -6,7 +6,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, demo, switch_option
 from ._shared import softmax_with_empty_rows
 from .models import GPT_OSS_YARN
 
@@ -153,16 +153,8 @@ ENTRY = Variant(
         ),
     ),
     bench=BenchSpec({"sinks": True}, "plain"),
-    cli=(
-        CliOption(
-            "--sinks",
-            dict(action="store_true", help="one learned logit per head in the softmax denominator"),
-            lambda value: {"sinks": True},
-            rank=60,
-        ),
-    ),
-    demo_on={"sinks": True},
-    demo_off={"sinks": False},
+    cli=(switch_option("--sinks", {"sinks": True}, "one learned logit per head in the softmax denominator", rank=60),),
+    **demo("sinks", True, False),
     explain=explain,
     diagnose=DIAGNOSE,
 )

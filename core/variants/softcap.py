@@ -6,7 +6,7 @@ import numpy as np
 
 from .._validate import require_positive_number
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, value_option
 from ._shared import softmax_with_empty_rows
 
 
@@ -91,12 +91,18 @@ def _simulated_after_mask(cfg: Config, masked, mistake):  # blocked scores becom
     return softcap(masked, cfg.softcap) if mistake == "after_mask" else masked
 
 
+def _planted_capped(
+    cfg: Config, scores
+):  # the candidate's own cap, written apart from `softcap` (it tests the simulator)
+    return cfg.softcap * np.tanh(scores / cfg.softcap)
+
+
 def _planted_cap(cfg: Config, scores, mistake):
-    return cfg.softcap * np.tanh(scores / cfg.softcap) if mistake is None else scores
+    return _planted_capped(cfg, scores) if mistake is None else scores
 
 
 def _planted_after_mask(cfg: Config, scores, mistake):
-    return cfg.softcap * np.tanh(scores / cfg.softcap) if mistake == "after_mask" else scores
+    return _planted_capped(cfg, scores) if mistake == "after_mask" else scores
 
 
 DIAGNOSE = DiagnoseSpec(
@@ -152,16 +158,8 @@ ENTRY = Variant(
         ),
     ),
     bench=BenchSpec({"softcap": 50.0}, "plain"),  # Gemma 2's attn_logit_softcapping
-    cli=(
-        CliOption(
-            "--softcap",
-            dict(type=float, help="logit softcap c: scores become c * tanh(s / c)"),
-            lambda value: {"softcap": value},
-            rank=20,
-        ),
-    ),
-    demo_on={"softcap": 2.0},
-    demo_off={"softcap": None},
+    cli=(value_option("--softcap", "softcap", "logit softcap c: scores become c * tanh(s / c)", rank=20, type=float),),
+    **demo("softcap", 2.0, None),
     explain=explain,
     diagnose=DIAGNOSE,
 )

@@ -6,7 +6,7 @@ import numpy as np
 
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, value_option
 from ._shared import relative_distances
 
 
@@ -197,16 +197,8 @@ ENTRY = Variant(
     # ring, left padding): `checks.decode_cases` lists them with the other cache cases.
     # A quarter of the tokens, so that it blocks keys at every size; against causal (a causal mask with fewer keys).
     bench=BenchSpec({"causal": True, "window": "tokens/4"}, "causal"),
-    cli=(
-        CliOption(
-            "--window",
-            dict(type=int, help="sliding window of W keys, the query's own included"),
-            lambda value: {"window": value},
-            rank=10,
-        ),
-    ),
-    demo_on={"window": 3},
-    demo_off={"window": None},
+    cli=(value_option("--window", "window", "sliding window of W keys, the query's own included", rank=10, type=int),),
+    **demo("window", 3, None),
     explain=explain,
     diagnose=DIAGNOSE,
 )

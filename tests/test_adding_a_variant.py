@@ -250,6 +250,33 @@ def test_the_config_field_the_stage_and_the_float64_oracles_come_from_the_entry(
     assert "logit_temperature=4" in got["describe"] and got["equal"]
 
 
+def test_every_pipeline_adapter_records_its_stage_as_the_oracle_has_it(plugin_dir):
+    done = _python(
+        plugin_dir,
+        """
+        import json
+        import numpy as np
+        from mha_rosetta.backends import get_backend
+        from mha_rosetta.backends._chunking import CHUNKED_HIDDEN_STAGES
+        from mha_rosetta.core import MHAConfig, init_params, reference_stages
+
+        cfg = MHAConfig(d_model=12, n_heads=3, causal=True, softcap=2.0, logit_temperature=2.5)
+        params, x = init_params(cfg, 0), np.random.default_rng(0).standard_normal((2, 5, 12))
+        want = reference_stages(cfg, params, x)["tempered_scores"]
+        errors = {}
+        for name in ("numpy", "torch", "jax", "einops-numpy", "einops-torch", "einops-jax"):
+            prepared, _ = get_backend(name).prepare(cfg, params, x, dtype="float64")
+            got = get_backend(name).canonical_stages(prepared)["tempered_scores"]
+            errors[name] = float(np.max(np.abs(got - want)))
+        print(json.dumps(dict(errors=errors, hidden="tempered_scores" in CHUNKED_HIDDEN_STAGES)))
+        """,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert all(error <= 1e-15 for error in got["errors"].values()), got  # float64: one division each
+    assert got["hidden"]  # the chunked strategies hold it one tile at a time, like the other score stages
+
+
 def _runs(path: Path) -> list[dict]:
     return [run for run in json.loads(path.read_text())["runs"] if run["case"] == "logit_temperature"]
 

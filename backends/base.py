@@ -13,8 +13,9 @@ Design rules (the checks and the benchmarks rely on each one):
 4. The framework is imported inside the adapter's methods, never at module import.
 5. A configuration, dtype, device or strategy the adapter cannot run gives a reason
    string from `unsupported_reason`, never a crash half-way through a check.
-6. A variant of `core.VARIANTS` runs only where the adapter declares it (``variants``, for
-   the backward pass in ``vjp_variants``, for decoding in ``decode_variants``): an
+6. A variant of `core.VARIANTS` runs only where the adapter declares it (``variants``, per
+   strategy in ``strategy_variants``, for the backward pass in ``vjp_variants``, for decoding
+   in ``decode_variants``): an
    adapter that does not say it implements a softcap is unsupported for a softcap case,
    with a reason, and never runs it without. `prepare` checks this even when a subclass's
    `unsupported_reason` forgets to ask the base class.
@@ -244,11 +245,13 @@ class Backend:
     # The check names these instead of hiding them. If the adapter maps an answer back to
     # the spec's, it counts the rows in ``Prepared.info["empty_rows_mapped"]``.
     known_differences: tuple[str, ...] = ()
-    # The variants of core.VARIANTS this adapter implements (rule 6), for every strategy; vjp_variants
-    # (None: the same) for its backward pass. Ours derive it from core's registry and their library's ops
+    # The variants of core.VARIANTS this adapter implements (rule 6), for every strategy unless
+    # strategy_variants names the strategy (a library's idiom: an exported graph that carries none);
+    # vjp_variants (None: the same) for its backward pass. Ours derive it from core's registry and their library's ops
     # object (`frameworks.ops.RegistryVariants`); a third-party oracle lists the package's own variants
     # its library's idiom has (`core.variants.BUILTIN_VARIANTS` less what it lacks).
     variants: frozenset[str] = frozenset()
+    strategy_variants: ClassVar[dict[str, frozenset[str]]] = {}
     vjp_variants: frozenset[str] | None = None
     # Rule 7: True where every strategy but chunked builds its causal mask from the positions.
     causal_on_positions: bool = False
@@ -291,7 +294,7 @@ class Backend:
         """The variants of ``cfg`` this backend does not implement for ``strategy`` (rule 6), as a reason, or None."""
         if not cfg.variants:
             return None
-        declared = self.variants
+        declared = self.strategy_variants.get(strategy, self.variants)
         if backward and self.vjp_variants is not None:
             declared = declared & self.vjp_variants
         missing = [name for name in cfg.variants if name not in declared]

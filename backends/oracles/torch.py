@@ -65,7 +65,7 @@ class VariantReasons:
         generic = super().variant_reason(cfg, strategy, backward)  # type: ignore[misc]
         if generic is None:
             return None
-        declared = self.variants  # type: ignore[attr-defined]
+        declared = self.strategy_variants.get(strategy, self.variants)  # type: ignore[attr-defined]
         missing = [name for name in cfg.variants if name not in declared]
         why = [self.variant_why[name] for name in missing if name in self.variant_why]
         return "; ".join(why) if len(why) == len(missing) else f"{generic}; " + "; ".join(why) if why else generic

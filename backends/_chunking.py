@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core.inputs import causal_allowed
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from mha_rosetta.core.variants import relative_distances, window_allowed
 
 CHUNKED = "chunked"
@@ -63,7 +64,7 @@ DEFAULT_CHUNK = (128, 256)
 # so every case crosses partial blocks, skipped causal blocks and rescaling steps.
 CHECK_CHUNK = (3, 4)
 # The stages the chunked strategy never holds whole (one tile per head at a time).
-CHUNKED_HIDDEN_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
+CHUNKED_HIDDEN_STAGES = ("scores", *SCORE_VARIANT_STAGES, "masked_scores", "weights")
 CHUNKED_STAGES_NOTE = (
     "the chunked strategy never holds the full scores or weights (one (q_block, k_block) tile per head at a time); "
     "it exposes q, k, v, the split (QK-normed and rotated) heads, context, merged and output"

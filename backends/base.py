@@ -14,7 +14,8 @@ Design rules (the checks and the benchmarks rely on each one):
 5. A configuration, dtype, device or strategy the adapter cannot run gives a reason
    string from `unsupported_reason`, never a crash half-way through a check.
 6. A variant of `core.VARIANTS` runs only where the adapter declares it (``variants``, per
-   strategy in ``strategy_variants``, for the backward pass in ``vjp_variants``): an
+   strategy in ``strategy_variants``, for the backward pass in ``vjp_variants``, for decoding
+   in ``decode_variants``): an
    adapter that does not say it implements a softcap is unsupported for a softcap case,
    with a reason, and never runs it without. `prepare` checks this even when a subclass's
    `unsupported_reason` forgets to ask the base class.
@@ -100,6 +101,16 @@ __all__ = [
 ]
 
 
+class SameAs:
+    """A class attribute that reads another one's value unless a subclass sets its own (``decode_variants``: ``variants``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return getattr(owner if obj is None else obj, self.name)
+
+
 class Backend(DecodeMixin):
     """Base class of every adapter. Subclasses set the class attributes and `_prepare`."""
 
@@ -118,7 +129,10 @@ class Backend(DecodeMixin):
     # the spec's, it counts the rows in ``Prepared.info["empty_rows_mapped"]``.
     known_differences: tuple[str, ...] = ()
     # The variants of core.VARIANTS this adapter implements (rule 6), for every strategy unless
-    # strategy_variants names the strategy; vjp_variants (None: the same) for its backward pass.
+    # strategy_variants names the strategy (a library's idiom: an exported graph that carries none);
+    # vjp_variants (None: the same) for its backward pass. Ours derive it from core's registry and their library's ops
+    # object (`frameworks.ops.RegistryVariants`); a third-party oracle lists the package's own variants
+    # its library's idiom has (`core.variants.BUILTIN_VARIANTS` less what it lacks).
     variants: frozenset[str] = frozenset()
     strategy_variants: ClassVar[dict[str, frozenset[str]]] = {}
     vjp_variants: frozenset[str] | None = None
@@ -130,7 +144,7 @@ class Backend(DecodeMixin):
     # words for the explainer, and, without any, why (e.g. "the library's API has no KV cache").
     decode_caches: tuple[str, ...] = ()
     decode_strategies: tuple[str, ...] = (STANDARD,)
-    decode_variants: frozenset[str] = frozenset()
+    decode_variants: frozenset[str] = SameAs("variants")  # type: ignore[assignment]  # a decode path has what its forward has
     decode_layouts: ClassVar[dict[str, str]] = {}
     decode_unsupported: str = ""
     # True where the runs execute in processes of the backend's own (the sharded backends' ranks and

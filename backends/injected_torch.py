@@ -85,16 +85,18 @@ def _positions(q_tokens: int, kv_tokens: int):
     return torch.arange(q_tokens)[:, None], torch.arange(kv_tokens)[None, :]
 
 
-def _capped(cfg: MHAConfig, scores, mistake):
+def _torch_cap(cfg: MHAConfig, scores):  # the torch candidate's cap, in torch's idiom
     import torch
 
-    return torch.tanh(scores / cfg.softcap) * cfg.softcap if mistake is None else scores
+    return torch.tanh(scores / cfg.softcap) * cfg.softcap
+
+
+def _capped(cfg: MHAConfig, scores, mistake):
+    return _torch_cap(cfg, scores) if mistake is None else scores
 
 
 def _capped_after_mask(cfg: MHAConfig, scores, mistake):
-    import torch
-
-    return torch.tanh(scores / cfg.softcap) * cfg.softcap if mistake == "after_mask" else scores
+    return _torch_cap(cfg, scores) if mistake == "after_mask" else scores
 
 
 def _alibi_bias(cfg: MHAConfig, params, q_tokens: int, kv_tokens: int, mistake):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 from ._validate import require_bool, require_positive_int
 from .rope_scaling import describe_rope_scaling
-from .variants import VARIANT_REGISTRY, validate_variants, variants_on
+from .variants import BUILT_FROM_REGISTRY, VARIANT_REGISTRY, validate_variants, variants_on
 
 # The two rotary conventions, by the pairs of features they rotate together (`core.rotary`).
 ROPE_STYLES = ("half", "interleaved")
@@ -49,7 +49,27 @@ def _resolve_rope(rope: str | None, base: float, dims: int | None, d_k: int) -> 
     return dims
 
 
+def _registry_fields(cls):
+    """Add the fields the registry's entries own (`core.variants.ConfigField`) to ``cls`` before `dataclass` reads it.
+
+    The package's own variants have theirs written out below (public API: ``MHAConfig(softcap=...)``, in the
+    positional order they have always had); an entry registered from outside declares its own, which become
+    keyword fields after those, in registry order, validated by the entry's ``validate``. Without such an
+    entry ``MHAConfig`` is exactly the written class (its fields, `asdict` and every output unchanged).
+    """
+    annotations = cls.__annotations__  # the class's own (it has no base), a dict under Python 3.11-3.13
+    for entry in VARIANT_REGISTRY.values():
+        for spec in entry.config_fields:
+            if spec.name in annotations:
+                raise ValueError(f"variant {entry.name!r} declares the MHAConfig field {spec.name!r}, which exists")
+            annotations[spec.name] = spec.annotation
+            setattr(cls, spec.name, spec.default)
+    BUILT_FROM_REGISTRY.append("MHAConfig's fields")
+    return cls
+
+
 @dataclass(frozen=True)
+@_registry_fields
 class MHAConfig:
     """Sizes and switches of one attention layer.
 
@@ -259,6 +279,8 @@ class MHAConfig:
             parts.append(f"window={self.window}")
         if self.sinks:
             parts.append("sinks")
+        for entry in variants_on(self):  # the fields of an entry registered from outside, as written
+            parts += [f"{spec.name}={getattr(self, spec.name)!s}" for spec in entry.config_fields]
         return " ".join(parts)
 
 

@@ -28,7 +28,8 @@ Masks need no extra rule: a blocked position has weight 0, so ``A * (...)`` give
 score gradient, and a query row with nothing to attend to (all weights 0 by the spec) gets
 zero gradients everywhere upstream of its context (its output still reads ``b_o``).
 
-The variants (`core.variants`), each undone in reverse pipeline order:
+The variants (`core.variants`), each undone in reverse pipeline order (the score steps by the
+backward of each registry entry, in its own module; no variant is named in that part):
 
 * sinks: the softmax backward is unchanged (the sink's own weight ``1 - sum_j A_ij`` has no
   cotangent), and ``d_sink_h = -sum_{b,i} (1 - sum_j A_ij) * sum_j dA_ij A_ij``;
@@ -58,7 +59,7 @@ from .params import PARAM_NAMES, MHAParams
 from .reference import forward_stages, reference_stages
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import relative_bias_vjp, rms_norm_vjp, sink_vjp, softcap_vjp
+from .variants import VARIANT_REGISTRY, rms_norm_vjp, steps_at_place
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -82,6 +83,19 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
     ("d_k", "k"),
     ("d_v", "v"),
 )
+
+
+def _with_registry_stages(stages):
+    """``stages`` with the backward stage of each stage an entry from outside adds, before its anchor's."""
+    listed = list(stages)
+    for entry in VARIANT_REGISTRY.values():
+        for spec in entry.stage_specs:
+            at = [forward for _, forward in listed].index(spec.after)
+            listed.insert(at, (f"d_{spec.name}", spec.name))
+    return tuple(listed)
+
+
+GRAD_STAGES = _with_registry_stages(GRAD_STAGES)
 GRAD_STAGE_NAMES = tuple(name for name, _ in GRAD_STAGES)
 
 
@@ -227,7 +241,8 @@ def reference_mha_vjp(
     d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
     d_masked = np.empty_like(d_weights)
     d_v_heads = np.zeros((B, Hkv, Nk, Dv), dtype=compute)
-    d_sinks = None if p.get("sinks") is None else np.zeros(H, dtype=compute)
+    softmax = steps_at_place(cfg, "softmax")  # the sinks: the softmax backward plus their own gradient
+    d_softmax: dict[str, np.ndarray] = {}
     for h in range(H):
         g = cfg.kv_head_of(h)
         a = weights[:, h]  # (B, Nq, Nk)
@@ -237,21 +252,27 @@ def reference_mha_vjp(
         # Softmax backward: dS = A * (dA - sum_j dA_j A_j). Blocked keys and empty rows have A = 0.
         row_dot = np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)  # (B, Nq, 1)
         d_masked[:, h] = r(a * (d_weights[:, h] - row_dot))
-        if d_sinks is not None:  # the sink's weight 1 - sum_j A_ij times (0 - row_dot)
-            d_sinks[h] = sink_vjp(a, row_dot)
+        for entry in softmax:  # the sink's weight 1 - sum_j A_ij times (0 - row_dot)
+            for name, grad in entry.backward(cfg, a, row_dot).items():
+                d_softmax.setdefault(name, np.zeros(H, dtype=compute))[h] = grad
     d_v_heads = r(d_v_heads)
     stages.update(d_weights=d_weights, d_v_heads=d_v_heads)
 
-    # Back through the score variants: bias (added), then the softcap.
+    # Back through the registry's score steps: the biases (added), then the transforms in reverse.
     d_last = d_masked
-    d_rel_bias = None
-    if cfg.has_score_bias:
-        stages["d_biased_scores"] = d_last
-        if cfg.rel_buckets is not None:
-            d_rel_bias = r(relative_bias_vjp(cfg, d_last, inputs.positions, inputs.kv_positions))
-    if cfg.softcap is not None:
-        stages["d_capped_scores"] = d_last
-        d_last = r(softcap_vjp(fwd["scores"], cfg.softcap, d_last))
+    d_variant_params = {name: r(grad) for name, grad in d_softmax.items()}
+    biases = steps_at_place(cfg, "bias")
+    if biases:
+        stages[f"d_{biases[0].stages[0]}"] = d_last
+        for entry in biases:
+            if entry.backward is not None:
+                grads = entry.backward(cfg, d_last, inputs.positions, inputs.kv_positions)
+                d_variant_params.update({name: r(grad) for name, grad in grads.items()})
+    transforms = steps_at_place(cfg, "transform")
+    inputs_of = ["scores"] + [entry.stages[0] for entry in transforms]  # each transform's input stage
+    for entry, source in zip(reversed(transforms), reversed(inputs_of[:-1]), strict=True):
+        stages[f"d_{entry.stages[0]}"] = d_last
+        d_last = r(entry.backward(cfg, fwd[source], d_last))
     d_scores = stages["d_scores"] = d_last
 
     d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)
@@ -301,9 +322,6 @@ def reference_mha_vjp(
     d_xk, d_w_k, d_b_k = linear_backward(d_k, x_k, p["w_k"], p["b_k"])
     d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
     d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)
-    d_sinks = None if d_sinks is None else r(d_sinks)
-    d_params = MHAParams(
-        d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o, d_q_norm, d_k_norm, d_sinks, d_rel_bias
-    )
+    d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o, d_q_norm, d_k_norm, **d_variant_params)
     d_key, d_value = (None if d is None else inputs.unbatch(d) for d in (d_key, d_value))
     return MHAGrads(inputs.unbatch(d_query), d_key, d_value, d_params, stages)  # d_query is never None

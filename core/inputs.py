@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import MHAConfig, require_config
-from .variants import window_allowed
+from .variants import allowed_by_masks
 
 
 class BatchedTokens:
@@ -231,14 +231,11 @@ def allowed_positions(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:
     """The combined mask (user mask AND causal AND the window), 4 dims broadcastable to (B, H, Nq, Nk), or None.
 
     Causality and the window are read on the token positions (`causal_allowed`,
-    `core.variants.window_allowed`): with the default positions that is the top-left rule on
+    the mask entries of `core.variants`, the window): with the default positions that is the top-left rule on
     indices, and on a decode step's positions it is bottom-right.
     """
     allowed = inputs.mask
     if cfg.causal:
         causal = causal_allowed(inputs.positions, inputs.kv_positions)  # (1|B, 1, Nq, Nk)
         allowed = causal if allowed is None else allowed & causal
-    if cfg.window is not None:
-        window = window_allowed(cfg.window, cfg.causal, inputs.positions, inputs.kv_positions)  # (1|B, 1, Nq, Nk)
-        allowed = window if allowed is None else allowed & window
-    return allowed
+    return allowed_by_masks(cfg, inputs.positions, inputs.kv_positions, allowed)  # the window's, (1|B, 1, Nq, Nk)

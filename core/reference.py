@@ -5,8 +5,12 @@ For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with cfg.qk_norm)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
-    S_h = scale * Q_h @ K_g.T      (then softcap, ALiBi / relative bias; blocked positions -> -inf)
+    S_h = scale * Q_h @ K_g.T      (then the registry's score steps: softcap, ALiBi / relative bias;
+                                    blocked positions -> -inf)
     A_h = softmax(S_h, over keys)  (with the sinks; a row with no allowed key -> all zeros)
+
+The score steps are the variant registry's (`core.variants.score_steps`), each entry's float64 forward
+in its own module, run in pipeline order: no variant is named here.
     C_h = A_h @ V_g
     out = [C_0 | C_1 | ... | C_{H-1}] @ w_o.T + b_o
 
@@ -27,7 +31,7 @@ from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import rms_norm, score_bias, softcap, softmax_with_empty_rows, softmax_with_sinks
+from .variants import bias_terms, rms_norm, softmax_with_empty_rows, steps_at_place
 
 __all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
 
@@ -96,7 +100,7 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
 
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))
-    bias = score_bias(cfg, p.get("rel_bias"), inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk) or None
+    bias = bias_terms(cfg, p, inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk) or None
     compute = q_rotated.dtype
     scores = np.empty((B, H, Nq, Nk), dtype=compute)
     for h in range(H):
@@ -104,12 +108,14 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
         scores[:, h] = cfg.scale * (q_rotated[:, h] @ np.swapaxes(k_rotated[:, g], -1, -2))  # (B, Nq, Nk)
     scores = stages["scores"] = r(scores)
     last = scores
-    if cfg.softcap is not None:
-        last = stages["capped_scores"] = r(softcap(last, cfg.softcap))
-    if bias is not None:
-        last = stages["biased_scores"] = r(last + bias)
+    for entry in steps_at_place(cfg, "transform"):  # the softcap: each its own stage, in registry order
+        last = stages[entry.stages[0]] = r(entry.forward(cfg, last))
+    if bias is not None:  # ALiBi and T5's bias share one stage
+        last = stages[steps_at_place(cfg, "bias")[0].stages[0]] = r(last + bias)
     masked_scores = stages["masked_scores"] = np.where(allowed, last, -np.inf)
-    weights = stages["weights"] = r(softmax_with_sinks(masked_scores, p.get("sinks")))  # (B, H, Nq, Nk)
+    softmax = steps_at_place(cfg, "softmax")  # the sinks, or the plain softmax
+    weights = softmax[0].forward(cfg, p, masked_scores) if softmax else softmax_with_empty_rows(masked_scores)
+    weights = stages["weights"] = r(weights)  # (B, H, Nq, Nk)
 
     context = np.empty((B, H, Nq, Dv), dtype=compute)
     for h in range(H):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import MHAConfig
-from .variants import stage_owners
+from .variants import BUILT_FROM_REGISTRY, VARIANT_REGISTRY, stage_owners
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,20 @@ STAGES: tuple[Stage, ...] = (
     Stage("output projection", "output", ("B", "Nq", "D"), "merged times w_o.T plus b_o"),
 )
 
+
+def _with_registry_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """``stages`` with those of entries registered from outside (`core.variants.StageSpec`), each after its anchor."""
+    listed = list(stages)
+    for entry in VARIANT_REGISTRY.values():
+        for spec in entry.stage_specs:
+            at = [stage.name for stage in listed].index(spec.after) + 1
+            shape = next(stage.shape for stage in listed if stage.name == spec.like)
+            listed.insert(at, Stage(spec.step, spec.name, shape, spec.meaning))
+    BUILT_FROM_REGISTRY.append("the stage table")
+    return tuple(listed)
+
+
+STAGES = _with_registry_stages(STAGES)
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 STAGE_BY_NAME = {stage.name: stage for stage in STAGES}
 
@@ -88,6 +102,11 @@ def _any_on(owners):
 _OWNERS = stage_owners()
 assert set(_OWNERS) <= set(STAGE_NAMES), "a variant names a stage that core.stages.STAGES lacks"
 VARIANT_STAGES = {name: _any_on(_OWNERS[name]) for name in STAGE_NAMES if name in _OWNERS}
+# The variants' stages with the scores' shape, in pipeline order (``capped_scores``, ``biased_scores``, and any a
+# variant registered from outside adds): the score-like stages an adapter lays out as its scores.
+SCORE_VARIANT_STAGES = tuple(
+    name for name in VARIANT_STAGES if STAGE_BY_NAME[name].shape == STAGE_BY_NAME["scores"].shape
+)
 # The 2017-23 pipeline: the stages every implementation exposes for every configuration.
 BASE_STAGE_NAMES = tuple(name for name in STAGE_NAMES if name not in VARIANT_STAGES)
 

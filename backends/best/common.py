@@ -54,7 +54,6 @@ class BestPath:
     dtypes = BEST_DTYPES
     causal_on_positions = True  # every causal mask comes from the positions (base rule 7)
     decode_caches = (STATIC,)
-    decode_variants = BEST_VARIANTS
 
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
         reason = super().variant_reason(cfg, strategy, backward)  # type: ignore[misc]

@@ -41,7 +41,6 @@ class EinopsBackend(Backend):
     # Rule 8: the cache is the pipeline's own keys, "b s g k" (`decode`), on every array library; every variant
     # (a step is the pipeline's two halves with the cache between them).
     decode_caches = CACHE_KINDS
-    decode_variants = RegistryVariants("numpy", "torch", "jax")
     decode_layouts = CACHE_LAYOUTS
 
     def __init__(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_rosetta.core import STAGE_NAMES, MHAConfig, MHAInputs, MHAParams, allowed_positions
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 
 from .._layouts import XLA_LAYOUT
@@ -273,7 +274,7 @@ _STAGE_ORIGINS = {
 
 
 # The score steps' stages in order (`frameworks.ops.score_steps`): each may write into the buffer of the one before.
-_SCORE_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
+_SCORE_STAGES = ("scores", *SCORE_VARIANT_STAGES, "masked_scores", "weights")
 
 
 def _rearranged(ops, result, source, pattern: str) -> tuple[str, str]:

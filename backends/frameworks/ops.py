@@ -55,7 +55,7 @@ class ScoreStep:
     and whether it wrote in place). ``forward(ops, cfg, scores, parts)`` -> the stage (``parts``: the caller's ``bias``, ``blocked``);
     ``backward(ops, cfg, d_stage, step_input)`` -> the gradient of its input (None: the identity, an
     addition or a mask, whose blocked cells the softmax's backward already gave zero); ``saves_input``:
-    the backward reads the step's input (kept by `score_steps` when asked to save).
+    the backward reads the step's input (kept by `score_steps` when asked to save; None is passed otherwise).
     """
 
     stage: str
@@ -99,6 +99,45 @@ OP_STEPS: dict[str, ScoreStep] = {
         ),
     ),
 }
+
+
+SCORE_OPS_GROUP = "mha_rosetta.score_ops"
+
+
+def register_score_op(op: str, step: ScoreStep, **methods: Callable) -> None:
+    """A score op of a variant registered from outside (`core.variants.register_variant`): how the pipeline calls
+    it (``step``, into `OP_STEPS`) and its method on each library's ops object (``numpy=``, ``torch=``, ``jax=``:
+    ``method(self, ...)``, set on `OPS_BY_LIBRARY`'s classes). A library left out has no such method, so the
+    adapters on it refuse the variant with the reason (`RegistryVariants`). Call it from a module named by an entry
+    point of the group ``mha_rosetta.score_ops``, which this module loads before it builds `SCORE_STEPS`.
+    """
+    unknown = sorted(set(methods) - set(OPS_BY_LIBRARY))
+    if unknown:
+        raise ValueError(f"register_score_op: libraries must be among {', '.join(OPS_BY_LIBRARY)}, got {unknown}")
+    if op in OP_STEPS:
+        raise ValueError(f"register_score_op: the score op {op!r} is already registered")
+    for library, method in methods.items():
+        if hasattr(OPS_BY_LIBRARY[library], op):
+            raise ValueError(f"register_score_op: {OPS_BY_LIBRARY[library].__name__} already has a method {op!r}")
+        setattr(OPS_BY_LIBRARY[library], op, method)
+    OP_STEPS[op] = step
+
+
+def _discover_score_ops() -> None:
+    """Import every module named by an entry point of the group ``mha_rosetta.score_ops`` (each registers its op)."""
+    import warnings
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=SCORE_OPS_GROUP):
+        try:
+            point.load()
+        except Exception as error:  # a broken plugin is named, not fatal; its variant is then refused
+            warnings.warn(
+                f"{SCORE_OPS_GROUP}: entry point {point.name!r} = {point.value!r} failed: {error}", stacklevel=2
+            )
+
+
+_discover_score_ops()
 
 
 def _steps_in_registry_order() -> tuple[tuple[tuple[str, ...], ScoreStep], ...]:
@@ -221,8 +260,8 @@ def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None
     names = ["scores"] + [step.stage for _, step in SCORE_STEPS if step.on(cfg)]  # each step's input, then its stage
     on = [step for _, step in SCORE_STEPS if step.on(cfg)]
     for step, input_name in zip(reversed(on), reversed(names[:-1]), strict=True):
-        if step.backward is not None:
-            d_last = step.backward(ops, cfg, d_last, view(saved[input_name]))
+        if step.backward is not None:  # the step's input where it saved it (a scaling needs none)
+            d_last = step.backward(ops, cfg, d_last, view(saved[input_name]) if step.saves_input else None)
         grads[f"d_{input_name}"] = d_last
     return d_last, d_sinks, grads
 

@@ -15,7 +15,7 @@ from .._layouts import XLA_LAYOUT
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
 from . import decode
-from .chunked import CHUNKED_VARIANTS, chunked_attention, chunked_hidden
+from .chunked import chunked_attention, chunked_hidden
 from .common import (
     CompiledForward,
     check_matmul_precision,
@@ -45,10 +45,8 @@ class JaxBackend(Backend):
     # them all in its online softmax (`chunked`).
     variants = RegistryVariants("jax")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    strategy_variants: ClassVar[dict[str, frozenset[str]]] = {CHUNKED: CHUNKED_VARIANTS}
     # Rule 8: a static (B, T, Hkv, Dk) cache and one jitted step (`decode`), every variant.
     decode_caches = (decode.STATIC,)
-    decode_variants = RegistryVariants("jax")
     decode_layouts: ClassVar[dict[str, str]] = decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:

@@ -38,17 +38,16 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs
+from mha_rosetta.core import MHAConfig, MHAInputs
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
 from .._chunking import CHUNKED_HIDDEN_STAGES, key_block_end, resolve_chunk
 from ..frameworks.ops import masked_scores, online_start
 from ..frameworks.ops_jax import TRACED_OPS
 
-# Every variant is carried through the online softmax (the module docstring says how).
-CHUNKED_VARIANTS = frozenset(VARIANTS)
 # The variants' score stages, which the chunked step holds one tile at a time, like the scores.
-VARIANT_SCORE_STAGES = ("capped_scores", "biased_scores")
+VARIANT_SCORE_STAGES = SCORE_VARIANT_STAGES
 
 
 def chunked_hidden(cfg: MHAConfig) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ from mha_rosetta.core import (
     rotary_tables,
     stage_names,
 )
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
 
 from .._inputs import convert_inputs
@@ -121,12 +122,11 @@ def rotate_last_axis(x, cos, sin, style: str):
 # rounds the result back, as the softmax does.
 
 # The variant stages in the tokens-first layout of every JAX pass (and of einops): the normed
-# heads as the heads, the capped and biased scores as the scores.
+# heads as the heads, the capped and biased scores (every score-like variant stage) as the scores.
 VARIANT_STAGE_AXES = {
     "q_normed": TOKENS_FIRST_STAGE_AXES["q_heads"],
     "k_normed": TOKENS_FIRST_STAGE_AXES["k_heads"],
-    "capped_scores": TOKENS_FIRST_STAGE_AXES["scores"],
-    "biased_scores": TOKENS_FIRST_STAGE_AXES["scores"],
+    **{name: TOKENS_FIRST_STAGE_AXES["scores"] for name in SCORE_VARIANT_STAGES},
 }
 
 
@@ -145,7 +145,7 @@ def variant_provenance(name: str, cfg: MHAConfig) -> tuple[str, str | None]:
     if name in ("q_rotated", "k_rotated") and cfg.qk_norm is not None:
         return ("view" if cfg.rope is None else "new"), f"{name[0]}_normed"
     names = stage_names(cfg)
-    if name in ("capped_scores", "biased_scores", "masked_scores"):
+    if name in (*SCORE_VARIANT_STAGES, "masked_scores"):
         return "new", names[names.index(name) - 1]
     return xla_provenance(name, cfg.rope)
 

@@ -40,6 +40,7 @@ import dataclasses
 from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, linear, stage_names
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
 from ..frameworks.ops import STEP_HOW, score_steps
@@ -56,7 +57,7 @@ from .common import (
 
 # The score-like results of `_attend_one_head` (head axis first from the vmap, (H, Nq, Nk));
 # the context keeps tokens first, (Nq, H, Dv), so that merging heads is a reshape.
-_SCORE_STAGES = ("scores", "capped_scores", "biased_scores", "masked_scores", "weights")
+_SCORE_STAGES = ("scores", *SCORE_VARIANT_STAGES, "masked_scores", "weights")
 
 
 def _head_out_axes(cfg: MHAConfig) -> dict[str, int]:

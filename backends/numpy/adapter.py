@@ -31,7 +31,6 @@ class NumpyBackend(Backend):
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: keys stay columns, (B, Hkv, Dk, T); every variant (`decode` reuses the layer's pieces).
     decode_caches = CACHE_KINDS
-    decode_variants = RegistryVariants("numpy")
     decode_layouts = CACHE_LAYOUTS
 
     def _prepare(

@@ -72,8 +72,10 @@ class FlaxMHAOracle(JaxOracle):
     )
     variants = frozenset({"window", "alibi", "rel_bias"})
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
-    # Rule 8: Flax's own decode=True cache (module docstring); no variant on its decode path.
+    # Rule 8: Flax's own decode=True cache (module docstring); no variant on its decode path (the library's idiom:
+    # decode=True takes no bias, so written out, not derived from ``variants``).
     decode_caches = ("static",)
+    decode_variants: frozenset[str] = frozenset()
     decode_layouts: ClassVar[dict[str, str]] = {
         "static": "(B, T, H, head_dim) cached_key / cached_value in the module's 'cache' collection, allocated "
         "for the whole sequence, written with lax.dynamic_update_slice at cache_index, one token per call"

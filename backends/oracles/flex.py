@@ -46,8 +46,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, prepare_inputs
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs
+from mha_rosetta.core.variants import BUILTIN_VARIANTS
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, DecodeStep, Prepared, PreparedDecode, UnsupportedCase, tensor_to_numpy
@@ -130,11 +131,12 @@ class TorchFlexOracle(TorchDevices, Backend):
         "torch.nn.attention.flex_attention on (B, H, N, d) heads: score_mod (softcap, ALiBi, T5 bias), "
         "a BlockMask from mask_mod (causal, window, the user's mask), sinks from the returned log-sum-exp"
     )
-    variants = frozenset(VARIANTS)  # every one: score_mod, mask_mod, the sinks from the lse, QK-norm and biases outside
+    # Every one of the package's, written out (a library's idiom is the reason): score_mod, mask_mod, the sinks from
+    # the lse, QK-norm and biases outside. A variant registered later is not in its score_mod, so it is refused.
+    variants = BUILTIN_VARIANTS
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`prepare_flex_decode_run`): the growing cache of the torch oracles, a BlockMask over it per chunk.
     decode_caches = ("dynamic",)
-    decode_variants = variants
     decode_layouts: ClassVar[dict[str, str]] = {
         "dynamic": "(B, Hkv, T, Dk) and (B, Hkv, T, Dv) grown with torch.cat on T, Hugging Face's DynamicCache "
         "layout; every token kept, the window in each chunk's BlockMask over the cache"

@@ -78,7 +78,6 @@ class HFAttentionOracle(Backend):
     variants = frozenset({"window", "rope_scaling"})
     causal_on_positions = False  # the forward's mask is create_causal_mask's, on indices (rule 7)
     decode_caches = (DYNAMIC, STATIC)
-    decode_variants = frozenset({"window", "rope_scaling"})
     decode_layouts: ClassVar[dict[str, str]] = {
         DYNAMIC: "(B, Hkv, T, Dk) grown with torch.cat (DynamicLayer); with a window DynamicSlidingWindowLayer "
         "keeps the last W - 1 and a call reads W - 1 + step",

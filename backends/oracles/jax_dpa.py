@@ -31,7 +31,8 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core import VARIANTS, MHAConfig, MHAInputs, MHAParams, causal_on_indices, linear
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, causal_on_indices, linear
+from mha_rosetta.core.variants import BUILTIN_VARIANTS
 
 from .._layouts import XLA_LAYOUT
 from ..base import Prepared, StageTensor
@@ -154,7 +155,9 @@ class JaxDotProductAttentionOracle(JaxOracle):
         "no sinks of its own: the context is rescaled by sigmoid(lse - sink) from its logsumexp (return_residual)",
         "ALiBi and the relative bias through bias=, in the inputs' dtype; QK-norm in the oracle's jnp projections",
     )
-    variants = frozenset(VARIANTS) - {"softcap"}
+    # The package's own variants but the softcap (a library's idiom is the reason; one registered from outside is not
+    # in the function, so it is refused).
+    variants = BUILTIN_VARIANTS - {"softcap"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     decode_unsupported = (
         "jax.nn.dot_product_attention is a function of whole q, k and v arrays: JAX's library has no KV cache "

@@ -15,7 +15,6 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import (
-    VARIANTS,
     MHAConfig,
     MHAInputs,
     MHAParams,
@@ -24,6 +23,7 @@ from mha_rosetta.core import (
     from_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
+from mha_rosetta.core.variants import BUILTIN_VARIANTS
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, DecodeStep, Prepared, StageTensor, tensor_to_numpy
@@ -254,11 +254,12 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     convention = "F.scaled_dot_product_attention on (B, H, N, d) heads; bool attn_mask True = may attend"
     # QK-norm, the qkv bias and rope scaling happen in the oracle's own code before the kernel; the
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
-    variants = frozenset(VARIANTS) - {"softcap", "sinks"}
+    # The package's own variants but two (a library's idiom is the reason; one registered from outside is not in the
+    # kernel, so it is refused).
+    variants = BUILTIN_VARIANTS - {"softcap", "sinks"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
     decode_caches = ("dynamic",)
-    decode_variants = variants
     decode_layouts: ClassVar[dict[str, str]] = {"dynamic": SDPA_DECODE_LAYOUT}
     variant_why: ClassVar[dict[str, str]] = {
         "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "

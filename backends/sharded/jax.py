@@ -99,7 +99,6 @@ class JaxShardedBackend(ShardedBackend):
     # psum per chunk, in the standard (shard_map) strategy, every variant.
     decode_caches = (jax_decode.STATIC,)
     decode_strategies = (STANDARD,)
-    decode_variants = RegistryVariants("jax")
     decode_layouts: ClassVar[dict[str, str]] = jax_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:

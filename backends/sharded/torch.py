@@ -84,7 +84,6 @@ class TorchTPBackend(ShardedBackend):
     # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.
     decode_caches = (torch_decode.DYNAMIC, torch_decode.STATIC)
     decode_strategies = (STANDARD, MANUAL)
-    decode_variants = RegistryVariants("torch")
     decode_layouts: ClassVar[dict[str, str]] = torch_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:

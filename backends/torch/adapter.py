@@ -38,7 +38,6 @@ class TorchBackend(TorchDevices, Backend):
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`decode`): Hugging Face's (B, Hkv, T, D) cache, growing or static, a ring with a window; every variant.
     decode_caches = DECODE_CACHES
-    decode_variants = RegistryVariants("torch")
     decode_layouts = DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:

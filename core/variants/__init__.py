@@ -20,7 +20,8 @@ compute the same numbers in their own frameworks and conventions.
 bench cell, command-line options, explainer demonstration and what diagnose knows of it (its causes,
 planted mistakes and simulator steps: `Variant.diagnose`, the types in `_diagnose`). Its order is `core.VARIANTS`'
 (the checks and the reports list variants in it). A new variant is one module here and one line
-in `VARIANT_REGISTRY`.
+in `VARIANT_REGISTRY`, or, from outside the package, one module that calls `register_variant` and one entry
+point of the group ``mha_rosetta.variants`` naming it (tests/test_adding_a_variant.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,19 @@ from . import sinks as _sinks
 from . import softcap as _softcap
 from . import window as _window
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps, steps_at
-from ._entry import SCORE_PLACES, BenchSpec, CaseSpec, CliOption, Config, ParamSpec, ScoreStep, Variant
+from ._entry import (
+    SCORE_PLACES,
+    BenchSpec,
+    CaseSpec,
+    CliOption,
+    Config,
+    ConfigField,
+    Explanation,
+    ParamSpec,
+    ScoreStep,
+    StageSpec,
+    Variant,
+)
 from ._shared import relative_distances, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
 from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
@@ -62,6 +75,51 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
     )
 }
+# The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
+# library's kernel knows those forms and no later one (backends/oracles list theirs from it).
+BUILTIN_VARIANTS: frozenset[str] = frozenset(VARIANT_REGISTRY)
+
+
+# What core built from the registry when it was imported (MHAConfig's fields, the stage table): an entry
+# that adds to either must be registered before (`register_variant`).
+BUILT_FROM_REGISTRY: list[str] = []
+ENTRY_POINT_GROUP = "mha_rosetta.variants"
+
+
+def register_variant(entry: Variant) -> Variant:
+    """Add ``entry`` to `VARIANT_REGISTRY`, after the package's own; every consumer then iterates it.
+
+    An entry that owns `MHAConfig` fields (``config_fields``) or stages (``stage_specs``) must be registered
+    before `core.config` is imported, since those are built once from the registry: a module named by an
+    entry point of the group ``mha_rosetta.variants`` calls this when `core.variants` loads it. Its score op
+    (``score_step.op``) needs a method on each ops object (`backends.frameworks.ops.register_score_op`).
+    """
+    if not isinstance(entry, Variant):
+        raise TypeError(f"register_variant expects a core.variants.Variant, got {type(entry).__name__}")
+    if entry.name in VARIANT_REGISTRY:
+        raise ValueError(f"a variant named {entry.name!r} is already registered")
+    if (entry.config_fields or entry.stage_specs) and BUILT_FROM_REGISTRY:
+        raise RuntimeError(
+            f"variant {entry.name!r} adds MHAConfig fields or stages, but {' and '.join(BUILT_FROM_REGISTRY)} "
+            f"were already built from the registry: register it from a module named by an entry point of the "
+            f"group {ENTRY_POINT_GROUP!r}, which core.variants loads before core.config is imported"
+        )
+    VARIANT_REGISTRY[entry.name] = entry
+    return entry
+
+
+def discover_variants() -> None:
+    """Import every module named by an entry point of the group ``mha_rosetta.variants`` (each registers its entry)."""
+    import warnings
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            point.load()
+        except Exception as error:  # a broken plugin must not take the package down; it is named
+            warnings.warn(
+                f"{ENTRY_POINT_GROUP}: entry point {point.name!r} = {point.value!r} failed: {error}", stacklevel=2
+            )
 
 
 def variant(name: str) -> Variant:
@@ -131,18 +189,38 @@ def registry_cases(kind: str) -> list[CaseSpec]:
     return sorted(specs, key=lambda spec: spec.seed)
 
 
-def score_bias(cfg: Config, rel_table, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray | None:
-    """What ALiBi and T5's relative bias add to the scores, (1|B, H, Nq, Nk) float64, or None if neither is on."""
+def steps_at_place(cfg: Config, place: str) -> tuple[Variant, ...]:
+    """The entries ``cfg`` switches on whose score step sits at ``place`` (`SCORE_PLACES`), in registry order."""
+    return tuple(e for e in variants_on(cfg) if e.score_step is not None and e.score_step.place == place)
+
+
+def bias_terms(cfg: Config, p, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray | None:
+    """What the bias entries ``cfg`` has add to the scores, summed in registry order, (1|B, H, Nq, Nk); None: none.
+
+    ``p``: the parameters by name (each entry's ``forward`` reads its own).
+    """
     bias = None
-    if cfg.alibi:
-        bias = alibi_bias(cfg.n_heads, positions, kv_positions)
-    if cfg.rel_buckets is not None:
-        rel = relative_bias(cfg, rel_table, positions, kv_positions)
-        bias = rel if bias is None else bias + rel
+    for entry in steps_at_place(cfg, "bias"):
+        term = entry.forward(cfg, p, positions, kv_positions)
+        bias = term if bias is None else bias + term
     return bias
 
 
+def score_bias(cfg: Config, rel_table, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray | None:
+    """What ALiBi and T5's relative bias add to the scores, (1|B, H, Nq, Nk) float64, or None if neither is on."""
+    return bias_terms(cfg, {"rel_bias": rel_table}, positions, kv_positions)
+
+
+def allowed_by_masks(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray, allowed=None):
+    """``allowed`` ANDed with every positional mask entry ``cfg`` has (the window), on the token positions."""
+    for entry in steps_at_place(cfg, "mask"):
+        mask = entry.forward(cfg, positions, kv_positions)  # (1|B, 1, Nq, Nk)
+        allowed = mask if allowed is None else allowed & mask
+    return allowed
+
+
 __all__ = [
+    "BUILTIN_VARIANTS",
     "QK_NORMS",
     "REPAIRS",
     "SCORE_PLACES",
@@ -150,17 +228,23 @@ __all__ = [
     "BenchSpec",
     "CaseSpec",
     "CliOption",
+    "ConfigField",
     "DiagnoseCause",
     "DiagnoseSpec",
+    "Explanation",
     "ParamSpec",
     "PlantedMistake",
     "PlantedSteps",
     "ScoreStep",
     "SimulatedSteps",
+    "StageSpec",
     "Variant",
     "alibi_bias",
     "alibi_slopes",
+    "allowed_by_masks",
+    "bias_terms",
     "param_spec",
+    "register_variant",
     "registry_cases",
     "relative_bias",
     "relative_bias_vjp",
@@ -176,9 +260,13 @@ __all__ = [
     "softmax_with_sinks",
     "stage_owners",
     "steps_at",
+    "steps_at_place",
     "t5_buckets",
     "validate_variants",
     "variant",
     "variants_on",
     "window_allowed",
 ]
+
+# Third-party variants (entry-point group "mha_rosetta.variants"), loaded before core.config builds MHAConfig.
+discover_variants()

@@ -41,6 +41,20 @@ class ScoreStep:
     op:    the name of the method on a framework's ops object that computes the step
            (e.g. ``"add_score_bias"``, ``"positional_mask"``; each entry's module names its own).
     variant: the entry's name; filled in by `score_steps` (an entry leaves it empty).
+
+    The entry's float64 ``forward`` and ``backward`` (`Variant`) take the arguments of its place, so that
+    the oracles (`core.reference`, `core.grad`) run every step from the registry without naming one:
+
+    * ``"transform"``: ``forward(cfg, scores) -> scores``; ``backward(cfg, scores, d_out) -> d_scores``
+      (``scores``: the step's input). Its stage is the entry's first in ``stages``.
+    * ``"bias"``: ``forward(cfg, p, positions, kv_positions) -> term`` (1|B, H, Nq, Nk), the terms of every
+      bias entry summed in registry order (one stage, ``biased_scores``); ``backward(cfg, d_biased,
+      positions, kv_positions) -> {parameter: gradient}`` or None (no parameter).
+    * ``"mask"``: ``forward(cfg, positions, kv_positions) -> allowed`` bool (1|B, 1, Nq, Nk), ANDed into the mask.
+    * ``"softmax"``: ``forward(cfg, p, masked) -> weights``; ``backward(cfg, weights_h, row_dot_h) ->
+      {parameter: one head's gradient}`` (``weights_h`` (B, Nq, Nk), ``row_dot_h`` = ``sum_j dA_ij A_ij``).
+
+    ``p``: the parameters by name (float64, or rounded on the oracle's rounding path).
     """
 
     place: str
@@ -50,6 +64,39 @@ class ScoreStep:
     def __post_init__(self) -> None:
         if self.place not in SCORE_PLACES:
             raise ValueError(f"ScoreStep.place must be one of {SCORE_PLACES}, got {self.place!r}")
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """An `MHAConfig` field a variant owns, declared in its entry (`Variant.config_fields`).
+
+    The fields of the variants registered with the package are written out in `MHAConfig` (public API, in
+    the order their positional arguments have always had); an entry registered later
+    (`core.variants.register_variant`, before `core.config` is imported: the ``mha_rosetta.variants``
+    entry points) declares its own here, and `MHAConfig` gets them as keyword fields after its own, in
+    registry order. The entry's ``validate`` checks them like any other field.
+
+    name: the field; default: its value when not given (the variant off); annotation: its type, as written.
+    """
+
+    name: str
+    default: Any = None
+    annotation: str = "Any"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage a variant adds to `core.stages.STAGES` (for an entry registered after the package's own).
+
+    It sits right after the stage ``after`` and has the shape of ``like`` (``"scores"``: a score stage);
+    its backward stage ``d_<name>`` sits right before ``d_<after>`` in `core.grad.GRAD_STAGES`.
+    """
+
+    step: str
+    name: str
+    meaning: str
+    after: str
+    like: str = "scores"
 
 
 @dataclass(frozen=True)
@@ -114,6 +161,21 @@ class CliOption:
         return self.flag.lstrip("-").replace("-", "_")
 
 
+def value_option(flag: str, field: str, help: str, *, rank: int, needs: str | None = None, **kwargs) -> CliOption:
+    """An option whose value sets one `MHAConfig` field (``--window 3`` -> ``{"window": 3}``); ``kwargs``: type, choices, metavar."""
+    return CliOption(flag, dict(kwargs, help=help), lambda value: {field: value}, needs=needs, rank=rank)
+
+
+def switch_option(flag: str, sets: Mapping[str, Any], help: str, *, rank: int, **kwargs) -> CliOption:
+    """A switch that sets `MHAConfig` fields to fixed values (``--alibi`` -> ``{"alibi": True}``); ``kwargs``: needs, conflicts."""
+    return CliOption(flag, dict(action="store_true", help=help), lambda value: dict(sets), rank=rank, **kwargs)
+
+
+def demo(field: str, on: Any, off: Any) -> dict:
+    """`Variant.demo_on` and ``demo_off`` of a variant one field switches, as keyword arguments (``**demo(...)``)."""
+    return dict(demo_on={field: on}, demo_off={field: off})
+
+
 @dataclass(frozen=True)
 class BenchSpec:
     """The variant's cell of ``bench --preset variants`` (`benchmarks.variants`).
@@ -155,15 +217,18 @@ class Variant:
     name:     the name an implementation declares in `Backend.variants` (`core.VARIANTS`).
     summary:  one line: what the variant does.
     fields:   the `MHAConfig` fields it reads.
+    config_fields: the `MHAConfig` fields it owns beyond those written out in `MHAConfig` (`ConfigField`).
     is_on:    ``is_on(cfg)``: whether ``cfg`` switches it on (`MHAConfig.variants`).
     validate: ``validate(cfg)`` raises for a bad value of its fields (naming the field, the rule and the
               value) and returns the resolved values `MHAConfig` writes back ({} for none). Entries that
               share fields share the function, and `MHAConfig` runs each function once.
     params:   the parameters it adds (`ParamSpec`).
     stages:   the stages of `core.stages` that exist only with it.
+    stage_specs: the stages it adds to `core.stages.STAGES` (`StageSpec`; the package's own are written there).
     score_step: its place in the score pipeline and the ops method for it, or None (it acts elsewhere).
     forward, backward: its float64 formula and that formula's vector-Jacobian product (None: none of
-              its own, e.g. a mask has no gradient); each function documents its arguments.
+              its own, e.g. a mask has no gradient). A score step's take the arguments of its place
+              (`ScoreStep`); the others' document their own.
     check_cases, decode_cases: its cases of ``mha-rosetta check`` and ``check --decode``. The combinations
               real models use are in `core.variants.models`.
     bench:    its cell of ``bench --preset variants``, or None.
@@ -187,6 +252,8 @@ class Variant:
     validate: Callable[[Config], dict] | None = None
     params: tuple[ParamSpec, ...] = ()
     stages: tuple[str, ...] = ()
+    config_fields: tuple[ConfigField, ...] = ()
+    stage_specs: tuple[StageSpec, ...] = ()
     score_step: ScoreStep | None = None
     forward: Callable | None = None
     backward: Callable | None = None

@@ -8,7 +8,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, switch_option
 from ._shared import relative_distances, softmax_with_empty_rows
 
 
@@ -34,6 +34,10 @@ def alibi_bias(n_heads: int, positions: np.ndarray, kv_positions: np.ndarray) ->
     """``m_h * (p_j - p_i)``: float64 (1|B, H, Nq, Nk); zero on the diagonal, negative for past keys."""
     distance = relative_distances(positions, kv_positions).astype(np.float64)  # (1|B, Nq, Nk)
     return alibi_slopes(n_heads)[None, :, None, None] * distance[:, None]
+
+
+def _forward(cfg: Config, p, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    return alibi_bias(cfg.n_heads, positions, kv_positions)  # the registry's bias step (`ScoreStep`)
 
 
 def _validate(cfg: Config) -> dict:
@@ -167,7 +171,7 @@ ENTRY = Variant(
     validate=_validate,
     stages=("biased_scores",),
     score_step=ScoreStep("bias", "add_score_bias"),
-    forward=alibi_bias,
+    forward=_forward,
     check_cases=(
         CaseSpec(
             "alibi",
@@ -185,16 +189,8 @@ ENTRY = Variant(
         ),
     ),
     bench=BenchSpec({"alibi": True}, "plain"),
-    cli=(
-        CliOption(
-            "--alibi",
-            dict(action="store_true", help="ALiBi: m_h (p_j - p_i) added to the scores"),
-            lambda value: {"alibi": True},
-            rank=50,
-        ),
-    ),
-    demo_on={"alibi": True},
-    demo_off={"alibi": False},
+    cli=(switch_option("--alibi", {"alibi": True}, "ALiBi: m_h (p_j - p_i) added to the scores", rank=50),),
+    **demo("alibi", True, False),
     explain=explain,
     diagnose=DIAGNOSE,
 )

@@ -11,7 +11,7 @@ import numpy as np
 
 from .._validate import require_positive_number
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, Variant, numbers, value_option
 from .models import MODELS
 
 # Where QK-norm takes its statistics (`rms_norm`): over each head's d_k features
@@ -64,18 +64,9 @@ PARAMS = (
 )
 STAGES = ("q_normed", "k_normed")
 _OPTIONS = (
-    CliOption(
-        "--qk-norm",
-        dict(choices=QK_NORMS, help="RMSNorm of q and k: per head or projection"),
-        lambda value: {"qk_norm": value},
-        rank=30,
-    ),
-    CliOption(
-        "--norm-eps",
-        dict(type=float, help="the QK-norm's epsilon (default 1e-6)"),
-        lambda value: {"norm_eps": value},
-        needs="--qk-norm",
-        rank=31,
+    value_option("--qk-norm", "qk_norm", "RMSNorm of q and k: per head or projection", rank=30, choices=QK_NORMS),
+    value_option(
+        "--norm-eps", "norm_eps", "the QK-norm's epsilon (default 1e-6)", rank=31, needs="--qk-norm", type=float
     ),
 )
 # Qwen3's layer: the check case and the decode case read the same configuration.

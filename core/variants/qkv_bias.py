@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._entry import BenchSpec, CaseSpec, CliOption, Explanation, Variant
+from ._entry import BenchSpec, CaseSpec, Explanation, Variant, demo, switch_option
 
 # Qwen2's layer, GQA and rotary: the check case and the decode case read the same configuration.
 QWEN2_LIKE = dict(d_model=21, n_heads=3, n_kv_heads=1, rope="half", d_k=6, causal=True, bias="qkv")
@@ -45,15 +45,14 @@ ENTRY = Variant(
     ),
     bench=BenchSpec({"bias": "qkv"}, "plain"),
     cli=(
-        CliOption(
+        switch_option(
             "--qkv-bias",
-            dict(action="store_true", help="q, k and v biased, the output not (Qwen2)"),
-            lambda value: {"bias": "qkv"},
+            {"bias": "qkv"},
+            "q, k and v biased, the output not (Qwen2)",
             rank=40,
             conflicts={"--no-bias": "q, k and v biased"},
         ),
     ),
-    demo_on={"bias": "qkv"},
-    demo_off={"bias": True},
+    **demo("bias", "qkv", True),
     explain=explain,
 )

@@ -9,7 +9,7 @@ import numpy as np
 
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, switch_option, value_option
 from ._shared import relative_distances
 
 
@@ -63,6 +63,14 @@ def relative_bias_vjp(cfg: Config, d_bias: np.ndarray, positions: np.ndarray, kv
     d_table = np.zeros((cfg.rel_buckets, cfg.n_heads), dtype=d_bias.dtype)
     np.add.at(d_table, (bucket.ravel(), heads.ravel()), d_bias.ravel())
     return d_table
+
+
+def _forward(cfg: Config, p, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    return relative_bias(cfg, p["rel_bias"], positions, kv_positions)  # the registry's bias step (`ScoreStep`)
+
+
+def _backward(cfg: Config, d_biased: np.ndarray, positions: np.ndarray, kv_positions: np.ndarray) -> dict:
+    return {"rel_bias": relative_bias_vjp(cfg, d_biased, positions, kv_positions)}
 
 
 def _validate(cfg: Config) -> dict:
@@ -238,8 +246,8 @@ ENTRY = Variant(
     ),
     stages=("biased_scores",),
     score_step=ScoreStep("bias", "add_score_bias"),
-    forward=relative_bias,
-    backward=relative_bias_vjp,
+    forward=_forward,
+    backward=_backward,
     check_cases=(
         CaseSpec(
             "t5_encoder",
@@ -264,25 +272,23 @@ ENTRY = Variant(
     ),
     bench=BenchSpec({"rel_buckets": 32, "rel_max_distance": 128}, "plain"),  # T5's own
     cli=(
-        CliOption(
-            "--rel-buckets",
-            dict(type=int, help="T5's relative position buckets (params.rel_bias)"),
-            lambda value: {"rel_buckets": value},
-            rank=70,
+        value_option(
+            "--rel-buckets", "rel_buckets", "T5's relative position buckets (params.rel_bias)", rank=70, type=int
         ),
-        CliOption(
+        value_option(
             "--rel-max-distance",
-            dict(type=int, help="T5's max distance (default 128)"),
-            lambda value: {"rel_max_distance": value},
-            needs="--rel-buckets",
+            "rel_max_distance",
+            "T5's max distance (default 128)",
             rank=71,
-        ),
-        CliOption(
-            "--rel-decoder",
-            dict(action="store_true", help="T5's decoder buckets: past keys only"),
-            lambda value: {"rel_bidirectional": False},
             needs="--rel-buckets",
+            type=int,
+        ),
+        switch_option(
+            "--rel-decoder",
+            {"rel_bidirectional": False},
+            "T5's decoder buckets: past keys only",
             rank=72,
+            needs="--rel-buckets",
         ),
     ),
     demo_on={"rel_buckets": 8, "rel_max_distance": 5, "rel_bidirectional": False},

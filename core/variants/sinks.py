@@ -6,7 +6,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, demo, switch_option
 from ._shared import softmax_with_empty_rows
 from .models import GPT_OSS_YARN
 
@@ -34,6 +34,14 @@ def sink_vjp(weights: np.ndarray, row_dot: np.ndarray):
     ``A_sink (0 - row_dot)``: its value vector is zero).
     """
     return -np.sum((1.0 - weights.sum(axis=-1, keepdims=True)) * row_dot)
+
+
+def _forward(cfg: Config, p, masked: np.ndarray) -> np.ndarray:  # the registry's softmax step (`ScoreStep`)
+    return softmax_with_sinks(masked, p["sinks"])
+
+
+def _backward(cfg: Config, weights: np.ndarray, row_dot: np.ndarray) -> dict:
+    return {"sinks": sink_vjp(weights, row_dot)}
 
 
 def _validate(cfg: Config) -> dict:
@@ -126,8 +134,8 @@ ENTRY = Variant(
     # Sink logits N(0, 1): the size of a score, so that a sink takes a visible share of each row.
     params=(ParamSpec("sinks", "sinks", lambda cfg: (cfg.n_heads,) if cfg.sinks else None, centre=0.0, spread=1.0),),
     score_step=ScoreStep("softmax", "softmax"),  # the ops objects' softmax(scores, empty_rows, sinks=)
-    forward=softmax_with_sinks,
-    backward=sink_vjp,
+    forward=_forward,
+    backward=_backward,
     check_cases=(
         CaseSpec(
             "sinks",
@@ -145,16 +153,8 @@ ENTRY = Variant(
         ),
     ),
     bench=BenchSpec({"sinks": True}, "plain"),
-    cli=(
-        CliOption(
-            "--sinks",
-            dict(action="store_true", help="one learned logit per head in the softmax denominator"),
-            lambda value: {"sinks": True},
-            rank=60,
-        ),
-    ),
-    demo_on={"sinks": True},
-    demo_off={"sinks": False},
+    cli=(switch_option("--sinks", {"sinks": True}, "one learned logit per head in the softmax denominator", rank=60),),
+    **demo("sinks", True, False),
     explain=explain,
     diagnose=DIAGNOSE,
 )

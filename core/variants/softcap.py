@@ -6,7 +6,7 @@ import numpy as np
 
 from .._validate import require_positive_number
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, value_option
 from ._shared import softmax_with_empty_rows
 
 
@@ -18,6 +18,14 @@ def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
 def softcap_vjp(scores: np.ndarray, cap: float, d_capped: np.ndarray) -> np.ndarray:
     """The scores' gradient of `softcap` for the cotangent ``d_capped``: ``d_capped * (1 - tanh(scores / cap)**2)``."""
     return d_capped * (1.0 - np.tanh(scores / cap) ** 2)
+
+
+def _forward(cfg: Config, scores: np.ndarray) -> np.ndarray:  # the registry's transform step (`ScoreStep`)
+    return softcap(scores, cfg.softcap)
+
+
+def _backward(cfg: Config, scores: np.ndarray, d_capped: np.ndarray) -> np.ndarray:
+    return softcap_vjp(scores, cfg.softcap, d_capped)
 
 
 def _validate(cfg: Config) -> dict:
@@ -83,12 +91,18 @@ def _simulated_after_mask(cfg: Config, masked, mistake):  # blocked scores becom
     return softcap(masked, cfg.softcap) if mistake == "after_mask" else masked
 
 
+def _planted_capped(
+    cfg: Config, scores
+):  # the candidate's own cap, written apart from `softcap` (it tests the simulator)
+    return cfg.softcap * np.tanh(scores / cfg.softcap)
+
+
 def _planted_cap(cfg: Config, scores, mistake):
-    return cfg.softcap * np.tanh(scores / cfg.softcap) if mistake is None else scores
+    return _planted_capped(cfg, scores) if mistake is None else scores
 
 
 def _planted_after_mask(cfg: Config, scores, mistake):
-    return cfg.softcap * np.tanh(scores / cfg.softcap) if mistake == "after_mask" else scores
+    return _planted_capped(cfg, scores) if mistake == "after_mask" else scores
 
 
 DIAGNOSE = DiagnoseSpec(
@@ -125,8 +139,8 @@ ENTRY = Variant(
     validate=_validate,
     stages=("capped_scores",),
     score_step=ScoreStep("transform", "softcap"),
-    forward=softcap,
-    backward=softcap_vjp,
+    forward=_forward,
+    backward=_backward,
     check_cases=(
         CaseSpec(
             "softcap",
@@ -144,16 +158,8 @@ ENTRY = Variant(
         ),
     ),
     bench=BenchSpec({"softcap": 50.0}, "plain"),  # Gemma 2's attn_logit_softcapping
-    cli=(
-        CliOption(
-            "--softcap",
-            dict(type=float, help="logit softcap c: scores become c * tanh(s / c)"),
-            lambda value: {"softcap": value},
-            rank=20,
-        ),
-    ),
-    demo_on={"softcap": 2.0},
-    demo_off={"softcap": None},
+    cli=(value_option("--softcap", "softcap", "logit softcap c: scores become c * tanh(s / c)", rank=20, type=float),),
+    **demo("softcap", 2.0, None),
     explain=explain,
     diagnose=DIAGNOSE,
 )

@@ -6,7 +6,7 @@ import numpy as np
 
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ScoreStep, Variant
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, value_option
 from ._shared import relative_distances
 
 
@@ -19,6 +19,10 @@ def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_position
     distance = relative_distances(positions, kv_positions)  # (1|B, Nq, Nk), p_j - p_i
     allowed = distance > -window if causal else np.abs(distance) < window
     return allowed[:, None]
+
+
+def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
+    return window_allowed(cfg.window, cfg.causal, positions, kv_positions)  # the registry's mask step (`ScoreStep`)
 
 
 def _validate(cfg: Config) -> dict:
@@ -168,7 +172,7 @@ ENTRY = Variant(
     is_on=lambda cfg: cfg.window is not None,
     validate=_validate,
     score_step=ScoreStep("mask", "positional_mask"),
-    forward=window_allowed,
+    forward=_forward,
     check_cases=(
         CaseSpec(
             "window",
@@ -193,16 +197,8 @@ ENTRY = Variant(
     # ring, left padding): `checks.decode_cases` lists them with the other cache cases.
     # A quarter of the tokens, so that it blocks keys at every size; against causal (a causal mask with fewer keys).
     bench=BenchSpec({"causal": True, "window": "tokens/4"}, "causal"),
-    cli=(
-        CliOption(
-            "--window",
-            dict(type=int, help="sliding window of W keys, the query's own included"),
-            lambda value: {"window": value},
-            rank=10,
-        ),
-    ),
-    demo_on={"window": 3},
-    demo_off={"window": None},
+    cli=(value_option("--window", "window", "sliding window of W keys, the query's own included", rank=10, type=int),),
+    **demo("window", 3, None),
     explain=explain,
     diagnose=DIAGNOSE,
 )

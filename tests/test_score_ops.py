@@ -255,5 +255,5 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     assert "temperature" in numpy.variants and "temperature" in numpy.decode_variants
     every_library = ops.RegistryVariants("numpy", "torch", "jax")  # the einops adapter's (any array library)
     assert "temperature" not in every_library.__get__(None, object)
-    with pytest.raises(ValueError, match="libraries must be among numpy, torch, jax"):
-        ops.RegistryVariants("mlx")
+    with pytest.raises(ValueError, match="libraries must be among numpy, torch, jax, mlx, got \\('boxed',\\)"):
+        ops.RegistryVariants("boxed")

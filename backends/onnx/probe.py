@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..demos import LibraryMissing
+from ..demos._needs import LibraryMissing
 
 RUNTIMES = ("onnxruntime", "reference", "torch")
 RUNTIME_LABELS = {

@@ -24,7 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
-from mha_rosetta.core.variants import VARIANT_REGISTRY
+from mha_rosetta.core.variants import BUILTIN_VARIANTS
 
 from .._recording import StageRecorder, record_stages
 from ..base import STANDARD, Backend, Prepared, UnsupportedCase, tensor_to_numpy
@@ -84,7 +84,7 @@ class MlxSDPAOracle(VariantReasons, MlxDevices, Backend):
     """``mx.fast.scaled_dot_product_attention`` on heads projected and rotated as mlx-lm does (see the module)."""
 
     convention = 'mx.fast.scaled_dot_product_attention(q, k, v, scale=, mask=): mask="causal" is bottom-right'
-    variants = frozenset(VARIANT_REGISTRY) - {"softcap"}
+    variants = BUILTIN_VARIANTS - {"softcap"}  # the package's own: a plugin variant is never run without it
     causal_on_positions = True  # the mask comes from the positions; "causal" only where it is the same
     tolerance_levels = TOLERANCE_LEVELS
     vjp_variants = variants - {"rel_bias"}
@@ -156,7 +156,7 @@ class MlxMHAOracle(VariantReasons, MlxDevices, Backend):
     tolerance_levels = TOLERANCE_LEVELS
     variant_why: ClassVar[dict[str, str]] = {
         name: "mlx.nn.MultiHeadAttention has no hook between its projections and the kernel"
-        for name in VARIANT_REGISTRY
+        for name in BUILTIN_VARIANTS
         if name != "window"
     }
     decode_unsupported = "mlx.nn.MultiHeadAttention takes no cache"

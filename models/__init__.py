@@ -50,6 +50,7 @@ from . import (
     keras_mha,
     megatron,
     meta_llama,
+    mlx_lm,
     timm_vit,
 )
 from ._convert import convert_layouts
@@ -82,6 +83,9 @@ LAYOUTS: dict[str, Layout] = {
         timm_vit.LAYOUT,
         hf_t5.LAYOUT,
         keras_mha.LAYOUT,
+        mlx_lm.LLAMA,
+        mlx_lm.QWEN2,
+        mlx_lm.QWEN3,
         TORCH_MHA,
         FLAX,
         EQUINOX,

@@ -68,7 +68,10 @@ class ModuleReader:
 def class_key(module: object) -> str:
     """``"<top-level package>.<class name>"`` of ``module``'s class: the registry's key."""
     cls = type(module)
-    return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+    top = cls.__module__.split(".")[0]
+    if top == "mlx_lm":  # every mlx-lm family names its class Attention: its file tells them apart
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{top}.{cls.__qualname__}"
 
 
 def class_name(module: object) -> str:

@@ -1,0 +1,325 @@
+"""``mlx-llama``, ``mlx-qwen2``, ``mlx-qwen3``: mlx-lm's ``Attention`` classes (mlx_lm/models/<family>.py).
+
+mlx-lm writes each family's attention anew, every class named ``Attention``: `_module_io.class_key` keys
+them by their module path (``"mlx_lm.models.qwen3.Attention"``). Mistral has no file of its own: mlx-lm
+maps ``model_type "mistral"`` to ``llama`` (mlx_lm/utils.py), so a Mistral port is ``mlx-llama``. Each keeps
+Llama's four ``nn.Linear`` layers with ``(out, in)`` weights, ``reshape(B, L, H, -1).transpose(0, 2, 1, 3)``,
+grouped kv heads handed to ``mx.fast.scaled_dot_product_attention`` as they are, and ``self.rope`` from
+``initialize_rope``.
+
+Design rules:
+
+* The reader reads the **instance** (the class keeps no ``args``): heads from ``n_heads``/``n_kv_heads``,
+  widths from the weights' shapes, ``self.scale``, a bias from the linears' parameters, QK-norm's eps, and the
+  rotary from ``self.rope``: ``nn.RoPE``'s ``dims``, ``traditional`` (True: interleaved pairs, the
+  convention Hugging Face's rotate-half is not), ``base`` and ``scale`` (``1/factor``: linear scaling),
+  and ``DynamicNTKScalingRoPE``'s ``factor`` and ``max_position_embeddings`` (Hugging Face's dynamic NTK
+  with ``L = max_position_embeddings``). ``Llama3RoPE``, ``YarnRoPE`` and ``SuScaledRoPE`` keep only their
+  frequency table (``_freqs``), not the scaling config: refused, naming the class.
+* No window is read: these classes apply the mask they are given, and the model builds the sliding one
+  (``LlamaModel`` with ``layer_types``: ``create_attention_mask(h, cache, window_size=sliding_window)``);
+  Mistral's ``sliding_window`` is applied only where ``layer_types`` says ``"sliding_attention"``.
+* The forward is mlx-lm's own call: ``module(x, mask="causal")`` (what ``create_attention_mask`` gives a
+  model without a cache), on the CPU stream (float64 runs on the CPU only). mlx's exp/sin/cos are
+  float32-accurate in float64 (measured in ``backends/frameworks/mlx.py``): a float64 run is held to
+  float32's tolerance, with that cause in the run's note.
+
+MLX is imported inside the functions; importing this module imports NumPy only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig
+
+from ._errors import LayoutError
+from ._hf_decoder import LINEARS, NORMS, field_is
+from ._layout import (
+    SEPARATE,
+    Layout,
+    causal_only,
+    default_scale,
+    head_dim_is_width_over_heads,
+    rotary_is,
+    same_head_dims,
+    self_attention_widths,
+    separate_linears,
+)
+from ._module_io import ModuleReader, class_name, unexpressible
+from ._real import RealRun, state_shapes
+
+MLX_REQUIRES = ("mlx", "mlx_lm")
+FLOAT64_NOTE = (
+    "MLX float64 (CPU): mx.exp, mx.sin and mx.cos are float32-accurate, so the output is about 4e-8 off the "
+    "float64 oracle (backends/frameworks/mlx.py measures it): held to float32"
+)
+# The rope scalings whose module keeps what the spec needs; the others keep only their frequency table.
+READ_SCALINGS = (None, "linear", "dynamic")
+
+
+@dataclass(frozen=True)
+class MlxFamily:
+    """One mlx-lm family: its file, the ModelArgs it builds from an MHAConfig, what it adds."""
+
+    layout: str  # "mlx-qwen3"
+    package: str  # "qwen3": mlx_lm.models.<package>
+    description: str
+    variants: tuple[str, ...]
+    args: Callable[[MHAConfig], dict]  # MHAConfig -> the family's ModelArgs keywords beyond the shared ones
+    read_extra: Callable[[Any], dict] = lambda module: {}
+    extras: Mapping[str, str] = field(default_factory=dict)
+    rotary: tuple[str, ...] = ("half", "interleaved")  # the conventions its ModelArgs can ask for
+    rules: tuple = ()
+    notes: tuple[str, ...] = ()
+    example: Mapping = field(default_factory=dict)
+
+    def build(self, cfg: MHAConfig, dtype: str = "float64"):
+        """A tiny mlx-lm ``Attention`` of the family for ``cfg`` (random weights, cast to ``dtype``)."""
+        import mlx.core as mx
+        from mlx.utils import tree_map
+
+        models = importlib.import_module(f"mlx_lm.models.{self.package}")
+        scaling = cfg.rope_scaling
+        length = (scaling or {}).get("original_max_position_embeddings", 4096)
+        args = models.ModelArgs(
+            model_type=self.package,
+            hidden_size=cfg.d_model,
+            num_hidden_layers=1,
+            intermediate_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            rms_norm_eps=cfg.norm_eps,
+            vocab_size=8,
+            max_position_embeddings=length,
+            rope_theta=cfg.rope_base,
+            rope_scaling=None if scaling is None else dict(scaling),
+            **self.args(cfg),
+        )
+        module = models.Attention(args)
+        module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
+        return module
+
+
+def mlx_rope(module) -> dict:
+    """The MHAConfig rotary fields of ``module.rope`` (`nn.RoPE` or `DynamicNTKScalingRoPE`), or LayoutError."""
+    rope = module.rope
+    kind = type(rope).__name__
+    style = "interleaved" if rope.traditional else "half"
+    if kind == "RoPE":
+        scaling = None if rope.scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / rope.scale}
+        return dict(rope=style, rope_dims=rope.dims, rope_base=float(rope.base), rope_scaling=scaling)
+    if kind == "DynamicNTKScalingRoPE":
+        scaling = {
+            "rope_type": "dynamic",
+            "factor": float(rope.factor),
+            "original_max_position_embeddings": rope.max_position_embeddings,
+        }
+        return dict(rope=style, rope_dims=rope.dims, rope_base=float(rope.base), rope_scaling=scaling)
+    raise unexpressible(
+        module,
+        f"rope {kind}",
+        "it keeps only its frequency table (_freqs), not the scaling config it was built from; "
+        "the spec reads linear (nn.RoPE scale) and dynamic NTK (DynamicNTKScalingRoPE) from mlx-lm",
+    )
+
+
+def mlx_bias(module) -> bool | str:
+    """MHAConfig.bias from which linears hold a ``bias`` parameter (True, False or "qkv")."""
+    qkv, out = "bias" in module.q_proj, "bias" in module.o_proj
+    if out and not qkv:
+        raise unexpressible(module, "a bias on o_proj only", "the spec biases q, k, v and the output, or q, k, v only")
+    return "qkv" if qkv and not out else qkv
+
+
+def mlx_state(module, names) -> dict[str, np.ndarray]:
+    """The module's parameters named ``names`` (``"q_proj.weight"``...), as NumPy copies."""
+    from mlx.utils import tree_flatten
+
+    flat = dict(tree_flatten(module.parameters()))
+    return {name: np.array(flat[name], copy=True) for name in names}
+
+
+def load_mlx(module, state: Mapping[str, np.ndarray]):
+    """Each array into the parameter of that name, in the parameter's dtype (float64 needs it said); the module."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    flat = dict(tree_flatten(module.parameters()))
+    pairs = []
+    for name, array in state.items():
+        target = flat[name]
+        if tuple(target.shape) != tuple(np.shape(array)):
+            raise LayoutError(
+                f"{class_name(module)}.{name} has shape {tuple(target.shape)}, the state dict {np.shape(array)}"
+            )
+        pairs.append((name, mx.array(np.asarray(array), dtype=target.dtype)))
+    module.update(tree_unflatten(pairs))
+    return module
+
+
+def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, options=None) -> RealRun:
+    """mlx-lm's own call, ``module(x, mask="causal")`` on the CPU stream; the run held to its dtype's level."""
+    import mlx.core as mx
+
+    if padding is not None:
+        raise ValueError(
+            f"{layout}: mlx-lm's models take a padding only through a batched cache (left_padding); padding=None here"
+        )
+    dtype = module.q_proj.weight.dtype
+    with mx.stream(mx.cpu):
+        output = module(mx.array(np.asarray(x), dtype=dtype), mask="causal")
+        mx.eval(output)
+    name = str(dtype).removeprefix("mlx.core.")
+    run = RealRun(
+        layout,
+        "real",
+        f"mlx-lm {type(module).__module__}.Attention (mask='causal')",
+        np.array(output).astype(np.float64),
+    )
+    run.parameters = state_shapes(mlx_state(module, [n for n in _names(module)]))
+    run.precision = "float32" if name == "float64" else name
+    run.note = FLOAT64_NOTE if name == "float64" else f"the module holds {name} parameters"
+    return run
+
+
+def _names(module) -> list[str]:
+    from mlx.utils import tree_flatten
+
+    return [name for name, _ in tree_flatten(module.parameters())]
+
+
+def mlx_layout(family: MlxFamily) -> Layout:
+    """The `Layout` (runner and `from_module` reader) of one mlx-lm family."""
+    module_name = f"mlx_lm.models.{family.package}.Attention"
+
+    def read(module) -> MHAConfig:
+        weight = module.q_proj.weight  # (H*d, E): nn.Linear's (out, in)
+        try:
+            return MHAConfig(
+                d_model=weight.shape[1],
+                n_heads=module.n_heads,
+                n_kv_heads=module.n_kv_heads,
+                d_k=weight.shape[0] // module.n_heads,
+                bias=mlx_bias(module),
+                causal=True,
+                scale=float(module.scale),
+                **mlx_rope(module),
+                **family.read_extra(module),
+            )
+        except (TypeError, ValueError) as error:
+            raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
+
+    packing = separate_linears(LINEARS, family.extras)
+
+    def runner(cfg, state, x, padding, options):
+        module = load_mlx(family.build(cfg), state)
+        return forward(module, cfg, x, padding, options)
+
+    def forward(module, cfg, x, padding, options):
+        return mlx_forward(family.layout, module, cfg, x, padding, options)
+
+    return Layout(
+        name=family.layout,
+        module=module_name,
+        description=family.description,
+        packing=SEPARATE,
+        scale="1/sqrt(d_k) (head_dim**-0.5)",
+        rotary="nn.RoPE: traditional=True interleaved pairs, False rotate-half; every feature of a head",
+        source=f"mlx_lm/models/{family.package}.py",
+        split="q_proj(x).reshape(B, L, H, -1).transpose(0, 2, 1, 3); k/v the same with G heads, grouped by the SDPA",
+        rules=(
+            same_head_dims(module_name),
+            self_attention_widths(module_name),
+            causal_only(module_name),
+            default_scale(module_name),
+            rotary_is(family.rotary, module_name),
+            field_is(module_name, "window", (None,), "applies no window: the model's mask does (layer_types)"),
+            scaling_read(module_name),
+            *family.rules,
+        ),
+        **packing,
+        notes=family.notes,
+        runner=runner,
+        requires=MLX_REQUIRES,
+        reader=ModuleReader(
+            classes=(f"mlx_lm.models.{family.package}.Attention",),
+            config=read,
+            state=lambda module, cfg: mlx_state(module, packing["shapes"](cfg)),
+            load=load_mlx,
+            forward=forward,
+        ),
+        example=family.example,
+        variants=family.variants,
+    )
+
+
+def scaling_read(module: str):
+    """The rope scalings the reader reads back (`READ_SCALINGS`): the others' modules keep only ``_freqs``."""
+
+    def rule(cfg: MHAConfig) -> str | None:
+        kind = None if cfg.rope_scaling is None else cfg.rope_scaling["rope_type"]
+        if kind not in READ_SCALINGS:
+            return f"MHAConfig.rope_scaling type {kind!r}: {module}'s rope keeps only its frequency table (_freqs)"
+        return None
+
+    return rule
+
+
+def _qk_norm(module) -> dict:
+    eps = (module.q_norm.eps, module.k_norm.eps)
+    if eps[0] != eps[1]:
+        raise unexpressible(module, f"q_norm eps {eps[0]} and k_norm eps {eps[1]}", "the spec has one norm_eps")
+    return {"qk_norm": "head", "norm_eps": float(eps[0])}
+
+
+def _traditional(cfg: MHAConfig) -> dict:
+    return {"rope_traditional": cfg.rope == "interleaved"}
+
+
+LLAMA_FAMILY = MlxFamily(
+    layout="mlx-llama",
+    package="llama",
+    description="mlx-lm Llama (and Mistral, which mlx-lm maps to llama): four linears, nn.RoPE(traditional=...)",
+    variants=("rope_scaling",),
+    args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias), **_traditional(cfg)},
+    rules=(field_is("mlx_lm.models.llama.Attention", "bias", (True, False), "biases all four or none"),),
+    notes=("Mistral: mlx_lm/utils.py maps model_type 'mistral' to llama; its window is the model's mask",),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
+)
+LLAMA = mlx_layout(LLAMA_FAMILY)
+QWEN2_FAMILY = MlxFamily(
+    layout="mlx-qwen2",
+    package="qwen2",
+    description="mlx-lm Qwen2: biases on q, k and v only; head_dim = hidden_size // heads",
+    variants=("qkv_bias", "rope_scaling"),
+    args=_traditional,
+    rules=(
+        field_is("mlx_lm.models.qwen2.Attention", "bias", ("qkv",), "biases q, k and v, not o_proj"),
+        head_dim_is_width_over_heads("mlx_lm.models.qwen2.Attention"),
+    ),
+    example={"n_kv_heads": 2, "bias": "qkv", "rope": "half", "causal": True},
+)
+QWEN2 = mlx_layout(QWEN2_FAMILY)
+QWEN3_FAMILY = MlxFamily(
+    layout="mlx-qwen3",
+    package="qwen3",
+    description="mlx-lm Qwen3: no biases, q_norm/k_norm nn.RMSNorm(head_dim) before rope, traditional=False",
+    variants=("qk_norm_head", "rope_scaling"),
+    args=lambda cfg: {"head_dim": cfg.d_k, "tie_word_embeddings": True},
+    read_extra=_qk_norm,
+    extras=NORMS,
+    rotary=("half",),
+    rules=(
+        field_is("mlx_lm.models.qwen3.Attention", "bias", (False,), "has no biases"),
+        field_is("mlx_lm.models.qwen3.Attention", "qk_norm", ("head",), "normalises each head's q and k"),
+    ),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
+)
+QWEN3 = mlx_layout(QWEN3_FAMILY)
+FAMILIES = {family.layout: family for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY)}

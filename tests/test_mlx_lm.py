@@ -1,0 +1,112 @@
+"""mlx-lm's Attention classes read by `from_module`: each real module's own forward is the spec of what was read.
+
+The modules are mlx-lm's own (mlx_lm/models/<family>.py), built tiny from their ModelArgs, random weights, cast
+to float64 and run on the CPU stream with mlx-lm's own mask convention (``mask="causal"``). mlx's exp/sin/cos are
+float32-accurate in float64 (backends/frameworks/mlx.py), so the runs are held to float32's tolerance, and the
+runs say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mha_rosetta.core import MHAConfig, reference_mha, tolerance_for
+from mha_rosetta.models import LayoutError, from_module, get_layout, to_module
+
+pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'mha-rosetta[mlx]'")
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'mha-rosetta[mlx]'")
+
+from mha_rosetta.models.mlx_lm import FAMILIES
+from mha_rosetta.models.real_modules import run_module
+
+CASES = [
+    ("mlx-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=True, causal=True, rope="interleaved")),
+    ("mlx-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, rope="half")),
+    (
+        "mlx-llama",
+        MHAConfig(
+            d_model=16,
+            n_heads=4,
+            d_k=8,
+            bias=False,
+            causal=True,
+            rope="half",
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+    ),
+    (
+        "mlx-llama",
+        MHAConfig(
+            d_model=16,
+            n_heads=4,
+            d_k=8,
+            bias=False,
+            causal=True,
+            rope="interleaved",
+            rope_base=500.0,
+            # dynamic NTK: L = 4 < the 7 tokens, so the base grows
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
+        ),
+    ),
+    ("mlx-qwen2", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, bias="qkv", causal=True, rope="half")),
+    ("mlx-qwen2", MHAConfig(d_model=16, n_heads=4, bias="qkv", causal=True, rope="interleaved", rope_base=1e6)),
+    (
+        "mlx-qwen3",
+        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=False, causal=True, rope="half", qk_norm="head"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("layout", "cfg"), CASES, ids=[f"{name}-{i}" for i, (name, _) in enumerate(CASES)])
+def test_mlx_lm_module_is_the_spec_of_what_from_module_read(layout, cfg):
+    module = FAMILIES[layout].build(cfg)
+    spec = from_module(module)
+    assert spec.cfg == cfg  # every field read back: heads, widths, bias, rotary convention, base, scaling, QK-norm
+    x = np.random.default_rng(1).standard_normal((2, 7, cfg.d_model))
+    run, read_cfg, params = run_module(module, x)
+    assert run.precision == "float32" and "float32-accurate" in run.note  # the declared level, with its cause
+    expected = reference_mha(read_cfg, params, x)
+    tol = tolerance_for("float32")
+    np.testing.assert_allclose(run.output, expected, atol=tol.atol, rtol=tol.rtol)
+    assert np.abs(run.output - expected).max() > 0  # float64 arithmetic, but not bit-identical: exp/sin/cos
+
+
+@pytest.mark.parametrize(("layout", "cfg"), CASES[::2], ids=[name for name, _ in CASES[::2]])
+def test_to_module_round_trips_exactly(layout, cfg):
+    cfg, params = from_module(FAMILIES[layout].build(cfg))
+    other = to_module(cfg, params, FAMILIES[layout].build(cfg))
+    back = from_module(other).params
+    for name, array in params.as_dict().items():
+        if array is not None:
+            assert np.array_equal(getattr(back, name), array), name
+
+
+def test_the_traditional_flag_is_the_rotary_convention():
+    cfg = CASES[0][1]
+    interleaved = FAMILIES["mlx-llama"].build(cfg)
+    half = FAMILIES["mlx-llama"].build(replace(cfg, rope="half"))
+    assert interleaved.rope.traditional and from_module(interleaved).cfg.rope == "interleaved"
+    assert not half.rope.traditional and from_module(half).cfg.rope == "half"
+
+
+def test_classes_are_told_apart_by_their_file():
+    layouts = {get_layout(name).reader.classes[0] for name in FAMILIES}
+    assert layouts == {f"mlx_lm.models.{family}.Attention" for family in ("llama", "qwen2", "qwen3")}
+
+
+def test_a_scaling_whose_module_keeps_only_frequencies_is_refused_naming_it():
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    module = FAMILIES["mlx-llama"].build(CASES[1][1])
+    module.rope = initialize_rope(6, 10000.0, False, {"rope_type": "llama3", "factor": 8.0}, 64)
+    with pytest.raises(LayoutError, match=r"llama\.Attention has rope Llama3RoPE.*_freqs"):
+        from_module(module)
+
+
+def test_a_padding_mask_is_refused_with_the_reason():
+    module = FAMILIES["mlx-qwen2"].build(CASES[4][1])
+    with pytest.raises(ValueError, match="padding only through a batched cache"):
+        run_module(module, np.zeros((1, 3, 16)), padding=np.ones((1, 3), dtype=bool))

@@ -44,7 +44,6 @@ from ._layout import (
     SEPARATE,
     Layout,
     causal_only,
-    default_scale,
     head_dim_is_width_over_heads,
     rotary_is,
     same_head_dims,
@@ -74,7 +73,6 @@ class MlxFamily:
     args: Callable[[MHAConfig], dict]  # MHAConfig -> the family's ModelArgs keywords beyond the shared ones
     read_extra: Callable[[Any], dict] = lambda module: {}
     extras: Mapping[str, str] = field(default_factory=dict)
-    rotary: tuple[str, ...] = ("half", "interleaved")  # the conventions its ModelArgs can ask for
     rules: tuple = ()
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
@@ -102,6 +100,13 @@ class MlxFamily:
             **self.args(cfg),
         )
         module = models.Attention(args)
+        # The instance's rope, as the family builds it, with cfg's convention (Qwen3's file fixes traditional=False:
+        # a port that writes nn.RoPE(..., traditional=True) holds the other one, and the reader reads the instance)
+        rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
+        module.scale = cfg.scale  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
+        module.rope = rope_utils.initialize_rope(
+            cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", args.rope_scaling, length
+        )
         module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
         return module
 
@@ -229,7 +234,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         module=module_name,
         description=family.description,
         packing=SEPARATE,
-        scale="1/sqrt(d_k) (head_dim**-0.5)",
+        scale="the instance's self.scale (head_dim**-0.5 as mlx-lm builds these)",
         rotary="nn.RoPE: traditional=True interleaved pairs, False rotate-half; every feature of a head",
         source=f"mlx_lm/models/{family.package}.py",
         split="q_proj(x).reshape(B, L, H, -1).transpose(0, 2, 1, 3); k/v the same with G heads, grouped by the SDPA",
@@ -237,8 +242,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
             same_head_dims(module_name),
             self_attention_widths(module_name),
             causal_only(module_name),
-            default_scale(module_name),
-            rotary_is(family.rotary, module_name),
+            rotary_is(("half", "interleaved"), module_name),
             field_is(module_name, "window", (None,), "applies no window: the model's mask does (layer_types)"),
             scaling_read(module_name),
             *family.rules,
@@ -278,16 +282,12 @@ def _qk_norm(module) -> dict:
     return {"qk_norm": "head", "norm_eps": float(eps[0])}
 
 
-def _traditional(cfg: MHAConfig) -> dict:
-    return {"rope_traditional": cfg.rope == "interleaved"}
-
-
 LLAMA_FAMILY = MlxFamily(
     layout="mlx-llama",
     package="llama",
     description="mlx-lm Llama (and Mistral, which mlx-lm maps to llama): four linears, nn.RoPE(traditional=...)",
     variants=("rope_scaling",),
-    args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias), **_traditional(cfg)},
+    args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias)},
     rules=(field_is("mlx_lm.models.llama.Attention", "bias", (True, False), "biases all four or none"),),
     notes=("Mistral: mlx_lm/utils.py maps model_type 'mistral' to llama; its window is the model's mask",),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
@@ -298,7 +298,7 @@ QWEN2_FAMILY = MlxFamily(
     package="qwen2",
     description="mlx-lm Qwen2: biases on q, k and v only; head_dim = hidden_size // heads",
     variants=("qkv_bias", "rope_scaling"),
-    args=_traditional,
+    args=lambda cfg: {},
     rules=(
         field_is("mlx_lm.models.qwen2.Attention", "bias", ("qkv",), "biases q, k and v, not o_proj"),
         head_dim_is_width_over_heads("mlx_lm.models.qwen2.Attention"),
@@ -314,7 +314,6 @@ QWEN3_FAMILY = MlxFamily(
     args=lambda cfg: {"head_dim": cfg.d_k, "tie_word_embeddings": True},
     read_extra=_qk_norm,
     extras=NORMS,
-    rotary=("half",),
     rules=(
         field_is("mlx_lm.models.qwen3.Attention", "bias", (False,), "has no biases"),
         field_is("mlx_lm.models.qwen3.Attention", "qk_norm", ("head",), "normalises each head's q and k"),

@@ -35,8 +35,8 @@ from mha_rosetta.core.dtypes import check_dtype_name, numpy_dtype
 from mha_rosetta.core.reference import reference_stages
 from mha_rosetta.core.tolerances import lower_precision
 
-from .causes import hypotheses
-from .simulate import simulate
+from .causes import Hypothesis, hypotheses
+from .simulate import Bug, simulate
 
 
 @dataclass(frozen=True)
@@ -182,14 +182,29 @@ def _explain(result: Comparison, cfg_a, cfg_b, params, x, out_a, out_b, tol) -> 
             result.stage = name
             break
     fits = []
-    for hypothesis in hypotheses(cfg_a):
+    for hypothesis in [*_field_hypotheses(cfg_a, cfg_b), *hypotheses(cfg_a)]:
         simulated = simulate(cfg_a, params, x, x, x, None, hypothesis.bug)
         residual = float(np.max(np.abs(out_b - simulated) / (tol.atol + tol.rtol * np.abs(simulated))))
         if residual <= 1.0:
             fits.append(LikelyCause(hypothesis.code, hypothesis.detail, hypothesis.fix, residual))
-    result.causes = sorted(fits, key=lambda c: c.residual)
+    result.causes = sorted(dict.fromkeys(fits), key=lambda c: c.residual)
     if not fits:
         result.notes.append("no single cause of diagnose's vocabulary reproduces B's output")
+
+
+def _field_hypotheses(cfg_a: MHAConfig, cfg_b: MHAConfig) -> list[Hypothesis]:
+    """diagnose's causes with B's own value where the configurations say it (diagnose's scale hypotheses are
+    the usual slips, missing, twice, 1/sqrt(d_model); a port's scale may be any other, Gemma's head_dim**-0.5)."""
+    if math.isclose(cfg_a.scale, cfg_b.scale, rel_tol=1e-12):
+        return []
+    return [
+        Hypothesis(
+            "scale",
+            f"B scales scores by {cfg_b.scale:.6g} where A scales by {cfg_a.scale:.6g}",
+            Bug(scale=cfg_b.scale),
+            f"scores must be multiplied by {cfg_a.scale:.6g} (A's scale): set B's scale to it",
+        )
+    ]
 
 
 def _close(a, b, tol) -> bool:

@@ -86,6 +86,8 @@ LAYOUTS: dict[str, Layout] = {
         mlx_lm.LLAMA,
         mlx_lm.QWEN2,
         mlx_lm.QWEN3,
+        mlx_lm.OLMO2,
+        mlx_lm.GEMMA3,
         TORCH_MHA,
         FLAX,
         EQUINOX,

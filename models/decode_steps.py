@@ -14,6 +14,7 @@ mask would need the model's sliding mask. Every framework is imported inside the
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import numpy as np
 
@@ -45,12 +46,14 @@ def _hf_steps(module, x: np.ndarray) -> list[np.ndarray]:
     dtype = module.q_proj.weight.dtype
     rotary = getattr(modeling, rotary_name)(config).to(dtype)
     cache = DynamicCache(config=config)
+    # Gemma 3's rotary forward takes the layer type (one table per type)
+    extra = {"layer_type": module.layer_type} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
     outputs = []
     try:
         with torch.no_grad():
             for t in range(x.shape[1]):
                 token = torch.from_numpy(np.ascontiguousarray(x[:, t : t + 1])).to(dtype)  # (B, 1, E)
-                cos_sin = rotary(token, torch.tensor([[t]]))
+                cos_sin = rotary(token, torch.tensor([[t]]), **extra)
                 out = module(token, position_embeddings=cos_sin, attention_mask=None, cache=cache)[0]
                 outputs.append(out[:, 0].double().numpy().copy())  # (B, E)
     finally:

@@ -73,6 +73,8 @@ class MlxFamily:
     args: Callable[[MHAConfig], dict]  # MHAConfig -> the family's ModelArgs keywords beyond the shared ones
     read_extra: Callable[[Any], dict] = lambda module: {}
     extras: Mapping[str, str] = field(default_factory=dict)
+    offsets: Mapping[str, float] = field(default_factory=dict)  # stored = canonical - offset (Gemma's 1 + w)
+    layer_idx: bool = False  # Attention(args, layer_idx) (Gemma 3); layer 0 is built
     rules: tuple = ()
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
@@ -99,7 +101,7 @@ class MlxFamily:
             rope_scaling=None if scaling is None else dict(scaling),
             **self.args(cfg),
         )
-        module = models.Attention(args)
+        module = models.Attention(args, 0) if self.layer_idx else models.Attention(args)
         # The instance's rope, as the family builds it, with cfg's convention (Qwen3's file fixes traditional=False:
         # a port that writes nn.RoPE(..., traditional=True) holds the other one, and the reader reads the instance)
         rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
@@ -220,7 +222,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
-    packing = separate_linears(LINEARS, family.extras)
+    packing = separate_linears(LINEARS, family.extras, family.offsets)
 
     def runner(cfg, state, x, padding, options):
         module = load_mlx(family.build(cfg), state)
@@ -275,11 +277,11 @@ def scaling_read(module: str):
     return rule
 
 
-def _qk_norm(module) -> dict:
+def _qk_norm(module, over: str = "head") -> dict:
     eps = (module.q_norm.eps, module.k_norm.eps)
     if eps[0] != eps[1]:
         raise unexpressible(module, f"q_norm eps {eps[0]} and k_norm eps {eps[1]}", "the spec has one norm_eps")
-    return {"qk_norm": "head", "norm_eps": float(eps[0])}
+    return {"qk_norm": over, "norm_eps": float(eps[0])}
 
 
 LLAMA_FAMILY = MlxFamily(
@@ -321,4 +323,42 @@ QWEN3_FAMILY = MlxFamily(
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
 )
 QWEN3 = mlx_layout(QWEN3_FAMILY)
-FAMILIES = {family.layout: family for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY)}
+OLMO2_FAMILY = MlxFamily(
+    layout="mlx-olmo2",
+    package="olmo2",
+    description="mlx-lm OLMo 2: Llama's linears; q_norm/k_norm nn.RMSNorm over the whole projection (H*d,), before the split",
+    variants=("qk_norm_projection", "rope_scaling"),
+    args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias)},
+    read_extra=lambda module: _qk_norm(module, "projection"),
+    extras=NORMS,
+    rules=(
+        field_is("mlx_lm.models.olmo2.Attention", "bias", (True, False), "biases all four or none"),
+        field_is("mlx_lm.models.olmo2.Attention", "qk_norm", ("projection",), "normalises the whole q and k"),
+    ),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "projection"},
+)
+OLMO2 = mlx_layout(OLMO2_FAMILY)
+GEMMA3_FAMILY = MlxFamily(
+    layout="mlx-gemma3",
+    package="gemma3_text",
+    description="mlx-lm Gemma 3 (text): no biases; q_norm/k_norm RMSNorm(head_dim) multiplying by 1 + weight; "
+    "self.scale = query_pre_attn_scalar**-0.5",
+    variants=("qk_norm_head", "rope_scaling"),
+    args=lambda cfg: {"head_dim": cfg.d_k, "query_pre_attn_scalar": cfg.scale**-2, "sliding_window_pattern": 1},
+    read_extra=_qk_norm,
+    extras=NORMS,
+    offsets={"q_norm": 1.0, "k_norm": 1.0},
+    layer_idx=True,
+    rules=(
+        field_is("mlx_lm.models.gemma3_text.Attention", "bias", (False,), "has no biases"),
+        field_is("mlx_lm.models.gemma3_text.Attention", "qk_norm", ("head",), "normalises each head's q and k"),
+    ),
+    notes=(
+        "a sliding layer (is_sliding) keeps no window size: Gemma3Model's mask applies args.sliding_window, so the "
+        "reader reads window=None (and the layer's own rope: rope_local_base_freq on sliding layers)",
+        "RMSNorm stores w and multiplies by 1 + w (mx.fast.rms_norm(x, 1.0 + weight, eps)): canonical = 1 + stored",
+    ),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
+)
+GEMMA3 = mlx_layout(GEMMA3_FAMILY)
+FAMILIES = {family.layout: family for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY, OLMO2_FAMILY, GEMMA3_FAMILY)}

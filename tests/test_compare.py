@@ -107,3 +107,37 @@ def test_cli_compare_exit_status_and_named_cause():
     assert good.returncode == 0 and "AGREE" in good.stdout
     missing = cli("examples.ports_qwen3:nothing", "examples.ports_qwen3:mlx_qwen3")
     assert missing.returncode == 2 and "has no attribute 'nothing'" in missing.stderr
+
+
+def _hf_gemma3():
+    import torch
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_hidden_layers=1,
+        query_pre_attn_scalar=32,  # not head_dim: the scale a port gets wrong
+        layer_types=["full_attention"],
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+    )
+    config._attn_implementation = "eager"
+    return Gemma3Attention(config, layer_idx=0).double().eval()
+
+
+def test_gemma3_hf_against_mlx_lm_agrees_and_the_head_dim_scale_is_named():
+    hf = _hf_gemma3()
+    cfg = from_module(hf).cfg
+    assert cfg.scale == 32**-0.5
+    port = FAMILIES["mlx-gemma3"].build(cfg)
+    result = compare(hf, port, decode=True)
+    assert result.agrees and result.differences == [] and result.first_decode_step is None
+    port.scale = 8**-0.5  # head_dim**-0.5, where Gemma 3 scales by query_pre_attn_scalar**-0.5
+    wrong = compare(hf, port)
+    assert [(d.name, d.a, d.b) for d in wrong.differences] == [("scale", 32**-0.5, pytest.approx(8**-0.5, 1e-15))]
+    assert not wrong.agrees and wrong.stage == "scores" and wrong.causes[0].code == "scale"

@@ -862,6 +862,8 @@ def test_every_reader_is_registered_once_by_class():
         "mlx_lm.models.llama.Attention",
         "mlx_lm.models.qwen2.Attention",
         "mlx_lm.models.qwen3.Attention",
+        "mlx_lm.models.olmo2.Attention",
+        "mlx_lm.models.gemma3_text.Attention",
         "torch.MultiheadAttention",
         "flax.MultiHeadDotProductAttention",
         "flax.MultiHeadAttention",

@@ -57,6 +57,28 @@ CASES = [
         "mlx-qwen3",
         MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=False, causal=True, rope="half", qk_norm="head"),
     ),
+    (
+        "mlx-olmo2",
+        MHAConfig(
+            d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=False, causal=True, rope="half", qk_norm="projection"
+        ),
+    ),
+    (
+        "mlx-gemma3",
+        # Gemma's scale: query_pre_attn_scalar**-0.5 with query_pre_attn_scalar = 32, not head_dim = 8
+        MHAConfig(
+            d_model=16,
+            n_heads=4,
+            n_kv_heads=1,
+            d_k=8,
+            bias=False,
+            causal=True,
+            rope="half",
+            qk_norm="head",
+            scale=32**-0.5,
+            norm_eps=1e-6,
+        ),
+    ),
 ]
 
 
@@ -94,7 +116,16 @@ def test_the_traditional_flag_is_the_rotary_convention():
 
 def test_classes_are_told_apart_by_their_file():
     layouts = {get_layout(name).reader.classes[0] for name in FAMILIES}
-    assert layouts == {f"mlx_lm.models.{family}.Attention" for family in ("llama", "qwen2", "qwen3")}
+    families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text")
+    assert layouts == {f"mlx_lm.models.{family}.Attention" for family in families}
+
+
+def test_gemma3_norm_stores_w_for_one_plus_w():
+    cfg = CASES[-1][1]
+    module = FAMILIES["mlx-gemma3"].build(cfg)
+    spec = from_module(module)
+    stored = np.array(module.q_norm.weight)
+    assert np.array_equal(spec.params.q_norm, stored + 1.0)  # mx.fast.rms_norm(x, 1.0 + weight, eps)
 
 
 def test_a_scaling_whose_module_keeps_only_frequencies_is_refused_naming_it():

@@ -26,7 +26,7 @@ contract in pyproject.toml); `mha_rosetta.diagnose.compare` is its name.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -95,14 +95,11 @@ class Comparison:
 
 
 def config_fields_differing(a: MHAConfig, b: MHAConfig) -> list[FieldDifference]:
-    """Every field of two configurations that differs (floats within 1e-12 relative are the same)."""
-    out = []
-    for f in fields(MHAConfig):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        same = math.isclose(x, y, rel_tol=1e-12) if isinstance(x, float) and isinstance(y, float) else x == y
-        if not same:
-            out.append(FieldDifference(f.name, x, y))
-    return out
+    """Every field of two configurations that differs (`models.differing_fields`: floats within 1e-12 relative
+    are the same)."""
+    from mha_rosetta.models import differing_fields
+
+    return [FieldDifference(*difference) for difference in differing_fields(a, b)]
 
 
 def compare(a, b, *, x=None, dtype: str = "float64", decode: bool = False, seed: int = 0) -> Comparison:

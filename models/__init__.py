@@ -56,7 +56,7 @@ from . import (
 from ._convert import convert_layouts
 from ._from_module import load_module, read_module
 from ._layout import BLOCKS, PACKINGS, PER_GROUP, PER_HEAD, SEPARATE, Layout, LayoutError
-from ._module_io import ModuleReader, ModuleSpec, class_key, class_name
+from ._module_io import ModuleReader, ModuleSpec, class_key, class_name, differing_fields
 from ._packing import pack_blocks, pack_groups, unpack_blocks, unpack_groups
 from .library_oracles import EQUINOX, FLAX, TORCH_MHA
 
@@ -170,6 +170,7 @@ __all__ = [
     "ModuleReader",
     "ModuleSpec",
     "convert_state_dict",
+    "differing_fields",
     "from_module",
     "get_layout",
     "layout_of_module",

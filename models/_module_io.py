@@ -203,12 +203,18 @@ def hf_window(module, config) -> int | None:
 # --- comparing a module's configuration with the one the parameters were made for --------------
 
 
-def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
-    """``field: module value != given value`` for every field where two configurations differ."""
+def differing_fields(held: MHAConfig, given: MHAConfig) -> list[tuple[str, Any, Any]]:
+    """``(field, held value, given value)`` for every field where two configurations differ (floats within 1e-12
+    relative are the same)."""
     out = []
     for f in fields(MHAConfig):
         a, b = getattr(held, f.name), getattr(given, f.name)
         same = math.isclose(a, b, rel_tol=1e-12) if isinstance(a, float) and isinstance(b, float) else a == b
         if not same:
-            out.append(f"{f.name}: module {a!r}, given {b!r}")
+            out.append((f.name, a, b))
     return out
+
+
+def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
+    """``field: module value != given value`` for every field where two configurations differ."""
+    return [f"{name}: module {a!r}, given {b!r}" for name, a, b in differing_fields(held, given)]

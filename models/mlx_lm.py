@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -71,8 +70,8 @@ class MlxFamily:
     description: str
     variants: tuple[str, ...]
     args: Callable[[MHAConfig], dict]  # MHAConfig -> the family's ModelArgs keywords beyond the shared ones
-    read_extra: Callable[[Any], dict] = lambda module: {}
-    extras: Mapping[str, str] = field(default_factory=dict)
+    biases: tuple = (True, False)  # the MHAConfig.bias values its file can build
+    qk_norm: str | None = None  # "head" (Qwen3, Gemma 3) or "projection" (OLMo 2): q_norm/k_norm.weight
     offsets: Mapping[str, float] = field(default_factory=dict)  # stored = canonical - offset (Gemma's 1 + w)
     layer_idx: bool = False  # Attention(args, layer_idx) (Gemma 3); layer 0 is built
     rules: tuple = ()
@@ -217,12 +216,12 @@ def mlx_layout(family: MlxFamily) -> Layout:
                 causal=True,
                 scale=float(module.scale),
                 **mlx_rope(module),
-                **family.read_extra(module),
+                **(_qk_norm(module, family.qk_norm) if family.qk_norm else {}),
             )
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
-    packing = separate_linears(LINEARS, family.extras, family.offsets)
+    packing = separate_linears(LINEARS, NORMS if family.qk_norm else {}, family.offsets)
 
     def runner(cfg, state, x, padding, options):
         module = load_mlx(family.build(cfg), state)
@@ -247,6 +246,8 @@ def mlx_layout(family: MlxFamily) -> Layout:
             rotary_is(("half", "interleaved"), module_name),
             field_is(module_name, "window", (None,), "applies no window: the model's mask does (layer_types)"),
             scaling_read(module_name),
+            field_is(module_name, "bias", family.biases, f"is built with bias in {family.biases} only"),
+            field_is(module_name, "qk_norm", (family.qk_norm,), f"has qk_norm={family.qk_norm!r}"),
             *family.rules,
         ),
         **packing,
@@ -277,7 +278,7 @@ def scaling_read(module: str):
     return rule
 
 
-def _qk_norm(module, over: str = "head") -> dict:
+def _qk_norm(module, over: str) -> dict:
     eps = (module.q_norm.eps, module.k_norm.eps)
     if eps[0] != eps[1]:
         raise unexpressible(module, f"q_norm eps {eps[0]} and k_norm eps {eps[1]}", "the spec has one norm_eps")
@@ -290,7 +291,6 @@ LLAMA_FAMILY = MlxFamily(
     description="mlx-lm Llama (and Mistral, which mlx-lm maps to llama): four linears, nn.RoPE(traditional=...)",
     variants=("rope_scaling",),
     args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias)},
-    rules=(field_is("mlx_lm.models.llama.Attention", "bias", (True, False), "biases all four or none"),),
     notes=("Mistral: mlx_lm/utils.py maps model_type 'mistral' to llama; its window is the model's mask",),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
 )
@@ -301,10 +301,8 @@ QWEN2_FAMILY = MlxFamily(
     description="mlx-lm Qwen2: biases on q, k and v only; head_dim = hidden_size // heads",
     variants=("qkv_bias", "rope_scaling"),
     args=lambda cfg: {},
-    rules=(
-        field_is("mlx_lm.models.qwen2.Attention", "bias", ("qkv",), "biases q, k and v, not o_proj"),
-        head_dim_is_width_over_heads("mlx_lm.models.qwen2.Attention"),
-    ),
+    biases=("qkv",),
+    rules=(head_dim_is_width_over_heads("mlx_lm.models.qwen2.Attention"),),
     example={"n_kv_heads": 2, "bias": "qkv", "rope": "half", "causal": True},
 )
 QWEN2 = mlx_layout(QWEN2_FAMILY)
@@ -314,12 +312,8 @@ QWEN3_FAMILY = MlxFamily(
     description="mlx-lm Qwen3: no biases, q_norm/k_norm nn.RMSNorm(head_dim) before rope, traditional=False",
     variants=("qk_norm_head", "rope_scaling"),
     args=lambda cfg: {"head_dim": cfg.d_k, "tie_word_embeddings": True},
-    read_extra=_qk_norm,
-    extras=NORMS,
-    rules=(
-        field_is("mlx_lm.models.qwen3.Attention", "bias", (False,), "has no biases"),
-        field_is("mlx_lm.models.qwen3.Attention", "qk_norm", ("head",), "normalises each head's q and k"),
-    ),
+    biases=(False,),
+    qk_norm="head",
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
 )
 QWEN3 = mlx_layout(QWEN3_FAMILY)
@@ -329,12 +323,7 @@ OLMO2_FAMILY = MlxFamily(
     description="mlx-lm OLMo 2: Llama's linears; q_norm/k_norm nn.RMSNorm over the whole projection (H*d,), before the split",
     variants=("qk_norm_projection", "rope_scaling"),
     args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias)},
-    read_extra=lambda module: _qk_norm(module, "projection"),
-    extras=NORMS,
-    rules=(
-        field_is("mlx_lm.models.olmo2.Attention", "bias", (True, False), "biases all four or none"),
-        field_is("mlx_lm.models.olmo2.Attention", "qk_norm", ("projection",), "normalises the whole q and k"),
-    ),
+    qk_norm="projection",
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "projection"},
 )
 OLMO2 = mlx_layout(OLMO2_FAMILY)
@@ -345,14 +334,10 @@ GEMMA3_FAMILY = MlxFamily(
     "self.scale = query_pre_attn_scalar**-0.5",
     variants=("qk_norm_head", "rope_scaling"),
     args=lambda cfg: {"head_dim": cfg.d_k, "query_pre_attn_scalar": cfg.scale**-2, "sliding_window_pattern": 1},
-    read_extra=_qk_norm,
-    extras=NORMS,
+    biases=(False,),
+    qk_norm="head",
     offsets={"q_norm": 1.0, "k_norm": 1.0},
     layer_idx=True,
-    rules=(
-        field_is("mlx_lm.models.gemma3_text.Attention", "bias", (False,), "has no biases"),
-        field_is("mlx_lm.models.gemma3_text.Attention", "qk_norm", ("head",), "normalises each head's q and k"),
-    ),
     notes=(
         "a sliding layer (is_sliding) keeps no window size: Gemma3Model's mask applies args.sliding_window, so the "
         "reader reads window=None (and the layer's own rope: rope_local_base_freq on sliding layers)",

@@ -22,63 +22,32 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'mha-
 from mha_rosetta.models.mlx_lm import FAMILIES
 from mha_rosetta.models.real_modules import run_module
 
+
+def _cfg(**fields) -> MHAConfig:
+    """A tiny causal configuration: d_model 16, 4 heads, no biases, rotate-half, unless ``fields`` say otherwise."""
+    return MHAConfig(**{"d_model": 16, "n_heads": 4, "bias": False, "causal": True, "rope": "half", **fields})
+
+
 CASES = [
-    ("mlx-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=True, causal=True, rope="interleaved")),
-    ("mlx-llama", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, rope="half")),
+    ("mlx-llama", _cfg(n_kv_heads=2, d_k=8, bias=True, rope="interleaved")),
+    ("mlx-llama", _cfg(n_kv_heads=2, d_k=6)),
+    ("mlx-llama", _cfg(d_k=8, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # dynamic NTK: L = 4 < the 7 tokens, so the base grows
     (
         "mlx-llama",
-        MHAConfig(
-            d_model=16,
-            n_heads=4,
+        _cfg(
             d_k=8,
-            bias=False,
-            causal=True,
-            rope="half",
-            rope_scaling={"rope_type": "linear", "factor": 4.0},
-        ),
-    ),
-    (
-        "mlx-llama",
-        MHAConfig(
-            d_model=16,
-            n_heads=4,
-            d_k=8,
-            bias=False,
-            causal=True,
             rope="interleaved",
             rope_base=500.0,
-            # dynamic NTK: L = 4 < the 7 tokens, so the base grows
             rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
         ),
     ),
-    ("mlx-qwen2", MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, bias="qkv", causal=True, rope="half")),
-    ("mlx-qwen2", MHAConfig(d_model=16, n_heads=4, bias="qkv", causal=True, rope="interleaved", rope_base=1e6)),
-    (
-        "mlx-qwen3",
-        MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=False, causal=True, rope="half", qk_norm="head"),
-    ),
-    (
-        "mlx-olmo2",
-        MHAConfig(
-            d_model=16, n_heads=4, n_kv_heads=2, d_k=8, bias=False, causal=True, rope="half", qk_norm="projection"
-        ),
-    ),
-    (
-        "mlx-gemma3",
-        # Gemma's scale: query_pre_attn_scalar**-0.5 with query_pre_attn_scalar = 32, not head_dim = 8
-        MHAConfig(
-            d_model=16,
-            n_heads=4,
-            n_kv_heads=1,
-            d_k=8,
-            bias=False,
-            causal=True,
-            rope="half",
-            qk_norm="head",
-            scale=32**-0.5,
-            norm_eps=1e-6,
-        ),
-    ),
+    ("mlx-qwen2", _cfg(n_kv_heads=2, bias="qkv")),
+    ("mlx-qwen2", _cfg(bias="qkv", rope="interleaved", rope_base=1e6)),
+    ("mlx-qwen3", _cfg(n_kv_heads=2, d_k=8, qk_norm="head")),
+    ("mlx-olmo2", _cfg(n_kv_heads=2, d_k=8, qk_norm="projection")),
+    # Gemma's scale: query_pre_attn_scalar**-0.5 with query_pre_attn_scalar = 32, not head_dim = 8
+    ("mlx-gemma3", _cfg(n_kv_heads=1, d_k=8, qk_norm="head", scale=32**-0.5, norm_eps=1e-6)),
 ]
 
 

@@ -88,6 +88,7 @@ LAYOUTS: dict[str, Layout] = {
         mlx_lm.QWEN3,
         mlx_lm.OLMO2,
         mlx_lm.GEMMA3,
+        mlx_lm.PHI3,
         TORCH_MHA,
         FLAX,
         EQUINOX,

@@ -29,7 +29,7 @@ def decode_steps(module, x: np.ndarray, window=None) -> list[np.ndarray]:
     key = class_key(module)
     if key.startswith("mlx_lm."):
         return _mlx_steps(module, x)
-    if key.startswith("transformers.") and hasattr(module, "q_proj") and hasattr(module, "layer_idx"):
+    if key.startswith("transformers.") and hasattr(module, "o_proj") and hasattr(module, "layer_idx"):
         return _hf_steps(module, x)
     raise ValueError(f"decode_steps: no cache stepper for {class_name(module)} (Hugging Face Llama-like and mlx-lm)")
 
@@ -43,7 +43,7 @@ def _hf_steps(module, x: np.ndarray) -> list[np.ndarray]:
     config = module.config
     before = getattr(config, "_attn_implementation", None)
     config._attn_implementation = "eager"
-    dtype = module.q_proj.weight.dtype
+    dtype = module.o_proj.weight.dtype
     rotary = getattr(modeling, rotary_name)(config).to(dtype)
     cache = DynamicCache(config=config)
     # Gemma 3's rotary forward takes the layer type (one table per type)
@@ -65,7 +65,7 @@ def _mlx_steps(module, x: np.ndarray) -> list[np.ndarray]:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    dtype = module.q_proj.weight.dtype
+    dtype = module.o_proj.weight.dtype
     cache = KVCache()
     outputs = []
     with mx.stream(mx.cpu):

@@ -40,9 +40,12 @@ from mha_rosetta.core import MHAConfig
 from ._errors import LayoutError
 from ._hf_decoder import LINEARS, NORMS, field_is
 from ._layout import (
+    BLOCKS,
     SEPARATE,
     Layout,
+    PackFunctions,
     causal_only,
+    fused_qkv,
     head_dim_is_width_over_heads,
     rotary_is,
     same_head_dims,
@@ -50,6 +53,7 @@ from ._layout import (
     separate_linears,
 )
 from ._module_io import ModuleReader, class_name, unexpressible
+from ._packing import pack_blocks, unpack_blocks
 from ._real import RealRun, state_shapes
 
 MLX_REQUIRES = ("mlx", "mlx_lm")
@@ -74,6 +78,9 @@ class MlxFamily:
     qk_norm: str | None = None  # "head" (Qwen3, Gemma 3) or "projection" (OLMo 2): q_norm/k_norm.weight
     offsets: Mapping[str, float] = field(default_factory=dict)  # stored = canonical - offset (Gemma's 1 + w)
     layer_idx: bool = False  # Attention(args, layer_idx) (Gemma 3); layer 0 is built
+    query: str = "q_proj"  # the layer holding the queries' rows: Phi-3's fused qkv_proj [Q; K; V]
+    packing: PackFunctions | None = None  # None: Llama's four linears (`separate_linears`)
+    partial: bool = False  # nn.RoPE(rope_dim) over the first rope_dim features (Phi-3's partial_rotary_factor)
     rules: tuple = ()
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
@@ -106,7 +113,7 @@ class MlxFamily:
         rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
         module.scale = cfg.scale  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
         module.rope = rope_utils.initialize_rope(
-            cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", args.rope_scaling, length
+            cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", args.rope_scaling, length
         )
         module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
         return module
@@ -135,9 +142,9 @@ def mlx_rope(module) -> dict:
     )
 
 
-def mlx_bias(module) -> bool | str:
+def mlx_bias(module, query: str = "q_proj") -> bool | str:
     """MHAConfig.bias from which linears hold a ``bias`` parameter (True, False or "qkv")."""
-    qkv, out = "bias" in module.q_proj, "bias" in module.o_proj
+    qkv, out = "bias" in getattr(module, query), "bias" in module.o_proj
     if out and not qkv:
         raise unexpressible(module, "a bias on o_proj only", "the spec biases q, k, v and the output, or q, k, v only")
     return "qkv" if qkv and not out else qkv
@@ -177,7 +184,7 @@ def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, options=None) -
         raise ValueError(
             f"{layout}: mlx-lm's models take a padding only through a batched cache (left_padding); padding=None here"
         )
-    dtype = module.q_proj.weight.dtype
+    dtype = module.o_proj.weight.dtype
     with mx.stream(mx.cpu):
         output = module(mx.array(np.asarray(x), dtype=dtype), mask="causal")
         mx.eval(output)
@@ -205,14 +212,14 @@ def mlx_layout(family: MlxFamily) -> Layout:
     module_name = f"mlx_lm.models.{family.package}.Attention"
 
     def read(module) -> MHAConfig:
-        weight = module.q_proj.weight  # (H*d, E): nn.Linear's (out, in)
+        weight = module.o_proj.weight  # (E, H*d): nn.Linear's (out, in)
         try:
             return MHAConfig(
-                d_model=weight.shape[1],
+                d_model=weight.shape[0],
                 n_heads=module.n_heads,
                 n_kv_heads=module.n_kv_heads,
-                d_k=weight.shape[0] // module.n_heads,
-                bias=mlx_bias(module),
+                d_k=weight.shape[1] // module.n_heads,
+                bias=mlx_bias(module, family.query),
                 causal=True,
                 scale=float(module.scale),
                 **mlx_rope(module),
@@ -221,7 +228,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
-    packing = separate_linears(LINEARS, NORMS if family.qk_norm else {}, family.offsets)
+    packing = family.packing or separate_linears(LINEARS, NORMS if family.qk_norm else {}, family.offsets)
 
     def runner(cfg, state, x, padding, options):
         module = load_mlx(family.build(cfg), state)
@@ -234,16 +241,17 @@ def mlx_layout(family: MlxFamily) -> Layout:
         name=family.layout,
         module=module_name,
         description=family.description,
-        packing=SEPARATE,
+        packing=BLOCKS if family.packing else SEPARATE,
         scale="the instance's self.scale (head_dim**-0.5 as mlx-lm builds these)",
         rotary="nn.RoPE: traditional=True interleaved pairs, False rotate-half; every feature of a head",
         source=f"mlx_lm/models/{family.package}.py",
-        split="q_proj(x).reshape(B, L, H, -1).transpose(0, 2, 1, 3); k/v the same with G heads, grouped by the SDPA",
+        split=f"{family.query}(x) (split [Q; K; V] where fused).reshape(B, L, H, -1).transpose(0, 2, 1, 3); k/v the "
+        "same with G heads, grouped by the SDPA",
         rules=(
             same_head_dims(module_name),
             self_attention_widths(module_name),
             causal_only(module_name),
-            rotary_is(("half", "interleaved"), module_name),
+            rotary_is(("half", "interleaved"), module_name, partial=family.partial),
             field_is(module_name, "window", (None,), "applies no window: the model's mask does (layer_types)"),
             scaling_read(module_name),
             field_is(module_name, "bias", family.biases, f"is built with bias in {family.biases} only"),
@@ -346,4 +354,23 @@ GEMMA3_FAMILY = MlxFamily(
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
 )
 GEMMA3 = mlx_layout(GEMMA3_FAMILY)
-FAMILIES = {family.layout: family for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY, OLMO2_FAMILY, GEMMA3_FAMILY)}
+PHI3_FAMILY = MlxFamily(
+    layout="mlx-phi3",
+    package="phi3",
+    description="mlx-lm Phi-3: one qkv_proj [Q; K; V] (mx.split), no biases, nn.RoPE over the first "
+    "partial_rotary_factor * head_dim features; head_dim = hidden_size // heads",
+    variants=(),
+    args=lambda cfg: {"partial_rotary_factor": (cfg.rope_dims or cfg.d_k) / cfg.d_k},
+    biases=(False,),
+    query="qkv_proj",
+    packing=fused_qkv("qkv_proj", "o_proj", pack_blocks, unpack_blocks),
+    partial=True,
+    rules=(head_dim_is_width_over_heads("mlx_lm.models.phi3.Attention"),),
+    notes=("longrope (SuScaledRoPE) keeps only its frequency table: refused, as Hugging Face's longrope is",),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
+)
+PHI3 = mlx_layout(PHI3_FAMILY)
+FAMILIES = {
+    family.layout: family
+    for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY, OLMO2_FAMILY, GEMMA3_FAMILY, PHI3_FAMILY)
+}

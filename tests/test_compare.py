@@ -141,3 +141,25 @@ def test_gemma3_hf_against_mlx_lm_agrees_and_the_head_dim_scale_is_named():
     wrong = compare(hf, port)
     assert [(d.name, d.a, d.b) for d in wrong.differences] == [("scale", 32**-0.5, pytest.approx(8**-0.5, 1e-15))]
     assert not wrong.agrees and wrong.stage == "scores" and wrong.causes[0].code == "scale"
+
+
+def test_phi3_hf_against_mlx_lm_fused_and_partial_rotary_agree_forward_and_decode():
+    import torch
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3Attention
+
+    torch.manual_seed(0)
+    config = Phi3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        sliding_window=None,
+    )
+    config._attn_implementation = "eager"
+    hf = Phi3Attention(config, layer_idx=0).double().eval()
+    cfg = from_module(hf).cfg
+    assert cfg.rope_dims == 4  # int(8 * 0.5)
+    result = compare(hf, FAMILIES["mlx-phi3"].build(cfg), decode=True)
+    assert result.differences == [] and result.agrees and result.first_decode_step is None

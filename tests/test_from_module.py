@@ -864,6 +864,7 @@ def test_every_reader_is_registered_once_by_class():
         "mlx_lm.models.qwen3.Attention",
         "mlx_lm.models.olmo2.Attention",
         "mlx_lm.models.gemma3_text.Attention",
+        "mlx_lm.models.phi3.Attention",
         "torch.MultiheadAttention",
         "flax.MultiHeadDotProductAttention",
         "flax.MultiHeadAttention",

@@ -48,6 +48,9 @@ CASES = [
     ("mlx-olmo2", _cfg(n_kv_heads=2, d_k=8, qk_norm="projection")),
     # Gemma's scale: query_pre_attn_scalar**-0.5 with query_pre_attn_scalar = 32, not head_dim = 8
     ("mlx-gemma3", _cfg(n_kv_heads=1, d_k=8, qk_norm="head", scale=32**-0.5, norm_eps=1e-6)),
+    # Phi-3: one qkv_proj [Q; K; V]; partial_rotary_factor 0.5 rotates the first 4 of 8 features
+    ("mlx-phi3", _cfg(d_model=32, n_kv_heads=2, rope_dims=4)),
+    ("mlx-phi3", _cfg(rope="interleaved")),
 ]
 
 
@@ -85,12 +88,21 @@ def test_the_traditional_flag_is_the_rotary_convention():
 
 def test_classes_are_told_apart_by_their_file():
     layouts = {get_layout(name).reader.classes[0] for name in FAMILIES}
-    families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text")
+    families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text", "phi3")
     assert layouts == {f"mlx_lm.models.{family}.Attention" for family in families}
 
 
+def test_phi3_fused_rows_are_q_then_k_then_v():
+    cfg = CASES[-2][1]
+    module = FAMILIES["mlx-phi3"].build(cfg)
+    fused = np.array(module.qkv_proj.weight)  # (H*d + 2*G*d, E) = (32 + 16 + 16, 32)
+    params = from_module(module).params
+    assert np.array_equal(fused[:32], params.w_q) and np.array_equal(fused[32:48], params.w_k)
+    assert np.array_equal(fused[48:], params.w_v) and module.rope.dims == 4
+
+
 def test_gemma3_norm_stores_w_for_one_plus_w():
-    cfg = CASES[-1][1]
+    cfg = next(cfg for name, cfg in CASES if name == "mlx-gemma3")
     module = FAMILIES["mlx-gemma3"].build(cfg)
     spec = from_module(module)
     stored = np.array(module.q_norm.weight)

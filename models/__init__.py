@@ -89,6 +89,7 @@ LAYOUTS: dict[str, Layout] = {
         mlx_lm.OLMO2,
         mlx_lm.GEMMA3,
         mlx_lm.PHI3,
+        mlx_lm.GEMMA2,
         TORCH_MHA,
         FLAX,
         EQUINOX,

@@ -1,9 +1,10 @@
-"""``mlx-llama``, ``mlx-qwen2``, ``mlx-qwen3``: mlx-lm's ``Attention`` classes (mlx_lm/models/<family>.py).
+"""``mlx-llama``, ``mlx-qwen2``, ``mlx-qwen3``, ``mlx-olmo2``, ``mlx-gemma3``, ``mlx-phi3``, ``mlx-gemma2``: mlx-lm's
+``Attention`` classes (mlx_lm/models/<family>.py).
 
 mlx-lm writes each family's attention anew, every class named ``Attention``: `_module_io.class_key` keys
 them by their module path (``"mlx_lm.models.qwen3.Attention"``). Mistral has no file of its own: mlx-lm
 maps ``model_type "mistral"`` to ``llama`` (mlx_lm/utils.py), so a Mistral port is ``mlx-llama``. Each keeps
-Llama's four ``nn.Linear`` layers with ``(out, in)`` weights, ``reshape(B, L, H, -1).transpose(0, 2, 1, 3)``,
+Llama's four ``nn.Linear`` layers with ``(out, in)`` weights (Phi-3 one fused ``qkv_proj`` ``[Q; K; V]``), ``reshape(B, L, H, -1).transpose(0, 2, 1, 3)``,
 grouped kv heads handed to ``mx.fast.scaled_dot_product_attention`` as they are, and ``self.rope`` from
 ``initialize_rope``.
 
@@ -19,8 +20,8 @@ Design rules:
 * No window is read: these classes apply the mask they are given, and the model builds the sliding one
   (``LlamaModel`` with ``layer_types``: ``create_attention_mask(h, cache, window_size=sliding_window)``);
   Mistral's ``sliding_window`` is applied only where ``layer_types`` says ``"sliding_attention"``.
-* The forward is mlx-lm's own call: ``module(x, mask="causal")`` (what ``create_attention_mask`` gives a
-  model without a cache), on the CPU stream (float64 runs on the CPU only). mlx's exp/sin/cos are
+* The forward is mlx-lm's own call: ``module(x, mask=create_attention_mask(x, None))``, the string
+  ``"causal"`` (the boolean array for Gemma 2, whose model asks ``return_array=True``), on the CPU stream (float64 runs on the CPU only). mlx's exp/sin/cos are
   float32-accurate in float64 (measured in ``backends/frameworks/mlx.py``): a float64 run is held to
   float32's tolerance, with that cause in the run's note.
 
@@ -81,6 +82,10 @@ class MlxFamily:
     query: str = "q_proj"  # the layer holding the queries' rows: Phi-3's fused qkv_proj [Q; K; V]
     packing: PackFunctions | None = None  # None: Llama's four linears (`separate_linears`)
     partial: bool = False  # nn.RoPE(rope_dim) over the first rope_dim features (Phi-3's partial_rotary_factor)
+    # the model passes its mask as an array (create_attention_mask(..., return_array=True): Gemma 2's scores are
+    # its own code, which reads mask.dtype), else the string "causal"
+    array_mask: bool = False
+    softcap: bool = False  # self.attn_logit_softcapping: tanh(scores / c) * c (Gemma 2)
     rules: tuple = ()
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
@@ -93,19 +98,22 @@ class MlxFamily:
         models = importlib.import_module(f"mlx_lm.models.{self.package}")
         scaling = cfg.rope_scaling
         length = (scaling or {}).get("original_max_position_embeddings", 4096)
-        args = models.ModelArgs(
-            model_type=self.package,
-            hidden_size=cfg.d_model,
-            num_hidden_layers=1,
-            intermediate_size=cfg.d_model,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.n_kv_heads,
-            rms_norm_eps=cfg.norm_eps,
-            vocab_size=8,
-            max_position_embeddings=length,
-            rope_theta=cfg.rope_base,
-            rope_scaling=None if scaling is None else dict(scaling),
-            **self.args(cfg),
+        # from_dict keeps the keys the family's ModelArgs has (mlx-lm's own loading path): Gemma 2 has no rope_scaling
+        args = models.ModelArgs.from_dict(
+            {
+                "model_type": self.package,
+                "hidden_size": cfg.d_model,
+                "num_hidden_layers": 1,
+                "intermediate_size": cfg.d_model,
+                "num_attention_heads": cfg.n_heads,
+                "num_key_value_heads": cfg.n_kv_heads,
+                "rms_norm_eps": cfg.norm_eps,
+                "vocab_size": 8,
+                "max_position_embeddings": length,
+                "rope_theta": cfg.rope_base,
+                "rope_scaling": None if scaling is None else dict(scaling),
+                **self.args(cfg),
+            }
         )
         module = models.Attention(args, 0) if self.layer_idx else models.Attention(args)
         # The instance's rope, as the family builds it, with cfg's convention (Qwen3's file fixes traditional=False:
@@ -113,7 +121,7 @@ class MlxFamily:
         rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
         module.scale = cfg.scale  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
         module.rope = rope_utils.initialize_rope(
-            cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", args.rope_scaling, length
+            cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", scaling and dict(scaling), length
         )
         module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
         return module
@@ -176,9 +184,11 @@ def load_mlx(module, state: Mapping[str, np.ndarray]):
     return module
 
 
-def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, options=None) -> RealRun:
-    """mlx-lm's own call, ``module(x, mask="causal")`` on the CPU stream; the run held to its dtype's level."""
+def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, array_mask: bool = False) -> RealRun:
+    """mlx-lm's own call, ``module(x, mask=create_attention_mask(x, None, return_array=array_mask))`` (``"causal"``
+    or the boolean causal array, as the family's model passes it) on the CPU stream; held to its dtype's level."""
     import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
 
     if padding is not None:
         raise ValueError(
@@ -186,13 +196,14 @@ def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, options=None) -
         )
     dtype = module.o_proj.weight.dtype
     with mx.stream(mx.cpu):
-        output = module(mx.array(np.asarray(x), dtype=dtype), mask="causal")
+        h = mx.array(np.asarray(x), dtype=dtype)
+        output = module(h, mask=create_attention_mask(h, None, return_array=array_mask))
         mx.eval(output)
     name = str(dtype).removeprefix("mlx.core.")
     run = RealRun(
         layout,
         "real",
-        f"mlx-lm {type(module).__module__}.Attention (mask='causal')",
+        f"mlx-lm {type(module).__module__}.Attention (its model's causal mask)",
         np.array(output).astype(np.float64),
     )
     run.parameters = state_shapes(mlx_state(module, [n for n in _names(module)]))
@@ -224,6 +235,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
                 scale=float(module.scale),
                 **mlx_rope(module),
                 **(_qk_norm(module, family.qk_norm) if family.qk_norm else {}),
+                **({"softcap": float(module.attn_logit_softcapping)} if family.softcap else {}),
             )
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
@@ -235,7 +247,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         return forward(module, cfg, x, padding, options)
 
     def forward(module, cfg, x, padding, options):
-        return mlx_forward(family.layout, module, cfg, x, padding, options)
+        return mlx_forward(family.layout, module, cfg, x, padding, family.array_mask)
 
     return Layout(
         name=family.layout,
@@ -370,7 +382,28 @@ PHI3_FAMILY = MlxFamily(
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
 )
 PHI3 = mlx_layout(PHI3_FAMILY)
+GEMMA2_FAMILY = MlxFamily(
+    layout="mlx-gemma2",
+    package="gemma2",
+    description="mlx-lm Gemma 2: no biases; scores written out (queries * scale @ keys), tanh softcap "
+    "attn_logit_softcapping; self.scale = query_pre_attn_scalar**-0.5",
+    variants=("softcap",),
+    args=lambda cfg: {
+        "head_dim": cfg.d_k,
+        "query_pre_attn_scalar": cfg.scale**-2,
+        "attn_logit_softcapping": cfg.softcap,
+    },
+    biases=(False,),
+    array_mask=True,
+    softcap=True,
+    notes=(
+        "Gemma2Model passes one causal mask to every layer (create_attention_mask(h, cache[0], return_array=True)): "
+        "mlx-lm's Gemma 2 applies no sliding window, where Hugging Face's alternates sliding and full layers",
+    ),
+    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "softcap": 50.0},
+)
+GEMMA2 = mlx_layout(GEMMA2_FAMILY)
 FAMILIES = {
     family.layout: family
-    for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY, OLMO2_FAMILY, GEMMA3_FAMILY, PHI3_FAMILY)
+    for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY, OLMO2_FAMILY, GEMMA3_FAMILY, PHI3_FAMILY, GEMMA2_FAMILY)
 }

@@ -163,3 +163,29 @@ def test_phi3_hf_against_mlx_lm_fused_and_partial_rotary_agree_forward_and_decod
     assert cfg.rope_dims == 4  # int(8 * 0.5)
     result = compare(hf, FAMILIES["mlx-phi3"].build(cfg), decode=True)
     assert result.differences == [] and result.agrees and result.first_decode_step is None
+
+
+def test_gemma2_hf_against_mlx_lm_softcap_agrees_and_another_cap_is_named():
+    import torch
+    from transformers import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,  # small, so the tiny scores reach the tanh's curve
+        layer_types=["full_attention"],
+    )
+    config._attn_implementation = "eager"
+    hf = Gemma2Attention(config, layer_idx=0).double().eval()
+    port = FAMILIES["mlx-gemma2"].build(from_module(hf).cfg)
+    assert compare(hf, port, decode=True).agrees
+    port.attn_logit_softcapping = 1.0
+    wrong = compare(hf, port)
+    assert [(d.name, d.a, d.b) for d in wrong.differences] == [("softcap", 5.0, 1.0)]
+    assert not wrong.agrees and wrong.stage == "capped_scores"

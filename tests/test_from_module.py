@@ -865,6 +865,7 @@ def test_every_reader_is_registered_once_by_class():
         "mlx_lm.models.olmo2.Attention",
         "mlx_lm.models.gemma3_text.Attention",
         "mlx_lm.models.phi3.Attention",
+        "mlx_lm.models.gemma2.Attention",
         "torch.MultiheadAttention",
         "flax.MultiHeadDotProductAttention",
         "flax.MultiHeadAttention",

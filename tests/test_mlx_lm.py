@@ -51,6 +51,8 @@ CASES = [
     # Phi-3: one qkv_proj [Q; K; V]; partial_rotary_factor 0.5 rotates the first 4 of 8 features
     ("mlx-phi3", _cfg(d_model=32, n_kv_heads=2, rope_dims=4)),
     ("mlx-phi3", _cfg(rope="interleaved")),
+    # Gemma 2: softcap 5 (small, so the tiny scores reach its curve), query_pre_attn_scalar 16
+    ("mlx-gemma2", _cfg(n_kv_heads=2, d_k=8, softcap=5.0, scale=16**-0.5)),
 ]
 
 
@@ -88,12 +90,12 @@ def test_the_traditional_flag_is_the_rotary_convention():
 
 def test_classes_are_told_apart_by_their_file():
     layouts = {get_layout(name).reader.classes[0] for name in FAMILIES}
-    families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text", "phi3")
+    families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text", "phi3", "gemma2")
     assert layouts == {f"mlx_lm.models.{family}.Attention" for family in families}
 
 
 def test_phi3_fused_rows_are_q_then_k_then_v():
-    cfg = CASES[-2][1]
+    cfg = next(cfg for name, cfg in CASES if name == "mlx-phi3")  # d_model 32, rope_dims 4
     module = FAMILIES["mlx-phi3"].build(cfg)
     fused = np.array(module.qkv_proj.weight)  # (H*d + 2*G*d, E) = (32 + 16 + 16, 32)
     params = from_module(module).params

@@ -90,6 +90,7 @@ LAYOUTS: dict[str, Layout] = {
         mlx_lm.GEMMA3,
         mlx_lm.PHI3,
         mlx_lm.GEMMA2,
+        mlx_lm.GPT_OSS,
         TORCH_MHA,
         FLAX,
         EQUINOX,

@@ -1,5 +1,5 @@
-"""``mlx-llama``, ``mlx-qwen2``, ``mlx-qwen3``, ``mlx-olmo2``, ``mlx-gemma3``, ``mlx-phi3``, ``mlx-gemma2``: mlx-lm's
-``Attention`` classes (mlx_lm/models/<family>.py).
+"""``mlx-llama``, ``mlx-qwen2``, ``mlx-qwen3``, ``mlx-olmo2``, ``mlx-gemma3``, ``mlx-phi3``, ``mlx-gemma2``,
+``mlx-gpt-oss``: mlx-lm's ``Attention`` classes (gpt-oss: ``AttentionBlock``) (mlx_lm/models/<family>.py).
 
 mlx-lm writes each family's attention anew, every class named ``Attention``: `_module_io.class_key` keys
 them by their module path (``"mlx_lm.models.qwen3.Attention"``). Mistral has no file of its own: mlx-lm
@@ -86,6 +86,10 @@ class MlxFamily:
     # its own code, which reads mask.dtype), else the string "causal"
     array_mask: bool = False
     softcap: bool = False  # self.attn_logit_softcapping: tanh(scores / c) * c (Gemma 2)
+    sinks: bool = False  # self.sinks (H,), handed to mx.fast.scaled_dot_product_attention(sinks=...) (gpt-oss)
+    cls: str = "Attention"  # gpt-oss: AttentionBlock
+    # the instance's attribute names of the heads, kv heads and scale (gpt-oss: num_attention_heads, sm_scale...)
+    attributes: tuple[str, str, str] = ("n_heads", "n_kv_heads", "scale")
     rules: tuple = ()
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
@@ -115,11 +119,14 @@ class MlxFamily:
                 **self.args(cfg),
             }
         )
-        module = models.Attention(args, 0) if self.layer_idx else models.Attention(args)
+        cls = getattr(models, self.cls)
+        module = cls(args, 0) if self.layer_idx else cls(args)
         # The instance's rope, as the family builds it, with cfg's convention (Qwen3's file fixes traditional=False:
         # a port that writes nn.RoPE(..., traditional=True) holds the other one, and the reader reads the instance)
         rope_utils = importlib.import_module("mlx_lm.models.rope_utils")
-        module.scale = cfg.scale  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
+        setattr(
+            module, self.attributes[2], cfg.scale
+        )  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
         module.rope = rope_utils.initialize_rope(
             cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", scaling and dict(scaling), length
         )
@@ -220,19 +227,21 @@ def _names(module) -> list[str]:
 
 def mlx_layout(family: MlxFamily) -> Layout:
     """The `Layout` (runner and `from_module` reader) of one mlx-lm family."""
-    module_name = f"mlx_lm.models.{family.package}.Attention"
+    module_name = f"mlx_lm.models.{family.package}.{family.cls}"
+    heads, kv_heads, scale = family.attributes
 
     def read(module) -> MHAConfig:
         weight = module.o_proj.weight  # (E, H*d): nn.Linear's (out, in)
         try:
             return MHAConfig(
                 d_model=weight.shape[0],
-                n_heads=module.n_heads,
-                n_kv_heads=module.n_kv_heads,
-                d_k=weight.shape[1] // module.n_heads,
+                n_heads=getattr(module, heads),
+                n_kv_heads=getattr(module, kv_heads),
+                d_k=weight.shape[1] // getattr(module, heads),
                 bias=mlx_bias(module, family.query),
                 causal=True,
-                scale=float(module.scale),
+                scale=float(getattr(module, scale)),
+                sinks=family.sinks,
                 **mlx_rope(module),
                 **(_qk_norm(module, family.qk_norm) if family.qk_norm else {}),
                 **({"softcap": float(module.attn_logit_softcapping)} if family.softcap else {}),
@@ -240,7 +249,8 @@ def mlx_layout(family: MlxFamily) -> Layout:
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
-    packing = family.packing or separate_linears(LINEARS, NORMS if family.qk_norm else {}, family.offsets)
+    extras = {**(NORMS if family.qk_norm else {}), **({"sinks": "sinks"} if family.sinks else {})}
+    packing = family.packing or separate_linears(LINEARS, extras, family.offsets)
 
     def runner(cfg, state, x, padding, options):
         module = load_mlx(family.build(cfg), state)
@@ -275,7 +285,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         runner=runner,
         requires=MLX_REQUIRES,
         reader=ModuleReader(
-            classes=(f"mlx_lm.models.{family.package}.Attention",),
+            classes=(module_name,),
             config=read,
             state=lambda module, cfg: mlx_state(module, packing["shapes"](cfg)),
             load=load_mlx,
@@ -403,7 +413,34 @@ GEMMA2_FAMILY = MlxFamily(
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "softcap": 50.0},
 )
 GEMMA2 = mlx_layout(GEMMA2_FAMILY)
+GPT_OSS_FAMILY = MlxFamily(
+    layout="mlx-gpt-oss",
+    package="gpt_oss",
+    description="mlx-lm gpt-oss AttentionBlock: Llama's linears with biases, sinks (H,) in the fused SDPA's softmax",
+    variants=("sinks",),
+    args=lambda cfg: {"head_dim": cfg.d_k, "num_local_experts": 1, "num_experts_per_tok": 1},
+    biases=(True,),
+    sinks=True,
+    cls="AttentionBlock",
+    attributes=("num_attention_heads", "num_key_value_heads", "sm_scale"),
+    notes=(
+        "gpt-oss's checkpoints scale rope with YaRN (YarnRoPE), which keeps only its frequency table: refused; a "
+        "module built without rope_scaling holds nn.RoPE and is read",
+        "the window is the model's mask (layer_types 'sliding_attention': create_attention_mask(..., window_size))",
+    ),
+    example={"n_kv_heads": 2, "bias": True, "rope": "half", "causal": True, "sinks": True},
+)
+GPT_OSS = mlx_layout(GPT_OSS_FAMILY)
 FAMILIES = {
     family.layout: family
-    for family in (LLAMA_FAMILY, QWEN2_FAMILY, QWEN3_FAMILY, OLMO2_FAMILY, GEMMA3_FAMILY, PHI3_FAMILY, GEMMA2_FAMILY)
+    for family in (
+        LLAMA_FAMILY,
+        QWEN2_FAMILY,
+        QWEN3_FAMILY,
+        OLMO2_FAMILY,
+        GEMMA3_FAMILY,
+        PHI3_FAMILY,
+        GEMMA2_FAMILY,
+        GPT_OSS_FAMILY,
+    )
 }

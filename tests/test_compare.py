@@ -189,3 +189,28 @@ def test_gemma2_hf_against_mlx_lm_softcap_agrees_and_another_cap_is_named():
     wrong = compare(hf, port)
     assert [(d.name, d.a, d.b) for d in wrong.differences] == [("softcap", 5.0, 1.0)]
     assert not wrong.agrees and wrong.stage == "capped_scores"
+
+
+def test_gpt_oss_hf_against_mlx_lm_sinks_agree_forward_and_decode():
+    import torch
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        layer_types=["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},  # the checkpoints' YaRN is refused by mlx
+    )
+    config._attn_implementation = "eager"
+    hf = GptOssAttention(config, layer_idx=0).double().eval()
+    with torch.no_grad():
+        hf.sinks.normal_()  # one logit per head, away from 0
+    port = FAMILIES["mlx-gpt-oss"].build(from_module(hf).cfg)
+    result = compare(hf, port, decode=True)
+    assert result.differences == [] and result.agrees and result.first_decode_step is None
+    np.testing.assert_array_equal(from_module(port).params.sinks, hf.sinks.detach().numpy())  # A's sinks in B

@@ -866,6 +866,7 @@ def test_every_reader_is_registered_once_by_class():
         "mlx_lm.models.gemma3_text.Attention",
         "mlx_lm.models.phi3.Attention",
         "mlx_lm.models.gemma2.Attention",
+        "mlx_lm.models.gpt_oss.AttentionBlock",
         "torch.MultiheadAttention",
         "flax.MultiHeadDotProductAttention",
         "flax.MultiHeadAttention",

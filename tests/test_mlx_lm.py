@@ -53,6 +53,7 @@ CASES = [
     ("mlx-phi3", _cfg(rope="interleaved")),
     # Gemma 2: softcap 5 (small, so the tiny scores reach its curve), query_pre_attn_scalar 16
     ("mlx-gemma2", _cfg(n_kv_heads=2, d_k=8, softcap=5.0, scale=16**-0.5)),
+    ("mlx-gpt-oss", _cfg(n_kv_heads=2, d_k=8, bias=True, sinks=True)),
 ]
 
 
@@ -91,7 +92,8 @@ def test_the_traditional_flag_is_the_rotary_convention():
 def test_classes_are_told_apart_by_their_file():
     layouts = {get_layout(name).reader.classes[0] for name in FAMILIES}
     families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text", "phi3", "gemma2")
-    assert layouts == {f"mlx_lm.models.{family}.Attention" for family in families}
+    blocks = {"mlx_lm.models.gpt_oss.AttentionBlock"}
+    assert layouts == {f"mlx_lm.models.{family}.Attention" for family in families} | blocks
 
 
 def test_phi3_fused_rows_are_q_then_k_then_v():

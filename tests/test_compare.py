@@ -109,29 +109,26 @@ def test_cli_compare_exit_status_and_named_cause():
     assert missing.returncode == 2 and "has no attribute 'nothing'" in missing.stderr
 
 
-def _hf_gemma3():
+def _hf(package: str, config_class: str, attention_class: str, **config):
+    """Hugging Face's attention of ``package`` (layer 0, eager, float64, seeded weights) from a tiny config."""
+    import importlib
+
     import torch
-    from transformers import Gemma3TextConfig
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
+    import transformers
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        hidden_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_hidden_layers=1,
-        query_pre_attn_scalar=32,  # not head_dim: the scale a port gets wrong
-        layer_types=["full_attention"],
-        rms_norm_eps=1e-6,
-        attention_bias=False,
-    )
-    config._attn_implementation = "eager"
-    return Gemma3Attention(config, layer_idx=0).double().eval()
+    built = getattr(transformers, config_class)(num_hidden_layers=1, layer_types=["full_attention"], **config)
+    built._attn_implementation = "eager"
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    return getattr(modeling, attention_class)(built, layer_idx=0).double().eval()
+
+
+SMALL = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
 
 
 def test_gemma3_hf_against_mlx_lm_agrees_and_the_head_dim_scale_is_named():
-    hf = _hf_gemma3()
+    # query_pre_attn_scalar 32, not head_dim: the scale a port gets wrong
+    hf = _hf("gemma3", "Gemma3TextConfig", "Gemma3Attention", **SMALL, query_pre_attn_scalar=32, rms_norm_eps=1e-6)
     cfg = from_module(hf).cfg
     assert cfg.scale == 32**-0.5
     port = FAMILIES["mlx-gemma3"].build(cfg)
@@ -144,21 +141,10 @@ def test_gemma3_hf_against_mlx_lm_agrees_and_the_head_dim_scale_is_named():
 
 
 def test_phi3_hf_against_mlx_lm_fused_and_partial_rotary_agree_forward_and_decode():
-    import torch
-    from transformers import Phi3Config
-    from transformers.models.phi3.modeling_phi3 import Phi3Attention
-
-    torch.manual_seed(0)
-    config = Phi3Config(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        sliding_window=None,
-    )
-    config._attn_implementation = "eager"
-    hf = Phi3Attention(config, layer_idx=0).double().eval()
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    sizes = {**SMALL, "hidden_size": 32}
+    sizes.pop("head_dim")  # Phi-3: hidden_size // heads = 8
+    hf = _hf("phi3", "Phi3Config", "Phi3Attention", **sizes, rope_parameters=rope, sliding_window=None)
     cfg = from_module(hf).cfg
     assert cfg.rope_dims == 4  # int(8 * 0.5)
     result = compare(hf, FAMILIES["mlx-phi3"].build(cfg), decode=True)
@@ -166,23 +152,8 @@ def test_phi3_hf_against_mlx_lm_fused_and_partial_rotary_agree_forward_and_decod
 
 
 def test_gemma2_hf_against_mlx_lm_softcap_agrees_and_another_cap_is_named():
-    import torch
-    from transformers import Gemma2Config
-    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
-
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        hidden_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=1,
-        query_pre_attn_scalar=16,
-        attn_logit_softcapping=5.0,  # small, so the tiny scores reach the tanh's curve
-        layer_types=["full_attention"],
-    )
-    config._attn_implementation = "eager"
-    hf = Gemma2Attention(config, layer_idx=0).double().eval()
+    # softcap 5: small, so the tiny scores reach the tanh's curve
+    hf = _hf("gemma2", "Gemma2Config", "Gemma2Attention", **SMALL, query_pre_attn_scalar=16, attn_logit_softcapping=5.0)
     port = FAMILIES["mlx-gemma2"].build(from_module(hf).cfg)
     assert compare(hf, port, decode=True).agrees
     port.attn_logit_softcapping = 1.0
@@ -193,21 +164,9 @@ def test_gemma2_hf_against_mlx_lm_softcap_agrees_and_another_cap_is_named():
 
 def test_gpt_oss_hf_against_mlx_lm_sinks_agree_forward_and_decode():
     import torch
-    from transformers import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 
-    torch.manual_seed(0)
-    config = GptOssConfig(
-        hidden_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=1,
-        layer_types=["full_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},  # the checkpoints' YaRN is refused by mlx
-    )
-    config._attn_implementation = "eager"
-    hf = GptOssAttention(config, layer_idx=0).double().eval()
+    rope = {"rope_type": "default", "rope_theta": 10000.0}  # the checkpoints' YaRN is refused by the mlx reader
+    hf = _hf("gpt_oss", "GptOssConfig", "GptOssAttention", **SMALL, rope_parameters=rope)
     with torch.no_grad():
         hf.sinks.normal_()  # one logit per head, away from 0
     port = FAMILIES["mlx-gpt-oss"].build(from_module(hf).cfg)

@@ -14,14 +14,16 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .options import add_json, add_switch
+
     parser.add_argument("module_a", metavar="MODULE_A", help="package.module:factory of the original module")
     parser.add_argument("module_b", metavar="MODULE_B", help="package.module:factory of the port")
     parser.add_argument(
         "--dtype", default="float64", help="the input's dtype and the tolerance floor (default float64)"
     )
-    parser.add_argument("--decode", action="store_true", help="also step both through their own KV caches")
+    add_switch(parser, "--decode", help="also step both through their own KV caches, token by token")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input (default 0)")
-    parser.add_argument("--json", dest="json_out", action="store_true", help="print the comparison as JSON")
+    add_json(parser, help="write the comparison as JSON to PATH ('-' for stdout)")
 
 
 def _module(path: str):
@@ -45,5 +47,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, LayoutError, ImportError) as error:
         print(f"mha-rosetta compare: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(result.as_dict(), indent=2, default=repr) if args.json_out else result.summary())
+    if args.json:
+        from mha_rosetta.core.files import write_output
+
+        write_output(args.json, json.dumps(result.as_dict(), indent=2, default=repr) + "\n")
+    if args.json != "-":
+        print(result.summary())
     return 0 if result.agrees and result.first_decode_step is None else 1

@@ -100,7 +100,7 @@ def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, array_mask: boo
     run = RealRun(
         layout,
         "real",
-        f"mlx-lm {type(module).__module__}.Attention (its model's causal mask)",
+        f"mlx-lm {type(module).__module__}.{type(module).__qualname__} (its model's causal mask)",
         np.array(output).astype(np.float64),
     )
     run.parameters = state_shapes(mlx_state(module, [n for n in _names(module)]))

@@ -7,6 +7,7 @@ agree within the tolerance of the declared levels (MLX float64 and Hugging Face'
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,6 +106,9 @@ def test_cli_compare_exit_status_and_named_cause():
     assert "differs: rope: A 'half', B 'interleaved'" in bad.stdout and "likeliest cause: rope_convention" in bad.stdout
     good = cli("examples.ports_qwen3:hf_qwen3", "examples.ports_qwen3:mlx_qwen3")
     assert good.returncode == 0 and "AGREE" in good.stdout
+    as_json = cli("examples.ports_qwen3:hf_qwen3", "examples.ports_qwen3:mlx_qwen3_traditional", "--json", "-")
+    payload = json.loads(as_json.stdout)
+    assert payload["stage"] == "q_rotated" and payload["causes"][0]["code"] == "rope_convention"
     missing = cli("examples.ports_qwen3:nothing", "examples.ports_qwen3:mlx_qwen3")
     assert missing.returncode == 2 and "has no attribute 'nothing'" in missing.stderr
 

@@ -24,15 +24,28 @@ FLOAT64_NOTE = (
 READ_SCALINGS = (None, "linear", "dynamic")
 
 
+class RopeClasses:
+    """The rotary classes mlx-lm's families hold (``initialize_rope``), by their exact import path."""
+
+    ROPE = "mlx.nn.layers.positional_encoding.RoPE"
+    DYNAMIC = "mlx_lm.models.rope_utils.DynamicNTKScalingRoPE"
+    FREQUENCIES_ONLY = tuple(
+        f"mlx_lm.models.rope_utils.{name}" for name in ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
+    )
+    ALL = (ROPE, DYNAMIC, *FREQUENCIES_ONLY)
+
+
 def mlx_rope(module) -> dict:
     """The MHAConfig rotary fields of ``module.rope`` (`nn.RoPE` or `DynamicNTKScalingRoPE`), or LayoutError."""
     rope = module.rope
-    kind = type(rope).__name__
+    kind = f"{type(rope).__module__}.{type(rope).__qualname__}"  # the exact class: a subclass may compute otherwise
+    if kind not in RopeClasses.ALL:
+        raise unexpressible(module, f"rope {kind}", f"the reader reads the classes {', '.join(RopeClasses.ALL)} only")
     style = "interleaved" if rope.traditional else "half"
-    if kind == "RoPE":
+    if kind == RopeClasses.ROPE:
         scaling = None if rope.scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / rope.scale}
         return dict(rope=style, rope_dims=rope.dims, rope_base=float(rope.base), rope_scaling=scaling)
-    if kind == "DynamicNTKScalingRoPE":
+    if kind == RopeClasses.DYNAMIC:
         scaling = {
             "rope_type": "dynamic",
             "factor": float(rope.factor),

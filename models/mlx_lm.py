@@ -132,19 +132,23 @@ def mlx_layout(family: MlxFamily) -> Layout:
 
     def read(module) -> MHAConfig:
         weight = module.o_proj.weight  # (E, H*d): nn.Linear's (out, in)
+        # the settings the spec cannot hold raise LayoutError naming them, outside the MHAConfig wrapper below
+        settings = {
+            "bias": mlx_bias(module, family.query),
+            **mlx_rope(module),
+            **(qk_norm_fields(module, family.qk_norm) if family.qk_norm else {}),
+            **({"softcap": float(module.attn_logit_softcapping)} if family.softcap else {}),
+        }
         try:
             return MHAConfig(
                 d_model=weight.shape[0],
                 n_heads=getattr(module, heads),
                 n_kv_heads=getattr(module, kv_heads),
                 d_k=weight.shape[1] // getattr(module, heads),
-                bias=mlx_bias(module, family.query),
                 causal=True,
                 scale=float(getattr(module, scale)),
                 sinks=family.sinks,
-                **mlx_rope(module),
-                **(qk_norm_fields(module, family.qk_norm) if family.qk_norm else {}),
-                **({"softcap": float(module.attn_logit_softcapping)} if family.softcap else {}),
+                **settings,
             )
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error

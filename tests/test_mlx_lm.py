@@ -118,7 +118,24 @@ def test_a_scaling_whose_module_keeps_only_frequencies_is_refused_naming_it():
 
     module = FAMILIES["mlx-llama"].build(CASES[1][1])
     module.rope = initialize_rope(6, 10000.0, False, {"rope_type": "llama3", "factor": 8.0}, 64)
-    with pytest.raises(LayoutError, match=r"llama\.Attention has rope Llama3RoPE.*_freqs"):
+    with pytest.raises(
+        LayoutError, match=r"^mlx_lm\.models\.llama\.Attention has rope mlx_lm\.models\.rope_utils\.Llama3RoPE.*_freqs"
+    ):
+        from_module(module)
+
+
+def test_a_rope_subclass_is_refused_it_may_compute_otherwise():
+    import mlx.nn as nn
+
+    class RoPE(nn.RoPE):  # a port's rope that ignores the cache's offset: the forward is right, decode is not
+        def __call__(self, x, offset=0):
+            return super().__call__(x)
+
+    module = FAMILIES["mlx-qwen3"].build(next(cfg for name, cfg in CASES if name == "mlx-qwen3"))
+    module.rope = RoPE(8)
+    with pytest.raises(
+        LayoutError, match=r"^mlx_lm\.models\.qwen3\.Attention has rope test_mlx_lm\..*RoPE, .*reads the classes"
+    ):
         from_module(module)
 
 

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "bench": "fair timings side by side (fresh process per cell, pinned threads)",
     "explain": "shapes, strides and weight layouts of every convention; the column/row-sample article's claims",
     "diagnose": "name the convention error in your own attention (MODULE:CALLABLE), with evidence and the fix",
+    "compare": "two real attention modules (package.module:factory) side by side: differences, agreement, cause",
     "report": "merge check, bench and explain JSON files: runs side by side, an HTML page, a regression gate",
 }
 

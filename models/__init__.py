@@ -50,12 +50,13 @@ from . import (
     keras_mha,
     megatron,
     meta_llama,
+    mlx_lm,
     timm_vit,
 )
 from ._convert import convert_layouts
 from ._from_module import load_module, read_module
 from ._layout import BLOCKS, PACKINGS, PER_GROUP, PER_HEAD, SEPARATE, Layout, LayoutError
-from ._module_io import ModuleReader, ModuleSpec, class_key, class_name
+from ._module_io import ModuleReader, ModuleSpec, class_key, class_name, differing_fields
 from ._packing import pack_blocks, pack_groups, unpack_blocks, unpack_groups
 from .library_oracles import EQUINOX, FLAX, TORCH_MHA
 
@@ -82,6 +83,14 @@ LAYOUTS: dict[str, Layout] = {
         timm_vit.LAYOUT,
         hf_t5.LAYOUT,
         keras_mha.LAYOUT,
+        mlx_lm.LLAMA,
+        mlx_lm.QWEN2,
+        mlx_lm.QWEN3,
+        mlx_lm.OLMO2,
+        mlx_lm.GEMMA3,
+        mlx_lm.PHI3,
+        mlx_lm.GEMMA2,
+        mlx_lm.GPT_OSS,
         TORCH_MHA,
         FLAX,
         EQUINOX,
@@ -164,6 +173,7 @@ __all__ = [
     "ModuleReader",
     "ModuleSpec",
     "convert_state_dict",
+    "differing_fields",
     "from_module",
     "get_layout",
     "layout_of_module",

@@ -68,7 +68,10 @@ class ModuleReader:
 def class_key(module: object) -> str:
     """``"<top-level package>.<class name>"`` of ``module``'s class: the registry's key."""
     cls = type(module)
-    return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+    top = cls.__module__.split(".")[0]
+    if top == "mlx_lm":  # every mlx-lm family names its class Attention: its file tells them apart
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return f"{top}.{cls.__qualname__}"
 
 
 def class_name(module: object) -> str:
@@ -200,12 +203,18 @@ def hf_window(module, config) -> int | None:
 # --- comparing a module's configuration with the one the parameters were made for --------------
 
 
-def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
-    """``field: module value != given value`` for every field where two configurations differ."""
+def differing_fields(held: MHAConfig, given: MHAConfig) -> list[tuple[str, Any, Any]]:
+    """``(field, held value, given value)`` for every field where two configurations differ (floats within 1e-12
+    relative are the same)."""
     out = []
     for f in fields(MHAConfig):
         a, b = getattr(held, f.name), getattr(given, f.name)
         same = math.isclose(a, b, rel_tol=1e-12) if isinstance(a, float) and isinstance(b, float) else a == b
         if not same:
-            out.append(f"{f.name}: module {a!r}, given {b!r}")
+            out.append((f.name, a, b))
     return out
+
+
+def config_differences(held: MHAConfig, given: MHAConfig) -> list[str]:
+    """``field: module value != given value`` for every field where two configurations differ."""
+    return [f"{name}: module {a!r}, given {b!r}" for name, a, b in differing_fields(held, given)]

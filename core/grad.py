@@ -253,7 +253,7 @@ def reference_mha_vjp(
         row_dot = np.sum(d_weights[:, h] * a, axis=-1, keepdims=True)  # (B, Nq, 1)
         d_masked[:, h] = r(a * (d_weights[:, h] - row_dot))
         for entry in softmax:  # the sink's weight 1 - sum_j A_ij times (0 - row_dot)
-            for name, grad in entry.backward(cfg, a, row_dot).items():
+            for name, grad in entry.step_backward(cfg, a, row_dot).items():
                 d_softmax.setdefault(name, np.zeros(H, dtype=compute))[h] = grad
     d_v_heads = r(d_v_heads)
     stages.update(d_weights=d_weights, d_v_heads=d_v_heads)
@@ -272,7 +272,7 @@ def reference_mha_vjp(
     inputs_of = ["scores"] + [entry.stages[0] for entry in transforms]  # each transform's input stage
     for entry, source in zip(reversed(transforms), reversed(inputs_of[:-1]), strict=True):
         stages[f"d_{entry.stages[0]}"] = d_last
-        d_last = r(entry.backward(cfg, fwd[source], d_last))
+        d_last = r(entry.step_backward(cfg, fwd[source], d_last))
     d_scores = stages["d_scores"] = d_last
 
     d_q_heads = np.empty((B, H, Nq, Dk), dtype=compute)

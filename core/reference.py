@@ -109,12 +109,12 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
     scores = stages["scores"] = r(scores)
     last = scores
     for entry in steps_at_place(cfg, "transform"):  # the softcap: each its own stage, in registry order
-        last = stages[entry.stages[0]] = r(entry.forward(cfg, last))
+        last = stages[entry.stages[0]] = r(entry.step_forward(cfg, last))
     if bias is not None:  # ALiBi and T5's bias share one stage
         last = stages[steps_at_place(cfg, "bias")[0].stages[0]] = r(last + bias)
     masked_scores = stages["masked_scores"] = np.where(allowed, last, -np.inf)
     softmax = steps_at_place(cfg, "softmax")  # the sinks, or the plain softmax
-    weights = softmax[0].forward(cfg, p, masked_scores) if softmax else softmax_with_empty_rows(masked_scores)
+    weights = softmax[0].step_forward(cfg, p, masked_scores) if softmax else softmax_with_empty_rows(masked_scores)
     weights = stages["weights"] = r(weights)  # (B, H, Nq, Nk)
 
     context = np.empty((B, H, Nq, Dv), dtype=compute)

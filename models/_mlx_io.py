@@ -125,7 +125,7 @@ def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, array_mask: boo
 def _names(module) -> list[str]:
     from mlx.utils import tree_flatten
 
-    return [name for name, _ in tree_flatten(module.parameters())]
+    return [str(pair[0]) for pair in tree_flatten(module.parameters())]  # (name, array) pairs
 
 
 def scaling_read(module: str):

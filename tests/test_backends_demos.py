@@ -105,3 +105,15 @@ def test_no_module_of_the_package_imports_a_framework_or_an_adapters_module(pack
                 if framework or adapter:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert found == [], "\n".join(found)
+
+
+def test_the_onnx_probe_says_which_runtime_is_missing_and_why(monkeypatch):
+    """Without onnx the explainer's ONNX section is skipped with core.probe's reason (a tox env without [onnx]
+    printed "LibraryMissing.__init__() missing 1 required positional argument" here before)."""
+    from mha_rosetta.backends import demos
+    from mha_rosetta.backends.onnx import probe
+
+    monkeypatch.setattr(probe, "import_failure", lambda module: f"{module} is not installed (test)")
+    with pytest.raises(demos.LibraryMissing) as missing:
+        demos.onnx_findings("onnxruntime")
+    assert (missing.value.library, missing.value.reason) == ("onnx", "onnx is not installed (test)")

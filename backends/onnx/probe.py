@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._probe import import_failure
 from ..demos._needs import LibraryMissing
 
 RUNTIMES = ("onnxruntime", "reference", "torch")
@@ -22,10 +23,9 @@ _OUTPUTS = ("Y", "present_key", "present_value", "qk_matmul_output")
 
 
 def _needs(module: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise LibraryMissing(f"{module} is not installed")
+    reason = import_failure(module)  # not installed, or the import error with its remedy (core.probe)
+    if reason:
+        raise LibraryMissing(module, reason)
 
 
 def attention_call(runtime: str, q, k, v, mask=None, past=None, **attrs) -> list:

@@ -201,7 +201,7 @@ def bias_terms(cfg: Config, p, positions: np.ndarray, kv_positions: np.ndarray) 
     """
     bias = None
     for entry in steps_at_place(cfg, "bias"):
-        term = entry.forward(cfg, p, positions, kv_positions)
+        term = entry.step_forward(cfg, p, positions, kv_positions)
         bias = term if bias is None else bias + term
     return bias
 
@@ -214,7 +214,7 @@ def score_bias(cfg: Config, rel_table, positions: np.ndarray, kv_positions: np.n
 def allowed_by_masks(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray, allowed=None):
     """``allowed`` ANDed with every positional mask entry ``cfg`` has (the window), on the token positions."""
     for entry in steps_at_place(cfg, "mask"):
-        mask = entry.forward(cfg, positions, kv_positions)  # (1|B, 1, Nq, Nk)
+        mask = entry.step_forward(cfg, positions, kv_positions)  # (1|B, 1, Nq, Nk)
         allowed = mask if allowed is None else allowed & mask
     return allowed
 

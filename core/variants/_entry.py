@@ -270,6 +270,21 @@ class Variant:
     def layout_params(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.params)
 
+    def step_forward(self, *args):
+        """Its score step's float64 formula, called with its place's arguments (`ScoreStep`)."""
+        if self.forward is None:
+            raise TypeError(f"variant {self.name!r} has a score step at {self._place()} but no float64 forward")
+        return self.forward(*args)
+
+    def step_backward(self, *args):
+        """The vector-Jacobian product of its score step's formula, called with its place's arguments."""
+        if self.backward is None:
+            raise TypeError(f"variant {self.name!r} has a score step at {self._place()} but no backward")
+        return self.backward(*args)
+
+    def _place(self) -> str:
+        return "no place" if self.score_step is None else repr(self.score_step.place)
+
     @property
     def diagnose_causes(self) -> tuple[DiagnoseCause, ...]:
         return () if self.diagnose is None else self.diagnose.causes

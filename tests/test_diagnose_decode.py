@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import requires, run_cli
+from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.core import MHAConfig, MHAParams, init_params, reference_mha
 from mha_rosetta.core.decode import reference_decode
 from mha_rosetta.diagnose import DECODE_CAUSE_CODES, DecodeBug, DiagnoseError, diagnose_decode, simulate_decode
@@ -402,7 +403,7 @@ def test_each_implementations_decode_path_is_diagnosed_as_agreeing(backend_name,
         return backend.run_decode(cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions,
                                   dtype="float64", device="cpu")  # fmt: skip
 
-    result = diagnose_decode(candidate, cfg)
+    result = diagnose_decode(candidate, cfg, dtype=backend_level(backend, "float64"))  # MLX declares float32's level
     assert result.agrees, result.summary()
 
 

@@ -28,7 +28,9 @@ from .plans import (
     axis_sizes,
 )
 
-ARRAY_LIBRARIES = tuple(OPS_BY_LIBRARY)  # numpy, torch, jax: the libraries with an ops object
+# numpy, torch, jax: the libraries whose ops object has the layer's einsum (MlxOps runs the score steps only, for the
+# mlx adapter; einops on MLX would need its einsum and array-construction hooks too, so it is refused by name).
+ARRAY_LIBRARIES = tuple(library for library, ops in OPS_BY_LIBRARY.items() if hasattr(ops, "einsum"))
 
 
 # The feature pairs of each rotary convention, as the grouping of one head's features:

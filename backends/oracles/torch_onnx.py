@@ -163,4 +163,6 @@ def _exported(cfg: MHAConfig, inputs: MHAInputs, dtype: str, p: dict, xs: tuple)
         "opset": next(o.version for o in model.opset_import if o.domain == ""),
         "dtype": str(torch_dtype(dtype)),
     }
+    if dtype == "float64":  # the exporter stores the scale as a float32 constant (KNOWN["export_scale_float32"])
+        info.update(tolerance_dtype="float32", known_difference="export_scale_float32")
     return Prepared(forward_onnx, lambda out: np.asarray(out, dtype=np.float64), stages, info=info)

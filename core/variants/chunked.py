@@ -147,14 +147,14 @@ ENTRY = Variant(
         CaseSpec(
             "chunked",
             "Llama 4's chunked causal attention, chunks of 3 positions over 8 tokens",
-            dict(d_model=16, n_heads=4, n_kv_heads=2, causal=True, attention_chunk_size=3),  # d_k = 4
+            dict(d_model=24, n_heads=4, n_kv_heads=2, causal=True, attention_chunk_size=3),  # d_k = 6
             dict(batch=2, q_tokens=8, dtypes=("float64", "float32"), seed=61),
         ),
         CaseSpec(
             "chunked_rope_window",
             "chunks of 4 with interleaved rotary and a window of 3 inside them",
             dict(d_model=16, n_heads=2, causal=True, attention_chunk_size=4, window=3, rope="interleaved"),
-            dict(batch=2, q_tokens=9, dtypes=("float64",), seed=62),
+            dict(batch=3, q_tokens=9, dtypes=("float64",), seed=62),
         ),
     ),
     decode_cases=(

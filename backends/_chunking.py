@@ -54,7 +54,7 @@ import numpy as np
 
 from mha_rosetta.core.inputs import causal_allowed
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
-from mha_rosetta.core.variants import relative_distances, window_allowed
+from mha_rosetta.core.variants import allowed_by_masks, relative_distances, steps_at_place, window_allowed
 
 CHUNKED = "chunked"
 # (q_block, k_block): a (128, 256) float32 tile is 128 KiB per head, so eight heads of one
@@ -120,6 +120,7 @@ def tile_allowed(
     window: int | None = None,
     positions: np.ndarray | None = None,
     kv_positions: np.ndarray | None = None,
+    cfg=None,
 ):
     """The allowed positions of one tile, (1|B, 1|H, q_block, k_block), True = may attend; None: all.
 
@@ -127,7 +128,8 @@ def tile_allowed(
     without the causal part: that is computed here for this tile only, on the positions when given
     (`core.inputs.causal_allowed`), else on the indices. With
     ``window`` (`MHAConfig.window`) the sliding window is computed here too, from the tile's
-    token positions (``positions`` (1|B, Nq), ``kv_positions`` (1|B, Nk), `MHAInputs`).
+    token positions (``positions`` (1|B, Nq), ``kv_positions`` (1|B, Nk), `MHAInputs`). With ``cfg``
+    (`MHAConfig`) every positional mask entry of core's registry it has (the window, Llama 4's chunks) is.
     """
     (q_start, q_end), (k_start, k_end) = q_range, k_range
     allowed = None
@@ -151,6 +153,11 @@ def tile_allowed(
             raise ValueError("tile_allowed: a window needs positions and kv_positions (MHAInputs), got None")
         near = window_allowed(window, causal, positions[:, q_start:q_end], kv_positions[:, k_start:k_end])
         allowed = near if allowed is None else allowed & near  # near: (1|B, 1, qb, kb)
+    if cfg is not None and steps_at_place(cfg, "mask"):
+        if positions is None or kv_positions is None:
+            raise ValueError("tile_allowed: a positional mask needs positions and kv_positions (MHAInputs), got None")
+        tile = positions[:, q_start:q_end], kv_positions[:, k_start:k_end]  # views, (1|B, qb), (1|B, kb)
+        allowed = allowed_by_masks(cfg, *tile, allowed)  # (1|B, 1|H, qb, kb)
     return allowed
 
 
@@ -175,6 +182,17 @@ def outside_window(window: int, causal: bool, q_positions: np.ndarray, k_positio
     return bool(np.all(before | after))
 
 
+def outside_chunk(chunk_size: int, q_positions: np.ndarray, k_positions: np.ndarray) -> bool:
+    """True when no key of a tile lies in the chunk of any of its queries (Llama 4's ``attention_chunk_size``).
+
+    ``q_positions`` (1|B, q_block), ``k_positions`` (1|B, k_block): every key's chunk ``p // C`` before the
+    earliest query's, or after the latest's, in every batch item. Exact for blocks of consecutive positions.
+    """
+    before = k_positions.max(axis=1) // chunk_size < q_positions.min(axis=1) // chunk_size  # (1|B,)
+    after = k_positions.min(axis=1) // chunk_size > q_positions.max(axis=1) // chunk_size
+    return bool(np.all(before | after))
+
+
 @dataclass(frozen=True)
 class TilePlan:
     """Which score tiles the chunked strategy visits: per query block, the key blocks it computes.
@@ -189,6 +207,20 @@ class TilePlan:
     counts: dict
 
 
+def plan_for(cfg, inputs, chunk: tuple[int, int]) -> TilePlan:
+    """`plan_tiles` of an `MHAConfig` and its `MHAInputs` (causal, the window and Llama 4's chunks, on the positions)."""
+    return plan_tiles(
+        chunk,
+        inputs.q_tokens,
+        inputs.kv_tokens,
+        cfg.causal,
+        cfg.window,
+        inputs.positions,
+        inputs.kv_positions,
+        chunk_size=cfg.attention_chunk_size,
+    )
+
+
 def plan_tiles(
     chunk: tuple[int, int],
     q_tokens: int,
@@ -197,15 +229,20 @@ def plan_tiles(
     window: int | None = None,
     positions: np.ndarray | None = None,
     kv_positions: np.ndarray | None = None,
+    chunk_size: int | None = None,
 ) -> TilePlan:
     """The tiles of the online softmax for resolved blocks ``chunk`` (`resolve_chunk`), decided before any score.
 
     Causal: key blocks after the block's last visible key are never visited (`key_block_end`, on positions);
-    with ``window``, key blocks wholly outside it (`outside_window`) are not visited either.
+    with ``window``, key blocks wholly outside it (`outside_window`) are not visited either, and with
+    ``chunk_size`` (Llama 4's `MHAConfig.attention_chunk_size`) key blocks wholly outside every query's chunk
+    (`outside_chunk`: counted as ``outside_chunk``), so only the tiles inside a chunk are visited.
     """
+    if (window is not None or chunk_size is not None) and (positions is None or kv_positions is None):
+        raise ValueError("plan_tiles: a window or chunks need positions and kv_positions (MHAInputs), got None")
     q_block, k_block = chunk
     n_k_blocks = -(-kv_tokens // k_block)
-    blocks, above, outside = [], 0, 0
+    blocks, above, outside, apart = [], 0, 0, 0
     for q_start in range(0, q_tokens, q_block):
         q_end = min(q_start + q_block, q_tokens)
         keys = []
@@ -213,14 +250,17 @@ def plan_tiles(
         above += n_k_blocks - len(starts)
         for k_start in starts:
             k_end = min(k_start + k_block, kv_tokens)
-            if window is not None:
-                if positions is None or kv_positions is None:
-                    raise ValueError("plan_tiles: a window needs positions and kv_positions (MHAInputs), got None")
-                if outside_window(window, causal, positions[:, q_start:q_end], kv_positions[:, k_start:k_end]):
-                    outside += 1
-                    continue
-            keys.append((k_start, k_end))
+            tile = () if positions is None else (positions[:, q_start:q_end], kv_positions[:, k_start:k_end])
+            if window is not None and outside_window(window, causal, *tile):
+                outside += 1
+            elif chunk_size is not None and outside_chunk(chunk_size, *tile):
+                apart += 1
+            else:
+                keys.append((k_start, k_end))
         blocks.append(((q_start, q_end), tuple(keys)))
     total = len(blocks) * n_k_blocks
-    counts = {"total": total, "above_diagonal": above, "outside_window": outside, "planned": total - above - outside}
+    counts = {"total": total, "above_diagonal": above, "outside_window": outside}
+    if chunk_size is not None:
+        counts["outside_chunk"] = apart
+    counts["planned"] = total - above - outside - apart
     return TilePlan(tuple(blocks), counts)

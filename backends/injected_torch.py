@@ -130,6 +130,16 @@ def _window_blocked(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mistake):
     return (j < i - left) | (j > i + right)
 
 
+def _chunk_blocked(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mistake):
+    """(Nq, Nk) bool, True = blocked: keys outside the query's chunk, as transformers' chunked mask (torch floor division)."""
+    C = cfg.attention_chunk_size
+    i, j = _positions(q_tokens, kv_tokens)
+    if mistake == "forgotten":
+        return (i < 0) & (j < 0)  # (Nq, Nk), nothing blocked: full causal attention on a chunked layer
+    shift = 1 if mistake == "off_by_one" else 0
+    return (i + shift) // C != (j + shift) // C
+
+
 def _sink_column(cfg: MHAConfig, params, scores, v, mistake):
     import torch
 
@@ -149,6 +159,7 @@ _QK_NORM = PlantedSteps(
 # variant -> its steps in torch idioms (`PlantedSteps`, the torch side of the NumPy candidate's entry steps).
 TORCH_STEPS: dict[str, PlantedSteps] = {
     "window": PlantedSteps(mask=_window_blocked),
+    "chunked": PlantedSteps(mask=_chunk_blocked),
     "softcap": PlantedSteps(transform=_capped, masked=_capped_after_mask),
     "qk_norm_head": _QK_NORM,
     "qk_norm_projection": _QK_NORM,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mha_rosetta.backends import REGISTRY
 
-from .variants import BENCH_VARIANTS
+from .variants import preset_cells
 
 # The fused references the GPU preset times beside our adapters: the one kernel each library fuses
 # (nn.MultiheadAttention's fast path, SDPA, jax.nn.dot_product_attention). The others are a layout of
@@ -56,7 +56,15 @@ PRESETS: dict[str, dict] = {
         implementations=["main"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
         policy=dict(min_time=0.5, min_repeats=5, max_time=1.5, warmup=2),
         gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
-        variants=list(BENCH_VARIANTS),
+        variants=preset_cells("variants"),
+    ),
+    # What the attention forms of 2025-26 cost (issue 45: Llama 4's chunked attention, ...), each against its
+    # baseline at the reference size: the cells are the registry entries whose BenchSpec.preset is "forms".
+    "forms": dict(
+        implementations=["main"], tokens=[512], batch=[4], d_model=[512], heads=[8], dtypes=["float32"],
+        policy=dict(min_time=0.5, min_repeats=5, max_time=1.5, warmup=2),
+        gemm_n=1024, gemm_policy=dict(min_time=0.5, min_repeats=5, max_time=2.0, warmup=2), rounds=3,
+        variants=preset_cells("forms"),
     ),
     # One GPU (scripts/gpu-run; pass --devices gpu): the reference size, 4k and 16k tokens, every GPU-capable
     # adapter and the fused references, float32 (TF32 off; MHA_ROSETTA_TF32=1 for on), bfloat16, float16.

@@ -40,8 +40,22 @@ def _bench_variants() -> dict[str, tuple[dict, str | None]]:
     return table
 
 
-# name -> (MHAConfig overrides, baseline name). "window" gets W = tokens // 4 at build time.
+# name -> (MHAConfig overrides, baseline name). "tokens/4" (the window, a chunk) is resolved at build time.
 BENCH_VARIANTS: dict[str, tuple[dict, str | None]] = _bench_variants()
+
+
+def preset_cells(preset: str) -> list[str]:
+    """The cells of ``bench --preset <preset>``: plain, then each entry whose `BenchSpec.preset` is ``preset``
+    preceded by its baseline, in registry order (``"variants"``; ``"forms"``, the forms of issue 45). Read from
+    the entries each time: a form added to the registry with ``preset="forms"`` is timed with no edit here."""
+    cells = [PLAIN]
+    for entry in VARIANT_REGISTRY.values():
+        if entry.bench is None or entry.bench.preset != preset:
+            continue
+        for name in (entry.bench.baseline, entry.bench.label or entry.name):
+            if name not in cells:
+                cells.append(name)
+    return cells
 
 
 def check_variant(name: str | None) -> str | None:
@@ -56,8 +70,9 @@ def variant_overrides(name: str | None, tokens: int) -> dict:
     if name is None:
         return {}
     overrides = dict(BENCH_VARIANTS[check_variant(name)][0])
-    if overrides.get("window") == "tokens/4":
-        overrides["window"] = max(1, tokens // 4)
+    for field, value in overrides.items():  # a size relative to the cell's tokens (the window, a chunk)
+        if value == "tokens/4":
+            overrides[field] = max(1, tokens // 4)
     return overrides
 
 

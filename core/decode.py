@@ -42,6 +42,7 @@ from .inputs import BatchedTokens
 from .params import MHAParams
 from .reference import reference_stages
 from .stages import STAGE_BY_NAME, stage_names
+from .variants import allowed_by_masks
 
 __all__ = [
     "CacheFull",
@@ -216,7 +217,7 @@ def check_capacity(capacity: int, used: int, adding: int) -> None:
 
 
 def decode_allowed(cfg: MHAConfig, q_positions, k_positions, k_valid) -> np.ndarray:
-    """Which cache slots a chunk's queries see, bool (B, 1, s, T): the causal and window rules on positions.
+    """Which cache slots a chunk's queries see, bool (B, 1, s, T): the causal rule and the mask entries on positions.
 
     ``q_positions`` (B, s): the chunk's query positions; ``k_positions`` (B, T): the position
     held in each cache slot; ``k_valid`` (B, T): the slot holds a real token (written, not
@@ -225,9 +226,8 @@ def decode_allowed(cfg: MHAConfig, q_positions, k_positions, k_valid) -> np.ndar
     q = np.asarray(q_positions)[:, None, :, None]  # (B, 1, s, 1)
     k = np.asarray(k_positions)[:, None, None, :]  # (B, 1, 1, T)
     allowed = (k <= q) & np.asarray(k_valid)[:, None, None, :]
-    if cfg.window is not None:
-        allowed &= k > q - cfg.window
-    return allowed
+    # The positional mask entries (the window, Llama 4's chunks) on the same positions, (B, 1, s, T).
+    return allowed_by_masks(cfg, np.asarray(q_positions), np.asarray(k_positions), allowed)
 
 
 def _forward_args(inputs: DecodeInputs) -> dict:

@@ -61,6 +61,7 @@ VARIANT_CFGS = {
     "rel_bias": _gqa(rope=None, rel_buckets=6, rel_max_distance=5, rel_bidirectional=False),
     "sinks": _gqa(sinks=True, window=3),
     **{f"rope_scaling_{kind}": _gqa(rope_scaling=scaling) for kind, scaling in ROPE_SCALINGS.items()},
+    "chunked": _gqa(attention_chunk_size=3),  # Llama 4's chunks: boundaries at 3, 6 across the steps
 }
 
 

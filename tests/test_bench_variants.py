@@ -7,7 +7,7 @@ import pytest
 from mha_rosetta.benchmarks.cell import CellSpec, build_config, cell_key
 from mha_rosetta.benchmarks.presets import PRESETS
 from mha_rosetta.benchmarks.sweep import SweepSettings, expand_cells, preset_settings
-from mha_rosetta.benchmarks.variants import BENCH_VARIANTS, PLAIN, variant_rows
+from mha_rosetta.benchmarks.variants import BENCH_VARIANTS, PLAIN, preset_cells, variant_rows
 from mha_rosetta.core import VARIANTS
 
 
@@ -16,7 +16,12 @@ def test_every_spec_variant_is_benchmarked_and_every_baseline_exists():
     assert set().union(*(cfg.variants for cfg in cfgs.values())) == set(VARIANTS)
     for name, (_, baseline) in BENCH_VARIANTS.items():
         assert baseline is None or baseline in BENCH_VARIANTS, name
-    assert PRESETS["variants"]["variants"] == list(BENCH_VARIANTS)  # the preset times all of them
+    # The two presets time all of them: the variants of 2024, and the forms of 2025-26 (issue 45).
+    assert PRESETS["variants"]["variants"] == preset_cells("variants")
+    assert PRESETS["forms"]["variants"] == preset_cells("forms")
+    assert set(preset_cells("variants")) | set(preset_cells("forms")) == set(BENCH_VARIANTS)
+    assert preset_cells("forms")[:3] == [PLAIN, "causal", "chunked"]  # Llama 4's chunks against causal
+    assert "chunked" not in preset_cells("variants")
 
 
 def test_a_variant_cell_builds_its_configuration():

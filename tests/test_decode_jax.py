@@ -52,6 +52,8 @@ VARIANT_CFGS = {
         # dynamic NTK reads the sequence length: 12 tokens > 6, so the frequencies are scaled
         rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6},
     ),
+    # Llama 4's chunks of 4: boundaries at 4 and 8 inside the 12 tokens, crossed by the steps
+    "chunked": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", attention_chunk_size=4),
 }
 
 

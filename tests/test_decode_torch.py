@@ -59,6 +59,7 @@ VARIANT_CFGS = {
         # dynamic NTK: the frequencies depend on the sequence's length, past original_max_position_embeddings.
         "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
     },
+    "chunked": {"attention_chunk_size": 3, "rope": "interleaved", "n_kv_heads": 2},  # Llama 4's chunks
 }
 assert set(VARIANT_CFGS) == set(VARIANTS), "one configuration per variant"
 

@@ -42,6 +42,8 @@ DETAILS = {
     "rope scaling linear": "linear (every frequency / ",
     "rope scaling ignored": "ignored: the plain frequencies where the spec has ",
     "t5 buckets reversed": "buckets of p_i - p_j (query minus key): ",
+    "chunk boundary off by one": "chunk boundaries one position late: (p + 1) // 3",
+    "chunk forgotten": "no chunk mask: every earlier key visible where chunks of 3 cut",
 }
 # The rule that makes each variant's cause a hypothesis.
 HAS_VARIANT = {
@@ -52,6 +54,7 @@ HAS_VARIANT = {
     "sinks": lambda cfg: cfg.sinks,
     "rope_scaling": lambda cfg: cfg.rope_scaling is not None,
     "rel_bias": lambda cfg: cfg.rel_buckets is not None,
+    "chunked": lambda cfg: cfg.attention_chunk_size is not None,
 }
 VARIANT_CASES = [name for name, case in SPEC_CASES.items() if case.cfg.variants]
 

@@ -40,6 +40,7 @@ def test_the_variant_names_are_the_registry_in_its_order():
             "rel_bias",
             "sinks",
             "rope_scaling",
+            "chunked",
         )
     )
     assert all(name == entry.name for name, entry in VARIANT_REGISTRY.items())

@@ -76,6 +76,11 @@ def _key_block_range(q_start, stop, n_k_blocks: int, *, cfg: MHAConfig, q_block:
         first = jnp.maximum(0, (q_start - cfg.window + 1) // k_block)
         if not cfg.causal:
             stop = jnp.minimum(n_k_blocks, (q_start + q_block - 1 + cfg.window - 1) // k_block + 1)
+    if skip and cfg.attention_chunk_size is not None:  # Llama 4's chunks: from the first query's chunk start
+        C = cfg.attention_chunk_size
+        first = jnp.maximum(first, (q_start // C * C) // k_block)
+        if not cfg.causal:  # to the last query's chunk end
+            stop = jnp.minimum(stop, (((q_start + q_block - 1) // C + 1) * C - 1) // k_block + 1)
     return first, stop
 
 
@@ -122,6 +127,9 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
                 ok = ok & (distance <= 0)
             if cfg.window is not None:  # on the positions (core.variants.window_allowed)
                 ok = ok & ((distance > -cfg.window) if cfg.causal else (jnp.abs(distance) < cfg.window))
+            if cfg.attention_chunk_size is not None:  # Llama 4's chunks (core.variants.chunk_allowed)
+                C = cfg.attention_chunk_size
+                ok = ok & (k_pos[None, :] // C == q_pos[:, None] // C)
             if allowed is not None:  # a token axis of length 1 broadcasts (padding masks): read it whole
                 starts = [start if n > 1 else 0 for start, n in zip((q_start, k_start), allowed.shape, strict=True)]
                 sizes = [block if n > 1 else 1 for block, n in zip((q_block, k_block), allowed.shape, strict=True)]
@@ -209,7 +217,7 @@ def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dt
     q_pad = _blocks(inputs.q_tokens, chunk[0]) * chunk[0]
     k_pad = _blocks(inputs.kv_tokens, chunk[1]) * chunk[1]
     tables = {}
-    if cfg.causal or cfg.window is not None or cfg.alibi:
+    if cfg.causal or cfg.window is not None or cfg.alibi or cfg.attention_chunk_size is not None:
         # Padding positions are never read: padding keys are masked by index, padding queries cut off.
         tables["q_pos"] = np.pad(inputs.positions, [(0, 0), (0, q_pad - inputs.q_tokens)]).astype(np.int32)
         tables["k_pos"] = np.pad(inputs.kv_positions, [(0, 0), (0, k_pad - inputs.kv_tokens)]).astype(np.int32)
@@ -252,13 +260,20 @@ def chunked_attention(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int] 
     its per-item tables (`chunked_tables`) and, in words, which tiles it skips (for ``Prepared.info``).
     ``attend``'s keywords are everything it closes over (`layer.vmapped_pass` keys the program by them)."""
     chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
-    skip = cfg.window is not None and _positions_are_indices(inputs)
+    local = cfg.window is not None or cfg.attention_chunk_size is not None  # a window or Llama 4's chunks
+    skip = local and _positions_are_indices(inputs)
     skipping = "key blocks after every query's position (causal on the positions)" if cfg.causal else "none"
     if cfg.window is not None:
         skipping = (
             f"key blocks outside the window of {cfg.window} (and after every query's position)"
             if skip
             else "none by index (custom positions): every tile masked by the window on the positions"
+        )
+    if cfg.attention_chunk_size is not None:
+        skipping = (
+            f"key blocks outside each query block's chunks of {cfg.attention_chunk_size} positions"
+            if skip
+            else "none by index (custom positions): every tile masked by the chunks on the positions"
         )
     attend = partial(_chunked_all_heads, chunk=chunk, skip=skip)
     return attend, chunk, chunked_tables(cfg, inputs, chunk, dtype), skipping

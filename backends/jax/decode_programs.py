@@ -64,6 +64,8 @@ def _decode_attend(
     allowed = (k_pos <= q_pos) & cache["k_valid"][None, :]  # (s, T)
     if cfg.window is not None:
         allowed = allowed & (k_pos > q_pos - cfg.window)
+    if cfg.attention_chunk_size is not None:  # Llama 4's chunks on the positions, the cache offset included
+        allowed = allowed & (k_pos // cfg.attention_chunk_size == q_pos // cfg.attention_chunk_size)
     scores_item = {}
     if cfg.has_score_bias:
         distance = k_pos - q_pos  # (s, T): p_j - p_i

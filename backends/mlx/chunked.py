@@ -17,7 +17,7 @@ block's context rounded once.
 
 from __future__ import annotations
 
-from .._chunking import plan_tiles, resolve_chunk, tile_allowed, tile_distances
+from .._chunking import plan_for, resolve_chunk, tile_allowed, tile_distances
 from .._recording import StageRecorder
 from ..frameworks.mlx import to_mlx
 from ..frameworks.ops import masked_scores, online_start
@@ -34,15 +34,13 @@ class ChunkedMlxAttention:
         self.mask = inputs.mask  # (1|B, 1|H, Nq, Nk) NumPy or None, True = may attend (causal and window per tile)
         self.positions, self.kv_positions = inputs.positions, inputs.kv_positions  # (1|B, N) int64
         self.chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
-        self.plan = plan_tiles(
-            self.chunk, inputs.q_tokens, inputs.kv_tokens, cfg.causal, cfg.window, self.positions, self.kv_positions
-        )
+        self.plan = plan_for(cfg, inputs, self.chunk)
         self.tiles_visited = self.tiles_skipped = 0
 
     def _tile_blocked(self, q_range, k_range):
         """The tile's blocked positions as an MLX bool (1|B, 1|H, qb, kb); None: nothing blocked; False: all (the
         tile is skipped). Counts the tiles visited and skipped."""
-        where = {"window": self.cfg.window, "positions": self.positions, "kv_positions": self.kv_positions}
+        where = {"positions": self.positions, "kv_positions": self.kv_positions, "cfg": self.cfg}  # + window, chunks
         allowed = tile_allowed(self.mask, self.cfg.causal, q_range, k_range, **where)  # (1|B, 1|H, qb, kb)
         skip = allowed is not None and not allowed.any()  # nothing in the tile may be attended to: no sum changes
         self.tiles_skipped += skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._chunking import plan_tiles, resolve_chunk, tile_allowed, tile_distances
+from .._chunking import plan_for, resolve_chunk, tile_allowed, tile_distances
 from .._recording import StageRecorder, relation_to
 from ..frameworks.ops import masked_scores, online_start
 from ..frameworks.ops_numpy import NumpyOps
@@ -33,10 +33,8 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         self.user_mask = inputs.mask  # (1|B, 1|H, Nq, Nk) or None, True = may attend
         self.positions, self.kv_positions = inputs.positions, inputs.kv_positions  # (1|B, Nq), (1|B, Nk)
         self.chunk = resolve_chunk(chunk, inputs.q_tokens, inputs.kv_tokens)
-        # Which tiles are computed, decided once from the blocks' indices and positions (causal, window).
-        self.plan = plan_tiles(
-            self.chunk, inputs.q_tokens, inputs.kv_tokens, cfg.causal, cfg.window, self.positions, self.kv_positions
-        )
+        # Which tiles are computed, decided once from the blocks' indices and positions (causal, window, chunks).
+        self.plan = plan_for(cfg, inputs, self.chunk)
 
     def _tile_allowed(self, q_range, k_range):
         """The tile's allowed positions in this adapter's layout, (1|B, 1|Hkv, 1|G, kb, qb), or None."""
@@ -45,9 +43,9 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
             self.cfg.causal,
             q_range,
             k_range,
-            window=self.cfg.window,
             positions=self.positions,
             kv_positions=self.kv_positions,
+            cfg=self.cfg,  # the window and Llama 4's chunks (core's mask entries) on the tile's positions
         )  # (1|B, 1|H, qb, kb)
         if allowed is None:
             return None

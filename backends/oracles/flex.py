@@ -247,11 +247,11 @@ def flex_attend(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, comp
     bias = ScoreBias(cfg, inputs, dtype, device) if cfg.has_score_bias else None
 
     block_mask = None
-    if cfg.causal or cfg.window is not None or inputs.mask is not None:
+    if cfg.causal or cfg.window is not None or cfg.attention_chunk_size is not None or inputs.mask is not None:
         user = None
         if inputs.mask is not None:  # (1|B, 1|H, Nq|1, Nk|1) -> (B, H, Nq, Nk), indexed by mask_mod
             user = torch.from_numpy(np.array(np.broadcast_to(inputs.mask, (B, H, Nq, Nk)))).to(place)
-        causal, window = cfg.causal, cfg.window
+        causal, window, chunk = cfg.causal, cfg.window, cfg.attention_chunk_size
 
         def mask_mod(b, h, q_idx, kv_idx):
             allowed = torch.ones_like(q_idx, dtype=torch.bool) if user is None else user[b, h, q_idx, kv_idx]
@@ -260,6 +260,8 @@ def flex_attend(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str, comp
             if window is not None:
                 distance = k_pos[b, kv_idx] - q_pos[b, q_idx]  # p_j - p_i
                 allowed = allowed & ((distance > -window) if causal else (distance.abs() < window))
+            if chunk is not None:  # Llama 4's chunks on the positions: p_j // C == p_i // C
+                allowed = allowed & (k_pos[b, kv_idx] // chunk == q_pos[b, q_idx] // chunk)
             return allowed
 
         with warnings.catch_warnings():  # create_block_mask's own eager evaluation of mask_mod

@@ -210,6 +210,7 @@ class JaxDotProductAttentionOracle(JaxOracle):
         # A window on other positions is in the mask, and so then is causality.
         # is_causal is top-left on indices: a decode step's bottom-right causality goes in the mask instead.
         is_causal = cfg.causal and inputs.mask is None and (cfg.window is None or window is not None)
+        is_causal = is_causal and cfg.attention_chunk_size is None  # Llama 4's chunks are in the mask
         is_causal = is_causal and causal_on_indices(inputs)
         mask = None if is_causal else allowed_for_heads(mask_cfg, inputs)  # (B|1, H|1, Nq, Nk), True = attend
         empty = empty_query_rows(cfg, inputs)  # (B|1, H|1, Nq) or None

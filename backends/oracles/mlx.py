@@ -49,6 +49,8 @@ def bottom_right_causal(cfg: MHAConfig, inputs: MHAInputs) -> bool:
     """Whether ``mask="causal"`` (MLX's bottom-right rule on indices) is the whole mask of this case."""
     if not cfg.causal or inputs.mask is not None or cfg.window is not None or cfg.has_score_bias:
         return False
+    if cfg.attention_chunk_size is not None:  # Llama 4's chunks: in the bool mask
+        return False
     allowed = allowed_positions(cfg, inputs)  # (1|B, 1, Nq, Nk)
     Nq, Nk = inputs.q_tokens, inputs.kv_tokens
     bottom_right = np.tril(np.ones((Nq, Nk), dtype=bool), k=Nk - Nq)  # the last query sees the last key

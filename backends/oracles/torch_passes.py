@@ -14,6 +14,7 @@ from mha_rosetta.core import (
     causal_on_indices,
     to_torch_mha_state_dict,
 )
+from mha_rosetta.core.variants import steps_at_place
 
 from ..torch.common import (
     bool_tensor,
@@ -90,7 +91,8 @@ def sdpa_pass(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
 
     # No user mask: is_causal says it all and lets torch pick its causal kernels, where its top-left rule
     # is the positions' (a decode step's bottom-right causality goes in the explicit mask instead).
-    use_is_causal = cfg.causal and inputs.mask is None and not cfg.has_score_bias and cfg.window is None
+    # A positional mask entry of core's registry (the window, Llama 4's chunks) goes in the explicit mask.
+    use_is_causal = cfg.causal and inputs.mask is None and not cfg.has_score_bias and not steps_at_place(cfg, "mask")
     use_is_causal = use_is_causal and causal_on_indices(inputs)
     allowed = None if use_is_causal else allowed_positions(cfg, inputs)
     attn_mask = bool_tensor(allowed, device)  # (1|B, 1|H, Nq, Nk), True = may attend

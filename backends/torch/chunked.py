@@ -20,8 +20,6 @@ back to the run's dtype when it is done.
 
 from __future__ import annotations
 
-from mha_rosetta.core.variants import window_allowed
-
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder
 from ..frameworks.ops import masked_scores, online_start
@@ -47,14 +45,9 @@ class ChunkedRowSampleMHA(RowSampleMHA):
     def _tile_blocked(self, q_range, k_range):
         """The tile's blocked positions as a torch bool tensor (1|B, 1|H, qb, kb); None: nothing
         blocked; False: everything blocked (the tile can be skipped)."""
-        allowed = tile_allowed(
-            self.user_mask, self.cfg.causal, q_range, k_range, positions=self.positions, kv_positions=self.kv_positions
-        )  # causal on the positions, (1|B, 1|H, qb, kb)
-        if self.cfg.window is not None:  # the window on the tile's positions, (1|B, 1, qb, kb)
-            (q_start, q_end), (k_start, k_end) = q_range, k_range
-            q_pos, k_pos = self.positions[:, q_start:q_end], self.kv_positions[:, k_start:k_end]  # views
-            window = window_allowed(self.cfg.window, self.cfg.causal, q_pos, k_pos)
-            allowed = window if allowed is None else allowed & window
+        where = {"positions": self.positions, "kv_positions": self.kv_positions, "cfg": self.cfg}
+        allowed = tile_allowed(self.user_mask, self.cfg.causal, q_range, k_range, **where)
+        # causal, the window and Llama 4's chunks on the tile's positions, (1|B, 1|H, qb, kb)
         if allowed is None:
             return None
         if not allowed.any():

@@ -199,11 +199,13 @@ class DecodeRowSampleMHA(RowSampleMHA):
         q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)  # (B, H, s, Dk), (B, Hkv, s, Dk), (B, Hkv, s, Dv)
         q_pos, q_valid = self.positions_all[:, start:stop], self.valid_all[:, start:stop]  # (B, s)
         k, v, k_pos, k_valid = cache.write(k_rotated, v_heads, q_pos, q_valid, start if token is None else token)
-        # The causal and window rule on positions (core.decode.decode_allowed), in torch: (B, 1, s, T).
+        # The causal rule, the window and the chunks on positions (core.decode.decode_allowed), in torch: (B, 1, s, T).
         kp, qp = k_pos[:, None, None, :], q_pos[:, None, :, None]
         allowed = (kp <= qp) & k_valid[:, None, None, :]
         if cfg.window is not None:
             allowed &= kp > qp - cfg.window
+        if cfg.attention_chunk_size is not None:  # Llama 4's chunks on the positions, the cache offset included
+            allowed &= kp // cfg.attention_chunk_size == qp // cfg.attention_chunk_size  # int64 floor division
         self.blocked = ~allowed
         self.empty_rows = ~allowed.any(dim=-1, keepdim=True)  # (B, 1, s, 1): a left pad's query sees no key
         if self.bias_tables is not None:

@@ -31,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import alibi as _alibi
+from . import chunked as _chunked
 from . import qk_norm as _qk_norm
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
@@ -54,6 +55,7 @@ from ._entry import (
 )
 from ._shared import relative_distances, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
+from .chunked import chunk_allowed
 from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
@@ -73,6 +75,7 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rel_bias.ENTRY,
         _sinks.ENTRY,
         _rope_scaling.ENTRY,
+        _chunked.ENTRY,
     )
 }
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
@@ -243,6 +246,7 @@ __all__ = [
     "alibi_slopes",
     "allowed_by_masks",
     "bias_terms",
+    "chunk_allowed",
     "param_spec",
     "register_variant",
     "registry_cases",

@@ -183,11 +183,14 @@ class BenchSpec:
     overrides: `MHAConfig` keyword arguments at the cell's size; ``"tokens/4"`` is resolved per size.
     baseline:  the bench entry it is measured against (its cost is its time over the baseline's).
     label:     the bench entry's name, where it is not the variant's (``rope_yarn``).
+    preset:    the ``bench --preset`` that times it: ``"variants"`` (the variants of 2024), ``"forms"`` (the
+               attention forms of 2025-26, issue 45: Llama 4's chunks, ...); `benchmarks.variants.preset_cells`.
     """
 
     overrides: Mapping[str, Any]
     baseline: str
     label: str = ""
+    preset: str = "variants"
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def test_the_stage_each_variant_changes_is_measured():
         "rel_bias": "adds biased_scores; first changed: biased_scores",
         "sinks": "first changed: weights",
         "rope_scaling": "first changed: q_rotated",
+        "gate": "adds gate; first changed: gate",
     }
     assert pipeline().split(" -> ")[10:15] == ["scores", "capped_scores", "biased_scores", "masked_scores", "weights"]
 

@@ -31,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import alibi as _alibi
+from . import gate as _gate
 from . import qk_norm as _qk_norm
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
@@ -54,6 +55,7 @@ from ._entry import (
 )
 from ._shared import relative_distances, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
+from .gate import fuse_gated_q, gate_backward, gate_forward, split_gated_q
 from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
@@ -73,11 +75,15 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rel_bias.ENTRY,
         _sinks.ENTRY,
         _rope_scaling.ENTRY,
+        _gate.ENTRY,
     )
 }
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
 # library's kernel knows those forms and no later one (backends/oracles list theirs from it).
-BUILTIN_VARIANTS: frozenset[str] = frozenset(VARIANT_REGISTRY)
+# An entry only some of our adapters apply (`Variant.implemented_by`) is no kernel's: the oracles refuse it.
+BUILTIN_VARIANTS: frozenset[str] = frozenset(
+    name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by is None
+)
 
 
 # What core built from the registry when it was imported (MHAConfig's fields, the stage table): an entry
@@ -243,6 +249,9 @@ __all__ = [
     "alibi_slopes",
     "allowed_by_masks",
     "bias_terms",
+    "fuse_gated_q",
+    "gate_backward",
+    "gate_forward",
     "param_spec",
     "register_variant",
     "registry_cases",
@@ -258,6 +267,7 @@ __all__ = [
     "softcap_vjp",
     "softmax_with_empty_rows",
     "softmax_with_sinks",
+    "split_gated_q",
     "stage_owners",
     "steps_at",
     "steps_at_place",

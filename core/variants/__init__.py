@@ -81,9 +81,12 @@ VARIANT_REGISTRY: dict[str, Variant] = {
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
 # library's kernel knows those forms and no later one (backends/oracles list theirs from it).
 # An entry only some of our adapters apply (`Variant.implemented_by`) is no kernel's: the oracles refuse it.
-BUILTIN_VARIANTS: frozenset[str] = frozenset(
-    name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by is None
-)
+def adapted_variants() -> frozenset[str]:
+    """The registered variants every one of our adapters applies: all but those whose entry names its libraries."""
+    return frozenset(name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by is None)
+
+
+BUILTIN_VARIANTS: frozenset[str] = adapted_variants()
 
 
 # What core built from the registry when it was imported (MHAConfig's fields, the stage table): an entry
@@ -245,6 +248,7 @@ __all__ = [
     "SimulatedSteps",
     "StageSpec",
     "Variant",
+    "adapted_variants",
     "alibi_bias",
     "alibi_slopes",
     "allowed_by_masks",

@@ -152,6 +152,14 @@ ENTRY = Variant(
             dict(q_tokens=6, dtypes=("float64",), seed=60),
         ),
     ),
+    decode_cases=(
+        CaseSpec(
+            "gate",
+            "Qwen3-Next's gate: each step's new tokens gated by their own sigmoid(x @ w_gate.T); nothing cached for it",
+            dict(QWEN3_NEXT_LIKE, attn_output_gate=True),
+            dict(tokens=7, prefill=3, seed=160),
+        ),
+    ),
     # Its cost against plain attention: one more (D, H*Dv) projection, a sigmoid and a product. Every adapter
     # refuses it today, so the cell reports each refusal rather than a time.
     bench=BenchSpec({FIELD: True}, "plain"),

@@ -263,4 +263,4 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
         timeout=300,
     )
     assert bad.returncode == 1
-    assert "against the oracle: unsupported 49, DISAGREE 6" in bad.stdout  # 27 of the 49: variant cases
+    assert "against the oracle: unsupported 50, DISAGREE 6" in bad.stdout  # 28 of the 50: variant cases

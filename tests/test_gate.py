@@ -184,3 +184,35 @@ def test_reading_the_gate_as_the_projections_second_half_changes_the_output():
     x = _x((1, 5, CFG.d_model), seed=4)
     right, misread = reference_mha(CFG, params, x), reference_mha(CFG, wrong, x)
     assert np.max(np.abs(right - misread)) > 1e-2 * np.max(np.abs(right))
+
+
+def _diagnosed(candidate_params):
+    """diagnose's causes for a NumPy candidate that computes the spec on the parameters ``candidate_params`` makes."""
+    from mha_rosetta.diagnose import diagnose
+
+    def candidate(params, query, key, value, mask):
+        cfg, p = candidate_params(params)
+        return reference_mha(cfg, p, query, key, value, mask)
+
+    return diagnose(candidate, CFG)
+
+
+def test_diagnose_agrees_with_the_gate_done_right_and_names_each_gate_mistake():
+    assert _diagnosed(lambda p: (CFG, p)).agrees
+
+    def forgotten(params):  # merged straight to w_o: the ungated layer on the same weights
+        plain = MHAConfig(**QWEN3_NEXT_LIKE | {"bias": True})
+        return plain, MHAParams(**{n: a for n, a in params.as_dict().items() if n not in ("w_gate", "b_gate")})
+
+    def halves(params):  # q, gate = q_proj(x).chunk(2, -1) on Qwen3-Next's fused rows
+        half = CFG.n_heads * CFG.d_k
+        fused = fuse_gated_q(params.w_q, params.w_gate, CFG.n_heads, CFG.d_k)
+        fused_b = fuse_gated_q(params.b_q, params.b_gate, CFG.n_heads, CFG.d_k)
+        read = {"w_q": fused[:half], "w_gate": fused[half:], "b_q": fused_b[:half], "b_gate": fused_b[half:]}
+        return CFG, MHAParams(**{**params.as_dict(), **read})
+
+    for make, mistake in ((forgotten, "forgotten"), (halves, "second half of the whole q_proj")):
+        result = _diagnosed(make)
+        assert not result.agrees
+        assert [cause.code for cause in result.causes] == ["gate"], result.summary()
+        assert mistake in result.causes[0].detail, result.summary()

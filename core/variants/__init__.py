@@ -78,6 +78,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _gate.ENTRY,
     )
 }
+
+
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
 # library's kernel knows those forms and no later one (backends/oracles list theirs from it).
 # An entry only some of our adapters apply (`Variant.implemented_by`) is no kernel's: the oracles refuse it.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_bool
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
 
 FIELD = "attn_output_gate"
@@ -65,6 +66,53 @@ def fuse_gated_q(w_q: np.ndarray, w_gate: np.ndarray, n_heads: int, head_dim: in
     q = w_q.reshape(n_heads, 1, head_dim, *rest)  # (H, 1, d, ...) view
     g = w_gate.reshape(n_heads, 1, head_dim, *rest)  # (H, 1, d, ...) view
     return np.concatenate([q, g], axis=1).reshape(n_heads * 2 * head_dim, *rest)  # (H*2*d, ...) copy
+
+
+# -- diagnose: the gate forgotten, or read from the second half of the whole q_proj (vllm #36242) -----------------
+def _as_read(cfg: Config, p: dict, mistake) -> dict:
+    """The parameters by name as a candidate reads them: with ``"halves"``, q and the gate from q_proj's two halves."""
+    if mistake != "halves":
+        return p
+    half = cfg.n_heads * cfg.d_k
+    read = dict(p)
+    for w, g in (("w_q", "w_gate"), ("b_q", "b_gate")):
+        if p.get(g) is not None:
+            fused = fuse_gated_q(p[w], p[g], cfg.n_heads, cfg.d_k)  # what Qwen3NextAttention stores
+            read[w], read[g] = fused[:half], fused[half:]  # the mistake: chunk(2) of the whole projection
+    return read
+
+
+def _gated(cfg: Config, p, query, merged, mistake):
+    """What w_o reads: ``merged * sigmoid(query @ w_gate.T + b_gate)``; ``merged`` itself when the gate is forgotten."""
+    if mistake == "dropped":
+        return merged
+    return merged * gate_forward(query, p.w_gate, p.b_gate)
+
+
+CAUSES = (
+    DiagnoseCause(
+        "gate",
+        "dropped",
+        "the output gate forgotten: the merged context goes to w_o without the sigmoid(x @ w_gate.T) factor",
+        "multiply the merged context by sigmoid(x @ w_gate.T + b_gate) before o_proj (Qwen3NextAttention)",
+    ),
+    DiagnoseCause(
+        "gate",
+        "halves",
+        "the gate read as the second half of the whole q_proj (q, gate = q_proj(x).chunk(2, -1)), where each head's "
+        "2*d_k features are [q_h | gate_h]",
+        "split per head: q_proj(x).view(..., n_heads, 2 * head_dim).chunk(2, -1) (core.variants.split_gated_q)",
+        when=lambda cfg: cfg.n_heads > 1,
+    ),
+)
+
+
+def _regroup(cfg: Config, params, order) -> dict:
+    """The gate's rows of the query heads reordered by ``order`` (they move with their heads' columns of w_o)."""
+    H, Dv = cfg.n_heads, cfg.d_v
+    w_gate = params.w_gate.reshape(H, Dv, -1)[order].reshape(H * Dv, -1)  # (H, Dv, D) rows regrouped, copy
+    b_gate = None if params.b_gate is None else params.b_gate.reshape(H, Dv)[order].reshape(H * Dv)
+    return {"w_gate": w_gate, "b_gate": b_gate}
 
 
 def _validate(cfg: Config) -> dict:
@@ -141,6 +189,17 @@ ENTRY = Variant(
     stage_specs=(STAGE,),
     forward=gate_forward,
     backward=gate_backward,
+    diagnose=DiagnoseSpec(
+        rank=75,  # after T5 (70), before a variant registered from outside at 80 (tests/test_diagnose_registry.py)
+        causes=CAUSES,
+        # The candidates plant the forgotten gate; they are given the spec's w_gate apart from w_q, so the halves
+        # are a hypothesis only (`tests/test_gate.py` diagnoses a candidate that chunks the fused q_proj).
+        mistakes=(PlantedMistake("gate forgotten", "gate", "merged @ w_o.T with no sigmoid(gate) factor", "dropped"),),
+        settings=(("qwen3-next-gate", dict(QWEN3_NEXT_LIKE, attn_output_gate=True)),),
+        simulated=SimulatedSteps(params=_as_read, output=_gated),
+        planted=PlantedSteps(output=_gated),
+        regroup_heads=_regroup,
+    ),
     # No adapter applies the gate yet: each refuses it by name (`Variant.implemented_by`), the float64
     # oracles (core.reference, core.grad) compute it.
     implemented_by=(),

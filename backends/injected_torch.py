@@ -156,7 +156,19 @@ def _sink_column(cfg: MHAConfig, params, scores, v, mistake):
 _QK_NORM = PlantedSteps(
     projection=planted_norm("projection", torch_rms_norm), heads=planted_norm("head", torch_rms_norm)
 )
+
+
 # variant -> its steps in torch idioms (`PlantedSteps`, the torch side of the NumPy candidate's entry steps).
+def _gated(cfg: MHAConfig, t, query, merged, mistake):
+    """Qwen3-Next's ``attn_output * torch.sigmoid(gate)``; ``t``: the candidate's tensors by name."""
+    import torch
+
+    if mistake == "dropped":
+        return merged
+    gate = torch.nn.functional.linear(torch.as_tensor(query), t["w_gate"], t.get("b_gate"))  # (B, Nq, H*Dv)
+    return merged * torch.sigmoid(gate)
+
+
 TORCH_STEPS: dict[str, PlantedSteps] = {
     "window": PlantedSteps(mask=_window_blocked),
     "chunked": PlantedSteps(mask=_chunk_blocked),
@@ -167,6 +179,7 @@ TORCH_STEPS: dict[str, PlantedSteps] = {
     "rel_bias": PlantedSteps(bias=_t5_bias),
     "sinks": PlantedSteps(columns=_sink_column),
     "rope_scaling": variant("rope_scaling").diagnose.planted,  # the NumPy frequencies
+    "gate": PlantedSteps(output=_gated),
 }
 
 
@@ -273,6 +286,8 @@ def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str |
             merged = context.permute(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
         else:
             merged = context.transpose(1, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv) copy
+        for step, mistake in _steps(cfg, "output", mistakes):  # the output gate
+            merged = step(cfg, t, x_q, merged, mistake)
         w_o = t["w_o"].T if bug == "w_o transposed" else t["w_o"]
         return F.linear(merged, w_o, t["b_o"])
 

@@ -7,6 +7,7 @@ with every backward stage exposed (canonical layout, the forward stage's shape):
 
     d_output  = dO                                           (B, Nq, D)
     d_merged  = d_output @ w_o                              (B, Nq, H*Dv)   dW_o = d_output^T merged, db_o = sum
+                (attn_output_gate: d_gate = d_merged * merged, then d_merged * gate; dW_gate, dx_q through the sigmoid)
     d_context = d_merged split into heads                    (B, H, Nq, Dv)
     d_weights = d_context @ V_g^T                            (B, H, Nq, Nk)
     d_v_heads = sum over the group of A_h^T @ d_context      (B, Hkv, Nk, Dv)
@@ -59,7 +60,7 @@ from .params import PARAM_NAMES, MHAParams
 from .reference import forward_stages, reference_stages
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import VARIANT_REGISTRY, rms_norm_vjp, steps_at_place
+from .variants import VARIANT_REGISTRY, gate_backward, rms_norm_vjp, steps_at_place
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -226,10 +227,22 @@ def reference_mha_vjp(
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     stages: dict[str, np.ndarray] = {"d_output": d_out}
 
-    # Output projection: out = merged @ w_o.T + b_o.
-    d_w_o = r(np.einsum("bno,bni->oi", d_out, fwd["merged"]))  # (D, H*Dv): dY^T X over every token
+    # Output projection: out = merged @ w_o.T + b_o (merged * gate with attn_output_gate).
+    gate = fwd.get("gate")  # (B, Nq, H*Dv) or None
+    read = fwd["merged"] if gate is None else r(fwd["merged"] * gate)  # what w_o reads
+    d_w_o = r(np.einsum("bno,bni->oi", d_out, read))  # (D, H*Dv): dY^T X over every token
     d_b_o = None if p["b_o"] is None else r(d_out.sum(axis=(0, 1)))  # (D,)
-    d_merged = stages["d_merged"] = r(d_out @ p["w_o"])  # (B, Nq, H*Dv)
+    d_merged = r(d_out @ p["w_o"])  # (B, Nq, H*Dv)
+    d_variant_params: dict = {}
+    d_xq_gate = None
+    if gate is not None:  # read = merged * gate: each factor's gradient is the other's product with d_read
+        d_gate = stages["d_gate"] = r(d_merged * fwd["merged"])
+        d_merged = r(d_merged * gate)
+        d_xq_gate, d_w_gate, d_b_gate = gate_backward(x_q, p["w_gate"], gate, d_gate)
+        d_variant_params["w_gate"] = r(d_w_gate)
+        if p.get("b_gate") is not None:
+            d_variant_params["b_gate"] = r(d_b_gate)
+    stages["d_merged"] = d_merged
 
     # Merge heads: head h owns columns h*Dv:(h+1)*Dv.
     d_context = stages["d_context"] = np.stack(
@@ -260,7 +273,7 @@ def reference_mha_vjp(
 
     # Back through the registry's score steps: the biases (added), then the transforms in reverse.
     d_last = d_masked
-    d_variant_params = {name: r(grad) for name, grad in d_softmax.items()}
+    d_variant_params.update({name: r(grad) for name, grad in d_softmax.items()})
     biases = steps_at_place(cfg, "bias")
     if biases:
         stages[f"d_{biases[0].stages[0]}"] = d_last
@@ -319,6 +332,7 @@ def reference_mha_vjp(
         return r(d_y @ w), r(np.einsum("bno,bni->oi", d_y, x)), None if b is None else r(d_y.sum(axis=(0, 1)))
 
     d_xq, d_w_q, d_b_q = linear_backward(d_q, x_q, p["w_q"], p["b_q"])
+    d_xq = d_xq if d_xq_gate is None else r(d_xq + d_xq_gate)  # x_q feeds the gate too
     d_xk, d_w_k, d_b_k = linear_backward(d_k, x_k, p["w_k"], p["b_k"])
     d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
     d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)

@@ -30,7 +30,8 @@ class MHAParams:
     The variants' parameters are None unless their `MHAConfig` field is on:
     ``q_norm``/``k_norm`` (QK-norm weights: ``(d_k,)`` each with ``qk_norm="head"``,
     ``(n_heads*d_k,)``/``(n_kv_heads*d_k,)`` with ``"projection"``), ``sinks`` ``(n_heads,)``
-    and ``rel_bias`` ``(rel_buckets, n_heads)`` (T5's ``relative_attention_bias.weight``).
+    and ``rel_bias`` ``(rel_buckets, n_heads)`` (T5's ``relative_attention_bias.weight``), ``w_gate``
+    ``(n_heads*d_k, d_model)`` and ``b_gate`` (with q's bias) with ``attn_output_gate``.
     """
 
     w_q: np.ndarray
@@ -45,6 +46,8 @@ class MHAParams:
     k_norm: np.ndarray | None = None
     sinks: np.ndarray | None = None
     rel_bias: np.ndarray | None = None
+    w_gate: np.ndarray | None = None
+    b_gate: np.ndarray | None = None
 
     def as_dict(self) -> dict[str, np.ndarray | None]:
         """Weights and biases by name (None where absent), then the variants' parameters that are present.

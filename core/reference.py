@@ -13,6 +13,7 @@ The score steps are the variant registry's (`core.variants.score_steps`), each e
 in its own module, run in pipeline order: no variant is named here.
     C_h = A_h @ V_g
     out = [C_0 | C_1 | ... | C_{H-1}] @ w_o.T + b_o
+    (with attn_output_gate: [C_0 | ... ] * sigmoid(x_q @ w_gate.T + b_gate) before w_o)
 
 It loops over heads on purpose: clarity is the point, speed is the backends' job.
 
@@ -31,7 +32,7 @@ from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import bias_terms, rms_norm, softmax_with_empty_rows, steps_at_place
+from .variants import bias_terms, gate_forward, rms_norm, softmax_with_empty_rows, steps_at_place
 
 __all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
 
@@ -122,6 +123,9 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
         context[:, h] = weights[:, h] @ v_heads[:, cfg.kv_head_of(h)]  # (B, Nq, Dv)
     context = stages["context"] = r(context)
     merged = stages["merged"] = np.concatenate([context[:, h] for h in range(H)], axis=-1)  # (B, Nq, H*Dv)
+    if p.get("w_gate") is not None:  # attn_output_gate (Qwen3-Next): w_o reads merged * sigmoid(x_q w_gate.T + b)
+        gate = stages["gate"] = r(gate_forward(x_q, p["w_gate"], p.get("b_gate")))  # (B, Nq, H*Dv)
+        merged = r(merged * gate)
     stages["output"] = r(linear(merged, p["w_o"], p["b_o"]))  # (B, Nq, D)
     assert tuple(stages) == stage_names(cfg)  # the table in core.stages is the contract
     return stages

@@ -14,7 +14,7 @@ from mha_rosetta.core.params import validate_params
 from mha_rosetta.core.rotary import frequencies
 from mha_rosetta.core.variants import score_bias
 
-from .simulate import normed, transformed, weights_of
+from .simulate import Bug, _variant_steps, normed, transformed, weights_of
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,10 @@ def simulate_decode(
         weights = weights_of(cfg, p, masked)  # (with a sink logit)
         context = weights @ values  # (B, H, s, Dv)
         merged = context.transpose(0, 2, 1, 3).reshape(B, s, H * Dv)  # (B, s, H, Dv) -> (B, s, H*Dv) copy
+        for step, mistake in _variant_steps(
+            cfg, "output", Bug()
+        ):  # the output gate (done right), on this chunk's tokens
+            merged = step(cfg, p, xs, merged, mistake)
         outputs.append(linear(merged, p.w_o, p.b_o))  # (B, s, D)
         if ring is not None and not is_step:  # the prefill attended within itself: now keep the ring's slots
             K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]

@@ -191,6 +191,8 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             merged = context.transpose(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) flattened: the bug
         else:
             merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv) copy
+        for step, mistake in _steps(cfg, "output", mistakes):  # the output gate
+            merged = step(cfg, params, query, merged, mistake)
         return linear(merged, w_o, b_o, bug == "w_o transposed")
 
     return candidate

@@ -78,7 +78,12 @@ def reorder_output_columns(cfg: MHAConfig, params: MHAParams) -> MHAParams:
     """w_o for code that merges heads as (Dv, H): column ``d*H + h`` must read head h's feature d."""
     d_model = params.w_o.shape[0]
     w_o = params.w_o.reshape(d_model, cfg.n_heads, cfg.d_v).transpose(0, 2, 1)  # (D, Dv, H) view
-    return replace(params, w_o=w_o.reshape(d_model, cfg.d_v * cfg.n_heads))  # (D, Dv*H) copy
+    # The output gate multiplies the merged columns: its rows must come in the candidate's (Dv, H) order too.
+    gate = {
+        name: None if a is None else a.reshape(cfg.n_heads, cfg.d_v, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+        for name, a in (("w_gate", params.w_gate), ("b_gate", params.b_gate))
+    }  # (Dv, H, ...) copies
+    return replace(params, w_o=w_o.reshape(d_model, cfg.d_v * cfg.n_heads), **gate)  # (D, Dv*H) copy
 
 
 def tiled_query_head_order(cfg: MHAConfig) -> np.ndarray:

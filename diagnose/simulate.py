@@ -146,6 +146,8 @@ def params_as_used(cfg: MHAConfig, params: MHAParams, bug: Bug) -> MHAParams:
         p[name] = p[name].T
     for name in bug.bias_dropped:
         p[name] = None
+    for step, mistake in _variant_steps(cfg, "params", bug):  # the gate read from the wrong rows
+        p = step(cfg, p, mistake)
     return MHAParams(**p)
 
 
@@ -194,6 +196,8 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         merged = context.transpose(0, 2, 3, 1).reshape(B, Nq, Dv * H)  # (B, Nq, Dv, H) -> (B, Nq, Dv*H) copy
     else:
         merged = context.transpose(0, 2, 1, 3).reshape(B, Nq, H * Dv)  # (B, Nq, H, Dv) -> (B, Nq, H*Dv) copy
+    for step, mistake in _variant_steps(cfg, "output", bug):  # the output gate
+        merged = step(cfg, p, query, merged, mistake)
     if bug.bias_misplaced == "b_o before w_o":  # offered only with an output bias (cfg.output_bias)
         return (merged + p.b_o) @ p.w_o.T
     return linear(merged, p.w_o, p.b_o)

@@ -53,6 +53,7 @@ def test_the_stage_each_variant_changes_is_measured():
         "sinks": "first changed: weights",
         "rope_scaling": "first changed: q_rotated",
         "chunked": "first changed: masked_scores",
+        "gate": "adds gate; first changed: gate",
     }
     assert pipeline().split(" -> ")[10:15] == ["scores", "capped_scores", "biased_scores", "masked_scores", "weights"]
 

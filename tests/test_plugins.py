@@ -263,4 +263,4 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
         timeout=300,
     )
     assert bad.returncode == 1
-    assert "against the oracle: unsupported 52, DISAGREE 6" in bad.stdout  # 30 of the 52: variant cases
+    assert "against the oracle: unsupported 53, DISAGREE 6" in bad.stdout  # 31 of the 53: variant cases

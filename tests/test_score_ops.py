@@ -237,13 +237,22 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     from mha_rosetta.core.variants import VARIANT_REGISTRY, ScoreStep
 
     numpy = get_backend("numpy")
-    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS)
+    # The gate acts outside the pipeline and its entry names the libraries whose adapters apply it: none yet.
+    assert VARIANT_REGISTRY["gate"].implemented_by == ()
+    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS) - {"gate"}
+    monkeypatch.setattr(
+        ops,
+        "VARIANT_REGISTRY",
+        {**VARIANT_REGISTRY, "gate": replace(VARIANT_REGISTRY["gate"], implemented_by=("numpy",))},
+    )
+    assert "gate" in numpy.variants and "gate" not in ops.RegistryVariants("numpy", "torch").__get__(None, object)
+    monkeypatch.undo()
     # A variant registered after import whose op no ops class has: left out, for every adapter and path.
     tempered = replace(
         VARIANT_REGISTRY["softcap"], name="temperature", score_step=ScoreStep("transform", "temperature")
     )
     monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "temperature": tempered})
-    assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS)
+    assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS) - {"gate"}
     # The NumPy ops class has the method, but the pipeline (built from the registry at import) does not carry
     # the step: still refused, never run without it.
     monkeypatch.setattr(ops.NumpyOps, "temperature", lambda self, scores, t: scores / t, raising=False)

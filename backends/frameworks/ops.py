@@ -273,7 +273,7 @@ class RegistryVariants:
     variants that act outside the score pipeline (an entry without a ``score_step``: QK-norm, the qkv
     bias, rope scaling) in their projections and rotary. So an adapter implements every registered
     variant whose score op its ops class has a method for and the pipeline carries (`SCORE_STEPS`), and
-    every variant without a score step. One whose op a library's ops class lacks, or that the pipeline
+    every variant without a score step its entry does not limit to other libraries (`Variant.implemented_by`). One whose op a library's ops class lacks, or that the pipeline
     does not carry (registered after `SCORE_STEPS` was built), is left out, and the adapter refuses it
     with the reason (`Backend.variant_reason`). ``libraries``: the ops classes that
     must all have the op (einops runs on all three); ``without``: variants a path does not implement.
@@ -296,8 +296,9 @@ class RegistryVariants:
             for name, entry in VARIANT_REGISTRY.items()
             if name not in self.without
             and (
-                entry.score_step is None
-                or (
+                (entry.implemented_by is None or set(self.libraries) <= set(entry.implemented_by))
+                if entry.score_step is None
+                else (
                     all(hasattr(cls, entry.score_step.op) for cls in classes)
                     and (entry.score_step.place == "softmax" or name in carried)
                 )

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import alibi as _alibi
 from . import chunked as _chunked
+from . import gate as _gate
 from . import qk_norm as _qk_norm
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
@@ -56,6 +57,7 @@ from ._entry import (
 from ._shared import relative_distances, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
 from .chunked import chunk_allowed
+from .gate import fuse_gated_q, gate_backward, gate_forward, split_gated_q
 from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
@@ -76,11 +78,20 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _sinks.ENTRY,
         _rope_scaling.ENTRY,
         _chunked.ENTRY,
+        _gate.ENTRY,
     )
 }
+
+
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
 # library's kernel knows those forms and no later one (backends/oracles list theirs from it).
-BUILTIN_VARIANTS: frozenset[str] = frozenset(VARIANT_REGISTRY)
+# An entry only some of our adapters apply (`Variant.implemented_by`) is no kernel's: the oracles refuse it.
+def adapted_variants() -> frozenset[str]:
+    """The registered variants every one of our adapters applies: all but those whose entry names its libraries."""
+    return frozenset(name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by is None)
+
+
+BUILTIN_VARIANTS: frozenset[str] = adapted_variants()
 
 
 # What core built from the registry when it was imported (MHAConfig's fields, the stage table): an entry
@@ -242,11 +253,15 @@ __all__ = [
     "SimulatedSteps",
     "StageSpec",
     "Variant",
+    "adapted_variants",
     "alibi_bias",
     "alibi_slopes",
     "allowed_by_masks",
     "bias_terms",
     "chunk_allowed",
+    "fuse_gated_q",
+    "gate_backward",
+    "gate_forward",
     "param_spec",
     "register_variant",
     "registry_cases",
@@ -262,6 +277,7 @@ __all__ = [
     "softcap_vjp",
     "softmax_with_empty_rows",
     "softmax_with_sinks",
+    "split_gated_q",
     "stage_owners",
     "steps_at",
     "steps_at_place",

@@ -99,6 +99,8 @@ class SimulatedSteps:
     masked(cfg, masked, mistake) -> the scores after the mask.
     softmax(cfg, p, masked, mistake) -> the weights (B, H, Nq, Nk) (one variant's at the most).
     context(cfg, weights, values, mistake) -> what it adds to the context (B, H, Nq, Dv), or 0.
+    params(cfg, p, mistake) -> the parameters by name (a dict) as the candidate reads them (the gate's halves).
+    output(cfg, p, query, merged, mistake) -> what w_o reads: the merged context (B, Nq, H*Dv), gated.
     """
 
     projection: Callable | None = None
@@ -110,6 +112,8 @@ class SimulatedSteps:
     masked: Callable | None = None
     softmax: Callable | None = None
     context: Callable | None = None
+    params: Callable | None = None
+    output: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class PlantedSteps:
     masked(cfg, scores, mistake) -> the scores after the mask.
     columns(cfg, params, scores, v, mistake) -> (scores, v, drop): the columns it adds to the softmax's scores
         (and rows to the values), and whether the candidate drops them after the softmax.
+    output(cfg, params, query, merged, mistake) -> what w_o reads (the gate; the torch candidate's take tensors).
     """
 
     projection: Callable | None = None
@@ -140,6 +145,7 @@ class PlantedSteps:
     mask: Callable | None = None
     masked: Callable | None = None
     columns: Callable | None = None
+    output: Callable | None = None
 
     @property
     def empty(self) -> bool:

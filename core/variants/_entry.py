@@ -246,6 +246,9 @@ class Variant:
               (``diagnose_causes``), the bugs its candidates plant in it (``planted_mistakes``), its steps in the
               simulator and in those candidates, its settings of the confusion table.
     layout_params: the parameters a model layout must store to hold it (`models._layout`).
+    implemented_by: for a variant outside the score pipeline, the ops libraries (`backends.frameworks.ops`)
+              whose adapters apply it; None: every adapter, and every third-party oracle that claims the
+              package's variants (`BUILTIN_VARIANTS`). Any other adapter refuses it by name.
     """
 
     name: str
@@ -268,6 +271,7 @@ class Variant:
     demo_off: Mapping[str, Any] = field(default_factory=dict)
     explain: Callable[[Any], Explanation] | None = None
     diagnose: DiagnoseSpec | None = None
+    implemented_by: tuple[str, ...] | None = None
 
     @property
     def layout_params(self) -> tuple[str, ...]:

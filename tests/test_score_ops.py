@@ -64,7 +64,7 @@ def test_the_steps_are_in_the_spec_order_and_make_the_variant_stages():
         == [name for name in STAGE_NAMES if name in stages]
         == ["capped_scores", "biased_scores", "masked_scores"]
     )
-    assert [variants for variants, _ in SCORE_STEPS] == [("softcap",), ("alibi", "rel_bias"), ("window",)]
+    assert [variants for variants, _ in SCORE_STEPS] == [("softcap",), ("alibi", "rel_bias"), ("window", "chunked")]
     plain = MHAConfig(d_model=8, n_heads=4)
     assert [step.stage for _, step in SCORE_STEPS if step.on(plain)] == ["masked_scores"]
     assert [step.stage for _, step in SCORE_STEPS if step.on(ALL_ON)] == [
@@ -216,7 +216,7 @@ def test_the_steps_come_from_core_s_registry_and_an_unknown_op_is_named(monkeypa
     }
     monkeypatch.setattr(ops, "VARIANT_REGISTRY", moved)
     steps = ops._steps_in_registry_order()
-    assert [variants for variants, _ in steps] == [("alibi", "rel_bias"), ("window",), ("softcap",)]
+    assert [variants for variants, _ in steps] == [("alibi", "rel_bias"), ("window", "chunked"), ("softcap",)]
     assert [step.stage for _, step in steps] == ["biased_scores", "masked_scores", "capped_scores"]
     unknown = {
         **VARIANT_REGISTRY,

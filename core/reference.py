@@ -28,6 +28,7 @@ import numpy as np
 
 from .config import MHAConfig
 from .inputs import allowed_positions, prepare_inputs
+from .packing import packed_call
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
@@ -139,6 +140,8 @@ def reference_mha(
     *,
     positions=None,
     kv_positions=None,
+    cu_seqlens=None,
+    position_ids=None,
 ):
     """The float64 oracle.
 
@@ -148,7 +151,15 @@ def reference_mha(
     every stage tensor (always batched, canonical layout, see `core.stages`).
     ``positions`` (queries) and ``kv_positions`` (keys) are the token positions, integers
     ``(N,)`` or ``(B, N)``, defaulting to ``0 .. N-1`` (see `core.inputs.prepare_inputs`).
+    ``cu_seqlens`` or packed ``position_ids``: ``query`` is ``(T, d_model)`` or ``(1, T, d_model)``
+    packed documents, each attending only within itself, positions restarting per document
+    (`core.packing`); results keep the caller's form.
     """
+    packed = packed_call(
+        cfg, query, key, value, mask, positions, kv_positions, cu_seqlens=cu_seqlens, position_ids=position_ids
+    )
+    if packed is not None:
+        query, mask, positions = packed.query, packed.mask, packed.positions
     stages = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
     batched = np.ndim(query) == 3
     output = stages["output"] if batched else stages["output"][0]

@@ -28,7 +28,7 @@ import numpy as np
 
 from .config import MHAConfig
 from .inputs import allowed_positions, prepare_inputs
-from .packing import packed_call
+from .packing import ragged_call
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
@@ -142,6 +142,8 @@ def reference_mha(
     kv_positions=None,
     cu_seqlens=None,
     position_ids=None,
+    seq_lens=None,
+    kv_seq_lens=None,
 ):
     """The float64 oracle.
 
@@ -153,13 +155,14 @@ def reference_mha(
     ``(N,)`` or ``(B, N)``, defaulting to ``0 .. N-1`` (see `core.inputs.prepare_inputs`).
     ``cu_seqlens`` or packed ``position_ids``: ``query`` is ``(T, d_model)`` or ``(1, T, d_model)``
     packed documents, each attending only within itself, positions restarting per document
-    (`core.packing`); results keep the caller's form.
+    (`core.packing`); results keep the caller's form. ``seq_lens`` (and ``kv_seq_lens``): per-row
+    lengths of a right-padded ``(B, N, d_model)`` batch; padding keys are never attended and a
+    padding query row has zero context (its output is ``b_o``).
     """
-    packed = packed_call(
-        cfg, query, key, value, mask, positions, kv_positions, cu_seqlens=cu_seqlens, position_ids=position_ids
-    )
-    if packed is not None:
-        query, mask, positions = packed.query, packed.mask, packed.positions
+    ragged = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, seq_lens=seq_lens, kv_seq_lens=kv_seq_lens)
+    call = ragged_call(cfg, query, key, value, mask, positions, kv_positions, **ragged)
+    if call is not None:
+        query, mask, positions = call.query, call.mask, call.positions
     stages = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
     batched = np.ndim(query) == 3
     output = stages["output"] if batched else stages["output"][0]

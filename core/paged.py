@@ -24,12 +24,12 @@ import numpy as np
 
 from .ragged import RaggedBatch
 
-__all__ = ["PAD", "PagedLayout", "pages_needed"]
+__all__ = ["PAD", "PagedLayout", "check_page_size", "pages_needed"]
 
 PAD = -1  # a block-table entry no page sits behind
 
 
-def _page_size(page_size) -> int:
+def check_page_size(page_size) -> int:
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0:
         raise ValueError(f"page_size must be a positive int (tokens per page), got {page_size!r}")
     return int(page_size)
@@ -37,7 +37,7 @@ def _page_size(page_size) -> int:
 
 def pages_needed(lengths, page_size: int) -> np.ndarray:
     """``ceil(L / P)`` for each length: the pages a row of ``L`` tokens fills."""
-    return -(-np.asarray(lengths, dtype=np.int64) // _page_size(page_size))
+    return -(-np.asarray(lengths, dtype=np.int64) // check_page_size(page_size))
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +50,7 @@ class PagedLayout:
     n_pages: int
 
     def __post_init__(self):
-        page_size = _page_size(self.page_size)
+        page_size = check_page_size(self.page_size)
         seq_lens = RaggedBatch(self.seq_lens).lengths  # validated: int, 1-D, >= 0
         table = np.asarray(self.block_table)
         if table.dtype == np.bool_ or table.dtype.kind not in "iu" or table.ndim != 2 or len(table) != len(seq_lens):
@@ -148,7 +148,7 @@ class PagedLayout:
         cls, kv_indptr, kv_indices, kv_last_page_len, page_size: int, n_pages: int, max_blocks: int | None = None
     ) -> PagedLayout:
         """From FlashInfer's three arrays; ``kv_last_page_len`` must be in 1..P for a row with pages, 0 without."""
-        page_size = _page_size(page_size)
+        page_size = check_page_size(page_size)
         used = RaggedBatch.from_cu_seqlens(kv_indptr).lengths  # validated offsets -> pages per row
         indices = np.asarray(kv_indices)
         if indices.shape != (int(used.sum()),):

@@ -12,6 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, validate_pa
 from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
 from mha_rosetta.core.paged import check_page_size
 
+from ._paged import PAGED
 from .prepared import Prepared, PreparedDecode, canonical_stage
 from .vocabulary import STANDARD, UnsupportedCase, check_device_name
 
@@ -38,7 +39,6 @@ class DecodeStep:
         )
 
 
-PAGED = "paged"  # the paged cache kind: a pool of pages through a block table (`core.page_pool`)
 DEFAULT_PAGE_SIZE = 16  # vLLM's default block size
 
 

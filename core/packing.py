@@ -56,21 +56,15 @@ def _and_user_mask(allowed: np.ndarray, mask) -> np.ndarray:
     return allowed & user.reshape((1,) * (4 - user.ndim) + user.shape)
 
 
-def ragged_call(
-    cfg,
-    query,
-    key=None,
-    value=None,
-    mask=None,
-    positions=None,
-    kv_positions=None,
-    *,
-    cu_seqlens=None,
-    position_ids=None,
-    seq_lens=None,
-    kv_seq_lens=None,
-) -> RaggedCall | None:
-    """None for a rectangular call; otherwise the `RaggedCall` that runs it, every rule checked with a clear error."""
+def ragged_call(cfg, query, key, value, mask, positions, kv_positions, **ragged) -> RaggedCall | None:
+    """None for a rectangular call; otherwise the `RaggedCall` that runs it, every rule checked with a clear error.
+
+    ``ragged``: the keywords of `RAGGED_OPTIONS` (``cu_seqlens``, ``position_ids``, ``seq_lens``, ``kv_seq_lens``).
+    """
+    unknown = sorted(set(ragged) - set(RAGGED_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown ragged-batch keywords {unknown}; they are {', '.join(RAGGED_OPTIONS)}")
+    cu_seqlens, position_ids, seq_lens, kv_seq_lens = (ragged.get(name) for name in RAGGED_OPTIONS)
     packing = cu_seqlens is not None or position_ids is not None
     if packing and (seq_lens is not None or kv_seq_lens is not None):
         raise ValueError("a call is packed (cu_seqlens / position_ids) or padded (seq_lens), not both")

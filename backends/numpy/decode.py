@@ -52,9 +52,9 @@ from mha_rosetta.core.decode import (
 )
 from mha_rosetta.core.page_pool import pool_pages
 
+from .._paged import PAGED
 from .._recording import StageRecorder, relation_to
 from ..base import DecodeStep, Prepared, PreparedDecode
-from ..decoding import PAGED
 from .common import MaskArrays, NumpyPrecision
 from .layer import ColumnSampleMHA, _split_reshape, columns_to_rows
 from .paged import PAGED_LAYOUT, PagedColumnCache

@@ -16,33 +16,25 @@ import numpy as np
 
 from mha_rosetta.core.page_pool import PagePool
 
-PAGED = "paged"
+from .._paged import PagedCacheBase
+
 PAGED_LAYOUT = (
     "keys (pages, Hkv, Dk, P) and values (pages, Hkv, Dv, P): pages of P token columns, a block table per row in a "
     "seeded shuffled physical order; a step gathers its row's pages into (B, Hkv, Dk, n*P); a window frees whole pages"
 )
 
 
-class PagedColumnCache:
+class PagedColumnCache(PagedCacheBase):
     """`decode.ColumnCache`'s interface (``write``, ``columns``, ``info``) over a pool of pages."""
 
-    kind, ring = PAGED, None  # no ring: a window frees whole pages instead
+    axes = "(pages, Hkv, Dk, P)"
 
     def __init__(self, batch, heads, d_k, d_v, dtype, page_size: int, n_pages: int, seed: int, window=None):
         self.pool = PagePool(batch, page_size, n_pages, seed, window)
-        self.keys = np.zeros((n_pages, heads, d_k, page_size), dtype=dtype)  # (pages, Hkv, Dk, P)
-        self.values = np.zeros((n_pages, heads, d_v, page_size), dtype=dtype)  # (pages, Hkv, Dv, P)
+        self.k = np.zeros((n_pages, heads, d_k, page_size), dtype=dtype)  # (pages, Hkv, Dk, P)
+        self.v = np.zeros((n_pages, heads, d_v, page_size), dtype=dtype)  # (pages, Hkv, Dv, P)
         self.positions = np.zeros((n_pages, page_size), dtype=np.int64)  # (pages, P)
         self.valid = np.zeros((n_pages, page_size), dtype=bool)  # (pages, P): nothing written yet
-
-    @property
-    def slots(self) -> int:
-        """Token slots per row the pool could hold (its pages over the rows)."""
-        return self.pool.n_pages * self.pool.page_size // len(self.pool.table)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
 
     def write(self, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> None:
         """Write ``s`` columns: keys (B, Hkv, Dk, s), values (B, Hkv, Dv, s), positions and valid (B, s)."""
@@ -50,8 +42,8 @@ class PagedColumnCache:
         self.valid[given] = False  # a page given again holds a freed row's tokens: none of them are this row's
         offsets = np.broadcast_to(offset, page.shape)  # (B, s)
         # Advanced indices (page, offset) around two slices: the result's axes are (B, s, Hkv, Dk).
-        self.keys[page, :, :, offsets] = keys.transpose(0, 3, 1, 2)  # (B, s, Hkv, Dk) view of the new columns
-        self.values[page, :, :, offsets] = values.transpose(0, 3, 1, 2)  # (B, s, Hkv, Dv) view
+        self.k[page, :, :, offsets] = keys.transpose(0, 3, 1, 2)  # (B, s, Hkv, Dk) view of the new columns
+        self.v[page, :, :, offsets] = values.transpose(0, 3, 1, 2)  # (B, s, Hkv, Dv) view
         self.positions[page, offsets] = positions
         self.valid[page, offsets] = valid
 
@@ -66,19 +58,8 @@ class PagedColumnCache:
             return pool[pages].transpose(0, 2, 3, 1, 4).reshape(B, pool.shape[1], pool.shape[2], n * P)
 
         return (
-            gather(self.keys),
-            gather(self.values),
+            gather(self.k),
+            gather(self.v),
             self.positions[pages].reshape(B, n * P),
             self.valid[pages].reshape(B, n * P),
         )
-
-    def info(self) -> dict:
-        pool = self.pool
-        return {
-            "kind": PAGED,
-            "layout": f"(pages={pool.n_pages}, Hkv, Dk, P={pool.page_size}) through a block table",
-            "slots": self.slots,
-            "bytes": self.nbytes,
-            "page_size": pool.page_size,
-            "pages": pool.n_pages,  # the pool: the most pages the run's rows hold at once (`pool_pages`)
-        }

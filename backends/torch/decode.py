@@ -36,6 +36,7 @@ from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, ring_capacity
 from mha_rosetta.core.page_pool import pool_pages
 
+from .._paged import PAGED
 from .._recording import StageRecorder, record_stages
 from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from .common import (
@@ -49,7 +50,7 @@ from .common import (
     with_matmul_precision,
 )
 from .layer import RowSampleMHA
-from .paged import PAGED, PAGED_LAYOUT, TorchPagedCache
+from .paged import PAGED_LAYOUT, TorchPagedCache
 from .variants import ScoreBias
 
 DYNAMIC, STATIC = "dynamic", "static"

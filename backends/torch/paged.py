@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from mha_rosetta.core.page_pool import PagePool
 
-PAGED = "paged"
+from .._paged import PagedCacheBase
+
 PAGED_LAYOUT = (
     "K (pages, P, Hkv, Dk) and V (pages, P, Hkv, Dv), vLLM's layout, through a block table in a seeded shuffled "
     "physical order; a step gathers its rows' pages into (B, Hkv, n*P, Dk); a window frees whole pages"
 )
 
 
-class TorchPagedCache:
+class TorchPagedCache(PagedCacheBase):
     """`decode.TorchKVCache`'s ``write`` over a pool of pages; ``like``: a tensor of the cache's dtype and device."""
 
-    kind, ring = PAGED, None  # no ring: a window frees whole pages instead
+    axes = "(pages, P, Hkv, Dk)"
 
     def __init__(self, batch: int, cfg, *, page_size: int, n_pages: int, seed: int, like) -> None:
         import torch
@@ -34,15 +35,6 @@ class TorchPagedCache:
         self.v = like.new_zeros((n_pages, page_size, cfg.n_kv_heads, cfg.d_v))  # (pages, P, Hkv, Dv)
         self.positions = like.new_zeros((n_pages, page_size), dtype=torch.int64)  # (pages, P)
         self.valid = like.new_zeros((n_pages, page_size), dtype=torch.bool)  # (pages, P): nothing written yet
-
-    @property
-    def slots(self) -> int:
-        """Token slots per row the pool could hold (its pages over the rows)."""
-        return self.pool.n_pages * self.pool.page_size // len(self.pool.table)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
     def _index(self, array):
         return self.torch.from_numpy(array).to(self.k.device)
@@ -74,14 +66,3 @@ class TorchPagedCache:
             return pool[pages].reshape(B, n * P, *pool.shape[2:]).transpose(1, 2)
 
         return rows(self.k), rows(self.v), self.positions[pages].reshape(B, n * P), self.valid[pages].reshape(B, n * P)
-
-    def info(self) -> dict:
-        pool = self.pool
-        return {
-            "kind": PAGED,
-            "layout": f"(pages={pool.n_pages}, P={pool.page_size}, Hkv, Dk) through a block table",
-            "slots": self.slots,
-            "bytes": self.nbytes,
-            "page_size": pool.page_size,
-            "pages": pool.n_pages,
-        }

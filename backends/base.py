@@ -48,6 +48,7 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.grad import output_shape
 from mha_rosetta.core.inputs import causal_on_indices
+from mha_rosetta.core.packing import RAGGED_OPTIONS, ragged_call
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
 from .decoding import DecodeMixin, DecodeStep
@@ -281,7 +282,16 @@ class Backend(DecodeMixin):
         **options,
     ):
         """Same arguments and results as `core.reference_mha`; ``options`` are `prepare`'s keywords
-        (dtype, device, strategy, positions, kv_positions, chunk), passed on as they are."""
+        (dtype, device, strategy, positions, kv_positions, chunk), passed on as they are, and the
+        packing (``cu_seqlens`` or ``position_ids``, `core.packing`): one row of T tokens with the
+        document mask ANDed into the mask and positions restarting per document; or ``seq_lens``
+        (``kv_seq_lens``) on a right-padded batch, its lengths ANDed into the mask."""
+        ragged = {name: options.pop(name) for name in RAGGED_OPTIONS if name in options}
+        call = ragged_call(
+            cfg, query, key, value, mask, options.get("positions"), options.get("kv_positions"), **ragged
+        )
+        if call is not None:
+            query, mask, options["positions"] = call.query, call.mask, call.positions
         prepared, inputs = self.prepare(cfg, params, query, key, value, mask, **options)
         output = inputs.unbatch(prepared.output())
         if not (return_weights or return_stages):

@@ -10,7 +10,9 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, validate_params
 from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
+from mha_rosetta.core.paged import check_page_size
 
+from ._paged import PAGED
 from .prepared import Prepared, PreparedDecode, canonical_stage
 from .vocabulary import STANDARD, UnsupportedCase, check_device_name
 
@@ -35,6 +37,21 @@ class DecodeStep:
         return np.broadcast_to(
             np.arange(self.context, self.context + self.step, dtype=np.int64), (self.batch, self.step)
         )
+
+
+DEFAULT_PAGE_SIZE = 16  # vLLM's default block size
+
+
+def paging_options(cache: str, page_size, page_seed) -> dict:
+    """The paged cache's keywords for ``_prepare_decode_run`` (none for another kind, where ``page_size`` is refused)."""
+    if cache != PAGED:
+        if page_size is not None:
+            raise ValueError(f"page_size is for cache='paged', got cache={cache!r}")
+        return {}
+    page_size = check_page_size(DEFAULT_PAGE_SIZE if page_size is None else page_size)
+    if isinstance(page_seed, bool) or not isinstance(page_seed, (int, np.integer)):
+        raise TypeError(f"page_seed must be an int (the seed of the pages' physical order), got {page_seed!r}")
+    return {"page_size": page_size, "page_seed": int(page_seed)}
 
 
 class DecodeMixin:
@@ -84,11 +101,14 @@ class DecodeMixin:
         device: str = "cpu",
         strategy: str = STANDARD,
         cache: str | None = None,
+        page_size: int | None = None,
+        page_seed: int = 0,
     ) -> tuple[PreparedDecode, DecodeInputs]:
         """Validate everything, then convert once for a whole decode run (`run_decode`'s arguments)."""
         inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step, mask=mask, positions=positions)
         dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
-        return self._prepare_decode_run(cfg, params, inputs, dtype, device, strategy, cache), inputs
+        paging = paging_options(cache, page_size, page_seed)
+        return self._prepare_decode_run(cfg, params, inputs, dtype, device, strategy, cache, **paging), inputs
 
     def run_decode(
         self, cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, mask=None, positions=None, **options
@@ -97,7 +117,8 @@ class DecodeMixin:
 
         ``x``: (B, N, d_model) or (N, d_model); ``mask``: a (B, N) or (N,) padding mask (True: a
         real token); ``positions``: (B, N) or (N,), default ``0 .. N-1`` or ``cumsum(mask) - 1``.
-        ``options``: dtype, device, strategy, cache. Returns every token's output, (B, N, d_model)
+        ``options``: dtype, device, strategy, cache; with ``cache="paged"`` also ``page_size`` (default
+        16, vLLM's) and ``page_seed`` (the shuffled physical order of the pages). Returns every token's output, (B, N, d_model)
         (or (N, d_model)), which equals `core.decode.reference_decode` (the full causal forward).
         """
         prepared, inputs = self.prepare_decode_run(
@@ -137,5 +158,7 @@ class DecodeMixin:
         if not cfg.causal:
             raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
         dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
+        if cache == PAGED:
+            raise UnsupportedCase(f"{self.name}: the paged cache has no timed step yet (run_decode runs it)")
         job = DecodeStep(int(batch), int(context), int(step), dtype, device, strategy, cache, seed)
         return self._prepare_decode_step(cfg, params, job)

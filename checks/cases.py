@@ -36,6 +36,7 @@ from mha_rosetta.core import (
     reference_mha,
     reference_stages,
 )
+from mha_rosetta.core.ragged import RaggedBatch
 from mha_rosetta.core.variants import registry_cases
 
 ALL_DTYPES = DTYPE_NAMES  # float64, float32, float16, bfloat16
@@ -78,6 +79,10 @@ class SpecCase:
                   (queries at ``offset .. offset + Nq - 1``); None: positions 0 .. Nq-1.
                   Keys keep the default (the queries' positions in self-attention,
                   ``0 .. Nk-1`` otherwise: a cache of earlier tokens).
+    documents:    packed documents of these lengths in one row (batch 1, self-attention): the
+                  spec's packing (`core.packing`) spelled as what it is, a document mask ANDed
+                  into the mask and positions restarting per document, so every implementation
+                  and oracle runs it.
     """
 
     name: str
@@ -94,6 +99,7 @@ class SpecCase:
     mask_density: float | None = None
     mask_per_head: bool = False
     position_offsets: tuple[int, ...] | None = None
+    documents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         unknown = [d for d in self.dtypes if d not in ALL_DTYPES]
@@ -109,6 +115,13 @@ class SpecCase:
                 f"case {self.name!r}: position_offsets needs one entry per batch item ({batch}), "
                 f"got {self.position_offsets}"
             )
+        if self.documents is not None and (
+            batch != 1 or sum(self.documents) != self.q_tokens or self.kv_tokens is not None or self.position_offsets
+        ):
+            raise ValueError(
+                f"case {self.name!r}: documents {self.documents} are packed into one row of self-attention: "
+                f"batch 1, q_tokens = their sum, no kv_tokens or position_offsets"
+            )
 
     @property
     def is_cross_attention(self) -> bool:
@@ -117,7 +130,7 @@ class SpecCase:
     @property
     def has_mask(self) -> bool:
         masks = (self.key_lengths is not None, self.blocked_rows, self.head_blocked_rows, self.mask_density is not None)
-        return any(masks)
+        return any(masks) or self.documents is not None
 
     def params(self) -> MHAParams:
         return init_params(self.cfg, seed=self.seed)
@@ -137,6 +150,9 @@ class SpecCase:
         if self.position_offsets is not None:
             positions = np.array([offset + np.arange(self.q_tokens) for offset in self.position_offsets])  # (B, Nq)
             positions = positions if self.batch is not None else positions[0]
+        if self.documents is not None:
+            positions = RaggedBatch(self.documents).position_ids(drop_empty=True)  # (Nq,): restarting per document
+            positions = positions if self.batch is None else positions[None]
         return CaseInputs(query, key, value, self._mask(kv_tokens, rng), positions)
 
     def _mask(self, kv_tokens: int, rng: np.random.Generator) -> np.ndarray | None:
@@ -153,6 +169,8 @@ class SpecCase:
             mask[b, :, row, :] = False  # a query row with nothing to attend to
         for b, head, row in self.head_blocked_rows:
             mask[b, head, row, :] = False  # ... in one head only
+        if self.documents is not None:
+            mask &= RaggedBatch(self.documents).document_mask(drop_empty=True)  # no key of another document
         return mask if self.batch is not None else mask[0]  # unbatched masks have no batch axis
 
     def run(self, backend, dtype: str = "float64", strategy: str = "standard", **kwargs):
@@ -178,7 +196,7 @@ class SpecCase:
     def allowed(self) -> np.ndarray:
         """(B, H, Nq, Nk) bool, batched form: the keys each query may attend to in each head (mask and causal)."""
         data = self.inputs()
-        inputs = prepare_inputs(self.cfg, data.query, data.key, data.value, data.mask)
+        inputs = prepare_inputs(self.cfg, data.query, data.key, data.value, data.mask, **data.positions_kwargs)
         allowed = allowed_positions(self.cfg, inputs)
         shape = (inputs.batch, self.cfg.n_heads, inputs.q_tokens, inputs.kv_tokens)
         return np.ones(shape, dtype=bool) if allowed is None else np.broadcast_to(allowed, shape)  # a view
@@ -203,6 +221,8 @@ class SpecCase:
             parts.append(f"scale={self.cfg.scale:g}")
         if self.position_offsets is not None:
             parts.append(f"positions from {list(self.position_offsets)}")
+        if self.documents is not None:
+            parts.append(f"packed documents {list(self.documents)}")
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -218,6 +238,7 @@ class SpecCase:
             "mask_density": self.mask_density,
             "mask_per_head": self.mask_per_head,
             "position_offsets": None if self.position_offsets is None else list(self.position_offsets),
+            "documents": None if self.documents is None else list(self.documents),
             "dtypes": list(self.dtypes),
         }
 
@@ -391,6 +412,28 @@ SPEC_CASES: dict[str, SpecCase] = {
             position_offsets=(4, 4),
             dtypes=("float64", "float32"),
             seed=34,
+        ),
+        SpecCase(
+            "packed",
+            "packed documents of 4, 0, 1, 6 and 2 tokens in one row (cu_seqlens [0, 4, 4, 5, 11, 13]): "
+            "each attends only within itself, rotary positions restarting per document",
+            MHAConfig(d_model=18, n_heads=3, n_kv_heads=1, rope="half", causal=True),  # d_k = 6
+            batch=1,
+            q_tokens=13,
+            documents=(4, 0, 1, 6, 2),
+            dtypes=("float64", "float32"),
+            seed=35,
+        ),
+        SpecCase(
+            "packed_window_alibi",
+            "packed documents of 5, 1 and 6 tokens with ALiBi and a causal window of 3: distances and the "
+            "window read on positions within each document",
+            MHAConfig(d_model=15, n_heads=3, causal=True, window=3, alibi=True),
+            batch=1,
+            q_tokens=12,
+            documents=(5, 1, 6),
+            dtypes=("float64", "float32"),
+            seed=36,
         ),
     )
 }

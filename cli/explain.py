@@ -9,6 +9,7 @@ column/row-sample article.
     mha-rosetta explain --write-docs docs     # regenerate docs/explainer.md, docs/head_split.png and docs/packings.png
     mha-rosetta explain --sharding --world 2 --heads 4   # which weight axis tensor parallelism cuts, and the all-reduce
     mha-rosetta explain --decode              # KV-cache decoding: each cache's layout, where keys are cached, masks
+    mha-rosetta explain --ragged              # one ragged batch in every spelling, and its block table drawn
 
 Exit status: 0 when every check holds, 1 when a non-speed claim is refuted or a weight
 layout fails its verification (a refuted speed claim is a finding, not a failure), 2 for
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode": (
             "KV-cache decoding instead: each implementation's cache layout and bytes per token, where keys are "
             "cached (computed), and the bottom-right vs top-left mask of a decode step"
+        ),
+        "--ragged": (
+            "ragged batches instead: one small batch in every spelling (cu_seqlens, position_ids, document mask, "
+            "seq_lens, block table, FlashInfer) with their round trips, and the block table drawn"
         ),
     }
     for flag, text in switches.items():
@@ -164,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_sharding(args, cfg)
     if args.decode:
         return _run_decode(args, cfg)
+    if args.ragged:
+        from mha_rosetta.explain.ragged import explain_ragged
+
+        return _write_section(args, explain_ragged(seed=args.seed))
     if args.grad:
         return _backward(args, cfg)
     write_docs = args.write_docs is not None

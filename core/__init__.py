@@ -39,7 +39,9 @@ from .layouts import (
     to_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
+from .paged import PagedLayout
 from .params import PARAM_NAMES, VARIANT_PARAM_NAMES, MHAParams, expected_param_shapes, init_params, validate_params
+from .ragged import RaggedBatch, pack_rows, unpack_rows
 from .reference import linear, reference_mha, reference_stages, softmax_with_empty_rows
 from .rotary import (
     RotaryTables,
@@ -114,6 +116,8 @@ __all__ = [
     "MHAGrads",
     "MHAInputs",
     "MHAParams",
+    "PagedLayout",
+    "RaggedBatch",
     "RotaryTables",
     "ShardPlan",
     "Stage",
@@ -149,6 +153,7 @@ __all__ = [
     "merge_head_matrices",
     "merge_output_matrix",
     "numpy_dtype",
+    "pack_rows",
     "prepare_inputs",
     "reference_mha",
     "reference_mha_vjp",
@@ -181,6 +186,7 @@ __all__ = [
     "to_torch_mha_state_dict",
     "tolerance_for",
     "torch_mha_unsupported_reason",
+    "unpack_rows",
     "unshard_params",
     "validate_params",
     "variant",

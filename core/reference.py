@@ -29,6 +29,7 @@ import numpy as np
 
 from .config import MHAConfig
 from .inputs import allowed_positions, prepare_inputs
+from .packing import ragged_call
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
@@ -143,6 +144,10 @@ def reference_mha(
     *,
     positions=None,
     kv_positions=None,
+    cu_seqlens=None,
+    position_ids=None,
+    seq_lens=None,
+    kv_seq_lens=None,
 ):
     """The float64 oracle.
 
@@ -152,7 +157,16 @@ def reference_mha(
     every stage tensor (always batched, canonical layout, see `core.stages`).
     ``positions`` (queries) and ``kv_positions`` (keys) are the token positions, integers
     ``(N,)`` or ``(B, N)``, defaulting to ``0 .. N-1`` (see `core.inputs.prepare_inputs`).
+    ``cu_seqlens`` or packed ``position_ids``: ``query`` is ``(T, d_model)`` or ``(1, T, d_model)``
+    packed documents, each attending only within itself, positions restarting per document
+    (`core.packing`); results keep the caller's form. ``seq_lens`` (and ``kv_seq_lens``): per-row
+    lengths of a right-padded ``(B, N, d_model)`` batch; padding keys are never attended and a
+    padding query row has zero context (its output is ``b_o``).
     """
+    ragged = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, seq_lens=seq_lens, kv_seq_lens=kv_seq_lens)
+    call = ragged_call(cfg, query, key, value, mask, positions, kv_positions, **ragged)
+    if call is not None:
+        query, mask, positions = call.query, call.mask, call.positions
     stages = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
     batched = np.ndim(query) == 3
     output = stages["output"] if batched else stages["output"][0]

@@ -160,8 +160,8 @@ def test_unsupported_strategy_and_cache_are_refused_with_the_reason():
     x, _ = decode_run_inputs(cfg, None)
     with pytest.raises(UnsupportedCase, match=r"numpy decodes with the standard strategy only, not 'per_head'"):
         BACKEND.run_decode(cfg, params, x, prefill=2, strategy="per_head")
-    with pytest.raises(UnsupportedCase, match=r"numpy has no 'paged' cache \(it has columns, static\)"):
-        BACKEND.run_decode(cfg, params, x, prefill=2, cache="paged")
+    with pytest.raises(UnsupportedCase, match=r"numpy has no 'rolling' cache \(it has columns, static, paged\)"):
+        BACKEND.run_decode(cfg, params, x, prefill=2, cache="rolling")
 
 
 def test_bad_decode_input_is_an_error_naming_the_argument():

@@ -313,8 +313,8 @@ def test_an_unsupported_cache_or_strategy_says_why():
     cfg = config()
     params, x = init_params(cfg), sequence()
     torch_backend, sdpa = get_backend("torch"), get_backend("torch-sdpa")
-    with pytest.raises(UnsupportedCase, match=r"torch has no 'paged' cache \(it has dynamic, static\)"):
-        torch_backend.run_decode(cfg, params, x, prefill=1, cache="paged")
+    with pytest.raises(UnsupportedCase, match=r"torch has no 'rolling' cache \(it has dynamic, static, paged\)"):
+        torch_backend.run_decode(cfg, params, x, prefill=1, cache="rolling")
     with pytest.raises(UnsupportedCase, match=r"torch-sdpa has no 'static' cache \(it has dynamic\)"):
         sdpa.run_decode(cfg, params, x, prefill=1, cache="static")
     with pytest.raises(UnsupportedCase, match="decodes with the standard strategy only, not 'per_head'"):

@@ -57,8 +57,8 @@ class NumpyBackend(Backend):
         precision = NumpyPrecision.for_dtype(dtype)
         return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)
 
-    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
-        return prepare_numpy_decode_run(cfg, params, inputs, dtype, cache)
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
+        return prepare_numpy_decode_run(cfg, params, inputs, dtype, cache, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         return prepare_numpy_decode_step(cfg, params, job)

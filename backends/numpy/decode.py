@@ -50,19 +50,23 @@ from mha_rosetta.core.decode import (
     decode_allowed,
     ring_capacity,
 )
+from mha_rosetta.core.page_pool import pool_pages
 
+from .._paged import PAGED
 from .._recording import StageRecorder, relation_to
 from ..base import DecodeStep, Prepared, PreparedDecode
 from .common import MaskArrays, NumpyPrecision
 from .layer import ColumnSampleMHA, _split_reshape, columns_to_rows
+from .paged import PAGED_LAYOUT, PagedColumnCache
 
 GROWING, STATIC = "columns", "static"
-CACHE_KINDS = (GROWING, STATIC)
+CACHE_KINDS = (GROWING, STATIC, PAGED)
 CACHE_LAYOUTS = {
     GROWING: "keys (B, Hkv, Dk, T) and values (B, Hkv, Dv, T): T on the last axis, a step appends columns; "
     "preallocated and doubled when full (amortised O(1) per column); a ring of W - 1 + step columns with a window",
     STATIC: "keys (B, Hkv, Dk, T) and values (B, Hkv, Dv, T) allocated once with a write index; writing past the "
     "capacity is CacheFull; a ring of W - 1 + step columns with a window",
+    PAGED: PAGED_LAYOUT,
 }
 
 
@@ -75,8 +79,8 @@ class ColumnCache:
     """
 
     def __init__(self, kind: str, batch: int, heads: int, d_k: int, d_v: int, dtype, capacity: int, ring=None):
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"kind must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
+        if kind not in (GROWING, STATIC):  # the paged kind is `paged.PagedColumnCache`
+            raise ValueError(f"kind must be one of {GROWING}, {STATIC}, got {kind!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (slots per sequence), got {capacity!r}")
         self.kind, self.ring = kind, ring
@@ -171,12 +175,18 @@ class ColumnSampleDecoder(ColumnSampleMHA):
     def __init__(self, cfg: MHAConfig, params: MHAParams, x, positions, precision: NumpyPrecision) -> None:
         super().__init__(cfg, params, prepare_inputs(cfg, x, positions=positions), precision, batched=False)
 
-    def new_cache(self, kind: str, capacity: int, step: int) -> ColumnCache:
+    def new_cache(self, kind: str, capacity: int, step: int, paging=None) -> ColumnCache | PagedColumnCache:
         cfg, batch = self.cfg, self.sizes[0]
+        if kind == PAGED:  # paging: (page_size, pool pages, seed)
+            page_size, n_pages, seed = paging
+            dims = (batch, cfg.n_kv_heads, cfg.d_k, cfg.d_v, self.precision.storage)
+            return PagedColumnCache(*dims, page_size, n_pages, seed, cfg.window)
         ring = ring_capacity(cfg, step)
         return ColumnCache(kind, batch, cfg.n_kv_heads, cfg.d_k, cfg.d_v, self.precision.storage, capacity, ring)
 
-    def chunk(self, cache: ColumnCache, tokens: slice, positions, valid, rec: StageRecorder | None = None):
+    def chunk(
+        self, cache: ColumnCache | PagedColumnCache, tokens: slice, positions, valid, rec: StageRecorder | None = None
+    ):
         """Feed the run's tokens ``tokens`` (positions and valid (B, s)) through ``cache``: their output (B, D, s).
 
         The chunk's keys and values join the cache first and the queries attend over its columns;
@@ -218,14 +228,20 @@ def _cache_capacity(cfg: MHAConfig, kind: str, inputs: DecodeInputs) -> int:
     return cache_capacity(cfg, inputs.tokens, inputs.step)
 
 
-def prepare_numpy_decode_run(cfg, params, inputs: DecodeInputs, dtype: str, cache: str) -> PreparedDecode:
-    """A whole decode run through a `ColumnCache` of kind ``cache`` (`Backend._prepare_decode_run`)."""
+def prepare_numpy_decode_run(
+    cfg, params, inputs: DecodeInputs, dtype: str, cache: str, page_size=None, page_seed=0
+) -> PreparedDecode:
+    """A whole decode run through a `ColumnCache` of kind ``cache``, or a `PagedColumnCache` of ``page_size``
+    tokens a page (`Backend._prepare_decode_run`)."""
     decoder = ColumnSampleDecoder(cfg, params, inputs.x, inputs.positions, NumpyPrecision.for_dtype(dtype))
     positions, valid, chunks = inputs.positions, inputs.valid, inputs.chunks()
-    capacity = _cache_capacity(cfg, cache, inputs)
+    capacity = _cache_capacity(cfg, cache, inputs) if cache != PAGED else 0
+    paging = None
+    if cache == PAGED:
+        paging = (page_size, pool_pages(inputs.batch, page_size, chunks, cfg.window), page_seed)
 
     def run_chunks(record: bool):
-        state = decoder.new_cache(cache, capacity, inputs.step)
+        state = decoder.new_cache(cache, capacity, inputs.step, paging)
         outputs, stages = [], []
         for start, stop in chunks:
             rec = StageRecorder() if record else None
@@ -245,7 +261,7 @@ def prepare_numpy_decode_run(cfg, params, inputs: DecodeInputs, dtype: str, cach
         "layout": "column samples (B, features, tokens); a step's scores (B, H, T, s), one column per new query",
         **decoder.precision.info(),
     }
-    probe = decoder.new_cache(cache, capacity, inputs.step)
+    probe = decoder.new_cache(cache, capacity, inputs.step, paging)
     slots = probe.slots
     if cache == GROWING and probe.ring is None:  # the slots it holds once the run is done
         slots, info["reallocations"] = grown_capacity(capacity, [stop for _, stop in chunks])

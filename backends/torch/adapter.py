@@ -76,10 +76,11 @@ class TorchBackend(TorchDevices, Backend):
         layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
 
-    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, capacity=None):
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, capacity=None, **paging):
         """``capacity``: a static cache's slots (no window), default the run's tokens; a smaller one is how the
-        tests reach `CacheFull` (``prepare_decode_run`` always passes the default)."""
-        return prepare_torch_decode_run(cfg, params, inputs, dtype, device, cache, self.allow_tf32, capacity)
+        tests reach `CacheFull` (``prepare_decode_run`` always passes the default). ``paging``: the paged cache's
+        ``page_size`` and ``page_seed``."""
+        return prepare_torch_decode_run(cfg, params, inputs, dtype, device, cache, self.allow_tf32, capacity, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         return prepare_torch_decode_step(cfg, params, job, self.allow_tf32)

@@ -34,7 +34,9 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, ring_capacity
+from mha_rosetta.core.page_pool import pool_pages
 
+from .._paged import PAGED
 from .._recording import StageRecorder, record_stages
 from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from .common import (
@@ -48,19 +50,21 @@ from .common import (
     with_matmul_precision,
 )
 from .layer import RowSampleMHA
+from .paged import PAGED_LAYOUT, TorchPagedCache
 from .variants import ScoreBias
 
 DYNAMIC, STATIC = "dynamic", "static"
 CACHE_AXES = (
     "(B, Hkv, T, Dk), (B, Hkv, T, Dv)"  # info["cache"]["layout"]: K and V, T the slots (DECODE_LAYOUTS in words)
 )
-DECODE_CACHES = (DYNAMIC, STATIC)
+DECODE_CACHES = (DYNAMIC, STATIC, PAGED)
 DECODE_LAYOUTS = {
     DYNAMIC: "(B, Hkv, T, Dk) and (B, Hkv, T, Dv) grown with torch.cat on T every call, Hugging Face's DynamicCache "
     "layout; with a window a ring of W - 1 + step slots written with index_copy_ once full",
     STATIC: "(B, Hkv, C, Dk) and (B, Hkv, C, Dv) preallocated to the capacity C, written by slice assignment at a "
     "write index, empty slots masked, Hugging Face's StaticCache layout; with a window a ring of W - 1 + step slots "
     "written with index_copy_",
+    PAGED: PAGED_LAYOUT,
 }
 
 
@@ -184,7 +188,9 @@ class DecodeRowSampleMHA(RowSampleMHA):
             lowest, highest = int(kv_positions.min() - positions.max()), int(kv_positions.max() - positions.min())
             self.bias_tables = (ScoreBias(cfg, span, dtype, device), lowest, highest)
 
-    def step(self, cache: TorchKVCache, start: int, stop: int, rec: StageRecorder | None = None, token=None):
+    def step(
+        self, cache: TorchKVCache | TorchPagedCache, start: int, stop: int, rec: StageRecorder | None = None, token=None
+    ):
         """Tokens ``start:stop`` of ``x``: written to ``cache`` (as tokens ``token ..``, default ``start``) and
         attended over it; returns their output (B, s, D)."""
         cfg = self.cfg
@@ -240,9 +246,12 @@ def prepare_torch_decode_run(
     cache: str,
     allow_tf32: bool = False,
     capacity: int | None = None,
+    page_size: int | None = None,
+    page_seed: int = 0,
 ) -> PreparedDecode:
-    """A whole decode run through a fresh `TorchKVCache` per run. ``capacity`` (a static cache without a window
-    only): its slots, default the run's tokens; fewer than the run needs is `CacheFull` at the step that overflows."""
+    """A whole decode run through a fresh `TorchKVCache` per run (a `TorchPagedCache` of ``page_size`` tokens a
+    page for ``cache="paged"``). ``capacity`` (a static cache without a window only): its slots, default the run's
+    tokens; fewer than the run needs is `CacheFull` at the step that overflows."""
     ring = ring_capacity(cfg, inputs.step)
     if capacity is not None:
         if cache != STATIC or ring is not None:
@@ -263,10 +272,18 @@ def prepare_torch_decode_run(
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
 
-    def new_cache() -> TorchKVCache:
+    def new_cache() -> TorchKVCache | TorchPagedCache:
+        if cache == PAGED:
+            n_pages = pool_pages(inputs.batch, page_size, chunks, cfg.window)
+            return TorchPagedCache(
+                inputs.batch, cfg, page_size=page_size, n_pages=n_pages, seed=page_seed, like=layer.w_q
+            )
         return TorchKVCache(cache, inputs.batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
 
-    def measured(kv: TorchKVCache) -> None:
+    if cache == PAGED:
+        info["cache"] = new_cache().info()
+
+    def measured(kv: TorchKVCache | TorchPagedCache) -> None:
         info["cache"].update(slots=kv.slots, bytes=kv.nbytes)  # the cache the last run left, as it is
 
     def run_all(recorders=None):

@@ -1,0 +1,37 @@
+"""What every library's paged KV cache shares: the kind's name, no ring, its size and its ``info``.
+
+Each library keeps the pool in its own layout (NumPy's key columns, torch's vLLM pages); the
+bookkeeping of which page holds what is `core.page_pool.PagePool`, here as ``self.pool``.
+"""
+
+from __future__ import annotations
+
+PAGED = "paged"  # the cache kind
+
+
+class PagedCacheBase:
+    """A paged cache's size and ``info``; subclasses set ``pool`` (a `PagePool`), ``k``, ``v`` and ``axes``."""
+
+    kind, ring = PAGED, None  # no ring: a window frees whole pages instead
+    axes = ""  # the pool's axes in words, e.g. "(pages, P, Hkv, Dk)"
+
+    @property
+    def slots(self) -> int:
+        """Token slots per row the pool could hold (its pages over the rows)."""
+        return self.pool.n_pages * self.pool.page_size // len(self.pool.table)
+
+    @property
+    def nbytes(self) -> int:
+        """K and V together (positions and validity are bookkeeping, not counted)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def info(self) -> dict:
+        pool = self.pool
+        return {
+            "kind": PAGED,
+            "layout": f"{self.axes} through a block table, pages={pool.n_pages}, P={pool.page_size}",
+            "slots": self.slots,
+            "bytes": self.nbytes,
+            "page_size": pool.page_size,
+            "pages": pool.n_pages,  # the pool: the most pages the run's rows hold at once (`pool_pages`)
+        }

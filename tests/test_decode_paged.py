@@ -1,0 +1,101 @@
+"""Paged decode: every token's output through a shuffled page pool equals the contiguous cache's."""
+
+import numpy as np
+import pytest
+
+from mha_rosetta.backends import UnsupportedCase, get_backend
+from mha_rosetta.core import MHAConfig, assert_close, init_params
+from mha_rosetta.core.decode import CacheFull, reference_decode
+from mha_rosetta.core.page_pool import PagePool, pool_pages
+from mha_rosetta.core.paged import PAD
+
+CONFIGS = {
+    "gqa_rope": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half"),
+    # W = 5 over pages of 3: the window's first key falls mid-page at every step.
+    "window_alibi": MHAConfig(d_model=14, n_heads=2, causal=True, window=5, alibi=True),
+    "sinks_softcap": MHAConfig(d_model=15, n_heads=3, causal=True, sinks=True, softcap=5.0),
+}
+
+
+def _run(backend, cfg, **options):
+    params = init_params(cfg, seed=1)
+    x = np.random.default_rng(2).standard_normal((3, 17, cfg.d_model))
+    mask = np.ones((3, 17), dtype=bool)
+    mask[1, :4] = False  # left padding in one row
+    expected = reference_decode(cfg, params, x, prefill=5, step=2, mask=mask)
+    out = get_backend(backend).run_decode(cfg, params, x, prefill=5, step=2, mask=mask, **options)
+    return out, expected
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("page_size", [1, 3, 4, 16])
+def test_paged_equals_contiguous(backend, name, page_size):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    cfg = CONFIGS[name]
+    out, expected = _run(backend, cfg, cache="paged", page_size=page_size, page_seed=page_size)
+    contiguous, _ = _run(backend, cfg, cache=get_backend(backend).decode_caches[0])
+    assert_close(out, expected, "float64", what=f"paged P={page_size}")
+    assert_close(out, contiguous, "float64", what="paged against the contiguous cache")
+
+
+def test_windows_free_whole_pages():
+    chunks = [(0, 5), *((s, min(s + 2, 17)) for s in range(5, 17, 2))]
+    assert pool_pages(3, 3, chunks, window=None) == 3 * 6  # every token kept: ceil(17 / 3) pages a row
+    assert pool_pages(3, 3, chunks, window=5) == 3 * 3  # W - 1 + step = 6 tokens span at most 3 pages of 3
+    pool = PagePool(batch=2, page_size=2, n_pages=2 * 3, seed=0, window=3)
+    for _ in range(9):  # one token at a time: the window needs the 2 keys before the new one
+        pool.write_slots(1)
+        assert pool.in_use <= 2 * 3
+    pages, start = pool.live()
+    assert start == 6 and pages.shape == (2, 2)  # tokens 6..8 on logical pages 3 and 4; pages 0..2 freed
+    assert (pool.table[:, :3] == PAD).all()
+    assert sorted(pool.free + pages.ravel().tolist()) == list(range(6))  # freed pages came back and were reused
+
+
+def test_pages_are_shuffled_and_the_result_does_not_depend_on_where_they_sit():
+    pool = PagePool(batch=2, page_size=2, n_pages=8, seed=3)
+    pool.write_slots(8)
+    assert sorted(pool.table.ravel().tolist()) == list(range(8))
+    assert pool.table.ravel().tolist() != list(range(8))  # physical order != logical order
+    layout = pool.layout()
+    assert layout.seq_lens.tolist() == [8, 8] and np.array_equal(layout.block_table, pool.table)
+    cfg = CONFIGS["gqa_rope"]
+    for backend in ("numpy", "torch"):
+        a, _ = _run(backend, cfg, cache="paged", page_size=2, page_seed=0)
+        b, _ = _run(backend, cfg, cache="paged", page_size=2, page_seed=1)
+        np.testing.assert_array_equal(a, b)  # pytorch #182593: an output that depends on where the pages sit
+
+
+def test_pool_exhausted_and_bad_page_options():
+    pool = PagePool(batch=2, page_size=4, n_pages=3, seed=0)
+    pool.write_slots(4)
+    with pytest.raises(CacheFull, match="page pool exhausted: 2 rows need 2 more pages of 4 tokens, 1 of 3 are free"):
+        pool.write_slots(1)
+    cfg = CONFIGS["gqa_rope"]
+    with pytest.raises(ValueError, match=r"page_size must be a positive int .* got 0"):
+        _run("numpy", cfg, cache="paged", page_size=0)
+    with pytest.raises(ValueError, match="page_size is for cache='paged', got cache='columns'"):
+        _run("numpy", cfg, cache="columns", page_size=4)
+    with pytest.raises(UnsupportedCase, match="paged cache has no timed step"):
+        get_backend("numpy").prepare_decode(cfg, init_params(cfg, seed=0), context=8, cache="paged")
+
+
+def test_torch_pool_is_vllm_layout_and_reads_back_through_the_canonical_layout():
+    torch = pytest.importorskip("torch")
+    from mha_rosetta.backends.torch.paged import TorchPagedCache
+
+    cfg = CONFIGS["gqa_rope"]  # Hkv = 2, Dk = Dv = 4
+    cache = TorchPagedCache(2, cfg, page_size=3, n_pages=8, seed=5, like=torch.zeros((), dtype=torch.float64))
+    k = torch.randn(2, 2, 7, 4, dtype=torch.float64)  # (B, Hkv, s, Dk)
+    positions = torch.arange(7).expand(2, 7)
+    gathered = cache.write(k, 2 * k, positions, torch.ones(2, 7, dtype=torch.bool), token=0)
+    assert cache.k.shape == (8, 3, 2, 4)  # (pages, P, Hkv, Dk)
+    torch.testing.assert_close(gathered[0][:, :, :7], k, rtol=0, atol=0)
+    assert not gathered[3][:, 7:].any()  # the last page's two unwritten slots are invalid
+    layout = cache.pool.layout()  # core's description of the same pages: its gather reads the same keys
+    packed = layout.gather(cache.k.numpy())  # (T, Hkv, Dk), rows one after the other
+    np.testing.assert_array_equal(packed, k.transpose(1, 2).reshape(14, 2, 4).numpy())
+    with pytest.raises(ValueError, match="written in token order: token 9 after 7"):
+        cache.write(k[:, :, :1], k[:, :, :1], positions[:, :1], torch.ones(2, 1, dtype=torch.bool), token=9)

@@ -47,6 +47,7 @@ STAGE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("softmax", ("masked_scores", "weights")),
     ("context", ("context",)),
     ("merge", ("merged",)),
+    ("output gate", ("gate",)),  # Qwen3-Next's sigmoid(gate) factor, only with attn_output_gate
     ("output", ("output",)),
 )
 

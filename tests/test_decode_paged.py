@@ -1,5 +1,7 @@
 """Paged decode: every token's output through a shuffled page pool equals the contiguous cache's."""
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -62,7 +64,7 @@ def test_pages_are_shuffled_and_the_result_does_not_depend_on_where_they_sit():
     layout = pool.layout()
     assert layout.seq_lens.tolist() == [8, 8] and np.array_equal(layout.block_table, pool.table)
     cfg = CONFIGS["gqa_rope"]
-    for backend in ("numpy", "torch"):
+    for backend in ("numpy", "torch") if importlib.util.find_spec("torch") else ("numpy",):  # torch's: in `all`
         a, _ = _run(backend, cfg, cache="paged", page_size=2, page_seed=0)
         b, _ = _run(backend, cfg, cache="paged", page_size=2, page_seed=1)
         np.testing.assert_array_equal(a, b)  # pytorch #182593: an output that depends on where the pages sit

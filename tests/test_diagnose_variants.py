@@ -44,6 +44,7 @@ DETAILS = {
     "t5 buckets reversed": "buckets of p_i - p_j (query minus key): ",
     "chunk boundary off by one": "chunk boundaries one position late: (p + 1) // 3",
     "chunk forgotten": "no chunk mask: every earlier key visible where chunks of 3 cut",
+    "gate forgotten": "the output gate forgotten: the merged context goes to w_o without the sigmoid",
 }
 # The rule that makes each variant's cause a hypothesis.
 HAS_VARIANT = {
@@ -55,6 +56,7 @@ HAS_VARIANT = {
     "rope_scaling": lambda cfg: cfg.rope_scaling is not None,
     "rel_bias": lambda cfg: cfg.rel_buckets is not None,
     "chunked": lambda cfg: cfg.attention_chunk_size is not None,
+    "gate": lambda cfg: cfg.attn_output_gate,
 }
 VARIANT_CASES = [name for name, case in SPEC_CASES.items() if case.cfg.variants]
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +30,24 @@ BATCH, Q_TOKENS, KV_TOKENS, D_MODEL, HEADS, D_K = 2, 7, 5, 15, 3, 5
 def python_stdout(code: str) -> str:
     """What a fresh interpreter prints running ``code`` (stripped); fails the test if it exits non-zero."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str):
+    """The module ``examples/<name>.py``, imported as ``examples.<name>`` whatever the working directory.
+
+    ``python -m pytest`` puts the working directory on ``sys.path`` and plain ``pytest`` (tox, CI) does not, so
+    ``from examples import ...`` passed here and failed in CI's ``all`` env (2026-12-05).
+    """
+    if not (EXAMPLES / f"{name}.py").is_file():
+        raise FileNotFoundError(f"load_example: name must name a file in {EXAMPLES}, got {name!r}")
+    sys.path.insert(0, str(EXAMPLES.parent))
+    try:
+        return importlib.import_module(f"examples.{name}")
+    finally:
+        sys.path.remove(str(EXAMPLES.parent))
 
 
 def run_cli(*argv: str, cwd) -> subprocess.CompletedProcess:

@@ -21,14 +21,14 @@ pytest.importorskip("transformers", reason="transformers is not installed: pip i
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'mha-rosetta[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'mha-rosetta[mlx]'")
 
+from conftest import load_example
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.diagnose.compare import compare
 from mha_rosetta.models import from_module
 from mha_rosetta.models.mlx_lm import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from examples import ports_qwen3  # noqa: E402
+ports_qwen3 = load_example("ports_qwen3")
 
 
 def test_hf_qwen3_and_mlx_lm_qwen3_agree_forward_and_decode():

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import requires, run_cli
+from conftest import load_example, requires, run_cli
 from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.core import MHAConfig, MHAParams, init_params, reference_mha
 from mha_rosetta.core.decode import reference_decode
@@ -300,11 +300,8 @@ def test_bad_arguments_name_the_rule():
 # -- an independent candidate (torch) and the command line -------------------------------------
 @requires("torch")
 def test_the_torch_example_is_diagnosed_top_left_and_its_fix_agrees():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from examples.my_decode import candidate, fixed_candidate
-    finally:
-        sys.path.remove(str(ROOT))
+    example = load_example("my_decode")
+    candidate, fixed_candidate = example.candidate, example.fixed_candidate
     fixed = diagnose_decode(fixed_candidate, GQA_HALF)
     assert fixed.agrees and fixed.max_error < 1e-12
     result = diagnose_decode(candidate, GQA_HALF)

@@ -11,9 +11,12 @@ import pytest
 
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'mha-rosetta[mlx]'")
 
-from examples.my_mlx_attention import candidate, fixed_candidate
+from conftest import load_example
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.diagnose import diagnose
+
+EXAMPLE = load_example("my_mlx_attention")
+candidate, fixed_candidate = EXAMPLE.candidate, EXAMPLE.fixed_candidate
 
 CFG = MHAConfig(d_model=16, n_heads=4, rope="half")
 

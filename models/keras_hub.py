@@ -158,7 +158,14 @@ def keras_hub_layout(family: KerasHubFamily) -> Layout:
             load=load_keras_hub,
             forward=forward,
         ),
-        example={"n_kv_heads": 2, "bias": family.biases[0], "rope": "half", "causal": True},
+        example={
+            "n_kv_heads": 2,
+            "bias": family.biases[0],
+            "rope": "half",
+            "causal": True,
+            **({"qk_norm": family.qk_norm} if family.qk_norm else {}),
+            **({"sinks": True} if "sinks" in family.extras else {}),
+        },
         variants=family.variants,
     )
 

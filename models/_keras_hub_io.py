@@ -200,7 +200,8 @@ def keras_hub_forward(layout: str, layer, cfg: MHAConfig, x, padding, decoder_wi
         np.asarray(to_array(output), dtype=np.float64),
     )
     run.parameters = {name: tuple(v.shape) for name, v in keras_hub_variables(layer).items()}
-    run.precision = "float32"
+    dtype = str(layer.compute_dtype)
+    run.precision = "float32" if dtype in ("float64", "float32") else dtype  # a bfloat16 layer: its own level
     run.note = PRECISION_NOTE + (NORM_NOTE if cfg.qk_norm else "")
     return run
 

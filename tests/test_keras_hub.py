@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -192,3 +193,17 @@ def test_on_keras_torch_backend_in_a_subprocess():
     for name, case in result.items():
         assert case["same"] and case["exact"], name
         assert 0 < case["error"] < TOL.atol and case["decode"] < TOL.atol, (name, case)
+
+
+def test_llama_position_scaling_factor_is_ignored_by_keras_hub_and_read_so():
+    from keras_hub.src.models.llama.llama_attention import LlamaAttention
+
+    layer = LlamaAttention(4, 2, rope_position_scaling_factor=4.0, dtype="float64")
+    layer.build((None, None, 16))
+    cfg, params = from_module(layer)
+    assert cfg.rope_scaling is None  # LlamaRotaryEmbedding's _get_inverse_freq never divides by it
+    x = np.random.default_rng(3).standard_normal((1, 7, 16))
+    run = run_module(layer, x)[0]
+    np.testing.assert_allclose(run.output, reference_mha(cfg, params, x), atol=TOL.atol, rtol=TOL.rtol)
+    linear = reference_mha(replace(cfg, rope_scaling={"rope_type": "linear", "factor": 4.0}), params, x)
+    assert np.abs(run.output - linear).max() > 1e-3  # what a reader of the argument would have predicted: not it

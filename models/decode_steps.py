@@ -7,8 +7,12 @@
 * mlx-lm's ``Attention``: ``mlx_lm.models.cache.KVCache()``, ``module(x_t, mask=None, cache=cache)`` (the
   model's ``create_attention_mask`` gives None for one token); the rotary offset is ``cache.offset``.
 
-A window is refused (`decode_steps` raises): neither reader here reads a window into a decode whose
-mask would need the model's sliding mask. Every framework is imported inside the functions.
+* keras-hub's attention layers: a zero cache ``[B, 2, S, G, d]`` (Gemma 3: a ``(keys, values)`` tuple) of T
+  positions, ``layer(x_t, attention_mask=..., cache=cache, cache_update_index=t)`` (`models.keras_hub.decode`),
+  the window applied where keras-hub applies it (in the layer, or the decoder's band mask).
+
+A window is refused for the others (`decode_steps` raises): neither reader there reads a window into a decode
+whose mask would need the model's sliding mask. Every framework is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from ._module_io import class_key, class_name
 def decode_steps(module, x: np.ndarray, window=None) -> list[np.ndarray]:
     """The module's output for each token of ``x (B, T, E)``, one call per token through its own cache: T arrays
     (B, E)."""
+    key = class_key(module)
+    if key.startswith("keras_hub."):  # its cache [B, 2, S, G, d] (Gemma 3: a tuple) and its window, as generate steps
+        from .keras_hub import decode
+
+        return decode(module, x)
     if window is not None:
         raise ValueError(f"decode_steps: a window ({window}) needs the model's sliding mask; no stepper builds it here")
-    key = class_key(module)
     if key.startswith("mlx_lm."):
         return _mlx_steps(module, x)
     if key.startswith("transformers.") and hasattr(module, "o_proj") and hasattr(module, "layer_idx"):

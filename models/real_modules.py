@@ -34,7 +34,7 @@ from .megatron import megatron_split
 from .meta_llama import meta_reference_forward
 
 # The extra that installs each library: its own name, except where the "models" extra brings it.
-INSTALL = {"transformers": "models", "keras": "models", "mlx_lm": "mlx"}
+INSTALL = {"transformers": "models", "keras": "models", "mlx_lm": "mlx", "keras_hub": "keras-hub"}
 
 
 def unavailable_reason(layout: str) -> str | None:

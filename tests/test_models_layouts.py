@@ -66,6 +66,8 @@ def test_registry_lists_every_family():
         "hf-mistral", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-gpt-oss", "hf-bloom", "hf-mpt",
         "megatron", "timm-vit", "hf-t5", "keras", "mlx-llama", "mlx-qwen2", "mlx-qwen3", "mlx-olmo2", "mlx-gemma3", "mlx-phi3", "mlx-gemma2",
         "mlx-gpt-oss",
+        "keras-hub-llama", "keras-hub-mistral", "keras-hub-gemma", "keras-hub-gemma3", "keras-hub-qwen2",
+        "keras-hub-qwen3", "keras-hub-phi3", "keras-hub-gpt-oss",
         "torch-mha", "flax", "equinox",
     ]  # fmt: skip
     for name, layout in LAYOUTS.items():

@@ -90,7 +90,7 @@ def eager_cuts(run: Callable[..., object], groups, synchronize: Callable[[object
             try:
                 result = run(stage)
             except StageReached as stop:
-                synchronize(stop.values[-1])
+                synchronize(stop.values)  # all of them: a lazy library (MLX) evaluates only what it is given
                 return stop.values
             synchronize(result)
             return (result,)  # the last stage: the path's own output

@@ -227,9 +227,11 @@ def decode_markdown(report: dict) -> str:
         f"{layer_biases(settings)}, {settings['dtype']}, B={settings['batch']}, "
         f"{settings['step']} token(s) per step{window}  "
     )
+    from mha_rosetta.backends.best import BEST_BY_LIBRARY  # plain data: imports no framework
+
     lines.append(
         '"% of read limit": every byte a step reads (K, V and the four projection matrices) over the read '
-        'bandwidth; "x its best": the step over its framework\'s best path (numpy-best, torch-best, jax-best) '
+        f'bandwidth; "x its best": the step over its framework\'s best path ({", ".join(BEST_BY_LIBRARY.values())}) '
         "at the same context, where this run timed it  "
     )
     lines.append(

@@ -26,7 +26,7 @@ TINY_POLICY = {"min_time": 0.0, "min_repeats": 3, "max_repeats": 3, "max_time": 
 
 
 def _backend(name: str):
-    framework = {"numpy": "numpy", "torch": "torch", "jax": "jax"}[name.split("-")[0]]
+    framework = {"numpy": "numpy", "torch": "torch", "jax": "jax", "mlx": "mlx"}[name.split("-")[0]]
     if framework != "numpy":
         pytest.importorskip(framework, reason=f"{name} needs {framework}")
     return get_backend(name)
@@ -68,7 +68,7 @@ def test_a_pass_that_records_its_stages_after_its_output_is_not_cut_by_its_recor
         stage_programs(dataclasses.replace(prepared, stage_cuts=None), backend.requires)
 
 
-BEST_PATHS = ("numpy-best", "torch-best", "jax-best")
+BEST_PATHS = ("numpy-best", "torch-best", "jax-best", "mlx-best")
 # Each path's cache after its cache-write cut, at the written slot (context 9, batch 1, one token), in the
 # layout of its rotary cut's new keys (B, s, Hkv, Dk) -> (Hkv, Dk): the slot holds exactly the step's keys.
 SLOT_OF = {
@@ -76,12 +76,14 @@ SLOT_OF = {
     "torch-best": lambda k_cache: k_cache[0, :, 9],  # (B, Hkv, T, Dk), the view up to the write index
     "jax-best": lambda k_cache: k_cache[:, 9],  # (B*Hkv, C, Dk)
     "jax": lambda k_cache: k_cache[0, 9],  # (B, T, Hkv, Dk)
+    "mlx-best": lambda k_cache: k_cache[0, :, 9],  # (B, Hkv, T, Dk), the slots written
 }
 NEW_KEYS = {  # the rotary cut's k_rotated -> (Hkv, Dk)
     "numpy-best": lambda k: k[0, 0],  # (B, s, Hkv, Dk)
     "torch-best": lambda k: k[0, :, 0],  # (B, Hkv, s, Dk)
     "jax-best": lambda k: k[0, 0],  # (B, s, Hkv, Dk)
     "jax": lambda k: k[0, 0],  # (B, s, Hkv, Dk), the vmapped item's
+    "mlx-best": lambda k: k[0, :, 0],  # (B, Hkv, s, Dk)
 }
 
 
@@ -90,7 +92,7 @@ def test_a_best_forward_is_cut_by_its_own_programs_and_the_last_cut_is_its_outpu
     backend, prepared = _forward(name)
     cuts = stage_programs(prepared, backend.requires)
     groups = [group for group, _ in cuts.groups]
-    fused = name == "torch-best"  # SDPA keeps the scores and the softmax inside its kernel: one row
+    fused = name in ("torch-best", "mlx-best")  # SDPA keeps the scores and the softmax inside its kernel: one row
     rotary = ["rotary"] if name == "jax-best" else []  # jax-best's jitted stage dump holds q_rotated without rope too
     assert groups == ["projections", "head split", *rotary] + (
         ["scores, softmax, context (one fused kernel)"] if fused else ["scores", "softmax", "context"]

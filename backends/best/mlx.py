@@ -36,16 +36,8 @@ from ..mlx.adapter import layer_inputs
 from ..mlx.layer import MlxAttention, rotate
 from ..oracles.mlx import MlxSDPAOracle, bottom_right_causal
 from ..stage_cuts import CACHE_WRITE, FUSED_ATTENTION, eager_cuts, path_groups, reached
-from .common import (
-    STATIC,
-    BestPath,
-    DecodeStepInputs,
-    cache_info,
-    decode_chunks,
-    decode_step_inputs,
-    output_stage,
-    run_rotary_tables,
-)
+from . import common
+from .common import STATIC, BestPath, DecodeStepInputs, cache_info
 
 CACHE_LAYOUT = "(B, Hkv, C, Dk), (B, Hkv, C, Dv)"
 DECODE_LAYOUTS = {
@@ -165,8 +157,8 @@ class MlxBestBackend(BestPath, MlxSDPAOracle):
 
         layer = MlxBestLayer(cfg, params, dtype)
         x = to_mlx(inputs.x, dtype)  # (B, N, D)
-        tables = _tables(run_rotary_tables(cfg, inputs.positions), dtype)
-        chunks = [(chunk, *_mask_and_empty(chunk.allowed, False)) for chunk in decode_chunks(cfg, inputs)]
+        tables = _tables(common.run_rotary_tables(cfg, inputs.positions), dtype)
+        chunks = [(chunk, *_mask_and_empty(chunk.allowed, False)) for chunk in common.decode_chunks(cfg, inputs)]
         stream = mlx_stream(device)
 
         def run():
@@ -190,7 +182,7 @@ class MlxBestBackend(BestPath, MlxSDPAOracle):
         )  # fmt: skip
 
     def _prepare_decode_step(self, cfg, params, job):
-        data = decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
+        data = common.decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
         return prepare_decode_step(cfg, params, data, job.dtype, job.device)
 
 
@@ -260,6 +252,6 @@ def prepare_decode_step(cfg: MHAConfig, params, data: DecodeStepInputs, dtype: s
     groups = path_groups(rope=cfg.rope is not None, decode=True, fused=True)
     info = {"cache": cache.info(cfg), "context": context, "step": data.step, **precision_info(dtype)}
     return Prepared(
-        forward, tensor_to_numpy, lambda: output_stage(forward()), synchronize=mx.eval, info=info,
+        forward, tensor_to_numpy, lambda: common.output_stage(forward()), synchronize=mx.eval, info=info,
         stage_cuts=eager_cuts(forward, groups, mx.eval),
     )  # fmt: skip

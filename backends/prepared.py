@@ -52,6 +52,8 @@ class Prepared:
     to_numpy:     native result -> NumPy output (B, Nq, D); untimed.
     native_stages: runs the pass again, untimed, and returns its stage tensors.
     compile:      optional ahead-of-time compilation (JIT backends), timed apart.
+    stage_cuts:   optional, the path's own stage-truncated programs (a `stage_cuts.StageCuts`), what
+                  ``bench --breakdown`` times where a recorder cannot cut the pass (the best paths).
     """
 
     forward: Callable[[], object]
@@ -60,6 +62,7 @@ class Prepared:
     synchronize: Callable[[object], None] = lambda result: None
     compile: Callable[[], None] | None = None
     info: dict = field(default_factory=dict)  # e.g. {"tf32": False, "matmul_precision": "highest"}
+    stage_cuts: object | None = None  # a backends.stage_cuts.StageCuts
 
     def output(self) -> np.ndarray:
         """One forward pass, waited for and converted: the batched NumPy output (B, Nq, D)."""

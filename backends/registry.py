@@ -201,6 +201,7 @@ register("einops-jax", BackendEntry(*EINOPS, ("einops", "jax"), "einops,jax", {"
 register("numpy-best", BackendEntry(".best.numpy", "NumpyBestBackend", ("numpy",), "test"))
 register("torch-best", BackendEntry(".best.torch", "TorchBestBackend", ("torch",), "torch"))
 register("jax-best", BackendEntry(".best.jax", "JaxBestBackend", ("jax",), "jax"))
+register("mlx-best", BackendEntry(".best.mlx", "MlxBestBackend", ("mlx",), "mlx"))
 # The same layer split over several devices or processes by heads (tensor parallelism).
 register("jax-sharded", BackendEntry(".sharded.jax", "JaxShardedBackend", ("jax",), "jax"))
 register("torch-tp", BackendEntry(".sharded.torch", "TorchTPBackend", ("torch",), "torch"))

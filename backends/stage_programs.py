@@ -17,9 +17,13 @@ How a program is cut, without the adapter's help:
   program (a stage returned must be written out, where the whole program may fuse it away): that is the
   cost of the method, visible as the gap between the last cut and the untouched forward.
 
+* A path with its own stage-truncated programs (`Prepared.stage_cuts`, `stage_cuts.StageCuts`: the best
+  paths, forward and decode step, and the jax adapter's decode step) is cut by them: it stops at the end of
+  the stage asked, and a decode step's cache write is a stage of its own (`stage_cuts.CACHE_WRITE`).
+
 No cut is made (`NoCut`, with the reason) where it would mislead: a strategy that computes its stages one
-head at a time (slicing, per_head: a cut would stop after the first head); a pass that records its stages
-after computing its output (numpy-best, torch-best: a cut would stop it after all its work). The second is
+head at a time (slicing, per_head: a cut would stop after the first head); a pass without cuts of its own
+that records its stages after computing its output (a cut would stop it after all its work). The second is
 checked on every pass, not listed: the first record keeps the locals of the frames above it, and if the
 output recorded last is among them, it existed before any stage was recorded (conservative: a pass that
 preallocates its output in a local is refused too). Nothing here imports a framework at module import.
@@ -35,6 +39,7 @@ from mha_rosetta.core.stages import STAGE_NAMES
 
 from . import _recording
 from .base import Prepared
+from .stage_cuts import StageCuts
 
 # The breakdown's stages, each the canonical stage tensors it ends with, in pipeline order. A stage whose tensors
 # a configuration lacks (qk-norm, a softcap, a mask) is left out of its breakdown.
@@ -264,10 +269,34 @@ class _ListingRecorder(_recording.StageRecorder):
         return self.output is not None and any(value is self.output for value in self.first_locals or ())
 
 
-def stage_programs(prepared: Prepared, requires: tuple[str, ...]) -> StagePrograms:
-    """The cuts of ``prepared`` (a forward's `Prepared`; ``requires``: its backend's frameworks), after one
-    untimed stage dump that says which stages the pass itself records. Raises `NoCut` (`PerHeadStages` for a
-    per-head strategy) where no cut exists."""
+class OwnStagePrograms:
+    """`StagePrograms`' interface over a path's own `StageCuts` (each cut built, and compiled, when asked)."""
+
+    def __init__(self, cuts: StageCuts) -> None:
+        self.cuts = cuts
+        self.groups = list(cuts.groups)
+        self.method = cuts.method
+
+    def active(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def baseline(self) -> Callable[[], object]:
+        return self.cuts.empty
+
+    def program(self, index: int) -> Callable[[], tuple]:
+        return self.cuts.cut(self.groups[index][0])
+
+    def reached(self, index: int) -> tuple[str, ...]:
+        return self.groups[index][1]
+
+
+def stage_programs(prepared: Prepared, requires: tuple[str, ...]) -> StagePrograms | OwnStagePrograms:
+    """The cuts of ``prepared`` (a forward's or decode step's `Prepared`; ``requires``: its backend's
+    frameworks): its own (`Prepared.stage_cuts`) where it has them, else the recorder's, after one untimed
+    stage dump that says which stages the pass itself records. Raises `NoCut` (`PerHeadStages` for a per-head
+    strategy) where no cut exists."""
+    if prepared.stage_cuts is not None:
+        return OwnStagePrograms(prepared.stage_cuts)
     listed: list[str] = []
     recorders: list[_ListingRecorder] = []
 

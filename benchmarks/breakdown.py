@@ -14,8 +14,10 @@ affinity set before anything heavy is imported). Inside it:
 3. the stage times: the program cut after each stage (`backends.stage_programs`), every cut and the untouched
    program timed round-robin (`timing.time_interleaved`, so drift hits them alike). A stage's time is the
    difference of consecutive cuts, taken round by round: its median and quartiles are of those differences,
-   never clamped, so a negative or noisy difference shows as it is. A program that cannot be cut (a decode
-   step that records no stage, a per-head strategy) gets its whole time and the reason.
+   never clamped, so a negative or noisy difference shows as it is. A path with its own stage-truncated
+   programs (the best paths, the jax adapter's decode step: `backends.stage_cuts`) is cut by them, its cache
+   write a stage of its own; a program that cannot be cut (a decode step that records no stage, a per-head
+   strategy) gets its whole time and the reason.
 
 Why cuts and not a profiler: `backends.stage_programs` says. The report (``kind`` "breakdown") is rendered
 by `breakdown_markdown`.

@@ -326,18 +326,9 @@ def best_of_framework(cells: list[dict]) -> None:
 
     Our convention adapters are never a framework's speed (issue 43): this is the gap the table names.
     """
-    from mha_rosetta.backends.best import best_path_for
+    from .best_gap import mark_over_best
 
-    def key(cell: dict) -> tuple:
-        return (cell.get("device"), cell.get("dtype"), cell.get("context"), cell.get("window"), cell.get("step"))
-
-    best = {(cell["implementation"], *key(cell)): cell for cell in cells if cell.get("status") == "ok"}
-    for cell in cells:
-        path = best_path_for(cell["implementation"])
-        reference = best.get((path, *key(cell)))
-        if cell.get("status") != "ok" or reference is None or not reference.get("step_s"):
-            continue
-        cell.update(best_path=path, over_best=cell["step_s"] / reference["step_s"])
+    mark_over_best(cells, ("device", "dtype", "context", "window", "step"), lambda cell: cell.get("step_s"))
 
 
 def assemble_decode_report(

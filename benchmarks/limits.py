@@ -10,16 +10,29 @@ corrected one (NumPy and the standard library only; not wired into ``bench`` yet
   biases and the variants' small parameters included. The first limit counted K and V only.
 * **The bandwidth** (`read_bandwidth`): a read stream, ``np.sum`` over a float64 array, the way a
   step reads its cache and weights, timed in this process (pin it first: the limit is the pinned
-  cores'). The first limit used STREAM's copy counted as twice the bytes (25.1 GB/s here), while a
-  read stream on one core gets 15.3-17.8 GB/s (issue 43; 16.6 GB/s for ``np.sum`` over 256 MiB
-  here, a loaded machine).
-* **The cache** (`measure_llc`): read bandwidth against array size, and the largest size that
-  still reads clearly faster than memory. Linux's sysfs reports a 480 MiB last-level cache here
-  while reads slow down above 48-128 MiB (one sweep here, one pinned core, a loaded machine:
-  44-48 GB/s up to 16 MiB, 34-35 at 32-64 MiB, 16.4-16.9 at 128-256 MiB: the cache ends at
-  64 MiB), so the size is measured, never read from sysfs; the bandwidth is then measured over
-  arrays larger than it (`measure_read_limit`), and each cell's working set can be reported
-  against it (`fits_in_cache`).
+  cores'). The first limit used STREAM's copy counted as twice the bytes (25.1 GB/s on the Intel Xeon
+  issue 43 was measured on), while a read stream on one of its cores got 15.3-17.8 GB/s (16.6 for
+  ``np.sum`` over 256 MiB there, loaded). Machines differ: the AMD EPYC the README's decode table was
+  measured on read 30.6-32.6 GB/s over 512 MiB (docs/bench/decode.json), 16x its 32 MiB L3.
+* **The cache** (`measure_llc`): read bandwidth against array size. The Xeon's sysfs reported a
+  480 MiB last-level cache while its reads slowed above 48-128 MiB (one pinned core, loaded: 44-48
+  GB/s up to 16 MiB, 34-35 at 32-64 MiB, 16.4-16.9 at 128-256 MiB); the EPYC's sysfs says 32 MiB
+  and its sweep read 45-50 GB/s up to 16 MiB, 34 at 32 MiB, 30-32 from 64 MiB. So the size is
+  measured, never read from sysfs, as two sizes: ``llc_bytes``, the largest array that still reads
+  clearly faster than memory (a working set up to it is read from the cache), and
+  ``memory_from_bytes``, the smallest from which every larger one reads at memory speed (between
+  the two a working set is partly cached: the EPYC's 32 MiB). The bandwidth is then measured over
+  arrays `LLC_FACTOR` x the second and no smaller than the sweep's largest (`measure_read_limit`,
+  which also checks that the array read at memory speed), and each cell's working set can be
+  reported against the cache (`fits_in_cache`).
+
+  Audit (issue 43, part 4): the first rule ended the cache before the *first* size under 1.25x
+  memory speed, so one slow reading at a small size (a loaded machine slows reads, never speeds
+  them) cut the cache short; it is now the *largest* size below the sweep's tail that reads
+  1.25x faster than memory, and the array the bandwidth is read over scales with the size where
+  memory speed begins, not with the last fast one. On the EPYC's sweep both rules give 16 MiB and
+  a 512 MiB array (the floor), so its published figures stand; tests/test_limits.py checks the
+  selection on synthetic curves.
 
 The arithmetic is separate from the clock and the reader, so that tests check it on hand-computed
 bytes and a fake clock; nothing here asserts a measured speed.
@@ -48,6 +61,8 @@ LLC_SWEEP = tuple(MiB << n for n in range(10))
 # `MEMORY_TAIL` largest sizes (128 to 512 MiB by default, all past the cache, so one noisy figure moves nothing).
 CACHE_SPEEDUP = 1.25
 MEMORY_TAIL = 3
+# A size reads "at memory speed" under this multiple of it (the EPYC's 32 MiB read 1.11x: partly cached).
+MEMORY_BAND = 1.10
 # The bandwidth is measured over arrays at least this many times the measured last-level cache.
 LLC_FACTOR = 4
 READ_KERNEL = "np.sum over a float64 array (one read stream, no writes)"
@@ -162,15 +177,19 @@ def measure_llc(
     bandwidth: Callable[[int], float] | None = None,
     speedup: float = CACHE_SPEEDUP,
     tail: int = MEMORY_TAIL,
+    band: float = MEMORY_BAND,
 ) -> dict:
     """The last-level cache's size as reads see it, from read bandwidth against array size (``sizes``, bytes).
 
-    Memory speed is the median bandwidth of the ``tail`` largest sizes (at most all but the smallest). Going up
-    the sizes, the cache ends before the first size that reads less than ``speedup`` x memory speed: the size
-    before it is the cache's (None when the smallest already reads at memory speed). ``bandwidth(size) -> GB/s``,
-    default `read_bandwidth`'s median. Returns ``{"llc_bytes", "memory_gbps", "curve": [[size, gbps], ...],
-    "settled", "rule"}``; ``settled`` is False when the tail's figures spread by more than 25% of memory speed
-    (a noisy machine, or a sweep that does not reach memory speed).
+    Memory speed is the median bandwidth of the ``tail`` largest sizes (at most all but the smallest). The
+    cache (``llc_bytes``) is the largest size before the tail that reads at least ``speedup`` x memory speed
+    (None when none does): a slow reading at a smaller size (load) does not end it early, and a fast one in
+    the tail (noise) does not stretch it. ``memory_from_bytes``: the smallest size from which every size
+    reads under ``band`` x memory speed (the tail's first at the latest); between the two a working set is
+    partly cached. ``bandwidth(size) -> GB/s``, default `read_bandwidth`'s median. Returns ``{"llc_bytes",
+    "memory_from_bytes", "memory_gbps", "curve": [[size, gbps], ...], "settled", "rule"}``; ``settled`` is
+    False when the tail's figures spread by more than 25% of memory speed (a noisy machine, or a sweep that
+    does not reach memory speed).
     """
     sizes = sorted(set(sizes))
     if len(sizes) < 2:
@@ -181,24 +200,35 @@ def measure_llc(
             return read_bandwidth(size)["gbps"]
 
     curve = [(size, bandwidth(size)) for size in sizes]
-    memory_tail = [gbps for _, gbps in curve[-min(tail, len(curve) - 1) :]]
+    tail_start = len(curve) - min(tail, len(curve) - 1)
+    memory_tail = [gbps for _, gbps in curve[tail_start:]]
     memory = statistics.median(memory_tail)
-    first_slow = next(
-        index for index, (_, gbps) in enumerate(curve) if gbps < speedup * memory or index == len(curve) - 1
-    )
+    fast = [index for index in range(tail_start) if curve[index][1] >= speedup * memory]
+    cache_end = fast[-1] if fast else None
+    memory_from = tail_start  # the first size of a run, up to the tail, that reads under band x memory speed
+    for index in range(tail_start - 1, -1 if cache_end is None else cache_end, -1):
+        if curve[index][1] >= band * memory:
+            break
+        memory_from = index
     return {
-        "llc_bytes": curve[first_slow - 1][0] if first_slow else None,
+        "llc_bytes": None if cache_end is None else curve[cache_end][0],
+        "memory_from_bytes": curve[memory_from][0],
         "memory_gbps": memory,
         "curve": [list(point) for point in curve],
         "settled": max(memory_tail) - min(memory_tail) <= 0.25 * memory,
-        "rule": f"the largest array before the first read under {speedup:g}x memory speed (the median of the "
-        f"{len(memory_tail)} largest of the sweep), {READ_KERNEL}",
+        "rule": f"the largest array before the sweep's {len(memory_tail)} largest that reads {speedup:g}x memory "
+        f"speed (their median); memory speed from the first of the run of arrays under {band:g}x it; "
+        f"{READ_KERNEL}",
     }
 
 
-def limit_array_bytes(llc_bytes: int | None, factor: int = LLC_FACTOR, floor: int = LLC_SWEEP[-1]) -> int:
-    """The array the bandwidth is measured over: ``factor`` x the measured cache, and at least ``floor``."""
-    return max(floor, factor * llc_bytes) if llc_bytes else floor
+def limit_array_bytes(
+    llc_bytes: int | None, factor: int = LLC_FACTOR, floor: int = LLC_SWEEP[-1], memory_from: int | None = None
+) -> int:
+    """The array the bandwidth is measured over: ``factor`` x where memory speed begins (``memory_from``, else
+    the measured cache), and at least ``floor``."""
+    start = memory_from or llc_bytes
+    return max(floor, factor * start) if start else floor
 
 
 def measure_read_limit(
@@ -216,5 +246,8 @@ def measure_read_limit(
 
     pinned = pin_current_process(cpus)
     llc = measure_llc(sizes, bandwidth=lambda size: read_bandwidth(size, repeats=repeats, clock=clock)["gbps"])
-    read = read_bandwidth(limit_array_bytes(llc["llc_bytes"], floor=max(sizes)), repeats=repeats, clock=clock)
+    array = limit_array_bytes(llc["llc_bytes"], floor=max(sizes), memory_from=llc["memory_from_bytes"])
+    read = read_bandwidth(array, repeats=repeats, clock=clock)
+    # The check that the array is past the cache: it reads under `CACHE_SPEEDUP` x the sweep's memory speed.
+    read["at_memory_speed"] = read["gbps"] is not None and read["gbps"] < CACHE_SPEEDUP * llc["memory_gbps"]
     return {"read_gbps": read["gbps"], "read": read, "llc": llc, "cpus": pinned}

@@ -104,6 +104,13 @@ def reference_lines(report: dict) -> list[str]:
     return lines
 
 
+def best_column(columns: tuple, rows: list[list[str]], cells: list[dict]) -> tuple[tuple, list[list[str]]]:
+    """The table with an "x its best" column after the time's (`best_gap.mark_over_best`'s ``over_best``)."""
+    at = columns.index("rounds ms")
+    marked = [[*row[:at], _fmt(cell.get("over_best"), ".2f"), *row[at:]] for row, cell in zip(rows, cells, strict=True)]
+    return (*columns[:at], "x its best", *columns[at:]), marked
+
+
 def markdown_table(report: dict) -> str:
     """The cells as a Markdown table, preceded by the GEMM peaks and the settings that matter."""
     lines = []
@@ -136,7 +143,16 @@ def markdown_table(report: dict) -> str:
     lines += reference_lines(report)
     corrected = any(is_corrected(cell) for cell in report["cells"])
     columns = CORRECTED_COLUMNS if corrected else MARKDOWN_COLUMNS
-    lines += table_lines(columns, [markdown_row(cell, corrected) for cell in report["cells"]])
+    rows = [markdown_row(cell, corrected) for cell in report["cells"]]
+    if any(cell.get("over_best") is not None for cell in report["cells"]):  # a run that timed the best paths
+        from mha_rosetta.backends.best import BEST_BY_LIBRARY  # plain data: imports no framework
+
+        columns, rows = best_column(columns, rows, report["cells"])
+        lines.append(
+            '"x its best": the cell over its framework\'s best path (' + ", ".join(BEST_BY_LIBRARY.values())
+            + ") at the same size in this run: compare frameworks on the best paths  "
+        )  # fmt: skip
+    lines += table_lines(columns, rows)
     if any(cell.get("variant") is not None for cell in report["cells"]):
         lines += ["", "What each variant costs (its time over its baseline's, the same implementation and size):", ""]
         lines += table_lines(VARIANT_COLUMNS, variant_rows(report["cells"], cell_time))
@@ -227,9 +243,11 @@ def decode_markdown(report: dict) -> str:
         f"{layer_biases(settings)}, {settings['dtype']}, B={settings['batch']}, "
         f"{settings['step']} token(s) per step{window}  "
     )
+    from mha_rosetta.backends.best import BEST_BY_LIBRARY  # plain data: imports no framework
+
     lines.append(
         '"% of read limit": every byte a step reads (K, V and the four projection matrices) over the read '
-        'bandwidth; "x its best": the step over its framework\'s best path (numpy-best, torch-best, jax-best) '
+        f'bandwidth; "x its best": the step over its framework\'s best path ({", ".join(BEST_BY_LIBRARY.values())}) '
         "at the same context, where this run timed it  "
     )
     lines.append(

@@ -82,10 +82,12 @@ from pathlib import Path
 
 from mha_rosetta.backends.versions import library_versions
 
+from .best_gap import mark_over_best
 from .correction import CORRECTED_FIELDS, correct_cell, flag_drift, reference_summary, run_references
 from .provenance import cpu_model_and_flags, provenance
 from .rounds import (
     FINISHED_STATUSES,
+    cell_time,
     round_fractions,
 )
 
@@ -95,6 +97,11 @@ READABLE_SCHEMAS = (1, 2, 3)
 # Distributions whose versions explain a timing; read from metadata, nothing is imported.
 PRIMARY_PEAK_KEY = "cpu/float32"  # the top-level gemm_peak_gflops, when it was measured
 REFERENCE_SIZE = {"batch": 4, "tokens": 512, "d_model": 512, "heads": 8, "dtype": "float32"}
+# What makes two forward cells the same workload, for "x its best" (`best_gap.mark_over_best`).
+FORWARD_SIZE = (
+    "device", "dtype", "threads", "batch", "tokens", "kv_tokens", "d_model", "heads", "kv_heads", "d_k", "causal",
+    "variant",
+)  # fmt: skip
 
 
 # -- machine ----------------------------------------------------------------------------------
@@ -186,6 +193,7 @@ def assemble_report(
     round_peaks = {f"{peak['device']}/{peak['dtype']}": peak.get("round_gflops") for peak in gemm_peaks}
     workloads = run_references(cells)
     enriched = [correct_cell(enrich_cell(cell, peaks, round_peaks), workloads) for cell in cells]
+    mark_over_best(enriched, FORWARD_SIZE, cell_time)  # each cell over its framework's best path, where timed
     return {
         "schema": SCHEMA_VERSION,
         "complete": complete,

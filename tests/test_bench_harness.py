@@ -376,6 +376,23 @@ def test_report_has_the_schema_fields():
     table = markdown_table(report)
     assert "| `numpy` | cpu | float32 | 4 | 64 | 512 | 8 | 2.000 |" in table
     assert "error: RuntimeError: boom" in table
+    assert "x its best" not in table  # a run that timed no best path has no such column
+
+
+def test_the_forward_table_shows_each_cell_over_its_frameworks_best_path():
+    cells = [
+        _cell("numpy", median=0.003), _cell("numpy-best", median=0.002), _cell("einops-numpy", median=0.005),
+        _cell("numpy", tokens=128, median=0.010),  # no numpy-best at 128 tokens: no ratio
+        _cell("onnx", median=0.004),  # ONNX Runtime has no best path here: never compared with NumPy's
+    ]  # fmt: skip
+    report = assemble_report({"threads": 1}, [PEAK], cells, machine={})
+    numpy, best, einops, larger, onnx = report["cells"]
+    assert numpy["best_path"] == "numpy-best" and numpy["over_best"] == pytest.approx(1.5)
+    assert best["over_best"] == 1.0 and einops["over_best"] == pytest.approx(2.5)
+    assert "over_best" not in larger and "over_best" not in onnx
+    table = markdown_table(report)
+    assert "| implementation | device | dtype | B | N | D | H | median ms | x its best | rounds ms |" in table
+    assert "| `einops-numpy` | cpu | float32 | 4 | 64 | 512 | 8 | 5.000 | 2.50 |" in table
 
 
 def test_headline_peak_is_cpu_float32_else_the_first_measured():

@@ -8,7 +8,9 @@ No test here times anything. The fairness tests assert what a timing would only 
 * torch's step allocates nothing that grows with the context (torch's profiler, 1k against 4k
   tokens) and concatenates nothing;
 * NumPy's step reads each kv head's keys and values once (its GEMMs' operands, counted through
-  ``np.matmul``), where a broadcast over the group would read them once per query head.
+  ``np.matmul``), where a broadcast over the group would read them once per query head;
+* MLX's step holds nothing that grows like its cache (``mx.get_peak_memory``, 1k against 4k tokens) and
+  concatenates nothing the size of a cache (``mx.concatenate`` metered), where mlx-lm's stepped cache does.
 
 Each meter is shown to see the thing it rules out (a donation-free step, the torch adapter's
 growing cache, a product broadcast over the group), so none of these tests can pass by measuring
@@ -346,3 +348,90 @@ def test_the_meter_sees_a_product_broadcast_over_the_group():
     broadcast = MatmulMeter((keys.shape,))
     broadcast(queries, keys[:, :, None].swapaxes(-1, -2))  # (B, Hkv, 1, Dk, T): one product per query head
     assert broadcast.calls == 1 and broadcast.elements == G * keys.size
+
+
+# -- mlx-best: agreement, and its step writes its cache in place ----------------------------------------------
+# MLX's float64 (CPU only) is float32-accurate in exp, sin and cos (`frameworks.mlx.FLOAT64_LIMIT`): every mlx-best
+# comparison is held to float32's tolerance, as the check holds it.
+def test_mlx_best_agrees_with_the_oracle_forward_backward_and_decoding():
+    backend = _best("mlx-best")
+    x = _tokens((2, 7, 24), 1)
+    params = init_params(GQA, seed=2)
+    for dtype in DTYPES:
+        assert_close(backend.run(GQA, params, x, dtype=dtype), reference_mha(GQA, params, x), "float32", what=dtype)
+    key, value = _tokens((2, 5, 11), 3), _tokens((2, 5, 9), 4)
+    cross, mask = init_params(CROSS, seed=5), _padding(2, 5, 7)
+    expected = reference_mha(CROSS, cross, x, key, value, mask)
+    # The kernel gives item 0's query 3 (no key allowed) the mean of V; mlx-best sets the spec's zero row.
+    assert_close(backend.run(CROSS, cross, x, key, value, mask), expected, "float32", what="padding, an empty row")
+    actual = backend.run_vjp(GQA, params, x, dtype="float64").tensors()
+    for grad_name, grad in reference_mha_vjp(GQA, params, x).tensors().items():
+        assert_close(actual[grad_name], grad, "float32", what=f"mlx-best d{grad_name}")
+    left = np.ones((2, 7), dtype=bool)
+    left[1, :2] = False  # item 1: two pads before (they see nothing)
+    for prefill, step, pads in ((3, 1, None), (2, 2, None), (3, 2, left)):
+        prepared, _ = backend.prepare_decode_run(GQA, params, x, prefill=prefill, step=step, mask=pads)
+        expected = reference_decode(GQA, params, x, prefill=prefill, step=step, mask=pads)
+        assert_close(prepared.output(), expected, "float32", what=f"mlx-best prefill {prefill} step {step}")
+    for step in (1, 3):
+        prepared = backend.prepare_decode(GQA, params, context=9, batch=2, step=step, dtype="float64", seed=13)
+        data = decode_step_inputs(GQA, batch=2, context=9, step=step, seed=13)
+        for _ in range(2):  # the same step every call
+            assert_close(prepared.output(), expected_step(GQA, params, data), "float32", what=f"mlx-best step {step}")
+        assert prepared.info["cache"]["slots"] == 9 + step
+
+
+def _mlx_step_peak(step) -> int:
+    """The bytes MLX holds at its peak during one evaluated step, above what it held before (mx.get_peak_memory)."""
+    import mlx.core as mx
+
+    mx.eval(step())  # warm
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(step())
+    return mx.get_peak_memory() - before
+
+
+def test_the_mlx_step_allocates_no_cache_and_concatenates_none(monkeypatch):
+    best = _best("mlx-best")
+    import mlx.core as mx
+
+    params = init_params(SMALL, seed=0)
+    steps = {context: best.prepare_decode(SMALL, params, context=context, dtype="float32") for context in (1024, 4096)}
+    cache_growth = steps[4096].info["cache"]["bytes"] - steps[1024].info["cache"]["bytes"]
+    peaks = {context: _mlx_step_peak(prepared.forward) for context, prepared in steps.items()}
+    assert peaks[1024] > 0  # the meter sees the step's own buffers (projections, the kernel's scores)
+    # What grows is the kernel's scores, H x T floats (1/8 of the cache's growth here), never a copy of the cache.
+    assert peaks[4096] - peaks[1024] <= cache_growth // 4, (peaks, cache_growth)
+    concatenated = []
+    original = mx.concatenate
+
+    def meter(arrays, *args, **kwargs):
+        result = original(arrays, *args, **kwargs)
+        concatenated.append(tuple(result.shape))
+        return result
+
+    monkeypatch.setattr(mx, "concatenate", meter)
+    mx.eval(steps[4096].forward())
+    monkeypatch.undo()
+    assert concatenated  # the meter sees the rotary's concatenated halves (B, H, 1, Dk)
+    assert [shape for shape in concatenated if max(shape) > 4096] == []  # and nothing the size of a cache
+    # The meters see what they rule out: a step that grows its cache by mx.concatenate (mlx-lm's KVCache when full).
+    k = mx.zeros((1, SMALL.n_kv_heads, 4096, SMALL.d_k))
+    mx.eval(k)
+
+    def growing():
+        return original([k, mx.ones((1, SMALL.n_kv_heads, 1, SMALL.d_k))], axis=2)
+
+    assert _mlx_step_peak(growing) >= k.nbytes
+
+
+def test_each_implementation_is_compared_with_its_own_frameworks_best_path_or_none():
+    from mha_rosetta.backends.best import best_path_for
+
+    expected = {
+        "numpy:slicing": "numpy-best", "einops-numpy": "numpy-best", "einops-jax": "jax-best", "flax": "jax-best",
+        "torch-sdpa": "torch-best", "hf-attention": "torch-best", "mlx": "mlx-best", "mlx-sdpa": "mlx-best",
+        "onnx": None, "onnx-reference": None, "torch-onnx": None, "nosuch": None,  # no best path is no NumPy's
+    }  # fmt: skip
+    assert {name: best_path_for(name) for name in expected} == expected

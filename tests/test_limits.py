@@ -113,6 +113,31 @@ def test_the_cache_ends_where_reads_slow_to_memory_speed():
         measure_llc([MiB])
 
 
+def test_a_slow_reading_at_a_small_size_does_not_end_the_cache_early():
+    # The Xeon-like curve with one reading at 2 MiB slowed to memory speed (a loaded machine slows reads): the
+    # first rule (the cache ends before the first slow size) said 1 MiB; the cache is still 64 MiB.
+    curve = {MiB << n: gbps for n, gbps in enumerate((45, 16.0, 48, 48, 48, 35, 34, 16.9, 16.4, 19.9))}
+    found = measure_llc(sorted(curve), bandwidth=curve.__getitem__)
+    assert found["llc_bytes"] == 64 * MiB and found["memory_from_bytes"] == 128 * MiB
+
+
+def test_the_cache_and_where_memory_speed_begins_on_an_epyc_like_curve():
+    # Shaped like the AMD EPYC's sweep in docs/bench/decode.json (sysfs: a 32 MiB L3): fast to 16 MiB, 34 GB/s
+    # at 32 MiB (partly cached: 1.11 x memory), memory speed from 64 MiB.
+    gbps = (44.6, 48.5, 48.0, 50.5, 46.0, 34.0, 31.6, 30.1, 30.7, 31.6)
+    curve = {MiB << n: value for n, value in enumerate(gbps)}
+    found = measure_llc(sorted(curve), bandwidth=curve.__getitem__)
+    assert found["memory_gbps"] == 30.7  # the median of 30.1, 30.7, 31.6
+    assert found["llc_bytes"] == 16 * MiB  # 46.0 >= 1.25 x 30.7 = 38.4; 34.0 is not
+    assert found["memory_from_bytes"] == 64 * MiB  # 31.6 < 1.10 x 30.7 = 33.8 <= 34.0
+    # The array read is 4 x where memory speed begins, or the sweep's largest: past the 32 MiB L3 either way.
+    assert limit_array_bytes(16 * MiB, memory_from=64 * MiB) == 512 * MiB
+    assert limit_array_bytes(16 * MiB, memory_from=256 * MiB, floor=8 * MiB) == 1024 * MiB
+    # A fast reading in the tail (noise) neither moves the cache into the tail nor past memory's start.
+    noisy = measure_llc(sorted(curve), bandwidth={**curve, 256 * MiB: 45.0}.__getitem__)
+    assert noisy["llc_bytes"] == 16 * MiB and noisy["settled"] is False
+
+
 def test_the_bandwidth_is_read_over_arrays_beyond_the_cache():
     assert limit_array_bytes(64 * MiB) == 512 * MiB  # 4 x 64 MiB is under the sweep's largest
     assert limit_array_bytes(200 * MiB) == 800 * MiB
@@ -124,6 +149,10 @@ def test_the_bandwidth_is_read_over_arrays_beyond_the_cache():
     assert result["llc"]["llc_bytes"] is None
     assert result["read"]["array_bytes"] == 32 * 1024
     assert result["read_gbps"] == pytest.approx(32 * 1024 / 1e-3 / 1e9)
+    assert result["llc"]["memory_from_bytes"] == 8 * 1024  # every size reads at the largest's speed or slower
+    # The check fires: on this clock the largest array reads 1.33 x the tail's median (32.8 against 24.6 MB/s),
+    # as an array still in the cache would.
+    assert result["read"]["at_memory_speed"] is False
     assert result["cpus"] is None
 
 

@@ -41,6 +41,7 @@ from ..jax.common import (
     to_jax,
 )
 from ..jax.vjp import jax_vjp_prepared
+from ..stage_cuts import jax_cuts, path_groups
 from .common import (
     STATIC,
     BestPath,
@@ -253,11 +254,10 @@ def prepare_decode_step(
     every call is the same step). ``donate=False`` only to show what donation saves (tests/test_best_paths.py);
     `step_program` gives the same compiled step, for reading its HLO."""
     decoder, args = step_program(cfg, params, data, dtype, device, donate)
-    x, _, _, index, tables, allowed = args
-    state = list(args[1:3])  # the caches, replaced by each call's
+    live = [decoder.p, *args]  # (p, x, k_cache, v_cache, index, tables, allowed): the caches replaced by each call's
 
     def forward():
-        output, state[0], state[1] = decoder(x, state[0], state[1], index, tables, allowed)
+        output, live[2], live[3] = decoder(*live[1:])
         return output
 
     itemsize = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
@@ -273,8 +273,23 @@ def prepare_decode_step(
         decoder.executable(*args)
         info["compilations"] = decoder.compilations
 
+    # The breakdown's cuts: best_step's stages, each cut jitted apart, donating the live caches from the write on.
+    stage_fn = partial(best_step, cfg, ("best.jax.step.cut", cfg), stages=True)
+    cuts = jax_cuts(
+        stage_fn,
+        live,
+        path_groups(rope=cfg.rope is not None, decode=True, fused=False),
+        cache_args=(2, 3) if donate else (),
+        precision=decoder.precision,
+    )
     return Prepared(
-        forward, tensor_to_numpy, lambda: output_stage(forward()), block_until_ready, compile=compile_step, info=info
+        forward,
+        tensor_to_numpy,
+        lambda: output_stage(forward()),
+        block_until_ready,
+        compile=compile_step,
+        info=info,
+        stage_cuts=cuts,
     )
 
 

@@ -80,9 +80,10 @@ def best_forward(cfg: MHAConfig, p: dict, x_q, x_k, x_v, tables, allowed, stages
     )  # fmt: skip
 
 
-def best_step(cfg: MHAConfig, key: tuple, p: dict, x, k_cache, v_cache, index, tables, allowed):
+def best_step(cfg: MHAConfig, key: tuple, p: dict, x, k_cache, v_cache, index, tables, allowed, stages: bool = False):
     """One decode chunk: ``x`` (B, s, D) written to slots ``index ..`` of the caches (B*Hkv, C, d), then attending
-    over every slot; returns (output (B, s, D), k_cache, v_cache).
+    over every slot; returns (output (B, s, D), k_cache, v_cache); with ``stages`` every stage by name instead
+    (in the step's own layouts, the caches as ``k_cache`` and ``v_cache``: what ``bench --breakdown`` cuts).
 
     ``tables``: (cos, sin) (1|B, s, r/2) or None; ``allowed``: (B*Hkv, G*s, C) bool, the folded query rows'
     slots (`common.folded_allowed`), or None when every slot is seen.
@@ -93,19 +94,27 @@ def best_step(cfg: MHAConfig, key: tuple, p: dict, x, k_cache, v_cache, index, t
     TRACES[key] += 1  # runs when JAX traces, so it counts compilations
     B, s, _ = x.shape
     H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
-    q = _rotate(cfg, _linear(p, x, "q").reshape(B, s, H, Dk), tables)  # (B, s, H, Dk)
-    k = _rotate(cfg, _linear(p, x, "k").reshape(B, s, Hkv, Dk), tables)  # (B, s, Hkv, Dk)
-    v = _linear(p, x, "v").reshape(B, s, Hkv, Dv)  # (B, s, Hkv, Dv)
+    q_proj, k_proj, v_proj = _linear(p, x, "q"), _linear(p, x, "k"), _linear(p, x, "v")  # (B, s, n*d)
+    q_heads, k_heads = q_proj.reshape(B, s, H, Dk), k_proj.reshape(B, s, Hkv, Dk)  # (B, s, n, Dk)
+    v = v_proj.reshape(B, s, Hkv, Dv)  # (B, s, Hkv, Dv)
+    q, k = _rotate(cfg, q_heads, tables), _rotate(cfg, k_heads, tables)  # (B, s, H, Dk), (B, s, Hkv, Dk)
     zero = jnp.zeros((), index.dtype)
     k_cache = lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).reshape(B * Hkv, s, Dk), (zero, index, zero))
     v_cache = lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).reshape(B * Hkv, s, Dv), (zero, index, zero))
-    q = (q * cfg.scale).reshape(B, s, Hkv, G, Dk).transpose(0, 2, 3, 1, 4).reshape(B * Hkv, G * s, Dk)
-    scores = jnp.einsum("nqd,ntd->nqt", q, k_cache)  # (B*Hkv, G*s, C): each kv head read once
-    if allowed is not None:
-        scores = jnp.where(allowed, scores, -jnp.inf)
-    context = jnp.einsum("nqt,ntd->nqd", _softmax(scores, allowed), v_cache)  # (B*Hkv, G*s, Dv)
+    q_folded = (q * cfg.scale).reshape(B, s, Hkv, G, Dk).transpose(0, 2, 3, 1, 4).reshape(B * Hkv, G * s, Dk)
+    scores = jnp.einsum("nqd,ntd->nqt", q_folded, k_cache)  # (B*Hkv, G*s, C): each kv head read once
+    masked = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
+    weights = _softmax(masked, allowed)
+    context = jnp.einsum("nqt,ntd->nqd", weights, v_cache)  # (B*Hkv, G*s, Dv)
     merged = context.reshape(B, Hkv, G, s, Dv).transpose(0, 3, 1, 2, 4).reshape(B, s, H * Dv)  # (B, s, H*Dv)
-    return _linear(p, merged, "o"), k_cache, v_cache
+    output = _linear(p, merged, "o")  # (B, s, D)
+    if not stages:
+        return output, k_cache, v_cache
+    return dict(
+        q=q_proj, k=k_proj, v=v_proj, q_heads=q_heads, k_heads=k_heads, v_heads=v, q_rotated=q, k_rotated=k,
+        k_cache=k_cache, v_cache=v_cache, scores=scores, masked_scores=masked, weights=weights, context=context,
+        merged=merged, output=output,
+    )  # fmt: skip
 
 
 # -- converting once --------------------------------------------------------------------------------------

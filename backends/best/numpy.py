@@ -44,6 +44,7 @@ from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
 from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
 from ..base import Backend, DecodeStep, Prepared, PreparedDecode, PreparedVJP
 from ..numpy.common import MaskArrays, softmax_inplace
+from ..stage_cuts import CACHE_WRITE, eager_cuts, path_groups, reached
 from .common import (
     STATIC,
     BestPath,
@@ -107,27 +108,38 @@ class NumpyBestLayer:
             return None
         return tuple(np.asarray(t[..., None, :] if head_axis else t, dtype=self.dtype) for t in tables)
 
-    def heads(self, x_q, x_k, x_v, q_tables, k_tables):
-        """Projections (B, N, n*d), their heads (B, N, n, d), views, and the rotated q and k heads."""
+    def heads(self, x_q, x_k, x_v, q_tables, k_tables, until: str | None = None):
+        """Projections (B, N, n*d), their heads (B, N, n, d), views, and the rotated q and k heads.
+
+        ``until``: a breakdown stage to stop after (`stage_cuts.reached`), None to run on (module docstring)."""
         cfg = self.cfg
         q, k, v = self.linear(x_q, "q"), self.linear(x_k, "k"), self.linear(x_v, "v")  # (B, N, n*d)
+        reached(until, "projections", q, k, v)
         q_heads = q.reshape(*q.shape[:2], cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk), a view
         k_heads = k.reshape(*k.shape[:2], cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk), a view
         v_heads = v.reshape(*v.shape[:2], cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv), a view
-        return (q, k, v), (q_heads, k_heads, v_heads), (self.rotate(q_heads, q_tables), self.rotate(k_heads, k_tables))
+        reached(until, "head split", q_heads, k_heads, v_heads)
+        rotated = self.rotate(q_heads, q_tables), self.rotate(k_heads, k_tables)
+        reached(until, "rotary", *rotated)
+        return (q, k, v), (q_heads, k_heads, v_heads), rotated
 
     # -- the forward ----------------------------------------------------------------------------------
-    def forward(self, x_q, x_k, x_v, q_tables, k_tables, mask: MaskArrays | None, rec: StageRecorder | None = None):
+    def forward(
+        self, x_q, x_k, x_v, q_tables, k_tables, mask: MaskArrays | None, rec: StageRecorder | None = None, until=None
+    ):
         """(B, Nq, D): one BLAS product per (batch item, head) on the heads' column slices.
 
-        ``mask``: the blocked positions (1|B, 1|H, Nq, Nk) and empty rows, or None.
+        ``mask``: the blocked positions (1|B, 1|H, Nq, Nk) and empty rows, or None; ``until``: a breakdown stage
+        to stop after (`stage_cuts.reached`; the loop's score stages stop each (item, head) there).
         """
-        projections, heads, (q_rotated, k_rotated) = self.heads(x_q, x_k, x_v, q_tables, k_tables)
+        projections, heads, (q_rotated, k_rotated) = self.heads(x_q, x_k, x_v, q_tables, k_tables, until)
         B, Nq, H, _ = q_rotated.shape
         shape = (B, H, Nq, k_rotated.shape[1])
         dump = None if rec is None else {name: np.empty(shape, self.dtype) for name in SCORE_STAGES}
-        context = self._attend(q_rotated, k_rotated, heads[2], mask, dump)  # (B, Nq, H, Dv)
+        context = self._attend(q_rotated, k_rotated, heads[2], mask, dump, until)  # (B, Nq, H, Dv)
+        reached(until, "context", context)
         merged = context.reshape(B, Nq, -1)  # (B, Nq, H*Dv), a view
+        reached(until, "merge", merged)
         output = self.linear(merged, "o")  # (B, Nq, D)
         if rec is not None and dump is not None:
             record_projections(rec, projections, ROW_SAMPLE_PROJECTION_AXES, "x @ W + b, W stored (in, out)")
@@ -141,11 +153,12 @@ class NumpyBestLayer:
             rec.record("output", output, axes["output"], "merged @ W_o + b_o, W_o stored (in, out)")
         return output
 
-    def _attend(self, q_rotated, k_rotated, v_heads, mask: MaskArrays | None, dump: dict | None = None):
+    def _attend(self, q_rotated, k_rotated, v_heads, mask: MaskArrays | None, dump: dict | None = None, until=None):
         """Every (batch item, head): scores into one workspace, mask, softmax, context into its columns (B, Nq, H, Dv).
 
         ``dump``: arrays (B, H, Nq, Nk) by the names of `SCORE_STAGES` to copy those stages into (untimed
-        passes: the stage dump, the backward's weights), or None.
+        passes: the stage dump, the backward's weights), or None. ``until`` "scores" or "softmax": every
+        (item, head) stops after that stage (a cut of the loop: the rest of each iteration is not run).
         """
         cfg = self.cfg
         B, Nq, H, _ = q_rotated.shape
@@ -159,12 +172,15 @@ class NumpyBestLayer:
             if name in dump:
                 dump[name][b, h] = scores
 
+        only_scores, up_to_softmax = until == "scores", until in ("scores", "softmax")
         for h in range(H):
             g = cfg.kv_head_of(h)
             head_mask = None if mask is None else mask.for_head(h)
             for b in range(B):
                 np.matmul(q_scaled[b, :, h], k_rotated[b, :, g].T, out=scores)  # (Nq, Nk)
                 keep("scores", b, h)
+                if only_scores:
+                    continue
                 empty = None
                 if head_mask is not None:
                     np.copyto(scores, -np.inf, where=_item(head_mask.blocked, b))
@@ -172,7 +188,11 @@ class NumpyBestLayer:
                 keep("masked_scores", b, h)
                 softmax_inplace(scores, empty)
                 keep("weights", b, h)
+                if up_to_softmax:
+                    continue
                 np.matmul(scores, v_heads[b, :, g], out=context[b, :, h])  # (Nq, Dv), into its columns
+        reached(until, "scores", scores)
+        reached(until, "softmax", scores)
         return context
 
     # -- the backward, by hand ------------------------------------------------------------------------
@@ -220,32 +240,38 @@ class NumpyBestLayer:
         return grads
 
     # -- the decode step ------------------------------------------------------------------------------
-    def decode_step(self, cache: NumpyStaticCache, x, start: int, tables, folded: MaskArrays | None):
+    def decode_step(self, cache: NumpyStaticCache, x, start: int, tables, folded: MaskArrays | None, until=None):
         """Tokens ``x`` (B, s, D) written to slots ``start .. start+s-1``, then attending over slots ``0 ..
         start+s-1``: (B, s, D). ``tables`` (cos, sin) (1|B, s, 1, r/2) or None; ``folded``: the mask of
-        the folded query rows (B, 1, G*s, T) (`common.folded_allowed`), or None when every slot is seen."""
+        the folded query rows (B, 1, G*s, T) (`common.folded_allowed`), or None when every slot is seen;
+        ``until``: a breakdown stage to stop after (`stage_cuts.reached`), None to run it all."""
         cfg = self.cfg
         B, s = x.shape[:2]
         Hkv, G = cfg.n_kv_heads, cfg.group_size
-        _, (_, _, v_heads), (q_rotated, k_rotated) = self.heads(x, x, x, tables, tables)
+        _, (_, _, v_heads), (q_rotated, k_rotated) = self.heads(x, x, x, tables, tables, until)
         stop = start + s
         cache.k[..., start:stop] = k_rotated.transpose(0, 2, 3, 1)  # (B, Hkv, Dk, s): keys as columns, in place
         cache.v[:, :, start:stop] = v_heads.transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv): values as rows
+        reached(until, CACHE_WRITE, cache.k, cache.v)
         q = (q_rotated * self.dtype.type(cfg.scale)).reshape(B, s, Hkv, G, cfg.d_k)  # (B, s, Hkv, G, Dk)
         q = q.transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * s, cfg.d_k)  # (B, Hkv, G*s, Dk): a copy of s*H*Dk numbers
         blocks = [slice(t, min(t + KV_BLOCK, stop)) for t in range(0, stop, KV_BLOCK)]
         scores = np.empty((B, Hkv, G * s, stop), dtype=self.dtype)  # (B, Hkv, G*s, T)
         for block in blocks:  # one GEMM per kv head and block of slots: each key read once
             np.matmul(q, cache.k[..., block], out=scores[..., block])
+        reached(until, "scores", scores)
         empty = None
         if folded is not None:
             np.copyto(scores, -np.inf, where=folded.blocked)
             empty = folded.empty_rows
         softmax_inplace(scores, empty)
+        reached(until, "softmax", scores)
         context = np.zeros((B, Hkv, G * s, cfg.d_v), dtype=self.dtype)  # (B, Hkv, G*s, Dv)
         for block in blocks:  # each value read once
             context += np.matmul(scores[..., block], cache.v[:, :, block])
+        reached(until, "context", context)
         merged = context.reshape(B, Hkv, G, s, cfg.d_v).transpose(0, 3, 1, 2, 4).reshape(B, s, -1)  # (B, s, H*Dv)
+        reached(until, "merge", merged)
         return self.linear(merged, "o")  # (B, s, D)
 
 
@@ -301,8 +327,10 @@ class NumpyBestBackend(BestPath, Backend):
         def run(rec: StageRecorder | None):
             return layer.forward(*args, rec)
 
+        groups = path_groups(rope=cfg.rope is not None, decode=False, fused=False)
+        cuts = eager_cuts(lambda until: layer.forward(*args, None, until), groups, lambda result: None)
         info = {"layout": "row samples (B, tokens, features)", "loop": "(batch item, head) on column slices"}
-        return Prepared(lambda: run(None), np.asarray, lambda: record_stages(run), info=info)
+        return Prepared(lambda: run(None), np.asarray, lambda: record_stages(run), info=info, stage_cuts=cuts)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy) -> PreparedVJP:
         layer = NumpyBestLayer(cfg, params, dtype)
@@ -343,8 +371,9 @@ class NumpyBestBackend(BestPath, Backend):
         tables = layer.tables(data.tables)
         mask = folded_mask(data.allowed, cfg.group_size)
 
-        def forward():  # every call writes the same slots: each timed call is the same step
-            return layer.decode_step(kv, x, context, tables, mask)
+        def forward(until: str | None = None):  # every call writes the same slots: each timed call is the same step
+            return layer.decode_step(kv, x, context, tables, mask, until)
 
+        cuts = eager_cuts(forward, path_groups(rope=cfg.rope is not None, decode=True, fused=False), lambda r: None)
         info = {"cache": kv.info(cfg), "context": context, "step": step}
-        return Prepared(forward, np.asarray, lambda: output_stage(forward()), info=info)
+        return Prepared(forward, np.asarray, lambda: output_stage(forward()), info=info, stage_cuts=cuts)

@@ -33,6 +33,8 @@ from .._recording import StageRecorder, record_stages
 from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..oracles.torch import TorchSDPAOracle
 from ..oracles.torch_heads import projected_heads_pass
+from ..oracles.torch_passes import sdpa_pass
+from ..stage_cuts import CACHE_WRITE, eager_cuts, path_groups, reached
 from ..torch.common import (
     bool_tensor,
     in_inference_mode,
@@ -42,6 +44,7 @@ from ..torch.common import (
     synchronizer,
     to_tensor,
     torch_dtype,
+    torch_inputs,
     with_matmul_precision,
 )
 from .common import (
@@ -91,6 +94,13 @@ class TorchBestBackend(BestPath, TorchSDPAOracle):
             return stages
 
         prepared.native_stages = native_stages
+        # The breakdown's cuts: the same pass on the same inputs, stopped after a stage (`stage_cuts`).
+        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+        x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
+        forward, _, _ = sdpa_pass(cfg, inputs, dtype, device)
+        cut = in_inference_mode(with_matmul_precision(forward, device, self.allow_tf32))
+        groups = path_groups(rope=cfg.rope is not None, decode=False, fused=True)
+        prepared.stage_cuts = eager_cuts(lambda until: cut(p, x_q, x_k, x_v, None, until), groups, prepared.synchronize)
         return prepared
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
@@ -160,6 +170,7 @@ def folded_step(cfg: MHAConfig, batch: int, tokens: int, dtype: str, device: str
 
     def attend(p: dict, q_rotated, k_rotated, v_heads):
         k, v = state["cache"].write(k_rotated, v_heads, state["start"])  # (B, Hkv, T, d) views
+        reached(state["until"], CACHE_WRITE, k, v)
         q = q_rotated.reshape(batch, Hkv, G * tokens, Dk)  # (B, Hkv, G*s, Dk): a view for one token
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=cfg.scale)  # (B, Hkv, G*s, Dv)
         return context.view(batch, H, tokens, Dv)  # (B, H, s, Dv)
@@ -168,9 +179,9 @@ def folded_step(cfg: MHAConfig, batch: int, tokens: int, dtype: str, device: str
     sizes = SimpleNamespace(batch=batch, q_tokens=tokens)
     model = projected_heads_pass(cfg, sizes, dtype, device, attend, note, rotate)
 
-    def forward(p: dict, x, cache: TorchStaticCache, start: int, rec: StageRecorder | None = None):
-        state.update(cache=cache, start=start)
-        return model(p, x, x, x, rec)  # (B, s, D)
+    def forward(p: dict, x, cache: TorchStaticCache, start: int, rec: StageRecorder | None = None, until=None):
+        state.update(cache=cache, start=start, until=until)  # until: a breakdown stage to stop after, or None
+        return model(p, x, x, x, rec, until)  # (B, s, D)
 
     return forward
 
@@ -228,10 +239,12 @@ def prepare_decode_step(
     mask = _folded_mask(data.allowed, cfg.group_size, device)
     forward = folded_step(cfg, batch, data.step, dtype, device, _tables(data.tables, dtype, device), mask)
 
-    def run(rec: StageRecorder | None):
-        return forward(p, x, cache, context, rec)
+    def run(rec: StageRecorder | None, until: str | None = None):
+        return forward(p, x, cache, context, rec, until)
 
     run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
+    groups = path_groups(rope=cfg.rope is not None, decode=True, fused=True)
+    cuts = eager_cuts(lambda until: run(None, until), groups, synchronizer(device))
     info = {
         "cache": cache.info(cfg),
         "context": context,
@@ -241,5 +254,10 @@ def prepare_decode_step(
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
     return Prepared(
-        lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
+        lambda: run(None),
+        tensor_to_numpy,
+        lambda: record_stages(run),
+        synchronize=synchronizer(device),
+        info=info,
+        stage_cuts=cuts,
     )

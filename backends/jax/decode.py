@@ -55,6 +55,7 @@ from mha_rosetta.core.variants import alibi_slopes
 
 from .._layouts import XLA_LAYOUT
 from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..stage_cuts import jax_cuts, path_groups
 from .common import (
     effective_precision,
     jax_params,
@@ -270,6 +271,10 @@ def prepare_decode_run(
     return PreparedDecode(run, tensor_to_numpy, step_stages, _block, info=info)
 
 
+# The step returns no scores or weights (token-wise stages only): they are timed in one row with the context.
+NO_SCORES_ROW = "scores, softmax, context (one row: the step returns no scores)"
+
+
 def _block(result) -> None:
     import jax
 
@@ -342,4 +347,14 @@ def prepare_decode_step(
     info["cache"] = cache_info(decoder)
     info["cache_copied_per_call"] = True  # the benchmark's step is not donated (see the docstring)
     info["compilations"] = {"step": 0}
-    return Prepared(forward, tensor_to_numpy, native_stages, _block, compile=compile_step, info=info)
+
+    def step_stages(*step_args) -> dict:  # the step's token-wise stages and its written caches, by name
+        cache, stages = decoder.step_program(*step_args)
+        return {**stages, "k_cache": cache["k_cache"], "v_cache": cache["v_cache"]}
+
+    # The breakdown's cuts (`stage_cuts`); the step exposes no scores: they are one row with the context.
+    groups = path_groups(
+        rope=cfg.rope is not None, decode=True, fused=True, joined=NO_SCORES_ROW, qk_norm=cfg.qk_norm is not None
+    )
+    cuts = jax_cuts(step_stages, list(args), groups, precision=decoder.precision)
+    return Prepared(forward, tensor_to_numpy, native_stages, _block, compile=compile_step, info=info, stage_cuts=cuts)

@@ -12,6 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads
+from ..stage_cuts import FUSED_ATTENTION, reached
 from ..torch.common import heads_rotator
 from ..torch.variants import rms_norm
 
@@ -36,7 +37,8 @@ def projected_heads_pass(
     split ``view(B, N, H, d).transpose(1, 2)``, rotary, then ``attend(p, q, k, v)`` (the
     library's kernel: (B, H, Nq, Dk), (B, Hkv, Nk, Dk), (B, Hkv, Nk, Dv) -> context (B, H, Nq, Dv)),
     the merge and the output projection; every stage outside the kernel is recorded when ``rec``
-    is given. ``rotate(heads, "q" | "k")`` defaults to the rotary of ``inputs``' positions (a decode
+    is given; ``until`` names a breakdown stage to stop after (`stage_cuts.reached`: the best paths' cuts).
+    ``rotate(heads, "q" | "k")`` defaults to the rotary of ``inputs``' positions (a decode
     chunk passes its slice of the whole run's tables).
     """
     import torch.nn.functional as F
@@ -50,11 +52,13 @@ def projected_heads_pass(
     def split(x, n, d):  # (B, N, n*d) -> (B, n, N, d), a strided view
         return x.view(B, x.shape[1], n, d).transpose(1, 2)
 
-    def forward(p: dict, x_q, x_k, x_v, rec: StageRecorder | None = None):
+    def forward(p: dict, x_q, x_k, x_v, rec: StageRecorder | None = None, until: str | None = None):
         q = F.linear(x_q, p["w_q"], p["b_q"])  # (B, Nq, H*Dk)
         k = F.linear(x_k, p["w_k"], p["b_k"])  # (B, Nk, Hkv*Dk)
         v = F.linear(x_v, p["w_v"], p["b_v"])  # (B, Nk, Hkv*Dv)
+        reached(until, "projections", q, k, v)  # a breakdown's cut stops here (`stage_cuts`); None runs on
         q_heads, k_heads, v_heads = split(q, H, Dk), split(k, Hkv, Dk), split(v, Hkv, Dv)  # (B, n, N, d), views
+        reached(until, "head split", q_heads, k_heads, v_heads)
         q_normed, k_normed = q_heads, k_heads
         if cfg.qk_norm == "projection":  # over the whole projection, then the same split
             q_normed = split(rms_norm(q, p["q_norm"], eps), H, Dk)  # (B, H, Nq, Dk)
@@ -62,8 +66,11 @@ def projected_heads_pass(
         elif cfg.qk_norm == "head":
             q_normed, k_normed = rms_norm(q_heads, p["q_norm"], eps), rms_norm(k_heads, p["k_norm"], eps)
         q_rotated, k_rotated = rotate(q_normed, "q"), rotate(k_normed, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+        reached(until, "rotary", q_rotated, k_rotated)
         context = attend(p, q_rotated, k_rotated, v_heads)  # (B, H, Nq, Dv)
+        reached(until, FUSED_ATTENTION, context)
         merged = context.transpose(1, 2).contiguous().view(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
+        reached(until, "merge", merged)
         output = F.linear(merged, p["w_o"], p["b_o"])  # (B, Nq, D)
         if rec is not None:
             record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")

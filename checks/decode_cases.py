@@ -26,6 +26,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, init_params
 from mha_rosetta.core.decode import DecodeInputs, prepare_decode_inputs, ring_capacity
+from mha_rosetta.core.paged import check_page_size
 from mha_rosetta.core.variants import registry_cases
 
 from .cases import ALL_DTYPES
@@ -43,6 +44,7 @@ class DecodeCase:
     step:     tokens per later call (the last call may take fewer).
     padding:  None, "left" or "right", with ``lengths`` the real tokens of each item.
     caches:   the cache kinds to run (None: all of each backend's ``decode_caches``).
+    page_size: the paged cache's tokens per page (None: the backends' default, vLLM's 16).
     """
 
     name: str
@@ -57,6 +59,7 @@ class DecodeCase:
     dtypes: tuple[str, ...] = ("float64", "float32")
     seed: int = 0
     caches: tuple[str, ...] | None = None
+    page_size: int | None = None
 
     def __post_init__(self) -> None:
         where = f"decode case {self.name!r}"
@@ -77,6 +80,8 @@ class DecodeCase:
                 f"got {self.lengths}"
             )
         self.decode_inputs()  # prefill, step and the window's padding rule, checked once here
+        if self.page_size is not None:
+            check_page_size(self.page_size)
 
     @property
     def window_outgrown(self) -> bool:
@@ -100,6 +105,10 @@ class DecodeCase:
         rng = np.random.default_rng(self.seed)
         return rng.standard_normal((self.batch, self.tokens, self.cfg.d_model))
 
+    def paging(self, cache: str | None) -> dict:
+        """The paged cache's keywords of `Backend.prepare_decode_run` for a run with cache kind ``cache``."""
+        return {"page_size": self.page_size} if cache == "paged" and self.page_size is not None else {}
+
     def run_args(self) -> dict:
         """The keywords of `Backend.prepare_decode_run` and `core.decode.reference_decode` besides cfg and params."""
         return {"x": self.x(), "prefill": self.prefill, "step": self.step, "mask": self.mask()}
@@ -120,6 +129,8 @@ class DecodeCase:
             parts.append("variants " + ", ".join(cfg.variants))
         if self.padding:
             parts.append(f"{self.padding}-padded, real lengths {list(self.lengths)}")
+        if self.page_size is not None:
+            parts.append(f"pages of {self.page_size} (paged cache)")
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
@@ -227,6 +238,21 @@ DECODE_CASES: dict[str, DecodeCase] = {
             padding="right",
             lengths=(4, 9),
             seed=109,
+        ),
+        DecodeCase(
+            "paged_mid_window",
+            "pages of 3 under a window of 5 (two tokens a step): every step's window starts mid-page, whole pages "
+            "freed behind it; left padding, GQA, ALiBi; the paged cache beside every other kind",
+            MHAConfig(d_model=22, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, window=5, alibi=True),
+            batch=3,
+            tokens=13,
+            prefill=4,
+            step=2,
+            padding="left",
+            lengths=(13, 9, 6),
+            dtypes=("float64", "float32"),
+            seed=111,
+            page_size=3,
         ),
         DecodeCase(
             "plain_mha",

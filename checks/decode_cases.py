@@ -9,7 +9,8 @@ fails instead of passing by luck.
 
 Padding: ``"left"`` puts ``tokens - length`` pads before each item's real tokens (their
 positions are ``cumsum(mask) - 1``, so pads sit at -1, as ``generate`` computes them);
-``"right"`` puts them after. With a window, a ring buffer keeps its slots by index, so the real
+``"right"`` puts them after. Left padding is also how rows of different lengths decode together
+(continuous batching, ``ragged_rows``): each row at its own position, a length of 0 an idle row. With a window, a ring buffer keeps its slots by index, so the real
 tokens' positions must advance by one per token (`core.decode.prepare_decode_inputs` refuses
 anything else); the window is exercised with left padding and the right-padded case has none.
 
@@ -73,10 +74,10 @@ class DecodeCase:
         if (self.padding is None) != (self.lengths is None):
             raise ValueError(f"{where}: padding and lengths (real tokens per item) go together, got {self.lengths}")
         if self.lengths is not None and (
-            len(self.lengths) != self.batch or not all(1 <= n <= self.tokens for n in self.lengths)
+            len(self.lengths) != self.batch or not all(0 <= n <= self.tokens for n in self.lengths)
         ):
             raise ValueError(
-                f"{where}: lengths needs one entry per batch item ({self.batch}), each 1..{self.tokens}, "
+                f"{where}: lengths needs one entry per batch item ({self.batch}), each 0..{self.tokens}, "
                 f"got {self.lengths}"
             )
         self.decode_inputs()  # prefill, step and the window's padding rule, checked once here
@@ -253,6 +254,22 @@ DECODE_CASES: dict[str, DecodeCase] = {
             dtypes=("float64", "float32"),
             seed=111,
             page_size=3,
+        ),
+        DecodeCase(
+            "ragged_rows",
+            "continuous batching: rows of 11, 0, 4 and 7 real tokens decode together, each at its own position "
+            "(a row joins where its tokens start; the zero-length row is an idle slot: zero context, output b_o); "
+            "contiguous and paged (pages of 2) alike",
+            MHAConfig(d_model=26, n_heads=2, n_kv_heads=1, d_k=8, rope="half", causal=True),
+            batch=4,
+            tokens=11,
+            prefill=3,
+            step=2,
+            padding="left",
+            lengths=(11, 0, 4, 7),
+            dtypes=("float64", "float32"),
+            seed=112,
+            page_size=2,
         ),
         DecodeCase(
             "plain_mha",

@@ -170,3 +170,11 @@ def test_jax_pool_is_static_donated_and_gathered_inside_one_compiled_step():
     expected = reference_decode(cfg, params, x, prefill=3, step=1)
     assert_close(np.concatenate(outputs, axis=1), expected, "float64", what="the jax paged decoder driven by hand")
     assert decoder.pool.peak <= 6 and (decoder.pool.table[:, :4] == PAD).all()  # the window freed pages 0..3
+
+
+@pytest.mark.parametrize("backend", sorted(PAGED_BACKENDS))
+@pytest.mark.parametrize("page_size", [0, -3, 2.0, True])
+def test_every_paged_cache_refuses_a_page_size_that_is_not_a_positive_int(backend, page_size):
+    _needs(backend)
+    with pytest.raises(ValueError, match=rf"page_size must be a positive int \(tokens per page\), got {page_size!r}"):
+        _run(backend, CONFIGS["gqa_rope"], cache="paged", page_size=page_size)

@@ -44,3 +44,21 @@ def test_jax_dpa_sequence_lengths_equal_the_padded_spec():
     # Padding query rows and the empty row: zero context in the spec, and exactly zero in jax too (jax 0.10.2).
     padded = ~RaggedBatch(seq_lens).padding_mask(7)  # (B, N)
     assert np.all(context.transpose(0, 2, 1, 3)[padded] == 0)
+
+
+@pytest.mark.parametrize(("page_size", "seed"), [(2, 0), (4, 5)])
+def test_torch_paged_attention_with_flex_equals_the_padded_spec(page_size, seed):
+    pytest.importorskip("torch", reason="torch's PagedAttention and FlexAttention need torch")
+    from mha_rosetta.backends.oracles.ragged import torch_paged_flex_context
+    from mha_rosetta.core.paged import PagedLayout
+
+    seq_lens = [5, 0, 1, 7]  # a zero-length row, a one-token row, and rows across pages
+    s = _stages(seq_lens=seq_lens)
+    layout = PagedLayout.assign(RaggedBatch(seq_lens), page_size, n_pages=9, seed=seed)  # shuffled, spare pages
+    assert (layout.block_table[layout.block_table >= 0] != np.arange((layout.block_table >= 0).sum())).any()
+    context = torch_paged_flex_context(
+        s["q_rotated"], s["k_rotated"], s["v_heads"], layout, causal=True, scale=CFG.scale
+    )
+    real = RaggedBatch(seq_lens).padding_mask(7)  # (B, N): the real query rows
+    assert_close(context.transpose(0, 2, 1, 3)[real], s["context"].transpose(0, 2, 1, 3)[real], "float64",
+                 what="torch PagedAttention + FlexAttention")  # fmt: skip

@@ -62,3 +62,17 @@ def test_torch_paged_attention_with_flex_equals_the_padded_spec(page_size, seed)
     real = RaggedBatch(seq_lens).padding_mask(7)  # (B, N): the real query rows
     assert_close(context.transpose(0, 2, 1, 3)[real], s["context"].transpose(0, 2, 1, 3)[real], "float64",
                  what="torch PagedAttention + FlexAttention")  # fmt: skip
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("lengths", [LENGTHS, [1, 1, 3], [9]])
+def test_hugging_face_reads_the_same_documents_from_position_ids(implementation, lengths):
+    pytest.importorskip("transformers", reason="Hugging Face's packed masks need transformers (the models extra)")
+    from mha_rosetta.backends.oracles.ragged import hf_packed_allowed
+
+    batch = RaggedBatch(lengths)
+    expected = batch.document_mask(drop_empty=True) & np.tril(np.ones((batch.total, batch.total), dtype=bool))
+    np.testing.assert_array_equal(hf_packed_allowed(batch, implementation), expected)
+    # and the spec reads HF's spelling back into the same documents (the empty one leaves no trace)
+    again = RaggedBatch.from_position_ids(batch.position_ids(drop_empty=True))
+    assert again.lengths.tolist() == [n for n in lengths if n]

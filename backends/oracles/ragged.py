@@ -9,7 +9,10 @@
   table (its page table and physical-to-logical map set from it, so the pages sit in the layout's
   shuffled physical order), the logical block mask converted by ``convert_logical_block_mask``. It
   runs on the CPU, eagerly (FlexAttention unfused, as `flex._eager_flex` calls it; tried with torch 2.13);
-  the block mask's key block must equal the page size (its own rule).
+  the block mask's key block must equal the page size (its own rule);
+* Hugging Face: packed rows read from ``position_ids`` alone (``masking_utils.find_packed_sequence_indices``:
+  a step other than +1 starts a document), the mask ``create_causal_mask`` builds from them without an
+  attention mask, for the eager (additive float) and sdpa (boolean) implementations.
 
 Each takes the spec's own rotated heads (float64 NumPy, `core.reference_stages` layout) and returns
 the context ``(B, H, N, Dv)``, so a test compares the library's rule for raggedness, and nothing else,
@@ -94,3 +97,26 @@ def torch_paged_flex_context(q, k, v, layout: PagedLayout, *, causal: bool, scal
     physical = paged.convert_logical_block_mask(logical, kv_len=lengths)
     out = _eager_flex(q, k_pool, v_pool, block_mask=physical, scale=scale, enable_gqa=Hkv != q.shape[1])
     return out.numpy()
+
+
+def hf_packed_allowed(batch: RaggedBatch, attn_implementation: str = "sdpa") -> np.ndarray:
+    """(T, T) bool: the mask transformers' ``create_causal_mask`` builds for one packed row from its ``position_ids``
+    (`RaggedBatch.position_ids`, drop_empty: an empty document leaves no trace there), no attention mask given."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, vocab_size=2)
+    config._attn_implementation = attn_implementation  # how the model's layers would call attention
+    T = batch.total
+    position_ids = torch.from_numpy(batch.position_ids(drop_empty=True))[None]  # (1, T): HF's packed spelling
+    mask = create_causal_mask(
+        config=config,
+        inputs_embeds=torch.zeros(1, T, 8),
+        attention_mask=None,
+        cache=None,
+        position_ids=position_ids,
+        allow_is_causal_skip=False,  # the mask itself, never None for "plain causal"
+    )  # (1, 1, T, T): bool (sdpa) or additive float, 0 where allowed (eager)
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return allowed[0, 0].numpy()

@@ -207,6 +207,11 @@ class Backend(DecodeMixin):
         if not cfg.causal or causal_on_indices(inputs) or (self.causal_on_positions and not index_rule):
             return None
         how = f"{self.name}'s {strategy} strategy skips tiles" if index_rule else f"{self.name} masks"
+        if (np.diff(inputs.positions, axis=-1) < 0).any():  # issue 47: a packed call, not a decode step
+            return (
+                f"{how} on the top-left causal rule on indices (j <= i), and these positions restart per document "
+                "(a packed call: the documents one after another, each from position 0): its mask reads indices, not them"
+            )
         return (
             f"{how} on the top-left causal rule on indices (j <= i), and these positions make causality "
             "bottom-right (a decode step: queries after cached keys)"

@@ -59,6 +59,8 @@ class DecodeMixin:
 
     name: str
     decode_caches: tuple[str, ...]
+    # The paged cache in `prepare_decode` (bench --mode decode's timed step): an adapter that builds it says so.
+    paged_decode_step = False
 
     def _decode_validate(self, cfg, params, dtype, device, strategy, cache):
         dtype = check_dtype_name(dtype)
@@ -158,7 +160,7 @@ class DecodeMixin:
         if not cfg.causal:
             raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
         dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
-        if cache == PAGED:
+        if cache == PAGED and not self.paged_decode_step:
             raise UnsupportedCase(f"{self.name}: the paged cache has no timed step yet (run_decode runs it)")
         job = DecodeStep(int(batch), int(context), int(step), dtype, device, strategy, cache, seed)
         return self._prepare_decode_step(cfg, params, job)

@@ -141,6 +141,7 @@ def _prepare(backend, impl: Implementation, dtype: str, oracle: _DecodeOracle):
         device=impl.device,
         strategy=impl.strategy,
         cache=impl.cache or None,
+        **case.paging(impl.cache),
     )
     return prepared
 

@@ -9,7 +9,8 @@ fails instead of passing by luck.
 
 Padding: ``"left"`` puts ``tokens - length`` pads before each item's real tokens (their
 positions are ``cumsum(mask) - 1``, so pads sit at -1, as ``generate`` computes them);
-``"right"`` puts them after. With a window, a ring buffer keeps its slots by index, so the real
+``"right"`` puts them after. Left padding is also how rows of different lengths decode together
+(continuous batching, ``ragged_rows``): each row at its own position, a length of 0 an idle row. With a window, a ring buffer keeps its slots by index, so the real
 tokens' positions must advance by one per token (`core.decode.prepare_decode_inputs` refuses
 anything else); the window is exercised with left padding and the right-padded case has none.
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, init_params
 from mha_rosetta.core.decode import DecodeInputs, prepare_decode_inputs, ring_capacity
+from mha_rosetta.core.paged import check_page_size
 from mha_rosetta.core.variants import registry_cases
 
 from .cases import ALL_DTYPES
@@ -43,6 +45,7 @@ class DecodeCase:
     step:     tokens per later call (the last call may take fewer).
     padding:  None, "left" or "right", with ``lengths`` the real tokens of each item.
     caches:   the cache kinds to run (None: all of each backend's ``decode_caches``).
+    page_size: the paged cache's tokens per page (None: the backends' default, vLLM's 16).
     """
 
     name: str
@@ -57,6 +60,7 @@ class DecodeCase:
     dtypes: tuple[str, ...] = ("float64", "float32")
     seed: int = 0
     caches: tuple[str, ...] | None = None
+    page_size: int | None = None
 
     def __post_init__(self) -> None:
         where = f"decode case {self.name!r}"
@@ -70,13 +74,15 @@ class DecodeCase:
         if (self.padding is None) != (self.lengths is None):
             raise ValueError(f"{where}: padding and lengths (real tokens per item) go together, got {self.lengths}")
         if self.lengths is not None and (
-            len(self.lengths) != self.batch or not all(1 <= n <= self.tokens for n in self.lengths)
+            len(self.lengths) != self.batch or not all(0 <= n <= self.tokens for n in self.lengths)
         ):
             raise ValueError(
-                f"{where}: lengths needs one entry per batch item ({self.batch}), each 1..{self.tokens}, "
+                f"{where}: lengths needs one entry per batch item ({self.batch}), each 0..{self.tokens}, "
                 f"got {self.lengths}"
             )
         self.decode_inputs()  # prefill, step and the window's padding rule, checked once here
+        if self.page_size is not None:
+            check_page_size(self.page_size)
 
     @property
     def window_outgrown(self) -> bool:
@@ -100,6 +106,10 @@ class DecodeCase:
         rng = np.random.default_rng(self.seed)
         return rng.standard_normal((self.batch, self.tokens, self.cfg.d_model))
 
+    def paging(self, cache: str | None) -> dict:
+        """The paged cache's keywords of `Backend.prepare_decode_run` for a run with cache kind ``cache``."""
+        return {"page_size": self.page_size} if cache == "paged" and self.page_size is not None else {}
+
     def run_args(self) -> dict:
         """The keywords of `Backend.prepare_decode_run` and `core.decode.reference_decode` besides cfg and params."""
         return {"x": self.x(), "prefill": self.prefill, "step": self.step, "mask": self.mask()}
@@ -120,6 +130,8 @@ class DecodeCase:
             parts.append("variants " + ", ".join(cfg.variants))
         if self.padding:
             parts.append(f"{self.padding}-padded, real lengths {list(self.lengths)}")
+        if self.page_size is not None:
+            parts.append(f"pages of {self.page_size} (paged cache)")
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
@@ -227,6 +239,37 @@ DECODE_CASES: dict[str, DecodeCase] = {
             padding="right",
             lengths=(4, 9),
             seed=109,
+        ),
+        DecodeCase(
+            "paged_mid_window",
+            "pages of 3 under a window of 5 (two tokens a step): every step's window starts mid-page, whole pages "
+            "freed behind it; left padding, GQA, ALiBi; the paged cache beside every other kind",
+            MHAConfig(d_model=22, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, window=5, alibi=True),
+            batch=3,
+            tokens=13,
+            prefill=4,
+            step=2,
+            padding="left",
+            lengths=(13, 9, 6),
+            dtypes=("float64", "float32"),
+            seed=111,
+            page_size=3,
+        ),
+        DecodeCase(
+            "ragged_rows",
+            "continuous batching: rows of 11, 0, 4 and 7 real tokens decode together, each at its own position "
+            "(a row joins where its tokens start; the zero-length row is an idle slot: zero context, output b_o); "
+            "contiguous and paged (pages of 2) alike",
+            MHAConfig(d_model=26, n_heads=2, n_kv_heads=1, d_k=8, rope="half", causal=True),
+            batch=4,
+            tokens=11,
+            prefill=3,
+            step=2,
+            padding="left",
+            lengths=(11, 0, 4, 7),
+            dtypes=("float64", "float32"),
+            seed=112,
+            page_size=2,
         ),
         DecodeCase(
             "plain_mha",

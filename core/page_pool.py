@@ -83,6 +83,13 @@ class PagePool:
         self.peak = max(self.peak, self.in_use)
         return self.table[:, tokens // self.page_size], tokens % self.page_size, np.array(given, dtype=np.int64)
 
+    def rewind(self, written: int) -> None:
+        """Forget the tokens written after the first ``written`` (a benchmark repeats one step at one context):
+        their pages stay held, so the next write of the same tokens takes the same slots and no page."""
+        if isinstance(written, bool) or not isinstance(written, (int, np.integer)) or not 0 <= written <= self.written:
+            raise ValueError(f"rewind takes a token count in 0..{self.written} (the tokens written), got {written!r}")
+        self.written = int(written)
+
     def live(self) -> tuple[np.ndarray, int]:
         """(the held pages (B, n) in logical order, the token index of their first slot)."""
         return self.table[:, self.first :], self.first * self.page_size

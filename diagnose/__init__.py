@@ -19,6 +19,10 @@ forward, naming the decode mistakes (`DECODE_CAUSE_CODES`: positions not offset,
 causality on a step, a static cache's empty slots attended, the ring off by one, keys rotated
 twice).
 
+`diagnose_packed`, `diagnose_padded` and `diagnose_paged` (`diagnose.ragged`, issue 47) name the mistakes of
+packed documents (leaking, positions not restarting), padded rows (padding keys attended) and paged reads (the
+physical page index used as the logical one, the last page's length off by one).
+
 ``diagnose(candidate, like=module)`` takes the reference configuration from a real attention
 module (`mha_rosetta.models.from_module`) instead of an ``MHAConfig``.
 
@@ -28,12 +32,14 @@ Imports NumPy, `core`, `backends` and (for ``like``) `models` only (no framework
 from .causes import CAUSE_CODES, DECODE_CAUSE_CODES, Hypothesis, hypotheses
 from .decode import DecodeBug, diagnose_decode, simulate_decode
 from .diagnosis import DEFAULT_TIMEOUT_S, Cause, DiagnoseError, Diagnosis, diagnose, reference_config
+from .ragged import RAGGED_CAUSE_CODES, diagnose_packed, diagnose_padded, diagnose_paged
 from .simulate import Bug, simulate
 
 __all__ = [
     "CAUSE_CODES",
     "DECODE_CAUSE_CODES",
     "DEFAULT_TIMEOUT_S",
+    "RAGGED_CAUSE_CODES",
     "Bug",
     "Cause",
     "DecodeBug",
@@ -42,6 +48,9 @@ __all__ = [
     "Hypothesis",
     "diagnose",
     "diagnose_decode",
+    "diagnose_packed",
+    "diagnose_padded",
+    "diagnose_paged",
     "hypotheses",
     "reference_config",
     "simulate",

@@ -183,6 +183,13 @@ def test_the_registry_covers_what_the_issue_names_and_every_variant():
     ring = {c.name: ring_capacity(c.cfg, c.step) for c in outgrown}
     assert any(c.prefill < ring[c.name] for c in outgrown) and any(c.prefill > ring[c.name] for c in outgrown)
     assert {c.padding for c in cases} == {None, "left", "right"}
+    # issue 47: rows at different lengths decoding together with an idle (zero-length) row, paged and contiguous
+    # (every kind); a paged case whose window starts mid-page (W not a multiple of P, pages smaller than W)
+    ragged = [c for c in cases if c.padding == "left" and 0 in c.lengths and len(set(c.lengths)) == c.batch]
+    assert ragged and all(c.caches is None and c.page_size is not None for c in ragged)
+    assert any(
+        c.page_size and c.cfg.window and c.cfg.window % c.page_size and c.page_size < c.cfg.window for c in cases
+    )
     assert any(c.cfg.rope is None and c.cfg.n_kv_heads == c.cfg.n_heads and c.step == 1 for c in cases)
     assert set(VARIANTS) <= {v for c in cases for v in c.cfg.variants}
     # No two cases share (d_model, heads, tokens): a swapped axis cannot pass by luck.
@@ -205,8 +212,10 @@ def test_a_bad_case_is_refused_naming_the_rule():
         DecodeCase("x", "", MHAConfig(d_model=8, n_heads=2))
     with pytest.raises(ValueError, match="prefill must be between 1 and the sequence's 5 tokens, got 6"):
         DecodeCase("x", "", MHAConfig(d_model=8, n_heads=2, causal=True), tokens=5, prefill=6)
-    with pytest.raises(ValueError, match=r"lengths needs one entry per batch item \(2\), each 1..6, got \(3,\)"):
+    with pytest.raises(ValueError, match=r"lengths needs one entry per batch item \(2\), each 0..6, got \(3,\)"):
         DecodeCase("x", "", MHAConfig(d_model=8, n_heads=2, causal=True), tokens=6, padding="left", lengths=(3,))
+    with pytest.raises(ValueError, match=r"page_size must be a positive int \(tokens per page\), got 0"):
+        DecodeCase("x", "", MHAConfig(d_model=8, n_heads=2, causal=True), tokens=6, page_size=0)
     with pytest.raises(ValueError, match=r"cases: unknown decode case\(s\) 'nope'; known decode cases: gqa_rotary, "):
         get_decode_cases(["nope"])
 

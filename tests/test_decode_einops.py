@@ -174,7 +174,7 @@ def test_unsupported_strategy_and_cache_are_refused_with_the_reason(library):
     cfg, _ = DECODE_CASES["gqa_rope_half"]
     params = init_params(cfg)
     x, _ = decode_run_inputs(cfg, None)
-    with pytest.raises(UnsupportedCase, match=rf"einops-{library} has no 'columns' cache \(it has static\)"):
+    with pytest.raises(UnsupportedCase, match=rf"einops-{library} has no 'columns' cache \(it has static, paged\)"):
         backend.run_decode(cfg, params, x, prefill=2, cache="columns")
     with pytest.raises(UnsupportedCase, match=r"decodes with the standard strategy only, not 'chunked'"):
         backend.run_decode(cfg, params, x, prefill=2, strategy="chunked")

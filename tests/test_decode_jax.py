@@ -240,7 +240,7 @@ def test_unsupported_decode_strategy_cache_and_libraries_say_why():
     backend, cfg, params, x = get_backend("jax"), GQA_ROPE, _params(GQA_ROPE), _x(GQA_ROPE)
     with pytest.raises(UnsupportedCase, match="decodes with the standard strategy only, not 'chunked'"):
         backend.run_decode(cfg, params, x, prefill=2, strategy=CHUNKED)
-    with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static\)"):
+    with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static, paged\)"):
         backend.run_decode(cfg, params, x, prefill=2, cache="dynamic")
     fragments = {
         "jax-dpa": "no KV cache object to step",

@@ -118,3 +118,24 @@ def test_an_implementation_without_the_form_refuses_the_packed_call():
     x = np.zeros((13, cfg.d_model))
     with pytest.raises(UnsupportedCase, match="positions differ"):
         get_backend("equinox").run(cfg, init_params(cfg, seed=0), x, cu_seqlens=RaggedBatch(LENGTHS).cu_seqlens())
+
+
+def test_seq_lens_longer_than_the_rows_are_refused_by_the_spec_and_every_backend():
+    cfg = MHAConfig(d_model=15, n_heads=3)
+    params, x = init_params(cfg, seed=0), np.zeros((2, 4, 15))
+    with pytest.raises(ValueError, match=r"seq_lens must be <= N=4 \(the padded row length\), got seq_lens\[1\]=5"):
+        reference_mha(cfg, params, x, seq_lens=[2, 5])
+    for name in available_backends():
+        with pytest.raises(ValueError, match=r"seq_lens must be <= N=4 .* got seq_lens\[1\]=5"):
+            get_backend(name).run(cfg, params, x, seq_lens=[2, 5])
+
+
+def test_a_backend_that_masks_on_indices_refuses_a_packed_call_saying_it_is_packed():
+    # Its refusal said "a decode step: queries after cached keys" for a packed call (issue 47): now it says the
+    # positions restart per document.
+    pytest.importorskip("transformers", reason="hf-attention needs transformers (the models extra)")
+    cfg = MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", bias=False)
+    with pytest.raises(UnsupportedCase, match=r"hf-attention masks on .* these positions restart per document "):
+        get_backend("hf-attention").run(
+            cfg, init_params(cfg, seed=0), np.zeros((7, 16)), dtype="float32", cu_seqlens=[0, 3, 7]
+        )

@@ -114,9 +114,9 @@ class EinopsBackend(Backend):
         native_stages = lambda: stage_tensors(ops, plan, record(), cfg.rope)  # noqa: E731
         return Prepared(run, tensor_to_numpy, native_stages, synchronize=ops.synchronize, info=info)
 
-    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
         ops = OPS_BY_LIBRARY[self.array_library](dtype, check_device_name(device))
-        return prepare_einops_decode_run(self, ops, cfg, params, inputs, dtype, device)
+        return prepare_einops_decode_run(self, ops, cfg, params, inputs, dtype, device, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         ops = OPS_BY_LIBRARY[self.array_library](job.dtype, check_device_name(job.device))

@@ -35,15 +35,19 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_allowed, ring_capacity
+from mha_rosetta.core.page_pool import pool_pages
 
+from .._paged import PAGED
 from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from ..jax.common import shared_program
 from .layer import attend, canonical_weights, grouped_allowed, project_heads, score_tables, stage_tensors
+from .paged import PAGED_LAYOUT, PagedNamedCache, read_pages, store_pages
 from .plans import EinsumPlan, plan_for
 
 STATIC = "static"
-CACHE_KINDS = (STATIC,)
+CACHE_KINDS = (STATIC, PAGED)
 CACHE_LAYOUTS = {
+    PAGED: PAGED_LAYOUT,
     STATIC: "keys 'b s g k' (B, T, Hkv, Dk) and values 'b s g v' (B, T, Hkv, Dv): the pipeline's own tokens-first "
     "layout with the cache's slots for the tokens, allocated once with a write index; writing past it is CacheFull; "
     "a ring of W - 1 + step slots with a window",
@@ -101,6 +105,10 @@ class NamedCache:
         self.written += n
         return slots, keep
 
+    def key_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each slot's position and validity (B, T), in slot order: what the chunk's mask reads."""
+        return self.positions, self.valid
+
     def write(self, keys, values, positions: np.ndarray, valid: np.ndarray) -> None:
         """The chunk's keys "b n g k", values "b n g v", positions and valid (B, n) at the next slots."""
         slots, keep = self.claim(positions, valid)
@@ -151,7 +159,10 @@ class EinopsDecoder:
 
             self.matmul_precision = effective_precision(matmul_precision)
 
-    def new_cache(self, batch: int, capacity: int, step: int) -> NamedCache:
+    def new_cache(self, batch: int, capacity: int, step: int, paging=None) -> NamedCache | PagedNamedCache:
+        """A `NamedCache`, or with ``paging`` (page size, pool pages, seed) a `paged.PagedNamedCache`."""
+        if paging is not None:
+            return PagedNamedCache(self.ops, batch, self.cfg, *paging)
         return NamedCache(self.ops, batch, self.cfg, capacity, ring_capacity(self.cfg, step))
 
     def chunk(self, cache: NamedCache, tokens: slice, positions, valid, record: dict | None = None):
@@ -161,7 +172,8 @@ class EinopsDecoder:
         tables = None if self.tables is None else tuple(table[:, tokens] for table in self.tables)
         slots, keep = cache.claim(positions, valid)
         own = cache.ring is not None and positions.shape[1] > cache.ring  # a prefill longer than the ring
-        k_positions, k_valid = (positions, valid) if own else (cache.positions, cache.valid)
+        paged = isinstance(cache, PagedNamedCache)
+        k_positions, k_valid = (positions, valid) if own else cache.key_slots()
         allowed = decode_allowed(cfg, positions, k_positions, k_valid)  # (B, 1, n, T), NumPy
         blocked, empty_rows = (ops.asarray(m, cast=False) for m in grouped_allowed(cfg, allowed, plan))
         where = SimpleNamespace(positions=positions, kv_positions=k_positions)  # what score_tables reads
@@ -174,7 +186,7 @@ class EinopsDecoder:
             tables,
             cache.keys,
             cache.values,
-            ops.asarray(slots, cast=False),
+            tuple(ops.asarray(a, cast=False) for a in slots) if paged else ops.asarray(slots, cast=False),
             blocked,
             empty_rows,
             bias,
@@ -202,10 +214,15 @@ def device_step(
 ):
     """A chunk's device half: (output "b n o", keys, values). The chunk projected (`layer.project_heads`), its keys
     and values written at ``slots`` (`put`), its queries attending (`layer.attend`) over the cache's slots, or over
-    its own keys when ``own`` (a prefill longer than a ring)."""
+    its own keys when ``own`` (a prefill longer than a ring). A paged cache's ``slots`` are ``(page, offset,
+    table)``: the pools written there (`paged.store_pages`) and read back through the table (`paged.read_pages`)."""
     _, _, v, _, _, q_rotated, k_rotated = project_heads(ops, plan, weights, x, x, x, tables, cfg=cfg, record=record)
-    keys, values = put(ops, keys, slots, k_rotated, keep), put(ops, values, slots, v, keep)
-    over = (k_rotated, v) if own else (keys, values)
+    if isinstance(slots, tuple):
+        keys, values = store_pages(ops, keys, slots, k_rotated), store_pages(ops, values, slots, v)
+        over = tuple(read_pages(pool, slots[2], cache_pattern(plan)) for pool in (keys, values))
+    else:
+        keys, values = put(ops, keys, slots, k_rotated, keep), put(ops, values, slots, v, keep)
+        over = (k_rotated, v) if own else (keys, values)
     output = attend(ops, plan, weights, q_rotated, *over, blocked, empty_rows, bias, cfg=cfg, record=record)
     return output, keys, values
 
@@ -240,15 +257,19 @@ def _precision_wrapped(backend, device: str, fn):
 
 
 def prepare_einops_decode_run(
-    backend, ops, cfg, params, inputs: DecodeInputs, dtype: str, device: str
+    backend, ops, cfg, params, inputs: DecodeInputs, dtype: str, device: str, page_size=None, page_seed=0
 ) -> PreparedDecode:
-    """A whole decode run through a `NamedCache` (`Backend._prepare_decode_run`)."""
+    """A whole decode run through a `NamedCache`, or a `paged.PagedNamedCache` of ``page_size`` tokens a page
+    (`Backend._prepare_decode_run`)."""
     decoder = EinopsDecoder(ops, cfg, params, inputs.x, inputs.positions, dtype, backend.matmul_precision)
     positions, valid, chunks = inputs.positions, inputs.valid, inputs.chunks()
     capacity = cache_capacity(cfg, inputs.tokens, inputs.step)
+    paging = None
+    if page_size is not None:  # the paged kind: (page size, pool pages, seed)
+        paging = (page_size, pool_pages(inputs.batch, page_size, chunks, cfg.window), page_seed)
 
     def run_chunks(records: list | None):
-        cache = decoder.new_cache(inputs.batch, capacity, inputs.step)
+        cache = decoder.new_cache(inputs.batch, capacity, inputs.step, paging)
         outputs = []
         for start, stop in chunks:
             record = None if records is None else {}
@@ -280,7 +301,8 @@ def prepare_einops_decode_run(
     info = _numerics(backend, dtype, device, decoder.plan)
     if backend.array_library == "jax":
         info["compilations"] = 0  # none until the first run
-    info["cache"] = decoder.new_cache(inputs.batch, capacity, inputs.step).info(cache_pattern(decoder.plan))
+    probe = decoder.new_cache(inputs.batch, capacity, inputs.step, paging)
+    info["cache"] = probe.info() if paging else probe.info(cache_pattern(decoder.plan))
     return PreparedDecode(
         run, to_numpy, step_stages=step_stages, synchronize=lambda outs: ops.synchronize(outs[-1]), info=info
     )

@@ -12,6 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
+from .._paged import PAGED
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
 from . import decode
@@ -32,6 +33,7 @@ from .layer import (
     STAGE_NOTES,
     vmapped_pass,
 )
+from .paged import PAGED_LAYOUT, paged_decoders
 from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
 
@@ -46,8 +48,9 @@ class JaxBackend(Backend):
     variants = RegistryVariants("jax")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: a static (B, T, Hkv, Dk) cache and one jitted step (`decode`), every variant.
-    decode_caches = (decode.STATIC,)
-    decode_layouts: ClassVar[dict[str, str]] = decode.DECODE_LAYOUTS
+    # The paged cache: a static page pool read by a gather inside the jitted step (`paged`).
+    decode_caches = (decode.STATIC, PAGED)
+    decode_layouts: ClassVar[dict[str, str]] = {**decode.DECODE_LAYOUTS, PAGED: PAGED_LAYOUT}
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
         super().__init__(name)
@@ -99,9 +102,10 @@ class JaxBackend(Backend):
             forward, primals, extras, cotangent, dtype, target, self.matmul_precision, canonical_param_grads, info, key
         )
 
-    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
         info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
-        return decode.prepare_decode_run(cfg, params, inputs, dtype, device, self.matmul_precision, info)
+        pages = paged_decoders(cfg, params, inputs, **paging) if cache == PAGED else None
+        return decode.prepare_decode_run(cfg, params, inputs, dtype, device, self.matmul_precision, info, pages)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         info = precision_info(device=job.device, dtype=job.dtype, matmul_precision=self.matmul_precision)

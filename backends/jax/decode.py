@@ -102,14 +102,8 @@ class JaxDecoder:
         matmul_precision: str,
         span: int,
     ) -> None:
-        self.cfg, self.dtype, self.batch, self.capacity = cfg, dtype, batch, capacity
-        self.ring = cfg.window is not None
-        self.target = jax_target(dtype, device)
-        self.weights = jax_params(params, dtype, self.target)
-        self.precision = effective_precision(matmul_precision)
-        self.used = 0
-        self.float_dtype = np.float64 if dtype == "float64" else np.float32  # the score bias's tables
-        self.bucket_of = None if cfg.rel_buckets is None else to_jax(_bucket_table(cfg, span), None, self.target)
+        self._setup(cfg, params, batch=batch, dtype=dtype, device=device, matmul_precision=matmul_precision, span=span)
+        self.capacity, self.ring = capacity, cfg.window is not None
         T, Hkv = capacity, cfg.n_kv_heads
         storage = numpy_dtype(dtype)
         self.cache = {
@@ -131,6 +125,16 @@ class JaxDecoder:
         self.step_program, self._step = shared_program(
             key, partial(_step_program, cfg, capacity, key), donate_argnums=(4,)
         )
+
+    def _setup(self, cfg, params, *, batch, dtype, device, matmul_precision, span) -> None:
+        """What every JAX decoder holds besides its cache: the weights on the device, the precision, the tables."""
+        self.cfg, self.dtype, self.batch = cfg, dtype, batch
+        self.target = jax_target(dtype, device)
+        self.weights = jax_params(params, dtype, self.target)
+        self.precision = effective_precision(matmul_precision)
+        self.used = 0
+        self.float_dtype = np.float64 if dtype == "float64" else np.float32  # the score bias's tables
+        self.bucket_of = None if cfg.rel_buckets is None else to_jax(_bucket_table(cfg, span), None, self.target)
 
     @property
     def compilations(self) -> dict[str, int]:
@@ -218,9 +222,19 @@ def _stage_tensors(cfg: MHAConfig, stages: dict, chunk: str) -> dict[str, StageT
 
 
 def prepare_decode_run(
-    cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, device: str, matmul_precision: str, info: dict
+    cfg: MHAConfig,
+    params: MHAParams,
+    inputs: DecodeInputs,
+    dtype: str,
+    device: str,
+    matmul_precision: str,
+    info: dict,
+    paged=None,
 ) -> PreparedDecode:
-    """`Backend._prepare_decode_run` of the JAX adapter: a fresh `JaxDecoder` per run (its programs and counts)."""
+    """`Backend._prepare_decode_run` of the JAX adapter: a fresh `JaxDecoder` per run (its programs and counts).
+
+    ``paged``: for the paged cache, a function of the decoder's common keywords that makes a
+    `paged.JaxPagedDecoder` (`paged.paged_decoders`)."""
     import jax.numpy as jnp
 
     positions, valid = inputs.positions, inputs.valid  # (B, N) each
@@ -230,17 +244,12 @@ def prepare_decode_run(
     chunks = inputs.chunks()
     state: dict = {}
 
+    common = {"dtype": dtype, "device": device, "matmul_precision": matmul_precision, "span": span}
+
     def new_decoder() -> JaxDecoder:
-        return JaxDecoder(
-            cfg,
-            params,
-            batch=inputs.batch,
-            capacity=capacity,
-            dtype=dtype,
-            device=device,
-            matmul_precision=matmul_precision,
-            span=span,
-        )
+        if paged is not None:
+            return paged(**common)
+        return JaxDecoder(cfg, params, batch=inputs.batch, capacity=capacity, **common)
 
     def chunk_stages() -> list[dict]:
         decoder = state["decoder"] = new_decoder()
@@ -265,9 +274,10 @@ def prepare_decode_run(
             for chunk, (start, stop) in zip(chunk_stages(), chunks, strict=True)
         ]
 
-    info["cache"] = cache_info(new_decoder())
-    info["ring_buffer"] = ring_capacity(cfg, inputs.step) is not None
-    info["compilations"] = {"prefill": 0, "step": 0}  # filled by each run: its programs' traces
+    probe = new_decoder()
+    info["cache"] = cache_info(probe) if paged is None else probe.info()
+    info["ring_buffer"] = paged is None and ring_capacity(cfg, inputs.step) is not None
+    info["compilations"] = dict.fromkeys(probe.compilations, 0)  # filled by each run: its programs' traces
     return PreparedDecode(run, tensor_to_numpy, step_stages, _block, info=info)
 
 

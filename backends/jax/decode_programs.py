@@ -50,8 +50,6 @@ def _decode_attend(
     T5's bias, ``bucket_of`` (the bucket of every distance from ``-span``, `_bucket_table`). Returns
     the context (s, H, Dv) and the updated cache.
     """
-    import jax.numpy as jnp
-
     write = partial(_write, index=item["index"], slots=slots, ring=ring)
     cache = {
         "k_cache": write(item["k_cache"], k_rotated),  # after QK-norm and rotary, Hkv heads: never repeated
@@ -59,9 +57,21 @@ def _decode_attend(
         "k_pos": write(item["k_pos"], item["q_pos"]),
         "k_valid": write(item["k_valid"], item["q_valid"]),
     }
-    q_pos, k_pos = item["q_pos"][:, None], cache["k_pos"][None, :]  # (s, 1), (1, T)
+    heads = attend_over_cache(
+        q_rotated, cache["k_cache"], cache["v_cache"], cache["k_pos"], cache["k_valid"], head, item, cfg=cfg
+    )
+    return {"context": heads["context"], **cache}  # context (s, H, Dv)
+
+
+def attend_over_cache(q_rotated, keys, values, k_pos, k_valid, head, item, *, cfg: MHAConfig):
+    """The step's queries (s, H, Dk) over a cache's slots: keys (T, Hkv, Dk), values (T, Hkv, Dv), each slot's
+    position ``k_pos`` (T,) and ``k_valid`` (T,), the rules of `core.decode.decode_allowed` in jnp (a contiguous
+    cache's slots and a paged cache's gathered pages alike). Returns `layer._attend_all_heads`'s stages."""
+    import jax.numpy as jnp
+
+    q_pos, k_pos = item["q_pos"][:, None], k_pos[None, :]  # (s, 1), (1, T)
     # core.decode.decode_allowed in jnp: causal and window on the positions, only written real slots.
-    allowed = (k_pos <= q_pos) & cache["k_valid"][None, :]  # (s, T)
+    allowed = (k_pos <= q_pos) & k_valid[None, :]  # (s, T)
     if cfg.window is not None:
         allowed = allowed & (k_pos > q_pos - cfg.window)
     if cfg.attention_chunk_size is not None:  # Llama 4's chunks on the positions, the cache offset included
@@ -75,10 +85,7 @@ def _decode_attend(
             table = item["bucket_of"]  # (2 span + 1,)
             span = (table.shape[0] - 1) // 2
             scores_item["bucket"] = table[jnp.clip(distance + span, 0, 2 * span)]  # (s, T); masked pairs clip
-    heads = _attend_all_heads(
-        q_rotated, cache["k_cache"], cache["v_cache"], allowed, head, scores_item, cfg=cfg, head_mask_axis=None
-    )
-    return {"context": heads["context"], **cache}  # context (s, H, Dv)
+    return _attend_all_heads(q_rotated, keys, values, allowed, head, scores_item, cfg=cfg, head_mask_axis=None)
 
 
 def _bucket_table(cfg: MHAConfig, span: int) -> np.ndarray:

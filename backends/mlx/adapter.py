@@ -142,8 +142,8 @@ class MlxBackend(MlxDevices, Backend):
         info = {"strategy": strategy, **precision_info(dtype)}
         return prepare_mlx_vjp(forward, layer.params, given, cotangent, dtype, device, info)
 
-    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
-        return prepare_mlx_decode_run(cfg, params, inputs, dtype, device, cache)
+    def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
+        return prepare_mlx_decode_run(cfg, params, inputs, dtype, device, cache, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         return prepare_mlx_decode_step(cfg, params, job)

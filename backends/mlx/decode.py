@@ -22,15 +22,19 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed, ring_capacity
+from mha_rosetta.core.page_pool import pool_pages
 
+from .._paged import PAGED
 from .._recording import StageRecorder
 from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from ..frameworks.mlx import mlx_stream, precision_info, to_mlx
 from .layer import MlxAttention, mlx_tables
+from .paged import PAGED_LAYOUT, MlxPagedCache
 
 STEPPED = "stepped"
-DECODE_CACHES = (STEPPED,)
+DECODE_CACHES = (STEPPED, PAGED)
 DECODE_LAYOUTS = {
+    PAGED: PAGED_LAYOUT,
     STEPPED: "mlx-lm's KVCache: keys (B, Hkv, T, Dk), values (B, Hkv, T, Dv), preallocated in steps of 256 slots "
     "(concatenated when full); with a window, RotatingKVCache: a ring of W - 1 + step slots",
 }
@@ -124,7 +128,11 @@ class MlxDecoder:
         self.x = to_mlx(x, dtype)  # (B, N, D)
         self.tables = mlx_tables(rotary_tables(cfg, prepare_inputs(cfg, x, positions=positions)), dtype)
 
-    def new_cache(self, step: int, cache_step: int = MLX_LM_STEP) -> MlxKVCache:
+    def new_cache(self, step: int, cache_step: int = MLX_LM_STEP, paging=None) -> MlxKVCache | MlxPagedCache:
+        """mlx-lm's cache, or with ``paging`` (batch, dtype, page size, pool pages, seed) a `paged.MlxPagedCache`."""
+        if paging is not None:
+            batch, dtype, *pages = paging
+            return MlxPagedCache(batch, self.cfg, dtype, *pages)
         return MlxKVCache(cache_step, ring_capacity(self.cfg, step))
 
     def chunk(self, cache: MlxKVCache, start: int, stop: int, positions, valid, rec: StageRecorder | None = None):
@@ -155,16 +163,22 @@ def _info(cfg: MHAConfig, dtype: str, device: str) -> dict:
     }
 
 
-def prepare_mlx_decode_run(cfg, params, inputs: DecodeInputs, dtype: str, device: str, cache: str) -> PreparedDecode:
-    """A whole decode run through an `MlxKVCache` (`Backend._prepare_decode_run`)."""
+def prepare_mlx_decode_run(
+    cfg, params, inputs: DecodeInputs, dtype: str, device: str, cache: str, page_size=None, page_seed=0
+) -> PreparedDecode:
+    """A whole decode run through an `MlxKVCache`, or an `MlxPagedCache` of ``page_size`` tokens a page
+    (`Backend._prepare_decode_run`)."""
     import mlx.core as mx
 
     decoder = MlxDecoder(cfg, params, inputs.x, inputs.positions, dtype)
     positions, valid, chunks = inputs.positions, inputs.valid, inputs.chunks()
     stream = mlx_stream(device)
+    paging = None
+    if page_size is not None:
+        paging = (inputs.batch, dtype, page_size, pool_pages(inputs.batch, page_size, chunks, cfg.window), page_seed)
 
     def run_chunks(record: bool):
-        state = decoder.new_cache(inputs.step)
+        state = decoder.new_cache(inputs.step, paging=paging)
         outputs, stages = [], []
         with mx.stream(stream):
             for start, stop in chunks:

@@ -32,6 +32,7 @@ class NumpyBackend(Backend):
     # Rule 8: keys stay columns, (B, Hkv, Dk, T); every variant (`decode` reuses the layer's pieces).
     decode_caches = CACHE_KINDS
     decode_layouts = CACHE_LAYOUTS
+    paged_decode_step = True  # bench --mode decode times the paged step beside the contiguous one (its gather)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None

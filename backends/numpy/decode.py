@@ -55,6 +55,7 @@ from mha_rosetta.core.page_pool import pool_pages
 from .._paged import PAGED
 from .._recording import StageRecorder, relation_to
 from ..base import DecodeStep, Prepared, PreparedDecode
+from ..decoding import DEFAULT_PAGE_SIZE
 from .common import MaskArrays, NumpyPrecision
 from .layer import ColumnSampleMHA, _split_reshape, columns_to_rows
 from .paged import PAGED_LAYOUT, PagedColumnCache
@@ -286,7 +287,11 @@ def prepare_numpy_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     x = rng.standard_normal((batch, step, D))  # the step's new tokens, (B, s, D)
     positions = job.positions()  # (B, s)
     decoder = ColumnSampleDecoder(cfg, params, x, positions, NumpyPrecision.for_dtype(dtype))
-    state = decoder.new_cache(job.cache, context + step, step)
+    paging = None
+    if job.cache == PAGED:  # pages of vLLM's default size; the pool holds the context, then the step (a window frees)
+        chunks = [(0, context), (context, context + step)]
+        paging = (DEFAULT_PAGE_SIZE, pool_pages(batch, DEFAULT_PAGE_SIZE, chunks, cfg.window), job.seed)
+    state = decoder.new_cache(job.cache, context + step, step, paging)
     # The cached tokens' keys and values: arbitrary numbers, the last ones a ring keeps (all of them without a ring).
     first = 0 if state.ring is None else max(0, context - state.ring)
     state.rewind(first)
@@ -294,7 +299,7 @@ def prepare_numpy_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     if n:
         fill = np.broadcast_to(np.arange(first, context, dtype=np.int64), (batch, n))  # (B, n)
         shape = (batch, Hkv, Dk, n), (batch, Hkv, Dv, n)
-        keys, values = (rng.standard_normal(s).astype(state.keys.dtype) for s in shape)
+        keys, values = (rng.standard_normal(s).astype(decoder.precision.storage) for s in shape)
         state.write(keys, values, fill, np.ones((batch, n), dtype=bool))
     every = np.ones((batch, step), dtype=bool)
     tokens = slice(0, step)

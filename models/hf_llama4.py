@@ -27,7 +27,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig
 
 from ._hf import hf_config, hf_forward, hf_implementation, hf_max_positions, hf_rope_parameters
-from ._hf_decoder import LINEARS, attention_bias_rule, hf_bias
+from ._hf_decoder import LINEARS, attention_bias_rule, linear_fields
 from ._layout import (
     SEPARATE,
     Layout,
@@ -136,13 +136,7 @@ def read(module) -> MHAConfig:
     tempered = bool(module.attn_temperature_tuning) and not module.use_rope
     try:
         return MHAConfig(
-            d_model=module.q_proj.in_features,
-            n_heads=config.num_attention_heads,
-            n_kv_heads=config.num_key_value_heads,
-            d_k=module.head_dim,
-            bias=hf_bias(module, module.q_proj, module.o_proj),
-            causal=bool(module.is_causal),
-            scale=module.scaling,
+            **linear_fields(module),
             rope=None if rope is None else "interleaved",
             rope_base=10000.0 if rope is None else rope.rope_base,
             rope_scaling=None if rope is None else rope.rope_scaling,

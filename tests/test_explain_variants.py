@@ -58,17 +58,8 @@ def test_the_stage_each_variant_changes_is_measured():
         "temperature": "adds q_tempered; first changed: q_tempered",
     }
     stages = pipeline().split(" -> ")
-    assert stages[8:16] == [
-        "q_rotated",
-        "k_rotated",
-        "q_rotated_normed",
-        "k_rotated_normed",
-        "q_tempered",
-        "scores",
-    ] + [
-        "capped_scores",
-        "biased_scores",
-    ]
+    rotated = ["q_rotated", "k_rotated", "q_rotated_normed", "k_rotated_normed", "q_tempered"]
+    assert stages[8:16] == [*rotated, "scores", "capped_scores", "biased_scores"]
     assert stages[16:18] == ["masked_scores", "weights"]
 
 

@@ -105,6 +105,12 @@ def forward(module, cfg: MHAConfig, x, padding, options):
             f"hf-llama4: {MODULE} multiplies in complex64 whatever freqs_cis it is given (xq.float()); "
             "float64_rotary would change nothing: run with its own rotary module"
         )
+    if padding is not None and module.use_rope and module.config.attention_chunk_size is not None:
+        raise ValueError(
+            "hf-llama4: a padding mask on a chunked layer: create_chunked_causal_mask starts the chunks after any "
+            "left padding (the spec's chunks are on the positions), and a right-padded query alone in its chunk has "
+            "no key (the spec's zero row, the module's another): run the chunked layer without padding"
+        )
     with hf_implementation(module.config, options) as config:
         rotary = _modeling().Llama4TextRotaryEmbedding(config)
 

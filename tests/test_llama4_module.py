@@ -55,15 +55,18 @@ def test_from_module_reads_each_layer_kind_and_to_module_round_trips_exactly(kin
     assert set(state) == set(own) and all(np.array_equal(state[name], own[name]) for name in state)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_module_computes_the_spec(kind):
+def test_the_module_computes_the_spec(kind, implementation):
     from mha_rosetta.models.real_modules import run_module
 
     cfg = MHAConfig(**KINDS[kind])
     params = init_params(cfg, seed=13)
-    run, read_cfg, read_params = run_module(to_module(cfg, params, _module(cfg)), _x())
+    module = to_module(cfg, params, _module(cfg))
+    run, read_cfg, read_params = run_module(module, _x(), implementation=implementation)
     expected = reference_mha(read_cfg, read_params, _x())
-    if kind == "nope":  # eager's softmax keeps float64 here: nothing runs in float32
+    assert f"({implementation}, " in run.module
+    if kind == "nope":  # the softmax keeps float64 on both paths here: nothing runs in float32
         assert run.precision == "float64" and run.note == ""
     else:
         assert run.precision == "float32"
@@ -113,3 +116,15 @@ def test_configurations_the_module_cannot_hold_are_refused_by_name():
         layout.require(MHAConfig(**LAYER, rope="interleaved", attn_temperature_tuning=True))
     with pytest.raises(LayoutError, match="floor_scale"):
         layout.require(MHAConfig(**LAYER, attn_temperature_tuning=True, floor_scale=2.5))
+
+
+def test_a_padding_mask_on_a_chunked_layer_is_refused_with_the_reason():
+    """create_chunked_causal_mask starts chunks after left padding; the spec's chunks are on the positions."""
+    from mha_rosetta.models.real_modules import run_module
+
+    cfg = MHAConfig(**KINDS["rotary-chunked-norm"])
+    module = to_module(cfg, init_params(cfg, seed=16), _module(cfg))
+    padding = np.ones((2, 9), dtype=bool)
+    padding[1, :2] = False  # left padding of row 1
+    with pytest.raises(ValueError, match="starts the chunks after any left padding"):
+        run_module(module, _x(), padding)

@@ -37,6 +37,7 @@ from . import alibi as _alibi
 from . import chunked as _chunked
 from . import gate as _gate
 from . import qk_norm as _qk_norm
+from . import qk_norm_after_rope as _qk_norm_after_rope
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
 from . import rope_scaling as _rope_scaling
@@ -62,7 +63,8 @@ from ._shared import relative_distances, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
 from .chunked import chunk_allowed
 from .gate import fuse_gated_q, gate_backward, gate_forward, split_gated_q
-from .qk_norm import QK_NORMS, norm_after_rope, norm_after_rope_vjp, rms_norm, rms_norm_vjp
+from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
+from .qk_norm_after_rope import norm_after_rope, norm_after_rope_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
 from .softcap import softcap, softcap_vjp
@@ -84,7 +86,7 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
         _chunked.ENTRY,
         _gate.ENTRY,
-        _qk_norm.AFTER_ROPE_ENTRY,
+        _qk_norm_after_rope.ENTRY,
         _temperature.ENTRY,
     )
 }

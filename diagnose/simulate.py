@@ -49,6 +49,7 @@ from mha_rosetta.core import (
     causal_mask,
     inverse_frequencies,
     linear,
+    reference_mha,
     softmax_with_empty_rows,
 )
 from mha_rosetta.core.config import ROPE_STYLES
@@ -245,3 +246,21 @@ def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug 
 
 def _positions(q_tokens: int, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(q_tokens)[None], np.arange(kv_tokens)[None]  # (1, Nq), (1, Nk)
+
+
+def unsimulated_reason(cfg: MHAConfig, probes) -> str | None:
+    """Why diagnose cannot judge ``cfg`` (None: it can): its simulator, bug-free, must be the spec on every probe.
+
+    diagnose's oracle and its hypotheses are `simulate`; a form the registry has and the simulator has no step
+    for (Llama 4's temperature and QK-norm after rotary, today) would make a correct candidate look wrong.
+    """
+    for probe in probes:
+        args = (probe.params, probe.query, probe.key, probe.value, probe.mask)
+        expected, simulated = reference_mha(cfg, *args), simulate(cfg, *args)
+        if not np.allclose(simulated, expected, rtol=1e-9, atol=1e-12, equal_nan=True):
+            return (
+                f"diagnose's simulator does not reproduce the spec for {cfg.describe()} (variants: "
+                f"{', '.join(cfg.variants)}; probe {probe.name!r}): it has no step for one of them yet, so no "
+                "candidate can be judged against it"
+            )
+    return None

@@ -165,3 +165,25 @@ def test_every_adapter_refuses_the_forms_by_name(variant):
     assert variant not in backend.variants
     with pytest.raises(UnsupportedCase, match=variant):
         backend.run(cfg, init_params(cfg), _x(1, 5))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(NOPE, attn_temperature_tuning=True, floor_scale=2), dict(ROPE, qk_norm_after_rope=True)],
+    ids=["temperature", "qk_norm_after_rope"],
+)
+def test_diagnose_refuses_what_its_simulator_cannot_reproduce(fields):
+    """diagnose's oracle is its simulator, which has no step for these forms yet: a correct candidate would look
+    wrong, so it refuses the configuration, naming it (the forward and decode diagnoses alike)."""
+    from mha_rosetta.diagnose import diagnose
+    from mha_rosetta.diagnose.calling import DiagnoseError
+
+    cfg = MHAConfig(**fields)
+
+    def candidate(params, query, key, value, mask):
+        return reference_mha(cfg, params, query, key, value, mask)
+
+    with pytest.raises(DiagnoseError, match=f"does not reproduce the spec .*\\(variants: .*{cfg.variants[-1]}"):
+        diagnose(candidate, cfg)
+    plain = MHAConfig(**NOPE)
+    assert diagnose(lambda p, q, k, v, m: reference_mha(plain, p, q, k, v, m), plain).agrees

@@ -282,7 +282,7 @@ def reference_config(cfg: MHAConfig | None, like=None) -> MHAConfig:
 
 
 def _simulated(cfg: MHAConfig) -> MHAConfig:
-    reason = unsimulated_reason(cfg, make_probes(cfg))
+    reason = unsimulated_reason(cfg)
     if reason:
         raise DiagnoseError(reason)
     return cfg

@@ -37,6 +37,8 @@ backward of each registry entry, in its own module; no variant is named in that 
 * ALiBi and the relative bias are added, so ``d_capped_scores = d_biased_scores``, and each
   T5 bucket entry sums the score gradients of the (query, key) pairs that read it;
 * softcap: ``d_scores = d_capped_scores * (1 - tanh(scores / c)**2)``;
+* Llama 4's steps after rotary, undone first: the temperature (a per-position factor on q: its
+  backward is the same factor) and the weightless QK-norm after rotary (RMSNorm's backward, weight 1);
 * QK-norm: RMSNorm's backward (`core.variants.rms_norm_vjp`), over each head or over the
   whole projection, its weight gradient summed over batch, tokens (and heads);
 * YaRN's attention factor scales the rotation; the transpose of a scaled rotation is the
@@ -60,7 +62,14 @@ from .params import PARAM_NAMES, MHAParams
 from .reference import forward_stages, reference_stages
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import VARIANT_REGISTRY, gate_backward, rms_norm_vjp, steps_at_place
+from .variants import (
+    VARIANT_REGISTRY,
+    gate_backward,
+    norm_after_rope_vjp,
+    rms_norm_vjp,
+    steps_at_place,
+    temper_vjp,
+)
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -74,6 +83,9 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
     ("d_biased_scores", "biased_scores"),
     ("d_capped_scores", "capped_scores"),
     ("d_scores", "scores"),
+    ("d_q_tempered", "q_tempered"),
+    ("d_q_rotated_normed", "q_rotated_normed"),
+    ("d_k_rotated_normed", "k_rotated_normed"),
     ("d_q_rotated", "q_rotated"),
     ("d_k_rotated", "k_rotated"),
     ("d_q_normed", "q_normed"),
@@ -189,6 +201,21 @@ def _rounder(rounding):
     return np.float32, rounded
 
 
+def _after_rope_backward(cfg: MHAConfig, fwd, positions, d_q, d_k, stages: dict, r):
+    """The cotangents of q_rotated, k_rotated from those of what the scores read (Llama 4's steps undone).
+
+    The temperature is a per-position factor: its backward is the same factor. The weightless norm's is
+    RMSNorm's (`core.variants.norm_after_rope_vjp`), on the rotated heads it read.
+    """
+    if cfg.attn_temperature_tuning:
+        stages["d_q_tempered"] = d_q
+        d_q = r(temper_vjp(cfg, positions, d_q))
+    if cfg.qk_norm_after_rope:
+        stages.update(d_q_rotated_normed=d_q, d_k_rotated_normed=d_k)
+        d_q, d_k = (r(a) for a in norm_after_rope_vjp(cfg, fwd["q_rotated"], fwd["k_rotated"], d_q, d_k))
+    return d_q, d_k
+
+
 def reference_mha_vjp(
     cfg: MHAConfig,
     params: MHAParams,
@@ -250,7 +277,9 @@ def reference_mha_vjp(
     )  # (B, H, Nq, Dv)
 
     # The scores read the rotated queries and keys (the heads themselves without rope).
-    weights, q_heads, k_heads, v_heads = fwd["weights"], fwd["q_rotated"], fwd["k_rotated"], fwd["v_heads"]
+    q_heads = fwd.get("q_tempered", fwd.get("q_rotated_normed", fwd["q_rotated"]))  # what the scores read
+    k_heads = fwd.get("k_rotated_normed", fwd["k_rotated"])
+    weights, v_heads = fwd["weights"], fwd["v_heads"]
     d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
     d_masked = np.empty_like(d_weights)
     d_v_heads = np.zeros((B, Hkv, Nk, Dv), dtype=compute)
@@ -295,6 +324,7 @@ def reference_mha_vjp(
         d_q_heads[:, h] = r(cfg.scale * (d_scores[:, h] @ k_heads[:, g]))  # (B, Nq, Dk)
         d_k_heads[:, g] += cfg.scale * (np.swapaxes(d_scores[:, h], -1, -2) @ q_heads[:, h])  # (B, Nk, Dk)
     d_k_heads = r(d_k_heads)
+    d_q_heads, d_k_heads = _after_rope_backward(cfg, fwd, inputs.positions, d_q_heads, d_k_heads, stages, r)
     stages.update(d_q_rotated=d_q_heads, d_k_rotated=d_k_heads)
     if tables is not None:  # undo the rotation: turn each pair back by its angle
         d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], tables.style))

@@ -5,6 +5,8 @@ For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with cfg.qk_norm)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
+    Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (weightless, only with cfg.qk_norm_after_rope: Llama 4)
+    Q_h = Q_h * (1 + a log1p(floor((p + 1) / f)))      (only with cfg.attn_temperature_tuning: Llama 4's NoPE)
     S_h = scale * Q_h @ K_g.T      (then the registry's score steps: softcap, ALiBi / relative bias;
                                     blocked positions -> -inf)
     A_h = softmax(S_h, over keys)  (with the sinks; a row with no allowed key -> all zeros)
@@ -33,7 +35,15 @@ from .packing import ragged_call
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import bias_terms, gate_forward, rms_norm, softmax_with_empty_rows, steps_at_place
+from .variants import (
+    bias_terms,
+    gate_forward,
+    norm_after_rope,
+    rms_norm,
+    softmax_with_empty_rows,
+    steps_at_place,
+    temper,
+)
 
 __all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
 
@@ -99,15 +109,16 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
         q_rotated = r(apply_rotary(q_normed, tables.q_cos[:, None], tables.q_sin[:, None], tables.style))
         k_rotated = r(apply_rotary(k_normed, tables.k_cos[:, None], tables.k_sin[:, None], tables.style))
     stages.update(q_rotated=q_rotated, k_rotated=k_rotated)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
+    q_scored, k_scored = scored_qk(cfg, q_rotated, k_rotated, inputs.positions, stages, r)
 
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))
     bias = bias_terms(cfg, p, inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk) or None
-    compute = q_rotated.dtype
+    compute = q_scored.dtype
     scores = np.empty((B, H, Nq, Nk), dtype=compute)
     for h in range(H):
         g = cfg.kv_head_of(h)
-        scores[:, h] = cfg.scale * (q_rotated[:, h] @ np.swapaxes(k_rotated[:, g], -1, -2))  # (B, Nq, Nk)
+        scores[:, h] = cfg.scale * (q_scored[:, h] @ np.swapaxes(k_scored[:, g], -1, -2))  # (B, Nq, Nk)
     scores = stages["scores"] = r(scores)
     last = scores
     for entry in steps_at_place(cfg, "transform"):  # the softcap: each its own stage, in registry order
@@ -130,6 +141,22 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
     stages["output"] = r(linear(merged, p["w_o"], p["b_o"]))  # (B, Nq, D)
     assert tuple(stages) == stage_names(cfg)  # the table in core.stages is the contract
     return stages
+
+
+def scored_qk(cfg: MHAConfig, q_rotated, k_rotated, positions, stages: dict, r):
+    """The queries and keys the scores read: the rotated ones, then Llama 4's steps after rotary when on.
+
+    ``qk_norm_after_rope``: a weightless RMSNorm per head (stages ``q_rotated_normed``, ``k_rotated_normed``);
+    ``attn_temperature_tuning``: the queries times their positions' factors (stage ``q_tempered``). Each
+    stage is written into ``stages``; ``positions`` (1|B, Nq) include the cache offset on a decode step.
+    """
+    q, k = q_rotated, k_rotated
+    if cfg.qk_norm_after_rope:
+        q, k = norm_after_rope(cfg, q, k)
+        q, k = stages["q_rotated_normed"], stages["k_rotated_normed"] = r(q), r(k)
+    if cfg.attn_temperature_tuning:
+        q = stages["q_tempered"] = r(temper(cfg, q, positions))  # (B, H, Nq, Dk)
+    return q, k
 
 
 def reference_mha(

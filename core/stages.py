@@ -55,6 +55,20 @@ STAGES: tuple[Stage, ...] = (
         "unchanged without rope",
     ),
     Stage("rotary", "k_rotated", ("B", "Hkv", "Nk", "Dk"), "k_normed (k_heads) turned the same way"),
+    Stage(
+        "qk-norm after rotary",
+        "q_rotated_normed",
+        ("B", "H", "Nq", "Dk"),
+        "q_rotated with each head RMS-normed, no weight (Llama 4); only with qk_norm_after_rope",
+    ),
+    Stage("qk-norm after rotary", "k_rotated_normed", ("B", "Hkv", "Nk", "Dk"), "k_rotated normed the same way"),
+    Stage(
+        "temperature",
+        "q_tempered",
+        ("B", "H", "Nq", "Dk"),
+        "the queries times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (Llama 4's NoPE layers); "
+        "only with attn_temperature_tuning",
+    ),
     Stage("scores", "scores", ("B", "H", "Nq", "Nk"), "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
     Stage("softcap", "capped_scores", ("B", "H", "Nq", "Nk"), "softcap * tanh(scores / softcap); only with softcap"),
     Stage(

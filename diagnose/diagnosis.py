@@ -42,7 +42,7 @@ from mha_rosetta.core.config import require_config
 from .calling import DiagnoseError, _as_output, _call
 from .causes import Hypothesis, hypotheses
 from .probes import Probe, make_probes
-from .simulate import Bug, allowed_under, simulate
+from .simulate import Bug, allowed_under, simulate, unsimulated_reason
 
 DEFAULT_TIMEOUT_S = 30.0
 PAIR_CANDIDATES = 8  # how many of the best single causes are combined in pairs
@@ -273,12 +273,19 @@ def reference_config(cfg: MHAConfig | None, like=None) -> MHAConfig:
     if like is None:
         if cfg is None:
             raise TypeError("diagnose needs the reference configuration: cfg=MHAConfig(...) or like=<attention module>")
-        return require_config(cfg)
+        return _simulated(require_config(cfg))
     if cfg is not None:
         raise TypeError("give cfg or like, not both: like=<module> is the reference configuration (from_module)")
     from mha_rosetta.models import from_module
 
-    return from_module(like).cfg
+    return _simulated(from_module(like).cfg)
+
+
+def _simulated(cfg: MHAConfig) -> MHAConfig:
+    reason = unsimulated_reason(cfg)
+    if reason:
+        raise DiagnoseError(reason)
+    return cfg
 
 
 def _ignores_key_value(run, probe: Probe, output: np.ndarray) -> bool:

@@ -245,3 +245,16 @@ def allowed_under(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mask, bug: Bug 
 
 def _positions(q_tokens: int, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(q_tokens)[None], np.arange(kv_tokens)[None]  # (1, Nq), (1, Nk)
+
+
+def unsimulated_reason(cfg: MHAConfig) -> str | None:
+    """Why diagnose cannot judge ``cfg`` (None: it can): a variant on in it that adds stages of its own and has no
+    `DiagnoseSpec` (Llama 4's temperature and QK-norm after rotary, today) has no step in `simulate`, diagnose's
+    oracle and hypotheses, so a correct candidate would look wrong."""
+    lacking = [entry.name for entry in variants_on(cfg) if entry.diagnose is None and entry.stages]
+    if not lacking:
+        return None
+    return (
+        f"diagnose's simulator does not reproduce the spec for {cfg.describe()} (variants: {', '.join(lacking)} "
+        "have no step in it yet, no DiagnoseSpec in their registry entries), so no candidate can be judged against it"
+    )

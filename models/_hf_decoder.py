@@ -148,6 +148,20 @@ def hf_bias(module, q_proj, o_proj) -> bool | str:
     return "qkv" if qkv and not out else qkv
 
 
+def linear_fields(module) -> dict:
+    """The `MHAConfig` fields of a Llama-like instance's four linears: widths, heads, bias, causal and scale."""
+    config = module.config
+    return dict(
+        d_model=module.q_proj.in_features,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads,
+        d_k=module.head_dim,
+        bias=hf_bias(module, module.q_proj, module.o_proj),
+        causal=bool(module.is_causal),
+        scale=module.scaling,
+    )
+
+
 def norm_eps(module) -> float:
     """The eps of the module's q_norm (its k_norm must share it: the spec has one norm_eps)."""
     # Qwen3RMSNorm / Olmo2RMSNorm keep variance_epsilon, Gemma3RMSNorm eps
@@ -210,13 +224,7 @@ def decoder_layout(family: Decoder) -> Layout:
             )
         try:
             return MHAConfig(
-                d_model=module.q_proj.in_features,
-                n_heads=config.num_attention_heads,
-                n_kv_heads=config.num_key_value_heads,
-                d_k=module.head_dim,
-                bias=hf_bias(module, module.q_proj, module.o_proj),
-                causal=bool(module.is_causal),
-                scale=module.scaling,
+                **linear_fields(module),
                 rope="half",
                 rope_base=rope.rope_base,
                 rope_scaling=rope.rope_scaling,
@@ -305,6 +313,7 @@ __all__ = [
     "field_is",
     "hf_bias",
     "layer_type",
+    "linear_fields",
     "norm_eps",
     "pre_attn_scalar",
     "sliding_config",

@@ -67,6 +67,9 @@ VARIANT_CFGS = {
         "rope": "half",
         "n_kv_heads": 2,
     },  # refused: no adapter has it
+    # Llama 4's steps after rotary: refused too (no adapter has them yet)
+    "qk_norm_after_rope": {"qk_norm_after_rope": True, "rope": "interleaved", "n_kv_heads": 2},
+    "temperature": {"attn_temperature_tuning": True, "floor_scale": 3, "n_kv_heads": 2},
 }
 assert set(VARIANT_CFGS) == set(VARIANTS), "one configuration per variant"
 

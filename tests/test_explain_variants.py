@@ -54,8 +54,13 @@ def test_the_stage_each_variant_changes_is_measured():
         "rope_scaling": "first changed: q_rotated",
         "chunked": "first changed: masked_scores",
         "gate": "adds gate; first changed: gate",
+        "qk_norm_after_rope": "adds q_rotated_normed, k_rotated_normed; first changed: q_rotated_normed",
+        "temperature": "adds q_tempered; first changed: q_tempered",
     }
-    assert pipeline().split(" -> ")[10:15] == ["scores", "capped_scores", "biased_scores", "masked_scores", "weights"]
+    stages = pipeline().split(" -> ")
+    rotated = ["q_rotated", "k_rotated", "q_rotated_normed", "k_rotated_normed", "q_tempered"]
+    assert stages[8:16] == [*rotated, "scores", "capped_scores", "biased_scores"]
+    assert stages[16:18] == ["masked_scores", "weights"]
 
 
 def test_the_numbers_are_computed():

@@ -237,9 +237,11 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     from mha_rosetta.core.variants import VARIANT_REGISTRY, ScoreStep
 
     numpy = get_backend("numpy")
-    # The gate acts outside the pipeline and its entry names the libraries whose adapters apply it: none yet.
-    assert VARIANT_REGISTRY["gate"].implemented_by == ()
-    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS) - {"gate"}
+    # The gate and Llama 4's steps after rotary act outside the pipeline and their entries name the libraries whose
+    # adapters apply them: none yet.
+    unadapted = {"gate", "qk_norm_after_rope", "temperature"}
+    assert all(VARIANT_REGISTRY[name].implemented_by == () for name in unadapted)
+    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS) - unadapted
     monkeypatch.setattr(
         ops,
         "VARIANT_REGISTRY",
@@ -249,20 +251,20 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     monkeypatch.undo()
     # A variant registered after import whose op no ops class has: left out, for every adapter and path.
     tempered = replace(
-        VARIANT_REGISTRY["softcap"], name="temperature", score_step=ScoreStep("transform", "temperature")
+        VARIANT_REGISTRY["softcap"], name="logit_temperature", score_step=ScoreStep("transform", "logit_temperature")
     )
-    monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "temperature": tempered})
-    assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS) - {"gate"}
+    monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "logit_temperature": tempered})
+    assert "logit_temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS) - unadapted
     # The NumPy ops class has the method, but the pipeline (built from the registry at import) does not carry
     # the step: still refused, never run without it.
-    monkeypatch.setattr(ops.NumpyOps, "temperature", lambda self, scores, t: scores / t, raising=False)
-    assert "temperature" not in numpy.variants
+    monkeypatch.setattr(ops.NumpyOps, "logit_temperature", lambda self, scores, t: scores / t, raising=False)
+    assert "logit_temperature" not in numpy.variants
     # Once the pipeline carries it (its call in OP_STEPS, the steps rebuilt from the registry), NumPy declares it;
     # einops (all three libraries) does not yet.
-    monkeypatch.setitem(ops.OP_STEPS, "temperature", ops.OP_STEPS["softcap"])
+    monkeypatch.setitem(ops.OP_STEPS, "logit_temperature", ops.OP_STEPS["softcap"])
     monkeypatch.setattr(ops, "SCORE_STEPS", ops._steps_in_registry_order())
-    assert "temperature" in numpy.variants and "temperature" in numpy.decode_variants
+    assert "logit_temperature" in numpy.variants and "logit_temperature" in numpy.decode_variants
     every_library = ops.RegistryVariants("numpy", "torch", "jax")  # the einops adapter's (any array library)
-    assert "temperature" not in every_library.__get__(None, object)
+    assert "logit_temperature" not in every_library.__get__(None, object)
     with pytest.raises(ValueError, match="libraries must be among numpy, torch, jax, mlx, got \\('boxed',\\)"):
         ops.RegistryVariants("boxed")

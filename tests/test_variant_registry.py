@@ -42,14 +42,16 @@ def test_the_variant_names_are_the_registry_in_its_order():
             "rope_scaling",
             "chunked",
             "gate",
+            "qk_norm_after_rope",
+            "temperature",
         )
     )
     assert all(name == entry.name for name, entry in VARIANT_REGISTRY.items())
 
 
 def test_an_unknown_variant_is_refused_with_the_known_names():
-    with pytest.raises(KeyError, match="unknown variant 'temperature'; known variants: window, softcap"):
-        variant("temperature")
+    with pytest.raises(KeyError, match="unknown variant 'query_scale'; known variants: window, softcap"):
+        variant("query_scale")
 
 
 def test_every_variant_parameter_belongs_to_an_entry_and_shapes_come_from_it():
@@ -72,7 +74,20 @@ def test_init_params_draws_each_variant_parameter_from_its_entry():
 
 def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
     from_entries = {stage for entry in VARIANT_REGISTRY.values() for stage in entry.stages}
-    assert set(VARIANT_STAGES) == from_entries == {"q_normed", "k_normed", "capped_scores", "biased_scores", "gate"}
+    assert (
+        set(VARIANT_STAGES)
+        == from_entries
+        == {
+            "q_normed",
+            "k_normed",
+            "capped_scores",
+            "biased_scores",
+            "gate",
+            "q_rotated_normed",
+            "k_rotated_normed",
+            "q_tempered",
+        }
+    )
     assert list(VARIANT_STAGES) == [name for name in STAGE_NAMES if name in from_entries]
     assert VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, rel_buckets=8))
     assert not VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, softcap=2.0))

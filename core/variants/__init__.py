@@ -6,6 +6,9 @@ Where each sits in the score pipeline (`MHAConfig`'s docstring has the fields)::
     q, k = RMSNorm(q), RMSNorm(k)                    qk_norm: "projection" before the head split,
                                                      "head" after it; stages q_normed / k_normed
     q, k = rotary(q), rotary(k)                      rope_scaling changes the frequencies only
+    q, k = RMSNorm(q), RMSNorm(k)                    qk_norm_after_rope (Llama 4): weightless, per head;
+                                                     stages q_rotated_normed / k_rotated_normed
+    q    = q * (1 + a log1p(floor((p+1)/f)))         temperature (Llama 4's NoPE layers); stage q_tempered
     s    = scale * q @ k.T                           stage scores
     s    = c * tanh(s / c)                           softcap; stage capped_scores
     s    = s + m_h (p_j - p_i) + rel_bias[bucket]    alibi, rel_buckets; stage biased_scores
@@ -34,11 +37,13 @@ from . import alibi as _alibi
 from . import chunked as _chunked
 from . import gate as _gate
 from . import qk_norm as _qk_norm
+from . import qk_norm_after_rope as _qk_norm_after_rope
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
 from . import rope_scaling as _rope_scaling
 from . import sinks as _sinks
 from . import softcap as _softcap
+from . import temperature as _temperature
 from . import window as _window
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps, steps_at
 from ._entry import (
@@ -59,9 +64,11 @@ from .alibi import alibi_bias, alibi_slopes
 from .chunked import chunk_allowed
 from .gate import fuse_gated_q, gate_backward, gate_forward, split_gated_q
 from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
+from .qk_norm_after_rope import norm_after_rope, norm_after_rope_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
 from .softcap import softcap, softcap_vjp
+from .temperature import temper, temper_vjp, temperature_scales
 from .window import window_allowed
 
 # name -> entry, in the order of `core.VARIANTS` (explicit: the order is part of every output).
@@ -79,6 +86,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
         _chunked.ENTRY,
         _gate.ENTRY,
+        _qk_norm_after_rope.ENTRY,
+        _temperature.ENTRY,
     )
 }
 
@@ -262,6 +271,8 @@ __all__ = [
     "fuse_gated_q",
     "gate_backward",
     "gate_forward",
+    "norm_after_rope",
+    "norm_after_rope_vjp",
     "param_spec",
     "register_variant",
     "registry_cases",
@@ -282,6 +293,9 @@ __all__ = [
     "steps_at",
     "steps_at_place",
     "t5_buckets",
+    "temper",
+    "temper_vjp",
+    "temperature_scales",
     "validate_variants",
     "variant",
     "variants_on",

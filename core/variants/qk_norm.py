@@ -1,6 +1,6 @@
 """QK-norm: RMSNorm of the queries and keys before rotary, over each head (Qwen3, Gemma 3) or over the
 whole projection before the head split (OLMo 2). Two variants, one formula: ``qk_norm_head`` and
-``qk_norm_projection``.
+``qk_norm_projection``. Llama 4's weightless norm after rotary is `qk_norm_after_rope`'s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""Llama 4's QK-norm: a weightless RMSNorm of each head's queries and keys AFTER rotary (``qk_norm_after_rope``).
+
+``Llama4TextAttention`` (transformers 5.25) applies ``Llama4TextWeightlessRMSNorm(rms_norm_eps)``
+(``x * rsqrt(mean(x**2) + eps)``, no learned weight; alias ``Llama4TextL2Norm``) to q and k after
+``apply_rotary_emb``, on its rotary layers only (``use_qk_norm`` and ``no_rope_layers[i] == 1``). Qwen3 and
+OLMo 2 norm before rotary, with a weight (`qk_norm`). The stages are ``q_rotated_normed`` and
+``k_rotated_normed``, after ``q_rotated``/``k_rotated``; the cache holds the normed, rotated keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers, switch_option
+from .qk_norm import rms_norm, rms_norm_vjp
+
+# Llama 4's rotary layer at a small size: GQA, interleaved rotary, chunks, the weightless norm after rotary.
+LLAMA4_ROPE_LIKE = dict(
+    d_model=24,
+    n_heads=4,
+    n_kv_heads=2,
+    rope="interleaved",
+    causal=True,
+    bias=False,
+    attention_chunk_size=4,
+    norm_eps=1e-5,
+    qk_norm_after_rope=True,
+)
+
+
+# -- Llama 4: a weightless RMSNorm per head AFTER rotary ----------------------------------------------------------
+AFTER_ROPE = "qk_norm_after_rope"
+
+
+def _validate_after_rope(cfg: Config) -> dict:
+    on = getattr(cfg, AFTER_ROPE)
+    if not isinstance(on, bool):
+        raise TypeError(f"MHAConfig.{AFTER_ROPE} must be a bool, got {on!r} ({type(on).__name__})")
+    if on and cfg.rope is None:
+        raise ValueError(
+            f"MHAConfig.{AFTER_ROPE}=True normalises each head after rotary (Llama 4's rotary layers; its NoPE "
+            "layers have no QK-norm), so it needs rope='half' or 'interleaved', got rope=None"
+        )
+    return {}
+
+
+def norm_after_rope(cfg: Config, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rotated q (B, H, Nq, Dk) and k (B, Hkv, Nk, Dk), each head's features RMS-normed, no weight."""
+    return rms_norm(q, 1.0, cfg.norm_eps), rms_norm(k, 1.0, cfg.norm_eps)
+
+
+def norm_after_rope_vjp(cfg: Config, q, k, d_q, d_k) -> tuple[np.ndarray, np.ndarray]:
+    """The cotangents of `norm_after_rope`'s inputs (RMSNorm's backward with weight 1; nothing learned)."""
+    return rms_norm_vjp(q, 1.0, cfg.norm_eps, d_q)[0], rms_norm_vjp(k, 1.0, cfg.norm_eps, d_k)[0]
+
+
+def _explain_after_rope(demo) -> Explanation:
+    on, _, stages, _, _ = demo.run(AFTER_ROPE)
+    q_rot = stages["q_rotated"][0, :, 0]  # token 0, (H, Dk)
+    rms_heads = np.sqrt(np.mean(q_rot**2, axis=-1) + on.norm_eps)  # (H,)
+    whole = math.sqrt(float(np.mean(q_rot**2)) + on.norm_eps)
+    normed = stages["q_rotated_normed"][0, :, 0]  # (H, Dk)
+    return Explanation(
+        f"{AFTER_ROPE}=True, norm_eps (= rms_norm_eps; rope on)",
+        "q_h <- q_h / sqrt(mean_d(q_h**2) + eps) after rotary, no weight; k the same",
+        "after rotary, before the scores (Llama 4's rotary layers)",
+        [
+            (
+                "Hugging Face",
+                "Llama4TextAttention.qk_norm = Llama4TextWeightlessRMSNorm(rms_norm_eps) (alias Llama4TextL2Norm) "
+                "when use_qk_norm, on rotary layers",
+            ),
+            ("Hugging Face", "its order: apply_rotary_emb, then qk_norm (Qwen3 and OLMo 2 norm first)"),
+        ],
+        [
+            f"per head: the RMS of token 0's rotated query heads is {numbers(rms_heads, 3)}, of all heads together "
+            f"{whole:.3g}: normalising across heads (vllm #16311, tensor parallel) scales each head by their ratio",
+            f"each normed head has RMS 1 (token 0: {numbers(np.sqrt(np.mean(normed**2, axis=-1)), 4)}); rotation keeps "
+            "the norm of each pair, so before rotary the same weightless norm would give the same numbers in exact "
+            "arithmetic (partial rotary too): the order matters with a learned weight (Qwen3's) and in rounding",
+        ],
+    )
+
+
+ENTRY = Variant(
+    name=AFTER_ROPE,
+    summary="Llama 4: a weightless RMSNorm of each head's queries and keys after rotary",
+    fields=(AFTER_ROPE, "norm_eps"),
+    config_fields=(ConfigField(AFTER_ROPE, False, "bool"),),
+    is_on=lambda cfg: bool(getattr(cfg, AFTER_ROPE)),
+    validate=_validate_after_rope,
+    stages=("q_rotated_normed", "k_rotated_normed"),
+    forward=norm_after_rope,
+    backward=norm_after_rope_vjp,
+    # No adapter applies it yet: each refuses it by name; the float64 oracles (core.reference, core.grad) compute it.
+    implemented_by=(),
+    check_cases=(
+        CaseSpec(
+            AFTER_ROPE,
+            "Llama 4's rotary layer: interleaved rotary, then a weightless RMSNorm per head; chunks of 4",
+            LLAMA4_ROPE_LIKE,
+            dict(q_tokens=7, dtypes=("float64", "float32"), seed=66),
+        ),
+    ),
+    decode_cases=(
+        CaseSpec(
+            AFTER_ROPE,
+            "the norm after rotary across steps: the cache holds each key rotated at its position, then normed",
+            LLAMA4_ROPE_LIKE,
+            dict(tokens=9, prefill=3, step=2, seed=67),
+        ),
+    ),
+    bench=BenchSpec({"causal": True, "rope": "interleaved", AFTER_ROPE: True}, "causal", preset="forms"),
+    cli=(
+        switch_option("--qk-norm-after-rope", {AFTER_ROPE: True}, "Llama 4's weightless QK-norm after rotary", rank=32),
+    ),
+    demo_on={AFTER_ROPE: True},
+    demo_off={AFTER_ROPE: False},
+    explain=_explain_after_rope,
+)

@@ -33,6 +33,7 @@ import numpy as np
 from . import alibi as _alibi
 from . import chunked as _chunked
 from . import gate as _gate
+from . import mla as _mla
 from . import qk_norm as _qk_norm
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
@@ -79,6 +80,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
         _chunked.ENTRY,
         _gate.ENTRY,
+        _mla.ENTRY,
+        _mla.Q_LORA_ENTRY,
     )
 }
 

@@ -36,7 +36,15 @@ from .variants.mla import cache_numbers_per_token, mla_on
 from .variants.mla_algebra import absorbed_output, absorbed_queries, absorbed_scores, latent_keys
 from .variants.mla_heads import Rotation, expand, latent_entries, query_stages
 
-__all__ = ["FORMS", "LatentCache", "cache_bytes_per_token", "latent_attention", "mla_decode", "mla_forward"]
+__all__ = [
+    "FORMS",
+    "LatentCache",
+    "cache_bytes_per_token",
+    "decode_step_costs",
+    "latent_attention",
+    "mla_decode",
+    "mla_forward",
+]
 
 FORMS = ("naive", "absorbed")
 
@@ -143,6 +151,28 @@ def cache_bytes_per_token(cfg: MHAConfig, itemsize: int = 8) -> dict:
         cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     )
     return dict(latent=numbers["latent"] * itemsize, expanded=numbers["expanded"] * itemsize, ratio=numbers["ratio"])
+
+
+def decode_step_costs(cfg: MHAConfig, context: int, form: str, itemsize: int = 2) -> dict:
+    """What one decode step of one new token costs at ``context`` cached tokens, one layer and one sequence.
+
+    ``bytes``: what the step reads beyond the weights both forms share (w_q, w_kv_a, w_o): the latent cache
+    ``T (R + dr)``, ``W_UK`` and ``W_UV`` (``H (dn + dv) R``), and in the naive form the per-head keys and values it
+    expands from the cache and then attends over, ``T H (d_k + d_v)``. ``macs``: the multiply-adds of the attention
+    and of the expansion (naive: ``T H (dn + dv) R`` + ``T H (d_k + d_v)``; absorbed: ``H dn R`` to fold W_UK into
+    the query, ``T H (R + dr)`` for the scores, ``T H R`` for the latent context, ``H dv R`` to unfold W_UV).
+    """
+    check_form(cfg, form)
+    T, H, R, dr = context, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dn, dv, dk = cfg.qk_nope_head_dim, cfg.d_v, cfg.d_k
+    weights = H * (dn + dv) * R
+    if form == "naive":
+        read = T * (R + dr) + weights + T * H * (dk + dv)
+        macs = T * H * (dn + dv) * R + T * H * (dk + dv)
+    else:
+        read = T * (R + dr) + weights
+        macs = H * dn * R + T * H * (R + dr) + T * H * R + H * dv * R
+    return dict(bytes=read * itemsize, macs=macs)
 
 
 def mla_decode(cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, form="naive", mask=None, positions=None,

@@ -54,6 +54,8 @@ def test_the_stage_each_variant_changes_is_measured():
         "rope_scaling": "first changed: q_rotated",
         "chunked": "first changed: masked_scores",
         "gate": "adds gate; first changed: gate",
+        "mla": "adds kv_latent, k_rope; first changed: kv_latent",
+        "mla_q_lora": "adds q_latent; first changed: q_latent",
     }
     assert pipeline().split(" -> ")[10:15] == ["scores", "capped_scores", "biased_scores", "masked_scores", "weights"]
 

@@ -855,6 +855,8 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.Gemma2Attention",
         "transformers.Gemma3Attention",
         "transformers.GptOssAttention",
+        "transformers.DeepseekV2Attention",
+        "transformers.DeepseekV3Attention",
         "transformers.BloomAttention",
         "transformers.MptAttention",
         "transformers.T5Attention",

@@ -42,8 +42,8 @@ def test_the_sizes_resolve_as_deepseek_names_them():
     assert (V3.d_k, V3.d_v, V3.n_kv_heads, V3.rope, V3.rope_dims) == (10, 5, 3, "interleaved", 6)
     assert V3.variants == ("rope_scaling", "mla", "mla_q_lora") and V2.variants == ("mla",)
     # YaRN's softmax factor: m(4, mscale_all_dim=0.9)^2 on d_k^-1/2 (mscale=0.8 acts on cos and sin only).
-    assert V3.scale == pytest.approx(10**-0.5 * (0.1 * 0.9 * math.log(4.0) + 1) ** 2, rel=1e-15)
-    assert V2.scale == 7**-0.5 and replace(V3, causal=False).scale == V3.scale  # replace keeps it
+    assert V3.scale == pytest.approx(1 / math.sqrt(10) * (0.1 * 0.9 * math.log(4.0) + 1) ** 2, rel=1e-15)
+    assert V2.scale == 1 / math.sqrt(7) and replace(V3, causal=False).scale == V3.scale  # replace keeps it
     assert MHAConfig(**dict(DEEPSEEK_V3_LIKE, rope_interleave=False)).rope == "half"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
 from mha_rosetta.core.decode import reference_decode
-from mha_rosetta.core.mla_forms import FORMS, cache_bytes_per_token, mla_decode, mla_forward
+from mha_rosetta.core.mla_forms import FORMS, cache_bytes_per_token, decode_step_costs, mla_decode, mla_forward
 from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, V3_SIZES, cache_numbers_per_token
 from mha_rosetta.core.variants.mla_algebra import absorbed_output, absorbed_queries, absorbed_scores, latent_keys
 from mha_rosetta.core.variants.qk_norm import rms_norm
@@ -147,3 +147,15 @@ def test_bad_forms_are_refused_by_name(cfg, form, words):
     params = init_params(cfg, seed=0)
     with pytest.raises(ValueError, match=words):
         mla_forward(cfg, params, _x(cfg, (1, 3)), form=form)
+
+
+def test_a_decode_step_reads_the_latent_once_in_the_absorbed_form_and_expands_it_in_the_naive():
+    """DeepSeek V3's sizes (128 heads, R 512, nope 128 + rope 64, v 128) at 32k context, bfloat16, by hand."""
+    cfg = MHAConfig(d_model=7168, n_heads=128, d_k=192, **{k: v for k, v in V3_SIZES.items() if k != "n_heads"})
+    T, weights = 32768, 128 * (128 + 128) * 512  # W_UK and W_UV
+    naive, absorbed = (decode_step_costs(cfg, T, form) for form in FORMS)
+    assert absorbed["bytes"] == 2 * (T * 576 + weights)
+    assert naive["bytes"] == 2 * (T * 576 + weights + T * 128 * (192 + 128))
+    assert naive["macs"] == T * 128 * 256 * 512 + T * 128 * 320
+    assert absorbed["macs"] == 128 * 128 * 512 + T * 128 * 576 + T * 128 * 512 + 128 * 128 * 512
+    assert 38 < naive["bytes"] / absorbed["bytes"] < 39  # 38.6x: the expanded keys and values dominate at 32k

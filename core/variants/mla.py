@@ -32,7 +32,7 @@ import numpy as np
 
 from .._validate import require_bool, require_positive_int
 from ..rope_scaling import validate_rope_scaling
-from ._entry import CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
 
 KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
     "kv_lora_rank",
@@ -75,7 +75,7 @@ def softmax_scale(head_dim: int, rope_scaling: dict | None) -> float:
     transformers' ``yarn_apply_mscale``: only a non-default rope type with a nonzero ``mscale_all_dim`` changes it;
     ``mscale`` itself never does (it acts on the rotary's cos and sin, over ``m(f, mscale_all_dim)``).
     """
-    scale = head_dim**-0.5
+    scale = 1.0 / math.sqrt(head_dim)  # MHAConfig's own default, bit for bit (models._from_module)
     scaling = validate_rope_scaling(rope_scaling)
     if scaling is not None and scaling.get("mscale_all_dim"):
         scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
@@ -342,6 +342,13 @@ ENTRY = Variant(
     base_shapes=base_shapes,
     check_cases=CHECK_CASES,
     decode_cases=DECODE_CASES,
+    # Its cost against plain attention at the forms preset's size (d_model 512, 8 heads, d_k 64): DeepSeek's
+    # proportions, nope 48 + rope 16, d_v 64, a latent of 4 * d_k (V3: 512 for d_k 128 + 64), the query's 6 * d_k
+    # (V3: 1536).
+    # Every adapter refuses it today, so the cell reports each refusal rather than a time.
+    bench=BenchSpec(
+        {Q_RANK: 384, KV_RANK: 256, NOPE: 48, ROPE: 16, V_DIM: 64, INTERLEAVE: True}, "plain", preset="forms"
+    ),
     demo_on=DEMO_ON,
     demo_off=DEMO_OFF,
     explain=explain,

@@ -226,17 +226,8 @@ def deepseek_layout(family: DeepSeek) -> Layout:
         requires=HF_REQUIRES,
         hf_options=True,
         reader=torch_reader((f"transformers.{family.module}",), read, shapes, forward),
-        example=dict(
-            n_heads=3,
-            d_k=10,
-            q_lora_rank=7,
-            kv_lora_rank=10,
-            qk_nope_head_dim=4,
-            qk_rope_head_dim=6,
-            v_head_dim=5,
-            causal=True,
-            bias=False,
-        ),
+        # explain.real_checkpoints' layer (d_model 16, 4 heads of d_k 4) as MLA: nope 2 + rope 2, d_v 3.
+        example=dict(q_lora_rank=5, kv_lora_rank=6, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3, causal=True),
         variants=("mla", "mla_q_lora", "rope_scaling"),
     )
 

@@ -178,3 +178,10 @@ def test_every_implementation_refuses_mla_by_name(name):
         pytest.skip(f"{name}: {error}")
     reason = backend.variant_reason(V3, "standard")
     assert reason is not None and "mla" in reason, reason
+
+
+def test_diagnose_refuses_mla_by_name_rather_than_probing_it_as_plain_attention():
+    from mha_rosetta.diagnose import diagnose
+
+    with pytest.raises(ValueError, match="diagnose cannot probe mla yet"):
+        diagnose(lambda params, q, k, v, mask: reference_mha(V3, params, q), V3)

@@ -65,11 +65,13 @@ from .stages import stage_names
 from .variants import (
     VARIANT_REGISTRY,
     gate_backward,
+    mla_heads,
     norm_after_rope_vjp,
     rms_norm_vjp,
     steps_at_place,
     temper_vjp,
 )
+from .variants.mla import mla_on
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -100,12 +102,15 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
 
 def _with_registry_stages(stages):
     """``stages`` with the backward stage of each stage an entry from outside adds, before its anchor's."""
-    listed = list(stages)
+    listed, last = list(stages), []  # the backward stages of stages added `before` one: last, in reverse order
     for entry in VARIANT_REGISTRY.values():
         for spec in entry.stage_specs:
+            if spec.before:
+                last.insert(0, (f"d_{spec.name}", spec.name))
+                continue
             at = [forward for _, forward in listed].index(spec.after)
             listed.insert(at, (f"d_{spec.name}", spec.name))
-    return tuple(listed)
+    return (*listed, *last)
 
 
 GRAD_STAGES = _with_registry_stages(GRAD_STAGES)
@@ -326,6 +331,20 @@ def reference_mha_vjp(
     d_k_heads = r(d_k_heads)
     d_q_heads, d_k_heads = _after_rope_backward(cfg, fwd, inputs.positions, d_q_heads, d_k_heads, stages, r)
     stages.update(d_q_rotated=d_q_heads, d_k_rotated=d_k_heads)
+    if mla_on(cfg):  # MLA: back through its rotary, expansion and latents (core.variants.mla)
+        rotate = mla_heads.Rotation(tables, apply_rotary)
+        d_xq, d_xk, d_mla, d_heads = mla_heads.head_stages_vjp(
+            cfg, p, fwd, x_q, x_k, d_q_heads, d_k_heads, d_v_heads, rotate, r
+        )
+        stages = {name: {**stages, **d_heads}[name] for name in grad_stage_names(cfg)}
+        d_xq = d_xq if d_xq_gate is None else r(d_xq + d_xq_gate)
+        d_query, d_key, _ = fold_defaulted_inputs(d_xq, d_xk, np.zeros_like(d_xk), key is not None, True)
+        d_params = MHAParams(
+            d_mla.pop("w_q"), d_mla.pop("w_k"), d_mla.pop("w_v"), d_w_o, b_o=d_b_o, **d_mla, **d_variant_params
+        )
+        return MHAGrads(
+            inputs.unbatch(d_query), None if d_key is None else inputs.unbatch(d_key), None, d_params, stages
+        )
     if tables is not None:  # undo the rotation: turn each pair back by its angle
         d_q_heads = r(apply_rotary(d_q_heads, tables.q_cos[:, None], -tables.q_sin[:, None], tables.style))
         d_k_heads = r(apply_rotary(d_k_heads, tables.k_cos[:, None], -tables.k_sin[:, None], tables.style))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .config import MHAConfig, require_config
-from .variants import param_spec
+from .variants import param_spec, variants_on
 
 WEIGHT_NAMES = ("w_q", "w_k", "w_v", "w_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
@@ -31,7 +31,9 @@ class MHAParams:
     ``q_norm``/``k_norm`` (QK-norm weights: ``(d_k,)`` each with ``qk_norm="head"``,
     ``(n_heads*d_k,)``/``(n_kv_heads*d_k,)`` with ``"projection"``), ``sinks`` ``(n_heads,)``
     and ``rel_bias`` ``(rel_buckets, n_heads)`` (T5's ``relative_attention_bias.weight``), ``w_gate``
-    ``(n_heads*d_k, d_model)`` and ``b_gate`` (with q's bias) with ``attn_output_gate``.
+    ``(n_heads*d_k, d_model)`` and ``b_gate`` (with q's bias) with ``attn_output_gate``; MLA's down-projections,
+    their biases and latent norms with ``kv_lora_rank`` and ``q_lora_rank`` (`core.variants.mla`, which also
+    changes the shapes of ``w_q``, ``w_k``, ``w_v`` and drops ``b_q``, ``b_k``, ``b_v``).
     """
 
     w_q: np.ndarray
@@ -48,6 +50,12 @@ class MHAParams:
     rel_bias: np.ndarray | None = None
     w_gate: np.ndarray | None = None
     b_gate: np.ndarray | None = None
+    w_kv_a: np.ndarray | None = None
+    b_kv_a: np.ndarray | None = None
+    kv_a_norm: np.ndarray | None = None
+    w_q_a: np.ndarray | None = None
+    b_q_a: np.ndarray | None = None
+    q_a_norm: np.ndarray | None = None
 
     def as_dict(self) -> dict[str, np.ndarray | None]:
         """Weights and biases by name (None where absent), then the variants' parameters that are present.
@@ -87,11 +95,16 @@ def expected_param_shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...] | None]:
         shapes["b_o"] = None
     for name in VARIANT_PARAM_NAMES:
         shapes[name] = param_spec(name).shape(cfg)
+    for entry in variants_on(cfg):  # MLA's w_q, w_k, w_v read its latents, and it has no q, k, v biases
+        shapes.update(entry.base_shapes(cfg) if entry.base_shapes is not None else {})
     return shapes
 
 
 def absent_because(cfg: MHAConfig, name: str) -> str:
     """The field of ``cfg`` that decides whether parameter ``name`` exists, with its value (for errors)."""
+    owners = [e.name for e in variants_on(cfg) if e.base_shapes is not None and name in e.base_shapes(cfg)]
+    if owners:  # MLA: no q, k, v biases whatever cfg.bias says
+        return f"variant {owners[0]!r} is on (core.variants.{owners[0]}.base_shapes)"
     if name in BIAS_NAMES:
         return f"cfg.bias is {cfg.bias!r}"
     field = param_spec(name).field

@@ -38,12 +38,14 @@ from .stages import stage_names
 from .variants import (
     bias_terms,
     gate_forward,
+    mla_heads,
     norm_after_rope,
     rms_norm,
     softmax_with_empty_rows,
     steps_at_place,
     temper,
 )
+from .variants.mla import mla_on
 
 __all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
 
@@ -75,7 +77,9 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
     ``r`` is the identity for the float64 oracle; the backward oracle's ``rounding`` path
     passes a round-to-storage function (see `core.grad`), so both run these same lines.
     """
-    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+    if mla_on(cfg):  # MLA: its latents, per-head keys and values expanded from them, its rotary (core.variants.mla)
+        rotate = mla_heads.Rotation(rotary_tables(cfg, inputs), apply_rotary)
+        return attend(cfg, p, x_q, inputs, r, mla_heads.head_stages(cfg, p, x_q, x_k, x_v, rotate, r))
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
 
     q = r(linear(x_q, p["w_q"], p["b_q"]))  # (B, Nq, H*Dk)
@@ -109,8 +113,15 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
         q_rotated = r(apply_rotary(q_normed, tables.q_cos[:, None], tables.q_sin[:, None], tables.style))
         k_rotated = r(apply_rotary(k_normed, tables.k_cos[:, None], tables.k_sin[:, None], tables.style))
     stages.update(q_rotated=q_rotated, k_rotated=k_rotated)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-    q_scored, k_scored = scored_qk(cfg, q_rotated, k_rotated, inputs.positions, stages, r)
+    return attend(cfg, p, x_q, inputs, r, stages)
 
+
+def attend(cfg: MHAConfig, p: dict, x_q, inputs, r, stages: dict) -> dict[str, np.ndarray]:
+    """``stages`` (up to ``q_rotated``, ``k_rotated``) completed: the scores, their steps, softmax, context, output."""
+    B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
+    H, Dv = cfg.n_heads, cfg.d_v
+    q_rotated, k_rotated, v_heads = stages["q_rotated"], stages["k_rotated"], stages["v_heads"]
+    q_scored, k_scored = scored_qk(cfg, q_rotated, k_rotated, inputs.positions, stages, r)
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))
     bias = bias_terms(cfg, p, inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk) or None

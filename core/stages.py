@@ -95,8 +95,9 @@ def _with_registry_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
     listed = list(stages)
     for entry in VARIANT_REGISTRY.values():
         for spec in entry.stage_specs:
-            at = [stage.name for stage in listed].index(spec.after) + 1
-            shape = next(stage.shape for stage in listed if stage.name == spec.like)
+            names = [stage.name for stage in listed]
+            at = names.index(spec.before) if spec.before else names.index(spec.after) + 1
+            shape = spec.shape or next(stage.shape for stage in listed if stage.name == spec.like)
             listed.insert(at, Stage(spec.step, spec.name, shape, spec.meaning))
     BUILT_FROM_REGISTRY.append("the stage table")
     return tuple(listed)
@@ -146,4 +147,5 @@ def stage_shapes(cfg: MHAConfig, batch: int, q_tokens: int, kv_tokens: int) -> d
         "Hkv*Dv": cfg.v_width,
         "H*Dv": cfg.context_width,
     }
-    return {stage.name: tuple(sizes[s] for s in stage.shape) for stage in STAGES if stage.name in stage_names(cfg)}
+    present = stage_names(cfg)  # a symbol not above is a cfg field (MLA's kv_lora_rank: `StageSpec.shape`)
+    return {s.name: tuple(sizes.get(d) or getattr(cfg, d) for d in s.shape) for s in STAGES if s.name in present}

@@ -38,6 +38,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, lower_precision, numpy_dtype, tolerance_for
 from mha_rosetta.core.config import require_config
+from mha_rosetta.core.variants import VARIANT_REGISTRY
 
 from .calling import DiagnoseError, _as_output, _call
 from .causes import Hypothesis, hypotheses
@@ -282,6 +283,13 @@ def reference_config(cfg: MHAConfig | None, like=None) -> MHAConfig:
 
 
 def _simulated(cfg: MHAConfig) -> MHAConfig:
+    """``cfg`` when diagnose's probes and simulator reproduce it; a DiagnoseError naming the form otherwise."""
+    reshaping = [name for name in cfg.variants if VARIANT_REGISTRY[name].base_shapes is not None]
+    if reshaping:  # MLA: the probes and the simulator read w_q, w_k, w_v as projections of the tokens
+        raise DiagnoseError(
+            f"diagnose cannot probe {', '.join(reshaping)} yet: its w_q, w_k, w_v read latents, not the tokens, and "
+            "the simulator has no latent path (issue 45); compare against core.reference_mha instead"
+        )
     reason = unsimulated_reason(cfg)
     if reason:
         raise DiagnoseError(reason)

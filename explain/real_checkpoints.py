@@ -21,6 +21,9 @@ from mha_rosetta.core import MHAConfig, MHAParams, compare, init_params, referen
 ROLES = ("q", "k", "v", "o")  # w_q, w_k, w_v, w_o: the first digit of every element's number
 # The variants' parameters (`core.params.VARIANT_PARAM_NAMES`), numbered after the four roles.
 VARIANT_ROLES = ("q_norm", "k_norm", "sinks", "rel_bias")
+# MLA's (`core.variants.mla`), numbered after those: its latents belong to no head (shared by all of them).
+MLA_ROLES = ("w_kv_a", "b_kv_a", "kv_a_norm", "w_q_a", "b_q_a", "q_a_norm")
+VARIANT_ROLES += MLA_ROLES
 _ROLE_BASE = 1_000_000  # number = (role + 1) * 1e6 + row * 1e3 + column (+ 999 for a bias element)
 _BIAS_COLUMN = 999
 # A vector parameter's element i is numbered (role + 1) * 1e6 + i * 1e3 + 500: Gemma's stored "w" of "1 + w"
@@ -104,7 +107,7 @@ def numbered_params(cfg: MHAConfig) -> MHAParams:
         if name not in shapes:
             continue
         base = offset * _ROLE_BASE
-        if name == "rel_bias":  # (buckets, H): row = bucket, column = head
+        if len(shapes[name]) == 2:  # (buckets, H): row = bucket, column = head; MLA's (out, in) down-projections
             buckets, heads = shapes[name]
             arrays[name] = base + 1000.0 * np.arange(buckets)[:, None] + np.arange(heads)[None, :]
         else:  # (d_k,), (H*d_k,), (G*d_k,) or (H,)
@@ -122,6 +125,8 @@ def _owner(cfg: MHAConfig, number: float) -> str:
     if letter == "o":  # w_o reads head h in columns h*Dv:(h+1)*Dv; its bias belongs to no head
         return "out (bias)" if column == _BIAS_COLUMN else f"reads head {column // cfg.d_v}"
     head_dim = cfg.d_v if letter == "v" else cfg.d_k
+    if letter == "k" and cfg.kv_lora_rank is not None:  # MLA's W_UK: qk_nope_head_dim rows a head
+        head_dim = cfg.qk_nope_head_dim
     kind = "head" if letter == "q" or cfg.n_kv_heads == cfg.n_heads else "kv head"
     return f"{letter} {kind} {row // head_dim}"
 
@@ -140,6 +145,10 @@ def _variant_owner(cfg: MHAConfig, name: str, row: int, column: int) -> str:
         return f"sink head {row}"
     if name == "rel_bias":
         return f"rel head {column}"  # every bucket (row) of column h is head h's
+    if name in MLA_ROLES:  # MLA's latents: every head reads them; w_kv_a's last rows are the shared rotary key
+        if "q_a" in name:
+            return "q latent, every head"
+        return "shared rotary key" if name != "kv_a_norm" and row >= cfg.kv_lora_rank else "kv latent, every head"
     if cfg.qk_norm == "head":
         return f"{name[0]} norm, every head"  # one (d_k,) weight shared by all heads
     kind = "head" if name == "q_norm" or cfg.n_kv_heads == cfg.n_heads else "kv head"

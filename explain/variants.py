@@ -69,6 +69,8 @@ class Demonstration:
         params_off = replace(params, **dict.fromkeys(VARIANT_PARAM_NAMES))
         if on.bias != off.bias:  # bias="qkv" off is bias=True: the output bias is back
             params_off = replace(params_off, b_o=init_params(off, seed=3).b_o)
+        if _reshapes(on) or _reshapes(off):  # MLA changes the projections' shapes: the off layer has its own
+            params_off = init_params(off, seed=3)
         x = np.random.default_rng(4).standard_normal((1, TOKENS, DEMO.d_model))
         return on, params, reference_stages(on, params, x), off, reference_stages(off, params_off, x)
 
@@ -93,9 +95,18 @@ def _entry(variant: str) -> VariantEntry:
     )
 
 
+def _reshapes(cfg: MHAConfig) -> bool:
+    """Whether a variant ``cfg`` has on changes the projections themselves (MLA: `Variant.base_shapes`)."""
+    return any(VARIANT_REGISTRY[name].base_shapes is not None for name in cfg.variants)
+
+
 def pipeline() -> str:
-    """The score pipeline as the stage list of a layer with every score variant on (`core.stage_names`)."""
-    every = replace(DEMO, **{k: v for entry in VARIANT_REGISTRY.values() for k, v in entry.demo_on.items()})
+    """The score pipeline as the stage list of a layer with every score variant on (`core.stage_names`).
+
+    MLA's entries, which change the projections (and refuse QK-norm), are left out: their stages come first.
+    """
+    switched = [e.demo_on for e in VARIANT_REGISTRY.values() if not _reshapes(replace(DEMO, **e.demo_on))]
+    every = replace(DEMO, **{k: v for demo_on in switched for k, v in demo_on.items()})
     return " -> ".join(stage_names(every))
 
 

@@ -33,6 +33,7 @@ from mha_rosetta.core import MHAConfig
 from . import (
     hf_bert,
     hf_bloom,
+    hf_deepseek,
     hf_falcon,
     hf_gemma2,
     hf_gemma3,
@@ -80,6 +81,8 @@ LAYOUTS: dict[str, Layout] = {
         hf_gemma3.LAYOUT,
         hf_gpt_oss.LAYOUT,
         hf_llama4.LAYOUT,
+        hf_deepseek.LAYOUT_V2,
+        hf_deepseek.LAYOUT_V3,
         hf_bloom.LAYOUT,
         hf_mpt.LAYOUT,
         megatron.LAYOUT,

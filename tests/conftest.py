@@ -62,6 +62,20 @@ def run_cli(*argv: str, cwd) -> subprocess.CompletedProcess:
     )
 
 
+def refusal_reason(name: str, cfg: MHAConfig) -> str | None:
+    """Why backend ``name`` will not run ``cfg``'s variants (None: it runs them); a skip where the library is missing.
+
+    For the forms no adapter applies yet (the gate, MLA: `Variant.implemented_by == ()`), each must refuse by name.
+    """
+    from mha_rosetta.backends import get_backend
+
+    try:
+        backend = get_backend(name)
+    except Exception as error:  # a library missing here: the refusal is its own, not ours to prove
+        pytest.skip(f"{name}: {error}")
+    return backend.variant_reason(cfg, "standard")
+
+
 def requires(module: str):
     """Skip (with the reason) when an optional framework is not installed or fails to import."""
     return pytest.mark.skipif(not importable(module), reason=str(import_failure(module)))

@@ -56,6 +56,8 @@ def test_the_stage_each_variant_changes_is_measured():
         "gate": "adds gate; first changed: gate",
         "qk_norm_after_rope": "adds q_rotated_normed, k_rotated_normed; first changed: q_rotated_normed",
         "temperature": "adds q_tempered; first changed: q_tempered",
+        "mla": "adds kv_latent, k_rope; first changed: kv_latent",
+        "mla_q_lora": "adds q_latent; first changed: q_latent",
     }
     stages = pipeline().split(" -> ")
     rotated = ["q_rotated", "k_rotated", "q_rotated_normed", "k_rotated_normed", "q_tempered"]

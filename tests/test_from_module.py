@@ -856,6 +856,8 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.Gemma3Attention",
         "transformers.GptOssAttention",
         "transformers.Llama4TextAttention",
+        "transformers.DeepseekV2Attention",
+        "transformers.DeepseekV3Attention",
         "transformers.BloomAttention",
         "transformers.MptAttention",
         "transformers.T5Attention",

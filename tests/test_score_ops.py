@@ -237,10 +237,10 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     from mha_rosetta.core.variants import VARIANT_REGISTRY, ScoreStep
 
     numpy = get_backend("numpy")
-    # The gate and Llama 4's steps after rotary act outside the pipeline and their entries name the libraries whose
-    # adapters apply them: none yet.
-    unadapted = {"gate", "qk_norm_after_rope", "temperature"}
-    assert all(VARIANT_REGISTRY[name].implemented_by == () for name in unadapted)
+    # The forms outside the pipeline whose entries name the libraries whose adapters apply them: none yet for
+    # these (the gate, Llama 4's steps after rotary, MLA's latents).
+    unadapted = {name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by == ()}
+    assert {"gate", "qk_norm_after_rope", "temperature", "mla", "mla_q_lora"} <= unadapted
     assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS) - unadapted
     monkeypatch.setattr(
         ops,

@@ -44,6 +44,8 @@ def test_the_variant_names_are_the_registry_in_its_order():
             "gate",
             "qk_norm_after_rope",
             "temperature",
+            "mla",
+            "mla_q_lora",
         )
     )
     assert all(name == entry.name for name, entry in VARIANT_REGISTRY.items())
@@ -56,10 +58,11 @@ def test_an_unknown_variant_is_refused_with_the_known_names():
 
 def test_every_variant_parameter_belongs_to_an_entry_and_shapes_come_from_it():
     owned = {spec.name for entry in VARIANT_REGISTRY.values() for spec in entry.params}
-    assert owned == set(VARIANT_PARAM_NAMES) == {"q_norm", "k_norm", "sinks", "rel_bias", "w_gate", "b_gate"}
+    mla = {"w_kv_a", "b_kv_a", "kv_a_norm", "w_q_a", "b_q_a", "q_a_norm"}
+    assert owned == set(VARIANT_PARAM_NAMES) == {"q_norm", "k_norm", "sinks", "rel_bias", "w_gate", "b_gate"} | mla
     cfg = MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, qk_norm="projection", sinks=True, rel_buckets=8)
     shapes = expected_param_shapes(cfg)
-    assert [shapes[name] for name in VARIANT_PARAM_NAMES] == [(24,), (12,), (4,), (8, 4), None, None]
+    assert [shapes[name] for name in VARIANT_PARAM_NAMES] == [(24,), (12,), (4,), (8, 4)] + [None] * 8
     assert param_spec("rel_bias").field == "rel_buckets"
 
 
@@ -74,6 +77,7 @@ def test_init_params_draws_each_variant_parameter_from_its_entry():
 
 def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
     from_entries = {stage for entry in VARIANT_REGISTRY.values() for stage in entry.stages}
+    mla = {"kv_latent", "k_rope", "q_latent"}
     assert (
         set(VARIANT_STAGES)
         == from_entries
@@ -87,6 +91,7 @@ def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
             "k_rotated_normed",
             "q_tempered",
         }
+        | mla
     )
     assert list(VARIANT_STAGES) == [name for name in STAGE_NAMES if name in from_entries]
     assert VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, rel_buckets=8))

@@ -36,6 +36,7 @@ import numpy as np
 from . import alibi as _alibi
 from . import chunked as _chunked
 from . import gate as _gate
+from . import mla as _mla
 from . import qk_norm as _qk_norm
 from . import qk_norm_after_rope as _qk_norm_after_rope
 from . import qkv_bias as _qkv_bias
@@ -88,6 +89,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _gate.ENTRY,
         _qk_norm_after_rope.ENTRY,
         _temperature.ENTRY,
+        _mla.ENTRY,
+        _mla.Q_LORA_ENTRY,
     )
 }
 

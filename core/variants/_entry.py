@@ -95,8 +95,12 @@ class StageSpec:
     step: str
     name: str
     meaning: str
-    after: str
+    after: str = ""
     like: str = "scores"
+    # MLA's latents (issue 45): ``before`` puts the stage right before that one (its backward stage after every
+    # other, in reverse order); ``shape``: its symbolic shape, a symbol `core.stages` lacks read as that cfg field.
+    before: str = ""
+    shape: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,8 @@ class Variant:
     explain: Callable[[Any], Explanation] | None = None
     diagnose: DiagnoseSpec | None = None
     implemented_by: tuple[str, ...] | None = None
+    # ``base_shapes(cfg)``: the base weights' and biases' shapes where the variant changes them (MLA's w_q, w_k, w_v).
+    base_shapes: Callable[[Config], dict] | None = None
 
     @property
     def layout_params(self) -> tuple[str, ...]:

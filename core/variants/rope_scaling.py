@@ -16,7 +16,7 @@ from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, Variant
 def _validate(cfg: Config) -> dict:
     if cfg.rope_scaling is None:
         return {"rope_scaling": None}
-    if cfg.rope is None:
+    if cfg.rope is None and getattr(cfg, "kv_lora_rank", None) is None:  # MLA resolves its rope (core.variants.mla)
         raise ValueError(
             f"MHAConfig.rope_scaling={cfg.rope_scaling!r} needs rope='half' or 'interleaved' (rope is None)"
         )

@@ -202,7 +202,7 @@ ENTRY = Variant(
     ),
     # No adapter applies the gate yet: each refuses it by name (`Variant.implemented_by`), the float64
     # oracles (core.reference, core.grad) compute it.
-    implemented_by=("numpy", "torch"),
+    implemented_by=("numpy", "torch", "jax"),
     check_cases=(
         CaseSpec(
             "gate",

@@ -206,7 +206,7 @@ def device_step(
     _, _, v, _, _, q_rotated, k_rotated = project_heads(ops, plan, weights, x, x, x, tables, cfg=cfg, record=record)
     keys, values = put(ops, keys, slots, k_rotated, keep), put(ops, values, slots, v, keep)
     over = (k_rotated, v) if own else (keys, values)
-    output = attend(ops, plan, weights, q_rotated, *over, blocked, empty_rows, bias, cfg=cfg, record=record)
+    output = attend(ops, plan, weights, q_rotated, *over, blocked, empty_rows, bias, cfg=cfg, record=record, x_gate=x)
     return output, keys, values
 
 

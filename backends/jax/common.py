@@ -152,12 +152,11 @@ def variant_provenance(name: str, cfg: MHAConfig) -> tuple[str, str | None]:
     return xla_provenance(name, cfg.rope)
 
 
-def output_gate(x, params: dict):
-    """The output gate (``attn_output_gate``) of one item's tokens ``x`` (N, D): ``sigmoid(x @ w_gate.T + b_gate)``
-    (N, H*Dv), in the merged heads' layout; jax.nn.sigmoid, in the input dtype like the projections."""
-    import jax
-
-    return jax.nn.sigmoid(linear(x, params["w_gate"], params.get("b_gate")))
+def output_gate(x, params: dict, merged) -> dict:
+    """The output gate (``attn_output_gate``) of one item's tokens ``x`` (N, D): {"gate": sigmoid(x @ w_gate.T +
+    b_gate), "gated": merged * gate}, (N, H*Dv) each in the merged heads' layout (JAX's ops object's sigmoid)."""
+    gate, gated = TRACED_OPS.output_gate(merged, linear(x, params["w_gate"], params.get("b_gate")))
+    return {"gate": gate, "gated": gated}
 
 
 def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):

@@ -235,8 +235,8 @@ def _mha_one_item(
     attend = _attend_all_heads if attend is None else attend
     heads = attend(q_rotated, k_rotated, v_heads, allowed, head, item, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
-    gated = {"gate": output_gate(x_q, params)} if cfg.attn_output_gate else {}  # (Nq, H*Dv): this item's tokens'
-    output = linear(merged * gated["gate"] if gated else merged, params["w_o"], params["b_o"])  # (Nq, D)
+    gated = output_gate(x_q, params, merged) if cfg.attn_output_gate else {}  # (Nq, H*Dv) each: this item's tokens'
+    output = linear(gated.pop("gated", merged), params["w_o"], params["b_o"])  # (Nq, D)
     stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
     if cfg.qk_norm is not None:
         stages.update(q_normed=q_normed, k_normed=k_normed)

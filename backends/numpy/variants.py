@@ -19,7 +19,7 @@ Column samples keep features as rows and tokens as columns, so:
 * The output gate (``attn_output_gate``, Qwen3-Next) is ``sigmoid(W_gate @ X + b_gate)`` ``(B, H*Dv, N)``:
   ``W_gate`` is a column-sample weight like ``W_q`` (its rows are per head, row block h gates head h), so
   the gate has the merged context's layout, one row per merged feature and one column per token, and
-  ``merged * gate`` is elementwise before ``W_o`` (`ColumnVariants.gate`; every strategy, the chunked one
+  ``merged * gate`` is elementwise before ``W_o`` (`ColumnVariants.gate_logits`, the sigmoid and product `NumpyOps.output_gate`; every strategy, the chunked one
   and decode through the layer's ``_finish``, the backward through `gate_logits_vjp`).
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, alibi_slopes, t5_buckets
-from mha_rosetta.core.variants.gate import sigmoid
 
 from .common import NumpyPrecision
 
@@ -147,13 +146,13 @@ class ColumnVariants:
             return array
         return array[:, h] if name == "bias" else array[0, h, 0, 0]
 
-    def gate(self, x: np.ndarray) -> np.ndarray:
-        """The output gate of the token columns ``x`` (B, D, N): ``sigmoid(W_gate @ X + b_gate)`` (B, H*Dv, N), in
-        the merged context's layout; the logits in the compute dtype, the gate rounded once to storage (a new array)."""
+    def gate_logits(self, x: np.ndarray) -> np.ndarray:
+        """The output gate's logits of the token columns ``x`` (B, D, N): ``W_gate @ X + b_gate`` (B, H*Dv, N), in
+        the merged context's layout, in the compute dtype (a new array); NumPy's ops object takes the sigmoid."""
         logits = np.matmul(self.w_gate, x)  # (B, H*Dv, N): one BLAS product per batch item
         if self.b_gate is not None:
             logits += self.b_gate  # in place: (H*Dv, 1) broadcasts over tokens and batch
-        return self.precision.operand(self.precision.store(sigmoid(logits)))
+        return logits
 
     def norm_weight_blocks(self, which: str, n_blocks: int) -> list:
         """The QK-norm weight of ``which`` ("q" or "k") cut into the weights of ``n_blocks`` row blocks.

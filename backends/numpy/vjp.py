@@ -243,8 +243,9 @@ class ColumnSampleVJP:
 
     def _output_and_merged_backward(self, merged):
         L = self.layer
-        gate = None if L.variants.w_gate is None else L.variants.gate(L.x_q)  # (B, H*Dv, Nq)
-        read = merged if gate is None else self.round(merged * gate)  # what W_o reads
+        gate, read = None, merged  # what W_o reads: merged, or merged * gate with the output gate
+        if L.variants.w_gate is not None:
+            gate, read = (L.precision.operand(a) for a in L.ops.output_gate(merged, L.variants.gate_logits(L.x_q)))
         output = self._project(L.w_o, L.b_o, read)  # (B, D, Nq): the forward's result, computed as autograd would
         d_merged, d_w_o, d_b_o = self._linear_backward(self.d_out, read, L.w_o, L.b_o is not None)
         if gate is not None:  # read = merged * gate: each factor's gradient is the other times d_read

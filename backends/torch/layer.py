@@ -236,10 +236,10 @@ class RowSampleMHA(LayerRecording):
         ``attn_output_gate`` (a decode step's x_q is its own tokens: nothing cached for the gate); else itself."""
         if self.w_gate is None:
             return merged
-        gate = self.torch.sigmoid(self.F.linear(self.x_q, self.w_gate, self.b_gate))  # (B, Nq, H*Dv), new
+        gate, gated = self.ops.output_gate(merged, self.F.linear(self.x_q, self.w_gate, self.b_gate))  # (B, Nq, H*Dv)
         if rec is not None:
             rec.record("gate", gate, ("B", "Nq", "H*Dv"), "torch.sigmoid(F.linear(x_q, W_gate, b_gate))")
-        return merged * gate  # (B, Nq, H*Dv), new: what W_o reads
+        return gated  # what W_o reads
 
     def _finish(self, merged, rec):
         output = self.F.linear(self._gated(merged, rec), self.w_o, self.b_o)  # (B, Nq, D)

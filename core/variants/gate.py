@@ -202,7 +202,7 @@ ENTRY = Variant(
     ),
     # No adapter applies the gate yet: each refuses it by name (`Variant.implemented_by`), the float64
     # oracles (core.reference, core.grad) compute it.
-    implemented_by=("numpy", "torch", "jax"),
+    implemented_by=("numpy", "torch", "jax", "mlx"),
     check_cases=(
         CaseSpec(
             "gate",

@@ -237,9 +237,10 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     from mha_rosetta.core.variants import VARIANT_REGISTRY, ScoreStep
 
     numpy = get_backend("numpy")
-    # The gate acts outside the pipeline and its entry names the libraries whose adapters apply it: none yet.
-    assert VARIANT_REGISTRY["gate"].implemented_by == ()
-    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS) - {"gate"}
+    # The gate acts outside the pipeline, in every library's projections (its ops object's output_gate): no limit.
+    assert VARIANT_REGISTRY["gate"].implemented_by is None
+    assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS)
+    # An entry that names its libraries is declared by those adapters only (einops needs all three of its own).
     monkeypatch.setattr(
         ops,
         "VARIANT_REGISTRY",
@@ -252,7 +253,7 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
         VARIANT_REGISTRY["softcap"], name="temperature", score_step=ScoreStep("transform", "temperature")
     )
     monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "temperature": tempered})
-    assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS) - {"gate"}
+    assert "temperature" not in numpy.variants and numpy.variants == frozenset(VARIANTS)
     # The NumPy ops class has the method, but the pipeline (built from the registry at import) does not carry
     # the step: still refused, never run without it.
     monkeypatch.setattr(ops.NumpyOps, "temperature", lambda self, scores, t: scores / t, raising=False)

@@ -76,7 +76,9 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
     assert not errors, errors
     for run in runs:
         where = f"{run.case} {run.label} {dtype}: {run.reason}"
-        unadapted = bool(set(SPEC_CASES[run.case].cfg.variants) - adapted_variants())  # an entry limited to some libraries
+        unadapted = bool(
+            set(SPEC_CASES[run.case].cfg.variants) - adapted_variants()
+        )  # an entry limited to some libraries
         if run.impl.known_mistake and not (unadapted and run.status is Status.UNSUPPORTED):
             assert run.status is Status.CAUGHT, where
             assert run.divergence is not None and run.divergence.stage == "q_heads", where

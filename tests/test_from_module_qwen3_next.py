@@ -77,7 +77,9 @@ def test_the_real_module_is_read_with_its_gate_partial_rotary_and_offset_norms()
     per_head = fused.reshape(HEADS, 2, HEAD_DIM, D_MODEL)
     np.testing.assert_array_equal(params.w_q, per_head[:, 0].reshape(-1, D_MODEL))
     np.testing.assert_array_equal(params.w_gate, per_head[:, 1].reshape(-1, D_MODEL))
-    np.testing.assert_array_equal(params.b_gate, module.q_proj.bias.detach().numpy().reshape(HEADS, 2, -1)[:, 1].ravel())
+    np.testing.assert_array_equal(
+        params.b_gate, module.q_proj.bias.detach().numpy().reshape(HEADS, 2, -1)[:, 1].ravel()
+    )
     np.testing.assert_array_equal(params.q_norm, 1.0 + module.q_norm.weight.detach().numpy())  # stored w, used 1 + w
 
 

@@ -126,7 +126,7 @@ def test_the_kernels_oracles_and_the_best_paths_refuse_the_gate_by_name(name):
     assert reason is not None and ("gate" in reason or "output gate" in reason), reason
 
 
-@pytest.mark.parametrize("name", ADAPTERS + ["torch-tp", "jax-sharded"])
+@pytest.mark.parametrize("name", [*ADAPTERS, "torch-tp", "jax-sharded"])
 def test_every_adapter_declares_the_gate_forward_and_decode(name):
     backend = _backend(name)
     assert backend.variant_reason(CFG, "standard") is None

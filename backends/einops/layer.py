@@ -86,7 +86,18 @@ def run_pipeline(
         ops, plan, weights, x_q, x_k, x_v, tables, cfg=cfg, record=record
     )
     return attend(
-        ops, plan, weights, q_rotated, k_rotated, v, blocked, empty_rows, score_tables, cfg=cfg, record=record, x_gate=x_q
+        ops,
+        plan,
+        weights,
+        q_rotated,
+        k_rotated,
+        v,
+        blocked,
+        empty_rows,
+        score_tables,
+        cfg=cfg,
+        record=record,
+        x_gate=x_q,
     )
 
 

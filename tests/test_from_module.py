@@ -855,6 +855,7 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.Gemma2Attention",
         "transformers.Gemma3Attention",
         "transformers.GptOssAttention",
+        "transformers.Qwen3NextAttention",
         "transformers.BloomAttention",
         "transformers.MptAttention",
         "transformers.T5Attention",

@@ -19,8 +19,9 @@ Column samples keep features as rows and tokens as columns, so:
 * The output gate (``attn_output_gate``, Qwen3-Next) is ``sigmoid(W_gate @ X + b_gate)`` ``(B, H*Dv, N)``:
   ``W_gate`` is a column-sample weight like ``W_q`` (its rows are per head, row block h gates head h), so
   the gate has the merged context's layout, one row per merged feature and one column per token, and
-  ``merged * gate`` is elementwise before ``W_o`` (`ColumnVariants.gate_logits`, the sigmoid and product `NumpyOps.output_gate`; every strategy, the chunked one
-  and decode through the layer's ``_finish``, the backward through `gate_logits_vjp`).
+  ``merged * gate`` is elementwise before ``W_o`` (the logits `ColumnVariants.gate_logits`, the sigmoid and
+  the product `NumpyOps.output_gate`): every strategy, the chunked one and decode through the layer's
+  ``_finish``, the backward through `gate_logits_vjp`.
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
     by query head; QK-norm over each head has one ``(Dk,)`` weight for all heads, replicated;
     over the whole projection its ``(H*Dk,)`` / ``(Hkv*Dk,)`` weights by the rows of the
     rank's query / kv heads (the statistic over the whole width is the rank's business: an
-    all-reduce of the sum of squares); the output gate by the rows of the rank's query heads. None where the variant is off. Copies, not views.
+    all-reduce of the sum of squares); the output gate by the rows of the rank's query heads. None
+    where the variant is off. Copies, not views.
     ALiBi's slopes are no parameter: see `alibi_slopes_of`.
     """
     heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)

@@ -194,7 +194,8 @@ class NumpyOps:
 
     def output_gate(self, merged, logits):
         """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = sigmoid(logits), laid out like
-        ``merged``; sigmoid without overflow (`core.variants.gate.sigmoid`), in the compute dtype, each rounded to storage."""
+        ``merged``; the sigmoid without overflow (`core.variants.gate.sigmoid`), in the compute dtype, each result
+        rounded to storage."""
         P = self.precision
         gate = P.store(sigmoid(P.operand(logits)))
         return gate, P.store(P.operand(merged) * P.operand(gate))

@@ -23,8 +23,8 @@ The variants (`core.variants`) are written the same way. The output gate (``attn
 item's ``sigmoid(x_q @ w_gate.T + b_gate)`` ``(Nq, H*Dv)``, laid out like the merged heads (its columns
 h*Dv:(h+1)*Dv gate head h), multiplied in before ``w_o``; a decode step's items are its own tokens.
 QK-norm normalises the merged projection ``(N, H*Dk)`` before the split (``"projection"``) or the
-heads ``(N, H, Dk)`` after it (``"head"``). Everything a head owns travels with it through the head vmaps in one dict:
-its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
+heads ``(N, H, Dk)`` after it (``"head"``). Everything a head owns travels with it through the
+head vmaps in one dict: its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
 each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
 (ALiBi's distances, T5's buckets) are mapped by the batch vmap only. `_attend_one_head` then
 runs the score steps on JAX's ops object (`frameworks.ops.score_steps`), in the order of the stages.

@@ -115,7 +115,6 @@ _DECODER = Decoder(
         "bias": False,
         "rope": "half",
         "rope_dims": 2,
-        "d_k": 8,
         "causal": True,
         "qk_norm": "head",
         "attn_output_gate": True,

@@ -18,7 +18,8 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, compare, init_params, reference_mha
 
-ROLES = ("q", "k", "v", "o")  # w_q, w_k, w_v, w_o: the first digit of every element's number
+# w_q, w_k, w_v, w_o and the output gate's w_gate (with attn_output_gate): the first digit of every element's number
+ROLES = ("q", "k", "v", "o", "gate")
 # The variants' parameters (`core.params.VARIANT_PARAM_NAMES`), numbered after the four roles.
 VARIANT_ROLES = ("q_norm", "k_norm", "sinks", "rel_bias")
 # MLA's (`core.variants.mla`), numbered after those: its latents belong to no head (shared by all of them).
@@ -98,6 +99,8 @@ def numbered_params(cfg: MHAConfig) -> MHAParams:
     shapes = {name: array.shape for name, array in init_params(cfg).as_dict().items() if array is not None}
     arrays = {}
     for role, letter in enumerate(ROLES):
+        if f"w_{letter}" not in shapes:  # the gate, off
+            continue
         rows, cols = shapes[f"w_{letter}"]
         base = (role + 1) * _ROLE_BASE
         arrays[f"w_{letter}"] = base + 1000.0 * np.arange(rows)[:, None] + np.arange(cols)[None, :]  # (out, in)
@@ -124,6 +127,8 @@ def _owner(cfg: MHAConfig, number: float) -> str:
     letter = ROLES[role - 1]
     if letter == "o":  # w_o reads head h in columns h*Dv:(h+1)*Dv; its bias belongs to no head
         return "out (bias)" if column == _BIAS_COLUMN else f"reads head {column // cfg.d_v}"
+    if letter == "gate":  # row block h of w_gate gates head h's context (d_v == d_k)
+        return f"gate head {row // cfg.d_v}"
     head_dim = cfg.d_v if letter == "v" else cfg.d_k
     if letter == "k" and cfg.kv_lora_rank is not None:  # MLA's W_UK: qk_nope_head_dim rows a head
         head_dim = cfg.qk_nope_head_dim
@@ -251,7 +256,8 @@ def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]
 
 
 # The families whose checkpoints store a variant's parameters or fix its biases, in the order of the table.
-_VARIANT_LAYOUTS = ("hf-qwen2", "hf-qwen3", "hf-olmo2", "hf-gemma3", "hf-gpt-oss", "hf-t5")
+_VARIANT_LAYOUTS = ("hf-qwen2", "hf-qwen3", "hf-olmo2", "hf-gemma3", "hf-gpt-oss", "hf-t5", "hf-qwen3-next")
+_VARIANT_PARAMS = (*VARIANT_ROLES, "w_gate", "b_gate")  # the parameters a 2024-26 variant adds
 
 
 def variant_parameters_table() -> tuple[str, list[str], list[list[str]]]:
@@ -270,10 +276,16 @@ def variant_parameters_table() -> tuple[str, list[str], list[list[str]]]:
         state = layout.to_state_dict(cfg, numbered)
         canonical = {k: v for k, v in numbered.as_dict().items() if v is not None}
         for stored, array in state.items():
-            source = _canonical_name(float(array.flat[0]))  # the parameter whose numbers the tensor carries
-            if source not in VARIANT_ROLES and source[0] != "b":
+            sources = sorted({_canonical_name(float(n)) for n in array.ravel()})  # the parameters it carries numbers of
+            if not set(sources) & set(_VARIANT_PARAMS) and sources[0][0] != "b":
                 continue
-            form = "canonical - 1 (used as 1 + w)" if np.array_equal(array, canonical[source] - 1.0) else "canonical"
+            source = ", ".join(sources)
+            if len(sources) > 1:  # Qwen3-Next's q_proj: each head's query rows, then its gate rows
+                form = "each head's rows in turn"
+            elif np.array_equal(array, canonical[source] - 1.0):
+                form = "canonical - 1 (used as 1 + w)"
+            else:
+                form = "canonical"
             rows.append(
                 [name, stored, str(tuple(array.shape)), source, form, stored_tensor(cfg, stored, array).layout_text()]
             )

@@ -62,6 +62,8 @@ VARIANT_CFGS = {
     "sinks": _gqa(sinks=True, window=3),
     **{f"rope_scaling_{kind}": _gqa(rope_scaling=scaling) for kind, scaling in ROPE_SCALINGS.items()},
     "chunked": _gqa(attention_chunk_size=3),  # Llama 4's chunks: boundaries at 3, 6 across the steps
+    # Qwen3-Next's output gate: each step's tokens gated by their own sigmoid(x @ w_gate.T + b), nothing cached.
+    "gate": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),
 }
 
 

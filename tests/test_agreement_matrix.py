@@ -76,7 +76,9 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
     assert not errors, errors
     for run in runs:
         where = f"{run.case} {run.label} {dtype}: {run.reason}"
-        unadapted = bool(set(SPEC_CASES[run.case].cfg.variants) - adapted_variants())  # the gate: every adapter refuses
+        unadapted = bool(
+            set(SPEC_CASES[run.case].cfg.variants) - adapted_variants()
+        )  # an entry limited to some libraries
         if run.impl.known_mistake and not (unadapted and run.status is Status.UNSUPPORTED):
             assert run.status is Status.CAUGHT, where
             assert run.divergence is not None and run.divergence.stage == "q_heads", where
@@ -94,7 +96,7 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
             # backend refuses heads that do not split over its ranks, and a framework's best path
             # (backends/best: the fastest idiom for plain, causal, GQA and rotary attention) refuses the rest.
             split = getattr(backend, "splits_heads", False) and ("divide" in run.reason or "kv head" in run.reason)
-            # A form the registry says no adapter applies yet (the output gate: core.variants.adapted_variants).
+            # A form the registry limits to some libraries (`Variant.implemented_by`, core.variants.adapted_variants).
             assert backend.kind == "oracle" or split or unadapted or getattr(backend, "best_path", False), where
         else:
             assert run.status is Status.AGREE, where

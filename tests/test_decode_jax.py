@@ -55,6 +55,10 @@ VARIANT_CFGS = {
     ),
     # Llama 4's chunks of 4: boundaries at 4 and 8 inside the 12 tokens, crossed by the steps
     "chunked": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", attention_chunk_size=4),
+    # Qwen3-Next's output gate: each step's tokens gated by their own sigmoid(x @ w_gate.T + b_gate)
+    "gate": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", qk_norm="head", bias="qkv", attn_output_gate=True
+    ),
 }
 
 

@@ -66,10 +66,13 @@ VARIANT_CFGS = {
         "qk_norm": "head",
         "rope": "half",
         "n_kv_heads": 2,
-    },  # refused: no adapter has it
-    # Llama 4's steps after rotary: refused too (no adapter has them yet)
+    },  # each step's tokens gated by their own sigmoid(x @ w_gate.T); the SDPA oracle refuses it
+    # Llama 4's steps after rotary: refused (no adapter has them yet)
     "qk_norm_after_rope": {"qk_norm_after_rope": True, "rope": "interleaved", "n_kv_heads": 2},
     "temperature": {"attn_temperature_tuning": True, "floor_scale": 3, "n_kv_heads": 2},
+    # DeepSeek's latent attention (d_k = nope 2 + rope 4 = BASE's 6): refused (no adapter has it yet)
+    "mla": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6},
+    "mla_q_lora": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 5},
 }
 assert set(VARIANT_CFGS) == set(VARIANTS), "one configuration per variant"
 
@@ -155,7 +158,8 @@ def test_every_declared_variant_decodes(name, cache, variant):
     cfg = config(**VARIANT_CFGS[variant])
     params, x = init_params(cfg, seed=9), sequence()
     if variant not in backend.decode_variants:
-        with pytest.raises(UnsupportedCase, match=f"decode path does not implement {variant}"):
+        first = next(name for name in cfg.variants if name not in backend.decode_variants)  # mla before mla_q_lora
+        with pytest.raises(UnsupportedCase, match=f"decode path does not implement {first}"):
             backend.run_decode(cfg, params, x, prefill=1, cache=cache)
         return
     expected = reference_decode(cfg, params, x, prefill=1)
@@ -165,9 +169,9 @@ def test_every_declared_variant_decodes(name, cache, variant):
 
 
 def test_the_declared_decode_variants():
-    """Ours decodes every variant; the SDPA oracle those its forward has (no softcap, no sinks)."""
+    """Ours decodes every variant; the SDPA oracle those its forward has (no softcap, no sinks, no output gate)."""
     assert get_backend("torch").decode_variants == adapted_variants()
-    assert get_backend("torch-sdpa").decode_variants == adapted_variants() - {"softcap", "sinks"}
+    assert get_backend("torch-sdpa").decode_variants == adapted_variants() - {"softcap", "sinks", "gate"}
 
 
 @pytest.mark.parametrize(("name", "cache"), PATHS, ids=PATH_IDS)

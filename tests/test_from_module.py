@@ -858,6 +858,7 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.Llama4TextAttention",
         "transformers.DeepseekV2Attention",
         "transformers.DeepseekV3Attention",
+        "transformers.Qwen3NextAttention",
         "transformers.BloomAttention",
         "transformers.MptAttention",
         "transformers.T5Attention",

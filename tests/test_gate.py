@@ -1,5 +1,6 @@
 """Gated attention (``attn_output_gate``, Qwen3-Next): the spec's entry, its float64 forward and backward, its
-fused-projection converters, its refusal by the adapters that lack it, and the real ``Qwen3NextAttention``.
+fused-projection converters, every adapter's forward, backward and decode of it, its refusal by the kernels' oracles
+and the best paths, and the real ``Qwen3NextAttention``.
 """
 
 from __future__ import annotations
@@ -7,8 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import refusal_reason
-from mha_rosetta.core import MHAConfig, MHAParams, default_cotangent, init_params, reference_mha, reference_mha_vjp
+from mha_rosetta.backends._probe import import_failure, importable
+from mha_rosetta.backends.registry import get_backend
+from mha_rosetta.core import (
+    MHAConfig,
+    MHAParams,
+    compare,
+    default_cotangent,
+    init_params,
+    reference_mha,
+    reference_mha_vjp,
+    reference_stages,
+)
+from mha_rosetta.core.decode import reference_decode
 from mha_rosetta.core.rotary import inverse_frequencies
 from mha_rosetta.core.variants import BUILTIN_VARIANTS, VARIANT_REGISTRY, fuse_gated_q, split_gated_q
 from mha_rosetta.core.variants.gate import QWEN3_NEXT_LIKE, sigmoid
@@ -87,11 +99,84 @@ def test_a_gate_whose_value_head_does_not_fit_is_refused_by_name():
         reference_mha(CFG, MHAParams(**{**init_params(CFG).as_dict(), "w_gate": None}), _x((1, 2, 32)))
 
 
-@pytest.mark.parametrize("name", ["numpy", "torch", "jax", "einops-torch", "mlx", "torch-sdpa"])
-def test_every_implementation_without_the_gate_refuses_it_by_name(name):
-    assert VARIANT_REGISTRY["gate"].implemented_by == () and "gate" not in BUILTIN_VARIANTS
-    reason = refusal_reason(name, CFG)
-    assert reason is not None and "gate" in reason, reason
+def _backend(name: str):
+    backend = get_backend(name)
+    missing = [module for module in backend.requires if not importable(module)]
+    if missing:
+        pytest.skip(f"{name} needs {', '.join(missing)}: {import_failure(missing[0])}")
+    return backend
+
+
+# Our adapters, each in its own convention: the gate is one ops-object method per library (`output_gate`).
+ADAPTERS = ["numpy", "torch", "jax", "einops-numpy", "einops-torch", "einops-jax", "mlx", "onnx"]
+GRAD_ADAPTERS = ["numpy", "torch", "jax", "einops-torch", "einops-jax", "mlx"]  # einops-numpy: no autodiff
+DECODE_ADAPTERS = ["numpy", "torch", "jax", "einops-numpy", "mlx", "onnx"]
+
+
+@pytest.mark.parametrize(
+    "name", ["torch-sdpa", "torch-flex", "jax-dpa", "mlx-sdpa", "hf-attention", "torch-onnx", "torch-best", "jax-best"]
+)
+def test_the_kernels_oracles_and_the_best_paths_refuse_the_gate_by_name(name):
+    """Every adapter applies the gate (implemented_by None), so the package's variants hold it; a kernel's oracle
+    (what it compares is the kernel, and the gate is model code after it) and a best path leave it out, saying so."""
+    assert VARIANT_REGISTRY["gate"].implemented_by is None and "gate" in BUILTIN_VARIANTS
+    backend = _backend(name)
+    assert "gate" not in backend.variants and "gate" not in backend.decode_variants
+    reason = backend.variant_reason(CFG, "standard")
+    assert reason is not None and ("gate" in reason or "output gate" in reason), reason
+
+
+@pytest.mark.parametrize("name", [*ADAPTERS, "torch-tp", "jax-sharded"])
+def test_every_adapter_declares_the_gate_forward_and_decode(name):
+    backend = _backend(name)
+    assert backend.variant_reason(CFG, "standard") is None
+    assert "gate" in backend.variants and "gate" in backend.decode_variants
+
+
+def _gated_inputs():
+    return init_params(CFG, seed=21), _x((2, 7, CFG.d_model), seed=5)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_each_adapter_gates_the_merged_heads_as_the_spec_does(name):
+    """The output in float64 (held to float32 where the library declares why: ONNX's Attention op takes sqrt(scale) in
+    float32, MLX's float64 exp is float32-accurate), and the gate stage itself, between merged and output."""
+    backend = _backend(name)
+    params, x = _gated_inputs()
+    want = reference_stages(CFG, params, x)
+    got, stages = backend.run(CFG, params, x, return_stages=True)
+    level = "float32" if name in ("onnx", "mlx") else "float64"
+    assert compare(got, want["output"], level).ok
+    assert compare(stages["gate"], want["gate"], level).ok
+    assert list(stages)[list(stages).index("merged") + 1] == "gate"
+    plain = MHAParams(**{n: a for n, a in params.as_dict().items() if n not in ("w_gate", "b_gate")})
+    ungated = reference_mha(MHAConfig(**dict(QWEN3_NEXT_LIKE, bias=True)), plain, x)  # the gate does something
+    assert np.max(np.abs(got - ungated)) > 1e-2 * np.max(np.abs(ungated))
+
+
+@pytest.mark.parametrize("name", GRAD_ADAPTERS)
+def test_each_adapter_s_backward_reaches_the_gate_s_weights_and_the_query_through_it(name):
+    backend = _backend(name)
+    params, x = _gated_inputs()
+    cotangent = default_cotangent((2, 7, CFG.d_model))
+    want = reference_mha_vjp(CFG, params, x, cotangent=cotangent).tensors()
+    got = backend.run_vjp(CFG, params, x, cotangent=cotangent).tensors()
+    assert {"w_gate", "b_gate"} <= set(got) and set(got) == set(want)
+    level = "float32" if name == "mlx" else "float64"  # MLX's float64 exp is float32-accurate (its known difference)
+    for tensor, value in want.items():
+        assert compare(got[tensor], value, level).ok, tensor
+
+
+@pytest.mark.parametrize("name", DECODE_ADAPTERS)
+def test_each_decode_step_gates_its_own_tokens(name):
+    """Nothing of the gate is cached: a step of 1 or 3 tokens after a prefill of 2 equals the full forward."""
+    backend = _backend(name)
+    params, x = _gated_inputs()
+    level = "float64" if name in ("numpy", "torch", "jax", "einops-numpy") else "float32"
+    for prefill, step in ((1, 1), (2, 3)):
+        got = backend.run_decode(CFG, params, x, prefill=prefill, step=step)
+        want = reference_decode(CFG, params, x, prefill=prefill, step=step)
+        assert compare(got, want, level).ok, (prefill, step)
 
 
 def _qwen3_next(cfg: MHAConfig, params: MHAParams, *, keep_float64: bool):

@@ -58,6 +58,17 @@ CONFIGS = {
     "hf-llama4 nope": MHAConfig(
         d_model=15, n_heads=4, n_kv_heads=2, d_k=6, causal=True, attn_temperature_tuning=True, floor_scale=4
     ),
+    "hf-qwen3-next": MHAConfig(
+        d_model=18,
+        n_heads=4,
+        n_kv_heads=2,
+        d_k=6,
+        rope="half",
+        rope_dims=2,
+        causal=True,
+        qk_norm="head",
+        attn_output_gate=True,
+    ),
     "hf-bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
     "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
@@ -78,7 +89,7 @@ def test_registry_lists_every_family():
     assert list(LAYOUTS) == [
         "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "hf-phi3", "hf-falcon", "hf-qwen2",
         "hf-mistral", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-gpt-oss", "hf-llama4", "hf-deepseek-v2",
-            "hf-deepseek-v3", "hf-bloom", "hf-mpt",
+            "hf-deepseek-v3", "hf-qwen3-next", "hf-bloom", "hf-mpt",
         "megatron", "timm-vit", "hf-t5", "keras", "mlx-llama", "mlx-qwen2", "mlx-qwen3", "mlx-olmo2", "mlx-gemma3", "mlx-phi3", "mlx-gemma2",
         "mlx-gpt-oss",
         "keras-hub-llama", "keras-hub-mistral", "keras-hub-gemma", "keras-hub-gemma3", "keras-hub-qwen2",

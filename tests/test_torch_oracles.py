@@ -201,8 +201,8 @@ def test_sdpa_returns_b_o_for_an_empty_row():
 
 
 def _sdpa_for(case: SpecCase):
-    """torch-sdpa for ``case``; a softcap or sinks case skips with the library's reason (and only those do), and a
-    form no adapter applies yet (core.variants.adapted_variants: the output gate) with its name."""
+    """torch-sdpa for ``case``; a softcap, sinks or output-gate case skips with the library's reason (and only those
+    do), and a form the registry limits to some libraries (core.variants.adapted_variants) with its name."""
     backend = get_backend("torch-sdpa")
     reason = backend.unsupported_reason(case.cfg, "float64", "cpu", "standard")
     unadapted = set(case.cfg.variants) - adapted_variants()
@@ -210,7 +210,7 @@ def _sdpa_for(case: SpecCase):
         assert f"does not implement {sorted(unadapted)[0]}" in reason, reason
         pytest.skip(reason)
     if reason:
-        assert case.cfg.softcap is not None or case.cfg.sinks, reason
+        assert case.cfg.softcap is not None or case.cfg.sinks or case.cfg.attn_output_gate, reason
         assert "scaled_dot_product_attention has no" in reason  # the library's reason, not the generic one
         pytest.skip(reason)
     return backend

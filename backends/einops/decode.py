@@ -223,7 +223,7 @@ def device_step(
     else:
         keys, values = put(ops, keys, slots, k_rotated, keep), put(ops, values, slots, v, keep)
         over = (k_rotated, v) if own else (keys, values)
-    output = attend(ops, plan, weights, q_rotated, *over, blocked, empty_rows, bias, cfg=cfg, record=record)
+    output = attend(ops, plan, weights, q_rotated, *over, blocked, empty_rows, bias, cfg=cfg, record=record, x_gate=x)
     return output, keys, values
 
 

@@ -86,7 +86,18 @@ def run_pipeline(
         ops, plan, weights, x_q, x_k, x_v, tables, cfg=cfg, record=record
     )
     return attend(
-        ops, plan, weights, q_rotated, k_rotated, v, blocked, empty_rows, score_tables, cfg=cfg, record=record
+        ops,
+        plan,
+        weights,
+        q_rotated,
+        k_rotated,
+        v,
+        blocked,
+        empty_rows,
+        score_tables,
+        cfg=cfg,
+        record=record,
+        x_gate=x_q,
     )
 
 
@@ -132,9 +143,11 @@ def attend(
     *,
     cfg: MHAConfig,
     record: dict | None = None,
+    x_gate=None,
 ):
     """The attention half: scores of the queries against the keys ``k_rotated`` (B, Nk, Hkv, Dk) (a decode
-    step's: the cache's slots), the score variants, the mask, the softmax, the context and the output."""
+    step's: the cache's slots), the score variants, the mask, the softmax, the context and the output.
+    ``x_gate``: the query tokens (B, Nq, D) (a decode step's own), read only with the output gate."""
     import einops
 
     score_tables = score_tables or {}
@@ -160,14 +173,27 @@ def attend(
     )  # (B, H, Nq, Nk)
     context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
     merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
-    output = ops.einsum(OUTPUT, merged, weights["w_o"])  # (B, Nq, D)
+    gate, read = (None, merged) if not cfg.attn_output_gate else output_gate(ops, plan, weights, x_gate, merged)
+    output = ops.einsum(OUTPUT, read, weights["w_o"])  # (B, Nq, D)
     if weights["b_o"] is not None:
         output = ops.add_bias(output, weights["b_o"])
     if record is not None:
-        record.update(context=context, merged=merged, output=output)
+        record.update(context=context, merged=merged, **({} if gate is None else {"gate": gate}), output=output)
         if ops.has_buffers:
             record["buffers"] = buffers
     return output
+
+
+def output_gate(ops, plan: EinsumPlan, weights: dict, x, merged) -> tuple:
+    """(gate, merged * gate) for the tokens ``x`` (B, Nq, D), (B, Nq, H*Dv) each: the logits by the query
+    projection's own einsum (``w_gate`` split like ``w_q``, its rows per head), merged by the context's pattern
+    (``plan.merge``, a reshape), the sigmoid and product by the library's ops object."""
+    import einops
+
+    logits = ops.einsum(plan.project_q, x, weights["w_gate"])  # (B, Nq, H, Dv); (B, Nq, Hkv, G, Dv) with GQA
+    if weights.get("b_gate") is not None:
+        logits = ops.add_bias(logits, weights["b_gate"])
+    return ops.output_gate(merged, einops.rearrange(logits, plan.merge))
 
 
 def _head_sizes(cfg: MHAConfig) -> dict[str, int]:
@@ -212,6 +238,9 @@ def _variant_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan, split,
         # (buckets, H), or (buckets, Hkv, G) split like the heads: T5's table, gathered by bucket in the pass
         rel = params.rel_bias
         weights["rel_bias"] = rel if cfg.group_size == 1 else split(rel, "n (g r) -> n g r", sizes)
+    if cfg.attn_output_gate:  # the output gate's rows are per head (Dv == Dk): split as w_q and b_q are
+        weights["w_gate"] = split(params.w_gate, plan.weight_q, sizes)  # (H, Dv, D) or (Hkv, G, Dv, D)
+        weights["b_gate"] = split(params.b_gate, plan.bias_q, sizes)  # (H, Dv) or (Hkv, G, Dv), or None
     return weights
 
 
@@ -271,6 +300,7 @@ _STAGE_ORIGINS = {
     "masked_scores": "blocked positions filled with -inf",
     "weights": "softmax of the masked scores",
     "context": "einsum output spec keeps tokens first",
+    "gate": "sigmoid of the query projection's einsum with w_gate, merged like the context; w_o reads merged * gate",
     "output": f"einsum '{OUTPUT}'",
 }
 

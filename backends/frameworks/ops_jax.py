@@ -88,6 +88,14 @@ class JaxOps:
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return (xs * lax.rsqrt(mean_square + eps) * weight).astype(x.dtype)
 
+    def output_gate(self, merged, logits):
+        """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = jax.nn.sigmoid(logits), laid out
+        like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""
+        import jax
+
+        gate = jax.nn.sigmoid(logits.astype(compute_dtype(logits.dtype))).astype(logits.dtype)
+        return gate, merged * gate
+
     def take(self, table, index):
         return table[index]
 

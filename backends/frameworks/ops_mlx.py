@@ -54,6 +54,13 @@ class MlxOps:
     def broadcast(self, array, shape, dtype):
         return self.mx.broadcast_to(array.astype(dtype), shape)
 
+    def output_gate(self, merged, logits):
+        """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = mx.sigmoid(logits), laid out
+        like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""
+        mx = self.mx
+        gate = mx.sigmoid(logits.astype(compute_dtype(logits.dtype))).astype(logits.dtype)
+        return gate, merged * gate
+
     # -- the score steps --------------------------------------------------------------------
     def softcap(self, scores, cap: float):
         """``cap * tanh(scores / cap)`` (`core.variants.softcap`), in at least float32, rounded once."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core import numpy_dtype
+from mha_rosetta.core.variants.gate import sigmoid
 
 HALF_TYPES = ("float16", "bfloat16")
 # For two operands NumPy has a single contraction path; giving it explicitly makes
@@ -190,6 +191,14 @@ class NumpyOps:
         xs = P.operand(x)
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return P.store(xs / np.sqrt(mean_square + eps) * P.operand(weight))
+
+    def output_gate(self, merged, logits):
+        """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = sigmoid(logits), laid out like
+        ``merged``; the sigmoid without overflow (`core.variants.gate.sigmoid`), in the compute dtype, each result
+        rounded to storage."""
+        P = self.precision
+        gate = P.store(sigmoid(P.operand(logits)))
+        return gate, P.store(P.operand(merged) * P.operand(gate))
 
     def take(self, table, index):
         return table[index]

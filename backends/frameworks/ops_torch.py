@@ -97,6 +97,12 @@ class TorchOps:
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return (xs * self.torch.rsqrt(mean_square + eps) * weight).to(x.dtype)
 
+    def output_gate(self, merged, logits):
+        """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = torch.sigmoid(logits), laid out
+        like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""
+        gate = self.torch.sigmoid(self._compute(logits)).to(logits.dtype)
+        return gate, merged * gate
+
     def take(self, table, index):
         return table[index]
 

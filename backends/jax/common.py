@@ -41,6 +41,7 @@ from mha_rosetta.core import (
     MHAInputs,
     MHAParams,
     allowed_positions,
+    linear,
     rotary_tables,
     stage_names,
 )
@@ -127,6 +128,7 @@ VARIANT_STAGE_AXES = {
     "q_normed": TOKENS_FIRST_STAGE_AXES["q_heads"],
     "k_normed": TOKENS_FIRST_STAGE_AXES["k_heads"],
     **{name: TOKENS_FIRST_STAGE_AXES["scores"] for name in SCORE_VARIANT_STAGES},
+    "gate": TOKENS_FIRST_STAGE_AXES["merged"],  # the output gate: one factor per merged feature
 }
 
 
@@ -148,6 +150,13 @@ def variant_provenance(name: str, cfg: MHAConfig) -> tuple[str, str | None]:
     if name in (*SCORE_VARIANT_STAGES, "masked_scores"):
         return "new", names[names.index(name) - 1]
     return xla_provenance(name, cfg.rope)
+
+
+def output_gate(x, params: dict, merged) -> dict:
+    """The output gate (``attn_output_gate``) of one item's tokens ``x`` (N, D): {"gate": sigmoid(x @ w_gate.T +
+    b_gate), "gated": merged * gate}, (N, H*Dv) each in the merged heads' layout (JAX's ops object's sigmoid)."""
+    gate, gated = TRACED_OPS.output_gate(merged, linear(x, params["w_gate"], params.get("b_gate")))
+    return {"gate": gate, "gated": gated}
 
 
 def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):

@@ -19,10 +19,12 @@ The rotary embedding (``cfg.rope``) is written the same way: `_rotate_one_head` 
 features of one head, ``x (N, Dk)`` with tables ``(N, r/2)``, and is vmapped over the
 heads of q and of k (the tables unmapped: every head sees the same angles).
 
-The variants (`core.variants`) are written the same way. QK-norm normalises the merged
-projection ``(N, H*Dk)`` before the split (``"projection"``) or the heads ``(N, H, Dk)`` after
-it (``"head"``). Everything a head owns travels with it through the head vmaps in one dict:
-its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
+The variants (`core.variants`) are written the same way. The output gate (``attn_output_gate``) is one
+item's ``sigmoid(x_q @ w_gate.T + b_gate)`` ``(Nq, H*Dv)``, laid out like the merged heads (its columns
+h*Dv:(h+1)*Dv gate head h), multiplied in before ``w_o``; a decode step's items are its own tokens.
+QK-norm normalises the merged projection ``(N, H*Dk)`` before the split (``"projection"``) or the
+heads ``(N, H, Dk)`` after it (``"head"``). Everything a head owns travels with it through the
+head vmaps in one dict: its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
 each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
 (ALiBi's distances, T5's buckets) are mapped by the batch vmap only. `_attend_one_head` then
 runs the score steps on JAX's ops object (`frameworks.ops.score_steps`), in the order of the stages.
@@ -49,6 +51,7 @@ from .chunked import pad_mask_to_blocks
 from .common import (
     allowed_for_heads,
     numpy_rotary_tables,
+    output_gate,
     rms_norm_last_axis,
     rotate_last_axis,
     score_bias_inputs,
@@ -85,6 +88,7 @@ STAGE_NOTES = {
     "scores": f"vmap out_axes=0 puts heads first; {XLA_LAYOUT}",
     "context": f"vmap out_axes=1 keeps tokens first; {XLA_LAYOUT}",
     "merged": f"reshape of context (Nq, H, Dv) -> (Nq, H*Dv), no transpose; {XLA_LAYOUT}",
+    "gate": f"jax.nn.sigmoid(x_q @ w_gate.T + b_gate) per item (batch vmap): w_o reads merged * gate; {XLA_LAYOUT}",
 }
 
 
@@ -231,12 +235,13 @@ def _mha_one_item(
     attend = _attend_all_heads if attend is None else attend
     heads = attend(q_rotated, k_rotated, v_heads, allowed, head, item, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
-    output = linear(merged, params["w_o"], params["b_o"])  # (Nq, D)
+    gated = output_gate(x_q, params, merged) if cfg.attn_output_gate else {}  # (Nq, H*Dv) each: this item's tokens'
+    output = linear(gated.pop("gated", merged), params["w_o"], params["b_o"])  # (Nq, D)
     stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
     if cfg.qk_norm is not None:
         stages.update(q_normed=q_normed, k_normed=k_normed)
     stages.update(q_rotated=q_rotated, k_rotated=k_rotated)
-    return {**stages, **heads, "merged": merged, "output": output}
+    return {**stages, **heads, "merged": merged, **gated, "output": output}
 
 
 def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):

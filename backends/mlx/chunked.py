@@ -93,4 +93,4 @@ class ChunkedMlxAttention:
         context = self.attend(p, q, k, v)
         if rec is not None:
             rec.record("context", context, ("B", "H", "Nq", "Dv"), "acc / l per query block (online softmax)")
-        return self.layer.finish(p, context, rec)
+        return self.layer.finish(p, context, rec, x_q)

@@ -152,7 +152,7 @@ class MlxDecoder:
         blocked = to_mlx(~decode_allowed(self.cfg, positions, k_positions, k_valid), None)  # (B, 1, s, T)
         distance = k_positions[:, None, :] - positions[:, :, None]  # (B, s, T): key minus query
         context = layer.attend(p, q, keys, values, blocked, distance, rec)  # (B, H, s, Dv)
-        return layer.finish(p, context, rec)  # (B, s, D)
+        return layer.finish(p, context, rec, x)  # (B, s, D): gated by the chunk's own tokens
 
 
 def _info(cfg: MHAConfig, dtype: str, device: str) -> dict:

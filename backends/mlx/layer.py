@@ -202,19 +202,25 @@ class MlxAttention:
             rec.record("context", context, ("B", "H", "Nq", "Dv"), "weights @ v, a group's heads against one kv head")
         return context
 
-    def finish(self, p: dict, context, rec: StageRecorder | None = None):
-        """Heads merged, ``transpose(0, 2, 1, 3).reshape(B, L, -1)``, then ``o_proj``: (B, Nq, D)."""
+    def finish(self, p: dict, context, rec: StageRecorder | None = None, x_gate=None):
+        """Heads merged, ``transpose(0, 2, 1, 3).reshape(B, L, -1)``, gated with ``attn_output_gate`` (``x_gate``:
+        the query tokens (B, L, D), a decode chunk's own), then ``o_proj``: (B, Nq, D)."""
         B, H, L, Dv = context.shape
         merged = context.transpose(0, 2, 1, 3).reshape(B, L, H * Dv)  # (B, L, H*Dv), a copy when evaluated
-        output = self.linear(p, merged, "o")  # (B, L, D)
+        gate, read = None, merged
+        if self.cfg.attn_output_gate:  # the gate's nn.Linear (out, in), as q_proj's; MlxOps' sigmoid and product
+            gate, read = self.ops.output_gate(merged, self.linear(p, x_gate, "gate"))  # (B, L, H*Dv) each
+        output = self.linear(p, read, "o")  # (B, L, D)
         if rec is not None:
             rec.record(
                 "merged", merged, ("B", "Nq", "H*Dv"), "transpose(0, 2, 1, 3).reshape(B, L, -1)", "copy", "context"
             )
+            if gate is not None:
+                rec.record("gate", gate, ("B", "Nq", "H*Dv"), "mx.sigmoid(mx.addmm(b_gate, x_q, W_gate.T))")
             rec.record("output", output, ("B", "Nq", "D"), "o_proj: mx.addmm(b_o, merged, W_o.T)")
         return output
 
     def forward(self, p: dict, x_q, x_k, x_v, tables, blocked, distance, rec: StageRecorder | None = None):
         """The whole layer, (B, Nq, D)."""
         q, k, v = self.heads(p, x_q, x_k, x_v, tables, rec)
-        return self.finish(p, self.attend(p, q, k, v, blocked, distance, rec), rec)
+        return self.finish(p, self.attend(p, q, k, v, blocked, distance, rec), rec, x_q)

@@ -219,7 +219,7 @@ class ColumnSampleDecoder(ColumnSampleMHA):
         if rec is not None:
             relation = relation_to(merged, context)
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "reshape, no transpose", relation, "context")
-        return self._finish(merged, rec)  # (B, D, s)
+        return self._finish(merged, rec, tokens)  # (B, D, s): gated by the chunk's own tokens (nothing cached)
 
 
 def _cache_capacity(cfg: MHAConfig, kind: str, inputs: DecodeInputs) -> int:

@@ -280,7 +280,14 @@ class ColumnSampleMHA(LayerRecording):
             note = self._norm_how + " (one kv head at a time, stacked for inspection)"
             rec.record("k_normed", self._stack(k_normed, 1), COLUMN_SAMPLE_AXES["k_normed"], note, "new", parent)
 
-    def _finish(self, merged: np.ndarray, rec) -> np.ndarray:
+    def _finish(self, merged: np.ndarray, rec, tokens: slice | None = None) -> np.ndarray:
+        """``W_o @ merged + b_o``, the merged context gated first with ``attn_output_gate``; ``tokens``: the columns
+        of X a decode chunk's merged context belongs to (all without)."""
+        if self.variants.w_gate is not None:  # W_o reads merged * sigmoid(W_gate @ X + b_gate): each token its own
+            logits = self.variants.gate_logits(self.x_q if tokens is None else self.x_q[..., tokens])  # (B, H*Dv, Nq)
+            gate, merged = self.ops.output_gate(merged, logits)  # (B, H*Dv, Nq) each, new arrays
+            if rec is not None:
+                rec.record("gate", gate, ("B", "H*Dv", "Nq"), "sigmoid(W_gate @ X + b_gate): a row per merged feature")
         output = self._project(self.w_o, self.b_o, merged)  # (B, D, Nq)
         if rec is not None:
             rec.record("output", output, ("B", "D", "Nq"), "W_o @ merged + b_o; to_numpy transposes it to rows")

@@ -16,6 +16,12 @@ Column samples keep features as rows and tokens as columns, so:
   to the scores is the layer's own step.
 * The sinks are ``(1, H, 1, 1)``: one logit per head, broadcast against each query's column
   maximum in `common.softmax_inplace`.
+* The output gate (``attn_output_gate``, Qwen3-Next) is ``sigmoid(W_gate @ X + b_gate)`` ``(B, H*Dv, N)``:
+  ``W_gate`` is a column-sample weight like ``W_q`` (its rows are per head, row block h gates head h), so
+  the gate has the merged context's layout, one row per merged feature and one column per token, and
+  ``merged * gate`` is elementwise before ``W_o`` (the logits `ColumnVariants.gate_logits`, the sigmoid and
+  the product `NumpyOps.output_gate`): every strategy, the chunked one and decode through the layer's
+  ``_finish``, the backward through `gate_logits_vjp`.
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ def rms_norm_rows_vjp(blocks: list, weights: list, eps: float, d_ys: list) -> tu
     return d_xs, d_ws
 
 
+def gate_logits_vjp(gate: np.ndarray, d_gate: np.ndarray) -> np.ndarray:
+    """The sigmoid's backward: the gate logits' gradient ``d_gate * g (1 - g)`` (B, H*Dv, N), compute dtype."""
+    return d_gate * gate * (1.0 - gate)
+
+
 def _sum_but_rows(a: np.ndarray) -> np.ndarray:
     """(..., d, N) summed over every axis but the feature rows -> (d,)."""
     return np.moveaxis(a, -2, -1).reshape(-1, a.shape[-2]).sum(axis=0)  # (..., N, d) -> (rest, d), a copy
@@ -95,6 +106,9 @@ class ColumnVariants:
         sinks = stored(params.sinks)
         self.sinks = None if sinks is None else sinks[None, :, None, None]  # (1, H, 1, 1)
         self.rel_table = stored(params.rel_bias)  # (buckets, H) or None
+        self.w_gate = stored(params.w_gate)  # (H*Dv, D): a column-sample weight, W_gate @ X
+        b_gate = stored(params.b_gate)
+        self.b_gate = None if b_gate is None else b_gate[:, None]  # (H*Dv, 1): one value per row
         self.slopes = alibi_slopes(cfg.n_heads).astype(P.compute) if cfg.alibi else None  # (H,)
         # Key minus query, one column per query: (1|B, Nk, Nq).
         self.distance = None
@@ -132,6 +146,14 @@ class ColumnVariants:
         if array is None or h is None:
             return array
         return array[:, h] if name == "bias" else array[0, h, 0, 0]
+
+    def gate_logits(self, x: np.ndarray) -> np.ndarray:
+        """The output gate's logits of the token columns ``x`` (B, D, N): ``W_gate @ X + b_gate`` (B, H*Dv, N), in
+        the merged context's layout, in the compute dtype (a new array); NumPy's ops object takes the sigmoid."""
+        logits = np.matmul(self.w_gate, x)  # (B, H*Dv, N): one BLAS product per batch item
+        if self.b_gate is not None:
+            logits += self.b_gate  # in place: (H*Dv, 1) broadcasts over tokens and batch
+        return logits
 
     def norm_weight_blocks(self, which: str, n_blocks: int) -> list:
         """The QK-norm weight of ``which`` ("q" or "k") cut into the weights of ``n_blocks`` row blocks.

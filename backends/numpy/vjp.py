@@ -53,7 +53,7 @@ from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
 from ..frameworks.ops import score_steps, score_steps_backward
 from .layer import _merge_reshape, _split_direct, _split_reshape, rotate_rows  # the forward's own splits, rotation
-from .variants import rms_norm_rows_vjp
+from .variants import gate_logits_vjp, rms_norm_rows_vjp
 
 
 def prepare_numpy_vjp(
@@ -103,12 +103,16 @@ class ColumnSampleVJP:
         rel = cfg.rel_buckets is not None
         self.d_rel_bias = np.zeros((cfg.rel_buckets, cfg.n_heads), dtype=compute) if rel else None  # (buckets, H)
         self.d_norms: dict = {"q": None, "k": None}
+        self.d_gate = self.d_gated = None  # the gate's stage gradient; (dX, dW_gate, db_gate) of its projection
 
     def _variant_grads(self, grads: dict) -> dict:
         """``grads`` with the variant parameters' gradients that this configuration has (canonical shapes)."""
         r = self.round
         named = {"q_norm": self.d_norms["q"], "k_norm": self.d_norms["k"], "sinks": self.d_sinks}
         named["rel_bias"] = self.d_rel_bias
+        if self.d_gated is not None:  # X feeds the gate too: its dX adds to the query projection's
+            d_x, named["w_gate"], named["b_gate"] = self.d_gated
+            grads["d_x_q"] = r(grads["d_x_q"] + d_x)
         grads.update({name: r(d) for name, d in named.items() if d is not None})
         return grads
 
@@ -239,8 +243,16 @@ class ColumnSampleVJP:
 
     def _output_and_merged_backward(self, merged):
         L = self.layer
-        output = self._project(L.w_o, L.b_o, merged)  # (B, D, Nq): the forward's result, computed as autograd would
-        d_merged, d_w_o, d_b_o = self._linear_backward(self.d_out, merged, L.w_o, L.b_o is not None)
+        gate, read = None, merged  # what W_o reads: merged, or merged * gate with the output gate
+        if L.variants.w_gate is not None:
+            gate, read = (L.precision.operand(a) for a in L.ops.output_gate(merged, L.variants.gate_logits(L.x_q)))
+        output = self._project(L.w_o, L.b_o, read)  # (B, D, Nq): the forward's result, computed as autograd would
+        d_merged, d_w_o, d_b_o = self._linear_backward(self.d_out, read, L.w_o, L.b_o is not None)
+        if gate is not None:  # read = merged * gate: each factor's gradient is the other times d_read
+            self.d_gate = self.round(d_merged * merged)  # (B, H*Dv, Nq)
+            d_merged = self.round(d_merged * gate)
+            d_logits = gate_logits_vjp(gate, self.d_gate)  # (B, H*Dv, Nq): through the sigmoid
+            self.d_gated = self._linear_backward(d_logits, L.x_q, L.variants.w_gate, L.variants.b_gate is not None)
         return output, d_merged, d_w_o, d_b_o
 
     def _input_grads(self, d_q, d_k, d_v, grads: dict) -> dict:
@@ -302,6 +314,7 @@ class ColumnSampleVJP:
         # Provenance as in the forward stages: the split and merge adjoints are reshapes (measured view or copy).
         stages = {
             "d_output": StageTensor(self.d_out, ("B", "D", "Nq")),
+            **({} if self.d_gate is None else {"d_gate": StageTensor(self.d_gate, ("B", "H*Dv", "Nq"))}),
             "d_merged": StageTensor(d_merged, ("B", "H*Dv", "Nq")),
             "d_context": StageTensor(
                 d_context, ("B", "H", "Dv", "Nq"), "", relation_to(d_context, d_merged), "d_merged"

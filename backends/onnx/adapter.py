@@ -38,6 +38,9 @@ from .runtime import make_runner, op_plan
 ONNX_VARIANTS = frozenset(
     {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
 )
+# This backend's graph also applies the output gate (`graph.build`: MatMul, Sigmoid and Mul after the Attention
+# node); torch-onnx's layers around the op (which share ONNX_VARIANTS) do not.
+ONNX_GRAPH_VARIANTS = ONNX_VARIANTS | {"gate"}
 OPSET24 = "opset24"  # the strategy that builds the same graph at opset 24
 NO_SINKS = "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
 HIDDEN_NOTE = (
@@ -59,10 +62,10 @@ class OnnxBackend(Backend):
         "past_key/present_key cache), run by ONNX Runtime"
     )
     dtypes = ONNX_DTYPES
-    variants = ONNX_VARIANTS
+    variants = ONNX_GRAPH_VARIANTS
     causal_on_positions = True  # is_causal only where the op's rule equals the positions' (see attention_plan)
     decode_caches = ("past_key",)
-    decode_variants = ONNX_VARIANTS
+    decode_variants = ONNX_GRAPH_VARIANTS
     decode_layouts: ClassVar[dict[str, str]] = {"past_key": "(B, Hkv, T, Dk): past_key in, present_key out"}
     known_differences = (
         *(

@@ -199,9 +199,13 @@ def build(spec: GraphSpec, params: MHAParams):
         stages[stage] = stage
     merged = b.add("Transpose", ["context"], perm=[0, 2, 1, 3])  # (B, Nq, H, Dv)
     merged = b.add("Reshape", [merged, b.const("merged_shape", np.array([0, 0, cfg.context_width]), "int64")], "merged")
+    stages.update(context="context", merged="merged")
+    if cfg.attn_output_gate:  # after the Attention node, natural ONNX: MatMul (+ Add), Sigmoid, Mul
+        stages["gate"] = b.add("Sigmoid", [b.linear("x_q", params.w_gate, params.b_gate, "gate_proj", None)], "gate")
+        merged = b.add("Mul", [merged, "gate"], "gated")  # (B, Nq, H*Dv): what o_proj reads
     b_o = params.b_o if cfg.output_bias else None
     b.linear(merged, params.w_o, b_o, "o_proj", "output")  # (B, Nq, D)
-    stages.update(context="context", merged="merged", output="output")
+    stages["output"] = "output"
     out_names = ["output"] + (["present_key", "present_value"] if spec.past else [])
     if spec.stages:
         out_names += [name for name in stages.values() if name not in out_names]

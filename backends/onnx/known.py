@@ -122,6 +122,8 @@ def _output_from_logits(cfg: MHAConfig, params: MHAParams, stages: dict, logits:
     values = np.repeat(stages["v_heads"], group, axis=1)  # (B, H, Nk, Dv), a copy: query head h reads h // G
     context = np.einsum("bhqk,bhkd->bqhd", weights, values)  # (B, Nq, H, Dv), new
     merged = context.reshape(*context.shape[:2], cfg.context_width)  # (B, Nq, H*Dv) view
+    if "gate" in stages:  # the output gate (the graph's Sigmoid and Mul after the Attention node)
+        merged = merged * stages["gate"]
     output = merged @ params.w_o.T
     return output + params.b_o if cfg.output_bias else output
 

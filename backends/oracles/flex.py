@@ -133,7 +133,7 @@ class TorchFlexOracle(TorchDevices, Backend):
     )
     # Every one of the package's, written out (a library's idiom is the reason): score_mod, mask_mod, the sinks from
     # the lse, QK-norm and biases outside. A variant registered later is not in its score_mod, so it is refused.
-    variants = BUILTIN_VARIANTS
+    variants = BUILTIN_VARIANTS - {"gate"}  # the output gate is model code after the kernel (KERNEL_REFUSAL)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`prepare_flex_decode_run`): the growing cache of the torch oracles, a BlockMask over it per chunk.
     decode_caches = ("dynamic",)

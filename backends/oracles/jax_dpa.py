@@ -33,6 +33,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, causal_on_indices, linear
 from mha_rosetta.core.variants import BUILTIN_VARIANTS
+from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
 
 from .._layouts import XLA_LAYOUT
 from ..base import Prepared, StageTensor
@@ -157,7 +158,7 @@ class JaxDotProductAttentionOracle(JaxOracle):
     )
     # The package's own variants but the softcap (a library's idiom is the reason; one registered from outside is not
     # in the function, so it is refused).
-    variants = BUILTIN_VARIANTS - {"softcap"}
+    variants = BUILTIN_VARIANTS - {"softcap", "gate"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     decode_unsupported = (
         "jax.nn.dot_product_attention is a function of whole q, k and v arrays: JAX's library has no KV cache "
@@ -168,6 +169,8 @@ class JaxDotProductAttentionOracle(JaxOracle):
     vjp_variants = variants - {"sinks"}
 
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
+        if cfg.attn_output_gate:
+            return KERNEL_REFUSAL.format(kernel="jax.nn.dot_product_attention")
         if backward and cfg.sinks:
             return (
                 "jax.nn.dot_product_attention's backward ignores the cotangent of its logsumexp (return_residual), "

@@ -25,6 +25,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
 from mha_rosetta.core.variants import BUILTIN_VARIANTS
+from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
 
 from .._recording import StageRecorder, record_stages
 from ..base import STANDARD, Backend, Prepared, UnsupportedCase, tensor_to_numpy
@@ -86,11 +87,12 @@ class MlxSDPAOracle(VariantReasons, MlxDevices, Backend):
     """``mx.fast.scaled_dot_product_attention`` on heads projected and rotated as mlx-lm does (see the module)."""
 
     convention = 'mx.fast.scaled_dot_product_attention(q, k, v, scale=, mask=): mask="causal" is bottom-right'
-    variants = BUILTIN_VARIANTS - {"softcap"}  # the package's own: a plugin variant is never run without it
+    variants = BUILTIN_VARIANTS - {"softcap", "gate"}  # the package's own: a plugin variant is never run without it
     causal_on_positions = True  # the mask comes from the positions; "causal" only where it is the same
     tolerance_levels = TOLERANCE_LEVELS
     vjp_variants = variants - {"rel_bias"}
     variant_why: ClassVar[dict[str, str]] = {
+        "gate": KERNEL_REFUSAL.format(kernel="mx.fast.scaled_dot_product_attention"),
         "rel_bias": "mx.fast.scaled_dot_product_attention's backward gives no gradient to its additive mask, so T5's "
         "table (which rides in it) would get zero gradient",
         "softcap": "mx.fast.scaled_dot_product_attention has no softcap: the scores never leave the kernel between "

@@ -24,6 +24,7 @@ from mha_rosetta.core import (
     torch_mha_unsupported_reason,
 )
 from mha_rosetta.core.variants import BUILTIN_VARIANTS
+from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, DecodeStep, Prepared, StageTensor, tensor_to_numpy
@@ -256,7 +257,7 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
     # The package's own variants but two (a library's idiom is the reason; one registered from outside is not in the
     # kernel, so it is refused).
-    variants = BUILTIN_VARIANTS - {"softcap", "sinks"}
+    variants = BUILTIN_VARIANTS - {"softcap", "sinks", "gate"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
     decode_caches = ("dynamic",)
@@ -266,6 +267,7 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
         "and the softmax (an additive attn_mask cannot take a tanh)",
         "sinks": "scaled_dot_product_attention has no sinks: its softmax has no extra logit in the denominator "
         "and it returns no log-sum-exp to rescale by",
+        "gate": KERNEL_REFUSAL.format(kernel="scaled_dot_product_attention"),
     }
     known_differences = (
         "mask polarity: bool attn_mask True = may attend, like the spec (the opposite of nn.MultiheadAttention)",

@@ -185,7 +185,8 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
     by query head; QK-norm over each head has one ``(Dk,)`` weight for all heads, replicated;
     over the whole projection its ``(H*Dk,)`` / ``(Hkv*Dk,)`` weights by the rows of the
     rank's query / kv heads (the statistic over the whole width is the rank's business: an
-    all-reduce of the sum of squares). None where the variant is off. Copies, not views.
+    all-reduce of the sum of squares); the output gate by the rows of the rank's query heads. None
+    where the variant is off. Copies, not views.
     ALiBi's slopes are no parameter: see `alibi_slopes_of`.
     """
     heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)
@@ -202,6 +203,10 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
         "k_norm": take(params.k_norm, k_rows),  # (local kv*Dk,) or the shared (Dk,)
         "sinks": take(params.sinks, slice(heads.start, heads.stop)),  # (Hl,)
         "rel_bias": take(params.rel_bias, (slice(None), slice(heads.start, heads.stop))),  # (buckets, Hl)
+        # The output gate's rows are per head (row block h gates head h's context, Dv == Dk): they shard with the
+        # query heads, like w_q's rows, so each rank gates its own merged heads before its partial w_o product.
+        "w_gate": take(params.w_gate, slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)),  # (Hl*Dv, D)
+        "b_gate": take(params.b_gate, slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)),  # (Hl*Dv,)
     }
 
 

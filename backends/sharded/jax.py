@@ -202,6 +202,11 @@ def variant_shards(cfg: MHAConfig, params, world: int) -> list[dict]:
             own["rel_bias"] = params.rel_bias[:, heads.start : heads.stop]  # (buckets, H/world): its columns
         if slopes is not None:
             own["slopes"] = slopes[heads.start : heads.stop]  # (H/world,): the global slopes of its heads
+        if cfg.attn_output_gate:  # the output gate's rows are per head (Dv == Dk): split with the query heads
+            rows = slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)
+            own["w_gate"] = params.w_gate[rows]  # (H/world*Dv, D): like w_q's rows
+            if params.b_gate is not None:
+                own["b_gate"] = params.b_gate[rows]  # (H/world*Dv,)
         shards.append(own)
     return shards
 
@@ -324,6 +329,8 @@ def _build(cfg, params, inputs, dtype, strategy, world):
             "k_norm": P(MESH_AXIS) if cfg.qk_norm == "projection" and split_kv else P(),
             "sinks": P(MESH_AXIS),
             "rel_bias": P(None, MESH_AXIS),  # its columns: one per head
+            "w_gate": P(MESH_AXIS, None),  # the output gate's rows: per head, like w_q's
+            "b_gate": P(MESH_AXIS),
         }
         weights = {name: put(array, specs[name]) for name, array in params.as_dict().items()}
         if "slopes" in score_np:

@@ -261,9 +261,9 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
 
         def attend(q, k, v):
             """This rank's heads through the torch adapter's own split (view + transpose), rotation (head-local),
-            attention and merge: (B, N, local width) -> merged (B, Nq, Hl*Dv)."""
+            attention, merge and output gate (its rows: this rank's heads'): (B, N, local width) -> (B, Nq, Hl*Dv)."""
             q_heads, k_heads, v_heads = layer._split_and_rotate(None, (q, k, v))  # (B, Hl, Nq, Dk), ...
-            return layer._merge(layer._attend_batched(q_heads, k_heads, v_heads, None), None)
+            return layer._gated(layer._merge(layer._attend_batched(q_heads, k_heads, v_heads, None), None), None)
 
         module = _head_parallel_module(cfg, params, dtype, mesh, attend)
 

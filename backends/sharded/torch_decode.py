@@ -89,6 +89,7 @@ def _rank_layer(
             return module.q_proj(self.x_q), module.k_proj(self.x_k), module.v_proj(self.x_v)  # this rank's features
 
         def _finish(self, merged, rec):
+            merged = self._gated(merged, rec)  # the gate's rows are this rank's heads' (shard_variant_params)
             if module is None:
                 output = self.F.linear(merged, self.w_o, None)  # this rank's partial output (B, s, D)
                 dist.all_reduce(output)  # the chunk's one all-reduce of the partial outputs

@@ -145,6 +145,7 @@ class RowSampleMHA(LayerRecording):
         # one sink logit per head (H,), T5's table (buckets, H).
         self.q_norm, self.k_norm = tensor(params.q_norm), tensor(params.k_norm)
         self.sinks, self.rel_bias = tensor(params.sinks), tensor(params.rel_bias)
+        self.w_gate, self.b_gate = tensor(params.w_gate), tensor(params.b_gate)  # (H*Dv, D), (H*Dv,): nn.Linear's
         self.norm_sum = norm_sum
         self.norm_widths = (cfg.q_width, cfg.k_width) if norm_widths is None else norm_widths
         # baddbmm with beta=0 ignores its first argument; a 0-dim zero broadcasts to any shape.
@@ -230,8 +231,18 @@ class RowSampleMHA(LayerRecording):
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return merged
 
+    def _gated(self, merged, rec):
+        """``merged`` (B, Nq, H*Dv) times the output gate ``sigmoid(F.linear(x_q, W_gate, b_gate))`` with
+        ``attn_output_gate`` (a decode step's x_q is its own tokens: nothing cached for the gate); else itself."""
+        if self.w_gate is None:
+            return merged
+        gate, gated = self.ops.output_gate(merged, self.F.linear(self.x_q, self.w_gate, self.b_gate))  # (B, Nq, H*Dv)
+        if rec is not None:
+            rec.record("gate", gate, ("B", "Nq", "H*Dv"), "torch.sigmoid(F.linear(x_q, W_gate, b_gate))")
+        return gated  # what W_o reads
+
     def _finish(self, merged, rec):
-        output = self.F.linear(merged, self.w_o, self.b_o)  # (B, Nq, D)
+        output = self.F.linear(self._gated(merged, rec), self.w_o, self.b_o)  # (B, Nq, D)
         if rec is not None:
             rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
         return output

@@ -39,6 +39,9 @@ backward of each registry entry, in its own module; no variant is named in that 
 * softcap: ``d_scores = d_capped_scores * (1 - tanh(scores / c)**2)``;
 * QK-norm: RMSNorm's backward (`core.variants.rms_norm_vjp`), over each head or over the
   whole projection, its weight gradient summed over batch, tokens (and heads);
+* the value norm (Gemma 4): RMSNorm's backward with weight 1 (`core.variants.value_rms_norm_vjp`) from
+  ``d_v_normed`` to ``d_v_heads``; with ``attention_k_eq_v`` ``w_v`` is ``w_k``, and its gradient is
+  ``d_w_k + d_w_v`` (each parameter's gradient reports its own use);
 * YaRN's attention factor scales the rotation; the transpose of a scaled rotation is the
   same tables with ``sin`` negated, as without it.
 
@@ -60,7 +63,7 @@ from .params import PARAM_NAMES, MHAParams
 from .reference import forward_stages, reference_stages
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import VARIANT_REGISTRY, gate_backward, rms_norm_vjp, steps_at_place
+from .variants import VARIANT_REGISTRY, gate_backward, rms_norm_vjp, steps_at_place, value_rms_norm_vjp
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
@@ -250,7 +253,8 @@ def reference_mha_vjp(
     )  # (B, H, Nq, Dv)
 
     # The scores read the rotated queries and keys (the heads themselves without rope).
-    weights, q_heads, k_heads, v_heads = fwd["weights"], fwd["q_rotated"], fwd["k_rotated"], fwd["v_heads"]
+    weights, q_heads, k_heads = fwd["weights"], fwd["q_rotated"], fwd["k_rotated"]
+    v_heads = fwd.get("v_normed", fwd["v_heads"])  # what the weighted sum read (normed with value_norm)
     d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
     d_masked = np.empty_like(d_weights)
     d_v_heads = np.zeros((B, Hkv, Nk, Dv), dtype=compute)
@@ -269,7 +273,11 @@ def reference_mha_vjp(
             for name, grad in entry.step_backward(cfg, a, row_dot).items():
                 d_softmax.setdefault(name, np.zeros(H, dtype=compute))[h] = grad
     d_v_heads = r(d_v_heads)
-    stages.update(d_weights=d_weights, d_v_heads=d_v_heads)
+    stages["d_weights"] = d_weights
+    if "v_normed" in fwd:  # the value norm undone (Gemma 4): RMSNorm's backward with weight 1
+        stages["d_v_normed"] = d_v_heads
+        d_v_heads = r(value_rms_norm_vjp(fwd["v_heads"], cfg.norm_eps, d_v_heads))
+    stages["d_v_heads"] = d_v_heads
 
     # Back through the registry's score steps: the biases (added), then the transforms in reverse.
     d_last = d_masked

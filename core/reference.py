@@ -4,6 +4,7 @@ For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)
 
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with cfg.qk_norm)
+    V_g = V_g / sqrt(mean(V_g**2) + eps)               (only with cfg.value_norm: Gemma 4, no weight)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
     S_h = scale * Q_h @ K_g.T      (then the registry's score steps: softcap, ALiBi / relative bias;
                                     blocked positions -> -inf)
@@ -33,7 +34,7 @@ from .packing import ragged_call
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
-from .variants import bias_terms, gate_forward, rms_norm, softmax_with_empty_rows, steps_at_place
+from .variants import bias_terms, gate_forward, rms_norm, softmax_with_empty_rows, steps_at_place, value_rms_norm
 
 __all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
 
@@ -77,6 +78,8 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
 
     q_heads, k_heads, v_heads = heads(q, H, Dk), heads(k, Hkv, Dk), heads(v, Hkv, Dv)
     stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
+    if getattr(cfg, "value_norm", False):  # Gemma 4: each kv head's values RMS-normed, no weight
+        v_heads = stages["v_normed"] = r(value_rms_norm(v_heads, cfg.norm_eps))  # (B, Hkv, Nk, Dv)
 
     # QK-norm: over each head's features after the split, or over the whole projection before it.
     q_normed, k_normed = q_heads, k_heads

@@ -5,6 +5,8 @@ Where each sits in the score pipeline (`MHAConfig`'s docstring has the fields)::
     q, k = x @ w.T + b                               (bias="qkv": no b_o later)
     q, k = RMSNorm(q), RMSNorm(k)                    qk_norm: "projection" before the head split,
                                                      "head" after it; stages q_normed / k_normed
+    v    = v / sqrt(mean(v**2) + eps) per kv head     value_norm (Gemma 4, no weight); stage v_normed
+                                                     (attention_k_eq_v: v = the raw k projection, w_v is w_k)
     q, k = rotary(q), rotary(k)                      rope_scaling changes the frequencies only
     s    = scale * q @ k.T                           stage scores
     s    = c * tanh(s / c)                           softcap; stage capped_scores
@@ -33,12 +35,14 @@ import numpy as np
 from . import alibi as _alibi
 from . import chunked as _chunked
 from . import gate as _gate
+from . import k_eq_v as _k_eq_v
 from . import qk_norm as _qk_norm
 from . import qkv_bias as _qkv_bias
 from . import rel_bias as _rel_bias
 from . import rope_scaling as _rope_scaling
 from . import sinks as _sinks
 from . import softcap as _softcap
+from . import value_norm as _value_norm
 from . import window as _window
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps, steps_at
 from ._entry import (
@@ -62,6 +66,7 @@ from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
 from .softcap import softcap, softcap_vjp
+from .value_norm import value_rms_norm, value_rms_norm_vjp
 from .window import window_allowed
 
 # name -> entry, in the order of `core.VARIANTS` (explicit: the order is part of every output).
@@ -79,6 +84,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
         _chunked.ENTRY,
         _gate.ENTRY,
+        _value_norm.ENTRY,
+        _k_eq_v.ENTRY,
     )
 }
 
@@ -283,6 +290,8 @@ __all__ = [
     "steps_at_place",
     "t5_buckets",
     "validate_variants",
+    "value_rms_norm",
+    "value_rms_norm_vjp",
     "variant",
     "variants_on",
     "window_allowed",

@@ -69,6 +69,9 @@ class Demonstration:
         params_off = replace(params, **dict.fromkeys(VARIANT_PARAM_NAMES))
         if on.bias != off.bias:  # bias="qkv" off is bias=True: the output bias is back
             params_off = replace(params_off, b_o=init_params(off, seed=3).b_o)
+        if entry.tied:  # a weight held twice when on (k_eq_v: w_v is w_k) is its own when off
+            untied = init_params(off, seed=3)
+            params_off = replace(params_off, **{name: getattr(untied, name) for name in entry.tied})
         x = np.random.default_rng(4).standard_normal((1, TOKENS, DEMO.d_model))
         return on, params, reference_stages(on, params, x), off, reference_stages(off, params_off, x)
 

@@ -230,15 +230,16 @@ LAYOUT = Layout(
     requires=HF_REQUIRES,
     hf_options=True,
     reader=torch_reader((f"transformers.{MODULE}",), read, _shapes, forward),
+    # A global layer without k_eq_v: the explainer's numbered parameters give w_v numbers of its own, which a
+    # tied w_v cannot hold (k_eq_v's state is this one less v_proj; tests/test_gemma4.py shows it).
     example={
-        "n_kv_heads": 1,
+        "n_kv_heads": 2,
         "bias": False,
         "rope": "half",
         "causal": True,
         "scale": 1.0,
         "qk_norm": "head",
         "value_norm": True,
-        "attention_k_eq_v": True,
         "rope_base": 1_000_000.0,
         "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.25},
     },

@@ -74,8 +74,9 @@ GEMMA4_GLOBAL = dict(
 
 def explain(demo) -> Explanation:
     on, params, stages, _, _ = demo.run("k_eq_v")
-    k, v = stages["k"][0, 0], stages["v"][0, 0]  # token 0's raw key and value projections, (Hkv*Dk,)
-    after = stages["k_rotated"][0, 0, 0]  # token 0's first kv head after the K path, (Dk,)
+    last = demo.tokens - 1  # the last token: its position turns its key, so the K path shows
+    k, v = stages["k"][0, last], stages["v"][0, last]  # its raw key and value projections, (Hkv*Dk,)
+    after = stages["k_rotated"][0, 0, last]  # its first kv head after the K path, (Dk,)
     return Explanation(
         f"{FIELD}=True (d_v == d_k; params.w_v is params.w_k)",
         "V = x @ w_k.T + b_k, the raw key projection split per kv head (before k_norm and rotary)",
@@ -85,8 +86,8 @@ def explain(demo) -> Explanation:
             ("spec", "w_v and b_v tied to w_k and b_k (init_params copies, validate_params refuses a difference)"),
         ],
         [
-            f"the values are the key projection before the K path: token 0's first value features are "
-            f"{numbers(v[:3], 3)} (= k: {numbers(k[:3], 3)}), not the normed, rotated key {numbers(after[:3], 3)}",
+            f"the values are the key projection before the K path: token {last}'s first value features are "
+            f"{numbers(v[:3], 3)} (= k: {numbers(k[:3], 3)}), not the key after its K path (k_norm where on, then rotary) {numbers(after[:3], 3)}",
             f"the one weight's gradient is the sum of both uses: d_w_k + d_w_v (shape {np.shape(params.w_k)})",
         ],
     )

@@ -71,7 +71,7 @@ def explain(demo) -> Explanation:
             f"forgetting the norm scales each kv head's values by its RMS: for token 0 of the demonstration those "
             f"are {numbers(rms, 3)}, so the context of every head that reads it is off by that factor",
             "normalising V with K's weight (k_norm) multiplies each value feature by that weight: the norm of V has "
-            "none (vllm #41944)",
+            "none (Gemma4RMSNorm(head_dim, with_scale=False))",
         ],
     )
 

@@ -342,7 +342,7 @@ def test_bench_lists_its_cell(plugin_dir):
     refused = _cli(plugin_dir, "bench", "--variants", "no_such_variant", "--list")
     assert refused.returncode == 2
     assert "expected names among plain, causal, window, softcap," in refused.stderr
-    assert ", rope_yarn, chunked, gate, value_norm, k_eq_v, logit_temperature; got 'no_such_variant'" in refused.stderr
+    assert ", rope_yarn, chunked, gate, k_eq_v, value_norm, logit_temperature; got 'no_such_variant'" in refused.stderr
     cell = _python(
         plugin_dir, "from mha_rosetta.benchmarks.variants import *; print(variant_overrides('logit_temperature', 64))"
     )

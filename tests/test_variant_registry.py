@@ -42,8 +42,8 @@ def test_the_variant_names_are_the_registry_in_its_order():
             "rope_scaling",
             "chunked",
             "gate",
-            "value_norm",
             "k_eq_v",
+            "value_norm",
         )
     )
     assert all(name == entry.name for name, entry in VARIANT_REGISTRY.items())

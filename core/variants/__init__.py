@@ -84,8 +84,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _rope_scaling.ENTRY,
         _chunked.ENTRY,
         _gate.ENTRY,
-        _value_norm.ENTRY,
         _k_eq_v.ENTRY,
+        _value_norm.ENTRY,
     )
 }
 

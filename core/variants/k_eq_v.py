@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_bool
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers
 from .value_norm import GEMMA4_SLIDING
 
@@ -72,6 +73,34 @@ GEMMA4_GLOBAL = dict(
 )
 
 
+def _has_k_path(cfg: Config) -> bool:
+    return cfg.qk_norm is not None or cfg.rope is not None  # something between k_proj and the keys
+
+
+def values_read(cfg: Config, p, v, k_raw, k_rotated, mistake):
+    """The values as a candidate with ``mistake`` takes them: the raw key projection's heads (the tied ``v``), or with
+    ``"after_k_path"`` the keys after k_norm and rotary (NumPy or torch). The value norm's step runs after this one."""
+    return k_rotated if mistake == "after_k_path" else v
+
+
+# -- diagnose: V taken after the key path (k_norm and rotary) instead of k_proj's raw output -------------------
+CAUSE = DiagnoseCause(
+    "k_eq_v",
+    "after_k_path",
+    "V taken after the key path: value_states = the normed, rotated keys, where V is k_proj's raw output",
+    "take value_states = k_proj(x) before k_norm and rotary (Gemma4TextAttention: value_states = key_states is "
+    "read before key_states is normed and turned)",
+    when=_has_k_path,
+)
+MISTAKE = PlantedMistake(
+    "k_eq_v after the key path",
+    "k_eq_v",
+    "value_states = key_states after k_norm and rotary",
+    "after_k_path",
+    runs=lambda cfg, q_tokens: _has_k_path(cfg),
+)
+
+
 def explain(demo) -> Explanation:
     on, params, stages, _, _ = demo.run("k_eq_v")
     last = demo.tokens - 1  # the last token: its position turns its key, so the K path shows
@@ -101,6 +130,16 @@ ENTRY = Variant(
     validate=_validate,
     config_fields=(ConfigField(FIELD, False, "bool"),),
     tied={"w_v": "w_k", "b_v": "b_k"},
+    diagnose=DiagnoseSpec(
+        rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
+        causes=(CAUSE,),
+        mistakes=(MISTAKE,),
+        settings=(("gemma4-global", GEMMA4_GLOBAL),),
+        # Before the value norm's step (registry order), which norms what this one gives it. Array-agnostic: the
+        # torch candidate runs it too (`backends.injected_torch`).
+        simulated=SimulatedSteps(values=values_read),
+        planted=PlantedSteps(values=values_read),
+    ),
     # Every adapter and oracle computes it through the tied parameters (implemented_by None): nothing to apply.
     check_cases=(
         CaseSpec(

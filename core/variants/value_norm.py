@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import require_bool
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, StageSpec, Variant, numbers
 from .qk_norm import rms_norm, rms_norm_vjp
 
@@ -34,6 +35,51 @@ def value_rms_norm(v_heads: np.ndarray, eps: float) -> np.ndarray:
 def value_rms_norm_vjp(v_heads: np.ndarray, eps: float, d_normed: np.ndarray) -> np.ndarray:
     """The gradient of `value_rms_norm`'s input for the cotangent ``d_normed`` (RMSNorm's backward, weight 1)."""
     return rms_norm_vjp(v_heads, np.ones(v_heads.shape[-1]), eps, d_normed)[0]
+
+
+# -- diagnose: the value norm forgotten, or taken with K's weight ---------------------------------------------
+def values_read(cfg: Config, p, v, k_raw, k_rotated, mistake):
+    """The values (B, Hkv, Nk, Dv) the weighted sum reads, as a candidate with ``mistake`` computes them (NumPy).
+
+    None: the spec's ``value_rms_norm``; ``"dropped"``: the split values as projected; ``"k_weight"``: normed, then
+    multiplied by the keys' ``k_norm`` weight (d_k == d_v). ``k_raw`` and ``k_rotated`` are k_eq_v's to read.
+    """
+    if mistake == "dropped":
+        return v
+    normed = value_rms_norm(v, cfg.norm_eps)
+    return normed * p.k_norm if mistake == "k_weight" else normed
+
+
+def _with_k_weight(cfg: Config) -> bool:
+    return cfg.qk_norm == "head" and cfg.d_v == cfg.d_k  # a (d_k,) weight that fits the values
+
+
+CAUSES = (
+    DiagnoseCause(
+        FIELD,
+        "dropped",
+        "the value norm forgotten: each kv head's values reach the weighted sum without v / sqrt(mean(v**2) + eps)",
+        "normalise each kv head's values over its d_v features, no weight (Gemma4TextAttention.v_norm; "
+        "core.variants.value_rms_norm); a cache holds the normed values",
+    ),
+    DiagnoseCause(
+        FIELD,
+        "k_weight",
+        "V normed with K's weight: the values' RMS norm multiplied by k_norm's weight",
+        "the value norm has no weight (Gemma4RMSNorm(head_dim, with_scale=False)): k_norm.weight scales the keys only",
+        when=_with_k_weight,
+    ),
+)
+MISTAKES = (
+    PlantedMistake("value norm forgotten", FIELD, "v_proj(x) split and attended without v_norm", "dropped"),
+    PlantedMistake(
+        "value norm with K's weight",
+        FIELD,
+        "v_norm(v) * k_norm.weight: the keys' norm weight on the values",
+        "k_weight",
+        runs=lambda cfg, q_tokens: _with_k_weight(cfg),
+    ),
+)
 
 
 def _validate(cfg: Config) -> dict:
@@ -87,6 +133,14 @@ ENTRY = Variant(
     stage_specs=(STAGE,),
     forward=value_rms_norm,
     backward=value_rms_norm_vjp,
+    diagnose=DiagnoseSpec(
+        rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
+        causes=CAUSES,
+        mistakes=MISTAKES,
+        settings=(("gemma4-sliding", dict(GEMMA4_SLIDING, value_norm=True, window=4)),),
+        simulated=SimulatedSteps(values=values_read),
+        planted=PlantedSteps(values=values_read),
+    ),
     # The float64 oracles (core.reference, core.grad, and the decode oracle through them) compute it; no
     # adapter applies it yet, so each refuses it by name (`Variant.implemented_by`), never runs without it.
     implemented_by=(),

@@ -162,5 +162,7 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
         shape, spec = shapes[name], param_spec(name)
         arrays[name] = None if shape is None else spec.centre + spec.spread * variant_rng.standard_normal(shape)
     for entry in variants_on(cfg):  # a weight held twice is drawn once (attention_k_eq_v: w_v is a copy of w_k)
-        arrays.update({name: None if arrays[same] is None else arrays[same].copy() for name, same in entry.tied.items()})
+        arrays.update(
+            {name: None if arrays[same] is None else arrays[same].copy() for name, same in entry.tied.items()}
+        )
     return MHAParams(**arrays)

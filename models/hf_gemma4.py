@@ -180,7 +180,9 @@ def _pack(cfg: MHAConfig, params: MHAParams) -> dict:
 
 def _unpack(cfg: MHAConfig, state: dict) -> MHAParams:
     if cfg.attention_k_eq_v:  # V is k_proj's output: w_v (b_v) tied to w_k (b_k), one stored weight
-        state = dict(state, **{v: state[k] for v, k in zip(_TIED, ("k_proj.weight", "k_proj.bias")) if k in state})
+        state = dict(
+            state, **{v: state[k] for v, k in zip(_TIED, ("k_proj.weight", "k_proj.bias"), strict=True) if k in state}
+        )
     return _SEPARATE["unpack"](cfg, state)
 
 

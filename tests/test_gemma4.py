@@ -13,7 +13,7 @@ from mha_rosetta.core import MHAConfig, MHAParams, default_cotangent, init_param
 from mha_rosetta.core.rope_scaling import scaled_frequencies, validate_rope_scaling
 from mha_rosetta.core.rotary import rotary_pairs
 from mha_rosetta.core.stages import stage_names
-from mha_rosetta.core.variants import BUILTIN_VARIANTS, VARIANT_REGISTRY, rms_norm
+from mha_rosetta.core.variants import BUILTIN_VARIANTS, VARIANT_REGISTRY
 from mha_rosetta.core.variants.k_eq_v import GEMMA4_GLOBAL
 from mha_rosetta.core.variants.value_norm import GEMMA4_SLIDING
 
@@ -43,7 +43,7 @@ def test_the_value_norm_divides_each_kv_heads_values_by_their_rms_and_the_contex
 
 def test_scale_one_is_the_existing_scale_field():
     params = init_params(SLIDING, seed=1)
-    stages = reference_mha(SLIDING, params, _x((1, 4, 24)), return_stages=True)[1]
+    stages = reference_mha(SLIDING, params, _x((1, 4, SLIDING.d_model)), return_stages=True)[1]
     raw = np.einsum("bhqd,bhkd->bhqk", stages["q_rotated"], np.repeat(stages["k_rotated"], 2, axis=1))
     np.testing.assert_allclose(stages["scores"], raw, rtol=1e-14, atol=1e-14)  # no 1/sqrt(d_k)
 
@@ -80,12 +80,12 @@ def test_the_float64_backward_matches_central_differences(cfg):
 def test_k_eq_v_ties_w_v_to_w_k_so_v_is_the_raw_key_projection():
     params = init_params(GLOBAL, seed=2)
     assert np.array_equal(params.w_v, params.w_k) and params.w_v is not params.w_k
-    stages = reference_mha(GLOBAL, params, _x((1, 5, 24)), return_stages=True)[1]
+    stages = reference_mha(GLOBAL, params, _x((1, 5, GLOBAL.d_model)), return_stages=True)[1]
     np.testing.assert_array_equal(stages["v"], stages["k"])  # before k_norm and rotary
     assert not np.allclose(stages["v_heads"], stages["k_rotated"])
     untied = MHAParams(**{**params.as_dict(), "w_v": params.w_v + 1e-3})
     with pytest.raises(ValueError, match=r"params.w_v must equal params.w_k because cfg.attention_k_eq_v is True"):
-        reference_mha(GLOBAL, untied, _x((1, 3, 24)))
+        reference_mha(GLOBAL, untied, _x((1, 3, GLOBAL.d_model)))
 
 
 def test_bad_gemma4_settings_are_refused_by_name():
@@ -109,7 +109,7 @@ def test_proportional_rotary_turns_the_first_quarter_of_the_half_pairs_at_the_wh
     assert list(zip(*rotary_pairs("half", d), strict=True))[:2] == [(0, 8), (1, 9)]
     halved, _ = scaled_frequencies(d, base, {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2}, 8)
     np.testing.assert_array_equal(halved, np.r_[base ** (-np.arange(0, 8, 2) / 16) / 2, np.zeros(4)])
-    stages = reference_mha(GLOBAL, init_params(GLOBAL), _x((1, 5, 24)), return_stages=True)[1]
+    stages = reference_mha(GLOBAL, init_params(GLOBAL), _x((1, 5, GLOBAL.d_model)), return_stages=True)[1]
     still = [i for i in range(16) if i % 8 >= 2]  # the features of the pairs that stand still
     np.testing.assert_array_equal(stages["k_rotated"][..., still], stages["k_normed"][..., still])
 
@@ -168,7 +168,7 @@ def test_the_spec_is_the_real_gemma4_text_attention(kw, keep_float64):
 
     cfg = MHAConfig(**kw)
     params = init_params(cfg, seed=11)
-    torch, module, options, from_module = _real(cfg, params, keep_float64=keep_float64)
+    _, module, options, from_module = _real(cfg, params, keep_float64=keep_float64)
     read_cfg, read_params = from_module(module)
     assert read_cfg == cfg, (read_cfg.describe(), cfg.describe())
     for name, array in params.as_dict().items():  # exact both ways (with k_eq_v: w_v read back from k_proj)

@@ -74,7 +74,11 @@ def test_init_params_draws_each_variant_parameter_from_its_entry():
 
 def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
     from_entries = {stage for entry in VARIANT_REGISTRY.values() for stage in entry.stages}
-    assert set(VARIANT_STAGES) == from_entries == {"q_normed", "k_normed", "capped_scores", "biased_scores", "gate", "v_normed"}
+    assert (
+        set(VARIANT_STAGES)
+        == from_entries
+        == {"q_normed", "k_normed", "capped_scores", "biased_scores", "gate", "v_normed"}
+    )
     assert list(VARIANT_STAGES) == [name for name in STAGE_NAMES if name in from_entries]
     assert VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, rel_buckets=8))
     assert not VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, softcap=2.0))

@@ -64,6 +64,7 @@ def _validate(cfg: Config) -> dict:
 # norm, proportional rotary (a quarter of the pairs turn), scale 1, full causal attention.
 GEMMA4_GLOBAL = dict(
     GEMMA4_SLIDING,
+    n_heads=2,
     n_kv_heads=1,
     d_k=16,
     value_norm=True,
@@ -102,7 +103,7 @@ MISTAKE = PlantedMistake(
 
 
 def explain(demo) -> Explanation:
-    on, params, stages, _, _ = demo.run("k_eq_v")
+    _, params, stages, _, _ = demo.run("k_eq_v")
     last = demo.tokens - 1  # the last token: its position turns its key, so the K path shows
     k, v = stages["k"][0, last], stages["v"][0, last]  # its raw key and value projections, (Hkv*Dk,)
     after = stages["k_rotated"][0, 0, last]  # its first kv head after the K path, (Dk,)

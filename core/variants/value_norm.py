@@ -95,9 +95,10 @@ STAGE = StageSpec(
     after="v_heads",
     like="v_heads",
 )
-# Gemma 4's sliding layer at a small size: GQA, per-head QK-norm with plain weights, scale 1, a window of 4.
+# Gemma 4's sliding layer at a small size (H*d = d_model, so every diagnose bug runs): GQA, per-head QK-norm with
+# plain weights, scale 1 (the window is the case's).
 GEMMA4_SLIDING = dict(
-    d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False, scale=1.0
+    d_model=32, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False, scale=1.0
 )
 
 

@@ -131,6 +131,8 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
         "softcap-window", "alibi", "qk-norm-head", "qk-norm-projection", "sinks-yarn", "t5-encoder", "t5-decoder",
         "llama4-chunked",
         "qwen3-next-gate",
+        "gemma4-global",
+        "gemma4-sliding",
     ]  # fmt: skip
     # every planted bug's code is a cause of its own entry, and every cause code is planted somewhere
     for entry in entries:

@@ -138,7 +138,9 @@ ENTRY = Variant(
         rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
         causes=CAUSES,
         mistakes=MISTAKES,
-        settings=(("gemma4-sliding", dict(GEMMA4_SLIDING, value_norm=True, window=4)),),
+        settings=(
+            ("gemma4-sliding", dict(GEMMA4_SLIDING, value_norm=True, window=3)),
+        ),  # 3: the other settings' window
         simulated=SimulatedSteps(values=values_read),
         planted=PlantedSteps(values=values_read),
     ),

@@ -54,8 +54,10 @@ def test_the_stage_each_variant_changes_is_measured():
         "rope_scaling": "first changed: q_rotated",
         "chunked": "first changed: masked_scores",
         "gate": "adds gate; first changed: gate",
+        "k_eq_v": "first changed: v",
+        "value_norm": "adds v_normed; first changed: v_normed",
     }
-    assert pipeline().split(" -> ")[10:15] == ["scores", "capped_scores", "biased_scores", "masked_scores", "weights"]
+    assert pipeline().split(" -> ")[11:16] == ["scores", "capped_scores", "biased_scores", "masked_scores", "weights"]
 
 
 def test_the_numbers_are_computed():

@@ -169,6 +169,16 @@ def _gated(cfg: MHAConfig, t, query, merged, mistake):
     return merged * torch.sigmoid(gate)
 
 
+def _torch_value_norm(cfg: MHAConfig, params, v, k_raw, k_rotated, mistake):
+    """Gemma 4's ``v_norm`` (Gemma4RMSNorm(head_dim, with_scale=False)) on the split values, or its mistakes."""
+    import torch
+
+    if mistake == "dropped":
+        return v
+    normed = v * torch.pow(v.pow(2).mean(-1, keepdim=True) + cfg.norm_eps, -0.5)  # Gemma4RMSNorm._norm
+    return normed * torch.from_numpy(params.k_norm) if mistake == "k_weight" else normed
+
+
 TORCH_STEPS: dict[str, PlantedSteps] = {
     "window": PlantedSteps(mask=_window_blocked),
     "chunked": PlantedSteps(mask=_chunk_blocked),
@@ -180,6 +190,8 @@ TORCH_STEPS: dict[str, PlantedSteps] = {
     "sinks": PlantedSteps(columns=_sink_column),
     "rope_scaling": variant("rope_scaling").diagnose.planted,  # the NumPy frequencies
     "gate": PlantedSteps(output=_gated),
+    "k_eq_v": variant("k_eq_v").diagnose.planted,  # value_states = key_states: no array op of its own
+    "value_norm": PlantedSteps(values=_torch_value_norm),
 }
 
 
@@ -242,11 +254,14 @@ def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str |
             q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
             k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
             v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
+        k_raw = k  # before the head norm and rotary (k_eq_v's values)
         for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
             q, k = step(cfg, params, q, k, mistake)
         if rope_style is not None:  # with the NumPy frequencies of rope scaling, or None: the plain ones
             scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
             q, k = _torch_rotary(q, rope_style, cfg, scaled), _torch_rotary(k, rope_style, cfg, scaled)
+        for step, mistake in _steps(cfg, "values", mistakes):  # k_eq_v, the value norm (Gemma 4)
+            v = step(cfg, params, v, k_raw, k, mistake)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":

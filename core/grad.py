@@ -41,6 +41,9 @@ backward of each registry entry, in its own module; no variant is named in that 
   backward is the same factor) and the weightless QK-norm after rotary (RMSNorm's backward, weight 1);
 * QK-norm: RMSNorm's backward (`core.variants.rms_norm_vjp`), over each head or over the
   whole projection, its weight gradient summed over batch, tokens (and heads);
+* the value norm (Gemma 4): RMSNorm's backward with weight 1 (`core.variants.value_rms_norm_vjp`) from
+  ``d_v_normed`` to ``d_v_heads``; with ``attention_k_eq_v`` ``w_v`` is ``w_k``, and its gradient is
+  ``d_w_k + d_w_v`` (each parameter's gradient reports its own use);
 * YaRN's attention factor scales the rotation; the transpose of a scaled rotation is the
   same tables with ``sin`` negated, as without it.
 
@@ -70,6 +73,7 @@ from .variants import (
     rms_norm_vjp,
     steps_at_place,
     temper_vjp,
+    value_rms_norm_vjp,
 )
 from .variants.mla import mla_on
 
@@ -284,7 +288,8 @@ def reference_mha_vjp(
     # The scores read the rotated queries and keys (the heads themselves without rope).
     q_heads = fwd.get("q_tempered", fwd.get("q_rotated_normed", fwd["q_rotated"]))  # what the scores read
     k_heads = fwd.get("k_rotated_normed", fwd["k_rotated"])
-    weights, v_heads = fwd["weights"], fwd["v_heads"]
+    weights = fwd["weights"]
+    v_heads = fwd.get("v_normed", fwd["v_heads"])  # what the weighted sum read (normed with value_norm)
     d_weights = np.empty((B, H, Nq, Nk), dtype=compute)
     d_masked = np.empty_like(d_weights)
     d_v_heads = np.zeros((B, Hkv, Nk, Dv), dtype=compute)
@@ -303,7 +308,11 @@ def reference_mha_vjp(
             for name, grad in entry.step_backward(cfg, a, row_dot).items():
                 d_softmax.setdefault(name, np.zeros(H, dtype=compute))[h] = grad
     d_v_heads = r(d_v_heads)
-    stages.update(d_weights=d_weights, d_v_heads=d_v_heads)
+    stages["d_weights"] = d_weights
+    if "v_normed" in fwd:  # the value norm undone (Gemma 4): RMSNorm's backward with weight 1
+        stages["d_v_normed"] = d_v_heads
+        d_v_heads = r(value_rms_norm_vjp(fwd["v_heads"], cfg.norm_eps, d_v_heads))
+    stages["d_v_heads"] = d_v_heads
 
     # Back through the registry's score steps: the biases (added), then the transforms in reverse.
     d_last = d_masked

@@ -136,6 +136,13 @@ def validate_params(cfg: MHAConfig, params: MHAParams) -> MHAParams:
             )
         if value.dtype.kind != "f":
             raise TypeError(f"params.{name} must hold floating-point numbers, got dtype {value.dtype}")
+    for entry in variants_on(cfg):  # one weight held twice (attention_k_eq_v: w_v is w_k)
+        for name, same in entry.tied.items():
+            if not np.array_equal(getattr(params, name), getattr(params, same)):
+                raise ValueError(
+                    f"params.{name} must equal params.{same} because cfg.{entry.fields[0]} is "
+                    f"{getattr(cfg, entry.fields[0])!r} ({entry.summary}); they differ"
+                )
     return params
 
 
@@ -167,4 +174,8 @@ def init_params(cfg: MHAConfig, seed: int = 0) -> MHAParams:
     for name in VARIANT_PARAM_NAMES:
         shape, spec = shapes[name], param_spec(name)
         arrays[name] = None if shape is None else spec.centre + spec.spread * variant_rng.standard_normal(shape)
+    for entry in variants_on(cfg):  # a weight held twice is drawn once (attention_k_eq_v: w_v is a copy of w_k)
+        arrays.update(
+            {name: None if arrays[same] is None else arrays[same].copy() for name, same in entry.tied.items()}
+        )
     return MHAParams(**arrays)

@@ -4,6 +4,7 @@ For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)
 
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with cfg.qk_norm)
+    V_g = V_g / sqrt(mean(V_g**2) + eps)               (only with cfg.value_norm: Gemma 4, no weight)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (weightless, only with cfg.qk_norm_after_rope: Llama 4)
     Q_h = Q_h * (1 + a log1p(floor((p + 1) / f)))      (only with cfg.attn_temperature_tuning: Llama 4's NoPE)
@@ -44,6 +45,7 @@ from .variants import (
     softmax_with_empty_rows,
     steps_at_place,
     temper,
+    value_rms_norm,
 )
 from .variants.mla import mla_on
 
@@ -91,6 +93,8 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
 
     q_heads, k_heads, v_heads = heads(q, H, Dk), heads(k, Hkv, Dk), heads(v, Hkv, Dv)
     stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
+    if getattr(cfg, "value_norm", False):  # Gemma 4: each kv head's values RMS-normed, no weight
+        v_heads = stages["v_normed"] = r(value_rms_norm(v_heads, cfg.norm_eps))  # (B, Hkv, Nk, Dv)
 
     # QK-norm: over each head's features after the split, or over the whole projection before it.
     q_normed, k_normed = q_heads, k_heads
@@ -120,7 +124,8 @@ def attend(cfg: MHAConfig, p: dict, x_q, inputs, r, stages: dict) -> dict[str, n
     """``stages`` (up to ``q_rotated``, ``k_rotated``) completed: the scores, their steps, softmax, context, output."""
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens
     H, Dv = cfg.n_heads, cfg.d_v
-    q_rotated, k_rotated, v_heads = stages["q_rotated"], stages["k_rotated"], stages["v_heads"]
+    q_rotated, k_rotated = stages["q_rotated"], stages["k_rotated"]
+    v_heads = stages.get("v_normed", stages["v_heads"])  # what the weighted sum reads (normed with value_norm)
     q_scored, k_scored = scored_qk(cfg, q_rotated, k_rotated, inputs.positions, stages, r)
     allowed = allowed_positions(cfg, inputs)
     allowed = np.ones((B, H, Nq, Nk), dtype=bool) if allowed is None else np.broadcast_to(allowed, (B, H, Nq, Nk))

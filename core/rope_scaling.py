@@ -72,9 +72,9 @@ from typing import TypeGuard
 
 import numpy as np
 
-# The scaled types the spec expresses (transformers' ROPE_INIT_FUNCTIONS also has "longrope"
-# and "proportional", which it does not).
-ROPE_SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "llama3", "yarn")
+# The scaled types the spec expresses (transformers' ROPE_INIT_FUNCTIONS also has "longrope",
+# which it does not).
+ROPE_SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "llama3", "yarn", "proportional")
 
 _NAME = "MHAConfig.rope_scaling"
 
@@ -85,6 +85,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "dynamic": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 _OPTIONAL: dict[str, dict[str, object]] = {
     "linear": {},
@@ -99,6 +100,8 @@ _OPTIONAL: dict[str, dict[str, object]] = {
         "mscale_all_dim": None,
         "truncate": True,
     },
+    # Gemma 4's global layers: {"rope_type": "proportional", "partial_rotary_factor": 0.25} (factor 1).
+    "proportional": {"factor": 1.0, "partial_rotary_factor": 1.0},
 }
 
 # Keys of Hugging Face's rope_parameters that MHAConfig holds elsewhere (one fact in one place).
@@ -189,7 +192,7 @@ def validate_rope_scaling(value: object) -> dict | None:
     required, optional = _REQUIRED[rope_type], _OPTIONAL[rope_type]
     known = ("rope_type", "type", *required, *optional)
     for key in value:
-        if key in _HELD_ELSEWHERE:
+        if key in _HELD_ELSEWHERE and key not in optional:
             raise ValueError(
                 f"{_NAME} has the key {key!r}, which MHAConfig holds in {_HELD_ELSEWHERE[key]}; "
                 "remove it from rope_scaling and set it there"
@@ -206,6 +209,8 @@ def validate_rope_scaling(value: object) -> dict | None:
                 f"{_NAME}[{key!r}] is required for rope_type={rope_type!r} ({_MEANING[key]}{where}); it is missing"
             )
 
+    if rope_type == "proportional":
+        return _proportional_options(value)
     out: dict = {"rope_type": rope_type, "factor": _number("factor", value["factor"])}
     if "original_max_position_embeddings" in required:
         key = "original_max_position_embeddings"
@@ -253,6 +258,24 @@ def _yarn_options(value: Mapping) -> dict:
         )
     out["truncate"] = bool(truncate)
     return out
+
+
+def _proportional_options(value: Mapping) -> dict:
+    """proportional's keys, checked, with their defaults filled (factor 1, partial_rotary_factor 1)."""
+    out: dict = {"rope_type": "proportional"}
+    for key, default in _OPTIONAL["proportional"].items():
+        out[key] = default if value.get(key) is None else _number(key, value[key])
+    if out["partial_rotary_factor"] > 1:
+        raise ValueError(
+            f"{_NAME}['partial_rotary_factor'] is the share of the head's pairs that turn (proportional rope), "
+            f"so it must be in (0, 1], got {out['partial_rotary_factor']:g}"
+        )
+    return out
+
+
+def proportional_pairs(rope_dims: int, partial_rotary_factor: float) -> int:
+    """How many of the ``rope_dims / 2`` pairs turn under proportional rope: ``int(p * r // 2)``, as transformers."""
+    return int(partial_rotary_factor * rope_dims // 2)
 
 
 def _mscale(scale: float, k: float = 1.0) -> float:
@@ -323,6 +346,9 @@ def scaled_frequencies(
     rope_type, factor = scaling["rope_type"], scaling["factor"]
     if rope_type == "linear":
         return inv_freq / factor, 1.0
+    if rope_type == "proportional":  # the first int(p * r // 2) pairs turn, at the whole head's frequencies
+        turning = np.arange(rope_dims // 2) < proportional_pairs(rope_dims, scaling["partial_rotary_factor"])
+        return np.where(turning, inv_freq, 0.0) / factor, 1.0
     length = scaling["original_max_position_embeddings"]
     if rope_type == "dynamic":
         if seq_len <= length or rope_dims == 2:  # the base is unchanged; with r = 2 it does not matter (base ** 0)
@@ -358,6 +384,9 @@ def describe_rope_scaling(rope_scaling: dict | None) -> str:
     if scaling is None:
         return "none"
     parts = [f"factor={scaling['factor']:g}"]
+    if scaling["rope_type"] == "proportional":
+        parts.append(f"partial_rotary_factor={scaling['partial_rotary_factor']:g}")
+        return f"proportional({', '.join(parts)})"
     if scaling["rope_type"] == "llama3":
         parts += [f"low={scaling['low_freq_factor']:g}", f"high={scaling['high_freq_factor']:g}"]
     if "original_max_position_embeddings" in scaling:

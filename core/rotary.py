@@ -179,6 +179,11 @@ def _convert(cfg: MHAConfig, params: MHAParams, source: str, target: str) -> tup
     if cfg.rope != source:
         raise ValueError(f"cfg.rope must be {source!r} to convert to {target!r}, got {cfg.rope!r}")
     validate_params(cfg, params)
+    if getattr(cfg, "attention_k_eq_v", False):
+        raise ValueError(
+            f"cannot convert the rotary pairing of a layer with attention_k_eq_v=True to {target!r}: w_v is w_k, and "
+            "permuting the key rows would permute the values too (the pairing changes only in the code there)"
+        )
     perm = rope_permutation(cfg.d_k, rotated_dims(cfg))
     if target == "interleaved":
         perm = np.argsort(perm)  # the inverse permutation

@@ -216,14 +216,18 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             f"{_pairs(other)} rotated together where the spec ({cfg.rope!r}) pairs {_pairs(cfg.rope)}",
             Bug(rope="other"),
             f"the rotary pairing is swapped (or {'Meta' if cfg.rope == 'half' else 'Hugging Face'} weights were "
-            f"loaded without the q/k row permutation between the conventions): rotate with rope={cfg.rope!r}, or "
+            f"loaded without the q/k row permutation between the conventions): rotate with rope={cfg.rope!r}"
             + (
-                f"feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]"
+                " (attention_k_eq_v ties w_v to w_k, so no permutation of the key rows converts the weights)"
+                if cfg.attention_k_eq_v
+                else f", or feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]"
                 if not normed
-                else f"feed {REPAIRS}.convert_rotary_pairing(cfg, params, mha_rosetta.core.{converter.__name__}) "
+                else f", or feed {REPAIRS}.convert_rotary_pairing(cfg, params, mha_rosetta.core.{converter.__name__}) "
                 "(the QK-norm weights permuted too)"
             ),
-            lambda cfg, p, m, convert=converter: (repairs.convert_rotary_pairing(cfg, p, convert), m),
+            None
+            if cfg.attention_k_eq_v
+            else lambda cfg, p, m, convert=converter: (repairs.convert_rotary_pairing(cfg, p, convert), m),
         )
         yield Hypothesis(
             "rope_convention",

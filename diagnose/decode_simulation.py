@@ -94,10 +94,13 @@ def simulate_decode(
         q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
         k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
         v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
+        k_raw = k_h  # before the head norm and rotary (k_eq_v's values)
         q_h, k_h = normed(cfg, p, q_h, k_h, "heads")  # (a head QK-norm)
         rot_pos = np.broadcast_to(np.arange(s), (B, s)) if bug.positions_not_offset else pos  # (B, s)
         q_h = _rotate(cfg, q_h, rot_pos, inv_freq, factor)
         k_h = _rotate(cfg, k_h, rot_pos, inv_freq, factor)
+        for step, mistake in _variant_steps(cfg, "values", Bug()):  # the cache holds the normed values (Gemma 4)
+            v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
         # Write: append the chunk (copies), then a step's ring keeps its last slots.
         K, V = np.concatenate([K, k_h], axis=2), np.concatenate([V, v_h], axis=2)
         K_pos = np.concatenate([K_pos, pos], axis=1)

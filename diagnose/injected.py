@@ -60,7 +60,8 @@ def bugs_for(cfg: MHAConfig) -> list[str]:
         "w_q transposed": cfg.q_width == cfg.d_model,
         "w_o transposed": cfg.context_width == cfg.d_model,
         "q/k swapped": cfg.q_width == cfg.k_width and cfg.kdim == cfg.d_model,
-        "k/v swapped": cfg.k_width == cfg.v_width and cfg.kdim == cfg.vdim,
+        # with attention_k_eq_v w_v is w_k: swapping them changes nothing
+        "k/v swapped": cfg.k_width == cfg.v_width and cfg.kdim == cfg.vdim and not cfg.attention_k_eq_v,
         "packed blocks, read per head": packing_applies(cfg) and cfg.n_heads > 1,  # one head: same layout
         "scale twice": cfg.scale != 1.0,
         "scale missing": cfg.scale != 1.0,
@@ -145,12 +146,15 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
             k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
             v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
+        k_raw = k  # before the head norm and rotary (k_eq_v's values)
         for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
             q, k = step(cfg, params, q, k, mistake)
         style = _rope_style(cfg, bug)
         if style is not None:  # with the frequencies of rope scaling, or None: the plain ones
             scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
             q, k = _numpy_rotary(q, style, cfg, scaled), _numpy_rotary(k, style, cfg, scaled)
+        for step, mistake in _steps(cfg, "values", mistakes):  # k_eq_v, the value norm (Gemma 4)
+            v = step(cfg, params, v, k_raw, k, mistake)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":

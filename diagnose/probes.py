@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, init_params
+from mha_rosetta.core.variants import variants_on
 
 BATCH, Q_TOKENS, KV_TOKENS = 2, 5, 7
 
@@ -91,6 +92,8 @@ def make_probes(cfg: MHAConfig, seed: int = 0) -> list[Probe]:
             [np.arange(g * group * cfg.d_k, (g * group + 1) * cfg.d_k) for g in range(cfg.n_kv_heads)]
         )
         tied = replace(params, w_k=params.w_q[rows], b_k=None if params.b_q is None else params.b_q[rows])
+        held_twice = {name: getattr(tied, same) for e in variants_on(cfg) for name, same in e.tied.items()}
+        tied = replace(tied, **held_twice)  # attention_k_eq_v: w_v is w_k, so it moves with it
         probes.append(self_probe("w_k = w_q", x, params=tied))
     w_o = np.zeros_like(params.w_o)
     last = slice((cfg.n_heads - 1) * cfg.d_v, cfg.n_heads * cfg.d_v)

@@ -169,9 +169,12 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         q_h = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk) view
         k_h = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk) view
         v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
+    k_raw = k_h  # the split keys before the head norm and rotary (k_eq_v's values)
     q_h, k_h = normed(cfg, p, q_h, k_h, "heads", bug)  # a head QK-norm: after the split
     seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
     q_h, k_h = rotate(cfg, q_h, bug, seq_len), rotate(cfg, k_h, bug, seq_len)
+    for step, mistake in _variant_steps(cfg, "values", bug):  # k_eq_v, the value norm (Gemma 4)
+        v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
     scale = cfg.scale if bug.scale is None else bug.scale

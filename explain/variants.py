@@ -71,6 +71,9 @@ class Demonstration:
             params_off = replace(params_off, b_o=init_params(off, seed=3).b_o)
         if _reshapes(on) or _reshapes(off):  # MLA changes the projections' shapes: the off layer has its own
             params_off = init_params(off, seed=3)
+        elif entry.tied:  # a weight held twice when on (k_eq_v: w_v is w_k) is its own when off
+            untied = init_params(off, seed=3)
+            params_off = replace(params_off, **{name: getattr(untied, name) for name in entry.tied})
         x = np.random.default_rng(4).standard_normal((1, TOKENS, DEMO.d_model))
         return on, params, reference_stages(on, params, x), off, reference_stages(off, params_off, x)
 

@@ -155,7 +155,7 @@ def hf_rope(module, config, head_dim: int, partial: bool = False, layer_type: st
     type where the layer types differ (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``,
     read for ``layer_type``). ``partial``: the family's rotary module honours ``partial_rotary_factor``
     (GPT-NeoX, Phi-3); Llama's and Falcon's default tables ignore it and rotate every feature. A scaling
-    type the spec has (`core.rope_scaling`: linear, dynamic, llama3, yarn) becomes ``rope_scaling`` in
+    type the spec has (`core.rope_scaling`: linear, dynamic, llama3, yarn, proportional) becomes ``rope_scaling`` in
     Hugging Face's form; any other (longrope...) is `LayoutError`. Dynamic NTK reads its length L from
     ``config.max_position_embeddings``, as transformers does.
     """
@@ -176,7 +176,9 @@ def hf_rope(module, config, head_dim: int, partial: bool = False, layer_type: st
             f"rope_parameters['rope_type']={rope_type!r}",
             f"the spec scales rotary as {', '.join(ROPE_SCALING_TYPES)} only",
         )
-    scaling = {key: value for key, value in parameters.items() if key not in _HF_ROPE_NOT_SCALING}
+    # proportional (Gemma 4) keeps partial_rotary_factor: there it is the share of pairs that turn, its own key
+    kept = ("partial_rotary_factor",) if rope_type == "proportional" else ()
+    scaling = {key: value for key, value in parameters.items() if key not in _HF_ROPE_NOT_SCALING or key in kept}
     scaling["rope_type"] = rope_type
     if rope_type == "dynamic":
         scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)

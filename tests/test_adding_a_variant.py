@@ -343,7 +343,7 @@ def test_bench_lists_its_cell(plugin_dir):
     assert refused.returncode == 2
     assert "expected names among plain, causal, window, softcap," in refused.stderr
     assert (
-        ", rope_yarn, chunked, gate, qk_norm_after_rope, temperature, mla, logit_temperature; got 'no_such_variant'"
+        ", rope_yarn, chunked, gate, qk_norm_after_rope, temperature, mla, k_eq_v, value_norm, logit_temperature; got 'no_such_variant'"
         in refused.stderr
     )
     cell = _python(

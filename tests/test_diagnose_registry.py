@@ -87,7 +87,8 @@ print(json.dumps({
 
 def test_a_new_entry_appears_in_the_confusion_table_with_no_edit_in_diagnose():
     result = json.loads(python_stdout(THROWAWAY))
-    assert result["codes"] == ["gate", "temperature"]  # the vocabulary's last code: rank 80 (chunked, then gate: 75)
+    # the vocabulary's last code: rank 80 (chunked, gate, k_eq_v, value_norm: 75, in registry order)
+    assert result["codes"] == ["value_norm", "temperature"]
     assert result["bugs"] == ["temperature dropped", "temperature of head 0"]
     assert result["variant_setting"]
     outcomes = result["outcomes"]
@@ -110,7 +111,19 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
     entries = sorted((e for e in VARIANT_REGISTRY.values() if e.diagnose), key=lambda e: e.diagnose.rank)
     codes = list(dict.fromkeys(c.code for e in entries for c in e.diagnose_causes))
     assert list(CAUSE_CODES[-len(codes) :]) == codes
-    assert codes == ["softcap", "window", "alibi", "qk_norm", "sinks", "rope_scaling", "rel_bias", "chunked", "gate"]
+    assert codes == [
+        "softcap",
+        "window",
+        "alibi",
+        "qk_norm",
+        "sinks",
+        "rope_scaling",
+        "rel_bias",
+        "chunked",
+        "gate",
+        "k_eq_v",
+        "value_norm",
+    ]
     assert list(VARIANT_BUGS) == list(dict.fromkeys(m.name for e in entries for m in e.planted_mistakes))
     assert VARIANT_BUGS["window W+1"] == ("window", "FlashAttention's window_size=(W, 0) for a window of W keys")
     settings = [name for e in entries for name, _ in e.diagnose.settings]
@@ -118,6 +131,8 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
         "softcap-window", "alibi", "qk-norm-head", "qk-norm-projection", "sinks-yarn", "t5-encoder", "t5-decoder",
         "llama4-chunked",
         "qwen3-next-gate",
+        "gemma4-global",
+        "gemma4-sliding",
     ]  # fmt: skip
     # every planted bug's code is a cause of its own entry, and every cause code is planted somewhere
     for entry in entries:

@@ -48,6 +48,9 @@ DETAILS = {
     "chunk boundary off by one": "chunk boundaries one position late: (p + 1) // 3",
     "chunk forgotten": "no chunk mask: every earlier key visible where chunks of 3 cut",
     "gate forgotten": "the output gate forgotten: the merged context goes to w_o without the sigmoid",
+    "k_eq_v after the key path": "V taken after the key path: value_states = the normed, rotated keys",
+    "value norm forgotten": "the value norm forgotten: each kv head's values reach the weighted sum without",
+    "value norm with K's weight": "V normed with K's weight: the values' RMS norm multiplied by k_norm's weight",
 }
 # The rule that makes each variant's cause a hypothesis.
 HAS_VARIANT = {
@@ -60,6 +63,8 @@ HAS_VARIANT = {
     "rel_bias": lambda cfg: cfg.rel_buckets is not None,
     "chunked": lambda cfg: cfg.attention_chunk_size is not None,
     "gate": lambda cfg: cfg.attn_output_gate,
+    "k_eq_v": lambda cfg: cfg.attention_k_eq_v,
+    "value_norm": lambda cfg: cfg.value_norm,
 }
 VARIANT_CASES = [name for name, case in SPEC_CASES.items() if case.cfg.variants]
 

@@ -58,11 +58,13 @@ def test_the_stage_each_variant_changes_is_measured():
         "temperature": "adds q_tempered; first changed: q_tempered",
         "mla": "adds kv_latent, k_rope; first changed: kv_latent",
         "mla_q_lora": "adds q_latent; first changed: q_latent",
+        "k_eq_v": "first changed: v",
+        "value_norm": "adds v_normed; first changed: v_normed",
     }
     stages = pipeline().split(" -> ")
     rotated = ["q_rotated", "k_rotated", "q_rotated_normed", "k_rotated_normed", "q_tempered"]
-    assert stages[8:16] == [*rotated, "scores", "capped_scores", "biased_scores"]
-    assert stages[16:18] == ["masked_scores", "weights"]
+    assert stages[9:17] == [*rotated, "scores", "capped_scores", "biased_scores"]
+    assert stages[17:19] == ["masked_scores", "weights"]
 
 
 def test_the_numbers_are_computed():

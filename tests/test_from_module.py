@@ -714,7 +714,7 @@ UNEXPRESSIBLE = [
             layer_idx=0,
         ),
         r"Phi3Attention has rope_parameters\['rope_type'\]='longrope', which the spec cannot express: "
-        r"the spec scales rotary as linear, dynamic, llama3, yarn only",
+        r"the spec scales rotary as linear, dynamic, llama3, yarn, proportional only",
     ),
     (
         "llama sliding_window set by hand",
@@ -854,6 +854,7 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.Olmo2Attention",
         "transformers.Gemma2Attention",
         "transformers.Gemma3Attention",
+        "transformers.Gemma4TextAttention",
         "transformers.GptOssAttention",
         "transformers.Llama4TextAttention",
         "transformers.DeepseekV2Attention",

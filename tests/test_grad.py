@@ -34,6 +34,7 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.grad import output_shape
 from mha_rosetta.core.stages import BASE_STAGE_NAMES
+from mha_rosetta.core.variants import VARIANT_REGISTRY
 
 CASES = list(SPEC_CASES.values())
 
@@ -46,6 +47,8 @@ def _directional_fd(cfg, params, query, key, value, mask, cotangent, seed: int, 
     rng = np.random.default_rng(seed)
     grads = reference_mha_vjp(cfg, params, query, key, value, mask, cotangent, **where)
     p_dir = {n: None if a is None else rng.standard_normal(a.shape) for n, a in params.as_dict().items()}
+    for variant in cfg.variants:  # a tied parameter (k_eq_v: w_v is w_k) is one weight: one direction for both
+        p_dir.update({name: p_dir[same] for name, same in VARIANT_REGISTRY[variant].tied.items()})
     inputs = {"query": query, "key": key, "value": value}
     x_dir = {n: rng.standard_normal(a.shape) for n, a in inputs.items() if a is not None}
 

@@ -58,7 +58,7 @@ def _plain(rope_dims: int, base: float) -> np.ndarray:
 
 
 def test_the_types():
-    assert ROPE_SCALING_TYPES == ("linear", "dynamic", "llama3", "yarn")
+    assert ROPE_SCALING_TYPES == ("linear", "dynamic", "llama3", "yarn", "proportional")
 
 
 def test_none_is_none():

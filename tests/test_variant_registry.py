@@ -46,6 +46,8 @@ def test_the_variant_names_are_the_registry_in_its_order():
             "temperature",
             "mla",
             "mla_q_lora",
+            "k_eq_v",
+            "value_norm",
         )
     )
     assert all(name == entry.name for name, entry in VARIANT_REGISTRY.items())
@@ -90,6 +92,7 @@ def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
             "q_rotated_normed",
             "k_rotated_normed",
             "q_tempered",
+            "v_normed",
         }
         | mla
     )

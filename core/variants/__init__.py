@@ -5,6 +5,8 @@ Where each sits in the score pipeline (`MHAConfig`'s docstring has the fields)::
     q, k = x @ w.T + b                               (bias="qkv": no b_o later)
     q, k = RMSNorm(q), RMSNorm(k)                    qk_norm: "projection" before the head split,
                                                      "head" after it; stages q_normed / k_normed
+    v    = v / sqrt(mean(v**2) + eps) per kv head     value_norm (Gemma 4, no weight); stage v_normed
+                                                     (attention_k_eq_v: v = the raw k projection, w_v is w_k)
     q, k = rotary(q), rotary(k)                      rope_scaling changes the frequencies only
     q, k = RMSNorm(q), RMSNorm(k)                    qk_norm_after_rope (Llama 4): weightless, per head;
                                                      stages q_rotated_normed / k_rotated_normed
@@ -36,6 +38,7 @@ import numpy as np
 from . import alibi as _alibi
 from . import chunked as _chunked
 from . import gate as _gate
+from . import k_eq_v as _k_eq_v
 from . import mla as _mla
 from . import qk_norm as _qk_norm
 from . import qk_norm_after_rope as _qk_norm_after_rope
@@ -45,6 +48,7 @@ from . import rope_scaling as _rope_scaling
 from . import sinks as _sinks
 from . import softcap as _softcap
 from . import temperature as _temperature
+from . import value_norm as _value_norm
 from . import window as _window
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps, steps_at
 from ._entry import (
@@ -70,6 +74,7 @@ from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
 from .softcap import softcap, softcap_vjp
 from .temperature import temper, temper_vjp, temperature_scales
+from .value_norm import value_rms_norm, value_rms_norm_vjp
 from .window import window_allowed
 
 # name -> entry, in the order of `core.VARIANTS` (explicit: the order is part of every output).
@@ -91,6 +96,8 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _temperature.ENTRY,
         _mla.ENTRY,
         _mla.Q_LORA_ENTRY,
+        _k_eq_v.ENTRY,
+        _value_norm.ENTRY,
     )
 }
 
@@ -300,6 +307,8 @@ __all__ = [
     "temper_vjp",
     "temperature_scales",
     "validate_variants",
+    "value_rms_norm",
+    "value_rms_norm_vjp",
     "variant",
     "variants_on",
     "window_allowed",

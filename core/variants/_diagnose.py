@@ -91,6 +91,9 @@ class SimulatedSteps:
 
     projection(cfg, p, q, k, mistake) -> (q, k): (B, Nq, H*Dk) and (B, Nk, Hkv*Dk), before the head split.
     heads(cfg, p, q_h, k_h, mistake) -> (q_h, k_h): (B, H, Nq, Dk) and (B, Hkv, Nk, Dk), after it.
+    values(cfg, p, v_h, k_raw, k_rotated, mistake) -> the values (B, Hkv, Nk, Dv) the weighted sum reads (and a
+        cache holds): ``v_h`` the split values, ``k_raw`` the split keys before any norm or rotation, ``k_rotated``
+        after both (Gemma 4's value norm and k_eq_v).
     frequencies(cfg, seq_len, mistake) -> (inv_freq (r/2,), the factor on cos and sin) of the rotary embedding.
     transform(cfg, scores, mistake) -> the scaled (B, H, Nq, Nk) scores transformed elementwise.
     bias(cfg, p, positions, kv_positions, mistake) -> what it adds to the scores, (1|B, H, Nq, Nk) (positions
@@ -105,6 +108,7 @@ class SimulatedSteps:
 
     projection: Callable | None = None
     heads: Callable | None = None
+    values: Callable | None = None
     frequencies: Callable | None = None
     transform: Callable | None = None
     bias: Callable | None = None
@@ -125,6 +129,7 @@ class PlantedSteps:
     `PlantedMistake.mistake`; ``params`` is the canonical `MHAParams` (NumPy) the candidate was given:
 
     projection(cfg, params, q, k, mistake) -> (q, k) before the head split; heads(...) the same after it.
+    values(cfg, params, v, k_raw, k_rotated, mistake) -> the values the weighted sum reads (`SimulatedSteps.values`).
     frequencies(cfg, seq_len, mistake) -> (inv_freq, factor on cos and sin), NumPy, or None (the plain ones).
     transform(cfg, scores, mistake) -> the scaled scores transformed elementwise.
     bias(cfg, params, q_tokens, kv_tokens, mistake) -> what it adds to the (B, H, Nq, Nk) scores (at positions
@@ -139,6 +144,7 @@ class PlantedSteps:
 
     projection: Callable | None = None
     heads: Callable | None = None
+    values: Callable | None = None
     frequencies: Callable | None = None
     transform: Callable | None = None
     bias: Callable | None = None

@@ -250,6 +250,9 @@ class Variant:
               (``diagnose_causes``), the bugs its candidates plant in it (``planted_mistakes``), its steps in the
               simulator and in those candidates, its settings of the confusion table.
     layout_params: the parameters a model layout must store to hold it (`models._layout`).
+    tied:     parameter -> the parameter it is the same array as while the variant is on (``{"w_v": "w_k"}``
+              with ``attention_k_eq_v``): `init_params` draws the second and copies it, `validate_params` refuses
+              parameters where the two differ (each a gradient of its own use: the one weight's is their sum).
     implemented_by: for a variant outside the score pipeline, the ops libraries (`backends.frameworks.ops`)
               whose adapters apply it; None: every adapter, and every third-party oracle that claims the
               package's variants (`BUILTIN_VARIANTS`). Any other adapter refuses it by name.
@@ -278,6 +281,7 @@ class Variant:
     implemented_by: tuple[str, ...] | None = None
     # ``base_shapes(cfg)``: the base weights' and biases' shapes where the variant changes them (MLA's w_q, w_k, w_v).
     base_shapes: Callable[[Config], dict] | None = None
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def layout_params(self) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Rope scaling: the rotary frequencies scaled in Hugging Face's form (linear, dynamic, llama3, yarn).
+"""Rope scaling: the rotary frequencies scaled in Hugging Face's form (linear, dynamic, llama3, yarn, proportional).
 
 The formulas and the validation of the dict are `core.rope_scaling`'s; this is the variant's entry.
 """
@@ -49,7 +49,7 @@ def explain(demo) -> Explanation:
     attention = yarn_attention_factor(resolved)
     return Explanation(
         "rope_scaling (a dict in Hugging Face's form)",
-        "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn); yarn's factor on cos and sin",
+        "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn, proportional); yarn's factor on cos and sin",
         "the rotary tables (q_rotated, k_rotated)",
         [
             (
@@ -108,6 +108,12 @@ def _planted_frequencies(cfg: Config, seq_len: int, mistake):
     return scaled_frequencies(cfg.rope_dims, cfg.rope_base, scaling, seq_len)
 
 
+def _reads_as_linear(cfg: Config) -> bool:
+    """Whether "read as linear" is a mistake of its own: not for linear, nor for proportional (whose factor, 1 by
+    default, would make it the plain frequencies: the scaling ignored)."""
+    return cfg.rope_scaling["rope_type"] not in ("linear", "proportional")
+
+
 DIAGNOSE = DiagnoseSpec(
     rank=60,
     causes=(
@@ -119,7 +125,7 @@ DIAGNOSE = DiagnoseSpec(
                 f"{cfg.rope_scaling['rope_type']!r}"
             ),
             _fix,
-            when=lambda cfg: cfg.rope_scaling["rope_type"] != "linear",
+            when=lambda cfg: _reads_as_linear(cfg),
         ),
         DiagnoseCause(
             "rope_scaling",
@@ -134,7 +140,7 @@ DIAGNOSE = DiagnoseSpec(
             "rope_scaling",
             "rope_scaling read as linear with its factor",
             "linear",
-            runs=lambda cfg, q_tokens: cfg.rope_scaling["rope_type"] != "linear",
+            runs=lambda cfg, q_tokens: _reads_as_linear(cfg),
         ),
         PlantedMistake("rope scaling ignored", "rope_scaling", "the plain rotary frequencies", "none"),
     ),
@@ -146,7 +152,7 @@ DIAGNOSE = DiagnoseSpec(
 
 ENTRY = Variant(
     name="rope_scaling",
-    summary="scaled rotary frequencies (linear, dynamic, llama3, yarn)",
+    summary="scaled rotary frequencies (linear, dynamic, llama3, yarn, proportional)",
     fields=("rope_scaling",),
     is_on=lambda cfg: cfg.rope_scaling is not None,
     validate=_validate,

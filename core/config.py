@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from ._validate import require_bool, require_positive_int
 from .rope_scaling import describe_rope_scaling
@@ -138,6 +139,14 @@ class MHAConfig:
     rel_buckets: int | None = None
     rel_max_distance: int = 128
     rel_bidirectional: bool = True
+
+    if TYPE_CHECKING:
+        # The registry's fields (`_registry_fields`: attention_chunk_size, kv_lora_rank, ...) are added when the
+        # class is built, so a type checker cannot list them: to it they are keyword arguments and attributes of
+        # any type. Nothing here runs; the dataclass's own __init__ validates every field (`__post_init__`).
+        def __init__(self, d_model: int, n_heads: int, **fields: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def __post_init__(self) -> None:
         # Resolved defaults are written back with object.__setattr__ (the dataclass is

@@ -63,7 +63,12 @@ def _names(cfg: MHAConfig) -> dict[str, str]:
 
 def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
     canonical = expected_param_shapes(cfg)
-    out = {stored: canonical[c] for c, stored in _names(cfg).items()}
+    out: dict[str, tuple[int, ...]] = {}
+    for c, stored in _names(cfg).items():
+        shape = canonical[c]
+        if shape is None:  # _names lists only the parameters MLA's layer stores
+            raise ValueError(f"{stored}: params.{c} is absent for this configuration, but DeepSeek's layer stores it")
+        out[stored] = shape
     out[KV_B] = (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.d_v), cfg.kv_lora_rank)
     return out
 

@@ -21,6 +21,7 @@ float32 (``positions.float()``). The eager softmax keeps the input's dtype (Llam
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import numpy as np
 
@@ -140,6 +141,9 @@ def read(module) -> MHAConfig:
         raise unexpressible(module, f"rotary over {rope.rope_dims} features", "Llama 4 rotates every feature")
     norm = getattr(module, "qk_norm", None)
     tempered = bool(module.attn_temperature_tuning) and not module.use_rope
+    temperature: dict[str, Any] = (  # registry fields: typed Any (core.config)
+        {"floor_scale": float(module.floor_scale), "attn_scale": float(module.attn_scale)} if tempered else {}
+    )
     try:
         return MHAConfig(
             **linear_fields(module),
@@ -150,7 +154,7 @@ def read(module) -> MHAConfig:
             qk_norm_after_rope=norm is not None,
             norm_eps=1e-6 if norm is None else float(norm.variance_epsilon),
             attn_temperature_tuning=tempered,
-            **({"floor_scale": float(module.floor_scale), "attn_scale": float(module.attn_scale)} if tempered else {}),
+            **temperature,
         )
     except (TypeError, ValueError) as error:  # a setting MHAConfig refuses: say which module had it
         raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error

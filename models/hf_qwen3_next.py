@@ -19,6 +19,7 @@ with what this family changes, read from transformers 5.25's source:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,8 @@ def _gated_packing(inner):
     ``b_q``/``b_gate`` likewise): the other tensors are the inner packing's, for ``cfg`` without the gate."""
 
     def plain(cfg: MHAConfig) -> MHAConfig:
-        return dataclasses.replace(cfg, attn_output_gate=False)
+        ungate: dict[str, Any] = {"attn_output_gate": False}  # a registry field: typed Any (core.config)
+        return dataclasses.replace(cfg, **ungate)
 
     def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
         out = inner["shapes"](plain(cfg))
@@ -61,10 +63,12 @@ def _gated_packing(inner):
         return out
 
     def pack(cfg: MHAConfig, params: MHAParams) -> dict[str, np.ndarray]:
-        ungated = {n: a for n, a in params.as_dict().items() if n not in ("w_gate", "b_gate")}
+        ungated: dict[str, Any] = {n: a for n, a in params.as_dict().items() if n not in ("w_gate", "b_gate")}
         state = inner["pack"](plain(cfg), MHAParams(**ungated))
         for stored, q, gate in ((FUSED_Q, params.w_q, params.w_gate), ("q_proj.bias", params.b_q, params.b_gate)):
             if q is not None:
+                if gate is None:  # validate_params holds b_gate exactly where b_q is, w_gate always
+                    raise ValueError(f"{stored}: the gate's half is missing (params.w_gate/b_gate is None)")
                 state[stored] = fuse_gated_q(q, gate, cfg.n_heads, cfg.d_k)  # (H*2*d, ...), a copy
         return state
 

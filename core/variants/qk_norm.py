@@ -20,12 +20,14 @@ from .models import MODELS
 QK_NORMS = ("head", "projection")
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: np.ndarray, weight: np.ndarray | float, eps: float) -> np.ndarray:
     """``x / sqrt(mean(x**2, last axis) + eps) * weight``: RMSNorm over the last axis (a new array)."""
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def rms_norm_vjp(x: np.ndarray, weight: np.ndarray, eps: float, d_y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rms_norm_vjp(
+    x: np.ndarray, weight: np.ndarray | float, eps: float, d_y: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(d_x, d_weight summed over every leading axis) of `rms_norm` for the cotangent ``d_y``.
 
     With ``r = (mean(x**2) + eps) ** -1/2`` and ``g = d_y * weight``:

@@ -184,6 +184,27 @@ def test_float16_dot_product_attention_under_jit_fails_on_cpu():
     assert jax.nn.dot_product_attention(heads, heads, heads).dtype == jnp.float16  # eagerly it falls back
 
 
+def test_a_single_bfloat16_score_is_refused_with_xla_s_reason_and_its_failure_is_real():
+    """jax-dpa refuses a bfloat16 call whose scores are one element (B = H = Nq = Nk = 1): the library's jitted call
+    does not compile there (a Hypothesis draw found it); one more query token compiles and runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from mha_rosetta.backends import UnsupportedCase
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the failure is specific to XLA:CPU")
+    one = jnp.ones((1, 1, 1, 4), jnp.bfloat16)  # (B, T, N, H)
+    with pytest.raises(Exception, match="BF16_BF16_F32"):
+        jax.jit(jax.nn.dot_product_attention)(one, one, one)
+    cfg = MHAConfig(d_model=4, n_heads=1)
+    x = np.random.default_rng(3).standard_normal((1, 1, 4))
+    with pytest.raises(UnsupportedCase, match="single score"):
+        oracle("jax-dpa").run(cfg, init_params(cfg), x, dtype="bfloat16")
+    two = np.random.default_rng(3).standard_normal((1, 2, 4))  # two tokens: four scores, and it runs
+    assert oracle("jax-dpa").run(cfg, init_params(cfg), two, dtype="bfloat16").shape == (1, 2, 4)
+
+
 def test_float64_dot_product_attention_is_only_float32_accurate():
     """Why jax-dpa refuses float64: its softmax runs in float32, so errors are ~1e-7, not ~1e-15."""
     import jax

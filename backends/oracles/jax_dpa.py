@@ -36,7 +36,7 @@ from mha_rosetta.core.variants import BUILTIN_VARIANTS
 from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
 
 from .._layouts import XLA_LAYOUT
-from ..base import Prepared, StageTensor
+from ..base import Prepared, StageTensor, UnsupportedCase
 from ..jax.common import (
     CompiledForward,
     allowed_for_heads,
@@ -203,6 +203,17 @@ class JaxDotProductAttentionOracle(JaxOracle):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
+        if (
+            dtype == "bfloat16"
+            and device == "cpu"
+            and inputs.batch * cfg.n_heads * inputs.q_tokens * inputs.kv_tokens == 1
+        ):
+            # Measured 2026-12-05 (jax 0.10.2): a score tensor of one element (B = H = Nq = Nk = 1) compiles its dot
+            # in XLA:CPU's elemental emitter, which rejects ALG_DOT_BF16_BF16_F32; any larger one runs.
+            raise UnsupportedCase(
+                "jax.nn.dot_product_attention in bfloat16 with a single score (batch, heads, query and key tokens "
+                "all 1): XLA:CPU's elemental emitter rejects the dot algorithm BF16_BF16_F32 at compile time"
+            )
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)

@@ -70,6 +70,8 @@ VARIANT_CFGS = {
     # Llama 4's steps after rotary: refused (no adapter has them yet)
     "qk_norm_after_rope": {"qk_norm_after_rope": True, "rope": "interleaved", "n_kv_heads": 2},
     "temperature": {"attn_temperature_tuning": True, "floor_scale": 3, "n_kv_heads": 2},
+    "k_eq_v": {"attention_k_eq_v": True, "n_kv_heads": 2},  # Gemma 4's global layers: V from the tied k_proj
+    "value_norm": {"value_norm": True, "n_kv_heads": 2},  # refused (no adapter has it yet)
     # DeepSeek's latent attention (d_k = nope 2 + rope 4 = BASE's 6): refused (no adapter has it yet)
     "mla": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6},
     "mla_q_lora": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 5},

@@ -44,10 +44,13 @@ from .stage_cuts import StageCuts
 # The breakdown's stages, each the canonical stage tensors it ends with, in pipeline order. A stage whose tensors
 # a configuration lacks (qk-norm, a softcap, a mask) is left out of its breakdown.
 STAGE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("latents", ("kv_latent", "k_rope", "q_latent")),  # DeepSeek MLA's, only with kv_lora_rank
     ("projections", ("q", "k", "v")),
     ("head split", ("q_heads", "k_heads", "v_heads")),
+    ("value norm", ("v_normed",)),  # Gemma 4's, only with value_norm
     ("qk-norm", ("q_normed", "k_normed")),
     ("rotary", ("q_rotated", "k_rotated")),
+    ("after rotary", ("q_rotated_normed", "k_rotated_normed", "q_tempered")),  # Llama 4's, only when on
     ("scores", ("scores", "capped_scores", "biased_scores")),
     ("softmax", ("masked_scores", "weights")),
     ("context", ("context",)),

@@ -64,6 +64,8 @@ VARIANT_CFGS = {
     "chunked": _gqa(attention_chunk_size=3),  # Llama 4's chunks: boundaries at 3, 6 across the steps
     # Qwen3-Next's output gate: each step's tokens gated by their own sigmoid(x @ w_gate.T + b), nothing cached.
     "gate": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),
+    # Gemma 4's global layers: V is the raw key projection (w_v tied to w_k), so the cache's values are keys unrotated.
+    "k_eq_v": _gqa(attention_k_eq_v=True),
 }
 
 

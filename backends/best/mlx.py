@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, allowed_positions
+from mha_rosetta.core import MHAConfig, allowed_positions, softmax_with_empty_rows
 
 from .._recording import record_stages
-from ..base import Prepared, PreparedDecode, tensor_to_numpy
+from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..frameworks.mlx import FLOAT64_LIMIT, mlx_stream, precision_info, to_mlx
 from ..mlx.adapter import layer_inputs
 from ..mlx.layer import MlxAttention, rotate
@@ -44,6 +44,22 @@ DECODE_LAYOUTS = {
     STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens, written by slice assignment (no mx.concatenate) "
     "and read up to the write index; mx.fast.scaled_dot_product_attention with GQA as it comes (no tiling)"
 }
+
+
+RECOMPUTED = "recomputed (untimed, in NumPy) from q_rotated and k_rotated: the fused MLX kernel keeps its scores inside"
+
+
+def _score_stages(cfg: MHAConfig, q: np.ndarray, k: np.ndarray, allowed: np.ndarray | None) -> dict[str, StageTensor]:
+    """scores, masked_scores and weights (B, H, Nq, Nk) from q_rotated (B, H, Nq, Dk) and k_rotated (B, Hkv, Nk, Dk)."""
+    k = np.repeat(k, cfg.group_size, axis=1)  # (B, H, Nk, Dk): a copy, for inspection only
+    scores = cfg.scale * (q @ np.swapaxes(k, -1, -2))  # (B, H, Nq, Nk)
+    masked = scores if allowed is None else np.where(allowed, scores, -np.inf)  # (B, H, Nq, Nk)
+    axes = ("B", "H", "Nq", "Nk")
+    return {
+        "scores": StageTensor(scores, axes, RECOMPUTED),
+        "masked_scores": StageTensor(masked, axes, RECOMPUTED, "new", "scores"),
+        "weights": StageTensor(softmax_with_empty_rows(masked), axes, RECOMPUTED, "new", "masked_scores"),
+    }
 
 
 class MlxBestLayer(MlxAttention):
@@ -134,12 +150,18 @@ class MlxBestBackend(BestPath, MlxSDPAOracle):
                 rec.record("context", context, ("B", "H", "Nq", "Dv"), "mx.fast.scaled_dot_product_attention")
                 return layer.finish(layer.params, context, rec)
 
+        def native_stages() -> dict[str, StageTensor]:
+            stages = record_stages(recorded)
+            q, k = (tensor_to_numpy(stages[name].value) for name in ("q_rotated", "k_rotated"))
+            stages.update(_score_stages(cfg, q, k, allowed_positions(cfg, inputs)))
+            return stages
+
         groups = path_groups(rope=cfg.rope is not None, decode=False, fused=True)
         info = {"mask": how, "gqa": "no tiling (Hkv heads)", **precision_info(dtype)}
         return Prepared(
             run,
             tensor_to_numpy,
-            lambda: record_stages(recorded),
+            native_stages,
             synchronize=mx.eval,
             info=info,
             stage_cuts=eager_cuts(run, groups, mx.eval),

@@ -160,7 +160,7 @@ ENTRY = Variant(
             FIELD,
             "Gemma 4's value norm: the cache holds the normed values (each token's own norm, so a step norms its own)",
             dict(GEMMA4_SLIDING, value_norm=True),
-            dict(tokens=7, prefill=3, seed=182),
+            dict(tokens=10, prefill=3, seed=182),
         ),
     ),
     # Its cost against plain attention: one weightless RMS norm over the values (Hkv*Dv per token).

@@ -59,6 +59,8 @@ VARIANT_CFGS = {
     "gate": MHAConfig(
         d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", qk_norm="head", bias="qkv", attn_output_gate=True
     ),
+    # Gemma 4's global layers: V is the raw key projection (w_v tied to w_k), cached unrotated
+    "k_eq_v": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", attention_k_eq_v=True),
 }
 
 

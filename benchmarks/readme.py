@@ -79,6 +79,19 @@ def _with_range(cell: dict) -> str:
     return f"{_ms(cell_time(cell))} ms" + (f" ({spread})" if spread else "")
 
 
+def _machine_name(report: dict) -> str:
+    machine = report.get("machine", {})
+    return f"{machine.get('cpu_model', 'an unnamed CPU')} ({machine.get('cores')} cores)"
+
+
+def _other_machine(main: dict, second: dict | None) -> str | None:
+    """The second report's machine when it is not the first's (CPU model and core count), else None."""
+    if second is None:
+        return None
+    name = _machine_name(second)
+    return name if name != _machine_name(main) else None
+
+
 def _cpu_peak(report: dict) -> float | None:
     """The report's GEMM peak for the reference dtype on the CPU (None when not measured)."""
     return report.get("gemm_peak_gflops_by", {}).get(f"cpu/{REFERENCE_SIZE['dtype']}")
@@ -276,6 +289,9 @@ def readme_block(reports: dict[int, dict]) -> str:
     )
     lines += _paragraph(" ".join(_describe_run(main, 1)))
     second_report = reports.get(SECOND_THREADS)
+    other_machine = _other_machine(main, second_report)
+    if other_machine:
+        second_report = None  # a speedup between two machines' runs would measure the machines, not the threads
     second = None
     if second_report is not None:
         second = {cell["implementation"]: cell for cell in reference_cells(second_report)}
@@ -290,6 +306,13 @@ def readme_block(reports: dict[int, dict]) -> str:
         scaling = scaling_sentence(first, second, (_cpu_peak(main), _cpu_peak(second_report)))
         if scaling:
             lines += _paragraph(scaling)
+    elif other_machine:
+        lines += _paragraph(
+            f"The {SECOND_THREADS}-thread columns are left out: `docs/bench/reference-t{SECOND_THREADS}.json` was "
+            f"measured on {other_machine}, and 1 -> {SECOND_THREADS} speedups across two machines would measure the "
+            f"machines. They return when it is measured again on this one: `mha-rosetta bench --preset reference "
+            f"--threads {SECOND_THREADS} --write-docs docs`."
+        )
     else:
         lines += _paragraph(
             f"The {SECOND_THREADS}-thread columns appear here once `docs/bench/reference-t{SECOND_THREADS}.json` "

@@ -220,10 +220,11 @@ def test_docs_report_command_runs_as_printed(capsys):
     assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
     argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
     assert main(argv) == 0
-    # torch-sdpa in the committed files (Intel Xeon, 2026-12-04, 3 rounds of 2 visits, corrected by the
-    # control-variate rule): 38.88 ms, rounds 38.57-39.13 ms (beta 0.24); with 2 threads its samples did not
-    # follow the reference (beta 0): 69.70 ms (66.67-70.55), its raw figures. 69.70 / 38.88 = 1.79x.
-    assert "| torch-sdpa | 38.9 [38.6–39.1] | 69.7 [66.7–70.6] ×1.79 [1.70–1.83] |" in capsys.readouterr().out
+    # torch-sdpa in the committed files: 1 thread on the AMD EPYC (2026-12-05, 3 rounds of 2 visits, corrected by
+    # the control-variate rule, beta 0.27): 76.40 ms, rounds 75.18-78.62 ms; 2 threads on the Intel Xeon
+    # (2026-12-04; its samples did not follow the reference, beta 0): 69.70 ms (66.67-70.55), its raw figures.
+    # 69.70 / 76.40 = 0.91x: two machines and two thread counts, which the Runs table's CPU column shows.
+    assert "| torch-sdpa | 76.4 [75.2–78.6] | 69.7 [66.7–70.6] ×0.91 [0.85–0.94] |" in capsys.readouterr().out
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():
@@ -355,18 +356,18 @@ def test_the_decode_gate_fails_only_the_cell_slower_beyond_noise(decode_pair, ca
 def test_the_committed_decode_file_has_a_table_per_context_with_its_share_of_the_limit():
     report = build_report([str(BENCH / "decode.json")])
     groups = report.comparison.groups()
-    # 11 implementations (the three best paths among them) at 3 contexts; the windowed groups have 8, since
+    # 12 implementations (the four best paths among them) at 3 contexts; the windowed groups have 8, since
     # the best paths implement no window and say so.
     assert len(groups) == 6
-    assert [len(report.comparison.implementations(group)) for group in groups] == [11, 11, 11, 8, 8, 8]
+    assert [len(report.comparison.implementations(group)) for group in groups] == [12, 12, 12, 8, 8, 8]
     text = report.markdown()
-    # docs/bench/decode.md (AMD EPYC, 2026-12-05, 2 rounds, drift-corrected): numpy at 1024, step 2.562 ms,
-    # rounds 2.527-2.598, 5.3% of the K+V limit; jax at 32768 with W=4096: 11.725 ms, 11.504-12.426, 4.6%.
-    assert "| numpy | 2.56 [2.53–2.6] · 5.3% of KV limit |" in text
+    # docs/bench/decode.md (AMD EPYC, 2026-12-05 at 22:03, 2 rounds, drift-corrected): numpy at 1024, step
+    # 2.818 ms, rounds 2.608-2.896, 5.1% of the K+V limit; jax at 32768 with W=4096: 12.214 ms, 12.118-12.220, 4.7%.
+    assert "| numpy | 2.82 [2.61–2.9] · 5.1% of KV limit |" in text
     window = text.split("### decode · float32 · B1 context=32768 W=4096", 1)[1].split("###", 1)[0]
-    assert "| jax | 11.7 [11.5–12.4] · 4.6% of KV limit |" in window
+    assert "| jax | 12.2 [12.1–12.2] · 4.7% of KV limit |" in window
     page = report.html()
-    assert "context (log2)" in page and page.count('2.56 <span class="small">[2.53–2.6]</span>') == 1
+    assert "context (log2)" in page and page.count('2.82 <span class="small">[2.61–2.9]</span>') == 1
 
 
 def test_bench_baseline_and_compare_take_decode_reports(decode_pair, capsys):

@@ -93,15 +93,15 @@ def test_page_loads_and_renders(page, browser):
     assert cells and all(cell.size["width"] > 5 for cell in cells[:10])
     table = browser.find_element(By.CSS_SELECTOR, "table.bench-table")
     assert table.size["height"] > 100
-    # One row per implementation timed in the two committed runs (20 since torch-flex joined the
-    # reference preset; hf-attention's cell there is unsupported, so it has no row).
+    # One row per implementation timed in the two committed runs (34 since the 2026-12-05 run added the best
+    # paths, MLX and ONNX Runtime; hf-attention's cell there is unsupported, so it has no row).
     timed = {
         cell["implementation"]
         for name in ("reference.json", "reference-t2.json")
         for cell in json.loads((ROOT / "docs" / "bench" / name).read_text())["cells"]
         if cell["status"] == "ok"
     }
-    assert len(timed) == 20 and "torch-flex" in timed and "hf-attention" not in timed
+    assert len(timed) == 34 and "torch-flex" in timed and "hf-attention" not in timed
     rows = [row.get_attribute("data-impl") for row in table.find_elements(By.CSS_SELECTOR, "tbody tr")]
     assert sorted(rows) == sorted(timed)
     plot = browser.find_element(By.CSS_SELECTOR, "svg.plot.absolute")
@@ -140,7 +140,7 @@ def test_filter_hides_rows_and_relative_view_switches(page, browser):
     browser.find_element(By.ID, "filter").send_keys("numpy")
     shown = [row.get_attribute("data-impl") for row in rows if row.is_displayed()]
     assert shown and all("numpy" in name for name in shown)
-    assert len(shown) == 5  # numpy, its three other strategies, einops-numpy
+    assert len(shown) == 6  # numpy, its three other strategies, einops-numpy, numpy-best
     relative = browser.find_element(By.CSS_SELECTOR, "svg.plot.relative")
     assert not relative.is_displayed()
     browser.find_element(By.ID, "view-relative").click()
@@ -187,7 +187,7 @@ def test_the_decode_check_and_bench_render_and_the_oracle_grid_says_where_a_run_
     assert tooltip.text.startswith("rotary-restarts[tokens] vs the full causal forward: DISAGREE")
     assert "first divergent stage: step 1 (position 4) diverges at q_rotated" in tooltip.text
     tables = browser.find_elements(By.CSS_SELECTOR, "table.bench-table")
-    # docs/bench/decode.json: 3 contexts and 3 windowed ones, one table each; 11 decoders, 8 with the window
-    # (the three best paths implement none and say so).
-    assert [len(table.find_elements(By.CSS_SELECTOR, "tbody tr")) for table in tables] == [11, 11, 11, 8, 8, 8]
+    # docs/bench/decode.json: 3 contexts and 3 windowed ones, one table each; 12 decoders, 8 with the window
+    # (the four best paths implement none and say so).
+    assert [len(table.find_elements(By.CSS_SELECTOR, "tbody tr")) for table in tables] == [12, 12, 12, 8, 8, 8]
     assert "% of KV limit" in tables[0].text

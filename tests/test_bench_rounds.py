@@ -194,6 +194,11 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
     one["cells"][1].update(drift=True, round_drift=0.04, corrected_drift=0.11, corrected_median_s=0.106)
     flagged = " ".join(readme_block({1: one}).split())
     assert "Flagged for drift (corrected round medians more than 10% apart): `numpy` (14%), `torch` (11%)." in flagged
+    # Two machines' runs are never set side by side: a 1 -> 2 speedup across them would measure the machines.
+    elsewhere = dict(two, machine={**two.get("machine", {}), "cpu_model": "Another CPU", "cores": 64})
+    apart = " ".join(readme_block({1: one, 2: elsewhere}).split())
+    assert "median ms, 2 threads" not in apart and "Speedup from 1 to 2 threads" not in apart
+    assert "The 2-thread columns are left out: `docs/bench/reference-t2.json` was measured on Another CPU (64 cores)" in apart
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
     assert replace_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"
     with pytest.raises(ValueError, match="no generated benchmark block"):

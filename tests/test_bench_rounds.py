@@ -198,7 +198,10 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
     elsewhere = dict(two, machine={**two.get("machine", {}), "cpu_model": "Another CPU", "cores": 64})
     apart = " ".join(readme_block({1: one, 2: elsewhere}).split())
     assert "median ms, 2 threads" not in apart and "Speedup from 1 to 2 threads" not in apart
-    assert "The 2-thread columns are left out: `docs/bench/reference-t2.json` was measured on Another CPU (64 cores)" in apart
+    assert (
+        "The 2-thread columns are left out: `docs/bench/reference-t2.json` was measured on Another CPU (64 cores)"
+        in apart
+    )
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
     assert replace_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"
     with pytest.raises(ValueError, match="no generated benchmark block"):

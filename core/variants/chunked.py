@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import require_positive_int
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ScoreStep, Variant, demo, value_option
+from ._shared import optional_positive_int, position_grid
 
 
 def chunk_allowed(chunk: int, positions: np.ndarray, kv_positions: np.ndarray, shift: int = 0) -> np.ndarray:
@@ -31,17 +31,10 @@ def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np
     return chunk_allowed(cfg.attention_chunk_size, positions, kv_positions)  # the registry's mask step
 
 
-def _validate(cfg: Config) -> dict:
-    if cfg.attention_chunk_size is not None:
-        require_positive_int("attention_chunk_size", cfg.attention_chunk_size)
-    return {}
-
-
 def explain(demo) -> Explanation:
     C = ENTRY.demo_on["attention_chunk_size"]
     tokens = demo.tokens
-    positions = np.arange(tokens)[None]
-    i, j = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+    positions, i, j = position_grid(tokens)  # (1, N), (N, 1), (1, N)
     spec = chunk_allowed(C, positions, positions)[0, 0] & (j <= i)  # (N, N)
     shifted = chunk_allowed(C, positions, positions, shift=1)[0, 0] & (j <= i)
     window = (j <= i) & (j > i - C)
@@ -140,7 +133,7 @@ ENTRY = Variant(
     fields=("attention_chunk_size",),
     config_fields=(ConfigField("attention_chunk_size", None, "int | None"),),
     is_on=lambda cfg: cfg.attention_chunk_size is not None,
-    validate=_validate,
+    validate=optional_positive_int("attention_chunk_size"),
     score_step=ScoreStep("mask", "positional_mask"),
     forward=_forward,
     check_cases=(

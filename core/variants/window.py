@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, value_option
-from ._shared import relative_distances
+from ._shared import optional_positive_int, position_grid, relative_distances
 
 
 def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
@@ -25,17 +24,10 @@ def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np
     return window_allowed(cfg.window, cfg.causal, positions, kv_positions)  # the registry's mask step (`ScoreStep`)
 
 
-def _validate(cfg: Config) -> dict:
-    if cfg.window is not None:
-        require_positive_int("window", cfg.window)
-    return {}
-
-
 def explain(demo) -> Explanation:
     W = ENTRY.demo_on["window"]
     tokens = demo.tokens
-    positions = np.arange(tokens)[None]
-    i, j = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+    positions, i, j = position_grid(tokens)  # (1, N), (N, 1), (1, N)
 
     def flash(left: int, right: int) -> np.ndarray:  # FlashAttention's window_size=(left, right), causal
         return (j >= i - left) & (j <= i + right) & (j <= i)
@@ -170,7 +162,7 @@ ENTRY = Variant(
     summary="sliding window of W keys including the query's own position",
     fields=("window",),
     is_on=lambda cfg: cfg.window is not None,
-    validate=_validate,
+    validate=optional_positive_int("window"),
     score_step=ScoreStep("mask", "positional_mask"),
     forward=_forward,
     check_cases=(

@@ -31,6 +31,9 @@ def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np
     return chunk_allowed(cfg.attention_chunk_size, positions, kv_positions)  # the registry's mask step
 
 
+_validate = optional_positive_int("attention_chunk_size")  # the registry's check: None (off) or a positive int
+
+
 def explain(demo) -> Explanation:
     C = ENTRY.demo_on["attention_chunk_size"]
     tokens = demo.tokens
@@ -133,7 +136,7 @@ ENTRY = Variant(
     fields=("attention_chunk_size",),
     config_fields=(ConfigField("attention_chunk_size", None, "int | None"),),
     is_on=lambda cfg: cfg.attention_chunk_size is not None,
-    validate=optional_positive_int("attention_chunk_size"),
+    validate=_validate,
     score_step=ScoreStep("mask", "positional_mask"),
     forward=_forward,
     check_cases=(

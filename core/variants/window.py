@@ -24,6 +24,9 @@ def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np
     return window_allowed(cfg.window, cfg.causal, positions, kv_positions)  # the registry's mask step (`ScoreStep`)
 
 
+_validate = optional_positive_int("window")  # the registry's check: None (off) or a positive int
+
+
 def explain(demo) -> Explanation:
     W = ENTRY.demo_on["window"]
     tokens = demo.tokens
@@ -162,7 +165,7 @@ ENTRY = Variant(
     summary="sliding window of W keys including the query's own position",
     fields=("window",),
     is_on=lambda cfg: cfg.window is not None,
-    validate=optional_positive_int("window"),
+    validate=_validate,
     score_step=ScoreStep("mask", "positional_mask"),
     forward=_forward,
     check_cases=(

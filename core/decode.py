@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import MHAConfig
-from .inputs import BatchedTokens
+from .inputs import BatchedTokens, normalise_positions
 from .params import MHAParams
 from .reference import reference_stages
 from .stages import STAGE_BY_NAME, stage_names
@@ -153,14 +153,8 @@ def prepare_decode_inputs(cfg: MHAConfig, x, *, prefill, step=1, mask=None, posi
         mask = np.broadcast_to(m.reshape(-1, N), (B, N)).copy()  # (B, N)
     if positions is None:
         p = np.broadcast_to(np.arange(N, dtype=np.int64), (B, N)) if mask is None else padding_positions(mask)
-    else:
-        p = np.asarray(positions)
-        if p.dtype == np.bool_ or p.dtype.kind not in "iu":
-            raise TypeError(f"positions must hold integers (token positions), got dtype {p.dtype}")
-        shapes = f"({N},) or (batch={B}, {N})" if batched else f"({N},)"
-        if p.shape not in ((N,), (B, N) if batched else (N,)):
-            raise ValueError(f"positions must have shape {shapes}, got shape {p.shape}")
-        p = np.broadcast_to(p.astype(np.int64).reshape(-1, N), (B, N))
+    else:  # the forward's rule and messages (`core.inputs.normalise_positions`): integers, (N,) or (B, N)
+        p = np.broadcast_to(normalise_positions("positions", positions, B, N, batched), (B, N))  # (B, N) view
     p = np.ascontiguousarray(p)  # (B, N) int64
     back = np.argwhere(np.diff(p, axis=-1) < 0)
     if back.size:

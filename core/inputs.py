@@ -139,15 +139,15 @@ def prepare_inputs(
     if key.shape[0] != query.shape[0]:
         raise ValueError(f"query and key must have the same batch size, got {query.shape[0]} and {key.shape[0]}")
     full_shape = (query.shape[0], cfg.n_heads, query.shape[1], key.shape[1])
-    positions = _normalise_positions("positions", positions, query.shape[0], query.shape[1], batched)
+    positions = normalise_positions("positions", positions, query.shape[0], query.shape[1], batched)
     if kv_positions is None and self_attention:
         kv_positions = positions
     else:
-        kv_positions = _normalise_positions("kv_positions", kv_positions, key.shape[0], key.shape[1], batched)
+        kv_positions = normalise_positions("kv_positions", kv_positions, key.shape[0], key.shape[1], batched)
     return MHAInputs(query, key, value, _normalise_mask(mask, full_shape, batched), batched, positions, kv_positions)
 
 
-def _normalise_positions(name: str, positions, batch: int, tokens: int, batched: bool) -> np.ndarray:
+def normalise_positions(name: str, positions, batch: int, tokens: int, batched: bool) -> np.ndarray:
     """Integer positions -> int64 ``(1|B, tokens)``; None -> ``0 .. tokens-1``."""
     if positions is None:
         return np.arange(tokens, dtype=np.int64)[None]  # (1, N)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions, prepare_inputs, reference_stages
+from mha_rosetta.core.variants import softcap
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def known_answer(name: str, cfg: MHAConfig, params: MHAParams, args: tuple, stag
         return KnownAnswer(KNOWN[name], reference_stages(changed, params, *args)["output"])
     if name == "softcap_after_mask":
         masked = np.where(allowed, stages["scores"], -np.inf)  # (B, H, Nq, Nk): scores + mask, then the cap
-        logits = cfg.softcap * np.tanh(masked / cfg.softcap)  # a blocked -inf becomes -softcap
+        logits = softcap(masked, cfg.softcap)  # a blocked -inf becomes -softcap
         return KnownAnswer(KNOWN[name], _output_from_logits(cfg, params, stages, logits))
     if name == "causal_past_top_left":
         other = allowed_positions(dataclasses.replace(cfg, causal=False), inputs)  # padding and window only

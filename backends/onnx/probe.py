@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_rosetta.core.variants import softcap as spec_softcap
+
 from .._probe import import_failure
 from ..demos._needs import LibraryMissing
 
@@ -81,11 +83,11 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 def _attend(q, k, v, scale, allowed=None, cap=None, cap_after_mask=False) -> np.ndarray:
     scores = q @ k.swapaxes(-1, -2) * scale  # (B, H, Nq, T)
     if cap is not None and not cap_after_mask:
-        scores = cap * np.tanh(scores / cap)
+        scores = spec_softcap(scores, cap)
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
     if cap is not None and cap_after_mask:
-        scores = cap * np.tanh(scores / cap)
+        scores = spec_softcap(scores, cap)
     return _softmax(scores) @ v
 
 
@@ -140,15 +142,16 @@ def findings(runtime: str, seed: int = 0) -> dict[str, str]:
     empty[1] = False
     row = attention_call(runtime, q, k, v, empty, scale=scale)[0][:, :, 1]
     out["empty_rows_zero"] = _closest(row, {"zero row": np.zeros_like(row), "mean of V": v.mean(axis=2)})
-    scores = q @ k.swapaxes(-1, -2) * scale
+    scores = q @ k.swapaxes(-1, -2) * scale  # (B, H, Nq, T)
+    capped, masked = spec_softcap(scores, cap), np.where(allowed, scores, -np.inf)
     stages = {
         "scores": scores,
-        "capped": cap * np.tanh(scores / cap),
-        "capped+masked": np.where(allowed, cap * np.tanh(scores / cap), -np.inf),
-        "masked": np.where(allowed, scores, -np.inf),
-        "masked+capped": cap * np.tanh(np.where(allowed, scores, -np.inf) / cap),
-        "weights": _softmax(np.where(allowed, cap * np.tanh(scores / cap), -np.inf)),
-        "weights (mask, then softcap)": _softmax(cap * np.tanh(np.where(allowed, scores, -np.inf) / cap)),
+        "capped": capped,
+        "capped+masked": np.where(allowed, capped, -np.inf),
+        "masked": masked,
+        "masked+capped": spec_softcap(masked, cap),
+        "weights": _softmax(np.where(allowed, capped, -np.inf)),
+        "weights (mask, then softcap)": _softmax(spec_softcap(masked, cap)),
     }
     modes = []
     for mode in range(4):

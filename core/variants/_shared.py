@@ -1,8 +1,13 @@
-"""What several variants share: the key-minus-query distance and the softmax whose empty rows are zeros."""
+"""What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, and the
+validation and explainer grid of the positional masks one optional integer switches on (window, chunks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from .._validate import require_positive_int
 
 
 def relative_distances(positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
@@ -19,3 +24,23 @@ def softmax_with_empty_rows(scores: np.ndarray) -> np.ndarray:
     exp = np.exp(shifted)
     total = np.sum(exp, axis=-1, keepdims=True)
     return np.where(empty, 0.0, exp / np.where(empty, 1.0, total))
+
+
+def optional_positive_int(field: str) -> Callable[[object], dict]:
+    """The `Variant.validate` of a variant one optional integer field switches on (``window``,
+    ``attention_chunk_size``): None is off, any other value must be a positive int."""
+
+    def validate(cfg) -> dict:
+        value = getattr(cfg, field)
+        if value is not None:
+            require_positive_int(field, value)
+        return {}
+
+    return validate
+
+
+def position_grid(tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A positional mask's explainer grid over ``tokens`` tokens at positions 0..N-1: (positions (1, N),
+    query index i (N, 1), key index j (1, N))."""
+    index = np.arange(tokens)
+    return index[None], index[:, None], index[None, :]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import require_positive_int
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ScoreStep, Variant, demo, value_option
+from ._shared import optional_positive_int, position_grid
 
 
 def chunk_allowed(chunk: int, positions: np.ndarray, kv_positions: np.ndarray, shift: int = 0) -> np.ndarray:
@@ -31,17 +31,13 @@ def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np
     return chunk_allowed(cfg.attention_chunk_size, positions, kv_positions)  # the registry's mask step
 
 
-def _validate(cfg: Config) -> dict:
-    if cfg.attention_chunk_size is not None:
-        require_positive_int("attention_chunk_size", cfg.attention_chunk_size)
-    return {}
+_validate = optional_positive_int("attention_chunk_size")  # the registry's check: None (off) or a positive int
 
 
 def explain(demo) -> Explanation:
     C = ENTRY.demo_on["attention_chunk_size"]
     tokens = demo.tokens
-    positions = np.arange(tokens)[None]
-    i, j = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+    positions, i, j = position_grid(tokens)  # (1, N), (N, 1), (1, N)
     spec = chunk_allowed(C, positions, positions)[0, 0] & (j <= i)  # (N, N)
     shifted = chunk_allowed(C, positions, positions, shift=1)[0, 0] & (j <= i)
     window = (j <= i) & (j > i - C)

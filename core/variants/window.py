@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, value_option
-from ._shared import relative_distances
+from ._shared import optional_positive_int, position_grid, relative_distances
 
 
 def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
@@ -25,17 +24,13 @@ def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np
     return window_allowed(cfg.window, cfg.causal, positions, kv_positions)  # the registry's mask step (`ScoreStep`)
 
 
-def _validate(cfg: Config) -> dict:
-    if cfg.window is not None:
-        require_positive_int("window", cfg.window)
-    return {}
+_validate = optional_positive_int("window")  # the registry's check: None (off) or a positive int
 
 
 def explain(demo) -> Explanation:
     W = ENTRY.demo_on["window"]
     tokens = demo.tokens
-    positions = np.arange(tokens)[None]
-    i, j = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+    positions, i, j = position_grid(tokens)  # (1, N), (N, 1), (1, N)
 
     def flash(left: int, right: int) -> np.ndarray:  # FlashAttention's window_size=(left, right), causal
         return (j >= i - left) & (j <= i + right) & (j <= i)

@@ -16,7 +16,7 @@ from mha_rosetta.core import MHAConfig, tolerance_for
 from mha_rosetta.core.rope_scaling import describe_rope_scaling, scaled_frequencies, validate_rope_scaling
 
 from ._errors import LayoutError
-from ._module_io import class_name, unexpressible
+from ._module_io import ModuleReader, class_name, unexpressible
 from ._real import RealRun, state_shapes
 
 FLOAT64_NOTE = (
@@ -153,6 +153,18 @@ def mlx_state(module, names) -> dict[str, np.ndarray]:
 
     flat = dict(tree_flatten(module.parameters()))
     return {name: np.array(flat[name], copy=True) for name in names}
+
+
+def mlx_reader(module: str, config, shapes, forward) -> ModuleReader:
+    """The `ModuleReader` of one mlx-lm class: ``config(module)``, its parameters read and loaded by their names
+    (``shapes(cfg)``'s keys: `mlx_state`, `load_mlx`), ``forward`` its own call."""
+    return ModuleReader(
+        classes=(module,),
+        config=config,
+        state=lambda instance, cfg: mlx_state(instance, shapes(cfg)),
+        load=load_mlx,
+        forward=forward,
+    )
 
 
 def load_mlx(module, state: Mapping[str, np.ndarray]):

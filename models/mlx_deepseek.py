@@ -37,8 +37,8 @@ from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes
 from mha_rosetta.core.variants.mla import softmax_scale
 
 from ._layout import SEPARATE, Layout
-from ._mlx_io import load_mlx, mlx_forward, mlx_rope, mlx_state, scaling_read
-from ._module_io import ModuleReader, unexpressible
+from ._mlx_io import load_mlx, mlx_forward, mlx_reader, mlx_rope, scaling_read
+from ._module_io import unexpressible
 from .hf_deepseek import _names as latent_names  # the tensors stored one to one, as Hugging Face names them
 
 MODULE = "mlx_lm.models.deepseek_v3.DeepseekV3Attention"
@@ -192,13 +192,7 @@ LAYOUT = Layout(
     ),
     runner=_runner,
     requires=("mlx", "mlx_lm"),
-    reader=ModuleReader(
-        classes=(MODULE,),
-        config=read,
-        state=lambda module, cfg: mlx_state(module, shapes(cfg)),
-        load=load_mlx,
-        forward=_forward,
-    ),
+    reader=mlx_reader(MODULE, read, shapes, _forward),
     example=dict(q_lora_rank=5, kv_lora_rank=6, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3, causal=True),
     variants=("mla", "mla_q_lora", "rope_scaling"),
 )

@@ -44,8 +44,8 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_rope, mlx_state, model_args, scaling_read
-from ._module_io import ModuleReader, unexpressible
+from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_reader, mlx_rope, model_args, scaling_read
+from ._module_io import unexpressible
 
 MODULE = "mlx_lm.models.llama4.Attention"
 NORM_EPS = 1e-6  # mx.fast.rms_norm(queries, weight=None, eps=1e-6) in Attention.__call__
@@ -195,13 +195,7 @@ LAYOUT = Layout(
     ),
     runner=_runner,
     requires=("mlx", "mlx_lm"),
-    reader=ModuleReader(
-        classes=(MODULE,),
-        config=read,
-        state=lambda module, cfg: mlx_state(module, _PACKING["shapes"](cfg)),
-        load=load_mlx,
-        forward=_forward,
-    ),
+    reader=mlx_reader(MODULE, read, _PACKING["shapes"], _forward),
     example={"n_kv_heads": 2, "bias": False, "rope": "interleaved", "causal": True, "attention_chunk_size": 4},
     variants=("chunked", "qk_norm_after_rope", "temperature", "rope_scaling"),
 )

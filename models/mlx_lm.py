@@ -60,9 +60,10 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_rope, mlx_state, qk_norm_fields, scaling_read
-from ._module_io import ModuleReader, unexpressible
+from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_reader, mlx_rope, qk_norm_fields, scaling_read
+from ._module_io import unexpressible
 from ._packing import pack_blocks, unpack_blocks
+from .hf_qwen3_next import LAYOUT as HF_QWEN3_NEXT
 from .hf_qwen3_next import _gated_packing  # q_proj's [q_h | gate_h] rows per head, the same in mlx-lm
 
 MLX_REQUIRES = ("mlx", "mlx_lm")
@@ -205,13 +206,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         notes=family.notes,
         runner=runner,
         requires=MLX_REQUIRES,
-        reader=ModuleReader(
-            classes=(module_name,),
-            config=read,
-            state=lambda module, cfg: mlx_state(module, packing["shapes"](cfg)),
-            load=load_mlx,
-            forward=forward,
-        ),
+        reader=mlx_reader(module_name, read, packing["shapes"], forward),
         example=family.example,
         variants=family.variants,
     )
@@ -368,15 +363,7 @@ QWEN3_NEXT_FAMILY = MlxFamily(
         "the layer applies the mask its model gives (create_attention_mask: 'causal'); every "
         "full_attention_interval-th layer is this one, the others gated DeltaNet (not attention)",
     ),
-    example={
-        "n_kv_heads": 2,
-        "bias": False,
-        "rope": "half",
-        "rope_dims": 2,
-        "causal": True,
-        "qk_norm": "head",
-        "attn_output_gate": True,
-    },
+    example=HF_QWEN3_NEXT.example,  # the same layer's: 2 kv heads, rotate-half on 2 features, QK-norm, the gate
 )
 QWEN3_NEXT = mlx_layout(QWEN3_NEXT_FAMILY)
 FAMILIES = {

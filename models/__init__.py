@@ -55,6 +55,8 @@ from . import (
     keras_mha,
     megatron,
     meta_llama,
+    mlx_deepseek,
+    mlx_llama4,
     mlx_lm,
     timm_vit,
 )
@@ -101,6 +103,9 @@ LAYOUTS: dict[str, Layout] = {
         mlx_lm.PHI3,
         mlx_lm.GEMMA2,
         mlx_lm.GPT_OSS,
+        mlx_lm.QWEN3_NEXT,
+        mlx_deepseek.LAYOUT,
+        mlx_llama4.LAYOUT,
         *keras_hub.LAYOUTS,
         TORCH_MHA,
         FLAX,

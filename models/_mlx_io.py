@@ -6,22 +6,34 @@ the functions; importing this module imports NumPy only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig
+from mha_rosetta.core import MHAConfig, tolerance_for
+from mha_rosetta.core.rope_scaling import describe_rope_scaling, scaled_frequencies, validate_rope_scaling
 
 from ._errors import LayoutError
-from ._module_io import class_name, unexpressible
+from ._module_io import ModuleReader, class_name, unexpressible
 from ._real import RealRun, state_shapes
 
 FLOAT64_NOTE = (
     "MLX float64 (CPU): mx.exp, mx.sin and mx.cos are float32-accurate, so the output is about 4e-8 off the "
     "float64 oracle (backends/frameworks/mlx.py measures it): held to float32"
 )
-# The rope scalings whose module keeps what the spec needs; the others keep only their frequency table.
-READ_SCALINGS = (None, "linear", "dynamic")
+# The rope scalings the reader reads: nn.RoPE and DynamicNTKScalingRoPE keep their settings; Llama3RoPE and YarnRoPE
+# keep only their frequency table, read from the model args and proved on that table (`_table_rope`).
+READ_SCALINGS = (None, "linear", "dynamic", "llama3", "yarn")
+# What mlx-lm's classes use where the model args' rope_scaling leaves a key out (rope_utils.Llama3RoPE, YarnRoPE):
+# the keys the spec requires, filled as the module was built.
+MLX_SCALING_DEFAULTS = {
+    "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "yarn": {"original_max_position_embeddings": 4096},
+}
+# initialize_rope's other names for YaRN (rope_utils.initialize_rope builds YarnRoPE for each)
+MLX_YARN_NAMES = ("yarn", "deepseek_yarn", "telechat3-yarn")
 
 
 class RopeClasses:
@@ -29,18 +41,29 @@ class RopeClasses:
 
     ROPE = "mlx.nn.layers.positional_encoding.RoPE"
     DYNAMIC = "mlx_lm.models.rope_utils.DynamicNTKScalingRoPE"
-    FREQUENCIES_ONLY = tuple(
-        f"mlx_lm.models.rope_utils.{name}" for name in ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
-    )
-    ALL = (ROPE, DYNAMIC, *FREQUENCIES_ONLY)
+    # frequency table only; the rope_type the table is read as (from the model args, proved on the table)
+    TABLES: ClassVar[dict[str, str]] = {
+        "mlx_lm.models.rope_utils.Llama3RoPE": "llama3",
+        "mlx_lm.models.rope_utils.YarnRoPE": "yarn",
+    }
+    FREQUENCIES_ONLY = tuple(f"mlx_lm.models.rope_utils.{name}" for name in ("SuScaledRoPE", "ProportionalRoPE"))
+    ALL = (ROPE, DYNAMIC, *TABLES, *FREQUENCIES_ONLY)
 
 
 def mlx_rope(module) -> dict:
-    """The MHAConfig rotary fields of ``module.rope`` (`nn.RoPE` or `DynamicNTKScalingRoPE`), or LayoutError."""
+    """The MHAConfig rotary fields of ``module.rope`` (`nn.RoPE`, `DynamicNTKScalingRoPE`, and `Llama3RoPE` or
+    `YarnRoPE` with the model args), or LayoutError."""
     rope = module.rope
     kind = f"{type(rope).__module__}.{type(rope).__qualname__}"  # the exact class: a subclass may compute otherwise
     if kind not in RopeClasses.ALL:
         raise unexpressible(module, f"rope {kind}", f"the reader reads the classes {', '.join(RopeClasses.ALL)} only")
+    if kind in RopeClasses.FREQUENCIES_ONLY:
+        raise unexpressible(
+            module,
+            f"rope {kind}",
+            "it keeps only its frequency table (_freqs), and the spec's rope scaling has no type that computes it "
+            "(longrope's two factor tables; proportional is read from Hugging Face only)",
+        )
     style = "interleaved" if rope.traditional else "half"
     if kind == RopeClasses.ROPE:
         scaling = None if rope.scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / rope.scale}
@@ -52,12 +75,68 @@ def mlx_rope(module) -> dict:
             "original_max_position_embeddings": rope.max_position_embeddings,
         }
         return dict(rope=style, rope_dims=rope.dims, rope_base=float(rope.base), rope_scaling=scaling)
-    raise unexpressible(
-        module,
-        f"rope {kind}",
-        "it keeps only its frequency table (_freqs), not the scaling config it was built from; "
-        "the spec reads linear (nn.RoPE scale) and dynamic NTK (DynamicNTKScalingRoPE) from mlx-lm",
-    )
+    base, scaling = _table_rope(module, kind, RopeClasses.TABLES[kind])
+    return dict(rope=style, rope_dims=rope.dims, rope_base=base, rope_scaling=scaling)
+
+
+def model_args(module):
+    """The model args the instance keeps: ``args`` (Llama 4's attention; a port's ``attention.args = model.args``)
+    or ``config`` (DeepSeek V3's), when they hold ``rope_theta``; else None."""
+    for name in ("args", "config"):
+        args = getattr(module, name, None)
+        if args is not None and hasattr(args, "rope_theta"):
+            return args
+    return None
+
+
+def mlx_scaling_dict(raw: Mapping, rope_type: str) -> dict:
+    """The Hugging Face form of the ``rope_scaling`` mlx-lm built ``rope_type``'s class from: its type named as the
+    spec names it, mlx-lm's defaults for the keys it leaves out (`MLX_SCALING_DEFAULTS`), the None keys dropped."""
+    given = {key: value for key, value in raw.items() if value is not None and key != "type"}
+    return {**MLX_SCALING_DEFAULTS[rope_type], **given, "rope_type": rope_type}
+
+
+def _table_rope(module, kind: str, rope_type: str) -> tuple[float, dict]:
+    """``(rope_base, rope_scaling)`` of a `Llama3RoPE`/`YarnRoPE`, from the model args, proved on the module's table.
+
+    The table is ``_freqs``: ``mx.fast.rope(freqs=...)`` turns pair i by ``position / _freqs[i]``, so the spec's
+    ``inv_freq`` is ``1 / _freqs``; it must equal `scaled_frequencies` of the dict to float32's relative tolerance
+    (mlx-lm computes it in float32), and YarnRoPE's ``mscale`` (on the rotated features) YaRN's attention factor.
+    """
+    rope, args = module.rope, model_args(module)
+    setting = f"rope {kind}"
+    if args is None:
+        raise unexpressible(
+            module,
+            setting,
+            "it keeps only its frequency table (_freqs), not the scaling config it was built from, and the instance "
+            "keeps no model args to read it from: give it its model's (attention.args = model.args; mlx-lm's Model "
+            "keeps them as model.args) and the reader recovers rope_scaling and proves it on the table",
+        )
+    raw = getattr(args, "rope_scaling", None) or {}
+    named = raw.get("rope_type", raw.get("type"))
+    if named not in (MLX_YARN_NAMES if rope_type == "yarn" else (rope_type,)):
+        raise unexpressible(module, setting, f"its model args' rope_scaling is {dict(raw)!r}, not a {rope_type} one")
+    base = float(args.rope_theta)
+    try:
+        scaling = validate_rope_scaling(mlx_scaling_dict(raw, rope_type))
+        expected, attention = scaled_frequencies(rope.dims, base, scaling, 1)
+    except (TypeError, ValueError) as error:
+        raise unexpressible(module, f"{setting} built from rope_scaling {dict(raw)!r}", str(error)) from error
+    assert scaling is not None  # a dict of rope_type's
+    table = 1.0 / np.array(rope._freqs, dtype=np.float64)  # (r/2,): the turn per position of each pair
+    factor = float(getattr(rope, "mscale", 1.0))  # YarnRoPE: x[..., :dims] * mscale, i.e. cos and sin * mscale
+    rtol = tolerance_for("float32").rtol
+    worst = float(np.max(np.abs(table - expected) / expected))
+    if worst > rtol or not math.isclose(factor, attention, rel_tol=1e-12):
+        raise unexpressible(
+            module,
+            f"{setting} whose table is not {describe_rope_scaling(scaling)} with base {base:g}",
+            f"1/_freqs is {worst:.2g} off the spec's scaled_frequencies (relative; float32 allows {rtol:g}) and its "
+            f"factor on the rotated features is {factor:.6g}, the spec's {attention:.6g} (mlx-lm's YarnRoPE reads "
+            "neither attention_factor nor truncate=False; Gemma 3's local layers turn at rope_local_base_freq)",
+        )
+    return base, scaling
 
 
 def mlx_bias(module, query: str = "q_proj") -> bool | str:
@@ -74,6 +153,18 @@ def mlx_state(module, names) -> dict[str, np.ndarray]:
 
     flat = dict(tree_flatten(module.parameters()))
     return {name: np.array(flat[name], copy=True) for name in names}
+
+
+def mlx_reader(module: str, config, shapes, forward) -> ModuleReader:
+    """The `ModuleReader` of one mlx-lm class: ``config(module)``, its parameters read and loaded by their names
+    (``shapes(cfg)``'s keys: `mlx_state`, `load_mlx`), ``forward`` its own call."""
+    return ModuleReader(
+        classes=(module,),
+        config=config,
+        state=lambda instance, cfg: mlx_state(instance, shapes(cfg)),
+        load=load_mlx,
+        forward=forward,
+    )
 
 
 def load_mlx(module, state: Mapping[str, np.ndarray]):
@@ -94,9 +185,10 @@ def load_mlx(module, state: Mapping[str, np.ndarray]):
     return module
 
 
-def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, array_mask: bool = False) -> RealRun:
+def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, array_mask: bool = False, mask=None) -> RealRun:
     """mlx-lm's own call, ``module(x, mask=create_attention_mask(x, None, return_array=array_mask))`` (``"causal"``
-    or the boolean causal array, as the family's model passes it) on the CPU stream; held to its dtype's level."""
+    or the boolean causal array, as the family's model passes it; ``mask``: the boolean (N, N) array the model
+    builds itself, Llama 4's chunks) on the CPU stream; held to its dtype's level."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
@@ -107,7 +199,8 @@ def mlx_forward(layout: str, module, cfg: MHAConfig, x, padding, array_mask: boo
     dtype = module.o_proj.weight.dtype
     with mx.stream(mx.cpu):
         h = mx.array(np.asarray(x), dtype=dtype)
-        output = module(h, mask=create_attention_mask(h, None, return_array=array_mask))
+        allowed = create_attention_mask(h, None, return_array=array_mask) if mask is None else mx.array(mask)
+        output = module(h, mask=allowed)
         mx.eval(output)
     name = str(dtype).removeprefix("mlx.core.")
     run = RealRun(
@@ -129,12 +222,21 @@ def _names(module) -> list[str]:
 
 
 def scaling_read(module: str):
-    """The rope scalings the reader reads back (`READ_SCALINGS`): the others' modules keep only ``_freqs``."""
+    """The rope scalings the reader reads back (`READ_SCALINGS`), as mlx-lm's classes compute them."""
 
     def rule(cfg: MHAConfig) -> str | None:
-        kind = None if cfg.rope_scaling is None else cfg.rope_scaling["rope_type"]
+        scaling = cfg.rope_scaling
+        kind = None if scaling is None else scaling["rope_type"]
         if kind not in READ_SCALINGS:
-            return f"MHAConfig.rope_scaling type {kind!r}: {module}'s rope keeps only its frequency table (_freqs)"
+            return (
+                f"MHAConfig.rope_scaling type {kind!r}: {module}'s rope keeps only its frequency table (_freqs), "
+                f"which the reader reads for {', '.join(map(repr, READ_SCALINGS[1:]))} only"
+            )
+        if kind == "yarn" and (scaling["attention_factor"] is not None or not scaling["truncate"]):
+            return (
+                f"MHAConfig.rope_scaling {describe_rope_scaling(scaling)}: mlx-lm's YarnRoPE reads no "
+                "attention_factor and always truncates the correction range to whole pairs"
+            )
         return None
 
     return rule

@@ -1,5 +1,7 @@
 """``mlx-llama``, ``mlx-qwen2``, ``mlx-qwen3``, ``mlx-olmo2``, ``mlx-gemma3``, ``mlx-phi3``, ``mlx-gemma2``,
-``mlx-gpt-oss``: mlx-lm's ``Attention`` classes (gpt-oss: ``AttentionBlock``) (mlx_lm/models/<family>.py).
+``mlx-gpt-oss``, ``mlx-qwen3-next``: mlx-lm's ``Attention`` classes (gpt-oss: ``AttentionBlock``, Qwen3-Next:
+``Qwen3NextAttention``) (mlx_lm/models/<family>.py). DeepSeek V3's latent attention is `mlx_deepseek`, Llama 4's
+`mlx_llama4`.
 
 mlx-lm writes each family's attention anew, every class named ``Attention``: `_module_io.class_key` keys
 them by their module path (``"mlx_lm.models.qwen3.Attention"``). Mistral has no file of its own: mlx-lm
@@ -15,8 +17,16 @@ Design rules:
   rotary from ``self.rope``: ``nn.RoPE``'s ``dims``, ``traditional`` (True: interleaved pairs, the
   convention Hugging Face's rotate-half is not), ``base`` and ``scale`` (``1/factor``: linear scaling),
   and ``DynamicNTKScalingRoPE``'s ``factor`` and ``max_position_embeddings`` (Hugging Face's dynamic NTK
-  with ``L = max_position_embeddings``). ``Llama3RoPE``, ``YarnRoPE`` and ``SuScaledRoPE`` keep only their
-  frequency table (``_freqs``), not the scaling config: refused, naming the class.
+  with ``L = max_position_embeddings``). ``Llama3RoPE`` and ``YarnRoPE`` keep only their frequency table
+  (``_freqs``, and YaRN's ``mscale``), not the scaling config: the reader takes ``rope_theta`` and
+  ``rope_scaling`` from the model args the instance keeps (``module.args``, DeepSeek V3's ``module.config``;
+  a Llama port sets ``attention.args = model.args``, the ones mlx-lm's ``Model`` keeps), fills the keys
+  mlx-lm defaults (llama3: low 1, high 4, L 8192; yarn: L 4096, where Hugging Face takes
+  ``max_position_embeddings``), then PROVES the reading: ``1 / _freqs`` must equal the spec's
+  `scaled_frequencies` to float32's relative tolerance (mlx-lm computes it in float32) and ``mscale`` the YaRN
+  attention factor; otherwise refused with both numbers (YarnRoPE reads no ``attention_factor`` and always
+  truncates). Without model args they are refused, naming the class. ``SuScaledRoPE`` (longrope) and
+  ``ProportionalRoPE`` are refused: the spec has no longrope.
 * No window is read: these classes apply the mask they are given, and the model builds the sliding one
   (``LlamaModel`` with ``layer_types``: ``create_attention_mask(h, cache, window_size=sliding_window)``);
   Mistral's ``sliding_window`` is applied only where ``layer_types`` says ``"sliding_attention"``.
@@ -50,9 +60,11 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_rope, mlx_state, qk_norm_fields, scaling_read
-from ._module_io import ModuleReader, unexpressible
+from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_reader, mlx_rope, qk_norm_fields, scaling_read
+from ._module_io import unexpressible
 from ._packing import pack_blocks, unpack_blocks
+from .hf_qwen3_next import LAYOUT as HF_QWEN3_NEXT
+from .hf_qwen3_next import _gated_packing  # q_proj's [q_h | gate_h] rows per head, the same in mlx-lm
 
 MLX_REQUIRES = ("mlx", "mlx_lm")
 
@@ -78,6 +90,8 @@ class MlxFamily:
     array_mask: bool = False
     softcap: bool = False  # self.attn_logit_softcapping: tanh(scores / c) * c (Gemma 2)
     sinks: bool = False  # self.sinks (H,), handed to mx.fast.scaled_dot_product_attention(sinks=...) (gpt-oss)
+    gate: bool = False  # o_proj(merged * sigmoid(gate)), q_proj's rows [q_h | gate_h] per head (Qwen3-Next)
+    packing_name: str | None = None  # the Layout's packing word where `packing` is not Phi-3's [Q; K; V] blocks
     cls: str = "Attention"  # gpt-oss: AttentionBlock
     # the instance's attribute names of the heads, kv heads and scale (gpt-oss: num_attention_heads, sm_scale...)
     attributes: tuple[str, str, str] = ("n_heads", "n_kv_heads", "scale")
@@ -91,7 +105,8 @@ class MlxFamily:
         from mlx.utils import tree_map
 
         models = importlib.import_module(f"mlx_lm.models.{self.package}")
-        scaling = cfg.rope_scaling
+        # the keys Hugging Face's form leaves unset are None in the spec's dict; mlx-lm reads a key it finds
+        scaling = cfg.rope_scaling and {key: value for key, value in cfg.rope_scaling.items() if value is not None}
         length = (scaling or {}).get("original_max_position_embeddings", 4096)
         # from_dict keeps the keys the family's ModelArgs has (mlx-lm's own loading path): Gemma 2 has no rope_scaling
         args = models.ModelArgs.from_dict(
@@ -106,7 +121,7 @@ class MlxFamily:
                 "vocab_size": 8,
                 "max_position_embeddings": length,
                 "rope_theta": cfg.rope_base,
-                "rope_scaling": None if scaling is None else dict(scaling),
+                "rope_scaling": scaling,
                 **self.args(cfg),
             }
         )
@@ -119,8 +134,10 @@ class MlxFamily:
             module, self.attributes[2], cfg.scale
         )  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
         module.rope = rope_utils.initialize_rope(
-            cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", scaling and dict(scaling), length
+            cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", scaling, length
         )
+        if getattr(module, "args", None) is None:  # what a port does: Llama3RoPE and YarnRoPE are read from them
+            module.args = args
         module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
         return module
 
@@ -138,6 +155,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
             **mlx_rope(module),
             **(qk_norm_fields(module, family.qk_norm) if family.qk_norm else {}),
             **({"softcap": float(module.attn_logit_softcapping)} if family.softcap else {}),
+            **({"attn_output_gate": True} if family.gate else {}),
         }
         try:
             return MHAConfig(
@@ -167,7 +185,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         name=family.layout,
         module=module_name,
         description=family.description,
-        packing=BLOCKS if family.packing else SEPARATE,
+        packing=family.packing_name or (BLOCKS if family.packing else SEPARATE),
         scale="the instance's self.scale (head_dim**-0.5 as mlx-lm builds these)",
         rotary="nn.RoPE: traditional=True interleaved pairs, False rotate-half; every feature of a head",
         source=f"mlx_lm/models/{family.package}.py",
@@ -188,13 +206,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
         notes=family.notes,
         runner=runner,
         requires=MLX_REQUIRES,
-        reader=ModuleReader(
-            classes=(module_name,),
-            config=read,
-            state=lambda module, cfg: mlx_state(module, packing["shapes"](cfg)),
-            load=load_mlx,
-            forward=forward,
-        ),
+        reader=mlx_reader(module_name, read, packing["shapes"], forward),
         example=family.example,
         variants=family.variants,
     )
@@ -273,7 +285,7 @@ PHI3_FAMILY = MlxFamily(
     packing=fused_qkv("qkv_proj", "o_proj", pack_blocks, unpack_blocks),
     partial=True,
     rules=(head_dim_is_width_over_heads("mlx_lm.models.phi3.Attention"),),
-    notes=("longrope (SuScaledRoPE) keeps only its frequency table: refused, as Hugging Face's longrope is",),
+    notes=("longrope (SuScaledRoPE) is refused, as Hugging Face's longrope is: the spec has no longrope",),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
 )
 PHI3 = mlx_layout(PHI3_FAMILY)
@@ -302,20 +314,58 @@ GPT_OSS_FAMILY = MlxFamily(
     layout="mlx-gpt-oss",
     package="gpt_oss",
     description="mlx-lm gpt-oss AttentionBlock: Llama's linears with biases, sinks (H,) in the fused SDPA's softmax",
-    variants=("sinks",),
+    variants=("sinks", "rope_scaling"),
     args=lambda cfg: {"head_dim": cfg.d_k, "num_local_experts": 1, "num_experts_per_tok": 1},
     biases=(True,),
     sinks=True,
     cls="AttentionBlock",
     attributes=("num_attention_heads", "num_key_value_heads", "sm_scale"),
     notes=(
-        "gpt-oss's checkpoints scale rope with YaRN (YarnRoPE), which keeps only its frequency table: refused; a "
-        "module built without rope_scaling holds nn.RoPE and is read",
+        "gpt-oss's checkpoints scale rope with YaRN (YarnRoPE), which keeps only its frequency table: read from the "
+        "model args the instance is given (attention.args = model.args) and proved on that table",
         "the window is the model's mask (layer_types 'sliding_attention': create_attention_mask(..., window_size))",
     ),
     example={"n_kv_heads": 2, "bias": True, "rope": "half", "causal": True, "sinks": True},
 )
 GPT_OSS = mlx_layout(GPT_OSS_FAMILY)
+QWEN3_NEXT_MODULE = "mlx_lm.models.qwen3_next.Qwen3NextAttention"
+QWEN3_NEXT_FAMILY = MlxFamily(
+    layout="mlx-qwen3-next",
+    package="qwen3_next",
+    description="mlx-lm Qwen3-Next full attention: q_proj (H*2*d, E) holds [q_h | gate_h] per head, the merged heads "
+    "times sigmoid(gate) before o_proj; q_norm/k_norm nn.RMSNorm(head_dim) storing 1 + w; partial rotate-half",
+    variants=("qk_norm_head", "gate", "rope_scaling"),
+    args=lambda cfg: {
+        "head_dim": cfg.d_k,
+        "partial_rotary_factor": (cfg.rope_dims or cfg.d_k) / cfg.d_k,
+        "attention_bias": bool(cfg.bias),
+        **dict.fromkeys(("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim"), 2),
+        **dict.fromkeys(("linear_value_head_dim", "linear_conv_kernel_dim", "decoder_sparse_step"), 2),
+        **dict.fromkeys(("num_experts", "num_experts_per_tok"), 1),
+        **dict.fromkeys(("shared_expert_intermediate_size", "moe_intermediate_size"), cfg.d_model),
+        "mlp_only_layers": [],
+    },
+    qk_norm="head",
+    packing=_gated_packing(separate_linears(LINEARS, NORMS, {})),
+    packing_name=SEPARATE,
+    partial=True,
+    gate=True,
+    cls="Qwen3NextAttention",
+    attributes=("num_attention_heads", "num_key_value_heads", "scale"),
+    rules=(
+        field_is(QWEN3_NEXT_MODULE, "attn_output_gate", (True,), "always gates its output (q_proj holds the gate)"),
+    ),
+    notes=(
+        "q_proj's rows per head are [q_h | gate_h] (reshape(B, L, H, -1) then mx.split(..., 2, axis=-1)), as "
+        "Hugging Face's: w_q and w_gate split per head (core.variants.split_gated_q)",
+        "q_norm/k_norm are nn.RMSNorm multiplying by the stored weight: Model.sanitize adds 1 to Hugging Face's "
+        "stored w (weights[k] = v + 1.0), so mlx-lm stores the canonical 1 + w where Hugging Face stores w",
+        "the layer applies the mask its model gives (create_attention_mask: 'causal'); every "
+        "full_attention_interval-th layer is this one, the others gated DeltaNet (not attention)",
+    ),
+    example=HF_QWEN3_NEXT.example,  # the same layer's: 2 kv heads, rotate-half on 2 features, QK-norm, the gate
+)
+QWEN3_NEXT = mlx_layout(QWEN3_NEXT_FAMILY)
 FAMILIES = {
     family.layout: family
     for family in (
@@ -327,5 +377,6 @@ FAMILIES = {
         PHI3_FAMILY,
         GEMMA2_FAMILY,
         GPT_OSS_FAMILY,
+        QWEN3_NEXT_FAMILY,
     )
 }

@@ -92,7 +92,7 @@ def test_the_traditional_flag_is_the_rotary_convention():
 def test_classes_are_told_apart_by_their_file():
     layouts = {get_layout(name).reader.classes[0] for name in FAMILIES}
     families = ("llama", "qwen2", "qwen3", "olmo2", "gemma3_text", "phi3", "gemma2")
-    blocks = {"mlx_lm.models.gpt_oss.AttentionBlock"}
+    blocks = {"mlx_lm.models.gpt_oss.AttentionBlock", "mlx_lm.models.qwen3_next.Qwen3NextAttention"}
     assert layouts == {f"mlx_lm.models.{family}.Attention" for family in families} | blocks
 
 
@@ -117,9 +117,12 @@ def test_a_scaling_whose_module_keeps_only_frequencies_is_refused_naming_it():
     from mlx_lm.models.rope_utils import initialize_rope
 
     module = FAMILIES["mlx-llama"].build(CASES[1][1])
-    module.rope = initialize_rope(6, 10000.0, False, {"rope_type": "llama3", "factor": 8.0}, 64)
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 32}
+    longrope.update(short_factor=[1.0, 1.0, 1.0], long_factor=[1.0, 2.0, 4.0])  # Phi-3's longrope: two factor tables
+    module.rope = initialize_rope(6, 10000.0, False, longrope, 64)
     with pytest.raises(
-        LayoutError, match=r"^mlx_lm\.models\.llama\.Attention has rope mlx_lm\.models\.rope_utils\.Llama3RoPE.*_freqs"
+        LayoutError,
+        match=r"^mlx_lm\.models\.llama\.Attention has rope mlx_lm\.models\.rope_utils\.SuScaledRoPE.*_freqs.*longrope",
     ):
         from_module(module)
 

@@ -6,6 +6,8 @@ module's source says, with distinct sizes so that no two axes can be swapped sil
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,21 @@ CONFIGS = {
         qk_norm="head",
         attn_output_gate=True,
     ),
+    "mlx-deepseek-v3": MHAConfig(
+        d_model=16,
+        n_heads=2,
+        q_lora_rank=7,
+        kv_lora_rank=6,
+        qk_nope_head_dim=3,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        causal=True,
+        rope_interleave=True,
+        bias=True,
+    ),
+    "mlx-llama4": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, rope="interleaved", attention_chunk_size=3
+    ),
     "hf-bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
     "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
@@ -82,6 +99,7 @@ CONFIGS = {
     "flax": MHAConfig(d_model=15, n_heads=3, d_k=4, kdim=11, vdim=9),
     "equinox": MHAConfig(d_model=15, n_heads=3, d_k=4, d_v=6, kdim=11, vdim=9, bias=False),
 }
+CONFIGS["mlx-qwen3-next"] = replace(CONFIGS["hf-qwen3-next"], bias=True)  # the same rows, biases too
 ROUND_TRIP = list(CONFIGS)
 
 
@@ -91,7 +109,7 @@ def test_registry_lists_every_family():
         "hf-mistral", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-gemma4", "hf-gpt-oss", "hf-llama4", "hf-deepseek-v2",
             "hf-deepseek-v3", "hf-qwen3-next", "hf-bloom", "hf-mpt",
         "megatron", "timm-vit", "hf-t5", "keras", "mlx-llama", "mlx-qwen2", "mlx-qwen3", "mlx-olmo2", "mlx-gemma3", "mlx-phi3", "mlx-gemma2",
-        "mlx-gpt-oss",
+        "mlx-gpt-oss", "mlx-qwen3-next", "mlx-deepseek-v3", "mlx-llama4",
         "keras-hub-llama", "keras-hub-mistral", "keras-hub-gemma", "keras-hub-gemma3", "keras-hub-qwen2",
         "keras-hub-qwen3", "keras-hub-phi3", "keras-hub-gpt-oss",
         "torch-mha", "flax", "equinox",

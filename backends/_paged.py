@@ -15,6 +15,18 @@ class PagedCacheBase:
     kind, ring = PAGED, None  # no ring: a window frees whole pages instead
     axes = ""  # the pool's axes in words, e.g. "(pages, P, Hkv, Dk)"
 
+    def rewind(self, written: int) -> None:
+        """The next write goes to token ``written``'s slot, its page still held (`PagePool.rewind`): a timed decode
+        step (`bench --mode decode`) writes the same step into the same slots on every call."""
+        self.pool.rewind(written)
+
+    # torch's `decode.TorchKVCache` interface for the same: the state a step changes, and putting it back.
+    def state(self) -> int:
+        return self.pool.written
+
+    def restore(self, written: int) -> None:
+        self.rewind(written)
+
     @property
     def slots(self) -> int:
         """Token slots per row the pool could hold (its pages over the rows)."""

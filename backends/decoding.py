@@ -10,6 +10,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, validate_params
 from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
+from mha_rosetta.core.page_pool import pool_pages
 from mha_rosetta.core.paged import check_page_size
 
 from ._paged import PAGED
@@ -31,6 +32,14 @@ class DecodeStep:
     strategy: str
     cache: str
     seed: int
+
+    def paging(self, window: int | None) -> tuple[int, int, int]:
+        """The paged cache of this step (``cache="paged"``): (page size, pool pages, seed). Pages of
+        `DEFAULT_PAGE_SIZE` (vLLM's), a pool that holds the context, then the step (a window frees whole pages
+        before the step takes its own), in the physical order drawn from ``seed``. Every adapter's timed paged
+        step takes its pool from here, so that each convention pages the same way."""
+        chunks = [(0, self.context), (self.context, self.context + self.step)]
+        return DEFAULT_PAGE_SIZE, pool_pages(self.batch, DEFAULT_PAGE_SIZE, chunks, window), self.seed
 
     def positions(self) -> np.ndarray:
         """The step's tokens' positions, ``context .. context + step - 1`` in every sequence: (B, s), a broadcast view."""
@@ -138,6 +147,12 @@ class DecodeMixin:
             for chunk in prepared.step_stages()
         ]
 
+    def timed_step_reason(self, cache: str | None) -> str | None:
+        """Why `prepare_decode` (the timed step) refuses the cache kind ``cache`` that `run_decode` runs, or None."""
+        if cache == PAGED and not self.paged_decode_step:
+            return f"{self.name}: the paged cache has no timed step yet (run_decode runs it)"
+        return None
+
     def prepare_decode(
         self,
         cfg: MHAConfig,
@@ -160,7 +175,8 @@ class DecodeMixin:
         if not cfg.causal:
             raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
         dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
-        if cache == PAGED and not self.paged_decode_step:
-            raise UnsupportedCase(f"{self.name}: the paged cache has no timed step yet (run_decode runs it)")
+        reason = self.timed_step_reason(cache)
+        if reason:
+            raise UnsupportedCase(reason)
         job = DecodeStep(int(batch), int(context), int(step), dtype, device, strategy, cache, seed)
         return self._prepare_decode_step(cfg, params, job)

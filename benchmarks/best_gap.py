@@ -3,7 +3,8 @@
 Our convention adapters are never a framework's speed: a figure that compares frameworks compares their
 best paths (`backends.best`), and every other cell is shown beside its framework's best one at the same
 size, as a ratio. Plain data in, fields added; `backends.best.best_path_for` names which best path a cell
-is compared with (none for a runtime that has no best path here).
+is compared with (none for a runtime that has no best path here). `paged_over_contiguous` is the same kind of
+ratio within one implementation: its paged decode step over its contiguous one (issue 47).
 """
 
 from __future__ import annotations
@@ -27,3 +28,23 @@ def mark_over_best(cells: list[dict], same: Sequence[str], time_of: Callable[[di
         if cell.get("status") != "ok" or reference is None or not time_of(reference):
             continue
         cell.update(best_path=path, over_best=time_of(cell) / time_of(reference))
+
+
+def paged_over_contiguous(cells: list[dict]) -> None:
+    """Each measured paged cell's step over the same implementation's contiguous one (its default cache) at the same
+    context, window, device, dtype and step (``paged_over_contiguous``): what reading K and V through the block
+    table costs (the gather of the held pages), where the run timed both."""
+    from mha_rosetta.backends._paged import PAGED
+
+    same = ("implementation", "device", "dtype", "context", "window", "step")
+    contiguous = {
+        tuple(cell.get(name) for name in same): cell
+        for cell in cells
+        if cell.get("status") == "ok" and cell.get("cache") is None
+    }
+    for cell in cells:
+        reference = contiguous.get(tuple(cell.get(name) for name in same))
+        if cell.get("cache") != PAGED or cell.get("status") != "ok" or reference is None:
+            continue
+        if cell.get("step_s") and reference.get("step_s"):
+            cell["paged_over_contiguous"] = cell["step_s"] / reference["step_s"]

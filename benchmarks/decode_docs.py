@@ -70,7 +70,9 @@ def readme_block(report: dict) -> str:
             if (not windowed and cell["context"] in shown) or (windowed and cell["context"] == longest_window):
                 rows.append(
                     [
-                        f"`{cell['implementation']}`" + (f" (W={cell['window']})" if windowed else ""),
+                        f"`{cell['implementation']}`"
+                        + (" (paged)" if cell.get("cache") == "paged" else "")
+                        + (f" (W={cell['window']})" if windowed else ""),
                         str(cell["context"]),
                         f"{cell['step_s'] * 1e3:.3f}",
                         "" if cell.get("over_best") is None else f"{cell['over_best']:.2f}",

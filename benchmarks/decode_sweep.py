@@ -82,6 +82,9 @@ class DecodeSettings(DecodeLayer):
     contexts: list[int] = field(default_factory=lambda: [1024])
     window: int | None = None
     window_contexts: list[int] = field(default_factory=list)
+    # The paged row: the default layer's step through each convention's paged cache (`DecodeStep.paging`: pages of
+    # 16, vLLM's), beside its contiguous cell at the same context: ``paged_over_contiguous`` is the gather's cost.
+    paged_contexts: list[int] = field(default_factory=list)
     dtype: str = "float32"
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     threads: int = 1
@@ -100,7 +103,7 @@ class DecodeSettings(DecodeLayer):
     def __post_init__(self) -> None:
         for name in ("batch", "step", "d_model", "heads", "kv_heads", "d_k", "threads", "rounds"):
             require_positive_int(f"decode {name}", getattr(self, name))
-        for context in [*self.contexts, *self.window_contexts]:
+        for context in [*self.contexts, *self.window_contexts, *self.paged_contexts]:
             require_positive_int("decode context", context)
         if not self.contexts:
             raise ValueError("contexts must name at least one context length, got []")
@@ -122,29 +125,34 @@ def decode_settings(name: str = "decode", **overrides) -> DecodeSettings:
 
 
 def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) -> list[DecodeCellSpec]:
-    """Every (device, implementation, context) cell, then the windowed row's cells."""
-    rows = [(None, context) for context in settings.contexts]
+    """Every (device, implementation, context) cell, then the windowed row's cells, then the paged row's (their
+    prefill is the contiguous cell's: not timed again)."""
+    from mha_rosetta.backends._paged import PAGED
+
+    rows = [(None, context, None) for context in settings.contexts]
     if settings.window is not None:
-        rows += [(settings.window, context) for context in settings.window_contexts]
+        rows += [(settings.window, context, None) for context in settings.window_contexts]
+    rows += [(None, context, PAGED) for context in settings.paged_contexts]
     return [
         DecodeCellSpec(
             implementation=label,
             context=context,
             **layer_of(settings),
             window=window,
+            cache=cache,
             dtype=settings.dtype,
             device=device,
             threads=settings.threads,
             cpus=settings.cpus,
             policy=dict(settings.policy),
-            prefill=context <= settings.prefill_max,
+            prefill=cache is None and context <= settings.prefill_max,
             prefill_policy=dict(settings.prefill_policy),
             malloc=settings.malloc,
             plugins=list(settings.plugins),
         )
         for device in settings.devices
         for label in implementations
-        for window, context in rows
+        for window, context, cache in rows
     ]
 
 
@@ -160,7 +168,8 @@ def parent_reason(spec: DecodeCellSpec) -> str | None:
         backend = get_backend(spec.backend)
     except Exception:
         return None
-    return backend.decode_reason(decode_config(spec), spec.dtype, spec.device, spec.strategy, spec.cache)
+    reason = backend.decode_reason(decode_config(spec), spec.dtype, spec.device, spec.strategy, spec.cache)
+    return reason or backend.timed_step_reason(spec.cache)
 
 
 def estimate_decode_seconds(settings: DecodeSettings, cells: list[DecodeCellSpec]) -> float:
@@ -195,6 +204,7 @@ BandwidthRunner = Callable[..., dict]
 
 def _describe(record: dict) -> str:
     window = f" W={record['window']}" if record.get("window") else ""
+    window += f" {record['cache']}" if record.get("cache") else ""  # the paged row
     where = f"{record['implementation']} {record['device']} {record['dtype']} context={record['context']}{window}"
     if record.get("status") == "ok":
         return f"{where}: step {record['median_s'] * 1e3:.3f} ms"
@@ -328,13 +338,15 @@ def best_of_framework(cells: list[dict]) -> None:
     """
     from .best_gap import mark_over_best
 
-    mark_over_best(cells, ("device", "dtype", "context", "window", "step"), lambda cell: cell.get("step_s"))
+    # The cache kind too: a paged cell is read against its best path's paged cell, never its contiguous one.
+    mark_over_best(cells, ("device", "dtype", "context", "window", "step", "cache"), lambda cell: cell.get("step_s"))
 
 
 def assemble_decode_report(
     settings: dict, bandwidths: list[dict], cells: list[dict], *, rounds: dict | None = None, complete: bool = True
 ) -> dict:
     """The decode report: machine, settings, the bandwidth per device, the cells (drift-corrected, enriched)."""
+    from .best_gap import paged_over_contiguous
     from .correction import correct_cell, reference_summary, run_references
     from .report import machine_info, status_summary
 
@@ -353,6 +365,7 @@ def assemble_decode_report(
 
     enriched = [enrich(cell) for cell in cells]
     best_of_framework(enriched)
+    paged_over_contiguous(enriched)  # `best_gap`: the paged row over the contiguous one
     try:
         from .provenance import provenance
 

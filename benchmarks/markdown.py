@@ -264,6 +264,14 @@ def decode_markdown(report: dict) -> str:
     lines.append("")
     lines += reference_lines(report)
     lines += table_lines(DECODE_COLUMNS, [decode_row(cell) for cell in report["cells"]])
+    paged = [cell for cell in report["cells"] if cell.get("paged_over_contiguous") is not None]
+    if paged:
+        lines += [
+            "",
+            "Paged over contiguous (the same step with K and V read through a block table of 16-token pages, over "
+            "the implementation's contiguous cache at that context: the gather's cost): "
+            + ", ".join(f"`{c['implementation']}` {c['context']}: {c['paged_over_contiguous']:.2f}x" for c in paged),
+        ]
     cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache") and cell.get("status") == "ok"]
     if cached:
         llc = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)

@@ -172,7 +172,8 @@ DECODE_PLOT_NAME = "decode_step_vs_context.png"  # the one file `plot_decode` wr
 
 
 def _decode_series_label(cell: dict) -> str:
-    return cell["implementation"] + ("" if cell.get("window") is None else f" (W={cell['window']})")
+    paged = " (paged)" if cell.get("cache") == "paged" else ""  # the paged row beside the contiguous one
+    return cell["implementation"] + paged + ("" if cell.get("window") is None else f" (W={cell['window']})")
 
 
 def plot_decode(report: dict, directory: str | Path) -> list[Path]:

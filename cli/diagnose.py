@@ -15,6 +15,13 @@ forward (``--decode`` implies ``--causal``). ``--prefill`` / ``--step``: the one
 tokens per step the loop supports (default: the probes choose; ``--step 1`` leaves top-left causality
 on multi-query steps unseen, and a note says so).
 
+``mha-rosetta diagnose --ragged packed|padded|paged mypkg.mod:fn ...`` diagnoses a ragged batch or a paged
+read instead (`diagnose.ragged`, issue 47): ``packed`` a callable ``(params, x (T, d_model), cu_seqlens)``
+(``--ragged packed`` implies ``--causal``: documents leaking, positions not restarting), ``padded``
+``(params, x (B, N, d_model), seq_lens)`` (padding keys attended; a bidirectional cfg shows it), ``paged`` a
+decode kernel ``(q, k_pool, v_pool, block_table, seq_lens, scale) -> (B, H, Dv)`` on the probe's own sizes,
+so it takes no size options (the physical page as the logical one, the last page's length off by one).
+
 Exit status: 0 the candidate agrees with the oracle; 1 it disagrees (causes printed);
 2 it cannot be diagnosed (an import path that does not resolve, not callable, raised,
 timed out, crashed its process, wrong shape or dtype, NaN everywhere) or a bad option.
@@ -31,6 +38,8 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mha_rosetta.diagnose.ragged import RAGGED_FORMS
+
     from .options import add_json, add_list, add_switch
     from .variant_options import add_variant_arguments
 
@@ -83,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step", type=int, help="with --decode: the tokens per step the loop supports (default: the probes')"
     )
+    parser.add_argument(
+        "--ragged",
+        choices=tuple(RAGGED_FORMS),
+        help="the candidate takes a ragged batch or paged keys: "
+        + "; ".join(f"{form}: {text}" for form, text in RAGGED_FORMS.items())
+        + " (packed implies --causal)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per probe (default 30)")
     add_json(parser, help="write the diagnosis as JSON to PATH ('-' for stdout)")
     parser.add_argument(
@@ -99,15 +115,31 @@ CONFIG_OPTIONS = (
 )  # fmt: skip
 
 
+def _given(args: argparse.Namespace) -> list[str]:
+    """The configuration options given, as flags."""
+    return [
+        "--" + name.replace("_", "-")
+        for name in CONFIG_OPTIONS
+        if getattr(args, name) is not None and getattr(args, name) is not False
+    ]
+
+
 def _config(args: argparse.Namespace):
     from mha_rosetta.core import MHAConfig
 
+    if getattr(args, "ragged", None) == "paged":  # the kernel's probe has its own sizes: no configuration
+        from mha_rosetta.diagnose.ragged import PAGED_SIZES_TEXT
+
+        from .variant_options import given as variants_given
+
+        given = _given(args) + variants_given(args) + (["--like"] if args.like is not None else [])
+        if given:
+            raise ValueError(
+                f"--ragged paged probes a decode kernel on its own sizes ({PAGED_SIZES_TEXT}); drop {', '.join(given)}"
+            )
+        return None
     if args.like is not None:
-        given = [
-            "--" + name.replace("_", "-")
-            for name in CONFIG_OPTIONS
-            if getattr(args, name) is not None and getattr(args, name) is not False
-        ]
+        given = _given(args)
         if given:
             raise ValueError(f"--like gives the whole configuration; drop {', '.join(given)}")
         from mha_rosetta.diagnose.isolated import resolve_like
@@ -131,7 +163,8 @@ def _config(args: argparse.Namespace):
         kdim=args.kdim,
         vdim=args.vdim,
         bias=not args.no_bias,
-        causal=args.causal or bool(getattr(args, "decode", False)),  # a decode loop is causal
+        # A decode loop is causal, and so are packed documents.
+        causal=args.causal or bool(getattr(args, "decode", False)) or getattr(args, "ragged", None) == "packed",
         scale=args.scale,
         rope=args.rope,
         rope_base=10000.0 if args.rope_base is None else args.rope_base,
@@ -147,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .variant_options import with_variants
 
+    if args.confusion and (args.decode or args.ragged):
+        drop = "--decode" if args.decode else "--ragged"
+        print(f"mha-rosetta diagnose: error: --confusion is the forward's table; drop {drop}", file=sys.stderr)
+        return 2
     if args.confusion:
         from mha_rosetta.diagnose.confusion import (
             confusion,
@@ -168,21 +205,28 @@ def run(args: argparse.Namespace) -> int:
     if not args.decode and (args.prefill is not None or args.step is not None):
         print("mha-rosetta diagnose: error: --prefill and --step need --decode (a decode loop)", file=sys.stderr)
         return 2
-    if args.decode and args.confusion:
-        print("mha-rosetta diagnose: error: --confusion is the forward's table; drop --decode", file=sys.stderr)
+    if args.ragged is not None and args.decode:
+        print(
+            "mha-rosetta diagnose: error: --ragged and --decode are different candidates (a paged decode kernel is "
+            "--ragged paged); give one",
+            file=sys.stderr,
+        )
         return 2
     if args.candidate is None:
         print("mha-rosetta diagnose: error: give the candidate as MODULE:CALLABLE (or --confusion)", file=sys.stderr)
         return 2
     sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named (the child inherits it)
     try:
-        cfg = with_variants(_config(args), args)
+        cfg = _config(args)
+        if cfg is not None:
+            cfg = with_variants(cfg, args)
         timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
         # In a child process: a candidate that crashes or hangs in native code is reported, not fatal here.
         dtypes = args.dtypes or ["float64"]
         decode = {"prefill": args.prefill, "step": args.step} if args.decode else None
         results = [
-            diagnose_import_path(args.candidate, cfg, dtype=dtype, timeout=timeout, decode=decode) for dtype in dtypes
+            diagnose_import_path(args.candidate, cfg, dtype=dtype, timeout=timeout, decode=decode, ragged=args.ragged)
+            for dtype in dtypes
         ]
     except (DiagnoseError, ValueError, TypeError) as error:
         print(f"mha-rosetta diagnose: error: {error}", file=sys.stderr)
@@ -190,13 +234,17 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     for dtype, result in zip(dtypes, results, strict=True):
         like = f", like {args.like}" if args.like else ""
-        loop = ", decode loop" if args.decode else ""
-        print(f"{args.candidate} ({cfg.describe()}{loop}{like}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
+        loop = ", decode loop" if args.decode else f", {args.ragged}" if args.ragged else ""
+        described = cfg.describe() if cfg is not None else "paged decode kernel, the probe's own sizes"
+        print(f"{args.candidate} ({described}{loop}{like}{f', {dtype}' if len(dtypes) > 1 else ''}):", file=out)
         print(result.summary(), file=out)
     if args.json:
-        head = {"candidate": args.candidate, "config": cfg.describe(), **({"like": args.like} if args.like else {})}
+        head = {"candidate": args.candidate, "config": None if cfg is None else cfg.describe()}
+        head.update({"like": args.like} if args.like else {})
         if args.decode:
             head["decode"] = {"prefill": args.prefill, "step": args.step}
+        if args.ragged:
+            head["ragged"] = args.ragged
         # One dtype: the diagnosis' fields at the top level (as before --dtypes took a list); several: one each.
         body = results[0].as_dict() if len(results) == 1 else {
             "agrees": all(result.agrees for result in results),

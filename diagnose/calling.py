@@ -47,8 +47,11 @@ def _call(candidate, args: tuple, timeout: float, probe: str, announce=None):
     return box["result"]
 
 
-def _as_output(result, expected_shape: tuple[int, ...], probe: str) -> tuple[np.ndarray, str]:
-    """The candidate's result as float64 NumPy, and the name of its dtype; clear errors otherwise."""
+def _as_output(
+    result, expected_shape: tuple[int, ...], probe: str, axes: str = "(batch, q_tokens, d_model)"
+) -> tuple[np.ndarray, str]:
+    """The candidate's result as float64 NumPy, and the name of its dtype; clear errors otherwise (``axes``: the
+    expected shape's axes in words)."""
     if isinstance(result, (tuple, list)):
         raise DiagnoseError(
             f"the candidate returned a {type(result).__name__} on probe {probe!r}; it must return the output array "
@@ -69,8 +72,7 @@ def _as_output(result, expected_shape: tuple[int, ...], probe: str) -> tuple[np.
         )
     if array.shape != expected_shape:
         raise DiagnoseError(
-            f"the candidate returned shape {array.shape} on probe {probe!r}; expected {expected_shape} "
-            "(batch, q_tokens, d_model)"
+            f"the candidate returned shape {array.shape} on probe {probe!r}; expected {expected_shape} {axes}"
         )
     dtype_name = "bfloat16" if "bfloat16" in dtype_name else array.dtype.name
     return array.astype(np.float64), dtype_name

@@ -71,10 +71,13 @@ def resolve_like(path: str):
     return obj
 
 
-def _child(path: str, cfg: MHAConfig, dtype: str, timeout: float, conn, decode: dict | None = None) -> None:
+def _child(
+    path: str, cfg: MHAConfig | None, dtype: str, timeout: float, conn, decode: dict | None = None, ragged=None
+) -> None:
     """The child's work: import the candidate, diagnose it, send ("result", Diagnosis) or ("error", kind, text).
 
     ``decode``: None for `diagnose`; ``{"prefill": ..., "step": ...}`` for `decode.diagnose_decode`.
+    ``ragged``: a form of `ragged.RAGGED_FORMS` for `ragged.diagnose_ragged` (``cfg`` None for ``paged``).
     """
     try:
         candidate = resolve_callable(path)
@@ -82,7 +85,11 @@ def _child(path: str, cfg: MHAConfig, dtype: str, timeout: float, conn, decode: 
         def announce(*event):
             conn.send(event)
 
-        if decode is None:
+        if ragged is not None:
+            from .ragged import diagnose_ragged
+
+            result = diagnose_ragged(ragged, candidate, cfg, dtype=dtype, timeout=timeout, announce=announce)
+        elif decode is None:
             result = diagnose(candidate, cfg, dtype=dtype, timeout=timeout, announce=announce)
         else:
             from .decode import diagnose_decode
@@ -112,17 +119,19 @@ def _death(exitcode: int | None, path: str, probe: str | None) -> str:
 
 def diagnose_import_path(
     path: str,
-    cfg: MHAConfig,
+    cfg: MHAConfig | None,
     *,
     dtype: str = "float64",
     timeout: float,
     start_timeout: float = START_TIMEOUT_S,
     decode: dict | None = None,
+    ragged: str | None = None,
 ) -> Diagnosis:
     """`diagnose` of the callable at ``path`` (``"pkg.mod:name"``), run in a spawned child process.
 
     ``decode={"prefill": ..., "step": ...}`` (each an int or None): `decode.diagnose_decode` instead, the
-    callable being a decode loop ``(params, x, prefill, step, mask, positions) -> output``.
+    callable being a decode loop ``(params, x, prefill, step, mask, positions) -> output``. ``ragged="packed"``,
+    ``"padded"`` or ``"paged"``: `ragged.diagnose_ragged` of that form instead (``cfg`` None for ``paged``).
 
     Raises `DiagnoseError` when the candidate cannot be diagnosed, as `diagnose` does, and also when
     its process dies (naming the exit status or signal and the probe) or a call overruns ``timeout``
@@ -132,7 +141,9 @@ def diagnose_import_path(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     context = multiprocessing.get_context("spawn")  # never fork: see the module docstring
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(path, cfg, dtype, timeout, sender, decode), name=f"diagnose {path}")
+    child = context.Process(
+        target=_child, args=(path, cfg, dtype, timeout, sender, decode, ragged), name=f"diagnose {path}"
+    )
     child.daemon = True  # never outlives this process, whatever happens below
     child.start()
     sender.close()  # the child holds the only write end: its death reads as EOF here

@@ -39,14 +39,23 @@ from dataclasses import replace
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, check_dtype_name, init_params, reference_mha
+from mha_rosetta.core import MHAConfig, check_dtype_name, init_params, lower_precision, numpy_dtype, reference_mha
 from mha_rosetta.core.paged import PagedLayout
 from mha_rosetta.core.ragged import RaggedBatch
 from mha_rosetta.core.tolerances import tolerance_for
 
-from .diagnosis import Cause, Diagnosis
+from .calling import DiagnoseError, _as_output, _call
+from .diagnosis import DEFAULT_TIMEOUT_S, Cause, Diagnosis
 
-__all__ = ["RAGGED_CAUSE_CODES", "diagnose_packed", "diagnose_padded", "diagnose_paged"]
+__all__ = [
+    "PAGED_SIZES",
+    "RAGGED_CAUSE_CODES",
+    "RAGGED_FORMS",
+    "diagnose_packed",
+    "diagnose_padded",
+    "diagnose_paged",
+    "diagnose_ragged",
+]
 
 RAGGED_CAUSE_CODES = (
     "packed_documents_leak",
@@ -64,6 +73,9 @@ FIXES = {
     "paged_physical_as_logical": "read logical page j of row b from physical page block_table[b, j]",
     "paged_last_page_off_by_one": "the last page holds seq_len - (pages - 1) * P tokens, in 1..P: read exactly those",
 }
+# The paged kernel's probe: query heads, kv heads, head width and page size (a kernel takes any: these are its own).
+PAGED_SIZES = {"H": 4, "Hkv": 2, "D": 6, "P": 4}
+PAGED_SIZES_TEXT = ", ".join(f"{name} {size}" for name, size in PAGED_SIZES.items())
 PACKED_PROBES = {"documents 5, 0, 3, 6": (5, 0, 3, 6), "documents 2, 7, 1, 4": (2, 7, 1, 4)}
 PADDED_PROBES = {"lengths 6, 2, 4 of 7": ((6, 2, 4), 7), "lengths 3, 5 of 5": ((3, 5), 5)}
 
@@ -97,15 +109,46 @@ def _diagnosis(dtype, got, oracle, hypotheses, rows=None, notes=()) -> Diagnosis
     return Diagnosis(agrees, max(errors.values()), causes, notes=list(notes), probe_errors=errors, dtype=dtype)
 
 
-def _check_candidate(candidate) -> None:
-    if not callable(candidate):
-        raise TypeError(f"candidate must be callable, got {type(candidate).__name__}")
+class _Probing:
+    """The candidate's calls, as `diagnose`'s: each in a worker thread under the per-probe time limit
+    (`calling._call`, announced to ``announce`` so that `isolated` can watch a child), its float arrays cast
+    to ``dtype``, its result checked (an array of the expected shape, floating point, not NaN everywhere) and
+    made float64. The tolerance is the lower precision of ``dtype`` and what the candidate returned."""
+
+    def __init__(self, candidate, dtype: str, timeout: float | None, announce) -> None:
+        if not callable(candidate):
+            raise TypeError(f"candidate must be callable, got {type(candidate).__name__}")
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.candidate, self.timeout, self.announce = candidate, timeout, announce
+        self.dtype = check_dtype_name(dtype)
+        self.np_dtype = numpy_dtype(self.dtype)
+        self.out_dtypes = {self.dtype}
+
+    def cast(self, array):
+        """A float64 probe array (or `MHAParams`) in the diagnosis' dtype, as the candidate receives it."""
+        return array.astype(self.np_dtype)
+
+    def __call__(self, probe: str, args: tuple, shape: tuple[int, ...], axes: str) -> np.ndarray:
+        result = _call(self.candidate, args, self.timeout, probe, self.announce)
+        output, out_dtype = _as_output(result, shape, probe, axes)
+        if not np.isfinite(output).any():
+            raise DiagnoseError(f"the candidate returned NaN or inf everywhere on probe {probe!r}")
+        self.out_dtypes.add(out_dtype)
+        return output
+
+    @property
+    def tolerance_dtype(self) -> str:
+        return lower_precision(*self.out_dtypes)
 
 
-def diagnose_packed(candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: int = 0) -> Diagnosis:
-    """Does ``candidate(params, x, cu_seqlens)`` keep packed documents apart, each from position 0 (module docstring)."""
-    _check_candidate(candidate)
-    dtype = check_dtype_name(dtype)
+def diagnose_packed(
+    candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: int = 0, timeout=None, announce=None
+) -> Diagnosis:
+    """Does ``candidate(params, x, cu_seqlens)`` keep packed documents apart, each from position 0 (module docstring).
+    ``timeout`` (seconds per call, default `DEFAULT_TIMEOUT_S`) and ``announce`` as in `diagnose`."""
+    call = _Probing(candidate, dtype, timeout, announce)
     if not isinstance(cfg, MHAConfig) or not cfg.causal:
         raise ValueError(f"cfg must be a causal MHAConfig (packed documents are causal sequences), got {cfg!r}")
     params, rng = init_params(cfg, seed=seed), np.random.default_rng(seed + 1)
@@ -115,7 +158,7 @@ def diagnose_packed(candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: 
         batch = RaggedBatch(lengths)
         x = rng.standard_normal((batch.total, cfg.d_model))  # (T, D)
         cu, pos = batch.cu_seqlens(), batch.position_ids(drop_empty=True)
-        got[name] = candidate(params, x, cu)
+        got[name] = call(name, (call.cast(params), call.cast(x), cu.copy()), x.shape, "(T, d_model)")
         oracle[name] = reference_mha(cfg, params, x, cu_seqlens=cu)
         row_causal = np.tril(np.ones((batch.total, batch.total), dtype=bool))  # (T, T): j <= i over the row
         simulated = {
@@ -139,19 +182,21 @@ def diagnose_packed(candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: 
             "without chunks (attention_chunk_size), positions that do not restart change nothing: rotary reads "
             "p_j - p_i, and an offset within a document cancels; packed_positions_not_restarting is invisible"
         )
-    return _diagnosis(dtype, got, oracle, hypotheses, notes=notes)
+    return _diagnosis(call.tolerance_dtype, got, oracle, hypotheses, notes=notes)
 
 
-def diagnose_padded(candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: int = 0) -> Diagnosis:
-    """Does ``candidate(params, x, seq_lens)`` keep every padding key out (the real query rows compared)."""
-    _check_candidate(candidate)
-    dtype = check_dtype_name(dtype)
+def diagnose_padded(
+    candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: int = 0, timeout=None, announce=None
+) -> Diagnosis:
+    """Does ``candidate(params, x, seq_lens)`` keep every padding key out (the real query rows compared).
+    ``timeout`` and ``announce`` as in `diagnose_packed`."""
+    call = _Probing(candidate, dtype, timeout, announce)
     params, rng = init_params(cfg, seed=seed), np.random.default_rng(seed + 2)
     got, oracle, hypotheses, rows = {}, {}, {}, {}
     key = ("padding_keys_attended", "the batch run as if every row were full: padding keys in every softmax")
     for name, (lengths, tokens) in PADDED_PROBES.items():
         x = rng.standard_normal((len(lengths), tokens, cfg.d_model))  # (B, N, D)
-        got[name] = candidate(params, x, np.asarray(lengths))
+        got[name] = call(name, (call.cast(params), call.cast(x), np.asarray(lengths)), x.shape, "(B, N, d_model)")
         oracle[name] = reference_mha(cfg, params, x, seq_lens=lengths)
         hypotheses.setdefault(key, {})[name] = reference_mha(cfg, params, x)
         rows[name] = RaggedBatch(lengths).padding_mask(tokens)  # (B, N): only the real query rows are compared
@@ -161,7 +206,7 @@ def diagnose_padded(candidate, cfg: MHAConfig, *, dtype: str = "float64", seed: 
             "causal: a real query never sees the right padding after it, so padding_keys_attended is invisible "
             "here (an encoder's bidirectional cfg, causal=False, shows it)"
         )
-    return _diagnosis(dtype, got, oracle, hypotheses, rows=rows, notes=notes)
+    return _diagnosis(call.tolerance_dtype, got, oracle, hypotheses, rows=rows, notes=notes)
 
 
 # -- paged decode attention --------------------------------------------------------------------------
@@ -182,13 +227,12 @@ def paged_attention(q, k_pool, v_pool, pages, lengths, scale: float) -> np.ndarr
     return out
 
 
-def diagnose_paged(candidate, *, dtype: str = "float64", seed: int = 0) -> Diagnosis:
+def diagnose_paged(candidate, *, dtype: str = "float64", seed: int = 0, timeout=None, announce=None) -> Diagnosis:
     """Does ``candidate(q, k_pool, v_pool, block_table, seq_lens, scale)`` read each row's pages as its block
-    table says (module docstring)."""
-    _check_candidate(candidate)
-    dtype = check_dtype_name(dtype)
+    table says (module docstring). ``timeout`` and ``announce`` as in `diagnose_packed`."""
+    call = _Probing(candidate, dtype, timeout, announce)
     rng = np.random.default_rng(seed + 3)
-    H, Hkv, D, P = 4, 2, 6, 4
+    H, Hkv, D, P = PAGED_SIZES.values()
     got, oracle, hypotheses = {}, {}, {}
     # No length a multiple of P: one slot past the last page's length stays inside that page.
     for name, lengths in {"rows of 7, 1, 11 tokens": (7, 1, 11), "rows of 9, 6 tokens": (9, 6)}.items():
@@ -196,7 +240,8 @@ def diagnose_paged(candidate, *, dtype: str = "float64", seed: int = 0) -> Diagn
         q = rng.standard_normal((len(lengths), H, D))
         k_pool, v_pool = rng.standard_normal((12, P, Hkv, D)), rng.standard_normal((12, P, Hkv, D))  # stale slots too
         table, seq_lens, scale = layout.block_table, layout.seq_lens, 1 / np.sqrt(D)
-        got[name] = candidate(q, k_pool, v_pool, table.copy(), seq_lens.copy(), scale)
+        args = (call.cast(q), call.cast(k_pool), call.cast(v_pool), table.copy(), seq_lens.copy(), scale)
+        got[name] = call(name, args, q.shape[:2] + v_pool.shape[-1:], "(B, H, Dv)")
         used = layout.pages_per_row
         right = [table[b, : used[b]] for b in range(len(lengths))]
         oracle[name] = paged_attention(q, k_pool, v_pool, right, seq_lens, scale)
@@ -217,4 +262,28 @@ def diagnose_paged(candidate, *, dtype: str = "float64", seed: int = 0) -> Diagn
         }
         for key, (pages, lens) in simulated.items():
             hypotheses.setdefault(key, {})[name] = paged_attention(q, k_pool, v_pool, pages, lens, scale)
-    return _diagnosis(dtype, got, oracle, hypotheses)
+    return _diagnosis(call.tolerance_dtype, got, oracle, hypotheses)
+
+
+# What each form's candidate is (``mha-rosetta diagnose --ragged FORM``), in words.
+RAGGED_FORMS = {
+    "packed": "candidate(params, x (T, d_model), cu_seqlens (B+1,)) -> (T, d_model): packed causal documents",
+    "padded": "candidate(params, x (B, N, d_model), seq_lens (B,)) -> (B, N, d_model): right-padded rows",
+    "paged": "candidate(q (B, H, D), k_pool (pages, P, Hkv, D), v_pool (pages, P, Hkv, Dv), block_table (B, M), "
+    f"seq_lens (B,), scale) -> (B, H, Dv): a paged decode kernel, on the probe's own sizes ({PAGED_SIZES_TEXT})",
+}
+
+
+def diagnose_ragged(form: str, candidate, cfg: MHAConfig | None = None, **options) -> Diagnosis:
+    """`diagnose_packed`, `diagnose_padded` or `diagnose_paged` by ``form`` (`RAGGED_FORMS`): the command line's
+    ``--ragged``. ``cfg`` is None for ``paged`` (its kernel's probe has its own sizes); ``options``: dtype, seed,
+    timeout, announce."""
+    if form not in RAGGED_FORMS:
+        raise ValueError(f"form must be one of {', '.join(RAGGED_FORMS)}, got {form!r}")
+    if form == "paged":
+        if cfg is not None:
+            raise ValueError(
+                f"the paged kernel's probe has its own sizes ({PAGED_SIZES_TEXT}): cfg must be None, got {cfg!r}"
+            )
+        return diagnose_paged(candidate, **options)
+    return (diagnose_packed if form == "packed" else diagnose_padded)(candidate, cfg, **options)

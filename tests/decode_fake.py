@@ -91,3 +91,12 @@ class FakeRecompiles(FakeDecode):
 
     name = "fake-recompiles"
     compiles_every_run = True
+
+
+class FakePagedRunOnly(FakeDecode):
+    """The fake declaring a paged cache that `run_decode` runs but no timed paged step (``paged_decode_step``
+    False): a paged cell is refused with the reason before a child starts."""
+
+    name = "fake-paged-run-only"
+    decode_caches = ("dynamic", "paged")
+    decode_layouts: ClassVar[dict[str, str]] = {"dynamic": LAYOUT, "paged": "pages of the same arrays"}

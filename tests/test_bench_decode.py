@@ -219,6 +219,37 @@ def test_each_cell_is_read_against_its_frameworks_best_path():
     assert cells[1]["best_path"] == cells[2]["best_path"] == "numpy-best"  # einops on NumPy arrays: NumPy's best
 
 
+def test_a_paged_cell_is_read_against_its_own_contiguous_cell_and_shown():
+    """``paged_over_contiguous``: the paged step over the same implementation's contiguous step (the gather's cost)."""
+    from mha_rosetta.benchmarks.best_gap import paged_over_contiguous
+    from mha_rosetta.benchmarks.decode_sweep import best_of_framework
+
+    def cell(name, step_s, cache=None, context=4096):
+        return dict(implementation=name, device="cpu", dtype="float32", context=context, window=None, step=1,
+                    cache=cache, status="ok", step_s=step_s)  # fmt: skip
+
+    cells = [
+        cell("numpy", 2e-3), cell("numpy", 3e-3, "paged"), cell("torch", 1e-3, "paged"),
+        cell("numpy", 5e-3, "paged", context=8192), cell("numpy-best", 1e-3),
+    ]  # fmt: skip
+    paged_over_contiguous(cells)
+    best_of_framework(cells)
+    assert [c.get("paged_over_contiguous") for c in cells] == [None, pytest.approx(1.5), None, None, None]
+    assert cells[0]["over_best"] == 2.0 and "over_best" not in cells[1]  # a paged cell is not read against contiguous
+    report = {"settings": decode_settings("decode").as_dict(), "cells": cells}
+    assert "`numpy` 4096: 1.50x" in decode_markdown(report)
+
+
+def test_a_backend_without_a_timed_paged_step_is_refused_without_a_child():
+    name = register_path("decode_fake:FakePagedRunOnly")
+    try:
+        spec = DecodeCellSpec(implementation=name, context=64, cache="paged", **SMALL)
+        assert parent_reason(spec) == f"{name}: the paged cache has no timed step yet (run_decode runs it)"
+    finally:
+        REGISTRY.pop(name, None)
+    assert parent_reason(DecodeCellSpec(implementation="numpy", context=64, cache="paged", **SMALL)) is None
+
+
 def test_a_windowed_cell_reads_the_ring_and_holds_it(fake):
     spec = DecodeCellSpec(implementation=fake, context=32768, window=4096, **{**SMALL, "kv_heads": 4, "d_k": 128})
     assert decode_config(spec).window == 4096
@@ -284,7 +315,10 @@ def test_the_presets_cells():
     assert settings.contexts == [1024, 2048, 4096, 8192, 16384, 32768]
     assert (settings.d_model, settings.heads, settings.kv_heads, settings.d_k) == (2048, 16, 4, 128)
     cells = expand_decode_cells(settings, ["numpy", "torch"])
-    assert len(cells) == 2 * (6 + 3)
+    assert len(cells) == 2 * (6 + 3 + 4)
+    paged = [cell for cell in cells if cell.cache == "paged"]  # the paged row at 4k-32k, its prefill not timed again
+    assert [cell.context for cell in paged[:4]] == [4096, 8192, 16384, 32768] and not any(c.prefill for c in paged)
+    assert all(cell.window is None for cell in paged) and {cell.cache for cell in cells} == {None, "paged"}
     windowed = [cell for cell in cells if cell.window is not None]
     assert {cell.context for cell in windowed} == {2048, 8192, 32768} and {cell.window for cell in windowed} == {4096}
     assert [cell.prefill for cell in cells[:6]] == [True, True, True, False, False, False]  # prefill_max 4096
@@ -395,6 +429,7 @@ def test_contexts_set_the_full_and_the_windowed_row():
     args = build_parser().parse_args(["bench", "--mode", "decode", "--contexts", "512,2048", "--repeats", "9"])
     settings = decode_settings_of(args)
     assert settings.contexts == [512, 2048] and settings.window_contexts == [512, 2048]
+    assert settings.paged_contexts == [512, 2048]  # the decode preset's paged row at the contexts given
     assert settings.policy["min_repeats"] == 9 and settings.window == 4096 and settings.preset == "decode"
     quick = decode_settings_of(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
     assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]

@@ -116,9 +116,8 @@ def test_pool_exhausted_and_bad_page_options():
         _run("numpy", cfg, cache="paged", page_size=0)
     with pytest.raises(ValueError, match="page_size is for cache='paged', got cache='columns'"):
         _run("numpy", cfg, cache="columns", page_size=4)
-    if importlib.util.find_spec("torch") is not None:  # numpy times its paged step; torch does not yet
-        with pytest.raises(UnsupportedCase, match="torch: the paged cache has no timed step yet"):
-            get_backend("torch").prepare_decode(cfg, init_params(cfg, seed=0), context=8, cache="paged")
+    with pytest.raises(UnsupportedCase, match="numpy has no 'dynamic' cache"):
+        get_backend("numpy").prepare_decode(cfg, init_params(cfg, seed=0), context=8, cache="dynamic")
 
 
 def test_torch_pool_is_vllm_layout_and_reads_back_through_the_canonical_layout():
@@ -181,17 +180,26 @@ def test_every_paged_cache_refuses_a_page_size_that_is_not_a_positive_int(backen
         _run(backend, CONFIGS["gqa_rope"], cache="paged", page_size=page_size)
 
 
+# Every convention's timed step (`prepare_decode`, bench --mode decode) pages: each in its own pool layout.
+TIMED_PAGED = tuple(PAGED_BACKENDS)
+
+
+@pytest.mark.parametrize("backend_name", TIMED_PAGED)
 @pytest.mark.parametrize("window", [None, 40])
-def test_numpys_timed_paged_step_equals_its_contiguous_step(window):
-    # bench --mode decode's paged row: the same step on the same cached numbers, the pages gathered first.
+def test_each_timed_paged_step_equals_its_contiguous_step(backend_name, window):
+    # bench --mode decode's paged row: the same step on the same cached numbers, the pages gathered first. (A window
+    # shorter than the context: the contiguous ring draws only the numbers it keeps, the pool the whole context's.)
+    _needs(backend_name)
     cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", window=window)
-    params, backend = init_params(cfg, seed=0), get_backend("numpy")
+    params, backend = init_params(cfg, seed=0), get_backend(backend_name)
+    contiguous = backend.decode_caches[0]
     steps = {
         cache: backend.prepare_decode(cfg, params, context=37, batch=2, dtype="float64", cache=cache, seed=3)
-        for cache in ("static", "paged")
+        for cache in (contiguous, "paged")
     }
     out = {cache: prepared.to_numpy(prepared.forward()) for cache, prepared in steps.items()}  # (B, 1, D)
-    assert_close(out["paged"], out["static"], "float64", what="the paged step against the static one")
+    assert out["paged"].shape == (2, 1, 16)
+    assert_close(out["paged"], out[contiguous], "float64", what=f"{backend_name}'s paged step against {contiguous}")
     again = steps["paged"].to_numpy(steps["paged"].forward())  # rewound: the same slots, no new page
     np.testing.assert_array_equal(again, out["paged"])
     info = steps["paged"].info["cache"]

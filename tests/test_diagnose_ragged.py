@@ -1,14 +1,17 @@
 """diagnose names the mistakes of ragged batches and paged caches (issue 47): each planted mistake is named by its
 own code, first and alone (the confusion stays diagonal), and the right candidates agree."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from conftest import run_cli
 from mha_rosetta.backends import get_backend
 from mha_rosetta.core import MHAConfig, reference_mha
 from mha_rosetta.core.ragged import RaggedBatch
+from mha_rosetta.diagnose import DiagnoseError
 from mha_rosetta.diagnose.ragged import RAGGED_CAUSE_CODES, diagnose_packed, diagnose_padded, diagnose_paged
 
 # Llama 4's chunks read absolute positions: restarting them shows (rotary alone is relative, an offset cancels).
@@ -111,3 +114,115 @@ def test_bad_arguments_name_the_rule():
         diagnose_paged(3)
     with pytest.raises(ValueError, match="cfg must be a causal MHAConfig"):
         diagnose_packed(lambda *a: None, MHAConfig(d_model=15, n_heads=3))
+
+
+# -- the command line: `mha-rosetta diagnose --ragged FORM` ---------------------------------------------------------
+CANDIDATES = """
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, reference_mha
+from mha_rosetta.diagnose.ragged import paged_attention
+
+CHUNKED = MHAConfig(d_model=15, n_heads=3, causal=True, rope="half", d_k=4, attention_chunk_size=3)
+ENCODER = MHAConfig(d_model=15, n_heads=3, rope="half", d_k=4)
+
+
+def packed(params, x, cu):
+    return reference_mha(CHUNKED, params, x, cu_seqlens=cu)
+
+
+def packed_one_row(params, x, cu):  # cu_seqlens ignored: the documents leak
+    return reference_mha(CHUNKED, params, x)
+
+
+def padded_as_full(params, x, seq_lens):  # every row run as if full: padding keys attended
+    return reference_mha(ENCODER, params, x)
+
+
+def paged_physical(q, k_pool, v_pool, table, seq_lens, scale):  # logical page j read from physical page j
+    P = k_pool.shape[1]
+    return paged_attention(q, k_pool, v_pool, [np.arange(-(-int(n) // P)) for n in seq_lens], seq_lens, scale)
+
+
+def paged_hangs(q, k_pool, v_pool, table, seq_lens, scale):
+    import time
+
+    time.sleep(60)
+"""
+CHUNKED_SIZES = ("--d-model", "15", "--heads", "3", "--d-k", "4", "--rope", "half")
+
+
+@pytest.mark.parametrize(
+    ("form", "name", "options", "code"),
+    [
+        ("packed", "packed", (*CHUNKED_SIZES, "--attention-chunk-size", "3"), None),
+        ("packed", "packed_one_row", (*CHUNKED_SIZES, "--attention-chunk-size", "3"), "packed_documents_leak"),
+        ("padded", "padded_as_full", CHUNKED_SIZES, "padding_keys_attended"),
+        ("paged", "paged_physical", (), "paged_physical_as_logical"),
+    ],
+)
+def test_the_command_line_names_each_ragged_mistake(tmp_path, form, name, options, code):
+    (tmp_path / "ragged_candidates.py").write_text(CANDIDATES, encoding="utf-8")
+    done = run_cli("diagnose", "--ragged", form, f"ragged_candidates:{name}", *options, "--json", "-", cwd=tmp_path)
+    assert done.returncode == (0 if code is None else 1), done.stderr
+    payload = json.loads(done.stdout)
+    assert payload["ragged"] == form and payload["agrees"] == (code is None)
+    assert [cause["code"] for cause in payload["causes"]] == ([] if code is None else [code])
+    assert f", {form}" in done.stderr  # the verdict's head names the form (stderr: the JSON takes stdout)
+    if form == "packed":
+        assert "causal" in payload["config"].split()  # --ragged packed implies --causal
+    if form == "paged":
+        assert payload["config"] is None  # the kernel's probe has its own sizes
+
+
+def test_the_command_line_contains_a_paged_kernel_that_hangs(tmp_path):
+    (tmp_path / "ragged_candidates.py").write_text(CANDIDATES, encoding="utf-8")
+    done = run_cli("diagnose", "--ragged", "paged", "ragged_candidates:paged_hangs", "--timeout", "1", cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip() == (
+        "mha-rosetta diagnose: error: the candidate did not return within 1 s on probe 'rows of 7, 1, 11 tokens' "
+        "(time limit per probe)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--ragged", "paged", "m:f", "--d-model", "12", "--window", "3"],
+            "--ragged paged probes a decode kernel on its own sizes (H 4, Hkv 2, D 6, P 4); drop --d-model, --window",
+        ),
+        (
+            ["--ragged", "packed", "--decode", "m:f", "--d-model", "12", "--heads", "3"],
+            "--ragged and --decode are different candidates (a paged decode kernel is --ragged paged); give one",
+        ),
+        (["--ragged", "padded", "--confusion"], "--confusion is the forward's table; drop --ragged"),
+    ],
+)
+def test_the_command_line_refuses_ragged_with_what_it_cannot_use(capsys, monkeypatch, argv, message):
+    import sys
+
+    from mha_rosetta.cli.main import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the command puts "" first (`python -m`'s rule): undone after
+    assert main(["diagnose", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"mha-rosetta diagnose: error: {message}"
+
+
+def test_a_candidates_wrong_shape_names_the_forms_axes():
+    with pytest.raises(DiagnoseError, match=r"expected \(3, 4, 6\) \(B, H, Dv\)"):
+        diagnose_paged(lambda q, k, v, table, lens, scale: np.zeros((3, 4)))
+    with pytest.raises(DiagnoseError, match="NaN or inf everywhere on probe 'documents 5, 0, 3, 6'"):
+        diagnose_packed(lambda params, x, cu: np.full(x.shape, np.nan), CFG)
+
+
+def test_float32_arguments_are_scored_with_the_float32_tolerance():
+    seen = []
+
+    def candidate(params, x, cu):
+        seen.append((params.w_q.dtype.name, x.dtype.name))
+        return get_backend("numpy").run(CFG, params, x, cu_seqlens=cu, dtype="float32")
+
+    result = diagnose_packed(candidate, CFG, dtype="float32")
+    assert result.agrees and result.dtype == "float32" and set(seen) == {("float32", "float32")}
+    assert result.max_error > 1e-9  # float32's rounding, within its tolerance (float64's would refuse it)

@@ -42,6 +42,7 @@ class EinopsBackend(Backend):
     # (a step is the pipeline's two halves with the cache between them).
     decode_caches = CACHE_KINDS
     decode_layouts = CACHE_LAYOUTS
+    paged_decode_step = True  # bench --mode decode times the paged step (its pool[table] gather) on every library
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"

@@ -312,27 +312,35 @@ def prepare_einops_decode_step(backend, ops, cfg, params, job: DecodeStep) -> Pr
     """One step of ``step`` tokens on a cache holding ``context`` tokens of random numbers (`bench --mode decode`).
 
     Every call of ``forward`` writes the same step at the same slots (the write index is set back),
-    so each timed call is the same step at the same context; a ring is already full.
+    so each timed call is the same step at the same context; a ring is already full. ``cache="paged"``: a
+    `paged.PagedNamedCache` holding the whole context in pages (`DecodeStep.paging`), rewound after each call.
     """
     batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
     rng = np.random.default_rng(job.seed)
     x = rng.standard_normal((batch, step, cfg.d_model))  # the step's new tokens, "b n d"
     positions = job.positions()  # (B, n)
     decoder = EinopsDecoder(ops, cfg, params, x, positions, dtype, backend.matmul_precision)
-    cache = decoder.new_cache(batch, context + step, step)
+    paged = job.cache == PAGED
+    cache = decoder.new_cache(batch, context + step, step, job.paging(cfg.window) if paged else None)
     first = 0 if cache.ring is None else max(0, context - cache.ring)
-    cache.written = first
+    rewind = cache.rewind if paged else partial(setattr, cache, "written")  # the write index set back
+    rewind(first)
     if context > first:
         n = context - first
         fill = np.broadcast_to(np.arange(first, context, dtype=np.int64), (batch, n))
         keys, values = (
             ops.asarray(rng.standard_normal((batch, n, cfg.n_kv_heads, d))) for d in (cfg.d_k, cfg.d_v)
         )  # "b n g k", "b n g v": arbitrary numbers
-        cache.write(keys, values, fill, np.ones((batch, n), dtype=bool))
+        if paged:  # the pools written through the block table, as a chunk's device half does (`store_pages`)
+            where, _ = cache.claim(fill, np.ones((batch, n), dtype=bool))
+            where = tuple(ops.asarray(a, cast=False) for a in where)
+            cache.k, cache.v = store_pages(ops, cache.k, where, keys), store_pages(ops, cache.v, where, values)
+        else:
+            cache.write(keys, values, fill, np.ones((batch, n), dtype=bool))
     every = np.ones((batch, step), dtype=bool)
 
     def forward(record=None):
-        cache.written = context  # the same slots on every call
+        rewind(context)  # the same slots on every call
         return decoder.chunk(cache, slice(0, step), positions, every, record)
 
     def native_stages():
@@ -341,7 +349,7 @@ def prepare_einops_decode_step(backend, ops, cfg, params, job: DecodeStep) -> Pr
         return stage_tensors(ops, decoder.plan, record, cfg.rope)
 
     info = {**_numerics(backend, dtype, device, decoder.plan), "context": context, "step": step}
-    info["cache"] = cache.info(cache_pattern(decoder.plan))
+    info["cache"] = cache.info() if paged else cache.info(cache_pattern(decoder.plan))
     timed = _precision_wrapped(backend, device, forward)
     warm = (lambda: ops.synchronize(timed())) if backend.array_library == "jax" else None  # traces and compiles
     return Prepared(timed, tensor_to_numpy, native_stages, ops.synchronize, compile=warm, info=info)

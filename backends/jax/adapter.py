@@ -33,7 +33,7 @@ from .layer import (
     STAGE_NOTES,
     vmapped_pass,
 )
-from .paged import PAGED_LAYOUT, paged_decoders
+from .paged import PAGED_LAYOUT, paged_decoders, prepare_paged_decode_step
 from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
 
@@ -51,6 +51,7 @@ class JaxBackend(Backend):
     # The paged cache: a static page pool read by a gather inside the jitted step (`paged`).
     decode_caches = (decode.STATIC, PAGED)
     decode_layouts: ClassVar[dict[str, str]] = {**decode.DECODE_LAYOUTS, PAGED: PAGED_LAYOUT}
+    paged_decode_step = True  # bench --mode decode: the paged step (its gather inside the jitted step) is timed
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
         super().__init__(name)
@@ -109,4 +110,6 @@ class JaxBackend(Backend):
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         info = precision_info(device=job.device, dtype=job.dtype, matmul_precision=self.matmul_precision)
+        if job.cache == PAGED:  # the pool gathered inside the jitted step, its host half timed with it
+            return prepare_paged_decode_step(cfg, params, job, self.matmul_precision, info)
         return decode.prepare_decode_step(cfg, params, job, self.matmul_precision, info)

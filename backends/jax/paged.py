@@ -31,14 +31,15 @@ from functools import partial
 
 import numpy as np
 
-from mha_rosetta.core.decode import decode_stage_names
+from mha_rosetta.core.decode import decode_stage_names, ring_capacity
 from mha_rosetta.core.page_pool import PagePool, pool_pages
 from mha_rosetta.core.paged import PAD
 
 from .._paged import PagedCacheBase
+from ..base import Prepared, tensor_to_numpy
 from .common import shared_program, to_jax
-from .decode import JaxDecoder
-from .decode_programs import TRACES, attend_over_cache
+from .decode import JaxDecoder, _block, _stage_tensors
+from .decode_programs import TRACES, attend_over_cache, full_rotary_tables
 from .layer import _mha_one_item
 
 PAGED_LAYOUT = (
@@ -169,3 +170,66 @@ def paged_decoders(cfg, params, inputs, *, page_size: int, page_seed: int):
         "seed": page_seed,
     }
     return partial(JaxPagedDecoder, cfg, params, batch=inputs.batch, **sizes)
+
+
+def prepare_paged_decode_step(cfg, params, job, matmul_precision: str, info: dict):
+    """`decode.prepare_decode_step`'s timed step (`bench --mode decode`) through a `JaxPagedDecoder`: the pool
+    holds the context (`DecodeStep.paging`: pages of 16, a window frees whole pages as the step is written).
+
+    The cached numbers are the contiguous step's draws (K then V, ``(B, T, Hkv, D)`` with T its slots, then the
+    step's x; token t's key is slot t % T's), so every key the step can see is the contiguous step's. Each
+    ``forward`` rewinds the pool to the context and runs `JaxPagedDecoder.step`: its host half (the block table,
+    the slots, the step's arrays put on the device) is timed with it, as a paged engine does it every step; the
+    pool is donated, as in a run. The first call (``compile``) traces and compiles it.
+    """
+    import jax
+
+    batch, context, step = job.batch, job.context, job.step
+    page_size, n_pages, seed = job.paging(cfg.window)
+    chunks = [(0, context), (context, context + step)]
+    decoder = JaxPagedDecoder(
+        cfg, params, batch=batch, page_size=page_size, n_pages=n_pages, seed=seed, dtype=job.dtype,
+        device=job.device, matmul_precision=matmul_precision, span=context + step,
+        live_pages=pool_pages(1, page_size, chunks, cfg.window),
+    )  # fmt: skip
+    rng = np.random.default_rng(job.seed)
+    ring = ring_capacity(cfg, step)
+    Hkv, T = cfg.n_kv_heads, context + step if ring is None else ring  # the contiguous step's slots
+    slot_of = np.arange(context) % T  # (context,): token t sits in slot t % T there
+    k_new, v_new = (rng.standard_normal((batch, T, Hkv, d))[:, slot_of] for d in (cfg.d_k, cfg.d_v))  # (B, ctx, ..)
+    floats = ("k_pages", "v_pages")  # float64 here, cast once by `to_jax` as the contiguous step's cache is
+    pool = {name: np.array(a, dtype=np.float64 if name in floats else a.dtype) for name, a in decoder.cache.items()}
+    if context:
+        page, offset, _ = decoder.pool.write_slots(context)  # (B, context), (context,)
+        slots = (page, offset[None, :])
+        pool["k_pages"][slots], pool["v_pages"][slots] = k_new, v_new  # (B, context, Hkv, D) into their pages
+        pool["pos"][slots], pool["valid"][slots] = np.arange(context, dtype=np.int32), True
+    decoder.cache = {
+        name: to_jax(array, job.dtype if name in floats else None, decoder.target) for name, array in pool.items()
+    }  # (pages, P, ...) each
+    decoder.k, decoder.v = decoder.cache["k_pages"], decoder.cache["v_pages"]
+    decoder.used = context
+    x = rng.standard_normal((batch, step, cfg.d_model))  # (B, s, D)
+    positions, every = job.positions(), np.ones((batch, step), dtype=bool)
+    tables = full_rotary_tables(cfg, np.arange(context + step)[None].repeat(batch, 0))
+    tables = None if tables is None else tuple(table[:, context:] for table in tables)
+
+    def run_step() -> dict:
+        decoder.pool.rewind(context)  # the same slots on every call, no new page
+        decoder.used = context
+        return decoder.step(x, positions, every, tables)  # the step's stages, "output" (B, s, D) among them
+
+    def compile_step() -> None:
+        jax.block_until_ready(run_step()["output"])
+        info["compilations"] = dict(decoder.compilations)
+
+    info.update(context=context, step=step, cache=decoder.info(), compilations={"step": 0})
+    info["host_half_timed"] = "the block table, the slots and the step's arrays are made and put on every call"
+    return Prepared(
+        lambda: run_step()["output"],
+        tensor_to_numpy,
+        lambda: _stage_tensors(cfg, run_step(), f"one paged step at context {context}"),
+        _block,
+        compile=compile_step,
+        info=info,
+    )

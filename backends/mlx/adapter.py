@@ -98,6 +98,7 @@ class MlxBackend(MlxDevices, Backend):
     decode_caches = DECODE_CACHES
     decode_variants = RegistryVariants("mlx")
     decode_layouts = DECODE_LAYOUTS
+    paged_decode_step = True  # bench --mode decode times the paged step (its pool[table] gather) too
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy, chunk=None) -> Prepared:
         import mlx.core as mx

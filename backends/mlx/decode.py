@@ -205,7 +205,8 @@ def prepare_mlx_decode_run(
 
 def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     """One step of ``job.step`` tokens on a cache holding ``job.context`` tokens of random numbers (`bench --mode
-    decode`); every call writes the same step at the same place (`MlxKVCache.rewind`)."""
+    decode`); every call writes the same step at the same place (`MlxKVCache.rewind`). ``cache="paged"``: an
+    `MlxPagedCache` holding the whole context in pages (`DecodeStep.paging`), rewound the same way."""
     import mlx.core as mx
 
     batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
@@ -213,7 +214,8 @@ def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     x = rng.standard_normal((batch, step, cfg.d_model))  # the step's new tokens, (B, s, D)
     positions = job.positions()  # (B, s)
     decoder = MlxDecoder(cfg, params, x, positions, dtype)
-    state = decoder.new_cache(step)
+    paging = (batch, dtype, *job.paging(cfg.window)) if job.cache == PAGED else None
+    state = decoder.new_cache(step, paging=paging)
     first = 0 if state.ring is None else max(0, context - state.ring)
     n = context - first
     Hkv, Dk, Dv = cfg.n_kv_heads, cfg.d_k, cfg.d_v

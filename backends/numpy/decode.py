@@ -55,7 +55,6 @@ from mha_rosetta.core.page_pool import pool_pages
 from .._paged import PAGED
 from .._recording import StageRecorder, relation_to
 from ..base import DecodeStep, Prepared, PreparedDecode
-from ..decoding import DEFAULT_PAGE_SIZE
 from .common import MaskArrays, NumpyPrecision
 from .layer import ColumnSampleMHA, _split_reshape, columns_to_rows
 from .paged import PAGED_LAYOUT, PagedColumnCache
@@ -289,8 +288,7 @@ def prepare_numpy_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     decoder = ColumnSampleDecoder(cfg, params, x, positions, NumpyPrecision.for_dtype(dtype))
     paging = None
     if job.cache == PAGED:  # pages of vLLM's default size; the pool holds the context, then the step (a window frees)
-        chunks = [(0, context), (context, context + step)]
-        paging = (DEFAULT_PAGE_SIZE, pool_pages(batch, DEFAULT_PAGE_SIZE, chunks, cfg.window), job.seed)
+        paging = job.paging(cfg.window)
     state = decoder.new_cache(job.cache, context + step, step, paging)
     # The cached tokens' keys and values: arbitrary numbers, the last ones a ring keeps (all of them without a ring).
     first = 0 if state.ring is None else max(0, context - state.ring)

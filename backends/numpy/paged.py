@@ -36,10 +36,6 @@ class PagedColumnCache(PagedCacheBase):
         self.positions = np.zeros((n_pages, page_size), dtype=np.int64)  # (pages, P)
         self.valid = np.zeros((n_pages, page_size), dtype=bool)  # (pages, P): nothing written yet
 
-    def rewind(self, written: int) -> None:
-        """`decode.ColumnCache.rewind`'s: the next write goes to token ``written``'s slot (`PagePool.rewind`)."""
-        self.pool.rewind(written)
-
     def write(self, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> None:
         """Write ``s`` columns: keys (B, Hkv, Dk, s), values (B, Hkv, Dv, s), positions and valid (B, s)."""
         page, offset, given = self.pool.write_slots(keys.shape[-1])  # (B, s), (s,), (new pages,)

@@ -39,6 +39,7 @@ class TorchBackend(TorchDevices, Backend):
     # Rule 8 (`decode`): Hugging Face's (B, Hkv, T, D) cache, growing or static, a ring with a window; every variant.
     decode_caches = DECODE_CACHES
     decode_layouts = DECODE_LAYOUTS
+    paged_decode_step = True  # bench --mode decode times the paged step (vLLM's gather) beside the contiguous one
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)

@@ -323,7 +323,8 @@ def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep
     ``forward`` writes the step into the cache, attends and projects, then puts the cache's state back
     (by reference: the dynamic cache's ``torch.cat`` result is dropped, the static and ring writes land in
     the same slots every call), so every call times the same step. A static cache without a window is
-    preallocated to ``context + step`` slots.
+    preallocated to ``context + step`` slots. ``cache="paged"``: a `TorchPagedCache` holding the whole context
+    in pages (`DecodeStep.paging`; a window frees whole pages as the step is written), rewound after each call.
     """
     import torch
 
@@ -334,11 +335,17 @@ def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep
     x = rng.standard_normal((batch, step, cfg.d_model))  # (B, step, D)
     new_positions = job.positions()  # (B, step)
     layer = DecodeRowSampleMHA(cfg, params, x, new_positions, np.ones((batch, step), dtype=bool), dtype, device)
-    held = context if ring is None else min(context, ring)  # the tokens the cache keeps before the step
+    paged = job.cache == PAGED
+    # The tokens the cache keeps before the step (a paged cache is written from token 0: its pool frees the pages).
+    held = context if ring is None or paged else min(context, ring)
     kv_positions = np.arange(context - held, total, dtype=np.int64)[None]  # (1, held + step)
     layer.set_position_tables(np.ascontiguousarray(new_positions[:1]), kv_positions, dtype, device)
     slots = cache_capacity(cfg, total, step)
-    kv = TorchKVCache(job.cache, batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
+    if paged:
+        page_size, n_pages, seed = job.paging(cfg.window)
+        kv = TorchPagedCache(batch, cfg, page_size=page_size, n_pages=n_pages, seed=seed, like=layer.w_q)
+    else:
+        kv = TorchKVCache(job.cache, batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
     if held:
         k_old, v_old = random_cache(rng, cfg, batch, held, dtype, device)
         old = torch.from_numpy(np.broadcast_to(kv_positions[:, :held], (batch, held)).copy()).to(k_old.device)
@@ -353,7 +360,8 @@ def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep
 
     run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
     info = {
-        "cache": _cache_info(job.cache, cfg, batch, slots, layer.w_q.element_size()),  # after the step
+        # After the step.
+        "cache": kv.info() if paged else _cache_info(job.cache, cfg, batch, slots, layer.w_q.element_size()),
         "context": context,
         "step": step,
         "torch_dtype": str(torch_dtype(dtype)).removeprefix("torch."),

@@ -32,15 +32,23 @@ import importlib
 from mha_rosetta.core import MHAConfig, MHAParams
 
 from ._errors import LayoutError
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_heads,
+    hf_implementation,
+    hf_mask,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
 from ._hf_decoder import LINEARS, NORMS, attention_bias_rule, field_is, hf_bias, layer_type, norm_eps
 from ._layout import (
     SEPARATE,
     Layout,
     causal_only,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
     separate_linears,
     unit_scale,
 )
@@ -69,10 +77,7 @@ def build(cfg: MHAConfig, options):
     if rope["rope_type"] == "proportional" and rope.get("factor") == 1.0:
         del rope["factor"]  # transformers' default, and a key its validation of "proportional" does not list
     config = transformers.Gemma4TextConfig(
-        hidden_size=cfg.d_model,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.d_k,
+        **hf_heads(cfg),
         global_head_dim=cfg.d_k,
         num_global_key_value_heads=cfg.n_kv_heads,
         attention_k_eq_v=bool(cfg.attention_k_eq_v),
@@ -153,9 +158,7 @@ def read(module) -> MHAConfig:
             bias=hf_bias(module, module.q_proj, module.o_proj),
             causal=True,
             scale=module.scaling,
-            rope="half",
-            rope_base=rope.rope_base,
-            rope_scaling=rope.rope_scaling,
+            **rope.half_fields(),
             window=hf_window(module, config),
             qk_norm="head",
             norm_eps=eps,
@@ -203,8 +206,7 @@ LAYOUT = Layout(
     source="transformers/models/gemma4/modeling_gemma4.py",
     split="q_proj(x).view(B, N, -1, d); q_norm, rotary, transpose(1, 2); k likewise; v = v_proj(x) or k_proj(x)",
     rules=(
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         causal_only(MODULE),
         unit_scale(MODULE),
         rotary_is(("half",), MODULE),

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_heads,
+    hf_implementation,
+    hf_mask,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
 from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
 from ._module_io import hf_rope, torch_reader
 from ._packing import pack_groups, unpack_groups
@@ -27,8 +36,7 @@ def _gpt_neox(cfg, state, x, padding, options):
 
     config = hf_config(
         GPTNeoXConfig(
-            hidden_size=cfg.d_model,
-            num_attention_heads=cfg.n_heads,
+            **hf_heads(cfg, grouped=False),
             attention_bias=cfg.bias,
             attention_dropout=0.0,
             rope_parameters=hf_rope_parameters(cfg, partial=True),
@@ -67,10 +75,8 @@ def _config(module) -> MHAConfig:
         bias=module.query_key_value.bias is not None,
         causal=bool(module.is_causal),
         scale=module.scaling,
-        rope="half",
-        rope_base=rope.rope_base,
+        **rope.half_fields(),
         rope_dims=module.rotary_ndims,
-        rope_scaling=rope.rope_scaling,
     )
 
 

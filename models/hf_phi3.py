@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_heads,
+    hf_implementation,
+    hf_mask,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
 from ._layout import (
     BLOCKS,
     Layout,
@@ -21,8 +30,7 @@ from ._layout import (
     default_scale,
     fused_qkv,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
 )
 from ._module_io import hf_rope, hf_window, torch_reader
 from ._packing import pack_blocks, unpack_blocks
@@ -37,10 +45,7 @@ def _phi3(cfg, state, x, padding, options):
 
     config = hf_config(
         Phi3Config(
-            hidden_size=cfg.d_model,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.d_k,
+            **hf_heads(cfg),
             attention_dropout=0.0,
             sliding_window=cfg.window,
             rope_parameters=hf_rope_parameters(cfg, partial=True),
@@ -78,10 +83,8 @@ def _config(module) -> MHAConfig:
         bias=False,
         causal=bool(module.is_causal),
         scale=module.scaling,
-        rope="half",
-        rope_base=rope.rope_base,
+        **rope.half_fields(),
         rope_dims=rope.rope_dims,
-        rope_scaling=rope.rope_scaling,
         window=hf_window(module, config),
     )
 
@@ -98,8 +101,7 @@ LAYOUT = Layout(
     source="transformers/models/phi3/modeling_phi3.py",
     split="qkv[..., :H*d], qkv[..., H*d:H*d + G*d], qkv[..., H*d + G*d:]; each .view(B, N, -1, d).transpose(1, 2)",
     rules=(
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         bias_is(False, "Phi-3's qkv_proj and o_proj are nn.Linear(..., bias=False)"),
         default_scale(MODULE),
         causal_only(MODULE),

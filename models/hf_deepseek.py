@@ -33,17 +33,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes
 from mha_rosetta.core.variants.mla import fuse_kv_b, split_kv_b
 
-from ._hf import (
-    hf_config,
-    hf_forward,
-    hf_heads,
-    hf_implementation,
-    hf_mask,
-    hf_max_positions,
-    hf_names,
-    hf_rope_parameters,
-    rotary_tables,
-)
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_max_positions, hf_rope_parameters, rotary_tables
 from ._layout import SEPARATE, Layout
 from ._module_io import hf_rope, torch_reader, unexpressible
 from ._real import HF_REQUIRES, torch_state
@@ -111,8 +101,9 @@ class DeepSeek:
         """A tiny float64 module for ``cfg`` (layer 0), not loaded."""
         transformers = importlib.import_module("transformers")
         kwargs = dict(
-            **hf_heads(cfg, grouped=False),
-            num_key_value_heads=cfg.n_heads,  # MLA: every head expands its own
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_heads,
             q_lora_rank=cfg.q_lora_rank,
             kv_lora_rank=cfg.kv_lora_rank,
             qk_nope_head_dim=cfg.qk_nope_head_dim,
@@ -246,7 +237,11 @@ def deepseek_layout(family: DeepSeek) -> Layout:
     )
 
 
-V2 = DeepSeek(**hf_names("DeepseekV2Attention"), complex_rotary=True)
-V3 = DeepSeek(**hf_names("DeepseekV3Attention"), complex_rotary=False)
+V2 = DeepSeek(
+    "hf-deepseek-v2", "DeepseekV2Attention", "deepseek_v2", "DeepseekV2Config", "DeepseekV2RotaryEmbedding", True
+)
+V3 = DeepSeek(
+    "hf-deepseek-v3", "DeepseekV3Attention", "deepseek_v3", "DeepseekV3Config", "DeepseekV3RotaryEmbedding", False
+)
 LAYOUT_V2 = deepseek_layout(V2)
 LAYOUT_V3 = deepseek_layout(V3)

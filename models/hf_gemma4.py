@@ -32,16 +32,7 @@ import importlib
 from mha_rosetta.core import MHAConfig, MHAParams
 
 from ._errors import LayoutError
-from ._hf import (
-    hf_config,
-    hf_forward,
-    hf_heads,
-    hf_implementation,
-    hf_mask,
-    hf_rope_parameters,
-    rotary_precision,
-    rotary_tables,
-)
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._hf_decoder import LINEARS, NORMS, attention_bias_rule, field_is, hf_bias, layer_type, norm_eps
 from ._layout import (
     SEPARATE,
@@ -77,7 +68,10 @@ def build(cfg: MHAConfig, options):
     if rope["rope_type"] == "proportional" and rope.get("factor") == 1.0:
         del rope["factor"]  # transformers' default, and a key its validation of "proportional" does not list
     config = transformers.Gemma4TextConfig(
-        **hf_heads(cfg),
+        hidden_size=cfg.d_model,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.d_k,
         global_head_dim=cfg.d_k,
         num_global_key_value_heads=cfg.n_kv_heads,
         attention_k_eq_v=bool(cfg.attention_k_eq_v),

@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import (
-    hf_config,
-    hf_forward,
-    hf_heads,
-    hf_implementation,
-    hf_mask,
-    hf_rope_parameters,
-    rotary_precision,
-    rotary_tables,
-)
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
 from ._module_io import hf_rope, torch_reader
 from ._packing import pack_groups, unpack_groups
@@ -36,7 +27,8 @@ def _gpt_neox(cfg, state, x, padding, options):
 
     config = hf_config(
         GPTNeoXConfig(
-            **hf_heads(cfg, grouped=False),
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
             attention_bias=cfg.bias,
             attention_dropout=0.0,
             rope_parameters=hf_rope_parameters(cfg, partial=True),

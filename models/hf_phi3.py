@@ -12,16 +12,7 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import (
-    hf_config,
-    hf_forward,
-    hf_heads,
-    hf_implementation,
-    hf_mask,
-    hf_rope_parameters,
-    rotary_precision,
-    rotary_tables,
-)
+from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import (
     BLOCKS,
     Layout,
@@ -45,7 +36,10 @@ def _phi3(cfg, state, x, padding, options):
 
     config = hf_config(
         Phi3Config(
-            **hf_heads(cfg),
+            hidden_size=cfg.d_model,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.d_k,
             attention_dropout=0.0,
             sliding_window=cfg.window,
             rope_parameters=hf_rope_parameters(cfg, partial=True),

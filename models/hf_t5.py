@@ -22,7 +22,8 @@ from ._layout import (
     bias_is,
     no_grouped_kv,
     rotary_is,
-    self_attention_heads,
+    same_head_dims,
+    self_attention_widths,
     separate_linears,
     unit_scale,
 )
@@ -102,7 +103,8 @@ LAYOUT = Layout(
     split="q(x).view(B, N, -1, d_kv).transpose(1, 2) (the same for k and v)",
     rules=(
         no_grouped_kv(MODULE),
-        *self_attention_heads(MODULE),
+        same_head_dims(MODULE),
+        self_attention_widths(MODULE),
         bias_is(False, "T5's q/k/v/o are nn.Linear(..., bias=False)"),
         unit_scale(MODULE),
         rotary_is((None,), MODULE),

@@ -24,7 +24,8 @@ from ._layout import (
     default_scale,
     head_dim_is_width_over_heads,
     rotary_is,
-    self_attention_heads,
+    same_head_dims,
+    self_attention_widths,
     separate_linears,
 )
 from ._real import HF_REQUIRES, allowed_mask, state_shapes, torch_state
@@ -91,7 +92,8 @@ LAYOUT = Layout(
     split="wq(x).view(B, N, H, d); wk/wv with n_kv_heads; apply_rotary_emb via view_as_complex(reshape(..., -1, 2))",
     rules=(
         head_dim_is_width_over_heads(MODULE),
-        *self_attention_heads(MODULE),
+        same_head_dims(MODULE),
+        self_attention_widths(MODULE),
         bias_is(False, "Meta's wq/wk/wv/wo are built with bias=False"),
         default_scale(MODULE),
         rotary_is(("interleaved",), MODULE),

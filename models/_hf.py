@@ -5,6 +5,7 @@ transformers and torch are imported inside the functions.
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 
 import numpy as np
@@ -141,3 +142,26 @@ def rotary_precision(options: RunOptions, eager_softmax_float32: bool = True) ->
     if options.implementation == "eager" and eager_softmax_float32:
         causes.append("eager attention's softmax runs in float32 (softmax(..., dtype=torch.float32))")
     return {"precision": "float32", "note": "; ".join(causes)} if causes else {}
+
+
+def hf_names(module: str, config_class: str | None = None) -> dict[str, str]:
+    """A transformers family's names from its attention class, by transformers' naming: ``Qwen3NextAttention`` ->
+    layout ``hf-qwen3-next``, package ``qwen3_next`` (``transformers.models.qwen3_next.modeling_qwen3_next``),
+    ``Qwen3NextConfig`` and ``Qwen3NextRotaryEmbedding``. ``config_class``: where the config is named otherwise
+    (Gemma 3's ``Gemma3TextConfig``)."""
+    prefix = module.removesuffix("Attention")
+    package = re.sub(r"(?<!^)(?=[A-Z])", "_", prefix).lower()  # GptOss -> gpt_oss, DeepseekV3 -> deepseek_v3
+    return {
+        "layout": "hf-" + package.replace("_", "-"),
+        "module": module,
+        "package": package,
+        "config_class": config_class or f"{prefix}Config",
+        "rotary_class": f"{prefix}RotaryEmbedding",
+    }
+
+
+def hf_heads(cfg: MHAConfig, grouped: bool = True) -> dict:
+    """The config keywords every transformers family spells alike: ``hidden_size`` and ``num_attention_heads``, and
+    where the family groups its kv heads (``grouped``), ``num_key_value_heads`` and ``head_dim``."""
+    sizes = {"hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads}
+    return sizes | ({"num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_k} if grouped else {})

@@ -37,6 +37,7 @@ from ._errors import LayoutError
 from ._hf import (
     hf_config,
     hf_forward,
+    hf_heads,
     hf_implementation,
     hf_mask,
     hf_max_positions,
@@ -50,8 +51,7 @@ from ._layout import (
     causal_only,
     default_scale,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
     separate_linears,
 )
 from ._module_io import class_name, hf_rope, hf_window, torch_reader, unexpressible
@@ -111,10 +111,7 @@ class Decoder:
         transformers' config validation raises ValueError (or its StrictDataclassError) for a ``cfg`` it refuses.
         """
         config_kwargs = {
-            "hidden_size": cfg.d_model,
-            "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.d_k,
+            **hf_heads(cfg),
             "attention_dropout": 0.0,
             "num_hidden_layers": 1,
             "rope_parameters": hf_rope_parameters(cfg),
@@ -225,9 +222,7 @@ def decoder_layout(family: Decoder) -> Layout:
         try:
             return MHAConfig(
                 **linear_fields(module),
-                rope="half",
-                rope_base=rope.rope_base,
-                rope_scaling=rope.rope_scaling,
+                **rope.half_fields(),
                 window=window,
                 **family.read_extra(module),
             )
@@ -245,8 +240,7 @@ def decoder_layout(family: Decoder) -> Layout:
         source=f"transformers/models/{family.package}/modeling_{family.package}.py",
         split="q_proj(x).view(B, N, -1, d).transpose(1, 2); k/v the same with G heads; repeat_kv for the groups",
         rules=(
-            same_head_dims(module_name),
-            self_attention_widths(module_name),
+            *self_attention_heads(module_name),
             *((causal_only(module_name),) if family.causal_only else ()),
             integer_pre_attn_scalar(module_name) if family.custom_scale else default_scale(module_name),
             rotary_is(("half",), module_name),

@@ -199,14 +199,14 @@ def self_attention_widths(module: str) -> Rule:
     return rule
 
 
+def self_attention_heads(module: str) -> tuple[Rule, ...]:
+    """The rules of every self-attention module here: q, k and v heads of one size, keys and values from d_model."""
+    return (same_head_dims(module), self_attention_widths(module))
+
+
 def classic_heads(module: str) -> tuple[Rule, ...]:
     """The rules of a module built like ``nn.MultiheadAttention``: H heads of d_model / H, no grouping, self-attention."""
-    return (
-        no_grouped_kv(module),
-        head_dim_is_width_over_heads(module),
-        same_head_dims(module),
-        self_attention_widths(module),
-    )
+    return (no_grouped_kv(module), head_dim_is_width_over_heads(module), *self_attention_heads(module))
 
 
 def bias_is(value: bool, why: str) -> Rule:

@@ -192,6 +192,10 @@ class HFRope(NamedTuple):
     rope_dims: int
     rope_scaling: dict | None
 
+    def half_fields(self) -> dict:
+        """The `MHAConfig` rotary fields of a rotate-half family: rope "half", its base and its scaling."""
+        return {"rope": "half", "rope_base": self.rope_base, "rope_scaling": self.rope_scaling}
+
 
 def hf_window(module, config) -> int | None:
     """This layer's sliding window: the module's own ``sliding_window`` attribute where it has one (set from

@@ -14,7 +14,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_implementation, hf_mask
+from ._hf import hf_config, hf_heads, hf_implementation, hf_mask
 from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
 from ._module_io import to_array, torch_reader
 from ._real import HF_REQUIRES, RealRun, module_shapes, torch_state
@@ -28,8 +28,7 @@ def _bert(cfg, state, x, padding, options):
 
     config = hf_config(
         BertConfig(
-            hidden_size=cfg.d_model,
-            num_attention_heads=cfg.n_heads,
+            **hf_heads(cfg, grouped=False),
             attention_probs_dropout_prob=0.0,
             hidden_dropout_prob=0.0,
             is_decoder=cfg.causal,

@@ -31,8 +31,7 @@ from ._layout import (
     fused_qkv,
     head_dim_is_width_over_heads,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
 )
 from ._module_io import class_name, hf_rope, torch_reader, unexpressible
 from ._packing import pack_groups, unpack_groups
@@ -147,9 +146,7 @@ def _config(module) -> MHAConfig:
         bias=module.query_key_value.bias is not None,
         causal=bool(module.is_causal),
         scale=module.inv_norm_factor,
-        rope="half",
-        rope_base=rope.rope_base,
-        rope_scaling=rope.rope_scaling,
+        **rope.half_fields(),
     )
 
 
@@ -169,8 +166,7 @@ LAYOUT = Layout(
     "view(B, N, H + 2, d) -> [:-2], [-2], [-1]; otherwise view(B, N, H, 3, d) -> [..., 0, :], [1], [2]",
     rules=(
         head_dim_is_width_over_heads(MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         default_scale(MODULE),
         causal_only(MODULE),
         rotary_is(("half",), MODULE),

@@ -12,17 +12,14 @@ Llama's four linears (`_hf_decoder`, biases with ``config.attention_bias``) and 
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import Decoder, decoder_layout, pre_attn_scalar, sliding_config
 
 MODULE = "Gemma2Attention"
 
 LAYOUT = decoder_layout(
     Decoder(
-        layout="hf-gemma2",
-        module=MODULE,
-        package="gemma2",
-        config_class="Gemma2Config",
-        rotary_class="Gemma2RotaryEmbedding",
+        **hf_names(MODULE),
         description="Gemma 2: Llama's linears; scale query_pre_attn_scalar**-0.5, logit softcap, sliding or global "
         "by layer",
         variants=("softcap", "window"),

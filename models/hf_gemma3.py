@@ -13,7 +13,7 @@ its softcap (the module keeps ``attn_logit_softcapping`` but never passes it), p
 
 from __future__ import annotations
 
-from ._hf import hf_rope_parameters
+from ._hf import hf_names, hf_rope_parameters
 from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, layer_type, norm_eps, pre_attn_scalar
 
 MODULE = "Gemma3Attention"
@@ -34,11 +34,7 @@ def _config_kwargs(cfg) -> dict:
 
 LAYOUT = decoder_layout(
     Decoder(
-        layout="hf-gemma3",
-        module=MODULE,
-        package="gemma3",
-        config_class="Gemma3TextConfig",
-        rotary_class="Gemma3RotaryEmbedding",
+        **hf_names(MODULE, config_class="Gemma3TextConfig"),
         description="Gemma 3: Llama's linears; q_norm/k_norm RMSNorm (d,) stored as w for 1 + w; "
         "query_pre_attn_scalar; sliding or global by layer, each with its rotary base",
         variants=("qk_norm_head", "window", "rope_scaling"),

@@ -67,10 +67,8 @@ def _config(module) -> MHAConfig:
         bias=module.query_key_value.bias is not None,
         causal=bool(module.is_causal),
         scale=module.scaling,
-        rope="half",
-        rope_base=rope.rope_base,
+        **rope.half_fields(),
         rope_dims=module.rotary_ndims,
-        rope_scaling=rope.rope_scaling,
     )
 
 

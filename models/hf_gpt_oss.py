@@ -14,17 +14,14 @@ Building a ``GptOssConfig`` needs ``num_local_experts`` and ``num_experts_per_to
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import Decoder, decoder_layout, field_is, sliding_config
 
 MODULE = "GptOssAttention"
 
 LAYOUT = decoder_layout(
     Decoder(
-        layout="hf-gpt-oss",
-        module=MODULE,
-        package="gpt_oss",
-        config_class="GptOssConfig",
-        rotary_class="GptOssRotaryEmbedding",
+        **hf_names(MODULE),
         description="gpt-oss: Llama's linears with biases, sinks (H,) in the softmax, sliding or global by layer, "
         "YaRN rotary",
         variants=("sinks", "window", "rope_scaling"),

@@ -16,16 +16,13 @@ the runner gives it the model's bidirectional mask for ``causal=False``).
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import Decoder, decoder_layout
 
 MODULE = "LlamaAttention"
 
 DECODER = Decoder(
-    layout="hf-llama",
-    module=MODULE,
-    package="llama",
-    config_class="LlamaConfig",
-    rotary_class="LlamaRotaryEmbedding",
+    **hf_names(MODULE),
     description="Llama (Hugging Face): q_proj/k_proj/v_proj/o_proj as nn.Linear (out, in), grouped kv heads",
     variants=("rope_scaling",),  # Llama 3's "llama3" (and linear, dynamic, yarn) from config.rope_parameters
     config_kwargs=lambda cfg: {},

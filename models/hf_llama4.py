@@ -27,7 +27,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf import hf_config, hf_forward, hf_implementation, hf_max_positions, hf_rope_parameters
+from ._hf import hf_config, hf_forward, hf_heads, hf_implementation, hf_max_positions, hf_rope_parameters
 from ._hf_decoder import LINEARS, attention_bias_rule, linear_fields
 from ._layout import (
     SEPARATE,
@@ -35,8 +35,7 @@ from ._layout import (
     causal_only,
     default_scale,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
     separate_linears,
 )
 from ._module_io import hf_rope, torch_reader, unexpressible
@@ -63,10 +62,7 @@ def build(cfg: MHAConfig, options):
     from transformers import Llama4TextConfig
 
     config = Llama4TextConfig(
-        hidden_size=cfg.d_model,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.d_k,
+        **hf_heads(cfg),
         num_hidden_layers=1,
         attention_dropout=0.0,
         attention_bias=bool(cfg.bias),
@@ -198,8 +194,7 @@ LAYOUT = Layout(
     source="transformers/models/llama4/modeling_llama4.py",
     split="q_proj(x).view(B, N, -1, d); rotary and norm on (B, N, H, d); transpose(1, 2); repeat_kv for the groups",
     rules=(
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         causal_only(MODULE),
         default_scale(MODULE),
         rotary_is(("interleaved", None), MODULE),

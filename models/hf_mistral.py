@@ -7,16 +7,13 @@ counting its own (Mistral 7B v0.1: 4096), by the mask ``MistralModel`` builds
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import Decoder, decoder_layout, field_is
 
 MODULE = "MistralAttention"
 
 DECODER = Decoder(
-    layout="hf-mistral",
-    module=MODULE,
-    package="mistral",
-    config_class="MistralConfig",
-    rotary_class="MistralRotaryEmbedding",
+    **hf_names(MODULE),
     description="Mistral: Llama's q_proj/k_proj/v_proj/o_proj without bias; config.sliding_window on every layer",
     variants=("window",),
     config_kwargs=lambda cfg: {"sliding_window": cfg.window},

@@ -7,6 +7,7 @@ projection: ``q_norm = Olmo2RMSNorm(H*d)``, ``k_norm = Olmo2RMSNorm(G*d)``, appl
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, norm_eps
 
 MODULE = "Olmo2Attention"
@@ -15,11 +16,7 @@ NORM_FLOAT32 = "the RMSNorm of q and k runs in float32 (hidden_states.to(torch.f
 
 LAYOUT = decoder_layout(
     Decoder(
-        layout="hf-olmo2",
-        module=MODULE,
-        package="olmo2",
-        config_class="Olmo2Config",
-        rotary_class="Olmo2RotaryEmbedding",
+        **hf_names(MODULE),
         description="OLMo 2: Llama's linears and q_norm (H*d,) / k_norm (G*d,) RMSNorm over the whole projection",
         variants=("qk_norm_projection",),
         config_kwargs=lambda cfg: {"rms_norm_eps": cfg.norm_eps},

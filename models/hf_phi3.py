@@ -21,8 +21,7 @@ from ._layout import (
     default_scale,
     fused_qkv,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
 )
 from ._module_io import hf_rope, hf_window, torch_reader
 from ._packing import pack_blocks, unpack_blocks
@@ -78,10 +77,8 @@ def _config(module) -> MHAConfig:
         bias=False,
         causal=bool(module.is_causal),
         scale=module.scaling,
-        rope="half",
-        rope_base=rope.rope_base,
+        **rope.half_fields(),
         rope_dims=rope.rope_dims,
-        rope_scaling=rope.rope_scaling,
         window=hf_window(module, config),
     )
 
@@ -98,8 +95,7 @@ LAYOUT = Layout(
     source="transformers/models/phi3/modeling_phi3.py",
     split="qkv[..., :H*d], qkv[..., H*d:H*d + G*d], qkv[..., H*d + G*d:]; each .view(B, N, -1, d).transpose(1, 2)",
     rules=(
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         bias_is(False, "Phi-3's qkv_proj and o_proj are nn.Linear(..., bias=False)"),
         default_scale(MODULE),
         causal_only(MODULE),

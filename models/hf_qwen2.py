@@ -8,17 +8,14 @@ A layer of ``config.layer_types`` ``"sliding_attention"`` (``use_sliding_window`
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import Decoder, decoder_layout, field_is, sliding_config
 
 MODULE = "Qwen2Attention"
 
 LAYOUT = decoder_layout(
     Decoder(
-        layout="hf-qwen2",
-        module=MODULE,
-        package="qwen2",
-        config_class="Qwen2Config",
-        rotary_class="Qwen2RotaryEmbedding",
+        **hf_names(MODULE),
         description="Qwen2: q_proj/k_proj/v_proj with bias, o_proj without (bias='qkv'); grouped kv heads",
         variants=("qkv_bias", "window"),
         config_kwargs=lambda cfg: {**sliding_config(cfg), "use_sliding_window": cfg.window is not None},

@@ -8,6 +8,7 @@ before rotary, one ``(d,)`` weight shared by every head (``qk_norm="head"``). La
 
 from __future__ import annotations
 
+from ._hf import hf_names
 from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, norm_eps, sliding_config
 
 MODULE = "Qwen3Attention"
@@ -16,11 +17,7 @@ NORM_FLOAT32 = "the RMSNorm of q and k runs in float32 (hidden_states.to(torch.f
 
 LAYOUT = decoder_layout(
     Decoder(
-        layout="hf-qwen3",
-        module=MODULE,
-        package="qwen3",
-        config_class="Qwen3Config",
-        rotary_class="Qwen3RotaryEmbedding",
+        **hf_names(MODULE),
         description="Qwen3: Llama's linears and q_norm/k_norm RMSNorm (d,) over each head, before rotary",
         variants=("qk_norm_head", "window"),
         config_kwargs=lambda cfg: {

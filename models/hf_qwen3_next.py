@@ -26,9 +26,9 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.variants import fuse_gated_q, split_gated_q
 
-from ._hf import hf_rope_parameters
+from ._hf import hf_names, hf_rope_parameters
 from ._hf_decoder import LINEARS, NORMS, Decoder, attention_bias_rule, decoder_layout, field_is, norm_eps
-from ._layout import causal_only, default_scale, rotary_is, same_head_dims, self_attention_widths, separate_linears
+from ._layout import causal_only, default_scale, rotary_is, self_attention_heads, separate_linears
 from ._module_io import hf_rope, torch_reader
 
 MODULE = "Qwen3NextAttention"
@@ -85,11 +85,7 @@ def _gated_packing(inner):
 
 
 _DECODER = Decoder(
-    layout="hf-qwen3-next",
-    module=MODULE,
-    package="qwen3_next",
-    config_class="Qwen3NextConfig",
-    rotary_class="Qwen3NextRotaryEmbedding",
+    **hf_names(MODULE),
     description="Qwen3-Next / Qwen 3.5: q_proj (H*2*d, E) holds [q_h | gate_h] per head; the merged heads times "
     "sigmoid(gate) before o_proj; q_norm/k_norm RMSNorm (d,) stored as w for 1 + w; partial rotate-half rotary",
     variants=("qk_norm_head", "gate"),
@@ -131,8 +127,7 @@ def _layout():
     packing = _gated_packing(separate_linears(LINEARS, NORMS, _DECODER.offsets))
     # decoder_layout's rules, but the rotary one: Llama's rotates every feature, this family's only rope_dims of them.
     rules = (
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         causal_only(MODULE),
         default_scale(MODULE),
         rotary_is(("half",), MODULE, partial=True),

@@ -56,8 +56,7 @@ from ._layout import (
     default_scale,
     head_dim_is_width_over_heads,
     rotary_is,
-    same_head_dims,
-    self_attention_widths,
+    self_attention_heads,
 )
 from ._module_io import ModuleReader
 
@@ -71,7 +70,7 @@ class KerasHubFamily:
     layout: str  # "keras-hub-llama"
     path: str  # "llama.llama_attention.LlamaAttention": keras_hub.src.models.<path>
     description: str
-    args: Callable[[MHAConfig], dict]  # MHAConfig -> the class's constructor keywords
+    args: tuple[str, ...]  # the class's constructor keywords (`ARGS`: each one's value for an MHAConfig)
     variants: tuple[str, ...] = ()
     biases: tuple = (False,)
     rope: str = "rotary_embedding_layer"  # the attribute holding the rotary layer
@@ -86,17 +85,22 @@ class KerasHubFamily:
     tuple_cache: bool = False
     rules: tuple = ()
     notes: tuple[str, ...] = ()
+    more_args: Callable[[MHAConfig], dict] | None = None  # keywords only some configs give (Llama 3.1 scaling)
 
     @property
     def cls(self) -> str:
         return self.path.rsplit(".", 1)[1]
+
+    def kwargs(self, cfg: MHAConfig) -> dict:
+        """The class's constructor keywords for ``cfg``: its `args` computed by `ARGS`, then its `more_args`."""
+        return {name: ARGS[name](cfg) for name in self.args} | (self.more_args(cfg) if self.more_args else {})
 
     def build(self, cfg: MHAConfig, dtype: str = "float64", seed: int = 0):
         """A tiny keras-hub layer of the family for ``cfg``: built for ``(None, None, d_model)``, seeded weights."""
         module, name = self.path.rsplit(".", 1)
         enable_x64()
         cls = getattr(importlib.import_module(f"keras_hub.src.models.{module}"), name)
-        layer = cls(**self.args(cfg), dtype=dtype)
+        layer = cls(**self.kwargs(cfg), dtype=dtype)
         layer.build((None, None, cfg.d_model))
         rng = np.random.default_rng(seed)
         for path, variable in keras_hub_variables(layer).items():
@@ -137,8 +141,7 @@ def keras_hub_layout(family: KerasHubFamily) -> Layout:
         source=f"keras_hub/src/models/{family.path.rsplit('.', 1)[0].replace('.', '/')}.py",
         split="EinsumDense kernels with the head axis inside; kv heads ops.repeat-ed to the query heads",
         rules=(
-            same_head_dims(module_name),
-            self_attention_widths(module_name),
+            *self_attention_heads(module_name),
             causal_only(module_name),
             rotary_is(("half",), module_name),
             scalings_rule(module_name, family.scalings),
@@ -176,21 +179,40 @@ def decode(layer, x: np.ndarray) -> list[np.ndarray]:
     return keras_hub_steps(layer, x, family.decoder_window(layer), family.tuple_cache)
 
 
-def _gemma_args(cfg: MHAConfig) -> dict:
+# The constructor keywords of keras-hub's attention classes, each -> its value for an MHAConfig. A family names the
+# ones its class takes (`KerasHubFamily.args`): the families differ in which keywords, not in how each is computed.
+ARGS: dict[str, Callable[[MHAConfig], object]] = {
+    "head_dim": lambda cfg: cfg.d_k,
+    "num_query_heads": lambda cfg: cfg.n_heads,
+    "num_key_value_heads": lambda cfg: cfg.n_kv_heads,
+    "layer_norm_epsilon": lambda cfg: cfg.norm_eps,
+    "rope_max_wavelength": lambda cfg: cfg.rope_base,
+    "rope_wavelength": lambda cfg: cfg.rope_base,  # Gemma 3's spelling
+    "rope_scaling_factor": lambda cfg: (cfg.rope_scaling or {}).get("factor", 1.0),
+    "sliding_window": lambda cfg: cfg.window,  # Mistral: its decoder's band
+    "logit_soft_cap": lambda cfg: cfg.softcap,
+    "use_sliding_window_attention": lambda cfg: cfg.window is not None,
+    "sliding_window_size": lambda cfg: cfg.window or 4096,
+    "query_head_dim_normalize": lambda cfg: math.isclose(cfg.scale, cfg.d_k**-0.5, rel_tol=1e-12),
+    "use_query_key_norm": lambda cfg: True,
+}
+HEADS = ("num_query_heads", "num_key_value_heads")
+# Gemma's and Gemma 3's: the softcap, the in-layer window and the scale rule (`gemma_scale`).
+GEMMA_ARGS = (*HEADS, "head_dim", "logit_soft_cap", "query_head_dim_normalize", "use_sliding_window_attention")
+GEMMA_ARGS += ("sliding_window_size",)
+
+
+def _llama3_args(cfg: MHAConfig) -> dict:
+    """LlamaAttention's Llama 3.1 scaling keywords, given only where ``cfg`` scales its rotary."""
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return {}
     return {
-        "head_dim": cfg.d_k,
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "logit_soft_cap": cfg.softcap,
-        "use_sliding_window_attention": cfg.window is not None,
-        "sliding_window_size": cfg.window or 4096,
-        "query_head_dim_normalize": math.isclose(cfg.scale, cfg.d_k**-0.5, rel_tol=1e-12),
+        "rope_frequency_adjustment_factor": scaling["factor"],
+        "rope_low_freq_factor": scaling["low_freq_factor"],
+        "rope_high_freq_factor": scaling["high_freq_factor"],
+        "rope_pretraining_sequence_length": scaling["original_max_position_embeddings"],
     }
-
-
-def _rope_args(cfg: MHAConfig) -> dict:
-    factor = (cfg.rope_scaling or {}).get("factor", 1.0)
-    return {"rope_max_wavelength": cfg.rope_base, "rope_scaling_factor": factor}
 
 
 def _in_layer_window(layer):
@@ -217,21 +239,8 @@ LLAMA = KerasHubFamily(
     layout="keras-hub-llama",
     path="llama.llama_attention.LlamaAttention",
     description="keras-hub Llama: EinsumDense (E, H, d) kernels, no biases, LlamaRotaryEmbedding (Llama 3.1 scaling)",
-    args=lambda cfg: {
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "rope_max_wavelength": cfg.rope_base,
-        **(
-            {
-                "rope_frequency_adjustment_factor": cfg.rope_scaling["factor"],
-                "rope_low_freq_factor": cfg.rope_scaling["low_freq_factor"],
-                "rope_high_freq_factor": cfg.rope_scaling["high_freq_factor"],
-                "rope_pretraining_sequence_length": cfg.rope_scaling["original_max_position_embeddings"],
-            }
-            if cfg.rope_scaling
-            else {}
-        ),
-    },
+    args=(*HEADS, "rope_max_wavelength"),
+    more_args=_llama3_args,
     variants=("rope_scaling",),
     scalings=(None, "llama3"),
     rules=_default_scale("llama") + _width_over_heads("llama"),
@@ -241,14 +250,7 @@ MISTRAL = KerasHubFamily(
     layout="keras-hub-mistral",
     path="mistral.mistral_attention.CachedMistralAttention",
     description="keras-hub Mistral: Llama's kernels, head_dim, its decoder's band mask of sliding_window keys",
-    args=lambda cfg: {
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.d_k,
-        "sliding_window": cfg.window,
-        "rope_max_wavelength": cfg.rope_base,
-        "rope_scaling_factor": (cfg.rope_scaling or {}).get("factor", 1.0),
-    },
+    args=(*HEADS, "head_dim", "sliding_window", "rope_max_wavelength", "rope_scaling_factor"),
     variants=("window", "rope_scaling"),
     window=lambda layer: (layer._sliding_window, True),
     rules=_default_scale("mistral"),
@@ -257,7 +259,7 @@ GEMMA = KerasHubFamily(
     layout="keras-hub-gemma",
     path="gemma.gemma_attention.CachedGemmaAttention",
     description="keras-hub Gemma (and Gemma 2): kernels (H, E, d), query_head_dim_normalize, softcap, in-layer window",
-    args=lambda cfg: {**_gemma_args(cfg)},
+    args=GEMMA_ARGS,
     variants=("window", "softcap"),
     rope="rope_layer",
     heads_first=True,
@@ -280,13 +282,7 @@ GEMMA3 = KerasHubFamily(
     path="gemma3.gemma3_attention.CachedGemma3Attention",
     description="keras-hub Gemma 3: Gemma's kernels, query_norm/key_norm RMSNorm multiplying by 1 + scale, "
     "query_head_dim_normalize, in-layer window, a (keys, values) tuple cache",
-    args=lambda cfg: {
-        **_gemma_args(cfg),
-        "use_query_key_norm": True,
-        "layer_norm_epsilon": cfg.norm_eps,
-        "rope_wavelength": cfg.rope_base,
-        "rope_scaling_factor": (cfg.rope_scaling or {}).get("factor", 1.0),
-    },
+    args=(*GEMMA_ARGS, "use_query_key_norm", "layer_norm_epsilon", "rope_wavelength", "rope_scaling_factor"),
     variants=("window", "softcap", "qk_norm_head", "rope_scaling"),
     rope="rope_layer",
     heads_first=True,
@@ -304,11 +300,7 @@ QWEN2 = KerasHubFamily(
     layout="keras-hub-qwen2",
     path="qwen.qwen_attention.QwenAttention",
     description="keras-hub Qwen (2): biases on q, k, v (bias_axes), head_dim = hidden_dim // heads, in-layer window",
-    args=lambda cfg: {
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        **_rope_args(cfg),
-    },
+    args=(*HEADS, "rope_max_wavelength", "rope_scaling_factor"),
     variants=("qkv_bias", "rope_scaling"),
     biases=("qkv",),
     window=_qwen_window,
@@ -322,13 +314,7 @@ QWEN3 = KerasHubFamily(
     layout="keras-hub-qwen3",
     path="qwen3.qwen3_attention.Qwen3Attention",
     description="keras-hub Qwen 3: no biases, Qwen3LayerNorm(head_dim) of q and k before the rotary",
-    args=lambda cfg: {
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.d_k,
-        "layer_norm_epsilon": cfg.norm_eps,
-        **_rope_args(cfg),
-    },
+    args=(*HEADS, "head_dim", "layer_norm_epsilon", "rope_max_wavelength", "rope_scaling_factor"),
     variants=("qk_norm_head", "rope_scaling"),
     extras={"q_norm": "query_dense_layernorm/scale", "k_norm": "key_dense_layernorm/scale"},
     qk_norm="head",
@@ -339,11 +325,7 @@ PHI3 = KerasHubFamily(
     layout="keras-hub-phi3",
     path="phi3.phi3_attention.Phi3Attention",
     description="keras-hub Phi-3: Llama's kernels (not HF's fused qkv_proj), RotaryEmbedding; su scaling refused",
-    args=lambda cfg: {
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "rope_max_wavelength": cfg.rope_base,
-    },
+    args=(*HEADS, "rope_max_wavelength"),
     scalings=(None,),
     rules=_default_scale("phi3") + _width_over_heads("phi3"),
     notes=("rope_scaling_type='su' builds Phi3SuScaledRotaryEmbedding (two factor tables): refused",),
@@ -352,12 +334,7 @@ GPT_OSS = KerasHubFamily(
     layout="keras-hub-gpt-oss",
     path="gpt_oss.gpt_oss_attention.GptOssAttention",
     description="keras-hub gpt-oss: biases on all four, sinks (H,) concatenated to the logits, YaRN RotaryEmbedding",
-    args=lambda cfg: {
-        "num_query_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.d_k,
-        "rope_max_wavelength": cfg.rope_base,
-    },
+    args=(*HEADS, "head_dim", "rope_max_wavelength"),
     variants=("sinks",),
     biases=(True,),
     extras={"sinks": "sinks"},

@@ -14,7 +14,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig
 
-from ._layout import PER_GROUP, Layout, fused_qkv, rotary_is, same_head_dims, self_attention_widths
+from ._layout import PER_GROUP, Layout, fused_qkv, rotary_is, self_attention_heads
 from ._packing import pack_groups, unpack_groups
 from ._real import RealRun, allowed_mask, state_shapes, torch_state
 
@@ -87,8 +87,7 @@ LAYOUT = Layout(
     source="megatron/core/transformer/attention.py (SelfAttention.get_query_key_value_tensors)",
     split="linear_qkv(x).view(s, b, G, (Q + 2)*d).split([Q*d, d, d], dim=3); q.reshape(s, b, H, d)",
     rules=(
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
+        *self_attention_heads(MODULE),
         rotary_is((None, "half", "interleaved"), MODULE, partial=True),
     ),
     **fused_qkv("linear_qkv", "linear_proj", pack_groups, unpack_groups),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,12 @@ if fast_compile_enabled() and "jax" not in sys.modules:
 BATCH, Q_TOKENS, KV_TOKENS, D_MODEL, HEADS, D_K = 2, 7, 5, 15, 3, 5
 
 
-def python_stdout(code: str) -> str:
-    """What a fresh interpreter prints running ``code`` (stripped); fails the test if it exits non-zero."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+def python_stdout(code: str, timeout: int = 300) -> str:
+    """What a fresh interpreter prints running ``code`` (stripped); fails the test, with its stderr, if it exits
+    non-zero."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -50,15 +55,16 @@ def load_example(name: str):
         sys.path.remove(str(EXAMPLES.parent))
 
 
-def run_cli(*argv: str, cwd) -> subprocess.CompletedProcess:
-    """``mha-rosetta *argv`` in a fresh interpreter run from ``cwd`` (one BLAS thread, 300 s at most)."""
+def run_cli(*argv: str, cwd, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``mha-rosetta *argv`` in a fresh interpreter run from ``cwd`` (one BLAS thread, ``timeout`` s at most);
+    ``env``: variables set on top of this process's (KERAS_BACKEND, PYTHONPATH)."""
     return subprocess.run(
         [sys.executable, "-m", "mha_rosetta.cli.main", *argv],
         capture_output=True,
         text=True,
         cwd=cwd,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
 
@@ -148,3 +154,54 @@ def pytest_sessionfinish(session, exitstatus):
     if config.getoption("require_gpu") and exitstatus == 0 and not config.stash.get(_GPU_PASSED, 0):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print("\n--require-gpu: no test marked gpu passed", file=sys.stderr)
+
+
+# -- helpers the suites share (issue 42: one copy each; keep new ones in this block) ----------------------------
+
+
+def installed_backend(name: str):
+    """``get_backend(name)``, or a skip naming the missing library and its install command.
+
+    get_backend raises BackendNotInstalled for a backend whose framework is not installed (tox's numpy and einops
+    envs): the skip is its reason, not a failure of ours.
+    """
+    from mha_rosetta.backends import get_backend, missing_backends
+
+    missing = missing_backends()
+    if name in missing:
+        pytest.skip(missing[name])
+    return get_backend(name)
+
+
+def hf_attention(package: str, config_class: str, attention_class: str, **config):
+    """Hugging Face's attention of ``package`` (layer 0, eager, float64, seeded weights) from a tiny config."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    built = getattr(transformers, config_class)(num_hidden_layers=1, **config)
+    built._attn_implementation = "eager"
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    return getattr(modeling, attention_class)(built, layer_idx=0).double().eval()
+
+
+def normal(shape, seed: int = 0) -> np.ndarray:
+    """Standard normal draws of ``shape`` from ``default_rng(seed)``: the inputs of the hand-checked cases."""
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@contextmanager
+def library_absent(monkeypatch, library: str):
+    """Pretend ``library`` is not installed: the backends' probe asks ``importlib.util.find_spec`` first, so patch that
+    and forget the probe's cached answers (before and after)."""
+    from mha_rosetta.backends._probe import probe
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == library else real_find_spec(name, *a)
+    )
+    probe.cache_clear()
+    try:
+        yield
+    finally:
+        probe.cache_clear()

@@ -1,25 +1,31 @@
 """The decode property every KV cache is held to (`core.decode`), as data the decode test files share.
 
 `DECODE_CASES`: name -> (cfg, tokens, mask kind); `SPLITS`: the (prefill, step) splits of a run;
-`VARIANT_CFGS`: one config per variant of `core.VARIANTS`, on GQA + rotary. `decode_run_inputs`
+`VARIANT_CFGS`: one config per adapted variant, from the registry (`variant_configs`), on GQA + rotary. `decode_run_inputs`
 gives a case's x and padding mask; `assert_decode_matches` runs one backend's `run_decode`
 against `reference_decode` and, in float64, its step stages against `reference_decode_stages`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, compare, init_params
 from mha_rosetta.core.decode import prepare_decode_inputs, reference_decode, reference_decode_stages
+from mha_rosetta.core.variants import VARIANT_REGISTRY, adapted_variants
+from mha_rosetta.explain.variants import DEMO
 
 TOKENS = 9  # long enough for a window of 3 to be outgrown several times
 
 
+# GQA (4 query heads on 2 kv heads) with half rotary, causal: the base of every decode case.
+GQA = {"d_model": 16, "n_heads": 4, "n_kv_heads": 2, "causal": True, "rope": "half"}
+
+
 def _gqa(**extra) -> MHAConfig:
-    """GQA (4 query heads on 2 kv heads) with half rotary, causal: the base of every decode case."""
-    fields = {"d_model": 16, "n_heads": 4, "n_kv_heads": 2, "causal": True, "rope": "half", **extra}
-    return MHAConfig(**fields)
+    return MHAConfig(**{**GQA, **extra})
 
 
 # name -> (cfg, padding): padding None, "left" (item 0's first 3 tokens are pads) or "right" (its last 2).
@@ -39,7 +45,6 @@ DECODE_CASES = {
 SPLITS = [(1, 1), (2, 2), (TOKENS, 1), (6, 1), (5, 3)]
 
 ROPE_SCALINGS = {
-    "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},  # 9 > 4: rescaled
     "yarn": {
         "rope_type": "yarn",
@@ -50,22 +55,36 @@ ROPE_SCALINGS = {
     },
 }
 
-# One configuration per variant of core.VARIANTS (the window one is DECODE_CASES' window_outgrown too).
+
+def variant_configs(base: dict, names=None) -> dict[str, MHAConfig]:
+    """One configuration per registered variant (of ``names`` only, where given), derived from the registry so that a
+    new entry needs no edit of the decode tests: its entry's demonstration fields (`Variant.demo_on`) on ``base``.
+
+    A variant no adapter applies (`Variant.implemented_by == ()`: MLA, Llama 4's steps after rotary, ...) is only
+    ever refused, so it is switched on in the explainer's demonstration layer (`explain.variants.DEMO`), where every
+    entry's fields are valid: MLA's heads are nope + rope wide and never grouped, which ``base``'s d_k and GQA contradict.
+    """
+    configs = {}
+    for name, entry in VARIANT_REGISTRY.items():
+        if names is not None and name not in names:
+            continue
+        if entry.implemented_by == ():
+            configs[name] = replace(DEMO, **entry.demo_on)
+        else:
+            configs[name] = MHAConfig(**{**base, **entry.demo_on})
+    return configs
+
+
+# One configuration per variant every adapter applies (`adapted_variants`), from the registry: each entry's
+# demonstration fields on GQA + rotary. Then the combinations a cache must also get right: the rope scalings whose
+# frequencies read the sequence (dynamic NTK past 4 positions, YaRN; the registry's own is linear), sinks with a
+# window the tokens outgrow, and Qwen3-Next's gate with its QK-norm and biases (each step's tokens gated by their own
+# sigmoid(x @ w_gate.T + b), nothing cached).
 VARIANT_CFGS = {
-    "window": _gqa(window=3),
-    "softcap": _gqa(softcap=2.0),
-    "qk_norm_head": _gqa(qk_norm="head"),
-    "qk_norm_projection": _gqa(qk_norm="projection"),
-    "qkv_bias": _gqa(bias="qkv"),
-    "alibi": _gqa(rope=None, alibi=True),
-    "rel_bias": _gqa(rope=None, rel_buckets=6, rel_max_distance=5, rel_bidirectional=False),
-    "sinks": _gqa(sinks=True, window=3),
-    **{f"rope_scaling_{kind}": _gqa(rope_scaling=scaling) for kind, scaling in ROPE_SCALINGS.items()},
-    "chunked": _gqa(attention_chunk_size=3),  # Llama 4's chunks: boundaries at 3, 6 across the steps
-    # Qwen3-Next's output gate: each step's tokens gated by their own sigmoid(x @ w_gate.T + b), nothing cached.
-    "gate": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),
-    # Gemma 4's global layers: V is the raw key projection (w_v tied to w_k), so the cache's values are keys unrotated.
-    "k_eq_v": _gqa(attention_k_eq_v=True),
+    **variant_configs(GQA, adapted_variants()),
+    **{f"rope_scaling_{kind}": _gqa(rope_scaling=ROPE_SCALINGS[kind]) for kind in ("dynamic", "yarn")},
+    "sinks_window": _gqa(sinks=True, window=3),
+    "gate_qwen3_next": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),
 }
 
 

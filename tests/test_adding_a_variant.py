@@ -308,21 +308,19 @@ def test_check_runs_every_pipeline_adapter_with_it_and_refuses_it_elsewhere(plug
 
 
 @needs_every_library
-def test_check_decode_runs_it_step_by_step(plugin_dir, tmp_path):
-    out = tmp_path / "decode.json"
-    done = _cli(plugin_dir, "check", "--decode", "--cases", "logit_temperature", "--json", str(out), "--quiet")
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("--decode", PIPELINE),  # step by step, through every pipeline's cache
+        ("--grad", {"numpy", "torch", "jax"}),  # numpy's hand-written backward runs the op's backward
+    ],
+)
+def test_check_decode_and_grad_run_it(plugin_dir, tmp_path, mode, expected):
+    out = tmp_path / "check.json"
+    done = _cli(plugin_dir, "check", mode, "--cases", "logit_temperature", "--json", str(out), "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     agreed = {run["backend"] for run in _runs(out) if run["status"] == "agree"}
-    assert PIPELINE <= agreed
-
-
-@needs_every_library
-def test_check_grad_differentiates_it(plugin_dir, tmp_path):
-    out = tmp_path / "grad.json"
-    done = _cli(plugin_dir, "check", "--grad", "--cases", "logit_temperature", "--json", str(out), "--quiet")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    agreed = {run["backend"] for run in _runs(out) if run["status"] == "agree"}
-    assert {"numpy", "torch", "jax"} <= agreed  # numpy's hand-written backward runs the op's backward
+    assert expected <= agreed
 
 
 def test_explain_describes_it(plugin_dir):

@@ -17,8 +17,8 @@ import json
 
 import pytest
 
-from conftest import skip_without_gpu
-from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend, missing_backends
+from conftest import installed_backend, skip_without_gpu
+from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend
 from mha_rosetta.backends.entries import module_name
 from mha_rosetta.checks import SPEC_CASES, SpecCase, Status, run_check
 from mha_rosetta.checks.devices import GPU_PROBES
@@ -47,10 +47,7 @@ def check_for(device: str, dtype: str):
 
 
 def _skip_unless_present(name: str, device: str):
-    missing = missing_backends()
-    if name in missing:
-        pytest.skip(missing[name])
-    backend = get_backend(name)
+    backend = installed_backend(name)
     if device not in backend.devices():
         if device == "gpu" and set(REGISTRY[name].requires) & set(GPU_PROBES):
             skip_without_gpu(f"{name}: no gpu device present on this machine")

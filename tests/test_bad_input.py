@@ -9,7 +9,6 @@ drop out of the parametrisation and are reported as skips.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Callable
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import library_absent
 from mha_rosetta.backends import (
     REGISTRY,
     BackendNotInstalled,
@@ -264,16 +264,7 @@ def test_unknown_backend_lists_the_registered_ones():
 
 @pytest.mark.parametrize(("backend", "library"), [("torch", "torch"), ("mlx-sdpa", "mlx")])
 def test_missing_backend_gives_the_install_command(monkeypatch, backend, library):
-    # Pretend the library is absent: the probe asks importlib.util.find_spec first, so patch that
-    # and forget the probe's cached answers (before and after).
-    from mha_rosetta.backends._probe import probe
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == library else real_find_spec(name, *a)
-    )
-    probe.cache_clear()
-    try:
+    with library_absent(monkeypatch, library):
         assert backend not in available_backends()
         assert (
             missing_backends()[backend]
@@ -281,8 +272,6 @@ def test_missing_backend_gives_the_install_command(monkeypatch, backend, library
         )
         with pytest.raises(BackendNotInstalled, match=rf"pip install 'mha-rosetta\[{library}\]'"):
             get_backend(backend)
-    finally:
-        probe.cache_clear()
 
 
 def test_gpu_asked_for_where_there_is_none():

@@ -30,7 +30,8 @@ import sys
 import numpy as np
 import pytest
 
-from mha_rosetta.backends import get_backend, missing_backends
+from conftest import installed_backend
+from mha_rosetta.backends import get_backend
 from mha_rosetta.backends.best.common import decode_step_inputs
 from mha_rosetta.core import (
     MHAConfig,
@@ -50,10 +51,7 @@ DTYPES = ("float64", "float32")
 
 
 def _best(name: str):
-    missing = missing_backends()
-    if name in missing:
-        pytest.skip(missing[name])
-    return get_backend(name)
+    return installed_backend(name)
 
 
 def _tokens(shape, seed: int) -> np.ndarray:

@@ -16,7 +16,8 @@ import pytest
 from adapter_cases import required_core_cases
 from misbehaving_adapters import oracle_stages
 
-from mha_rosetta.backends import REGISTRY, STANDARD, Backend, Prepared, get_backend, missing_backends
+from conftest import installed_backend
+from mha_rosetta.backends import REGISTRY, STANDARD, Backend, Prepared
 from mha_rosetta.checks import SPEC_CASES, Status, run_check
 from mha_rosetta.core import DTYPE_NAMES, VARIANTS
 
@@ -85,9 +86,7 @@ def _default_check():
 @pytest.mark.slow  # one default check of every installed backend (about 30 s of CPU)
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_installed_implementation_ran_every_case_it_can_express(name):
-    if name in missing_backends():
-        pytest.skip(missing_backends()[name])
-    backend = get_backend(name)
+    backend = installed_backend(name)
     runs = [run for run in _default_check().runs if run.impl.backend == name]
     ran = {run.case for run in runs if run.compared}
     # What the backend declares, asked independently of the check: the cases it can express

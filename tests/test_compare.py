@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ pytest.importorskip("transformers", reason="transformers is not installed: pip i
 pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'mha-rosetta[mlx]'")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'mha-rosetta[mlx]'")
 
-from conftest import load_example
+from conftest import hf_attention, load_example, run_cli
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.diagnose.compare import compare
 from mha_rosetta.models import from_module
@@ -92,14 +90,7 @@ def test_torch_multihead_attention_against_keras_runs_keras_rebuilt_and_says_so(
 
 def test_cli_compare_exit_status_and_named_cause():
     def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "mha_rosetta.cli.main", "compare", *args],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=300,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
-        )
+        return run_cli("compare", *args, cwd=ROOT, env={"OPENBLAS_NUM_THREADS": "1"})
 
     bad = cli("examples.ports_qwen3:hf_qwen3", "examples.ports_qwen3:mlx_qwen3_traditional")
     assert bad.returncode == 1, bad.stderr
@@ -114,17 +105,8 @@ def test_cli_compare_exit_status_and_named_cause():
 
 
 def _hf(package: str, config_class: str, attention_class: str, **config):
-    """Hugging Face's attention of ``package`` (layer 0, eager, float64, seeded weights) from a tiny config."""
-    import importlib
-
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    built = getattr(transformers, config_class)(num_hidden_layers=1, layer_types=["full_attention"], **config)
-    built._attn_implementation = "eager"
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-    return getattr(modeling, attention_class)(built, layer_idx=0).double().eval()
+    """`hf_attention` of one full-attention layer (these families' configs list the layers' types)."""
+    return hf_attention(package, config_class, attention_class, layer_types=["full_attention"], **config)
 
 
 SMALL = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +20,7 @@ pytest.importorskip("keras_hub", reason="keras-hub is not installed: pip install
 pytest.importorskip("torch", reason="torch is not installed: pip install 'mha-rosetta[torch]'")
 pytest.importorskip("transformers", reason="transformers is not installed: pip install 'mha-rosetta[models]'")
 
-from conftest import load_example
+from conftest import hf_attention, load_example, run_cli
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.diagnose.compare import compare
 from mha_rosetta.models import from_module
@@ -54,33 +52,12 @@ PLANTED = ("examples.ports_gemma3:hf_gemma3", "examples.ports_gemma3:keras_hub_g
 
 
 def test_cli_compare_names_the_scale_and_exits_1():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "KERAS_BACKEND": "jax"}
-    done = subprocess.run(
-        [sys.executable, "-m", "mha_rosetta.cli.main", "compare", *PLANTED, "--json", "-"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        env=env,
-    )
+    env = {"OPENBLAS_NUM_THREADS": "1", "KERAS_BACKEND": "jax"}
+    done = run_cli("compare", *PLANTED, "--json", "-", cwd=ROOT, env=env)
     assert done.returncode == 1, done.stderr[-2000:]
     payload = json.loads(done.stdout)
     assert payload["stage"] == "scores" and payload["causes"][0]["code"] == "scale"
     assert payload["b"] == "keras_hub.src.models.gemma3.gemma3_attention.CachedGemma3Attention"
-
-
-def _hf(package: str, config_class: str, attention_class: str, **config):
-    """Hugging Face's attention of ``package`` (layer 0, eager, float64, seeded weights) from a tiny config."""
-    import importlib
-
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    built = getattr(transformers, config_class)(num_hidden_layers=1, **config)
-    built._attn_implementation = "eager"
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-    return getattr(modeling, attention_class)(built, layer_idx=0).double().eval()
 
 
 SMALL = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -89,7 +66,7 @@ SMALL = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2}
 def test_hf_llama_with_llama3_scaling_against_keras_hub_agrees_forward_and_decode():
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0}
     rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-    hf = _hf("llama", "LlamaConfig", "LlamaAttention", **SMALL, rope_parameters=rope, attention_bias=False)
+    hf = hf_attention("llama", "LlamaConfig", "LlamaAttention", **SMALL, rope_parameters=rope, attention_bias=False)
     cfg = from_module(hf).cfg
     assert cfg.rope_scaling["rope_type"] == "llama3"
     result = compare(hf, FAMILIES["keras-hub-llama"].build(cfg), decode=True)
@@ -97,7 +74,7 @@ def test_hf_llama_with_llama3_scaling_against_keras_hub_agrees_forward_and_decod
 
 
 def test_hf_mistral_window_against_keras_hub_band_agrees_and_another_window_is_named():
-    hf = _hf("mistral", "MistralConfig", "MistralAttention", **SMALL, head_dim=8, sliding_window=3)
+    hf = hf_attention("mistral", "MistralConfig", "MistralAttention", **SMALL, head_dim=8, sliding_window=3)
     cfg = from_module(hf).cfg
     assert cfg.window == 3
     assert compare(hf, FAMILIES["keras-hub-mistral"].build(cfg)).agrees  # 7 tokens: the window of 3 keys binds

@@ -15,6 +15,8 @@ import pytest
 
 jax = pytest.importorskip("jax", reason="the jax adapter's decode path needs JAX (the jax extra)")
 
+from decode_property_cases import GQA, variant_configs  # noqa: E402
+
 from mha_rosetta.backends import CHUNKED, UnsupportedCase, get_backend, missing_backends  # noqa: E402
 from mha_rosetta.core import MHAConfig, assert_close, init_params  # noqa: E402
 from mha_rosetta.core.decode import (  # noqa: E402
@@ -35,32 +37,19 @@ CASES = {"gqa_rope": GQA_ROPE, "partial_interleaved": PARTIAL_INTERLEAVED, "wind
 # (with a last shorter step), three per step, and, with the window, prefills shorter and longer than the ring.
 SPLITS = [(1, 1), (N, 1), (5, 2), (2, 3), (9, 1)]
 
-# One configuration per variant of core.VARIANTS (every one the jax decode path declares is tested).
+# One configuration per variant the jax decode path declares (every adapted one), from the registry: each entry's
+# demonstration fields on GQA + rotary (tests/decode_property_cases.py). Then ALiBi under a window of 5, and dynamic
+# NTK, which reads the sequence's length: 12 tokens > 6, so the frequencies are scaled.
 VARIANT_CFGS = {
-    "window": MHAConfig(d_model=16, n_heads=4, causal=True, window=3),
-    "softcap": MHAConfig(d_model=16, n_heads=4, causal=True, rope="half", softcap=1.5),
-    "qk_norm_head": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", qk_norm="head"),
-    "qk_norm_projection": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, qk_norm="projection"),
-    "qkv_bias": MHAConfig(d_model=16, n_heads=4, causal=True, bias="qkv", rope="half"),
-    "alibi": MHAConfig(d_model=16, n_heads=4, causal=True, alibi=True, window=5),
-    "rel_bias": MHAConfig(d_model=16, n_heads=4, causal=True, rel_buckets=6, rel_max_distance=5),
-    "sinks": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, sinks=True),
-    "rope_scaling": MHAConfig(
+    **variant_configs(GQA, adapted_variants()),
+    "alibi_window": MHAConfig(d_model=16, n_heads=4, causal=True, alibi=True, window=5),
+    "rope_scaling_dynamic": MHAConfig(
         d_model=16,
         n_heads=4,
         causal=True,
         rope="half",
-        # dynamic NTK reads the sequence length: 12 tokens > 6, so the frequencies are scaled
         rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6},
     ),
-    # Llama 4's chunks of 4: boundaries at 4 and 8 inside the 12 tokens, crossed by the steps
-    "chunked": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", attention_chunk_size=4),
-    # Qwen3-Next's output gate: each step's tokens gated by their own sigmoid(x @ w_gate.T + b_gate)
-    "gate": MHAConfig(
-        d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", qk_norm="head", bias="qkv", attn_output_gate=True
-    ),
-    # Gemma 4's global layers: V is the raw key projection (w_v tied to w_k), cached unrotated
-    "k_eq_v": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", attention_k_eq_v=True),
 }
 
 
@@ -110,9 +99,9 @@ def test_jax_decode_of_a_padded_batch(cfg, side):
 
 def test_every_variant_the_jax_decode_path_declares_has_a_case():
     assert get_backend("jax").decode_variants == adapted_variants()
-    assert set(VARIANT_CFGS) == adapted_variants()
-    for name, cfg in VARIANT_CFGS.items():
-        assert name in cfg.variants, name
+    for name in adapted_variants():
+        assert name in VARIANT_CFGS[name].variants, name  # its demonstration fields switch it on
+    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANT_CFGS))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from decode_property_cases import variant_configs
 
 from conftest import requires
 from mha_rosetta.backends import PER_HEAD, STANDARD, UnsupportedCase, get_backend
@@ -44,47 +45,27 @@ CASES = {
 SPLITS = [(1, 1), (2, 1), (5, 1), (16, 1), (1, 2), (3, 2), (9, 2), (6, 3)]
 TOKENS = 16  # several times every ring: the window is well past full (transformers #37574)
 
-# One configuration per variant of core.VARIANTS, each with rotary and GQA where it applies.
+# One configuration per registered variant, from the registry: each entry's demonstration fields on GQA + rotary
+# (tests/decode_property_cases.py; the forms no adapter applies are refused by name). Then dynamic NTK, whose
+# frequencies depend on the sequence's length past original_max_position_embeddings, and sinks with a window of 4.
 VARIANT_CFGS = {
-    "window": {"window": 3, "rope": "half", "n_kv_heads": 2},
-    "softcap": {"softcap": 2.0, "rope": "half"},
-    "qk_norm_head": {"qk_norm": "head", "rope": "half", "n_kv_heads": 2},
-    "qk_norm_projection": {"qk_norm": "projection", "rope": "interleaved", "n_kv_heads": 2},
-    "qkv_bias": {"bias": "qkv", "rope": "half"},
-    "alibi": {"alibi": True, "bias": False},
-    "rel_bias": {"rel_buckets": 6, "rel_max_distance": 8, "bias": False},
-    "sinks": {"sinks": True, "window": 4, "rope": "half", "n_kv_heads": 2},
-    "rope_scaling": {
-        "rope": "half",
-        "n_kv_heads": 2,
-        # dynamic NTK: the frequencies depend on the sequence's length, past original_max_position_embeddings.
-        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
-    },
-    "chunked": {"attention_chunk_size": 3, "rope": "interleaved", "n_kv_heads": 2},  # Llama 4's chunks
-    "gate": {
-        "attn_output_gate": True,
-        "qk_norm": "head",
-        "rope": "half",
-        "n_kv_heads": 2,
-    },  # each step's tokens gated by their own sigmoid(x @ w_gate.T); the SDPA oracle refuses it
-    # Llama 4's steps after rotary: refused (no adapter has them yet)
-    "qk_norm_after_rope": {"qk_norm_after_rope": True, "rope": "interleaved", "n_kv_heads": 2},
-    "temperature": {"attn_temperature_tuning": True, "floor_scale": 3, "n_kv_heads": 2},
-    "k_eq_v": {"attention_k_eq_v": True, "n_kv_heads": 2},  # Gemma 4's global layers: V from the tied k_proj
-    "value_norm": {"value_norm": True, "n_kv_heads": 2},  # refused (no adapter has it yet)
-    # DeepSeek's latent attention (d_k = nope 2 + rope 4 = BASE's 6): refused (no adapter has it yet)
-    "mla": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6},
-    "mla_q_lora": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 5},
+    **variant_configs({**BASE, "rope": "half", "n_kv_heads": 2}),
+    "rope_scaling_dynamic": MHAConfig(
+        **BASE,
+        rope="half",
+        n_kv_heads=2,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
+    ),
+    "sinks_window": MHAConfig(**BASE, sinks=True, window=4, rope="half", n_kv_heads=2),
 }
-assert set(VARIANT_CFGS) == set(VARIANTS), "one configuration per variant"
 
 
 def config(**overrides) -> MHAConfig:
     return MHAConfig(**{**BASE, **overrides})
 
 
-def sequence(batch: int = 2, tokens: int = TOKENS, seed: int = 3) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((batch, tokens, BASE["d_model"]))
+def sequence(batch: int = 2, tokens: int = TOKENS, seed: int = 3, d_model: int = BASE["d_model"]) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, tokens, d_model))
 
 
 def assert_decode_close(actual, expected, dtype: str, what: str) -> None:
@@ -154,12 +135,12 @@ def test_unbatched_input_and_given_positions(name, cache):
 
 
 @pytest.mark.parametrize(("name", "cache"), PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", list(VARIANT_CFGS))
 def test_every_declared_variant_decodes(name, cache, variant):
     backend = get_backend(name)
-    cfg = config(**VARIANT_CFGS[variant])
-    params, x = init_params(cfg, seed=9), sequence()
-    if variant not in backend.decode_variants:
+    cfg = VARIANT_CFGS[variant]
+    params, x = init_params(cfg, seed=9), sequence(d_model=cfg.d_model)
+    if not set(cfg.variants) <= backend.decode_variants:
         first = next(name for name in cfg.variants if name not in backend.decode_variants)  # mla before mla_q_lora
         with pytest.raises(UnsupportedCase, match=f"decode path does not implement {first}"):
             backend.run_decode(cfg, params, x, prefill=1, cache=cache)
@@ -172,6 +153,8 @@ def test_every_declared_variant_decodes(name, cache, variant):
 
 def test_the_declared_decode_variants():
     """Ours decodes every variant; the SDPA oracle those its forward has (no softcap, no sinks, no output gate)."""
+    for variant in VARIANTS:  # each entry's demonstration fields switch it on
+        assert variant in VARIANT_CFGS[variant].variants, variant
     assert get_backend("torch").decode_variants == adapted_variants()
     assert get_backend("torch-sdpa").decode_variants == adapted_variants() - {"softcap", "sinks", "gate"}
 
@@ -284,21 +267,23 @@ def test_a_static_cache_past_its_capacity_is_cache_full():
     cfg = config(n_kv_heads=2, rope="half")
     params, x = init_params(cfg, seed=16), sequence()
     inputs = prepare_decode_inputs(cfg, x, prefill=3, step=2)
-    prepared = backend._prepare_decode_run(cfg, params, inputs, "float64", "cpu", STANDARD, "static", capacity=10)
+
+    def prepared(capacity: int, cache: str = "static", cfg=cfg, params=params, inputs=inputs):
+        return backend._prepare_decode_run(cfg, params, inputs, "float64", "cpu", STANDARD, cache, capacity=capacity)
+
+    full = prepared(10)
     with pytest.raises(CacheFull, match=r"capacity exceeded: it holds 9 of 10 slots and cannot take 2 more"):
-        prepared.output()
-    exact = backend._prepare_decode_run(cfg, params, inputs, "float64", "cpu", STANDARD, "static", capacity=TOKENS)
-    assert_decode_close(exact.output(), reference_decode(cfg, params, x, prefill=1), "float64", "exact capacity")
+        full.output()
+    exact = prepared(TOKENS).output()
+    assert_decode_close(exact, reference_decode(cfg, params, x, prefill=1), "float64", "exact capacity")
     with pytest.raises(ValueError, match="capacity applies to a static cache without a window"):
-        backend._prepare_decode_run(cfg, params, inputs, "float64", "cpu", STANDARD, "dynamic", capacity=10)
+        prepared(10, "dynamic")
     windowed = config(window=3)
     windowed_inputs = prepare_decode_inputs(windowed, x, prefill=3, step=2)
     with pytest.raises(ValueError, match="a window's ring has ring_capacity"):
-        backend._prepare_decode_run(
-            windowed, init_params(windowed), windowed_inputs, "float64", "cpu", STANDARD, "static", capacity=10
-        )
+        prepared(10, cfg=windowed, params=init_params(windowed), inputs=windowed_inputs)
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
-        backend._prepare_decode_run(cfg, params, inputs, "float64", "cpu", STANDARD, "static", capacity=0)
+        prepared(0)
 
 
 @pytest.mark.parametrize(("name", "cache"), PATHS, ids=PATH_IDS)

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import requires
-from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend, missing_backends
+from conftest import installed_backend, requires, run_cli
+from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend
 from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.core import MHAConfig, reference_mha
 from mha_rosetta.diagnose import CAUSE_CODES, Bug, DiagnoseError, diagnose, hypotheses, simulate
@@ -189,9 +189,7 @@ def _first_supported(backend):
 
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_backend_of_the_suite_is_diagnosed_agrees(name):
-    if name in missing_backends():
-        pytest.skip(missing_backends()[name])
-    backend = get_backend(name)
+    backend = installed_backend(name)
     cfg, dtype = _first_supported(backend)
     level = backend_level(backend, dtype)  # a declared precision limit (MLX's float64)
     result = diagnose(_backend_candidate(name, cfg, dtype), cfg, dtype=level)
@@ -299,13 +297,7 @@ def test_a_self_attention_only_candidate_leaves_the_cross_probe_out():
 
 # -- the command line ---------------------------------------------------------------------
 def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "mha_rosetta.cli.main", "diagnose", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    return run_cli("diagnose", *args, cwd=ROOT)
 
 
 @requires("torch")

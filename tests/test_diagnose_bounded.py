@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires
+from conftest import requires, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = "1"  # seconds per probe for the bad candidates: small, so that each test is short
@@ -65,15 +65,8 @@ def candidates_dir(tmp_path_factory) -> Path:
 
 
 def _cli(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, "PYTHONPATH": str(folder)}
-    return subprocess.run(
-        [sys.executable, "-m", "mha_rosetta.cli.main", "diagnose", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=240,  # bounded: a hang in diagnose itself fails the test here
-    )
+    # bounded: a hang in diagnose itself fails the test here
+    return run_cli("diagnose", *args, cwd=ROOT, env={"PYTHONPATH": str(folder)}, timeout=240)
 
 
 SIZES = ("--d-model", "12", "--heads", "3")

@@ -16,8 +16,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import requires, run_cli
-from mha_rosetta.backends import get_backend, missing_backends
+from conftest import installed_backend, requires, run_cli
+from mha_rosetta.backends import missing_backends
 from mha_rosetta.backends.injected_torch import torch_alibi_slopes
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
@@ -202,9 +202,7 @@ def test_correct_candidates_agree_on_every_variant_case(case):
 
 @pytest.mark.parametrize("name", ["numpy", "torch"])
 def test_backends_that_declare_a_variant_are_diagnosed_agrees(name):
-    if name in missing_backends():
-        pytest.skip(missing_backends()[name])
-    backend = get_backend(name)
+    backend = installed_backend(name)
     ran, reasons = [], []
     for case in VARIANT_CASES:
         cfg = SPEC_CASES[case].cfg

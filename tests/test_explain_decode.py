@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import python_stdout, run_cli
 from mha_rosetta.backends import Backend
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.explain.decode import (
@@ -68,16 +68,11 @@ def test_a_registered_backend_without_decode_layouts_says_no_decode_path():
 
 
 def test_the_layouts_are_read_without_importing_a_framework():
-    import subprocess
-    import sys
-
     code = (
         "import sys; from mha_rosetta.explain.decode import explain_decode; explain_decode(); "
         "print(sorted(m for m in ('torch', 'jax', 'einops', 'flax') if m in sys.modules))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert python_stdout(code, timeout=120) == "[]"
 
 
 def test_einops_named_axes_and_a_layout_without_a_token_axis():

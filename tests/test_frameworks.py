@@ -7,13 +7,10 @@ transposed view, thread knobs read back, precision facts, GPU probes, the GEMM p
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from conftest import requires
+from conftest import python_stdout, requires
 from mha_rosetta.backends import frameworks as layer
 from mha_rosetta.backends.frameworks import FRAMEWORKS, Framework, get_framework
 
@@ -36,9 +33,7 @@ def test_importing_the_layer_and_asking_about_numpy_imports_no_framework():
         "a = np.ones((2, 3)); f.to_numpy(a); f.strides_in_elements(a.T); f.contiguity(a); f.shares_memory(a, a.T); "
         "print(sorted(m for m in ('torch', 'jax', 'einops', 'mlx') if m in sys.modules))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert python_stdout(code, timeout=120) == "[]"
 
 
 def test_numpy_strides_contiguity_and_sharing_of_a_transposed_view():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_rosetta.backends.registry import get_backend, missing_backends
+from conftest import installed_backend, normal
 from mha_rosetta.core import (
     MHAConfig,
     MHAParams,
@@ -27,13 +27,9 @@ from mha_rosetta.core.variants.gate import QWEN3_NEXT_LIKE, sigmoid
 CFG = MHAConfig(**dict(QWEN3_NEXT_LIKE, bias=True, attn_output_gate=True))
 
 
-def _x(shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
 def test_the_gate_multiplies_each_merged_feature_by_its_sigmoid_before_w_o():
     params = init_params(CFG, seed=3)
-    x = _x((2, 5, CFG.d_model))
+    x = normal((2, 5, CFG.d_model))
     out, stages = reference_mha(CFG, params, x, return_stages=True)
     gate = sigmoid(x @ params.w_gate.T + params.b_gate)  # (B, N, H*Dv), by hand
     np.testing.assert_allclose(stages["gate"], gate, rtol=0, atol=1e-15)
@@ -54,7 +50,7 @@ def test_sigmoid_is_exact_at_both_ends():
 def test_the_float64_backward_matches_central_differences_in_every_gate_parameter_and_input(bias):
     cfg = MHAConfig(**dict(QWEN3_NEXT_LIKE, bias=bias, attn_output_gate=True))
     params = init_params(cfg, seed=5)
-    x = _x((2, 4, cfg.d_model), seed=1)
+    x = normal((2, 4, cfg.d_model), seed=1)
     cot = default_cotangent((2, 4, cfg.d_model))
     grads = reference_mha_vjp(cfg, params, x, cotangent=cot)
     assert grads.d_params.w_gate is not None and (grads.d_params.b_gate is not None) == bias
@@ -95,14 +91,11 @@ def test_a_gate_whose_value_head_does_not_fit_is_refused_by_name():
     with pytest.raises(TypeError, match=r"MHAConfig\.attn_output_gate must be a bool, got 1"):
         MHAConfig(d_model=32, n_heads=4, attn_output_gate=1)
     with pytest.raises(ValueError, match=r"params.w_gate is None but cfg.attn_output_gate is True"):
-        reference_mha(CFG, MHAParams(**{**init_params(CFG).as_dict(), "w_gate": None}), _x((1, 2, 32)))
+        reference_mha(CFG, MHAParams(**{**init_params(CFG).as_dict(), "w_gate": None}), normal((1, 2, 32)))
 
 
 def _backend(name: str):
-    missing = missing_backends()  # get_backend refuses a backend whose framework is not installed (tox's numpy env)
-    if name in missing:
-        pytest.skip(missing[name])
-    return get_backend(name)
+    return installed_backend(name)
 
 
 # Our adapters, each in its own convention: the gate is one ops-object method per library (`output_gate`).
@@ -132,7 +125,7 @@ def test_every_adapter_declares_the_gate_forward_and_decode(name):
 
 
 def _gated_inputs():
-    return init_params(CFG, seed=21), _x((2, 7, CFG.d_model), seed=5)
+    return init_params(CFG, seed=21), normal((2, 7, CFG.d_model), seed=5)
 
 
 @pytest.mark.parametrize("name", ADAPTERS)
@@ -223,7 +216,7 @@ def test_the_spec_is_the_real_qwen3_next_attention(keep_float64):
     params = init_params(CFG, seed=11)
     torch, module, rotary = _qwen3_next(CFG, params, keep_float64=keep_float64)
     B, N = 2, 6
-    x = _x((B, N, CFG.d_model), seed=2)
+    x = normal((B, N, CFG.d_model), seed=2)
     xt = torch.from_numpy(x)
     positions = torch.arange(N)[None].expand(B, N)
     # The module's rotary takes its angles in float32 (inv_freq.float() @ positions.float()): its frequencies are
@@ -260,7 +253,7 @@ def test_reading_the_gate_as_the_projections_second_half_changes_the_output():
             "b_gate": fused_b[half:],
         }
     )
-    x = _x((1, 5, CFG.d_model), seed=4)
+    x = normal((1, 5, CFG.d_model), seed=4)
     right, misread = reference_mha(CFG, params, x), reference_mha(CFG, wrong, x)
     assert np.max(np.abs(right - misread)) > 1e-2 * np.max(np.abs(right))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import normal
 from mha_rosetta.backends.registry import get_backend
 from mha_rosetta.core import MHAConfig, MHAParams, default_cotangent, init_params, reference_mha, reference_mha_vjp
 from mha_rosetta.core.rope_scaling import scaled_frequencies, validate_rope_scaling
@@ -21,13 +22,9 @@ SLIDING = MHAConfig(**dict(GEMMA4_SLIDING, value_norm=True, window=3))
 GLOBAL = MHAConfig(**GEMMA4_GLOBAL)
 
 
-def _x(shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
 def test_the_value_norm_divides_each_kv_heads_values_by_their_rms_and_the_context_reads_them():
     params = init_params(SLIDING, seed=3)
-    x = _x((2, 5, SLIDING.d_model))
+    x = normal((2, 5, SLIDING.d_model))
     out, stages = reference_mha(SLIDING, params, x, return_stages=True)
     v = stages["v_heads"]  # (B, Hkv, N, Dv)
     by_hand = v / np.sqrt((v**2).mean(axis=-1, keepdims=True) + SLIDING.norm_eps)
@@ -43,7 +40,7 @@ def test_the_value_norm_divides_each_kv_heads_values_by_their_rms_and_the_contex
 
 def test_scale_one_is_the_existing_scale_field():
     params = init_params(SLIDING, seed=1)
-    stages = reference_mha(SLIDING, params, _x((1, 4, SLIDING.d_model)), return_stages=True)[1]
+    stages = reference_mha(SLIDING, params, normal((1, 4, SLIDING.d_model)), return_stages=True)[1]
     raw = np.einsum("bhqd,bhkd->bhqk", stages["q_rotated"], np.repeat(stages["k_rotated"], 2, axis=1))
     np.testing.assert_allclose(stages["scores"], raw, rtol=1e-14, atol=1e-14)  # no 1/sqrt(d_k)
 
@@ -51,7 +48,7 @@ def test_scale_one_is_the_existing_scale_field():
 @pytest.mark.parametrize("cfg", [SLIDING, GLOBAL, MHAConfig(**dict(GEMMA4_GLOBAL, value_norm=False))], ids=str)
 def test_the_float64_backward_matches_central_differences(cfg):
     params = init_params(cfg, seed=5)
-    x = _x((2, 4, cfg.d_model), seed=1)
+    x = normal((2, 4, cfg.d_model), seed=1)
     cot = default_cotangent((2, 4, cfg.d_model))
     grads = reference_mha_vjp(cfg, params, x, cotangent=cot)
     assert ("d_v_normed" in grads.stages) == cfg.value_norm
@@ -80,12 +77,12 @@ def test_the_float64_backward_matches_central_differences(cfg):
 def test_k_eq_v_ties_w_v_to_w_k_so_v_is_the_raw_key_projection():
     params = init_params(GLOBAL, seed=2)
     assert np.array_equal(params.w_v, params.w_k) and params.w_v is not params.w_k
-    stages = reference_mha(GLOBAL, params, _x((1, 5, GLOBAL.d_model)), return_stages=True)[1]
+    stages = reference_mha(GLOBAL, params, normal((1, 5, GLOBAL.d_model)), return_stages=True)[1]
     np.testing.assert_array_equal(stages["v"], stages["k"])  # before k_norm and rotary
     assert not np.allclose(stages["v_heads"], stages["k_rotated"])
     untied = MHAParams(**{**params.as_dict(), "w_v": params.w_v + 1e-3})
     with pytest.raises(ValueError, match=r"params.w_v must equal params.w_k because cfg.attention_k_eq_v is True"):
-        reference_mha(GLOBAL, untied, _x((1, 3, GLOBAL.d_model)))
+        reference_mha(GLOBAL, untied, normal((1, 3, GLOBAL.d_model)))
 
 
 def test_bad_gemma4_settings_are_refused_by_name():
@@ -109,7 +106,7 @@ def test_proportional_rotary_turns_the_first_quarter_of_the_half_pairs_at_the_wh
     assert list(zip(*rotary_pairs("half", d), strict=True))[:2] == [(0, 8), (1, 9)]
     halved, _ = scaled_frequencies(d, base, {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2}, 8)
     np.testing.assert_array_equal(halved, np.r_[base ** (-np.arange(0, 8, 2) / 16) / 2, np.zeros(4)])
-    stages = reference_mha(GLOBAL, init_params(GLOBAL), _x((1, 5, GLOBAL.d_model)), return_stages=True)[1]
+    stages = reference_mha(GLOBAL, init_params(GLOBAL), normal((1, 5, GLOBAL.d_model)), return_stages=True)[1]
     still = [i for i in range(16) if i % 8 >= 2]  # the features of the pairs that stand still
     np.testing.assert_array_equal(stages["k_rotated"][..., still], stages["k_normed"][..., still])
 
@@ -130,7 +127,7 @@ def test_every_implementation_without_the_value_norm_refuses_it_by_name(name):
 def test_k_eq_v_agrees_in_the_conventions_through_the_tied_weight():
     cfg = MHAConfig(**dict(GEMMA4_GLOBAL, value_norm=False))
     params = init_params(cfg, seed=4)
-    x = _x((2, 5, cfg.d_model), seed=3)
+    x = normal((2, 5, cfg.d_model), seed=3)
     want = reference_mha(cfg, params, x)
     np.testing.assert_allclose(get_backend("numpy").run(cfg, params, x, dtype="float64"), want, atol=1e-12)
 
@@ -174,7 +171,7 @@ def test_the_spec_is_the_real_gemma4_text_attention(kw, keep_float64):
     for name, array in params.as_dict().items():  # exact both ways (with k_eq_v: w_v read back from k_proj)
         assert np.array_equal(array, getattr(read_params, name)) if array is not None else True, name
     assert (module.v_proj is None) == cfg.attention_k_eq_v
-    x = _x((2, 6, cfg.d_model), seed=2)
+    x = normal((2, 6, cfg.d_model), seed=2)
     run = hf_gemma4.forward(module, cfg, x, None, options)
     want = reference_mha(cfg, params, x)
     error = float(np.max(np.abs(run.output - want)) / np.max(np.abs(want)))

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import installed_backend
 from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, UnsupportedCase, get_backend, missing_backends
 from mha_rosetta.checks import SPEC_CASES, Status, run_check
 from mha_rosetta.checks.agreement import backend_level
@@ -214,9 +215,7 @@ def test_default_cotangent_is_fixed_and_not_all_ones():
 
 @pytest.mark.parametrize("backend_name", ["numpy", "torch"])
 def test_bad_cotangent_gets_a_clear_error(backend_name, cfg, params):
-    if backend_name in missing_backends():
-        pytest.skip(missing_backends()[backend_name])
-    backend = get_backend(backend_name)
+    backend = installed_backend(backend_name)
     x = np.random.default_rng(0).standard_normal((2, 7, cfg.d_model))
     with pytest.raises(
         ValueError, match=r"cotangent must have the output's shape \(2, 7, 15\).*got shape \(2, 15, 7\)"
@@ -248,12 +247,10 @@ def test_errors_come_in_a_fixed_order_chunk_then_inputs_then_cotangent(cfg, para
 @pytest.mark.parametrize("backend_name", ["oracle", "numpy", "torch", "jax"])
 def test_nan_in_the_cotangent_propagates_to_exactly_what_reads_it(backend_name, cfg, params):
     """Documented: no error; NaN reaches b_o's entry of that feature and that batch item's input gradients."""
-    if backend_name in missing_backends():
-        pytest.skip(missing_backends()[backend_name])
     x = np.random.default_rng(0).standard_normal((2, 7, cfg.d_model))
     cot = default_cotangent(x.shape)
     cot[1, 3, 4] = np.nan
-    run = reference_mha_vjp if backend_name == "oracle" else get_backend(backend_name).run_vjp
+    run = reference_mha_vjp if backend_name == "oracle" else installed_backend(backend_name).run_vjp
     grads = run(cfg, params, x, cotangent=cot)
     assert np.isnan(grads.d_params.b_o[4]) and np.isfinite(np.delete(grads.d_params.b_o, 4)).all()
     assert np.isnan(grads.d_params.w_o[4]).all() and np.isfinite(np.delete(grads.d_params.w_o, 4, axis=0)).all()
@@ -273,9 +270,7 @@ def _vjp_strategies():
 
 @pytest.mark.parametrize(("backend_name", "strategy"), list(_vjp_strategies()))
 def test_every_backend_gradients_match_the_oracle_on_every_spec_case(backend_name, strategy):
-    if backend_name in missing_backends():
-        pytest.skip(missing_backends()[backend_name])
-    backend = get_backend(backend_name)
+    backend = installed_backend(backend_name)
     ran = 0
     for case in CASES:
         data = case.inputs()

@@ -23,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from mha_rosetta.backends import REGISTRY, STANDARD, get_backend, missing_backends
+from conftest import installed_backend
+from mha_rosetta.backends import REGISTRY, STANDARD
 from mha_rosetta.checks import SpecCase, Status, run_check
 from mha_rosetta.core import MHAConfig
 
@@ -140,10 +141,7 @@ def check_case(backend, case: SpecCase) -> int:
 
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_implementation_agrees_with_the_reference(name):
-    missing = missing_backends()
-    if name in missing:
-        pytest.skip(missing[name])
-    backend = get_backend(name)
+    backend = installed_backend(name)
     compared_examples = []
 
     @settings(

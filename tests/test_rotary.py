@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import requires
-from mha_rosetta.backends import REGISTRY, STANDARD, get_backend, missing_backends
+from conftest import installed_backend, requires
+from mha_rosetta.backends import REGISTRY, STANDARD, get_backend
 from mha_rosetta.checks import SpecCase, Status, run_check
 from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.checks.divergence import first_divergence
@@ -42,10 +42,7 @@ IMPLEMENTATIONS = [name for name, entry in REGISTRY.items() if entry.kind == "im
 
 
 def _installed(name: str):
-    missing = missing_backends()
-    if name in missing:
-        pytest.skip(missing[name])
-    return get_backend(name)
+    return installed_backend(name)
 
 
 def _heads_do_not_split(backend, cfg: MHAConfig) -> bool:

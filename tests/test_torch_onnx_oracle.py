@@ -8,10 +8,9 @@ tolerance: it applies the scale in the tensors' dtype. The exported graph agrees
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from conftest import library_absent
 from mha_rosetta.backends import BackendNotInstalled, available_backends, get_backend, missing_backends
 
 
@@ -23,14 +22,7 @@ from mha_rosetta.backends import BackendNotInstalled, available_backends, get_ba
     ],
 )
 def test_a_missing_library_skips_the_backend_with_the_install_command(monkeypatch, absent, expected):
-    from mha_rosetta.backends._probe import probe
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == absent else real_find_spec(name, *a)
-    )
-    probe.cache_clear()
-    try:
+    with library_absent(monkeypatch, absent):
         missing = missing_backends()
         for name in expected:
             assert name not in available_backends()
@@ -39,8 +31,6 @@ def test_a_missing_library_skips_the_backend_with_the_install_command(monkeypatc
             assert missing[name].endswith(f"which is not installed: pip install 'mha-rosetta[{extra}]'")
             with pytest.raises(BackendNotInstalled, match=r"pip install 'mha-rosetta\[onnx"):
                 get_backend(name)
-    finally:
-        probe.cache_clear()
 
 
 def _needs_all():

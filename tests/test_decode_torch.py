@@ -336,7 +336,9 @@ def test_an_unsupported_cache_or_strategy_says_why():
         torch_backend.run_decode(cfg, params, x, prefill=1, cache="rolling")
     with pytest.raises(UnsupportedCase, match=r"torch-sdpa has no 'static' cache \(it has dynamic\)"):
         sdpa.run_decode(cfg, params, x, prefill=1, cache="static")
-    with pytest.raises(UnsupportedCase, match="decodes with the standard, naive, absorbed strategy only, not 'per_head'"):
+    with pytest.raises(
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategy only, not 'per_head'"
+    ):
         torch_backend.run_decode(cfg, params, x, prefill=1, strategy=PER_HEAD)
     softcapped = config(softcap=2.0)
     with pytest.raises(UnsupportedCase, match="torch-sdpa's decode path does not implement softcap"):

@@ -22,6 +22,7 @@ FORMS = ("naive", "absorbed")
 ADAPTERS = [
     pytest.param("numpy", id="numpy"),
     pytest.param("torch", id="torch", marks=requires("torch")),
+    pytest.param("jax", id="jax", marks=requires("jax")),
 ]
 CONFIGS = {
     "v3": MHAConfig(**DEEPSEEK_V3_LIKE),  # q LoRA, YaRN on both sides, interleaved pairs
@@ -130,7 +131,7 @@ def test_mla_runs_only_in_its_strategies_and_they_run_only_mla(name):
 
 def test_the_entries_name_the_adapters_that_apply_them():
     assert VARIANT_REGISTRY["mla"].implemented_by == MLA_ADAPTERS == VARIANT_REGISTRY["mla_q_lora"].implemented_by
-    assert MLA_ADAPTERS == ("numpy", "torch")
+    assert MLA_ADAPTERS == ("numpy", "torch", "jax")
 
 
 @requires("torch")

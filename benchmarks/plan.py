@@ -13,6 +13,7 @@ strategy is the known mistake: it is never part of a group, though it can be nam
 from __future__ import annotations
 
 from mha_rosetta.backends import KNOWN_WRONG_STRATEGIES, REGISTRY, available_backends, get_backend
+from mha_rosetta.backends._mla import MLA_STRATEGIES  # MLA's forms: not head-split strategies of plain attention
 
 from .cell import CellSpec, implementation_label, split_implementation
 
@@ -54,7 +55,7 @@ def strategy_implementations() -> list[str]:
         for name in available_backends()
         if not _is_sharded(name)
         for strategy in getattr(_loaded(name), "strategies", ())
-        if strategy != "standard" and strategy not in KNOWN_WRONG_STRATEGIES
+        if strategy != "standard" and strategy not in KNOWN_WRONG_STRATEGIES and strategy not in MLA_STRATEGIES
     ]
 
 

@@ -32,13 +32,15 @@ from mha_rosetta.backends import (
     missing_backends,
     register,
 )
+from mha_rosetta.backends._mla import MLA_STRATEGIES
 from mha_rosetta.core import prepare_inputs
 
 
 def _backend_params(strategies: str) -> list:
     """pytest params (backend name, strategy) of every registered implementation; a missing one skips with the reason.
 
-    ``strategies``: "correct" (every strategy but the known mistakes) or "mistake" (the known mistake only).
+    ``strategies``: "correct" (every strategy of plain attention but the known mistakes) or "mistake" (the known
+    mistake only).
     """
     missing = missing_backends()
     params = []
@@ -48,7 +50,8 @@ def _backend_params(strategies: str) -> list:
         if name in missing:
             params.append(pytest.param(name, None, marks=pytest.mark.skip(reason=missing[name]), id=name))
             continue
-        for strategy in get_backend(name).strategies:  # class attributes: the framework is not imported
+        # class attributes: the framework is not imported; MLA's forms run MLA only (tests/test_mla_adapters.py)
+        for strategy in (s for s in get_backend(name).strategies if s not in MLA_STRATEGIES):
             wanted = strategy not in KNOWN_WRONG_STRATEGIES if strategies == "correct" else strategy == DIRECT_RESHAPE
             if wanted:
                 params.append(pytest.param(name, strategy, id=f"{name}:{strategy}"))

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import installed_backend, skip_without_gpu
 from mha_rosetta.backends import DIRECT_RESHAPE, REGISTRY, available_backends, get_backend
+from mha_rosetta.backends._mla import MLA_STRATEGIES
 from mha_rosetta.backends.entries import module_name
 from mha_rosetta.checks import SPEC_CASES, SpecCase, Status, run_check
 from mha_rosetta.checks.devices import GPU_PROBES
@@ -93,8 +94,12 @@ def test_backend_agrees_with_the_oracle(name, device, dtype):
             # backend refuses heads that do not split over its ranks, and a framework's best path
             # (backends/best: the fastest idiom for plain, causal, GQA and rotary attention) refuses the rest.
             split = getattr(backend, "splits_heads", False) and ("divide" in run.reason or "kv head" in run.reason)
-            # A form the registry limits to some libraries (`Variant.implemented_by`, core.variants.adapted_variants).
-            assert backend.kind == "oracle" or split or unadapted or getattr(backend, "best_path", False), where
+            # A form the registry limits to some libraries (`Variant.implemented_by`, core.variants.adapted_variants);
+            # MLA's forms (the naive and absorbed strategies) refuse a layer without its latent, by name.
+            mla_form = run.impl.strategy in MLA_STRATEGIES and "needs MHAConfig.kv_lora_rank" in run.reason
+            assert backend.kind == "oracle" or split or unadapted or mla_form or getattr(backend, "best_path", False), (
+                where
+            )
         else:
             assert run.status is Status.AGREE, where
             assert run.max_abs <= run.tolerance.atol + run.tolerance.rtol * 10, where  # outputs are O(1)

@@ -18,6 +18,7 @@ jax = pytest.importorskip("jax", reason="the jax adapter's decode path needs JAX
 from decode_property_cases import GQA, variant_configs  # noqa: E402
 
 from mha_rosetta.backends import CHUNKED, UnsupportedCase, get_backend, missing_backends  # noqa: E402
+from mha_rosetta.backends._mla import MLA_VARIANTS  # noqa: E402
 from mha_rosetta.core import MHAConfig, assert_close, init_params  # noqa: E402
 from mha_rosetta.core.decode import (  # noqa: E402
     CacheFull,
@@ -98,7 +99,8 @@ def test_jax_decode_of_a_padded_batch(cfg, side):
 
 
 def test_every_variant_the_jax_decode_path_declares_has_a_case():
-    assert get_backend("jax").decode_variants == adapted_variants()
+    # and MLA's, decoded in its naive and absorbed strategies through the latent cache (tests/test_mla_adapters.py)
+    assert get_backend("jax").decode_variants == adapted_variants() | MLA_VARIANTS
     for name in adapted_variants():
         assert name in VARIANT_CFGS[name].variants, name  # its demonstration fields switch it on
     assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants()
@@ -233,7 +235,9 @@ def test_bad_decode_input_names_the_argument():
 
 def test_unsupported_decode_strategy_cache_and_libraries_say_why():
     backend, cfg, params, x = get_backend("jax"), GQA_ROPE, _params(GQA_ROPE), _x(GQA_ROPE)
-    with pytest.raises(UnsupportedCase, match="decodes with the standard strategy only, not 'chunked'"):
+    with pytest.raises(
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategy only, not 'chunked'"
+    ):
         backend.run_decode(cfg, params, x, prefill=2, strategy=CHUNKED)
     with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static, paged\)"):
         backend.run_decode(cfg, params, x, prefill=2, cache="dynamic")

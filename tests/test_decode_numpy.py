@@ -20,6 +20,7 @@ from decode_property_cases import (
     decode_run_inputs,
 )
 
+from mha_rosetta.backends._mla import MLA_VARIANTS
 from mha_rosetta.backends.base import UnsupportedCase
 from mha_rosetta.backends.numpy.adapter import NumpyBackend
 from mha_rosetta.backends.numpy.common import NumpyPrecision
@@ -55,7 +56,8 @@ def test_decode_equals_the_full_forward_in_lower_precision(case, dtype):
 
 
 def test_every_variant_is_declared_for_decoding():
-    assert adapted_variants() == BACKEND.decode_variants
+    # and MLA's, decoded in its naive and absorbed strategies through the latent cache (tests/test_mla_adapters.py)
+    assert adapted_variants() | MLA_VARIANTS == BACKEND.decode_variants
     covered = {name for cfg in VARIANT_CFGS.values() for name in cfg.variants}
     assert covered == adapted_variants()  # the variant cases below cover each one
 
@@ -158,7 +160,9 @@ def test_unsupported_strategy_and_cache_are_refused_with_the_reason():
     cfg, _ = DECODE_CASES["gqa_rope_half"]
     params = init_params(cfg)
     x, _ = decode_run_inputs(cfg, None)
-    with pytest.raises(UnsupportedCase, match=r"numpy decodes with the standard strategy only, not 'per_head'"):
+    with pytest.raises(
+        UnsupportedCase, match=r"numpy decodes with the standard, naive, absorbed strategy only, not 'per_head'"
+    ):
         BACKEND.run_decode(cfg, params, x, prefill=2, strategy="per_head")
     with pytest.raises(UnsupportedCase, match=r"numpy has no 'rolling' cache \(it has columns, static, paged\)"):
         BACKEND.run_decode(cfg, params, x, prefill=2, cache="rolling")

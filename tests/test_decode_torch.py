@@ -15,6 +15,7 @@ from decode_property_cases import variant_configs
 
 from conftest import requires
 from mha_rosetta.backends import PER_HEAD, STANDARD, UnsupportedCase, get_backend
+from mha_rosetta.backends._mla import MLA_STRATEGIES, MLA_VARIANTS
 from mha_rosetta.core import VARIANTS, MHAConfig, compare, init_params
 from mha_rosetta.core.decode import (
     CacheFull,
@@ -146,8 +147,17 @@ def test_every_declared_variant_decodes(name, cache, variant):
             backend.run_decode(cfg, params, x, prefill=1, cache=cache)
         return
     expected = reference_decode(cfg, params, x, prefill=1)
+    strategy = STANDARD
+    if variant in MLA_VARIANTS:  # MLA decodes in its naive and absorbed strategies only, through its latent cache
+        with pytest.raises(UnsupportedCase, match="'naive' and 'absorbed' strategies only"):
+            backend.run_decode(cfg, params, x, prefill=1, cache=cache)
+        if cache != backend.decode_caches[0]:
+            with pytest.raises(UnsupportedCase, match="latent cache"):
+                backend.run_decode(cfg, params, x, prefill=1, cache=cache, strategy=MLA_STRATEGIES[0])
+            return
+        strategy = MLA_STRATEGIES[len(variant) % 2]  # mla: naive, mla_q_lora: absorbed
     for prefill, step in [(1, 1), (6, 2), (16, 1)]:
-        actual = backend.run_decode(cfg, params, x, prefill=prefill, step=step, cache=cache)
+        actual = backend.run_decode(cfg, params, x, prefill=prefill, step=step, cache=cache, strategy=strategy)
         assert_decode_close(actual, expected, "float64", f"{variant} prefill={prefill} step={step}")
 
 
@@ -155,7 +165,7 @@ def test_the_declared_decode_variants():
     """Ours decodes every variant; the SDPA oracle those its forward has (no softcap, no sinks, no output gate)."""
     for variant in VARIANTS:  # each entry's demonstration fields switch it on
         assert variant in VARIANT_CFGS[variant].variants, variant
-    assert get_backend("torch").decode_variants == adapted_variants()
+    assert get_backend("torch").decode_variants == adapted_variants() | MLA_VARIANTS  # MLA: backends._mla
     assert get_backend("torch-sdpa").decode_variants == adapted_variants() - {"softcap", "sinks", "gate"}
 
 
@@ -311,7 +321,9 @@ def test_an_unsupported_cache_or_strategy_says_why():
         torch_backend.run_decode(cfg, params, x, prefill=1, cache="rolling")
     with pytest.raises(UnsupportedCase, match=r"torch-sdpa has no 'static' cache \(it has dynamic\)"):
         sdpa.run_decode(cfg, params, x, prefill=1, cache="static")
-    with pytest.raises(UnsupportedCase, match="decodes with the standard strategy only, not 'per_head'"):
+    with pytest.raises(
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategy only, not 'per_head'"
+    ):
         torch_backend.run_decode(cfg, params, x, prefill=1, strategy=PER_HEAD)
     softcapped = config(softcap=2.0)
     with pytest.raises(UnsupportedCase, match="torch-sdpa's decode path does not implement softcap"):

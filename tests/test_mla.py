@@ -13,7 +13,6 @@ import pytest
 from conftest import refusal_reason
 from mha_rosetta.core import MHAConfig, MHAParams, default_cotangent, init_params, reference_mha, reference_mha_vjp
 from mha_rosetta.core.stages import stage_shapes
-from mha_rosetta.core.variants import VARIANT_REGISTRY
 from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, YARN, fuse_kv_b, split_kv_b
 
 V3 = MHAConfig(**DEEPSEEK_V3_LIKE)
@@ -170,8 +169,9 @@ def test_a_value_input_other_than_the_keys_is_refused():
 
 
 @pytest.mark.parametrize("name", ["numpy", "torch", "jax", "einops-torch", "mlx", "torch-sdpa"])
-def test_every_implementation_refuses_mla_by_name(name):
-    assert VARIANT_REGISTRY["mla"].implemented_by == () and VARIANT_REGISTRY["mla_q_lora"].implemented_by == ()
+def test_every_implementation_refuses_mla_by_name_outside_the_mla_strategies(name):
+    """The standard strategy has no latent: every adapter refuses MLA there (those that apply it, in their naive and
+    absorbed strategies: tests/test_mla_adapters.py), and every other adapter and oracle everywhere."""
     reason = refusal_reason(name, V3)
     assert reason is not None and "mla" in reason, reason
 

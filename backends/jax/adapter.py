@@ -12,6 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
 from .._paged import PAGED
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
@@ -33,16 +34,17 @@ from .layer import (
     STAGE_NOTES,
     vmapped_pass,
 )
+from .mla import prepare_jax_mla, prepare_jax_mla_decode_run, prepare_jax_mla_vjp  # MLA's two forms
 from .paged import PAGED_LAYOUT, paged_decoders, prepare_paged_decode_step
 from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
 
-class JaxBackend(Backend):
+class JaxBackend(MLAStrategies, Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
     name = "jax"
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
-    strategies = (STANDARD, CHUNKED)
+    strategies = (STANDARD, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`, `mla`)
     # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries
     # them all in its online softmax (`chunked`).
     variants = RegistryVariants("jax")
@@ -52,6 +54,7 @@ class JaxBackend(Backend):
     decode_caches = (decode.STATIC, PAGED)
     decode_layouts: ClassVar[dict[str, str]] = {**decode.DECODE_LAYOUTS, PAGED: PAGED_LAYOUT}
     paged_decode_step = True  # bench --mode decode: the paged step (its gather inside the jitted step) is timed
+    decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its static latent cache (`mla`)
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:
         super().__init__(name)
@@ -64,6 +67,9 @@ class JaxBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
+        if strategy in MLA_STRATEGIES:
+            info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
+            return prepare_jax_mla(cfg, params, inputs, dtype, device, strategy, self.matmul_precision, info)
         target = jax_target(dtype, device)
         weights = jax_params(params, dtype, target)
         x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
@@ -95,6 +101,11 @@ class JaxBackend(Backend):
         return compiled_prepared(compiled, native_stages, info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        if strategy in MLA_STRATEGIES:
+            info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
+            return prepare_jax_mla_vjp(
+                cfg, params, inputs, cotangent, dtype, device, strategy, self.matmul_precision, info
+            )
         target = jax_target(dtype, device)
         _, forward, extras, key = vmapped_pass(cfg, inputs, dtype, target)
         primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
@@ -105,6 +116,8 @@ class JaxBackend(Backend):
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
         info = precision_info(device=device, dtype=dtype, matmul_precision=self.matmul_precision)
+        if strategy in MLA_STRATEGIES:
+            return prepare_jax_mla_decode_run(cfg, params, inputs, dtype, device, strategy, self.matmul_precision, info)
         pages = paged_decoders(cfg, params, inputs, **paging) if cache == PAGED else None
         return decode.prepare_decode_run(cfg, params, inputs, dtype, device, self.matmul_precision, info, pages)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
@@ -16,15 +17,18 @@ from .chunked import ChunkedColumnSampleMHA
 from .common import NumpyPrecision
 from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_numpy_decode_run, prepare_numpy_decode_step
 from .layer import ColumnSampleMHA, columns_to_rows
+from .mla import prepare_numpy_mla  # MLA's naive and absorbed forms, column samples
+from .mla_decode import prepare_numpy_mla_decode_run
+from .mla_vjp import prepare_numpy_mla_vjp
 from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(MLAStrategies, Backend):
     name = "numpy"
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )
-    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`)
     # Every variant, in every strategy, the chunked one included (`variants` says how each is laid out in
     # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.
     variants = RegistryVariants("numpy")
@@ -32,12 +36,15 @@ class NumpyBackend(Backend):
     # Rule 8: keys stay columns, (B, Hkv, Dk, T); every variant (`decode` reuses the layer's pieces).
     decode_caches = CACHE_KINDS
     decode_layouts = CACHE_LAYOUTS
+    decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its latent cache (`mla_decode`)
     paged_decode_step = True  # bench --mode decode times the paged step beside the contiguous one (its gather)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
         precision = NumpyPrecision.for_dtype(dtype)
+        if strategy in MLA_STRATEGIES:
+            return prepare_numpy_mla(cfg, params, inputs, precision, strategy)
         if strategy == CHUNKED:
             layer = ChunkedColumnSampleMHA(cfg, params, inputs, precision, chunk)
         else:
@@ -56,9 +63,13 @@ class NumpyBackend(Backend):
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         precision = NumpyPrecision.for_dtype(dtype)
+        if strategy in MLA_STRATEGIES:
+            return prepare_numpy_mla_vjp(cfg, params, inputs, cotangent, precision, strategy)
         return prepare_numpy_vjp(ColumnSampleMHA, cfg, params, inputs, cotangent, precision, strategy)
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
+        if strategy in MLA_STRATEGIES:
+            return prepare_numpy_mla_decode_run(cfg, params, inputs, dtype, strategy)
         return prepare_numpy_decode_run(cfg, params, inputs, dtype, cache, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):

@@ -61,6 +61,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
+from .._mla import MLA_VARIANTS
 from ..base import STANDARD, StageTensor, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
 from . import torch_decode
@@ -78,7 +79,9 @@ class TorchTPBackend(ShardedBackend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
-    variants = RegistryVariants("torch")  # each split as the module docstring says; no backward pass
+    variants = RegistryVariants(
+        "torch", without=MLA_VARIANTS
+    )  # MLA: not sharded yet; each split as the module docstring says; no backward pass
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
     # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
@@ -23,15 +24,16 @@ from .common import (
 )
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_torch_decode_run, prepare_torch_decode_step
 from .layer import RowSampleMHA
+from .mla import prepare_torch_mla, prepare_torch_mla_decode_run, prepare_torch_mla_vjp  # MLA's two forms
 from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
 
-class TorchBackend(TorchDevices, Backend):
+class TorchBackend(MLAStrategies, TorchDevices, Backend):
     name = "torch"
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )
-    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED)
+    strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`)
     # Every variant, in every strategy (chunked included: window tiles skipped, the score steps on each tile,
     # the sinks in the online softmax), forward and backward (autograd; chunked is forward only).
     variants = RegistryVariants("torch")
@@ -40,6 +42,7 @@ class TorchBackend(TorchDevices, Backend):
     decode_caches = DECODE_CACHES
     decode_layouts = DECODE_LAYOUTS
     paged_decode_step = True  # bench --mode decode times the paged step (vLLM's gather) beside the contiguous one
+    decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its latent cache (`mla`)
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:
         super().__init__(name)
@@ -48,6 +51,8 @@ class TorchBackend(TorchDevices, Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None
     ) -> Prepared:
+        if strategy in MLA_STRATEGIES:
+            return prepare_torch_mla(cfg, params, inputs, dtype, device, strategy, self.allow_tf32)
         if strategy == CHUNKED:
             layer = ChunkedRowSampleMHA(cfg, params, inputs, dtype, device, chunk)
         else:
@@ -74,6 +79,8 @@ class TorchBackend(TorchDevices, Backend):
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
+        if strategy in MLA_STRATEGIES:
+            return prepare_torch_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strategy, self.allow_tf32)
         layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=False)  # no out= buffers under autograd
         return prepare_row_sample_vjp(layer, strategy, cotangent, dtype, device, self.allow_tf32)
 
@@ -81,6 +88,8 @@ class TorchBackend(TorchDevices, Backend):
         """``capacity``: a static cache's slots (no window), default the run's tokens; a smaller one is how the
         tests reach `CacheFull` (``prepare_decode_run`` always passes the default). ``paging``: the paged cache's
         ``page_size`` and ``page_seed``."""
+        if strategy in MLA_STRATEGIES:
+            return prepare_torch_mla_decode_run(cfg, params, inputs, dtype, device, strategy, self.allow_tf32)
         return prepare_torch_decode_run(cfg, params, inputs, dtype, device, cache, self.allow_tf32, capacity, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):

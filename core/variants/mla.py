@@ -42,6 +42,8 @@ KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
     "v_head_dim",
     "rope_interleave",
 )
+# The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
+MLA_ADAPTERS = ("numpy", "torch", "jax")
 # The sizes MLA owns besides kv_lora_rank, which switches it on (each None unless MLA is on).
 SIZES = (Q_RANK, NOPE, ROPE, V_DIM)
 CONFIG_FIELDS = (
@@ -345,16 +347,17 @@ ENTRY = Variant(
     # Its cost against plain attention at the forms preset's size (d_model 512, 8 heads, d_k 64): DeepSeek's
     # proportions, nope 48 + rope 16, d_v 64, a latent of 4 * d_k (V3: 512 for d_k 128 + 64), the query's 6 * d_k
     # (V3: 1536).
-    # Every adapter refuses it today, so the cell reports each refusal rather than a time.
+    # The adapters that apply it run it in their naive and absorbed strategies (`backends._mla`); the rest refuse it.
     bench=BenchSpec(
         {Q_RANK: 384, KV_RANK: 256, NOPE: 48, ROPE: 16, V_DIM: 64, INTERLEAVE: True}, "plain", preset="forms"
     ),
     demo_on=DEMO_ON,
     demo_off=DEMO_OFF,
     explain=explain,
-    # No adapter applies MLA yet: each refuses it by name (`Variant.implemented_by`); the float64 oracles
-    # (core.reference, core.grad) and the NumPy forms of `core.variants.mla_forms` compute it.
-    implemented_by=(),
+    # The numpy, torch and jax adapters apply MLA, in their naive and absorbed strategies only (`backends._mla`);
+    # every other adapter and oracle refuses it by name (`Variant.implemented_by`). The float64 oracles
+    # (core.reference, core.grad) and the NumPy forms of `core.mla_forms` compute it.
+    implemented_by=MLA_ADAPTERS,
 )
 Q_LORA_ENTRY = Variant(
     name="mla_q_lora",
@@ -368,5 +371,5 @@ Q_LORA_ENTRY = Variant(
     demo_on=dict(DEMO_ON, q_lora_rank=5),
     demo_off={Q_RANK: None},
     explain=explain_q_lora,
-    implemented_by=(),
+    implemented_by=MLA_ADAPTERS,
 )

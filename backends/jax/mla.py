@@ -1,0 +1,208 @@
+"""DeepSeek's multi-head latent attention (MLA) in the JAX convention: the ``naive`` and ``absorbed`` strategies.
+
+One head written unbatched, then ``jax.vmap`` over heads and over the batch, ``jax.jit``, as in `layer`. What a
+head's function receives:
+
+* its own slices, mapped over the head axis (``in_axes=0``): ``q_nope_h`` (N, dn), the rotated ``q_rot_h``
+  (N, dr), ``W_UK_h`` (dn, R) and ``W_UV_h`` (dv, R) (head h's rows of kv_b_proj), ``W_O_h`` (D, dv);
+* the ones every head shares, not mapped (``in_axes=None``): the latent ``c`` (T, R) and the ONE rotated key
+  ``k_rope`` (T, dr). The shared rotary key is broadcast by vmap itself: each head's call sees the same array,
+  rotated once before the vmap by the keys' positions, never copied per head or rotated per head.
+
+``naive`` expands the head's keys ``c @ W_UK_h^T`` and values ``c @ W_UV_h^T``; ``absorbed`` scores the head's
+folded query ``q_nope_h @ W_UK_h`` against ``c`` itself (with ``q_rot_h . k_rope``): multi-query attention over
+the latent, the context ``A_h @ c`` (N, R) brought out by ``W_O_h W_UV_h`` (D, R); the heads' outputs are summed.
+The score steps (the softcap, the masks, the softmax) on JAX's ops object. The backward is ``jax.vjp`` of this
+pass; decode writes each step's ``[c | k_rope]`` into one static cache (B, T, R + dr) in a jitted step that
+donates it (``lax.dynamic_update_slice``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions
+from mha_rosetta.core.decode import DecodeInputs, decode_allowed
+from mha_rosetta.core.variants.mla_heads import check_one_input
+
+from .._mla import ABSORBED, latent_cache_info
+from ..base import PreparedDecode, StageTensor, tensor_to_numpy
+from ..frameworks.jax import effective_precision
+from ..frameworks.ops import score_steps
+from ..frameworks.ops_jax import JaxOps
+from .common import (
+    CompiledForward,
+    compiled_prepared,
+    jax_inputs,
+    jax_params,
+    jax_target,
+    numpy_rotary_tables,
+    rms_norm_last_axis,
+    rotate_last_axis,
+    to_jax,
+)
+from .vjp import canonical_param_grads, jax_vjp_prepared
+
+
+def _masks(cfg: MHAConfig, allowed, batch: int, queries: int, keys: int):
+    """(blocked, empty_rows) as NumPy bool (B, H, Nq, Nk) / (B, H, Nq, 1) from ``allowed``, or (None, None)."""
+    if allowed is None:
+        return None, None
+    allowed = np.broadcast_to(allowed, (batch, cfg.n_heads, queries, keys))
+    empty = ~allowed.any(axis=-1, keepdims=True)
+    return np.ascontiguousarray(~allowed), (np.ascontiguousarray(empty) if empty.any() else None)
+
+
+def head(cfg: MHAConfig, form: str, q_nope, q_rot, w_uk, w_uv, w_o, kv_latent, k_rope, blocked, empty):
+    """One head, one sequence, unbatched: its contribution to the output (N, D) (`o_proj` of its context)."""
+    if form == ABSORBED:
+        scores = (q_nope @ w_uk) @ kv_latent.T + q_rot @ k_rope.T  # (N, R) @ (R, T): W_UK_h folded into q
+    else:
+        scores = q_nope @ (kv_latent @ w_uk.T).T + q_rot @ k_rope.T  # the head's own keys, expanded
+    weights = score_steps(JaxOps(), cfg, scores * cfg.scale, blocked=blocked, empty_rows=empty)  # (N, T)
+    if form == ABSORBED:
+        return (weights @ kv_latent) @ (w_o @ w_uv).T  # (N, R) @ (R, D): W_O_h W_UV_h folded into the output
+    return (weights @ (kv_latent @ w_uv.T)) @ w_o.T  # (N, dv) @ (dv, D)
+
+
+def heads_and_batch(cfg: MHAConfig, form: str, blocked, empty):
+    """`head` vmapped over heads (the shared latent and rotary key with ``in_axes=None``) and then over the batch;
+    the masks (B, H, Nq, Nk), mapped on both, where present."""
+    import jax
+
+    def one(*args):
+        return head(cfg, form, *args)
+
+    masks = tuple(None if a is None else 0 for a in (blocked, empty))
+    over_heads = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None, None, *masks))  # latent, k_rope: the same for all
+    return jax.vmap(over_heads, in_axes=(0, 0, None, None, None, 0, 0, *masks))  # the weights: the same for all
+
+
+def latent_rows(cfg: MHAConfig, p: dict, x, k_cos, k_sin):
+    """``(kv_latent (B, N, R), k_rope (B, N, dr))`` of tokens ``x`` (B, N, D): what the cache holds."""
+    kv_a = x @ p["w_kv_a"].T + (0 if p.get("b_kv_a") is None else p["b_kv_a"])  # (B, N, R + dr)
+    R = cfg.kv_lora_rank
+    kv_latent = rms_norm_last_axis(kv_a[..., :R], p["kv_a_norm"], cfg.norm_eps)
+    return kv_latent, rotate_last_axis(kv_a[..., R:], k_cos, k_sin, cfg.rope)  # rotated once, shared by all heads
+
+
+def mla_pass(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty):
+    """The output (B, N, D) of the queries of tokens ``x_q`` over the latent rows."""
+    B, N, _ = x_q.shape
+    H, dn, dv, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.d_v, cfg.kv_lora_rank
+    source = x_q
+    if p.get("w_q_a") is not None:
+        q_a = x_q @ p["w_q_a"].T + (0 if p.get("b_q_a") is None else p["b_q_a"])  # (B, N, Rq)
+        source = rms_norm_last_axis(q_a, p["q_a_norm"], cfg.norm_eps)
+    q = (source @ p["w_q"].T).reshape(B, N, H, cfg.d_k).transpose(0, 2, 1, 3)  # (B, H, N, Dk)
+    q_rot = rotate_last_axis(q[..., dn:], q_cos[:, None], q_sin[:, None], cfg.rope)  # (B, H, N, dr)
+    w_o_heads = p["w_o"].reshape(-1, H, dv).transpose(1, 0, 2)  # (H, D, dv): columns h*dv:(h+1)*dv
+    w_uk, w_uv = p["w_k"].reshape(H, dn, R), p["w_v"].reshape(H, dv, R)  # (H, dn, R), (H, dv, R)
+    per_head = heads_and_batch(cfg, form, blocked, empty)(
+        q[..., :dn], q_rot, w_uk, w_uv, w_o_heads, kv_latent, k_rope, blocked, empty
+    )
+    out = per_head.sum(axis=1)  # (B, H, N, D) -> (B, N, D): the heads' contributions summed
+    return out if p.get("b_o") is None else out + p["b_o"]
+
+
+def _forward(cfg: MHAConfig, form: str):
+    def forward(p, x_q, x_k, x_v, tables, blocked, empty):
+        q_cos, q_sin, k_cos, k_sin = tables
+        kv_latent, k_rope = latent_rows(cfg, p, x_k, k_cos, k_sin)
+        return mla_pass(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty)
+
+    return forward
+
+
+def _arguments(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target):
+    check_one_input(inputs.key, inputs.value)
+    tables = tuple(to_jax(t, dtype, target) for t in numpy_rotary_tables(cfg, inputs))
+    B, Nq, Nk = inputs.query.shape[0], inputs.query.shape[1], inputs.key.shape[1]
+    blocked, empty = _masks(cfg, allowed_positions(cfg, inputs), B, Nq, Nk)
+    return tables, to_jax(blocked, None, target), to_jax(empty, None, target)
+
+
+def prepare_jax_mla(cfg, params, inputs, dtype, device, strategy, matmul_precision, info):
+    target = jax_target(dtype, device)
+    primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
+    compiled = CompiledForward(
+        _forward(cfg, strategy), (*primals, *_arguments(cfg, inputs, dtype, target)), matmul_precision
+    )
+
+    def native_stages():  # the forms' inner tensors are not recorded: the output only (rule 3)
+        return {"output": StageTensor(compiled(), ("B", "Nq", "D"), "the heads' o_proj contributions summed")}
+
+    return compiled_prepared(compiled, native_stages, {**info, "strategy": strategy})
+
+
+def prepare_jax_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strategy, matmul_precision, info):
+    target = jax_target(dtype, device)
+    primals = (jax_params(params, dtype, target), *jax_inputs(inputs, dtype, target))
+    extras = _arguments(cfg, inputs, dtype, target)
+    return jax_vjp_prepared(
+        _forward(cfg, strategy),
+        primals,
+        extras,
+        cotangent,
+        dtype,
+        target,
+        matmul_precision,
+        canonical_param_grads,
+        {**info, "strategy": strategy},
+    )
+
+
+def prepare_jax_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device, strategy, matmul_precision, info):
+    """A whole decode run: one static latent cache (B, T, R + dr), each chunk a jitted step that donates it."""
+    import jax
+    from jax import lax
+
+    target = jax_target(dtype, device)
+    p = jax_params(params, dtype, target)
+    q_cos, q_sin, k_cos, k_sin = numpy_rotary_tables(
+        cfg, SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
+    )
+    B, N, _ = inputs.x.shape
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    R = cfg.kv_lora_rank
+
+    def step(p, cache, x, start, tables, blocked, empty):
+        qc, qs, kc, ks = tables
+        kv_latent, k_rope = latent_rows(cfg, p, x, kc, ks)
+        zero = jax.numpy.zeros_like(start)  # the indices of one integer type (int64 under float64)
+        cache = lax.dynamic_update_slice(cache, jax.numpy.concatenate([kv_latent, k_rope], -1), (zero, start, zero))
+        out = mla_pass(cfg, strategy, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty)
+        return cache, out
+
+    jitted = jax.jit(step, donate_argnums=(1,))
+    chunks = []
+    for start, stop in inputs.chunks():
+        window = slice(start, stop)
+        written = inputs.valid & (np.arange(N) < stop)  # (B, T): slots written so far (the rest never seen)
+        allowed = decode_allowed(cfg, inputs.positions[:, window], inputs.positions, written)  # (B, 1, s, T)
+        blocked, empty = _masks(cfg, allowed, B, stop - start, N)
+        tables = tuple(to_jax(t[:, window], dtype, target) for t in (q_cos, q_sin, k_cos, k_sin))
+        x = to_jax(inputs.x[:, window], dtype, target)
+        chunks.append((x, np.int32(start), tables, to_jax(blocked, None, target), to_jax(empty, None, target)))
+
+    def run():
+        with jax.default_matmul_precision(effective_precision(matmul_precision)):
+            cache = jax.numpy.zeros((B, N, rows), dtype=p["w_kv_a"].dtype, device=target)
+            outputs = []
+            for x, start, tables, blocked, empty in chunks:
+                cache, out = jitted(p, cache, x, start, tables, blocked, empty)
+                outputs.append(out)
+            return outputs
+
+    layout = "(B, T, R + dr): [c | k_rope] a row per token, static, written by dynamic_update_slice (donated)"
+    cache_info = latent_cache_info(cfg, B, N, np.dtype(p["w_kv_a"].dtype).itemsize, layout)
+
+    def to_numpy(outputs):
+        return np.concatenate([tensor_to_numpy(out) for out in outputs], axis=1)  # (B, N, D)
+
+    def synchronize(outputs):
+        jax.block_until_ready(outputs)
+
+    return PreparedDecode(run, to_numpy, synchronize=synchronize, info={**info, "form": strategy, "cache": cache_info})

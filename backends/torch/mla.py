@@ -1,0 +1,212 @@
+"""DeepSeek's multi-head latent attention (MLA) in row samples: the torch adapter's ``naive`` and ``absorbed``.
+
+Row samples with ``nn.Linear`` as transformers' ``DeepseekV3Attention`` writes it: ``F.linear(x, W, b)``, tokens
+on axis 1, features last. ``kv_a_proj_with_mqa`` gives ``(B, N, R + dr)``, split on the last axis into the latent
+``c`` (normed) and the one rotary key ``k_pe`` every head shares; heads are ``view(B, N, H, d).transpose(1, 2)``.
+
+* ``naive``: each head's keys ``F.linear(c, W_UK)`` and values ``F.linear(c, W_UV)`` expanded from the latent, the
+  shared key ``k_rope.unsqueeze(1)`` ``(B, 1, T, dr)`` broadcast against every head's ``q_rot`` (no ``expand``);
+* ``absorbed``: ``q_nope_h @ W_UK_h`` ``(B, H, N, R)`` beside ``q_rot`` is each head's query against the cache's
+  ``[c | k_rope]`` ``(B, 1, T, R + dr)``, one key head for all (MQA); the context ``A_h @ c`` stays in the latent
+  and ``W_O_h W_UV_h`` ``(H, D, R)`` brings it out. The fold is computed in the forward from ``w_o`` and ``w_v``,
+  so that autograd reaches both (the decode path folds once, when prepared).
+
+The score steps (the softcap, the masks, the softmax) on torch's ops object, keys on the last axis. Decode
+(`prepare_torch_mla_decode_run`) writes each step's ``[c | k_rope]`` rows in place into one preallocated cache
+``(B, T, R + dr)``: ``kv_lora_rank + d_rope`` numbers a token. The backward is autograd through this forward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
+from mha_rosetta.core.decode import DecodeInputs, decode_allowed
+from mha_rosetta.core.variants.mla_heads import check_one_input
+
+from .._mla import ABSORBED, latent_cache_info
+from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..frameworks.ops import score_steps
+from ..frameworks.ops_torch import TorchOps
+from .common import (
+    bool_tensor,
+    in_inference_mode,
+    optional_tensor,
+    precision_info,
+    rotate_last_axis,
+    synchronizer,
+    to_tensor,
+    torch_inputs,
+    torch_rotary_tables,
+    with_matmul_precision,
+)
+from .vjp import autograd_prepared, leaf
+
+PARAMS = ("w_q", "w_k", "w_v", "w_o", "b_o", "w_q_a", "b_q_a", "q_a_norm", "w_kv_a", "b_kv_a", "kv_a_norm")
+
+
+def _mask(allowed, device: str):
+    """(blocked, empty_rows) as bool tensors from a NumPy ``allowed`` (1|B, 1|H, Nq, Nk), or (None, None)."""
+    if allowed is None:
+        return None, None
+    empty = ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
+    return bool_tensor(~allowed, device), bool_tensor(empty, device) if empty.any() else None
+
+
+class RowSampleMLA:
+    """One MLA layer's parameters as tensors (``nn.Linear`` layout, used as is by ``F.linear``) and its steps."""
+
+    def __init__(self, cfg: MHAConfig, params: MHAParams, dtype: str, device: str, tables: dict | None) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.torch, self.F, self.cfg, self.rotary = torch, F, cfg, tables
+        self.ops = TorchOps()  # the score steps, keys on the last axis
+        tensor = partial(optional_tensor, dtype=dtype, device=device)
+        for name in PARAMS:
+            setattr(self, name, tensor(getattr(params, name)))
+
+    def _rms(self, x, weight):
+        xs = x.float() if x.element_size() < 4 else x  # half precision: the norm in float32, as HF's RMSNorm
+        return (xs * self.torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)).to(x.dtype) * weight
+
+    def _rotate(self, x, which: str, tokens: slice | None):
+        cos, sin = self.rotary[which]  # (1|B, N, dr/2)
+        if tokens is not None:
+            cos, sin = cos[:, tokens], sin[:, tokens]  # a decode chunk's rows
+        if x.dim() == 4:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1|B, 1, N, dr/2): every head alike
+        return rotate_last_axis(x, cos, sin, self.cfg.rope)
+
+    def latent(self, x, tokens: slice | None = None):
+        """``[kv_latent | k_rope]`` (B, N, R + dr): the rows the cache holds for tokens ``x`` (B, N, D)."""
+        c, k_pe = self.F.linear(x, self.w_kv_a, self.b_kv_a).split(
+            [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], -1
+        )
+        return self.torch.cat([self._rms(c, self.kv_a_norm), self._rotate(k_pe, "k", tokens)], dim=-1)
+
+    def queries(self, x, tokens: slice | None = None):
+        """(q_nope (B, H, N, dn), q_rot (B, H, N, dr) rotated)."""
+        cfg, F = self.cfg, self.F
+        source = x if self.w_q_a is None else self._rms(F.linear(x, self.w_q_a, self.b_q_a), self.q_a_norm)
+        B, N, _ = x.shape
+        q = F.linear(source, self.w_q).view(B, N, cfg.n_heads, cfg.d_k).transpose(1, 2)  # (B, H, N, Dk) view
+        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        return q_nope, self._rotate(q_rot, "q", tokens)
+
+    def folded_output(self):
+        """``W_O_h W_UV_h`` (H, D, R): each head's value up-projection folded into its columns of ``o_proj``."""
+        H, dv = self.cfg.n_heads, self.cfg.d_v
+        w_o_heads = self.w_o.view(-1, H, dv).transpose(0, 1)  # (H, D, dv) view: columns h*dv:(h+1)*dv
+        return w_o_heads @ self.w_v.view(H, dv, -1)  # (H, D, dv) @ W_UV (H, dv, R)
+
+    def attend(self, form: str, q_nope, q_rot, entries, blocked, empty_rows, w_ouv=None):
+        """The queries over the cached rows ``entries`` (B, T, R + dr): the output (B, N, D)."""
+        cfg, torch, R = self.cfg, self.torch, self.cfg.kv_lora_rank
+        kv_latent, k_rope = entries[..., :R], entries[..., R:]  # (B, T, R), (B, T, dr) views
+        B, H, N, _ = q_nope.shape
+        if form == ABSORBED:
+            w_uk = self.w_k.view(H, cfg.qk_nope_head_dim, R)  # (H, dn, R) view: head h's rows of kv_b_proj
+            queries = torch.cat([q_nope @ w_uk, q_rot], dim=-1)  # (B, H, N, R + dr): W_UK_h folded into q
+            scores = (queries @ entries.unsqueeze(1).transpose(-1, -2)) * cfg.scale  # (B, H, N, T): MQA
+        else:
+            T = entries.shape[1]
+            k_nope = self.F.linear(kv_latent, self.w_k).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, dn) view
+            rope = q_rot @ k_rope.unsqueeze(1).transpose(-1, -2)  # (B, H, N, T): the shared key, broadcast
+            scores = (q_nope @ k_nope.transpose(-1, -2) + rope) * cfg.scale
+        weights = score_steps(self.ops, cfg, scores, blocked=blocked, empty_rows=empty_rows)  # (B, H, N, T)
+        if form == ABSORBED:
+            context = weights @ kv_latent.unsqueeze(1)  # (B, H, N, R): the context stays in the latent
+            w_ouv = self.folded_output() if w_ouv is None else w_ouv
+            out = torch.einsum("bhnr,hdr->bnd", context, w_ouv)  # sum over heads of context_h (W_O_h W_UV_h)^T
+            return out if self.b_o is None else out + self.b_o
+        T = entries.shape[1]
+        v = self.F.linear(kv_latent, self.w_v).view(B, T, H, cfg.d_v).transpose(1, 2)  # (B, H, T, dv) view
+        merged = (weights @ v).transpose(1, 2).reshape(B, N, H * cfg.d_v)  # (B, N, H*dv): a copy (reshape)
+        return self.F.linear(merged, self.w_o, self.b_o)
+
+
+def _layer_pass(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, device, strategy, as_leaves: bool):
+    """(the forward of ``strategy``, with no argument, and the leaves): the parameters and the three inputs as
+    leaves that require grad when ``as_leaves`` (three even for self-attention), else None."""
+    check_one_input(inputs.key, inputs.value)
+    layer = RowSampleMLA(cfg, params, dtype, device, torch_rotary_tables(cfg, inputs, dtype, device))
+    x_q, x_k, x_v = torch_inputs(inputs, dtype, device)
+    leaves = None
+    if as_leaves:
+        x_q, x_k, x_v = leaf(x_q), leaf(x_k), leaf(x_v)
+        for name in PARAMS:
+            setattr(layer, name, leaf(getattr(layer, name)))
+        leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **{name: getattr(layer, name) for name in PARAMS}}
+    blocked, empty = _mask(allowed_positions(cfg, inputs), device)
+
+    def forward():
+        q_nope, q_rot = layer.queries(x_q)
+        return layer.attend(strategy, q_nope, q_rot, layer.latent(x_k), blocked, empty)
+
+    return forward, leaves
+
+
+def prepare_torch_mla(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, device, strategy, allow_tf32):
+    """The torch adapter's `Prepared` for MLA's ``strategy``."""
+    forward, _ = _layer_pass(cfg, params, inputs, dtype, device, strategy, as_leaves=False)
+    run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
+
+    def stages():  # the forms' inner tensors are not recorded: the output only (rule 3)
+        return {"output": StageTensor(run(), ("B", "Nq", "D"), "o_proj of the merged (naive) or latent context")}
+
+    info = {
+        "layout": "row samples (B, tokens, features); the cache rows [c | k_rope] (B, T, R + dr)",
+        "strategy": strategy,
+        **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
+    }
+    return Prepared(run, tensor_to_numpy, stages, synchronize=synchronizer(device), info=info)
+
+
+def prepare_torch_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strategy, allow_tf32):
+    """Autograd through MLA's ``strategy``: the parameters and the three inputs as leaves."""
+    forward, leaves = _layer_pass(cfg, params, inputs, dtype, device, strategy, as_leaves=True)
+    info = {"strategy": strategy, "layout": "row samples (B, tokens, features)"}
+    return autograd_prepared(forward, leaves, to_tensor(cotangent, dtype, device), dict, device, allow_tf32, info)
+
+
+def prepare_torch_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device, strategy, allow_tf32):
+    """A whole decode run of MLA's ``strategy`` through one preallocated latent cache (B, T, R + dr), in place."""
+    import torch
+
+    run_inputs = SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
+    layer = RowSampleMLA(cfg, params, dtype, device, torch_rotary_tables(cfg, run_inputs, dtype, device))
+    xs = to_tensor(inputs.x, dtype, device)  # (B, N, D)
+    B, N, _ = inputs.x.shape
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    w_ouv = layer.folded_output() if strategy == ABSORBED else None  # folded once for the whole run
+
+    def forward():
+        cache = xs.new_zeros((B, N, rows))  # (B, T, R + dr): allocated once, written in place
+        outputs, length = [], 0
+        for start, stop in inputs.chunks():
+            window = slice(start, stop)
+            cache[:, start:stop] = layer.latent(xs[:, window], window)  # the step's rows, in place
+            length = stop
+            allowed = decode_allowed(
+                cfg, inputs.positions[:, window], inputs.positions[:, :length], inputs.valid[:, :length]
+            )
+            blocked, empty = _mask(allowed, device)  # (B, 1, s, T)
+            q_nope, q_rot = layer.queries(xs[:, window], window)
+            outputs.append(layer.attend(strategy, q_nope, q_rot, cache[:, :length], blocked, empty, w_ouv))
+        return torch.cat(outputs, dim=1)  # (B, N, D)
+
+    run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
+    layout = "(B, T, R + dr): [c | k_rope] a row per token, preallocated for the run, written in place"
+    info = {
+        "layout": "row samples (B, tokens, features)",
+        "form": strategy,
+        **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
+    }
+    info["cache"] = latent_cache_info(cfg, B, N, xs.element_size(), layout)
+    return PreparedDecode(
+        run, lambda out: np.asarray(tensor_to_numpy(out)), synchronize=synchronizer(device), info=info
+    )

@@ -60,16 +60,18 @@ def variant_configs(base: dict, names=None) -> dict[str, MHAConfig]:
     """One configuration per registered variant (of ``names`` only, where given), derived from the registry so that a
     new entry needs no edit of the decode tests: its entry's demonstration fields (`Variant.demo_on`) on ``base``.
 
-    A variant no adapter applies (`Variant.implemented_by == ()`: MLA, Llama 4's steps after rotary, ...) is only
-    ever refused, so it is switched on in the explainer's demonstration layer (`explain.variants.DEMO`), where every
-    entry's fields are valid: MLA's heads are nope + rope wide and never grouped, which ``base``'s d_k and GQA contradict.
+    A variant no adapter applies (`Variant.implemented_by == ()`) is only ever refused, and a variant whose layer
+    holds an entry that sets the base weights' shapes (`Variant.base_shapes`: MLA's heads are nope + rope wide and
+    never grouped, which ``base``'s d_k and GQA contradict) cannot sit on ``base``: both are switched on in the
+    explainer's demonstration layer (`explain.variants.DEMO`), where every entry's fields are valid.
     """
     configs = {}
     for name, entry in VARIANT_REGISTRY.items():
         if names is not None and name not in names:
             continue
-        if entry.implemented_by == ():
-            configs[name] = replace(DEMO, **entry.demo_on)
+        demo = replace(DEMO, **entry.demo_on)
+        if entry.implemented_by == () or any(VARIANT_REGISTRY[on].base_shapes for on in demo.variants):
+            configs[name] = demo
         else:
             configs[name] = MHAConfig(**{**base, **entry.demo_on})
     return configs

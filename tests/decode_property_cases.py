@@ -66,6 +66,13 @@ VARIANT_CFGS = {
     "gate": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),
     # Gemma 4's global layers: V is the raw key projection (w_v tied to w_k), so the cache's values are keys unrotated.
     "k_eq_v": _gqa(attention_k_eq_v=True),
+    # Llama 4's rotary layer: the cache holds each key rotated at its position, then normed (weightless, per head).
+    "qk_norm_after_rope": _gqa(rope="interleaved", qk_norm_after_rope=True),
+    # Llama 4's NoPE layer: floor_scale 3 steps the factor at positions 2, 5, 8, inside the decoded steps, so a step
+    # whose positions lost the cache offset is caught.
+    "temperature": _gqa(rope=None, attn_temperature_tuning=True, floor_scale=3, attn_scale=0.5),
+    # Gemma 4's value norm: the cache holds the normed values (each token's own norm).
+    "value_norm": _gqa(value_norm=True),
 }
 
 

@@ -61,6 +61,16 @@ VARIANT_CFGS = {
     ),
     # Gemma 4's global layers: V is the raw key projection (w_v tied to w_k), cached unrotated
     "k_eq_v": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", attention_k_eq_v=True),
+    # Llama 4's rotary layer: keys cached rotated, then normed per head (weightless)
+    "qk_norm_after_rope": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="interleaved", qk_norm_after_rope=True
+    ),
+    # Llama 4's NoPE layer: floor_scale 4 steps the factor at positions 3, 7, 11, crossed by the steps
+    "temperature": MHAConfig(
+        d_model=16, n_heads=4, n_kv_heads=2, causal=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5
+    ),
+    # Gemma 4's value norm: the cache holds the normed values
+    "value_norm": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", value_norm=True),
 }
 
 
@@ -109,8 +119,8 @@ def test_jax_decode_of_a_padded_batch(cfg, side):
 
 
 def test_every_variant_the_jax_decode_path_declares_has_a_case():
-    assert get_backend("jax").decode_variants == adapted_variants()
-    assert set(VARIANT_CFGS) == adapted_variants()
+    assert get_backend("jax").decode_variants == adapted_variants("jax")
+    assert set(VARIANT_CFGS) == adapted_variants("jax")
     for name, cfg in VARIANT_CFGS.items():
         assert name in cfg.variants, name
 

@@ -67,11 +67,11 @@ VARIANT_CFGS = {
         "rope": "half",
         "n_kv_heads": 2,
     },  # each step's tokens gated by their own sigmoid(x @ w_gate.T); the SDPA oracle refuses it
-    # Llama 4's steps after rotary: refused (no adapter has them yet)
+    # Llama 4's steps after rotary (keys cached normed; the temperature at each step's positions, floor_scale 3)
     "qk_norm_after_rope": {"qk_norm_after_rope": True, "rope": "interleaved", "n_kv_heads": 2},
     "temperature": {"attn_temperature_tuning": True, "floor_scale": 3, "n_kv_heads": 2},
     "k_eq_v": {"attention_k_eq_v": True, "n_kv_heads": 2},  # Gemma 4's global layers: V from the tied k_proj
-    "value_norm": {"value_norm": True, "n_kv_heads": 2},  # refused (no adapter has it yet)
+    "value_norm": {"value_norm": True, "n_kv_heads": 2},  # Gemma 4's: the cache holds the normed values
     # DeepSeek's latent attention (d_k = nope 2 + rope 4 = BASE's 6): refused (no adapter has it yet)
     "mla": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6},
     "mla_q_lora": {"kv_lora_rank": 5, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 5},
@@ -172,7 +172,7 @@ def test_every_declared_variant_decodes(name, cache, variant):
 
 def test_the_declared_decode_variants():
     """Ours decodes every variant; the SDPA oracle those its forward has (no softcap, no sinks, no output gate)."""
-    assert get_backend("torch").decode_variants == adapted_variants()
+    assert get_backend("torch").decode_variants == adapted_variants("torch")
     assert get_backend("torch-sdpa").decode_variants == adapted_variants() - {"softcap", "sinks", "gate"}
 
 

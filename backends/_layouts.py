@@ -18,7 +18,18 @@ ROW_SAMPLE_PROJECTION_AXES = {
 
 def heads_axes(q_heads: tuple[str, ...], k_heads: tuple[str, ...], v_heads: tuple[str, ...]) -> dict:
     """The axes of the heads stages; a rotated stage has the axes of the heads it turns."""
-    return {"q_heads": q_heads, "k_heads": k_heads, "v_heads": v_heads, "q_rotated": q_heads, "k_rotated": k_heads}
+    return {
+        "q_heads": q_heads,
+        "k_heads": k_heads,
+        "v_heads": v_heads,
+        "q_rotated": q_heads,
+        "k_rotated": k_heads,
+        # Llama 4's steps after rotary and Gemma 4's value norm keep the layout of the heads they act on.
+        "q_rotated_normed": q_heads,
+        "k_rotated_normed": k_heads,
+        "q_tempered": q_heads,
+        "v_normed": v_heads,
+    }
 
 
 # Tokens first all the way through: heads split after the token axis (B, N, H, d), the
@@ -41,11 +52,15 @@ TOKENS_FIRST_STAGE_AXES = {
 HEADS_FIRST_SPLIT_AXES = heads_axes(("B", "H", "Nq", "Dk"), ("B", "Hkv", "Nk", "Dk"), ("B", "Hkv", "Nk", "Dv"))
 
 
+HEAD_STAGES = ("q_heads", "k_heads", "v_heads", "q_rotated", "k_rotated", "q_tempered", "v_normed")
+
+
 def head_slice_axes(axes: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     """One head's slice of the heads stages in ``axes``: the head axis (H or Hkv) dropped, the
     layout a per-head strategy records before the recorder stacks the heads back in."""
-    heads = ("q_heads", "k_heads", "v_heads", "q_rotated", "k_rotated")
-    return {name: tuple(a for a in axes[name] if a not in ("H", "Hkv")) for name in heads}
+    return {
+        name: tuple(a for a in axes[name] if a not in ("H", "Hkv")) for name in axes if name.startswith(HEAD_STAGES)
+    }
 
 
 XLA_LAYOUT = "XLA-managed layout"  # the note of a stage whose memory layout XLA chooses

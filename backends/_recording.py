@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 from mha_rosetta.backends.base import StageTensor
 from mha_rosetta.backends.frameworks import shares_memory, snapshot
+from mha_rosetta.backends.frameworks.ops import HEAD_STEP_HOW, after_rotary, read_values
 
 QKV = ("q", "k", "v")
 # Stages with one slice per kv head (the others have one per query head).
-KV_HEAD_STAGES = ("k_heads", "v_heads", "k_rotated")
+KV_HEAD_STAGES = ("k_heads", "v_heads", "k_rotated", "k_rotated_normed", "v_normed")
 
 
 def relation_to(child, parent, otherwise: str = "copy") -> str:
@@ -113,6 +114,18 @@ def record_rotated(rec: StageRecorder, heads: tuple, rotated: tuple, axes: dict,
         rec.record(f"{name}_rotated", child, axes[f"{name}_rotated"], note, relation, f"{name}_heads")
 
 
+def head_step_recorder(rec: StageRecorder | None, axes: dict):
+    """``on_stage`` for `frameworks.ops.after_rotary` and `read_values` that records each step whole, in ``axes``
+    (the convention's heads layout); None without a recorder."""
+    if rec is None:
+        return None
+
+    def on_stage(name, value, parent):
+        rec.record(name, value, axes[name], HEAD_STEP_HOW[name], "new", parent)
+
+    return on_stage
+
+
 class LayerRecording:
     """The recording steps that the NumPy (column-sample) and torch (row-sample) layers share.
 
@@ -126,8 +139,50 @@ class LayerRecording:
     PROJECTION_NOTE: str
     ROTATE_HOW: str
 
+    FEATURE_AXIS = -1  # where a head's features lie (row samples; column samples: -2)
+
     def _stack(self, arrays: list, axis: int):
         raise NotImplementedError
+
+    def _laid_out_factors(self, batched: bool):
+        """The temperature's factors ``self.factors`` (1|B, Nq) laid out against the batched query heads or one
+        head's slice (each convention its own)."""
+        raise NotImplementedError
+
+    def _head_recorder(self, rec, head: int | None):
+        """``on_stage`` for `after_rotary` and `read_values`: each step recorded whole or as ``head``'s slice."""
+        if rec is None or head is None:
+            return head_step_recorder(rec, self.SPLIT_AXES)
+        axes = self.HEAD_SLICE_AXES
+
+        def on_stage(name, value, parent):
+            self._record(rec, name, head, value, axes[name], HEAD_STEP_HOW[name], "new", parent)
+
+        return on_stage
+
+    def _after_rotary(self, rec, heads, which: str, head: int | None = None):
+        """Rotated query ("q") or key ("k") heads -> what the scores read (`frameworks.ops.after_rotary` on this
+        layer's ops object): the batched heads with ``head`` None, else the slice of query or kv head ``head``."""
+        factors = None if which == "k" or self.factors is None else self._laid_out_factors(head is None)
+        return after_rotary(
+            self.ops, self.cfg, heads, which, factors, self.FEATURE_AXIS, self._head_recorder(rec, head)
+        )
+
+    def _read_values(self, rec, v_heads, head: int | None = None):
+        """The values the weighted sum reads (`frameworks.ops.read_values`): normed with value_norm, else themselves."""
+        return read_values(self.ops, self.cfg, v_heads, self.FEATURE_AXIS, self._head_recorder(rec, head))
+
+    def _scored_heads(self, rec, q_rotated, k_rotated, v_heads) -> tuple:
+        """The batched heads the scores and the weighted sum read: Llama 4's steps after rotary on the rotated
+        queries and keys, Gemma 4's value norm on the values (the heads themselves without them)."""
+        q, k = self._after_rotary(rec, q_rotated, "q"), self._after_rotary(rec, k_rotated, "k")
+        return q, k, self._read_values(rec, v_heads)
+
+    def _scored_kv_heads(self, rec, k_rotated: list, v_heads: list) -> tuple[list, list]:
+        """One kv head at a time: (the keys the scores read, the values the weighted sum reads), each a list of
+        the Hkv heads (`_scored_heads`' steps, once per kv head before a loop over the query heads)."""
+        keys = [self._after_rotary(rec, k_g, "k", g) for g, k_g in enumerate(k_rotated)]
+        return keys, [self._read_values(rec, v_g, g) for g, v_g in enumerate(v_heads)]
 
     def _record(self, rec, name: str, head: int | None, value, axes, note: str, relation="new", parent=None) -> None:
         """A whole stage (``head`` None) or one head's slice of it; nothing when ``rec`` is None."""

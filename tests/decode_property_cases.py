@@ -83,7 +83,7 @@ def variant_configs(base: dict, names=None) -> dict[str, MHAConfig]:
 # window the tokens outgrow, and Qwen3-Next's gate with its QK-norm and biases (each step's tokens gated by their own
 # sigmoid(x @ w_gate.T + b), nothing cached).
 VARIANT_CFGS = {
-    **variant_configs(GQA, adapted_variants()),
+    **variant_configs(GQA, adapted_variants("numpy", "torch", "jax", "mlx")),
     **{f"rope_scaling_{kind}": _gqa(rope_scaling=ROPE_SCALINGS[kind]) for kind in ("dynamic", "yarn")},
     "sinks_window": _gqa(sinks=True, window=3),
     "gate_qwen3_next": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),

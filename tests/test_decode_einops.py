@@ -86,8 +86,9 @@ def test_decode_equals_the_full_forward_in_lower_precision(library, case, dtype)
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_every_variant_is_declared_for_decoding(library):
     backend = backend_for(library)
-    assert backend.decode_variants == backend.variants == adapted_variants()  # what the einops layer implements
-    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants()
+    every = adapted_variants("numpy", "torch", "jax")  # what the einops layer implements, on any of the three
+    assert backend.decode_variants == backend.variants == every
+    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == every
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANT_CFGS))

@@ -99,8 +99,8 @@ def test_jax_sharded_decode_of_each_variant(jax_sharded, variant):
 def test_jax_sharded_declares_every_variant_it_tests():
     from mha_rosetta.backends.sharded.jax import JaxShardedBackend
 
-    assert JaxShardedBackend.decode_variants == adapted_variants()
-    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants()
+    assert JaxShardedBackend.decode_variants == adapted_variants("jax")
+    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants("jax")
     assert JaxShardedBackend.decode_caches == ("static",) and JaxShardedBackend.decode_strategies == (STANDARD,)
 
 
@@ -235,7 +235,7 @@ def test_torch_tp_decode_of_each_variant(torch_tp, variant, strategy):
 def test_torch_tp_declares_what_it_tests():
     from mha_rosetta.backends.sharded.torch import TorchTPBackend
 
-    assert TorchTPBackend.decode_variants == adapted_variants()
+    assert TorchTPBackend.decode_variants == adapted_variants("torch")
     assert TorchTPBackend.decode_caches == ("dynamic", "static")
     assert TorchTPBackend.decode_strategies == (STANDARD, MANUAL)
     assert set(TorchTPBackend.decode_layouts) == set(TorchTPBackend.decode_caches)

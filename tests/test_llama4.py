@@ -1,8 +1,8 @@
 """Llama 4's NoPE-layer temperature and its weightless QK-norm after rotary: the two registry entries.
 
 Hand-computed factors, the float64 stages against the formulas written out, the backward by central
-differences, decode positions with the cache offset, the refusals of bad values by field, and the adapters'
-refusal by name (no adapter applies either form yet: `Variant.implemented_by`).
+differences, decode positions with the cache offset, the refusals of bad values by field, and a kernel oracle's
+refusal by name (our adapters apply both: `Variant.implemented_by`, tests/test_forms_adapters.py).
 """
 
 from __future__ import annotations
@@ -150,21 +150,24 @@ def test_bad_values_are_refused_by_field(fields, match):
 
 
 @pytest.mark.parametrize("variant", ["temperature", "qk_norm_after_rope"])
-def test_every_adapter_refuses_the_forms_by_name(variant):
-    """No adapter applies them yet: each says so, never running without them (the float64 oracles do)."""
+def test_our_adapters_apply_the_forms_and_a_kernel_oracle_refuses_them_by_name(variant):
+    """Every convention applies them (tests/test_forms_adapters.py); a third-party kernel says it lacks them."""
     entry = VARIANT_REGISTRY[variant]
-    assert entry.implemented_by == () and variant not in adapted_variants()
+    assert entry.implemented_by == ("numpy", "torch", "jax", "mlx") and variant not in adapted_variants()
+    assert variant in adapted_variants("numpy")
     cfg = MHAConfig(
         **(
-            dict(NOPE, attn_temperature_tuning=True)
+            dict(NOPE, attn_temperature_tuning=True, floor_scale=2)
             if variant == "temperature"
             else dict(ROPE, qk_norm_after_rope=True)
         )
     )
-    backend = get_backend("numpy")
-    assert variant not in backend.variants
+    params, x = init_params(cfg), _x(1, 5)
+    assert_close(get_backend("numpy").run(cfg, params, x), reference_mha(cfg, params, x), "float64")
+    oracle = get_backend("numpy-best")
+    assert variant not in oracle.variants
     with pytest.raises(UnsupportedCase, match=variant):
-        backend.run(cfg, init_params(cfg), _x(1, 5))
+        oracle.run(cfg, params, x)
 
 
 @pytest.mark.parametrize(

@@ -239,10 +239,14 @@ def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run
     numpy = get_backend("numpy")
     # The gate acts outside the pipeline, in every library's projections (its ops object's output_gate): no limit.
     assert VARIANT_REGISTRY["gate"].implemented_by is None
-    # The forms whose entries name the libraries whose adapters apply them: none yet for Llama 4's steps after
-    # rotary; MLA's latents in numpy, torch and jax (declared, and run in their naive and absorbed strategies only).
+    # The forms whose entries name the libraries whose adapters apply them: every library's for Llama 4's steps
+    # after rotary and Gemma 4's value norm (their ops methods); MLA's latents in numpy, torch and jax (declared, and
+    # run in their naive and absorbed strategies only).
     unadapted = {name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by == ()}
-    assert {"qk_norm_after_rope", "temperature"} <= unadapted and {"mla", "mla_q_lora"} <= numpy.variants
+    assert {"mla", "mla_q_lora"} <= numpy.variants
+    for name in ("qk_norm_after_rope", "temperature", "value_norm"):
+        assert VARIANT_REGISTRY[name].implemented_by == ("numpy", "torch", "jax", "mlx"), name
+        assert name in numpy.variants and name in ops.RegistryVariants("numpy", "torch", "jax").__get__(None, object)
     assert numpy.variants == numpy.decode_variants == frozenset(VARIANTS) - unadapted
     # An entry that names its libraries is declared by those adapters only (einops needs all three of its own).
     monkeypatch.setattr(

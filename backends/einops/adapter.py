@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._inputs import convert_inputs
 from .._mla import MLA_VARIANTS
@@ -28,6 +28,7 @@ from .layer import (
 )
 from .plans import (
     plan_for,
+    position_tables,
 )
 from .vjp import prepare_einops_vjp  # the array library's own autodiff
 
@@ -70,8 +71,6 @@ class EinopsBackend(Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        import einops
-
         device = check_device_name(device)
         ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
         plan = plan_for(cfg)
@@ -79,11 +78,7 @@ class EinopsBackend(Backend):
         x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
         blocked_np, empty_rows_np = grouped_masks(cfg, inputs, plan)
         blocked, empty_rows = (ops.asarray(mask, cast=False) for mask in (blocked_np, empty_rows_np))
-        tables = rotary_tables(cfg, inputs)
-        if tables is not None:
-            q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
-            k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
-            tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # broadcastable against q and k
+        tables = position_tables(ops, cfg, inputs, plan, dtype)  # rotary, the temperature: against q and k
         info = self._numerics_info(dtype, device)
         info["patterns"] = f"{plan.name}: scores '{plan.scores}', context '{plan.context}'"
         if empty_rows_np is not None:

@@ -33,16 +33,23 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_allowed, ring_capacity
 from mha_rosetta.core.page_pool import pool_pages
 
 from .._paged import PAGED
 from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
 from ..jax.common import shared_program
-from .layer import attend, canonical_weights, grouped_allowed, project_heads, score_tables, stage_tensors
+from .layer import (
+    attend,
+    canonical_weights,
+    grouped_allowed,
+    project_heads,
+    score_tables,
+    stage_tensors,
+)
 from .paged import PAGED_LAYOUT, PagedNamedCache, read_pages, store_pages
-from .plans import EinsumPlan, plan_for
+from .plans import EinsumPlan, plan_for, position_tables
 
 STATIC = "static"
 CACHE_KINDS = (STATIC, PAGED)
@@ -140,18 +147,12 @@ class EinopsDecoder:
         dtype: str,
         matmul_precision: str = "highest",
     ):
-        import einops
-
         self.ops, self.cfg, self.dtype = ops, cfg, dtype
         self.plan = plan = plan_for(cfg)
         self.weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
         self.x = ops.asarray(x)  # (B, N, D)
-        self.tables = None
-        tables = rotary_tables(cfg, prepare_inputs(cfg, x, positions=positions))  # every position of the run, once
-        if tables is not None:
-            q_layout = [einops.rearrange(table, plan.table_q) for table in (tables.q_cos, tables.q_sin)]
-            k_layout = [einops.rearrange(table, plan.table_kv) for table in (tables.k_cos, tables.k_sin)]
-            self.tables = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # (1|B, N, 1[, 1], r/2)
+        # every position of the run, once: rotary (1|B, N, 1[, 1], r/2), the temperature (1|B, N, 1[, 1], 1)
+        self.tables = position_tables(ops, cfg, prepare_inputs(cfg, x, positions=positions), plan, dtype)
         self.compilations = 0  # of the timed step, traced and compiled while this decoder ran (JAX only)
         self.matmul_precision = None
         if ops.library == "jax":
@@ -169,7 +170,9 @@ class EinopsDecoder:
         """Feed the run's tokens ``tokens`` (positions, valid (B, n)) through ``cache``: their output "b n o"."""
         ops, cfg, plan = self.ops, self.cfg, self.plan
         x = self.x[:, tokens]  # "b n d": the chunk's tokens
-        tables = None if self.tables is None else tuple(table[:, tokens] for table in self.tables)
+        tables = None
+        if self.tables is not None:  # the chunk's positions: the temperature's with the cache offset
+            tables = {name: tuple(table[:, tokens] for table in group) for name, group in self.tables.items()}
         slots, keep = cache.claim(positions, valid)
         own = cache.ring is not None and positions.shape[1] > cache.ring  # a prefill longer than the ring
         paged = isinstance(cache, PagedNamedCache)

@@ -18,7 +18,14 @@ from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 from .._layouts import XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
 from ..base import StageTensor
-from ..frameworks.ops import OPS_BY_LIBRARY, STEP_HOW, score_steps
+from ..frameworks.ops import (
+    HEAD_STEP_HOW,
+    OPS_BY_LIBRARY,
+    STEP_HOW,
+    after_rotary,
+    read_values,
+    score_steps,
+)
 from .plans import (
     MERGED_PROJECTIONS,
     OUTPUT,
@@ -84,7 +91,7 @@ def run_pipeline(
     """
     _, _, v, _, _, q_rotated, k_rotated = project_heads(
         ops, plan, weights, x_q, x_k, x_v, tables, cfg=cfg, record=record
-    )
+    )  # what the scores and the weighted sum read
     return attend(
         ops,
         plan,
@@ -102,10 +109,12 @@ def run_pipeline(
 
 
 def project_heads(ops, plan: EinsumPlan, weights: dict, x_q, x_k, x_v, tables=None, *, cfg: MHAConfig, record=None):
-    """The token-wise half of the pass: (q, k, v, q_normed, k_normed, q_rotated, k_rotated), heads after tokens.
+    """The token-wise half of the pass: (q, k, v, q_normed, k_normed, q_rotated, k_rotated), heads after tokens,
+    where v, q_rotated and k_rotated are what the weighted sum and the scores read: Gemma 4's value norm and Llama 4's
+    steps after rotary applied when on (`frameworks.ops.read_values`, `after_rotary`; features on the last axis).
 
-    ``tables``: the rotary tables of these tokens, (1|B, N, 1, r/2) each (query cos, sin, key cos, sin).
-    ``record`` receives q, k, v, the normed and the rotated heads when given.
+    ``tables``: the position tables of these tokens (`plans.position_tables`), or None.
+    ``record`` receives q, k, v, the normed and the rotated heads (and those steps' stages) when given.
     """
     q = ops.einsum(plan.project_q, x_q, weights["w_q"])  # (B, Nq, H, Dk)
     k = ops.einsum(plan.project_k, x_k, weights["w_k"])  # (B, Nk, Hkv, Dk)
@@ -119,15 +128,25 @@ def project_heads(ops, plan: EinsumPlan, weights: dict, x_q, x_k, x_v, tables=No
         q_normed = ops.rms_norm(q, weights["q_norm"], cfg.norm_eps, _norm_pattern(plan.heads_q, cfg.qk_norm))
         k_normed = ops.rms_norm(k, weights["k_norm"], cfg.norm_eps, _norm_pattern(plan.heads_kv, cfg.qk_norm))
     q_rotated, k_rotated = q_normed, k_normed  # without rope: the (normed) heads themselves
-    if tables is not None:
-        q_cos, q_sin, k_cos, k_sin = tables  # (1|B, Nq, 1, r/2), (1|B, Nk, 1, r/2)
+    tables = tables or {}
+    if "rotary" in tables:
+        q_cos, q_sin, k_cos, k_sin = tables["rotary"]  # (1|B, Nq, 1, r/2), (1|B, Nk, 1, r/2)
         q_rotated = rotate_pairs(q_normed, q_cos, q_sin, cfg.rope, plan.heads_q)  # (B, Nq, H, Dk)
         k_rotated = rotate_pairs(k_normed, k_cos, k_sin, cfg.rope, plan.heads_kv)  # (B, Nk, Hkv, Dk)
+    on_stage = None
     if record is not None:
         record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
         if cfg.qk_norm is not None:
             record.update(q_normed=q_normed, k_normed=k_normed)
-    return q, k, v, q_normed, k_normed, q_rotated, k_rotated
+
+        def on_stage(name, value, parent):
+            record[name] = value
+
+    factors = tables["temper"][0] if "temper" in tables else None  # (1|B, Nq, 1[, 1], 1)
+    q_scored = after_rotary(ops, cfg, q_rotated, "q", factors, on_stage=on_stage)
+    k_scored = after_rotary(ops, cfg, k_rotated, "k", on_stage=on_stage)
+    values = read_values(ops, cfg, v, on_stage=on_stage)
+    return q, k, values, q_normed, k_normed, q_scored, k_scored
 
 
 def attend(
@@ -291,6 +310,7 @@ def grouped_allowed(cfg: MHAConfig, allowed: np.ndarray | None, plan: EinsumPlan
 
 # How each stage is made, where no rearrange of another tensor says it.
 _STAGE_ORIGINS = {
+    **HEAD_STEP_HOW,  # Llama 4's steps after rotary, Gemma 4's value norm: the ops object's, on the last axis
     "q_heads": "the projection einsum writes the heads directly; no split step",
     "k_heads": "the projection einsum writes the heads directly",
     "v_heads": "the projection einsum writes the heads directly",

@@ -68,9 +68,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha_rosetta.core import MHAConfig
+import numpy as np
+
+from mha_rosetta.core import MHAConfig, rotary_tables
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES
+from ..frameworks.ops import temperature_factors
 from ..jax.common import VARIANT_STAGE_AXES
 
 
@@ -149,6 +152,8 @@ GQA_PLAN = EinsumPlan(
         "q_heads": "b n g r k -> b n (g r) k",
         "q_normed": "b n g r k -> b n (g r) k",
         "q_rotated": "b n g r k -> b n (g r) k",
+        "q_rotated_normed": "b n g r k -> b n (g r) k",  # Llama 4's norm after rotary
+        "q_tempered": "b n g r k -> b n (g r) k",  # and its temperature
         "scores": "b g q r s -> b (g r) q s",
         "capped_scores": "b g q r s -> b (g r) q s",
         "biased_scores": "b g q r s -> b (g r) q s",
@@ -194,3 +199,23 @@ def axis_sizes(pattern: str, sizes: dict[str, int]) -> dict[str, int]:
     """The axis lengths einops needs for ``pattern`` (it rejects lengths of axes the pattern lacks)."""
     names = set(pattern.replace("(", " ").replace(")", " ").replace("->", " ").split())
     return {name: size for name, size in sizes.items() if name in names}
+
+
+def position_tables(ops, cfg: MHAConfig, inputs, plan: EinsumPlan, dtype: str) -> dict | None:
+    """The tables of the tokens' positions, laid out against the heads by ``plan``'s patterns, as the library's
+    arrays, each a tuple with the tokens on axis 1: ``"rotary"`` (q_cos, q_sin, k_cos, k_sin) (1|B, N, 1[, 1], r/2)
+    with rope; ``"temper"`` (Llama 4's factors (1|B, Nq, 1[, 1], 1), in at least float32) with the temperature.
+    None when there are neither. ``inputs``: positions and kv_positions (a decode run's: every position, once)."""
+    import einops
+
+    tables = {}
+    rotary = rotary_tables(cfg, inputs)
+    if rotary is not None:
+        q_layout = [einops.rearrange(table, plan.table_q) for table in (rotary.q_cos, rotary.q_sin)]
+        k_layout = [einops.rearrange(table, plan.table_kv) for table in (rotary.k_cos, rotary.k_sin)]
+        tables["rotary"] = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # against q and k
+    factors = temperature_factors(cfg, inputs.positions)  # (1|B, Nq) float64
+    if factors is not None:
+        laid_out = einops.rearrange(factors[..., None], plan.table_q)  # (1|B, Nq, 1[, 1], 1)
+        tables["temper"] = (ops.asarray(laid_out.astype(np.float64 if dtype == "float64" else np.float32), cast=False),)
+    return tables or None

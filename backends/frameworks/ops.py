@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.stages import VARIANT_STAGES
-from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY
+from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY, temperature_scales
 
 from .ops_jax import JaxOps
 from .ops_mlx import MlxOps
@@ -264,6 +264,55 @@ def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None
             d_last = step.backward(ops, cfg, d_last, view(saved[input_name]) if step.saves_input else None)
         grads[f"d_{input_name}"] = d_last
     return d_last, d_sinks, grads
+
+
+# -- the head transforms outside the score pipeline: Llama 4's steps after rotary, Gemma 4's value norm -------------
+# Each convention calls these once per head tensor (batched heads, or one head in a loop) with the axis its
+# features lie on; the arithmetic is the ops object's (``head_norm``, ``temper_queries``).
+HEAD_STEP_HOW = {
+    "q_rotated_normed": "weightless RMS norm of each query head's Dk features (qk_norm_after_rope)",
+    "k_rotated_normed": "weightless RMS norm of each key head's Dk features (qk_norm_after_rope)",
+    "q_tempered": "times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)), p with the cache offset",
+    "v_normed": "weightless RMS norm of each kv head's Dv features (value_norm)",
+}
+
+
+def temperature_factors(cfg: MHAConfig, positions):
+    """Llama 4's temperature factors of the query positions ``positions`` ((1|B, Nq) int64, the cache offset
+    included on a decode step), NumPy float64 of their shape; None when ``cfg`` has no temperature. Each
+    convention converts them once and lays them out against its query heads."""
+    if not cfg.attn_temperature_tuning:
+        return None
+    return temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
+
+
+def after_rotary(ops, cfg: MHAConfig, heads, which: str, factors=None, axis: int = -1, on_stage=None):
+    """Rotated query ("q") or key ("k") heads -> what the scores read: Llama 4's weightless RMS norm over each
+    head's own features (``qk_norm_after_rope``; ``axis``: where the features lie, never across heads), then for
+    the queries the temperature (``attn_temperature_tuning``: ``factors`` laid out against ``heads``). The heads
+    themselves when neither is on. ``on_stage(name, value, parent)`` after each step (a recorder)."""
+    parent = f"{which}_rotated"
+    if cfg.qk_norm_after_rope:
+        heads = ops.head_norm(heads, cfg.norm_eps, axis)
+        parent = f"{which}_rotated_normed"
+        if on_stage is not None:
+            on_stage(parent, heads, f"{which}_rotated")
+    if which == "q" and cfg.attn_temperature_tuning:
+        heads = ops.temper_queries(heads, factors)
+        if on_stage is not None:
+            on_stage("q_tempered", heads, parent)
+    return heads
+
+
+def read_values(ops, cfg: MHAConfig, v_heads, axis: int = -1, on_stage=None):
+    """The values the weighted sum reads: Gemma 4's weightless RMS norm over each kv head's own features
+    (``value_norm``; ``axis``: where they lie), else ``v_heads`` themselves. ``on_stage`` as `after_rotary`'s."""
+    if not cfg.value_norm:
+        return v_heads
+    normed = ops.head_norm(v_heads, cfg.norm_eps, axis)
+    if on_stage is not None:
+        on_stage("v_normed", normed, "v_heads")
+    return normed
 
 
 class RegistryVariants:

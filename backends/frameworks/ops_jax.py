@@ -88,6 +88,19 @@ class JaxOps:
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return (xs * lax.rsqrt(mean_square + eps) * weight).astype(x.dtype)
 
+    def head_norm(self, x, eps: float, axis: int = -1):
+        """A weightless RMS norm over ``axis`` (each head's features: Llama 4's after rotary, Gemma 4's values),
+        ``x * rsqrt(mean(x**2) + eps)`` in at least float32, rounded back to ``x``'s dtype."""
+        import jax.numpy as jnp
+        from jax import lax
+
+        xs = x.astype(compute_dtype(x.dtype))
+        return (xs * lax.rsqrt(jnp.mean(xs * xs, axis=axis, keepdims=True) + eps)).astype(x.dtype)
+
+    def temper_queries(self, q, factors):
+        """Llama 4's temperature: ``q`` times its positions' factors (laid out against it), in at least float32."""
+        return (q.astype(compute_dtype(q.dtype)) * factors).astype(q.dtype)
+
     def output_gate(self, merged, logits):
         """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = jax.nn.sigmoid(logits), laid out
         like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""

@@ -54,6 +54,17 @@ class MlxOps:
     def broadcast(self, array, shape, dtype):
         return self.mx.broadcast_to(array.astype(dtype), shape)
 
+    def head_norm(self, x, eps: float, axis: int = -1):
+        """A weightless RMS norm over ``axis`` (each head's features: Llama 4's after rotary, Gemma 4's values),
+        ``x * rsqrt(mean(x**2) + eps)`` in at least float32, rounded back to ``x``'s dtype."""
+        mx = self.mx
+        xs = x.astype(compute_dtype(x.dtype))
+        return (xs * mx.rsqrt(mx.mean(xs * xs, axis=axis, keepdims=True) + eps)).astype(x.dtype)
+
+    def temper_queries(self, q, factors):
+        """Llama 4's temperature: ``q`` times its positions' factors (laid out against it), in at least float32."""
+        return (q.astype(compute_dtype(q.dtype)) * factors).astype(q.dtype)
+
     def output_gate(self, merged, logits):
         """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = mx.sigmoid(logits), laid out
         like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""

@@ -192,6 +192,18 @@ class NumpyOps:
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return P.store(xs / np.sqrt(mean_square + eps) * P.operand(weight))
 
+    def head_norm(self, x, eps: float, axis: int = -1):
+        """A weightless RMS norm over ``axis`` (each head's features: Llama 4's after rotary, Gemma 4's values),
+        ``x / sqrt(mean(x**2) + eps)`` in the compute dtype, rounded to storage (a new array)."""
+        P = self.precision
+        xs = P.operand(x)
+        return P.store(xs / np.sqrt(np.mean(xs * xs, axis=axis, keepdims=True) + eps))
+
+    def temper_queries(self, q, factors):
+        """Llama 4's temperature: ``q`` times its positions' factors (laid out against it), rounded to storage."""
+        P = self.precision
+        return P.store(P.operand(q) * factors)
+
     def output_gate(self, merged, logits):
         """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = sigmoid(logits), laid out like
         ``merged``; the sigmoid without overflow (`core.variants.gate.sigmoid`), in the compute dtype, each result

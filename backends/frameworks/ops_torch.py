@@ -97,6 +97,16 @@ class TorchOps:
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return (xs * self.torch.rsqrt(mean_square + eps) * weight).to(x.dtype)
 
+    def head_norm(self, x, eps: float, axis: int = -1):
+        """A weightless RMS norm over ``axis`` (each head's features: Llama 4's after rotary, Gemma 4's values),
+        ``x * rsqrt(mean(x**2) + eps)`` in at least float32, rounded back to ``x``'s dtype."""
+        xs = self._compute(x)
+        return (xs * self.torch.rsqrt((xs * xs).mean(dim=axis, keepdim=True) + eps)).to(x.dtype)
+
+    def temper_queries(self, q, factors):
+        """Llama 4's temperature: ``q`` times its positions' factors (laid out against it), in at least float32."""
+        return (self._compute(q) * factors).to(q.dtype)
+
     def output_gate(self, merged, logits):
         """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = torch.sigmoid(logits), laid out
         like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""

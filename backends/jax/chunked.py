@@ -45,6 +45,7 @@ from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_bucke
 from .._chunking import CHUNKED_HIDDEN_STAGES, key_block_end, resolve_chunk
 from ..frameworks.ops import masked_scores, online_start
 from ..frameworks.ops_jax import TRACED_OPS
+from .common import temperature_table
 
 # The variants' score stages, which the chunked step holds one tile at a time, like the scores.
 VARIANT_SCORE_STAGES = SCORE_VARIANT_STAGES
@@ -246,6 +247,7 @@ def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dt
     if cfg.alibi:
         float_dtype = np.float64 if dtype == "float64" else np.float32
         tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
+    tables.update(temperature_table(cfg, inputs.positions, dtype))  # (1|B, Nq) unpadded: read before the tiles
     for name, table in tables.items():
         if name in ("slopes", "k_stop"):
             continue

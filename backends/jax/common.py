@@ -64,6 +64,7 @@ from ..frameworks.jax import (  # noqa: F401
     jax_devices,
     precision_info,
 )
+from ..frameworks.ops import temperature_factors
 
 # Re-exported: the conversions and the synchronisation are JAX's ops object's module's.
 from ..frameworks.ops_jax import TRACED_OPS, block_until_ready, compute_dtype, jax_target, to_jax  # noqa: F401
@@ -184,13 +185,14 @@ def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[di
     (query, key) pair, which indexes ``params.rel_bias`` inside the traced pass (so its gradient
     flows). A table shared by every batch item loses its batch axis and is left unmapped. The
     floats are float32 for half precision (the bias is added in float32, `JaxOps.add_score_bias`), else ``dtype``.
-    Empty dicts without ALiBi or relative bias.
+    With Llama 4's temperature also ``temper`` (1|B, Nq), the queries' factors (`temperature_table`), which
+    `layer._mha_one_item` reads before the attention. Empty dicts without any of them.
     """
-    tables: dict = {}
+    float_dtype = np.float64 if dtype == "float64" else np.float32
+    tables: dict = temperature_table(cfg, inputs.positions, dtype)  # Llama 4's factors (1|B, Nq), or nothing
     axes: dict = {}
     if not cfg.has_score_bias:
-        return tables, axes
-    float_dtype = np.float64 if dtype == "float64" else np.float32
+        return _unmap_shared(tables, axes)
     distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk) int64
     if cfg.alibi:
         tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
@@ -198,11 +200,23 @@ def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[di
     if cfg.rel_buckets is not None:
         buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
         tables["bucket"] = buckets.astype(np.int32)  # (1|B, Nq, Nk)
-    for name in ("distance", "bucket"):
+    return _unmap_shared(tables, axes)
+
+
+def _unmap_shared(tables: dict, axes: dict) -> tuple[dict, dict]:
+    """The per-item tables (1|B, ...) with their batch in_axes: one shared by every item loses its batch axis."""
+    for name in ("distance", "bucket", "temper"):
         if name in tables:
             shared = tables[name].shape[0] == 1
             tables[name], axes[name] = (tables[name][0], None) if shared else (tables[name], 0)
     return tables, axes
+
+
+def temperature_table(cfg: MHAConfig, positions: np.ndarray, dtype: str) -> dict:
+    """``{"temper": factors}``: Llama 4's temperature factors of the query ``positions`` (1|B, Nq) (a decode step's
+    with the cache offset), NumPy in at least float32, which `layer._mha_one_item` reads per item; {} without it."""
+    factors = temperature_factors(cfg, positions)
+    return {} if factors is None else {"temper": factors.astype(np.float64 if dtype == "float64" else np.float32)}
 
 
 def allowed_for_heads(cfg: MHAConfig, inputs: MHAInputs) -> np.ndarray | None:

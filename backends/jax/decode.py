@@ -62,6 +62,7 @@ from .common import (
     jax_target,
     score_bias_inputs,
     shared_program,
+    temperature_table,
     to_jax,
     tokens_first_axes,
     variant_provenance,
@@ -187,6 +188,11 @@ class JaxDecoder:
             "q_pos": to_jax(positions.astype(np.int32), None, self.target),  # (B, s)
             "q_valid": to_jax(np.ascontiguousarray(valid), None, self.target),  # (B, s)
             **self._slopes(),
+            # Llama 4's temperature at the step's positions, the cache offset included (B, s)
+            **{
+                name: to_jax(t, None, self.target)
+                for name, t in temperature_table(self.cfg, positions, self.dtype).items()
+            },
         }
         if self.bucket_of is not None:
             extras["bucket_of"] = self.bucket_of

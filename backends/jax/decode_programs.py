@@ -14,7 +14,7 @@ from mha_rosetta.core import MHAConfig, rotary_tables
 from mha_rosetta.core.decode import decode_stage_names
 from mha_rosetta.core.variants import t5_buckets
 
-from .layer import _attend_all_heads, _mha_one_item
+from .layer import _attend_all_heads, _mha_one_item, cached_heads
 
 # The per-item cache arrays, as the step's vmapped item dict carries them (batch axis 0).
 _CACHE_NAMES = ("k_cache", "v_cache", "k_pos", "k_valid")
@@ -52,7 +52,7 @@ def _decode_attend(
     """
     write = partial(_write, index=item["index"], slots=slots, ring=ring)
     cache = {
-        "k_cache": write(item["k_cache"], k_rotated),  # after QK-norm and rotary, Hkv heads: never repeated
+        "k_cache": write(item["k_cache"], k_rotated),  # after QK-norm, rotary and its norm: Hkv heads, never repeated
         "v_cache": write(item["v_cache"], v_heads),
         "k_pos": write(item["k_pos"], item["q_pos"]),
         "k_valid": write(item["k_valid"], item["q_valid"]),
@@ -128,7 +128,8 @@ def _prefill_program(
     P, T = x.shape[1], capacity
     kept = min(P, T)  # a prefill longer than the ring keeps its last T tokens
     slots = np.arange(P - kept, P) % T if cfg.window is not None else np.arange(kept)  # static: P and T are shapes
-    new = {"k_cache": stages["k_rotated"], "v_cache": stages["v_heads"], "k_pos": q_pos, "k_valid": q_valid}
+    keys, values = cached_heads(cfg, stages)  # what the scores and the weighted sum read
+    new = {"k_cache": keys, "v_cache": values, "k_pos": q_pos, "k_valid": q_valid}
     cache = {name: cache[name].at[:, slots].set(new[name][:, P - kept :]) for name in _CACHE_NAMES}
     return cache, {name: stages[name] for name in decode_stage_names(cfg)}
 

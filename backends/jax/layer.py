@@ -45,7 +45,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, linear, stage_names
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
-from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.ops import STEP_HOW, after_rotary, read_values, score_steps
 from ..frameworks.ops_jax import TRACED_OPS
 from .chunked import pad_mask_to_blocks
 from .common import (
@@ -230,18 +230,36 @@ def _mha_one_item(
     q_cos, q_sin, k_cos, k_sin = (None,) * 4 if tables is None else tables
     q_rotated = _rotate_heads(q_normed, q_cos, q_sin, style=cfg.rope)  # (Nq, H, Dk)
     k_rotated = _rotate_heads(k_normed, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
+    # Llama 4's steps after rotary and Gemma 4's value norm (frameworks.ops, JAX's ops object), features last;
+    # the temperature's factors (Nq,) are this item's (`common.score_bias_inputs`, a decode step's extras).
+    steps: dict = {}
+    factors = score_tables["temper"][:, None, None] if "temper" in score_tables else None  # (Nq, 1, 1)
+
+    def on_stage(name, value, parent):  # each step's stage, by name
+        steps[name] = value
+
+    q_scored = after_rotary(TRACED_OPS, cfg, q_rotated, "q", factors, on_stage=on_stage)  # (Nq, H, Dk)
+    k_scored = after_rotary(TRACED_OPS, cfg, k_rotated, "k", on_stage=on_stage)  # (Nk, Hkv, Dk)
+    v_read = read_values(TRACED_OPS, cfg, v_heads, on_stage=on_stage)  # (Nk, Hkv, Dv)
     head = head_owned(cfg, params, score_tables)
-    item = {name: value for name, value in score_tables.items() if name != "slopes"}
+    item = {name: value for name, value in score_tables.items() if name not in ("slopes", "temper")}
     attend = _attend_all_heads if attend is None else attend
-    heads = attend(q_rotated, k_rotated, v_heads, allowed, head, item, cfg=cfg, head_mask_axis=head_mask_axis)
+    heads = attend(q_scored, k_scored, v_read, allowed, head, item, cfg=cfg, head_mask_axis=head_mask_axis)
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
     gated = output_gate(x_q, params, merged) if cfg.attn_output_gate else {}  # (Nq, H*Dv) each: this item's tokens'
     output = linear(gated.pop("gated", merged), params["w_o"], params["b_o"])  # (Nq, D)
     stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
     if cfg.qk_norm is not None:
         stages.update(q_normed=q_normed, k_normed=k_normed)
-    stages.update(q_rotated=q_rotated, k_rotated=k_rotated)
+    stages.update(q_rotated=q_rotated, k_rotated=k_rotated, **steps)
     return {**stages, **heads, "merged": merged, **gated, "output": output}
+
+
+def cached_heads(cfg: MHAConfig, stages: dict) -> tuple:
+    """What a decode cache holds of `_mha_one_item`'s stages: (the keys the scores read, the values the weighted
+    sum reads): the rotated keys, normed after rotary with qk_norm_after_rope; the values, normed with value_norm."""
+    keys = stages["k_rotated_normed" if cfg.qk_norm_after_rope else "k_rotated"]
+    return keys, stages["v_normed" if cfg.value_norm else "v_heads"]
 
 
 def mask_for_vmap(cfg: MHAConfig, inputs: MHAInputs):

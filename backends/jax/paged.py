@@ -40,7 +40,7 @@ from ..base import Prepared, tensor_to_numpy
 from .common import shared_program, to_jax
 from .decode import JaxDecoder, _block, _stage_tensors
 from .decode_programs import TRACES, attend_over_cache, full_rotary_tables
-from .layer import _mha_one_item
+from .layer import _mha_one_item, cached_heads
 
 PAGED_LAYOUT = (
     "a static pool of K (pages, P, Hkv, Dk) and V (pages, P, Hkv, Dv), donated to each step, through a block table "
@@ -48,7 +48,7 @@ PAGED_LAYOUT = (
     "a window frees whole pages"
 )
 _POOL = ("k_pages", "v_pages", "pos", "valid")  # the pool's arrays, (pages, P, ...) each
-_PER_ROW = ("q_pos", "q_valid", "table")  # the step's arrays with a batch axis (vmapped); the rest are shared
+_PER_ROW = ("q_pos", "q_valid", "table", "temper")  # the step's arrays with a batch axis (vmapped); the rest are shared
 
 
 def _paged_attend(q_rotated, k_rotated, v_heads, allowed, head, item, *, cfg, head_mask_axis):
@@ -93,9 +93,10 @@ def _paged_step_program(cfg, key: tuple, params, x, tables, extras, pool, scalar
     stages = jax.vmap(one_item, in_axes=(None, 0, 0, 0, None, table_axes, item_axes))(
         params, x, x, x, None, tables, item
     )
+    keys, values = cached_heads(cfg, stages)  # what the scores and the weighted sum read
     new = {
-        "k_pages": stages["k_rotated"],
-        "v_pages": stages["v_heads"],
+        "k_pages": keys,
+        "v_pages": values,
         "pos": extras["q_pos"],
         "valid": extras["q_valid"],
     }

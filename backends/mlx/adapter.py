@@ -9,7 +9,7 @@ the CPU only, held to float32's tolerance (`frameworks.mlx.FLOAT64_LIMIT`, decla
 
 from __future__ import annotations
 
-from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions
 from mha_rosetta.core.params import PARAM_NAMES
 from mha_rosetta.core.variants import relative_distances
 
@@ -49,7 +49,7 @@ def layer_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str, mask: bool = Tru
         "x_q": x_q,
         "x_k": x_k,
         "x_v": x_v,
-        "tables": mlx_tables(rotary_tables(cfg, inputs), dtype),
+        "tables": mlx_tables(cfg, inputs, dtype),
         "blocked": None if allowed is None else to_mlx(~allowed, None),
         "distance": distance,
     }

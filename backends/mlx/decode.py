@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAParams, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed, ring_capacity
 from mha_rosetta.core.page_pool import pool_pages
 
@@ -126,7 +126,7 @@ class MlxDecoder:
     def __init__(self, cfg: MHAConfig, params: MHAParams, x: np.ndarray, positions: np.ndarray, dtype: str) -> None:
         self.cfg, self.layer = cfg, MlxAttention(cfg, params, dtype)
         self.x = to_mlx(x, dtype)  # (B, N, D)
-        self.tables = mlx_tables(rotary_tables(cfg, prepare_inputs(cfg, x, positions=positions)), dtype)
+        self.tables = mlx_tables(cfg, prepare_inputs(cfg, x, positions=positions), dtype)  # the run's positions
 
     def new_cache(self, step: int, cache_step: int = MLX_LM_STEP, paging=None) -> MlxKVCache | MlxPagedCache:
         """mlx-lm's cache, or with ``paging`` (batch, dtype, page size, pool pages, seed) a `paged.MlxPagedCache`."""

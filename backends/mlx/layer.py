@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams
+from mha_rosetta.core import MHAConfig, MHAParams, rotary_tables
 from mha_rosetta.core.params import PARAM_NAMES
 from mha_rosetta.core.variants import alibi_slopes, t5_buckets
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
-from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads
+from .._recording import StageRecorder, head_step_recorder, record_projections, record_rotated, record_split_heads
 from ..frameworks.mlx import to_mlx
-from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.ops import STEP_HOW, after_rotary, read_values, score_steps, temperature_factors
 from ..frameworks.ops_mlx import MlxOps, compute_dtype
 
 SPLIT_HOW = "reshape(B, L, H, -1).transpose(0, 2, 1, 3)"
@@ -65,14 +65,18 @@ def rotate(x, cos, sin, traditional: bool):
     return rotated if r == x.shape[-1] else mx.concatenate((rotated, x[..., r:]), axis=-1)  # (..., N, Dk)
 
 
-def mlx_tables(tables, dtype: str) -> dict | None:
-    """`core.RotaryTables` -> {"q": (cos, sin), "k": (cos, sin)} as MLX arrays (1|B, 1, N, r/2), or None."""
-    if tables is None:
-        return None
-    return {
-        "q": (to_mlx(tables.q_cos[:, None], dtype), to_mlx(tables.q_sin[:, None], dtype)),
-        "k": (to_mlx(tables.k_cos[:, None], dtype), to_mlx(tables.k_sin[:, None], dtype)),
-    }
+def mlx_tables(cfg: MHAConfig, inputs, dtype: str) -> dict | None:
+    """The tables of ``inputs``' positions as MLX arrays, each a tuple whose third axis is the tokens': the rotary
+    embedding's {"q": (cos, sin), "k": (cos, sin)} (1|B, 1, N, r/2) with rope, Llama 4's temperature factors
+    {"temper": (factors,)} (1|B, 1, Nq, 1, in at least float32) with it; None when there are neither."""
+    tables, rotary = {}, rotary_tables(cfg, inputs)
+    if rotary is not None:
+        tables["q"] = (to_mlx(rotary.q_cos[:, None], dtype), to_mlx(rotary.q_sin[:, None], dtype))
+        tables["k"] = (to_mlx(rotary.k_cos[:, None], dtype), to_mlx(rotary.k_sin[:, None], dtype))
+    factors = temperature_factors(cfg, inputs.positions)  # (1|B, Nq) float64
+    if factors is not None:
+        tables["temper"] = (to_mlx(factors[:, None, :, None], "float64" if dtype == "float64" else "float32"),)
+    return tables or None
 
 
 class MlxAttention:
@@ -105,7 +109,8 @@ class MlxAttention:
         return self.mx.fast.rms_norm(x, weight, self.cfg.norm_eps)  # nn.RMSNorm's kernel
 
     def heads(self, p: dict, x_q, x_k, x_v, tables, rec: StageRecorder | None = None):
-        """Projections, head split, QK-norm and rotary: (q_rotated (B, H, Nq, Dk), k_rotated, v_heads)."""
+        """Projections, head split, QK-norm, rotary, then Llama 4's steps after it and Gemma 4's value norm: what the
+        scores and the weighted sum read, (q (B, H, Nq, Dk), k (B, Hkv, Nk, Dk), v (B, Hkv, Nk, Dv))."""
         cfg = self.cfg
         q, k, v = self.linear(p, x_q, "q"), self.linear(p, x_k, "k"), self.linear(p, x_v, "v")  # (B, N, n*d)
         q_heads, k_heads, v_heads = (
@@ -131,13 +136,19 @@ class MlxAttention:
             for name, value, parent in zip(("q_normed", "k_normed"), (q_normed, k_normed), parents, strict=True):
                 rec.record(name, value, HEADS_FIRST_SPLIT_AXES[name.replace("normed", "heads")], how, "new", parent)
         rotated = q_normed, k_normed
-        if tables is not None:
+        if tables is not None and "q" in tables:
             rotated = tuple(rotate(x, *tables[w], self.traditional) for x, w in zip(rotated, "qk", strict=True))
         if rec is not None:
             how = ROTATE_HOW.format(self.traditional)
             parents = (q_heads, k_heads) if cfg.qk_norm is None else (q_normed, k_normed)  # turned from the normed
             record_rotated(rec, parents, rotated, HEADS_FIRST_SPLIT_AXES, how)
-        return (*rotated, v_heads)
+        # Llama 4's steps after rotary and Gemma 4's value norm on MlxOps (frameworks.ops), heads first.
+        on_stage = head_step_recorder(rec, HEADS_FIRST_SPLIT_AXES)
+        factors = None if tables is None or "temper" not in tables else tables["temper"][0]  # (1|B, 1, Nq, 1)
+        q, k = (
+            after_rotary(self.ops, cfg, x, w, factors, on_stage=on_stage) for x, w in zip(rotated, "qk", strict=True)
+        )
+        return q, k, read_values(self.ops, cfg, v_heads, on_stage=on_stage)
 
     def score_bias(self, p: dict, distance: np.ndarray):
         """ALiBi's ``m_h (p_j - p_i)`` plus T5's ``rel_bias[bucket(p_j - p_i), h]``: (1|B, H, Nq, Nk), or None.

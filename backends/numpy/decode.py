@@ -174,6 +174,7 @@ class ColumnSampleDecoder(ColumnSampleMHA):
 
     def __init__(self, cfg: MHAConfig, params: MHAParams, x, positions, precision: NumpyPrecision) -> None:
         super().__init__(cfg, params, prepare_inputs(cfg, x, positions=positions), precision, batched=False)
+        self.run_factors = self.factors  # the temperature's factors of every position of the run (1|B, N), or None
 
     def new_cache(self, kind: str, capacity: int, step: int, paging=None) -> ColumnCache | PagedColumnCache:
         cfg, batch = self.cfg, self.sizes[0]
@@ -200,7 +201,10 @@ class ColumnSampleDecoder(ColumnSampleMHA):
         heads = (_split_reshape(q, H), _split_reshape(k, Hkv), _split_reshape(v, Hkv))  # views: row blocks
         how = "reshape of the row axis, no transpose; the new keys are written to the cache as these columns"
         q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape, tokens)
-        v_heads = heads[2]  # (B, Hkv, Dv, s)
+        if self.run_factors is not None:  # the temperature at the chunk's positions: the cache offset included
+            self.factors = self.run_factors[:, tokens]  # (1|B, s), a view
+        # What the scores and the weighted sum read (Llama 4's steps after rotary, Gemma 4's value norm): cached so
+        q_rotated, k_rotated, v_heads = self._scored_heads(rec, q_rotated, k_rotated, heads[2])  # (B, Hkv, Dv, s)
         cache.write(k_rotated, v_heads, positions, valid)  # a copy into the cache's columns
         if cache.ring is not None and k.shape[-1] > cache.ring:
             keys = (k_rotated, v_heads, positions, valid)  # a prefill longer than the ring attends within itself

@@ -57,7 +57,7 @@ from .._inputs import convert_inputs
 from .._layouts import head_slice_axes, heads_axes, layer_sizes
 from .._recording import QKV, LayerRecording, StageRecorder, relation_to, rotation_provenance
 from ..base import tensor_to_numpy
-from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.ops import STEP_HOW, score_steps, temperature_factors
 from ..frameworks.ops_numpy import NumpyOps
 from .common import MaskArrays, NumpyPrecision
 from .variants import ColumnVariants, rms_norm_rows
@@ -113,6 +113,7 @@ class ColumnSampleMHA(LayerRecording):
     HEAD_SLICE_AXES = HEAD_SLICE_AXES
     PROJECTION_NOTE = "W @ X + b: rows are features, columns are tokens"
     ROTATE_HOW = ROTATE_HOW
+    FEATURE_AXIS = -2  # a head's features are its rows: the norms after rotary and of the values go down columns
 
     def __init__(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision, batched: bool = True
@@ -157,6 +158,8 @@ class ColumnSampleMHA(LayerRecording):
                 "q": (columns(tables.q_cos), columns(tables.q_sin)),
                 "k": (columns(tables.k_cos), columns(tables.k_sin)),
             }
+        factors = temperature_factors(cfg, inputs.positions)  # (1|B, Nq) float64, or None: Llama 4's temperature
+        self.factors = None if factors is None else factors.astype(P.compute)
         # QK-norm weights, score bias, sinks (None where off)
         self.variants = ColumnVariants(cfg, params, inputs, P, full_bias=self.materialise_mask)
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
@@ -168,6 +171,10 @@ class ColumnSampleMHA(LayerRecording):
     @staticmethod
     def _stack(arrays: list, axis: int) -> np.ndarray:
         return np.stack(arrays, axis)
+
+    def _laid_out_factors(self, batched: bool) -> np.ndarray:
+        # one factor per query column: (1|B, 1, 1, Nq) against (B, H, Dk, Nq), (1|B, 1, Nq) against (B, Dk, Nq); views
+        return self.factors[:, None, None, :] if batched else self.factors[:, None, :]
 
     def _project(self, w: np.ndarray, b: np.ndarray | None, x: np.ndarray) -> np.ndarray:
         """``W @ X + b`` for every batch item: (out, in) @ (B, in, N) -> (B, out, N)."""
@@ -295,8 +302,9 @@ class ColumnSampleMHA(LayerRecording):
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def _standard_heads(self, rec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The standard split's (q_rotated (B, H, Dk, Nq), k_rotated (B, Hkv, Dk, Nk), v_heads (B, Hkv, Dv, Nk)):
-        projected, split, QK-normed and rotated (recorded when ``rec`` is given); the chunked strategy's too."""
+        """The standard split's heads (q (B, H, Dk, Nq), k (B, Hkv, Dk, Nk), v (B, Hkv, Dv, Nk)): projected, split,
+        QK-normed and rotated, then Llama 4's steps after rotary and Gemma 4's value norm (`_scored_heads`), recorded
+        when ``rec`` is given; the chunked strategy's too."""
         H, Hkv = self.cfg.n_heads, self.cfg.n_kv_heads
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
         # Head h owns rows h*Dk:(h+1)*Dk: splitting the row axis is a reshape, a view,
@@ -307,7 +315,7 @@ class ColumnSampleMHA(LayerRecording):
         how = "reshape of the row axis, no transpose"
         heads = (q_heads, k_heads, v_heads)
         q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_reshape)  # QK-normed, rotated
-        return q_rotated, k_rotated, v_heads
+        return self._scored_heads(rec, q_rotated, k_rotated, v_heads)  # what the scores and the weighted sum read
 
     def standard(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
@@ -329,7 +337,7 @@ class ColumnSampleMHA(LayerRecording):
         how = "the direct-reshape MISTAKE (row data (N, H*d) reshaped straight to (H, N, d))"
         heads = (q_heads, k_heads, v_heads)
         q_rotated, k_rotated = self._rotate_split(rec, (q, k, v), heads, how, _split_direct)  # QK-normed, rotated
-        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Dv, Nq)
+        context = self._attend_batched(*self._scored_heads(rec, q_rotated, k_rotated, v_heads), rec)  # (B, H, Dv, Nq)
         # The same mistake undone the same way: (H, N, Dv) reshaped straight to (N, H*Dv).
         rows = context.transpose(0, 1, 3, 2).reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv), copy
         merged = rows.transpose(0, 2, 1)  # (B, H*Dv, Nq), view
@@ -424,17 +432,19 @@ class ColumnSampleMHA(LayerRecording):
         # Each kv head's keys QK-normed and rotated once, before the loop over query heads.
         k_normed = self._normed_slices(k, Hkv, "k")  # Hkv x (B, Dk, Nk)
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]
+        v_heads = [v[:, g * Dv : (g + 1) * Dv] for g in range(Hkv)]  # Hkv x (B, Dv, Nk): row blocks, views
+        k_scored, v_read = self._scored_kv_heads(rec, k_rotated, v_heads)  # after rotary; the values' norm
         q_normed = self._normed_slices(q, H, "q")  # H x (B, Dk, Nq): row-block views without qk_norm
         for h in range(H):
             g = h // G
             q_h = q[:, h * Dk : (h + 1) * Dk]  # (B, Dk, Nq): row block h, a view
             k_g = k[:, g * Dk : (g + 1) * Dk]  # (B, Dk, Nk)
-            v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
             q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Dk, Nq)
             note = "row-block slice of the merged projection"
             normed = (q_normed[h], k_normed[g])
-            self._record_head(rec, h, (q_h, k_g, v_g), normed, (q_rotated, k_rotated[g]), note, "view")
-            merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec)
+            self._record_head(rec, h, (q_h, k_g, v_heads[g]), normed, (q_rotated, k_rotated[g]), note, "view")
+            q_scored = self._after_rotary(rec, q_rotated, "q", h)  # (B, Dk, Nq)
+            merged[:, h * Dv : (h + 1) * Dv] = self._attend_one_head(h, q_scored, k_scored[g], v_read[g], rec)
         self._record_k_normed(rec, k_normed)
         if rec is not None:
             note = "each head's context written into its row block"
@@ -451,6 +461,7 @@ class ColumnSampleMHA(LayerRecording):
         k_normed = self._norm_blocks(k_heads, "k")  # Hkv x (B, Dk, Nk): the heads themselves without qk_norm
         q_normed = self._norm_blocks(q_heads, "q")  # H x (B, Dk, Nq)
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]  # Hkv x (B, Dk, Nk)
+        k_scored, v_read = self._scored_kv_heads(rec, k_rotated, v_heads)  # after rotary; the values' norm
         head_note = "W_h^T @ X with the head's own matrix"
         contexts = []
         for h in range(H):
@@ -458,7 +469,8 @@ class ColumnSampleMHA(LayerRecording):
             q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Dk, Nq)
             raw, normed = (q_heads[h], k_heads[g], v_heads[g]), (q_normed[h], k_normed[g])
             self._record_head(rec, h, raw, normed, (q_rotated, k_rotated[g]), head_note)
-            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
+            q_scored = self._after_rotary(rec, q_rotated, "q", h)  # (B, Dk, Nq)
+            contexts.append(self._attend_one_head(h, q_scored, k_scored[g], v_read[g], rec))
         self._record_k_normed(rec, k_normed)
         merged = np.concatenate(contexts, axis=1)  # (B, H*Dv, Nq): [C_0; C_1; ...] as row blocks
         if rec is not None:

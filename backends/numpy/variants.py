@@ -71,6 +71,25 @@ def rms_norm_rows_vjp(blocks: list, weights: list, eps: float, d_ys: list) -> tu
     return d_xs, d_ws
 
 
+def scored_vjp(layer, which: str, before: np.ndarray, d_scored: np.ndarray, batched: bool, round_stage) -> tuple:
+    """The backward of `LayerRecording._after_rotary` ("q", "k") and `_read_values` ("v") on column samples
+    (compute dtype): (the gradient of the heads ``before`` them (..., d, N), the backward stages on the way by name)
+    from the gradient of what the scores or the weighted sum read, each step's result rounded by ``round_stage``. The
+    temperature is a diagonal map (its factors again, laid out by ``batched`` as the forward's); the weightless norms
+    are RMSNorm's backward down each token's column with a weight of ones, each head on its own."""
+    cfg, stages = layer.cfg, {}
+    d = d_scored
+    if which == "q" and cfg.attn_temperature_tuning:
+        stages["d_q_tempered"] = d
+        d = round_stage(d * layer._laid_out_factors(batched))  # (..., Dk, Nq) times each query column's factor
+    if cfg.qk_norm_after_rope if which != "v" else cfg.value_norm:
+        stages["d_v_normed" if which == "v" else f"d_{which}_rotated_normed"] = d
+        ones = np.ones((before.shape[-2], 1), dtype=before.dtype)  # (d, 1): no weight
+        (d,), _ = rms_norm_rows_vjp([before], [ones], cfg.norm_eps, [d])
+        d = round_stage(d)
+    return d, stages
+
+
 def gate_logits_vjp(gate: np.ndarray, d_gate: np.ndarray) -> np.ndarray:
     """The sigmoid's backward: the gate logits' gradient ``d_gate * g (1 - g)`` (B, H*Dv, N), compute dtype."""
     return d_gate * gate * (1.0 - gate)

@@ -48,12 +48,13 @@ from __future__ import annotations
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
+from mha_rosetta.core.grad import GRAD_STAGE_NAMES
 
 from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
 from ..frameworks.ops import score_steps, score_steps_backward
 from .layer import _merge_reshape, _split_direct, _split_reshape, rotate_rows  # the forward's own splits, rotation
-from .variants import gate_logits_vjp, rms_norm_rows_vjp
+from .variants import gate_logits_vjp, rms_norm_rows_vjp, scored_vjp
 
 
 def prepare_numpy_vjp(
@@ -127,6 +128,21 @@ class ColumnSampleVJP:
     def _rotate(self, heads, which: str, head_axis: bool):
         """The forward's rotary embedding (`ColumnSampleMHA._rotate`), in the compute dtype."""
         return self.layer.precision.operand(self.layer._rotate(heads, which, head_axis))
+
+    def _scored(self, rotated, which: str, head: int | None = None):
+        """The forward's steps after rotary ("q", "k") or the value norm ("v") on batched heads (``head`` None) or
+        one head's block (`LayerRecording._after_rotary`, `_read_values`), in the compute dtype."""
+        L = self.layer
+        scored = L._read_values(None, rotated) if which == "v" else L._after_rotary(None, rotated, which, head)
+        return L.precision.operand(scored)
+
+    def _unscore(self, which: str, before, d_scored, batched: bool, stages: dict | None = None):
+        """`_scored`'s backward (`variants.scored_vjp`), rounded like every stage; the gradient itself without the
+        steps. ``stages``: receives the backward stages on the way (the batched heads' gradients, by name)."""
+        d, steps = scored_vjp(self.layer, which, before, d_scored, batched, self.round)
+        if stages is not None:
+            stages.update(steps)
+        return d
 
     def _unrotate(self, d_rotated, which: str, head_axis: bool):
         """The rotary embedding's backward: its transpose, the rotation by minus each angle (sin negated)."""
@@ -289,17 +305,21 @@ class ColumnSampleVJP:
         heads = (split(q, H), split(k, Hkv), split(v, Hkv))  # (B, H, Dk, Nq), (B, Hkv, Dk, Nk), (B, Hkv, Dv, Nk)
         q_normed, k_normed = (P.operand(x) for x in L._normed_heads((q, k, v), heads, split))  # heads without qk_norm
         # Rotary (cfg.rope) turns the heads' feature rows; the normed heads themselves without rope.
-        q_heads = self._rotate(q_normed, "q", True).reshape(B, Hkv, G, Dk, Nq)  # query head h = g*G + r
-        k_heads = self._rotate(k_normed, "k", True)[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
-        v_heads = heads[2][:, :, None]  # (B, Hkv, 1, Dv, Nk)
+        q_rotated, k_rotated = self._rotate(q_normed, "q", True), self._rotate(k_normed, "k", True)
+        # Llama 4's steps after rotary, Gemma 4's value norm: what the scores and the weighted sum read.
+        q_heads = self._scored(q_rotated, "q").reshape(B, Hkv, G, Dk, Nq)  # query head h = g*G + r
+        k_heads = self._scored(k_rotated, "k")[:, :, None]  # (B, Hkv, 1, Dk, Nk), shared by the group
+        v_heads = self._scored(heads[2], "v")[:, :, None]  # (B, Hkv, 1, Dv, Nk)
         saved, context = self._attend(q_heads, k_heads, v_heads, L.mask, (B, H, Nk, Nq))
         merged = split_back(context.reshape(B, H, Dv, Nq))  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_context = split(d_merged, H).reshape(B, Hkv, G, Dv, Nq)  # the merge's adjoint is the split
         d_q_rotated, d_k_rotated, d_v_heads, inner = self._attend_backward(q_heads, k_heads, v_heads, saved, d_context)
-        d_q_rotated = d_q_rotated.reshape(B, H, Dk, Nq)  # (B, H, Dk, Nq)
-        d_k_rotated = self.round(self.group_sum(d_k_rotated))  # (B, Hkv, Dk, Nk)
-        d_v_heads = self.round(self.group_sum(d_v_heads))  # (B, Hkv, Dv, Nk)
+        # The steps after rotary and the value norm undone (the gradients themselves without them).
+        steps: dict = {}  # their backward stages, by name
+        d_q_rotated = self._unscore("q", q_rotated, d_q_rotated.reshape(B, H, Dk, Nq), True, steps)  # (B, H, Dk, Nq)
+        d_k_rotated = self._unscore("k", k_rotated, self.round(self.group_sum(d_k_rotated)), True, steps)
+        d_v_heads = self._unscore("v", P.operand(heads[2]), self.round(self.group_sum(d_v_heads)), True, steps)
         d_q_normed = self._unrotate(d_q_rotated, "q", True)  # the rotation undone: (B, H, Dk, Nq)
         d_k_normed = self._unrotate(d_k_rotated, "k", True)  # (B, Hkv, Dk, Nk)
         # QK-norm undone (the split's adjoint is the merge): (B, H, Dk, Nq) and (B, H*Dk, Nq), likewise for k.
@@ -325,6 +345,8 @@ class ColumnSampleVJP:
         for name in ("d_biased_scores", "d_capped_scores", "d_scores"):  # the variants' only where present
             if name in inner:
                 stages[name] = StageTensor(inner[name].reshape(B, H, Nk, Nq), scores_axes)
+        head_axes = {"q": ("B", "H", "Dk", "Nq"), "k": ("B", "Hkv", "Dk", "Nk"), "v": ("B", "Hkv", "Dv", "Nk")}
+        stages.update({name: StageTensor(value, head_axes[name[2]]) for name, value in steps.items()})
         stages["d_q_rotated"] = StageTensor(d_q_rotated, ("B", "H", "Dk", "Nq"))
         stages["d_k_rotated"] = StageTensor(d_k_rotated, ("B", "Hkv", "Dk", "Nk"))
         if L.cfg.qk_norm is not None:
@@ -337,7 +359,7 @@ class ColumnSampleVJP:
             d_k=StageTensor(d_k, ("B", "Hkv*Dk", "Nk"), "", relation_to(d_k, d_k_heads), "d_k_heads"),
             d_v=StageTensor(d_v, ("B", "Hkv*Dv", "Nk"), "", relation_to(d_v, d_v_heads), "d_v_heads"),
         )
-        grads["stages"] = stages
+        grads["stages"] = {name: stages[name] for name in GRAD_STAGE_NAMES if name in stages}  # the backward's order
         return grads
 
     # -- one head at a time: SLICING and PER_HEAD ------------------------------------------
@@ -350,18 +372,22 @@ class ColumnSampleVJP:
         q_normed = [P.operand(x) for x in L._normed_slices(q, H, "q")]  # H x (B, Dk, Nq): row blocks without qk_norm
         k_normed = [P.operand(x) for x in L._normed_slices(k, Hkv, "k")]  # Hkv x (B, Dk, Nk)
         heads = [self._head(h, q_normed, k_normed, v) for h in range(H)]  # per head: saved, context, its slices
-        merged = np.concatenate([context for _, context, _ in heads], axis=1)  # (B, H*Dv, Nq)
+        merged = np.concatenate([context for _, context, _, _ in heads], axis=1)  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_q = np.empty_like(q)  # (B, H*Dk, Nq): every row block written once below (the normed queries' gradient)
         d_k = np.zeros(k.shape, dtype=q.dtype)  # (B, Hkv*Dk, Nk): query heads of a group add into it
         d_v = np.zeros(v.shape, dtype=q.dtype)  # (B, Hkv*Dv, Nk)
-        for h, (saved, _, (q_h, k_g, v_g, g)) in enumerate(heads):
+        for h, (saved, _, (q_h, k_g, v_g, g), q_rotated) in enumerate(heads):
             d_context = d_merged[:, h * Dv : (h + 1) * Dv]  # (B, Dv, Nq): row block h, a view
             d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_h, k_g, v_g, saved, d_context)
-            d_q[:, h * Dk : (h + 1) * Dk] = self._unrotate(d_q_h, "q", False)
-            d_k[:, g * Dk : (g + 1) * Dk] += d_k_h  # still rotated: undone once per kv head below
+            d_q[:, h * Dk : (h + 1) * Dk] = self._unrotate(self._unscore("q", q_rotated, d_q_h, False), "q", False)
+            d_k[:, g * Dk : (g + 1) * Dk] += d_k_h  # still rotated (and normed after): undone once per kv head below
             d_v[:, g * Dv : (g + 1) * Dv] += d_v_h
-        d_k = self._unrotate(_split_reshape(self.round(d_k), Hkv), "k", True)  # (B, Hkv, Dk, Nk)
+        # (B, Hkv, Dk, Nk): what the keys' norm after rotary read (only with it: the backward's time otherwise)
+        k_rotated = self._rotate(np.stack(k_normed, 1), "k", True) if L.cfg.qk_norm_after_rope else None
+        d_k = self._unscore("k", k_rotated, _split_reshape(self.round(d_k), Hkv), True)
+        d_k = self._unrotate(d_k, "k", True)  # (B, Hkv, Dk, Nk)
+        d_v = _merge_reshape(self._unscore("v", _split_reshape(v, Hkv), _split_reshape(self.round(d_v), Hkv), True))
         # QK-norm undone on the merged projections (views of row blocks): the queries' and the keys'.
         _, d_q = self._unnorm_split("q", q, _split_reshape(d_q, H), H, _split_reshape, _merge_reshape)
         _, d_k = self._unnorm_split("k", k, d_k, Hkv, _split_reshape, _merge_reshape)
@@ -373,11 +399,12 @@ class ColumnSampleVJP:
         """Forward of query head h on its (QK-normed) row-block slices and a row-block view of v."""
         L = self.layer
         Dv, g = L.cfg.d_v, L.cfg.kv_head_of(h)
-        q_h = self._rotate(q_normed[h], "q", False)  # (B, Dk, Nq), rotated with rope
-        k_g = self._rotate(k_normed[g], "k", False)  # (B, Dk, Nk)
-        v_g = v[:, g * Dv : (g + 1) * Dv]  # (B, Dv, Nk)
+        q_rotated = self._rotate(q_normed[h], "q", False)  # (B, Dk, Nq), rotated with rope
+        q_h = self._scored(q_rotated, "q", h)  # (B, Dk, Nq): the steps after rotary
+        k_g = self._scored(self._rotate(k_normed[g], "k", False), "k", g)  # (B, Dk, Nk)
+        v_g = self._scored(v[:, g * Dv : (g + 1) * Dv], "v", g)  # (B, Dv, Nk)
         saved, context = self._attend_one(h, q_h, k_g, v_g)
-        return saved, context, (q_h, k_g, v_g, g)
+        return saved, context, (q_h, k_g, v_g, g), q_rotated
 
     def _attend_one(self, h: int, q_h, k_g, v_g):
         L = self.layer
@@ -395,7 +422,11 @@ class ColumnSampleVJP:
         q_heads = [self._project(L.w_q_heads[h], L.b_q_heads[h], L.x_q) for h in range(H)]  # H x (B, Dk, Nq)
         k_rotated = [self._rotate(P.operand(k_g), "k", False) for k_g in L._norm_blocks(k_heads, "k")]  # QK-normed
         q_rotated = [self._rotate(P.operand(q_h), "q", False) for q_h in L._norm_blocks(q_heads, "q")]
-        forward = [self._attend_one(h, q_rotated[h], k_rotated[h // G], v_heads[h // G]) for h in range(H)]
+        # What the scores and the weighted sum read: Llama 4's steps after rotary, Gemma 4's value norm.
+        q_scored = [self._scored(q_h, "q", h) for h, q_h in enumerate(q_rotated)]  # H x (B, Dk, Nq)
+        k_scored = [self._scored(k_g, "k", g) for g, k_g in enumerate(k_rotated)]  # Hkv x (B, Dk, Nk)
+        v_read = [self._scored(P.operand(v_g), "v", g) for g, v_g in enumerate(v_heads)]  # Hkv x (B, Dv, Nk)
+        forward = [self._attend_one(h, q_scored[h], k_scored[h // G], v_read[h // G]) for h in range(H)]
         merged = np.concatenate([context for _, context in forward], axis=1)  # (B, H*Dv, Nq)
         output, d_merged, d_w_o, d_b_o = self._output_and_merged_backward(merged)
         d_k_heads = [0.0] * Hkv
@@ -404,19 +435,25 @@ class ColumnSampleVJP:
         for h, (saved, _) in enumerate(forward):
             g = h // G
             d_context = d_merged[:, h * Dv : (h + 1) * Dv]  # (B, Dv, Nq)
-            d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_rotated[h], k_rotated[g], v_heads[g], saved, d_context)
-            d_q_heads.append(d_q_h)
+            d_q_h, d_k_h, d_v_h, _ = self._attend_backward(q_scored[h], k_scored[g], v_read[g], saved, d_context)
+            d_q_heads.append(self._unscore("q", q_rotated[h], d_q_h, False))
             d_k_heads[g] = d_k_heads[g] + d_k_h  # the group's query heads add up
             d_v_heads[g] = d_v_heads[g] + d_v_h
         grads = {"w_o": d_w_o, "b_o": d_b_o, "output": output}
         # The rotations, then QK-norm, undone head by head (over the projection the heads share its statistics).
         d_q_normed = [self._unrotate(d, "q", False) for d in d_q_heads]
-        d_k_normed = [self._unrotate(self.round(d), "k", False) for d in d_k_heads]
+        d_k_rotated = [
+            self._unscore("k", k_g, self.round(d), False) for k_g, d in zip(k_rotated, d_k_heads, strict=True)
+        ]  # the norm after rotary undone per kv head
+        d_k_normed = [self._unrotate(d, "k", False) for d in d_k_rotated]
+        d_v_heads = [
+            self._unscore("v", P.operand(v_g), self.round(d), False) for v_g, d in zip(v_heads, d_v_heads, strict=True)
+        ]  # the value norm undone per kv head (rounded, as before, without it)
         # Each head's own matrix W_h (d, in): dW_h = dQ_h @ X.T is row block h of the canonical dW.
         for name, d_ys, x, with_bias in (
             ("q", self._unnorm("q", q_heads, d_q_normed), L.x_q, L.b_q is not None),
             ("k", self._unnorm("k", k_heads, d_k_normed), L.x_k, L.b_k is not None),
-            ("v", [self.round(d) for d in d_v_heads], L.x_v, L.b_v is not None),
+            ("v", d_v_heads, L.x_v, L.b_v is not None),
         ):
             w_heads = getattr(L, f"w_{name}_heads")  # (heads, d, in)
             parts = [self._linear_backward(d_y, x, w_heads[i], with_bias) for i, d_y in enumerate(d_ys)]

@@ -203,9 +203,9 @@ def build_decode(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..jax.common import score_bias_inputs, shared_program, tokens_first_axes
+    from ..jax.common import score_bias_inputs, shared_program, temperature_table, tokens_first_axes
     from ..jax.decode_programs import _bucket_table, full_rotary_tables
-    from ..jax.layer import _mha_one_item, mask_for_vmap
+    from ..jax.layer import _mha_one_item, cached_heads, mask_for_vmap
 
     w = _sharded_weights(cfg, params, dtype, world, forward)
     MESH_AXIS = w.axis
@@ -243,7 +243,8 @@ def build_decode(
         one_item = partial(_mha_one_item, cfg=local, head_mask_axis=head_axis, sum_squares=sum_squares)
         all_items = jax.vmap(one_item, in_axes=(None, 0, 0, 0, batch_axis, table_axes, score_axes))
         stages = all_items(local_params(stacked), x, x, x, allowed, tables, slopes_of(stacked, score_tables))
-        new = {"k_cache": stages["k_rotated"], "v_cache": stages["v_heads"], "k_pos": q_pos, "k_valid": q_valid}
+        keys, values = cached_heads(local, stages)  # what the scores and the weighted sum read
+        new = {"k_cache": keys, "v_cache": values, "k_pos": q_pos, "k_valid": q_valid}
         cache = {name: cache[name].at[:, slots].set(new[name][:, first - kept :]) for name in _CACHE_NAMES}
         return cache, *finish(stages, b_o)
 
@@ -272,6 +273,8 @@ def build_decode(
         extras = {
             "q_pos": put(positions[:, start:stop].astype(np.int32), P()),
             "q_valid": put(valid[:, start:stop], P()),
+            # Llama 4's temperature at the chunk's positions, the cache offset included (B, s)
+            **{name: put(t, P()) for name, t in temperature_table(cfg, positions[:, start:stop], dtype).items()},
         }
         if bucket_of is not None:
             extras["bucket_of"] = bucket_of

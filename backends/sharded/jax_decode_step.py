@@ -26,7 +26,7 @@ def build_decode_step(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..jax.common import tokens_first_axes
+    from ..jax.common import temperature_table, tokens_first_axes
     from ..jax.decode_programs import _bucket_table, full_rotary_tables
 
     w = _sharded_weights(cfg, params, dtype, world, forward)
@@ -64,6 +64,7 @@ def build_decode_step(
     extras = {
         "q_pos": w.replicated(positions.astype(np.int32)),
         "q_valid": w.replicated(np.ones((batch, step), bool)),
+        **{name: w.replicated(t) for name, t in temperature_table(cfg, positions, dtype).items()},  # Llama 4's
     }
     if cfg.rel_buckets is not None:
         extras["bucket_of"] = w.replicated(_bucket_table(cfg, context + step))

@@ -174,6 +174,7 @@ class DecodeRowSampleMHA(RowSampleMHA):
         self.score_bias = None
         self.bias_tables = None
         self.tables = None
+        self.factors = self.factor_table = None  # Llama 4's temperature: the step's factors, the run's table
 
     def set_position_tables(self, positions: np.ndarray, kv_positions: np.ndarray, dtype: str, device: str) -> None:
         """Rotary tables of ``positions`` (1|B, N) and the score bias over every distance ``kv_positions - positions``
@@ -184,6 +185,7 @@ class DecodeRowSampleMHA(RowSampleMHA):
         self.tables = torch_rotary_tables(
             cfg, SimpleNamespace(positions=positions, kv_positions=positions), dtype, device
         )
+        self.factor_table = self._factor_table(positions, dtype, device)  # (1|B, N): each position's own factor
         if cfg.has_score_bias:
             lowest, highest = int(kv_positions.min() - positions.max()), int(kv_positions.max() - positions.min())
             self.bias_tables = (ScoreBias(cfg, span, dtype, device), lowest, highest)
@@ -202,6 +204,8 @@ class DecodeRowSampleMHA(RowSampleMHA):
             self.rotary = {w: tuple(t[:, start:stop] for t in self.tables[w]) for w in "qk"}  # (1|B, s, r/2) views
         else:
             self.rotary = None
+        if self.factor_table is not None:  # the temperature at the step's positions: the cache offset included
+            self.factors = self.factor_table[:, start:stop]  # (1|B, s), a view
         q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)  # (B, H, s, Dk), (B, Hkv, s, Dk), (B, Hkv, s, Dv)
         q_pos, q_valid = self.positions_all[:, start:stop], self.valid_all[:, start:stop]  # (B, s)
         k, v, k_pos, k_valid = cache.write(k_rotated, v_heads, q_pos, q_valid, start if token is None else token)

@@ -43,8 +43,8 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
-from ..frameworks.ops import STEP_HOW, score_steps
-from ..frameworks.ops_torch import TorchOps
+from ..frameworks.ops import STEP_HOW, score_steps, temperature_factors
+from ..frameworks.ops_torch import HALF, TorchOps
 from .common import (
     bool_tensor,
     optional_tensor,
@@ -112,6 +112,7 @@ class RowSampleMHA(LayerRecording):
         # x_q (B, Nq, D), x_k (B, Nk, kdim), x_v (B, Nk, vdim); self-attention keeps one tensor.
         self.x_q, self.x_k, self.x_v = torch_inputs(inputs, dtype, device)
         self.rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
+        self.factors = self._factor_table(inputs.positions, dtype, device)  # (1|B, Nq) or None: the temperature
 
         # (1|B, 1|H, Nq, Nk), True = may attend; the chunked subclass reads tiles instead.
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
@@ -154,6 +155,15 @@ class RowSampleMHA(LayerRecording):
     # -- building blocks ------------------------------------------------------------------
     def _stack(self, arrays: list, axis: int):
         return self.torch.stack(arrays, axis)
+
+    def _factor_table(self, positions, dtype: str, device: str):
+        """Llama 4's temperature factors of ``positions`` (1|B, N) as a tensor in at least float32, or None."""
+        compute = "float32" if dtype in HALF else dtype  # the product in float32, rounded once (TorchOps)
+        return optional_tensor(temperature_factors(self.cfg, positions), compute, device)
+
+    def _laid_out_factors(self, batched: bool):
+        # (1|B, 1, Nq, 1) against the heads (B, H, Nq, Dk), or (1|B, Nq, 1) against one head's (B, Nq, Dk): views
+        return self.factors[:, None, :, None] if batched else self.factors[:, :, None]
 
     def _projections(self):
         F = self.F
@@ -275,8 +285,8 @@ class RowSampleMHA(LayerRecording):
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def _split_and_rotate(self, rec, projections: tuple | None = None):
-        """Projections (by default this layer's own) split into heads by view + transpose, then rotated:
-        (q_rotated, k_rotated, v_heads)."""
+        """Projections (by default this layer's own) split into heads by view + transpose, then rotated, then
+        what the scores read (`_scored_heads`): (q, k, v) heads, (B, H, Nq, Dk), (B, Hkv, Nk, Dk), (B, Hkv, Nk, Dv)."""
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections() if projections is None else projections
         q_heads = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk), strided view
@@ -290,7 +300,7 @@ class RowSampleMHA(LayerRecording):
 
         q_normed, k_normed = self._normed_split(rec, (q, k, v), (q_heads, k_heads), split)  # QK-norm
         q_rotated, k_rotated = self._rotate_split(rec, q_normed, k_normed)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-        return q_rotated, k_rotated, v_heads
+        return self._scored_heads(rec, q_rotated, k_rotated, v_heads)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk/Dv)
 
     def standard(self, rec: StageRecorder | None = None):
         q_rotated, k_rotated, v_heads = self._split_and_rotate(rec)
@@ -313,7 +323,7 @@ class RowSampleMHA(LayerRecording):
 
         q_normed, k_normed = self._normed_split(rec, (q, k, v), (q_heads, k_heads), split)  # QK-norm
         q_rotated, k_rotated = self._rotate_split(rec, q_normed, k_normed)  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
-        context = self._attend_batched(q_rotated, k_rotated, v_heads, rec)  # (B, H, Nq, Dv)
+        context = self._attend_batched(*self._scored_heads(rec, q_rotated, k_rotated, v_heads), rec)  # (B, H, Nq, Dv)
         merged = context.reshape(B, Nq, H * Dv)  # (B, Nq, H*Dv): the mistake undone the same way
         if rec is not None:
             how = "the direct-reshape mistake undone"
@@ -411,15 +421,17 @@ class RowSampleMHA(LayerRecording):
         k_normed = self._normed_heads(rec, "k", k_heads, k)
         # Each kv head's keys rotated once, before the loop over query heads.
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]
+        v_heads = [v[:, :, g * Dv : (g + 1) * Dv] for g in range(Hkv)]  # Hkv x (B, Nk, Dv): column slices, views
+        k_scored, v_read = self._scored_kv_heads(rec, k_rotated, v_heads)
         for h in range(H):
             g = h // G
             q_h, k_g = q_heads[h], k_heads[g]  # (B, Nq, Dk), (B, Nk, Dk)
-            v_g = v[:, :, g * Dv : (g + 1) * Dv]  # (B, Nk, Dv)
             q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Nq, Dk)
             note = "column slice of the merged projection"
-            self._record_query_head(rec, h, q_h, k_g, v_g, q_rotated, k_rotated[g], note, "view")
+            self._record_query_head(rec, h, q_h, k_g, v_heads[g], q_rotated, k_rotated[g], note, "view")
             self._record_normed_rotation(rec, h, q_rotated, k_rotated[g])
-            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_g, rec))
+            q_scored = self._after_rotary(rec, q_rotated, "q", h)  # (B, Nq, Dk)
+            contexts.append(self._attend_one_head(h, q_scored, k_scored[g], v_read[g], rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), "torch.cat of the heads' contexts", "copy", "context")
@@ -433,6 +445,7 @@ class RowSampleMHA(LayerRecording):
         v_heads = [self._project_head(self.x_v, self.w_v_heads, self.b_v_heads, g) for g in range(Hkv)]
         q_normed, k_normed = self._normed_heads(rec, "q", q_heads), self._normed_heads(rec, "k", k_heads)
         k_rotated = [self._rotate(k_g, "k", head_axis=False) for k_g in k_normed]  # Hkv x (B, Nk, Dk)
+        k_scored, v_read = self._scored_kv_heads(rec, k_rotated, v_heads)
         head_note = "X @ W_h with the head's own matrix"
         contexts = []
         for h in range(H):
@@ -440,7 +453,8 @@ class RowSampleMHA(LayerRecording):
             q_rotated = self._rotate(q_normed[h], "q", head_axis=False)  # (B, Nq, Dk)
             self._record_query_head(rec, h, q_heads[h], k_heads[g], v_heads[g], q_rotated, k_rotated[g], head_note)
             self._record_normed_rotation(rec, h, q_rotated, k_rotated[g])
-            contexts.append(self._attend_one_head(h, q_rotated, k_rotated[g], v_heads[g], rec))
+            q_scored = self._after_rotary(rec, q_rotated, "q", h)  # (B, Nq, Dk)
+            contexts.append(self._attend_one_head(h, q_scored, k_scored[g], v_read[g], rec))
         merged = self.torch.cat(contexts, dim=-1)  # (B, Nq, H*Dv): [C_0 | C_1 | ...]
         if rec is not None:
             note = "the per-head projections side by side, for inspection (the strategy never builds it)"

@@ -105,9 +105,15 @@ VARIANT_REGISTRY: dict[str, Variant] = {
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
 # library's kernel knows those forms and no later one (backends/oracles list theirs from it).
 # An entry only some of our adapters apply (`Variant.implemented_by`) is no kernel's: the oracles refuse it.
-def adapted_variants() -> frozenset[str]:
-    """The registered variants every one of our adapters applies: all but those whose entry names its libraries."""
-    return frozenset(name for name, entry in VARIANT_REGISTRY.items() if entry.implemented_by is None)
+def adapted_variants(*libraries: str) -> frozenset[str]:
+    """The registered variants every one of our adapters applies: all but those whose entry names its libraries;
+    with ``libraries`` (ops libraries: "numpy", "torch", "jax", "mlx"), also those whose entry names all of them,
+    which our adapters on those libraries apply (`backends.frameworks.ops.RegistryVariants`)."""
+    return frozenset(
+        name
+        for name, entry in VARIANT_REGISTRY.items()
+        if entry.implemented_by is None or (libraries and set(libraries) <= set(entry.implemented_by))
+    )
 
 
 BUILTIN_VARIANTS: frozenset[str] = adapted_variants()

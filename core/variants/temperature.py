@@ -115,9 +115,10 @@ ENTRY = Variant(
     stages=("q_tempered",),
     forward=temper,
     backward=temper_vjp,
-    # No adapter applies it yet: each refuses it by name (`Variant.implemented_by`); the float64 oracles
-    # (core.reference, core.grad) compute it.
-    implemented_by=(),
+    # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded
+    # backends on their heads), forward, backward and decode, through their ops object (`frameworks.ops.after_rotary`);
+    # the third-party oracles and the best paths do not claim it and refuse it by name.
+    implemented_by=("numpy", "torch", "jax", "mlx"),
     check_cases=(
         CaseSpec(
             "temperature",

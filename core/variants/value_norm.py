@@ -144,9 +144,10 @@ ENTRY = Variant(
         simulated=SimulatedSteps(values=values_read),
         planted=PlantedSteps(values=values_read),
     ),
-    # The float64 oracles (core.reference, core.grad, and the decode oracle through them) compute it; no
-    # adapter applies it yet, so each refuses it by name (`Variant.implemented_by`), never runs without it.
-    implemented_by=(),
+    # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded
+    # backends on their heads), forward, backward and decode, through their ops object (`frameworks.ops.read_values`);
+    # the third-party oracles and the best paths do not claim it and refuse it by name.
+    implemented_by=("numpy", "torch", "jax", "mlx"),
     check_cases=(
         CaseSpec(
             FIELD,

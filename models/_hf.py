@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from typing import TypedDict
 
 import numpy as np
 
@@ -144,7 +145,17 @@ def rotary_precision(options: RunOptions, eager_softmax_float32: bool = True) ->
     return {"precision": "float32", "note": "; ".join(causes)} if causes else {}
 
 
-def hf_names(module: str, config_class: str | None = None) -> dict[str, str]:
+class HFNames(TypedDict):
+    """`hf_names`'s answer: the `Decoder` fields a transformers family's naming gives."""
+
+    layout: str
+    module: str
+    package: str
+    config_class: str
+    rotary_class: str
+
+
+def hf_names(module: str, config_class: str | None = None) -> HFNames:
     """A transformers family's names from its attention class, by transformers' naming: ``Qwen3NextAttention`` ->
     layout ``hf-qwen3-next``, package ``qwen3_next`` (``transformers.models.qwen3_next.modeling_qwen3_next``),
     ``Qwen3NextConfig`` and ``Qwen3NextRotaryEmbedding``. ``config_class``: where the config is named otherwise

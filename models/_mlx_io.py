@@ -28,7 +28,7 @@ FLOAT64_NOTE = (
 READ_SCALINGS = (None, "linear", "dynamic", "llama3", "yarn")
 # What mlx-lm's classes use where the model args' rope_scaling leaves a key out (rope_utils.Llama3RoPE, YarnRoPE):
 # the keys the spec requires, filled as the module was built.
-MLX_SCALING_DEFAULTS = {
+MLX_SCALING_DEFAULTS: dict[str, dict[str, float]] = {
     "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "yarn": {"original_max_position_embeddings": 4096},
 }
@@ -232,7 +232,11 @@ def scaling_read(module: str):
                 f"MHAConfig.rope_scaling type {kind!r}: {module}'s rope keeps only its frequency table (_freqs), "
                 f"which the reader reads for {', '.join(map(repr, READ_SCALINGS[1:]))} only"
             )
-        if kind == "yarn" and (scaling["attention_factor"] is not None or not scaling["truncate"]):
+        if (
+            kind == "yarn"
+            and scaling is not None
+            and (scaling["attention_factor"] is not None or not scaling["truncate"])
+        ):
             return (
                 f"MHAConfig.rope_scaling {describe_rope_scaling(scaling)}: mlx-lm's YarnRoPE reads no "
                 "attention_factor and always truncates the correction range to whole pairs"

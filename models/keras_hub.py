@@ -198,7 +198,13 @@ ARGS: dict[str, Callable[[MHAConfig], object]] = {
 }
 HEADS = ("num_query_heads", "num_key_value_heads")
 # Gemma's and Gemma 3's: the softcap, the in-layer window and the scale rule (`gemma_scale`).
-GEMMA_ARGS = (*HEADS, "head_dim", "logit_soft_cap", "query_head_dim_normalize", "use_sliding_window_attention")
+GEMMA_ARGS: tuple[str, ...] = (
+    *HEADS,
+    "head_dim",
+    "logit_soft_cap",
+    "query_head_dim_normalize",
+    "use_sliding_window_attention",
+)
 GEMMA_ARGS += ("sliding_window_size",)
 
 

@@ -47,7 +47,7 @@ EMBED_Q, UNEMBED_OUT = "embed_q.weight", "unembed_out.weight"
 
 def shapes(cfg: MHAConfig) -> dict[str, tuple[int, ...]]:
     canonical = expected_param_shapes(cfg)
-    out = {stored: canonical[c] for c, stored in latent_names(cfg).items()}
+    out = {stored: shape for c, stored in latent_names(cfg).items() if (shape := canonical[c]) is not None}
     H, R = cfg.n_heads, cfg.kv_lora_rank
     out[EMBED_Q] = (H, R, cfg.qk_nope_head_dim)
     out[UNEMBED_OUT] = (H, cfg.v_head_dim, R)

@@ -446,12 +446,18 @@ SPEC_CASES |= {
 }
 
 
+def named_cases(table: dict, names, noun: str = "case", where: str = "") -> list:
+    """The cases of ``table`` named in ``names``, in the order given (all of them for None); an unknown name is a
+    ValueError that lists the known ones (``noun``: what the table holds; ``where``: the option it came from)."""
+    if names is None:
+        return list(table.values())
+    names = list(names)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"{where}unknown {noun}(s) {', '.join(map(repr, unknown))}; known {noun}s: {', '.join(table)}")
+    return [table[n] for n in names]
+
+
 def get_cases(names=None) -> list[SpecCase]:
     """The named spec cases in the order given (all of them for None)."""
-    if names is None:
-        return list(SPEC_CASES.values())
-    names = list(names)
-    unknown = [n for n in names if n not in SPEC_CASES]
-    if unknown:
-        raise ValueError(f"unknown case(s) {', '.join(map(repr, unknown))}; known cases: {', '.join(SPEC_CASES)}")
-    return [SPEC_CASES[n] for n in names]
+    return named_cases(SPEC_CASES, names)

@@ -30,7 +30,7 @@ from mha_rosetta.core.decode import DecodeInputs, prepare_decode_inputs, ring_ca
 from mha_rosetta.core.paged import check_page_size
 from mha_rosetta.core.variants import registry_cases
 
-from .cases import ALL_DTYPES
+from .cases import ALL_DTYPES, named_cases
 
 PADDINGS = (None, "left", "right")
 
@@ -292,13 +292,4 @@ DECODE_CASES |= {
 
 def get_decode_cases(names=None) -> list[DecodeCase]:
     """The named decode cases in the order given (all of them for None); an unknown name is a ValueError."""
-    if names is None:
-        return list(DECODE_CASES.values())
-    names = list(names)
-    unknown = [n for n in names if n not in DECODE_CASES]
-    if unknown:
-        raise ValueError(
-            f"cases: unknown decode case(s) {', '.join(map(repr, unknown))}; known decode cases: "
-            f"{', '.join(DECODE_CASES)}"
-        )
-    return [DECODE_CASES[n] for n in names]
+    return named_cases(DECODE_CASES, names, "decode case", "cases: ")

@@ -53,13 +53,17 @@ def positional_mask(field: str) -> dict:
     )
 
 
-def flag(field: str) -> dict:
-    """`Variant` keywords (``**flag(field)``) of a variant one bool `MHAConfig` field of its own switches on (default
-    False: off): its field, on where true, and the field's declaration (`ConfigField`)."""
+def flag(field: str, declare: bool = True) -> dict:
+    """`Variant` keywords (``**flag(field)``) of a variant one bool `MHAConfig` field switches on (False: off): its
+    field, on where true, its demonstration with the field on and off, and, with ``declare``, the field's
+    declaration (`ConfigField`; False for a field `MHAConfig` writes out itself, ``alibi``, ``sinks``)."""
+    declared = dict(config_fields=(ConfigField(field, False, "bool"),)) if declare else {}
     return dict(
         fields=(field,),
         is_on=lambda cfg: bool(getattr(cfg, field)),
-        config_fields=(ConfigField(field, False, "bool"),),
+        demo_on={field: True},
+        demo_off={field: False},
+        **declared,
     )
 
 

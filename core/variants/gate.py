@@ -225,7 +225,5 @@ ENTRY = Variant(
     # Its cost against plain attention: one more (D, H*Dv) projection, a sigmoid and a product, timed in every
     # adapter; the best paths refuse it (the cell says so).
     bench=BenchSpec({FIELD: True}, "plain"),
-    demo_on={FIELD: True},
-    demo_off={FIELD: False},
     explain=explain,
 )

@@ -163,7 +163,5 @@ ENTRY = Variant(
     ),
     # Its cost against plain attention: the same (V is still a product; a fused reader would save it).
     bench=BenchSpec({FIELD: True}, "plain", preset="forms"),
-    demo_on={FIELD: True},
-    demo_off={FIELD: False},
     explain=explain,
 )

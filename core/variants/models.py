@@ -40,93 +40,96 @@ def _model(name: str, config: dict, check: tuple[str, dict] | None = None, decod
     return name, Model(config, *cases)
 
 
-MODELS: dict[str, Model] = dict(
-    (
-        _model(
-            "mistral",
-            dict(d_model=32, n_heads=4, n_kv_heads=2, rope="half", causal=True, window=4, bias=False),  # d_k = 8
-            check=(
-                "Mistral: grouped kv heads, rotary, causal sliding window of 4, no biases",
-                dict(q_tokens=9, dtypes=("float64", "float32"), seed=30),
-            ),
+def _by_name(*models: tuple[str, Model]) -> dict[str, Model]:
+    """The models by name, in the order given (each ``(name, Model)``, `_model`)."""
+    return dict(models)
+
+
+MODELS: dict[str, Model] = _by_name(
+    _model(
+        "mistral",
+        dict(d_model=32, n_heads=4, n_kv_heads=2, rope="half", causal=True, window=4, bias=False),  # d_k = 8
+        check=(
+            "Mistral: grouped kv heads, rotary, causal sliding window of 4, no biases",
+            dict(q_tokens=9, dtypes=("float64", "float32"), seed=30),
         ),
-        # One window for both cases (they had 5 and 4): 4, which 8 query tokens and a 10-token decode outgrow.
-        _model(
-            "gemma2",
-            dict(
-                d_model=22,
-                n_heads=2,
-                n_kv_heads=1,
-                d_k=10,
-                rope="half",
-                causal=True,
-                window=4,
-                softcap=2.0,
-                scale=0.25,
-                bias=False,
-            ),
-            check=(
-                "Gemma 2: softcap 2, a window of 4, query_pre_attn_scalar 16 (scale 1/4, not 1/sqrt(d_k)), GQA",
-                dict(batch=3, q_tokens=8, dtypes=("float64", "bfloat16"), seed=31),
-            ),
-            decode=(
-                "Gemma 2: a window of 4 the sequence outgrows, softcap 2, scale 1/4, GQA, rotary",
-                dict(batch=3, tokens=10, prefill=3, dtypes=("float64", "bfloat16"), seed=119),
-            ),
+    ),
+    # One window for both cases (they had 5 and 4): 4, which 8 query tokens and a 10-token decode outgrow.
+    _model(
+        "gemma2",
+        dict(
+            d_model=22,
+            n_heads=2,
+            n_kv_heads=1,
+            d_k=10,
+            rope="half",
+            causal=True,
+            window=4,
+            softcap=2.0,
+            scale=0.25,
+            bias=False,
         ),
-        _model(
-            "llama3",
-            dict(
-                d_model=26,
-                n_heads=3,
-                d_k=8,
-                rope="half",
-                rope_base=500000.0,
-                causal=True,
-                bias=False,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                },
-            ),
-            check=(
-                "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",
-                dict(dtypes=("float64", "float32"), seed=32),
-            ),
+        check=(
+            "Gemma 2: softcap 2, a window of 4, query_pre_attn_scalar 16 (scale 1/4, not 1/sqrt(d_k)), GQA",
+            dict(batch=3, q_tokens=8, dtypes=("float64", "bfloat16"), seed=31),
         ),
-        _model(
-            "qwen3",
-            dict(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
-            decode=(
-                "Qwen3: per-head qk_norm, GQA, rotary, no biases, two tokens a step",
-                dict(batch=2, tokens=9, prefill=4, step=2, seed=120),
-            ),
+        decode=(
+            "Gemma 2: a window of 4 the sequence outgrows, softcap 2, scale 1/4, GQA, rotary",
+            dict(batch=3, tokens=10, prefill=3, dtypes=("float64", "bfloat16"), seed=119),
         ),
-        _model(
-            "gpt_oss",
-            dict(
-                d_model=30,
-                n_heads=4,
-                n_kv_heads=2,
-                d_k=6,
-                rope="half",
-                rope_base=150000.0,
-                causal=True,
-                window=4,
-                sinks=True,
-                rope_scaling=GPT_OSS_YARN,
-            ),
-            check=(
-                "gpt-oss: sinks, a window of 4, biases, YaRN (factor 32, beta 32/1, original 4096, no truncation), GQA",
-                dict(q_tokens=9, dtypes=("float64", "float32"), seed=33),
-            ),
-            decode=(
-                "gpt-oss: sinks, a window of 4 the sequence outgrows, biases, YaRN, GQA",
-                dict(batch=2, tokens=10, prefill=5, seed=121),
-            ),
+    ),
+    _model(
+        "llama3",
+        dict(
+            d_model=26,
+            n_heads=3,
+            d_k=8,
+            rope="half",
+            rope_base=500000.0,
+            causal=True,
+            bias=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
         ),
-    )
+        check=(
+            "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",
+            dict(dtypes=("float64", "float32"), seed=32),
+        ),
+    ),
+    _model(
+        "qwen3",
+        dict(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
+        decode=(
+            "Qwen3: per-head qk_norm, GQA, rotary, no biases, two tokens a step",
+            dict(batch=2, tokens=9, prefill=4, step=2, seed=120),
+        ),
+    ),
+    _model(
+        "gpt_oss",
+        dict(
+            d_model=30,
+            n_heads=4,
+            n_kv_heads=2,
+            d_k=6,
+            rope="half",
+            rope_base=150000.0,
+            causal=True,
+            window=4,
+            sinks=True,
+            rope_scaling=GPT_OSS_YARN,
+        ),
+        check=(
+            "gpt-oss: sinks, a window of 4, biases, YaRN (factor 32, beta 32/1, original 4096, no truncation), GQA",
+            dict(q_tokens=9, dtypes=("float64", "float32"), seed=33),
+        ),
+        decode=(
+            "gpt-oss: sinks, a window of 4 the sequence outgrows, biases, YaRN, GQA",
+            dict(batch=2, tokens=10, prefill=5, seed=121),
+        ),
+    ),
 )

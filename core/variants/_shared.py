@@ -41,13 +41,18 @@ def optional_positive_int(field: str) -> Callable[[object], dict]:
     return validate
 
 
+def given(field: str, *more: str) -> dict:
+    """`Variant` keywords (``**given(field)``) of a variant one optional `MHAConfig` field switches on (None: off):
+    its fields (``field`` and the ``more`` it also reads) and its rule, on where ``field`` is not None."""
+    return dict(fields=(field, *more), is_on=lambda cfg: getattr(cfg, field) is not None)
+
+
 def positional_mask(field: str) -> dict:
     """`Variant` keywords (``**positional_mask(field)``) of a positional mask one optional integer field switches
-    on (``window``, ``attention_chunk_size``): its field, on where not None, `optional_positive_int`'s validation,
-    and its step in the score pipeline's mask."""
+    on (``window``, ``attention_chunk_size``): `given`'s, `optional_positive_int`'s validation, and its step in the
+    score pipeline's mask."""
     return dict(
-        fields=(field,),
-        is_on=lambda cfg: getattr(cfg, field) is not None,
+        **given(field),
         validate=optional_positive_int(field),
         score_step=ScoreStep("mask", "positional_mask"),
     )

@@ -19,7 +19,7 @@ def mark_over_best(cells: list[dict], same: Sequence[str], time_of: Callable[[di
     from mha_rosetta.backends.best import best_path_for
 
     def key(cell: dict) -> tuple:
-        return tuple(cell.get(name) for name in same)
+        return tuple(_hashable(cell.get(name)) for name in same)
 
     best = {(cell["implementation"], *key(cell)): cell for cell in cells if cell.get("status") == "ok"}
     for cell in cells:
@@ -30,20 +30,25 @@ def mark_over_best(cells: list[dict], same: Sequence[str], time_of: Callable[[di
         cell.update(best_path=path, over_best=time_of(cell) / time_of(reference))
 
 
+def _hashable(value):
+    """A cell's field as part of a key: a list (a ragged cell's ``lengths``, as JSON gives it back) as a tuple."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 def paged_over_contiguous(cells: list[dict]) -> None:
     """Each measured paged cell's step over the same implementation's contiguous one (its default cache) at the same
-    context, window, device, dtype and step (``paged_over_contiguous``): what reading K and V through the block
+    batch, rows, context, window, device, dtype and step (``paged_over_contiguous``): what reading K and V through the block
     table costs (the gather of the held pages), where the run timed both."""
     from mha_rosetta.backends._paged import PAGED
 
-    same = ("implementation", "device", "dtype", "context", "window", "step")
+    same = ("implementation", "device", "dtype", "batch", "lengths", "context", "window", "step")
     contiguous = {
-        tuple(cell.get(name) for name in same): cell
+        tuple(_hashable(cell.get(name)) for name in same): cell
         for cell in cells
         if cell.get("status") == "ok" and cell.get("cache") is None
     }
     for cell in cells:
-        reference = contiguous.get(tuple(cell.get(name) for name in same))
+        reference = contiguous.get(tuple(_hashable(cell.get(name)) for name in same))
         if cell.get("cache") != PAGED or cell.get("status") != "ok" or reference is None:
             continue
         if cell.get("step_s") and reference.get("step_s"):

@@ -197,8 +197,15 @@ def decode_row(cell: dict) -> list[str]:
         )
     fraction = cell.get("limit_fraction")
     with_weights = cell.get("limit_fraction_with_weights")
+    from .decode import RAGGED_ROW, row_label
+
+    kind = str(cache.get("kind") or cell.get("cache") or "")
+    if cell.get("row") == RAGGED_ROW:  # the ragged row: its batches beside the rectangular one, in the cache column
+        kind = (
+            kind + row_label({"lengths": cell.get("lengths"), "row": RAGGED_ROW, "batch": cell.get("batch")})
+        ).strip()
     return [
-        f"`{cell['implementation']}`", str(cache.get("kind") or cell.get("cache") or ""),
+        f"`{cell['implementation']}`", kind,
         "" if cell.get("window") is None else str(cell["window"]), str(cell["context"]),
         _ms(cell.get("step_s")) if ok else "", round_range_text(cell) if ok else "",
         _fmt(cell.get("over_best"), ".2f"), percent(cell.get("read_limit_fraction"), 1),
@@ -271,6 +278,20 @@ def decode_markdown(report: dict) -> str:
             "Paged over contiguous (the same step with K and V read through a block table of 16-token pages, over "
             "the implementation's contiguous cache at that context: the gather's cost): "
             + ", ".join(f"`{c['implementation']}` {c['context']}: {c['paged_over_contiguous']:.2f}x" for c in paged),
+        ]
+    ragged = [cell for cell in report["cells"] if cell.get("ragged_over_rectangular") is not None]
+    if ragged:
+        from .decode import row_label
+
+        lines += [
+            "",
+            "Ragged over rectangular (continuous batching: rows at different lengths holding as many tokens as the "
+            "rectangular batch, each at its own position, over that batch through the same cache; a contiguous "
+            "cache reads every row to the longest): "
+            + ", ".join(
+                f"`{c['implementation']}`{row_label(c)} {c['context']}: {c['ragged_over_rectangular']:.2f}x"
+                for c in ragged
+            ),
         ]
     cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache") and cell.get("status") == "ok"]
     if cached:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, validate_params
 from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
-from mha_rosetta.core.page_pool import pool_pages
+from mha_rosetta.core.page_pool import PagePool, pool_pages
 from mha_rosetta.core.paged import check_page_size
 from mha_rosetta.core.ragged import RaggedBatch
 
@@ -58,9 +58,17 @@ class DecodeStep:
         """The paged cache of this step (``cache="paged"``): (page size, pool pages, seed). Pages of
         `DEFAULT_PAGE_SIZE` (vLLM's), a pool that holds the context, then the step (a window frees whole pages
         before the step takes its own), in the physical order drawn from ``seed``. Every adapter's timed paged
-        step takes its pool from here, so that each convention pages the same way."""
+        step takes its pool from here, so that each convention pages the same way. A ragged batch's pool
+        holds only the pages its rows hold (pads take none: their pages share the null page), counted by
+        booking the context and the step in a `PagePool` as the step's cache will."""
         chunks = [(0, self.context), (self.context, self.context + self.step)]
-        return DEFAULT_PAGE_SIZE, pool_pages(self.batch, DEFAULT_PAGE_SIZE, chunks, window), self.seed
+        pages = pool_pages(self.batch, DEFAULT_PAGE_SIZE, chunks, window)
+        if self.lengths is not None:
+            booked = PagePool(self.batch, DEFAULT_PAGE_SIZE, pages, self.seed, window)
+            booked.write_slots(self.context, self.cached()[1])
+            booked.write_slots(self.step)
+            pages = booked.peak
+        return DEFAULT_PAGE_SIZE, pages, self.seed
 
     def positions(self) -> np.ndarray:
         """The step's tokens' positions (B, s): ``L .. L + step - 1`` in the row holding L tokens (`row_lengths`;

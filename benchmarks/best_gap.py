@@ -4,7 +4,8 @@ Our convention adapters are never a framework's speed: a figure that compares fr
 best paths (`backends.best`), and every other cell is shown beside its framework's best one at the same
 size, as a ratio. Plain data in, fields added; `backends.best.best_path_for` names which best path a cell
 is compared with (none for a runtime that has no best path here). `paged_over_contiguous` is the same kind of
-ratio within one implementation: its paged decode step over its contiguous one (issue 47).
+ratio within one implementation: its paged decode step over its contiguous one, and `ragged_over_rectangular` its
+ragged batch's step over the rectangular batch of the same tokens (issue 47).
 """
 
 from __future__ import annotations
@@ -53,3 +54,19 @@ def paged_over_contiguous(cells: list[dict]) -> None:
             continue
         if cell.get("step_s") and reference.get("step_s"):
             cell["paged_over_contiguous"] = cell["step_s"] / reference["step_s"]
+
+
+def ragged_over_rectangular(cells: list[dict]) -> None:
+    """Each measured ragged cell's step over the same implementation's rectangular cell holding the same tokens (the
+    same batch, context, cache kind, window, device, dtype and step): ``ragged_over_rectangular``, what decoding the
+    rows at different lengths costs (a contiguous cache reads every row to the longest: its pads are slots)."""
+    same = ("implementation", "device", "dtype", "batch", "context", "window", "step", "cache")
+    rectangular = {
+        tuple(cell.get(name) for name in same): cell
+        for cell in cells
+        if cell.get("status") == "ok" and not cell.get("lengths") and cell.get("step_s")
+    }
+    for cell in cells:
+        reference = rectangular.get(tuple(cell.get(name) for name in same))
+        if cell.get("lengths") and cell.get("status") == "ok" and cell.get("step_s") and reference is not None:
+            cell["ragged_over_rectangular"] = cell["step_s"] / reference["step_s"]

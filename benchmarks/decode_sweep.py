@@ -19,18 +19,17 @@ from pathlib import Path
 from .bandwidth import enrich_decode_cell
 from .decode import (
     KIND,
-    RAGGED_ROW,
     SCHEMA,
     DecodeCellSpec,
     DecodeLayer,
     decode_cell_key,
     decode_config,
     decode_record,
-    layer_of,
     ragged_lengths,
     row_label,
     run_decode_cell,
 )
+from .decode_rows import expand_decode_cells
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
 from .presets import DECODE_PRESETS
 
@@ -133,48 +132,6 @@ def decode_settings(name: str = "decode", **overrides) -> DecodeSettings:
     if settings.cpus is None:
         settings = replace(settings, cpus=choose_cpus(settings.threads))
     return settings
-
-
-def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) -> list[DecodeCellSpec]:
-    """Every (device, implementation, context) cell, then the windowed row's cells, then the paged row's, then the
-    ragged row's: at each ragged context, the rectangular batch and the ragged one, contiguous and paged (the
-    rows after the first take no prefill: the contiguous cell's is not timed again)."""
-    from mha_rosetta.backends._paged import PAGED
-
-    main = {"batch": settings.batch, "lengths": None, "row": None}
-    rows = [(None, context, None, main) for context in settings.contexts]
-    if settings.window is not None:
-        rows += [(settings.window, context, None, main) for context in settings.window_contexts]
-    rows += [(None, context, PAGED, main) for context in settings.paged_contexts]
-    batch = len(settings.ragged_rows)
-    timed = {None: settings.contexts, PAGED: settings.paged_contexts}  # the main rows' contexts, by cache kind
-    for context in settings.ragged_contexts:
-        lengths = ragged_lengths(context, settings.ragged_rows)
-        for cache in (None, PAGED):
-            if batch != settings.batch or context not in timed[cache]:  # else the main row's cell is the reference
-                rows.append((None, context, cache, {"batch": batch, "lengths": None, "row": RAGGED_ROW}))
-            rows.append((None, context, cache, {"batch": batch, "lengths": lengths, "row": RAGGED_ROW}))
-    return [
-        DecodeCellSpec(
-            implementation=label,
-            context=context,
-            **{**layer_of(settings), **shape},
-            window=window,
-            cache=cache,
-            dtype=settings.dtype,
-            device=device,
-            threads=settings.threads,
-            cpus=settings.cpus,
-            policy=dict(settings.policy),
-            prefill=cache is None and shape is main and context <= settings.prefill_max,
-            prefill_policy=dict(settings.prefill_policy),
-            malloc=settings.malloc,
-            plugins=list(settings.plugins),
-        )
-        for device in settings.devices
-        for label in implementations
-        for window, context, cache, shape in rows
-    ]
 
 
 def parent_reason(spec: DecodeCellSpec) -> str | None:
@@ -364,27 +321,11 @@ def best_of_framework(cells: list[dict]) -> None:
     mark_over_best(cells, same, lambda cell: cell.get("step_s"))
 
 
-def ragged_over_rectangular(cells: list[dict]) -> None:
-    """Each measured ragged cell's step over the same implementation's rectangular cell holding the same tokens (the
-    same batch, context, cache kind, window, device, dtype and step): ``ragged_over_rectangular``, what decoding the
-    rows at different lengths costs (a contiguous cache reads every row to the longest: its pads are slots)."""
-    same = ("implementation", "device", "dtype", "batch", "context", "window", "step", "cache")
-    rectangular = {
-        tuple(cell.get(name) for name in same): cell
-        for cell in cells
-        if cell.get("status") == "ok" and not cell.get("lengths") and cell.get("step_s")
-    }
-    for cell in cells:
-        reference = rectangular.get(tuple(cell.get(name) for name in same))
-        if cell.get("lengths") and cell.get("status") == "ok" and cell.get("step_s") and reference is not None:
-            cell["ragged_over_rectangular"] = cell["step_s"] / reference["step_s"]
-
-
 def assemble_decode_report(
     settings: dict, bandwidths: list[dict], cells: list[dict], *, rounds: dict | None = None, complete: bool = True
 ) -> dict:
     """The decode report: machine, settings, the bandwidth per device, the cells (drift-corrected, enriched)."""
-    from .best_gap import paged_over_contiguous
+    from .best_gap import paged_over_contiguous, ragged_over_rectangular
     from .correction import correct_cell, reference_summary, run_references
     from .report import machine_info, status_summary
 

@@ -361,8 +361,8 @@ def test_the_ragged_rows_cells_hold_the_rectangular_batchs_tokens():
 
 
 def test_a_ragged_cell_is_read_against_the_rectangular_batch_of_its_tokens_and_shown():
-    from mha_rosetta.benchmarks.best_gap import paged_over_contiguous
-    from mha_rosetta.benchmarks.decode_sweep import best_of_framework, ragged_over_rectangular
+    from mha_rosetta.benchmarks.best_gap import paged_over_contiguous, ragged_over_rectangular
+    from mha_rosetta.benchmarks.decode_sweep import best_of_framework
 
     def cell(name, step_s, cache=None, batch=4, lengths=None, row="ragged"):
         return dict(implementation=name, device="cpu", dtype="float32", context=2048, window=None, step=1,
@@ -407,7 +407,12 @@ def test_a_ragged_decode_cell_runs_in_a_fresh_child(cache):
     record = run_decode_cell(spec, timeout=120)  # a smoke run of the path, not a figure
     assert record["status"] == "ok", record.get("error") or record.get("stderr_tail")
     assert record["lengths"] == [96, 32] and record["batch"] == 2 and record["context"] == 64
-    assert record["cache_info"]["slots"] >= 96  # the cache is as wide as the longest row (left padded)
+    info = record["cache_info"]
+    if cache is None:
+        assert info["slots"] >= 96  # the contiguous cache is as wide as the longest row (left padded)
+    else:  # the pool: 7 pages of 16 for row 0's 96 tokens and the step, the null page for row 1's 64 pads, then 3
+        # of its own; held once the context is written (the step's page in each row comes with the step): 6 + 1 + 2
+        assert (info["pages"], info["pages_held"], info["pad_only_pages"]) == (7 + 1 + 3, 6 + 1 + 2, 4)
     enriched = enrich_decode_cell(record, 10.0)
     assert enriched["kv_read_bytes"] == kv_read_bytes(2, 64, 2, 16, 16, 4)  # the limit: the batch's real tokens
 

@@ -46,4 +46,7 @@ class PagedCacheBase:
             "bytes": self.nbytes,
             "page_size": pool.page_size,
             "pages": pool.n_pages,  # the pool: the most pages the run's rows hold at once (`pool_pages`)
+            # Held now: the rows' own pages and the null page their pad-only pages share (pads take no page).
+            "pages_held": pool.in_use,
+            "pad_only_pages": int((pool.table == pool.null).sum()) if pool.null is not None else 0,
         }

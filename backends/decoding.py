@@ -10,8 +10,9 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, validate_params
 from mha_rosetta.core.decode import DecodeInputs, decode_stage_names, prepare_decode_inputs
-from mha_rosetta.core.page_pool import pool_pages
+from mha_rosetta.core.page_pool import PagePool, pool_pages
 from mha_rosetta.core.paged import check_page_size
+from mha_rosetta.core.ragged import RaggedBatch
 
 from ._paged import PAGED
 from .prepared import Prepared, PreparedDecode, canonical_stage
@@ -22,7 +23,12 @@ from .vocabulary import STANDARD, UnsupportedCase, check_device_name
 class DecodeStep:
     """One timed decode step as `Backend.prepare_decode` validated it (`bench --mode decode`): ``step`` new
     tokens at positions ``context ..`` onto a cache holding ``context`` tokens, ``batch`` sequences, the
-    cache's numbers drawn from ``seed``. ``cache`` is the cache kind (the adapter's default filled in)."""
+    cache's numbers drawn from ``seed``. ``cache`` is the cache kind (the adapter's default filled in).
+
+    ``lengths`` (a ragged batch, continuous batching): row ``b`` holds ``lengths[b]`` real tokens, the last ones
+    of its ``context`` slots (left padding, ``context = max(lengths)``), and its step sits at its own positions
+    ``lengths[b] ..``; its pads are invalid slots at position -1 (`core.decode.padding_positions`). None: every
+    row holds ``context`` tokens (a rectangular batch)."""
 
     batch: int
     context: int
@@ -32,20 +38,42 @@ class DecodeStep:
     strategy: str
     cache: str
     seed: int
+    lengths: tuple[int, ...] | None = None
+
+    def row_lengths(self) -> np.ndarray:
+        """(B,) int64: the real tokens each row's cache holds before the step."""
+        if self.lengths is None:
+            return np.full(self.batch, self.context, dtype=np.int64)
+        return np.asarray(self.lengths, dtype=np.int64)
+
+    def cached(self, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, valid) (B, context - first) of the cache's slots ``first .. context - 1`` before the step:
+        every row's tokens ``0 ..`` right-aligned in its slots, the pads before them invalid at position -1."""
+        pads = self.context - self.row_lengths()  # (B,)
+        slots = np.arange(first, self.context, dtype=np.int64)[None, :]  # (1, n)
+        valid = slots >= pads[:, None]  # (B, n)
+        return np.where(valid, slots - pads[:, None], -1), valid
 
     def paging(self, window: int | None) -> tuple[int, int, int]:
         """The paged cache of this step (``cache="paged"``): (page size, pool pages, seed). Pages of
         `DEFAULT_PAGE_SIZE` (vLLM's), a pool that holds the context, then the step (a window frees whole pages
         before the step takes its own), in the physical order drawn from ``seed``. Every adapter's timed paged
-        step takes its pool from here, so that each convention pages the same way."""
+        step takes its pool from here, so that each convention pages the same way. A ragged batch's pool
+        holds only the pages its rows hold (pads take none: their pages share the null page), counted by
+        booking the context and the step in a `PagePool` as the step's cache will."""
         chunks = [(0, self.context), (self.context, self.context + self.step)]
-        return DEFAULT_PAGE_SIZE, pool_pages(self.batch, DEFAULT_PAGE_SIZE, chunks, window), self.seed
+        pages = pool_pages(self.batch, DEFAULT_PAGE_SIZE, chunks, window)
+        if self.lengths is not None:
+            booked = PagePool(self.batch, DEFAULT_PAGE_SIZE, pages, self.seed, window)
+            booked.write_slots(self.context, self.cached()[1])
+            booked.write_slots(self.step)
+            pages = booked.peak
+        return DEFAULT_PAGE_SIZE, pages, self.seed
 
     def positions(self) -> np.ndarray:
-        """The step's tokens' positions, ``context .. context + step - 1`` in every sequence: (B, s), a broadcast view."""
-        return np.broadcast_to(
-            np.arange(self.context, self.context + self.step, dtype=np.int64), (self.batch, self.step)
-        )
+        """The step's tokens' positions (B, s): ``L .. L + step - 1`` in the row holding L tokens (`row_lengths`;
+        ``context ..`` in every row of a rectangular batch)."""
+        return self.row_lengths()[:, None] + np.arange(self.step, dtype=np.int64)[None, :]  # (B, s)
 
 
 DEFAULT_PAGE_SIZE = 16  # vLLM's default block size
@@ -70,6 +98,8 @@ class DecodeMixin:
     decode_caches: tuple[str, ...]
     # The paged cache in `prepare_decode` (bench --mode decode's timed step): an adapter that builds it says so.
     paged_decode_step = False
+    # A ragged batch in `prepare_decode` (``lengths=``: rows at different lengths, left padded): likewise.
+    ragged_decode_step = False
 
     def _decode_validate(self, cfg, params, dtype, device, strategy, cache):
         dtype = check_dtype_name(dtype)
@@ -147,10 +177,13 @@ class DecodeMixin:
             for chunk in prepared.step_stages()
         ]
 
-    def timed_step_reason(self, cache: str | None) -> str | None:
-        """Why `prepare_decode` (the timed step) refuses the cache kind ``cache`` that `run_decode` runs, or None."""
+    def timed_step_reason(self, cache: str | None, ragged: bool = False) -> str | None:
+        """Why `prepare_decode` (the timed step) refuses the cache kind ``cache`` that `run_decode` runs, or a
+        ragged batch (``ragged``: rows at different lengths), or None."""
         if cache == PAGED and not self.paged_decode_step:
             return f"{self.name}: the paged cache has no timed step yet (run_decode runs it)"
+        if ragged and not self.ragged_decode_step:
+            return f"{self.name}: no timed step of a ragged batch (rows at different lengths, left padded) yet"
         return None
 
     def prepare_decode(
@@ -166,17 +199,35 @@ class DecodeMixin:
         strategy: str = STANDARD,
         cache: str | None = None,
         seed: int = 0,
+        lengths=None,
     ) -> Prepared:
         """One decode step to time (`bench --mode decode`): ``forward`` feeds ``step`` new tokens to a cache
-        holding ``context`` tokens. ``info["cache"]`` says the cache's kind, layout, slots and bytes."""
+        holding ``context`` tokens. ``info["cache"]`` says the cache's kind, layout, slots and bytes.
+
+        ``lengths`` (B,): a ragged batch, row ``b`` holding ``lengths[b]`` tokens left padded to ``context``,
+        which must be ``max(lengths)`` (`DecodeStep.lengths`); None: every row holds ``context``."""
         for name, value, low in (("context", context, 0), ("batch", batch, 1), ("step", step, 1)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not cfg.causal:
             raise ValueError("decoding needs MHAConfig.causal=True, got causal=False")
+        rows = None if lengths is None else check_step_lengths(lengths, batch, context)
         dtype, device, cache = self._decode_validate(cfg, params, dtype, device, strategy, cache)
-        reason = self.timed_step_reason(cache)
+        reason = self.timed_step_reason(cache, ragged=rows is not None)
         if reason:
             raise UnsupportedCase(reason)
-        job = DecodeStep(int(batch), int(context), int(step), dtype, device, strategy, cache, seed)
+        job = DecodeStep(int(batch), int(context), int(step), dtype, device, strategy, cache, seed, rows)
         return self._prepare_decode_step(cfg, params, job)
+
+
+def check_step_lengths(lengths, batch: int, context: int) -> tuple[int, ...]:
+    """A timed step's ``lengths``: ``batch`` ints in 0..context, the longest ``context`` (the cache's width)."""
+    rows = RaggedBatch(lengths).lengths  # validated: 1-D ints >= 0
+    if len(rows) != batch:
+        raise ValueError(f"lengths must hold one length per row (batch={batch}), got {len(rows)}: {rows.tolist()}")
+    if int(rows.max(initial=0)) != context:
+        raise ValueError(
+            f"context must be max(lengths) (the cache's width, left padded), got context={context} and lengths "
+            f"{rows.tolist()}"
+        )
+    return tuple(int(length) for length in rows)

@@ -52,11 +52,12 @@ from .pinning import DEFAULT_MALLOC_MODE, malloc_env, require_positive_int
 # 3: the control-variate correction (`correction.correct_cell`); a schema-2 file's, by the plain paired
 # ratio, is re-derived from its kept samples at load (`report.upgrade_report`).
 SCHEMA = 3
+RAGGED_ROW = "ragged"  # `DecodeCellSpec.row` of the ragged row's cells
 KIND = "decode"  # the report's "kind": `load_report` readers and --render tell a decode report by it
 # What a cell is; two cells with the same identity measure the same thing.
 DECODE_IDENTITY = (
     "implementation", "device", "dtype", "batch", "context", "step", "d_model", "heads", "kv_heads", "d_k",
-    "rope", "bias", "window", "cache", "threads", "malloc",
+    "rope", "bias", "window", "cache", "lengths", "threads", "malloc",
 )  # fmt: skip
 
 
@@ -90,6 +91,10 @@ class DecodeCellSpec(MeasuredSpec, DecodeLayer):
     context: int
     window: int | None = None
     cache: str | None = None  # None: the backend's default cache (its first decode_caches entry)
+    # A ragged batch (the ragged row, continuous batching): row b's cached tokens, summing to batch x context (the
+    # rectangular cell's tokens); the cache is left padded to max(lengths). None: every row holds ``context``.
+    lengths: list[int] | None = None
+    row: str | None = None  # "ragged": a cell of the ragged row (its ragged batches and their rectangular reference)
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 1
@@ -107,7 +112,22 @@ class DecodeCellSpec(MeasuredSpec, DecodeLayer):
             require_positive_int(f"DecodeCellSpec.{name}", getattr(self, name))
         if self.window is not None:
             require_positive_int("DecodeCellSpec.window", self.window)
+        if self.lengths is not None and (len(self.lengths) != self.batch or sum(self.lengths) != self.tokens):
+            raise ValueError(
+                f"DecodeCellSpec.lengths must hold batch={self.batch} lengths summing to batch x context = "
+                f"{self.tokens} (the rectangular cell's tokens), got {self.lengths}"
+            )
         malloc_env(self.malloc)
+
+    @property
+    def tokens(self) -> int:
+        """The cached tokens of the whole batch before the step: ``batch x context`` (a ragged cell's too)."""
+        return self.batch * self.context
+
+    @property
+    def width(self) -> int:
+        """The cache's slots per row: ``context``, or a ragged cell's longest row (its left-padded width)."""
+        return self.context if self.lengths is None else max(self.lengths)
 
     def identity(self) -> dict:
         """What its resume key (`MeasuredSpec.key`) is made of: the same as `decode_cell_key` of its record."""
@@ -127,6 +147,32 @@ def decode_config(spec: DecodeCellSpec):
         d_model=spec.d_model, n_heads=spec.heads, n_kv_heads=spec.kv_heads, d_k=spec.d_k, causal=True,
         rope=spec.rope, bias=spec.bias, window=spec.window,
     )  # fmt: skip
+
+
+def ragged_lengths(context: int, shares: list[int]) -> list[int]:
+    """The ragged row's lengths at ``context``: ``len(shares)`` rows holding the tokens of as many rows of ``context``
+    (``len(shares) x context`` exactly), split in proportion to ``shares`` (positive ints), rounded down, the
+    tokens left over one each to the first rows."""
+    if len(shares) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shares):
+        raise ValueError(f"ragged_rows must be two or more positive ints (each row's share), got {shares}")
+    tokens, total = len(shares) * context, sum(shares)
+    lengths = [tokens * share // total for share in shares]
+    for row in range(tokens - sum(lengths)):  # fewer than len(shares) tokens left by the rounding
+        lengths[row] += 1
+    return lengths
+
+
+def row_label(cell: dict) -> str:
+    """What sets a decode cell apart beside its implementation, for the tables and the plot: its cache kind when
+    paged, its window, and for the ragged row its rows (``ragged 4096+2048+1024+1024``) or ``B=4 rectangular``."""
+    parts = [cell["cache"]] if cell.get("cache") else []
+    if cell.get("window") is not None:
+        parts.append(f"W={cell['window']}")
+    if cell.get("lengths"):
+        parts.append("ragged " + "+".join(str(length) for length in cell["lengths"]))
+    elif cell.get("row") == RAGGED_ROW:
+        parts.append(f"B={cell['batch']} rectangular")
+    return "".join(f" ({part})" for part in parts)
 
 
 def ring_slots(spec: DecodeCellSpec) -> int | None:
@@ -253,8 +299,8 @@ def measure(spec: DecodeCellSpec) -> dict:
     reference, record["reference"] = reference_product(spec.device, frameworks)
     try:
         prepared = backend.prepare_decode(
-            cfg, params, context=spec.context, batch=spec.batch, step=spec.step, dtype=spec.dtype,
-            device=spec.device, strategy=spec.strategy, cache=spec.cache, seed=spec.seed,
+            cfg, params, context=spec.width, batch=spec.batch, step=spec.step, dtype=spec.dtype,
+            device=spec.device, strategy=spec.strategy, cache=spec.cache, seed=spec.seed, lengths=spec.lengths,
         )  # fmt: skip
     except UnsupportedCase as reason:
         record.update(status="unsupported", error=str(reason))
@@ -291,6 +337,8 @@ def measure(spec: DecodeCellSpec) -> dict:
 def decode_record(spec: DecodeCellSpec, outcome: dict) -> dict:
     """A cell's identity and settings, then the child's measurements (or its error)."""
     record = {**spec.identity(), "strategy": spec.strategy, "backend": spec.backend, "cpus": spec.cpus, "mode": KIND}
+    if spec.row is not None:
+        record["row"] = spec.row
     record.update(outcome)
     record.setdefault("status", "error")
     return record

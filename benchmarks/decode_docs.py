@@ -7,6 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
+from .decode import row_label
 from .markdown import percent
 from .plots import DECODE_PLOT_NAME
 from .readme import replace_block
@@ -70,9 +71,7 @@ def readme_block(report: dict) -> str:
             if (not windowed and cell["context"] in shown) or (windowed and cell["context"] == longest_window):
                 rows.append(
                     [
-                        f"`{cell['implementation']}`"
-                        + (" (paged)" if cell.get("cache") == "paged" else "")
-                        + (f" (W={cell['window']})" if windowed else ""),
+                        f"`{cell['implementation']}`" + row_label(cell),
                         str(cell["context"]),
                         f"{cell['step_s'] * 1e3:.3f}",
                         "" if cell.get("over_best") is None else f"{cell['over_best']:.2f}",

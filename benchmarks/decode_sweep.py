@@ -25,9 +25,11 @@ from .decode import (
     decode_cell_key,
     decode_config,
     decode_record,
-    layer_of,
+    ragged_lengths,
+    row_label,
     run_decode_cell,
 )
+from .decode_rows import expand_decode_cells
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
 from .presets import DECODE_PRESETS
 
@@ -80,6 +82,12 @@ class DecodeSettings(DecodeLayer):
     # The paged row: the default layer's step through each convention's paged cache (`DecodeStep.paging`: pages of
     # 16, vLLM's), beside its contiguous cell at the same context: ``paged_over_contiguous`` is the gather's cost.
     paged_contexts: list[int] = field(default_factory=list)
+    # The ragged row (continuous batching at a fixed number of tokens): at each of ``ragged_contexts``, a batch of
+    # ``len(ragged_rows)`` rows holding as many tokens as that many rows of the context, split by the shares
+    # ``ragged_rows`` (`decode.ragged_lengths`), beside the rectangular batch of those rows, each through the
+    # contiguous and the paged cache: ``ragged_over_rectangular`` is what the rows' different lengths cost.
+    ragged_contexts: list[int] = field(default_factory=list)
+    ragged_rows: list[int] = field(default_factory=lambda: [4, 2, 1, 1])
     dtype: str = "float32"
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     threads: int = 1
@@ -98,8 +106,10 @@ class DecodeSettings(DecodeLayer):
     def __post_init__(self) -> None:
         for name in ("batch", "step", "d_model", "heads", "kv_heads", "d_k", "threads", "rounds"):
             require_positive_int(f"decode {name}", getattr(self, name))
-        for context in [*self.contexts, *self.window_contexts, *self.paged_contexts]:
+        for context in [*self.contexts, *self.window_contexts, *self.paged_contexts, *self.ragged_contexts]:
             require_positive_int("decode context", context)
+        if self.ragged_contexts:
+            ragged_lengths(self.ragged_contexts[0], self.ragged_rows)  # bad shares refused before a cell runs
         if not self.contexts:
             raise ValueError("contexts must name at least one context length, got []")
         malloc_env(self.malloc)
@@ -119,38 +129,6 @@ def decode_settings(name: str = "decode", **overrides) -> DecodeSettings:
     return settings
 
 
-def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) -> list[DecodeCellSpec]:
-    """Every (device, implementation, context) cell, then the windowed row's cells, then the paged row's (their
-    prefill is the contiguous cell's: not timed again)."""
-    from mha_rosetta.backends._paged import PAGED
-
-    rows = [(None, context, None) for context in settings.contexts]
-    if settings.window is not None:
-        rows += [(settings.window, context, None) for context in settings.window_contexts]
-    rows += [(None, context, PAGED) for context in settings.paged_contexts]
-    return [
-        DecodeCellSpec(
-            implementation=label,
-            context=context,
-            **layer_of(settings),
-            window=window,
-            cache=cache,
-            dtype=settings.dtype,
-            device=device,
-            threads=settings.threads,
-            cpus=settings.cpus,
-            policy=dict(settings.policy),
-            prefill=cache is None and context <= settings.prefill_max,
-            prefill_policy=dict(settings.prefill_policy),
-            malloc=settings.malloc,
-            plugins=list(settings.plugins),
-        )
-        for device in settings.devices
-        for label in implementations
-        for window, context, cache in rows
-    ]
-
-
 def parent_reason(spec: DecodeCellSpec) -> str | None:
     """Why the backend cannot decode this cell, known without a child (`Backend.decode_reason`), or None.
 
@@ -164,7 +142,7 @@ def parent_reason(spec: DecodeCellSpec) -> str | None:
     except Exception:
         return None
     reason = backend.decode_reason(decode_config(spec), spec.dtype, spec.device, spec.strategy, spec.cache)
-    return reason or backend.timed_step_reason(spec.cache)
+    return reason or backend.timed_step_reason(spec.cache, ragged=spec.lengths is not None)
 
 
 def estimate_decode_seconds(settings: DecodeSettings, cells: list[DecodeCellSpec]) -> float:
@@ -198,9 +176,8 @@ BandwidthRunner = Callable[..., dict]
 
 
 def _describe(record: dict) -> str:
-    window = f" W={record['window']}" if record.get("window") else ""
-    window += f" {record['cache']}" if record.get("cache") else ""  # the paged row
-    where = f"{record['implementation']} {record['device']} {record['dtype']} context={record['context']}{window}"
+    where = f"{record['implementation']} {record['device']} {record['dtype']} context={record['context']}"
+    where += row_label(record)  # the paged, windowed and ragged rows
     if record.get("status") == "ok":
         return f"{where}: step {record['median_s'] * 1e3:.3f} ms"
     return f"{where}: {record.get('status')} ({record.get('error', '')})"
@@ -332,14 +309,16 @@ def best_of_framework(cells: list[dict]) -> None:
     from .best_gap import mark_over_best
 
     # The cache kind too: a paged cell is read against its best path's paged cell, never its contiguous one.
-    mark_over_best(cells, ("device", "dtype", "context", "window", "step", "cache"), lambda cell: cell.get("step_s"))
+    # The batch and its rows too: the ragged row's cells are read against the best path's cell of the same batch.
+    same = ("device", "dtype", "batch", "lengths", "context", "window", "step", "cache")
+    mark_over_best(cells, same, lambda cell: cell.get("step_s"))
 
 
 def assemble_decode_report(
     settings: dict, bandwidths: list[dict], cells: list[dict], *, rounds: dict | None = None, complete: bool = True
 ) -> dict:
     """The decode report: machine, settings, the bandwidth per device, the cells (drift-corrected, enriched)."""
-    from .best_gap import paged_over_contiguous
+    from .best_gap import paged_over_contiguous, ragged_over_rectangular
     from .correction import correct_cell, reference_summary, run_references
     from .report import machine_info, status_summary
 
@@ -359,6 +338,7 @@ def assemble_decode_report(
     enriched = [enrich(cell) for cell in cells]
     best_of_framework(enriched)
     paged_over_contiguous(enriched)  # `best_gap`: the paged row over the contiguous one
+    ragged_over_rectangular(enriched)
     try:
         from .provenance import provenance
 

@@ -197,8 +197,15 @@ def decode_row(cell: dict) -> list[str]:
         )
     fraction = cell.get("limit_fraction")
     with_weights = cell.get("limit_fraction_with_weights")
+    from .decode import RAGGED_ROW, row_label
+
+    kind = str(cache.get("kind") or cell.get("cache") or "")
+    if cell.get("row") == RAGGED_ROW:  # the ragged row: its batches beside the rectangular one, in the cache column
+        kind = (
+            kind + row_label({"lengths": cell.get("lengths"), "row": RAGGED_ROW, "batch": cell.get("batch")})
+        ).strip()
     return [
-        f"`{cell['implementation']}`", str(cache.get("kind") or cell.get("cache") or ""),
+        f"`{cell['implementation']}`", kind,
         "" if cell.get("window") is None else str(cell["window"]), str(cell["context"]),
         _ms(cell.get("step_s")) if ok else "", round_range_text(cell) if ok else "",
         _fmt(cell.get("over_best"), ".2f"), percent(cell.get("read_limit_fraction"), 1),
@@ -209,6 +216,18 @@ def decode_row(cell: dict) -> list[str]:
         _fmt(cell.get("prefill_over_step"), ".0f"), str(cache.get("slots", "")),
         _fmt(cell.get("cache_mb"), ".2f"), _fmt(cell.get("cpu_util"), ".2f"), status,
     ]  # fmt: skip
+
+
+def ratio_lines(cells: list[dict], field: str, label, sentence: str) -> list[str]:
+    """A paragraph of each cell's ratio ``field`` (``paged_over_contiguous``, ``ragged_over_rectangular``) after
+    ``sentence``, each cell named by its implementation and ``label(cell)``; none without one."""
+    shown = [cell for cell in cells if cell.get(field) is not None]
+    if not shown:
+        return []
+    return [
+        "",
+        sentence + ", ".join(f"`{c['implementation']}`{label(c)} {c['context']}: {c[field]:.2f}x" for c in shown),
+    ]
 
 
 def decode_markdown(report: dict) -> str:
@@ -264,14 +283,19 @@ def decode_markdown(report: dict) -> str:
     lines.append("")
     lines += reference_lines(report)
     lines += table_lines(DECODE_COLUMNS, [decode_row(cell) for cell in report["cells"]])
-    paged = [cell for cell in report["cells"] if cell.get("paged_over_contiguous") is not None]
-    if paged:
-        lines += [
-            "",
-            "Paged over contiguous (the same step with K and V read through a block table of 16-token pages, over "
-            "the implementation's contiguous cache at that context: the gather's cost): "
-            + ", ".join(f"`{c['implementation']}` {c['context']}: {c['paged_over_contiguous']:.2f}x" for c in paged),
-        ]
+    from .decode import row_label
+
+    lines += ratio_lines(
+        report["cells"], "paged_over_contiguous", lambda cell: row_label({**cell, "cache": None}),
+        "Paged over contiguous (the same step with K and V read through a block table of 16-token pages, over "
+        "the implementation's contiguous cache at that context: the gather's cost): ",
+    )  # fmt: skip
+    lines += ratio_lines(
+        report["cells"], "ragged_over_rectangular", row_label,
+        "Ragged over rectangular (continuous batching: rows at different lengths holding as many tokens as the "
+        "rectangular batch, each at its own position, over that batch through the same cache; a contiguous "
+        "cache reads every row to the longest): ",
+    )  # fmt: skip
     cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache") and cell.get("status") == "ok"]
     if cached:
         llc = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)

@@ -172,8 +172,9 @@ DECODE_PLOT_NAME = "decode_step_vs_context.png"  # the one file `plot_decode` wr
 
 
 def _decode_series_label(cell: dict) -> str:
-    paged = " (paged)" if cell.get("cache") == "paged" else ""  # the paged row beside the contiguous one
-    return cell["implementation"] + paged + ("" if cell.get("window") is None else f" (W={cell['window']})")
+    from .decode import row_label
+
+    return cell["implementation"] + row_label(cell)  # the paged, windowed and ragged rows beside the main one
 
 
 def plot_decode(report: dict, directory: str | Path) -> list[Path]:
@@ -206,8 +207,9 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
             memory_axes.plot(
                 [m[0] for m in memory], [m[1] for m in memory], color=colors[colour], marker=marker, linestyle=dash
             )
+    main = [c for c in ok if c.get("batch") == report["settings"].get("batch")]  # the limit lines: the main batch's
     for window, style in ((None, "-"), *((w, ":") for w in sorted({c["window"] for c in ok if c.get("window")}))):
-        limits = sorted({(c["context"], c["limit_s"]) for c in ok if c.get("window") == window and c.get("limit_s")})
+        limits = sorted({(c["context"], c["limit_s"]) for c in main if c.get("window") == window and c.get("limit_s")})
         if limits:
             name = "bandwidth limit (K, V reads)" + ("" if window is None else f", W={window}")
             axes.plot(
@@ -216,7 +218,7 @@ def plot_decode(report: dict, directory: str | Path) -> list[Path]:
     weighted = sorted(
         {
             (c["context"], c["limit_with_weights_s"])
-            for c in ok
+            for c in main
             if c.get("window") is None and c.get("limit_with_weights_s")
         }
     )

@@ -93,11 +93,15 @@ PRESETS: dict[str, dict] = {
 # 16-bit kernels), one token per step; the windowed row is W = 4096 (Mistral 7B's, Gemma 2's local layers),
 # at contexts below, at and beyond the ring. A prefill of the context is timed up to 4k tokens (at 8k
 # a full float32 score tensor is 16 x 8192^2 x 4 B = 4 GiB, too much beside the other engineers). The paged row
-# (issue 47): the same step through each convention's paged cache at 4k-32k, against its contiguous cell.
+# (issue 47): the same step through each convention's paged cache at 4k-32k, against its contiguous cell. The ragged
+# row (issue 47, continuous batching): 4 rows holding 4 x 2k and 4 x 8k tokens, as shares 4:2:1:1 of them
+# (4k+2k+1k+1k and 16k+8k+4k+4k), beside the rectangular 4 x 2k and 4 x 8k, contiguous and paged.
 DECODE_PRESETS: dict[str, dict] = {
     "decode": dict(
         implementations=["main"], contexts=[1024, 2048, 4096, 8192, 16384, 32768], window=4096,
-        window_contexts=[2048, 8192, 32768], paged_contexts=[4096, 8192, 16384, 32768], batch=1, step=1, d_model=2048, heads=16, kv_heads=4, d_k=128,
+        window_contexts=[2048, 8192, 32768], paged_contexts=[4096, 8192, 16384, 32768],
+        ragged_contexts=[2048, 8192], ragged_rows=[4, 2, 1, 1], batch=1, step=1, d_model=2048, heads=16, kv_heads=4,
+        d_k=128,
         rope="half", bias=False, dtype="float32", policy=dict(min_time=0.3, min_repeats=7, max_time=1.5, warmup=3),
         prefill_max=4096, prefill_policy=dict(min_time=0.2, min_repeats=3, max_time=2.0, warmup=1),
         bandwidth_policy=dict(min_time=0.5, min_repeats=7, max_time=2.0, warmup=2), rounds=3,

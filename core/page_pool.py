@@ -5,7 +5,14 @@ each row's logical page ``j`` holds its tokens ``j*P .. j*P+P-1``. `PagePool` ha
 out of a free list in a seeded shuffled order (so logical order never equals physical order, the
 mistake of attention-gym #189 shows), keeps the block table ``(B, logical pages)`` (`core.paged.PAD`
 where a page was freed or not yet given), and with a sliding window gives back every page whose
-tokens no later query can see: windows free whole pages. The K/V pool itself is the library's
+tokens no later query can see: windows free whole pages.
+
+Pads take no pages. A row's page that holds only pads (a left-padded row of a ragged batch, decoding
+in lockstep with longer ones) points at one shared null page (vLLM's null block): the pads are written
+there, always invalid, and a step that gathers the row reads them masked. The null page is taken from
+the free list when a pad-only page first needs it and given back once no row points at it; a page that
+was pads only and then receives a real token gets a page of its own (returned among the new pages, so
+that the caller marks its earlier slots unwritten). The K/V pool itself is the library's
 (NumPy's key columns ``(pages, Hkv, Dk, P)``, torch's vLLM-style ``(pages, P, Hkv, D)``); this
 module says only where each token goes and which pages a step reads.
 """
@@ -49,39 +56,67 @@ class PagePool:
         self.first = 0  # the first logical page still held (earlier ones freed by the window)
         self.written = 0  # tokens written per row
         self.peak = 0  # the most pages held at once, all rows together
+        self.null: int | None = None  # the null page the pad-only pages point at, while one does
 
     @property
     def in_use(self) -> int:
-        return int((self.table != PAD).sum())
+        """The pages held: every row's own pages, and the null page once however many pad-only pages point at it."""
+        own = (self.table != PAD) & (self.table != (PAD if self.null is None else self.null))
+        return int(own.sum()) + (self.null is not None)
 
-    def write_slots(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _release_null(self) -> None:
+        if self.null is not None and not (self.table == self.null).any():
+            self.free.append(self.null)
+            self.null = None
+
+    def write_slots(self, count: int, valid=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Make room for ``count`` more tokens per row: (page (B, count), offset (count,), newly given pages).
 
-        Pages no later query can see are freed first (with a window), then new pages are taken
-        from the free list; an empty free list is `CacheFull`.
+        ``valid`` (B, count) bool, default all True: which of them are real tokens. Pages no later
+        query can see are freed first (with a window), then every page the tokens fall in gets a
+        page from the free list, or the null page where it holds only pads (the module's rule); an
+        empty free list is `CacheFull`. The newly given pages include the null page when it is taken.
         """
-        keep_from = _first_needed(self.window, self.written) // self.page_size
+        B, P = self.table.shape[0], self.page_size
+        valid = np.ones((B, count), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+        if valid.shape != (B, count):
+            raise ValueError(f"valid must have shape (B={B}, count={count}), got {valid.shape}")
+        keep_from = _first_needed(self.window, self.written) // P
         for j in range(self.first, min(keep_from, self.table.shape[1])):
-            self.free.extend(int(p) for p in self.table[:, j])  # whole pages back to the pool
+            self.free.extend(int(p) for p in self.table[:, j] if p not in (PAD, self.null))  # whole pages back
             self.table[:, j] = PAD
         self.first = max(self.first, keep_from)
+        self._release_null()
         end = self.written + count
-        grow = int(pages_needed(end, self.page_size)) - self.table.shape[1]
-        given = []
+        grow = int(pages_needed(end, P)) - self.table.shape[1]
         if grow > 0:
-            need = grow * len(self.table)
-            if need > len(self.free):
-                raise CacheFull(
-                    f"page pool exhausted: {len(self.table)} rows need {need} more pages of {self.page_size} "
-                    f"tokens, {len(self.free)} of {self.n_pages} are free"
-                )
-            given = [self.free.pop(0) for _ in range(need)]
-            new = np.array(given, dtype=np.int64).reshape(len(self.table), grow)  # (B, grow): row-major
-            self.table = np.concatenate([self.table, new], axis=1)
+            self.table = np.concatenate([self.table, np.full((B, grow), PAD, dtype=np.int64)], axis=1)
         tokens = np.arange(self.written, end)
+        touched = range(self.written // P, int(pages_needed(end, P)))  # the logical pages the tokens fall in
+        # (B, pages touched): whether the row writes a real token into the page now (its pads only, else)
+        real = np.stack([valid[:, (tokens // P) == j].any(axis=1) for j in touched], axis=1) if count else None
+        wants = [] if real is None else [
+            (b, j, bool(real[b, i])) for b in range(B) for i, j in enumerate(touched)
+            if self.table[b, j] == PAD or (real[b, i] and self.table[b, j] == self.null)
+        ]  # fmt: skip  # row-major: row 0's pages, then row 1's, as `PagedLayout.assign` orders them
+        need = sum(own for _, _, own in wants) + (self.null is None and any(not own for _, _, own in wants))
+        if need > len(self.free):
+            raise CacheFull(
+                f"page pool exhausted: {B} rows need {need} more pages of {P} tokens, "
+                f"{len(self.free)} of {self.n_pages} are free"
+            )
+        given = []
+        for b, j, own in wants:
+            if not own and self.null is None:
+                self.null = self.free.pop(0)
+                given.append(self.null)
+            self.table[b, j] = self.free.pop(0) if own else self.null
+            if own:
+                given.append(int(self.table[b, j]))
+        self._release_null()  # every pad-only page may have received a real token
         self.written = end
         self.peak = max(self.peak, self.in_use)
-        return self.table[:, tokens // self.page_size], tokens % self.page_size, np.array(given, dtype=np.int64)
+        return self.table[:, tokens // P], tokens % P, np.array(given, dtype=np.int64)
 
     def rewind(self, written: int) -> None:
         """Forget the tokens written after the first ``written`` (a benchmark repeats one step at one context):
@@ -95,6 +130,13 @@ class PagePool:
         return self.table[:, self.first :], self.first * self.page_size
 
     def layout(self) -> PagedLayout:
-        """The held pages as the canonical `PagedLayout` (rows of the tokens from the first held page on)."""
+        """The held pages as the canonical `PagedLayout` (rows of the tokens from the first held page on).
+
+        Pad-only pages point at the shared null page, which a `PagedLayout` (one row per page) cannot say."""
+        if self.null is not None:
+            raise ValueError(
+                f"the pool's pad-only pages point at the shared null page {self.null}: not a PagedLayout, where each "
+                "page holds one row's tokens"
+            )
         pages, start = self.live()
         return PagedLayout(pages, np.full(len(pages), self.written - start), self.page_size, self.n_pages)

@@ -29,7 +29,15 @@ from mha_rosetta.benchmarks.bandwidth import (
     limit_seconds,
     weight_bytes,
 )
-from mha_rosetta.benchmarks.decode import DecodeCellSpec, decode_config, decode_record, run_decode_cell, time_prepared
+from mha_rosetta.benchmarks.decode import (
+    DecodeCellSpec,
+    decode_config,
+    decode_record,
+    ragged_lengths,
+    row_label,
+    run_decode_cell,
+    time_prepared,
+)
 from mha_rosetta.benchmarks.decode_docs import BEGIN, END, readme_block
 from mha_rosetta.benchmarks.decode_sweep import decode_settings, expand_decode_cells, parent_reason
 from mha_rosetta.benchmarks.markdown import decode_markdown, decode_row
@@ -315,13 +323,98 @@ def test_the_presets_cells():
     assert settings.contexts == [1024, 2048, 4096, 8192, 16384, 32768]
     assert (settings.d_model, settings.heads, settings.kv_heads, settings.d_k) == (2048, 16, 4, 128)
     cells = expand_decode_cells(settings, ["numpy", "torch"])
-    assert len(cells) == 2 * (6 + 3 + 4)
-    paged = [cell for cell in cells if cell.cache == "paged"]  # the paged row at 4k-32k, its prefill not timed again
+    assert len(cells) == 2 * (6 + 3 + 4 + 2 * 4)  # the ragged row: 2 contexts x (rectangular, ragged) x 2 caches
+    paged = [cell for cell in cells if cell.cache == "paged" and cell.row is None]  # 4k-32k, no prefill again
     assert [cell.context for cell in paged[:4]] == [4096, 8192, 16384, 32768] and not any(c.prefill for c in paged)
     assert all(cell.window is None for cell in paged) and {cell.cache for cell in cells} == {None, "paged"}
     windowed = [cell for cell in cells if cell.window is not None]
     assert {cell.context for cell in windowed} == {2048, 8192, 32768} and {cell.window for cell in windowed} == {4096}
     assert [cell.prefill for cell in cells[:6]] == [True, True, True, False, False, False]  # prefill_max 4096
+
+
+def test_the_ragged_rows_cells_hold_the_rectangular_batchs_tokens():
+    settings = decode_settings("decode")
+    ragged = [cell for cell in expand_decode_cells(settings, ["numpy"]) if cell.row == "ragged"]
+    shown = [(cell.batch, cell.context, cell.cache, cell.lengths, cell.width) for cell in ragged]
+    assert shown == [
+        (4, 2048, None, None, 2048), (4, 2048, None, [4096, 2048, 1024, 1024], 4096),
+        (4, 2048, "paged", None, 2048), (4, 2048, "paged", [4096, 2048, 1024, 1024], 4096),
+        (4, 8192, None, None, 8192), (4, 8192, None, [16384, 8192, 4096, 4096], 16384),
+        (4, 8192, "paged", None, 8192), (4, 8192, "paged", [16384, 8192, 4096, 4096], 16384),
+    ]  # fmt: skip
+    assert all(cell.tokens == 4 * cell.context and not cell.prefill and cell.window is None for cell in ragged)
+    assert len({cell.key() for cell in ragged}) == 8  # the rows' lengths are part of a cell's identity
+    # A batch of the ragged row's size at a context the main row times: its main cell is the reference, not a copy.
+    same = decode_settings(
+        "decode", batch=4, contexts=[2048], window_contexts=[], paged_contexts=[], ragged_contexts=[2048]
+    )
+    cells = expand_decode_cells(same, ["numpy"])
+    assert [(c.context, c.cache, c.lengths, c.row) for c in cells] == [
+        (2048, None, None, None), (2048, None, [4096, 2048, 1024, 1024], "ragged"),
+        (2048, "paged", None, "ragged"), (2048, "paged", [4096, 2048, 1024, 1024], "ragged"),
+    ]  # fmt: skip
+    assert ragged_lengths(1001, [4, 2, 1, 1]) == [2003, 1001, 500, 500]  # 4004 tokens: the rounding's 1 to row 0
+    with pytest.raises(ValueError, match=r"ragged_rows must be two or more positive ints .* got \[4\]"):
+        decode_settings("decode", ragged_rows=[4])
+    with pytest.raises(ValueError, match=r"DecodeCellSpec.lengths must hold batch=2 lengths summing to .* 64"):
+        DecodeCellSpec(implementation="numpy", context=32, batch=2, lengths=[40, 20])
+
+
+def test_a_ragged_cell_is_read_against_the_rectangular_batch_of_its_tokens_and_shown():
+    from mha_rosetta.benchmarks.best_gap import paged_over_contiguous, ragged_over_rectangular
+    from mha_rosetta.benchmarks.decode_sweep import best_of_framework
+
+    def cell(name, step_s, cache=None, batch=4, lengths=None, row="ragged"):
+        return dict(implementation=name, device="cpu", dtype="float32", context=2048, window=None, step=1,
+                    cache=cache, batch=batch, lengths=lengths, row=row, status="ok", step_s=step_s)  # fmt: skip
+
+    rows = [4096, 2048, 1024, 1024]
+    cells = [
+        cell("numpy", 1e-3, batch=1, row=None), cell("numpy", 4e-3), cell("numpy", 6e-3, lengths=rows),
+        cell("numpy", 5e-3, "paged"), cell("numpy", 5.5e-3, "paged", lengths=rows), cell("numpy-best", 2e-3),
+    ]  # fmt: skip
+    ragged_over_rectangular(cells)
+    paged_over_contiguous(cells)
+    best_of_framework(cells)
+    assert [c.get("ragged_over_rectangular") for c in cells] == [None, None, 1.5, None, pytest.approx(1.1), None]
+    # Each ratio within the same batch and rows: never the B=1 cell, never the other rows.
+    assert [c.get("paged_over_contiguous") for c in cells] == [None, None, None, 1.25, pytest.approx(5.5 / 6), None]
+    assert cells[1]["over_best"] == 2.0 and "over_best" not in cells[0] and "over_best" not in cells[2]
+    assert [row_label(c) for c in cells[1:5]] == [
+        " (B=4 rectangular)", " (ragged 4096+2048+1024+1024)", " (paged) (B=4 rectangular)",
+        " (paged) (ragged 4096+2048+1024+1024)",
+    ]  # fmt: skip
+    table = decode_markdown({"settings": decode_settings("decode").as_dict(), "cells": cells})
+    assert "| `numpy` | paged (ragged 4096+2048+1024+1024) |" in table and "| `numpy` | (B=4 rectangular) |" in table
+    assert "`numpy` (ragged 4096+2048+1024+1024) 2048: 1.50x" in table
+    assert "`numpy` (paged) (ragged 4096+2048+1024+1024) 2048: 1.10x" in table
+
+
+def test_a_backend_without_a_timed_ragged_step_is_refused_without_a_child(fake):
+    rows = dict(batch=2, lengths=[96, 32])
+    spec = DecodeCellSpec(implementation=fake, context=64, **rows, **SMALL)
+    assert (
+        parent_reason(spec) == f"{fake}: no timed step of a ragged batch (rows at different lengths, left padded) yet"
+    )
+    assert parent_reason(DecodeCellSpec(implementation="numpy", context=64, **rows, **SMALL)) is None
+
+
+@pytest.mark.parametrize("cache", [None, "paged"])
+def test_a_ragged_decode_cell_runs_in_a_fresh_child(cache):
+    spec = DecodeCellSpec(
+        implementation="numpy", context=64, batch=2, lengths=[96, 32], cache=cache, policy=FAST, prefill=False, **SMALL
+    )
+    record = run_decode_cell(spec, timeout=120)  # a smoke run of the path, not a figure
+    assert record["status"] == "ok", record.get("error") or record.get("stderr_tail")
+    assert record["lengths"] == [96, 32] and record["batch"] == 2 and record["context"] == 64
+    info = record["cache_info"]
+    if cache is None:
+        assert info["slots"] >= 96  # the contiguous cache is as wide as the longest row (left padded)
+    else:  # the pool: 7 pages of 16 for row 0's 96 tokens and the step, the null page for row 1's 64 pads, then 3
+        # of its own; held once the context is written (the step's page in each row comes with the step): 6 + 1 + 2
+        assert (info["pages"], info["pages_held"], info["pad_only_pages"]) == (7 + 1 + 3, 6 + 1 + 2, 4)
+    enriched = enrich_decode_cell(record, 10.0)
+    assert enriched["kv_read_bytes"] == kv_read_bytes(2, 64, 2, 16, 16, 4)  # the limit: the batch's real tokens
 
 
 def test_the_estimate_counts_the_cells_that_can_run(fake):
@@ -430,6 +523,7 @@ def test_contexts_set_the_full_and_the_windowed_row():
     settings = decode_settings_of(args)
     assert settings.contexts == [512, 2048] and settings.window_contexts == [512, 2048]
     assert settings.paged_contexts == [512, 2048]  # the decode preset's paged row at the contexts given
+    assert settings.ragged_contexts == [512, 2048]  # and its ragged row
     assert settings.policy["min_repeats"] == 9 and settings.window == 4096 and settings.preset == "decode"
     quick = decode_settings_of(build_parser().parse_args(["bench", "--mode", "decode", "--quick"]))
     assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]

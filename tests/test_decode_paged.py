@@ -86,6 +86,50 @@ def test_windows_free_whole_pages():
     assert sorted(pool.free + pages.ravel().tolist()) == list(range(6))  # freed pages came back and were reused
 
 
+def test_pads_take_no_pages_their_pages_point_at_one_null_page():
+    # 3 rows of 12 tokens in pages of 4, left padded: row 1 holds 3 tokens after 9 pads, row 2 holds 8 after 4.
+    valid = np.arange(12)[None, :] >= np.array([0, 9, 4])[:, None]  # (B, 12)
+    pool = PagePool(batch=3, page_size=4, n_pages=9, seed=0)
+    page, offset, given = pool.write_slots(12, valid)
+    null = pool.null
+    assert pool.table[1, :2].tolist() == [null, null] and pool.table[2, 0] == null  # the pad-only pages
+    own = pool.table[pool.table != null]  # (6,): the rows' own pages, 3 + 1 + 2
+    assert len(set(own.tolist())) == 6 and null not in own.tolist()
+    assert pool.in_use == 7  # 6 and the null page, where pads taking pages held 9
+    assert sorted(given.tolist()) == sorted([*own.tolist(), null])  # the caller marks all of them unwritten
+    assert (page[valid] != null).all()  # every real token in a page of its row's own
+    assert (page[1, :8] == null).all() and page[1, 8] != null  # token 8: a pad in a page that holds real tokens
+    assert offset.tolist() == [t % 4 for t in range(12)]
+    with pytest.raises(ValueError, match="the pool's pad-only pages point at the shared null page"):
+        pool.layout()  # a canonical PagedLayout has one row per page
+
+
+def test_a_pad_only_page_that_receives_a_real_token_gets_its_own_page():
+    # Row 1: three pads, then its first token, fed two at a time: its page 0 is the null page until token 3.
+    valid = np.arange(4)[None, :] >= np.array([0, 3])[:, None]
+    pool = PagePool(batch=2, page_size=4, n_pages=3, seed=1)
+    _, _, given = pool.write_slots(2, valid[:, :2])
+    null = pool.null
+    assert pool.table[:, 0].tolist() == [given[0], null] and given.tolist()[1] == null and pool.in_use == 2
+    page, _, given = pool.write_slots(2, valid[:, 2:])
+    assert given.tolist() == [pool.table[1, 0]] and pool.table[1, 0] != null  # a page of its own, given anew
+    assert pool.null is None and null in pool.free and pool.in_use == 2  # no page points at the null page now
+    assert page[1].tolist() == [pool.table[1, 0]] * 2
+
+
+def test_a_window_frees_pad_only_pages_and_then_the_null_page():
+    valid = np.arange(8)[None, :] >= np.array([0, 2])[:, None]  # row 1: two pads, then six tokens
+    chunks = [(t, t + 1) for t in range(8)]
+    pool = PagePool(batch=2, page_size=2, n_pages=pool_pages(2, 2, chunks, window=2), seed=0, window=2)
+    held = []
+    for t in range(8):  # one token at a time; the window keeps the key before the new one
+        pool.write_slots(1, valid[:, t : t + 1])
+        held.append((pool.in_use, pool.null is not None))
+    # Token 0 and 1: row 0's page and the null page; token 2: both rows' page 1; token 3: page 0 freed, the null too.
+    assert held[:4] == [(2, True), (2, True), (4, True), (2, False)] and pool.n_pages == 4
+    assert all(count <= 4 and not has_null for count, has_null in held[3:])
+
+
 def test_pages_are_shuffled_and_the_result_does_not_depend_on_where_they_sit():
     pool = PagePool(batch=2, page_size=2, n_pages=8, seed=3)
     pool.write_slots(8)

@@ -76,3 +76,46 @@ def test_hugging_face_reads_the_same_documents_from_position_ids(implementation,
     # and the spec reads HF's spelling back into the same documents (the empty one leaves no trace)
     again = RaggedBatch.from_position_ids(batch.position_ids(drop_empty=True))
     assert again.lengths.tolist() == [n for n in lengths if n]
+
+
+@pytest.mark.parametrize(("lengths", "prefill", "step"), [((5, 0, 1, 9), 3, 2), ((2, 7, 4), 1, 1)])
+def test_hugging_face_paged_forward_decodes_a_ragged_batch_as_the_spec(lengths, prefill, step):
+    # transformers' continuous batching on the CPU: its PagedAttentionCache, its allocator's block tables and slots,
+    # LlamaAttention with the "paged|eager" forward; every request's tokens packed into each call at their own
+    # positions. It equals the spec's packed causal forward (each document alone), float32-accurate (its softmax).
+    pytest.importorskip(
+        "transformers", reason="Hugging Face's paged cache and forward need transformers (models extra)"
+    )
+    from mha_rosetta.backends.oracles.hf_paged import hf_paged_decode
+    from mha_rosetta.core import assert_close, reference_stages
+
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", bias=False)
+    params = init_params(cfg, seed=0)
+    batch = RaggedBatch(lengths)
+    x = np.random.default_rng(1).standard_normal((batch.total, cfg.d_model))  # (T, D) packed
+    expected = reference_mha(cfg, params, x, cu_seqlens=batch.cu_seqlens())
+    out, layout, k_pages = hf_paged_decode(cfg, params, x, batch, prefill=prefill, step=step, page_size=4)
+    assert_close(out, expected, "float32", what="Hugging Face's paged forward against the packed spec")
+    # Its block tables, read back as the canonical layout: each request's pages, in its logical order.
+    assert layout.seq_lens.tolist() == list(lengths) and layout.pages_per_row.tolist() == [-(-n // 4) for n in lengths]
+    stages = reference_stages(cfg, params, x[None], positions=batch.position_ids(drop_empty=True)[None])
+    keys = stages["k_rotated"][0].transpose(1, 0, 2)  # (T, Hkv, Dk): each token's key at its own position
+    assert_close(layout.gather(k_pages), keys, "float32", what="the library's pages read through its block table")
+    leaked = hf_paged_decode(cfg, params, x, RaggedBatch([batch.total]), prefill=prefill, step=step, page_size=4)[0]
+    assert not np.allclose(leaked, expected, atol=1e-3)  # one document of them all: the requests' separation shows
+
+
+def test_hugging_face_paged_decode_refuses_what_it_cannot_drive():
+    from mha_rosetta.backends import UnsupportedCase
+    from mha_rosetta.backends.oracles.hf_paged import hf_paged_decode
+
+    cfg = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", bias=False)
+    params, batch = init_params(cfg, seed=0), RaggedBatch([3, 2])
+    x = np.zeros((5, 16))
+    with pytest.raises(ValueError, match=r"prefill must be an int >= 1 .* got 0"):
+        hf_paged_decode(cfg, params, x, batch, prefill=0)
+    with pytest.raises(ValueError, match=r"x must have shape \(T=5, d_model=16\), got \(4, 16\)"):
+        hf_paged_decode(cfg, params, x[:4], batch, prefill=1)
+    windowed = MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, causal=True, rope="half", bias=False, window=3)
+    with pytest.raises(UnsupportedCase, match="full causal attention; got window=3"):
+        hf_paged_decode(windowed, init_params(windowed, seed=0), x, batch, prefill=1)

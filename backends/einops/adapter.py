@@ -45,6 +45,7 @@ class EinopsBackend(Backend):
     decode_caches = CACHE_KINDS
     decode_layouts = CACHE_LAYOUTS
     paged_decode_step = True  # bench --mode decode times the paged step (its pool[table] gather) on every library
+    ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
 
     def __init__(
         self, name: str | None = None, array_library: str = "numpy", matmul_precision: str = "highest"

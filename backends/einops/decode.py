@@ -316,7 +316,8 @@ def prepare_einops_decode_step(backend, ops, cfg, params, job: DecodeStep) -> Pr
 
     Every call of ``forward`` writes the same step at the same slots (the write index is set back),
     so each timed call is the same step at the same context; a ring is already full. ``cache="paged"``: a
-    `paged.PagedNamedCache` holding the whole context in pages (`DecodeStep.paging`), rewound after each call.
+    `paged.PagedNamedCache` holding the whole context in pages (`DecodeStep.paging`), rewound after each call. A
+    ragged batch (``job.lengths``): each row's tokens the last of its slots, its pads invalid (`DecodeStep.cached`).
     """
     batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
     rng = np.random.default_rng(job.seed)
@@ -330,16 +331,16 @@ def prepare_einops_decode_step(backend, ops, cfg, params, job: DecodeStep) -> Pr
     rewind(first)
     if context > first:
         n = context - first
-        fill = np.broadcast_to(np.arange(first, context, dtype=np.int64), (batch, n))
+        fill, held = job.cached(first)  # (B, n) each: a ragged batch's pads invalid
         keys, values = (
             ops.asarray(rng.standard_normal((batch, n, cfg.n_kv_heads, d))) for d in (cfg.d_k, cfg.d_v)
         )  # "b n g k", "b n g v": arbitrary numbers
         if paged:  # the pools written through the block table, as a chunk's device half does (`store_pages`)
-            where, _ = cache.claim(fill, np.ones((batch, n), dtype=bool))
+            where, _ = cache.claim(fill, held)
             where = tuple(ops.asarray(a, cast=False) for a in where)
             cache.k, cache.v = store_pages(ops, cache.k, where, keys), store_pages(ops, cache.v, where, values)
         else:
-            cache.write(keys, values, fill, np.ones((batch, n), dtype=bool))
+            cache.write(keys, values, fill, held)
     every = np.ones((batch, step), dtype=bool)
 
     def forward(record=None):

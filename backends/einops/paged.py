@@ -53,7 +53,7 @@ class PagedNamedCache(PagedCacheBase):
     def claim(self, positions: np.ndarray, valid: np.ndarray) -> tuple[tuple, int]:
         """Book a chunk's n tokens (positions, valid (B, n)): ((page (B, n), offset (n,), table (B, m)), n)."""
         n = positions.shape[1]
-        page, offset, given = self.pool.write_slots(n)
+        page, offset, given = self.pool.write_slots(n, valid)  # pad-only pages: the null page
         self.valid[given] = False  # a page given again holds a freed row's tokens: none of them are this row's
         self.positions[page, offset] = positions  # offset (n,) broadcasts along the rows
         self.valid[page, offset] = valid

@@ -54,6 +54,7 @@ class JaxBackend(MLAStrategies, Backend):
     decode_caches = (decode.STATIC, PAGED)
     decode_layouts: ClassVar[dict[str, str]] = {**decode.DECODE_LAYOUTS, PAGED: PAGED_LAYOUT}
     paged_decode_step = True  # bench --mode decode: the paged step (its gather inside the jitted step) is timed
+    ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
     decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its static latent cache (`mla`)
 
     def __init__(self, name: str | None = None, matmul_precision: str = "highest") -> None:

@@ -67,7 +67,14 @@ from .common import (
     tokens_first_axes,
     variant_provenance,
 )
-from .decode_programs import TRACES, _bucket_table, _prefill_program, _step_program, full_rotary_tables
+from .decode_programs import (
+    TRACES,
+    _bucket_table,
+    _prefill_program,
+    _step_program,
+    full_rotary_tables,
+    step_rotary_tables,
+)
 from .layer import STAGE_NOTES, mask_for_vmap
 
 STATIC = "static"
@@ -324,23 +331,23 @@ def prepare_decode_step(
         matmul_precision=matmul_precision,
         span=context + step,
     )
-    # The slots' tokens: 0..context-1 without a window, else the ring's last `capacity` (slot t % T).
-    held = np.arange(max(0, context - capacity), context)
-    k_pos = np.zeros(capacity, np.int32)
-    k_pos[held % capacity] = held
-    k_valid = np.zeros(capacity, bool)
-    k_valid[held % capacity] = True
+    # The slots' tokens: 0..context-1 without a window, else the ring's last `capacity` (slot t % T); a ragged
+    # batch's pads among them invalid at position -1 (`DecodeStep.cached`).
+    first = max(0, context - capacity)
+    slots = np.arange(first, context) % capacity
+    k_pos = np.zeros((batch, capacity), np.int32)
+    k_valid = np.zeros((batch, capacity), bool)
+    k_pos[:, slots], k_valid[:, slots] = job.cached(first)
     T, Hkv = capacity, cfg.n_kv_heads
     decoder.cache = {
         "k_cache": to_jax(rng.standard_normal((batch, T, Hkv, cfg.d_k)), dtype, decoder.target),
         "v_cache": to_jax(rng.standard_normal((batch, T, Hkv, cfg.d_v)), dtype, decoder.target),
-        "k_pos": to_jax(np.broadcast_to(k_pos, (batch, T)).copy(), None, decoder.target),
-        "k_valid": to_jax(np.broadcast_to(k_valid, (batch, T)).copy(), None, decoder.target),
+        "k_pos": to_jax(k_pos, None, decoder.target),
+        "k_valid": to_jax(k_valid, None, decoder.target),
     }
     decoder.used = context
     x = rng.standard_normal((batch, step, cfg.d_model))
-    tables = full_rotary_tables(cfg, np.arange(context + step)[None].repeat(batch, 0))
-    tables = None if tables is None else tuple(table[:, context:] for table in tables)
+    tables = step_rotary_tables(cfg, job)  # (B, s, r/2) each, or None
     args = (decoder.weights, *decoder.step_args(x, positions, np.ones((batch, step), bool), tables))
     jitted = jax.jit(decoder.step_program)  # not donated: the timed call repeats on the same cache
     state: dict = {}

@@ -104,6 +104,17 @@ def full_rotary_tables(cfg: MHAConfig, positions: np.ndarray) -> tuple | None:
     return None if tables is None else (tables.q_cos, tables.q_sin)
 
 
+def step_rotary_tables(cfg: MHAConfig, job) -> tuple | None:
+    """A timed step's rotary tables (B, s, r/2): the whole span's (`full_rotary_tables` of ``0 .. context + step -
+    1``, as a run computes them) at each row's own positions (`DecodeStep.positions`; a ragged batch's differ)."""
+    span = np.arange(job.context + job.step)[None].repeat(job.batch, 0)  # (B, context + step)
+    tables = full_rotary_tables(cfg, span)
+    if tables is None:
+        return None
+    at = job.positions()[..., None]  # (B, s, 1): the step's positions index the span's tables
+    return tuple(np.take_along_axis(table, at, axis=1) for table in tables)  # (B, s, r/2) copies
+
+
 # Every trace of each program key (`JaxDecoder.compilations` reads the count since a decoder was built).
 TRACES: Counter = Counter()
 

@@ -39,7 +39,7 @@ from .._paged import PagedCacheBase
 from ..base import Prepared, tensor_to_numpy
 from .common import shared_program, to_jax
 from .decode import JaxDecoder, _block, _stage_tensors
-from .decode_programs import TRACES, attend_over_cache, full_rotary_tables
+from .decode_programs import TRACES, attend_over_cache, step_rotary_tables
 from .layer import _mha_one_item, cached_heads
 
 PAGED_LAYOUT = (
@@ -138,7 +138,9 @@ class JaxPagedDecoder(PagedCacheBase, JaxDecoder):
         import jax
 
         index = self.used
-        page, offset, _ = self.pool.write_slots(x.shape[1])  # (B, s), (s,); pages freed by the window first
+        page, offset, given = self.pool.write_slots(x.shape[1], valid)  # (B, s), (s,); the window frees first
+        if len(given):  # a page given again (or once pads only) holds none of this row's tokens yet
+            self.cache["valid"] = self.cache["valid"].at[to_jax(given.astype(np.int32), None, self.target)].set(False)
         live, start = self.pool.live()  # (B, n) held pages in logical order, the first one's token index
         table = np.full((self.batch, self.live_pages), PAD, dtype=np.int32)  # (B, M): a static shape
         table[:, : live.shape[1]] = live
@@ -201,10 +203,11 @@ def prepare_paged_decode_step(cfg, params, job, matmul_precision: str, info: dic
     floats = ("k_pages", "v_pages")  # float64 here, cast once by `to_jax` as the contiguous step's cache is
     pool = {name: np.array(a, dtype=np.float64 if name in floats else a.dtype) for name, a in decoder.cache.items()}
     if context:
-        page, offset, _ = decoder.pool.write_slots(context)  # (B, context), (context,)
+        cached, held = job.cached()  # (B, context) each: a ragged batch's pads invalid, their pages the null page
+        page, offset, _ = decoder.pool.write_slots(context, held)  # (B, context), (context,)
         slots = (page, offset[None, :])
         pool["k_pages"][slots], pool["v_pages"][slots] = k_new, v_new  # (B, context, Hkv, D) into their pages
-        pool["pos"][slots], pool["valid"][slots] = np.arange(context, dtype=np.int32), True
+        pool["pos"][slots], pool["valid"][slots] = cached, held
     decoder.cache = {
         name: to_jax(array, job.dtype if name in floats else None, decoder.target) for name, array in pool.items()
     }  # (pages, P, ...) each
@@ -212,8 +215,7 @@ def prepare_paged_decode_step(cfg, params, job, matmul_precision: str, info: dic
     decoder.used = context
     x = rng.standard_normal((batch, step, cfg.d_model))  # (B, s, D)
     positions, every = job.positions(), np.ones((batch, step), dtype=bool)
-    tables = full_rotary_tables(cfg, np.arange(context + step)[None].repeat(batch, 0))
-    tables = None if tables is None else tuple(table[:, context:] for table in tables)
+    tables = step_rotary_tables(cfg, job)  # (B, s, r/2) each, or None
 
     def run_step() -> dict:
         decoder.pool.rewind(context)  # the same slots on every call, no new page

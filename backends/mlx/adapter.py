@@ -99,6 +99,7 @@ class MlxBackend(MlxDevices, Backend):
     decode_variants = RegistryVariants("mlx")
     decode_layouts = DECODE_LAYOUTS
     paged_decode_step = True  # bench --mode decode times the paged step (its pool[table] gather) too
+    ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy, chunk=None) -> Prepared:
         import mlx.core as mx

@@ -206,7 +206,8 @@ def prepare_mlx_decode_run(
 def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     """One step of ``job.step`` tokens on a cache holding ``job.context`` tokens of random numbers (`bench --mode
     decode`); every call writes the same step at the same place (`MlxKVCache.rewind`). ``cache="paged"``: an
-    `MlxPagedCache` holding the whole context in pages (`DecodeStep.paging`), rewound the same way."""
+    `MlxPagedCache` holding the whole context in pages (`DecodeStep.paging`), rewound the same way. A ragged batch
+    (``job.lengths``): each row's tokens the last of its slots, its pads invalid (`DecodeStep.cached`)."""
     import mlx.core as mx
 
     batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
@@ -222,8 +223,8 @@ def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     state.rewind(first)
     if n:
         keys, values = (to_mlx(rng.standard_normal((batch, Hkv, n, d)), dtype) for d in (Dk, Dv))
-        fill = np.broadcast_to(np.arange(first, context, dtype=np.int64), (batch, n))
-        state.update_and_fetch(keys, values, fill, np.ones((batch, n), dtype=bool))
+        fill, held = job.cached(first)  # (B, n) each: a ragged batch's pads invalid
+        state.update_and_fetch(keys, values, fill, held)
     every = np.ones((batch, step), dtype=bool)
     stream = mlx_stream(device)
 

@@ -55,7 +55,7 @@ class MlxPagedCache(PagedCacheBase):
         logical order: keys (B, Hkv, m*P, Dk), values (B, Hkv, m*P, Dv), positions and valid (B, m*P)."""
         import mlx.core as mx
 
-        page, offset, given = self.pool.write_slots(keys.shape[2])  # (B, s), (s,), (new pages,)
+        page, offset, given = self.pool.write_slots(keys.shape[2], valid)  # (B, s), (s,), (new pages,)
         self.valid[given] = False  # a page given again holds a freed row's tokens: none of them are this row's
         self.positions[page, offset], self.valid[page, offset] = positions, valid  # offset broadcasts along rows
         where = (mx.array(page), mx.array(offset)[None, :])  # (B, s), (1, s)

@@ -39,6 +39,7 @@ class NumpyBackend(MLAStrategies, Backend):
     decode_layouts = CACHE_LAYOUTS
     decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its latent cache (`mla_decode`)
     paged_decode_step = True  # bench --mode decode times the paged step beside the contiguous one (its gather)
+    ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str, chunk=None

@@ -283,7 +283,8 @@ def prepare_numpy_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     slots already full); every call of ``forward`` writes the same step at the same place
     (`ColumnCache.rewind`), so each timed call is the same step: the append into spare capacity a
     growing cache has between doublings (a doubling's copy is amortised over the columns it makes
-    room for, and is not in the timed step).
+    room for, and is not in the timed step). A ragged batch (``job.lengths``): each row's tokens are the last of
+    its ``context`` columns, the pads before them invalid (`DecodeStep.cached`), its step at its own position.
     """
     batch, context, step, dtype = job.batch, job.context, job.step, job.dtype
     rng = np.random.default_rng(job.seed)
@@ -300,10 +301,10 @@ def prepare_numpy_decode_step(cfg, params, job: DecodeStep) -> Prepared:
     state.rewind(first)
     n = context - first
     if n:
-        fill = np.broadcast_to(np.arange(first, context, dtype=np.int64), (batch, n))  # (B, n)
+        fill, held = job.cached(first)  # (B, n) each: a ragged batch's pads invalid
         shape = (batch, Hkv, Dk, n), (batch, Hkv, Dv, n)
         keys, values = (rng.standard_normal(s).astype(decoder.precision.storage) for s in shape)
-        state.write(keys, values, fill, np.ones((batch, n), dtype=bool))
+        state.write(keys, values, fill, held)
     every = np.ones((batch, step), dtype=bool)
     tokens = slice(0, step)
 

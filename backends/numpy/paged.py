@@ -38,7 +38,7 @@ class PagedColumnCache(PagedCacheBase):
 
     def write(self, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> None:
         """Write ``s`` columns: keys (B, Hkv, Dk, s), values (B, Hkv, Dv, s), positions and valid (B, s)."""
-        page, offset, given = self.pool.write_slots(keys.shape[-1])  # (B, s), (s,), (new pages,)
+        page, offset, given = self.pool.write_slots(keys.shape[-1], valid)  # (B, s), (s,), (new pages,)
         self.valid[given] = False  # a page given again holds a freed row's tokens: none of them are this row's
         offsets = np.broadcast_to(offset, page.shape)  # (B, s)
         # Advanced indices (page, offset) around two slices: the result's axes are (B, s, Hkv, Dk).

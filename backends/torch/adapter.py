@@ -42,6 +42,7 @@ class TorchBackend(MLAStrategies, TorchDevices, Backend):
     decode_caches = DECODE_CACHES
     decode_layouts = DECODE_LAYOUTS
     paged_decode_step = True  # bench --mode decode times the paged step (vLLM's gather) beside the contiguous one
+    ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
     decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its latent cache (`mla`)
 
     def __init__(self, name: str | None = None, allow_tf32: bool = False) -> None:

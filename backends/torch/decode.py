@@ -329,6 +329,8 @@ def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep
     the same slots every call), so every call times the same step. A static cache without a window is
     preallocated to ``context + step`` slots. ``cache="paged"``: a `TorchPagedCache` holding the whole context
     in pages (`DecodeStep.paging`; a window frees whole pages as the step is written), rewound after each call.
+    A ragged batch (``job.lengths``): each row's tokens the last of its slots, its pads invalid at position -1
+    (`DecodeStep.cached`), its step at its own position (rotary tables per row).
     """
     import torch
 
@@ -342,8 +344,11 @@ def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep
     paged = job.cache == PAGED
     # The tokens the cache keeps before the step (a paged cache is written from token 0: its pool frees the pages).
     held = context if ring is None or paged else min(context, ring)
-    kv_positions = np.arange(context - held, total, dtype=np.int64)[None]  # (1, held + step)
-    layer.set_position_tables(np.ascontiguousarray(new_positions[:1]), kv_positions, dtype, device)
+    old_positions, old_valid = job.cached(context - held)  # (B, held) each: a ragged batch's pads invalid at -1
+    kv_positions = np.unique(np.concatenate([old_positions.ravel(), new_positions.ravel()]))[None]  # (1, distinct)
+    # The rows' step positions: one row of tables when they share them (a rectangular batch), else one per row.
+    rows = new_positions[:1] if job.lengths is None else new_positions
+    layer.set_position_tables(np.ascontiguousarray(rows), kv_positions, dtype, device)
     slots = cache_capacity(cfg, total, step)
     if paged:
         page_size, n_pages, seed = job.paging(cfg.window)
@@ -352,8 +357,8 @@ def prepare_torch_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep
         kv = TorchKVCache(job.cache, batch, cfg, ring=ring, capacity=slots, like=layer.w_q)
     if held:
         k_old, v_old = random_cache(rng, cfg, batch, held, dtype, device)
-        old = torch.from_numpy(np.broadcast_to(kv_positions[:, :held], (batch, held)).copy()).to(k_old.device)
-        kv.write(k_old, v_old, old, torch.ones_like(old, dtype=torch.bool), context - held)
+        old, valid = (torch.from_numpy(array).to(k_old.device) for array in (old_positions, old_valid))
+        kv.write(k_old, v_old, old, valid, context - held)
     saved = kv.state()
 
     def run(rec: StageRecorder | None):

@@ -44,7 +44,10 @@ class TorchPagedCache(PagedCacheBase):
         ``token ..``, which must follow the ones written) and return the held pages gathered, (k, v, positions, valid)."""
         if token != self.pool.written:
             raise ValueError(f"a paged cache is written in token order: token {token} after {self.pool.written}")
-        page, offset, given = self.pool.write_slots(k_new.shape[2])  # (B, s), (s,), (new pages,)
+        # Which tokens are pads, on the host where the pages are booked (pad-only pages take the null page): on a
+        # GPU this reads the chunk's validity back, a sync per chunk.
+        host_valid = valid.cpu().numpy()  # (B, s)
+        page, offset, given = self.pool.write_slots(k_new.shape[2], host_valid)  # (B, s), (s,), (new pages,)
         self.valid[self._index(given)] = False  # a page given again holds none of this row's tokens yet
         page = self._index(page)
         offset = self._index(offset).expand_as(page)  # (B, s)

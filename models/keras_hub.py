@@ -334,7 +334,11 @@ PHI3 = KerasHubFamily(
     args=(*HEADS, "rope_max_wavelength"),
     scalings=(None,),
     rules=_default_scale("phi3") + _width_over_heads("phi3"),
-    notes=("rope_scaling_type='su' builds Phi3SuScaledRotaryEmbedding (two factor tables): refused",),
+    notes=(
+        "rope_scaling_type='su' builds Phi3SuScaledRotaryEmbedding: refused, not yet read. It is the spec's longrope "
+        "(core.longrope: the long table when start_index + seq_len > pretraining_sequence_length, Hugging Face's rule, "
+        "and the factor from max_sequence_length / pretraining_sequence_length), but no reader is proved on it here",
+    ),
 )
 GPT_OSS = KerasHubFamily(
     layout="keras-hub-gpt-oss",

@@ -251,5 +251,6 @@ def test_hf_phi3_against_mlx_lm_longrope_agrees_past_the_original_length_and_nam
     assert [d.name for d in long.differences] == ["rope_scaling"] and long.agrees
     short = compare(hf, port, x=x[:, :3], decode=True)  # 3 tokens: Hugging Face's short table, mlx-lm's long one
     assert not short.agrees and short.stage == "q_rotated"
+    assert short.causes and "long table at every length" in short.causes[0].detail  # diagnose's longrope cause
     # decode: position 0 turns by nothing (one key: the same output); position 1 is the first that differs
     assert short.first_decode_step == 1

@@ -33,6 +33,7 @@ def _validate(cfg: Config) -> dict:
             f"MHAConfig.rope_scaling={cfg.rope_scaling!r} needs rope='half' or 'interleaved' (rope is None)"
         )
     scaling = validate_rope_scaling(cfg.rope_scaling)
+    assert scaling is not None  # rope_scaling is not None here
     if scaling["rope_type"] == "longrope" and cfg.rope is not None:  # one divisor per rotated pair
         check_longrope_pairs(scaling, _rotated_dims(cfg))
     return {"rope_scaling": scaling}

@@ -456,6 +456,21 @@ def test_phi3_longrope_takes_the_long_table_one_token_past_the_original_length()
         assert np.abs(run.output - swapped).max() > 1e-2
 
 
+def test_phi3_longrope_decode_keeps_the_keys_written_before_the_switch_on_the_short_table():
+    """Hugging Face's DynamicCache decoding across original_max_position_embeddings (4): steps 0-3 are the short
+    table's run, and from step 4 the cached keys keep the short table while new ones take the long one, which is
+    neither run of the spec (core.longrope: a decode check's run starts past the original length for this reason)."""
+    from mha_rosetta.models.decode_steps import decode_steps
+
+    module = _randomised(_hf("phi3-longrope"))
+    cfg, params = from_module(module)
+    x = _x(cfg.d_model, 7)
+    steps = np.stack(decode_steps(module, x), axis=1)  # (B, 7, E): its own rotary, float32 angles
+    assert_close(steps[:, :4], reference_mha(cfg, params, x[:, :4]), "float32", what="steps 0-3: the short table")
+    long_run = reference_mha(cfg, params, x)  # every key rotated by the long table
+    assert np.abs(steps[:, 4:] - long_run[:, 4:]).max() > 1e-2
+
+
 def test_bert_layer_norm_is_left_alone_by_to_module():
     _need("torch", "transformers")
     import torch

@@ -70,6 +70,9 @@ def explain(demo) -> Explanation:
     resolved = validate_rope_scaling(yarn)  # its defaults filled in (a dict: yarn is not None)
     assert resolved is not None
     attention = yarn_attention_factor(resolved)
+    base, _ = scaled_frequencies(4, 10000.0, None, 1)  # (2,): LONGROPE's two pairs, unscaled
+    within, _ = scaled_frequencies(4, 10000.0, LONGROPE, 4)  # 4 tokens: not past its original length
+    past, longrope_factor = scaled_frequencies(4, 10000.0, LONGROPE, 5)
     return Explanation(
         "rope_scaling (a dict in Hugging Face's form)",
         "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn, proportional, longrope); yarn's and "
@@ -93,6 +96,8 @@ def explain(demo) -> Explanation:
             f"linear would divide all by {numbers(plain / linear, 3)}: the high frequencies are where they differ",
             f"yarn with factor 32 multiplies cos and sin by {attention:.4g}, so the rotated part of each score by "
             f"{attention**2:.3g}",
+            f"longrope (Phi-3; original length 4, factor 4) divides the pairs by {numbers(base / within, 3)} in a call "
+            f"of 4 tokens and by {numbers(base / past, 3)} in one of 5, with {longrope_factor:.4g} on cos and sin",
         ],
     )
 

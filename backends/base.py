@@ -195,6 +195,11 @@ class Backend(DecodeMixin):
             return reason
         if strategy not in self.strategies:
             return f"{self.name} has no strategy {strategy!r} (it has {', '.join(self.strategies)})"
+        return self._dtype_device_reason(dtype, device)
+
+    def _dtype_device_reason(self, dtype: str, device: str) -> str | None:
+        """Why this backend cannot run ``dtype`` on ``device`` (the last refusals of a forward and of a decode), or
+        None."""
         if dtype not in self.dtypes:
             return f"{self.name} does not support {dtype}"
         if not self.has_device(device):
@@ -368,11 +373,7 @@ class Backend(DecodeMixin):
         if missing:
             has = ", ".join(sorted(self.decode_variants)) or "none"
             return f"{self.name}'s decode path does not implement {', '.join(missing)} (it implements: {has})"
-        if dtype not in self.dtypes:
-            return f"{self.name} does not support {dtype}"
-        if not self.has_device(device):
-            return f"{self.name}: no {device} device present on this machine"
-        return None
+        return self._dtype_device_reason(dtype, device)
 
     @staticmethod
     def canonical_stages(prepared: Prepared) -> dict[str, np.ndarray]:

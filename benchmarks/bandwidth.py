@@ -120,7 +120,7 @@ def measure(spec: dict) -> dict:
     limit's side of the machine instead: the last-level cache measured and a read stream over arrays larger
     than it (`limits.measure_read_limit`)."""
     from . import pinning
-    from .gemm import time_program
+    from .gemm import time_program, timing_fields
     from .timing import RepeatPolicy
 
     if spec.get("kernel") == "read":
@@ -144,7 +144,6 @@ def measure(spec: dict) -> dict:
         pools = pinning.thread_pool_report()
         timings = time_program(launch, sync, policy, device)
     moved = facts["moved_bytes"]
-    cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
     return {
         "status": "ok",
         "library": library,
@@ -154,12 +153,8 @@ def measure(spec: dict) -> dict:
         "moved_bytes": moved,
         "gbps": moved / timings["median_s"] / 1e9,  # the median, like the GEMM peak
         "best_gbps": moved / timings["min_s"] / 1e9,
-        **{name: timings[name] for name in ("median_s", "iqr_s", "min_s", "repeats")},
+        **timing_fields(timings, pools, threads, device),
         "samples_s": timings.get("samples_s"),
-        "back_to_back": timings.get("back_to_back", 1),
-        "cpu_util": cpu_util,
-        "warnings": pinning.cpu_warnings(cpu_util, threads, device),
-        "thread_pools": pools,
     }
 
 

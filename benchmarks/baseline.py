@@ -18,6 +18,7 @@ baseline from another machine, the reference's own speed is part of what changed
 
 from __future__ import annotations
 
+from .provenance import machine_differences, report_machine_key
 from .report import READABLE_SCHEMAS, cell_label, headline_peak
 from .rounds import is_corrected
 from .verdict import (
@@ -115,6 +116,8 @@ def compare_to_baseline(report: dict, baseline: dict, threshold: float = BASELIN
     return {
         "threshold": threshold,
         "rule": RULE,
+        # Another machine (`provenance.machine_differences`): every figure's change is partly the machine's.
+        "machine_differences": machine_differences(report_machine_key(baseline), report_machine_key(report)),
         "gemm_peak": _peak_change(report, baseline),
         **({"bandwidth": _bandwidth_change(report, baseline)} if report_kind(report) == DECODE_KIND else {}),
         # The host's speed between the runs (the reference product's run median, report over baseline), and the
@@ -177,6 +180,12 @@ def baseline_markdown(comparison: dict) -> str:
         f"Against the baseline ({len(comparison['compared'])} cells compared; a change counts when the medians "
         f"differ by more than {threshold:.0%} and the round ranges do not overlap):"
     ]
+    differences = comparison.get("machine_differences")
+    if differences:
+        lines.append(
+            f"- another machine (the baseline's against this run's: {'; '.join(differences)}): every change below "
+            "is partly the machine's"
+        )
     peak = comparison.get("gemm_peak")
     if peak:
         lines.append(

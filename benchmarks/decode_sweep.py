@@ -5,7 +5,7 @@ An interrupted sweep keeps every finished visit and each round's bandwidth in a 
 one JSON line each, the forward sweep's format with the entry types ``decode-cell`` and ``bandwidth`` and a
 header of kind ``decode``); ``resume=True`` (``bench --mode decode --resume``) reloads them and the shuffle
 seed and runs the rest, as the forward sweep does. It resumes only on the machine that started it (the
-header's `provenance.host_id`): the cells and the bandwidth they are read against would otherwise
+header's machine, by the rule of `provenance.MACHINE_FIELDS`): the cells and the bandwidth they are read against would otherwise
 come from two machines.
 """
 
@@ -49,10 +49,10 @@ def load_decode_partial(path: Path) -> tuple[dict[tuple[int, str], dict], dict[t
     return cells, bandwidths
 
 
-def check_decode_partial(path: Path, host: str) -> dict | None:
+def check_decode_partial(path: Path) -> dict | None:
     """The header of the decode partial file at ``path`` (None when there is none), or ValueError naming the file
     when it holds a forward sweep's visits or another machine's."""
-    from .partial import partial_header
+    from .partial import check_resume_machine, partial_header
 
     header = partial_header(Path(path))
     if header is None:
@@ -62,12 +62,7 @@ def check_decode_partial(path: Path, host: str) -> dict | None:
             f"--resume: {path} holds a forward sweep's finished cells, not a decode sweep's "
             "(give the decode sweep's --partial PATH, or run without --resume)"
         )
-    if header.get("host_id") not in (None, host):
-        raise ValueError(
-            f"--resume: {path} was written on another machine (host id {header.get('host_id')}, this is {host}); "
-            "a decode sweep resumes only where it started: its cells and the bandwidth they are read against "
-            "would come from two machines"
-        )
+    check_resume_machine(path, header, "its cells and the bandwidth they are read against")
     return header
 
 
@@ -231,19 +226,17 @@ def run_decode_sweep(
     the visits taken from the file.
     """
     from .bandwidth import measure_bandwidth
-    from .partial import append_entry, end_torn_line
+    from .partial import append_entry, end_torn_line, header_fields
     from .progress import Progress
-    from .provenance import host_id
     from .rounds import FINISHED_STATUSES, draw_seed, round_orders
 
     bandwidth_runner = bandwidth_runner or measure_bandwidth
-    host = host_id()
     partial = None if partial_path is None else Path(partial_path)
     done_cells: dict[tuple[int, str], dict] = {}
     done_bandwidths: dict[tuple[int, str], dict] = {}
     header = None
     if partial is not None and resume:
-        header = check_decode_partial(partial, host)
+        header = check_decode_partial(partial)
         done_cells, done_bandwidths = load_decode_partial(partial)
         end_torn_line(partial)
     if settings.seed is None:
@@ -254,7 +247,7 @@ def run_decode_sweep(
             partial.unlink(missing_ok=True)  # a fresh sweep: earlier partial results are not this run's
         partial.parent.mkdir(parents=True, exist_ok=True)
         if not partial.exists() or header is None:
-            header = {"type": "header", "schema": 1, "kind": PARTIAL_KIND, "host_id": host}
+            header = {"type": "header", "schema": 1, "kind": PARTIAL_KIND, **header_fields()}
             append_entry(partial, {**header, "settings": settings.as_dict()})
 
     def keep(entry: dict) -> None:

@@ -227,7 +227,6 @@ def measure(spec: dict) -> dict:
         timings = time_program(launch, sync, policy, device)
     # The median, as for the cells, so that peak_fraction compares like with like.
     flops = gemm_flops(n, n, n)
-    cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
     return {
         "status": "ok",
         "library": library,
@@ -235,13 +234,25 @@ def measure(spec: dict) -> dict:
         "n": n,
         "requested_n": requested_n,
         "gflops": flops / timings["median_s"] / 1e9,
+        **timing_fields(timings, pools, threads, device),
+        "first_call_s": first,
+        "malloc_env": pinning.malloc_env_report(),
+    }
+
+
+def timing_fields(timings: dict, pools: list[dict], threads: int, device: str) -> dict:
+    """What a measured child reports of `time_program`'s ``timings`` (the GEMM peak's and the copy bandwidth's):
+    median, IQR, min and repeats, the programs per sample (``back_to_back``), the CPU use (CPU time / wall time)
+    with its warnings, and the thread pools (``pools``, `pinning.thread_pool_report`)."""
+    from . import pinning
+
+    cpu_util = pinning.cpu_utilisation(timings["span_cpu_s"], timings["span_wall_s"])
+    return {
         **{name: timings[name] for name in ("median_s", "iqr_s", "min_s", "repeats")},
         "back_to_back": timings.get("back_to_back", 1),
-        "first_call_s": first,
         "cpu_util": cpu_util,
         "warnings": pinning.cpu_warnings(cpu_util, threads, device),
         "thread_pools": pools,
-        "malloc_env": pinning.malloc_env_report(),
     }
 
 

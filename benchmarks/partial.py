@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .cell import cell_key
 from .plan import gemm_key
+from .provenance import machine_differences, machine_key
 
 
 def default_partial_path(json_path: str | None) -> Path:
@@ -59,6 +60,26 @@ def load_partial(path: Path) -> tuple[dict[tuple[int, int, str], dict], dict[tup
 def partial_header(path: Path) -> dict | None:
     """The header entry of a partial file (its settings, seed included), or None."""
     return next((entry for entry in partial_entries(path) if entry.get("type") == "header"), None)
+
+
+def header_fields() -> dict:
+    """What every partial file's header records besides its kind and settings: the machine (`machine_key`)."""
+    return {"machine": machine_key()}
+
+
+def check_resume_machine(path: Path, header: dict | None, what: str) -> None:
+    """Refuse to resume ``path`` on a machine other than the one that wrote it (the rule of
+    `provenance.MACHINE_FIELDS`); ``what`` names what would otherwise come from two machines. A header from
+    before the machine was recorded is read by its ``host_id`` alone, and one without either is accepted."""
+    if header is None:
+        return
+    recorded = header.get("machine") or {"host_id": header.get("host_id")}
+    differences = machine_differences(recorded, machine_key())
+    if differences:
+        raise ValueError(
+            f"--resume: {path} was written on another machine (the file's against this one's: "
+            f"{'; '.join(differences)}); a sweep resumes only where it started: {what} would come from two machines"
+        )
 
 
 def end_torn_line(path: Path) -> None:

@@ -73,6 +73,39 @@ def host_id() -> str:
     return hashlib.sha256(("mha-rosetta:" + socket.gethostname()).encode()).hexdigest()[:16]
 
 
+# What tells two machines apart, for every rule that asks "the same machine?" (a sweep's --resume, the README's
+# tables, a baseline comparison). The host id alone is not enough: cloned images share /etc/machine-id, and the
+# Intel Xeon and the AMD EPYC this project was measured on both hash to 9d136d53bb9ca941 (checked 2026-12-06).
+MACHINE_FIELDS = ("host_id", "cpu_model", "cores")
+
+
+def machine_key() -> dict:
+    """This machine as `MACHINE_FIELDS` tell it apart: its host id, CPU model and core count."""
+    return {"host_id": host_id(), "cpu_model": cpu_model(), "cores": os.cpu_count()}
+
+
+def report_machine_key(report: dict) -> dict:
+    """A bench report's machine (its ``machine`` block and its ``provenance``) as `MACHINE_FIELDS` tell it apart;
+    a field the report does not hold is None."""
+    machine = report.get("machine") or {}
+    prov = report.get("provenance") or {}
+    return {
+        "host_id": prov.get("host_id"),
+        "cpu_model": machine.get("cpu_model") or prov.get("cpu_model"),
+        "cores": machine.get("cores") or prov.get("cpu_count"),
+    }
+
+
+def machine_differences(first: dict, second: dict) -> list[str]:
+    """Where two machine keys differ, one phrase a field (``"cpu_model 'A' against 'B'"``); empty for the same
+    machine. A field missing (None) on either side is not compared: a file from before the field was written."""
+    return [
+        f"{name} {first[name]!r} against {second[name]!r}"
+        for name in MACHINE_FIELDS
+        if first.get(name) is not None and second.get(name) is not None and first[name] != second[name]
+    ]
+
+
 INTERESTING_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "neon", "sve")
 
 

@@ -30,6 +30,7 @@ from mha_rosetta.core.tables import markdown_table as table_lines
 from .markdown import markdown_table, percent, round_range_text
 from .pinning import CONTENDED_BELOW
 from .plots import plot_report, reference_cells
+from .provenance import machine_differences, report_machine_key
 from .report import REFERENCE_SIZE, load_report
 from .rounds import cell_interval, cell_time, intervals_overlap, is_corrected, published
 
@@ -85,11 +86,11 @@ def _machine_name(report: dict) -> str:
 
 
 def _other_machine(main: dict, second: dict | None) -> str | None:
-    """The second report's machine when it is not the first's (CPU model and core count), else None."""
-    if second is None:
+    """The second report's machine when it is not the first's (`provenance.machine_differences`: host id, CPU
+    model and core count), else None."""
+    if second is None or not machine_differences(report_machine_key(main), report_machine_key(second)):
         return None
-    name = _machine_name(second)
-    return name if name != _machine_name(main) else None
+    return _machine_name(second)
 
 
 def _cpu_peak(report: dict) -> float | None:

@@ -40,7 +40,7 @@ from .cell import CellSpec, cell_record, run_cell
 from .flops import mode_flops
 from .gemm import DEFAULT_GEMM_SIZE, measure_gemm_peak
 from .long import memory_budget_mb, over_budget_reason
-from .partial import append_entry, end_torn_line, load_partial, partial_header
+from .partial import append_entry, check_resume_machine, end_torn_line, header_fields, load_partial, partial_header
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
 from .plan import gemm_groups, gemm_key, resolve_implementations
 from .presets import PRESETS
@@ -217,8 +217,9 @@ def run_sweep(
     groups = gemm_groups(cells)
     partial_path = Path(partial_path)
     done_cells, done_peaks = load_partial(partial_path) if resume else ({}, {})
+    header = partial_header(partial_path) if resume else None
+    check_resume_machine(partial_path, header, "its cells and the GEMM peaks they are read against")
     if settings.seed is None:
-        header = partial_header(partial_path) if resume else None
         seed = (header or {}).get("settings", {}).get("seed")
         settings = replace(settings, seed=seed if isinstance(seed, int) else draw_seed())
     if resume:
@@ -227,7 +228,7 @@ def run_sweep(
         partial_path.unlink(missing_ok=True)  # a fresh sweep: earlier partial results are not this run's
     partial_path.parent.mkdir(parents=True, exist_ok=True)
     if not partial_path.exists():
-        append_entry(partial_path, {"type": "header", "schema": 1, "settings": settings.as_dict()})
+        append_entry(partial_path, {"type": "header", "schema": 1, **header_fields(), "settings": settings.as_dict()})
 
     budget = memory_budget_mb(settings.memory_budget_mb)
     orders = round_orders(len(cells), settings.rounds, settings.seed, settings.visits)

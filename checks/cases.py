@@ -37,7 +37,7 @@ from mha_rosetta.core import (
     reference_stages,
 )
 from mha_rosetta.core.ragged import RaggedBatch
-from mha_rosetta.core.variants import registry_cases
+from mha_rosetta.core.variants import CaseSpec, registry_cases
 
 ALL_DTYPES = DTYPE_NAMES  # float64, float32, float16, bfloat16
 
@@ -243,215 +243,177 @@ class SpecCase:
         }
 
 
-# A case that names no batch or q_tokens has the defaults: 2 batch items of 7 query tokens.
-SPEC_CASES: dict[str, SpecCase] = {
-    case.name: case
-    for case in (
-        SpecCase(
-            "self_attention",
-            "plain self-attention: key = value = query",
-            MHAConfig(d_model=15, n_heads=3),  # d_k = d_v = 5
-            dtypes=("float64", "bfloat16"),
-        ),
-        SpecCase(
-            "cross_attention",
-            "cross-attention: other tokens (Nq != Nk) of other widths (kdim != vdim != d_model)",
-            MHAConfig(d_model=15, n_heads=3, kdim=11, vdim=9),
-            kv_tokens=6,
-            dtypes=("float32", "float16"),
-            seed=1,
-        ),
-        SpecCase(
-            "gqa",
-            "grouped-query attention: 4 query heads share 2 kv heads",
-            MHAConfig(d_model=20, n_heads=4, n_kv_heads=2),  # d_k = 5
-            batch=3,
-            dtypes=("float16",),
-            seed=2,
-        ),
-        SpecCase(
-            "mqa",
-            "multi-query attention: 3 query heads share one kv head",
-            MHAConfig(d_model=18, n_heads=3, n_kv_heads=1),  # d_k = 6
-            q_tokens=5,
-            dtypes=("float64",),
-            seed=3,
-        ),
-        SpecCase(
-            "causal",
-            "causal self-attention: query i sees keys 0..i",
-            MHAConfig(d_model=15, n_heads=3, causal=True),
-            dtypes=("float32",),
-            seed=4,
-        ),
-        SpecCase(
-            "padding",
-            "key padding per batch item (lengths 8, 6, 3, 1 of 8)",
-            MHAConfig(d_model=15, n_heads=3),
-            batch=4,
-            q_tokens=8,
-            key_lengths=(8, 6, 3, 1),
-            dtypes=("float64",),
-            seed=5,
-        ),
-        SpecCase(
-            "causal_padding",
-            "causal mask combined with key padding (lengths 7, 4 of 7)",
-            MHAConfig(d_model=12, n_heads=4, causal=True),  # d_k = 3
-            key_lengths=(7, 4),
-            dtypes=("float16", "bfloat16"),
-            seed=6,
-        ),
-        SpecCase(
-            "no_bias",
-            "projections without bias",
-            MHAConfig(d_model=15, n_heads=3, bias=False),
-            dtypes=("float32",),
-            seed=7,
-        ),
-        SpecCase(
-            "unbatched",
-            "unbatched call: query of shape (tokens, d_model)",
-            MHAConfig(d_model=15, n_heads=3),
-            batch=None,
-            dtypes=("float64",),
-            seed=8,
-        ),
-        SpecCase(
-            "custom_scale",
-            "a scale other than 1/sqrt(d_k)",
-            MHAConfig(d_model=15, n_heads=3, scale=0.37),
-            dtypes=("float32",),
-            seed=9,
-        ),
-        SpecCase(
-            "dv_ne_dk",
-            "value heads narrower than key heads (d_v=4, d_k=6) and d_model != heads*d_k",
-            MHAConfig(d_model=16, n_heads=3, d_k=6, d_v=4),
-            dtypes=("float64",),
-            seed=10,
-        ),
-        SpecCase(
-            "fully_masked_row",
-            "query rows that may attend to no key (spec: zero weights, output = b_o)",
-            # Two heads, self-attention with bias: the shape that sends torch's
-            # nn.MultiheadAttention down its fused fast path, which answers such rows with NaN.
-            MHAConfig(d_model=12, n_heads=2),  # d_k = 6
-            batch=3,
-            key_lengths=(7, 5, 4),
-            blocked_rows=((0, 2), (2, 6)),
-            dtypes=("float32",),
-            seed=11,
-        ),
-        SpecCase(
-            "heads_split",
-            "8 heads over 2 kv heads, cross-attention with padding: splits over 2, 4 and 8 ranks (tensor parallelism)",
-            # Even head counts, so the sharded backends split it (kv heads split over 2 ranks,
-            # replicated over 4 and 8); d_k=3 and kdim/vdim differ from every other width.
-            MHAConfig(d_model=16, n_heads=8, n_kv_heads=2, d_k=3, kdim=10, vdim=14),
-            q_tokens=9,
-            kv_tokens=6,
-            key_lengths=(6, 4),
-            dtypes=("float64", "float32"),
-            seed=18,
-        ),
-        SpecCase(
-            "rope_half",
-            "rotary embedding, rotate-half pairs (i, i + d_k/2): Hugging Face Llama, GPT-NeoX",
-            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half"),
-            dtypes=("float64", "float32"),
-            seed=12,
-        ),
-        SpecCase(
-            "rope_interleaved",
-            "rotary embedding, interleaved pairs (2i, 2i+1): Meta Llama, GPT-J",
-            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
-            dtypes=("float64", "bfloat16"),
-            seed=13,
-        ),
-        SpecCase(
-            "rope_partial",
-            "partial rotary (GPT-NeoX): the first 4 of 6 features per head rotate, the last 2 pass through",
-            MHAConfig(d_model=15, n_heads=3, d_k=6, d_v=5, rope="half", rope_dims=4),
-            dtypes=("float64", "float16"),
-            seed=14,
-        ),
-        SpecCase(
-            "rope_gqa_causal",
-            "interleaved partial rotary with grouped kv heads (4 query heads, 2 kv heads) and a causal mask",
-            MHAConfig(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True),
-            batch=3,
-            dtypes=("float64", "float32"),
-            seed=15,
-        ),
-        SpecCase(
-            "rope_positions",
-            "rotary at other positions: batch items start at 5 and 11 (queries and keys alike)",
-            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half", rope_base=500.0),
-            position_offsets=(5, 11),
-            dtypes=("float64",),
-            seed=16,
-        ),
-        SpecCase(
-            "rope_cache",
-            "rotary with a cache: 4 new queries at positions 3..6 attend to 7 cached keys at 0..6",
-            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
-            q_tokens=4,
-            kv_tokens=7,
-            position_offsets=(3, 3),
-            dtypes=("float64",),
-            seed=17,
-        ),
-        SpecCase(
-            "causal_cache",
-            "a decode step as one forward: 3 causal queries at positions 4..6 over 7 cached keys at 0..6, so "
-            "causality on positions is bottom-right (is_causal=True would be top-left)",
-            MHAConfig(d_model=18, n_heads=5, n_kv_heads=1, d_k=4, rope="half", causal=True),
-            q_tokens=3,
-            kv_tokens=7,
-            position_offsets=(4, 4),
-            dtypes=("float64", "float32"),
-            seed=34,
-        ),
-        SpecCase(
-            "packed",
-            "packed documents of 4, 0, 1, 6 and 2 tokens in one row (cu_seqlens [0, 4, 4, 5, 11, 13]): "
-            "each attends only within itself, rotary positions restarting per document",
-            MHAConfig(d_model=18, n_heads=3, n_kv_heads=1, rope="half", causal=True),  # d_k = 6
-            batch=1,
-            q_tokens=13,
-            documents=(4, 0, 1, 6, 2),
-            dtypes=("float64", "float32"),
-            seed=35,
-        ),
-        SpecCase(
-            "packed_window_alibi",
-            "packed documents of 5, 1 and 6 tokens with ALiBi and a causal window of 3: distances and the "
-            "window read on positions within each document",
-            MHAConfig(d_model=15, n_heads=3, causal=True, window=3, alibi=True),
-            batch=1,
-            q_tokens=12,
-            documents=(5, 1, 6),
-            dtypes=("float64", "float32"),
-            seed=36,
-        ),
-    )
-}
-# The variants of 2024-26 attention (issue 24): each variant's cases, then the combinations real models
-# use (`core.variants`: the entries' and `core.variants.models`' cases, by seed). Sizes differ from the
+# The cases of the 2017-23 layer, written as the variants' are (`core.variants.CaseSpec`: name, description,
+# MHAConfig keywords, SpecCase options). A case that names no batch or q_tokens has the defaults: 2 batch items of
+# 7 query tokens.
+LAYER_CASES = (
+    CaseSpec(
+        "self_attention",
+        "plain self-attention: key = value = query",
+        dict(d_model=15, n_heads=3),  # d_k = d_v = 5
+        dict(dtypes=("float64", "bfloat16")),
+    ),
+    CaseSpec(
+        "cross_attention",
+        "cross-attention: other tokens (Nq != Nk) of other widths (kdim != vdim != d_model)",
+        dict(d_model=15, n_heads=3, kdim=11, vdim=9),
+        dict(kv_tokens=6, dtypes=("float32", "float16"), seed=1),
+    ),
+    CaseSpec(
+        "gqa",
+        "grouped-query attention: 4 query heads share 2 kv heads",
+        dict(d_model=20, n_heads=4, n_kv_heads=2),  # d_k = 5
+        dict(batch=3, dtypes=("float16",), seed=2),
+    ),
+    CaseSpec(
+        "mqa",
+        "multi-query attention: 3 query heads share one kv head",
+        dict(d_model=18, n_heads=3, n_kv_heads=1),  # d_k = 6
+        dict(q_tokens=5, dtypes=("float64",), seed=3),
+    ),
+    CaseSpec(
+        "causal",
+        "causal self-attention: query i sees keys 0..i",
+        dict(d_model=15, n_heads=3, causal=True),
+        dict(dtypes=("float32",), seed=4),
+    ),
+    CaseSpec(
+        "padding",
+        "key padding per batch item (lengths 8, 6, 3, 1 of 8)",
+        dict(d_model=15, n_heads=3),
+        dict(batch=4, q_tokens=8, key_lengths=(8, 6, 3, 1), dtypes=("float64",), seed=5),
+    ),
+    CaseSpec(
+        "causal_padding",
+        "causal mask combined with key padding (lengths 7, 4 of 7)",
+        dict(d_model=12, n_heads=4, causal=True),  # d_k = 3
+        dict(key_lengths=(7, 4), dtypes=("float16", "bfloat16"), seed=6),
+    ),
+    CaseSpec(
+        "no_bias",
+        "projections without bias",
+        dict(d_model=15, n_heads=3, bias=False),
+        dict(dtypes=("float32",), seed=7),
+    ),
+    CaseSpec(
+        "unbatched",
+        "unbatched call: query of shape (tokens, d_model)",
+        dict(d_model=15, n_heads=3),
+        dict(batch=None, dtypes=("float64",), seed=8),
+    ),
+    CaseSpec(
+        "custom_scale",
+        "a scale other than 1/sqrt(d_k)",
+        dict(d_model=15, n_heads=3, scale=0.37),
+        dict(dtypes=("float32",), seed=9),
+    ),
+    CaseSpec(
+        "dv_ne_dk",
+        "value heads narrower than key heads (d_v=4, d_k=6) and d_model != heads*d_k",
+        dict(d_model=16, n_heads=3, d_k=6, d_v=4),
+        dict(dtypes=("float64",), seed=10),
+    ),
+    CaseSpec(
+        "fully_masked_row",
+        "query rows that may attend to no key (spec: zero weights, output = b_o)",
+        # Two heads, self-attention with bias: the shape that sends torch's
+        # nn.MultiheadAttention down its fused fast path, which answers such rows with NaN.
+        dict(d_model=12, n_heads=2),  # d_k = 6
+        dict(batch=3, key_lengths=(7, 5, 4), blocked_rows=((0, 2), (2, 6)), dtypes=("float32",), seed=11),
+    ),
+    CaseSpec(
+        "heads_split",
+        "8 heads over 2 kv heads, cross-attention with padding: splits over 2, 4 and 8 ranks (tensor parallelism)",
+        # Even head counts, so the sharded backends split it (kv heads split over 2 ranks,
+        # replicated over 4 and 8); d_k=3 and kdim/vdim differ from every other width.
+        dict(d_model=16, n_heads=8, n_kv_heads=2, d_k=3, kdim=10, vdim=14),
+        dict(q_tokens=9, kv_tokens=6, key_lengths=(6, 4), dtypes=("float64", "float32"), seed=18),
+    ),
+    CaseSpec(
+        "rope_half",
+        "rotary embedding, rotate-half pairs (i, i + d_k/2): Hugging Face Llama, GPT-NeoX",
+        dict(d_model=15, n_heads=3, d_k=6, rope="half"),
+        dict(dtypes=("float64", "float32"), seed=12),
+    ),
+    CaseSpec(
+        "rope_interleaved",
+        "rotary embedding, interleaved pairs (2i, 2i+1): Meta Llama, GPT-J",
+        dict(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
+        dict(dtypes=("float64", "bfloat16"), seed=13),
+    ),
+    CaseSpec(
+        "rope_partial",
+        "partial rotary (GPT-NeoX): the first 4 of 6 features per head rotate, the last 2 pass through",
+        dict(d_model=15, n_heads=3, d_k=6, d_v=5, rope="half", rope_dims=4),
+        dict(dtypes=("float64", "float16"), seed=14),
+    ),
+    CaseSpec(
+        "rope_gqa_causal",
+        "interleaved partial rotary with grouped kv heads (4 query heads, 2 kv heads) and a causal mask",
+        dict(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True),
+        dict(batch=3, dtypes=("float64", "float32"), seed=15),
+    ),
+    CaseSpec(
+        "rope_positions",
+        "rotary at other positions: batch items start at 5 and 11 (queries and keys alike)",
+        dict(d_model=15, n_heads=3, d_k=6, rope="half", rope_base=500.0),
+        dict(position_offsets=(5, 11), dtypes=("float64",), seed=16),
+    ),
+    CaseSpec(
+        "rope_cache",
+        "rotary with a cache: 4 new queries at positions 3..6 attend to 7 cached keys at 0..6",
+        dict(d_model=15, n_heads=3, d_k=6, rope="interleaved"),
+        dict(q_tokens=4, kv_tokens=7, position_offsets=(3, 3), dtypes=("float64",), seed=17),
+    ),
+    CaseSpec(
+        "causal_cache",
+        "a decode step as one forward: 3 causal queries at positions 4..6 over 7 cached keys at 0..6, so "
+        "causality on positions is bottom-right (is_causal=True would be top-left)",
+        dict(d_model=18, n_heads=5, n_kv_heads=1, d_k=4, rope="half", causal=True),
+        dict(q_tokens=3, kv_tokens=7, position_offsets=(4, 4), dtypes=("float64", "float32"), seed=34),
+    ),
+    CaseSpec(
+        "packed",
+        "packed documents of 4, 0, 1, 6 and 2 tokens in one row (cu_seqlens [0, 4, 4, 5, 11, 13]): "
+        "each attends only within itself, rotary positions restarting per document",
+        dict(d_model=18, n_heads=3, n_kv_heads=1, rope="half", causal=True),  # d_k = 6
+        dict(batch=1, q_tokens=13, documents=(4, 0, 1, 6, 2), dtypes=("float64", "float32"), seed=35),
+    ),
+    CaseSpec(
+        "packed_window_alibi",
+        "packed documents of 5, 1 and 6 tokens with ALiBi and a causal window of 3: distances and the "
+        "window read on positions within each document",
+        dict(d_model=15, n_heads=3, causal=True, window=3, alibi=True),
+        dict(batch=1, q_tokens=12, documents=(5, 1, 6), dtypes=("float64", "float32"), seed=36),
+    ),
+)
+
+
+def case_table(case_class, specs) -> dict:
+    """The cases ``case_class`` (`SpecCase`, `checks.decode_cases.DecodeCase`) of ``specs`` (`CaseSpec`), by name."""
+    return {
+        spec.name: case_class(spec.name, spec.description, MHAConfig(**spec.config), **spec.options) for spec in specs
+    }
+
+
+# After the layer's cases, the variants of 2024-26 attention (issue 24): each variant's cases, then the combinations
+# real models use (`core.variants`: the entries' and `core.variants.models`' cases, by seed). Sizes differ from the
 # cases above and from each other.
-SPEC_CASES |= {
-    spec.name: SpecCase(spec.name, spec.description, MHAConfig(**spec.config), **spec.options)
-    for spec in registry_cases("check")
-}
+SPEC_CASES: dict[str, SpecCase] = case_table(SpecCase, (*LAYER_CASES, *registry_cases("check")))
+
+
+def named_cases(table: dict, names, noun: str = "case", where: str = "") -> list:
+    """The cases of ``table`` named in ``names``, in the order given (all of them for None); an unknown name is a
+    ValueError that lists the known ones (``noun``: what the table holds; ``where``: the option it came from)."""
+    if names is None:
+        return list(table.values())
+    names = list(names)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"{where}unknown {noun}(s) {', '.join(map(repr, unknown))}; known {noun}s: {', '.join(table)}")
+    return [table[n] for n in names]
 
 
 def get_cases(names=None) -> list[SpecCase]:
     """The named spec cases in the order given (all of them for None)."""
-    if names is None:
-        return list(SPEC_CASES.values())
-    names = list(names)
-    unknown = [n for n in names if n not in SPEC_CASES]
-    if unknown:
-        raise ValueError(f"unknown case(s) {', '.join(map(repr, unknown))}; known cases: {', '.join(SPEC_CASES)}")
-    return [SPEC_CASES[n] for n in names]
+    return named_cases(SPEC_CASES, names)

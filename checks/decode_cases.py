@@ -28,9 +28,9 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, init_params
 from mha_rosetta.core.decode import DecodeInputs, prepare_decode_inputs, ring_capacity
 from mha_rosetta.core.paged import check_page_size
-from mha_rosetta.core.variants import registry_cases
+from mha_rosetta.core.variants import CaseSpec, registry_cases
 
-from .cases import ALL_DTYPES
+from .cases import ALL_DTYPES, case_table, named_cases
 
 PADDINGS = (None, "left", "right")
 
@@ -144,83 +144,56 @@ class DecodeCase:
         return self.name
 
 
-DECODE_CASES: dict[str, DecodeCase] = {
-    case.name: case
-    for case in (
-        DecodeCase(
-            "gqa_rotary",
-            "GQA (4 query heads on 2 kv heads) with half rotary: the cache holds Hkv heads, rotated keys",
-            MHAConfig(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True),
-            batch=2,
-            tokens=9,
-            prefill=4,
-            dtypes=("float64", "float32", "float16"),
-            seed=101,
-        ),
-        DecodeCase(
-            "prefill_one",
-            "prefill of one token, then every other token one at a time (GQA, half rotary)",
-            MHAConfig(d_model=18, n_heads=3, n_kv_heads=1, d_k=4, rope="half", causal=True),
-            batch=3,
-            tokens=7,
-            prefill=1,
-            seed=102,
-        ),
-        DecodeCase(
-            "prefill_all",
-            "the whole sequence as the prefill: no step at all (the cache is only written)",
-            MHAConfig(d_model=18, n_heads=3, n_kv_heads=1, d_k=4, rope="half", causal=True),
-            batch=2,
-            tokens=6,
-            prefill=6,
-            dtypes=("float64",),
-            seed=103,
-        ),
-        DecodeCase(
-            "window_outgrown",
-            "a window of 3 (ring of 3 slots), prefill 2 shorter than the ring, 11 tokens well past it",
-            MHAConfig(d_model=14, n_heads=2, d_k=6, rope="half", causal=True, window=3),
-            batch=2,
-            tokens=11,
-            prefill=2,
-            dtypes=("float64", "float32"),
-            seed=104,
-        ),
-        DecodeCase(
-            "window_long_prefill",
-            "a window of 3 with GQA and two tokens a step (ring of 4), prefill 7 longer than the ring",
-            MHAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, window=3),
-            batch=1,
-            tokens=12,
-            prefill=7,
-            step=2,
-            dtypes=("float64",),
-            seed=105,
-        ),
-        DecodeCase(
-            "partial_interleaved",
-            "partial interleaved rotary (4 of 6 dims rotated, GPT-J style) with GQA",
-            MHAConfig(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True),
-            batch=2,
-            tokens=8,
-            prefill=3,
-            dtypes=("float64", "bfloat16"),
-            seed=106,
-        ),
-        DecodeCase(
-            "two_per_step",
-            "two tokens per step, the last step one token (9 - 4 = 5 does not divide by 2)",
-            MHAConfig(d_model=15, n_heads=3, d_k=6, rope="half", causal=True),
-            batch=2,
-            tokens=9,
-            prefill=4,
-            step=2,
-            seed=107,
-        ),
-        DecodeCase(
-            "left_padded",
-            "a left-padded batch (real lengths 8, 5, 3): positions cumsum(mask) - 1, pads at -1; with a window",
-            MHAConfig(d_model=21, n_heads=3, n_kv_heads=1, d_k=4, rope="half", causal=True, window=4),
+# The cache's cases, written as the variants' are (`core.variants.CaseSpec`: name, description, MHAConfig keywords,
+# DecodeCase options).
+CACHE_CASES = (
+    CaseSpec(
+        "gqa_rotary",
+        "GQA (4 query heads on 2 kv heads) with half rotary: the cache holds Hkv heads, rotated keys",
+        dict(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True),
+        dict(batch=2, tokens=9, prefill=4, dtypes=("float64", "float32", "float16"), seed=101),
+    ),
+    CaseSpec(
+        "prefill_one",
+        "prefill of one token, then every other token one at a time (GQA, half rotary)",
+        dict(d_model=18, n_heads=3, n_kv_heads=1, d_k=4, rope="half", causal=True),
+        dict(batch=3, tokens=7, prefill=1, seed=102),
+    ),
+    CaseSpec(
+        "prefill_all",
+        "the whole sequence as the prefill: no step at all (the cache is only written)",
+        dict(d_model=18, n_heads=3, n_kv_heads=1, d_k=4, rope="half", causal=True),
+        dict(batch=2, tokens=6, prefill=6, dtypes=("float64",), seed=103),
+    ),
+    CaseSpec(
+        "window_outgrown",
+        "a window of 3 (ring of 3 slots), prefill 2 shorter than the ring, 11 tokens well past it",
+        dict(d_model=14, n_heads=2, d_k=6, rope="half", causal=True, window=3),
+        dict(batch=2, tokens=11, prefill=2, dtypes=("float64", "float32"), seed=104),
+    ),
+    CaseSpec(
+        "window_long_prefill",
+        "a window of 3 with GQA and two tokens a step (ring of 4), prefill 7 longer than the ring",
+        dict(d_model=24, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, window=3),
+        dict(batch=1, tokens=12, prefill=7, step=2, dtypes=("float64",), seed=105),
+    ),
+    CaseSpec(
+        "partial_interleaved",
+        "partial interleaved rotary (4 of 6 dims rotated, GPT-J style) with GQA",
+        dict(d_model=20, n_heads=4, n_kv_heads=2, d_k=6, rope="interleaved", rope_dims=4, causal=True),
+        dict(batch=2, tokens=8, prefill=3, dtypes=("float64", "bfloat16"), seed=106),
+    ),
+    CaseSpec(
+        "two_per_step",
+        "two tokens per step, the last step one token (9 - 4 = 5 does not divide by 2)",
+        dict(d_model=15, n_heads=3, d_k=6, rope="half", causal=True),
+        dict(batch=2, tokens=9, prefill=4, step=2, seed=107),
+    ),
+    CaseSpec(
+        "left_padded",
+        "a left-padded batch (real lengths 8, 5, 3): positions cumsum(mask) - 1, pads at -1; with a window",
+        dict(d_model=21, n_heads=3, n_kv_heads=1, d_k=4, rope="half", causal=True, window=4),
+        dict(
             batch=3,
             tokens=8,
             prefill=4,
@@ -229,22 +202,19 @@ DECODE_CASES: dict[str, DecodeCase] = {
             dtypes=("float64", "float32", "float16"),
             seed=108,
         ),
-        DecodeCase(
-            "right_padded",
-            "a right-padded batch (real lengths 4, 9): pads after the real tokens, no window",
-            MHAConfig(d_model=16, n_heads=2, d_k=6, rope="half", causal=True),
-            batch=2,
-            tokens=9,
-            prefill=5,
-            padding="right",
-            lengths=(4, 9),
-            seed=109,
-        ),
-        DecodeCase(
-            "paged_mid_window",
-            "pages of 3 under a window of 5 (two tokens a step): every step's window starts mid-page, whole pages "
-            "freed behind it; left padding, GQA, ALiBi; the paged cache beside every other kind",
-            MHAConfig(d_model=22, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, window=5, alibi=True),
+    ),
+    CaseSpec(
+        "right_padded",
+        "a right-padded batch (real lengths 4, 9): pads after the real tokens, no window",
+        dict(d_model=16, n_heads=2, d_k=6, rope="half", causal=True),
+        dict(batch=2, tokens=9, prefill=5, padding="right", lengths=(4, 9), seed=109),
+    ),
+    CaseSpec(
+        "paged_mid_window",
+        "pages of 3 under a window of 5 (two tokens a step): every step's window starts mid-page, whole pages "
+        "freed behind it; left padding, GQA, ALiBi; the paged cache beside every other kind",
+        dict(d_model=22, n_heads=4, n_kv_heads=2, d_k=6, rope="half", causal=True, window=5, alibi=True),
+        dict(
             batch=3,
             tokens=13,
             prefill=4,
@@ -255,12 +225,14 @@ DECODE_CASES: dict[str, DecodeCase] = {
             seed=111,
             page_size=3,
         ),
-        DecodeCase(
-            "ragged_rows",
-            "continuous batching: rows of 11, 0, 4 and 7 real tokens decode together, each at its own position "
-            "(a row joins where its tokens start; the zero-length row is an idle slot: zero context, output b_o); "
-            "contiguous and paged (pages of 2) alike",
-            MHAConfig(d_model=26, n_heads=2, n_kv_heads=1, d_k=8, rope="half", causal=True),
+    ),
+    CaseSpec(
+        "ragged_rows",
+        "continuous batching: rows of 11, 0, 4 and 7 real tokens decode together, each at its own position "
+        "(a row joins where its tokens start; the zero-length row is an idle slot: zero context, output b_o); "
+        "contiguous and paged (pages of 2) alike",
+        dict(d_model=26, n_heads=2, n_kv_heads=1, d_k=8, rope="half", causal=True),
+        dict(
             batch=4,
             tokens=11,
             prefill=3,
@@ -271,34 +243,19 @@ DECODE_CASES: dict[str, DecodeCase] = {
             seed=112,
             page_size=2,
         ),
-        DecodeCase(
-            "plain_mha",
-            "no rotary, no GQA, one token a step: the case a Flax decode=True cache can run",
-            MHAConfig(d_model=12, n_heads=3, causal=True),  # d_k = 4
-            batch=2,
-            tokens=7,
-            prefill=3,
-            seed=110,
-        ),
-    )
-}
-# The variants of core.VARIANTS, one case each or combined as real models do (`core.variants`: the
-# entries' and `core.variants.models`' decode cases, by seed).
-DECODE_CASES |= {
-    spec.name: DecodeCase(spec.name, spec.description, MHAConfig(**spec.config), **spec.options)
-    for spec in registry_cases("decode")
-}
+    ),
+    CaseSpec(
+        "plain_mha",
+        "no rotary, no GQA, one token a step: the case a Flax decode=True cache can run",
+        dict(d_model=12, n_heads=3, causal=True),  # d_k = 4
+        dict(batch=2, tokens=7, prefill=3, seed=110),
+    ),
+)
+# After the cache's cases, the variants of core.VARIANTS, one case each or combined as real models do
+# (`core.variants`: the entries' and `core.variants.models`' decode cases, by seed).
+DECODE_CASES: dict[str, DecodeCase] = case_table(DecodeCase, (*CACHE_CASES, *registry_cases("decode")))
 
 
 def get_decode_cases(names=None) -> list[DecodeCase]:
     """The named decode cases in the order given (all of them for None); an unknown name is a ValueError."""
-    if names is None:
-        return list(DECODE_CASES.values())
-    names = list(names)
-    unknown = [n for n in names if n not in DECODE_CASES]
-    if unknown:
-        raise ValueError(
-            f"cases: unknown decode case(s) {', '.join(map(repr, unknown))}; known decode cases: "
-            f"{', '.join(DECODE_CASES)}"
-        )
-    return [DECODE_CASES[n] for n in names]
+    return named_cases(DECODE_CASES, names, "decode case", "cases: ")

@@ -62,7 +62,6 @@ def run_decode(args: argparse.Namespace) -> int:
     )
     from mha_rosetta.benchmarks.partial import default_partial_path
     from mha_rosetta.benchmarks.plan import resolve_implementations
-    from mha_rosetta.benchmarks.provenance import host_id
 
     partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     try:
@@ -71,7 +70,7 @@ def run_decode(args: argparse.Namespace) -> int:
         labels = resolve_implementations(settings.implementations)
         baseline = load_baseline(args, "decode")
         if args.resume:
-            check_decode_partial(partial, host_id())  # refused before anything is measured
+            check_decode_partial(partial)  # refused before anything is measured
     except (ValueError, ImportError, TypeError, OSError, json.JSONDecodeError) as error:
         print(f"mha-rosetta bench: {error}", file=sys.stderr)
         return 2

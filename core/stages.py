@@ -33,55 +33,61 @@ class Stage:
     meaning: str
 
 
+# The symbolic shapes several stages share: the query heads (and what is made of them before the scores), the key
+# heads (likewise), and the scores (and every stage made of them before the weighted sum).
+Q_HEADS = ("B", "H", "Nq", "Dk")
+K_HEADS = ("B", "Hkv", "Nk", "Dk")
+SCORES = ("B", "H", "Nq", "Nk")
+
 STAGES: tuple[Stage, ...] = (
     Stage("project", "q", ("B", "Nq", "H*Dk"), "query tokens times w_q.T plus b_q: all heads side by side"),
     Stage("project", "k", ("B", "Nk", "Hkv*Dk"), "key tokens times w_k.T plus b_k"),
     Stage("project", "v", ("B", "Nk", "Hkv*Dv"), "value tokens times w_v.T plus b_v"),
-    Stage("split heads", "q_heads", ("B", "H", "Nq", "Dk"), "each head sees every token, with its own Dk features"),
-    Stage("split heads", "k_heads", ("B", "Hkv", "Nk", "Dk"), "keys per kv head"),
+    Stage("split heads", "q_heads", Q_HEADS, "each head sees every token, with its own Dk features"),
+    Stage("split heads", "k_heads", K_HEADS, "keys per kv head"),
     Stage("split heads", "v_heads", ("B", "Hkv", "Nk", "Dv"), "values per kv head"),
     Stage(
         "qk-norm",
         "q_normed",
-        ("B", "H", "Nq", "Dk"),
+        Q_HEADS,
         "q_heads after RMSNorm (over each head, or over the whole projection before the split); only with qk_norm",
     ),
-    Stage("qk-norm", "k_normed", ("B", "Hkv", "Nk", "Dk"), "k_heads after RMSNorm; only with qk_norm"),
+    Stage("qk-norm", "k_normed", K_HEADS, "k_heads after RMSNorm; only with qk_norm"),
     Stage(
         "rotary",
         "q_rotated",
-        ("B", "H", "Nq", "Dk"),
+        Q_HEADS,
         "q_normed (q_heads without qk_norm) with each feature pair turned by its position's angle (cfg.rope); "
         "unchanged without rope",
     ),
-    Stage("rotary", "k_rotated", ("B", "Hkv", "Nk", "Dk"), "k_normed (k_heads) turned the same way"),
+    Stage("rotary", "k_rotated", K_HEADS, "k_normed (k_heads) turned the same way"),
     Stage(
         "qk-norm after rotary",
         "q_rotated_normed",
-        ("B", "H", "Nq", "Dk"),
+        Q_HEADS,
         "q_rotated with each head RMS-normed, no weight (Llama 4); only with qk_norm_after_rope",
     ),
-    Stage("qk-norm after rotary", "k_rotated_normed", ("B", "Hkv", "Nk", "Dk"), "k_rotated normed the same way"),
+    Stage("qk-norm after rotary", "k_rotated_normed", K_HEADS, "k_rotated normed the same way"),
     Stage(
         "temperature",
         "q_tempered",
-        ("B", "H", "Nq", "Dk"),
+        Q_HEADS,
         "the queries times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (Llama 4's NoPE layers); "
         "only with attn_temperature_tuning",
     ),
-    Stage("scores", "scores", ("B", "H", "Nq", "Nk"), "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
-    Stage("softcap", "capped_scores", ("B", "H", "Nq", "Nk"), "softcap * tanh(scores / softcap); only with softcap"),
+    Stage("scores", "scores", SCORES, "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
+    Stage("softcap", "capped_scores", SCORES, "softcap * tanh(scores / softcap); only with softcap"),
     Stage(
         "score bias",
         "biased_scores",
-        ("B", "H", "Nq", "Nk"),
+        SCORES,
         "plus m_h (p_j - p_i) (alibi) and rel_bias[bucket(p_j - p_i), h] (rel_buckets); only with either",
     ),
-    Stage("mask", "masked_scores", ("B", "H", "Nq", "Nk"), "the last score stage with blocked positions set to -inf"),
+    Stage("mask", "masked_scores", SCORES, "the last score stage with blocked positions set to -inf"),
     Stage(
         "softmax",
         "weights",
-        ("B", "H", "Nq", "Nk"),
+        SCORES,
         "softmax over keys (with each head's sink in the denominator); a row with no allowed key is all zeros",
     ),
     Stage("weighted sum", "context", ("B", "H", "Nq", "Dv"), "weights @ v_g: one Dv-vector per head and query"),
@@ -119,9 +125,7 @@ assert set(_OWNERS) <= set(STAGE_NAMES), "a variant names a stage that core.stag
 VARIANT_STAGES = {name: _any_on(_OWNERS[name]) for name in STAGE_NAMES if name in _OWNERS}
 # The variants' stages with the scores' shape, in pipeline order (``capped_scores``, ``biased_scores``, and any a
 # variant registered from outside adds): the score-like stages an adapter lays out as its scores.
-SCORE_VARIANT_STAGES = tuple(
-    name for name in VARIANT_STAGES if STAGE_BY_NAME[name].shape == STAGE_BY_NAME["scores"].shape
-)
+SCORE_VARIANT_STAGES = tuple(name for name in VARIANT_STAGES if STAGE_BY_NAME[name].shape == SCORES)
 # The 2017-23 pipeline: the stages every implementation exposes for every configuration.
 BASE_STAGE_NAMES = tuple(name for name in STAGE_NAMES if name not in VARIANT_STAGES)
 

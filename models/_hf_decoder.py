@@ -54,11 +54,14 @@ from ._layout import (
     self_attention_heads,
     separate_linears,
 )
-from ._module_io import class_name, hf_rope, hf_window, torch_reader, unexpressible
+from ._module_io import class_name, hf_attention_fields, hf_rope, hf_window, torch_reader, unexpressible
 from ._real import HF_REQUIRES, torch_state
 
 LINEARS = {"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"}
 NORMS = {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}  # Qwen3, OLMo 2, Gemma 3: RMSNorm(...).weight
+# The `Layout.example` fields most Llama-like families share (2 kv heads, no biases, rotate-half, causal); a family's
+# example adds its own to them.
+LLAMA_LIKE_EXAMPLE = {"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True}
 
 
 @dataclass(frozen=True)
@@ -148,15 +151,8 @@ def hf_bias(module, q_proj, o_proj) -> bool | str:
 def linear_fields(module) -> dict:
     """The `MHAConfig` fields of a Llama-like instance's four linears: widths, heads, bias, causal and scale."""
     config = module.config
-    return dict(
-        d_model=module.q_proj.in_features,
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads,
-        d_k=module.head_dim,
-        bias=hf_bias(module, module.q_proj, module.o_proj),
-        causal=bool(module.is_causal),
-        scale=module.scaling,
-    )
+    fields = hf_attention_fields(module, module.q_proj, config.num_attention_heads, module.head_dim)
+    return fields | dict(n_kv_heads=config.num_key_value_heads, bias=hf_bias(module, module.q_proj, module.o_proj))
 
 
 def norm_eps(module) -> float:

@@ -205,6 +205,15 @@ class HFRope(NamedTuple):
         return {"rope": "half", "rope_base": self.rope_base, "rope_scaling": self.rope_scaling}
 
 
+def hf_attention_fields(module, query, n_heads: int, d_k: int) -> dict:
+    """The `MHAConfig` fields a transformers attention instance holds alike whatever its family: the width its
+    query linear ``query`` reads, its heads and head size (each family names those attributes its own way), its
+    ``is_causal`` and its own ``scaling``. The reader adds the bias and what its family adds."""
+    return dict(
+        d_model=query.in_features, n_heads=n_heads, d_k=d_k, causal=bool(module.is_causal), scale=module.scaling
+    )
+
+
 def hf_window(module, config) -> int | None:
     """This layer's sliding window: the module's own ``sliding_window`` attribute where it has one (set from
     ``config.layer_types[layer_idx]``: None on a full-attention layer), else ``config.sliding_window`` (Mistral,

@@ -16,7 +16,7 @@ from mha_rosetta.core import MHAConfig
 
 from ._hf import hf_config, hf_heads, hf_implementation, hf_mask
 from ._layout import SEPARATE, Layout, bias_is, classic_heads, default_scale, rotary_is, separate_linears
-from ._module_io import to_array, torch_reader
+from ._module_io import hf_attention_fields, to_array, torch_reader
 from ._real import HF_REQUIRES, RealRun, module_shapes, torch_state
 
 MODULE = "BertSelfAttention"
@@ -70,14 +70,8 @@ def _forward(module, cfg, x, padding, options):
 def _config(module) -> MHAConfig:
     """The BertAttention instance's configuration (its self-attention's heads, causal when a decoder)."""
     attention = module.self
-    return MHAConfig(
-        d_model=attention.query.in_features,
-        n_heads=attention.num_attention_heads,
-        d_k=attention.attention_head_size,
-        bias=attention.query.bias is not None,
-        causal=bool(attention.is_causal),
-        scale=attention.scaling,
-    )
+    heads = (attention.num_attention_heads, attention.attention_head_size)
+    return MHAConfig(**hf_attention_fields(attention, attention.query, *heads), bias=attention.query.bias is not None)
 
 
 PACKING = separate_linears({"w_q": "self.query", "w_k": "self.key", "w_v": "self.value", "w_o": "output.dense"})

@@ -31,13 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes
-from mha_rosetta.core.variants.mla import fuse_kv_b, split_kv_b
+from mha_rosetta.core.variants.mla import KV_RANK, SIZES, fuse_kv_b, split_kv_b
 
 from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_max_positions, hf_rope_parameters, rotary_tables
 from ._layout import SEPARATE, Layout
 from ._module_io import hf_rope, torch_reader, unexpressible
 from ._real import HF_REQUIRES, torch_state
 
+# The latent sizes transformers' DeepSeek configs and modules name as the spec does: kv_lora_rank, which switches
+# MLA on, and the sizes MLA owns beside it (`core.variants.mla`).
+LATENT = (KV_RANK, *SIZES)
 # canonical -> stored, for the tensors stored one to one (w_q's name depends on q_lora_rank; w_k, w_v share kv_b_proj)
 STORED = {
     "w_q_a": "q_a_proj.weight",
@@ -104,11 +107,7 @@ class DeepSeek:
             hidden_size=cfg.d_model,
             num_attention_heads=cfg.n_heads,
             num_key_value_heads=cfg.n_heads,
-            q_lora_rank=cfg.q_lora_rank,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
+            **{name: getattr(cfg, name) for name in LATENT},
             attention_bias=bool(cfg.bias),
             attention_dropout=0.0,
             num_hidden_layers=1,
@@ -146,8 +145,7 @@ def _rules(family: DeepSeek):
 
 
 def _sizes(cfg: MHAConfig) -> dict:
-    names = ("d_model", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-    return {**{n: getattr(cfg, n) for n in names}, "v_head_dim": cfg.v_head_dim, "rope_scaling": cfg.rope_scaling}
+    return {n: getattr(cfg, n) for n in ("d_model", "n_heads", *LATENT)} | {"rope_scaling": cfg.rope_scaling}
 
 
 def deepseek_layout(family: DeepSeek) -> Layout:
@@ -192,11 +190,7 @@ def deepseek_layout(family: DeepSeek) -> Layout:
             return MHAConfig(
                 d_model=module.kv_a_proj_with_mqa.in_features,
                 n_heads=module.num_heads,
-                q_lora_rank=module.q_lora_rank,
-                kv_lora_rank=module.kv_lora_rank,
-                qk_nope_head_dim=module.qk_nope_head_dim,
-                qk_rope_head_dim=module.qk_rope_head_dim,
-                v_head_dim=module.v_head_dim,
+                **{name: getattr(module, name) for name in LATENT},
                 rope_interleave=True if family.complex_rotary else bool(config.rope_interleave),
                 bias=module.o_proj.bias is not None,
                 causal=bool(module.is_causal),

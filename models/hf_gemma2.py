@@ -13,7 +13,7 @@ Llama's four linears (`_hf_decoder`, biases with ``config.attention_bias``) and 
 from __future__ import annotations
 
 from ._hf import hf_names
-from ._hf_decoder import Decoder, decoder_layout, pre_attn_scalar, sliding_config
+from ._hf_decoder import LLAMA_LIKE_EXAMPLE, Decoder, decoder_layout, pre_attn_scalar, sliding_config
 
 MODULE = "Gemma2Attention"
 
@@ -41,14 +41,6 @@ LAYOUT = decoder_layout(
             "dtype=torch.float32)), and SDPA cannot hold the softcap: held to float32; with the softmax patched to "
             "keep float64, eager agrees in float64 (the softcap itself runs in the scores' dtype)",
         ),
-        example={
-            "n_kv_heads": 2,
-            "bias": False,
-            "rope": "half",
-            "causal": True,
-            "scale": 0.25,
-            "softcap": 5.0,
-            "window": 3,
-        },
+        example={**LLAMA_LIKE_EXAMPLE, "scale": 0.25, "softcap": 5.0, "window": 3},
     )
 )

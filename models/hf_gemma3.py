@@ -14,7 +14,16 @@ its softcap (the module keeps ``attn_logit_softcapping`` but never passes it), p
 from __future__ import annotations
 
 from ._hf import hf_names, hf_rope_parameters
-from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, layer_type, norm_eps, pre_attn_scalar
+from ._hf_decoder import (
+    LLAMA_LIKE_EXAMPLE,
+    NORMS,
+    Decoder,
+    decoder_layout,
+    field_is,
+    layer_type,
+    norm_eps,
+    pre_attn_scalar,
+)
 
 MODULE = "Gemma3Attention"
 
@@ -56,14 +65,6 @@ LAYOUT = decoder_layout(
             "float32 inside a float64 model on every path: " + NORM_FLOAT32 + ": held to float32; with the norm "
             "patched to keep float64, SDPA agrees in float64 (the cast is the only float32 step left)",
         ),
-        example={
-            "n_kv_heads": 2,
-            "bias": False,
-            "rope": "half",
-            "causal": True,
-            "scale": 0.25,
-            "qk_norm": "head",
-            "window": 3,
-        },
+        example={**LLAMA_LIKE_EXAMPLE, "scale": 0.25, "qk_norm": "head", "window": 3},
     )
 )

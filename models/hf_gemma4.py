@@ -32,8 +32,26 @@ import importlib
 from mha_rosetta.core import MHAConfig, MHAParams
 
 from ._errors import LayoutError
-from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
-from ._hf_decoder import LINEARS, NORMS, attention_bias_rule, field_is, hf_bias, layer_type, norm_eps
+from ._hf import (
+    hf_config,
+    hf_forward,
+    hf_heads,
+    hf_implementation,
+    hf_mask,
+    hf_rope_parameters,
+    rotary_precision,
+    rotary_tables,
+)
+from ._hf_decoder import (
+    LINEARS,
+    LLAMA_LIKE_EXAMPLE,
+    NORMS,
+    attention_bias_rule,
+    field_is,
+    hf_bias,
+    layer_type,
+    norm_eps,
+)
 from ._layout import (
     SEPARATE,
     Layout,
@@ -68,10 +86,7 @@ def build(cfg: MHAConfig, options):
     if rope["rope_type"] == "proportional" and rope.get("factor") == 1.0:
         del rope["factor"]  # transformers' default, and a key its validation of "proportional" does not list
     config = transformers.Gemma4TextConfig(
-        hidden_size=cfg.d_model,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.d_k,
+        **hf_heads(cfg),
         global_head_dim=cfg.d_k,
         num_global_key_value_heads=cfg.n_kv_heads,
         attention_k_eq_v=bool(cfg.attention_k_eq_v),
@@ -231,10 +246,7 @@ LAYOUT = Layout(
     # A global layer without k_eq_v: the explainer's numbered parameters give w_v numbers of its own, which a
     # tied w_v cannot hold (k_eq_v's state is this one less v_proj; tests/test_gemma4.py shows it).
     example={
-        "n_kv_heads": 2,
-        "bias": False,
-        "rope": "half",
-        "causal": True,
+        **LLAMA_LIKE_EXAMPLE,
         "scale": 1.0,
         "qk_norm": "head",
         "value_norm": True,

@@ -14,7 +14,7 @@ from mha_rosetta.core import MHAConfig
 
 from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
 from ._layout import PER_HEAD, Layout, classic_heads, default_scale, fused_qkv, rotary_is
-from ._module_io import hf_rope, torch_reader
+from ._module_io import hf_attention_fields, hf_rope, torch_reader
 from ._packing import pack_groups, unpack_groups
 from ._real import HF_REQUIRES, torch_state
 
@@ -60,13 +60,10 @@ def _config(module) -> MHAConfig:
     """The GPTNeoXAttention instance's configuration: heads, bias, and its partial rotary (rotary_ndims)."""
     config = module.config
     rope = hf_rope(module, config, module.head_size, partial=True)  # rotary_ndims is the module's own
+    qkv = module.query_key_value
     return MHAConfig(
-        d_model=module.query_key_value.in_features,
-        n_heads=config.num_attention_heads,
-        d_k=module.head_size,
-        bias=module.query_key_value.bias is not None,
-        causal=bool(module.is_causal),
-        scale=module.scaling,
+        **hf_attention_fields(module, qkv, config.num_attention_heads, module.head_size),
+        bias=qkv.bias is not None,
         **rope.half_fields(),
         rope_dims=module.rotary_ndims,
     )

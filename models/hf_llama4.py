@@ -29,15 +29,7 @@ from mha_rosetta.core import MHAConfig
 
 from ._hf import hf_config, hf_forward, hf_heads, hf_implementation, hf_max_positions, hf_rope_parameters
 from ._hf_decoder import LINEARS, attention_bias_rule, linear_fields
-from ._layout import (
-    SEPARATE,
-    Layout,
-    causal_only,
-    default_scale,
-    rotary_is,
-    self_attention_heads,
-    separate_linears,
-)
+from ._layout import SEPARATE, Layout, causal_only, default_scale, rotary_is, self_attention_heads, separate_linears
 from ._module_io import hf_rope, torch_reader, unexpressible
 from ._real import HF_REQUIRES, torch_state
 

@@ -8,7 +8,7 @@ counting its own (Mistral 7B v0.1: 4096), by the mask ``MistralModel`` builds
 from __future__ import annotations
 
 from ._hf import hf_names
-from ._hf_decoder import Decoder, decoder_layout, field_is
+from ._hf_decoder import LLAMA_LIKE_EXAMPLE, Decoder, decoder_layout, field_is
 
 MODULE = "MistralAttention"
 
@@ -24,7 +24,7 @@ DECODER = Decoder(
         "float32 inside a float64 model: eager attention's softmax and the rotary module's angles; SDPA with "
         "float64 (cos, sin) keeps float64",
     ),
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "window": 3},
+    example={**LLAMA_LIKE_EXAMPLE, "window": 3},
 )
 
 LAYOUT = decoder_layout(DECODER)

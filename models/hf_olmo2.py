@@ -8,7 +8,7 @@ projection: ``q_norm = Olmo2RMSNorm(H*d)``, ``k_norm = Olmo2RMSNorm(G*d)``, appl
 from __future__ import annotations
 
 from ._hf import hf_names
-from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, norm_eps
+from ._hf_decoder import LLAMA_LIKE_EXAMPLE, NORMS, Decoder, decoder_layout, field_is, norm_eps
 
 MODULE = "Olmo2Attention"
 
@@ -31,6 +31,6 @@ LAYOUT = decoder_layout(
             "float32 inside a float64 model on every path: " + NORM_FLOAT32 + ": held to float32; with the norm "
             "patched to keep float64, SDPA agrees in float64 (the cast is the only float32 step left)",
         ),
-        example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "projection"},
+        example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "projection"},
     )
 )

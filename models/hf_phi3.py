@@ -28,7 +28,7 @@ from ._layout import (
     rotary_is,
     self_attention_heads,
 )
-from ._module_io import hf_rope, hf_window, torch_reader
+from ._module_io import hf_attention_fields, hf_rope, hf_window, torch_reader
 from ._packing import pack_blocks, unpack_blocks
 from ._real import HF_REQUIRES, torch_state
 
@@ -109,13 +109,9 @@ def _config(module) -> MHAConfig:
     config = module.config
     rope = hf_rope(module, config, module.head_dim, partial=True)
     return MHAConfig(
-        d_model=module.qkv_proj.in_features,
-        n_heads=config.num_attention_heads,
+        **hf_attention_fields(module, module.qkv_proj, config.num_attention_heads, module.head_dim),
         n_kv_heads=module.num_key_value_heads,
-        d_k=module.head_dim,
         bias=False,
-        causal=bool(module.is_causal),
-        scale=module.scaling,
         **rope.half_fields(),
         rope_dims=rope.rope_dims,
         window=hf_window(module, config),

@@ -9,7 +9,7 @@ before rotary, one ``(d,)`` weight shared by every head (``qk_norm="head"``). La
 from __future__ import annotations
 
 from ._hf import hf_names
-from ._hf_decoder import NORMS, Decoder, decoder_layout, field_is, norm_eps, sliding_config
+from ._hf_decoder import LLAMA_LIKE_EXAMPLE, NORMS, Decoder, decoder_layout, field_is, norm_eps, sliding_config
 
 MODULE = "Qwen3Attention"
 
@@ -37,6 +37,6 @@ LAYOUT = decoder_layout(
             "rotary angles): held to float32, as no path avoids the norm; with the norm patched to keep float64, SDPA "
             "agrees in float64 (tests/test_from_module.py): the cast is the only float32 step left",
         ),
-        example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
+        example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "head"},
     )
 )

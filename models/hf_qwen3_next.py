@@ -27,7 +27,16 @@ from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.variants import fuse_gated_q, split_gated_q
 
 from ._hf import hf_names, hf_rope_parameters
-from ._hf_decoder import LINEARS, NORMS, Decoder, attention_bias_rule, decoder_layout, field_is, norm_eps
+from ._hf_decoder import (
+    LINEARS,
+    LLAMA_LIKE_EXAMPLE,
+    NORMS,
+    Decoder,
+    attention_bias_rule,
+    decoder_layout,
+    field_is,
+    norm_eps,
+)
 from ._layout import causal_only, default_scale, rotary_is, self_attention_heads, separate_linears
 from ._module_io import hf_rope, torch_reader
 
@@ -115,15 +124,7 @@ _DECODER = Decoder(
         "angles): held to float32; with the norm patched to keep float64, SDPA with float64 tables agrees in "
         "float64 (tests/test_from_module_qwen3_next.py)",
     ),
-    example={
-        "n_kv_heads": 2,
-        "bias": False,
-        "rope": "half",
-        "rope_dims": 2,
-        "causal": True,
-        "qk_norm": "head",
-        "attn_output_gate": True,
-    },
+    example={**LLAMA_LIKE_EXAMPLE, "rope_dims": 2, "qk_norm": "head", "attn_output_gate": True},
 )
 
 

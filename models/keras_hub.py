@@ -83,7 +83,7 @@ class KerasHubFamily:
     scale: Callable | None = None  # layer -> the scale it applies (None: _inv_norm_factor)
     softcap: bool = False
     tuple_cache: bool = False
-    rules: tuple = ()
+    rules: tuple = ()  # beyond the scale and head_dim rules `keras_hub_layout` derives
     notes: tuple[str, ...] = ()
     more_args: Callable[[MHAConfig], dict] | None = None  # keywords only some configs give (Llama 3.1 scaling)
 
@@ -118,8 +118,15 @@ class KerasHubFamily:
 
 
 def keras_hub_layout(family: KerasHubFamily) -> Layout:
-    """The `Layout` (runner and `from_module` reader) of one keras-hub family."""
+    """The `Layout` (runner and `from_module` reader) of one keras-hub family.
+
+    Two rules follow from what the family states: its scale (Gemma's ``query_head_dim_normalize`` where it has
+    a `KerasHubFamily.scale`, else ``1/sqrt(head_dim)``), and, where its class takes no ``head_dim`` keyword,
+    a head_dim of hidden_dim // heads."""
     module_name = f"keras_hub.src.models.{family.path}"
+    package = f"keras_hub.src.models.{family.path.split('.')[0]}"
+    scale_rule = gemma_scale_rule(module_name) if family.scale else default_scale(package)
+    width_rules = () if "head_dim" in family.args else (head_dim_is_width_over_heads(package),)
     packing = head_kernels(family.heads_first, family.extras, family.offsets)
 
     def forward(layer, cfg, x, padding, options):
@@ -148,6 +155,8 @@ def keras_hub_layout(family: KerasHubFamily) -> Layout:
             field_is(module_name, "bias", family.biases, f"is built with bias in {family.biases} only"),
             field_is(module_name, "qk_norm", (family.qk_norm,), f"has qk_norm={family.qk_norm!r}"),
             *(() if windowed else (field_is(module_name, "window", (None,), "applies no window"),)),
+            scale_rule,
+            *width_rules,
             *family.rules,
         ),
         **packing,
@@ -233,14 +242,6 @@ def _qwen_window(layer):
     return (None, False) if fused_attention_op_available() else _in_layer_window(layer)
 
 
-def _default_scale(path: str) -> tuple:
-    return (default_scale(f"keras_hub.src.models.{path}"),)
-
-
-def _width_over_heads(path: str) -> tuple:
-    return (head_dim_is_width_over_heads(f"keras_hub.src.models.{path}"),)
-
-
 LLAMA = KerasHubFamily(
     layout="keras-hub-llama",
     path="llama.llama_attention.LlamaAttention",
@@ -249,7 +250,6 @@ LLAMA = KerasHubFamily(
     more_args=_llama3_args,
     variants=("rope_scaling",),
     scalings=(None, "llama3"),
-    rules=_default_scale("llama") + _width_over_heads("llama"),
     notes=("LlamaRotaryEmbedding ignores rope_position_scaling_factor (its _get_inverse_freq does not divide by it)",),
 )
 MISTRAL = KerasHubFamily(
@@ -259,7 +259,6 @@ MISTRAL = KerasHubFamily(
     args=(*HEADS, "head_dim", "sliding_window", "rope_max_wavelength", "rope_scaling_factor"),
     variants=("window", "rope_scaling"),
     window=lambda layer: (layer._sliding_window, True),
-    rules=_default_scale("mistral"),
 )
 GEMMA = KerasHubFamily(
     layout="keras-hub-gemma",
@@ -274,7 +273,6 @@ GEMMA = KerasHubFamily(
     scale=gemma_scale,
     softcap=True,
     rules=(
-        gemma_scale_rule("keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention"),
         field_is(
             "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention",
             "rope_base",
@@ -299,7 +297,6 @@ GEMMA3 = KerasHubFamily(
     scale=gemma_scale,
     softcap=True,
     tuple_cache=True,
-    rules=(gemma_scale_rule("keras_hub.src.models.gemma3.gemma3_attention.CachedGemma3Attention"),),
     notes=("RMSNormalization stores scale and multiplies by 1 + scale: canonical = 1 + stored",),
 )
 QWEN2 = KerasHubFamily(
@@ -310,7 +307,6 @@ QWEN2 = KerasHubFamily(
     variants=("qkv_bias", "rope_scaling"),
     biases=("qkv",),
     window=_qwen_window,
-    rules=_default_scale("qwen") + _width_over_heads("qwen"),
     notes=(
         "known difference: use_sliding_window_attention masks the window on the einsum path only; on JAX and torch "
         "keras-hub takes the fused ops.dot_product_attention, which gets the causal mask alone: read as window=None",
@@ -324,7 +320,6 @@ QWEN3 = KerasHubFamily(
     variants=("qk_norm_head", "rope_scaling"),
     extras={"q_norm": "query_dense_layernorm/scale", "k_norm": "key_dense_layernorm/scale"},
     qk_norm="head",
-    rules=_default_scale("qwen3"),
     notes=("sliding_window_size is stored and applied nowhere (keras-hub 0.32): read as window=None",),
 )
 PHI3 = KerasHubFamily(
@@ -333,7 +328,6 @@ PHI3 = KerasHubFamily(
     description="keras-hub Phi-3: Llama's kernels (not HF's fused qkv_proj), RotaryEmbedding; su scaling refused",
     args=(*HEADS, "rope_max_wavelength"),
     scalings=(None,),
-    rules=_default_scale("phi3") + _width_over_heads("phi3"),
     notes=(
         "rope_scaling_type='su' builds Phi3SuScaledRotaryEmbedding: refused, not yet read. It is the spec's longrope "
         "(core.longrope: the long table when start_index + seq_len > pretraining_sequence_length, Hugging Face's rule, "
@@ -349,7 +343,6 @@ GPT_OSS = KerasHubFamily(
     biases=(True,),
     extras={"sinks": "sinks"},
     scalings=(None,),
-    rules=_default_scale("gpt_oss"),
     notes=(
         "its RotaryEmbedding is YaRN; with rope_scaling_factor 1 it is the unscaled table and is read; another factor "
         "is refused",

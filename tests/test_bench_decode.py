@@ -516,21 +516,27 @@ def test_an_interrupted_decode_sweep_resumes_with_its_seed_and_runs_only_the_res
 def test_a_decode_resume_refuses_a_forward_file_and_another_machines(tmp_path, capsys):
     from mha_rosetta.benchmarks.decode_sweep import check_decode_partial
     from mha_rosetta.benchmarks.partial import append_entry
-    from mha_rosetta.benchmarks.provenance import host_id
+    from mha_rosetta.benchmarks.provenance import host_id, machine_key
 
     forward = tmp_path / "forward.partial.jsonl"
     append_entry(forward, {"type": "header", "schema": 1, "settings": {"seed": 3}})
     with pytest.raises(ValueError, match="holds a forward sweep's finished cells, not a decode sweep's"):
-        check_decode_partial(forward, host_id())
+        check_decode_partial(forward)
     assert _main(["bench", "--mode", "decode", "--resume", "--partial", str(forward)]) == 2
     assert "holds a forward sweep's finished cells" in capsys.readouterr().err
     elsewhere = tmp_path / "elsewhere.partial.jsonl"
     append_entry(elsewhere, {"type": "header", "schema": 1, "kind": "decode", "host_id": "0" * 16, "settings": {}})
     with pytest.raises(ValueError, match="was written on another machine"):
-        check_decode_partial(elsewhere, host_id())
+        check_decode_partial(elsewhere)  # a header from before the machine was recorded: its host id
+    same_id = tmp_path / "same-id.partial.jsonl"  # one host id, another CPU: cloned /etc/machine-id
+    cores = machine_key()["cores"]
+    other_cpu = {**machine_key(), "host_id": host_id(), "cores": cores + 1}
+    append_entry(same_id, {"type": "header", "schema": 1, "kind": "decode", "machine": other_cpu, "settings": {}})
+    with pytest.raises(ValueError, match=rf"another machine .*cores {cores + 1} against {cores}"):
+        check_decode_partial(same_id)
     decode = tmp_path / "decode.partial.jsonl"
     _sweep(FakeDecodeRunners(stop_after=1), decode)
-    assert check_decode_partial(decode, host_id())["kind"] == "decode"
+    assert check_decode_partial(decode)["kind"] == "decode"
     assert _main(["bench", "--resume", "--partial", str(decode), "--quick"]) == 2  # a forward sweep refuses it
     assert "holds a decode sweep's finished cells, not a forward sweep's" in capsys.readouterr().err
 

@@ -437,6 +437,11 @@ def test_baseline_comparison_sets_the_peaks_side_by_side_and_reads_old_reports()
     assert compare_to_baseline(new, legacy)["gemm_peak"]["baseline_gflops"] == 100.0
     other_dtype = assemble_report({}, [{**PEAK, "dtype": "float64"}], [_cell("a", median=1.0)], machine={})
     assert compare_to_baseline(new, other_dtype)["gemm_peak"] is None  # different yardsticks: not compared
+    # Both runs from one machine (assemble_report's provenance: this host): no machine line.
+    assert comparison["machine_differences"] == [] and "another machine" not in text
+    elsewhere = {**old, "machine": {**old["machine"], "cpu_model": "Another CPU"}}
+    moved = baseline_markdown(compare_to_baseline(new, elsewhere))
+    assert "- another machine (the baseline's against this run's: cpu_model 'Another CPU' against " in moved
 
 
 def test_baseline_comparison_flags_changes_beyond_ten_percent():
@@ -720,6 +725,23 @@ def test_resume_skips_finished_visits_and_retries_failed_ones(tmp_path):
     assert second.gemms == []  # both rounds' peaks were measured before the interruption
     assert [c["status"] for c in resumed.cells] == ["ok"] * 4
     assert all(None not in cell["round_medians_s"] for cell in resumed.cells)
+
+
+def test_resume_refuses_a_partial_file_from_another_machine_with_the_same_host_id(tmp_path):
+    # The case that happened: an Intel Xeon and an AMD EPYC whose cloned /etc/machine-id hash to one host id.
+    from mha_rosetta.benchmarks.provenance import machine_key
+
+    partial = tmp_path / "p.jsonl"
+    _run(FakeRunners(interrupt_at=1), partial)
+    header = json.loads(partial.read_text().splitlines()[0])
+    assert header["machine"] == machine_key()  # the header records the machine it ran on
+    lines = partial.read_text().splitlines()
+    header["machine"] = {**machine_key(), "cpu_model": "Another CPU"}
+    partial.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    rest = FakeRunners()
+    with pytest.raises(ValueError, match=r"was written on another machine .*cpu_model 'Another CPU' against"):
+        _run(rest, partial, resume=True)
+    assert rest.cells == [] and rest.gemms == []  # refused before anything is measured
 
 
 def test_a_fresh_sweep_discards_an_old_partial_file(tmp_path):

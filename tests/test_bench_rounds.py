@@ -202,6 +202,18 @@ def test_the_block_sets_two_threads_beside_one_and_replaces_only_itself():
         "The 2-thread columns are left out: `docs/bench/reference-t2.json` was measured on Another CPU (64 cores)"
         in apart
     )
+    # The same CPU model and core count on another host (the provenance's host id) is another machine too,
+    # and the same host id with the same CPU is the same machine (`provenance.machine_differences`).
+    here = dict(one, provenance={**(one.get("provenance") or {}), "host_id": "a" * 16})
+    cpu = {name: (one.get("machine") or {}).get(name) for name in ("cpu_model", "cores")}
+    there = dict(
+        two,
+        machine={**two.get("machine", {}), **cpu},
+        provenance={**(two.get("provenance") or {}), "host_id": "b" * 16},
+    )
+    assert "median ms, 2 threads" not in " ".join(readme_block({1: here, 2: there}).split())
+    also_here = dict(there, provenance={**there["provenance"], "host_id": "a" * 16})
+    assert "median ms, 2 threads" in " ".join(readme_block({1: here, 2: also_here}).split())
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
     assert replace_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"
     with pytest.raises(ValueError, match="no generated benchmark block"):

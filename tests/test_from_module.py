@@ -713,103 +713,76 @@ def test_equinox_module_from_and_to_module():
 # --- what cannot be read, and why -----------------------------------------------------------------
 
 
-def _hf_module(config_class: str, module_path: str, class_name: str, config_kwargs: dict, **kwargs):
+def _hf_module(package: str, config_class: str, class_name: str, config_kwargs: dict, layer_idx: int = 0):
+    """transformers' ``class_name`` of ``transformers.models.<package>`` built from ``config_class(**config_kwargs)``."""
     _need("torch", "transformers")
     import importlib
 
     import transformers
 
     config = getattr(transformers, config_class)(**config_kwargs)
-    return getattr(importlib.import_module(module_path), class_name)(config, **kwargs)
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    return getattr(modeling, class_name)(config, layer_idx=layer_idx)
 
 
+SMALL_HF = {"hidden_size": 16, "num_attention_heads": 4}
+# Phi-3's 128k rotary (two factor tables), on a 16-position original window, with a divisor of 0 the spec refuses.
+LONGROPE = {
+    "original_max_position_embeddings": 16,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [0.0, 1.0],
+        "long_factor": [2.0, 2.0],
+        "original_max_position_embeddings": 16,
+    },
+}
+# (label, _hf_module's arguments, the LayoutError's message)
 UNEXPRESSIBLE = [
     (
         "falcon alibi",
-        lambda: _hf_module(
-            "FalconConfig",
-            "transformers.models.falcon.modeling_falcon",
-            "FalconAttention",
-            {"hidden_size": 16, "num_attention_heads": 4, "alibi": True},
-            layer_idx=0,
-        ),
+        ("falcon", "FalconConfig", "FalconAttention", {**SMALL_HF, "alibi": True}),
         r"FalconAttention has config\.alibi=True \(ALiBi.*\), which the spec cannot express: Falcon divides the bias "
         r"by sqrt\(d\) .* rounds the slopes to bfloat16",
     ),
     (
         "falcon per head with fewer kv heads",
-        lambda: _hf_module(
-            "FalconConfig",
-            "transformers.models.falcon.modeling_falcon",
-            "FalconAttention",
-            {"hidden_size": 16, "num_attention_heads": 4, "multi_query": False, "num_kv_heads": 2},
-            layer_idx=0,
-        ),
+        ("falcon", "FalconConfig", "FalconAttention", {**SMALL_HF, "multi_query": False, "num_kv_heads": 2}),
         r"FalconAttention packs per head .* num_kv_heads=2 != num_attention_heads=4",
     ),
     (
         # transformers takes the table (a list of numbers of the right length) and divides by 0: inf frequencies
         "phi3 longrope with a zero divisor",
-        lambda: _hf_module(
-            "Phi3Config",
-            "transformers.models.phi3.modeling_phi3",
-            "Phi3Attention",
-            {
-                "hidden_size": 16,
-                "num_attention_heads": 4,
-                "max_position_embeddings": 32,
-                "original_max_position_embeddings": 16,
-                "rope_parameters": {
-                    "rope_type": "longrope",
-                    "rope_theta": 10000.0,
-                    "short_factor": [0.0, 1.0],
-                    "long_factor": [2.0, 2.0],
-                    "original_max_position_embeddings": 16,
-                },
-            },
-            layer_idx=0,
-        ),
+        ("phi3", "Phi3Config", "Phi3Attention", {**SMALL_HF, "max_position_embeddings": 32, **LONGROPE}),
         r"Phi3Attention has .*longrope.*: MHAConfig.rope_scaling\['short_factor'\]\[0\] must be a finite number > 0",
     ),
     (
         "llama sliding_window set by hand",
-        lambda: _hf_module(
-            "LlamaConfig",
-            "transformers.models.llama.modeling_llama",
-            "LlamaAttention",
-            {"hidden_size": 16, "num_attention_heads": 4, "sliding_window": 5},
-            layer_idx=0,
-        ),
+        ("llama", "LlamaConfig", "LlamaAttention", {**SMALL_HF, "sliding_window": 5}),
         r"LlamaAttention's config has sliding_window=5, which LlamaAttention and LlamaModel ignore",
     ),
     (
         "mpt clip_qkv",
-        lambda: _hf_module(
-            "MptConfig",
-            "transformers.models.mpt.modeling_mpt",
-            "MptAttention",
-            {"d_model": 16, "n_heads": 4, "attn_config": {"clip_qkv": 6.0}},
-            layer_idx=0,
-        ),
+        ("mpt", "MptConfig", "MptAttention", {"d_model": 16, "n_heads": 4, "attn_config": {"clip_qkv": 6.0}}),
         r"MptAttention has clip_qkv=6\.0, which the spec cannot express: the spec does not clamp q, k and v",
     ),
     (
         "gpt2 scale by layer",
-        lambda: _hf_module(
+        (
+            "gpt2",
             "GPT2Config",
-            "transformers.models.gpt2.modeling_gpt2",
             "GPT2Attention",
             {"n_embd": 12, "n_head": 3, "scale_attn_by_inverse_layer_idx": True},
-            layer_idx=2,
+            2,
         ),
         r"GPT2Attention with scale_attn_weights=True, scale_attn_by_inverse_layer_idx=True: layout 'hf-gpt2' holds",
     ),
 ]
 
 
-@pytest.mark.parametrize(("label", "build", "message"), UNEXPRESSIBLE, ids=[case[0] for case in UNEXPRESSIBLE])
-def test_a_setting_the_spec_cannot_express_is_named(label, build, message):
-    module = build()
+@pytest.mark.parametrize(("label", "spec", "message"), UNEXPRESSIBLE, ids=[case[0] for case in UNEXPRESSIBLE])
+def test_a_setting_the_spec_cannot_express_is_named(label, spec, message):
+    module = _hf_module(*spec)
     with pytest.raises(LayoutError, match=message):
         from_module(module)
     with pytest.raises(LayoutError, match=message):  # to_module reads the module's configuration first
@@ -872,13 +845,7 @@ def test_an_unknown_class_lists_the_known_ones_and_a_subclass_is_not_its_parent(
     class MyAttention(LlamaAttention):
         pass
 
-    module = _hf_module(
-        "LlamaConfig",
-        "transformers.models.llama.modeling_llama",
-        "LlamaAttention",
-        {"hidden_size": 16, "num_attention_heads": 4},
-        layer_idx=0,
-    )
+    module = _hf_module("llama", "LlamaConfig", "LlamaAttention", SMALL_HF)
     module.__class__ = MyAttention
     with pytest.raises(LayoutError, match=r"no layout reads .*MyAttention .*a subclass is not read as its parent"):
         from_module(module)
@@ -977,11 +944,10 @@ def test_a_sliding_layer_and_a_global_layer_of_one_config_are_read_apart():
 
 def test_a_bidirectional_gemma_layer_is_refused_with_the_reason():
     module = _hf_module(
+        "gemma3",
         "Gemma3TextConfig",
-        "transformers.models.gemma3.modeling_gemma3",
         "Gemma3Attention",
-        {"hidden_size": 16, "num_attention_heads": 4, "head_dim": 4, "use_bidirectional_attention": True},
-        layer_idx=0,
+        {**SMALL_HF, "head_dim": 4, "use_bidirectional_attention": True},
     )
     with pytest.raises(LayoutError, match=r"Gemma3Attention has is_causal=False .*reads decoder layers only"):
         from_module(module)

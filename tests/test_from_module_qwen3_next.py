@@ -32,15 +32,8 @@ def _module(bias: bool = True, dtype=None):
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention
 
-    config = Qwen3NextConfig(
-        hidden_size=D_MODEL,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        partial_rotary_factor=PARTIAL,
-        attention_bias=bias,
-        rms_norm_eps=1e-6,
-    )
+    sizes = dict(hidden_size=D_MODEL, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    config = Qwen3NextConfig(**sizes, partial_rotary_factor=PARTIAL, attention_bias=bias, rms_norm_eps=1e-6)
     config._attn_implementation = "eager"
     module = Qwen3NextAttention(config, layer_idx=3).double().eval()
     generator = torch.Generator().manual_seed(5)
@@ -59,20 +52,9 @@ def _x(seed: int = 2) -> np.ndarray:
 def test_the_real_module_is_read_with_its_gate_partial_rotary_and_offset_norms():
     module = _module()
     cfg, params = from_module(module)
-    assert cfg == MHAConfig(
-        d_model=D_MODEL,
-        n_heads=HEADS,
-        n_kv_heads=KV_HEADS,
-        d_k=HEAD_DIM,
-        bias=True,
-        causal=True,
-        rope="half",
-        rope_dims=int(HEAD_DIM * PARTIAL),
-        rope_base=cfg.rope_base,
-        qk_norm="head",
-        norm_eps=1e-6,
-        attn_output_gate=True,
-    )
+    sizes = dict(d_model=D_MODEL, n_heads=HEADS, n_kv_heads=KV_HEADS, d_k=HEAD_DIM, bias=True, causal=True)
+    rotary = dict(rope="half", rope_dims=int(HEAD_DIM * PARTIAL), rope_base=cfg.rope_base)
+    assert cfg == MHAConfig(**sizes, **rotary, qk_norm="head", norm_eps=1e-6, attn_output_gate=True)
     fused = module.q_proj.weight.detach().numpy()  # (H*2*d, E): head h's rows are [q_h | gate_h]
     per_head = fused.reshape(HEADS, 2, HEAD_DIM, D_MODEL)
     np.testing.assert_array_equal(params.w_q, per_head[:, 0].reshape(-1, D_MODEL))

@@ -20,20 +20,8 @@ from mha_rosetta.checks import SPEC_CASES, Status, run_check
 from mha_rosetta.checks.agreement import backend_level
 from mha_rosetta.checks.grad_report import grad_report_blocks
 from mha_rosetta.checks.json_report import grad_to_json
-from mha_rosetta.core import (
-    GRAD_STAGE_NAMES,
-    MHAConfig,
-    MHAParams,
-    compare,
-    default_cotangent,
-    grad_stage_names,
-    grad_tolerance,
-    init_params,
-    reference_mha,
-    reference_mha_vjp,
-    reference_stages,
-)
-from mha_rosetta.core.grad import output_shape
+from mha_rosetta.core import MHAConfig, MHAParams, compare, grad_tolerance, init_params, reference_mha, reference_stages
+from mha_rosetta.core.grad import GRAD_STAGE_NAMES, default_cotangent, grad_stage_names, output_shape, reference_mha_vjp
 from mha_rosetta.core.stages import BASE_STAGE_NAMES
 from mha_rosetta.core.variants import VARIANT_REGISTRY
 

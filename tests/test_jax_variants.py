@@ -29,32 +29,18 @@ from mha_rosetta.core import (
     init_params,
     prepare_inputs,
     reference_mha,
-    reference_mha_vjp,
     reference_stages,
     stage_names,
 )
+from mha_rosetta.core.grad import reference_mha_vjp
 
 pytestmark = requires("jax")
 
 # Every variant the spec has but rope_scaling (covered by the llama3 and gpt-oss cases), under
-# GQA (4 heads over 2 kv heads), bias on q, k and v only, QK-norm over the projection.
-EVERYTHING = MHAConfig(
-    d_model=24,
-    n_heads=4,
-    n_kv_heads=2,
-    d_k=6,
-    bias="qkv",
-    causal=True,
-    rope="half",
-    window=3,
-    softcap=2.0,
-    qk_norm="projection",
-    alibi=True,
-    rel_buckets=6,
-    rel_max_distance=7,
-    rel_bidirectional=False,
-    sinks=True,
-)
+# GQA (4 heads over 2 kv heads), bias on q, k and v only, QK-norm over the projection; T5's buckets one-sided.
+GQA_ROTARY = dict(d_model=24, n_heads=4, n_kv_heads=2, d_k=6, bias="qkv", causal=True, rope="half")
+T5_BUCKETS = dict(rel_buckets=6, rel_max_distance=7, rel_bidirectional=False)
+EVERYTHING = MHAConfig(**GQA_ROTARY, window=3, softcap=2.0, qk_norm="projection", alibi=True, **T5_BUCKETS, sinks=True)
 
 
 def _inputs(cfg: MHAConfig, n: int = 9, seed: int = 0):

@@ -28,27 +28,25 @@ def bench_file(path: Path, cells: list[dict], *, schema: int = 1, host: str | No
     return path
 
 
+def old_and_new(tmp_path: Path, write, prefix: str, old: list, new: list, **new_options) -> tuple[Path, Path]:
+    """A baseline run from ``old-box`` and a new one from ``new-box``, each written by ``write`` (`bench_file` or
+    `decode_file`) from its hand-made cells into ``<prefix>base.json`` and ``<prefix>new.json``."""
+    base = write(tmp_path / f"{prefix}base.json", old, host="old-box")
+    return base, write(tmp_path / f"{prefix}new.json", new, host="new-box", **new_options)
+
+
 @pytest.fixture
 def pair(tmp_path):
-    base = bench_file(
-        tmp_path / "base.json",
-        [
-            {"implementation": "a", "median_s": 0.010, "spread_s": [0.009, 0.011], "iqr_s": 0.0005},
-            {"implementation": "b", "median_s": 0.020, "iqr_s": 0.002},
-        ],
-        host="old-box",
-    )
-    new = bench_file(
-        tmp_path / "new.json",
-        [
-            {"implementation": "a", "median_s": 0.0125, "spread_s": [0.012, 0.013], "samples_s": [0.0125] * 3},
-            {"implementation": "b", "median_s": 0.0205, "iqr_s": 0.002},
-            {"implementation": "c", "median_s": 0.001},
-        ],
-        schema=2,
-        host="new-box",
-    )
-    return base, new
+    old = [
+        {"implementation": "a", "median_s": 0.010, "spread_s": [0.009, 0.011], "iqr_s": 0.0005},
+        {"implementation": "b", "median_s": 0.020, "iqr_s": 0.002},
+    ]
+    new = [
+        {"implementation": "a", "median_s": 0.0125, "spread_s": [0.012, 0.013], "samples_s": [0.0125] * 3},
+        {"implementation": "b", "median_s": 0.0205, "iqr_s": 0.002},
+        {"implementation": "c", "median_s": 0.001},
+    ]
+    return old_and_new(tmp_path, bench_file, "", old, new, schema=2)
 
 
 def test_figure_and_range_rules():
@@ -284,26 +282,18 @@ def decode_file(path: Path, cells: list[tuple], *, host: str, gbps: float = 8.0)
 
 @pytest.fixture
 def decode_pair(tmp_path):
-    base = decode_file(
-        tmp_path / "decode-base.json",
-        [
-            ("numpy", 1024, None, 0.0020, [0.0019, 0.0021]),
-            ("numpy", 4096, None, 0.0040, [0.0038, 0.0042]),
-            ("numpy", 4096, 256, 0.0025, [0.0024, 0.0026]),
-            ("torch", 1024, None, 0.0030, [0.0029, 0.0031]),
-        ],
-        host="old-box",
-    )
-    new = decode_file(
-        tmp_path / "decode-new.json",
-        [
-            ("numpy", 1024, None, 0.00205, [0.0020, 0.0021]),
-            ("numpy", 4096, None, 0.0060, [0.0059, 0.0061]),
-            ("numpy", 4096, 256, 0.0025, [0.0024, 0.0026]),
-        ],
-        host="new-box",
-    )
-    return base, new
+    old = [
+        ("numpy", 1024, None, 0.0020, [0.0019, 0.0021]),
+        ("numpy", 4096, None, 0.0040, [0.0038, 0.0042]),
+        ("numpy", 4096, 256, 0.0025, [0.0024, 0.0026]),
+        ("torch", 1024, None, 0.0030, [0.0029, 0.0031]),
+    ]
+    new = [
+        ("numpy", 1024, None, 0.00205, [0.0020, 0.0021]),
+        ("numpy", 4096, None, 0.0060, [0.0059, 0.0061]),
+        ("numpy", 4096, 256, 0.0025, [0.0024, 0.0026]),
+    ]
+    return old_and_new(tmp_path, decode_file, "decode-", old, new)
 
 
 def test_decode_cells_are_one_table_per_context_and_window(decode_pair):

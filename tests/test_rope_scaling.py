@@ -81,17 +81,12 @@ def test_normalised_form_floats_defaults_and_the_legacy_key():
         "factor": 2.0,
         "original_max_position_embeddings": 2048,
     }
-    assert validate_rope_scaling({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64}) == {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "attention_factor": None,
-        "mscale": None,
-        "mscale_all_dim": None,
-        "truncate": True,
-    }
+    yarn_64 = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64}
+    # yarn's optional keys filled in: transformers' defaults, and None for the factors not given
+    filled = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True} | dict.fromkeys(
+        ("attention_factor", "mscale", "mscale_all_dim")
+    )
+    assert validate_rope_scaling(yarn_64) == {**yarn_64, "factor": 4.0, **filled}
     # Both keys, agreeing, are one type; None on an optional yarn key is "not given", as in transformers.
     assert validate_rope_scaling({"rope_type": "linear", "type": "linear", "factor": 3.0})["rope_type"] == "linear"
     yarn = validate_rope_scaling({**GPT_OSS, "beta_fast": None, "attention_factor": None})

@@ -16,7 +16,8 @@ from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedColumnSampleMHA
 from .common import NumpyPrecision
 from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_numpy_decode_run, prepare_numpy_decode_step
-from .layer import ColumnSampleMHA, columns_to_rows
+from .heads import columns_to_rows
+from .layer import ColumnSampleMHA
 from .mla import prepare_numpy_mla  # MLA's naive and absorbed forms, column samples
 from .mla_decode import prepare_numpy_mla_decode_run
 from .mla_vjp import prepare_numpy_mla_vjp

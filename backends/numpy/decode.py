@@ -56,7 +56,8 @@ from .._paged import PAGED
 from .._recording import StageRecorder, relation_to
 from ..base import DecodeStep, Prepared, PreparedDecode
 from .common import MaskArrays, NumpyPrecision
-from .layer import ColumnSampleMHA, _split_reshape, columns_to_rows
+from .heads import _split_reshape, columns_to_rows
+from .layer import ColumnSampleMHA
 from .paged import PAGED_LAYOUT, PagedColumnCache
 
 GROWING, STATIC = "columns", "static"

@@ -1,8 +1,9 @@
 """The NumPy layer: multi-head attention in column samples, ``Y = W @ X + b``.
 
-A catalogue, over 400 lines on purpose: the column-sample layer's four head-split strategies (standard,
-direct_reshape, slicing, per_head), a method each, and the steps they share (projections, QK-norm, rotary,
-mask and softmax, merge), in one class so that the convention reads top to bottom.
+The column-sample layer's four head-split strategies (standard, direct_reshape, slicing, per_head), a method
+each, and the steps they share: projections, rotary and merge here; the head splits and QK-norm in `heads`
+(`ColumnHeadSteps`); scores, mask, softmax and weighted sum in `scores` (`ColumnScoreSteps`). One class joins
+them, so that the strategies read top to bottom.
 
 Convention A of the column/row-sample article. Each batch item is a matrix ``X`` of shape ``(features, tokens)``:
 every token is a column. A weight in the canonical ``(out, in)`` layout is used as is,
@@ -54,44 +55,25 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, rotary_tables, split_head_matrices
 
 from .._inputs import convert_inputs
-from .._layouts import head_slice_axes, heads_axes, layer_sizes
-from .._recording import QKV, LayerRecording, StageRecorder, relation_to, rotation_provenance
-from ..base import tensor_to_numpy
-from ..frameworks.ops import STEP_HOW, score_steps, temperature_factors
+from .._layouts import layer_sizes
+from .._recording import LayerRecording, StageRecorder, relation_to
+from ..frameworks.ops import temperature_factors
 from ..frameworks.ops_numpy import NumpyOps
 from .common import MaskArrays, NumpyPrecision
-from .variants import ColumnVariants, rms_norm_rows
-
-SCORE_AXES = ("B", "H", "Nk", "Nq")  # one column per query, as everywhere in this adapter
-# Features before tokens: every token a column, every head a block of rows.
-COLUMN_SAMPLE_AXES = {
-    "q": ("B", "H*Dk", "Nq"),
-    "k": ("B", "Hkv*Dk", "Nk"),
-    "v": ("B", "Hkv*Dv", "Nk"),
-    **heads_axes(("B", "H", "Dk", "Nq"), ("B", "Hkv", "Dk", "Nk"), ("B", "Hkv", "Dv", "Nk")),
-    "q_normed": ("B", "H", "Dk", "Nq"),
-    "k_normed": ("B", "Hkv", "Dk", "Nk"),
-}
-# q_heads: (B, Dk, Nq), the head axis stacked back in later
-HEAD_SLICE_AXES = {**head_slice_axes(COLUMN_SAMPLE_AXES), "q_normed": ("B", "Dk", "Nq"), "k_normed": ("B", "Dk", "Nk")}
-ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
-# How each score step's stage is made here (`_mask_and_softmax`), as the recording says.
-SCORE_STEP_NOTES = {
-    **{stage: f"{how}, in place" for stage, how in STEP_HOW.items()},
-    "weights": "softmax over keys (each query's column), in place; empty columns are zeros",
-}
-NORM_HOW = {
-    "head": "RMSNorm down each token's column, over the Dk feature rows of each head's block",
-    "projection": "RMSNorm down each token's column, over every row of the merged projection, before the split",
-}
+from .heads import (
+    COLUMN_SAMPLE_AXES,
+    HEAD_SLICE_AXES,
+    ROTATE_HOW,
+    ColumnHeadSteps,
+    _split_direct,
+    _split_reshape,
+    rotate_rows,
+)
+from .scores import ColumnScoreSteps
+from .variants import ColumnVariants
 
 
-def columns_to_rows(output: np.ndarray) -> np.ndarray:
-    """Native output (B, D, Nq) -> exchange layout (B, Nq, D); untimed."""
-    return tensor_to_numpy(np.ascontiguousarray(output.transpose(0, 2, 1)))  # (B, Nq, D)
-
-
-class ColumnSampleMHA(LayerRecording):
+class ColumnSampleMHA(ColumnHeadSteps, ColumnScoreSteps, LayerRecording):
     """One layer and one set of inputs, converted once to column samples.
 
     Parameters and inputs are rounded to the storage dtype here and then held in the
@@ -202,91 +184,6 @@ class ColumnSampleMHA(LayerRecording):
             cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, r/2, N): the same angles for every head
         return rotate_rows(x, cos, sin, self.cfg.rope, self.precision)
 
-    def _norm(self, x: np.ndarray, which: str) -> np.ndarray:
-        """QK-norm of ``which`` ("q" or "k") over the feature rows of ``x`` (..., d, N): one head's block, a batch
-        of head blocks (B, heads, Dk, N) or the merged projection (B, heads*Dk, N); a new array."""
-        return rms_norm_rows([x], [self.variants.norms[which]], self.cfg.norm_eps, self.precision)[0]
-
-    def _normed_heads(self, projections: tuple, heads: tuple, split) -> tuple:
-        """(q_normed, k_normed), batched: the projections QK-normed over every row and then split by ``split``
-        (qk_norm "projection"), or the split heads normed over their own rows ("head"); the heads without qk_norm."""
-        (q, k, _), (q_heads, k_heads, _) = projections, heads
-        if self.cfg.qk_norm == "projection":
-            return split(self._norm(q, "q"), self.cfg.n_heads), split(self._norm(k, "k"), self.cfg.n_kv_heads)
-        if self.cfg.qk_norm == "head":
-            return self._norm(q_heads, "q"), self._norm(k_heads, "k")
-        return q_heads, k_heads
-
-    def _rotate_split(
-        self, rec, projections: tuple, heads: tuple, how: str, split, tokens: slice | None = None
-    ) -> tuple:
-        """(q_rotated, k_rotated) of the batched heads (B, H, Dk, Nq), (B, Hkv, Dk, Nk): QK-normed (`_normed_heads`,
-        the same ``split`` the heads were made with) and rotated (``tokens``: `_rotate`'s); the split (made as
-        ``how`` says), the norm and the rotation recorded when ``rec`` is given."""
-        normed = self._normed_heads(projections, heads, split)
-        rotated = tuple(self._rotate(x, name, True, tokens) for x, name in zip(normed, ("q", "k"), strict=True))
-        if rec is not None:
-            self._record_split(rec, projections, heads, how)
-            parents = ("q_heads", "k_heads")
-            if self.cfg.qk_norm is not None:
-                over_head = self.cfg.qk_norm == "head"
-                for name, value in zip(("q", "k"), normed, strict=True):
-                    parent = f"{name}_heads" if over_head else name
-                    rec.record(
-                        f"{name}_normed", value, COLUMN_SAMPLE_AXES[f"{name}_normed"], self._norm_how, "new", parent
-                    )
-                parents = ("q_normed", "k_normed")
-            for name, parent, before, after in zip(("q", "k"), parents, normed, rotated, strict=True):
-                note, relation = rotation_provenance(after, before, ROTATE_HOW)
-                rec.record(f"{name}_rotated", after, COLUMN_SAMPLE_AXES[f"{name}_rotated"], note, relation, parent)
-        return rotated
-
-    @property
-    def _norm_how(self) -> str:
-        return NORM_HOW[self.cfg.qk_norm] if self.cfg.qk_norm is not None else ""
-
-    def _normed_slices(self, merged: np.ndarray, n_heads: int, which: str) -> list:
-        """The QK-normed heads of a merged projection (B, n*Dk, N) as row blocks (B, Dk, N), one per head: the
-        projection normed over every row before it is sliced, or each slice over its own rows; views without qk_norm."""
-        Dk = self.cfg.d_k
-        if self.cfg.qk_norm == "projection":
-            merged = self._norm(merged, which)  # (B, n*Dk, N), a new array sliced below
-        blocks = [merged[:, i * Dk : (i + 1) * Dk] for i in range(n_heads)]  # (B, Dk, N) views of row block i
-        return [self._norm(b, which) for b in blocks] if self.cfg.qk_norm == "head" else blocks
-
-    def _norm_blocks(self, blocks: list, which: str) -> list:
-        """The QK-normed heads of projections held apart (PER_HEAD, one (B, Dk, N) per head): over the projection
-        the heads share one statistic per token, summed over their row blocks; the blocks themselves without."""
-        V, eps, P = self.variants, self.cfg.norm_eps, self.precision
-        if self.cfg.qk_norm == "projection":
-            return rms_norm_rows(blocks, V.norm_weight_blocks(which, len(blocks)), eps, P)
-        return [self._norm(b, which) for b in blocks] if self.cfg.qk_norm == "head" else blocks
-
-    def _record_head(self, rec, h: int, raw: tuple, normed: tuple, rotated: tuple, note: str, relation="new") -> None:
-        """Query head h's q/k/v slices ``raw``, its QK-normed and rotated queries and its kv head's keys, in a loop
-        over heads; nothing when ``rec`` is None (the kv heads' k_normed: `_record_k_normed`, after the loop)."""
-        if rec is None:
-            return
-        if self.cfg.qk_norm is None:
-            self._record_query_head(rec, h, *raw, *rotated, note, relation)
-            return
-        g, axes = self.cfg.kv_head_of(h), self.HEAD_SLICE_AXES
-        for name, head, value in zip(QKV, (h, g, g), raw, strict=True):
-            parent = name if relation != "new" else None
-            rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, self._stack, relation, parent)
-        parent = "q_heads" if self.cfg.qk_norm == "head" else "q"
-        self._record(rec, "q_normed", h, normed[0], axes["q_normed"], self._norm_how, "new", parent)
-        for name, head, before, after in zip(("q", "k"), (h, g), normed, rotated, strict=True):
-            how, rel = rotation_provenance(after, before, ROTATE_HOW)
-            self._record(rec, f"{name}_rotated", head, after, axes[f"{name}_rotated"], how, rel, f"{name}_normed")
-
-    def _record_k_normed(self, rec, k_normed: list) -> None:
-        """The kv heads' QK-normed keys (a list of (B, Dk, Nk)), stacked whole: one slice per kv head."""
-        if rec is not None and self.cfg.qk_norm is not None:
-            parent = "k_heads" if self.cfg.qk_norm == "head" else "k"
-            note = self._norm_how + " (one kv head at a time, stacked for inspection)"
-            rec.record("k_normed", self._stack(k_normed, 1), COLUMN_SAMPLE_AXES["k_normed"], note, "new", parent)
-
     def _finish(self, merged: np.ndarray, rec, tokens: slice | None = None) -> np.ndarray:
         """``W_o @ merged + b_o``, the merged context gated first with ``attn_output_gate``; ``tokens``: the columns
         of X a decode chunk's merged context belongs to (all without)."""
@@ -345,84 +242,7 @@ class ColumnSampleMHA(LayerRecording):
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "the direct-reshape mistake undone", "copy", "context")
         return self._finish(merged, rec)
 
-    def _attend_batched(self, q_heads, k_heads, v_heads, rec, keys: tuple | None = None) -> np.ndarray:
-        """Scores, mask, softmax and weighted sum for all heads at once -> (B, H, Dv, Nq).
-
-        ``keys``: a decode chunk's ``(mask, bias)`` over its keys (the cache's slots, `decode`), whose sizes the
-        arrays give; None: the layer's own mask, bias and score workspace, at the layer's sizes."""
-        B, H, Dk, Nq = q_heads.shape
-        Hkv, Dv, Nk = v_heads.shape[1:]
-        G = H // Hkv
-        mask, bias, workspace = (self.mask, None, self.workspace) if keys is None else (*keys, None)
-        P = self.precision
-        # Scaling the queries costs Dk*Nq multiplies per head instead of Nk*Nq on the
-        # scores. In place (unless half precision makes a float32 copy): q is done.
-        queries = P.operand(q_heads)
-        queries *= self.cfg.scale
-        # GQA: query head h reads kv head h // G. Splitting the head axis into (Hkv, G)
-        # lets one broadcast product serve a whole group; G = 1 is plain MHA.
-        q_groups = queries.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view
-        keys_t = k_heads[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T
-        scores = P.matmul(keys_t, q_groups, out=workspace)  # (B, Hkv, G, Nk, Nq)
-        scores = P.store(scores).reshape(B, H, Nk, Nq)  # (B, H, Nk, Nq), view
-        weights = self._mask_and_softmax(scores, mask, rec, head=None, bias=bias)
-        weight_groups = weights.reshape(B, Hkv, G, Nk, Nq)  # (B, Hkv, G, Nk, Nq), view
-        # context_h = V_g @ A_h: (Dv, Nk) @ (Nk, Nq) = (Dv, Nq), column samples again.
-        context = P.matmul(v_heads[:, :, None], weight_groups)  # (B, Hkv, G, Dv, Nq)
-        context = P.store(context).reshape(B, H, Dv, Nq)  # (B, H, Dv, Nq), view
-        if rec is not None:
-            rec.record("context", context, ("B", "H", "Dv", "Nq"), "V_g @ A_h per head: one column per query")
-        return context
-
-    def _mask_and_softmax(self, scores, mask: MaskArrays | None, rec, head: int | None, bias=None) -> np.ndarray:
-        """The score steps (`frameworks.ops.score_steps`) over keys (axis -2), in place unless half precision;
-        outside a recording one cache-sized block at a time (`NumpyOps.in_blocks`).
-
-        ``head`` None: the scores of every head (B, H, Nk, Nq); else query head ``head``'s (B, Nk, Nq).
-        ``bias``: these scores' own score bias (a decode chunk's, laid out like them); None: the layer's.
-        """
-        bias = self.variants.head("bias", head) if bias is None else bias
-        axes = SCORE_AXES if head is None else ("B", "Nk", "Nq")
-        on_stage = None
-        if rec is not None:
-            self._record(rec, "scores", head, scores, axes, "scale * K_g^T @ Q_h (scale folded into the queries)")
-
-            def on_stage(name, value, parent, before):
-                relation = "view" if name == "masked_scores" else relation_to(value, before, "new")
-                self._record(rec, name, head, value, axes, self._step_note(name), relation, parent)
-
-        empty_rows = None if mask is None else mask.empty_rows
-        blocked = None if mask is None else mask.blocked
-        sinks = self.variants.head("sinks", head)
-        return score_steps(
-            self.ops,
-            self.cfg,
-            scores,
-            bias=bias,
-            blocked=blocked,
-            empty_rows=empty_rows,
-            sinks=sinks,
-            on_stage=on_stage,
-        )
-
-    def _step_note(self, stage: str) -> str:
-        """How this adapter makes a score stage, as its recording says."""
-        if stage == "weights" and self.cfg.sinks:
-            return SCORE_STEP_NOTES[stage] + "; each head's sink in every denominator"
-        return SCORE_STEP_NOTES[stage]
-
     # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
-    def _attend_one_head(self, h: int, q_h, k_g, v_g, rec) -> np.ndarray:
-        """Attention of query head h: (B, Dk, Nq), (B, Dk, Nk), (B, Dv, Nk) -> (B, Dv, Nq)."""
-        P = self.precision
-        queries = P.operand(q_h) * self.cfg.scale  # (B, Dk, Nq), a fresh array: q_h may be a view of q
-        scores = P.store(P.matmul(k_g.swapaxes(-1, -2), queries))  # (B, Nk, Nq)
-        mask = None if self.mask is None else self.mask.for_head(h)
-        weights = self._mask_and_softmax(scores, mask, rec, head=h)  # (B, Nk, Nq)
-        context = P.store(P.matmul(v_g, weights))  # (B, Dv, Nq)
-        self._record(rec, "context", h, context, ("B", "Dv", "Nq"), "V_g @ A_h")
-        return context
-
     def slicing(self, rec: StageRecorder | None = None) -> np.ndarray:
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)
         q, k, v = self._projections()  # (B, H*Dk, Nq), (B, Hkv*Dk, Nk), (B, Hkv*Dv, Nk)
@@ -478,51 +298,3 @@ class ColumnSampleMHA(LayerRecording):
             self._record_joined_projections(rec, functools.partial(np.concatenate, axis=1), note)
             rec.record("merged", merged, ("B", "H*Dv", "Nq"), "concatenation of the heads' contexts", "copy", "context")
         return self._finish(merged, rec)
-
-
-def _split_reshape(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """(B, heads*d, N) -> (B, heads, d, N): head h owns row block h; a view (of a contiguous x)."""
-    B, width, N = x.shape
-    return x.reshape(B, n_heads, width // n_heads, N)
-
-
-def _merge_reshape(x: np.ndarray) -> np.ndarray:
-    """(B, heads, d, N) -> (B, heads*d, N), the inverse of `_split_reshape` (view or copy)."""
-    B, heads, d, N = x.shape
-    return x.reshape(B, heads * d, N)
-
-
-def rotate_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str, precision: NumpyPrecision) -> np.ndarray:
-    """The rotary embedding in column samples: x (..., Dk, N), cos/sin (..., r/2, N) -> a new (..., Dk, N).
-
-    Each feature pair is two *rows* of the head: rows i and i + r/2 ("half") or rows 2i
-    and 2i + 1 ("interleaved", step-2 slices, views); rows past r pass through. Half
-    precision computes in float32 and rounds once, like every other stage here.
-    """
-    P = precision
-    h = cos.shape[-2]  # r/2 pairs
-    r = 2 * h
-    x = P.operand(x)  # the compute dtype (no copy at full precision)
-    out = np.empty(x.shape, dtype=P.compute)  # (..., Dk, N)
-    out[..., r:, :] = x[..., r:, :]  # partial rotary: the rest passes through
-    rows_a, rows_b = (slice(0, h), slice(h, r)) if style == "half" else (slice(0, r, 2), slice(1, r, 2))
-    a, b = x[..., rows_a, :], x[..., rows_b, :]  # (..., r/2, N) each, views
-    first, second = out[..., rows_a, :], out[..., rows_b, :]  # views into out
-    np.multiply(a, cos, out=first)
-    first -= b * sin  # a cos - b sin
-    np.multiply(b, cos, out=second)
-    second += a * sin  # b cos + a sin
-    return P.store(out)
-
-
-def _split_direct(x: np.ndarray, n_heads: int) -> np.ndarray:
-    """The direct-reshape mistake in column form: (B, H*d, N) -> (B, H, d, N), wrong cells.
-
-    Seen as row samples the data is (B, N, H*d); reshaping that straight to (B, H, N, d)
-    hands head h the tokens h*N/H ... with all their features, instead of every token
-    with features h*d:(h+1)*d. Transposing back to columns keeps the wrong cells.
-    """
-    B, width, N = x.shape
-    rows = x.transpose(0, 2, 1)  # (B, N, H*d): the same numbers as row samples, a view
-    wrong = rows.reshape(B, n_heads, N, width // n_heads)  # (B, H, N, d): the mistake (a copy)
-    return wrong.transpose(0, 1, 3, 2)  # (B, H, d, N): column samples again, a view

@@ -32,7 +32,7 @@ from ..base import Prepared
 from ..frameworks.ops import score_steps
 from ..frameworks.ops_numpy import NumpyOps
 from .common import MaskArrays, NumpyPrecision
-from .layer import columns_to_rows, rotate_rows
+from .heads import columns_to_rows, rotate_rows
 from .variants import rms_norm_rows
 
 SCORE_AXES = ("B", "H", "Nk", "Nq")

@@ -25,7 +25,7 @@ from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 from .._mla import latent_cache_info
 from ..base import PreparedDecode
 from .common import MaskArrays, NumpyPrecision
-from .layer import columns_to_rows
+from .heads import columns_to_rows
 from .mla import ColumnSampleMLA, column_tables
 
 LATENT_LAYOUT = (

@@ -27,7 +27,8 @@ from ..jax.common import (
     jax_target,
     to_jax,
 )
-from .jax_common import JaxOracle, scale_is_default, spec_rows
+from .flax import fixed_heads_reason
+from .jax_common import JaxOracle, spec_rows
 
 
 class EquinoxMHAOracle(JaxOracle):
@@ -78,11 +79,8 @@ class EquinoxMHAOracle(JaxOracle):
                 "equinox.nn.RotaryPositionalEmbedding rotates halves (rotate_half) only, not interleaved pairs; "
                 "core.to_rotate_half_params converts such weights"
             )
-        if cfg.n_kv_heads != cfg.n_heads:
-            return f"equinox MultiheadAttention has no grouped kv heads (n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads})"
-        if not scale_is_default(cfg):
-            return f"equinox MultiheadAttention always scales by 1/sqrt(qk_size); cfg.scale={cfg.scale:g}"
-        return super().unsupported_reason(cfg, dtype, device, strategy)
+        reason = fixed_heads_reason(cfg, "equinox MultiheadAttention", "qk_size")
+        return reason or super().unsupported_reason(cfg, dtype, device, strategy)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str

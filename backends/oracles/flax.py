@@ -48,6 +48,18 @@ from ..jax.common import (
 from .jax_common import JaxOracle, bias_tables, gathered_bias, scale_is_default, spec_rows
 
 
+def fixed_heads_reason(cfg: MHAConfig, module: str, head_dim: str, one_head_dim: bool = False) -> str | None:
+    """Why a JAX module with a kv head per query head and the scale 1/sqrt(``head_dim``) built in cannot run ``cfg``
+    (grouped kv heads, another scale; with ``one_head_dim``, d_v != d_k), or None: Flax's and equinox's refusals."""
+    if cfg.n_kv_heads != cfg.n_heads:
+        return f"{module} has no grouped kv heads (n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads})"
+    if one_head_dim and cfg.d_v != cfg.d_k:
+        return f"{module} uses one {head_dim} for q, k and v (d_k={cfg.d_k}, d_v={cfg.d_v})"
+    if not scale_is_default(cfg):
+        return f"{module} always scales by 1/sqrt({head_dim}); cfg.scale={cfg.scale:g}"
+    return None
+
+
 class FlaxMHAOracle(JaxOracle):
     """``flax.linen.MultiHeadDotProductAttention`` with its params tree from `core.to_flax_params`."""
 
@@ -111,13 +123,8 @@ class FlaxMHAOracle(JaxOracle):
                 f"Flax MultiHeadDotProductAttention has no rotary embedding (cfg.rope={cfg.rope!r}): "
                 "it projects q and k inside the module"
             )
-        if cfg.n_kv_heads != cfg.n_heads:
-            return f"Flax MultiHeadDotProductAttention has no grouped kv heads (n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads})"
-        if cfg.d_v != cfg.d_k:
-            return f"Flax MultiHeadDotProductAttention uses one head_dim for q, k and v (d_k={cfg.d_k}, d_v={cfg.d_v})"
-        if not scale_is_default(cfg):
-            return f"Flax MultiHeadDotProductAttention always scales by 1/sqrt(head_dim); cfg.scale={cfg.scale:g}"
-        return super().unsupported_reason(cfg, dtype, device, strategy)
+        reason = fixed_heads_reason(cfg, "Flax MultiHeadDotProductAttention", "head_dim", one_head_dim=True)
+        return reason or super().unsupported_reason(cfg, dtype, device, strategy)
 
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str

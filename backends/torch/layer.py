@@ -1,8 +1,9 @@
 """The PyTorch layer: multi-head attention in row samples, the way ``nn.Linear`` code does it.
 
-A catalogue, over 400 lines on purpose: the row-sample layer's four head-split strategies (standard,
-direct_reshape, slicing, per_head), a method each, and the steps they share (projections, QK-norm, rotary,
-mask and softmax, merge), in one class so that the convention reads top to bottom.
+The row-sample layer's four head-split strategies (standard, direct_reshape, slicing, per_head), a method each,
+and the steps they share: projections, rotary, merge and the output gate here; QK-norm in `heads`
+(`RowHeadSteps`); scores, mask, softmax and weighted sum in `scores` (`RowScoreSteps`). One class joins them, so
+that the strategies read top to bottom.
 
 Convention B of the column/row-sample article, as PyTorch users write it (nanoGPT's ``CausalSelfAttention``).
 Each batch item is ``(tokens, features)``: every token is a row. Weights stay in the
@@ -42,8 +43,8 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
-from .._recording import LayerRecording, StageRecorder, record_rotated, relation_to
-from ..frameworks.ops import STEP_HOW, score_steps, temperature_factors
+from .._recording import LayerRecording, StageRecorder, relation_to
+from ..frameworks.ops import temperature_factors
 from ..frameworks.ops_torch import HALF, TorchOps
 from .common import (
     bool_tensor,
@@ -52,26 +53,14 @@ from .common import (
     torch_inputs,
     torch_rotary_tables,
 )
-from .variants import ScoreBias, SumReducer, rms_norm, rms_norm_of_sum
+from .heads import ROTATE_HOW, RowHeadSteps
+from .scores import RowScoreSteps
+from .variants import ScoreBias, SumReducer
 
 HEAD_SLICE_AXES = head_slice_axes(HEADS_FIRST_SPLIT_AXES)  # q_heads: (B, Nq, Dk), the head axis stacked back in later
-ROTATE_HOW = "pairs of the last (feature) axis turned by each token's angle (rotary)"
 
 
-def _step_note(stage: str, in_place: bool, parent: str, masked: bool, sinks: bool) -> str:
-    """How this adapter makes a score stage (`RowSampleMHA._mask_and_softmax`), as its recording says."""
-    if stage == "capped_scores":
-        return STEP_HOW[stage] + (", in place" if in_place else "")
-    if stage == "biased_scores":
-        return STEP_HOW[stage] + ", the tables from NumPy"
-    if stage == "masked_scores":
-        return "masked_fill_(blocked, -inf), in place" if masked else f"no mask: {parent} itself"
-    if sinks:
-        return "torch.softmax over keys with the sink as one more column, dropped after; empty rows zeros"
-    return "torch.softmax over keys; empty rows set to zeros"
-
-
-class RowSampleMHA(LayerRecording):
+class RowSampleMHA(RowHeadSteps, RowScoreSteps, LayerRecording):
     """One layer and one set of inputs, converted once to torch tensors on the device.
 
     With ``batched=True`` the score and weight tensors ``(B*Hkv, G*Nq, Nk)`` get buffers
@@ -172,43 +161,6 @@ class RowSampleMHA(LayerRecording):
         v = F.linear(self.x_v, self.w_v, self.b_v)  # (B, Nk, Hkv*Dv)
         return q, k, v
 
-    def _norm_projection(self, x, which: str):
-        """A projection-wide QK-norm of the merged q or k (B, N, width): over every head's features at once.
-
-        A rank of torch-tp holds some heads' features only: the sum of squares is all-reduced
-        (``norm_sum``) and divided by the whole layer's width.
-        """
-        weight = self.q_norm if which == "q" else self.k_norm
-        if self.norm_sum is None:
-            return rms_norm(x, weight, self.cfg.norm_eps)  # F.rms_norm over the whole projection
-        squares = self.norm_sum((x * x).sum(dim=-1, keepdim=True), which)  # (B, N, 1), summed over the ranks
-        width = self.norm_widths[0 if which == "q" else 1]
-        return rms_norm_of_sum(x, weight, self.cfg.norm_eps, squares, width)
-
-    def _normed_split(self, rec, projections: tuple, heads: tuple, split):
-        """(q_normed, k_normed): the heads after QK-norm, recorded; the heads themselves without it.
-
-        ``split(x, n_heads)`` is the strategy's own head split (B, N, n*Dk) -> (B, n, N, Dk):
-        a projection-wide norm is taken before it, a per-head one after it.
-        """
-        cfg = self.cfg
-        if cfg.qk_norm is None:
-            return heads
-        (q, k, _), (q_heads, k_heads) = projections, heads
-        if cfg.qk_norm == "projection":
-            normed = (
-                split(self._norm_projection(q, "q"), cfg.n_heads),
-                split(self._norm_projection(k, "k"), cfg.n_kv_heads),
-            )
-            how, parents = "F.rms_norm over the whole projection, then the same head split", (None, None)
-        else:
-            normed = rms_norm(q_heads, self.q_norm, cfg.norm_eps), rms_norm(k_heads, self.k_norm, cfg.norm_eps)
-            how, parents = "F.rms_norm over each head's Dk features (one weight for every head)", ("q_heads", "k_heads")
-        if rec is not None:
-            for name, value, parent in zip(("q_normed", "k_normed"), normed, parents, strict=True):
-                rec.record(name, value, HEADS_FIRST_SPLIT_AXES[name.replace("normed", "heads")], how, "new", parent)
-        return normed
-
     def _rotate(self, x, which: str, head_axis: bool):
         """Query ("q") or key ("k") heads (..., N, Dk) with rotary applied; ``x`` itself without rope."""
         if self.rotary is None:
@@ -217,20 +169,6 @@ class RowSampleMHA(LayerRecording):
         if head_axis:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1|B, 1, N, r/2): the same angles for every head
         return rotate_last_axis(x, cos, sin, self.cfg.rope)
-
-    def _rotate_split(self, rec, q_heads, k_heads):
-        """(q_rotated, k_rotated) of the batched heads (B, H, N, Dk) (normed, with QK-norm), recorded when
-        ``rec`` is given."""
-        rotated = self._rotate(q_heads, "q", head_axis=True), self._rotate(k_heads, "k", head_axis=True)
-        if rec is not None:
-            record_rotated(rec, (q_heads, k_heads), rotated, HEADS_FIRST_SPLIT_AXES, ROTATE_HOW)
-            if self.cfg.qk_norm is not None:  # turned from the normed heads, not the split ones
-                for name, value, parent in zip(("q_rotated", "k_rotated"), rotated, (q_heads, k_heads), strict=True):
-                    note, relation = (
-                        (ROTATE_HOW, "new") if value is not parent else ("the normed heads, no rope", "view")
-                    )
-                    rec.record(name, value, HEADS_FIRST_SPLIT_AXES[name], note, relation, name[0] + "_normed")
-        return rotated
 
     def _merge(self, context, rec):
         """Heads back side by side, (B, H, Nq, Dv) -> (B, Nq, H*Dv)."""
@@ -256,32 +194,6 @@ class RowSampleMHA(LayerRecording):
         if rec is not None:
             rec.record("output", output, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
         return output
-
-    def _mask_and_softmax(self, scores, blocked, empty_rows, rec, head: int | None, out=None):
-        """The score steps after the product (`frameworks.ops.score_steps` on torch's ops object), in place
-        where autograd allows; the weights into ``out`` where given.
-
-        Rows with no allowed key get zeros, never NaN. ``head`` None: all heads (B, H, Nq, Nk);
-        else query head ``head``'s (B, Nq, Nk).
-        """
-        axes = ("B", "H", "Nq", "Nk") if head is None else ("B", "Nq", "Nk")
-        self._record(
-            rec, "scores", head, scores, axes, "baddbmm(q, k^T, alpha=scale): the scale fused into the product"
-        )
-        on_stage = None
-        if rec is not None:
-
-            def on_stage(name, value, parent, before):
-                note = _step_note(name, value is before, parent, blocked is not None, self.sinks is not None)
-                relation = "view" if value is before and name != "weights" else "new"
-                self._record(rec, name, head, value, axes, note, relation, parent)
-
-        bias = None if self.score_bias is None else self.score_bias(self.rel_bias, head=head)
-        sinks = None
-        if self.sinks is not None:
-            sinks = self.sinks.view(-1, 1, 1) if head is None else self.sinks[head].view(1, 1)  # (H, 1, 1) or (1, 1)
-        parts = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows, "sinks": sinks}
-        return score_steps(self.ops, self.cfg, scores, **parts, out=out, on_stage=on_stage)
 
     # -- batched heads: STANDARD and DIRECT_RESHAPE --------------------------------------
     def _split_and_rotate(self, rec, projections: tuple | None = None):
@@ -330,84 +242,7 @@ class RowSampleMHA(LayerRecording):
             rec.record("merged", merged, ("B", "Nq", "H*Dv"), how, relation_to(merged, context), "context")
         return self._finish(merged, rec)
 
-    def _attend_batched(self, q_heads, k_heads, v_heads, rec):
-        """Scores, mask, softmax, weighted sum for all heads -> context (B, H, Nq, Dv)."""
-        torch = self.torch
-        B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes
-        # Fold the G query heads of each kv head into the token axis (see the module docstring).
-        q_groups = q_heads.reshape(B * Hkv, G * Nq, Dk)  # (B*Hkv, G*Nq, Dk), copy (a view of contiguous rotated heads)
-        k_groups = k_heads.reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
-        v_groups = v_heads.reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
-        scores = torch.baddbmm(
-            self.zero, q_groups, k_groups.transpose(1, 2), beta=0.0, alpha=self.cfg.scale, out=self.scores_buffer
-        )  # (B*Hkv, G*Nq, Nk)
-        scores = scores.view(B, H, Nq, Nk)  # (B, H, Nq, Nk)
-        out = None if self.weights_buffer is None else self.weights_buffer.view(B, H, Nq, Nk)  # None: autograd
-        weights = self._mask_and_softmax(scores, self.blocked, self.empty_rows, rec, head=None, out=out)
-        context = torch.bmm(weights.view(B * Hkv, G * Nq, Nk), v_groups)  # (B*Hkv, G*Nq, Dv)
-        context = context.view(B, H, Nq, Dv)  # (B, H, Nq, Dv)
-        if rec is not None:
-            rec.record(
-                "context", context, ("B", "H", "Nq", "Dv"), "bmm(weights, v) with each group's queries folded together"
-            )
-        return context
-
     # -- one head at a time: SLICING and PER_HEAD -----------------------------------------
-    def _attend_one_head(self, h: int, q_h, k_g, v_g, rec):
-        """Attention of query head h: (B, Nq, Dk), (B, Nk, Dk), (B, Nk, Dv) -> (B, Nq, Dv)."""
-        torch = self.torch
-        scores = torch.baddbmm(self.zero, q_h, k_g.transpose(1, 2), beta=0.0, alpha=self.cfg.scale)  # (B, Nq, Nk)
-
-        def head_slice(mask):  # (1|B, 1|H, Nq, n) -> (1|B, Nq, n)
-            return None if mask is None else mask[:, 0 if mask.shape[1] == 1 else h]
-
-        weights = self._mask_and_softmax(scores, head_slice(self.blocked), head_slice(self.empty_rows), rec, head=h)
-        context = torch.bmm(weights, v_g)  # (B, Nq, Dv)
-        self._record(rec, "context", h, context, ("B", "Nq", "Dv"), "bmm(weights_h, v_g)")
-        return context
-
-    def _normed_heads(self, rec, which: str, heads: list, merged=None) -> list:
-        """One head at a time: the heads (B, N, Dk) after QK-norm (the heads themselves without it), recorded whole.
-
-        A projection-wide norm needs every head's features: ``merged`` (SLICING: the merged
-        projection, normed before it is sliced) or, without it (PER_HEAD: the strategy never
-        builds the projection), the heads' sums of squares added up, one weight slice per head.
-        """
-        cfg = self.cfg
-        if cfg.qk_norm is None:
-            return heads
-        weight, Dk = (self.q_norm if which == "q" else self.k_norm), cfg.d_k
-        if cfg.qk_norm == "head":
-            normed = [rms_norm(x, weight, cfg.norm_eps) for x in heads]
-            how = "F.rms_norm of each head's Dk features"
-        elif merged is not None:
-            whole = self._norm_projection(merged, which)  # (B, N, n*Dk)
-            normed = [whole[:, :, i * Dk : (i + 1) * Dk] for i in range(len(heads))]  # column slices, views
-            how = "F.rms_norm over the whole projection, then column slices"
-        else:
-            squares = sum((x * x).sum(dim=-1, keepdim=True) for x in heads)  # (B, N, 1): over every head's features
-            if self.norm_sum is not None:
-                squares = self.norm_sum(squares, which)
-            width = self.norm_widths[0 if which == "q" else 1]
-            normed = [
-                rms_norm_of_sum(x, weight[i * Dk : (i + 1) * Dk], cfg.norm_eps, squares, width)
-                for i, x in enumerate(heads)
-            ]
-            how = "RMSNorm over the whole projection: the heads' sums of squares added up, each head its weight slice"
-        if rec is not None:
-            name, head_axis = f"{which}_normed", "H" if which == "q" else "Hkv"
-            note = how + " (one head at a time, stacked for inspection)"
-            rec.record(name, self.torch.stack(normed, 1), ("B", head_axis, "N" + which, "Dk"), note)
-        return normed
-
-    def _record_normed_rotation(self, rec, h: int, q_rotated, k_rotated) -> None:
-        """With QK-norm, q_rotated and k_rotated are turned from the normed heads: say so (per head)."""
-        if rec is None or self.cfg.qk_norm is None:
-            return
-        note, relation = (ROTATE_HOW, "new") if self.rotary is not None else ("the normed heads, no rope", "new")
-        axes = self.HEAD_SLICE_AXES
-        self._record(rec, "q_rotated", h, q_rotated, axes["q_rotated"], note, relation, "q_normed")
-        self._record(rec, "k_rotated", self.cfg.kv_head_of(h), k_rotated, axes["k_rotated"], note, relation, "k_normed")
 
     def slicing(self, rec: StageRecorder | None = None):
         B, Nq, Nk, H, Hkv, G, Dk, Dv = self.sizes  # noqa: RUF059 (every size named once)

@@ -1,5 +1,6 @@
-"""What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, and the
-validation and explainer grid of the positional masks one optional integer switches on (window, chunks)."""
+"""What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, the
+entry keywords of a variant one bool field switches on, and the entry keywords, validation and explainer grid of
+the positional masks one optional integer switches on (window, chunks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .._validate import require_positive_int
+from ._entry import ConfigField, ScoreStep
 
 
 def relative_distances(positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
@@ -37,6 +39,43 @@ def optional_positive_int(field: str) -> Callable[[object], dict]:
         return {}
 
     return validate
+
+
+def given(field: str, *more: str) -> dict:
+    """`Variant` keywords (``**given(field)``) of a variant one optional `MHAConfig` field switches on (None: off):
+    its fields (``field`` and the ``more`` it also reads) and its rule, on where ``field`` is not None."""
+    return dict(fields=(field, *more), is_on=lambda cfg: getattr(cfg, field) is not None)
+
+
+def positional_mask(field: str) -> dict:
+    """`Variant` keywords (``**positional_mask(field)``) of a positional mask one optional integer field switches
+    on (``window``, ``attention_chunk_size``): `given`'s, `optional_positive_int`'s validation, and its step in the
+    score pipeline's mask."""
+    return dict(
+        **given(field),
+        validate=optional_positive_int(field),
+        score_step=ScoreStep("mask", "positional_mask"),
+    )
+
+
+def flag(field: str, declare: bool = True) -> dict:
+    """`Variant` keywords (``**flag(field)``) of a variant one bool `MHAConfig` field switches on (False: off): its
+    field, on where true, its demonstration with the field on and off, and, with ``declare``, the field's
+    declaration (`ConfigField`; False for a field `MHAConfig` writes out itself, ``alibi``, ``sinks``)."""
+    declared = dict(config_fields=(ConfigField(field, False, "bool"),)) if declare else {}
+    return dict(
+        fields=(field,),
+        is_on=lambda cfg: bool(getattr(cfg, field)),
+        demo_on={field: True},
+        demo_off={field: False},
+        **declared,
+    )
+
+
+def resolved_head_dims(cfg) -> tuple[int, int]:
+    """(d_k, d_v) as `MHAConfig` resolves them, for a ``validate`` that runs before it writes its defaults back."""
+    d_k = cfg.d_model // cfg.n_heads if cfg.d_k is None else cfg.d_k
+    return d_k, d_k if cfg.d_v is None else cfg.d_v
 
 
 def position_grid(tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

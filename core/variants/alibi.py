@@ -8,8 +8,8 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, switch_option
-from ._shared import relative_distances, softmax_with_empty_rows
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, numbers, switch_option
+from ._shared import flag, relative_distances, softmax_with_empty_rows
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:
@@ -166,8 +166,7 @@ DIAGNOSE = DiagnoseSpec(
 ENTRY = Variant(
     name="alibi",
     summary="m_h * (p_j - p_i) added to the scores",
-    fields=("alibi",),
-    is_on=lambda cfg: cfg.alibi,
+    **flag("alibi", declare=False),  # a field of MHAConfig's own
     validate=_validate,
     stages=("biased_scores",),
     score_step=ScoreStep("bias", "add_score_bias"),
@@ -190,7 +189,6 @@ ENTRY = Variant(
     ),
     bench=BenchSpec({"alibi": True}, "plain"),
     cli=(switch_option("--alibi", {"alibi": True}, "ALiBi: m_h (p_j - p_i) added to the scores", rank=50),),
-    **demo("alibi", True, False),
     explain=explain,
     diagnose=DIAGNOSE,
 )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ScoreStep, Variant, demo, value_option
-from ._shared import optional_positive_int, position_grid
+from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, demo, value_option
+from ._shared import position_grid, positional_mask
 
 
 def chunk_allowed(chunk: int, positions: np.ndarray, kv_positions: np.ndarray, shift: int = 0) -> np.ndarray:
@@ -29,9 +29,6 @@ def chunk_allowed(chunk: int, positions: np.ndarray, kv_positions: np.ndarray, s
 
 def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
     return chunk_allowed(cfg.attention_chunk_size, positions, kv_positions)  # the registry's mask step
-
-
-_validate = optional_positive_int("attention_chunk_size")  # the registry's check: None (off) or a positive int
 
 
 def explain(demo) -> Explanation:
@@ -133,11 +130,8 @@ DIAGNOSE = DiagnoseSpec(
 ENTRY = Variant(
     name="chunked",
     summary="Llama 4's chunked local attention: a query sees the keys of its own chunk of C positions",
-    fields=("attention_chunk_size",),
+    **positional_mask("attention_chunk_size"),  # on where not None; None (off) or a positive int
     config_fields=(ConfigField("attention_chunk_size", None, "int | None"),),
-    is_on=lambda cfg: cfg.attention_chunk_size is not None,
-    validate=_validate,
-    score_step=ScoreStep("mask", "positional_mask"),
     forward=_forward,
     check_cases=(
         CaseSpec(

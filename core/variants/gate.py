@@ -27,7 +27,8 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, StageSpec, Variant, numbers
+from ._shared import flag, resolved_head_dims
 
 FIELD = "attn_output_gate"
 # Why a third-party kernel's oracle refuses the gate ("{kernel}": its name): what it compares is the kernel.
@@ -123,9 +124,7 @@ def _regroup(cfg: Config, params, order) -> dict:
 def _validate(cfg: Config) -> dict:
     gated = getattr(cfg, FIELD)
     require_bool(FIELD, gated)
-    # MHAConfig validates before it writes its defaults back: resolve d_k and d_v as it does.
-    d_k = cfg.d_model // cfg.n_heads if cfg.d_k is None else cfg.d_k
-    d_v = d_k if cfg.d_v is None else cfg.d_v
+    d_k, d_v = resolved_head_dims(cfg)
     if gated and d_v != d_k:
         raise ValueError(
             f"MHAConfig.{FIELD}=True needs d_v == d_k: the gate is the second half of each query head's "
@@ -185,12 +184,10 @@ def explain(demo) -> Explanation:
 ENTRY = Variant(
     name="gate",
     summary="each head's context times sigmoid(x @ w_gate.T) before the output projection (Qwen3-Next)",
-    fields=(FIELD,),
-    is_on=lambda cfg: bool(getattr(cfg, FIELD)),
+    **flag(FIELD),
     validate=_validate,
     params=PARAMS,
     stages=("gate",),
-    config_fields=(ConfigField(FIELD, False, "bool"),),
     stage_specs=(STAGE,),
     forward=gate_forward,
     backward=gate_backward,
@@ -228,7 +225,5 @@ ENTRY = Variant(
     # Its cost against plain attention: one more (D, H*Dv) projection, a sigmoid and a product, timed in every
     # adapter; the best paths refuse it (the cell says so).
     bench=BenchSpec({FIELD: True}, "plain"),
-    demo_on={FIELD: True},
-    demo_off={FIELD: False},
     explain=explain,
 )

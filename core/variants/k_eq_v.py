@@ -31,7 +31,8 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers
+from ._shared import flag, resolved_head_dims
 from .value_norm import GEMMA4_SLIDING
 
 FIELD = "attention_k_eq_v"
@@ -42,9 +43,7 @@ def _validate(cfg: Config) -> dict:
     require_bool(FIELD, on)
     if not on:
         return {}
-    # MHAConfig validates before it writes its defaults back: resolve d_k, d_v, kdim and vdim as it does.
-    d_k = cfg.d_model // cfg.n_heads if cfg.d_k is None else cfg.d_k
-    d_v = d_k if cfg.d_v is None else cfg.d_v
+    d_k, d_v = resolved_head_dims(cfg)  # and kdim, vdim below: as MHAConfig resolves them
     if d_v != d_k:
         raise ValueError(
             f"MHAConfig.{FIELD}=True needs d_v == d_k: the values are the key projection's output, one key head "
@@ -126,10 +125,8 @@ def explain(demo) -> Explanation:
 ENTRY = Variant(
     name="k_eq_v",
     summary="the values are the key projection's raw output: one weight, w_v tied to w_k (Gemma 4 global layers)",
-    fields=(FIELD,),
-    is_on=lambda cfg: bool(getattr(cfg, FIELD)),
+    **flag(FIELD),
     validate=_validate,
-    config_fields=(ConfigField(FIELD, False, "bool"),),
     tied={"w_v": "w_k", "b_v": "b_k"},
     diagnose=DiagnoseSpec(
         rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
@@ -166,7 +163,5 @@ ENTRY = Variant(
     ),
     # Its cost against plain attention: the same (V is still a product; a fused reader would save it).
     bench=BenchSpec({FIELD: True}, "plain", preset="forms"),
-    demo_on={FIELD: True},
-    demo_off={FIELD: False},
     explain=explain,
 )

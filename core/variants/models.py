@@ -34,26 +34,29 @@ class Model:
     decode: CaseSpec | None = None
 
 
-def _model(config: dict, check: tuple[str, str, dict] | None = None, decode: tuple[str, str, dict] | None = None):
-    """A `Model` whose cases, (name, description, options), read its one configuration."""
-    return Model(
-        config,
-        None if check is None else CaseSpec(check[0], check[1], config, check[2]),
-        None if decode is None else CaseSpec(decode[0], decode[1], config, decode[2]),
-    )
+def _model(name: str, config: dict, check: tuple[str, dict] | None = None, decode: tuple[str, dict] | None = None):
+    """``(name, Model)``: the model's cases, (description, options), named after it, read its one configuration."""
+    cases = [None if case is None else CaseSpec(name, case[0], config, case[1]) for case in (check, decode)]
+    return name, Model(config, *cases)
 
 
-MODELS: dict[str, Model] = {
-    "mistral": _model(
+def _by_name(*models: tuple[str, Model]) -> dict[str, Model]:
+    """The models by name, in the order given (each ``(name, Model)``, `_model`)."""
+    return dict(models)
+
+
+MODELS: dict[str, Model] = _by_name(
+    _model(
+        "mistral",
         dict(d_model=32, n_heads=4, n_kv_heads=2, rope="half", causal=True, window=4, bias=False),  # d_k = 8
         check=(
-            "mistral",
             "Mistral: grouped kv heads, rotary, causal sliding window of 4, no biases",
             dict(q_tokens=9, dtypes=("float64", "float32"), seed=30),
         ),
     ),
     # One window for both cases (they had 5 and 4): 4, which 8 query tokens and a 10-token decode outgrow.
-    "gemma2": _model(
+    _model(
+        "gemma2",
         dict(
             d_model=22,
             n_heads=2,
@@ -67,17 +70,16 @@ MODELS: dict[str, Model] = {
             bias=False,
         ),
         check=(
-            "gemma2",
             "Gemma 2: softcap 2, a window of 4, query_pre_attn_scalar 16 (scale 1/4, not 1/sqrt(d_k)), GQA",
             dict(batch=3, q_tokens=8, dtypes=("float64", "bfloat16"), seed=31),
         ),
         decode=(
-            "gemma2",
             "Gemma 2: a window of 4 the sequence outgrows, softcap 2, scale 1/4, GQA, rotary",
             dict(batch=3, tokens=10, prefill=3, dtypes=("float64", "bfloat16"), seed=119),
         ),
     ),
-    "llama3": _model(
+    _model(
+        "llama3",
         dict(
             d_model=26,
             n_heads=3,
@@ -95,20 +97,20 @@ MODELS: dict[str, Model] = {
             },
         ),
         check=(
-            "llama3",
             "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",
             dict(dtypes=("float64", "float32"), seed=32),
         ),
     ),
-    "qwen3": _model(
+    _model(
+        "qwen3",
         dict(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False),
         decode=(
-            "qwen3",
             "Qwen3: per-head qk_norm, GQA, rotary, no biases, two tokens a step",
             dict(batch=2, tokens=9, prefill=4, step=2, seed=120),
         ),
     ),
-    "gpt_oss": _model(
+    _model(
+        "gpt_oss",
         dict(
             d_model=30,
             n_heads=4,
@@ -122,14 +124,12 @@ MODELS: dict[str, Model] = {
             rope_scaling=GPT_OSS_YARN,
         ),
         check=(
-            "gpt_oss",
             "gpt-oss: sinks, a window of 4, biases, YaRN (factor 32, beta 32/1, original 4096, no truncation), GQA",
             dict(q_tokens=9, dtypes=("float64", "float32"), seed=33),
         ),
         decode=(
-            "gpt_oss",
             "gpt-oss: sinks, a window of 4 the sequence outgrows, biases, YaRN, GQA",
             dict(batch=2, tokens=10, prefill=5, seed=121),
         ),
     ),
-}
+)

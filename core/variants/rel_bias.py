@@ -10,7 +10,7 @@ import numpy as np
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, switch_option, value_option
-from ._shared import relative_distances
+from ._shared import given, relative_distances
 
 
 def t5_buckets(distance: np.ndarray, buckets: int, max_distance: int, bidirectional: bool) -> np.ndarray:
@@ -231,8 +231,7 @@ DIAGNOSE = DiagnoseSpec(
 ENTRY = Variant(
     name="rel_bias",
     summary="T5's learned relative position buckets added to the scores",
-    fields=("rel_buckets", "rel_max_distance", "rel_bidirectional"),
-    is_on=lambda cfg: cfg.rel_buckets is not None,
+    **given("rel_buckets", "rel_max_distance", "rel_bidirectional"),
     validate=_validate,
     # T5 bucket biases 0.5 N(0, 1).
     params=(

@@ -6,8 +6,8 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, demo, switch_option
-from ._shared import softmax_with_empty_rows
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, switch_option
+from ._shared import flag, softmax_with_empty_rows
 from .models import GPT_OSS_YARN
 
 
@@ -128,8 +128,7 @@ DIAGNOSE = DiagnoseSpec(
 ENTRY = Variant(
     name="sinks",
     summary="one learned logit per head in the softmax denominator",
-    fields=("sinks",),
-    is_on=lambda cfg: cfg.sinks,
+    **flag("sinks", declare=False),  # a field of MHAConfig's own
     validate=_validate,
     # Sink logits N(0, 1): the size of a score, so that a sink takes a visible share of each row.
     params=(ParamSpec("sinks", "sinks", lambda cfg: (cfg.n_heads,) if cfg.sinks else None, centre=0.0, spread=1.0),),
@@ -154,7 +153,6 @@ ENTRY = Variant(
     ),
     bench=BenchSpec({"sinks": True}, "plain"),
     cli=(switch_option("--sinks", {"sinks": True}, "one learned logit per head in the softmax denominator", rank=60),),
-    **demo("sinks", True, False),
     explain=explain,
     diagnose=DIAGNOSE,
 )

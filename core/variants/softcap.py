@@ -7,7 +7,7 @@ import numpy as np
 from .._validate import require_positive_number
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, value_option
-from ._shared import softmax_with_empty_rows
+from ._shared import given, softmax_with_empty_rows
 
 
 def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
@@ -134,8 +134,7 @@ DIAGNOSE = DiagnoseSpec(
 ENTRY = Variant(
     name="softcap",
     summary="c * tanh(s / c) on the scaled scores",
-    fields=("softcap",),
-    is_on=lambda cfg: cfg.softcap is not None,
+    **given("softcap"),
     validate=_validate,
     stages=("capped_scores",),
     score_step=ScoreStep("transform", "softcap"),

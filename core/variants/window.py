@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, value_option
-from ._shared import optional_positive_int, position_grid, relative_distances
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, demo, value_option
+from ._shared import position_grid, positional_mask, relative_distances
 
 
 def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
@@ -22,9 +22,6 @@ def window_allowed(window: int, causal: bool, positions: np.ndarray, kv_position
 
 def _forward(cfg: Config, positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
     return window_allowed(cfg.window, cfg.causal, positions, kv_positions)  # the registry's mask step (`ScoreStep`)
-
-
-_validate = optional_positive_int("window")  # the registry's check: None (off) or a positive int
 
 
 def explain(demo) -> Explanation:
@@ -163,10 +160,7 @@ DIAGNOSE = DiagnoseSpec(
 ENTRY = Variant(
     name="window",
     summary="sliding window of W keys including the query's own position",
-    fields=("window",),
-    is_on=lambda cfg: cfg.window is not None,
-    validate=_validate,
-    score_step=ScoreStep("mask", "positional_mask"),
+    **positional_mask("window"),  # on where not None; None (off) or a positive int
     forward=_forward,
     check_cases=(
         CaseSpec(

@@ -1,4 +1,4 @@
-"""Scaled rotary frequencies (``MHAConfig.rope_scaling``): linear, dynamic NTK, Llama 3 and YaRN.
+"""Scaled rotary frequencies (``MHAConfig.rope_scaling``): linear, dynamic NTK, Llama 3, YaRN, proportional, longrope.
 
 A model trained with rotary embeddings at a context length ``L`` is stretched to a longer
 one by changing the frequencies of its pairs. ``rope_scaling`` names how, in Hugging Face's
@@ -54,6 +54,14 @@ function of transformers' ``modeling_rope_utils`` named after it (``ROPE_INIT_FU
   scaled by it, so the rotated part of every score is scaled by its square (1.81 for gpt-oss's
   ``f = 32``); features past ``rope_dims`` are not rotated and not scaled.
 
+* ``"proportional"`` (Gemma 4's global layers): the first ``int(partial_rotary_factor * r // 2)``
+  pairs turn at ``inv_i / f``, the others not at all.
+
+* ``"longrope"`` (``_compute_longrope_parameters``, Phi-3's 128k models): ``inv_i / t_i`` with
+  the per-pair table ``t = long_factor`` when the call's length ``S`` exceeds ``L``, else
+  ``short_factor``; cos and sin times ``sqrt(1 + ln f / ln L)`` (or ``attention_factor``). Its
+  rules, and where transformers, mlx-lm and keras-hub differ, are `core.longrope`'s.
+
 Design rules: NumPy and the standard library only; every number float64 (Hugging Face
 computes the tables in float32). `validate_rope_scaling` is idempotent (its output validates
 to itself), and refuses rather than guesses: an unknown type or key, a missing key, a value of
@@ -66,17 +74,21 @@ says so in an error instead.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
-from typing import TypeGuard
 
 import numpy as np
 
-# The scaled types the spec expresses (transformers' ROPE_INIT_FUNCTIONS also has "longrope",
-# which it does not).
-ROPE_SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "llama3", "yarn", "proportional")
+from ._rope_checks import NAME as _NAME
+from ._rope_checks import is_real as _is_real
+from ._rope_checks import length as _length
+from ._rope_checks import number as _number
+from .longrope import MEANING as LONGROPE_MEANING
+from .longrope import OPTIONAL as LONGROPE_OPTIONAL
+from .longrope import REQUIRED as LONGROPE_REQUIRED
+from .longrope import describe_longrope, longrope_frequencies, longrope_options
 
-_NAME = "MHAConfig.rope_scaling"
+# The scaled types the spec expresses (transformers' ROPE_INIT_FUNCTIONS has these and "default", which is None here).
+ROPE_SCALING_TYPES: tuple[str, ...] = ("linear", "dynamic", "llama3", "yarn", "proportional", "longrope")
 
 # Per type: the keys it needs, and its optional keys with their defaults (filled in by
 # validate_rope_scaling, so that a normalised dict of a type always has the same keys).
@@ -86,6 +98,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
     "proportional": (),
+    "longrope": LONGROPE_REQUIRED,
 }
 _OPTIONAL: dict[str, dict[str, object]] = {
     "linear": {},
@@ -102,6 +115,8 @@ _OPTIONAL: dict[str, dict[str, object]] = {
     },
     # Gemma 4's global layers: {"rope_type": "proportional", "partial_rotary_factor": 0.25} (factor 1).
     "proportional": {"factor": 1.0, "partial_rotary_factor": 1.0},
+    # Phi-3's 128k models (core.longrope): factor or attention_factor, at least one
+    "longrope": LONGROPE_OPTIONAL,
 }
 
 # Keys of Hugging Face's rope_parameters that MHAConfig holds elsewhere (one fact in one place).
@@ -116,33 +131,8 @@ _MEANING = {
     "original_max_position_embeddings": "the context length the model was trained at",
     "low_freq_factor": "L / low_freq_factor is the wavelength past which a pair is divided by factor",
     "high_freq_factor": "L / high_freq_factor is the wavelength below which a pair is kept",
+    **LONGROPE_MEANING,
 }
-
-
-def _is_real(value: object) -> TypeGuard[numbers.Real]:
-    """An int or float (NumPy's too), not a bool (``factor=True`` is a typo, not a number)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _number(key: str, value: object) -> float:
-    """A finite float > 0, or an error naming ``key``."""
-    if not _is_real(value):
-        raise TypeError(f"{_NAME}[{key!r}] must be a finite number > 0, got {value!r} ({type(value).__name__})")
-    number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{_NAME}[{key!r}] must be a finite number > 0, got {number!r}")
-    return number
-
-
-def _length(key: str, value: object) -> int:
-    """A positive int (a context length), or an error naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{_NAME}[{key!r}] must be a positive int (a length in tokens), got {value!r} ({type(value).__name__})"
-        )
-    if value <= 0:
-        raise ValueError(f"{_NAME}[{key!r}] must be a positive int (a length in tokens), got {value!r}")
-    return int(value)
 
 
 def _rope_type(value: Mapping) -> str:
@@ -211,6 +201,8 @@ def validate_rope_scaling(value: object) -> dict | None:
 
     if rope_type == "proportional":
         return _proportional_options(value)
+    if rope_type == "longrope":
+        return longrope_options(value)
     out: dict = {"rope_type": rope_type, "factor": _number("factor", value["factor"])}
     if "original_max_position_embeddings" in required:
         key = "original_max_position_embeddings"
@@ -344,6 +336,8 @@ def scaled_frequencies(
     if scaling is None:
         return inv_freq, 1.0
     rope_type, factor = scaling["rope_type"], scaling["factor"]
+    if rope_type == "longrope":  # the short or the long table, by the call's length (core.longrope)
+        return longrope_frequencies(inv_freq, scaling, seq_len)
     if rope_type == "linear":
         return inv_freq / factor, 1.0
     if rope_type == "proportional":  # the first int(p * r // 2) pairs turn, at the whole head's frequencies
@@ -383,6 +377,8 @@ def describe_rope_scaling(rope_scaling: dict | None) -> str:
     scaling = validate_rope_scaling(rope_scaling)
     if scaling is None:
         return "none"
+    if scaling["rope_type"] == "longrope":
+        return describe_longrope(scaling)
     parts = [f"factor={scaling['factor']:g}"]
     if scaling["rope_type"] == "proportional":
         parts.append(f"partial_rotary_factor={scaling['partial_rotary_factor']:g}")

@@ -45,7 +45,11 @@ def hf_mask(config, cfg: MHAConfig, x, padding):
 def hf_rope_parameters(cfg: MHAConfig, partial: bool = False) -> dict:
     """``config.rope_parameters`` (transformers 5.x) for ``cfg``'s rotary: its base, its scaling in Hugging Face's own
     form (`MHAConfig.rope_scaling` is that form), and ``partial_rotary_factor`` where the family reads it."""
-    parameters: dict = {"rope_type": "default", "rope_theta": cfg.rope_base, **(cfg.rope_scaling or {})}
+    scaling = {
+        key: list(value) if isinstance(value, tuple) else value for key, value in (cfg.rope_scaling or {}).items()
+    }
+    # longrope's tables as the lists transformers' validation asks for (the spec keeps tuples)
+    parameters: dict = {"rope_type": "default", "rope_theta": cfg.rope_base, **scaling}
     if partial:
         parameters["partial_rotary_factor"] = (cfg.rope_dims or cfg.d_k) / cfg.d_k  # rope_dims: None only without rope
     return parameters
@@ -53,16 +57,14 @@ def hf_rope_parameters(cfg: MHAConfig, partial: bool = False) -> dict:
 
 def hf_max_positions(cfg: MHAConfig) -> dict:
     """``max_position_embeddings`` consistent with ``cfg.rope_scaling`` (empty without scaling): dynamic NTK's L is
-    it; for YaRN and llama3 transformers expects factor * original_max_position_embeddings (and warns otherwise)."""
+    it; for YaRN, llama3 and longrope transformers expects factor * original_max_position_embeddings (and warns
+    otherwise; longrope's factor may be None, beside its attention_factor: then L)."""
     scaling = cfg.rope_scaling
     if scaling is None or "original_max_position_embeddings" not in scaling:
         return {}
     original = scaling["original_max_position_embeddings"]
-    return {
-        "max_position_embeddings": original
-        if scaling["rope_type"] == "dynamic"
-        else round(scaling["factor"] * original)
-    }
+    factor = 1.0 if scaling["rope_type"] == "dynamic" or scaling.get("factor") is None else scaling["factor"]
+    return {"max_position_embeddings": round(factor * original)}
 
 
 def hf_config(config, options: RunOptions):

@@ -13,6 +13,7 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, tolerance_for
+from mha_rosetta.core._rope_checks import is_real
 from mha_rosetta.core.rope_scaling import describe_rope_scaling, scaled_frequencies, validate_rope_scaling
 
 from ._errors import LayoutError
@@ -23,9 +24,11 @@ FLOAT64_NOTE = (
     "MLX float64 (CPU): mx.exp, mx.sin and mx.cos are float32-accurate, so the output is about 4e-8 off the "
     "float64 oracle (backends/frameworks/mlx.py measures it): held to float32"
 )
-# The rope scalings the reader reads: nn.RoPE and DynamicNTKScalingRoPE keep their settings; Llama3RoPE and YarnRoPE
-# keep only their frequency table, read from the model args and proved on that table (`_table_rope`).
+# The rope scalings the reader reads: nn.RoPE and DynamicNTKScalingRoPE keep their settings; Llama3RoPE, YarnRoPE and
+# SuScaledRoPE keep only their frequency table, read from the model args and proved on that table (`_table_rope`,
+# `_longrope`). longrope is built by Phi-3's family only (`mlx_lm.PHI3_FAMILY`: phi3.ModelArgs takes no other).
 READ_SCALINGS = (None, "linear", "dynamic", "llama3", "yarn")
+LONGROPE_SCALINGS = (None, "longrope")
 # What mlx-lm's classes use where the model args' rope_scaling leaves a key out (rope_utils.Llama3RoPE, YarnRoPE):
 # the keys the spec requires, filled as the module was built.
 MLX_SCALING_DEFAULTS: dict[str, dict[str, float]] = {
@@ -46,8 +49,9 @@ class RopeClasses:
         "mlx_lm.models.rope_utils.Llama3RoPE": "llama3",
         "mlx_lm.models.rope_utils.YarnRoPE": "yarn",
     }
-    FREQUENCIES_ONLY = tuple(f"mlx_lm.models.rope_utils.{name}" for name in ("SuScaledRoPE", "ProportionalRoPE"))
-    ALL = (ROPE, DYNAMIC, *TABLES, *FREQUENCIES_ONLY)
+    LONGROPE = "mlx_lm.models.rope_utils.SuScaledRoPE"
+    FREQUENCIES_ONLY = ("mlx_lm.models.rope_utils.ProportionalRoPE",)
+    ALL = (ROPE, DYNAMIC, *TABLES, LONGROPE, *FREQUENCIES_ONLY)
 
 
 def mlx_rope(module) -> dict:
@@ -61,9 +65,11 @@ def mlx_rope(module) -> dict:
         raise unexpressible(
             module,
             f"rope {kind}",
-            "it keeps only its frequency table (_freqs), and the spec's rope scaling has no type that computes it "
-            "(longrope's two factor tables; proportional is read from Hugging Face only)",
+            "it keeps only its frequency table (_freqs) of the pairs that turn, not partial_rotary_factor "
+            "(proportional is read from Hugging Face only)",
         )
+    if kind == RopeClasses.LONGROPE:
+        return _longrope(module)
     style = "interleaved" if rope.traditional else "half"
     if kind == RopeClasses.ROPE:
         scaling = None if rope.scale == 1.0 else {"rope_type": "linear", "factor": 1.0 / rope.scale}
@@ -103,16 +109,8 @@ def _table_rope(module, kind: str, rope_type: str) -> tuple[float, dict]:
     ``inv_freq`` is ``1 / _freqs``; it must equal `scaled_frequencies` of the dict to float32's relative tolerance
     (mlx-lm computes it in float32), and YarnRoPE's ``mscale`` (on the rotated features) YaRN's attention factor.
     """
-    rope, args = module.rope, model_args(module)
+    rope, args = module.rope, _args_or_refuse(module, kind)
     setting = f"rope {kind}"
-    if args is None:
-        raise unexpressible(
-            module,
-            setting,
-            "it keeps only its frequency table (_freqs), not the scaling config it was built from, and the instance "
-            "keeps no model args to read it from: give it its model's (attention.args = model.args; mlx-lm's Model "
-            "keeps them as model.args) and the reader recovers rope_scaling and proves it on the table",
-        )
     raw = getattr(args, "rope_scaling", None) or {}
     named = raw.get("rope_type", raw.get("type"))
     if named not in (MLX_YARN_NAMES if rope_type == "yarn" else (rope_type,)):
@@ -137,6 +135,82 @@ def _table_rope(module, kind: str, rope_type: str) -> tuple[float, dict]:
             "neither attention_factor nor truncate=False; Gemma 3's local layers turn at rope_local_base_freq)",
         )
     return base, scaling
+
+
+def _args_or_refuse(module, kind: str):
+    """The model args (`model_args`) a table-only rope is read from, or LayoutError saying how to give them."""
+    args = model_args(module)
+    if args is None:
+        raise unexpressible(
+            module,
+            f"rope {kind}",
+            "it keeps only its frequency table (_freqs), not the scaling config it was built from, and the instance "
+            "keeps no model args to read it from: give it its model's (attention.args = model.args; mlx-lm's Model "
+            "keeps them as model.args) and the reader recovers rope_scaling and proves it on the table",
+        )
+    return args
+
+
+def _longrope(module) -> dict:
+    """The rotary fields of a `SuScaledRoPE`: longrope with ``short_factor = long_factor`` (it turns by the long table
+    at every length), ``factor = max_position_embeddings / original_max_position_embeddings`` of the model args, and
+    ``attention_factor`` its ``_scale`` where that is not the factor's (a ``long_mscale``); proved on ``_freqs``."""
+    rope, args = module.rope, _args_or_refuse(module, RopeClasses.LONGROPE)
+    raw = getattr(args, "rope_scaling", None) or {}
+    setting = f"rope {RopeClasses.LONGROPE}"
+    if raw.get("type", raw.get("rope_type")) not in ("longrope", "su"):
+        raise unexpressible(module, setting, f"its model args' rope_scaling is {dict(raw)!r}, not a longrope one")
+    base, original = float(args.rope_theta), int(rope.original_max_position_embeddings)
+    long = raw.get("long_factor", 1.0)
+    long = [float(long)] * (rope.dim // 2) if is_real(long) else list(long)  # SuScaledRoPE takes a number too
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": long,  # the table it turns by below original_max_position_embeddings too
+        "long_factor": long,
+        "original_max_position_embeddings": original,
+        "factor": args.max_position_embeddings / original,
+    }
+    try:
+        expected, attention = scaled_frequencies(rope.dim, base, scaling, original + 1)
+    except (TypeError, ValueError) as error:
+        raise unexpressible(module, f"{setting} built from rope_scaling {dict(raw)!r}", str(error)) from error
+    table = 1.0 / np.array(rope._freqs, dtype=np.float64)  # (r/2,): mx.fast.rope(freqs=...) turns by position / _freqs
+    rtol = tolerance_for("float32").rtol
+    worst = float(np.max(np.abs(table - expected) / expected))
+    if worst > rtol:
+        raise unexpressible(
+            module,
+            f"{setting} whose table is not long_factor * base ** (2i / dims) with base {base:g}",
+            f"1/_freqs is {worst:.2g} off the spec's longrope frequencies (relative; float32 allows {rtol:g})",
+        )
+    if not math.isclose(float(rope._scale), attention, rel_tol=1e-12):  # built with a long_mscale
+        raise unexpressible(
+            module,
+            f"{setting} whose factor on the rotated features is {float(rope._scale):.6g}",
+            f"its model args give sqrt(1 + ln(max_position_embeddings / original) / ln(original)) = {attention:.6g}; "
+            "a long_mscale, which mlx-lm's Phi-3 never passes and this layout cannot build",
+        )
+    return dict(rope="half", rope_dims=rope.dim, rope_base=base, rope_scaling=validate_rope_scaling(scaling))
+
+
+def mlx_rope_arguments(cfg: MHAConfig) -> dict:
+    """The ModelArgs entries (``rope_scaling``, ``max_position_embeddings``) mlx-lm builds ``cfg``'s rope from: the
+    keys Hugging Face's form leaves unset (None) dropped; longrope's tables as lists under mlx-lm's ``"type"`` (Phi-3's
+    ModelArgs requires it), ``original_max_position_embeddings`` beside (Phi-3's ModelArgs field) and the length
+    ``factor * original`` (SuScaledRoPE's factor on cos and sin is ``sqrt(1 + ln(max / original) / ln(original))``);
+    otherwise the original length (4096 without one)."""
+    if cfg.rope_scaling is None:
+        return {"rope_scaling": None, "max_position_embeddings": 4096}
+    scaling = {key: value for key, value in cfg.rope_scaling.items() if value is not None}
+    original = scaling.get("original_max_position_embeddings", 4096)
+    if scaling["rope_type"] != "longrope":
+        return {"rope_scaling": scaling, "max_position_embeddings": original}
+    tables = {key: list(scaling[key]) for key in ("short_factor", "long_factor")}
+    return {
+        "rope_scaling": {**scaling, **tables, "type": "longrope"},
+        "max_position_embeddings": round(scaling.get("factor", 1.0) * original),
+        "original_max_position_embeddings": original,
+    }
 
 
 def mlx_bias(module, query: str = "q_proj") -> bool | str:
@@ -221,17 +295,19 @@ def _names(module) -> list[str]:
     return [str(pair[0]) for pair in tree_flatten(module.parameters())]  # (name, array) pairs
 
 
-def scaling_read(module: str):
-    """The rope scalings the reader reads back (`READ_SCALINGS`), as mlx-lm's classes compute them."""
+def scaling_read(module: str, scalings: tuple = READ_SCALINGS):
+    """The rope scalings the family builds and the reader reads back (``scalings``), as mlx-lm's classes compute them."""
 
     def rule(cfg: MHAConfig) -> str | None:
         scaling = cfg.rope_scaling
         kind = None if scaling is None else scaling["rope_type"]
-        if kind not in READ_SCALINGS:
+        if kind not in scalings:
             return (
-                f"MHAConfig.rope_scaling type {kind!r}: {module}'s rope keeps only its frequency table (_freqs), "
-                f"which the reader reads for {', '.join(map(repr, READ_SCALINGS[1:]))} only"
+                f"MHAConfig.rope_scaling type {kind!r}: {module} is built and read with "
+                f"{', '.join(map(repr, scalings[1:]))} scaling only"
             )
+        if kind == "longrope" and scaling is not None:
+            return _longrope_rule(module, scaling)
         if (
             kind == "yarn"
             and scaling is not None
@@ -244,6 +320,23 @@ def scaling_read(module: str):
         return None
 
     return rule
+
+
+def _longrope_rule(module: str, scaling: dict) -> str | None:
+    """What SuScaledRoPE cannot compute: another short table, an attention_factor, a length that is not whole."""
+    if scaling["short_factor"] != scaling["long_factor"]:
+        return (
+            f"MHAConfig.rope_scaling {describe_rope_scaling(scaling)}: {module}'s SuScaledRoPE turns by long_factor "
+            "at every length (short_factor is taken and never used), so short_factor must equal long_factor"
+        )
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    if scaling["attention_factor"] is not None or factor is None or not float(factor * original).is_integer():
+        return (
+            f"MHAConfig.rope_scaling {describe_rope_scaling(scaling)}: {module}'s SuScaledRoPE reads no "
+            "attention_factor; its factor on cos and sin comes from max_position_embeddings (an int) / "
+            "original_max_position_embeddings, so factor * original_max_position_embeddings must be a whole number"
+        )
+    return None
 
 
 def qk_norm_fields(module, over: str) -> dict:

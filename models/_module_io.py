@@ -13,7 +13,7 @@ Design rules:
   names. Then `Layout.from_state_dict` unpacks them exactly and checks them against the configuration.
 * Nothing is dropped silently. A setting is read into the spec where the spec has it (this layer's
   window, the softcap, QK-norm, sinks, biases, ALiBi, T5's relative bias, scaled rotary); one it cannot
-  express (Falcon's ALiBi divided by sqrt(d), MPT's clip_qkv, Phi-3's longrope...) raises `LayoutError`
+  express (Falcon's ALiBi divided by sqrt(d), MPT's clip_qkv...) raises `LayoutError`
   naming the class, the setting and why (`unexpressible`).
 * NumPy only at import. Framework tensors are read by duck typing (``.detach().cpu().numpy()`` for
   torch, ``np.asarray`` for JAX and Keras arrays); a loader that must build a framework tensor imports
@@ -155,11 +155,13 @@ def hf_rope(module, config, head_dim: int, partial: bool = False, layer_type: st
     type where the layer types differ (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``,
     read for ``layer_type``). ``partial``: the family's rotary module honours ``partial_rotary_factor``
     (GPT-NeoX, Phi-3); Llama's and Falcon's default tables ignore it and rotate every feature. A scaling
-    type the spec has (`core.rope_scaling`: linear, dynamic, llama3, yarn, proportional) becomes ``rope_scaling`` in
-    Hugging Face's form; any other (longrope...) is `LayoutError`. Dynamic NTK reads its length L from
-    ``config.max_position_embeddings``, as transformers does.
+    type the spec has (`core.rope_scaling`: linear, dynamic, llama3, yarn, proportional, longrope) becomes
+    ``rope_scaling`` in Hugging Face's form; any other is `LayoutError`. Dynamic NTK reads its length L from
+    ``config.max_position_embeddings``, as transformers does; so does longrope's ``factor`` where neither it nor
+    ``attention_factor`` is given (transformers' ``max_position_embeddings / original_max_position_embeddings``,
+    Phi-3's configs).
     """
-    from mha_rosetta.core.rope_scaling import ROPE_SCALING_TYPES
+    from mha_rosetta.core.rope_scaling import ROPE_SCALING_TYPES, validate_rope_scaling
 
     parameters = dict(getattr(config, "rope_parameters", None) or {})
     if layer_type is not None and isinstance(parameters.get(layer_type), Mapping):
@@ -182,6 +184,12 @@ def hf_rope(module, config, head_dim: int, partial: bool = False, layer_type: st
     scaling["rope_type"] = rope_type
     if rope_type == "dynamic":
         scaling.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if rope_type == "longrope" and scaling.get("factor") is None and scaling.get("attention_factor") is None:
+        scaling["factor"] = config.max_position_embeddings / scaling["original_max_position_embeddings"]
+    try:  # what transformers takes and the spec refuses (a longrope divisor of 0): named here, with the reason
+        validate_rope_scaling(scaling)
+    except (TypeError, ValueError) as error:
+        raise unexpressible(module, f"rope_parameters of rope_type {rope_type!r}", str(error)) from error
     return HFRope(float(base), dims, scaling)
 
 

@@ -52,8 +52,13 @@ def _read_extra(module) -> dict:
 
 
 def _config_kwargs(cfg: MHAConfig) -> dict:
-    # rope_parameters again, now with partial_rotary_factor (the family's rotary honours it)
-    return {"rms_norm_eps": cfg.norm_eps, "rope_parameters": hf_rope_parameters(cfg, partial=True)}
+    # rope_parameters again, now with partial_rotary_factor (the family's rotary honours it); the one layer is this
+    # attention (the default pattern makes layer 0 gated DeltaNet, whose DynamicCache layer holds no keys)
+    return {
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": hf_rope_parameters(cfg, partial=True),
+        "layer_types": ["full_attention"],
+    }
 
 
 def _gated_packing(inner):

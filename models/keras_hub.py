@@ -328,7 +328,11 @@ PHI3 = KerasHubFamily(
     description="keras-hub Phi-3: Llama's kernels (not HF's fused qkv_proj), RotaryEmbedding; su scaling refused",
     args=(*HEADS, "rope_max_wavelength"),
     scalings=(None,),
-    notes=("rope_scaling_type='su' builds Phi3SuScaledRotaryEmbedding (two factor tables): refused",),
+    notes=(
+        "rope_scaling_type='su' builds Phi3SuScaledRotaryEmbedding: refused, not yet read. It is the spec's longrope "
+        "(core.longrope: the long table when start_index + seq_len > pretraining_sequence_length, Hugging Face's rule, "
+        "and the factor from max_sequence_length / pretraining_sequence_length), but no reader is proved on it here",
+    ),
 )
 GPT_OSS = KerasHubFamily(
     layout="keras-hub-gpt-oss",

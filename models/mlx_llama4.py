@@ -18,7 +18,9 @@ its own way, against Hugging Face's ``Llama4TextAttention`` (`hf_llama4`), read 
   ``(j // C == i // C) & (j <= i)`` with ``C = args.attention_chunk_size`` (always: mlx-lm has no unchunked
   rotary layer) and the NoPE layers the causal mask. So the reader reads ``C`` from the model args the instance
   is given (``attention.args = model.args``; the class keeps none), and the forward passes that mask, as the model.
-  Decode (`decode_steps`) steps a ``KVCache``: within one chunk, what the model's ``ChunkedKVCache`` keeps.
+  Decode (`decode_cache`, for `decode_steps`) steps what the model gives the layer: on a rotary layer a
+  ``ChunkedKVCache(C)``, trimmed to its chunk before each step (``maybe_trim_front``), and the chunk mask over the
+  keys it holds (``linds = arange(start_position, offset + 1)``); on a NoPE layer a ``KVCache`` and no mask.
 
 mlx's exp/sin/cos are float32-accurate in float64 (`_mlx_io.FLOAT64_NOTE`): held to float32. MLX is imported
 inside the functions; importing this module imports NumPy only.
@@ -127,15 +129,39 @@ def read(module) -> MHAConfig:
         raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
 
+def chunk_mask(chunk: int, start: int, offset: int, tokens: int) -> np.ndarray:
+    """LlamaModel's chunk mask (N, K) for ``tokens`` queries at positions ``offset..`` over the keys a cache holds from
+    ``start`` (``linds = arange(start, offset + N)``, ``rinds = arange(offset, offset + N)``)."""
+    columns = np.arange(start, offset + tokens)  # linds: the key positions, (K,)
+    rows = np.arange(offset, offset + tokens)[:, None]  # rinds: the query positions, (N, 1)
+    same_chunk = np.abs(columns // chunk - rows // chunk) == 0
+    return same_chunk & (columns <= rows)  # (N, K)
+
+
 def model_mask(module, cfg: MHAConfig, tokens: int) -> np.ndarray | None:
     """LlamaModel's mask for this layer, as it builds it: the chunked causal (N, N) on a rotary layer; None (the
     model's ``create_attention_mask``: causal) on a NoPE layer."""
     if not module.use_rope:
         return None
-    columns = np.arange(tokens)  # linds: the key positions
-    rows = np.arange(tokens)[:, None]  # rinds: the query positions, (N, 1)
-    same_chunk = np.abs(columns // cfg.attention_chunk_size - rows // cfg.attention_chunk_size) == 0
-    return same_chunk & (columns <= rows)  # (N, N)
+    return chunk_mask(cfg.attention_chunk_size, 0, 0, tokens)
+
+
+def decode_cache(module):
+    """``(cache, mask(cache))`` for a decode through the layer as LlamaModel steps it: a rotary layer's
+    ``ChunkedKVCache(attention_chunk_size)``, trimmed before each step, with the chunk mask of one query over the keys
+    it holds; a NoPE layer's ``KVCache`` and no mask."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache
+
+    if not module.use_rope:
+        return KVCache(), lambda cache: None
+    chunk = int(read(module).attention_chunk_size)  # read refuses an instance without its model args
+
+    def mask(cache):
+        cache.maybe_trim_front()  # what LlamaModel does to its chunked layers' caches before each call
+        return mx.array(chunk_mask(chunk, cache.start_position, cache.offset, 1))  # (1, K)
+
+    return ChunkedKVCache(chunk), mask
 
 
 def _forward(module, cfg, x, padding, options):

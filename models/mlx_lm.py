@@ -25,8 +25,10 @@ Design rules:
   ``max_position_embeddings``), then PROVES the reading: ``1 / _freqs`` must equal the spec's
   `scaled_frequencies` to float32's relative tolerance (mlx-lm computes it in float32) and ``mscale`` the YaRN
   attention factor; otherwise refused with both numbers (YarnRoPE reads no ``attention_factor`` and always
-  truncates). Without model args they are refused, naming the class. ``SuScaledRoPE`` (longrope) and
-  ``ProportionalRoPE`` are refused: the spec has no longrope.
+  truncates). Without model args they are refused, naming the class. ``SuScaledRoPE`` (Phi-3's longrope) is read
+  the same way, as longrope with ``short_factor = long_factor`` (it turns by the long table at every length, where
+  Hugging Face's Phi-3 turns by the short one up to ``original_max_position_embeddings``: `core.longrope`) and its
+  ``_scale`` as the attention factor. ``ProportionalRoPE`` is refused.
 * No window is read: these classes apply the mask they are given, and the model builds the sliding one
   (``LlamaModel`` with ``layer_types``: ``create_attention_mask(h, cache, window_size=sliding_window)``);
   Mistral's ``sliding_window`` is applied only where ``layer_types`` says ``"sliding_attention"``.
@@ -60,7 +62,18 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
-from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_reader, mlx_rope, qk_norm_fields, scaling_read
+from ._mlx_io import (
+    LONGROPE_SCALINGS,
+    READ_SCALINGS,
+    load_mlx,
+    mlx_bias,
+    mlx_forward,
+    mlx_reader,
+    mlx_rope,
+    mlx_rope_arguments,
+    qk_norm_fields,
+    scaling_read,
+)
 from ._module_io import unexpressible
 from ._packing import pack_blocks, unpack_blocks
 from .hf_qwen3_next import LAYOUT as HF_QWEN3_NEXT
@@ -95,6 +108,7 @@ class MlxFamily:
     cls: str = "Attention"  # gpt-oss: AttentionBlock
     # the instance's attribute names of the heads, kv heads and scale (gpt-oss: num_attention_heads, sm_scale...)
     attributes: tuple[str, str, str] = ("n_heads", "n_kv_heads", "scale")
+    scalings: tuple = READ_SCALINGS  # the rope_scaling types it is built and read with (Phi-3: longrope only)
     rules: tuple = ()
     notes: tuple[str, ...] = ()
     example: Mapping = field(default_factory=dict)
@@ -106,8 +120,7 @@ class MlxFamily:
 
         models = importlib.import_module(f"mlx_lm.models.{self.package}")
         # the keys Hugging Face's form leaves unset are None in the spec's dict; mlx-lm reads a key it finds
-        scaling = cfg.rope_scaling and {key: value for key, value in cfg.rope_scaling.items() if value is not None}
-        length = (scaling or {}).get("original_max_position_embeddings", 4096)
+        rope = mlx_rope_arguments(cfg)  # rope_scaling, max_position_embeddings (and longrope's original length)
         # from_dict keeps the keys the family's ModelArgs has (mlx-lm's own loading path): Gemma 2 has no rope_scaling
         args = models.ModelArgs.from_dict(
             {
@@ -119,9 +132,8 @@ class MlxFamily:
                 "num_key_value_heads": cfg.n_kv_heads,
                 "rms_norm_eps": cfg.norm_eps,
                 "vocab_size": 8,
-                "max_position_embeddings": length,
                 "rope_theta": cfg.rope_base,
-                "rope_scaling": scaling,
+                **rope,
                 **self.args(cfg),
             }
         )
@@ -134,7 +146,11 @@ class MlxFamily:
             module, self.attributes[2], cfg.scale
         )  # the instance's own: mlx-lm sets head_dim**-0.5 (Gemma: query_pre_attn_scalar)
         module.rope = rope_utils.initialize_rope(
-            cfg.rope_dims or cfg.d_k, cfg.rope_base, cfg.rope == "interleaved", scaling, length
+            cfg.rope_dims or cfg.d_k,
+            cfg.rope_base,
+            cfg.rope == "interleaved",
+            rope["rope_scaling"],
+            rope["max_position_embeddings"],
         )
         if getattr(module, "args", None) is None:  # what a port does: Llama3RoPE and YarnRoPE are read from them
             module.args = args
@@ -197,7 +213,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
             causal_only(module_name),
             rotary_is(("half", "interleaved"), module_name, partial=family.partial),
             field_is(module_name, "window", (None,), "applies no window: the model's mask does (layer_types)"),
-            scaling_read(module_name),
+            scaling_read(module_name, family.scalings),
             field_is(module_name, "bias", family.biases, f"is built with bias in {family.biases} only"),
             field_is(module_name, "qk_norm", (family.qk_norm,), f"has qk_norm={family.qk_norm!r}"),
             *family.rules,
@@ -276,16 +292,17 @@ GEMMA3 = mlx_layout(GEMMA3_FAMILY)
 PHI3_FAMILY = MlxFamily(
     layout="mlx-phi3",
     package="phi3",
-    description="mlx-lm Phi-3: one qkv_proj [Q; K; V] (mx.split), no biases, nn.RoPE over the first "
-    "partial_rotary_factor * head_dim features; head_dim = hidden_size // heads",
-    variants=(),
+    description="mlx-lm Phi-3: one qkv_proj [Q; K; V] (mx.split), no biases, nn.RoPE (SuScaledRoPE with longrope) "
+    "over the first partial_rotary_factor * head_dim features; head_dim = hidden_size // heads",
+    variants=("rope_scaling",),
     args=lambda cfg: {"partial_rotary_factor": (cfg.rope_dims or cfg.d_k) / cfg.d_k},
     biases=(False,),
     query="qkv_proj",
     packing=fused_qkv("qkv_proj", "o_proj", pack_blocks, unpack_blocks),
     partial=True,
     rules=(head_dim_is_width_over_heads("mlx_lm.models.phi3.Attention"),),
-    notes=("longrope (SuScaledRoPE) is refused, as Hugging Face's longrope is: the spec has no longrope",),
+    scalings=LONGROPE_SCALINGS,
+    notes=("longrope builds SuScaledRoPE: long_factor at every length, read as short_factor = long_factor",),
     example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
 )
 PHI3 = mlx_layout(PHI3_FAMILY)

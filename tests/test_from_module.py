@@ -218,6 +218,14 @@ def _hf(name: str):
             "Phi3Config", m + "phi3.modeling_phi3", "Phi3Attention",
             {**decoder, "rope_parameters": base_500, "sliding_window": 4}, layer_idx=0,
         ),
+        # Phi-3's 128k rotary on 2 pairs (head_dim = hidden_size // heads, as Phi3Config checks the tables), no factor
+        # given (transformers: max_position_embeddings / original): at 7 tokens original 4 is the long table, 16 short
+        **{name: (lambda original=original: build(
+            "Phi3Config", m + "phi3.modeling_phi3", "Phi3Attention",
+            {**decoder, "head_dim": 4, "max_position_embeddings": 4 * original,
+             "original_max_position_embeddings": original,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, **PHI3_TABLES}}, layer_idx=0,
+        )) for name, original in (("phi3-longrope", 4), ("phi3-longrope-short", 16))},
         "t5-relative": lambda: build(
             "T5Config", m + "t5.modeling_t5", "T5Attention",
             {"d_model": 15, "d_kv": 4, "num_heads": 3, "dropout_rate": 0.0, "relative_attention_num_buckets": 10,
@@ -239,6 +247,14 @@ def _hf(name: str):
 
 
 _DECODER = {"d_model": 16, "n_heads": 4, "n_kv_heads": 2, "d_k": 6, "causal": True, "rope": "half"}
+PHI3_TABLES = {"short_factor": [1.0, 1.5], "long_factor": [2.0, 3.5]}
+
+
+def _longrope(original: int) -> dict:
+    """What from_module reads of the Phi-3 longrope modules above: factor 4 (max positions / original)."""
+    return {"rope_type": "longrope", **PHI3_TABLES, "original_max_position_embeddings": original, "factor": 4.0}
+
+
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 8.0, "beta_slow": 1.0}
 
 # name -> what from_module must read (the instance's own sizes and switches)
@@ -273,6 +289,10 @@ HF_EXPECTED = {
                       "original_max_position_embeddings": 4},
     ),
     "phi3-window": MHAConfig(**_DECODER, bias=False, rope_base=500.0, window=4),
+    **{
+        name: MHAConfig(**{**_DECODER, "d_k": 4}, bias=False, rope_base=500.0, rope_scaling=_longrope(original))
+        for name, original in (("phi3-longrope", 4), ("phi3-longrope-short", 16))
+    },
     "t5-relative": MHAConfig(d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, rel_buckets=10, rel_max_distance=20),
     "t5-relative-decoder": MHAConfig(
         d_model=15, n_heads=3, d_k=4, bias=False, scale=1.0, causal=True, rel_buckets=10, rel_max_distance=20,
@@ -288,6 +308,8 @@ HF_LAYOUT = {
     "gpt-neox": "hf-gpt-neox",
     "llama3": "hf-llama",
     "phi3-window": "hf-phi3",
+    "phi3-longrope": "hf-phi3",
+    "phi3-longrope-short": "hf-phi3",
     **{k: "hf-falcon" for k in HF_EXPECTED if "falcon" in k},
     **{k: k.split("-")[0].join(("hf-", "")) for k in HF_EXPECTED if k.startswith("gemma")},
 }
@@ -347,6 +369,8 @@ FLOAT64_PATHS = [
     ("mistral", "sdpa"),  # SDPA with the model's sliding-window mask
     ("llama3", "sdpa"),  # llama3-scaled frequencies, the spec's float64 tables
     ("phi3-window", "sdpa"),
+    ("phi3-longrope", "sdpa"),  # the spec's float64 tables: the long table, its attention factor on cos and sin
+    ("phi3-longrope-short", "sdpa"),
     ("gpt-oss", "eager"),  # gpt-oss's eager softmax keeps the scores' dtype: sinks, window and YaRN in float64
     ("t5-relative", "eager"),
     ("t5-relative-decoder", "sdpa"),
@@ -414,6 +438,37 @@ def test_gemma3_float64_norm_weight_comes_back_to_one_ulp_of_one(name):
     to_module(cfg, params, module)
     difference = (module.q_norm.weight.detach() - stored).abs().max().item()
     assert 0 < difference <= 2**-52  # (1 + w) - 1 rounds w to the grid of 1 + w: here it moved, by one ulp of 1
+
+
+def test_phi3_longrope_takes_the_long_table_one_token_past_the_original_length():
+    """transformers' Phi3RotaryEmbedding (dynamic_rope_update) picks the long table when the call's
+    max(position_ids) + 1 exceeds original_max_position_embeddings (4 here): at 4 tokens the short one, at 5 the long
+    one, each the spec of what from_module read; the other table is far off, so the choice is really tested."""
+    module = _randomised(_hf("phi3-longrope"))
+    cfg, params = from_module(module)
+    tables = cfg.rope_scaling["short_factor"], cfg.rope_scaling["long_factor"]
+    for tokens in (4, 5):
+        x = _x(cfg.d_model, tokens)
+        run = run_module(module, x)[0]  # its own rotary module: float32 angles
+        assert_close(run.output, reference_mha(cfg, params, x), run.precision, what=f"{tokens} tokens")
+        other = {**cfg.rope_scaling, "short_factor": tables[1], "long_factor": tables[0]}  # the tables swapped
+        swapped = reference_mha(dataclasses.replace(cfg, rope_scaling=other), params, x)
+        assert np.abs(run.output - swapped).max() > 1e-2
+
+
+def test_phi3_longrope_decode_keeps_the_keys_written_before_the_switch_on_the_short_table():
+    """Hugging Face's DynamicCache decoding across original_max_position_embeddings (4): steps 0-3 are the short
+    table's run, and from step 4 the cached keys keep the short table while new ones take the long one, which is
+    neither run of the spec (core.longrope: a decode check's run starts past the original length for this reason)."""
+    from mha_rosetta.models.decode_steps import decode_steps
+
+    module = _randomised(_hf("phi3-longrope"))
+    cfg, params = from_module(module)
+    x = _x(cfg.d_model, 7)
+    steps = np.stack(decode_steps(module, x), axis=1)  # (B, 7, E): its own rotary, float32 angles
+    assert_close(steps[:, :4], reference_mha(cfg, params, x[:, :4]), "float32", what="steps 0-3: the short table")
+    long_run = reference_mha(cfg, params, x)  # every key rotated by the long table
+    assert np.abs(steps[:, 4:] - long_run[:, 4:]).max() > 1e-2
 
 
 def test_bert_layer_norm_is_left_alone_by_to_module():
@@ -671,13 +726,13 @@ def _hf_module(package: str, config_class: str, class_name: str, config_kwargs: 
 
 
 SMALL_HF = {"hidden_size": 16, "num_attention_heads": 4}
-# Phi-3's 128k rotary (two factor tables), on a 16-position original window.
+# Phi-3's 128k rotary (two factor tables), on a 16-position original window, with a divisor of 0 the spec refuses.
 LONGROPE = {
     "original_max_position_embeddings": 16,
     "rope_parameters": {
         "rope_type": "longrope",
         "rope_theta": 10000.0,
-        "short_factor": [1.0, 1.0],
+        "short_factor": [0.0, 1.0],
         "long_factor": [2.0, 2.0],
         "original_max_position_embeddings": 16,
     },
@@ -696,10 +751,10 @@ UNEXPRESSIBLE = [
         r"FalconAttention packs per head .* num_kv_heads=2 != num_attention_heads=4",
     ),
     (
-        "phi3 longrope",
+        # transformers takes the table (a list of numbers of the right length) and divides by 0: inf frequencies
+        "phi3 longrope with a zero divisor",
         ("phi3", "Phi3Config", "Phi3Attention", {**SMALL_HF, "max_position_embeddings": 32, **LONGROPE}),
-        r"Phi3Attention has rope_parameters\['rope_type'\]='longrope', which the spec cannot express: "
-        r"the spec scales rotary as linear, dynamic, llama3, yarn, proportional only",
+        r"Phi3Attention has .*longrope.*: MHAConfig.rope_scaling\['short_factor'\]\[0\] must be a finite number > 0",
     ),
     (
         "llama sliding_window set by hand",

@@ -117,13 +117,18 @@ def test_a_scaling_whose_module_keeps_only_frequencies_is_refused_naming_it():
     from mlx_lm.models.rope_utils import initialize_rope
 
     module = FAMILIES["mlx-llama"].build(CASES[1][1])
-    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 32}
-    longrope.update(short_factor=[1.0, 1.0, 1.0], long_factor=[1.0, 2.0, 4.0])  # Phi-3's longrope: two factor tables
-    module.rope = initialize_rope(6, 10000.0, False, longrope, 64)
+    # Gemma 4's proportional rope keeps the table of the pairs that turn, not partial_rotary_factor
+    module.rope = initialize_rope(6, 10000.0, False, {"rope_type": "proportional", "partial_rotary_factor": 0.5}, 64)
     with pytest.raises(
         LayoutError,
-        match=r"^mlx_lm\.models\.llama\.Attention has rope mlx_lm\.models\.rope_utils\.SuScaledRoPE.*_freqs.*longrope",
+        match=r"^mlx_lm\.models\.llama\.Attention has rope mlx_lm\.models\.rope_utils\.ProportionalRoPE.*_freqs",
     ):
+        from_module(module)
+    # Phi-3's longrope (SuScaledRoPE) is read from the model args (tests/test_mlx_lm_rope_scaling.py): these say none
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 32}
+    longrope.update(short_factor=[1.0, 1.0, 1.0], long_factor=[1.0, 2.0, 4.0])
+    module.rope = initialize_rope(6, 10000.0, False, longrope, 64)
+    with pytest.raises(LayoutError, match=r"SuScaledRoPE, which the spec cannot express: .* not a longrope one"):
         from_module(module)
 
 

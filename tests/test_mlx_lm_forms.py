@@ -211,8 +211,14 @@ def test_llama4_chunk_mask_is_the_models():
 
 @pytest.mark.parametrize(
     ("cfg", "decode"),
-    [(L4_CASES[0], False), (_l4(attention_chunk_size=8, qk_norm_after_rope=True), True), (L4_CASES[2], True)],
-    ids=["chunked", "rotary_decode", "nope_temperature_decode"],
+    [
+        (L4_CASES[0], False),
+        (_l4(attention_chunk_size=8, qk_norm_after_rope=True), True),
+        (L4_CASES[2], True),
+        (L4_CASES[0], True),  # chunks {0,1,2} {3,4,5} {6,...}: steps 3 and 6 open a chunk, 9 tokens
+        (L4_CASES[1], True),  # llama3-scaled, biased, chunk 4: steps 4 and 8
+    ],
+    ids=["chunked", "rotary_decode", "nope_temperature_decode", "chunk_boundary_decode", "llama3_boundary_decode"],
 )
 def test_hf_llama4_against_mlx_lm_agrees(cfg, decode):
     from mha_rosetta.diagnose.compare import compare
@@ -220,8 +226,40 @@ def test_hf_llama4_against_mlx_lm_agrees(cfg, decode):
 
     hf = _hf(hf_llama4.build, cfg)
     port = mlx_llama4.build(from_module(hf).cfg)
-    result = compare(hf, port, decode=decode)
+    x = np.random.default_rng(12).standard_normal((2, 9, cfg.d_model))
+    # decode: Hugging Face's DynamicSlidingWindowLayer with create_chunked_causal_mask (rotary layers) or its
+    # DynamicLayer with the temperature at the cache's length (NoPE layers), against mlx-lm's ChunkedKVCache with
+    # LlamaModel's chunk mask, or its KVCache with the temperature at cache.offset
+    result = compare(hf, port, x=x, decode=decode)
     assert result.differences == [] and result.agrees and result.first_decode_step is None
+    assert len(result.decode_steps) == (9 if decode else 0)
+
+
+def test_llama4_decode_through_the_chunked_cache_is_the_spec_across_boundaries():
+    from mha_rosetta.models import mlx_llama4
+
+    module = mlx_llama4.build(L4_CASES[0])  # chunk 3
+    x = np.random.default_rng(13).standard_normal((2, 8, 16))
+    _, read_cfg, params = run_module(module, x)
+    steps = np.stack(decode_steps(module, x), axis=1)  # ChunkedKVCache(3), trimmed, LlamaModel's chunk mask
+    _assert_float32(steps, reference_mha(read_cfg, params, x))
+    # the plain KVCache without the mask (what decode_steps stepped before) attends across the boundary: step 3
+    from mha_rosetta.models.decode_steps import _mlx_steps, _plain_mlx_cache
+
+    plain = np.stack(_mlx_steps(module, x, *_plain_mlx_cache()), axis=1)
+    assert np.allclose(plain[:, :3], steps[:, :3], atol=1e-6) and not np.allclose(plain[:, 3], steps[:, 3], atol=1e-3)
+
+
+def test_a_port_with_another_chunk_is_named_with_the_first_decode_step_that_differs():
+    from mha_rosetta.diagnose.compare import compare
+    from mha_rosetta.models import hf_llama4, mlx_llama4
+
+    hf = _hf(hf_llama4.build, L4_CASES[0])  # chunk 3
+    port = mlx_llama4.build(_l4(attention_chunk_size=4, qk_norm_after_rope=True))  # the chunk off by one
+    result = compare(hf, port, x=np.random.default_rng(14).standard_normal((2, 8, 16)), decode=True)
+    assert [(d.name, d.a, d.b) for d in result.differences] == [("attention_chunk_size", 3, 4)]
+    # steps 0-2 are the first chunk in both; step 3 opens Hugging Face's second chunk, mlx-lm's still holds 0-3
+    assert not result.agrees and result.first_decode_step == 3
 
 
 def test_hf_llama4_norm_eps_against_mlx_lm_is_named():
@@ -292,11 +330,11 @@ def test_hf_qwen3_next_against_mlx_lm_agrees_and_stores_the_norm_plus_one():
     with torch.no_grad():
         hf.q_norm.weight.normal_(0, 0.3)  # Hugging Face's stored w, for 1 + w
     port = _q3n_module(from_module(hf).cfg)
-    # forward only: DynamicCache(config) of a one-layer Qwen3NextConfig makes layer 0 a LinearAttentionLayer
-    # (layer_types), which has no update(), so Hugging Face's side cannot be stepped here; mlx-lm's decode is
-    # held to the spec in test_qwen3_next_decodes_through_its_kv_cache
-    result = compare(hf, port)
+    # decode: Hugging Face's DynamicCache (the one layer is full attention: layer_types) against mlx-lm's KVCache,
+    # each rotating at its own offset, the gate and the norms on every step
+    result = compare(hf, port, decode=True)
     assert result.differences == [] and result.agrees
+    assert len(result.decode_steps) == 7 and result.first_decode_step is None
     loaded = np.array(to_module(*from_module(hf), port).q_norm.weight)
     np.testing.assert_array_equal(loaded, hf.q_norm.weight.detach().numpy() + 1.0)
 

@@ -167,3 +167,90 @@ def test_a_port_that_scales_llama3_linearly_is_named():
     result = compare(hf, port)
     assert [d.name for d in result.differences] == ["rope_scaling"] and not result.agrees
     assert result.stage == "q_rotated"
+
+
+# -- longrope (Phi-3's 128k models): mlx-lm's SuScaledRoPE against Hugging Face's Phi-3 ------------------------------
+# 16 features a head (8 pairs), original length 4, max positions 16 (factor 4): the 7-token inputs are past 4
+SHORT = [1.0, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0]
+LONG = [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]
+
+
+def _phi3(**fields) -> MHAConfig:
+    """d_model 32, 2 heads of 16 (head_dim = hidden_size // heads, as Phi-3 computes it), 1 kv head."""
+    return _cfg(d_model=32, n_kv_heads=1, **fields)
+
+
+def _longrope(short, long, **extra) -> dict:
+    return {"rope_type": "longrope", "short_factor": short, "long_factor": long, "original_max_position_embeddings": 4,
+            "factor": 4.0, **extra}  # fmt: skip
+
+
+def test_su_scaled_rope_is_read_as_longrope_with_its_long_table_at_every_length():
+    cfg = _phi3(rope_scaling=_longrope(LONG, LONG))
+    module = FAMILIES["mlx-phi3"].build(cfg)
+    assert type(module.rope).__name__ == "SuScaledRoPE"
+    assert from_module(module).cfg == cfg  # the long table twice, the factor from max_position_embeddings / 4
+    # its factor on the rotated features is sqrt(1 + ln 4 / ln 4) = sqrt(2), the spec's attention factor
+    assert module.rope._scale == pytest.approx(np.sqrt(2), rel=1e-15)
+    tol = tolerance_for("float32")
+    for tokens in (3, 7):  # below the original length too: SuScaledRoPE turns by the long table there as well
+        x = np.random.default_rng(tokens).standard_normal((2, tokens, cfg.d_model))
+        run, read_cfg, params = run_module(module, x)
+        assert run.precision == "float32" and "float32-accurate" in run.note
+        expected = reference_mha(read_cfg, params, x)
+        np.testing.assert_allclose(run.output, expected, atol=tol.atol, rtol=tol.rtol)
+        short_cfg = MHAConfig(**{**cfg.__dict__, "rope_scaling": _longrope(SHORT, LONG)})  # Hugging Face's tables
+        assert not np.allclose(run.output, reference_mha(short_cfg, params, x), atol=1e-3) or tokens > 4
+    back = from_module(to_module(*from_module(module), FAMILIES["mlx-phi3"].build(cfg))).params
+    for name, array in params.as_dict().items():
+        if array is not None:
+            assert np.array_equal(getattr(back, name), array), name
+
+
+def test_su_scaled_rope_with_a_long_mscale_is_refused_with_both_factors():
+    from mlx_lm.models.rope_utils import SuScaledRoPE
+
+    module = FAMILIES["mlx-phi3"].build(_phi3(rope_scaling=_longrope(LONG, LONG)))
+    module.rope = SuScaledRoPE(16, 10000.0, 16, 4, LONG, LONG, long_mscale=1.25)  # not what phi3.Attention builds
+    with pytest.raises(LayoutError, match=r"SuScaledRoPE whose factor on the rotated features is 1\.25.* 1\.41421"):
+        from_module(module)
+    module.args = None
+    with pytest.raises(LayoutError, match=r"SuScaledRoPE.*attention\.args = model\.args"):
+        from_module(module)
+
+
+def test_what_su_scaled_rope_cannot_compute_is_refused_by_the_layout():
+    rules = get_layout("mlx-phi3").rules
+    reasons = [rule(_phi3(rope_scaling=_longrope(SHORT, LONG))) for rule in rules]
+    assert any(r and "turns by long_factor at every length" in r for r in reasons)
+    reasons = [rule(_phi3(rope_scaling=_longrope(LONG, LONG, attention_factor=1.2))) for rule in rules]
+    assert any(r and "reads no attention_factor" in r for r in reasons)
+    # the other families do not build longrope (initialize_rope could, but their ModelArgs are not Phi-3's)
+    reasons = [rule(_cfg(rope_scaling=_longrope(LONG, LONG))) for rule in get_layout("mlx-llama").rules]
+    assert any(r and "'longrope'" in r for r in reasons)
+
+
+def _hf_phi3(cfg: MHAConfig):
+    """Hugging Face's Phi3Attention for ``cfg`` (float64, eager), loaded with the spec's random parameters."""
+    pytest.importorskip("torch", reason="torch is not installed: pip install 'mha-rosetta[torch]'")
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install 'mha-rosetta[models]'")
+    from mha_rosetta.core import init_params
+    from mha_rosetta.models._real import RunOptions
+    from mha_rosetta.models.hf_phi3 import build
+
+    return to_module(cfg, init_params(cfg, seed=4), build(cfg, RunOptions()))
+
+
+def test_hf_phi3_against_mlx_lm_longrope_agrees_past_the_original_length_and_names_the_table_below():
+    from mha_rosetta.diagnose.compare import compare
+
+    hf = _hf_phi3(_phi3(rope_scaling=_longrope(SHORT, LONG)))
+    port = FAMILIES["mlx-phi3"].build(_phi3(rope_scaling=_longrope(LONG, LONG)))
+    x = np.random.default_rng(5).standard_normal((2, 7, 32))
+    long = compare(hf, port, x=x)  # 7 tokens > 4: both turn by the long table
+    assert [d.name for d in long.differences] == ["rope_scaling"] and long.agrees
+    short = compare(hf, port, x=x[:, :3], decode=True)  # 3 tokens: Hugging Face's short table, mlx-lm's long one
+    assert not short.agrees and short.stage == "q_rotated"
+    assert short.causes and "long table at every length" in short.causes[0].detail  # diagnose's longrope cause
+    # decode: position 0 turns by nothing (one key: the same output); position 1 is the first that differs
+    assert short.first_decode_step == 1

@@ -34,6 +34,14 @@ LLAMA31 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# Phi-3-style longrope on 4 pairs (rope_dims 8), original length 8, factor 4
+PHI3 = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.0, 2.0, 4.0],
+    "long_factor": [1.0, 2.0, 8.0, 16.0],
+    "original_max_position_embeddings": 8,
+    "factor": 4.0,
+}
 GPT_OSS = {
     "rope_type": "yarn",
     "factor": 32.0,
@@ -58,7 +66,7 @@ def _plain(rope_dims: int, base: float) -> np.ndarray:
 
 
 def test_the_types():
-    assert ROPE_SCALING_TYPES == ("linear", "dynamic", "llama3", "yarn", "proportional")
+    assert ROPE_SCALING_TYPES == ("linear", "dynamic", "llama3", "yarn", "proportional", "longrope")
 
 
 def test_none_is_none():
@@ -361,10 +369,10 @@ def test_no_rope_type():
 
 def test_unknown_rope_type_lists_the_known_ones():
     _raises(
-        {"rope_type": "longrope", "factor": 2.0},
+        {"rope_type": "mrope", "factor": 2.0},
         ValueError,
         "['rope_type']",
-        "'longrope'",
+        "'mrope'",
         "'linear', 'dynamic', 'llama3', 'yarn'",
     )
 
@@ -392,6 +400,7 @@ MISSING = [
     *[(_without(LLAMA31, key), key) for key in ("factor", "low_freq_factor", "high_freq_factor")],
     (_without(LLAMA31, "original_max_position_embeddings"), "original_max_position_embeddings"),
     *[(_without(GPT_OSS, key), key) for key in ("factor", "original_max_position_embeddings")],
+    *[(_without(PHI3, key), key) for key in ("short_factor", "long_factor", "original_max_position_embeddings")],
 ]
 
 
@@ -568,6 +577,16 @@ MODULE_CASES = {
     ),
     "yarn": ({"factor": 8.0, "original_max_position_embeddings": 64}, 512),
     "dynamic": ({"factor": 3.0}, 128),
+    # 100 tokens take the short table, 300 the long one (L = 200); factor 4: cos and sin times sqrt(1 + ln 4 / ln 200)
+    "longrope": (
+        {
+            "short_factor": [1.0, 1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
+            "long_factor": [1.0, 1.4, 2.0, 3.0, 5.0, 8.0, 12.0, 20.0],
+            "original_max_position_embeddings": 200,
+            "factor": 4.0,
+        },
+        800,
+    ),
 }
 
 
@@ -612,3 +631,110 @@ def test_the_docs_page_example_runs_and_prints_what_it_says():
     example = re.search(r"```python\n(.*?)```", page, re.S).group(1)
     result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "yarn(factor=32, orig=4096, truncate=False)"
+
+
+# -- longrope (core.longrope) ---------------------------------------------------------------------
+
+
+def test_longrope_normalised_form_tables_as_tuples_and_idempotent():
+    once = validate_rope_scaling({**_without(PHI3, "rope_type"), "type": "longrope"})  # the legacy key
+    assert once == {
+        "rope_type": "longrope",
+        "short_factor": (1.0, 1.0, 2.0, 4.0),
+        "long_factor": (1.0, 2.0, 8.0, 16.0),
+        "original_max_position_embeddings": 8,
+        "factor": 4.0,
+        "attention_factor": None,
+    }
+    assert validate_rope_scaling(once) == once and hash(tuple(sorted(once.items())))  # tuples: hashable
+    assert validate_rope_scaling({**_without(PHI3, "factor"), "attention_factor": 1.5})["factor"] is None
+    assert validate_rope_scaling({**PHI3, "short_factor": np.array([1, 1, 2, 4])})["short_factor"] == (
+        1.0,
+        1.0,
+        2.0,
+        4.0,
+    )
+
+
+def test_longrope_by_hand_the_short_table_up_to_the_original_length_the_long_one_past_it():
+    plain = 100.0 ** (-np.arange(0, 8, 2) / 8)  # base 100, r = 8: 1, 0.316, 0.1, 0.0316
+    attention = math.sqrt(1 + math.log(4) / math.log(8))  # sqrt(1 + 2/3)
+    short, a = scaled_frequencies(8, 100.0, PHI3, 8)  # positions 0..7: S = 8, not past L = 8
+    np.testing.assert_allclose(short, plain / [1, 1, 2, 4], rtol=1e-15)
+    assert a == pytest.approx(math.sqrt(5 / 3), rel=1e-15) and a == attention
+    long, a = scaled_frequencies(8, 100.0, PHI3, 9)  # one more position: the long table, the same factor
+    np.testing.assert_allclose(long, plain / [1, 2, 8, 16], rtol=1e-15)
+    assert a == attention
+    # factor <= 1: no factor on cos and sin; attention_factor given: it, whatever the factor
+    assert scaled_frequencies(8, 100.0, {**PHI3, "factor": 1.0}, 9)[1] == 1.0
+    assert scaled_frequencies(8, 100.0, {**PHI3, "attention_factor": 1.25}, 1)[1] == 1.25
+
+
+def test_longrope_describe():
+    assert (
+        describe_rope_scaling(PHI3) == "longrope(orig=8, factor=4, short=[1, 1, 2, ...], long=[1, 2, 8, ...], pairs=4)"
+    )
+
+
+def test_longrope_through_mhaconfig_and_the_reference():
+    from mha_rosetta.core import MHAConfig, init_params, reference_mha
+
+    cfg = MHAConfig(d_model=16, n_heads=2, d_k=8, rope="half", causal=True, rope_scaling=PHI3)
+    assert "longrope(orig=8" in cfg.describe()
+    params = init_params(cfg, seed=1)
+    x = np.random.default_rng(2).standard_normal((1, 9, 16))
+    full = reference_mha(cfg, params, x)  # 9 tokens: the long table for every position
+    swapped = MHAConfig(**{**cfg.__dict__, "rope_scaling": {**PHI3, "long_factor": PHI3["short_factor"]}})
+    assert not np.allclose(full, reference_mha(swapped, params, x), atol=1e-3)
+    # the first 8 tokens alone are a call within L: the short table, so the same rows differ from the 9-token call's
+    assert not np.allclose(reference_mha(cfg, params, x[:, :8]), full[:, :8], atol=1e-3)
+    np.testing.assert_allclose(reference_mha(cfg, params, x[:, :8]), reference_mha(swapped, params, x[:, :8]))
+
+
+LONGROPE_BAD = [
+    ({**PHI3, "short_factor": "1, 1, 2, 4"}, TypeError, ["['short_factor']", "a list of finite numbers > 0", "str"]),
+    ({**PHI3, "long_factor": [1.0, -2.0, 8.0, 16.0]}, ValueError, ["['long_factor'][1]", "> 0", "-2.0"]),
+    ({**PHI3, "long_factor": [1.0, True, 8.0, 16.0]}, TypeError, ["['long_factor'][1]", "bool"]),
+    ({**PHI3, "short_factor": [1.0, float("nan"), 2.0, 4.0]}, ValueError, ["['short_factor'][1]", "nan"]),
+    ({**PHI3, "short_factor": []}, ValueError, ["['short_factor']", "0 entries"]),
+    ({**PHI3, "short_factor": [1.0, 2.0]}, ValueError, ["same length", "got 2 and 4"]),
+    (_without(PHI3, "factor"), ValueError, ["'factor'", "'attention_factor'", "config.max_position_embeddings"]),
+    ({**PHI3, "original_max_position_embeddings": 1}, ValueError, ["ln(1) = 0", "'attention_factor'"]),
+    ({**PHI3, "mscale": 1.0}, ValueError, ["unknown key 'mscale'", "'short_factor'"]),
+]
+
+
+@pytest.mark.parametrize("value,kind,fragments", LONGROPE_BAD, ids=[str(i) for i in range(len(LONGROPE_BAD))])
+def test_longrope_bad_input_names_the_key(value, kind, fragments):
+    _raises(value, kind, *fragments)
+
+
+def test_longrope_tables_need_one_number_per_rotated_pair():
+    from mha_rosetta.core import MHAConfig
+
+    with pytest.raises(
+        ValueError, match=r"^MHAConfig.rope_scaling\['short_factor'\] has 4 numbers; .* rope_dims / 2 = 2"
+    ):
+        MHAConfig(d_model=16, n_heads=2, d_k=8, rope="half", rope_dims=4, rope_scaling=PHI3)
+    with pytest.raises(ValueError, match=r"\['short_factor'\] has 4 numbers; .* rope_dims / 2 = 3 \(rope_dims=6\)"):
+        scaled_frequencies(6, 100.0, PHI3, 1)
+
+
+def test_longrope_against_transformers_compute_function_both_tables():
+    LlamaConfig, functions = _hf()
+    extra, max_positions = MODULE_CASES["longrope"]
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, **extra},
+    )
+    for seq_len in (None, 200, 201):  # None: the module's built table (short); 201 > L: long
+        hf_inv, hf_attention = functions["longrope"](config, "cpu", seq_len=seq_len)
+        inv, attention = scaled_frequencies(16, 10000.0, {"rope_type": "longrope", **extra}, seq_len or 1)
+        np.testing.assert_allclose(inv, hf_inv.double().numpy(), rtol=HF_RTOL, atol=0)
+        assert math.isclose(attention, hf_attention, rel_tol=1e-15)
+    # without factor, transformers takes max_position_embeddings / original (what models.hf_rope reads into factor)
+    config.rope_parameters.pop("factor")
+    assert math.isclose(functions["longrope"](config, "cpu")[1], math.sqrt(1 + math.log(4) / math.log(200)))

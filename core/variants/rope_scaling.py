@@ -1,6 +1,8 @@
-"""Rope scaling: the rotary frequencies scaled in Hugging Face's form (linear, dynamic, llama3, yarn, proportional).
+"""Rope scaling: the rotary frequencies scaled in Hugging Face's form (linear, dynamic, llama3, yarn, proportional,
+longrope).
 
-The formulas and the validation of the dict are `core.rope_scaling`'s; this is the variant's entry.
+The formulas and the validation of the dict are `core.rope_scaling`'s (longrope's `core.longrope`'s); this is the
+variant's entry.
 """
 
 from __future__ import annotations
@@ -8,9 +10,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..longrope import check_longrope_pairs
 from ..rope_scaling import describe_rope_scaling, scaled_frequencies, validate_rope_scaling, yarn_attention_factor
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, Variant, numbers
+
+# Phi-3-style longrope on 2 rotated pairs: original length 4, factor 4 (cos and sin times sqrt(1 + ln 4 / ln 4))
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": (1.0, 1.5),
+    "long_factor": (2.0, 3.5),
+    "original_max_position_embeddings": 4,
+    "factor": 4.0,
+}
 
 
 def _validate(cfg: Config) -> dict:
@@ -20,7 +32,18 @@ def _validate(cfg: Config) -> dict:
         raise ValueError(
             f"MHAConfig.rope_scaling={cfg.rope_scaling!r} needs rope='half' or 'interleaved' (rope is None)"
         )
-    return {"rope_scaling": validate_rope_scaling(cfg.rope_scaling)}
+    scaling = validate_rope_scaling(cfg.rope_scaling)
+    assert scaling is not None  # rope_scaling is not None here
+    if scaling["rope_type"] == "longrope" and cfg.rope is not None:  # one divisor per rotated pair
+        check_longrope_pairs(scaling, _rotated_dims(cfg))
+    return {"rope_scaling": scaling}
+
+
+def _rotated_dims(cfg: Config) -> int:
+    """cfg's rope_dims (the entries validate before MHAConfig resolves it: the head's d_k when not given)."""
+    if cfg.rope_dims is not None:
+        return cfg.rope_dims
+    return cfg.d_k if cfg.d_k is not None else cfg.d_model // cfg.n_heads
 
 
 def json_object(text: str) -> dict:
@@ -47,9 +70,13 @@ def explain(demo) -> Explanation:
     resolved = validate_rope_scaling(yarn)  # its defaults filled in (a dict: yarn is not None)
     assert resolved is not None
     attention = yarn_attention_factor(resolved)
+    base, _ = scaled_frequencies(4, 10000.0, None, 1)  # (2,): LONGROPE's two pairs, unscaled
+    within, _ = scaled_frequencies(4, 10000.0, LONGROPE, 4)  # 4 tokens: not past its original length
+    past, longrope_factor = scaled_frequencies(4, 10000.0, LONGROPE, 5)
     return Explanation(
         "rope_scaling (a dict in Hugging Face's form)",
-        "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn, proportional); yarn's factor on cos and sin",
+        "each pair's frequency scaled by its type (linear, dynamic, llama3, yarn, proportional, longrope); yarn's and "
+        "longrope's factor on cos and sin",
         "the rotary tables (q_rotated, k_rotated)",
         [
             (
@@ -69,16 +96,21 @@ def explain(demo) -> Explanation:
             f"linear would divide all by {numbers(plain / linear, 3)}: the high frequencies are where they differ",
             f"yarn with factor 32 multiplies cos and sin by {attention:.4g}, so the rotated part of each score by "
             f"{attention**2:.3g}",
+            f"longrope (Phi-3; original length 4, factor 4) divides the pairs by {numbers(base / within, 3)} in a call "
+            f"of 4 tokens and by {numbers(base / past, 3)} in one of 5, with {longrope_factor:.4g} on cos and sin",
         ],
     )
 
 
 # -- diagnose: the scaling read as linear, or ignored --------------------------------------------------------------
-def mistaken_rope_scaling(cfg: Config, rope_type: str) -> dict | None:
-    """The rope_scaling a candidate with the wrong type uses: None for ``"none"``, else ``rope_type`` with cfg's factor."""
-    if rope_type == "none":
+def mistaken_rope_scaling(cfg: Config, mistake: str) -> dict | None:
+    """The rope_scaling a candidate with ``mistake`` uses: None for ``"none"``; for ``"long_table"`` cfg's longrope
+    with its long table below the original length too (mlx-lm's SuScaledRoPE); else linear with cfg's factor."""
+    if mistake == "none":
         return None
-    assert cfg.rope_scaling is not None and rope_type == "linear"
+    assert cfg.rope_scaling is not None and mistake in ("linear", "long_table")
+    if mistake == "long_table":
+        return {**cfg.rope_scaling, "short_factor": cfg.rope_scaling["long_factor"]}
     return {"rope_type": "linear", "factor": cfg.rope_scaling["factor"]}
 
 
@@ -110,8 +142,9 @@ def _planted_frequencies(cfg: Config, seq_len: int, mistake):
 
 def _reads_as_linear(cfg: Config) -> bool:
     """Whether "read as linear" is a mistake of its own: not for linear, nor for proportional (whose factor, 1 by
-    default, would make it the plain frequencies: the scaling ignored)."""
-    return cfg.rope_scaling["rope_type"] not in ("linear", "proportional")
+    default, would make it the plain frequencies: the scaling ignored), nor for longrope (whose factor sets only the
+    factor on cos and sin, and may be absent)."""
+    return cfg.rope_scaling["rope_type"] not in ("linear", "proportional", "longrope")
 
 
 DIAGNOSE = DiagnoseSpec(
@@ -126,6 +159,17 @@ DIAGNOSE = DiagnoseSpec(
             ),
             _fix,
             when=lambda cfg: _reads_as_linear(cfg),
+        ),
+        DiagnoseCause(
+            "rope_scaling",
+            "long_table",
+            "longrope's long table at every length (mlx-lm's SuScaledRoPE), where the spec turns by short_factor up "
+            "to original_max_position_embeddings",
+            _fix,
+            when=lambda cfg: (
+                cfg.rope_scaling["rope_type"] == "longrope"
+                and cfg.rope_scaling["short_factor"] != cfg.rope_scaling["long_factor"]
+            ),
         ),
         DiagnoseCause(
             "rope_scaling",
@@ -152,13 +196,50 @@ DIAGNOSE = DiagnoseSpec(
 
 ENTRY = Variant(
     name="rope_scaling",
-    summary="scaled rotary frequencies (linear, dynamic, llama3, yarn, proportional)",
+    summary="scaled rotary frequencies (linear, dynamic, llama3, yarn, proportional, longrope)",
     fields=("rope_scaling",),
     is_on=lambda cfg: cfg.rope_scaling is not None,
     validate=_validate,
     forward=scaled_frequencies,
-    # Its check case is Llama 3.1's layer (`core.variants.models`).
+    # Llama 3.1's and gpt-oss's layers are check cases of their own (`core.variants.models`); longrope's are here.
+    check_cases=(
+        CaseSpec(
+            "longrope",
+            "Phi-3's longrope past its original length (7 tokens > 4): the long table, and sqrt(2) on cos and sin",
+            dict(
+                d_model=24, n_heads=4, n_kv_heads=2, rope="interleaved", rope_dims=4, causal=True, rope_scaling=LONGROPE
+            ),
+            dict(batch=2, q_tokens=7, dtypes=("float64", "float32"), seed=68),
+        ),
+        CaseSpec(
+            "longrope_short",
+            "Phi-3's longrope within its original length (7 tokens <= 16): the short table",
+            dict(
+                d_model=16,
+                n_heads=4,
+                rope="half",
+                causal=True,
+                rope_scaling={**LONGROPE, "original_max_position_embeddings": 16},
+            ),
+            dict(batch=2, q_tokens=7, dtypes=("float64",), seed=69),
+        ),
+    ),
     decode_cases=(
+        CaseSpec(
+            "decode_longrope",
+            # past L from the prefill on: a cache keeps keys rotated when written, so a run that crosses L in decode
+            # (Hugging Face's DynamicCache: the short table up to L) is not the spec's run (core.longrope)
+            "longrope past its original length (2) from a prefill of 3 on: the long table on every step",
+            dict(
+                d_model=16,
+                n_heads=4,
+                n_kv_heads=2,
+                rope="half",
+                causal=True,
+                rope_scaling={**LONGROPE, "original_max_position_embeddings": 2},
+            ),
+            dict(tokens=8, prefill=3, seed=122),
+        ),
         CaseSpec(
             "rope_scaling",
             "linear rope scaling (factor 4) on half rotary",

@@ -44,7 +44,7 @@ CAUSE_CODES = (
     "rope_convention",
     # The variants' mistakes (their entries' `DiagnoseCause`s): each is a hypothesis only when the configuration
     # has the variant.
-    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes),
+    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes if not cause.decode),
 )
 # The decode mistakes (`diagnose.decode.diagnose_decode`): how a KV cache is kept, apart from the forward's.
 DECODE_CAUSE_CODES = (
@@ -53,6 +53,8 @@ DECODE_CAUSE_CODES = (
     "decode_empty_slots_attended",
     "decode_ring_off_by_one",
     "decode_rotated_twice",
+    # The variants' decode mistakes (their entries' `DiagnoseCause`s with ``decode``: Llama 4's temperature positions).
+    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes if cause.decode),
 )
 
 
@@ -113,8 +115,11 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             )
     s = cfg.scale
     # With QK-norm the scores are linear in the norm's weight, not in w_q (the norm undoes a scaled w_q).
-    normed = any(entry.diagnose.normalises_qk for entry in diagnosed_variants(variants_on(cfg)))
+    entries = diagnosed_variants(variants_on(cfg))
+    normed = any(entry.diagnose.normalises_qk for entry in entries)
     rescale = repairs.rescale_query_norm if normed else repairs.rescale_query
+    # A weightless norm after the projections (Llama 4's after rotary) undoes any rescaled parameter: no repair.
+    unrepairable = any(entry.diagnose.weightless_qk_norm for entry in entries)
     for detail, factor in (
         ("missing: scores not scaled", 1.0),
         ("applied twice", s * s),
@@ -127,8 +132,12 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
                 detail,
                 Bug(scale=factor),
                 f"scores must be multiplied by cfg.scale = {s:.6g} exactly once (the candidate uses {factor:.6g}): "
-                f"fix the scaling, or feed {REPAIRS}.{rescale.__name__}(params, {s / factor:.6g})",
-                lambda cfg, p, m, f=s / factor, rescale=rescale: (rescale(p, f), m),
+                + (
+                    "fix the scaling (the weightless QK-norm undoes any rescaled weight)"
+                    if unrepairable
+                    else f"fix the scaling, or feed {REPAIRS}.{rescale.__name__}(params, {s / factor:.6g})"
+                ),
+                None if unrepairable else lambda cfg, p, m, f=s / factor, rescale=rescale: (rescale(p, f), m),
             )
     yield Hypothesis(
         "softmax_axis",
@@ -242,7 +251,7 @@ def _variant_hypotheses(cfg: MHAConfig) -> Iterator[Hypothesis]:
     """The variants' mistakes (each entry's `DiagnoseCause`s, simulated by its steps), only those ``cfg`` has."""
     for entry in diagnosed_variants(variants_on(cfg)):
         for cause in entry.diagnose_causes:
-            if cause.applies(cfg):
+            if cause.applies(cfg) and not cause.decode:  # a decode mistake is `diagnose.decode`'s hypothesis
                 detail, fix = cause.words(cfg)
                 bug = Bug(mistakes=((entry.name, cause.mistake),))
                 yield Hypothesis(cause.code, detail, bug, fix, cause.repair, cause.needs_mask)

@@ -38,11 +38,11 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, lower_precision, numpy_dtype, tolerance_for
 from mha_rosetta.core.config import require_config
-from mha_rosetta.core.variants import VARIANT_REGISTRY
+from mha_rosetta.core.variants import VARIANT_REGISTRY, variants_on
 
 from .calling import DiagnoseError, _as_output, _call
-from .causes import Hypothesis, hypotheses
-from .probes import Probe, make_probes
+from .causes import Hypothesis, diagnosed_variants, hypotheses
+from .probes import Q_TOKENS, Probe, make_probes
 from .simulate import Bug, allowed_under, simulate, unsimulated_reason
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -202,7 +202,7 @@ def diagnose(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     np_dtype = numpy_dtype(dtype)
     out_dtypes = {dtype}
-    notes: list[str] = []
+    notes: list[str] = unseen_variants(cfg, Q_TOKENS)
 
     def run(probe: Probe, params: MHAParams | None = None, mask="probe") -> np.ndarray:
         params = probe.params if params is None else params
@@ -267,6 +267,12 @@ def diagnose(
             )
     causes = [_cause(cfg, fit, fits, oracle, run, observed, partial, tol_dtype) for fit in explained]
     return Diagnosis(False, max_error, causes, [], notes, errors, tol_dtype)
+
+
+def unseen_variants(cfg: MHAConfig, q_tokens: int) -> list[str]:
+    """Notes on ``cfg``'s variants whose mistakes probes of ``q_tokens`` queries cannot show (`DiagnoseSpec.unseen`)."""
+    unseen = (entry.diagnose.unseen for entry in diagnosed_variants(variants_on(cfg)))
+    return [note for note in (why(cfg, q_tokens) for why in unseen if why is not None) if note]
 
 
 def reference_config(cfg: MHAConfig | None, like=None) -> MHAConfig:

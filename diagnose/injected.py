@@ -155,6 +155,8 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             q, k = _numpy_rotary(q, style, cfg, scaled), _numpy_rotary(k, style, cfg, scaled)
         for step, mistake in _steps(cfg, "values", mistakes):  # k_eq_v, the value norm (Gemma 4)
             v = step(cfg, params, v, k_raw, k, mistake)
+        for step, mistake in _steps(cfg, "rotated", mistakes):  # Llama 4's QK-norm after rotary, its temperature
+            q, k = step(cfg, params, q, k, mistake)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":

@@ -30,9 +30,10 @@ Every knob says what the candidate does instead of the spec:
   `SimulatedSteps`, with the mistakes its `DiagnoseCause`s name); the simulator runs the steps of
   the variants the configuration has, in registry order, at the places `SimulatedSteps` lists:
   the projection's QK-norm before the head split, the head QK-norm after it, the rotary
-  frequencies, the scores' transform (the logit cap) and biases (ALiBi, T5), the window in the mask,
-  what a candidate does after the mask (a logit cap moved there), the softmax (with a sink) and
-  what it adds to the context (a sink with a value). Positions are the defaults ``0 .. N-1`` of
+  frequencies, Llama 4's QK-norm and temperature after rotary, the scores' transform (the logit
+  cap) and biases (ALiBi, T5), the window in the mask, what a candidate does after the mask (a
+  logit cap moved there), the softmax (with a sink) and what it adds to the context (a sink with a
+  value). Positions are the defaults ``0 .. N-1`` of
   queries and keys (the probes pass none).
 """
 
@@ -91,6 +92,14 @@ def normed(cfg: MHAConfig, p: MHAParams, q, k, place: str, bug: Bug = Bug()):
     for step, mistake in _variant_steps(cfg, place, bug):
         q, k = step(cfg, p, q, k, mistake)
     return q, k
+
+
+def after_rotary(cfg: MHAConfig, p: MHAParams, q_h, k_h, positions, bug: Bug = Bug()):
+    """Rotated q (B, H, Nq, Dk) and k (B, Hkv, Nk, Dk) after the variants' steps there (Llama 4's QK-norm after
+    rotary, then its temperature), the queries at ``positions`` (1|B, Nq)."""
+    for step, mistake in _variant_steps(cfg, "rotated", bug):
+        q_h, k_h = step(cfg, p, q_h, k_h, positions, mistake)
+    return q_h, k_h
 
 
 def transformed(cfg: MHAConfig, scores, bug: Bug = Bug()):
@@ -175,6 +184,7 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     q_h, k_h = rotate(cfg, q_h, bug, seq_len), rotate(cfg, k_h, bug, seq_len)
     for step, mistake in _variant_steps(cfg, "values", bug):  # k_eq_v, the value norm (Gemma 4)
         v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
+    q_h, k_h = after_rotary(cfg, p, q_h, k_h, _positions(Nq, Nk)[0], bug)  # Llama 4's QK-norm, its temperature
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
     scale = cfg.scale if bug.scale is None else bug.scale
@@ -252,8 +262,8 @@ def _positions(q_tokens: int, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
 
 def unsimulated_reason(cfg: MHAConfig) -> str | None:
     """Why diagnose cannot judge ``cfg`` (None: it can): a variant on in it that adds stages of its own and has no
-    `DiagnoseSpec` (Llama 4's temperature and QK-norm after rotary, today) has no step in `simulate`, diagnose's
-    oracle and hypotheses, so a correct candidate would look wrong."""
+    `DiagnoseSpec` (one registered from outside without one) has no step in `simulate`, diagnose's oracle and
+    hypotheses, so a correct candidate would look wrong."""
     lacking = [entry.name for entry in variants_on(cfg) if entry.diagnose is None and entry.stages]
     if not lacking:
         return None

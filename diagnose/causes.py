@@ -29,6 +29,12 @@ def diagnosed_variants(entries=None) -> list[Variant]:
     return sorted((e for e in entries if e.diagnose is not None), key=lambda e: e.diagnose.rank)
 
 
+def unseen_variants(cfg: MHAConfig, q_tokens: int) -> list[str]:
+    """Notes on ``cfg``'s variants whose mistakes probes of ``q_tokens`` queries cannot show (`DiagnoseSpec.unseen`)."""
+    unseen = (entry.diagnose.unseen for entry in diagnosed_variants(variants_on(cfg)))
+    return [note for note in (why(cfg, q_tokens) for why in unseen if why is not None) if note]
+
+
 CAUSE_CODES = (
     "weight_transposed",
     "qkv_swapped",
@@ -78,8 +84,16 @@ def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
     return list(_each_hypothesis(cfg))
 
 
+def latent_form(cfg: MHAConfig) -> bool:
+    """A form whose w_q, w_k, w_v read latents, not the tokens (MLA, `Variant.base_shapes`): the candidate builds its
+    heads from them, so the q/k/v swaps, packings, head splits and q/k/v biases of the tokens' projections do not
+    exist there."""
+    return any(entry.base_shapes is not None for entry in variants_on(cfg))
+
+
 def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
     shapes = expected_param_shapes(cfg)
+    latent = latent_form(cfg)
     for name in ("w_q", "w_k", "w_v", "w_o"):
         rows, cols = shapes[name]
         if rows == cols:
@@ -94,7 +108,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             )
     widths = {"q": (cfg.q_width, cfg.d_model), "k": (cfg.k_width, cfg.kdim), "v": (cfg.v_width, cfg.vdim)}
     for a, b in combinations("qkv", 2):
-        if widths[a] == widths[b]:
+        if widths[a] == widths[b] and not latent:
             yield Hypothesis(
                 "qkv_swapped",
                 f"{a} and {b}",
@@ -103,7 +117,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
                 f"load each into its own layer, or feed {REPAIRS}.swap_projections(params, {a!r}, {b!r})",
                 lambda cfg, p, m, a=a, b=b: (repairs.swap_projections(p, a, b), m),
             )
-    if packing_applies(cfg):
+    if packing_applies(cfg) and not latent:
         for written, read in (("blocks", "interleaved"), ("interleaved", "blocks")):
             yield Hypothesis(
                 "qkv_packing",
@@ -172,7 +186,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
     for detail, knob in (
         ("(B, N, H*d) reshaped straight to (B, H, N, d)", "direct"),
         ("(B, N, H*d) reshaped straight to (B, H, N, d), merged back the same way", "direct_undone"),
-    ):
+    )[: 0 if latent else 2]:
         yield Hypothesis(
             "head_split",
             detail,
@@ -202,7 +216,8 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
         )
     if cfg.bias:
         biases = ("b_q", "b_k", "b_v", "b_o") if cfg.output_bias else ("b_q", "b_k", "b_v")  # bias="qkv": no b_o
-        for names in (*((name,) for name in biases if name != "b_k"), biases):
+        biases = tuple(name for name in biases if shapes[name] is not None)  # MLA: b_o only
+        for names in dict.fromkeys((*((name,) for name in biases if name != "b_k"), biases)):
             which = "all biases" if len(names) > 1 else names[0]
             yield Hypothesis(
                 "bias",
@@ -229,13 +244,15 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             + (
                 " (attention_k_eq_v ties w_v to w_k, so no permutation of the key rows converts the weights)"
                 if cfg.attention_k_eq_v
+                else " (MLA's rotary features come from w_q and w_kv_a: no converter permutes them here)"
+                if latent
                 else f", or feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]"
                 if not normed
                 else f", or feed {REPAIRS}.convert_rotary_pairing(cfg, params, mha_rosetta.core.{converter.__name__}) "
                 "(the QK-norm weights permuted too)"
             ),
             None
-            if cfg.attention_k_eq_v
+            if cfg.attention_k_eq_v or latent
             else lambda cfg, p, m, convert=converter: (repairs.convert_rotary_pairing(cfg, p, convert), m),
         )
         yield Hypothesis(

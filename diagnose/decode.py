@@ -58,9 +58,9 @@ from mha_rosetta.core.decode import prepare_decode_inputs, ring_capacity
 from mha_rosetta.core.variants import variants_on
 
 from .calling import DiagnoseError, _as_output, _call
-from .causes import DECODE_CAUSE_CODES, diagnosed_variants
+from .causes import DECODE_CAUSE_CODES, diagnosed_variants, unseen_variants
 from .decode_simulation import DecodeBug, simulate_decode
-from .diagnosis import _evidence, _explaining_pair, _Fit, unseen_variants
+from .diagnosis import _evidence, _explaining_pair, _Fit
 
 __all__ = [
     "DECODE_CAUSE_CODES",
@@ -280,7 +280,7 @@ def diagnose_decode(
             "candidate must be callable as candidate(params, x, prefill, step, mask, positions) -> output "
             f"(B, N, d_model); got {type(candidate).__name__} {candidate!r:.80}"
         )
-    cfg = reference_config(cfg, like)
+    cfg = reference_config(cfg, like, decode=True)
     if not cfg.causal:
         raise ValueError("diagnose_decode needs a causal configuration (a decode loop is causal), got causal=False")
     dtype = check_dtype_name(dtype)

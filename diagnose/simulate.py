@@ -54,6 +54,8 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.config import ROPE_STYLES
 from mha_rosetta.core.variants import steps_at, variants_on
+from mha_rosetta.core.variants.mla import mla_on
+from mha_rosetta.core.variants.mla_heads import head_stages
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,10 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     p = params_as_used(cfg, params, bug)
     B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
+    if mla_on(cfg):  # MLA: the rotated heads and the values expanded from the latent of the key tokens
+        q_h, k_h, v_h = latent_heads(cfg, p, query, key, bug, seq_len)
+        return attend(cfg, p, query, q_h, k_h, v_h, k_h, mask, bug)
 
     q = linear(query, p.w_q, p.b_q)  # (B, Nq, H*Dk)
     k = linear(key, p.w_k, p.b_k)  # (B, Nk, Hkv*Dk)
@@ -180,14 +186,35 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
     k_raw = k_h  # the split keys before the head norm and rotary (k_eq_v's values)
     q_h, k_h = normed(cfg, p, q_h, k_h, "heads", bug)  # a head QK-norm: after the split
-    seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
     q_h, k_h = rotate(cfg, q_h, bug, seq_len), rotate(cfg, k_h, bug, seq_len)
+    return attend(cfg, p, query, q_h, k_h, v_h, k_raw, mask, bug)
+
+
+def latent_heads(cfg: MHAConfig, p: MHAParams, query, key, bug: Bug, seq_len: int):
+    """MLA's rotated q (B, H, Nq, Dk), k (B, H, Nk, Dk) and values (B, H, Nk, Dv), as the spec expands them from the
+    latent of ``key`` (`core.variants.mla_heads`; its one input), turned by `rotate` in ``bug``'s pairing."""
+
+    def turn(x, side):  # (B, [H,] N, d_rope) at positions 0..N-1
+        return rotate(cfg, x, bug, seq_len) if x.ndim == 4 else rotate(cfg, x[:, None], bug, seq_len)[:, 0]
+
+    stages = head_stages(cfg, p.as_dict(), query, key, key, turn)
+    return stages["q_rotated"], stages["k_rotated"], stages["v_heads"]
+
+
+def attend(cfg: MHAConfig, p: MHAParams, query, q_h, k_h, v_h, k_raw, mask, bug: Bug) -> np.ndarray:
+    """The rest of `simulate` from the rotated heads: the variants' values and steps after rotary, the scores, masks,
+    softmax, context, merge and output projection (``k_raw``: the keys before any norm or rotation)."""
+    B, H, Nq, _ = q_h.shape
+    Hkv, Nk, Dv = k_h.shape[1], k_h.shape[2], v_h.shape[-1]
     for step, mistake in _variant_steps(cfg, "values", bug):  # k_eq_v, the value norm (Gemma 4)
         v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
     q_h, k_h = after_rotary(cfg, p, q_h, k_h, _positions(Nq, Nk)[0], bug)  # Llama 4's QK-norm, its temperature
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
-    scale = cfg.scale if bug.scale is None else bug.scale
+    scale = cfg.scale
+    for step, mistake in _variant_steps(cfg, "scale", bug):  # MLA's YaRN mscale
+        scale = step(cfg, mistake)
+    scale = scale if bug.scale is None else bug.scale
     scores = scale * (q_h @ k_h[:, kv_of].swapaxes(-1, -2))  # (B, H, Nq, Nk)
     scores = transformed(cfg, scores, bug)  # the logit cap
     for step, mistake in _variant_steps(cfg, "bias", bug):  # ALiBi, T5's bias

@@ -1,25 +1,33 @@
-"""`diagnose` names the mistakes of Llama 4's attention forms in a user's own port (issue 45).
+"""`diagnose` names the mistakes of Llama 4's attention forms and of MLA in a user's own port (issue 45).
 
 The candidates here are a user's NumPy port of ``Llama4TextAttention`` (einsum on ``(B, N, H, d)``, Meta's complex
 rotary on adjacent pairs, the temperature and the weightless norm as the module writes them), written apart from
 diagnose's simulator and from its planted candidates, with one mistake each where asked: the temperature forgotten
 or its floor off by one, the QK-norm after rotary across the heads or forgotten, and a decode loop whose
 temperature positions restart at 0 on every call. Each is named first by its own cause; the port done right, and
-the norm moved before rotary (no output shows it: rotation keeps each head's norm), agree.
+the norm moved before rotary (no output shows it: rotation keeps each head's norm), agree. MLA: a user's absorbed
+form with W_UK transposed, and ports whose softmax scale lacks YaRN's m(f, mscale_all_dim)^2 or uses mscale's.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from itertools import pairwise
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from mha_rosetta.core import MHAConfig
+from mha_rosetta.core import MHAConfig, apply_rotary
+from mha_rosetta.core.mla_forms import mla_forward
+from mha_rosetta.core.rotary import rotary_tables
+from mha_rosetta.core.variants.mla import DEEPSEEK_V3_LIKE
+from mha_rosetta.core.variants.mla_algebra import absorbed_output, absorbed_queries, absorbed_scores, latent_keys
+from mha_rosetta.core.variants.mla_diagnose import DIAGNOSE
+from mha_rosetta.core.variants.mla_heads import Rotation, latent_entries, query_stages
 from mha_rosetta.core.variants.qk_norm_after_rope import LLAMA4_ROPE_LIKE
 from mha_rosetta.core.variants.temperature import NOPE_LIKE
-from mha_rosetta.diagnose import DECODE_CAUSE_CODES, diagnose, diagnose_decode, hypotheses
+from mha_rosetta.diagnose import DECODE_CAUSE_CODES, DiagnoseError, diagnose, diagnose_decode, hypotheses
 
 NOPE = MHAConfig(**NOPE_LIKE)  # floor_scale 3, attn_scale 0.5: the factor steps up at positions 2, 5, 8
 ROPE = MHAConfig(**LLAMA4_ROPE_LIKE)  # interleaved rotary, chunks of 4, the norm after rotary
@@ -200,3 +208,58 @@ def test_a_decode_loop_with_the_temperature_positions_not_offset_is_named():
     assert first.detail.startswith("the temperature's positions restart at 0 on each call") and first.residual <= 1.0
     assert "get_seq_length" in first.fix and first.code in DECODE_CAUSE_CODES
     assert "decode_temperature_not_offset" not in {h.code for h in hypotheses(NOPE)}  # a decode mistake only
+
+
+# -- MLA: a user's absorbed form, and the softmax scale without YaRN's mscale or with the wrong one ------------------
+V3 = MHAConfig(**DEEPSEEK_V3_LIKE)  # YaRN factor 4, mscale 0.8, mscale_all_dim 0.9
+ABSORBED = MHAConfig(**dict(DIAGNOSE.settings)["deepseek-absorbed"])  # d_nope == kv_lora_rank == 4
+
+
+def absorbed_port(cfg: MHAConfig, transposed: bool = False):
+    """A user's absorbed MLA (the package's own pieces, `mla_algebra`): every head against the one key head
+    ``[c | k_rope]``, W_UV folded into the output; ``transposed``: W_UK read the other way round."""
+
+    def candidate(params, query, key, value, mask):
+        p, (Nq, Nk) = params.as_dict(), (query.shape[1], key.shape[1])
+        tables = rotary_tables(cfg, SimpleNamespace(positions=np.arange(Nq)[None], kv_positions=np.arange(Nk)[None]))
+        rotate = Rotation(tables, apply_rotary)
+        kv_latent, k_rope = latent_entries(cfg, p, key, rotate)  # (B, Nk, R), (B, Nk, dr)
+        queries = absorbed_queries(cfg, p["w_k"], query_stages(cfg, p, query, rotate)["q_rotated"], transposed)
+        scores = absorbed_scores(cfg, queries, latent_keys(kv_latent, k_rope))  # (B, H, Nq, Nk)
+        allowed = np.tril(np.ones((Nq, Nk), bool)) if cfg.causal else np.ones((Nq, Nk), bool)
+        allowed = allowed if mask is None else allowed & mask
+        return absorbed_output(cfg, p, _softmax(np.where(allowed, scores, -np.inf)), kv_latent)
+
+    return candidate
+
+
+def test_a_users_absorbed_mla_is_diagnosed_and_w_uk_transposed_named():
+    assert diagnose(absorbed_port(ABSORBED), ABSORBED).agrees
+    result = diagnose(absorbed_port(ABSORBED, transposed=True), ABSORBED)
+    assert not result.agrees and result.max_error > 1e-3
+    first = result.causes[0]
+    assert (first.code, first.residual <= 1.0) == ("mla", True), result.summary()
+    assert first.detail.startswith("W_UK transposed in the absorbed form") and "mlx-lm #1715" in first.fix
+
+
+@pytest.mark.parametrize(
+    "mistake, scale, detail",
+    [
+        ("mscale_missing", 10**-0.5, "YaRN's m(f, mscale_all_dim)^2 = 1.265 missing from the softmax scale"),
+        ("mscale_for_all_dim", 10**-0.5 * (0.08 * np.log(4) + 1) ** 2, "m(f, mscale)^2 = 1.234 on the softmax scale"),
+    ],
+)
+def test_the_softmax_scale_without_yarns_mscale_or_with_the_wrong_one_is_named(mistake, scale, detail):
+    """A port computing the spec's MLA with its own scale: (nope + rope)^-1/2, or m(4, 0.8)^2 for m(4, 0.9)^2."""
+    assert V3.scale == pytest.approx(10**-0.5 * (0.09 * np.log(4) + 1) ** 2, rel=1e-15)
+    assert diagnose(lambda p, q, k, v, m: mla_forward(V3, p, q, mask=m), V3).agrees
+    wrong = replace(V3, scale=scale)
+    result = diagnose(lambda p, q, k, v, m: mla_forward(wrong, p, q, mask=m), V3)
+    first = result.causes[0]
+    assert (first.code, first.detail[: len(detail)]) == ("mla", detail), result.summary()
+    assert "probe 'cross' left out" in " ".join(result.notes)  # self-attention only: its key and value ignored
+
+
+def test_diagnose_decode_refuses_mla_by_name():
+    with pytest.raises(DiagnoseError, match="diagnose_decode cannot probe mla"):
+        diagnose_decode(lambda *args: None, V3)

@@ -123,6 +123,7 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
         "gate",
         "qk_norm_after_rope",
         "temperature",
+        "mla",
         "k_eq_v",
         "value_norm",
     ]
@@ -137,6 +138,8 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
         "qwen3-next-gate",
         "llama4-rope",
         "llama4-nope",
+        "deepseek-v3",
+        "deepseek-absorbed",
         "gemma4-global",
         "gemma4-sliding",
     ]  # fmt: skip

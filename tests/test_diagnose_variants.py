@@ -21,7 +21,6 @@ from mha_rosetta.backends import missing_backends
 from mha_rosetta.backends.injected_torch import torch_alibi_slopes, unspelled
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
-from mha_rosetta.core.variants import VARIANT_REGISTRY
 from mha_rosetta.core.variants.alibi import numpy_alibi_slopes
 from mha_rosetta.diagnose import Bug, diagnose, hypotheses, repairs, simulate
 from mha_rosetta.diagnose.calling import DiagnoseError
@@ -56,6 +55,11 @@ DETAILS = {
     "floor((p + 1) / 3)",
     "qk-norm after rope across heads": "the QK-norm across the heads: each token's whole projection (H*d_k features)",
     "qk-norm after rope forgotten": "the QK-norm after rotary forgotten: q and k unnormed",
+    "mla mscale missing": "YaRN's m(f, mscale_all_dim)^2 = 1.265 missing from the softmax scale",
+    "mla mscale for mscale_all_dim": "m(f, mscale)^2 = 1.234 on the softmax scale where m(f, mscale_all_dim)^2 = 1.265",
+    "mla keys de-interleaved": "the rotary interleave permutation: the keys' rotary features in V3's de-interleaved",
+    "mla value head from the key": "the value head size taken from the key's: head h's values read from column h * 6",
+    "mla W_UK transposed": "W_UK transposed in the absorbed form: q_nope_h @ W_UK_h^T where q_nope_h @ W_UK_h",
 }
 # The rule that makes each variant's cause a hypothesis.
 HAS_VARIANT = {
@@ -72,6 +76,7 @@ HAS_VARIANT = {
     "value_norm": lambda cfg: cfg.value_norm,
     "temperature": lambda cfg: cfg.attn_temperature_tuning,
     "qk_norm_after_rope": lambda cfg: cfg.qk_norm_after_rope,
+    "mla": lambda cfg: cfg.kv_lora_rank is not None,
 }
 VARIANT_CASES = [name for name, case in SPEC_CASES.items() if case.cfg.variants]
 
@@ -191,10 +196,6 @@ def test_correct_candidates_agree_on_every_variant_case(case):
     def oracle(params, query, key, value, mask):
         return reference_mha(cfg, params, query, key, value, mask)
 
-    if any(VARIANT_REGISTRY[name].base_shapes is not None for name in cfg.variants):  # MLA: refused by name
-        with pytest.raises(ValueError, match="diagnose cannot probe mla"):
-            diagnose(oracle, cfg)
-        return
     if unsimulated_reason(cfg):  # a form with stages and no DiagnoseSpec: no simulator step, refused by name
         with pytest.raises(DiagnoseError, match="does not reproduce the spec"):
             diagnose(oracle, cfg)

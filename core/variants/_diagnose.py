@@ -100,6 +100,7 @@ class SimulatedSteps:
         cache holds): ``v_h`` the split values, ``k_raw`` the split keys before any norm or rotation, ``k_rotated``
         after both (Gemma 4's value norm and k_eq_v).
     frequencies(cfg, seq_len, mistake) -> (inv_freq (r/2,), the factor on cos and sin) of the rotary embedding.
+    scale(cfg, mistake) -> the softmax scale the candidate multiplies the scores by (MLA's YaRN mscale).
     transform(cfg, scores, mistake) -> the scaled (B, H, Nq, Nk) scores transformed elementwise.
     bias(cfg, p, positions, kv_positions, mistake) -> what it adds to the scores, (1|B, H, Nq, Nk) (positions
         (1|B, Nq) and (1|B, Nk)).
@@ -116,6 +117,7 @@ class SimulatedSteps:
     rotated: Callable | None = None
     values: Callable | None = None
     frequencies: Callable | None = None
+    scale: Callable | None = None
     transform: Callable | None = None
     bias: Callable | None = None
     allowed: Callable | None = None
@@ -134,8 +136,12 @@ class PlantedSteps:
     `backends.injected_torch`'s. Each takes the mistake last: None (the variant done right) or a
     `PlantedMistake.mistake`; ``params`` is the canonical `MHAParams` (NumPy) the candidate was given:
 
+    latent(cfg, params, query, key, rotate, mistake) -> (q, k, v) heads, (B, H, N, d), for a form that builds its
+        heads from latents (MLA), in place of the projections, the split and rotary: ``rotate(x)`` turns
+        (B, n, N, r) at positions 0..N-1 as the candidate does (the identity where it forgets rotary).
     projection(cfg, params, q, k, mistake) -> (q, k) before the head split; heads(...) the same after it;
         rotated(...) the same after rotary (the queries at positions 0..Nq-1).
+    scale(cfg, mistake) -> the softmax scale the candidate multiplies the scores by.
     values(cfg, params, v, k_raw, k_rotated, mistake) -> the values the weighted sum reads (`SimulatedSteps.values`).
     frequencies(cfg, seq_len, mistake) -> (inv_freq, factor on cos and sin), NumPy, or None (the plain ones).
     transform(cfg, scores, mistake) -> the scaled scores transformed elementwise.
@@ -149,11 +155,13 @@ class PlantedSteps:
     output(cfg, params, query, merged, mistake) -> what w_o reads (the gate; the torch candidate's take tensors).
     """
 
+    latent: Callable | None = None
     projection: Callable | None = None
     heads: Callable | None = None
     rotated: Callable | None = None
     values: Callable | None = None
     frequencies: Callable | None = None
+    scale: Callable | None = None
     transform: Callable | None = None
     bias: Callable | None = None
     mask: Callable | None = None

@@ -112,18 +112,25 @@ def test_the_port_done_right_agrees(cfg):
 
 
 @pytest.mark.parametrize(
-    "mistake, detail",
+    "cfg, mistake, code, detail",
     [
-        ("forgotten", "the temperature forgotten: no query multiplied by 1 + 0.5 * log1p(floor((p + 1) / 3))"),
-        ("off by one", "the temperature's floor one position early: floor(p / 3) where Llama 4 has floor((p + 1) / 3)"),
+        (NOPE, dict(temperature="forgotten"), "temperature",
+         "the temperature forgotten: no query multiplied by 1 + 0.5 * log1p(floor((p + 1) / 3))"),
+        (NOPE, dict(temperature="off by one"), "temperature",
+         "the temperature's floor one position early: floor(p / 3) where Llama 4 has floor((p + 1) / 3)"),
+        (ROPE, dict(qk_norm="across heads"), "qk_norm_after_rope",
+         "the QK-norm across the heads: each token's whole projection (H*d_k features) normed at once"),
+        (ROPE, dict(qk_norm="forgotten"), "qk_norm_after_rope", "the QK-norm after rotary forgotten: q and k unnormed"),
     ],
-)
-def test_the_temperature_forgotten_or_off_by_one_is_named(mistake, detail):
-    result = diagnose(llama4_port(NOPE, temperature=mistake), NOPE)
+    ids=["temperature forgotten", "temperature off by one", "qk-norm across heads", "qk-norm forgotten"],
+)  # fmt: skip
+def test_each_mistake_in_the_port_is_named_first(cfg, mistake, code, detail):
+    """The temperature forgotten or its floor off by one; the QK-norm after rotary across the heads or forgotten."""
+    result = diagnose(llama4_port(cfg, **mistake), cfg)
     assert not result.agrees and result.max_error > 1e-3
     first = result.causes[0]
-    assert (first.code, first.detail) == ("temperature", detail), result.summary()
-    assert first.residual <= 1.0 and "Llama4TextAttention" in first.fix
+    assert (first.code, first.detail[: len(detail)]) == (code, detail), result.summary()
+    assert first.residual <= 1.0 and "Llama4Text" in first.fix  # Llama4TextAttention, Llama4TextL2Norm
 
 
 def test_at_llama4s_floor_scale_the_probes_cannot_see_the_temperature_and_say_so():
@@ -135,21 +142,6 @@ def test_at_llama4s_floor_scale_the_probes_cannot_see_the_temperature_and_say_so
         note.startswith("the temperature is 1 at every probe position 0..4 (floor_scale 8192") for note in result.notes
     )
     assert not any("temperature" in note for note in diagnose(llama4_port(NOPE), NOPE).notes)
-
-
-@pytest.mark.parametrize(
-    "mistake, detail",
-    [
-        ("across heads", "the QK-norm across the heads: each token's whole projection (H*d_k features) normed at once"),
-        ("forgotten", "the QK-norm after rotary forgotten: q and k unnormed"),
-    ],
-)
-def test_the_qk_norm_across_heads_or_forgotten_is_named(mistake, detail):
-    result = diagnose(llama4_port(ROPE, qk_norm=mistake), ROPE)
-    assert not result.agrees and result.max_error > 1e-3
-    first = result.causes[0]
-    assert (first.code, first.detail[: len(detail)]) == ("qk_norm_after_rope", detail), result.summary()
-    assert first.residual <= 1.0
 
 
 def test_the_norm_before_rotary_is_no_mistake_any_output_shows():

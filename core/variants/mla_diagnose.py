@@ -29,7 +29,12 @@ import numpy as np
 from ..rope_scaling import validate_rope_scaling
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import Config
-from .mla import DEEPSEEK_V3_LIKE, softmax_scale, yarn_mscale  # defined before mla imports this module
+from .mla import (
+    DEEPSEEK_V2_LITE_LIKE,
+    DEEPSEEK_V3_LIKE,
+    softmax_scale,
+    yarn_mscale,
+)  # defined before mla imports this module
 
 CODE = "mla"
 
@@ -244,16 +249,7 @@ SETTINGS = (
     ("deepseek-v3", dict(DEEPSEEK_V3_LIKE)),
     (
         "deepseek-absorbed",
-        dict(
-            d_model=20,
-            n_heads=4,
-            kv_lora_rank=4,
-            qk_nope_head_dim=4,
-            qk_rope_head_dim=2,
-            v_head_dim=8,
-            causal=True,
-            bias=True,
-        ),
+        dict(DEEPSEEK_V2_LITE_LIKE, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=8),
     ),
 )
 DIAGNOSE = DiagnoseSpec(

@@ -215,8 +215,8 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             None if fixed else lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
         )
     if cfg.bias:
-        biases = ("b_q", "b_k", "b_v", "b_o") if cfg.output_bias else ("b_q", "b_k", "b_v")  # bias="qkv": no b_o
-        biases = tuple(name for name in biases if shapes[name] is not None)  # MLA: b_o only
+        named = ("b_q", "b_k", "b_v", "b_o") if cfg.output_bias else ("b_q", "b_k", "b_v")  # bias="qkv": no b_o
+        biases = tuple(name for name in named if shapes[name] is not None)  # MLA: b_o only
         for names in dict.fromkeys((*((name,) for name in biases if name != "b_k"), biases)):
             which = "all biases" if len(names) > 1 else names[0]
             yield Hypothesis(

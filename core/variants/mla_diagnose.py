@@ -48,6 +48,13 @@ def _mscales(cfg: Config) -> tuple[float, float] | None:
     return yarn_mscale(factor, scaling.get("mscale") or 0.0), yarn_mscale(factor, scaling["mscale_all_dim"])
 
 
+def _squares(cfg: Config) -> tuple[float, float]:
+    """(m(f, mscale)^2, m(f, mscale_all_dim)^2) of a configuration whose scale carries them (the causes' `when`)."""
+    m = _mscales(cfg)
+    assert m is not None, "only asked where YaRN's mscale_all_dim is set"
+    return m[0] ** 2, m[1] ** 2
+
+
 def _scaled_by_yarn(cfg: Config) -> bool:
     """The spec's scale is MLA's own (not one given) and carries m(f, mscale_all_dim)^2 != 1."""
     m = _mscales(cfg)
@@ -64,7 +71,7 @@ def _scale_read(cfg: Config, mistake) -> float:
     if mistake == "mscale_missing":
         return 1.0 / math.sqrt(cfg.d_k)
     if mistake == "mscale_for_all_dim":
-        return _mscales(cfg)[0] ** 2 / math.sqrt(cfg.d_k)
+        return _squares(cfg)[0] / math.sqrt(cfg.d_k)
     return cfg.scale
 
 
@@ -155,7 +162,7 @@ CAUSES = (
     DiagnoseCause(
         CODE,
         "mscale_missing",
-        lambda cfg: f"YaRN's m(f, mscale_all_dim)^2 = {_mscales(cfg)[1] ** 2:.4g} missing from the softmax scale",
+        lambda cfg: f"YaRN's m(f, mscale_all_dim)^2 = {_squares(cfg)[1]:.4g} missing from the softmax scale",
         _SCALE_FIX,
         when=_scaled_by_yarn,
     ),
@@ -163,8 +170,8 @@ CAUSES = (
         CODE,
         "mscale_for_all_dim",
         lambda cfg: (
-            f"m(f, mscale)^2 = {_mscales(cfg)[0] ** 2:.4g} on the softmax scale where m(f, mscale_all_dim)^2 = "
-            f"{_mscales(cfg)[1] ** 2:.4g} belongs"
+            f"m(f, mscale)^2 = {_squares(cfg)[0]:.4g} on the softmax scale where m(f, mscale_all_dim)^2 = "
+            f"{_squares(cfg)[1]:.4g} belongs"
         ),
         _SCALE_FIX,
         when=_mscales_differ,
@@ -252,7 +259,7 @@ SETTINGS = (
         dict(DEEPSEEK_V2_LITE_LIKE, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=8),
     ),
 )
-DIAGNOSE = DiagnoseSpec(
+DIAGNOSE: DiagnoseSpec = DiagnoseSpec(
     rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
     causes=CAUSES,
     mistakes=MISTAKES,

@@ -29,6 +29,12 @@ def diagnosed_variants(entries=None) -> list[Variant]:
     return sorted((e for e in entries if e.diagnose is not None), key=lambda e: e.diagnose.rank)
 
 
+def unseen_variants(cfg: MHAConfig, q_tokens: int) -> list[str]:
+    """Notes on ``cfg``'s variants whose mistakes probes of ``q_tokens`` queries cannot show (`DiagnoseSpec.unseen`)."""
+    unseen = (entry.diagnose.unseen for entry in diagnosed_variants(variants_on(cfg)))
+    return [note for note in (why(cfg, q_tokens) for why in unseen if why is not None) if note]
+
+
 CAUSE_CODES = (
     "weight_transposed",
     "qkv_swapped",
@@ -44,7 +50,7 @@ CAUSE_CODES = (
     "rope_convention",
     # The variants' mistakes (their entries' `DiagnoseCause`s): each is a hypothesis only when the configuration
     # has the variant.
-    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes),
+    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes if not cause.decode),
 )
 # The decode mistakes (`diagnose.decode.diagnose_decode`): how a KV cache is kept, apart from the forward's.
 DECODE_CAUSE_CODES = (
@@ -53,6 +59,8 @@ DECODE_CAUSE_CODES = (
     "decode_empty_slots_attended",
     "decode_ring_off_by_one",
     "decode_rotated_twice",
+    # The variants' decode mistakes (their entries' `DiagnoseCause`s with ``decode``: Llama 4's temperature positions).
+    *dict.fromkeys(cause.code for entry in diagnosed_variants() for cause in entry.diagnose_causes if cause.decode),
 )
 
 
@@ -76,8 +84,16 @@ def hypotheses(cfg: MHAConfig) -> list[Hypothesis]:
     return list(_each_hypothesis(cfg))
 
 
+def latent_form(cfg: MHAConfig) -> bool:
+    """A form whose w_q, w_k, w_v read latents, not the tokens (MLA, `Variant.base_shapes`): the candidate builds its
+    heads from them, so the q/k/v swaps, packings, head splits and q/k/v biases of the tokens' projections do not
+    exist there."""
+    return any(entry.base_shapes is not None for entry in variants_on(cfg))
+
+
 def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
     shapes = expected_param_shapes(cfg)
+    latent = latent_form(cfg)
     for name in ("w_q", "w_k", "w_v", "w_o"):
         rows, cols = shapes[name]
         if rows == cols:
@@ -92,7 +108,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             )
     widths = {"q": (cfg.q_width, cfg.d_model), "k": (cfg.k_width, cfg.kdim), "v": (cfg.v_width, cfg.vdim)}
     for a, b in combinations("qkv", 2):
-        if widths[a] == widths[b]:
+        if widths[a] == widths[b] and not latent:
             yield Hypothesis(
                 "qkv_swapped",
                 f"{a} and {b}",
@@ -101,7 +117,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
                 f"load each into its own layer, or feed {REPAIRS}.swap_projections(params, {a!r}, {b!r})",
                 lambda cfg, p, m, a=a, b=b: (repairs.swap_projections(p, a, b), m),
             )
-    if packing_applies(cfg):
+    if packing_applies(cfg) and not latent:
         for written, read in (("blocks", "interleaved"), ("interleaved", "blocks")):
             yield Hypothesis(
                 "qkv_packing",
@@ -113,8 +129,11 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             )
     s = cfg.scale
     # With QK-norm the scores are linear in the norm's weight, not in w_q (the norm undoes a scaled w_q).
-    normed = any(entry.diagnose.normalises_qk for entry in diagnosed_variants(variants_on(cfg)))
+    entries = diagnosed_variants(variants_on(cfg))
+    normed = any(entry.diagnose.normalises_qk for entry in entries)
     rescale = repairs.rescale_query_norm if normed else repairs.rescale_query
+    # A weightless norm after the projections (Llama 4's after rotary) undoes any rescaled parameter: no repair.
+    unrepairable = any(entry.diagnose.weightless_qk_norm for entry in entries)
     for detail, factor in (
         ("missing: scores not scaled", 1.0),
         ("applied twice", s * s),
@@ -127,8 +146,12 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
                 detail,
                 Bug(scale=factor),
                 f"scores must be multiplied by cfg.scale = {s:.6g} exactly once (the candidate uses {factor:.6g}): "
-                f"fix the scaling, or feed {REPAIRS}.{rescale.__name__}(params, {s / factor:.6g})",
-                lambda cfg, p, m, f=s / factor, rescale=rescale: (rescale(p, f), m),
+                + (
+                    "fix the scaling (the weightless QK-norm undoes any rescaled weight)"
+                    if unrepairable
+                    else f"fix the scaling, or feed {REPAIRS}.{rescale.__name__}(params, {s / factor:.6g})"
+                ),
+                None if unrepairable else lambda cfg, p, m, f=s / factor, rescale=rescale: (rescale(p, f), m),
             )
     yield Hypothesis(
         "softmax_axis",
@@ -163,7 +186,7 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
     for detail, knob in (
         ("(B, N, H*d) reshaped straight to (B, H, N, d)", "direct"),
         ("(B, N, H*d) reshaped straight to (B, H, N, d), merged back the same way", "direct_undone"),
-    ):
+    )[: 0 if latent else 2]:
         yield Hypothesis(
             "head_split",
             detail,
@@ -192,8 +215,9 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             None if fixed else lambda cfg, p, m: (repairs.regroup_query_heads(cfg, p), m),
         )
     if cfg.bias:
-        biases = ("b_q", "b_k", "b_v", "b_o") if cfg.output_bias else ("b_q", "b_k", "b_v")  # bias="qkv": no b_o
-        for names in (*((name,) for name in biases if name != "b_k"), biases):
+        named = ("b_q", "b_k", "b_v", "b_o") if cfg.output_bias else ("b_q", "b_k", "b_v")  # bias="qkv": no b_o
+        biases = tuple(name for name in named if shapes[name] is not None)  # MLA: b_o only
+        for names in dict.fromkeys((*((name,) for name in biases if name != "b_k"), biases)):
             which = "all biases" if len(names) > 1 else names[0]
             yield Hypothesis(
                 "bias",
@@ -220,13 +244,15 @@ def _each_hypothesis(cfg: MHAConfig) -> Iterator[Hypothesis]:
             + (
                 " (attention_k_eq_v ties w_v to w_k, so no permutation of the key rows converts the weights)"
                 if cfg.attention_k_eq_v
+                else " (MLA's rotary features come from w_q and w_kv_a: no converter permutes them here)"
+                if latent
                 else f", or feed mha_rosetta.core.{converter.__name__}(cfg, params)[1]"
                 if not normed
                 else f", or feed {REPAIRS}.convert_rotary_pairing(cfg, params, mha_rosetta.core.{converter.__name__}) "
                 "(the QK-norm weights permuted too)"
             ),
             None
-            if cfg.attention_k_eq_v
+            if cfg.attention_k_eq_v or latent
             else lambda cfg, p, m, convert=converter: (repairs.convert_rotary_pairing(cfg, p, convert), m),
         )
         yield Hypothesis(
@@ -242,7 +268,7 @@ def _variant_hypotheses(cfg: MHAConfig) -> Iterator[Hypothesis]:
     """The variants' mistakes (each entry's `DiagnoseCause`s, simulated by its steps), only those ``cfg`` has."""
     for entry in diagnosed_variants(variants_on(cfg)):
         for cause in entry.diagnose_causes:
-            if cause.applies(cfg):
+            if cause.applies(cfg) and not cause.decode:  # a decode mistake is `diagnose.decode`'s hypothesis
                 detail, fix = cause.words(cfg)
                 bug = Bug(mistakes=((entry.name, cause.mistake),))
                 yield Hypothesis(cause.code, detail, bug, fix, cause.repair, cause.needs_mask)

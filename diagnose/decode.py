@@ -38,6 +38,9 @@ The mistakes (`DECODE_CAUSE_CODES`), and how the simulation makes each one:
 - ``decode_ring_off_by_one``: the ring buffer keeps one slot too many or too few, so a decode step sees the
   last W + 1 or W - 1 keys (transformers #29623, #37574); the prefill, a plain forward, is right.
 - ``decode_rotated_twice``: keys cached after rotary and rotated again by their positions on every read.
+- the variants' decode mistakes, their registry entries' causes with ``decode`` (`DiagnoseCause`), made in their
+  steps (`DecodeBug.mistakes`): ``decode_temperature_not_offset``, Llama 4's temperature factors computed from
+  ``arange(s)`` on each call instead of the tokens' positions (the cache offset left out).
 
 The simulated loop writes each chunk's keys into the cache, then reads the cache (the prefill too), as
 Hugging Face's ``cache.update`` does: so a mistake of the read path shows on the prefill as well.
@@ -52,9 +55,10 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, check_dtype_name, init_params, lower_precision, numpy_dtype
 from mha_rosetta.core.decode import prepare_decode_inputs, ring_capacity
+from mha_rosetta.core.variants import variants_on
 
 from .calling import DiagnoseError, _as_output, _call
-from .causes import DECODE_CAUSE_CODES
+from .causes import DECODE_CAUSE_CODES, diagnosed_variants, unseen_variants
 from .decode_simulation import DecodeBug, simulate_decode
 from .diagnosis import _evidence, _explaining_pair, _Fit
 
@@ -139,7 +143,21 @@ def decode_hypotheses(cfg: MHAConfig) -> list[DecodeHypothesis]:
             "as they are, or cache them unrotated and rotate on read, never both",
         ),
     ]
+    every += _variant_decode_hypotheses(cfg)
     return [h for h in every if cfg.rope is not None or not h.bug.rotary]
+
+
+def _variant_decode_hypotheses(cfg: MHAConfig) -> list[DecodeHypothesis]:
+    """The variants' decode mistakes (their entries' `DiagnoseCause`s with ``decode``), those ``cfg`` has."""
+    found = []
+    for entry in diagnosed_variants(variants_on(cfg)):
+        for cause in entry.diagnose_causes:
+            if cause.decode and cause.applies(cfg):
+                detail, fix = cause.words(cfg)
+                found.append(
+                    DecodeHypothesis(cause.code, detail, DecodeBug(mistakes=((entry.name, cause.mistake),)), fix)
+                )
+    return found
 
 
 # -- the probes ---------------------------------------------------------------------------------
@@ -262,7 +280,7 @@ def diagnose_decode(
             "candidate must be callable as candidate(params, x, prefill, step, mask, positions) -> output "
             f"(B, N, d_model); got {type(candidate).__name__} {candidate!r:.80}"
         )
-    cfg = reference_config(cfg, like)
+    cfg = reference_config(cfg, like, decode=True)
     if not cfg.causal:
         raise ValueError("diagnose_decode needs a causal configuration (a decode loop is causal), got causal=False")
     dtype = check_dtype_name(dtype)
@@ -285,7 +303,7 @@ def diagnose_decode(
         out_dtypes.add(out_dtype)
         observed.append((probe, output))
     tol_dtype = lower_precision(*out_dtypes)
-    notes = []
+    notes = unseen_variants(cfg, max(probe.x.shape[1] for probe, _ in observed))
     if all(probe.step == 1 for probe, _ in observed):
         notes.append(
             "every probe steps one token at a time: top-left causality on steps of more than one query cannot be "

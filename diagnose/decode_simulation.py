@@ -14,7 +14,7 @@ from mha_rosetta.core.params import validate_params
 from mha_rosetta.core.rotary import frequencies
 from mha_rosetta.core.variants import score_bias
 
-from .simulate import Bug, _variant_steps, normed, transformed, weights_of
+from .simulate import Bug, _variant_steps, after_rotary, normed, transformed, weights_of
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class DecodeBug:
     empty_slots_attended: bool = False
     ring_off_by: int = 0  # +1: the ring keeps one slot more (a step sees W + 1 keys); -1: one less
     rotated_twice: bool = False
+    # The variants' decode mistakes: (variant, a `DiagnoseCause.mistake` of its entry with ``decode``), e.g.
+    # (("temperature", "not_offset"),).
+    mistakes: tuple[tuple[str, str], ...] = ()
 
     @property
     def rotary(self) -> bool:
@@ -35,6 +38,8 @@ class DecodeBug:
     def combine(self, other: DecodeBug) -> DecodeBug:
         """Both mistakes at once (switches of ``other`` that differ from the default win)."""
         changes = {k: v for k, v in other.__dict__.items() if v != getattr(DecodeBug(), k)}
+        if other.mistakes:
+            changes["mistakes"] = tuple({**dict(self.mistakes), **dict(other.mistakes)}.items())
         return replace(self, **changes)
 
 
@@ -79,6 +84,7 @@ def simulate_decode(
     ring = ring_capacity(step_cfg, inputs.step)  # the candidate's ring (None without a window)
     capacity = N if ring is None else ring  # a static cache's slots
     kv_of = [cfg.kv_head_of(h) for h in range(H)]
+    variant_bug = Bug(mistakes=bug.mistakes)  # the variants' steps, with their decode mistakes
 
     K = np.zeros((B, Hkv, 0, Dk))  # the cache, chronological: (B, Hkv, T, Dk)
     V = np.zeros((B, Hkv, 0, Dv))  # (B, Hkv, T, Dv)
@@ -90,17 +96,19 @@ def simulate_decode(
         xs = inputs.x[:, start:stop]  # (B, s, D) view
         pos = inputs.positions[:, start:stop]  # (B, s)
         q, k, v = linear(xs, p.w_q, p.b_q), linear(xs, p.w_k, p.b_k), linear(xs, p.w_v, p.b_v)
-        q, k = normed(cfg, p, q, k, "projection")  # the variants' steps (a projection QK-norm)
+        q, k = normed(cfg, p, q, k, "projection", variant_bug)  # the variants' steps (a projection QK-norm)
         q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
         k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
         v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
         k_raw = k_h  # before the head norm and rotary (k_eq_v's values)
-        q_h, k_h = normed(cfg, p, q_h, k_h, "heads")  # (a head QK-norm)
+        q_h, k_h = normed(cfg, p, q_h, k_h, "heads", variant_bug)  # (a head QK-norm)
         rot_pos = np.broadcast_to(np.arange(s), (B, s)) if bug.positions_not_offset else pos  # (B, s)
         q_h = _rotate(cfg, q_h, rot_pos, inv_freq, factor)
         k_h = _rotate(cfg, k_h, rot_pos, inv_freq, factor)
-        for step, mistake in _variant_steps(cfg, "values", Bug()):  # the cache holds the normed values (Gemma 4)
+        for step, mistake in _variant_steps(cfg, "values", variant_bug):  # the cache holds the normed values (Gemma 4)
             v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
+        # Llama 4's QK-norm after rotary and its temperature at the chunk's positions (the cache holds normed keys).
+        q_h, k_h = after_rotary(cfg, p, q_h, k_h, pos, variant_bug)
         # Write: append the chunk (copies), then a step's ring keeps its last slots.
         K, V = np.concatenate([K, k_h], axis=2), np.concatenate([V, v_h], axis=2)
         K_pos = np.concatenate([K_pos, pos], axis=1)
@@ -117,7 +125,8 @@ def simulate_decode(
                 allowed &= K_pos[:, None, None, :] > pos[:, None, :, None] - cfg.window
         else:
             allowed = decode_allowed(step_cfg if is_step else cfg, pos, K_pos, K_valid)  # (B, 1, s, T)
-        scores = transformed(cfg, cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2)))  # (B, H, s, T), the logit cap
+        scores = cfg.scale * (q_h @ keys[:, kv_of].swapaxes(-1, -2))  # (B, H, s, T)
+        scores = transformed(cfg, scores, variant_bug)  # the logit cap
         bias = score_bias(cfg, p.rel_bias, pos, K_pos)  # (B, H, s, T) or None: as the spec adds the biases
         if bias is not None:
             scores = scores + bias
@@ -127,12 +136,10 @@ def simulate_decode(
         if bug.empty_slots_attended and empty > 0:  # zero keys (score 0) and zero values, attended
             masked = np.concatenate([masked, np.zeros((B, H, s, empty))], axis=-1)  # (B, H, s, T + E)
             values = np.concatenate([values, np.zeros((B, H, empty, Dv))], axis=2)  # (B, H, T + E, Dv)
-        weights = weights_of(cfg, p, masked)  # (with a sink logit)
+        weights = weights_of(cfg, p, masked, variant_bug)  # (with a sink logit)
         context = weights @ values  # (B, H, s, Dv)
         merged = context.transpose(0, 2, 1, 3).reshape(B, s, H * Dv)  # (B, s, H, Dv) -> (B, s, H*Dv) copy
-        for step, mistake in _variant_steps(
-            cfg, "output", Bug()
-        ):  # the output gate (done right), on this chunk's tokens
+        for step, mistake in _variant_steps(cfg, "output", variant_bug):  # the output gate, on this chunk's tokens
             merged = step(cfg, p, xs, merged, mistake)
         outputs.append(linear(merged, p.w_o, p.b_o))  # (B, s, D)
         if ring is not None and not is_step:  # the prefill attended within itself: now keep the ring's slots

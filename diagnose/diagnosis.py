@@ -41,8 +41,8 @@ from mha_rosetta.core.config import require_config
 from mha_rosetta.core.variants import VARIANT_REGISTRY
 
 from .calling import DiagnoseError, _as_output, _call
-from .causes import Hypothesis, hypotheses
-from .probes import Probe, make_probes
+from .causes import Hypothesis, hypotheses, latent_form, unseen_variants
+from .probes import Q_TOKENS, Probe, make_probes
 from .simulate import Bug, allowed_under, simulate, unsimulated_reason
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -202,7 +202,7 @@ def diagnose(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     np_dtype = numpy_dtype(dtype)
     out_dtypes = {dtype}
-    notes: list[str] = []
+    notes: list[str] = unseen_variants(cfg, Q_TOKENS)
 
     def run(probe: Probe, params: MHAParams | None = None, mask="probe") -> np.ndarray:
         params = probe.params if params is None else params
@@ -269,26 +269,28 @@ def diagnose(
     return Diagnosis(False, max_error, causes, [], notes, errors, tol_dtype)
 
 
-def reference_config(cfg: MHAConfig | None, like=None) -> MHAConfig:
-    """The configuration to diagnose against: ``cfg``, or the one `models.from_module` reads from ``like``."""
+def reference_config(cfg: MHAConfig | None, like=None, decode: bool = False) -> MHAConfig:
+    """The configuration to diagnose against: ``cfg``, or the one `models.from_module` reads from ``like``
+    (``decode``: for `diagnose_decode`, whose simulated loop has no latent cache)."""
     if like is None:
         if cfg is None:
             raise TypeError("diagnose needs the reference configuration: cfg=MHAConfig(...) or like=<attention module>")
-        return _simulated(require_config(cfg))
+        return _simulated(require_config(cfg), decode)
     if cfg is not None:
         raise TypeError("give cfg or like, not both: like=<module> is the reference configuration (from_module)")
     from mha_rosetta.models import from_module
 
-    return _simulated(from_module(like).cfg)
+    return _simulated(from_module(like).cfg, decode)
 
 
-def _simulated(cfg: MHAConfig) -> MHAConfig:
+def _simulated(cfg: MHAConfig, decode: bool = False) -> MHAConfig:
     """``cfg`` when diagnose's probes and simulator reproduce it; a DiagnoseError naming the form otherwise."""
     reshaping = [name for name in cfg.variants if VARIANT_REGISTRY[name].base_shapes is not None]
-    if reshaping:  # MLA: the probes and the simulator read w_q, w_k, w_v as projections of the tokens
+    if reshaping and decode:  # MLA: the forward simulator expands its latent; the decode loop caches k and v
         raise DiagnoseError(
-            f"diagnose cannot probe {', '.join(reshaping)} yet: its w_q, w_k, w_v read latents, not the tokens, and "
-            "the simulator has no latent path (issue 45); compare against core.reference_mha instead"
+            f"diagnose_decode cannot probe {', '.join(reshaping)} yet: its simulated decode loop caches per-head keys "
+            "and values, not the latent (diagnose its forward with diagnose; compare a decode loop against "
+            "core.mla_forms.mla_decode)"
         )
     reason = unsimulated_reason(cfg)
     if reason:
@@ -379,9 +381,10 @@ def _empty_row_difference(cfg: MHAConfig, obs: _Observed, dtype: str) -> list[st
     got = obs.output[~rows]
     if _distance(obs.output, expected, ~rows, dtype)[1] <= 1.0:
         return []
+    latent = latent_form(cfg)  # MLA's w_v reads its latent, not the values
     if np.isnan(got).all():
         what = "NaN"
-    elif _distance(obs.output, _uniform_output(cfg, p), ~rows, dtype)[1] <= 1.0:
+    elif not latent and _distance(obs.output, _uniform_output(cfg, p), ~rows, dtype)[1] <= 1.0:
         what = "the average of all values (the mask is a large negative number, not -inf)"
     else:
         what = f"other values (max abs {_distance(obs.output, expected, ~rows, dtype)[0]:.3g} from the spec's)"

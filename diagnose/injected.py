@@ -22,7 +22,7 @@ from mha_rosetta.backends import injected_torch
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.variants import steps_at, variants_on
 
-from .causes import diagnosed_variants
+from .causes import diagnosed_variants, latent_form
 from .probes import Q_TOKENS
 from .simulate import packing_applies
 
@@ -56,20 +56,21 @@ BUGS: dict[str, tuple[str, str]] = {
 
 def bugs_for(cfg: MHAConfig) -> list[str]:
     """The bugs that can run (the shapes allow them) and change the output for ``cfg``."""
+    latent = latent_form(cfg)  # MLA: no projection of the tokens to swap, pack, split or bias (but w_o's)
     runs = {
-        "w_q transposed": cfg.q_width == cfg.d_model,
+        "w_q transposed": cfg.q_width == cfg.d_model and not latent,
         "w_o transposed": cfg.context_width == cfg.d_model,
-        "q/k swapped": cfg.q_width == cfg.k_width and cfg.kdim == cfg.d_model,
+        "q/k swapped": cfg.q_width == cfg.k_width and cfg.kdim == cfg.d_model and not latent,
         # with attention_k_eq_v w_v is w_k: swapping them changes nothing
-        "k/v swapped": cfg.k_width == cfg.v_width and cfg.kdim == cfg.vdim and not cfg.attention_k_eq_v,
-        "packed blocks, read per head": packing_applies(cfg) and cfg.n_heads > 1,  # one head: same layout
+        "k/v swapped": cfg.k_width == cfg.v_width and cfg.kdim == cfg.vdim and not cfg.attention_k_eq_v and not latent,
+        "packed blocks, read per head": packing_applies(cfg) and cfg.n_heads > 1 and not latent,  # one head: same
         "scale twice": cfg.scale != 1.0,
         "scale missing": cfg.scale != 1.0,
         "causal hides diagonal": cfg.causal,
-        "direct reshape": cfg.n_heads > 1,
+        "direct reshape": cfg.n_heads > 1 and not latent,
         "merge (Dv, H)": cfg.n_heads > 1 and cfg.d_v > 1,
         "kv heads tiled": 1 < cfg.n_kv_heads < cfg.n_heads,
-        "b_q dropped": cfg.bias,
+        "b_q dropped": cfg.bias and not latent,
         "b_o dropped": cfg.output_bias,
         # With two rotated features the two pairings are the same pair.
         "rope pairs swapped": cfg.rope is not None and cfg.rope_dims > 2,
@@ -135,26 +136,37 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             return y if b is None else y + b
 
         B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
-        q = linear(query, w_q, b_q, bug == "w_q transposed")  # (B, Nq, H*Dk)
-        k = linear(key, w_k, b_k)  # (B, Nk, Hkv*Dk)
-        v = linear(value, w_v, b_v)  # (B, Nk, Hkv*Dv)
-        for step, mistake in _steps(cfg, "projection", mistakes):  # a projection QK-norm
-            q, k = step(cfg, params, q, k, mistake)
-        if bug == "direct reshape":
-            q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
+        style = _rope_style(cfg, bug)  # with the frequencies of rope scaling, or None: the plain ones
+        scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
+
+        def turn(x):  # (B, n, N, d): its first rope_dims features rotated as this candidate rotates
+            return x if style is None else _numpy_rotary(x, style, cfg, scaled)
+
+        latent = next(_steps(cfg, "latent", mistakes), None)
+        if latent is not None:  # MLA: the heads from its latents, in place of the projections, split and rotary
+            step, mistake = latent
+            q, k, v = step(cfg, params, query, key, turn, mistake)  # (B, H, N, d) each
+            k_raw = k
         else:
-            q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
-            k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
-            v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
-        k_raw = k  # before the head norm and rotary (k_eq_v's values)
-        for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
-            q, k = step(cfg, params, q, k, mistake)
-        style = _rope_style(cfg, bug)
-        if style is not None:  # with the frequencies of rope scaling, or None: the plain ones
-            scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
-            q, k = _numpy_rotary(q, style, cfg, scaled), _numpy_rotary(k, style, cfg, scaled)
+            q = linear(query, w_q, b_q, bug == "w_q transposed")  # (B, Nq, H*Dk)
+            k = linear(key, w_k, b_k)  # (B, Nk, Hkv*Dk)
+            v = linear(value, w_v, b_v)  # (B, Nk, Hkv*Dv)
+            for step, mistake in _steps(cfg, "projection", mistakes):  # a projection QK-norm
+                q, k = step(cfg, params, q, k, mistake)
+            if bug == "direct reshape":
+                q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
+            else:
+                q = q.reshape(B, Nq, H, Dk).transpose(0, 2, 1, 3)  # (B, H, Nq, Dk)
+                k = k.reshape(B, Nk, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dk)
+                v = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv)
+            k_raw = k  # before the head norm and rotary (k_eq_v's values)
+            for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
+                q, k = step(cfg, params, q, k, mistake)
+            q, k = turn(q), turn(k)
         for step, mistake in _steps(cfg, "values", mistakes):  # k_eq_v, the value norm (Gemma 4)
             v = step(cfg, params, v, k_raw, k, mistake)
+        for step, mistake in _steps(cfg, "rotated", mistakes):  # Llama 4's QK-norm after rotary, its temperature
+            q, k = step(cfg, params, q, k, mistake)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":
@@ -162,6 +174,8 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             else:
                 k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # (B, H, Nk, d)
         scale = cfg.scale
+        for step, mistake in _steps(cfg, "scale", mistakes):  # MLA's YaRN mscale
+            scale = step(cfg, mistake)
         if bug == "scale twice":
             q = q * scale
         scores = q @ k.transpose(0, 1, 3, 2)  # (B, H, Nq, Nk)

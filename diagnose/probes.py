@@ -16,7 +16,7 @@ cannot pass by luck), the inputs and the parameters.
   while a softmax over the wrong axis still does.
 - ``one head``: w_o reads only the last head (the H=1 probe): where each head's context
   lands in the merged vector.
-- ``cross``: key and value of 7 tokens (and kdim, vdim widths) for 5 queries; optional: a
+- ``cross``: key and value of 7 tokens (and kdim, vdim widths; MLA: value = key, one latent) for 5 queries; optional: a
   self-attention module may refuse it (raise) or ignore key and value (the same output for
   other key and value), and then the probe is left out with a note.
 - ``empty row``: one query row may attend to nothing; never used to rank causes, only to
@@ -86,7 +86,8 @@ def make_probes(cfg: MHAConfig, seed: int = 0) -> list[Probe]:
         self_probe("mask", tokens(Q_TOKENS, cfg.d_model), mask=_mask(rng, Q_TOKENS, Q_TOKENS)),
         self_probe("all-True mask", tokens(Q_TOKENS, cfg.d_model), mask=np.ones((BATCH, 1, Q_TOKENS, Q_TOKENS), bool)),
     ]
-    if cfg.kdim == cfg.d_model:
+    latent = any(entry.base_shapes is not None for entry in variants_on(cfg))  # MLA: w_k reads the latent
+    if cfg.kdim == cfg.d_model and not latent:
         group = cfg.n_heads // cfg.n_kv_heads
         rows = np.concatenate(
             [np.arange(g * group * cfg.d_k, (g * group + 1) * cfg.d_k) for g in range(cfg.n_kv_heads)]
@@ -101,6 +102,7 @@ def make_probes(cfg: MHAConfig, seed: int = 0) -> list[Probe]:
     probes.append(self_probe("one head", x, params=replace(params, w_o=w_o)))
     cross_mask = _mask(rng, Q_TOKENS, KV_TOKENS)
     query, key, value = tokens(Q_TOKENS, cfg.d_model), tokens(KV_TOKENS, cfg.kdim), tokens(KV_TOKENS, cfg.vdim)
+    value = key if latent else value  # MLA's keys and values are one latent of the same tokens
     probes.append(Probe("cross", params, query, key, value, cross_mask, optional=True))
     empty = np.ones((BATCH, 1, Q_TOKENS, Q_TOKENS), bool)
     empty[0, 0, 2] = False  # query row 2 of batch item 0 may attend to nothing

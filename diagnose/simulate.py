@@ -30,9 +30,10 @@ Every knob says what the candidate does instead of the spec:
   `SimulatedSteps`, with the mistakes its `DiagnoseCause`s name); the simulator runs the steps of
   the variants the configuration has, in registry order, at the places `SimulatedSteps` lists:
   the projection's QK-norm before the head split, the head QK-norm after it, the rotary
-  frequencies, the scores' transform (the logit cap) and biases (ALiBi, T5), the window in the mask,
-  what a candidate does after the mask (a logit cap moved there), the softmax (with a sink) and
-  what it adds to the context (a sink with a value). Positions are the defaults ``0 .. N-1`` of
+  frequencies, Llama 4's QK-norm and temperature after rotary, the scores' transform (the logit
+  cap) and biases (ALiBi, T5), the window in the mask, what a candidate does after the mask (a
+  logit cap moved there), the softmax (with a sink) and what it adds to the context (a sink with a
+  value). Positions are the defaults ``0 .. N-1`` of
   queries and keys (the probes pass none).
 """
 
@@ -53,6 +54,8 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.config import ROPE_STYLES
 from mha_rosetta.core.variants import steps_at, variants_on
+from mha_rosetta.core.variants.mla import mla_on
+from mha_rosetta.core.variants.mla_heads import head_stages
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,14 @@ def normed(cfg: MHAConfig, p: MHAParams, q, k, place: str, bug: Bug = Bug()):
     for step, mistake in _variant_steps(cfg, place, bug):
         q, k = step(cfg, p, q, k, mistake)
     return q, k
+
+
+def after_rotary(cfg: MHAConfig, p: MHAParams, q_h, k_h, positions, bug: Bug = Bug()):
+    """Rotated q (B, H, Nq, Dk) and k (B, Hkv, Nk, Dk) after the variants' steps there (Llama 4's QK-norm after
+    rotary, then its temperature), the queries at ``positions`` (1|B, Nq)."""
+    for step, mistake in _variant_steps(cfg, "rotated", bug):
+        q_h, k_h = step(cfg, p, q_h, k_h, positions, mistake)
+    return q_h, k_h
 
 
 def transformed(cfg: MHAConfig, scores, bug: Bug = Bug()):
@@ -156,6 +167,10 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
     p = params_as_used(cfg, params, bug)
     B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
+    if mla_on(cfg):  # MLA: the rotated heads and the values expanded from the latent of the key tokens
+        q_h, k_h, v_h = latent_heads(cfg, p, query, key, bug, seq_len)
+        return attend(cfg, p, query, q_h, k_h, v_h, k_h, mask, bug)
 
     q = linear(query, p.w_q, p.b_q)  # (B, Nq, H*Dk)
     k = linear(key, p.w_k, p.b_k)  # (B, Nk, Hkv*Dk)
@@ -171,13 +186,35 @@ def simulate(cfg: MHAConfig, params: MHAParams, query, key, value, mask, bug: Bu
         v_h = v.reshape(B, Nk, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, Nk, Dv) view
     k_raw = k_h  # the split keys before the head norm and rotary (k_eq_v's values)
     q_h, k_h = normed(cfg, p, q_h, k_h, "heads", bug)  # a head QK-norm: after the split
-    seq_len = max(Nq, Nk)  # one length for queries and keys (dynamic rope scaling reads it)
     q_h, k_h = rotate(cfg, q_h, bug, seq_len), rotate(cfg, k_h, bug, seq_len)
+    return attend(cfg, p, query, q_h, k_h, v_h, k_raw, mask, bug)
+
+
+def latent_heads(cfg: MHAConfig, p: MHAParams, query, key, bug: Bug, seq_len: int):
+    """MLA's rotated q (B, H, Nq, Dk), k (B, H, Nk, Dk) and values (B, H, Nk, Dv), as the spec expands them from the
+    latent of ``key`` (`core.variants.mla_heads`; its one input), turned by `rotate` in ``bug``'s pairing."""
+
+    def turn(x, side):  # (B, [H,] N, d_rope) at positions 0..N-1
+        return rotate(cfg, x, bug, seq_len) if x.ndim == 4 else rotate(cfg, x[:, None], bug, seq_len)[:, 0]
+
+    stages = head_stages(cfg, p.as_dict(), query, key, key, turn)
+    return stages["q_rotated"], stages["k_rotated"], stages["v_heads"]
+
+
+def attend(cfg: MHAConfig, p: MHAParams, query, q_h, k_h, v_h, k_raw, mask, bug: Bug) -> np.ndarray:
+    """The rest of `simulate` from the rotated heads: the variants' values and steps after rotary, the scores, masks,
+    softmax, context, merge and output projection (``k_raw``: the keys before any norm or rotation)."""
+    B, H, Nq, _ = q_h.shape
+    Hkv, Nk, Dv = k_h.shape[1], k_h.shape[2], v_h.shape[-1]
     for step, mistake in _variant_steps(cfg, "values", bug):  # k_eq_v, the value norm (Gemma 4)
         v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
+    q_h, k_h = after_rotary(cfg, p, q_h, k_h, _positions(Nq, Nk)[0], bug)  # Llama 4's QK-norm, its temperature
     group = H // Hkv
     kv_of = [h % Hkv if bug.gqa_tiled else h // group for h in range(H)]
-    scale = cfg.scale if bug.scale is None else bug.scale
+    scale = cfg.scale
+    for step, mistake in _variant_steps(cfg, "scale", bug):  # MLA's YaRN mscale
+        scale = step(cfg, mistake)
+    scale = scale if bug.scale is None else bug.scale
     scores = scale * (q_h @ k_h[:, kv_of].swapaxes(-1, -2))  # (B, H, Nq, Nk)
     scores = transformed(cfg, scores, bug)  # the logit cap
     for step, mistake in _variant_steps(cfg, "bias", bug):  # ALiBi, T5's bias
@@ -252,8 +289,8 @@ def _positions(q_tokens: int, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
 
 def unsimulated_reason(cfg: MHAConfig) -> str | None:
     """Why diagnose cannot judge ``cfg`` (None: it can): a variant on in it that adds stages of its own and has no
-    `DiagnoseSpec` (Llama 4's temperature and QK-norm after rotary, today) has no step in `simulate`, diagnose's
-    oracle and hypotheses, so a correct candidate would look wrong."""
+    `DiagnoseSpec` (one registered from outside without one) has no step in `simulate`, diagnose's oracle and
+    hypotheses, so a correct candidate would look wrong."""
     lacking = [entry.name for entry in variants_on(cfg) if entry.diagnose is None and entry.stages]
     if not lacking:
         return None

@@ -52,8 +52,17 @@ def test_every_injected_bug_is_named_first_by_its_own_code():
 
 @requires("torch")
 def test_torch_candidates_are_in_the_table():
+    """Every setting runs in torch too, but those with a variant the torch candidate does not spell yet (refused by
+    name: `backends.injected_torch.unspelled`), which run in NumPy only."""
+    from mha_rosetta.backends.injected_torch import unspelled
+
     assert {o.framework for o in outcomes()} == {"numpy", "torch"}
-    assert sum(o.framework == "torch" for o in outcomes()) == sum(o.framework == "numpy" for o in outcomes())
+    spelled = {name for name, cfg in SETTINGS.items() if not unspelled(cfg)}
+    assert {"plain", "rotary-gqa", "llama4-chunked", "qwen3-next-gate", "gemma4-global"} <= spelled
+    torch_runs = sorted((o.setting, o.bug) for o in outcomes() if o.framework == "torch")
+    assert torch_runs == sorted(
+        (o.setting, o.bug) for o in outcomes() if o.framework == "numpy" and o.setting in spelled
+    )
 
 
 def test_the_docs_confusion_table_is_the_generated_one():
@@ -148,7 +157,11 @@ def test_every_repair_undoes_its_bug(setting):
     """Simulated bug + its repair fed in = the oracle, on every probe: the repairs are exact."""
     cfg = SETTINGS[setting]
     repaired = [h for h in hypotheses(cfg) if h.repair is not None]
-    assert {h.code for h in repaired} >= {"weight_transposed", "scale", "mask_polarity", "head_merge_order"}
+    # A weightless QK-norm after the projections (Llama 4's) undoes any rescaled weight: the scale has no repair.
+    scale = set() if cfg.qk_norm_after_rope else {"scale"}
+    # MLA's weights read latents: none of its settings' is square, so none can be used transposed.
+    square = set() if cfg.kv_lora_rank else {"weight_transposed"}
+    assert {h.code for h in repaired} >= {"mask_polarity", "head_merge_order", *scale, *square}
     for probe in make_probes(cfg):
         expected = reference_mha(cfg, probe.params, probe.query, probe.key, probe.value, probe.mask)
         for h in repaired:

@@ -18,10 +18,9 @@ import pytest
 
 from conftest import installed_backend, requires, run_cli
 from mha_rosetta.backends import missing_backends
-from mha_rosetta.backends.injected_torch import torch_alibi_slopes
+from mha_rosetta.backends.injected_torch import torch_alibi_slopes, unspelled
 from mha_rosetta.checks.cases import SPEC_CASES
 from mha_rosetta.core import MHAConfig, init_params, reference_mha
-from mha_rosetta.core.variants import VARIANT_REGISTRY
 from mha_rosetta.core.variants.alibi import numpy_alibi_slopes
 from mha_rosetta.diagnose import Bug, diagnose, hypotheses, repairs, simulate
 from mha_rosetta.diagnose.calling import DiagnoseError
@@ -45,12 +44,22 @@ DETAILS = {
     "rope scaling linear": "linear (every frequency / ",
     "rope scaling ignored": "ignored: the plain frequencies where the spec has ",
     "t5 buckets reversed": "buckets of p_i - p_j (query minus key): ",
-    "chunk boundary off by one": "chunk boundaries one position late: (p + 1) // 3",
-    "chunk forgotten": "no chunk mask: every earlier key visible where chunks of 3 cut",
+    "chunk boundary off by one": "chunk boundaries one position late: (p + 1) // ",  # C: 3 or 4 (llama4-rope)
+    "chunk forgotten": "no chunk mask: every earlier key visible where chunks of ",
     "gate forgotten": "the output gate forgotten: the merged context goes to w_o without the sigmoid",
     "k_eq_v after the key path": "V taken after the key path: value_states = the normed, rotated keys",
     "value norm forgotten": "the value norm forgotten: each kv head's values reach the weighted sum without",
     "value norm with K's weight": "V normed with K's weight: the values' RMS norm multiplied by k_norm's weight",
+    "temperature forgotten": "the temperature forgotten: no query multiplied by 1 + 0.5 * log1p(floor((p + 1) / 3))",
+    "temperature floor off by one": "the temperature's floor one position early: floor(p / 3) where Llama 4 has "
+    "floor((p + 1) / 3)",
+    "qk-norm after rope across heads": "the QK-norm across the heads: each token's whole projection (H*d_k features)",
+    "qk-norm after rope forgotten": "the QK-norm after rotary forgotten: q and k unnormed",
+    "mla mscale missing": "YaRN's m(f, mscale_all_dim)^2 = 1.265 missing from the softmax scale",
+    "mla mscale for mscale_all_dim": "m(f, mscale)^2 = 1.234 on the softmax scale where m(f, mscale_all_dim)^2 = 1.265",
+    "mla keys de-interleaved": "the rotary interleave permutation: the keys' rotary features in V3's de-interleaved",
+    "mla value head from the key": "the value head size taken from the key's: head h's values read from column h * 6",
+    "mla W_UK transposed": "W_UK transposed in the absorbed form: q_nope_h @ W_UK_h^T where q_nope_h @ W_UK_h",
 }
 # The rule that makes each variant's cause a hypothesis.
 HAS_VARIANT = {
@@ -65,6 +74,9 @@ HAS_VARIANT = {
     "gate": lambda cfg: cfg.attn_output_gate,
     "k_eq_v": lambda cfg: cfg.attention_k_eq_v,
     "value_norm": lambda cfg: cfg.value_norm,
+    "temperature": lambda cfg: cfg.attn_temperature_tuning,
+    "qk_norm_after_rope": lambda cfg: cfg.qk_norm_after_rope,
+    "mla": lambda cfg: cfg.kv_lora_rank is not None,
 }
 VARIANT_CASES = [name for name, case in SPEC_CASES.items() if case.cfg.variants]
 
@@ -184,16 +196,12 @@ def test_correct_candidates_agree_on_every_variant_case(case):
     def oracle(params, query, key, value, mask):
         return reference_mha(cfg, params, query, key, value, mask)
 
-    if any(VARIANT_REGISTRY[name].base_shapes is not None for name in cfg.variants):  # MLA: refused by name
-        with pytest.raises(ValueError, match="diagnose cannot probe mla"):
-            diagnose(oracle, cfg)
-        return
-    if unsimulated_reason(cfg):  # Llama 4's steps after rotary: no simulator step yet, refused by name
+    if unsimulated_reason(cfg):  # a form with stages and no DiagnoseSpec: no simulator step, refused by name
         with pytest.raises(DiagnoseError, match="does not reproduce the spec"):
             diagnose(oracle, cfg)
         return
     candidates = {"oracle": oracle, "numpy": numpy_candidate(cfg)}
-    if missing_backends().get("torch") is None:
+    if missing_backends().get("torch") is None and not unspelled(cfg):  # a new entry's: in NumPy first
         candidates["torch"] = torch_candidate(cfg)
     for name, candidate in candidates.items():
         result = diagnose(candidate, cfg)
@@ -206,8 +214,8 @@ def test_backends_that_declare_a_variant_are_diagnosed_agrees(name):
     ran, reasons = [], []
     for case in VARIANT_CASES:
         cfg = SPEC_CASES[case].cfg
-        # A form the backend runs but diagnose's simulator has no step for (Llama 4's steps after rotary): refused
-        # by diagnose by name (test_correct_candidates_agree_on_every_variant_case), not a backend's disagreement.
+        # A form the backend runs but diagnose's simulator has no step for (one with stages and no DiagnoseSpec):
+        # refused by diagnose by name (test_correct_candidates_agree_on_every_variant_case), not a disagreement.
         reason = backend.unsupported_reason(cfg, "float64", "cpu", "standard") or unsimulated_reason(cfg)
         if reason is not None:
             reasons.append(f"{case}: {reason}")

@@ -175,20 +175,19 @@ def test_our_adapters_apply_the_forms_and_a_kernel_oracle_refuses_them_by_name(v
     [dict(NOPE, attn_temperature_tuning=True, floor_scale=2), dict(ROPE, qk_norm_after_rope=True)],
     ids=["temperature", "qk_norm_after_rope"],
 )
-def test_diagnose_refuses_what_its_simulator_cannot_reproduce(fields):
-    """diagnose's oracle is its simulator, which has no step for these forms yet: a correct candidate would look
-    wrong, so it refuses the configuration, naming it (the forward and decode diagnoses alike)."""
-    from mha_rosetta.diagnose import diagnose
-    from mha_rosetta.diagnose.calling import DiagnoseError
+def test_diagnose_agrees_with_the_forms_done_right(fields):
+    """diagnose's simulator has their steps (their entries' DiagnoseSpec): the oracle's forward and decode loop are
+    diagnosed "agrees" (their mistakes named: tests/test_diagnose_forms.py)."""
+    from mha_rosetta.core.decode import reference_decode
+    from mha_rosetta.diagnose import diagnose, diagnose_decode
 
     cfg = MHAConfig(**fields)
 
     def candidate(params, query, key, value, mask):
         return reference_mha(cfg, params, query, key, value, mask)
 
-    with pytest.raises(
-        DiagnoseError, match=f"does not reproduce the spec .*\\(variants: {cfg.variants[-1]} have no step"
-    ):
-        diagnose(candidate, cfg)
-    plain = MHAConfig(**NOPE)
-    assert diagnose(lambda p, q, k, v, m: reference_mha(plain, p, q, k, v, m), plain).agrees
+    def loop(params, x, prefill, step, mask, positions):
+        return reference_decode(cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions)
+
+    forward, decode = diagnose(candidate, cfg), diagnose_decode(loop, cfg)
+    assert forward.agrees and decode.agrees, (forward.summary(), decode.summary())

@@ -176,8 +176,12 @@ def test_every_implementation_refuses_mla_by_name_outside_the_mla_strategies(nam
     assert reason is not None and "mla" in reason, reason
 
 
-def test_diagnose_refuses_mla_by_name_rather_than_probing_it_as_plain_attention():
-    from mha_rosetta.diagnose import diagnose
+def test_diagnose_probes_mla_through_its_latent_and_its_decode_loop_is_refused_by_name():
+    """diagnose's simulator expands MLA's latent (its mistakes: tests/test_diagnose_forms.py); the decode simulator
+    has no latent cache, so diagnose_decode refuses MLA by name rather than probing it as plain attention."""
+    from mha_rosetta.diagnose import diagnose, diagnose_decode
 
-    with pytest.raises(ValueError, match="diagnose cannot probe mla yet"):
-        diagnose(lambda params, q, k, v, mask: reference_mha(V3, params, q), V3)
+    result = diagnose(lambda params, q, k, v, mask: reference_mha(V3, params, q, mask=mask), V3)
+    assert result.agrees, result.summary()
+    with pytest.raises(ValueError, match="diagnose_decode cannot probe mla yet"):
+        diagnose_decode(lambda *args: None, V3)

@@ -43,6 +43,8 @@ class DiagnoseCause:
              compute the spec's answer (`diagnose` runs the candidate again with it), or None where only the code
              can change.
     needs_mask: the repair adds to the mask (`diagnose` gives it an all-True one where the probe has none).
+    decode:  a mistake of a decode loop (a hypothesis of `diagnose_decode`, its code one of `DECODE_CAUSE_CODES`),
+             not of the forward: the mistake only a cache offset shows (the temperature's positions).
     """
 
     code: str
@@ -52,6 +54,7 @@ class DiagnoseCause:
     when: Callable[[Config], bool] | None = None
     repair: Callable | None = None
     needs_mask: bool = False
+    decode: bool = False
 
     def applies(self, cfg: Config) -> bool:
         return self.when is None or self.when(cfg)
@@ -91,10 +94,13 @@ class SimulatedSteps:
 
     projection(cfg, p, q, k, mistake) -> (q, k): (B, Nq, H*Dk) and (B, Nk, Hkv*Dk), before the head split.
     heads(cfg, p, q_h, k_h, mistake) -> (q_h, k_h): (B, H, Nq, Dk) and (B, Hkv, Nk, Dk), after it.
+    rotated(cfg, p, q_h, k_h, positions, mistake) -> (q_h, k_h) after rotary (Llama 4's QK-norm after rotary, its
+        temperature): ``positions`` (1|B, Nq) the queries' (a decode step's include the cache offset).
     values(cfg, p, v_h, k_raw, k_rotated, mistake) -> the values (B, Hkv, Nk, Dv) the weighted sum reads (and a
         cache holds): ``v_h`` the split values, ``k_raw`` the split keys before any norm or rotation, ``k_rotated``
         after both (Gemma 4's value norm and k_eq_v).
     frequencies(cfg, seq_len, mistake) -> (inv_freq (r/2,), the factor on cos and sin) of the rotary embedding.
+    scale(cfg, mistake) -> the softmax scale the candidate multiplies the scores by (MLA's YaRN mscale).
     transform(cfg, scores, mistake) -> the scaled (B, H, Nq, Nk) scores transformed elementwise.
     bias(cfg, p, positions, kv_positions, mistake) -> what it adds to the scores, (1|B, H, Nq, Nk) (positions
         (1|B, Nq) and (1|B, Nk)).
@@ -108,8 +114,10 @@ class SimulatedSteps:
 
     projection: Callable | None = None
     heads: Callable | None = None
+    rotated: Callable | None = None
     values: Callable | None = None
     frequencies: Callable | None = None
+    scale: Callable | None = None
     transform: Callable | None = None
     bias: Callable | None = None
     allowed: Callable | None = None
@@ -128,7 +136,12 @@ class PlantedSteps:
     `backends.injected_torch`'s. Each takes the mistake last: None (the variant done right) or a
     `PlantedMistake.mistake`; ``params`` is the canonical `MHAParams` (NumPy) the candidate was given:
 
-    projection(cfg, params, q, k, mistake) -> (q, k) before the head split; heads(...) the same after it.
+    latent(cfg, params, query, key, rotate, mistake) -> (q, k, v) heads, (B, H, N, d), for a form that builds its
+        heads from latents (MLA), in place of the projections, the split and rotary: ``rotate(x)`` turns
+        (B, n, N, r) at positions 0..N-1 as the candidate does (the identity where it forgets rotary).
+    projection(cfg, params, q, k, mistake) -> (q, k) before the head split; heads(...) the same after it;
+        rotated(...) the same after rotary (the queries at positions 0..Nq-1).
+    scale(cfg, mistake) -> the softmax scale the candidate multiplies the scores by.
     values(cfg, params, v, k_raw, k_rotated, mistake) -> the values the weighted sum reads (`SimulatedSteps.values`).
     frequencies(cfg, seq_len, mistake) -> (inv_freq, factor on cos and sin), NumPy, or None (the plain ones).
     transform(cfg, scores, mistake) -> the scaled scores transformed elementwise.
@@ -142,10 +155,13 @@ class PlantedSteps:
     output(cfg, params, query, merged, mistake) -> what w_o reads (the gate; the torch candidate's take tensors).
     """
 
+    latent: Callable | None = None
     projection: Callable | None = None
     heads: Callable | None = None
+    rotated: Callable | None = None
     values: Callable | None = None
     frequencies: Callable | None = None
+    scale: Callable | None = None
     transform: Callable | None = None
     bias: Callable | None = None
     mask: Callable | None = None
@@ -176,6 +192,10 @@ class DiagnoseSpec:
                ``order`` (a dict for `dataclasses.replace`; `diagnose.repairs.regroup_query_heads`), or None.
     head_slots: its per-head values belong to the head slot, not to a parameter (ALiBi's slopes): no reordering of
                the parameters moves them, so the gqa_grouping cause has no repair.
+    weightless_qk_norm: it normalises q and k with no weight after the projections (Llama 4's QK-norm after rotary):
+               nothing fed to the candidate rescales its scores, so the scale cause has no repair.
+    unseen:    ``unseen(cfg, q_tokens) -> str | None``: why probes of ``q_tokens`` queries cannot show its mistakes
+               in ``cfg`` (a note of the diagnosis: "agrees" then says nothing of the variant), or None.
     """
 
     rank: int
@@ -187,6 +207,8 @@ class DiagnoseSpec:
     normalises_qk: bool = False
     regroup_heads: Callable | None = None
     head_slots: bool = False
+    weightless_qk_norm: bool = False
+    unseen: Callable | None = None
 
 
 def steps_at(entries: Iterable, place: str, mistakes: Mapping[str, str], steps_of: Callable) -> Iterator:

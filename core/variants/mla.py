@@ -330,6 +330,10 @@ def explain_q_lora(demo) -> Explanation:
     )
 
 
+# What diagnose knows of MLA: its own module, which reads the helpers and cases above (so it is imported here).
+from ._diagnose import DiagnoseSpec  # noqa: E402
+from .mla_diagnose import DIAGNOSE  # noqa: E402
+
 ENTRY = Variant(
     name="mla",
     summary="multi-head latent attention: keys and values expanded per head from one cached latent and one shared "
@@ -358,6 +362,7 @@ ENTRY = Variant(
     # every other adapter and oracle refuses it by name (`Variant.implemented_by`). The float64 oracles
     # (core.reference, core.grad) and the NumPy forms of `core.mla_forms` compute it.
     implemented_by=MLA_ADAPTERS,
+    diagnose=DIAGNOSE,
 )
 Q_LORA_ENTRY = Variant(
     name="mla_q_lora",
@@ -372,4 +377,6 @@ Q_LORA_ENTRY = Variant(
     demo_off={Q_RANK: None},
     explain=explain_q_lora,
     implemented_by=MLA_ADAPTERS,
+    # diagnose's simulator builds the query latent with MLA's heads (`mla_heads.head_stages`); no mistake of its own.
+    diagnose=DiagnoseSpec(rank=75),
 )

@@ -5,6 +5,11 @@
 ``apply_rotary_emb``, on its rotary layers only (``use_qk_norm`` and ``no_rope_layers[i] == 1``). Qwen3 and
 OLMo 2 norm before rotary, with a weight (`qk_norm`). The stages are ``q_rotated_normed`` and
 ``k_rotated_normed``, after ``q_rotated``/``k_rotated``; the cache holds the normed, rotated keys.
+
+What diagnose names (`DIAGNOSE`): the norm taken across the heads (over each token's whole projection, as a
+tensor-parallel shard's did: vllm #16311) and the norm forgotten. The norm moved before rotary is no mistake an
+output can show: rotary turns each pair of features by an angle, which keeps each head's sum of squares (partial
+rotary too), so a weightless per-head norm gives the same numbers before or after it, up to rounding.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 
 import numpy as np
 
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers, switch_option
 from .qk_norm import rms_norm, rms_norm_vjp
 
@@ -54,6 +60,71 @@ def norm_after_rope(cfg: Config, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarr
 def norm_after_rope_vjp(cfg: Config, q, k, d_q, d_k) -> tuple[np.ndarray, np.ndarray]:
     """The cotangents of `norm_after_rope`'s inputs (RMSNorm's backward with weight 1; nothing learned)."""
     return rms_norm_vjp(q, 1.0, cfg.norm_eps, d_q)[0], rms_norm_vjp(k, 1.0, cfg.norm_eps, d_k)[0]
+
+
+# -- diagnose: the norm across the heads instead of per head (vllm #16311), or forgotten --------------------------
+def _across_heads(x: np.ndarray, eps: float) -> np.ndarray:
+    """(B, n, N, d) RMS-normed over each token's n*d features together, no weight (a new array)."""
+    return x / np.sqrt(np.mean(x * x, axis=(1, 3), keepdims=True) + eps)  # the mean over heads and features
+
+
+def _simulated(cfg: Config, p, q, k, positions, mistake):
+    """Diagnose's simulator: the spec's per-head norm, across the heads (``"across_heads"``) or none (``"dropped"``)."""
+    if mistake == "dropped":
+        return q, k
+    if mistake == "across_heads":
+        return _across_heads(q, cfg.norm_eps), _across_heads(k, cfg.norm_eps)
+    return norm_after_rope(cfg, q, k)
+
+
+def _planted(cfg: Config, params, q, k, mistake):
+    """The NumPy candidate's ``Llama4TextL2Norm`` (``x * rsqrt(mean(x**2, -1) + eps)``) on the rotated heads."""
+    if mistake == "dropped":
+        return q, k
+
+    def l2_norm(x):
+        if mistake != "across_heads":
+            return x * (1.0 / np.sqrt((x**2).mean(-1, keepdims=True) + cfg.norm_eps))
+        B, n, N, d = x.shape
+        flat = x.transpose(0, 2, 1, 3).reshape(B, N, n * d)  # (B, N, n*d) copy: a token's whole projection
+        flat = flat * (1.0 / np.sqrt((flat**2).mean(-1, keepdims=True) + cfg.norm_eps))
+        return flat.reshape(B, N, n, d).transpose(0, 2, 1, 3)  # (B, n, N, d) view
+
+    return l2_norm(q), l2_norm(k)
+
+
+_FIX = (
+    "normalise each head's d_k features on their own, after rotary and with no weight (Llama4TextL2Norm on "
+    "q.view(B, N, H, d) and k.view(B, N, Hkv, d); core.variants.norm_after_rope)"
+)
+DIAGNOSE = DiagnoseSpec(
+    rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
+    causes=(
+        DiagnoseCause(
+            AFTER_ROPE,
+            "across_heads",
+            "the QK-norm across the heads: each token's whole projection (H*d_k features) normed at once where "
+            "Llama 4 norms each head (vllm #16311)",
+            _FIX,
+            when=lambda cfg: cfg.n_heads > 1,
+        ),
+        DiagnoseCause(AFTER_ROPE, "dropped", "the QK-norm after rotary forgotten: q and k unnormed", _FIX),
+    ),
+    mistakes=(
+        PlantedMistake(
+            "qk-norm after rope across heads",
+            AFTER_ROPE,
+            "the weightless norm over q.view(B, N, H*d) (a shard's whole projection)",
+            "across_heads",
+            runs=lambda cfg, q_tokens: cfg.n_heads > 1,
+        ),
+        PlantedMistake("qk-norm after rope forgotten", AFTER_ROPE, "q and k scored unnormed", "dropped"),
+    ),
+    settings=(("llama4-rope", LLAMA4_ROPE_LIKE),),
+    simulated=SimulatedSteps(rotated=_simulated),
+    planted=PlantedSteps(rotated=_planted),
+    weightless_qk_norm=True,
+)
 
 
 def _explain_after_rope(demo) -> Explanation:
@@ -121,4 +192,5 @@ ENTRY = Variant(
     demo_on={AFTER_ROPE: True},
     demo_off={AFTER_ROPE: False},
     explain=_explain_after_rope,
+    diagnose=DIAGNOSE,
 )

@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from .._validate import require_bool, require_positive_number
+from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers, switch_option, value_option
 
 FIELD = "attn_temperature_tuning"
@@ -68,6 +69,105 @@ def _validate(cfg: Config) -> dict:
 # Llama 4's NoPE layer at a small size: GQA, causal, no rotary; floor_scale 3 so the factor steps inside the case.
 NOPE_LIKE = dict(d_model=24, n_heads=4, n_kv_heads=2, causal=True, bias=False, floor_scale=3, attn_scale=0.5)
 NOPE_LIKE[FIELD] = True
+
+
+# -- diagnose: the temperature forgotten, its floor off by one, its positions not offset by the cache (decode) ------
+def _positions_read(positions: np.ndarray, mistake) -> np.ndarray:
+    """The positions a candidate with ``mistake`` computes the factors of: ``"not_offset"``: ``0..Nq-1`` on every call
+    (a decode step's cache offset left out); ``"off_by_one"``: ``p - 1`` (``floor(p / f)`` for ``floor((p + 1) / f)``)."""
+    positions = np.asarray(positions)  # (1|B, Nq)
+    if mistake == "not_offset":
+        return np.broadcast_to(np.arange(positions.shape[-1]), positions.shape)
+    return positions - 1 if mistake == "off_by_one" else positions
+
+
+def _simulated(cfg: Config, p, q, k, positions, mistake):
+    """Diagnose's simulator: the spec's `temper` of the queries at the positions ``mistake`` reads; k untouched."""
+    return (q if mistake == "dropped" else temper(cfg, q, _positions_read(positions, mistake))), k
+
+
+def _planted(cfg: Config, params, q, k, mistake):
+    """The NumPy candidate's temperature, as ``Llama4TextAttention`` writes it (queries at positions 0..Nq-1)."""
+    if mistake == "dropped":
+        return q, k
+    cache_position = np.arange(q.shape[2])  # (Nq,)
+    numerator = cache_position if mistake == "off_by_one" else cache_position + 1
+    attn_scales = np.log1p(np.floor(numerator / cfg.floor_scale)) * cfg.attn_scale + 1  # (Nq,)
+    return q * attn_scales[:, None], k  # (B, H, Nq, Dk) * (Nq, 1)
+
+
+def _tempers(cfg: Config, q_tokens: int) -> bool:
+    """Some of positions 0..q_tokens-1 has a factor other than 1 (Llama 4's floor_scale 8192 needs 8191 tokens)."""
+    return bool(np.any(temperature_scales(np.arange(q_tokens), cfg.floor_scale, cfg.attn_scale) != 1.0))
+
+
+def _off_by_one_shows(cfg: Config, q_tokens: int) -> bool:
+    positions = np.arange(q_tokens)
+    scales = temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
+    return bool(np.any(temperature_scales(positions - 1, cfg.floor_scale, cfg.attn_scale) != scales))
+
+
+def _unseen(cfg: Config, q_tokens: int) -> str | None:
+    if not _tempers(cfg, q_tokens):
+        return (
+            f"the temperature is 1 at every probe position 0..{q_tokens - 1} (floor_scale {cfg.floor_scale:g}, "
+            f"attn_scale {cfg.attn_scale:g}): a mistake in it cannot show here; to test it, diagnose the candidate "
+            f"built with a floor_scale of at most {q_tokens} and attn_scale > 0"
+        )
+    return None
+
+
+_FIX = (
+    "multiply each query (after rotary and the QK-norm) by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)), "
+    "p its position with the cache offset (Llama4TextAttention on its NoPE layers; core.variants.temperature_scales)"
+)
+CAUSES = (
+    DiagnoseCause(
+        "temperature",
+        "dropped",
+        lambda cfg: (
+            f"the temperature forgotten: no query multiplied by 1 + {cfg.attn_scale:g} * "
+            f"log1p(floor((p + 1) / {cfg.floor_scale:g}))"
+        ),
+        _FIX,
+    ),
+    DiagnoseCause(
+        "temperature",
+        "off_by_one",
+        lambda cfg: (
+            f"the temperature's floor one position early: floor(p / {cfg.floor_scale:g}) where Llama 4 "
+            f"has floor((p + 1) / {cfg.floor_scale:g})"
+        ),
+        _FIX,
+    ),
+    DiagnoseCause(
+        "decode_temperature_not_offset",
+        "not_offset",
+        "the temperature's positions restart at 0 on each call: a step's factors from arange(step), not from the "
+        "tokens' positions",
+        "compute the factors from the positions with the cache offset (Llama4TextAttention: arange(N) + "
+        "past_key_values.get_seq_length(), or the positions passed in), not from arange(N) of the call",
+        decode=True,
+    ),
+)
+DIAGNOSE = DiagnoseSpec(
+    rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
+    causes=CAUSES,
+    mistakes=(
+        PlantedMistake("temperature forgotten", "temperature", "attn_scales never applied", "dropped", _tempers),
+        PlantedMistake(
+            "temperature floor off by one",
+            "temperature",
+            "log1p(floor(cache_position / floor_scale)): the + 1 left out",
+            "off_by_one",
+            _off_by_one_shows,
+        ),
+    ),
+    settings=(("llama4-nope", NOPE_LIKE),),
+    simulated=SimulatedSteps(rotated=_simulated),
+    planted=PlantedSteps(rotated=_planted),
+    unseen=_unseen,
+)
 
 
 def explain(demo) -> Explanation:
@@ -159,4 +259,5 @@ ENTRY = Variant(
     demo_on={FIELD: True, "floor_scale": 2.0, "attn_scale": 0.5},
     demo_off={FIELD: False},
     explain=explain,
+    diagnose=DIAGNOSE,
 )

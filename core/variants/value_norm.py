@@ -21,7 +21,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, StageSpec, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, StageSpec, Variant, numbers, switch_option
 from .qk_norm import rms_norm, rms_norm_vjp
 
 FIELD = "value_norm"
@@ -166,6 +166,9 @@ ENTRY = Variant(
     ),
     # Its cost against plain attention: one weightless RMS norm over the values (Hkv*Dv per token).
     bench=BenchSpec({FIELD: True}, "plain", preset="forms"),
+    cli=(
+        switch_option("--value-norm", {FIELD: True}, "Gemma 4's weightless RMS norm of each kv head's values", rank=33),
+    ),
     demo_on={FIELD: True},
     demo_off={FIELD: False},
     explain=explain,

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import requires
+from mha_rosetta.backends._mla import MLA_STRATEGIES
+from mha_rosetta.backends.vocabulary import STANDARD
 from mha_rosetta.core import MHAConfig, init_params, reference_mha, reference_mha_vjp
 from mha_rosetta.core.decode import reference_decode
 from mha_rosetta.core.tolerances import assert_close
-from mha_rosetta.core.variants import VARIANT_REGISTRY
+from mha_rosetta.core.variants import VARIANT_REGISTRY, adapted_variants, strategy_forms
 from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, MLA_ADAPTERS
 
 FORMS = ("naive", "absorbed")
@@ -129,9 +131,33 @@ def test_mla_runs_only_in_its_strategies_and_they_run_only_mla(name):
     assert "naive' and 'absorbed' strategies only" in backend.decode_reason(v3, "float64", "cpu", "standard", None)
 
 
-def test_the_entries_name_the_adapters_that_apply_them():
+def test_the_entries_name_the_libraries_and_the_strategies_that_run_them():
     assert VARIANT_REGISTRY["mla"].implemented_by == MLA_ADAPTERS == VARIANT_REGISTRY["mla_q_lora"].implemented_by
     assert MLA_ADAPTERS == ("numpy", "torch", "jax")
+    assert VARIANT_REGISTRY["mla"].strategies == MLA_STRATEGIES == VARIANT_REGISTRY["mla_q_lora"].strategies
+    assert MLA_STRATEGIES == FORMS
+    # The forms that run only in those strategies, read from the registry: what a standard path never declares.
+    assert strategy_forms(MLA_STRATEGIES) == {"mla", "mla_q_lora"}
+    assert adapted_variants("numpy") - adapted_variants("numpy", strategy=STANDARD) == {"mla", "mla_q_lora"}
+    assert strategy_forms(("standard", "naive")) == set()  # both strategies, or none of the form
+
+
+def test_an_adapter_declares_mla_only_with_its_strategies_and_refuses_it_by_name_without():
+    from mha_rosetta.backends.base import Backend
+    from mha_rosetta.backends.frameworks.ops import RegistryVariants
+
+    class Plain(Backend):
+        name = "plain"
+        variants = RegistryVariants("numpy")
+
+    class WithForms(Plain):
+        strategies = (STANDARD, *MLA_STRATEGIES)
+
+    assert not {"mla", "mla_q_lora"} & Plain.variants
+    assert {"mla", "mla_q_lora"} <= WithForms.variants
+    assert Plain.variants == WithForms.variants - {"mla", "mla_q_lora"}
+    reason = Plain().variant_reason(CONFIGS["v3"], STANDARD)
+    assert reason.startswith("plain does not implement mla, mla_q_lora (it implements: "), reason
 
 
 @requires("torch")

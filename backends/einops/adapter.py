@@ -11,7 +11,6 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._inputs import convert_inputs
-from .._mla import MLA_VARIANTS
 from ..base import Backend, DecodeStep, Prepared, check_device_name, tensor_to_numpy
 from ..frameworks.ops import OPS_BY_LIBRARY, RegistryVariants
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
@@ -38,7 +37,7 @@ class EinopsBackend(Backend):
 
     # Every variant with named axes, on every array library (`plans` shows how); the backward
     # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.
-    variants = RegistryVariants("numpy", "torch", "jax", without=MLA_VARIANTS)  # MLA: not in einops yet
+    variants = RegistryVariants("numpy", "torch", "jax")  # MLA: not here, it runs in naive and absorbed strategies only
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: the cache is the pipeline's own keys, "b s g k" (`decode`), on every array library; every variant
     # (a step is the pipeline's two halves with the cache between them).

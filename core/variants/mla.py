@@ -44,6 +44,8 @@ KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
 )
 # The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
 MLA_ADAPTERS = ("numpy", "torch", "jax")
+# The only strategies that run it (`Variant.strategies`): its two forms, the names `backends._mla` and core.mla_forms use.
+STRATEGIES = ("naive", "absorbed")
 # The sizes MLA owns besides kv_lora_rank, which switches it on (each None unless MLA is on).
 SIZES = (Q_RANK, NOPE, ROPE, V_DIM)
 CONFIG_FIELDS = (
@@ -358,6 +360,7 @@ ENTRY = Variant(
     # every other adapter and oracle refuses it by name (`Variant.implemented_by`). The float64 oracles
     # (core.reference, core.grad) and the NumPy forms of `core.mla_forms` compute it.
     implemented_by=MLA_ADAPTERS,
+    strategies=STRATEGIES,
 )
 Q_LORA_ENTRY = Variant(
     name="mla_q_lora",
@@ -372,4 +375,5 @@ Q_LORA_ENTRY = Variant(
     demo_off={Q_RANK: None},
     explain=explain_q_lora,
     implemented_by=MLA_ADAPTERS,
+    strategies=STRATEGIES,
 )

@@ -86,10 +86,10 @@ def test_decode_equals_the_full_forward_in_lower_precision(library, case, dtype)
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_every_variant_is_declared_for_decoding(library):
     backend = backend_for(library)
-    # What the einops layer implements, on any of the three: all but MLA, which runs in naive and absorbed strategies
-    # only (`Variant.strategies`), which einops lacks: it refuses it by name.
-    every = adapted_variants("numpy", "torch", "jax", strategy=STANDARD)
-    assert backend.decode_variants == backend.variants == every
+    # What the einops layer implements, on any of the three, MLA included: in its naive and absorbed strategies
+    # (`Variant.strategies`), decoded through the latent cache (tests/test_mla_adapters.py).
+    assert backend.decode_variants == backend.variants == adapted_variants("numpy", "torch", "jax")
+    every = adapted_variants("numpy", "torch", "jax", strategy=STANDARD)  # what the standard path runs: the cases
     assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == every
 
 

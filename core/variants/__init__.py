@@ -31,6 +31,7 @@ point of the group ``mha_rosetta.variants`` naming it (tests/test_adding_a_varia
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import numpy as np
@@ -118,7 +119,7 @@ def adapted_variants(*libraries: str, strategy: str | None = None) -> frozenset[
     )
 
 
-def strategy_forms(strategies) -> frozenset[str]:
+def strategy_forms(strategies: Iterable[str]) -> frozenset[str]:
     """The variants that run only in strategies of their own (`Variant.strategies`) which are all among
     ``strategies`` (an adapter's): the forms such an adapter may declare. A form whose strategies it lacks is
     left out, and the adapter refuses it by name."""

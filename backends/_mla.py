@@ -20,40 +20,45 @@ from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.mla_forms import cache_bytes_per_token
-from mha_rosetta.core.variants import VARIANT_REGISTRY
-from mha_rosetta.core.variants.mla import mla_on
+from mha_rosetta.core.variants import VARIANT_REGISTRY, strategy_forms
+from mha_rosetta.core.variants.mla import STRATEGIES, mla_on
 
 from .vocabulary import UnsupportedCase
 
-NAIVE, ABSORBED = "naive", "absorbed"
-MLA_STRATEGIES = (NAIVE, ABSORBED)
-MLA_VARIANTS = frozenset({"mla", "mla_q_lora"})
+NAIVE, ABSORBED = MLA_STRATEGIES = STRATEGIES  # the entry's (`Variant.strategies`), said once in core
 # The score places the MLA strategies run through the ops object without a parameter of their own.
 _PLACES = ("transform", "mask")
 
 
 def form_variants() -> frozenset[str]:
-    """The variants the MLA strategies apply: MLA's, rope_scaling, and the softcap and positional masks."""
+    """The variants the MLA strategies apply: MLA's own (the entries that run only in them, `Variant.strategies`),
+    rope_scaling, and the softcap and positional masks."""
     steps = {
         name
         for name, entry in VARIANT_REGISTRY.items()
         if entry.score_step is not None and entry.score_step.place in _PLACES
     }
-    return frozenset(MLA_VARIANTS | {"rope_scaling"} | steps)
+    return frozenset(strategy_forms(MLA_STRATEGIES) | {"rope_scaling"} | steps)
 
 
 class MLAStrategyVariants:
     """``strategy_variants`` of an adapter with the MLA strategies (a class attribute, read each time it is asked).
 
     Each MLA strategy declares the adapter's variants that `form_variants` lists; every other strategy declares
-    the adapter's variants less MLA's (it has no latent). Read from the adapter's own ``variants``.
+    the adapter's variants it runs (`Variant.runs_in`: not MLA's, which has no latent there). Read from the
+    adapter's own ``variants``.
     """
 
     def __get__(self, obj, owner=None) -> dict[str, frozenset[str]]:
         this = owner if obj is None else obj
         declared = frozenset(this.variants)
         forms = declared & form_variants()
-        return {name: forms if name in MLA_STRATEGIES else declared - MLA_VARIANTS for name in this.strategies}
+        return {
+            strategy: forms
+            if strategy in MLA_STRATEGIES
+            else frozenset(name for name in declared if VARIANT_REGISTRY[name].runs_in(strategy))
+            for strategy in this.strategies
+        }
 
 
 def mla_reason(backend: str, cfg: MHAConfig, strategy: str, decode: bool = False) -> str | None:

@@ -32,7 +32,7 @@ from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .variants import score_steps, softmax_with_empty_rows
-from .variants.mla import cache_numbers_per_token, mla_on
+from .variants.mla import STRATEGIES, cache_numbers_per_token, mla_on
 from .variants.mla_algebra import absorbed_output, absorbed_queries, absorbed_scores, latent_keys
 from .variants.mla_heads import Rotation, expand, latent_entries, query_stages
 
@@ -46,7 +46,7 @@ __all__ = [
     "mla_forward",
 ]
 
-FORMS = ("naive", "absorbed")
+FORMS = STRATEGIES  # MLA's two forms, the entry's strategies (`Variant.strategies`)
 
 
 def check_form(cfg: MHAConfig, form: str) -> None:

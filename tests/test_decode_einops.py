@@ -23,8 +23,7 @@ from decode_property_cases import (
 )
 
 from conftest import requires
-from mha_rosetta.backends._mla import MLA_VARIANTS
-from mha_rosetta.backends.base import UnsupportedCase
+from mha_rosetta.backends.base import STANDARD, UnsupportedCase
 from mha_rosetta.core import MHAConfig, init_params, reference_stages
 from mha_rosetta.core.decode import CacheFull, prepare_decode_inputs, ring_capacity
 from mha_rosetta.core.variants import adapted_variants
@@ -87,10 +86,10 @@ def test_decode_equals_the_full_forward_in_lower_precision(library, case, dtype)
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_every_variant_is_declared_for_decoding(library):
     backend = backend_for(library)
-    # What the einops layer implements, on any of the three: all but MLA, which runs in the numpy, torch and jax
-    # adapters' own naive and absorbed strategies (backends._mla) and which einops refuses by name.
-    every = adapted_variants("numpy", "torch", "jax") - MLA_VARIANTS
-    assert backend.decode_variants == backend.variants == every
+    # What the einops layer implements, on any of the three, MLA included: in its naive and absorbed strategies
+    # (`Variant.strategies`), decoded through the latent cache (tests/test_mla_adapters.py).
+    assert backend.decode_variants == backend.variants == adapted_variants("numpy", "torch", "jax")
+    every = adapted_variants("numpy", "torch", "jax", strategy=STANDARD)  # what the standard path runs: the cases
     assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == every
 
 

@@ -17,8 +17,7 @@ jax = pytest.importorskip("jax", reason="the jax adapter's decode path needs JAX
 
 from decode_property_cases import GQA, variant_configs  # noqa: E402
 
-from mha_rosetta.backends import CHUNKED, UnsupportedCase, get_backend, missing_backends  # noqa: E402
-from mha_rosetta.backends._mla import MLA_VARIANTS  # noqa: E402
+from mha_rosetta.backends import CHUNKED, STANDARD, UnsupportedCase, get_backend, missing_backends  # noqa: E402
 from mha_rosetta.core import MHAConfig, assert_close, init_params  # noqa: E402
 from mha_rosetta.core.decode import (  # noqa: E402
     CacheFull,
@@ -42,7 +41,7 @@ SPLITS = [(1, 1), (N, 1), (5, 2), (2, 3), (9, 1)]
 # demonstration fields on GQA + rotary (tests/decode_property_cases.py). Then ALiBi under a window of 5, and dynamic
 # NTK, which reads the sequence's length: 12 tokens > 6, so the frequencies are scaled.
 VARIANT_CFGS = {
-    **variant_configs(GQA, adapted_variants("jax") - MLA_VARIANTS),
+    **variant_configs(GQA, adapted_variants("jax", strategy=STANDARD)),
     "alibi_window": MHAConfig(d_model=16, n_heads=4, causal=True, alibi=True, window=5),
     "rope_scaling_dynamic": MHAConfig(
         d_model=16,
@@ -101,9 +100,11 @@ def test_jax_decode_of_a_padded_batch(cfg, side):
 def test_every_variant_the_jax_decode_path_declares_has_a_case():
     # and MLA's, decoded in its naive and absorbed strategies through the latent cache (tests/test_mla_adapters.py)
     assert get_backend("jax").decode_variants == adapted_variants("jax")
-    for name in adapted_variants("jax") - MLA_VARIANTS:
+    for name in adapted_variants("jax", strategy=STANDARD):  # all but MLA, which runs in its own strategies
         assert name in VARIANT_CFGS[name].variants, name  # its demonstration fields switch it on
-    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants("jax") - MLA_VARIANTS
+    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants(
+        "jax", strategy=STANDARD
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANT_CFGS))

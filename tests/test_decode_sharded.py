@@ -22,7 +22,6 @@ from decode_property_cases import DECODE_CASES, SPLITS, TOKENS, VARIANT_CFGS, as
 
 from conftest import requires
 from mha_rosetta.backends import STANDARD, UnsupportedCase
-from mha_rosetta.backends._mla import MLA_VARIANTS
 from mha_rosetta.core import MHAConfig, init_params
 from mha_rosetta.core.decode import ring_capacity
 from mha_rosetta.core.variants import adapted_variants
@@ -100,9 +99,11 @@ def test_jax_sharded_decode_of_each_variant(jax_sharded, variant):
 def test_jax_sharded_declares_every_variant_it_tests():
     from mha_rosetta.backends.sharded.jax import JaxShardedBackend
 
-    # All but MLA, which runs in the single-device adapters' naive and absorbed strategies only (backends._mla).
-    assert JaxShardedBackend.decode_variants == adapted_variants("jax") - MLA_VARIANTS
-    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants("jax") - MLA_VARIANTS
+    # All but MLA, which runs in naive and absorbed strategies only (`Variant.strategies`), which this adapter lacks.
+    assert JaxShardedBackend.decode_variants == adapted_variants("jax", strategy=STANDARD)
+    assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants(
+        "jax", strategy=STANDARD
+    )
     assert JaxShardedBackend.decode_caches == ("static",) and JaxShardedBackend.decode_strategies == (STANDARD,)
 
 
@@ -237,7 +238,7 @@ def test_torch_tp_decode_of_each_variant(torch_tp, variant, strategy):
 def test_torch_tp_declares_what_it_tests():
     from mha_rosetta.backends.sharded.torch import TorchTPBackend
 
-    assert TorchTPBackend.decode_variants == adapted_variants("torch") - MLA_VARIANTS
+    assert TorchTPBackend.decode_variants == adapted_variants("torch", strategy=STANDARD)
     assert TorchTPBackend.decode_caches == ("dynamic", "static")
     assert TorchTPBackend.decode_strategies == (STANDARD, MANUAL)
     assert set(TorchTPBackend.decode_layouts) == set(TorchTPBackend.decode_caches)

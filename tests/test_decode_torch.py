@@ -15,7 +15,7 @@ from decode_property_cases import variant_configs
 
 from conftest import requires
 from mha_rosetta.backends import PER_HEAD, STANDARD, UnsupportedCase, get_backend
-from mha_rosetta.backends._mla import MLA_STRATEGIES, MLA_VARIANTS
+from mha_rosetta.backends._mla import MLA_STRATEGIES
 from mha_rosetta.core import VARIANTS, MHAConfig, compare, init_params
 from mha_rosetta.core.decode import (
     CacheFull,
@@ -25,7 +25,7 @@ from mha_rosetta.core.decode import (
     reference_decode_stages,
     ring_capacity,
 )
-from mha_rosetta.core.variants import adapted_variants
+from mha_rosetta.core.variants import adapted_variants, strategy_forms
 
 pytestmark = requires("torch")
 
@@ -148,7 +148,9 @@ def test_every_declared_variant_decodes(name, cache, variant):
         return
     expected = reference_decode(cfg, params, x, prefill=1)
     strategy = STANDARD
-    if variant in MLA_VARIANTS:  # MLA decodes in its naive and absorbed strategies only, through its latent cache
+    if variant in strategy_forms(
+        MLA_STRATEGIES
+    ):  # MLA decodes in its naive and absorbed strategies only, through its latent cache
         with pytest.raises(UnsupportedCase, match="'naive' and 'absorbed' strategies only"):
             backend.run_decode(cfg, params, x, prefill=1, cache=cache)
         if cache != backend.decode_caches[0]:

@@ -11,8 +11,8 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._inputs import convert_inputs
-from .._mla import MLA_VARIANTS
-from ..base import Backend, DecodeStep, Prepared, check_device_name, tensor_to_numpy
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from ..base import STANDARD, Backend, DecodeStep, Prepared, check_device_name, tensor_to_numpy
 from ..frameworks.ops import OPS_BY_LIBRARY, RegistryVariants
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
 from ..numpy.common import NumpyPrecision
@@ -26,6 +26,7 @@ from .layer import (
     score_tables,
     stage_tensors,
 )
+from .mla import prepare_einops_mla, prepare_einops_mla_decode_run  # MLA's two forms, named axes
 from .plans import (
     plan_for,
     position_tables,
@@ -33,16 +34,19 @@ from .plans import (
 from .vjp import prepare_einops_vjp  # the array library's own autodiff
 
 
-class EinopsBackend(Backend):
+class EinopsBackend(MLAStrategies, Backend):
     """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
+
+    strategies = (STANDARD, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`), in `mla`
 
     # Every variant with named axes, on every array library (`plans` shows how); the backward
     # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.
-    variants = RegistryVariants("numpy", "torch", "jax", without=MLA_VARIANTS)  # MLA: not in einops yet
+    variants = RegistryVariants("numpy", "torch", "jax")  # MLA in its naive and absorbed strategies (`mla`)
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: the cache is the pipeline's own keys, "b s g k" (`decode`), on every array library; every variant
     # (a step is the pipeline's two halves with the cache between them).
     decode_caches = CACHE_KINDS
+    decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through its latent cache "b s f" (`mla`)
     decode_layouts = CACHE_LAYOUTS
     paged_decode_step = True  # bench --mode decode times the paged step (its pool[table] gather) on every library
     ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
@@ -74,6 +78,8 @@ class EinopsBackend(Backend):
     ) -> Prepared:
         device = check_device_name(device)
         ops = OPS_BY_LIBRARY[self.array_library](dtype, device)
+        if strategy in MLA_STRATEGIES:
+            return prepare_einops_mla(self, ops, cfg, params, inputs, dtype, device, strategy)
         plan = plan_for(cfg)
         weights = {name: ops.asarray(value) for name, value in canonical_weights(cfg, params, plan).items()}
         x_q, x_k, x_v = convert_inputs(inputs, ops.asarray)
@@ -114,6 +120,8 @@ class EinopsBackend(Backend):
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
         ops = OPS_BY_LIBRARY[self.array_library](dtype, check_device_name(device))
+        if strategy in MLA_STRATEGIES:
+            return prepare_einops_mla_decode_run(self, ops, cfg, params, inputs, dtype, device, strategy)
         return prepare_einops_decode_run(self, ops, cfg, params, inputs, dtype, device, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
@@ -121,7 +129,7 @@ class EinopsBackend(Backend):
         return prepare_einops_decode_step(self, ops, cfg, params, job)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
-        return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device)
+        return prepare_einops_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy)
 
     def _numerics_info(self, dtype: str, device: str) -> dict:
         info: dict = {"array_library": self.array_library}

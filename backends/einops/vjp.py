@@ -19,9 +19,11 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._grad_layout import gradients_to_canonical
-from ..base import STANDARD, UnsupportedCase
+from .._mla import MLA_STRATEGIES
+from ..base import UnsupportedCase
 from ..frameworks.ops import OPS_BY_LIBRARY
 from .layer import canonical_weights
+from .mla import mla_weights
 from .plans import plan_for
 
 NUMPY_REASON = (
@@ -30,10 +32,12 @@ NUMPY_REASON = (
 )
 
 
-def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype, device):
+def prepare_einops_vjp(
+    backend, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, cotangent, dtype, device, strategy: str
+):
     if backend.array_library == "numpy":
         raise UnsupportedCase(NUMPY_REASON)
-    prepared = backend._prepare(cfg, params, inputs, dtype, device, STANDARD)
+    prepared = backend._prepare(cfg, params, inputs, dtype, device, strategy)
     call = prepared.forward  # jax: a CompiledForward (.fn, .args); torch: a function with .pipeline
     forward, args = (call.fn, call.args) if backend.array_library == "jax" else call.pipeline
     key = (
@@ -42,7 +46,10 @@ def prepare_einops_vjp(backend, cfg: MHAConfig, params: MHAParams, inputs: MHAIn
     weights, extras = args[0], args[4:]  # extras: masks and rotary tables, not differentiated
     ops = OPS_BY_LIBRARY[backend.array_library](dtype, device)
     x_q, x_k, x_v = (ops.asarray(x) for x in (inputs.query, inputs.key, inputs.value))  # three separate slots
-    to_native = partial(canonical_weights, cfg, plan=plan_for(cfg))
+    # How the pass holds the weights (head axes named): MLA's forms theirs (`mla.mla_weights`).
+    to_native = (
+        partial(mla_weights, cfg) if strategy in MLA_STRATEGIES else partial(canonical_weights, cfg, plan=plan_for(cfg))
+    )
     info = {"array_library": backend.array_library, **prepared.info}
 
     def to_canonical(native_grads) -> dict:

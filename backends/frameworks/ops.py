@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.stages import VARIANT_STAGES
-from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY, temperature_scales
+from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY, strategy_forms, temperature_scales
 
 from .ops_jax import JaxOps
 from .ops_mlx import MlxOps
@@ -322,28 +322,31 @@ class RegistryVariants:
     variants that act outside the score pipeline (an entry without a ``score_step``: QK-norm, the qkv
     bias, rope scaling) in their projections and rotary. So an adapter implements every registered
     variant whose score op its ops class has a method for and the pipeline carries (`SCORE_STEPS`), and
-    every variant without a score step its entry does not limit to other libraries (`Variant.implemented_by`). One whose op a library's ops class lacks, or that the pipeline
-    does not carry (registered after `SCORE_STEPS` was built), is left out, and the adapter refuses it
-    with the reason (`Backend.variant_reason`). ``libraries``: the ops classes that
-    must all have the op (einops runs on all three); ``without``: variants a path does not implement.
+    every variant without a score step its entry does not limit to other libraries (`Variant.implemented_by`).
+    A form that runs only in strategies of its own (`Variant.strategies`: MLA's naive and absorbed) is declared
+    only by an adapter that has them all (`core.variants.strategy_forms`, read from the adapter's ``strategies``).
+    One whose op a library's ops class lacks, or that the pipeline does not carry (registered after
+    `SCORE_STEPS` was built), is left out, and the adapter refuses it with the reason
+    (`Backend.variant_reason`). ``libraries``: the ops classes that must all have the op (einops runs on all three).
     Used as a class attribute: ``variants = RegistryVariants("numpy")``; reads as a frozenset.
     """
 
-    def __init__(self, *libraries: str, without: frozenset[str] = frozenset()) -> None:
+    def __init__(self, *libraries: str) -> None:
         unknown = [name for name in libraries if name not in OPS_BY_LIBRARY]
         if not libraries or unknown:
             raise ValueError(f"libraries must be among {', '.join(OPS_BY_LIBRARY)}, got {libraries!r}")
-        self.libraries, self.without = libraries, frozenset(without)
+        self.libraries = libraries
 
     def __get__(self, obj, owner=None) -> frozenset[str]:
         classes = [OPS_BY_LIBRARY[name] for name in self.libraries]
+        forms = strategy_forms((owner if obj is None else obj).strategies)  # the forms of strategies it has
         # A score step before the softmax runs only if the pipeline carries it (`SCORE_STEPS`, built from the
         # registry at import): a variant the pipeline would skip is never declared, so it is refused, not run without.
         carried = {name for names, _ in SCORE_STEPS for name in names}
         return frozenset(
             name
             for name, entry in VARIANT_REGISTRY.items()
-            if name not in self.without
+            if (entry.strategies is None or name in forms)
             and (
                 (entry.implemented_by is None or set(self.libraries) <= set(entry.implemented_by))
                 if entry.score_step is None

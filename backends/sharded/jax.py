@@ -61,7 +61,6 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 from mha_rosetta.core.variants import alibi_slopes
 
-from .._mla import MLA_VARIANTS
 from ..base import STANDARD
 from ..frameworks.ops import RegistryVariants
 from . import jax_decode
@@ -94,7 +93,7 @@ class JaxShardedBackend(ShardedBackend):
     strategies = (STANDARD, NAMED_SHARDING)
     rank_noun = "devices"
     # Every variant, in both strategies (the module docstring says how each is split); no backward pass.
-    variants = RegistryVariants("jax", without=MLA_VARIANTS)  # MLA: the adapter's naive/absorbed only, not sharded
+    variants = RegistryVariants("jax")  # MLA: not here, it runs in naive and absorbed strategies only
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: head-parallel decoding (`jax_decode`): each device its kv heads' slice of a static cache, one
     # psum per chunk, in the standard (shard_map) strategy, every variant.

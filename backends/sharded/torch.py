@@ -61,7 +61,6 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
-from .._mla import MLA_VARIANTS
 from ..base import STANDARD, StageTensor, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
 from . import torch_decode
@@ -79,9 +78,8 @@ class TorchTPBackend(ShardedBackend):
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
     strategies = (STANDARD, MANUAL)
-    variants = RegistryVariants(
-        "torch", without=MLA_VARIANTS
-    )  # MLA: not sharded yet; each split as the module docstring says; no backward pass
+    # Each split as the module docstring says; no backward pass. MLA: not here, it runs in naive and absorbed only.
+    variants = RegistryVariants("torch")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
     # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.

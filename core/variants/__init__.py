@@ -31,6 +31,7 @@ point of the group ``mha_rosetta.variants`` naming it (tests/test_adding_a_varia
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 import numpy as np
@@ -105,14 +106,28 @@ VARIANT_REGISTRY: dict[str, Variant] = {
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
 # library's kernel knows those forms and no later one (backends/oracles list theirs from it).
 # An entry only some of our adapters apply (`Variant.implemented_by`) is no kernel's: the oracles refuse it.
-def adapted_variants(*libraries: str) -> frozenset[str]:
+def adapted_variants(*libraries: str, strategy: str | None = None) -> frozenset[str]:
     """The registered variants every one of our adapters applies: all but those whose entry names its libraries;
     with ``libraries`` (ops libraries: "numpy", "torch", "jax", "mlx"), also those whose entry names all of them,
-    which our adapters on those libraries apply (`backends.frameworks.ops.RegistryVariants`)."""
+    which our adapters on those libraries apply (`backends.frameworks.ops.RegistryVariants`). With ``strategy``,
+    only those that strategy runs (`Variant.runs_in`: not a form of its own strategies, MLA's, elsewhere)."""
     return frozenset(
         name
         for name, entry in VARIANT_REGISTRY.items()
-        if entry.implemented_by is None or (libraries and set(libraries) <= set(entry.implemented_by))
+        if (entry.implemented_by is None or (libraries and set(libraries) <= set(entry.implemented_by)))
+        and (strategy is None or entry.runs_in(strategy))
+    )
+
+
+def strategy_forms(strategies: Iterable[str]) -> frozenset[str]:
+    """The variants that run only in strategies of their own (`Variant.strategies`) which are all among
+    ``strategies`` (an adapter's): the forms such an adapter may declare. A form whose strategies it lacks is
+    left out, and the adapter refuses it by name."""
+    have = set(strategies)
+    return frozenset(
+        name
+        for name, entry in VARIANT_REGISTRY.items()
+        if entry.strategies is not None and set(entry.strategies) <= have
     )
 
 
@@ -308,6 +323,7 @@ __all__ = [
     "stage_owners",
     "steps_at",
     "steps_at_place",
+    "strategy_forms",
     "t5_buckets",
     "temper",
     "temper_vjp",

@@ -256,6 +256,10 @@ class Variant:
     implemented_by: for a variant outside the score pipeline, the ops libraries (`backends.frameworks.ops`)
               whose adapters apply it; None: every adapter, and every third-party oracle that claims the
               package's variants (`BUILTIN_VARIANTS`). Any other adapter refuses it by name.
+    strategies: the only strategies that run it, for a form computed by an algorithm of its own (MLA's ``naive``
+              and ``absorbed``: `backends._mla`); None: every strategy of an adapter that applies it. An adapter
+              declares such a form only if it has all of them, and only for them (`runs_in`); every other
+              adapter and strategy refuses it by name.
     """
 
     name: str
@@ -282,6 +286,11 @@ class Variant:
     # ``base_shapes(cfg)``: the base weights' and biases' shapes where the variant changes them (MLA's w_q, w_k, w_v).
     base_shapes: Callable[[Config], dict] | None = None
     tied: Mapping[str, str] = field(default_factory=dict)
+    strategies: tuple[str, ...] | None = None
+
+    def runs_in(self, strategy: str) -> bool:
+        """Whether ``strategy`` runs it: any strategy, unless it names its own (`strategies`)."""
+        return self.strategies is None or strategy in self.strategies
 
     @property
     def layout_params(self) -> tuple[str, ...]:

@@ -44,6 +44,8 @@ KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
 )
 # The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
 MLA_ADAPTERS = ("numpy", "torch", "jax")
+# The only strategies that run it (`Variant.strategies`): its two forms, the names `backends._mla` and core.mla_forms use.
+STRATEGIES = ("naive", "absorbed")
 # The sizes MLA owns besides kv_lora_rank, which switches it on (each None unless MLA is on).
 SIZES = (Q_RANK, NOPE, ROPE, V_DIM)
 CONFIG_FIELDS = (
@@ -363,6 +365,7 @@ ENTRY = Variant(
     # (core.reference, core.grad) and the NumPy forms of `core.mla_forms` compute it.
     implemented_by=MLA_ADAPTERS,
     diagnose=DIAGNOSE,
+    strategies=STRATEGIES,
 )
 Q_LORA_ENTRY = Variant(
     name="mla_q_lora",
@@ -379,4 +382,5 @@ Q_LORA_ENTRY = Variant(
     implemented_by=MLA_ADAPTERS,
     # diagnose's simulator builds the query latent with MLA's heads (`mla_heads.head_stages`); no mistake of its own.
     diagnose=DiagnoseSpec(rank=75),
+    strategies=STRATEGIES,
 )

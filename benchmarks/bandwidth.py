@@ -352,8 +352,14 @@ def enrich_decode_cell(
     cell = dict(cell)
     itemsize = _itemsize(cell["dtype"])
     ring = None if cell.get("window") is None else cell["window"] - 1 + cell["step"]
-    kv = kv_read_bytes(cell["batch"], cell["context"], cell["kv_heads"], cell["d_k"], cell["d_k"], itemsize, ring)
-    weights = weight_bytes(cell["d_model"], cell["heads"], cell["kv_heads"], cell["d_k"], cell["d_k"], itemsize)
+    if cell.get("mla"):  # the MLA row: the latent cache and the weights each form reads (`decode_mla`)
+        from .decode_mla import mla_read_bytes
+
+        cell.update(mla_read_bytes(cell, itemsize))
+        kv, weights = cell["kv_read_bytes"], cell["weight_bytes"]
+    else:
+        kv = kv_read_bytes(cell["batch"], cell["context"], cell["kv_heads"], cell["d_k"], cell["d_k"], itemsize, ring)
+        weights = weight_bytes(cell["d_model"], cell["heads"], cell["kv_heads"], cell["d_k"], cell["d_k"], itemsize)
     cell.update(
         kv_read_bytes=kv, weight_bytes=weights, bandwidth_gbps=bandwidth_gbps,
         limit_s=limit_seconds(kv, bandwidth_gbps), limit_with_weights_s=limit_seconds(kv + weights, bandwidth_gbps),

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from .cell import MeasuredSpec, _cell_error, split_implementation
+from .decode_mla import check_mla_layer, mla_config
 from .fresh import child_main, run_fresh
 from .pinning import DEFAULT_MALLOC_MODE, malloc_env, require_positive_int
 
@@ -57,7 +58,7 @@ KIND = "decode"  # the report's "kind": `load_report` readers and --render tell 
 # What a cell is; two cells with the same identity measure the same thing.
 DECODE_IDENTITY = (
     "implementation", "device", "dtype", "batch", "context", "step", "d_model", "heads", "kv_heads", "d_k",
-    "rope", "bias", "window", "cache", "lengths", "threads", "malloc",
+    "rope", "bias", "window", "cache", "lengths", "threads", "malloc", "mla",
 )  # fmt: skip
 
 
@@ -95,6 +96,7 @@ class DecodeCellSpec(MeasuredSpec, DecodeLayer):
     # rectangular cell's tokens); the cache is left padded to max(lengths). None: every row holds ``context``.
     lengths: list[int] | None = None
     row: str | None = None  # "ragged": a cell of the ragged row (its ragged batches and their rectangular reference)
+    mla: dict | None = None  # the MLA row's latent sizes (`decode_mla.MLA_FIELDS`); None: the plain layer
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 1
@@ -117,6 +119,7 @@ class DecodeCellSpec(MeasuredSpec, DecodeLayer):
                 f"DecodeCellSpec.lengths must hold batch={self.batch} lengths summing to batch x context = "
                 f"{self.tokens} (the rectangular cell's tokens), got {self.lengths}"
             )
+        check_mla_layer(self.mla)
         malloc_env(self.malloc)
 
     @property
@@ -140,8 +143,12 @@ def decode_cell_key(record: dict) -> str:
 
 
 def decode_config(spec: DecodeCellSpec):
-    """The causal `MHAConfig` of a decode cell (GQA, rotary, the window where the row has one)."""
+    """The causal `MHAConfig` of a decode cell (GQA, rotary, the window where the row has one; the MLA row's latent
+    attention, `decode_mla.mla_config`)."""
     from mha_rosetta.core import MHAConfig
+
+    if spec.mla is not None:
+        return mla_config(vars(spec))
 
     return MHAConfig(
         d_model=spec.d_model, n_heads=spec.heads, n_kv_heads=spec.kv_heads, d_k=spec.d_k, causal=True,

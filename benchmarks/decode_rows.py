@@ -2,7 +2,8 @@
 
 The main row (every context), the windowed row, the paged row, and the ragged row (issue 47): at each ragged
 context, the rectangular batch of ``len(ragged_rows)`` rows and the ragged batch holding the same tokens
-(`decode.ragged_lengths`), each through the contiguous and the paged cache.
+(`decode.ragged_lengths`), each through the contiguous and the paged cache; and the MLA row (issue 45,
+`decode_mla`): each MLA-decoding backend's naive and absorbed forms at each MLA context.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .decode import RAGGED_ROW, DecodeCellSpec, layer_of, ragged_lengths
+from .decode_mla import MLA_ROW, mla_implementations
 
 if TYPE_CHECKING:
     from .decode_sweep import DecodeSettings
@@ -18,7 +20,8 @@ if TYPE_CHECKING:
 def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) -> list[DecodeCellSpec]:
     """Every (device, implementation, context) cell, then the windowed row's cells, then the paged row's, then the
     ragged row's: at each ragged context, the rectangular batch and the ragged one, contiguous and paged (the
-    rows after the first take no prefill: the contiguous cell's is not timed again)."""
+    rows after the first take no prefill: the contiguous cell's is not timed again); then the MLA row's (the
+    latent cache, its prefill up to ``prefill_max``), each backend's naive and absorbed forms at each MLA context."""
     from mha_rosetta.backends._paged import PAGED
 
     main = {"batch": settings.batch, "lengths": None, "row": None}
@@ -34,7 +37,7 @@ def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) ->
             if batch != settings.batch or context not in timed[cache]:  # else the main row's cell is the reference
                 rows.append((None, context, cache, {"batch": batch, "lengths": None, "row": RAGGED_ROW}))
             rows.append((None, context, cache, {"batch": batch, "lengths": lengths, "row": RAGGED_ROW}))
-    return [
+    cells = [
         DecodeCellSpec(
             implementation=label,
             context=context,
@@ -54,4 +57,26 @@ def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) ->
         for device in settings.devices
         for label in implementations
         for window, context, cache, shape in rows
+    ]
+    mla_layer = {**layer_of(settings), "batch": settings.batch}
+    return cells + [
+        DecodeCellSpec(
+            implementation=label,
+            context=context,
+            **mla_layer,
+            row=MLA_ROW,
+            mla=dict(settings.mla or {}),
+            dtype=settings.dtype,
+            device=device,
+            threads=settings.threads,
+            cpus=settings.cpus,
+            policy=dict(settings.policy),
+            prefill=context <= settings.prefill_max,
+            prefill_policy=dict(settings.prefill_policy),
+            malloc=settings.malloc,
+            plugins=list(settings.plugins),
+        )
+        for device in settings.devices
+        for label in mla_implementations(implementations)
+        for context in settings.mla_contexts
     ]

@@ -29,6 +29,7 @@ from .decode import (
     row_label,
     run_decode_cell,
 )
+from .decode_mla import absorbed_over_naive, check_mla_layer
 from .decode_rows import expand_decode_cells
 from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
 from .presets import DECODE_PRESETS
@@ -88,6 +89,10 @@ class DecodeSettings(DecodeLayer):
     # contiguous and the paged cache: ``ragged_over_rectangular`` is what the rows' different lengths cost.
     ragged_contexts: list[int] = field(default_factory=list)
     ragged_rows: list[int] = field(default_factory=lambda: [4, 2, 1, 1])
+    # The MLA row (issue 45, `decode_mla`): DeepSeek's latent attention with ``heads`` heads of the latent sizes
+    # ``mla``, its naive and absorbed forms at ``mla_contexts``: ``absorbed_over_naive`` per context.
+    mla: dict | None = None
+    mla_contexts: list[int] = field(default_factory=list)
     dtype: str = "float32"
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     threads: int = 1
@@ -106,10 +111,14 @@ class DecodeSettings(DecodeLayer):
     def __post_init__(self) -> None:
         for name in ("batch", "step", "d_model", "heads", "kv_heads", "d_k", "threads", "rounds"):
             require_positive_int(f"decode {name}", getattr(self, name))
-        for context in [*self.contexts, *self.window_contexts, *self.paged_contexts, *self.ragged_contexts]:
+        for context in [*self.contexts, *self.window_contexts, *self.paged_contexts, *self.ragged_contexts,
+                        *self.mla_contexts]:  # fmt: skip
             require_positive_int("decode context", context)
         if self.ragged_contexts:
             ragged_lengths(self.ragged_contexts[0], self.ragged_rows)  # bad shares refused before a cell runs
+        check_mla_layer(self.mla)
+        if self.mla_contexts and self.mla is None:
+            raise ValueError(f"mla_contexts needs the MLA layer's sizes (mla), got mla=None and {self.mla_contexts}")
         if not self.contexts:
             raise ValueError("contexts must name at least one context length, got []")
         malloc_env(self.malloc)
@@ -339,6 +348,7 @@ def assemble_decode_report(
     best_of_framework(enriched)
     paged_over_contiguous(enriched)  # `best_gap`: the paged row over the contiguous one
     ragged_over_rectangular(enriched)
+    absorbed_over_naive(enriched)  # `decode_mla`: the MLA row's two forms
     try:
         from .provenance import provenance
 

@@ -296,6 +296,9 @@ def decode_markdown(report: dict) -> str:
         "rectangular batch, each at its own position, over that batch through the same cache; a contiguous "
         "cache reads every row to the longest): ",
     )  # fmt: skip
+    from .decode_mla import mla_lines
+
+    lines += mla_lines(report["cells"])  # the MLA row: the latent's bytes a token, absorbed over naive
     cached = [cell for cell in report["cells"] if cell.get("fits_last_level_cache") and cell.get("status") == "ok"]
     if cached:
         llc = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)

@@ -95,13 +95,16 @@ PRESETS: dict[str, dict] = {
 # a full float32 score tensor is 16 x 8192^2 x 4 B = 4 GiB, too much beside the other engineers). The paged row
 # (issue 47): the same step through each convention's paged cache at 4k-32k, against its contiguous cell. The ragged
 # row (issue 47, continuous batching): 4 rows holding 4 x 2k and 4 x 8k tokens, as shares 4:2:1:1 of them
-# (4k+2k+1k+1k and 16k+8k+4k+4k), beside the rectangular 4 x 2k and 4 x 8k, contiguous and paged.
+# (4k+2k+1k+1k and 16k+8k+4k+4k), beside the rectangular 4 x 2k and 4 x 8k, contiguous and paged. The MLA row
+# (issue 45): DeepSeek V2-Lite's latent attention (its d_model 2048 and 16 heads are the layer's; latent 512, nope
+# 128 + rope 64, d_v 128, no query LoRA), naive and absorbed at 1k-32k.
 DECODE_PRESETS: dict[str, dict] = {
     "decode": dict(
         implementations=["main"], contexts=[1024, 2048, 4096, 8192, 16384, 32768], window=4096,
         window_contexts=[2048, 8192, 32768], paged_contexts=[4096, 8192, 16384, 32768],
         ragged_contexts=[2048, 8192], ragged_rows=[4, 2, 1, 1], batch=1, step=1, d_model=2048, heads=16, kv_heads=4,
-        d_k=128,
+        d_k=128, mla=dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        mla_contexts=[1024, 4096, 16384, 32768],
         rope="half", bias=False, dtype="float32", policy=dict(min_time=0.3, min_repeats=7, max_time=1.5, warmup=3),
         prefill_max=4096, prefill_policy=dict(min_time=0.2, min_repeats=3, max_time=2.0, warmup=1),
         bandwidth_policy=dict(min_time=0.5, min_repeats=7, max_time=2.0, warmup=2), rounds=3,
@@ -111,6 +114,7 @@ DECODE_PRESETS: dict[str, dict] = {
     "decode-quick": dict(
         implementations=["main"], contexts=[256, 1024], window=128, window_contexts=[256, 1024], batch=1, step=1,
         d_model=256, heads=4, kv_heads=2, d_k=64, rope="half", bias=False, dtype="float32",
+        mla=dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32), mla_contexts=[256, 1024],
         policy=dict(min_time=0.05, min_repeats=5, max_time=0.3, warmup=1), prefill_max=1024,
         prefill_policy=dict(min_time=0.02, min_repeats=3, max_time=0.3, warmup=1), array_mb=64,
         bandwidth_policy=dict(min_time=0.1, min_repeats=5, max_time=0.5, warmup=1), rounds=1, cell_timeout=120.0,

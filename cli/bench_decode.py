@@ -46,6 +46,7 @@ def decode_settings_of(args: argparse.Namespace):
         name, implementations=args.backends, contexts=args.contexts, window_contexts=args.contexts,
         paged_contexts=args.contexts if args.contexts and DECODE_PRESETS[name].get("paged_contexts") else None,
         ragged_contexts=args.contexts if args.contexts and DECODE_PRESETS[name].get("ragged_contexts") else None,
+        mla_contexts=args.contexts if args.contexts and DECODE_PRESETS[name].get("mla_contexts") else None,
         dtype=first(args.dtypes), devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy,
         malloc=args.malloc, rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
         heads=first(args.heads), plugins=args.plugin,

@@ -323,7 +323,8 @@ def test_the_presets_cells():
     assert settings.contexts == [1024, 2048, 4096, 8192, 16384, 32768]
     assert (settings.d_model, settings.heads, settings.kv_heads, settings.d_k) == (2048, 16, 4, 128)
     cells = expand_decode_cells(settings, ["numpy", "torch"])
-    assert len(cells) == 2 * (6 + 3 + 4 + 2 * 4)  # the ragged row: 2 contexts x (rectangular, ragged) x 2 caches
+    # the ragged row: 2 contexts x (rectangular, ragged) x 2 caches; the MLA row: naive and absorbed at 4 contexts
+    assert len(cells) == 2 * (6 + 3 + 4 + 2 * 4 + 2 * 4)
     paged = [cell for cell in cells if cell.cache == "paged" and cell.row is None]  # 4k-32k, no prefill again
     assert [cell.context for cell in paged[:4]] == [4096, 8192, 16384, 32768] and not any(c.prefill for c in paged)
     assert all(cell.window is None for cell in paged) and {cell.cache for cell in cells} == {None, "paged"}
@@ -346,7 +347,13 @@ def test_the_ragged_rows_cells_hold_the_rectangular_batchs_tokens():
     assert len({cell.key() for cell in ragged}) == 8  # the rows' lengths are part of a cell's identity
     # A batch of the ragged row's size at a context the main row times: its main cell is the reference, not a copy.
     same = decode_settings(
-        "decode", batch=4, contexts=[2048], window_contexts=[], paged_contexts=[], ragged_contexts=[2048]
+        "decode",
+        batch=4,
+        contexts=[2048],
+        window_contexts=[],
+        paged_contexts=[],
+        ragged_contexts=[2048],
+        mla_contexts=[],
     )
     cells = expand_decode_cells(same, ["numpy"])
     assert [(c.context, c.cache, c.lengths, c.row) for c in cells] == [
@@ -576,7 +583,9 @@ class FakeDecodeRunners:
 def _sweep(runners, partial, resume=False, seed=None):
     from mha_rosetta.benchmarks.decode_sweep import run_decode_sweep
 
-    settings = decode_settings("decode-quick", implementations=["numpy"], rounds=2, seed=seed, **SMALL)
+    settings = decode_settings(  # the main and windowed rows (the MLA row's numpy cells left out)
+        "decode-quick", implementations=["numpy"], rounds=2, seed=seed, mla_contexts=[], **SMALL
+    )
     return run_decode_sweep(
         settings, ["numpy"], progress=False, cell_runner=runners.cell, bandwidth_runner=runners.bandwidth,
         partial_path=partial, resume=resume,

@@ -13,6 +13,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from .._mla_step import MLATimedStep
 from .._paged import PAGED
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
@@ -34,12 +35,17 @@ from .layer import (
     STAGE_NOTES,
     vmapped_pass,
 )
-from .mla import prepare_jax_mla, prepare_jax_mla_decode_run, prepare_jax_mla_vjp  # MLA's two forms
+from .mla import (  # MLA's two forms
+    prepare_jax_mla,
+    prepare_jax_mla_decode_run,
+    prepare_jax_mla_decode_step,
+    prepare_jax_mla_vjp,
+)
 from .paged import PAGED_LAYOUT, paged_decoders, prepare_paged_decode_step
 from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
 
-class JaxBackend(MLAStrategies, Backend):
+class JaxBackend(MLATimedStep, MLAStrategies, Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
     name = "jax"
@@ -124,6 +130,8 @@ class JaxBackend(MLAStrategies, Backend):
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         info = precision_info(device=job.device, dtype=job.dtype, matmul_precision=self.matmul_precision)
+        if job.strategy in MLA_STRATEGIES:  # one step onto the static latent cache (`mla`)
+            return prepare_jax_mla_decode_step(cfg, params, job, self.matmul_precision, info)
         if job.cache == PAGED:  # the pool gathered inside the jitted step, its host half timed with it
             return prepare_paged_decode_step(cfg, params, job, self.matmul_precision, info)
         return decode.prepare_decode_step(cfg, params, job, self.matmul_precision, info)

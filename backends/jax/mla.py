@@ -28,10 +28,11 @@ from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 from mha_rosetta.core.variants.mla_heads import check_one_input
 
 from .._mla import ABSORBED, latent_cache_info
-from ..base import PreparedDecode, StageTensor, tensor_to_numpy
+from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..frameworks.jax import effective_precision
 from ..frameworks.ops import score_steps
 from ..frameworks.ops_jax import JaxOps
+from ..vocabulary import UnsupportedCase
 from .common import (
     CompiledForward,
     compiled_prepared,
@@ -206,3 +207,62 @@ def prepare_jax_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device,
         jax.block_until_ready(outputs)
 
     return PreparedDecode(run, to_numpy, synchronize=synchronize, info={**info, "form": strategy, "cache": cache_info})
+
+
+def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Prepared:
+    """One timed step of MLA's ``job.strategy`` form (`bench --mode decode`): ``job.step`` new tokens onto the static
+    latent cache (B, T + s, R + dr) holding ``job.context`` tokens of arbitrary numbers, drawn as the NumPy step
+    draws them (the step's tokens, then the cache's columns). The step is the run's jitted program, compiled ahead
+    (``info["compilations"]``); it is not donated, so that every timed call is the same step on the same cache (each
+    call writes a new cache: ``info["cache_copied_per_call"]``, as JAX's other timed step). A ragged batch is refused."""
+    import jax
+    from jax import lax
+
+    if job.lengths is not None:
+        raise UnsupportedCase("jax: MLA's timed step takes a rectangular batch (every row holds the context)")
+    B, T, s, form = job.batch, job.context, job.step, job.strategy
+    target = jax_target(job.dtype, job.device)
+    p = jax_params(params, job.dtype, target)
+    rng = np.random.default_rng(job.seed)
+    everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
+    tables = numpy_rotary_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere))
+    x = rng.standard_normal((B, s, cfg.d_model))  # (B, s, D)
+    rows, R = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    cache = np.zeros((B, T + s, rows))  # (B, T + s, R + dr): rows :T the cached tokens, NumPy's columns transposed
+    cache[:, :T] = rng.standard_normal((B, rows, T)).transpose(0, 2, 1)
+    allowed = decode_allowed(cfg, everywhere[:, T:], everywhere, np.ones((B, T + s), dtype=bool))  # (B, 1, s, T + s)
+    blocked, empty = _masks(cfg, allowed, B, s, T + s)
+
+    def step(p, cache, x, start, tables, blocked, empty):
+        qc, qs, kc, ks = tables
+        kv_latent, k_rope = latent_rows(cfg, p, x, kc, ks)
+        zero = jax.numpy.zeros_like(start)
+        cache = lax.dynamic_update_slice(cache, jax.numpy.concatenate([kv_latent, k_rope], -1), (zero, start, zero))
+        return cache, mla_pass(cfg, form, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty)
+
+    args = (
+        p, to_jax(cache, job.dtype, target), to_jax(x, job.dtype, target), np.int32(T),
+        tuple(to_jax(t[:, T:], job.dtype, target) for t in tables),
+        to_jax(blocked, None, target), to_jax(empty, None, target),
+    )  # fmt: skip
+    jitted, state = jax.jit(step), {}
+    info = {**info, "form": form, "context": T, "step": s, "compilations": {"step": 0}, "cache_copied_per_call": True}
+
+    def compile_step() -> None:
+        with jax.default_matmul_precision(effective_precision(matmul_precision)):
+            state["compiled"] = jitted.lower(*args).compile()
+        info["compilations"]["step"] += 1  # ahead of time, once: the timed forward calls the executable
+
+    def forward():
+        if "compiled" not in state:
+            compile_step()
+        return state["compiled"](*args)[1]  # (B, s, D)
+
+    def stages():  # the forms' inner arrays are not recorded: the output only (rule 3)
+        return {"output": StageTensor(forward(), ("B", "Nq", "D"), "o_proj of the step's merged or latent context")}
+
+    layout = "(B, T, R + dr): [c | k_rope] a row per token, static, written by dynamic_update_slice"
+    info["cache"] = latent_cache_info(cfg, B, T + s, np.dtype(p["w_kv_a"].dtype).itemsize, layout)
+    return Prepared(
+        forward, tensor_to_numpy, stages, synchronize=jax.block_until_ready, compile=compile_step, info=info
+    )

@@ -10,6 +10,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from .._mla_step import MLATimedStep
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
@@ -19,12 +20,12 @@ from .decode import CACHE_KINDS, CACHE_LAYOUTS, prepare_numpy_decode_run, prepar
 from .heads import columns_to_rows
 from .layer import ColumnSampleMHA
 from .mla import prepare_numpy_mla  # MLA's naive and absorbed forms, column samples
-from .mla_decode import prepare_numpy_mla_decode_run
+from .mla_decode import prepare_numpy_mla_decode_run, prepare_numpy_mla_decode_step
 from .mla_vjp import prepare_numpy_mla_vjp
 from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
 
 
-class NumpyBackend(MLAStrategies, Backend):
+class NumpyBackend(MLATimedStep, MLAStrategies, Backend):  # MLA's forms timed on the latent cache
     name = "numpy"
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
@@ -75,4 +76,6 @@ class NumpyBackend(MLAStrategies, Backend):
         return prepare_numpy_decode_run(cfg, params, inputs, dtype, cache, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        if job.strategy in MLA_STRATEGIES:
+            return prepare_numpy_mla_decode_step(cfg, params, job)  # one step onto a latent cache (`mla_decode`)
         return prepare_numpy_decode_step(cfg, params, job)

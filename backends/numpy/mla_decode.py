@@ -23,7 +23,8 @@ from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
 from .._mla import latent_cache_info
-from ..base import PreparedDecode
+from ..base import Prepared, PreparedDecode
+from ..vocabulary import UnsupportedCase
 from .common import MaskArrays, NumpyPrecision
 from .heads import columns_to_rows
 from .mla import ColumnSampleMLA, column_tables
@@ -107,3 +108,44 @@ def prepare_numpy_mla_decode_run(
         **P.info(),
     }
     return PreparedDecode(run, to_numpy, info=info)
+
+
+def prepare_numpy_mla_decode_step(cfg: MHAConfig, params: MHAParams, job) -> Prepared:
+    """One timed step of MLA's ``job.strategy`` form (`bench --mode decode`): ``job.step`` new tokens onto a
+    `LatentColumnCache` holding ``job.context`` tokens of arbitrary numbers (its normed latent and rotated shared key).
+
+    The cache is allocated once with room for the step; every call rewinds its write index to ``context`` and
+    writes the same step at the same place, so each timed call is the same step. Both forms read the same cache
+    (the same seed draws the same numbers), so their outputs agree to rounding. A ragged batch is refused.
+    """
+    if job.lengths is not None:
+        raise UnsupportedCase("numpy: MLA's timed step takes a rectangular batch (every row holds the context)")
+    B, T, s, form = job.batch, job.context, job.step, job.strategy
+    rng = np.random.default_rng(job.seed)
+    P = NumpyPrecision.for_dtype(job.dtype)
+    everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
+    tables = column_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere))
+    layer = ColumnSampleMLA(cfg, params, P, tables)
+    x = np.ascontiguousarray(P.operand(P.round_to_storage(rng.standard_normal((B, s, cfg.d_model)))).transpose(0, 2, 1))
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = LatentColumnCache(B, rows, T + s, P.storage)
+    cache.entries[..., :T] = rng.standard_normal((B, rows, T))  # (B, R + dr, T): the cached tokens' columns
+    cache.positions[:, :T], cache.valid[:, :T] = everywhere[:, :T], True
+    tokens, positions, valid = slice(T, T + s), everywhere[:, T:], np.ones((B, s), dtype=bool)
+
+    def forward():
+        cache.length = T  # the write index back before the step: every call is the same step
+        return decode_chunk(layer, cache, x, tokens, positions, valid, form)  # (B, D, s)
+
+    def native_stages():
+        raise UnsupportedCase("numpy: MLA's timed decode step records no stages (run_decode's path is the checked one)")
+
+    info = {
+        "layout": "column samples (B, features, tokens); a step's scores (B, H, T, s), one column per new query",
+        "form": form,
+        "context": T,
+        "step": s,
+        "cache": latent_cache_info(cfg, B, T + s, P.storage.itemsize, LATENT_LAYOUT),
+        **P.info(),
+    }
+    return Prepared(forward=forward, to_numpy=columns_to_rows, native_stages=native_stages, info=info)

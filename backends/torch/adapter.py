@@ -11,6 +11,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from .._mla_step import MLATimedStep
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
@@ -24,11 +25,16 @@ from .common import (
 )
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_torch_decode_run, prepare_torch_decode_step
 from .layer import RowSampleMHA
-from .mla import prepare_torch_mla, prepare_torch_mla_decode_run, prepare_torch_mla_vjp  # MLA's two forms
+from .mla import (  # MLA's two forms
+    prepare_torch_mla,
+    prepare_torch_mla_decode_run,
+    prepare_torch_mla_decode_step,
+    prepare_torch_mla_vjp,
+)
 from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
 
-class TorchBackend(MLAStrategies, TorchDevices, Backend):
+class TorchBackend(MLATimedStep, MLAStrategies, TorchDevices, Backend):
     name = "torch"
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
@@ -94,4 +100,6 @@ class TorchBackend(MLAStrategies, TorchDevices, Backend):
         return prepare_torch_decode_run(cfg, params, inputs, dtype, device, cache, self.allow_tf32, capacity, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        if job.strategy in MLA_STRATEGIES:
+            return prepare_torch_mla_decode_step(cfg, params, job, self.allow_tf32)  # onto a latent cache (`mla`)
         return prepare_torch_decode_step(cfg, params, job, self.allow_tf32)

@@ -31,6 +31,7 @@ from .._mla import ABSORBED, latent_cache_info
 from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..frameworks.ops import score_steps
 from ..frameworks.ops_torch import TorchOps
+from ..vocabulary import UnsupportedCase
 from .common import (
     bool_tensor,
     in_inference_mode,
@@ -210,3 +211,48 @@ def prepare_torch_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, devic
     return PreparedDecode(
         run, lambda out: np.asarray(tensor_to_numpy(out)), synchronize=synchronizer(device), info=info
     )
+
+
+def prepare_torch_mla_decode_step(cfg: MHAConfig, params: MHAParams, job, allow_tf32) -> Prepared:
+    """One timed step of MLA's ``job.strategy`` form (`bench --mode decode`): ``job.step`` new tokens onto the latent
+    cache (B, T + s, R + dr) holding ``job.context`` tokens of arbitrary numbers, drawn as the NumPy step draws them
+    (the step's tokens, then the cache's columns), so that both adapters time the same step. Every call writes the
+    step's rows at the same place; ``W_O W_UV`` is folded once, as in the run. A ragged batch is refused."""
+    if job.lengths is not None:
+        raise UnsupportedCase("torch: MLA's timed step takes a rectangular batch (every row holds the context)")
+    B, T, s, form, dtype, device = job.batch, job.context, job.step, job.strategy, job.dtype, job.device
+    rng = np.random.default_rng(job.seed)
+    everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
+    tables = torch_rotary_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere), dtype, device)
+    layer = RowSampleMLA(cfg, params, dtype, device, tables)
+    x = to_tensor(rng.standard_normal((B, s, cfg.d_model)), dtype, device)  # (B, s, D)
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = x.new_zeros((B, T + s, rows))  # (B, T + s, R + dr): rows :T the cached tokens, then the step's
+    cache[:, :T] = to_tensor(rng.standard_normal((B, rows, T)).transpose(0, 2, 1), dtype, device)  # NumPy's columns
+    w_ouv = layer.folded_output() if form == ABSORBED else None
+    tokens = slice(T, T + s)
+    valid = np.ones((B, T + s), dtype=bool)
+
+    def forward():
+        cache[:, tokens] = layer.latent(x, tokens)  # the step's rows, in place: every call the same step
+        blocked, empty = _mask(
+            decode_allowed(cfg, everywhere[:, tokens], everywhere, valid), device
+        )  # (B, 1, s, T + s)
+        q_nope, q_rot = layer.queries(x, tokens)
+        return layer.attend(form, q_nope, q_rot, cache, blocked, empty, w_ouv)  # (B, s, D)
+
+    run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
+
+    def stages():  # the forms' inner tensors are not recorded: the output only (rule 3)
+        return {"output": StageTensor(run(), ("B", "Nq", "D"), "o_proj of the step's merged (naive) or latent context")}
+
+    layout = "(B, T, R + dr): [c | k_rope] a row per token, allocated once with room for the step, written in place"
+    info = {
+        "layout": "row samples (B, tokens, features)",
+        "form": form,
+        "context": T,
+        "step": s,
+        "cache": latent_cache_info(cfg, B, T + s, x.element_size(), layout),
+        **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
+    }
+    return Prepared(run, tensor_to_numpy, stages, synchronize=synchronizer(device), info=info)

@@ -137,6 +137,16 @@ def test_a_ragged_mla_step_is_refused_with_the_reason():
         get_backend("numpy").prepare_decode(cfg, init_params(cfg), context=4, batch=2, strategy="naive", lengths=[4, 2])
 
 
+def test_an_adapter_without_a_timed_mla_step_refuses_it_by_name():
+    # einops decodes MLA through run_decode's latent cache but times no step of it (`MLAStrategies.mla_timed_step`).
+    from mha_rosetta.backends import UnsupportedCase
+
+    cfg = MHAConfig(**DEEPSEEK_V3_LIKE)
+    assert not get_backend("einops-numpy").mla_timed_step and get_backend("numpy").mla_timed_step
+    with pytest.raises(UnsupportedCase, match="einops-numpy: MLA's 'absorbed' form has no timed decode step yet"):
+        get_backend("einops-numpy").prepare_decode(cfg, init_params(cfg), context=4, batch=1, strategy="absorbed")
+
+
 def test_a_tiny_mla_bench_in_fresh_children():
     settings = decode_settings(
         "decode-quick", mla=dict(TINY_MLA), mla_contexts=[32], d_model=8, heads=2, policy=FAST, prefill_policy=FAST

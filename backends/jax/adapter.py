@@ -13,7 +13,6 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
-from .._mla_step import MLATimedStep
 from .._paged import PAGED
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
@@ -45,10 +44,11 @@ from .paged import PAGED_LAYOUT, paged_decoders, prepare_paged_decode_step
 from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
 
-class JaxBackend(MLATimedStep, MLAStrategies, Backend):
+class JaxBackend(MLAStrategies, Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
     name = "jax"
+    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
     strategies = (STANDARD, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`, `mla`)
     # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries

@@ -10,7 +10,6 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
-from .._mla_step import MLATimedStep
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
@@ -25,8 +24,9 @@ from .mla_vjp import prepare_numpy_mla_vjp
 from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
 
 
-class NumpyBackend(MLATimedStep, MLAStrategies, Backend):  # MLA's forms timed on the latent cache
+class NumpyBackend(MLAStrategies, Backend):
     name = "numpy"
+    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )

@@ -11,7 +11,6 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
-from .._mla_step import MLATimedStep
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
@@ -34,8 +33,9 @@ from .mla import (  # MLA's two forms
 from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
 
-class TorchBackend(MLATimedStep, MLAStrategies, TorchDevices, Backend):
+class TorchBackend(MLAStrategies, TorchDevices, Backend):
     name = "torch"
+    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )

@@ -105,7 +105,8 @@ class JaxOps(UpcastSteps):
 
         return jax.nn.sigmoid(x)
 
-    _compute_dtype = staticmethod(compute_dtype)
+    def _compute_dtype(self, dtype):
+        return compute_dtype(dtype)
 
     def take(self, table, index):
         return table[index]

@@ -65,7 +65,8 @@ class MlxOps(UpcastSteps):
     def _sigmoid(self, x):
         return self.mx.sigmoid(x)
 
-    _compute_dtype = staticmethod(compute_dtype)
+    def _compute_dtype(self, dtype):
+        return compute_dtype(dtype)
 
     # -- the score steps (softcap and the score bias: `UpcastSteps`) -------------------------
     def positional_mask(self, scores, blocked):

@@ -161,6 +161,16 @@ def time_repeats(
     return summary
 
 
+def fixed_median_s(
+    run_once: Callable[[], None], repeats: int, warmup: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """The median seconds of exactly ``repeats`` timed calls of ``run_once`` after ``warmup`` untimed ones:
+    `warm_up` and `time_repeats` at a fixed count (no time budget, no stability rule), for the cost scripts."""
+    policy = RepeatPolicy(min_time=0.0, min_repeats=repeats, max_repeats=repeats, warmup=warmup)
+    warm_up(run_once, policy, clock)
+    return time_repeats(run_once, policy, clock=clock)["median_s"]
+
+
 def time_interleaved(
     variants: dict[str, Callable[[], None]],
     policy: RepeatPolicy,

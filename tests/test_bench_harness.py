@@ -38,7 +38,7 @@ from mha_rosetta.benchmarks.questions import (
 )
 from mha_rosetta.benchmarks.report import SCHEMA_VERSION, assemble_report, machine_info, primary_peak
 from mha_rosetta.benchmarks.sweep import SweepSettings, run_sweep
-from mha_rosetta.benchmarks.timing import RepeatPolicy, minor_page_faults, summarize, time_repeats
+from mha_rosetta.benchmarks.timing import RepeatPolicy, fixed_median_s, minor_page_faults, summarize, time_repeats
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.files import write_text_atomic
 
@@ -212,6 +212,19 @@ def test_time_repeats_caps_at_max_repeats_and_max_time():
     )
     assert result["stable"] is False
     assert result["timed_total_s"] == pytest.approx(2.0)  # 10 samples of 0.1/0.3 alternating
+
+
+def test_fixed_median_s_times_exactly_the_asked_calls_after_the_warm_up():
+    """The cost scripts' loop: one untimed call (its 100 s never counts), then exactly ``repeats`` samples."""
+    odd = FakeClock([100.0, 5.0, 1.0, 3.0, 2.0, 4.0])
+    assert fixed_median_s(odd.run_once, 5, clock=odd) == 3.0  # sorted 1 2 3 4 5
+    assert odd.calls == 6
+    even = FakeClock([100.0, 1.0, 2.0, 3.0, 10.0])
+    assert fixed_median_s(even.run_once, 4, clock=even) == 2.5  # (2 + 3) / 2, as np.median
+    assert even.calls == 5
+    twice = FakeClock([50.0, 50.0, 7.0])
+    assert fixed_median_s(twice.run_once, 1, warmup=2, clock=twice) == 7.0
+    assert twice.calls == 3
 
 
 def test_repeat_policy_rejects_bad_values():

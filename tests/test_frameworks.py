@@ -27,6 +27,22 @@ def test_registry_is_keyed_by_library_name_in_preference_order():
         get_framework("cupy")
 
 
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_each_namespace_is_the_module_its_array_module_names(name):
+    """`Framework.namespace` imports `array_module`: the same module object the library's own import gives."""
+    framework = get_framework(name)
+    module = pytest.importorskip(framework.array_module, reason=f"{framework.array_module} is not installed")
+    assert framework.namespace() is module
+
+
+def test_a_framework_without_an_array_module_says_so():
+    class Bare(Framework):
+        name = "bare"
+
+    with pytest.raises(NotImplementedError, match="bare names no array module"):
+        Bare().namespace()
+
+
 def test_importing_the_layer_and_asking_about_numpy_imports_no_framework():
     code = (
         "import sys, numpy as np; from mha_rosetta.backends import frameworks as f; "

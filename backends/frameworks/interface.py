@@ -53,14 +53,20 @@ class Framework:
     layout_unknown = UNKNOWN_LAYOUT
     # Why "view, copy or new buffer" has no answer for its arrays (None: the recorded provenance answers).
     provenance_unknown: str | None = None
+    # The library's array module, by import name ("numpy", "torch", "jax.numpy"): `namespace` imports it.
+    array_module: str | None = None
 
     def owns(self, value) -> bool:
         """Whether ``value`` is an array of this library (read from its type's module; imports nothing)."""
         return type(value).__module__.split(".")[0] in self.modules
 
     def namespace(self):
-        """The library's array module (``numpy``, ``torch``, ``jax.numpy``), imported now."""
-        raise NotImplementedError(f"{self.name} names no array module")
+        """The library's array module (``numpy``, ``torch``, ``jax.numpy``: `array_module`), imported now."""
+        if self.array_module is None:
+            raise NotImplementedError(f"{self.name} names no array module")
+        import importlib
+
+        return importlib.import_module(self.array_module)
 
     # -- arrays ------------------------------------------------------------------------------
 

@@ -104,11 +104,7 @@ class JaxFramework(OpaqueLayout):
     startup_s = 1.5
     layout_unknown = XLA_MANAGED
     provenance_unknown = "n/a (immutable; XLA places buffers)"
-
-    def namespace(self):
-        import jax.numpy as jnp
-
-        return jnp
+    array_module = "jax.numpy"
 
     def to_numpy(self, value) -> np.ndarray:
         import numpy as np

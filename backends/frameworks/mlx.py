@@ -103,11 +103,7 @@ class MlxFramework(OpaqueLayout):
     startup_s = 1.0
     layout_unknown = MLX_LAZY
     provenance_unknown = "n/a (immutable, lazy)"
-
-    def namespace(self):
-        import mlx.core as mx
-
-        return mx
+    array_module = "mlx.core"
 
     def to_numpy(self, value) -> np.ndarray:
         import mlx.core as mx

@@ -22,16 +22,12 @@ class NumpyFramework(Framework):
     modules = ("numpy",)
     startup_s = 0.5
     copy_dtype = "float64"
+    array_module = "numpy"
 
     def owns(self, value) -> bool:
         import numpy as np
 
         return isinstance(value, (np.ndarray, np.generic))
-
-    def namespace(self):
-        import numpy as np
-
-        return np
 
     def gemm_unsupported(self, dtype: str, device: str) -> str | None:
         if device != "cpu":

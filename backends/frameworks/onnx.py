@@ -26,14 +26,10 @@ class OnnxRuntimeFramework(Framework):
     modules = ()  # its inputs and outputs are NumPy arrays: no array type of its own
     startup_s = 1.0  # import onnxruntime + onnx and build a session, roughly, on the 2-core machine
     layout_unknown = "n/a: ONNX Runtime takes and returns NumPy arrays"
+    array_module = "numpy"  # the arrays a session takes and returns
 
     def owns(self, value) -> bool:
         return False
-
-    def namespace(self):
-        import numpy as np
-
-        return np  # the arrays a session takes and returns
 
     def configure_threads(self, threads: int) -> dict:
         _SESSION_THREADS["threads"] = int(threads)

@@ -14,6 +14,7 @@ import numpy as np
 from mha_rosetta.core import numpy_dtype
 
 from .jax import enable_float64_if_needed, jax_device
+from .ops_upcast import UpcastSteps
 
 
 def jax_target(dtype: str, device: str):
@@ -50,7 +51,7 @@ def block_until_ready(result) -> None:
     jax.block_until_ready(result)
 
 
-class JaxOps:
+class JaxOps(UpcastSteps):
     """JAX arrays: functional updates, traced once and compiled by `jax.jit`.
 
     ``dtype`` and ``device`` are what `asarray` converts to (None: an ops object for the score steps
@@ -88,26 +89,24 @@ class JaxOps:
         mean_square = einops.reduce(xs * xs, pattern, "mean")
         return (xs * lax.rsqrt(mean_square + eps) * weight).astype(x.dtype)
 
-    def head_norm(self, x, eps: float, axis: int = -1):
-        """A weightless RMS norm over ``axis`` (each head's features: Llama 4's after rotary, Gemma 4's values),
-        ``x * rsqrt(mean(x**2) + eps)`` in at least float32, rounded back to ``x``'s dtype."""
+    # -- the primitives of `UpcastSteps` (head norm, temperature, gate, softcap, score bias) ----
+    def _array_module(self):
         import jax.numpy as jnp
+
+        return jnp
+
+    def _rsqrt(self, x):
         from jax import lax
 
-        xs = x.astype(compute_dtype(x.dtype))
-        return (xs * lax.rsqrt(jnp.mean(xs * xs, axis=axis, keepdims=True) + eps)).astype(x.dtype)
+        return lax.rsqrt(x)
 
-    def temper_queries(self, q, factors):
-        """Llama 4's temperature: ``q`` times its positions' factors (laid out against it), in at least float32."""
-        return (q.astype(compute_dtype(q.dtype)) * factors).astype(q.dtype)
-
-    def output_gate(self, merged, logits):
-        """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = jax.nn.sigmoid(logits), laid out
-        like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""
+    def _sigmoid(self, x):
         import jax
 
-        gate = jax.nn.sigmoid(logits.astype(compute_dtype(logits.dtype))).astype(logits.dtype)
-        return gate, merged * gate
+        return jax.nn.sigmoid(x)
+
+    def _compute_dtype(self, dtype):
+        return compute_dtype(dtype)
 
     def take(self, table, index):
         return table[index]
@@ -127,17 +126,7 @@ class JaxOps:
 
         return jnp.full(shape, array, dtype)
 
-    # -- the score steps --------------------------------------------------------------------
-    def softcap(self, scores, cap: float):
-        """``cap * tanh(scores / cap)`` (`core.variants.softcap`), in at least float32."""
-        import jax.numpy as jnp
-
-        return (cap * jnp.tanh(scores.astype(compute_dtype(scores.dtype)) / cap)).astype(scores.dtype)
-
-    def add_score_bias(self, scores, bias):
-        """``scores + bias``: the bias (float32 or float64) added in at least float32."""
-        return (scores.astype(compute_dtype(scores.dtype)) + bias).astype(scores.dtype)
-
+    # -- the score steps (softcap and the score bias: `UpcastSteps`) -------------------------
     def positional_mask(self, scores, blocked):
         import jax.numpy as jnp
 

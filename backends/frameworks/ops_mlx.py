@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .mlx import to_mlx
+from .ops_upcast import UpcastSteps
 
 
 def compute_dtype(dtype):
@@ -22,7 +23,7 @@ def compute_dtype(dtype):
     return dtype if dtype in (mx.float32, mx.float64) else mx.float32
 
 
-class MlxOps:
+class MlxOps(UpcastSteps):
     """MLX arrays: functional updates, evaluated lazily at ``mx.eval``.
 
     ``dtype`` is what `asarray` converts to (None: an ops object for the score steps only).
@@ -54,34 +55,20 @@ class MlxOps:
     def broadcast(self, array, shape, dtype):
         return self.mx.broadcast_to(array.astype(dtype), shape)
 
-    def head_norm(self, x, eps: float, axis: int = -1):
-        """A weightless RMS norm over ``axis`` (each head's features: Llama 4's after rotary, Gemma 4's values),
-        ``x * rsqrt(mean(x**2) + eps)`` in at least float32, rounded back to ``x``'s dtype."""
-        mx = self.mx
-        xs = x.astype(compute_dtype(x.dtype))
-        return (xs * mx.rsqrt(mx.mean(xs * xs, axis=axis, keepdims=True) + eps)).astype(x.dtype)
+    # -- the primitives of `UpcastSteps` (head norm, temperature, gate, softcap, score bias) ----
+    def _array_module(self):
+        return self.mx
 
-    def temper_queries(self, q, factors):
-        """Llama 4's temperature: ``q`` times its positions' factors (laid out against it), in at least float32."""
-        return (q.astype(compute_dtype(q.dtype)) * factors).astype(q.dtype)
+    def _rsqrt(self, x):
+        return self.mx.rsqrt(x)
 
-    def output_gate(self, merged, logits):
-        """The output gate (``attn_output_gate``): (gate, merged * gate) with gate = mx.sigmoid(logits), laid out
-        like ``merged``; the sigmoid in at least float32, rounded back to the logits' dtype."""
-        mx = self.mx
-        gate = mx.sigmoid(logits.astype(compute_dtype(logits.dtype))).astype(logits.dtype)
-        return gate, merged * gate
+    def _sigmoid(self, x):
+        return self.mx.sigmoid(x)
 
-    # -- the score steps --------------------------------------------------------------------
-    def softcap(self, scores, cap: float):
-        """``cap * tanh(scores / cap)`` (`core.variants.softcap`), in at least float32, rounded once."""
-        mx = self.mx
-        return (cap * mx.tanh(scores.astype(compute_dtype(scores.dtype)) / cap)).astype(scores.dtype)
+    def _compute_dtype(self, dtype):
+        return compute_dtype(dtype)
 
-    def add_score_bias(self, scores, bias):
-        """``scores + bias``: the bias (float32 or float64) added in at least float32, rounded once."""
-        return (scores.astype(compute_dtype(scores.dtype)) + bias).astype(scores.dtype)
-
+    # -- the score steps (softcap and the score bias: `UpcastSteps`) -------------------------
     def positional_mask(self, scores, blocked):
         mx = self.mx
         return mx.where(blocked, mx.array(-np.inf, dtype=scores.dtype), scores)

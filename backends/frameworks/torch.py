@@ -110,11 +110,7 @@ class TorchFramework(Framework):
     drives_gpu = True
     startup_s = 2.5
     copy_dtype = "float32"
-
-    def namespace(self):
-        import torch
-
-        return torch
+    array_module = "torch"
 
     def to_numpy(self, value) -> np.ndarray:
         value = value.detach()

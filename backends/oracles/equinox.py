@@ -18,13 +18,10 @@ from mha_rosetta.core.layouts import EQUINOX_NAMES
 
 from .._grad_layout import gradients_to_canonical
 from .._layouts import ROW_SAMPLE_PROJECTION_AXES
-from ..base import Prepared, StageTensor, UnsupportedCase
+from ..base import StageTensor, UnsupportedCase
 from ..jax.common import (
     CompiledForward,
     allowed_for_heads,
-    compiled_prepared,
-    jax_inputs,
-    jax_target,
     to_jax,
 )
 from .flax import fixed_heads_reason
@@ -82,19 +79,15 @@ class EquinoxMHAOracle(JaxOracle):
         reason = fixed_heads_reason(cfg, "equinox MultiheadAttention", "qk_size")
         return reason or super().unsupported_reason(cfg, dtype, device, strategy)
 
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
-    ) -> Prepared:
+    def _module_program(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target, spec, x):
         import equinox as eqx
         import jax
         import jax.numpy as jnp
 
-        target = jax_target(dtype, device)
-        spec = self._output_rows(cfg, params, inputs, dtype, target)
         model = loaded_equinox_mha(cfg, params, dtype, target)
         dynamic, static = eqx.partition(model, eqx.is_array)
 
-        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
+        x_q, x_k, x_v = x
         mask, batch_axis = _equinox_mask(cfg, inputs)
         mask = to_jax(mask, None, target)
         process_heads = _equinox_rotary(cfg, inputs, jnp.dtype(numpy_dtype(dtype)))
@@ -134,7 +127,7 @@ class EquinoxMHAOracle(JaxOracle):
                 "output": StageTensor(result["output"], ("B", "Nq", "D"), f"module output, vmapped over batch{mapped}"),
             }
 
-        return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
+        return compiled, native_stages
 
     maps_output_rows = True
 

@@ -34,14 +34,12 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, prepa
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
 from .._grad_layout import gradients_to_canonical
-from ..base import STANDARD, Prepared, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
+from ..base import STANDARD, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
 from ..jax.common import (
     CompiledForward,
     allowed_for_heads,
     block_until_ready,
-    compiled_prepared,
     effective_precision,
-    jax_inputs,
     jax_target,
     to_jax,
 )
@@ -126,18 +124,14 @@ class FlaxMHAOracle(JaxOracle):
         reason = fixed_heads_reason(cfg, "Flax MultiHeadDotProductAttention", "head_dim", one_head_dim=True)
         return reason or super().unsupported_reason(cfg, dtype, device, strategy)
 
-    def _prepare(
-        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
-    ) -> Prepared:
+    def _module_program(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target, spec, x):
         import flax.linen as nn
         import jax
 
-        target = jax_target(dtype, device)
-        spec = self._output_rows(cfg, params, inputs, dtype, target)
         # Kernels (in, H, head_dim), out kernel (H, head_dim, D), each a JAX array on the target.
         tree = jax.tree_util.tree_map(lambda array: to_jax(array, dtype, target), to_flax_params(cfg, params))
         module = flax_module(cfg, dtype)
-        x_q, x_k, x_v = jax_inputs(inputs, dtype, target)
+        x_q, x_k, x_v = x
         mask = to_jax(allowed_for_heads(cfg, inputs), None, target)  # (B|1, H|1, Nq, Nk), True = attend
         if cfg.rel_buckets is not None:  # T5's table next to the module's tree: a primal, so its gradient comes back
             tree = {**tree, "rel_bias": to_jax(params.rel_bias, dtype, target)}
@@ -180,7 +174,7 @@ class FlaxMHAOracle(JaxOracle):
                 "output": StageTensor(result["output"], ("B", "Nq", "D"), f"module output{mapped}"),
             }
 
-        return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
+        return compiled, native_stages
 
     def _prepare_decode_run(self, cfg, params, inputs: DecodeInputs, dtype, device, strategy, cache) -> PreparedDecode:
         import jax

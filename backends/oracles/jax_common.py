@@ -20,6 +20,7 @@ library's convention differs from the spec, the oracle maps it and says so in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -28,11 +29,14 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
 
-from ..base import Backend, UnsupportedCase
+from ..base import Backend, Prepared, UnsupportedCase
 from ..jax.common import (
+    CompiledForward,
     check_matmul_precision,
+    compiled_prepared,
     empty_query_rows,
     jax_devices,
+    jax_inputs,
     jax_target,
     precision_info,
     to_jax,
@@ -115,6 +119,23 @@ class JaxOracle(Backend):
     def _canonical_grads(self, cfg: MHAConfig, grads) -> dict:
         """The gradient of the library's parameter tree, by canonical name (subclasses with other trees override)."""
         return canonical_param_grads(grads)
+
+    def _prepare(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
+    ) -> Prepared:
+        """A module oracle's prepare (Flax, Equinox; `jax_dpa` has its own): the device, the rows the spec maps
+        to b_o and the inputs on it, then the library's module (`_module_program`), then the info."""
+        target = jax_target(dtype, device)
+        spec = self._output_rows(cfg, params, inputs, dtype, target)
+        x = jax_inputs(inputs, dtype, target)  # (x_q, x_k, x_v): (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
+        compiled, native_stages = self._module_program(cfg, params, inputs, dtype, target, spec, x)
+        return compiled_prepared(compiled, native_stages, self._info(dtype, device, empty_rows_mapped=spec.count))
+
+    def _module_program(
+        self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target, spec: OutputRows, x: tuple
+    ) -> tuple[CompiledForward, Callable[[], dict]]:
+        """The library's module run on ``x``: its jitted forward and its native stages (a module oracle's part)."""
+        raise NotImplementedError(f"{type(self).__name__} defines _prepare or _module_program")
 
     def _output_rows(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, target) -> OutputRows:
         """What the module oracles (Flax, Equinox) need to give an empty row the spec's output b_o."""

@@ -1,6 +1,7 @@
 """mlx-lm's attentions of the 2025-26 forms read by `from_module`: DeepSeek V3's latent attention
-(``DeepseekV3Attention``) and Llama 4's (``llama4.Attention``): each real module's own forward, and its decode
-through mlx-lm's own ``KVCache``, is the spec of what was read; then Hugging Face's module against it (`compare`).
+(``DeepseekV3Attention``) and Llama 4's (``llama4.Attention``, ``llama4_text.Attention``): each real module's own
+forward, and its decode through mlx-lm's own ``KVCache``, is the spec of what was read; then Hugging Face's module
+against it (`compare`).
 
 The modules are mlx-lm's own, built tiny from their ModelArgs, random weights cast to float64, run on the CPU
 stream: mlx's exp/sin/cos are float32-accurate there (`models._mlx_io.FLOAT64_NOTE`), so every run is held to

@@ -46,6 +46,8 @@ CONFIGS = {
     "mlx-llama4": MHAConfig(
         d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, rope="interleaved", attention_chunk_size=3
     ),
+    # a NoPE layer's weightless norm: qk_norm="head", stored by the names q_norm/k_norm (unit weights on the module)
+    "mlx-llama4-text": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, qk_norm="head"),
     "hf-bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
     "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),

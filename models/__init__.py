@@ -57,6 +57,7 @@ from . import (
     meta_llama,
     mlx_deepseek,
     mlx_llama4,
+    mlx_llama4_text,
     mlx_lm,
     timm_vit,
 )
@@ -106,6 +107,7 @@ LAYOUTS: dict[str, Layout] = {
         mlx_lm.QWEN3_NEXT,
         mlx_deepseek.LAYOUT,
         mlx_llama4.LAYOUT,
+        mlx_llama4_text.LAYOUT,
         *keras_hub.LAYOUTS,
         TORCH_MHA,
         FLAX,

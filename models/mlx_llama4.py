@@ -91,6 +91,37 @@ def build(cfg: MHAConfig, dtype: str = "float64"):
     return module
 
 
+def llama4_fields(module) -> dict[str, Any]:
+    """The MHAConfig fields both mlx-lm Llama 4 attentions (``llama4``, ``llama4_text``) keep alike: the sizes, the
+    biases, the scale and the layer's rotary (``use_rope``; none on a NoPE layer)."""
+    rope = mlx_rope(module) if module.use_rope else None
+    if rope is not None and rope["rope_dims"] != module.head_dim:
+        raise unexpressible(module, f"rotary over {rope['rope_dims']} features", "Llama 4 rotates every feature")
+    return dict(
+        d_model=module.q_proj.weight.shape[1],
+        n_heads=module.n_heads,
+        n_kv_heads=module.n_kv_heads,
+        d_k=module.head_dim,
+        bias=mlx_bias(module),
+        causal=True,
+        scale=float(module.scale),
+        rope=None if rope is None else rope["rope"],
+        rope_base=10000.0 if rope is None else rope["rope_base"],
+        rope_scaling=None if rope is None else rope["rope_scaling"],
+    )
+
+
+def llama4_rules(module: str) -> tuple:
+    """The rules both mlx-lm Llama 4 attentions share: interleaved or no rotary, Llama's linears, causal, the scale."""
+    return (
+        rotary_is(("interleaved", None), module),
+        same_head_dims(module),
+        self_attention_widths(module),
+        causal_only(module),
+        default_scale(module),
+    )
+
+
 def read(module) -> MHAConfig:
     """The instance's layer kind (``use_rope``), rotary, QK-norm and temperature; the chunk from its model args."""
     args = model_args(module)
@@ -101,26 +132,16 @@ def read(module) -> MHAConfig:
             "its chunk is its model's mask (LlamaModel: args.attention_chunk_size on every rotary layer): give the "
             "instance its model's (attention.args = model.args)",
         )
-    rope = mlx_rope(module) if module.use_rope else None
-    if rope is not None and rope["rope_dims"] != module.head_dim:
-        raise unexpressible(module, f"rotary over {rope['rope_dims']} features", "Llama 4 rotates every feature")
+    fields = llama4_fields(module)
+    rotary = fields["rope"] is not None
     # the temperature's registry fields (typed Any in core.config), on NoPE layers that temper
-    kind: dict[str, Any] = {"attn_temperature_tuning": bool(module.attn_temperature_tuning) and not module.use_rope}
+    kind: dict[str, Any] = {"attn_temperature_tuning": bool(module.attn_temperature_tuning) and not rotary}
     if kind["attn_temperature_tuning"]:
         kind.update(floor_scale=float(module.floor_scale), attn_scale=float(module.attn_scale))
     try:
         return MHAConfig(
-            d_model=module.q_proj.weight.shape[1],
-            n_heads=module.n_heads,
-            n_kv_heads=module.n_kv_heads,
-            d_k=module.head_dim,
-            bias=mlx_bias(module),
-            causal=True,
-            scale=float(module.scale),
-            rope=None if rope is None else rope["rope"],
-            rope_base=10000.0 if rope is None else rope["rope_base"],
-            rope_scaling=None if rope is None else rope["rope_scaling"],
-            attention_chunk_size=int(args.attention_chunk_size) if module.use_rope else None,
+            **fields,
+            attention_chunk_size=int(args.attention_chunk_size) if rotary else None,
             qk_norm_after_rope=bool(module.use_qk_norm),
             norm_eps=NORM_EPS,
             **kind,
@@ -207,11 +228,7 @@ LAYOUT = Layout(
     rules=(
         _layer_kind_rule,
         scaling_read(MODULE),
-        rotary_is(("interleaved", None), MODULE),
-        same_head_dims(MODULE),
-        self_attention_widths(MODULE),
-        causal_only(MODULE),
-        default_scale(MODULE),
+        *llama4_rules(MODULE),
     ),
     **_PACKING,
     notes=(

@@ -897,6 +897,7 @@ def test_every_reader_is_registered_once_by_class():
         "mlx_lm.models.qwen3_next.Qwen3NextAttention",
         "mlx_lm.models.deepseek_v3.DeepseekV3Attention",
         "mlx_lm.models.llama4.Attention",
+        "mlx_lm.models.llama4_text.Attention",
         *(f"keras_hub.{name}" for name in ("LlamaAttention", "CachedMistralAttention", "CachedGemmaAttention")),
         *(f"keras_hub.{name}" for name in ("CachedGemma3Attention", "QwenAttention", "Qwen3Attention")),
         *(f"keras_hub.{name}" for name in ("Phi3Attention", "GptOssAttention")),

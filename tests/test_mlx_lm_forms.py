@@ -1,6 +1,7 @@
 """mlx-lm's attentions of the 2025-26 forms read by `from_module`: DeepSeek V3's latent attention
-(``DeepseekV3Attention``) and Llama 4's (``llama4.Attention``): each real module's own forward, and its decode
-through mlx-lm's own ``KVCache``, is the spec of what was read; then Hugging Face's module against it (`compare`).
+(``DeepseekV3Attention``) and Llama 4's (``llama4.Attention``, ``llama4_text.Attention``): each real module's own
+forward, and its decode through mlx-lm's own ``KVCache``, is the spec of what was read; then Hugging Face's module
+against it (`compare`).
 
 The modules are mlx-lm's own, built tiny from their ModelArgs, random weights cast to float64, run on the CPU
 stream: mlx's exp/sin/cos are float32-accurate there (`models._mlx_io.FLOAT64_NOTE`), so every run is held to
@@ -8,6 +9,8 @@ float32's tolerance, with that cause in the run's note.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -52,6 +55,15 @@ def _assert_float32(run_output, expected):
     np.testing.assert_allclose(run_output, expected, atol=TOL.atol, rtol=TOL.rtol)
 
 
+def _assert_round_trips(build, cfg):
+    """``to_module`` of what `from_module` read from ``build(cfg)``, read back: every parameter bit for bit."""
+    cfg, params = from_module(build(cfg))
+    back = from_module(to_module(cfg, params, build(cfg))).params
+    for name, array in params.as_dict().items():
+        if array is not None:
+            assert np.array_equal(getattr(back, name), array), name
+
+
 @pytest.mark.parametrize("cfg", MLA_CASES, ids=["q_lora", "no_q_lora_bias", "yarn"])
 def test_deepseek_v3_module_is_the_spec_of_what_from_module_read(cfg):
     module = mlx_deepseek.build(cfg)
@@ -65,11 +77,7 @@ def test_deepseek_v3_module_is_the_spec_of_what_from_module_read(cfg):
 
 @pytest.mark.parametrize("cfg", MLA_CASES[:2], ids=["q_lora", "no_q_lora_bias"])
 def test_deepseek_v3_to_module_round_trips_exactly(cfg):
-    cfg, params = from_module(mlx_deepseek.build(cfg))
-    back = from_module(to_module(cfg, params, mlx_deepseek.build(cfg))).params
-    for name, array in params.as_dict().items():
-        if array is not None:
-            assert np.array_equal(getattr(back, name), array), name
+    _assert_round_trips(mlx_deepseek.build, cfg)
 
 
 def test_deepseek_v3_multilinears_are_kv_b_proj_split_per_head():
@@ -175,11 +183,7 @@ def test_llama4_module_is_the_spec_of_what_from_module_read(cfg):
 def test_llama4_to_module_round_trips_exactly(cfg):
     from mha_rosetta.models import mlx_llama4
 
-    cfg, params = from_module(mlx_llama4.build(cfg))
-    back = from_module(to_module(cfg, params, mlx_llama4.build(cfg))).params
-    for name, array in params.as_dict().items():
-        if array is not None:
-            assert np.array_equal(getattr(back, name), array), name
+    _assert_round_trips(mlx_llama4.build, cfg)
 
 
 def test_llama4_mlx_lm_choices_layer_index_norm_eps_and_the_model_chunk():
@@ -346,3 +350,95 @@ def test_qwen3_next_decodes_through_its_kv_cache():
     _, read_cfg, params = run_module(module, x)
     steps = np.stack(decode_steps(module, x), axis=1)  # mlx-lm's KVCache, its rope at cache.offset
     _assert_float32(steps, reference_mha(read_cfg, params, x))
+
+
+# -- Llama 4, text only (llama4_text.Attention) ----------------------------------------------------------------------
+# A rotary layer normed (eps rms_norm_eps, before rotary in mlx-lm: read as after, the same numbers), a plain rotary
+# layer, a NoPE layer normed (read as qk_norm="head", unit weights) and a plain NoPE layer
+L4T_CASES = [
+    _l4(qk_norm_after_rope=True, norm_eps=1e-5),
+    _l4(),
+    _l4(rope=None, qk_norm="head", norm_eps=1e-5),
+    _l4(rope=None),
+]
+L4T_IDS = ["rotary_norm", "rotary", "nope_norm", "nope"]
+
+
+@pytest.mark.parametrize("cfg", L4T_CASES, ids=L4T_IDS)
+def test_llama4_text_module_is_the_spec_of_what_from_module_read(cfg):
+    from mha_rosetta.models import mlx_llama4_text
+
+    module = mlx_llama4_text.build(cfg)
+    spec = from_module(module)
+    assert spec.cfg == cfg  # the kind (use_rope), the norm and its eps (rms_norm_eps), no chunk, no temperature
+    if cfg.qk_norm == "head":  # the weightless norm: unit weights
+        assert np.array_equal(spec.params.q_norm, np.ones(6)) and np.array_equal(spec.params.k_norm, np.ones(6))
+    x = np.random.default_rng(7).standard_normal((2, 7, cfg.d_model))
+    run, read_cfg, params = run_module(module, x)
+    assert run.precision == "float32" and "float32-accurate" in run.note
+    _assert_float32(run.output, reference_mha(read_cfg, params, x))
+    if cfg.qk_norm_after_rope or cfg.qk_norm:  # the norm read changes the output: without it, not the module's
+        bare = replace(read_cfg, qk_norm_after_rope=False, qk_norm=None)
+        assert not np.allclose(run.output, reference_mha(bare, replace(params, q_norm=None, k_norm=None), x), atol=1e-3)
+    steps = np.stack(decode_steps(module, x), axis=1)  # mlx-lm's KVCache, no mask (create_attention_mask: None)
+    _assert_float32(steps, reference_mha(read_cfg, params, x))
+
+
+@pytest.mark.parametrize("cfg", L4T_CASES[::2], ids=L4T_IDS[::2])
+def test_llama4_text_to_module_round_trips_exactly(cfg):
+    from mha_rosetta.models import mlx_llama4_text
+
+    _assert_round_trips(mlx_llama4_text.build, cfg)
+
+
+def test_llama4_text_reads_no_rope_layers_and_refuses_a_weighted_norm():
+    from mlx_lm.models.llama4_text import Attention
+
+    from mha_rosetta.models import LayoutError, mlx_llama4_text
+
+    module = mlx_llama4_text.build(L4T_CASES[2])
+    # the layer kind is the model args' no_rope_layers[i] (not llama4.Attention's layer index)
+    kinds = [from_module(Attention(module.args, flag)).cfg.rope for flag in (1, 0, 0, 1)]
+    assert kinds == ["interleaved", None, None, "interleaved"]
+    cfg, params = from_module(module)
+    with pytest.raises(LayoutError, match=r"cannot hold q_norm: its QK-norm is weightless.*from 0\.5 to 0\.5"):
+        to_module(cfg, replace(params, q_norm=np.full(6, 0.5)), mlx_llama4_text.build(cfg))
+    layout = get_layout("mlx-llama4-text")
+    # no chunk, no temperature (the model's mask is plain causal); the norm per head only where no rotary follows
+    assert "switches on chunked: mlx_lm.models.llama4_text.Attention does not" in layout.unsupported_reason(
+        _l4(attention_chunk_size=3)
+    )
+    assert "temperature" in layout.unsupported_reason(L4_CASES[2])
+    assert "read as qk_norm_after_rope on rotary layers" in layout.unsupported_reason(_l4(qk_norm="head"))
+
+
+@pytest.mark.parametrize("cfg", [L4T_CASES[0], L4T_CASES[3]], ids=["rotary_norm", "nope"])
+def test_hf_llama4_text_without_chunk_or_temperature_agrees_with_mlx_lm(cfg):
+    from mha_rosetta.diagnose.compare import compare
+    from mha_rosetta.models import hf_llama4, mlx_llama4_text
+
+    hf = _hf(hf_llama4.build, cfg)  # Llama4TextConfig(attention_chunk_size=None, attn_temperature_tuning=False)
+    port = mlx_llama4_text.build(from_module(hf).cfg)
+    # decode: Hugging Face's DynamicCache against mlx-lm's KVCache, 9 tokens
+    result = compare(hf, port, x=np.random.default_rng(15).standard_normal((2, 9, 16)), decode=True)
+    assert result.differences == [] and result.agrees and result.first_decode_step is None
+    assert len(result.decode_steps) == 9
+
+
+def test_hf_llama4_chunk_and_temperature_against_mlx_lm_text_are_named():
+    from mha_rosetta.diagnose.compare import compare
+    from mha_rosetta.models import hf_llama4, mlx_llama4_text
+
+    x = np.random.default_rng(16).standard_normal((2, 7, 16))
+    # a rotary layer: Hugging Face chunks it (chunk 3), mlx-lm's llama4_text model gives it the plain causal mask
+    hf = _hf(hf_llama4.build, _l4(attention_chunk_size=3, qk_norm_after_rope=True, norm_eps=1e-5))
+    result = compare(hf, mlx_llama4_text.build(L4T_CASES[0]), x=x, decode=True)
+    assert [(d.name, d.a, d.b) for d in result.differences] == [("attention_chunk_size", 3, None)]
+    assert not result.agrees and result.first_decode_step == 3  # step 3 opens Hugging Face's second chunk
+    # a NoPE layer: Hugging Face tempers its queries, mlx-lm's llama4_text has no temperature
+    hf = _hf(hf_llama4.build, L4_CASES[2])
+    result = compare(hf, mlx_llama4_text.build(L4T_CASES[3]), x=x)
+    assert "attn_temperature_tuning" in [d.name for d in result.differences] and not result.agrees
+    # a NoPE layer with use_qk_norm: mlx-lm norms it, Hugging Face does not (rotary layers only); B holds a norm A lacks
+    with pytest.raises(ValueError, match=r"B cannot hold A's parameters.*qk_norm"):
+        compare(_hf(hf_llama4.build, L4T_CASES[3]), mlx_llama4_text.build(L4T_CASES[2]))

@@ -46,6 +46,8 @@ CONFIGS = {
     "mlx-llama4": MHAConfig(
         d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, rope="interleaved", attention_chunk_size=3
     ),
+    # a NoPE layer's weightless norm: qk_norm="head", stored by the names q_norm/k_norm (unit weights on the module)
+    "mlx-llama4-text": MHAConfig(d_model=16, n_heads=4, n_kv_heads=2, d_k=6, bias=False, causal=True, qk_norm="head"),
     "hf-bloom": MHAConfig(d_model=18, n_heads=6, causal=True, alibi=True),
     "hf-mpt": MHAConfig(d_model=18, n_heads=6, bias=False, causal=True, alibi=True),
     "megatron": MHAConfig(d_model=16, n_heads=6, n_kv_heads=2, d_k=3),
@@ -69,7 +71,7 @@ def test_registry_lists_every_family():
         "hf-mistral", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-gemma4", "hf-gpt-oss", "hf-llama4", "hf-deepseek-v2",
             "hf-deepseek-v3", "hf-qwen3-next", "hf-bloom", "hf-mpt",
         "megatron", "timm-vit", "hf-t5", "keras", "mlx-llama", "mlx-qwen2", "mlx-qwen3", "mlx-olmo2", "mlx-gemma3", "mlx-phi3", "mlx-gemma2",
-        "mlx-gpt-oss", "mlx-qwen3-next", "mlx-deepseek-v3", "mlx-llama4",
+        "mlx-gpt-oss", "mlx-qwen3-next", "mlx-deepseek-v3", "mlx-llama4", "mlx-llama4-text",
         "keras-hub-llama", "keras-hub-mistral", "keras-hub-gemma", "keras-hub-gemma3", "keras-hub-qwen2",
         "keras-hub-qwen3", "keras-hub-phi3", "keras-hub-gpt-oss",
         "torch-mha", "flax", "equinox",

@@ -339,7 +339,8 @@ class RegistryVariants:
 
     def __get__(self, obj, owner=None) -> frozenset[str]:
         classes = [OPS_BY_LIBRARY[name] for name in self.libraries]
-        forms = strategy_forms((owner if obj is None else obj).strategies)  # the forms of strategies it has
+        # the forms of strategies it has (an owner without strategies has none of them)
+        forms = strategy_forms(getattr(owner if obj is None else obj, "strategies", ()))
         # A score step before the softmax runs only if the pipeline carries it (`SCORE_STEPS`, built from the
         # registry at import): a variant the pipeline would skip is never declared, so it is refused, not run without.
         carried = {name for names, _ in SCORE_STEPS for name in names}

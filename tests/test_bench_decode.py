@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import requires
 from mha_rosetta.backends.registry import REGISTRY, register_path
 from mha_rosetta.benchmarks import bandwidth
 from mha_rosetta.benchmarks.bandwidth import (
@@ -318,6 +319,7 @@ def test_bad_cells_and_settings_name_the_argument():
         decode_settings("decode-quick", contexts=[])
 
 
+@requires("torch")  # the MLA row's cells are the installed backends' that decode MLA (numpy's and torch's here)
 def test_the_presets_cells():
     settings = decode_settings("decode")
     assert settings.contexts == [1024, 2048, 4096, 8192, 16384, 32768]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires
+from conftest import installed_backend, requires
 from mha_rosetta.backends import get_backend
 from mha_rosetta.backends._mla import MLA_STRATEGIES
 from mha_rosetta.benchmarks.bandwidth import enrich_decode_cell
@@ -33,6 +33,7 @@ def _cell(form: str, **changes) -> dict:
             "device": "cpu", "status": "error", "mla": dict(TINY_MLA), **TINY, **changes}  # fmt: skip
 
 
+@requires("torch")  # the preset names numpy and torch: both decode MLA
 def test_the_mla_rows_cells_are_each_decoding_backends_two_forms():
     settings = decode_settings("decode")
     assert settings.mla_contexts == [1024, 4096, 16384, 32768]  # 1k-32k
@@ -57,7 +58,7 @@ def test_the_mla_rows_cells_are_each_decoding_backends_two_forms():
 def test_a_backend_that_does_not_decode_mla_has_no_mla_cells():
     settings = decode_settings("decode-quick")
     # onnx has no MLA decode strategies: no MLA cells for it (the registry says so, no list of names here)
-    onnx = get_backend("onnx")
+    onnx = installed_backend("onnx")
     assert not set(MLA_STRATEGIES) <= set(onnx.decode_strategies)
     assert not [cell for cell in expand_decode_cells(settings, ["onnx"]) if cell.mla]
 
@@ -142,9 +143,10 @@ def test_an_adapter_without_a_timed_mla_step_refuses_it_by_name():
     from mha_rosetta.backends import UnsupportedCase
 
     cfg = MHAConfig(**DEEPSEEK_V3_LIKE)
-    assert not get_backend("einops-numpy").mla_timed_step and get_backend("numpy").mla_timed_step
+    einops = installed_backend("einops-numpy")
+    assert not einops.mla_timed_step and get_backend("numpy").mla_timed_step
     with pytest.raises(UnsupportedCase, match="einops-numpy: MLA's 'absorbed' form has no timed decode step yet"):
-        get_backend("einops-numpy").prepare_decode(cfg, init_params(cfg), context=4, batch=1, strategy="absorbed")
+        einops.prepare_decode(cfg, init_params(cfg), context=4, batch=1, strategy="absorbed")
 
 
 def test_a_tiny_mla_bench_in_fresh_children():

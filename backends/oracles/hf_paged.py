@@ -59,9 +59,7 @@ def hf_paged_decode(
     Hugging Face's paged cache and paged forward: (every token's output (T, d_model), the block tables as a
     `PagedLayout` after the last call, the cached keys as a pool of pages (pages, P, Hkv, Dk), which the layout's
     `PagedLayout.gather` reads in logical order). ``cfg``: what ``LlamaAttention`` holds (causal, half rotary,
-    no window)."""
-    import torch
-
+    no window). Bad input is refused before torch or transformers is imported."""
     page_size = check_page_size(page_size)
     for name, value in (("prefill", prefill), ("step", step)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -73,6 +71,8 @@ def hf_paged_decode(
     x = np.asarray(x, dtype=np.float64)
     if x.shape != (batch.total, cfg.d_model):
         raise ValueError(f"x must have shape (T={batch.total}, d_model={cfg.d_model}), got {x.shape}")
+    import torch
+
     module, config, rotary = build_module(cfg, params, dtype)
     config._attn_implementation = PAGED_EAGER
     torch_dtype = getattr(torch, dtype)

@@ -214,10 +214,11 @@ ENTRY = Variant(
         CaseSpec(
             "longrope_short",
             "Phi-3's longrope within its original length (7 tokens <= 16): the short table",
-            dict(
-                d_model=16,
+            dict(  # d_k 6, its first 4 features turned: every size distinct (tests/test_check.py)
+                d_model=24,
                 n_heads=4,
                 rope="half",
+                rope_dims=4,
                 causal=True,
                 rope_scaling={**LONGROPE, "original_max_position_embeddings": 16},
             ),

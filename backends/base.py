@@ -368,7 +368,8 @@ class Backend(DecodeMixin):
         if cache is not None and cache not in self.decode_caches:
             return f"{self.name} has no {cache!r} cache (it has {', '.join(self.decode_caches)})"
         if strategy not in self.decode_strategies:
-            return f"{self.name} decodes with the {', '.join(self.decode_strategies)} strategy only, not {strategy!r}"
+            noun = "strategy" if len(self.decode_strategies) == 1 else "strategies"
+            return f"{self.name} decodes with the {', '.join(self.decode_strategies)} {noun} only, not {strategy!r}"
         missing = [name for name in cfg.variants if name not in self.decode_variants]
         if missing:
             has = ", ".join(sorted(self.decode_variants)) or "none"

@@ -99,20 +99,32 @@ class PagePool:
             (b, j, bool(real[b, i])) for b in range(B) for i, j in enumerate(touched)
             if self.table[b, j] == PAD or (real[b, i] and self.table[b, j] == self.null)
         ]  # fmt: skip  # row-major: row 0's pages, then row 1's, as `PagedLayout.assign` orders them
-        need = sum(own for _, _, own in wants) + (self.null is None and any(not own for _, _, own in wants))
-        if need > len(self.free):
+        # Pad-only pages that now receive a real token leave the null page; when they were all that pointed at it,
+        # it is back in the pool before pages are given (a pool sized by `pool_pages` holds no spare for it: a
+        # left-padded row of 3 in a pool of 3 ran out without this).
+        converting = [(b, j) for b, j, own in wants if own and self.null is not None and self.table[b, j] == self.null]
+        frees_null = self.null is not None and int((self.table == self.null).sum()) == len(converting)
+        pads_wanted = any(not own for _, _, own in wants)
+        need = sum(own for _, _, own in wants) + (pads_wanted and (self.null is None or frees_null))
+        if need > len(self.free) + frees_null:
             raise CacheFull(
                 f"page pool exhausted: {B} rows need {need} more pages of {P} tokens, "
-                f"{len(self.free)} of {self.n_pages} are free"
+                f"{len(self.free) + frees_null} of {self.n_pages} are free"
             )
+        for b, j in converting:
+            self.table[b, j] = PAD
+        self._release_null()
         given = []
         for b, j, own in wants:
-            if not own and self.null is None:
-                self.null = self.free.pop(0)
-                given.append(self.null)
-            self.table[b, j] = self.free.pop(0) if own else self.null
             if own:
-                given.append(int(self.table[b, j]))
+                page = int(self.free.pop(0))
+                given.append(page)
+            else:  # a pad-only page: the shared null page, taken from the pool when the first one needs it
+                if self.null is None:
+                    self.null = self.free.pop(0)
+                    given.append(self.null)
+                page = self.null
+            self.table[b, j] = page
         self._release_null()  # every pad-only page may have received a real token
         self.written = end
         self.peak = max(self.peak, self.in_use)

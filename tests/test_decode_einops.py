@@ -179,7 +179,9 @@ def test_unsupported_strategy_and_cache_are_refused_with_the_reason(library):
     x, _ = decode_run_inputs(cfg, None)
     with pytest.raises(UnsupportedCase, match=rf"einops-{library} has no 'columns' cache \(it has static, paged\)"):
         backend.run_decode(cfg, params, x, prefill=2, cache="columns")
-    with pytest.raises(UnsupportedCase, match=r"decodes with the standard strategy only, not 'chunked'"):
+    with pytest.raises(
+        UnsupportedCase, match=r"decodes with the standard, naive, absorbed strategies only, not 'chunked'"
+    ):
         backend.run_decode(cfg, params, x, prefill=2, strategy="chunked")
 
 

@@ -237,7 +237,7 @@ def test_bad_decode_input_names_the_argument():
 def test_unsupported_decode_strategy_cache_and_libraries_say_why():
     backend, cfg, params, x = get_backend("jax"), GQA_ROPE, _params(GQA_ROPE), _x(GQA_ROPE)
     with pytest.raises(
-        UnsupportedCase, match="decodes with the standard, naive, absorbed strategy only, not 'chunked'"
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategies only, not 'chunked'"
     ):
         backend.run_decode(cfg, params, x, prefill=2, strategy=CHUNKED)
     with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static, paged\)"):

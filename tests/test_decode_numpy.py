@@ -160,7 +160,7 @@ def test_unsupported_strategy_and_cache_are_refused_with_the_reason():
     params = init_params(cfg)
     x, _ = decode_run_inputs(cfg, None)
     with pytest.raises(
-        UnsupportedCase, match=r"numpy decodes with the standard, naive, absorbed strategy only, not 'per_head'"
+        UnsupportedCase, match=r"numpy decodes with the standard, naive, absorbed strategies only, not 'per_head'"
     ):
         BACKEND.run_decode(cfg, params, x, prefill=2, strategy="per_head")
     with pytest.raises(UnsupportedCase, match=r"numpy has no 'rolling' cache \(it has columns, static, paged\)"):

@@ -117,6 +117,23 @@ def test_a_pad_only_page_that_receives_a_real_token_gets_its_own_page():
     assert page[1].tolist() == [pool.table[1, 0]] * 2
 
 
+def test_a_pool_without_a_spare_page_gives_the_freed_null_page_to_the_row_that_needs_it():
+    # The same rows in a pool of 2 pages (`pool_pages`: 2 rows x 1 page, no spare for the null page): row 0's page
+    # and the null page take both; when row 1's first real token comes, the null page has no other row and becomes
+    # row 1's own page (given again, so the caller marks its pad slots unwritten). It ran out before (CacheFull).
+    valid = np.arange(4)[None, :] >= np.array([0, 3])[:, None]
+    assert pool_pages(2, 4, [(0, 2), (2, 4)], window=None) == 2
+    pool = PagePool(batch=2, page_size=4, n_pages=2, seed=1)
+    pool.write_slots(2, valid[:, :2])
+    null = pool.null
+    assert pool.free == [] and pool.table[1, 0] == null
+    page, _, given = pool.write_slots(2, valid[:, 2:])
+    assert given.tolist() == [null] and pool.table[1, 0] == null and pool.null is None  # now row 1's own page
+    assert pool.in_use == 2 and pool.free == [] and page[1].tolist() == [null, null]
+    with pytest.raises(CacheFull, match="page pool exhausted: 2 rows need 2 more pages of 4 tokens, 0 of 2 are free"):
+        pool.write_slots(1)  # token 4: a second page for each row, none left
+
+
 def test_a_window_frees_pad_only_pages_and_then_the_null_page():
     valid = np.arange(8)[None, :] >= np.array([0, 2])[:, None]  # row 1: two pads, then six tokens
     chunks = [(t, t + 1) for t in range(8)]

@@ -324,7 +324,7 @@ def test_an_unsupported_cache_or_strategy_says_why():
     with pytest.raises(UnsupportedCase, match=r"torch-sdpa has no 'static' cache \(it has dynamic\)"):
         sdpa.run_decode(cfg, params, x, prefill=1, cache="static")
     with pytest.raises(
-        UnsupportedCase, match="decodes with the standard, naive, absorbed strategy only, not 'per_head'"
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategies only, not 'per_head'"
     ):
         torch_backend.run_decode(cfg, params, x, prefill=1, strategy=PER_HEAD)
     softcapped = config(softcap=2.0)

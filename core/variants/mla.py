@@ -222,7 +222,7 @@ Q_STAGES = (
 # DeepSeek V3's attention at a small size, every size distinct: 3 heads, latent 10, nope 4 + rope 6 = d_k 10, d_v 5;
 # YaRN (factor 4) with mscale != mscale_all_dim, so both of its effects (cos/sin and the softmax scale) show.
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4, mscale=0.8, mscale_all_dim=0.9)
-DEEPSEEK_V3_LIKE = dict(
+DEEPSEEK_V3_LIKE: dict = dict(
     d_model=24,
     n_heads=3,
     q_lora_rank=7,
@@ -235,7 +235,7 @@ DEEPSEEK_V3_LIKE = dict(
     rope_scaling=YARN,
 )
 # DeepSeek V2-Lite: no query LoRA (one q_proj), attention_bias on, adjacent-pair rotary without scaling.
-DEEPSEEK_V2_LITE_LIKE = dict(
+DEEPSEEK_V2_LITE_LIKE: dict = dict(
     d_model=20, n_heads=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=4, v_head_dim=5, causal=True, bias=True
 )
 CHECK_CASES = (

@@ -58,11 +58,12 @@ if TYPE_CHECKING:
 # bandwidth child imports `bandwidth` before it pins itself (nothing heavy may load before the pin).
 
 MiB = 2**20
-# The sweep of `measure_llc`: 1 MiB to 512 MiB by doubling (the largest well past any server's last-level cache
-# a core can use, and 4x the 128 MiB above which reads here run at memory speed).
-LLC_SWEEP = tuple(MiB << n for n in range(10))
+# The sweep of `measure_llc`: 1 MiB to 2 GiB by doubling. The largest sizes must be well past the last-level cache
+# a core can use: the Intel Xeon of 2026-12-06 (sysfs: 300 MiB) read 31 GB/s up to 128 MiB, 21.5 at 256 and 16.6 at
+# 512 with the fastest reader, so a sweep that stopped at 512 MiB took cached sizes for its memory-speed tail.
+LLC_SWEEP = tuple(MiB << n for n in range(12))
 # A size is "in cache" while it reads at least this much faster than memory: the median of the sweep's
-# `MEMORY_TAIL` largest sizes (128 to 512 MiB by default, all past the cache, so one noisy figure moves nothing).
+# `MEMORY_TAIL` largest sizes (512 MiB to 2 GiB by default, all past the cache, so one noisy figure moves nothing).
 CACHE_SPEEDUP = 1.25
 MEMORY_TAIL = 3
 # A size reads "at memory speed" under this multiple of it (the EPYC's 32 MiB read 1.11x: partly cached).

@@ -131,7 +131,7 @@ def test_the_cache_and_where_memory_speed_begins_on_an_epyc_like_curve():
     assert found["llc_bytes"] == 16 * MiB  # 46.0 >= 1.25 x 30.7 = 38.4; 34.0 is not
     assert found["memory_from_bytes"] == 64 * MiB  # 31.6 < 1.10 x 30.7 = 33.8 <= 34.0
     # The array read is 4 x where memory speed begins, or the sweep's largest: past the 32 MiB L3 either way.
-    assert limit_array_bytes(16 * MiB, memory_from=64 * MiB) == 512 * MiB
+    assert limit_array_bytes(16 * MiB, memory_from=64 * MiB) == 2048 * MiB  # the sweep's largest, 2 GiB
     assert limit_array_bytes(16 * MiB, memory_from=256 * MiB, floor=8 * MiB) == 1024 * MiB
     # A fast reading in the tail (noise) neither moves the cache into the tail nor past memory's start.
     noisy = measure_llc(sorted(curve), bandwidth={**curve, 256 * MiB: 45.0}.__getitem__)
@@ -139,8 +139,8 @@ def test_the_cache_and_where_memory_speed_begins_on_an_epyc_like_curve():
 
 
 def test_the_bandwidth_is_read_over_arrays_beyond_the_cache():
-    assert limit_array_bytes(64 * MiB) == 512 * MiB  # 4 x 64 MiB is under the sweep's largest
-    assert limit_array_bytes(200 * MiB) == 800 * MiB
+    assert limit_array_bytes(64 * MiB) == 2048 * MiB  # 4 x 64 MiB is under the sweep's largest (2 GiB)
+    assert limit_array_bytes(600 * MiB) == 2400 * MiB
     assert limit_array_bytes(None, floor=8 * MiB) == 8 * MiB
     # One run on a clock ticking 1 ms a read: every size reads in 1 ms, so the largest reads fastest, no size
     # reads faster than memory, and the bandwidth is the largest array's bytes per millisecond.

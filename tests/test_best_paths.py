@@ -440,3 +440,19 @@ def test_each_implementation_is_compared_with_its_own_frameworks_best_path_or_no
         "onnx": None, "onnx-reference": None, "torch-onnx": None, "nosuch": None,  # no best path is no NumPy's
     }  # fmt: skip
     assert {name: best_path_for(name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (2, 8), (3, 9)])  # 1, 2, 16 and 27 rows (B*N)
+def test_numpy_best_projects_few_and_many_rows_alike(shape):
+    """Up to `best.numpy.FEW_ROWS` rows (beyond one) a projection is ``W (out, in) @ x.T``, else ``x @ W (in, out)``:
+    both agree with the oracle, on each side of the switch."""
+    from mha_rosetta.backends.best.numpy import FEW_ROWS, NumpyBestLayer
+
+    assert FEW_ROWS == 16  # the cases above straddle it
+    params = init_params(GQA, seed=21)
+    x = _tokens((*shape, GQA.d_model), 22)
+    layer = NumpyBestLayer(GQA, params, "float64")
+    for name in "qkv":
+        weight = getattr(params, f"w_{name}")  # (out, in)
+        assert_close(layer.linear(x, name), x @ weight.T + getattr(params, f"b_{name}"), "float64", what=name)
+    assert_close(_best("numpy-best").run(GQA, params, x), reference_mha(GQA, params, x), "float64", what=str(shape))

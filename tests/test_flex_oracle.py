@@ -2,8 +2,9 @@
 
 The all-pairs check runs it on every spec case through the registry; these tests pin down what
 is specific to it: the softcap in ``score_mod`` against numbers written out by hand, the
-window's and Llama 4's chunks' ``mask_mod`` cell by cell on the positions, a value head wider than the key's, the sinks rescaled from the log-sum-exp, which dtype runs
-compiled, and that it refuses a backward on the CPU with the reason. The compiled cases take
+window's and Llama 4's chunks' ``mask_mod`` cell by cell on the positions, a value head wider
+than the key's, the sinks rescaled from the log-sum-exp, which dtype runs compiled, and that it
+refuses a backward on the CPU with the reason. The compiled cases take
 seconds each (torch.compile), so only two of them are here.
 """
 

@@ -2,7 +2,9 @@
 forward, decode through a latent cache and backward, against the float64 oracle; the two forms agree with each
 other to about 1e-12; every other strategy, and every other adapter, refuses it by name. The einops adapters
 (on NumPy, torch and JAX arrays) run both forms in named axes and agree with the numpy adapter's column samples;
-einops-numpy has no backward (NumPy has no autodiff) and says so.
+einops-numpy has no backward (NumPy has no autodiff) and says so. Every convention records the forms' stages (the
+latent, the shared key, the queries, the scores and their steps; the naive form its values and context), in its own
+layout, equal to the oracle's and to NumPy's once made canonical.
 """
 
 from __future__ import annotations

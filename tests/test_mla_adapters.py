@@ -300,3 +300,24 @@ def test_the_timed_steps_of_torch_and_jax_record_the_same_stages():
         torch_only = {"v", "merged"} if form == "naive" else set()  # jax never merges: each head's o_proj, summed
         assert set(recorded["torch", form]) == set(recorded["jax", form]) | torch_only
     assert first_divergence(recorded["jax", "naive"], recorded["jax", "absorbed"], "float64") is None
+
+
+@pytest.mark.parametrize("name", [param for param in ADAPTERS if not param.values[0].startswith("einops-")])
+@pytest.mark.parametrize("form", FORMS)
+def test_bench_breakdowns_cuts_stop_each_form_where_it_makes_the_stage(name, form):
+    """The forms record each stage when they make it, so `bench --breakdown`'s cut after the softmax stops before
+    the context is made (NumPy and torch: the recorder stops the pass; JAX: a jitted cut of the stage dump)."""
+    from mha_rosetta.backends.stage_programs import stage_programs
+
+    cfg = CONFIGS["v3"]
+    backend = _backend(name)
+    prepared, _ = backend.prepare(cfg, init_params(cfg, seed=2), _x(cfg, (2, 5)), strategy=form)
+    cuts = stage_programs(prepared, backend.requires)
+    groups = [group for group, _ in cuts.groups]
+    assert groups[0] == "latents" and groups[-1] == "output" and "softmax" in groups
+    with cuts.active():
+        at = groups.index("softmax")
+        cuts.program(at)()
+        reached = cuts.reached(at)
+    assert {"kv_latent", "k_rope", "q", "scores", "weights"} <= set(reached)
+    assert not {"context", "merged", "output"} & set(reached)

@@ -78,9 +78,12 @@ def _record_queries(rec: StageRecorder, q_latent, q) -> None:
     rec.record("q", q, ("B", "Nq", "H*Dk"), "F.linear(q_latent or x, W_q): q_b_proj, no bias")
 
 
-def _record_naive(rec: StageRecorder, values, v, context, merged, out) -> None:
+def _record_values(rec: StageRecorder, values, v) -> None:
     rec.record("v", values, ("B", "Nk", "Hkv*Dv"), "F.linear(c, W_UV): every head's values from the latent")
     rec.record("v_heads", v, ("B", "Hkv", "Nk", "Dv"), "view(B, T, H, dv).transpose(1, 2)", relation_to(v, values), "v")
+
+
+def _record_merge(rec: StageRecorder, context, merged, out) -> None:
     rec.record("context", context, ("B", "H", "Nq", "Dv"), "weights @ v_h")
     note = "transpose(1, 2).reshape(B, N, H*dv)"
     rec.record("merged", merged, ("B", "Nq", "H*Dv"), note, relation_to(merged, context), "context")
@@ -153,6 +156,10 @@ class RowSampleMLA:
         else:
             T = entries.shape[1]
             k_nope = self.F.linear(kv_latent, self.w_k).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, dn) view
+            values = self.F.linear(kv_latent, self.w_v)  # (B, T, H*dv): W_UV c, expanded with the keys
+            v = values.view(B, T, H, cfg.d_v).transpose(1, 2)  # (B, H, T, dv) view
+            if rec is not None:
+                _record_values(rec, values, v)
             rope = q_rot @ k_rope.unsqueeze(1).transpose(-1, -2)  # (B, H, N, T): the shared key, broadcast
             scores = (q_nope @ k_nope.transpose(-1, -2) + rope) * cfg.scale
         on_stage = score_recorder(rec, scores, SCORE_AXES, SCORE_NOTES[form])
@@ -165,14 +172,11 @@ class RowSampleMLA:
             if rec is not None:
                 rec.record("output", out, ("B", "Nq", "D"), "einsum('bhnr,hdr->bnd'): the latent context, W_O W_UV")
             return out
-        T = entries.shape[1]
-        values = self.F.linear(kv_latent, self.w_v)  # (B, T, H*dv): W_UV c
-        v = values.view(B, T, H, cfg.d_v).transpose(1, 2)  # (B, H, T, dv) view
         context = weights @ v  # (B, H, N, dv)
         merged = context.transpose(1, 2).reshape(B, N, H * cfg.d_v)  # (B, N, H*dv): a copy (reshape)
         out = self.F.linear(merged, self.w_o, self.b_o)
         if rec is not None:
-            _record_naive(rec, values, v, context, merged, out)
+            _record_merge(rec, context, merged, out)
         return out
 
 

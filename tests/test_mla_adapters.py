@@ -2,7 +2,9 @@
 forward, decode through a latent cache and backward, against the float64 oracle; the two forms agree with each
 other to about 1e-12; every other strategy, and every other adapter, refuses it by name. The einops adapters
 (on NumPy, torch and JAX arrays) run both forms in named axes and agree with the numpy adapter's column samples;
-einops-numpy has no backward (NumPy has no autodiff) and says so.
+einops-numpy has no backward (NumPy has no autodiff) and says so. Every convention records the forms' stages (the
+latent, the shared key, the queries, the scores and their steps; the naive form its values and context), in its own
+layout, equal to the oracle's and to NumPy's once made canonical.
 """
 
 from __future__ import annotations
@@ -212,3 +214,110 @@ def test_an_adapter_declares_mla_only_with_its_strategies_and_refuses_it_by_name
 @requires("torch")
 def test_the_third_party_oracles_refuse_mla():
     assert "mla" in _backend("torch-sdpa").variant_reason(CONFIGS["v3"], "standard")
+
+
+# The stages both forms record in every convention; the naive form adds its expanded values and their context (the
+# absorbed form's context stays in the latent: no stage of the table has its shape). Keys are left out in both: the
+# naive form expands only each head's dn "nope" features, never the table's k_heads of dn + dr.
+BOTH_FORMS = {"kv_latent", "k_rope", "q", "scores", "masked_scores", "weights", "output"}
+NAIVE_ADDS = {"v_heads", "context"}
+
+
+def _recorded(name, cfg, params, x, form):
+    backend = _backend(name)
+    prepared, _ = backend.prepare(cfg, params, x, strategy=form, dtype="float64")
+    return backend.canonical_stages(prepared)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("config", ["v3", "v3_softcap_chunks", "v2_lite"])
+def test_each_form_records_its_stages_and_they_agree_with_the_oracle_and_numpy(name, form, config):
+    from mha_rosetta.checks.divergence import first_divergence
+
+    cfg = CONFIGS[config]
+    params = init_params(cfg, seed=8)
+    x = _x(cfg, (2, 7), seed=5)
+    stages = _recorded(name, cfg, params, x, form)
+    expected = set(BOTH_FORMS)
+    expected |= {"q_latent"} if cfg.q_lora_rank else set()
+    expected |= {"capped_scores"} if cfg.softcap else set()
+    expected |= NAIVE_ADDS if form == "naive" else set()
+    assert expected <= set(stages), sorted(expected - set(stages))
+    if form == "absorbed":
+        assert not {"v", "v_heads", "context", "merged"} & set(stages)  # never formed
+    reference = reference_stages(cfg, params, x)
+    assert stages["masked_scores"].shape == (2, cfg.n_heads, 7, 7)  # (B, H, Nq, Nk) in every convention
+    assert np.isneginf(stages["masked_scores"]).any()  # causal: the blocked scores are there, -inf
+    for stage, value in stages.items():
+        assert_close(value, reference[stage], "float64", what=f"{name} {form} {stage}")
+    numpy_stages = _recorded("numpy", cfg, params, x, form)
+    assert first_divergence(numpy_stages, stages, "float64") is None
+    shared = set(numpy_stages) & set(stages)
+    assert expected <= shared, sorted(expected - shared)  # the check compares them all, pair by pair
+
+
+def test_numpys_naive_values_and_merge_are_views_of_its_columns():
+    cfg = CONFIGS["v2_lite"]
+    params = init_params(cfg, seed=1)
+    x = _x(cfg, (2, 5))
+    numpy_backend = _backend("numpy")
+    prepared, _ = numpy_backend.prepare(cfg, params, x, strategy="naive")
+    native = prepared.native_stages()
+    assert native["v_heads"].axes == ("B", "Hkv", "Dv", "Nk") and native["v_heads"].relation == "view"
+    assert native["merged"].axes == ("B", "H*Dv", "Nq") and native["merged"].relation == "view"
+
+
+@requires("torch")
+def test_torchs_naive_values_are_a_view_and_its_merge_a_copy():
+    cfg = CONFIGS["v2_lite"]
+    params = init_params(cfg, seed=1)
+    prepared, _ = _backend("torch").prepare(cfg, params, _x(cfg, (2, 6)), strategy="naive")
+    native = prepared.native_stages()
+    assert (native["v_heads"].relation, native["v_heads"].parent) == ("view", "v")  # view(...).transpose(1, 2)
+    assert (native["merged"].relation, native["merged"].parent) == ("copy", "context")  # transpose + reshape
+    assert tuple(native["v_heads"].value.shape) == (2, 4, 6, 5)  # (B, H, T, dv): 4 heads, 6 tokens, d_v 5
+
+
+@requires("torch")
+@requires("jax")
+def test_the_timed_steps_of_torch_and_jax_record_the_same_stages():
+    from mha_rosetta.checks.divergence import first_divergence
+
+    cfg = CONFIGS["v3"]
+    params = init_params(cfg, seed=4)
+    recorded = {}
+    for name in ("torch", "jax"):
+        backend = _backend(name)
+        for form in FORMS:
+            prepared = backend.prepare_decode(cfg, params, context=5, batch=2, step=2, dtype="float64", strategy=form)
+            recorded[name, form] = backend.canonical_stages(prepared)
+    steps = recorded["torch", "naive"]
+    assert steps["scores"].shape == (2, 3, 2, 7)  # (B, H, the step's 2 queries, the 5 cached + 2 new keys)
+    assert steps["kv_latent"].shape == (2, 7, 10) and steps["k_rope"].shape == (2, 7, 6)
+    for form in FORMS:
+        assert first_divergence(recorded["torch", form], recorded["jax", form], "float64") is None
+        torch_only = {"v", "merged"} if form == "naive" else set()  # jax never merges: each head's o_proj, summed
+        assert set(recorded["torch", form]) == set(recorded["jax", form]) | torch_only
+    assert first_divergence(recorded["jax", "naive"], recorded["jax", "absorbed"], "float64") is None
+
+
+@pytest.mark.parametrize("name", [param for param in ADAPTERS if not param.values[0].startswith("einops-")])
+@pytest.mark.parametrize("form", FORMS)
+def test_bench_breakdowns_cuts_stop_each_form_where_it_makes_the_stage(name, form):
+    """The forms record each stage when they make it, so `bench --breakdown`'s cut after the softmax stops before
+    the context is made (NumPy and torch: the recorder stops the pass; JAX: a jitted cut of the stage dump)."""
+    from mha_rosetta.backends.stage_programs import stage_programs
+
+    cfg = CONFIGS["v3"]
+    backend = _backend(name)
+    prepared, _ = backend.prepare(cfg, init_params(cfg, seed=2), _x(cfg, (2, 5)), strategy=form)
+    cuts = stage_programs(prepared, backend.requires)
+    groups = [group for group, _ in cuts.groups]
+    assert groups[0] == "latents" and groups[-1] == "output" and "softmax" in groups
+    with cuts.active():
+        at = groups.index("softmax")
+        cuts.program(at)()
+        reached = cuts.reached(at)
+    assert {"kv_latent", "k_rope", "q", "scores", "weights"} <= set(reached)
+    assert not {"context", "merged", "output"} & set(reached)

@@ -16,11 +16,13 @@ the query heads ``reshape(B, L, H, -1).transpose(0, 2, 1, 3)`` split on the last
   ``(B, H, N, dv)``, before ``o_proj``. Its attention is ``mx.fast.scaled_dot_product_attention`` as mlx-lm calls it
   at decode time: queries, keys and values all the latent's ``R`` features (``k = v = c``), the rotary half of the
   scores ``scale q_pe k_pe^T`` passed as the kernel's additive ``mask`` (-inf where blocked). The kernel would take
-  keys ``[c | k_pe]`` of ``R + dr`` features against values of ``R`` too, but joining them is a copy of the whole
-  cache at every step; mlx-lm's split reads the cache as it is. The kernel has no softcap (a transform of the
-  whole score before the mask), so a layer with one runs the score steps on the ops object instead; and it gives
-  a query row with no allowed key NaN from an all -inf mask: such rows attend to every key in the kernel and are
-  set to the spec's zeros after it (``info["attention"]`` says which).
+  keys ``[c | k_pe]`` of ``R + dr`` features against values of ``R`` too (mlx 0.32.4: tried), but joining them is a
+  copy of the whole cache at every step; mlx-lm's split reads the cache as it is. The kernel has no softcap (a
+  transform of the whole score before the mask), so a layer with one runs the score steps on the ops object
+  instead; and it gives a query row with no allowed key NaN from an all -inf mask: such rows attend to every key
+  in the kernel and are set to the spec's zeros after it (``info["attention"]`` says which path ran). ``mx.vjp``
+  through the kernel gives its additive mask its gradient, so the rotary part of the gradients rides in it (mlx
+  0.32.4 on the CPU: equal to the composed ops' in float32, checked; not run on a GPU here).
 
 Decode goes through mlx-lm's ``KVCache`` (`decode.MlxKVCache`, steps of 256 slots; a window's ring) as
 ``DeepseekV3Attention`` uses it: its keys are the normed latent ``(B, 1, T, R)`` and its values the rotated ``k_pe``

@@ -171,7 +171,9 @@ def test_jax_sharded_12_token_decode_compiles_one_prefill_and_one_step(jax_shard
 def test_jax_sharded_unsupported_decode_says_why(jax_sharded):
     cfg, _ = DECODE_CASES["gqa_rope_half"]
     params, (x, _) = init_params(cfg), decode_run_inputs(cfg, None)
-    with pytest.raises(UnsupportedCase, match="decodes with the standard strategy only, not 'named_sharding'"):
+    with pytest.raises(
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategies only, not 'named_sharding'"
+    ):
         jax_sharded.run_decode(cfg, params, x, prefill=2, strategy="named_sharding")
     with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static\)"):
         jax_sharded.run_decode(cfg, params, x, prefill=2, cache="dynamic")

@@ -229,3 +229,16 @@ def test_decode_equals_the_full_forward_and_every_rank_caches_the_whole_latent(
     assert [set(chunk) for chunk in chunks] == [{"output"}] * len(inputs.chunks())
     for (start, stop), chunk in zip(inputs.chunks(), chunks, strict=True):
         assert_close(chunk["output"], expected[:, start:stop], "float64", what=f"chunk {start}:{stop}")
+
+
+@requires("jax")
+def test_a_run_without_a_latent_has_no_latent_cache_to_read(jax_sharded):
+    from mha_rosetta.backends.sharded.workers import WorkerError
+
+    backend = jax_sharded(2)
+    cfg = MHAConfig(d_model=8, n_heads=2, causal=True)  # plain attention: each device its kv heads' cache
+    x = np.random.default_rng(9).standard_normal((1, 4, 8))
+    prepared, _ = backend.prepare_decode_run(cfg, init_params(cfg), x, prefill=2, step=1)
+    token = prepared.run()
+    with pytest.raises(WorkerError, match=r"keeps no latent cache \(only MLA's naive and absorbed runs do\)"):
+        backend.rank_latent_caches(token)

@@ -179,6 +179,14 @@ class ShardedBackend(MLAStrategies, Backend):
         return {name: StageTensor(value, STAGE_BY_NAME[name].shape, note) for name, value in stages.items()}
 
 
+def latent_cache_of(decoder: dict):
+    """The worker side of "decode_cache": a decode run's latent cache (MLA's naive and absorbed runs keep one, as
+    NumPy: a rank's, or each device's in a list), or a ValueError saying that this run keeps none."""
+    if "cache" not in decoder:
+        raise ValueError("this decode run keeps no latent cache (only MLA's naive and absorbed runs do)")
+    return decoder["cache"]()
+
+
 def replicated_latent_cache(cfg: MHAConfig, batch: int, slots: int, itemsize: int, layout: str, world: int,
                             noun: str) -> dict:  # fmt: skip
     """``info["cache"]`` of MLA's latent cache held whole on each of ``world`` ranks (``noun``: "ranks", "devices"):

@@ -65,7 +65,7 @@ from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD
 from ..frameworks.ops import RegistryVariants
 from . import jax_decode
-from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
+from .common import PREPARE_SECONDS, ShardedBackend, gather_heads, latent_cache_of
 from .workers import Programs, WorkerGroup, serve
 
 NAMED_SHARDING = "named_sharding"
@@ -172,7 +172,7 @@ def _worker_main(conn, rank: int, size: int) -> None:
         decode_run=lambda key: decoders[key]["run"](),
         decode_fetch=lambda key: decoders[key]["fetch"](),
         decode_stages=lambda key: decoders[key]["stages"](),  # one worker: the devices' heads already gathered
-        decode_cache=lambda key: decoders[key]["cache"](),  # MLA's: each device's latent cache (`rank_latent_caches`)
+        decode_cache=lambda key: latent_cache_of(decoders[key]),  # MLA: each device's (`rank_latent_caches`)
     )
     conn.send(("ok", {"devices": len(jax.devices())}))
     serve(conn, handlers)

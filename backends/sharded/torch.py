@@ -70,7 +70,14 @@ from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD, StageTensor, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
 from . import torch_decode
-from .common import PREPARE_SECONDS, ShardedBackend, alibi_slopes_of, gather_heads, shard_variant_params
+from .common import (
+    PREPARE_SECONDS,
+    ShardedBackend,
+    alibi_slopes_of,
+    gather_heads,
+    latent_cache_of,
+    shard_variant_params,
+)
 from .workers import Programs, WorkerGroup, serve
 
 MANUAL = "manual"
@@ -168,7 +175,7 @@ def _rank_main(conn, rank: int, world: int, threads: int, folder: str) -> None:
         decode_run=lambda key: decoders[key]["run"](),
         decode_fetch=lambda key: decoders[key]["fetch"](),
         decode_stages=lambda key: decoders[key]["stages"](),
-        decode_cache=lambda key: [decoders[key]["cache"]()],  # MLA's: this rank's latent cache (`rank_latent_caches`)
+        decode_cache=lambda key: [latent_cache_of(decoders[key])],  # MLA: `rank_latent_caches`
     )
     conn.send(("ok", {"rank": rank, "world": world, "threads": torch.get_num_threads()}))
     try:

@@ -21,6 +21,13 @@ those its query heads read; when the kv heads are fewer than the ranks and divid
 ``world``, each kv head is **replicated** on ``world/Hkv`` consecutive ranks (what
 Megatron does), since every rank's query heads then lie inside one group. Anything else
 has no head-aligned split and is refused with the reason.
+
+Multi-head latent attention (`core.variants.mla`) shards the same way, as Megatron and vLLM shard it: a rank
+holds its heads' rows of ``w_q`` (``q_b_proj``, or ``q_proj``), of ``w_k`` and ``w_v`` (``kv_b_proj``'s
+``k_nope`` and ``v`` rows, ``qk_nope_head_dim`` and ``v_head_dim`` a head) and its columns of ``w_o``; the
+down projections ``w_q_a``, ``w_kv_a`` (the latent ``c`` and the one rotary key every head shares), their
+biases and RMSNorm weights read the whole input and feed every head, so they are **replicated** (`LATENT_PARAMS`):
+every rank computes the whole latent, and a decode cache of it is replicated too.
 """
 
 from __future__ import annotations
@@ -31,7 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import MHAConfig, require_config
-from .params import MHAParams, validate_params
+from .params import MHAParams, expected_param_shapes, validate_params
+from .variants.mla import KV_PARAMS, Q_PARAMS
+
+# MLA's down projections, their biases and latent norms (the entries' own parameters): replicated on every rank.
+LATENT_PARAMS = tuple(spec.name for spec in (*KV_PARAMS, *Q_PARAMS))
 
 
 @dataclass(frozen=True)
@@ -101,18 +112,22 @@ def shard_params(cfg: MHAConfig, params: MHAParams, world: int) -> list[MHAParam
 
     Views of ``params`` are copied, so a shard can be sent or modified on its own. Every
     shard carries the whole ``b_o`` (replicated): a sharded forward adds it once, after
-    the all-reduce, never on each rank.
+    the all-reduce, never on each rank; and, with MLA, the whole `LATENT_PARAMS` (replicated).
+    The other variants' parameters are left out (`backends.sharded.common.shard_variant_params`).
     """
     plan = shard_plan(cfg, world)
     validate_params(cfg, params)
-    Dk, Dv = cfg.d_k, cfg.d_v
+    shapes = expected_param_shapes(cfg)
+    # Rows (columns of w_o) a head owns: d_k / d_v, or with MLA nope + rope for w_q, qk_nope_head_dim for w_k.
+    q_head, k_head = shapes["w_q"][0] // cfg.n_heads, shapes["w_k"][0] // cfg.n_kv_heads
+    v_head, o_head = shapes["w_v"][0] // cfg.n_kv_heads, shapes["w_o"][1] // cfg.n_heads
     shards = []
     for rank in range(plan.world):
         heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)
-        q_rows = slice(heads.start * Dk, heads.stop * Dk)  # column-parallel: rows of the (out, in) weight
-        k_rows = slice(kv.start * Dk, kv.stop * Dk)
-        v_rows = slice(kv.start * Dv, kv.stop * Dv)
-        o_cols = slice(heads.start * Dv, heads.stop * Dv)  # row-parallel: columns of w_o
+        q_rows = slice(heads.start * q_head, heads.stop * q_head)  # column-parallel: rows of the (out, in) weight
+        k_rows = slice(kv.start * k_head, kv.stop * k_head)
+        v_rows = slice(kv.start * v_head, kv.stop * v_head)
+        o_cols = slice(heads.start * o_head, heads.stop * o_head)  # row-parallel: columns of w_o
 
         def take(array, index):
             return None if array is None else np.array(array[index], copy=True)
@@ -127,6 +142,8 @@ def shard_params(cfg: MHAConfig, params: MHAParams, world: int) -> list[MHAParam
                 b_k=take(params.b_k, k_rows),
                 b_v=take(params.b_v, v_rows),
                 b_o=take(params.b_o, slice(None)),  # replicated, added once after the all-reduce
+                # MLA's down projections and latent norms (None without MLA): replicated
+                **{name: take(getattr(params, name), slice(None)) for name in LATENT_PARAMS},
             )
         )
     return shards
@@ -174,6 +191,7 @@ def unshard_params(cfg: MHAConfig, shards: list[MHAParams]) -> MHAParams:
         b_k=kv("b_k"),
         b_v=kv("b_v"),
         b_o=replicated("b_o", [shard.b_o for shard in shards]),
+        **{name: replicated(name, [getattr(shard, name) for shard in shards]) for name in LATENT_PARAMS},
     )
 
 

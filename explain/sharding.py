@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, init_params, reference_mha, shard_params, shard_plan
+from mha_rosetta.core.sharding import LATENT_PARAMS
 from mha_rosetta.core.tables import markdown_table
 
 
@@ -125,10 +126,11 @@ def explain_sharding(
             api=col_api,
         )
 
+    rows = {name: getattr(shards[0], name).shape[0] for name in ("w_q", "w_k", "w_v")}  # MLA's w_k: nope rows a head
     result.cuts = [
-        q_like("w_q", Hl * Dk, f"query heads r*{Hl} ... (r+1)*{Hl}-1", "ColwiseParallel; P('heads', None)"),
-        q_like("w_k", kv * Dk, f"{kv} kv head(s){kv_note}", kv_api, kv_owner),
-        q_like("w_v", kv * Dv, f"{kv} kv head(s){kv_note}", kv_api, kv_owner),
+        q_like("w_q", rows["w_q"], f"query heads r*{Hl} ... (r+1)*{Hl}-1", "ColwiseParallel; P('heads', None)"),
+        q_like("w_k", rows["w_k"], f"{kv} kv head(s){kv_note}", kv_api, kv_owner),
+        q_like("w_v", rows["w_v"], f"{kv} kv head(s){kv_note}", kv_api, kv_owner),
         WeightCut(
             weight="w_o",
             stored=params.w_o.shape,
@@ -140,6 +142,14 @@ def explain_sharding(
             api="RowwiseParallel; P(None, 'heads')",
         ),
     ]
+    # MLA: the down projections and latent norms read the whole input and feed every head: replicated, uncut.
+    result.cuts += [
+        WeightCut(name, getattr(params, name).shape, "none: replicated (the latent feeds every head)", "all of it",
+                  getattr(shards[0], name).shape, "the whole latent on every rank", "the whole latent on every rank",
+                  "replicated; P()")
+        for name in LATENT_PARAMS
+        if getattr(params, name) is not None
+    ]  # fmt: skip
     D = cfg.d_model
     result.steps = [
         Step("input", f"x (B, N, {D}) on every rank", f"X (B, {D}, N) on every rank", "none (replicated)"),

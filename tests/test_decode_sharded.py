@@ -22,6 +22,7 @@ from decode_property_cases import DECODE_CASES, SPLITS, TOKENS, VARIANT_CFGS, as
 
 from conftest import requires
 from mha_rosetta.backends import STANDARD, UnsupportedCase
+from mha_rosetta.backends._mla import MLA_STRATEGIES
 from mha_rosetta.core import MHAConfig, init_params
 from mha_rosetta.core.decode import ring_capacity
 from mha_rosetta.core.variants import adapted_variants
@@ -99,12 +100,14 @@ def test_jax_sharded_decode_of_each_variant(jax_sharded, variant):
 def test_jax_sharded_declares_every_variant_it_tests():
     from mha_rosetta.backends.sharded.jax import JaxShardedBackend
 
-    # All but MLA, which runs in naive and absorbed strategies only (`Variant.strategies`), which this adapter lacks.
-    assert JaxShardedBackend.decode_variants == adapted_variants("jax", strategy=STANDARD)
+    # Every variant; MLA's (`Variant.strategies`) in its naive and absorbed strategies only, tested in
+    # tests/test_sharded_mla.py; the standard strategy decodes the rest, tested here.
+    assert JaxShardedBackend.decode_variants == adapted_variants("jax")
     assert {name for cfg in VARIANT_CFGS.values() for name in cfg.variants} == adapted_variants(
         "jax", strategy=STANDARD
     )
-    assert JaxShardedBackend.decode_caches == ("static",) and JaxShardedBackend.decode_strategies == (STANDARD,)
+    assert JaxShardedBackend.decode_caches == ("static",)
+    assert JaxShardedBackend.decode_strategies == (STANDARD, *MLA_STRATEGIES)
 
 
 @requires("jax")
@@ -168,7 +171,9 @@ def test_jax_sharded_12_token_decode_compiles_one_prefill_and_one_step(jax_shard
 def test_jax_sharded_unsupported_decode_says_why(jax_sharded):
     cfg, _ = DECODE_CASES["gqa_rope_half"]
     params, (x, _) = init_params(cfg), decode_run_inputs(cfg, None)
-    with pytest.raises(UnsupportedCase, match="decodes with the standard strategy only, not 'named_sharding'"):
+    with pytest.raises(
+        UnsupportedCase, match="decodes with the standard, naive, absorbed strategies only, not 'named_sharding'"
+    ):
         jax_sharded.run_decode(cfg, params, x, prefill=2, strategy="named_sharding")
     with pytest.raises(UnsupportedCase, match=r"has no 'dynamic' cache \(it has static\)"):
         jax_sharded.run_decode(cfg, params, x, prefill=2, cache="dynamic")
@@ -238,9 +243,9 @@ def test_torch_tp_decode_of_each_variant(torch_tp, variant, strategy):
 def test_torch_tp_declares_what_it_tests():
     from mha_rosetta.backends.sharded.torch import TorchTPBackend
 
-    assert TorchTPBackend.decode_variants == adapted_variants("torch", strategy=STANDARD)
+    assert TorchTPBackend.decode_variants == adapted_variants("torch")  # MLA's in its forms: test_sharded_mla.py
     assert TorchTPBackend.decode_caches == ("dynamic", "static")
-    assert TorchTPBackend.decode_strategies == (STANDARD, MANUAL)
+    assert TorchTPBackend.decode_strategies == (STANDARD, MANUAL, *MLA_STRATEGIES)
     assert set(TorchTPBackend.decode_layouts) == set(TorchTPBackend.decode_caches)
 
 

@@ -24,6 +24,7 @@ form adds its expanded values ``v_heads`` and the context.
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -134,6 +135,20 @@ def mla_stages(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos
     return {**stages, **per_head, "output": out if p.get("b_o") is None else out + p["b_o"]}
 
 
+def latent_step(cfg: MHAConfig, form: str, p: dict, cache, x, start, tables, blocked, empty):
+    """One decode chunk: the rows ``[c | k_rope]`` of tokens ``x`` (B, s, D) written into the static ``cache``
+    (B, T, R + dr) at ``start`` (``lax.dynamic_update_slice``), then their queries over it: (cache, output (B, s, D))."""
+    import jax
+    from jax import lax
+
+    qc, qs, kc, ks = tables
+    kv_latent, k_rope = latent_rows(cfg, p, x, kc, ks)
+    zero = jax.numpy.zeros_like(start)  # the indices of one integer type (int64 under float64)
+    cache = lax.dynamic_update_slice(cache, jax.numpy.concatenate([kv_latent, k_rope], -1), (zero, start, zero))
+    R = cfg.kv_lora_rank
+    return cache, mla_pass(cfg, form, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty)
+
+
 def _forward(cfg: MHAConfig, form: str, every_stage: bool = False):
     """``forward(p, x_q, x_k, x_v, tables, blocked, empty)``: the output, or with ``every_stage`` every stage by name
     (the stage dump, jitted apart: `CompiledForward.trace_and_run`)."""
@@ -207,38 +222,35 @@ def prepare_jax_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strategy,
     )
 
 
-def prepare_jax_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device, strategy, matmul_precision, info):
-    """A whole decode run: one static latent cache (B, T, R + dr), each chunk a jitted step that donates it."""
-    import jax
-    from jax import lax
-
-    target = jax_target(dtype, device)
-    p = jax_params(params, dtype, target)
-    q_cos, q_sin, k_cos, k_sin = numpy_rotary_tables(
-        cfg, SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
-    )
+def decode_chunk_arrays(cfg: MHAConfig, inputs: DecodeInputs) -> list[tuple]:
+    """Each chunk of a decode run, NumPy: ``(x (B, s, D), start (int32), (q_cos, q_sin, k_cos, k_sin) (B, s, dr/2),
+    blocked (B, H, s, T), empty (B, H, s, 1) or None)``; the masks by the positions of the slots written so far."""
+    tables = numpy_rotary_tables(cfg, SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions))
     B, N, _ = inputs.x.shape
-    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    R = cfg.kv_lora_rank
-
-    def step(p, cache, x, start, tables, blocked, empty):
-        qc, qs, kc, ks = tables
-        kv_latent, k_rope = latent_rows(cfg, p, x, kc, ks)
-        zero = jax.numpy.zeros_like(start)  # the indices of one integer type (int64 under float64)
-        cache = lax.dynamic_update_slice(cache, jax.numpy.concatenate([kv_latent, k_rope], -1), (zero, start, zero))
-        out = mla_pass(cfg, strategy, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty)
-        return cache, out
-
-    jitted = jax.jit(step, donate_argnums=(1,))
     chunks = []
     for start, stop in inputs.chunks():
         window = slice(start, stop)
         written = inputs.valid & (np.arange(N) < stop)  # (B, T): slots written so far (the rest never seen)
         allowed = decode_allowed(cfg, inputs.positions[:, window], inputs.positions, written)  # (B, 1, s, T)
         blocked, empty = _masks(cfg, allowed, B, stop - start, N)
-        tables = tuple(to_jax(t[:, window], dtype, target) for t in (q_cos, q_sin, k_cos, k_sin))
-        x = to_jax(inputs.x[:, window], dtype, target)
-        chunks.append((x, np.int32(start), tables, to_jax(blocked, None, target), to_jax(empty, None, target)))
+        chunks.append((inputs.x[:, window], np.int32(start), tuple(t[:, window] for t in tables), blocked, empty))
+    return chunks
+
+
+def prepare_jax_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device, strategy, matmul_precision, info):
+    """A whole decode run: one static latent cache (B, T, R + dr), each chunk a jitted step that donates it."""
+    import jax
+
+    target = jax_target(dtype, device)
+    p = jax_params(params, dtype, target)
+    B, N, _ = inputs.x.shape
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    jitted = jax.jit(partial(latent_step, cfg, strategy), donate_argnums=(1,))
+    chunks = [
+        (to_jax(x, dtype, target), start, tuple(to_jax(t, dtype, target) for t in tables),
+         to_jax(blocked, None, target), to_jax(empty, None, target))
+        for x, start, tables, blocked, empty in decode_chunk_arrays(cfg, inputs)
+    ]  # fmt: skip
 
     def run():
         with jax.default_matmul_precision(effective_precision(matmul_precision)):
@@ -268,7 +280,6 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
     (``info["compilations"]``); it is not donated, so that every timed call is the same step on the same cache (each
     call writes a new cache: ``info["cache_copied_per_call"]``, as JAX's other timed step). A ragged batch is refused."""
     import jax
-    from jax import lax
 
     if job.lengths is not None:
         raise UnsupportedCase("jax: MLA's timed step takes a rectangular batch (every row holds the context)")
@@ -279,25 +290,18 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
     everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
     tables = numpy_rotary_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere))
     x = rng.standard_normal((B, s, cfg.d_model))  # (B, s, D)
-    rows, R = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     cache = np.zeros((B, T + s, rows))  # (B, T + s, R + dr): rows :T the cached tokens, NumPy's columns transposed
     cache[:, :T] = rng.standard_normal((B, rows, T)).transpose(0, 2, 1)
     allowed = decode_allowed(cfg, everywhere[:, T:], everywhere, np.ones((B, T + s), dtype=bool))  # (B, 1, s, T + s)
     blocked, empty = _masks(cfg, allowed, B, s, T + s)
-
-    def step(p, cache, x, start, tables, blocked, empty):
-        qc, qs, kc, ks = tables
-        kv_latent, k_rope = latent_rows(cfg, p, x, kc, ks)
-        zero = jax.numpy.zeros_like(start)
-        cache = lax.dynamic_update_slice(cache, jax.numpy.concatenate([kv_latent, k_rope], -1), (zero, start, zero))
-        return cache, mla_pass(cfg, form, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty)
 
     args = (
         p, to_jax(cache, job.dtype, target), to_jax(x, job.dtype, target), np.int32(T),
         tuple(to_jax(t[:, T:], job.dtype, target) for t in tables),
         to_jax(blocked, None, target), to_jax(empty, None, target),
     )  # fmt: skip
-    jitted, state = jax.jit(step), {}
+    jitted, state = jax.jit(partial(latent_step, cfg, form)), {}
     info = {**info, "form": form, "context": T, "step": s, "compilations": {"step": 0}, "cache_copied_per_call": True}
 
     def compile_step() -> None:
@@ -311,8 +315,8 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
         return state["compiled"](*args)[1]  # (B, s, D)
 
     def every_stage(p, cache, x, start, tables, blocked, empty):  # the stage dump: the step's queries, whole cache
-        cache, _ = step(p, cache, x, start, tables, blocked, empty)
-        latent, k_rope = cache[..., :R], cache[..., R:]
+        cache, _ = latent_step(cfg, form, p, cache, x, start, tables, blocked, empty)
+        latent, k_rope = cache[..., : cfg.kv_lora_rank], cache[..., cfg.kv_lora_rank :]
         return dict(
             mla_stages(cfg, form, p, x, latent, k_rope, *tables[:2], blocked, empty), kv_latent=latent, k_rope=k_rope
         )

@@ -4,6 +4,11 @@ Each splits the layer's heads over ``world`` ranks (`core.shard_plan`) and runs 
 processes (`workers`): a configuration whose heads do not split is refused with the
 plan's reason, and a case is prepared by sending the canonical parameters, the inputs and
 the world size to the workers, which build, compile and keep it.
+
+Multi-head latent attention runs in both, in its own two strategies (``naive``, ``absorbed``: `backends._mla`),
+split as Megatron and vLLM split it (`core.sharding`): each rank its heads' rows and columns, the latent's down
+projections replicated, so every rank computes, and in decode caches, the whole latent ``[c | k_rope]``
+(`replicated_latent_cache`; `rank_latent_caches` reads each rank's copy).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
 from mha_rosetta.core.variants import alibi_slopes
 
+from .._mla import MLAStrategies, latent_cache_info
 from ..base import Backend, DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from .workers import WorkerGroup, worker_prepared
 
@@ -23,7 +29,10 @@ FORWARD_SECONDS = 120.0
 DECODE_SECONDS = 300.0  # a whole decode run (the prefill and every step; jax-sharded compiles its two programs)
 
 
-class ShardedBackend(Backend):
+class ShardedBackend(MLAStrategies, Backend):
+    """MLA (issue 45) in its ``naive`` and ``absorbed`` strategies on every sharded backend (`MLAStrategies`): the
+    heads' weights split as `core.sharding` says, the latent's replicated; a whole decode run, no timed step yet."""
+
     splits_heads = True  # a configuration whose heads do not split over the ranks is refused, with the reason
     rank_noun = "ranks"  # what the plan's ranks are, for messages ("devices", "ranks")
     own_processes = True  # the ranks (torch-tp) or the mesh worker (jax-sharded): `Backend.own_processes`
@@ -135,6 +144,13 @@ class ShardedBackend(Backend):
 
         return Prepared(forward=forward, to_numpy=to_numpy, native_stages=native_stages, info=info)
 
+    def rank_latent_caches(self, token) -> list[np.ndarray]:
+        """Each rank's (device's) MLA latent cache after a decode run, in rank order, as NumPy (B, T, R + dr):
+        ``token`` is what the run's ``PreparedDecode.run`` returned. Every rank holds the whole latent (replicated):
+        the tests compare each with the single-device cache (`core.mla_forms.mla_decode`)."""
+        answers = self.group().request("decode_cache", token, FORWARD_SECONDS, what="fetching the latent caches")
+        return [cache for answer in answers for cache in answer]  # each rank answers a list: its device(s)' caches
+
     def _decode_chunk_stages(self, answers: list, plan: ShardPlan) -> list[dict[str, StageTensor]]:
         """The workers' answers to "decode_stages" -> per chunk, canonical stage tensors. Each rank answers
         a list of ``(stages, output)`` per chunk: its heads' canonical stages and the all-reduced output."""
@@ -161,6 +177,28 @@ class ShardedBackend(Backend):
         """The workers' answers to "stages" -> canonical stage tensors (rank 0's: already the layer's)."""
         stages, note = answers[0]
         return {name: StageTensor(value, STAGE_BY_NAME[name].shape, note) for name, value in stages.items()}
+
+
+def latent_cache_of(decoder: dict):
+    """The worker side of "decode_cache": a decode run's latent cache (MLA's naive and absorbed runs keep one, as
+    NumPy: a rank's, or each device's in a list), or a ValueError saying that this run keeps none."""
+    if "cache" not in decoder:
+        raise ValueError("this decode run keeps no latent cache (only MLA's naive and absorbed runs do)")
+    return decoder["cache"]()
+
+
+def replicated_latent_cache(cfg: MHAConfig, batch: int, slots: int, itemsize: int, layout: str, world: int,
+                            noun: str) -> dict:  # fmt: skip
+    """``info["cache"]`` of MLA's latent cache held whole on each of ``world`` ranks (``noun``: "ranks", "devices"):
+    `latent_cache_info`'s record of one copy, with ``bytes`` counting every copy (as the sharded caches count a
+    replicated kv head) and ``bytes_per_rank`` / ``bytes_per_device`` one. The latent has no head axis to split, so
+    a rank's cache is no smaller than the single-device one: ``kv_lora_rank + d_rope`` numbers a token per rank."""
+    record = latent_cache_info(cfg, batch, slots, itemsize, layout)
+    one = record["bytes"]
+    record.update(bytes=one * world, replicated=f"the whole latent on each of the {world} {noun}")
+    record[f"bytes_per_{noun.removesuffix('s')}"] = one
+    record["note"] += f"; per {noun.removesuffix('s')}: the latent is replicated, not split by head"
+    return record
 
 
 def gather_heads(plan: ShardPlan, per_rank: list[dict]) -> dict[str, np.ndarray]:

@@ -38,7 +38,7 @@ what each split costs in collectives (``standard``; ``named_sharding`` leaves it
 
 Decoding through a KV cache (`jax_decode`, the ``standard`` strategy): each device keeps its kv
 heads' slice of a static cache sharded over ``"heads"``, one prefill and one step program, a psum
-per chunk.
+per chunk. MLA runs in its own ``naive`` and ``absorbed`` strategies (`jax_mla`: the latent replicated).
 
 Devices: ``--xla_force_host_platform_device_count`` only works before JAX starts, and the
 calling process may have started JAX already (the check runs the other JAX backends
@@ -61,10 +61,11 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
 from mha_rosetta.core.variants import alibi_slopes
 
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD
 from ..frameworks.ops import RegistryVariants
 from . import jax_decode
-from .common import PREPARE_SECONDS, ShardedBackend, gather_heads
+from .common import PREPARE_SECONDS, ShardedBackend, gather_heads, latent_cache_of
 from .workers import Programs, WorkerGroup, serve
 
 NAMED_SHARDING = "named_sharding"
@@ -90,15 +91,15 @@ class JaxShardedBackend(ShardedBackend):
         "heads over a device mesh: rows of w_q/w_k/w_v and columns of w_o per device, one psum (shard_map); "
         "or NamedSharding and XLA's partitioner"
     )
-    strategies = (STANDARD, NAMED_SHARDING)
+    strategies = (STANDARD, NAMED_SHARDING, NAIVE, ABSORBED)  # the last two: MLA's (`jax_mla`)
     rank_noun = "devices"
     # Every variant, in both strategies (the module docstring says how each is split); no backward pass.
-    variants = RegistryVariants("jax")  # MLA: not here, it runs in naive and absorbed strategies only
+    variants = RegistryVariants("jax")  # MLA in its naive and absorbed strategies only
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: head-parallel decoding (`jax_decode`): each device its kv heads' slice of a static cache, one
-    # psum per chunk, in the standard (shard_map) strategy, every variant.
+    # psum per chunk, in the standard (shard_map) strategy, every variant; MLA's forms on a replicated latent cache.
     decode_caches = (jax_decode.STATIC,)
-    decode_strategies = (STANDARD,)
+    decode_strategies = (STANDARD, *MLA_STRATEGIES)
     decode_layouts: ClassVar[dict[str, str]] = jax_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
@@ -136,8 +137,14 @@ def _worker_main(conn, rank: int, size: int) -> None:
     from ..jax.executables import settle_x64
 
     settle_x64()  # in the check: one x64 setting for every program this process traces
+    from . import jax_mla
+    from .jax_decode import build_decode
+    from .jax_decode_step import build_decode_step
 
-    programs = Programs(_build)
+    # What the decode and MLA builders reuse: the mesh, its axis, the variant split.
+    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards, mesh_of=mesh_of)
+    mla = partial(jax_mla.build_forward, forward=forward_split)  # MLA's forms (`jax_mla`)
+    programs = Programs(lambda *case: (mla if case[4] in MLA_STRATEGIES else _build)(*case))  # case[4]: the strategy
 
     def forward(key):
         program = programs[key]
@@ -150,17 +157,12 @@ def _worker_main(conn, rank: int, size: int) -> None:
     def stages(key):
         return programs[key]["stages"]()
 
-    from .jax_decode import build_decode
-    from .jax_decode_step import build_decode_step
-
     # A decode run ("run": built once, run whole per request, its sharded cache kept here) or the
     # benchmark's one step ("step"), by the payload's first entry.
-    # What decode reuses (the mesh, its axis, the variant split).
-    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards, mesh_of=mesh_of)
     builders = {
-        "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: build_decode(
-            cfg, params, inputs, dtype, strategy, world, forward=forward_split
-        ),
+        "run": lambda cfg, params, inputs, dtype, strategy, world, _cache: (
+            jax_mla.build_decode if strategy in MLA_STRATEGIES else build_decode
+        )(cfg, params, inputs, dtype, strategy, world, forward=forward_split),
         "step": partial(build_decode_step, forward=forward_split),
     }
     decoders = Programs(lambda kind, *payload: builders[kind](*payload))
@@ -170,6 +172,7 @@ def _worker_main(conn, rank: int, size: int) -> None:
         decode_run=lambda key: decoders[key]["run"](),
         decode_fetch=lambda key: decoders[key]["fetch"](),
         decode_stages=lambda key: decoders[key]["stages"](),  # one worker: the devices' heads already gathered
+        decode_cache=lambda key: latent_cache_of(decoders[key]),  # MLA: each device's (`rank_latent_caches`)
     )
     conn.send(("ok", {"devices": len(jax.devices())}))
     serve(conn, handlers)
@@ -179,6 +182,20 @@ def count_all_reduces(hlo_text: str) -> int:
     """All-reduce operations in a compiled XLA program (an async pair counts once)."""
     lines = hlo_text.splitlines()
     return sum(" all-reduce(" in line or " all-reduce-start(" in line for line in lines)
+
+
+def compile_on_mesh(jitted, args: tuple, key: tuple, plan, **info):
+    """``jitted`` compiled for ``args`` (matmul precision "highest") and the case's info: the mesh, the plan, the
+    all-reduces XLA's compiled program holds, and ``info`` (how, collectives)."""
+    import jax
+
+    from ..jax.executables import compile_program
+
+    with jax.default_matmul_precision("highest"):
+        compiled = compile_program(jitted, args, key)
+    mesh = f"1-D mesh {MESH_AXIS!r} of {plan.world} simulated CPU devices"
+    counted = {"all_reduces": count_all_reduces(compiled.as_text()), "matmul_precision": "highest"}
+    return compiled, {"devices": plan.world, "mesh": mesh, "plan": plan.describe(), **info, **counted}
 
 
 def variant_shards(cfg: MHAConfig, params, world: int) -> list[dict]:
@@ -231,7 +248,6 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     from .._layouts import TOKENS_FIRST_STAGE_AXES
     from ..base import StageTensor, canonical_stage
     from ..jax.common import VARIANT_STAGE_AXES, enable_float64_if_needed, score_bias_inputs, shared_program
-    from ..jax.executables import compile_program
     from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
@@ -357,17 +373,8 @@ def _build(cfg, params, inputs, dtype, strategy, world):
     key = ("jax-sharded", strategy, cfg, world, batch_axis, head_axis, table_axes, tuple(sorted(score_axes.items())))
     _, jitted = shared_program(key, forward)
     _, jitted_stages = shared_program(("stages", *key), stage_fn)
-    with jax.default_matmul_precision("highest"):
-        compiled = compile_program(jitted, args, key)
-    info = {
-        "devices": world,
-        "mesh": f"1-D mesh {MESH_AXIS!r} of {world} simulated CPU devices",
-        "plan": plan.describe(),
-        "how": how,
-        "all_reduces": count_all_reduces(compiled.as_text()),
-        "collectives": "; ".join(collectives) if strategy == STANDARD else "chosen by XLA's partitioner",
-        "matmul_precision": "highest",
-    }
+    collectives = "; ".join(collectives) if strategy == STANDARD else "chosen by XLA's partitioner"
+    compiled, info = compile_on_mesh(jitted, args, key, plan, how=how, collectives=collectives)
 
     def stages():
         """Canonical stage tensors: each device's heads gathered side by side (shard_map), or the

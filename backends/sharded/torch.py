@@ -34,6 +34,11 @@ each costs in collectives per forward pass:
   replicated on ``r`` ranks the k sum counts each kv head ``r`` times and is divided by ``r``.
 * the window, the other score steps, the qkv bias and rope scaling: rank-local arithmetic on its own heads.
 
+MLA (`torch_mla`): its own two strategies, ``naive`` and ``absorbed``, each the torch adapter's form on the
+rank's heads (its rows of q_b_proj and kv_b_proj, its columns of o_proj), the latent's down projections and norms
+replicated, one all-reduce of the partial outputs (forward, and per chunk in decode, where each rank caches the
+whole latent).
+
 GQA: `ColwiseParallel` cuts the rows of ``w_k`` evenly, which keeps kv heads whole only
 when ``world`` divides the kv heads; with fewer kv heads than ranks the standard strategy
 refuses the case (it would cut a kv head in half) while ``manual`` replicates each kv
@@ -61,10 +66,18 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAParams, shard_mask, shard_params, shard_plan
 
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD, StageTensor, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
 from . import torch_decode
-from .common import PREPARE_SECONDS, ShardedBackend, alibi_slopes_of, gather_heads, shard_variant_params
+from .common import (
+    PREPARE_SECONDS,
+    ShardedBackend,
+    alibi_slopes_of,
+    gather_heads,
+    latent_cache_of,
+    shard_variant_params,
+)
 from .workers import Programs, WorkerGroup, serve
 
 MANUAL = "manual"
@@ -77,14 +90,15 @@ class TorchTPBackend(ShardedBackend):
         "heads over gloo ranks: parallelize_module with ColwiseParallel q/k/v (rows of W) and RowwiseParallel "
         "output (columns of W_o), one all-reduce; or the same split by hand"
     )
-    strategies = (STANDARD, MANUAL)
-    # Each split as the module docstring says; no backward pass. MLA: not here, it runs in naive and absorbed only.
+    strategies = (STANDARD, MANUAL, NAIVE, ABSORBED)  # the last two: MLA's (`torch_mla`)
+    # Each split as the module docstring says; no backward pass. MLA in its naive and absorbed strategies only.
     variants = RegistryVariants("torch")
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8: one request runs a whole decode in every rank, each keeping its heads' Hugging Face cache through
-    # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant.
+    # it, one all-reduce per chunk (`torch_decode`); both strategies, both cache kinds, every variant; MLA's forms
+    # through each rank's whole latent cache (`torch_mla`).
     decode_caches = (torch_decode.DYNAMIC, torch_decode.STATIC)
-    decode_strategies = (STANDARD, MANUAL)
+    decode_strategies = (STANDARD, MANUAL, *MLA_STRATEGIES)
     decode_layouts: ClassVar[dict[str, str]] = torch_decode.DECODE_LAYOUTS
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
@@ -161,6 +175,7 @@ def _rank_main(conn, rank: int, world: int, threads: int, folder: str) -> None:
         decode_run=lambda key: decoders[key]["run"](),
         decode_fetch=lambda key: decoders[key]["fetch"](),
         decode_stages=lambda key: decoders[key]["stages"](),
+        decode_cache=lambda key: [latent_cache_of(decoders[key])],  # MLA: `rank_latent_caches`
     )
     conn.send(("ok", {"rank": rank, "world": world, "threads": torch.get_num_threads()}))
     try:
@@ -223,9 +238,51 @@ def _collective_counter_type():
 
 
 def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_world):
-    """One case on this rank: the local layer, its forward, and the collectives it makes."""
+    """One case on this rank: its forward (MLA's forms: `torch_mla`), and the collectives it makes."""
     if payload_world != world:
         raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
+    import torch
+
+    plan = shard_plan(cfg, world)
+    if strategy in MLA_STRATEGIES:
+        from .torch_mla import build_forward
+
+        run, how, local_stages = build_forward(rank, world, cfg, params, inputs, dtype, strategy)
+    else:
+        run, how, local_stages = _head_split(mesh, rank, world, plan, cfg, params, inputs, dtype, strategy)
+
+    # No autograd either way; but under inference_mode DTensor resolves RowwiseParallel's partial
+    # sums with two all-gathers instead of one all-reduce (CommDebugMode, torch 2.13 and 2.14),
+    # so the DTensor path runs under no_grad.
+    mode = torch.no_grad if strategy == STANDARD else torch.inference_mode
+
+    def forward():
+        with mode():
+            return run()
+
+    with _collective_counter() as comm:
+        forward()
+    counts = comm.counts
+    info = {
+        "world": world,
+        "plan": plan.describe(),
+        "how": how,
+        "all_reduces": _count_all_reduces(counts),
+        "collectives": dict(counts),
+        "threads_per_rank": torch.get_num_threads(),
+    }
+
+    def stages():
+        """This rank's stages (its heads', canonical) and the all-reduced output."""
+        with torch.inference_mode():
+            local = local_stages()
+        return local, tensor_to_numpy(forward())
+
+    return {"run": forward, "info": info, "stages": stages}
+
+
+def _head_split(mesh, rank, world, plan, cfg, params, inputs, dtype, strategy):
+    """(run, how, local stages) of the head-split strategies: the torch adapter's layer on this rank's heads."""
     import torch
     import torch.distributed as dist
 
@@ -234,7 +291,6 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
     from ..torch.common import to_tensor
     from ..torch.layer import RowSampleMHA
 
-    plan = shard_plan(cfg, world)
     local_cfg = plan.local_cfg
     local_inputs = dataclasses.replace(inputs, mask=shard_mask(inputs.mask, plan, rank))
     # The 2017-23 parameters split by core.shard_params, the variants' by common.shard_variant_params.
@@ -283,34 +339,10 @@ def _build(mesh, rank, world, cfg, params, inputs, dtype, strategy, payload_worl
 
         how = "by hand: shard_params, the torch adapter on the local heads, one dist.all_reduce, + b_o"
 
-    # No autograd either way; but under inference_mode DTensor resolves RowwiseParallel's partial
-    # sums with two all-gathers instead of one all-reduce (CommDebugMode, torch 2.13 and 2.14),
-    # so the DTensor path runs under no_grad.
-    mode = torch.no_grad if strategy == STANDARD else torch.inference_mode
+    def local_stages():  # from the torch adapter on its shard
+        return {name: canonical_stage(name, stage) for name, stage in record_stages(layer.standard).items()}
 
-    def forward():
-        with mode():
-            return run()
-
-    with _collective_counter() as comm:
-        forward()
-    counts = comm.counts
-    info = {
-        "world": world,
-        "plan": plan.describe(),
-        "how": how,
-        "all_reduces": _count_all_reduces(counts),
-        "collectives": dict(counts),
-        "threads_per_rank": torch.get_num_threads(),
-    }
-
-    def stages():
-        """This rank's stages (its heads, from the torch adapter on its shard) and the all-reduced output."""
-        with torch.inference_mode():
-            local = {name: canonical_stage(name, stage) for name, stage in record_stages(layer.standard).items()}
-        return local, tensor_to_numpy(forward())
-
-    return {"run": forward, "info": info, "stages": stages}
+    return run, how, local_stages
 
 
 def _head_parallel_module(cfg: MHAConfig, params: MHAParams, dtype: str, mesh, attend):

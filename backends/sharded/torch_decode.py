@@ -26,6 +26,9 @@ cache of the torch adapter's random numbers for the same seed, each rank keeping
 A projection-wide QK-norm adds its two all-reduces of the sums of squares per chunk (as in the
 forward); ALiBi's slopes are the rank's slice of the whole layer's series; sinks and T5's table
 columns are the rank's heads'.
+
+MLA's ``naive`` and ``absorbed`` decode through a latent cache instead (`torch_mla.build_decode`): each rank the
+whole ``[c | k_rope]`` (B, T, R + dr), replicated, its heads' partial outputs, one all-reduce per chunk.
 """
 
 from __future__ import annotations
@@ -119,12 +122,37 @@ def _rank_layer(
     return layer, torch.inference_mode if module is None else torch.no_grad
 
 
+def run_and_fetch(run_all, state: dict, rank: int):
+    """(run, fetch) of a whole decode run on a rank: ``run`` runs ``run_all``, which keeps the chunks' outputs in
+    ``state["outputs"]``; ``fetch`` gives rank 0's, concatenated (B, N, D) (the all-reduced output: one rank's is all)."""
+
+    def run():
+        run_all()
+        return None
+
+    def fetch():
+        import torch
+
+        from ..base import tensor_to_numpy
+
+        return tensor_to_numpy(torch.cat(state["outputs"], dim=1)) if rank == 0 else None  # (B, N, D)
+
+    return run, fetch
+
+
 def build_decode(
     forward, rank, world, cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype, strategy, payload_world, cache
 ):
-    """One decode run on this rank: its layer, its cache kind, the run and what it exposes."""
+    """One decode run on this rank: its layer, its cache kind, the run and what it exposes (MLA's forms: each rank
+    its whole latent cache, `torch_mla.build_decode`)."""
     if payload_world != world:
         raise ValueError(f"a case for world={payload_world} sent to a group of {world} ranks")
+    from .._mla import MLA_STRATEGIES
+
+    if strategy in MLA_STRATEGIES:
+        from .torch_mla import build_decode as build_mla_decode
+
+        return build_mla_decode(rank, world, cfg, params, inputs, dtype, strategy)
     import torch
 
     from .._recording import StageRecorder
@@ -152,12 +180,7 @@ def build_decode(
         state.update(outputs=outputs, slots=kv.slots, bytes=kv.nbytes)
         return outputs
 
-    def run():
-        run_all()
-        return None
-
-    def fetch():
-        return tensor_to_numpy(torch.cat(state["outputs"], dim=1)) if rank == 0 else None  # (B, N, D)
+    run, fetch = run_and_fetch(run_all, state, rank)
 
     def stages():
         """Per chunk: this rank's canonical stages (its heads) and the all-reduced output."""

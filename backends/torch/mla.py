@@ -224,6 +224,19 @@ def prepare_torch_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strateg
     return autograd_prepared(forward, leaves, to_tensor(cotangent, dtype, device), dict, device, allow_tf32, info)
 
 
+def decode_chunk(layer: RowSampleMLA, strategy: str, cache, xs, inputs: DecodeInputs, chunk: tuple, device, w_ouv=None):
+    """One chunk ``(start, stop)`` of a decode run: its ``[c | k_rope]`` rows written in place into ``cache``
+    (B, T, R + dr), then its queries over the rows written so far; the chunk's output (B, s, D). ``device``: ours
+    ("cpu", "gpu"); ``w_ouv``: the absorbed form's ``W_O W_UV``, folded once for the run (None: folded here)."""
+    start, stop = chunk
+    window = slice(start, stop)
+    cache[:, window] = layer.latent(xs[:, window], window)  # the step's rows, in place
+    allowed = decode_allowed(layer.cfg, inputs.positions[:, window], inputs.positions[:, :stop], inputs.valid[:, :stop])
+    blocked, empty = _mask(allowed, device)  # (B, 1, s, T)
+    q_nope, q_rot = layer.queries(xs[:, window], window)
+    return layer.attend(strategy, q_nope, q_rot, cache[:, :stop], blocked, empty, w_ouv)
+
+
 def prepare_torch_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device, strategy, allow_tf32):
     """A whole decode run of MLA's ``strategy`` through one preallocated latent cache (B, T, R + dr), in place."""
     import torch
@@ -237,17 +250,7 @@ def prepare_torch_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, devic
 
     def forward():
         cache = xs.new_zeros((B, N, rows))  # (B, T, R + dr): allocated once, written in place
-        outputs, length = [], 0
-        for start, stop in inputs.chunks():
-            window = slice(start, stop)
-            cache[:, start:stop] = layer.latent(xs[:, window], window)  # the step's rows, in place
-            length = stop
-            allowed = decode_allowed(
-                cfg, inputs.positions[:, window], inputs.positions[:, :length], inputs.valid[:, :length]
-            )
-            blocked, empty = _mask(allowed, device)  # (B, 1, s, T)
-            q_nope, q_rot = layer.queries(xs[:, window], window)
-            outputs.append(layer.attend(strategy, q_nope, q_rot, cache[:, :length], blocked, empty, w_ouv))
+        outputs = [decode_chunk(layer, strategy, cache, xs, inputs, chunk, device, w_ouv) for chunk in inputs.chunks()]
         return torch.cat(outputs, dim=1)  # (B, N, D)
 
     run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))

@@ -26,22 +26,29 @@ numbers as multi-query attention over the latent.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .._validate import require_bool, require_positive_int
-from ..rope_scaling import validate_rope_scaling
+from ._diagnose import DiagnoseSpec
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
 
-KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rope_interleave",
+# The field names, YaRN's scale and the layers live in `mla_config`, which `mla_diagnose` reads too
+# (re-exported here: ``from mha_rosetta.core.variants.mla import DEEPSEEK_V3_LIKE`` keeps working).
+from .mla_config import (
+    DEEPSEEK_V2_LITE_LIKE,
+    DEEPSEEK_V3_LIKE,
+    INTERLEAVE,
+    KV_RANK,
+    NOPE,
+    Q_RANK,
+    ROPE,
+    V_DIM,
+    softmax_scale,
 )
+from .mla_config import YARN as YARN  # re-exported: the tests import it from here
+from .mla_config import yarn_mscale as yarn_mscale
+from .mla_diagnose import DIAGNOSE  # what diagnose knows of MLA
+
 # The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
 MLA_ADAPTERS = ("numpy", "torch", "jax")
 # The only strategies that run it (`Variant.strategies`): its two forms, the names `backends._mla` and core.mla_forms use.
@@ -66,24 +73,6 @@ def mla_on(cfg: Config) -> bool:
 def rope_style(interleave: bool) -> str:
     """The spec's rotary pairing for ``rope_interleave``: adjacent pairs (True) or rotate_half (False)."""
     return "interleaved" if interleave else "half"
-
-
-def yarn_mscale(factor: float, k: float) -> float:
-    """YaRN's ``m(s, k)`` (transformers' ``yarn_get_mscale``): 1 for ``s <= 1``, else ``0.1 k ln(s) + 1``."""
-    return 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0
-
-
-def softmax_scale(head_dim: int, rope_scaling: dict | None) -> float:
-    """``head_dim^-1/2``, times ``m(factor, mscale_all_dim)^2`` with a scaled rope and ``mscale_all_dim`` set.
-
-    transformers' ``yarn_apply_mscale``: only a non-default rope type with a nonzero ``mscale_all_dim`` changes it;
-    ``mscale`` itself never does (it acts on the rotary's cos and sin, over ``m(f, mscale_all_dim)``).
-    """
-    scale = 1.0 / math.sqrt(head_dim)  # MHAConfig's own default, bit for bit (models._from_module)
-    scaling = validate_rope_scaling(rope_scaling)
-    if scaling is not None and scaling.get("mscale_all_dim"):
-        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-    return scale
 
 
 def _refuse_without_mla(cfg: Config) -> dict:
@@ -219,25 +208,6 @@ Q_STAGES = (
 )
 
 
-# DeepSeek V3's attention at a small size, every size distinct: 3 heads, latent 10, nope 4 + rope 6 = d_k 10, d_v 5;
-# YaRN (factor 4) with mscale != mscale_all_dim, so both of its effects (cos/sin and the softmax scale) show.
-YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4, mscale=0.8, mscale_all_dim=0.9)
-DEEPSEEK_V3_LIKE: dict = dict(
-    d_model=24,
-    n_heads=3,
-    q_lora_rank=7,
-    kv_lora_rank=10,
-    qk_nope_head_dim=4,
-    qk_rope_head_dim=6,
-    v_head_dim=5,
-    causal=True,
-    bias=False,
-    rope_scaling=YARN,
-)
-# DeepSeek V2-Lite: no query LoRA (one q_proj), attention_bias on, adjacent-pair rotary without scaling.
-DEEPSEEK_V2_LITE_LIKE: dict = dict(
-    d_model=20, n_heads=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=4, v_head_dim=5, causal=True, bias=True
-)
 CHECK_CASES = (
     CaseSpec(
         "mla",
@@ -331,10 +301,6 @@ def explain_q_lora(demo) -> Explanation:
         ],
     )
 
-
-# What diagnose knows of MLA: its own module, which reads the helpers and cases above (so it is imported here).
-from ._diagnose import DiagnoseSpec  # noqa: E402
-from .mla_diagnose import DIAGNOSE  # noqa: E402
 
 ENTRY = Variant(
     name="mla",

@@ -29,12 +29,7 @@ import numpy as np
 from ..rope_scaling import validate_rope_scaling
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import Config
-from .mla import (
-    DEEPSEEK_V2_LITE_LIKE,
-    DEEPSEEK_V3_LIKE,
-    softmax_scale,
-    yarn_mscale,
-)  # defined before mla imports this module
+from .mla_config import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, softmax_scale, yarn_mscale
 
 CODE = "mla"
 

@@ -32,9 +32,10 @@ from .._validate import require_bool, require_positive_int
 from ._diagnose import DiagnoseSpec
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
 
-# The field names, YaRN's scale and the layers live in `mla_config`, which `mla_diagnose` reads too
+# The field names, YaRN's scale, the layers and the options live in `mla_config`, which `mla_diagnose` reads too
 # (re-exported here: ``from mha_rosetta.core.variants.mla import DEEPSEEK_V3_LIKE`` keeps working).
 from .mla_config import (
+    CLI,
     DEEPSEEK_V2_LITE_LIKE,
     DEEPSEEK_V3_LIKE,
     INTERLEAVE,
@@ -306,7 +307,7 @@ ENTRY = Variant(
     name="mla",
     summary="multi-head latent attention: keys and values expanded per head from one cached latent and one shared "
     "rotary key (DeepSeek V2/V3)",
-    fields=(KV_RANK, NOPE, ROPE, V_DIM, INTERLEAVE),
+    fields=(KV_RANK, NOPE, ROPE, V_DIM, INTERLEAVE, "norm_eps"),  # norm_eps: the latent's RMSNorm
     is_on=mla_on,
     validate=validate,
     params=KV_PARAMS,
@@ -323,6 +324,7 @@ ENTRY = Variant(
     bench=BenchSpec(
         {Q_RANK: 384, KV_RANK: 256, NOPE: 48, ROPE: 16, V_DIM: 64, INTERLEAVE: True}, "plain", preset="forms"
     ),
+    cli=CLI,
     demo_on=DEMO_ON,
     demo_off=DEMO_OFF,
     explain=explain,
@@ -336,7 +338,7 @@ ENTRY = Variant(
 Q_LORA_ENTRY = Variant(
     name="mla_q_lora",
     summary="MLA's low-rank query: q = W_qb RMSNorm(W_qa x + b_qa) (DeepSeek V2/V3's q_lora_rank)",
-    fields=(Q_RANK,),
+    fields=(Q_RANK, "norm_eps"),  # norm_eps: the query latent's RMSNorm
     is_on=q_lora_on,
     validate=validate,
     params=Q_PARAMS,

@@ -1,4 +1,4 @@
-"""MLA's configuration, apart from its entry (`core.variants.mla`): its field names, YaRN's scale, its layers.
+"""MLA's configuration, apart from its entry (`core.variants.mla`): its field names, YaRN's scale, its layers, its options.
 
 `core.variants.mla` (the entry) and `core.variants.mla_diagnose` (what diagnose knows of it) both read these, so
 neither imports the other's module for them (issue 42: the two imported each other, hidden by an import at the
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from ..rope_scaling import validate_rope_scaling
+from ._entry import switch_option, value_option
 
 KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
     "kv_lora_rank",
@@ -57,4 +58,27 @@ DEEPSEEK_V3_LIKE: dict = dict(
 # DeepSeek V2-Lite: no query LoRA (one q_proj), attention_bias on, adjacent-pair rotary without scaling.
 DEEPSEEK_V2_LITE_LIKE: dict = dict(
     d_model=20, n_heads=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=4, v_head_dim=5, causal=True, bias=True
+)
+
+# ``mha-rosetta diagnose``'s options for MLA (`Variant.cli`): --kv-lora-rank switches it on, the others are its sizes.
+_NEEDS = "--kv-lora-rank"
+
+
+def _size(flag: str, field: str, help: str, rank: int):
+    return value_option(flag, field, help, rank=rank, needs=_NEEDS, type=int, metavar="N")
+
+
+CLI = (
+    value_option(_NEEDS, KV_RANK, "MLA (DeepSeek V2/V3): the latent's width", rank=90, type=int, metavar="N"),
+    _size("--q-lora-rank", Q_RANK, "MLA's low-rank query's width (default: one q_proj)", 91),
+    _size("--qk-nope-head-dim", NOPE, "MLA: each head's un-rotated query/key features", 92),
+    _size("--qk-rope-head-dim", ROPE, "MLA: the rotated features, of one key head all heads share", 93),
+    _size("--v-head-dim", V_DIM, "MLA: the value head size (never the key's)", 94),
+    switch_option(
+        "--no-rope-interleave",
+        {INTERLEAVE: False},
+        "MLA rotates with rotate_half (rope_interleave=False; default: adjacent pairs, DeepSeek V2/V3)",
+        rank=95,
+        needs=_NEEDS,
+    ),
 )

@@ -2,8 +2,8 @@
 
 The output gate (``--attn-output-gate``), V tied to K (``--attention-k-eq-v``) and MLA (``--kv-lora-rank`` and its
 sizes) build the configuration their entries' fields describe; ``--norm-eps`` is refused by name unless a variant
-that reads it is given (the QK-norms, the norm after rotary, the value norm, MLA's latent norms); MLA's forward is
-diagnosed from the command line.
+that reads it is given (the QK-norms, the norm after rotary, the value norm, MLA's latent norms); MLA's forward and
+its decode loop are diagnosed from the command line.
 """
 
 from __future__ import annotations
@@ -100,19 +100,27 @@ PORT = textwrap.dedent(
     from mha_rosetta.core import MHAConfig
     from mha_rosetta.core.mla_forms import mla_forward
     from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE
+    from mha_rosetta.diagnose import DecodeBug, simulate_decode
 
     CFG = MHAConfig(**DEEPSEEK_V2_LITE_LIKE)
 
     def forward(params, query, key, value, mask):
         return mla_forward(CFG, params, query, mask=mask, form="absorbed")
+
+    def raw_latent_loop(params, x, prefill, step, mask, positions):
+        bug = DecodeBug(mistakes=(("mla", "unnormed_latent"),))
+        return simulate_decode(CFG, params, x, prefill=prefill, step=step, mask=mask, positions=positions, bug=bug)
     """
 )
 
 
-def test_the_command_line_diagnoses_mlas_forward_and_refuses_a_lone_norm_eps(tmp_path):
+def test_the_command_line_diagnoses_mlas_forward_and_names_its_decode_loops_cache(tmp_path):
     (tmp_path / "deepseek_port.py").write_text(PORT, encoding="utf-8")
     done = run_cli("diagnose", "deepseek_port:forward", *V2_LITE_WORDS.split(), "--causal", cwd=tmp_path)
     assert done.returncode == 0 and "agrees with the oracle" in done.stdout, done.stdout + done.stderr
+    loop = run_cli("diagnose", "--decode", "deepseek_port:raw_latent_loop", *V2_LITE_WORDS.split(), cwd=tmp_path)
+    assert loop.returncode == 1, loop.stdout + loop.stderr
+    assert "1. decode_latent_not_normed: the cache holds the un-normalised latent" in loop.stdout
     refused = run_cli("diagnose", "deepseek_port:forward", "--d-model", "20", "--heads", "4", "--norm-eps", "1e-5",
                       cwd=tmp_path)  # fmt: skip
     assert refused.returncode == 2 and f"error: --norm-eps needs {NORMS}" in refused.stderr, refused.stderr

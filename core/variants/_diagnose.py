@@ -110,6 +110,9 @@ class SimulatedSteps:
     context(cfg, weights, values, mistake) -> what it adds to the context (B, H, Nq, Dv), or 0.
     params(cfg, p, mistake) -> the parameters by name (a dict) as the candidate reads them (the gate's halves).
     output(cfg, p, query, merged, mistake) -> what w_o reads: the merged context (B, Nq, H*Dv), gated.
+    cached(cfg, p, entries, raw, mistake) -> what a latent cache holds (the decode loop's, MLA's): ``entries``
+        (kv_latent (B, N, R), k_rope (B, N, dr)) as the spec caches them, ``raw`` (c, k_pe) the same before the
+        latent's norm and the key's rotary.
     """
 
     projection: Callable | None = None
@@ -126,6 +129,7 @@ class SimulatedSteps:
     context: Callable | None = None
     params: Callable | None = None
     output: Callable | None = None
+    cached: Callable | None = None
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ The variants in torch idioms are `TORCH_STEPS`, a `PlantedSteps` per variant (th
 are its entries'): Hugging Face's ``torch.rsqrt`` RMSNorm, BLOOM's slopes, T5's
 ``_relative_position_bucket`` in torch, FlashAttention's ``window_size=(left, right)`` (a mask of
 blocked keys), gpt-oss's sink column dropped after the softmax. The rotary frequencies are the
-entry's NumPy ones (the mistake is which ``rope_scaling`` is passed, not the formula). A variant
-whose entry plants steps and that has none here is refused (`unspelled`): its bugs run in the NumPy
-candidate only until its torch spelling is written here.
+entry's NumPy ones (the mistake is which ``rope_scaling`` is passed, not the formula). The forms of
+2025-26 (Llama 4's temperature and QK-norm after rotary, MLA's heads from its latents) are
+`backends.injected_torch_forms`'. A variant whose entry plants steps and that has none here is refused
+(`unspelled`): its bugs run in the NumPy candidate only until its torch spelling is written here.
 
 torch is imported inside the functions only.
 """
@@ -26,8 +27,10 @@ import math
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants import PlantedSteps, steps_at, variant, variants_on
+from mha_rosetta.core.variants import PlantedSteps, planted_heads, steps_at, variant, variants_on
 from mha_rosetta.core.variants.qk_norm import planted_norm
+
+from .injected_torch_forms import FORM_STEPS
 
 
 def torch_rms_norm(x, w, eps):
@@ -192,6 +195,7 @@ TORCH_STEPS: dict[str, PlantedSteps] = {
     "gate": PlantedSteps(output=_gated),
     "k_eq_v": variant("k_eq_v").diagnose.planted,  # value_states = key_states: no array op of its own
     "value_norm": PlantedSteps(values=_torch_value_norm),
+    **FORM_STEPS,  # Llama 4's temperature and QK-norm after rotary, MLA
 }
 
 
@@ -242,26 +246,14 @@ def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str |
             t[bug[:3]] = None
         x_q, x_k, x_v = (torch.from_numpy(a) for a in (query, key, value))
         B, Nq, Nk = x_q.shape[0], x_q.shape[1], x_k.shape[1]
-        w_q = t["w_q"].T if bug == "w_q transposed" else t["w_q"]
-        q = F.linear(x_q, w_q, t["b_q"])  # (B, Nq, H*Dk)
-        k = F.linear(x_k, t["w_k"], t["b_k"])  # (B, Nk, Hkv*Dk)
-        v = F.linear(x_v, t["w_v"], t["b_v"])  # (B, Nk, Hkv*Dv)
-        for step, mistake in _steps(cfg, "projection", mistakes):  # a projection QK-norm
-            q, k = step(cfg, params, q, k, mistake)
-        if bug == "direct reshape":
-            q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
-        else:
-            q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
-            k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
-            v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
-        k_raw = k  # before the head norm and rotary (k_eq_v's values)
-        for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
-            q, k = step(cfg, params, q, k, mistake)
-        if rope_style is not None:  # with the NumPy frequencies of rope scaling, or None: the plain ones
-            scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
-            q, k = _torch_rotary(q, rope_style, cfg, scaled), _torch_rotary(k, rope_style, cfg, scaled)
-        for step, mistake in _steps(cfg, "values", mistakes):  # k_eq_v, the value norm (Gemma 4)
-            v = step(cfg, params, v, k_raw, k, mistake)
+
+        def rotate(x, scaled):  # with the NumPy frequencies of rope scaling, or None: the plain ones
+            return x if rope_style is None else _torch_rotary(x, rope_style, cfg, scaled)
+
+        def project(turn):  # the projections, the head split, the QK-norms and rotary
+            return _projected_heads(cfg, params, t, bug, mistakes, (x_q, x_k, x_v), turn)
+
+        q, k, v = planted_heads(cfg, params, x_q, x_k, lambda at: _steps(cfg, at, mistakes), rotate, project)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":
@@ -269,6 +261,8 @@ def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str |
             else:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Nk, d)
         scale = cfg.scale
+        for step, mistake in _steps(cfg, "scale", mistakes):  # MLA's YaRN mscale
+            scale = step(cfg, mistake)
         if bug == "scale twice":
             q = q * scale
         scores = q @ k.transpose(-2, -1)  # (B, H, Nq, Nk)
@@ -307,6 +301,31 @@ def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str |
         return F.linear(merged, w_o, t["b_o"])
 
     return candidate
+
+
+def _projected_heads(cfg: MHAConfig, params, t, bug, mistakes, inputs, turn):
+    """(q, k, v, k_raw): the projections, the head split (``view(...).transpose(1, 2)``), the QK-norms and rotary."""
+    import torch.nn.functional as F
+
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    x_q, x_k, x_v = inputs
+    B, Nq, Nk = x_q.shape[0], x_q.shape[1], x_k.shape[1]
+    w_q = t["w_q"].T if bug == "w_q transposed" else t["w_q"]
+    q = F.linear(x_q, w_q, t["b_q"])  # (B, Nq, H*Dk)
+    k = F.linear(x_k, t["w_k"], t["b_k"])  # (B, Nk, Hkv*Dk)
+    v = F.linear(x_v, t["w_v"], t["b_v"])  # (B, Nk, Hkv*Dv)
+    for step, mistake in _steps(cfg, "projection", mistakes):  # a projection QK-norm
+        q, k = step(cfg, params, q, k, mistake)
+    if bug == "direct reshape":
+        q, k, v = q.reshape(B, H, Nq, Dk), k.reshape(B, Hkv, Nk, Dk), v.reshape(B, Hkv, Nk, Dv)
+    else:
+        q = q.view(B, Nq, H, Dk).transpose(1, 2)  # (B, H, Nq, Dk) view
+        k = k.view(B, Nk, Hkv, Dk).transpose(1, 2)  # (B, Hkv, Nk, Dk) view
+        v = v.view(B, Nk, Hkv, Dv).transpose(1, 2)  # (B, Hkv, Nk, Dv) view
+    k_raw = k  # before the head norm and rotary (k_eq_v's values)
+    for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
+        q, k = step(cfg, params, q, k, mistake)
+    return turn(q), turn(k), v, k_raw
 
 
 def _torch_rotary(x, style: str, cfg: MHAConfig, scaled=None):

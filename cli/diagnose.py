@@ -125,7 +125,11 @@ def _given(args: argparse.Namespace) -> list[str]:
 
 
 def _config(args: argparse.Namespace):
+    """The configuration the options describe: the sizes and the variants' fields in one `MHAConfig` (a form such as
+    MLA resolves d_k, the scale and rope itself, so its fields go to the constructor, not to a replace after it)."""
     from mha_rosetta.core import MHAConfig
+
+    from .variant_options import variant_fields
 
     if getattr(args, "ragged", None) == "paged":  # the kernel's probe has its own sizes: no configuration
         from mha_rosetta.diagnose.ragged import PAGED_SIZES_TEXT
@@ -142,6 +146,7 @@ def _config(args: argparse.Namespace):
         given = _given(args)
         if given:
             raise ValueError(f"--like gives the whole configuration; drop {', '.join(given)}")
+        variant_fields(args)  # refuses the variant options: --like gives those too
         from mha_rosetta.diagnose.isolated import resolve_like
         from mha_rosetta.models import LayoutError, from_module
 
@@ -154,7 +159,7 @@ def _config(args: argparse.Namespace):
         raise ValueError(
             f"{' and '.join(missing)} required: the sizes the candidate's module was built for (or --like MODULE:OBJECT)"
         )
-    return MHAConfig(
+    sizes = dict(
         d_model=args.d_model,
         n_heads=args.heads,
         d_k=args.d_k,
@@ -170,6 +175,7 @@ def _config(args: argparse.Namespace):
         rope_base=10000.0 if args.rope_base is None else args.rope_base,
         rope_dims=args.rope_dims,
     )
+    return MHAConfig(**{**sizes, **variant_fields(args)})  # a variant's field wins (--qkv-bias sets bias)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,8 +183,6 @@ def run(args: argparse.Namespace) -> int:
     from mha_rosetta.core.files import write_output
     from mha_rosetta.diagnose import DEFAULT_TIMEOUT_S, DiagnoseError
     from mha_rosetta.diagnose.isolated import diagnose_import_path
-
-    from .variant_options import with_variants
 
     if args.confusion and (args.decode or args.ragged):
         drop = "--decode" if args.decode else "--ragged"
@@ -218,8 +222,6 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, "")  # like `python -m`: the current directory's modules can be named (the child inherits it)
     try:
         cfg = _config(args)
-        if cfg is not None:
-            cfg = with_variants(cfg, args)
         timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
         # In a child process: a candidate that crashes or hangs in native code is reported, not fatal here.
         dtypes = args.dtypes or ["float64"]

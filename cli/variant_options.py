@@ -39,11 +39,39 @@ def _given(value) -> bool:
     return value is not None and value is not False
 
 
+def readers(option: CliOption, value) -> list[str]:
+    """The options that switch on a variant reading a field ``option`` sets (given ``value``), ``option.needs`` first:
+    one of them must be given with it (`Variant.fields` of every entry, so a new norm's option is one with no edit)."""
+    fields = set(option.fields(value))
+    switches = [
+        other.flag
+        for entry in VARIANT_REGISTRY.values()
+        if fields & set(entry.fields)
+        for other in entry.cli
+        if other.needs is None and other.flag != option.flag
+    ]
+    return list(dict.fromkeys(([option.needs] if option.needs else []) + switches))
+
+
+def _alternatives(flags: list[str]) -> str:
+    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} or {flags[-1]}"
+
+
 def with_variants(cfg, args: argparse.Namespace):
-    """``cfg`` with the variant options switched on; ValueError for a combination that contradicts itself."""
+    """``cfg`` with the variant options switched on; ValueError for a combination that contradicts itself.
+
+    `MHAConfig` resolves d_k, the scale and rope at construction, so a form that sets them (MLA) must be given to
+    the constructor: build ``MHAConfig(**sizes, **variant_fields(args))`` for it instead.
+    """
+    fields = variant_fields(args)
+    return replace(cfg, **fields) if fields else cfg
+
+
+def variant_fields(args: argparse.Namespace) -> dict:
+    """The `MHAConfig` fields the variant options given set; ValueError for a combination that contradicts itself."""
     options = given(args)
     if not options:
-        return cfg
+        return {}
     if getattr(args, "like", None):
         raise ValueError(f"--like gives the whole configuration; drop {', '.join(options)}")
     chosen = [option for option in OPTIONS if option.flag in options]
@@ -52,9 +80,16 @@ def with_variants(cfg, args: argparse.Namespace):
             if getattr(args, other.lstrip("-").replace("-", "_"), False):
                 raise ValueError(f"{option.flag} ({meaning}) contradicts {other}: give one")
     for option in chosen:
-        if option.needs is not None and option.needs not in options:
-            raise ValueError(f"{option.flag} needs {option.needs} (it sets a part of that variant)")
+        value = getattr(args, option.dest)
+        alternatives = readers(option, value) if option.needs is not None else []
+        if alternatives and not set(alternatives) & set(options):
+            if len(alternatives) == 1:
+                raise ValueError(f"{option.flag} needs {option.needs} (it sets a part of that variant)")
+            raise ValueError(
+                f"{option.flag} needs {_alternatives(alternatives)}: it sets {', '.join(option.fields(value))}, "
+                "which only those variants read (given alone it would change nothing)"
+            )
     fields: dict = {}
     for option in chosen:
         fields |= option.fields(getattr(args, option.dest))
-    return replace(cfg, **fields)
+    return fields

@@ -40,10 +40,16 @@ The mistakes (`DECODE_CAUSE_CODES`), and how the simulation makes each one:
 - ``decode_rotated_twice``: keys cached after rotary and rotated again by their positions on every read.
 - the variants' decode mistakes, their registry entries' causes with ``decode`` (`DiagnoseCause`), made in their
   steps (`DecodeBug.mistakes`): ``decode_temperature_not_offset``, Llama 4's temperature factors computed from
-  ``arange(s)`` on each call instead of the tokens' positions (the cache offset left out).
+  ``arange(s)`` on each call instead of the tokens' positions (the cache offset left out); MLA's (its latent
+  cache, `core.variants.mla_diagnose`): ``decode_latent_not_normed``, the cache holding the latent before
+  ``kv_a_layernorm``, and ``decode_k_rope_not_rotated``, the shared rotary key cached before rotary, each
+  expanded and scored as cached.
 
 The simulated loop writes each chunk's keys into the cache, then reads the cache (the prefill too), as
-Hugging Face's ``cache.update`` does: so a mistake of the read path shows on the prefill as well.
+Hugging Face's ``cache.update`` does: so a mistake of the read path shows on the prefill as well. Under MLA
+the cache holds each token's normalised latent and rotated shared key (`core.mla_forms.LatentCache`), and a
+read expands every head's keys and values from it (the naive form: the absorbed form reads the same cache
+and computes the same numbers).
 """
 
 from __future__ import annotations

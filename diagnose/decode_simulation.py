@@ -13,6 +13,8 @@ from mha_rosetta.core.decode import decode_allowed, prepare_decode_inputs, ring_
 from mha_rosetta.core.params import validate_params
 from mha_rosetta.core.rotary import frequencies
 from mha_rosetta.core.variants import score_bias
+from mha_rosetta.core.variants.mla import mla_on
+from mha_rosetta.core.variants.mla_heads import expand, latent_entries, latents, query_stages
 
 from .simulate import Bug, _variant_steps, after_rotary, normed, transformed, weights_of
 
@@ -86,8 +88,11 @@ def simulate_decode(
     kv_of = [cfg.kv_head_of(h) for h in range(H)]
     variant_bug = Bug(mistakes=bug.mistakes)  # the variants' steps, with their decode mistakes
 
-    K = np.zeros((B, Hkv, 0, Dk))  # the cache, chronological: (B, Hkv, T, Dk)
-    V = np.zeros((B, Hkv, 0, Dv))  # (B, Hkv, T, Dv)
+    latent = mla_on(cfg)  # MLA: the cache holds each token's latent and rotated shared key, expanded on read
+    # The cache, chronological: (B, Hkv, T, Dk) keys and (B, Hkv, T, Dv) values, or MLA's (B, 1, T, R) latents and
+    # (B, 1, T, dr) shared keys.
+    K = np.zeros((B, 1, 0, cfg.kv_lora_rank) if latent else (B, Hkv, 0, Dk))
+    V = np.zeros((B, 1, 0, cfg.qk_rope_head_dim) if latent else (B, Hkv, 0, Dv))
     K_pos = np.zeros((B, 0), dtype=np.int64)  # (B, T): each slot's position
     K_valid = np.zeros((B, 0), dtype=bool)  # (B, T): the slot holds a real token
     outputs = []
@@ -95,18 +100,15 @@ def simulate_decode(
         s, is_step = stop - start, start > 0
         xs = inputs.x[:, start:stop]  # (B, s, D) view
         pos = inputs.positions[:, start:stop]  # (B, s)
-        q, k, v = linear(xs, p.w_q, p.b_q), linear(xs, p.w_k, p.b_k), linear(xs, p.w_v, p.b_v)
-        q, k = normed(cfg, p, q, k, "projection", variant_bug)  # the variants' steps (a projection QK-norm)
-        q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
-        k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
-        v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
-        k_raw = k_h  # before the head norm and rotary (k_eq_v's values)
-        q_h, k_h = normed(cfg, p, q_h, k_h, "heads", variant_bug)  # (a head QK-norm)
         rot_pos = np.broadcast_to(np.arange(s), (B, s)) if bug.positions_not_offset else pos  # (B, s)
-        q_h = _rotate(cfg, q_h, rot_pos, inv_freq, factor)
-        k_h = _rotate(cfg, k_h, rot_pos, inv_freq, factor)
-        for step, mistake in _variant_steps(cfg, "values", variant_bug):  # the cache holds the normed values (Gemma 4)
-            v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
+
+        def turn(heads, at=rot_pos):  # (B, n, s or T, d) turned by the (B, s or T) positions ``at``
+            return _rotate(cfg, heads, at, inv_freq, factor)
+
+        if latent:
+            q_h, k_h, v_h = _latent_chunk(cfg, p, xs, turn, variant_bug)
+        else:
+            q_h, k_h, v_h = _heads_chunk(cfg, p, xs, turn, variant_bug)
         # Llama 4's QK-norm after rotary and its temperature at the chunk's positions (the cache holds normed keys).
         q_h, k_h = after_rotary(cfg, p, q_h, k_h, pos, variant_bug)
         # Write: append the chunk (copies), then a step's ring keeps its last slots.
@@ -116,7 +118,11 @@ def simulate_decode(
         if ring is not None and is_step:
             K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]
         # Read.
-        keys = _rotate(cfg, K, K_pos, inv_freq, factor) if bug.rotated_twice else K  # (B, Hkv, T, Dk)
+        if latent:  # the keys [W_UK c | k_rope] and values W_UV c of every head from the cache: (B, H, T, d)
+            keys, values_read = _expand(cfg, p, K, turn(V, K_pos) if bug.rotated_twice else V)
+        else:
+            keys = turn(K, K_pos) if bug.rotated_twice else K  # (B, Hkv, T, Dk)
+            values_read = V
         T = keys.shape[2]
         top_left = bug.top_left_causal == "every" or (bug.top_left_causal == "multi" and s > 1)
         if is_step and top_left:  # query i sees slots 0..i, whatever their positions; padding and window kept
@@ -131,7 +137,7 @@ def simulate_decode(
         if bias is not None:
             scores = scores + bias
         masked = np.where(allowed, scores, -np.inf)  # (B, H, s, T)
-        values = V[:, kv_of]  # (B, H, T, Dv) copy
+        values = values_read[:, kv_of]  # (B, H, T, Dv) copy
         empty = max(0, capacity - T)  # a static cache's unwritten slots
         if bug.empty_slots_attended and empty > 0:  # zero keys (score 0) and zero values, attended
             masked = np.concatenate([masked, np.zeros((B, H, s, empty))], axis=-1)  # (B, H, s, T + E)
@@ -145,3 +151,47 @@ def simulate_decode(
         if ring is not None and not is_step:  # the prefill attended within itself: now keep the ring's slots
             K, V, K_pos, K_valid = K[:, :, -ring:], V[:, :, -ring:], K_pos[:, -ring:], K_valid[:, -ring:]
     return inputs.unbatch(np.concatenate(outputs, axis=1))  # (B, N, D)
+
+
+def _heads_chunk(cfg: MHAConfig, p: MHAParams, xs, turn, variant_bug: Bug):
+    """A chunk's rotated queries (B, H, s, Dk), and the keys (B, Hkv, s, Dk) and values (B, Hkv, s, Dv) it caches."""
+    B, s = xs.shape[:2]
+    H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    q, k, v = linear(xs, p.w_q, p.b_q), linear(xs, p.w_k, p.b_k), linear(xs, p.w_v, p.b_v)
+    q, k = normed(cfg, p, q, k, "projection", variant_bug)  # the variants' steps (a projection QK-norm)
+    q_h = q.reshape(B, s, H, Dk).transpose(0, 2, 1, 3)  # (B, H, s, Dk) view
+    k_h = k.reshape(B, s, Hkv, Dk).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dk) view
+    v_h = v.reshape(B, s, Hkv, Dv).transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv) view
+    k_raw = k_h  # before the head norm and rotary (k_eq_v's values)
+    q_h, k_h = normed(cfg, p, q_h, k_h, "heads", variant_bug)  # (a head QK-norm)
+    q_h, k_h = turn(q_h), turn(k_h)
+    for step, mistake in _variant_steps(cfg, "values", variant_bug):  # the cache holds the normed values (Gemma 4)
+        v_h = step(cfg, p, v_h, k_raw, k_h, mistake)
+    return q_h, k_h, v_h
+
+
+def _latent_chunk(cfg: MHAConfig, p: MHAParams, xs, turn, variant_bug: Bug):
+    """MLA: a chunk's rotated queries (B, H, s, Dk), and what it caches (`core.variants.mla_heads`): the latents
+    (B, 1, s, R) and the rotated shared keys (B, 1, s, dr), or what a decode mistake caches in their place."""
+    weights = p.as_dict()
+
+    def rotate(x, side):  # (B, [H,] s, dr): queries and keys of a chunk share its positions
+        return turn(x) if x.ndim == 4 else turn(x[:, None])[:, 0]
+
+    raw = latents(cfg, weights, xs, xs)  # c (B, s, R) and k_pe (B, s, dr), before the norm and rotary
+    entries = latent_entries(cfg, weights, xs, rotate)  # kv_latent (B, s, R), k_rope (B, s, dr): the spec's cache
+    for step, mistake in _variant_steps(cfg, "cached", variant_bug):  # the un-normalised latent, an unrotated k_rope
+        entries = step(cfg, p, entries, (raw["c"], raw["k_pe"]), mistake)
+    q_h = query_stages(cfg, weights, xs, rotate)["q_rotated"]  # (B, H, s, Dk)
+    return q_h, entries[0][:, None], entries[1][:, None]  # (B, 1, s, R), (B, 1, s, dr) views
+
+
+def _expand(cfg: MHAConfig, p: MHAParams, latent_cache, k_rope_cache):
+    """The naive form's keys (B, H, T, Dk) and values (B, H, T, Dv) from MLA's cache, (B, 1, T, R) and (B, 1, T, dr)."""
+    B, _, T, _ = latent_cache.shape
+    H, dn, dr = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    k_nope, v = expand(cfg, p.as_dict(), latent_cache[:, 0])  # (B, T, H*dn), (B, T, H*dv)
+    k_nope = k_nope.reshape(B, T, H, dn).transpose(0, 2, 1, 3)  # (B, H, T, dn) view
+    shared = np.broadcast_to(k_rope_cache, (B, H, T, dr))  # the one rotary key, every head (a view)
+    values = v.reshape(B, T, H, cfg.d_v).transpose(0, 2, 1, 3)  # (B, H, T, dv) view
+    return np.concatenate([k_nope, shared], axis=-1), values  # (B, H, T, Dk) copy

@@ -271,7 +271,7 @@ def diagnose(
 
 def reference_config(cfg: MHAConfig | None, like=None, decode: bool = False) -> MHAConfig:
     """The configuration to diagnose against: ``cfg``, or the one `models.from_module` reads from ``like``
-    (``decode``: for `diagnose_decode`, whose simulated loop has no latent cache)."""
+    (``decode``: for `diagnose_decode`, whose loop caches a form's latents where its `SimulatedSteps.cached` says)."""
     if like is None:
         if cfg is None:
             raise TypeError("diagnose needs the reference configuration: cfg=MHAConfig(...) or like=<attention module>")
@@ -285,12 +285,12 @@ def reference_config(cfg: MHAConfig | None, like=None, decode: bool = False) -> 
 
 def _simulated(cfg: MHAConfig, decode: bool = False) -> MHAConfig:
     """``cfg`` when diagnose's probes and simulator reproduce it; a DiagnoseError naming the form otherwise."""
-    reshaping = [name for name in cfg.variants if VARIANT_REGISTRY[name].base_shapes is not None]
-    if reshaping and decode:  # MLA: the forward simulator expands its latent; the decode loop caches k and v
+    # A form whose weights read latents (`Variant.base_shapes`) decodes only where its entry says what it caches.
+    entries = [VARIANT_REGISTRY[name] for name in cfg.variants]
+    uncached = [e.name for e in entries if e.base_shapes and not (e.diagnose and e.diagnose.simulated.cached)]
+    if uncached and decode:
         raise DiagnoseError(
-            f"diagnose_decode cannot probe {', '.join(reshaping)} yet: its simulated decode loop caches per-head keys "
-            "and values, not the latent (diagnose its forward with diagnose; compare a decode loop against "
-            "core.mla_forms.mla_decode)"
+            f"diagnose_decode cannot probe {', '.join(uncached)} yet: its loop keeps no cache of that form's latents"
         )
     reason = unsimulated_reason(cfg)
     if reason:

@@ -20,7 +20,7 @@ import numpy as np
 
 from mha_rosetta.backends import injected_torch
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants import steps_at, variants_on
+from mha_rosetta.core.variants import planted_heads, steps_at, variants_on
 
 from .causes import diagnosed_variants, latent_form
 from .probes import Q_TOKENS
@@ -137,17 +137,8 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
 
         B, Nq, Nk = query.shape[0], query.shape[1], key.shape[1]
         style = _rope_style(cfg, bug)  # with the frequencies of rope scaling, or None: the plain ones
-        scaled = next((step(cfg, max(Nq, Nk), m) for step, m in _steps(cfg, "frequencies", mistakes)), None)
 
-        def turn(x):  # (B, n, N, d): its first rope_dims features rotated as this candidate rotates
-            return x if style is None else _numpy_rotary(x, style, cfg, scaled)
-
-        latent = next(_steps(cfg, "latent", mistakes), None)
-        if latent is not None:  # MLA: the heads from its latents, in place of the projections, split and rotary
-            step, mistake = latent
-            q, k, v = step(cfg, params, query, key, turn, mistake)  # (B, H, N, d) each
-            k_raw = k
-        else:
+        def project(turn):  # (q, k, v, k_raw): the projections, the head split, the QK-norms and rotary
             q = linear(query, w_q, b_q, bug == "w_q transposed")  # (B, Nq, H*Dk)
             k = linear(key, w_k, b_k)  # (B, Nk, Hkv*Dk)
             v = linear(value, w_v, b_v)  # (B, Nk, Hkv*Dv)
@@ -162,11 +153,12 @@ def numpy_candidate(cfg: MHAConfig, bug: str | None = None):
             k_raw = k  # before the head norm and rotary (k_eq_v's values)
             for step, mistake in _steps(cfg, "heads", mistakes):  # a head QK-norm
                 q, k = step(cfg, params, q, k, mistake)
-            q, k = turn(q), turn(k)
-        for step, mistake in _steps(cfg, "values", mistakes):  # k_eq_v, the value norm (Gemma 4)
-            v = step(cfg, params, v, k_raw, k, mistake)
-        for step, mistake in _steps(cfg, "rotated", mistakes):  # Llama 4's QK-norm after rotary, its temperature
-            q, k = step(cfg, params, q, k, mistake)
+            return turn(q), turn(k), v, k_raw
+
+        def rotate(x, scaled):  # (B, n, N, d) rotated in the candidate's pairing (MLA: its latent step's too)
+            return x if style is None else _numpy_rotary(x, style, cfg, scaled)
+
+        q, k, v = planted_heads(cfg, params, query, key, lambda at: _steps(cfg, at, mistakes), rotate, project)
         if Hkv != H:
             group = H // Hkv
             if bug == "kv heads tiled":

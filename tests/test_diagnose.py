@@ -52,13 +52,14 @@ def test_every_injected_bug_is_named_first_by_its_own_code():
 
 @requires("torch")
 def test_torch_candidates_are_in_the_table():
-    """Every setting runs in torch too, but those with a variant the torch candidate does not spell yet (refused by
-    name: `backends.injected_torch.unspelled`), which run in NumPy only."""
+    """Every setting runs in torch too: a variant the torch candidate did not spell would be refused by name
+    (`backends.injected_torch.unspelled`) and run in NumPy only; since issue 45 it spells every variant's (Llama 4's
+    forms and MLA included)."""
     from mha_rosetta.backends.injected_torch import unspelled
 
     assert {o.framework for o in outcomes()} == {"numpy", "torch"}
     spelled = {name for name, cfg in SETTINGS.items() if not unspelled(cfg)}
-    assert {"plain", "rotary-gqa", "llama4-chunked", "qwen3-next-gate", "gemma4-global"} <= spelled
+    assert spelled == set(SETTINGS)
     torch_runs = sorted((o.setting, o.bug) for o in outcomes() if o.framework == "torch")
     assert torch_runs == sorted(
         (o.setting, o.bug) for o in outcomes() if o.framework == "numpy" and o.setting in spelled

@@ -18,16 +18,26 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mha_rosetta.core import MHAConfig, apply_rotary
-from mha_rosetta.core.mla_forms import mla_forward
+from mha_rosetta.core import MHAConfig, apply_rotary, init_params
+from mha_rosetta.core.decode import reference_decode
+from mha_rosetta.core.mla_forms import mla_decode, mla_forward
 from mha_rosetta.core.rotary import rotary_tables
-from mha_rosetta.core.variants.mla import DEEPSEEK_V3_LIKE
+from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE
 from mha_rosetta.core.variants.mla_algebra import absorbed_output, absorbed_queries, absorbed_scores, latent_keys
 from mha_rosetta.core.variants.mla_diagnose import DIAGNOSE
 from mha_rosetta.core.variants.mla_heads import Rotation, latent_entries, query_stages
 from mha_rosetta.core.variants.qk_norm_after_rope import LLAMA4_ROPE_LIKE
 from mha_rosetta.core.variants.temperature import NOPE_LIKE
-from mha_rosetta.diagnose import DECODE_CAUSE_CODES, DiagnoseError, diagnose, diagnose_decode, hypotheses
+from mha_rosetta.diagnose import (
+    DECODE_CAUSE_CODES,
+    DecodeBug,
+    DiagnoseError,
+    diagnose,
+    diagnose_decode,
+    hypotheses,
+    simulate_decode,
+)
+from mha_rosetta.diagnose.decode import decode_hypotheses
 
 NOPE = MHAConfig(**NOPE_LIKE)  # floor_scale 3, attn_scale 0.5: the factor steps up at positions 2, 5, 8
 ROPE = MHAConfig(**LLAMA4_ROPE_LIKE)  # interleaved rotary, chunks of 4, the norm after rotary
@@ -252,6 +262,123 @@ def test_the_softmax_scale_without_yarns_mscale_or_with_the_wrong_one_is_named(m
     assert "probe 'cross' left out" in " ".join(result.notes)  # self-attention only: its key and value ignored
 
 
-def test_diagnose_decode_refuses_mla_by_name():
-    with pytest.raises(DiagnoseError, match="diagnose_decode cannot probe mla"):
+# -- MLA's decode loop: its latent cache, and what it must hold -----------------------------------------------------
+V2_LITE = MHAConfig(**DEEPSEEK_V2_LITE_LIKE)  # interleaved rotary of 4 features, no YaRN, biases on kv_a and o
+
+
+@pytest.mark.parametrize("cfg", [V3, V2_LITE, ABSORBED], ids=["v3", "v2-lite", "absorbed"])
+def test_the_decode_simulator_keeps_mlas_latent_cache_and_equals_its_forward_and_decode(cfg):
+    """No mistake: the simulated loop over the latent cache equals the full forward and `core.mla_forms.mla_decode`."""
+    params = init_params(cfg, seed=3)
+    x = np.random.default_rng(4).standard_normal((2, 9, cfg.d_model))
+    mask = np.ones((2, 9), bool)
+    mask[0, :2] = False  # item 0 left-padded by two
+    for prefill, step, pad in [(1, 1, None), (3, 2, None), (9, 1, None), (3, 2, mask)]:
+        got = simulate_decode(cfg, params, x, prefill=prefill, step=step, mask=pad)
+        rows = np.ones((2, 9), bool) if pad is None else pad
+        want = reference_decode(cfg, params, x, prefill=prefill, step=step, mask=pad)
+        assert np.abs(got - want)[rows].max() < 1e-12, (prefill, step)
+        forms = mla_decode(cfg, params, x, prefill=prefill, step=step, mask=pad, form="absorbed")
+        assert np.abs(got - forms)[rows].max() < 1e-12, (prefill, step)
+    # The two cache mistakes change every token's output but the first's, which attends to itself alone (weight 1,
+    # whatever the key); the prefill too, since it reads the cache as cache.update does.
+    right = reference_decode(cfg, params, x, prefill=9)
+    for mistake in ("unnormed_latent", "unrotated_k_rope"):
+        wrong = simulate_decode(cfg, params, x, prefill=9, bug=DecodeBug(mistakes=(("mla", mistake),)))
+        assert (np.abs(wrong - right).max(axis=-1)[:, 1:] > 1e-6).all(), mistake
+
+
+def _rotate_at(x, positions, cfg):
+    """Meta's complex rotary of (B, s, n, d) features (2i, 2i + 1) at (B, s) positions (a pad's -1 included)."""
+    r = cfg.rope_dims
+    angles = positions[..., None] * cfg.rope_base ** (-np.arange(0, r, 2) / r)  # (B, s, r/2)
+    pairs = x[..., :r].reshape(*x.shape[:-1], r // 2, 2)  # (B, s, n, r/2, 2) view
+    turned = (pairs[..., 0] + 1j * pairs[..., 1]) * np.exp(1j * angles)[:, :, None]  # (B, s, n, r/2)
+    return np.concatenate([np.stack([turned.real, turned.imag], axis=-1).reshape(*x.shape[:-1], r), x[..., r:]], -1)
+
+
+def mla_decode_loop(cfg: MHAConfig, cached: str | None = None):
+    """A user's decode loop of DeepSeek V2-Lite's attention with a latent cache: loop(params, x, prefill, step, mask,
+    positions). ``cached``: None (the normalised latent and the rotated k_pe, as DeepseekV3Attention caches them),
+    "raw latent" (kv_a_proj_with_mqa's c, before kv_a_layernorm) or "raw k_pe" (before rotary)."""
+    H, dn, dr, dv, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.d_v, cfg.kv_lora_rank
+
+    def rms(x, w):
+        return w * x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + cfg.norm_eps)
+
+    def loop(params, x, prefill, step, mask, positions):
+        B, N, _ = x.shape
+        valid_all = np.ones((B, N), bool) if mask is None else mask
+        latent, k_pe_cache = np.zeros((B, 0, R)), np.zeros((B, 0, dr))  # the cache: (B, T, R), (B, T, dr)
+        cached_positions, cached_valid = np.zeros((B, 0), np.int64), np.zeros((B, 0), bool)
+        outputs = []
+        for start, stop in pairwise([0, *range(prefill, N, step), N]):
+            xs, s, pos = x[:, start:stop], stop - start, positions[:, start:stop]  # (B, s, D), (B, s)
+            q = _linear(xs, params.w_q, None).reshape(B, s, H, dn + dr)  # q_proj, (B, s, H, Dk) view
+            q = np.concatenate([q[..., :dn], _rotate_at(q[..., dn:], pos, cfg)], axis=-1)
+            kv = _linear(xs, params.w_kv_a, params.b_kv_a)  # (B, s, R + dr): kv_a_proj_with_mqa
+            c, k_pe = kv[..., :R], kv[..., R:]
+            k_rot = _rotate_at(k_pe[:, :, None], pos, cfg)[:, :, 0]  # (B, s, dr)
+            latent = np.concatenate([latent, c if cached == "raw latent" else rms(c, params.kv_a_norm)], axis=1)
+            k_pe_cache = np.concatenate([k_pe_cache, k_pe if cached == "raw k_pe" else k_rot], axis=1)
+            cached_positions = np.concatenate([cached_positions, pos], axis=1)
+            cached_valid = np.concatenate([cached_valid, valid_all[:, start:stop]], axis=1)
+            k_nope = np.einsum("btr,hdr->bthd", latent, params.w_k.reshape(H, dn, R))  # (B, T, H, dn)
+            values = np.einsum("btr,hdr->bthd", latent, params.w_v.reshape(H, dv, R))  # (B, T, H, dv)
+            scores = np.einsum("bqhd,bkhd->bhqk", q[..., :dn], k_nope)  # (B, H, s, T)
+            scores = (scores + np.einsum("bqhd,bkd->bhqk", q[..., dn:], k_pe_cache)) * cfg.scale
+            allowed = (cached_positions[:, None, :] <= pos[:, :, None]) & cached_valid[:, None, :]  # (B, s, T)
+            weights = _softmax(np.where(allowed[:, None], scores, -np.inf))
+            context = np.einsum("bhqk,bkhd->bqhd", weights, values).reshape(B, s, H * dv)  # (B, s, H*dv) copy
+            outputs.append(_linear(context, params.w_o, params.b_o))
+        return np.concatenate(outputs, axis=1)  # (B, N, D)
+
+    return loop
+
+
+@pytest.mark.parametrize(
+    "cached, code, detail",
+    [
+        ("raw latent", "decode_latent_not_normed", "the cache holds the un-normalised latent"),
+        ("raw k_pe", "decode_k_rope_not_rotated", "k_rope cached before rotary"),
+    ],
+)
+def test_a_users_mla_decode_loop_caching_the_wrong_entries_is_named(cached, code, detail):
+    right = diagnose_decode(mla_decode_loop(V2_LITE), V2_LITE)
+    assert right.agrees and right.max_error < 1e-12, right.summary()
+    result = diagnose_decode(mla_decode_loop(V2_LITE, cached), V2_LITE)
+    assert not result.agrees and result.max_error > 1e-3
+    assert [c.code for c in result.causes] == [code], result.summary()
+    first = result.causes[0]
+    assert first.detail.startswith(detail) and first.residual <= 1.0 and "DeepseekV3Attention" in first.fix
+    assert code in DECODE_CAUSE_CODES and code not in {h.code for h in hypotheses(V2_LITE)}  # decode only
+
+
+@pytest.mark.parametrize("cfg", [V3, V2_LITE], ids=["v3", "v2-lite"])
+def test_every_decode_mistake_of_mla_is_named_as_itself_the_confusion_diagonal(cfg):
+    """Each decode hypothesis of an MLA layer, simulated, is named first by itself alone: 7 of 7 cells diagonal."""
+    found = decode_hypotheses(cfg)
+    assert [h.code for h in found] == [
+        "decode_positions_not_offset", "decode_top_left_causal", "decode_top_left_causal",
+        "decode_empty_slots_attended", "decode_rotated_twice", "decode_latent_not_normed", "decode_k_rope_not_rotated",
+    ]  # fmt: skip
+    named = []
+    for h in found:
+
+        def loop(params, x, prefill, step, mask, positions, bug=h.bug):  # the simulated mistake as a candidate
+            return simulate_decode(cfg, params, x, prefill=prefill, step=step, mask=mask, positions=positions, bug=bug)
+
+        result = diagnose_decode(loop, cfg)
+        assert not result.agrees and result.max_error > 1e-3, h.label
+        named.append([(c.code, c.detail) for c in result.causes])
+    assert named == [[(h.code, h.detail)] for h in found]  # one cause each, its own: the diagonal
+
+
+def test_diagnose_decode_refuses_a_latent_form_whose_entry_says_nothing_of_its_cache(monkeypatch):
+    from mha_rosetta.core.variants import VARIANT_REGISTRY
+
+    entry = VARIANT_REGISTRY["mla"]
+    simulated = replace(entry.diagnose.simulated, cached=None)
+    monkeypatch.setitem(VARIANT_REGISTRY, "mla", replace(entry, diagnose=replace(entry.diagnose, simulated=simulated)))
+    with pytest.raises(DiagnoseError, match="diagnose_decode cannot probe mla yet: its loop keeps no cache of that"):
         diagnose_decode(lambda *args: None, V3)

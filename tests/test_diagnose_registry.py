@@ -128,7 +128,9 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
         "value_norm",
     ]
     decode_codes = [c.code for e in entries for c in e.diagnose_causes if c.decode]
-    assert decode_codes == ["decode_temperature_not_offset"] and DECODE_CAUSE_CODES[-1:] == tuple(decode_codes)
+    # Llama 4's temperature positions, then MLA's latent cache (the latent un-normalised, k_rope unrotated)
+    assert decode_codes == ["decode_temperature_not_offset", "decode_latent_not_normed", "decode_k_rope_not_rotated"]
+    assert DECODE_CAUSE_CODES[-3:] == tuple(decode_codes)
     assert list(VARIANT_BUGS) == list(dict.fromkeys(m.name for e in entries for m in e.planted_mistakes))
     assert VARIANT_BUGS["window W+1"] == ("window", "FlashAttention's window_size=(W, 0) for a window of W keys")
     settings = [name for e in entries for name, _ in e.diagnose.settings]

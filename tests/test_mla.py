@@ -176,12 +176,17 @@ def test_every_implementation_refuses_mla_by_name_outside_the_mla_strategies(nam
     assert reason is not None and "mla" in reason, reason
 
 
-def test_diagnose_probes_mla_through_its_latent_and_its_decode_loop_is_refused_by_name():
-    """diagnose's simulator expands MLA's latent (its mistakes: tests/test_diagnose_forms.py); the decode simulator
-    has no latent cache, so diagnose_decode refuses MLA by name rather than probing it as plain attention."""
+def test_diagnose_probes_mla_through_its_latent_and_its_decode_loop_through_its_latent_cache():
+    """diagnose's simulator expands MLA's latent, and diagnose_decode's loop keeps its latent cache (their mistakes:
+    tests/test_diagnose_forms.py): the spec's forward and core.mla_forms' decode loop agree."""
+    from mha_rosetta.core.mla_forms import mla_decode
     from mha_rosetta.diagnose import diagnose, diagnose_decode
 
     result = diagnose(lambda params, q, k, v, mask: reference_mha(V3, params, q, mask=mask), V3)
     assert result.agrees, result.summary()
-    with pytest.raises(ValueError, match="diagnose_decode cannot probe mla yet"):
-        diagnose_decode(lambda *args: None, V3)
+
+    def loop(params, x, prefill, step, mask, positions):
+        return mla_decode(V3, params, x, prefill=prefill, step=step, mask=mask, positions=positions, form="absorbed")
+
+    decoded = diagnose_decode(loop, V3)
+    assert decoded.agrees and decoded.max_error < 1e-12, decoded.summary()

@@ -51,7 +51,16 @@ from . import softcap as _softcap
 from . import temperature as _temperature
 from . import value_norm as _value_norm
 from . import window as _window
-from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps, steps_at
+from ._diagnose import (
+    REPAIRS,
+    DiagnoseCause,
+    DiagnoseSpec,
+    PlantedMistake,
+    PlantedSteps,
+    SimulatedSteps,
+    planted_heads,
+    steps_at,
+)
 from ._entry import (
     SCORE_PLACES,
     BenchSpec,
@@ -305,6 +314,7 @@ __all__ = [
     "norm_after_rope",
     "norm_after_rope_vjp",
     "param_spec",
+    "planted_heads",
     "register_variant",
     "registry_cases",
     "relative_bias",

@@ -110,6 +110,9 @@ class SimulatedSteps:
     context(cfg, weights, values, mistake) -> what it adds to the context (B, H, Nq, Dv), or 0.
     params(cfg, p, mistake) -> the parameters by name (a dict) as the candidate reads them (the gate's halves).
     output(cfg, p, query, merged, mistake) -> what w_o reads: the merged context (B, Nq, H*Dv), gated.
+    cached(cfg, p, entries, raw, mistake) -> what a latent cache holds (the decode loop's, MLA's): ``entries``
+        (kv_latent (B, N, R), k_rope (B, N, dr)) as the spec caches them, ``raw`` (c, k_pe) the same before the
+        latent's norm and the key's rotary.
     """
 
     projection: Callable | None = None
@@ -126,6 +129,7 @@ class SimulatedSteps:
     context: Callable | None = None
     params: Callable | None = None
     output: Callable | None = None
+    cached: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -222,3 +226,32 @@ def steps_at(entries: Iterable, place: str, mistakes: Mapping[str, str], steps_o
         step = None if steps is None else getattr(steps, place)
         if step is not None:
             yield step, mistakes.get(entry.name)
+
+
+def planted_heads(cfg: Config, params, query, key, steps: Callable, rotate: Callable, project: Callable) -> tuple:
+    """(q, k, v), each (B, n, N, d): the heads of a planted candidate (both of diagnose's, NumPy and torch) as the
+    scores and the weighted sum read them, before the GQA repeat.
+
+    A form that builds its heads from latents (its ``latent`` step, MLA) builds them in place of the candidate's own
+    ``project(turn) -> (q, k, v, k_raw)`` (projections, head split, QK-norms, rotary by ``turn``; ``k_raw`` the keys
+    before any norm or rotation); then the variants' ``values`` and ``rotated`` steps. ``steps(place)``: the
+    candidate's (step, mistake) at ``place``; ``rotate(x, scaled)``: its rotary of (B, n, N, d) with the rope
+    scaling's (inv_freq, factor), or None for the plain frequencies.
+    """
+    scaled = next((step(cfg, max(query.shape[1], key.shape[1]), m) for step, m in steps("frequencies")), None)
+
+    def turn(x):  # (B, n, N, d): its first rope_dims features rotated as this candidate rotates
+        return rotate(x, scaled)
+
+    latent = next(steps("latent"), None)
+    if latent is None:
+        q, k, v, k_raw = project(turn)
+    else:
+        step, mistake = latent
+        q, k, v = step(cfg, params, query, key, turn, mistake)  # (B, H, N, d) each
+        k_raw = k
+    for step, mistake in steps("values"):  # k_eq_v, the value norm (Gemma 4)
+        v = step(cfg, params, v, k_raw, k, mistake)
+    for step, mistake in steps("rotated"):  # Llama 4's QK-norm after rotary, its temperature
+        q, k = step(cfg, params, q, k, mistake)
+    return q, k, v

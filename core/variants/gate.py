@@ -27,7 +27,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, StageSpec, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, StageSpec, Variant, numbers, switch_option
 from ._shared import flag, resolved_head_dims
 
 FIELD = "attn_output_gate"
@@ -225,5 +225,10 @@ ENTRY = Variant(
     # Its cost against plain attention: one more (D, H*Dv) projection, a sigmoid and a product, timed in every
     # adapter; the best paths refuse it (the cell says so).
     bench=BenchSpec({FIELD: True}, "plain"),
+    cli=(
+        switch_option(
+            "--attn-output-gate", {FIELD: True}, "Qwen3-Next's output gate: context * sigmoid(x @ w_gate.T)", rank=34
+        ),
+    ),
     explain=explain,
 )

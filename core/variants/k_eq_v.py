@@ -31,7 +31,7 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers, switch_option
 from ._shared import flag, resolved_head_dims
 from .value_norm import GEMMA4_SLIDING
 
@@ -163,5 +163,13 @@ ENTRY = Variant(
     ),
     # Its cost against plain attention: the same (V is still a product; a fused reader would save it).
     bench=BenchSpec({FIELD: True}, "plain", preset="forms"),
+    cli=(
+        switch_option(
+            "--attention-k-eq-v",
+            {FIELD: True},
+            "Gemma 4's global layers: V = the key projection, w_v tied to w_k",
+            rank=35,
+        ),
+    ),
     explain=explain,
 )

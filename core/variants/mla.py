@@ -26,22 +26,30 @@ numbers as multi-query attention over the latent.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .._validate import require_bool, require_positive_int
-from ..rope_scaling import validate_rope_scaling
+from ._diagnose import DiagnoseSpec
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
 
-KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rope_interleave",
+# The field names, YaRN's scale, the layers and the options live in `mla_config`, which `mla_diagnose` reads too
+# (re-exported here: ``from mha_rosetta.core.variants.mla import DEEPSEEK_V3_LIKE`` keeps working).
+from .mla_config import (
+    CLI,
+    DEEPSEEK_V2_LITE_LIKE,
+    DEEPSEEK_V3_LIKE,
+    INTERLEAVE,
+    KV_RANK,
+    NOPE,
+    Q_RANK,
+    ROPE,
+    V_DIM,
+    softmax_scale,
 )
+from .mla_config import YARN as YARN  # re-exported: the tests import it from here
+from .mla_config import yarn_mscale as yarn_mscale
+from .mla_diagnose import DIAGNOSE  # what diagnose knows of MLA
+
 # The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
 MLA_ADAPTERS = ("numpy", "torch", "jax", "mlx")
 # The only strategies that run it (`Variant.strategies`): its two forms, the names `backends._mla` and core.mla_forms use.
@@ -66,24 +74,6 @@ def mla_on(cfg: Config) -> bool:
 def rope_style(interleave: bool) -> str:
     """The spec's rotary pairing for ``rope_interleave``: adjacent pairs (True) or rotate_half (False)."""
     return "interleaved" if interleave else "half"
-
-
-def yarn_mscale(factor: float, k: float) -> float:
-    """YaRN's ``m(s, k)`` (transformers' ``yarn_get_mscale``): 1 for ``s <= 1``, else ``0.1 k ln(s) + 1``."""
-    return 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0
-
-
-def softmax_scale(head_dim: int, rope_scaling: dict | None) -> float:
-    """``head_dim^-1/2``, times ``m(factor, mscale_all_dim)^2`` with a scaled rope and ``mscale_all_dim`` set.
-
-    transformers' ``yarn_apply_mscale``: only a non-default rope type with a nonzero ``mscale_all_dim`` changes it;
-    ``mscale`` itself never does (it acts on the rotary's cos and sin, over ``m(f, mscale_all_dim)``).
-    """
-    scale = 1.0 / math.sqrt(head_dim)  # MHAConfig's own default, bit for bit (models._from_module)
-    scaling = validate_rope_scaling(rope_scaling)
-    if scaling is not None and scaling.get("mscale_all_dim"):
-        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-    return scale
 
 
 def _refuse_without_mla(cfg: Config) -> dict:
@@ -219,25 +209,6 @@ Q_STAGES = (
 )
 
 
-# DeepSeek V3's attention at a small size, every size distinct: 3 heads, latent 10, nope 4 + rope 6 = d_k 10, d_v 5;
-# YaRN (factor 4) with mscale != mscale_all_dim, so both of its effects (cos/sin and the softmax scale) show.
-YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4, mscale=0.8, mscale_all_dim=0.9)
-DEEPSEEK_V3_LIKE: dict = dict(
-    d_model=24,
-    n_heads=3,
-    q_lora_rank=7,
-    kv_lora_rank=10,
-    qk_nope_head_dim=4,
-    qk_rope_head_dim=6,
-    v_head_dim=5,
-    causal=True,
-    bias=False,
-    rope_scaling=YARN,
-)
-# DeepSeek V2-Lite: no query LoRA (one q_proj), attention_bias on, adjacent-pair rotary without scaling.
-DEEPSEEK_V2_LITE_LIKE: dict = dict(
-    d_model=20, n_heads=4, kv_lora_rank=6, qk_nope_head_dim=3, qk_rope_head_dim=4, v_head_dim=5, causal=True, bias=True
-)
 CHECK_CASES = (
     CaseSpec(
         "mla",
@@ -332,15 +303,11 @@ def explain_q_lora(demo) -> Explanation:
     )
 
 
-# What diagnose knows of MLA: its own module, which reads the helpers and cases above (so it is imported here).
-from ._diagnose import DiagnoseSpec  # noqa: E402
-from .mla_diagnose import DIAGNOSE  # noqa: E402
-
 ENTRY = Variant(
     name="mla",
     summary="multi-head latent attention: keys and values expanded per head from one cached latent and one shared "
     "rotary key (DeepSeek V2/V3)",
-    fields=(KV_RANK, NOPE, ROPE, V_DIM, INTERLEAVE),
+    fields=(KV_RANK, NOPE, ROPE, V_DIM, INTERLEAVE, "norm_eps"),  # norm_eps: the latent's RMSNorm
     is_on=mla_on,
     validate=validate,
     params=KV_PARAMS,
@@ -357,6 +324,7 @@ ENTRY = Variant(
     bench=BenchSpec(
         {Q_RANK: 384, KV_RANK: 256, NOPE: 48, ROPE: 16, V_DIM: 64, INTERLEAVE: True}, "plain", preset="forms"
     ),
+    cli=CLI,
     demo_on=DEMO_ON,
     demo_off=DEMO_OFF,
     explain=explain,
@@ -370,7 +338,7 @@ ENTRY = Variant(
 Q_LORA_ENTRY = Variant(
     name="mla_q_lora",
     summary="MLA's low-rank query: q = W_qb RMSNorm(W_qa x + b_qa) (DeepSeek V2/V3's q_lora_rank)",
-    fields=(Q_RANK,),
+    fields=(Q_RANK, "norm_eps"),  # norm_eps: the query latent's RMSNorm
     is_on=q_lora_on,
     validate=validate,
     params=Q_PARAMS,

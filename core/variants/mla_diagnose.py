@@ -16,6 +16,11 @@ ones on record, each a `DiagnoseCause` simulated at a place of diagnose's pipeli
   ``q_nope_h @ W_UK_h`` belongs, which only runs when ``d_nope == kv_lora_rank``; it scores as the naive form
   with each head's ``W_UK_h`` block transposed (``params``).
 
+And two of its decode loop (causes with ``decode``, hypotheses of `diagnose_decode`, whose simulated loop keeps
+MLA's latent cache): the cache holding the latent before ``kv_a_layernorm``, and ``k_rope`` cached before rotary,
+each read as it is (``cached``). ``DeepseekV3Attention`` caches both after them (``cache.update(kv_nope, k_rot)``
+follows the norm and the rotary), as DeepSeek's own ``kv_cache = kv_norm(kv)`` and ``pe_cache`` of the rotated key.
+
 The NumPy candidate builds MLA's heads as ``DeepseekV3Attention`` does (`_latent_heads`, the candidate's
 ``latent`` step), apart from `core.variants.mla_heads`, which the simulator reads. NumPy only.
 """
@@ -29,12 +34,7 @@ import numpy as np
 from ..rope_scaling import validate_rope_scaling
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import Config
-from .mla import (
-    DEEPSEEK_V2_LITE_LIKE,
-    DEEPSEEK_V3_LIKE,
-    softmax_scale,
-    yarn_mscale,
-)  # defined before mla imports this module
+from .mla_config import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, softmax_scale, yarn_mscale
 
 CODE = "mla"
 
@@ -207,6 +207,37 @@ CAUSES = (
 )
 
 
+def _cached(cfg: Config, p, entries, raw, mistake):
+    """What a decode loop with ``mistake`` caches: (kv_latent, k_rope), the latent before its norm
+    (``"unnormed_latent"``) or the shared key before rotary (``"unrotated_k_rope"``) in their place."""
+    (kv_latent, k_rope), (c, k_pe) = entries, raw
+    if mistake == "unnormed_latent":
+        return c, k_rope
+    return (kv_latent, k_pe) if mistake == "unrotated_k_rope" else (kv_latent, k_rope)
+
+
+DECODE_CAUSES = (
+    DiagnoseCause(
+        "decode_latent_not_normed",
+        "unnormed_latent",
+        "the cache holds the un-normalised latent: kv_a_proj_with_mqa's first kv_lora_rank features cached before "
+        "kv_a_layernorm and expanded by kv_b_proj as they are",
+        "cache kv_a_layernorm(c), as DeepseekV3Attention does (cache.update after the norm; DeepSeek's "
+        "kv_cache[...] = kv_norm(kv)), or normalise what the cache returns before kv_b_proj",
+        decode=True,
+    ),
+    DiagnoseCause(
+        "decode_k_rope_not_rotated",
+        "unrotated_k_rope",
+        "k_rope cached before rotary: the shared key's qk_rope_head_dim features cached as kv_a_proj_with_mqa gives "
+        "them and scored unrotated",
+        "rotate k_pe at its position before caching it, as DeepseekV3Attention does (apply_rotary_pos_emb before "
+        "cache.update; DeepSeek's pe_cache holds the rotated key), or rotate on read by the cached positions",
+        decode=True,
+    ),
+)
+
+
 def _runs(cause: DiagnoseCause):
     return lambda cfg, q_tokens: cause.applies(cfg)
 
@@ -261,9 +292,11 @@ SETTINGS = (
 )
 DIAGNOSE: DiagnoseSpec = DiagnoseSpec(
     rank=75,  # with the forms of 2025-26, before a variant registered from outside at 80
-    causes=CAUSES,
+    causes=CAUSES + DECODE_CAUSES,
     mistakes=MISTAKES,
     settings=SETTINGS,
-    simulated=SimulatedSteps(params=_params_read, values=_values_read, rotated=_keys_read, scale=_scale_read),
+    simulated=SimulatedSteps(
+        params=_params_read, values=_values_read, rotated=_keys_read, scale=_scale_read, cached=_cached
+    ),
     planted=PlantedSteps(latent=_latent_heads, scale=_planted_scale),
 )

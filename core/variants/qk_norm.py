@@ -67,9 +67,7 @@ PARAMS = (
 STAGES = ("q_normed", "k_normed")
 _OPTIONS = (
     value_option("--qk-norm", "qk_norm", "RMSNorm of q and k: per head or projection", rank=30, choices=QK_NORMS),
-    value_option(
-        "--norm-eps", "norm_eps", "the QK-norm's epsilon (default 1e-6)", rank=31, needs="--qk-norm", type=float
-    ),
+    value_option("--norm-eps", "norm_eps", "the norms' epsilon (default 1e-6)", rank=31, needs="--qk-norm", type=float),
 )
 # Qwen3's layer: the check case and the decode case read the same configuration.
 QWEN3_LIKE = dict(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, rope="half", causal=True, qk_norm="head", bias=False)

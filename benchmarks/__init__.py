@@ -10,7 +10,8 @@ Modules, one job each (none imports a framework at import time):
 - `gemm`: the GEMM peak, same dtype, device and threads, best installed library;
 - `bandwidth`: the copy bandwidth, measured like the GEMM peak, and the limit of a decode step;
 - `decode`: ``bench --mode decode``'s cell, one KV-cache decode step per context (``python -m mha_rosetta.benchmarks.decode``);
-  `decode_sweep`: its settings, rounds, resume and report; `decode_docs`: its published files and README block;
+  `decode_settings`: its settings; `decode_rows`: the cells they expand to; `decode_sweep`: its rounds, resume and
+  report; `decode_docs`: its published files and README block;
 - `presets`: the named presets (the choices of ``bench --preset``);
 - `plan`: implementation names and groups, resolved from the registry;
 - `sweep`: the sweep: settings, cells, rounds and resume;

@@ -65,7 +65,7 @@ DECODE_IDENTITY = (
 @dataclass(kw_only=True)
 class DecodeLayer:
     """The decoder layer a decode step runs, and how many tokens a step takes: the same fields in a sweep's
-    settings (`decode_sweep.DecodeSettings`) and in each of its cells (`DecodeCellSpec`, `layer_of`)."""
+    settings (`decode_settings.DecodeSettings`) and in each of its cells (`DecodeCellSpec`, `layer_of`)."""
 
     batch: int = 1
     step: int = 1

@@ -8,13 +8,9 @@ context, the rectangular batch of ``len(ragged_rows)`` rows and the ragged batch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .decode import RAGGED_ROW, DecodeCellSpec, layer_of, ragged_lengths
 from .decode_mla import MLA_ROW, mla_implementations
-
-if TYPE_CHECKING:
-    from .decode_sweep import DecodeSettings
+from .decode_settings import DecodeSettings
 
 
 def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) -> list[DecodeCellSpec]:

@@ -149,6 +149,35 @@ def test_an_adapter_without_a_timed_mla_step_refuses_it_by_name():
         einops.prepare_decode(cfg, init_params(cfg), context=4, batch=1, strategy="absorbed")
 
 
+def test_the_mla_forms_timed_step_reaches_the_next_class_of_the_mro():
+    # `MLAStrategies.prepare_decode` hands MLA's forms on with super(), as every other strategy: a class between it
+    # and `DecodeMixin` (torch's adapter has `TorchDevices` there) is not skipped. The next class here records what
+    # it was handed; calling `DecodeMixin.prepare_decode` by name would skip it (and fail: this probe has no cache).
+    from mha_rosetta.backends import STANDARD, UnsupportedCase
+    from mha_rosetta.backends._mla import MLAStrategies
+
+    handed: list[dict] = []
+
+    class Between:
+        def prepare_decode(self, cfg, params, **options):
+            handed.append(options)
+            return "the next class's step"
+
+    class Probe(MLAStrategies, Between):
+        name = "probe"
+        mla_timed_step = True
+
+    cfg = MHAConfig(**DEEPSEEK_V3_LIKE)
+    for strategy in (*MLA_STRATEGIES, STANDARD):
+        assert Probe().prepare_decode(cfg, None, context=4, strategy=strategy) == "the next class's step"
+    assert [options["strategy"] for options in handed] == [*MLA_STRATEGIES, STANDARD]
+    assert handed[0] == {"context": 4, "strategy": MLA_STRATEGIES[0]}  # every option passed on as given
+    Probe.mla_timed_step = False  # no timed step of the forms: refused before the next class is asked
+    with pytest.raises(UnsupportedCase, match="probe: MLA's 'naive' form has no timed decode step yet"):
+        Probe().prepare_decode(cfg, None, context=4, strategy="naive")
+    assert len(handed) == 3
+
+
 def test_a_tiny_mla_bench_in_fresh_children():
     settings = decode_settings(
         "decode-quick", mla=dict(TINY_MLA), mla_contexts=[32], d_model=8, heads=2, policy=FAST, prefill_policy=FAST

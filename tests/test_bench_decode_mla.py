@@ -63,6 +63,36 @@ def test_a_backend_that_does_not_decode_mla_has_no_mla_cells():
     assert not [cell for cell in expand_decode_cells(settings, ["onnx"]) if cell.mla]
 
 
+def test_a_backend_that_does_not_load_is_left_out_and_a_bug_is_raised(monkeypatch):
+    # `mla_implementations` leaves out a backend whose library is missing (an ImportError) or that refuses
+    # (UnsupportedCase): the main row's cells say why. Anything else is a bug, and is not swallowed.
+    import mha_rosetta.backends as backends
+    from mha_rosetta.backends import BackendNotInstalled, UnsupportedCase
+    from mha_rosetta.benchmarks.decode_mla import mla_implementations
+
+    real = backends.get_backend
+    errors = {
+        "missing": BackendNotInstalled("missing: its library is not installed"),
+        "unimportable": ModuleNotFoundError("cannot import missing_module"),
+        "refusing": UnsupportedCase("refusing: no decode here"),
+        "buggy": TypeError("a bug in the adapter"),
+    }
+
+    def get_backend(name):
+        if name in errors:
+            raise errors[name]
+        return real(name)
+
+    monkeypatch.setattr(backends, "get_backend", get_backend)
+    forms = [f"numpy:{form}" for form in MLA_STRATEGIES]
+    assert mla_implementations(["missing", "numpy", "unimportable:naive", "refusing"]) == forms
+    with pytest.raises(TypeError, match="a bug in the adapter"):
+        mla_implementations(["numpy", "buggy"])
+    monkeypatch.setattr(backends, "get_backend", real)
+    with pytest.raises(ValueError, match="unknown backend 'no-such-backend'"):  # a name the plan never resolved
+        mla_implementations(["no-such-backend"])
+
+
 def test_the_bytes_a_step_reads_by_hand():
     # float32. The latent a token: (R + dr) x 4 = (3 + 2) x 4 = 20 bytes; B x T = 2 x 5 tokens: 200 bytes, both forms.
     # Naive also expands the cache: B T H (d_k + d_v) x 4 = 2 x 5 x 2 x (4 + 3) x 4 = 560 bytes.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from mha_rosetta.core.tables import markdown_table as table_lines
@@ -366,25 +367,43 @@ def write_docs(report: dict, docs: str | Path, *, table: str | None = None) -> l
     Returns the files written. The benchmarks page (`block_page_path`) is updated only where it holds the
     markers; the block is rendered from the reference reports now in ``docs/bench/``.
     """
+    stem = Path(docs) / BENCH_FOLDER / report_name(report)
+    return publish_report(
+        report, stem, table if table is not None else markdown_table(report), plot_report,
+        block_page_path(docs), lambda: readme_block(load_reference_reports(docs)),
+    )  # fmt: skip
+
+
+def publish_report(
+    report: dict,
+    stem: Path,
+    table: str,
+    plot: Callable[[dict, Path], list[Path]],
+    page: Path,
+    block: Callable[[], str],
+    markers: tuple[str, str] = (BEGIN, END),
+    what: str = "benchmark",
+) -> list[Path]:
+    """The published files of a report (`write_docs`' and `decode_docs.write_decode_docs`' one rule): ``report``
+    as ``stem.json``, its Markdown ``table`` as ``stem.md``, its plots (``plot(report, stem)``; none without
+    matplotlib: the caller says so), and the generated block between ``markers`` in ``page`` (rendered by
+    ``block()``), only where ``page`` exists and holds them. Returns the files written."""
     from mha_rosetta.core.files import write_text_atomic
 
-    folder = Path(docs) / BENCH_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-    name = report_name(report)
-    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"
     write_text_atomic(json_path, json.dumps(report, indent=2, allow_nan=True) + "\n")
-    write_text_atomic(md_path, table if table is not None else markdown_table(report))
+    write_text_atomic(md_path, table)
     written = [json_path, md_path]
     try:
-        written += plot_report(report, folder / name)
+        written += plot(report, stem)
     except ImportError:
         pass  # no matplotlib: the caller says so
-    readme = block_page_path(docs)
-    if readme.exists():
-        text = readme.read_text(encoding="utf-8")
-        if BEGIN in text:
-            updated = replace_block(text, readme_block(load_reference_reports(docs)))
+    if page.exists():
+        text = page.read_text(encoding="utf-8")
+        if markers[0] in text:
+            updated = replace_block(text, block(), markers, what)
             if updated != text:
-                write_text_atomic(readme, updated)
-                written.append(readme)
+                write_text_atomic(page, updated)
+                written.append(page)
     return written

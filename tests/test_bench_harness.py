@@ -20,7 +20,7 @@ import pytest
 from conftest import python_stdout, requires
 from mha_rosetta.benchmarks import pinning
 from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
-from mha_rosetta.benchmarks.cell import CellSpec, cell_key, run_cell, split_implementation
+from mha_rosetta.benchmarks.cell import CellSpec, cell_key, jsonable, run_cell, split_implementation
 from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops
 from mha_rosetta.benchmarks.fresh import RESULT_MARKER, parse_result
 from mha_rosetta.benchmarks.markdown import markdown_table
@@ -76,6 +76,14 @@ def test_flops_reject_bad_sizes():
 
 
 # -- pinning ----------------------------------------------------------------------------------
+
+
+def test_a_backends_info_travels_as_json_with_only_what_json_refuses_as_text():
+    # A cell's backend_info (forward and decode: `cell.jsonable`): JSON values kept as they are, at any depth.
+    info = {"layout": "rows", "slots": 3, "nested": {"n": 2, "scale": complex(1, 2)}, 7: [1, 2]}
+    assert jsonable(info) == {"layout": "rows", "slots": 3, "nested": {"n": 2, "scale": "(1+2j)"}, "7": [1, 2]}
+    assert jsonable({"n": 1}) == {"n": 1} and jsonable({1, 2}) == "{1, 2}"
+    json.dumps(jsonable(info))  # and it is JSON
 
 
 def test_thread_env_sets_every_knob_and_keeps_other_variables():

@@ -23,7 +23,7 @@ from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseli
 from mha_rosetta.benchmarks.cell import CellSpec, cell_key, jsonable, run_cell, split_implementation
 from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops
 from mha_rosetta.benchmarks.fresh import RESULT_MARKER, parse_result
-from mha_rosetta.benchmarks.markdown import markdown_table
+from mha_rosetta.benchmarks.markdown import markdown_table, status_text
 from mha_rosetta.benchmarks.partial import load_partial
 from mha_rosetta.benchmarks.questions import (
     CONFIRMED,
@@ -84,6 +84,15 @@ def test_a_backends_info_travels_as_json_with_only_what_json_refuses_as_text():
     assert jsonable(info) == {"layout": "rows", "slots": 3, "nested": {"n": 2, "scale": "(1+2j)"}, "7": [1, 2]}
     assert jsonable({"n": 1}) == {"n": 1} and jsonable({1, 2}) == "{1, 2}"
     json.dumps(jsonable(info))  # and it is JSON
+
+
+def test_a_rows_status_says_the_error_table_safe_or_the_warning():
+    # The forward and decode tables' status column (`markdown.status_text`): ": error" cut at the limit, 10 here.
+    assert status_text({"status": "error", "error": "a|b\nc" + "x" * 50}, 10) == "error: a/b cxxx"
+    assert status_text({"error": "e"}, 10) == ": e"  # a record without a status is not ok
+    assert status_text({"status": "ok", "error": "ignored"}, 10) == "ok"
+    assert status_text({"status": "ok", "warnings": ["w"]}, 10) == "ok (!)"
+    assert status_text({"status": "ok", "warnings": ["w"], "drift": 0.3}, 10) == "ok (drift)"
 
 
 def test_thread_env_sets_every_knob_and_keeps_other_variables():

@@ -979,6 +979,30 @@ def test_a_call_that_faults_in_16_mib_or_more_is_warned_about():
     assert "--malloc keep reuses them" in pinning.page_fault_warning((32 << 20) / page, "default")
 
 
+def test_each_library_is_refused_with_its_reason_or_measured_apart_and_its_best_kept():
+    # The GEMM peak's and the copy bandwidth's one loop (`gemm.each_library_best`): a refusal is recorded, not run;
+    # each other library runs on its own, again (with its best so far) while its core was shared.
+    from mha_rosetta.benchmarks.gemm import each_library_best
+
+    results = {"a": iter([{"status": "ok", "gbps": 4.0, "cpu_util": 0.5}, {"status": "ok", "gbps": 6.0, "cpu_util": 1.0}]),
+               "c": iter([{"status": "ok", "gbps": 3.0, "cpu_util": 1.0}])}  # fmt: skip
+    calls = []
+
+    def run(library, best):
+        calls.append((library, None if best is None else best["gbps"]))
+        return next(results[library])
+
+    got = each_library_best(
+        ["a", "b", "c"], lambda name: "b: not here" if name == "b" else None, run, "gbps", "cpu", 1, 2
+    )
+    assert got == {
+        "a": {"status": "ok", "gbps": 6.0, "cpu_util": 1.0, "attempts": 2},
+        "b": {"status": "unsupported", "error": "b: not here"},
+        "c": {"status": "ok", "gbps": 3.0, "cpu_util": 1.0, "attempts": 1},
+    }
+    assert calls == [("a", None), ("a", 4.0), ("c", None)]
+
+
 def test_a_contended_peak_or_bandwidth_is_measured_again_and_the_best_kept():
     from mha_rosetta.benchmarks.gemm import best_uncontended
 

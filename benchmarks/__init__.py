@@ -23,7 +23,8 @@ Modules, one job each (none imports a framework at import time):
 - `rerun`: do two runs agree (``bench --compare A.json B.json``)?
 - `verdict`: the one rule that compares two runs (which cell is which, its figure and range, slower or not),
   read by ``--baseline``, ``--compare`` and ``report --fail-on-regression``;
-- `readme`: the published docs/bench/ files and the generated benchmark block of docs/benchmarks.md;
+- `readme`: the generated benchmark block of docs/benchmarks.md; `publish`: the published docs/bench/ files
+  (`publish.write_docs`) and the page's block written;
 - `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 
 The command line is ``mha-rosetta bench`` (`mha_rosetta.cli.bench`). From Python::

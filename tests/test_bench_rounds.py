@@ -252,7 +252,7 @@ def test_render_writes_the_docs_and_the_readme_block_from_a_saved_report(tmp_pat
 def test_publish_report_writes_its_files_and_touches_only_a_page_with_the_markers(tmp_path):
     # The one rule of write_docs and write_decode_docs: JSON and Markdown, the plots (none without matplotlib),
     # then the block, rendered only where the page holds the markers, and the page written only where it changed.
-    from mha_rosetta.benchmarks.readme import publish_report
+    from mha_rosetta.benchmarks.publish import publish_report
 
     def no_matplotlib(report, stem):
         raise ImportError("No module named 'matplotlib'")

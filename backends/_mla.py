@@ -110,22 +110,18 @@ class MLAStrategies:
         return reason or super().decode_reason(cfg, dtype, device, strategy, cache)
 
     # An adapter whose ``_prepare_decode_step`` times MLA's forms on its latent cache (bench --mode decode) says so;
-    # its forms' step is then validated as any other (`decoding.DecodeMixin.prepare_decode`, `decode_reason`'s
-    # refusals included) and handed to that step.
+    # its forms' step is then validated as any other (the next ``prepare_decode`` of the MRO, `decoding.DecodeMixin`'s
+    # at the end, `decode_reason`'s refusals included) and handed to that step.
     mla_timed_step = False
 
     def prepare_decode(self, cfg, params, **options):
         strategy = options.get("strategy")
-        if strategy not in MLA_STRATEGIES:
-            return super().prepare_decode(cfg, params, **options)
-        if not self.mla_timed_step:  # run_decode runs the whole decode; bench --mode decode times one step
+        if strategy in MLA_STRATEGIES and not self.mla_timed_step:  # run_decode decodes; bench times one step
             raise UnsupportedCase(
                 f"{self.name}: MLA's {strategy!r} form has no timed decode step yet (run_decode decodes it through "
                 "its latent cache)"
             )
-        from .decoding import DecodeMixin
-
-        return DecodeMixin.prepare_decode(self, cfg, params, **options)  # type: ignore[arg-type]
+        return super().prepare_decode(cfg, params, **options)
 
 
 def latent_cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int, layout: str) -> dict:

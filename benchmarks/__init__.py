@@ -10,7 +10,8 @@ Modules, one job each (none imports a framework at import time):
 - `gemm`: the GEMM peak, same dtype, device and threads, best installed library;
 - `bandwidth`: the copy bandwidth, measured like the GEMM peak, and the limit of a decode step;
 - `decode`: ``bench --mode decode``'s cell, one KV-cache decode step per context (``python -m mha_rosetta.benchmarks.decode``);
-  `decode_sweep`: its settings, rounds, resume and report; `decode_docs`: its published files and README block;
+  `decode_settings`: its settings; `decode_rows`: the cells they expand to; `decode_sweep`: its rounds, resume and
+  report; `decode_docs`: its published files and README block;
 - `presets`: the named presets (the choices of ``bench --preset``);
 - `plan`: implementation names and groups, resolved from the registry;
 - `sweep`: the sweep: settings, cells, rounds and resume;
@@ -22,7 +23,8 @@ Modules, one job each (none imports a framework at import time):
 - `rerun`: do two runs agree (``bench --compare A.json B.json``)?
 - `verdict`: the one rule that compares two runs (which cell is which, its figure and range, slower or not),
   read by ``--baseline``, ``--compare`` and ``report --fail-on-regression``;
-- `readme`: the published docs/bench/ files and the generated benchmark block of docs/benchmarks.md;
+- `readme`: the generated benchmark block of docs/benchmarks.md; `publish`: the published docs/bench/ files
+  (`publish.write_docs`) and the page's block written;
 - `microbench` / `questions`: the column/row-sample article's speed claims as benchmark questions.
 
 The command line is ``mha-rosetta bench`` (`mha_rosetta.cli.bench`). From Python::

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
-from .gemm import best_uncontended
+from .gemm import each_library_best
 from .limits import limit_seconds
 from .pinning import DEFAULT_MALLOC_MODE, malloc_env
 
@@ -219,20 +219,17 @@ def measure_bandwidth(
     extra_env = malloc_env(malloc)
     llc = last_level_cache_bytes() if device == "cpu" else None
     size_mb, why = array_mb_for(device, array_mb, llc, _available_mb() if device == "cpu" else None)
-    by_library: dict[str, dict] = {}
-    for library in bandwidth_libraries() if libraries is None else libraries:
-        reason = unsupported_reason(library, device)
-        if reason:
-            by_library[library] = {"status": "unsupported", "error": reason}
-            continue
+
+    def run(library: str, _best: dict | None) -> dict:
         spec = dict(library=library, device=device, array_mb=size_mb, threads=threads, cpus=cpus, policy=policy or {})
+        return run_fresh(
+            "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
+        )
 
-        def run(_best: dict | None, spec: dict = spec) -> dict:
-            return run_fresh(
-                "mha_rosetta.benchmarks.bandwidth", spec, threads=threads, timeout=timeout, extra_env=extra_env
-            )
-
-        by_library[library] = best_uncontended(run, "gbps", device, threads, retries)
+    by_library = each_library_best(
+        bandwidth_libraries() if libraries is None else libraries,
+        lambda library: unsupported_reason(library, device), run, "gbps", device, threads, retries,
+    )  # fmt: skip
     record = summarize_bandwidth(device, threads, by_library)
     record.update(array_mb=size_mb, array_rule=why, llc_bytes=llc, malloc=malloc)
     if device == "cpu":

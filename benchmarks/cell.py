@@ -328,19 +328,21 @@ def measure(spec: CellSpec) -> dict:
         **memory,  # peak_mem_mb and how it was counted: MemoryProbe on a CPU, the device's peak on a GPU
         host_peak_growth_mb=host_growth,
         peak_rss_mb=rss_after,
-        backend_info=_jsonable(prepared.info),
+        backend_info=jsonable(prepared.info),
     )
     if not record["output_finite"]:
         record["warnings"].append("the output holds NaN or inf: the timing is of a broken computation")
     return record
 
 
-def _jsonable(value):
+def jsonable(value):
+    """``value`` as it can travel in a cell's JSON record (a forward cell's ``backend_info``, a decode cell's): itself
+    where JSON takes it; else a dict's keys as strings and its values likewise, anything else as its ``str``."""
     try:
         json.dumps(value)
         return value
     except TypeError:
-        return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else str(value)
+        return {str(k): jsonable(v) for k, v in value.items()} if isinstance(value, dict) else str(value)
 
 
 def run_cell(spec: CellSpec, timeout: float = 600.0) -> dict:

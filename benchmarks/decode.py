@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from .cell import MeasuredSpec, _cell_error, split_implementation
+from .cell import MeasuredSpec, _cell_error, jsonable, split_implementation
 from .decode_mla import check_mla_layer, mla_config
 from .fresh import child_main, run_fresh
 from .pinning import DEFAULT_MALLOC_MODE, malloc_env, require_positive_int
@@ -65,7 +65,7 @@ DECODE_IDENTITY = (
 @dataclass(kw_only=True)
 class DecodeLayer:
     """The decoder layer a decode step runs, and how many tokens a step takes: the same fields in a sweep's
-    settings (`decode_sweep.DecodeSettings`) and in each of its cells (`DecodeCellSpec`, `layer_of`)."""
+    settings (`decode_settings.DecodeSettings`) and in each of its cells (`DecodeCellSpec`, `layer_of`)."""
 
     batch: int = 1
     step: int = 1
@@ -187,14 +187,6 @@ def ring_slots(spec: DecodeCellSpec) -> int | None:
     return None if spec.window is None else spec.window - 1 + spec.step
 
 
-def _jsonable(value):
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        return {str(k): _jsonable(v) for k, v in value.items()} if isinstance(value, dict) else str(value)
-
-
 def time_prepared(
     forward: Callable[[], object],
     synchronize: Callable[[object], None],
@@ -250,7 +242,7 @@ def _time_prefill(backend, cfg, params, spec: DecodeCellSpec) -> dict:
         return {"prefill_status": "unsupported", "prefill_error": str(reason)}
     except MemoryError as error:
         return {"prefill_status": "error", "prefill_error": f"MemoryError: {error}"}
-    compilations = _jsonable(prepared.info.get("compilations"))  # a JIT's count, of the last timed run
+    compilations = jsonable(prepared.info.get("compilations"))  # a JIT's count, of the last timed run
     record = {
         "prefill_status": "ok",
         "prefill_median_s": timings["median_s"],
@@ -318,7 +310,7 @@ def measure(spec: DecodeCellSpec) -> dict:
             prepared.forward, prepared.synchronize, prepared.compile, RepeatPolicy(**spec.policy),
             reference=reference, cpu_clock=pinning.family_cpu_seconds,
         )  # fmt: skip
-        info = _jsonable(dict(prepared.info))
+        info = jsonable(dict(prepared.info))
         del prepared  # the step's cache is freed before the prefill allocates its own
         prefill = _time_prefill(backend, cfg, params, spec) if spec.prefill else {"prefill_status": "skipped"}
     record.update(timings)

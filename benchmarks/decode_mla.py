@@ -48,8 +48,9 @@ def mla_config(layer: dict):
 def mla_implementations(implementations: list[str]) -> list[str]:
     """``backend:form`` for each MLA form, for each backend of ``implementations`` (in their order) that decodes
     MLA: its ``decode_strategies`` hold both forms (`backends._mla.MLA_STRATEGIES`). A backend that does not load
-    is left out (the main row's cells say why)."""
-    from mha_rosetta.backends import get_backend
+    (its library missing: an ImportError, `BackendNotInstalled` among them) or refuses (`UnsupportedCase`) is left
+    out: the main row's cells say why. Any other error is a bug and is raised."""
+    from mha_rosetta.backends import UnsupportedCase, get_backend
     from mha_rosetta.backends._mla import MLA_STRATEGIES
 
     from .cell import implementation_label, split_implementation
@@ -58,7 +59,7 @@ def mla_implementations(implementations: list[str]) -> list[str]:
     for backend in dict.fromkeys(split_implementation(label)[0] for label in implementations):
         try:
             decodes = set(MLA_STRATEGIES) <= set(get_backend(backend).decode_strategies)
-        except Exception:
+        except (ImportError, UnsupportedCase):
             continue
         if decodes:
             labels += [implementation_label(backend, form) for form in MLA_STRATEGIES]

@@ -8,13 +8,9 @@ context, the rectangular batch of ``len(ragged_rows)`` rows and the ragged batch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .decode import RAGGED_ROW, DecodeCellSpec, layer_of, ragged_lengths
 from .decode_mla import MLA_ROW, mla_implementations
-
-if TYPE_CHECKING:
-    from .decode_sweep import DecodeSettings
+from .decode_settings import DecodeSettings
 
 
 def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) -> list[DecodeCellSpec]:
@@ -37,22 +33,24 @@ def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) ->
             if batch != settings.batch or context not in timed[cache]:  # else the main row's cell is the reference
                 rows.append((None, context, cache, {"batch": batch, "lengths": None, "row": RAGGED_ROW}))
             rows.append((None, context, cache, {"batch": batch, "lengths": lengths, "row": RAGGED_ROW}))
+
+    def cell(label: str, device: str, context: int, prefill: bool, **row) -> DecodeCellSpec:
+        """A cell of ``row`` (its layer, cache, ...): the sweep's run settings, each cell its own policy dicts."""
+        return DecodeCellSpec(
+            implementation=label, context=context, **row, dtype=settings.dtype, device=device,
+            threads=settings.threads, cpus=settings.cpus, policy=dict(settings.policy), prefill=prefill,
+            prefill_policy=dict(settings.prefill_policy), malloc=settings.malloc, plugins=list(settings.plugins),
+        )  # fmt: skip
+
     cells = [
-        DecodeCellSpec(
-            implementation=label,
-            context=context,
+        cell(
+            label,
+            device,
+            context,
+            cache is None and shape is main and context <= settings.prefill_max,
             **{**layer_of(settings), **shape},
             window=window,
             cache=cache,
-            dtype=settings.dtype,
-            device=device,
-            threads=settings.threads,
-            cpus=settings.cpus,
-            policy=dict(settings.policy),
-            prefill=cache is None and shape is main and context <= settings.prefill_max,
-            prefill_policy=dict(settings.prefill_policy),
-            malloc=settings.malloc,
-            plugins=list(settings.plugins),
         )
         for device in settings.devices
         for label in implementations
@@ -60,21 +58,14 @@ def expand_decode_cells(settings: DecodeSettings, implementations: list[str]) ->
     ]
     mla_layer = {**layer_of(settings), "batch": settings.batch}
     return cells + [
-        DecodeCellSpec(
-            implementation=label,
-            context=context,
+        cell(
+            label,
+            device,
+            context,
+            context <= settings.prefill_max,
             **mla_layer,
             row=MLA_ROW,
             mla=dict(settings.mla or {}),
-            dtype=settings.dtype,
-            device=device,
-            threads=settings.threads,
-            cpus=settings.cpus,
-            policy=dict(settings.policy),
-            prefill=context <= settings.prefill_max,
-            prefill_policy=dict(settings.prefill_policy),
-            malloc=settings.malloc,
-            plugins=list(settings.plugins),
         )
         for device in settings.devices
         for label in mla_implementations(implementations)

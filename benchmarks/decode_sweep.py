@@ -1,5 +1,6 @@
-"""``bench --mode decode``'s sweep: its settings, the cells it expands to, the rounds (each device's copy
-bandwidth, then every cell once in a shuffled order), the partial file, and the decode report.
+"""``bench --mode decode``'s sweep: its settings (a preset plus overrides, `decode_settings.DecodeSettings`), the
+cells it expands to, the rounds (each device's copy bandwidth, then every cell once in a shuffled order), the
+partial file, and the decode report.
 
 An interrupted sweep keeps every finished visit and each round's bandwidth in a partial file (`partial`,
 one JSON line each, the forward sweep's format with the entry types ``decode-cell`` and ``bandwidth`` and a
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from .bandwidth import enrich_decode_cell
@@ -21,17 +22,16 @@ from .decode import (
     KIND,
     SCHEMA,
     DecodeCellSpec,
-    DecodeLayer,
     decode_cell_key,
     decode_config,
     decode_record,
-    ragged_lengths,
     row_label,
     run_decode_cell,
 )
-from .decode_mla import absorbed_over_naive, check_mla_layer
+from .decode_mla import absorbed_over_naive
 from .decode_rows import expand_decode_cells
-from .pinning import DEFAULT_MALLOC_MODE, choose_cpus, malloc_env, require_positive_int
+from .decode_settings import DecodeSettings
+from .pinning import choose_cpus
 from .presets import DECODE_PRESETS
 
 PARTIAL_KIND = KIND  # the header's "kind" in a decode sweep's partial file (a forward sweep's header has none)
@@ -69,64 +69,7 @@ def check_decode_partial(path: Path) -> dict | None:
     return header
 
 
-# -- the sweep -----------------------------------------------------------------------------------
-@dataclass
-class DecodeSettings(DecodeLayer):
-    """What ``bench --mode decode`` runs (a `presets.DECODE_PRESETS` entry plus overrides): the layer
-    (`decode.DecodeLayer`) and the rest."""
-
-    preset: str = "decode"
-    implementations: list[str] = field(default_factory=lambda: ["main"])
-    contexts: list[int] = field(default_factory=lambda: [1024])
-    window: int | None = None
-    window_contexts: list[int] = field(default_factory=list)
-    # The paged row: the default layer's step through each convention's paged cache (`DecodeStep.paging`: pages of
-    # 16, vLLM's), beside its contiguous cell at the same context: ``paged_over_contiguous`` is the gather's cost.
-    paged_contexts: list[int] = field(default_factory=list)
-    # The ragged row (continuous batching at a fixed number of tokens): at each of ``ragged_contexts``, a batch of
-    # ``len(ragged_rows)`` rows holding as many tokens as that many rows of the context, split by the shares
-    # ``ragged_rows`` (`decode.ragged_lengths`), beside the rectangular batch of those rows, each through the
-    # contiguous and the paged cache: ``ragged_over_rectangular`` is what the rows' different lengths cost.
-    ragged_contexts: list[int] = field(default_factory=list)
-    ragged_rows: list[int] = field(default_factory=lambda: [4, 2, 1, 1])
-    # The MLA row (issue 45, `decode_mla`): DeepSeek's latent attention with ``heads`` heads of the latent sizes
-    # ``mla``, its naive and absorbed forms at ``mla_contexts``: ``absorbed_over_naive`` per context.
-    mla: dict | None = None
-    mla_contexts: list[int] = field(default_factory=list)
-    dtype: str = "float32"
-    devices: list[str] = field(default_factory=lambda: ["cpu"])
-    threads: int = 1
-    cpus: list[int] | None = None
-    policy: dict = field(default_factory=dict)
-    prefill_max: int = 4096
-    prefill_policy: dict = field(default_factory=dict)
-    bandwidth_policy: dict = field(default_factory=dict)
-    array_mb: float | None = None
-    rounds: int = 1
-    seed: int | None = None
-    malloc: str = DEFAULT_MALLOC_MODE
-    cell_timeout: float = 900.0
-    plugins: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "step", "d_model", "heads", "kv_heads", "d_k", "threads", "rounds"):
-            require_positive_int(f"decode {name}", getattr(self, name))
-        for context in [*self.contexts, *self.window_contexts, *self.paged_contexts, *self.ragged_contexts,
-                        *self.mla_contexts]:  # fmt: skip
-            require_positive_int("decode context", context)
-        if self.ragged_contexts:
-            ragged_lengths(self.ragged_contexts[0], self.ragged_rows)  # bad shares refused before a cell runs
-        check_mla_layer(self.mla)
-        if self.mla_contexts and self.mla is None:
-            raise ValueError(f"mla_contexts needs the MLA layer's sizes (mla), got mla=None and {self.mla_contexts}")
-        if not self.contexts:
-            raise ValueError("contexts must name at least one context length, got []")
-        malloc_env(self.malloc)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
+# -- the sweep ---------------------------------------------------------------------------------------
 def decode_settings(name: str = "decode", **overrides) -> DecodeSettings:
     """The preset ``name`` (`presets.DECODE_PRESETS`) with every override that is not None."""
     if name not in DECODE_PRESETS:

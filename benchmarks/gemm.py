@@ -28,6 +28,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
@@ -277,6 +278,28 @@ def best_uncontended(run: Callable[[dict | None], dict], figure: str, device: st
     return best
 
 
+def each_library_best(
+    libraries: list[str],
+    unsupported: Callable[[str], str | None],
+    run: Callable[[str, dict | None], dict],
+    figure: str,
+    device: str,
+    threads: int,
+    retries: int,
+) -> dict[str, dict]:
+    """Every library's result by name: ``{"status": "unsupported", "error": reason}`` where ``unsupported(library)``
+    gives a reason, else the best of its runs (`best_uncontended`, ``run(library, best so far)``, a fresh child
+    each). The GEMM peak's rule (`measure_gemm_peak`), and the copy bandwidth's (`bandwidth.measure_bandwidth`)."""
+    by_library: dict[str, dict] = {}
+    for library in libraries:
+        reason = unsupported(library)
+        if reason:
+            by_library[library] = {"status": "unsupported", "error": reason}
+        else:
+            by_library[library] = best_uncontended(partial(run, library), figure, device, threads, retries)
+    return by_library
+
+
 def measure_gemm_peak(
     dtype: str,
     device: str,
@@ -301,23 +324,19 @@ def measure_gemm_peak(
     """
     extra_env = malloc_env(malloc)  # validates the mode before any child starts
     n = gemm_size(dtype, device, n)  # a GPU has its own sizes (`GPU_GEMM_SIZES`)
-    by_library: dict[str, dict] = {}
 
-    def run_child(spec: dict) -> dict:
+    def run(library: str, best: dict | None) -> dict:
+        # Again: at the size the child settled on, so no second slow first product.
+        size = n if best is None else best["n"]
+        spec = dict(
+            library=library, dtype=dtype, device=device, n=size, threads=threads, cpus=cpus, policy=policy or {}
+        )
         return run_fresh("mha_rosetta.benchmarks.gemm", spec, threads=threads, timeout=timeout, extra_env=extra_env)
 
-    for library in installed_gemm_libraries() if libraries is None else libraries:
-        reason = unsupported_reason(library, dtype, device)
-        if reason:
-            by_library[library] = {"status": "unsupported", "error": reason}
-            continue
-        spec = dict(library=library, dtype=dtype, device=device, n=n, threads=threads, cpus=cpus, policy=policy or {})
-
-        def run(best: dict | None, spec: dict = spec) -> dict:
-            # Again: at the size the child settled on, so no second slow first product.
-            return run_child(spec if best is None else {**spec, "n": best["n"]})
-
-        by_library[library] = best_uncontended(run, "gflops", device, threads, retries)
+    by_library = each_library_best(
+        installed_gemm_libraries() if libraries is None else libraries,
+        lambda library: unsupported_reason(library, dtype, device), run, "gflops", device, threads, retries,
+    )  # fmt: skip
     record = {**summarize_peak(device, dtype, threads, n, by_library), "malloc": malloc}
     if device == "gpu" and dtype == "float32":
         from mha_rosetta.backends import tf32_forced

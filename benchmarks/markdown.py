@@ -37,17 +37,24 @@ def round_range_text(cell: dict, digits: int = 3, *, raw: bool = False) -> str:
     return f"{low * 1e3:.{digits}f}-{high * 1e3:.{digits}f}"
 
 
+def status_text(cell: dict, limit: int) -> str:
+    """A table row's status column: the status, then a failed cell's error (made table-safe: no pipe, no line
+    break; ``: error`` cut at ``limit`` characters), or ``(drift)`` / ``(!)`` where a measured cell has warnings."""
+    status = cell.get("status", "")
+    if status != "ok":
+        return status + f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:limit]
+    if cell.get("warnings"):
+        return status + (" (drift)" if cell.get("drift") else " (!)")
+    return status
+
+
 def markdown_row(cell: dict, corrected: bool = False) -> list[str]:
     """One table row; ``corrected``: the `CORRECTED_COLUMNS` layout (GFLOP/s and % peak from the corrected time)."""
     ok = cell.get("status") == "ok"
     paired = corrected and is_corrected(cell)
     fraction = cell.get("corrected_peak_fraction" if paired else "peak_fraction")
     gflops = cell.get("corrected_gflops" if paired else "gflops")
-    status = cell.get("status", "")
-    if not ok:
-        status += f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:120]
-    elif cell.get("warnings"):
-        status += " (drift)" if cell.get("drift") else " (!)"
+    status = status_text(cell, 120)
     return [
         f"`{cell_label(cell)}`", cell["device"], cell["dtype"], str(cell["batch"]), str(cell["tokens"]),
         str(cell["d_model"]), str(cell["heads"]),
@@ -186,11 +193,7 @@ def decode_row(cell: dict) -> list[str]:
     """One decode table row (`DECODE_COLUMNS`); the figures are those `bandwidth.enrich_decode_cell` added."""
     ok = cell.get("status") == "ok"
     cache = cell.get("cache_info") if isinstance(cell.get("cache_info"), dict) else {}
-    status = cell.get("status", "")
-    if not ok:
-        status += f": {cell.get('error', '')}".replace("|", "/").replace("\n", " ")[:160]
-    elif cell.get("warnings"):
-        status += " (drift)" if cell.get("drift") else " (!)"
+    status = status_text(cell, 160)
     if ok and cell.get("prefill_status") not in (None, "ok"):
         status += f"; prefill {cell['prefill_status']}" + (
             f": {cell['prefill_error'][:80]}" if cell.get("prefill_error") else ""

@@ -86,7 +86,7 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 # ``bench --mode decode`` (benchmarks.decode): one decode step at a context length, timed against the
-# memory bandwidth. Fields of `decode_sweep.DecodeSettings`. The default is a decoder layer of a 1-3B model
+# memory bandwidth. Fields of `decode_settings.DecodeSettings`. The default is a decoder layer of a 1-3B model
 # (d_model 2048, 16 heads of d_k 128 over 4 kv heads: Llama 3's GQA ratio of 4 and head width 128,
 # half rotary, no biases: the layer of Llama, Mistral and Gemma, so hf-attention runs it through the real
 # LlamaAttention; docs/benchmarks.md measures what biases cost XLA:CPU's one-row products), B=1, float32 (every implementation has it, and no CPU library here has fast

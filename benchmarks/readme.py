@@ -1,7 +1,7 @@
 """The published benchmark figures, generated: docs/bench/ files and the benchmarks page's block.
 
 ``mha-rosetta bench ... --write-docs docs`` (or ``--render docs/bench/reference.json
---write-docs docs``, from a saved report without measuring) writes, for a report named
+--write-docs docs``, from a saved report without measuring; `publish.write_docs`) writes, for a report named
 `report_name` (``reference``, ``reference-t2`` for two threads, ``quick``, ...):
 
 - ``docs/bench/<name>.json`` and ``docs/bench/<name>.md`` (the full table);
@@ -21,15 +21,14 @@ noise" where two ranges overlap.
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
 from mha_rosetta.core.tables import markdown_table as table_lines
 
-from .markdown import markdown_table, percent, round_range_text
+from .markdown import percent, round_range_text
 from .pinning import CONTENDED_BELOW
-from .plots import plot_report, reference_cells
+from .plots import reference_cells
 from .provenance import machine_differences, report_machine_key
 from .report import REFERENCE_SIZE, load_report
 from .rounds import cell_interval, cell_time, intervals_overlap, is_corrected, published
@@ -358,33 +357,3 @@ def replace_block(readme: str, block: str, markers: tuple[str, str] = (BEGIN, EN
 def block_page_path(docs: str | Path) -> Path:
     """The page that holds the generated block: ``docs/benchmarks.md`` (`BLOCK_PAGE`)."""
     return Path(docs) / BLOCK_PAGE
-
-
-def write_docs(report: dict, docs: str | Path, *, table: str | None = None) -> list[Path]:
-    """Write ``report``'s JSON, Markdown and plots under ``docs/bench/`` and regenerate the page's block.
-
-    Returns the files written. The benchmarks page (`block_page_path`) is updated only where it holds the
-    markers; the block is rendered from the reference reports now in ``docs/bench/``.
-    """
-    from mha_rosetta.core.files import write_text_atomic
-
-    folder = Path(docs) / BENCH_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-    name = report_name(report)
-    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
-    write_text_atomic(json_path, json.dumps(report, indent=2, allow_nan=True) + "\n")
-    write_text_atomic(md_path, table if table is not None else markdown_table(report))
-    written = [json_path, md_path]
-    try:
-        written += plot_report(report, folder / name)
-    except ImportError:
-        pass  # no matplotlib: the caller says so
-    readme = block_page_path(docs)
-    if readme.exists():
-        text = readme.read_text(encoding="utf-8")
-        if BEGIN in text:
-            updated = replace_block(text, readme_block(load_reference_reports(docs)))
-            if updated != text:
-                write_text_atomic(readme, updated)
-                written.append(readme)
-    return written

@@ -102,7 +102,7 @@ def publish(args: argparse.Namespace, report: dict, baseline: dict | None) -> st
             yield from plot_long(report["cells"], directory)
 
     def docs(directory: str):
-        from mha_rosetta.benchmarks.readme import write_docs
+        from mha_rosetta.benchmarks.publish import write_docs
 
         return write_docs(report, directory, table=table)
 

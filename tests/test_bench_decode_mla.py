@@ -63,6 +63,36 @@ def test_a_backend_that_does_not_decode_mla_has_no_mla_cells():
     assert not [cell for cell in expand_decode_cells(settings, ["onnx"]) if cell.mla]
 
 
+def test_a_backend_that_does_not_load_is_left_out_and_a_bug_is_raised(monkeypatch):
+    # `mla_implementations` leaves out a backend whose library is missing (an ImportError) or that refuses
+    # (UnsupportedCase): the main row's cells say why. Anything else is a bug, and is not swallowed.
+    import mha_rosetta.backends as backends
+    from mha_rosetta.backends import BackendNotInstalled, UnsupportedCase
+    from mha_rosetta.benchmarks.decode_mla import mla_implementations
+
+    real = backends.get_backend
+    errors = {
+        "missing": BackendNotInstalled("missing: its library is not installed"),
+        "unimportable": ModuleNotFoundError("cannot import missing_module"),
+        "refusing": UnsupportedCase("refusing: no decode here"),
+        "buggy": TypeError("a bug in the adapter"),
+    }
+
+    def get_backend(name):
+        if name in errors:
+            raise errors[name]
+        return real(name)
+
+    monkeypatch.setattr(backends, "get_backend", get_backend)
+    forms = [f"numpy:{form}" for form in MLA_STRATEGIES]
+    assert mla_implementations(["missing", "numpy", "unimportable:naive", "refusing"]) == forms
+    with pytest.raises(TypeError, match="a bug in the adapter"):
+        mla_implementations(["numpy", "buggy"])
+    monkeypatch.setattr(backends, "get_backend", real)
+    with pytest.raises(ValueError, match="unknown backend 'no-such-backend'"):  # a name the plan never resolved
+        mla_implementations(["no-such-backend"])
+
+
 def test_the_bytes_a_step_reads_by_hand():
     # float32. The latent a token: (R + dr) x 4 = (3 + 2) x 4 = 20 bytes; B x T = 2 x 5 tokens: 200 bytes, both forms.
     # Naive also expands the cache: B T H (d_k + d_v) x 4 = 2 x 5 x 2 x (4 + 3) x 4 = 560 bytes.
@@ -147,6 +177,35 @@ def test_an_adapter_without_a_timed_mla_step_refuses_it_by_name():
     assert not einops.mla_timed_step and get_backend("numpy").mla_timed_step
     with pytest.raises(UnsupportedCase, match="einops-numpy: MLA's 'absorbed' form has no timed decode step yet"):
         einops.prepare_decode(cfg, init_params(cfg), context=4, batch=1, strategy="absorbed")
+
+
+def test_the_mla_forms_timed_step_reaches_the_next_class_of_the_mro():
+    # `MLAStrategies.prepare_decode` hands MLA's forms on with super(), as every other strategy: a class between it
+    # and `DecodeMixin` (torch's adapter has `TorchDevices` there) is not skipped. The next class here records what
+    # it was handed; calling `DecodeMixin.prepare_decode` by name would skip it (and fail: this probe has no cache).
+    from mha_rosetta.backends import STANDARD, UnsupportedCase
+    from mha_rosetta.backends._mla import MLAStrategies
+
+    handed: list[dict] = []
+
+    class Between:
+        def prepare_decode(self, cfg, params, **options):
+            handed.append(options)
+            return "the next class's step"
+
+    class Probe(MLAStrategies, Between):
+        name = "probe"
+        mla_timed_step = True
+
+    cfg = MHAConfig(**DEEPSEEK_V3_LIKE)
+    for strategy in (*MLA_STRATEGIES, STANDARD):
+        assert Probe().prepare_decode(cfg, None, context=4, strategy=strategy) == "the next class's step"
+    assert [options["strategy"] for options in handed] == [*MLA_STRATEGIES, STANDARD]
+    assert handed[0] == {"context": 4, "strategy": MLA_STRATEGIES[0]}  # every option passed on as given
+    Probe.mla_timed_step = False  # no timed step of the forms: refused before the next class is asked
+    with pytest.raises(UnsupportedCase, match="probe: MLA's 'naive' form has no timed decode step yet"):
+        Probe().prepare_decode(cfg, None, context=4, strategy="naive")
+    assert len(handed) == 3
 
 
 def test_a_tiny_mla_bench_in_fresh_children():

@@ -20,10 +20,10 @@ import pytest
 from conftest import python_stdout, requires
 from mha_rosetta.benchmarks import pinning
 from mha_rosetta.benchmarks.baseline import baseline_markdown, compare_to_baseline
-from mha_rosetta.benchmarks.cell import CellSpec, cell_key, run_cell, split_implementation
+from mha_rosetta.benchmarks.cell import CellSpec, cell_key, jsonable, run_cell, split_implementation
 from mha_rosetta.benchmarks.flops import attention_matmul_flops, config_matmul_flops, gemm_flops
 from mha_rosetta.benchmarks.fresh import RESULT_MARKER, parse_result
-from mha_rosetta.benchmarks.markdown import markdown_table
+from mha_rosetta.benchmarks.markdown import markdown_table, status_text
 from mha_rosetta.benchmarks.partial import load_partial
 from mha_rosetta.benchmarks.questions import (
     CONFIRMED,
@@ -76,6 +76,23 @@ def test_flops_reject_bad_sizes():
 
 
 # -- pinning ----------------------------------------------------------------------------------
+
+
+def test_a_backends_info_travels_as_json_with_only_what_json_refuses_as_text():
+    # A cell's backend_info (forward and decode: `cell.jsonable`): JSON values kept as they are, at any depth.
+    info = {"layout": "rows", "slots": 3, "nested": {"n": 2, "scale": complex(1, 2)}, 7: [1, 2]}
+    assert jsonable(info) == {"layout": "rows", "slots": 3, "nested": {"n": 2, "scale": "(1+2j)"}, "7": [1, 2]}
+    assert jsonable({"n": 1}) == {"n": 1} and jsonable({1, 2}) == "{1, 2}"
+    json.dumps(jsonable(info))  # and it is JSON
+
+
+def test_a_rows_status_says_the_error_table_safe_or_the_warning():
+    # The forward and decode tables' status column (`markdown.status_text`): ": error" cut at the limit, 10 here.
+    assert status_text({"status": "error", "error": "a|b\nc" + "x" * 50}, 10) == "error: a/b cxxx"
+    assert status_text({"error": "e"}, 10) == ": e"  # a record without a status is not ok
+    assert status_text({"status": "ok", "error": "ignored"}, 10) == "ok"
+    assert status_text({"status": "ok", "warnings": ["w"]}, 10) == "ok (!)"
+    assert status_text({"status": "ok", "warnings": ["w"], "drift": 0.3}, 10) == "ok (drift)"
 
 
 def test_thread_env_sets_every_knob_and_keeps_other_variables():
@@ -960,6 +977,30 @@ def test_a_call_that_faults_in_16_mib_or_more_is_warned_about():
     assert warning.startswith(f"each call faulted in 32 MiB of fresh pages ({(32 << 20) // page} page faults)")
     assert "although the allocator rule 'keep' was on" in warning
     assert "--malloc keep reuses them" in pinning.page_fault_warning((32 << 20) / page, "default")
+
+
+def test_each_library_is_refused_with_its_reason_or_measured_apart_and_its_best_kept():
+    # The GEMM peak's and the copy bandwidth's one loop (`gemm.each_library_best`): a refusal is recorded, not run;
+    # each other library runs on its own, again (with its best so far) while its core was shared.
+    from mha_rosetta.benchmarks.gemm import each_library_best
+
+    results = {"a": iter([{"status": "ok", "gbps": 4.0, "cpu_util": 0.5}, {"status": "ok", "gbps": 6.0, "cpu_util": 1.0}]),
+               "c": iter([{"status": "ok", "gbps": 3.0, "cpu_util": 1.0}])}  # fmt: skip
+    calls = []
+
+    def run(library, best):
+        calls.append((library, None if best is None else best["gbps"]))
+        return next(results[library])
+
+    got = each_library_best(
+        ["a", "b", "c"], lambda name: "b: not here" if name == "b" else None, run, "gbps", "cpu", 1, 2
+    )
+    assert got == {
+        "a": {"status": "ok", "gbps": 6.0, "cpu_util": 1.0, "attempts": 2},
+        "b": {"status": "unsupported", "error": "b: not here"},
+        "c": {"status": "ok", "gbps": 3.0, "cpu_util": 1.0, "attempts": 1},
+    }
+    assert calls == [("a", None), ("a", 4.0), ("c", None)]
 
 
 def test_a_contended_peak_or_bandwidth_is_measured_again_and_the_best_kept():

@@ -249,6 +249,41 @@ def test_render_writes_the_docs_and_the_readme_block_from_a_saved_report(tmp_pat
     assert main(["bench", "--render", str(tmp_path / "missing.json")]) == 2
 
 
+def test_publish_report_writes_its_files_and_touches_only_a_page_with_the_markers(tmp_path):
+    # The one rule of write_docs and write_decode_docs: JSON and Markdown, the plots (none without matplotlib),
+    # then the block, rendered only where the page holds the markers, and the page written only where it changed.
+    from mha_rosetta.benchmarks.publish import publish_report
+
+    def no_matplotlib(report, stem):
+        raise ImportError("No module named 'matplotlib'")
+
+    def never(kind):
+        def fail():
+            raise AssertionError(f"the block of a page {kind} was rendered")
+
+        return fail
+
+    markers = ("<!-- b -->", "<!-- e -->")
+    stem = tmp_path / "docs" / "bench" / "name-t2"
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers here\n", encoding="utf-8")
+    written = publish_report({"cells": [1.5]}, stem, "| t |\n", no_matplotlib, plain, never("without markers"), markers)
+    assert written == [stem.parent / "name-t2.json", stem.parent / "name-t2.md"]
+    assert json.loads(written[0].read_text()) == {"cells": [1.5]} and written[1].read_text() == "| t |\n"
+    assert plain.read_text() == "no markers here\n"
+    missing = tmp_path / "missing.md"
+    assert publish_report({}, stem, "", no_matplotlib, missing, never("that is missing"), markers) == written
+    page = tmp_path / "page.md"
+    page.write_text("a\n<!-- b -->\nold\n<!-- e -->\nz\n", encoding="utf-8")
+    plots = [tmp_path / "plot.png"]
+    block = "<!-- b -->\nnew\n<!-- e -->\n"
+    assert publish_report({}, stem, "", lambda report, where: plots, page, lambda: block, markers) == [
+        *written, *plots, page,
+    ]  # fmt: skip
+    assert page.read_text() == "a\n<!-- b -->\nnew\n<!-- e -->\nz\n"
+    assert publish_report({}, stem, "", lambda report, where: [], page, lambda: block, markers) == written  # same
+
+
 def test_intervals_overlap():
     assert intervals_overlap([1, 2], [2, 3]) and intervals_overlap([1, 5], [2, 3])
     assert not intervals_overlap([1, 2], [2.5, 3])

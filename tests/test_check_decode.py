@@ -331,6 +331,23 @@ def test_locate_finds_the_first_token_of_a_two_token_step():
 
 
 # -- the engine: JSON, workers, time limits ---------------------------------------------------
+def test_the_decode_json_file_partial_then_final(tmp_path):
+    # write_decode_json writes as write_json does: a partial file compact and marked interrupted, the final indented.
+    from mha_rosetta.checks.json_report import write_decode_json
+
+    result = _check([ChunkReference()], ["gqa_rotary"])
+    path = tmp_path / "decode.json"
+    write_decode_json(result, str(path), partial=True)
+    text = path.read_text()
+    partial = json.loads(text)
+    assert text.count("\n") == 1 and (partial["interrupted"], partial["exit_status"]) == (True, 130)
+    assert partial["verdict"] == "interrupted: the results that finished are here (the check did not end)"
+    write_decode_json(result, str(path))
+    text = path.read_text()
+    assert text.startswith('{\n "') and json.loads(text) == json.loads(json.dumps(decode_to_json(result), default=str))
+    assert json.loads(text)["exit_status"] == 0
+
+
 def test_the_json_carries_the_cache_and_where_and_the_forward_json_is_unchanged():
     result = _check([ChunkReference(), RotaryRestarts(), NoCache()], ["gqa_rotary"])
     data = json.loads(json.dumps(decode_to_json(result), default=str))

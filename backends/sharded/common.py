@@ -255,3 +255,19 @@ def alibi_slopes_of(cfg: MHAConfig, plan: ShardPlan, rank: int) -> np.ndarray | 
         return None
     heads = plan.heads_of(rank)
     return alibi_slopes(cfg.n_heads)[heads.start : heads.stop]  # (Hl,)
+
+
+def run_and_fetch(run_all, state: dict, rank: int):
+    """(run, fetch) of a whole decode run on a rank: ``run`` runs ``run_all``, which keeps the chunks' outputs in
+    ``state["outputs"]``; ``fetch`` gives rank 0's, concatenated (B, N, D) (the all-reduced output: one rank's is all)."""
+
+    def run():
+        run_all()
+        return None
+
+    def fetch():
+        import torch
+
+        return tensor_to_numpy(torch.cat(state["outputs"], dim=1)) if rank == 0 else None  # (B, N, D)
+
+    return run, fetch

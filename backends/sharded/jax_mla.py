@@ -73,7 +73,6 @@ def build_forward(cfg: MHAConfig, params: MHAParams, inputs, dtype: str, strateg
 
     from ..jax.common import numpy_rotary_tables, shared_program
     from ..jax.mla import _forward, _masks
-    from .jax import compile_on_mesh
 
     check_one_input(inputs.key, inputs.value)
     plan = shard_plan(cfg, world)
@@ -92,7 +91,7 @@ def build_forward(cfg: MHAConfig, params: MHAParams, inputs, dtype: str, strateg
     _, jitted = shared_program(key, program)
     args = (weights, b_o, put(inputs.query, P()), put(inputs.key, P()), tables, put(blocked, mask_spec),
             put(empty, mask_spec))  # fmt: skip
-    compiled, info = compile_on_mesh(
+    compiled, info = forward.compile_on_mesh(
         jitted, args, key, plan,
         how=HOW + f"the jax adapter's {strategy} form on the local heads, lax.psum of the partial outputs, + b_o",
         collectives="one psum of the partial outputs (the latent is computed on every device: none for it)",

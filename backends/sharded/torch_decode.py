@@ -122,24 +122,6 @@ def _rank_layer(
     return layer, torch.inference_mode if module is None else torch.no_grad
 
 
-def run_and_fetch(run_all, state: dict, rank: int):
-    """(run, fetch) of a whole decode run on a rank: ``run`` runs ``run_all``, which keeps the chunks' outputs in
-    ``state["outputs"]``; ``fetch`` gives rank 0's, concatenated (B, N, D) (the all-reduced output: one rank's is all)."""
-
-    def run():
-        run_all()
-        return None
-
-    def fetch():
-        import torch
-
-        from ..base import tensor_to_numpy
-
-        return tensor_to_numpy(torch.cat(state["outputs"], dim=1)) if rank == 0 else None  # (B, N, D)
-
-    return run, fetch
-
-
 def build_decode(
     forward, rank, world, cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype, strategy, payload_world, cache
 ):
@@ -179,6 +161,8 @@ def build_decode(
                 outputs.append(layer.step(kv, start, stop, None if recorders is None else recorders[i]))
         state.update(outputs=outputs, slots=kv.slots, bytes=kv.nbytes)
         return outputs
+
+    from .common import run_and_fetch
 
     run, fetch = run_and_fetch(run_all, state, rank)
 

@@ -69,8 +69,7 @@ def build_decode(rank: int, world: int, cfg: MHAConfig, params: MHAParams, input
     from ..base import tensor_to_numpy
     from ..torch.common import to_tensor, torch_rotary_tables
     from ..torch.mla import RowSampleMLA, decode_chunk
-    from .common import replicated_latent_cache
-    from .torch_decode import run_and_fetch
+    from .common import replicated_latent_cache, run_and_fetch
 
     plan, shard = _rank_shard(cfg, params, world, rank)
     local = plan.local_cfg

@@ -126,6 +126,20 @@ def head_step_recorder(rec: StageRecorder | None, axes: dict):
     return on_stage
 
 
+def score_recorder(rec: StageRecorder | None, scores, axes: tuple[str, ...], note: str):
+    """Records ``scores`` (in the convention's score ``axes``) and returns the ``on_stage`` of
+    `frameworks.ops.score_steps` that records each step after it (a view where the step wrote in place,
+    measured); None without a recorder."""
+    if rec is None:
+        return None
+    rec.record("scores", scores, axes, note)
+
+    def on_stage(name, value, parent, before):
+        rec.record(name, value, axes, f"{name}: the ops object's step", relation_to(value, before, "new"), parent)
+
+    return on_stage
+
+
 class LayerRecording:
     """The recording steps that the NumPy (column-sample) and torch (row-sample) layers share.
 

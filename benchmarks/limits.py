@@ -8,9 +8,13 @@ corrected one (NumPy and the standard library only; not wired into ``bench`` yet
   own tokens, at most a window's ring), *and* every parameter of the layer (the four projections,
   91% of a step's bytes at 1k tokens and 24% at 32k for the decode preset's Llama-3-like layer),
   biases and the variants' small parameters included. The first limit counted K and V only.
-* **The bandwidth** (`read_bandwidth`): a read stream, ``np.sum`` over a float64 array, the way a
-  step reads its cache and weights, timed in this process (pin it first: the limit is the pinned
-  cores'). The first limit used STREAM's copy counted as twice the bytes (25.1 GB/s on the Intel Xeon
+* **The bandwidth** (`read_bandwidth`): a read stream, the way a step reads its cache and weights,
+  timed in this process (pin it first: the limit is the pinned cores'), as the fastest of three
+  readers (`READ_KERNELS`): ``np.sum`` over float64, ``np.max`` over float32 and BLAS's GEMV over
+  float32 rows (a decode step's own pattern). One reader is not enough: on the Intel Xeon of
+  2026-12-06 (1 pinned core, 512 MiB) ``np.sum`` read 10.4 GB/s, its pairwise additions the bound,
+  while ``np.max`` and the GEMV read 17.0-17.7 GB/s, and ``torch-best``'s B=4 step at 32k read its
+  552 MiB at 8.9 GB/s, "109.6%" of the ``np.sum`` limit. The first limit used STREAM's copy counted as twice the bytes (25.1 GB/s on the Intel Xeon
   issue 43 was measured on), while a read stream on one of its cores got 15.3-17.8 GB/s (16.6 for
   ``np.sum`` over 256 MiB there, loaded). Machines differ: the AMD EPYC the README's decode table was
   measured on read 30.6-32.6 GB/s over 512 MiB (docs/bench/decode.json), 16x its 32 MiB L3.
@@ -54,18 +58,43 @@ if TYPE_CHECKING:
 # bandwidth child imports `bandwidth` before it pins itself (nothing heavy may load before the pin).
 
 MiB = 2**20
-# The sweep of `measure_llc`: 1 MiB to 512 MiB by doubling (the largest well past any server's last-level cache
-# a core can use, and 4x the 128 MiB above which reads here run at memory speed).
-LLC_SWEEP = tuple(MiB << n for n in range(10))
+# The sweep of `measure_llc`: 1 MiB to 2 GiB by doubling. The largest sizes must be well past the last-level cache
+# a core can use: the Intel Xeon of 2026-12-06 (sysfs: 300 MiB) read 31 GB/s up to 128 MiB, 21.5 at 256 and 16.6 at
+# 512 with the fastest reader, so a sweep that stopped at 512 MiB took cached sizes for its memory-speed tail.
+LLC_SWEEP = tuple(MiB << n for n in range(12))
 # A size is "in cache" while it reads at least this much faster than memory: the median of the sweep's
-# `MEMORY_TAIL` largest sizes (128 to 512 MiB by default, all past the cache, so one noisy figure moves nothing).
+# `MEMORY_TAIL` largest sizes (512 MiB to 2 GiB by default, all past the cache, so one noisy figure moves nothing).
 CACHE_SPEEDUP = 1.25
 MEMORY_TAIL = 3
 # A size reads "at memory speed" under this multiple of it (the EPYC's 32 MiB read 1.11x: partly cached).
 MEMORY_BAND = 1.10
 # The bandwidth is measured over arrays at least this many times the measured last-level cache.
 LLC_FACTOR = 4
-READ_KERNEL = "np.sum over a float64 array (one read stream, no writes)"
+READ_KERNEL = "the fastest of np.sum (float64), np.max (float32) and BLAS's GEMV (float32 rows) over one array"
+# The readers `read_bandwidth` times by default: each reads every byte of the array once and writes (next to)
+# nothing; the limit takes the fastest (a reader bound by its own arithmetic is not the memory's limit).
+GEMV_COLUMNS = 1024
+
+
+def _gemv(array) -> None:
+    import numpy as np
+
+    rows = array.view(np.float32)  # (2n,) float32 view of the float64 buffer, no copy
+    rows = rows[: rows.size // GEMV_COLUMNS * GEMV_COLUMNS].reshape(-1, GEMV_COLUMNS)  # (R, 1024) view, no copy
+    rows @ np.ones(GEMV_COLUMNS, dtype=np.float32)  # (R,): one pass over the rows, as a decode step's x @ W.T
+
+
+def _max32(array) -> None:
+    import numpy as np
+
+    array.view(np.float32).max()  # a float32 view, no copy: a vectorised compare, no dependency chain
+
+
+READ_KERNELS: dict[str, Callable[[object], object]] = {
+    "np.sum (float64)": lambda array: array.sum(),
+    "np.max (float32)": _max32,
+    "BLAS GEMV (float32 rows)": _gemv,
+}
 
 
 @dataclass(frozen=True)
@@ -128,22 +157,20 @@ def fits_in_cache(nbytes: int | StepBytes, llc_bytes: int | None) -> bool | None
     return (nbytes.total if isinstance(nbytes, StepBytes) else nbytes) <= llc_bytes
 
 
-def _sum(array) -> None:
-    array.sum()
-
-
 def read_bandwidth(
     array_bytes: int,
     *,
     repeats: int = 7,
     clock: Callable[[], float] = time.perf_counter,
-    read: Callable[[object], object] = _sum,
+    read: Callable[[object], object] | None = None,
 ) -> dict:
     """The read stream's bandwidth over a float64 array of ``array_bytes`` (rounded down to whole elements).
 
-    The array is written before timing (its pages faulted in), read once untimed, then ``repeats`` times
-    between two readings of ``clock``. Returns ``{"gbps"`` (the median's, 1e9 bytes per second), ``"best_gbps"``,
-    ``"median_s"``, ``"samples_s"``, ``"array_bytes"``, ``"kernel"}``.
+    The array is written before timing (its pages faulted in); each reader (``read``, else every one of
+    `READ_KERNELS`) reads it once untimed, then ``repeats`` times between two readings of ``clock``. The
+    fastest reader's median is the figure. Returns ``{"gbps"`` (1e9 bytes per second), ``"best_gbps"``,
+    ``"median_s"``, ``"samples_s"``, ``"array_bytes"``, ``"kernel"`` (the fastest reader's name),
+    ``"kernels"`` (every reader's median GB/s)``}``.
     """
     import numpy as np
 
@@ -153,13 +180,19 @@ def read_bandwidth(
     if elements < 1:
         raise ValueError(f"array_bytes must hold at least one float64 (8 bytes), got {array_bytes!r}")
     array = np.ones(elements)  # written: every page faulted in before the timing
-    read(array)  # warm: the first pass may still fault or fill TLBs
-    samples = []
-    for _ in range(repeats):
-        start = clock()
-        read(array)
-        samples.append(clock() - start)
     nbytes = elements * 8
+    readers = READ_KERNELS if read is None else {"read": read}
+    timed = {}
+    for name, reader in readers.items():
+        reader(array)  # warm: the first pass may still fault or fill TLBs
+        samples = []
+        for _ in range(repeats):
+            start = clock()
+            reader(array)
+            samples.append(clock() - start)
+        timed[name] = samples
+    kernel = min(timed, key=lambda name: statistics.median(timed[name]))
+    samples = timed[kernel]
     median = statistics.median(samples)
     return {
         "gbps": nbytes / median / 1e9 if median > 0 else None,
@@ -167,7 +200,10 @@ def read_bandwidth(
         "median_s": median,
         "samples_s": samples,
         "array_bytes": nbytes,
-        "kernel": READ_KERNEL,
+        "kernel": kernel,
+        "kernels": {
+            name: nbytes / statistics.median(s) / 1e9 if statistics.median(s) > 0 else None for name, s in timed.items()
+        },
     }
 
 

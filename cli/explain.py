@@ -57,12 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"batch size (default {DEFAULT_BATCH})"
     )
     size.add_argument("--seed", type=int, default=0, help="seed of the parameters and inputs (default 0)")
-    add_list(parser, "--backends", help="backends for the stage tables (default: every installed implementation)")
+    add_list(
+        parser, "--backends", help="backends for the stage and forms tables (default: every installed implementation)"
+    )
     add_list(
         parser,
         "--sections",
-        help="parts to show: stages, weights, head_split, checkpoints, differences, variants, claims "
-        "(default: all but claims)",
+        help="parts to show: stages, weights, head_split, checkpoints, differences, variants, forms, claims "
+        "(default: all but forms and claims)",
     )
     switches = {  # the on/off options (store_true); --grad was --backward
         "--grad": (

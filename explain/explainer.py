@@ -18,6 +18,7 @@ from mha_rosetta.core import MHAConfig
 
 from .claims import ClaimResult, run_claims
 from .differences import Difference, run_differences
+from .forms import FormShapes, all_form_shapes
 from .head_split import HeadSplit, head_splits
 from .real_checkpoints import Checkpoint, real_checkpoints
 from .seed_setup import DEFAULT_BATCH, SEED_TOKENS, Setup, make_setup
@@ -25,7 +26,8 @@ from .stages_table import BackendSummary, StageRow, build_stage_tables
 from .variants import VariantEntry, pipeline, variant_entries
 from .weights import WeightLayout, weight_layouts
 
-SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "variants", "claims")
+SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "variants", "forms", "claims")
+# "forms" runs every implementation on each form (a JIT compiles each): asked for by name, like the claims.
 DEFAULT_SECTIONS = ("stages", "weights", "head_split", "checkpoints", "differences", "variants")
 
 
@@ -43,6 +45,7 @@ class Explanation:
     differences: list[Difference] = field(default_factory=list)
     variants: list[VariantEntry] = field(default_factory=list)  # one per core.VARIANTS name (explain.variants)
     variants_pipeline: str = ""  # the stage list with every score variant on
+    forms: list[FormShapes] = field(default_factory=list)  # each form's stages in each convention (explain.forms)
     settings: dict = field(default_factory=dict)  # how the claims' speed part was run, machine, time
 
     @property
@@ -77,6 +80,7 @@ class Explanation:
             "differences": [difference.to_dict() for difference in self.differences],
             "variants": [entry.to_dict() for entry in self.variants],
             "variants_pipeline": self.variants_pipeline,
+            "forms": [shapes.to_dict() for shapes in self.forms],
         }
 
     def to_markdown(self, png_name: str | None = None) -> str:
@@ -148,6 +152,8 @@ def explain(
         result.differences = run_differences(setup)
     if "variants" in sections:  # on its own demonstration layer (explain.variants.DEMO), not on cfg
         result.variants, result.variants_pipeline = variant_entries(), pipeline()
+    if "forms" in sections:  # on the same demonstration layer, in every implementation asked for
+        result.forms = all_form_shapes(backends)
     if "claims" in sections:
         # The claims use the column/row-sample article's own example sizes where it gives numbers (2.5, the
         # (32, 8) chain); the rest run on this configuration.

@@ -22,6 +22,7 @@ from mha_rosetta.core.tables import (
     rich_tables,
 )
 
+from .forms import FORMS_INTRO, form_tables
 from .head_split import SPLIT_LABELS, grid_text, head_summary
 from .real_checkpoints import CHECKPOINTS_INTRO, checkpoint_tables
 from .stages_table import AXIS_MEANING
@@ -160,6 +161,8 @@ def _text_section(explanation, section: str, width: int | None = None) -> list[s
     if section == "variants":
         intro = f"== {VARIANTS_INTRO}\n{explanation.variants_pipeline}"
         return [intro] + [titled("--", table) for table in variant_tables(explanation.variants)]
+    if section == "forms":
+        return [f"== {FORMS_INTRO}"] + [titled("--", table) for table in form_tables(explanation.forms)]
     if section == "claims":
         parts = []
         for claim in explanation.claims:
@@ -220,6 +223,10 @@ def print_rich(explanation, file=None) -> None:
             console.print(rich_escape(VARIANTS_INTRO))
             console.print(rich_escape(explanation.variants_pipeline))
             for table in variant_tables(explanation.variants):
+                console.print(_rich_table(*table))
+        elif section == "forms":
+            console.print(rich_escape(FORMS_INTRO))
+            for table in form_tables(explanation.forms):
                 console.print(_rich_table(*table))
         elif section == "claims":
             from rich.table import Table
@@ -312,6 +319,10 @@ def _md_section(explanation, section: str, png_name: str | None) -> list[str]:
     elif section == "variants":
         out += ["## Variants", "", VARIANTS_INTRO, "", f"`{explanation.variants_pipeline}`", ""]
         for table in variant_tables(explanation.variants):
+            out += _md_titled("###", table)
+    elif section == "forms":
+        out += ["## Forms in each convention", "", FORMS_INTRO, ""]
+        for table in form_tables(explanation.forms):
             out += _md_titled("###", table)
     elif section == "claims":
         speed = explanation.settings.get("speed", {})

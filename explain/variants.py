@@ -74,21 +74,31 @@ class Demonstration:
         elif entry.tied:  # a weight held twice when on (k_eq_v: w_v is w_k) is its own when off
             untied = init_params(off, seed=3)
             params_off = replace(params_off, **{name: getattr(untied, name) for name in entry.tied})
-        x = np.random.default_rng(4).standard_normal((1, TOKENS, DEMO.d_model))
+        x = Demonstration.inputs()
         return on, params, reference_stages(on, params, x), off, reference_stages(off, params_off, x)
 
+    @staticmethod
+    def inputs() -> np.ndarray:
+        """The demonstration's tokens (1, TOKENS, d_model), the same for every variant."""
+        return np.random.default_rng(4).standard_normal((1, TOKENS, DEMO.d_model))
 
-def _changed_stages(variant: str) -> str:
-    on, _, stages_on, off, stages_off = Demonstration.run(variant)
-    added = [name for name in stage_names(on) if name not in stage_names(off)]
-    first = next(
+
+def first_changed_stage(variant: str) -> str:
+    """The first stage whose tensor differs with ``variant`` on and off (or that exists only with it)."""
+    on, _, stages_on, _, stages_off = Demonstration.run(variant)
+    return next(
         name
         for name in stage_names(on)
         if name not in stages_off
         or not np.allclose(stages_on[name], stages_off[name], rtol=0.0, atol=1e-12, equal_nan=True)
     )
+
+
+def _changed_stages(variant: str) -> str:
+    on, _, _, off, _ = Demonstration.run(variant)
+    added = [name for name in stage_names(on) if name not in stage_names(off)]
     text = f"adds {', '.join(added)}; " if added else ""
-    return text + f"first changed: {first}"
+    return text + f"first changed: {first_changed_stage(variant)}"
 
 
 def _entry(variant: str) -> VariantEntry:

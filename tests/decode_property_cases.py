@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from mha_rosetta.backends.vocabulary import STANDARD
 from mha_rosetta.core import MHAConfig, compare, init_params
 from mha_rosetta.core.decode import prepare_decode_inputs, reference_decode, reference_decode_stages
 from mha_rosetta.core.variants import VARIANT_REGISTRY, adapted_variants
@@ -77,13 +78,14 @@ def variant_configs(base: dict, names=None) -> dict[str, MHAConfig]:
     return configs
 
 
-# One configuration per variant every adapter applies (`adapted_variants`), from the registry: each entry's
-# demonstration fields on GQA + rotary. Then the combinations a cache must also get right: the rope scalings whose
+# One configuration per variant every adapter applies in its standard strategy (`adapted_variants`; MLA's forms run in
+# their own strategies, tests/test_mla_adapters.py), from the registry: each entry's demonstration fields on GQA +
+# rotary. Then the combinations a cache must also get right: the rope scalings whose
 # frequencies read the sequence (dynamic NTK past 4 positions, YaRN; the registry's own is linear), sinks with a
 # window the tokens outgrow, and Qwen3-Next's gate with its QK-norm and biases (each step's tokens gated by their own
 # sigmoid(x @ w_gate.T + b), nothing cached).
 VARIANT_CFGS = {
-    **variant_configs(GQA, adapted_variants("numpy", "torch", "jax", "mlx")),
+    **variant_configs(GQA, adapted_variants("numpy", "torch", "jax", "mlx", strategy=STANDARD)),
     **{f"rope_scaling_{kind}": _gqa(rope_scaling=ROPE_SCALINGS[kind]) for kind in ("dynamic", "yarn")},
     "sinks_window": _gqa(sinks=True, window=3),
     "gate_qwen3_next": _gqa(attn_output_gate=True, qk_norm="head", bias="qkv"),

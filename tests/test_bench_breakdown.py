@@ -72,7 +72,7 @@ BEST_PATHS = ("numpy-best", "torch-best", "jax-best", "mlx-best")
 # Each path's cache after its cache-write cut, at the written slot (context 9, batch 1, one token), in the
 # layout of its rotary cut's new keys (B, s, Hkv, Dk) -> (Hkv, Dk): the slot holds exactly the step's keys.
 SLOT_OF = {
-    "numpy-best": lambda k_cache: k_cache[0, :, :, 9],  # (B, Hkv, Dk, C)
+    "numpy-best": lambda k_cache: k_cache[0, :, 0, :, 9],  # (B, Hkv, P, Dk, L): slot 9 on the first page
     "torch-best": lambda k_cache: k_cache[0, :, 9],  # (B, Hkv, T, Dk), the view up to the write index
     "jax-best": lambda k_cache: k_cache[:, 9],  # (B*Hkv, C, Dk)
     "jax": lambda k_cache: k_cache[0, 9],  # (B, T, Hkv, Dk)

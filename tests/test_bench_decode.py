@@ -524,6 +524,27 @@ def test_the_markdown_and_readme_block_of_a_report_without_measurements():
     assert "No implementation could decode in this run" in block
 
 
+def test_the_in_cache_flag_reads_the_measured_cache_and_names_the_readers():
+    # A step of 4 MiB KV + 40 MiB weights (1k context) fits a measured 64 MiB cache; sysfs's 300 MiB (the Xeon's)
+    # would also flag the 8k step, which the measurement says reads past the cache. The read bandwidth line names
+    # the fastest reader and every reader's figure.
+    settings = decode_settings("decode").as_dict()
+    cells = []
+    for context in (1024, 8192):
+        spec = DecodeCellSpec(implementation="numpy-best", context=context, d_model=2048, heads=16, kv_heads=4, d_k=128)
+        record = decode_record(spec, {"status": "ok", "median_s": 0.01, "samples_s": [0.01]})
+        cells.append(enrich_decode_cell(record, 20.0, llc_bytes=300 * 2**20, read_gbps=17.0,
+                                        measured_llc_bytes=64 * 2**20))  # fmt: skip
+    read = {"read": {"kernel": "np.max (float32)", "kernels": {"np.sum (float64)": 10.4, "np.max (float32)": 17.0}}}
+    bandwidth = {"device": "cpu", "threads": 1, "gbps": 20.0, "library": "numpy", "read_gbps": 17.0,
+                 "measured_llc_bytes": 64 * 2**20, "llc_bytes": 300 * 2**20, "read": read}  # fmt: skip
+    table = decode_markdown({"settings": settings, "bandwidth": [bandwidth], "cells": cells})
+    assert "fit in the last-level cache (64 MiB, as measured)" in table
+    flagged = table.split("as measured): ")[1].splitlines()[0]
+    assert "numpy-best 1024" in flagged and "8192" not in flagged
+    assert "np.max (float32), the fastest of 2 readers: np.sum (float64) 10.40, np.max (float32) 17.00" in table
+
+
 def test_contexts_set_the_full_and_the_windowed_row():
     from mha_rosetta.cli.bench_decode import decode_settings_of
     from mha_rosetta.cli.main import build_parser

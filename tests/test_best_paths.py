@@ -33,6 +33,7 @@ import pytest
 from conftest import installed_backend
 from mha_rosetta.backends import get_backend
 from mha_rosetta.backends.best.common import decode_step_inputs
+from mha_rosetta.backends.best.numpy import KV_BLOCK  # NumPy only: its page of cache slots
 from mha_rosetta.core import (
     MHAConfig,
     apply_rotary,
@@ -103,6 +104,8 @@ def test_a_decode_run_agrees_with_the_full_forward(name):
     right[0, 5:] = False  # item 0: two pads after its real tokens
     left = np.ones((2, 7), dtype=bool)
     left[1, :2] = False  # item 1: two pads before (positions -1: they see nothing)
+    # numpy-best allocates whole pages of `best.numpy.KV_BLOCK` slots; the others the run's 7 tokens.
+    slots = -(-7 // KV_BLOCK) * KV_BLOCK if name == "numpy-best" else 7
     for prefill, step, mask in ((3, 1, None), (2, 2, None), (7, 1, None), (3, 1, right), (3, 2, left)):
         expected = reference_decode(GQA, params, x, prefill=prefill, step=step, mask=mask)
         prepared, _ = backend.prepare_decode_run(GQA, params, x, prefill=prefill, step=step, mask=mask)
@@ -110,8 +113,8 @@ def test_a_decode_run_agrees_with_the_full_forward(name):
         assert prepared.info["cache"] == {
             "kind": "static",
             "layout": backend.decode_layouts["static"].split(" preallocated")[0],
-            "slots": 7,
-            "bytes": 2 * 2 * 7 * (4 + 4) * 8,  # B x Hkv x slots x (Dk + Dv) x float64
+            "slots": slots,
+            "bytes": 2 * 2 * slots * (4 + 4) * 8,  # B x Hkv x slots x (Dk + Dv) x float64
         }
     actual = backend.run_decode(GQA, params, x, prefill=3, dtype="float32")
     assert_close(actual, reference_decode(GQA, params, x, prefill=3), "float32", what=f"{name} in float32")
@@ -154,8 +157,9 @@ def test_the_timed_step_agrees_with_the_step_written_out(name, step):
     expected = expected_step(GQA, params, data)
     for _ in range(2):  # the same step every call: the cache each call writes is the one the next reads
         assert_close(prepared.output(), expected, "float64", what=f"{name} step of {step}")
-    assert prepared.info["cache"]["slots"] == 9 + step
-    assert prepared.info["cache"]["bytes"] == 2 * 2 * (9 + step) * 8 * 8
+    slots = -(-(9 + step) // KV_BLOCK) * KV_BLOCK if name == "numpy-best" else 9 + step  # numpy-best: whole pages
+    assert prepared.info["cache"]["slots"] == slots
+    assert prepared.info["cache"]["bytes"] == 2 * 2 * slots * 8 * 8
 
 
 def test_the_step_draws_the_torch_adapters_cache():
@@ -321,20 +325,23 @@ class MatmulMeter:
         return self._matmul(a, b, *args, **kwargs)
 
 
-@pytest.mark.parametrize("context", [37, 2500])  # one block of slots, and three (`best.numpy.KV_BLOCK`)
+@pytest.mark.parametrize("context", [37, 2500])  # one page of slots, and ten (`best.numpy.KV_BLOCK`)
 def test_the_numpy_step_reads_each_kv_head_once(monkeypatch, context):
     from mha_rosetta.backends.best.numpy import KV_BLOCK
 
     best = _best("numpy-best")
     batch, slots, Hkv, Dk, Dv = 2, context + 1, GROUPED.n_kv_heads, GROUPED.d_k, GROUPED.d_v
+    pages = math.ceil(slots / KV_BLOCK)
     params = init_params(GROUPED, seed=0)
     prepared = best.prepare_decode(GROUPED, params, context=context, batch=batch, dtype="float64", seed=1)
-    meter = MatmulMeter(((batch, Hkv, Dk, slots), (batch, Hkv, slots, Dv)))  # keys as columns, values as rows
+    assert prepared.info["cache"]["slots"] == pages * KV_BLOCK  # whole pages, as allocated
+    # Pages of keys as columns and of values as rows (B, Hkv, P, Dk, L), (B, Hkv, P, L, Dv).
+    meter = MatmulMeter(((batch, Hkv, pages, Dk, KV_BLOCK), (batch, Hkv, pages, KV_BLOCK, Dv)))
     monkeypatch.setattr(np, "matmul", meter)
     output = prepared.forward()
     monkeypatch.undo()
-    assert meter.calls == 2 * math.ceil(slots / KV_BLOCK)  # one product per block for the keys, one for the values
-    assert meter.elements == batch * Hkv * slots * (Dk + Dv)  # every kv head's keys and values once
+    assert meter.calls == 2  # one batched product over the pages for the keys, one for the values
+    assert meter.elements == batch * Hkv * pages * KV_BLOCK * (Dk + Dv)  # every kv head's pages once
     data = decode_step_inputs(GROUPED, batch=batch, context=context, step=1, seed=1)
     assert_close(output, expected_step(GROUPED, params, data), "float64", what=f"the blocked step at {slots} slots")
 
@@ -433,3 +440,19 @@ def test_each_implementation_is_compared_with_its_own_frameworks_best_path_or_no
         "onnx": None, "onnx-reference": None, "torch-onnx": None, "nosuch": None,  # no best path is no NumPy's
     }  # fmt: skip
     assert {name: best_path_for(name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (2, 8), (3, 9)])  # 1, 2, 16 and 27 rows (B*N)
+def test_numpy_best_projects_few_and_many_rows_alike(shape):
+    """Up to `best.numpy.FEW_ROWS` rows (beyond one) a projection is ``W (out, in) @ x.T``, else ``x @ W (in, out)``:
+    both agree with the oracle, on each side of the switch."""
+    from mha_rosetta.backends.best.numpy import FEW_ROWS, NumpyBestLayer
+
+    assert FEW_ROWS == 16  # the cases above straddle it
+    params = init_params(GQA, seed=21)
+    x = _tokens((*shape, GQA.d_model), 22)
+    layer = NumpyBestLayer(GQA, params, "float64")
+    for name in "qkv":
+        weight = getattr(params, f"w_{name}")  # (out, in)
+        assert_close(layer.linear(x, name), x @ weight.T + getattr(params, f"b_{name}"), "float64", what=name)
+    assert_close(_best("numpy-best").run(GQA, params, x), reference_mha(GQA, params, x), "float64", what=str(shape))

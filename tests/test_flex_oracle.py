@@ -2,8 +2,9 @@
 
 The all-pairs check runs it on every spec case through the registry; these tests pin down what
 is specific to it: the softcap in ``score_mod`` against numbers written out by hand, the
-window's ``mask_mod`` cell by cell, the sinks rescaled from the log-sum-exp, which dtype runs
-compiled, and that it refuses a backward on the CPU with the reason. The compiled cases take
+window's and Llama 4's chunks' ``mask_mod`` cell by cell on the positions, a value head wider
+than the key's, the sinks rescaled from the log-sum-exp, which dtype runs compiled, and that it
+refuses a backward on the CPU with the reason. The compiled cases take
 seconds each (torch.compile), so only two of them are here.
 """
 
@@ -100,6 +101,34 @@ def test_window_mask_mod_is_the_window_cell_by_cell_and_the_output_follows():
     scores = np.where(expected_allowed, X @ X.T, -np.inf)
     output = get_backend("torch-flex").run(cfg, params, X)
     assert_close(output, _softmax_rows(scores) @ X, "float64")
+
+
+def test_chunked_mask_mod_is_llama4s_chunks_on_the_positions_cell_by_cell():
+    """Chunks of 2 on the positions 0, 1, 3, 4: chunk 0 holds the first two tokens, positions 3 and 4 are chunks 1
+    and 2, so the last query sees only itself (on the indices 2 and 3 it would share a chunk with the third)."""
+    import torch
+
+    cfg, params = _identity_layer(causal=True, attention_chunk_size=2)
+    positions = np.array([0, 1, 3, 4])
+    _, block_mask = flex_attend(cfg, prepare_inputs(cfg, X, positions=positions), "float64", "cpu", compiled=False)
+    q_idx, kv_idx = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    zero = torch.zeros((), dtype=torch.long)
+    allowed = block_mask.mask_mod(zero, zero, q_idx, kv_idx).numpy()
+    expected_allowed = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=bool)
+    np.testing.assert_array_equal(allowed, expected_allowed)
+    output = get_backend("torch-flex").run(cfg, params, X, positions=positions)
+    assert_close(output, _softmax_rows(np.where(expected_allowed, X @ X.T, -np.inf)) @ X, "float64")
+    assert_close(output, reference_mha(cfg, params, X, positions=positions), "float64")
+
+
+def test_a_value_head_wider_than_the_key_head():
+    """d_k 4 and d_v 6: FlexAttention's value head size is its own (the context is (B, H, Nq, Dv))."""
+    cfg = MHAConfig(d_model=12, n_heads=3, d_k=4, d_v=6, causal=True, attention_chunk_size=3)
+    params = init_params(cfg, seed=2)
+    x = np.random.default_rng(5).standard_normal((2, 7, 12))
+    output, stages = get_backend("torch-flex").run(cfg, params, x, return_stages=True, dtype="float64")
+    assert stages["context"].shape == (2, 3, 7, 6) and stages["q_heads"].shape == (2, 3, 7, 4)
+    assert_close(output, reference_mha(cfg, params, x), "float64")
 
 
 def test_window_on_positions_not_indices():

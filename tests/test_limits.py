@@ -131,7 +131,7 @@ def test_the_cache_and_where_memory_speed_begins_on_an_epyc_like_curve():
     assert found["llc_bytes"] == 16 * MiB  # 46.0 >= 1.25 x 30.7 = 38.4; 34.0 is not
     assert found["memory_from_bytes"] == 64 * MiB  # 31.6 < 1.10 x 30.7 = 33.8 <= 34.0
     # The array read is 4 x where memory speed begins, or the sweep's largest: past the 32 MiB L3 either way.
-    assert limit_array_bytes(16 * MiB, memory_from=64 * MiB) == 512 * MiB
+    assert limit_array_bytes(16 * MiB, memory_from=64 * MiB) == 2048 * MiB  # the sweep's largest, 2 GiB
     assert limit_array_bytes(16 * MiB, memory_from=256 * MiB, floor=8 * MiB) == 1024 * MiB
     # A fast reading in the tail (noise) neither moves the cache into the tail nor past memory's start.
     noisy = measure_llc(sorted(curve), bandwidth={**curve, 256 * MiB: 45.0}.__getitem__)
@@ -139,8 +139,8 @@ def test_the_cache_and_where_memory_speed_begins_on_an_epyc_like_curve():
 
 
 def test_the_bandwidth_is_read_over_arrays_beyond_the_cache():
-    assert limit_array_bytes(64 * MiB) == 512 * MiB  # 4 x 64 MiB is under the sweep's largest
-    assert limit_array_bytes(200 * MiB) == 800 * MiB
+    assert limit_array_bytes(64 * MiB) == 2048 * MiB  # 4 x 64 MiB is under the sweep's largest (2 GiB)
+    assert limit_array_bytes(600 * MiB) == 2400 * MiB
     assert limit_array_bytes(None, floor=8 * MiB) == 8 * MiB
     # One run on a clock ticking 1 ms a read: every size reads in 1 ms, so the largest reads fastest, no size
     # reads faster than memory, and the bandwidth is the largest array's bytes per millisecond.
@@ -170,3 +170,42 @@ def test_the_rounds_read_bandwidth_is_their_median_and_the_cache_their_smallest(
     assert merged["round_read_gbps"] == [16.0, None, 17.0, 15.5]
     assert merged["measured_llc_bytes"] == 32 * 2**20  # a step that fits the smallest fits every round's
     assert merge_bandwidths([{"device": "cpu", "gbps": 25.0}])["read_gbps"] is None  # an old run: no read limit
+
+
+def test_the_read_bandwidth_is_the_fastest_readers(monkeypatch):
+    # Three made-up readers on a clock that each advances by its own step per read: the fastest (the smallest
+    # step) gives the figure, and each reader's own figure is kept beside it. The arithmetic-bound reader
+    # (``np.sum``'s pairwise additions on the 2026-12-06 Xeon) must not set the limit.
+    import mha_rosetta.benchmarks.limits as limits
+
+    now = [0.0]
+    steps = {"slow": 2e-3, "fast": 0.5e-3, "middle": 1e-3}
+
+    def reader(name):
+        def read(array):
+            now[0] += steps[name]  # a read takes its reader's step on the fake clock
+
+        return read
+
+    def clock():
+        return now[0]
+
+    monkeypatch.setattr(limits, "READ_KERNELS", {name: reader(name) for name in steps})
+    result = limits.read_bandwidth(8000, repeats=3, clock=clock)
+    assert result["kernel"] == "fast"
+    assert result["gbps"] == pytest.approx(8000 / 0.5e-3 / 1e9)
+    assert result["kernels"] == pytest.approx({name: 8000 / step / 1e9 for name, step in steps.items()})
+
+
+def test_each_default_reader_reads_the_whole_array_once():
+    # The real readers on a small array: each returns what a full pass over the array gives, so none skips bytes.
+    import numpy as np
+
+    from mha_rosetta.benchmarks.limits import GEMV_COLUMNS, READ_KERNELS
+
+    array = np.arange(4 * GEMV_COLUMNS, dtype=np.float64)  # 32 KiB: the GEMV sees (8, 1024) float32 rows
+    assert set(READ_KERNELS) == {"np.sum (float64)", "np.max (float32)", "BLAS GEMV (float32 rows)"}
+    assert READ_KERNELS["np.sum (float64)"](array) == array.sum()
+    assert READ_KERNELS["np.max (float32)"](array) is None  # it reads and discards
+    result = read_bandwidth(array.nbytes, repeats=1)
+    assert set(result["kernels"]) == set(READ_KERNELS) and result["kernel"] in READ_KERNELS

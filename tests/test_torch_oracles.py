@@ -236,6 +236,19 @@ def test_sdpa_stages_outside_the_kernel_match_reference(case):
     assert_stages_close(stages, reference, "float64", outside)
 
 
+def test_sdpa_runs_a_value_head_that_differs_from_the_key_head():
+    """scaled_dot_product_attention takes v of its own last size: d_k 4, d_v 6 gives a context (B, H, Nq, 6)."""
+    cfg = MHAConfig(d_model=12, n_heads=3, d_k=4, d_v=6, causal=True)
+    params = init_params(cfg, seed=2)
+    x = np.random.default_rng(5).standard_normal((2, 7, 12))
+    backend = get_backend("torch-sdpa")
+    assert backend.unsupported_reason(cfg, "float64", "cpu", "standard") is None
+    output, stages = backend.run(cfg, params, x, return_stages=True, dtype="float64")
+    assert stages["context"].shape == (2, 3, 7, 6) and stages["k_heads"].shape == (2, 3, 7, 4)
+    assert_close(output, reference_mha(cfg, params, x), "float64")
+    assert_close(stages["context"], reference_stages(cfg, params, x)["context"], "float64")
+
+
 def test_sdpa_uses_is_causal_without_a_user_mask_and_a_bool_mask_with_one():
     cfg = MHAConfig(d_model=18, n_heads=6, n_kv_heads=3, d_k=4, kdim=11, vdim=9, causal=True, scale=0.37)
     causal_cross = SpecCase("gqa-causal-cross", "Nq=7 > Nk=5: top-left alignment matters", cfg, kv_tokens=5)

@@ -17,13 +17,16 @@ below, on this machine (loaded: figures are CPU time, the best of several rounds
   ``(B, Hkv, G*s, Dk) @ (B, Hkv, Dk, T)``, so each kv head's keys and values are read once per step,
   where a broadcast over the group reads them G times (16 GEMVs per step at 16 heads on 4 kv heads,
   issue 43). The cache is static, allocated once, written by slice assignment and read up to the
-  write index, in blocks of `KV_BLOCK` slots; keys as columns ``(B, Hkv, Dk, C)`` and values as rows
-  ``(B, Hkv, C, Dv)``, the orientations OpenBLAS reads fastest here (keys as rows: 4.5 against 1.9 ms at
-  8k slots; values as rows or columns alike). A step at 16 heads on 4 of 128, d_model 2048: 2.39 /
+  write index. It is stored in pages of `KV_BLOCK` slots, each page contiguous: keys as columns
+  ``(B, Hkv, P, Dk, L)`` and values as rows ``(B, Hkv, P, L, Dv)`` (L = `KV_BLOCK`, P pages), and one
+  batched product per step reads every page (`decode_step`). A step at 16 heads on 4 of 128, d_model
+  2048, on the AMD EPYC with the cache as one ``(Dk, C)`` matrix read in blocks of 1024 columns: 2.39 /
   5.32 / 13.59 ms at 1k / 8k / 32k tokens, against 2.53 / 5.74 / 19.56 for the numpy adapter. The
-  scores' product stays the slow part (about 9 GB/s of keys at 32k, where a read stream gets 26):
-  OpenBLAS's 4-row products with a 128-long contraction are no faster in any orientation or tiling
-  tried here, a NumPy limit to name.
+  scores' product stays the slow part: OpenBLAS's 4-row products with a 128-long contraction read
+  keys far below a read stream (one pinned core of the Intel Xeon of 2026-12-06: 3-7 GB/s past the
+  cache in any orientation of one matrix, where ``np.max`` reads 18.6), a NumPy limit to name; the
+  pages lift it to 11 GB/s, because each product's operand is one contiguous 128 KiB page rather than
+  128 rows strided by the whole context.
 """
 
 from __future__ import annotations
@@ -57,17 +60,25 @@ from .common import (
     run_rotary_tables,
 )
 
-CACHE_LAYOUT = "(B, Hkv, Dk, C), (B, Hkv, C, Dv)"
+CACHE_LAYOUT = "(B, Hkv, P, Dk, L), (B, Hkv, P, L, Dv)"
 DECODE_LAYOUTS = {
-    STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens (keys as columns, values as rows), written by slice "
-    "assignment and read up to the write index in blocks of 1024 slots; each group's query heads folded into the "
-    "rows of one product per kv head"
+    STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens in P pages of L = 256 slots, each page contiguous "
+    "(keys as columns, values as rows), written by slice assignment and read up to the write index by one batched "
+    "product over the pages; each group's query heads folded into the rows of one product per kv head"
 }
-# The decode step reads the cache in blocks of this many slots. OpenBLAS packs each product's operands, and a
-# product over the whole cache packs a panel far larger than L2: measured here (one core, 4 kv heads of 128,
-# 4 query heads each, CPU time): keys at 32k slots 12.3 ms in one product, 7.2-7.5 ms in blocks of 1024 (12.2 in
-# blocks of 2048); values 7.8 ms as one product of columns, 3.0 ms as blocks of 1024 rows (28 GB/s at 8k).
-KV_BLOCK = 1024
+# The cache's page: slots stored together, each page contiguous. Measured on the Intel Xeon of 2026-12-06 (one
+# pinned core, 4 kv heads of 128, 4 query heads each, float32, wall medians of the attention part, /tmp scripts):
+# pages of 256 slots against one (Dk, C) key matrix read in blocks of 1024 columns (the EPYC's choice): 13.3
+# against 14.6 ms at B=1 and 32k slots, 60.1 against 85.1 ms at B=4 and 32k (512 MiB of K and V, past the
+# cache); alike at 8k (1.46 against 1.48 ms); pages of 512: 10.9 / 60.4 ms, but slower at B=4 and 8k (12.6
+# against 10.8). The keys' product alone at B=4, 32k: 24.3 ms in pages of 256, 45.9 in the blocked matrix.
+KV_BLOCK = 256
+# Up to this many rows (B*N) a projection is ``W (out, in) @ x.T``, not ``x @ W (in, out)``: OpenBLAS's few-row
+# products with W (in, out) pack it. The Intel Xeon of 2026-12-06, one pinned core, float32, 2048 x 2048: 2, 4, 8
+# and 16 rows in 1.83, 1.94, 2.06 and 2.27 ms as x @ W, in 1.20, 1.22, 1.24 and 1.40 as W @ x.T (one row: 0.53
+# either way, and one row keeps x @ W: the EPYC read it 18% faster so); the B=4 decode step at 1k spent 3.7 of its
+# 5.6 ms in w_q and w_o, 4.8 ms in all after.
+FEW_ROWS = 16
 # The score stages the forward's loop fills one (item, head) at a time, with how.
 SCORE_STAGES = {
     "scores": "np.matmul(q_h * scale, k_g.T) into one (Nq, Nk) workspace per (item, head)",
@@ -89,10 +100,22 @@ class NumpyBestLayer:
             for name, value in params.as_dict().items()
         }
 
+    def canonical(self, name: str) -> np.ndarray:
+        """Projection ``name``'s weight as ``(out, in)``, contiguous: made on the first few-row product, then kept."""
+        if not hasattr(self, "_canonical"):
+            self._canonical: dict[str, np.ndarray] = {}
+        if name not in self._canonical:
+            self._canonical[name] = np.ascontiguousarray(self.p[f"w_{name}"].T)  # (out, in): a copy, once
+        return self._canonical[name]
+
     # -- the pieces every pass shares -------------------------------------------------------------
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """``x @ W + b``, W stored (in, out), for projection ``name`` (q, k, v, o): (..., in) -> (..., out), a new array."""
-        y = x @ self.p[f"w_{name}"]  # W.T, stored (in, out)
+        rows = x.reshape(-1, x.shape[-1])  # (R, in), R = B*N: a view of a contiguous x, else a copy
+        if 1 < rows.shape[0] <= FEW_ROWS:  # a batched decode step: (out, in) @ (in, R), the orientation read fastest
+            y = (self.canonical(name) @ rows.T).T.reshape(*x.shape[:-1], -1)  # (R, out) view -> (B, N, out) view
+        else:
+            y = x @ self.p[f"w_{name}"]  # W.T, stored (in, out)
         bias = self.p[f"b_{name}"]
         if bias is not None:
             y += bias
@@ -250,25 +273,26 @@ class NumpyBestLayer:
         Hkv, G = cfg.n_kv_heads, cfg.group_size
         _, (_, _, v_heads), (q_rotated, k_rotated) = self.heads(x, x, x, tables, tables, until)
         stop = start + s
-        cache.k[..., start:stop] = k_rotated.transpose(0, 2, 3, 1)  # (B, Hkv, Dk, s): keys as columns, in place
-        cache.v[:, :, start:stop] = v_heads.transpose(0, 2, 1, 3)  # (B, Hkv, s, Dv): values as rows
+        cache.write(start, k_rotated.transpose(0, 2, 1, 3), v_heads.transpose(0, 2, 1, 3))  # (B, Hkv, s, D) views
         reached(until, CACHE_WRITE, cache.k, cache.v)
         q = (q_rotated * self.dtype.type(cfg.scale)).reshape(B, s, Hkv, G, cfg.d_k)  # (B, s, Hkv, G, Dk)
         q = q.transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * s, cfg.d_k)  # (B, Hkv, G*s, Dk): a copy of s*H*Dk numbers
-        blocks = [slice(t, min(t + KV_BLOCK, stop)) for t in range(0, stop, KV_BLOCK)]
-        scores = np.empty((B, Hkv, G * s, stop), dtype=self.dtype)  # (B, Hkv, G*s, T)
-        for block in blocks:  # one GEMM per kv head and block of slots: each key read once
-            np.matmul(q, cache.k[..., block], out=scores[..., block])
-        reached(until, "scores", scores)
+        pages = -(-stop // KV_BLOCK)  # the pages up to the write index
+        paged = np.empty((B, Hkv, G * s, pages, KV_BLOCK), dtype=self.dtype)  # (B, Hkv, G*s, P, L)
+        # One batched product, a page at a time: (B, Hkv, 1, G*s, Dk) @ (B, Hkv, P, Dk, L) into the
+        # (B, Hkv, P, G*s, L) view of the scores, so that each query's scores lie in one row of P*L slots.
+        np.matmul(q[:, :, None], cache.k[:, :, :pages], out=paged.transpose(0, 1, 3, 2, 4))
+        scores = paged.reshape(B, Hkv, G * s, pages * KV_BLOCK)  # (B, Hkv, G*s, P*L): a view
+        scores[..., stop:] = -np.inf  # the last page's slots past the write index: never written this run
+        reached(until, "scores", scores[..., :stop])
         empty = None
         if folded is not None:
-            np.copyto(scores, -np.inf, where=folded.blocked)
+            np.copyto(scores[..., :stop], -np.inf, where=folded.blocked)
             empty = folded.empty_rows
         softmax_inplace(scores, empty)
-        reached(until, "softmax", scores)
-        context = np.zeros((B, Hkv, G * s, cfg.d_v), dtype=self.dtype)  # (B, Hkv, G*s, Dv)
-        for block in blocks:  # each value read once
-            context += np.matmul(scores[..., block], cache.v[:, :, block])
+        reached(until, "softmax", scores[..., :stop])
+        # (B, Hkv, P, G*s, L) @ (B, Hkv, P, L, Dv): each page's values once, then the pages summed: (B, Hkv, G*s, Dv)
+        context = np.matmul(paged.transpose(0, 1, 3, 2, 4), cache.v[:, :, :pages]).sum(axis=2)
         reached(until, "context", context)
         merged = context.reshape(B, Hkv, G, s, cfg.d_v).transpose(0, 3, 1, 2, 4).reshape(B, s, -1)  # (B, s, H*Dv)
         reached(until, "merge", merged)
@@ -286,14 +310,27 @@ def _weight_grad(d_y: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 class NumpyStaticCache:
-    """K as columns (B, Hkv, Dk, C) and V as rows (B, Hkv, C, Dv), allocated once; slots are written in place."""
+    """Pages of `KV_BLOCK` slots, allocated once: keys as columns (B, Hkv, P, Dk, L) and values as rows
+    (B, Hkv, P, L, Dv), each page contiguous; `write` puts tokens in their slots in place."""
 
     def __init__(self, cfg: MHAConfig, batch: int, slots: int, dtype: np.dtype) -> None:
-        self.k = np.zeros((batch, cfg.n_kv_heads, cfg.d_k, slots), dtype=dtype)  # (B, Hkv, Dk, C): keys as columns
-        self.v = np.zeros((batch, cfg.n_kv_heads, slots, cfg.d_v), dtype=dtype)  # (B, Hkv, C, Dv): values as rows
+        pages = -(-slots // KV_BLOCK)
+        self.k = np.zeros((batch, cfg.n_kv_heads, pages, cfg.d_k, KV_BLOCK), dtype=dtype)  # (B, Hkv, P, Dk, L)
+        self.v = np.zeros((batch, cfg.n_kv_heads, pages, KV_BLOCK, cfg.d_v), dtype=dtype)  # (B, Hkv, P, L, Dv)
+
+    def write(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Keys (B, Hkv, s, Dk) and values (B, Hkv, s, Dv) into slots ``start .. start+s-1``, page by page."""
+        stop = start + keys.shape[2]
+        for page in range(start // KV_BLOCK, -(-stop // KV_BLOCK)):
+            low, high = max(start, page * KV_BLOCK), min(stop, (page + 1) * KV_BLOCK)
+            inside = slice(low - page * KV_BLOCK, high - page * KV_BLOCK)  # the slots within the page
+            tokens = slice(low - start, high - start)
+            self.k[:, :, page, :, inside] = keys[:, :, tokens].swapaxes(-1, -2)  # (B, Hkv, Dk, n): keys as columns
+            self.v[:, :, page, inside] = values[:, :, tokens]  # (B, Hkv, n, Dv): values as rows
 
     def info(self, cfg: MHAConfig) -> dict:
-        return cache_info(cfg, self.k.shape[0], self.k.shape[3], self.k.itemsize, CACHE_LAYOUT)
+        slots = self.k.shape[2] * KV_BLOCK  # the allocated slots: whole pages
+        return cache_info(cfg, self.k.shape[0], slots, self.k.itemsize, CACHE_LAYOUT)
 
 
 def folded_mask(chunk_allowed: np.ndarray | None, group: int) -> MaskArrays | None:
@@ -349,7 +386,8 @@ class NumpyBestBackend(BestPath, Backend):
         tables = layer.tables(run_rotary_tables(cfg, inputs.positions))  # (1|B, N, 1, r/2) or None
         chunks = decode_chunks(cfg, inputs)
         masks = [folded_mask(chunk.allowed, cfg.group_size) for chunk in chunks]
-        info = {"cache": cache_info(cfg, inputs.batch, inputs.tokens, layer.dtype.itemsize, CACHE_LAYOUT)}
+        slots = -(-inputs.tokens // KV_BLOCK) * KV_BLOCK  # whole pages, as `NumpyStaticCache` allocates them
+        info = {"cache": cache_info(cfg, inputs.batch, slots, layer.dtype.itemsize, CACHE_LAYOUT)}
 
         def call(kv: NumpyStaticCache, chunk: DecodeChunk, mask):
             chunk_tables = None if tables is None else tuple(t[:, chunk.start : chunk.stop] for t in tables)
@@ -366,7 +404,7 @@ class NumpyBestBackend(BestPath, Backend):
         layer = NumpyBestLayer(cfg, params, job.dtype)
         data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=job.seed)
         kv = NumpyStaticCache(cfg, batch, context + step, layer.dtype)
-        kv.k[..., :context], kv.v[:, :, :context] = data.k.swapaxes(-1, -2), data.v  # keys as columns
+        kv.write(0, data.k, data.v)  # (B, Hkv, context, D) each
         x = np.ascontiguousarray(data.x, dtype=layer.dtype)  # (B, s, D)
         tables = layer.tables(data.tables)
         mask = folded_mask(data.allowed, cfg.group_size)

@@ -57,6 +57,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from mha_rosetta.core.variants.mla_heads import check_one_input
 
 from .._mla import ABSORBED, NAIVE, latent_cache_info
@@ -168,8 +169,9 @@ def queries(ops, cfg: MHAConfig, w: dict, x, tables=None, record: dict | None = 
     return q_nope, q_rot
 
 
-def attend_latent(ops, cfg: MHAConfig, w: dict, form: str, q_nope, q_rot, rows, blocked, empty_rows):
-    """The queries over the packed rows ``rows`` "b s f" (the latent and the shared key): the output "b q o"."""
+def attend_latent(ops, cfg: MHAConfig, w: dict, form: str, q_nope, q_rot, rows, blocked, empty_rows, record=None):
+    """The queries over the packed rows ``rows`` "b s f" (the latent and the shared key): the output "b q o".
+    ``record`` (a dict) receives the scores, their steps and (naive) the values, the context and the merge."""
     import einops
 
     c, k_rope = einops.unpack(rows, [[cfg.kv_lora_rank], [cfg.qk_rope_head_dim]], "b s *")  # "b s l", "b s e"
@@ -180,7 +182,14 @@ def attend_latent(ops, cfg: MHAConfig, w: dict, form: str, q_nope, q_rot, rows, 
         k_nope = ops.einsum("b s l, h k l -> b s h k", c, w["w_uk"])  # each head's keys from the latent
         nope, rope = SCORES[NAIVE]
         scores = ops.einsum(nope, q_nope, k_nope) + ops.einsum(rope, q_rot, k_rope)  # (B, H, Nq, T)
-    weights = score_steps(ops, cfg, scores, blocked=blocked, empty_rows=empty_rows)  # (B, H, Nq, T)
+    on_stage = None
+    if record is not None:
+        record["scores"] = ops.snapshot(scores)  # the steps below may work in place
+
+        def on_stage(name, value, parent, before):
+            record[name] = ops.snapshot(value)
+
+    weights = score_steps(ops, cfg, scores, blocked=blocked, empty_rows=empty_rows, on_stage=on_stage)  # "b h q s"
     if form == ABSORBED:
         latent = ops.einsum("b h q s, b s l -> b q h l", weights, c)  # the context, still in the latent
         w_o = einops.rearrange(w["w_o"], "o (h v) -> o h v", h=cfg.n_heads)  # a split: head h's columns
@@ -189,7 +198,10 @@ def attend_latent(ops, cfg: MHAConfig, w: dict, form: str, q_nope, q_rot, rows, 
     else:
         v = ops.einsum("b s l, h v l -> b s h v", c, w["w_uv"])  # each head's values from the latent
         context = ops.einsum("b h q s, b s h v -> b q h v", weights, v)
-        output = ops.einsum(OUTPUT, einops.rearrange(context, "b q h v -> b q (h v)"), w["w_o"])  # a merge
+        merged = einops.rearrange(context, "b q h v -> b q (h v)")  # a merge
+        output = ops.einsum(OUTPUT, merged, w["w_o"])
+        if record is not None:
+            record.update(v_heads=v, context=context, merged=merged)
     return output if w["b_o"] is None else ops.add_bias(output, w["b_o"])
 
 
@@ -197,7 +209,7 @@ def mla_pipeline(ops, w, x_q, x_k, x_v, blocked, empty_rows, tables=None, *, cfg
     """The forward pass of ``form``, the einops adapter's call signature (``x_v`` is ``x_k``: one latent)."""
     rows = latent_rows(ops, cfg, w, x_k, tables)
     q_nope, q_rot = queries(ops, cfg, w, x_q, tables, record)
-    output = attend_latent(ops, cfg, w, form, q_nope, q_rot, rows, blocked, empty_rows)
+    output = attend_latent(ops, cfg, w, form, q_nope, q_rot, rows, blocked, empty_rows, record)
     if record is not None:
         import einops
 
@@ -208,12 +220,25 @@ def mla_pipeline(ops, w, x_q, x_k, x_v, blocked, empty_rows, tables=None, *, cfg
     return output
 
 
-# The stages the forms record (their inner tensors differ by form; the checks compare these and the output).
+# The stages the forms record, in the layout the einsums give them (the checks compare them with every other
+# convention's): both forms the latent, the shared key, the queries, the scores and their steps; the naive form adds
+# its values, context and merge (the absorbed form's context stays in the latent, 'b q h l', no stage of the table).
 STAGE_NOTES = {
     "kv_latent": (("B", "Nk", "kv_lora_rank"), "RMSNorm of the latent unpacked from kv_a: 'b s l'"),
     "k_rope": (("B", "Nk", "qk_rope_head_dim"), "the shared key unpacked from kv_a, rotated: 'b s e', no head axis"),
     "q_latent": (("B", "Nq", "q_lora_rank"), "RMSNorm(einsum 'b n d, i d -> b n i')"),
     "q": (("B", "Nq", "H*Dk"), "einsum 'b n i, h f i -> b n h f', shown as rearrange 'b n h f -> b n (h f)'"),
+    **dict.fromkeys(
+        ("scores", *SCORE_VARIANT_STAGES, "masked_scores", "weights"),
+        (
+            ("B", "H", "Nq", "Nk"),
+            "'b h q s' as the einsum writes it (naive: two einsums added; absorbed: one), "
+            "the scale already on the queries",
+        ),
+    ),
+    "v_heads": (("B", "Nk", "Hkv", "Dv"), "einsum 'b s l, h v l -> b s h v' (naive): each head's values"),
+    "context": (("B", "Nq", "H", "Dv"), "einsum 'b h q s, b s h v -> b q h v' (naive)"),
+    "merged": (("B", "Nq", "H*Dv"), "rearrange 'b q h v -> b q (h v)' (naive)"),
     "output": (("B", "Nq", "D"), "einsum 'b q c, o c -> b q o' (naive), 'b q h l, h o l -> b q o' (absorbed)"),
 }
 

@@ -17,6 +17,11 @@ query parts, ``q_nope`` and the rotated ``q_rot``, by their positions' factors b
 rotary tables: ``tables[4]``, None without it). The backward is ``jax.vjp`` of this
 pass; decode writes each step's ``[c | k_rope]`` into one static cache (B, T, R + dr) in a jitted step that
 donates it (``lax.dynamic_update_slice``).
+
+Stages: `head` returns its stages by name, and the vmaps stack them (B, H, ...); the timed program returns only the
+output (the rest is dead code to XLA), and ``native_stages`` jits a dump of the same pass that returns them all, as
+the other JAX paths do: the latent and the shared key, ``q_latent``, ``q``, the scores and their steps; the naive
+form adds its expanded values ``v_heads`` and the context.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, allowed_positions
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
+from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from mha_rosetta.core.variants.mla_heads import check_one_input
 
 from .._mla import ABSORBED, latent_cache_info
@@ -59,16 +65,28 @@ def _masks(cfg: MHAConfig, allowed, batch: int, queries: int, keys: int):
     return np.ascontiguousarray(~allowed), (np.ascontiguousarray(empty) if empty.any() else None)
 
 
-def head(cfg: MHAConfig, form: str, q_nope, q_rot, w_uk, w_uv, w_o, kv_latent, k_rope, blocked, empty):
-    """One head, one sequence, unbatched: its contribution to the output (N, D) (`o_proj` of its context)."""
+def head(cfg: MHAConfig, form: str, q_nope, q_rot, w_uk, w_uv, w_o, kv_latent, k_rope, blocked, empty) -> dict:
+    """One head, one sequence, unbatched, by stage name: its scores and their steps (N, T), the naive form's values
+    ``v_heads`` (T, dv) and ``context`` (N, dv), and ``output``, its contribution to the output (N, D) (`o_proj` of
+    its context). The forward reads only ``output``: the rest is dead code to XLA."""
+    stages: dict = {}
+
+    def keep(name, value, parent, before):  # each score step's result, by its stage name
+        stages[name] = value
+
     if form == ABSORBED:
         scores = (q_nope @ w_uk) @ kv_latent.T + q_rot @ k_rope.T  # (N, R) @ (R, T): W_UK_h folded into q
     else:
         scores = q_nope @ (kv_latent @ w_uk.T).T + q_rot @ k_rope.T  # the head's own keys, expanded
-    weights = score_steps(JaxOps(), cfg, scores * cfg.scale, blocked=blocked, empty_rows=empty)  # (N, T)
+    stages["scores"] = scores * cfg.scale
+    weights = score_steps(JaxOps(), cfg, stages["scores"], blocked=blocked, empty_rows=empty, on_stage=keep)
     if form == ABSORBED:
-        return (weights @ kv_latent) @ (w_o @ w_uv).T  # (N, R) @ (R, D): W_O_h W_UV_h folded into the output
-    return (weights @ (kv_latent @ w_uv.T)) @ w_o.T  # (N, dv) @ (dv, D)
+        stages["output"] = (weights @ kv_latent) @ (w_o @ w_uv).T  # (N, R) @ (R, D): W_O_h W_UV_h folded in
+    else:
+        v = stages["v_heads"] = kv_latent @ w_uv.T  # (T, dv): the head's own values, expanded
+        stages["context"] = weights @ v  # (N, dv)
+        stages["output"] = stages["context"] @ w_o.T  # (N, dv) @ (dv, D)
+    return stages
 
 
 def heads_and_batch(cfg: MHAConfig, form: str, blocked, empty):
@@ -101,13 +119,23 @@ def factor_table(cfg: MHAConfig, positions: np.ndarray, dtype: str):
 def mla_pass(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors=None):
     """The output (B, N, D) of the queries of tokens ``x_q`` over the latent rows; ``factors`` (1|B, N): the
     temperature's of the queries, or None."""
+    return mla_stages(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors)["output"]
+
+
+def mla_stages(
+    cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors=None
+) -> dict:
+    """`mla_pass`'s stages by name (`STAGE_AXES`): ``q_latent``, ``q``, `head`'s stages with the head and batch axes
+    the vmaps give them in front, and ``output`` (B, N, D)."""
     B, N, _ = x_q.shape
     H, dn, dv, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.d_v, cfg.kv_lora_rank
+    stages: dict = {}
     source = x_q
     if p.get("w_q_a") is not None:
         q_a = x_q @ p["w_q_a"].T + (0 if p.get("b_q_a") is None else p["b_q_a"])  # (B, N, Rq)
-        source = rms_norm_last_axis(q_a, p["q_a_norm"], cfg.norm_eps)
-    q = (source @ p["w_q"].T).reshape(B, N, H, cfg.d_k).transpose(0, 2, 1, 3)  # (B, H, N, Dk)
+        source = stages["q_latent"] = rms_norm_last_axis(q_a, p["q_a_norm"], cfg.norm_eps)
+    stages["q"] = source @ p["w_q"].T  # (B, N, H*Dk): q_b_proj has no bias
+    q = stages["q"].reshape(B, N, H, cfg.d_k).transpose(0, 2, 1, 3)  # (B, H, N, Dk)
     q_nope = q[..., :dn]  # (B, H, N, dn)
     q_rot = rotate_last_axis(q[..., dn:], q_cos[:, None], q_sin[:, None], cfg.rope)  # (B, H, N, dr)
     if factors is not None:  # the temperature: every head and feature of a query row times its position's factor
@@ -116,18 +144,44 @@ def mla_pass(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, 
     w_uk, w_uv = p["w_k"].reshape(H, dn, R), p["w_v"].reshape(H, dv, R)  # (H, dn, R), (H, dv, R)
     per_head = heads_and_batch(cfg, form, blocked, empty)(
         q_nope, q_rot, w_uk, w_uv, w_o_heads, kv_latent, k_rope, blocked, empty
-    )
-    out = per_head.sum(axis=1)  # (B, H, N, D) -> (B, N, D): the heads' contributions summed
-    return out if p.get("b_o") is None else out + p["b_o"]
+    )  # each stage (B, H, ...): the batch vmap's axis, then the heads'
+    out = per_head.pop("output").sum(axis=1)  # (B, H, N, D) -> (B, N, D): the heads' contributions summed
+    return {**stages, **per_head, "output": out if p.get("b_o") is None else out + p["b_o"]}
 
 
-def _forward(cfg: MHAConfig, form: str):
+def _forward(cfg: MHAConfig, form: str, every_stage: bool = False):
+    """``forward(p, x_q, x_k, x_v, tables, blocked, empty)``: the output, or with ``every_stage`` every stage by name
+    (the stage dump, jitted apart: `CompiledForward.trace_and_run`)."""
+
     def forward(p, x_q, x_k, x_v, tables, blocked, empty):
         q_cos, q_sin, k_cos, k_sin, factors = tables
         kv_latent, k_rope = latent_rows(cfg, p, x_k, k_cos, k_sin)
-        return mla_pass(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors)
+        stages = mla_stages(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors)
+        return dict(stages, kv_latent=kv_latent, k_rope=k_rope) if every_stage else stages["output"]
 
     return forward
+
+
+# Each stage as `mla_stages` and `latent_rows` give it (batch first; `head`'s with the vmaps' head axis after it).
+_SCORES = (("B", "H", "Nq", "Nk"), "one head's (Nq, Nk), vmapped over heads then batch (out_axes 0 both)")
+STAGE_AXES = {
+    "kv_latent": (("B", "Nk", "kv_lora_rank"), "RMSNorm over the last axis of the first R features of x @ w_kv_a.T"),
+    "k_rope": (
+        ("B", "Nk", "qk_rope_head_dim"),
+        "rotated once before the vmap; in_axes=None: every head's call reads this one array, never copied per head",
+    ),
+    "q_latent": (("B", "Nq", "q_lora_rank"), "RMSNorm(x @ w_q_a.T + b_q_a) over the last axis"),
+    "q": (("B", "Nq", "H*Dk"), "q_latent (or x) @ w_q.T, before reshape(B, N, H, Dk).transpose(0, 2, 1, 3)"),
+    **dict.fromkeys(("scores", *SCORE_VARIANT_STAGES, "masked_scores", "weights"), _SCORES),
+    "v_heads": (("B", "Hkv", "Nk", "Dv"), "one head's c @ W_UV_h.T (T, dv), vmapped (naive)"),
+    "context": (("B", "H", "Nq", "Dv"), "one head's weights @ v_h (N, dv), vmapped (naive)"),
+    "output": (("B", "Nq", "D"), "the heads' o_proj contributions summed over the head axis"),
+}
+
+
+def stage_tensors(stages: dict) -> dict[str, StageTensor]:
+    """`StageTensor` of each stage of the dump, with its axes and how it was made (`STAGE_AXES`)."""
+    return {name: StageTensor(value, *STAGE_AXES[name]) for name, value in stages.items()}
 
 
 def _arguments(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target):
@@ -146,8 +200,8 @@ def prepare_jax_mla(cfg, params, inputs, dtype, device, strategy, matmul_precisi
         _forward(cfg, strategy), (*primals, *_arguments(cfg, inputs, dtype, target)), matmul_precision
     )
 
-    def native_stages():  # the forms' inner tensors are not recorded: the output only (rule 3)
-        return {"output": StageTensor(compiled(), ("B", "Nq", "D"), "the heads' o_proj contributions summed")}
+    def native_stages():  # every stage, from a jitted dump of the same pass (the timed program: the output only)
+        return stage_tensors(compiled.trace_and_run(_forward(cfg, strategy, every_stage=True)))
 
     return compiled_prepared(compiled, native_stages, {**info, "strategy": strategy})
 
@@ -275,8 +329,18 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
             compile_step()
         return state["compiled"](*args)[1]  # (B, s, D)
 
-    def stages():  # the forms' inner arrays are not recorded: the output only (rule 3)
-        return {"output": StageTensor(forward(), ("B", "Nq", "D"), "o_proj of the step's merged or latent context")}
+    def every_stage(p, cache, x, start, tables, blocked, empty):  # the stage dump: the step's queries, whole cache
+        cache, _ = step(p, cache, x, start, tables, blocked, empty)
+        latent, k_rope = cache[..., :R], cache[..., R:]
+        return dict(
+            mla_stages(cfg, form, p, x, latent, k_rope, *tables[:2], blocked, empty, tables[4]),
+            kv_latent=latent,
+            k_rope=k_rope,
+        )
+
+    def stages():  # jitted apart, untimed (the timed executable returns the output only)
+        with jax.default_matmul_precision(effective_precision(matmul_precision)):
+            return stage_tensors(jax.jit(every_stage)(*args))
 
     layout = "(B, T, R + dr): [c | k_rope] a row per token, static, written by dynamic_update_slice"
     info["cache"] = latent_cache_info(cfg, B, T + s, np.dtype(p["w_kv_a"].dtype).itemsize, layout)

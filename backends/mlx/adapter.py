@@ -2,7 +2,8 @@
 
 The forward is built lazily and evaluated by ``mx.eval`` (`Prepared.synchronize`: the timed region
 ends there); the backward is ``mx.vjp`` of the same pure function, the three inputs as three
-primals even for self-attention; decoding goes through mlx-lm's caches (`decode`). float64 runs on
+primals even for self-attention; decoding goes through mlx-lm's caches (`decode`). MLA's two forms are
+strategies of their own (`mla`, `backends._mla`), through a latent cache when decoding. float64 runs on
 the CPU only, held to float32's tolerance (`frameworks.mlx.FLOAT64_LIMIT`, declared in
 ``info["tolerance_dtype"]``).
 """
@@ -15,6 +16,7 @@ from mha_rosetta.core.variants import relative_distances
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._inputs import convert_inputs
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
 from .._recording import record_stages
 from ..base import STANDARD, Backend, DecodeStep, Prepared, PreparedVJP, tensor_to_numpy
 from ..frameworks.mlx import FLOAT64_LIMIT, TOLERANCE_LEVELS, mlx_devices, mlx_stream, precision_info, to_mlx
@@ -22,6 +24,13 @@ from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedMlxAttention
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_mlx_decode_run, prepare_mlx_decode_step
 from .layer import MlxAttention, mlx_tables
+from .mla import (  # MLA's two forms
+    attention_info,
+    mla_pass,
+    prepare_mlx_mla,
+    prepare_mlx_mla_decode_run,
+    prepare_mlx_mla_decode_step,
+)
 
 INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")
 
@@ -82,15 +91,17 @@ def prepare_mlx_vjp(forward, params: dict, given: dict, cotangent, dtype: str, d
     return PreparedVJP(run, to_grads, synchronize=lambda grads: mx.eval(list(grads.values())), info=info)
 
 
-class MlxBackend(MlxDevices, Backend):
+class MlxBackend(MLAStrategies, MlxDevices, Backend):
     name = "mlx"
+    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
+    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = (
         "mlx-lm: nn.Linear (out, in) as mx.addmm(b, x, W.T); heads by reshape(B, L, H, -1).transpose(0, 2, 1, 3); "
         "nn.RoPE(traditional=...) for interleaved/half; GQA without tiling; lazy, mx.eval is the sync"
     )
-    strategies = (STANDARD, CHUNKED)
-    # Every variant in both strategies (chunked: window tiles skipped, the score steps on each tile, the sinks in
-    # the online softmax); the backward on the standard strategy (chunked is forward only).
+    strategies = (STANDARD, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`, `mla`)
+    # Every variant in standard and chunked (chunked: window tiles skipped, the score steps on each tile, the sinks
+    # in the online softmax); the backward on the standard strategy (chunked is forward only); MLA in its forms.
     variants = RegistryVariants("mlx")  # every variant: the score steps on MlxOps, the others in the projections
     causal_on_positions = True  # the mask comes from the positions (base rule 7), never mask="causal"
     known_differences = (FLOAT64_LIMIT,)
@@ -100,10 +111,13 @@ class MlxBackend(MlxDevices, Backend):
     decode_layouts = DECODE_LAYOUTS
     paged_decode_step = True  # bench --mode decode times the paged step (its pool[table] gather) too
     ragged_decode_step = True  # and a ragged batch's step (rows left padded to the longest)
+    decode_strategies = (STANDARD, *MLA_STRATEGIES)  # MLA's through mlx-lm's cache holding the latent (`mla`)
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy, chunk=None) -> Prepared:
         import mlx.core as mx
 
+        if strategy in MLA_STRATEGIES:
+            return prepare_mlx_mla(cfg, params, inputs, dtype, device, strategy)
         layer = MlxAttention(cfg, params, dtype)
         given = layer_inputs(cfg, inputs, dtype, mask=strategy != CHUNKED)
         stream = mlx_stream(device)
@@ -135,17 +149,25 @@ class MlxBackend(MlxDevices, Backend):
         )
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy) -> PreparedVJP:
+        info = {"strategy": strategy, **precision_info(dtype)}
+        if strategy in MLA_STRATEGIES:  # mx.vjp of MLA's form (`mla`); the value input is unread (the key's latent)
+            forward, layer, given = mla_pass(cfg, params, inputs, dtype, strategy)
+            info["attention"] = attention_info(cfg, strategy)
+            return prepare_mlx_vjp(forward, layer.params, given, cotangent, dtype, device, info)
         layer = MlxAttention(cfg, params, dtype)
         given = layer_inputs(cfg, inputs, dtype)
 
         def forward(p, x_q, x_k, x_v):
             return layer.forward(p, x_q, x_k, x_v, given["tables"], given["blocked"], given["distance"])
 
-        info = {"strategy": strategy, **precision_info(dtype)}
         return prepare_mlx_vjp(forward, layer.params, given, cotangent, dtype, device, info)
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache, **paging):
+        if strategy in MLA_STRATEGIES:
+            return prepare_mlx_mla_decode_run(cfg, params, inputs, dtype, device, strategy)
         return prepare_mlx_decode_run(cfg, params, inputs, dtype, device, cache, **paging)
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
+        if job.strategy in MLA_STRATEGIES:  # one step onto the latent cache (`mla`)
+            return prepare_mlx_mla_decode_step(cfg, params, job)
         return prepare_mlx_decode_step(cfg, params, job)

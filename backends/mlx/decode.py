@@ -13,7 +13,9 @@
 Each slot's position and validity are kept beside it in NumPy (the mask of a chunk is bookkeeping,
 `core.decode.decode_allowed`, made before the chunk's graph is evaluated). Keys are cached after
 QK-norm and rotary, with ``Hkv`` heads (never repeated for GQA). The chunk's attention is
-`layer.MlxAttention.attend` over the slots in use: the same score steps as the forward.
+`layer.MlxAttention.attend` over the slots in use: the same score steps as the forward. MLA's forms
+feed their latent through the same cache (`mla.MlxMLADecoder`: keys the latent, values ``k_pe``), as mlx-lm's
+``DeepseekV3Attention`` does; `decode_run` and `timed_step` serve both decoders.
 """
 
 from __future__ import annotations
@@ -121,10 +123,17 @@ class MlxKVCache:
 
 
 class MlxDecoder:
-    """mlx-lm's attention fed chunk by chunk through a cache: parameters, tokens and rotary tables converted once."""
+    """mlx-lm's attention fed chunk by chunk through a cache: parameters, tokens and rotary tables converted once.
+
+    ``layer_type``: the layer a chunk runs (`mla.MlxMLADecoder` runs MLA's over a latent cache);
+    ``records_stages``: whether a chunk records its stages (`PreparedDecode.step_stages`).
+    """
+
+    layer_type = MlxAttention
+    records_stages = True
 
     def __init__(self, cfg: MHAConfig, params: MHAParams, x: np.ndarray, positions: np.ndarray, dtype: str) -> None:
-        self.cfg, self.layer = cfg, MlxAttention(cfg, params, dtype)
+        self.cfg, self.layer = cfg, self.layer_type(cfg, params, dtype)
         self.x = to_mlx(x, dtype)  # (B, N, D)
         self.tables = mlx_tables(cfg, prepare_inputs(cfg, x, positions=positions), dtype)  # the run's positions
 
@@ -135,20 +144,38 @@ class MlxDecoder:
             return MlxPagedCache(batch, self.cfg, dtype, *pages)
         return MlxKVCache(cache_step, ring_capacity(self.cfg, step))
 
+    def chunk_tables(self, start: int, stop: int) -> dict | None:
+        """The run's tables for tokens ``start:stop``: each (1|B, 1, s, r/2), or None."""
+        if self.tables is None:
+            return None
+        return {w: tuple(t[:, :, start:stop] for t in pair) for w, pair in self.tables.items()}
+
+    @staticmethod
+    def fetch(cache, keys, values, positions, valid) -> tuple:
+        """``cache.update_and_fetch``: (keys, values, positions, valid) of the slots a chunk attends over; a prefill
+        longer than a ring attends within itself."""
+        fetched = cache.update_and_fetch(keys, values, positions, valid)
+        if cache.ring is not None and keys.shape[2] > cache.ring:
+            return keys, values, positions, valid
+        return fetched
+
+    def cached_entries(self, rng: np.random.Generator, batch: int, context: int, first: int) -> tuple:
+        """A timed step's cached tokens ``first .. context - 1`` of arbitrary numbers: keys (B, Hkv, n, Dk) and values
+        (B, Hkv, n, Dv)."""
+        shape, dims = (batch, self.cfg.n_kv_heads, context - first), (self.cfg.d_k, self.cfg.d_v)
+        return tuple(to_mlx(rng.standard_normal((*shape, d)), self.layer.dtype) for d in dims)
+
+    def describe(self, cache) -> dict:
+        """What `PreparedDecode.info` and a timed step's info say of the decoder and its ``cache``."""
+        return {"cache": cache.info()}
+
     def chunk(self, cache: MlxKVCache, start: int, stop: int, positions, valid, rec: StageRecorder | None = None):
         """Tokens ``start:stop`` (positions and valid (B, s)) through ``cache``: their output (B, s, D)."""
         layer, p = self.layer, self.layer.params
         x = self.x[:, start:stop]  # (B, s, D)
-        tables = None
-        if self.tables is not None:
-            tables = {
-                w: tuple(t[:, :, start:stop] for t in pair) for w, pair in self.tables.items()
-            }  # (1|B, 1, s, r/2)
-        q, k, v = layer.heads(p, x, x, x, tables, rec)  # (B, H, s, Dk), (B, Hkv, s, Dk), (B, Hkv, s, Dv)
-        fetched = cache.update_and_fetch(k, v, positions, valid)
-        if cache.ring is not None and k.shape[2] > cache.ring:
-            fetched = (k, v, positions, valid)  # a prefill longer than the ring attends within itself
-        keys, values, k_positions, k_valid = fetched
+        # (B, H, s, Dk), (B, Hkv, s, Dk), (B, Hkv, s, Dv)
+        q, k, v = layer.heads(p, x, x, x, self.chunk_tables(start, stop), rec)
+        keys, values, k_positions, k_valid = self.fetch(cache, k, v, positions, valid)
         blocked = to_mlx(~decode_allowed(self.cfg, positions, k_positions, k_valid), None)  # (B, 1, s, T)
         distance = k_positions[:, None, :] - positions[:, :, None]  # (B, s, T): key minus query
         context = layer.attend(p, q, keys, values, blocked, distance, rec)  # (B, H, s, Dv)
@@ -163,70 +190,79 @@ def _info(cfg: MHAConfig, dtype: str, device: str) -> dict:
     }
 
 
-def prepare_mlx_decode_run(
-    cfg, params, inputs: DecodeInputs, dtype: str, device: str, cache: str, page_size=None, page_seed=0
-) -> PreparedDecode:
-    """A whole decode run through an `MlxKVCache`, or an `MlxPagedCache` of ``page_size`` tokens a page
-    (`Backend._prepare_decode_run`)."""
+def decode_chunks(decoder: MlxDecoder, inputs: DecodeInputs, stream, paging=None, record: bool = False) -> tuple:
+    """The prefill and every step of ``inputs`` through a new cache of ``decoder``'s, each evaluated before the next
+    (as a generation loop evaluates): (outputs, each chunk's stages when ``record``, the cache)."""
     import mlx.core as mx
 
-    decoder = MlxDecoder(cfg, params, inputs.x, inputs.positions, dtype)
-    positions, valid, chunks = inputs.positions, inputs.valid, inputs.chunks()
-    stream = mlx_stream(device)
-    paging = None
-    if page_size is not None:
-        paging = (inputs.batch, dtype, page_size, pool_pages(inputs.batch, page_size, chunks, cfg.window), page_seed)
+    state = decoder.new_cache(inputs.step, paging=paging)
+    outputs, stages = [], []
+    with mx.stream(stream):
+        for start, stop in inputs.chunks():
+            rec = StageRecorder() if record else None
+            window = slice(start, stop)
+            outputs.append(decoder.chunk(state, start, stop, inputs.positions[:, window], inputs.valid[:, window], rec))
+            mx.eval(outputs[-1], state.keys, state.values)  # one step at a time, as a generation loop evaluates
+            if rec is not None:
+                stages.append(rec.stages())
+    return outputs, stages, state
 
-    def run_chunks(record: bool):
-        state = decoder.new_cache(inputs.step, paging=paging)
-        outputs, stages = [], []
-        with mx.stream(stream):
-            for start, stop in chunks:
-                rec = StageRecorder() if record else None
-                outputs.append(decoder.chunk(state, start, stop, positions[:, start:stop], valid[:, start:stop], rec))
-                mx.eval(outputs[-1], state.keys, state.values)  # one step at a time, as a generation loop evaluates
-                if rec is not None:
-                    stages.append(rec.stages())
-        return outputs, stages, state
+
+def decode_run(decoder: MlxDecoder, inputs: DecodeInputs, dtype: str, device: str, paging=None) -> PreparedDecode:
+    """A whole decode run of ``decoder`` (`Backend._prepare_decode_run`), its cache described by ``decoder``."""
+    import mlx.core as mx
+
+    stream = mlx_stream(device)
 
     def to_numpy(outputs):
         return np.concatenate([tensor_to_numpy(out) for out in outputs], axis=1)  # (B, N, D)
 
-    _, _, probe = run_chunks(record=False)  # once, untimed: the cache it ends with
-    info = {**_info(cfg, dtype, device), "cache": probe.info(), "reallocations": probe.reallocations}
+    _, _, probe = decode_chunks(decoder, inputs, stream, paging)  # once, untimed: the cache it ends with
+    info = {**_info(decoder.cfg, dtype, device), **decoder.describe(probe), "reallocations": probe.reallocations}
+
+    def step_stages():
+        return decode_chunks(decoder, inputs, stream, paging, record=True)[1]
+
     return PreparedDecode(
-        lambda: run_chunks(record=False)[0],
+        lambda: decode_chunks(decoder, inputs, stream, paging)[0],
         to_numpy,
-        step_stages=lambda: run_chunks(record=True)[1],
+        step_stages=step_stages if decoder.records_stages else None,
         synchronize=mx.eval,
         info=info,
     )
 
 
-def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
-    """One step of ``job.step`` tokens on a cache holding ``job.context`` tokens of random numbers (`bench --mode
-    decode`); every call writes the same step at the same place (`MlxKVCache.rewind`). ``cache="paged"``: an
-    `MlxPagedCache` holding the whole context in pages (`DecodeStep.paging`), rewound the same way. A ragged batch
-    (``job.lengths``): each row's tokens the last of its slots, its pads invalid (`DecodeStep.cached`)."""
+def prepare_mlx_decode_run(
+    cfg, params, inputs: DecodeInputs, dtype: str, device: str, cache: str, page_size=None, page_seed=0
+) -> PreparedDecode:
+    """A whole decode run through an `MlxKVCache`, or an `MlxPagedCache` of ``page_size`` tokens a page
+    (`Backend._prepare_decode_run`)."""
+    decoder = MlxDecoder(cfg, params, inputs.x, inputs.positions, dtype)
+    paging = None
+    if page_size is not None:
+        pages = pool_pages(inputs.batch, page_size, inputs.chunks(), cfg.window)
+        paging = (inputs.batch, dtype, page_size, pages, page_seed)
+    return decode_run(decoder, inputs, dtype, device, paging)
+
+
+def timed_step(decoder: MlxDecoder, job: DecodeStep, rng: np.random.Generator, positions: np.ndarray) -> Prepared:
+    """One step of ``job.step`` tokens (``decoder``'s, at ``positions`` (B, s)) on a cache holding ``job.context``
+    tokens of ``decoder.cached_entries``' numbers drawn from ``rng``; every call writes the same step at the same
+    place (`MlxKVCache.rewind`). ``cache="paged"``: an `MlxPagedCache` holding the whole context in pages
+    (`DecodeStep.paging`), rewound the same way. A ragged batch (``job.lengths``): each row's tokens the last of
+    its slots, its pads invalid (`DecodeStep.cached`)."""
     import mlx.core as mx
 
-    batch, context, step, dtype, device = job.batch, job.context, job.step, job.dtype, job.device
-    rng = np.random.default_rng(job.seed)
-    x = rng.standard_normal((batch, step, cfg.d_model))  # the step's new tokens, (B, s, D)
-    positions = job.positions()  # (B, s)
-    decoder = MlxDecoder(cfg, params, x, positions, dtype)
-    paging = (batch, dtype, *job.paging(cfg.window)) if job.cache == PAGED else None
+    batch, context, step = job.batch, job.context, job.step
+    paging = (batch, job.dtype, *job.paging(decoder.cfg.window)) if job.cache == PAGED else None
     state = decoder.new_cache(step, paging=paging)
     first = 0 if state.ring is None else max(0, context - state.ring)
-    n = context - first
-    Hkv, Dk, Dv = cfg.n_kv_heads, cfg.d_k, cfg.d_v
     state.rewind(first)
-    if n:
-        keys, values = (to_mlx(rng.standard_normal((batch, Hkv, n, d)), dtype) for d in (Dk, Dv))
+    if context > first:
         fill, held = job.cached(first)  # (B, n) each: a ragged batch's pads invalid
-        state.update_and_fetch(keys, values, fill, held)
+        state.update_and_fetch(*decoder.cached_entries(rng, batch, context, first), fill, held)
     every = np.ones((batch, step), dtype=bool)
-    stream = mlx_stream(device)
+    stream = mlx_stream(job.device)
 
     def forward(rec=None):
         state.rewind(context)
@@ -239,7 +275,16 @@ def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
         return rec.stages()
 
     mx.eval(forward())  # once, untimed: the cache has its room for the step
-    info = {**_info(cfg, dtype, device), "context": context, "step": step, "cache": state.info()}
+    info = {**_info(decoder.cfg, job.dtype, job.device), "context": context, "step": step, **decoder.describe(state)}
     return Prepared(
         forward=forward, to_numpy=tensor_to_numpy, native_stages=native_stages, synchronize=mx.eval, info=info
     )
+
+
+def prepare_mlx_decode_step(cfg, params, job: DecodeStep) -> Prepared:
+    """One step of mlx-lm's attention on its cache (`bench --mode decode`, `timed_step`): the step's tokens drawn
+    first, then the cached keys and values."""
+    rng = np.random.default_rng(job.seed)
+    x = rng.standard_normal((job.batch, job.step, cfg.d_model))  # the step's new tokens, (B, s, D)
+    positions = job.positions()  # (B, s)
+    return timed_step(MlxDecoder(cfg, params, x, positions, job.dtype), job, rng, positions)

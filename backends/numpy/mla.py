@@ -205,9 +205,15 @@ class ColumnSampleMLA:
         return self.round(y if self.b_o is None else y + self.b_o), context
 
     def attend(self, form: str, q: dict, kv_latent, k_rope, mask, rec=None, saved=None, keys=None):
-        """Queries ``q`` over the latent columns (B, R, T) and the shared key (B, dr, T): (output, context, weights)."""
-        weights = self.weights(self.scores(form, q, kv_latent, k_rope, keys), mask, rec, saved)
+        """Queries ``q`` over the latent columns (B, R, T) and the shared key (B, dr, T): (output, context, weights).
+        ``rec``: the score steps and (naive) the expanded values and the context, each when it is made."""
+        scores = self.scores(form, q, kv_latent, k_rope, keys)
+        if rec is not None and form == NAIVE:
+            _record_values(rec, q["expanded"][1])
+        weights = self.weights(scores, mask, rec, saved)
         out, context = self.output(form, q, weights, kv_latent)
+        if rec is not None and form == NAIVE:
+            _record_context(rec, context)
         return out, context, weights
 
 
@@ -230,19 +236,42 @@ class MLAForward:
         """The output (B, D, Nq) of ``form`` ("naive" or "absorbed"); its stages recorded when ``rec`` is given."""
         L = self.layer
         latent, q = L.latent(self.x_k), L.queries(self.x_q)
+        if rec is not None:  # recorded in the order the pass makes them (a breakdown's cuts stop at them)
+            _record(rec, latent, q)
         out, _, _ = L.attend(form, q, latent["kv_latent"], latent["k_rope"], self.mask, rec)
         if rec is not None:
-            _record(rec, latent, q, out)
+            rec.record("output", out, ("B", "D", "Nq"), "the output projection; to_numpy transposes it to rows")
         return out
 
 
-def _record(rec: StageRecorder, latent: dict, q: dict, out) -> None:
-    rec.record("kv_latent", latent["kv_latent"], ("B", "kv_lora_rank", "Nk"), "RMSNorm down each latent column")
-    rec.record("k_rope", latent["k_rope"], ("B", "qk_rope_head_dim", "Nk"), "the shared key's rows, rotated")
+def _record(rec: StageRecorder, latent: dict, q: dict) -> None:
+    rec.record(
+        "kv_latent", latent["kv_latent"], ("B", "kv_lora_rank", "Nk"), "rows :R of W_kva @ X, RMSNorm down each column"
+    )
+    rec.record(
+        "k_rope",
+        latent["k_rope"],
+        ("B", "qk_rope_head_dim", "Nk"),
+        "rows R: of W_kva @ X, rotated; every head reads them through a broadcast head axis (B, 1, dr, T)",
+    )
     if "q_latent" in q:
         rec.record("q_latent", q["q_latent"], ("B", "q_lora_rank", "Nq"), "RMSNorm(W_qa @ X + b_qa)")
     rec.record("q", q["q"], ("B", "H*Dk", "Nq"), "W_q @ (q_latent or X): rows are features, columns tokens")
-    rec.record("output", out, ("B", "D", "Nq"), "the output projection; to_numpy transposes it to rows")
+
+
+def _record_values(rec: StageRecorder, v) -> None:
+    """The naive form's expanded values (B, H, dv, T), made with its keys (`ColumnSampleMLA.expand`), as columns."""
+    B, H, dv, T = v.shape
+    rec.record("v", v.reshape(B, H * dv, T), ("B", "Hkv*Dv", "Nk"), "W_UV @ C: every head's values, as columns")
+    rec.record("v_heads", v, ("B", "Hkv", "Dv", "Nk"), "the rows of v split by a reshape", "view", "v")
+
+
+def _record_context(rec: StageRecorder, context) -> None:
+    """The naive form's context (B, H, dv, N) and its merge (B, H*dv, N), as columns."""
+    B, H, dv, N = context.shape
+    merged = context.reshape(B, H * dv, N)  # (B, H*dv, N) view: head h's rows h*dv:(h+1)*dv
+    rec.record("context", context, ("B", "H", "Dv", "Nq"), "V_h @ A_h, one column per query")
+    rec.record("merged", merged, ("B", "H*Dv", "Nq"), "reshape of the context's rows", "view", "context")
 
 
 def prepare_numpy_mla(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision, strategy: str) -> Prepared:

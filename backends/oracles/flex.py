@@ -10,7 +10,8 @@ variants go where FlexAttention's API puts them:
   every distance come from `core.variants` at prepare time (`torch.variants.ScoreBias`'s
   tables), read inside ``score_mod`` by index.
 * ``mask_mod(b, h, q_idx, kv_idx)`` turned into a `BlockMask` by ``create_block_mask`` (once,
-  in prepare): causal ``kv_idx <= q_idx``, the window on the positions, the caller's mask.
+  in prepare): causal ``kv_idx <= q_idx``, the window and Llama 4's chunks (``p_j // C == p_i // C``) on the
+  positions, the caller's mask.
 * the sinks: FlexAttention has no sink logit, but it returns each row's log-sum-exp
   (``return_aux=AuxRequest(lse=True)``), and with ``Z = exp(lse)`` the spec's rows are
   ``out * Z / (Z + exp(sink_h)) = out * sigmoid(lse - sink_h)``: exact, the way Hugging Face's
@@ -129,7 +130,7 @@ class TorchFlexOracle(TorchDevices, Backend):
     name = "torch-flex"
     convention = (
         "torch.nn.attention.flex_attention on (B, H, N, d) heads: score_mod (softcap, ALiBi, T5 bias), "
-        "a BlockMask from mask_mod (causal, window, the user's mask), sinks from the returned log-sum-exp"
+        "a BlockMask from mask_mod (causal, window, chunks, the user's mask), sinks from the returned log-sum-exp"
     )
     # Every one of the package's, written out (a library's idiom is the reason): score_mod, mask_mod, the sinks from
     # the lse, QK-norm and biases outside. A variant registered later is not in its score_mod, so it is refused.
@@ -148,7 +149,7 @@ class TorchFlexOracle(TorchDevices, Backend):
         "sinks: FlexAttention has no sink logit; the adapter rescales each row by sigmoid(lse - sink_h) from the "
         "returned log-sum-exp (exact), and runs them eagerly in every dtype (the compiled CPU kernel returns no lse)",
         "the softcap and ALiBi / T5's bias are the adapter's score_mod (the tables from core.variants, indexed inside); "
-        "causal, the window and the user mask its mask_mod, made a BlockMask once in prepare",
+        "causal, the window, the chunks and the user mask its mask_mod, made a BlockMask once in prepare",
         "scores and weights stay inside the kernel: only projections, heads (normed, rotated), context, merged and "
         "output are stages",
         "a query that may attend to no key: zeros and lse = -inf (torch 2.13 CPU), the spec's answer",

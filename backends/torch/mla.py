@@ -15,6 +15,11 @@ The score steps (the softcap, the masks, the softmax) on torch's ops object, key
 temperature on both query parts, ``q_nope`` and the rotated ``q_rot``, each row times its position's factor. Decode
 (`prepare_torch_mla_decode_run`) writes each step's ``[c | k_rope]`` rows in place into one preallocated cache
 ``(B, T, R + dr)``: ``kv_lora_rank + d_rope`` numbers a token. The backward is autograd through this forward.
+
+Stages (``native_stages``, the same pass with a recorder): the latent ``kv_latent`` and the shared key ``k_rope``
+(row views of the cache rows), ``q_latent`` and ``q``, the scores and their steps (B, H, Nq, Nk) in both forms; the
+naive form adds its expanded values ``v`` (B, T, H*dv) and ``v_heads`` (B, H, T, dv), the context and the merge. The
+absorbed form has no per-head value or context of width dv: its context stays in the latent.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 from mha_rosetta.core.variants.mla_heads import check_one_input
 
-from .._mla import ABSORBED, latent_cache_info
-from ..base import Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from .._mla import ABSORBED, NAIVE, latent_cache_info
+from .._recording import StageRecorder, record_stages, relation_to, score_recorder
+from ..base import Prepared, PreparedDecode, tensor_to_numpy
 from ..frameworks.ops import score_steps
 from ..frameworks.ops_torch import TorchOps
 from ..vocabulary import UnsupportedCase
@@ -57,6 +63,33 @@ def _mask(allowed, device: str):
         return None, None
     empty = ~allowed.any(axis=-1, keepdims=True)  # (1|B, 1|H, Nq, 1)
     return bool_tensor(~allowed, device), bool_tensor(empty, device) if empty.any() else None
+
+
+# The stages both forms record, in row samples (`_record_queries`, `attend`); the naive form adds its values.
+SCORE_AXES = ("B", "H", "Nq", "Nk")
+ROPE_KEY_NOTE = "the shared key rot(k_pe), the cache rows' last dr: one for all heads, unsqueeze(1) broadcasts it"
+SCORE_NOTES = {
+    NAIVE: "(q_nope @ k_nope^T + q_rot @ k_rope^T) * scale, the shared key broadcast over heads",
+    ABSORBED: "[q_nope W_UK | q_rot] @ [c | k_rope]^T * scale: one key head for all (MQA)",
+}
+
+
+def _record_queries(rec: StageRecorder, q_latent, q) -> None:
+    if q_latent is not None:
+        rec.record("q_latent", q_latent, ("B", "Nq", "q_lora_rank"), "RMSNorm(F.linear(x, W_qa, b_qa))")
+    rec.record("q", q, ("B", "Nq", "H*Dk"), "F.linear(q_latent or x, W_q): q_b_proj, no bias")
+
+
+def _record_values(rec: StageRecorder, values, v) -> None:
+    rec.record("v", values, ("B", "Nk", "Hkv*Dv"), "F.linear(c, W_UV): every head's values from the latent")
+    rec.record("v_heads", v, ("B", "Hkv", "Nk", "Dv"), "view(B, T, H, dv).transpose(1, 2)", relation_to(v, values), "v")
+
+
+def _record_merge(rec: StageRecorder, context, merged, out) -> None:
+    rec.record("context", context, ("B", "H", "Nq", "Dv"), "weights @ v_h")
+    note = "transpose(1, 2).reshape(B, N, H*dv)"
+    rec.record("merged", merged, ("B", "Nq", "H*Dv"), note, relation_to(merged, context), "context")
+    rec.record("output", out, ("B", "Nq", "D"), "F.linear(merged, W_o, b_o)")
 
 
 class RowSampleMLA:
@@ -94,12 +127,16 @@ class RowSampleMLA:
         )
         return self.torch.cat([self._rms(c, self.kv_a_norm), self._rotate(k_pe, "k", tokens)], dim=-1)
 
-    def queries(self, x, tokens: slice | None = None):
-        """(q_nope (B, H, N, dn), q_rot (B, H, N, dr) rotated), both tempered with the temperature."""
+    def queries(self, x, tokens: slice | None = None, rec: StageRecorder | None = None):
+        """(q_nope (B, H, N, dn), q_rot (B, H, N, dr) rotated), both tempered with the temperature; ``rec`` records
+        q_latent and q."""
         cfg, F = self.cfg, self.F
         source = x if self.w_q_a is None else self._rms(F.linear(x, self.w_q_a, self.b_q_a), self.q_a_norm)
         B, N, _ = x.shape
-        q = F.linear(source, self.w_q).view(B, N, cfg.n_heads, cfg.d_k).transpose(1, 2)  # (B, H, N, Dk) view
+        projected = F.linear(source, self.w_q)  # (B, N, H*Dk): q_b_proj has no bias
+        if rec is not None:
+            _record_queries(rec, source if self.w_q_a is not None else None, projected)
+        q = projected.view(B, N, cfg.n_heads, cfg.d_k).transpose(1, 2)  # (B, H, N, Dk) view
         q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         q_rot = self._rotate(q_rot, "q", tokens)
         if self.factors is None:
@@ -114,10 +151,14 @@ class RowSampleMLA:
         w_o_heads = self.w_o.view(-1, H, dv).transpose(0, 1)  # (H, D, dv) view: columns h*dv:(h+1)*dv
         return w_o_heads @ self.w_v.view(H, dv, -1)  # (H, D, dv) @ W_UV (H, dv, R)
 
-    def attend(self, form: str, q_nope, q_rot, entries, blocked, empty_rows, w_ouv=None):
-        """The queries over the cached rows ``entries`` (B, T, R + dr): the output (B, N, D)."""
+    def attend(self, form: str, q_nope, q_rot, entries, blocked, empty_rows, w_ouv=None, rec=None):
+        """The queries over the cached rows ``entries`` (B, T, R + dr): the output (B, N, D). ``rec`` records the
+        latent, the shared key, the score steps and (naive) the expanded values, the context and the merge."""
         cfg, torch, R = self.cfg, self.torch, self.cfg.kv_lora_rank
         kv_latent, k_rope = entries[..., :R], entries[..., R:]  # (B, T, R), (B, T, dr) views
+        if rec is not None:
+            rec.record("kv_latent", kv_latent, ("B", "Nk", "kv_lora_rank"), "RMSNorm(c): the cache rows' first R")
+            rec.record("k_rope", k_rope, ("B", "Nk", "qk_rope_head_dim"), ROPE_KEY_NOTE)
         B, H, N, _ = q_nope.shape
         if form == ABSORBED:
             w_uk = self.w_k.view(H, cfg.qk_nope_head_dim, R)  # (H, dn, R) view: head h's rows of kv_b_proj
@@ -126,18 +167,28 @@ class RowSampleMLA:
         else:
             T = entries.shape[1]
             k_nope = self.F.linear(kv_latent, self.w_k).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, dn) view
+            values = self.F.linear(kv_latent, self.w_v)  # (B, T, H*dv): W_UV c, expanded with the keys
+            v = values.view(B, T, H, cfg.d_v).transpose(1, 2)  # (B, H, T, dv) view
+            if rec is not None:
+                _record_values(rec, values, v)
             rope = q_rot @ k_rope.unsqueeze(1).transpose(-1, -2)  # (B, H, N, T): the shared key, broadcast
             scores = (q_nope @ k_nope.transpose(-1, -2) + rope) * cfg.scale
-        weights = score_steps(self.ops, cfg, scores, blocked=blocked, empty_rows=empty_rows)  # (B, H, N, T)
+        on_stage = score_recorder(rec, scores, SCORE_AXES, SCORE_NOTES[form])
+        weights = score_steps(self.ops, cfg, scores, blocked=blocked, empty_rows=empty_rows, on_stage=on_stage)
         if form == ABSORBED:
             context = weights @ kv_latent.unsqueeze(1)  # (B, H, N, R): the context stays in the latent
             w_ouv = self.folded_output() if w_ouv is None else w_ouv
             out = torch.einsum("bhnr,hdr->bnd", context, w_ouv)  # sum over heads of context_h (W_O_h W_UV_h)^T
-            return out if self.b_o is None else out + self.b_o
-        T = entries.shape[1]
-        v = self.F.linear(kv_latent, self.w_v).view(B, T, H, cfg.d_v).transpose(1, 2)  # (B, H, T, dv) view
-        merged = (weights @ v).transpose(1, 2).reshape(B, N, H * cfg.d_v)  # (B, N, H*dv): a copy (reshape)
-        return self.F.linear(merged, self.w_o, self.b_o)
+            out = out if self.b_o is None else out + self.b_o
+            if rec is not None:
+                rec.record("output", out, ("B", "Nq", "D"), "einsum('bhnr,hdr->bnd'): the latent context, W_O W_UV")
+            return out
+        context = weights @ v  # (B, H, N, dv)
+        merged = context.transpose(1, 2).reshape(B, N, H * cfg.d_v)  # (B, N, H*dv): a copy (reshape)
+        out = self.F.linear(merged, self.w_o, self.b_o)
+        if rec is not None:
+            _record_merge(rec, context, merged, out)
+        return out
 
 
 def _layer_pass(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, device, strategy, as_leaves: bool):
@@ -155,9 +206,9 @@ def _layer_pass(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, dev
         leaves = {"d_x_q": x_q, "d_x_k": x_k, "d_x_v": x_v, **{name: getattr(layer, name) for name in PARAMS}}
     blocked, empty = _mask(allowed_positions(cfg, inputs), device)
 
-    def forward():
-        q_nope, q_rot = layer.queries(x_q)
-        return layer.attend(strategy, q_nope, q_rot, layer.latent(x_k), blocked, empty)
+    def forward(rec: StageRecorder | None = None):
+        q_nope, q_rot = layer.queries(x_q, rec=rec)
+        return layer.attend(strategy, q_nope, q_rot, layer.latent(x_k), blocked, empty, rec=rec)
 
     return forward, leaves
 
@@ -167,8 +218,8 @@ def prepare_torch_mla(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtyp
     forward, _ = _layer_pass(cfg, params, inputs, dtype, device, strategy, as_leaves=False)
     run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
 
-    def stages():  # the forms' inner tensors are not recorded: the output only (rule 3)
-        return {"output": StageTensor(run(), ("B", "Nq", "D"), "o_proj of the merged (naive) or latent context")}
+    def stages():  # the same pass, recorded: the stages of `_record_*` and the score steps
+        return record_stages(run)
 
     info = {
         "layout": "row samples (B, tokens, features); the cache rows [c | k_rope] (B, T, R + dr)",
@@ -245,18 +296,18 @@ def prepare_torch_mla_decode_step(cfg: MHAConfig, params: MHAParams, job, allow_
     tokens = slice(T, T + s)
     valid = np.ones((B, T + s), dtype=bool)
 
-    def forward():
+    def forward(rec: StageRecorder | None = None):
         cache[:, tokens] = layer.latent(x, tokens)  # the step's rows, in place: every call the same step
         blocked, empty = _mask(
             decode_allowed(cfg, everywhere[:, tokens], everywhere, valid), device
         )  # (B, 1, s, T + s)
-        q_nope, q_rot = layer.queries(x, tokens)
-        return layer.attend(form, q_nope, q_rot, cache, blocked, empty, w_ouv)  # (B, s, D)
+        q_nope, q_rot = layer.queries(x, tokens, rec)
+        return layer.attend(form, q_nope, q_rot, cache, blocked, empty, w_ouv, rec)  # (B, s, D)
 
     run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
 
-    def stages():  # the forms' inner tensors are not recorded: the output only (rule 3)
-        return {"output": StageTensor(run(), ("B", "Nq", "D"), "o_proj of the step's merged (naive) or latent context")}
+    def stages():  # the step recorded: its queries over the whole cache (Nk = T + s)
+        return record_stages(run)
 
     layout = "(B, T, R + dr): [c | k_rope] a row per token, allocated once with room for the step, written in place"
     info = {

@@ -43,7 +43,7 @@ KV_RANK, Q_RANK, NOPE, ROPE, V_DIM, INTERLEAVE = (
     "rope_interleave",
 )
 # The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
-MLA_ADAPTERS = ("numpy", "torch", "jax")
+MLA_ADAPTERS = ("numpy", "torch", "jax", "mlx")
 # The only strategies that run it (`Variant.strategies`): its two forms, the names `backends._mla` and core.mla_forms use.
 STRATEGIES = ("naive", "absorbed")
 # The sizes MLA owns besides kv_lora_rank, which switches it on (each None unless MLA is on).
@@ -360,7 +360,7 @@ ENTRY = Variant(
     demo_on=DEMO_ON,
     demo_off=DEMO_OFF,
     explain=explain,
-    # The numpy, torch and jax adapters apply MLA, in their naive and absorbed strategies only (`backends._mla`);
+    # The numpy, torch, jax and mlx adapters apply MLA, in their naive and absorbed strategies only (`backends._mla`);
     # every other adapter and oracle refuses it by name (`Variant.implemented_by`). The float64 oracles
     # (core.reference, core.grad) and the NumPy forms of `core.mla_forms` compute it.
     implemented_by=MLA_ADAPTERS,

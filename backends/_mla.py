@@ -14,6 +14,11 @@ they apply what acts on the rotary's tables (``rope_scaling``) and the score ste
 parameter or bias (the softcap, the positional masks: causal, the window, chunks, the user's mask), on the
 library's ops object like every other path; anything else (sinks, a score bias, the output gate, ...) is
 refused by name.
+
+The query steps after rotary (`QUERY_STEPS`: Mistral 4's temperature, a factor per position on both query
+parts, nope and rope) are each owner's to declare: an owner lists those its MLA strategies apply, forward,
+backward and decode (``MLAStrategies.mla_query_steps``), and its MLA strategies refuse the others by name. An
+owner that declares none (the default) refuses them all.
 """
 
 from __future__ import annotations
@@ -22,37 +27,44 @@ from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.mla_forms import cache_bytes_per_token
 from mha_rosetta.core.variants import VARIANT_REGISTRY, strategy_forms
 from mha_rosetta.core.variants.mla import STRATEGIES, mla_on
+from mha_rosetta.core.variants.temperature import ENTRY as TEMPERATURE
 
 from .vocabulary import UnsupportedCase
 
 NAIVE, ABSORBED = MLA_STRATEGIES = STRATEGIES  # the entry's (`Variant.strategies`), said once in core
 # The score places the MLA strategies run through the ops object without a parameter of their own.
 _PLACES = ("transform", "mask")
+# The steps on the queries after rotary an MLA owner may apply to both query parts (nope and rope): entries
+# without a score step, each a factor per query position. An owner declares those it applies (`MLAStrategies`).
+QUERY_STEPS: tuple[str, ...] = (TEMPERATURE.name,)
 
 
-def form_variants() -> frozenset[str]:
+def form_variants(query_steps: tuple[str, ...] = ()) -> frozenset[str]:
     """The variants the MLA strategies apply: MLA's own (the entries that run only in them, `Variant.strategies`),
-    rope_scaling, and the softcap and positional masks."""
+    rope_scaling, the softcap and positional masks, and the owner's ``query_steps`` (of `QUERY_STEPS`)."""
+    unknown = [name for name in query_steps if name not in QUERY_STEPS]
+    if unknown:
+        raise ValueError(f"query_steps must be among {', '.join(QUERY_STEPS)}, got {', '.join(unknown)}")
     steps = {
         name
         for name, entry in VARIANT_REGISTRY.items()
         if entry.score_step is not None and entry.score_step.place in _PLACES
     }
-    return frozenset(strategy_forms(MLA_STRATEGIES) | {"rope_scaling"} | steps)
+    return frozenset(strategy_forms(MLA_STRATEGIES) | {"rope_scaling"} | steps | set(query_steps))
 
 
 class MLAStrategyVariants:
     """``strategy_variants`` of an adapter with the MLA strategies (a class attribute, read each time it is asked).
 
-    Each MLA strategy declares the adapter's variants that `form_variants` lists; every other strategy declares
-    the adapter's variants it runs (`Variant.runs_in`: not MLA's, which has no latent there). Read from the
-    adapter's own ``variants``.
+    Each MLA strategy declares the adapter's variants that `form_variants` lists (with the adapter's
+    ``mla_query_steps``); every other strategy declares the adapter's variants it runs (`Variant.runs_in`: not
+    MLA's, which has no latent there). Read from the adapter's own ``variants``.
     """
 
     def __get__(self, obj, owner=None) -> dict[str, frozenset[str]]:
         this = owner if obj is None else obj
         declared = frozenset(this.variants)
-        forms = declared & form_variants()
+        forms = declared & form_variants(getattr(this, "mla_query_steps", ()))
         return {
             strategy: forms
             if strategy in MLA_STRATEGIES
@@ -61,9 +73,12 @@ class MLAStrategyVariants:
         }
 
 
-def mla_reason(backend: str, cfg: MHAConfig, strategy: str, decode: bool = False) -> str | None:
+def mla_reason(
+    backend: str, cfg: MHAConfig, strategy: str, decode: bool = False, query_steps: tuple[str, ...] = ()
+) -> str | None:
     """Why ``strategy`` cannot run ``cfg`` for MLA's sake, or None: an MLA strategy needs MLA (and only the
-    variants it applies), and MLA needs an MLA strategy. ``decode``: the reason for a decode run."""
+    variants it applies: `form_variants` of the owner's ``query_steps``), and MLA needs an MLA strategy.
+    ``decode``: the reason for a decode run."""
     path = f"{backend}'s decode path" if decode else backend
     if strategy in MLA_STRATEGIES:
         if not mla_on(cfg):
@@ -71,9 +86,10 @@ def mla_reason(backend: str, cfg: MHAConfig, strategy: str, decode: bool = False
                 f"{path}: the {strategy!r} strategy is a form of multi-head latent attention and needs "
                 f"MHAConfig.kv_lora_rank (got {cfg.describe()})"
             )
-        missing = [name for name in cfg.variants if name not in form_variants()]
+        applied = form_variants(query_steps)
+        missing = [name for name in cfg.variants if name not in applied]
         if missing:
-            has = ", ".join(sorted(form_variants()))
+            has = ", ".join(sorted(applied))
             return f"{path} does not implement {', '.join(missing)} in its {strategy!r} strategy (it implements: {has})"
         return None
     if mla_on(cfg):
@@ -91,6 +107,9 @@ class MLAStrategies:
     default kind); another kind is refused by name."""
 
     strategy_variants = MLAStrategyVariants()
+    # The query steps after rotary (`QUERY_STEPS`) this owner's MLA strategies apply to both query parts, forward,
+    # backward and decode; none by default, so that an owner which does not apply one refuses it by name.
+    mla_query_steps: tuple[str, ...] = ()
 
     def variant_reason(self, cfg, strategy, backward=False):
         if strategy in MLA_STRATEGIES and not mla_on(cfg):  # a form of MLA, asked for plain attention: that first
@@ -98,10 +117,11 @@ class MLAStrategies:
         return super().variant_reason(cfg, strategy, backward)
 
     def unsupported_reason(self, cfg, dtype, device, strategy):
-        return mla_reason(self.name, cfg, strategy) or super().unsupported_reason(cfg, dtype, device, strategy)
+        reason = mla_reason(self.name, cfg, strategy, query_steps=self.mla_query_steps)
+        return reason or super().unsupported_reason(cfg, dtype, device, strategy)
 
     def decode_reason(self, cfg, dtype, device, strategy, cache):
-        reason = mla_reason(self.name, cfg, strategy, decode=True)
+        reason = mla_reason(self.name, cfg, strategy, decode=True, query_steps=self.mla_query_steps)
         if not reason and strategy in MLA_STRATEGIES and cache not in (None, *self.decode_caches[:1]):
             reason = (
                 f"{self.name}'s {strategy!r} strategy decodes through its latent cache (kv_lora_rank + d_rope numbers "

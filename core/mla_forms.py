@@ -16,7 +16,9 @@ Column samples, had this module a column-sample spelling: the latent's columns a
 (R, Nk), so ``W_UK_h C`` is (dn, Nk) without a transpose. Here, as in `core`, row samples: (B, N, features).
 
 The score steps these forms apply are the positional masks (causal, the window, Llama 4's chunks, the user's
-mask); a layer with another score step (a softcap, a bias, sinks) or the output gate is refused by name.
+mask), and on the queries Mistral 4's temperature (both parts, nope and rope, at the queries' positions, the cache
+offset included in decode); a layer with another variant (a softcap, a bias, sinks, the output gate, ...) is
+refused by name.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from .decode import decode_allowed, prepare_decode_inputs
 from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
-from .variants import score_steps, softmax_with_empty_rows
+from .variants import VARIANT_REGISTRY, softmax_with_empty_rows, strategy_forms, temper
 from .variants.mla import STRATEGIES, cache_numbers_per_token, mla_on
 from .variants.mla_algebra import absorbed_output, absorbed_queries, absorbed_scores, latent_keys
 from .variants.mla_heads import Rotation, expand, latent_entries, query_stages
+from .variants.temperature import ENTRY as TEMPERATURE
 
 __all__ = [
     "FORMS",
@@ -49,30 +52,38 @@ __all__ = [
 FORMS = STRATEGIES  # MLA's two forms, the entry's strategies (`Variant.strategies`)
 
 
+def applied_variants() -> frozenset[str]:
+    """The variants these forms apply: MLA's own, the rotary's scaling, the positional masks, the temperature."""
+    masks = {name for name, entry in VARIANT_REGISTRY.items() if entry.score_step and entry.score_step.place == "mask"}
+    return frozenset(strategy_forms(FORMS) | {"rope_scaling", TEMPERATURE.name} | masks)
+
+
 def check_form(cfg: MHAConfig, form: str) -> None:
-    """Refuse a form not in `FORMS`, a layer that is not MLA, and score steps these forms do not apply."""
+    """Refuse a form not in `FORMS`, a layer that is not MLA, and variants these forms do not apply."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(map(repr, FORMS))}, got {form!r}")
     if not mla_on(cfg):
         raise ValueError(
             f"the MLA forms need MHAConfig.kv_lora_rank (multi-head latent attention), got {cfg.describe()}"
         )
-    others = [step.variant for step in score_steps(cfg) if step.place != "mask"]
-    others += ["gate"] if "gate" in cfg.variants else []
+    others = [name for name in cfg.variants if name not in applied_variants()]
     if others:
         raise ValueError(
-            f"core.mla_forms applies MLA's positional masks only; {', '.join(others)} is refused here "
-            "(core.reference_mha computes the naive form with every variant)"
+            f"core.mla_forms applies MLA's positional masks and the temperature only; {', '.join(others)} is "
+            "refused here (core.reference_mha computes the naive form with every variant)"
         )
 
 
-def latent_attention(cfg: MHAConfig, p: dict, query: dict, kv_latent, k_rope, allowed, form: str):
+def latent_attention(cfg: MHAConfig, p: dict, query: dict, kv_latent, k_rope, allowed, form: str, positions=None):
     """(output (B, Nq, D), weights (B, H, Nq, Nk)) of the queries ``query`` (`query_stages`) over the cached latent.
 
-    ``allowed``: bool broadcastable to (B, H, Nq, Nk) or None.
+    ``allowed``: bool broadcastable to (B, H, Nq, Nk) or None; ``positions`` (1|B, Nq): the queries' (the
+    temperature's, with ``attn_temperature_tuning``).
     """
     H, dn = cfg.n_heads, cfg.qk_nope_head_dim
     q_rotated = query["q_rotated"]  # (B, H, Nq, Dk): [q_nope_h | rot(q_rot_h)]
+    if cfg.attn_temperature_tuning:  # Mistral 4: both parts times the position's factor
+        q_rotated = temper(cfg, q_rotated, positions)
     if form == "absorbed":
         scores = absorbed_scores(cfg, absorbed_queries(cfg, p["w_k"], q_rotated), latent_keys(kv_latent, k_rope))
     else:
@@ -108,7 +119,7 @@ def mla_forward(cfg: MHAConfig, params: MHAParams, query, *, form: str = "naive"
     rotate = Rotation(rotary_tables(cfg, inputs), apply_rotary)
     kv_latent, k_rope = latent_entries(cfg, p, x, rotate)
     out, _ = latent_attention(cfg, p, query_stages(cfg, p, x, rotate), kv_latent, k_rope,
-                              allowed_positions(cfg, inputs), form)  # fmt: skip
+                              allowed_positions(cfg, inputs), form, inputs.positions)  # fmt: skip
     return inputs.unbatch(out)
 
 
@@ -196,7 +207,7 @@ def mla_decode(cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, form="n
         cache.append(*latent_entries(cfg, p, chunk, rotate), pos, inputs.valid[:, start:stop])
         allowed = decode_allowed(cfg, pos, cache.positions, cache.valid)  # (B, 1, s, T)
         out, _ = latent_attention(cfg, p, query_stages(cfg, p, chunk, rotate), cache.kv_latent, cache.k_rope,
-                                  allowed, form)  # fmt: skip
+                                  allowed, form, pos)  # fmt: skip
         outputs.append(out)
     out = inputs.unbatch(np.concatenate(outputs, axis=1))
     return (out, cache) if return_cache else out

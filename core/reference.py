@@ -7,7 +7,8 @@ For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)
     V_g = V_g / sqrt(mean(V_g**2) + eps)               (only with cfg.value_norm: Gemma 4, no weight)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (weightless, only with cfg.qk_norm_after_rope: Llama 4)
-    Q_h = Q_h * (1 + a log1p(floor((p + 1) / f)))      (only with cfg.attn_temperature_tuning: Llama 4's NoPE)
+    Q_h = Q_h * (1 + a log1p(floor((p + o) / f)))      (only with cfg.attn_temperature_tuning: Llama 4's NoPE o=1,
+                                                        Mistral 4 o=0: cfg.floor_offset)
     S_h = scale * Q_h @ K_g.T      (then the registry's score steps: softcap, ALiBi / relative bias;
                                     blocked positions -> -inf)
     A_h = softmax(S_h, over keys)  (with the sinks; a row with no allowed key -> all zeros)

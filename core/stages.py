@@ -72,8 +72,8 @@ STAGES: tuple[Stage, ...] = (
         "temperature",
         "q_tempered",
         Q_HEADS,
-        "the queries times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) (Llama 4's NoPE layers); "
-        "only with attn_temperature_tuning",
+        "the queries times 1 + attn_scale * log1p(floor((p + floor_offset) / floor_scale)) (Llama 4's NoPE "
+        "layers: floor_offset 1; Mistral 4: 0); only with attn_temperature_tuning",
     ),
     Stage("scores", "scores", SCORES, "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
     Stage("softcap", "capped_scores", SCORES, "softcap * tanh(scores / softcap); only with softcap"),

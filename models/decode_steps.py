@@ -6,7 +6,8 @@
   the family's rotary module (its own ``<Family>RotaryEmbedding``, float32 angles) at ``position_ids=[[t]]``, and
   the mask the model builds for the layer's type before the step: ``create_chunked_causal_mask`` on a
   ``"chunked_attention"`` layer (the step's chunk among the keys the cache returns), None on a full-attention one
-  (one query token attends every cached key); eager attention. Llama 4's temperature reads the cache's length.
+  (one query token attends every cached key); eager attention. Llama 4's temperature reads the cache's length;
+  Mistral 4's reads ``position_ids`` (passed where the forward takes them).
 * mlx-lm's ``Attention``: ``mlx_lm.models.cache.KVCache()``, ``module(x_t, mask=None, cache=cache)`` (the
   model's ``create_attention_mask`` gives None for one token); the rotary offset is ``cache.offset``. Llama 4's
   rotary layers step the model's ``ChunkedKVCache`` with its chunk mask (`mlx_llama4.decode_cache`).
@@ -64,6 +65,8 @@ def _hf_steps(module, x: np.ndarray) -> list[np.ndarray]:
     # Gemma 3's rotary forward takes the layer type (one table per type)
     extra = {"layer_type": module.layer_type} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
     mask = _hf_mask_function(config, module.layer_idx)
+    # Mistral 4's forward requires position_ids (its temperature reads them): the step's position, the cache offset
+    takes_positions = "position_ids" in inspect.signature(module.forward).parameters
     outputs = []
     try:
         with torch.no_grad():
@@ -74,7 +77,8 @@ def _hf_steps(module, x: np.ndarray) -> list[np.ndarray]:
                 allowed = mask(
                     config=config, inputs_embeds=token, attention_mask=None, cache=cache, position_ids=position
                 )
-                out = module(token, position_embeddings=cos_sin, attention_mask=allowed, cache=cache)[0]
+                given = {"position_ids": position} if takes_positions else {}
+                out = module(token, position_embeddings=cos_sin, attention_mask=allowed, cache=cache, **given)[0]
                 outputs.append(out[:, 0].double().numpy().copy())  # (B, E)
     finally:
         config._attn_implementation = before

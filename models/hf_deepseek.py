@@ -17,6 +17,9 @@ What differs between the two (read in transformers 5.25's sources):
 * Both scale by ``yarn_apply_mscale``: ``qk_head_dim^-1/2 * m(factor, mscale_all_dim)^2`` with a scaled rope.
 * The latent norms are ``RMSNorm(rank)`` with eps 1e-6 whatever ``rms_norm_eps`` says, in float32.
 
+``hf-mistral4`` (`models.hf_mistral4`) is V3's layout with Mistral 4's query temperature and rotary width, through
+the hooks of `DeepSeek` (``config_kwargs``, ``call_kwargs``, ``float32_causes``, ``rope``, ``read_fields``, ``rules``).
+
 Float32 inside a float64 module, on every path: the two RMSNorms (``hidden_states.to(torch.float32)``), V2's
 complex64 rotary, the rotary module's float32 angles (V3 takes the spec's float64 tables with
 ``RunOptions.float64_rotary``), eager's float32 softmax. The runs are held to float32 with those causes named;
@@ -31,11 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes
-from mha_rosetta.core.variants.mla import KV_RANK, SIZES, fuse_kv_b, split_kv_b
+from mha_rosetta.core.variants.mla import KV_RANK, SIZES, fuse_kv_b, softmax_scale, split_kv_b
 
 from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_max_positions, hf_rope_parameters, rotary_tables
 from ._layout import SEPARATE, Layout
-from ._module_io import hf_rope, torch_reader, unexpressible
+from ._module_io import HFRope, hf_rope, torch_reader, unexpressible
 from ._real import HF_REQUIRES, torch_state
 
 # The latent sizes transformers' DeepSeek configs and modules name as the spec does: kv_lora_rank, which switches
@@ -100,9 +103,8 @@ class DeepSeek:
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.package}.modeling_{self.package}")
 
-    def build(self, cfg: MHAConfig, options):
-        """A tiny float64 module for ``cfg`` (layer 0), not loaded."""
-        transformers = importlib.import_module("transformers")
+    def config_kwargs(self, cfg: MHAConfig) -> dict:
+        """The keywords of the family's config for ``cfg`` (`build`)."""
         kwargs = dict(
             hidden_size=cfg.d_model,
             num_attention_heads=cfg.n_heads,
@@ -116,8 +118,37 @@ class DeepSeek:
         )
         if not self.complex_rotary:
             kwargs["rope_interleave"] = cfg.rope_interleave
-        config = hf_config(getattr(transformers, self.config_class)(**kwargs), options)
+        return kwargs
+
+    def build(self, cfg: MHAConfig, options):
+        """A tiny float64 module for ``cfg`` (layer 0), not loaded."""
+        transformers = importlib.import_module("transformers")
+        config = hf_config(getattr(transformers, self.config_class)(**self.config_kwargs(cfg)), options)
         return getattr(self.modeling(), self.module)(config, layer_idx=0).double().eval()
+
+    # -- what a family beside DeepSeek's (Mistral 4: `models.hf_mistral4`) computes otherwise ----------------------
+    def call_kwargs(self, xt) -> dict:
+        """What the module's forward takes beside the rotary tables and the mask (DeepSeek: nothing)."""
+        return {}
+
+    def float32_causes(self, cfg: MHAConfig) -> list[str]:
+        """The module's own float32 steps inside a float64 module (the rotary's and eager's aside)."""
+        causes = [NORM_FLOAT32]
+        if self.complex_rotary:
+            causes.append("the rotary multiplies complex64 q and k (apply_rotary_emb casts them to float32)")
+        return causes
+
+    def rope(self, module) -> HFRope:
+        """The instance's rotary settings (the rotary module's width is ``qk_rope_head_dim``: V3's config sets
+        ``head_dim`` to it)."""
+        return hf_rope(module, module.config, module.qk_rope_head_dim)
+
+    def read_fields(self, module) -> dict:
+        """`MHAConfig` fields the instance holds beside MLA's and the rotary's (DeepSeek: none)."""
+        return {}
+
+    def rules(self) -> tuple:
+        return _rules(self)
 
 
 def _rules(family: DeepSeek):
@@ -148,7 +179,9 @@ def _sizes(cfg: MHAConfig) -> dict:
     return {n: getattr(cfg, n) for n in ("d_model", "n_heads", *LATENT)} | {"rope_scaling": cfg.rope_scaling}
 
 
-def deepseek_layout(family: DeepSeek) -> Layout:
+def deepseek_layout(family: DeepSeek, **overrides) -> Layout:
+    """The `Layout` of ``family``; ``overrides``: `Layout` fields a family beside DeepSeek's states otherwise."""
+
     def runner(cfg, state, x, padding, options):
         module = family.build(cfg, options)
         module.load_state_dict(torch_state(state), strict=True)
@@ -165,12 +198,11 @@ def deepseek_layout(family: DeepSeek) -> Layout:
                     tables = rotary(xt, torch.arange(xt.shape[1])[None])
                 else:
                     tables = rotary_tables(cfg, options, rotary.to(xt.dtype), xt)
-                return module(xt, position_embeddings=tables, attention_mask=hf_mask(config, cfg, xt, padding))[0]
+                mask = hf_mask(config, cfg, xt, padding)
+                return module(xt, position_embeddings=tables, attention_mask=mask, **family.call_kwargs(xt))[0]
 
-            causes = [NORM_FLOAT32]
-            if family.complex_rotary:
-                causes.append("the rotary multiplies complex64 q and k (apply_rotary_emb casts them to float32)")
-            elif not options.float64_rotary:
+            causes = family.float32_causes(cfg)
+            if not family.complex_rotary and not options.float64_rotary:
                 causes.append("the rotary module computes its angles in float32")
             if options.implementation == "eager":
                 causes.append("eager attention's softmax runs in float32")
@@ -185,7 +217,11 @@ def deepseek_layout(family: DeepSeek) -> Layout:
             raise unexpressible(module, f"latent norms of eps {sorted(eps)}", "the spec has one norm_eps")
         if (module.kv_a_proj_with_mqa.bias is None) != (module.o_proj.bias is None):
             raise unexpressible(module, "a bias on one of kv_a_proj_with_mqa and o_proj only")
-        rope = hf_rope(module, config, module.qk_rope_head_dim)
+        rope = family.rope(module)
+        # yarn_apply_mscale(head_dim ** -0.5) and the spec's 1 / sqrt(head_dim) * m * m may differ in the last bit
+        # (Mistral 4's d_k 12): within the scale rule's 1e-15 the module's scale is the spec's default, read as such
+        scale = float(module.scaling)
+        default = softmax_scale(module.qk_head_dim, rope.rope_scaling)
         try:
             return MHAConfig(
                 d_model=module.kv_a_proj_with_mqa.in_features,
@@ -194,16 +230,17 @@ def deepseek_layout(family: DeepSeek) -> Layout:
                 rope_interleave=True if family.complex_rotary else bool(config.rope_interleave),
                 bias=module.o_proj.bias is not None,
                 causal=bool(module.is_causal),
-                scale=float(module.scaling),
+                scale=None if abs(scale - default) <= 1e-15 * default else scale,
                 rope_base=rope.rope_base,
                 rope_scaling=rope.rope_scaling,
                 norm_eps=eps.pop(),
+                **family.read_fields(module),
             )
         except (TypeError, ValueError) as error:
             raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
     rotary = "interleaved (complex freqs_cis)" if family.complex_rotary else "rope_interleave: interleaved or half"
-    return Layout(
+    fields: dict = dict(
         name=family.layout,
         module=family.module,
         description=f"{family.module}: multi-head latent attention (q/kv LoRA, one shared rotary key)",
@@ -212,7 +249,7 @@ def deepseek_layout(family: DeepSeek) -> Layout:
         rotary=f"{rotary}, on the last qk_rope_head_dim features of each head",
         source=f"transformers/models/{family.package}/modeling_{family.package}.py",
         split="q.view(B, N, -1, nope + rope); kv_b_proj(c).view(B, N, -1, nope + v): per head [k_nope | v]",
-        rules=_rules(family),
+        rules=family.rules(),
         shapes=shapes,
         pack=pack,
         unpack=unpack,
@@ -229,6 +266,7 @@ def deepseek_layout(family: DeepSeek) -> Layout:
         example=dict(q_lora_rank=5, kv_lora_rank=6, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3, causal=True),
         variants=("mla", "mla_q_lora", "rope_scaling"),
     )
+    return Layout(**{**fields, **overrides})
 
 
 V2 = DeepSeek(

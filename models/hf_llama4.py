@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
+from mha_rosetta.core.variants.temperature import LLAMA4_OFFSET, offset_reason
 
 from ._hf import hf_config, hf_forward, hf_heads, hf_implementation, hf_max_positions, hf_rope_parameters
 from ._hf_decoder import LINEARS, attention_bias_rule, linear_fields
@@ -156,6 +157,8 @@ def _layer_kind_rule(cfg: MHAConfig) -> str | None:
         return f"MHAConfig.attn_temperature_tuning=True with rope={cfg.rope!r}: {MODULE} tempers its NoPE layers only"
     if not float(cfg.floor_scale).is_integer():
         return f"MHAConfig.floor_scale={cfg.floor_scale:g}: Llama4TextConfig.floor_scale is an int"
+    if reason := offset_reason(cfg, MODULE, LLAMA4_OFFSET):  # Llama 4 floors (p + 1) / floor_scale
+        return reason
     if cfg.qk_norm is not None:
         return f"MHAConfig.qk_norm={cfg.qk_norm!r}: {MODULE}'s only QK-norm is weightless, after rotary (qk_norm_after_rope)"
     return None

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
+from mha_rosetta.core.variants.temperature import LLAMA4_OFFSET, offset_reason
 
 from ._hf_decoder import LINEARS
 from ._layout import (
@@ -207,6 +208,8 @@ def _layer_kind_rule(cfg: MHAConfig) -> str | None:
         return f"MHAConfig.attn_temperature_tuning=True with rope={cfg.rope!r}: {MODULE} tempers its NoPE layers only"
     if not float(cfg.floor_scale).is_integer():
         return f"MHAConfig.floor_scale={cfg.floor_scale:g}: mlx-lm's TextArgs.floor_scale is an int"
+    if reason := offset_reason(cfg, MODULE, LLAMA4_OFFSET):  # Llama 4 floors (p + 1) / floor_scale
+        return reason
     if cfg.qk_norm_after_rope and cfg.norm_eps != NORM_EPS:
         return f"MHAConfig.norm_eps={cfg.norm_eps!r}: {MODULE}'s QK-norm uses eps 1e-6 whatever rms_norm_eps says"
     if cfg.qk_norm is not None:

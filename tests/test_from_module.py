@@ -881,6 +881,7 @@ def test_every_reader_is_registered_once_by_class():
         "transformers.Llama4TextAttention",
         "transformers.DeepseekV2Attention",
         "transformers.DeepseekV3Attention",
+        "transformers.Mistral4Attention",
         "transformers.Qwen3NextAttention",
         "transformers.BloomAttention",
         "transformers.MptAttention",

@@ -14,9 +14,11 @@ from conftest import refusal_reason
 from mha_rosetta.core import MHAConfig, MHAParams, default_cotangent, init_params, reference_mha, reference_mha_vjp
 from mha_rosetta.core.stages import stage_shapes
 from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, YARN, fuse_kv_b, split_kv_b
+from mha_rosetta.core.variants.models import MISTRAL4_LIKE
 
 V3 = MHAConfig(**DEEPSEEK_V3_LIKE)
 V2 = MHAConfig(**DEEPSEEK_V2_LITE_LIKE)
+MISTRAL4 = MHAConfig(**MISTRAL4_LIKE)  # and the query temperature on both parts (tests/test_mla_temperature.py)
 
 
 def _x(shape, seed=0):
@@ -133,7 +135,7 @@ def test_yarn_scales_the_rotary_and_the_softmax_apart():
     np.testing.assert_allclose(k_b, k_a * ratio, rtol=1e-13)
 
 
-@pytest.mark.parametrize("cfg", [V3, V2], ids=["v3", "v2_lite"])
+@pytest.mark.parametrize("cfg", [V3, V2, MISTRAL4], ids=["v3", "v2_lite", "mistral4"])
 def test_the_float64_backward_matches_central_differences_in_every_parameter_and_input(cfg):
     params = init_params(cfg, seed=5)
     x = _x((2, 5, cfg.d_model), seed=1)

@@ -23,6 +23,7 @@ from mha_rosetta.core.decode import reference_decode
 from mha_rosetta.core.tolerances import assert_close
 from mha_rosetta.core.variants import VARIANT_REGISTRY, adapted_variants, strategy_forms
 from mha_rosetta.core.variants.mla import DEEPSEEK_V2_LITE_LIKE, DEEPSEEK_V3_LIKE, MLA_ADAPTERS
+from mha_rosetta.core.variants.models import MISTRAL4_LIKE
 
 FORMS = ("naive", "absorbed")
 # The adapters that apply MLA, each with the library it needs (the numpy env has NumPy only).
@@ -43,6 +44,8 @@ CONFIGS = {
     "v2_lite": MHAConfig(**DEEPSEEK_V2_LITE_LIKE),  # one q_proj, attention_bias on kv_a and o_proj
     "v3_half_window": MHAConfig(**dict(DEEPSEEK_V3_LIKE, rope_interleave=False, window=3)),
     "v3_softcap_chunks": MHAConfig(**dict(DEEPSEEK_V3_LIKE, softcap=4.0, attention_chunk_size=3)),
+    # Mistral 4's temperature on both query parts, at the positions (a decode step's with the cache offset)
+    "mistral4": MHAConfig(**MISTRAL4_LIKE),
 }
 
 
@@ -98,7 +101,7 @@ def test_a_mask_positions_and_float32(name, form):
 
 @pytest.mark.parametrize("name", ADAPTERS)
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("config", ["v3", "v3_half_window"])
+@pytest.mark.parametrize("config", ["v3", "v3_half_window", "mistral4"])
 def test_decode_through_the_latent_cache_equals_the_full_forward(name, form, config):
     cfg = CONFIGS[config]
     params = init_params(cfg, seed=5)
@@ -128,7 +131,7 @@ def test_decode_through_the_latent_cache_equals_the_full_forward(name, form, con
 
 @pytest.mark.parametrize("name", VJP_ADAPTERS)
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("config", ["v3", "v2_lite", "v3_softcap_chunks"])
+@pytest.mark.parametrize("config", ["v3", "v2_lite", "v3_softcap_chunks", "mistral4"])
 def test_the_backward_agrees_with_the_oracle(name, form, config):
     cfg = CONFIGS[config]
     params = init_params(cfg, seed=6)

@@ -69,7 +69,7 @@ def test_registry_lists_every_family():
     assert list(LAYOUTS) == [
         "hf-gpt2", "hf-bert", "hf-llama", "meta-llama", "hf-gpt-neox", "hf-phi3", "hf-falcon", "hf-qwen2",
         "hf-mistral", "hf-qwen3", "hf-olmo2", "hf-gemma2", "hf-gemma3", "hf-gemma4", "hf-gpt-oss", "hf-llama4", "hf-deepseek-v2",
-            "hf-deepseek-v3", "hf-qwen3-next", "hf-bloom", "hf-mpt",
+            "hf-deepseek-v3", "hf-mistral4", "hf-qwen3-next", "hf-bloom", "hf-mpt",
         "megatron", "timm-vit", "hf-t5", "keras", "mlx-llama", "mlx-qwen2", "mlx-qwen3", "mlx-olmo2", "mlx-gemma3", "mlx-phi3", "mlx-gemma2",
         "mlx-gpt-oss", "mlx-qwen3-next", "mlx-deepseek-v3", "mlx-llama4", "mlx-llama4-text",
         "keras-hub-llama", "keras-hub-mistral", "keras-hub-gemma", "keras-hub-gemma3", "keras-hub-qwen2",

@@ -265,4 +265,4 @@ def test_the_readme_example_backends_pass_and_fail_as_the_readme_says():
         timeout=300,
     )
     assert bad.returncode == 1
-    assert "against the oracle: unsupported 70, DISAGREE 6" in bad.stdout  # 46 of the 70: variant cases
+    assert "against the oracle: unsupported 71, DISAGREE 6" in bad.stdout  # 47 of the 71: variant cases

@@ -11,7 +11,7 @@ from functools import partial
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._inputs import convert_inputs
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
 from ..base import STANDARD, Backend, DecodeStep, Prepared, check_device_name, tensor_to_numpy
 from ..frameworks.ops import OPS_BY_LIBRARY, RegistryVariants
 from ..jax.common import CompiledForward, allows_tf32, check_matmul_precision, compiled_prepared
@@ -38,6 +38,7 @@ class EinopsBackend(MLAStrategies, Backend):
     """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
 
     strategies = (STANDARD, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`), in `mla`
+    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
 
     # Every variant with named axes, on every array library (`plans` shows how); the backward
     # (torch and JAX arrays) differentiates the same pipeline, so it has them all too.

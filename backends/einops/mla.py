@@ -35,10 +35,11 @@ repeated or copied per head::
     output  = einsum("b q h l, h o l -> b q o", latent, W_OUV)           # the heads summed by the contraction
 
 The fold ``W_OUV`` is computed in the pass from ``w_o`` and ``w_v``, so that the backward (the library's autodiff,
-`vjp`) reaches both. The scale multiplies the queries; the score steps (the softcap, the positional masks, the
-softmax) run on the library's ops object (`frameworks.ops.score_steps`), the scores laid out ``"b h q s"`` as the
-plain plan's (`plans.MHA_PLAN`: MLA has a kv head per head). Every rearrange here splits or merges neighbouring
-axes; every change of axis order is an einsum output spec.
+`vjp`) reaches both. The scale multiplies the queries, and so does Mistral 4's temperature: both parts, ``q_nope``
+and ``q_rot``, times their positions' factors ``"b n 1 1"`` (`plans.temper_table`); the score steps (the softcap,
+the positional masks, the softmax) run on the library's ops object (`frameworks.ops.score_steps`), the scores laid
+out ``"b h q s"`` as the plain plan's (`plans.MHA_PLAN`: MLA has a kv head per head). Every rearrange here splits or
+merges neighbouring axes; every change of axis order is an einsum output spec.
 
 Decode (`prepare_einops_mla_decode_run`): one static cache ``"b s f"`` (B, T, R + dr), the packed ``[c | k_rope]``
 of each token, allocated once for the run and written at the chunk's slots by the library's own write
@@ -66,7 +67,7 @@ from ..jax.common import CompiledForward, allows_tf32, compiled_prepared, effect
 from ..torch.common import with_matmul_precision
 from .decode import _precision_wrapped, put
 from .layer import grouped_allowed, grouped_masks, rotate_pairs
-from .plans import MHA_PLAN, OUTPUT, axis_sizes
+from .plans import MHA_PLAN, OUTPUT, axis_sizes, temper_table
 
 SCORES = {
     NAIVE: ("b q h k, b s h k -> b h q s", "b q h e, b s e -> b h q s"),
@@ -108,19 +109,23 @@ def mla_weights(cfg: MHAConfig, params: MHAParams) -> dict:
     }
 
 
-def latent_tables(ops, cfg: MHAConfig, inputs) -> dict | None:
-    """The rotary tables as the library's arrays: ``"q"`` (cos, sin) "b n 1 e/2" against the heads, ``"k"`` "b n e/2"
-    against the shared key (no head axis); None without rope. ``inputs``: positions and kv_positions."""
+def latent_tables(ops, cfg: MHAConfig, inputs, dtype: str) -> dict | None:
+    """The position tables as the library's arrays, each a tuple with the tokens on axis 1: the rotary's ``"q"``
+    (cos, sin) "b n 1 e/2" against the heads, ``"k"`` "b n e/2" against the shared key (no head axis); with the
+    temperature ``"temper"`` (its factors "b n 1 1", `plans.temper_table`). None without either. ``inputs``:
+    positions and kv_positions."""
     import einops
 
+    out = {}
     tables = rotary_tables(cfg, inputs)
-    if tables is None:
-        return None
-    against_heads = [einops.rearrange(table, "b n k -> b n 1 k") for table in (tables.q_cos, tables.q_sin)]
-    return {
-        "q": tuple(ops.asarray(table) for table in against_heads),
-        "k": (ops.asarray(tables.k_cos), ops.asarray(tables.k_sin)),
-    }
+    if tables is not None:
+        against_heads = [einops.rearrange(table, "b n k -> b n 1 k") for table in (tables.q_cos, tables.q_sin)]
+        out["q"] = tuple(ops.asarray(table) for table in against_heads)
+        out["k"] = (ops.asarray(tables.k_cos), ops.asarray(tables.k_sin))
+    temper = temper_table(ops, cfg, inputs.positions, MHA_PLAN, dtype)  # MLA has a kv head per head: MHA's layout
+    if temper is not None:
+        out["temper"] = temper
+    return out or None
 
 
 def _linear(ops, pattern: str, x, w, b=None):
@@ -135,13 +140,14 @@ def latent_rows(ops, cfg: MHAConfig, w: dict, x, tables=None):
     kv_a = _linear(ops, "b n d, f d -> b n f", x, w["w_kv_a"], w["b_kv_a"])  # (B, N, R + dr)
     c, k_pe = einops.unpack(kv_a, [[cfg.kv_lora_rank], [cfg.qk_rope_head_dim]], "b n *")  # "b n l", "b n e"
     c = ops.rms_norm(c, w["kv_a_norm"], cfg.norm_eps, "b n l -> b n 1")
-    if tables is not None:
+    if tables is not None and "k" in tables:
         k_pe = rotate_pairs(k_pe, *tables["k"], cfg.rope, "b n")  # rotated once, for every head
     return einops.pack([c, k_pe], "b n *")[0]  # (B, N, R + dr)
 
 
 def queries(ops, cfg: MHAConfig, w: dict, x, tables=None, record: dict | None = None):
-    """(q_nope "b q h k", the rotated q_rot "b q h e") of tokens ``x`` "b n d", scaled by ``cfg.scale``."""
+    """(q_nope "b q h k", the rotated q_rot "b q h e") of tokens ``x`` "b n d", scaled by ``cfg.scale`` (and by the
+    temperature's factors, with it)."""
     import einops
 
     source = x
@@ -155,8 +161,11 @@ def queries(ops, cfg: MHAConfig, w: dict, x, tables=None, record: dict | None = 
         record["q"] = einops.rearrange(q, "b n h f -> b n (h f)")  # (B, N, H*Dk), a merge
     q = ops.scale(q, cfg.scale)  # the queries, cheaper than the scores
     q_nope, q_rot = einops.unpack(q, [[cfg.qk_nope_head_dim], [cfg.qk_rope_head_dim]], "b n h *")
-    if tables is not None:
+    tables = tables or {}
+    if "q" in tables:
         q_rot = rotate_pairs(q_rot, *tables["q"], cfg.rope, "b n h")
+    if "temper" in tables:  # both parts, each query's features times its position's factor "b n 1 1"
+        q_nope, q_rot = (ops.temper_queries(part, tables["temper"][0]) for part in (q_nope, q_rot))
     return q_nope, q_rot
 
 
@@ -254,7 +263,7 @@ def prepare_einops_mla(backend, ops, cfg: MHAConfig, params: MHAParams, inputs: 
         mla_pipeline(*arrays, cfg=cfg, form=form, record=record)
         return record
 
-    args = (weights, x_q, x_k, x_v, blocked, empty_rows, latent_tables(ops, cfg, inputs))
+    args = (weights, x_q, x_k, x_v, blocked, empty_rows, latent_tables(ops, cfg, inputs, dtype))
     if backend.array_library == "jax":
         key = ("einops.jax.mla", cfg, form, dtype, device)  # the closures capture ops (its dtype and device), cfg, form
         compiled = CompiledForward(partial(forward, ops), args, backend.matmul_precision, key)
@@ -282,7 +291,7 @@ def prepare_einops_mla_decode_run(backend, ops, cfg, params, inputs: DecodeInput
     w = {name: ops.asarray(value) for name, value in mla_weights(cfg, params).items()}
     xs = ops.asarray(inputs.x)  # "b n d"
     every = SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
-    tables = latent_tables(ops, cfg, every)  # every position of the run, once
+    tables = latent_tables(ops, cfg, every, dtype)  # every position of the run, once (the temperature's offset)
     fixed = backend.array_library == "jax"  # jitted over the whole cache: fixed shapes, one program per chunk length
     steps = []
     for start, stop in inputs.chunks():

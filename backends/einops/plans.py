@@ -214,8 +214,19 @@ def position_tables(ops, cfg: MHAConfig, inputs, plan: EinsumPlan, dtype: str) -
         q_layout = [einops.rearrange(table, plan.table_q) for table in (rotary.q_cos, rotary.q_sin)]
         k_layout = [einops.rearrange(table, plan.table_kv) for table in (rotary.k_cos, rotary.k_sin)]
         tables["rotary"] = tuple(ops.asarray(table) for table in (*q_layout, *k_layout))  # against q and k
-    factors = temperature_factors(cfg, inputs.positions)  # (1|B, Nq) float64
-    if factors is not None:
-        laid_out = einops.rearrange(factors[..., None], plan.table_q)  # (1|B, Nq, 1[, 1], 1)
-        tables["temper"] = (ops.asarray(laid_out.astype(np.float64 if dtype == "float64" else np.float32), cast=False),)
+    temper = temper_table(ops, cfg, inputs.positions, plan, dtype)
+    if temper is not None:
+        tables["temper"] = temper
     return tables or None
+
+
+def temper_table(ops, cfg: MHAConfig, positions, plan: EinsumPlan, dtype: str) -> tuple | None:
+    """``(factors,)``: the temperature's factors of the query ``positions`` (1|B, Nq) laid out against the query
+    heads by ``plan`` (1|B, Nq, 1[, 1], 1), the library's array in at least float32; None without it."""
+    import einops
+
+    factors = temperature_factors(cfg, positions)  # (1|B, Nq) float64
+    if factors is None:
+        return None
+    laid_out = einops.rearrange(factors[..., None], plan.table_q)  # (1|B, Nq, 1[, 1], 1)
+    return (ops.asarray(laid_out.astype(np.float64 if dtype == "float64" else np.float32), cast=False),)

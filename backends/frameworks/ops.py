@@ -272,18 +272,18 @@ def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None
 HEAD_STEP_HOW = {
     "q_rotated_normed": "weightless RMS norm of each query head's Dk features (qk_norm_after_rope)",
     "k_rotated_normed": "weightless RMS norm of each key head's Dk features (qk_norm_after_rope)",
-    "q_tempered": "times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)), p with the cache offset",
+    "q_tempered": "times 1 + attn_scale * log1p(floor((p + floor_offset) / floor_scale)), p with the cache offset",
     "v_normed": "weightless RMS norm of each kv head's Dv features (value_norm)",
 }
 
 
 def temperature_factors(cfg: MHAConfig, positions):
-    """Llama 4's temperature factors of the query positions ``positions`` ((1|B, Nq) int64, the cache offset
-    included on a decode step), NumPy float64 of their shape; None when ``cfg`` has no temperature. Each
-    convention converts them once and lays them out against its query heads."""
+    """The temperature factors (Llama 4's or Mistral 4's, `core.variants.temperature`) of the query positions
+    ``positions`` ((1|B, Nq) int64, the cache offset included on a decode step), NumPy float64 of their shape; None
+    when ``cfg`` has no temperature. Each convention converts them once and lays them out against its query heads."""
     if not cfg.attn_temperature_tuning:
         return None
-    return temperature_scales(positions, cfg.floor_scale, cfg.attn_scale)
+    return temperature_scales(positions, cfg.floor_scale, cfg.attn_scale, cfg.floor_offset)
 
 
 def after_rotary(ops, cfg: MHAConfig, heads, which: str, factors=None, axis: int = -1, on_stage=None):

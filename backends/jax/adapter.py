@@ -12,7 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
 from .._paged import PAGED
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
@@ -49,6 +49,7 @@ class JaxBackend(MLAStrategies, Backend):
 
     name = "jax"
     mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
+    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
     strategies = (STANDARD, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`, `mla`)
     # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries

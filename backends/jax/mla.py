@@ -12,7 +12,9 @@ head's function receives:
 ``naive`` expands the head's keys ``c @ W_UK_h^T`` and values ``c @ W_UV_h^T``; ``absorbed`` scores the head's
 folded query ``q_nope_h @ W_UK_h`` against ``c`` itself (with ``q_rot_h . k_rope``): multi-query attention over
 the latent, the context ``A_h @ c`` (N, R) brought out by ``W_O_h W_UV_h`` (D, R); the heads' outputs are summed.
-The score steps (the softcap, the masks, the softmax) on JAX's ops object. The backward is ``jax.vjp`` of this
+The score steps (the softcap, the masks, the softmax) on JAX's ops object; Mistral 4's temperature multiplies both
+query parts, ``q_nope`` and the rotated ``q_rot``, by their positions' factors before the vmap (they ride with the
+rotary tables: ``tables[4]``, None without it). The backward is ``jax.vjp`` of this
 pass; decode writes each step's ``[c | k_rope]`` into one static cache (B, T, R + dr) in a jitted step that
 donates it (``lax.dynamic_update_slice``).
 
@@ -49,6 +51,7 @@ from .common import (
     numpy_rotary_tables,
     rms_norm_last_axis,
     rotate_last_axis,
+    temperature_table,
     to_jax,
 )
 from .vjp import canonical_param_grads, jax_vjp_prepared
@@ -108,12 +111,21 @@ def latent_rows(cfg: MHAConfig, p: dict, x, k_cos, k_sin):
     return kv_latent, rotate_last_axis(kv_a[..., R:], k_cos, k_sin, cfg.rope)  # rotated once, shared by all heads
 
 
-def mla_pass(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty):
-    """The output (B, N, D) of the queries of tokens ``x_q`` over the latent rows."""
-    return mla_stages(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty)["output"]
+def factor_table(cfg: MHAConfig, positions: np.ndarray, dtype: str):
+    """The temperature's factors of ``positions`` (1|B, N), NumPy in at least float32 (`common.temperature_table`),
+    or None without it: the fifth of the tables `mla_pass` reads."""
+    return temperature_table(cfg, positions, dtype).get("temper")
 
 
-def mla_stages(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty) -> dict:
+def mla_pass(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors=None):
+    """The output (B, N, D) of the queries of tokens ``x_q`` over the latent rows; ``factors`` (1|B, N): the
+    temperature's of the queries, or None."""
+    return mla_stages(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors)["output"]
+
+
+def mla_stages(
+    cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors=None
+) -> dict:
     """`mla_pass`'s stages by name (`STAGE_AXES`): ``q_latent``, ``q``, `head`'s stages with the head and batch axes
     the vmaps give them in front, and ``output`` (B, N, D)."""
     B, N, _ = x_q.shape
@@ -125,11 +137,14 @@ def mla_stages(cfg: MHAConfig, form: str, p: dict, x_q, kv_latent, k_rope, q_cos
         source = stages["q_latent"] = rms_norm_last_axis(q_a, p["q_a_norm"], cfg.norm_eps)
     stages["q"] = source @ p["w_q"].T  # (B, N, H*Dk): q_b_proj has no bias
     q = stages["q"].reshape(B, N, H, cfg.d_k).transpose(0, 2, 1, 3)  # (B, H, N, Dk)
+    q_nope = q[..., :dn]  # (B, H, N, dn)
     q_rot = rotate_last_axis(q[..., dn:], q_cos[:, None], q_sin[:, None], cfg.rope)  # (B, H, N, dr)
+    if factors is not None:  # the temperature: every head and feature of a query row times its position's factor
+        q_nope, q_rot = (JaxOps().temper_queries(part, factors[:, None, :, None]) for part in (q_nope, q_rot))
     w_o_heads = p["w_o"].reshape(-1, H, dv).transpose(1, 0, 2)  # (H, D, dv): columns h*dv:(h+1)*dv
     w_uk, w_uv = p["w_k"].reshape(H, dn, R), p["w_v"].reshape(H, dv, R)  # (H, dn, R), (H, dv, R)
     per_head = heads_and_batch(cfg, form, blocked, empty)(
-        q[..., :dn], q_rot, w_uk, w_uv, w_o_heads, kv_latent, k_rope, blocked, empty
+        q_nope, q_rot, w_uk, w_uv, w_o_heads, kv_latent, k_rope, blocked, empty
     )  # each stage (B, H, ...): the batch vmap's axis, then the heads'
     out = per_head.pop("output").sum(axis=1)  # (B, H, N, D) -> (B, N, D): the heads' contributions summed
     return {**stages, **per_head, "output": out if p.get("b_o") is None else out + p["b_o"]}
@@ -141,12 +156,12 @@ def latent_step(cfg: MHAConfig, form: str, p: dict, cache, x, start, tables, blo
     import jax
     from jax import lax
 
-    qc, qs, kc, ks = tables
+    qc, qs, kc, ks, factors = tables  # factors: the temperature's of the chunk's queries (B, s), or None
     kv_latent, k_rope = latent_rows(cfg, p, x, kc, ks)
     zero = jax.numpy.zeros_like(start)  # the indices of one integer type (int64 under float64)
     cache = lax.dynamic_update_slice(cache, jax.numpy.concatenate([kv_latent, k_rope], -1), (zero, start, zero))
     R = cfg.kv_lora_rank
-    return cache, mla_pass(cfg, form, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty)
+    return cache, mla_pass(cfg, form, p, x, cache[..., :R], cache[..., R:], qc, qs, blocked, empty, factors)
 
 
 def _forward(cfg: MHAConfig, form: str, every_stage: bool = False):
@@ -154,9 +169,9 @@ def _forward(cfg: MHAConfig, form: str, every_stage: bool = False):
     (the stage dump, jitted apart: `CompiledForward.trace_and_run`)."""
 
     def forward(p, x_q, x_k, x_v, tables, blocked, empty):
-        q_cos, q_sin, k_cos, k_sin = tables
+        q_cos, q_sin, k_cos, k_sin, factors = tables
         kv_latent, k_rope = latent_rows(cfg, p, x_k, k_cos, k_sin)
-        stages = mla_stages(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty)
+        stages = mla_stages(cfg, form, p, x_q, kv_latent, k_rope, q_cos, q_sin, blocked, empty, factors)
         return dict(stages, kv_latent=kv_latent, k_rope=k_rope) if every_stage else stages["output"]
 
     return forward
@@ -187,6 +202,7 @@ def stage_tensors(stages: dict) -> dict[str, StageTensor]:
 def _arguments(cfg: MHAConfig, inputs: MHAInputs, dtype: str, target):
     check_one_input(inputs.key, inputs.value)
     tables = tuple(to_jax(t, dtype, target) for t in numpy_rotary_tables(cfg, inputs))
+    tables += (to_jax(factor_table(cfg, inputs.positions, dtype), None, target),)  # the temperature's, or None
     B, Nq, Nk = inputs.query.shape[0], inputs.query.shape[1], inputs.key.shape[1]
     blocked, empty = _masks(cfg, allowed_positions(cfg, inputs), B, Nq, Nk)
     return tables, to_jax(blocked, None, target), to_jax(empty, None, target)
@@ -222,10 +238,12 @@ def prepare_jax_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strategy,
     )
 
 
-def decode_chunk_arrays(cfg: MHAConfig, inputs: DecodeInputs) -> list[tuple]:
-    """Each chunk of a decode run, NumPy: ``(x (B, s, D), start (int32), (q_cos, q_sin, k_cos, k_sin) (B, s, dr/2),
-    blocked (B, H, s, T), empty (B, H, s, 1) or None)``; the masks by the positions of the slots written so far."""
+def decode_chunk_arrays(cfg: MHAConfig, inputs: DecodeInputs, dtype: str) -> list[tuple]:
+    """Each chunk of a decode run, NumPy: ``(x (B, s, D), start (int32), (q_cos, q_sin, k_cos, k_sin) (B, s, dr/2)
+    and the temperature's factors (B, s) or None, blocked (B, H, s, T), empty (B, H, s, 1) or None)``; the masks by
+    the positions of the slots written so far."""
     tables = numpy_rotary_tables(cfg, SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions))
+    factors = factor_table(cfg, inputs.positions, dtype)  # (1|B, N): every position of the run, or None
     B, N, _ = inputs.x.shape
     chunks = []
     for start, stop in inputs.chunks():
@@ -233,7 +251,8 @@ def decode_chunk_arrays(cfg: MHAConfig, inputs: DecodeInputs) -> list[tuple]:
         written = inputs.valid & (np.arange(N) < stop)  # (B, T): slots written so far (the rest never seen)
         allowed = decode_allowed(cfg, inputs.positions[:, window], inputs.positions, written)  # (B, 1, s, T)
         blocked, empty = _masks(cfg, allowed, B, stop - start, N)
-        chunks.append((inputs.x[:, window], np.int32(start), tuple(t[:, window] for t in tables), blocked, empty))
+        chunk_tables = (*(t[:, window] for t in tables), None if factors is None else factors[:, window])
+        chunks.append((inputs.x[:, window], np.int32(start), chunk_tables, blocked, empty))
     return chunks
 
 
@@ -247,9 +266,9 @@ def prepare_jax_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, device,
     rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     jitted = jax.jit(partial(latent_step, cfg, strategy), donate_argnums=(1,))
     chunks = [
-        (to_jax(x, dtype, target), start, tuple(to_jax(t, dtype, target) for t in tables),
+        (to_jax(x, dtype, target), start, (*(to_jax(t, dtype, target) for t in tables[:4]), to_jax(tables[4], None, target)),
          to_jax(blocked, None, target), to_jax(empty, None, target))
-        for x, start, tables, blocked, empty in decode_chunk_arrays(cfg, inputs)
+        for x, start, tables, blocked, empty in decode_chunk_arrays(cfg, inputs, dtype)
     ]  # fmt: skip
 
     def run():
@@ -289,6 +308,7 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
     rng = np.random.default_rng(job.seed)
     everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
     tables = numpy_rotary_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere))
+    factors = factor_table(cfg, everywhere[:, T:], job.dtype)  # the step's positions' (B, s), or None
     x = rng.standard_normal((B, s, cfg.d_model))  # (B, s, D)
     rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     cache = np.zeros((B, T + s, rows))  # (B, T + s, R + dr): rows :T the cached tokens, NumPy's columns transposed
@@ -298,7 +318,7 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
 
     args = (
         p, to_jax(cache, job.dtype, target), to_jax(x, job.dtype, target), np.int32(T),
-        tuple(to_jax(t[:, T:], job.dtype, target) for t in tables),
+        (*(to_jax(t[:, T:], job.dtype, target) for t in tables), to_jax(factors, None, target)),
         to_jax(blocked, None, target), to_jax(empty, None, target),
     )  # fmt: skip
     jitted, state = jax.jit(partial(latent_step, cfg, form)), {}
@@ -318,7 +338,9 @@ def prepare_jax_mla_decode_step(cfg, params, job, matmul_precision, info) -> Pre
         cache, _ = latent_step(cfg, form, p, cache, x, start, tables, blocked, empty)
         latent, k_rope = cache[..., : cfg.kv_lora_rank], cache[..., cfg.kv_lora_rank :]
         return dict(
-            mla_stages(cfg, form, p, x, latent, k_rope, *tables[:2], blocked, empty), kv_latent=latent, k_rope=k_rope
+            mla_stages(cfg, form, p, x, latent, k_rope, *tables[:2], blocked, empty, tables[4]),
+            kv_latent=latent,
+            k_rope=k_rope,
         )
 
     def stages():  # jitted apart, untimed (the timed executable returns the output only)

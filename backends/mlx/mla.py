@@ -105,12 +105,16 @@ class MlxMLA(MlxAttention):
         return c, rotate(k_pe[:, None], *tables["k"], self.traditional)  # (B, 1, N, dr): rotated once, for all heads
 
     def queries(self, p: dict, x, tables: dict):
-        """(q_nope (B, H, N, dn), q_pe (B, H, N, dr) rotated) of tokens ``x`` (B, N, D)."""
+        """(q_nope (B, H, N, dn), q_pe (B, H, N, dr) rotated) of tokens ``x`` (B, N, D), both times the temperature's
+        factors (Mistral 4: ``tables["temper"]``, (1|B, 1, N, 1)) with it."""
         cfg = self.cfg
         source = x if "w_q_a" not in p else self.rms_norm(self.linear(p, x, "q_a"), p["q_a_norm"])  # (B, N, Rq)
         q = self.split(self.linear(p, source, "q"), cfg.n_heads)  # (B, H, N, Dk): a transposed copy when evaluated
         q_nope, q_pe = self.mx.split(q, [cfg.qk_nope_head_dim], axis=-1)
-        return q_nope, rotate(q_pe, *tables["q"], self.traditional)
+        q_pe = rotate(q_pe, *tables["q"], self.traditional)
+        if "temper" not in tables:
+            return q_nope, q_pe
+        return tuple(self.ops.temper_queries(part, tables["temper"][0]) for part in (q_nope, q_pe))
 
     def per_head(self, p: dict):
         """(embed_q's weight ``W_UK_h^T`` (H, R, dn), unembed_out's ``W_UV_h`` (H, dv, R)) from kv_b_proj's rows."""

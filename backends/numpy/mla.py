@@ -15,7 +15,9 @@ Column samples as in `layer`: every token is a column, ``Y = W @ X + b``. Where 
   brings it out.
 
 The scores are ``(B, H, Nk, Nq)``, one column per query, and go through NumPy's ops object like every path
-(`frameworks.ops.score_steps`: the softcap, the positional masks, the softmax over keys on axis -2).
+(`frameworks.ops.score_steps`: the softcap, the positional masks, the softmax over keys on axis -2). Mistral 4's
+temperature (`backends._mla.QUERY_STEPS`) multiplies each query column of both parts, ``q_nope`` and the rotated
+``q_rot``, by its position's factor (``(1|B, 1, 1, N)``, the cache offset included on a decode step).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .._inputs import convert_inputs
 from .._mla import ABSORBED, NAIVE
 from .._recording import StageRecorder, record_stages
 from ..base import Prepared
-from ..frameworks.ops import score_steps
+from ..frameworks.ops import score_steps, temperature_factors
 from ..frameworks.ops_numpy import NumpyOps
 from .common import MaskArrays, NumpyPrecision
 from .heads import columns_to_rows, rotate_rows
@@ -53,15 +55,25 @@ def column_tables(cfg: MHAConfig, inputs) -> dict | None:
     }
 
 
+def column_factors(cfg: MHAConfig, positions) -> np.ndarray | None:
+    """The temperature's factors of the query ``positions`` (1|B, N) laid out against the query columns
+    (B, H, d, N): ``(1|B, 1, 1, N)`` float64, or None without the temperature."""
+    factors = temperature_factors(cfg, positions)  # (1|B, N)
+    return None if factors is None else factors[:, None, None, :]
+
+
 class ColumnSampleMLA:
     """One MLA layer's parameters converted once to column samples, and the steps of both forms.
 
     The pieces (`latent`, `queries`, `attend`) serve the forward (`MLAForward`), the decode path (`mla_decode`)
-    and the hand-written backward (`mla_vjp`), so the three read the same arithmetic.
+    and the hand-written backward (`mla_vjp`), so the three read the same arithmetic. ``factors``: the temperature's
+    (`column_factors` of the positions ``tables`` were made for), or None.
     """
 
-    def __init__(self, cfg: MHAConfig, params: MHAParams, precision: NumpyPrecision, tables: dict | None) -> None:
-        self.cfg, self.precision, self.rotary = cfg, precision, tables
+    def __init__(
+        self, cfg: MHAConfig, params: MHAParams, precision: NumpyPrecision, tables: dict | None, factors=None
+    ) -> None:
+        self.cfg, self.precision, self.rotary, self.factors = cfg, precision, tables, factors
         P = precision
         self.ops = NumpyOps(precision.name, keys_axis=-2)  # the score steps, over keys on axis -2
         self.round = lambda a: P.operand(P.store(a))  # a stage rounded to storage, kept in the compute dtype
@@ -101,6 +113,14 @@ class ColumnSampleMLA:
             cos, sin = cos[:, None], sin[:, None]  # (1|B, 1, dr/2, N): the same angles for every head
         return self.precision.operand(rotate_rows(x, cos, sign * sin, self.cfg.rope, self.precision))
 
+    def temper(self, x, tokens: slice | None = None):
+        """Query columns ``x`` (B, H, d, N) times their positions' temperature factors (the columns ``tokens``), rounded
+        like every stage; ``x`` itself without the temperature. Its own backward: the factor is a diagonal map."""
+        if self.factors is None:
+            return x
+        factors = self.factors if tokens is None else self.factors[..., tokens]  # (1|B, 1, 1, s) view
+        return self.precision.operand(self.ops.temper_queries(x, factors))
+
     def latent(self, x, tokens: slice | None = None) -> dict:
         """What the cache holds for the token columns ``x`` (B, D, N): ``kv_latent`` (B, R, N), ``k_rope`` (B, dr, N),
         with the pre-norm ``c`` and the unrotated ``k_pe`` (row views of ``W_kva @ X``) for the backward."""
@@ -112,7 +132,7 @@ class ColumnSampleMLA:
 
     def queries(self, x, tokens: slice | None = None) -> dict:
         """``q_a`` and ``q_latent`` (with q_lora_rank), ``q`` (B, H*Dk, N), ``q_nope`` (B, H, dn, N) and the rotated
-        ``q_rot`` (B, H, dr, N)."""
+        ``q_rot`` (B, H, dr, N), both tempered with the temperature (`temper`)."""
         cfg, P = self.cfg, self.precision
         out: dict = {}
         source = x
@@ -123,8 +143,8 @@ class ColumnSampleMLA:
         B, _, N = q.shape
         heads = q.reshape(B, cfg.n_heads, cfg.d_k, N)  # (B, H, Dk, N) view: head h owns rows h*Dk:(h+1)*Dk
         dn = cfg.qk_nope_head_dim
-        out["q_nope"] = heads[:, :, :dn]  # (B, H, dn, N) view
-        out["q_rot"] = self.rotate(heads[:, :, dn:], "q", tokens)  # (B, H, dr, N), new
+        out["q_nope"] = self.temper(heads[:, :, :dn], tokens)  # (B, H, dn, N) view (new when tempered)
+        out["q_rot"] = self.temper(self.rotate(heads[:, :, dn:], "q", tokens), tokens)  # (B, H, dr, N), new
         return out
 
     def expand(self, kv_latent):
@@ -202,7 +222,8 @@ class MLAForward:
 
     def __init__(self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, precision: NumpyPrecision) -> None:
         check_one_input(inputs.key, inputs.value)  # one latent of the key tokens: value must be the key
-        self.layer = ColumnSampleMLA(cfg, params, precision, column_tables(cfg, inputs))
+        factors = column_factors(cfg, inputs.positions)  # Mistral 4's temperature, or None
+        self.layer = ColumnSampleMLA(cfg, params, precision, column_tables(cfg, inputs), factors)
         P = precision
 
         def columns(x):  # (B, N, F) rows -> (B, F, N) columns, contiguous

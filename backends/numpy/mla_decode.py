@@ -27,7 +27,7 @@ from ..base import Prepared, PreparedDecode
 from ..vocabulary import UnsupportedCase
 from .common import MaskArrays, NumpyPrecision
 from .heads import columns_to_rows
-from .mla import ColumnSampleMLA, column_tables
+from .mla import ColumnSampleMLA, column_factors, column_tables
 
 LATENT_LAYOUT = (
     "the latent and the rotated shared key as rows of one array (B, R + dr, T): rows :R the normed latent, rows "
@@ -82,7 +82,8 @@ def prepare_numpy_mla_decode_run(
     """A whole decode run of MLA's ``form`` through a `LatentColumnCache` (`Backend._prepare_decode_run`)."""
     P = NumpyPrecision.for_dtype(dtype)
     tables = column_tables(cfg, SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions))
-    layer = ColumnSampleMLA(cfg, params, P, tables)
+    # every position of the run, once: a chunk reads its columns (the temperature's with the cache offset)
+    layer = ColumnSampleMLA(cfg, params, P, tables, column_factors(cfg, inputs.positions))
     xs = np.ascontiguousarray(P.operand(P.round_to_storage(inputs.x)).transpose(0, 2, 1))  # (B, D, N) columns
     B, N = inputs.batch, inputs.x.shape[1]
     rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -125,7 +126,7 @@ def prepare_numpy_mla_decode_step(cfg: MHAConfig, params: MHAParams, job) -> Pre
     P = NumpyPrecision.for_dtype(job.dtype)
     everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
     tables = column_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere))
-    layer = ColumnSampleMLA(cfg, params, P, tables)
+    layer = ColumnSampleMLA(cfg, params, P, tables, column_factors(cfg, everywhere))
     x = np.ascontiguousarray(P.operand(P.round_to_storage(rng.standard_normal((B, s, cfg.d_model)))).transpose(0, 2, 1))
     rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     cache = LatentColumnCache(B, rows, T + s, P.storage)

@@ -13,8 +13,9 @@ one column per query, the score steps undone on NumPy's ops object (`frameworks.
   ``sum_h dcontext_h A_h^T``; the folded query ``W_UK_h^T q_nope_h`` gives ``dq_nope_h = W_UK_h dq_h`` and
   ``dW_UK_h = q_nope_h dq_h^T``.
 
-Both end in the same tail: the rotations turned back (sin negated), the latent's and the query latent's
-RMSNorms undone down each column (`variants.rms_norm_rows_vjp`), and the down-projections.
+Both end in the same tail: the temperature undone (its factors again: a diagonal map), the rotations turned back
+(sin negated), the latent's and the query latent's RMSNorms undone down each column (`variants.rms_norm_rows_vjp`),
+and the down-projections.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class MLAVJP:
         F, L = self.forward, self.forward.layer
         cfg, r = L.cfg, L.round
         grads["w_o"] = r(self.grads_o)
+        d_q_nope, d_q_rot = L.temper(d_q_nope), L.temper(d_q_rot)  # the temperature's backward: its factors again
         d_q_heads = np.concatenate([d_q_nope, L.rotate(d_q_rot, "q", sign=-1.0)], axis=-2)  # (B, H, Dk, N)
         B, _, _, N = d_q_heads.shape
         d_q = d_q_heads.reshape(B, -1, N)  # (B, H*Dk, N) view

@@ -81,6 +81,7 @@ def build_forward(cfg: MHAConfig, params: MHAParams, inputs, dtype: str, strateg
     B, Nq, Nk = inputs.query.shape[0], inputs.query.shape[1], inputs.key.shape[1]
     blocked, empty = _masks(cfg, allowed_positions(cfg, inputs), B, Nq, Nk)  # (B, H, Nq, Nk): split by head below
     tables = tuple(put(table, P()) for table in numpy_rotary_tables(cfg, inputs))  # (1|B, N, dr/2): replicated
+    tables += (None,)  # the temperature's factors: none (the sharded adapters refuse it, `_mla.QUERY_STEPS`)
 
     def body(weights, b_o, x_q, x_k, tables, blocked, empty):
         return finish(local_pass(weights, x_q, x_k, x_k, tables, blocked, empty), b_o)  # its heads, no b_o; psum
@@ -132,7 +133,7 @@ def build_decode(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype:
     chunks = [
         (put(x, P()), jax.device_put(start, NamedSharding(mesh, P())), tuple(put(t, P()) for t in tables),
          put(blocked, mask_spec), put(empty, mask_spec))
-        for x, start, tables, blocked, empty in decode_chunk_arrays(cfg, inputs)
+        for x, start, tables, blocked, empty in decode_chunk_arrays(cfg, inputs, dtype)
     ]  # fmt: skip
     state: dict = {}
 

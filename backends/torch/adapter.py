@@ -10,7 +10,7 @@ from __future__ import annotations
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared, tensor_to_numpy
 from ..frameworks.ops import RegistryVariants
@@ -36,6 +36,7 @@ from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear 
 class TorchBackend(MLAStrategies, TorchDevices, Backend):
     name = "torch"
     mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
+    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )

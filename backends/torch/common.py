@@ -105,6 +105,16 @@ def torch_rotary_tables(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: s
     }
 
 
+def temperature_table(cfg: MHAConfig, positions, dtype: str, device: str):
+    """The temperature's factors of ``positions`` (1|B, N) as a tensor in at least float32, or None without it
+    (`TorchOps.temper_queries` multiplies in float32 for half precision and rounds once)."""
+    from ..frameworks.ops import temperature_factors
+    from ..frameworks.ops_torch import HALF
+
+    compute = "float32" if dtype in HALF else dtype
+    return optional_tensor(temperature_factors(cfg, positions), compute, device)
+
+
 def heads_rotator(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
     """``rotate(heads, "q" | "k")`` for heads ``(B, heads, N, d)``: rotated; the heads themselves without rope."""
     rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None

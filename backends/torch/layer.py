@@ -44,12 +44,12 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from .._recording import LayerRecording, StageRecorder, relation_to
-from ..frameworks.ops import temperature_factors
-from ..frameworks.ops_torch import HALF, TorchOps
+from ..frameworks.ops_torch import TorchOps
 from .common import (
     bool_tensor,
     optional_tensor,
     rotate_last_axis,
+    temperature_table,
     torch_inputs,
     torch_rotary_tables,
 )
@@ -147,8 +147,7 @@ class RowSampleMHA(RowHeadSteps, RowScoreSteps, LayerRecording):
 
     def _factor_table(self, positions, dtype: str, device: str):
         """Llama 4's temperature factors of ``positions`` (1|B, N) as a tensor in at least float32, or None."""
-        compute = "float32" if dtype in HALF else dtype  # the product in float32, rounded once (TorchOps)
-        return optional_tensor(temperature_factors(self.cfg, positions), compute, device)
+        return temperature_table(self.cfg, positions, dtype, device)
 
     def _laid_out_factors(self, batched: bool):
         # (1|B, 1, Nq, 1) against the heads (B, H, Nq, Dk), or (1|B, Nq, 1) against one head's (B, Nq, Dk): views

@@ -11,7 +11,8 @@ on axis 1, features last. ``kv_a_proj_with_mqa`` gives ``(B, N, R + dr)``, split
   and ``W_O_h W_UV_h`` ``(H, D, R)`` brings it out. The fold is computed in the forward from ``w_o`` and ``w_v``,
   so that autograd reaches both (the decode path folds once, when prepared).
 
-The score steps (the softcap, the masks, the softmax) on torch's ops object, keys on the last axis. Decode
+The score steps (the softcap, the masks, the softmax) on torch's ops object, keys on the last axis; Mistral 4's
+temperature on both query parts, ``q_nope`` and the rotated ``q_rot``, each row times its position's factor. Decode
 (`prepare_torch_mla_decode_run`) writes each step's ``[c | k_rope]`` rows in place into one preallocated cache
 ``(B, T, R + dr)``: ``kv_lora_rank + d_rope`` numbers a token. The backward is autograd through this forward.
 
@@ -45,6 +46,7 @@ from .common import (
     precision_info,
     rotate_last_axis,
     synchronizer,
+    temperature_table,
     to_tensor,
     torch_inputs,
     torch_rotary_tables,
@@ -91,13 +93,16 @@ def _record_merge(rec: StageRecorder, context, merged, out) -> None:
 
 
 class RowSampleMLA:
-    """One MLA layer's parameters as tensors (``nn.Linear`` layout, used as is by ``F.linear``) and its steps."""
+    """One MLA layer's parameters as tensors (``nn.Linear`` layout, used as is by ``F.linear``) and its steps.
+    ``factors``: the temperature's (1|B, N) of the positions ``tables`` were made for (`temperature_table`), or None."""
 
-    def __init__(self, cfg: MHAConfig, params: MHAParams, dtype: str, device: str, tables: dict | None) -> None:
+    def __init__(
+        self, cfg: MHAConfig, params: MHAParams, dtype: str, device: str, tables: dict | None, factors=None
+    ) -> None:
         import torch
         import torch.nn.functional as F
 
-        self.torch, self.F, self.cfg, self.rotary = torch, F, cfg, tables
+        self.torch, self.F, self.cfg, self.rotary, self.factors = torch, F, cfg, tables, factors
         self.ops = TorchOps()  # the score steps, keys on the last axis
         tensor = partial(optional_tensor, dtype=dtype, device=device)
         for name in PARAMS:
@@ -123,7 +128,8 @@ class RowSampleMLA:
         return self.torch.cat([self._rms(c, self.kv_a_norm), self._rotate(k_pe, "k", tokens)], dim=-1)
 
     def queries(self, x, tokens: slice | None = None, rec: StageRecorder | None = None):
-        """(q_nope (B, H, N, dn), q_rot (B, H, N, dr) rotated); ``rec`` records q_latent and q."""
+        """(q_nope (B, H, N, dn), q_rot (B, H, N, dr) rotated), both tempered with the temperature; ``rec`` records
+        q_latent and q."""
         cfg, F = self.cfg, self.F
         source = x if self.w_q_a is None else self._rms(F.linear(x, self.w_q_a, self.b_q_a), self.q_a_norm)
         B, N, _ = x.shape
@@ -132,7 +138,12 @@ class RowSampleMLA:
             _record_queries(rec, source if self.w_q_a is not None else None, projected)
         q = projected.view(B, N, cfg.n_heads, cfg.d_k).transpose(1, 2)  # (B, H, N, Dk) view
         q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
-        return q_nope, self._rotate(q_rot, "q", tokens)
+        q_rot = self._rotate(q_rot, "q", tokens)
+        if self.factors is None:
+            return q_nope, q_rot
+        factors = self.factors if tokens is None else self.factors[:, tokens]  # (1|B, s): a decode chunk's
+        factors = factors[:, None, :, None]  # (1|B, 1, N, 1) view: every head and feature of a row alike
+        return self.ops.temper_queries(q_nope, factors), self.ops.temper_queries(q_rot, factors)
 
     def folded_output(self):
         """``W_O_h W_UV_h`` (H, D, R): each head's value up-projection folded into its columns of ``o_proj``."""
@@ -184,7 +195,8 @@ def _layer_pass(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, dev
     """(the forward of ``strategy``, with no argument, and the leaves): the parameters and the three inputs as
     leaves that require grad when ``as_leaves`` (three even for self-attention), else None."""
     check_one_input(inputs.key, inputs.value)
-    layer = RowSampleMLA(cfg, params, dtype, device, torch_rotary_tables(cfg, inputs, dtype, device))
+    factors = temperature_table(cfg, inputs.positions, dtype, device)  # Mistral 4's temperature, or None
+    layer = RowSampleMLA(cfg, params, dtype, device, torch_rotary_tables(cfg, inputs, dtype, device), factors)
     x_q, x_k, x_v = torch_inputs(inputs, dtype, device)
     leaves = None
     if as_leaves:
@@ -242,7 +254,8 @@ def prepare_torch_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, devic
     import torch
 
     run_inputs = SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
-    layer = RowSampleMLA(cfg, params, dtype, device, torch_rotary_tables(cfg, run_inputs, dtype, device))
+    tables = torch_rotary_tables(cfg, run_inputs, dtype, device)  # every position of the run, once
+    layer = RowSampleMLA(cfg, params, dtype, device, tables, temperature_table(cfg, inputs.positions, dtype, device))
     xs = to_tensor(inputs.x, dtype, device)  # (B, N, D)
     B, N, _ = inputs.x.shape
     rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -277,7 +290,7 @@ def prepare_torch_mla_decode_step(cfg: MHAConfig, params: MHAParams, job, allow_
     rng = np.random.default_rng(job.seed)
     everywhere = np.broadcast_to(np.arange(T + s, dtype=np.int64), (B, T + s))  # (B, T + s): the run's positions
     tables = torch_rotary_tables(cfg, SimpleNamespace(positions=everywhere, kv_positions=everywhere), dtype, device)
-    layer = RowSampleMLA(cfg, params, dtype, device, tables)
+    layer = RowSampleMLA(cfg, params, dtype, device, tables, temperature_table(cfg, everywhere, dtype, device))
     x = to_tensor(rng.standard_normal((B, s, cfg.d_model)), dtype, device)  # (B, s, D)
     rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     cache = x.new_zeros((B, T + s, rows))  # (B, T + s, R + dr): rows :T the cached tokens, then the step's

@@ -10,7 +10,8 @@ Where each sits in the score pipeline (`MHAConfig`'s docstring has the fields)::
     q, k = rotary(q), rotary(k)                      rope_scaling changes the frequencies only
     q, k = RMSNorm(q), RMSNorm(k)                    qk_norm_after_rope (Llama 4): weightless, per head;
                                                      stages q_rotated_normed / k_rotated_normed
-    q    = q * (1 + a log1p(floor((p+1)/f)))         temperature (Llama 4's NoPE layers); stage q_tempered
+    q    = q * (1 + a log1p(floor((p+o)/f)))         temperature (Llama 4's NoPE layers o=1, Mistral 4 o=0);
+                                                     stage q_tempered
     s    = scale * q @ k.T                           stage scores
     s    = c * tanh(s / c)                           softcap; stage capped_scores
     s    = s + m_h (p_j - p_i) + rel_bias[bucket]    alibi, rel_buckets; stage biased_scores

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._entry import CaseSpec
+from .mla import DEEPSEEK_V3_LIKE
 
 # gpt-oss's YaRN (original context 4096, factor 32, no truncation).
 GPT_OSS_YARN = {
@@ -23,6 +24,18 @@ GPT_OSS_YARN = {
     "original_max_position_embeddings": 4096,
     "truncate": False,
 }
+
+
+# Mistral 4's attention (Mistral4Attention) at a small size, every size distinct: DeepSeek V3's latent attention as
+# `mla.DEEPSEEK_V3_LIKE` (q and kv LoRA, d_v 5) with nope 4 + rope 8 = d_k 12 and a latent of 9, interleaved rotary
+# with YaRN (mscale = mscale_all_dim = 1, as its config), and the query temperature of its floor(p /
+# original_max_position_embeddings) (floor_offset 0), 3 here so that the factor steps twice within the cases
+# (transformers' beta is 0.1; 0.5 makes a wrong floor plain).
+MISTRAL4_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=3, mscale=1.0, mscale_all_dim=1.0)
+MISTRAL4_TEMPERATURE = dict(attn_temperature_tuning=True, floor_offset=0, floor_scale=3, attn_scale=0.5)
+MISTRAL4_LIKE: dict[str, Any] = dict(
+    DEEPSEEK_V3_LIKE, d_model=27, kv_lora_rank=9, qk_rope_head_dim=8, rope_scaling=MISTRAL4_YARN, **MISTRAL4_TEMPERATURE
+)
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,19 @@ MODELS: dict[str, Model] = _by_name(
         decode=(
             "Qwen3: per-head qk_norm, GQA, rotary, no biases, two tokens a step",
             dict(batch=2, tokens=9, prefill=4, step=2, seed=120),
+        ),
+    ),
+    _model(
+        "mistral4",
+        MISTRAL4_LIKE,
+        check=(
+            "Mistral 4: latent attention (q and kv LoRA, d_v != d_k), YaRN, and its query temperature "
+            "1 + 0.5 log(1 + floor(p / 3)) on both query parts",
+            dict(batch=2, q_tokens=7, dtypes=("float64",), seed=87),
+        ),
+        decode=(
+            "Mistral 4 through the latent cache: a prefill of 3 and steps of 2, each step's temperature at its offset",
+            dict(batch=2, tokens=8, prefill=3, step=2, seed=187),
         ),
     ),
     _model(

@@ -118,9 +118,11 @@ def shard_params(cfg: MHAConfig, params: MHAParams, world: int) -> list[MHAParam
     plan = shard_plan(cfg, world)
     validate_params(cfg, params)
     shapes = expected_param_shapes(cfg)
+    w_q, w_k, w_v, w_o = (shapes[name] for name in ("w_q", "w_k", "w_v", "w_o"))
+    assert w_q and w_k and w_v and w_o, "every layer has the four projections"  # for the type checker: never None
     # Rows (columns of w_o) a head owns: d_k / d_v, or with MLA nope + rope for w_q, qk_nope_head_dim for w_k.
-    q_head, k_head = shapes["w_q"][0] // cfg.n_heads, shapes["w_k"][0] // cfg.n_kv_heads
-    v_head, o_head = shapes["w_v"][0] // cfg.n_kv_heads, shapes["w_o"][1] // cfg.n_heads
+    q_head, k_head = w_q[0] // cfg.n_heads, w_k[0] // cfg.n_kv_heads
+    v_head, o_head = w_v[0] // cfg.n_kv_heads, w_o[1] // cfg.n_heads
     shards = []
     for rank in range(plan.world):
         heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)

@@ -16,17 +16,12 @@ below, on this machine (loaded: figures are CPU time, the best of several rounds
 * The decode step folds each group's query heads into the rows of one product per kv head,
   ``(B, Hkv, G*s, Dk) @ (B, Hkv, Dk, T)``, so each kv head's keys and values are read once per step,
   where a broadcast over the group reads them G times (16 GEMVs per step at 16 heads on 4 kv heads,
-  issue 43). The cache is static, allocated once, written by slice assignment and read up to the
-  write index. It is stored in pages of `KV_BLOCK` slots, each page contiguous: keys as columns
-  ``(B, Hkv, P, Dk, L)`` and values as rows ``(B, Hkv, P, L, Dv)`` (L = `KV_BLOCK`, P pages), and one
-  batched product per step reads every page (`decode_step`). A step at 16 heads on 4 of 128, d_model
-  2048, on the AMD EPYC with the cache as one ``(Dk, C)`` matrix read in blocks of 1024 columns: 2.39 /
-  5.32 / 13.59 ms at 1k / 8k / 32k tokens, against 2.53 / 5.74 / 19.56 for the numpy adapter. The
-  scores' product stays the slow part: OpenBLAS's 4-row products with a 128-long contraction read
-  keys far below a read stream (one pinned core of the Intel Xeon of 2026-12-06: 3-7 GB/s past the
-  cache in any orientation of one matrix, where ``np.max`` reads 18.6), a NumPy limit to name; the
-  pages lift it to 11 GB/s, because each product's operand is one contiguous 128 KiB page rather than
-  128 rows strided by the whole context.
+  issue 43). The cache is static, written in place and read up to the write index, in contiguous
+  pages of `KV_BLOCK` slots, keys as columns ``(B, Hkv, P, Dk, L)``, values as rows ``(B, Hkv, P, L,
+  Dv)``, one batched product per step over the pages. OpenBLAS's 4-row products with a 128-long
+  contraction read one ``(Dk, C)`` key matrix at 3-7 GB/s past the cache (the Intel Xeon, one pinned
+  core, where ``np.max`` reads 18.6), a NumPy limit to name; pages of one contiguous 128 KiB operand
+  each read at 11 (the EPYC's step with the one matrix: 2.39 / 5.32 / 13.59 ms at 1k / 8k / 32k).
 """
 
 from __future__ import annotations
@@ -59,25 +54,16 @@ from .common import (
     output_stage,
     run_rotary_tables,
 )
+from .numpy_cache import CACHE_LAYOUT, KV_BLOCK, NumpyStaticCache
 
-CACHE_LAYOUT = "(B, Hkv, P, Dk, L), (B, Hkv, P, L, Dv)"
 DECODE_LAYOUTS = {
     STATIC: f"{CACHE_LAYOUT} preallocated to the run's C tokens in P pages of L = 256 slots, each page contiguous "
     "(keys as columns, values as rows), written by slice assignment and read up to the write index by one batched "
     "product over the pages; each group's query heads folded into the rows of one product per kv head"
 }
-# The cache's page: slots stored together, each page contiguous. Measured on the Intel Xeon of 2026-12-06 (one
-# pinned core, 4 kv heads of 128, 4 query heads each, float32, wall medians of the attention part, /tmp scripts):
-# pages of 256 slots against one (Dk, C) key matrix read in blocks of 1024 columns (the EPYC's choice): 13.3
-# against 14.6 ms at B=1 and 32k slots, 60.1 against 85.1 ms at B=4 and 32k (512 MiB of K and V, past the
-# cache); alike at 8k (1.46 against 1.48 ms); pages of 512: 10.9 / 60.4 ms, but slower at B=4 and 8k (12.6
-# against 10.8). The keys' product alone at B=4, 32k: 24.3 ms in pages of 256, 45.9 in the blocked matrix.
-KV_BLOCK = 256
-# Up to this many rows (B*N) a projection is ``W (out, in) @ x.T``, not ``x @ W (in, out)``: OpenBLAS's few-row
-# products with W (in, out) pack it. The Intel Xeon of 2026-12-06, one pinned core, float32, 2048 x 2048: 2, 4, 8
-# and 16 rows in 1.83, 1.94, 2.06 and 2.27 ms as x @ W, in 1.20, 1.22, 1.24 and 1.40 as W @ x.T (one row: 0.53
-# either way, and one row keeps x @ W: the EPYC read it 18% faster so); the B=4 decode step at 1k spent 3.7 of its
-# 5.6 ms in w_q and w_o, 4.8 ms in all after.
+# Up to this many rows (B*N) a projection is ``W (out, in) @ x.T``: OpenBLAS packs W (in, out) for a few-row
+# ``x @ W`` (the Xeon, 2048 x 2048, float32: 2-16 rows 1.83-2.27 ms as x @ W, 1.20-1.40 as W @ x.T; one row 0.53
+# either way, so it keeps x @ W, which the EPYC read 18% faster).
 FEW_ROWS = 16
 # The score stages the forward's loop fills one (item, head) at a time, with how.
 SCORE_STAGES = {
@@ -307,30 +293,6 @@ def _item(array: np.ndarray, b: int) -> np.ndarray:
 def _weight_grad(d_y: np.ndarray, x: np.ndarray) -> np.ndarray:
     """``y = x @ W.T``: dW (out, in) = dY^T X over every token of every item."""
     return d_y.reshape(-1, d_y.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-
-
-class NumpyStaticCache:
-    """Pages of `KV_BLOCK` slots, allocated once: keys as columns (B, Hkv, P, Dk, L) and values as rows
-    (B, Hkv, P, L, Dv), each page contiguous; `write` puts tokens in their slots in place."""
-
-    def __init__(self, cfg: MHAConfig, batch: int, slots: int, dtype: np.dtype) -> None:
-        pages = -(-slots // KV_BLOCK)
-        self.k = np.zeros((batch, cfg.n_kv_heads, pages, cfg.d_k, KV_BLOCK), dtype=dtype)  # (B, Hkv, P, Dk, L)
-        self.v = np.zeros((batch, cfg.n_kv_heads, pages, KV_BLOCK, cfg.d_v), dtype=dtype)  # (B, Hkv, P, L, Dv)
-
-    def write(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        """Keys (B, Hkv, s, Dk) and values (B, Hkv, s, Dv) into slots ``start .. start+s-1``, page by page."""
-        stop = start + keys.shape[2]
-        for page in range(start // KV_BLOCK, -(-stop // KV_BLOCK)):
-            low, high = max(start, page * KV_BLOCK), min(stop, (page + 1) * KV_BLOCK)
-            inside = slice(low - page * KV_BLOCK, high - page * KV_BLOCK)  # the slots within the page
-            tokens = slice(low - start, high - start)
-            self.k[:, :, page, :, inside] = keys[:, :, tokens].swapaxes(-1, -2)  # (B, Hkv, Dk, n): keys as columns
-            self.v[:, :, page, inside] = values[:, :, tokens]  # (B, Hkv, n, Dv): values as rows
-
-    def info(self, cfg: MHAConfig) -> dict:
-        slots = self.k.shape[2] * KV_BLOCK  # the allocated slots: whole pages
-        return cache_info(cfg, self.k.shape[0], slots, self.k.itemsize, CACHE_LAYOUT)
 
 
 def folded_mask(chunk_allowed: np.ndarray | None, group: int) -> MaskArrays | None:

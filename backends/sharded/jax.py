@@ -141,11 +141,9 @@ def _worker_main(conn, rank: int, size: int) -> None:
     from .jax_decode import build_decode
     from .jax_decode_step import build_decode_step
 
-    # What the decode and MLA builders reuse: the mesh, its axis, the variant split, the compile step (passed in:
-    # `jax_mla` does not import this module, which imports it).
-    forward_split = SimpleNamespace(
-        mesh_axis=MESH_AXIS, variant_shards=variant_shards, mesh_of=mesh_of, compile_on_mesh=compile_on_mesh
-    )
+    # What the decode and MLA builders reuse (handed in: `jax_mla` cannot import this module, which imports it).
+    forward_split = SimpleNamespace(mesh_axis=MESH_AXIS, variant_shards=variant_shards, mesh_of=mesh_of,
+                                    compile_on_mesh=compile_on_mesh)  # fmt: skip
     mla = partial(jax_mla.build_forward, forward=forward_split)  # MLA's forms (`jax_mla`)
     programs = Programs(lambda *case: (mla if case[4] in MLA_STRATEGIES else _build)(*case))  # case[4]: the strategy
 

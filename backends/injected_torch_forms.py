@@ -27,14 +27,18 @@ def _tensor(a):
 
 
 def _llama4_temperature(cfg: MHAConfig, params, q, k, mistake):
-    """``query_states * attn_scales``, ``attn_scales = log1p(floor((cache_position + 1) / floor_scale)) * attn_scale + 1``
-    (queries at positions 0..Nq-1); planted: never applied, or the ``+ 1`` left out."""
+    """``query_states * attn_scales``, ``attn_scales = log1p(floor((cache_position + o) / floor_scale)) * attn_scale + 1``
+    with ``o`` the ``floor_offset`` (1: Llama 4, 0: Mistral 4; queries at positions 0..Nq-1); planted: never applied,
+    or the other model's offset."""
     import torch
 
     if mistake == "dropped":
         return q, k
     cache_position = torch.arange(q.shape[2], dtype=torch.float64)  # (Nq,)
-    numerator = cache_position if mistake == "off_by_one" else cache_position + 1.0
+    offset = cfg.floor_offset
+    numerator = cache_position + float(
+        1 - offset if mistake == "off_by_one" else offset
+    )  # the other form's, or its own
     attn_scales = torch.log1p(torch.floor(numerator / cfg.floor_scale)) * cfg.attn_scale + 1.0  # (Nq,)
     return q * attn_scales.view(1, 1, -1, 1), k  # (B, H, Nq, Dk) * (1, 1, Nq, 1)
 

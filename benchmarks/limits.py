@@ -191,9 +191,9 @@ def read_bandwidth(
             reader(array)
             samples.append(clock() - start)
         timed[name] = samples
-    kernel = min(timed, key=lambda name: statistics.median(timed[name]))
-    samples = timed[kernel]
-    median = statistics.median(samples)
+    medians = {name: statistics.median(samples) for name, samples in timed.items()}
+    kernel = min(medians, key=medians.__getitem__)
+    samples, median = timed[kernel], medians[kernel]
     return {
         "gbps": nbytes / median / 1e9 if median > 0 else None,
         "best_gbps": nbytes / min(samples) / 1e9 if min(samples) > 0 else None,
@@ -201,9 +201,7 @@ def read_bandwidth(
         "samples_s": samples,
         "array_bytes": nbytes,
         "kernel": kernel,
-        "kernels": {
-            name: nbytes / statistics.median(s) / 1e9 if statistics.median(s) > 0 else None for name, s in timed.items()
-        },
+        "kernels": {name: nbytes / value / 1e9 if value > 0 else None for name, value in medians.items()},
     }
 
 

@@ -316,19 +316,17 @@ def decode_markdown(report: dict) -> str:
     lines += mla_lines(report["cells"])  # the MLA row: the latent's bytes a token, absorbed over naive
     # Against the cache as measured (issue 43: sysfs's figure is not what reads see; the Xeon's says 300 MiB while
     # its reads slow from 64 MiB); a report from before the measurement flags against sysfs's, as it did.
-    key = "fits_measured_cache" if any("fits_measured_cache" in cell for cell in report["cells"]) else None
-    cached = [
-        cell for cell in report["cells"] if cell.get(key or "fits_last_level_cache") and cell.get("status") == "ok"
-    ]
+    measured = any("fits_measured_cache" in cell for cell in report["cells"])
+    key, llc_key = ("fits_measured_cache", "measured_llc_bytes") if measured else ("fits_last_level_cache", "llc_bytes")
+    cached = [cell for cell in report["cells"] if cell.get(key) and cell.get("status") == "ok"]
     if cached:
-        llc_key = "measured_llc_bytes" if key else "llc_bytes"
         llc = next((b.get(llc_key) for b in report.get("bandwidth", []) if b.get(llc_key)), None)
         shown = ", ".join(f"{cell['implementation']}{row_label(cell)} {cell['context']}" for cell in cached)
         lines += [
             "",
             f"(!) The bytes these steps read (K, V and the weights) fit in the last-level cache "
-            f"({llc / 2**20:.0f} MiB{', as measured' if key else ''}): the repeated timed steps may read them from the cache, not from memory, so "
-            f"their % of the (memory) limit may pass 100%: {shown}",
+            f"({llc / 2**20:.0f} MiB{', as measured' if measured else ''}): the repeated timed steps may read them "
+            f"from the cache, not from memory, so their % of the (memory) limit may pass 100%: {shown}",
         ]
     layouts = {}
     for cell in report["cells"]:

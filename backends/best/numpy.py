@@ -85,11 +85,10 @@ class NumpyBestLayer:
             else np.ascontiguousarray(value.T if name.startswith("w_") else value, self.dtype)
             for name, value in params.as_dict().items()
         }
+        self._canonical: dict[str, np.ndarray] = {}  # (out, in) copies, made by the first few-row product (`canonical`)
 
     def canonical(self, name: str) -> np.ndarray:
         """Projection ``name``'s weight as ``(out, in)``, contiguous: made on the first few-row product, then kept."""
-        if not hasattr(self, "_canonical"):
-            self._canonical: dict[str, np.ndarray] = {}
         if name not in self._canonical:
             self._canonical[name] = np.ascontiguousarray(self.p[f"w_{name}"].T)  # (out, in): a copy, once
         return self._canonical[name]

@@ -12,6 +12,27 @@ from .decode import DecodeLayer, ragged_lengths
 from .decode_mla import check_mla_layer
 from .pinning import DEFAULT_MALLOC_MODE, malloc_env, require_positive_int
 
+# The rows a decode sweep can leave out (``bench --mode decode --rows``), each with the settings field that lists its
+# contexts: the main row (every context) always runs, since every other row is read against it. The full preset
+# takes 80-90 minutes on one core (the ragged row at 32k holds 4 x 32k tokens; MLA's naive step at 32k takes 1.3 s).
+OPTIONAL_ROWS = {
+    "window": "window_contexts",
+    "paged": "paged_contexts",
+    "ragged": "ragged_contexts",
+    "mla": "mla_contexts",
+}
+DECODE_ROWS = ("main", *OPTIONAL_ROWS)
+
+
+def rows_left_out(rows: list[str] | None) -> dict[str, list]:
+    """The overrides that drop each optional row not in ``rows`` (its contexts emptied); none when ``rows`` is None."""
+    if rows is None:
+        return {}
+    unknown = [row for row in rows if row not in DECODE_ROWS]
+    if unknown or "main" not in rows:
+        raise ValueError(f"--rows takes names among {', '.join(DECODE_ROWS)}, main among them; got {','.join(rows)}")
+    return {field_name: [] for row, field_name in OPTIONAL_ROWS.items() if row not in rows}
+
 
 @dataclass
 class DecodeSettings(DecodeLayer):

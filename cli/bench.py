@@ -54,6 +54,11 @@ def _variant_list(text: str) -> list[str]:
     return names
 
 
+def _row_list(text: str) -> list[str]:
+    """``--rows``' names, checked against the decode rows when the settings are made (`decode_settings.rows_left_out`)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
@@ -179,6 +184,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--mode decode: the cached tokens of each timed step, e.g. 1024,4096, for the full and the windowed "
         "row alike (default from the preset)",
     )
+    parser.add_argument(
+        "--rows",
+        type=_row_list,
+        metavar="LIST",
+        help="--mode decode: which rows to time, among main (always), window, paged, ragged and mla (default: all; "
+        "the full preset runs 80-90 minutes on one core, the main and window rows about 20)",
+    )
     add_backend_classes(
         parser,
         dest="plugin",
@@ -297,6 +309,12 @@ def run(args: argparse.Namespace) -> int:
         from .bench_decode import run_decode
 
         return run_decode(args)
+    decode_only = [flag for flag, value in (("--contexts", args.contexts), ("--rows", args.rows)) if value]
+    if decode_only:
+        print(
+            f"mha-rosetta bench: {', '.join(decode_only)} is for --mode decode, got --mode {args.mode}", file=sys.stderr
+        )
+        return 2
     try:
         settings = _settings(args)
         labels = resolve_implementations(settings.implementations)

@@ -23,6 +23,7 @@ _NOT_FOR_DECODE = (
 
 
 def decode_settings_of(args: argparse.Namespace):
+    from mha_rosetta.benchmarks.decode_settings import rows_left_out
     from mha_rosetta.benchmarks.decode_sweep import decode_settings
     from mha_rosetta.benchmarks.presets import DECODE_PRESETS
 
@@ -42,11 +43,15 @@ def decode_settings_of(args: argparse.Namespace):
     name = "decode-quick" if args.quick else "decode"
     policy = repeat_policy(args, DECODE_PRESETS[name]["policy"])
     first = lambda values: None if values is None else values[0]  # noqa: E731
-    return decode_settings(
-        name, implementations=args.backends, contexts=args.contexts, window_contexts=args.contexts,
+    given_contexts = dict(
         paged_contexts=args.contexts if args.contexts and DECODE_PRESETS[name].get("paged_contexts") else None,
         ragged_contexts=args.contexts if args.contexts and DECODE_PRESETS[name].get("ragged_contexts") else None,
         mla_contexts=args.contexts if args.contexts and DECODE_PRESETS[name].get("mla_contexts") else None,
+        window_contexts=args.contexts,
+    )
+    return decode_settings(
+        name, implementations=args.backends, contexts=args.contexts,
+        **{**given_contexts, **rows_left_out(getattr(args, "rows", None))},
         dtype=first(args.dtypes), devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy,
         malloc=args.malloc, rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
         heads=first(args.heads), plugins=args.plugin,

@@ -559,6 +559,53 @@ def test_contexts_set_the_full_and_the_windowed_row():
     assert quick.preset == "decode-quick" and quick.window_contexts == [256, 1024]
 
 
+def test_a_step_past_the_measured_cache_but_faster_than_memory_is_named():
+    # The 8k step reads 32 MiB of K and V + 40 MiB of weights = 75,497,472 B, past a measured 64 MiB cache; at
+    # 17 GB/s its limit is 4.441 ms, so a 3 ms step ran at 148% of it: some of its bytes came from a cache (sysfs's
+    # 300 MiB), and the table says so. The 1k step (44 MiB) fits the measured cache: the first flag names it.
+    settings = decode_settings("decode").as_dict()
+    cells = []
+    for context, median in ((1024, 0.001), (8192, 0.003), (32768, 0.02)):
+        spec = DecodeCellSpec(implementation="numpy-best", context=context, d_model=2048, heads=16, kv_heads=4, d_k=128)
+        record = decode_record(spec, {"status": "ok", "median_s": median, "samples_s": [median]})
+        cells.append(enrich_decode_cell(record, 20.0, llc_bytes=300 * 2**20, read_gbps=17.0,
+                                        measured_llc_bytes=64 * 2**20))  # fmt: skip
+    assert abs(cells[1]["read_limit_fraction"] - 75_497_472 / 17e9 / 0.003) < 1e-9  # 1.48
+    bandwidth = {"device": "cpu", "threads": 1, "gbps": 20.0, "library": "numpy", "read_gbps": 17.0,
+                 "measured_llc_bytes": 64 * 2**20, "llc_bytes": 300 * 2**20}  # fmt: skip
+    table = decode_markdown({"settings": settings, "bandwidth": [bandwidth], "cells": cells})
+    faster = table.split("yet ran faster than memory can feed them")[1].splitlines()[0]
+    assert "(sysfs reports 300 MiB)" in faster and faster.endswith("memory: numpy-best 8192")  # not 1k, not 32k (52%)
+
+
+def test_rows_leave_out_the_optional_rows_and_refuse_unknown_names():
+    from mha_rosetta.cli.bench_decode import decode_settings_of
+    from mha_rosetta.cli.main import build_parser
+
+    parse = lambda *extra: build_parser().parse_args(["bench", "--mode", "decode", "--contexts", "512,2048", *extra])  # noqa: E731
+    settings = decode_settings_of(parse("--rows", "main,window"))
+    assert settings.contexts == [512, 2048] and settings.window_contexts == [512, 2048]
+    assert settings.paged_contexts == [] and settings.ragged_contexts == [] and settings.mla_contexts == []
+    cells = expand_decode_cells(settings, ["numpy"])
+    assert len(cells) == 4  # 2 main + 2 windowed: no paged, ragged or MLA cell
+    assert {(cell.window, cell.context) for cell in cells} == {(None, 512), (None, 2048), (4096, 512), (4096, 2048)}
+    only_main = decode_settings_of(parse("--rows", "main"))
+    assert only_main.window_contexts == [] and len(expand_decode_cells(only_main, ["numpy"])) == 2
+    with pytest.raises(
+        ValueError, match="--rows takes names among main, window, paged, ragged, mla, main among them; got window"
+    ):
+        decode_settings_of(parse("--rows", "window"))  # the main row is every other row's reference
+    with pytest.raises(ValueError, match="got main,pages"):
+        decode_settings_of(parse("--rows", "main,pages"))
+
+
+def test_decode_only_options_are_refused_in_the_forward_mode(capsys):
+    from mha_rosetta.cli.main import main
+
+    assert main(["bench", "--rows", "main", "--list"]) == 2
+    assert "--rows is for --mode decode, got --mode fwd" in capsys.readouterr().err
+
+
 def test_a_prefill_that_compiles_in_its_timed_runs_is_flagged(monkeypatch):
     from mha_rosetta.benchmarks.decode import compiled_count
 

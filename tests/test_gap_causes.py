@@ -10,14 +10,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from mha_rosetta.backends.best import BEST_BY_LIBRARY, best_path_for
 from mha_rosetta.backends.registry import REGISTRY, load_class
 from mha_rosetta.benchmarks.best_gap import NOT_MEASURED, declared, gap_lines, peer_lines
 from mha_rosetta.benchmarks.decode import row_label
-from mha_rosetta.benchmarks.decode_docs import readme_block
+from mha_rosetta.benchmarks.decode_docs import BEGIN, END, readme_block
 from mha_rosetta.benchmarks.decode_sweep import best_of_framework, decode_settings
 from mha_rosetta.benchmarks.markdown import decode_markdown, markdown_table
-from mha_rosetta.benchmarks.report import assemble_report
+from mha_rosetta.benchmarks.report import assemble_report, load_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,3 +137,22 @@ def test_every_adapter_the_readme_decode_command_times_declares_a_decode_cause()
             continue
         causes = backend_class(name).gap_causes
         assert declared(causes, "decode", None, library_of[best_path_for(name)], None), name
+
+
+def test_the_committed_decode_docs_hold_what_the_renderer_makes_of_the_committed_json():
+    report = load_report(ROOT / "docs" / "bench" / "decode.json")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    committed = readme[readme.index(BEGIN) : readme.index(END) + len(END)] + "\n"
+    assert committed == readme_block(report)
+    table = decode_markdown(report)
+    assert (ROOT / "docs" / "bench" / "decode.md").read_text(encoding="utf-8") == table
+    assert "- `einops-jax` decode is 3.70-4.51x its best (`jax-best`): " in table  # the example, this run's
+
+
+@pytest.mark.parametrize("name", ["reference"])
+def test_the_committed_forward_table_names_its_gaps(name):
+    report = load_report(ROOT / "docs" / "bench" / f"{name}.json")
+    committed = (ROOT / "docs" / "bench" / f"{name}.md").read_text(encoding="utf-8").splitlines()
+    lines = gap_lines(report["cells"], lambda cell: "")
+    assert lines and all(line in committed for line in lines)
+    assert any(line.startswith("- `torch-flex` forward is 1.87x its best (`torch-best`): ") for line in lines)

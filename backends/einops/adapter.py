@@ -49,6 +49,11 @@ class EinopsBackend(MLAStrategies, Backend):
         "bmm's and the softmax's outputs grow with the context) and makes the step's mask over every slot in NumPy on "
         "the host (`decode_allowed`, read in the code), where torch-best's fused SDPA keeps its scores inside the "
         "kernel and needs no mask (not timed apart)",
+        "forward on numpy": "each call makes its (B, H, N, N) scores anew, 32 MiB at the reference size (tracemalloc: "
+        "a peak of 56 MiB a call against numpy-best's 21, which reuses one score workspace; not timed apart)",
+        "forward on torch": "each call allocates its (B, H, N, N) scores and weights anew, 32 MiB each at the reference "
+        "size (torch's profiler: 104 MiB a call against torch-best's 20), where torch-best's fused SDPA keeps them "
+        "inside the kernel (not timed apart)",
         "decode on jax": "host work every step (a NumPy mask over the context, device_put, eager slicing: 0.7-1.3 ms); "
         "the jitted step is not donated its cache, so it copies it; the projection einsums compile to weight "
         "transposes and naive loop kernels (measured, issue 43)",

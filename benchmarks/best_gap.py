@@ -24,8 +24,8 @@ def mark_over_best(cells: list[dict], same: Sequence[str], time_of: Callable[[di
     the device, the dtype); ``time_of(cell)`` is the time the table shows. Cells without one are left alone."""
     from mha_rosetta.backends.best import best_path_for
 
-    def key(cell: dict) -> tuple:
-        return tuple(_hashable(cell.get(name)) for name in same)
+    def key(cell: dict) -> tuple:  # the mode too: a forward+backward cell is never read against a forward one
+        return (mode_name(cell), *(_hashable(cell.get(name)) for name in same))
 
     best = {(cell["implementation"], *key(cell)): cell for cell in cells if cell.get("status") == "ok"}
     for cell in cells:

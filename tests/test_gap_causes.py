@@ -156,3 +156,18 @@ def test_the_committed_forward_table_names_its_gaps(name):
     lines = gap_lines(report["cells"], lambda cell: "")
     assert lines and all(line in committed for line in lines)
     assert any(line.startswith("- `torch-flex` forward is 1.87x its best (`torch-best`): ") for line in lines)
+
+
+def test_a_forward_and_backward_cell_is_read_against_its_best_paths_of_the_same_mode():
+    from mha_rosetta.benchmarks.best_gap import mark_over_best
+
+    def cell(name: str, median: float, mode: str | None = None) -> dict:
+        return {"implementation": name, "status": "ok", "batch": 4, "median_s": median, "mode": mode}
+
+    cells = [
+        cell("numpy-best", 2.0), cell("numpy-best", 6.0, "fwdbwd"),
+        cell("numpy", 3.0), cell("numpy", 9.0, "fwdbwd"),
+    ]  # fmt: skip
+    mark_over_best(cells, ("batch",), lambda c: c["median_s"])
+    assert [c["over_best"] for c in cells] == [1.0, 1.0, 1.5, 1.5]  # 3 / 2 and 9 / 6, never 3 / 6 or 9 / 2
+    assert gap_lines(cells, lambda c: "")[1].startswith("- `numpy` forward+backward is 1.50x its best (`numpy-best`)")

@@ -117,6 +117,12 @@ class Backend(DecodeMixin):
 
     name: str = ""
     convention: str = ""  # one line: what this adapter embodies
+    # The measured causes of this backend's gap to its framework's best path (`backends.best`), by mode: "forward",
+    # "forward+backward", "decode"; "forward:chunked" for one strategy's own; " on jax" after the mode where one class
+    # serves several array libraries (einops), " at B=4" where a cause holds at that batch only. Only what a
+    # measurement, the code or the compiled program showed, with its condition (size, library version) in the text:
+    # the bench tables name it under "x its best" (`benchmarks.best_gap.gap_lines`), "cause not measured yet" without.
+    gap_causes: ClassVar[dict[str, str]] = {}
     # Set from the backend's registry entry (backends/registry.py), the one place that
     # says what a backend needs and whether it is ours or a third-party oracle; a plugin
     # class registered by path (or not at all) sets them here, as class attributes.

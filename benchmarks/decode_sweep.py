@@ -258,12 +258,9 @@ def best_of_framework(cells: list[dict]) -> None:
 
     Our convention adapters are never a framework's speed (issue 43): this is the gap the table names.
     """
-    from .best_gap import mark_over_best
+    from .best_gap import DECODE_SIZE, mark_over_best
 
-    # The cache kind too: a paged cell is read against its best path's paged cell, never its contiguous one.
-    # The batch and its rows too: the ragged row's cells are read against the best path's cell of the same batch.
-    same = ("device", "dtype", "batch", "lengths", "context", "window", "step", "cache")
-    mark_over_best(cells, same, lambda cell: cell.get("step_s"))
+    mark_over_best(cells, DECODE_SIZE, lambda cell: cell.get("step_s"))
 
 
 def assemble_decode_report(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mha_rosetta.core.tables import markdown_table as table_lines
 
-from .report import cell_label, layer_biases
+from .report import FORWARD_SIZE, cell_label, layer_biases
 from .rounds import cell_interval, cell_time, is_corrected, raw_interval
 from .variants import VARIANT_COLUMNS, variant_pivot, variant_rows
 
@@ -118,6 +118,47 @@ def best_column(columns: tuple, rows: list[list[str]], cells: list[dict]) -> tup
     return (*columns[:at], "x its best", *columns[at:]), marked
 
 
+def gap_cause_lines(cells: list[dict], same: tuple, time_of, row_of) -> list[str]:
+    """Under a table: each gap to a framework's best path with its cause (`best_gap.gap_lines`) and each pair of best
+    paths over 1.3x apart with the limit that explains it (`best_gap.peer_lines`); [] where the run shows none."""
+    from .best_gap import NOISE_BELOW, PEER_TARGET, gap_lines, peer_lines
+
+    lines = []
+    gaps = gap_lines(cells, row_of)
+    if gaps:
+        lines += [
+            "",
+            f"Why each implementation at {NOISE_BELOW:.2f}x its best or more takes longer (the range over this run's "
+            "sizes; the cause its backend class declares, `gap_causes`, from measurements, the code or the compiled "
+            "program):",
+            "",
+            *gaps,
+        ]
+    peers = peer_lines(cells, same, time_of, row_of)
+    if peers:
+        lines += [
+            "",
+            f"Best paths more than {PEER_TARGET}x apart (issue 43's target between them), with the library limit that "
+            "keeps the slower one from its peers (`peer_limits`):",
+            "",
+            *peers,
+        ]
+    return lines
+
+
+def decode_gap_lines(cells: list[dict]) -> list[str]:
+    """`gap_cause_lines` of a decode run: the step times, each row named as the tables name it (`decode.row_label`)."""
+    from .best_gap import DECODE_SIZE
+    from .decode import row_label
+
+    return gap_cause_lines(cells, DECODE_SIZE, lambda cell: cell.get("step_s"), row_label)
+
+
+def variant_row(cell: dict) -> str:
+    """What sets a forward cell apart beside its implementation for the gap lines: its variant, "" for the plain one."""
+    return "" if cell.get("variant") is None else f" [{cell['variant']}]"
+
+
 def markdown_table(report: dict) -> str:
     """The cells as a Markdown table, preceded by the GEMM peaks and the settings that matter."""
     lines = []
@@ -160,6 +201,7 @@ def markdown_table(report: dict) -> str:
             + ") at the same size in this run: compare frameworks on the best paths  "
         )  # fmt: skip
     lines += table_lines(columns, rows)
+    lines += gap_cause_lines(report["cells"], FORWARD_SIZE, cell_time, variant_row)
     if any(cell.get("variant") is not None for cell in report["cells"]):
         lines += ["", "What each variant costs (its time over its baseline's, the same implementation and size):", ""]
         lines += table_lines(VARIANT_COLUMNS, variant_rows(report["cells"], cell_time))
@@ -314,6 +356,7 @@ def decode_markdown(report: dict) -> str:
     from .decode_mla import mla_lines
 
     lines += mla_lines(report["cells"])  # the MLA row: the latent's bytes a token, absorbed over naive
+    lines += decode_gap_lines(report["cells"])
     # Against the cache as measured (issue 43: sysfs's figure is not what reads see; the Xeon's says 300 MiB while
     # its reads slow from 64 MiB); a report from before the measurement flags against sysfs's, as it did.
     measured = any("fits_measured_cache" in cell for cell in report["cells"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 
@@ -54,6 +55,10 @@ class BestPath:
     dtypes = BEST_DTYPES
     causal_on_positions = True  # every causal mask comes from the positions (base rule 7)
     decode_caches = (STATIC,)
+    # The measured library limitations that keep this best path from its peers' time (the other best paths), by mode
+    # with `Backend.gap_causes`' keys ("decode", "decode at B=4", "forward"), each with its condition in the text:
+    # the bench tables name them under a gap of over 1.3x between two best paths (`benchmarks.best_gap.peer_lines`).
+    peer_limits: ClassVar[dict[str, str]] = {}
 
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
         reason = super().variant_reason(cfg, strategy, backward)  # type: ignore[misc]

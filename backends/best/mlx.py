@@ -25,6 +25,8 @@ MLX is imported inside the functions. float64 runs on the CPU, held to float32's
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, allowed_positions, softmax_with_empty_rows
@@ -109,6 +111,15 @@ class MlxBestBackend(BestPath, MlxSDPAOracle):
         "without tiling, mask='causal' where it is bottom-right), mx.vjp; decoding a static cache written in place"
     )
     known_differences = ("the softmax is float32 whatever the input dtype", FLOAT64_LIMIT)
+    peer_limits: ClassVar[dict[str, str]] = {
+        "decode": "MLX 0.32's own CPU products are slow on this Linux CPU (`scripts/mlx-cpu-costs`, one pinned core, "
+        "one BLAS thread: a one-row x @ W.T 3.5 ms against NumPy's 0.47; one token's fused attention over 8k cached "
+        "tokens 19.2 ms against 7.7); mlx-lm's code is not at fault, and MLX's CPU backend is not what Apple silicon "
+        "runs",
+        "forward": "MLX 0.32's own CPU products are slow on this Linux CPU (`scripts/mlx-cpu-costs`, one pinned core, "
+        "one BLAS thread: a 512x512x512 float32 product 45.9 ms against NumPy's 2.7); MLX's CPU backend is not what "
+        "Apple silicon runs",
+    }
     decode_unsupported = ""
     decode_layouts = DECODE_LAYOUTS
 

@@ -7,6 +7,7 @@ One class serves einops-numpy, einops-torch and einops-jax (the registry passes
 from __future__ import annotations
 
 from functools import partial
+from typing import ClassVar
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
@@ -38,6 +39,25 @@ class EinopsBackend(MLAStrategies, Backend):
     """einsum + rearrange on NumPy, torch or JAX arrays; never a hand-written axis swap."""
 
     strategies = (STANDARD, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`), in `mla`
+    # One class serves three array libraries: each cause is keyed " on <library>" (`Backend.gap_causes`).
+    gap_causes: ClassVar[dict[str, str]] = {
+        "decode on numpy": "NumPy 2.4's np.einsum rewrites the cache operand into batched-matmul order before its "
+        "matmul ('bsgk->gks' at B=1) as a new array: a copy of all of K for the scores and of all of V for the "
+        "context, every step (tracemalloc: the step's peak grows with the context by about K's bytes, numpy-best's "
+        "by its scores only; not timed apart)",
+        "decode on torch": "it materialises the scores and the weights over every cached slot (torch's profiler: the "
+        "bmm's and the softmax's outputs grow with the context) and makes the step's mask over every slot in NumPy on "
+        "the host (`decode_allowed`, read in the code), where torch-best's fused SDPA keeps its scores inside the "
+        "kernel and needs no mask (not timed apart)",
+        "forward on numpy": "each call makes its (B, H, N, N) scores anew, 32 MiB at the reference size (tracemalloc: "
+        "a peak of 56 MiB a call against numpy-best's 21, which reuses one score workspace; not timed apart)",
+        "forward on torch": "each call allocates its (B, H, N, N) scores and weights anew, 32 MiB each at the reference "
+        "size (torch's profiler: 104 MiB a call against torch-best's 20), where torch-best's fused SDPA keeps them "
+        "inside the kernel (not timed apart)",
+        "decode on jax": "host work every step (a NumPy mask over the context, device_put, eager slicing: 0.7-1.3 ms); "
+        "the jitted step is not donated its cache, so it copies it; the projection einsums compile to weight "
+        "transposes and naive loop kernels (measured, issue 43)",
+    }
     mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
 
     # Every variant with named axes, on every array library (`plans` shows how); the backward

@@ -51,6 +51,11 @@ class JaxBackend(MLAStrategies, Backend):
     mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
     mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
+    gap_causes: ClassVar[dict[str, str]] = {
+        "decode": "the timed step is not donated its cache, so every step copies it (2.1x by itself); its (B, T, Hkv, "
+        "D) layout makes XLA:CPU transpose K and V every step; its `x @ w.T` projections compile to loop fusions "
+        "(measured, issue 43)",
+    }
     strategies = (STANDARD, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`, `mla`)
     # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries
     # them all in its online softmax (`chunked`).

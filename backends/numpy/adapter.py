@@ -6,6 +6,8 @@ only picks a strategy, wires `chunked` and `vjp` in, and fills `Prepared.info`.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
@@ -31,6 +33,10 @@ class NumpyBackend(MLAStrategies, Backend):
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )
+    gap_causes: ClassVar[dict[str, str]] = {
+        "decode": "its GQA broadcast runs one GEMV per query head (16 at 16 heads over 4 kv heads), so each query head "
+        "re-reads its kv head, where numpy-best's grouped GEMM reads each once (measured, issue 43)",
+    }
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`)
     # Every variant, in every strategy, the chunked one included (`variants` says how each is laid out in
     # column samples; `_chunking` how the tiles carry them). The hand-written backward has them all too.

@@ -132,6 +132,10 @@ class TorchFlexOracle(TorchDevices, Backend):
         "torch.nn.attention.flex_attention on (B, H, N, d) heads: score_mod (softcap, ALiBi, T5 bias), "
         "a BlockMask from mask_mod (causal, window, chunks, the user's mask), sinks from the returned log-sum-exp"
     )
+    gap_causes: ClassVar[dict[str, str]] = {
+        "forward": "it runs flex_attention eagerly, FlexAttention's unfused path, in every dtype unless told to compile "
+        "(`compiled_dtypes`; read in the code, torch 2.13), where torch-best's SDPA is one fused kernel",
+    }
     # Every one of the package's, written out (a library's idiom is the reason): score_mod, mask_mod, the sinks from
     # the lse, QK-norm and biases outside. A variant registered later is not in its score_mod, so it is refused.
     variants = BUILTIN_VARIANTS - {"gate"}  # the output gate is model code after the kernel (KERNEL_REFUSAL)

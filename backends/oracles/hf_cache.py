@@ -74,6 +74,12 @@ class HFAttentionOracle(Backend):
         "transformers LlamaAttention / MistralAttention (eager) driven as generate does: the model's rotary "
         "module, its mask function, DynamicCache or StaticCache (B, Hkv, T, Dk)"
     )
+    gap_causes: ClassVar[dict[str, str]] = {
+        "decode": "the bench takes its default `dynamic` cache, whose DynamicLayer `torch.cat`s all of K and V every "
+        "step, and the eager attention's `repeat_kv` copies K and V out to every query head (4x the cache at 16 "
+        "heads over 4) before its two matmuls (transformers 5.25's code; torch's profiler sees both copies grow "
+        "with the context; not timed apart)",
+    }
     dtypes = ("float64", "float32")
     variants = frozenset({"window", "rope_scaling"})
     causal_on_positions = False  # the forward's mask is create_causal_mask's, on indices (rule 7)

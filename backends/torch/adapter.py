@@ -7,6 +7,8 @@ dynamic and static) in, sets the matmul precision and fills `Prepared.info`.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
@@ -40,6 +42,13 @@ class TorchBackend(MLAStrategies, TorchDevices, Backend):
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )
+    gap_causes: ClassVar[dict[str, str]] = {
+        "decode": "the bench takes its default `dynamic` cache, which `torch.cat`s all of K and V every step (its own "
+        "`static` cache, written in place, is not what the bench times; measured, issue 43)",
+        "forward:chunked": "the chunked strategy is memory-linear: at its default blocks of 128 queries and 256 keys "
+        "it walks (N/128)(N/256) tiles from Python (8 at N=512), each with its own two bmm calls and the online "
+        "softmax's rescaling, where torch-best's SDPA is one fused call (read in the code; not timed apart)",
+    }
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`)
     # Every variant, in every strategy (chunked included: window tiles skipped, the score steps on each tile,
     # the sinks in the online softmax), forward and backward (autograd; chunked is forward only).

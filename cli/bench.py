@@ -289,8 +289,14 @@ def _settings(args: argparse.Namespace):
     )
 
 
+def _speed_questions(settings) -> list[dict]:
+    """The speed questions (`benchmarks.questions`) at the sweep's threads and cores, quick with the quick preset."""
+    from mha_rosetta.benchmarks.questions import run_speed_questions
+
+    return run_speed_questions(threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus)
+
+
 def run(args: argparse.Namespace) -> int:
-    from mha_rosetta.benchmarks import questions as speed_questions
     from mha_rosetta.benchmarks.partial import default_partial_path, partial_header
     from mha_rosetta.benchmarks.plan import resolve_implementations
     from mha_rosetta.benchmarks.progress import describe_estimate, estimate_seconds
@@ -326,10 +332,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(labels))
         return 0
     if args.questions_only:
-        answers = speed_questions.run_speed_questions(
-            threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
-        )
-        return publish_questions(args, answers)
+        return publish_questions(args, _speed_questions(settings))
 
     partial = Path(args.partial) if args.partial else default_partial_path(args.json)
     if args.resume and (partial_header(partial) or {}).get("kind") == "decode":
@@ -353,9 +356,7 @@ def run(args: argparse.Namespace) -> int:
     report["sweep_time"] = {"estimated_s": estimate["total_s"], "wall_s": time.perf_counter() - started}
     if args.questions and not outcome.interrupted:
         try:
-            report["questions"] = speed_questions.run_speed_questions(
-                threads=settings.threads, quick=settings.preset == "quick", cpus=settings.cpus
-            )
+            report["questions"] = _speed_questions(settings)
         except KeyboardInterrupt:
             outcome.interrupted = True
             report["complete"] = False

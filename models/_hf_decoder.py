@@ -54,7 +54,15 @@ from ._layout import (
     self_attention_heads,
     separate_linears,
 )
-from ._module_io import class_name, hf_attention_fields, hf_rope, hf_window, torch_reader, unexpressible
+from ._module_io import (
+    class_name,
+    hf_attention_fields,
+    hf_rope,
+    hf_window,
+    torch_reader,
+    unexpressible,
+    unexpressible_config,
+)
 from ._real import HF_REQUIRES, torch_state
 
 LINEARS = {"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"}
@@ -215,15 +223,13 @@ def decoder_layout(family: Decoder) -> Layout:
                 f"and {model} ignore (no window is applied): remove it, or build the family that applies it "
                 "(MistralAttention: hf-mistral)"
             )
-        try:
+        with unexpressible_config(module):
             return MHAConfig(
                 **linear_fields(module),
                 **rope.half_fields(),
                 window=window,
                 **family.read_extra(module),
             )
-        except (TypeError, ValueError) as error:  # a setting MHAConfig refuses: say which module had it
-            raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
     packing = separate_linears(LINEARS, family.extras, family.offsets)
     return Layout(

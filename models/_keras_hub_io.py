@@ -31,7 +31,7 @@ from mha_rosetta.core.layouts import (
 
 from ._errors import LayoutError
 from ._layout import PackFunctions
-from ._module_io import class_name, to_array, unexpressible
+from ._module_io import class_name, to_array, unexpressible, unexpressible_config
 from ._real import RealRun
 
 PRECISION_NOTE = (
@@ -249,7 +249,7 @@ def read_config(family, layer) -> MHAConfig:
         settings.update(qk_norm=family.qk_norm, norm_eps=float(norm_eps(layer)))
     if family.softcap and layer.logit_soft_cap is not None:
         settings["softcap"] = float(layer.logit_soft_cap)
-    try:
+    with unexpressible_config(layer):
         return MHAConfig(
             d_model=width,
             n_heads=heads,
@@ -262,8 +262,6 @@ def read_config(family, layer) -> MHAConfig:
             sinks="sinks" in family.extras,
             **settings,
         )
-    except (TypeError, ValueError) as error:
-        raise unexpressible(layer, "a configuration MHAConfig refuses", str(error)) from error
 
 
 def norm_eps(layer) -> float:

@@ -193,26 +193,6 @@ def _longrope(module) -> dict:
     return dict(rope="half", rope_dims=rope.dim, rope_base=base, rope_scaling=validate_rope_scaling(scaling))
 
 
-def mlx_rope_arguments(cfg: MHAConfig) -> dict:
-    """The ModelArgs entries (``rope_scaling``, ``max_position_embeddings``) mlx-lm builds ``cfg``'s rope from: the
-    keys Hugging Face's form leaves unset (None) dropped; longrope's tables as lists under mlx-lm's ``"type"`` (Phi-3's
-    ModelArgs requires it), ``original_max_position_embeddings`` beside (Phi-3's ModelArgs field) and the length
-    ``factor * original`` (SuScaledRoPE's factor on cos and sin is ``sqrt(1 + ln(max / original) / ln(original))``);
-    otherwise the original length (4096 without one)."""
-    if cfg.rope_scaling is None:
-        return {"rope_scaling": None, "max_position_embeddings": 4096}
-    scaling = {key: value for key, value in cfg.rope_scaling.items() if value is not None}
-    original = scaling.get("original_max_position_embeddings", 4096)
-    if scaling["rope_type"] != "longrope":
-        return {"rope_scaling": scaling, "max_position_embeddings": original}
-    tables = {key: list(scaling[key]) for key in ("short_factor", "long_factor")}
-    return {
-        "rope_scaling": {**scaling, **tables, "type": "longrope"},
-        "max_position_embeddings": round(scaling.get("factor", 1.0) * original),
-        "original_max_position_embeddings": original,
-    }
-
-
 def mlx_bias(module, query: str = "q_proj") -> bool | str:
     """MHAConfig.bias from which linears hold a ``bias`` parameter (True, False or "qkv")."""
     qkv, out = "bias" in getattr(module, query), "bias" in module.o_proj

@@ -86,6 +86,24 @@ def unexpressible(module: object, setting: str, why: str = "") -> Exception:
     return LayoutError(f"{class_name(module)} has {setting}, which the spec cannot express{tail}")
 
 
+class unexpressible_config:  # lower case, as contextlib's context managers (suppress, closing)
+    """``with unexpressible_config(module): return MHAConfig(...)``: a `TypeError` or `ValueError` raised inside (a
+    setting MHAConfig refuses, or a reader its fields call) becomes `unexpressible`, naming the class and the reason.
+
+    A class whose ``__exit__`` returns None, not a ``contextlib.contextmanager``: so type checkers know that it never
+    swallows the error, and that a function returning inside the block returns."""
+
+    def __init__(self, module: object) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        if isinstance(error, (TypeError, ValueError)):
+            raise unexpressible(self.module, "a configuration MHAConfig refuses", str(error)) from error
+
+
 def to_array(value) -> np.ndarray:
     """A torch tensor (any device, bfloat16 too), a JAX array, a Flax NNX variable or a Keras variable -> a NumPy
     array that owns its memory."""

@@ -38,7 +38,7 @@ from mha_rosetta.core.variants.mla import KV_RANK, SIZES, fuse_kv_b, softmax_sca
 
 from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_max_positions, hf_rope_parameters, rotary_tables
 from ._layout import SEPARATE, Layout
-from ._module_io import HFRope, hf_rope, torch_reader, unexpressible
+from ._module_io import HFRope, hf_rope, torch_reader, unexpressible, unexpressible_config
 from ._real import HF_REQUIRES, torch_state
 
 # The latent sizes transformers' DeepSeek configs and modules name as the spec does: kv_lora_rank, which switches
@@ -222,7 +222,7 @@ def deepseek_layout(family: DeepSeek, **overrides) -> Layout:
         # (Mistral 4's d_k 12): within the scale rule's 1e-15 the module's scale is the spec's default, read as such
         scale = float(module.scaling)
         default = softmax_scale(module.qk_head_dim, rope.rope_scaling)
-        try:
+        with unexpressible_config(module):
             return MHAConfig(
                 d_model=module.kv_a_proj_with_mqa.in_features,
                 n_heads=module.num_heads,
@@ -236,8 +236,6 @@ def deepseek_layout(family: DeepSeek, **overrides) -> Layout:
                 norm_eps=eps.pop(),
                 **family.read_fields(module),
             )
-        except (TypeError, ValueError) as error:
-            raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
     rotary = "interleaved (complex freqs_cis)" if family.complex_rotary else "rope_interleave: interleaved or half"
     fields: dict = dict(

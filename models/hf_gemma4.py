@@ -61,7 +61,7 @@ from ._layout import (
     separate_linears,
     unit_scale,
 )
-from ._module_io import class_name, hf_rope, hf_window, torch_reader, unexpressible
+from ._module_io import class_name, hf_rope, hf_window, torch_reader, unexpressible, unexpressible_config
 from ._real import HF_REQUIRES, torch_state
 
 MODULE = "Gemma4TextAttention"
@@ -158,7 +158,7 @@ def read(module) -> MHAConfig:
         )
     head_dim = module.head_dim
     rope = hf_rope(module, config, head_dim, layer_type=module.layer_type)
-    try:
+    with unexpressible_config(module):
         return MHAConfig(
             d_model=module.q_proj.in_features,
             n_heads=config.num_attention_heads,
@@ -174,8 +174,6 @@ def read(module) -> MHAConfig:
             value_norm=True,
             attention_k_eq_v=bool(module.use_alternative_attention),
         )
-    except (TypeError, ValueError) as error:
-        raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
 
 _SEPARATE = separate_linears(LINEARS, NORMS)  # q_norm/k_norm stored as they multiply: no offset

@@ -31,7 +31,7 @@ from mha_rosetta.core.variants.temperature import LLAMA4_OFFSET, offset_reason
 from ._hf import hf_config, hf_forward, hf_heads, hf_implementation, hf_max_positions, hf_rope_parameters
 from ._hf_decoder import LINEARS, attention_bias_rule, linear_fields
 from ._layout import SEPARATE, Layout, causal_only, default_scale, rotary_is, self_attention_heads, separate_linears
-from ._module_io import hf_rope, torch_reader, unexpressible
+from ._module_io import hf_rope, torch_reader, unexpressible, unexpressible_config
 from ._real import HF_REQUIRES, torch_state
 
 MODULE = "Llama4TextAttention"
@@ -133,7 +133,7 @@ def read(module) -> MHAConfig:
     temperature: dict[str, Any] = (  # registry fields: typed Any (core.config)
         {"floor_scale": float(module.floor_scale), "attn_scale": float(module.attn_scale)} if tempered else {}
     )
-    try:
+    with unexpressible_config(module):
         return MHAConfig(
             **linear_fields(module),
             rope=None if rope is None else "interleaved",
@@ -145,19 +145,24 @@ def read(module) -> MHAConfig:
             attn_temperature_tuning=tempered,
             **temperature,
         )
-    except (TypeError, ValueError) as error:  # a setting MHAConfig refuses: say which module had it
-        raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
+
+
+def llama4_kind_reason(cfg: MHAConfig, module: str, args: str) -> str | None:
+    """What every Llama 4 attention class (Hugging Face's, mlx-lm's `mlx_llama4`) computes by layer kind: the chunk
+    on rotary layers only, the temperature on NoPE layers only, ``floor_scale`` an int of its ``args`` class, Llama
+    4's floor offset."""
+    if cfg.rope is None and cfg.attention_chunk_size is not None:
+        return f"MHAConfig.attention_chunk_size={cfg.attention_chunk_size} with rope=None: {module}'s NoPE layers attend fully"
+    if cfg.rope is not None and cfg.attn_temperature_tuning:
+        return f"MHAConfig.attn_temperature_tuning=True with rope={cfg.rope!r}: {module} tempers its NoPE layers only"
+    if not float(cfg.floor_scale).is_integer():
+        return f"MHAConfig.floor_scale={cfg.floor_scale:g}: {args}.floor_scale is an int"
+    return offset_reason(cfg, module, LLAMA4_OFFSET)  # Llama 4 floors (p + 1) / floor_scale
 
 
 def _layer_kind_rule(cfg: MHAConfig) -> str | None:
-    """Llama 4's layer kinds: a chunk and the norm on rotary layers only, no weighted QK-norm at all."""
-    if cfg.rope is None and cfg.attention_chunk_size is not None:
-        return f"MHAConfig.attention_chunk_size={cfg.attention_chunk_size} with rope=None: {MODULE}'s NoPE layers attend fully"
-    if cfg.rope is not None and cfg.attn_temperature_tuning:
-        return f"MHAConfig.attn_temperature_tuning=True with rope={cfg.rope!r}: {MODULE} tempers its NoPE layers only"
-    if not float(cfg.floor_scale).is_integer():
-        return f"MHAConfig.floor_scale={cfg.floor_scale:g}: Llama4TextConfig.floor_scale is an int"
-    if reason := offset_reason(cfg, MODULE, LLAMA4_OFFSET):  # Llama 4 floors (p + 1) / floor_scale
+    """Llama 4's layer kinds (`llama4_kind_reason`): a chunk and the norm on rotary layers only, no weighted QK-norm."""
+    if reason := llama4_kind_reason(cfg, MODULE, "Llama4TextConfig"):
         return reason
     if cfg.qk_norm is not None:
         return f"MHAConfig.qk_norm={cfg.qk_norm!r}: {MODULE}'s only QK-norm is weightless, after rotary (qk_norm_after_rope)"

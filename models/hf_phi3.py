@@ -18,6 +18,7 @@ from mha_rosetta.core import MHAConfig
 
 from . import _hf
 from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_rope_parameters, rotary_precision, rotary_tables
+from ._hf_decoder import LLAMA_LIKE_EXAMPLE
 from ._layout import (
     BLOCKS,
     Layout,
@@ -151,6 +152,6 @@ LAYOUT = Layout(
     requires=HF_REQUIRES,
     hf_options=True,
     reader=torch_reader(("transformers.Phi3Attention",), _config, PACKING["shapes"], _forward),
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "rope_dims": 2, "causal": True},
+    example={**LLAMA_LIKE_EXAMPLE, "rope_dims": 2},
     variants=("window", "rope_scaling"),
 )

@@ -9,7 +9,7 @@ A layer of ``config.layer_types`` ``"sliding_attention"`` (``use_sliding_window`
 from __future__ import annotations
 
 from ._hf import hf_names
-from ._hf_decoder import Decoder, decoder_layout, field_is, sliding_config
+from ._hf_decoder import LLAMA_LIKE_EXAMPLE, Decoder, decoder_layout, field_is, sliding_config
 
 MODULE = "Qwen2Attention"
 
@@ -25,6 +25,6 @@ LAYOUT = decoder_layout(
             "float32 inside a float64 model: eager attention's softmax and the rotary module's angles; SDPA with "
             "float64 (cos, sin) keeps float64",
         ),
-        example={"n_kv_heads": 2, "bias": "qkv", "rope": "half", "causal": True},
+        example={**LLAMA_LIKE_EXAMPLE, "bias": "qkv"},
     )
 )

@@ -30,6 +30,7 @@ import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -242,6 +243,13 @@ def _qwen_window(layer):
     return (None, False) if fused_attention_op_available() else _in_layer_window(layer)
 
 
+# Gemma's and Gemma 3's classes alike beyond `GEMMA_ARGS`: kernels (H, E, d), the rotary in ``rope_layer``, the
+# in-layer window, the scale rule (`gemma_scale`) and the softcap.
+_gemma_family = partial(
+    KerasHubFamily, rope="rope_layer", heads_first=True, window=_in_layer_window, scale=gemma_scale, softcap=True
+)
+
+
 LLAMA = KerasHubFamily(
     layout="keras-hub-llama",
     path="llama.llama_attention.LlamaAttention",
@@ -260,18 +268,13 @@ MISTRAL = KerasHubFamily(
     variants=("window", "rope_scaling"),
     window=lambda layer: (layer._sliding_window, True),
 )
-GEMMA = KerasHubFamily(
+GEMMA = _gemma_family(
     layout="keras-hub-gemma",
     path="gemma.gemma_attention.CachedGemmaAttention",
     description="keras-hub Gemma (and Gemma 2): kernels (H, E, d), query_head_dim_normalize, softcap, in-layer window",
     args=GEMMA_ARGS,
     variants=("window", "softcap"),
-    rope="rope_layer",
-    heads_first=True,
     scalings=(None,),
-    window=_in_layer_window,
-    scale=gemma_scale,
-    softcap=True,
     rules=(
         field_is(
             "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention",
@@ -281,21 +284,16 @@ GEMMA = KerasHubFamily(
         ),
     ),
 )
-GEMMA3 = KerasHubFamily(
+GEMMA3 = _gemma_family(
     layout="keras-hub-gemma3",
     path="gemma3.gemma3_attention.CachedGemma3Attention",
     description="keras-hub Gemma 3: Gemma's kernels, query_norm/key_norm RMSNorm multiplying by 1 + scale, "
     "query_head_dim_normalize, in-layer window, a (keys, values) tuple cache",
     args=(*GEMMA_ARGS, "use_query_key_norm", "layer_norm_epsilon", "rope_wavelength", "rope_scaling_factor"),
     variants=("window", "softcap", "qk_norm_head", "rope_scaling"),
-    rope="rope_layer",
-    heads_first=True,
     extras={"q_norm": "query_norm/scale", "k_norm": "key_norm/scale"},
     offsets={"q_norm": 1.0, "k_norm": 1.0},
     qk_norm="head",
-    window=_in_layer_window,
-    scale=gemma_scale,
-    softcap=True,
     tuple_cache=True,
     notes=("RMSNormalization stores scale and multiplies by 1 + scale: canonical = 1 + stored",),
 )

@@ -37,8 +37,9 @@ from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes
 from mha_rosetta.core.variants.mla import softmax_scale
 
 from ._layout import SEPARATE, Layout
+from ._mlx_build import cast_parameters, mlx_rope_arguments, tiny_model_args
 from ._mlx_io import load_mlx, mlx_forward, mlx_reader, mlx_rope, scaling_read
-from ._module_io import unexpressible
+from ._module_io import unexpressible, unexpressible_config
 from .hf_deepseek import _names as latent_names  # the tensors stored one to one, as Hugging Face names them
 
 MODULE = "mlx_lm.models.deepseek_v3.DeepseekV3Attention"
@@ -74,33 +75,19 @@ def unpack(cfg: MHAConfig, state: dict[str, np.ndarray]) -> MHAParams:
 
 def build(cfg: MHAConfig, dtype: str = "float64"):
     """A tiny mlx-lm ``DeepseekV3Attention`` for ``cfg`` (random weights, cast to ``dtype``)."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
     models = importlib.import_module("mlx_lm.models.deepseek_v3")
-    scaling = cfg.rope_scaling and {key: value for key, value in cfg.rope_scaling.items() if value is not None}
-    length = (scaling or {}).get("original_max_position_embeddings", 2048)
     args = models.ModelArgs(
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_model,
+        **tiny_model_args(cfg),  # MLA: n_kv_heads is n_heads (every head expands its own keys from the latent)
+        **mlx_rope_arguments(cfg, length=2048),  # rope_scaling, max_position_embeddings
         moe_intermediate_size=cfg.d_model,
-        num_hidden_layers=1,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads,
         q_lora_rank=cfg.q_lora_rank,
         kv_lora_rank=cfg.kv_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         qk_nope_head_dim=cfg.qk_nope_head_dim,
         v_head_dim=cfg.v_head_dim,
-        max_position_embeddings=length,
-        rope_theta=cfg.rope_base,
-        rope_scaling=scaling,
         attention_bias=bool(cfg.bias),
-        vocab_size=8,
     )
-    module = models.DeepseekV3Attention(args)
-    module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
-    return module
+    return cast_parameters(models.DeepseekV3Attention(args), dtype)
 
 
 def read(module) -> MHAConfig:
@@ -116,7 +103,7 @@ def read(module) -> MHAConfig:
     # self.scale is q_head_dim**-0.5 * s * s; the spec's default the same to the last bits: None keeps it bit for bit
     default = softmax_scale(module.q_head_dim, rope["rope_scaling"])
     scale = None if math.isclose(module.scale, default, rel_tol=1e-12) else float(module.scale)
-    try:
+    with unexpressible_config(module):
         return MHAConfig(
             d_model=module.hidden_size,
             n_heads=module.num_heads,
@@ -133,8 +120,6 @@ def read(module) -> MHAConfig:
             rope_scaling=rope["rope_scaling"],
             norm_eps=eps.pop(),
         )
-    except (TypeError, ValueError) as error:
-        raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
 
 def _rules():

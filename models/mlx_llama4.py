@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants.temperature import LLAMA4_OFFSET, offset_reason
 
 from ._hf_decoder import LINEARS
 from ._layout import (
@@ -47,8 +46,10 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
+from ._mlx_build import cast_parameters, mlx_rope_arguments, tiny_model_args
 from ._mlx_io import load_mlx, mlx_bias, mlx_forward, mlx_reader, mlx_rope, model_args, scaling_read
-from ._module_io import unexpressible
+from ._module_io import unexpressible, unexpressible_config
+from .hf_llama4 import llama4_kind_reason
 
 MODULE = "mlx_lm.models.llama4.Attention"
 NORM_EPS = 1e-6  # mx.fast.rms_norm(queries, weight=None, eps=1e-6) in Attention.__call__
@@ -57,39 +58,27 @@ _PACKING = separate_linears(LINEARS)
 
 def build(cfg: MHAConfig, dtype: str = "float64"):
     """A tiny mlx-lm Llama 4 ``Attention`` for ``cfg``: layer 0 (rotary) or layer 3 (NoPE), given its model args."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
     models = importlib.import_module("mlx_lm.models.llama4")
-    scaling = cfg.rope_scaling and {key: value for key, value in cfg.rope_scaling.items() if value is not None}
     args = models.TextArgs(
+        **tiny_model_args(cfg, layers=4),
+        **mlx_rope_arguments(cfg, length=8192),  # rope_scaling, max_position_embeddings
         attention_bias=bool(cfg.bias),
         attention_chunk_size=cfg.attention_chunk_size or 8192,  # NoPE layers: the model's global mask ignores it
         head_dim=cfg.d_k,
-        hidden_size=cfg.d_model,
         interleave_moe_layer_step=1,
-        intermediate_size=cfg.d_model,
         intermediate_size_mlp=cfg.d_model,
-        max_position_embeddings=(scaling or {}).get("original_max_position_embeddings", 8192),
         model_type="llama4_text",
-        num_attention_heads=cfg.n_heads,
         num_experts_per_tok=1,
-        num_hidden_layers=4,
-        num_key_value_heads=cfg.n_kv_heads,
         num_local_experts=1,
         rms_norm_eps=cfg.norm_eps,
-        rope_scaling=scaling,
-        rope_theta=cfg.rope_base,
         use_qk_norm=bool(cfg.qk_norm_after_rope),
-        vocab_size=8,
         attn_temperature_tuning=int(bool(cfg.attn_temperature_tuning)),
         floor_scale=int(cfg.floor_scale),
         attn_scale=float(cfg.attn_scale),
     )
     module = models.Attention(args, 0 if cfg.rope is not None else 3)  # (layer_idx + 1) % 4 == 0: NoPE
     module.args = args  # what a port does: the chunk (the model's mask) and a Llama3RoPE are read from them
-    module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
-    return module
+    return cast_parameters(module, dtype)
 
 
 def llama4_fields(module) -> dict[str, Any]:
@@ -139,7 +128,7 @@ def read(module) -> MHAConfig:
     kind: dict[str, Any] = {"attn_temperature_tuning": bool(module.attn_temperature_tuning) and not rotary}
     if kind["attn_temperature_tuning"]:
         kind.update(floor_scale=float(module.floor_scale), attn_scale=float(module.attn_scale))
-    try:
+    with unexpressible_config(module):
         return MHAConfig(
             **fields,
             attention_chunk_size=int(args.attention_chunk_size) if rotary else None,
@@ -147,8 +136,6 @@ def read(module) -> MHAConfig:
             norm_eps=NORM_EPS,
             **kind,
         )
-    except (TypeError, ValueError) as error:
-        raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
 
 def chunk_mask(chunk: int, start: int, offset: int, tokens: int) -> np.ndarray:
@@ -200,16 +187,10 @@ def _layer_kind_rule(cfg: MHAConfig) -> str | None:
         return (
             f"MHAConfig.attention_chunk_size=None with rope={cfg.rope!r}: mlx-lm's LlamaModel chunks every rotary layer"
         )
-    if cfg.rope is None and cfg.attention_chunk_size is not None:
-        return f"MHAConfig.attention_chunk_size={cfg.attention_chunk_size} with rope=None: {MODULE}'s NoPE layers attend fully"
+    if reason := llama4_kind_reason(cfg, MODULE, "mlx-lm's TextArgs"):
+        return reason
     if cfg.rope is None and cfg.qk_norm_after_rope:
         return f"MHAConfig.qk_norm_after_rope=True with rope=None: {MODULE} norms its rotary layers only"
-    if cfg.rope is not None and cfg.attn_temperature_tuning:
-        return f"MHAConfig.attn_temperature_tuning=True with rope={cfg.rope!r}: {MODULE} tempers its NoPE layers only"
-    if not float(cfg.floor_scale).is_integer():
-        return f"MHAConfig.floor_scale={cfg.floor_scale:g}: mlx-lm's TextArgs.floor_scale is an int"
-    if reason := offset_reason(cfg, MODULE, LLAMA4_OFFSET):  # Llama 4 floors (p + 1) / floor_scale
-        return reason
     if cfg.qk_norm_after_rope and cfg.norm_eps != NORM_EPS:
         return f"MHAConfig.norm_eps={cfg.norm_eps!r}: {MODULE}'s QK-norm uses eps 1e-6 whatever rms_norm_eps says"
     if cfg.qk_norm is not None:

@@ -33,8 +33,9 @@ from mha_rosetta.core import MHAConfig
 from ._errors import LayoutError
 from ._hf_decoder import LINEARS
 from ._layout import SEPARATE, Layout, separate_linears
+from ._mlx_build import cast_parameters, tiny_model_args
 from ._mlx_io import load_mlx, mlx_forward, mlx_state
-from ._module_io import ModuleReader, class_name, unexpressible
+from ._module_io import ModuleReader, class_name, unexpressible_config
 from .mlx_llama4 import llama4_fields, llama4_rules
 
 MODULE = "mlx_lm.models.llama4_text.Attention"
@@ -45,21 +46,12 @@ _PACKING = separate_linears(LINEARS, extras=NORMS)
 
 def build(cfg: MHAConfig, dtype: str = "float64"):
     """A tiny mlx-lm ``llama4_text.Attention`` for ``cfg``: layer 0 (rotary) or 1 (NoPE) of ``no_rope_layers=[1, 0]``."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
     models = importlib.import_module("mlx_lm.models.llama4_text")
     args = models.ModelArgs(
         model_type="llama4_text",
-        hidden_size=cfg.d_model,
-        num_attention_heads=cfg.n_heads,
-        num_hidden_layers=2,
-        vocab_size=8,
-        intermediate_size=cfg.d_model,
+        **tiny_model_args(cfg, layers=2),
         intermediate_size_mlp=cfg.d_model,
-        num_key_value_heads=cfg.n_kv_heads,
         rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_base,
         head_dim=cfg.d_k,
         tie_word_embeddings=True,
         no_rope_layers=[1, 0],
@@ -67,23 +59,20 @@ def build(cfg: MHAConfig, dtype: str = "float64"):
     )
     layer = 0 if cfg.rope is not None else 1
     module = models.Attention(args, args.no_rope_layers[layer])  # as LanguageModel builds layer i
-    module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
-    return module
+    return cast_parameters(module, dtype)
 
 
 def read(module) -> MHAConfig:
     """The instance's layer kind (``use_rope``), its rotary, and its norm (after rotary, or per head on NoPE)."""
     fields = llama4_fields(module)
     rotary, normed = fields["rope"] is not None, bool(module.use_qk_norm)
-    try:
+    with unexpressible_config(module):
         return MHAConfig(
             **fields,
             qk_norm_after_rope=normed and rotary,  # the same numbers as its norm before rotary
             qk_norm="head" if normed and not rotary else None,  # weightless: unit weights (`NORMS`)
             norm_eps=float(module.rms_norm_eps) if normed else 1e-6,
         )
-    except (TypeError, ValueError) as error:
-        raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
 
 def _state(module, cfg: MHAConfig) -> dict[str, np.ndarray]:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from mha_rosetta.core import MHAConfig
 
-from ._hf_decoder import LINEARS, NORMS, field_is
+from ._hf_decoder import LINEARS, LLAMA_LIKE_EXAMPLE, NORMS, field_is
 from ._layout import (
     BLOCKS,
     SEPARATE,
@@ -62,6 +62,7 @@ from ._layout import (
     self_attention_widths,
     separate_linears,
 )
+from ._mlx_build import cast_parameters, mlx_rope_arguments, tiny_model_args
 from ._mlx_io import (
     LONGROPE_SCALINGS,
     READ_SCALINGS,
@@ -70,11 +71,10 @@ from ._mlx_io import (
     mlx_forward,
     mlx_reader,
     mlx_rope,
-    mlx_rope_arguments,
     qk_norm_fields,
     scaling_read,
 )
-from ._module_io import unexpressible
+from ._module_io import unexpressible_config
 from ._packing import pack_blocks, unpack_blocks
 from .hf_qwen3_next import LAYOUT as HF_QWEN3_NEXT
 from .hf_qwen3_next import _gated_packing  # q_proj's [q_h | gate_h] rows per head, the same in mlx-lm
@@ -115,27 +115,12 @@ class MlxFamily:
 
     def build(self, cfg: MHAConfig, dtype: str = "float64"):
         """A tiny mlx-lm ``Attention`` of the family for ``cfg`` (random weights, cast to ``dtype``)."""
-        import mlx.core as mx
-        from mlx.utils import tree_map
-
         models = importlib.import_module(f"mlx_lm.models.{self.package}")
         # the keys Hugging Face's form leaves unset are None in the spec's dict; mlx-lm reads a key it finds
         rope = mlx_rope_arguments(cfg)  # rope_scaling, max_position_embeddings (and longrope's original length)
         # from_dict keeps the keys the family's ModelArgs has (mlx-lm's own loading path): Gemma 2 has no rope_scaling
         args = models.ModelArgs.from_dict(
-            {
-                "model_type": self.package,
-                "hidden_size": cfg.d_model,
-                "num_hidden_layers": 1,
-                "intermediate_size": cfg.d_model,
-                "num_attention_heads": cfg.n_heads,
-                "num_key_value_heads": cfg.n_kv_heads,
-                "rms_norm_eps": cfg.norm_eps,
-                "vocab_size": 8,
-                "rope_theta": cfg.rope_base,
-                **rope,
-                **self.args(cfg),
-            }
+            {"model_type": self.package, **tiny_model_args(cfg), "rms_norm_eps": cfg.norm_eps, **rope, **self.args(cfg)}
         )
         cls = getattr(models, self.cls)
         module = cls(args, 0) if self.layer_idx else cls(args)
@@ -154,8 +139,7 @@ class MlxFamily:
         )
         if getattr(module, "args", None) is None:  # what a port does: Llama3RoPE and YarnRoPE are read from them
             module.args = args
-        module.update(tree_map(lambda a: a.astype(getattr(mx, dtype)), module.parameters()))
-        return module
+        return cast_parameters(module, dtype)
 
 
 def mlx_layout(family: MlxFamily) -> Layout:
@@ -173,7 +157,7 @@ def mlx_layout(family: MlxFamily) -> Layout:
             **({"softcap": float(module.attn_logit_softcapping)} if family.softcap else {}),
             **({"attn_output_gate": True} if family.gate else {}),
         }
-        try:
+        with unexpressible_config(module):
             return MHAConfig(
                 d_model=weight.shape[0],
                 n_heads=getattr(module, heads),
@@ -184,8 +168,6 @@ def mlx_layout(family: MlxFamily) -> Layout:
                 sinks=family.sinks,
                 **settings,
             )
-        except (TypeError, ValueError) as error:
-            raise unexpressible(module, "a configuration MHAConfig refuses", str(error)) from error
 
     extras = {**(NORMS if family.qk_norm else {}), **({"sinks": "sinks"} if family.sinks else {})}
     packing = family.packing or separate_linears(LINEARS, extras, family.offsets)
@@ -235,7 +217,7 @@ LLAMA_FAMILY = MlxFamily(
     variants=("rope_scaling",),
     args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias)},
     notes=("Mistral: mlx_lm/utils.py maps model_type 'mistral' to llama; its window is the model's mask",),
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
+    example=LLAMA_LIKE_EXAMPLE,
 )
 LLAMA = mlx_layout(LLAMA_FAMILY)
 QWEN2_FAMILY = MlxFamily(
@@ -246,7 +228,7 @@ QWEN2_FAMILY = MlxFamily(
     args=lambda cfg: {},
     biases=("qkv",),
     rules=(head_dim_is_width_over_heads("mlx_lm.models.qwen2.Attention"),),
-    example={"n_kv_heads": 2, "bias": "qkv", "rope": "half", "causal": True},
+    example={**LLAMA_LIKE_EXAMPLE, "bias": "qkv"},
 )
 QWEN2 = mlx_layout(QWEN2_FAMILY)
 QWEN3_FAMILY = MlxFamily(
@@ -257,7 +239,7 @@ QWEN3_FAMILY = MlxFamily(
     args=lambda cfg: {"head_dim": cfg.d_k, "tie_word_embeddings": True},
     biases=(False,),
     qk_norm="head",
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
+    example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "head"},
 )
 QWEN3 = mlx_layout(QWEN3_FAMILY)
 OLMO2_FAMILY = MlxFamily(
@@ -267,7 +249,7 @@ OLMO2_FAMILY = MlxFamily(
     variants=("qk_norm_projection", "rope_scaling"),
     args=lambda cfg: {"head_dim": cfg.d_k, "attention_bias": bool(cfg.bias)},
     qk_norm="projection",
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "projection"},
+    example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "projection"},
 )
 OLMO2 = mlx_layout(OLMO2_FAMILY)
 GEMMA3_FAMILY = MlxFamily(
@@ -286,7 +268,7 @@ GEMMA3_FAMILY = MlxFamily(
         "reader reads window=None (and the layer's own rope: rope_local_base_freq on sliding layers)",
         "RMSNorm stores w and multiplies by 1 + w (mx.fast.rms_norm(x, 1.0 + weight, eps)): canonical = 1 + stored",
     ),
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "qk_norm": "head"},
+    example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "head"},
 )
 GEMMA3 = mlx_layout(GEMMA3_FAMILY)
 PHI3_FAMILY = MlxFamily(
@@ -303,7 +285,7 @@ PHI3_FAMILY = MlxFamily(
     rules=(head_dim_is_width_over_heads("mlx_lm.models.phi3.Attention"),),
     scalings=LONGROPE_SCALINGS,
     notes=("longrope builds SuScaledRoPE: long_factor at every length, read as short_factor = long_factor",),
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True},
+    example=LLAMA_LIKE_EXAMPLE,
 )
 PHI3 = mlx_layout(PHI3_FAMILY)
 GEMMA2_FAMILY = MlxFamily(
@@ -324,7 +306,7 @@ GEMMA2_FAMILY = MlxFamily(
         "Gemma2Model passes one causal mask to every layer (create_attention_mask(h, cache[0], return_array=True)): "
         "mlx-lm's Gemma 2 applies no sliding window, where Hugging Face's alternates sliding and full layers",
     ),
-    example={"n_kv_heads": 2, "bias": False, "rope": "half", "causal": True, "softcap": 50.0},
+    example={**LLAMA_LIKE_EXAMPLE, "softcap": 50.0},
 )
 GEMMA2 = mlx_layout(GEMMA2_FAMILY)
 GPT_OSS_FAMILY = MlxFamily(
@@ -342,7 +324,7 @@ GPT_OSS_FAMILY = MlxFamily(
         "model args the instance is given (attention.args = model.args) and proved on that table",
         "the window is the model's mask (layer_types 'sliding_attention': create_attention_mask(..., window_size))",
     ),
-    example={"n_kv_heads": 2, "bias": True, "rope": "half", "causal": True, "sinks": True},
+    example={**LLAMA_LIKE_EXAMPLE, "bias": True, "sinks": True},
 )
 GPT_OSS = mlx_layout(GPT_OSS_FAMILY)
 QWEN3_NEXT_MODULE = "mlx_lm.models.qwen3_next.Qwen3NextAttention"

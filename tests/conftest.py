@@ -82,6 +82,29 @@ def refusal_reason(name: str, cfg: MHAConfig) -> str | None:
     return backend.variant_reason(cfg, "standard")
 
 
+def skip_unless_installed(*modules: str) -> None:
+    """Skip the calling test module (called at import) or test unless every library of ``modules`` imports here: the
+    reason names the first that does not, with its install command (`models.real_modules.libraries_missing`)."""
+    from mha_rosetta.models.real_modules import libraries_missing
+
+    reason = libraries_missing(modules)
+    if reason is not None:
+        pytest.skip(reason, allow_module_level=True)
+
+
+def agreeing_comparison(a, b, steps: int = 7):
+    """`diagnose.compare(a, b, decode=True)` of two honest ports, checked and returned: no field differs, the outputs
+    agree within float32's tolerance (the level such ports declare) but not bit for bit, and so do all ``steps``
+    decode steps."""
+    from mha_rosetta.diagnose.compare import compare
+
+    result = compare(a, b, decode=True)
+    assert result.differences == []
+    assert result.agrees and result.dtype == "float32" and 0 < result.max_error < 2e-5
+    assert len(result.decode_steps) == steps and result.first_decode_step is None
+    return result
+
+
 def requires(module: str):
     """Skip (with the reason) when an optional framework is not installed or fails to import."""
     return pytest.mark.skipif(not importable(module), reason=str(import_failure(module)))

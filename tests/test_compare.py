@@ -14,26 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="torch is not installed: pip install 'mha-rosetta[torch]'")
-pytest.importorskip("transformers", reason="transformers is not installed: pip install 'mha-rosetta[models]'")
-pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'mha-rosetta[mlx]'")
-pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'mha-rosetta[mlx]'")
-
-from conftest import hf_attention, load_example, run_cli
+from conftest import agreeing_comparison, hf_attention, load_example, run_cli, skip_unless_installed
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.diagnose.compare import compare
 from mha_rosetta.models import from_module
 from mha_rosetta.models.mlx_lm import FAMILIES
 
+skip_unless_installed("torch", "transformers", "mlx", "mlx_lm")
 ROOT = Path(__file__).resolve().parents[1]
 ports_qwen3 = load_example("ports_qwen3")
 
 
 def test_hf_qwen3_and_mlx_lm_qwen3_agree_forward_and_decode():
-    result = compare(ports_qwen3.hf_qwen3(), ports_qwen3.mlx_qwen3(), decode=True)
-    assert result.differences == []
-    assert result.agrees and result.dtype == "float32" and 0 < result.max_error < 2e-5
-    assert len(result.decode_steps) == 7 and result.first_decode_step is None
+    result = agreeing_comparison(ports_qwen3.hf_qwen3(), ports_qwen3.mlx_qwen3())
     assert result.stage is None and result.causes == []
     assert any("float32-accurate" in note for note in result.notes)  # MLX's float64 limit, named
 
@@ -74,7 +67,7 @@ def test_same_shapes_other_heads_runs_and_names_the_head_count():
 
 def test_torch_multihead_attention_against_keras_runs_keras_rebuilt_and_says_so():
     os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 defaults to TensorFlow, which is not installed here
-    pytest.importorskip("keras", reason="keras is not installed: pip install 'mha-rosetta[models]'")
+    skip_unless_installed("keras")
     import keras
     import torch
 

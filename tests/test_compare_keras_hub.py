@@ -12,29 +12,21 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-
 os.environ.setdefault("KERAS_BACKEND", "jax")  # Keras 3 defaults to TensorFlow; keras-hub runs on JAX here
-pytest.importorskip("keras", reason="keras is not installed: pip install 'mha-rosetta[keras-hub]'")
-pytest.importorskip("keras_hub", reason="keras-hub is not installed: pip install 'mha-rosetta[keras-hub]'")
-pytest.importorskip("torch", reason="torch is not installed: pip install 'mha-rosetta[torch]'")
-pytest.importorskip("transformers", reason="transformers is not installed: pip install 'mha-rosetta[models]'")
 
-from conftest import hf_attention, load_example, run_cli
+from conftest import agreeing_comparison, hf_attention, load_example, run_cli, skip_unless_installed
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.diagnose.compare import compare
 from mha_rosetta.models import from_module
 from mha_rosetta.models.keras_hub import FAMILIES
 
+skip_unless_installed("keras", "keras_hub", "torch", "transformers")
 ROOT = Path(__file__).resolve().parents[1]
 ports_gemma3 = load_example("ports_gemma3")
 
 
 def test_hf_gemma3_and_keras_hub_gemma3_agree_forward_and_decode():
-    result = compare(ports_gemma3.hf_gemma3(), ports_gemma3.keras_hub_gemma3(), decode=True)
-    assert result.differences == []
-    assert result.agrees and result.dtype == "float32" and 0 < result.max_error < 2e-5
-    assert len(result.decode_steps) == 7 and result.first_decode_step is None
+    result = agreeing_comparison(ports_gemma3.hf_gemma3(), ports_gemma3.keras_hub_gemma3())
     assert any("keras-hub computes the rotary angles in float32" in note for note in result.notes)
 
 
@@ -95,8 +87,7 @@ def test_keras_hub_against_itself_decodes_through_its_cache_with_the_window():
 
 
 def test_mlx_lm_qwen3_against_keras_hub_qwen3_agrees_forward_and_decode():
-    pytest.importorskip("mlx.core", reason="mlx is not installed: pip install 'mha-rosetta[mlx]'")
-    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'mha-rosetta[mlx]'")
+    skip_unless_installed("mlx", "mlx_lm")
     from mha_rosetta.models.mlx_lm import FAMILIES as MLX
 
     cfg = MHAConfig(16, 4, n_kv_heads=2, d_k=8, bias=False, causal=True, rope="half", qk_norm="head", norm_eps=1e-6)

@@ -59,6 +59,12 @@ def _x(cfg, shape, seed=1):
     return np.random.default_rng(seed).standard_normal((*shape, cfg.d_model))
 
 
+def _case(config: str, params_seed: int, shape, x_seed: int = 1):
+    """``CONFIGS[config]``, its parameters drawn with ``params_seed``, inputs ``(*shape, d_model)`` with ``x_seed``."""
+    cfg = CONFIGS[config]
+    return cfg, init_params(cfg, seed=params_seed), _x(cfg, shape, x_seed)
+
+
 def _level(backend) -> str:
     """The tolerance a float64 run of ``backend`` is held to: the level it declares (MLX: float32, its float64 exp is
     float32-accurate, `frameworks.mlx.FLOAT64_LIMIT`), else float64's."""
@@ -68,9 +74,7 @@ def _level(backend) -> str:
 @pytest.mark.parametrize("name", ADAPTERS)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_both_strategies_agree_with_the_oracle_and_each_other_to_1e_12(name, config):
-    cfg = CONFIGS[config]
-    params = init_params(cfg, seed=4)
-    x = _x(cfg, (2, 9))
+    cfg, params, x = _case(config, 4, (2, 9))
     ref = reference_mha(cfg, params, x)
     backend = _backend(name)
     naive, absorbed = (backend.run(cfg, params, x, strategy=form, dtype="float64") for form in FORMS)
@@ -87,9 +91,7 @@ def test_both_strategies_agree_with_the_oracle_and_each_other_to_1e_12(name, con
 @pytest.mark.parametrize("name", ADAPTERS)
 @pytest.mark.parametrize("form", FORMS)
 def test_a_mask_positions_and_float32(name, form):
-    cfg = CONFIGS["v2_lite"]
-    params = init_params(cfg, seed=0)
-    x = _x(cfg, (2, 6))
+    cfg, params, x = _case("v2_lite", 0, (2, 6))
     mask = np.random.default_rng(3).random((6, 6)) < 0.7
     positions = np.array([0, 2, 3, 5, 8, 9])
     ref = reference_mha(cfg, params, x, mask=mask, positions=positions)
@@ -103,9 +105,7 @@ def test_a_mask_positions_and_float32(name, form):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("config", ["v3", "v3_half_window", "mistral4"])
 def test_decode_through_the_latent_cache_equals_the_full_forward(name, form, config):
-    cfg = CONFIGS[config]
-    params = init_params(cfg, seed=5)
-    x = _x(cfg, (2, 8), seed=2)
+    cfg, params, x = _case(config, 5, (2, 8), x_seed=2)
     mask = np.ones((2, 8), dtype=bool)
     mask[1, :2] = False  # left padding in one sequence
     backend = _backend(name)
@@ -133,9 +133,7 @@ def test_decode_through_the_latent_cache_equals_the_full_forward(name, form, con
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("config", ["v3", "v2_lite", "v3_softcap_chunks", "mistral4"])
 def test_the_backward_agrees_with_the_oracle(name, form, config):
-    cfg = CONFIGS[config]
-    params = init_params(cfg, seed=6)
-    x = _x(cfg, (2, 7), seed=3)
+    cfg, params, x = _case(config, 6, (2, 7), x_seed=3)
     cotangent = np.random.default_rng(9).standard_normal((2, 7, cfg.d_model))
     expected = reference_mha_vjp(cfg, params, x, cotangent=cotangent)
     backend = _backend(name)
@@ -164,9 +162,7 @@ def test_einops_numpy_refuses_the_backward_with_the_reason(form):
 @pytest.mark.parametrize("name", EINOPS)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_einops_forms_agree_with_the_numpy_adapters_column_samples(name, config):
-    cfg = CONFIGS[config]
-    params = init_params(cfg, seed=7)
-    x = _x(cfg, (2, 8), seed=4)
+    cfg, params, x = _case(config, 7, (2, 8), x_seed=4)
     scale = np.abs(reference_mha(cfg, params, x)).max()
     for form in FORMS:
         numpy_out = _backend("numpy").run(cfg, params, x, strategy=form, dtype="float64")
@@ -260,9 +256,7 @@ STAGE_RECORDERS = [param for param in ADAPTERS if param.values[0] != "mlx"]
 @requires("mlx")
 @pytest.mark.parametrize("form", FORMS)
 def test_mlx_forms_record_their_output_only_and_say_so(form):
-    cfg = CONFIGS["v3"]
-    params = init_params(cfg, seed=8)
-    x = _x(cfg, (2, 7), seed=5)
+    cfg, params, x = _case("v3", 8, (2, 7), x_seed=5)
     stages = _recorded("mlx", cfg, params, x, form)
     assert set(stages) == {"output"}
     assert_close(stages["output"], reference_stages(cfg, params, x)["output"], "float32", what=f"mlx {form}")
@@ -274,9 +268,7 @@ def test_mlx_forms_record_their_output_only_and_say_so(form):
 def test_each_form_records_its_stages_and_they_agree_with_the_oracle_and_numpy(name, form, config):
     from mha_rosetta.checks.divergence import first_divergence
 
-    cfg = CONFIGS[config]
-    params = init_params(cfg, seed=8)
-    x = _x(cfg, (2, 7), seed=5)
+    cfg, params, x = _case(config, 8, (2, 7), x_seed=5)
     stages = _recorded(name, cfg, params, x, form)
     expected = set(BOTH_FORMS)
     expected |= {"q_latent"} if cfg.q_lora_rank else set()
@@ -297,9 +289,7 @@ def test_each_form_records_its_stages_and_they_agree_with_the_oracle_and_numpy(n
 
 
 def test_numpys_naive_values_and_merge_are_views_of_its_columns():
-    cfg = CONFIGS["v2_lite"]
-    params = init_params(cfg, seed=1)
-    x = _x(cfg, (2, 5))
+    cfg, params, x = _case("v2_lite", 1, (2, 5))
     numpy_backend = _backend("numpy")
     prepared, _ = numpy_backend.prepare(cfg, params, x, strategy="naive")
     native = prepared.native_stages()

@@ -220,6 +220,19 @@ class DecodeMixin:
         return self._prepare_decode_step(cfg, params, job)
 
 
+def kv_cache_bytes(cfg: MHAConfig, batch: int, slots: int, itemsize: int, kv_heads: int | None = None) -> int:
+    """Bytes of K and V together in a cache of ``slots`` slots per sequence: ``B x Hkv x slots x (Dk + Dv) x
+    itemsize``; ``kv_heads``: the heads one rank holds (sharded), default ``cfg.n_kv_heads``."""
+    heads = cfg.n_kv_heads if kv_heads is None else kv_heads
+    return batch * heads * slots * (cfg.d_k + cfg.d_v) * itemsize
+
+
+def kv_cache_info(kind: str, layout: str, cfg: MHAConfig, batch: int, slots: int, itemsize: int) -> dict:
+    """``PreparedDecode.info["cache"]`` of a K and V cache: the kind, the layout in axis symbols, the slots per
+    sequence and the bytes of K and V (`kv_cache_bytes`)."""
+    return {"kind": kind, "layout": layout, "slots": slots, "bytes": kv_cache_bytes(cfg, batch, slots, itemsize)}
+
+
 def check_step_lengths(lengths, batch: int, context: int) -> tuple[int, ...]:
     """A timed step's ``lengths``: ``batch`` ints in 0..context, the longest ``context`` (the cache's width)."""
     rows = RaggedBatch(lengths).lengths  # validated: 1-D ints >= 0

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .fresh import child_main, run_fresh
-from .gemm import each_library_best
+from .gemm import best_library, each_library_best
 from .limits import limit_seconds
 from .pinning import DEFAULT_MALLOC_MODE, malloc_env
 
@@ -251,14 +251,13 @@ def measure_bandwidth(
 
 def summarize_bandwidth(device: str, threads: int, by_library: dict[str, dict]) -> dict:
     """The bandwidth record: the best library's median GB/s, and every library's result."""
-    measured = {name: result for name, result in by_library.items() if result.get("status") == "ok"}
-    best = max(measured, key=lambda name: measured[name]["gbps"], default=None)
+    best = best_library(by_library, "gbps")
     return {
         "device": device,
         "threads": threads,
         "workload": "copy",
         "rule": "STREAM copy dst[:] = src, counted as 2 x the array's bytes (one read, one write) over the median time",
-        "gbps": measured[best]["gbps"] if best else None,
+        "gbps": by_library[best]["gbps"] if best else None,
         "library": best,
         "by_library": by_library,
     }

@@ -345,16 +345,22 @@ def measure_gemm_peak(
     return record
 
 
+def best_library(by_library: dict[str, dict], figure: str) -> str | None:
+    """The library with the highest ``figure`` among those measured (status "ok"), None when none was: the GEMM
+    peak's rule (`summarize_peak`), and the copy bandwidth's (`bandwidth.summarize_bandwidth`)."""
+    measured = [name for name, result in by_library.items() if result.get("status") == "ok"]
+    return max(measured, key=lambda name: by_library[name][figure], default=None)
+
+
 def summarize_peak(device: str, dtype: str, threads: int, n: int, by_library: dict[str, dict]) -> dict:
     """The peak record: the best library's median GFLOP/s, and every library's result."""
-    measured = {name: result for name, result in by_library.items() if result.get("status") == "ok"}
-    best = max(measured, key=lambda name: measured[name]["gflops"], default=None)
+    best = best_library(by_library, "gflops")
     return {
         "device": device,
         "dtype": dtype,
         "threads": threads,
-        "n": measured[best].get("n", n) if best else n,  # the size the winning library ran at
-        "gflops": measured[best]["gflops"] if best else None,
+        "n": by_library[best].get("n", n) if best else n,  # the size the winning library ran at
+        "gflops": by_library[best]["gflops"] if best else None,
         "library": best,
         "by_library": by_library,
     }

@@ -22,7 +22,8 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, rotary_tables
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
-from ..base import StageTensor
+from ..base import DecodeStep, Prepared, StageTensor
+from ..decoding import kv_cache_info
 from ..numpy.common import HALF_TYPES
 
 # The variants a best path implements: the qkv bias is an absent output bias; rope scaling lives in the
@@ -77,15 +78,19 @@ class BestPath:
             reason += f": {NOT_A_BEST_PATH}"
         return reason
 
+    def _prepare_decode_step(self, cfg: MHAConfig, params, job: DecodeStep) -> Prepared:
+        """The timed step: `decode_step_inputs` drawn from ``job``'s seed, through the path's `prepare_step`."""
+        data = decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
+        return self.prepare_step(cfg, params, data, job.dtype, job.device)
+
+    def prepare_step(self, cfg: MHAConfig, params, data: DecodeStepInputs, dtype: str, device: str) -> Prepared:
+        """One timed step of ``data`` on a static cache that holds its context: each best path's own."""
+        raise NotImplementedError
+
 
 def cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int, layout: str) -> dict:
-    """``info["cache"]``: the kind, the layout in axis symbols, the slots per sequence and the bytes of K and V."""
-    return {
-        "kind": STATIC,
-        "layout": layout,
-        "slots": slots,
-        "bytes": batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
-    }
+    """``info["cache"]`` of a best path's static cache (`decoding.kv_cache_info`)."""
+    return kv_cache_info(STATIC, layout, cfg, batch, slots, itemsize)
 
 
 def output_stage(output) -> dict[str, StageTensor]:
@@ -108,20 +113,25 @@ class DecodeChunk:
 
     allowed: (B, 1, s, stop) bool, which of the slots ``0 .. stop-1`` each query sees (the causal rule on
     positions and the padding), or None when every query sees every one of them.
+    tables: the chunk's rows of the run's rotary tables (`run_rotary_tables`), (cos, sin) each (1|B, s, r/2)
+    float64 views, or None without rope.
     """
 
     start: int
     stop: int
     allowed: np.ndarray | None
+    tables: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def decode_chunks(cfg: MHAConfig, inputs: DecodeInputs) -> list[DecodeChunk]:
-    """The run's chunks (prefill, then each step) with the slots each chunk's queries see."""
+    """The run's chunks (prefill, then each step) with the slots each chunk's queries see and their rotary tables."""
     chunks = []
+    positions, valid = inputs.positions, inputs.valid
+    tables = run_rotary_tables(cfg, positions)  # (1|B, N, r/2) or None: the whole run's, sliced per chunk
     for start, stop in inputs.chunks():
-        positions, valid = inputs.positions, inputs.valid
         allowed = decode_allowed(cfg, positions[:, start:stop], positions[:, :stop], valid[:, :stop])  # (B, 1, s, T)
-        chunks.append(DecodeChunk(start, stop, None if allowed.all() else allowed))
+        chunk_tables = None if tables is None else (tables[0][:, start:stop], tables[1][:, start:stop])  # views
+        chunks.append(DecodeChunk(start, stop, None if allowed.all() else allowed, chunk_tables))
     return chunks
 
 

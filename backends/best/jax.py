@@ -29,7 +29,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams
 
 from .._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
-from ..base import Backend, DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..base import Backend, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
 from ..jax.common import (
     CompiledForward,
     block_until_ready,
@@ -43,17 +43,7 @@ from ..jax.common import (
 )
 from ..jax.vjp import jax_vjp_prepared
 from ..stage_cuts import jax_cuts, path_groups
-from .common import (
-    STATIC,
-    BestPath,
-    DecodeStepInputs,
-    cache_info,
-    decode_chunks,
-    decode_step_inputs,
-    folded_allowed,
-    output_stage,
-    run_rotary_tables,
-)
+from .common import STATIC, BestPath, DecodeStepInputs, cache_info, decode_chunks, folded_allowed, output_stage
 from .jax_programs import TRACES, best_forward, best_step, forward_args, weights_in_out
 
 MATMUL_PRECISION = "highest"  # float32 throughout (a GPU's TF32 only where forced)
@@ -209,14 +199,12 @@ class JaxBestBackend(BestPath, Backend):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
         decoder = StaticDecoder(cfg, params, dtype, device)
         target, slots = decoder.target, inputs.tokens
-        tables = run_rotary_tables(cfg, inputs.positions)  # (1|B, N, r/2) or None
         calls = []
         for chunk in decode_chunks(cfg, inputs):
-            span = slice(chunk.start, chunk.stop)
-            chunk_tables = None if tables is None else tuple(to_jax(t[:, span], dtype, target) for t in tables)
+            x = to_jax(inputs.x[:, chunk.start : chunk.stop], dtype, target)  # (B, s, D)
+            tables = None if chunk.tables is None else tuple(to_jax(t, dtype, target) for t in chunk.tables)
             folded = _folded_for_cache(cfg, chunk.allowed, inputs.batch, chunk.stop - chunk.start, chunk.stop, slots)
-            allowed = to_jax(folded, None, target)
-            calls.append((to_jax(inputs.x[:, span], dtype, target), _index(chunk.start, target), chunk_tables, allowed))
+            calls.append((x, _index(chunk.start, target), tables, to_jax(folded, None, target)))
 
         def run():
             k_cache, v_cache = decoder.empty_cache(inputs.batch, slots)  # a fresh cache per run
@@ -233,9 +221,8 @@ class JaxBestBackend(BestPath, Backend):
                 decoder.executable(x, k_cache, v_cache, index, chunk_tables, allowed)
             info["compilations"] = decoder.compilations
 
-        itemsize = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
         info = {
-            "cache": cache_info(cfg, inputs.batch, slots, itemsize, CACHE_LAYOUT),
+            "cache": cache_info(cfg, inputs.batch, slots, np.dtype(dtype).itemsize, CACHE_LAYOUT),  # float32 or 64
             "donated": "the cache, to every step (donate_argnums)",
             **precision_info(device=device, dtype=dtype, matmul_precision=MATMUL_PRECISION),
         }
@@ -247,9 +234,8 @@ class JaxBestBackend(BestPath, Backend):
             info=info,
         )
 
-    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
-        data = decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
-        return prepare_decode_step(cfg, params, data, job.dtype, job.device)
+    def prepare_step(self, cfg, params, data, dtype, device) -> Prepared:
+        return prepare_decode_step(cfg, params, data, dtype, device)
 
 
 def prepare_decode_step(
@@ -266,9 +252,8 @@ def prepare_decode_step(
         output, live[2], live[3] = decoder(*live[1:])
         return output
 
-    itemsize = np.dtype(np.float64 if dtype == "float64" else np.float32).itemsize
     info = {
-        "cache": cache_info(cfg, data.x.shape[0], data.context + data.step, itemsize, CACHE_LAYOUT),
+        "cache": cache_info(cfg, data.x.shape[0], data.context + data.step, np.dtype(dtype).itemsize, CACHE_LAYOUT),
         "context": data.context,
         "step": data.step,
         "donated": "the cache, to every call" if donate else "nothing: each call copies the cache",

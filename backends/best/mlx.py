@@ -190,18 +190,19 @@ class MlxBestBackend(BestPath, MlxSDPAOracle):
 
         layer = MlxBestLayer(cfg, params, dtype)
         x = to_mlx(inputs.x, dtype)  # (B, N, D)
-        tables = _tables(common.run_rotary_tables(cfg, inputs.positions), dtype)
-        chunks = [(chunk, *_mask_and_empty(chunk.allowed, False)) for chunk in common.decode_chunks(cfg, inputs)]
+        chunks = [
+            (chunk, _tables(chunk.tables, dtype), *_mask_and_empty(chunk.allowed, False))
+            for chunk in common.decode_chunks(cfg, inputs)
+        ]
         stream = mlx_stream(device)
 
         def run():
             cache = MlxStaticCache(cfg, inputs.batch, inputs.tokens, x.dtype)  # a fresh cache per run
             outputs = []
             with mx.stream(stream):
-                for chunk, mask, empty in chunks:
-                    span = slice(chunk.start, chunk.stop)
-                    chunk_tables = None if tables is None else _slice_tables(tables, span)
-                    outputs.append(decode_step(layer, cache, x[:, span], chunk.start, chunk_tables, mask, empty))
+                for chunk, tables, mask, empty in chunks:
+                    x_chunk = x[:, chunk.start : chunk.stop]  # (B, s, D)
+                    outputs.append(decode_step(layer, cache, x_chunk, chunk.start, tables, mask, empty))
                     mx.eval(outputs[-1])  # one chunk at a time, as a generation loop evaluates
             return outputs
 
@@ -214,9 +215,8 @@ class MlxBestBackend(BestPath, MlxSDPAOracle):
             info=info,
         )  # fmt: skip
 
-    def _prepare_decode_step(self, cfg, params, job):
-        data = common.decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
-        return prepare_decode_step(cfg, params, data, job.dtype, job.device)
+    def prepare_step(self, cfg, params, data, dtype, device) -> Prepared:
+        return prepare_decode_step(cfg, params, data, dtype, device)
 
 
 class MlxStaticCache:
@@ -256,10 +256,6 @@ def _tables(tables, dtype: str) -> dict | None:
         return None
     pair = tuple(to_mlx(t[:, None], dtype) for t in tables)
     return {"q": pair, "k": pair}
-
-
-def _slice_tables(tables: dict, span: slice) -> dict:
-    return {which: tuple(t[:, :, span] for t in pair) for which, pair in tables.items()}
 
 
 def prepare_decode_step(cfg: MHAConfig, params, data: DecodeStepInputs, dtype: str, device: str) -> Prepared:

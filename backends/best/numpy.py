@@ -40,20 +40,10 @@ from mha_rosetta.core import (
 
 from .._layouts import ROW_SAMPLE_PROJECTION_AXES, TOKENS_FIRST_STAGE_AXES
 from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads, record_stages
-from ..base import Backend, DecodeStep, Prepared, PreparedDecode, PreparedVJP
+from ..base import Backend, Prepared, PreparedDecode, PreparedVJP
 from ..numpy.common import MaskArrays, softmax_inplace
 from ..stage_cuts import CACHE_WRITE, eager_cuts, path_groups, reached
-from .common import (
-    STATIC,
-    BestPath,
-    DecodeChunk,
-    cache_info,
-    decode_chunks,
-    decode_step_inputs,
-    folded_allowed,
-    output_stage,
-    run_rotary_tables,
-)
+from .common import STATIC, BestPath, cache_info, decode_chunks, folded_allowed, output_stage
 from .numpy_cache import CACHE_LAYOUT, KV_BLOCK, NumpyStaticCache
 
 DECODE_LAYOUTS = {
@@ -344,26 +334,24 @@ class NumpyBestBackend(BestPath, Backend):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
         layer = NumpyBestLayer(cfg, params, dtype)
         x = np.ascontiguousarray(inputs.x, dtype=layer.dtype)  # (B, N, D)
-        tables = layer.tables(run_rotary_tables(cfg, inputs.positions))  # (1|B, N, 1, r/2) or None
-        chunks = decode_chunks(cfg, inputs)
-        masks = [folded_mask(chunk.allowed, cfg.group_size) for chunk in chunks]
+        group = cfg.group_size
+        # Each chunk's first slot, tokens (B, s, D) (a view), tables (1|B, s, 1, r/2) or None, and folded mask.
+        calls = [
+            (chunk.start, x[:, chunk.start : chunk.stop], layer.tables(chunk.tables), folded_mask(chunk.allowed, group))
+            for chunk in decode_chunks(cfg, inputs)
+        ]
         slots = -(-inputs.tokens // KV_BLOCK) * KV_BLOCK  # whole pages, as `NumpyStaticCache` allocates them
         info = {"cache": cache_info(cfg, inputs.batch, slots, layer.dtype.itemsize, CACHE_LAYOUT)}
 
-        def call(kv: NumpyStaticCache, chunk: DecodeChunk, mask):
-            chunk_tables = None if tables is None else tuple(t[:, chunk.start : chunk.stop] for t in tables)
-            return layer.decode_step(kv, x[:, chunk.start : chunk.stop], chunk.start, chunk_tables, mask)
-
         def run():
             kv = NumpyStaticCache(cfg, inputs.batch, inputs.tokens, layer.dtype)  # a fresh cache per run
-            return [call(kv, chunk, mask) for chunk, mask in zip(chunks, masks, strict=True)]
+            return [layer.decode_step(kv, x_chunk, start, tables, mask) for start, x_chunk, tables, mask in calls]
 
         return PreparedDecode(run, lambda outputs: np.concatenate(outputs, axis=1), info=info)
 
-    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
-        batch, context, step = job.batch, job.context, job.step
-        layer = NumpyBestLayer(cfg, params, job.dtype)
-        data = decode_step_inputs(cfg, batch=batch, context=context, step=step, seed=job.seed)
+    def prepare_step(self, cfg, params, data, dtype, device) -> Prepared:
+        batch, context, step = data.x.shape[0], data.context, data.step
+        layer = NumpyBestLayer(cfg, params, dtype)
         kv = NumpyStaticCache(cfg, batch, context + step, layer.dtype)
         kv.write(0, data.k, data.v)  # (B, Hkv, context, D) each
         x = np.ascontiguousarray(data.x, dtype=layer.dtype)  # (B, s, D)

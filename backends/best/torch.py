@@ -29,34 +29,26 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions
 from mha_rosetta.core.decode import DecodeInputs
 
-from .._recording import StageRecorder, record_stages
-from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from .._recording import StageRecorder
+from ..base import Prepared, PreparedDecode, StageTensor
 from ..oracles.torch import TorchSDPAOracle
 from ..oracles.torch_heads import projected_heads_pass
 from ..oracles.torch_passes import sdpa_pass
 from ..stage_cuts import CACHE_WRITE, eager_cuts, path_groups, reached
 from ..torch.common import (
     bool_tensor,
-    in_inference_mode,
-    optional_tensor,
+    decode_prepared,
+    inference_run,
+    param_tensors,
     precision_info,
-    rotate_last_axis,
+    recorded_prepared,
     synchronizer,
+    table_rotator,
     to_tensor,
     torch_dtype,
     torch_inputs,
-    with_matmul_precision,
 )
-from .common import (
-    STATIC,
-    BestPath,
-    DecodeStepInputs,
-    cache_info,
-    decode_chunks,
-    decode_step_inputs,
-    folded_allowed,
-    run_rotary_tables,
-)
+from .common import STATIC, BestPath, DecodeStepInputs, cache_info, decode_chunks, folded_allowed
 
 CACHE_LAYOUT = "(B, Hkv, C, Dk), (B, Hkv, C, Dv)"
 DECODE_LAYOUTS = {
@@ -95,10 +87,10 @@ class TorchBestBackend(BestPath, TorchSDPAOracle):
 
         prepared.native_stages = native_stages
         # The breakdown's cuts: the same pass on the same inputs, stopped after a stage (`stage_cuts`).
-        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+        p = param_tensors(params, dtype, device)
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
         forward, _, _ = sdpa_pass(cfg, inputs, dtype, device)
-        cut = in_inference_mode(with_matmul_precision(forward, device, self.allow_tf32))
+        cut = inference_run(forward, device, self.allow_tf32)
         groups = path_groups(rope=cfg.rope is not None, decode=False, fused=True)
         prepared.stage_cuts = eager_cuts(lambda until: cut(p, x_q, x_k, x_v, None, until), groups, prepared.synchronize)
         return prepared
@@ -106,9 +98,8 @@ class TorchBestBackend(BestPath, TorchSDPAOracle):
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache) -> PreparedDecode:
         return prepare_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)
 
-    def _prepare_decode_step(self, cfg, params, job: DecodeStep):
-        data = decode_step_inputs(cfg, batch=job.batch, context=job.context, step=job.step, seed=job.seed)
-        return prepare_decode_step(cfg, params, data, job.dtype, job.device, self.allow_tf32)
+    def prepare_step(self, cfg, params, data, dtype, device) -> Prepared:
+        return prepare_decode_step(cfg, params, data, dtype, device, self.allow_tf32)
 
 
 def score_stages(cfg: MHAConfig, q_rotated, k_rotated, allowed: np.ndarray | None) -> dict[str, StageTensor]:
@@ -162,12 +153,6 @@ def folded_step(cfg: MHAConfig, batch: int, tokens: int, dtype: str, device: str
     H, Hkv, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_k, cfg.d_v
     state: dict = {}  # the cache and write index of the call in progress
 
-    def rotate(heads, which: str):
-        if tables is None:
-            return heads
-        cos, sin = (t.unsqueeze(1) for t in tables)  # (1|B, 1, s, r/2)
-        return rotate_last_axis(heads, cos, sin, cfg.rope)
-
     def attend(p: dict, q_rotated, k_rotated, v_heads):
         k, v = state["cache"].write(k_rotated, v_heads, state["start"])  # (B, Hkv, T, d) views
         reached(state["until"], CACHE_WRITE, k, v)
@@ -177,6 +162,7 @@ def folded_step(cfg: MHAConfig, batch: int, tokens: int, dtype: str, device: str
 
     note = "F.scaled_dot_product_attention over the static cache, the group folded into the query axis"
     sizes = SimpleNamespace(batch=batch, q_tokens=tokens)
+    rotate = table_rotator(None if tables is None else {"q": tables, "k": tables}, cfg.rope)  # the same tokens
     model = projected_heads_pass(cfg, sizes, dtype, device, attend, note, rotate)
 
     def forward(p: dict, x, cache: TorchStaticCache, start: int, rec: StageRecorder | None = None, until=None):
@@ -198,31 +184,26 @@ def prepare_decode_run(
     cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, device: str, allow_tf32: bool
 ) -> PreparedDecode:
     """A whole decode run through a fresh `TorchStaticCache` of the run's tokens."""
-    import torch
-
-    p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+    p = param_tensors(params, dtype, device)
     x_all = to_tensor(inputs.x, dtype, device)  # (B, N, D)
-    tables = _tables(run_rotary_tables(cfg, inputs.positions), dtype, device)  # (1|B, N, r/2) or None
     calls = []
     for chunk in decode_chunks(cfg, inputs):
-        chunk_tables = None if tables is None else tuple(t[:, chunk.start : chunk.stop] for t in tables)
         mask = _folded_mask(chunk.allowed, cfg.group_size, device)
-        step = folded_step(cfg, inputs.batch, chunk.stop - chunk.start, dtype, device, chunk_tables, mask)
+        tables = _tables(chunk.tables, dtype, device)  # (1|B, s, r/2) or None
+        step = folded_step(cfg, inputs.batch, chunk.stop - chunk.start, dtype, device, tables, mask)
         calls.append((chunk, step))
 
     def run_all():
         cache = TorchStaticCache(cfg, inputs.batch, inputs.tokens, x_all)  # a fresh cache per run
         return [step(p, x_all[:, chunk.start : chunk.stop], cache, chunk.start) for chunk, step in calls]
 
-    run_all = in_inference_mode(with_matmul_precision(run_all, device, allow_tf32))
+    run_all = inference_run(run_all, device, allow_tf32)
     info = {
         "cache": cache_info(cfg, inputs.batch, inputs.tokens, x_all.element_size(), CACHE_LAYOUT),
         "gqa": "each group's query heads folded into SDPA's query axis (B, Hkv, G*s, Dk): K and V read once",
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return PreparedDecode(
-        run_all, lambda outputs: tensor_to_numpy(torch.cat(outputs, dim=1)), synchronize=synchronizer(device), info=info
-    )
+    return decode_prepared(run_all, device, info)
 
 
 def prepare_decode_step(
@@ -232,7 +213,7 @@ def prepare_decode_step(
     that holds the context (`common.decode_step_inputs`); every call writes the same slots, so each timed call is
     the same step, and allocates nothing that grows with the context."""
     context, batch = data.context, data.x.shape[0]
-    p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+    p = param_tensors(params, dtype, device)
     x = to_tensor(data.x, dtype, device)  # (B, s, D)
     cache = TorchStaticCache(cfg, batch, context + data.step, x)
     cache.k[:, :, :context], cache.v[:, :, :context] = (to_tensor(a, dtype, device) for a in (data.k, data.v))
@@ -242,7 +223,7 @@ def prepare_decode_step(
     def run(rec: StageRecorder | None, until: str | None = None):
         return forward(p, x, cache, context, rec, until)
 
-    run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
+    run = inference_run(run, device, allow_tf32)
     groups = path_groups(rope=cfg.rope is not None, decode=True, fused=True)
     cuts = eager_cuts(lambda until: run(None, until), groups, synchronizer(device))
     info = {
@@ -253,11 +234,4 @@ def prepare_decode_step(
         "torch_dtype": str(torch_dtype(dtype)).removeprefix("torch."),
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return Prepared(
-        lambda: run(None),
-        tensor_to_numpy,
-        lambda: record_stages(run),
-        synchronize=synchronizer(device),
-        info=info,
-        stage_cuts=cuts,
-    )
+    return recorded_prepared(run, device, info, stage_cuts=cuts)

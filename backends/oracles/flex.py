@@ -51,17 +51,16 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs
 from mha_rosetta.core.variants import BUILTIN_VARIANTS
 
-from .._recording import StageRecorder, record_stages
-from ..base import Backend, DecodeStep, Prepared, PreparedDecode, UnsupportedCase, tensor_to_numpy
+from .._recording import StageRecorder
+from ..base import Backend, DecodeStep, Prepared, PreparedDecode, UnsupportedCase
 from ..torch.common import (
     TorchDevices,
-    in_inference_mode,
-    optional_tensor,
+    inference_run,
+    param_tensors,
     precision_info,
-    synchronizer,
+    recorded_prepared,
     torch_device,
     torch_inputs,
-    with_matmul_precision,
 )
 from ..torch.variants import ScoreBias
 from .torch_heads import projected_heads_pass
@@ -178,7 +177,7 @@ class TorchFlexOracle(TorchDevices, Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+        p = param_tensors(params, dtype, device)
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
         compiled = compiled_mode(cfg, dtype, self.compiled_dtypes)
         attend, block_mask = flex_attend(cfg, inputs, dtype, device, compiled)
@@ -187,7 +186,7 @@ class TorchFlexOracle(TorchDevices, Backend):
         def run(rec: StageRecorder | None):
             return forward(p, x_q, x_k, x_v, rec)
 
-        run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
+        run = inference_run(run, device, self.allow_tf32)
         compile_seconds: list[float] = []
 
         def compile_once() -> None:
@@ -204,14 +203,7 @@ class TorchFlexOracle(TorchDevices, Backend):
             "compile_seconds": compile_seconds,
             **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
-        return Prepared(
-            lambda: run(None),
-            tensor_to_numpy,
-            lambda: record_stages(run),
-            synchronize=synchronizer(device),
-            compile=compile_once if compiled else None,
-            info=info,
-        )
+        return recorded_prepared(run, device, info, compile=compile_once if compiled else None)
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_flex_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)

@@ -26,14 +26,16 @@ from mha_rosetta.core import (
 from mha_rosetta.core.variants import BUILTIN_VARIANTS
 from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
 
-from .._recording import StageRecorder, record_stages
+from .._recording import StageRecorder
 from ..base import Backend, DecodeStep, Prepared, StageTensor, tensor_to_numpy
 from ..torch.common import (
     TorchDevices,
     bool_tensor,
-    in_inference_mode,
+    inference_run,
     optional_tensor,
+    param_tensors,
     precision_info,
+    recorded_prepared,
     synchronizer,
     to_tensor,
     torch_dtype,
@@ -303,14 +305,14 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     def _prepare(
         self, cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype: str, device: str, strategy: str
     ) -> Prepared:
-        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+        p = param_tensors(params, dtype, device)
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
         forward, attn_mask, use_is_causal = sdpa_pass(cfg, inputs, dtype, device)
 
         def run(rec: StageRecorder | None):
             return forward(p, x_q, x_k, x_v, rec)
 
-        run = in_inference_mode(with_matmul_precision(run, device, self.allow_tf32))
+        run = inference_run(run, device, self.allow_tf32)
 
         bool_mask = None if attn_mask is None else f"bool {tuple(attn_mask.shape)}, True = may attend"
         if bool_mask and cfg.causal and not causal_on_indices(inputs):
@@ -322,9 +324,7 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
             "enable_gqa": cfg.n_kv_heads != cfg.n_heads,
             **precision_info(device=device, dtype=dtype, allow_tf32=self.allow_tf32),
         }
-        return Prepared(
-            lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
-        )
+        return recorded_prepared(run, device, info)
 
     def _prepare_decode_run(self, cfg, params, inputs, dtype, device, strategy, cache):
         return prepare_sdpa_decode_run(cfg, params, inputs, dtype, device, self.allow_tf32)

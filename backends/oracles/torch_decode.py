@@ -33,19 +33,21 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 
-from .._recording import StageRecorder, record_stages
-from ..base import DecodeStep, Prepared, PreparedDecode, tensor_to_numpy
+from .._recording import StageRecorder
+from ..base import DecodeStep, Prepared, PreparedDecode
+from ..decoding import kv_cache_info
 from ..torch.common import (
     bool_tensor,
-    in_inference_mode,
-    optional_tensor,
+    decode_prepared,
+    heads_rotator,
+    inference_run,
+    param_tensors,
     precision_info,
-    rotate_last_axis,
-    synchronizer,
+    recorded_prepared,
+    table_rotator,
     to_tensor,
     torch_dtype,
     torch_rotary_tables,
-    with_matmul_precision,
 )
 from ..torch.decode import CACHE_AXES, random_cache
 from ..torch.variants import ScoreBias
@@ -98,28 +100,35 @@ def chunk_mask(cfg: MHAConfig, q_positions, kv_positions, kv_valid, dtype: str, 
     return kind, float_mask
 
 
+def sdpa_kernel(cfg: MHAConfig, mask_of):
+    """``kernel(p, q, k, v)``: SDPA of the queries (B, H, s, Dk) over the cache (B, Hkv, T, Dk), (B, Hkv, T, Dv)
+    with ``attn_mask=mask_of(p)`` (`chunk_mask`), ``enable_gqa`` where the kv heads are fewer."""
+    import torch.nn.functional as F
+
+    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
+
+    def kernel(p: dict, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
+
+    return kernel
+
+
 def prepare_sdpa_decode_run(
     cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs, dtype: str, device: str, allow_tf32: bool = False
 ) -> PreparedDecode:
     """A whole decode run through SDPA, each chunk's mask chosen here (`chunk_mask`)."""
-    import torch.nn.functional as F
-
-    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
 
     def kernel_for(start: int, stop: int):
         kind, mask_of = chunk_mask(
             cfg, inputs.positions[:, start:stop], inputs.positions[:, :stop], inputs.valid[:, :stop], dtype, device
         )
-
-        def kernel(p: dict, q, k, v):  # (B, H, s, Dk) over the cache (B, Hkv, T, Dk), (B, Hkv, T, Dv)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
-
-        return kernel, kind
+        return sdpa_kernel(cfg, mask_of), kind
 
     note = "F.scaled_dot_product_attention over the cache"
     prepared = prepare_growing_cache_run(cfg, params, inputs, dtype, device, allow_tf32, kernel_for, note)
     prepared.info.update(
-        is_causal="never: it is top-left; causal_lower_right or an explicit mask instead", enable_gqa=bool(gqa)
+        is_causal="never: it is top-left; causal_lower_right or an explicit mask instead",
+        enable_gqa=cfg.n_kv_heads != cfg.n_heads,
     )
     return prepared
 
@@ -142,7 +151,7 @@ def prepare_growing_cache_run(
     """
     import torch
 
-    p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+    p = param_tensors(params, dtype, device)
     x_all = to_tensor(inputs.x, dtype, device)  # (B, N, D)
     every = SimpleNamespace(positions=inputs.positions, kv_positions=inputs.positions)
     tables = torch_rotary_tables(cfg, every, dtype, device)  # (B, N, r/2): the whole run's, sliced per chunk
@@ -151,11 +160,9 @@ def prepare_growing_cache_run(
     def chunk_pass(start: int, stop: int):
         kernel, mask = kernel_for(start, stop)
 
-        def rotate(heads, which: str):
-            if tables is None:
-                return heads
-            cos, sin = (t[:, start:stop].unsqueeze(1) for t in tables[which])  # (1|B, 1, s, r/2)
-            return rotate_last_axis(heads, cos, sin, cfg.rope)
+        span = slice(start, stop)  # the chunk's rows of the run's tables: (1|B, s, r/2) views
+        chunk_tables = None if tables is None else {w: (cos[:, span], sin[:, span]) for w, (cos, sin) in tables.items()}
+        rotate = table_rotator(chunk_tables, cfg.rope)
 
         def attend(p: dict, q_rotated, k_rotated, v_heads):
             k = k_rotated if start == 0 else torch.cat((cache["k"], k_rotated), dim=2)  # (B, Hkv, T, Dk)
@@ -176,7 +183,7 @@ def prepare_growing_cache_run(
             outputs.append(forward(p, x, x, x, None if recorders is None else recorders[i]))
         return outputs
 
-    run_all = in_inference_mode(with_matmul_precision(run_all, device, allow_tf32))
+    run_all = inference_run(run_all, device, allow_tf32)
 
     def step_stages():
         recorders = [StageRecorder() for _ in chunks]
@@ -188,39 +195,22 @@ def prepare_growing_cache_run(
         "masks": [mask for _, mask in passes],
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return PreparedDecode(
-        run_all,
-        lambda outputs: tensor_to_numpy(torch.cat(outputs, dim=1)),
-        step_stages,
-        synchronize=synchronizer(device),
-        info=info,
-    )
+    return decode_prepared(run_all, device, info, step_stages)
 
 
 def growing_cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int) -> dict:
-    return {
-        "kind": "dynamic",
-        "layout": CACHE_AXES,
-        "slots": slots,
-        "bytes": batch * cfg.n_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize,
-    }
+    """``info["cache"]`` of the oracles' growing cache, Hugging Face's layout (`decoding.kv_cache_info`)."""
+    return kv_cache_info("dynamic", CACHE_AXES, cfg, batch, slots, itemsize)
 
 
 def prepare_sdpa_decode_step(cfg: MHAConfig, params: MHAParams, job: DecodeStep, allow_tf32: bool = False) -> Prepared:
     """One timed step (`bench --mode decode`) of the SDPA oracle (`prepare_growing_cache_step`); a window is in the
     mask over every cached token."""
-    import torch.nn.functional as F
-
-    gqa = {"enable_gqa": True} if cfg.n_kv_heads != cfg.n_heads else {}
 
     def kernel_for(q_positions, kv_positions):
         valid = np.ones(kv_positions.shape, dtype=bool)  # (B, T): every slot holds a token
         kind, mask_of = chunk_mask(cfg, q_positions, kv_positions, valid, job.dtype, job.device)
-
-        def kernel(p: dict, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(p), scale=cfg.scale, **gqa)
-
-        return kernel, f"F.scaled_dot_product_attention over the cache ({kind} mask)", {"mask": kind}
+        return sdpa_kernel(cfg, mask_of), f"F.scaled_dot_product_attention over the cache ({kind} mask)", {"mask": kind}
 
     return prepare_growing_cache_step(cfg, params, job, allow_tf32, kernel_for)
 
@@ -247,15 +237,9 @@ def prepare_growing_cache_step(
     q_positions = job.positions()  # (B, step)
     kv_positions = np.broadcast_to(np.arange(total, dtype=np.int64), (batch, total))  # (B, T)
     kernel, note, kernel_info = kernel_for(q_positions, kv_positions)
-    p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+    p = param_tensors(params, dtype, device)
     every = SimpleNamespace(positions=np.array(q_positions), kv_positions=np.array(q_positions))
-    tables = torch_rotary_tables(cfg, every, dtype, device)  # (B, step, r/2)
-
-    def rotate(heads, which: str):
-        if tables is None:
-            return heads
-        cos, sin = (t.unsqueeze(1) for t in tables[which])  # (B, 1, step, r/2)
-        return rotate_last_axis(heads, cos, sin, cfg.rope)
+    rotate = heads_rotator(cfg, every, dtype, device)  # the step's tables (B, step, r/2)
 
     def attend(p: dict, q_rotated, k_rotated, v_heads):
         k = torch.cat((k_old, k_rotated), dim=2)  # (B, Hkv, T, Dk): the grown cache, dropped after the call
@@ -269,7 +253,7 @@ def prepare_growing_cache_step(
     def run(rec: StageRecorder | None):
         return forward(p, x, x, x, rec)
 
-    run = in_inference_mode(with_matmul_precision(run, device, allow_tf32))
+    run = inference_run(run, device, allow_tf32)
     info = {
         "cache": growing_cache_info(cfg, batch, total, x.element_size()),
         **kernel_info,
@@ -277,6 +261,4 @@ def prepare_growing_cache_step(
         "step": step,
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return Prepared(
-        lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
-    )
+    return recorded_prepared(run, device, info)

@@ -32,7 +32,7 @@ from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
 from ..onnx.adapter import NO_SINKS, ONNX_VARIANTS
 from ..onnx.known import KNOWN, known_answer
 from ..onnx.runtime import make_runner, op_plan
-from ..torch.common import optional_tensor, torch_dtype, torch_inputs
+from ..torch.common import param_tensors, torch_dtype, torch_inputs
 from .torch_heads import projected_heads_pass
 
 EXPORT = "export"
@@ -96,7 +96,7 @@ class TorchOnnxOracle(Backend):
     ) -> Prepared:
         import torch
 
-        p = {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+        p = param_tensors(params, dtype, device)
         x_q, x_k, x_v = torch_inputs(inputs, dtype, device)  # (B, Nq, D), (B, Nk, kdim), (B, Nk, vdim)
         if strategy == EXPORT:
             return _exported(cfg, inputs, dtype, p, (x_q, x_k, x_v))

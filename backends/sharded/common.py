@@ -29,6 +29,13 @@ FORWARD_SECONDS = 120.0
 DECODE_SECONDS = 300.0  # a whole decode run (the prefill and every step; jax-sharded compiles its two programs)
 
 
+def check_positive_int(name: str, value: object, rule: str = "a positive int") -> None:
+    """A sharded backend's count argument (ranks, devices, threads): a ValueError naming ``name`` and ``rule`` unless
+    ``value`` is an int above 0 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
 class ShardedBackend(MLAStrategies, Backend):
     """MLA (issue 45) in its ``naive`` and ``absorbed`` strategies on every sharded backend (`MLAStrategies`): the
     heads' weights split as `core.sharding` says, the latent's replicated; a whole decode run, no timed step yet."""
@@ -246,6 +253,29 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
         "w_gate": take(params.w_gate, slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)),  # (Hl*Dv, D)
         "b_gate": take(params.b_gate, slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)),  # (Hl*Dv,)
     }
+
+
+def sharded_cache_info(kind: str, layout: str, slots: int, per_rank: int, world: int, rank: str = "rank") -> dict:
+    """``info["cache"]`` of a K and V cache split over ``world`` ranks: ``per_rank`` bytes on each (under
+    ``bytes_per_rank``, or ``bytes_per_device`` with ``rank="device"``) and every rank's together under ``bytes`` (a
+    replicated kv head counted per copy)."""
+    return {"kind": kind, "layout": layout, "slots": slots, "bytes": per_rank * world, f"bytes_per_{rank}": per_rank}
+
+
+def variant_shards(cfg: MHAConfig, params: MHAParams, world: int) -> list[dict]:
+    """Each rank's variant parameters, by name, those present only: `shard_variant_params` and, with ALiBi, the
+    slopes of the rank's heads under ``"slopes"`` (`alibi_slopes_of`). jax-sharded's form (its programs take them
+    as one dict per rank)."""
+    plan = shard_plan(cfg, world)
+    shards = []
+    for rank in range(world):
+        split = shard_variant_params(cfg, params, plan, rank)
+        own = {name: value for name, value in split.items() if value is not None}
+        slopes = alibi_slopes_of(cfg, plan, rank)  # (Hl,): the whole layer's slopes of its heads
+        if slopes is not None:
+            own["slopes"] = slopes
+        shards.append(own)
+    return shards
 
 
 def alibi_slopes_of(cfg: MHAConfig, plan: ShardPlan, rank: int) -> np.ndarray | None:

@@ -18,7 +18,7 @@ Which rows and columns each device holds is `core.sharding` (`shard_plan`,
 `shard_params`); GQA with fewer kv heads than devices replicates each kv head on whole
 groups of devices, as Megatron does.
 
-The variants' parameters are split by head the way the heads are (`variant_shards`), and
+The variants' parameters are split by head the way the heads are (`common.variant_shards`), and
 what each split costs in collectives (``standard``; ``named_sharding`` leaves it to XLA):
 
 * sinks ``(H,)``, ALiBi's slopes (of the whole layer's H heads, `core.variants.alibi_slopes`:
@@ -59,13 +59,12 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
-from mha_rosetta.core.variants import alibi_slopes
 
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD
 from ..frameworks.ops import RegistryVariants
 from . import jax_decode
-from .common import PREPARE_SECONDS, ShardedBackend, gather_heads, latent_cache_of
+from .common import PREPARE_SECONDS, ShardedBackend, check_positive_int, gather_heads, latent_cache_of, variant_shards
 from .workers import Programs, WorkerGroup, serve
 
 NAMED_SHARDING = "named_sharding"
@@ -104,11 +103,9 @@ class JaxShardedBackend(ShardedBackend):
 
     def __init__(self, name: str | None = None, world: int | None = None, max_devices: int = SIMULATED_DEVICES) -> None:
         super().__init__(name)
-        if isinstance(max_devices, bool) or not isinstance(max_devices, int) or max_devices <= 0:
-            raise ValueError(f"max_devices must be a positive int, got {max_devices!r}")
+        check_positive_int("max_devices", max_devices)
         if world is not None:
-            if isinstance(world, bool) or not isinstance(world, int) or world <= 0:
-                raise ValueError(f"world must be a positive int (the number of devices) or None, got {world!r}")
+            check_positive_int("world", world, "a positive int (the number of devices) or None")
             if world > max_devices:
                 raise ValueError(
                     f"world={world} needs more devices than the {max_devices} available "
@@ -197,36 +194,6 @@ def compile_on_mesh(jitted, args: tuple, key: tuple, plan, **info):
     mesh = f"1-D mesh {MESH_AXIS!r} of {plan.world} simulated CPU devices"
     counted = {"all_reduces": count_all_reduces(compiled.as_text()), "matmul_precision": "highest"}
     return compiled, {"devices": plan.world, "mesh": mesh, "plan": plan.describe(), **info, **counted}
-
-
-def variant_shards(cfg: MHAConfig, params, world: int) -> list[dict]:
-    """The variants' parameters of each rank, by name (`core.shard_params` holds the projections'):
-    split by head the way the heads are, the head QK-norm weights replicated (module docstring)."""
-    plan = shard_plan(cfg, world)
-    Dk = cfg.d_k
-    slopes = alibi_slopes(cfg.n_heads) if cfg.alibi else None  # the whole layer's slopes, split below
-    shards = []
-    for rank in range(world):
-        heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)
-        own: dict = {}
-        if cfg.qk_norm == "head":
-            own["q_norm"], own["k_norm"] = params.q_norm, params.k_norm  # (Dk,): replicated
-        elif cfg.qk_norm == "projection":  # this rank's features of the projection, like the rows of w_q, w_k
-            own["q_norm"] = params.q_norm[heads.start * Dk : heads.stop * Dk]  # (H/world*Dk,)
-            own["k_norm"] = params.k_norm[kv.start * Dk : kv.stop * Dk]  # (local kv*Dk,)
-        if cfg.sinks:
-            own["sinks"] = params.sinks[heads.start : heads.stop]  # (H/world,)
-        if cfg.rel_buckets is not None:
-            own["rel_bias"] = params.rel_bias[:, heads.start : heads.stop]  # (buckets, H/world): its columns
-        if slopes is not None:
-            own["slopes"] = slopes[heads.start : heads.stop]  # (H/world,): the global slopes of its heads
-        if cfg.attn_output_gate:  # the output gate's rows are per head (Dv == Dk): split with the query heads
-            rows = slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)
-            own["w_gate"] = params.w_gate[rows]  # (H/world*Dv, D): like w_q's rows
-            if params.b_gate is not None:
-                own["b_gate"] = params.b_gate[rows]  # (H/world*Dv,)
-        shards.append(own)
-    return shards
 
 
 def mesh_of(world: int):

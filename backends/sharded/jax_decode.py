@@ -31,7 +31,7 @@ The benchmark's one step (`jax_decode_step.build_decode_step`, `Backend.prepare_
 jitted without donation and compiled ahead, on a cache of the jax adapter's random numbers for the
 same seed (each device its kv heads' slice), so that its output equals the jax adapter's step.
 
-The variants ride along as in the sharded forward (`sharded.jax.variant_shards`): sinks, T5's
+The variants ride along as in the sharded forward (`sharded.common.variant_shards`): sinks, T5's
 table columns and ALiBi's slopes per device's heads (ALiBi's distances and T5's buckets from the
 replicated positions), head QK-norm weights replicated, projection QK-norm's psums.
 """
@@ -45,6 +45,9 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs, shard_params, shard_plan
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, decode_stage_names
+
+from ..decoding import kv_cache_bytes
+from .common import sharded_cache_info
 
 STATIC = "static"
 CACHE_LAYOUT = "(B, T, Hkv_local, Dk) per device"
@@ -79,13 +82,7 @@ def gathered_stages(plan, world: int, axes: dict, stacked_stages: dict) -> dict:
 
 def cache_record(slots: int, per_device: int, world: int) -> dict:
     """``info["cache"]`` of the sharded static cache: ``per_device`` bytes of K and V on each of ``world`` devices."""
-    return {
-        "kind": STATIC,
-        "layout": CACHE_LAYOUT,
-        "slots": slots,
-        "bytes": per_device * world,  # K and V on every device together (a replicated kv head counted per copy)
-        "bytes_per_device": per_device,
-    }
+    return sharded_cache_info(STATIC, CACHE_LAYOUT, slots, per_device, world, rank="device")
 
 
 def _count(key) -> None:
@@ -283,7 +280,7 @@ def build_decode(
 
     args = [chunk_args(start, stop) for start, stop in chunks]
     Hl, itemsize = plan.local_kv_heads, np.dtype(cast).itemsize
-    per_device = B * T * Hl * (cfg.d_k + cfg.d_v) * itemsize
+    per_device = kv_cache_bytes(cfg, B, T, itemsize, Hl)
 
     def empty_cache() -> dict:
         heads = world * Hl  # the global heads axis: each kv head once per replica

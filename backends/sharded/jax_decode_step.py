@@ -8,6 +8,7 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.decode import ring_capacity
 
+from ..decoding import kv_cache_bytes
 from .jax_decode import _sharded_weights, _step_program, cache_record, gathered_stages
 
 
@@ -89,7 +90,7 @@ def build_decode_step(
         _, output, stacked_stages = compiled(*args)
         return [(gathered_stages(plan, world, axes, stacked_stages), np.asarray(output))]
 
-    per_device = batch * T * plan.local_kv_heads * (cfg.d_k + cfg.d_v) * np.dtype(w.cast).itemsize
+    per_device = kv_cache_bytes(cfg, batch, T, np.dtype(w.cast).itemsize, plan.local_kv_heads)
     info = {
         "cache": cache_record(T, per_device, world),
         "cache_copied_per_call": True,  # not donated (see the docstring)

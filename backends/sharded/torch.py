@@ -74,6 +74,7 @@ from .common import (
     PREPARE_SECONDS,
     ShardedBackend,
     alibi_slopes_of,
+    check_positive_int,
     gather_heads,
     latent_cache_of,
     shard_variant_params,
@@ -103,9 +104,8 @@ class TorchTPBackend(ShardedBackend):
 
     def __init__(self, name: str | None = None, world: int = 2, threads: int = 1) -> None:
         super().__init__(name)
-        for arg, value in (("world", world), ("threads", threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        check_positive_int("world", world)
+        check_positive_int("threads", threads)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if world * threads > 4 * cores:
             raise ValueError(

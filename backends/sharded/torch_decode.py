@@ -41,6 +41,9 @@ import numpy as np
 from mha_rosetta.core import MHAConfig, MHAParams, shard_params, shard_plan
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, decode_stage_names, ring_capacity
 
+from ..decoding import kv_cache_bytes
+from .common import sharded_cache_info
+
 DYNAMIC, STATIC = "dynamic", "static"
 DECODE_LAYOUTS = {
     DYNAMIC: "each rank its kv heads' (B, Hkv_local, T, Dk) and (B, Hkv_local, T, Dv), grown with torch.cat on T "
@@ -178,15 +181,9 @@ def build_decode(
         return out
 
     itemsize = torch.empty((), dtype=torch_dtype(dtype)).element_size()
-    per_rank = inputs.batch * plan.local_kv_heads * slots * (cfg.d_k + cfg.d_v) * itemsize
+    per_rank = kv_cache_bytes(cfg, inputs.batch, slots, itemsize, plan.local_kv_heads)
     info = {
-        "cache": {
-            "kind": cache,
-            "layout": CACHE_LAYOUT,
-            "slots": slots,
-            "bytes": per_rank * world,  # K and V on every rank together (a replicated kv head counted per copy)
-            "bytes_per_rank": per_rank,
-        },
+        "cache": sharded_cache_info(cache, CACHE_LAYOUT, slots, per_rank, world),
         "world": world,
         "plan": plan.describe(),
         "how": (
@@ -276,15 +273,9 @@ def build_decode_step(
         local = {name: canonical_stage(name, recorded[name]) for name in names if name in recorded}
         return [(local, tensor_to_numpy(recorded["output"].value))]
 
-    per_rank = batch * plan.local_kv_heads * slots * (cfg.d_k + cfg.d_v) * layer.w_q.element_size()
+    per_rank = kv_cache_bytes(cfg, batch, slots, layer.w_q.element_size(), plan.local_kv_heads)
     info = {
-        "cache": {
-            "kind": cache,
-            "layout": CACHE_LAYOUT,
-            "slots": slots,
-            "bytes": per_rank * world,  # every rank's K and V together (after the step)
-            "bytes_per_rank": per_rank,
-        },
+        "cache": sharded_cache_info(cache, CACHE_LAYOUT, slots, per_rank, world),  # after the step
         "context": context,
         "step": step,
         "world": world,

@@ -13,17 +13,10 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
-from .._recording import record_stages
-from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared, tensor_to_numpy
+from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedRowSampleMHA
-from .common import (
-    TorchDevices,
-    in_inference_mode,
-    precision_info,
-    synchronizer,
-    with_matmul_precision,
-)
+from .common import TorchDevices, inference_run, precision_info, recorded_prepared
 from .decode import DECODE_CACHES, DECODE_LAYOUTS, prepare_torch_decode_run, prepare_torch_decode_step
 from .layer import RowSampleMHA
 from .mla import (  # MLA's two forms
@@ -75,7 +68,7 @@ class TorchBackend(MLAStrategies, TorchDevices, Backend):
         else:
             layer = RowSampleMHA(cfg, params, inputs, dtype, device, batched=strategy in (STANDARD, DIRECT_RESHAPE))
         method = getattr(layer, strategy)  # each strategy is the layer's method of that name
-        run = in_inference_mode(with_matmul_precision(method, device, self.allow_tf32))
+        run = inference_run(method, device, self.allow_tf32)
 
         info = {
             "layout": "row samples (B, tokens, features)",
@@ -91,9 +84,7 @@ class TorchBackend(MLAStrategies, TorchDevices, Backend):
             if cfg.window is not None or inputs.mask is not None:
                 run(None)  # once, untimed: how many key tiles the window and the mask let it skip
                 info.update(tiles_visited=layer.tiles_visited, tiles_skipped=layer.tiles_skipped)
-        return Prepared(
-            lambda: run(None), tensor_to_numpy, lambda: record_stages(run), synchronize=synchronizer(device), info=info
-        )
+        return recorded_prepared(run, device, info)
 
     def _prepare_vjp(self, cfg, params, inputs, cotangent, dtype, device, strategy):
         if strategy in MLA_STRATEGIES:

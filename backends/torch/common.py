@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from mha_rosetta.core import MHAConfig, MHAInputs, rotary_tables
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, rotary_tables
 
 from .._inputs import convert_inputs
+from .._recording import record_stages
 from .._tf32 import tf32_forced
 
 # Re-exported: the torch adapters and oracles import these from here (the conversions are torch's ops object's).
@@ -26,6 +27,7 @@ from ..frameworks.torch import (  # noqa: F401
     tf32_switches,
     torch_devices,
 )
+from ..prepared import Prepared, PreparedDecode, tensor_to_numpy
 
 
 def torch_inputs(inputs, dtype: str, device: str, layout: Callable = lambda x: x) -> tuple:
@@ -69,6 +71,42 @@ def in_inference_mode(run: Callable) -> Callable:
             return run(*args, **kwargs)
 
     return wrapped
+
+
+def inference_run(run: Callable, device: str, allow_tf32: bool) -> Callable:
+    """``run`` as every torch pass here runs: TF32 set explicitly (`with_matmul_precision`) under
+    ``torch.inference_mode`` (`in_inference_mode`)."""
+    return in_inference_mode(with_matmul_precision(run, device, allow_tf32))
+
+
+def param_tensors(params: MHAParams, dtype: str, device: str) -> dict:
+    """The parameters as tensors by name, None where absent (no bias): the ``p`` a torch pass reads."""
+    return {name: optional_tensor(array, dtype, device) for name, array in params.as_dict().items()}
+
+
+def recorded_prepared(run: Callable, device: str, info: dict, **extra) -> Prepared:
+    """The `Prepared` of a recording pass ``run(rec)``: ``run(None)`` timed, ``run`` with a recorder for the stages,
+    synchronized for ``device``; ``extra``: `Prepared`'s other fields (``compile``, ``stage_cuts``)."""
+    return Prepared(
+        lambda: run(None),
+        tensor_to_numpy,
+        lambda: record_stages(run),
+        synchronize=synchronizer(device),
+        info=info,
+        **extra,
+    )
+
+
+def decode_prepared(run: Callable, device: str, info: dict, step_stages: Callable | None = None) -> PreparedDecode:
+    """The `PreparedDecode` of a run ``run()`` that returns each chunk's output (B, s, D): them concatenated on the
+    tokens (B, N, D), synchronized for ``device``."""
+
+    def to_numpy(outputs):
+        import torch
+
+        return tensor_to_numpy(torch.cat(outputs, dim=1))  # (B, N, D) in token order
+
+    return PreparedDecode(run, to_numpy, step_stages, synchronize=synchronizer(device), info=info)
 
 
 def no_gpu_reason(backend_name: str, device: str, devices: tuple[str, ...]) -> str | None:
@@ -117,13 +155,19 @@ def temperature_table(cfg: MHAConfig, positions, dtype: str, device: str):
 
 def heads_rotator(cfg: MHAConfig, inputs: MHAInputs, dtype: str, device: str):
     """``rotate(heads, "q" | "k")`` for heads ``(B, heads, N, d)``: rotated; the heads themselves without rope."""
-    rotary = torch_rotary_tables(cfg, inputs, dtype, device)  # (1|B, N, r/2) tables or None
+    return table_rotator(torch_rotary_tables(cfg, inputs, dtype, device), cfg.rope)
+
+
+def table_rotator(tables: dict | None, style: str | None):
+    """``rotate(heads, "q" | "k")`` for heads ``(B, heads, N, d)`` with ``tables`` {"q": (cos, sin), "k": (cos, sin)},
+    each (1|B, N, r/2) (`torch_rotary_tables`, or a chunk's slice of them), in rotary ``style``; the heads themselves
+    when ``tables`` is None (no rope)."""
 
     def rotate(heads, which: str):
-        if rotary is None:
+        if tables is None:
             return heads
-        cos, sin = rotary[which]
-        return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), cfg.rope)  # tables (1|B, 1, N, r/2)
+        cos, sin = tables[which]
+        return rotate_last_axis(heads, cos.unsqueeze(1), sin.unsqueeze(1), style)  # tables (1|B, 1, N, r/2)
 
     return rotate
 

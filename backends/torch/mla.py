@@ -34,23 +34,23 @@ from mha_rosetta.core.decode import DecodeInputs, decode_allowed
 from mha_rosetta.core.variants.mla_heads import check_one_input
 
 from .._mla import ABSORBED, NAIVE, latent_cache_info
-from .._recording import StageRecorder, record_stages, relation_to, score_recorder
+from .._recording import StageRecorder, relation_to, score_recorder
 from ..base import Prepared, PreparedDecode, tensor_to_numpy
 from ..frameworks.ops import score_steps
 from ..frameworks.ops_torch import TorchOps
 from ..vocabulary import UnsupportedCase
 from .common import (
     bool_tensor,
-    in_inference_mode,
+    inference_run,
     optional_tensor,
     precision_info,
+    recorded_prepared,
     rotate_last_axis,
     synchronizer,
     temperature_table,
     to_tensor,
     torch_inputs,
     torch_rotary_tables,
-    with_matmul_precision,
 )
 from .vjp import autograd_prepared, leaf
 
@@ -216,17 +216,13 @@ def _layer_pass(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, dev
 def prepare_torch_mla(cfg: MHAConfig, params: MHAParams, inputs: MHAInputs, dtype, device, strategy, allow_tf32):
     """The torch adapter's `Prepared` for MLA's ``strategy``."""
     forward, _ = _layer_pass(cfg, params, inputs, dtype, device, strategy, as_leaves=False)
-    run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
-
-    def stages():  # the same pass, recorded: the stages of `_record_*` and the score steps
-        return record_stages(run)
-
+    run = inference_run(forward, device, allow_tf32)  # run(rec): the pass, recorded: `_record_*` and the score steps
     info = {
         "layout": "row samples (B, tokens, features); the cache rows [c | k_rope] (B, T, R + dr)",
         "strategy": strategy,
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return Prepared(run, tensor_to_numpy, stages, synchronize=synchronizer(device), info=info)
+    return recorded_prepared(run, device, info)
 
 
 def prepare_torch_mla_vjp(cfg, params, inputs, cotangent, dtype, device, strategy, allow_tf32):
@@ -266,7 +262,7 @@ def prepare_torch_mla_decode_run(cfg, params, inputs: DecodeInputs, dtype, devic
         outputs = [decode_chunk(layer, strategy, cache, xs, inputs, chunk, device, w_ouv) for chunk in inputs.chunks()]
         return torch.cat(outputs, dim=1)  # (B, N, D)
 
-    run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
+    run = inference_run(forward, device, allow_tf32)
     layout = "(B, T, R + dr): [c | k_rope] a row per token, preallocated for the run, written in place"
     info = {
         "layout": "row samples (B, tokens, features)",
@@ -307,11 +303,7 @@ def prepare_torch_mla_decode_step(cfg: MHAConfig, params: MHAParams, job, allow_
         q_nope, q_rot = layer.queries(x, tokens, rec)
         return layer.attend(form, q_nope, q_rot, cache, blocked, empty, w_ouv, rec)  # (B, s, D)
 
-    run = in_inference_mode(with_matmul_precision(forward, device, allow_tf32))
-
-    def stages():  # the step recorded: its queries over the whole cache (Nk = T + s)
-        return record_stages(run)
-
+    run = inference_run(forward, device, allow_tf32)  # run(rec): the step, its queries over the cache (Nk = T + s)
     layout = "(B, T, R + dr): [c | k_rope] a row per token, allocated once with room for the step, written in place"
     info = {
         "layout": "row samples (B, tokens, features)",
@@ -321,4 +313,4 @@ def prepare_torch_mla_decode_step(cfg: MHAConfig, params: MHAParams, job, allow_
         "cache": latent_cache_info(cfg, B, T + s, x.element_size(), layout),
         **precision_info(device=device, dtype=dtype, allow_tf32=allow_tf32),
     }
-    return Prepared(run, tensor_to_numpy, stages, synchronize=synchronizer(device), info=info)
+    return recorded_prepared(run, device, info)

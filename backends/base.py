@@ -48,7 +48,8 @@ from mha_rosetta.core import (
 )
 from mha_rosetta.core.grad import output_shape
 from mha_rosetta.core.inputs import causal_on_indices
-from mha_rosetta.core.packing import RAGGED_OPTIONS, ragged_call
+from mha_rosetta.core.packing import RAGGED_OPTIONS, ragged_arguments
+from mha_rosetta.core.reference import call_result
 
 from ._chunking import CHUNKED, CHUNKED_STAGES_NOTE, check_chunk
 from .decoding import DecodeMixin, DecodeStep
@@ -303,25 +304,19 @@ class Backend(DecodeMixin):
         document mask ANDed into the mask and positions restarting per document; or ``seq_lens``
         (``kv_seq_lens``) on a right-padded batch, its lengths ANDed into the mask."""
         ragged = {name: options.pop(name) for name in RAGGED_OPTIONS if name in options}
-        call = ragged_call(
-            cfg, query, key, value, mask, options.get("positions"), options.get("kv_positions"), **ragged
+        positions, kv_positions = options.get("positions"), options.get("kv_positions")
+        query, mask, options["positions"] = ragged_arguments(
+            cfg, query, key, value, mask, positions, kv_positions, **ragged
         )
-        if call is not None:
-            query, mask, options["positions"] = call.query, call.mask, call.positions
         prepared, inputs = self.prepare(cfg, params, query, key, value, mask, **options)
         output = inputs.unbatch(prepared.output())
         if not (return_weights or return_stages):
             return output
         stages = self.canonical_stages(prepared)
-        extras = []
-        if return_weights:
-            if "weights" not in stages:
-                why = f" ({CHUNKED_STAGES_NOTE})" if options.get("strategy") == CHUNKED else ""
-                raise UnsupportedCase(f"{self.name} does not expose attention weights{why}")
-            extras.append(inputs.unbatch(stages["weights"]))
-        if return_stages:
-            extras.append(stages)
-        return (output, *extras)
+        if return_weights and "weights" not in stages:
+            why = f" ({CHUNKED_STAGES_NOTE})" if options.get("strategy") == CHUNKED else ""
+            raise UnsupportedCase(f"{self.name} does not expose attention weights{why}")
+        return call_result(output, stages, return_weights, return_stages, inputs.unbatch)
 
     # -- the backward pass (vector-Jacobian product) -----------------------------------------
     def _prepare_vjp(

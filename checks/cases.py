@@ -42,6 +42,13 @@ from mha_rosetta.core.variants import CaseSpec, registry_cases
 ALL_DTYPES = DTYPE_NAMES  # float64, float32, float16, bfloat16
 
 
+def check_case_dtypes(where: str, dtypes) -> None:
+    """A case's ``dtypes`` are among `ALL_DTYPES`, or a ValueError naming the case (``where``) and the unknown ones."""
+    unknown = [d for d in dtypes if d not in ALL_DTYPES]
+    if unknown:
+        raise ValueError(f"{where}: dtypes {unknown} are not among {ALL_DTYPES}")
+
+
 @dataclass(frozen=True)
 class CaseInputs:
     """The arrays one case feeds to every implementation (canonical, float64)."""
@@ -102,9 +109,7 @@ class SpecCase:
     documents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        unknown = [d for d in self.dtypes if d not in ALL_DTYPES]
-        if unknown:
-            raise ValueError(f"case {self.name!r}: dtypes {unknown} are not among {ALL_DTYPES}")
+        check_case_dtypes(f"case {self.name!r}", self.dtypes)
         batch = 1 if self.batch is None else self.batch
         if self.key_lengths is not None and len(self.key_lengths) != batch:
             raise ValueError(
@@ -173,22 +178,28 @@ class SpecCase:
             mask &= RaggedBatch(self.documents).document_mask(drop_empty=True)  # no key of another document
         return mask if self.batch is not None else mask[0]  # unbatched masks have no batch axis
 
+    def arguments(self) -> tuple[tuple, dict]:
+        """``(cfg, params, query, key, value, mask)`` and the positions' keywords: this case as the arguments of
+        `reference_mha`, `reference_stages`, `reference_mha_vjp`, `Backend.run` and ``run_vjp`` alike."""
+        data = self.inputs()
+        return (self.cfg, self.params(), *data.arrays), data.positions_kwargs
+
+    def call(self, function, **kwargs):
+        """``function(*args, **positions, **kwargs)`` on this case's `arguments`."""
+        args, where = self.arguments()
+        return function(*args, **where, **kwargs)
+
     def run(self, backend, dtype: str = "float64", strategy: str = "standard", **kwargs):
         """``backend.run`` on this case's parameters and inputs (kwargs: device, return_stages, ...)."""
-        data = self.inputs()
-        return backend.run(
-            self.cfg, self.params(), *data.arrays, dtype=dtype, strategy=strategy, **data.positions_kwargs, **kwargs
-        )
+        return self.call(backend.run, dtype=dtype, strategy=strategy, **kwargs)
 
     def reference(self) -> np.ndarray:
         """The float64 oracle's output for this case."""
-        data = self.inputs()
-        return reference_mha(self.cfg, self.params(), *data.arrays, **data.positions_kwargs)
+        return self.call(reference_mha)
 
     def reference_stages(self) -> dict[str, np.ndarray]:
         """The float64 oracle's stage tensors for this case (batched, canonical layout)."""
-        data = self.inputs()
-        return reference_stages(self.cfg, self.params(), *data.arrays, **data.positions_kwargs)
+        return self.call(reference_stages)
 
     def __str__(self) -> str:
         return self.name

@@ -38,8 +38,8 @@ from mha_rosetta.core.decode import (
     decode_stage_names,
     reference_decode,
     reference_decode_stages,
+    token_axis,
 )
-from mha_rosetta.core.stages import STAGE_BY_NAME
 
 from .agreement import compare, declared_level, declared_level_reason, run_output
 from .decode_cases import DecodeCase, get_decode_cases
@@ -67,11 +67,6 @@ def _decode_oracle(case: DecodeCase) -> _DecodeOracle:
 
 
 # -- where two decode runs part -----------------------------------------------------------
-def _token_axis(name: str) -> int:
-    shape = STAGE_BY_NAME[name].shape
-    return shape.index("Nq") if "Nq" in shape else shape.index("Nk")
-
-
 def chunk_label(inputs: DecodeInputs, index: int, item: int, token: int) -> str:
     """``"prefill (positions 0..4)"`` or ``"step 3 (position 7)"``: chunk ``index``, batch ``item``, absolute ``token``."""
     start, stop = inputs.chunks()[index]
@@ -123,7 +118,7 @@ def locate(
                     f"{chunk_label(inputs, index, 0, start)} diverges at {name} "
                     f"(shape {np.shape(actual)} != {np.shape(expected)})"
                 )
-            found = _first_token(actual, expected, _token_axis(name), dtype)
+            found = _first_token(actual, expected, token_axis(name), dtype)
             if found is not None:
                 item, token = found
                 return f"{chunk_label(inputs, index, item, start + token)} diverges at {name}"

@@ -30,7 +30,7 @@ from mha_rosetta.core.decode import DecodeInputs, prepare_decode_inputs, ring_ca
 from mha_rosetta.core.paged import check_page_size
 from mha_rosetta.core.variants import CaseSpec, registry_cases
 
-from .cases import ALL_DTYPES, case_table, named_cases
+from .cases import case_table, check_case_dtypes, named_cases
 
 PADDINGS = (None, "left", "right")
 
@@ -66,9 +66,7 @@ class DecodeCase:
         where = f"decode case {self.name!r}"
         if not self.cfg.causal:
             raise ValueError(f"{where}: decoding needs a causal configuration (MHAConfig.causal=True)")
-        unknown = [d for d in self.dtypes if d not in ALL_DTYPES]
-        if unknown:
-            raise ValueError(f"{where}: dtypes {unknown} are not among {ALL_DTYPES}")
+        check_case_dtypes(where, self.dtypes)
         if self.padding not in PADDINGS:
             raise ValueError(f"{where}: padding must be one of {PADDINGS}, got {self.padding!r}")
         if (self.padding is None) != (self.lengths is None):

@@ -61,16 +61,14 @@ def _max_abs_error(actual, expected) -> float:
 
 
 def _grad_oracle(case: SpecCase, dtypes) -> _GradOracle:
-    params, data = case.params(), case.inputs()
-    args = (case.cfg, params, data.query, data.key, data.value, data.mask)
-    where = {"positions": data.positions, "kv_positions": data.kv_positions}  # rotary positions
+    args, where = case.arguments()  # where: the rotary positions
     grads = reference_mha_vjp(*args, **where)
     baselines = {}
     for dtype in dtypes:
         if dtype in ("float16", "bfloat16"):
             rounded = reference_mha_vjp(*args, **where, rounding=dtype).tensors()
             baselines[dtype] = {name: _max_abs_error(rounded[name], g) for name, g in grads.tensors().items()}
-    inputs = prepare_inputs(*args[:1], *args[2:], data.positions, data.kv_positions)
+    inputs = prepare_inputs(args[0], *args[2:], **where)  # (cfg, query, key, value, mask)
     allowed = allowed_positions(case.cfg, inputs)
     empty = 0 if allowed is None else int((~allowed.any(axis=-1)).sum())
     return _GradOracle(case, grads, baselines, empty)
@@ -102,9 +100,7 @@ def _first_divergent_backward_stage(stages: dict, reference: dict, dtype: str) -
 def _run_one(backend, strategy: str, device: str, dtype: str, oracle: _GradOracle) -> GradRun:
     case = oracle.case
     run = GradRun(case.name, Implementation(backend.name, strategy, device), dtype, backend.kind, Status.ERROR)
-    data = case.inputs()
-    args = (case.cfg, case.params(), data.query, data.key, data.value, data.mask)
-    where = {"positions": data.positions, "kv_positions": data.kv_positions}  # rotary positions
+    args, where = case.arguments()  # where: the rotary positions
     started = time.perf_counter()
     try:
         grads = backend.run_vjp(*args, dtype=dtype, device=device, strategy=strategy, **where)

@@ -21,6 +21,12 @@ def _fmt(value: float) -> str:
     return "inf" if not np.isfinite(value) else ("0" if value == 0 else f"{value:.0e}")
 
 
+def _runs_block(title: str, runs) -> Block:
+    """One row per run: its status, implementation, case, dtype and reason."""
+    rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in runs]
+    return Block(title, ["status", "implementation", "case", "dtype", "reason"], rows)
+
+
 def grad_report_blocks(result: GradCheckResult, quiet: bool = False) -> list:
     """One block per dtype: each implementation's worst gradient error against the oracle, and the pairs;
     ``quiet`` (``check --grad --quiet``): only the runs that disagree, were missed or failed, as for the forward."""
@@ -28,9 +34,7 @@ def grad_report_blocks(result: GradCheckResult, quiet: bool = False) -> list:
         problems = [run for run in result.runs if run.status in (Status.DISAGREE, Status.MISSED, Status.ERROR)]
         if not problems:
             return []
-        block = Block("Problems: gradients", ["status", "implementation", "case", "dtype", "reason"])
-        block.rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in problems]
-        return [block]
+        return [_runs_block("Problems: gradients", problems)]
     blocks = []
     pair_worst: dict[tuple[str, str, str], tuple[float, Status]] = {}
     for pair in result.pairs:
@@ -75,12 +79,7 @@ def grad_report_blocks(result: GradCheckResult, quiet: bool = False) -> list:
     ]
     named += [run for run in result.runs if run.status is Status.CAUGHT and "happen to agree" in run.reason]
     if named:
-        block = Block(
-            "Gradients: named differences, problems and mistakes caught only at a stage",
-            ["status", "implementation", "case", "dtype", "reason"],
-        )
-        block.rows = [[str(r.status), r.label, r.case, r.dtype, r.reason] for r in named]
-        blocks.append(block)
+        blocks.append(_runs_block("Gradients: named differences, problems and mistakes caught only at a stage", named))
     unsupported = sorted(
         {(r.label, r.reason) for r in result.runs if r.status is Status.UNSUPPORTED and "backward" in r.reason}
     )

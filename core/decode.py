@@ -56,6 +56,7 @@ __all__ = [
     "reference_decode",
     "reference_decode_stages",
     "ring_capacity",
+    "token_axis",
 ]
 
 
@@ -248,6 +249,13 @@ def decode_stage_names(cfg: MHAConfig) -> tuple[str, ...]:
     )
 
 
+def token_axis(name: str) -> int:
+    """The token axis of the token-wise stage ``name`` (`decode_stage_names`) in its canonical shape: its query axis,
+    else its key axis."""
+    shape = STAGE_BY_NAME[name].shape
+    return shape.index("Nq") if "Nq" in shape else shape.index("Nk")
+
+
 def reference_decode_stages(cfg: MHAConfig, params: MHAParams, inputs: DecodeInputs) -> list[dict[str, np.ndarray]]:
     """For each chunk of ``inputs.chunks()``, the full forward's token-wise stages sliced to its tokens (canonical)."""
     full = reference_stages(cfg, params, inputs.x, **_forward_args(inputs))
@@ -255,8 +263,6 @@ def reference_decode_stages(cfg: MHAConfig, params: MHAParams, inputs: DecodeInp
     for start, stop in inputs.chunks():
         chunk = {}
         for name in decode_stage_names(cfg):
-            shape = STAGE_BY_NAME[name].shape
-            axis = shape.index("Nq") if "Nq" in shape else shape.index("Nk")
-            chunk[name] = np.take(full[name], np.arange(start, stop), axis=axis)
+            chunk[name] = np.take(full[name], np.arange(start, stop), axis=token_axis(name))
         out.append(chunk)
     return out

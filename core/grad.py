@@ -61,8 +61,8 @@ import numpy as np
 from .config import MHAConfig
 from .dtypes import check_dtype_name, numpy_dtype
 from .inputs import _as_float_array, prepare_inputs
-from .params import PARAM_NAMES, MHAParams
-from .reference import forward_stages, reference_stages
+from .params import PARAM_NAMES, MHAParams, validate_params
+from .reference import as_float64, forward_stages, operands
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
 from .variants import (
@@ -248,15 +248,11 @@ def reference_mha_vjp(
     inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
     d_out = check_cotangent(cotangent, output_shape(cfg, query))
     compute, r = _rounder(rounding)
+    validate_params(cfg, params)
     tables = rotary_tables(cfg, inputs)
-    if rounding is None:
-        fwd = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
-        p = {name: None if a is None else a.astype(np.float64) for name, a in params.as_dict().items()}
-        x_q, x_k, x_v = (a.astype(np.float64) for a in (inputs.query, inputs.key, inputs.value))
-    else:
-        p = {name: None if a is None else r(a) for name, a in params.as_dict().items()}
-        x_q, x_k, x_v = (r(a) for a in (inputs.query, inputs.key, inputs.value))
-        fwd = forward_stages(cfg, p, x_q, x_k, x_v, inputs, r)
+    # The forward of `reference_stages`: float64 (r the identity), or every operand and stage rounded to storage.
+    p, x_q, x_k, x_v = operands(params, inputs, as_float64 if rounding is None else r)
+    fwd = forward_stages(cfg, p, x_q, x_k, x_v, inputs, r)
     d_out = r(d_out if inputs.batched else d_out[None]).astype(compute)  # (B, Nq, D)
 
     B, Nq, Nk = inputs.batch, inputs.q_tokens, inputs.kv_tokens

@@ -32,6 +32,7 @@ from .config import MHAConfig
 from .decode import decode_allowed, prepare_decode_inputs
 from .inputs import allowed_positions, prepare_inputs
 from .params import MHAParams, validate_params
+from .reference import as_float64, float_params
 from .rotary import apply_rotary, rotary_tables
 from .variants import VARIANT_REGISTRY, softmax_with_empty_rows, strategy_forms, temper
 from .variants.mla import STRATEGIES, cache_numbers_per_token, mla_on
@@ -106,16 +107,12 @@ def latent_attention(cfg: MHAConfig, p: dict, query: dict, kv_latent, k_rope, al
     return (out if p.get("b_o") is None else out + p["b_o"]), weights
 
 
-def _float64(params: MHAParams) -> dict:
-    return {name: None if a is None else a.astype(np.float64) for name, a in params.as_dict().items()}
-
-
 def mla_forward(cfg: MHAConfig, params: MHAParams, query, *, form: str = "naive", mask=None, positions=None):
     """Self-attention of ``query`` (B, N, D) (or (N, D)) through MLA's ``form``, float64; the output's shape."""
     check_form(cfg, form)
     validate_params(cfg, params)
     inputs = prepare_inputs(cfg, query, None, None, mask, positions, None)
-    p, x = _float64(params), inputs.query.astype(np.float64)
+    p, x = float_params(params), as_float64(inputs.query)
     rotate = Rotation(rotary_tables(cfg, inputs), apply_rotary)
     kv_latent, k_rope = latent_entries(cfg, p, x, rotate)
     out, _ = latent_attention(cfg, p, query_stages(cfg, p, x, rotate), kv_latent, k_rope,
@@ -197,7 +194,7 @@ def mla_decode(cfg: MHAConfig, params: MHAParams, x, *, prefill, step=1, form="n
     check_form(cfg, form)
     validate_params(cfg, params)
     inputs = prepare_decode_inputs(cfg, x, prefill=prefill, step=step, mask=mask, positions=positions)
-    p, xs = _float64(params), inputs.x.astype(np.float64)
+    p, xs = float_params(params), as_float64(inputs.x)
     cache = LatentCache.empty(cfg, inputs.batch)
     outputs = []
     for start, stop in inputs.chunks():

@@ -30,7 +30,7 @@ import numpy as np
 
 from .ragged import RaggedBatch
 
-__all__ = ["RAGGED_OPTIONS", "RaggedCall", "ragged_call"]
+__all__ = ["RAGGED_OPTIONS", "RaggedCall", "ragged_arguments", "ragged_call"]
 
 RAGGED_OPTIONS = ("cu_seqlens", "position_ids", "seq_lens", "kv_seq_lens")  # the keywords `ragged_call` reads
 
@@ -73,6 +73,13 @@ def ragged_call(cfg, query, key, value, mask, positions, kv_positions, **ragged)
     if seq_lens is None and kv_seq_lens is None:
         return None
     return _padded(query, key, mask, positions, seq_lens, kv_seq_lens)
+
+
+def ragged_arguments(cfg, query, key, value, mask, positions, kv_positions, **ragged) -> tuple:
+    """``(query, mask, positions)`` that run the call as an ordinary one: a packed or padded call's (`ragged_call`,
+    the rules in the module docstring), else the ones given. `reference_mha` and `Backend.run` read them so."""
+    call = ragged_call(cfg, query, key, value, mask, positions, kv_positions, **ragged)
+    return (query, mask, positions) if call is None else (call.query, call.mask, call.positions)
 
 
 def _packed(cfg, query, key, value, mask, positions, kv_positions, cu_seqlens, position_ids) -> RaggedCall:

@@ -33,7 +33,7 @@ import numpy as np
 
 from .config import MHAConfig
 from .inputs import allowed_positions, prepare_inputs
-from .packing import ragged_call
+from .packing import ragged_arguments
 from .params import MHAParams, validate_params
 from .rotary import apply_rotary, rotary_tables
 from .stages import stage_names
@@ -50,7 +50,14 @@ from .variants import (
 )
 from .variants.mla import mla_on
 
-__all__ = ["forward_stages", "linear", "reference_mha", "reference_stages", "softmax_with_empty_rows"]
+__all__ = [
+    "call_result",
+    "forward_stages",
+    "linear",
+    "reference_mha",
+    "reference_stages",
+    "softmax_with_empty_rows",
+]
 
 
 def linear(x, weight, bias):
@@ -69,9 +76,24 @@ def reference_stages(
     """
     validate_params(cfg, params)
     inputs = prepare_inputs(cfg, query, key, value, mask, positions, kv_positions)
-    f64 = {name: None if array is None else array.astype(np.float64) for name, array in params.as_dict().items()}
-    x_q, x_k, x_v = (x.astype(np.float64) for x in (inputs.query, inputs.key, inputs.value))
-    return forward_stages(cfg, f64, x_q, x_k, x_v, inputs, lambda a: a)
+    return forward_stages(cfg, *operands(params, inputs), inputs, lambda a: a)
+
+
+def as_float64(array: np.ndarray) -> np.ndarray:
+    """``array`` as float64 (a copy): what the float64 oracles compute on."""
+    return array.astype(np.float64)
+
+
+def float_params(params: MHAParams, cast=as_float64) -> dict:
+    """The parameters by name, each array passed through ``cast`` (an absent one stays None): float64 for the
+    oracles (`core.mla_forms`' too); the backward oracle's ``rounding`` path rounds them to storage (`core.grad`)."""
+    return {name: None if array is None else cast(array) for name, array in params.as_dict().items()}
+
+
+def operands(params: MHAParams, inputs, cast=as_float64) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray]:
+    """(parameters by name, x_q, x_k, x_v (B, N, F)): what `forward_stages` reads, each array through ``cast``."""
+    x_q, x_k, x_v = (cast(x) for x in (inputs.query, inputs.key, inputs.value))
+    return float_params(params, cast), x_q, x_k, x_v
 
 
 def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[str, np.ndarray]:
@@ -208,15 +230,19 @@ def reference_mha(
     padding query row has zero context (its output is ``b_o``).
     """
     ragged = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, seq_lens=seq_lens, kv_seq_lens=kv_seq_lens)
-    call = ragged_call(cfg, query, key, value, mask, positions, kv_positions, **ragged)
-    if call is not None:
-        query, mask, positions = call.query, call.mask, call.positions
+    query, mask, positions = ragged_arguments(cfg, query, key, value, mask, positions, kv_positions, **ragged)
     stages = reference_stages(cfg, params, query, key, value, mask, positions, kv_positions)
-    batched = np.ndim(query) == 3
-    output = stages["output"] if batched else stages["output"][0]
-    extras = []
-    if return_weights:
-        extras.append(stages["weights"] if batched else stages["weights"][0])
+
+    def unbatch(array):  # the caller's form: (1, ...) -> (...) for an unbatched query (a view)
+        return array if np.ndim(query) == 3 else array[0]
+
+    return call_result(unbatch(stages["output"]), stages, return_weights, return_stages, unbatch)
+
+
+def call_result(output, stages: dict, return_weights: bool, return_stages: bool, unbatch):
+    """What `reference_mha` and `Backend.run` return: ``output`` alone, or ``(output, weights, stages)`` with the
+    ones asked for: the weights ``unbatch``-ed to the caller's form, the stages batched (canonical layout)."""
+    extras = [unbatch(stages["weights"])] if return_weights else []
     if return_stages:
         extras.append(stages)
     return (output, *extras) if extras else output

@@ -85,7 +85,30 @@ class PlantedMistake:
 
 
 @dataclass(frozen=True)
-class SimulatedSteps:
+class _Steps:
+    """The places of the pipeline where both diagnose's simulator (`SimulatedSteps`) and its planted candidates
+    (`PlantedSteps`) run a variant's step, one field each; each subclass documents its steps' arguments and adds the
+    places of its own. A step left None: the variant does nothing there (`steps_at` passes it over)."""
+
+    projection: Callable | None = None
+    heads: Callable | None = None
+    rotated: Callable | None = None
+    values: Callable | None = None
+    frequencies: Callable | None = None
+    scale: Callable | None = None
+    transform: Callable | None = None
+    bias: Callable | None = None
+    masked: Callable | None = None
+    output: Callable | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Whether no place has a step."""
+        return all(getattr(self, name) is None for name in self.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class SimulatedSteps(_Steps):
     """A variant's steps in `diagnose`'s simulator (`diagnose.simulate`, and the decode loop's `simulate_decode`).
 
     Each takes the mistake last: None (the spec) or a `DiagnoseCause.mistake`. The simulator runs the steps of the
@@ -115,25 +138,15 @@ class SimulatedSteps:
         latent's norm and the key's rotary.
     """
 
-    projection: Callable | None = None
-    heads: Callable | None = None
-    rotated: Callable | None = None
-    values: Callable | None = None
-    frequencies: Callable | None = None
-    scale: Callable | None = None
-    transform: Callable | None = None
-    bias: Callable | None = None
     allowed: Callable | None = None
-    masked: Callable | None = None
     softmax: Callable | None = None
     context: Callable | None = None
     params: Callable | None = None
-    output: Callable | None = None
     cached: Callable | None = None
 
 
 @dataclass(frozen=True)
-class PlantedSteps:
+class PlantedSteps(_Steps):
     """A variant's steps in a candidate with planted bugs (`diagnose.injected`), written apart from the simulator's.
 
     The NumPy candidate's are the entry's (`DiagnoseSpec.planted`); the torch candidate's, in torch idioms, are
@@ -160,22 +173,8 @@ class PlantedSteps:
     """
 
     latent: Callable | None = None
-    projection: Callable | None = None
-    heads: Callable | None = None
-    rotated: Callable | None = None
-    values: Callable | None = None
-    frequencies: Callable | None = None
-    scale: Callable | None = None
-    transform: Callable | None = None
-    bias: Callable | None = None
     mask: Callable | None = None
-    masked: Callable | None = None
     columns: Callable | None = None
-    output: Callable | None = None
-
-    @property
-    def empty(self) -> bool:
-        return all(getattr(self, name) is None for name in self.__dataclass_fields__)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, the
-entry keywords of a variant one bool field switches on, and the entry keywords, validation and explainer grid of
-the positional masks one optional integer switches on (window, chunks)."""
+entry keywords of a variant one bool field switches on, those of an additive bias on the scores (ALiBi, T5's
+buckets), and the entry keywords, validation and explainer grid of the positional masks one optional integer switches
+on (window, chunks)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ def positional_mask(field: str) -> dict:
         validate=optional_positive_int(field),
         score_step=ScoreStep("mask", "positional_mask"),
     )
+
+
+def additive_bias() -> dict:
+    """`Variant` keywords (``**additive_bias()``) of a bias added to the scores (ALiBi, T5's buckets): every such entry
+    adds into the one stage ``biased_scores`` (their terms summed in registry order, `ScoreStep`'s "bias" place),
+    through the ops object's ``add_score_bias``."""
+    return dict(stages=("biased_scores",), score_step=ScoreStep("bias", "add_score_bias"))
 
 
 def flag(field: str, declare: bool = True) -> dict:

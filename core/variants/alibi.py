@@ -8,8 +8,8 @@ import numpy as np
 
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, numbers, switch_option
-from ._shared import flag, relative_distances, softmax_with_empty_rows
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers, switch_option
+from ._shared import additive_bias, flag, relative_distances, softmax_with_empty_rows
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:
@@ -168,8 +168,7 @@ ENTRY = Variant(
     summary="m_h * (p_j - p_i) added to the scores",
     **flag("alibi", declare=False),  # a field of MHAConfig's own
     validate=_validate,
-    stages=("biased_scores",),
-    score_step=ScoreStep("bias", "add_score_bias"),
+    **additive_bias(),
     forward=_forward,
     check_cases=(
         CaseSpec(

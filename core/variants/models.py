@@ -14,17 +14,7 @@ from typing import Any
 
 from ._entry import CaseSpec
 from .mla import DEEPSEEK_V3_LIKE
-
-# gpt-oss's YaRN (original context 4096, factor 32, no truncation).
-GPT_OSS_YARN = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "original_max_position_embeddings": 4096,
-    "truncate": False,
-}
-
+from .rope_scaling import GPT_OSS_YARN, LLAMA31_SCALING
 
 # Mistral 4's attention (Mistral4Attention) at a small size, every size distinct: DeepSeek V3's latent attention as
 # `mla.DEEPSEEK_V3_LIKE` (q and kv LoRA, d_v 5) with nope 4 + rope 8 = d_k 12 and a latent of 9, interleaved rotary
@@ -101,13 +91,7 @@ MODELS: dict[str, Model] = _by_name(
             rope_base=500000.0,
             causal=True,
             bias=False,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
+            rope_scaling=LLAMA31_SCALING,
         ),
         check=(
             "Llama 3.1's rope scaling (llama3: factor 8, low 1, high 4, original 8192) on rotary base 500000",

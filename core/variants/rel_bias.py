@@ -9,8 +9,8 @@ import numpy as np
 
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, switch_option, value_option
-from ._shared import given, relative_distances
+from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, Variant, switch_option, value_option
+from ._shared import additive_bias, given, relative_distances
 
 
 def t5_buckets(distance: np.ndarray, buckets: int, max_distance: int, bidirectional: bool) -> np.ndarray:
@@ -243,8 +243,7 @@ ENTRY = Variant(
             spread=0.5,
         ),
     ),
-    stages=("biased_scores",),
-    score_step=ScoreStep("bias", "add_score_bias"),
+    **additive_bias(),
     forward=_forward,
     backward=_backward,
     check_cases=(

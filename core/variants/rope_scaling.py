@@ -15,6 +15,24 @@ from ..rope_scaling import describe_rope_scaling, scaled_frequencies, validate_r
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, Variant, numbers
 
+# Two real models' rope_scaling, as their config.json writes it: the explainer shows them and `core.variants.models`
+# runs them. Llama 3.1's llama3 scaling (on rotary base 500000):
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# gpt-oss's YaRN (original context 4096, factor 32, no truncation).
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 4096,
+    "truncate": False,
+}
 # Phi-3-style longrope on 2 rotated pairs: original length 4, factor 4 (cos and sin times sqrt(1 + ln 4 / ln 4))
 LONGROPE = {
     "rope_type": "longrope",
@@ -61,13 +79,10 @@ def json_object(text: str) -> dict:
 
 
 def explain(demo) -> Explanation:
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    llama3["original_max_position_embeddings"] = 8192
     plain, _ = scaled_frequencies(8, 500000.0, None, demo.tokens)
-    scaled, _ = scaled_frequencies(8, 500000.0, llama3, demo.tokens)
+    scaled, _ = scaled_frequencies(8, 500000.0, LLAMA31_SCALING, demo.tokens)
     linear, _ = scaled_frequencies(8, 500000.0, {"rope_type": "linear", "factor": 8.0}, demo.tokens)
-    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
-    resolved = validate_rope_scaling(yarn)  # its defaults filled in (a dict: yarn is not None)
+    resolved = validate_rope_scaling(GPT_OSS_YARN)  # a dict: GPT_OSS_YARN is not None
     assert resolved is not None
     attention = yarn_attention_factor(resolved)
     base, _ = scaled_frequencies(4, 10000.0, None, 1)  # (2,): LONGROPE's two pairs, unscaled
@@ -79,16 +94,8 @@ def explain(demo) -> Explanation:
         "longrope's factor on cos and sin",
         "the rotary tables (q_rotated, k_rotated)",
         [
-            (
-                "Hugging Face config",
-                "rope_scaling = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, "
-                "'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192} (Llama 3.1)",
-            ),
-            (
-                "Hugging Face config",
-                "rope_scaling = {'rope_type': 'yarn', 'factor': 32.0, 'beta_fast': 32.0, "
-                "'beta_slow': 1.0, 'original_max_position_embeddings': 4096, 'truncate': False} (gpt-oss)",
-            ),
+            ("Hugging Face config", f"rope_scaling = {LLAMA31_SCALING} (Llama 3.1)"),
+            ("Hugging Face config", f"rope_scaling = {GPT_OSS_YARN} (gpt-oss)"),
             ("transformers", "ROPE_INIT_FUNCTIONS[rope_type]; the legacy key 'type' is read as 'rope_type'"),
         ],
         [

@@ -171,6 +171,7 @@ ENTRY = Variant(
     stages=("biased_scores",),
     score_step=ScoreStep("bias", "add_score_bias"),
     forward=_forward,
+    distance_slopes=lambda cfg: alibi_slopes(cfg.n_heads),  # the adapters' m_h (p_j - p_i), in their arithmetic
     check_cases=(
         CaseSpec(
             "alibi",

@@ -119,10 +119,10 @@ def test_online_start_puts_the_sink_first_in_every_row(library):
     _, _, _, sinks = _inputs()
     (k,) = _library_arrays(library, sinks)
     dtype = ops.asarray(np.zeros(1)).dtype
-    peak, total = online_start(ops, k, (2, 4, 5, 1), dtype, like=ops.asarray(np.zeros(1)))
+    peak, total = online_start(ops, {"sinks": k}, (2, 4, 5, 1), dtype, like=ops.asarray(np.zeros(1)))
     np.testing.assert_array_equal(to_numpy(peak), np.broadcast_to(sinks, (2, 4, 5, 1)))
     np.testing.assert_array_equal(to_numpy(total), 1.0)
-    peak, total = online_start(ops, None, (2, 4, 5, 1), dtype, like=ops.asarray(np.zeros(1)))
+    peak, total = online_start(ops, {}, (2, 4, 5, 1), dtype, like=ops.asarray(np.zeros(1)))
     assert np.isneginf(to_numpy(peak)).all() and (to_numpy(total) == 0).all()
 
 

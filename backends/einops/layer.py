@@ -13,7 +13,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_NAMES, MHAConfig, MHAInputs, MHAParams, allowed_positions
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
-from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
+from mha_rosetta.core.variants import relative_distances, t5_buckets
 
 from .._layouts import XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
@@ -26,6 +26,7 @@ from ..frameworks.ops import (
     read_values,
     score_steps,
 )
+from ..frameworks.score_parts import distance_slopes, part_params, score_parts
 from .plans import (
     MERGED_PROJECTIONS,
     OUTPUT,
@@ -174,10 +175,10 @@ def attend(
     scores = ops.einsum(plan.scores, ops.scale(q_rotated, cfg.scale), k_rotated)  # (B, H, Nq, Nk)
     bias = None
     if cfg.has_score_bias:
-        bias = score_tables.get("alibi", 0.0)  # (1|B, H, Nq, Nk) in the scores' layout
+        bias = score_tables.get("sloped", 0.0)  # (1|B, H, Nq, Nk) in the scores' layout
         if cfg.rel_buckets is not None:  # (1|B, Nq, Nk, H) gathered, then laid out as the scores
             bias = bias + einops.rearrange(ops.take(weights["rel_bias"], score_tables["bucket"]), plan.rel_bias)
-    sinks = einops.rearrange(weights["sinks"], plan.sink) if cfg.sinks else None  # against the scores
+    parts = score_parts(cfg, weights, lambda w: einops.rearrange(w, plan.sink))  # against the scores
     on_stage = None
     if record is not None:
         record["scores"] = ops.snapshot(scores)  # the steps below may work in place
@@ -188,7 +189,7 @@ def attend(
             buffers[name] = value
 
     attention = score_steps(
-        ops, cfg, scores, bias=bias, blocked=blocked, empty_rows=empty_rows, sinks=sinks, on_stage=on_stage
+        ops, cfg, scores, bias=bias, blocked=blocked, empty_rows=empty_rows, **parts, on_stage=on_stage
     )  # (B, H, Nq, Nk)
     context = ops.einsum(plan.context, attention, v)  # (B, Nq, H, Dv)
     merged = einops.rearrange(context, plan.merge)  # (B, Nq, H*Dv)
@@ -250,9 +251,10 @@ def _variant_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan, split,
         weights["k_norm"] = split(params.k_norm, plan.bias_kv, kv_sizes)  # (Hkv, Dk)
     elif cfg.qk_norm == "head":
         weights["q_norm"], weights["k_norm"] = params.q_norm, params.k_norm  # (Dk,) each, every head's
-    if cfg.sinks:
+    for spec in part_params(cfg):  # the score parts' (`frameworks.score_parts`): one value per query head
         # (H,), or (Hkv, G) split like the heads; laid out against the scores in the pass (plan.sink)
-        weights["sinks"] = params.sinks if cfg.group_size == 1 else split(params.sinks, "(g r) -> g r", sizes)
+        value = getattr(params, spec.name)
+        weights[spec.name] = value if cfg.group_size == 1 else split(value, "(g r) -> g r", sizes)
     if cfg.rel_buckets is not None:
         # (buckets, H), or (buckets, Hkv, G) split like the heads: T5's table, gathered by bucket in the pass
         rel = params.rel_bias
@@ -266,18 +268,20 @@ def _variant_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan, split,
 def score_tables(cfg: MHAConfig, inputs: MHAInputs, plan: EinsumPlan, dtype: str) -> dict[str, np.ndarray]:
     """The NumPy tables the score bias reads, made at prepare time with `core.variants`.
 
-    ``alibi``: ALiBi's whole bias ``m_h (p_j - p_i)`` (`alibi_bias`, constants: the slopes are not
-    learned) laid out like the mask (``plan.mask``), float32 for half precision (the bias is
-    added in float32), else ``dtype``; ``bucket`` (1|B, Nq, Nk) int T5's buckets, which index
+    ``sloped``: ALiBi's whole bias ``m_h (p_j - p_i)`` (the slopes `score_parts.distance_slopes`, constants: they
+    are not learned; float64, as `core.variants.alibi_bias`) laid out like the mask (``plan.mask``), float32
+    for half precision (the bias is added in float32), else ``dtype``; ``bucket`` (1|B, Nq, Nk) int T5's buckets, which index
     ``rel_bias`` inside the pass. Empty without ALiBi or relative bias.
     """
     import einops
 
     tables: dict[str, np.ndarray] = {}
-    if cfg.alibi:
-        bias = alibi_bias(cfg.n_heads, inputs.positions, inputs.kv_positions)  # (1|B, H, Nq, Nk)
+    slopes = distance_slopes(cfg)  # ALiBi's m_h (H,) float64, or None
+    if slopes is not None:
+        distance = relative_distances(inputs.positions, inputs.kv_positions).astype(np.float64)  # (1|B, Nq, Nk)
+        bias = slopes[None, :, None, None] * distance[:, None]  # (1|B, H, Nq, Nk)
         bias = einops.rearrange(bias, plan.mask, **axis_sizes(plan.mask, _head_sizes(cfg)))
-        tables["alibi"] = bias.astype(np.float64 if dtype == "float64" else np.float32)
+        tables["sloped"] = bias.astype(np.float64 if dtype == "float64" else np.float32)
     if cfg.rel_buckets is not None:
         distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk)
         buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)

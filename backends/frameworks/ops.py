@@ -229,15 +229,17 @@ def score_steps(
     return weights
 
 
-def online_start(ops, sinks, shape, dtype, like=None) -> tuple:
+def online_start(ops, parts: dict, shape, dtype, like=None) -> tuple:
     """(peak, total): where an online softmax (the chunked paths, `_chunking`) starts each query's running
     maximum and sum, ``shape`` (a key axis of 1) in ``dtype`` (on ``like``'s device).
 
-    With ``sinks`` (broadcastable to ``shape``: each head's logit) the sink is the first term of every
+    ``parts``: the score parts of the variants' parameters (`score_parts.score_parts`, laid out against the
+    tile). With ``sinks`` among them (broadcastable to ``shape``: each head's logit) the sink is the first term of every
     row, ``peak = sink`` and ``total = exp(sink - sink) = 1``, so the recurrence rescales it with every
     other term and it sits in every denominator; a query with no allowed key ends with a zero context.
     Without sinks: ``(-inf, 0)``.
     """
+    sinks = parts.get("sinks")
     if sinks is None:
         return ops.full(shape, float("-inf"), dtype, like), ops.full(shape, 0.0, dtype, like)
     return ops.broadcast(sinks, shape, dtype), ops.full(shape, 1.0, dtype, like)

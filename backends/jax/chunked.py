@@ -40,11 +40,12 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
-from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
+from mha_rosetta.core.variants import relative_distances, t5_buckets
 
 from .._chunking import CHUNKED_HIDDEN_STAGES, key_block_end, resolve_chunk
 from ..frameworks.ops import masked_scores, online_start
 from ..frameworks.ops_jax import TRACED_OPS
+from ..frameworks.score_parts import distance_slopes, picked_parts
 from .common import temperature_table
 
 # The variants' score stages, which the chunked step holds one tile at a time, like the scores.
@@ -89,7 +90,7 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
     """Online-softmax attention of one head: q (Nq_pad, Dk), k (Nk_pad, Dk), v (Nk_pad, Dv),
     allowed (Nq_pad, Nk_pad) or None; token axes padded to whole blocks. Returns (Nq_pad, Dv).
 
-    ``head``: this head's ``sink``, ``slope`` and ``rel`` (buckets,) where its variants are on;
+    ``head``: this head's score parts by keyword, ``slope`` and ``rel`` (buckets,) where its variants are on;
     ``item``: this batch item's ``q_pos`` (Nq_pad,), ``k_pos`` (Nk_pad,) and ``bucket``
     (Nq_pad, Nk_pad), where needed, and the key-block trip counts ``k_stop`` (n_q_blocks,) under
     causal (`chunked_tables`).
@@ -116,7 +117,7 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
                 k_pos = lax.dynamic_slice_in_dim(item["k_pos"], k_start, k_block)  # (kb,)
                 distance = k_pos[None, :] - q_pos[:, None]  # (qb, kb): p_j - p_i
             bias = None
-            if cfg.alibi:
+            if "slope" in head:  # a distance's slope (`score_parts.distance_slopes`: ALiBi's)
                 bias = head["slope"].astype(compute) * distance.astype(compute)
             if cfg.rel_buckets is not None:
                 bucket = lax.dynamic_slice(item["bucket"], (q_start, k_start), (q_block, k_block))  # (qb, kb)
@@ -147,7 +148,8 @@ def _chunked_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig, q_block, 
         stop = item["k_stop"][i].astype(jnp.asarray(q_start).dtype) if cfg.causal else n_k_blocks
         first, stop = _key_block_range(q_start, stop, n_k_blocks, cfg=cfg, q_block=q_block, k_block=k_block, skip=skip)
         acc = jnp.zeros((q_block, v.shape[-1]), compute)
-        peak, total = online_start(TRACED_OPS, head.get("sink"), (q_block, 1), compute)  # from the sink, where on
+        parts = picked_parts(cfg, head)  # this head's score parts, scalars
+        peak, total = online_start(TRACED_OPS, parts, (q_block, 1), compute)  # from the sink, where on
         _, total, acc = lax.fori_loop(first, stop, one_key_block, (peak, total, acc))
         # A query that saw no allowed key has total 0 (or the sink's share) and acc 0: the spec's zero.
         return acc / jnp.where(total > 0, total, 1.0)  # (qb, Dv)
@@ -218,7 +220,8 @@ def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dt
     q_pad = _blocks(inputs.q_tokens, chunk[0]) * chunk[0]
     k_pad = _blocks(inputs.kv_tokens, chunk[1]) * chunk[1]
     tables = {}
-    if cfg.causal or cfg.window is not None or cfg.alibi or cfg.attention_chunk_size is not None:
+    slopes = distance_slopes(cfg)  # (H,) float64 or None: ALiBi's, on the positions
+    if cfg.causal or cfg.window is not None or slopes is not None or cfg.attention_chunk_size is not None:
         # Padding positions are never read: padding keys are masked by index, padding queries cut off.
         tables["q_pos"] = np.pad(inputs.positions, [(0, 0), (0, q_pad - inputs.q_tokens)]).astype(np.int32)
         tables["k_pos"] = np.pad(inputs.kv_positions, [(0, 0), (0, k_pad - inputs.kv_tokens)]).astype(np.int32)
@@ -244,9 +247,9 @@ def chunked_tables(cfg: MHAConfig, inputs: MHAInputs, chunk: tuple[int, int], dt
             for q_start in range(0, q_pad, q_block)
         ]
         tables["k_stop"], axes["k_stop"] = np.asarray(stops, dtype=np.int32), None  # (n_q_blocks,)
-    if cfg.alibi:
+    if slopes is not None:
         float_dtype = np.float64 if dtype == "float64" else np.float32
-        tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
+        tables["slopes"], axes["slopes"] = slopes.astype(float_dtype), None  # (H,)
     tables.update(temperature_table(cfg, inputs.positions, dtype))  # (1|B, Nq) unpadded: read before the tiles
     for name, table in tables.items():
         if name in ("slopes", "k_stop"):

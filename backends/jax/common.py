@@ -46,7 +46,7 @@ from mha_rosetta.core import (
     stage_names,
 )
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
-from mha_rosetta.core.variants import alibi_slopes, relative_distances, t5_buckets
+from mha_rosetta.core.variants import relative_distances, t5_buckets
 
 from .._inputs import convert_inputs
 from .._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
@@ -68,6 +68,7 @@ from ..frameworks.ops import temperature_factors
 
 # Re-exported: the conversions and the synchronisation are JAX's ops object's module's.
 from ..frameworks.ops_jax import TRACED_OPS, block_until_ready, compute_dtype, jax_target, to_jax  # noqa: F401
+from ..frameworks.score_parts import distance_slopes
 
 # The softmax with the spec's zeros for a row with no allowed key, under the name it had here: JAX's ops object's.
 softmax_with_empty_rows = TRACED_OPS.softmax
@@ -180,7 +181,7 @@ def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):
 def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[dict, dict]:
     """The NumPy tables the score bias reads, and their batch in_axes for a vmap over the batch items.
 
-    ``slopes`` (H,) ALiBi's `alibi_slopes` (per head, never per item: in_axes None), ``distance``
+    ``slopes`` (H,) ALiBi's (`score_parts.distance_slopes`, per head, never per item: in_axes None), ``distance``
     (1|B, Nq, Nk) ``p_j - p_i`` as float (ALiBi), ``bucket`` (1|B, Nq, Nk) int32 T5's bucket of each
     (query, key) pair, which indexes ``params.rel_bias`` inside the traced pass (so its gradient
     flows). A table shared by every batch item loses its batch axis and is left unmapped. The
@@ -194,8 +195,9 @@ def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[di
     if not cfg.has_score_bias:
         return _unmap_shared(tables, axes)
     distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk) int64
-    if cfg.alibi:
-        tables["slopes"], axes["slopes"] = alibi_slopes(cfg.n_heads).astype(float_dtype), None  # (H,)
+    slopes = distance_slopes(cfg)  # ALiBi's m_h, or None
+    if slopes is not None:
+        tables["slopes"], axes["slopes"] = slopes.astype(float_dtype), None  # (H,)
         tables["distance"] = distance.astype(float_dtype)
     if cfg.rel_buckets is not None:
         buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)

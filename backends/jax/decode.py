@@ -51,10 +51,10 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, ring_capacity
-from mha_rosetta.core.variants import alibi_slopes
 
 from .._layouts import XLA_LAYOUT
 from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..frameworks.score_parts import distance_slopes
 from ..stage_cuts import jax_cuts, path_groups
 from .common import (
     effective_precision,
@@ -157,9 +157,8 @@ class JaxDecoder:
         return (cos, sin, cos, sin)  # self-attention: the keys are the queries' tokens
 
     def _slopes(self) -> dict:
-        if not self.cfg.alibi:
-            return {}
-        return {"slopes": to_jax(alibi_slopes(self.cfg.n_heads).astype(self.float_dtype), None, self.target)}
+        slopes = distance_slopes(self.cfg)  # ALiBi's m_h, or None
+        return {} if slopes is None else {"slopes": to_jax(slopes.astype(self.float_dtype), None, self.target)}
 
     def prefill(self, x, positions, valid, tables):
         """The first chunk: x (B, P, D) float64, positions (B, P), valid (B, P), tables (B, P, r/2) or None."""

@@ -79,7 +79,7 @@ def attend_over_cache(q_rotated, keys, values, k_pos, k_valid, head, item, *, cf
     scores_item = {}
     if cfg.has_score_bias:
         distance = k_pos - q_pos  # (s, T): p_j - p_i
-        if cfg.alibi:
+        if "slope" in head:  # a distance's slope (ALiBi's)
             scores_item["distance"] = distance.astype(head["slope"].dtype)
         if cfg.rel_buckets is not None:
             table = item["bucket_of"]  # (2 span + 1,)

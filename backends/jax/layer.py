@@ -24,8 +24,8 @@ item's ``sigmoid(x_q @ w_gate.T + b_gate)`` ``(Nq, H*Dv)``, laid out like the me
 h*Dv:(h+1)*Dv gate head h), multiplied in before ``w_o``; a decode step's items are its own tokens.
 QK-norm normalises the merged projection ``(N, H*Dk)`` before the split (``"projection"``) or the
 heads ``(N, H, Dk)`` after it (``"head"``). Everything a head owns travels with it through the
-head vmaps in one dict: its sink logit, its ALiBi slope and its column of T5's table (``rel_bias.T`` (H, buckets)),
-each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
+head vmaps in one dict: its score parts (its sink logit), its ALiBi slope and its column of T5's table
+(``rel_bias.T`` (H, buckets)), each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
 (ALiBi's distances, T5's buckets) are mapped by the batch vmap only. `_attend_one_head` then
 runs the score steps on JAX's ops object (`frameworks.ops.score_steps`), in the order of the stages.
 Which variants are on is read from the static config, never from a traced value.
@@ -47,6 +47,7 @@ from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
 from .._layouts import TOKENS_FIRST_STAGE_AXES, XLA_LAYOUT
 from ..frameworks.ops import STEP_HOW, after_rotary, read_values, score_steps
 from ..frameworks.ops_jax import TRACED_OPS
+from ..frameworks.score_parts import picked_parts, score_parts
 from .chunked import pad_mask_to_blocks
 from .common import (
     allowed_for_heads,
@@ -95,8 +96,8 @@ STAGE_NOTES = {
 def _attend_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig):
     """Attention of one head, unbatched: q (Nq, Dk), k (Nk, Dk), v (Nk, Dv), allowed (Nq, Nk) or None.
 
-    ``head``: what this head owns (``sink`` (), ``slope`` (), ``rel`` (buckets,)), the entries its
-    variants need; ``item``: this batch item's tables (``distance`` (Nq, Nk), ``bucket`` (Nq, Nk)).
+    ``head``: what this head owns (its score parts by keyword (), ``slope`` (), ``rel`` (buckets,)), the entries
+    its variants need; ``item``: this batch item's tables (``distance`` (Nq, Nk), ``bucket`` (Nq, Nk)).
     """
     # Scaling q costs Nq*Dk multiplies instead of Nq*Nk on the scores (equinox and flax do the same).
     scores = (q * cfg.scale) @ k.T  # (Nq, Nk)
@@ -104,7 +105,7 @@ def _attend_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig):
     bias = None
     if cfg.has_score_bias:
         bias = 0.0
-        if cfg.alibi:
+        if "slope" in head:  # a distance's slope (`score_parts.distance_slopes`: ALiBi's)
             bias = head["slope"] * item["distance"]  # (Nq, Nk): m_h (p_j - p_i)
         if cfg.rel_buckets is not None:
             bias = bias + head["rel"][item["bucket"]]  # (Nq, Nk): a gather of this head's bucket column
@@ -113,18 +114,19 @@ def _attend_one_head(q, k, v, allowed, head, item, *, cfg: MHAConfig):
     def keep(name, value, parent, before):
         stages[name] = value
 
-    weights = score_steps(TRACED_OPS, cfg, scores, bias=bias, blocked=blocked, sinks=head.get("sink"), on_stage=keep)
+    parts = picked_parts(cfg, head)  # this head's score parts, scalars
+    weights = score_steps(TRACED_OPS, cfg, scores, bias=bias, blocked=blocked, **parts, on_stage=keep)
     context = weights @ v  # (Nq, Dv)
     return {**stages, "context": context}
 
 
 def head_owned(cfg: MHAConfig, params: dict, score_tables: dict) -> dict:
-    """What each query head owns for `_attend_one_head`, every entry (H, ...): sinks, ALiBi slopes, and
-    T5's table as ``rel_bias.T`` (H, buckets) (a transpose inside the traced pass: its gradient flows back)."""
-    head = {}
-    if cfg.sinks:
-        head["sink"] = params["sinks"]  # (H,)
-    if cfg.alibi:
+    """What each query head owns for `_attend_one_head`, every entry (H, ...): the score parts by keyword
+    (`frameworks.score_parts`, each (H,) as it is: the head vmap lays it out), the distances' slopes (ALiBi's, where
+    ``score_tables`` has them: `common.score_bias_inputs`), and T5's table as
+    ``rel_bias.T`` (H, buckets) (a transpose inside the traced pass: its gradient flows back)."""
+    head = score_parts(cfg, params, lambda value: value)  # (H,) each
+    if "slopes" in score_tables:
         head["slope"] = score_tables["slopes"]  # (H,)
     if cfg.rel_buckets is not None:
         head["rel"] = params["rel_bias"].T  # (buckets, H) -> (H, buckets)

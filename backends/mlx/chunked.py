@@ -22,6 +22,7 @@ from .._recording import StageRecorder
 from ..frameworks.mlx import to_mlx
 from ..frameworks.ops import masked_scores, online_start
 from ..frameworks.ops_mlx import compute_dtype
+from ..frameworks.score_parts import score_parts
 from .layer import MlxAttention
 
 
@@ -55,13 +56,13 @@ class ChunkedMlxAttention:
         cdt = compute_dtype(q.dtype)
         keys = k.astype(cdt)[:, :, None]  # (B, Hkv, 1, Nk, Dk): each kv head once, broadcast over its group
         values = v.astype(cdt)[:, :, None]  # (B, Hkv, 1, Nk, Dv)
-        sinks = p["sinks"].reshape(1, H, 1, 1) if cfg.sinks else None  # (1, H, 1, 1): one logit per query head
+        parts = score_parts(cfg, p, lambda a: a.reshape(1, H, 1, 1))  # (1, H, 1, 1): one value per query head
         self.tiles_visited = self.tiles_skipped = 0
         blocks = []
         for (q_start, q_end), key_tiles in self.plan.blocks:
             n_q = q_end - q_start
             queries = (q[:, :, q_start:q_end].astype(cdt) * cfg.scale).reshape(B, Hkv, G, n_q, Dk)
-            peak, total = online_start(ops, sinks, (B, H, n_q, 1), cdt)  # (B, H, qb, 1) each
+            peak, total = online_start(ops, parts, (B, H, n_q, 1), cdt)  # (B, H, qb, 1) each
             acc = mx.zeros((B, H, n_q, Dv), dtype=cdt)  # running sum of exp(score - peak) * v
             for k_start, k_end in key_tiles:
                 blocked = self._tile_blocked((q_start, q_end), (k_start, k_end))

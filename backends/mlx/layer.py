@@ -33,13 +33,14 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, rotary_tables
 from mha_rosetta.core.params import PARAM_NAMES
-from mha_rosetta.core.variants import alibi_slopes, t5_buckets
+from mha_rosetta.core.variants import t5_buckets
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from .._recording import StageRecorder, head_step_recorder, record_projections, record_rotated, record_split_heads
 from ..frameworks.mlx import to_mlx
 from ..frameworks.ops import STEP_HOW, after_rotary, read_values, score_steps, temperature_factors
 from ..frameworks.ops_mlx import MlxOps, compute_dtype
+from ..frameworks.score_parts import distance_slopes, score_parts
 
 SPLIT_HOW = "reshape(B, L, H, -1).transpose(0, 2, 1, 3)"
 ROTATE_HOW = "nn.RoPE's rotation (traditional={}) by the spec's angle tables"
@@ -157,9 +158,10 @@ class MlxAttention:
         its gradient flows back through ``mx.vjp``.
         """
         cfg, bias = self.cfg, None
-        if cfg.alibi:
-            slopes = alibi_slopes(cfg.n_heads)[:, None, None]  # (H, 1, 1)
-            bias = to_mlx(slopes * distance[:, None].astype(np.float64), self.bias_dtype)  # (1|B, H, Nq, Nk)
+        slopes = distance_slopes(cfg)  # ALiBi's m_h (H,), or None
+        if slopes is not None:
+            bias = slopes[:, None, None] * distance[:, None].astype(np.float64)  # (1|B, H, Nq, Nk)
+            bias = to_mlx(bias, self.bias_dtype)
         if cfg.rel_buckets is not None:
             buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
             gathered = p["rel_bias"][to_mlx(buckets, None)]  # (1|B, Nq, Nk, H): a gather
@@ -190,6 +192,7 @@ class MlxAttention:
             rec.record(
                 "scores", scores, axes, "mx.addmm(0, q, k.swapaxes(-1, -2), alpha=scale), queries grouped by kv head"
             )
+        parts = score_parts(cfg, p, lambda a: a.reshape(1, H, 1, 1))  # (1, H, 1, 1): one value per head
         on_stage = None
         if rec is not None:
 
@@ -197,16 +200,15 @@ class MlxAttention:
                 if name == "masked_scores":
                     note = "mx.where(blocked, -inf, scores)" if blocked is not None else f"no mask: {parent} itself"
                 elif name == "weights":
-                    note = "softmax over keys in float32 at least; empty rows zeros" + (
-                        ", sinks in the denominator" if cfg.sinks else ""
-                    )
+                    # the score parts by their keywords ("sinks"): each in every denominator
+                    joined = "".join(f", {part} in the denominator" for part in parts)
+                    note = "softmax over keys in float32 at least; empty rows zeros" + joined
                 else:
                     note = STEP_HOW[name]
                 rec.record(name, value, axes, note, "view" if value is before else "new", parent)
 
         bias = None if distance is None or not cfg.has_score_bias else self.score_bias(p, distance)
-        sinks = p["sinks"].reshape(1, H, 1, 1) if cfg.sinks else None  # (1, H, 1, 1): each head's logit
-        weights = score_steps(self.ops, cfg, scores, bias=bias, blocked=blocked, sinks=sinks, on_stage=on_stage)
+        weights = score_steps(self.ops, cfg, scores, bias=bias, blocked=blocked, **parts, on_stage=on_stage)
         weights_groups = weights.reshape(B, Hkv, G, Nq, Nk)  # (B, Hkv, G, Nq, Nk)
         context = (weights_groups @ v[:, :, None]).reshape(B, H, Nq, v.shape[-1])  # (B, H, Nq, Dv)
         if rec is not None:

@@ -69,15 +69,15 @@ class ChunkedColumnSampleMHA(ColumnSampleMHA):
         q_groups = q_rotated.reshape(B, Hkv, G, Dk, Nq)  # (B, Hkv, G, Dk, Nq), view: query head h = g*G + r
         keys_t = k_rotated[:, :, None].swapaxes(-1, -2)  # (B, Hkv, 1, Nk, Dk), view: K_g^T, shared by the group
         values = v_heads[:, :, None]  # (B, Hkv, 1, Dv, Nk), view
-        sinks = self.variants.sinks  # (1, H, 1, 1) or None
-        sinks = None if sinks is None else sinks.reshape(1, Hkv, G, 1, 1)  # a view, one logit per query head
+        # The score parts (1, H, 1, 1) -> (1, Hkv, G, 1, 1), views: one value per query head, as the tiles group them.
+        parts = {part: value.reshape(1, Hkv, G, 1, 1) for part, value in self.variants.parts.items()}
         context = np.empty((B, Hkv, G, Dv, Nq), dtype=P.storage)  # linear in the tokens
         tile_ops = NumpyOps(P.compute.name, keys_axis=-2)  # the score steps on the tiles, never rounded to storage
         for (q_start, q_end), key_blocks in self.plan.blocks:
             queries = P.operand(q_groups[..., q_start:q_end]) * cfg.scale  # (B, Hkv, G, Dk, qb), a copy
             n_q = q_end - q_start
             # The running max and sum of exp(score - peak), one per query column (from the sink, where on).
-            peak, total = online_start(tile_ops, sinks, (B, Hkv, G, 1, n_q), P.compute)
+            peak, total = online_start(tile_ops, parts, (B, Hkv, G, 1, n_q), P.compute)
             acc = np.zeros((B, Hkv, G, Dv, n_q), dtype=P.compute)  # running sum of exp(score - peak) * v
             for k_start, k_end in key_blocks:
                 allowed = self._tile_allowed((q_start, q_end), (k_start, k_end))

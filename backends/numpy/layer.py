@@ -142,7 +142,7 @@ class ColumnSampleMHA(ColumnHeadSteps, ColumnScoreSteps, LayerRecording):
             }
         factors = temperature_factors(cfg, inputs.positions)  # (1|B, Nq) float64, or None: Llama 4's temperature
         self.factors = None if factors is None else factors.astype(P.compute)
-        # QK-norm weights, score bias, sinks (None where off)
+        # QK-norm weights, score bias (None where off), score parts
         self.variants = ColumnVariants(cfg, params, inputs, P, full_bias=self.materialise_mask)
         allowed = allowed_positions(cfg, inputs) if self.materialise_mask else None
         self.mask = MaskArrays.from_allowed(allowed, keys_axis=-2)

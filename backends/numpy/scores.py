@@ -59,7 +59,7 @@ class ColumnScoreSteps:
         ``head`` None: the scores of every head (B, H, Nk, Nq); else query head ``head``'s (B, Nk, Nq).
         ``bias``: these scores' own score bias (a decode chunk's, laid out like them); None: the layer's.
         """
-        bias = self.variants.head("bias", head) if bias is None else bias
+        bias = self.variants.head_bias(head) if bias is None else bias
         axes = SCORE_AXES if head is None else ("B", "Nk", "Nq")
         on_stage = None
         if rec is not None:
@@ -71,21 +71,14 @@ class ColumnScoreSteps:
 
         empty_rows = None if mask is None else mask.empty_rows
         blocked = None if mask is None else mask.blocked
-        sinks = self.variants.head("sinks", head)
+        parts = self.variants.head_parts(head)
         return score_steps(
-            self.ops,
-            self.cfg,
-            scores,
-            bias=bias,
-            blocked=blocked,
-            empty_rows=empty_rows,
-            sinks=sinks,
-            on_stage=on_stage,
+            self.ops, self.cfg, scores, bias=bias, blocked=blocked, empty_rows=empty_rows, **parts, on_stage=on_stage
         )
 
     def _step_note(self, stage: str) -> str:
         """How this adapter makes a score stage, as its recording says."""
-        if stage == "weights" and self.cfg.sinks:
+        if stage == "weights" and self.variants.parts:
             return SCORE_STEP_NOTES[stage] + "; each head's sink in every denominator"
         return SCORE_STEP_NOTES[stage]
 

@@ -14,8 +14,8 @@ Column samples keep features as rows and tokens as columns, so:
   column per query. Its tables are computed here at prepare time with `core.variants` (the
   slopes, the buckets of each key-minus-query distance), as the rotary tables are; adding it
   to the scores is the layer's own step.
-* The sinks are ``(1, H, 1, 1)``: one logit per head, broadcast against each query's column
-  maximum in `common.softmax_inplace`.
+* The score parts of the variants' parameters (`frameworks.score_parts`: each head's logit in the
+  softmax's denominator) are ``(1, H, 1, 1)``: one value per head, broadcast against each query's column.
 * The output gate (``attn_output_gate``, Qwen3-Next) is ``sigmoid(W_gate @ X + b_gate)`` ``(B, H*Dv, N)``:
   ``W_gate`` is a column-sample weight like ``W_q`` (its rows are per head, row block h gates head h), so
   the gate has the merged context's layout, one row per merged feature and one column per token, and
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, alibi_slopes, t5_buckets
+from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, t5_buckets
 
+from ..frameworks.score_parts import distance_slopes, score_parts
 from .common import NumpyPrecision
 
 
@@ -107,7 +108,8 @@ class ColumnVariants:
     ``norms["q"]``/``norms["k"]``: the QK-norm weights as ``(d, 1)`` columns (``d = Dk`` over the
     head, the projection's width over the projection). ``bias``: ALiBi plus T5's relative bias,
     ``(1|B, H, Nk, Nq)``; ``buckets`` ``(1|B, Nk, Nq)`` (the backward sums each bucket's score
-    gradients); ``slopes`` ``(H,)``; ``sinks`` ``(1, H, 1, 1)``; ``rel_table`` ``(buckets, H)``.
+    gradients); ``slopes`` ``(H,)``; ``parts``: the score parts by keyword (`frameworks.score_parts`), each
+    ``(1, H, 1, 1)``; ``rel_table`` ``(buckets, H)``.
     ``full_bias`` False leaves ``bias`` and ``buckets`` None (they are quadratic in the tokens).
     """
 
@@ -122,13 +124,13 @@ class ColumnVariants:
 
         self.norms = {"q": stored(params.q_norm), "k": stored(params.k_norm)}
         self.norms = {name: None if w is None else w[:, None] for name, w in self.norms.items()}  # (d, 1) columns
-        sinks = stored(params.sinks)
-        self.sinks = None if sinks is None else sinks[None, :, None, None]  # (1, H, 1, 1)
+        self.parts = score_parts(cfg, params, lambda a: stored(a)[None, :, None, None])  # (1, H, 1, 1) each
         self.rel_table = stored(params.rel_bias)  # (buckets, H) or None
         self.w_gate = stored(params.w_gate)  # (H*Dv, D): a column-sample weight, W_gate @ X
         b_gate = stored(params.b_gate)
         self.b_gate = None if b_gate is None else b_gate[:, None]  # (H*Dv, 1): one value per row
-        self.slopes = alibi_slopes(cfg.n_heads).astype(P.compute) if cfg.alibi else None  # (H,)
+        slopes = distance_slopes(cfg)  # ALiBi's m_h, float64, or None
+        self.slopes = None if slopes is None else slopes.astype(P.compute)  # (H,)
         # Key minus query, one column per query: (1|B, Nk, Nq).
         self.distance = None
         self.buckets = None
@@ -159,12 +161,13 @@ class ColumnVariants:
             bias = rel if bias is None else bias + rel
         return bias
 
-    def head(self, name: str, h: int | None):
-        """``bias`` (``(1|B, Nk, Nq)``) or ``sinks`` (a scalar) of query head h; every head's when h is None."""
-        array = getattr(self, name)
-        if array is None or h is None:
-            return array
-        return array[:, h] if name == "bias" else array[0, h, 0, 0]
+    def head_bias(self, h: int | None):
+        """The score bias of query head h (``(1|B, Nk, Nq)``); every head's when h is None."""
+        return self.bias if self.bias is None or h is None else self.bias[:, h]
+
+    def head_parts(self, h: int | None) -> dict:
+        """The score parts of query head h (scalars); every head's ``(1, H, 1, 1)`` when h is None."""
+        return self.parts if h is None else {part: value[0, h, 0, 0] for part, value in self.parts.items()}
 
     def gate_logits(self, x: np.ndarray) -> np.ndarray:
         """The output gate's logits of the token columns ``x`` (B, D, N): ``W_gate @ X + b_gate`` (B, H*Dv, N), in

@@ -51,6 +51,7 @@ from mha_rosetta.core.grad import GRAD_STAGE_NAMES
 
 from .._recording import relation_to
 from ..base import PreparedVJP, StageTensor, tensor_to_numpy
+from ..frameworks.score_parts import part_params
 from .heads import _merge_reshape, _split_direct, _split_reshape, rotate_rows  # the forward's own splits, rotation
 from .variants import scored_vjp
 from .vjp_steps import ColumnVJPSteps
@@ -95,7 +96,8 @@ class ColumnSampleVJP(ColumnVJPSteps):
     def _begin(self) -> None:
         """Fresh accumulators for the variant parameters' gradients, which every head adds into (each run)."""
         cfg, compute = self.layer.cfg, self.layer.precision.compute
-        self.d_sinks = np.zeros(cfg.n_heads, dtype=compute) if cfg.sinks else None  # (H,)
+        # The score parts' parameters (`frameworks.score_parts`), each of its canonical shape (the sinks (H,)).
+        self.d_parts = {spec.name: np.zeros(spec.shape(cfg), dtype=compute) for spec in part_params(cfg)}
         rel = cfg.rel_buckets is not None
         self.d_rel_bias = np.zeros((cfg.rel_buckets, cfg.n_heads), dtype=compute) if rel else None  # (buckets, H)
         self.d_norms: dict = {"q": None, "k": None}
@@ -104,7 +106,7 @@ class ColumnSampleVJP(ColumnVJPSteps):
     def _variant_grads(self, grads: dict) -> dict:
         """``grads`` with the variant parameters' gradients that this configuration has (canonical shapes)."""
         r = self.round
-        named = {"q_norm": self.d_norms["q"], "k_norm": self.d_norms["k"], "sinks": self.d_sinks}
+        named = {"q_norm": self.d_norms["q"], "k_norm": self.d_norms["k"], **self.d_parts}
         named["rel_bias"] = self.d_rel_bias
         if self.d_gated is not None:  # X feeds the gate too: its dX adds to the query projection's
             d_x, named["w_gate"], named["b_gate"] = self.d_gated

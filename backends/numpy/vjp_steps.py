@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..frameworks.ops import score_steps, score_steps_backward
+from ..frameworks.score_parts import softmax_part
 from .variants import gate_logits_vjp, rms_norm_rows_vjp
 
 
@@ -43,9 +44,9 @@ class ColumnVJPSteps:
         scores = r(cfg.scale * np.matmul(_swap(k), q)).reshape(scores_shape)  # (..., Nk, Nq)
         steps: dict = {}  # the weights and each step's input its backward reads
         blocked, empty = (None, None) if mask is None else (mask.blocked, mask.empty_rows)
-        bias, sinks = V.head("bias", head), V.head("sinks", head)
+        bias, parts = V.head_bias(head), V.head_parts(head)
         weights = score_steps(
-            L.ops, cfg, scores, bias=bias, blocked=blocked, empty_rows=empty, sinks=sinks, saved=steps
+            L.ops, cfg, scores, bias=bias, blocked=blocked, empty_rows=empty, **parts, saved=steps
         )  # (..., Nk, Nq), one column per query like the scores
         weights = L.precision.operand(weights).reshape(shape)
         saved = {"weights": weights, "steps": steps, "head": head, "scores_shape": scores_shape}
@@ -55,8 +56,8 @@ class ColumnVJPSteps:
         """(dQ, dK, dV, inner) for the same broadcast shapes as `_attend` (dK, dV before any group sum).
 
         ``inner`` holds the score-side backward stages (d_weights, d_biased_scores, d_capped_scores,
-        d_scores, as present: `frameworks.ops.score_steps_backward`); the sinks' and the relative
-        bias's gradients are added into ``self.d_sinks`` / ``self.d_rel_bias``.
+        d_scores, as present: `frameworks.ops.score_steps_backward`); the softmax's part's (`score_parts.softmax_part`)
+        and the relative bias's gradients are added into ``self.d_parts`` / ``self.d_rel_bias``.
         """
         r, L = self.round, self.layer
         cfg, P = L.cfg, L.precision
@@ -66,12 +67,13 @@ class ColumnVJPSteps:
         # The score steps undone (softmax over keys, axis -2; blocked keys and empty columns have A = 0).
         d_scores, per_query, inner = score_steps_backward(L.ops, cfg, d_weights, saved["steps"], weights.shape)
         d_scores, inner = P.operand(d_scores), {name: P.operand(d) for name, d in inner.items()}
-        if per_query is not None:  # the sink's gradient per query, (..., 1, Nq)
+        if per_query is not None:  # the softmax part's gradient per query (each head's sink), (..., 1, Nq)
             per_query = per_query.reshape(*scores_shape[:-2], -1)  # (B, H, Nq) or (B, Nq), a view
+            d_part = self.d_parts[softmax_part(cfg).name]  # (H,)
             if head is None:
-                self.d_sinks += per_query.sum(axis=(0, 2))
+                d_part += per_query.sum(axis=(0, 2))
             else:
-                self.d_sinks[head] += per_query.sum()
+                d_part[head] += per_query.sum()
         if self.d_rel_bias is not None:  # each bucket sums the gradients of the cells that read it
             self._add_bucket_grads(inner["d_biased_scores"].reshape(scores_shape), head)
         d_q = r(cfg.scale * np.matmul(k, d_scores))  # (..., Dk, Nq): dQ = scale K dS

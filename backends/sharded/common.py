@@ -18,10 +18,10 @@ from functools import partial
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
-from mha_rosetta.core.variants import alibi_slopes
 
 from .._mla import MLAStrategies, latent_cache_info
 from ..base import Backend, DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
+from ..frameworks.score_parts import distance_slopes, head_params, head_slice
 from .workers import WorkerGroup, worker_prepared
 
 PREPARE_SECONDS = 300.0  # building and compiling on a loaded machine can be slow
@@ -226,8 +226,9 @@ def gather_heads(plan: ShardPlan, per_rank: list[dict]) -> dict[str, np.ndarray]
 def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, rank: int) -> dict:
     """The variants' parameters of ``rank``'s heads (`core.shard_params` splits the 2017-23 ones), by field name.
 
-    Split the way the heads are: the sinks ``(H,)`` and T5's table columns ``(buckets, H)``
-    by query head; QK-norm over each head has one ``(Dk,)`` weight for all heads, replicated;
+    Split the way the heads are: the parameters with one entry per query head (`score_parts.head_params`: the
+    sinks ``(H,)``, T5's table columns ``(buckets, H)``) along their head axis; QK-norm over each head has one
+    ``(Dk,)`` weight for all heads, replicated;
     over the whole projection its ``(H*Dk,)`` / ``(Hkv*Dk,)`` weights by the rows of the
     rank's query / kv heads (the statistic over the whole width is the rank's business: an
     all-reduce of the sum of squares); the output gate by the rows of the rank's query heads. None
@@ -246,8 +247,11 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
     return {
         "q_norm": take(params.q_norm, q_rows),  # (Hl*Dk,) or the shared (Dk,)
         "k_norm": take(params.k_norm, k_rows),  # (local kv*Dk,) or the shared (Dk,)
-        "sinks": take(params.sinks, slice(heads.start, heads.stop)),  # (Hl,)
-        "rel_bias": take(params.rel_bias, (slice(None), slice(heads.start, heads.stop))),  # (buckets, Hl)
+        # (Hl,), (buckets, Hl): the rank's heads along each one's head axis
+        **{
+            spec.name: take(getattr(params, spec.name), head_slice(spec, slice(heads.start, heads.stop)))
+            for spec in head_params()
+        },
         # The output gate's rows are per head (row block h gates head h's context, Dv == Dk): they shard with the
         # query heads, like w_q's rows, so each rank gates its own merged heads before its partial w_o product.
         "w_gate": take(params.w_gate, slice(heads.start * cfg.d_v, heads.stop * cfg.d_v)),  # (Hl*Dv, D)
@@ -281,10 +285,11 @@ def variant_shards(cfg: MHAConfig, params: MHAParams, world: int) -> list[dict]:
 def alibi_slopes_of(cfg: MHAConfig, plan: ShardPlan, rank: int) -> np.ndarray | None:
     """The ALiBi slopes of ``rank``'s query heads: a slice of the whole layer's (the local head count's own
     slopes would be another series), or None without ALiBi."""
-    if not cfg.alibi:
+    slopes = distance_slopes(cfg)  # the whole layer's, or None
+    if slopes is None:
         return None
     heads = plan.heads_of(rank)
-    return alibi_slopes(cfg.n_heads)[heads.start : heads.stop]  # (Hl,)
+    return slopes[heads.start : heads.stop]  # (Hl,)
 
 
 def run_and_fetch(run_all, state: dict, rank: int):

@@ -23,6 +23,7 @@ from __future__ import annotations
 from .._chunking import key_block_end, resolve_chunk, tile_allowed
 from .._recording import StageRecorder
 from ..frameworks.ops import masked_scores, online_start
+from ..frameworks.score_parts import score_parts
 from .common import bool_tensor
 from .layer import RowSampleMHA
 
@@ -66,14 +67,14 @@ class ChunkedRowSampleMHA(RowSampleMHA):
         keys = k_heads.to(cdt).reshape(B * Hkv, Nk, Dk)  # (B*Hkv, Nk, Dk), copy
         values = v_heads.to(cdt).reshape(B * Hkv, Nk, Dv)  # (B*Hkv, Nk, Dv), copy
         context = v_heads.new_empty((B, H, Nq, Dv))  # linear in the tokens
-        sinks = None if self.sinks is None else self.sinks.view(1, H, 1, 1)  # one logit per query head
+        parts = score_parts(self.cfg, self, lambda t: t.view(1, H, 1, 1))  # (1, H, 1, 1): one value per query head
         for q_start in range(0, Nq, q_block):
             q_end = min(q_start + q_block, Nq)
             n_q = q_end - q_start
             # The G query heads of a group folded into the row axis: (B*Hkv, G*qb, Dk), a copy.
             queries = q_heads[:, :, q_start:q_end].to(cdt).reshape(B * Hkv, G * n_q, Dk) * self.cfg.scale
             # The running max and sum of exp(score - peak), (B, H, qb, 1) (from the sink, where on).
-            peak, total = online_start(self.ops, sinks, (B, H, n_q, 1), cdt, like=keys)
+            peak, total = online_start(self.ops, parts, (B, H, n_q, 1), cdt, like=keys)
             acc = torch.zeros((B, H, n_q, Dv), dtype=cdt, device=keys.device)  # running sum of exp(score - peak) * v
             stop = key_block_end((q_start, q_end), Nk, self.cfg.causal, self.positions, self.kv_positions)
             for k_start in range(0, stop, k_block):

@@ -45,6 +45,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions,
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from .._recording import LayerRecording, StageRecorder, relation_to
 from ..frameworks.ops_torch import TorchOps
+from ..frameworks.score_parts import part_names
 from .common import (
     bool_tensor,
     optional_tensor,
@@ -131,10 +132,12 @@ class RowSampleMHA(RowHeadSteps, RowScoreSteps, LayerRecording):
         self.b_q_heads = tensor(split_head_bias(params.b_q, cfg.n_heads))  # (H, Dk) or None
         self.b_k_heads = tensor(split_head_bias(params.b_k, cfg.n_kv_heads))  # (Hkv, Dk) or None
         self.b_v_heads = tensor(split_head_bias(params.b_v, cfg.n_kv_heads))  # (Hkv, Dv) or None
-        # The variants' parameters (None when off): QK-norm weights (Dk,) or (H*Dk,)/(Hkv*Dk,),
-        # one sink logit per head (H,), T5's table (buckets, H).
+        # The variants' parameters (None when off): QK-norm weights (Dk,) or (H*Dk,)/(Hkv*Dk,), T5's table
+        # (buckets, H), and by their names those the score steps read (`frameworks.score_parts`: one value per head).
         self.q_norm, self.k_norm = tensor(params.q_norm), tensor(params.k_norm)
-        self.sinks, self.rel_bias = tensor(params.sinks), tensor(params.rel_bias)
+        self.rel_bias = tensor(params.rel_bias)
+        for name in part_names():
+            setattr(self, name, tensor(getattr(params, name)))  # (H,)
         self.w_gate, self.b_gate = tensor(params.w_gate), tensor(params.b_gate)  # (H*Dv, D), (H*Dv,): nn.Linear's
         self.norm_sum = norm_sum
         self.norm_widths = (cfg.q_width, cfg.k_width) if norm_widths is None else norm_widths

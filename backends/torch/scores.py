@@ -7,9 +7,10 @@ head at a time.
 from __future__ import annotations
 
 from ..frameworks.ops import STEP_HOW, score_steps
+from ..frameworks.score_parts import score_parts
 
 
-def _step_note(stage: str, in_place: bool, parent: str, masked: bool, sinks: bool) -> str:
+def _step_note(stage: str, in_place: bool, parent: str, masked: bool, joined: bool) -> str:
     """How this adapter makes a score stage (`RowSampleMHA._mask_and_softmax`), as its recording says."""
     if stage == "capped_scores":
         return STEP_HOW[stage] + (", in place" if in_place else "")
@@ -17,14 +18,14 @@ def _step_note(stage: str, in_place: bool, parent: str, masked: bool, sinks: boo
         return STEP_HOW[stage] + ", the tables from NumPy"
     if stage == "masked_scores":
         return "masked_fill_(blocked, -inf), in place" if masked else f"no mask: {parent} itself"
-    if sinks:
+    if joined:  # a score part in the softmax's denominator (`frameworks.score_parts`)
         return "torch.softmax over keys with the sink as one more column, dropped after; empty rows zeros"
     return "torch.softmax over keys; empty rows set to zeros"
 
 
 class RowScoreSteps:
     """Scores, mask, softmax and weighted sum of `layer.RowSampleMHA` (a mixin: ``self`` is the layer, its
-    `MHAConfig`, ops object, mask tensors, score bias, sinks and buffers included)."""
+    `MHAConfig`, ops object, mask tensors, score bias, score parts' parameters and buffers included)."""
 
     def _mask_and_softmax(self, scores, blocked, empty_rows, rec, head: int | None, out=None):
         """The score steps after the product (`frameworks.ops.score_steps` on torch's ops object), in place
@@ -37,20 +38,20 @@ class RowScoreSteps:
         self._record(
             rec, "scores", head, scores, axes, "baddbmm(q, k^T, alpha=scale): the scale fused into the product"
         )
+        # The score parts (`frameworks.score_parts`) against the scores: (H, 1, 1), or head h's (1, 1).
+        lay_out = (lambda t: t.view(-1, 1, 1)) if head is None else (lambda t: t[head].view(1, 1))
+        parts = score_parts(self.cfg, self, lay_out)
         on_stage = None
         if rec is not None:
 
             def on_stage(name, value, parent, before):
-                note = _step_note(name, value is before, parent, blocked is not None, self.sinks is not None)
+                note = _step_note(name, value is before, parent, blocked is not None, bool(parts))
                 relation = "view" if value is before and name != "weights" else "new"
                 self._record(rec, name, head, value, axes, note, relation, parent)
 
         bias = None if self.score_bias is None else self.score_bias(self.rel_bias, head=head)
-        sinks = None
-        if self.sinks is not None:
-            sinks = self.sinks.view(-1, 1, 1) if head is None else self.sinks[head].view(1, 1)  # (H, 1, 1) or (1, 1)
-        parts = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows, "sinks": sinks}
-        return score_steps(self.ops, self.cfg, scores, **parts, out=out, on_stage=on_stage)
+        masks = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows}
+        return score_steps(self.ops, self.cfg, scores, **masks, **parts, out=out, on_stage=on_stage)
 
     def _attend_batched(self, q_heads, k_heads, v_heads, rec):
         """Scores, mask, softmax, weighted sum for all heads -> context (B, H, Nq, Dv)."""

@@ -4,7 +4,7 @@ What is computed where (the rule every torch path here keeps):
 
 * Tables that depend only on the positions are made in NumPy at prepare time with
   `core.variants`, as the rotary tables are, and passed in as constant tensors: the ALiBi
-  slopes (``alibi_slopes``), the token positions, and T5's bucket of every possible
+  slopes (``distance_slopes``), the token positions, and T5's bucket of every possible
   distance (a lookup table over ``min(p_j - p_i) .. max(p_j - p_i)``, linear in the tokens).
 * Everything on the scores is torch's own arithmetic: ``F.rms_norm`` (or its formula, where
   the statistic is a sum over heads or ranks) here, the bias ``slope_h * (p_j - p_i)`` and the
@@ -20,8 +20,9 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs
-from mha_rosetta.core.variants import alibi_slopes, t5_buckets
+from mha_rosetta.core.variants import t5_buckets
 
+from ..frameworks.score_parts import distance_slopes
 from .common import to_tensor, torch_device
 
 
@@ -46,8 +47,8 @@ def rms_norm_of_sum(x, weight, eps: float, sum_of_squares, width: int):
 class ScoreBias:
     """ALiBi's ``m_h (p_j - p_i)`` and T5's ``rel_bias[bucket(p_j - p_i), h]`` for any tile of the scores.
 
-    ``slopes`` (the layer's heads' ALiBi slopes) defaults to `core.variants.alibi_slopes` of
-    ``cfg.n_heads``; a rank of torch-tp passes its slice of the whole layer's slopes.
+    ``slopes`` (the layer's heads' ALiBi slopes) defaults to `frameworks.score_parts.distance_slopes` of
+    ``cfg`` (None without ALiBi); a rank of torch-tp passes its slice of the whole layer's slopes.
     """
 
     def __init__(
@@ -62,8 +63,8 @@ class ScoreBias:
         self.positions = torch.from_numpy(inputs.positions).to(place)  # (1|B, Nq) int64
         self.kv_positions = torch.from_numpy(inputs.kv_positions).to(place)  # (1|B, Nk) int64
         self.slopes = None
-        if cfg.alibi:
-            slopes = alibi_slopes(cfg.n_heads) if slopes is None else slopes
+        slopes = distance_slopes(cfg) if slopes is None else slopes  # ALiBi's m_h, or None
+        if slopes is not None:
             self.slopes = to_tensor(slopes, "float64" if dtype == "float64" else "float32", device)  # (H,)
         self.bucket_of = None
         if cfg.rel_buckets is not None:

@@ -28,6 +28,7 @@ from mha_rosetta.core import (
 )
 
 from ..base import PER_HEAD, PreparedVJP, tensor_to_numpy
+from ..frameworks.score_parts import part_names
 from .common import synchronizer, to_tensor, with_matmul_precision
 
 INPUT_SLOTS = ("d_x_q", "d_x_k", "d_x_v")
@@ -78,7 +79,8 @@ def prepare_row_sample_vjp(layer, strategy: str, cotangent: np.ndarray, dtype: s
     # PER_HEAD reads the per-head matrices W_h (in, d); the others the merged (out, in) weights.
     projections = [f"{kind}_{x}" for kind in ("w", "b") for x in "qkv"]
     names = [f"{name}_heads" if per_head else name for name in projections] + ["w_o", "b_o"]
-    names += ["q_norm", "k_norm", "sinks", "rel_bias", "w_gate", "b_gate"]  # the variants' (None, no leaf, when off)
+    # the variants' (None, no leaf, when off)
+    names += ["q_norm", "k_norm", *part_names(), "rel_bias", "w_gate", "b_gate"]
     for name in names:
         setattr(L, name, leaf(getattr(L, name)))
     leaves = {"d_x_q": L.x_q, "d_x_k": L.x_k, "d_x_v": L.x_v, **{name: getattr(L, name) for name in names}}

@@ -112,6 +112,10 @@ class ParamSpec:
     shape:  ``shape(cfg)``, its canonical shape, or None where ``cfg`` has no such parameter.
     centre, spread: `init_params` draws ``centre + spread * N(0, 1)`` from the variants' generator
             (in `MHAParams` field order, so a seed gives the same numbers as it always has).
+    head_axis: the axis of its canonical shape that holds one entry per query head (split with the heads:
+            GQA groups, sharded ranks), or None (not split by head).
+    score_part: the keyword of the score steps it feeds (`backends.frameworks.ops.score_steps`), laid out by
+            each convention against its scores (`backends.frameworks.score_parts`); "" for none.
     """
 
     name: str
@@ -119,6 +123,8 @@ class ParamSpec:
     shape: Callable[[Config], tuple[int, ...] | None]
     centre: float
     spread: float
+    head_axis: int | None = None
+    score_part: str = ""
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,10 @@ class Variant:
               and ``absorbed``: `backends._mla`); None: every strategy of an adapter that applies it. An adapter
               declares such a form only if it has all of them, and only for them (`runs_in`); every other
               adapter and strategy refuses it by name.
+    distance_slopes: for a bias step that is a per-head factor times the key-minus-query distance (ALiBi's
+              ``m_h (p_j - p_i)``), ``distance_slopes(cfg)`` -> those factors, float64 ``(n_heads,)``: each
+              convention lays them out and multiplies them by its distances in its own arithmetic
+              (`backends.frameworks.score_parts.distance_slopes`); None for any other variant.
     """
 
     name: str
@@ -287,6 +297,7 @@ class Variant:
     base_shapes: Callable[[Config], dict] | None = None
     tied: Mapping[str, str] = field(default_factory=dict)
     strategies: tuple[str, ...] | None = None
+    distance_slopes: Callable[[Config], np.ndarray] | None = None
 
     def runs_in(self, strategy: str) -> bool:
         """Whether ``strategy`` runs it: any strategy, unless it names its own (`strategies`)."""

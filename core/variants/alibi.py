@@ -170,6 +170,7 @@ ENTRY = Variant(
     validate=_validate,
     **additive_bias(),
     forward=_forward,
+    distance_slopes=lambda cfg: alibi_slopes(cfg.n_heads),  # the adapters' m_h (p_j - p_i), in their arithmetic
     check_cases=(
         CaseSpec(
             "alibi",

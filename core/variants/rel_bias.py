@@ -241,6 +241,7 @@ ENTRY = Variant(
             lambda cfg: None if cfg.rel_buckets is None else (cfg.rel_buckets, cfg.n_heads),
             centre=0.0,
             spread=0.5,
+            head_axis=1,  # one column per query head
         ),
     ),
     **additive_bias(),

@@ -131,7 +131,18 @@ ENTRY = Variant(
     **flag("sinks", declare=False),  # a field of MHAConfig's own
     validate=_validate,
     # Sink logits N(0, 1): the size of a score, so that a sink takes a visible share of each row.
-    params=(ParamSpec("sinks", "sinks", lambda cfg: (cfg.n_heads,) if cfg.sinks else None, centre=0.0, spread=1.0),),
+    # One per query head (``head_axis``), fed to the softmax (``score_part``: `score_steps(..., sinks=)`).
+    params=(
+        ParamSpec(
+            "sinks",
+            "sinks",
+            lambda cfg: (cfg.n_heads,) if cfg.sinks else None,
+            centre=0.0,
+            spread=1.0,
+            head_axis=0,
+            score_part="sinks",
+        ),
+    ),
     score_step=ScoreStep("softmax", "softmax"),  # the ops objects' softmax(scores, empty_rows, sinks=)
     forward=_forward,
     backward=_backward,

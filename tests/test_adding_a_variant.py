@@ -12,9 +12,11 @@ oracle; the third-party oracles refuse it, naming it), ``check --decode``, ``che
 ``explain``, ``bench --list`` and ``diagnose`` (which names a candidate that drops it). README's
 "Adding a variant" cites this test for the number of files a new variant takes.
 
-The temperature is one number, not one per head: a per-head value would be a tensor in each
-convention's score layout (the head axis sits elsewhere in each), which only the adapters know,
-the way they hand the ops object the bias and the sinks.
+The temperature is one number, not one per head: a per-head parameter is laid out in each
+convention's score layout from its ``ParamSpec`` (``head_axis``, ``score_part``:
+``backends.frameworks.score_parts``, as the sinks are), but ``score_steps`` hands the ops object
+only the parts its interface names (the bias, the mask, the sinks), so a plugin's own per-head
+part would not reach its op yet.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ def test_the_script_prints_each_variant_and_the_cache_layouts(capsys):
         for name in ("x @ W.T:", "x @ W.T + b:", "barrier(x @ W.T) + b:", "x @ W_(in,out) + b:"):
             assert name in line, line
     assert "cache (T, Hkv, Dk)" in lines[3] and "cache (Hkv, T, Dk)" in lines[3] and "not donated" in lines[3]
+    assert lines[4].startswith("scores of 1 token over the keys (4x4 heads, d_k 128), GB/s: 64: XLA ")
+    assert " | 256: XLA " in lines[4] and lines[4].count("NumPy ") == 2
 
 
 def test_the_two_cache_layouts_compute_the_same_attention():

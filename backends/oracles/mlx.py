@@ -93,8 +93,9 @@ class MlxSDPAOracle(VariantReasons, MlxDevices, Backend):
     vjp_variants = variants - {"rel_bias"}
     variant_why: ClassVar[dict[str, str]] = {
         "gate": KERNEL_REFUSAL.format(kernel="mx.fast.scaled_dot_product_attention"),
-        "rel_bias": "mx.fast.scaled_dot_product_attention's backward gives no gradient to its additive mask, so T5's "
-        "table (which rides in it) would get zero gradient",
+        "rel_bias": "mx.fast.scaled_dot_product_attention's fused backward (Metal's) refuses a gradient with respect "
+        "to its additive mask, where T5's table rides; only its CPU fallback differentiates the mask (MLX 0.32.4 here: "
+        "the composed ops' gradient), so checking it here would check a path Apple silicon never takes",
         "softcap": "mx.fast.scaled_dot_product_attention has no softcap: the scores never leave the kernel between "
         "the product and the softmax (an additive mask cannot take a tanh)",
     }

@@ -357,37 +357,9 @@ def decode_markdown(report: dict) -> str:
 
     lines += mla_lines(report["cells"])  # the MLA row: the latent's bytes a token, absorbed over naive
     lines += decode_gap_lines(report["cells"])
-    # Against the cache as measured (issue 43: sysfs's figure is not what reads see; the Xeon's says 300 MiB while
-    # its reads slow from 64 MiB); a report from before the measurement flags against sysfs's, as it did.
-    measured = any("fits_measured_cache" in cell for cell in report["cells"])
-    key, llc_key = ("fits_measured_cache", "measured_llc_bytes") if measured else ("fits_last_level_cache", "llc_bytes")
-    cached = [cell for cell in report["cells"] if cell.get(key) and cell.get("status") == "ok"]
-    if cached:
-        llc = next((b.get(llc_key) for b in report.get("bandwidth", []) if b.get(llc_key)), None)
-        shown = ", ".join(f"{cell['implementation']}{row_label(cell)} {cell['context']}" for cell in cached)
-        lines += [
-            "",
-            f"(!) The bytes these steps read (K, V and the weights) fit in the last-level cache "
-            f"({llc / 2**20:.0f} MiB{', as measured' if measured else ''}): the repeated timed steps may read them "
-            f"from the cache, not from memory, so their % of the (memory) limit may pass 100%: {shown}",
-        ]
-    # Past the measured cache yet faster than memory: the sweep's knee is where reads slow, not where every byte
-    # leaves the cache (the Xeon's sysfs L3 is 300 MiB; B=1 at 32k, 168 MiB, read at 118% of its limit), so a cell
-    # over 100% is named whatever its size: its figure says nothing about memory.
-    faster = [
-        cell for cell in report["cells"]
-        if not cell.get(key) and cell.get("status") == "ok" and (cell.get("read_limit_fraction") or 0) > 1
-    ]  # fmt: skip
-    if faster:
-        sysfs = next((b.get("llc_bytes") for b in report.get("bandwidth", []) if b.get("llc_bytes")), None)
-        shown = ", ".join(f"{cell['implementation']}{row_label(cell)} {cell['context']}" for cell in faster)
-        where = f" (sysfs reports {sysfs / 2**20:.0f} MiB)" if sysfs else ""
-        lines += [
-            "",
-            "(!) These steps read more than the cache as measured, yet ran faster than memory can feed them (over 100% "
-            f"of the limit): part of their bytes still came from a cache{where}, so their figure says nothing about "
-            f"memory: {shown}",
-        ]
+    from .cache_flags import cache_flag_lines
+
+    lines += cache_flag_lines(report)  # the steps a cache fed, as measured or as their speed shows
     layouts = {}
     for cell in report["cells"]:
         cache = cell.get("cache_info")

@@ -51,7 +51,7 @@ def decode_settings_of(args: argparse.Namespace):
     )
     return decode_settings(
         name, implementations=args.backends, contexts=args.contexts,
-        **{**given_contexts, **rows_left_out(getattr(args, "rows", None))},
+        **{**given_contexts, **rows_left_out(args.rows)},
         dtype=first(args.dtypes), devices=args.devices, threads=args.threads, cpus=args.cpus, policy=policy,
         malloc=args.malloc, rounds=args.rounds, seed=args.seed, batch=first(args.batch), d_model=first(args.d_model),
         heads=first(args.heads), plugins=args.plugin,

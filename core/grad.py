@@ -70,6 +70,7 @@ from .variants import (
     gate_backward,
     mla_heads,
     norm_after_rope_vjp,
+    norm_step,
     rms_norm_vjp,
     steps_at_place,
     temper_vjp,
@@ -361,11 +362,11 @@ def reference_mha_vjp(
         return np.stack([d_merged[:, :, h * Dk : (h + 1) * Dk] for h in range(n)], axis=1)
 
     d_q_norm = d_k_norm = None
-    if cfg.qk_norm is not None:
+    step = norm_step(cfg)  # the norm before rotary (QK-norm), from the registry
+    if step is not None:
         stages.update(d_q_normed=d_q_heads, d_k_normed=d_k_heads)
-        q_norm, k_norm = p.get("q_norm"), p.get("k_norm")  # present exactly with qk_norm (validate_params)
-        assert q_norm is not None and k_norm is not None
-        if cfg.qk_norm == "head":
+        q_norm, k_norm = p[step.weight("q")], p[step.weight("k")]  # present exactly when it is on (validate_params)
+        if step.per_head:
             d_q_heads, d_q_norm = rms_norm_vjp(fwd["q_heads"], q_norm, cfg.norm_eps, d_q_heads)
             d_k_heads, d_k_norm = rms_norm_vjp(fwd["k_heads"], k_norm, cfg.norm_eps, d_k_heads)
         else:  # over the whole projection, before the split

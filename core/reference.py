@@ -3,7 +3,7 @@
 For each batch item ``b`` and query head ``h`` (kv head ``g = h // group_size``)::
 
     Q = x_q @ w_q.T + b_q          K = x_k @ w_k.T + b_k          V = x_v @ w_v.T + b_v
-    Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with cfg.qk_norm)
+    Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (only with a norm before rotary: QK-norm)
     V_g = V_g / sqrt(mean(V_g**2) + eps)               (only with cfg.value_norm: Gemma 4, no weight)
     Q_h, K_g = R(positions) Q_h, R(kv_positions) K_g   (rotary embedding, only with cfg.rope)
     Q_h, K_g = RMSNorm(Q_h), RMSNorm(K_g)              (weightless, only with cfg.qk_norm_after_rope: Llama 4)
@@ -42,6 +42,7 @@ from .variants import (
     gate_forward,
     mla_heads,
     norm_after_rope,
+    norm_step,
     rms_norm,
     softmax_with_empty_rows,
     steps_at_place,
@@ -119,18 +120,18 @@ def forward_stages(cfg: MHAConfig, p: dict, x_q, x_k, x_v, inputs, r) -> dict[st
     if getattr(cfg, "value_norm", False):  # Gemma 4: each kv head's values RMS-normed, no weight
         v_heads = stages["v_normed"] = r(value_rms_norm(v_heads, cfg.norm_eps))  # (B, Hkv, Nk, Dv)
 
-    # QK-norm: over each head's features after the split, or over the whole projection before it.
+    # The norm before rotary (the registry's `norm_step`: QK-norm): over each head's features after the split,
+    # or over the whole projection before it.
     q_normed, k_normed = q_heads, k_heads
-    q_norm, k_norm = p.get("q_norm"), p.get("k_norm")  # present exactly with qk_norm (validate_params)
-    if cfg.qk_norm == "head":
-        assert q_norm is not None and k_norm is not None
-        q_normed = r(rms_norm(q_heads, q_norm, cfg.norm_eps))  # (B, H, Nq, Dk)
-        k_normed = r(rms_norm(k_heads, k_norm, cfg.norm_eps))  # (B, Hkv, Nk, Dk)
-    elif cfg.qk_norm == "projection":
-        assert q_norm is not None and k_norm is not None
-        q_normed = heads(r(rms_norm(q, q_norm, cfg.norm_eps)), H, Dk)  # (B, H, Nq, Dk)
-        k_normed = heads(r(rms_norm(k, k_norm, cfg.norm_eps)), Hkv, Dk)  # (B, Hkv, Nk, Dk)
-    if cfg.qk_norm is not None:
+    step = norm_step(cfg)
+    if step is not None:
+        w_q, w_k = p[step.weight("q")], p[step.weight("k")]  # present exactly when it is on (validate_params)
+        if step.per_head:
+            q_normed = r(rms_norm(q_heads, w_q, cfg.norm_eps))  # (B, H, Nq, Dk)
+            k_normed = r(rms_norm(k_heads, w_k, cfg.norm_eps))  # (B, Hkv, Nk, Dk)
+        else:
+            q_normed = heads(r(rms_norm(q, w_q, cfg.norm_eps)), H, Dk)  # (B, H, Nq, Dk)
+            k_normed = heads(r(rms_norm(k, w_k, cfg.norm_eps)), Hkv, Dk)  # (B, Hkv, Nk, Dk)
         stages.update(q_normed=q_normed, k_normed=k_normed)
 
     # Rotary: each head's feature pairs turned by the token's angle; unchanged without rope.

@@ -160,6 +160,7 @@ def _permute_heads(cfg: MHAConfig, params: MHAParams, perm: np.ndarray) -> MHAPa
     def rows(array, n_heads):  # (n_heads*Dk, ...) -> the same with each head's rows reordered
         if array is None:
             return None
+        n_heads = array.shape[0] // cfg.d_k if n_heads is None else n_heads
         per_head = array.reshape(n_heads, cfg.d_k, *array.shape[1:])  # (heads, Dk, ...), view
         return per_head[:, perm].reshape(array.shape)  # (heads*Dk, ...), copy
 
@@ -169,8 +170,9 @@ def _permute_heads(cfg: MHAConfig, params: MHAParams, perm: np.ndarray) -> MHAPa
         b_q=rows(params.b_q, cfg.n_heads),
         w_k=rows(params.w_k, cfg.n_kv_heads),
         b_k=rows(params.b_k, cfg.n_kv_heads),
-        q_norm=rows(params.q_norm, 1 if cfg.qk_norm == "head" else cfg.n_heads),
-        k_norm=rows(params.k_norm, 1 if cfg.qk_norm == "head" else cfg.n_kv_heads),
+        # a norm weight spans as many heads as it has d_k's: 1 per head, all of them over the projection
+        q_norm=rows(params.q_norm, None),
+        k_norm=rows(params.k_norm, None),
     )
 
 

@@ -63,6 +63,7 @@ from ._diagnose import (
     steps_at,
 )
 from ._entry import (
+    NORM_PLACES,
     SCORE_PLACES,
     BenchSpec,
     CaseSpec,
@@ -70,16 +71,17 @@ from ._entry import (
     Config,
     ConfigField,
     Explanation,
+    NormStep,
     ParamSpec,
     ScoreStep,
     StageSpec,
     Variant,
 )
-from ._shared import relative_distances, softmax_with_empty_rows
+from ._shared import relative_distances, rms_norm, rms_norm_vjp, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
 from .chunked import chunk_allowed
 from .gate import fuse_gated_q, gate_backward, gate_forward, split_gated_q
-from .qk_norm import QK_NORMS, rms_norm, rms_norm_vjp
+from .qk_norm import QK_NORMS
 from .qk_norm_after_rope import norm_after_rope, norm_after_rope_vjp
 from .rel_bias import relative_bias, relative_bias_vjp, t5_buckets
 from .sinks import sink_vjp, softmax_with_sinks
@@ -194,6 +196,21 @@ def variant(name: str) -> Variant:
         raise KeyError(f"unknown variant {name!r}; known variants: {', '.join(VARIANT_REGISTRY)}") from None
 
 
+def norm_step(cfg: Config) -> NormStep | None:
+    """The weighted norm of the queries and keys before rotary that ``cfg`` switches on (`Variant.norm_step` of the
+    entry that is on), or None. Its entries share one field, so at most one is on."""
+    steps = [entry.norm_step for entry in VARIANT_REGISTRY.values() if entry.norm_step is not None and entry.is_on(cfg)]
+    if len(steps) > 1:
+        raise ValueError(f"at most one norm before rotary can be on, got {len(steps)}: {steps!r}")
+    return steps[0] if steps else None
+
+
+def norm_place(cfg: Config) -> str | None:
+    """`norm_step`'s place (one of `NORM_PLACES`), or None when ``cfg`` has no norm before rotary."""
+    step = norm_step(cfg)
+    return None if step is None else step.place
+
+
 def variants_on(cfg: Config) -> tuple[Variant, ...]:
     """The entries ``cfg`` switches on, in registry order (empty: 2017-23 attention)."""
     return tuple(entry for entry in VARIANT_REGISTRY.values() if entry.is_on(cfg))
@@ -285,6 +302,7 @@ def allowed_by_masks(cfg: Config, positions: np.ndarray, kv_positions: np.ndarra
 
 __all__ = [
     "BUILTIN_VARIANTS",
+    "NORM_PLACES",
     "QK_NORMS",
     "REPAIRS",
     "SCORE_PLACES",
@@ -296,6 +314,7 @@ __all__ = [
     "DiagnoseCause",
     "DiagnoseSpec",
     "Explanation",
+    "NormStep",
     "ParamSpec",
     "PlantedMistake",
     "PlantedSteps",
@@ -314,6 +333,8 @@ __all__ = [
     "gate_forward",
     "norm_after_rope",
     "norm_after_rope_vjp",
+    "norm_place",
+    "norm_step",
     "param_spec",
     "planted_heads",
     "register_variant",

@@ -66,6 +66,44 @@ class ScoreStep:
             raise ValueError(f"ScoreStep.place must be one of {SCORE_PLACES}, got {self.place!r}")
 
 
+# Where a weighted norm of the queries and keys sits before rotary (`NormStep`): over each token's merged
+# projection before the head split, or over each head's features after it.
+NORM_PLACES = ("projection", "head")
+
+
+@dataclass(frozen=True)
+class NormStep:
+    """A variant's weighted RMS norm of the queries and keys before rotary (stages ``q_normed``, ``k_normed``):
+    the head step every convention runs between its projections and rotary, read from the registry
+    (`core.variants.norm_step`) so that no adapter names the variant.
+
+    place:   one of `NORM_PLACES`: ``"projection"`` normalises each token's merged projection before the head
+             split (the weights span every head's features: (H*Dk,) and (Hkv*Dk,)); ``"head"`` each head's Dk
+             features after it (one (Dk,) weight per side, shared by every head).
+    weights: the `MHAParams` fields of the queries' and the keys' weights.
+    how:     what it computes, in words (what a recording says of the normed stages).
+    """
+
+    place: str
+    weights: tuple[str, str]
+    how: str
+
+    def __post_init__(self) -> None:
+        if self.place not in NORM_PLACES:
+            raise ValueError(f"NormStep.place must be one of {NORM_PLACES}, got {self.place!r}")
+
+    @property
+    def per_head(self) -> bool:
+        """Whether it normalises each head's own features (after the split), not the whole projection."""
+        return self.place == "head"
+
+    def weight(self, which: str) -> str:
+        """The `MHAParams` field of the weight of ``which`` ("q" or "k")."""
+        if which not in ("q", "k"):
+            raise ValueError(f"which must be 'q' or 'k', got {which!r}")
+        return self.weights[0 if which == "q" else 1]
+
+
 @dataclass(frozen=True)
 class ConfigField:
     """An `MHAConfig` field a variant owns, declared in its entry (`Variant.config_fields`).
@@ -270,6 +308,9 @@ class Variant:
               ``m_h (p_j - p_i)``), ``distance_slopes(cfg)`` -> those factors, float64 ``(n_heads,)``: each
               convention lays them out and multiplies them by its distances in its own arithmetic
               (`backends.frameworks.score_parts.distance_slopes`); None for any other variant.
+    norm_step: for a weighted norm of the queries and keys before rotary (QK-norm), its place and weights
+              (`NormStep`): every convention reads it through `core.variants.norm_step` and runs it in its own
+              arithmetic at that place; None for any other variant.
     """
 
     name: str
@@ -298,6 +339,7 @@ class Variant:
     tied: Mapping[str, str] = field(default_factory=dict)
     strategies: tuple[str, ...] | None = None
     distance_slopes: Callable[[Config], np.ndarray] | None = None
+    norm_step: NormStep | None = None
 
     def runs_in(self, strategy: str) -> bool:
         """Whether ``strategy`` runs it: any strategy, unless it names its own (`strategies`)."""

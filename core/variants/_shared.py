@@ -1,4 +1,5 @@
-"""What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, the
+"""What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, RMSNorm and
+its backward (QK-norm's, Llama 4's after rotary, Gemma 4's value norm, MLA's latent norms), the
 entry keywords of a variant one bool field switches on, those of an additive bias on the scores (ALiBi, T5's
 buckets), and the entry keywords, validation and explainer grid of the positional masks one optional integer switches
 on (window, chunks)."""
@@ -16,6 +17,26 @@ from ._entry import ConfigField, ScoreStep
 def relative_distances(positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
     """``p_j - p_i``: (1|B, Nq) and (1|B, Nk) int positions -> (1|B, Nq, Nk), key minus query."""
     return kv_positions[:, None, :] - positions[:, :, None]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | float, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x**2, last axis) + eps) * weight``: RMSNorm over the last axis (a new array)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rms_norm_vjp(
+    x: np.ndarray, weight: np.ndarray | float, eps: float, d_y: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(d_x, d_weight summed over every leading axis) of `rms_norm` for the cotangent ``d_y``.
+
+    With ``r = (mean(x**2) + eps) ** -1/2`` and ``g = d_y * weight``:
+    ``d_x = r g - x r**3 mean(g x)`` (the mean over the normalised axis), ``d_weight = sum(d_y x r)``.
+    """
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    g = d_y * weight
+    d_x = r * g - x * r**3 * np.mean(g * x, axis=-1, keepdims=True)
+    d_weight = (d_y * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+    return d_x, d_weight
 
 
 def softmax_with_empty_rows(scores: np.ndarray) -> np.ndarray:

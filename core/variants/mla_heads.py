@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._entry import Config
-from .qk_norm import rms_norm, rms_norm_vjp
+from ._shared import rms_norm, rms_norm_vjp
 
 
 def _linear(x, w, b=None):

@@ -11,33 +11,25 @@ import numpy as np
 
 from .._validate import require_positive_number
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, ParamSpec, Variant, numbers, value_option
+from ._entry import (
+    BenchSpec,
+    CaseSpec,
+    CliOption,
+    Config,
+    Explanation,
+    NormStep,
+    ParamSpec,
+    Variant,
+    numbers,
+    value_option,
+)
+from ._shared import rms_norm, rms_norm_vjp
 from .models import MODELS
 
 # Where QK-norm takes its statistics (`rms_norm`): over each head's d_k features
 # with one (d_k,) weight (Qwen3, Gemma 3), or over the whole projection before the head split
 # with (n_heads*d_k,) / (n_kv_heads*d_k,) weights (OLMo 2).
 QK_NORMS = ("head", "projection")
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray | float, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x**2, last axis) + eps) * weight``: RMSNorm over the last axis (a new array)."""
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
-
-
-def rms_norm_vjp(
-    x: np.ndarray, weight: np.ndarray | float, eps: float, d_y: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(d_x, d_weight summed over every leading axis) of `rms_norm` for the cotangent ``d_y``.
-
-    With ``r = (mean(x**2) + eps) ** -1/2`` and ``g = d_y * weight``:
-    ``d_x = r g - x r**3 mean(g x)`` (the mean over the normalised axis), ``d_weight = sum(d_y x r)``.
-    """
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    g = d_y * weight
-    d_x = r * g - x * r**3 * np.mean(g * x, axis=-1, keepdims=True)
-    d_weight = (d_y * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
-    return d_x, d_weight
 
 
 def _validate(cfg: Config) -> dict:
@@ -58,6 +50,12 @@ def _norm_shape(side: str):
 
     return shape
 
+
+# What the normed stages hold, in words (a recording's note; `NormStep.how`).
+NORM_HOW = {
+    "head": "RMSNorm over each head's Dk features (one weight for every head)",
+    "projection": "RMSNorm over the whole projection, before the head split",
+}
 
 # Weights 1 + 0.3 N(0, 1): not all one, so that a dropped weight shows.
 PARAMS = (
@@ -237,6 +235,7 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
         demo_on={"qk_norm": place},
         demo_off={"qk_norm": None},
         explain=_explainer(place),
+        norm_step=NormStep(place, ("q_norm", "k_norm"), NORM_HOW[place]),
         diagnose=DiagnoseSpec(
             rank=40,
             causes=(_cause(place),),

@@ -20,7 +20,7 @@ import numpy as np
 
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers, switch_option
-from .qk_norm import rms_norm, rms_norm_vjp
+from ._shared import rms_norm, rms_norm_vjp
 
 # Llama 4's rotary layer at a small size: GQA, interleaved rotary, chunks, the weightless norm after rotary.
 LLAMA4_ROPE_LIKE = dict(

@@ -22,7 +22,7 @@ import numpy as np
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, StageSpec, Variant, numbers, switch_option
-from .qk_norm import rms_norm, rms_norm_vjp
+from ._shared import rms_norm, rms_norm_vjp
 
 FIELD = "value_norm"
 

@@ -16,15 +16,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, compare, init_params, reference_mha
+from mha_rosetta.core import VARIANT_PARAM_NAMES, MHAConfig, MHAParams, compare, init_params, reference_mha
+from mha_rosetta.core.variants import norm_step, param_spec
 
 # w_q, w_k, w_v, w_o and the output gate's w_gate (with attn_output_gate): the first digit of every element's number
 ROLES = ("q", "k", "v", "o", "gate")
-# The variants' parameters (`core.params.VARIANT_PARAM_NAMES`), numbered after the four roles.
-VARIANT_ROLES = ("q_norm", "k_norm", "sinks", "rel_bias")
-# MLA's (`core.variants.mla`), numbered after those: its latents belong to no head (shared by all of them).
+# The variants' other parameters (`core.params.VARIANT_PARAM_NAMES`, the output gate's being a role above), numbered
+# after the roles in MHAParams' field order: the QK-norm weights, the sinks, T5's table, then MLA's.
+VARIANT_ROLES = tuple(name for name in VARIANT_PARAM_NAMES if name not in {f"{p}_{r}" for r in ROLES for p in "wb"})
+# MLA's (`core.variants.mla`): its latents belong to no head (shared by all of them).
 MLA_ROLES = ("w_kv_a", "b_kv_a", "kv_a_norm", "w_q_a", "b_q_a", "q_a_norm")
-VARIANT_ROLES += MLA_ROLES
 _ROLE_BASE = 1_000_000  # number = (role + 1) * 1e6 + row * 1e3 + column (+ 999 for a bias element)
 _BIAS_COLUMN = 999
 # A vector parameter's element i is numbered (role + 1) * 1e6 + i * 1e3 + 500: Gemma's stored "w" of "1 + w"
@@ -132,8 +133,12 @@ def _owner(cfg: MHAConfig, number: float) -> str:
     head_dim = cfg.d_v if letter == "v" else cfg.d_k
     if letter == "k" and cfg.kv_lora_rank is not None:  # MLA's W_UK: qk_nope_head_dim rows a head
         head_dim = cfg.qk_nope_head_dim
-    kind = "head" if letter == "q" or cfg.n_kv_heads == cfg.n_heads else "kv head"
-    return f"{letter} {kind} {row // head_dim}"
+    return f"{letter} {_head_kind(cfg, letter)} {row // head_dim}"
+
+
+def _head_kind(cfg: MHAConfig, letter: str) -> str:
+    """What a head of ``letter`` ("q", "k", "v") is called: a query head, or a kv head where GQA groups them."""
+    return "head" if letter == "q" or cfg.n_kv_heads == cfg.n_heads else "kv head"
 
 
 def _canonical_name(number: float) -> str:
@@ -145,19 +150,24 @@ def _canonical_name(number: float) -> str:
 
 
 def _variant_owner(cfg: MHAConfig, name: str, row: int, column: int) -> str:
-    """The head (or heads) that a variant parameter's element belongs to."""
-    if name == "sinks":
-        return f"sink head {row}"
-    if name == "rel_bias":
-        return f"rel head {column}"  # every bucket (row) of column h is head h's
+    """The head (or heads) that a variant parameter's element belongs to, read from the registry: a parameter with
+    one entry per query head (`ParamSpec.head_axis`: the sinks, T5's table) is that head's, named by its first word
+    in the singular ("sink head 0", "rel head 0"); the weights of the norm before rotary (`norm_step`: QK-norm) are
+    every head's over the head, each head's rows over the projection."""
+    spec = param_spec(name)
+    if spec.head_axis is not None:  # a vector's element i is row i; a table's column h (every bucket) is head h's
+        return f"{name.split('_')[0].removesuffix('s')} head {(row, column)[spec.head_axis]}"
     if name in MLA_ROLES:  # MLA's latents: every head reads them; w_kv_a's last rows are the shared rotary key
         if "q_a" in name:
             return "q latent, every head"
         return "shared rotary key" if name != "kv_a_norm" and row >= cfg.kv_lora_rank else "kv latent, every head"
-    if cfg.qk_norm == "head":
-        return f"{name[0]} norm, every head"  # one (d_k,) weight shared by all heads
-    kind = "head" if name == "q_norm" or cfg.n_kv_heads == cfg.n_heads else "kv head"
-    return f"{name[0]} norm {kind} {row // cfg.d_k}"
+    step = norm_step(cfg)
+    if step is None or name not in step.weights:
+        raise ValueError(f"no head owns {name!r}: it holds no entry per head and is no weight of a norm before rotary")
+    which = "q" if name == step.weight("q") else "k"
+    if step.per_head:
+        return f"{which} norm, every head"  # one (d_k,) weight shared by all heads
+    return f"{which} norm {_head_kind(cfg, which)} {row // cfg.d_k}"
 
 
 def stored_tensor(cfg: MHAConfig, name: str, numbers: np.ndarray) -> StoredTensor:
@@ -257,7 +267,6 @@ def checkpoint_tables(explanation) -> list[tuple[str, list[str], list[list[str]]
 
 # The families whose checkpoints store a variant's parameters or fix its biases, in the order of the table.
 _VARIANT_LAYOUTS = ("hf-qwen2", "hf-qwen3", "hf-olmo2", "hf-gemma3", "hf-gpt-oss", "hf-t5", "hf-qwen3-next")
-_VARIANT_PARAMS = (*VARIANT_ROLES, "w_gate", "b_gate")  # the parameters a 2024-26 variant adds
 
 
 def variant_parameters_table() -> tuple[str, list[str], list[list[str]]]:
@@ -277,7 +286,7 @@ def variant_parameters_table() -> tuple[str, list[str], list[list[str]]]:
         canonical = {k: v for k, v in numbered.as_dict().items() if v is not None}
         for stored, array in state.items():
             sources = sorted({_canonical_name(float(n)) for n in array.ravel()})  # the parameters it carries numbers of
-            if not set(sources) & set(_VARIANT_PARAMS) and sources[0][0] != "b":
+            if not set(sources) & set(VARIANT_PARAM_NAMES) and sources[0][0] != "b":  # a variant's, or a bias
                 continue
             source = ", ".join(sources)
             if len(sources) > 1:  # Qwen3-Next's q_proj: each head's query rows, then its gate rows

@@ -8,6 +8,8 @@ with one column per query) and the variant parameters' gradients without the ora
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,11 +28,12 @@ from mha_rosetta.core import (
     grad_stage_names,
     grad_tolerance,
     init_params,
+    reference_mha,
     reference_mha_vjp,
     softmax_with_sinks,
 )
 from mha_rosetta.core.grad import output_shape
-from mha_rosetta.core.variants import adapted_variants
+from mha_rosetta.core.variants import NORM_PLACES, VARIANT_REGISTRY, adapted_variants
 
 STRATEGIES = (STANDARD, PER_HEAD, SLICING)
 # The variant cases NumPy runs (the gate's, which no adapter applies yet, is refused: tests/test_gate.py).
@@ -85,6 +88,49 @@ def test_qk_norm_over_the_projection_shares_one_statistic_per_token_column(backe
     np.testing.assert_allclose(stages["q_normed"], expected, rtol=1e-14, atol=1e-15)
     per_head_rms = np.sqrt(np.mean((stages["q_normed"] / params.q_norm.reshape(3, 4, 1)) ** 2, axis=-2))
     assert not np.allclose(per_head_rms, 1.0, atol=1e-3)  # the mistake diagnose knows: over the head instead
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("place", NORM_PLACES)
+def test_the_norm_before_rotary_reads_its_place_and_weights_from_the_registry(backend, monkeypatch, place, strategy):
+    """The layer and its backward take the norm's weights from the registry's step (`NormStep.weight`), never from
+    the parameters' names: with an entry whose step swaps the two weights the queries are normalised with the keys'
+    weight (by hand here, and as the float64 oracle does), and each weight's gradient is that of the parameter the
+    forward read (central differences of the adapter's forward)."""
+    name = next(n for n, e in VARIANT_REGISTRY.items() if e.norm_step is not None and e.norm_step.place == place)
+    entry = VARIANT_REGISTRY[name]
+    assert entry.norm_step is not None
+    swapped = dataclasses.replace(entry.norm_step, weights=entry.norm_step.weights[::-1])
+    monkeypatch.setitem(VARIANT_REGISTRY, name, dataclasses.replace(entry, norm_step=swapped))
+    cfg = MHAConfig(d_model=12, n_heads=3, d_k=4, qk_norm=place, norm_eps=1e-6)  # H = Hkv: the weights' shapes agree
+    params = init_params(cfg, seed=3)
+    assert params.q_norm is not None and params.k_norm is not None
+    assert not np.allclose(params.q_norm, params.k_norm)
+    x = np.random.default_rng(3).standard_normal((2, 5, 12))
+    stages, _ = _native(backend, cfg, params, x, strategy)
+    q = stages["q"]  # (B, H*Dk, Nq): tokens are columns
+    # The rows one statistic is taken over: each head's block (B, H, Dk, Nq), a view, or the whole projection.
+    rows = q.reshape(2, 3, 4, 5) if place == "head" else q
+    normed = rows / np.sqrt(np.mean(rows**2, axis=-2, keepdims=True) + 1e-6)  # down each token's column
+    weight = params.k_norm.reshape(-1, 4, 1)  # the keys' weight, as the step says: (1|H, Dk, 1), a view
+    expected = normed.reshape(2, 3, 4, 5) * weight  # (B, H, Dk, Nq), a view of the new array
+    np.testing.assert_allclose(stages["q_normed"], expected, rtol=1e-14, atol=1e-15)
+    out = backend.run(cfg, params, x, strategy=strategy)
+    np.testing.assert_allclose(out, reference_mha(cfg, params, x), rtol=1e-12, atol=1e-13)  # the oracle reads it too
+    cot = default_cotangent(out.shape)
+    grads = backend.run_vjp(cfg, params, x, cotangent=cot, strategy=strategy)
+    np.testing.assert_allclose(grads.d_query, reference_mha_vjp(cfg, params, x, cotangent=cot).d_query, rtol=1e-9)
+    # Each weight's gradient on the parameter whose value the forward read: central differences of the forward.
+    eps = 1e-5
+    for field in ("q_norm", "k_norm"):
+        value, analytic = getattr(params, field), getattr(grads.d_params, field)
+        for i in range(value.size):
+            moved = [
+                MHAParams(**{**params.as_dict(), field: value + sign * eps * np.eye(value.size)[i]}) for sign in (1, -1)
+            ]
+            plus, minus = (float(np.sum(cot * backend.run(cfg, m, x, strategy=strategy))) for m in moved)
+            fd = (plus - minus) / (2 * eps)
+            assert abs(fd - analytic[i]) <= 1e-7 * max(1.0, abs(fd)), (field, i, fd, analytic[i])
 
 
 def test_softcap_and_alibi_on_scores_with_one_column_per_query(backend):

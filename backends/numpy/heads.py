@@ -1,5 +1,7 @@
 """The column-sample heads of the NumPy layer: their axes, the splits and the merge, rotary on feature rows,
-and the QK-norm steps between the split and the scores (`ColumnHeadSteps`, a part of `layer.ColumnSampleMHA`).
+and the norm before rotary between the split and the scores (`ColumnHeadSteps`, a part of `layer.ColumnSampleMHA`):
+QK-norm, whose place (over each head's rows, or over the merged projection before the split) and weights the layer
+reads from the registry (`core.variants.norm_step`), never from the variant's name.
 
 Every token is a column and head h owns the row block ``h*Dk:(h+1)*Dk``: the standard split is a reshape of the
 row axis (a view, no transpose), the direct-reshape mistake reads the rows as row samples, and the rotary
@@ -9,6 +11,8 @@ embedding turns pairs of feature *rows*. The backward (`vjp`) undoes each of the
 from __future__ import annotations
 
 import numpy as np
+
+from mha_rosetta.core.variants import NormStep
 
 from .._layouts import head_slice_axes, heads_axes
 from .._recording import QKV, rotation_provenance
@@ -28,6 +32,7 @@ COLUMN_SAMPLE_AXES = {
 # q_heads: (B, Dk, Nq), the head axis stacked back in later
 HEAD_SLICE_AXES = {**head_slice_axes(COLUMN_SAMPLE_AXES), "q_normed": ("B", "Dk", "Nq"), "k_normed": ("B", "Dk", "Nk")}
 ROTATE_HOW = "pairs of feature rows turned by each token's angle (rotary)"
+# What the normed stages hold, by the norm's place (`NormStep.place`), in column samples' words.
 NORM_HOW = {
     "head": "RMSNorm down each token's column, over the Dk feature rows of each head's block",
     "projection": "RMSNorm down each token's column, over every row of the merged projection, before the split",
@@ -40,8 +45,28 @@ def columns_to_rows(output: np.ndarray) -> np.ndarray:
 
 
 class ColumnHeadSteps:
-    """The QK-norm steps of `layer.ColumnSampleMHA` and their recording, batched or one head at a time (a mixin:
-    ``self`` is the layer, its `MHAConfig`, precision, variants and `_rotate` included)."""
+    """The norm steps before rotary of `layer.ColumnSampleMHA` (`norm_step`: QK-norm) and their recording, batched
+    or one head at a time (a mixin: ``self`` is the layer, its `MHAConfig`, precision, variants and `_rotate`
+    included)."""
+
+    @property
+    def norm_step(self) -> NormStep | None:
+        """The norm of the queries and keys before rotary (the registry's step, `ColumnVariants.norm_step`), or None."""
+        return self.variants.norm_step
+
+    @property
+    def _norms_heads(self) -> bool:
+        """Whether the norm takes each head's block over its own rows (after the split)."""
+        return self.norm_step is not None and self.norm_step.per_head
+
+    @property
+    def _norms_projection(self) -> bool:
+        """Whether the norm takes every row of the merged projection (before the split)."""
+        return self.norm_step is not None and not self.norm_step.per_head
+
+    def _norm_parent(self, which: str) -> str:
+        """The stage the normed ``which`` ("q" or "k") is computed from: the heads, or the merged projection."""
+        return f"{which}_heads" if self._norms_heads else which
 
     def _norm(self, x: np.ndarray, which: str) -> np.ndarray:
         """QK-norm of ``which`` ("q" or "k") over the feature rows of ``x`` (..., d, N): one head's block, a batch
@@ -49,12 +74,13 @@ class ColumnHeadSteps:
         return rms_norm_rows([x], [self.variants.norms[which]], self.cfg.norm_eps, self.precision)[0]
 
     def _normed_heads(self, projections: tuple, heads: tuple, split) -> tuple:
-        """(q_normed, k_normed), batched: the projections QK-normed over every row and then split by ``split``
-        (qk_norm "projection"), or the split heads normed over their own rows ("head"); the heads without qk_norm."""
+        """(q_normed, k_normed), batched: the projections normed over every row and then split by ``split``
+        (the norm's place "projection"), or the split heads normed over their own rows ("head"); the heads
+        without a norm before rotary."""
         (q, k, _), (q_heads, k_heads, _) = projections, heads
-        if self.cfg.qk_norm == "projection":
+        if self._norms_projection:
             return split(self._norm(q, "q"), self.cfg.n_heads), split(self._norm(k, "k"), self.cfg.n_kv_heads)
-        if self.cfg.qk_norm == "head":
+        if self._norms_heads:
             return self._norm(q_heads, "q"), self._norm(k_heads, "k")
         return q_heads, k_heads
 
@@ -69,13 +95,10 @@ class ColumnHeadSteps:
         if rec is not None:
             self._record_split(rec, projections, heads, how)
             parents = ("q_heads", "k_heads")
-            if self.cfg.qk_norm is not None:
-                over_head = self.cfg.qk_norm == "head"
+            if self.norm_step is not None:
                 for name, value in zip(("q", "k"), normed, strict=True):
-                    parent = f"{name}_heads" if over_head else name
-                    rec.record(
-                        f"{name}_normed", value, COLUMN_SAMPLE_AXES[f"{name}_normed"], self._norm_how, "new", parent
-                    )
+                    axes = COLUMN_SAMPLE_AXES[f"{name}_normed"]
+                    rec.record(f"{name}_normed", value, axes, self._norm_how, "new", self._norm_parent(name))
                 parents = ("q_normed", "k_normed")
             for name, parent, before, after in zip(("q", "k"), parents, normed, rotated, strict=True):
                 note, relation = rotation_provenance(after, before, ROTATE_HOW)
@@ -84,49 +107,52 @@ class ColumnHeadSteps:
 
     @property
     def _norm_how(self) -> str:
-        return NORM_HOW[self.cfg.qk_norm] if self.cfg.qk_norm is not None else ""
+        return "" if self.norm_step is None else NORM_HOW[self.norm_step.place]
 
     def _normed_slices(self, merged: np.ndarray, n_heads: int, which: str) -> list:
-        """The QK-normed heads of a merged projection (B, n*Dk, N) as row blocks (B, Dk, N), one per head: the
-        projection normed over every row before it is sliced, or each slice over its own rows; views without qk_norm."""
+        """The normed heads of a merged projection (B, n*Dk, N) as row blocks (B, Dk, N), one per head: the
+        projection normed over every row before it is sliced, or each slice over its own rows; views without a norm."""
         Dk = self.cfg.d_k
-        if self.cfg.qk_norm == "projection":
+        if self._norms_projection:
             merged = self._norm(merged, which)  # (B, n*Dk, N), a new array sliced below
         blocks = [merged[:, i * Dk : (i + 1) * Dk] for i in range(n_heads)]  # (B, Dk, N) views of row block i
-        return [self._norm(b, which) for b in blocks] if self.cfg.qk_norm == "head" else blocks
+        return self._norm_each_head(blocks, which)
 
     def _norm_blocks(self, blocks: list, which: str) -> list:
-        """The QK-normed heads of projections held apart (PER_HEAD, one (B, Dk, N) per head): over the projection
+        """The normed heads of projections held apart (PER_HEAD, one (B, Dk, N) per head): over the projection
         the heads share one statistic per token, summed over their row blocks; the blocks themselves without."""
         V, eps, P = self.variants, self.cfg.norm_eps, self.precision
-        if self.cfg.qk_norm == "projection":
+        if self._norms_projection:
             return rms_norm_rows(blocks, V.norm_weight_blocks(which, len(blocks)), eps, P)
-        return [self._norm(b, which) for b in blocks] if self.cfg.qk_norm == "head" else blocks
+        return self._norm_each_head(blocks, which)
+
+    def _norm_each_head(self, blocks: list, which: str) -> list:
+        """Each head's block (B, Dk, N) normed over its own rows where the norm is over the head; else the blocks."""
+        return [self._norm(b, which) for b in blocks] if self._norms_heads else blocks
 
     def _record_head(self, rec, h: int, raw: tuple, normed: tuple, rotated: tuple, note: str, relation="new") -> None:
         """Query head h's q/k/v slices ``raw``, its QK-normed and rotated queries and its kv head's keys, in a loop
         over heads; nothing when ``rec`` is None (the kv heads' k_normed: `_record_k_normed`, after the loop)."""
         if rec is None:
             return
-        if self.cfg.qk_norm is None:
+        if self.norm_step is None:
             self._record_query_head(rec, h, *raw, *rotated, note, relation)
             return
         g, axes = self.cfg.kv_head_of(h), self.HEAD_SLICE_AXES
         for name, head, value in zip(QKV, (h, g, g), raw, strict=True):
             parent = name if relation != "new" else None
             rec.record_head(f"{name}_heads", head, value, axes[f"{name}_heads"], note, self._stack, relation, parent)
-        parent = "q_heads" if self.cfg.qk_norm == "head" else "q"
-        self._record(rec, "q_normed", h, normed[0], axes["q_normed"], self._norm_how, "new", parent)
+        self._record(rec, "q_normed", h, normed[0], axes["q_normed"], self._norm_how, "new", self._norm_parent("q"))
         for name, head, before, after in zip(("q", "k"), (h, g), normed, rotated, strict=True):
             how, rel = rotation_provenance(after, before, ROTATE_HOW)
             self._record(rec, f"{name}_rotated", head, after, axes[f"{name}_rotated"], how, rel, f"{name}_normed")
 
     def _record_k_normed(self, rec, k_normed: list) -> None:
-        """The kv heads' QK-normed keys (a list of (B, Dk, Nk)), stacked whole: one slice per kv head."""
-        if rec is not None and self.cfg.qk_norm is not None:
-            parent = "k_heads" if self.cfg.qk_norm == "head" else "k"
+        """The kv heads' normed keys (a list of (B, Dk, Nk)), stacked whole: one slice per kv head."""
+        if rec is not None and self.norm_step is not None:
             note = self._norm_how + " (one kv head at a time, stacked for inspection)"
-            rec.record("k_normed", self._stack(k_normed, 1), COLUMN_SAMPLE_AXES["k_normed"], note, "new", parent)
+            axes, parent = COLUMN_SAMPLE_AXES["k_normed"], self._norm_parent("k")
+            rec.record("k_normed", self._stack(k_normed, 1), axes, note, "new", parent)
 
 
 def _split_reshape(x: np.ndarray, n_heads: int) -> np.ndarray:

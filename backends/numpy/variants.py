@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, t5_buckets
+from mha_rosetta.core.variants import NormStep, norm_step
 
 from ..frameworks.score_parts import distance_slopes, score_parts
 from .common import NumpyPrecision
@@ -105,8 +106,9 @@ def _sum_but_rows(a: np.ndarray) -> np.ndarray:
 class ColumnVariants:
     """One layer's variant parameters and tables in column samples, in the compute dtype (None where off).
 
-    ``norms["q"]``/``norms["k"]``: the QK-norm weights as ``(d, 1)`` columns (``d = Dk`` over the
-    head, the projection's width over the projection). ``bias``: ALiBi plus T5's relative bias,
+    ``norm_step``: the norm of the queries and keys before rotary (`core.variants.norm_step`: QK-norm), or None;
+    ``norms["q"]``/``norms["k"]``: its weights (``norm_step.weight``) as ``(d, 1)`` columns (``d = Dk`` over the
+    head, the projection's width over the projection), empty without it. ``bias``: ALiBi plus T5's relative bias,
     ``(1|B, H, Nk, Nq)``; ``buckets`` ``(1|B, Nk, Nq)`` (the backward sums each bucket's score
     gradients); ``slopes`` ``(H,)``; ``parts``: the score parts by keyword (`frameworks.score_parts`), each
     ``(1, H, 1, 1)``; ``rel_table`` ``(buckets, H)``.
@@ -122,8 +124,10 @@ class ColumnVariants:
         def stored(a):  # a parameter rounded to storage, held in the compute dtype (as every weight)
             return None if a is None else P.operand(P.round_to_storage(a))
 
-        self.norms = {"q": stored(params.q_norm), "k": stored(params.k_norm)}
-        self.norms = {name: None if w is None else w[:, None] for name, w in self.norms.items()}  # (d, 1) columns
+        step: NormStep | None = norm_step(cfg)
+        self.norm_step = step
+        weights = {} if step is None else {which: getattr(params, step.weight(which)) for which in ("q", "k")}
+        self.norms = {which: stored(w)[:, None] for which, w in weights.items()}  # (d, 1) columns
         self.parts = score_parts(cfg, params, lambda a: stored(a)[None, :, None, None])  # (1, H, 1, 1) each
         self.rel_table = stored(params.rel_bias)  # (buckets, H) or None
         self.w_gate = stored(params.w_gate)  # (H*Dv, D): a column-sample weight, W_gate @ X
@@ -183,8 +187,9 @@ class ColumnVariants:
         Over the head there is one weight for every block; over the projection block i has
         rows ``i*d:(i+1)*d`` of the projection's weight (views).
         """
-        w = self.norms[which]
-        if self.cfg.qk_norm == "head":
+        step, w = self.norm_step, self.norms[which]
+        assert step is not None  # norms[which] exists only with it
+        if step.per_head:
             return [w] * n_blocks
         d = w.shape[0] // n_blocks
         return [w[i * d : (i + 1) * d] for i in range(n_blocks)]

@@ -105,8 +105,10 @@ class ColumnSampleVJP(ColumnVJPSteps):
 
     def _variant_grads(self, grads: dict) -> dict:
         """``grads`` with the variant parameters' gradients that this configuration has (canonical shapes)."""
-        r = self.round
-        named = {"q_norm": self.d_norms["q"], "k_norm": self.d_norms["k"], **self.d_parts}
+        r, step = self.round, self.layer.norm_step
+        # The norm's weights by their MHAParams fields (the registry's `NormStep.weight`), then the score parts'.
+        named = {} if step is None else {step.weight(which): self.d_norms[which] for which in ("q", "k")}
+        named.update(self.d_parts)
         named["rel_bias"] = self.d_rel_bias
         if self.d_gated is not None:  # X feeds the gate too: its dX adds to the query projection's
             d_x, named["w_gate"], named["b_gate"] = self.d_gated
@@ -216,7 +218,7 @@ class ColumnSampleVJP(ColumnVJPSteps):
         stages.update({name: StageTensor(value, head_axes[name[2]]) for name, value in steps.items()})
         stages["d_q_rotated"] = StageTensor(d_q_rotated, ("B", "H", "Dk", "Nq"))
         stages["d_k_rotated"] = StageTensor(d_k_rotated, ("B", "Hkv", "Dk", "Nk"))
-        if L.cfg.qk_norm is not None:
+        if L.norm_step is not None:
             stages["d_q_normed"] = StageTensor(d_q_normed, ("B", "H", "Dk", "Nq"))
             stages["d_k_normed"] = StageTensor(d_k_normed, ("B", "Hkv", "Dk", "Nk"))
         stages.update(

@@ -93,18 +93,19 @@ class ColumnVJPSteps:
             self.d_rel_bias[:, h] += np.bincount(buckets.ravel(), weights=d_h.ravel(), minlength=n)
 
     def _unnorm(self, which: str, x_blocks: list, d_blocks: list) -> list:
-        """QK-norm's backward: the gradients of its inputs ``x_blocks`` from those of its outputs (compute dtype).
+        """The backward of the norm before rotary (`ColumnHeadSteps.norm_step`: QK-norm): the gradients of its inputs
+        ``x_blocks`` from those of its outputs (compute dtype).
 
         The blocks are as the forward normed them: one (the merged projection, or batched heads), or
         one per head (PER_HEAD). The weight's gradient is kept in ``self.d_norms[which]``; without
-        qk_norm the gradients pass through.
+        the norm the gradients pass through.
         """
         L = self.layer
         cfg, V, P = L.cfg, L.variants, L.precision
-        if cfg.qk_norm is None:
+        if L.norm_step is None:
             return d_blocks
         xs = [P.operand(x) for x in x_blocks]
-        if cfg.qk_norm == "projection":  # the blocks share one statistic per token
+        if L._norms_projection:  # the blocks share one statistic per token
             d_xs, d_ws = rms_norm_rows_vjp(xs, V.norm_weight_blocks(which, len(xs)), cfg.norm_eps, d_blocks)
             d_w = np.concatenate(d_ws)  # (n*Dk,): block i's rows i*Dk:(i+1)*Dk
         else:  # each block over its own rows, one weight for every head
@@ -115,12 +116,12 @@ class ColumnVJPSteps:
         return [self.round(d) for d in d_xs]
 
     def _unnorm_split(self, which: str, merged, d_normed_heads, n_heads: int, split, split_back) -> tuple:
-        """(d_heads, d_merged): QK-norm undone for heads made by ``split`` from the projection ``merged``.
+        """(d_heads, d_merged): the norm before rotary undone for heads made by ``split`` from the projection ``merged``.
 
         Over the projection the norm came before the split: its backward runs on the merged
-        gradient; over the head it runs on the heads.
+        gradient; over the head it runs on the heads (without a norm the gradients pass through).
         """
-        if self.layer.cfg.qk_norm == "projection":
+        if self.layer._norms_projection:
             (d_merged,) = self._unnorm(which, [merged], [split_back(d_normed_heads)])
             return split(d_merged, n_heads), d_merged
         (d_heads,) = self._unnorm(which, [split(merged, n_heads)], [d_normed_heads])

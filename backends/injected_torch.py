@@ -27,7 +27,8 @@ import math
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants import PlantedSteps, planted_heads, steps_at, variant, variants_on
+from mha_rosetta.core.variants import VARIANT_REGISTRY, PlantedSteps, planted_heads, steps_at, variant, variants_on
+from mha_rosetta.core.variants.qk_norm import PLANTED as NUMPY_NORM_STEPS
 from mha_rosetta.core.variants.qk_norm import planted_norm
 
 from .injected_torch_forms import FORM_STEPS
@@ -186,8 +187,8 @@ TORCH_STEPS: dict[str, PlantedSteps] = {
     "window": PlantedSteps(mask=_window_blocked),
     "chunked": PlantedSteps(mask=_chunk_blocked),
     "softcap": PlantedSteps(transform=_capped, masked=_capped_after_mask),
-    "qk_norm_head": _QK_NORM,
-    "qk_norm_projection": _QK_NORM,
+    # QK-norm at either place: every entry that plants its NumPy steps (the mistake is the place) plants these
+    **{e.name: _QK_NORM for e in VARIANT_REGISTRY.values() if e.diagnose and e.diagnose.planted is NUMPY_NORM_STEPS},
     "alibi": PlantedSteps(bias=_alibi_bias),
     "rel_bias": PlantedSteps(bias=_t5_bias),
     "sinks": PlantedSteps(columns=_sink_column),

@@ -27,6 +27,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.rotary import rotary_tables
+from mha_rosetta.core.variants import VARIANT_REGISTRY
 
 from ..base import Backend, Prepared, StageTensor, UnsupportedCase
 from ..decoding import DecodeStep
@@ -35,8 +36,10 @@ from .graph import ONNX_DTYPES, GraphSpec, build, full_tables, opsets
 from .known import KNOWN, known_answer
 from .runtime import make_runner, op_plan
 
-ONNX_VARIANTS = frozenset(
-    {"window", "softcap", "qk_norm_head", "qk_norm_projection", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}
+# QK-norm at every place the registry has one (`NormStep`): RMSNorm nodes where the entry's step says, with its
+# weights (`graph.build`, `oracles.torch_heads`).
+ONNX_VARIANTS = frozenset({"window", "softcap", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}) | frozenset(
+    name for name, entry in VARIANT_REGISTRY.items() if entry.norm_step is not None
 )
 # This backend's graph also applies the output gate (`graph.build`: MatMul, Sigmoid and Mul after the Attention
 # node); torch-onnx's layers around the op (which share ONNX_VARIANTS) do not.

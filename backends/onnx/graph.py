@@ -35,6 +35,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.rotary import rotary_pairs
+from mha_rosetta.core.variants import NormStep, norm_step
 
 ONNX_DTYPES = ("float32", "float64")  # what ONNX Runtime's CPU Attention kernel runs here
 
@@ -120,6 +121,15 @@ def _split(b: _Builder, x: str, heads: int, width: int, name: str) -> str:
     return b.add("Transpose", [b.add("Reshape", [x, shape])], name, perm=[0, 2, 1, 3])  # (B, N, h*d) -> (B, h, N, d)
 
 
+def _rms_norms(
+    b: _Builder, step: NormStep, params: MHAParams, pair: tuple[str, str], eps: float, names: tuple[str, str]
+) -> tuple[str, str]:
+    """RMSNorm of (q, k) with ``step``'s weights (their `MHAParams` fields name their constants), named ``names``."""
+    (q, k), (q_name, k_name) = pair, names
+    q_w, k_w = step.weight("q"), step.weight("k")
+    return b.rms_norm(q, getattr(params, q_w), eps, q_w, q_name), b.rms_norm(k, getattr(params, k_w), eps, k_w, k_name)
+
+
 def _slice_past(b: _Builder, x: str, past: int, which: str) -> tuple[str, str]:
     """(the new keys, the past keys) of (B, Hkv, Nk, d): tokens ``past..`` and ``..past`` on axis 2, two copies."""
     axes = b.const(f"{which}_token_axis", np.array([2]), "int64")
@@ -144,24 +154,24 @@ def build(spec: GraphSpec, params: MHAParams):
     k = b.linear("x_k", params.w_k, params.b_k, "k_proj", "k")  # (B, Nk, Hkv*Dk)
     v = b.linear("x_v", params.w_v, params.b_v, "v_proj", "v")  # (B, Nk, Hkv*Dv)
     stages = {"q": q, "k": k, "v": v}
-    if cfg.qk_norm == "projection":
-        q_src = b.rms_norm(q, params.q_norm, cfg.norm_eps, "q_norm", "q_proj_normed")
-        k_src = b.rms_norm(k, params.k_norm, cfg.norm_eps, "k_norm", "k_proj_normed")
-        q_normed, k_normed = (
-            _split(b, q_src, cfg.n_heads, cfg.d_k, "q_normed"),
-            _split(b, k_src, cfg.n_kv_heads, cfg.d_k, "k_normed"),
+    step = norm_step(cfg)  # QK-norm's place and weight fields, from the registry (or None)
+    normed: tuple[str, str] | None = None  # (q_normed, k_normed) with it
+    if step is not None and not step.per_head:  # over the whole projection, then the same split
+        q_src, k_src = _rms_norms(b, step, params, (q, k), cfg.norm_eps, ("q_proj_normed", "k_proj_normed"))
+        normed = (
+            _split(b, q_src, cfg.n_heads, cfg.d_k, "q_normed"),  # (B, H, Nq, Dk)
+            _split(b, k_src, cfg.n_kv_heads, cfg.d_k, "k_normed"),  # (B, Hkv, Nk, Dk)
         )
     q_heads = _split(b, q, cfg.n_heads, cfg.d_k, "q_heads")  # (B, H, Nq, Dk)
     k_heads = _split(b, k, cfg.n_kv_heads, cfg.d_k, "k_heads")  # (B, Hkv, Nk, Dk): fewer heads = GQA
     v_heads = _split(b, v, cfg.n_kv_heads, cfg.d_v, "v_heads")  # (B, Hkv, Nk, Dv)
     stages.update(q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
-    if cfg.qk_norm == "head":
-        q_normed = b.rms_norm(q_heads, params.q_norm, cfg.norm_eps, "q_norm", "q_normed")
-        k_normed = b.rms_norm(k_heads, params.k_norm, cfg.norm_eps, "k_norm", "k_normed")
+    if step is not None and step.per_head:  # each head's features, after the split
+        normed = _rms_norms(b, step, params, (q_heads, k_heads), cfg.norm_eps, ("q_normed", "k_normed"))
     q_in, k_in = q_heads, k_heads
-    if cfg.qk_norm is not None:
-        q_in, k_in = q_normed, k_normed
-        stages.update(q_normed=q_normed, k_normed=k_normed)
+    if normed is not None:
+        q_in, k_in = normed
+        stages.update(q_normed=q_in, k_normed=k_in)
     if spec.rope:
         rotation = b.const("rotation", rotation_matrix(cfg.rope, cfg.d_k, 2 * _half(cfg)))
         tables = [helper.make_tensor_value_info(f"{w}_{f}", elem, None) for w in "qk" for f in ("cos", "sin")]

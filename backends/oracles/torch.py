@@ -23,7 +23,7 @@ from mha_rosetta.core import (
     from_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
-from mha_rosetta.core.variants import BUILTIN_VARIANTS
+from mha_rosetta.core.variants import BUILTIN_VARIANTS, VARIANT_REGISTRY, NormStep
 from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
 
 from .._recording import StageRecorder
@@ -58,6 +58,14 @@ from .torch_passes import (
     sdpa_pass,
     torch_blocked_mask,
 )
+
+
+def _no_norm_hook(step: NormStep) -> str:
+    """Why nn.MultiheadAttention cannot run a norm of q and k before rotary at ``step``'s place (the registry's)."""
+    where = "projected and split" if step.per_head else "projected"
+    return (
+        f"nn.MultiheadAttention has no QK-norm: q and k are {where} inside the module, with no hook before the scores"
+    )
 
 
 class VariantReasons:
@@ -100,10 +108,7 @@ class TorchMHAOracle(VariantReasons, TorchDevices, Backend):
         "softcap": "nn.MultiheadAttention has no softcap: the scores are never exposed between the product and the "
         "softmax",
         "sinks": "nn.MultiheadAttention has no sinks: its softmax has no extra logit in the denominator",
-        "qk_norm_head": "nn.MultiheadAttention has no QK-norm: q and k are projected and split inside the module, "
-        "with no hook before the scores",
-        "qk_norm_projection": "nn.MultiheadAttention has no QK-norm: q and k are projected inside the module, with "
-        "no hook before the scores",
+        **{name: _no_norm_hook(entry.norm_step) for name, entry in VARIANT_REGISTRY.items() if entry.norm_step},
         "qkv_bias": "nn.MultiheadAttention's one bias switch covers in_proj and out_proj together: no output "
         "projection without a bias when q, k and v have one (bias='qkv')",
     }

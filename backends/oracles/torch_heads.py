@@ -9,6 +9,7 @@ kernels take for a score bias.
 from __future__ import annotations
 
 from mha_rosetta.core import MHAConfig, MHAInputs
+from mha_rosetta.core.variants import norm_step
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from .._recording import StageRecorder, record_projections, record_rotated, record_split_heads
@@ -47,7 +48,7 @@ def projected_heads_pass(
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     if rotate is None:
         rotate = heads_rotator(cfg, inputs, dtype, device)  # rotary applied before the kernel
-    eps = cfg.norm_eps
+    eps, step = cfg.norm_eps, norm_step(cfg)  # QK-norm's place and weight fields, from the registry (or None)
 
     def split(x, n, d):  # (B, N, n*d) -> (B, n, N, d), a strided view
         return x.view(B, x.shape[1], n, d).transpose(1, 2)
@@ -60,11 +61,13 @@ def projected_heads_pass(
         q_heads, k_heads, v_heads = split(q, H, Dk), split(k, Hkv, Dk), split(v, Hkv, Dv)  # (B, n, N, d), views
         reached(until, "head split", q_heads, k_heads, v_heads)
         q_normed, k_normed = q_heads, k_heads
-        if cfg.qk_norm == "projection":  # over the whole projection, then the same split
-            q_normed = split(rms_norm(q, p["q_norm"], eps), H, Dk)  # (B, H, Nq, Dk)
-            k_normed = split(rms_norm(k, p["k_norm"], eps), Hkv, Dk)  # (B, Hkv, Nk, Dk)
-        elif cfg.qk_norm == "head":
-            q_normed, k_normed = rms_norm(q_heads, p["q_norm"], eps), rms_norm(k_heads, p["k_norm"], eps)
+        if step is not None:
+            w_q, w_k = p[step.weight("q")], p[step.weight("k")]
+            if step.per_head:
+                q_normed, k_normed = rms_norm(q_heads, w_q, eps), rms_norm(k_heads, w_k, eps)
+            else:  # over the whole projection, then the same split
+                q_normed = split(rms_norm(q, w_q, eps), H, Dk)  # (B, H, Nq, Dk)
+                k_normed = split(rms_norm(k, w_k, eps), Hkv, Dk)  # (B, Hkv, Nk, Dk)
         q_rotated, k_rotated = rotate(q_normed, "q"), rotate(k_normed, "k")  # (B, H, Nq, Dk), (B, Hkv, Nk, Dk)
         reached(until, "rotary", q_rotated, k_rotated)
         context = attend(p, q_rotated, k_rotated, v_heads)  # (B, H, Nq, Dv)
@@ -76,8 +79,8 @@ def projected_heads_pass(
             record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "F.linear")
             how = "view(B, N, H, d).transpose(1, 2)"
             record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, how)
-            if cfg.qk_norm is not None:
-                how = f"F.rms_norm over {'the whole projection' if cfg.qk_norm == 'projection' else 'each head'}"
+            if step is not None:
+                how = f"F.rms_norm over {'each head' if step.per_head else 'the whole projection'}"
                 rec.record("q_normed", q_normed, HEADS_FIRST_SPLIT_AXES["q_heads"], how)
                 rec.record("k_normed", k_normed, HEADS_FIRST_SPLIT_AXES["k_heads"], how)
             how = "rotate_last_axis before the kernel"

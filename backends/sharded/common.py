@@ -18,6 +18,7 @@ from functools import partial
 import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams, ShardPlan, shard_plan
+from mha_rosetta.core.variants import norm_step
 
 from .._mla import MLAStrategies, latent_cache_info
 from ..base import Backend, DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
@@ -231,8 +232,9 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
     ``(Dk,)`` weight for all heads, replicated;
     over the whole projection its ``(H*Dk,)`` / ``(Hkv*Dk,)`` weights by the rows of the
     rank's query / kv heads (the statistic over the whole width is the rank's business: an
-    all-reduce of the sum of squares); the output gate by the rows of the rank's query heads. None
-    where the variant is off. Copies, not views.
+    all-reduce of the sum of squares), both by the fields the registry's `NormStep` names; the output
+    gate by the rows of the rank's query heads. None where the variant is off (QK-norm's weights: left
+    out). Copies, not views.
     ALiBi's slopes are no parameter: see `alibi_slopes_of`.
     """
     heads, kv = plan.heads_of(rank), plan.kv_heads_of(rank)
@@ -241,12 +243,14 @@ def shard_variant_params(cfg: MHAConfig, params: MHAParams, plan: ShardPlan, ran
     def take(array, index):
         return None if array is None else np.array(array[index], copy=True)
 
-    projection = cfg.qk_norm == "projection"
-    q_rows = slice(heads.start * Dk, heads.stop * Dk) if projection else slice(None)
-    k_rows = slice(kv.start * Dk, kv.stop * Dk) if projection else slice(None)
+    step, norms = norm_step(cfg), {}  # QK-norm's place and weight fields, from the registry (None: off)
+    if step is not None:
+        for which, own in (("q", heads), ("k", kv)):
+            # the shared (Dk,), or the rows of the rank's heads: (Hl*Dk,) for q, (local kv*Dk,) for k
+            rows = slice(None) if step.per_head else slice(own.start * Dk, own.stop * Dk)
+            norms[step.weight(which)] = take(getattr(params, step.weight(which)), rows)
     return {
-        "q_norm": take(params.q_norm, q_rows),  # (Hl*Dk,) or the shared (Dk,)
-        "k_norm": take(params.k_norm, k_rows),  # (local kv*Dk,) or the shared (Dk,)
+        **norms,
         # (Hl,), (buckets, Hl): the rank's heads along each one's head axis
         **{
             spec.name: take(getattr(params, spec.name), head_slice(spec, slice(heads.start, heads.stop)))

@@ -297,11 +297,6 @@ def _head_split(mesh, rank, world, plan, cfg, params, inputs, dtype, strategy):
     shard = dataclasses.replace(shard_params(cfg, params, world)[rank], **shard_variant_params(cfg, params, plan, rank))
     b_o = None if params.b_o is None else to_tensor(params.b_o, dtype, "cpu")
 
-    def norm_sum(squares, which: str):
-        """A projection-wide QK-norm's statistic: this rank's sum of squares (B, N, 1) summed over the ranks."""
-        dist.all_reduce(squares)  # one all-reduce for q, one for k
-        return squares / plan.kv_replicas if which == "k" and plan.kv_replicas > 1 else squares
-
     # The torch adapter on this rank's heads, without b_o: its output is this rank's partial output.
     layer = RowSampleMHA(
         local_cfg,
@@ -310,7 +305,7 @@ def _head_split(mesh, rank, world, plan, cfg, params, inputs, dtype, strategy):
         dtype,
         "cpu",
         alibi_slopes=alibi_slopes_of(cfg, plan, rank),
-        norm_sum=norm_sum if cfg.qk_norm == "projection" else None,
+        norm_sum=torch_decode.rank_norm_sum(cfg, plan),  # None unless the norm spans the projection
         norm_widths=(cfg.q_width, cfg.k_width),
     )
 

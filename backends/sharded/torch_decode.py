@@ -38,8 +38,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mha_rosetta.core import MHAConfig, MHAParams, shard_params, shard_plan
+from mha_rosetta.core import MHAConfig, MHAParams, ShardPlan, shard_params, shard_plan
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, decode_stage_names, ring_capacity
+from mha_rosetta.core.variants import norm_step
 
 from ..decoding import kv_cache_bytes
 from .common import sharded_cache_info
@@ -54,6 +55,22 @@ DECODE_LAYOUTS = {
     "of W - 1 + step slots",
 }
 CACHE_LAYOUT = "(B, Hkv_local, T, Dk), (B, Hkv_local, T, Dv) per rank"
+
+
+def rank_norm_sum(cfg: MHAConfig, plan: ShardPlan):
+    """``norm_sum(squares, which)`` of a rank of torch-tp (`torch.heads.RowHeadSteps`): a projection-wide QK-norm's
+    statistic, this rank's sum of squares (B, N, 1) summed over the ranks (a kv head on ``r`` ranks counted once);
+    None when the registry's `NormStep` is off or per head (each rank holds whole heads: nothing to add up)."""
+    step = norm_step(cfg)
+    if step is None or step.per_head:
+        return None
+    import torch.distributed as dist
+
+    def norm_sum(squares, which: str):
+        dist.all_reduce(squares)  # one all-reduce for q, one for k
+        return squares / plan.kv_replicas if which == "k" and plan.kv_replicas > 1 else squares
+
+    return norm_sum
 
 
 def _rank_layer(
@@ -76,11 +93,6 @@ def _rank_layer(
     local_cfg = plan.local_cfg
     shard = dataclasses.replace(shard_params(cfg, params, world)[rank], **shard_variant_params(cfg, params, plan, rank))
     b_o = None if params.b_o is None else to_tensor(params.b_o, dtype, "cpu")
-
-    def norm_sum(squares, which: str):
-        """A projection-wide QK-norm's statistic: this rank's sum of squares (B, s, 1) summed over the ranks."""
-        dist.all_reduce(squares)  # one all-reduce for q, one for k
-        return squares / plan.kv_replicas if which == "k" and plan.kv_replicas > 1 else squares
 
     module = None
     if strategy == STANDARD:
@@ -111,8 +123,8 @@ def _rank_layer(
             return output
 
     layer = RankDecodeLayer(local_cfg, dataclasses.replace(shard, b_o=None), x, positions, valid, dtype, "cpu")
-    if cfg.qk_norm == "projection":
-        layer.norm_sum, layer.norm_widths = norm_sum, (cfg.q_width, cfg.k_width)  # the whole layer's widths
+    layer.norm_sum = rank_norm_sum(cfg, plan)  # None unless the norm spans the projection
+    layer.norm_widths = (cfg.q_width, cfg.k_width)  # the whole layer's widths, which its statistic is over
     layer.set_position_tables(positions, kv_positions, dtype, "cpu")
     if layer.bias_tables is not None:  # the rank's slice of the layer's ALiBi slopes, not a local series
         _, lowest, highest = layer.bias_tables

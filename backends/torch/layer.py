@@ -41,6 +41,7 @@ from __future__ import annotations
 from functools import partial
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions, split_head_bias, split_head_matrices
+from mha_rosetta.core.variants import norm_step
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES, head_slice_axes, layer_sizes
 from .._recording import LayerRecording, StageRecorder, relation_to
@@ -134,6 +135,7 @@ class RowSampleMHA(RowHeadSteps, RowScoreSteps, LayerRecording):
         self.b_v_heads = tensor(split_head_bias(params.b_v, cfg.n_kv_heads))  # (Hkv, Dv) or None
         # The variants' parameters (None when off): QK-norm weights (Dk,) or (H*Dk,)/(Hkv*Dk,), T5's table
         # (buckets, H), and by their names those the score steps read (`frameworks.score_parts`: one value per head).
+        self.norm_step = norm_step(cfg)  # QK-norm's place and weight fields (`heads.RowHeadSteps` reads it), or None
         self.q_norm, self.k_norm = tensor(params.q_norm), tensor(params.k_norm)
         self.rel_bias = tensor(params.rel_bias)
         for name in part_names():

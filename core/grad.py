@@ -391,6 +391,8 @@ def reference_mha_vjp(
     d_xk, d_w_k, d_b_k = linear_backward(d_k, x_k, p["w_k"], p["b_k"])
     d_xv, d_w_v, d_b_v = linear_backward(d_v, x_v, p["w_v"], p["b_v"])
     d_query, d_key, d_value = fold_defaulted_inputs(d_xq, d_xk, d_xv, key is not None, value is not None)
-    d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o, d_q_norm, d_k_norm, **d_variant_params)
+    if step is not None:  # each weight's gradient under its own field, as the step names them
+        d_variant_params.update({step.weight("q"): d_q_norm, step.weight("k"): d_k_norm})
+    d_params = MHAParams(d_w_q, d_w_k, d_w_v, d_w_o, d_b_q, d_b_k, d_b_v, d_b_o, **d_variant_params)
     d_key, d_value = (None if d is None else inputs.unbatch(d) for d in (d_key, d_value))
     return MHAGrads(inputs.unbatch(d_query), d_key, d_value, d_params, stages)  # d_query is never None

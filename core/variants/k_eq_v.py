@@ -74,7 +74,9 @@ GEMMA4_GLOBAL = dict(
 
 
 def _has_k_path(cfg: Config) -> bool:
-    return cfg.qk_norm is not None or cfg.rope is not None  # something between k_proj and the keys
+    from . import norm_step  # the registry's (imported at call time: this module is one of its entries)
+
+    return norm_step(cfg) is not None or cfg.rope is not None  # something between k_proj and the keys
 
 
 def values_read(cfg: Config, p, v, k_raw, k_rotated, mistake):

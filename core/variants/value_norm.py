@@ -51,7 +51,9 @@ def values_read(cfg: Config, p, v, k_raw, k_rotated, mistake):
 
 
 def _with_k_weight(cfg: Config) -> bool:
-    return cfg.qk_norm == "head" and cfg.d_v == cfg.d_k  # a (d_k,) weight that fits the values
+    from . import norm_place  # the registry's (imported at call time: this module is one of its entries)
+
+    return norm_place(cfg) == "head" and cfg.d_v == cfg.d_k  # a per-head (d_k,) key weight that fits the values
 
 
 CAUSES = (

@@ -41,14 +41,15 @@ def reached(until: str | None, stage: str, *values) -> None:
 
 
 def path_groups(
-    *, rope: bool, decode: bool, fused: bool, joined: str = FUSED_ATTENTION, qk_norm: bool = False
+    *, rope: bool, decode: bool, fused: bool, joined: str = FUSED_ATTENTION, normed: bool = False
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """The breakdown's stages of a path, in order, each with the tensors it ends with: the projections, the
-    head split, the rotary (with rope), the cache write (a decode step), the scores and softmax (with ``fused``
+    head split, the norm before rotary (with ``normed``: the path's config has one, `core.variants.norm_step`,
+    QK-norm's), the rotary (with rope), the cache write (a decode step), the scores and softmax (with ``fused``
     one row with the context, named ``joined``: a fused kernel keeps them, or the program exposes none), the
     context, the merge, the output."""
     groups = [("projections", ("q", "k", "v")), ("head split", ("q_heads", "k_heads", "v_heads"))]
-    if qk_norm:
+    if normed:
         groups.append(("qk-norm", ("q_normed", "k_normed")))
     if rope:
         groups.append(("rotary", ("q_rotated", "k_rotated")))

@@ -17,6 +17,7 @@ from mha_rosetta.cli.main import main as cli_main
 from mha_rosetta.core import MHAConfig, init_params
 from mha_rosetta.core.stages import STAGE_NAMES
 from mha_rosetta.core.tolerances import assert_close
+from mha_rosetta.core.variants import NORM_PLACES, norm_step, rms_norm
 
 # Distinct sizes: 6 heads in 3 kv groups of 2, d_k 4, d_model 18, 7 tokens, batch 2.
 CFG = MHAConfig(d_model=18, n_heads=6, n_kv_heads=3, d_k=4)
@@ -123,6 +124,25 @@ def test_a_decode_step_is_cut_with_its_cache_write_as_a_stage_of_its_own(name):
     assert_close(last, before, "float32", what=f"{name}: the decode step's last cut")
     # The cuts share the timed step's cache (jax-best's donated one included): the step is unchanged after them.
     assert_close(prepared.output(), before, "float32", what=f"{name}: the timed step after the cuts")
+
+
+@pytest.mark.parametrize("place", NORM_PLACES)
+def test_a_jax_decode_step_with_a_norm_before_rotary_is_cut_after_it(place):
+    # The norm's place and weights come from the registry's step (`core.variants.norm_step`): its cut holds the
+    # normed heads, RMS-normed per head or over the whole projection, with the step's own weights.
+    cfg = dataclasses.replace(DECODE_CFG, qk_norm=place)
+    backend, params, step = _backend("jax"), init_params(cfg, seed=0), norm_step(cfg)
+    prepared = backend.prepare_decode(cfg, params, context=9, batch=1, step=1, dtype="float32", device="cpu", seed=0)
+    cuts = stage_programs(prepared, backend.requires)
+    assert [group for group, _ in cuts.groups][:4] == ["projections", "head split", "qk-norm", "rotary"]
+    with cuts.active():
+        projected, normed = ([np.array(prepared.to_numpy(v)) for v in cuts.program(i)()] for i in (0, 2))
+    sides = (("q", projected[0], normed[0], cfg.n_heads), ("k", projected[1], normed[1], cfg.n_kv_heads))
+    for which, x, heads, n in sides:
+        weight = getattr(params, step.weight(which))
+        split = x.reshape(*x.shape[:-1], n, cfg.d_k)  # (B, s, n*Dk) -> (B, s, n, Dk), the adapter's split
+        want = rms_norm(split, weight, cfg.norm_eps) if place == "head" else rms_norm(x, weight, cfg.norm_eps)
+        assert_close(heads, want.reshape(split.shape), "float32", what=f"jax: {which}_normed at {place}")
 
 
 def test_a_per_head_strategy_is_refused_with_its_reason():

@@ -13,7 +13,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_NAMES, MHAConfig, MHAInputs, MHAParams, allowed_positions
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
-from mha_rosetta.core.variants import relative_distances, t5_buckets
+from mha_rosetta.core.variants import norm_step, relative_distances, t5_buckets
 
 from .._layouts import XLA_LAYOUT
 from .._recording import NO_ROPE_NOTE, relation_to, shares_memory
@@ -61,10 +61,10 @@ def rotate_pairs(x, cos, sin, style: str, heads: str):
     return rotated if x_pass is None else einops.pack([rotated, x_pass], f"{heads} *")[0]  # (..., Dk)
 
 
-def _norm_pattern(heads: str, over: str) -> str:
-    """The einops.reduce pattern of QK-norm's mean of squares: over ``k`` ("head") or every head axis and ``k``."""
+def _norm_pattern(heads: str, per_head: bool) -> str:
+    """einops.reduce's pattern of QK-norm's mean of squares: over ``k`` (``per_head``) or every head axis and ``k``."""
     names = heads.split()  # "b n h" or "b n g r"
-    kept = names if over == "head" else names[:2] + ["1"] * (len(names) - 2)
+    kept = names if per_head else names[:2] + ["1"] * (len(names) - 2)
     return f"{heads} k -> {' '.join(kept)} 1"
 
 
@@ -125,9 +125,10 @@ def project_heads(ops, plan: EinsumPlan, weights: dict, x_q, x_k, x_v, tables=No
         k = ops.add_bias(k, weights["b_k"])  # b_k as (Hkv, Dk)
         v = ops.add_bias(v, weights["b_v"])  # b_v as (Hkv, Dv)
     q_normed, k_normed = q, k
-    if cfg.qk_norm is not None:  # q_norm as (H, Dk) over the projection, (Dk,) per head
-        q_normed = ops.rms_norm(q, weights["q_norm"], cfg.norm_eps, _norm_pattern(plan.heads_q, cfg.qk_norm))
-        k_normed = ops.rms_norm(k, weights["k_norm"], cfg.norm_eps, _norm_pattern(plan.heads_kv, cfg.qk_norm))
+    if (step := norm_step(cfg)) is not None:  # the norm before rotary (QK-norm): (H, Dk) weights over the projection
+        w_q, w_k, per_head = weights[step.weight("q")], weights[step.weight("k")], step.per_head  # (Dk,) per head
+        q_normed = ops.rms_norm(q, w_q, cfg.norm_eps, _norm_pattern(plan.heads_q, per_head))
+        k_normed = ops.rms_norm(k, w_k, cfg.norm_eps, _norm_pattern(plan.heads_kv, per_head))
     q_rotated, k_rotated = q_normed, k_normed  # without rope: the (normed) heads themselves
     tables = tables or {}
     if "rotary" in tables:
@@ -137,7 +138,7 @@ def project_heads(ops, plan: EinsumPlan, weights: dict, x_q, x_k, x_v, tables=No
     on_stage = None
     if record is not None:
         record.update(q=q, k=k, v=v, q_rotated=q_rotated, k_rotated=k_rotated)
-        if cfg.qk_norm is not None:
+        if step is not None:
             record.update(q_normed=q_normed, k_normed=k_normed)
 
         def on_stage(name, value, parent):
@@ -246,11 +247,11 @@ def canonical_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan) -> di
 def _variant_weights(cfg: MHAConfig, params: MHAParams, plan: EinsumPlan, split, sizes, kv_sizes) -> dict:
     """The variants' parameters the pipeline reads (only those present, as `MHAParams.as_dict` lists them)."""
     weights = {}
-    if cfg.qk_norm == "projection":  # split like the biases: the projection's features are the heads'
-        weights["q_norm"] = split(params.q_norm, plan.bias_q, sizes)  # (H, Dk) or (Hkv, G, Dk)
-        weights["k_norm"] = split(params.k_norm, plan.bias_kv, kv_sizes)  # (Hkv, Dk)
-    elif cfg.qk_norm == "head":
-        weights["q_norm"], weights["k_norm"] = params.q_norm, params.k_norm  # (Dk,) each, every head's
+    if (step := norm_step(cfg)) is not None:  # the norm before rotary (QK-norm): per head (Dk,) each, every head's
+        w_q, w_k = getattr(params, step.weight("q")), getattr(params, step.weight("k"))
+        if not step.per_head:  # split like the biases (its features are the heads'): (H, Dk) or (Hkv, G, Dk), (Hkv, Dk)
+            w_q, w_k = split(w_q, plan.bias_q, sizes), split(w_k, plan.bias_kv, kv_sizes)
+        weights[step.weight("q")], weights[step.weight("k")] = w_q, w_k
     for spec in part_params(cfg):  # the score parts' (`frameworks.score_parts`): one value per query head
         # (H,), or (Hkv, G) split like the heads; laid out against the scores in the pass (plan.sink)
         value = getattr(params, spec.name)

@@ -100,7 +100,7 @@ class JaxBackend(MLAStrategies, Backend):
             notes = dict(STAGE_NOTES)
             if cfg.rope is None:
                 for name in ("q", "k"):
-                    before = f"{name}_normed" if cfg.qk_norm is not None else f"{name}_heads"
+                    before = variant_provenance(f"{name}_rotated", cfg)[1]  # the normed heads, or the heads
                     notes[f"{name}_rotated"] = f"{before} itself: no rotary embedding (cfg.rope is None); {XLA_LAYOUT}"
             return {
                 name: StageTensor(stages[name], axes, notes.get(name, XLA_LAYOUT), *variant_provenance(name, cfg))

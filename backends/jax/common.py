@@ -46,7 +46,7 @@ from mha_rosetta.core import (
     stage_names,
 )
 from mha_rosetta.core.stages import SCORE_VARIANT_STAGES
-from mha_rosetta.core.variants import relative_distances, t5_buckets
+from mha_rosetta.core.variants import norm_step, relative_distances, t5_buckets
 
 from .._inputs import convert_inputs
 from .._layouts import TOKENS_FIRST_STAGE_AXES, xla_provenance
@@ -146,7 +146,7 @@ def variant_provenance(name: str, cfg: MHAConfig) -> tuple[str, str | None]:
     each made from the score stage before them (`core.stages` order)."""
     if name in ("q_normed", "k_normed"):
         return "new", f"{name[0]}_heads"
-    if name in ("q_rotated", "k_rotated") and cfg.qk_norm is not None:
+    if name in ("q_rotated", "k_rotated") and norm_step(cfg) is not None:
         return ("view" if cfg.rope is None else "new"), f"{name[0]}_normed"
     names = stage_names(cfg)
     if name in (*SCORE_VARIANT_STAGES, "masked_scores"):
@@ -176,6 +176,43 @@ def rms_norm_last_axis(x, weight, eps: float, sum_squares=None):
     if sum_squares is not None:
         total, width = sum_squares(total, width)
     return (xc * lax.rsqrt(total / width + eps) * weight.astype(compute)).astype(x.dtype)
+
+
+def normed_heads(cfg: MHAConfig, params: dict, q, k, q_heads, k_heads, sum_squares=None) -> dict:
+    """The queries and keys after the norm before rotary (the registry's `norm_step`: QK-norm), as heads, features
+    last: {"q_normed": like ``q_heads`` (..., H, Dk), "k_normed": like ``k_heads`` (..., Hkv, Dk)}; empty without it.
+
+    Each head's Dk features with one (Dk,) weight broadcast over the heads (``step.per_head``), or the merged
+    projections ``q`` (..., H*Dk), ``k`` (..., Hkv*Dk), then the same reshape as the split. ``sum_squares``: a
+    sharded pass's reduction of the projection's statistics (`mesh_sum_squares`).
+    """
+    step = norm_step(cfg)
+    if step is None:
+        return {}
+    w_q, w_k, eps = params[step.weight("q")], params[step.weight("k")], cfg.norm_eps
+    if step.per_head:
+        return {"q_normed": rms_norm_last_axis(q_heads, w_q, eps), "k_normed": rms_norm_last_axis(k_heads, w_k, eps)}
+    q_normed = rms_norm_last_axis(q, w_q, eps, sum_squares).reshape(q_heads.shape)  # (..., H, Dk): the split's
+    k_normed = rms_norm_last_axis(k, w_k, eps, sum_squares).reshape(k_heads.shape)  # (..., Hkv, Dk)
+    return {"q_normed": q_normed, "k_normed": k_normed}
+
+
+def mesh_sum_squares(cfg: MHAConfig, axis: str, world: int):
+    """`normed_heads`' ``sum_squares`` for a pass whose ``world`` devices on mesh axis ``axis`` each hold a slice of
+    the projection's features: one psum of the sums of squares, and the whole width (a kv head replicated on r
+    devices is counted r times, and so is its width, so the mean is right). None where ``cfg``'s norm before
+    rotary takes each head's own statistics (a device holds whole heads) or there is none."""
+    step = norm_step(cfg)
+    if step is None or step.per_head:
+        return None
+
+    def sum_squares(total, width):
+        """This device's sum of squares of its features -> the whole projection's, and its width."""
+        import jax
+
+        return jax.lax.psum(total, axis), width * world
+
+    return sum_squares
 
 
 def score_bias_inputs(cfg: MHAConfig, inputs: MHAInputs, dtype: str) -> tuple[dict, dict]:

@@ -51,6 +51,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, numpy_dtype, prepare_inputs
 from mha_rosetta.core.decode import DecodeInputs, cache_capacity, check_capacity, ring_capacity
+from mha_rosetta.core.variants import norm_step
 
 from .._layouts import XLA_LAYOUT
 from ..base import DecodeStep, Prepared, PreparedDecode, StageTensor, tensor_to_numpy
@@ -376,7 +377,7 @@ def prepare_decode_step(
 
     # The breakdown's cuts (`stage_cuts`); the step exposes no scores: they are one row with the context.
     groups = path_groups(
-        rope=cfg.rope is not None, decode=True, fused=True, joined=NO_SCORES_ROW, qk_norm=cfg.qk_norm is not None
+        rope=cfg.rope is not None, decode=True, fused=True, joined=NO_SCORES_ROW, normed=norm_step(cfg) is not None
     )
     cuts = jax_cuts(step_stages, list(args), groups, precision=decoder.precision)
     return Prepared(forward, tensor_to_numpy, native_stages, _block, compile=compile_step, info=info, stage_cuts=cuts)

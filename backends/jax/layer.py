@@ -22,8 +22,9 @@ heads of q and of k (the tables unmapped: every head sees the same angles).
 The variants (`core.variants`) are written the same way. The output gate (``attn_output_gate``) is one
 item's ``sigmoid(x_q @ w_gate.T + b_gate)`` ``(Nq, H*Dv)``, laid out like the merged heads (its columns
 h*Dv:(h+1)*Dv gate head h), multiplied in before ``w_o``; a decode step's items are its own tokens.
-QK-norm normalises the merged projection ``(N, H*Dk)`` before the split (``"projection"``) or the
-heads ``(N, H, Dk)`` after it (``"head"``). Everything a head owns travels with it through the
+The norm before rotary (QK-norm: the registry's `norm_step`, `common.normed_heads`) normalises the merged
+projection ``(N, H*Dk)`` before the split (place ``"projection"``) or the heads ``(N, H, Dk)`` after it
+(``"head"``). Everything a head owns travels with it through the
 head vmaps in one dict: its score parts (its sink logit), its ALiBi slope and its column of T5's table
 (``rel_bias.T`` (H, buckets)), each ``(H, ...)`` and mapped on axis 0 (``(Hkv, G, ...)`` under GQA); the per-item tables
 (ALiBi's distances, T5's buckets) are mapped by the batch vmap only. `_attend_one_head` then
@@ -51,9 +52,9 @@ from ..frameworks.score_parts import picked_parts, score_parts
 from .chunked import pad_mask_to_blocks
 from .common import (
     allowed_for_heads,
+    normed_heads,
     numpy_rotary_tables,
     output_gate,
-    rms_norm_last_axis,
     rotate_last_axis,
     score_bias_inputs,
     to_jax,
@@ -180,23 +181,6 @@ def _attend_all_heads(q_heads, k_heads, v_heads, allowed, head, item, *, cfg: MH
     return {**stages, "context": heads["context"].reshape(n_q, H, Dv)}  # context (Nq, H, Dv)
 
 
-def _qk_normed(cfg: MHAConfig, params: dict, q, k, q_heads, k_heads, sum_squares=None):
-    """The queries and keys after QK-norm, as heads (Nq, H, Dk) and (Nk, Hkv, Dk); the heads without it.
-
-    ``"projection"``: RMSNorm of the merged projections (N, heads*Dk), then the same reshape as the
-    split; ``"head"``: of each head's Dk features, one (Dk,) weight broadcast over the heads.
-    ``sum_squares``: a sharded pass's reduction of the projection statistics (`rms_norm_last_axis`).
-    """
-    eps = cfg.norm_eps
-    if cfg.qk_norm == "projection":
-        q_normed = rms_norm_last_axis(q, params["q_norm"], eps, sum_squares).reshape(q_heads.shape)  # (Nq, H, Dk)
-        k_normed = rms_norm_last_axis(k, params["k_norm"], eps, sum_squares).reshape(k_heads.shape)  # (Nk, Hkv, Dk)
-        return q_normed, k_normed
-    if cfg.qk_norm == "head":
-        return rms_norm_last_axis(q_heads, params["q_norm"], eps), rms_norm_last_axis(k_heads, params["k_norm"], eps)
-    return q_heads, k_heads
-
-
 def _mha_one_item(
     params,
     x_q,
@@ -218,7 +202,7 @@ def _mha_one_item(
     None or the rotary (q_cos, q_sin, k_cos, k_sin) of this item, (N, r/2) each.
     ``score_tables``: the score bias's tables of this item (`common.score_bias_inputs`; an
     empty dict without ALiBi or relative bias). ``attend`` replaces `_attend_all_heads` (the
-    chunked strategy's, which returns the context only). ``sum_squares``: see `_qk_normed`.
+    chunked strategy's, which returns the context only). ``sum_squares``: see `common.normed_heads`.
     """
     n_q, n_k = x_q.shape[0], x_k.shape[0]
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
@@ -228,7 +212,8 @@ def _mha_one_item(
     q_heads = q.reshape(n_q, H, Dk)  # (Nq, H, Dk)
     k_heads = k.reshape(n_k, Hkv, Dk)  # (Nk, Hkv, Dk)
     v_heads = v.reshape(n_k, Hkv, Dv)  # (Nk, Hkv, Dv)
-    q_normed, k_normed = _qk_normed(cfg, params, q, k, q_heads, k_heads, sum_squares)
+    normed = normed_heads(cfg, params, q, k, q_heads, k_heads, sum_squares)  # the norm before rotary's, or {}
+    q_normed, k_normed = normed.get("q_normed", q_heads), normed.get("k_normed", k_heads)
     q_cos, q_sin, k_cos, k_sin = (None,) * 4 if tables is None else tables
     q_rotated = _rotate_heads(q_normed, q_cos, q_sin, style=cfg.rope)  # (Nq, H, Dk)
     k_rotated = _rotate_heads(k_normed, k_cos, k_sin, style=cfg.rope)  # (Nk, Hkv, Dk)
@@ -250,9 +235,7 @@ def _mha_one_item(
     merged = heads["context"].reshape(n_q, H * Dv)  # (Nq, H*Dv): head h in columns h*Dv:(h+1)*Dv
     gated = output_gate(x_q, params, merged) if cfg.attn_output_gate else {}  # (Nq, H*Dv) each: this item's tokens'
     output = linear(gated.pop("gated", merged), params["w_o"], params["b_o"])  # (Nq, D)
-    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
-    if cfg.qk_norm is not None:
-        stages.update(q_normed=q_normed, k_normed=k_normed)
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, **normed)
     stages.update(q_rotated=q_rotated, k_rotated=k_rotated, **steps)
     return {**stages, **heads, "merged": merged, **gated, "output": output}
 

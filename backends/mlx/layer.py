@@ -33,7 +33,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, rotary_tables
 from mha_rosetta.core.params import PARAM_NAMES
-from mha_rosetta.core.variants import t5_buckets
+from mha_rosetta.core.variants import norm_step, t5_buckets
 
 from .._layouts import HEADS_FIRST_SPLIT_AXES, ROW_SAMPLE_PROJECTION_AXES
 from .._recording import StageRecorder, head_step_recorder, record_projections, record_rotated, record_split_heads
@@ -44,6 +44,11 @@ from ..frameworks.score_parts import distance_slopes, score_parts
 
 SPLIT_HOW = "reshape(B, L, H, -1).transpose(0, 2, 1, 3)"
 ROTATE_HOW = "nn.RoPE's rotation (traditional={}) by the spec's angle tables"
+# The normed stages' note, by the norm before rotary's place (`NormStep.place`): mlx-lm's words for each.
+NORM_HOW = {
+    "head": "mx.fast.rms_norm over each head's Dk features (nn.RMSNorm(head_dim))",
+    "projection": "mx.fast.rms_norm over the whole projection, then the same head split",
+}
 
 
 def rotate(x, cos, sin, traditional: bool):
@@ -92,6 +97,7 @@ class MlxAttention:
         self.params = {name: to_mlx(getattr(params, name), dtype) for name in PARAM_NAMES}
         self.params = {name: value for name, value in self.params.items() if value is not None}
         self.traditional = cfg.rope == "interleaved"  # nn.RoPE(traditional=True) is the interleaved style
+        self.norm_step = norm_step(cfg)  # the norm before rotary (QK-norm: nn.RMSNorm), or None
         # The score bias is formed in float32 at least (float64 for float64 runs) and added before rounding.
         self.bias_dtype = "float64" if dtype == "float64" else "float32"
 
@@ -122,26 +128,26 @@ class MlxAttention:
         if rec is not None:
             record_projections(rec, (q, k, v), ROW_SAMPLE_PROJECTION_AXES, "nn.Linear: mx.addmm(b, x, W.T)")
             record_split_heads(rec, (q, k, v), (q_heads, k_heads, v_heads), HEADS_FIRST_SPLIT_AXES, SPLIT_HOW)
-        q_normed, k_normed = q_heads, k_heads
-        if cfg.qk_norm == "projection":
-            q_normed = self.split(self.rms_norm(q, p["q_norm"]), cfg.n_heads)
-            k_normed = self.split(self.rms_norm(k, p["k_norm"]), cfg.n_kv_heads)
-            how, parents = "mx.fast.rms_norm over the whole projection, then the same head split", (None, None)
-        elif cfg.qk_norm == "head":
-            q_normed, k_normed = self.rms_norm(q_heads, p["q_norm"]), self.rms_norm(k_heads, p["k_norm"])
-            how, parents = (
-                "mx.fast.rms_norm over each head's Dk features (nn.RMSNorm(head_dim))",
-                ("q_heads", "k_heads"),
-            )
-        if rec is not None and cfg.qk_norm is not None:
-            for name, value, parent in zip(("q_normed", "k_normed"), (q_normed, k_normed), parents, strict=True):
-                rec.record(name, value, HEADS_FIRST_SPLIT_AXES[name.replace("normed", "heads")], how, "new", parent)
+        q_normed, k_normed, step = q_heads, k_heads, self.norm_step
+        if step is not None:
+            w_q, w_k = p[step.weight("q")], p[step.weight("k")]
+            if step.per_head:
+                q_normed, k_normed = self.rms_norm(q_heads, w_q), self.rms_norm(k_heads, w_k)  # (B, n, L, Dk)
+                parents = ("q_heads", "k_heads")
+            else:  # the merged projection (B, L, n*Dk), then the same split
+                q_normed = self.split(self.rms_norm(q, w_q), cfg.n_heads)  # (B, H, L, Dk)
+                k_normed = self.split(self.rms_norm(k, w_k), cfg.n_kv_heads)  # (B, Hkv, L, Dk)
+                parents = (None, None)
+            if rec is not None:
+                for name, value, parent in zip(("q_normed", "k_normed"), (q_normed, k_normed), parents, strict=True):
+                    axes = HEADS_FIRST_SPLIT_AXES[name.replace("normed", "heads")]
+                    rec.record(name, value, axes, NORM_HOW[step.place], "new", parent)
         rotated = q_normed, k_normed
         if tables is not None and "q" in tables:
             rotated = tuple(rotate(x, *tables[w], self.traditional) for x, w in zip(rotated, "qk", strict=True))
         if rec is not None:
             how = ROTATE_HOW.format(self.traditional)
-            parents = (q_heads, k_heads) if cfg.qk_norm is None else (q_normed, k_normed)  # turned from the normed
+            parents = (q_heads, k_heads) if step is None else (q_normed, k_normed)  # turned from the normed
             record_rotated(rec, parents, rotated, HEADS_FIRST_SPLIT_AXES, how)
         # Llama 4's steps after rotary and Gemma 4's value norm on MlxOps (frameworks.ops), heads first.
         on_stage = head_step_recorder(rec, HEADS_FIRST_SPLIT_AXES)

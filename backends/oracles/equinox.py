@@ -15,6 +15,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, to_equinox_weights
 from mha_rosetta.core.layouts import EQUINOX_NAMES
+from mha_rosetta.core.variants import norm_step
 
 from .._grad_layout import gradients_to_canonical
 from .._layouts import ROW_SAMPLE_PROJECTION_AXES
@@ -64,7 +65,7 @@ class EquinoxMHAOracle(JaxOracle):
                 f"equinox MultiheadAttention has no {', no '.join(scores)}: it computes the logits, the softmax and "
                 "the weighted sum in one call, and its process_heads hook sees only q, k and v"
             )
-        if cfg.qk_norm is not None:
+        if norm_step(cfg) is not None:  # the refusal names the config field that asked for it
             return (
                 f"equinox MultiheadAttention has no QK-norm (cfg.qk_norm={cfg.qk_norm!r}); its process_heads hook could "
                 "apply one, but the norm weights would then be the hook's, not the module's, and this oracle does not"

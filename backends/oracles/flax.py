@@ -32,6 +32,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, prepare_inputs, to_flax_params
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
+from mha_rosetta.core.variants import norm_step
 
 from .._grad_layout import gradients_to_canonical
 from ..base import STANDARD, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
@@ -109,7 +110,7 @@ class FlaxMHAOracle(JaxOracle):
             )
         if cfg.sinks:
             return "Flax's dot_product_attention has no sinks: its softmax has no extra term in the denominator"
-        if cfg.qk_norm is not None:
+        if norm_step(cfg) is not None:  # the refusal names the config field that asked for it
             return (
                 "Flax's normalize_qk is a LayerNorm of each head (mean subtracted, no weight of the projection), "
                 f"not RMSNorm; cfg.qk_norm={cfg.qk_norm!r}"

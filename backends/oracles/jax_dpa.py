@@ -46,7 +46,7 @@ from ..jax.common import (
     jax_params,
     jax_rotary_tables,
     jax_target,
-    rms_norm_last_axis,
+    normed_heads,
     rotate_last_axis,
     to_jax,
     tokens_first_axes,
@@ -82,13 +82,8 @@ def _dpa_stages(
     q_heads = q.reshape(batch, n_q, cfg.n_heads, cfg.d_k)  # (B, Nq, H, Dk): "BTNH"
     k_heads = k.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_k)  # (B, Nk, Hkv, Dk): fewer heads = GQA
     v_heads = v.reshape(batch, n_k, cfg.n_kv_heads, cfg.d_v)  # (B, Nk, Hkv, Dv)
-    q_normed, k_normed = q_heads, k_heads
-    if cfg.qk_norm == "projection":  # RMSNorm of the whole projection, then the same split
-        q_normed = rms_norm_last_axis(q, params["q_norm"], cfg.norm_eps).reshape(q_heads.shape)
-        k_normed = rms_norm_last_axis(k, params["k_norm"], cfg.norm_eps).reshape(k_heads.shape)
-    elif cfg.qk_norm == "head":  # of each head's features, one (Dk,) weight
-        q_normed = rms_norm_last_axis(q_heads, params["q_norm"], cfg.norm_eps)
-        k_normed = rms_norm_last_axis(k_heads, params["k_norm"], cfg.norm_eps)
+    normed = normed_heads(cfg, params, q, k, q_heads, k_heads)  # QK-norm's (the jax adapter's), or {}
+    q_normed, k_normed = normed.get("q_normed", q_heads), normed.get("k_normed", k_heads)  # (B, N, heads, Dk)
     q_rotated, k_rotated = q_normed, k_normed
     if tables is not None:
         q_cos, q_sin, k_cos, k_sin = (table[:, :, None] for table in tables)  # (1|B, N, 1, r/2): every head
@@ -109,9 +104,7 @@ def _dpa_stages(
         context = jnp.where(empty_context_rows, 0, context)  # spec: no allowed key -> zero context
     merged = context.reshape(batch, n_q, cfg.context_width)  # (B, Nq, H*Dv)
     output = linear(merged, params["w_o"], params["b_o"])  # (B, Nq, D)
-    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads)
-    if cfg.qk_norm is not None:
-        stages.update(q_normed=q_normed, k_normed=k_normed)
+    stages = dict(q=q, k=k, v=v, q_heads=q_heads, k_heads=k_heads, v_heads=v_heads, **normed)
     stages.update(q_rotated=q_rotated, k_rotated=k_rotated)
     return {**stages, "context": context, "merged": merged, "output": output}
 

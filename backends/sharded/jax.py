@@ -59,6 +59,7 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, numpy_dtype, rotary_tables, shard_mask, shard_params, shard_plan
+from mha_rosetta.core.variants import norm_step
 
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD
@@ -215,7 +216,13 @@ def _build(cfg, params, inputs, dtype, strategy, world):
 
     from .._layouts import TOKENS_FIRST_STAGE_AXES
     from ..base import StageTensor, canonical_stage
-    from ..jax.common import VARIANT_STAGE_AXES, enable_float64_if_needed, score_bias_inputs, shared_program
+    from ..jax.common import (
+        VARIANT_STAGE_AXES,
+        enable_float64_if_needed,
+        mesh_sum_squares,
+        score_bias_inputs,
+        shared_program,
+    )
     from ..jax.layer import _mha_one_item, batched_tables, mask_for_vmap
 
     enable_float64_if_needed(dtype)
@@ -253,13 +260,8 @@ def _build(cfg, params, inputs, dtype, strategy, world):
             if getattr(shards[0], name) is not None
         }
         stacked.update({name: put(np.stack([o[name] for o in own]), P(MESH_AXIS)) for name in own[0]})
-        sum_squares = None
-        if cfg.qk_norm == "projection":
-
-            def sum_squares(total, width):
-                """This device's sum of squares of its features -> the whole projection's, and its width."""
-                return jax.lax.psum(total, MESH_AXIS), width * world
-
+        sum_squares = mesh_sum_squares(cfg, MESH_AXIS, world)  # a projection-wide norm's psum, or None
+        if sum_squares is not None:
             collectives.append("one psum each of q's and k's sums of squares (projection QK-norm)")
         # Each rank's mask (the user's mask cut to its heads, AND causal), shaped for the local vmaps.
         per_rank = [
@@ -307,15 +309,16 @@ def _build(cfg, params, inputs, dtype, strategy, world):
             "b_k": P(MESH_AXIS) if split_kv else P(),
             "b_v": P(MESH_AXIS) if split_kv else P(),
             "b_o": P(),
-            # The variants: per-head entries split with the heads, head QK-norm weights replicated,
-            # projection QK-norm weights like the biases (XLA then chooses how to reduce its statistics).
-            "q_norm": P(MESH_AXIS) if cfg.qk_norm == "projection" else P(),
-            "k_norm": P(MESH_AXIS) if cfg.qk_norm == "projection" and split_kv else P(),
+            # The variants: per-head entries split with the heads (the norm before rotary's weights below).
             "sinks": P(MESH_AXIS),
             "rel_bias": P(None, MESH_AXIS),  # its columns: one per head
             "w_gate": P(MESH_AXIS, None),  # the output gate's rows: per head, like w_q's
             "b_gate": P(MESH_AXIS),
         }
+        step = norm_step(cfg)  # QK-norm's: per-head weights replicated, a projection's split like the biases
+        if step is not None:  # (XLA then chooses how to reduce the projection's statistics)
+            specs[step.weight("q")] = P() if step.per_head else specs["b_q"]
+            specs[step.weight("k")] = P() if step.per_head else specs["b_k"]
         weights = {name: put(array, specs[name]) for name, array in params.as_dict().items()}
         if "slopes" in score_np:
             score_tables["slopes"] = put(score_np["slopes"], P(MESH_AXIS))

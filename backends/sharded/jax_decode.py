@@ -97,7 +97,7 @@ def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int, 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..jax.common import enable_float64_if_needed
+    from ..jax.common import enable_float64_if_needed, mesh_sum_squares
 
     MESH_AXIS, variant_shards = forward.mesh_axis, forward.variant_shards
     enable_float64_if_needed(dtype)
@@ -122,12 +122,7 @@ def _sharded_weights(cfg: MHAConfig, params: MHAParams, dtype: str, world: int, 
     }
     stacked.update({name: put(np.stack([o[name] for o in own]), P(MESH_AXIS)) for name in own[0]})
     names = list(params.as_dict())
-    sum_squares = None
-    if cfg.qk_norm == "projection":
-
-        def sum_squares(total, width):
-            """This device's sum of squares of its features -> the whole projection's, and its width."""
-            return jax.lax.psum(total, MESH_AXIS), width * world
+    sum_squares = mesh_sum_squares(cfg, MESH_AXIS, world)  # a projection-wide norm's psum, or None
 
     def local_params(stacked):
         weights = {name: stacked[name][0] if name in stacked else None for name in names}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import ClassVar
 
 import numpy as np
 
@@ -128,6 +129,13 @@ class JaxDotProductAttentionOracle(JaxOracle):
 
     name = "jax-dpa"
     convention = "x @ W.T + b in jnp, then jax.nn.dot_product_attention on (B, T, N, H) arrays"
+    gap_causes: ClassVar[dict[str, str]] = {
+        "forward": "XLA:CPU fuses jax.nn.dot_product_attention's scores and softmax but not its weighted sum: the "
+        "(B, H, N, N) weights (32 MiB at the reference size) are written out, copied once more into another layout "
+        "and read by a separate product whose context comes out (B, H, Dv, N) and is copied back, where jax-best's "
+        "program scores, normalises and weights in one fusion (read in both compiled programs' HLO, jax 0.10.2; "
+        "not timed apart)",
+    }
     known_differences = (
         "mask polarity: True = may attend (same as the spec)",
         "layout BTNH: query/key/value are (batch, tokens, heads, head_dim), heads after tokens",

@@ -41,6 +41,13 @@ class TorchBackend(MLAStrategies, TorchDevices, Backend):
         "forward:chunked": "the chunked strategy is memory-linear: at its default blocks of 128 queries and 256 keys "
         "it walks (N/128)(N/256) tiles from Python (8 at N=512), each with its own two bmm calls and the online "
         "softmax's rescaling, where torch-best's SDPA is one fused call (read in the code; not timed apart)",
+        "forward": "it writes attention as the spec's steps, `baddbmm` scores and a separate softmax, each a (B*H, "
+        "N, N) array (32 MiB at the reference size), and copies its split heads contiguous (8 `aten::copy_` a call "
+        "against torch-best's 4), where torch-best's SDPA is the fused CPU flash kernel, which never holds the "
+        "scores (torch 2.13's profiler, one thread; not timed apart)",
+        "forward:per_head": "one head at a time: 24 `aten::mm` for the heads' q, k and v slices and 8 rounds of "
+        "scores, softmax and context on (B, N, N) arrays, where torch-best makes 4 `addmm` and one fused SDPA call "
+        "(torch 2.13's profiler, one thread; not timed apart)",
     }
     strategies = (STANDARD, PER_HEAD, SLICING, DIRECT_RESHAPE, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`)
     # Every variant, in every strategy (chunked included: window tiles skipped, the score steps on each tile,

@@ -55,6 +55,20 @@ def load_example(name: str):
         sys.path.remove(str(EXAMPLES.parent))
 
 
+def load_script(name: str):
+    """The Python script ``scripts/<name>`` (no .py suffix), loaded as a module named after it."""
+    import importlib.machinery
+
+    path = EXAMPLES.parent / "scripts" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"load_script: name must name a file in {path.parent}, got {name!r}")
+    module_name = name.replace("-", "_")
+    loader = importlib.machinery.SourceFileLoader(module_name, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader))
+    loader.exec_module(module)
+    return module
+
+
 def run_cli(*argv: str, cwd, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """``mha-rosetta *argv`` in a fresh interpreter run from ``cwd`` (one BLAS thread, ``timeout`` s at most);
     ``env``: variables set on top of this process's (KERAS_BACKEND, PYTHONPATH)."""

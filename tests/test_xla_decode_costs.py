@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "xla-decode-costs"
-
-
-def load_script():
-    loader = importlib.machinery.SourceFileLoader("xla_decode_costs", str(SCRIPT))  # no .py suffix
-    spec = importlib.util.spec_from_loader("xla_decode_costs", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_the_script_prints_each_variant_and_the_cache_layouts(capsys):
     pytest.importorskip("jax", reason="jax is not installed: pip install 'mha-rosetta[jax]'")
-    script = load_script()
+    script = load_script("xla-decode-costs")
     script.main(64)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("jax ") and "D=64" in lines[0]
@@ -41,7 +29,7 @@ def test_the_two_cache_layouts_compute_the_same_attention():
     import jax.numpy as jnp
     import numpy as np
 
-    script = load_script()
+    script = load_script("xla-decode-costs")
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((1, 2, 3, 8)), jnp.float32)  # (s, Hkv, G, Dk)
     k = rng.standard_normal((10, 2, 8)).astype(np.float32)  # (T, Hkv, Dk)

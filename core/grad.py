@@ -361,7 +361,6 @@ def reference_mha_vjp(
     def split(d_merged, n):  # the inverse of merge
         return np.stack([d_merged[:, :, h * Dk : (h + 1) * Dk] for h in range(n)], axis=1)
 
-    d_q_norm = d_k_norm = None
     step = norm_step(cfg)  # the norm before rotary (QK-norm), from the registry
     if step is not None:
         stages.update(d_q_normed=d_q_heads, d_k_normed=d_k_heads)

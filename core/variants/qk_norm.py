@@ -159,10 +159,6 @@ def norm_weights(cfg: Config, params, place: str):
     return w_q.reshape(cfg.n_heads, 1, cfg.d_k), w_k.reshape(cfg.n_kv_heads, 1, cfg.d_k)  # per head slices, views
 
 
-def numpy_rms_norm(x, w, eps):
-    return x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + eps) * w
-
-
 def planted_norm(at: str, rms):
     """The planted candidates' QK-norm step at ``at`` ("projection" or "head") with their RMSNorm ``rms(x, w, eps)``.
 
@@ -205,9 +201,7 @@ MISTAKES = (
     ),
 )
 SIMULATED = SimulatedSteps(projection=_simulated_projection, heads=_simulated_heads)
-PLANTED = PlantedSteps(
-    projection=planted_norm("projection", numpy_rms_norm), heads=planted_norm("head", numpy_rms_norm)
-)
+PLANTED = PlantedSteps(projection=planted_norm("projection", rms_norm), heads=planted_norm("head", rms_norm))
 SETTINGS = {
     # Llama 3.1's layer (its rope scaling) with Qwen3's head QK-norm and Qwen2's q/k/v bias; d_k = 8.
     "head": dict(MODELS["llama3"].config, d_model=24, bias="qkv", qk_norm="head"),

@@ -175,6 +175,22 @@ def test_the_speed_questions_take_ratios_round_by_round():
     assert verdict_heads(cases(slowed=False))[0] == "confirmed"  # >= 1.5x at every head count, and growing
 
 
+def test_interleaved_rounds_end_at_max_time_when_a_variant_cannot_fill_min_time():
+    # A breakdown's empty cut (1 us) beside a 60 ms step: the cut would need 300,000 rounds to time 0.3 s by
+    # itself. The rounds stop once both have min_repeats samples and max_time has passed (1.5 s: 25 rounds).
+    host = FakeHost()
+    variants = {"empty cut": host.work("empty cut", 1e-6), "whole": host.work("whole", 0.06)}
+    policy = RepeatPolicy(min_time=0.3, min_repeats=7, max_time=1.5, warmup=1)
+    timings = time_interleaved(variants, policy, host.clock)
+    rounds = len(timings["whole"]["samples_s"])
+    assert rounds == len(timings["empty cut"]["samples_s"]) == 25  # ceil(1.5 / 0.060001)
+    # Variants that fill min_time and are stable stop at min_time, as before: 0.3 s of the 60 ms step is 5 rounds,
+    # but min_repeats asks for 7.
+    host = FakeHost()
+    steady = {"a": host.work("a", 0.06), "b": host.work("b", 0.05)}
+    assert len(time_interleaved(steady, policy, host.clock)["a"]["samples_s"]) == 7
+
+
 def test_schema_1_reports_still_render_and_compare():
     old = load_report(SCHEMA_1)
     assert old["schema"] == 1 and not any("corrected_median_s" in cell for cell in old["cells"])

@@ -15,8 +15,10 @@
   ``(B, Hkv, T, d)`` one, whose product drops the unit batch axis, made XLA duplicate the value
   cache's update into the context product's fusion and copy the donated cache four times per step
   (8k tokens: 16 MiB each); with the batch and kv-head axes merged the compiled step holds no copy
-  and no transpose of either cache (tests/test_best_paths.py reads the HLO). The timed step keeps the
-  cache each call returns and donates it to the next, as a generation loop does.
+  and no transpose of either cache (tests/test_best_paths.py reads the HLO). The scores are slots
+  first, ``K @ q.T`` (B*Hkv, C, G*s): XLA:CPU reads the keys twice as fast that way as ``q @ K.T``,
+  the few query rows first (`scripts/xla-decode-costs`; `jax_programs.best_step` gives the figures).
+  The timed step keeps the cache each call returns and donates it to the next, as a generation loop does.
 """
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def _index(value: int, target):
 
 
 def _folded_for_cache(cfg: MHAConfig, allowed: np.ndarray | None, batch: int, tokens: int, stop: int, slots: int):
-    """The slots each folded query row of a chunk sees, (B*Hkv, G*s, C), over every slot of the cache (the slots
-    from ``stop`` on are not written yet: blocked); None when the chunk sees every one of the C slots.
+    """The slots each folded query row of a chunk sees, (B*Hkv, C, G*s) (slots first, the step's scores' layout),
+    over every slot of the cache (the slots from ``stop`` on are not written yet: blocked); None when the chunk
+    sees every one of the C slots.
 
     ``allowed``: the chunk's pattern (B, 1, s, stop) over the slots written, None when it sees all of them.
     """
@@ -127,7 +130,8 @@ def _folded_for_cache(cfg: MHAConfig, allowed: np.ndarray | None, batch: int, to
     folded = folded_allowed(allowed, cfg.group_size)  # (B, 1, G*s, stop)
     full = np.zeros((batch, cfg.n_kv_heads, folded.shape[2], slots), dtype=bool)
     full[..., :stop] = folded  # broadcast over the kv heads
-    return full.reshape(batch * cfg.n_kv_heads, folded.shape[2], slots)
+    # (B, Hkv, G*s, C) -> (B*Hkv, G*s, C) (a view) -> (B*Hkv, C, G*s): a copy, slots first, once per chunk
+    return np.ascontiguousarray(full.reshape(batch * cfg.n_kv_heads, folded.shape[2], slots).transpose(0, 2, 1))
 
 
 class JaxBestBackend(BestPath, Backend):

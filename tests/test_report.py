@@ -351,14 +351,13 @@ def test_the_committed_decode_file_has_a_table_per_context_with_its_share_of_the
     assert len(groups) == 6
     assert [len(report.comparison.implementations(group)) for group in groups] == [12, 12, 12, 8, 8, 8]
     text = report.markdown()
-    # docs/bench/decode.md (Intel Xeon, 2026-12-06, 2 rounds, drift-corrected): numpy at 1024, step 1.858 ms,
-    # rounds 1.848-1.871, 8.9% of the K+V limit; jax at 32768 with W=4096: 9.167 ms,
-    # 8.857-9.374, 7.2%.
-    assert "| numpy | 1.86 [1.85–1.87] · 8.9% of KV limit |" in text
+    # docs/bench/decode.md (Intel Xeon, 2026-12-06 15:11 UTC, 2 rounds, drift-corrected): numpy at 1024, step
+    # 1.746 ms, rounds 1.744-1.750, 9.7% of the K+V limit; jax at 32768 with W=4096: 8.282 ms, 8.221-8.371, 8.2%.
+    assert "| numpy | 1.75 [1.74–1.75] · 9.7% of KV limit |" in text
     window = text.split("### decode · float32 · B1 context=32768 W=4096", 1)[1].split("###", 1)[0]
-    assert "| jax | 9.17 [8.86–9.37] · 7.2% of KV limit |" in window
+    assert "| jax | 8.28 [8.22–8.37] · 8.2% of KV limit |" in window
     page = report.html()
-    assert "context (log2)" in page and page.count('1.86 <span class="small">[1.85–1.87]</span>') == 1
+    assert "context (log2)" in page and page.count('1.75 <span class="small">[1.74–1.75]</span>') == 1
 
 
 def test_bench_baseline_and_compare_take_decode_reports(decode_pair, capsys):

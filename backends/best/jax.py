@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import ClassVar
 
 import numpy as np
 
@@ -138,17 +137,8 @@ class JaxBestBackend(BestPath, Backend):
     name = "jax-best"
     convention = (
         "JAX at its best: one jax.jit program, weights stored (in, out) so XLA reads x @ W without a transpose, "
-        "jax.vjp for the backward; decoding one jitted step with its (B*Hkv, C, d) cache donated"
+        "jax.vjp for the backward; decoding one jitted step with its (B*Hkv, C, d) cache donated, its scores slots first"
     )
-    peer_limits: ClassVar[dict[str, str]] = {
-        "decode": "XLA:CPU's products over the cache read it at 10-12 GB/s whether or not it sits in the cache "
-        "(`scripts/xla-decode-costs`: one token's scores over 1k-32k keys, one pinned core), where numpy-best's paged "
-        "BLAS products read a cache held in the L3 at about 24 GB/s: from 1k to 8k cached tokens (28 MiB more K and "
-        "V) jax-best's step grows by 1.9 ms, numpy-best's by 1.2 (Intel Xeon, B=1; measured, issue 43)",
-        "decode at B=4": "with four sequences, XLA:CPU's products of 4 query rows read the keys at 5-7 GB/s where "
-        "np.max reads 16-18 (Intel Xeon, one pinned core); the pages that lifted NumPy's to 11 GB/s took 300 ms "
-        "against 80 in XLA (32k, the attention part), so it keeps its rows (measured, issue 43)",
-    }
     decode_layouts = DECODE_LAYOUTS
 
     def devices(self) -> tuple[str, ...]:

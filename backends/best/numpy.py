@@ -26,6 +26,8 @@ below, on this machine (loaded: figures are CPU time, the best of several rounds
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from mha_rosetta.core import (
@@ -306,6 +308,14 @@ class NumpyBestBackend(BestPath, Backend):
         "heads' column slices; a hand-written backward; decoding a static cache with each group's query heads folded "
         "into one GEMM per kv head"
     )
+    peer_limits: ClassVar[dict[str, str]] = {
+        "decode at B=4": "with four sequences NumPy's BLAS (OpenBLAS) reads the projection weights slower than torch's "
+        "and XLA's products: a 2048 x 2048 weight over 4 rows in 1.03-1.14 ms as W_(out,in) @ x.T, numpy-best's form "
+        "(1.38-1.41 as x @ W_(in,out)), against 0.79-0.92 for torch's F.linear on a weight stored (in, out) and "
+        "0.76-0.82 for XLA's x @ W (`scripts/projection-costs`, one pinned core, two runs); at 1k the four weights "
+        "(40 MiB) are 71% of what a step reads, and its projections 2.8 of its 3.9 ms (`bench --breakdown`; Intel "
+        "Xeon; measured, issue 43)",
+    }
     decode_layouts = DECODE_LAYOUTS
 
     def _prepare(self, cfg, params, inputs, dtype, device, strategy) -> Prepared:

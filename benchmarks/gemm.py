@@ -111,13 +111,39 @@ def reference_product(device: str, frameworks: tuple[str, ...]) -> tuple[Callabl
         return None, None
     n = REFERENCE_SIZES[device]
     launch, sync, facts = _product(library, n, REFERENCE_DTYPE, device)  # the same program as the GEMM peak
+    one_thread = _one_blas_thread() if device == "cpu" else None
 
     def run_once() -> None:
-        launch()
-        sync()
+        if one_thread is None:
+            launch()
+            sync()
+            return
+        with one_thread():
+            launch()
+            sync()
 
     workload = {"library": library, "device": device, "dtype": REFERENCE_DTYPE, "n": n, "flops": gemm_flops(n, n, n)}
+    if one_thread is not None:
+        workload["blas_threads"] = 1
     return run_once, {**workload, "versions": facts}
+
+
+def _one_blas_thread() -> Callable | None:
+    """A context limiting NumPy's BLAS to one thread, for the CPU reference product; None without threadpoolctl.
+
+    The reference runs between a cell's samples, whatever the cell's framework. With the cell's threads (two),
+    OpenBLAS wakes its worker for it, and the worker then spins for its timeout (2**28 cycles by default,
+    about 0.1 s) on the other core while the next sample runs: torch-best's reference-size forward at two
+    threads took 64-68 ms paired with a two-thread reference against 18.5 with a one-thread one, and 18.7-21.3
+    unpaired (Intel Xeon, torch 2.13, OpenBLAS 0.3.31; 20.6 with OPENBLAS_THREAD_TIMEOUT=4, which ends the
+    spin; issue 43). At one thread the worker stays asleep. The cells' own products keep their threads; the
+    limit costs about 7 us a product (1.3 ms at one thread)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    controller = ThreadpoolController()  # the pools loaded now: NumPy's BLAS among them
+    return lambda: controller.limit(limits=1, user_api="blas")
 
 
 def reference_key(workload: dict) -> str:

@@ -231,6 +231,30 @@ def test_time_repeats_caps_at_max_repeats_and_max_time():
     assert result["timed_total_s"] == pytest.approx(2.0)  # 10 samples of 0.1/0.3 alternating
 
 
+def test_the_cpu_reference_product_runs_on_one_blas_thread_and_gives_the_cells_theirs_back(monkeypatch):
+    """Issue 43: a two-thread reference woke OpenBLAS's worker between a cell's samples, and its spin slowed the
+    next torch sample 3x. The reference runs with one BLAS thread; the cell's own limit holds around it."""
+    threadpoolctl = pytest.importorskip(
+        "threadpoolctl", reason="threadpoolctl is not installed: pip install 'mha-rosetta[bench]'"
+    )
+    from mha_rosetta.benchmarks import gemm
+
+    def blas_threads() -> list[int]:
+        return [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+
+    if not blas_threads():
+        pytest.skip("no BLAS library that threadpoolctl can see is loaded")
+    seen: list[list[int]] = []
+    program = (lambda: seen.append(blas_threads()), lambda: None, {"numpy": "test"})
+    monkeypatch.setattr(gemm, "_product", lambda library, n, dtype, device: program)
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        run_once, workload = gemm.reference_product("cpu", ("torch",))
+        run_once()
+        after = blas_threads()
+    assert seen == [[1] * len(after)] and after == [2] * len(after)
+    assert workload["blas_threads"] == 1 and workload["library"] == "numpy" and workload["n"] == 512
+
+
 def test_fixed_median_s_times_exactly_the_asked_calls_after_the_warm_up():
     """The cost scripts' loop: one untimed call (its 100 s never counts), then exactly ``repeats`` samples."""
     odd = FakeClock([100.0, 5.0, 1.0, 3.0, 2.0, 4.0])

@@ -219,10 +219,9 @@ def test_docs_report_command_runs_as_printed(capsys):
     argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
     assert main(argv) == 0
     # torch-sdpa in the committed files, both on the Intel Xeon: 1 thread (2026-12-06 09:14, 3 rounds of 2 visits,
-    # drift-corrected): 39.51 ms, rounds 38.73-40.09 ms; 2 threads (2026-12-06 11:12, 3 rounds of 2 visits; its
-    # samples did not follow the reference, beta 0): 63.04 ms (59.43-64.12), its raw figures. 63.04 / 39.51 = 1.60x:
-    # two threads on two cores here are slower for torch (the docs say so).
-    assert "| torch-sdpa | 39.5 [38.7–40.1] | 63 [59.4–64.1] ×1.60 [1.48–1.66] |" in capsys.readouterr().out
+    # drift-corrected): 39.51 ms, rounds 38.73-40.09 ms; 2 threads (2026-12-06 15:56, 3 rounds of 2 visits, the
+    # reference product on one BLAS thread): 19.4 ms (19.4-19.6). 19.41 / 39.51 = 0.49x (the docs say so).
+    assert "| torch-sdpa | 39.5 [38.7–40.1] | 19.4 [19.4–19.6] ×0.49 [0.48–0.50] |" in capsys.readouterr().out
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():

@@ -23,6 +23,7 @@ Child usage: ``python -m mha_rosetta.benchmarks.gemm '{"library": "numpy", "dtyp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
@@ -112,13 +113,10 @@ def reference_product(device: str, frameworks: tuple[str, ...]) -> tuple[Callabl
     n = REFERENCE_SIZES[device]
     launch, sync, facts = _product(library, n, REFERENCE_DTYPE, device)  # the same program as the GEMM peak
     one_thread = _one_blas_thread() if device == "cpu" else None
+    limit = one_thread or contextlib.nullcontext
 
     def run_once() -> None:
-        if one_thread is None:
-            launch()
-            sync()
-            return
-        with one_thread():
+        with limit():
             launch()
             sync()
 

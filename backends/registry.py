@@ -208,7 +208,8 @@ register("torch-tp", BackendEntry(".sharded.torch", "TorchTPBackend", ("torch",)
 # Third-party oracles: the libraries' own attention, fed the canonical parameters.
 TORCH_MHA = (".oracles.torch", "TorchMHAOracle", ("torch",), "torch")
 register("torch-mha", BackendEntry(*TORCH_MHA, {"batch_first": True}, kind="oracle"))
-register("torch-mha-seqfirst", BackendEntry(*TORCH_MHA, {"batch_first": False}, kind="oracle"))
+# Sequence first (the module's default layout): its own class, whose gap cause is the layout's.
+register("torch-mha-seqfirst", BackendEntry(TORCH_MHA[0], "TorchMHASeqFirstOracle", *TORCH_MHA[2:], kind="oracle"))
 register("torch-sdpa", BackendEntry(".oracles.torch", "TorchSDPAOracle", ("torch",), "torch", kind="oracle"))
 register("torch-flex", BackendEntry(".oracles.flex", "TorchFlexOracle", ("torch",), "torch", kind="oracle"))
 register("jax-dpa", BackendEntry(".oracles.jax_dpa", "JaxDotProductAttentionOracle", ("jax",), "jax", kind="oracle"))

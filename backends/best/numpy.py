@@ -315,6 +315,12 @@ class NumpyBestBackend(BestPath, Backend):
         "0.76-0.82 for XLA's x @ W (`scripts/projection-costs`, one pinned core, two runs); at 1k the four weights "
         "(40 MiB) are 71% of what a step reads, and its projections 2.8 of its 3.9 ms (`bench --breakdown`; Intel "
         "Xeon; measured, issue 43)",
+        "forward": "NumPy has no fused attention kernel: its softmax is five ufunc passes over every (item, head)'s "
+        "scores (max, shift, exp, sum, scale: 1.26 ns a score, 10.6 ms of its core at the reference size, and the "
+        "same on two threads, since NumPy's ufuncs run on one), where its per-(item, head) products alone take "
+        "13.0-13.9 ms at one thread, level with torch's whole fused SDPA core (13.5-13.7 ms; 9.7-10.6 against 7.7-7.8 "
+        "at two threads, where OpenBLAS's 512 x 512 x 64 products gain 1.3-1.4x) (`scripts/attention-core-costs`, "
+        "two runs each; Intel Xeon; measured, issue 43)",
     }
     decode_layouts = DECODE_LAYOUTS
 

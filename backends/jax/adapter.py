@@ -55,6 +55,9 @@ class JaxBackend(MLAStrategies, Backend):
         "decode": "the timed step is not donated its cache, so every step copies it (2.1x by itself); its (B, T, Hkv, "
         "D) layout makes XLA:CPU transpose K and V every step; its `x @ w.T` projections compile to loop fusions "
         "(measured, issue 43)",
+        "forward:chunked": "its key blocks run in a `lax.fori_loop`, whose iterations XLA:CPU runs one after another, "
+        "so the core gains little from a second thread: 32.4 ms at one thread, 25.9 at two (1.25x), where jax-best's "
+        "unchunked core goes from 29.7 to 17.2 (1.73x) (`bench --breakdown`, the reference size; issue 43)",
     }
     strategies = (STANDARD, CHUNKED, NAIVE, ABSORBED)  # the last two: MLA's (`_mla`, `mla`)
     # Every variant, forward and backward (jax.vjp of this same pass); the chunked step carries

@@ -246,6 +246,21 @@ class TorchMHAOracle(VariantReasons, TorchDevices, Backend):
         return autograd_prepared(forward, leaves, d_output, to_canonical, device, self.allow_tf32, info)
 
 
+class TorchMHASeqFirstOracle(TorchMHAOracle):
+    """``torch-mha-seqfirst``: `TorchMHAOracle` with nn.MultiheadAttention's default layout, (N, B, E)."""
+
+    gap_causes: ClassVar[dict[str, str]] = {
+        "forward": "sequence first, nn.MultiheadAttention takes its SDPA path: the packed in-projection's q, k and v "
+        "are copied apart (an `aten::copy_` of (3, N, B, E), 12 MiB at the reference size, 1.4-1.5 ms), and the "
+        "fused kernel reads each head's tokens B*E floats apart (8 KiB, against 2 KiB batch first): 15.4 ms "
+        "against 13.8-14.1 for the same kernel on batch-first heads (torch 2.13's profiler and wall clock, one "
+        "thread; about 3 ms of the gap, whose rounds spread most: 39.0-43.4 ms in one run; issue 43)",
+    }
+
+    def __init__(self, name: str | None = None, batch_first: bool = False, allow_tf32: bool = False) -> None:
+        super().__init__(name, batch_first, allow_tf32)
+
+
 class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     """``F.scaled_dot_product_attention`` on heads projected with ``F.linear``.
 

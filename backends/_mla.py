@@ -144,6 +144,15 @@ class MLAStrategies:
         return super().prepare_decode(cfg, params, **options)
 
 
+class MLAForms(MLAStrategies):
+    """`MLAStrategies` for an adapter that runs MLA's forms all the way (numpy, torch, jax, mlx): its
+    ``_prepare_decode_step`` times them on the latent cache, and they temper both query parts (`QUERY_STEPS`,
+    Mistral 4), forward, backward and decode."""
+
+    mla_timed_step = True
+    mla_query_steps = QUERY_STEPS
+
+
 def latent_cache_info(cfg: MHAConfig, batch: int, slots: int, itemsize: int, layout: str) -> dict:
     """``PreparedDecode.info["cache"]`` of a latent cache: its kind, layout, slots and bytes, and the bytes a token
     adds to it (``(kv_lora_rank + d_rope) * itemsize``) against per-head keys and values (``H (d_k + d_v)``)."""

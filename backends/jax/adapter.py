@@ -12,7 +12,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._layouts import XLA_LAYOUT
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAForms
 from .._paged import PAGED
 from ..base import STANDARD, Backend, DecodeStep, Prepared, StageTensor
 from ..frameworks.ops import RegistryVariants
@@ -44,12 +44,10 @@ from .paged import PAGED_LAYOUT, paged_decoders, prepare_paged_decode_step
 from .vjp import canonical_param_grads, jax_vjp_prepared  # jax.vjp of this same vmapped forward
 
 
-class JaxBackend(MLAStrategies, Backend):
+class JaxBackend(MLAForms, Backend):
     """One head unbatched, ``jax.vmap`` over heads (double vmap for GQA) and batch, ``jax.jit``."""
 
     name = "jax"
-    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
-    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = "one head written unbatched; jax.vmap over heads (in_axes=1) and batch; x @ W.T + b; jax.jit"
     gap_causes: ClassVar[dict[str, str]] = {
         "decode": "the timed step is not donated its cache, so every step copies it (2.1x by itself); its (B, T, Hkv, "

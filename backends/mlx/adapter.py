@@ -16,7 +16,7 @@ from mha_rosetta.core.variants import relative_distances
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
 from .._inputs import convert_inputs
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAForms
 from .._recording import record_stages
 from ..base import STANDARD, Backend, DecodeStep, Prepared, PreparedVJP, tensor_to_numpy
 from ..frameworks.mlx import FLOAT64_LIMIT, TOLERANCE_LEVELS, mlx_devices, mlx_stream, precision_info, to_mlx
@@ -91,10 +91,8 @@ def prepare_mlx_vjp(forward, params: dict, given: dict, cotangent, dtype: str, d
     return PreparedVJP(run, to_grads, synchronize=lambda grads: mx.eval(list(grads.values())), info=info)
 
 
-class MlxBackend(MLAStrategies, MlxDevices, Backend):
+class MlxBackend(MLAForms, MlxDevices, Backend):
     name = "mlx"
-    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
-    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = (
         "mlx-lm: nn.Linear (out, in) as mx.addmm(b, x, W.T); heads by reshape(B, L, H, -1).transpose(0, 2, 1, 3); "
         "nn.RoPE(traditional=...) for interleaved/half; GQA without tiling; lazy, mx.eval is the sync"

@@ -11,7 +11,7 @@ from typing import ClassVar
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAForms
 from .._recording import record_stages
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
@@ -26,10 +26,8 @@ from .mla_vjp import prepare_numpy_mla_vjp
 from .vjp import prepare_numpy_vjp  # the hand-written column-sample backward
 
 
-class NumpyBackend(MLAStrategies, Backend):
+class NumpyBackend(MLAForms, Backend):
     name = "numpy"
-    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
-    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = (
         "column samples: X (features, tokens), Y = W @ X + b, rows of W are scorers; heads split (H, Dk, N) by reshape"
     )

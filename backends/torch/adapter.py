@@ -12,7 +12,7 @@ from typing import ClassVar
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._chunking import CHUNKED, CHUNKED_STAGES_NOTE
-from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, QUERY_STEPS, MLAStrategies
+from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE, MLAForms
 from ..base import DIRECT_RESHAPE, PER_HEAD, SLICING, STANDARD, Backend, DecodeStep, Prepared
 from ..frameworks.ops import RegistryVariants
 from .chunked import ChunkedRowSampleMHA
@@ -28,10 +28,8 @@ from .mla import (  # MLA's two forms
 from .vjp import prepare_row_sample_vjp  # autograd through this same nn.Linear path
 
 
-class TorchBackend(MLAStrategies, TorchDevices, Backend):
+class TorchBackend(MLAForms, TorchDevices, Backend):
     name = "torch"
-    mla_timed_step = True  # _prepare_decode_step times MLA's forms on the latent cache (`MLAStrategies`)
-    mla_query_steps = QUERY_STEPS  # its MLA forms temper both query parts (Mistral 4), forward, backward, decode
     convention = (
         "row samples: x (tokens, features), F.linear(x, W, b) = x @ W.T + b; heads by view(B, N, H, Dk).transpose(1, 2)"
     )

@@ -186,7 +186,7 @@ def test_dot_product_attention_sinks_come_from_its_logsumexp_and_have_no_backwar
     ("name", "cfg", "fragment"),
     [
         ("jax-dpa", MHAConfig(d_model=12, n_heads=2, softcap=3.0), "never exposed between the product and the softmax"),
-        ("flax", MHAConfig(d_model=12, n_heads=2, sinks=True), "no extra term in the denominator"),
+        ("flax", MHAConfig(d_model=12, n_heads=2, sinks=True), "no extra logit in the denominator"),
         ("flax", MHAConfig(d_model=12, n_heads=2, qk_norm="head"), "LayerNorm"),
         ("flax", MHAConfig(d_model=12, n_heads=2, bias="qkv"), "one use_bias"),
         ("equinox", MHAConfig(d_model=12, n_heads=2, alibi=True), "process_heads hook sees only q, k and v"),

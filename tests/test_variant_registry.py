@@ -138,3 +138,52 @@ def test_validation_lives_in_the_entries_with_its_words():
     with pytest.raises(TypeError, match=r"MHAConfig.sinks must be a bool, got 1 \(int\)"):
         MHAConfig(d_model=12, n_heads=3, sinks=1)
     assert MHAConfig(d_model=12, n_heads=3, softcap=2).softcap == 2.0  # resolved to a float by its entry
+
+
+def test_kernel_refusals_come_from_the_entries_and_name_the_kernel():
+    """Each entry's `kernel_refusal` is a template over the kernel's name; `kernel_refusals` fills it, less ``has``."""
+    from mha_rosetta.core.variants import VARIANT_REGISTRY, kernel_refusal, kernel_refusals
+
+    refusals = kernel_refusals("K")
+    assert list(refusals) == [name for name, entry in VARIANT_REGISTRY.items() if entry.kernel_refusal]
+    assert set(refusals) == {"softcap", "sinks", "gate"}  # a score transform, the softmax's extra logit, after it
+    assert refusals["softcap"] == "K has no softcap: the scores are never exposed between the product and the softmax"
+    assert refusals["sinks"] == "K has no sinks: its softmax takes no extra logit in the denominator"
+    assert refusals["gate"].startswith("K has no output gate: ")
+    assert set(kernel_refusals("K", frozenset({"sinks"}))) == {"softcap", "gate"}
+    both = MHAConfig(d_model=12, n_heads=2, softcap=2.0, sinks=True)
+    assert kernel_refusal(both, "K") == f"{refusals['softcap']}; {refusals['sinks']}"  # registry order, both named
+    assert kernel_refusal(both, "K", frozenset({"softcap", "sinks"})) is None
+    assert kernel_refusal(MHAConfig(d_model=12, n_heads=2, window=2), "K") is None
+
+
+@pytest.mark.parametrize(
+    ("backend", "kernel", "has"),
+    [
+        ("torch-sdpa", "scaled_dot_product_attention", frozenset()),
+        ("jax-dpa", "jax.nn.dot_product_attention", frozenset({"sinks"})),
+        ("mlx-sdpa", "mx.fast.scaled_dot_product_attention", frozenset({"sinks"})),
+    ],
+)
+def test_a_kernel_oracle_claims_the_package_variants_but_those_it_has_no_hook_for(backend, kernel, has):
+    """The set and the refusals of a fused kernel's oracle follow the registry: a variant that needs a hook the kernel
+    lacks is left out and refused with the entry's sentence (``has``: the library's own hooks, its idiom)."""
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.core.variants import BUILTIN_VARIANTS, kernel_refusals
+
+    try:
+        oracle = get_backend(backend)
+    except Exception as error:  # a library missing here
+        pytest.skip(f"{backend}: {error}")
+    refused = kernel_refusals(kernel, has)
+    assert oracle.variants == BUILTIN_VARIANTS - refused.keys()
+    for name, why in refused.items():
+        cfg = next(spec.config for spec in registry_check_configs(name))
+        assert why in oracle.variant_reason(MHAConfig(**cfg), "standard")
+
+
+def registry_check_configs(name: str):
+    """The check cases of variant ``name``'s entry (their `CaseSpec`)."""
+    from mha_rosetta.core.variants import VARIANT_REGISTRY
+
+    return VARIANT_REGISTRY[name].check_cases

@@ -27,7 +27,7 @@ import numpy as np
 
 from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, MHAInputs, MHAParams
 from mha_rosetta.core.rotary import rotary_tables
-from mha_rosetta.core.variants import VARIANT_REGISTRY
+from mha_rosetta.core.variants import VARIANT_REGISTRY, kernel_refusal, kernel_refusals
 
 from ..base import Backend, Prepared, StageTensor, UnsupportedCase
 from ..decoding import DecodeStep
@@ -45,7 +45,17 @@ ONNX_VARIANTS = frozenset({"window", "softcap", "qkv_bias", "alibi", "rel_bias",
 # node); torch-onnx's layers around the op (which share ONNX_VARIANTS) do not.
 ONNX_GRAPH_VARIANTS = ONNX_VARIANTS | {"gate"}
 OPSET24 = "opset24"  # the strategy that builds the same graph at opset 24
-NO_SINKS = "the ONNX Attention op has no sinks: its softmax takes no extra logit in the denominator"
+OP = "the ONNX Attention op"  # as its refusals name it
+# The registry's refusals of the variants a kernel takes only through a hook that neither the op's attributes
+# (its softcap) nor this graph (the gate) give: each refused with its reason (`op_refusal`).
+OP_REFUSALS = tuple(kernel_refusals(OP, ONNX_GRAPH_VARIANTS).values())
+
+
+def op_refusal(cfg: MHAConfig) -> str | None:
+    """Why the Attention op cannot take a variant ``cfg`` switches on (`OP_REFUSALS`), or None."""
+    return kernel_refusal(cfg, OP, ONNX_GRAPH_VARIANTS)
+
+
 HIDDEN_NOTE = (
     "the Attention node fuses the scores, the softcap, the mask and the softmax; its qk_matmul_output shows the "
     "scores (mode 0), the capped scores (1), the masked scores (2) and the weights (3), one more node each "
@@ -76,7 +86,7 @@ class OnnxBackend(Backend):
             for name in ("sqrt_scale", "causal_past_top_left", "empty_rows_zero", "qk_mode_numbering")
         ),
         "float16/bfloat16 are not run: this backend builds float32 and float64 graphs",
-        f"{NO_SINKS} (refused)",
+        *(f"{why} (refused)" for why in OP_REFUSALS),
         HIDDEN_NOTE,
     )
 
@@ -91,8 +101,8 @@ class OnnxBackend(Backend):
         self.tolerance_levels = {} if self.fold_scale else {"float64": "float32"}
 
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
-        if cfg.sinks:  # the one variant of the spec the op cannot take, with its reason
-            return f"{self.name}: {NO_SINKS}"
+        if why := op_refusal(cfg):  # the variants of the spec the op cannot take, with their reason
+            return f"{self.name}: {why}"
         return super().variant_reason(cfg, strategy, backward)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, to_equinox_weights
 from mha_rosetta.core.layouts import EQUINOX_NAMES
-from mha_rosetta.core.variants import norm_step
+from mha_rosetta.core.variants import kernel_refusal, norm_step
 
 from .._grad_layout import gradients_to_canonical
 from .._layouts import ROW_SAMPLE_PROJECTION_AXES
@@ -65,17 +65,19 @@ class EquinoxMHAOracle(JaxOracle):
     )
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        scores = [name for name, on in (("softcap", cfg.softcap is not None), ("sinks", cfg.sinks)) if on]
-        scores += ["score bias (ALiBi, relative bias)"] if cfg.has_score_bias else []
-        if scores:
-            return (
-                f"equinox MultiheadAttention has no {', no '.join(scores)}: it computes the logits, the softmax and "
-                "the weighted sum in one call, and its process_heads hook sees only q, k and v"
-            )
         if norm_step(cfg) is not None:  # the refusal names the config field that asked for it
             return (
                 f"equinox MultiheadAttention has no QK-norm (cfg.qk_norm={cfg.qk_norm!r}); its process_heads hook could "
                 "apply one, but the norm weights would then be the hook's, not the module's, and this oracle does not"
+            )
+        # It computes the logits, the softmax and the weighted sum in one call: the registry's reason for each variant
+        # a kernel takes only through a hook, and no bias either (its process_heads hook sees only q, k and v).
+        if why := kernel_refusal(cfg, "equinox MultiheadAttention"):
+            return why
+        if cfg.has_score_bias:
+            return (
+                "equinox MultiheadAttention has no score bias (ALiBi, relative bias): it computes the logits, the "
+                "softmax and the weighted sum in one call, and its process_heads hook sees only q, k and v"
             )
         if cfg.rope_scaling is not None:
             return "eqx.nn.RotaryPositionalEmbedding has no frequency scaling (only theta): rope_scaling is unsupported"

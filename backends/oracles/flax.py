@@ -32,7 +32,7 @@ import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, numpy_dtype, prepare_inputs, to_flax_params
 from mha_rosetta.core.decode import DecodeInputs, decode_allowed
-from mha_rosetta.core.variants import norm_step
+from mha_rosetta.core.variants import kernel_refusal, norm_step
 
 from .._grad_layout import gradients_to_canonical
 from ..base import STANDARD, PreparedDecode, StageTensor, UnsupportedCase, tensor_to_numpy
@@ -103,18 +103,15 @@ class FlaxMHAOracle(JaxOracle):
         return super().decode_reason(cfg, dtype, device, strategy, cache)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        if cfg.softcap is not None:
-            return (
-                "Flax's dot_product_attention has no softcap: its logits go straight from the product to the "
-                "softmax (an attention_fn that capped them would be this project's attention, not Flax's)"
-            )
-        if cfg.sinks:
-            return "Flax's dot_product_attention has no sinks: its softmax has no extra term in the denominator"
         if norm_step(cfg) is not None:  # the refusal names the config field that asked for it
             return (
                 "Flax's normalize_qk is a LayerNorm of each head (mean subtracted, no weight of the projection), "
                 f"not RMSNorm; cfg.qk_norm={cfg.qk_norm!r}"
             )
+        # The registry's reason for each variant a kernel takes only through a hook: an attention_fn that added one
+        # would be this project's attention, not Flax's.
+        if why := kernel_refusal(cfg, "Flax's dot_product_attention"):
+            return why
         if cfg.bias == "qkv":
             return "Flax MultiHeadDotProductAttention has one use_bias for q, k, v and the output (bias='qkv')"
         if cfg.rope is not None:

@@ -33,8 +33,7 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, causal_on_indices, linear
-from mha_rosetta.core.variants import BUILTIN_VARIANTS
-from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
+from mha_rosetta.core.variants import BUILTIN_VARIANTS, kernel_refusal, kernel_refusals
 
 from .._layouts import XLA_LAYOUT
 from ..base import Prepared, StageTensor, UnsupportedCase
@@ -56,6 +55,7 @@ from ..jax.common import (
 from .jax_common import JaxOracle, bias_tables, gathered_bias
 
 # The window spelled three ways (the module docstring), and this library's in words.
+KERNEL = "jax.nn.dot_product_attention"  # as its refusals name it
 WINDOW_SPELLINGS = (
     "window of W keys including the query's own: Hugging Face sliding_window=W (p_i - W < p_j <= p_i), "
     "FlashAttention window_size=(W-1, 0), jax.nn.dot_product_attention local_window_size=(W-1, 0) with "
@@ -157,9 +157,10 @@ class JaxDotProductAttentionOracle(JaxOracle):
         "no sinks of its own: the context is rescaled by sigmoid(lse - sink) from its logsumexp (return_residual)",
         "ALiBi and the relative bias through bias=, in the inputs' dtype; QK-norm in the oracle's jnp projections",
     )
-    # The package's own variants but the softcap (a library's idiom is the reason; one registered from outside is not
-    # in the function, so it is refused).
-    variants = BUILTIN_VARIANTS - {"softcap", "gate"}
+    # The package's own variants but those a kernel takes only through a hook (the registry's `kernel_refusals`), the
+    # sinks back in through the logsumexp it returns (a library's idiom); one registered from outside is not in the
+    # function, so it is refused.
+    variants = BUILTIN_VARIANTS - kernel_refusals(KERNEL, frozenset({"sinks"})).keys()
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     decode_unsupported = (
         "jax.nn.dot_product_attention is a function of whole q, k and v arrays: JAX's library has no KV cache "
@@ -170,8 +171,8 @@ class JaxDotProductAttentionOracle(JaxOracle):
     vjp_variants = variants - {"sinks"}
 
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
-        if cfg.attn_output_gate:
-            return KERNEL_REFUSAL.format(kernel="jax.nn.dot_product_attention")
+        if why := kernel_refusal(cfg, KERNEL, self.variants):  # the registry's reason for each it has no hook for
+            return why
         if backward and cfg.sinks:
             return (
                 "jax.nn.dot_product_attention's backward ignores the cotangent of its logsumexp (return_residual), "
@@ -180,11 +181,6 @@ class JaxDotProductAttentionOracle(JaxOracle):
         return super().variant_reason(cfg, strategy, backward)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:
-        if cfg.softcap is not None:
-            return (
-                f"jax.nn.dot_product_attention has no softcap (cfg.softcap={cfg.softcap:g}): the logits are never "
-                "exposed between the product and the softmax, and its bias= is only added"
-            )
         if cfg.d_v != cfg.d_k:
             return (
                 f"jax.nn.dot_product_attention needs value heads as wide as key heads (d_v={cfg.d_v} != d_k={cfg.d_k})"

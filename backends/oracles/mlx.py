@@ -24,8 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams, allowed_positions
-from mha_rosetta.core.variants import BUILTIN_VARIANTS
-from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
+from mha_rosetta.core.variants import BUILTIN_VARIANTS, kernel_refusals
 
 from .._recording import StageRecorder, record_stages
 from ..base import STANDARD, Backend, Prepared, UnsupportedCase, tensor_to_numpy
@@ -34,6 +33,8 @@ from ..mlx.adapter import MlxDevices, layer_inputs, prepare_mlx_vjp
 from ..mlx.layer import MlxAttention
 from .torch import VariantReasons
 
+SDPA = "mx.fast.scaled_dot_product_attention"  # as its refusals name it
+SDPA_HOOKS = frozenset({"sinks"})  # what the kernel takes through an argument of its own (sinks=)
 MEAN_OF_V = (
     "a query row with no allowed key: the mean of V (the masked logits are a large finite negative, not -inf; "
     "measured on mlx 0.32.4 CPU), where the spec gives zeros (output b_o) and torch's SDPA NaN"
@@ -87,17 +88,17 @@ class MlxSDPAOracle(VariantReasons, MlxDevices, Backend):
     """``mx.fast.scaled_dot_product_attention`` on heads projected and rotated as mlx-lm does (see the module)."""
 
     convention = 'mx.fast.scaled_dot_product_attention(q, k, v, scale=, mask=): mask="causal" is bottom-right'
-    variants = BUILTIN_VARIANTS - {"softcap", "gate"}  # the package's own: a plugin variant is never run without it
+    # The package's own but those a kernel takes only through a hook (the registry's), the sinks back in through the
+    # kernel's own sinks= (a library's idiom): a plugin variant is never run without it.
+    variants = BUILTIN_VARIANTS - kernel_refusals(SDPA, SDPA_HOOKS).keys()
     causal_on_positions = True  # the mask comes from the positions; "causal" only where it is the same
     tolerance_levels = TOLERANCE_LEVELS
     vjp_variants = variants - {"rel_bias"}
     variant_why: ClassVar[dict[str, str]] = {
-        "gate": KERNEL_REFUSAL.format(kernel="mx.fast.scaled_dot_product_attention"),
+        **kernel_refusals(SDPA, SDPA_HOOKS),
         "rel_bias": "mx.fast.scaled_dot_product_attention's fused backward (Metal's) refuses a gradient with respect "
         "to its additive mask, where T5's table rides; only its CPU fallback differentiates the mask (MLX 0.32.4 here: "
         "the composed ops' gradient), so checking it here would check a path Apple silicon never takes",
-        "softcap": "mx.fast.scaled_dot_product_attention has no softcap: the scores never leave the kernel between "
-        "the product and the softmax (an additive mask cannot take a tanh)",
     }
     decode_unsupported = "the oracle is the kernel alone; the mlx adapter decodes through mlx-lm's caches"
     known_differences = (

@@ -23,8 +23,7 @@ from mha_rosetta.core import (
     from_torch_mha_state_dict,
     torch_mha_unsupported_reason,
 )
-from mha_rosetta.core.variants import BUILTIN_VARIANTS, VARIANT_REGISTRY, NormStep
-from mha_rosetta.core.variants.gate import KERNEL_REFUSAL
+from mha_rosetta.core.variants import BUILTIN_VARIANTS, VARIANT_REGISTRY, NormStep, kernel_refusals
 
 from .._recording import StageRecorder
 from ..base import Backend, DecodeStep, Prepared, StageTensor, tensor_to_numpy
@@ -105,9 +104,7 @@ class TorchMHAOracle(VariantReasons, TorchDevices, Backend):
         "module and returns no projected keys or values to keep between calls"
     )
     variant_why: ClassVar[dict[str, str]] = {
-        "softcap": "nn.MultiheadAttention has no softcap: the scores are never exposed between the product and the "
-        "softmax",
-        "sinks": "nn.MultiheadAttention has no sinks: its softmax has no extra logit in the denominator",
+        **kernel_refusals("nn.MultiheadAttention"),  # the variants that need a hook inside the module (the registry's)
         **{name: _no_norm_hook(entry.norm_step) for name, entry in VARIANT_REGISTRY.items() if entry.norm_step},
         "qkv_bias": "nn.MultiheadAttention's one bias switch covers in_proj and out_proj together: no output "
         "projection without a bias when q, k and v have one (bias='qkv')",
@@ -282,20 +279,15 @@ class TorchSDPAOracle(VariantReasons, TorchDevices, Backend):
     }
     # QK-norm, the qkv bias and rope scaling happen in the oracle's own code before the kernel; the
     # window is in the mask; ALiBi and T5's bias ride in a float attn_mask.
-    # The package's own variants but two (a library's idiom is the reason; one registered from outside is not in the
-    # kernel, so it is refused).
-    variants = BUILTIN_VARIANTS - {"softcap", "sinks", "gate"}
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     # Rule 8 (`torch_decode`): its own growing cache, every variant its forward has, never is_causal.
     decode_caches = ("dynamic",)
     decode_layouts: ClassVar[dict[str, str]] = {"dynamic": SDPA_DECODE_LAYOUT}
-    variant_why: ClassVar[dict[str, str]] = {
-        "softcap": "scaled_dot_product_attention has no softcap: the scores are never exposed between the product "
-        "and the softmax (an additive attn_mask cannot take a tanh)",
-        "sinks": "scaled_dot_product_attention has no sinks: its softmax has no extra logit in the denominator "
-        "and it returns no log-sum-exp to rescale by",
-        "gate": KERNEL_REFUSAL.format(kernel="scaled_dot_product_attention"),
-    }
+    # The kernel has no hook between the product and the softmax, none in its softmax (and returns no log-sum-exp to
+    # rescale by) and none after it: the registry's refusals say why, per variant.
+    variant_why: ClassVar[dict[str, str]] = kernel_refusals("scaled_dot_product_attention")
+    # The package's own variants but those (one registered from outside is not in the kernel, so it is refused).
+    variants = BUILTIN_VARIANTS - variant_why.keys()
     known_differences = (
         "mask polarity: bool attn_mask True = may attend, like the spec (the opposite of nn.MultiheadAttention)",
         "is_causal=True is top-left aligned (query i sees keys j <= i), which matters when Nq != Nk",

@@ -29,7 +29,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
-from ..onnx.adapter import NO_SINKS, ONNX_VARIANTS
+from ..onnx.adapter import ONNX_VARIANTS, op_refusal
 from ..onnx.known import KNOWN, known_answer
 from ..onnx.runtime import make_runner, op_plan
 from ..torch.common import param_tensors, torch_dtype, torch_inputs
@@ -66,8 +66,8 @@ class TorchOnnxOracle(Backend):
     )
 
     def variant_reason(self, cfg: MHAConfig, strategy: str, backward: bool = False) -> str | None:
-        if cfg.sinks:
-            return f"{self.name}: torch.onnx.ops.attention follows the op: {NO_SINKS}"
+        if why := op_refusal(cfg):
+            return f"{self.name}: torch.onnx.ops.attention follows the op: {why}"
         return super().variant_reason(cfg, strategy, backward)
 
     def unsupported_reason(self, cfg: MHAConfig, dtype: str, device: str, strategy: str) -> str | None:

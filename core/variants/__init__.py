@@ -196,6 +196,25 @@ def variant(name: str) -> Variant:
         raise KeyError(f"unknown variant {name!r}; known variants: {', '.join(VARIANT_REGISTRY)}") from None
 
 
+def kernel_refusals(kernel: str, has: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Why the fused attention kernel ``kernel`` (its name, as a refusal prints it) cannot take the variants that
+    need a hook of their own, less ``has`` (those its library does take, through an argument or a hook of its own):
+    variant -> sentence (`Variant.kernel_refusal`), in registry order. An oracle's refusals come from here, and so
+    does the set it leaves out of what it claims."""
+    return {
+        name: entry.kernel_refusal.format(kernel=kernel)
+        for name, entry in VARIANT_REGISTRY.items()
+        if entry.kernel_refusal and name not in has
+    }
+
+
+def kernel_refusal(cfg: Config, kernel: str, has: frozenset[str] = frozenset()) -> str | None:
+    """The `kernel_refusals` of the variants ``cfg`` switches on that ``has`` lacks (``has``: those the kernel
+    takes through a hook of its own), joined by "; " in registry order, or None."""
+    why = [text for name, text in kernel_refusals(kernel, has).items() if VARIANT_REGISTRY[name].is_on(cfg)]
+    return "; ".join(why) or None
+
+
 def norm_step(cfg: Config) -> NormStep | None:
     """The weighted norm of the queries and keys before rotary that ``cfg`` switches on (`Variant.norm_step` of the
     entry that is on), or None. Its entries share one field, so at most one is on."""
@@ -331,6 +350,8 @@ __all__ = [
     "fuse_gated_q",
     "gate_backward",
     "gate_forward",
+    "kernel_refusal",
+    "kernel_refusals",
     "norm_after_rope",
     "norm_after_rope_vjp",
     "norm_place",

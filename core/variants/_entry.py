@@ -311,6 +311,10 @@ class Variant:
     norm_step: for a weighted norm of the queries and keys before rotary (QK-norm), its place and weights
               (`NormStep`): every convention reads it through `core.variants.norm_step` and runs it in its own
               arithmetic at that place; None for any other variant.
+    kernel_refusal: for a variant that a fused attention kernel can take only through a hook of its own for it,
+              why a kernel without that hook cannot, as a template over ``{kernel}`` (the kernel's name); the
+              third-party oracles build their refusals from it (`core.variants.kernel_refusals`). "" for a variant
+              a kernel takes through its ordinary inputs (a mask, a float bias) or that happens outside it.
     """
 
     name: str
@@ -340,6 +344,7 @@ class Variant:
     strategies: tuple[str, ...] | None = None
     distance_slopes: Callable[[Config], np.ndarray] | None = None
     norm_step: NormStep | None = None
+    kernel_refusal: str = ""
 
     def runs_in(self, strategy: str) -> bool:
         """Whether ``strategy`` runs it: any strategy, unless it names its own (`strategies`)."""

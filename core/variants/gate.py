@@ -231,4 +231,5 @@ ENTRY = Variant(
         ),
     ),
     explain=explain,
+    kernel_refusal=KERNEL_REFUSAL,
 )

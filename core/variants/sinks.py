@@ -144,6 +144,9 @@ ENTRY = Variant(
         ),
     ),
     score_step=ScoreStep("softmax", "softmax"),  # the ops objects' softmax(scores, empty_rows, sinks=)
+    # A fused kernel takes them only with a sinks argument of its own (MLX's sinks=) or through the log-sum-exp
+    # it returns (jax-dpa's, FlexAttention's rescaling by sigmoid(lse - sink)).
+    kernel_refusal="{kernel} has no sinks: its softmax takes no extra logit in the denominator",
     forward=_forward,
     backward=_backward,
     check_cases=(

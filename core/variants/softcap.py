@@ -138,6 +138,9 @@ ENTRY = Variant(
     validate=_validate,
     stages=("capped_scores",),
     score_step=ScoreStep("transform", "softcap"),
+    # A fused kernel takes the cap only where it hands the scores to a hook (FlexAttention's score_mod, ONNX's
+    # softcap attribute); an additive mask cannot carry a tanh.
+    kernel_refusal="{kernel} has no softcap: the scores are never exposed between the product and the softmax",
     forward=_forward,
     backward=_backward,
     check_cases=(

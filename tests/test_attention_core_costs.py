@@ -8,7 +8,7 @@ import pytest
 
 from conftest import load_script
 
-NAMES = ("numpy-best's core", "numpy-best's products only", "torch SDPA (fused)", "torch matmul, softmax, matmul",
+NAMES = ("numpy-best's core", "numpy-best's core, queries first", "numpy-best's products only", "torch SDPA (fused)", "torch matmul, softmax, matmul",
          "XLA einsum, softmax, einsum", "XLA jax.nn.dot_product_attention")  # fmt: skip
 
 
@@ -22,9 +22,10 @@ def test_the_script_prints_every_core_and_the_softmax_alone(capsys):
     load_script("attention-core-costs").main(1, 16, repeats=2)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("numpy ") and "B=4 H=8 N=16 d=64 (0.00 GFLOP), 1 thread(s)" in lines[0]
-    assert [line.split(": ")[0] for line in lines[1:-1]] == list(NAMES)
-    assert all(line.endswith(" GFLOP/s") for line in lines[1:-1])
-    assert lines[-1].startswith("numpy-best's softmax alone: ") and lines[-1].endswith(" ns a score")
+    assert [line.split(": ")[0] for line in lines[1:-2]] == list(NAMES)
+    assert all(line.endswith(" GFLOP/s") for line in lines[1:-2])
+    for line, label in zip(lines[-2:], ("over the rows (keys first)", "along the rows (queries first)"), strict=True):
+        assert line.startswith(f"numpy-best's softmax alone, {label}: ") and line.endswith(" ns a score"), line
 
 
 def test_every_core_is_the_spec_attention_and_the_products_only_skip_the_softmax():

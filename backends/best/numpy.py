@@ -59,9 +59,10 @@ DECODE_LAYOUTS = {
 FEW_ROWS = 16
 # The score stages the forward's loop fills one (item, head) at a time, with how.
 SCORE_STAGES = {
-    "scores": "np.matmul(q_h * scale, k_g.T) into one (Nq, Nk) workspace per (item, head)",
+    "scores": "np.matmul(k_g, (q_h * scale).T) into one (Nk, Nq) workspace per (item, head), keys first; shown as "
+    "its (Nq, Nk) transpose",
     "masked_scores": "np.copyto(-inf, where=blocked) in place",
-    "weights": "softmax over the keys in place (numpy.common.softmax_inplace)",
+    "weights": "softmax over the keys (axis 0 of the workspace) in place (numpy.common.softmax_inplace)",
 }
 
 
@@ -165,7 +166,12 @@ class NumpyBestLayer:
         Nk = k_rotated.shape[1]
         q_scaled = q_rotated * self.dtype.type(cfg.scale)  # (B, Nq, H, Dk): the scale on Nq*H*Dk numbers
         context = np.empty((B, Nq, H, cfg.d_v), dtype=self.dtype)  # every head's columns, side by side
-        scores = np.empty((Nq, Nk), dtype=self.dtype)  # one workspace for every (item, head)
+        # One workspace for every (item, head), keys first, (Nk, Nq): the softmax then reduces over its rows, which
+        # NumPy does element-wise across each row (the core 20.7-20.8 ms against 23.3-23.5 queries first; B=4,
+        # N=512, H=8, d=64, float32, one core, two runs; 19.9 against 21.5 on two threads). ``scores`` is its
+        # (Nq, Nk) transpose, a view: the mask, the dumps and the context product read that.
+        scores_t = np.empty((Nk, Nq), dtype=self.dtype)
+        scores = scores_t.T  # (Nq, Nk), a view
         dump = dump or {}
 
         def keep(name: str, b: int, h: int) -> None:
@@ -177,16 +183,16 @@ class NumpyBestLayer:
             g = cfg.kv_head_of(h)
             head_mask = None if mask is None else mask.for_head(h)
             for b in range(B):
-                np.matmul(q_scaled[b, :, h], k_rotated[b, :, g].T, out=scores)  # (Nq, Nk)
+                np.matmul(k_rotated[b, :, g], q_scaled[b, :, h].T, out=scores_t)  # (Nk, Nq)
                 keep("scores", b, h)
                 if only_scores:
                     continue
                 empty = None
                 if head_mask is not None:
-                    np.copyto(scores, -np.inf, where=_item(head_mask.blocked, b))
-                    empty = None if head_mask.empty_rows is None else _item(head_mask.empty_rows, b)
+                    np.copyto(scores, -np.inf, where=_item(head_mask.blocked, b))  # (Nq, Nk) through the view
+                    empty = None if head_mask.empty_rows is None else _item(head_mask.empty_rows, b).T  # (1, Nq)
                 keep("masked_scores", b, h)
-                softmax_inplace(scores, empty)
+                softmax_inplace(scores_t, empty, axis=0)
                 keep("weights", b, h)
                 if up_to_softmax:
                     continue

@@ -64,6 +64,7 @@ from mha_rosetta.core.variants import norm_step
 from .._mla import ABSORBED, MLA_STRATEGIES, NAIVE
 from ..base import STANDARD
 from ..frameworks.ops import RegistryVariants
+from ..frameworks.score_parts import head_params
 from . import jax_decode
 from .common import PREPARE_SECONDS, ShardedBackend, check_positive_int, gather_heads, latent_cache_of, variant_shards
 from .workers import Programs, WorkerGroup, serve
@@ -309,11 +310,11 @@ def _build(cfg, params, inputs, dtype, strategy, world):
             "b_k": P(MESH_AXIS) if split_kv else P(),
             "b_v": P(MESH_AXIS) if split_kv else P(),
             "b_o": P(),
-            # The variants: per-head entries split with the heads (the norm before rotary's weights below).
-            "sinks": P(MESH_AXIS),
-            "rel_bias": P(None, MESH_AXIS),  # its columns: one per head
             "w_gate": P(MESH_AXIS, None),  # the output gate's rows: per head, like w_q's
             "b_gate": P(MESH_AXIS),
+            # The variants' per-head parameters (`ParamSpec.head_axis`: the sinks, T5's bias table's columns) split
+            # along their head axis; the norm before rotary's weights below.
+            **{spec.name: P(*[None] * spec.head_axis, MESH_AXIS) for spec in head_params()},
         }
         step = norm_step(cfg)  # QK-norm's: per-head weights replicated, a projection's split like the biases
         if step is not None:  # (XLA then chooses how to reduce the projection's statistics)

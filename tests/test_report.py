@@ -218,10 +218,10 @@ def test_docs_report_command_runs_as_printed(capsys):
     assert first == "mha-rosetta report docs/bench/reference.json docs/bench/reference-t2.json --markdown -"
     argv = [str(ROOT / arg) if arg.startswith("docs/") else arg for arg in first.split()[1:]]
     assert main(argv) == 0
-    # torch-sdpa in the committed files, both on the Intel Xeon: 1 thread (2026-12-06 18:02, 3 rounds of 2 visits,
-    # drift-corrected): 34.21 ms, rounds 34.11-34.29 ms; 2 threads (2026-12-06 15:56, 3 rounds of 2 visits, the
-    # reference product on one BLAS thread): 19.4 ms (19.4-19.6). 19.41 / 34.21 = 0.57x (the docs say so).
-    assert "| torch-sdpa | 34.2 [34.1–34.3] | 19.4 [19.4–19.6] ×0.57 [0.57–0.57] |" in capsys.readouterr().out
+    # torch-sdpa in the committed files, both on the Intel Xeon: 1 thread (2026-12-06 19:03, 3 rounds of 2 visits,
+    # drift-corrected): 34.83 ms, rounds 34.73-35.07 ms; 2 threads (2026-12-06 18:44, 3 rounds of 2 visits, the
+    # reference product on one BLAS thread): 18.80 ms (18.63-18.94). 18.80 / 34.83 = 0.54x (the docs say so).
+    assert "| torch-sdpa | 34.8 [34.7–35.1] | 18.8 [18.6–18.9] ×0.54 [0.53–0.55] |" in capsys.readouterr().out
 
 
 def test_scaling_plot_of_the_long_preset_tells_every_line_apart():

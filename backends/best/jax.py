@@ -142,11 +142,10 @@ class JaxBestBackend(BestPath, Backend):
     )
     peer_limits: ClassVar[dict[str, str]] = {
         "forward": "XLA:CPU has no fused attention kernel: jax-best's core (einsum, jax.nn.softmax, einsum over the "
-        "(B, H, N, N) scores) takes 22.6-22.8 ms at the reference size on one thread and 11.6-12.0 on two, against "
-        "torch's fused SDPA's 13.5-13.7 and 7.7-7.8; jax.nn.dot_product_attention, on CPU XLA's unfused form too "
-        "(its weighted sum a separate product: jax-dpa's gap cause), takes 30.3-30.5 and 15.4-22.7 "
-        "(`scripts/attention-core-costs`, two runs each; Intel Xeon; "
-        "measured, issue 43)",
+        "(B, H, N, N) scores) takes 21.0-21.6 ms at the reference size on one thread and 11.3-11.5 on two, against "
+        "torch's fused SDPA's 13.4-13.7 and 7.7-7.8; jax.nn.dot_product_attention, on CPU XLA's unfused form too "
+        "(its weighted sum a separate product: jax-dpa's gap cause), takes 27.1-30.0 and 16.2-16.4 "
+        "(`scripts/attention-core-costs`, two runs each; Intel Xeon; measured, issue 43)",
     }
     decode_layouts = DECODE_LAYOUTS
 

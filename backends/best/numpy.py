@@ -322,11 +322,11 @@ class NumpyBestBackend(BestPath, Backend):
         "(40 MiB) are 71% of what a step reads, and its projections 2.8 of its 3.9 ms (`bench --breakdown`; Intel "
         "Xeon; measured, issue 43)",
         "forward": "NumPy has no fused attention kernel: its softmax is five ufunc passes over every (item, head)'s "
-        "scores (max, shift, exp, sum, scale: 1.26 ns a score, 10.6 ms of its core at the reference size, and the "
-        "same on two threads, since NumPy's ufuncs run on one), where its per-(item, head) products alone take "
-        "13.0-13.9 ms at one thread, level with torch's whole fused SDPA core (13.5-13.7 ms; 9.7-10.6 against 7.7-7.8 "
-        "at two threads, where OpenBLAS's 512 x 512 x 64 products gain 1.3-1.4x) (`scripts/attention-core-costs`, "
-        "two runs each; Intel Xeon; measured, issue 43)",
+        "scores (max, shift, exp, sum, scale: 0.86-0.87 ns a score keys first, 7.2-7.3 ms of its 19.6-20.2 ms core "
+        "at the reference size, and no faster on two threads, since NumPy's ufuncs run on one), where its "
+        "per-(item, head) products alone take 12.4-12.6 ms, under torch's whole fused SDPA core (13.4-13.7 ms; "
+        "9.7-9.8 against 7.7-7.8 on two threads, where OpenBLAS's 512 x 512 x 64 products gain 1.3x) "
+        "(`scripts/attention-core-costs`, two runs each; Intel Xeon; measured, issue 43)",
     }
     decode_layouts = DECODE_LAYOUTS
 

@@ -322,10 +322,10 @@ class NumpyBestBackend(BestPath, Backend):
         "(40 MiB) are 71% of what a step reads, and its projections 2.8 of its 3.9 ms (`bench --breakdown`; Intel "
         "Xeon; measured, issue 43)",
         "forward": "NumPy has no fused attention kernel: its softmax is five ufunc passes over every (item, head)'s "
-        "scores (max, shift, exp, sum, scale: 0.86-0.87 ns a score keys first, 7.2-7.3 ms of its 19.6-20.2 ms core "
+        "scores (max, shift, exp, sum, scale: 0.85-0.88 ns a score keys first, 7.2-7.4 ms of its 19.9-20.2 ms core "
         "at the reference size, and no faster on two threads, since NumPy's ufuncs run on one), where its "
-        "per-(item, head) products alone take 12.4-12.6 ms, under torch's whole fused SDPA core (13.4-13.7 ms; "
-        "9.7-9.8 against 7.7-7.8 on two threads, where OpenBLAS's 512 x 512 x 64 products gain 1.3x) "
+        "per-(item, head) products alone take 12.5 ms, under torch's whole fused SDPA core (13.4-13.7 ms; "
+        "8.8-9.5 against 7.7 on two threads, where OpenBLAS's 512 x 512 x 64 products gain 1.3-1.4x) "
         "(`scripts/attention-core-costs`, two runs each; Intel Xeon; measured, issue 43)",
     }
     decode_layouts = DECODE_LAYOUTS

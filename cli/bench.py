@@ -54,6 +54,14 @@ def _variant_list(text: str) -> list[str]:
     return names
 
 
+def _variants_example() -> str:
+    """``--variants``' example: plain and the first registry variant timed against it (`benchmarks.variants`)."""
+    from mha_rosetta.benchmarks.variants import BASELINES, BENCH_VARIANTS, PLAIN  # plain data
+
+    first = next(name for name, (_, base) in BENCH_VARIANTS.items() if base == PLAIN and name not in BASELINES)
+    return f"{PLAIN},{first}"
+
+
 def _row_list(text: str) -> list[str]:
     """``--rows``' names, checked against the decode rows when the settings are made (`decode_settings.rows_left_out`)."""
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -123,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_variant_list,
         metavar="LIST",
         help="attention variants to time, each with its baseline (benchmarks.variants; default from the preset: "
-        "none; --preset variants: all of them), e.g. plain,softcap",
+        f"none; --preset variants: all of them), e.g. {_variants_example()}",
     )
     parser.add_argument("--tokens", type=_int_list, metavar="LIST", help="token counts, e.g. 64,256,1024")
     parser.add_argument("--batch", type=_int_list, metavar="LIST", help="batch sizes")

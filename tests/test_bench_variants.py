@@ -65,3 +65,17 @@ def test_variant_rows_compute_the_cost_over_the_baseline():
     assert rows[1][3:7] == ["44.00", "plain 40.00", "+4.00", "+10%"]
     assert rows[2][3:7] == ["22.00", "causal 44.00", "-22.00", "-50%"]  # the window against causal
     assert rows[3][7] == "numpy does not implement sinks"
+
+
+def test_the_variants_option_example_is_plain_and_the_first_variant_timed_against_it():
+    """``bench --help``'s example of ``--variants`` comes from the bench table (the registry's cells), and parses."""
+    import argparse
+
+    from mha_rosetta.cli.bench import _variant_list, _variants_example, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    example = _variants_example()
+    assert example == "plain,softcap"  # the first registry cell whose baseline is plain (window's is causal)
+    assert _variant_list(example) == ["plain", "softcap"]
+    assert f"e.g. {example}" in " ".join(parser.format_help().split())

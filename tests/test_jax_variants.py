@@ -207,6 +207,20 @@ def test_a_variant_the_library_cannot_express_is_unsupported_with_the_reason(nam
         backend.prepare(cfg, init_params(cfg), _inputs(cfg, n=4), dtype="float32")
 
 
+def test_jax_dpa_states_the_registrys_refusals_among_its_known_differences():
+    """Each variant it has no hook for is refused with the registry's sentence, and says so in its differences."""
+    from mha_rosetta.backends.oracles.jax_dpa import KERNEL, JaxDotProductAttentionOracle
+    from mha_rosetta.core.variants import kernel_refusals
+
+    refused = kernel_refusals(KERNEL, JaxDotProductAttentionOracle.variants)
+    assert set(refused) == {"softcap", "gate"}  # the sinks come back through its logsumexp
+    assert refused["softcap"] == (
+        "jax.nn.dot_product_attention has no softcap: the scores are never exposed between the product and the softmax"
+    )
+    for why in refused.values():
+        assert f"{why} (refused)" in JaxDotProductAttentionOracle.known_differences
+
+
 @requires("flax")
 def test_flax_relative_bias_through_its_attention_fn_forward_and_backward():
     """T5's bias at the default scale (the check's T5 cases use scale 1, which Flax cannot): d_rel_bias comes back."""

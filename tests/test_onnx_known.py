@@ -19,10 +19,18 @@ pytest.importorskip("onnxruntime", reason="onnxruntime is not installed: pip ins
 
 from adapter_cases import CASE_BY_NAME
 
-from mha_rosetta.backends.onnx.known import KNOWN, known_answer
+from mha_rosetta.backends.onnx.known import (
+    KNOWN,
+    OP_ATTRIBUTES,
+    OP_VARIANTS,
+    known_answer,
+    op_attributes,
+    qk_modes,
+)
 from mha_rosetta.backends.onnx.probe import findings
 from mha_rosetta.checks import Status, run_check
-from mha_rosetta.core import MHAConfig, compare, init_params, reference_stages
+from mha_rosetta.core import STAGE_BY_NAME, MHAConfig, compare, init_params, reference_stages
+from mha_rosetta.core.variants import VARIANT_REGISTRY
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,76 @@ def test_every_known_difference_has_a_source():
     }  # fmt: skip
     for known in KNOWN.values():
         assert known.source and known.line().endswith(f"[source: {known.source}]")
+
+
+def test_the_ops_variant_table_holds_registry_entries_and_the_backends_read_it():
+    """`OP_VARIANTS` names registry entries; the onnx backends claim them (plus QK-norm's nodes) and torch-onnx
+    the same; each attribute of `OP_ATTRIBUTES` is in both conventions."""
+    from mha_rosetta.backends import get_backend
+    from mha_rosetta.backends.onnx.adapter import ONNX_VARIANTS
+    from mha_rosetta.backends.oracles.torch_onnx import TorchOnnxOracle
+
+    assert set(OP_ATTRIBUTES) <= set(OP_VARIANTS) <= set(VARIANT_REGISTRY)
+    norms = {name for name, entry in VARIANT_REGISTRY.items() if entry.norm_step is not None}
+    assert ONNX_VARIANTS == set(OP_VARIANTS) | norms and TorchOnnxOracle.variants == ONNX_VARIANTS
+    assert get_backend("onnx").variants == ONNX_VARIANTS | {"gate"}
+    for attribute in OP_ATTRIBUTES.values():
+        assert f", {attribute}=)" in TorchOnnxOracle.convention
+        assert f"is_causal, {attribute} attributes" in get_backend("onnx").convention
+
+
+def test_op_attributes_by_hand_and_in_the_graph():
+    """The softcap goes to the op as its own attribute, on every Attention node of the graph; no variant, none."""
+    from onnx import helper
+
+    from mha_rosetta.backends.onnx.graph import GraphSpec, build
+
+    plain, capped = MHAConfig(d_model=6, n_heads=2), MHAConfig(d_model=6, n_heads=2, softcap=1.5)
+    assert op_attributes(plain) == {}
+    assert op_attributes(capped) == {"softcap": 1.5}
+    for cfg, expected in ((plain, None), (capped, 1.5)):
+        model, _ = build(GraphSpec(cfg, "float64", qk_modes=((3, "weights"),)), init_params(cfg, seed=0))
+        nodes = [node for node in model.graph.node if node.op_type == "Attention"]
+        assert len(nodes) == 2  # the forward's and the qk output's
+        for node in nodes:
+            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert attributes.get("softcap") == expected and attributes["is_causal"] == 0
+
+
+def test_qk_modes_show_the_stages_of_the_case_in_the_spec_numbering():
+    plain, capped = MHAConfig(d_model=6, n_heads=2), MHAConfig(d_model=6, n_heads=2, softcap=1.5)
+    assert qk_modes(plain, masked=False, reference=False) == ((3, "weights"), (0, "scores"))
+    assert qk_modes(plain, masked=True, reference=True) == ((3, "weights"), (0, "scores"), (2, "masked_scores"))
+    every = ((3, "weights"), (0, "scores"), (1, "capped_scores"), (2, "masked_scores"))
+    assert qk_modes(capped, masked=True, reference=False) == every
+    # The ReferenceEvaluator's mode 0 is the capped scores under a softcap: no scores shown.
+    assert qk_modes(capped, masked=True, reference=True) == tuple(m for m in every if m[1] != "scores")
+    assert all(stage in STAGE_BY_NAME for _, stage in every)
+
+
+def test_a_difference_shows_only_on_a_case_with_its_variant():
+    plain, capped = MHAConfig(d_model=6, n_heads=2), MHAConfig(d_model=6, n_heads=2, softcap=1.5)
+    assert KNOWN["softcap_after_mask"].shows_on(capped) and not KNOWN["softcap_after_mask"].shows_on(plain)
+    assert KNOWN["sqrt_scale"].shows_on(plain) and KNOWN["causal_past_top_left"].shows_on(capped)
+    assert all(not known.variant or known.variant in VARIANT_REGISTRY for known in KNOWN.values())
+
+
+def test_the_explainer_title_and_takeaway_come_from_the_table():
+    """The page's title joins the op's entries' topics, its takeaway their advice (a shared one once)."""
+    from mha_rosetta.explain.differences import onnx_attention
+
+    page = onnx_attention(None)
+    assert page.status == "demonstrated"
+    assert page.title == (
+        "ONNX Attention (opset 23/24): sqrt(scale), softcap order, causal offset, empty rows, qk output modes"
+    )
+    assert page.takeaway == (
+        "fold the scale into Q for float64 graphs; do not trust torch.onnx.ops.attention's eager answer for softcap "
+        "with a mask or for is_causal with past_key; read qk_matmul_output modes from the runtime's own numbering"
+    )
+    shown = [run.split(":")[0] for run, _ in page.rows if not run.startswith(" ")]
+    assert shown == [name for name, known in KNOWN.items() if known.of_op]
+    assert "export_scale_float32" not in shown  # the exporter's, shown by the check's torch-onnx:export runs
 
 
 def test_softcap_after_mask_answer_by_hand():

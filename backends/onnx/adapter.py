@@ -33,12 +33,12 @@ from ..base import Backend, Prepared, StageTensor, UnsupportedCase
 from ..decoding import DecodeStep
 from .decode import prepare_decode_run, prepare_decode_step
 from .graph import ONNX_DTYPES, GraphSpec, build, full_tables, opsets
-from .known import KNOWN, known_answer
+from .known import HIDDEN_NOTE, KNOWN, OP_ATTRIBUTES, OP_VARIANTS, known_answer, qk_modes
 from .runtime import make_runner, op_plan
 
-# QK-norm at every place the registry has one (`NormStep`): RMSNorm nodes where the entry's step says, with its
-# weights (`graph.build`, `oracles.torch_heads`).
-ONNX_VARIANTS = frozenset({"window", "softcap", "qkv_bias", "alibi", "rel_bias", "rope_scaling"}) | frozenset(
+# What the op takes (`known.OP_VARIANTS`), and QK-norm at every place the registry has one (`NormStep`): RMSNorm
+# nodes where the entry's step says, with its weights (`graph.build`, `oracles.torch_heads`).
+ONNX_VARIANTS = frozenset(OP_VARIANTS) | frozenset(
     name for name, entry in VARIANT_REGISTRY.items() if entry.norm_step is not None
 )
 # This backend's graph also applies the output gate (`graph.build`: MatMul, Sigmoid and Mul after the Attention
@@ -47,21 +47,13 @@ ONNX_GRAPH_VARIANTS = ONNX_VARIANTS | {"gate"}
 OPSET24 = "opset24"  # the strategy that builds the same graph at opset 24
 OP = "the ONNX Attention op"  # as its refusals name it
 # The registry's refusals of the variants a kernel takes only through a hook that neither the op's attributes
-# (its softcap) nor this graph (the gate) give: each refused with its reason (`op_refusal`).
+# (`known.OP_ATTRIBUTES`) nor this graph (the gate) give: each refused with its reason (`op_refusal`).
 OP_REFUSALS = tuple(kernel_refusals(OP, ONNX_GRAPH_VARIANTS).values())
 
 
 def op_refusal(cfg: MHAConfig) -> str | None:
     """Why the Attention op cannot take a variant ``cfg`` switches on (`OP_REFUSALS`), or None."""
     return kernel_refusal(cfg, OP, ONNX_GRAPH_VARIANTS)
-
-
-HIDDEN_NOTE = (
-    "the Attention node fuses the scores, the softcap, the mask and the softmax; its qk_matmul_output shows the "
-    "scores (mode 0), the capped scores (1), the masked scores (2) and the weights (3), one more node each "
-    "(onnx #7913 numbering), never the biased scores apart from the mask they ride in, and the "
-    "ReferenceEvaluator's mode 0 returns the capped scores under a softcap, so onnx-reference shows no scores then"
-)
 
 
 class OnnxBackend(Backend):
@@ -71,8 +63,8 @@ class OnnxBackend(Backend):
     reference = False  # True: onnx.reference.ReferenceEvaluator runs the graph instead of ORT
     convention = (
         "an ONNX graph: MatMul+Add projections (weights (in, out)), Reshape+Transpose to (B, H, N, d), the standard "
-        "Attention op (opset 23/24; scale, is_causal, softcap attributes; bool attn_mask True = attend; "
-        "past_key/present_key cache), run by ONNX Runtime"
+        f"Attention op (opset 23/24; scale, is_causal, {', '.join(OP_ATTRIBUTES.values())} attributes; "
+        "bool attn_mask True = attend; past_key/present_key cache), run by ONNX Runtime"
     )
     dtypes = ONNX_DTYPES
     variants = ONNX_GRAPH_VARIANTS
@@ -147,7 +139,7 @@ class OnnxBackend(Backend):
         spec = self._graph(cfg, dtype, opset=self._opset(strategy), is_causal=is_causal, mask=kind, past_split=past)
         model, _ = build(spec, params)  # the weights cast to the graph dtype as initializers
         run = make_runner(model, self.reference)
-        modes = self._qk_modes(cfg, is_causal or mask is not None)
+        modes = qk_modes(cfg, is_causal or mask is not None, self.reference)
         stage_model, names = build(dataclasses.replace(spec, stages=True, qk_modes=modes), params)
         feeds = self._feeds(cfg, params, inputs, dtype, mask)
 
@@ -191,18 +183,6 @@ class OnnxBackend(Backend):
 
     def _prepare_decode_step(self, cfg, params, job: DecodeStep):
         return prepare_decode_step(self, cfg, params, job)
-
-    def _qk_modes(self, cfg: MHAConfig, masked: bool) -> tuple[tuple[int, str], ...]:
-        """The op's qk outputs that are spec stages, in the spec's numbering (onnx #7913); the ReferenceEvaluator's
-        mode 0 returns the capped scores when a softcap is set (measured, onnx 1.23), so it shows no scores then."""
-        modes = [(3, "weights")]
-        if not (self.reference and cfg.softcap is not None):
-            modes.append((0, "scores"))
-        if cfg.softcap is not None:
-            modes.append((1, "capped_scores"))
-        if masked:
-            modes.append((2, "masked_scores"))
-        return tuple(modes)
 
     @staticmethod
     def _note(name: str, spec: GraphSpec) -> str:

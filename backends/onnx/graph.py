@@ -37,6 +37,8 @@ from mha_rosetta.core import MHAConfig, MHAParams
 from mha_rosetta.core.rotary import rotary_pairs
 from mha_rosetta.core.variants import NormStep, norm_step
 
+from .known import op_attributes
+
 ONNX_DTYPES = ("float32", "float64")  # what ONNX Runtime's CPU Attention kernel runs here
 
 
@@ -181,8 +183,7 @@ def build(spec: GraphSpec, params: MHAParams):
     if spec.fold_scale:
         q_in = b.add("Mul", [q_in, b.const("scale", np.array(cfg.scale))], "q_scaled")
     attrs = {"scale": 1.0 if spec.fold_scale else float(cfg.scale), "is_causal": int(spec.is_causal)}
-    if cfg.softcap is not None:
-        attrs["softcap"] = float(cfg.softcap)
+    attrs.update(op_attributes(cfg))  # the variants the op carries as attributes (`known.OP_ATTRIBUTES`)
     v_in = v_heads
     if spec.past_split:  # cached keys as the op's past: its causal rule is then j <= i + past (bottom-right)
         k_in, past_k = _slice_past(b, k_in, spec.past_split, "k")

@@ -1,7 +1,13 @@
-"""The known differences of ONNX's ``Attention`` op and its runtimes, each with its source, and their answers.
+"""What the ONNX ``Attention`` op does with the spec's variants, and its known differences with their answers.
+
+The one place that knows the op's variants: which spec variant it takes and how (`OP_VARIANTS`), which
+it carries in an attribute of its own (`OP_ATTRIBUTES`, `op_attributes`), and which stages its
+``qk_matmul_output`` shows (`qk_modes`). The graph (`graph.build`), the backends (`adapter`,
+``torch-onnx``), the probe (`probe`) and the explainer (`explain.differences.onnx`) read them here.
 
 One table (`KNOWN`) says each difference once; the backends quote it in ``known_differences``,
-the explainer prints it (`explain.differences.onnx`), and `known_answer` computes, in float64
+the explainer prints it (`explain.differences.onnx`: each entry's ``topic`` makes its title, each
+``advice`` its takeaway), and `known_answer` computes, in float64
 NumPy from the oracle's own stage tensors, the output a library gives *because of* the
 difference. The check (`checks.agreement`) compares a run that leaves the spec with these
 answers: a run that lands on one within its dtype's tolerance is a known difference, named
@@ -35,18 +41,92 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAParams, allowed_positions, prepare_inputs, reference_stages
-from mha_rosetta.core.variants import softcap
+from mha_rosetta.core.variants import softcap, variant
+
+# The spec's variants the op takes, each by the registry entry's name, and where it goes (`graph.build` builds the
+# graph around the op so; torch-onnx's layers around torch's op do the same). QK-norm, at every place the registry
+# has one, is RMSNorm nodes before the op (`adapter.ONNX_VARIANTS` adds those entries from their `NormStep`).
+OP_VARIANTS: dict[str, str] = {
+    "window": "attn_mask (bool, on the positions)",
+    "softcap": "the op's softcap attribute (applied before the mask: the spec's order)",
+    "qkv_bias": "the projections' Add nodes",
+    "alibi": "attn_mask (float: the bias where allowed, -inf where blocked)",
+    "rel_bias": "attn_mask (float: T5's bias by bucket where allowed, -inf where blocked)",
+    "rope_scaling": "the rotary tables fed to the graph (core.rotary's scaled frequencies)",
+}
+# The variants the op carries in an attribute of its own: registry entry -> the attribute (`op_attributes`).
+OP_ATTRIBUTES: dict[str, str] = {"softcap": "softcap"}
+
+
+def op_attributes(cfg: MHAConfig) -> dict[str, float]:
+    """The op's attributes for the variants ``cfg`` switches on (`OP_ATTRIBUTES`), each the value of the entry's
+    field (``{"softcap": 1.5}``); {} for none."""
+    return {
+        attribute: float(getattr(cfg, variant(name).fields[0]))
+        for name, attribute in OP_ATTRIBUTES.items()
+        if variant(name).is_on(cfg)
+    }
+
+
+# What the op's qk_matmul_output shows, and where a runtime departs from it (`KNOWN["qk_mode_numbering"]`).
+HIDDEN_NOTE = (
+    "the Attention node fuses the scores, the softcap, the mask and the softmax; its qk_matmul_output shows the "
+    "scores (mode 0), the capped scores (1), the masked scores (2) and the weights (3), one more node each "
+    "(onnx #7913 numbering), never the biased scores apart from the mask they ride in, and the "
+    "ReferenceEvaluator's mode 0 returns the capped scores under a softcap, so onnx-reference shows no scores then"
+)
+
+
+def attribute_transform(scores: np.ndarray, attributes: dict) -> np.ndarray:
+    """The spec's float64 formula of the op's variant attributes set in ``attributes`` (`OP_ATTRIBUTES`: the cap
+    ``c * tanh(s / c)`` of its softcap), applied to ``scores``; the probe's readings of the op (`probe`)."""
+    return softcap(scores, attributes["softcap"]) if "softcap" in attributes else scores
+
+
+def qk_modes(cfg: MHAConfig, masked: bool, reference: bool) -> tuple[tuple[int, str], ...]:
+    """The op's qk outputs that are spec stages of ``cfg``, as (qk_matmul_output_mode, stage), in the spec's
+    numbering (onnx #7913); ``reference``: the ReferenceEvaluator, whose mode 0 returns the capped scores when a
+    softcap is set (measured, onnx 1.23), so it shows no scores then."""
+    capped = cfg.softcap is not None
+    modes = [(3, "weights")]
+    if not (reference and capped):
+        modes.append((0, "scores"))
+    if capped:
+        modes.append((1, "capped_scores"))
+    if masked:
+        modes.append((2, "masked_scores"))
+    return tuple(modes)
 
 
 @dataclass(frozen=True)
 class KnownDifference:
+    """One known difference: its text and source; ``topic``: a few words for the explainer's title; ``advice``:
+    what to do about it (the explainer's takeaway; differences with one answer share it); ``variant``: the registry
+    entry it concerns (it shows only on a case that switches that on; "" for any case); ``of_op``: a property of
+    the Attention op itself (probed bare: `probe.findings`), not of an exporter's graph; ``readings``: (the spec's,
+    the other) as the probe names what a runtime does, where it tells two apart."""
+
     name: str
     text: str
     source: str
+    topic: str = ""
+    advice: str = ""
+    variant: str = ""
+    of_op: bool = True
+    readings: tuple[str, str] = ("", "")
 
     def line(self) -> str:
         return f"{self.text} [source: {self.source}]"
 
+    def shows_on(self, cfg: MHAConfig) -> bool:
+        """Whether a case of ``cfg`` can show it: always, or where ``cfg`` switches its variant on."""
+        return not self.variant or variant(self.variant).is_on(cfg)
+
+
+# torch's eager op departs from the spec in two ways, with one answer.
+TORCH_EAGER_ADVICE = (
+    "do not trust torch.onnx.ops.attention's eager answer for softcap with a mask or for is_causal with past_key"
+)
 
 KNOWN = {
     known.name: known
@@ -58,6 +138,9 @@ KNOWN = {
             "spec unless the scale is folded into Q",
             "ONNX Attention (opset 23/24) 'scale' attribute type; measured: onnxruntime 1.32 and onnx 1.23 "
             "ReferenceEvaluator, float64",
+            topic="sqrt(scale)",
+            readings=("exact scale", "float32 sqrt(scale)"),
+            advice="fold the scale into Q for float64 graphs",
         ),
         KnownDifference(
             "export_scale_float32",
@@ -65,23 +148,33 @@ KNOWN = {
             "no Attention op) with the scale stored as a float32 constant, even in a float64 graph: float64 outputs "
             "use float32(scale)",
             "measured: torch 2.13 torch.onnx.export(dynamo=True) with onnxscript 0.7, run by onnxruntime 1.32",
+            of_op=False,  # shown by the check's torch-onnx:export runs
         ),
         KnownDifference(
             "softcap_after_mask",
             "torch.onnx.ops.attention applies the softcap after the mask (a blocked logit becomes -softcap and keeps "
             "weight); the spec applies it before the mask",
             "onnx #7865, #7867 (spec order: softcap, then mask); measured: torch 2.13 torch.onnx.ops.attention",
+            topic="softcap order",
+            readings=("softcap, then mask (the spec)", "mask, then softcap"),
+            advice=TORCH_EAGER_ADVICE,
+            variant="softcap",
         ),
         KnownDifference(
             "causal_past_top_left",
             "with past_key and is_causal=1, torch.onnx.ops.attention masks top-left on indices (j <= i), ignoring "
             "the past length; the op's spec, ONNX Runtime and the ReferenceEvaluator use j <= i + past",
             "onnx errata #8068 (offset-aware, bottom-right causal); measured: torch 2.13 torch.onnx.ops.attention",
+            topic="causal offset",
+            readings=("bottom-right (j <= i + past)", "top-left (j <= i)"),
+            advice=TORCH_EAGER_ADVICE,
         ),
         KnownDifference(
             "empty_rows_zero",
             "a query row with no allowed key gives a zero row (as the spec); SDPA gives NaN, MLX SDPA the mean of V",
             "ONNX Attention spec (fully-masked-row guard); measured: onnxruntime 1.32, onnx 1.23, torch 2.13",
+            topic="empty rows",
+            readings=("zero row", "mean of V"),
         ),
         KnownDifference(
             "qk_mode_numbering",
@@ -89,6 +182,8 @@ KNOWN = {
             "2 = after softcap and mask; torch.onnx.ops.attention still reads 1 = after the mask, 2 = mask then "
             "softcap; the ReferenceEvaluator's mode 0 returns the capped scores when a softcap is set",
             "onnx #7913; measured: onnxruntime 1.32, onnx 1.23 ReferenceEvaluator, torch 2.13",
+            topic="qk output modes",
+            advice="read qk_matmul_output modes from the runtime's own numbering",
         ),
     )
 }

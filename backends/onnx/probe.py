@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_rosetta.core.variants import softcap as spec_softcap
-
 from .._probe import import_failure
 from ..demos._needs import LibraryMissing
+from .known import KNOWN, OP_ATTRIBUTES, attribute_transform
 
 RUNTIMES = ("onnxruntime", "reference", "torch")
 RUNTIME_LABELS = {
@@ -80,14 +79,16 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return np.divide(exp, total, out=np.zeros_like(exp), where=total > 0)
 
 
-def _attend(q, k, v, scale, allowed=None, cap=None, cap_after_mask=False) -> np.ndarray:
+def _attend(q, k, v, scale, allowed=None, attributes=None, after_mask=False) -> np.ndarray:
+    """The float64 reading: scores, the op's variant ``attributes`` (the spec's formula) before the mask, or after
+    it with ``after_mask``, the softmax, the context."""
     scores = q @ k.swapaxes(-1, -2) * scale  # (B, H, Nq, T)
-    if cap is not None and not cap_after_mask:
-        scores = spec_softcap(scores, cap)
+    if attributes and not after_mask:
+        scores = attribute_transform(scores, attributes)
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
-    if cap is not None and cap_after_mask:
-        scores = spec_softcap(scores, cap)
+    if attributes and after_mask:
+        scores = attribute_transform(scores, attributes)
     return _softmax(scores) @ v
 
 
@@ -105,57 +106,54 @@ def findings(runtime: str, seed: int = 0) -> dict[str, str]:
     """What ``runtime`` does for each known difference, measured now on a small float64 case (B=1, H=2, d=4)."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((1, 2, n, 4)) for n in (3, 5, 5))
-    scale, cap = 0.3, 2.0
+    scale = 0.3
+    attributes = dict.fromkeys(OP_ATTRIBUTES.values(), 2.0)  # the op's variant attributes (its softcap), each 2
     allowed = rng.random((3, 5)) > 0.4
     allowed[:, 0] = True
     out = {}
     y = attention_call(runtime, q, k, v, scale=scale)[0]
     root = float(np.sqrt(np.float32(scale)))
     error = float(np.abs(y - _attend(q, k, v, scale)).max())
-    out["sqrt_scale"] = _closest(
-        y, {"exact scale": _attend(q, k, v, scale), "float32 sqrt(scale)": _attend(q, k, v, root * root)}, 1e-14
-    )
+    exact, float32_root = KNOWN["sqrt_scale"].readings
+    candidates = {exact: _attend(q, k, v, scale), float32_root: _attend(q, k, v, root * root)}
+    out["sqrt_scale"] = _closest(y, candidates, 1e-14)
     out["sqrt_scale"] += f" (max abs {error:.2g} from the exact float64 scale)"
     scale = 0.25  # from here on a scale whose square root float32 holds exactly: only the probed rule differs
-    y = attention_call(runtime, q, k, v, allowed, scale=scale, softcap=cap)[0]
-    out["softcap_after_mask"] = _closest(
-        y,
-        {
-            "softcap, then mask (the spec)": _attend(q, k, v, scale, allowed, cap),
-            "mask, then softcap": _attend(q, k, v, scale, allowed, cap, True),
-        },
-        1e-12,
-    )
+    y = attention_call(runtime, q, k, v, allowed, scale=scale, **attributes)[0]
+    before, after = KNOWN["softcap_after_mask"].readings
+    candidates = {
+        before: _attend(q, k, v, scale, allowed, attributes),
+        after: _attend(q, k, v, scale, allowed, attributes, after_mask=True),
+    }
+    out["softcap_after_mask"] = _closest(y, candidates, 1e-12)
     past = 2  # queries 0..2 of the block after 2 cached keys: keys 0..4 in all
     y = attention_call(
         runtime, q, k[:, :, past:], v[:, :, past:], past=(k[:, :, :past], v[:, :, :past]), scale=scale, is_causal=1
     )[0]
     bottom_right, top_left = np.tril(np.ones((3, 5), bool), past), np.tril(np.ones((3, 5), bool))
+    offset_aware, on_indices = KNOWN["causal_past_top_left"].readings
     out["causal_past_top_left"] = _closest(
-        y,
-        {
-            "bottom-right (j <= i + past)": _attend(q, k, v, scale, bottom_right),
-            "top-left (j <= i)": _attend(q, k, v, scale, top_left),
-        },
+        y, {offset_aware: _attend(q, k, v, scale, bottom_right), on_indices: _attend(q, k, v, scale, top_left)}
     )
     empty = allowed.copy()
     empty[1] = False
     row = attention_call(runtime, q, k, v, empty, scale=scale)[0][:, :, 1]
-    out["empty_rows_zero"] = _closest(row, {"zero row": np.zeros_like(row), "mean of V": v.mean(axis=2)})
+    zero, mean = KNOWN["empty_rows_zero"].readings
+    out["empty_rows_zero"] = _closest(row, {zero: np.zeros_like(row), mean: v.mean(axis=2)})
     scores = q @ k.swapaxes(-1, -2) * scale  # (B, H, Nq, T)
-    capped, masked = spec_softcap(scores, cap), np.where(allowed, scores, -np.inf)
+    capped, masked = attribute_transform(scores, attributes), np.where(allowed, scores, -np.inf)
     stages = {
         "scores": scores,
         "capped": capped,
         "capped+masked": np.where(allowed, capped, -np.inf),
         "masked": masked,
-        "masked+capped": spec_softcap(masked, cap),
+        "masked+capped": attribute_transform(masked, attributes),
         "weights": _softmax(np.where(allowed, capped, -np.inf)),
-        "weights (mask, then softcap)": _softmax(spec_softcap(masked, cap)),
+        f"weights ({after})": _softmax(attribute_transform(masked, attributes)),
     }
     modes = []
     for mode in range(4):
-        qk = attention_call(runtime, q, k, v, allowed, scale=scale, softcap=cap, qk_matmul_output_mode=mode)[3]
+        qk = attention_call(runtime, q, k, v, allowed, scale=scale, qk_matmul_output_mode=mode, **attributes)[3]
         modes.append(f"{mode}: {_closest(qk, stages, 1e-10)}")
     out["qk_mode_numbering"] = ", ".join(modes)
     return out

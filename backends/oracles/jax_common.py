@@ -27,9 +27,10 @@ from typing import NamedTuple
 import numpy as np
 
 from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
-from mha_rosetta.core.variants import alibi_bias, relative_distances, t5_buckets
+from mha_rosetta.core.variants import relative_distances, t5_buckets
 
 from ..base import Backend, Prepared, UnsupportedCase
+from ..frameworks.score_parts import distance_slopes
 from ..jax.common import (
     CompiledForward,
     check_matmul_precision,
@@ -158,13 +159,15 @@ class OutputRows(NamedTuple):
 def bias_tables(cfg: MHAConfig, inputs: MHAInputs) -> dict[str, np.ndarray]:
     """What an oracle's additive score ``bias`` is made of, NumPy at prepare time (`core.variants`), where on.
 
-    ``alibi``: ALiBi's whole bias ``m_h (p_j - p_i)`` (1|B, H, Nq, Nk) float32 (constants: the
-    slopes are not learned); ``bucket``: T5's bucket of each (query, key) pair (1|B, Nq, Nk) int32,
+    ``sloped``: ALiBi's whole bias ``m_h (p_j - p_i)`` (1|B, H, Nq, Nk) float32 (the slopes from its registry
+    entry, `score_parts.distance_slopes`; constants: they are not learned); ``bucket``: T5's bucket of each (query, key) pair (1|B, Nq, Nk) int32,
     which indexes ``params.rel_bias`` inside the traced pass, so that its gradient flows.
     """
     tables = {}
-    if cfg.alibi:
-        tables["alibi"] = alibi_bias(cfg.n_heads, inputs.positions, inputs.kv_positions).astype(np.float32)
+    slopes = distance_slopes(cfg)  # ALiBi's m_h (H,) float64, or None
+    if slopes is not None:
+        distance = relative_distances(inputs.positions, inputs.kv_positions).astype(np.float64)  # (1|B, Nq, Nk)
+        tables["sloped"] = (slopes[None, :, None, None] * distance[:, None]).astype(np.float32)  # (1|B, H, Nq, Nk)
     if cfg.rel_buckets is not None:
         distance = relative_distances(inputs.positions, inputs.kv_positions)  # (1|B, Nq, Nk)
         buckets = t5_buckets(distance, cfg.rel_buckets, cfg.rel_max_distance, cfg.rel_bidirectional)
@@ -176,7 +179,7 @@ def gathered_bias(cfg: MHAConfig, rel_table, tables: dict):
     """The score bias (1|B, H, Nq, Nk) of `bias_tables` in jnp: ALiBi's plus ``rel_table`` (buckets, H) gathered."""
     import jax.numpy as jnp
 
-    bias = tables.get("alibi")
+    bias = tables.get("sloped")
     if cfg.rel_buckets is not None:
         rel = jnp.moveaxis(rel_table[tables["bucket"]], -1, 1)  # (1|B, Nq, Nk, H) -> (1|B, H, Nq, Nk)
         bias = rel if bias is None else bias + rel

@@ -136,6 +136,10 @@ class JaxDotProductAttentionOracle(JaxOracle):
         "program scores, normalises and weights in one fusion (read in both compiled programs' HLO, jax 0.10.2; "
         "not timed apart)",
     }
+    # The package's own variants but those a kernel takes only through a hook (the registry's `kernel_refusals`), the
+    # sinks back in through the logsumexp it returns (a library's idiom); one registered from outside is not in the
+    # function, so it is refused.
+    variants = BUILTIN_VARIANTS - kernel_refusals(KERNEL, frozenset({"sinks"})).keys()
     known_differences = (
         "mask polarity: True = may attend (same as the spec)",
         "layout BTNH: query/key/value are (batch, tokens, heads, head_dim), heads after tokens",
@@ -153,14 +157,11 @@ class JaxDotProductAttentionOracle(JaxOracle):
         "no rotary embedding of its own: the heads are rotated before the call (our rotate_last_axis), as models do",
         WINDOW_SPELLINGS,
         "local_window_size counts on the token indices; with other positions the window is passed in the mask",
-        "no softcap: the logits are never exposed between the product and the softmax (bias is only added)",
+        # The registry's reason for each variant it has no hook for (its `kernel_refusals`, as `variant_reason` gives).
+        *(f"{why} (refused)" for why in kernel_refusals(KERNEL, variants).values()),
         "no sinks of its own: the context is rescaled by sigmoid(lse - sink) from its logsumexp (return_residual)",
         "ALiBi and the relative bias through bias=, in the inputs' dtype; QK-norm in the oracle's jnp projections",
     )
-    # The package's own variants but those a kernel takes only through a hook (the registry's `kernel_refusals`), the
-    # sinks back in through the logsumexp it returns (a library's idiom); one registered from outside is not in the
-    # function, so it is refused.
-    variants = BUILTIN_VARIANTS - kernel_refusals(KERNEL, frozenset({"sinks"})).keys()
     causal_on_positions = True  # its causal mask comes from the positions (base rule 7)
     decode_unsupported = (
         "jax.nn.dot_product_attention is a function of whole q, k and v arrays: JAX's library has no KV cache "

@@ -30,7 +30,7 @@ from mha_rosetta.core import MHAConfig, MHAInputs, MHAParams
 from .._recording import StageRecorder, record_stages
 from ..base import Backend, Prepared, StageTensor, tensor_to_numpy
 from ..onnx.adapter import ONNX_VARIANTS, op_refusal
-from ..onnx.known import KNOWN, known_answer
+from ..onnx.known import KNOWN, OP_ATTRIBUTES, known_answer, op_attributes
 from ..onnx.runtime import make_runner, op_plan
 from ..torch.common import param_tensors, torch_dtype, torch_inputs
 from .torch_heads import projected_heads_pass
@@ -42,9 +42,10 @@ class TorchOnnxOracle(Backend):
     """``torch.onnx.ops.attention`` between projections written in torch; or torch.onnx.export's graph in ORT."""
 
     convention = (
-        "torch.onnx.ops.attention(Q, K, V, attn_mask, past_key, past_value, is_causal=, scale=, softcap=) on "
-        "(B, H, N, d) heads from F.linear projections; strategy 'export': torch.onnx.export(dynamo=True) of the "
-        "layer around F.scaled_dot_product_attention, run by ONNX Runtime"
+        "torch.onnx.ops.attention(Q, K, V, attn_mask, past_key, past_value, is_causal=, scale=, "
+        f"{', '.join(f'{attribute}=' for attribute in OP_ATTRIBUTES.values())}) on (B, H, N, d) heads from F.linear "
+        "projections; strategy 'export': torch.onnx.export(dynamo=True) of the layer around "
+        "F.scaled_dot_product_attention, run by ONNX Runtime"
     )
     strategies = ("standard", EXPORT)
     dtypes = ("float32", "float64")
@@ -85,7 +86,7 @@ class TorchOnnxOracle(Backend):
         if info.get("exported_ops"):
             return [known_answer("export_scale_float32", cfg, params, args, stages)]
         answers = []
-        if cfg.softcap is not None:
+        if KNOWN["softcap_after_mask"].shows_on(cfg):  # a case with the variant it concerns
             answers.append(known_answer("softcap_after_mask", cfg, params, args, stages))
         if info.get("past_key_tokens"):
             answers.append(known_answer("causal_past_top_left", cfg, params, args, stages))
@@ -107,9 +108,8 @@ class TorchOnnxOracle(Backend):
             past_k = past_v = None
             if past:  # cached keys as the op's past: (B, Hkv, P, d) and the new (B, Hkv, Nk - P, d), views
                 past_k, k, past_v, v = k[:, :, :past], k[:, :, past:], v[:, :, :past], v[:, :, past:]
-            extra = {"softcap": float(cfg.softcap)} if cfg.softcap is not None else {}
             return torch.onnx.ops.attention(
-                q, k, v, attn_mask, past_k, past_v, is_causal=is_causal, scale=float(cfg.scale), **extra
+                q, k, v, attn_mask, past_k, past_v, is_causal=is_causal, scale=float(cfg.scale), **op_attributes(cfg)
             )[0]
 
         note = f"torch.onnx.ops.attention (is_causal={is_causal}, past_key tokens={past})"

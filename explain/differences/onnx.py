@@ -3,7 +3,8 @@
 The op is called bare (`backends.onnx.probe`: one node, float64, B=1, H=2, d=4) in ONNX Runtime,
 onnx's ReferenceEvaluator and torch's ``torch.onnx.ops.attention``; each row says which reading
 each runtime follows. The table of differences and their sources is `backends.onnx.known.KNOWN`,
-the same one the check quotes when it finds a difference in a run.
+the same one the check quotes when it finds a difference in a run; its entries' topics make the title and
+their advice the takeaway.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from mha_rosetta.core import error_line
 from ..seed_setup import Setup
 from .calls import Difference
 
-TITLE = "ONNX Attention (opset 23/24): sqrt(scale), softcap order, causal offset, empty rows, qk output modes"
-
 
 def onnx_attention(setup: Setup) -> Difference:
-    """Every entry of `KNOWN`, as each runtime does it (the setup's layer is not needed: the op is called bare)."""
+    """Every entry of `KNOWN` that is the op's, as each runtime does it (the setup's layer is not needed: the op is
+    called bare); an exporter's entries are shown by the check's torch-onnx:export runs."""
     runtimes, labels = onnx_runtimes()
+    of_op = [(name, known) for name, known in onnx_known_differences().items() if known.of_op]
+    title = f"ONNX Attention (opset 23/24): {', '.join(known.topic for _, known in of_op)}"
     measured: dict[str, dict[str, str]] = {}
     skipped = []
     for runtime in runtimes:
@@ -30,16 +32,11 @@ def onnx_attention(setup: Setup) -> Difference:
         except Exception as error:  # a runtime refusing the call is itself the evidence
             skipped.append(f"{labels[runtime]}: raised {error_line(error)}")
     if not measured:
-        return Difference("onnx_attention", TITLE, "skipped: " + "; ".join(skipped))
+        return Difference("onnx_attention", title, "skipped: " + "; ".join(skipped))
     rows = []
-    for name, known in onnx_known_differences().items():
-        if name == "export_scale_float32":
-            continue  # a property of torch.onnx.export's graph, shown by the check's torch-onnx:export runs
+    for name, known in of_op:
         rows.append((f"{name}: {known.text}", f"source: {known.source}"))
         rows += [(f"  {labels[runtime]}", found[name]) for runtime, found in measured.items()]
     rows += [(f"  {line}", "skipped") for line in skipped]
-    takeaway = (
-        "fold the scale into Q for float64 graphs; do not trust torch.onnx.ops.attention's eager answer for softcap "
-        "with a mask or for is_causal with past_key; read qk_matmul_output modes from the runtime's own numbering"
-    )
-    return Difference("onnx_attention", TITLE, "demonstrated", rows, takeaway)
+    takeaway = "; ".join(dict.fromkeys(known.advice for _, known in of_op if known.advice))  # shared advice once
+    return Difference("onnx_attention", title, "demonstrated", rows, takeaway)

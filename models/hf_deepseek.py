@@ -37,7 +37,7 @@ from mha_rosetta.core import MHAConfig, MHAParams, expected_param_shapes
 from mha_rosetta.core.variants.mla import KV_RANK, SIZES, fuse_kv_b, softmax_scale, split_kv_b
 
 from ._hf import hf_config, hf_forward, hf_implementation, hf_mask, hf_max_positions, hf_rope_parameters, rotary_tables
-from ._layout import SEPARATE, Layout
+from ._layout import SEPARATE, Layout, Rule
 from ._module_io import HFRope, hf_rope, torch_reader, unexpressible, unexpressible_config
 from ._real import HF_REQUIRES, torch_state
 
@@ -151,15 +151,29 @@ class DeepSeek:
         return _rules(self)
 
 
-def _rules(family: DeepSeek):
-    def mla(cfg: MHAConfig) -> str | None:
-        return None if cfg.kv_lora_rank is not None else f"{family.module} is latent attention: it needs kv_lora_rank"
+def latent_only(module: str) -> Rule:
+    """The rule of every DeepSeek latent reader (Hugging Face's and mlx-lm's): ``module`` is latent attention."""
 
+    def rule(cfg: MHAConfig) -> str | None:
+        return None if cfg.kv_lora_rank is not None else f"{module} is latent attention: it needs kv_lora_rank"
+
+    return rule
+
+
+def latent_norm_eps(cfg: MHAConfig) -> str | None:
+    """The rule of every DeepSeek latent reader: its latent norms' eps is 1e-6 whatever ``rms_norm_eps`` says."""
+    return None if cfg.norm_eps == 1e-6 else f"MHAConfig.norm_eps={cfg.norm_eps!r}: its latent norms use 1e-6"
+
+
+def latent_scale(cfg: MHAConfig) -> float:
+    """The spec's default scale of ``cfg``'s latent sizes and rope scaling (`core.variants.mla.softmax_scale`):
+    what DeepSeek's modules apply, Hugging Face's and mlx-lm's alike."""
+    return MHAConfig(**{**_sizes(cfg), "scale": None}).scale
+
+
+def _rules(family: DeepSeek):
     def causal(cfg: MHAConfig) -> str | None:
         return None if cfg.causal else f"MHAConfig.causal=False: {family.module} is a decoder layer (is_causal=True)"
-
-    def norm_eps(cfg: MHAConfig) -> str | None:
-        return None if cfg.norm_eps == 1e-6 else f"MHAConfig.norm_eps={cfg.norm_eps!r}: its latent norms use 1e-6"
 
     def interleave(cfg: MHAConfig) -> str | None:
         if family.complex_rotary and not cfg.rope_interleave:
@@ -167,12 +181,12 @@ def _rules(family: DeepSeek):
         return None
 
     def scale(cfg: MHAConfig) -> str | None:
-        expected = MHAConfig(**{**_sizes(cfg), "scale": None}).scale
+        expected = latent_scale(cfg)
         if abs(cfg.scale - expected) > 1e-15 * expected:
             return f"MHAConfig.scale={cfg.scale!r}: {family.module} scales by yarn_apply_mscale (here {expected!r})"
         return None
 
-    return (mla, causal, norm_eps, interleave, scale)
+    return (latent_only(family.module), causal, latent_norm_eps, interleave, scale)
 
 
 def _sizes(cfg: MHAConfig) -> dict:

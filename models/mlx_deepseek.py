@@ -41,6 +41,7 @@ from ._mlx_build import cast_parameters, mlx_rope_arguments, tiny_model_args
 from ._mlx_io import load_mlx, mlx_forward, mlx_reader, mlx_rope, scaling_read
 from ._module_io import unexpressible, unexpressible_config
 from .hf_deepseek import _names as latent_names  # the tensors stored one to one, as Hugging Face names them
+from .hf_deepseek import latent_norm_eps, latent_only, latent_scale  # the latent's rules, as Hugging Face's reader
 
 MODULE = "mlx_lm.models.deepseek_v3.DeepseekV3Attention"
 EMBED_Q, UNEMBED_OUT = "embed_q.weight", "unembed_out.weight"
@@ -123,14 +124,8 @@ def read(module) -> MHAConfig:
 
 
 def _rules():
-    def mla(cfg: MHAConfig) -> str | None:
-        return None if cfg.kv_lora_rank is not None else f"{MODULE} is latent attention: it needs kv_lora_rank"
-
     def causal(cfg: MHAConfig) -> str | None:
         return None if cfg.causal else f"MHAConfig.causal=False: {MODULE} is a decoder layer (its model's causal mask)"
-
-    def norm_eps(cfg: MHAConfig) -> str | None:
-        return None if cfg.norm_eps == 1e-6 else f"MHAConfig.norm_eps={cfg.norm_eps!r}: its latent norms use 1e-6"
 
     def interleave(cfg: MHAConfig) -> str | None:
         if cfg.rope_interleave:
@@ -138,15 +133,12 @@ def _rules():
         return f"MHAConfig.rope_interleave=False: {MODULE} always rotates adjacent pairs (initialize_rope(traditional=True))"
 
     def scale(cfg: MHAConfig) -> str | None:
-        sizes = ("d_model", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-        expected = MHAConfig(
-            **{n: getattr(cfg, n) for n in sizes}, v_head_dim=cfg.v_head_dim, rope_scaling=cfg.rope_scaling
-        ).scale
+        expected = latent_scale(cfg)
         if abs(cfg.scale - expected) > 1e-15 * expected:
             return f"MHAConfig.scale={cfg.scale!r}: {MODULE} scales by q_head_dim**-0.5 * m(factor, mscale_all_dim)**2"
         return None
 
-    return (mla, causal, norm_eps, interleave, scale, scaling_read(MODULE))
+    return (latent_only(MODULE), causal, latent_norm_eps, interleave, scale, scaling_read(MODULE))
 
 
 def _runner(cfg, state, x, padding, options):

@@ -219,7 +219,6 @@ LLAMA_FAMILY = MlxFamily(
     notes=("Mistral: mlx_lm/utils.py maps model_type 'mistral' to llama; its window is the model's mask",),
     example=LLAMA_LIKE_EXAMPLE,
 )
-LLAMA = mlx_layout(LLAMA_FAMILY)
 QWEN2_FAMILY = MlxFamily(
     layout="mlx-qwen2",
     package="qwen2",
@@ -230,7 +229,6 @@ QWEN2_FAMILY = MlxFamily(
     rules=(head_dim_is_width_over_heads("mlx_lm.models.qwen2.Attention"),),
     example={**LLAMA_LIKE_EXAMPLE, "bias": "qkv"},
 )
-QWEN2 = mlx_layout(QWEN2_FAMILY)
 QWEN3_FAMILY = MlxFamily(
     layout="mlx-qwen3",
     package="qwen3",
@@ -241,7 +239,6 @@ QWEN3_FAMILY = MlxFamily(
     qk_norm="head",
     example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "head"},
 )
-QWEN3 = mlx_layout(QWEN3_FAMILY)
 OLMO2_FAMILY = MlxFamily(
     layout="mlx-olmo2",
     package="olmo2",
@@ -251,7 +248,6 @@ OLMO2_FAMILY = MlxFamily(
     qk_norm="projection",
     example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "projection"},
 )
-OLMO2 = mlx_layout(OLMO2_FAMILY)
 GEMMA3_FAMILY = MlxFamily(
     layout="mlx-gemma3",
     package="gemma3_text",
@@ -270,7 +266,6 @@ GEMMA3_FAMILY = MlxFamily(
     ),
     example={**LLAMA_LIKE_EXAMPLE, "qk_norm": "head"},
 )
-GEMMA3 = mlx_layout(GEMMA3_FAMILY)
 PHI3_FAMILY = MlxFamily(
     layout="mlx-phi3",
     package="phi3",
@@ -287,7 +282,6 @@ PHI3_FAMILY = MlxFamily(
     notes=("longrope builds SuScaledRoPE: long_factor at every length, read as short_factor = long_factor",),
     example=LLAMA_LIKE_EXAMPLE,
 )
-PHI3 = mlx_layout(PHI3_FAMILY)
 GEMMA2_FAMILY = MlxFamily(
     layout="mlx-gemma2",
     package="gemma2",
@@ -308,7 +302,6 @@ GEMMA2_FAMILY = MlxFamily(
     ),
     example={**LLAMA_LIKE_EXAMPLE, "softcap": 50.0},
 )
-GEMMA2 = mlx_layout(GEMMA2_FAMILY)
 GPT_OSS_FAMILY = MlxFamily(
     layout="mlx-gpt-oss",
     package="gpt_oss",
@@ -326,7 +319,6 @@ GPT_OSS_FAMILY = MlxFamily(
     ),
     example={**LLAMA_LIKE_EXAMPLE, "bias": True, "sinks": True},
 )
-GPT_OSS = mlx_layout(GPT_OSS_FAMILY)
 QWEN3_NEXT_MODULE = "mlx_lm.models.qwen3_next.Qwen3NextAttention"
 QWEN3_NEXT_FAMILY = MlxFamily(
     layout="mlx-qwen3-next",
@@ -364,7 +356,6 @@ QWEN3_NEXT_FAMILY = MlxFamily(
     ),
     example=HF_QWEN3_NEXT.example,  # the same layer's: 2 kv heads, rotate-half on 2 features, QK-norm, the gate
 )
-QWEN3_NEXT = mlx_layout(QWEN3_NEXT_FAMILY)
 FAMILIES = {
     family.layout: family
     for family in (
@@ -379,3 +370,4 @@ FAMILIES = {
         QWEN3_NEXT_FAMILY,
     )
 }
+LAYOUTS = tuple(mlx_layout(family) for family in FAMILIES.values())  # models.LAYOUTS lists them in this order

@@ -53,6 +53,23 @@ def test_the_layouts_refuse_what_the_modules_cannot_hold():
     assert "yarn_apply_mscale" in reason
 
 
+@pytest.mark.parametrize("name", ["hf-deepseek-v2", "hf-deepseek-v3", "mlx-deepseek-v3"])
+def test_every_deepseek_reader_holds_the_latent_rules_of_hf_deepseek(name):
+    """Hugging Face's and mlx-lm's readers share the latent's rules (`hf_deepseek.latent_only`, `latent_norm_eps`,
+    `latent_scale`): the same refusals, and the spec's default scale (YaRN's mscale here) accepted when spelled out."""
+    layout = get_layout(name)
+    fields = dict(DEEPSEEK_V3_LIKE, rope_interleave=True)
+    default = MHAConfig(**fields).scale
+    assert layout.unsupported_reason(MHAConfig(**dict(fields, scale=default))) is None
+    plain = MHAConfig(d_model=12, n_heads=3, causal=True)
+    assert layout.unsupported_reason(plain) == f"{layout.module} is latent attention: it needs kv_lora_rank"
+    eps = MHAConfig(**dict(fields, norm_eps=1e-5))
+    assert layout.unsupported_reason(eps) == "MHAConfig.norm_eps=1e-05: its latent norms use 1e-6"
+    assert layout.unsupported_reason(MHAConfig(**dict(fields, scale=default * 1.01))).startswith(
+        f"MHAConfig.scale={default * 1.01!r}: {layout.module} scales by"
+    )
+
+
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("case", CASES)
 def test_the_real_modules_agree_with_the_oracle_held_to_float32_with_the_causes_named(case, implementation):

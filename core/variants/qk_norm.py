@@ -19,6 +19,7 @@ from ._entry import (
     Explanation,
     NormStep,
     ParamSpec,
+    StageSpec,
     Variant,
     numbers,
     value_option,
@@ -63,6 +64,25 @@ PARAMS = (
     ParamSpec("k_norm", "qk_norm", _norm_shape("k"), centre=1.0, spread=0.3),
 )
 STAGES = ("q_normed", "k_normed")
+# Between the head split and rotary; the backward's normed stages come right before d_q_heads (after rotary's).
+STAGE_SPECS = (
+    StageSpec(
+        "qk-norm",
+        "q_normed",
+        "q_heads after RMSNorm (over each head, or over the whole projection before the split); only with qk_norm",
+        after="v_heads",
+        like="q_heads",
+        grad_before="q_heads",
+    ),
+    StageSpec(
+        "qk-norm",
+        "k_normed",
+        "k_heads after RMSNorm; only with qk_norm",
+        after="q_normed",
+        like="k_heads",
+        grad_before="q_heads",
+    ),
+)
 _OPTIONS = (
     value_option("--qk-norm", "qk_norm", "RMSNorm of q and k: per head or projection", rank=30, choices=QK_NORMS),
     value_option("--norm-eps", "norm_eps", "the norms' epsilon (default 1e-6)", rank=31, needs="--qk-norm", type=float),
@@ -201,6 +221,7 @@ MISTAKES = (
     ),
 )
 SIMULATED = SimulatedSteps(projection=_simulated_projection, heads=_simulated_heads)
+
 PLANTED = PlantedSteps(projection=planted_norm("projection", rms_norm), heads=planted_norm("head", rms_norm))
 SETTINGS = {
     # Llama 3.1's layer (its rope scaling) with Qwen3's head QK-norm and Qwen2's q/k/v bias; d_k = 8.
@@ -220,6 +241,7 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
         validate=_validate,
         params=PARAMS,
         stages=STAGES,
+        stage_specs=STAGE_SPECS,  # both places declare them: one stage each (`core.stages`)
         forward=rms_norm,
         backward=rms_norm_vjp,
         check_cases=(check,),

@@ -6,7 +6,19 @@ import numpy as np
 
 from .._validate import require_positive_number
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, value_option
+from ._entry import (
+    BenchSpec,
+    CaseSpec,
+    Config,
+    Explanation,
+    OpsCall,
+    ScoreStep,
+    StageSpec,
+    Variant,
+    demo,
+    numbers,
+    value_option,
+)
 from ._shared import given, softmax_with_empty_rows
 
 
@@ -137,7 +149,20 @@ ENTRY = Variant(
     **given("softcap"),
     validate=_validate,
     stages=("capped_scores",),
-    score_step=ScoreStep("transform", "softcap"),
+    stage_specs=(
+        StageSpec("softcap", "capped_scores", "softcap * tanh(scores / softcap); only with softcap", after="scores"),
+    ),
+    score_step=ScoreStep(
+        "transform",
+        "softcap",
+        call=OpsCall(
+            "capped_scores",
+            "c * tanh(s / c)",
+            forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
+            backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
+            saves_input=True,
+        ),
+    ),
     # A fused kernel takes the cap only where it hands the scores to a hook (FlexAttention's score_mod, ONNX's
     # softcap attribute); an additive mask cannot carry a tanh.
     kernel_refusal="{kernel} has no softcap: the scores are never exposed between the product and the softmax",

@@ -2,7 +2,7 @@
 its backward (QK-norm's, Llama 4's after rotary, Gemma 4's value norm, MLA's latent norms), the
 entry keywords of a variant one bool field switches on, those of an additive bias on the scores (ALiBi, T5's
 buckets: their stage, place and ops call), the entry keywords, validation and explainer grid of the positional masks
-one optional integer switches on (window, chunks)."""
+one optional integer switches on (window, chunks), and the NumPy candidate's idioms of diagnose's steps written once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from .._validate import require_positive_int
+from ._diagnose import PlantedIdioms, PlantedSteps
 from ._entry import ConfigField, OpsCall, ScoreStep, StageSpec
 
 
@@ -49,6 +50,24 @@ def softmax_with_empty_rows(scores: np.ndarray) -> np.ndarray:
     exp = np.exp(shifted)
     total = np.sum(exp, axis=-1, keepdims=True)
     return np.where(empty, 0.0, exp / np.where(empty, 1.0, total))
+
+
+# The NumPy candidate's idioms (`PlantedIdioms`): what the entries' candidate steps written once call in NumPy.
+NUMPY_IDIOMS = PlantedIdioms(
+    tanh=np.tanh, rms_norm=rms_norm, asarray=np.asarray, concat=np.concatenate, broadcast_to=np.broadcast_to
+)
+
+
+def written_once(planted_in: Callable[[PlantedIdioms], PlantedSteps]) -> dict:
+    """`DiagnoseSpec` keywords (``**written_once(planted_in)``) of candidate steps written once over a candidate's
+    idioms: ``planted_in`` itself (the torch candidate calls it with torch's) and the NumPy candidate's steps."""
+    return dict(planted=planted_in(NUMPY_IDIOMS), planted_in=planted_in)
+
+
+def every_candidate(steps: PlantedSteps) -> dict:
+    """`DiagnoseSpec` keywords (``**every_candidate(steps)``) of candidate steps that no library spells: every
+    candidate runs them as they are (NumPy frequencies of rotary, which tensor is read for which)."""
+    return written_once(lambda idioms: steps)
 
 
 def optional_positive_int(field: str) -> Callable[[object], dict]:

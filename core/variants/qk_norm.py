@@ -24,7 +24,7 @@ from ._entry import (
     numbers,
     value_option,
 )
-from ._shared import rms_norm, rms_norm_vjp
+from ._shared import rms_norm, rms_norm_vjp, written_once
 from .models import MODELS
 
 # Where QK-norm takes its statistics (`rms_norm`): over each head's d_k features
@@ -222,7 +222,14 @@ MISTAKES = (
 )
 SIMULATED = SimulatedSteps(projection=_simulated_projection, heads=_simulated_heads)
 
-PLANTED = PlantedSteps(projection=planted_norm("projection", rms_norm), heads=planted_norm("head", rms_norm))
+
+def _planted(idioms) -> PlantedSteps:
+    """The candidates' QK-norm at either place, with their library's RMSNorm (the torch one's ``torch.rsqrt``)."""
+    return PlantedSteps(
+        projection=planted_norm("projection", idioms.rms_norm), heads=planted_norm("head", idioms.rms_norm)
+    )
+
+
 SETTINGS = {
     # Llama 3.1's layer (its rope scaling) with Qwen3's head QK-norm and Qwen2's q/k/v bias; d_k = 8.
     "head": dict(MODELS["llama3"].config, d_model=24, bias="qkv", qk_norm="head"),
@@ -258,7 +265,7 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
             mistakes=MISTAKES,
             settings=((f"qk-norm-{place}", SETTINGS[place]),),
             simulated=SIMULATED,
-            planted=PLANTED,
+            **written_once(_planted),
             normalises_qk=True,
             regroup_heads=_regroup,
         ),

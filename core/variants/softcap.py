@@ -19,7 +19,7 @@ from ._entry import (
     numbers,
     value_option,
 )
-from ._shared import given, softmax_with_empty_rows
+from ._shared import given, softmax_with_empty_rows, written_once
 
 
 def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
@@ -103,18 +103,19 @@ def _simulated_after_mask(cfg: Config, masked, mistake):  # blocked scores becom
     return softcap(masked, cfg.softcap) if mistake == "after_mask" else masked
 
 
-def _planted_capped(
-    cfg: Config, scores
-):  # the candidate's own cap, written apart from `softcap` (it tests the simulator)
-    return cfg.softcap * np.tanh(scores / cfg.softcap)
+def _planted(idioms) -> PlantedSteps:
+    """The candidates' cap, written apart from `softcap` (it tests the simulator), in ``idioms``' library."""
 
+    def capped(cfg: Config, scores):
+        return cfg.softcap * idioms.tanh(scores / cfg.softcap)
 
-def _planted_cap(cfg: Config, scores, mistake):
-    return _planted_capped(cfg, scores) if mistake is None else scores
+    def cap(cfg: Config, scores, mistake):
+        return capped(cfg, scores) if mistake is None else scores
 
+    def after_mask(cfg: Config, scores, mistake):
+        return capped(cfg, scores) if mistake == "after_mask" else scores
 
-def _planted_after_mask(cfg: Config, scores, mistake):
-    return _planted_capped(cfg, scores) if mistake == "after_mask" else scores
+    return PlantedSteps(transform=cap, masked=after_mask)
 
 
 DIAGNOSE = DiagnoseSpec(
@@ -139,7 +140,7 @@ DIAGNOSE = DiagnoseSpec(
     # Gemma 2's: softcap, causal window of 3, a scale of its own, GQA, rotary; d_k = 6.
     settings=(("softcap-window", dict(GQA_ROTARY, window=3, softcap=1.5, scale=0.3, bias=False)),),
     simulated=SimulatedSteps(transform=_simulated_cap, masked=_simulated_after_mask),
-    planted=PlantedSteps(transform=_planted_cap, masked=_planted_after_mask),
+    **written_once(_planted),
 )
 
 

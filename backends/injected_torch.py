@@ -8,14 +8,16 @@ rotates with (None: no rotation). It takes canonical `MHAParams` and returns a t
 is written apart from diagnose's simulator and from the NumPy candidate, so diagnosing it tests the
 simulator against independent code.
 
-The variants in torch idioms are `TORCH_STEPS`, a `PlantedSteps` per variant (the NumPy candidate's
-are its entries'): Hugging Face's ``torch.rsqrt`` RMSNorm, BLOOM's slopes, T5's
-``_relative_position_bucket`` in torch, FlashAttention's ``window_size=(left, right)`` (a mask of
-blocked keys), gpt-oss's sink column dropped after the softmax. The rotary frequencies are the
-entry's NumPy ones (the mistake is which ``rope_scaling`` is passed, not the formula). The forms of
-2025-26 (Llama 4's temperature and QK-norm after rotary, MLA's heads from its latents) are
-`backends.injected_torch_forms`'. A variant whose entry plants steps and that has none here is refused
-(`unspelled`): its bugs run in the NumPy candidate only until its torch spelling is written here.
+A variant whose steps are the same arithmetic in both candidates is written once in its entry over a
+candidate's idioms (`DiagnoseSpec.planted_in`), which this module gives in torch (`torch_idioms`: Hugging
+Face's ``torch.rsqrt`` RMSNorm, ``torch.tanh``, gpt-oss's sink column by ``torch.cat``); the rotary
+frequencies of rope scaling are the entry's NumPy ones for both (the mistake is which ``rope_scaling``
+is passed, not the formula). The variants whose torch idiom differs are `TORCH_STEPS`, a `PlantedSteps`
+per variant: BLOOM's slopes, T5's ``_relative_position_bucket`` in torch, FlashAttention's
+``window_size=(left, right)`` (a mask of blocked keys), and the forms of 2025-26 (Llama 4's temperature
+and QK-norm after rotary, MLA's heads from its latents: `backends.injected_torch_forms`'). A variant
+whose entry plants steps and that has neither is refused (`unspelled`): its bugs run in the NumPy
+candidate only until its torch spelling is written.
 
 torch is imported inside the functions only.
 """
@@ -23,13 +25,12 @@ torch is imported inside the functions only.
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import numpy as np
 
 from mha_rosetta.core import MHAConfig
-from mha_rosetta.core.variants import VARIANT_REGISTRY, PlantedSteps, planted_heads, steps_at, variant, variants_on
-from mha_rosetta.core.variants.qk_norm import PLANTED as NUMPY_NORM_STEPS
-from mha_rosetta.core.variants.qk_norm import planted_norm
+from mha_rosetta.core.variants import PlantedIdioms, PlantedSteps, planted_heads, steps_at, variants_on
 
 from .injected_torch_forms import FORM_STEPS
 
@@ -89,20 +90,6 @@ def _positions(q_tokens: int, kv_tokens: int):
     return torch.arange(q_tokens)[:, None], torch.arange(kv_tokens)[None, :]
 
 
-def _torch_cap(cfg: MHAConfig, scores):  # the torch candidate's cap, in torch's idiom
-    import torch
-
-    return torch.tanh(scores / cfg.softcap) * cfg.softcap
-
-
-def _capped(cfg: MHAConfig, scores, mistake):
-    return _torch_cap(cfg, scores) if mistake is None else scores
-
-
-def _capped_after_mask(cfg: MHAConfig, scores, mistake):
-    return _torch_cap(cfg, scores) if mistake == "after_mask" else scores
-
-
 def _alibi_bias(cfg: MHAConfig, params, q_tokens: int, kv_tokens: int, mistake):
     context_position, memory_position = _positions(q_tokens, kv_tokens)
     slopes = torch_alibi_slopes(cfg.n_heads, mistake == "power_of_two")
@@ -144,25 +131,6 @@ def _chunk_blocked(cfg: MHAConfig, q_tokens: int, kv_tokens: int, mistake):
     return (i + shift) // C != (j + shift) // C
 
 
-def _sink_column(cfg: MHAConfig, params, scores, v, mistake):
-    import torch
-
-    if mistake == "ignored":
-        return scores, v, False
-    sinks = torch.from_numpy(np.ascontiguousarray(params.sinks))
-    sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)  # (B, H, Nq, 1) view
-    scores = torch.cat([scores, sink], dim=-1)  # (B, H, Nq, Nk+1)
-    if mistake == "value":
-        return scores, torch.cat([v, v[:, :, :1]], dim=2), False  # (B, H, Nk+1, Dv)
-    return scores, v, True
-
-
-_QK_NORM = PlantedSteps(
-    projection=planted_norm("projection", torch_rms_norm), heads=planted_norm("head", torch_rms_norm)
-)
-
-
-# variant -> its steps in torch idioms (`PlantedSteps`, the torch side of the NumPy candidate's entry steps).
 def _gated(cfg: MHAConfig, t, query, merged, mistake):
     """Qwen3-Next's ``attn_output * torch.sigmoid(gate)``; ``t``: the candidate's tensors by name."""
     import torch
@@ -183,35 +151,55 @@ def _torch_value_norm(cfg: MHAConfig, params, v, k_raw, k_rotated, mistake):
     return normed * torch.from_numpy(params.k_norm) if mistake == "k_weight" else normed
 
 
+# variant -> its steps in torch idioms (`PlantedSteps`), where the torch idiom differs from the NumPy candidate's
+# (the others' are written once in their entries: `torch_steps`).
 TORCH_STEPS: dict[str, PlantedSteps] = {
     "window": PlantedSteps(mask=_window_blocked),
     "chunked": PlantedSteps(mask=_chunk_blocked),
-    "softcap": PlantedSteps(transform=_capped, masked=_capped_after_mask),
-    # QK-norm at either place: every entry that plants its NumPy steps (the mistake is the place) plants these
-    **{e.name: _QK_NORM for e in VARIANT_REGISTRY.values() if e.diagnose and e.diagnose.planted is NUMPY_NORM_STEPS},
     "alibi": PlantedSteps(bias=_alibi_bias),
     "rel_bias": PlantedSteps(bias=_t5_bias),
-    "sinks": PlantedSteps(columns=_sink_column),
-    "rope_scaling": variant("rope_scaling").diagnose.planted,  # the NumPy frequencies
     "gate": PlantedSteps(output=_gated),
-    "k_eq_v": variant("k_eq_v").diagnose.planted,  # value_states = key_states: no array op of its own
     "value_norm": PlantedSteps(values=_torch_value_norm),
     **FORM_STEPS,  # Llama 4's temperature and QK-norm after rotary, MLA
 }
 
 
+@cache
+def torch_idioms() -> PlantedIdioms:
+    """torch's idioms for the entries' candidate steps written once (`core.variants.PlantedIdioms`): ``torch.tanh``,
+    Hugging Face's ``torch.rsqrt`` RMSNorm, ``torch.from_numpy``, ``torch.cat``, ``expand``."""
+    import torch
+
+    return PlantedIdioms(
+        tanh=torch.tanh,
+        rms_norm=torch_rms_norm,
+        asarray=lambda a: torch.from_numpy(np.ascontiguousarray(a)),
+        concat=lambda arrays, axis: torch.cat(arrays, dim=axis),
+        broadcast_to=lambda x, shape: x.expand(shape),  # a broadcast view
+    )
+
+
+def torch_steps(entry) -> PlantedSteps | None:
+    """The torch candidate's steps of the variant ``entry``: its steps written once over torch's idioms
+    (`DiagnoseSpec.planted_in`), else its torch spelling here (`TORCH_STEPS`), else None (unspelled)."""
+    spec = entry.diagnose
+    if spec is not None and spec.planted_in is not None:
+        return spec.planted_in(torch_idioms())
+    return TORCH_STEPS.get(entry.name)
+
+
 def unspelled(cfg: MHAConfig) -> list[str]:
-    """The variants of ``cfg`` whose entries plant steps that `TORCH_STEPS` does not spell."""
+    """The variants of ``cfg`` whose entries plant steps that the torch candidate does not spell."""
     return [
         e.name
         for e in variants_on(cfg)
-        if e.diagnose is not None and not e.diagnose.planted.empty and e.name not in TORCH_STEPS
+        if e.diagnose is not None and not e.diagnose.planted.empty and torch_steps(e) is None
     ]
 
 
 def _steps(cfg: MHAConfig, place: str, mistakes):
     """(step, mistake) of each variant of ``cfg`` at ``place`` in torch idioms, in registry order."""
-    return steps_at(variants_on(cfg), place, mistakes, lambda e: TORCH_STEPS.get(e.name))
+    return steps_at(variants_on(cfg), place, mistakes, torch_steps)
 
 
 def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str | None):

@@ -80,23 +80,17 @@ from .variants.mla import mla_on
 
 # Backward stages in the order the backward pass produces them, each with the forward
 # stage whose shape (and canonical layout) it has.
-# A variant's backward stage exists exactly when its forward stage does (`core.stages.stage_names`).
+# A variant's backward stage exists exactly when its forward stage does (`core.stages.stage_names`); those of the
+# variants' stages are inserted from their entries' `StageSpec`s below.
 GRAD_STAGES: tuple[tuple[str, str], ...] = (
     ("d_output", "output"),
     ("d_merged", "merged"),
     ("d_context", "context"),
     ("d_weights", "weights"),
     ("d_v_heads", "v_heads"),
-    ("d_biased_scores", "biased_scores"),
-    ("d_capped_scores", "capped_scores"),
     ("d_scores", "scores"),
-    ("d_q_tempered", "q_tempered"),
-    ("d_q_rotated_normed", "q_rotated_normed"),
-    ("d_k_rotated_normed", "k_rotated_normed"),
     ("d_q_rotated", "q_rotated"),
     ("d_k_rotated", "k_rotated"),
-    ("d_q_normed", "q_normed"),
-    ("d_k_normed", "k_normed"),
     ("d_q_heads", "q_heads"),
     ("d_k_heads", "k_heads"),
     ("d_q", "q"),
@@ -106,14 +100,17 @@ GRAD_STAGES: tuple[tuple[str, str], ...] = (
 
 
 def _with_registry_stages(stages):
-    """``stages`` with the backward stage of each stage an entry from outside adds, before its anchor's."""
+    """``stages`` with the backward stage of each stage an entry adds (`StageSpec`), right before that of its
+    ``grad_before`` (default: its anchor), in registry order; a stage several entries add into, once."""
     listed, last = list(stages), []  # the backward stages of stages added `before` one: last, in reverse order
     for entry in VARIANT_REGISTRY.values():
         for spec in entry.stage_specs:
+            if f"d_{spec.name}" in (name for name, _ in (*listed, *last)):
+                continue  # declared by an entry before (`core.stages` checks that the declarations agree)
             if spec.before:
                 last.insert(0, (f"d_{spec.name}", spec.name))
                 continue
-            at = [forward for _, forward in listed].index(spec.after)
+            at = [forward for _, forward in listed].index(spec.grad_before or spec.after)
             listed.insert(at, (f"d_{spec.name}", spec.name))
     return (*listed, *last)
 

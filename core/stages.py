@@ -19,10 +19,10 @@ one configuration, in pipeline order. ``masked_scores`` masks the last score sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import MHAConfig
-from .variants import BUILT_FROM_REGISTRY, VARIANT_REGISTRY, stage_owners
+from .variants import BUILT_FROM_REGISTRY, VARIANT_REGISTRY, StageSpec, stage_owners
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ Q_HEADS = ("B", "H", "Nq", "Dk")
 K_HEADS = ("B", "Hkv", "Nk", "Dk")
 SCORES = ("B", "H", "Nq", "Nk")
 
+# The stages every configuration has; the variants' own (their entries' `StageSpec`s) are inserted below.
 STAGES: tuple[Stage, ...] = (
     Stage("project", "q", ("B", "Nq", "H*Dk"), "query tokens times w_q.T plus b_q: all heads side by side"),
     Stage("project", "k", ("B", "Nk", "Hkv*Dk"), "key tokens times w_k.T plus b_k"),
@@ -47,13 +48,6 @@ STAGES: tuple[Stage, ...] = (
     Stage("split heads", "k_heads", K_HEADS, "keys per kv head"),
     Stage("split heads", "v_heads", ("B", "Hkv", "Nk", "Dv"), "values per kv head"),
     Stage(
-        "qk-norm",
-        "q_normed",
-        Q_HEADS,
-        "q_heads after RMSNorm (over each head, or over the whole projection before the split); only with qk_norm",
-    ),
-    Stage("qk-norm", "k_normed", K_HEADS, "k_heads after RMSNorm; only with qk_norm"),
-    Stage(
         "rotary",
         "q_rotated",
         Q_HEADS,
@@ -61,28 +55,7 @@ STAGES: tuple[Stage, ...] = (
         "unchanged without rope",
     ),
     Stage("rotary", "k_rotated", K_HEADS, "k_normed (k_heads) turned the same way"),
-    Stage(
-        "qk-norm after rotary",
-        "q_rotated_normed",
-        Q_HEADS,
-        "q_rotated with each head RMS-normed, no weight (Llama 4); only with qk_norm_after_rope",
-    ),
-    Stage("qk-norm after rotary", "k_rotated_normed", K_HEADS, "k_rotated normed the same way"),
-    Stage(
-        "temperature",
-        "q_tempered",
-        Q_HEADS,
-        "the queries times 1 + attn_scale * log1p(floor((p + floor_offset) / floor_scale)) (Llama 4's NoPE "
-        "layers: floor_offset 1; Mistral 4: 0); only with attn_temperature_tuning",
-    ),
     Stage("scores", "scores", SCORES, "scale * q_h @ k_g.T, before any mask (g = h // group size)"),
-    Stage("softcap", "capped_scores", SCORES, "softcap * tanh(scores / softcap); only with softcap"),
-    Stage(
-        "score bias",
-        "biased_scores",
-        SCORES,
-        "plus m_h (p_j - p_i) (alibi) and rel_bias[bucket(p_j - p_i), h] (rel_buckets); only with either",
-    ),
     Stage("mask", "masked_scores", SCORES, "the last score stage with blocked positions set to -inf"),
     Stage(
         "softmax",
@@ -97,14 +70,32 @@ STAGES: tuple[Stage, ...] = (
 
 
 def _with_registry_stages(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
-    """``stages`` with those of entries registered from outside (`core.variants.StageSpec`), each after its anchor."""
+    """``stages`` with those of every registered entry (`core.variants.StageSpec`), in registry order, each after
+    its anchor; a stage several entries add into (the additive biases') once, its meaning with each one's term."""
     listed = list(stages)
+    declared: dict[str, tuple[StageSpec, list[str]]] = {}  # a stage's first declaration and every entry's term
     for entry in VARIANT_REGISTRY.values():
         for spec in entry.stage_specs:
+            if spec.name in declared:
+                first, terms = declared[spec.name]
+                if not first.joins(spec):
+                    raise ValueError(
+                        f"variant {entry.name!r} declares the stage {spec.name!r} otherwise than an entry before it: "
+                        f"{spec!r} against {first!r}"
+                    )
+                terms.append(spec.term)
+                continue
+            if spec.name in (stage.name for stage in listed):
+                raise ValueError(f"variant {entry.name!r} declares the stage {spec.name!r}, which core.stages has")
             names = [stage.name for stage in listed]
             at = names.index(spec.before) if spec.before else names.index(spec.after) + 1
             shape = spec.shape or next(stage.shape for stage in listed if stage.name == spec.like)
             listed.insert(at, Stage(spec.step, spec.name, shape, spec.meaning))
+            declared[spec.name] = (spec, [spec.term])
+    for name, (spec, terms) in declared.items():
+        if spec.term:  # a template over the terms of every entry that adds into it
+            at = [stage.name for stage in listed].index(name)
+            listed[at] = replace(listed[at], meaning=spec.meaning.format(terms=" and ".join(terms)))
     BUILT_FROM_REGISTRY.append("the stage table")
     return tuple(listed)
 

@@ -150,6 +150,57 @@ def test_torch_alibi_slopes_are_blooms():
     np.testing.assert_allclose(torch_alibi_slopes(6, True).numpy(), numpy_alibi_slopes(6, True), rtol=1e-15)
 
 
+@requires("torch")
+def test_candidate_steps_written_once_give_both_candidates_the_same_numbers():
+    """An entry that writes its candidate steps once (`DiagnoseSpec.planted_in`) gives the NumPy candidate
+    ``planted_in(NumPy's idioms)`` and the torch candidate the same steps over torch's (`torch_steps`); the others
+    are spelled in torch apart (`TORCH_STEPS`), never both. On the same float64 inputs, right and with each
+    mistake, the two agree to the last bit (the sink column) or to rounding (each library's tanh and rsqrt)."""
+    import torch
+
+    from mha_rosetta.backends.injected_torch import TORCH_STEPS, torch_steps
+    from mha_rosetta.core.variants import VARIANT_REGISTRY, variant
+
+    once = {name for name, e in VARIANT_REGISTRY.items() if e.diagnose and e.diagnose.planted_in}
+    assert once == {"softcap", "qk_norm_head", "qk_norm_projection", "sinks", "rope_scaling", "k_eq_v"}
+    assert not once & set(TORCH_STEPS)
+    rng = np.random.default_rng(7)
+    scores = rng.standard_normal((2, 4, 5, 6)) * 3  # (B, H, Nq, Nk)
+    v = rng.standard_normal((2, 4, 6, 3))  # (B, H, Nk, Dv)
+    cfg = SETTINGS["softcap-window"]
+    steps = {"numpy": variant("softcap").diagnose.planted, "torch": torch_steps(variant("softcap"))}
+    for mistake in (None, "after_mask", "dropped"):
+        for place in ("transform", "masked"):
+            want = getattr(steps["numpy"], place)(cfg, scores, mistake)
+            got = getattr(steps["torch"], place)(cfg, torch.from_numpy(scores), mistake)
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-15, atol=0, err_msg=f"{place} {mistake}")
+    assert np.array_equal(steps["numpy"].transform(cfg, scores, None), 1.5 * np.tanh(scores / 1.5))
+    cfg = SETTINGS["sinks-yarn"]
+    params = init_params(cfg, seed=3)
+    numpy_column, torch_column = variant("sinks").diagnose.planted.columns, torch_steps(variant("sinks")).columns
+    for mistake in (None, "ignored", "value"):
+        want = numpy_column(cfg, params, scores, v, mistake)
+        got = torch_column(cfg, params, torch.from_numpy(scores), torch.from_numpy(v), mistake)
+        assert got[2] == want[2] and want[2] == (mistake is None), mistake
+        for a, b in zip(got[:2], want[:2], strict=True):
+            np.testing.assert_array_equal(a.numpy(), b, err_msg=str(mistake))
+    assert np.array_equal(
+        numpy_column(cfg, params, scores, v, None)[0][..., -1], np.broadcast_to(params.sinks[:, None], (2, 4, 5))
+    )
+    cfg = SETTINGS["qk-norm-head"]
+    params = init_params(cfg, seed=4)
+    q, k = rng.standard_normal((2, cfg.n_heads, 5, cfg.d_k)), rng.standard_normal((2, cfg.n_kv_heads, 5, cfg.d_k))
+    numpy_heads, torch_heads = (
+        variant("qk_norm_head").diagnose.planted.heads,
+        torch_steps(variant("qk_norm_head")).heads,
+    )
+    for mistake in (None, "projection"):
+        want = numpy_heads(cfg, params, q, k, mistake)
+        got = torch_heads(cfg, params, torch.from_numpy(q), torch.from_numpy(k), mistake)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a.numpy(), b, rtol=1e-14, atol=1e-15, err_msg=str(mistake))
+
+
 def test_window_mask_repair_hand_computed():
     cfg = MHAConfig(d_model=8, n_heads=2, causal=True, window=2)
     mask = np.ones((1, 1, 4, 4), bool)

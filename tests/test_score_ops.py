@@ -223,8 +223,44 @@ def test_the_steps_come_from_core_s_registry_and_an_unknown_op_is_named(monkeypa
         "softcap": replace(VARIANT_REGISTRY["softcap"], score_step=ScoreStep("transform", "temperature")),
     }
     monkeypatch.setattr(ops, "VARIANT_REGISTRY", unknown)
-    with pytest.raises(KeyError, match=r"score op 'temperature' \(variant 'softcap'\).*add it to OP_STEPS"):
+    with pytest.raises(KeyError, match=r"score op 'temperature' \(variant 'softcap'\).*OpsCall.*register_score_op"):
         ops._steps_in_registry_order()
+
+
+def test_how_each_op_is_called_comes_from_its_entries_and_one_op_has_one_call(monkeypatch):
+    """`OP_STEPS` is gathered from the entries' `OpsCall`s (ALiBi and T5 share one, the window and the chunks
+    another); an entry that calls a shared op otherwise is refused by name, never silently overridden."""
+    from dataclasses import replace
+
+    from mha_rosetta.backends.frameworks import ops
+    from mha_rosetta.core.variants import VARIANT_REGISTRY, OpsCall, ScoreStep
+
+    calls = {
+        e.score_step.op: e.score_step.call for e in VARIANT_REGISTRY.values() if e.score_step and e.score_step.call
+    }
+    assert sorted(calls) == ["add_score_bias", "positional_mask", "softcap"]
+    for op, call in calls.items():
+        assert ops.OP_STEPS[op].forward is call.forward and ops.OP_STEPS[op].stage == call.stage, op
+    assert VARIANT_REGISTRY["alibi"].score_step.call is VARIANT_REGISTRY["rel_bias"].score_step.call
+    assert VARIANT_REGISTRY["window"].score_step.call is VARIANT_REGISTRY["chunked"].score_step.call
+    other = OpsCall("biased_scores", "+ twice the bias", forward=lambda o, cfg, s, parts: s + 2 * parts["bias"])
+    clashing = replace(VARIANT_REGISTRY["rel_bias"], score_step=ScoreStep("bias", "add_score_bias", call=other))
+    monkeypatch.setattr(ops, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "rel_bias": clashing})
+    with pytest.raises(ValueError, match=r"variant 'rel_bias' calls the score op 'add_score_bias' otherwise"):
+        ops._entries_calls()
+
+
+def test_score_steps_read_the_softmax_part_by_its_entry_s_keyword_and_refuse_another():
+    """The sinks reach the softmax through the keyword their `ParamSpec.score_part` declares; a keyword no
+    registered parameter feeds is a TypeError that names it (a misspelt part would otherwise be dropped)."""
+    from mha_rosetta.core.variants import param_spec
+
+    scores, bias, allowed, sinks = _inputs()
+    keyword = param_spec("sinks").score_part
+    got = score_steps(NumpyOps("float64"), ALL_ON, scores.copy(), bias=bias, blocked=~allowed, **{keyword: sinks})
+    np.testing.assert_allclose(got, _spec(ALL_ON, scores, bias, allowed, sinks), rtol=1e-13, atol=1e-15)
+    with pytest.raises(TypeError, match=r"score_steps\(\) got the keyword\(s\) \['sink'\].*\['sinks'\]"):
+        score_steps(NumpyOps("float64"), ALL_ON, scores.copy(), bias=bias, blocked=~allowed, sink=sinks)
 
 
 def test_our_adapters_capabilities_are_the_registry_s_variants_their_ops_can_run(monkeypatch):

@@ -101,6 +101,56 @@ def test_the_variant_stages_are_the_entries_and_exist_in_the_stage_table():
     assert not VARIANT_STAGES["biased_scores"](MHAConfig(d_model=12, n_heads=3, softcap=2.0))
 
 
+def test_every_variant_stage_is_declared_by_its_entry_in_the_pipeline_order_it_has_always_had():
+    """`core.stages` writes only the stages every configuration has; each variant's stage comes from its entry's
+    `StageSpec` (the package's own as one registered from outside), at the place, with the backward place, that the
+    stage and gradient tables have always printed. A stage several entries add into (the additive biases) is one
+    stage, its meaning joined from each entry's term."""
+    from mha_rosetta.core.grad import GRAD_STAGE_NAMES
+    from mha_rosetta.core.stages import BASE_STAGE_NAMES, STAGE_BY_NAME
+
+    declared = {spec.name for entry in VARIANT_REGISTRY.values() for spec in entry.stage_specs}
+    assert declared == set(VARIANT_STAGES)
+    assert STAGE_NAMES == (
+        *("kv_latent", "k_rope", "q_latent", "q", "k", "v", "q_heads", "k_heads", "v_heads", "v_normed"),
+        *("q_normed", "k_normed", "q_rotated", "k_rotated", "q_rotated_normed", "k_rotated_normed", "q_tempered"),
+        *("scores", "capped_scores", "biased_scores", "masked_scores", "weights", "context", "merged", "gate"),
+        "output",
+    )
+    assert BASE_STAGE_NAMES == tuple(name for name in STAGE_NAMES if name not in declared)
+    assert GRAD_STAGE_NAMES == (
+        *("d_output", "d_gate", "d_merged", "d_context", "d_weights", "d_v_normed", "d_v_heads", "d_biased_scores"),
+        *("d_capped_scores", "d_scores", "d_q_tempered", "d_q_rotated_normed", "d_k_rotated_normed", "d_q_rotated"),
+        *("d_k_rotated", "d_q_normed", "d_k_normed", "d_q_heads", "d_k_heads", "d_q", "d_k", "d_v", "d_q_latent"),
+        *("d_k_rope", "d_kv_latent"),
+    )
+    assert STAGE_BY_NAME["biased_scores"].meaning == (
+        "plus m_h (p_j - p_i) (alibi) and rel_bias[bucket(p_j - p_i), h] (rel_buckets); only with either"
+    )
+    assert STAGE_BY_NAME["capped_scores"].shape == STAGE_BY_NAME["scores"].shape == ("B", "H", "Nq", "Nk")
+    assert STAGE_BY_NAME["k_normed"].shape == ("B", "Hkv", "Nk", "Dk")
+
+
+def test_a_stage_two_entries_declare_otherwise_is_refused_by_name(monkeypatch):
+    from dataclasses import replace
+
+    from mha_rosetta.core import stages
+
+    base = tuple(stage for stage in stages.STAGES if stage.name in stages.BASE_STAGE_NAMES)
+    monkeypatch.setattr(stages, "BUILT_FROM_REGISTRY", [])
+    assert stages._with_registry_stages(base) == stages.STAGES  # rebuilt from the catalogue and the entries
+    rel_bias = VARIANT_REGISTRY["rel_bias"]
+    moved = replace(rel_bias, stage_specs=(replace(rel_bias.stage_specs[0], after="scores"),))
+    monkeypatch.setattr(stages, "VARIANT_REGISTRY", {**VARIANT_REGISTRY, "rel_bias": moved})
+    with pytest.raises(ValueError, match=r"variant 'rel_bias' declares the stage 'biased_scores' otherwise"):
+        stages._with_registry_stages(base)
+    monkeypatch.setattr(stages, "VARIANT_REGISTRY", VARIANT_REGISTRY)
+    with pytest.raises(
+        ValueError, match=r"variant 'softcap' declares the stage 'capped_scores', which core.stages has"
+    ):
+        stages._with_registry_stages(stages.STAGES)
+
+
 def test_score_steps_come_in_pipeline_order_with_their_ops_methods():
     cfg = MHAConfig(d_model=12, n_heads=3, sinks=True, window=2, alibi=True, softcap=3.0, rel_buckets=8, causal=True)
     steps = score_steps(cfg)

@@ -5,11 +5,11 @@ its scores through `score_steps` (or, for a chunked tile that feeds an online so
 `masked_scores`), on its library's ops object (`ops_numpy.NumpyOps`, `ops_torch.TorchOps`,
 `ops_jax.JaxOps`). The ops object holds the library's own primitive for each step (in place
 where the library can, its precision policy, its measured tricks); core's variant registry holds
-their order and which variant turns each on (each entry's ``score_step``); this module, how each
-op is called (`OP_STEPS`). What stays in each convention is only what differs
-between conventions: the layout of the scores and of what is added to them (the bias in the
-scores' layout, the mask as ``blocked``, True where a query may not attend, broadcastable
-against the scores), the head split, the cache.
+their order, which variant turns each on and how each op is called on an ops object (each entry's
+``score_step`` and its `core.variants.OpsCall`, gathered in `OP_STEPS`); this module, the pipeline
+that runs them. What stays in each convention is only what differs between conventions: the layout
+of the scores and of what is added to them (the bias in the scores' layout, the mask as ``blocked``,
+True where a query may not attend, broadcastable against the scores), the head split, the cache.
 
 An adapter whose point is a library's own idiom keeps that idiom instead (FlexAttention's
 ``score_mod``, ``jax.nn.dot_product_attention``'s ``bias``, SDPA's float mask).
@@ -32,37 +32,26 @@ The ops interface (each method takes and returns the library's arrays):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.stages import VARIANT_STAGES
-from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY, strategy_forms, temperature_scales
+from mha_rosetta.core.variants import SCORE_PLACES, VARIANT_REGISTRY, OpsCall, strategy_forms, temperature_scales
 
 from .ops_jax import JaxOps
 from .ops_mlx import MlxOps
 from .ops_numpy import NumpyOps
 from .ops_torch import TorchOps
+from .score_parts import part_keywords, softmax_keywords, softmax_part
 
 # library name -> its ops class, ``cls(dtype, device)`` (the classes import their library when made).
 OPS_BY_LIBRARY = {"numpy": NumpyOps, "torch": TorchOps, "jax": JaxOps, "mlx": MlxOps}
 
 
 @dataclass(frozen=True)
-class ScoreStep:
-    """One step of the score pipeline: the stage it makes and how, on an ops object.
-
-    ``how``: the step in words, for the stage notes every adapter records (each adds its own layout
-    and whether it wrote in place). ``forward(ops, cfg, scores, parts)`` -> the stage (``parts``: the caller's ``bias``, ``blocked``);
-    ``backward(ops, cfg, d_stage, step_input)`` -> the gradient of its input (None: the identity, an
-    addition or a mask, whose blocked cells the softmax's backward already gave zero); ``saves_input``:
-    the backward reads the step's input (kept by `score_steps` when asked to save; None is passed otherwise).
-    """
-
-    stage: str
-    how: str
-    forward: Callable
-    backward: Callable | None = None
-    saves_input: bool = False
+class ScoreStep(OpsCall):
+    """One step of the score pipeline: the stage it makes and how, on an ops object (`core.variants.OpsCall`'s
+    fields: ``stage``, ``how``, ``forward``, ``backward``, ``saves_input``), with the rule that switches it on."""
 
     def on(self, cfg: MHAConfig) -> bool:
         """Whether ``cfg`` has this step: a variant's stage only with its variant (`core.stages.VARIANT_STAGES`)."""
@@ -70,35 +59,30 @@ class ScoreStep:
         return True if rule is None else bool(rule(cfg))
 
 
-# How each score op of core's variant registry runs on an ops object: the stage it makes, in words, and
-# what it reads (``ScoreStep.op`` of an entry's ``score_step`` -> the step). The registry says which ops
-# there are, where each sits in the pipeline and which variants turn it on (`core.variants.score_steps`);
-# this table says only how to call each on a library's ops object. A new score op is one entry here and
-# one method on each ops class.
-OP_STEPS: dict[str, ScoreStep] = {
-    "softcap": ScoreStep(
-        "capped_scores",
-        "c * tanh(s / c)",
-        forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
-        backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
-        saves_input=True,
-    ),
-    # One bias, ALiBi's and T5's tables summed in the scores' layout by the caller (adding them one at a
-    # time would round differently where both are on).
-    "add_score_bias": ScoreStep(
-        "biased_scores",
-        "+ ALiBi's m_h (p_j - p_i) / T5's rel_bias[bucket(p_j - p_i), h]",
-        forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"]),
-    ),
-    # With causality and the user's mask as well as the window: always a stage, the last score itself without one.
-    "positional_mask": ScoreStep(
-        "masked_scores",
-        "blocked positions set to -inf",
-        forward=lambda ops, cfg, scores, parts: (
-            scores if parts["blocked"] is None else ops.positional_mask(scores, parts["blocked"])
-        ),
-    ),
-}
+def _step(call: OpsCall) -> ScoreStep:
+    """``call`` as a step of the pipeline (the same fields, with `ScoreStep.on`)."""
+    return call if isinstance(call, ScoreStep) else ScoreStep(**{f.name: getattr(call, f.name) for f in fields(call)})
+
+
+def _entries_calls() -> dict[str, ScoreStep]:
+    """op -> how each score op of core's variant registry runs on an ops object: its entries' call
+    (`core.variants.ScoreStep.call`). Entries that share an op (ALiBi and T5's bias, the window and the chunks)
+    share its call; two different calls of one op are refused by name."""
+    calls: dict[str, ScoreStep] = {}
+    for name, entry in VARIANT_REGISTRY.items():
+        step = entry.score_step
+        if step is None or step.call is None:
+            continue
+        made = _step(step.call)
+        if calls.setdefault(step.op, made) != made:
+            raise ValueError(f"variant {name!r} calls the score op {step.op!r} otherwise than an entry before it")
+    return calls
+
+
+# How each score op runs on an ops object (``ScoreStep.op`` of an entry's ``score_step`` -> the step): the entries'
+# calls, then those registered from outside (`register_score_op`). The registry says which ops there are, where each
+# sits in the pipeline, which variants turn it on and how it is called; an ops class, the method for it.
+OP_STEPS: dict[str, ScoreStep] = _entries_calls()
 
 
 SCORE_OPS_GROUP = "mha_rosetta.score_ops"
@@ -120,7 +104,7 @@ def register_score_op(op: str, step: ScoreStep, **methods: Callable) -> None:
         if hasattr(OPS_BY_LIBRARY[library], op):
             raise ValueError(f"register_score_op: {OPS_BY_LIBRARY[library].__name__} already has a method {op!r}")
         setattr(OPS_BY_LIBRARY[library], op, method)
-    OP_STEPS[op] = step
+    OP_STEPS[op] = _step(step)
 
 
 def _discover_score_ops() -> None:
@@ -152,7 +136,8 @@ def _steps_in_registry_order() -> tuple[tuple[tuple[str, ...], ScoreStep], ...]:
         if step.op not in OP_STEPS:
             raise KeyError(
                 f"core's variant registry names the score op {step.op!r} (variant {name!r}), which "
-                f"backends/frameworks/ops.py cannot run: add it to OP_STEPS and a method {step.op} to each ops class"
+                f"backends/frameworks/ops.py cannot run: give the entry's score step its call (core.variants.OpsCall) "
+                f"or register it (register_score_op), and add a method {step.op} to each ops class"
             )
         by_op.setdefault(step.op, []).append(name)
     return tuple((tuple(names), OP_STEPS[op]) for op, names in by_op.items())
@@ -190,6 +175,19 @@ def masked_scores(ops, cfg: MHAConfig, scores, *, bias=None, blocked=None, on_st
     return last
 
 
+def _joined(cfg: MHAConfig, parts: dict):
+    """The score part ``cfg``'s softmax reads among ``parts`` (`score_parts.softmax_part`'s keyword: the sinks), or
+    None where ``cfg`` has none; a keyword no registered parameter feeds is a TypeError that names it."""
+    unknown = sorted(set(parts) - set(part_keywords()))
+    if unknown:
+        raise TypeError(
+            f"score_steps() got the keyword(s) {unknown}, which no registered parameter feeds; its score parts are "
+            f"{list(part_keywords())} (core.variants.ParamSpec.score_part)"
+        )
+    spec = softmax_part(cfg)
+    return None if spec is None else parts.get(spec.score_part)
+
+
 def score_steps(
     ops,
     cfg: MHAConfig,
@@ -198,32 +196,35 @@ def score_steps(
     bias=None,
     blocked=None,
     empty_rows=None,
-    sinks=None,
     out=None,
     on_stage: OnStage | None = None,
     saved: dict | None = None,
+    **parts,
 ):
-    """``scores`` -> the weights: `masked_scores`, then the softmax with the sinks (``sinks``: each head's
-    logit, broadcastable against the scores with a key axis of 1, None without them).
+    """``scores`` -> the weights: `masked_scores`, then the softmax with what joins its denominator.
 
+    ``parts``: the score parts of the variants' parameters by keyword (`score_parts.score_parts`); the softmax
+    reads the one its entry's parameter feeds (`score_parts.softmax_part`: the sinks, each head's logit,
+    broadcastable against the scores with a key axis of 1), where ``cfg`` has it. A keyword no registered
+    parameter feeds is a TypeError.
     ``empty_rows``: the rows with no allowed key (the mask with its key axis of length 1), or None.
     ``out``: a buffer for the weights (torch). Neither recording (``on_stage``) nor saving for the
     backward (``saved``: the steps' inputs and the ``weights``): the library may run the steps
     block by block (``ops.in_blocks``: NumPy walks L2-sized blocks).
     """
-    sinks = sinks if cfg.sinks else None
+    joined = _joined(cfg, parts) if parts else None  # (no parts: read nothing, the common call costs nothing more)
 
-    def steps(block, bias=None, blocked=None, empty_rows=None, sinks=None, out=None):
+    def steps(block, bias=None, blocked=None, empty_rows=None, joined=None, out=None):
         masked = masked_scores(ops, cfg, block, bias=bias, blocked=blocked, on_stage=on_stage, saved=saved)
-        weights = ops.softmax(masked, empty_rows, sinks, out=out)
+        weights = ops.softmax(masked, empty_rows, joined, out=out)
         if on_stage is not None:
             on_stage("weights", weights, "masked_scores", masked)
         return weights
 
-    parts = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows, "sinks": sinks}
+    blocks = {"bias": bias, "blocked": blocked, "empty_rows": empty_rows, "joined": joined}
     if on_stage is None and saved is None and out is None and hasattr(ops, "in_blocks"):
-        return ops.in_blocks(steps, scores, **parts)
-    weights = steps(scores, **parts, out=out)
+        return ops.in_blocks(steps, scores, **blocks)
+    weights = steps(scores, **blocks, out=out)
     if saved is not None:
         saved["weights"] = weights
     return weights
@@ -234,15 +235,15 @@ def online_start(ops, parts: dict, shape, dtype, like=None) -> tuple:
     maximum and sum, ``shape`` (a key axis of 1) in ``dtype`` (on ``like``'s device).
 
     ``parts``: the score parts of the variants' parameters (`score_parts.score_parts`, laid out against the
-    tile). With ``sinks`` among them (broadcastable to ``shape``: each head's logit) the sink is the first term of every
-    row, ``peak = sink`` and ``total = exp(sink - sink) = 1``, so the recurrence rescales it with every
-    other term and it sits in every denominator; a query with no allowed key ends with a zero context.
-    Without sinks: ``(-inf, 0)``.
+    tile). With a softmax's part among them (`score_parts.softmax_keywords`: the sinks, broadcastable to ``shape``:
+    each head's logit) the sink is the first term of every row, ``peak = sink`` and ``total = exp(sink - sink) = 1``,
+    so the recurrence rescales it with every other term and it sits in every denominator; a query with no allowed
+    key ends with a zero context. Without one: ``(-inf, 0)``.
     """
-    sinks = parts.get("sinks")
-    if sinks is None:
+    joined = next((parts[k] for k in softmax_keywords() if parts.get(k) is not None), None)
+    if joined is None:
         return ops.full(shape, float("-inf"), dtype, like), ops.full(shape, 0.0, dtype, like)
-    return ops.broadcast(sinks, shape, dtype), ops.full(shape, 1.0, dtype, like)
+    return ops.broadcast(joined, shape, dtype), ops.full(shape, 1.0, dtype, like)
 
 
 def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None):
@@ -257,7 +258,7 @@ def score_steps_backward(ops, cfg: MHAConfig, d_weights, saved: dict, shape=None
     def view(array):
         return array if shape is None else array.reshape(shape)
 
-    d_last, d_sinks = ops.softmax_backward(view(saved["weights"]), d_weights, cfg.sinks)
+    d_last, d_sinks = ops.softmax_backward(view(saved["weights"]), d_weights, softmax_part(cfg) is not None)
     grads = {"d_weights": d_weights}
     names = ["scores"] + [step.stage for _, step in SCORE_STEPS if step.on(cfg)]  # each step's input, then its stage
     on = [step for _, step in SCORE_STEPS if step.on(cfg)]

@@ -59,16 +59,33 @@ def picked_parts(cfg: MHAConfig, owned: Mapping) -> dict:
     return {spec.score_part: owned[spec.score_part] for spec in part_params(cfg)}
 
 
+def _softmax_params() -> tuple[ParamSpec, ...]:
+    """The registered parameters a softmax step reads (its entry's score step at the softmax), in registry order."""
+    return tuple(
+        spec
+        for entry in VARIANT_REGISTRY.values()
+        if entry.score_step is not None and entry.score_step.place == "softmax"
+        for spec in entry.params
+        if spec.score_part
+    )
+
+
 def softmax_part(cfg: MHAConfig) -> ParamSpec | None:
     """The parameter ``cfg`` has that the softmax reads (its score step's place is the softmax), or None: the
     one whose gradient per query the softmax's backward returns (`ops.score_steps_backward`)."""
     names = {spec.name for spec in part_params(cfg)}
-    for entry in VARIANT_REGISTRY.values():
-        if entry.score_step is not None and entry.score_step.place == "softmax":
-            for spec in entry.params:
-                if spec.name in names:
-                    return spec
-    return None
+    return next((spec for spec in _softmax_params() if spec.name in names), None)
+
+
+def softmax_keywords() -> tuple[str, ...]:
+    """The keywords of the score parts a softmax reads, whatever the configuration (each head's logit that joins
+    every denominator: the sinks); `ops.online_start` starts an online softmax from the one it is given."""
+    return tuple(spec.score_part for spec in _softmax_params())
+
+
+def part_keywords() -> tuple[str, ...]:
+    """The keywords of every registered score part (`ParamSpec.score_part`): what `ops.score_steps` accepts."""
+    return tuple(spec.score_part for spec in part_params())
 
 
 def head_params() -> tuple[ParamSpec, ...]:

@@ -149,8 +149,9 @@ class SimulatedSteps(_Steps):
 class PlantedSteps(_Steps):
     """A variant's steps in a candidate with planted bugs (`diagnose.injected`), written apart from the simulator's.
 
-    The NumPy candidate's are the entry's (`DiagnoseSpec.planted`); the torch candidate's, in torch idioms, are
-    `backends.injected_torch`'s. Each takes the mistake last: None (the variant done right) or a
+    The NumPy candidate's are the entry's (`DiagnoseSpec.planted`); the torch candidate's are the same steps over
+    torch's idioms where the entry writes them once (`DiagnoseSpec.planted_in`), else `backends.injected_torch`'s,
+    in torch idioms. Each takes the mistake last: None (the variant done right) or a
     `PlantedMistake.mistake`; ``params`` is the canonical `MHAParams` (NumPy) the candidate was given:
 
     latent(cfg, params, query, key, rotate, mistake) -> (q, k, v) heads, (B, H, N, d), for a form that builds its
@@ -178,6 +179,25 @@ class PlantedSteps(_Steps):
 
 
 @dataclass(frozen=True)
+class PlantedIdioms:
+    """The array operations that a variant's candidate steps written once (`DiagnoseSpec.planted_in`) call, in one
+    candidate's library: NumPy's (`core.variants._shared.NUMPY_IDIOMS`) for the NumPy candidate, torch's
+    (`backends.injected_torch`) for the torch one. A step whose arithmetic is the same in both libraries is written
+    once over these; one whose idiom differs (BLOOM's slopes in torch, FlashAttention's window) is written per
+    candidate.
+
+    tanh(x); rms_norm(x, w, eps) with ``w`` a NumPy weight (Hugging Face's ``torch.rsqrt`` form in torch);
+    asarray(a): a NumPy parameter as the library's array; concat(arrays, axis); broadcast_to(x, shape).
+    """
+
+    tanh: Callable
+    rms_norm: Callable
+    asarray: Callable
+    concat: Callable
+    broadcast_to: Callable
+
+
+@dataclass(frozen=True)
 class DiagnoseSpec:
     """What `diagnose` knows of a variant (`Variant.diagnose`).
 
@@ -188,6 +208,9 @@ class DiagnoseSpec:
     settings:  (name, `MHAConfig` keyword arguments): the layers ``diagnose --confusion`` plants mistakes in, each
                a combination a model uses.
     simulated: its `SimulatedSteps`; planted: the NumPy candidate's `PlantedSteps`.
+    planted_in: ``planted_in(idioms)`` -> its candidate steps in the library of ``idioms`` (`PlantedIdioms`), where
+               they are written once for every candidate (``planted`` is then ``planted_in`` of NumPy's idioms:
+               `_shared.written_once`); None where each candidate spells its own (torch's: `backends.injected_torch`).
     normalises_qk: it normalises q and k after the projections (QK-norm): the scores are linear in the norm's
                weight, not in w_q (the scale cause's repair rescales q_norm), and the rotary converters permute
                its weights too (the rope_convention cause's fix says so).
@@ -207,6 +230,7 @@ class DiagnoseSpec:
     settings: tuple[tuple[str, Mapping[str, Any]], ...] = ()
     simulated: SimulatedSteps = SimulatedSteps()
     planted: PlantedSteps = PlantedSteps()
+    planted_in: Callable[[PlantedIdioms], PlantedSteps] | None = None
     normalises_qk: bool = False
     regroup_heads: Callable | None = None
     head_slots: bool = False

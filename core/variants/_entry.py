@@ -16,7 +16,7 @@ configurations as keyword arguments (`CaseSpec.config`) rather than building one
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,26 @@ SCORE_PLACES = ("scale", "transform", "bias", "mask", "softmax")
 
 
 @dataclass(frozen=True)
+class OpsCall:
+    """How the score pipeline (`backends.frameworks.ops`) calls a score op on a library's ops object: plain callables
+    over an ops object, so that an entry says how its step runs in every library without importing one.
+
+    stage:   the stage it makes; how: the step in words (the stage notes every adapter records, each adding its
+             own layout and whether it wrote in place).
+    forward: ``forward(ops, cfg, scores, parts)`` -> the stage (``parts``: the caller's ``bias`` and ``blocked``).
+    backward: ``backward(ops, cfg, d_stage, step_input)`` -> the gradient of its input (None: the identity, an
+             addition or a mask, whose blocked cells the softmax's backward already gave zero).
+    saves_input: the backward reads the step's input (kept by ``score_steps`` when asked to save; None otherwise).
+    """
+
+    stage: str
+    how: str
+    forward: Callable
+    backward: Callable | None = None
+    saves_input: bool = False
+
+
+@dataclass(frozen=True)
 class ScoreStep:
     """Where a variant acts in the score pipeline, and the ops method an array library implements for it.
 
@@ -41,6 +61,9 @@ class ScoreStep:
     op:    the name of the method on a framework's ops object that computes the step
            (e.g. ``"add_score_bias"``, ``"positional_mask"``; each entry's module names its own).
     variant: the entry's name; filled in by `score_steps` (an entry leaves it empty).
+    call:  how the pipeline calls ``op`` on an ops object (`OpsCall`), or None: the softmax's (the pipeline's own
+           call), or one a module of the group ``mha_rosetta.score_ops`` registers with its methods
+           (`backends.frameworks.ops.register_score_op`). Entries that share an op share its call.
 
     The entry's float64 ``forward`` and ``backward`` (`Variant`) take the arguments of its place, so that
     the oracles (`core.reference`, `core.grad`) run every step from the registry without naming one:
@@ -60,6 +83,7 @@ class ScoreStep:
     place: str
     op: str
     variant: str = ""
+    call: OpsCall | None = None
 
     def __post_init__(self) -> None:
         if self.place not in SCORE_PLACES:
@@ -124,10 +148,16 @@ class ConfigField:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """A stage a variant adds to `core.stages.STAGES` (for an entry registered after the package's own).
+    """A stage a variant adds to `core.stages.STAGES` (the catalogue there holds only the stages every
+    configuration has; every entry's, the package's own included, are inserted in registry order).
 
     It sits right after the stage ``after`` and has the shape of ``like`` (``"scores"``: a score stage);
-    its backward stage ``d_<name>`` sits right before ``d_<after>`` in `core.grad.GRAD_STAGES`.
+    its backward stage ``d_<name>`` sits right before ``d_<grad_before>`` in `core.grad.GRAD_STAGES`
+    (``grad_before`` defaults to ``after``: the gradient of a step's output comes just before its input's).
+
+    Several entries may add into one stage (the additive biases: ``biased_scores``): each declares it with the
+    same step, anchors and ``meaning``, a template over ``{terms}``, and its own ``term``; the stage's meaning
+    is the template with every term, in registry order, joined by " and ".
     """
 
     step: str
@@ -139,6 +169,12 @@ class StageSpec:
     # other, in reverse order); ``shape``: its symbolic shape, a symbol `core.stages` lacks read as that cfg field.
     before: str = ""
     shape: tuple[str, ...] = ()
+    grad_before: str = ""
+    term: str = ""
+
+    def joins(self, other: StageSpec) -> bool:
+        """Whether ``other`` declares the same stage as this one (all but its ``term``): entries that add into one stage."""
+        return replace(self, term="") == replace(other, term="")
 
 
 @dataclass(frozen=True)
@@ -275,7 +311,7 @@ class Variant:
               share fields share the function, and `MHAConfig` runs each function once.
     params:   the parameters it adds (`ParamSpec`).
     stages:   the stages of `core.stages` that exist only with it.
-    stage_specs: the stages it adds to `core.stages.STAGES` (`StageSpec`; the package's own are written there).
+    stage_specs: the stages it adds to `core.stages.STAGES` (`StageSpec`), each at its place in the pipeline.
     score_step: its place in the score pipeline and the ops method for it, or None (it acts elsewhere).
     forward, backward: its float64 formula and that formula's vector-Jacobian product (None: none of
               its own, e.g. a mask has no gradient). A score step's take the arguments of its place

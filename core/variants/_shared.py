@@ -1,17 +1,19 @@
 """What several variants share: the key-minus-query distance, the softmax whose empty rows are zeros, RMSNorm and
 its backward (QK-norm's, Llama 4's after rotary, Gemma 4's value norm, MLA's latent norms), the
 entry keywords of a variant one bool field switches on, those of an additive bias on the scores (ALiBi, T5's
-buckets), and the entry keywords, validation and explainer grid of the positional masks one optional integer switches
-on (window, chunks)."""
+buckets: their stage, place and ops call), the entry keywords, validation and explainer grid of the positional masks
+one optional integer switches on (window, chunks), and the NumPy candidate's idioms of diagnose's steps written once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from .._validate import require_positive_int
-from ._entry import ConfigField, ScoreStep
+from ._diagnose import PlantedIdioms, PlantedSteps
+from ._entry import ConfigField, OpsCall, ScoreStep, StageSpec
 
 
 def relative_distances(positions: np.ndarray, kv_positions: np.ndarray) -> np.ndarray:
@@ -50,6 +52,24 @@ def softmax_with_empty_rows(scores: np.ndarray) -> np.ndarray:
     return np.where(empty, 0.0, exp / np.where(empty, 1.0, total))
 
 
+# The NumPy candidate's idioms (`PlantedIdioms`): what the entries' candidate steps written once call in NumPy.
+NUMPY_IDIOMS = PlantedIdioms(
+    tanh=np.tanh, rms_norm=rms_norm, asarray=np.asarray, concat=np.concatenate, broadcast_to=np.broadcast_to
+)
+
+
+def written_once(planted_in: Callable[[PlantedIdioms], PlantedSteps]) -> dict:
+    """`DiagnoseSpec` keywords (``**written_once(planted_in)``) of candidate steps written once over a candidate's
+    idioms: ``planted_in`` itself (the torch candidate calls it with torch's) and the NumPy candidate's steps."""
+    return dict(planted=planted_in(NUMPY_IDIOMS), planted_in=planted_in)
+
+
+def every_candidate(steps: PlantedSteps) -> dict:
+    """`DiagnoseSpec` keywords (``**every_candidate(steps)``) of candidate steps that no library spells: every
+    candidate runs them as they are (NumPy frequencies of rotary, which tensor is read for which)."""
+    return written_once(lambda idioms: steps)
+
+
 def optional_positive_int(field: str) -> Callable[[object], dict]:
     """The `Variant.validate` of a variant one optional integer field switches on (``window``,
     ``attention_chunk_size``): None is off, any other value must be a positive int."""
@@ -69,6 +89,24 @@ def given(field: str, *more: str) -> dict:
     return dict(fields=(field, *more), is_on=lambda cfg: getattr(cfg, field) is not None)
 
 
+# With causality and the user's mask as well as the window and the chunks: always a stage, the last score itself
+# without one.
+MASK_CALL = OpsCall(
+    "masked_scores",
+    "blocked positions set to -inf",
+    forward=lambda ops, cfg, scores, parts: (
+        scores if parts["blocked"] is None else ops.positional_mask(scores, parts["blocked"])
+    ),
+)
+# One bias, ALiBi's and T5's tables summed in the scores' layout by the caller (adding them one at a time would
+# round differently where both are on).
+BIAS_CALL = OpsCall(
+    "biased_scores",
+    "+ ALiBi's m_h (p_j - p_i) / T5's rel_bias[bucket(p_j - p_i), h]",
+    forward=lambda ops, cfg, scores, parts: ops.add_score_bias(scores, parts["bias"]),
+)
+
+
 def positional_mask(field: str) -> dict:
     """`Variant` keywords (``**positional_mask(field)``) of a positional mask one optional integer field switches
     on (``window``, ``attention_chunk_size``): `given`'s, `optional_positive_int`'s validation, and its step in the
@@ -76,15 +114,25 @@ def positional_mask(field: str) -> dict:
     return dict(
         **given(field),
         validate=optional_positive_int(field),
-        score_step=ScoreStep("mask", "positional_mask"),
+        score_step=ScoreStep("mask", "positional_mask", call=MASK_CALL),
     )
 
 
-def additive_bias() -> dict:
-    """`Variant` keywords (``**additive_bias()``) of a bias added to the scores (ALiBi, T5's buckets): every such entry
-    adds into the one stage ``biased_scores`` (their terms summed in registry order, `ScoreStep`'s "bias" place),
-    through the ops object's ``add_score_bias``."""
-    return dict(stages=("biased_scores",), score_step=ScoreStep("bias", "add_score_bias"))
+# The one stage every additive bias adds into, after the softcap's and before the mask: each entry gives its term.
+BIAS_STAGE = StageSpec("score bias", "biased_scores", "plus {terms}; only with either", after="capped_scores")
+# Where the additive biases sit in the pipeline, in the explainer's words (`Explanation.place`).
+BIAS_PLACE = "after the softcap, before the mask"
+
+
+def additive_bias(term: str) -> dict:
+    """`Variant` keywords (``**additive_bias(term)``) of a bias added to the scores (ALiBi, T5's buckets): every such
+    entry adds into the one stage ``biased_scores`` (their terms summed in registry order, `ScoreStep`'s "bias" place),
+    through the ops object's ``add_score_bias``; ``term``: what it adds, in the stage's meaning."""
+    return dict(
+        stages=("biased_scores",),
+        stage_specs=(replace(BIAS_STAGE, term=term),),
+        score_step=ScoreStep("bias", "add_score_bias", call=BIAS_CALL),
+    )
 
 
 def flag(field: str, declare: bool = True) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers, switch_option
-from ._shared import additive_bias, flag, relative_distances, softmax_with_empty_rows
+from ._shared import BIAS_PLACE, additive_bias, flag, relative_distances, softmax_with_empty_rows
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:
@@ -66,7 +66,7 @@ def explain(demo) -> Explanation:
     return Explanation(
         "alibi=True",
         "s_h <- s_h + m_h * (p_j - p_i), BLOOM's slopes m_h",
-        "after the softcap, before the mask (with the relative bias)",
+        f"{BIAS_PLACE} (with the relative bias)",
         [
             ("Hugging Face", "BLOOM: build_alibi_tensor / _get_alibi_slopes; MPT: attn_config alibi=True"),
             ("Hugging Face", "Falcon: alibi=True, added before the 1/sqrt(d_k) scale"),
@@ -168,7 +168,7 @@ ENTRY = Variant(
     summary="m_h * (p_j - p_i) added to the scores",
     **flag("alibi", declare=False),  # a field of MHAConfig's own
     validate=_validate,
-    **additive_bias(),
+    **additive_bias("m_h (p_j - p_i) (alibi)"),
     forward=_forward,
     distance_slopes=lambda cfg: alibi_slopes(cfg.n_heads),  # the adapters' m_h (p_j - p_i), in their arithmetic
     check_cases=(

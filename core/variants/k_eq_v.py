@@ -32,7 +32,7 @@ import numpy as np
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers, switch_option
-from ._shared import flag, resolved_head_dims
+from ._shared import every_candidate, flag, resolved_head_dims
 from .value_norm import GEMMA4_SLIDING
 
 FIELD = "attention_k_eq_v"
@@ -136,9 +136,9 @@ ENTRY = Variant(
         mistakes=(MISTAKE,),
         settings=(("gemma4-global", GEMMA4_GLOBAL),),
         # Before the value norm's step (registry order), which norms what this one gives it. Array-agnostic: the
-        # torch candidate runs it too (`backends.injected_torch`).
+        # torch candidate runs it too.
         simulated=SimulatedSteps(values=values_read),
-        planted=PlantedSteps(values=values_read),
+        **every_candidate(PlantedSteps(values=values_read)),
     ),
     # Every adapter and oracle computes it through the tied parameters (implemented_by None): nothing to apply.
     check_cases=(

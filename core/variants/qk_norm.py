@@ -19,11 +19,12 @@ from ._entry import (
     Explanation,
     NormStep,
     ParamSpec,
+    StageSpec,
     Variant,
     numbers,
     value_option,
 )
-from ._shared import rms_norm, rms_norm_vjp
+from ._shared import rms_norm, rms_norm_vjp, written_once
 from .models import MODELS
 
 # Where QK-norm takes its statistics (`rms_norm`): over each head's d_k features
@@ -63,6 +64,25 @@ PARAMS = (
     ParamSpec("k_norm", "qk_norm", _norm_shape("k"), centre=1.0, spread=0.3),
 )
 STAGES = ("q_normed", "k_normed")
+# Between the head split and rotary; the backward's normed stages come right before d_q_heads (after rotary's).
+STAGE_SPECS = (
+    StageSpec(
+        "qk-norm",
+        "q_normed",
+        "q_heads after RMSNorm (over each head, or over the whole projection before the split); only with qk_norm",
+        after="v_heads",
+        like="q_heads",
+        grad_before="q_heads",
+    ),
+    StageSpec(
+        "qk-norm",
+        "k_normed",
+        "k_heads after RMSNorm; only with qk_norm",
+        after="q_normed",
+        like="k_heads",
+        grad_before="q_heads",
+    ),
+)
 _OPTIONS = (
     value_option("--qk-norm", "qk_norm", "RMSNorm of q and k: per head or projection", rank=30, choices=QK_NORMS),
     value_option("--norm-eps", "norm_eps", "the norms' epsilon (default 1e-6)", rank=31, needs="--qk-norm", type=float),
@@ -201,7 +221,15 @@ MISTAKES = (
     ),
 )
 SIMULATED = SimulatedSteps(projection=_simulated_projection, heads=_simulated_heads)
-PLANTED = PlantedSteps(projection=planted_norm("projection", rms_norm), heads=planted_norm("head", rms_norm))
+
+
+def _planted(idioms) -> PlantedSteps:
+    """The candidates' QK-norm at either place, with their library's RMSNorm (the torch one's ``torch.rsqrt``)."""
+    return PlantedSteps(
+        projection=planted_norm("projection", idioms.rms_norm), heads=planted_norm("head", idioms.rms_norm)
+    )
+
+
 SETTINGS = {
     # Llama 3.1's layer (its rope scaling) with Qwen3's head QK-norm and Qwen2's q/k/v bias; d_k = 8.
     "head": dict(MODELS["llama3"].config, d_model=24, bias="qkv", qk_norm="head"),
@@ -220,6 +248,7 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
         validate=_validate,
         params=PARAMS,
         stages=STAGES,
+        stage_specs=STAGE_SPECS,  # both places declare them: one stage each (`core.stages`)
         forward=rms_norm,
         backward=rms_norm_vjp,
         check_cases=(check,),
@@ -236,7 +265,7 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
             mistakes=MISTAKES,
             settings=((f"qk-norm-{place}", SETTINGS[place]),),
             simulated=SIMULATED,
-            planted=PLANTED,
+            **written_once(_planted),
             normalises_qk=True,
             regroup_heads=_regroup,
         ),

@@ -19,7 +19,17 @@ import math
 import numpy as np
 
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers, switch_option
+from ._entry import (
+    BenchSpec,
+    CaseSpec,
+    Config,
+    ConfigField,
+    Explanation,
+    StageSpec,
+    Variant,
+    numbers,
+    switch_option,
+)
 from ._shared import rms_norm, rms_norm_vjp
 
 # Llama 4's rotary layer at a small size: GQA, interleaved rotary, chunks, the weightless norm after rotary.
@@ -163,6 +173,25 @@ ENTRY = Variant(
     is_on=lambda cfg: bool(getattr(cfg, AFTER_ROPE)),
     validate=_validate_after_rope,
     stages=("q_rotated_normed", "k_rotated_normed"),
+    # After rotary; the backward's normed stages come right before d_q_rotated (after the temperature's).
+    stage_specs=(
+        StageSpec(
+            "qk-norm after rotary",
+            "q_rotated_normed",
+            "q_rotated with each head RMS-normed, no weight (Llama 4); only with qk_norm_after_rope",
+            after="k_rotated",
+            like="q_rotated",
+            grad_before="q_rotated",
+        ),
+        StageSpec(
+            "qk-norm after rotary",
+            "k_rotated_normed",
+            "k_rotated normed the same way",
+            after="q_rotated_normed",
+            like="k_rotated",
+            grad_before="q_rotated",
+        ),
+    ),
     forward=norm_after_rope,
     backward=norm_after_rope_vjp,
     # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded

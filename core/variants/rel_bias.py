@@ -10,7 +10,7 @@ import numpy as np
 from .._validate import require_positive_int
 from ._diagnose import REPAIRS, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, Variant, switch_option, value_option
-from ._shared import additive_bias, given, relative_distances
+from ._shared import BIAS_PLACE, additive_bias, given, relative_distances
 
 
 def t5_buckets(distance: np.ndarray, buckets: int, max_distance: int, bidirectional: bool) -> np.ndarray:
@@ -128,7 +128,7 @@ def explain(demo) -> Explanation:
     return Explanation(
         "rel_buckets, rel_max_distance, rel_bidirectional",
         "s_h <- s_h + rel_bias[bucket(p_j - p_i), h], T5's _relative_position_bucket",
-        "after the softcap, before the mask (with ALiBi)",
+        f"{BIAS_PLACE} (with ALiBi)",
         [
             ("Hugging Face config", "relative_attention_num_buckets = 32, relative_attention_max_distance = 128 (T5)"),
             (
@@ -244,7 +244,7 @@ ENTRY = Variant(
             head_axis=1,  # one column per query head
         ),
     ),
-    **additive_bias(),
+    **additive_bias("rel_bias[bucket(p_j - p_i), h] (rel_buckets)"),
     forward=_forward,
     backward=_backward,
     check_cases=(

@@ -14,6 +14,7 @@ from ..longrope import check_longrope_pairs
 from ..rope_scaling import describe_rope_scaling, scaled_frequencies, validate_rope_scaling, yarn_attention_factor
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, CliOption, Config, Explanation, Variant, numbers
+from ._shared import every_candidate
 
 # Two real models' rope_scaling, as their config.json writes it: the explainer shows them and `core.variants.models`
 # runs them. Llama 3.1's llama3 scaling (on rotary base 500000):
@@ -197,7 +198,7 @@ DIAGNOSE = DiagnoseSpec(
     ),
     simulated=SimulatedSteps(frequencies=_simulated_frequencies),
     # The mistake is which rope_scaling is passed, not the formula: both candidates read these frequencies.
-    planted=PlantedSteps(frequencies=_planted_frequencies),
+    **every_candidate(PlantedSteps(frequencies=_planted_frequencies)),
 )
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from .._validate import require_bool
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, ParamSpec, ScoreStep, Variant, switch_option
-from ._shared import flag, softmax_with_empty_rows
+from ._shared import flag, softmax_with_empty_rows, written_once
 from .models import GPT_OSS_YARN
 
 
@@ -84,15 +84,21 @@ def _simulated_value(cfg: Config, weights, values, mistake):
     return share * values[:, :, :1]  # (B, H, Nq, Dv)
 
 
-def _planted_column(cfg: Config, params, scores, v, mistake):
-    """gpt-oss's sink: one more logit column (and, mistaken, a value row); (scores, v, drop the column after)."""
-    if mistake == "ignored":
-        return scores, v, False
-    sink = np.broadcast_to(params.sinks[:, None, None], (*scores.shape[:-1], 1))  # (B, H, Nq, 1)
-    scores = np.concatenate([scores, sink], axis=-1)  # (B, H, Nq, Nk+1)
-    if mistake == "value":
-        return scores, np.concatenate([v, v[:, :, :1]], axis=2), False  # (B, H, Nk+1, Dv): the first key's value
-    return scores, v, True
+def _planted(idioms) -> PlantedSteps:
+    """gpt-oss's sink in the candidates, in ``idioms``' library: one more logit column (and, mistaken, a value
+    row); each step returns (scores, v, drop the column after the softmax)."""
+
+    def column(cfg: Config, params, scores, v, mistake):
+        if mistake == "ignored":
+            return scores, v, False
+        logits = idioms.asarray(params.sinks)  # (H,)
+        sink = idioms.broadcast_to(logits[:, None, None], (*scores.shape[:-1], 1))  # (B, H, Nq, 1) view
+        scores = idioms.concat([scores, sink], axis=-1)  # (B, H, Nq, Nk+1)
+        if mistake == "value":  # (B, H, Nk+1, Dv): the first key's value
+            return scores, idioms.concat([v, v[:, :, :1]], axis=2), False
+        return scores, v, True
+
+    return PlantedSteps(columns=column)
 
 
 DIAGNOSE = DiagnoseSpec(
@@ -120,7 +126,7 @@ DIAGNOSE = DiagnoseSpec(
     # gpt-oss's: sinks, a causal window of 3, biases, YaRN (its defaults of beta_fast and beta_slow), GQA; d_k = 6.
     settings=(("sinks-yarn", dict(GQA_ROTARY, rope_base=150000.0, window=3, sinks=True, rope_scaling=GPT_OSS_YARN)),),
     simulated=SimulatedSteps(softmax=_simulated_softmax, context=_simulated_value),
-    planted=PlantedSteps(columns=_planted_column),
+    **written_once(_planted),
     regroup_heads=lambda cfg, params, order: {"sinks": params.sinks[order]},
 )
 

@@ -6,8 +6,20 @@ import numpy as np
 
 from .._validate import require_positive_number
 from ._diagnose import GQA_ROTARY, DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, Explanation, ScoreStep, Variant, demo, numbers, value_option
-from ._shared import given, softmax_with_empty_rows
+from ._entry import (
+    BenchSpec,
+    CaseSpec,
+    Config,
+    Explanation,
+    OpsCall,
+    ScoreStep,
+    StageSpec,
+    Variant,
+    demo,
+    numbers,
+    value_option,
+)
+from ._shared import given, softmax_with_empty_rows, written_once
 
 
 def softcap(scores: np.ndarray, cap: float) -> np.ndarray:
@@ -91,18 +103,19 @@ def _simulated_after_mask(cfg: Config, masked, mistake):  # blocked scores becom
     return softcap(masked, cfg.softcap) if mistake == "after_mask" else masked
 
 
-def _planted_capped(
-    cfg: Config, scores
-):  # the candidate's own cap, written apart from `softcap` (it tests the simulator)
-    return cfg.softcap * np.tanh(scores / cfg.softcap)
+def _planted(idioms) -> PlantedSteps:
+    """The candidates' cap, written apart from `softcap` (it tests the simulator), in ``idioms``' library."""
 
+    def capped(cfg: Config, scores):
+        return cfg.softcap * idioms.tanh(scores / cfg.softcap)
 
-def _planted_cap(cfg: Config, scores, mistake):
-    return _planted_capped(cfg, scores) if mistake is None else scores
+    def cap(cfg: Config, scores, mistake):
+        return capped(cfg, scores) if mistake is None else scores
 
+    def after_mask(cfg: Config, scores, mistake):
+        return capped(cfg, scores) if mistake == "after_mask" else scores
 
-def _planted_after_mask(cfg: Config, scores, mistake):
-    return _planted_capped(cfg, scores) if mistake == "after_mask" else scores
+    return PlantedSteps(transform=cap, masked=after_mask)
 
 
 DIAGNOSE = DiagnoseSpec(
@@ -127,7 +140,7 @@ DIAGNOSE = DiagnoseSpec(
     # Gemma 2's: softcap, causal window of 3, a scale of its own, GQA, rotary; d_k = 6.
     settings=(("softcap-window", dict(GQA_ROTARY, window=3, softcap=1.5, scale=0.3, bias=False)),),
     simulated=SimulatedSteps(transform=_simulated_cap, masked=_simulated_after_mask),
-    planted=PlantedSteps(transform=_planted_cap, masked=_planted_after_mask),
+    **written_once(_planted),
 )
 
 
@@ -137,7 +150,20 @@ ENTRY = Variant(
     **given("softcap"),
     validate=_validate,
     stages=("capped_scores",),
-    score_step=ScoreStep("transform", "softcap"),
+    stage_specs=(
+        StageSpec("softcap", "capped_scores", "softcap * tanh(scores / softcap); only with softcap", after="scores"),
+    ),
+    score_step=ScoreStep(
+        "transform",
+        "softcap",
+        call=OpsCall(
+            "capped_scores",
+            "c * tanh(s / c)",
+            forward=lambda ops, cfg, scores, parts: ops.softcap(scores, cfg.softcap),
+            backward=lambda ops, cfg, d_capped, scores: ops.softcap_backward(d_capped, scores, cfg.softcap),
+            saves_input=True,
+        ),
+    ),
     # A fused kernel takes the cap only where it hands the scores to a hook (FlexAttention's score_mod, ONNX's
     # softcap attribute); an additive mask cannot carry a tanh.
     kernel_refusal="{kernel} has no softcap: the scores are never exposed between the product and the softmax",

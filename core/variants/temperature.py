@@ -41,7 +41,18 @@ import numpy as np
 
 from .._validate import require_bool, require_positive_number
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
-from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, Variant, numbers, switch_option, value_option
+from ._entry import (
+    BenchSpec,
+    CaseSpec,
+    Config,
+    ConfigField,
+    Explanation,
+    StageSpec,
+    Variant,
+    numbers,
+    switch_option,
+    value_option,
+)
 
 FIELD = "attn_temperature_tuning"
 OFFSET = "floor_offset"
@@ -296,6 +307,18 @@ ENTRY = Variant(
     is_on=lambda cfg: bool(getattr(cfg, FIELD)),
     validate=_validate,
     stages=("q_tempered",),
+    # The last step on the queries before the scores: its gradient comes right after d_scores.
+    stage_specs=(
+        StageSpec(
+            "temperature",
+            "q_tempered",
+            "the queries times 1 + attn_scale * log1p(floor((p + floor_offset) / floor_scale)) (Llama 4's NoPE "
+            "layers: floor_offset 1; Mistral 4: 0); only with attn_temperature_tuning",
+            after="k_rotated_normed",
+            like="q_rotated",
+            grad_before="q_rotated_normed",
+        ),
+    ),
     forward=temper,
     backward=temper_vjp,
     # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded

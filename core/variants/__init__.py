@@ -79,6 +79,7 @@ from ._entry import (
     StageSpec,
     Variant,
 )
+from ._registry import VARIANT_REGISTRY, norm_place, norm_step, variant
 from ._shared import relative_distances, rms_norm, rms_norm_vjp, softmax_with_empty_rows
 from .alibi import alibi_bias, alibi_slopes
 from .chunked import chunk_allowed
@@ -92,9 +93,10 @@ from .temperature import temper, temper_vjp, temperature_scales
 from .value_norm import value_rms_norm, value_rms_norm_vjp
 from .window import window_allowed
 
-# name -> entry, in the order of `core.VARIANTS` (explicit: the order is part of every output).
-VARIANT_REGISTRY: dict[str, Variant] = {
-    entry.name: entry
+# The built-in entries, in the order of `core.VARIANTS` (explicit: the order is part of every output), into the
+# registry's storage (`_registry`, a leaf module the entries can read at call time).
+VARIANT_REGISTRY.update(
+    (entry.name, entry)
     for entry in (
         _window.ENTRY,
         _softcap.ENTRY,
@@ -114,7 +116,7 @@ VARIANT_REGISTRY: dict[str, Variant] = {
         _k_eq_v.ENTRY,
         _value_norm.ENTRY,
     )
-}
+)
 
 
 # The variants this package ships (before any registered from outside): what a third-party oracle can claim, since a
@@ -190,14 +192,6 @@ def discover_variants() -> None:
             )
 
 
-def variant(name: str) -> Variant:
-    """The registry's entry ``name``; a KeyError naming the known variants for any other."""
-    try:
-        return VARIANT_REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown variant {name!r}; known variants: {', '.join(VARIANT_REGISTRY)}") from None
-
-
 def kernel_refusals(kernel: str, has: frozenset[str] = frozenset()) -> dict[str, str]:
     """Why the fused attention kernel ``kernel`` (its name, as a refusal prints it) cannot take the variants that
     need a hook of their own, less ``has`` (those its library does take, through an argument or a hook of its own):
@@ -215,21 +209,6 @@ def kernel_refusal(cfg: Config, kernel: str, has: frozenset[str] = frozenset()) 
     takes through a hook of its own), joined by "; " in registry order, or None."""
     why = [text for name, text in kernel_refusals(kernel, has).items() if VARIANT_REGISTRY[name].is_on(cfg)]
     return "; ".join(why) or None
-
-
-def norm_step(cfg: Config) -> NormStep | None:
-    """The weighted norm of the queries and keys before rotary that ``cfg`` switches on (`Variant.norm_step` of the
-    entry that is on), or None. Its entries share one field, so at most one is on."""
-    steps = [entry.norm_step for entry in VARIANT_REGISTRY.values() if entry.norm_step is not None and entry.is_on(cfg)]
-    if len(steps) > 1:
-        raise ValueError(f"at most one norm before rotary can be on, got {len(steps)}: {steps!r}")
-    return steps[0] if steps else None
-
-
-def norm_place(cfg: Config) -> str | None:
-    """`norm_step`'s place (one of `NORM_PLACES`), or None when ``cfg`` has no norm before rotary."""
-    step = norm_step(cfg)
-    return None if step is None else step.place
 
 
 def variants_on(cfg: Config) -> tuple[Variant, ...]:

@@ -32,6 +32,7 @@ import numpy as np
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, Explanation, Variant, numbers, switch_option
+from ._registry import norm_step  # the registry's lookup, at call time (a leaf: no import circle)
 from ._shared import every_candidate, flag, resolved_head_dims
 from .value_norm import GEMMA4_SLIDING
 
@@ -74,8 +75,6 @@ GEMMA4_GLOBAL = dict(
 
 
 def _has_k_path(cfg: Config) -> bool:
-    from . import norm_step  # the registry's (imported at call time: this module is one of its entries)
-
     return norm_step(cfg) is not None or cfg.rope is not None  # something between k_proj and the keys
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, StageSpec, Variant, numbers, switch_option
+from ._registry import norm_place  # the registry's lookup, at call time (a leaf: no import circle)
 from ._shared import rms_norm, rms_norm_vjp
 
 FIELD = "value_norm"
@@ -51,8 +52,6 @@ def values_read(cfg: Config, p, v, k_raw, k_rotated, mistake):
 
 
 def _with_k_weight(cfg: Config) -> bool:
-    from . import norm_place  # the registry's (imported at call time: this module is one of its entries)
-
     return norm_place(cfg) == "head" and cfg.d_v == cfg.d_k  # a per-head (d_k,) key weight that fits the values
 
 

@@ -70,6 +70,13 @@ def every_candidate(steps: PlantedSteps) -> dict:
     return written_once(lambda idioms: steps)
 
 
+# The ops libraries whose adapters apply a form no third-party kernel or oracle knows (`Variant.implemented_by`):
+# in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded backends on their heads),
+# forward, backward and decode, through their ops object; the third-party oracles and the best paths do not claim
+# such a form and refuse it by name.
+OUR_ADAPTERS = ("numpy", "torch", "jax", "mlx")
+
+
 def optional_positive_int(field: str) -> Callable[[object], dict]:
     """The `Variant.validate` of a variant one optional integer field switches on (``window``,
     ``attention_chunk_size``): None is off, any other value must be a positive int."""

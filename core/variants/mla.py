@@ -31,6 +31,7 @@ import numpy as np
 from .._validate import require_bool, require_positive_int
 from ._diagnose import DiagnoseSpec
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, ParamSpec, StageSpec, Variant, numbers
+from ._shared import OUR_ADAPTERS
 
 # The field names, YaRN's scale, the layers and the options live in `mla_config`, which `mla_diagnose` reads too
 # (re-exported here: ``from mha_rosetta.core.variants.mla import DEEPSEEK_V3_LIKE`` keeps working).
@@ -51,7 +52,7 @@ from .mla_config import yarn_mscale as yarn_mscale
 from .mla_diagnose import DIAGNOSE  # what diagnose knows of MLA
 
 # The ops libraries whose adapters apply MLA (`Variant.implemented_by`), in their naive and absorbed strategies.
-MLA_ADAPTERS = ("numpy", "torch", "jax", "mlx")
+MLA_ADAPTERS = OUR_ADAPTERS
 # The only strategies that run it (`Variant.strategies`): its two forms, the names `backends._mla` and core.mla_forms use.
 STRATEGIES = ("naive", "absorbed")
 # The sizes MLA owns besides kv_lora_rank, which switches it on (each None unless MLA is on).

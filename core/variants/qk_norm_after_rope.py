@@ -30,7 +30,7 @@ from ._entry import (
     numbers,
     switch_option,
 )
-from ._shared import rms_norm, rms_norm_vjp
+from ._shared import OUR_ADAPTERS, rms_norm, rms_norm_vjp
 
 # Llama 4's rotary layer at a small size: GQA, interleaved rotary, chunks, the weightless norm after rotary.
 LLAMA4_ROPE_LIKE = dict(
@@ -194,10 +194,7 @@ ENTRY = Variant(
     ),
     forward=norm_after_rope,
     backward=norm_after_rope_vjp,
-    # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded
-    # backends on their heads), forward, backward and decode, through their ops object (`frameworks.ops.after_rotary`);
-    # the third-party oracles and the best paths do not claim it and refuse it by name.
-    implemented_by=("numpy", "torch", "jax", "mlx"),
+    implemented_by=OUR_ADAPTERS,  # through their ops object's `frameworks.ops.after_rotary`
     check_cases=(
         CaseSpec(
             AFTER_ROPE,

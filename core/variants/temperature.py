@@ -53,6 +53,7 @@ from ._entry import (
     switch_option,
     value_option,
 )
+from ._shared import OUR_ADAPTERS
 
 FIELD = "attn_temperature_tuning"
 OFFSET = "floor_offset"
@@ -321,11 +322,9 @@ ENTRY = Variant(
     ),
     forward=temper,
     backward=temper_vjp,
-    # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded
-    # backends on their heads), forward, backward and decode, through their ops object (`frameworks.ops.after_rotary`);
-    # the third-party oracles and the best paths do not claim it and refuse it by name. Under MLA (Mistral 4) the
-    # MLA strategies of the adapters that say so apply it to both query parts (`backends._mla.QUERY_STEPS`).
-    implemented_by=("numpy", "torch", "jax", "mlx"),
+    # Through their ops object's `frameworks.ops.after_rotary`; under MLA (Mistral 4) the MLA strategies of the
+    # adapters that say so apply it to both query parts (`backends._mla.QUERY_STEPS`).
+    implemented_by=OUR_ADAPTERS,
     check_cases=(
         CaseSpec(
             "temperature",

@@ -23,7 +23,7 @@ from .._validate import require_bool
 from ._diagnose import DiagnoseCause, DiagnoseSpec, PlantedMistake, PlantedSteps, SimulatedSteps
 from ._entry import BenchSpec, CaseSpec, Config, ConfigField, Explanation, StageSpec, Variant, numbers, switch_option
 from ._registry import norm_place  # the registry's lookup, at call time (a leaf: no import circle)
-from ._shared import rms_norm, rms_norm_vjp
+from ._shared import OUR_ADAPTERS, rms_norm, rms_norm_vjp
 
 FIELD = "value_norm"
 
@@ -145,10 +145,7 @@ ENTRY = Variant(
         simulated=SimulatedSteps(values=values_read),
         planted=PlantedSteps(values=values_read),
     ),
-    # Our adapters apply it in every convention (numpy, torch, jax, einops on all three, mlx, and the sharded
-    # backends on their heads), forward, backward and decode, through their ops object (`frameworks.ops.read_values`);
-    # the third-party oracles and the best paths do not claim it and refuse it by name.
-    implemented_by=("numpy", "torch", "jax", "mlx"),
+    implemented_by=OUR_ADAPTERS,  # through their ops object's `frameworks.ops.read_values`
     check_cases=(
         CaseSpec(
             FIELD,

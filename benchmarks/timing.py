@@ -171,6 +171,37 @@ def fixed_median_s(
     return time_repeats(run_once, policy, clock=clock)["median_s"]
 
 
+def cold_median_s(
+    run_once: Callable[[], None],
+    repeats: int,
+    flush: Callable[[], None],
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The median seconds of exactly ``repeats`` timed calls of ``run_once``, each right after an untimed call of
+    ``flush`` (a read of an array larger than the last-level cache), so that every call reads its arrays from
+    memory: what the cost scripts time over caches of 256-512 MiB, which this host's 300 MiB L3, shared with
+    other machines, holds in part or not at all from one run to the next (np.max over 256 MiB read 15.6-16.7
+    GB/s warm on 2026-12-06 afternoon and 23.8-31.3 that night; issue 43). `memory_flush` makes a ``flush``."""
+    for _ in range(warmup):
+        run_once()
+    samples = []
+    for _ in range(repeats):
+        flush()
+        start = clock()
+        run_once()
+        samples.append(clock() - start)
+    return statistics.median(samples)
+
+
+def memory_flush(mib: int = 1024) -> Callable[[], None]:
+    """A ``flush`` for `cold_median_s`: ``np.max`` over ``mib`` MiB of float32 (the default, 1 GiB, over three
+    times this host's 300 MiB L3), allocated once here."""
+    import numpy as np  # here, not at the top: the measured children import this module without NumPy's cost
+
+    return np.ones(mib * 2**20 // 4, dtype=np.float32).max
+
+
 def time_interleaved(
     variants: dict[str, Callable[[], None]],
     policy: RepeatPolicy,

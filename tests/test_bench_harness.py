@@ -38,7 +38,15 @@ from mha_rosetta.benchmarks.questions import (
 )
 from mha_rosetta.benchmarks.report import SCHEMA_VERSION, assemble_report, machine_info, primary_peak
 from mha_rosetta.benchmarks.sweep import SweepSettings, run_sweep
-from mha_rosetta.benchmarks.timing import RepeatPolicy, fixed_median_s, minor_page_faults, summarize, time_repeats
+from mha_rosetta.benchmarks.timing import (
+    RepeatPolicy,
+    cold_median_s,
+    fixed_median_s,
+    memory_flush,
+    minor_page_faults,
+    summarize,
+    time_repeats,
+)
 from mha_rosetta.core import MHAConfig
 from mha_rosetta.core.files import write_text_atomic
 
@@ -266,6 +274,28 @@ def test_fixed_median_s_times_exactly_the_asked_calls_after_the_warm_up():
     twice = FakeClock([50.0, 50.0, 7.0])
     assert fixed_median_s(twice.run_once, 1, warmup=2, clock=twice) == 7.0
     assert twice.calls == 3
+
+
+def test_cold_median_s_flushes_before_every_timed_call_and_never_times_the_flush():
+    """The cost scripts' cold loop: warm-up, then flush, call, flush, call, ...; the flushes' 1000 s never count."""
+    clock = FakeClock([100.0, 5.0, 1.0, 3.0])
+    order = []
+
+    def flush():
+        order.append("flush")
+        clock.now += 1000.0  # a slow flush: outside every sample
+
+    def run_once():
+        order.append("call")
+        clock.run_once()
+
+    assert cold_median_s(run_once, 3, flush, clock=clock) == 3.0  # sorted 1 3 5; the warm-up's 100 s untimed
+    assert order == ["call", "flush", "call", "flush", "call", "flush", "call"]
+
+
+def test_memory_flush_reads_an_array_of_the_asked_size():
+    flush = memory_flush(2)
+    assert flush.__self__.nbytes == 2 * 2**20 and flush() == 1.0  # np.max over 2 MiB of ones
 
 
 def test_repeat_policy_rejects_bad_values():

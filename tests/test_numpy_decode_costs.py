@@ -9,9 +9,10 @@ from conftest import load_script
 
 
 def test_the_script_prints_the_plain_reads_and_the_four_products(capsys):
-    load_script("numpy-decode-costs").main(512, 1, repeats=2)
+    load_script("numpy-decode-costs").main(512, 1, repeats=2, flush_mib=1)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("numpy ") and "B=1, context 512" in lines[0] and "pages of 256" in lines[0]
+    assert lines[0].endswith("each call cold (after reading 1 MiB)")
     names = ("np.max over K:", "np.max over V:", "scores (G, Dk) @ (Dk, L):", "context (G, L) @ (L, Dv):",
              "scores, keys as rows (L, Dk) @ (Dk, G):", "context, values as columns (Dv, L) @ (L, G):")  # fmt: skip
     assert len(lines) == 1 + len(names)

@@ -4,9 +4,10 @@
 (``F.linear``, ``view(...).transpose(1, 2)``, ``masked_fill``) with one planted bug: ``bug`` a name
 of `diagnose.injected.BUGS` (which checks it and calls this), ``mistakes`` the variant mistakes it
 plants (variant -> a `PlantedMistake.mistake` of its entry), ``rope_style`` the rotary pairing it
-rotates with (None: no rotation). It takes canonical `MHAParams` and returns a torch tensor, and it
-is written apart from diagnose's simulator and from the NumPy candidate, so diagnosing it tests the
-simulator against independent code.
+rotates with (None: no rotation). It takes canonical `MHAParams` and returns a torch tensor. Its
+attention, the planted bugs and the variants spelled here are written apart from diagnose's simulator
+and from the NumPy candidate, so diagnosing it tests the simulator against independent code; the
+variants' steps written once (below) are shared with the NumPy candidate, apart from the simulator only.
 
 A variant whose steps are the same arithmetic in both candidates is written once in its entry over a
 candidate's idioms (`DiagnoseSpec.planted_in`), which this module gives in torch (`torch_idioms`: Hugging
@@ -210,7 +211,8 @@ def torch_candidate(cfg: MHAConfig, bug: str | None, mistakes, rope_style: str |
     missing = unspelled(cfg)
     if missing:
         raise NotImplementedError(
-            f"the torch candidate spells no {', '.join(missing)} (backends.injected_torch.TORCH_STEPS): "
+            f"the torch candidate spells no {', '.join(missing)} (neither its entry's DiagnoseSpec.planted_in "
+            "nor backends.injected_torch.TORCH_STEPS): "
             "that variant's bugs run in the NumPy candidate only"
         )
     H, Hkv, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v

@@ -101,6 +101,8 @@ def test_a_new_entry_appears_in_the_confusion_table_with_no_edit_in_diagnose():
     assert {framework for framework, *_ in outcomes} == {"numpy"}  # the torch candidate spells no head_temperature
     if result["refused"] != "torch is not installed":
         assert "the torch candidate spells no head_temperature" in result["refused"]
+        # Both places a torch spelling can come from: the entry's steps written once, or the torch module's own.
+        assert "DiagnoseSpec.planted_in nor backends.injected_torch.TORCH_STEPS" in result["refused"]
     table = result["table"]
     assert "| head temperature dropped | head temperature of head 0 |" in table
     assert "| `head_temperature` |" in table and f"{len(outcomes)} of {len(outcomes)} diagnoses" in table

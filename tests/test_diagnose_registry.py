@@ -152,3 +152,21 @@ def test_the_vocabulary_the_settings_and_the_bugs_are_the_registrys():
         assert {m.code for m in entry.planted_mistakes} <= {c.code for c in entry.diagnose_causes if not c.decode}
     assert {code for code, _ in VARIANT_BUGS.values()} == set(codes)
     assert SETTINGS["t5-decoder"].d_k == 4 and SETTINGS["softcap-window"].d_k == 6  # square q: transposed w_q runs
+
+
+def test_steps_written_once_without_the_numpy_candidates_are_refused_by_name():
+    """An entry whose ``planted_in`` is set and whose ``planted`` is left empty would have the NumPy candidate skip its
+    steps silently: `DiagnoseSpec` refuses it and names the rule; `_shared.written_once` gives both."""
+    import pytest
+
+    from mha_rosetta.core.variants import DiagnoseSpec, PlantedSteps
+    from mha_rosetta.core.variants._shared import written_once
+
+    def planted_in(idioms):
+        return PlantedSteps(transform=lambda cfg, scores, mistake: idioms.tanh(scores))
+
+    with pytest.raises(ValueError, match=r"planted_in is set but planted is empty.*written_once\(planted_in\)"):
+        DiagnoseSpec(rank=1, planted_in=planted_in)
+    spec = DiagnoseSpec(rank=1, **written_once(planted_in))
+    assert spec.planted.transform is not None and spec.planted_in is planted_in
+    assert DiagnoseSpec(rank=1).planted == PlantedSteps()  # no candidate steps at all stays allowed

@@ -237,6 +237,14 @@ class DiagnoseSpec:
     weightless_qk_norm: bool = False
     unseen: Callable | None = None
 
+    def __post_init__(self) -> None:
+        if self.planted_in is not None and self.planted == PlantedSteps():
+            raise ValueError(
+                "DiagnoseSpec: planted_in is set but planted is empty, so the NumPy candidate would skip the "
+                "variant's steps; the rule: steps written once give both, **written_once(planted_in) "
+                "(core.variants._shared)"
+            )
+
 
 def steps_at(entries: Iterable, place: str, mistakes: Mapping[str, str], steps_of: Callable) -> Iterator:
     """(step, mistake) of each of ``entries`` (`Variant`s, in order) that acts at ``place``, a field of its steps.

@@ -23,6 +23,7 @@ from mha_rosetta.backends.onnx.known import (
     KNOWN,
     OP_ATTRIBUTES,
     OP_VARIANTS,
+    attribute_transform,
     known_answer,
     op_attributes,
     qk_modes,
@@ -227,3 +228,15 @@ def test_a_disagreement_says_which_stages_the_fused_node_can_show():
     assert run.divergence.stage == "scores"  # the float32 square root of the scale shows first in the scores
     assert "biased_scores" not in run.divergence.compared and "weights" in run.divergence.compared
     assert "can show only the stages q, k, v, q_heads" in run.reason and "never the biased scores" in run.reason
+
+
+def test_every_attribute_of_the_op_has_its_formula_in_the_probe():
+    """`attribute_transform` (the probe's reading of the op's variant attributes) applies each of `OP_ATTRIBUTES`:
+    an attribute added to the table without its formula would leave the probe's scores uncapped, silently. Each one
+    set to 2 must change scores of 3 (the softcap: 2 * tanh(3 / 2) = 1.8103, by hand), and none set changes nothing."""
+    scores = np.array([[3.0, -1.0]])
+    assert np.array_equal(attribute_transform(scores, {}), scores)
+    for name, attribute in OP_ATTRIBUTES.items():
+        transformed = attribute_transform(scores, {attribute: 2.0})
+        assert not np.allclose(transformed, scores), name
+    np.testing.assert_allclose(attribute_transform(scores, {"softcap": 2.0}), [[1.8103, -0.9242]], atol=1e-4)

@@ -85,7 +85,6 @@ ENTRY = Variant(
     config_fields=(ConfigField("logit_temperature", None, "float | None"),),
     is_on=lambda cfg: cfg.logit_temperature is not None,
     validate=validate,
-    stages=("tempered_scores",),
     stage_specs=(StageSpec("temperature", "tempered_scores", "the scores divided by t", after="capped_scores"),),
     score_step=ScoreStep("transform", "temper"),
     forward=temper,

@@ -260,3 +260,17 @@ def test_a_module_over_400_lines_is_a_catalogue_that_says_so_and_there_are_at_mo
     not_saying = [name for name, text in long.items() if "A catalogue, over 400 lines on purpose" not in text[:600]]
     assert not_saying == []
     assert [name for name in long if name.startswith("core/")] == []
+
+
+def test_an_entrys_stages_are_its_stage_specs_names_written_once():
+    """`Variant.stages` is derived from ``stage_specs`` (one place the stage is written); an entry that names other
+    stages beside its specs is refused by name, and one whose stages are declared elsewhere names them itself."""
+    from dataclasses import replace
+
+    softcap = VARIANT_REGISTRY["softcap"]
+    assert softcap.stages == ("capped_scores",) == tuple(spec.name for spec in softcap.stage_specs)
+    assert VARIANT_REGISTRY["mla"].stages == ("kv_latent", "k_rope")
+    assert replace(softcap, stages=()).stages == ("capped_scores",)
+    with pytest.raises(ValueError, match=r"variant 'softcap': stages \('capped',\) must be its stage_specs' names"):
+        replace(softcap, stages=("capped",))
+    assert replace(softcap, stage_specs=(), stages=("capped_scores",)).stages == ("capped_scores",)

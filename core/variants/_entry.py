@@ -250,7 +250,8 @@ class Variant:
               value) and returns the resolved values `MHAConfig` writes back ({} for none). Entries that
               share fields share the function, and `MHAConfig` runs each function once.
     params:   the parameters it adds (`ParamSpec`).
-    stages:   the stages of `core.stages` that exist only with it.
+    stages:   the stages of `core.stages` that exist only with it: its ``stage_specs``' names, derived from them when
+              left out (an entry registered from outside whose stages are declared elsewhere names them here).
     stage_specs: the stages it adds to `core.stages.STAGES` (`StageSpec`), each at its place in the pipeline.
     score_step: its place in the score pipeline and the ops method for it, or None (it acts elsewhere).
     forward, backward: its float64 formula and that formula's vector-Jacobian product (None: none of
@@ -321,6 +322,16 @@ class Variant:
     distance_slopes: Callable[[Config], np.ndarray] | None = None
     norm_step: NormStep | None = None
     kernel_refusal: str = ""
+
+    def __post_init__(self) -> None:
+        declared = tuple(spec.name for spec in self.stage_specs)
+        if not self.stages:
+            object.__setattr__(self, "stages", declared)  # frozen: set once, from the one place they are written
+        elif declared and self.stages != declared:
+            raise ValueError(
+                f"variant {self.name!r}: stages {self.stages} must be its stage_specs' names {declared}, "
+                "or left out (they are derived from stage_specs)"
+            )
 
     def runs_in(self, strategy: str) -> bool:
         """Whether ``strategy`` runs it: any strategy, unless it names its own (`strategies`)."""

@@ -136,7 +136,6 @@ def additive_bias(term: str) -> dict:
     entry adds into the one stage ``biased_scores`` (their terms summed in registry order, `ScoreStep`'s "bias" place),
     through the ops object's ``add_score_bias``; ``term``: what it adds, in the stage's meaning."""
     return dict(
-        stages=("biased_scores",),
         stage_specs=(replace(BIAS_STAGE, term=term),),
         score_step=ScoreStep("bias", "add_score_bias", call=BIAS_CALL),
     )

@@ -187,7 +187,6 @@ ENTRY = Variant(
     **flag(FIELD),
     validate=_validate,
     params=PARAMS,
-    stages=("gate",),
     stage_specs=(STAGE,),
     forward=gate_forward,
     backward=gate_backward,

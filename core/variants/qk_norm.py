@@ -63,7 +63,6 @@ PARAMS = (
     ParamSpec("q_norm", "qk_norm", _norm_shape("q"), centre=1.0, spread=0.3),
     ParamSpec("k_norm", "qk_norm", _norm_shape("k"), centre=1.0, spread=0.3),
 )
-STAGES = ("q_normed", "k_normed")
 # Between the head split and rotary; the backward's normed stages come right before d_q_heads (after rotary's).
 STAGE_SPECS = (
     StageSpec(
@@ -247,7 +246,6 @@ def _variant(place: str, summary: str, check: CaseSpec, decode: CaseSpec, cli: t
         is_on=lambda cfg: cfg.qk_norm == place,
         validate=_validate,
         params=PARAMS,
-        stages=STAGES,
         stage_specs=STAGE_SPECS,  # both places declare them: one stage each (`core.stages`)
         forward=rms_norm,
         backward=rms_norm_vjp,

@@ -172,7 +172,6 @@ ENTRY = Variant(
     config_fields=(ConfigField(AFTER_ROPE, False, "bool"),),
     is_on=lambda cfg: bool(getattr(cfg, AFTER_ROPE)),
     validate=_validate_after_rope,
-    stages=("q_rotated_normed", "k_rotated_normed"),
     # After rotary; the backward's normed stages come right before d_q_rotated (after the temperature's).
     stage_specs=(
         StageSpec(

@@ -149,7 +149,6 @@ ENTRY = Variant(
     summary="c * tanh(s / c) on the scaled scores",
     **given("softcap"),
     validate=_validate,
-    stages=("capped_scores",),
     stage_specs=(
         StageSpec("softcap", "capped_scores", "softcap * tanh(scores / softcap); only with softcap", after="scores"),
     ),

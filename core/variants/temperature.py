@@ -307,7 +307,6 @@ ENTRY = Variant(
     ),
     is_on=lambda cfg: bool(getattr(cfg, FIELD)),
     validate=_validate,
-    stages=("q_tempered",),
     # The last step on the queries before the scores: its gradient comes right after d_scores.
     stage_specs=(
         StageSpec(

@@ -130,7 +130,6 @@ ENTRY = Variant(
     fields=(FIELD, "norm_eps"),
     is_on=lambda cfg: bool(getattr(cfg, FIELD)),
     validate=_validate,
-    stages=("v_normed",),
     config_fields=(ConfigField(FIELD, False, "bool"),),
     stage_specs=(STAGE,),
     forward=value_rms_norm,

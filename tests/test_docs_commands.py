@@ -9,7 +9,6 @@ tests also run as printed: test_readme_commands.py, test_report.py, test_diagnos
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import shlex
 from pathlib import Path
@@ -66,11 +65,13 @@ def prose_commands(text: str) -> list[list[str]]:
     return [words for words in spans if len(words) > 1 and words[0] in SUBCOMMANDS and words[1].startswith("--")]
 
 
-def option_strings(subcommand: str) -> set[str]:
-    """Every option string of one subcommand, as its module adds them (`cli.main.build_parser`'s rule)."""
-    parser = argparse.ArgumentParser(prog=f"mha-rosetta {subcommand}")
-    importlib.import_module(f"mha_rosetta.cli.{subcommand}").add_arguments(parser)
-    return {option for action in parser._actions for option in action.option_strings}
+def subcommand_options() -> dict[str, set[str]]:
+    """Every option string of each subcommand, read off the program's own parser (`cli.main.build_parser`)."""
+    subparsers = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return {
+        name: {option for action in sub._actions for option in action.option_strings}
+        for name, sub in subparsers.choices.items()
+    }
 
 
 def unresolved_names(args: argparse.Namespace, allowed: set[str]) -> list[str]:
@@ -141,7 +142,7 @@ def test_every_printed_command_parses(page, capsys):
 
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
 def test_every_option_a_page_names_in_prose_exists(page):
-    options = {name: option_strings(name) for name in SUBCOMMANDS}
+    options = subcommand_options()
     failures = [
         f"`{' '.join(words)}`: {word.split('=')[0]} is not an option of {words[0]}"
         for words in prose_commands(page.read_text(encoding="utf-8"))
